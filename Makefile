@@ -1,0 +1,35 @@
+# The README's two commands: `make demo` (the end-to-end demo) and `make test`. Both create .venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_DIR ?= .cache/pipecast
+
+.PHONY: venv demo test test-full proto bench-pack clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test,convert,bench]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m benchmarks.demo --cache $(DEMO_DIR)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-full: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# Regenerate the committed gRPC/protobuf code (pinned grpcio-tools; tests/test_proto_current.py checks it).
+proto: $(STAMP)
+	$(BIN)/python -m pipecast.protogen
+
+bench-pack: $(STAMP)
+	$(BIN)/python -m pipecast.cli bench pack
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR)
