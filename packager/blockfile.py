@@ -1,0 +1,53 @@
+"""Zero-copy access to a block's tensors, from a file (mmap) or any buffer (an agent's shared memory)."""
+
+import mmap
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from packager.safetensors_format import Header, parse_header
+
+if TYPE_CHECKING:
+    import torch
+
+_TORCH_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
+    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64",
+    "U64": "uint64", "F64": "float64", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+
+
+def buffer_header(buf: bytes | bytearray | memoryview | mmap.mmap, where: Path | str = "buffer") -> Header:
+    """Validate and return the safetensors header of a whole block held in ``buf``."""
+    view = memoryview(buf).cast("B")
+    return parse_header(view, len(view), where)
+
+
+def tensors_from_buffer(buf: bytes | bytearray | memoryview | mmap.mmap, where: Path | str = "buffer",
+                        header: Header | None = None) -> dict[str, "torch.Tensor"]:
+    """Tensors of a block as views of ``buf`` (no copy): the caller keeps ``buf`` alive and unchanged."""
+    import torch
+
+    header = header or buffer_header(buf, where)
+    out = {}
+    with warnings.catch_warnings():
+        # A read-only buffer (bytes, a read-only mmap) is fine: pipecast never writes to weights.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for name, info in header.tensors.items():
+            if info.dtype not in _TORCH_DTYPES:
+                raise TypeError(f"{where}: tensor {name!r} has dtype {info.dtype}, which torch cannot view")
+            dtype = getattr(torch, _TORCH_DTYPES[info.dtype])
+            if info.nbytes == 0:
+                out[name] = torch.empty(info.shape, dtype=dtype)
+                continue
+            flat = torch.frombuffer(buf, dtype=dtype, count=info.nbytes // dtype.itemsize,
+                                    offset=header.data_start + info.begin)
+            out[name] = flat.view(info.shape)
+    return out
+
+
+def map_file(path: Path) -> mmap.mmap:
+    """Map a block file copy-on-write: pages are shared with the page cache and never written back."""
+    with path.open("rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)

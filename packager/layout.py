@@ -1,0 +1,106 @@
+"""Which block each tensor goes to: layer detection across architectures, and block boundaries.
+
+Decoder layers are found by name (``model.layers.N.``, ``h.N.``, ``gpt_neox.layers.N.``,
+``decoder.layers.N.`` ...). Embeddings join the first block, the final norm and the LM head the last.
+Pure functions of tensor names and sizes.
+"""
+
+import re
+from dataclasses import dataclass
+
+from packager.errors import CheckpointError, UnplacedTensorsError
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)\.")
+_FIRST = re.compile(r"(?:^|\.)(?:embed_tokens|embed_in|wte|wpe|word_embeddings|embed_positions|"
+                    r"project_in|rotary_emb|embeddings)\.")
+_LAST = re.compile(r"^(?:lm_head|embed_out|output)\.|(?:^|\.)(?:model\.|transformer\.|gpt_neox\.|decoder\.)?"
+                   r"(?:norm|ln_f|final_layer_norm|final_layernorm|final_norm|project_out)\.[a-z_]+$")
+HEAD_NAMES = re.compile(r"^(?:lm_head|embed_out|output)\.")
+
+FIRST, LAST = -1, -2
+
+
+def place_tensor(name: str) -> int | None:
+    """Layer index of a tensor, FIRST for embeddings, LAST for the final norm/head, None if unknown."""
+    match = _LAYER.search(name)
+    if match:
+        return int(match.group(1))
+    if _FIRST.search(name):
+        return FIRST
+    if _LAST.search(name):
+        return LAST
+    return None
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """One planned block: its layer range and the tensors it holds (sorted names)."""
+
+    index: int
+    layer_start: int
+    layer_end: int
+    tensor_names: tuple[str, ...]
+
+
+def plan_blocks(sizes: dict[str, int], *, num_layers: int | None = None, layers_per_block: int | None = None,
+                block_bytes: int | None = None, default_blocks: int = 8,
+                where: str = "checkpoint") -> list[BlockLayout]:
+    """Split tensors (name -> bytes) into contiguous layer-range blocks.
+
+    With ``layers_per_block`` each block holds that many layers; with ``block_bytes`` consecutive layers
+    are grouped while the block stays within the target (at least one layer each); with neither, the
+    model is cut into ``default_blocks`` blocks of equal layer count (lambda-scale uses 8). ``where``
+    names the checkpoint in errors.
+    """
+    if layers_per_block is not None and block_bytes is not None:
+        raise ValueError("give layers_per_block or block_bytes, not both")
+    by_layer: dict[int, list[str]] = {}
+    first, last, unplaced = [], [], []
+    for name in sizes:
+        place = place_tensor(name)
+        if place is None:
+            unplaced.append(name)
+        elif place == FIRST:
+            first.append(name)
+        elif place == LAST:
+            last.append(name)
+        else:
+            by_layer.setdefault(place, []).append(name)
+    if unplaced:
+        raise UnplacedTensorsError(where, sorted(unplaced))
+    if not by_layer:
+        raise CheckpointError(f"{where}: no decoder layers found in the tensor names")
+    count = max(by_layer) + 1
+    if num_layers is not None and num_layers != count:
+        raise CheckpointError(f"{where}: config.json says {num_layers} layers but the tensors hold {count}")
+    missing = [i for i in range(count) if i not in by_layer]
+    if missing:
+        raise CheckpointError(f"{where}: layers {missing} have no tensors")
+    if layers_per_block is not None and layers_per_block < 1:
+        raise ValueError("layers_per_block must be at least 1")
+    layer_bytes = [sum(sizes[n] for n in by_layer[i]) for i in range(count)]
+    if block_bytes is not None:
+        ranges = _ranges_by_bytes(layer_bytes, block_bytes, sum(sizes[n] for n in first))
+    else:
+        per = layers_per_block or -(-count // default_blocks)
+        ranges = [(s, min(s + per, count)) for s in range(0, count, per)]
+    blocks = []
+    for i, (start, end) in enumerate(ranges):
+        names = [n for layer in range(start, end) for n in by_layer[layer]]
+        if i == 0:
+            names += first
+        if i == len(ranges) - 1:
+            names += last
+        blocks.append(BlockLayout(i, start, end, tuple(sorted(names))))
+    return blocks
+
+
+def _ranges_by_bytes(layer_bytes: list[int], target: int, first_extra: int) -> list[tuple[int, int]]:
+    ranges, start, used = [], 0, first_extra
+    for i, size in enumerate(layer_bytes):
+        if i > start and used + size > target:
+            ranges.append((start, i))
+            start, used = i, 0
+        used += size
+    ranges.append((start, len(layer_bytes)))
+    return ranges

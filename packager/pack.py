@@ -1,0 +1,174 @@
+"""``pipecast pack``: turn a safetensors checkpoint folder into a block package, streaming and atomically.
+
+Tensor bytes are copied from the input shards into the blocks through one small reusable buffer, so peak
+memory does not grow with the model. The package is built in a hidden temporary folder beside the output
+and renamed into place only when complete: a failed or interrupted pack leaves no package behind.
+"""
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from packager.checkpoint import Checkpoint, SourceTensor, open_checkpoint
+from packager.chunks import ChunkHasher
+from packager.digest import DIGEST_ALGORITHM, digest_bytes, package_id
+from packager.errors import PackageError
+from packager.layout import HEAD_NAMES, BlockLayout, plan_blocks
+from packager.manifest import MANIFEST_FILE, MANIFEST_FORMAT_VERSION, manifest_to_json, validate_manifest
+from packager.safetensors_format import build_header, layout_order
+from pipecast.v1.manifest_pb2 import Block, Manifest, PackageFile
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+COPY_BUFFER_BYTES = 8 << 20
+BLOCKS_DIR = "blocks"
+_PARTIAL = ".partial-"
+
+
+def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_bytes: int | None = None,
+         chunk_bytes: int = DEFAULT_CHUNK_BYTES, model_name: str | None = None, overwrite: bool = False,
+         progress: Callable[[str], None] | None = None) -> Manifest:
+    """Pack the checkpoint folder ``src`` into the package folder ``out``; return its manifest."""
+    src, out = Path(src), Path(out)
+    if chunk_bytes <= 0:
+        raise PackageError(f"chunk size must be positive, got {chunk_bytes}")
+    if out.exists() and not overwrite:
+        raise PackageError(f"{out}: already exists (pass --force to replace it)")
+    ckpt = open_checkpoint(src)
+    layouts = plan_blocks({n: t.info.nbytes for n, t in ckpt.tensors.items()},
+                          num_layers=_config_layers(ckpt.config), layers_per_block=layers_per_block,
+                          block_bytes=block_bytes, where=str(src))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(out)
+    tmp = out.parent / f".{out.name}{_PARTIAL}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        (tmp / BLOCKS_DIR).mkdir(parents=True)
+        blocks = []
+        with _ShardReader() as reader:
+            for layout in layouts:
+                blocks.append(_write_block(tmp, layout, ckpt, reader, chunk_bytes))
+                if progress:
+                    progress(f"block {layout.index + 1}/{len(layouts)}: layers {layout.layer_start}-"
+                             f"{layout.layer_end - 1}, {blocks[-1].bytes} bytes")
+        files = [_copy_small_file(ckpt.root, tmp, name) for name in ckpt.small_files]
+        manifest = _build_manifest(ckpt, src, model_name, blocks, files)
+        validate_manifest(manifest, tmp / MANIFEST_FILE)
+        (tmp / MANIFEST_FILE).write_text(manifest_to_json(manifest))
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("packed %s into %s: %d blocks, %d bytes, package %s", src, out, len(blocks),
+                manifest.total_bytes, manifest.package_id)
+    return manifest
+
+
+def _config_layers(config: dict) -> int | None:
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Remove temporary folders of earlier packs to ``out`` whose process is gone (killed mid-pack)."""
+    for stale in out.parent.glob(f".{out.name}{_PARTIAL}*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _ShardReader:
+    """Reads byte ranges of input shards into one reusable buffer, keeping each shard open once."""
+
+    def __init__(self):
+        self._files: dict[Path, object] = {}
+        self._buf = bytearray(COPY_BUFFER_BYTES)
+
+    def __enter__(self) -> "_ShardReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in self._files.values():
+            f.close()
+
+    def pieces(self, tensor: SourceTensor):
+        """Yield memoryviews covering the tensor's bytes, in order (valid until the next piece)."""
+        f = self._files.get(tensor.path)
+        if f is None:
+            f = self._files[tensor.path] = tensor.path.open("rb")
+        f.seek(tensor.file_offset)
+        left = tensor.info.nbytes
+        view = memoryview(self._buf)
+        while left:
+            n = f.readinto(view[:min(left, len(view))])
+            if not n:
+                raise PackageError(f"{tensor.path}: ended while reading tensor {tensor.info.name!r} "
+                                   "(was the file changed during packing?)")
+            left -= n
+            yield view[:n]
+
+
+def _write_block(root: Path, layout: BlockLayout, ckpt: Checkpoint, reader: _ShardReader,
+                 chunk_bytes: int) -> Block:
+    ordered = sorted((ckpt.tensors[n] for n in layout.tensor_names),
+                     key=lambda t: layout_order(t.info.dtype, t.info.name))
+    metadata = {"format": "pt", "pipecast.block": str(layout.index),
+                "pipecast.layers": f"{layout.layer_start}-{layout.layer_end - 1}"}
+    header, _ = build_header([(t.info.name, t.info.dtype, t.info.shape, t.info.nbytes) for t in ordered],
+                             metadata)
+    rel = f"{BLOCKS_DIR}/block-{layout.index:04d}.safetensors"
+    hasher = ChunkHasher(chunk_bytes)
+    with (root / rel).open("wb") as f:
+        for piece in _block_bytes(header, ordered, reader):
+            hasher.update(piece)
+            f.write(piece)
+    digest = hasher.finish()
+    return Block(index=layout.index, file=rel, bytes=hasher.total, layer_start=layout.layer_start,
+                 layer_end=layout.layer_end, tensor_names=list(layout.tensor_names), digest=digest,
+                 chunk_bytes=chunk_bytes, chunk_digests=hasher.chunk_digests)
+
+
+def _block_bytes(header: bytes, ordered: list[SourceTensor], reader: _ShardReader):
+    yield header
+    for tensor in ordered:
+        yield from reader.pieces(tensor)
+
+
+def _copy_small_file(src: Path, dst: Path, name: str) -> PackageFile:
+    data = (src / name).read_bytes()
+    (dst / name).write_bytes(data)
+    return PackageFile(path=name, bytes=len(data), digest=digest_bytes(data))
+
+
+def _build_manifest(ckpt: Checkpoint, src: Path, model_name: str | None, blocks: list[Block],
+                    files: list[PackageFile]) -> Manifest:
+    config = ckpt.config
+    archs = config.get("architectures") or [""]
+    name = model_name or config.get("_name_or_path") or src.resolve().name
+    return Manifest(
+        format_version=MANIFEST_FORMAT_VERSION,
+        package_id=package_id((b.digest for b in blocks), ((f.path, f.digest) for f in files)),
+        model_name=str(name), architecture=str(archs[0]), model_type=str(config.get("model_type", "")),
+        dtypes=sorted({t.info.dtype for t in ckpt.tensors.values()}),
+        num_layers=blocks[-1].layer_end,
+        tied_embeddings=not any(HEAD_NAMES.match(n) for n in ckpt.tensors),
+        digest_algorithm=DIGEST_ALGORITHM, total_bytes=sum(b.bytes for b in blocks),
+        blocks=blocks, files=files,
+    )

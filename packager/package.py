@@ -1,0 +1,112 @@
+"""A block package on disk, as the runtime uses it: validated manifest, layer ranges, zero-copy blocks."""
+
+import json
+import mmap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from packager.blockfile import buffer_header, map_file, tensors_from_buffer
+from packager.chunks import ChunkHasher
+from packager.errors import BlockMismatchError, PackageError
+from packager.manifest import read_manifest
+from pipecast.v1.manifest_pb2 import Block, Manifest
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Package:
+    """An opened package folder. Use :meth:`open`."""
+
+    root: Path
+    manifest: Manifest
+    _maps: dict[int, mmap.mmap] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, root: Path | str) -> "Package":
+        """Open ``root`` and validate its manifest (block contents are checked when opened)."""
+        root = Path(root)
+        if not root.is_dir():
+            raise PackageError(f"{root}: no such package folder")
+        return cls(root=root, manifest=read_manifest(root))
+
+    @property
+    def package_id(self) -> str:
+        return self.manifest.package_id
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.manifest.blocks)
+
+    @property
+    def config(self) -> dict:
+        """The model's config.json."""
+        return json.loads((self.root / "config.json").read_text())
+
+    def block(self, index: int) -> Block:
+        if not 0 <= index < self.num_blocks:
+            raise IndexError(f"block {index} out of range: the package has {self.num_blocks} blocks")
+        return self.manifest.blocks[index]
+
+    def block_path(self, index: int) -> Path:
+        return self.root / self.block(index).file
+
+    def layer_range(self, index: int) -> range:
+        """Layers held by block ``index``."""
+        b = self.block(index)
+        return range(b.layer_start, b.layer_end)
+
+    def block_of_layer(self, layer: int) -> int:
+        """Index of the block holding ``layer``."""
+        for b in self.manifest.blocks:
+            if b.layer_start <= layer < b.layer_end:
+                return b.index
+        raise IndexError(f"layer {layer} out of range: the model has {self.manifest.num_layers} layers")
+
+    def block_buffer(self, index: int, *, verify: bool = True) -> mmap.mmap:
+        """The block file mapped copy-on-write, checked against the manifest (size, header, digest)."""
+        if index in self._maps:
+            return self._maps[index]
+        b, path = self.block(index), self.block_path(index)
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise BlockMismatchError(path, f"cannot read ({exc.strerror})") from None
+        if size != b.bytes:
+            raise BlockMismatchError(path, f"size is {size} bytes, the manifest says {b.bytes}")
+        buf = map_file(path)
+        if verify:
+            bad = check_block_bytes(b, buf)
+            if bad:
+                buf.close()
+                raise BlockMismatchError(path, bad[0])
+        self._maps[index] = buf
+        return buf
+
+    def block_tensors(self, index: int, *, verify: bool = True) -> dict[str, "torch.Tensor"]:
+        """The block's tensors as zero-copy views of the mapped file."""
+        path = self.block_path(index)
+        buf = self.block_buffer(index, verify=verify)
+        header = buffer_header(buf, path)
+        expected = set(self.block(index).tensor_names)
+        if set(header.tensors) != expected:
+            raise BlockMismatchError(path, f"holds tensors {sorted(set(header.tensors) ^ expected)} "
+                                           "that differ from the manifest")
+        return tensors_from_buffer(buf, path, header)
+
+
+def check_block_bytes(block: Block, data: bytes | bytearray | memoryview | mmap.mmap) -> list[str]:
+    """Problems of a block's bytes against its manifest entry (empty if it matches exactly)."""
+    view = memoryview(data)
+    if len(view) != block.bytes:
+        return [f"size is {len(view)} bytes, the manifest says {block.bytes}"]
+    hasher = ChunkHasher(block.chunk_bytes)
+    hasher.update(view)
+    problems = [f"chunk {i} digest mismatch (bytes {i * block.chunk_bytes}-"
+                f"{min((i + 1) * block.chunk_bytes, block.bytes) - 1})"
+                for i, (got, want) in enumerate(zip(hasher.chunk_digests, block.chunk_digests)) if got != want]
+    if hasher.finish() != block.digest:
+        problems.append("block digest mismatch")
+    return problems

@@ -1,0 +1,164 @@
+"""Reading and writing the safetensors container, strictly and without loading tensor data.
+
+Headers are validated before anything is allocated from them (as huggingface/safetensors does): a sane
+header length, UTF-8 JSON, known dtypes, shapes that match byte lengths, and data offsets that are sorted,
+contiguous, non-overlapping and inside the file.
+"""
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from packager.errors import SafetensorsFormatError
+
+MAX_HEADER_BYTES = 100_000_000
+# itemsize in bits: sub-byte float formats exist, so sizes are computed in bits.
+DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64,
+}
+METADATA_KEY = "__metadata__"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes are, relative to the start of the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed and validated safetensors header."""
+
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    data_start: int       # file offset of the data section
+    data_bytes: int       # length of the data section
+
+    @property
+    def file_bytes(self) -> int:
+        return self.data_start + self.data_bytes
+
+
+def _expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    bits = DTYPE_BITS[dtype] * math.prod(shape)
+    return (bits + 7) // 8
+
+
+def parse_header(prefix: bytes | memoryview, file_bytes: int, where: Path | str) -> Header:
+    """Validate the header at the start of a safetensors file of ``file_bytes`` bytes.
+
+    ``prefix`` must hold at least the first 8 + header-length bytes (``read_header`` handles files).
+    """
+    if file_bytes < 8 or len(prefix) < 8:
+        raise SafetensorsFormatError(where, f"file is {file_bytes} bytes, too short for a header length")
+    (header_len,) = struct.unpack("<Q", bytes(prefix[:8]))
+    if header_len > MAX_HEADER_BYTES:
+        raise SafetensorsFormatError(where, f"header length {header_len} exceeds {MAX_HEADER_BYTES}")
+    if 8 + header_len > file_bytes:
+        raise SafetensorsFormatError(where, f"truncated: header length {header_len} runs past the end "
+                                            f"of the {file_bytes}-byte file")
+    if len(prefix) < 8 + header_len:
+        raise ValueError("prefix shorter than the header")
+    try:
+        raw = json.loads(bytes(prefix[8:8 + header_len]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SafetensorsFormatError(where, f"header is not UTF-8 JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise SafetensorsFormatError(where, "header is not a JSON object")
+    metadata = raw.pop(METADATA_KEY, {}) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in metadata.items()):
+        raise SafetensorsFormatError(where, "__metadata__ must map strings to strings")
+    data_start = 8 + header_len
+    data_bytes = file_bytes - data_start
+    tensors = {name: _parse_entry(name, entry, where) for name, entry in raw.items()}
+    cursor = 0
+    for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if info.begin < cursor:
+            raise SafetensorsFormatError(where, f"tensor {info.name!r} overlaps the previous tensor "
+                                                f"(offset {info.begin} < {cursor})")
+        if info.begin > cursor:
+            raise SafetensorsFormatError(where, f"gap before tensor {info.name!r} (offset {info.begin}, "
+                                                f"expected {cursor})")
+        if info.end > data_bytes:
+            raise SafetensorsFormatError(where, f"truncated: tensor {info.name!r} ends at data offset "
+                                                f"{info.end}, past the data section's {data_bytes} bytes")
+        cursor = info.end
+    if cursor != data_bytes:
+        raise SafetensorsFormatError(where, f"{data_bytes - cursor} trailing bytes after the last tensor")
+    return Header(tensors=tensors, metadata=dict(metadata), data_start=data_start, data_bytes=data_bytes)
+
+
+def _parse_entry(name: str, entry: Any, where: Path | str) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise SafetensorsFormatError(where, f"entry for {name!r} is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_BITS:
+        raise SafetensorsFormatError(where, f"tensor {name!r} has unknown dtype {dtype!r}")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise SafetensorsFormatError(where, f"tensor {name!r} has an invalid shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0
+                                                                      for o in offsets)):
+        raise SafetensorsFormatError(where, f"tensor {name!r} has invalid data_offsets {offsets!r}")
+    begin, end = offsets
+    if end < begin:
+        raise SafetensorsFormatError(where, f"tensor {name!r} has data_offsets {offsets} that end before "
+                                            "they begin")
+    expected = _expected_nbytes(dtype, tuple(shape))
+    if end - begin != expected:
+        raise SafetensorsFormatError(where, f"tensor {name!r}: data_offsets span {end - begin} bytes but "
+                                            f"{dtype}{shape} needs {expected}")
+    return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
+
+
+def read_header(path: Path) -> Header:
+    """Read and validate the header of the safetensors file at ``path``."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) == 8:
+                (n,) = struct.unpack("<Q", head)
+                if n <= MAX_HEADER_BYTES and 8 + n <= size:
+                    head += f.read(n)
+    except OSError as exc:
+        raise SafetensorsFormatError(path, f"cannot read: {exc.strerror}") from None
+    return parse_header(head, size, path)
+
+
+def build_header(tensors: list[tuple[str, str, tuple[int, ...], int]],
+                 metadata: dict[str, str]) -> tuple[bytes, list[TensorInfo]]:
+    """Serialize a header for tensors laid out in the given order: (name, dtype, shape, nbytes) each.
+
+    Returns the header bytes (length prefix included, padded with spaces to 8-byte alignment so that
+    tensor data stays aligned) and the resulting TensorInfo list. Deterministic for equal input.
+    """
+    entries: dict[str, Any] = {METADATA_KEY: metadata} if metadata else {}
+    infos = []
+    cursor = 0
+    for name, dtype, shape, nbytes in tensors:
+        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
+        infos.append(TensorInfo(name, dtype, tuple(shape), cursor, cursor + nbytes))
+        cursor += nbytes
+    body = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body += b" " * (-(len(body) + 8) % 8)
+    return struct.pack("<Q", len(body)) + body, infos
+
+
+def layout_order(dtype: str, name: str) -> tuple[int, str]:
+    """Sort key that keeps every tensor aligned to its item size: wide dtypes first, then by name."""
+    return (-DTYPE_BITS[dtype], name)

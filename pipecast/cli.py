@@ -1,0 +1,66 @@
+"""The ``pipecast`` command. Subcommands load lazily so that ``pipecast --help`` starts fast."""
+
+import importlib
+import logging
+import sys
+
+import click
+
+from pipecast.errors import PipecastError
+
+# name -> (module:attribute, one-line help shown by `pipecast --help` without importing the module)
+COMMANDS = {
+    "pack": ("packager.command:pack_command", "Pack a safetensors checkpoint folder into a block package."),
+    "verify": ("packager.command:verify_command", "Re-hash every block and chunk of a package."),
+    "inspect": ("packager.command:inspect_command", "Print a package's blocks, layers, sizes and digests."),
+    "convert-gguf": ("packager.command:convert_gguf_command",
+                     "Convert a GGUF model file to a safetensors checkpoint folder."),
+    "bench": ("benchmarks.command:bench_group", "Run a benchmark (pack, ...); each prints its floor."),
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported only when invoked."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name][0].split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, COMMANDS[name][1]) for name in sorted(COMMANDS)])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+@click.version_option(package_name="pipecast")
+def cli(verbose: int) -> None:
+    """pipecast: get new LLM serving workers to their first token fast."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: a PipecastError becomes a one-line message and exit code 2."""
+    try:
+        # Without standalone mode click returns a command's Exit code instead of raising it.
+        code = cli.main(args=argv, standalone_mode=False)
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except PipecastError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return 2
+    return code if isinstance(code, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The one settings module: every tunable of pipecast, with precedence CLI > env > file > default.
+
+Environment variables use the ``PIPECAST_`` prefix (``PIPECAST_AGENT_PORT=7000``); a TOML config file
+is named by ``--config`` or ``PIPECAST_CONFIG``; command-line flags override both through
+:func:`load_settings`'s ``overrides``.
+"""
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from pipecast.errors import PipecastError
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+class SettingsError(PipecastError):
+    """A config file or value that cannot be used."""
+
+
+class Settings(BaseSettings):
+    """All of pipecast's settings; see the README's configuration table."""
+
+    model_config = SettingsConfigDict(env_prefix="PIPECAST_", extra="forbid")
+
+    # Node agent (data plane).
+    agent_host: str = "127.0.0.1"
+    agent_port: int = Field(7070, ge=0, le=65535, description="data-plane listen port (0: any free port)")
+    agent_node_id: str = Field("", description="node id; default: hostname:port")
+    agent_transport: Literal["auto", "tcp", "ucx"] = "auto"
+    agent_memory_bytes: int = Field(8 << 30, gt=0, description="host memory budget for block buffers")
+    agent_cache_dir: Path | None = Field(None, description="disk cache of verified blocks (off if unset)")
+    agent_local_socket: Path | None = Field(None, description="local API socket for engines on this node")
+    egress_mbit: float = Field(0.0, ge=0, description="application-level egress cap (0: none)")
+    ingress_mbit: float = Field(0.0, ge=0, description="application-level ingress cap (0: none)")
+    connect_timeout_s: float = Field(5.0, gt=0)
+    io_timeout_s: float = Field(10.0, gt=0, description="longest silence tolerated from a peer mid-transfer")
+
+    # Control plane.
+    control_plane: str = Field("127.0.0.1:7000", description="host:port of the control plane")
+    control_host: str = "127.0.0.1"
+    control_port: int = Field(7000, ge=0, le=65535)
+    control_db: Path = Path("pipecast-control.sqlite3")
+    auth_token: str = Field("", description="shared token for every RPC (empty: auth off)")
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = Field(None, description="CA for verifying peers; set on the server for mTLS")
+    lease_s: float = Field(10.0, gt=0, description="worker lease; a worker silent this long is dead")
+    heartbeat_s: float = Field(2.0, gt=0)
+    rpc_timeout_s: float = Field(5.0, gt=0)
+
+    # Engine and serving worker.
+    device: str = "cpu"
+    serve_host: str = "127.0.0.1"
+    serve_port: int = Field(8000, ge=0, le=65535)
+    max_queue: int = Field(64, ge=1, description="requests waiting beyond this get 429")
+    max_batch: int = Field(16, ge=1, description="sequences sharing one forward pass")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # init (CLI overrides) > env > config file > defaults
+        return init_settings, env_settings, _TomlFileSource(settings_cls)
+
+
+class _TomlFileSource(PydanticBaseSettingsSource):
+    """Values from the TOML file named by PIPECAST_CONFIG (flat keys, as the field names)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = os.environ.get("PIPECAST_CONFIG")
+        if not path:
+            return {}
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"config file {path}: {exc}") from exc
+        return data.get("pipecast", data)
+
+
+def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
+    """Build settings; ``overrides`` (CLI flags) whose value is None are ignored."""
+    if config is not None:
+        os.environ["PIPECAST_CONFIG"] = str(config)
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})

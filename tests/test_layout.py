@@ -1,0 +1,57 @@
+"""Layer detection across architectures' tensor naming, and block boundaries (pure, no weights)."""
+
+import pytest
+
+from packager.errors import UnplacedTensorsError
+from packager.layout import FIRST, LAST, place_tensor, plan_blocks
+
+NAMING = {
+    # architecture: (an embedding, a layer-2 tensor, the final norm, the head or None when tied)
+    "llama/mistral/qwen2/qwen3/gemma": ("model.embed_tokens.weight", "model.layers.2.self_attn.q_proj.weight",
+                                        "model.norm.weight", "lm_head.weight"),
+    "qwen3 q_norm": ("model.embed_tokens.weight", "model.layers.2.self_attn.q_norm.weight",
+                     "model.norm.weight", None),
+    "gpt2": ("transformer.wte.weight", "transformer.h.2.attn.c_attn.weight", "transformer.ln_f.weight", None),
+    "gpt2 bare": ("wpe.weight", "h.2.mlp.c_fc.bias", "ln_f.bias", None),
+    "gpt-neox": ("gpt_neox.embed_in.weight", "gpt_neox.layers.2.attention.query_key_value.weight",
+                 "gpt_neox.final_layer_norm.weight", "embed_out.weight"),
+    "opt": ("model.decoder.embed_positions.weight", "model.decoder.layers.2.fc1.weight",
+            "model.decoder.final_layer_norm.weight", "lm_head.weight"),
+    "phi": ("model.embed_tokens.weight", "model.layers.2.mlp.fc1.weight", "model.final_layernorm.weight",
+            "lm_head.bias"),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(NAMING))
+def test_each_architecture_places_embeddings_layers_and_head(arch):
+    embed, layer, norm, head = NAMING[arch]
+    assert place_tensor(embed) == FIRST
+    assert place_tensor(layer) == 2
+    assert place_tensor(norm) == LAST
+    if head:
+        assert place_tensor(head) == LAST
+
+
+def test_layer_norms_inside_layers_are_not_the_final_norm():
+    assert place_tensor("model.layers.7.input_layernorm.weight") == 7
+    assert place_tensor("model.layers.7.post_attention_layernorm.weight") == 7
+    assert place_tensor("transformer.h.11.ln_2.weight") == 11
+
+
+def test_unplaceable_tensors_are_listed():
+    sizes = {"model.layers.0.a": 4, "vision_tower.patch.weight": 4, "mystery": 4}
+    with pytest.raises(UnplacedTensorsError) as info:
+        plan_blocks(sizes, where="ckpt")
+    assert info.value.names == ["mystery", "vision_tower.patch.weight"]
+    assert str(info.value) == ("ckpt: cannot place 2 tensor(s) in a layer, the embeddings or the head: "
+                               "mystery, vision_tower.patch.weight")
+
+
+def test_default_is_eight_blocks_of_equal_layers():
+    sizes = {f"model.layers.{i}.w": 10 for i in range(30)} | {"model.embed_tokens.weight": 5,
+                                                             "model.norm.weight": 1}
+    blocks = plan_blocks(sizes)
+    assert [(b.layer_start, b.layer_end) for b in blocks] == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20),
+                                                             (20, 24), (24, 28), (28, 30)]
+    assert "model.embed_tokens.weight" in blocks[0].tensor_names
+    assert "model.norm.weight" in blocks[-1].tensor_names
