@@ -290,3 +290,15 @@ def test_manifest_json_round_trip_is_stable(checkpoints, tmp_path):
 def test_unknown_package_folder_is_a_typed_error(tmp_path):
     with pytest.raises(PackageError, match="no such package folder"):
         Package.open(tmp_path / "nope")
+
+
+def test_partial_folder_of_a_killed_pack_is_removed_by_the_next(checkpoints, tmp_path):
+    # A pack killed with SIGKILL cannot clean up; its hidden folder names a pid that no longer runs.
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".pkg.partial-{dead.pid}"
+    (stale / "blocks").mkdir(parents=True)
+    pack(checkpoints["gpt2"], tmp_path / "pkg")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
