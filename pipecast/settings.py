@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pipecast.errors import PipecastError
@@ -26,6 +26,8 @@ class Settings(BaseSettings):
     """All of pipecast's settings; see the README's configuration table."""
 
     model_config = SettingsConfigDict(env_prefix="PIPECAST_", extra="forbid")
+
+    config: Path | None = Field(None, description="TOML file of settings (flat keys, optionally under [pipecast])")
 
     # Node agent (data plane).
     agent_host: str = "127.0.0.1"
@@ -70,17 +72,22 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # init (CLI overrides) > env > config file > defaults
-        return init_settings, env_settings, _TomlFileSource(settings_cls)
+        config = init_settings.init_kwargs.get("config") or os.environ.get("PIPECAST_CONFIG")
+        return init_settings, env_settings, _TomlFileSource(settings_cls, config)
 
 
 class _TomlFileSource(PydanticBaseSettingsSource):
-    """Values from the TOML file named by PIPECAST_CONFIG (flat keys, as the field names)."""
+    """Values from a TOML config file (flat keys named as the fields, optionally under [pipecast])."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: str | Path | None):
+        super().__init__(settings_cls)
+        self.path = path
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        path = os.environ.get("PIPECAST_CONFIG")
+        path = self.path
         if not path:
             return {}
         try:
@@ -92,6 +99,8 @@ class _TomlFileSource(PydanticBaseSettingsSource):
 
 def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
     """Build settings; ``overrides`` (CLI flags) whose value is None are ignored."""
-    if config is not None:
-        os.environ["PIPECAST_CONFIG"] = str(config)
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    try:
+        return Settings(config=config, **{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise SettingsError(f"invalid settings: {problems}") from None
