@@ -31,6 +31,7 @@ from types import FrameType, TracebackType
 from typing import Any, Literal
 
 from pipecast.errors import PipecastError
+from pipecast.fsutil import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -191,16 +192,6 @@ def _list_netns() -> list[str]:
     return [line.split()[0] for line in _run([_tool("ip"), "netns", "list"]).splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _delete_netns(names: Sequence[str]) -> list[str]:
     """Kill whatever still runs in the namespaces, then delete them; return the ones left behind."""
     if not names:
@@ -238,7 +229,7 @@ def remove_stale_clusters(name_prefix: str) -> list[str]:
         if not m or m.group(1) in _live_tags:
             continue
         pid = int(m.group(2))
-        if pid == os.getpid() or not _pid_alive(pid):
+        if pid == os.getpid() or not pid_alive(pid):
             stale.setdefault(m.group(1), []).append(ns)
     for tag, names in stale.items():
         logger.warning("removing stale emulated cluster %s (its process is gone): %s", tag, ", ".join(names))

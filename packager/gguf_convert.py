@@ -5,11 +5,10 @@ to a dense model, which is saved once as a Hugging Face safetensors checkpoint t
 """
 
 import logging
-import os
-import shutil
 from pathlib import Path
 
 from packager.errors import CheckpointError
+from pipecast.fsutil import atomic_directory
 
 logger = logging.getLogger(__name__)
 
@@ -22,9 +21,7 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16") -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_directory(out, overwrite=True) as tmp:
         folder, name = str(gguf.parent), gguf.name
         logger.info("dequantizing %s to %s", gguf, dtype)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -33,11 +30,4 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16") -> Path:
             quantization_config=GgufConfig(gguf_file=name, dequantize=True))
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

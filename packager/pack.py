@@ -6,8 +6,6 @@ and renamed into place only when complete: a failed or interrupted pack leaves n
 """
 
 import logging
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from packager.errors import PackageError
 from packager.layout import HEAD_NAMES, BlockLayout, plan_blocks
 from packager.manifest import MANIFEST_FILE, MANIFEST_FORMAT_VERSION, manifest_to_json, validate_manifest
 from packager.safetensors_format import build_header, layout_order
+from pipecast.fsutil import atomic_directory
 from pipecast.v1.manifest_pb2 import Block, Manifest, PackageFile
 
 logger = logging.getLogger(__name__)
@@ -25,7 +24,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 1 << 20
 COPY_BUFFER_BYTES = 8 << 20
 BLOCKS_DIR = "blocks"
-_PARTIAL = ".partial-"
 
 
 def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_bytes: int | None = None,
@@ -41,12 +39,8 @@ def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_byt
     layouts = plan_blocks({n: t.info.nbytes for n, t in ckpt.tensors.items()},
                           num_layers=_config_layers(ckpt.config), layers_per_block=layers_per_block,
                           block_bytes=block_bytes, where=str(src))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(out)
-    tmp = out.parent / f".{out.name}{_PARTIAL}{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        (tmp / BLOCKS_DIR).mkdir(parents=True)
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        (tmp / BLOCKS_DIR).mkdir()
         blocks = []
         with _ShardReader() as reader:
             for layout in layouts:
@@ -58,12 +52,6 @@ def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_byt
         manifest = _build_manifest(ckpt, src, model_name, blocks, files)
         validate_manifest(manifest, tmp / MANIFEST_FILE)
         (tmp / MANIFEST_FILE).write_text(manifest_to_json(manifest))
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("packed %s into %s: %d blocks, %d bytes, package %s", src, out, len(blocks),
                 manifest.total_bytes, manifest.package_id)
     return manifest
@@ -74,24 +62,6 @@ def _config_layers(config: dict) -> int | None:
         if isinstance(config.get(key), int):
             return config[key]
     return None
-
-
-def _remove_stale_partials(out: Path) -> None:
-    """Remove temporary folders of earlier packs to ``out`` whose process is gone (killed mid-pack)."""
-    for stale in out.parent.glob(f".{out.name}{_PARTIAL}*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _ShardReader:
