@@ -1,0 +1,371 @@
+"""The router's HTTP server (aiohttp): an OpenAI-compatible front for a pool of serving workers.
+
+Endpoints:
+
+- ``POST /v1/completions``: the body goes to a worker unchanged. While no worker can take it, the
+  request waits in the router's queue (beyond ``max_queue`` waiting: 429 with ``Retry-After``; past the
+  queue deadline: 503). A worker that fails before anything reached the client is marked unavailable
+  and the request goes to another one (at most ``max_retries`` times, then 502 naming the workers). A
+  worker's 429 sends the request back to the queue. Streaming answers (``text/event-stream``) are
+  relayed event by event as they arrive; if the worker fails mid-stream, the client gets a final
+  ``data: {"error": {...}}`` event and the stream ends. Responses carry ``x-pipecast-worker`` and
+  ``x-pipecast-queue-seconds``; a streaming response's headers leave as soon as the worker answers
+  with its own headers, before the first token.
+- ``GET /health``: the router's own state; ``GET /v1/workers``: the pool; ``GET /metrics``: Prometheus.
+
+Every wait on a worker has a deadline: ``connect_timeout_s`` to connect, ``upstream_timeout_s`` of
+silence before its response or between two chunks of it.
+"""
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from pipecast.router.discovery import DiscoveredWorker, Discovery
+from pipecast.router.errors import (
+    QueueFullError,
+    QueueTimeoutError,
+    RetriesExhaustedError,
+    RouterClosedError,
+    RouterError,
+    WorkerBusyError,
+    WorkerFailedError,
+    WorkerStreamError,
+    describe_exception,
+)
+from pipecast.router.health import HealthMonitor
+from pipecast.router.metrics import RouterMetrics
+from pipecast.router.pool import Dispatcher, Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+WORKER_HEADER = "x-pipecast-worker"
+QUEUE_HEADER = "x-pipecast-queue-seconds"
+#: Client headers passed on to the worker; the rest (Host, Content-Length, ...) are per connection.
+FORWARDED_HEADERS = ("Content-Type", "Accept", "Authorization", "X-Request-Id")
+#: Retry-After of the router's own 429, and the back-off after a worker's 429 without a usable one.
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router's tunables (the ``router`` command's options)."""
+
+    max_queue: int = 256
+    queue_timeout_s: float = 120.0
+    health_interval_s: float = 0.25
+    health_timeout_s: float = 1.0
+    connect_timeout_s: float = 5.0
+    #: Longest silence tolerated from a worker: before its response headers, and between two chunks.
+    #: A partial worker may wait for blocks before its first token, hence minutes.
+    upstream_timeout_s: float = 300.0
+    max_retries: int = 2
+    discovery_interval_s: float = 2.0
+    discovery_timeout_s: float = 5.0
+    #: Largest request body accepted (a prompt given as token ids is big JSON).
+    max_body_bytes: int = 64 << 20
+
+
+def complete_events_end(buffer: bytes | bytearray) -> int:
+    """The length of the prefix of ``buffer`` made of whole Server-Sent Events (0 when there is none)."""
+    ends = [buffer.rfind(separator) + len(separator) for separator in (b"\n\n", b"\r\n\r\n")
+            if separator in buffer]
+    return max(ends, default=0)
+
+
+def sse_event(payload: dict) -> bytes:
+    """One Server-Sent Event carrying ``payload`` as JSON."""
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def error_body(message: str, kind: str, **extra: object) -> dict:
+    """An OpenAI-style error object."""
+    return {"error": {"message": message, "type": kind, **extra}}
+
+
+def retry_after_seconds(value: str | None) -> float:
+    """A worker's ``Retry-After`` in seconds (a missing or HTTP-date value gives the default)."""
+    try:
+        seconds = float(value) if value is not None else RETRY_AFTER_S
+    except ValueError:
+        return RETRY_AFTER_S
+    return seconds if seconds >= 0 else RETRY_AFTER_S
+
+
+class Router:
+    """The pool, its queue, health polling, discovery and request forwarding of one router."""
+
+    def __init__(self, config: RouterConfig, sources: Sequence[Discovery],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.pool = WorkerPool()
+        self.dispatcher = Dispatcher(self.pool, config.max_queue, config.queue_timeout_s, clock)
+        self.metrics = RouterMetrics(lambda: self.dispatcher.waiting)
+        self._sources = list(sources)
+        self._discovered: dict[int, list[DiscoveredWorker]] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._monitor: HealthMonitor | None = None
+        self._discovery_task: asyncio.Task | None = None
+        self._upstream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
+                                                       sock_read=config.upstream_timeout_s)
+
+    async def start(self) -> None:
+        """Open the upstream session, learn the workers once, then keep polling and rediscovering."""
+        # No connection limit: the default (100) would make request 101 wait for a socket without deadline.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._monitor = HealthMonitor(self.pool, self._session, self.config.health_interval_s,
+                                      self.config.health_timeout_s, self.clock)
+        await self.refresh_workers()
+        self._discovery_task = asyncio.create_task(self._rediscover(), name="router discovery")
+
+    def stop_accepting(self) -> None:
+        """Fail every queued request and refuse new ones; requests already at a worker go on."""
+        self.dispatcher.close()
+
+    async def close(self) -> None:
+        """Stop accepting, stop polling and discovery, close the upstream session."""
+        self.stop_accepting()
+        if self._discovery_task is not None:
+            self._discovery_task.cancel()
+            await asyncio.gather(self._discovery_task, return_exceptions=True)
+        if self._monitor is not None:
+            await self._monitor.close()
+        if self._session is not None:
+            await self._session.close()
+
+    async def refresh_workers(self) -> None:
+        """Ask every discovery source for its workers and make the pool hold their union."""
+        for index, source in enumerate(self._sources):
+            try:
+                async with asyncio.timeout(self.config.discovery_timeout_s):
+                    self._discovered[index] = await source.list_workers()
+            # Any failure of a source (its client may raise anything) must not stop discovery or empty
+            # the pool: keep the source's last answer and try again next interval.
+            except Exception as exc:
+                log.warning("worker discovery from %s failed, keeping its last %d workers: %s", source.name,
+                            len(self._discovered.get(index, [])),
+                            describe_exception(exc, self.config.discovery_timeout_s))
+        members = {found.url: found.node_id for index in sorted(self._discovered)
+                   for found in self._discovered[index]}
+        added, removed = self.pool.sync(members)
+        for url in added:
+            log.info("worker %s (%s) added", url, members[url])
+        for url in removed:
+            log.info("worker %s removed", url)
+        self._monitor.sync(members)
+
+    async def _rediscover(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.discovery_interval_s)
+            await self.refresh_workers()
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        """Handle ``POST /v1/completions`` (module docstring)."""
+        arrival = self.clock()
+        body = await request.read()
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            return web.json_response(error_body(f"request body is not JSON: {exc}", "invalid_request_error"),
+                                     status=400)
+        if not isinstance(payload, dict):
+            return web.json_response(error_body("request body must be a JSON object", "invalid_request_error"),
+                                     status=400)
+        headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+        failures: list[WorkerFailedError] = []
+        queued_s = 0.0
+        while True:
+            waiting_since = self.clock()
+            try:
+                worker = await self.dispatcher.acquire(arrival, avoid={failure.worker for failure in failures})
+            except QueueFullError as exc:
+                return self._reject(exc, 429, "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
+            except QueueTimeoutError as exc:
+                return self._reject(exc, 503, "queue_timeout")
+            except RouterClosedError as exc:
+                return self._reject(exc, 503, "shutting_down")
+            queued_s += self.clock() - waiting_since
+            try:
+                if request.transport is None or request.transport.is_closing():
+                    log.info("client left while its request was queued (%.3f s)", queued_s)
+                    return web.Response(status=499)  # nginx's "client closed request"; nobody reads it
+                self.metrics.routed.labels(worker.url).inc()
+                return await self._attempt(request, body, headers, worker, arrival, queued_s)
+            except WorkerBusyError as exc:
+                # At least one poll interval, so a worker saying "Retry-After: 0" is not hammered.
+                self.pool.record_busy(worker.url, str(exc), self.clock(),
+                                      max(exc.retry_after_s, self.config.health_interval_s))
+            except WorkerFailedError as exc:
+                self.pool.record_failure(worker.url, str(exc), self.clock())
+                failures.append(exc)
+                if len(failures) > self.config.max_retries:
+                    log.warning("request failed for good: %s", exc)
+                    self.metrics.failed.labels(worker.url, "before_response").inc()
+                    return web.json_response(
+                        error_body(str(RetriesExhaustedError(failures)), "worker_failed", worker=worker.url,
+                                   attempts=[failure.worker for failure in failures]),
+                        status=502, headers={WORKER_HEADER: worker.url})
+                log.warning("retrying on another worker: %s", exc)
+                self.metrics.retried.labels(worker.url).inc()
+            finally:
+                self.dispatcher.release(worker)
+
+    def _reject(self, error: RouterError, status: int, reason: str,
+                headers: dict[str, str] | None = None) -> web.Response:
+        self.metrics.rejected.labels(reason).inc()
+        return web.json_response(error_body(str(error), reason), status=status, headers=headers)
+
+    async def _attempt(self, request: web.Request, body: bytes, headers: dict[str, str], worker: Worker,
+                       arrival: float, queued_s: float) -> web.StreamResponse:
+        """Send the request to ``worker`` once and relay its answer.
+
+        Raises :class:`WorkerFailedError` when nothing reached the client yet (retryable) and
+        :class:`WorkerBusyError` on the worker's 429.
+        """
+        try:
+            upstream = await self._session.post(f"{worker.url}/v1/completions", data=body, headers=headers,
+                                                 timeout=self._upstream_timeout)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            problem = f"no answer to POST /v1/completions: {self._describe(exc)}"
+            raise WorkerFailedError(worker.url, problem) from exc
+        async with upstream:
+            if upstream.status == 429:
+                raise WorkerBusyError(worker.url, retry_after_seconds(upstream.headers.get("Retry-After")))
+            if upstream.status == 503:
+                raise WorkerFailedError(worker.url, "answered 503 (not serving)")
+            self.metrics.queued.observe(queued_s)
+            timing = {WORKER_HEADER: worker.url, QUEUE_HEADER: f"{queued_s:.6f}"}
+            if upstream.status == 200 and upstream.content_type == "text/event-stream":
+                return await self._relay_stream(request, upstream, worker, arrival, timing)
+            try:
+                answer = await upstream.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                problem = f"lost before its answer was complete: {self._describe(exc)}"
+                raise WorkerFailedError(worker.url, problem) from exc
+            if upstream.status >= 500:
+                self.metrics.failed.labels(worker.url, "error_status").inc()
+            content_type = upstream.headers.get("Content-Type", "application/json")
+            return web.Response(status=upstream.status, body=answer,
+                                headers={"Content-Type": content_type, **timing})
+
+    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, worker: Worker,
+                            arrival: float, timing: dict[str, str]) -> web.StreamResponse:
+        """Relay a worker's event stream event by event; end it with an error event if the worker fails.
+
+        Only whole events are passed on, so a worker dying mid-event never leaves the client a torn one
+        in front of the error event.
+        """
+        response = web.StreamResponse(headers={"Content-Type": upstream.headers["Content-Type"],
+                                               "Cache-Control": "no-cache", **timing})
+        await response.prepare(request)
+        pending = bytearray()
+        first = True
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                failure = WorkerStreamError(worker.url, f"failed mid-stream: {self._describe(exc)}")
+                break
+            if not chunk:
+                failure = None
+                break
+            if first:
+                self.metrics.ttft.observe(self.clock() - arrival)
+                first = False
+            pending += chunk
+            end = complete_events_end(pending)
+            if end and not await self._send(response, bytes(pending[:end])):
+                return response
+            del pending[:end]
+        if failure is None:
+            if pending:  # a last event without its blank line: the worker's stream, passed on as it is
+                await self._send(response, bytes(pending))
+        else:
+            log.warning("%s", failure)
+            self.pool.record_failure(worker.url, str(failure), self.clock())
+            self.metrics.failed.labels(worker.url, "mid_stream").inc()
+            await self._send(response, sse_event(error_body(str(failure), "worker_failed", worker=worker.url)))
+        try:
+            await response.write_eof()
+        except ConnectionResetError:
+            log.info("client left before the end of its stream")
+        return response
+
+    def _describe(self, exc: BaseException) -> str:
+        """Why an exchange with a worker failed, naming the deadline that expired if one did."""
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            return f"no connection within {self.config.connect_timeout_s:g} s"
+        if isinstance(exc, TimeoutError):
+            return f"silent for more than {self.config.upstream_timeout_s:g} s"
+        return describe_exception(exc, self.config.upstream_timeout_s)
+
+    async def _send(self, response: web.StreamResponse, data: bytes) -> bool:
+        """Write to the client within the upstream deadline; False when the client is gone or stuck."""
+        try:
+            async with asyncio.timeout(self.config.upstream_timeout_s):
+                await response.write(data)
+        except (ConnectionResetError, TimeoutError) as exc:
+            log.info("client stopped reading a stream: %s",
+                     describe_exception(exc, self.config.upstream_timeout_s))
+            return False
+        return True
+
+    def health(self) -> dict:
+        """The router's ``GET /health`` answer."""
+        serving = self.pool.serving(self.clock())
+        return {"status": "ready" if serving else "waiting", "workers": len(self.pool.workers()),
+                "serving": serving, "queue_depth": self.dispatcher.waiting,
+                "max_queue": self.dispatcher.max_queue}
+
+    def describe_workers(self) -> dict:
+        """The ``GET /v1/workers`` answer."""
+        now = self.clock()
+        return {"workers": [worker.describe(now) for worker in self.pool.workers()],
+                "queue_depth": self.dispatcher.waiting, "max_queue": self.dispatcher.max_queue}
+
+
+ROUTER = web.AppKey("router", Router)
+
+
+def build_app(router: Router) -> web.Application:
+    """The aiohttp application of ``router``; it starts the router with the app and closes it after.
+
+    On shutdown the queue is failed at once (503 ``shutting_down``) while requests already at a worker
+    finish within the runner's shutdown timeout.
+    """
+    app = web.Application(client_max_size=router.config.max_body_bytes)
+    app[ROUTER] = router
+
+    async def lifetime(app: web.Application):
+        await router.start()
+        yield
+        await router.close()
+
+    async def on_shutdown(app: web.Application) -> None:
+        router.stop_accepting()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await router.complete(request)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response(router.health())
+
+    async def workers(request: web.Request) -> web.Response:
+        return web.json_response(router.describe_workers())
+
+    async def metrics(request: web.Request) -> web.Response:
+        data, content_type = router.metrics.render()
+        return web.Response(body=data, headers={"Content-Type": content_type})
+
+    app.cleanup_ctx.append(lifetime)
+    app.on_shutdown.append(on_shutdown)
+    app.add_routes([web.post("/v1/completions", completions), web.get("/health", health),
+                    web.get("/v1/workers", workers), web.get("/metrics", metrics)])
+    return app

@@ -1,0 +1,102 @@
+"""The ``pipecast router`` command: run the request router until SIGTERM or SIGINT."""
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+
+import click
+from aiohttp import web
+
+from pipecast.router.app import Router, RouterConfig, build_app
+from pipecast.router.discovery import ControlPlaneDiscovery, Discovery, StaticDiscovery
+from pipecast.router.errors import WorkerUrlError
+
+log = logging.getLogger(__name__)
+
+DEFAULTS = RouterConfig()
+
+
+async def run_router(router: Router, host: str, port: int, drain_timeout_s: float,
+                     announce: Callable[[str], None]) -> None:
+    """Serve ``router`` on host:port (port 0: any free port) until SIGTERM or SIGINT.
+
+    ``announce`` gets the bound base URL once the router listens. On a signal the router stops
+    listening, fails its queued requests (503) and gives requests already at a worker ``drain_timeout_s``
+    to finish before closing.
+    """
+    runner = web.AppRunner(build_app(router), shutdown_timeout=drain_timeout_s)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        announce(f"http://{bound_host}:{bound_port}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+        log.info("stopping: draining requests in flight for up to %g s", drain_timeout_s)
+    finally:
+        await runner.cleanup()
+
+
+@click.command("router")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
+              help="Port to listen on (0: any free port, printed at start).")
+@click.option("--worker", "workers", multiple=True, metavar="URL",
+              help="Base URL of a serving worker, e.g. http://10.0.0.5:8000 (repeatable).")
+@click.option("--control-plane", metavar="HOST:PORT", help="Also learn workers from this control plane.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=DEFAULTS.max_queue, show_default=True,
+              help="Requests that may wait for a worker; beyond it the router answers 429.")
+@click.option("--queue-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=DEFAULTS.queue_timeout_s, show_default=True,
+              help="Seconds a request may wait for a worker before a 503.")
+@click.option("--health-interval", type=click.FloatRange(min=0.01), default=DEFAULTS.health_interval_s,
+              show_default=True, help="Seconds between two health polls of a worker.")
+@click.option("--health-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=DEFAULTS.health_timeout_s, show_default=True,
+              help="Seconds a health poll may take; a slower worker counts as down.")
+@click.option("--upstream-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=DEFAULTS.upstream_timeout_s, show_default=True,
+              help="Longest silence from a worker before its answer or between two chunks of it.")
+@click.option("--max-retries", type=click.IntRange(min=0), default=DEFAULTS.max_retries, show_default=True,
+              help="Other workers tried when one fails before answering.")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM/SIGINT, seconds given to requests at workers to finish.")
+def router_command(host, port, workers, control_plane, max_queue, queue_timeout, health_interval, health_timeout,
+                   upstream_timeout, max_retries, drain_timeout):
+    """Route OpenAI-style completion requests to the least-loaded serving worker.
+
+    Workers come from --worker URLs and/or the control plane; a worker serves once its /health says
+    ready or partial. Requests wait in the router while no worker can take them.
+    """
+    if not workers and not control_plane:
+        raise click.UsageError("give at least one --worker URL or --control-plane")
+    try:
+        static = StaticDiscovery(list(workers)) if workers else None
+    except WorkerUrlError as exc:
+        raise click.UsageError(str(exc)) from None
+    config = RouterConfig(max_queue=max_queue, queue_timeout_s=queue_timeout, health_interval_s=health_interval,
+                          health_timeout_s=health_timeout, upstream_timeout_s=upstream_timeout,
+                          max_retries=max_retries)
+    asyncio.run(_serve(config, static, control_plane, host, port, drain_timeout))
+
+
+async def _serve(config: RouterConfig, static: StaticDiscovery | None, control_plane: str | None, host: str,
+                 port: int, drain_timeout_s: float) -> None:
+    async with AsyncExitStack() as stack:
+        sources: list[Discovery] = [static] if static else []
+        if control_plane:
+            # grpc loads only when a control plane is used; its token and TLS files come from the settings
+            # (PIPECAST_* variables or the config file).
+            from control_plane.client import ControlPlaneClient
+            from pipecast.settings import load_settings
+
+            client = ControlPlaneClient.from_settings(load_settings(control_plane=control_plane))
+            await stack.enter_async_context(client)
+            sources.append(ControlPlaneDiscovery(client, control_plane))
+        await run_router(Router(config, sources), host, port, drain_timeout_s,
+                         lambda url: click.echo(f"router listening on {url}"))

@@ -1,0 +1,99 @@
+"""How the router learns its workers: a fixed list of URLs, or the control plane's worker list.
+
+Every source answers the same question, :meth:`Discovery.list_workers`: which workers serve now, as
+(node id, base URL) pairs. The router asks each source again every discovery interval and keeps a
+source's last answer while it fails (a control plane restart must not empty the pool).
+"""
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from pipecast.router.errors import WorkerUrlError
+from pipecast.v1.control_pb2 import WorkerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DiscoveredWorker:
+    """A serving worker: its node id and the base URL of its HTTP API (no trailing slash)."""
+
+    node_id: str
+    url: str
+
+
+def normalize_url(url: str, source: str) -> str:
+    """``url`` as a base URL without a trailing slash; :class:`WorkerUrlError` when it is not http(s)."""
+    try:
+        parsed = urlsplit(url.strip())
+        host, _ = parsed.hostname, parsed.port
+    except ValueError:  # e.g. a port that is not a number
+        raise WorkerUrlError(url, source) from None
+    if parsed.scheme not in ("http", "https") or not host or parsed.query or parsed.fragment:
+        raise WorkerUrlError(url, source)
+    return f"{parsed.scheme}://{parsed.netloc}{parsed.path}".rstrip("/")
+
+
+class Discovery(Protocol):
+    """A source of serving workers."""
+
+    #: Names the source in logs and errors.
+    name: str
+
+    async def list_workers(self) -> list[DiscoveredWorker]:
+        """The workers of this source now; raises when the source cannot answer."""
+        ...
+
+
+class StaticDiscovery:
+    """A fixed list of worker URLs (``--worker URL``); each URL is also the worker's node id."""
+
+    name = "--worker"
+
+    def __init__(self, urls: list[str]) -> None:
+        self._workers = [DiscoveredWorker(node_id=url, url=url)
+                         for url in dict.fromkeys(normalize_url(url, self.name) for url in urls)]
+
+    async def list_workers(self) -> list[DiscoveredWorker]:
+        """The configured workers."""
+        return list(self._workers)
+
+
+# --- Control plane -----------------------------------------------------------------------------------
+# The control plane's WorkerSpec has no field for a worker's HTTP serving URL, so a serving worker is
+# expected to register it as the label SERVE_URL_LABEL (a convention to agree with `pipecast serve`; if
+# the proto gains a field, only ControlPlaneDiscovery.list_workers changes).
+
+#: The WorkerSpec label holding a serving worker's HTTP base URL, e.g. "http://10.0.0.5:8000".
+SERVE_URL_LABEL = "serve_url"
+
+
+class WorkerLister(Protocol):
+    """The part of :class:`control_plane.client.ControlPlaneClient` the router uses."""
+
+    async def list_workers(self) -> list[WorkerState]:
+        """Every registered worker, alive or not."""
+        ...
+
+
+class ControlPlaneDiscovery:
+    """The workers the control plane lists as alive with a serve URL (label :data:`SERVE_URL_LABEL`)."""
+
+    def __init__(self, client: WorkerLister, address: str) -> None:
+        self._client = client
+        self.name = f"control plane {address}"
+
+    async def list_workers(self) -> list[DiscoveredWorker]:
+        """Alive serving workers; a malformed serve URL is logged and skipped (that worker's fault)."""
+        found = []
+        for state in await self._client.list_workers():
+            node_id, serve_url = state.worker.peer.node_id, state.worker.labels.get(SERVE_URL_LABEL, "")
+            if not state.alive or not serve_url:
+                continue
+            try:
+                found.append(DiscoveredWorker(node_id, normalize_url(serve_url, f"{self.name}, worker {node_id}")))
+            except WorkerUrlError as exc:
+                log.warning("skipping a worker: %s", exc)
+        return found

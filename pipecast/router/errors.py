@@ -1,0 +1,83 @@
+"""Typed failures of the request router; each message says whose fault the failure was."""
+
+from pipecast.errors import PipecastError
+
+
+class RouterError(PipecastError):
+    """Base of every router failure."""
+
+
+class QueueFullError(RouterError):
+    """The router's own queue is full (too much load for the workers available): the client may retry."""
+
+    def __init__(self, max_queue: int) -> None:
+        super().__init__(f"router queue is full ({max_queue} requests waiting); retry later")
+        self.max_queue = max_queue
+
+
+class QueueTimeoutError(RouterError):
+    """A queued request found no worker able to take it before its deadline (no capacity, not a bug)."""
+
+    def __init__(self, waited_s: float, known: int, serving: int) -> None:
+        super().__init__(f"no worker could take the request within {waited_s:g} s "
+                         f"({known} workers known, {serving} able to serve)")
+        self.waited_s, self.known, self.serving = waited_s, known, serving
+
+
+class RouterClosedError(RouterError):
+    """The router is shutting down and takes no more requests."""
+
+    def __init__(self) -> None:
+        super().__init__("router is shutting down")
+
+
+class WorkerUrlError(RouterError):
+    """A worker URL from the operator or the control plane is not an http(s) base URL."""
+
+    def __init__(self, url: str, source: str) -> None:
+        super().__init__(f"{source}: worker URL {url!r} is not an http:// or https:// base URL")
+        self.url, self.source = url, source
+
+
+class WorkerError(RouterError):
+    """A serving worker failed us; ``worker`` names it (its URL)."""
+
+    def __init__(self, worker: str, message: str) -> None:
+        super().__init__(f"worker {worker}: {message}")
+        self.worker = worker
+
+
+class WorkerFailedError(WorkerError):
+    """The worker failed before anything reached the client (refused, reset, silent, 503): retryable."""
+
+
+class WorkerBusyError(WorkerError):
+    """The worker's own queue is full (it answered 429): the request waits for room, anywhere."""
+
+    def __init__(self, worker: str, retry_after_s: float) -> None:
+        super().__init__(worker, f"queue full (429), retry after {retry_after_s:g} s")
+        self.retry_after_s = retry_after_s
+
+
+class WorkerStreamError(WorkerError):
+    """The worker failed after its answer began reaching the client (lost, or silent too long)."""
+
+
+class HealthAnswerError(WorkerError):
+    """The worker's ``/health`` answer is not what the protocol says (the worker's fault)."""
+
+
+class RetriesExhaustedError(RouterError):
+    """Every attempt to serve a request failed on a worker; ``failures`` holds each, in order."""
+
+    def __init__(self, failures: list[WorkerFailedError]) -> None:
+        super().__init__(f"request failed on {len(failures)} attempt(s): "
+                         + "; ".join(str(failure) for failure in failures))
+        self.failures = failures
+
+
+def describe_exception(exc: BaseException, timeout_s: float) -> str:
+    """A short reason for a failed exchange with a peer (a bare timeout has no message of its own)."""
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return f"no answer within {timeout_s:g} s"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,336 @@
+"""The router's view of its workers and its queue of waiting requests: pure logic, no sockets.
+
+Which worker gets a request (:meth:`WorkerPool.choose`):
+
+- Only workers that can serve are candidates: health ``ready`` or ``partial`` (a partial worker runs
+  prefill layer by layer as blocks arrive), not marked failed, not busy after a 429, and not reporting a
+  full queue.
+- Least loaded first. Load is the requests this router has in flight there plus the worker's reported
+  queue depth (this router's requests still queued there count twice, which only steers harder away
+  from deep queues). Load comes before readiness on purpose: a request queued behind k others waits k
+  generations on any worker, while a partial worker's extra wait is only the part of the remaining
+  transfer that its prefill cannot overlap, and that transfer happens whether or not it has work.
+  So an idle partial worker beats a busy ready one; this is how a burst is absorbed while new workers
+  load.
+- At equal load, ``ready`` beats ``partial`` (no wait for blocks at all), and a partial worker holding
+  more of its blocks beats one holding fewer (its transfer ends sooner).
+- Then the worker that was given fewer requests so far, so one-at-a-time traffic spreads evenly.
+- A retried request names the workers that failed it (``avoid``): they come last, not never, so a
+  request can still go back to a worker that has recovered when it is the only one left.
+
+A worker that failed a request stays unavailable until a health poll *started after* the failure says
+it can serve: an answer to a poll sent before the failure proves nothing about the worker now.
+"""
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from pipecast.router.errors import HealthAnswerError, QueueFullError, QueueTimeoutError, RouterClosedError
+
+#: Health states a worker reports; the last two can serve requests.
+STATES = ("loading", "partial", "ready")
+SERVING = ("partial", "ready")
+
+_HEALTH_COUNTS = ("blocks_present", "blocks_total", "queue_depth", "running", "max_queue")
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    """One answer of a worker's ``GET /health``."""
+
+    status: str
+    blocks_present: int
+    blocks_total: int
+    queue_depth: int
+    running: int
+    max_queue: int
+
+    @property
+    def can_serve(self) -> bool:
+        """Whether the worker says it serves, and its own queue has room."""
+        return self.status in SERVING and not (self.max_queue and self.queue_depth >= self.max_queue)
+
+    @property
+    def fraction_present(self) -> float:
+        """The fraction of the model's blocks the worker holds (1.0 when it reports no blocks)."""
+        return self.blocks_present / self.blocks_total if self.blocks_total else 1.0
+
+
+def parse_health(worker: str, answer: object) -> WorkerHealth:
+    """Check a decoded ``/health`` JSON answer of ``worker`` and return it typed.
+
+    Raises :class:`HealthAnswerError` when the answer is not an object with a known status and
+    non-negative integer counts.
+    """
+    if not isinstance(answer, dict):
+        raise HealthAnswerError(worker, f"/health answered {type(answer).__name__}, not a JSON object")
+    status = answer.get("status")
+    if status not in STATES:
+        raise HealthAnswerError(worker, f"/health status {status!r} is not one of {', '.join(STATES)}")
+    counts = {}
+    for name in _HEALTH_COUNTS:
+        value = answer.get(name)
+        # bool is an int in Python; a JSON true is still not a count.
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise HealthAnswerError(worker, f"/health field {name!r} is {value!r}, not a count")
+        counts[name] = value
+    return WorkerHealth(status=status, **counts)
+
+
+@dataclass
+class Worker:
+    """What the router knows about one serving worker, keyed by its base URL."""
+
+    url: str
+    node_id: str
+    #: The last health answer; None until one arrives, and again once a poll fails.
+    health: WorkerHealth | None = None
+    #: Why the worker is unavailable now (the failed poll, request or 429), "" when it is not.
+    problem: str = ""
+    in_flight: int = 0
+    routed: int = 0
+    #: Clock time of the last request failure; set until a later-started poll says the worker serves.
+    failed_at: float | None = None
+    #: Clock time of the last 429, and until when the worker is not sent more.
+    busy_at: float | None = None
+    busy_until: float = 0.0
+
+    @property
+    def status(self) -> str:
+        """``unknown`` before the first poll, ``down`` after a failed one, else the reported state."""
+        if self.health is not None:
+            return self.health.status
+        return "down" if self.problem else "unknown"
+
+    @property
+    def load(self) -> int:
+        """Requests in flight from this router plus the worker's reported queue depth."""
+        return self.in_flight + (self.health.queue_depth if self.health else 0)
+
+    def can_take(self, now: float) -> bool:
+        """Whether a new request may be sent to this worker at clock time ``now``."""
+        if self.health is None or not self.health.can_serve or self.failed_at is not None:
+            return False
+        return self.busy_at is None or now >= self.busy_until
+
+    def describe(self, now: float) -> dict:
+        """A JSON-ready view for ``GET /v1/workers``."""
+        health = self.health
+        return {
+            "url": self.url, "node_id": self.node_id, "status": self.status,
+            "available": self.can_take(now), "problem": self.problem,
+            "in_flight": self.in_flight, "routed": self.routed, "load": self.load,
+            "queue_depth": health.queue_depth if health else None,
+            "running": health.running if health else None,
+            "max_queue": health.max_queue if health else None,
+            "blocks_present": health.blocks_present if health else None,
+            "blocks_total": health.blocks_total if health else None,
+        }
+
+
+class WorkerPool:
+    """The workers the router knows, their health and load, and the choice among them.
+
+    Listeners (see :meth:`subscribe`) are called after every change that can make a worker able to
+    take a request, so a queue of waiting requests can be served at once.
+    """
+
+    def __init__(self) -> None:
+        self._workers: dict[str, Worker] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after each change that may free capacity."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def workers(self) -> list[Worker]:
+        """Every known worker, by URL."""
+        return [self._workers[url] for url in sorted(self._workers)]
+
+    def get(self, url: str) -> Worker | None:
+        """The worker at ``url``, or None when it is not (or no longer) in the pool."""
+        return self._workers.get(url)
+
+    def sync(self, members: Mapping[str, str]) -> tuple[list[str], list[str]]:
+        """Make the pool hold exactly ``members`` (URL -> node id); return the URLs added and removed.
+
+        A removed worker's requests in flight finish undisturbed; it is only no longer chosen.
+        """
+        added = sorted(set(members) - set(self._workers))
+        removed = sorted(set(self._workers) - set(members))
+        for url in removed:
+            del self._workers[url]
+        for url in added:
+            self._workers[url] = Worker(url=url, node_id=members[url])
+        for url, node_id in members.items():
+            self._workers[url].node_id = node_id
+        if added:
+            self._changed()
+        return added, removed
+
+    def record_health(self, url: str, health: WorkerHealth, polled_at: float) -> None:
+        """Store a health answer to a poll sent at clock time ``polled_at``."""
+        worker = self._workers.get(url)
+        if worker is None:
+            return
+        worker.health = health
+        if worker.failed_at is not None and polled_at >= worker.failed_at and health.status in SERVING:
+            worker.failed_at = None
+        if worker.busy_at is not None and polled_at >= worker.busy_at and health.can_serve:
+            worker.busy_at = None
+        if worker.failed_at is None and worker.busy_at is None:
+            worker.problem = ""
+        self._changed()
+
+    def record_unreachable(self, url: str, problem: str) -> None:
+        """A health poll failed (error, timeout, 503, bad answer): the worker is down until one works."""
+        worker = self._workers.get(url)
+        if worker is not None:
+            worker.health = None
+            worker.problem = problem
+
+    def record_failure(self, url: str, problem: str, at: float) -> None:
+        """A request failed on the worker at clock time ``at``: unavailable until a newer poll says it serves."""
+        worker = self._workers.get(url)
+        if worker is not None:
+            worker.failed_at = at
+            worker.problem = problem
+
+    def record_busy(self, url: str, problem: str, at: float, retry_after_s: float) -> None:
+        """The worker answered 429 at ``at``: send it nothing for ``retry_after_s`` or until a newer poll shows room."""
+        worker = self._workers.get(url)
+        if worker is not None:
+            worker.busy_at = at
+            worker.busy_until = at + retry_after_s
+            worker.problem = problem
+
+    def choose(self, now: float, avoid: Iterable[str] = ()) -> Worker | None:
+        """The best worker for a new request at clock time ``now`` (module docstring), or None."""
+        avoid = frozenset(avoid)
+        candidates = [worker for worker in self._workers.values() if worker.can_take(now)]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda worker: (
+            worker.url in avoid, worker.load, worker.health.status != "ready",
+            -worker.health.fraction_present, worker.routed, worker.url))
+
+    def begin(self, url: str) -> None:
+        """Count a request sent to ``url``."""
+        worker = self._workers[url]
+        worker.in_flight += 1
+        worker.routed += 1
+
+    def finish(self, url: str) -> None:
+        """Count a request of ``url`` as done (a removed worker is ignored)."""
+        worker = self._workers.get(url)
+        if worker is not None:
+            worker.in_flight -= 1
+            self._changed()
+
+    def serving(self, now: float) -> int:
+        """How many workers can take a request now."""
+        return sum(worker.can_take(now) for worker in self._workers.values())
+
+
+def _assigned(future: asyncio.Future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
+@dataclass(eq=False)
+class _Waiter:
+    avoid: frozenset[str]
+    future: asyncio.Future = field(repr=False)
+
+
+class Dispatcher:
+    """The router's bounded FIFO of requests waiting for a worker, served as workers become able.
+
+    A request that finds a worker able to take it (and nobody waiting before it) gets one at once;
+    otherwise it waits, at most ``queue_timeout_s`` after its arrival. Waiters are served in arrival
+    order whenever the pool reports a change (health answers arrive every poll interval, so the end
+    of a worker's 429 back-off is noticed within one interval).
+    """
+
+    def __init__(self, pool: WorkerPool, max_queue: int, queue_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self.clock = clock
+        self._waiters: deque[_Waiter] = deque()
+        self._closed = False
+        pool.subscribe(self._assign)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a worker now."""
+        return len(self._waiters)
+
+    async def acquire(self, arrival: float, avoid: Iterable[str] = ()) -> Worker:
+        """Wait for a worker for a request that arrived at clock time ``arrival``; count it as busy there.
+
+        The caller must :meth:`release` the worker when the request ends. Raises
+        :class:`QueueFullError` when ``max_queue`` requests already wait, :class:`QueueTimeoutError`
+        past the deadline and :class:`RouterClosedError` once the router shuts down.
+        """
+        if self._closed:
+            raise RouterClosedError()
+        avoid = frozenset(avoid)
+        self._assign()
+        if not self._waiters:
+            worker = self.pool.choose(self.clock(), avoid)
+            if worker is not None:
+                self.pool.begin(worker.url)
+                return worker
+        if len(self._waiters) >= self.max_queue:
+            raise QueueFullError(self.max_queue)
+        waiter = _Waiter(avoid, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(arrival + self.queue_timeout_s - self.clock()):
+                return await waiter.future
+        except TimeoutError:
+            # A worker assigned in the same loop turn as the deadline still counts.
+            if _assigned(waiter.future):
+                return waiter.future.result()
+            raise QueueTimeoutError(self.queue_timeout_s, len(self.pool.workers()),
+                                    self.pool.serving(self.clock())) from None
+        except asyncio.CancelledError:
+            if _assigned(waiter.future):
+                self.release(waiter.future.result())
+            raise
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            waiter.future.cancel()
+
+    def release(self, worker: Worker) -> None:
+        """The request that :meth:`acquire` gave ``worker`` to has ended."""
+        self.pool.finish(worker.url)
+
+    def close(self) -> None:
+        """Refuse new requests and fail every waiting one with :class:`RouterClosedError`."""
+        self._closed = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(RouterClosedError())
+
+    def _assign(self) -> None:
+        if not self._waiters:
+            return
+        now = self.clock()
+        for waiter in list(self._waiters):
+            worker = self.pool.choose(now, waiter.avoid)
+            if worker is None:
+                return
+            self._waiters.remove(waiter)
+            self.pool.begin(worker.url)
+            waiter.future.set_result(worker)

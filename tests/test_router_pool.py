@@ -1,0 +1,281 @@
+"""The router's pure logic: health parsing, worker choice, availability, the bounded queue, discovery."""
+
+import asyncio
+import pytest
+
+from pipecast.router.app import complete_events_end, retry_after_seconds
+from pipecast.router.discovery import SERVE_URL_LABEL, ControlPlaneDiscovery, DiscoveredWorker, StaticDiscovery
+from pipecast.router.errors import (
+    HealthAnswerError,
+    QueueFullError,
+    QueueTimeoutError,
+    RouterClosedError,
+    WorkerUrlError,
+)
+from pipecast.router.pool import Dispatcher, WorkerHealth, WorkerPool, parse_health
+from pipecast.v1.control_pb2 import Peer, WorkerSpec, WorkerState
+
+A, B, C = "http://a:1", "http://b:1", "http://c:1"
+
+
+def health(status="ready", queue_depth=0, present=8, total=8, max_queue=16, running=0) -> WorkerHealth:
+    return WorkerHealth(status=status, blocks_present=present, blocks_total=total, queue_depth=queue_depth,
+                        running=running, max_queue=max_queue)
+
+
+def pool_of(**states: WorkerHealth) -> WorkerPool:
+    """A pool of workers named by keyword (a, b, c) with the given health, polled at time 0."""
+    pool = WorkerPool()
+    urls = {name: f"http://{name}:1" for name in states}
+    pool.sync({url: name for name, url in urls.items()})
+    for name, state in states.items():
+        pool.record_health(urls[name], state, polled_at=0.0)
+    return pool
+
+
+# --- health answers ---------------------------------------------------------------------------------
+
+def test_health_answer_is_parsed():
+    answer = {"status": "partial", "blocks_present": 3, "blocks_total": 8, "queue_depth": 2, "running": 1,
+              "max_queue": 64}
+    assert parse_health(A, answer) == WorkerHealth("partial", 3, 8, 2, 1, 64)
+
+
+@pytest.mark.parametrize("answer, message", [
+    ([], "worker http://a:1: /health answered list, not a JSON object"),
+    ({"status": "warming"}, "worker http://a:1: /health status 'warming' is not one of loading, partial, ready"),
+    ({"status": "ready", "blocks_present": -1},
+     "worker http://a:1: /health field 'blocks_present' is -1, not a count"),
+    ({"status": "ready", "blocks_present": True},
+     "worker http://a:1: /health field 'blocks_present' is True, not a count"),
+    ({"status": "ready", "blocks_present": 1, "blocks_total": 2, "queue_depth": 0, "running": 0},
+     "worker http://a:1: /health field 'max_queue' is None, not a count"),
+])
+def test_bad_health_answers_are_the_workers_fault(answer, message):
+    with pytest.raises(HealthAnswerError) as info:
+        parse_health(A, answer)
+    assert str(info.value) == message
+    assert info.value.worker == A
+
+
+# --- choice -----------------------------------------------------------------------------------------
+
+def test_least_loaded_worker_is_chosen_counting_in_flight_and_reported_queue():
+    pool = pool_of(a=health(queue_depth=2), b=health(queue_depth=0), c=health(queue_depth=1))
+    assert pool.choose(now=1.0).url == B
+    pool.begin(B)
+    pool.begin(B)  # b: 2 in flight -> c (1 queued) is now least loaded
+    assert pool.choose(now=1.0).url == C
+    pool.finish(B)
+    pool.finish(B)
+    assert pool.choose(now=1.0).url == B
+
+
+def test_ready_beats_partial_at_equal_load_but_an_idle_partial_beats_a_busy_ready():
+    pool = pool_of(a=health("partial", present=3), b=health("ready"))
+    assert pool.choose(now=1.0).url == B
+    pool.begin(B)
+    assert pool.choose(now=1.0).url == A
+
+
+def test_among_partial_workers_the_one_holding_more_blocks_wins():
+    pool = pool_of(a=health("partial", present=2), b=health("partial", present=6))
+    assert pool.choose(now=1.0).url == B
+
+
+def test_sequential_requests_spread_over_equally_loaded_workers():
+    pool = pool_of(a=health(), b=health(), c=health())
+    chosen = []
+    for _ in range(6):
+        worker = pool.choose(now=1.0)
+        pool.begin(worker.url)
+        pool.finish(worker.url)
+        chosen.append(worker.url)
+    assert sorted(chosen) == [A, A, B, B, C, C]
+
+
+def test_workers_unable_to_serve_are_skipped():
+    pool = pool_of(a=health("loading", present=0), b=health(queue_depth=16, max_queue=16), c=health())
+    assert pool.choose(now=1.0).url == C
+    pool.record_unreachable(C, "worker http://c:1: /health failed: refused")
+    assert pool.choose(now=1.0) is None
+    assert pool.serving(now=1.0) == 0
+    assert [worker.status for worker in pool.workers()] == ["loading", "ready", "down"]
+
+
+def test_a_failed_worker_waits_for_a_poll_sent_after_its_failure():
+    pool = pool_of(a=health())
+    pool.record_failure(A, "worker http://a:1: no answer", at=10.0)
+    assert pool.choose(now=10.5) is None
+    assert pool.get(A).problem == "worker http://a:1: no answer"
+    pool.record_health(A, health(), polled_at=9.9)  # sent before the failure: proves nothing
+    assert pool.choose(now=10.5) is None
+    pool.record_health(A, health(), polled_at=10.1)
+    assert pool.choose(now=10.5).url == A
+    assert pool.get(A).problem == ""
+
+
+def test_a_busy_worker_is_skipped_until_retry_after_or_a_newer_poll_with_room():
+    pool = pool_of(a=health(), b=health())
+    pool.record_busy(A, "worker http://a:1: queue full (429), retry after 2 s", at=10.0, retry_after_s=2.0)
+    pool.begin(B)
+    pool.begin(B)
+    assert pool.choose(now=11.0).url == B
+    assert pool.choose(now=12.0).url == A  # retry-after elapsed
+    pool.record_busy(A, "busy", at=20.0, retry_after_s=5.0)
+    pool.record_health(A, health(queue_depth=16, max_queue=16), polled_at=20.5)  # newer, but still full
+    assert pool.choose(now=21.0).url == B
+    pool.record_health(A, health(queue_depth=1, max_queue=16), polled_at=21.0)
+    assert pool.choose(now=21.5).url == A
+
+
+def test_avoided_workers_come_last_not_never():
+    pool = pool_of(a=health(), b=health(queue_depth=5))
+    assert pool.choose(now=1.0, avoid={A}).url == B
+    pool.record_unreachable(B, "down")
+    assert pool.choose(now=1.0, avoid={A}).url == A
+
+
+def test_sync_adds_and_removes_workers_and_ignores_late_finishes():
+    pool = pool_of(a=health(), b=health())
+    pool.begin(A)
+    added, removed = pool.sync({B: "b", C: "c"})
+    assert (added, removed) == ([C], [A])
+    pool.finish(A)  # a request that was in flight on a removed worker ends
+    assert [worker.url for worker in pool.workers()] == [B, C]
+    assert pool.get(C).status == "unknown"
+
+
+# --- the queue --------------------------------------------------------------------------------------
+
+async def test_a_request_gets_an_able_worker_at_once_and_counts_in_flight():
+    pool = pool_of(a=health())
+    dispatcher = Dispatcher(pool, max_queue=4, queue_timeout_s=1.0)
+    worker = await dispatcher.acquire(arrival=dispatcher.clock())
+    assert worker.url == A and worker.in_flight == 1 and dispatcher.waiting == 0
+    dispatcher.release(worker)
+    assert worker.in_flight == 0
+
+
+async def test_waiting_requests_are_served_in_arrival_order_when_a_worker_becomes_able():
+    pool = pool_of(a=health("loading"))
+    dispatcher = Dispatcher(pool, max_queue=4, queue_timeout_s=5.0)
+    order = []
+
+    async def request(name):
+        worker = await dispatcher.acquire(dispatcher.clock())
+        order.append((name, worker.url))
+
+    tasks = [asyncio.create_task(request(name)) for name in ("first", "second", "third")]
+    await asyncio.sleep(0.01)
+    assert dispatcher.waiting == 3 and order == []
+    pool.record_health(A, health("partial"), polled_at=dispatcher.clock())
+    await asyncio.gather(*tasks)
+    assert order == [("first", A), ("second", A), ("third", A)]
+    assert pool.get(A).in_flight == 3
+
+
+async def test_the_queue_is_bounded():
+    pool = pool_of(a=health("loading"))
+    dispatcher = Dispatcher(pool, max_queue=2, queue_timeout_s=5.0)
+    waiting = [asyncio.create_task(dispatcher.acquire(dispatcher.clock())) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(QueueFullError) as info:
+        await dispatcher.acquire(dispatcher.clock())
+    assert str(info.value) == "router queue is full (2 requests waiting); retry later"
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert dispatcher.waiting == 0  # cancelled waiters leave the queue
+
+
+async def test_a_queued_request_gives_up_at_its_deadline():
+    pool = pool_of(a=health("loading"), b=health())
+    pool.record_unreachable(B, "down")
+    dispatcher = Dispatcher(pool, max_queue=2, queue_timeout_s=0.05)
+    with pytest.raises(QueueTimeoutError) as info:
+        await dispatcher.acquire(dispatcher.clock())
+    assert str(info.value) == "no worker could take the request within 0.05 s (2 workers known, 0 able to serve)"
+    assert dispatcher.waiting == 0
+
+
+async def test_the_deadline_counts_from_arrival_not_from_each_wait():
+    pool = pool_of(a=health("loading"))
+    dispatcher = Dispatcher(pool, max_queue=2, queue_timeout_s=0.05)
+    with pytest.raises(QueueTimeoutError):
+        # Arrived long ago (e.g. before a 429 sent it back): no wait is left.
+        await asyncio.wait_for(dispatcher.acquire(dispatcher.clock() - 10.0), timeout=0.02)
+
+
+async def test_closing_fails_waiting_requests_and_refuses_new_ones():
+    pool = pool_of(a=health("loading"))
+    dispatcher = Dispatcher(pool, max_queue=2, queue_timeout_s=5.0)
+    waiter = asyncio.create_task(dispatcher.acquire(dispatcher.clock()))
+    await asyncio.sleep(0.01)
+    dispatcher.close()
+    with pytest.raises(RouterClosedError, match="^router is shutting down$"):
+        await waiter
+    with pytest.raises(RouterClosedError):
+        await dispatcher.acquire(dispatcher.clock())
+
+
+async def test_a_worker_assigned_to_a_cancelled_waiter_is_handed_back():
+    pool = pool_of(a=health("loading"))
+    dispatcher = Dispatcher(pool, max_queue=2, queue_timeout_s=5.0)
+    waiter = asyncio.create_task(dispatcher.acquire(dispatcher.clock()))
+    await asyncio.sleep(0.01)
+    pool.record_health(A, health(), polled_at=dispatcher.clock())  # assigns a to the waiter...
+    waiter.cancel()  # ...which is cancelled before it runs again
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert pool.get(A).in_flight == 0
+
+
+# --- helpers of the HTTP side -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("buffer, end", [
+    (b"", 0), (b"data: {\"a\"", 0), (b"data: 1\n\n", 9), (b"data: 1\n\ndata: 2", 9),
+    (b"data: 1\n\ndata: 2\n\n", 18), (b"data: 1\r\n\r\ndata", 11),
+])
+def test_only_whole_events_are_relayed(buffer, end):
+    assert complete_events_end(buffer) == end
+
+
+@pytest.mark.parametrize("value, seconds", [("3", 3.0), ("0.5", 0.5), (None, 1.0), ("-1", 1.0),
+                                            ("Wed, 21 Oct 2015 07:28:00 GMT", 1.0)])
+def test_retry_after_of_a_worker(value, seconds):
+    assert retry_after_seconds(value) == seconds
+
+
+# --- discovery --------------------------------------------------------------------------------------
+
+async def test_static_discovery_normalizes_and_deduplicates_urls():
+    discovery = StaticDiscovery(["http://a:1/", "http://a:1", " https://b:2/api/ "])
+    assert await discovery.list_workers() == [DiscoveredWorker("http://a:1", "http://a:1"),
+                                              DiscoveredWorker("https://b:2/api", "https://b:2/api")]
+
+
+@pytest.mark.parametrize("url", ["a:1", "ftp://a:1", "http://", "http://a:1/?x=1", "http://a:port"])
+def test_static_discovery_refuses_urls_that_are_not_http_base_urls(url):
+    with pytest.raises(WorkerUrlError) as info:
+        StaticDiscovery([url])
+    assert str(info.value) == f"--worker: worker URL {url!r} is not an http:// or https:// base URL"
+
+
+def worker_state(node_id: str, serve_url: str | None, alive: bool = True) -> WorkerState:
+    labels = {"rack": "r1"} | ({SERVE_URL_LABEL: serve_url} if serve_url is not None else {})
+    return WorkerState(worker=WorkerSpec(peer=Peer(node_id=node_id, address="10.0.0.9:7070"), labels=labels),
+                       alive=alive)
+
+
+async def test_control_plane_discovery_lists_alive_workers_with_a_serve_url():
+    states = [worker_state("n1", "http://10.0.0.1:8000/"), worker_state("n2", "http://10.0.0.2:8000", alive=False),
+              worker_state("store", None), worker_state("n3", "10.0.0.3:8000")]
+
+    class Client:
+        async def list_workers(self):
+            return states
+
+    discovery = ControlPlaneDiscovery(Client(), "cp:7000")
+    assert discovery.name == "control plane cp:7000"
+    assert await discovery.list_workers() == [DiscoveredWorker("n1", "http://10.0.0.1:8000")]
