@@ -115,6 +115,6 @@ def validate_manifest(m: Manifest, where: Path | str = MANIFEST_FILE) -> None:
         seen_paths.add(f.path)
         if not _HEX_DIGEST.match(f.digest):
             fail(f"file {f.path!r} has a malformed digest {f.digest!r}")
-    expected_id = package_id((b.digest for b in m.blocks), ((f.path, f.digest) for f in m.files))
+    expected_id = package_id(m.blocks, ((f.path, f.digest) for f in m.files))
     if m.package_id != expected_id:
         fail(f"package_id {m.package_id!r} does not match its block and file digests")

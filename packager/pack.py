@@ -134,7 +134,7 @@ def _build_manifest(ckpt: Checkpoint, src: Path, model_name: str | None, blocks:
     name = model_name or config.get("_name_or_path") or src.resolve().name
     return Manifest(
         format_version=MANIFEST_FORMAT_VERSION,
-        package_id=package_id((b.digest for b in blocks), ((f.path, f.digest) for f in files)),
+        package_id=package_id(blocks, ((f.path, f.digest) for f in files)),
         model_name=str(name), architecture=str(archs[0]), model_type=str(config.get("model_type", "")),
         dtypes=sorted({t.info.dtype for t in ckpt.tensors.values()}),
         num_layers=blocks[-1].layer_end,

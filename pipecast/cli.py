@@ -15,6 +15,8 @@ COMMANDS = {
     "inspect": ("packager.command:inspect_command", "Print a package's blocks, layers, sizes and digests."),
     "convert-gguf": ("packager.command:convert_gguf_command",
                      "Convert a GGUF model file to a safetensors checkpoint folder."),
+    "agent": ("pipecast.agent.command:agent_command",
+              "Run the node agent: serve blocks, fetch this node's share, feed local engines."),
     "router": ("pipecast.router.command:router_command",
                "Route completion requests to the least-loaded serving worker."),
     "bench": ("benchmarks.command:bench_group", "Run a benchmark (pack, ...); each prints its floor."),

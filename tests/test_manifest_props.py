@@ -21,7 +21,7 @@ def _manifest(blocks: int, layers_per_block: int, chunks: list[int]) -> Manifest
                         tensor_names=[f"model.layers.{i}.w"], digest=digest_bytes(bytes([i])), chunk_bytes=100,
                         chunk_digests=[digest_bytes(bytes([i, c])) for c in range(n)]))
     files = [PackageFile(path="config.json", bytes=2, digest=digest_bytes(b"{}"))]
-    return Manifest(format_version=1, package_id=package_id([b.digest for b in bl], [("config.json", files[0].digest)]),
+    return Manifest(format_version=1, package_id=package_id(bl, [("config.json", files[0].digest)]),
                     model_name="m", architecture="LlamaForCausalLM", model_type="llama", dtypes=["F32"],
                     num_layers=blocks * layers_per_block, tied_embeddings=True, digest_algorithm="blake3",
                     total_bytes=sum(b.bytes for b in bl), blocks=bl, files=files)
@@ -68,7 +68,7 @@ def test_any_single_mutation_is_valid_or_a_manifest_error(manifest, data, value)
         assert "manifest.json: invalid manifest:" in str(exc)
         return
     # Accepted only if it still describes a self-consistent package.
-    assert parsed.package_id == package_id([b.digest for b in parsed.blocks],
+    assert parsed.package_id == package_id(parsed.blocks,
                                            [(f.path, f.digest) for f in parsed.files])
 
 

@@ -83,9 +83,11 @@ def test_same_input_gives_identical_bytes_and_id(checkpoints, tmp_path):
     assert files_a == files_b
     for rel in files_a:
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
-    # Chunking changes the manifest's chunk digests but not the block bytes or the content address.
+    # Another chunk size gives the same block bytes, but another package id: the id covers the chunk
+    # digests, so that receivers can trust them.
     c = pack(checkpoints["sharded"], tmp_path / "c", block_bytes=40_000, chunk_bytes=8192)
-    assert c.package_id == a.package_id
+    assert [b.digest for b in c.blocks] == [b.digest for b in a.blocks]
+    assert c.package_id != a.package_id
 
 
 def test_block_bytes_groups_whole_layers(checkpoints, tmp_path):
@@ -273,9 +275,10 @@ def test_block_size_or_digest_disagreeing_with_manifest(checkpoints, tmp_path, c
         Package.open(pkg).block_tensors(0)
 
 
-def test_manifest_changed_digest_breaks_package_id(checkpoints, tmp_path):
+@pytest.mark.parametrize("field,value", [("digest", "0" * 64), ("chunk_digests", ["0" * 64])])
+def test_manifest_changed_digest_breaks_package_id(checkpoints, tmp_path, field, value):
     pkg = _good_package(checkpoints, tmp_path)
-    _edit_manifest(pkg, lambda d: d["blocks"][1].__setitem__("digest", "0" * 64))
+    _edit_manifest(pkg, lambda d: d["blocks"][1].__setitem__(field, value))
     with pytest.raises(ManifestError, match="package_id"):
         read_manifest(pkg)
 

@@ -1,0 +1,68 @@
+"""``pipecast agent``: run the node agent (data plane) in the foreground until SIGTERM/SIGINT."""
+
+import asyncio
+import socket
+from pathlib import Path
+
+import click
+
+from pipecast.agent.daemon import AgentDaemon, AgentOptions
+from pipecast.agent.errors import PlanFileError
+from pipecast.agent.transport.base import split_address
+from pipecast.agent.transport.registry import transport_names
+from pipecast.settings import load_settings
+from pipecast.units import parse_size
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _address(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        split_address(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
+@click.command("agent")
+@click.option("--listen", metavar="HOST:PORT", callback=_address,
+              help="Where peers connect. Default: this node's address in --plan, else "
+                   "PIPECAST_AGENT_HOST:PIPECAST_AGENT_PORT.")
+@click.option("--node-id", help="This node's id (as named in --plan). Default: hostname:port.")
+@click.option("--seed", "seed", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Serve this package folder (verified on start).")
+@click.option("--plan", "plan", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Static plan file: fetch this node's assignments, falling back to the plan's sources.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Disk cache of verified blocks, served again after a restart.")
+@click.option("--memory", callback=_size, metavar="SIZE",
+              help="Host memory budget for received blocks, e.g. 16GiB (a package that does not fit is refused).")
+@click.option("--transport", type=click.Choice(transport_names()), help="Data transport (default: auto).")
+@click.option("--local-socket", type=click.Path(dir_okay=False, path_type=Path),
+              help="Unix socket of the local API for engines on this node.")
+@click.option("--events", type=click.Path(dir_okay=False, path_type=Path),
+              help="Append a JSON line per event (block started/verified, peer failures) to this file.")
+@click.option("--exit-when-complete", is_flag=True,
+              help="Exit once this node holds its assigned blocks and every child the plan gives it has come "
+                   "and gone (without --plan: once no peer has been connected for a moment).")
+def agent_command(listen: str | None, node_id: str | None, seed: Path | None, plan: Path | None,
+                  cache_dir: Path | None, memory: int | None, transport: str | None, local_socket: Path | None,
+                  events: Path | None, exit_when_complete: bool) -> None:
+    """Run the node agent: serve blocks to peers, fetch this node's share, feed local engines."""
+    settings = load_settings(agent_cache_dir=cache_dir, agent_memory_bytes=memory, agent_transport=transport,
+                             agent_local_socket=local_socket, agent_node_id=node_id)
+    if plan is not None and not settings.agent_node_id:
+        raise PlanFileError(f"{plan}: --node-id is needed to know which of the plan's nodes this agent is")
+    port = split_address(listen)[1] if listen else settings.agent_port
+    options = AgentOptions(node_id=settings.agent_node_id or f"{socket.gethostname()}:{port}", listen=listen,
+                           seed=seed, plan=plan, events=events, exit_when_complete=exit_when_complete)
+    asyncio.run(AgentDaemon(options, settings).run())

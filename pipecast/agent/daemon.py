@@ -1,0 +1,278 @@
+"""The agent daemon: serves what the node holds, follows a static plan, feeds the local engine.
+
+One asyncio loop per agent process. On start it opens the seed package (if any), listens for peers,
+opens the local API, and with a plan fetches this node's assignments (resuming from the disk cache),
+forwarding every verified chunk to its own children as it lands. SIGTERM or SIGINT stops it cleanly.
+"""
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from pipecast.agent.budget import MemoryBudget
+from pipecast.agent.buffers import SharedMemoryAllocator
+from pipecast.agent.cache import BlockCache
+from pipecast.agent.errors import AgentError, PlanFileError
+from pipecast.agent.events import EventLog
+from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, Peer, fetch_files, fetch_manifest
+from pipecast.agent.local_api import LocalApiServer
+from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.plan_file import StaticPlan, read_plan_file
+from pipecast.agent.ratelimit import format_rate
+from pipecast.agent.source import PackageFolderSource
+from pipecast.agent.store import BlockStore, StoreEvent
+from pipecast.agent.transport.base import Listener, Transport, split_address
+from pipecast.agent.transport.registry import select_transport
+from pipecast.settings import Settings
+from pipecast.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+PROGRESS_LOG_S = 5.0
+# --exit-when-complete waits this long with no peer connected, so a child between two requests is not
+# left behind.
+EXIT_LINGER_S = 0.5
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """What one agent process does (the ``pipecast agent`` flags, resolved)."""
+
+    node_id: str
+    listen: str | None = None  # host:port; None: the plan's address for this node, else the settings'
+    seed: Path | None = None
+    plan: Path | None = None
+    events: Path | None = None
+    exit_when_complete: bool = False
+    policy: FetchPolicy = field(default_factory=FetchPolicy)
+
+
+class AgentDaemon:
+    """One node agent. ``await run()`` until stopped."""
+
+    def __init__(self, options: AgentOptions, settings: Settings) -> None:
+        self.options = options
+        self.settings = settings
+        self.node_id = options.node_id
+        self.holdings = PeerServer()
+        self.budget = MemoryBudget(settings.agent_memory_bytes)
+        self.allocator = SharedMemoryAllocator()
+        self.cache = BlockCache(settings.agent_cache_dir) if settings.agent_cache_dir else None
+        self.events = EventLog(options.events, options.node_id)
+        self.listener: Listener | None = None
+        self.transport: Transport | None = None
+        self._stop = asyncio.Event()
+        self._cache_writes: set[asyncio.Task] = set()
+        self._local_api: LocalApiServer | None = None
+        self._from_cache = 0
+
+    def stop(self) -> None:
+        """Ask the daemon to shut down (signal-safe from the loop)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Serve until stopped; raises the typed error that made the agent give up (e.g. FetchFailedError)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        plan = read_plan_file(self.options.plan) if self.options.plan else None
+        if plan is not None and self.node_id not in plan.nodes:
+            raise PlanFileError(f"{self.options.plan}: node {self.node_id!r} is not in the plan's 'nodes'")
+        work: asyncio.Task | None = None
+        reporter = loop.create_task(self._report_progress())
+        try:
+            if self.options.seed is not None:
+                source = PackageFolderSource(self.options.seed)
+                store = await asyncio.to_thread(BlockStore.open, source.manifest, allocator=self.allocator,
+                                                budget=self.budget, local=source, require_complete=True)
+                self._hold(store, cache=False)
+                if plan is not None and store.package_id != plan.package_id:
+                    raise PlanFileError(f"{self.options.plan}: the plan is for package {plan.package_id[:12]} "
+                                        f"but --seed {self.options.seed} holds {store.package_id[:12]}")
+                log.info("seeding package %s (%d blocks, %s) from %s", store.package_id[:12],
+                         len(store.manifest.blocks), format_bytes(store.manifest.total_bytes), self.options.seed)
+            self.transport = select_transport(self.settings.agent_transport, self.node_id, self.settings)
+            host, port = self._listen_address(plan)
+            self.listener = await self.transport.listen(host, port, self.holdings)
+            log.info("agent %s listening on %s (%s)", self.node_id, self.listener.address, self.transport.name)
+            self.events.emit("listening", address=self.listener.address, transport=self.transport.name)
+            if self.settings.agent_local_socket is not None:
+                self._local_api = LocalApiServer(self.holdings, self.status)
+                await self._local_api.start(self.settings.agent_local_socket)
+                log.info("local API on %s", self.settings.agent_local_socket)
+            work = loop.create_task(self._work(plan))
+            stop = loop.create_task(self._stop.wait())
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if work.done():
+                try:
+                    work.result()
+                except AgentError as exc:  # a fatal error ends the agent
+                    self.events.emit("failed", error=type(exc).__name__, message=str(exc))
+                    raise
+                await self._stop.wait()
+        finally:
+            log.info("agent %s stopping", self.node_id)
+            for task in (work, reporter):
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(*(t for t in (work, reporter) if t is not None), return_exceptions=True)
+            await self._shutdown()
+
+    def _listen_address(self, plan: StaticPlan | None) -> tuple[str, int]:
+        if self.options.listen is not None:
+            return split_address(self.options.listen)
+        if plan is not None:
+            return split_address(plan.nodes[self.node_id])
+        return self.settings.agent_host, self.settings.agent_port
+
+    async def _work(self, plan: StaticPlan | None) -> None:
+        if plan is not None:
+            await self._follow_plan(plan)
+        if self.options.exit_when_complete:
+            await self._wait_children_served(plan)
+            log.info("agent %s: complete, children served; exiting", self.node_id)
+            self.stop()
+
+    async def _follow_plan(self, plan: StaticPlan) -> None:
+        assignments = plan.assignments_for(self.node_id)
+        if plan.package_id in self.holdings.stores or not assignments:
+            if self.node_id in plan.plan.sources and plan.package_id not in self.holdings.stores:
+                log.warning("node %s is a source in the plan but seeds no package %s (use --seed)",
+                            self.node_id, plan.package_id[:12])
+            return
+        self.holdings.expect(plan.package_id)
+        pool = ChannelPool(self.transport)
+        try:
+            store = await self._open_receiving_store(plan, assignments, pool)
+            sources = plan.sources()
+            await fetch_files(pool, store, [*(p for _, p in assignments), *sources], self._peer_failed)
+            if self.cache is not None:
+                for path, data in store.files.items():
+                    await asyncio.to_thread(self.cache.write_file, store.package_id, path, data)
+            policy = replace(self.options.policy, fallbacks=tuple(sources))
+            fetcher = Fetcher(store, pool, policy, self._peer_failed)
+            await fetcher.fetch(assignments)
+        finally:
+            await pool.close()
+        if self._cache_writes:
+            await asyncio.gather(*self._cache_writes)
+        progress = store.progress()
+        seconds = progress.elapsed_s or 0.0
+        log.info("agent %s: package %s complete: %d blocks (%d from the disk cache), %s in %.3f s (%s)",
+                 self.node_id, store.package_id[:12], progress.blocks_verified, self._from_cache,
+                 format_bytes(progress.bytes_total), seconds,
+                 format_rate(progress.bytes_total / seconds) if seconds else "-")
+        self.events.emit("complete", package=store.package_id, bytes=progress.bytes_total, seconds=seconds)
+
+    async def _open_receiving_store(self, plan: StaticPlan, assignments: list[tuple[int, Peer]],
+                                    pool: ChannelPool) -> BlockStore:
+        cached = self.cache.source(plan.package_id) if self.cache is not None else None
+        if cached is not None:
+            manifest, origin = cached.manifest, cached.description
+        else:
+            peers = [*(p for _, p in assignments), *plan.sources()]
+            manifest, peer = await fetch_manifest(pool, plan.package_id, peers, self._peer_failed)
+            origin = f"peer {peer}"
+            if self.cache is not None:
+                await asyncio.to_thread(self.cache.write_manifest, manifest)
+        store = await asyncio.to_thread(BlockStore.open, manifest, allocator=self.allocator, budget=self.budget,
+                                        local=cached, manifest_origin=origin)
+        if cached is not None:
+            log.info("disk cache: %d of %d blocks of %s verified and served from %s",
+                     len(store.verified_blocks()), len(manifest.blocks), plan.package_id[:12], cached.root)
+        self._hold(store, cache=True)
+        self._from_cache = len(store.verified_blocks())
+        return store
+
+    def _hold(self, store: BlockStore, cache: bool) -> None:
+        """Serve ``store`` and wire its events to the event log, the local API and the disk cache."""
+        self.holdings.add(store)
+
+        def on_event(event: StoreEvent) -> None:
+            self.events.emit(event.kind, at=event.at, package=store.package_id, block=event.block,
+                             peer=event.peer)
+            if self._local_api is not None:
+                self._local_api.publish(event, store.package_id)
+            if event.kind == "block_verified":
+                log.debug("block %d verified (from %s)", event.block, event.peer)
+                if cache and self.cache is not None:
+                    self._write_to_cache(store, event.block)
+
+        store.subscribe(on_event)
+
+    def _write_to_cache(self, store: BlockStore, block: int) -> None:
+        async def write() -> None:
+            try:
+                await asyncio.to_thread(self.cache.write_block, store.manifest, block, store.block_view(block))
+            except OSError as exc:
+                log.warning("disk cache: could not write block %d (%s); it stays in memory only", block, exc)
+
+        task = asyncio.get_running_loop().create_task(write())
+        self._cache_writes.add(task)
+        task.add_done_callback(self._cache_writes.discard)
+
+    def _peer_failed(self, what: str, peer: Peer, error: Exception) -> None:
+        self.events.emit("peer_failed", what=what, peer=peer.node_id, address=peer.address,
+                         error=type(error).__name__, message=str(error))
+
+    async def _wait_children_served(self, plan: StaticPlan | None) -> None:
+        """Return once every child the plan gives this node has come and no peer is connected."""
+        children = plan.children_of(self.node_id) if plan is not None else set()
+        idle_since = None
+        while True:
+            idle = self.listener.open_connections == 0 and children <= self.holdings.requesters
+            now = time.monotonic()
+            idle_since = (idle_since or now) if idle else None
+            if idle_since is not None and now - idle_since >= EXIT_LINGER_S:
+                return
+            await asyncio.sleep(0.05)
+
+    async def _report_progress(self) -> None:
+        last_in = last_out = 0
+        while True:
+            await asyncio.sleep(PROGRESS_LOG_S)
+            if self.transport is None:
+                continue
+            stats = self.transport.stats
+            if (stats.bytes_received, stats.bytes_sent) == (last_in, last_out):
+                continue  # nothing moved: say nothing
+            for store in self.holdings.stores.values():
+                p = store.progress()
+                log.info("agent %s: %s %d/%d blocks, %s of %s; in %s, out %s", self.node_id,
+                         store.package_id[:12], p.blocks_verified, p.blocks_total, format_bytes(p.bytes_present),
+                         format_bytes(p.bytes_total), format_rate((stats.bytes_received - last_in) / PROGRESS_LOG_S),
+                         format_rate((stats.bytes_sent - last_out) / PROGRESS_LOG_S))
+            last_in, last_out = stats.bytes_received, stats.bytes_sent
+
+    def status(self) -> dict:
+        """The agent's state for the local API: bytes moved, and per package and block what is held."""
+        stats = self.transport.stats if self.transport is not None else None
+        return {
+            "node": self.node_id,
+            "address": self.listener.address if self.listener is not None else None,
+            "bytes_received": stats.bytes_received if stats else 0,
+            "bytes_sent": stats.bytes_sent if stats else 0,
+            "packages": {
+                pid: {"blocks_verified": p.blocks_verified, "blocks_total": p.blocks_total,
+                      "bytes_present": p.bytes_present, "bytes_total": p.bytes_total, "complete": p.complete,
+                      "goodput_bytes_per_s": p.bytes_total / p.elapsed_s if p.elapsed_s else None,
+                      "blocks": [vars(b) for b in p.blocks]}
+                for pid, p in ((pid, s.progress()) for pid, s in self.holdings.stores.items())
+            },
+        }
+
+    async def _shutdown(self) -> None:
+        if self._local_api is not None:
+            await self._local_api.close()
+        if self.listener is not None:
+            await self.listener.close()
+        if self._cache_writes:
+            await asyncio.gather(*self._cache_writes, return_exceptions=True)
+        for store in self.holdings.stores.values():
+            store.close()
+        self.events.emit("stopped")
+        self.events.close()

@@ -1,0 +1,88 @@
+"""Typed failures of the node agent; each message says whose fault the failure was."""
+
+from pipecast.errors import PipecastError
+
+
+class AgentError(PipecastError):
+    """Base of every node-agent failure."""
+
+
+class PeerError(AgentError):
+    """A peer (parent, source or child) failed us; ``peer`` names it."""
+
+    def __init__(self, peer: str, message: str) -> None:
+        super().__init__(f"peer {peer}: {message}")
+        self.peer = peer
+
+
+class PeerConnectError(PeerError):
+    """The peer could not be reached within the connect timeout (refused, unreachable, too slow)."""
+
+
+class PeerTimeoutError(PeerError):
+    """The peer stayed silent longer than the I/O timeout in the middle of a transfer."""
+
+
+class PeerClosedError(PeerError):
+    """The peer closed or reset the connection before the transfer ended."""
+
+
+class PeerProtocolError(PeerError):
+    """The peer sent something the protocol does not allow (bad header, wrong chunk, wrong size)."""
+
+
+class PeerRefusedError(PeerError):
+    """The peer answered with an error (it does not hold the package, block or file asked for)."""
+
+
+class CorruptChunkError(PeerError):
+    """A chunk whose digest does not match the manifest; it was not marked present."""
+
+    def __init__(self, peer: str, block: int, chunk: int) -> None:
+        super().__init__(peer, f"sent a corrupt chunk {chunk} of block {block} (digest mismatch)")
+        self.block = block
+        self.chunk = chunk
+
+
+class CorruptFileError(PeerError):
+    """A manifest or small package file whose digest does not match what the plan or manifest says."""
+
+
+class MemoryBudgetError(AgentError):
+    """A package does not fit in the agent's memory budget; refused rather than swapped."""
+
+
+class PackageSourceError(AgentError):
+    """A package folder (seed or cache) that cannot be served: missing, unreadable or corrupt."""
+
+
+class UnknownPackageError(AgentError):
+    """A request names a package or block this agent does not hold."""
+
+
+class TransportUnavailableError(AgentError):
+    """The configured transport cannot be used on this node (not registered or not importable)."""
+
+
+class PlanFileError(AgentError):
+    """A static plan file that cannot be used (unreadable, malformed, or not naming this node)."""
+
+
+class FetchFailedError(AgentError):
+    """A block or file could not be fetched from its parent nor from any fallback source."""
+
+    def __init__(self, what: str, attempts: list[tuple[str, Exception]], given_up: tuple[str, ...] = ()) -> None:
+        tried = [f"{type(err).__name__}: {err}" for _, err in attempts]
+        if given_up:
+            tried.append(f"given up on earlier: {', '.join(given_up)}")
+        super().__init__(f"{what} could not be fetched from any peer ({'; '.join(tried)})")
+        self.what = what
+        self.attempts = attempts
+
+
+class LocalApiError(AgentError):
+    """The local agent API refused a request or could not be reached."""
+
+
+class LocalApiTimeoutError(LocalApiError, TimeoutError):
+    """What a local client waited for did not happen within its timeout (also a ``TimeoutError``)."""

@@ -1,0 +1,233 @@
+"""Fetching a node's assigned blocks (and the package's manifest and small files) from its peers.
+
+Assignments are fetched in the plan's order with a bounded number in flight. A failed fetch resumes
+from the block's first missing chunk. A parent that fails is retried a bounded number of times with
+backoff, except one that sent a corrupt chunk (never retried); then the fetch falls back to the given
+fallback peers (the sources of a static plan), or fails with a typed error naming every peer tried so
+that a control plane can re-parent. A peer given up on is not asked for later blocks either.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from packager.errors import ManifestError
+from packager.manifest import MANIFEST_FILE, manifest_from_json
+from pipecast.agent.errors import CorruptChunkError, CorruptFileError, FetchFailedError, PeerError
+from pipecast.agent.ratelimit import format_rate
+from pipecast.agent.store import BlockStore
+from pipecast.agent.transport.base import Channel, Transport
+from pipecast.units import format_bytes
+from pipecast.v1.manifest_pb2 import Manifest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONCURRENCY = 2
+DEFAULT_RETRIES = 2
+DEFAULT_BACKOFF_S = 0.2
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another agent: its node id and where it listens."""
+
+    node_id: str
+    address: str
+
+    def __str__(self) -> str:
+        return f"{self.node_id}@{self.address}"
+
+
+@dataclass(frozen=True)
+class FetchPolicy:
+    """How hard to try: parents fetched from at once, retries per peer, first backoff (doubling),
+    fallback peers."""
+
+    concurrency: int = DEFAULT_CONCURRENCY
+    retries: int = DEFAULT_RETRIES
+    backoff_s: float = DEFAULT_BACKOFF_S
+    fallbacks: tuple[Peer, ...] = ()
+
+
+PeerFailureCallback = Callable[[str, Peer, Exception], None]
+
+
+class ChannelPool:
+    """Open channels per peer, reused between requests; one request per channel at a time."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._idle: dict[Peer, list[Channel]] = {}
+        self._busy: set[Channel] = set()
+
+    async def acquire(self, peer: Peer) -> Channel:
+        """An idle channel to ``peer``, or a new one (raises ``PeerConnectError`` within the deadline)."""
+        idle = self._idle.get(peer)
+        channel = idle.pop() if idle else await self.transport.connect(peer.address, str(peer))
+        self._busy.add(channel)
+        return channel
+
+    def release(self, peer: Peer, channel: Channel) -> None:
+        """Give back a channel whose request ended well."""
+        self._busy.discard(channel)
+        self._idle.setdefault(peer, []).append(channel)
+
+    async def discard(self, channel: Channel) -> None:
+        """Close a channel whose request failed."""
+        self._busy.discard(channel)
+        await channel.close()
+
+    async def close(self) -> None:
+        """Close every channel."""
+        channels = [*self._busy, *(c for cs in self._idle.values() for c in cs)]
+        self._busy.clear()
+        self._idle.clear()
+        for channel in channels:
+            await channel.close()
+
+
+async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[Peer],
+                         on_failure: PeerFailureCallback | None = None) -> tuple[Manifest, Peer]:
+    """The manifest of ``package_id`` from the first of ``peers`` that gives a valid one.
+
+    Valid means it parses, is consistent, and its block and file digests hash to ``package_id``: a peer
+    cannot substitute another package.
+    """
+    attempts: list[tuple[str, Exception]] = []
+    for peer in dict.fromkeys(peers):
+        channel = None
+        try:
+            channel = await pool.acquire(peer)
+            data = await channel.fetch_file(package_id, MANIFEST_FILE)
+            pool.release(peer, channel)
+            channel = None
+            manifest = manifest_from_json(data, where=f"manifest from {peer}")
+            if manifest.package_id != package_id:
+                raise CorruptFileError(str(peer), f"sent the manifest of package {manifest.package_id[:12]}, "
+                                                  f"not {package_id[:12]}")
+            return manifest, peer
+        except ManifestError as exc:
+            error: Exception = CorruptFileError(str(peer), f"sent an invalid manifest: {exc.problem}")
+        except PeerError as exc:
+            error = exc
+        if channel is not None:
+            await pool.discard(channel)
+        log.warning("manifest of %s: %s", package_id[:12], error)
+        attempts.append((str(peer), error))
+        if on_failure:
+            on_failure(MANIFEST_FILE, peer, error)
+    raise FetchFailedError(f"the manifest of package {package_id[:12]}", attempts)
+
+
+async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[Peer],
+                      on_failure: PeerFailureCallback | None = None) -> None:
+    """Fetch the package's small files the store lacks, each verified against the manifest."""
+    for path in store.missing_files():
+        attempts: list[tuple[str, Exception]] = []
+        for peer in dict.fromkeys(peers):
+            channel = None
+            try:
+                channel = await pool.acquire(peer)
+                data = await channel.fetch_file(store.package_id, path)
+                pool.release(peer, channel)
+                channel = None
+                store.add_file(path, data, str(peer))
+                break
+            except PeerError as exc:
+                if channel is not None:
+                    await pool.discard(channel)
+                log.warning("file %s: %s", path, exc)
+                attempts.append((str(peer), exc))
+                if on_failure:
+                    on_failure(path, peer, exc)
+        else:
+            raise FetchFailedError(f"file {path}", attempts)
+
+
+class Fetcher:
+    """Fetches assigned blocks into a store."""
+
+    def __init__(self, store: BlockStore, pool: ChannelPool, policy: FetchPolicy = FetchPolicy(),
+                 on_peer_failure: PeerFailureCallback | None = None) -> None:
+        self.store = store
+        self.pool = pool
+        self.policy = policy
+        self.on_peer_failure = on_peer_failure
+        self.failed_peers: set[Peer] = set()
+
+    async def fetch(self, assignments: Sequence[tuple[int, Peer]]) -> None:
+        """Fetch every ``(block, parent)`` in order: one block at a time per parent, and up to
+        ``policy.concurrency`` parents at once.
+
+        One block at a time from a parent makes blocks complete in order, each at the parent's full rate
+        (an engine needs block 0 first); several parents at once use a receiver's spare ingress.
+        Raises the first :class:`FetchFailedError` (the other fetches are cancelled).
+        """
+        gate = asyncio.Semaphore(self.policy.concurrency)
+        per_parent: dict[Peer, asyncio.Lock] = {}
+
+        async def one(block: int, parent: Peer) -> None:
+            # Locks and the semaphore are FIFO and tasks start in assignment order: order is kept.
+            async with per_parent.setdefault(parent, asyncio.Lock()), gate:
+                await self._fetch_block(block, parent)
+
+        tasks = [asyncio.create_task(one(block, parent)) for block, parent in assignments]
+        prefaulting = asyncio.create_task(self._prefault([block for block, _ in assignments]))
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                await next_done
+        finally:
+            for task in [*tasks, prefaulting]:
+                task.cancel()
+            await asyncio.gather(*tasks, prefaulting, return_exceptions=True)
+
+    async def _prefault(self, blocks: list[int]) -> None:
+        """Map the blocks' memory in assignment order, off the event loop, ahead of their bytes."""
+        for block in blocks:
+            await asyncio.to_thread(self.store.prefault, block)
+
+    async def _fetch_block(self, block: int, parent: Peer) -> None:
+        attempts: list[tuple[str, Exception]] = []
+        peers = [parent, *(p for p in self.policy.fallbacks if p != parent)]
+        for n, peer in enumerate(peers):
+            if peer in self.failed_peers:
+                continue
+            if n:
+                log.warning("block %d: parent %s failed; falling back to source %s", block, parent, peer)
+            for attempt in range(1 + self.policy.retries):
+                if attempt:
+                    await asyncio.sleep(self.policy.backoff_s * 2 ** (attempt - 1))
+                try:
+                    await self._fetch_from(block, peer)
+                    return
+                except PeerError as exc:
+                    attempts.append((str(peer), exc))
+                    log.warning("block %d: %s", block, exc)
+                    if self.on_peer_failure:
+                        self.on_peer_failure(f"block {block}", peer, exc)
+                    if isinstance(exc, CorruptChunkError):
+                        break  # a peer that sent bad bytes is not asked again
+            # Given up on this peer: later blocks go straight to the next one instead of waiting again.
+            self.failed_peers.add(peer)
+        given_up = tuple(str(p) for p in peers if p in self.failed_peers and str(p) not in dict(attempts))
+        raise FetchFailedError(f"block {block}", attempts, given_up)
+
+    async def _fetch_from(self, block: int, peer: Peer) -> None:
+        first = self.store.first_missing_chunk(block)
+        if first is None:
+            return
+        channel = await self.pool.acquire(peer)
+        start = time.perf_counter()
+        try:
+            await channel.fetch_block(self.store.package_id, block, first, self.store)
+        except BaseException:
+            await self.pool.discard(channel)
+            raise
+        self.pool.release(peer, channel)
+        seconds = time.perf_counter() - start
+        meta = self.store.manifest.blocks[block]
+        nbytes = meta.bytes - first * meta.chunk_bytes
+        log.info("block %d from %s: %s in %.3f s (%s)%s", block, peer, format_bytes(nbytes), seconds,
+                 format_rate(nbytes / seconds) if seconds else "-", f", resumed at chunk {first}" if first else "")

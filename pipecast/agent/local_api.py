@@ -1,0 +1,148 @@
+"""The local API server: how an engine on the same node reads verified blocks without a copy.
+
+The agent's block buffers are shared mappings from the start (memfd for received blocks, the files
+themselves for a seed or the disk cache), so a verified block is handed over as a path the engine maps
+read-only: the bytes the network wrote are the bytes the engine reads. Requests and events travel over a
+unix socket as JSON lines, one request and one answer at a time::
+
+    {"op": "manifest"}                          -> {"ok": true, "manifest": {...}}
+    {"op": "wait_block", "block": 3, "timeout": 30}
+                                                -> {"ok": true, "block": 3, "path": "/proc/..", "bytes": N}
+    {"op": "file", "path": "config.json"}       -> {"ok": true, "data": "<base64>"}
+    {"op": "progress"}                          -> {"ok": true, "progress": {StoreProgress as JSON}}
+    {"op": "status"}                            -> {"ok": true, "status": {node, bytes moved, packages}}
+    {"op": "subscribe"}                         -> {"ok": true}, then {"event": "block_verified", ...} lines
+
+Every request may name ``"package"`` (a package id); without it the agent's only package is meant.
+Failures answer ``{"ok": false, "error": "...", "timeout": bool}``. A received block's path is
+``/proc/<agent pid>/fd/<n>`` (its memfd): the engine must run as the agent's user and see its pid
+namespace (same container or pod with a shared process namespace). The engine's side is
+:class:`pipecast.agent.local_client.LocalAgentClient`.
+"""
+
+import asyncio
+import base64
+import dataclasses
+import json
+import logging
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from packager.manifest import manifest_to_json
+from pipecast.agent.errors import AgentError, LocalApiError, LocalApiTimeoutError
+from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.store import StoreEvent
+
+log = logging.getLogger(__name__)
+
+
+class LocalApiServer:
+    """Serves the local API of one agent on a unix socket (mode 0600: same user only)."""
+
+    def __init__(self, holdings: PeerServer, status: Callable[[], dict]) -> None:
+        self._holdings = holdings
+        self._status = status
+        self._server: asyncio.AbstractServer | None = None
+        self._subscribers: set[asyncio.Queue] = set()
+        self.path: Path | None = None
+
+    async def start(self, path: Path) -> None:
+        """Listen on ``path``; a stale socket file left by a dead agent is replaced."""
+        path = Path(path)
+        if path.exists():
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(1.0)
+            try:
+                probe.connect(str(path))
+                raise LocalApiError(f"{path}: another agent is listening on this socket")
+            except (ConnectionRefusedError, FileNotFoundError):
+                path.unlink(missing_ok=True)
+            finally:
+                probe.close()
+        self._server = await asyncio.start_unix_server(self._serve, path=str(path))
+        os.chmod(path, 0o600)
+        self.path = path
+
+    def publish(self, event: StoreEvent, package_id: str) -> None:
+        """Send a verified-block event to every subscriber."""
+        if event.kind != "block_verified":
+            return
+        message = {"event": event.kind, "package": package_id, "block": event.block, "at": event.at}
+        for queue in self._subscribers:
+            queue.put_nowait(message)
+
+    async def close(self) -> None:
+        """Stop serving and remove the socket file."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                try:
+                    request = json.loads(line)
+                    if request.get("op") == "subscribe":
+                        await self._stream_events(request, writer)
+                        return
+                    answer = await self._answer(request)
+                except LocalApiTimeoutError as exc:
+                    answer = {"ok": False, "error": str(exc), "timeout": True}
+                except (AgentError, ValueError, KeyError, TypeError) as exc:
+                    answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "timeout": False}
+                writer.write(json.dumps(answer).encode() + b"\n")
+                await writer.drain()
+        except (ConnectionError, ValueError):
+            pass  # the engine went away, or sent a line over the stream limit: drop it
+        finally:
+            writer.close()
+
+    async def _answer(self, request: dict) -> dict:
+        op = request.get("op")
+        if op == "status":
+            return {"ok": True, "status": self._status()}
+        timeout = float(request.get("timeout", 30.0))
+        try:
+            store = await asyncio.wait_for(self._holdings.wait_store(request.get("package")), timeout)
+        except TimeoutError:
+            raise LocalApiTimeoutError(f"no package {request.get('package') or ''} here within "
+                                       f"{timeout:g} s") from None
+        if op == "manifest":
+            return {"ok": True, "manifest": json.loads(manifest_to_json(store.manifest))}
+        if op == "progress":
+            return {"ok": True, "progress": dataclasses.asdict(store.progress())}
+        if op == "file":
+            try:
+                data = await asyncio.wait_for(store.wait_file(request["path"]), timeout)
+            except TimeoutError:
+                raise LocalApiTimeoutError(f"file {request['path']!r} not here within {timeout:g} s") from None
+            return {"ok": True, "data": base64.b64encode(data).decode()}
+        if op == "wait_block":
+            block = int(request["block"])
+            try:
+                await asyncio.wait_for(store.wait_block(block), timeout)
+            except TimeoutError:
+                raise LocalApiTimeoutError(f"block {block} not verified within {timeout:g} s") from None
+            return {"ok": True, "package": store.package_id, "block": block, "path": store.block_path(block),
+                    "bytes": store.manifest.blocks[block].bytes}
+        raise LocalApiError(f"unknown op {op!r}")
+
+    async def _stream_events(self, request: dict, writer: asyncio.StreamWriter) -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subscribers.add(queue)
+        try:
+            writer.write(b'{"ok": true}\n')
+            for store in self._holdings.stores.values():  # what happened before the subscription
+                for block in store.verified_blocks():
+                    at = store.progress().blocks[block].verified_at
+                    queue.put_nowait({"event": "block_verified", "package": store.package_id, "block": block,
+                                      "at": at})
+            while True:
+                writer.write(json.dumps(await queue.get()).encode() + b"\n")
+                await writer.drain()
+        finally:
+            self._subscribers.discard(queue)

@@ -1,0 +1,147 @@
+"""The engine's side of the local API: verified blocks of the node agent, mapped without a copy.
+
+Blocking and light (no asyncio, no torch): an engine's loader thread calls it. The protocol is described
+in :mod:`pipecast.agent.local_api`.
+"""
+
+import base64
+import json
+import mmap
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from packager.manifest import manifest_from_json
+from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError
+from pipecast.agent.store import BlockProgress, StoreProgress
+from pipecast.v1.manifest_pb2 import Manifest
+
+# Slack on top of a request's own timeout before the client gives up on the agent itself.
+CLIENT_SLACK_S = 5.0
+
+
+class LocalAgentClient:
+    """An engine's handle on the agent of its node.
+
+    Thread-safe: calls are serialised on one connection (keep waits short when several threads share a
+    client). A block's memory stays mapped until :meth:`close` and, after it, for as long as a view of
+    it (a tensor) is alive.
+    """
+
+    def __init__(self, socket_path: Path | str, connect_timeout_s: float = 5.0) -> None:
+        self.socket_path = str(socket_path)
+        self._connect_timeout_s = connect_timeout_s
+        self._lock = threading.Lock()
+        self._sock = self._connect()
+        self._lines = self._sock.makefile("rb")
+        self._maps: dict[tuple[str, int], mmap.mmap] = {}
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self._connect_timeout_s)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as exc:
+            sock.close()
+            raise LocalApiError(f"no agent at {self.socket_path} ({exc.strerror or exc})") from None
+        return sock
+
+    def _call(self, request: dict, timeout: float) -> dict:
+        with self._lock:
+            self._sock.settimeout(timeout + CLIENT_SLACK_S)
+            try:
+                self._sock.sendall(json.dumps(request).encode() + b"\n")
+                line = self._lines.readline()
+            except TimeoutError:
+                raise LocalApiTimeoutError(f"agent at {self.socket_path} did not answer {request['op']} "
+                                           f"within {timeout + CLIENT_SLACK_S:g} s") from None
+            except OSError as exc:
+                raise LocalApiError(f"agent at {self.socket_path}: {exc.strerror or exc}") from None
+        if not line:
+            raise LocalApiError(f"agent at {self.socket_path} closed the connection")
+        answer = json.loads(line)
+        if not answer.get("ok"):
+            error = LocalApiTimeoutError if answer.get("timeout") else LocalApiError
+            raise error(f"agent at {self.socket_path}: {answer.get('error')}")
+        return answer
+
+    def manifest(self, package_id: str | None = None, timeout: float = 30.0) -> Manifest:
+        """The package's manifest (waits until the agent has it)."""
+        answer = self._call({"op": "manifest", "package": package_id, "timeout": timeout}, timeout)
+        return manifest_from_json(json.dumps(answer["manifest"]), where=f"agent at {self.socket_path}")
+
+    def wait_block(self, index: int, timeout: float, package_id: str | None = None) -> memoryview:
+        """Block ``index``'s bytes once verified: a read-only view of the agent's own memory (no copy).
+
+        Raises :class:`LocalApiTimeoutError` (a ``TimeoutError``) if not verified within ``timeout``.
+        """
+        answer = self._call({"op": "wait_block", "block": index, "package": package_id, "timeout": timeout},
+                            timeout)
+        key = (answer["package"], index)
+        with self._lock:
+            if key not in self._maps:
+                fd = os.open(answer["path"], os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    self._maps[key] = mmap.mmap(fd, answer["bytes"], flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+            return memoryview(self._maps[key])
+
+    def package_file(self, path: str, package_id: str | None = None, timeout: float = 30.0) -> bytes:
+        """A small package file (config.json, tokenizer files), verified by the agent."""
+        answer = self._call({"op": "file", "path": path, "package": package_id, "timeout": timeout}, timeout)
+        return base64.b64decode(answer["data"])
+
+    def progress(self, package_id: str | None = None, timeout: float = 30.0) -> StoreProgress:
+        """What the agent holds of the package: per block, chunks present and when it was verified."""
+        data = self._call({"op": "progress", "package": package_id, "timeout": timeout}, timeout)["progress"]
+        blocks = tuple(BlockProgress(**b) for b in data.pop("blocks"))
+        return StoreProgress(**data, blocks=blocks)
+
+    def status(self) -> dict:
+        """The agent's state: node, address, bytes moved, and every package it holds with its goodput."""
+        return self._call({"op": "status"}, 0.0)["status"]
+
+    def events(self, timeout: float | None = None) -> Iterator[dict]:
+        """Verified-block events (past ones first), on a connection of their own.
+
+        ``timeout`` bounds the wait for each event (:class:`LocalApiTimeoutError`); None waits forever.
+        """
+        sock = self._connect()
+        try:
+            sock.settimeout(timeout)
+            sock.sendall(b'{"op": "subscribe"}\n')
+            lines = sock.makefile("rb")
+            while True:
+                try:
+                    line = lines.readline()
+                except TimeoutError:
+                    raise LocalApiTimeoutError(f"no event from {self.socket_path} within {timeout:g} s") \
+                        from None
+                if not line:
+                    return
+                message = json.loads(line)
+                if "event" in message:
+                    yield message
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        """Close the connection and unmap the blocks (views still held keep their mapping alive)."""
+        with self._lock:
+            for mapped in self._maps.values():
+                try:
+                    mapped.close()
+                except BufferError:
+                    pass  # a caller still holds a view (a tensor): the mapping goes when that view does
+            self._maps.clear()
+            self._lines.close()
+            self._sock.close()
+
+    def __enter__(self) -> "LocalAgentClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,83 @@
+"""Static plan files: a multicast plan plus the package and the address of every node, for running
+agents without a control plane (benchmarks, tests, air-gapped clusters).
+
+Format: the JSON of :meth:`control_plane.schedules.Plan.to_json` with two more keys::
+
+    {"package_id": "...", "nodes": {"seed": "10.0.0.1:7070", "r1": "10.0.0.2:7070"},
+     "strategy": "chain", "sources": ["seed"], "assignments": {"r1": [[0, "seed"], [1, "seed"]]}}
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipecast.agent.errors import PlanFileError
+from pipecast.agent.fetcher import Peer
+from pipecast.agent.transport.base import split_address
+
+if TYPE_CHECKING:
+    from control_plane.schedules import Plan
+
+
+@dataclass(frozen=True)
+class StaticPlan:
+    """A plan file, parsed and checked: every node the plan names has an address."""
+
+    package_id: str
+    nodes: dict[str, str]
+    plan: "Plan"
+
+    def peer(self, node_id: str) -> Peer:
+        """The node ``node_id`` with its address."""
+        return Peer(node_id, self.nodes[node_id])
+
+    def assignments_for(self, node_id: str) -> list[tuple[int, Peer]]:
+        """What ``node_id`` fetches, in order: (block, parent)."""
+        return [(a.block, self.peer(a.parent)) for a in self.plan.assignments.get(node_id, [])]
+
+    def sources(self) -> list[Peer]:
+        """The nodes that hold the whole package, in the plan's order: the fallback of every fetch."""
+        return [self.peer(s) for s in self.plan.sources]
+
+    def children_of(self, node_id: str) -> set[str]:
+        """Nodes that fetch at least one block from ``node_id``."""
+        return {rx for rx, fetches in self.plan.assignments.items() if any(a.parent == node_id for a in fetches)}
+
+
+def plan_file_data(plan: "Plan", package_id: str, nodes: dict[str, str]) -> dict:
+    """The JSON-able content of a plan file (see the module docstring)."""
+    return {"package_id": package_id, "nodes": dict(nodes), **plan.to_json()}
+
+
+def read_plan_file(path: Path) -> StaticPlan:
+    """Read and check a plan file; raise :class:`PlanFileError` naming the file and the problem."""
+    from control_plane.schedules import Plan, PlanError
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise PlanFileError(f"{path}: cannot read the plan file ({exc.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanFileError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{path}: expected a JSON object")
+    package_id, nodes = data.pop("package_id", None), data.pop("nodes", None)
+    if not isinstance(package_id, str) or not package_id:
+        raise PlanFileError(f"{path}: 'package_id' must be the package's id")
+    if not isinstance(nodes, dict) or not all(isinstance(v, str) for v in nodes.values()):
+        raise PlanFileError(f"{path}: 'nodes' must map node ids to host:port addresses")
+    for node, address in nodes.items():
+        try:
+            split_address(address)
+        except ValueError as exc:
+            raise PlanFileError(f"{path}: node {node!r}: {exc}") from None
+    try:
+        plan = Plan.from_json(data)
+    except PlanError as exc:
+        raise PlanFileError(f"{path}: {exc}") from None
+    named = set(plan.sources) | set(plan.assignments) | {a.parent for fs in plan.assignments.values() for a in fs}
+    unplaced = sorted(named - nodes.keys())
+    if unplaced:
+        raise PlanFileError(f"{path}: nodes {', '.join(unplaced)} have no address in 'nodes'")
+    return StaticPlan(package_id, nodes, plan)

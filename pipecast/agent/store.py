@@ -1,0 +1,358 @@
+"""The block store: one package's blocks in memory, chunk by chunk, verified before anything sees them.
+
+Each block has one buffer sized from the manifest. Transports receive straight into a chunk's slice of
+that buffer (:meth:`BlockStore.chunk_buffer`) and then report it (:meth:`BlockStore.chunk_landed`): the
+chunk is hashed against its manifest digest and only then counts as present, so a peer serving this
+store (cut-through) or a local engine can never read an unverified byte. A block is verified when all
+its chunks are: the manifest is validated on open, and its package id covers every chunk digest, so the
+chunk digests are as trustworthy as the package id and one hash pass over the bytes suffices.
+
+The store is used from one asyncio event loop: marking is synchronous, waiting is awaitable.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from packager.digest import digest_bytes
+from packager.manifest import validate_manifest
+from pipecast.agent.budget import MemoryBudget, Reservation
+from pipecast.agent.buffers import BlockBuffer, BufferAllocator
+from pipecast.agent.errors import (
+    CorruptChunkError,
+    CorruptFileError,
+    PackageSourceError,
+    UnknownPackageError,
+)
+from pipecast.agent.source import PackageSource
+from pipecast.v1.manifest_pb2 import Block, Manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreEvent:
+    """Something that happened to a block: its first verified chunk, or its verification."""
+
+    kind: Literal["block_started", "block_verified"]
+    block: int
+    peer: str
+    at: float  # time.time(): comparable across the processes of one host
+
+
+@dataclass(frozen=True)
+class BlockProgress:
+    """State of one block."""
+
+    index: int
+    chunks_present: int
+    chunks_total: int
+    started_at: float | None
+    verified_at: float | None
+
+
+@dataclass(frozen=True)
+class StoreProgress:
+    """State of the whole package."""
+
+    package_id: str
+    blocks_verified: int
+    blocks_total: int
+    bytes_present: int
+    bytes_total: int
+    blocks: tuple[BlockProgress, ...]
+
+    @property
+    def complete(self) -> bool:
+        return self.blocks_verified == self.blocks_total
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """From the first verified chunk to the last verified block, once complete (else None)."""
+        if not self.complete or not self.blocks:
+            return None
+        return max(b.verified_at for b in self.blocks) - min(b.started_at for b in self.blocks)
+
+
+class _BlockState:
+    """Buffer, chunk bitmap and waiters of one block."""
+
+    def __init__(self, meta: Block, buffer: BlockBuffer) -> None:
+        self.meta = meta
+        self.buffer = buffer
+        self.readonly = buffer.view.toreadonly()
+        self.count = len(meta.chunk_digests)
+        self.present = bytearray(self.count)
+        self.n_present = 0
+        self.bytes_present = 0
+        self.chunk_waiters: dict[int, list[asyncio.Future]] = {}
+        self.block_waiters: list[asyncio.Future] = []
+        self.started_at: float | None = None
+        self.verified_at: float | None = None
+
+    def bounds(self, chunk: int) -> tuple[int, int]:
+        start = chunk * self.meta.chunk_bytes
+        return start, min(start + self.meta.chunk_bytes, self.meta.bytes)
+
+    def close(self) -> None:
+        for fut in [*self.block_waiters, *(f for fs in self.chunk_waiters.values() for f in fs)]:
+            fut.cancel()
+        try:
+            self.readonly.release()
+            self.buffer.close()
+        except BufferError:
+            # A view is still held (e.g. an engine's tensors): the mapping goes with its last view.
+            log.debug("block %d is still in use; its memory goes when the last view does", self.meta.index)
+
+    def reset(self) -> None:
+        self.present = bytearray(self.count)
+        self.n_present = self.bytes_present = 0
+
+
+def _wake(waiters: list[asyncio.Future]) -> None:
+    for fut in waiters:
+        if not fut.done():
+            fut.set_result(None)
+
+
+class BlockStore:
+    """The blocks of one package held by this node. Build it with :meth:`open`."""
+
+    def __init__(self, manifest: Manifest, manifest_origin: str) -> None:
+        self.manifest = manifest
+        self.package_id = manifest.package_id
+        self.manifest_origin = manifest_origin
+        self.files: dict[str, bytes] = {}
+        self._blocks: list[_BlockState] = []
+        self._reservation: Reservation | None = None
+        self._listeners: list[Callable[[StoreEvent], None]] = []
+        self._file_waiters: dict[str, list[asyncio.Future]] = {}
+
+    @classmethod
+    def open(cls, manifest: Manifest, *, allocator: BufferAllocator, budget: MemoryBudget,
+             local: PackageSource | None = None, require_complete: bool = False,
+             manifest_origin: str = "") -> "BlockStore":
+        """A store for ``manifest``: blocks found in ``local`` are mapped and verified, the rest allocated.
+
+        Local blocks are re-hashed on open (no trusted marker: a torn or rotten file is caught here and
+        fetched again). Blocks mapped from files cost no budget (they are page cache); allocated blocks
+        are reserved against ``budget`` up front, or :class:`MemoryBudgetError` is raised. With
+        ``require_complete`` (a seed) a missing or corrupt local block raises :class:`PackageSourceError`.
+        An inconsistent manifest (e.g. chunk digests that do not hash to its package id) raises
+        :class:`packager.errors.ManifestError` naming ``manifest_origin``.
+        """
+        validate_manifest(manifest, manifest_origin or "manifest")
+        store = cls(manifest, manifest_origin or (local.description if local else ""))
+        try:
+            if local is not None:
+                store._load_local(local, require_complete)
+            held = {s.meta.index for s in store._blocks}
+            missing = [b for b in manifest.blocks if b.index not in held]
+            need = sum(b.bytes for b in missing)
+            if need:
+                store._reservation = budget.reserve(
+                    need, f"package {manifest.package_id[:12]} ({len(missing)} blocks to receive)")
+            for meta in missing:
+                buffer = allocator.allocate(f"pipecast-{manifest.package_id[:12]}-block-{meta.index}",
+                                            meta.bytes)
+                store._blocks.append(_BlockState(meta, buffer))
+            store._blocks.sort(key=lambda s: s.meta.index)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def _load_local(self, local: PackageSource, require_complete: bool) -> None:
+        """Map and verify every block and file ``local`` has; keep the good ones."""
+        for meta in self.manifest.blocks:
+            if not local.has_block(meta.index):
+                if require_complete:
+                    raise PackageSourceError(f"{local.description}: block {meta.index} ({meta.file}) is "
+                                             "missing or has the wrong size")
+                continue
+            state = _BlockState(meta, local.open_block(meta.index))
+            try:
+                for chunk in range(state.count):
+                    self._land(state, chunk, local.description)
+            except CorruptChunkError as exc:
+                state.close()
+                if require_complete:
+                    raise PackageSourceError(f"{local.description}: block {meta.index} ({meta.file}) does "
+                                             f"not match the manifest: {exc}") from exc
+                log.warning("%s: block %d does not match the manifest (%s); fetching it again",
+                            local.description, meta.index, exc)
+                continue
+            self._blocks.append(state)
+        for entry in self.manifest.files:
+            data = local.read_file(entry.path)
+            try:
+                if data is None:
+                    raise PackageSourceError(f"{local.description}: file {entry.path} is missing")
+                self.add_file(entry.path, data, local.description)
+            except (PackageSourceError, CorruptFileError) as exc:
+                if require_complete:
+                    raise PackageSourceError(str(exc)) from exc
+                log.warning("%s; fetching it again", exc)
+
+    # -- receiving ---------------------------------------------------------------------------------------
+
+    def chunk_count(self, block: int) -> int:
+        """Number of chunks of ``block``."""
+        return self._state(block).count
+
+    def chunk_buffer(self, block: int, chunk: int) -> memoryview:
+        """The writable slice of ``block``'s buffer where ``chunk`` must be received (not yet present)."""
+        state = self._state(block)
+        if state.present[chunk]:
+            raise ValueError(f"chunk {chunk} of block {block} is already present")
+        start, end = state.bounds(chunk)
+        return state.buffer.view[start:end]
+
+    def prefault(self, block: int) -> None:
+        """Map ``block``'s memory ahead of receiving it (blocking, GIL-free: run it in a worker thread)."""
+        state = self._state(block)
+        if state.verified_at is None:
+            state.buffer.prefault()
+
+    def chunk_landed(self, block: int, chunk: int, peer: str) -> None:
+        """``chunk`` of ``block`` has been written into its buffer by ``peer``: verify it, then publish it.
+
+        Raises :class:`CorruptChunkError` naming ``peer`` (the chunk stays missing).
+        """
+        state = self._state(block)
+        if state.present[chunk]:
+            raise ValueError(f"chunk {chunk} of block {block} is already present")
+        self._land(state, chunk, peer)
+
+    def _land(self, state: _BlockState, chunk: int, peer: str) -> None:
+        start, end = state.bounds(chunk)
+        view = state.buffer.view
+        if digest_bytes(view[start:end]) != state.meta.chunk_digests[chunk]:
+            raise CorruptChunkError(peer, state.meta.index, chunk)
+        state.present[chunk] = 1
+        state.n_present += 1
+        state.bytes_present += end - start
+        now = time.time()
+        if state.started_at is None:
+            state.started_at = now
+            self._emit(StoreEvent("block_started", state.meta.index, peer, now))
+        if state.n_present == state.count:
+            state.verified_at = now
+            _wake(state.block_waiters)
+            state.block_waiters.clear()
+            self._emit(StoreEvent("block_verified", state.meta.index, peer, now))
+        _wake(state.chunk_waiters.pop(chunk, []))
+
+    def add_file(self, path: str, data: bytes, peer: str) -> None:
+        """Keep a small package file after checking it against the manifest; ``peer`` is who sent it."""
+        entry = next((f for f in self.manifest.files if f.path == path), None)
+        if entry is None:
+            raise CorruptFileError(peer, f"sent file {path!r}, which the manifest does not list")
+        if len(data) != entry.bytes or digest_bytes(data) != entry.digest:
+            raise CorruptFileError(peer, f"sent file {path!r} whose size or digest differs from the manifest")
+        self.files[path] = data
+        _wake(self._file_waiters.pop(path, []))
+
+    async def wait_file(self, path: str) -> bytes:
+        """A small package file, once held (no deadline: the caller's); unknown paths are refused."""
+        if not any(f.path == path for f in self.manifest.files):
+            raise UnknownPackageError(f"package {self.package_id[:12]} has no file {path!r}")
+        while path not in self.files:
+            fut = asyncio.get_running_loop().create_future()
+            self._file_waiters.setdefault(path, []).append(fut)
+            await fut
+        return self.files[path]
+
+    def missing_files(self) -> list[str]:
+        """Small package files not held yet."""
+        return [f.path for f in self.manifest.files if f.path not in self.files]
+
+    # -- reading -----------------------------------------------------------------------------------------
+
+    def first_missing_chunk(self, block: int) -> int | None:
+        """Where a (re)fetch of ``block`` starts; None when the block is verified."""
+        present = self._state(block).present
+        index = present.find(0)
+        return None if index < 0 else index
+
+    def is_chunk_present(self, block: int, chunk: int) -> bool:
+        return bool(self._state(block).present[chunk])
+
+    def is_block_verified(self, block: int) -> bool:
+        return self._state(block).verified_at is not None
+
+    def verified_blocks(self) -> list[int]:
+        return [s.meta.index for s in self._blocks if s.verified_at is not None]
+
+    async def wait_chunk(self, block: int, chunk: int) -> memoryview:
+        """The verified bytes of ``chunk`` (read-only view, no copy), once present.
+
+        No deadline here: the caller's peer (or the fetch that fills the chunk) carries it.
+        """
+        state = self._state(block)
+        if not 0 <= chunk < state.count:
+            raise UnknownPackageError(f"block {block} has no chunk {chunk} (it has {state.count})")
+        while not state.present[chunk]:
+            fut = asyncio.get_running_loop().create_future()
+            state.chunk_waiters.setdefault(chunk, []).append(fut)
+            await fut
+        return state.readonly[slice(*state.bounds(chunk))]
+
+    async def wait_block(self, block: int) -> None:
+        """Return once ``block`` is complete and verified."""
+        state = self._state(block)
+        while state.verified_at is None:
+            fut = asyncio.get_running_loop().create_future()
+            state.block_waiters.append(fut)
+            await fut
+
+    def block_view(self, block: int) -> memoryview:
+        """Read-only view of a verified block's bytes (no copy)."""
+        state = self._state(block)
+        if state.verified_at is None:
+            raise ValueError(f"block {block} is not verified yet")
+        return state.readonly
+
+    def block_path(self, block: int) -> str:
+        """A path another process on this node can map to read the block without a copy."""
+        return self._state(block).buffer.path
+
+    def progress(self) -> StoreProgress:
+        """A snapshot of what is present."""
+        blocks = tuple(BlockProgress(s.meta.index, s.n_present, s.count, s.started_at, s.verified_at)
+                       for s in self._blocks)
+        return StoreProgress(
+            package_id=self.package_id,
+            blocks_verified=sum(1 for s in self._blocks if s.verified_at is not None),
+            blocks_total=len(self._blocks),
+            bytes_present=sum(s.bytes_present for s in self._blocks),
+            bytes_total=self.manifest.total_bytes,
+            blocks=blocks,
+        )
+
+    def subscribe(self, listener: Callable[[StoreEvent], None]) -> None:
+        """Call ``listener`` on every later block event (from the store's event loop)."""
+        self._listeners.append(listener)
+
+    def _emit(self, event: StoreEvent) -> None:
+        for listener in self._listeners:
+            listener(event)
+
+    def _state(self, block: int) -> _BlockState:
+        if not 0 <= block < len(self._blocks):
+            raise UnknownPackageError(f"package {self.package_id[:12]} has no block {block} "
+                                      f"(it has {len(self._blocks)})")
+        return self._blocks[block]
+
+    def close(self) -> None:
+        """Free every buffer and give the memory budget back; the store must not be used afterwards."""
+        for state in self._blocks:
+            state.close()
+        self._blocks = []
+        for fut in (f for fs in self._file_waiters.values() for f in fs):
+            fut.cancel()
+        if self._reservation:
+            self._reservation.release()

@@ -1,0 +1,81 @@
+"""Which transport an agent uses: a small registry with auto-detection.
+
+``auto`` takes the first accelerated backend (UCX) that can be imported and whose hardware is present
+(a GPU or an RDMA device), else TCP. Each backend is an entry of ``_REGISTRY`` naming its class as
+``module:attribute``, imported only when chosen, so a heavy backend (ucxx) costs nothing otherwise.
+"""
+
+import importlib
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipecast.agent.errors import TransportUnavailableError
+from pipecast.agent.transport.base import Transport
+from pipecast.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def accelerated_fabric_present() -> bool:
+    """Whether this node has a GPU or an RDMA device, the hardware a UCX backend is for."""
+    return os.path.exists("/dev/nvidiactl") or bool(os.path.isdir("/sys/class/infiniband")
+                                                     and os.listdir("/sys/class/infiniband"))
+
+
+@dataclass(frozen=True)
+class TransportEntry:
+    """A backend: its name, its class (``module:attribute``), the modules it needs, when auto picks it.
+
+    The class is built as ``cls(node_id, settings)``.
+    """
+
+    name: str
+    target: str
+    requires: tuple[str, ...] = ()
+    preferred: Callable[[], bool] = lambda: False
+
+    def importable(self) -> bool:
+        return all(importlib.util.find_spec(module) is not None for module in self.requires)
+
+
+_REGISTRY: dict[str, TransportEntry] = {
+    "tcp": TransportEntry("tcp", "pipecast.agent.transport.tcp:TcpTransport"),
+    # The UCX backend (RDMA, GPU memory) lives in its own module; it is usable once that module and the
+    # ucx extra (pip install 'pipecast[ucx]') are both there.
+    "ucx": TransportEntry("ucx", "pipecast.agent.transport.ucx:UcxTransport",
+                          requires=("ucxx", "pipecast.agent.transport.ucx"), preferred=accelerated_fabric_present),
+}
+
+
+def transport_names() -> list[str]:
+    """Registered backends, plus ``auto``."""
+    return ["auto", *_REGISTRY]
+
+
+def resolve_transport_name(name: str) -> str:
+    """The backend ``name`` means on this node (``auto`` resolved); raise if it cannot be used here."""
+    if name == "auto":
+        for entry in _REGISTRY.values():
+            if entry.name != "tcp" and entry.importable() and entry.preferred():
+                return entry.name
+        return "tcp"
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise TransportUnavailableError(f"transport {name!r} is not registered (known: "
+                                        f"{', '.join(transport_names())})")
+    if not entry.importable():
+        missing = [m for m in entry.requires if importlib.util.find_spec(m) is None]
+        raise TransportUnavailableError(f"transport {name!r} cannot be used on this node: "
+                                        f"{', '.join(missing)} not installed")
+    return name
+
+
+def select_transport(name: str, node_id: str, settings: Settings) -> Transport:
+    """Build the transport ``name`` (``auto``, ``tcp``, ...) for the agent ``node_id``."""
+    resolved = resolve_transport_name(name)
+    module, attribute = _REGISTRY[resolved].target.split(":")
+    log.info("transport: %s%s", resolved, " (auto)" if name == "auto" else "")
+    return getattr(importlib.import_module(module), attribute)(node_id, settings)

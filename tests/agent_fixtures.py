@@ -1,0 +1,54 @@
+"""Shared pieces of the agent's tests: small random packages (real packager, no torch), a faulty relay."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from packager.pack import pack
+from pipecast.agent.budget import MemoryBudget
+from pipecast.agent.buffers import SharedMemoryAllocator
+from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.source import PackageFolderSource
+from pipecast.agent.store import BlockStore
+from pipecast.v1.manifest_pb2 import Manifest
+
+
+def make_package(path: Path, *, layers: int = 4, layer_bytes: int = 1 << 20, chunk_bytes: int = 256 << 10,
+                 seed: int = 0) -> Manifest:
+    """Pack a random checkpoint of ``layers`` layers (one block each) into the package folder ``path``."""
+    rng = np.random.default_rng(seed)
+    checkpoint = path.parent / f"{path.name}-checkpoint"
+    checkpoint.mkdir(parents=True)
+    tensors = {"model.embed_tokens.weight": rng.integers(0, 256, (16, 256), dtype=np.uint8),
+               "model.norm.weight": rng.integers(0, 256, (256,), dtype=np.uint8)}
+    for layer in range(layers):
+        tensors[f"model.layers.{layer}.mlp.weight"] = rng.integers(0, 256, (layer_bytes,), dtype=np.uint8)
+    save_file(tensors, str(checkpoint / "model.safetensors"))
+    (checkpoint / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers}))
+    return pack(checkpoint, path, layers_per_block=1, chunk_bytes=chunk_bytes)
+
+
+def seed_store(root: Path) -> BlockStore:
+    """A store serving the package folder ``root``, as a seed agent holds it."""
+    source = PackageFolderSource(root)
+    return BlockStore.open(source.manifest, allocator=SharedMemoryAllocator(), budget=MemoryBudget(1 << 30),
+                           local=source, require_complete=True)
+
+
+class FlippingServer(PeerServer):
+    """A faulty relay: serves its stores but flips a byte of one chunk (block, chunk)."""
+
+    def __init__(self, flip: tuple[int, int]) -> None:
+        super().__init__()
+        self.flip = flip
+
+    async def wait_chunk(self, package_id: str, block: int, chunk: int) -> memoryview:
+        data = await super().wait_chunk(package_id, block, chunk)
+        if (block, chunk) == self.flip:
+            bad = bytearray(data)
+            bad[7] ^= 0xFF
+            return memoryview(bad)
+        return data

@@ -1,0 +1,255 @@
+"""Real agent processes on loopback following static plans: identical bytes, cut-through, faults, shutdown.
+
+The seed's egress is rate-limited (PIPECAST_EGRESS_MBIT) so a transfer lasts long enough to observe,
+and it is held with SIGSTOP until every receiver is up, so all of them are connected when bytes start.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from control_plane.schedules import make_plan
+from pipecast.agent.events import read_events
+from pipecast.agent.local_client import LocalAgentClient
+from pipecast.agent.plan_file import plan_file_data
+from pipecast.agent.transport.tcp import TcpTransport
+from pipecast.settings import Settings
+from pipecast.v1.manifest_pb2 import Manifest
+from tests.agent_fixtures import FlippingServer, make_package, seed_store
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = ("import logging, sys; logging.basicConfig(level=logging.INFO, "
+          "format='%(created).6f %(name)s %(levelname)s: %(message)s'); "
+          "from pipecast.agent.command import agent_command; agent_command(sys.argv[1:])")
+# Longer than the seed is held stopped while the receivers start (their first requests wait meanwhile).
+IO_TIMEOUT_S = 10.0
+SEED_MBIT = "16"  # 2 MB/s: the 1.2 MB package takes ~0.6 s from the seed
+WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> tuple[Path, Manifest]:
+    root = tmp_path_factory.mktemp("integration") / "pkg"
+    return root, make_package(root, layers=4, layer_bytes=300_000, chunk_bytes=64 << 10)
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+class Agents:
+    """Agent processes of one test, their logs and event files; all stopped at the end."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, node: str, *args: str | Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = (self.tmp / f"{node}.log").open("w")
+        self.procs[node] = subprocess.Popen(
+            [sys.executable, "-c", LAUNCH, "--node-id", node, "--events", str(self.tmp / f"{node}.jsonl"),
+             *map(str, args)],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PIPECAST_IO_TIMEOUT_S": str(IO_TIMEOUT_S), **(env or {})})
+        log.close()
+        return self.procs[node]
+
+    def events(self, node: str, kind: str | None = None) -> list[dict]:
+        path = self.tmp / f"{node}.jsonl"
+        events = read_events(path) if path.exists() else []
+        return [e for e in events if kind is None or e["event"] == kind]
+
+    def log(self, node: str) -> str:
+        return (self.tmp / f"{node}.log").read_text()
+
+    def find(self, node: str, kind: str, where: Callable[[dict], bool] = lambda e: True) -> dict | None:
+        found = [e for e in self.events(node, kind) if where(e)]
+        if not found and self.procs[node].poll() is not None and kind != "stopped":
+            pytest.fail(f"agent {node} exited ({self.procs[node].returncode}) before {kind}:\n{self.log(node)}")
+        return found[0] if found else None
+
+    def wait(self, node: str, kind: str, where: Callable[[dict], bool] = lambda e: True) -> dict:
+        deadline = time.monotonic() + WAIT_S
+        while (event := self.find(node, kind, where)) is None:
+            assert time.monotonic() < deadline, f"no {kind} from {node}:\n{self.log(node)}"
+            time.sleep(0.02)
+        return event
+
+    async def wait_async(self, node: str, kind: str) -> dict:
+        deadline = time.monotonic() + WAIT_S
+        while (event := self.find(node, kind)) is None:
+            assert time.monotonic() < deadline, f"no {kind} from {node}:\n{self.log(node)}"
+            await asyncio.sleep(0.02)
+        return event
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def agents(tmp_path):
+    running = Agents(tmp_path)
+    yield running
+    running.stop_all()
+
+
+def write_plan(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def start_seed_held(agents: Agents, root: Path, plan: Path) -> subprocess.Popen:
+    seed = agents.start("seed", "--seed", root, "--plan", plan, env={"PIPECAST_EGRESS_MBIT": SEED_MBIT})
+    agents.wait("seed", "listening")
+    seed.send_signal(signal.SIGSTOP)  # hold the bytes back until every receiver is connected
+    return seed
+
+
+def start_receivers(agents: Agents, plan: Path, receivers: list[str], *extra: str | Path) -> None:
+    for rx in receivers:
+        agents.start(rx, "--plan", plan, "--cache-dir", agents.tmp / f"cache-{rx}", *extra)
+        agents.wait(rx, "listening")
+
+
+def assert_identical_copy(agents: Agents, rx: str, root: Path, manifest: Manifest) -> None:
+    cached = agents.tmp / f"cache-{rx}" / manifest.package_id
+    for block in manifest.blocks:
+        assert (cached / block.file).read_bytes() == (root / block.file).read_bytes(), f"{rx} block {block.index}"
+
+
+def test_chain_of_four_copies_the_package_exactly_with_cut_through(agents, package, tmp_path):
+    root, manifest = package
+    chain = ["seed", "r1", "r2", "r3", "r4"]
+    nodes = {node: f"127.0.0.1:{port}" for node, port in zip(chain, free_ports(len(chain)))}
+    plan = write_plan(tmp_path / "plan.json", plan_file_data(
+        make_plan("chain", ["seed"], chain[1:], len(manifest.blocks)), manifest.package_id, nodes))
+    seed = start_seed_held(agents, root, plan)
+    try:
+        start_receivers(agents, plan, chain[1:4])
+        start_receivers(agents, plan, ["r4"], "--local-socket", tmp_path / "r4.sock")
+        with LocalAgentClient(tmp_path / "r4.sock") as client, pytest.raises(TimeoutError):
+            client.wait_block(0, timeout=0.1)  # nothing can be verified while the seed is held
+    finally:
+        seed.send_signal(signal.SIGCONT)
+    for rx in chain[1:]:
+        agents.wait(rx, "complete")
+        assert_identical_copy(agents, rx, root, manifest)
+        assert agents.events(rx, "peer_failed") == []
+        # One block at a time from a parent: blocks complete in layer order, as an engine needs them.
+        assert [e["block"] for e in agents.events(rx, "block_verified")] == list(range(len(manifest.blocks)))
+
+    # Cut-through: each relay's child starts every block before the relay has all of it. Block 0 is left
+    # out of the timing check: it overlaps each hop's setup (manifest, store, files), which on a loaded
+    # machine can outlast a block.
+    blocks = range(len(manifest.blocks))
+    for parent, child in zip(chain[1:], chain[2:]):
+        verified = {e["block"]: e["t"] for e in agents.events(parent, "block_verified")}
+        started = {e["block"]: (e["t"], e["peer"]) for e in agents.events(child, "block_started")}
+        for block in blocks:
+            assert started[block][1] == f"{parent}@{nodes[parent]}"
+            if block:
+                assert started[block][0] < verified[block], f"{child} waited for {parent} to finish {block}"
+
+    with LocalAgentClient(tmp_path / "r4.sock") as client:
+        assert client.manifest() == manifest
+        for block in manifest.blocks:
+            assert bytes(client.wait_block(block.index, timeout=5)) == (root / block.file).read_bytes()
+        assert client.package_file("config.json") == (root / "config.json").read_bytes()
+        progress = client.progress()
+        assert progress.complete and progress.bytes_present == manifest.total_bytes
+        assert all(b.verified_at is not None for b in progress.blocks)
+        status = client.status()
+        assert status["node"] == "r4" and status["bytes_received"] >= manifest.total_bytes
+        assert status["packages"][manifest.package_id]["goodput_bytes_per_s"] > 0
+        stream = client.events(timeout=5)  # past events first: every block was verified already
+        assert sorted(next(stream)["block"] for _ in blocks) == list(blocks)
+        stream.close()
+
+    for node in chain:
+        agents.procs[node].terminate()
+        assert agents.procs[node].wait(10) == 0, agents.log(node)
+        assert agents.events(node)[-1]["event"] == "stopped"
+    assert not (tmp_path / "r4.sock").exists()
+
+
+def test_killed_parent_is_a_typed_error_on_its_children_within_the_deadline(agents, package, tmp_path):
+    root, manifest = package
+    names = ["seed", "r1", "r2", "r3"]
+    nodes = {node: f"127.0.0.1:{port}" for node, port in zip(names, free_ports(len(names)))}
+    blocks = range(len(manifest.blocks))
+    plan = write_plan(tmp_path / "plan.json", {
+        "package_id": manifest.package_id, "nodes": nodes, "strategy": "tree", "sources": ["seed"],
+        "assignments": {"r1": [[b, "seed"] for b in blocks], "r2": [[b, "r1"] for b in blocks],
+                        "r3": [[b, "r1"] for b in blocks]}})
+    seed = start_seed_held(agents, root, plan)
+    try:
+        start_receivers(agents, plan, ["r1", "r2", "r3"])
+    finally:
+        seed.send_signal(signal.SIGCONT)
+    agents.wait("r2", "block_verified", lambda e: e["block"] == 0)
+    agents.procs["r1"].kill()
+    killed_at = time.time()
+    for child in ("r2", "r3"):
+        agents.wait(child, "complete")
+        failure = agents.events(child, "peer_failed")[0]
+        assert failure["peer"] == "r1"
+        assert failure["error"] in ("PeerClosedError", "PeerConnectError")
+        assert failure["message"].startswith(f"peer r1@{nodes['r1']}: ")
+        assert failure["t"] - killed_at < IO_TIMEOUT_S
+        assert f"parent r1@{nodes['r1']} failed; falling back to source seed@{nodes['seed']}" in agents.log(child)
+        assert_identical_copy(agents, child, root, manifest)
+
+
+async def test_corrupting_relay_is_named_never_trusted_and_bypassed(agents, package, tmp_path):
+    root, manifest = package
+    relay_store = seed_store(root)
+    faulty = FlippingServer(flip=(0, 1))
+    faulty.add(relay_store)
+    listener = await TcpTransport("faulty", Settings()).listen("127.0.0.1", 0, faulty)
+    seed_port, rx_port = free_ports(2)
+    nodes = {"seed": f"127.0.0.1:{seed_port}", "faulty": listener.address, "r1": f"127.0.0.1:{rx_port}"}
+    blocks = list(range(len(manifest.blocks)))
+    plan = write_plan(tmp_path / "plan.json", {
+        "package_id": manifest.package_id, "nodes": nodes, "strategy": "tree", "sources": ["seed"],
+        "held": {"faulty": blocks}, "assignments": {"r1": [[b, "faulty"] for b in blocks]}})
+    try:
+        agents.start("seed", "--seed", root, "--plan", plan)
+        await agents.wait_async("seed", "listening")
+        rx = agents.start("r1", "--plan", plan, "--cache-dir", tmp_path / "cache-r1", "--exit-when-complete")
+        await agents.wait_async("r1", "stopped")
+        assert rx.wait(5) == 0, agents.log("r1")
+    finally:
+        await listener.close()
+        relay_store.close()
+    failures = agents.events("r1", "peer_failed")
+    assert [(e["what"], e["peer"], e["error"], e["message"]) for e in failures] == [
+        ("block 0", "faulty", "CorruptChunkError",
+         f"peer faulty@{listener.address}: sent a corrupt chunk 1 of block 0 (digest mismatch)")]
+    # Block 0 was finished from the seed (blocks fetched from the relay in parallel were verified too).
+    verified = {e["block"]: e["peer"] for e in agents.events("r1", "block_verified")}
+    assert sorted(verified) == blocks and verified[0] == f"seed@{nodes['seed']}"
+    assert_identical_copy(agents, "r1", root, manifest)

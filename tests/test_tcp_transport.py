@@ -1,0 +1,327 @@
+"""The TCP transport and the fetcher on loopback, in one process: transfers, cut-through, deadlines, faults."""
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from packager.manifest import manifest_from_json
+from pipecast.agent.budget import MemoryBudget
+from pipecast.agent.buffers import SharedMemoryAllocator
+from pipecast.agent.errors import (
+    CorruptChunkError,
+    FetchFailedError,
+    PeerClosedError,
+    PeerConnectError,
+    PeerRefusedError,
+    PeerTimeoutError,
+    TransportUnavailableError,
+)
+from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, Peer
+from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.ratelimit import TokenBucket
+from pipecast.agent.store import BlockStore
+from pipecast.agent.transport.registry import resolve_transport_name
+from pipecast.agent.transport.tcp import TcpListener, TcpTransport
+from pipecast.settings import Settings
+from pipecast.v1.manifest_pb2 import Manifest
+from tests.agent_fixtures import FlippingServer, make_package, seed_store
+
+CHUNK = 64 << 10
+IO_TIMEOUT_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> tuple[Path, Manifest]:
+    root = tmp_path_factory.mktemp("tcp") / "pkg"
+    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK)
+
+
+def settings(**overrides) -> Settings:
+    values = {"io_timeout_s": IO_TIMEOUT_S, "connect_timeout_s": 1.0, "egress_mbit": 0, "ingress_mbit": 0}
+    return Settings(**{**values, **overrides})
+
+
+def empty_store(manifest: Manifest) -> BlockStore:
+    return BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=MemoryBudget(1 << 30),
+                           manifest_origin="test")
+
+
+def block_bytes(root: Path, manifest: Manifest, block: int) -> bytes:
+    return (root / manifest.blocks[block].file).read_bytes()
+
+
+class DyingServer(PeerServer):
+    """A parent that goes away (all its connections reset) when asked for one chunk."""
+
+    def __init__(self, die_at: tuple[int, int]) -> None:
+        super().__init__()
+        self.die_at = die_at
+        self.listener: TcpListener | None = None
+
+    async def wait_chunk(self, package_id: str, block: int, chunk: int) -> memoryview:
+        if (block, chunk) == self.die_at:
+            await self.listener.close()
+        return await super().wait_chunk(package_id, block, chunk)
+
+
+class RecordingServer(PeerServer):
+    """Records every (block, chunk) it serves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.served: list[tuple[int, int]] = []
+
+    async def wait_chunk(self, package_id: str, block: int, chunk: int) -> memoryview:
+        self.served.append((block, chunk))
+        return await super().wait_chunk(package_id, block, chunk)
+
+
+async def serve(server: PeerServer, store: BlockStore, **overrides) -> tuple[TcpTransport, TcpListener]:
+    server.add(store)
+    transport = TcpTransport("server", settings(**overrides))
+    return transport, await transport.listen("127.0.0.1", 0, server)
+
+
+async def test_blocks_and_files_arrive_byte_identical(package):
+    root, manifest = package
+    seed = seed_store(root)
+    server_transport, listener = await serve(PeerServer(), seed)
+    client = TcpTransport("rx", settings())
+    store = empty_store(manifest)
+    try:
+        channel = await client.connect(listener.address, "seed")
+        fetched = manifest_from_json(await channel.fetch_file(manifest.package_id, "manifest.json"))
+        assert fetched == manifest
+        assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
+        for block in range(len(manifest.blocks)):
+            await channel.fetch_block(manifest.package_id, block, 0, store)
+            assert bytes(store.block_view(block)) == block_bytes(root, manifest, block)
+        assert client.stats.bytes_received == server_transport.stats.bytes_sent >= manifest.total_bytes
+        await channel.close()
+    finally:
+        await listener.close()
+        store.close()
+        seed.close()
+
+
+async def test_relay_serves_chunks_before_its_block_is_complete(package):
+    root, manifest = package
+    data = block_bytes(root, manifest, 0)
+    relay = empty_store(manifest)
+    _, listener = await serve(PeerServer(), relay)
+    child = empty_store(manifest)
+    channel = await TcpTransport("child", settings(io_timeout_s=5)).connect(listener.address, "relay")
+    try:
+        fetch = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child))
+        relay.chunk_buffer(0, 0)[:] = data[:CHUNK]
+        relay.chunk_landed(0, 0, "upstream")
+        assert bytes(await asyncio.wait_for(child.wait_chunk(0, 0), 2)) == data[:CHUNK]
+        assert not relay.is_chunk_present(0, 1)  # the relay still lacks the rest of block 0
+        for chunk in range(1, relay.chunk_count(0)):
+            relay.chunk_buffer(0, chunk)[:] = data[chunk * CHUNK:(chunk + 1) * CHUNK]
+            relay.chunk_landed(0, chunk, "upstream")
+        await asyncio.wait_for(fetch, 2)
+        assert bytes(child.block_view(0)) == data
+    finally:
+        await channel.close()
+        await listener.close()
+        child.close()
+        relay.close()
+
+
+async def test_corrupt_chunk_from_a_relay_is_never_present_and_names_it(package):
+    root, manifest = package
+    seed = seed_store(root)
+    _, listener = await serve(FlippingServer(flip=(1, 1)), seed)
+    store = empty_store(manifest)
+    peer = Peer("faulty", listener.address)
+    channel = await TcpTransport("rx", settings()).connect(peer.address, str(peer))
+    try:
+        with pytest.raises(CorruptChunkError) as caught:
+            await channel.fetch_block(manifest.package_id, 1, 0, store)
+        assert str(caught.value) == (f"peer faulty@{listener.address}: sent a corrupt chunk 1 of block 1 "
+                                     "(digest mismatch)")
+        assert store.is_chunk_present(1, 0) and not store.is_chunk_present(1, 1)
+        assert store.first_missing_chunk(1) == 1
+    finally:
+        await channel.close()
+        await listener.close()
+        store.close()
+        seed.close()
+
+
+async def raw_server(handler) -> tuple[asyncio.Server, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, "127.0.0.1:%d" % server.sockets[0].getsockname()[1]
+
+
+async def test_silent_peer_raises_a_timeout_naming_it_within_the_deadline(package):
+    _, manifest = package
+
+    async def mute(reader, writer):
+        await reader.read(1 << 16)
+        await asyncio.sleep(30)
+
+    server, address = await raw_server(mute)
+    store = empty_store(manifest)
+    try:
+        channel = await TcpTransport("rx", settings()).connect(address, "mute")
+        started = time.monotonic()
+        with pytest.raises(PeerTimeoutError) as caught:
+            await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 5)
+        assert time.monotonic() - started < IO_TIMEOUT_S + 1.0
+        assert str(caught.value) == (f"peer mute: silent for {IO_TIMEOUT_S:g} s while sending block 0 "
+                                     f"(chunk 0 of {store.chunk_count(0)})")
+    finally:
+        server.close()
+        store.close()
+
+
+async def test_peer_closing_mid_block_raises_closed_naming_it(package):
+    _, manifest = package
+
+    async def half(reader, writer):
+        from pipecast.agent.transport.tcp import CHUNK as CHUNK_MESSAGE, _header
+
+        await reader.read(1 << 16)
+        writer.write(_header(CHUNK_MESSAGE, 0, 0, CHUNK) + bytes(1000))
+        await writer.drain()
+        writer.close()
+
+    server, address = await raw_server(half)
+    store = empty_store(manifest)
+    try:
+        channel = await TcpTransport("rx", settings()).connect(address, "parent")
+        with pytest.raises(PeerClosedError) as caught:
+            await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 5)
+        assert str(caught.value) == (f"peer parent: closed the connection while sending block 0 (chunk 0 of "
+                                     f"{store.chunk_count(0)}) (end of stream)")
+        assert not store.is_chunk_present(0, 0)
+    finally:
+        server.close()
+        store.close()
+
+
+async def test_refused_connection_and_unknown_package_are_typed(package):
+    root, manifest = package
+    server, address = await raw_server(lambda r, w: None)
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(PeerConnectError, match=rf"^peer gone: cannot connect to {address} \(Connection refused\)$"):
+        await TcpTransport("rx", settings()).connect(address, "gone")
+
+    seed = seed_store(root)
+    _, listener = await serve(PeerServer(), seed)
+    store = empty_store(manifest)
+    try:
+        channel = await TcpTransport("rx", settings()).connect(listener.address, "seed")
+        with pytest.raises(PeerRefusedError, match=r"^peer seed: package 000000000000 is not held here$"):
+            await channel.fetch_block("0" * 64, 0, 0, store)
+    finally:
+        await listener.close()
+        store.close()
+        seed.close()
+
+
+async def test_egress_limit_paces_the_sender(package):
+    root, manifest = package
+    seed = seed_store(root)
+    mbit = 16.0
+    _, listener = await serve(PeerServer(), seed, egress_mbit=mbit)
+    store = empty_store(manifest)
+    try:
+        channel = await TcpTransport("rx", settings()).connect(listener.address, "seed")
+        started = time.monotonic()
+        await channel.fetch_block(manifest.package_id, 0, 0, store)
+        elapsed = time.monotonic() - started
+        # Lower bound only: the bucket may start full (its burst), the rest must wait for tokens.
+        assert elapsed >= (manifest.blocks[0].bytes - (256 << 10)) / (mbit * 1e6 / 8) * 0.9
+    finally:
+        await listener.close()
+        store.close()
+        seed.close()
+
+
+def test_token_bucket_lends_and_asks_for_repayment():
+    now = [0.0]
+    bucket = TokenBucket(rate_bytes_per_s=1000, burst_bytes=500, clock=lambda: now[0])
+    assert bucket.take(500) == 0.0
+    assert bucket.take(1000) == pytest.approx(1.0)
+    now[0] = 1.0
+    assert bucket.take(0) == 0.0
+    now[0] = 100.0
+    assert bucket.take(600) == pytest.approx(0.1)  # refill is capped at the burst
+
+
+def test_transport_selection():
+    assert resolve_transport_name("auto") == "tcp"
+    assert resolve_transport_name("tcp") == "tcp"
+    with pytest.raises(TransportUnavailableError, match="transport 'ucx' cannot be used on this node: .*not installed"):
+        resolve_transport_name("ucx")
+    with pytest.raises(TransportUnavailableError, match="transport 'carrier-pigeon' is not registered"):
+        resolve_transport_name("carrier-pigeon")
+
+
+async def fetch_with(parent_server: PeerServer, manifest: Manifest, root: Path, *, fallback: bool):
+    """Fetch every block from ``parent_server`` with a recording good source as fallback."""
+    parent_seed, source_seed = seed_store(root), seed_store(root)
+    _, parent_listener = await serve(parent_server, parent_seed)
+    if isinstance(parent_server, DyingServer):
+        parent_server.listener = parent_listener
+    source_server = RecordingServer()
+    _, source_listener = await serve(source_server, source_seed)
+    parent, source = Peer("parent", parent_listener.address), Peer("source", source_listener.address)
+    store = empty_store(manifest)
+    failures = []
+    pool = ChannelPool(TcpTransport("rx", settings()))
+    policy = FetchPolicy(concurrency=1, retries=1, backoff_s=0.01, fallbacks=(source,) if fallback else ())
+    fetcher = Fetcher(store, pool, policy, on_peer_failure=lambda what, peer, exc: failures.append((what, peer, exc)))
+    try:
+        await fetcher.fetch([(b, parent) for b in range(len(manifest.blocks))])
+        return store, failures, source_server.served, parent
+    except BaseException:
+        store.close()
+        raise
+    finally:
+        await pool.close()
+        await parent_listener.close()
+        await source_listener.close()
+        parent_seed.close()
+        source_seed.close()
+
+
+async def test_fetcher_resumes_from_the_first_missing_chunk_at_the_source(package):
+    root, manifest = package
+    store, failures, served, parent = await fetch_with(DyingServer(die_at=(1, 2)), manifest, root, fallback=True)
+    try:
+        assert [bytes(store.block_view(b)) for b in range(3)] == [block_bytes(root, manifest, b) for b in range(3)]
+        # Block 2 goes straight to the source: the parent was given up on.
+        assert [(what, p.node_id, type(exc)) for what, p, exc in failures] == [
+            ("block 1", "parent", PeerClosedError), ("block 1", "parent", PeerConnectError)]
+        assert served[0] == (1, 2)  # block 1 resumed where the parent stopped
+        assert {b for b, _ in served} == {1, 2}
+    finally:
+        store.close()
+
+
+async def test_fetcher_never_asks_a_corrupting_parent_again(package):
+    root, manifest = package
+    store, failures, served, parent = await fetch_with(FlippingServer(flip=(0, 2)), manifest, root, fallback=True)
+    try:
+        assert [(what, str(exc)) for what, _, exc in failures] == [
+            ("block 0", f"peer {parent}: sent a corrupt chunk 2 of block 0 (digest mismatch)")]
+        assert served[0] == (0, 2)
+        assert store.progress().complete
+    finally:
+        store.close()
+
+
+async def test_fetcher_without_fallback_fails_naming_the_parent(package):
+    root, manifest = package
+    with pytest.raises(FetchFailedError) as caught:
+        await fetch_with(DyingServer(die_at=(0, 1)), manifest, root, fallback=False)
+    assert str(caught.value).startswith("block 0 could not be fetched from any peer (PeerClosedError: peer parent@")
+    assert [peer for peer, _ in caught.value.attempts] == [str(caught.value.attempts[0][0])] * 2
+    assert isinstance(caught.value.attempts[1][1], PeerConnectError)
