@@ -6,12 +6,16 @@ from pathlib import Path
 
 import click
 
+from control_plane.command import bench_command as control_plane_bench
 from packager.command import SIZE
 
 
 @click.group("bench")
 def bench_group():
     """Benchmarks; each prints measured / floor and the baseline, measured in the same run."""
+
+
+bench_group.add_command(control_plane_bench, "control-plane")
 
 
 @bench_group.command("pack")

@@ -17,6 +17,8 @@ COMMANDS = {
                      "Convert a GGUF model file to a safetensors checkpoint folder."),
     "agent": ("pipecast.agent.command:agent_command",
               "Run the node agent: serve blocks, fetch this node's share, feed local engines."),
+    "control-plane": ("control_plane.command:control_plane_command", "Run the control plane (gRPC)."),
+    "cp": ("control_plane.command:cp_group", "Operate a running control plane: workers, packages, plans."),
     "router": ("pipecast.router.command:router_command",
                "Route completion requests to the least-loaded serving worker."),
     "bench": ("benchmarks.command:bench_group", "Run a benchmark (pack, ...); each prints its floor."),

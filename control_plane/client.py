@@ -1,0 +1,229 @@
+"""A typed async client of the control plane, for agents and the CLI.
+
+Every unary call has a deadline (``timeout_s``) and raises :mod:`control_plane.errors` on failure: the
+server's own error class and message, :class:`Unauthenticated` for a refused token, or
+:class:`ControlPlaneUnavailable` naming the call that went unanswered. The assignment stream has no
+deadline (it lives as long as the worker); HTTP/2 keepalive pings end it with ControlPlaneUnavailable
+within about ``KEEPALIVE_S`` seconds if the server vanishes. Worker-facing calls take and return the
+value types of :mod:`control_plane.model`; operator listings return the protobuf messages as they are.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from control_plane.auth import auth_metadata, channel_credentials
+from control_plane.convert import (
+    MAX_MESSAGE_BYTES,
+    blocks_to_proto,
+    peer_from_proto,
+    peer_to_proto,
+    spec_to_proto,
+    update_from_proto,
+)
+from control_plane.errors import ControlPlaneUnavailable, error_from_rpc
+from control_plane.model import AssignmentUpdate, PeerInfo, WorkerSpec
+from pipecast.settings import Settings
+from pipecast.v1 import control_pb2 as pb
+from pipecast.v1 import control_pb2_grpc
+from pipecast.v1.manifest_pb2 import Manifest
+
+KEEPALIVE_S = 10.0
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # After an outage the channel retries the connection with exponential backoff; capped low so that
+    # agents are back within seconds of a control plane restart (gRPC's default cap is 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+]
+
+
+@dataclass(frozen=True)
+class Registration:
+    """The server's answer to a registration: the lease, the heartbeat interval it expects, and held
+    packages it does not know (the worker may drop them)."""
+
+    lease_s: float
+    heartbeat_s: float
+    unknown_packages: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Both maps of one package, as the control plane knows them."""
+
+    package_id: str
+    num_blocks: int
+    by_worker: dict[str, frozenset[int]]
+    by_block: list[frozenset[str]]
+
+
+class ControlPlaneClient:
+    """One channel to the control plane at ``target`` ("host:port"). Use as ``async with``."""
+
+    def __init__(self, target: str, *, token: str = "", credentials: grpc.ChannelCredentials | None = None,
+                 timeout_s: float = 5.0):
+        self.target = target
+        self.timeout_s = timeout_s
+        self._metadata = auth_metadata(token)
+        self._channel = (grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
+                         else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
+        self._stub = control_pb2_grpc.ControlPlaneStub(self._channel)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "ControlPlaneClient":
+        """A client of ``settings.control_plane`` with the token, TLS files and RPC timeout set there
+        (TLS is on when any tls_* is set: tls_ca verifies the server, tls_cert/tls_key are ours for mTLS)."""
+        return cls(settings.control_plane, token=settings.auth_token, timeout_s=settings.rpc_timeout_s,
+                   credentials=channel_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "ControlPlaneClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method: str, request: Any) -> Any:
+        try:
+            return await getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, target=self.target, method=method) from None
+
+    # ----- workers -----
+
+    async def register(self, spec: WorkerSpec, held: Mapping[str, Iterable[int]] | None = None) -> Registration:
+        """Register (or re-register) a worker; ``held`` is every verified block it holds now, per package."""
+        reply = await self._call("Register", pb.RegisterRequest(worker=spec_to_proto(spec),
+                                                                held=blocks_to_proto(held or {})))
+        return Registration(reply.lease_s, reply.heartbeat_s, tuple(reply.unknown_packages))
+
+    async def heartbeat(self, node_id: str) -> float:
+        """Renew the lease; returns its length. :class:`UnknownWorker` means: register again."""
+        return (await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id))).lease_s
+
+    async def deregister(self, node_id: str) -> None:
+        await self._call("Deregister", pb.DeregisterRequest(node_id=node_id))
+
+    async def list_workers(self) -> list[pb.WorkerState]:
+        return list((await self._call("ListWorkers", pb.ListWorkersRequest())).workers)
+
+    # ----- packages -----
+
+    async def publish_package(self, manifest: Manifest, store: PeerInfo) -> str:
+        """Publish a package served by ``store``; returns its id."""
+        request = pb.PublishPackageRequest(manifest=manifest, store=peer_to_proto(store))
+        return (await self._call("PublishPackage", request)).package_id
+
+    async def get_package(self, package_id: str) -> tuple[Manifest, PeerInfo]:
+        """A package's manifest and its store."""
+        reply = await self._call("GetPackage", pb.GetPackageRequest(package_id=package_id))
+        return reply.manifest, peer_from_proto(reply.store)
+
+    async def list_packages(self) -> list[pb.PackageSummary]:
+        return list((await self._call("ListPackages", pb.ListPackagesRequest())).packages)
+
+    async def remove_package(self, package_id: str, *, force: bool = False) -> None:
+        await self._call("RemovePackage", pb.RemovePackageRequest(package_id=package_id, force=force))
+
+    # ----- availability -----
+
+    async def report_blocks(self, node_id: str, verified: Mapping[str, Iterable[int]],
+                            dropped: Mapping[str, Iterable[int]] | None = None) -> tuple[str, ...]:
+        """Report newly verified (and dropped) blocks; also renews the lease. Returns unknown package ids."""
+        request = pb.ReportBlocksRequest(node_id=node_id, verified=blocks_to_proto(verified),
+                                         dropped=blocks_to_proto(dropped or {}))
+        return tuple((await self._call("ReportBlocks", request)).unknown_packages)
+
+    def open_report_stream(self) -> "ReportStream":
+        """A long-lived report stream (cheaper per report than :meth:`report_blocks`); see ReportStream."""
+        return ReportStream(self, self._stub.StreamReports(metadata=self._metadata))
+
+    async def report_bad_peer(self, node_id: str, peer_id: str, package_id: str, block: int, reason: str) -> bool:
+        """Report a parent that served bad data or failed; True if a plan was repaired without it."""
+        request = pb.ReportBadPeerRequest(node_id=node_id, peer_id=peer_id, package_id=package_id, block=block,
+                                          reason=reason)
+        return (await self._call("ReportBadPeer", request)).replanned
+
+    async def availability(self, package_id: str) -> Availability:
+        reply = await self._call("GetAvailability", pb.GetAvailabilityRequest(package_id=package_id))
+        return Availability(reply.package_id, reply.num_blocks,
+                            {w.node_id: frozenset(w.blocks) for w in reply.by_worker},
+                            [frozenset(b.node_ids) for b in reply.by_block])
+
+    # ----- scaling -----
+
+    async def scale_up(self, package_id: str, *, node_ids: Sequence[str] = (), count: int = 0, strategy: str = "",
+                       fanout: int = 0) -> pb.ScaleUpResponse:
+        """Bring a package onto ``node_ids`` or onto ``count`` more workers (see ControlState.scale_up)."""
+        return await self._call("ScaleUp", pb.ScaleUpRequest(package_id=package_id, node_ids=node_ids, count=count,
+                                                             strategy=strategy, fanout=fanout))
+
+    async def release(self, package_id: str, node_ids: Sequence[str], *, keep_alive_s: float = 0.0) -> float:
+        """Release a package from workers after ``keep_alive_s``; returns the drop time (unix seconds)."""
+        request = pb.ReleaseRequest(package_id=package_id, node_ids=node_ids, keep_alive_s=keep_alive_s)
+        return (await self._call("Release", request)).drop_at_unix
+
+    async def list_plans(self, package_id: str = "") -> list[pb.PlanSummary]:
+        return list((await self._call("ListPlans", pb.ListPlansRequest(package_id=package_id))).plans)
+
+    async def watch_assignments(self, node_id: str) -> AsyncIterator[AssignmentUpdate]:
+        """The worker's assignment stream: a SYNC, its part in each active plan, then every change."""
+        call = self._stub.WatchAssignments(pb.WatchAssignmentsRequest(node_id=node_id), metadata=self._metadata)
+        try:
+            async for msg in call:
+                yield update_from_proto(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc, target=self.target, method="WatchAssignments") from None
+        finally:
+            call.cancel()
+
+
+class ReportStream:
+    """One worker's open report stream: each :meth:`report` is answered before the next is sent. A
+    failure (the server refused a report, or did not answer within the client's deadline) raises the
+    typed error and ends the stream: open a new one."""
+
+    def __init__(self, client: ControlPlaneClient, call: grpc.aio.StreamStreamCall):
+        self._client = client
+        self._call = call
+        self._lock = asyncio.Lock()
+        self.closed = False
+
+    async def report(self, node_id: str, verified: Mapping[str, Iterable[int]],
+                     dropped: Mapping[str, Iterable[int]] | None = None) -> tuple[str, ...]:
+        """Like :meth:`ControlPlaneClient.report_blocks`, on this stream. Returns unknown package ids."""
+        request = pb.ReportBlocksRequest(node_id=node_id, verified=blocks_to_proto(verified),
+                                         dropped=blocks_to_proto(dropped or {}))
+        target = self._client.target
+        async with self._lock:
+            if self.closed:
+                raise ControlPlaneUnavailable(f"report stream to control plane at {target} is closed")
+            try:
+                async with asyncio.timeout(self._client.timeout_s):
+                    await self._call.write(request)
+                    reply = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                self.close()
+                raise error_from_rpc(exc, target=target, method="StreamReports") from None
+            except TimeoutError:
+                self.close()
+                raise ControlPlaneUnavailable(f"control plane at {target} did not answer StreamReports within "
+                                              f"{self._client.timeout_s} s") from None
+            if reply is grpc.aio.EOF:
+                self.close()
+                raise ControlPlaneUnavailable(f"control plane at {target} ended the report stream")
+            return tuple(reply.unknown_packages)
+
+    def close(self) -> None:
+        self.closed = True
+        self._call.cancel()

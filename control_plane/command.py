@@ -1,0 +1,246 @@
+"""Command line of the control plane: ``control-plane`` runs the server; the ``cp`` group is the
+operator's view (workers, packages, availability, plans) and levers (publish, remove, scale-up, release).
+
+Settings come from pipecast's settings (env ``PIPECAST_*``, ``--config`` TOML); flags override them.
+"""
+
+import asyncio
+import json
+import signal
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+from pipecast.settings import Settings, load_settings
+from pipecast.units import format_bytes
+
+CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+                      help="TOML config file (also PIPECAST_CONFIG).")
+
+
+@click.command("control-plane")
+@CONFIG
+@click.option("--host", help="Listen address (settings: control_host).")
+@click.option("--port", type=click.IntRange(0, 65535), help="Listen port, 0 for any (settings: control_port).")
+@click.option("--db", type=click.Path(path_type=Path, dir_okay=False), help="SQLite file (settings: control_db).")
+@click.option("--lease-s", type=click.FloatRange(min=0, min_open=True), help="Worker lease (settings: lease_s).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Serve Prometheus metrics on this port (off unless set).")
+def control_plane_command(config: Path | None, host: str | None, port: int | None, db: Path | None,
+                          lease_s: float | None, metrics_port: int | None) -> None:
+    """Run the control plane until SIGINT/SIGTERM."""
+    from control_plane.server import ControlPlaneServer, ServerConfig
+
+    settings = load_settings(config, control_host=host, control_port=port, control_db=db, lease_s=lease_s)
+    server_config = ServerConfig.from_settings(settings, metrics_port=metrics_port)
+
+    async def serve() -> None:
+        server = ControlPlaneServer(server_config)
+        await server.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        metrics = f", metrics on :{server.metrics_port}" if server.metrics_port is not None else ""
+        click.echo(f"control plane listening on {server.address} (db {server_config.db_path}{metrics})", err=True)
+        try:
+            await stop.wait()
+        finally:
+            await server.stop(grace_s=2.0)
+
+    asyncio.run(serve())
+
+
+@click.group("cp")
+@CONFIG
+@click.option("--control-plane", "target", help="host:port of the control plane (settings: control_plane).")
+@click.option("--token", help="Shared token (settings: auth_token; env PIPECAST_AUTH_TOKEN).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.pass_context
+def cp_group(ctx: click.Context, config: Path | None, target: str | None, token: str | None, as_json: bool) -> None:
+    """Operate a running control plane."""
+    ctx.obj = (load_settings(config, control_plane=target, auth_token=token), as_json)
+
+
+def _run(ctx: click.Context, call: Callable[[Any], Awaitable[Any]]) -> Any:
+    """Run ``call(client)`` against the control plane named in the settings."""
+    from control_plane.client import ControlPlaneClient
+
+    settings: Settings = ctx.obj[0]
+
+    async def go() -> Any:
+        async with ControlPlaneClient.from_settings(settings) as client:
+            return await call(client)
+
+    return asyncio.run(go())
+
+
+def _emit(ctx: click.Context, data: Any, lines: list[str]) -> None:
+    if ctx.obj[1]:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        for line in lines:
+            click.echo(line)
+
+
+def _ranges(blocks: frozenset[int]) -> str:
+    """{1, 2, 3, 7} -> "1-3,7"."""
+    spans: list[list[int]] = []
+    for block in sorted(blocks):
+        if spans and block == spans[-1][1] + 1:
+            spans[-1][1] = block
+        else:
+            spans.append([block, block])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in spans) or "-"
+
+
+def _message_json(message: Any) -> dict:
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+@cp_group.command("workers")
+@click.pass_context
+def workers_command(ctx: click.Context) -> None:
+    """List workers: liveness, lease left, address, labels, blocks held per package."""
+    workers = _run(ctx, lambda c: c.list_workers())
+    lines = [f"{'NODE':<24} {'ALIVE':<5} {'LEASE':>7}  {'ADDRESS':<22} LABELS / HELD"]
+    for w in workers:
+        labels = ",".join(f"{k}={v}" for k, v in sorted(w.worker.labels.items())) or "-"
+        held = " ".join(f"{h.package_id[:12]}:{len(h.blocks)}" for h in w.held) or "-"
+        lines.append(f"{w.worker.peer.node_id:<24} {'yes' if w.alive else 'DEAD':<5} {w.lease_remaining_s:>6.1f}s  "
+                     f"{w.worker.peer.address:<22} {labels} / {held}")
+    _emit(ctx, [_message_json(w) for w in workers], lines)
+
+
+@cp_group.command("packages")
+@click.pass_context
+def packages_command(ctx: click.Context) -> None:
+    """List published packages with their holders."""
+    packages = _run(ctx, lambda c: c.list_packages())
+    lines = [f"{'PACKAGE':<20} {'MODEL':<28} {'BLOCKS':>6} {'SIZE':>10} {'COMPLETE':>8} {'REPLICAS':>8}  STORE"]
+    for p in packages:
+        lines.append(f"{p.package_id[:20]:<20} {p.model_name[:28]:<28} {p.num_blocks:>6} "
+                     f"{format_bytes(p.total_bytes):>10} {p.complete_holders:>8} {p.block_replicas:>8}  "
+                     f"{p.store.node_id}@{p.store.address}")
+    _emit(ctx, [_message_json(p) for p in packages], lines)
+
+
+@cp_group.command("availability")
+@click.argument("package_id")
+@click.pass_context
+def availability_command(ctx: click.Context, package_id: str) -> None:
+    """Both maps of a package: blocks per worker and workers per block."""
+    view = _run(ctx, lambda c: c.availability(package_id))
+    lines = [f"package {view.package_id}: {view.num_blocks} blocks", "by worker:"]
+    lines += [f"  {node:<24} {len(blocks):>4}/{view.num_blocks}  {_ranges(blocks)}"
+              for node, blocks in sorted(view.by_worker.items())]
+    lines.append("by block:")
+    lines += [f"  {block:>4}  {len(nodes):>4} holders  {' '.join(sorted(nodes)) or '-'}"
+              for block, nodes in enumerate(view.by_block)]
+    data = {"package_id": view.package_id, "num_blocks": view.num_blocks,
+            "by_worker": {node: sorted(blocks) for node, blocks in view.by_worker.items()},
+            "by_block": [sorted(nodes) for nodes in view.by_block]}
+    _emit(ctx, data, lines)
+
+
+@cp_group.command("plans")
+@click.option("--package", "package_id", default="", help="Only this package's plans.")
+@click.pass_context
+def plans_command(ctx: click.Context, package_id: str) -> None:
+    """List active scale-up plans."""
+    plans = _run(ctx, lambda c: c.list_plans(package_id))
+    lines = [f"{'PLAN':<12} {'PACKAGE':<20} {'STRATEGY':<9} {'SOURCES':>7} {'RECEIVERS':>9} {'PENDING':>7} "
+             f"{'REPLANS':>7}  CREATED"]
+    for p in plans:
+        created = datetime.fromtimestamp(p.created_unix).isoformat(timespec="seconds")
+        lines.append(f"{p.plan_id:<12} {p.package_id[:20]:<20} {p.strategy:<9} {len(p.sources):>7} "
+                     f"{len(p.receivers):>9} {len(p.pending):>7} {p.replans:>7}  {created}")
+    _emit(ctx, [_message_json(p) for p in plans], lines)
+
+
+@cp_group.command("publish")
+@click.argument("package_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--store-node", required=True, help="Node id of the store that serves the package.")
+@click.option("--store-address", required=True, help="host:port of that store's data plane.")
+@click.option("--transport", "transports", multiple=True, default=("tcp",), show_default=True)
+@click.pass_context
+def publish_command(ctx: click.Context, package_dir: Path, store_node: str, store_address: str,
+                    transports: tuple[str, ...]) -> None:
+    """Publish the package in PACKAGE_DIR (its manifest.json), served by a store node."""
+    from control_plane.model import PeerInfo
+    from packager.manifest import read_manifest
+
+    manifest = read_manifest(package_dir)
+    store = PeerInfo(store_node, store_address, transports)
+    package_id = _run(ctx, lambda c: c.publish_package(manifest, store))
+    _emit(ctx, {"package_id": package_id}, [f"published {package_id} ({len(manifest.blocks)} blocks)"])
+
+
+@cp_group.command("remove")
+@click.argument("package_id")
+@click.option("--force", is_flag=True, help="Also when held: cancel its plans, tell holders to drop it.")
+@click.pass_context
+def remove_command(ctx: click.Context, package_id: str, force: bool) -> None:
+    """Remove a published package."""
+    _run(ctx, lambda c: c.remove_package(package_id, force=force))
+    _emit(ctx, {"removed": package_id}, [f"removed {package_id}"])
+
+
+@cp_group.command("scale-up")
+@click.argument("package_id")
+@click.option("--worker", "workers", multiple=True, help="Target worker (repeat); or use --count.")
+@click.option("--count", type=click.IntRange(min=1), help="Bring the package onto this many more workers.")
+@click.option("--strategy", default="", help="unicast, chain, tree, binomial or rotated (default: picked).")
+@click.option("--fanout", type=click.IntRange(min=1), default=None, help="Children per parent for tree.")
+@click.pass_context
+def scale_up_command(ctx: click.Context, package_id: str, workers: tuple[str, ...], count: int | None,
+                     strategy: str, fanout: int | None) -> None:
+    """Bring a package onto workers with a multicast plan."""
+    if bool(workers) == bool(count):
+        raise click.UsageError("give either --worker (one or more) or --count")
+    reply = _run(ctx, lambda c: c.scale_up(package_id, node_ids=workers, count=count or 0, strategy=strategy,
+                                            fanout=fanout or 0))
+    lines = [f"plan {reply.plan_id or '(none needed)'}: {reply.strategy or '-'} from {', '.join(reply.sources) or '-'} "
+             f"to {len(reply.receivers)} workers"]
+    if reply.unchanged:
+        lines.append(f"already holding or receiving: {', '.join(reply.unchanged)}")
+    _emit(ctx, _message_json(reply), lines)
+
+
+@cp_group.command("release")
+@click.argument("package_id")
+@click.argument("workers", nargs=-1, required=True)
+@click.option("--keep-alive", "keep_alive_s", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Seconds the workers stay sources before they drop the package.")
+@click.pass_context
+def release_command(ctx: click.Context, package_id: str, workers: tuple[str, ...], keep_alive_s: float) -> None:
+    """Release a package from workers (scale-down)."""
+    drop_at = _run(ctx, lambda c: c.release(package_id, workers, keep_alive_s=keep_alive_s))
+    when = datetime.fromtimestamp(drop_at).isoformat(timespec="seconds")
+    _emit(ctx, {"drop_at_unix": drop_at},
+          [f"released {package_id} from {len(workers)} workers; they drop it at {when}"])
+
+
+@click.command("control-plane")
+@click.option("--workers", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--blocks", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
+              help="Seconds of block reporting.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Blocks per report.")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Planning repeats.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the figures as JSON.")
+def bench_command(workers: int, blocks: int, duration_s: float, batch: int, repeat: int,
+                  json_path: Path | None) -> None:
+    """Plan time of a scale-up and block reports/s of the real server under simulated workers."""
+    from control_plane import bench
+
+    result = bench.run(workers=workers, blocks=blocks, duration_s=duration_s, batch=batch, repeat=repeat,
+                       progress=lambda message: click.echo(message, err=True))
+    click.echo(bench.report(result))
+    if json_path:
+        json_path.write_text(json.dumps(bench.to_json(result), indent=2))

@@ -1,0 +1,61 @@
+"""Between the control plane's value types (:mod:`control_plane.model`) and their protobuf messages."""
+
+from collections.abc import Iterable, Mapping
+
+from control_plane.model import AcceleratorInfo, AssignmentUpdate, PeerInfo, Transfer, UpdateKind, WorkerSpec
+from pipecast.v1 import control_pb2 as pb
+
+# The largest message either side accepts: a 70B model's manifest with 1 MiB chunk digests is ~10 MB.
+MAX_MESSAGE_BYTES = 64 << 20
+
+KIND_TO_PROTO = {
+    UpdateKind.SYNC: pb.AssignmentUpdate.SYNC,
+    UpdateKind.ASSIGN: pb.AssignmentUpdate.ASSIGN,
+    UpdateKind.CANCEL: pb.AssignmentUpdate.CANCEL,
+    UpdateKind.DROP: pb.AssignmentUpdate.DROP,
+}
+_KIND_FROM_PROTO = {v: k for k, v in KIND_TO_PROTO.items()}
+
+
+def peer_to_proto(peer: PeerInfo) -> pb.Peer:
+    return pb.Peer(node_id=peer.node_id, address=peer.address, transports=peer.transports)
+
+
+def peer_from_proto(msg: pb.Peer) -> PeerInfo:
+    return PeerInfo(msg.node_id, msg.address, tuple(msg.transports))
+
+
+def spec_to_proto(spec: WorkerSpec) -> pb.WorkerSpec:
+    acc = spec.accelerator
+    return pb.WorkerSpec(peer=peer_to_proto(spec.peer), memory_bytes=spec.memory_bytes,
+                         accelerator=pb.Accelerator(kind=acc.kind, name=acc.name, count=acc.count,
+                                                    memory_bytes=acc.memory_bytes),
+                         labels=dict(spec.labels))
+
+
+def spec_from_proto(msg: pb.WorkerSpec) -> WorkerSpec:
+    acc = msg.accelerator
+    return WorkerSpec(peer=peer_from_proto(msg.peer), memory_bytes=msg.memory_bytes,
+                      accelerator=AcceleratorInfo(acc.kind, acc.name, acc.count, acc.memory_bytes),
+                      labels=dict(msg.labels))
+
+
+def blocks_to_proto(held: Mapping[str, Iterable[int]]) -> list[pb.PackageBlocks]:
+    return [pb.PackageBlocks(package_id=package_id, blocks=sorted(blocks)) for package_id, blocks in held.items()]
+
+
+def blocks_from_proto(msgs: Iterable[pb.PackageBlocks]) -> dict[str, set[int]]:
+    """Block sets per package; a package listed twice gets the union."""
+    out: dict[str, set[int]] = {}
+    for msg in msgs:
+        out.setdefault(msg.package_id, set()).update(msg.blocks)
+    return out
+
+
+def update_from_proto(msg: pb.AssignmentUpdate) -> AssignmentUpdate:
+    return AssignmentUpdate(
+        kind=_KIND_FROM_PROTO[msg.kind], plan_id=msg.plan_id, package_id=msg.package_id, version=msg.version,
+        strategy=msg.strategy,
+        fetch=tuple(Transfer(t.block, peer_from_proto(t.peer)) for t in msg.fetch),
+        serve=tuple(Transfer(t.block, peer_from_proto(t.peer)) for t in msg.serve),
+        plan_ids=tuple(msg.plan_ids), sources=tuple(peer_from_proto(p) for p in msg.sources))

@@ -1,0 +1,96 @@
+"""Typed errors of the control plane, and how they cross gRPC in both directions.
+
+The server raises these from the state model; the service answers with the class's status code, the
+message as details and the class name in the ``pipecast-error`` trailer; the client raises the same
+class with the server's exact message, so an agent or the CLI can tell e.g. :class:`UnknownWorker`
+(register again) from :class:`UnknownPackage` although both are NOT_FOUND.
+"""
+
+import grpc
+
+from pipecast.errors import PipecastError
+
+ERROR_TRAILER = "pipecast-error"
+
+
+class ControlPlaneError(PipecastError):
+    """Base of every control plane error."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class UnknownWorker(ControlPlaneError):
+    """The caller named a worker that is not registered or whose lease lapsed (it must register again)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+    @classmethod
+    def named(cls, node_id: str) -> "UnknownWorker":
+        return cls(f"worker {node_id!r} is not registered (or its lease lapsed): register it again")
+
+
+class UnknownPackage(ControlPlaneError):
+    """The caller named a package that was never published or was removed."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+    @classmethod
+    def named(cls, package_id: str) -> "UnknownPackage":
+        return cls(f"package {package_id!r} is not published")
+
+
+class InvalidRequest(ControlPlaneError):
+    """The caller sent a request that can never succeed as written (bad block index, bad strategy)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Conflict(ControlPlaneError):
+    """The request clashes with the current state (a package in use, a worker already receiving it)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class InsufficientWorkers(ControlPlaneError):
+    """A scale-up asked for more workers than are alive, eligible and have memory for the package."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unauthenticated(ControlPlaneError):
+    """The control plane refused our token: the caller's configuration is wrong."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class ControlPlaneUnavailable(ControlPlaneError):
+    """The control plane could not be reached or did not answer within the deadline."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class TlsConfigError(ControlPlaneError):
+    """A TLS certificate, key or CA file that cannot be used: the operator's configuration."""
+
+
+class StoreError(ControlPlaneError):
+    """The control plane's database cannot be opened, read or written (the path is the operator's)."""
+
+
+_BY_NAME: dict[str, type[ControlPlaneError]] = {
+    cls.__name__: cls for cls in (UnknownWorker, UnknownPackage, InvalidRequest, Conflict,
+                                  InsufficientWorkers, Unauthenticated, ControlPlaneUnavailable)
+}
+
+
+def error_from_rpc(error: grpc.aio.AioRpcError, *, target: str, method: str) -> ControlPlaneError:
+    """The typed error for a failed call: the server's class and message, or which call went unanswered."""
+    code = error.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ControlPlaneUnavailable(f"control plane at {target} did not answer {method}: "
+                                       f"{code.name}: {error.details()}")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(f"control plane at {target} refused {method}: {error.details()}")
+    trailer = dict(error.trailing_metadata() or ()).get(ERROR_TRAILER, "")
+    cls = _BY_NAME.get(trailer, ControlPlaneError)
+    return cls(error.details() or f"{method} failed: {code.name}")

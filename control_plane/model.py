@@ -1,0 +1,91 @@
+"""Value types shared by the control plane's state, its service and its client (agents, CLI).
+
+They mirror messages of ``proto/pipecast/v1/control.proto``; :mod:`control_plane.convert` maps one to
+the other, so nothing outside the service and the client handles protobuf except the Manifest, which
+is the package schema and travels as it is.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A node that moves blocks: a worker's agent or a package store."""
+
+    node_id: str
+    address: str
+    transports: tuple[str, ...] = ("tcp",)
+
+
+@dataclass(frozen=True)
+class AcceleratorInfo:
+    """What a worker computes on; informational for operators and for placement later."""
+
+    kind: str = "cpu"
+    name: str = ""
+    count: int = 0
+    memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker says about itself when it registers."""
+
+    peer: PeerInfo
+    memory_bytes: int
+    accelerator: AcceleratorInfo = AcceleratorInfo()
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def node_id(self) -> str:
+        return self.peer.node_id
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_id": self.peer.node_id, "address": self.peer.address,
+                "transports": list(self.peer.transports), "memory_bytes": self.memory_bytes,
+                "accelerator": {"kind": self.accelerator.kind, "name": self.accelerator.name,
+                                "count": self.accelerator.count,
+                                "memory_bytes": self.accelerator.memory_bytes},
+                "labels": dict(self.labels)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "WorkerSpec":
+        return cls(peer=PeerInfo(data["node_id"], data["address"], tuple(data["transports"])),
+                   memory_bytes=int(data["memory_bytes"]),
+                   accelerator=AcceleratorInfo(**data["accelerator"]),
+                   labels=dict(data["labels"]))
+
+
+class UpdateKind(Enum):
+    """What an :class:`AssignmentUpdate` tells a worker (see AssignmentUpdate.Kind in control.proto)."""
+
+    SYNC = "sync"      # first on every stream: plan_ids lists every plan the worker is part of now
+    ASSIGN = "assign"  # the worker's whole part in plan_id now
+    CANCEL = "cancel"  # plan_id no longer involves the worker
+    DROP = "drop"      # free package_id
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One block over one plan edge: from ``peer`` (in fetch lists) or to ``peer`` (in serve lists)."""
+
+    block: int
+    peer: PeerInfo
+
+
+@dataclass(frozen=True)
+class AssignmentUpdate:
+    """One message of a worker's assignment stream."""
+
+    kind: UpdateKind
+    plan_id: str = ""
+    package_id: str = ""
+    version: int = 0
+    strategy: str = ""
+    fetch: tuple[Transfer, ...] = ()
+    serve: tuple[Transfer, ...] = ()
+    plan_ids: tuple[str, ...] = ()
+    sources: tuple[PeerInfo, ...] = ()  # ASSIGN: nodes holding every block, the fallback of any fetch

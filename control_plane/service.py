@@ -1,0 +1,307 @@
+"""The gRPC servicer of the control plane (grpc.aio): requests in, state changes, streams out.
+
+Every handler runs on the event loop and calls the synchronous state model (no locks needed); typed
+errors become status codes (see :mod:`control_plane.errors`); notices the state produced are handed to
+the workers' mailboxes after each call, and the assignment streams render them when they send, so a
+stream always carries the current part.
+"""
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from control_plane.convert import (
+    KIND_TO_PROTO,
+    blocks_from_proto,
+    blocks_to_proto,
+    peer_from_proto,
+    peer_to_proto,
+    spec_from_proto,
+    spec_to_proto,
+)
+from control_plane.errors import ERROR_TRAILER, ControlPlaneError, UnknownWorker
+from control_plane.mailbox import Mailbox
+from control_plane.metrics import ControlMetrics
+from control_plane.model import UpdateKind
+from control_plane.state import ActivePlan, ControlState, Notice
+from control_plane.store_sqlite import SqliteStore
+from pipecast.v1 import control_pb2 as pb
+from pipecast.v1 import control_pb2_grpc
+from pipecast.v1.manifest_pb2 import Manifest
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[["ControlPlaneService", Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: ControlPlaneError) -> None:
+    """End the call with ``error``'s status code, message and class name (the client rebuilds it)."""
+    await context.abort(error.code, str(error), trailing_metadata=((ERROR_TRAILER, type(error).__name__),))
+
+
+def _rpc(handler: Handler) -> Handler:
+    """Run a unary handler inside :meth:`ControlPlaneService.handling`."""
+    name = handler.__name__
+
+    @functools.wraps(handler)
+    async def wrapper(self: "ControlPlaneService", request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        async with self.handling(name, context):
+            return await handler(self, request, context)
+
+    return wrapper
+
+
+class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
+    """The ControlPlane service over one :class:`ControlState`; ``store`` (if any) is flushed by the server
+    periodically and here right away for package changes."""
+
+    def __init__(self, state: ControlState, metrics: ControlMetrics, *, heartbeat_s: float,
+                 store: SqliteStore | None = None, clock: Callable[[], float] = time.time):
+        self.state = state
+        self.metrics = metrics
+        self.heartbeat_s = heartbeat_s
+        self.store = store
+        self.clock = clock
+        self.mailboxes: dict[str, Mailbox] = {
+            node: Mailbox(node) for node, worker in state.workers.items() if worker.alive}
+
+    @contextlib.asynccontextmanager
+    async def handling(self, name: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Around each request: typed errors become status codes, other failures INTERNAL (logged); the
+        notices it produced go to the mailboxes; its latency goes to the RPC histogram."""
+        start = time.perf_counter()
+        try:
+            yield
+        except ControlPlaneError as exc:
+            await _abort(context, exc)
+        except Exception as exc:
+            log.exception("internal error in %s", name)
+            await context.abort(grpc.StatusCode.INTERNAL, f"control plane internal error in {name}: {exc!r}")
+        finally:
+            self.dispatch()
+            self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - start)
+
+    # ----- driven by the server -----
+
+    def tick(self) -> list[str]:
+        """Expire leases and due releases now; returns the workers that died."""
+        dead = self.state.tick(self.clock())
+        for node in dead:
+            log.warning("worker lease lapsed node=%s: marked dead, left its plans", node)
+            self._close_mailbox(node)
+        self.dispatch()
+        return dead
+
+    def flush(self) -> None:
+        """Write the state's changes to the store (if any)."""
+        if self.store is not None:
+            self.store.flush(self.state)
+
+    def dispatch(self) -> None:
+        """Hand the state's notices to the workers' mailboxes (notices for nodes without one are moot:
+        stores, dead workers)."""
+        notices, self.state.notices = self.state.notices, []
+        for notice in notices:
+            mailbox = self.mailboxes.get(notice.node_id)
+            if mailbox is not None:
+                mailbox.put(notice)
+
+    def _close_mailbox(self, node: str) -> None:
+        mailbox = self.mailboxes.pop(node, None)
+        if mailbox is not None:
+            mailbox.close()
+
+    # ----- workers -----
+
+    @_rpc
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+        spec = spec_from_proto(request.worker)
+        unknown = self.state.register(spec, blocks_from_proto(request.held), self.clock())
+        self.mailboxes.setdefault(spec.node_id, Mailbox(spec.node_id))
+        log.info("registered node=%s address=%s transports=%s labels=%s packages=%d", spec.node_id,
+                 spec.peer.address, ",".join(spec.peer.transports), dict(spec.labels), len(request.held))
+        return pb.RegisterResponse(lease_s=self.state.lease_s, heartbeat_s=self.heartbeat_s, unknown_packages=unknown)
+
+    @_rpc
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        self.state.heartbeat(request.node_id, self.clock())
+        return pb.HeartbeatResponse(lease_s=self.state.lease_s)
+
+    @_rpc
+    async def Deregister(self, request: pb.DeregisterRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DeregisterResponse:
+        self.state.deregister(request.node_id)
+        self._close_mailbox(request.node_id)
+        log.info("deregistered node=%s", request.node_id)
+        return pb.DeregisterResponse()
+
+    @_rpc
+    async def ListWorkers(self, request: pb.ListWorkersRequest,
+                          context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
+        now = self.clock()
+        held: dict[str, dict[str, set[int]]] = {}
+        for package_id, availability in self.state.availability.items():
+            for node, blocks in availability.by_worker.items():
+                held.setdefault(node, {})[package_id] = blocks
+        return pb.ListWorkersResponse(workers=[
+            pb.WorkerState(worker=spec_to_proto(w.spec), alive=w.alive, lease_remaining_s=w.lease_expires - now,
+                           held=blocks_to_proto(held.get(node, {})))
+            for node, w in sorted(self.state.workers.items())])
+
+    # ----- packages -----
+
+    @_rpc
+    async def PublishPackage(self, request: pb.PublishPackageRequest,
+                             context: grpc.aio.ServicerContext) -> pb.PublishPackageResponse:
+        manifest = Manifest()
+        manifest.CopyFrom(request.manifest)
+        package_id = self.state.publish(manifest, peer_from_proto(request.store), self.clock())
+        self.flush()
+        log.info("published package=%s model=%s blocks=%d store=%s", package_id, manifest.model_name,
+                 len(manifest.blocks), request.store.address)
+        return pb.PublishPackageResponse(package_id=package_id)
+
+    @_rpc
+    async def GetPackage(self, request: pb.GetPackageRequest,
+                         context: grpc.aio.ServicerContext) -> pb.GetPackageResponse:
+        package = self.state.package(request.package_id)
+        return pb.GetPackageResponse(manifest=package.manifest, store=peer_to_proto(package.store))
+
+    @_rpc
+    async def ListPackages(self, request: pb.ListPackagesRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ListPackagesResponse:
+        out = []
+        for package_id, package in sorted(self.state.packages.items()):
+            availability = self.state.availability[package_id]
+            out.append(pb.PackageSummary(
+                package_id=package_id, model_name=package.manifest.model_name, num_blocks=package.num_blocks,
+                total_bytes=package.total_bytes, store=peer_to_proto(package.store),
+                complete_holders=len(availability.complete_holders()), block_replicas=availability.replicas(),
+                published_unix=package.published_at))
+        return pb.ListPackagesResponse(packages=out)
+
+    @_rpc
+    async def RemovePackage(self, request: pb.RemovePackageRequest,
+                            context: grpc.aio.ServicerContext) -> pb.RemovePackageResponse:
+        self.state.remove_package(request.package_id, force=request.force)
+        self.flush()
+        log.info("removed package=%s force=%s", request.package_id, request.force)
+        return pb.RemovePackageResponse()
+
+    # ----- availability -----
+
+    @_rpc
+    async def ReportBlocks(self, request: pb.ReportBlocksRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ReportBlocksResponse:
+        return self._report(request)
+
+    async def StreamReports(self, requests: AsyncIterator[pb.ReportBlocksRequest],
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReportBlocksResponse]:
+        async for request in requests:
+            async with self.handling("StreamReports", context):
+                response = self._report(request)
+            yield response
+
+    def _report(self, request: pb.ReportBlocksRequest) -> pb.ReportBlocksResponse:
+        unknown = self.state.report(request.node_id, blocks_from_proto(request.verified),
+                                    blocks_from_proto(request.dropped), self.clock())
+        self.metrics.block_reports.inc(sum(len(r.blocks) for r in request.verified if r.package_id not in unknown))
+        return pb.ReportBlocksResponse(unknown_packages=unknown)
+
+    @_rpc
+    async def ReportBadPeer(self, request: pb.ReportBadPeerRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ReportBadPeerResponse:
+        replanned = self.state.report_bad_peer(request.node_id, request.peer_id, request.package_id, request.block,
+                                               request.reason, self.clock())
+        return pb.ReportBadPeerResponse(replanned=replanned)
+
+    @_rpc
+    async def GetAvailability(self, request: pb.GetAvailabilityRequest,
+                              context: grpc.aio.ServicerContext) -> pb.GetAvailabilityResponse:
+        package = self.state.package(request.package_id)
+        availability = self.state.availability[request.package_id]
+        return pb.GetAvailabilityResponse(
+            package_id=request.package_id, num_blocks=package.num_blocks,
+            by_worker=[pb.WorkerBlocks(node_id=node, blocks=sorted(blocks))
+                       for node, blocks in sorted(availability.by_worker.items())],
+            by_block=[pb.BlockHolders(block=block, node_ids=sorted(nodes))
+                      for block, nodes in enumerate(availability.by_block)])
+
+    # ----- scaling -----
+
+    @_rpc
+    async def ScaleUp(self, request: pb.ScaleUpRequest, context: grpc.aio.ServicerContext) -> pb.ScaleUpResponse:
+        result = self.state.scale_up(request.package_id, node_ids=list(request.node_ids), count=request.count,
+                                     strategy=request.strategy, fanout=request.fanout, now=self.clock())
+        return pb.ScaleUpResponse(plan_id=result.plan_id, strategy=result.strategy, sources=result.sources,
+                                  receivers=result.receivers, unchanged=result.unchanged)
+
+    @_rpc
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        drop_at = self.state.release(request.package_id, list(request.node_ids), request.keep_alive_s, self.clock())
+        log.info("release package=%s nodes=%s keep_alive_s=%.1f", request.package_id, list(request.node_ids),
+                 request.keep_alive_s)
+        return pb.ReleaseResponse(drop_at_unix=drop_at)
+
+    @_rpc
+    async def ListPlans(self, request: pb.ListPlansRequest, context: grpc.aio.ServicerContext) -> pb.ListPlansResponse:
+        return pb.ListPlansResponse(plans=[
+            _plan_summary(active) for _, active in sorted(self.state.plans.items())
+            if not request.package_id or active.package_id == request.package_id])
+
+    async def WatchAssignments(self, request: pb.WatchAssignmentsRequest,
+                               context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AssignmentUpdate]:
+        node = request.node_id
+        try:
+            self.state.alive_worker(node)
+        except ControlPlaneError as exc:
+            await _abort(context, exc)
+        mailbox = self.mailboxes.setdefault(node, Mailbox(node))
+        owner = mailbox.attach((plan_id, self.state.plans[plan_id].package_id) for plan_id in self.state.plans_of(node))
+        log.info("assignment stream opened node=%s", node)
+        try:
+            while (notice := await mailbox.next(owner)) is not None:
+                yield self._render(notice)
+        finally:
+            log.info("assignment stream closed node=%s", node)
+        if mailbox.closed:  # the worker died or deregistered: it must register again
+            await _abort(context, UnknownWorker.named(node))
+
+    def _render(self, notice: Notice) -> pb.AssignmentUpdate:
+        kind = notice.kind
+        if kind is UpdateKind.SYNC:
+            return pb.AssignmentUpdate(kind=KIND_TO_PROTO[kind], plan_ids=self.state.plans_of(notice.node_id))
+        if kind is UpdateKind.DROP:
+            return pb.AssignmentUpdate(kind=KIND_TO_PROTO[kind], package_id=notice.package_id)
+        active = self.state.plans.get(notice.plan_id)
+        part = active.parts.get(notice.node_id) if active is not None else None
+        if part is None:  # the plan ended or moved on without this node since the notice was queued
+            return pb.AssignmentUpdate(kind=pb.AssignmentUpdate.CANCEL, plan_id=notice.plan_id,
+                                       package_id=notice.package_id)
+        peers: dict[str, pb.Peer] = {}
+
+        def peer(node: str) -> pb.Peer:
+            msg = peers.get(node)
+            if msg is None:
+                msg = peers[node] = peer_to_proto(self.state.peer(node))
+            return msg
+
+        return pb.AssignmentUpdate(
+            kind=pb.AssignmentUpdate.ASSIGN, plan_id=active.plan_id, package_id=active.package_id,
+            version=active.version, strategy=active.plan.strategy,
+            fetch=[pb.Transfer(block=a.block, peer=peer(a.parent)) for a in part.fetch],
+            serve=[pb.Transfer(block=block, peer=peer(child)) for block, child in part.serve],
+            sources=[peer(source) for source in active.plan.sources])
+
+
+def _plan_summary(active: ActivePlan) -> pb.PlanSummary:
+    return pb.PlanSummary(plan_id=active.plan_id, package_id=active.package_id, strategy=active.plan.strategy,
+                          sources=active.plan.sources, receivers=sorted(active.plan.assignments),
+                          pending=sorted(active.pending), replans=active.replans, created_unix=active.created_at)

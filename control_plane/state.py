@@ -1,0 +1,640 @@
+"""The control plane's in-memory model: workers and leases, packages, the two availability maps per
+package, releases with keep-alive, and active multicast plans.
+
+Pure and synchronous: no sockets, no files, no clock (every call that depends on time takes ``now``,
+in seconds). What agents must be told goes to :attr:`ControlState.notices` (the service drains it into
+the assignment streams); what changed goes to :attr:`ControlState.dirty` (the store drains it into
+SQLite). Plans come from the pure planner (:mod:`control_plane.schedules`, :mod:`control_plane.replan`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
+from control_plane.model import PeerInfo, UpdateKind, WorkerSpec
+from control_plane.replan import replan
+from control_plane.schedules import STRATEGIES, Assignment, Plan, make_plan
+from pipecast.units import format_bytes
+from pipecast.v1.manifest_pb2 import Manifest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FANOUT = 2
+
+
+@dataclass
+class Worker:
+    """A registered worker; ``alive`` turns False when its lease lapses (the record stays a while)."""
+
+    spec: WorkerSpec
+    lease_expires: float
+    alive: bool = True
+
+
+@dataclass
+class Package:
+    """A published package: its manifest and the store node that serves every block."""
+
+    manifest: Manifest
+    store: PeerInfo
+    published_at: float
+
+    @property
+    def package_id(self) -> str:
+        return self.manifest.package_id
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.manifest.blocks)
+
+    @functools.cached_property
+    def total_bytes(self) -> int:
+        return sum(block.bytes for block in self.manifest.blocks)
+
+
+class Availability:
+    """Both maps of one package, kept in step: worker -> blocks held and block -> workers holding it."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.by_worker: dict[str, set[int]] = {}
+        self.by_block: list[set[str]] = [set() for _ in range(num_blocks)]
+
+    def add(self, node: str, blocks: Iterable[int]) -> bool:
+        """Record verified ``blocks`` on ``node``; True if anything was new."""
+        held = self.by_worker.setdefault(node, set())
+        before = len(held)
+        for block in blocks:
+            if block not in held:
+                held.add(block)
+                self.by_block[block].add(node)
+        return len(held) != before
+
+    def remove(self, node: str, blocks: Iterable[int]) -> bool:
+        """Forget ``blocks`` on ``node``; True if it held any of them."""
+        held = self.by_worker.get(node)
+        if not held:
+            return False
+        before = len(held)
+        for block in blocks:
+            if block in held:
+                held.discard(block)
+                self.by_block[block].discard(node)
+        if not held:
+            del self.by_worker[node]
+        return len(held) != before
+
+    def remove_worker(self, node: str) -> bool:
+        """Forget everything ``node`` holds; True if it held anything."""
+        held = self.by_worker.pop(node, None)
+        for block in held or ():
+            self.by_block[block].discard(node)
+        return bool(held)
+
+    def held(self, node: str) -> frozenset[int]:
+        return frozenset(self.by_worker.get(node, ()))
+
+    def count(self, node: str) -> int:
+        return len(self.by_worker.get(node, ()))
+
+    def is_complete(self, node: str) -> bool:
+        return self.count(node) == self.num_blocks
+
+    def complete_holders(self) -> list[str]:
+        """Workers holding every block, sorted."""
+        return sorted(node for node, held in self.by_worker.items() if len(held) == self.num_blocks)
+
+    def replicas(self) -> int:
+        """(worker, block) pairs held."""
+        return sum(map(len, self.by_worker.values()))
+
+
+@dataclass(frozen=True)
+class Part:
+    """One node's part in a plan: what it fetches (in order, each from its parent) and whom it serves."""
+
+    fetch: tuple[Assignment, ...]
+    serve: tuple[tuple[int, str], ...]  # (block, child); each child fetches in its own order
+
+
+def plan_parts(plan: Plan) -> dict[str, Part]:
+    """Every node's part in ``plan``: receivers fetch; parents (sources, receivers, holders) serve."""
+    serving: dict[str, list[tuple[int, str]]] = {}
+    for receiver, fetches in plan.assignments.items():
+        for fetch in fetches:
+            children = serving.get(fetch.parent)
+            if children is None:
+                children = serving[fetch.parent] = []
+            children.append((fetch.block, receiver))
+    parts = {receiver: Part(tuple(fetches), ()) for receiver, fetches in plan.assignments.items()}
+    for node, children in serving.items():
+        own = parts.get(node)
+        parts[node] = Part(own.fetch if own is not None else (), tuple(children))
+    return parts
+
+
+@dataclass
+class ActivePlan:
+    """A scale-up in progress. ``pending``: receivers still missing blocks; the plan ends when none are."""
+
+    plan_id: str
+    package_id: str
+    plan: Plan
+    fanout: int
+    created_at: float
+    version: int = 1
+    replans: int = 0
+    pending: set[str] = field(default_factory=set)
+    parts: dict[str, Part] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something to tell a worker on its stream (ASSIGN and CANCEL name a plan, DROP only a package)."""
+
+    node_id: str
+    kind: UpdateKind
+    package_id: str
+    plan_id: str = ""
+
+
+@dataclass
+class Dirty:
+    """Keys changed since the store's last flush; a key no longer in the state means: delete it."""
+
+    packages: set[str] = field(default_factory=set)
+    workers: set[str] = field(default_factory=set)
+    availability: set[tuple[str, str]] = field(default_factory=set)  # (package id, node id)
+    plans: set[str] = field(default_factory=set)
+    releases: set[tuple[str, str]] = field(default_factory=set)  # (package id, node id)
+
+    def _sets(self) -> tuple[set, ...]:
+        return self.packages, self.workers, self.availability, self.plans, self.releases
+
+    def __len__(self) -> int:
+        return sum(map(len, self._sets()))
+
+    def merge(self, other: Dirty) -> None:
+        """Add ``other``'s keys (a flush that failed gives its keys back)."""
+        for mine, theirs in zip(self._sets(), other._sets()):
+            mine.update(theirs)
+
+
+@dataclass(frozen=True)
+class ScaleUpResult:
+    """What a scale-up did; ``plan_id`` is "" when every target already held (or was receiving) the package."""
+
+    plan_id: str
+    strategy: str
+    sources: tuple[str, ...]
+    receivers: tuple[str, ...]
+    unchanged: tuple[str, ...]
+
+
+class ControlState:
+    """Everything the control plane knows. Methods raise :mod:`control_plane.errors` on bad requests
+    and change nothing then."""
+
+    def __init__(self, *, lease_s: float, forget_after_s: float | None = None):
+        self.lease_s = lease_s
+        # A dead worker's record stays visible (ListWorkers) this long, then is forgotten.
+        self.forget_after_s = forget_after_s if forget_after_s is not None else 30 * lease_s
+        self.workers: dict[str, Worker] = {}
+        self.packages: dict[str, Package] = {}
+        self.availability: dict[str, Availability] = {}
+        self.plans: dict[str, ActivePlan] = {}
+        self.releases: dict[tuple[str, str], float] = {}  # (package id, node id) -> drop at
+        self.notices: list[Notice] = []
+        self.dirty = Dirty()
+        self.replan_count = 0
+
+    # ----- workers -----
+
+    def register(self, spec: WorkerSpec, held: Mapping[str, Iterable[int]], now: float) -> list[str]:
+        """Add or replace a worker; ``held`` replaces all it was known to hold. Returns unknown package ids."""
+        node = spec.node_id
+        if not node or not spec.peer.address:
+            raise InvalidRequest(f"worker registration needs a node id and an address, got "
+                                 f"{node!r} at {spec.peer.address!r}")
+        if spec.memory_bytes <= 0:
+            raise InvalidRequest(f"worker {node!r} registered with memory budget {spec.memory_bytes}: "
+                                 "it must be positive")
+        blocks, unknown = self._parse_reports(node, held)
+        old = self.workers.get(node)
+        self.workers[node] = Worker(spec, now + self.lease_s)
+        self.dirty.workers.add(node)
+        if old is not None and old.alive and old.spec.peer != spec.peer:
+            self._readdressed(node)
+        for package_id, availability in self.availability.items():
+            mine = blocks.get(package_id, set())
+            if availability.held(node) != mine:
+                availability.remove_worker(node)
+                availability.add(node, mine)
+                self.dirty.availability.add((package_id, node))
+            if availability.is_complete(node):
+                self._receiver_done(package_id, node)
+        return unknown
+
+    def heartbeat(self, node: str, now: float) -> None:
+        """Renew ``node``'s lease."""
+        self.alive_worker(node).lease_expires = now + self.lease_s
+
+    def deregister(self, node: str) -> None:
+        """Remove a worker that shuts down: it leaves every plan and its blocks leave availability."""
+        if node not in self.workers:
+            raise UnknownWorker.named(node)
+        self._remove_nodes({node})
+        del self.workers[node]
+        self.dirty.workers.add(node)
+
+    def tick(self, now: float) -> list[str]:
+        """Mark workers whose lease lapsed dead (they leave every plan), drop releases that are due,
+        forget long-dead workers. Returns the newly dead."""
+        dead = sorted(node for node, w in self.workers.items() if w.alive and w.lease_expires <= now)
+        for node in dead:
+            self.workers[node].alive = False
+            self.dirty.workers.add(node)
+        if dead:
+            self._remove_nodes(set(dead))
+        for (package_id, node), drop_at in sorted(self.releases.items()):
+            if drop_at <= now:
+                self._drop(package_id, node)
+        forget = [n for n, w in self.workers.items() if not w.alive and w.lease_expires + self.forget_after_s <= now]
+        for node in forget:
+            del self.workers[node]
+            self.dirty.workers.add(node)
+        return dead
+
+    # ----- packages -----
+
+    def publish(self, manifest: Manifest, store: PeerInfo, now: float) -> str:
+        """Publish (or re-point the store of) a package; returns its id."""
+        package_id = manifest.package_id
+        if not package_id:
+            raise InvalidRequest("published manifest has no package_id")
+        if not manifest.blocks:
+            raise InvalidRequest(f"published manifest of package {package_id!r} has no blocks")
+        for position, block in enumerate(manifest.blocks):
+            if block.index != position:
+                raise InvalidRequest(f"published manifest of package {package_id!r}: block at position "
+                                     f"{position} has index {block.index}")
+        if not store.node_id or not store.address:
+            raise InvalidRequest(f"package {package_id!r} published without a store node id and address, got "
+                                 f"{store.node_id!r} at {store.address!r}")
+        old = self.packages.get(package_id)
+        if old is not None and old.num_blocks != len(manifest.blocks):
+            raise Conflict(f"package {package_id!r} is already published with {old.num_blocks} blocks, "
+                           f"this manifest has {len(manifest.blocks)}")
+        self.packages[package_id] = Package(manifest, store, old.published_at if old else now)
+        self.availability.setdefault(package_id, Availability(len(manifest.blocks)))
+        self.dirty.packages.add(package_id)
+        return package_id
+
+    def remove_package(self, package_id: str, *, force: bool = False) -> None:
+        """Forget a package. Refused while workers hold it or plans use it, unless ``force``: then its
+        plans are cancelled and every holder and receiver is told to drop it."""
+        self.package(package_id)
+        availability = self.availability[package_id]
+        plans = [p for p in self.plans.values() if p.package_id == package_id]
+        if (availability.by_worker or plans) and not force:
+            raise Conflict(f"package {package_id!r} is held by {len(availability.by_worker)} workers and used "
+                           f"by {len(plans)} active plans: release it first, or remove it with force")
+        told = set(availability.by_worker)
+        for active in plans:
+            told.update(n for n in active.plan.assignments)
+            self._end_plan(active)
+        for node in sorted(told & self.workers.keys()):
+            self.notices.append(Notice(node, UpdateKind.DROP, package_id))
+        for key in [k for k in self.releases if k[0] == package_id]:
+            del self.releases[key]
+            self.dirty.releases.add(key)
+        self.dirty.availability.update((package_id, node) for node in availability.by_worker)
+        del self.availability[package_id]
+        del self.packages[package_id]
+        self.dirty.packages.add(package_id)
+
+    # ----- availability -----
+
+    def report(self, node: str, verified: Mapping[str, Iterable[int]], dropped: Mapping[str, Iterable[int]],
+               now: float) -> list[str]:
+        """Apply a worker's batched report (it also renews the lease). Returns unknown package ids."""
+        worker = self.alive_worker(node)
+        gained, unknown = self._parse_reports(node, verified)
+        lost, unknown_dropped = self._parse_reports(node, dropped)
+        worker.lease_expires = now + self.lease_s
+        for package_id, blocks in lost.items():
+            if self.availability[package_id].remove(node, blocks):
+                self.dirty.availability.add((package_id, node))
+        for package_id, blocks in gained.items():
+            availability = self.availability[package_id]
+            if availability.add(node, blocks):
+                self.dirty.availability.add((package_id, node))
+                if availability.is_complete(node):
+                    self._receiver_done(package_id, node)
+        return sorted(set(unknown) | set(unknown_dropped))
+
+    def report_bad_peer(self, node: str, peer: str, package_id: str, block: int, reason: str, now: float) -> bool:
+        """A child says ``peer`` served it bad data (or failed) for ``block``: the peer loses that block's
+        availability and leaves every plan of the package where it is the child's parent for the block;
+        those plans are repaired. Returns whether any plan was re-planned."""
+        worker = self.alive_worker(node)
+        self._check_blocks(node, self.package(package_id), [block])
+        worker.lease_expires = now + self.lease_s
+        plans = [p for p in self.plans.values() if p.package_id == package_id and node in p.parts
+                 and Assignment(block, peer) in p.parts[node].fetch]
+        if not plans:
+            log.warning("bad-peer report ignored node=%s peer=%s package=%s block=%d: not its parent for "
+                        "that block in any active plan", node, peer, package_id, block)
+            return False
+        log.warning("bad peer node=%s peer=%s package=%s block=%d reason=%s", node, peer, package_id, block, reason)
+        if self.availability[package_id].remove(peer, [block]):
+            self.dirty.availability.add((package_id, peer))
+        return any([self._repair(active, {peer}) for active in plans])
+
+    # ----- scaling -----
+
+    def scale_up(self, package_id: str, *, node_ids: Sequence[str] = (), count: int = 0, strategy: str = "",
+                 fanout: int = 0, now: float) -> ScaleUpResult:
+        """Bring a package onto ``node_ids``, or onto ``count`` more workers picked here (workers in a
+        keep-alive release of it first, then those holding most of it, then the least loaded). Sources
+        are the alive workers holding all of it, else its store; several sources give a rotated plan."""
+        package = self.package(package_id)
+        if bool(node_ids) == bool(count):
+            raise InvalidRequest(f"scale-up of package {package_id!r}: give either target workers or a count")
+        if strategy and strategy not in STRATEGIES:
+            raise InvalidRequest(f"scale-up of package {package_id!r}: unknown strategy {strategy!r} "
+                                 f"(expected one of {', '.join(STRATEGIES)})")
+        if len(set(node_ids)) != len(node_ids):
+            raise InvalidRequest(f"scale-up of package {package_id!r}: a target worker is listed twice")
+        availability = self.availability[package_id]
+        receiving = {n for p in self.plans.values() if p.package_id == package_id for n in p.pending}
+        committed = self._committed_bytes(excluding=package_id)
+
+        def fits(node: str) -> bool:
+            return committed.get(node, 0) + package.total_bytes <= self.workers[node].spec.memory_bytes
+
+        unchanged: list[str] = []
+        receivers: list[str] = []
+        if node_ids:
+            for node in node_ids:
+                self.alive_worker(node)
+            for node in node_ids:
+                if availability.is_complete(node) or node in receiving:
+                    unchanged.append(node)
+                elif not fits(node):
+                    memory = self.workers[node].spec.memory_bytes
+                    raise InsufficientWorkers(
+                        f"worker {node!r} has {format_bytes(memory - committed.get(node, 0))} of its "
+                        f"{format_bytes(memory)} memory budget free; package {package_id!r} needs "
+                        f"{format_bytes(package.total_bytes)}")
+                else:
+                    receivers.append(node)
+        else:
+            # A worker in a keep-alive release of the package that holds all of it is ready at once.
+            releasing = {n for (p, n) in self.releases if p == package_id}
+            candidates = [n for n, w in self.workers.items() if w.alive and n not in receiving and (
+                (n in releasing and availability.is_complete(n)) or (not availability.is_complete(n) and fits(n)))]
+            if len(candidates) < count:
+                raise InsufficientWorkers(
+                    f"scale-up of package {package_id!r} asked for {count} more workers; only {len(candidates)} "
+                    f"are alive, do not hold it already and have {format_bytes(package.total_bytes)} of "
+                    "memory budget free")
+            candidates.sort(key=lambda n: (n not in releasing, -availability.count(n), committed.get(n, 0), n))
+            for node in candidates[:count]:
+                (unchanged if availability.is_complete(node) else receivers).append(node)
+        for node in [*unchanged, *receivers]:
+            if self.releases.pop((package_id, node), None) is not None:
+                self.dirty.releases.add((package_id, node))
+                log.info("release cancelled by scale-up package=%s node=%s", package_id, node)
+        if not receivers:
+            return ScaleUpResult("", "", (), (), tuple(unchanged))
+
+        sources = self._pick_sources(package, exclude=set(receivers))
+        strategy = strategy or ("rotated" if len(sources) > 1 else "binomial")
+        fanout = fanout or DEFAULT_FANOUT
+        labels = self._labels([*sources, *receivers])
+        plan = make_plan(strategy, sources, receivers, package.num_blocks, fanout=fanout, labels=labels)
+        if any(n in availability.by_worker for n in receivers):
+            # Nothing a receiver already verified is fetched again.
+            plan = replan(plan, dead=(), held=availability.by_worker, sources=sources,
+                          labels=self._labels({*availability.by_worker, *sources, *receivers}), fanout=fanout)
+        active = ActivePlan(uuid.uuid4().hex[:12], package_id, plan, fanout, now, version=0)
+        active.pending = {n for n in plan.assignments if not availability.is_complete(n)}
+        self._install(active, plan)
+        log.info("scale-up plan=%s package=%s strategy=%s sources=%d receivers=%d", active.plan_id, package_id,
+                 strategy, len(sources), len(receivers))
+        if not active.pending:
+            self._end_plan(active)
+        return ScaleUpResult(active.plan_id, strategy, tuple(sources), tuple(receivers), tuple(unchanged))
+
+    def release(self, package_id: str, node_ids: Sequence[str], keep_alive_s: float, now: float) -> float:
+        """Drop a package from workers: each stays a source for ``keep_alive_s`` (a later scale-up may
+        take it back), then leaves the package's plans and is told to drop it. Returns the drop time."""
+        self.package(package_id)
+        if keep_alive_s < 0:
+            raise InvalidRequest(f"release of package {package_id!r}: keep-alive must be >= 0, got {keep_alive_s}")
+        availability = self.availability[package_id]
+        for node in node_ids:
+            self.alive_worker(node)
+            in_plan = any(p.package_id == package_id and node in p.parts for p in self.plans.values())
+            if node not in availability.by_worker and not in_plan:
+                raise Conflict(f"worker {node!r} does not hold package {package_id!r}: nothing to release")
+        drop_at = now + keep_alive_s
+        for node in node_ids:
+            if keep_alive_s == 0:
+                self._drop(package_id, node)
+            else:
+                self.releases[package_id, node] = drop_at
+                self.dirty.releases.add((package_id, node))
+        return drop_at
+
+    # ----- queries -----
+
+    def alive_worker(self, node: str) -> Worker:
+        """The worker ``node`` if it is registered and alive, else :class:`UnknownWorker`."""
+        worker = self.workers.get(node)
+        if worker is None or not worker.alive:
+            raise UnknownWorker.named(node)
+        return worker
+
+    def package(self, package_id: str) -> Package:
+        """The published package ``package_id``, else :class:`UnknownPackage`."""
+        package = self.packages.get(package_id)
+        if package is None:
+            raise UnknownPackage.named(package_id)
+        return package
+
+    def peer(self, node: str) -> PeerInfo:
+        """How to reach ``node``: a worker, or the store of some package."""
+        worker = self.workers.get(node)
+        if worker is not None:
+            return worker.spec.peer
+        for package in self.packages.values():
+            if package.store.node_id == node:
+                return package.store
+        return PeerInfo(node, "", ())
+
+    def plans_of(self, node: str) -> list[str]:
+        """Ids of the active plans ``node`` has a part in."""
+        return [plan_id for plan_id, active in self.plans.items() if node in active.parts]
+
+    # ----- restoring from the store (no dirty marks, no notices) -----
+
+    def restore_package(self, manifest: Manifest, store: PeerInfo, published_at: float) -> None:
+        self.packages[manifest.package_id] = Package(manifest, store, published_at)
+        self.availability[manifest.package_id] = Availability(len(manifest.blocks))
+
+    def restore_worker(self, spec: WorkerSpec, alive: bool, now: float) -> None:
+        """A worker from before a restart; an alive one gets a fresh lease to show up in."""
+        self.workers[spec.node_id] = Worker(spec, now + self.lease_s, alive)
+
+    def restore_availability(self, package_id: str, node: str, blocks: Iterable[int]) -> None:
+        self.availability[package_id].add(node, blocks)
+
+    def restore_release(self, package_id: str, node: str, drop_at: float) -> None:
+        self.releases[package_id, node] = drop_at
+
+    def restore_plan(self, plan_id: str, package_id: str, plan: Plan, *, fanout: int, created_at: float,
+                     version: int, replans: int) -> None:
+        availability = self.availability[package_id]
+        active = ActivePlan(plan_id, package_id, plan, fanout, created_at, version, replans,
+                            pending={n for n in plan.assignments if not availability.is_complete(n)},
+                            parts=plan_parts(plan))
+        self.plans[plan_id] = active
+
+    # ----- internals -----
+
+    def _check_blocks(self, node: str, package: Package, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            if not 0 <= block < package.num_blocks:
+                raise InvalidRequest(f"worker {node!r} reported block {block} of package {package.package_id!r}, "
+                                     f"which has blocks 0..{package.num_blocks - 1}")
+
+    def _parse_reports(self, node: str, reports: Mapping[str, Iterable[int]]) -> tuple[dict[str, set[int]], list[str]]:
+        """Validate a report before anything changes: block sets of known packages, unknown package ids."""
+        known: dict[str, set[int]] = {}
+        unknown: list[str] = []
+        for package_id, blocks in reports.items():
+            package = self.packages.get(package_id)
+            if package is None:
+                unknown.append(package_id)
+                continue
+            blocks = set(blocks)
+            self._check_blocks(node, package, blocks)
+            known.setdefault(package_id, set()).update(blocks)
+        return known, unknown
+
+    def _committed_bytes(self, *, excluding: str) -> dict[str, int]:
+        """Per worker, the bytes of the packages (other than ``excluding``) it holds or is receiving."""
+        committed: dict[str, int] = {}
+        for package_id, package in self.packages.items():
+            if package_id == excluding:
+                continue
+            nodes = set(self.availability[package_id].by_worker)
+            nodes.update(n for p in self.plans.values() if p.package_id == package_id for n in p.pending)
+            for node in nodes:
+                committed[node] = committed.get(node, 0) + package.total_bytes
+        return committed
+
+    def _pick_sources(self, package: Package, exclude: Collection[str]) -> list[str]:
+        # Availability lists alive workers only: a dead one's blocks leave it when it dies.
+        holders = [n for n in self.availability[package.package_id].complete_holders() if n not in exclude]
+        if holders:
+            return holders
+        return [] if package.store.node_id in exclude else [package.store.node_id]
+
+    def _labels(self, nodes: Iterable[str]) -> dict[str, Mapping[str, str]]:
+        return {n: self.workers[n].spec.labels for n in nodes if n in self.workers}
+
+    def _install(self, active: ActivePlan, plan: Plan) -> None:
+        """Make ``plan`` the plan of ``active`` and tell every node whose part changed."""
+        parts = plan_parts(plan)
+        old = active.parts
+        for node in old.keys() - parts.keys():
+            self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))
+        for node, part in parts.items():
+            if old.get(node) != part:
+                self.notices.append(Notice(node, UpdateKind.ASSIGN, active.package_id, active.plan_id))
+        active.plan, active.parts = plan, parts
+        active.version += 1
+        active.pending.intersection_update(plan.assignments)
+        self.plans[active.plan_id] = active
+        self.dirty.plans.add(active.plan_id)
+
+    def _repair(self, active: ActivePlan, gone: set[str]) -> bool:
+        """Re-plan ``active`` without the ``gone`` nodes: their children get new parents for exactly the
+        blocks they still miss. False if no source is left to plan from (the plan stays as it was)."""
+        package = self.packages[active.package_id]
+        sources = [s for s in active.plan.sources if s not in gone]
+        if not sources:
+            sources = self._pick_sources(package, exclude=gone)
+        if not sources:
+            log.warning("plan=%s package=%s cannot drop %s: no other source holds the package",
+                        active.plan_id, active.package_id, sorted(gone))
+            return False
+        availability = self.availability[active.package_id]
+        held = {n: blocks for n, blocks in availability.by_worker.items() if n not in gone}
+        nodes = set(active.parts) | set(held) | set(sources)
+        plan = replan(active.plan, dead=gone, held=held, sources=sources, labels=self._labels(nodes),
+                      fanout=active.fanout)
+        active.pending.difference_update(gone)
+        self._install(active, plan)
+        active.replans += 1
+        self.replan_count += 1
+        log.info("re-planned plan=%s package=%s without=%s version=%d pending=%d", active.plan_id,
+                 active.package_id, sorted(gone), active.version, len(active.pending))
+        if not active.pending:
+            self._end_plan(active)
+        return True
+
+    def _readdressed(self, node: str) -> None:
+        """``node`` came back at another address: everyone in its plans gets parts that say so."""
+        for active in self.plans.values():
+            if node in active.parts:
+                active.version += 1
+                self.dirty.plans.add(active.plan_id)
+                for other in active.parts:
+                    self.notices.append(Notice(other, UpdateKind.ASSIGN, active.package_id, active.plan_id))
+
+    def _end_plan(self, active: ActivePlan) -> None:
+        for node in active.parts:
+            self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))
+        del self.plans[active.plan_id]
+        self.dirty.plans.add(active.plan_id)
+        log.info("plan ended plan=%s package=%s replans=%d", active.plan_id, active.package_id, active.replans)
+
+    def _receiver_done(self, package_id: str, node: str) -> None:
+        for active in [p for p in self.plans.values() if p.package_id == package_id and node in p.pending]:
+            active.pending.discard(node)
+            if not active.pending:
+                self._end_plan(active)
+
+    def _remove_nodes(self, nodes: set[str]) -> None:
+        """``nodes`` are gone (dead or deregistered): out of availability, releases and every plan."""
+        for package_id, availability in self.availability.items():
+            for node in nodes:
+                if availability.remove_worker(node):
+                    self.dirty.availability.add((package_id, node))
+        for key in [k for k in self.releases if k[1] in nodes]:
+            del self.releases[key]
+            self.dirty.releases.add(key)
+        for active in list(self.plans.values()):
+            gone = nodes & active.parts.keys()
+            if gone:
+                self._repair(active, gone)
+
+    def _drop(self, package_id: str, node: str) -> None:
+        """``node`` no longer holds ``package_id``: out of its availability and plans, and told to drop it."""
+        if self.releases.pop((package_id, node), None) is not None:
+            self.dirty.releases.add((package_id, node))
+        if self.availability[package_id].remove_worker(node):
+            self.dirty.availability.add((package_id, node))
+        for active in [p for p in self.plans.values() if p.package_id == package_id and node in p.parts]:
+            self._repair(active, {node})
+        self.notices.append(Notice(node, UpdateKind.DROP, package_id))
+        log.info("dropped package=%s node=%s", package_id, node)

@@ -1,0 +1,182 @@
+"""A worker agent's link to the control plane, kept up across restarts of either side.
+
+The agent gives its spec and a function returning every verified block it holds; the session registers
+(again whenever the control plane says it does not know the worker), heartbeats at the interval the
+server asks for, batches block reports (one RPC per ``report_delay_s`` window at most, retried until
+delivered), and yields the assignment stream, reconnecting after failures. The control plane being
+down never stops the agent: calls fail with typed errors that are logged, and the session retries.
+
+    session = WorkerSession(client, spec, holdings=store.holdings)
+    await session.start()
+    session.report_verified(package_id, [block])
+    async for update in session.assignments(): ...
+    await session.close()
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
+
+from control_plane.client import ControlPlaneClient, ReportStream
+from control_plane.errors import ControlPlaneError, UnknownWorker
+from control_plane.model import AssignmentUpdate, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+Holdings = Callable[[], Mapping[str, Collection[int]]]
+
+
+class WorkerSession:
+    """Registration, heartbeats, batched reports and the assignment stream of one worker."""
+
+    def __init__(self, client: ControlPlaneClient, spec: WorkerSpec, holdings: Holdings, *,
+                 report_delay_s: float = 0.05, retry_s: float = 1.0, heartbeat_s: float = 2.0):
+        self.client = client
+        self.spec = spec
+        self.node_id = spec.node_id
+        self.report_delay_s = report_delay_s
+        self.retry_s = retry_s
+        self.heartbeat_s = heartbeat_s  # replaced by the server's at registration
+        self.registered = asyncio.Event()
+        self._holdings = holdings
+        self._verified: dict[str, set[int]] = {}
+        self._dropped: dict[str, set[int]] = {}
+        self._report_wake = asyncio.Event()
+        self._kick = asyncio.Event()  # set: re-register now
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        """Start registering, heartbeating and reporting in the background; await :attr:`registered`
+        to know the control plane has the worker."""
+        self._tasks = [asyncio.create_task(self._keep_registered(), name=f"cp-lease-{self.node_id}"),
+                       asyncio.create_task(self._report_loop(), name=f"cp-report-{self.node_id}")]
+
+    async def close(self) -> None:
+        """Stop the background work and deregister (best effort, within the client's deadline)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self.registered.is_set():
+            try:
+                await self.client.deregister(self.node_id)
+            except ControlPlaneError as exc:
+                log.warning("deregister failed node=%s: %s", self.node_id, exc)
+            self.registered.clear()
+
+    def report_verified(self, package_id: str, blocks: Iterable[int]) -> None:
+        """Queue verified blocks for the next batched report."""
+        blocks = set(blocks)
+        self._dropped.get(package_id, set()).difference_update(blocks)
+        self._verified.setdefault(package_id, set()).update(blocks)
+        self._report_wake.set()
+
+    def report_dropped(self, package_id: str, blocks: Iterable[int]) -> None:
+        """Queue evicted blocks for the next batched report."""
+        blocks = set(blocks)
+        self._verified.get(package_id, set()).difference_update(blocks)
+        self._dropped.setdefault(package_id, set()).update(blocks)
+        self._report_wake.set()
+
+    async def report_bad_peer(self, peer_id: str, package_id: str, block: int, reason: str) -> bool:
+        """Report a parent that served bad data or failed; True if the control plane gave new parents."""
+        return await self.client.report_bad_peer(self.node_id, peer_id, package_id, block, reason)
+
+    async def assignments(self) -> AsyncIterator[AssignmentUpdate]:
+        """The assignment stream, for as long as the caller iterates: each (re)connection starts with a
+        SYNC naming the plans the worker is in, then an ASSIGN for each."""
+        while True:
+            await self.registered.wait()
+            try:
+                async for update in self.client.watch_assignments(self.node_id):
+                    yield update
+                log.info("assignment stream ended node=%s; reconnecting", self.node_id)
+            except UnknownWorker:
+                self._need_registration()
+                continue
+            except ControlPlaneError as exc:
+                log.warning("assignment stream failed node=%s: %s; retrying in %.1f s", self.node_id, exc,
+                            self.retry_s)
+            await asyncio.sleep(self.retry_s)
+
+    def _need_registration(self) -> None:
+        self.registered.clear()
+        self._kick.set()
+
+    async def _nap(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._kick.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    async def _keep_registered(self) -> None:
+        failing = False
+        while True:
+            self._kick.clear()
+            try:
+                if self.registered.is_set():
+                    await self.client.heartbeat(self.node_id)
+                else:
+                    held = {package_id: set(blocks) for package_id, blocks in self._holdings().items()}
+                    # The registration carries every held block: queued reports are part of it.
+                    self._verified, self._dropped = {}, {}
+                    registration = await self.client.register(self.spec, held)
+                    self.heartbeat_s = registration.heartbeat_s
+                    self.registered.set()
+                    log.info("registered node=%s with control plane %s packages=%d unknown=%s", self.node_id,
+                             self.client.target, len(held), list(registration.unknown_packages))
+                if failing:
+                    log.info("control plane %s reachable again node=%s", self.client.target, self.node_id)
+                failing = False
+            except UnknownWorker:
+                log.warning("control plane %s no longer knows node=%s: registering again", self.client.target,
+                            self.node_id)
+                self.registered.clear()
+                continue
+            except ControlPlaneError as exc:
+                if not failing:
+                    log.warning("control plane call failed node=%s: %s; retrying every %.1f s", self.node_id, exc,
+                                self.retry_s)
+                failing = True
+                await self._nap(self.retry_s)
+                continue
+            await self._nap(self.heartbeat_s)
+
+    async def _report_loop(self) -> None:
+        stream: ReportStream | None = None
+        try:
+            while True:
+                await self._report_wake.wait()
+                await asyncio.sleep(self.report_delay_s)  # the batching window
+                self._report_wake.clear()
+                await self.registered.wait()
+                if stream is None or stream.closed:
+                    stream = self.client.open_report_stream()
+                await self._report_once(stream)
+        finally:
+            if stream is not None:
+                stream.close()
+
+    async def _report_once(self, stream: ReportStream) -> None:
+        verified = {p: b for p, b in self._verified.items() if b}
+        dropped = {p: b for p, b in self._dropped.items() if b}
+        if verified or dropped:
+            self._verified, self._dropped = {}, {}
+            try:
+                await stream.report(self.node_id, verified, dropped)
+            except UnknownWorker:
+                self._need_registration()  # the registration will carry these blocks
+            except ControlPlaneError as exc:
+                log.warning("block report failed node=%s: %s; retrying in %.1f s", self.node_id, exc, self.retry_s)
+                self._requeue(verified, dropped)
+                await asyncio.sleep(self.retry_s)
+                self._report_wake.set()
+
+    def _requeue(self, verified: Mapping[str, set[int]], dropped: Mapping[str, set[int]]) -> None:
+        # Reports queued since the failed one are newer: they win over the requeued ones.
+        for package_id, blocks in verified.items():
+            newer = self._dropped.get(package_id, set())
+            self._verified.setdefault(package_id, set()).update(blocks - newer)
+        for package_id, blocks in dropped.items():
+            newer = self._verified.get(package_id, set())
+            self._dropped.setdefault(package_id, set()).update(blocks - newer)

@@ -1,0 +1,384 @@
+from pipecast.v1 import manifest_pb2 as _manifest_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Peer(_message.Message):
+    __slots__ = ("node_id", "address", "transports")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Accelerator(_message.Message):
+    __slots__ = ("kind", "name", "count", "memory_bytes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    count: int
+    memory_bytes: int
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., count: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class WorkerSpec(_message.Message):
+    __slots__ = ("peer", "memory_bytes", "accelerator", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    peer: Peer
+    memory_bytes: int
+    accelerator: Accelerator
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, peer: _Optional[_Union[Peer, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[Accelerator, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class PackageBlocks(_message.Message):
+    __slots__ = ("package_id", "blocks")
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, package_id: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker", "held")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerSpec
+    held: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
+    def __init__(self, worker: _Optional[_Union[WorkerSpec, _Mapping]] = ..., held: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("lease_s", "heartbeat_s", "unknown_packages")
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_PACKAGES_FIELD_NUMBER: _ClassVar[int]
+    lease_s: float
+    heartbeat_s: float
+    unknown_packages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., unknown_packages: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_s",)
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    lease_s: float
+    def __init__(self, lease_s: _Optional[float] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerState(_message.Message):
+    __slots__ = ("worker", "alive", "lease_remaining_s", "held")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerSpec
+    alive: bool
+    lease_remaining_s: float
+    held: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
+    def __init__(self, worker: _Optional[_Union[WorkerSpec, _Mapping]] = ..., alive: _Optional[bool] = ..., lease_remaining_s: _Optional[float] = ..., held: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ...) -> None: ...
+
+class PublishPackageRequest(_message.Message):
+    __slots__ = ("manifest", "store")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    manifest: _manifest_pb2.Manifest
+    store: Peer
+    def __init__(self, manifest: _Optional[_Union[_manifest_pb2.Manifest, _Mapping]] = ..., store: _Optional[_Union[Peer, _Mapping]] = ...) -> None: ...
+
+class PublishPackageResponse(_message.Message):
+    __slots__ = ("package_id",)
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    def __init__(self, package_id: _Optional[str] = ...) -> None: ...
+
+class GetPackageRequest(_message.Message):
+    __slots__ = ("package_id",)
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    def __init__(self, package_id: _Optional[str] = ...) -> None: ...
+
+class GetPackageResponse(_message.Message):
+    __slots__ = ("manifest", "store")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    manifest: _manifest_pb2.Manifest
+    store: Peer
+    def __init__(self, manifest: _Optional[_Union[_manifest_pb2.Manifest, _Mapping]] = ..., store: _Optional[_Union[Peer, _Mapping]] = ...) -> None: ...
+
+class ListPackagesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PackageSummary(_message.Message):
+    __slots__ = ("package_id", "model_name", "num_blocks", "total_bytes", "store", "complete_holders", "block_replicas", "published_unix")
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    model_name: str
+    num_blocks: int
+    total_bytes: int
+    store: Peer
+    complete_holders: int
+    block_replicas: int
+    published_unix: float
+    def __init__(self, package_id: _Optional[str] = ..., model_name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., store: _Optional[_Union[Peer, _Mapping]] = ..., complete_holders: _Optional[int] = ..., block_replicas: _Optional[int] = ..., published_unix: _Optional[float] = ...) -> None: ...
+
+class ListPackagesResponse(_message.Message):
+    __slots__ = ("packages",)
+    PACKAGES_FIELD_NUMBER: _ClassVar[int]
+    packages: _containers.RepeatedCompositeFieldContainer[PackageSummary]
+    def __init__(self, packages: _Optional[_Iterable[_Union[PackageSummary, _Mapping]]] = ...) -> None: ...
+
+class RemovePackageRequest(_message.Message):
+    __slots__ = ("package_id", "force")
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    force: bool
+    def __init__(self, package_id: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class RemovePackageResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReportBlocksRequest(_message.Message):
+    __slots__ = ("node_id", "verified", "dropped")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    verified: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
+    dropped: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
+    def __init__(self, node_id: _Optional[str] = ..., verified: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ..., dropped: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ...) -> None: ...
+
+class ReportBlocksResponse(_message.Message):
+    __slots__ = ("unknown_packages",)
+    UNKNOWN_PACKAGES_FIELD_NUMBER: _ClassVar[int]
+    unknown_packages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, unknown_packages: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReportBadPeerRequest(_message.Message):
+    __slots__ = ("node_id", "peer_id", "package_id", "block", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peer_id: str
+    package_id: str
+    block: int
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., package_id: _Optional[str] = ..., block: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportBadPeerResponse(_message.Message):
+    __slots__ = ("replanned",)
+    REPLANNED_FIELD_NUMBER: _ClassVar[int]
+    replanned: bool
+    def __init__(self, replanned: _Optional[bool] = ...) -> None: ...
+
+class GetAvailabilityRequest(_message.Message):
+    __slots__ = ("package_id",)
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    def __init__(self, package_id: _Optional[str] = ...) -> None: ...
+
+class BlockHolders(_message.Message):
+    __slots__ = ("block", "node_ids")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, block: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WorkerBlocks(_message.Message):
+    __slots__ = ("node_id", "blocks")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetAvailabilityResponse(_message.Message):
+    __slots__ = ("package_id", "num_blocks", "by_worker", "by_block")
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BY_WORKER_FIELD_NUMBER: _ClassVar[int]
+    BY_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    num_blocks: int
+    by_worker: _containers.RepeatedCompositeFieldContainer[WorkerBlocks]
+    by_block: _containers.RepeatedCompositeFieldContainer[BlockHolders]
+    def __init__(self, package_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., by_worker: _Optional[_Iterable[_Union[WorkerBlocks, _Mapping]]] = ..., by_block: _Optional[_Iterable[_Union[BlockHolders, _Mapping]]] = ...) -> None: ...
+
+class ScaleUpRequest(_message.Message):
+    __slots__ = ("package_id", "node_ids", "count", "strategy", "fanout")
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    FANOUT_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    count: int
+    strategy: str
+    fanout: int
+    def __init__(self, package_id: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., count: _Optional[int] = ..., strategy: _Optional[str] = ..., fanout: _Optional[int] = ...) -> None: ...
+
+class ScaleUpResponse(_message.Message):
+    __slots__ = ("plan_id", "strategy", "sources", "receivers", "unchanged")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVERS_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    strategy: str
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    receivers: _containers.RepeatedScalarFieldContainer[str]
+    unchanged: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, plan_id: _Optional[str] = ..., strategy: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., receivers: _Optional[_Iterable[str]] = ..., unchanged: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("package_id", "node_ids", "keep_alive_s")
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_S_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    keep_alive_s: float
+    def __init__(self, package_id: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., keep_alive_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("drop_at_unix",)
+    DROP_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    drop_at_unix: float
+    def __init__(self, drop_at_unix: _Optional[float] = ...) -> None: ...
+
+class ListPlansRequest(_message.Message):
+    __slots__ = ("package_id",)
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    def __init__(self, package_id: _Optional[str] = ...) -> None: ...
+
+class PlanSummary(_message.Message):
+    __slots__ = ("plan_id", "package_id", "strategy", "sources", "receivers", "pending", "replans", "created_unix")
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVERS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    REPLANS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    plan_id: str
+    package_id: str
+    strategy: str
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    receivers: _containers.RepeatedScalarFieldContainer[str]
+    pending: _containers.RepeatedScalarFieldContainer[str]
+    replans: int
+    created_unix: float
+    def __init__(self, plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., strategy: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., receivers: _Optional[_Iterable[str]] = ..., pending: _Optional[_Iterable[str]] = ..., replans: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class ListPlansResponse(_message.Message):
+    __slots__ = ("plans",)
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    plans: _containers.RepeatedCompositeFieldContainer[PlanSummary]
+    def __init__(self, plans: _Optional[_Iterable[_Union[PlanSummary, _Mapping]]] = ...) -> None: ...
+
+class WatchAssignmentsRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class Transfer(_message.Message):
+    __slots__ = ("block", "peer")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    peer: Peer
+    def __init__(self, block: _Optional[int] = ..., peer: _Optional[_Union[Peer, _Mapping]] = ...) -> None: ...
+
+class AssignmentUpdate(_message.Message):
+    __slots__ = ("kind", "plan_id", "package_id", "version", "strategy", "fetch", "serve", "plan_ids", "sources")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[AssignmentUpdate.Kind]
+        ASSIGN: _ClassVar[AssignmentUpdate.Kind]
+        CANCEL: _ClassVar[AssignmentUpdate.Kind]
+        DROP: _ClassVar[AssignmentUpdate.Kind]
+        SYNC: _ClassVar[AssignmentUpdate.Kind]
+    KIND_UNSPECIFIED: AssignmentUpdate.Kind
+    ASSIGN: AssignmentUpdate.Kind
+    CANCEL: AssignmentUpdate.Kind
+    DROP: AssignmentUpdate.Kind
+    SYNC: AssignmentUpdate.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    SERVE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    kind: AssignmentUpdate.Kind
+    plan_id: str
+    package_id: str
+    version: int
+    strategy: str
+    fetch: _containers.RepeatedCompositeFieldContainer[Transfer]
+    serve: _containers.RepeatedCompositeFieldContainer[Transfer]
+    plan_ids: _containers.RepeatedScalarFieldContainer[str]
+    sources: _containers.RepeatedCompositeFieldContainer[Peer]
+    def __init__(self, kind: _Optional[_Union[AssignmentUpdate.Kind, str]] = ..., plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., version: _Optional[int] = ..., strategy: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., serve: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., plan_ids: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
