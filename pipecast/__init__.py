@@ -5,3 +5,12 @@ engine) load only when used, e.g. through :func:`pipecast.load`.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # ``pipecast.load`` is imported on first use: it pulls in the engine (torch, transformers).
+    if name == "load":
+        from pipecast.hook import load
+
+        return load
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

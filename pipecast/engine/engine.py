@@ -1,0 +1,205 @@
+"""The engine: a progressively loaded model serving many requests with continuous batching.
+
+Two daemon threads: the block loader binds blocks as they arrive; the engine thread runs the step
+scheduler whenever something can progress (a request arrived, a layer was bound, sequences are
+decoding). Callers on any thread or event loop submit prompts and read tokens from a
+:class:`~pipecast.engine.streams.TokenStream`::
+
+    engine = Engine(PackageFolderProvider("pkg")).start()
+    async for token in engine.submit(prompt_ids, SamplingParams(max_tokens=32)):
+        ...
+"""
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipecast.engine.batching import Sequence, StepScheduler
+from pipecast.engine.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
+from pipecast.engine.loader import BlockLoader
+from pipecast.engine.progressive import ProgressiveModel
+from pipecast.engine.providers import BlockProvider
+from pipecast.engine.sampling import SamplingParams
+from pipecast.engine.streams import TokenStream
+from pipecast.engine.weights import package_dtype
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """How much of the model is in: blocks bound out of the package's, and whether it is complete."""
+
+    blocks_present: int
+    blocks_total: int
+    fully_loaded: bool
+
+    @property
+    def fraction(self) -> float:
+        return self.blocks_present / self.blocks_total
+
+
+class Engine:
+    """Execute-while-load inference over a :class:`BlockProvider`. Call :meth:`start`, then submit."""
+
+    def __init__(self, provider: BlockProvider, *, device: "str | torch.device" = "cpu",
+                 dtype: "torch.dtype | None" = None, max_batch: int = 16, max_queue: int = 64,
+                 stall_timeout_s: float = 600.0):
+        self.provider = provider
+        dtype = dtype or package_dtype(provider.manifest, provider.config)
+        self.model = ProgressiveModel(provider.config, dtype=dtype, device=device)
+        self.loader = BlockLoader(provider, self.model, stall_timeout_s=stall_timeout_s)
+        self.scheduler = StepScheduler(self.model, max_batch=max_batch)
+        self.max_queue = max_queue
+        self.fully_loaded = threading.Event()
+        """Set once every block is bound."""
+        self._cond = threading.Condition()
+        self._incoming: deque[Sequence] = deque()
+        self._cancelled: set[TokenStream] = set()
+        self._closed = False
+        self._ids = itertools.count()
+        self._max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.model.add_listener(self._on_model_change)
+        self._thread = threading.Thread(target=self._run, name="pipecast-engine", daemon=True)
+
+    def start(self) -> "Engine":
+        """Start loading blocks and serving; returns at once."""
+        self.loader.start()
+        self._thread.start()
+        return self
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- requests ------------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> TokenStream:
+        """Queue a prompt (token ids); return the stream of its generated token ids.
+
+        Raises InvalidRequestError (bad prompt), EngineOverloadedError (queue full), ModelLoadError
+        (loading failed) or EngineClosedError.
+        """
+        return self.submit_many([prompt_ids], params)[0]
+
+    def submit_many(self, prompts: Seq[Seq[int]],
+                    params: SamplingParams | Seq[SamplingParams] | None = None) -> list[TokenStream]:
+        """Queue several prompts at once (``params``: one for all or one each): they are admitted in the
+        same step, or none is queued."""
+        each = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
+        if len(each) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(each)} sampling parameters")
+        checked = [(self._check_prompt(p, sp), sp) for p, sp in zip(prompts, each)]
+        with self._cond:
+            if self._closed:
+                raise EngineClosedError()
+            self.model.check_failed()
+            if len(self._incoming) + len(checked) > self.max_queue:
+                raise EngineOverloadedError(len(self._incoming))
+            seqs = [Sequence.new(p, sp, TokenStream(next(self._ids), self._cancel)) for p, sp in checked]
+            self._incoming.extend(seqs)
+            self._cond.notify_all()
+        return [seq.stream for seq in seqs]
+
+    def generate(self, prompt_ids: Seq[int], params: SamplingParams | None = None,
+                 timeout: float | None = None) -> list[int]:
+        """Submit and wait: the generated token ids (blocking; for scripts and tests)."""
+        return self.submit(prompt_ids, params).result(timeout)
+
+    def logits(self, input_ids: "torch.Tensor", timeout: float | None = None) -> "torch.Tensor":
+        """Logits of every position of ``input_ids`` [batch, seq], computed on the calling thread.
+
+        Waits for each part just before it is needed, each wait bounded by ``timeout`` seconds.
+        """
+        return self.model.forward_logits(input_ids, timeout)
+
+    def _check_prompt(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                      f"(0-{self.model.vocab_size - 1})")
+        if self._max_positions and len(prompt) + params.max_tokens > self._max_positions:
+            raise InvalidRequestError(f"prompt of {len(prompt)} tokens plus max_tokens {params.max_tokens} "
+                                      f"exceeds the model's {self._max_positions} positions")
+        return prompt
+
+    def _cancel(self, stream: TokenStream) -> None:
+        with self._cond:
+            self._cancelled.add(stream)
+            self._cond.notify_all()
+
+    # --- state ---------------------------------------------------------------------------------------
+
+    def progress(self) -> LoadProgress:
+        """Blocks bound so far out of the package's."""
+        return LoadProgress(self.loader.blocks_bound, self.provider.num_blocks, self.model.fully_loaded)
+
+    def wait_loaded(self, timeout: float | None = None) -> None:
+        """Block until every block is bound; raise ModelLoadError if loading failed, TimeoutError."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.model.fully_loaded or self.model.failed, timeout):
+                raise TimeoutError(f"model not fully loaded within {timeout:g} s "
+                                   f"({self.loader.blocks_bound}/{self.provider.num_blocks} blocks)")
+        self.model.check_failed()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop serving: pending and running requests fail with EngineClosedError; threads are joined."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.loader.stop(timeout)
+        if not self.model.fully_loaded:
+            self.model.fail(EngineClosedError())
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if not self._thread.is_alive():  # else the engine thread fails them as it exits
+            self._fail_unfinished()
+
+    def _fail_unfinished(self) -> None:
+        error = EngineClosedError()
+        self.scheduler.fail_all(error)
+        with self._cond:
+            for seq in self._incoming:
+                seq.stream.fail(error)
+            self._incoming.clear()
+
+    def _on_model_change(self) -> None:
+        if self.model.fully_loaded:
+            self.fully_loaded.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    # --- the engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while self._next_step():
+                self.scheduler.step()
+        self._fail_unfinished()
+
+    def _next_step(self) -> bool:
+        """Wait until a step can make progress and admit new sequences; False once closed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or self._cancelled
+                                or (self._incoming and self.scheduler.free_slots > 0)
+                                or self.scheduler.can_progress())
+            if self._closed:
+                return False
+            for seq in self.scheduler.prefilling + self.scheduler.decoding + list(self._incoming):
+                if seq.stream in self._cancelled:
+                    seq.cancelled = True
+            self._cancelled.clear()
+            while self._incoming and self.scheduler.free_slots > 0:
+                self.scheduler.add(self._incoming.popleft())
+            return True

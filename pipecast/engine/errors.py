@@ -1,0 +1,63 @@
+"""Typed failures of the engine; each message says whose fault the failure was."""
+
+from pipecast.errors import PipecastError
+
+
+class EngineError(PipecastError):
+    """Base of every engine failure."""
+
+
+class UnsupportedModelError(EngineError):
+    """The package's model type is not one the engine can run layer by layer (the package's fault)."""
+
+    def __init__(self, model_type: str, supported: tuple[str, ...]):
+        super().__init__(f"model type {model_type!r} is not supported by the pipecast engine "
+                         f"(supported: {', '.join(supported)})")
+        self.model_type = model_type
+
+
+class BlockBindError(EngineError):
+    """A block's tensors do not fit the model built from config.json (the package's fault)."""
+
+    def __init__(self, block: int, source: str, problem: str):
+        super().__init__(f"block {block} from {source}: {problem}")
+        self.block, self.source, self.problem = block, source, problem
+
+
+class BlockWaitTimeout(EngineError, TimeoutError):
+    """A block was not available within the wait's timeout (normal while a transfer is in progress)."""
+
+    def __init__(self, block: int, source: str, timeout_s: float):
+        super().__init__(f"block {block} not available from {source} within {timeout_s:g} s")
+        self.block, self.source, self.timeout_s = block, source, timeout_s
+
+
+class BlockStalledError(EngineError):
+    """No missing block arrived for too long: the block source (agent, peer, store) stopped delivering."""
+
+    def __init__(self, blocks: list[int], source: str, stall_s: float):
+        super().__init__(f"blocks {blocks} did not arrive from {source}: nothing arrived for {stall_s:g} s")
+        self.blocks, self.source, self.stall_s = blocks, source, stall_s
+
+
+class ModelLoadError(EngineError):
+    """Loading the model failed; requests that needed the missing layers fail with this error."""
+
+
+class EngineClosedError(EngineError):
+    """The engine was closed; it takes no more requests."""
+
+    def __init__(self) -> None:
+        super().__init__("the engine is closed")
+
+
+class EngineOverloadedError(EngineError):
+    """Too many requests are waiting (the caller should retry later; a server answers 429)."""
+
+    def __init__(self, waiting: int):
+        super().__init__(f"the engine is full: {waiting} requests are already waiting")
+        self.waiting = waiting
+
+
+class InvalidRequestError(EngineError):
+    """A request the engine cannot run as given (the caller's fault): empty prompt, unknown token, ..."""

@@ -1,0 +1,140 @@
+"""Keys and values of running sequences, and the attention masks that go with them.
+
+A prompt's keys/values are kept per sequence while it is prefilled layer by layer (:class:`PrefillCache`);
+when its first token is out, they move into the shared :class:`SlotKVCache`, where every decoding sequence
+owns one row and rows ``0..n-1`` are in use, so a batched decode step attends over a view of the cache
+(no gather). Each object passed to a decoder layer follows transformers' cache protocol as far as the
+layers use it: ``update(keys, values, layer_idx) -> (all_keys, all_values)``.
+
+Masks follow transformers' sdpa rule so single sequences match it bit for bit: no mask where SDPA's own
+``is_causal`` (prefill) or full attention (one new token) is exact; an explicit boolean mask where rows
+have different lengths or a sliding window is reached.
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+CAPACITY_STEP = 256
+
+
+def prefill_mask(length: int, window: int | None, device: "torch.device") -> "torch.Tensor | None":
+    """Mask of a prompt of ``length`` tokens attending to itself, or None when causal SDPA is exact."""
+    import torch
+
+    if window is None or length < window:
+        return None
+    pos = torch.arange(length, device=device)
+    allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    return allowed[None, None]
+
+
+def decode_mask(positions: list[int], window: int | None, device: "torch.device") -> "torch.Tensor | None":
+    """Mask for one new token per row, row ``s`` at ``positions[s]`` attending to its keys ``0..positions[s]``.
+
+    None when every row has the same length and no window is reached (the view then holds no padding).
+    """
+    import torch
+
+    span = max(positions) + 1
+    if len(set(positions)) == 1 and (window is None or span < window):
+        return None
+    keys = torch.arange(span, device=device)[None, :]
+    pos = torch.tensor(positions, device=device)[:, None]
+    allowed = keys <= pos
+    if window is not None:
+        allowed &= keys > pos - window
+    return allowed[:, None, None, :]
+
+
+class PrefillCache:
+    """Keys and values of one prompt, filled one layer at a time while the prompt is prefilled."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, "torch.Tensor"] = {}
+        self.values: dict[int, "torch.Tensor"] = {}
+
+    def update(self, keys: "torch.Tensor", values: "torch.Tensor",
+               layer_idx: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        self.keys[layer_idx], self.values[layer_idx] = keys, values
+        return keys, values
+
+
+class SlotKVCache:
+    """Per layer, keys and values of shape [rows, kv_heads, capacity, head_dim]; one row per sequence.
+
+    Memory is allocated on first use and grows in steps of CAPACITY_STEP tokens (at least doubling).
+    Unused positions hold zeros, never garbage: masked positions still enter SDPA's products.
+    """
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, rows: int,
+                 dtype: "torch.dtype", device: "torch.device"):
+        self.num_layers, self.num_kv_heads, self.head_dim, self.rows = num_layers, num_kv_heads, head_dim, rows
+        self.dtype, self.device = dtype, device
+        self.capacity = 0
+        self.keys: list["torch.Tensor"] = []
+        self.values: list["torch.Tensor"] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for keys and values."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for ``tokens`` positions per row (keeping what is stored)."""
+        import torch
+
+        if tokens <= self.capacity:
+            return
+        capacity = max(2 * self.capacity, -(-tokens // CAPACITY_STEP) * CAPACITY_STEP)
+        shape = (self.rows, self.num_kv_heads, capacity, self.head_dim)
+        old = self.capacity
+        for store in (self.keys, self.values):
+            for layer in range(self.num_layers):
+                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if old:
+                    grown[:, :, :old] = store[layer]
+                if layer < len(store):
+                    store[layer] = grown
+                else:
+                    store.append(grown)
+        self.capacity = capacity
+
+    def write_prompt(self, row: int, prompt: PrefillCache, length: int) -> None:
+        """Store a prefilled prompt's ``length`` positions in ``row``."""
+        self.reserve(length)
+        for layer in range(self.num_layers):
+            self.keys[layer][row, :, :length] = prompt.keys[layer][0]
+            self.values[layer][row, :, :length] = prompt.values[layer][0]
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of row ``src`` to row ``dst`` (to keep rows 0..n-1 dense)."""
+        for store in (self.keys, self.values):
+            for layer in range(self.num_layers):
+                store[layer][dst, :, :length] = store[layer][src, :, :length]
+
+    def step(self, positions: list[int]) -> "DecodeStep":
+        """The cache view of one decode step: row ``s`` writes its new token at ``positions[s]``."""
+        self.reserve(max(positions) + 1)
+        return DecodeStep(self, positions)
+
+
+class DecodeStep:
+    """What a decoder layer sees as its cache during one batched decode step of rows 0..n-1."""
+
+    def __init__(self, cache: SlotKVCache, positions: list[int]):
+        import torch
+
+        self._cache = cache
+        self._n = len(positions)
+        self._rows = torch.arange(self._n, device=cache.device)
+        self._positions = torch.tensor(positions, device=cache.device)
+        self._span = max(positions) + 1
+
+    def update(self, keys: "torch.Tensor", values: "torch.Tensor",
+               layer_idx: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        k_all, v_all = self._cache.keys[layer_idx], self._cache.values[layer_idx]
+        k_all[self._rows, :, self._positions] = keys[:, :, 0]
+        v_all[self._rows, :, self._positions] = values[:, :, 0]
+        return k_all[: self._n, :, : self._span], v_all[: self._n, :, : self._span]

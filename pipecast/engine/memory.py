@@ -1,0 +1,61 @@
+"""How much memory the engine costs beyond the weights: process RSS split by kind, against package size.
+
+On CPU the weights are views of the block buffers (the package file's page-cache pages or the agent's
+shared memory), so loading shows up as file-backed or shared RSS, while anonymous RSS (private copies)
+grows only by the KV cache and activations. A copy of the weights would show as anonymous growth close
+to the package size. Linux only (reads /proc/self/status).
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipecast.units import format_bytes
+
+_FIELDS = {"VmRSS": "rss", "VmHWM": "peak_rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """Resident memory of this process, in bytes."""
+
+    rss: int
+    peak_rss: int   # high-water mark of rss since the process started
+    anon: int       # private memory: heap, tensors the process allocated
+    file: int       # file-backed pages: mapped package blocks, libraries
+    shmem: int      # shared memory: the agent's block buffers
+
+
+def process_memory(status: Path = Path("/proc/self/status")) -> ProcessMemory:
+    """Read this process's memory counters."""
+    values = {}
+    for line in status.read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in _FIELDS:
+            values[_FIELDS[key]] = int(rest.split()[0]) * 1024  # the kernel reports kB
+    return ProcessMemory(**values)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Memory growth across a model load (and a short generation), against the package's size."""
+
+    package_bytes: int
+    kv_cache_bytes: int  # allocated by the engine for keys and values: part of the anonymous growth
+    before: ProcessMemory
+    after: ProcessMemory
+
+    @property
+    def anon_growth(self) -> int:
+        return self.after.anon - self.before.anon
+
+    @property
+    def peak_growth(self) -> int:
+        """Peak RSS reached during the load, above the RSS before it."""
+        return self.after.peak_rss - self.before.rss
+
+    def __str__(self) -> str:
+        p = self.package_bytes
+        return (f"package {format_bytes(p)}: peak RSS +{format_bytes(self.peak_growth)} "
+                f"({self.peak_growth / p:.2f}x package), anonymous +{format_bytes(self.anon_growth)} "
+                f"({self.anon_growth / p:.2f}x; KV cache {format_bytes(self.kv_cache_bytes)}), file-backed +{format_bytes(self.after.file - self.before.file)}, "
+                f"shared +{format_bytes(self.after.shmem - self.before.shmem)}")

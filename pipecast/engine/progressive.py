@@ -1,0 +1,156 @@
+"""The layer-wise model: transformers' own modules, driven one decoder layer at a time.
+
+The model is built from config.json with no weights; blocks are bound as they arrive (by the loader), and
+each part (embeddings, layer i, head) becomes usable the moment its last tensor is bound. Compute methods
+run one step of the forward pass; they never wait. :meth:`ProgressiveModel.forward_logits` is the one
+convenience that walks the whole model, waiting for each part just before it needs it.
+"""
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from pipecast.engine.architectures import build_skeleton
+from pipecast.engine.errors import BlockBindError, ModelLoadError
+from pipecast.engine.weights import EMBED, HEAD, WeightBinder
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ProgressiveModel:
+    """A decoder-only causal LM whose parameters are bound block by block while it already runs."""
+
+    def __init__(self, config: dict, *, dtype: "torch.dtype", device: "torch.device | str" = "cpu"):
+        import torch
+
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.skeleton = build_skeleton(config, dtype=dtype, device=self.device)
+        self.config = self.skeleton.model.config
+        self.num_layers = self.config.num_hidden_layers
+        self.vocab_size = self.config.vocab_size
+        self._inner = self.skeleton.model.model
+        self._binder = WeightBinder(self.skeleton.model, dtype=dtype, device=self.device,
+                                    tied_embeddings=self.skeleton.tied_embeddings)
+        self._cond = threading.Condition()
+        self._ready: set[int] = set()
+        self._error: Exception | None = None
+        self._listeners: list[Callable[[], None]] = []
+        self.layer_first_run_at: dict[int, float] = {}
+        """``time.monotonic()`` at which each layer first ran (evidence of execute-while-load)."""
+
+    # --- loading -------------------------------------------------------------------------------------
+
+    def bind_block(self, index: int, layers: range, tensors: Mapping[str, "torch.Tensor"], source: str) -> None:
+        """Bind block ``index`` (holding ``layers``) and publish the parts it completes."""
+        done = self._binder.bind(index, tensors, source)
+        incomplete = sorted(n for layer in layers for n in self._binder.missing(layer))
+        if incomplete:
+            raise BlockBindError(index, source, f"holds layers {layers.start}-{layers.stop - 1} but lacks "
+                                                f"tensors {incomplete[:8]}")
+        with self._cond:
+            self._ready |= done
+            self._cond.notify_all()
+        self._notify()
+
+    def fail(self, error: Exception) -> None:
+        """Record that loading failed: waiters and later calls raise :class:`ModelLoadError`."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+        self._notify()
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from the loader thread) whenever parts become ready or loading fails."""
+        self._listeners.append(callback)
+
+    def _notify(self) -> None:
+        for callback in self._listeners:
+            callback()
+
+    @property
+    def failed(self) -> bool:
+        """True if loading failed (some parts will never be bound)."""
+        return self._error is not None
+
+    def check_failed(self) -> None:
+        """Raise :class:`ModelLoadError` (caused by the original error) if loading failed."""
+        if self._error is not None:
+            raise ModelLoadError(f"loading the model failed: {self._error}") from self._error
+
+    def is_ready(self, part: int) -> bool:
+        """True if ``part`` (a layer index, EMBED or HEAD) can run now."""
+        return part in self._ready
+
+    @property
+    def fully_loaded(self) -> bool:
+        """True once every part is bound."""
+        return len(self._ready) == self.num_layers + 2
+
+    def wait_ready(self, part: int, timeout: float | None) -> None:
+        """Block until ``part`` is bound; raise ModelLoadError if loading failed, TimeoutError on timeout."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: part in self._ready or self._error is not None, timeout):
+                raise TimeoutError(f"{_part_name(part)} not loaded within {timeout:g} s")
+            if part not in self._ready:
+                self.check_failed()
+
+    # --- compute (callers hold torch.inference_mode) -------------------------------------------------
+
+    def embed(self, input_ids: "torch.Tensor") -> "torch.Tensor":
+        """Token embeddings, [batch, seq] -> [batch, seq, hidden]."""
+        return self._inner.embed_tokens(input_ids)
+
+    def position_embeddings(self, hidden: "torch.Tensor",
+                            position_ids: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        """Rotary (cos, sin) for ``position_ids`` [batch, seq], computed from the config as transformers does."""
+        return self.skeleton.rotary(hidden, position_ids)
+
+    def run_layer(self, layer: int, hidden: "torch.Tensor", *, position_embeddings: tuple,
+                  position_ids: "torch.Tensor", mask: "torch.Tensor | None", cache: Any) -> "torch.Tensor":
+        """Run decoder layer ``layer``; ``cache`` has ``update(k, v, layer_idx) -> (k, v)`` or is None."""
+        if layer not in self.layer_first_run_at:
+            self.layer_first_run_at[layer] = time.monotonic()
+        return self._inner.layers[layer](hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                                         position_ids=position_ids, past_key_values=cache,
+                                         use_cache=cache is not None)
+
+    def head(self, hidden: "torch.Tensor", last_only: bool) -> "torch.Tensor":
+        """Final norm and LM head: logits of every position, or of the last one only."""
+        hidden = self._inner.norm(hidden)
+        if last_only:
+            hidden = hidden[:, -1:, :]
+        return self.skeleton.model.lm_head(hidden)
+
+    def window(self, layer: int) -> int | None:
+        """Sliding-window size of ``layer``'s attention, or None for full attention."""
+        return self.skeleton.windows[layer]
+
+    def forward_logits(self, input_ids: "torch.Tensor", timeout: float | None) -> "torch.Tensor":
+        """Logits of every position of ``input_ids`` [batch, seq] (no padding), waiting for each part.
+
+        Each wait is bounded by ``timeout`` seconds. Equal to transformers' ``model(input_ids).logits``.
+        """
+        import torch
+
+        from pipecast.engine.kv_cache import prefill_mask
+
+        with torch.inference_mode():
+            self.wait_ready(EMBED, timeout)
+            ids = input_ids.to(self.device)
+            hidden = self.embed(ids)
+            positions = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
+            rope = self.position_embeddings(hidden, positions)
+            masks = {w: prefill_mask(ids.shape[1], w, self.device) for w in set(self.skeleton.windows)}
+            for layer in range(self.num_layers):
+                self.wait_ready(layer, timeout)
+                hidden = self.run_layer(layer, hidden, position_embeddings=rope, position_ids=positions,
+                                        mask=masks[self.window(layer)], cache=None)
+            self.wait_ready(HEAD, timeout)
+            return self.head(hidden, last_only=False)
+
+
+def _part_name(part: int) -> str:
+    return {EMBED: "the embeddings", HEAD: "the final norm and LM head"}.get(part, f"layer {part}")

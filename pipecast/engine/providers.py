@@ -1,0 +1,250 @@
+"""Where an engine's blocks come from: the :class:`BlockProvider` protocol and its implementations.
+
+- :class:`PackageFolderProvider`: a package folder on local disk, blocks mapped zero-copy (the unicast /
+  local-cache fallback);
+- :class:`AgentBlockProvider`: blocks from the node agent's shared memory, through its local client;
+- :class:`DelayedProvider`: wraps another provider and releases blocks one by one, by hand or on a
+  schedule (tests, and benchmarks that emulate blocks arriving over a link).
+"""
+
+import json
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from packager.errors import PackageError
+from pipecast.engine.errors import BlockBindError, BlockWaitTimeout
+from pipecast.v1.manifest_pb2 import Manifest
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class BlockProvider(Protocol):
+    """A source of a package's verified blocks, each as tensors named as in the original checkpoint."""
+
+    @property
+    def manifest(self) -> Manifest:
+        """The package manifest (blocks, layer ranges, tensor names)."""
+
+    @property
+    def config(self) -> dict:
+        """The model's config.json."""
+
+    @property
+    def num_blocks(self) -> int:
+        """How many blocks the package has."""
+
+    @property
+    def source(self) -> str:
+        """Where blocks come from, for logs and error messages (e.g. ``package folder /data/pkg``)."""
+
+    def small_file(self, path: str) -> bytes | None:
+        """A small file of the package (e.g. ``generation_config.json``), or None if it has none."""
+
+    def is_present(self, index: int) -> bool:
+        """True if block ``index`` can be had now without waiting."""
+
+    def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
+        """Block ``index``'s tensors (views of the block's buffer, no copy), waiting up to ``timeout`` s.
+
+        Raises :class:`BlockWaitTimeout` if it is not there in time; other errors are final.
+        """
+
+
+class PackageFolderProvider:
+    """Blocks of a package folder on this node, mapped copy-on-write and checked against the manifest."""
+
+    def __init__(self, root: Path | str, *, verify: bool = True):
+        from packager.package import Package
+
+        self.package = Package.open(root)
+        self._config = self.package.config
+        self._verify = verify
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.package.manifest
+
+    @property
+    def config(self) -> dict:
+        return self._config
+
+    @property
+    def num_blocks(self) -> int:
+        return self.package.num_blocks
+
+    @property
+    def source(self) -> str:
+        return f"package folder {self.package.root}"
+
+    def small_file(self, path: str) -> bytes | None:
+        if path not in {f.path for f in self.manifest.files}:
+            return None
+        return (self.package.root / path).read_bytes()
+
+    def is_present(self, index: int) -> bool:
+        try:
+            return self.package.block_path(index).stat().st_size == self.package.block(index).bytes
+        except OSError:
+            return False
+
+    def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
+        # A local folder has every block or is broken: nothing to wait for, and a bad or missing file is
+        # reported at once by the packager (BlockMismatchError naming the file).
+        return self.package.block_tensors(index, verify=self._verify)
+
+
+class AgentBlockProvider:
+    """Blocks held by the node agent, read from its shared memory through its local client (no copy).
+
+    ``client`` is a :class:`pipecast.agent.local_client.LocalAgentClient` (or an object with its
+    methods): ``manifest``, ``wait_block`` (a read-only view of a verified block; ``TimeoutError`` if not
+    verified in time), ``progress`` and ``package_file``. The agent hands out verified bytes only.
+    """
+
+    def __init__(self, client: Any, *, package_id: str | None, where: str, timeout_s: float = 10.0):
+        self.client = client
+        self._where = where
+        self._manifest = client.manifest(package_id, timeout=timeout_s)
+        self._package_id = self._manifest.package_id
+        self._timeout_s = timeout_s
+        config = self.small_file("config.json")
+        if config is None:
+            raise PackageError(f"package {self._package_id[:12]} held by {self.source} has no config.json")
+        self._config = json.loads(config)
+        self._verified: set[int] = set()
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._manifest
+
+    @property
+    def config(self) -> dict:
+        return self._config
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._manifest.blocks)
+
+    @property
+    def source(self) -> str:
+        return f"agent at {self._where}"
+
+    def small_file(self, path: str) -> bytes | None:
+        if path not in {f.path for f in self._manifest.files}:
+            return None
+        return self.client.package_file(path, self._package_id, timeout=self._timeout_s)
+
+    def is_present(self, index: int) -> bool:
+        if index not in self._verified:
+            progress = self.client.progress(self._package_id, timeout=self._timeout_s)
+            self._verified |= {b.index for b in progress.blocks if b.verified_at is not None}
+        return index in self._verified
+
+    def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
+        from packager.blockfile import buffer_header, tensors_from_buffer
+
+        try:
+            buf = self.client.wait_block(index, timeout, self._package_id)
+        except TimeoutError:
+            raise BlockWaitTimeout(index, self.source, timeout) from None
+        where = f"{self.source}, block {index}"
+        header = buffer_header(buf, where)
+        expected = set(self._manifest.blocks[index].tensor_names)
+        if set(header.tensors) != expected:
+            raise BlockBindError(index, self.source, f"holds tensors {sorted(set(header.tensors) ^ expected)} "
+                                                     "that differ from the manifest")
+        return tensors_from_buffer(buf, where, header)
+
+
+class DelayedProvider:
+    """Another provider whose blocks become available only when released, by hand or on a schedule.
+
+    ``release_after[i]`` is the time in seconds at which block ``i`` appears, counted from the first time
+    any block is asked for (so building the engine does not eat into the schedule); without a schedule
+    every block waits for :meth:`release`.
+    """
+
+    def __init__(self, inner: BlockProvider, *, release_after: Sequence[float] | None = None):
+        if release_after is not None and len(release_after) != inner.num_blocks:
+            raise ValueError(f"release_after has {len(release_after)} times for {inner.num_blocks} blocks")
+        self.inner = inner
+        self._release_after = list(release_after) if release_after is not None else None
+        self._due: list[float] | None = None
+        self._released_at: dict[int, float] = {}
+        self._cond = threading.Condition()
+
+    @classmethod
+    def at_bandwidth(cls, inner: BlockProvider, bytes_per_s: float) -> "DelayedProvider":
+        """Blocks arriving in order over one link of ``bytes_per_s``: block i lands after its prefix."""
+        arrivals, total = [], 0
+        for block in inner.manifest.blocks:
+            total += block.bytes
+            arrivals.append(total / bytes_per_s)
+        return cls(inner, release_after=arrivals)
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.inner.manifest
+
+    @property
+    def config(self) -> dict:
+        return self.inner.config
+
+    @property
+    def num_blocks(self) -> int:
+        return self.inner.num_blocks
+
+    @property
+    def source(self) -> str:
+        return f"delayed {self.inner.source}"
+
+    def small_file(self, path: str) -> bytes | None:
+        return self.inner.small_file(path)
+
+    def release(self, *indexes: int) -> None:
+        """Make the given blocks available now."""
+        with self._cond:
+            now = time.monotonic()
+            for i in indexes:
+                self._released_at.setdefault(i, now)
+            self._cond.notify_all()
+
+    def release_all(self) -> None:
+        """Make every block available now."""
+        self.release(*range(self.num_blocks))
+
+    def released_at(self, index: int) -> float | None:
+        """``time.monotonic()`` at which block ``index`` became available, or None if it has not."""
+        with self._cond:
+            return self._released_at.get(index) if self._present(index) else None
+
+    def is_present(self, index: int) -> bool:
+        with self._cond:
+            return self._present(index)
+
+    def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._present(index):
+                now = time.monotonic()
+                if now >= deadline:
+                    raise BlockWaitTimeout(index, self.source, timeout)
+                due = self._due[index] if self._due is not None else deadline
+                self._cond.wait(min(deadline, max(due, now)) - now)
+        return self.inner.wait_block(index, timeout)
+
+    def _present(self, index: int) -> bool:
+        if self._due is None and self._release_after is not None:
+            start = time.monotonic()
+            self._due = [start + t for t in self._release_after]
+        if index in self._released_at:
+            return True
+        if self._due is not None and time.monotonic() >= self._due[index]:
+            self._released_at[index] = self._due[index]
+            return True
+        return False

@@ -1,0 +1,73 @@
+"""Choosing the next token: greedy, or temperature and top-p sampling from a per-request seeded generator.
+
+Each sampled request owns its ``torch.Generator``, so its tokens depend on its seed alone, not on which
+other requests share its batch.
+"""
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipecast.engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate: ``temperature`` 0 is greedy; ``top_p`` keeps the smallest set of tokens whose
+    probability reaches it; generation ends at a token of ``stop_token_ids`` (which is returned) or after
+    ``max_tokens`` tokens."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def new_generator(params: SamplingParams) -> "torch.Generator | None":
+    """The request's own random generator (None for greedy requests)."""
+    import torch
+
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    return torch.Generator().manual_seed(seed)
+
+
+def sample_tokens(logits: "torch.Tensor", params: Sequence[SamplingParams],
+                  generators: Sequence["torch.Generator | None"]) -> list[int]:
+    """Next token of each row of ``logits`` [n, vocab] (float32, on the CPU)."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            tokens[row] = _sample_row(logits[row], p, gen)
+    return tokens
+
+
+def _sample_row(logits: "torch.Tensor", params: SamplingParams, generator: "torch.Generator") -> int:
+    import torch
+
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep a token if the tokens before it do not reach top_p yet (so the top token always stays)
+        sorted_probs[sorted_probs.cumsum(-1) - sorted_probs >= params.top_p] = 0
+        return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
+    return int(torch.multinomial(probs, 1, generator=generator))
