@@ -1,6 +1,7 @@
 """The TCP transport and the fetcher on loopback, in one process: transfers, cut-through, deadlines, faults."""
 
 import asyncio
+import importlib.util
 import time
 from pathlib import Path
 
@@ -255,11 +256,20 @@ def test_token_bucket_lends_and_asks_for_repayment():
     assert bucket.take(600) == pytest.approx(0.1)  # refill is capped at the burst
 
 
-def test_transport_selection():
+def test_transport_selection(monkeypatch):
+    from dataclasses import replace
+
+    from pipecast.agent.transport import registry
+
+    # auto means TCP on a node without GPU/RDMA, whether or not ucxx is installed
+    entry = registry._REGISTRY["ucx"]
+    monkeypatch.setitem(registry._REGISTRY, "ucx", replace(entry, preferred=lambda: False))
     assert resolve_transport_name("auto") == "tcp"
     assert resolve_transport_name("tcp") == "tcp"
-    with pytest.raises(TransportUnavailableError, match="transport 'ucx' cannot be used on this node: .*not installed"):
-        resolve_transport_name("ucx")
+    if importlib.util.find_spec("ucxx") is None:
+        with pytest.raises(TransportUnavailableError,
+                           match="transport 'ucx' cannot be used on this node: .*not installed"):
+            resolve_transport_name("ucx")
     with pytest.raises(TransportUnavailableError, match="transport 'carrier-pigeon' is not registered"):
         resolve_transport_name("carrier-pigeon")
 

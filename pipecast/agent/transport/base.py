@@ -117,3 +117,7 @@ class Transport(ABC):
     @abstractmethod
     async def connect(self, address: str, peer: str) -> Channel:
         """Open a channel to the agent at ``address``; ``peer`` is how errors name it."""
+
+    async def close(self) -> None:
+        """Close what is still open and release what the backend holds for the process (idempotent); the
+        agent calls it on shutdown. This default, for backends that hold nothing, does nothing."""
