@@ -32,6 +32,8 @@ from pipecast.v1 import control_pb2_grpc
 from pipecast.v1.manifest_pb2 import Manifest
 
 KEEPALIVE_S = 10.0
+# The longest a client waits between attempts to reconnect after an outage (gRPC adds +-20% jitter).
+MAX_RECONNECT_BACKOFF_S = 5.0
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -41,7 +43,7 @@ CHANNEL_OPTIONS = [
     # After an outage the channel retries the connection with exponential backoff; capped low so that
     # agents are back within seconds of a control plane restart (gRPC's default cap is 120 s).
     ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.max_reconnect_backoff_ms", 5000),
+    ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_BACKOFF_S * 1000)),
 ]
 
 
@@ -219,6 +221,9 @@ class ReportStream:
                 self.close()
                 raise ControlPlaneUnavailable(f"control plane at {target} did not answer StreamReports within "
                                               f"{self._client.timeout_s} s") from None
+            except asyncio.InvalidStateError:  # the call ended while idle (e.g. the server went away)
+                self.close()
+                raise ControlPlaneUnavailable(f"report stream to control plane at {target} had ended") from None
             if reply is grpc.aio.EOF:
                 self.close()
                 raise ControlPlaneUnavailable(f"control plane at {target} ended the report stream")

@@ -28,7 +28,8 @@ CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, d
 @click.option("--db", type=click.Path(path_type=Path, dir_okay=False), help="SQLite file (settings: control_db).")
 @click.option("--lease-s", type=click.FloatRange(min=0, min_open=True), help="Worker lease (settings: lease_s).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
-              help="Serve Prometheus metrics on this port (off unless set).")
+              help="Serve Prometheus metrics on this port, 0 for any (settings: control_metrics_port; off unless "
+                   "set).")
 def control_plane_command(config: Path | None, host: str | None, port: int | None, db: Path | None,
                           lease_s: float | None, metrics_port: int | None) -> None:
     """Run the control plane until SIGINT/SIGTERM."""

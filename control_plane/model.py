@@ -38,6 +38,7 @@ class WorkerSpec:
     memory_bytes: int
     accelerator: AcceleratorInfo = AcceleratorInfo()
     labels: Mapping[str, str] = field(default_factory=dict)
+    serve_url: str = ""  # HTTP base URL of the worker's serving API; the router lists workers by it
 
     @property
     def node_id(self) -> str:
@@ -49,14 +50,14 @@ class WorkerSpec:
                 "accelerator": {"kind": self.accelerator.kind, "name": self.accelerator.name,
                                 "count": self.accelerator.count,
                                 "memory_bytes": self.accelerator.memory_bytes},
-                "labels": dict(self.labels)}
+                "labels": dict(self.labels), "serve_url": self.serve_url}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "WorkerSpec":
         return cls(peer=PeerInfo(data["node_id"], data["address"], tuple(data["transports"])),
                    memory_bytes=int(data["memory_bytes"]),
                    accelerator=AcceleratorInfo(**data["accelerator"]),
-                   labels=dict(data["labels"]))
+                   labels=dict(data["labels"]), serve_url=data.get("serve_url", ""))  # absent before field 5
 
 
 class UpdateKind(Enum):

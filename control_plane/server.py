@@ -15,6 +15,7 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
 from control_plane.auth import TokenAuthInterceptor, server_credentials
+from control_plane.client import MAX_RECONNECT_BACKOFF_S
 from control_plane.convert import MAX_MESSAGE_BYTES
 from control_plane.errors import ControlPlaneError
 from control_plane.metrics import ControlMetrics
@@ -34,6 +35,10 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
 ]
+
+
+# Twice the clients' longest reconnect backoff: room for its jitter and one heartbeat.
+RESTART_LEASE_GRACE_S = 2 * MAX_RECONNECT_BACKOFF_S
 
 
 class ServerStartError(ControlPlaneError):
@@ -61,7 +66,9 @@ class ServerConfig:
     def from_settings(cls, settings: Settings, **overrides: Any) -> "ServerConfig":
         config = cls(host=settings.control_host, port=settings.control_port, db_path=settings.control_db,
                      token=settings.auth_token, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
-                     tls_ca=settings.tls_ca, lease_s=settings.lease_s, heartbeat_s=settings.heartbeat_s)
+                     tls_ca=settings.tls_ca, lease_s=settings.lease_s, heartbeat_s=settings.heartbeat_s,
+                     scan_interval_s=settings.control_scan_s, flush_interval_s=settings.control_flush_s,
+                     metrics_port=settings.control_metrics_port)
         for key, value in overrides.items():
             if value is not None:
                 setattr(config, key, value)
@@ -87,7 +94,9 @@ class ControlPlaneServer:
         self._credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
         self.state = ControlState(lease_s=config.lease_s)
         self.store = SqliteStore(config.db_path)
-        self.store.load(self.state, clock())
+        # Workers notice the restart only when their reconnect backoff ends: a lease shorter than that
+        # must not mark them dead before they are back.
+        self.store.load(self.state, clock(), lease_grace_s=RESTART_LEASE_GRACE_S)
         self.metrics = ControlMetrics(self.state)
         self.service = ControlPlaneService(self.state, self.metrics, heartbeat_s=config.heartbeat_s,
                                            store=self.store, clock=clock)

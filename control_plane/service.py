@@ -60,7 +60,7 @@ def _rpc(handler: Handler) -> Handler:
 
 class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     """The ControlPlane service over one :class:`ControlState`; ``store`` (if any) is flushed by the server
-    periodically and here right away for package changes."""
+    periodically and here right away for the operator's changes (packages, scale-ups, releases)."""
 
     def __init__(self, state: ControlState, metrics: ControlMetrics, *, heartbeat_s: float,
                  store: SqliteStore | None = None, clock: Callable[[], float] = time.time):
@@ -240,12 +240,14 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     async def ScaleUp(self, request: pb.ScaleUpRequest, context: grpc.aio.ServicerContext) -> pb.ScaleUpResponse:
         result = self.state.scale_up(request.package_id, node_ids=list(request.node_ids), count=request.count,
                                      strategy=request.strategy, fanout=request.fanout, now=self.clock())
+        self.flush()  # an acknowledged plan survives a crash: agents drop parts a restarted control plane lacks
         return pb.ScaleUpResponse(plan_id=result.plan_id, strategy=result.strategy, sources=result.sources,
                                   receivers=result.receivers, unchanged=result.unchanged)
 
     @_rpc
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         drop_at = self.state.release(request.package_id, list(request.node_ids), request.keep_alive_s, self.clock())
+        self.flush()
         log.info("release package=%s nodes=%s keep_alive_s=%.1f", request.package_id, list(request.node_ids),
                  request.keep_alive_s)
         return pb.ReleaseResponse(drop_at_unix=drop_at)

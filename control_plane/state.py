@@ -489,9 +489,9 @@ class ControlState:
         self.packages[manifest.package_id] = Package(manifest, store, published_at)
         self.availability[manifest.package_id] = Availability(len(manifest.blocks))
 
-    def restore_worker(self, spec: WorkerSpec, alive: bool, now: float) -> None:
-        """A worker from before a restart; an alive one gets a fresh lease to show up in."""
-        self.workers[spec.node_id] = Worker(spec, now + self.lease_s, alive)
+    def restore_worker(self, spec: WorkerSpec, alive: bool, now: float, grace_s: float = 0.0) -> None:
+        """A worker from before a restart; an alive one gets a fresh lease, plus ``grace_s``, to show up in."""
+        self.workers[spec.node_id] = Worker(spec, now + self.lease_s + grace_s, alive)
 
     def restore_availability(self, package_id: str, node: str, blocks: Iterable[int]) -> None:
         self.availability[package_id].add(node, blocks)

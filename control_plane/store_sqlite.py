@@ -75,23 +75,24 @@ class SqliteStore:
     def close(self) -> None:
         self._db.close()
 
-    def load(self, state: ControlState, now: float) -> None:
-        """Fill an empty ``state`` from the database."""
+    def load(self, state: ControlState, now: float, *, lease_grace_s: float = 0.0) -> None:
+        """Fill an empty ``state`` from the database; alive workers get a lease plus ``lease_grace_s`` to
+        reconnect in."""
         try:
-            self._load(state, now)
+            self._load(state, now, lease_grace_s)
         except sqlite3.Error as exc:
             raise StoreError(f"control plane database {self.path}: cannot read: {exc}") from exc
         log.info("loaded state path=%s packages=%d workers=%d plans=%d", self.path, len(state.packages),
                  len(state.workers), len(state.plans))
 
-    def _load(self, state: ControlState, now: float) -> None:
+    def _load(self, state: ControlState, now: float, lease_grace_s: float) -> None:
         for _, manifest_bytes, store, published_at in self._db.execute("SELECT * FROM packages"):
             manifest = Manifest.FromString(manifest_bytes)
             peer = json.loads(store)
             state.restore_package(manifest, PeerInfo(peer["node_id"], peer["address"], tuple(peer["transports"])),
                                   published_at)
         for _, spec, alive in self._db.execute("SELECT * FROM workers"):
-            state.restore_worker(WorkerSpec.from_json(json.loads(spec)), bool(alive), now)
+            state.restore_worker(WorkerSpec.from_json(json.loads(spec)), bool(alive), now, lease_grace_s)
         for package_id, node, blocks in self._db.execute("SELECT * FROM availability"):
             worker = state.workers.get(node)
             if package_id in state.packages and worker is not None and worker.alive:

@@ -5,6 +5,9 @@ The agent gives its spec and a function returning every verified block it holds;
 server asks for, batches block reports (one RPC per ``report_delay_s`` window at most, retried until
 delivered), and yields the assignment stream, reconnecting after failures. The control plane being
 down never stops the agent: calls fail with typed errors that are logged, and the session retries.
+After any failed call the next contact is a full registration, so reports a crashed control plane had
+acknowledged but not yet written to its database are restored. A refused token is the one fatal error:
+it ends :meth:`WorkerSession.assignments` with :class:`Unauthenticated` (retrying cannot fix it).
 
     session = WorkerSession(client, spec, holdings=store.holdings)
     await session.start()
@@ -18,7 +21,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 
 from control_plane.client import ControlPlaneClient, ReportStream
-from control_plane.errors import ControlPlaneError, UnknownWorker
+from control_plane.errors import ControlPlaneError, Unauthenticated, UnknownWorker
 from control_plane.model import AssignmentUpdate, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,8 @@ class WorkerSession:
         self._dropped: dict[str, set[int]] = {}
         self._report_wake = asyncio.Event()
         self._kick = asyncio.Event()  # set: re-register now
+        self._refused: Unauthenticated | None = None
+        self._refused_event = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -84,9 +89,10 @@ class WorkerSession:
 
     async def assignments(self) -> AsyncIterator[AssignmentUpdate]:
         """The assignment stream, for as long as the caller iterates: each (re)connection starts with a
-        SYNC naming the plans the worker is in, then an ASSIGN for each."""
+        SYNC naming the plans the worker is in, then an ASSIGN for each. Raises :class:`Unauthenticated`
+        once the control plane refuses the token."""
         while True:
-            await self.registered.wait()
+            await self._until_registered()
             try:
                 async for update in self.client.watch_assignments(self.node_id):
                     yield update
@@ -94,10 +100,22 @@ class WorkerSession:
             except UnknownWorker:
                 self._need_registration()
                 continue
+            except Unauthenticated:
+                raise
             except ControlPlaneError as exc:
                 log.warning("assignment stream failed node=%s: %s; retrying in %.1f s", self.node_id, exc,
                             self.retry_s)
             await asyncio.sleep(self.retry_s)
+
+    async def _until_registered(self) -> None:
+        waiters = [asyncio.ensure_future(self.registered.wait()), asyncio.ensure_future(self._refused_event.wait())]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        if self._refused is not None:
+            raise self._refused
 
     def _need_registration(self) -> None:
         self.registered.clear()
@@ -133,11 +151,18 @@ class WorkerSession:
                             self.node_id)
                 self.registered.clear()
                 continue
+            except Unauthenticated as exc:
+                log.error("control plane %s refused node=%s: %s", self.client.target, self.node_id, exc)
+                self._refused = exc
+                self._refused_event.set()
+                return
             except ControlPlaneError as exc:
                 if not failing:
                     log.warning("control plane call failed node=%s: %s; retrying every %.1f s", self.node_id, exc,
                                 self.retry_s)
                 failing = True
+                # It may have crashed after acknowledging reports it never stored: register afresh.
+                self.registered.clear()
                 await self._nap(self.retry_s)
                 continue
             await self._nap(self.heartbeat_s)

@@ -41,6 +41,15 @@ class Settings(BaseSettings):
     ingress_mbit: float = Field(0.0, ge=0, description="application-level ingress cap (0: none)")
     connect_timeout_s: float = Field(5.0, gt=0)
     io_timeout_s: float = Field(10.0, gt=0, description="longest silence tolerated from a peer mid-transfer")
+    agent_fetch_concurrency: int = Field(2, ge=1, description="parents a node fetches from at once")
+    agent_fetch_retries: int = Field(2, ge=0, description="retries of a failed parent before giving up on it")
+    agent_fetch_backoff_s: float = Field(0.2, ge=0, description="first retry backoff (doubling per retry)")
+    agent_replan_wait_s: float = Field(
+        5.0, gt=0, description="after reporting a failed parent, how long to wait for the control plane's new "
+                               "parents before fetching around it from the plan's sources")
+    agent_labels: dict[str, str] = Field(default_factory=dict,
+                                         description="topology labels the agent registers with, e.g. rack")
+    agent_serve_url: str = Field("", description="HTTP base URL of the serving worker on this node (router)")
 
     # Control plane.
     control_plane: str = Field("127.0.0.1:7000", description="host:port of the control plane")
@@ -54,6 +63,10 @@ class Settings(BaseSettings):
     lease_s: float = Field(10.0, gt=0, description="worker lease; a worker silent this long is dead")
     heartbeat_s: float = Field(2.0, gt=0)
     rpc_timeout_s: float = Field(5.0, gt=0)
+    control_scan_s: float | None = Field(None, gt=0, description="lease scan interval (unset: min(heartbeat, lease/4))")
+    control_flush_s: float = Field(0.5, gt=0, description="how often the control plane writes its state to SQLite")
+    control_metrics_port: int | None = Field(None, ge=0, le=65535,
+                                             description="Prometheus port of the control plane (unset: off)")
 
     # Engine and serving worker.
     device: str = "cpu"

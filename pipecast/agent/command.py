@@ -8,6 +8,7 @@ import click
 
 from pipecast.agent.daemon import AgentDaemon, AgentOptions
 from pipecast.agent.errors import PlanFileError
+from pipecast.agent.fetcher import FetchPolicy
 from pipecast.agent.transport.base import split_address
 from pipecast.agent.transport.registry import transport_names
 from pipecast.settings import load_settings
@@ -33,6 +34,16 @@ def _address(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     return value
 
 
+def _labels(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    labels = {}
+    for value in values:
+        key, sep, label = value.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"expected KEY=VALUE, got {value!r}")
+        labels[key.strip()] = label.strip()
+    return labels
+
+
 @click.command("agent")
 @click.option("--listen", metavar="HOST:PORT", callback=_address,
               help="Where peers connect. Default: this node's address in --plan, else "
@@ -50,19 +61,39 @@ def _address(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 @click.option("--local-socket", type=click.Path(dir_okay=False, path_type=Path),
               help="Unix socket of the local API for engines on this node.")
 @click.option("--events", type=click.Path(dir_okay=False, path_type=Path),
-              help="Append a JSON line per event (block started/verified, peer failures) to this file.")
+              help="Append a JSON line per event (block started/verified, peer requests and failures, "
+                   "assignments) to this file.")
 @click.option("--exit-when-complete", is_flag=True,
               help="Exit once this node holds its assigned blocks and every child the plan gives it has come "
                    "and gone (without --plan: once no peer has been connected for a moment).")
+@click.option("--control-plane", "control_plane", metavar="HOST:PORT", callback=_address,
+              help="Register with this control plane and fetch what its assignments say (token and TLS: settings "
+                   "auth_token, tls_*).")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", callback=_labels,
+              help="Topology label to register with, e.g. rack=r1 (repeat; added to settings agent_labels).")
+@click.option("--serve-url", metavar="URL",
+              help="HTTP base URL of this node's serving worker, registered for the router (settings: "
+                   "agent_serve_url).")
+@click.option("--start-at", type=float, metavar="EPOCH_SECONDS",
+              help="Listen at once but begin fetching at this wall-clock time (seconds since the epoch), so "
+                   "that agents started one after another fetch together (benchmarks).")
 def agent_command(listen: str | None, node_id: str | None, seed: Path | None, plan: Path | None,
                   cache_dir: Path | None, memory: int | None, transport: str | None, local_socket: Path | None,
-                  events: Path | None, exit_when_complete: bool) -> None:
+                  events: Path | None, exit_when_complete: bool, control_plane: str | None, labels: dict[str, str],
+                  serve_url: str | None, start_at: float | None) -> None:
     """Run the node agent: serve blocks to peers, fetch this node's share, feed local engines."""
+    if control_plane is not None and (plan is not None or exit_when_complete):
+        raise click.UsageError("--control-plane decides what this node fetches: it goes with neither --plan nor "
+                               "--exit-when-complete")
     settings = load_settings(agent_cache_dir=cache_dir, agent_memory_bytes=memory, agent_transport=transport,
-                             agent_local_socket=local_socket, agent_node_id=node_id)
+                             agent_local_socket=local_socket, agent_node_id=node_id, agent_serve_url=serve_url)
     if plan is not None and not settings.agent_node_id:
         raise PlanFileError(f"{plan}: --node-id is needed to know which of the plan's nodes this agent is")
+    policy = FetchPolicy(concurrency=settings.agent_fetch_concurrency, retries=settings.agent_fetch_retries,
+                         backoff_s=settings.agent_fetch_backoff_s)
     port = split_address(listen)[1] if listen else settings.agent_port
     options = AgentOptions(node_id=settings.agent_node_id or f"{socket.gethostname()}:{port}", listen=listen,
-                           seed=seed, plan=plan, events=events, exit_when_complete=exit_when_complete)
+                           seed=seed, plan=plan, events=events, exit_when_complete=exit_when_complete,
+                           start_at=start_at, policy=policy, control_plane=control_plane,
+                           labels={**settings.agent_labels, **labels}, serve_url=settings.agent_serve_url)
     asyncio.run(AgentDaemon(options, settings).run())

@@ -1,21 +1,26 @@
-"""The agent daemon: serves what the node holds, follows a static plan, feeds the local engine.
+"""The agent daemon: serves what the node holds, follows a static plan or the control plane, feeds the
+local engine.
 
 One asyncio loop per agent process. On start it opens the seed package (if any), listens for peers,
 opens the local API, and with a plan fetches this node's assignments (resuming from the disk cache),
-forwarding every verified chunk to its own children as it lands. SIGTERM or SIGINT stops it cleanly.
+forwarding every verified chunk to its own children as it lands. With a control plane it registers and
+fetches what the assignment stream says instead (:mod:`pipecast.agent.control`). SIGTERM or SIGINT
+stops it cleanly.
 """
 
 import asyncio
 import logging
 import signal
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipecast.agent.budget import MemoryBudget
 from pipecast.agent.buffers import SharedMemoryAllocator
 from pipecast.agent.cache import BlockCache
-from pipecast.agent.errors import AgentError, PlanFileError
+from pipecast.agent.errors import PlanFileError
 from pipecast.agent.events import EventLog
 from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, Peer, fetch_files, fetch_manifest
 from pipecast.agent.local_api import LocalApiServer
@@ -26,8 +31,12 @@ from pipecast.agent.source import PackageFolderSource
 from pipecast.agent.store import BlockStore, StoreEvent
 from pipecast.agent.transport.base import Listener, Transport, split_address
 from pipecast.agent.transport.registry import select_transport
+from pipecast.errors import PipecastError
 from pipecast.settings import Settings
 from pipecast.units import format_bytes
+
+if TYPE_CHECKING:
+    from pipecast.agent.control import ControlLink
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +44,9 @@ PROGRESS_LOG_S = 5.0
 # --exit-when-complete waits this long with no peer connected, so a child between two requests is not
 # left behind.
 EXIT_LINGER_S = 0.5
+# Under a control plane, how long a request for a package this node has not heard of waits for the
+# node's own assignment before it is refused (the control plane tells a parent and its child at once).
+UNASSIGNED_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -47,7 +59,54 @@ class AgentOptions:
     plan: Path | None = None
     events: Path | None = None
     exit_when_complete: bool = False
+    start_at: float | None = None  # time.time() at which to begin fetching (synchronised starts); None: at once
     policy: FetchPolicy = field(default_factory=FetchPolicy)
+    control_plane: str | None = None  # host:port: register there and follow its assignments
+    labels: Mapping[str, str] = field(default_factory=dict)  # topology labels registered with the control plane
+    serve_url: str = ""  # HTTP base URL of this node's serving worker, registered for the router
+
+
+class _AgentPeerServer(PeerServer):
+    """The agent's :class:`PeerServer`: records every request in the event log (what it served to whom),
+    and gives a package it has not heard of ``grace_s`` to be assigned (expected) before refusing it."""
+
+    def __init__(self, events: EventLog, grace_s: float) -> None:
+        super().__init__()
+        self._events = events
+        self._grace_s = grace_s
+        self._heard = asyncio.Event()
+
+    def add(self, store: BlockStore) -> None:
+        super().add(store)
+        self._heard.set()
+
+    def expect(self, package_id: str) -> None:
+        super().expect(package_id)
+        self._heard.set()
+
+    async def _heard_of(self, package_id: str) -> None:
+        deadline = time.monotonic() + self._grace_s
+        while package_id not in self.stores and package_id not in self.expected:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._heard.clear()
+            try:
+                await asyncio.wait_for(self._heard.wait(), left)
+            except TimeoutError:
+                return
+
+    async def chunk_count(self, package_id: str, block: int) -> int:
+        await self._heard_of(package_id)
+        return await super().chunk_count(package_id, block)
+
+    async def file_bytes(self, package_id: str, path: str) -> bytes:
+        await self._heard_of(package_id)
+        return await super().file_bytes(package_id, path)
+
+    def peer_requested(self, requester: str, package_id: str, block: int | None) -> None:
+        super().peer_requested(requester, package_id, block)
+        self._events.emit("peer_request", requester=requester, package=package_id, block=block)
 
 
 class AgentDaemon:
@@ -57,11 +116,11 @@ class AgentDaemon:
         self.options = options
         self.settings = settings
         self.node_id = options.node_id
-        self.holdings = PeerServer()
+        self.events = EventLog(options.events, options.node_id)
+        self.holdings = _AgentPeerServer(self.events, UNASSIGNED_GRACE_S if options.control_plane else 0.0)
         self.budget = MemoryBudget(settings.agent_memory_bytes)
         self.allocator = SharedMemoryAllocator()
         self.cache = BlockCache(settings.agent_cache_dir) if settings.agent_cache_dir else None
-        self.events = EventLog(options.events, options.node_id)
         self.listener: Listener | None = None
         self.transport: Transport | None = None
         self._stop = asyncio.Event()
@@ -103,14 +162,15 @@ class AgentDaemon:
                 self._local_api = LocalApiServer(self.holdings, self.status)
                 await self._local_api.start(self.settings.agent_local_socket)
                 log.info("local API on %s", self.settings.agent_local_socket)
-            work = loop.create_task(self._work(plan))
+            control = await self._control_link() if self.options.control_plane is not None else None
+            work = loop.create_task(control.run() if control is not None else self._work(plan))
             stop = loop.create_task(self._stop.wait())
             await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
             stop.cancel()
             if work.done():
                 try:
                     work.result()
-                except AgentError as exc:  # a fatal error ends the agent
+                except PipecastError as exc:  # a fatal error (e.g. a refused token) ends the agent
                     self.events.emit("failed", error=type(exc).__name__, message=str(exc))
                     raise
                 await self._stop.wait()
@@ -131,6 +191,9 @@ class AgentDaemon:
 
     async def _work(self, plan: StaticPlan | None) -> None:
         if plan is not None:
+            if self.options.start_at is not None:
+                # Listening already, so peers can connect; the fetching waits for the common start.
+                await asyncio.sleep(max(self.options.start_at - time.time(), 0.0))
             await self._follow_plan(plan)
         if self.options.exit_when_complete:
             await self._wait_children_served(plan)
@@ -147,17 +210,17 @@ class AgentDaemon:
         self.holdings.expect(plan.package_id)
         pool = ChannelPool(self.transport)
         try:
-            store = await self._open_receiving_store(plan, assignments, pool)
             sources = plan.sources()
-            await fetch_files(pool, store, [*(p for _, p in assignments), *sources], self._peer_failed)
-            if self.cache is not None:
-                for path, data in store.files.items():
-                    await asyncio.to_thread(self.cache.write_file, store.package_id, path, data)
+            store = await self.open_store(plan.package_id, [*(p for _, p in assignments), *sources], pool)
             policy = replace(self.options.policy, fallbacks=tuple(sources))
-            fetcher = Fetcher(store, pool, policy, self._peer_failed)
+            fetcher = Fetcher(store, pool, policy, self.peer_failed)
             await fetcher.fetch(assignments)
         finally:
             await pool.close()
+        await self.package_complete(store)
+
+    async def package_complete(self, store: BlockStore) -> None:
+        """Log and record that every block of ``store`` is verified, once the disk cache has them too."""
         if self._cache_writes:
             await asyncio.gather(*self._cache_writes)
         progress = store.progress()
@@ -168,14 +231,25 @@ class AgentDaemon:
                  format_rate(progress.bytes_total / seconds) if seconds else "-")
         self.events.emit("complete", package=store.package_id, bytes=progress.bytes_total, seconds=seconds)
 
-    async def _open_receiving_store(self, plan: StaticPlan, assignments: list[tuple[int, Peer]],
-                                    pool: ChannelPool) -> BlockStore:
-        cached = self.cache.source(plan.package_id) if self.cache is not None else None
+    async def open_store(self, package_id: str, peers: Sequence[Peer], pool: ChannelPool) -> BlockStore:
+        """The store of ``package_id`` with all its small files: the one held, else a new one (its verified
+        blocks from the disk cache, its manifest from the cache or the first of ``peers`` that has it)."""
+        store = self.holdings.stores.get(package_id)
+        if store is None:
+            store = await self._open_receiving_store(package_id, peers, pool)
+        if store.missing_files():
+            await fetch_files(pool, store, peers, self.peer_failed)
+            if self.cache is not None:
+                for path, data in store.files.items():
+                    await asyncio.to_thread(self.cache.write_file, store.package_id, path, data)
+        return store
+
+    async def _open_receiving_store(self, package_id: str, peers: Sequence[Peer], pool: ChannelPool) -> BlockStore:
+        cached = self.cache.source(package_id) if self.cache is not None else None
         if cached is not None:
             manifest, origin = cached.manifest, cached.description
         else:
-            peers = [*(p for _, p in assignments), *plan.sources()]
-            manifest, peer = await fetch_manifest(pool, plan.package_id, peers, self._peer_failed)
+            manifest, peer = await fetch_manifest(pool, package_id, peers, self.peer_failed)
             origin = f"peer {peer}"
             if self.cache is not None:
                 await asyncio.to_thread(self.cache.write_manifest, manifest)
@@ -183,10 +257,35 @@ class AgentDaemon:
                                         local=cached, manifest_origin=origin)
         if cached is not None:
             log.info("disk cache: %d of %d blocks of %s verified and served from %s",
-                     len(store.verified_blocks()), len(manifest.blocks), plan.package_id[:12], cached.root)
+                     len(store.verified_blocks()), len(manifest.blocks), package_id[:12], cached.root)
         self._hold(store, cache=True)
         self._from_cache = len(store.verified_blocks())
         return store
+
+    def drop_package(self, package_id: str) -> None:
+        """Stop serving ``package_id`` and free its memory (the disk cache keeps its blocks)."""
+        self.holdings.expected.discard(package_id)
+        store = self.holdings.stores.pop(package_id, None)
+        if store is not None:
+            store.close()
+        log.info("agent %s: dropped package %s", self.node_id, package_id[:12])
+        self.events.emit("dropped", package=package_id)
+
+    async def _control_link(self) -> "ControlLink":
+        """The link to the control plane named in the options, for this agent as it listens now."""
+        from control_plane.client import ControlPlaneClient
+        from control_plane.model import PeerInfo, WorkerSpec
+        from pipecast.agent.control import ControlLink, advertised_address, detect_accelerator
+
+        settings = self.settings.model_copy(update={"control_plane": self.options.control_plane})
+        accelerator = await asyncio.to_thread(detect_accelerator, settings.device)
+        peer = PeerInfo(self.node_id, advertised_address(self.listener.address), (self.transport.name,))
+        spec = WorkerSpec(peer, settings.agent_memory_bytes, accelerator, dict(self.options.labels),
+                          self.options.serve_url)
+        log.info("agent %s: control plane %s, registering as %s (%s) labels=%s", self.node_id,
+                 settings.control_plane, peer.address, accelerator.kind, dict(spec.labels))
+        return ControlLink(self, ControlPlaneClient.from_settings(settings), spec, self.options.policy,
+                           settings.agent_replan_wait_s)
 
     def _hold(self, store: BlockStore, cache: bool) -> None:
         """Serve ``store`` and wire its events to the event log, the local API and the disk cache."""
@@ -215,7 +314,8 @@ class AgentDaemon:
         self._cache_writes.add(task)
         task.add_done_callback(self._cache_writes.discard)
 
-    def _peer_failed(self, what: str, peer: Peer, error: Exception) -> None:
+    def peer_failed(self, what: str, peer: Peer, error: Exception) -> None:
+        """Record a failed fetch from ``peer`` in the event log."""
         self.events.emit("peer_failed", what=what, peer=peer.node_id, address=peer.address,
                          error=type(error).__name__, message=str(error))
 
@@ -270,9 +370,13 @@ class AgentDaemon:
             await self._local_api.close()
         if self.listener is not None:
             await self.listener.close()
+        if self.transport is not None:
+            await self.transport.close()
         if self._cache_writes:
             await asyncio.gather(*self._cache_writes, return_exceptions=True)
         for store in self.holdings.stores.values():
             store.close()
-        self.events.emit("stopped")
+        stats = self.transport.stats if self.transport is not None else None
+        self.events.emit("stopped", bytes_sent=stats.bytes_sent if stats else 0,
+                         bytes_received=stats.bytes_received if stats else 0)
         self.events.close()

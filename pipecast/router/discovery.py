@@ -62,11 +62,11 @@ class StaticDiscovery:
 
 
 # --- Control plane -----------------------------------------------------------------------------------
-# The control plane's WorkerSpec has no field for a worker's HTTP serving URL, so a serving worker is
-# expected to register it as the label SERVE_URL_LABEL (a convention to agree with `pipecast serve`; if
-# the proto gains a field, only ControlPlaneDiscovery.list_workers changes).
+# A serving worker registers its HTTP base URL in WorkerSpec.serve_url (`pipecast agent --serve-url`).
+# Workers registered before that field existed carried it as the label SERVE_URL_LABEL; it is still read
+# when the field is empty.
 
-#: The WorkerSpec label holding a serving worker's HTTP base URL, e.g. "http://10.0.0.5:8000".
+#: The WorkerSpec label that held a serving worker's HTTP base URL before WorkerSpec.serve_url.
 SERVE_URL_LABEL = "serve_url"
 
 
@@ -79,7 +79,8 @@ class WorkerLister(Protocol):
 
 
 class ControlPlaneDiscovery:
-    """The workers the control plane lists as alive with a serve URL (label :data:`SERVE_URL_LABEL`)."""
+    """The workers the control plane lists as alive with a serve URL (WorkerSpec.serve_url, else the label
+    :data:`SERVE_URL_LABEL`)."""
 
     def __init__(self, client: WorkerLister, address: str) -> None:
         self._client = client
@@ -89,7 +90,8 @@ class ControlPlaneDiscovery:
         """Alive serving workers; a malformed serve URL is logged and skipped (that worker's fault)."""
         found = []
         for state in await self._client.list_workers():
-            node_id, serve_url = state.worker.peer.node_id, state.worker.labels.get(SERVE_URL_LABEL, "")
+            worker = state.worker
+            node_id, serve_url = worker.peer.node_id, worker.serve_url or worker.labels.get(SERVE_URL_LABEL, "")
             if not state.alive or not serve_url:
                 continue
             try:

@@ -1,0 +1,350 @@
+"""The agent under a control plane (``pipecast agent --control-plane``): register, follow the assignments.
+
+The agent registers as a worker (its data-plane address, transports, memory budget, accelerator,
+labels, serve URL, and every verified block it holds, so a seed is a source at once), heartbeats, and
+reports each block as it verifies (all through :class:`control_plane.worker_session.WorkerSession`).
+Each ASSIGN on the assignment stream is the node's whole part in one plan; a :class:`PackageFollower`
+per package fetches exactly the blocks the parts name, each from the parent they name, and a re-planned
+part replaces the fetches whose parent changed without refetching a verified block or chunk.
+
+A parent the fetcher gives up on (dead, silent, or sent a corrupt chunk) is reported to the control
+plane, which re-parents its children; only if the control plane cannot be told, or sends no new parts
+within ``agent_replan_wait_s``, does the node fetch around that parent from the plan's sources. A peer
+that sent corrupt data is never asked again, whatever later parts say. The data path never waits on the
+control path: fetches under way go on while the control plane is away, and the session registers again
+with everything held once it is back.
+"""
+
+import asyncio
+import logging
+import shutil
+import socket
+import subprocess
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from control_plane.client import ControlPlaneClient
+from control_plane.errors import ControlPlaneError
+from control_plane.model import AcceleratorInfo, AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
+from control_plane.worker_session import WorkerSession
+from pipecast.agent.errors import AgentError, CorruptChunkError, CorruptFileError, FetchFailedError
+from pipecast.agent.events import EventLog
+from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, Peer, fetch_files
+from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.store import BlockStore, StoreEvent
+from pipecast.agent.transport.base import Transport, split_address
+
+log = logging.getLogger(__name__)
+
+NVIDIA_SMI_TIMEOUT_S = 5.0
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+class AgentHost(Protocol):
+    """What a :class:`ControlLink` needs from the agent daemon that runs it."""
+
+    holdings: PeerServer
+    events: EventLog
+
+    @property
+    def transport(self) -> Transport:
+        """The agent's data transport (listening already)."""
+        ...
+
+    async def open_store(self, package_id: str, peers: Sequence[Peer], pool: ChannelPool) -> BlockStore:
+        """The store of ``package_id``: the one held, else a new one (disk cache first, manifest from ``peers``)."""
+        ...
+
+    def peer_failed(self, what: str, peer: Peer, error: Exception) -> None:
+        """Record a failed fetch from ``peer``."""
+        ...
+
+    async def package_complete(self, store: BlockStore) -> None:
+        """Every block of ``store`` is verified (and written to the disk cache)."""
+        ...
+
+    def drop_package(self, package_id: str) -> None:
+        """Stop serving ``package_id`` and free its memory."""
+        ...
+
+
+def detect_accelerator(device: str) -> AcceleratorInfo:
+    """What this node computes on, for the registration: ``device`` is the engine's setting ("cpu",
+    "cuda", "cuda:1"); CUDA devices are described by ``nvidia-smi`` (no torch import)."""
+    kind = device.split(":", 1)[0]
+    if kind != "cuda":
+        return AcceleratorInfo(kind=kind)
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        log.warning("device %s but no nvidia-smi: registering the accelerator without its name and memory", device)
+        return AcceleratorInfo(kind=kind)
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True, timeout=NVIDIA_SMI_TIMEOUT_S).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("nvidia-smi failed (%s): registering the accelerator without its name and memory", exc)
+        return AcceleratorInfo(kind=kind)
+    gpus = [line.rsplit(",", 1) for line in out.splitlines() if "," in line]
+    if not gpus:
+        return AcceleratorInfo(kind=kind)
+    name, mib = gpus[0]
+    return AcceleratorInfo(kind=kind, name=name.strip(), count=len(gpus),
+                           memory_bytes=int(mib.strip()) << 20 if mib.strip().isdigit() else 0)
+
+
+def advertised_address(listen_address: str) -> str:
+    """Where other nodes reach a listener bound to ``listen_address``: a wildcard host is replaced by
+    this host's name."""
+    host, port = split_address(listen_address)
+    if host in WILDCARD_HOSTS:
+        host = socket.gethostname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def merged_fetches(parts: Iterable[AssignmentUpdate], verified: Collection[int] = ()) -> list[tuple[int, Peer]]:
+    """The (block, parent) fetches of every part, in the parts' order, each block once (the first part
+    that names it wins), without the ``verified`` blocks."""
+    fetches: dict[int, Peer] = {}
+    for part in parts:
+        for transfer in part.fetch:
+            if transfer.block not in verified and transfer.block not in fetches:
+                fetches[transfer.block] = _peer(transfer.peer)
+    return list(fetches.items())
+
+
+def _peer(info: PeerInfo) -> Peer:
+    return Peer(info.node_id, info.address)
+
+
+class PackageFollower:
+    """This node's parts in the active plans of one package, followed until closed.
+
+    One fetch generation at a time runs the merged parts (:func:`merged_fetches`). When the parts change,
+    the generation goes on if it fetches the same blocks from the same parents, else it is replaced
+    (blocks resume at their first missing chunk). When it gives up on parents, they are reported and the
+    follower waits for new parts; see the module docstring for when it falls back to the sources.
+    """
+
+    def __init__(self, package_id: str, host: AgentHost, session: WorkerSession, policy: FetchPolicy,
+                 replan_wait_s: float) -> None:
+        self.package_id = package_id
+        self.parts: dict[str, AssignmentUpdate] = {}
+        self._host = host
+        self._session = session
+        self._policy = policy
+        self._replan_wait_s = replan_wait_s
+        self._pool = ChannelPool(host.transport)
+        self._changed = asyncio.Event()
+        self._errors: dict[Peer, Exception] = {}
+        self._untrusted: set[Peer] = set()  # sent corrupt data: never asked again
+        held = self._store()
+        self._completed = held is not None and held.progress().complete  # a seed: nothing to announce
+        self._task = asyncio.get_running_loop().create_task(self._follow(), name=f"follow-{package_id[:12]}")
+
+    def assign(self, part: AssignmentUpdate) -> None:
+        """``part`` is this node's whole part in its plan now."""
+        self.parts[part.plan_id] = part
+        self._changed.set()
+
+    def cancel(self, plan_id: str) -> None:
+        """This node has no part in ``plan_id`` any more."""
+        if self.parts.pop(plan_id, None) is not None:
+            self._changed.set()
+
+    def retain(self, plan_ids: Collection[str]) -> None:
+        """Forget the parts of plans other than ``plan_ids`` (the control plane's list after a reconnect)."""
+        for plan_id in [p for p in self.parts if p not in plan_ids]:
+            self.cancel(plan_id)
+
+    async def close(self) -> None:
+        """Stop fetching and close the channels."""
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self._pool.close()
+
+    def _store(self) -> BlockStore | None:
+        return self._host.holdings.stores.get(self.package_id)
+
+    def _wanted(self) -> list[tuple[int, Peer]]:
+        store = self._store()
+        return merged_fetches(self.parts.values(), store.verified_blocks() if store is not None else ())
+
+    def _sources(self) -> list[Peer]:
+        return list(dict.fromkeys(_peer(s) for part in self.parts.values() for s in part.sources))
+
+    def _peer_failed(self, what: str, peer: Peer, error: Exception) -> None:
+        self._errors[peer] = error
+        if isinstance(error, (CorruptChunkError, CorruptFileError)):
+            self._untrusted.add(peer)
+        self._host.peer_failed(what, peer, error)
+
+    async def _follow(self) -> None:
+        avoid: set[Peer] = set()  # parents the control plane did not replace in time: fetched around
+        while True:
+            self._changed.clear()
+            wanted = self._wanted()
+            if not wanted:
+                store = self._store()
+                if store is not None and not self._completed and store.progress().complete:
+                    self._completed = True
+                    await self._host.package_complete(store)
+                await self._changed.wait()
+                continue
+            self._errors.clear()
+            fetcher = None
+            try:
+                store = await self._open(wanted)
+                skipped = avoid | self._untrusted
+                fetcher = Fetcher(store, self._pool, self._policy_around(skipped), self._peer_failed)
+                fetcher.failed_peers.update(skipped)
+                await self._fetch(fetcher, store, self._wanted())
+            except FetchFailedError as exc:
+                failed = set(fetcher.failed_peers if fetcher is not None else self._errors)
+                avoid = await self._after_failure(exc, failed, wanted)
+                continue
+            except AgentError as exc:  # e.g. the package does not fit the memory budget: wait for new parts
+                log.error("package %s: %s; waiting for new instructions", self.package_id[:12], exc)
+                self._host.events.emit("transfer_failed", package=self.package_id, error=type(exc).__name__,
+                                       message=str(exc))
+                await self._changed.wait()
+                continue
+            avoid = set()
+
+    def _policy_around(self, skipped: set[Peer]) -> FetchPolicy:
+        """Exactly the parents given, unless some are skipped: then the plan's sources are the fallback."""
+        return replace(self._policy, fallbacks=tuple(self._sources()) if skipped else ())
+
+    async def _open(self, wanted: list[tuple[int, Peer]]) -> BlockStore:
+        peers = [*dict.fromkeys(parent for _, parent in wanted), *self._sources()]
+        store = self._store()
+        if store is None:
+            store = await self._host.open_store(self.package_id, peers, self._pool)
+            store.subscribe(self._on_store_event)
+            self._session.report_verified(self.package_id, store.verified_blocks())  # e.g. from the disk cache
+        if store.missing_files():
+            await fetch_files(self._pool, store, peers, self._peer_failed)
+        return store
+
+    def _on_store_event(self, event: StoreEvent) -> None:
+        if event.kind == "block_verified":
+            self._session.report_verified(self.package_id, [event.block])
+
+    async def _fetch(self, fetcher: Fetcher, store: BlockStore, wanted: list[tuple[int, Peer]]) -> None:
+        """Run one generation until it ends or the parts change what it fetches."""
+        fetching = asyncio.create_task(fetcher.fetch(wanted))
+        try:
+            while True:
+                changed = asyncio.create_task(self._changed.wait())
+                try:
+                    await asyncio.wait({fetching, changed}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                if fetching.done():
+                    fetching.result()
+                    return
+                self._changed.clear()
+                remaining = {(block, parent) for block, parent in wanted if not store.is_block_verified(block)}
+                if set(self._wanted()) != remaining:
+                    log.info("package %s: new parts; fetching the %d missing blocks as they say",
+                             self.package_id[:12], len(self._wanted()))
+                    return
+        finally:
+            fetching.cancel()
+            await asyncio.gather(fetching, return_exceptions=True)
+
+    async def _after_failure(self, error: FetchFailedError, failed: set[Peer],
+                             wanted: list[tuple[int, Peer]]) -> set[Peer]:
+        """Report the parents given up on; returns the peers to fetch around next (none: new parts came)."""
+        log.warning("package %s: %s", self.package_id[:12], error)
+        if self._changed.is_set():
+            return set()
+        # A source that failed without corrupting anything is tried again next round (it may be back).
+        around = failed - set(self._sources())
+        try:
+            replanned = await self._report(failed, wanted)
+        except ControlPlaneError as exc:
+            log.warning("package %s: cannot report failed parents %s (%s); fetching around them from the sources",
+                        self.package_id[:12], ", ".join(map(str, failed)), exc)
+            return around
+        try:
+            await asyncio.wait_for(self._changed.wait(), self._replan_wait_s)
+            return set()
+        except TimeoutError:
+            log.warning("package %s: no new parents within %.1f s (re-planned: %s); fetching around %s from the "
+                        "sources", self.package_id[:12], self._replan_wait_s, replanned,
+                        ", ".join(map(str, failed)))
+            return around
+
+    async def _report(self, failed: set[Peer], wanted: list[tuple[int, Peer]]) -> bool:
+        store = self._store()
+        replanned = False
+        for peer in sorted(failed, key=str):
+            block = next((b for b, parent in wanted if parent == peer
+                          and (store is None or not store.is_block_verified(b))), None)
+            if block is None:
+                continue
+            error = self._errors.get(peer)
+            reason = f"{type(error).__name__}: {error}" if error is not None else "gave up on it"
+            replanned |= await self._session.report_bad_peer(peer.node_id, self.package_id, block, reason)
+            log.info("package %s: reported parent %s (block %d): %s", self.package_id[:12], peer, block, reason)
+        return replanned
+
+
+class ControlLink:
+    """An agent's link to the control plane: the worker session and a follower per assigned package."""
+
+    def __init__(self, host: AgentHost, client: ControlPlaneClient, spec: WorkerSpec, policy: FetchPolicy,
+                 replan_wait_s: float) -> None:
+        self.host = host
+        self.client = client
+        self.session = WorkerSession(client, spec, holdings=self._held)
+        self._policy = policy
+        self._replan_wait_s = replan_wait_s
+        self._followers: dict[str, PackageFollower] = {}
+
+    def _held(self) -> Mapping[str, Collection[int]]:
+        return {pid: store.verified_blocks() for pid, store in self.host.holdings.stores.items()}
+
+    async def run(self) -> None:
+        """Follow the assignment stream until cancelled; raises ``Unauthenticated`` if the token is refused.
+        On the way out every follower stops and the worker deregisters."""
+        await self.session.start()
+        try:
+            async for update in self.session.assignments():
+                await self._apply(update)
+        finally:
+            for follower in self._followers.values():
+                await follower.close()
+            self._followers.clear()
+            await self.session.close()
+            await self.client.close()
+
+    async def _apply(self, update: AssignmentUpdate) -> None:
+        events, package_id = self.host.events, update.package_id
+        if update.kind is UpdateKind.SYNC:
+            events.emit("sync", plans=list(update.plan_ids))
+            for follower in self._followers.values():
+                follower.retain(update.plan_ids)
+        elif update.kind is UpdateKind.ASSIGN:
+            events.emit("assignment", plan=update.plan_id, package=package_id, version=update.version,
+                        fetch=[[t.block, t.peer.node_id] for t in update.fetch],
+                        serve=[[t.block, t.peer.node_id] for t in update.serve])
+            log.info("plan %s v%d: fetch %d blocks, serve %d transfers of package %s", update.plan_id,
+                     update.version, len(update.fetch), len(update.serve), package_id[:12])
+            if update.fetch and package_id not in self.host.holdings.stores:
+                self.host.holdings.expect(package_id)  # children may ask before this node has the manifest
+            follower = self._followers.get(package_id)
+            if follower is None:
+                follower = self._followers[package_id] = PackageFollower(
+                    package_id, self.host, self.session, self._policy, self._replan_wait_s)
+            follower.assign(update)
+        elif update.kind is UpdateKind.CANCEL:
+            events.emit("plan_cancelled", plan=update.plan_id, package=package_id)
+            if package_id in self._followers:
+                self._followers[package_id].cancel(update.plan_id)
+        elif update.kind is UpdateKind.DROP:
+            follower = self._followers.pop(package_id, None)
+            if follower is not None:
+                await follower.close()
+            self.host.drop_package(package_id)
