@@ -30,16 +30,17 @@ class Settings(BaseSettings):
     config: Path | None = Field(None, description="TOML file of settings (flat keys, optionally under [pipecast])")
 
     # Node agent (data plane).
-    agent_host: str = "127.0.0.1"
+    agent_host: str = Field("127.0.0.1", description="data-plane listen address")
     agent_port: int = Field(7070, ge=0, le=65535, description="data-plane listen port (0: any free port)")
     agent_node_id: str = Field("", description="node id; default: hostname:port")
-    agent_transport: Literal["auto", "tcp", "ucx"] = "auto"
+    agent_transport: Literal["auto", "tcp", "ucx"] = Field(
+        "auto", description="data transport; auto: UCX on GPU/RDMA nodes with ucxx installed, else TCP")
     agent_memory_bytes: int = Field(8 << 30, gt=0, description="host memory budget for block buffers")
     agent_cache_dir: Path | None = Field(None, description="disk cache of verified blocks (off if unset)")
     agent_local_socket: Path | None = Field(None, description="local API socket for engines on this node")
     egress_mbit: float = Field(0.0, ge=0, description="application-level egress cap (0: none)")
     ingress_mbit: float = Field(0.0, ge=0, description="application-level ingress cap (0: none)")
-    connect_timeout_s: float = Field(5.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0, description="deadline of a connection to a peer")
     io_timeout_s: float = Field(10.0, gt=0, description="longest silence tolerated from a peer mid-transfer")
     agent_fetch_concurrency: int = Field(2, ge=1, description="parents a node fetches from at once")
     agent_fetch_retries: int = Field(2, ge=0, description="retries of a failed parent before giving up on it")
@@ -53,25 +54,25 @@ class Settings(BaseSettings):
 
     # Control plane.
     control_plane: str = Field("127.0.0.1:7000", description="host:port of the control plane")
-    control_host: str = "127.0.0.1"
-    control_port: int = Field(7000, ge=0, le=65535)
-    control_db: Path = Path("pipecast-control.sqlite3")
+    control_host: str = Field("127.0.0.1", description="control plane listen address")
+    control_port: int = Field(7000, ge=0, le=65535, description="control plane listen port")
+    control_db: Path = Field(Path("pipecast-control.sqlite3"), description="control plane state (SQLite)")
     auth_token: str = Field("", description="shared token for every RPC (empty: auth off)")
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
+    tls_cert: Path | None = Field(None, description="PEM certificate (TLS on when set with tls_key)")
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
     tls_ca: Path | None = Field(None, description="CA for verifying peers; set on the server for mTLS")
     lease_s: float = Field(10.0, gt=0, description="worker lease; a worker silent this long is dead")
-    heartbeat_s: float = Field(2.0, gt=0)
-    rpc_timeout_s: float = Field(5.0, gt=0)
+    heartbeat_s: float = Field(2.0, gt=0, description="worker heartbeat interval")
+    rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of one control-plane call")
     control_scan_s: float | None = Field(None, gt=0, description="lease scan interval (unset: min(heartbeat, lease/4))")
     control_flush_s: float = Field(0.5, gt=0, description="how often the control plane writes its state to SQLite")
     control_metrics_port: int | None = Field(None, ge=0, le=65535,
                                              description="Prometheus port of the control plane (unset: off)")
 
     # Engine and serving worker.
-    device: str = "cpu"
-    serve_host: str = "127.0.0.1"
-    serve_port: int = Field(8000, ge=0, le=65535)
+    device: str = Field("cpu", description="where the engine runs: cpu, cuda, cuda:1 ...")
+    serve_host: str = Field("127.0.0.1", description="serving worker listen address")
+    serve_port: int = Field(8000, ge=0, le=65535, description="serving worker listen port")
     max_queue: int = Field(64, ge=1, description="requests waiting beyond this get 429")
     max_batch: int = Field(16, ge=1, description="sequences sharing one forward pass")
 
