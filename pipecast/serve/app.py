@@ -1,0 +1,179 @@
+"""The serving worker's HTTP server (aiohttp): an OpenAI-compatible front for one model that serves while
+its weights arrive.
+
+Endpoints:
+
+- ``POST /v1/completions``: JSON, or Server-Sent Events with ``"stream": true`` (``data: {...}`` per
+  generated token, ``data: [DONE]`` at the end). 400 names the bad field; 404 an unknown model; 429 with
+  ``Retry-After`` when the queue is full; 503 while the worker cannot serve (model failed, shutting down).
+  A request that arrives before the model is there waits for it. A client that goes away (even
+  mid-answer) cancels its request in the engine.
+- ``GET /health``: ``{"status": "loading"|"partial"|"ready", "blocks_present", "blocks_total",
+  "queue_depth", "running", "max_queue", ...}`` with 200, or ``failed``/``draining`` with 503.
+- ``GET /v1/models`` and ``GET /metrics`` (Prometheus).
+
+:func:`run_worker` serves until SIGTERM/SIGINT, then drains: it stops listening, refuses new requests,
+lets running ones finish for up to ``drain_timeout_s`` and closes the engine.
+"""
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from pipecast.serve.errors import ServeError, WorkerBusyError
+from pipecast.serve.openai_api import (
+    SSE_DONE,
+    CompletionRequest,
+    chunk_body,
+    completion_body,
+    error_body,
+    models_body,
+    parse_completion_request,
+    parse_json_body,
+    sse,
+    usage_chunk_body,
+)
+from pipecast.serve.worker import Generation, ServingWorker
+
+log = logging.getLogger(__name__)
+
+WORKER = web.AppKey("worker", ServingWorker)
+#: Largest request body accepted (a long prompt given as token ids is big JSON).
+MAX_BODY_BYTES = 64 << 20
+
+
+def _outcome(error: ServeError) -> str:
+    if isinstance(error, WorkerBusyError):
+        return "rejected"
+    return "invalid" if error.status < 500 else "failed"
+
+
+def error_response(error: ServeError) -> web.Response:
+    """The JSON error answer of ``error`` (with Retry-After on a 429)."""
+    headers = {"Retry-After": str(error.retry_after_s)} if isinstance(error, WorkerBusyError) else None
+    return web.json_response(error_body(error), status=error.status, headers=headers)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    worker = request.app[WORKER]
+    outcome = "cancelled"  # unless an answer ends: the handler was cancelled because the client went away
+    try:
+        try:
+            body = parse_completion_request(parse_json_body(await request.read()))
+            generation = await worker.generate(body)
+        except ServeError as exc:
+            outcome = _outcome(exc)
+            return error_response(exc)
+        async with generation:
+            response, outcome = await (_stream(request, body, generation) if body.stream
+                                       else _whole(body, generation))
+        return response
+    finally:
+        worker.metrics.requests.labels(outcome).inc()
+
+
+async def _whole(body: CompletionRequest, generation: Generation) -> tuple[web.Response, str]:
+    texts, token_ids, reason = [], [], None
+    try:
+        async for piece in generation:
+            texts.append(piece.text)
+            token_ids += piece.token_ids
+            reason = piece.finish_reason
+    except ServeError as exc:
+        return error_response(exc), _outcome(exc)
+    return web.json_response(completion_body(
+        generation.request_id, generation.created, generation.model, "".join(texts), reason,
+        token_ids if body.return_token_ids else None, generation.prompt_tokens, generation.completion_tokens)), "ok"
+
+
+async def _stream(request: web.Request, body: CompletionRequest,
+                  generation: Generation) -> tuple[web.StreamResponse, str]:
+    g = generation
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        try:
+            async for piece in g:
+                await response.write(sse(chunk_body(g.request_id, g.created, g.model, piece.text,
+                                                    piece.finish_reason,
+                                                    list(piece.token_ids) if body.return_token_ids else None)))
+            if body.include_usage:
+                await response.write(sse(usage_chunk_body(g.request_id, g.created, g.model, g.prompt_tokens,
+                                                          g.completion_tokens)))
+            await response.write(SSE_DONE)
+            outcome = "ok"
+        except ServeError as exc:  # the headers are gone: the error is the stream's last event
+            log.warning("request %s failed mid-stream: %s", g.request_id, exc)
+            await response.write(sse(error_body(exc)))
+            outcome = "failed"
+        await response.write_eof()
+    except ConnectionResetError:  # the client went away mid-answer; closing the generation cancels it
+        return response, "cancelled"
+    return response, outcome
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[WORKER].health()
+    return web.json_response(state.to_json(), status=state.http_status)
+
+
+async def models(request: web.Request) -> web.Response:
+    worker = request.app[WORKER]
+    served = [(worker.model_name, worker.package_id)] if worker.model_name else []
+    return web.json_response(models_body(served, int(time.time())))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    payload, content_type = request.app[WORKER].metrics.render()
+    return web.Response(body=payload, headers={"Content-Type": content_type})
+
+
+def build_app(worker: ServingWorker) -> web.Application:
+    """The aiohttp application of ``worker``; the worker starts loading when the application starts."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[WORKER] = worker
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+
+    async def start(app: web.Application) -> None:
+        worker.start()
+
+    async def drain(app: web.Application) -> None:
+        worker.drain()
+
+    async def close(app: web.Application) -> None:
+        await worker.close()
+
+    app.on_startup.append(start)
+    app.on_shutdown.append(drain)
+    app.on_cleanup.append(close)
+    return app
+
+
+async def run_worker(worker: ServingWorker, host: str, port: int, drain_timeout_s: float,
+                     announce: Callable[[str], None]) -> None:
+    """Serve ``worker`` on host:port (port 0: any free port) until SIGTERM or SIGINT, then drain.
+
+    ``announce`` gets the bound base URL as soon as the worker listens (before the model is in).
+    """
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels its request.
+    runner = web.AppRunner(build_app(worker), handler_cancellation=True, shutdown_timeout=drain_timeout_s)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        announce(f"http://{bound_host}:{bound_port}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+        log.info("stopping: draining requests in flight for up to %g s", drain_timeout_s)
+    finally:
+        await runner.cleanup()

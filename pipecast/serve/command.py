@@ -1,0 +1,52 @@
+"""``pipecast serve``: run the serving worker in the foreground until SIGTERM/SIGINT."""
+
+import asyncio
+from pathlib import Path
+
+import click
+
+from pipecast.settings import load_settings
+
+
+@click.command("serve")
+@click.argument("package")
+@click.option("--agent-socket", type=click.Path(dir_okay=False, path_type=Path),
+              help="The node agent's local socket: blocks arrive through it, zero-copy, as they are verified "
+                   "(settings: agent_local_socket). Without a reachable agent holding the package, PACKAGE must "
+                   "be a folder (or in the agent's disk cache): the unicast fallback.")
+@click.option("--host", help="Address to listen on (settings: serve_host).")
+@click.option("--port", type=click.IntRange(0, 65535), help="Port to listen on, 0 for any (settings: serve_port).")
+@click.option("--max-queue", type=click.IntRange(min=1),
+              help="Requests that may wait (for the model or a batch slot); beyond it 429 (settings: max_queue).")
+@click.option("--max-batch", type=click.IntRange(min=1),
+              help="Sequences sharing one forward pass (settings: max_batch).")
+@click.option("--device", help="Where the model runs: cpu, cuda, cuda:1 ... (settings: device).")
+@click.option("--model-name", help="The model name requests use (default: the package's model name).")
+@click.option("--wait-full-load", is_flag=True,
+              help="Load-then-serve: hold every request until the whole model is in (the baseline of "
+                   "`pipecast bench coldstart`). By default prompts run layer by layer as blocks arrive.")
+@click.option("--agent-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="Seconds the agent's socket may take to appear (an agent started after the worker), and then "
+                   "to hold the package's manifest (e.g. until a scale-up reaches it).")
+@click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Loading fails after this many seconds without a new block.")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM: seconds running requests may take to finish before they are cut.")
+def serve_command(package: str, agent_socket: Path | None, host: str | None, port: int | None,
+                  max_queue: int | None, max_batch: int | None, device: str | None, model_name: str | None,
+                  wait_full_load: bool, agent_timeout: float, stall_timeout: float, drain_timeout: float) -> None:
+    """Serve PACKAGE (a package folder or id) with an OpenAI-compatible API, from the moment it starts loading.
+
+    Prints the URL it listens on. Register that URL for the router with the node agent's --serve-url.
+    """
+    from pipecast.serve.app import run_worker
+    from pipecast.serve.worker import ServingWorker, WorkerConfig
+
+    settings = load_settings(serve_host=host, serve_port=port, max_queue=max_queue, max_batch=max_batch,
+                             device=device, agent_local_socket=agent_socket)
+    config = WorkerConfig(package=package, agent=settings.agent_local_socket, device=settings.device,
+                          max_queue=settings.max_queue, max_batch=settings.max_batch, model_name=model_name,
+                          wait_full_load=wait_full_load, agent_timeout_s=agent_timeout,
+                          stall_timeout_s=stall_timeout)
+    asyncio.run(run_worker(ServingWorker(config), settings.serve_host, settings.serve_port, drain_timeout,
+                           lambda url: click.echo(f"pipecast serve: listening on {url}")))

@@ -1,0 +1,198 @@
+"""The OpenAI completions API, mapped to and from the engine: request checking and response bodies (pure).
+
+``POST /v1/completions`` takes ``model``, ``prompt`` (a string, token ids, or a list holding one of them),
+``max_tokens`` (default 16), ``temperature`` (default 1), ``top_p``, ``stop`` (a string or a list),
+``seed``, ``stream`` and ``stream_options.include_usage``; ``return_token_ids`` (as vLLM) adds the
+generated token ids to each choice. Parameters the engine cannot honour (``n`` > 1, ``logprobs``,
+``echo``, penalties, ``logit_bias``, ``suffix``) are refused with a 400 naming the field rather than
+silently ignored, as are unknown fields.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pipecast.serve.errors import RequestFieldError, ServeError
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_TEMPERATURE = 2.0
+SSE_DONE = b"data: [DONE]\n\n"
+
+# Accepted only at the value that means "off" (the engine has no such feature): field -> accepted values.
+_OFF_ONLY: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,), "suffix": (None, ""),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+}
+_KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options",
+          "return_token_ids", "user", *_OFF_ONLY}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A checked completion request."""
+
+    model: str
+    prompt: str | tuple[int, ...]
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False  # streaming: a last chunk carrying usage
+    return_token_ids: bool = False
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The decoded JSON of a request body; :class:`RequestFieldError` when it is not JSON."""
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestFieldError(None, f"the request body is not valid JSON ({exc})") from None
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Check a decoded ``/v1/completions`` body; :class:`RequestFieldError` names the first bad field."""
+    if not isinstance(body, dict):
+        raise RequestFieldError(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - _KNOWN)
+    if unknown:
+        raise RequestFieldError(unknown[0], f"unknown field (this worker accepts {', '.join(sorted(_KNOWN))})")
+    for name, accepted in _OFF_ONLY.items():
+        value = body.get(name)
+        # Compared with their types: 1 == True in Python, but "n": true is not "n": 1.
+        if not any(type(value) is type(a) and value == a for a in accepted):
+            raise RequestFieldError(name, f"{json.dumps(value)} is not supported (accepted: "
+                                          f"{' or '.join(json.dumps(a) for a in accepted)})")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestFieldError("model", "required: the name of the served model (see GET /v1/models)")
+    stream = _boolean(body, "stream")
+    stream_options = body.get("stream_options")
+    if stream_options is not None:
+        if not stream:
+            raise RequestFieldError("stream_options", "only allowed with stream: true")
+        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+            raise RequestFieldError("stream_options", 'must be an object like {"include_usage": true}')
+    if not isinstance(body.get("user", ""), str):
+        raise RequestFieldError("user", "must be a string")
+    max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS)
+    if max_tokens < 1:
+        raise RequestFieldError("max_tokens", f"must be at least 1, got {max_tokens}")
+    temperature = _number(body, "temperature", 1.0)
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise RequestFieldError("temperature", f"must be between 0 and {MAX_TEMPERATURE:g}, got {temperature:g}")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise RequestFieldError("top_p", f"must be in (0, 1], got {top_p:g}")
+    seed = body.get("seed")
+    if seed is not None:
+        seed = _integer(body, "seed", 0)
+    return CompletionRequest(
+        model=model, prompt=_prompt(body.get("prompt")), max_tokens=max_tokens, temperature=temperature,
+        top_p=top_p, stop=_stop(body.get("stop")), seed=seed, stream=stream,
+        include_usage=bool(stream_options and _boolean(stream_options, "include_usage")),
+        return_token_ids=_boolean(body, "return_token_ids"))
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str):
+        if not value:
+            raise RequestFieldError("prompt", "is empty")
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return tuple(value)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise RequestFieldError("prompt", f"one prompt per request, got a batch of {len(value)}")
+    raise RequestFieldError("prompt", "required: a non-empty string or a non-empty list of token ids")
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestFieldError("stop", "must be a non-empty string or a list of non-empty strings")
+    return tuple(dict.fromkeys(stops))
+
+
+def _boolean(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestFieldError(name, f"must be true or false, got {value!r}")
+    return value
+
+
+def _integer(body: dict, name: str, default: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestFieldError(name, f"must be an integer, got {value!r}")
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestFieldError(name, f"must be a number, got {value!r}")
+    return float(value)
+
+
+# --- responses ---------------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The ``usage`` object of a response."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _choice(text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def completion_body(request_id: str, created: int, model: str, text: str, finish_reason: str,
+                    token_ids: list[int] | None, prompt_tokens: int, completion_tokens: int) -> dict:
+    """The whole answer of a non-streaming request."""
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [_choice(text, finish_reason, token_ids)], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chunk_body(request_id: str, created: int, model: str, text: str, finish_reason: str | None,
+               token_ids: list[int] | None) -> dict:
+    """One streamed chunk: new text (and token ids), and the finish reason on the last one."""
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [_choice(text, finish_reason, token_ids)]}
+
+
+def usage_chunk_body(request_id: str, created: int, model: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    """The streamed chunk after the last one when ``stream_options.include_usage`` is set."""
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def error_body(error: ServeError) -> dict:
+    """The OpenAI error object of ``error``."""
+    return {"error": {"message": str(error), "type": error.kind, "param": error.param, "code": error.code}}
+
+
+def models_body(models: list[tuple[str, str]], created: int) -> dict:
+    """``GET /v1/models``: each served model as (name, package id)."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "pipecast",
+                                        "root": package_id} for name, package_id in models]}
+
+
+def sse(payload: dict) -> bytes:
+    """One Server-Sent Event carrying ``payload`` as JSON."""
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"

@@ -1,0 +1,150 @@
+"""Text in and out of the engine: the package's tokenizer, incremental detokenization and stop strings.
+
+Tokens arrive one at a time and a token need not end on a character boundary (byte-level BPE splits
+UTF-8 characters across tokens; SentencePiece drops a word's leading space when it is decoded alone).
+:class:`IncrementalDetokenizer` decodes a short window of recent tokens and emits only the text that is
+final; :class:`StopMatcher` holds back text that may be the start of a stop string. Both are pure: they
+take a :class:`TextCodec`-like object with ``decode``.
+"""
+
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from pipecast.serve.errors import ModelUnavailableError
+
+# Tokens of the prompt decoded with the first generated ones, so a leading space comes out right.
+PROMPT_CONTEXT_TOKENS = 5
+_INCOMPLETE = "\ufffd"  # what a decoder gives for bytes that are not a whole UTF-8 character (yet)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` (special tokens left out)."""
+
+
+class TextCodec:
+    """The package's tokenizer (transformers' ``AutoTokenizer``): prompts to token ids and back."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_files(cls, read: Callable[[str], bytes | None], names: Sequence[str], where: str) -> "TextCodec":
+        """Load the tokenizer from a package's small files ``names``, each read with ``read(name)``.
+
+        Raises :class:`ModelUnavailableError` when the package has no tokenizer (the package's fault).
+        """
+        from transformers import AutoTokenizer
+
+        if not any(name in TOKENIZER_FILES for name in names):
+            raise ModelUnavailableError(f"{where} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): the serving "
+                                        "worker needs one to read prompts and write text")
+        with tempfile.TemporaryDirectory(prefix="pipecast-tokenizer-") as folder:
+            for name in names:
+                data = read(name)
+                if data is not None:
+                    path = Path(folder) / name
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(data)
+            try:
+                return cls(AutoTokenizer.from_pretrained(folder))
+            except (OSError, ValueError) as exc:
+                raise ModelUnavailableError(f"{where}: its tokenizer files cannot be loaded ({exc})") from None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt (with the special tokens the tokenizer adds, e.g. BOS)."""
+        return list(self.tokenizer(text)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens (EOS) left out."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Turns generated tokens into text deltas whose concatenation is the decoded text of the generation."""
+
+    def __init__(self, codec: Decoder, prompt: Sequence[int]) -> None:
+        self._codec = codec
+        self._ids = list(prompt[-PROMPT_CONTEXT_TOKENS:])
+        self._prefix = 0                 # the window decoded starts here
+        self._read = len(self._ids)      # tokens before this are already emitted
+
+    def add(self, token: int) -> str:
+        """Text that ``token`` completes ("" while a character is split across tokens)."""
+        self._ids.append(token)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """What is left at the end (an incomplete character comes out as the replacement character)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        before = self._codec.decode(self._ids[self._prefix:self._read])
+        text = self._codec.decode(self._ids[self._prefix:])
+        if len(text) <= len(before) and not final:
+            return ""
+        if text.endswith(_INCOMPLETE) and not final:
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before):]
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop string; holds back the end of the text while it may begin one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stops)
+        self._pending = ""
+        self.stopped = False
+        """True once a stop string was found (the text before it has been returned)."""
+
+    def feed(self, text: str) -> str:
+        """The part of ``text`` (after what is held back) that is sure to be output."""
+        if self.stopped:
+            return ""
+        self._pending += text
+        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self._pending = self._pending[:cut], ""
+            return out
+        keep = self._partial_stop_length()
+        out, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+        return out
+
+    def _partial_stop_length(self) -> int:
+        """Length of the longest end of the pending text that begins a stop string."""
+        pending = self._pending
+        return max((k for stop in self._stops for k in range(min(len(stop) - 1, len(pending)), 0, -1)
+                    if pending.endswith(stop[:k])), default=0)
+
+    def flush(self) -> str:
+        """The held-back text, once generation ended without a stop string."""
+        out, self._pending = ("" if self.stopped else self._pending), ""
+        return out
+
+
+class CompletionText:
+    """The text of one completion as tokens arrive: detokenized, then cut at a stop string."""
+
+    def __init__(self, codec: Decoder, prompt: Sequence[int], stops: Sequence[str]) -> None:
+        self._detokenizer = IncrementalDetokenizer(codec, prompt)
+        self._stops = StopMatcher(stops)
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string ended the completion (no more tokens should be generated)."""
+        return self._stops.stopped
+
+    def add(self, token: int) -> str:
+        """The new output text after ``token``."""
+        return self._stops.feed(self._detokenizer.add(token))
+
+    def finish(self) -> str:
+        """The rest of the output once generation has ended."""
+        return self._stops.feed(self._detokenizer.flush()) + self._stops.flush()

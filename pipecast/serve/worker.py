@@ -1,0 +1,412 @@
+"""The serving worker's model and admission control, apart from HTTP.
+
+The worker serves at once: the model is loaded on a thread (``pipecast.load``: execute-while-load from
+the node agent, or the package folder as the unicast fallback) while requests are already admitted.
+Its health moves ``loading`` (no embeddings yet, or the package not known yet) -> ``partial`` (blocks
+arriving; prompts run layer by layer as they do) -> ``ready`` (fully loaded). With ``wait_full_load``
+(the load-then-serve baseline) requests wait for the whole model and the health stays ``loading`` until
+then; everything else is the same.
+
+Admission: requests admitted but not in the engine's batch (waiting for the model, or for one of
+``max_batch`` slots) form the queue; beyond ``max_queue`` of them a request is refused
+(:class:`WorkerBusyError`, answered 429 with Retry-After).
+"""
+
+import asyncio
+import dataclasses
+import importlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipecast.engine.errors import (
+    EngineClosedError,
+    EngineError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    ModelLoadError,
+)
+from pipecast.errors import PipecastError
+from pipecast.serve.errors import (
+    ModelNotServedError,
+    ModelUnavailableError,
+    RequestFieldError,
+    ServeError,
+    WorkerBusyError,
+    WorkerClosingError,
+)
+from pipecast.serve.metrics import ServeMetrics
+from pipecast.serve.openai_api import CompletionRequest
+from pipecast.serve.text import CompletionText, TextCodec
+
+if TYPE_CHECKING:
+    from pipecast.engine.streams import TokenStream
+    from pipecast.hook import LoadedModel
+
+log = logging.getLogger(__name__)
+
+STAGE_STARTING = "starting"           # importing torch and the model code
+STAGE_WAITING = "waiting_for_package"  # for the agent's socket, then the package's manifest
+STAGE_LOADING = "loading_weights"      # the engine runs; blocks arrive
+STAGE_LOADED = "loaded"
+STAGE_FAILED = "failed"
+STAGE_DRAINING = "draining"
+
+FINISH_STOP, FINISH_LENGTH = "stop", "length"
+AGENT_SOCKET_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one serving worker serves and how (the ``serve`` command's options, resolved)."""
+
+    package: str                       # a package folder, or a package id held by the agent
+    agent: "Path | Any" = None         # the agent's local socket, or a connected client; None: the settings'
+    device: str = "cpu"
+    max_queue: int = 64
+    max_batch: int = 16
+    model_name: str | None = None      # default: the manifest's model name
+    wait_full_load: bool = False       # the load-then-serve baseline
+    agent_timeout_s: float = 60.0      # how long the agent may take to appear, and to hold the manifest
+    stall_timeout_s: float = 600.0     # loading fails after this long without a new block
+    retry_after_s: int = 1
+
+
+@dataclass(frozen=True)
+class Health:
+    """The worker's state as ``GET /health`` reports it (the router reads the first six fields)."""
+
+    status: str                 # loading | partial | ready, or failed | draining (answered 503)
+    blocks_present: int
+    blocks_total: int
+    queue_depth: int
+    running: int
+    max_queue: int
+    stage: str
+    model: str | None
+    package_id: str | None
+    error: str | None = None
+
+    @property
+    def http_status(self) -> int:
+        """200 while the worker serves or will (the router reads the status), 503 when it cannot."""
+        return 200 if self.status in ("loading", "partial", "ready") else 503
+
+    def to_json(self) -> dict:
+        """The JSON answer; ``error`` only when there is one."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k != "error"}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Output of a completion: the text and tokens one step added; ``finish_reason`` on the last piece."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+def _warm_imports() -> None:
+    """Import the engine's heavy dependencies before the package is asked for: on a cold start the
+    weights are then the only thing still to come."""
+    import torch  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+    from pipecast.engine.architectures import SUPPORTED_MODEL_TYPES
+
+    for model_type in SUPPORTED_MODEL_TYPES:
+        importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+class ServingWorker:
+    """One model served with admission control. :meth:`start` inside the event loop, then
+    :meth:`generate`; :meth:`drain` and :meth:`close` on shutdown."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.metrics = ServeMetrics(queue_depth=lambda: self.queue_depth, running=lambda: self.running,
+                                    blocks_present=lambda: self.health().blocks_present,
+                                    blocks_total=lambda: self.health().blocks_total)
+        self.started_at = time.monotonic()
+        self._stage = STAGE_STARTING
+        self._model: LoadedModel | None = None
+        self._codec: TextCodec | None = None
+        self._error: str | None = None
+        self._closing = False
+        self._held = 0        # admitted, waiting for the model (or the full model) before the engine
+        self._submitted = 0   # in the engine, not finished
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._change: asyncio.Event | None = None
+
+    # --- life cycle ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Begin loading on a thread; call from the event loop that serves the requests."""
+        self._loop = asyncio.get_running_loop()
+        self._change = asyncio.Event()
+        threading.Thread(target=self._load, name="pipecast-serve-load", daemon=True).start()
+
+    def _load(self) -> None:
+        from pipecast.hook import load
+
+        try:
+            _warm_imports()
+            self._post(self._set_stage, STAGE_WAITING)
+            c = self.config
+            self._wait_for_agent_socket()
+            # The engine's own bound is above the worker's: the worker admits max_queue waiting requests
+            # plus max_batch running ones, and hands them to the engine all at once when the model is in.
+            model = load(c.package, agent=c.agent, device=c.device, max_batch=c.max_batch,
+                         max_queue=c.max_queue + c.max_batch, stall_timeout_s=c.stall_timeout_s,
+                         agent_timeout_s=c.agent_timeout_s)
+            self._post(self._set_model, model)
+            provider = model.engine.provider
+            codec = TextCodec.from_files(provider.small_file, [f.path for f in provider.manifest.files],
+                                         f"package {provider.manifest.package_id[:12]} ({provider.source})")
+            self._post(self._set_codec, codec)
+        except PipecastError as exc:  # the package, the agent or the block source failed us
+            log.error("cannot serve %s: %s", self.config.package, exc)
+            self._post(self._set_error, f"cannot load {self.config.package}: {exc}")
+        except Exception as exc:  # anything else (the device, a bug) must still reach the waiting requests
+            log.exception("loading %s failed", self.config.package)
+            self._post(self._set_error, f"cannot load {self.config.package}: {type(exc).__name__}: {exc}")
+
+    def _wait_for_agent_socket(self) -> None:
+        """An agent named by its socket may start after the worker (a sidecar): wait up to the agent
+        timeout for the socket to appear; without it, loading falls back to the folder or fails."""
+        agent = self.config.agent
+        if not isinstance(agent, (str, Path)):
+            return
+        deadline = time.monotonic() + self.config.agent_timeout_s
+        while not Path(agent).exists() and time.monotonic() < deadline:
+            time.sleep(AGENT_SOCKET_POLL_S)
+
+    def _post(self, callback, *args) -> None:
+        """Run ``callback(*args)`` on the worker's event loop (from the loader threads)."""
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: the worker has stopped
+            pass
+
+    def _notify(self) -> None:
+        self._change.set()
+        self._change = asyncio.Event()
+
+    def _set_stage(self, stage: str) -> None:
+        self._stage = stage
+        self._notify()
+
+    def _set_model(self, model: "LoadedModel") -> None:
+        if self._closing:  # shut down while loading: nobody will serve this model
+            threading.Thread(target=model.close, daemon=True).start()
+            return
+        self._model = model
+        self._stage = STAGE_LOADING
+        model.engine.model.add_listener(lambda: self._post(self._on_model_change))
+        self._on_model_change()
+        p = model.engine.provider
+        log.info("serving %s (package %s, %d blocks) from %s; %s", self.model_name, p.manifest.package_id[:12],
+                 p.num_blocks, p.source, "waiting for the full model before each request" if
+                 self.config.wait_full_load else "requests run while blocks arrive")
+
+    def _set_codec(self, codec: TextCodec) -> None:
+        self._codec = codec
+        self._notify()
+
+    def _set_error(self, message: str) -> None:
+        self._error = message
+        self._stage = STAGE_FAILED
+        self._notify()
+
+    def _on_model_change(self) -> None:
+        engine = self._model.engine
+        if engine.model.failed and self._error is None:
+            try:
+                engine.model.check_failed()
+            except EngineError as exc:
+                self._set_error(str(exc))
+        if engine.model.fully_loaded and self._stage == STAGE_LOADING:
+            self._stage = STAGE_LOADED
+            seconds = time.monotonic() - self.started_at
+            self.metrics.load_seconds.set(seconds)
+            log.info("model fully loaded %.3f s after the worker started", seconds)
+        self._notify()
+
+    def drain(self) -> None:
+        """Stop admitting requests (503) and fail those still waiting for the model; running ones go on."""
+        self._closing = True
+        self._stage = STAGE_DRAINING
+        if self._change is not None:
+            self._notify()
+
+    async def close(self) -> None:
+        """Stop the engine (requests still running fail) and release the agent's blocks."""
+        self.drain()
+        if self._model is not None:
+            await asyncio.to_thread(self._model.close)
+
+    # --- state ---------------------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str | None:
+        """The name requests use: the configured one, else the package's model name (None until known)."""
+        if self.config.model_name:
+            return self.config.model_name
+        if self._model is None:
+            return None
+        manifest = self._model.engine.provider.manifest
+        return manifest.model_name or manifest.package_id
+
+    @property
+    def package_id(self) -> str | None:
+        """The package's id once its manifest is in (requests may name the model by it)."""
+        return self._model.engine.provider.manifest.package_id if self._model is not None else None
+
+    @property
+    def running(self) -> int:
+        """Requests in the engine's batch."""
+        return min(self._submitted, self.config.max_batch)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests admitted and waiting: for the model, or for a batch slot."""
+        return self._held + max(self._submitted - self.config.max_batch, 0)
+
+    def health(self) -> Health:
+        """The state now (see the module docstring for the statuses)."""
+        from pipecast.engine.weights import EMBED
+
+        present = total = 0
+        if self._closing:
+            status = "draining"
+        elif self._error is not None:
+            status = "failed"
+        elif self._model is None:
+            status = "loading"
+        else:
+            progress = self._model.progress()
+            present, total = progress.blocks_present, progress.blocks_total
+            if progress.fully_loaded:
+                status = "ready"
+            elif self.config.wait_full_load or not self._model.engine.model.is_ready(EMBED):
+                status = "loading"
+            else:
+                status = "partial"
+        return Health(status=status, blocks_present=present, blocks_total=total, queue_depth=self.queue_depth,
+                      running=self.running, max_queue=self.config.max_queue, stage=self._stage,
+                      model=self.model_name, package_id=self.package_id, error=self._error)
+
+    # --- requests ------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise WorkerClosingError()
+        if self._error is not None:
+            raise ModelUnavailableError(self._error)
+
+    async def _wait_servable(self) -> None:
+        """Until the model (the whole model with ``wait_full_load``) and its tokenizer are in."""
+        while True:
+            self._check_open()
+            if self._codec is not None and (not self.config.wait_full_load or self._model.fully_loaded.is_set()):
+                return
+            await self._change.wait()
+
+    async def generate(self, request: CompletionRequest) -> "Generation":
+        """Admit ``request``, wait for the model, and start generating.
+
+        Raises :class:`WorkerBusyError` (queue full), :class:`ModelNotServedError`,
+        :class:`RequestFieldError` (a prompt the model cannot take), :class:`ModelUnavailableError` or
+        :class:`WorkerClosingError`. The returned generation must be closed (``async with``).
+        """
+        arrived = time.monotonic()
+        self._check_open()
+        if self.queue_depth >= self.config.max_queue:
+            raise WorkerBusyError(self.queue_depth, self.config.retry_after_s)
+        self._held += 1
+        try:
+            await self._wait_servable()
+        finally:
+            self._held -= 1
+        if request.model not in (self.model_name, self.package_id):
+            raise ModelNotServedError(request.model, self.model_name)
+        prompt = list(request.prompt) if isinstance(request.prompt, tuple) else self._codec.encode(request.prompt)
+        try:
+            stream = self._model.submit(prompt, max_new_tokens=request.max_tokens, temperature=request.temperature,
+                                        top_p=request.top_p, seed=request.seed)
+        except InvalidRequestError as exc:
+            raise RequestFieldError("prompt", str(exc)) from None
+        except EngineOverloadedError as exc:
+            raise WorkerBusyError(exc.waiting, self.config.retry_after_s) from None
+        except EngineError as exc:
+            raise _served_error(exc) from None
+        self._submitted += 1
+        self.metrics.prompt_tokens.inc(len(prompt))
+        return Generation(self, stream, prompt, CompletionText(self._codec, prompt, request.stop), arrived)
+
+    def _finished(self) -> None:
+        self._submitted -= 1
+
+
+def _served_error(exc: EngineError) -> ServeError:
+    """The HTTP-level error of an engine failure: 503 when the model or the worker is gone, else 500."""
+    if isinstance(exc, EngineClosedError):
+        return WorkerClosingError()
+    if isinstance(exc, ModelLoadError):
+        return ModelUnavailableError(str(exc))
+    return ServeError(str(exc))
+
+
+class Generation:
+    """One running completion: iterate for its :class:`Piece` s; closing it cancels what is left."""
+
+    def __init__(self, worker: ServingWorker, stream: "TokenStream", prompt: list[int], text: CompletionText,
+                 arrived: float) -> None:
+        self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = worker.model_name
+        self.prompt_tokens = len(prompt)
+        self.completion_tokens = 0
+        self._worker = worker
+        self._stream = stream
+        self._text = text
+        self._arrived = arrived
+        self._open = True
+
+    async def __aenter__(self) -> "Generation":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Cancel the request in the engine if it is still generating (e.g. the client went away)."""
+        if self._open:
+            self._open = False
+            if not self._stream.done:
+                self._stream.cancel()
+            self._worker._finished()
+
+    async def __aiter__(self) -> AsyncIterator[Piece]:
+        metrics = self._worker.metrics
+        try:
+            async for token in self._stream:
+                if self.completion_tokens == 0:
+                    metrics.ttft.observe(time.monotonic() - self._arrived)
+                self.completion_tokens += 1
+                metrics.token()
+                text = self._text.add(token)
+                if self._text.stopped:
+                    self.close()
+                    yield Piece(text, (token,), FINISH_STOP)
+                    return
+                yield Piece(text, (token,))
+        except EngineError as exc:
+            raise _served_error(exc) from None
+        reason = FINISH_STOP if self._stream.finish_reason == FINISH_STOP else FINISH_LENGTH
+        yield Piece(self._text.finish(), (), reason)
