@@ -84,7 +84,10 @@ class LocalAgentClient:
             if key not in self._maps:
                 fd = os.open(answer["path"], os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    self._maps[key] = mmap.mmap(fd, answer["bytes"], flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                    # MAP_POPULATE: fault the pages in now, while later blocks are still arriving, not
+                    # during the prefill that first reads them (measured ~0.6 ms/MB of first touches).
+                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                    self._maps[key] = mmap.mmap(fd, answer["bytes"], flags=flags, prot=mmap.PROT_READ)
                 finally:
                     os.close(fd)
             return memoryview(self._maps[key])
