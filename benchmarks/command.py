@@ -32,3 +32,222 @@ def bench_pack(size, workdir, repeat, json_path):
     click.echo(pack_bench.report(result))
     if json_path:
         Path(json_path).write_text(json.dumps(pack_bench.to_json(result), indent=2))
+
+
+@bench_group.command("distribution")
+@click.option("--workers", default="1,2,4,8", show_default=True, help="Worker counts N, comma-separated.")
+@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+              help="Every host's link rate per direction, Mbit/s.")
+@click.option("--store-mbit", type=click.FloatRange(min=0, min_open=True),
+              help="The store's egress rate, Mbit/s (default: the link rate).")
+@click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Block package to distribute (default: the demo model's, packed on first use).")
+@click.option("--strategy", "strategies", default="unicast,chain,tree,binomial", show_default=True,
+              help="Planner strategies to measure, comma-separated; unicast is the baseline.")
+@click.option("--transport", type=click.Choice(["tcp", "ucx"]), default="tcp", show_default=True)
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Runs per strategy and N; the medians are reported.")
+@click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
+              help="Emulated cluster: network namespaces with tc, or loopback with app-level rate limits.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write a PNG of completion time vs N per strategy, with the floor.")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
+              show_default=True, help="Where the demo package is cached.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep the agents' plans, events and logs here (default: a temp dir, removed).")
+def bench_distribution(workers, link_mbit, store_mbit, package, strategies, transport, repeat, mode, json_path,
+                       plot_path, cache, workdir):
+    """N workers receive a block package in about the time one does: every strategy vs the floor S/B."""
+    from benchmarks import distribution
+
+    try:
+        counts, names = distribution.parse_workers(workers), distribution.parse_strategies(strategies)
+    except distribution.DistributionBenchError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if package is None:
+        from benchmarks.demo_model import demo_package
+
+        package = demo_package(cache)
+    config = distribution.DistributionConfig(package=package, workers=counts, link_mbit=link_mbit,
+                                             store_mbit=store_mbit, strategies=names, transport=transport,
+                                             repeat=repeat, mode=mode)
+    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
+        report = distribution.run(config, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
+    click.echo(distribution.format_report(report))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+    if plot_path:
+        distribution.save_plot(report, plot_path)
+
+
+# The Azure LLM inference trace 2023 (conversation), beside the repository (DESIGN 5).
+SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+
+
+@bench_group.command("surge")
+@click.option("--workers", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Pool size N the surge scales to.")
+@click.option("--min-workers", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Workers holding the model before the surge in every strategy (the pool's minimum).")
+@click.option("--strategy", "strategies", default="unicast,warm-pool,pipecast", show_default=True,
+              help="Strategies, comma-separated; NAME:W gives one W warm workers (e.g. warm-pool:4).")
+@click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), default=SURGE_TRACE, show_default=True,
+              help="Trace CSV with columns TIMESTAMP, ContextTokens, GeneratedTokens.")
+@click.option("--window-start", type=click.FloatRange(min=0), default=120.0, show_default=True,
+              help="Replay the trace from this many seconds after its first request (its first two minutes ramp "
+                   "up; from 120 s the service runs at its full rate, so the surge arrives at once).")
+@click.option("--window-seconds", type=click.FloatRange(min=0, min_open=True),
+              help="Replay this many seconds of the trace (and/or --window-requests).")
+@click.option("--window-requests", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Replay at most this many requests.")
+@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="Replay seconds per trace second (0.5: twice as fast; 2, the default, keeps this 2-core machine "
+                   "out of saturation).")
+@click.option("--synthetic", metavar="step:rate=R,duration=D | burst:requests=K,spread=S",
+              help="A synthetic surge instead of the trace (its requests use the caps as lengths).")
+@click.option("--prompt-cap", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Largest prompt sent, in tokens (this machine computes on CPU).")
+@click.option("--output-cap", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Largest output asked for, in tokens.")
+@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+              help="Every host's link rate per direction, Mbit/s.")
+@click.option("--store-mbit", type=click.FloatRange(min=0, min_open=True),
+              help="The store's egress rate, Mbit/s (default: the link rate).")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Runs per strategy, interleaved; the medians are reported.")
+@click.option("--pre-surge-seconds", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="Idle time before the surge charged to each warm worker (cost).")
+@click.option("--first-n", type=click.IntRange(min=1), default=100, show_default=True,
+              help="The first requests of the surge whose TTFT is reported apart.")
+@click.option("--worker-max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Sequences a worker runs together.")
+@click.option("--queue-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds a request may wait in the router for a worker.")
+@click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Block package to serve (default: the demo model's, packed on first use).")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
+              show_default=True, help="Where the demo package is cached.")
+@click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
+              help="Emulated cluster: network namespaces with tc, or loopback with app-level rate limits.")
+@click.option("--no-calibrate", is_flag=True, help="Skip measuring one prefill (the transfer/compute ratio).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write every request (arrival, worker, TTFT, tokens) as CSV.")
+@click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write ttft_cdf.png and timeline.png into this folder.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep every process's log and events here (default: a temp dir, removed).")
+def bench_surge(workers, min_workers, strategies, trace, window_start, window_seconds, window_requests, time_scale,
+                synthetic, prompt_cap, output_cap, link_mbit, store_mbit, repeat, pre_surge_seconds, first_n,
+                worker_max_batch, queue_timeout, package, cache, mode, no_calibrate, json_path, csv_path,
+                plots_dir, workdir):
+    """TTFT while a traffic surge scales the pool from its minimum to N: pipecast vs unicast and a warm pool."""
+    from benchmarks.surge import run as surge
+    from benchmarks.surge import trace as traces
+    from benchmarks.surge.strategies import parse_strategies
+    from pipecast.errors import PipecastError
+
+    try:
+        caps = traces.TokenCaps(prompt_cap, output_cap)
+        if synthetic:
+            load = traces.parse_synthetic(synthetic)
+            schedule, description = traces.synthetic_schedule(load, caps), load.describe()
+        else:
+            window = traces.Window(window_start, window_seconds, window_requests)
+            schedule = traces.replay_schedule(traces.read_trace(trace), window, time_scale, caps)
+            description = f"trace {trace.name}, window {window.describe()}, time scale {time_scale:g}"
+        if package is None:
+            from benchmarks.demo_model import demo_package
+
+            package = demo_package(cache)
+        config = surge.SurgeConfig(
+            package=package, schedule=schedule, load_description=description, caps=caps,
+            strategies=parse_strategies(strategies), workers=workers, min_workers=min_workers, link_mbit=link_mbit,
+            store_mbit=store_mbit, repeat=repeat, pre_surge_s=pre_surge_seconds, first_n=first_n, mode=mode,
+            worker_max_batch=worker_max_batch, queue_timeout_s=queue_timeout, calibrate=not no_calibrate)
+    except PipecastError as exc:
+        raise click.UsageError(str(exc)) from None
+    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
+        report = surge.run(config, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
+    from benchmarks.surge.report import format_report
+
+    click.echo(format_report(report.meta, report.summaries))
+    for path in surge.write_outputs(report, json_path=json_path, csv_path=csv_path, plots_dir=plots_dir):
+        click.echo(f"wrote {path}", err=True)
+
+
+@bench_group.command("coldstart")
+@click.option("--prompt-tokens", default="128,512,1024", show_default=True,
+              help="Prompt lengths in tokens, comma-separated.")
+@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+              help="The worker's and the store's link rate per direction, Mbit/s.")
+@click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Block package to start cold (default: the demo model's, packed on first use).")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Cold starts per strategy and prompt length; the medians are reported.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Tokens generated per request (compared between the strategies).")
+@click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
+              help="Emulated cluster: network namespaces with tc, or loopback with app-level rate limits.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Torch threads of the worker (OMP_NUM_THREADS) and of the compute measurement; more than one "
+                   "lets other load on a shared machine stall torch's thread pool for whole seconds.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
+              show_default=True, help="Where the demo package is cached.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep every run's logs, events and answers here (default: a temp dir, removed).")
+def bench_coldstart(prompt_tokens, link_mbit, package, repeat, max_tokens, mode, threads, json_path, cache, workdir):
+    """Time to first token of a cold worker: execute-while-load vs load-then-serve, beside S/B + compute."""
+    from benchmarks import coldstart
+
+    try:
+        lengths = coldstart.parse_prompt_tokens(prompt_tokens)
+    except coldstart.ColdStartBenchError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if package is None:
+        from benchmarks.demo_model import demo_package
+
+        package = demo_package(cache)
+    config = coldstart.ColdStartConfig(package=package, prompt_tokens=lengths, link_mbit=link_mbit, repeat=repeat,
+                                       max_tokens=max_tokens, mode=mode, threads=threads)
+    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
+        report = coldstart.run(config, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
+    click.echo(coldstart.format_report(report))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+
+
+@bench_group.command("engine")
+@click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Block package to run (default: the demo model's, packed on first use).")
+@click.option("--concurrency", default="1,4,16", show_default=True, help="Concurrent requests, comma-separated.")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Torch threads.")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Runs per concurrency; the median is reported.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
+              show_default=True, help="Where the demo package is cached.")
+def bench_engine(package, concurrency, prompt_tokens, max_tokens, device, threads, repeat, json_path, cache):
+    """Engine tokens/s at each concurrency, and memory (peak RSS) against the package's size."""
+    from benchmarks import engine_bench
+
+    try:
+        concurrencies = tuple(int(c) for c in concurrency.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated counts, got {concurrency!r}") from None
+    if not concurrencies or min(concurrencies) < 1:
+        raise click.BadParameter(f"concurrencies must be >= 1, got {concurrency!r}")
+    if package is None:
+        from benchmarks.demo_model import demo_package
+
+        package = demo_package(cache)
+    report = engine_bench.run(package, concurrencies=concurrencies, prompt_tokens=prompt_tokens,
+                              max_tokens=max_tokens, device=device, threads=threads, repeat=repeat)
+    click.echo(engine_bench.format_report(report))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))

@@ -1,0 +1,354 @@
+"""The surge benchmark's figures (pure): per-request results in, percentiles, cost, ratios and reports out.
+
+Every time is in seconds from the surge's start (the first request of the replay), so a warm worker's
+provisioning is negative. Definitions, also printed with the report:
+
+- TTFT: from the request's scheduled arrival (not its actual send: a late load generator must not hide
+  queueing) to the first token received; percentiles over the answered requests, linear interpolation.
+  ``first100`` is over the first ``first_n`` requests of the replay (100 unless set).
+- A request is answered (HTTP 200 and a complete stream), rejected (HTTP 429) or failed (anything else:
+  another status, a stream error, no answer in time).
+- all ready: when the last worker could serve at full speed (health ``ready``); None if one never did.
+- Cost: worker-seconds, each worker from its provisioning (the scale-up decision, or ``pre_surge_s``
+  before the surge for a warm worker) to the run's end (the last answer, or the last worker ready if
+  later); cost per 1k output tokens = worker-seconds / (output tokens / 1000).
+- Ratios compare strategies within one repeat (the same machine state), then take the median over the
+  repeats: ``a/b`` of a metric is a's value over b's (for TTFT, how many times lower b is).
+"""
+
+import csv
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from benchmarks.surge.strategies import BASELINE, PIPECAST, WARM_POOL
+
+STATUSES = ("ok", "rejected", "failed")
+FIRST_N = 100
+# The issue's bar: pipecast's p99 TTFT over the first requests at least this many times lower than unicast's.
+TARGET_FIRST_P99_RATIO = 5.0
+# A warm pool "matches" pipecast when its first-requests p99 TTFT is at most this much above pipecast's.
+MATCH_TOLERANCE = 1.10
+# Metrics compared between strategies (RunMetrics field names).
+RATIO_METRICS = ("first100_ttft_p50_seconds", "first100_ttft_p99_seconds", "ttft_p99_seconds", "all_ready_seconds",
+                 "worker_seconds")
+CSV_COLUMNS = ("strategy", "repeat", "index", "arrival_s", "sent_s", "status", "http_status", "worker", "ttft_s",
+               "latency_s", "queue_s", "prompt_tokens", "max_tokens", "output_tokens", "error")
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """What happened to one request (times from the surge's start; ``ttft_s`` from its scheduled arrival)."""
+
+    index: int
+    arrival_s: float  # scheduled
+    sent_s: float  # actually sent
+    prompt_tokens: int
+    max_tokens: int
+    status: str  # one of STATUSES
+    http_status: int | None = None
+    worker: str | None = None
+    ttft_s: float | None = None
+    latency_s: float | None = None  # to the last token
+    queue_s: float | None = None  # waited in the router (its x-pipecast-queue-seconds)
+    output_tokens: int = 0
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"request {self.index}: status {self.status!r} is not one of {', '.join(STATUSES)}")
+
+    @property
+    def finished_s(self) -> float:
+        """When its answer ended (or it was refused or failed)."""
+        return self.arrival_s + (self.latency_s or 0.0)
+
+
+@dataclass(frozen=True)
+class WorkerTimeline:
+    """One worker's life in a run: provisioning, each block's arrival, when it could serve."""
+
+    name: str
+    warm: bool
+    provisioned_s: float
+    blocks_total: int
+    block_times: tuple[float, ...] = ()  # each received block verified, sorted (a warm worker received none)
+    partial_s: float | None = None  # health first said "partial" (serving while loading)
+    ready_s: float | None = None  # health first said "ready"
+
+    @property
+    def serving_s(self) -> float | None:
+        """When it could first take a request: partial or ready, whichever came first."""
+        times = [t for t in (self.partial_s, self.ready_s) if t is not None]
+        return min(times) if times else None
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One strategy's run in one repeat: every request, every worker, and the machine's CPU."""
+
+    strategy: str
+    repeat: int
+    requests: tuple[RequestResult, ...]
+    workers: tuple[WorkerTimeline, ...]
+    cpu_mean_percent: float
+    cpu_p95_percent: float
+    cpu_saturated: bool
+    notes: Mapping[str, object] = field(default_factory=dict)  # e.g. the control plane's plan and sources
+
+    @property
+    def end_s(self) -> float:
+        """The run's end: the last answer, or the last worker ready if later."""
+        ends = [r.finished_s for r in self.requests] + [w.ready_s for w in self.workers if w.ready_s is not None]
+        return max(ends, default=0.0)
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """The figures of one run (field names are the JSON keys)."""
+
+    requests: int
+    answered: int
+    rejected: int
+    failed: int
+    first100_ttft_p50_seconds: float | None
+    first100_ttft_p95_seconds: float | None
+    first100_ttft_p99_seconds: float | None
+    ttft_p50_seconds: float | None
+    ttft_p95_seconds: float | None
+    ttft_p99_seconds: float | None
+    first_serving_seconds: float | None  # the first cold worker took requests (partial or ready)
+    all_ready_seconds: float | None
+    output_tokens: int
+    tokens_per_s: float
+    duration_seconds: float
+    worker_seconds: float
+    cost_per_1k_output_tokens: float | None  # worker-seconds
+    send_lag_p99_seconds: float | None  # how late the load generator sent (should be ~0)
+    cpu_mean_percent: float
+    cpu_saturated: bool
+
+
+# Numeric figures, medians over repeats in the JSON (the saturation flag is "any run" instead).
+METRIC_NAMES = tuple(f.name for f in fields(RunMetrics) if f.name != "cpu_saturated")
+
+
+# -- statistics ----------------------------------------------------------------------------------------
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) by linear interpolation between closest ranks; None when empty."""
+    ordered = sorted(values)
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be within 0..100, got {q}")
+    if not ordered:
+        return None
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def median_or_none(values: Sequence[float | None]) -> float | None:
+    """The median, or None when any value is None (a run where the figure does not exist)."""
+    if not values or any(v is None for v in values):
+        return None
+    return statistics.median(values)
+
+
+def worker_seconds(workers: Sequence[WorkerTimeline], end_s: float) -> float:
+    """Each worker's time from its provisioning to ``end_s``, summed."""
+    return sum(max(end_s - w.provisioned_s, 0.0) for w in workers)
+
+
+def run_metrics(run: RunRecord, first_n: int = FIRST_N) -> RunMetrics:
+    """The figures of one run (see the module docstring for the definitions)."""
+    ordered = sorted(run.requests, key=lambda r: (r.arrival_s, r.index))
+    answered = [r for r in ordered if r.status == "ok"]
+    first = [r.ttft_s for r in ordered[:first_n] if r.status == "ok"]
+    every = [r.ttft_s for r in answered]
+    cold = [w for w in run.workers if not w.warm]
+    serving = [w.serving_s for w in cold if w.serving_s is not None]
+    ready = [w.ready_s for w in run.workers]
+    end = run.end_s
+    tokens = sum(r.output_tokens for r in answered)
+    cost = worker_seconds(run.workers, end)
+    return RunMetrics(
+        requests=len(ordered), answered=len(answered),
+        rejected=sum(r.status == "rejected" for r in ordered), failed=sum(r.status == "failed" for r in ordered),
+        first100_ttft_p50_seconds=percentile(first, 50), first100_ttft_p95_seconds=percentile(first, 95),
+        first100_ttft_p99_seconds=percentile(first, 99),
+        ttft_p50_seconds=percentile(every, 50), ttft_p95_seconds=percentile(every, 95),
+        ttft_p99_seconds=percentile(every, 99),
+        first_serving_seconds=min(serving) if serving else None,
+        all_ready_seconds=None if not ready or None in ready else max(ready),
+        output_tokens=tokens, tokens_per_s=tokens / end if end > 0 else 0.0, duration_seconds=end,
+        worker_seconds=cost, cost_per_1k_output_tokens=cost / (tokens / 1000) if tokens else None,
+        send_lag_p99_seconds=percentile([r.sent_s - r.arrival_s for r in ordered], 99),
+        cpu_mean_percent=run.cpu_mean_percent, cpu_saturated=run.cpu_saturated)
+
+
+# -- strategies and ratios -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StrategySummary:
+    """A strategy over its repeats: each figure's median (the saturation flag: any run)."""
+
+    strategy: str
+    description: str
+    warm_workers: int
+    first_n: int  # the "first100" figures cover this many requests
+    runs: tuple[RunRecord, ...]
+    metrics: tuple[RunMetrics, ...]
+
+    def median(self, name: str) -> float | None:
+        """Median over the repeats of the RunMetrics field ``name``."""
+        return median_or_none([getattr(m, name) for m in self.metrics])
+
+    def to_json(self) -> dict:
+        out: dict = {"description": self.description, "warm_workers": self.warm_workers, "runs": len(self.runs),
+                     "first_n": self.first_n}
+        for name in METRIC_NAMES:
+            out[name] = self.median(name)
+        out["cpu_saturated"] = any(m.cpu_saturated for m in self.metrics)
+        out["repeats"] = [{"repeat": run.repeat, **asdict(m), "notes": dict(run.notes),
+                           "workers": [asdict(w) for w in run.workers]}
+                          for run, m in zip(self.runs, self.metrics)]
+        return out
+
+
+def summarize(strategy: str, description: str, warm_workers: int, runs: Sequence[RunRecord],
+              first_n: int = FIRST_N) -> StrategySummary:
+    """The summary of ``runs`` of one strategy, in repeat order."""
+    ordered = tuple(sorted(runs, key=lambda r: r.repeat))
+    return StrategySummary(strategy, description, warm_workers, first_n, ordered,
+                           tuple(run_metrics(r, first_n) for r in ordered))
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or b is 0."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def ratios(summaries: Sequence[StrategySummary]) -> dict[str, dict[str, float | None]]:
+    """For every ordered pair ``a/b`` of strategies: the median over repeats of a's metric over b's,
+    each ratio taken within one repeat."""
+    out = {}
+    for a in summaries:
+        for b in summaries:
+            if a is b:
+                continue
+            by_repeat_a = {run.repeat: m for run, m in zip(a.runs, a.metrics)}
+            by_repeat_b = {run.repeat: m for run, m in zip(b.runs, b.metrics)}
+            shared = sorted(set(by_repeat_a) & set(by_repeat_b))
+            out[f"{a.strategy}/{b.strategy}"] = {
+                metric: median_or_none([ratio(getattr(by_repeat_a[k], metric), getattr(by_repeat_b[k], metric))
+                                        for k in shared])
+                for metric in RATIO_METRICS}
+    return out
+
+
+def verdicts(summaries: Sequence[StrategySummary], pair_ratios: Mapping[str, Mapping[str, float | None]]
+             ) -> list[str]:
+    """The issue's targets, each met or not, for every pipecast variant (``pipecast``, ``pipecast-*``), and
+    what saturated the machine."""
+    first_n = summaries[0].first_n if summaries else FIRST_N
+    variants = [s for s in summaries if s.strategy == PIPECAST or s.strategy.startswith(f"{PIPECAST}-")]
+    lines = []
+    for pipecast in variants:
+        value = pair_ratios.get(f"{BASELINE}/{pipecast.strategy}", {}).get("first100_ttft_p99_seconds")
+        if f"{BASELINE}/{pipecast.strategy}" in pair_ratios:
+            met = "met" if value is not None and value >= TARGET_FIRST_P99_RATIO else "NOT met"
+            shown = "n/a" if value is None else f"{value:.1f}x"
+            lines.append(f"first-{first_n} p99 TTFT, unicast / {pipecast.strategy} = {shown} "
+                         f"(target >= {TARGET_FIRST_P99_RATIO:g}x: {met})")
+        reference, ref_cost = pipecast.median("first100_ttft_p99_seconds"), pipecast.median("worker_seconds")
+        for s in summaries:
+            if not s.strategy.startswith(WARM_POOL):
+                continue
+            p99, cost = s.median("first100_ttft_p99_seconds"), s.median("worker_seconds")
+            if p99 is None or reference is None or cost is None or ref_cost is None:
+                lines.append(f"{s.strategy}: not comparable with {pipecast.strategy} (a run answered no request)")
+                continue
+            matches = p99 <= reference * MATCH_TOLERANCE
+            lines.append(f"{s.strategy} ({s.warm_workers} warm): first-{first_n} p99 {p99:.2f} s vs "
+                         f"{pipecast.strategy} {reference:.2f} s ({'matches' if matches else 'does not match'} "
+                         f"within {MATCH_TOLERANCE - 1:.0%}); {cost:.0f} vs {ref_cost:.0f} worker-seconds "
+                         f"({cost / ref_cost:.2f}x: {'costs more' if cost > ref_cost else 'costs no more'})")
+    saturated = [s.strategy for s in summaries if any(m.cpu_saturated for m in s.metrics)]
+    lines.append(f"CPU-bound run(s), compute saturated this machine: {', '.join(saturated)}" if saturated
+                 else "CPU not saturated in any run")
+    return lines
+
+
+# -- output --------------------------------------------------------------------------------------------
+
+
+def to_json(meta: Mapping[str, object], summaries: Sequence[StrategySummary]) -> dict:
+    """The ``--json`` object: meta, ``strategies`` keyed by name, pairwise ``ratios`` and ``verdicts``."""
+    pair_ratios = ratios(summaries)
+    return {"meta": dict(meta), "strategies": {s.strategy: s.to_json() for s in summaries}, "ratios": pair_ratios,
+            "verdicts": verdicts(summaries, pair_ratios)}
+
+
+def request_rows(summaries: Sequence[StrategySummary]) -> list[dict]:
+    """One CSV row per request of every run."""
+    rows = []
+    for s in summaries:
+        for run in s.runs:
+            for r in sorted(run.requests, key=lambda r: r.index):
+                row = asdict(r)
+                rows.append({"strategy": s.strategy, "repeat": run.repeat,
+                             **{c: row[c] for c in CSV_COLUMNS if c in row}})
+    return rows
+
+
+def write_requests_csv(path: Path, summaries: Sequence[StrategySummary]) -> Path:
+    """Write every request (arrival, worker, TTFT, tokens, ...) as CSV at ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(request_rows(summaries))
+    return path
+
+
+def _s(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def format_report(meta: Mapping[str, object], summaries: Sequence[StrategySummary]) -> str:
+    """The text report: conditions, a table of medians per strategy, ratios and verdicts."""
+    pair_ratios = ratios(summaries)
+    lines = [str(line) for line in meta.get("headline", ())]
+    lines += [f"RETRIED: {r['strategy']} repeat {r['repeat']} failed once: {str(r['error']).splitlines()[0]}"
+              for r in meta.get("retried_runs", ())]
+    first = f"first{summaries[0].first_n if summaries else FIRST_N} TTFT s p50/p95/p99"
+    lines += ["", f"{'strategy':<14} {'warm':>4} {first:>28} {'all TTFT s p50/p99':>19} "
+                  f"{'ready s':>8} {'req':>5} {'429':>4} {'fail':>4} {'tok/s':>6} {'worker-s':>9} {'w-s/1k tok':>10} "
+                  f"{'CPU':>5}"]
+    for s in summaries:
+        m = s.median
+        first = f"{_s(m('first100_ttft_p50_seconds'))}/{_s(m('first100_ttft_p95_seconds'))}/" \
+                f"{_s(m('first100_ttft_p99_seconds'))}"
+        every = f"{_s(m('ttft_p50_seconds'))}/{_s(m('ttft_p99_seconds'))}"
+        flag = " CPU-bound" if any(x.cpu_saturated for x in s.metrics) else ""
+        lines.append(f"{s.strategy:<14} {s.warm_workers:>4} {first:>28} {every:>19} {_s(m('all_ready_seconds')):>8} "
+                     f"{_s(m('requests'), 0):>5} {_s(m('rejected'), 0):>4} {_s(m('failed'), 0):>4} "
+                     f"{_s(m('tokens_per_s'), 1):>6} {_s(m('worker_seconds'), 0):>9} "
+                     f"{_s(m('cost_per_1k_output_tokens'), 1):>10} {_s(m('cpu_mean_percent'), 0):>4}%{flag}")
+    lines += ["", "ratios (median over repeats of per-repeat ratios; TTFT a/b = how many times lower b is):"]
+    for pair, values in pair_ratios.items():
+        if not pair.startswith(f"{BASELINE}/") and f"/{PIPECAST}" not in pair:
+            continue  # the pairs that answer the issue's questions; all pairs are in the JSON
+        lines.append(f"  {pair:<26} first-n p50 {_s(values['first100_ttft_p50_seconds'], 1)}x, "
+                     f"p99 {_s(values['first100_ttft_p99_seconds'], 1)}x; "
+                     f"all p99 {_s(values['ttft_p99_seconds'], 1)}x; all ready {_s(values['all_ready_seconds'], 1)}x; worker-s {_s(values['worker_seconds'], 2)}x")
+    lines += ["", *(f"verdict: {line}" for line in verdicts(summaries, pair_ratios))]
+    return "\n".join(lines)

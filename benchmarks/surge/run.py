@@ -1,0 +1,528 @@
+"""``pipecast bench surge``: the orchestration. One emulated cluster, every strategy, ``repeat`` times.
+
+Hosts (DESIGN 5): ``store`` (a seed agent serving the package, egress at the store rate), ``cp`` (the
+control plane), ``router`` (``pipecast router``), ``load`` (the driver, :mod:`benchmarks.surge.loadgen`)
+and workers ``w1..wN``, each running a node agent and a serving worker (``pipecast serve``) that reads
+blocks from its agent's local socket. Every link runs at the link rate.
+
+One run of one strategy starts every process afresh: the control plane; the driver, which publishes the
+package; the store agent; the workers' agents (warm ones seed the package from disk, i.e. they hold it in
+memory; cold ones register with the control plane and hold nothing); the serving workers (cold ones wait
+for the package once they have imported torch); the router. When all of that is up the driver starts
+the surge: it asks the control plane to bring the package onto every cold worker (the fixed scaling
+rule: the whole pool at the first request) and replays the schedule through the router. Cold workers
+cost from that decision on: their processes were started (and torch imported) before it, so process
+start-up, a container's own cold start, is outside every strategy's figures alike.
+
+Repeats interleave the strategies (unicast, warm-pool, pipecast, unicast, ...) so a slow phase of this
+shared machine hits them alike; the CPU is sampled during every run and a saturated run is flagged.
+"""
+
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from subprocess import DEVNULL, Popen, TimeoutExpired
+
+from benchmarks.cluster import EmulatedCluster, RequestedMode
+from benchmarks.cpu import CpuSampler
+from benchmarks.distribution import floor_seconds, mbit_to_bytes_per_s, worker_names
+from benchmarks.surge.loadgen import DriverSpec, WorkerEndpoint
+from benchmarks.surge.report import (
+    FIRST_N,
+    RequestResult,
+    RunRecord,
+    StrategySummary,
+    WorkerTimeline,
+    run_metrics,
+    summarize,
+)
+from benchmarks.surge.strategies import Strategy, check_pool
+from benchmarks.surge.trace import PEAK_WINDOW_S, ScheduledRequest, TokenCaps, prompt_token_ids, schedule_facts
+from pipecast.agent.events import read_events
+from pipecast.errors import PipecastError
+from pipecast.units import format_bytes
+
+STORE, CONTROL, ROUTER, LOAD = "store", "cp", "router", "load"
+PORTS = {"agent": 7070, "serve": 8000, "router": 8080, "control": 7000}  # netns: every host has its own ports
+START_TIMEOUT_S = 600.0  # for everything to be up before the surge (8 workers import torch on 2 cores)
+POLL_S = 0.05
+PROGRESS_EVERY_S = 5.0
+STOP_GRACE_S = 5.0
+LOG_TAIL_LINES = 20
+# Every serving worker computes on this many threads: the workers share the machine's cores, and torch's
+# default (one thread per core in each of N processes) would oversubscribe them.
+WORKER_THREADS = 1
+PREFILL_REPEATS = 3
+
+ProgressCallback = Callable[[str], None]
+
+
+class SurgeBenchError(PipecastError):
+    """The surge benchmark was misconfigured (the caller's fault) or a run failed (the process named)."""
+
+
+@dataclass(frozen=True)
+class SurgeConfig:
+    """What one ``pipecast bench surge`` measures."""
+
+    package: Path
+    schedule: tuple[ScheduledRequest, ...]
+    load_description: str  # where the schedule came from: the trace, window and scale, or the synthetic load
+    caps: TokenCaps
+    strategies: tuple[Strategy, ...]
+    workers: int = 8
+    min_workers: int = 0
+    link_mbit: float = 400.0
+    store_mbit: float | None = None  # None: the link rate
+    repeat: int = 3
+    pre_surge_s: float = 60.0
+    first_n: int = FIRST_N
+    mode: RequestedMode = "auto"
+    worker_max_batch: int = 8
+    worker_max_queue: int = 64
+    router_max_queue: int = 1024
+    queue_timeout_s: float = 600.0
+    request_timeout_s: float = 900.0
+    calibrate: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.schedule:
+            raise SurgeBenchError("the schedule holds no request")
+        if self.link_mbit <= 0 or (self.store_mbit is not None and self.store_mbit <= 0):
+            raise SurgeBenchError("link and store rates must be > 0 Mbit/s")
+        if self.repeat < 1 or self.first_n < 1 or self.pre_surge_s < 0:
+            raise SurgeBenchError(f"repeat and first_n must be >= 1 and pre_surge_s >= 0, got {self.repeat}, "
+                                  f"{self.first_n}, {self.pre_surge_s}")
+        check_pool(self.strategies, self.workers, self.min_workers)
+
+    @property
+    def store_rate_mbit(self) -> float:
+        return self.link_mbit if self.store_mbit is None else self.store_mbit
+
+
+@dataclass(frozen=True)
+class PackageFacts:
+    """What the benchmark needs to know of the served package."""
+
+    path: Path
+    package_id: str
+    model_name: str
+    total_bytes: int
+    blocks: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, path: Path) -> "PackageFacts":
+        from packager.manifest import read_manifest
+
+        manifest = read_manifest(Path(path))
+        try:
+            vocab = int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SurgeBenchError(f"package {path}: no usable vocab_size in config.json ({exc})") from None
+        return cls(Path(path), manifest.package_id, manifest.model_name, manifest.total_bytes, len(manifest.blocks),
+                   vocab)
+
+
+@dataclass(frozen=True)
+class SurgeReport:
+    """Everything one invocation measured: its conditions and each strategy's runs."""
+
+    meta: dict
+    summaries: tuple[StrategySummary, ...]
+
+
+# -- processes -----------------------------------------------------------------------------------------
+
+
+def _cli(*args: str | Path, verbose: bool = True) -> list[str]:
+    """A ``pipecast`` command line; ``verbose`` logs at INFO (not for HTTP servers: a line per health poll)."""
+    return [sys.executable, "-m", "pipecast.cli", *(["-v"] if verbose else []), *map(str, args)]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class _RunProcesses:
+    """The processes of one run: spawned into the cluster with a log each, watched, stopped at the end."""
+
+    def __init__(self, cluster: EmulatedCluster, folder: Path) -> None:
+        self.cluster = cluster
+        self.folder = folder
+        self.procs: dict[str, Popen] = {}
+        folder.mkdir(parents=True)
+
+    def log_path(self, name: str) -> Path:
+        return self.folder / f"{name}.log"
+
+    def events_path(self, name: str) -> Path:
+        return self.folder / f"{name}.events.jsonl"
+
+    def events(self, name: str) -> list[dict]:
+        path = self.events_path(name)
+        return read_events(path) if path.exists() else []
+
+    def spawn(self, name: str, host: str, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
+        with self.log_path(name).open("w") as log:
+            self.procs[name] = self.cluster.spawn(host, [str(a) for a in argv], env=env, stdin=DEVNULL, stdout=log,
+                                                  stderr=log)
+
+    def log_tail(self, name: str) -> str:
+        lines = self.log_path(name).read_text(errors="replace").splitlines()
+        return "\n".join(lines[-LOG_TAIL_LINES:])
+
+    def check_alive(self) -> None:
+        """Raise, with its log, for any process that exited while the run needs it."""
+        for name, proc in self.procs.items():
+            if name != LOAD and proc.poll() is not None:
+                raise SurgeBenchError(f"{name} exited with code {proc.returncode} during the run\n"
+                                      f"--- last lines of {self.log_path(name)}:\n{self.log_tail(name)}")
+
+    def wait_event(self, names: Sequence[str], kind: str, deadline: float, what: str) -> None:
+        """Wait until each of ``names`` logged ``kind``; raise naming the stragglers at ``deadline``."""
+        pending = list(names)
+        while pending:
+            self.check_alive()
+            pending = [n for n in pending if not any(e["event"] == kind for e in self.events(n))]
+            if pending and LOAD in pending and self.procs[LOAD].poll() is not None:
+                raise SurgeBenchError(f"the driver stopped before '{kind}': {self.driver_error()}")
+            if pending and time.time() > deadline:
+                raise SurgeBenchError(f"{what}: {', '.join(pending)} had not logged '{kind}' in time; last lines "
+                                      f"of {self.log_path(pending[0])}:\n{self.log_tail(pending[0])}")
+            if pending:
+                time.sleep(POLL_S)
+
+    def driver_error(self) -> str:
+        results = self.folder / "results.json"
+        try:
+            return json.loads(results.read_text())["error"]
+        except (OSError, ValueError, KeyError):
+            return f"exit code {self.procs[LOAD].poll()}; last lines of its log:\n{self.log_tail(LOAD)}"
+
+    def stop(self) -> None:
+        """Stop every process of the run: the control plane last, so agents can deregister on the way out."""
+        self._stop([p for name, p in self.procs.items() if name != CONTROL])
+        self._stop([p for name, p in self.procs.items() if name == CONTROL])
+
+    @staticmethod
+    def _stop(procs: Sequence[Popen]) -> None:
+        """SIGTERM each process group, then SIGKILL what is left after a grace period."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in procs:
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + STOP_GRACE_S
+            for proc in procs:
+                try:
+                    proc.wait(max(deadline - time.monotonic(), 0.01))
+                except TimeoutExpired:
+                    pass
+            if all(proc.poll() is not None for proc in procs):
+                return
+
+
+# -- one run -------------------------------------------------------------------------------------------
+
+
+def _timelines(spec: DriverSpec, results: dict, events: dict[str, list[dict]], package: PackageFacts,
+               pre_surge_s: float) -> tuple[WorkerTimeline, ...]:
+    """Each worker's provisioning, block arrivals (from its agent's events) and health changes (from the
+    driver's polls), in seconds from the surge's start. A warm worker was provisioned and ready
+    ``pre_surge_s`` before the surge and received nothing."""
+    t0 = results["t0"]
+    out = []
+    for worker in spec.workers:
+        history = results["health"].get(worker.name, [])
+        partial = next((t for t, status, _ in history if status == "partial"), None)
+        if worker.warm:
+            out.append(WorkerTimeline(worker.name, True, -pre_surge_s, package.blocks, partial_s=partial,
+                                      ready_s=-pre_surge_s))
+            continue
+        verified = sorted(e["t"] - t0 for e in events[worker.name]
+                          if e["event"] == "block_verified" and e.get("package") == package.package_id)
+        ready = next((t for t, status, _ in history if status == "ready"), None)
+        out.append(WorkerTimeline(worker.name, False, 0.0, package.blocks, tuple(verified), partial, ready))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each service of one run listens (host:port)."""
+
+    control: str
+    store: str
+    router: str
+    agents: dict[str, str]
+    serving: dict[str, str]
+
+    @classmethod
+    def of(cls, cluster: EmulatedCluster, workers: Sequence[str]) -> "_Layout":
+        def endpoint(host: str, service: str) -> str:
+            address = cluster.address(host)
+            # netns: every host has its own ports; loopback: hosts share the machine's, so take free ones.
+            return f"{address}:{PORTS[service] if cluster.mode == 'netns' else _free_port(address)}"
+
+        return cls(endpoint(CONTROL, "control"), endpoint(STORE, "agent"), endpoint(ROUTER, "router"),
+                   {w: endpoint(w, "agent") for w in workers}, {w: endpoint(w, "serve") for w in workers})
+
+
+def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strategy: Strategy, config: SurgeConfig,
+                    package: PackageFacts, sockets: Path, deadline: float) -> None:
+    """Start the run's processes in order (see the module docstring); return once the driver is up."""
+    host, port = layout.control.rsplit(":", 1)
+    run.spawn(CONTROL, CONTROL, _cli("control-plane", "--host", host, "--port", port,
+                                     "--db", run.folder / "control.sqlite3"))
+    run.spawn(LOAD, LOAD, [sys.executable, "-m", "benchmarks.surge.loadgen", run.folder / "spec.json"])
+    run.wait_event([LOAD], "published", deadline, "publishing the package")
+    agent = ("agent", "--transport", "tcp")
+    run.spawn(STORE, STORE, _cli(*agent, "--node-id", STORE, "--listen", layout.store, "--seed", package.path,
+                                 "--control-plane", layout.control, "--events", run.events_path(STORE)))
+    for worker in spec.workers:
+        w = worker.name
+        role = ["--seed", str(package.path)] if worker.warm else []
+        if w in spec.registered:
+            role += ["--control-plane", layout.control]
+        run.spawn(w, w, _cli(*agent, "--node-id", w, "--listen", layout.agents[w], "--local-socket",
+                             sockets / f"{w}.sock", "--events", run.events_path(w), *role))
+    run.wait_event([STORE, *(w.name for w in spec.workers)], "listening", deadline, "agents starting")
+    threads = str(WORKER_THREADS)
+    for worker in spec.workers:
+        w = worker.name
+        host, port = layout.serving[w].rsplit(":", 1)
+        full = [] if strategy.execute_while_load else ["--wait-full-load"]
+        run.spawn(f"{w}-serve", w, _cli(
+            "serve", package.package_id, "--agent-socket", sockets / f"{w}.sock", "--host", host, "--port", port,
+            "--max-batch", config.worker_max_batch, "--max-queue", config.worker_max_queue,
+            "--agent-timeout", START_TIMEOUT_S + config.request_timeout_s, "--drain-timeout", 0, *full,
+            verbose=False), env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+    host, port = layout.router.rsplit(":", 1)
+    run.spawn(ROUTER, ROUTER, _cli(
+        "router", "--host", host, "--port", port, *(a for e in spec.workers for a in ("--worker", e.url)),
+        "--max-queue", config.router_max_queue, "--queue-timeout", config.queue_timeout_s, "--drain-timeout", 0,
+        verbose=False))
+
+
+def run_once(cluster: EmulatedCluster, folder: Path, package: PackageFacts, strategy: Strategy, repeat: int,
+             config: SurgeConfig, progress: ProgressCallback) -> RunRecord:
+    """One run of ``strategy`` (see the module docstring); its logs and events stay under ``folder``."""
+    workers = worker_names(config.workers)
+    warm = set(workers[:strategy.warm_count(config.min_workers)])
+    layout = _Layout.of(cluster, workers)
+    run = _RunProcesses(cluster, folder)
+    spec = DriverSpec(
+        router_url=f"http://{layout.router}", control_plane=layout.control, package=str(package.path),
+        store_node=STORE, store_address=layout.store,
+        workers=tuple(WorkerEndpoint(w, f"http://{layout.serving[w]}", w in warm) for w in workers),
+        registered=tuple(w for w in workers if w not in warm or strategy.warm_are_sources),
+        plan_strategy=strategy.plan_strategy, schedule=config.schedule, vocab_size=package.vocab_size,
+        package_id=package.package_id, events=str(run.events_path(LOAD)), results=str(folder / "results.json"),
+        startup_timeout_s=START_TIMEOUT_S, request_timeout_s=config.request_timeout_s)
+    (folder / "spec.json").write_text(json.dumps(spec.to_json()))
+    label = f"[{strategy.name} {repeat}/{config.repeat}]"
+    sockets = Path(tempfile.mkdtemp(prefix="pcs-"))  # short: a unix socket path has at most 107 bytes
+    try:
+        deadline = time.time() + START_TIMEOUT_S
+        _start_services(run, layout, spec, strategy, config, package, sockets, deadline)
+        run.wait_event([LOAD], "surge", deadline, f"{label} arming (every worker up, cold ones waiting)")
+        progress(f"{label} surge: {len(config.schedule)} requests to {len(warm)} warm + {len(workers) - len(warm)} "
+                 f"cold workers")
+        end_by = time.time() + config.schedule[-1].at_s + config.request_timeout_s + spec.ready_grace_s + 60
+        with CpuSampler() as cpu:
+            _follow_driver(run, end_by, label, progress)
+        if run.procs[LOAD].returncode != 0:
+            raise SurgeBenchError(f"{label} the driver failed: {run.driver_error()}")
+    finally:
+        run.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
+    results = json.loads((folder / "results.json").read_text())
+    usage = cpu.usage()
+    return RunRecord(strategy=strategy.name, repeat=repeat,
+                     requests=tuple(RequestResult(**r) for r in results["requests"]),
+                     workers=_timelines(spec, results, {w: run.events(w) for w in workers}, package,
+                                        config.pre_surge_s),
+                     cpu_mean_percent=usage.mean_percent, cpu_p95_percent=usage.p95_percent,
+                     cpu_saturated=usage.saturated(), notes={"scale_up": results["scale_up"]})
+
+
+def _follow_driver(run: _RunProcesses, end_by: float, label: str, progress: ProgressCallback) -> None:
+    """Wait for the driver to finish, printing its progress; raise if it or a service stops early."""
+    shown = 0.0
+    while run.procs[LOAD].poll() is None:
+        run.check_alive()
+        if time.time() > end_by:
+            raise SurgeBenchError(f"{label} the driver did not finish in time; last lines of its log:\n"
+                                  f"{run.log_tail(LOAD)}")
+        if time.monotonic() - shown >= PROGRESS_EVERY_S:
+            updates = [e for e in run.events(LOAD) if e["event"] == "progress"]
+            if updates:
+                p = updates[-1]
+                progress(f"{label} {p['elapsed']:.0f} s: {p['ok']}/{p['requests']} answered, {p['rejected']} "
+                         f"rejected, {p['failed']} failed, {p['in_flight']} in flight; workers serving "
+                         f"{p['serving']}/{p['workers']}, ready {p['ready']}/{p['workers']}")
+            shown = time.monotonic()
+        time.sleep(POLL_S * 4)
+
+
+# -- calibration and meta ------------------------------------------------------------------------------
+
+
+def measure_prefill_seconds(package: Path, prompt_tokens: int, threads: int = WORKER_THREADS) -> float:
+    """Median time of a prefill of ``prompt_tokens`` tokens (and its first token) on ``threads`` threads,
+    the model loaded from the package folder: what one request costs a worker here."""
+    import torch
+
+    from pipecast.engine.engine import Engine
+    from pipecast.engine.providers import PackageFolderProvider
+    from pipecast.engine.sampling import SamplingParams
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with Engine(PackageFolderProvider(package, verify=False)).start() as engine:
+            engine.wait_loaded(timeout=600)
+            times = []
+            for i in range(PREFILL_REPEATS + 1):  # the first is a warm-up
+                prompt = prompt_token_ids(ScheduledRequest(i, 0.0, prompt_tokens, 1, prompt_tokens, 1),
+                                          engine.model.vocab_size, seed=99)
+                start = time.perf_counter()
+                engine.generate(prompt, SamplingParams(max_tokens=1), timeout=600)
+                times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return statistics.median(times[1:])
+
+
+def _versions() -> dict:
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {"pipecast": version("pipecast"), "python": platform.python_version(), "kernel": platform.release(),
+            "torch": version("torch"), "transformers": version("transformers"), "aiohttp": version("aiohttp"),
+            "grpcio": version("grpcio")}
+
+
+def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, prefill_s: float | None) -> dict:
+    facts = schedule_facts(config.schedule)
+    floor = floor_seconds(package.total_bytes, config.link_mbit, config.store_rate_mbit)
+    one_copy = package.total_bytes / mbit_to_bytes_per_s(config.link_mbit)
+    ratio = one_copy / prefill_s if prefill_s else None
+    headline = [
+        f"pipecast bench surge: {package.model_name} package {package.package_id[:12]} "
+        f"({format_bytes(package.total_bytes)}, {package.blocks} blocks), {config.workers} workers "
+        f"(minimum pool {config.min_workers}), medians of {config.repeat} run(s)",
+        f"links {config.link_mbit:g} Mbit/s, store egress {config.store_rate_mbit:g} Mbit/s; {cluster.describe()}",
+        f"load: {config.load_description}; {facts.requests} requests over {facts.duration_s:.1f} s "
+        f"(mean {facts.mean_rate_per_s:.2f}/s, at most {facts.peak_rate_per_s * PEAK_WINDOW_S:.0f} in "
+        f"{PEAK_WINDOW_S:g} s); prompts <= "
+        f"{config.caps.prompt_tokens} tokens, outputs <= {config.caps.output_tokens} tokens",
+        f"floor S/B = {floor:.2f} s (no cold worker answers sooner); unicast from the store to every cold worker "
+        f"takes about N_cold*S/B_store",
+        ("transfer/compute: one model copy over a link takes "
+         f"{one_copy:.2f} s, a {config.caps.prompt_tokens}-token prefill {prefill_s * 1000:.0f} ms on "
+         f"{WORKER_THREADS} thread: ratio {ratio:.0f} (a GPU cluster: seconds against tens of ms, ~20-200)")
+        if ratio else "transfer/compute ratio not calibrated (--no-calibrate)",
+        f"cost: worker-seconds from provisioning (warm: {config.pre_surge_s:g} s before the surge) to the run's end; "
+        f"TTFT from each request's scheduled arrival; first{config.first_n} = the first {config.first_n} requests",
+    ]
+    return {
+        "benchmark": "surge", "versions": _versions(), "cpu_cores": os.cpu_count(), "mode": cluster.mode,
+        "mode_reason": cluster.mode_reason, "cluster": cluster.describe(), "link_mbit": config.link_mbit,
+        "store_mbit": config.store_rate_mbit, "package_id": package.package_id, "package_path": str(package.path),
+        "model_name": package.model_name, "package_bytes": package.total_bytes, "blocks": package.blocks,
+        "workers": config.workers, "min_workers": config.min_workers,
+        "strategies": {s.name: s.description for s in config.strategies}, "load": config.load_description,
+        "requests": facts.requests, "schedule_seconds": facts.duration_s, "mean_rate_per_s": facts.mean_rate_per_s,
+        "peak_rate_per_s": facts.peak_rate_per_s, "prompt_cap_tokens": config.caps.prompt_tokens,
+        "output_cap_tokens": config.caps.output_tokens, "repeat": config.repeat,
+        "pre_surge_seconds": config.pre_surge_s,
+        "first_n": config.first_n, "floor_seconds": floor, "model_copy_seconds": one_copy,
+        "prefill_seconds": prefill_s, "transfer_to_prefill_ratio": ratio, "worker_threads": WORKER_THREADS,
+        "worker_max_batch": config.worker_max_batch, "worker_max_queue": config.worker_max_queue,
+        "router_max_queue": config.router_max_queue, "queue_timeout_seconds": config.queue_timeout_s,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "headline": headline,
+    }
+
+
+def run(config: SurgeConfig, workdir: Path, progress: ProgressCallback = lambda line: None) -> SurgeReport:
+    """Measure every strategy ``repeat`` times in one emulated cluster; logs and events go under ``workdir``."""
+    package = PackageFacts.of(config.package)
+    prefill_s = None
+    if config.calibrate:
+        progress(f"calibrating: a {config.caps.prompt_tokens}-token prefill on {WORKER_THREADS} thread")
+        prefill_s = measure_prefill_seconds(package.path, config.caps.prompt_tokens)
+    runs: dict[str, list[RunRecord]] = {s.name: [] for s in config.strategies}
+    hosts = [STORE, CONTROL, ROUTER, LOAD, *worker_names(config.workers)]
+    with EmulatedCluster(hosts, config.link_mbit, store_mbit=config.store_mbit, store_host=STORE,
+                         mode=config.mode) as cluster:
+        meta = _meta(config, package, cluster, prefill_s)
+        for line in meta["headline"]:
+            progress(line)
+        meta["retried_runs"] = []
+        for attempt in range(1, config.repeat + 1):
+            for strategy in config.strategies:
+                folder = Path(workdir) / f"repeat{attempt}" / strategy.name.replace(":", "-")
+                try:
+                    record = run_once(cluster, folder, package, strategy, attempt, config, progress)
+                except SurgeBenchError as exc:
+                    # This machine is shared: one run's process may die of something outside the benchmark.
+                    # Retry once, say so in the output; a second failure ends the benchmark.
+                    progress(f"[{strategy.name} {attempt}/{config.repeat}] FAILED, retrying once: {exc}")
+                    meta["retried_runs"].append({"strategy": strategy.name, "repeat": attempt, "error": str(exc)})
+                    record = run_once(cluster, folder.with_name(folder.name + "-retry"), package, strategy, attempt,
+                                      config, progress)
+                runs[strategy.name].append(record)
+                done = run_metrics(record, config.first_n)
+                p99 = done.first100_ttft_p99_seconds
+                progress(f"[{strategy.name} {attempt}/{config.repeat}] done: first-{config.first_n} p99 TTFT "
+                         f"{'-' if p99 is None else f'{p99:.2f} s'}, all ready "
+                         f"{'-' if done.all_ready_seconds is None else f'{done.all_ready_seconds:.1f} s'}, "
+                         f"{done.answered}/{done.requests} answered, {done.rejected} rejected, {done.failed} failed, "
+                         f"CPU {done.cpu_mean_percent:.0f}%{' (saturated)' if done.cpu_saturated else ''}")
+    summaries = tuple(summarize(s.name, s.description, s.warm_count(config.min_workers), runs[s.name], config.first_n)
+                      for s in config.strategies)
+    return SurgeReport(meta=meta, summaries=summaries)
+
+
+def write_outputs(report: SurgeReport, *, json_path: Path | None = None, csv_path: Path | None = None,
+                  plots_dir: Path | None = None) -> list[Path]:
+    """Write the JSON figures, the CSV of every request and the PNGs (``ttft_cdf.png``, ``timeline.png``)
+    where asked; return the paths written."""
+    from benchmarks.surge.plots import save_timeline, save_ttft_cdf
+    from benchmarks.surge.report import to_json, write_requests_csv
+
+    written = []
+    if json_path is not None:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(to_json(report.meta, report.summaries), indent=2, allow_nan=False))
+        written.append(Path(json_path))
+    if csv_path is not None:
+        written.append(write_requests_csv(csv_path, report.summaries))
+    if plots_dir is not None:
+        meta = report.meta
+        note = (f"{meta['model_name']}, {meta['workers']} workers, links {meta['link_mbit']:g} Mbit/s, store "
+                f"{meta['store_mbit']:g} Mbit/s, {meta['mode']} mode; {meta['load']}; pipecast "
+                f"{meta['versions']['pipecast']}")
+        written.append(save_ttft_cdf(Path(plots_dir) / "ttft_cdf.png", report.summaries,
+                                     floor_s=meta["floor_seconds"], note=note))
+        written.append(save_timeline(Path(plots_dir) / "timeline.png", report.summaries, note=note))
+    return written

@@ -1,0 +1,211 @@
+"""Percentiles, cost, ratios, verdicts, JSON, CSV and plots of ``pipecast bench surge`` (pure, no cluster)."""
+
+import csv
+import json
+
+import pytest
+
+from benchmarks.surge.plots import save_timeline, save_ttft_cdf
+from benchmarks.surge.report import (
+    CSV_COLUMNS,
+    RequestResult,
+    RunRecord,
+    WorkerTimeline,
+    format_report,
+    percentile,
+    ratios,
+    run_metrics,
+    summarize,
+    to_json,
+    verdicts,
+    worker_seconds,
+    write_requests_csv,
+)
+from benchmarks.surge.strategies import (
+    BUILTIN,
+    Strategy,
+    StrategyError,
+    check_pool,
+    parse_strategies,
+    register,
+    resolve,
+)
+
+JSON_FIELDS = {"first100_ttft_p50_seconds", "first100_ttft_p99_seconds", "ttft_p99_seconds", "all_ready_seconds",
+               "worker_seconds", "requests", "rejected", "failed"}
+
+
+def ok(index: int, arrival: float, ttft: float, tokens: int = 4, worker: str = "w1") -> RequestResult:
+    return RequestResult(index=index, arrival_s=arrival, sent_s=arrival, prompt_tokens=16, max_tokens=tokens,
+                         status="ok", http_status=200, worker=worker, ttft_s=ttft, latency_s=ttft + 0.5,
+                         queue_s=ttft - 0.1, output_tokens=tokens)
+
+
+def cold(name: str, ready: float, blocks: int = 4) -> WorkerTimeline:
+    return WorkerTimeline(name=name, warm=False, provisioned_s=0.0, blocks_total=blocks,
+                          block_times=tuple(ready * (i + 1) / blocks for i in range(blocks)), ready_s=ready)
+
+
+def run_of(strategy: str, ttfts: list[float], ready: float, repeat: int = 1, warm: int = 0,
+           saturated: bool = False) -> RunRecord:
+    requests = tuple(ok(i, float(i), t) for i, t in enumerate(ttfts))
+    workers = tuple(WorkerTimeline(f"h{i}", True, -60.0, 4, ready_s=-60.0) for i in range(warm))
+    workers += tuple(cold(f"c{i}", ready) for i in range(2 - warm))
+    return RunRecord(strategy, repeat, requests, workers, cpu_mean_percent=50.0, cpu_p95_percent=70.0,
+                     cpu_saturated=saturated)
+
+
+# -- statistics ----------------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_linearly_like_numpy():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile(range(1, 101), 99) == pytest.approx(99.01)
+    assert percentile([10, 0], 0) == 0 and percentile([10, 0], 100) == 10
+    with pytest.raises(ValueError):
+        percentile([1], 101)
+
+
+def test_worker_seconds_run_from_provisioning_to_the_end():
+    workers = [WorkerTimeline("warm", True, -60.0, 4), WorkerTimeline("cold", False, 0.0, 4)]
+    assert worker_seconds(workers, 30.0) == 90.0 + 30.0
+
+
+def test_first_n_covers_the_earliest_arrivals_and_failures_are_counted_apart():
+    requests = [ok(i, float(i), ttft=10.0 - i) for i in range(5)]
+    requests += [RequestResult(5, 5.0, 5.0, 16, 4, "rejected", http_status=429, latency_s=0.01),
+                 RequestResult(6, 6.0, 6.2, 16, 4, "failed", http_status=502, latency_s=1.0, error="boom")]
+    requests += [ok(i, float(i), ttft=0.5) for i in range(7, 10)]
+    run = RunRecord("pipecast", 1, tuple(requests), (cold("c1", 4.0),), 40.0, 60.0, False)
+    m = run_metrics(run, first_n=5)
+    assert (m.requests, m.answered, m.rejected, m.failed) == (10, 8, 1, 1)
+    assert m.first100_ttft_p50_seconds == 8.0  # the first five: 10, 9, 8, 7, 6
+    assert m.first100_ttft_p99_seconds == pytest.approx(9.96)
+    assert m.ttft_p50_seconds == pytest.approx(6.5)
+    assert m.output_tokens == 8 * 4
+    # The last answer: request 0 arrived at 0 s and took 10.5 s.
+    assert m.duration_seconds == pytest.approx(10.5)
+    assert m.worker_seconds == pytest.approx(10.5)
+    assert m.cost_per_1k_output_tokens == pytest.approx(10.5 / 0.032)
+    assert m.tokens_per_s == pytest.approx(32 / 10.5)
+    assert m.all_ready_seconds == 4.0 and m.first_serving_seconds == 4.0
+    assert m.send_lag_p99_seconds == pytest.approx(0.2 * 0.91)  # one request of ten sent 0.2 s late
+
+
+def test_a_worker_that_never_became_ready_leaves_all_ready_undefined():
+    never = WorkerTimeline("c2", False, 0.0, 4, block_times=(1.0,), partial_s=0.5)
+    run = RunRecord("pipecast", 1, (ok(0, 0.0, 1.0),), (cold("c1", 3.0), never), 10.0, 10.0, False)
+    m = run_metrics(run)
+    assert m.all_ready_seconds is None
+    assert m.first_serving_seconds == 0.5
+
+
+def test_the_run_ends_when_the_last_worker_is_ready_if_that_is_later():
+    run = RunRecord("unicast", 1, (ok(0, 0.0, 1.0),), (cold("c1", 42.0),), 10.0, 10.0, False)
+    assert run.end_s == 42.0
+
+
+# -- strategies, ratios, verdicts ----------------------------------------------------------------------
+
+
+def test_ratios_are_taken_within_each_repeat_then_the_median():
+    uni = summarize("unicast", "", 0, [run_of("unicast", [40.0] * 5, 40.0, repeat=k) for k in (1, 2, 3)])
+    pc_runs = [run_of("pipecast", [4.0] * 5, 5.0, 1), run_of("pipecast", [8.0] * 5, 5.0, 2),
+               run_of("pipecast", [5.0] * 5, 5.0, 3)]
+    pc = summarize("pipecast", "", 0, pc_runs)
+    pair = ratios([uni, pc])
+    assert pair["unicast/pipecast"]["first100_ttft_p99_seconds"] == pytest.approx(8.0)  # 10, 5, 8
+    assert pair["pipecast/unicast"]["all_ready_seconds"] == pytest.approx(5.0 / 40.0)
+    assert set(pair) == {"unicast/pipecast", "pipecast/unicast"}
+
+
+def test_verdicts_say_whether_each_target_is_met():
+    uni = summarize("unicast", "", 0, [run_of("unicast", [40.0] * 5, 40.0)])
+    pc = summarize("pipecast", "", 0, [run_of("pipecast", [5.0] * 5, 5.0)])
+    warm = summarize("warm-pool:1", "", 1, [run_of("warm-pool:1", [5.2] * 5, 40.0, warm=1, saturated=True)])
+    lines = verdicts([uni, pc, warm], ratios([uni, pc, warm]))
+    assert lines[0] == "first-100 p99 TTFT, unicast / pipecast = 8.0x (target >= 5x: met)"
+    assert "warm-pool:1 (1 warm): first-100 p99 5.20 s vs pipecast 5.00 s (matches within 10%)" in lines[1]
+    assert "costs more" in lines[1]
+    assert lines[2] == "CPU-bound run(s), compute saturated this machine: warm-pool:1"
+    slow = summarize("pipecast", "", 0, [run_of("pipecast", [20.0] * 5, 5.0)])
+    assert "(target >= 5x: NOT met)" in verdicts([uni, slow], ratios([uni, slow]))[0]
+
+
+def test_strategies_resolve_with_a_warm_count_and_refuse_bad_names():
+    assert resolve("warm-pool:4").warm == 4 and resolve("warm-pool:4").name == "warm-pool:4"
+    assert resolve("pipecast").execute_while_load and not resolve("unicast").execute_while_load
+    assert resolve("warm-pool").warm_count(min_workers=3) == 3
+    known = "unicast, warm-pool, pipecast, pipecast-chain"
+    with pytest.raises(StrategyError, match=rf"unknown strategy 'nccl'; known: {known}$"):
+        resolve("nccl")
+    with pytest.raises(StrategyError, match=r"the warm count after ':' must be a whole number, got 'x'"):
+        resolve("warm-pool:x")
+    with pytest.raises(StrategyError, match="must list distinct strategies"):
+        parse_strategies("unicast,unicast")
+    with pytest.raises(StrategyError, match=r"2 warm worker\(s\) leave no cold worker in a pool of 2"):
+        check_pool(parse_strategies("warm-pool"), workers=2, min_workers=0)
+    with pytest.raises(StrategyError, match="minimum pool must be within 0..1"):
+        check_pool(parse_strategies("unicast"), workers=2, min_workers=2)
+
+
+def test_adding_a_strategy_is_one_registration():
+    try:
+        register(Strategy("chain-ewl", "chain multicast, execute-while-load", plan_strategy="chain",
+                          execute_while_load=True, warm_are_sources=True))
+        assert parse_strategies("unicast,chain-ewl")[1].plan_strategy == "chain"
+        with pytest.raises(StrategyError, match="registered already"):
+            register(Strategy("chain-ewl", "", plan_strategy="chain", execute_while_load=True))
+        with pytest.raises(StrategyError, match="plan strategy 'nccl' is not one of"):
+            Strategy("x", "", plan_strategy="nccl", execute_while_load=True)
+    finally:
+        BUILTIN.pop("chain-ewl", None)
+
+
+# -- output --------------------------------------------------------------------------------------------
+
+
+def summaries_for_output():
+    return [summarize("unicast", "unicast from the store", 0, [run_of("unicast", [40.0, 30.0], 40.0, repeat=k)
+                                                                for k in (1, 2)]),
+            summarize("pipecast", "multicast", 0, [run_of("pipecast", [5.0, 1.0], 5.0, repeat=k) for k in (1, 2)])]
+
+
+def test_json_has_every_field_the_issue_names_and_is_strict_json():
+    doc = to_json({"model": "tiny"}, summaries_for_output())
+    text = json.dumps(doc, allow_nan=False)
+    back = json.loads(text)
+    assert set(back["strategies"]) == {"unicast", "pipecast"}
+    for entry in back["strategies"].values():
+        assert JSON_FIELDS <= set(entry)
+        assert len(entry["repeats"]) == 2 and entry["repeats"][0]["workers"][0]["name"] == "c0"
+    assert back["strategies"]["pipecast"]["requests"] == 2
+    assert back["ratios"]["unicast/pipecast"]["all_ready_seconds"] == pytest.approx(8.0)
+    assert back["verdicts"][0].startswith("first-100 p99 TTFT, unicast / pipecast = ")
+
+
+def test_csv_has_a_row_per_request_of_every_run(tmp_path):
+    path = write_requests_csv(tmp_path / "out" / "requests.csv", summaries_for_output())
+    rows = list(csv.DictReader(path.open()))
+    assert len(rows) == 2 * 2 * 2
+    assert tuple(rows[0]) == CSV_COLUMNS
+    assert {(r["strategy"], r["repeat"]) for r in rows} == {("unicast", "1"), ("unicast", "2"), ("pipecast", "1"),
+                                                           ("pipecast", "2")}
+    assert rows[0]["worker"] == "w1" and float(rows[0]["ttft_s"]) == 40.0
+
+
+def test_text_report_shows_each_strategy_and_the_ratios():
+    text = format_report({"headline": ["pipecast bench surge: test"]}, summaries_for_output())
+    assert text.splitlines()[0] == "pipecast bench surge: test"
+    assert any(line.startswith("unicast ") for line in text.splitlines())
+    assert "unicast/pipecast" in text and "verdict: " in text
+
+
+def test_plots_are_written(tmp_path):
+    summaries = summaries_for_output()
+    cdf = save_ttft_cdf(tmp_path / "p" / "cdf.png", summaries, floor_s=4.0, note="test")
+    timeline = save_timeline(tmp_path / "p" / "timeline.png", summaries, note="test")
+    for path in (cdf, timeline):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
