@@ -1,6 +1,5 @@
 """Click commands for the packager: ``pack``, ``verify``, ``inspect``."""
 
-import json
 import time
 from pathlib import Path
 

@@ -1,13 +1,9 @@
-"""Tiny packages a serving worker can serve (a random tiny model plus a byte-level tokenizer whose 256 ids
-are the 256 byte values), and a fake node agent whose blocks the test releases one by one."""
+"""Tiny packages a serving worker can serve: a random tiny model plus a byte-level tokenizer whose 256 ids
+are the 256 byte values."""
 
 import json
-import mmap
-import threading
 from pathlib import Path
-from types import SimpleNamespace
 
-from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError
 from tests.engine_packages import INIT_RANGE
 from tests.tiny_models import make_checkpoint
 
@@ -42,46 +38,3 @@ def make_served_package(root: Path, arch: str = "llama", *, seed: int = 0, layer
         write_byte_tokenizer(ckpt)
     pack(ckpt, root / f"{name}-pkg", model_name=f"tiny-{arch}", layers_per_block=layers_per_block)
     return root / f"{name}-pkg"
-
-
-class GatedAgent:
-    """The node agent's local client (LocalAgentClient's methods) over a package folder, each block
-    verified only once the test releases it."""
-
-    def __init__(self, pkg: Path) -> None:
-        from packager.package import Package
-
-        self.root = pkg
-        self._manifest = Package.open(pkg).manifest
-        self.buffers = []
-        for block in self._manifest.blocks:
-            with (pkg / block.file).open("rb") as f:
-                self.buffers.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-        self._released = [threading.Event() for _ in self.buffers]
-
-    def release(self, *blocks: int) -> None:
-        for i in blocks or range(len(self._released)):
-            self._released[i].set()
-
-    def _check(self, package_id: str | None) -> None:
-        if package_id not in (None, self._manifest.package_id):
-            raise LocalApiError(f"agent: unknown package {package_id}")
-
-    def manifest(self, package_id=None, timeout=30.0):
-        self._check(package_id)
-        return self._manifest
-
-    def package_file(self, path, package_id=None, timeout=30.0):
-        self._check(package_id)
-        return (self.root / path).read_bytes()
-
-    def wait_block(self, index, timeout, package_id=None):
-        self._check(package_id)
-        if not self._released[index].wait(timeout):
-            raise LocalApiTimeoutError(f"block {index} not verified within {timeout} s")
-        return memoryview(self.buffers[index])
-
-    def progress(self, package_id=None, timeout=30.0):
-        self._check(package_id)
-        return SimpleNamespace(blocks=[SimpleNamespace(index=i, verified_at=1.0 if e.is_set() else None)
-                                       for i, e in enumerate(self._released)])

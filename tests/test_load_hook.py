@@ -2,23 +2,19 @@
 
 import json
 import logging
-import mmap
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import pipecast
 from packager.pack import pack
-from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError
 from pipecast.engine.engine import LoadProgress
 from pipecast.hook import PackageUnavailableError
-from tests.engine_packages import make_package, random_prompt, reference_generate, reference_model
+from tests.engine_packages import GatedAgent, make_package, random_prompt, reference_generate, reference_model
 
 PROMPT = random_prompt(10, 11)
 
@@ -41,49 +37,6 @@ def no_configured_agent(monkeypatch):
     monkeypatch.delenv("PIPECAST_AGENT_LOCAL_SOCKET", raising=False)
     monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
     monkeypatch.delenv("PIPECAST_AGENT_CACHE_DIR", raising=False)
-
-
-class FakeAgentClient:
-    """The agent's local client (LocalAgentClient's methods), serving one package's block files from
-    memory maps, each block released by the test."""
-
-    def __init__(self, pkg):
-        from packager.package import Package
-
-        self.root = pkg
-        self._manifest = Package.open(pkg).manifest
-        self.buffers = []
-        for block in self._manifest.blocks:
-            with (pkg / block.file).open("rb") as f:
-                self.buffers.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-        self._released = [threading.Event() for _ in self.buffers]
-
-    def release(self, *blocks):
-        for i in blocks:
-            self._released[i].set()
-
-    def _check(self, package_id):
-        if package_id not in (None, self._manifest.package_id):
-            raise LocalApiError(f"agent: unknown package {package_id}")
-
-    def manifest(self, package_id=None, timeout=30.0):
-        self._check(package_id)
-        return self._manifest
-
-    def package_file(self, path, package_id=None, timeout=30.0):
-        self._check(package_id)
-        return (self.root / path).read_bytes()
-
-    def wait_block(self, index, timeout, package_id=None):
-        self._check(package_id)
-        if not self._released[index].wait(timeout):
-            raise LocalApiTimeoutError(f"block {index} not verified within {timeout} s")
-        return memoryview(self.buffers[index])
-
-    def progress(self, package_id=None, timeout=30.0):
-        self._check(package_id)
-        return SimpleNamespace(blocks=[SimpleNamespace(index=i, verified_at=1.0 if e.is_set() else None)
-                                       for i, e in enumerate(self._released)])
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +97,7 @@ def test_package_neither_at_the_agent_nor_local_is_refused(tiny):
     with pytest.raises(PackageUnavailableError, match=r"^package f{64}: pipecast agent at .* cannot serve package "
                                                       r"f{64} \(agent: unknown package f{64}\), and it is neither "
                                                       r"a package folder nor in the agent's disk cache$"):
-        pipecast.load("f" * 64, agent=FakeAgentClient(pkg))
+        pipecast.load("f" * 64, agent=GatedAgent(pkg))
 
 
 def test_real_agent_serves_the_package_by_folder_or_by_id(tiny, real_agent):
@@ -170,7 +123,7 @@ def test_package_id_falls_back_to_the_agents_disk_cache(tiny, tmp_path, monkeypa
 
 def test_agent_blocks_serve_layer_by_layer_without_copies(tiny):
     ref, pkg = tiny
-    client = FakeAgentClient(pkg)
+    client = GatedAgent(pkg)
     with pipecast.load(pkg, agent=client) as model:
         assert model.source == "agent"
         assert model.progress() == LoadProgress(blocks_present=0, blocks_total=4, fully_loaded=False)
@@ -178,6 +131,7 @@ def test_agent_blocks_serve_layer_by_layer_without_copies(tiny):
         client.release(0)
         wait_until(lambda: 0 in model.engine.model.layer_first_run_at)
         assert stream.tokens == [] and not model.fully_loaded.is_set()
+        assert 1 in client.mapped_ahead  # the block the loader waits for is mapped while in flight
         client.release(1, 2, 3)
         assert stream.result(timeout=30) == reference_generate(ref, PROMPT, 12)
         assert model.fully_loaded.wait(30)

@@ -31,7 +31,8 @@ from pipecast.serve.openai_api import CompletionRequest, parse_completion_reques
 from pipecast.serve.text import CompletionText, IncrementalDetokenizer, StopMatcher, TextCodec
 from pipecast.serve.worker import ServingWorker, WorkerConfig
 from tests.engine_packages import random_prompt
-from tests.serve_packages import GatedAgent, make_served_package
+from tests.engine_packages import GatedAgent
+from tests.serve_packages import make_served_package
 
 pytestmark = pytest.mark.timeout(60)
 

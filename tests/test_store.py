@@ -21,7 +21,7 @@ from pipecast.agent.errors import (
 from pipecast.agent.source import PackageFolderSource
 from pipecast.agent.store import BlockStore
 from pipecast.v1.manifest_pb2 import Manifest
-from tests.agent_fixtures import make_package
+from tests.agent_fixtures import make_package, receiving_store
 
 CHUNK = 64 << 10
 
@@ -34,11 +34,6 @@ def package(tmp_path_factory) -> tuple[Path, Manifest]:
 
 def block_bytes(root: Path, manifest: Manifest, block: int) -> bytes:
     return (root / manifest.blocks[block].file).read_bytes()
-
-
-def receiving_store(manifest: Manifest, budget_bytes: int = 1 << 30, **kwargs) -> BlockStore:
-    return BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=MemoryBudget(budget_bytes),
-                           manifest_origin="test", **kwargs)
 
 
 def put_chunk(store: BlockStore, block: int, chunk: int, data: bytes, peer: str = "p1") -> None:

@@ -36,11 +36,10 @@ from pipecast.agent.transport.ucx import UcxListener, UcxTransport, _as_bytes, _
 from pipecast.settings import Settings  # noqa: E402
 from pipecast.v1.manifest_pb2 import Manifest  # noqa: E402
 from tests.agent_fixtures import FlippingServer, make_package, seed_store  # noqa: E402
-from tests.test_agent_integration import Agents, assert_identical_copy, free_ports, write_plan  # noqa: E402
+from tests.agent_processes import REPO, assert_identical_copy, free_ports, write_plan  # noqa: E402
 
 pytestmark = [pytest.mark.ucx, pytest.mark.timeout(60)]
 
-REPO = Path(__file__).resolve().parent.parent
 CHUNK = 64 << 10
 IO_TIMEOUT_S = 0.3
 NOTIFIER_THREAD = "UCX-Py Async Notifier Thread"  # ucxx's name for the thread that must stop at exit
@@ -318,13 +317,6 @@ def test_a_process_that_never_closes_its_transport_still_exits():
     done = subprocess.run([sys.executable, "-c", FORGETFUL], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert "a UCX transport was not closed; stopping ucxx at exit" in done.stderr
-
-
-@pytest.fixture
-def agents(tmp_path):
-    running = Agents(tmp_path)
-    yield running
-    running.stop_all()
 
 
 def test_agent_processes_copy_a_package_over_ucx_and_exit_cleanly(agents, package, tmp_path):

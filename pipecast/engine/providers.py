@@ -102,8 +102,9 @@ class AgentBlockProvider:
     """Blocks held by the node agent, read from its shared memory through its local client (no copy).
 
     ``client`` is a :class:`pipecast.agent.local_client.LocalAgentClient` (or an object with its
-    methods): ``manifest``, ``wait_block`` (a read-only view of a verified block; ``TimeoutError`` if not
-    verified in time), ``progress`` and ``package_file``. The agent hands out verified bytes only.
+    methods): ``manifest``, ``map_ahead``, ``wait_block`` (a read-only view of a verified block;
+    ``TimeoutError`` if not verified in time), ``progress`` and ``package_file``. The agent hands out
+    verified bytes only.
     """
 
     def __init__(self, client: Any, *, package_id: str | None, where: str, timeout_s: float = 10.0):
@@ -117,6 +118,7 @@ class AgentBlockProvider:
             raise PackageError(f"package {self._package_id[:12]} held by {self.source} has no config.json")
         self._config = json.loads(config)
         self._verified: set[int] = set()
+        self._mapped: set[int] = set()
 
     @property
     def manifest(self) -> Manifest:
@@ -149,6 +151,9 @@ class AgentBlockProvider:
         from packager.blockfile import buffer_header, tensors_from_buffer
 
         try:
+            if index not in self._mapped:  # the first wait for a block finds it in flight: map it then
+                self.client.map_ahead(index, self._package_id, timeout=self._timeout_s)
+                self._mapped.add(index)
             buf = self.client.wait_block(index, timeout, self._package_id)
         except TimeoutError:
             raise BlockWaitTimeout(index, self.source, timeout) from None

@@ -1,0 +1,13 @@
+"""Fixtures shared by several test modules."""
+
+import pytest
+
+from tests.agent_processes import Agents
+
+
+@pytest.fixture
+def agents(tmp_path):
+    """Agent processes of one test (see :class:`tests.agent_processes.Agents`), all stopped at the end."""
+    running = Agents(tmp_path)
+    yield running
+    running.stop_all()

@@ -1,0 +1,38 @@
+"""The local API between a node agent and its engine, over a real unix socket, without the network."""
+
+import asyncio
+
+import pytest
+
+from pipecast.agent.errors import LocalApiError
+from pipecast.agent.local_api import LocalApiServer
+from pipecast.agent.local_client import LocalAgentClient
+from pipecast.agent.peer_server import PeerServer
+from tests.agent_fixtures import fill_block, make_package, receiving_store
+
+
+async def test_a_block_is_mapped_ahead_while_in_flight_and_read_once_verified(tmp_path):
+    manifest = make_package(tmp_path / "pkg", layers=3, layer_bytes=200_000, chunk_bytes=64 << 10)
+    store = receiving_store(manifest)
+    holdings = PeerServer()
+    holdings.add(store)
+    server = LocalApiServer(holdings, status=dict)
+    await server.start(tmp_path / "agent.sock")
+    client = await asyncio.to_thread(LocalAgentClient, tmp_path / "agent.sock")
+    try:
+        await asyncio.to_thread(client.map_ahead, 1)  # nothing of block 1 is here yet
+        with pytest.raises(TimeoutError, match="block 1 not verified within 0.1 s"):
+            await asyncio.to_thread(client.wait_block, 1, 0.1)
+        with pytest.raises(LocalApiError, match=r"has no block 9 \(it has 3\)"):
+            await asyncio.to_thread(client.map_ahead, 9)
+
+        data = (tmp_path / "pkg" / manifest.blocks[1].file).read_bytes()
+        fill_block(store, 1, data)
+        view = await asyncio.to_thread(client.wait_block, 1, 5.0)
+        assert bytes(view) == data  # the mapping made ahead shows what arrived after it
+        assert len(client._maps) == 1  # and wait_block used it rather than mapping again
+        view.release()
+    finally:
+        client.close()
+        await server.close()
+        store.close()
