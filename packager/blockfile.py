@@ -2,6 +2,7 @@
 
 import mmap
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,8 +26,12 @@ def buffer_header(buf: bytes | bytearray | memoryview | mmap.mmap, where: Path |
 
 
 def tensors_from_buffer(buf: bytes | bytearray | memoryview | mmap.mmap, where: Path | str = "buffer",
-                        header: Header | None = None) -> dict[str, "torch.Tensor"]:
-    """Tensors of a block as views of ``buf`` (no copy): the caller keeps ``buf`` alive and unchanged."""
+                        header: Header | None = None, names: Iterable[str] | None = None) -> dict[str, "torch.Tensor"]:
+    """Tensors of a block as views of ``buf`` (no copy): the caller keeps ``buf`` alive and unchanged.
+
+    With ``names`` (and the block's ``header``) only those tensors, and ``buf`` may be a prefix of the
+    block that holds them.
+    """
     import torch
 
     header = header or buffer_header(buf, where)
@@ -34,7 +39,8 @@ def tensors_from_buffer(buf: bytes | bytearray | memoryview | mmap.mmap, where: 
     with warnings.catch_warnings():
         # A read-only buffer (bytes, a read-only mmap) is fine: pipecast never writes to weights.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        for name, info in header.tensors.items():
+        for name in header.tensors if names is None else names:
+            info = header.tensors[name]
             if info.dtype not in _TORCH_DTYPES:
                 raise TypeError(f"{where}: tensor {name!r} has dtype {info.dtype}, which torch cannot view")
             dtype = getattr(torch, _TORCH_DTYPES[info.dtype])

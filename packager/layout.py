@@ -6,9 +6,11 @@ Pure functions of tensor names and sizes.
 """
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from packager.errors import CheckpointError, UnplacedTensorsError
+from packager.safetensors_format import DTYPE_BITS, layout_order
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)\.")
 _FIRST = re.compile(r"(?:^|\.)(?:embed_tokens|embed_in|wte|wpe|word_embeddings|embed_positions|"
@@ -30,6 +32,29 @@ def place_tensor(name: str) -> int | None:
     if _LAST.search(name):
         return LAST
     return None
+
+
+def stream_order(tensors: Sequence[tuple[str, str, int]]) -> list[str]:
+    """The byte order of a block's tensors, given as (name, dtype, bytes): embeddings, then each layer in
+    turn, then the final norm and head, wide dtypes first inside each.
+
+    A receiver can then run each layer as soon as the (verified) bytes up to its last tensor are in,
+    before the rest of the block arrives. If that order would leave a tensor misaligned for its dtype
+    (a part whose narrow tensors end on an odd offset), the block keeps the plain wide-dtypes-first
+    order, where every offset is aligned: alignment is what lets engines view the bytes without a copy.
+    """
+    def rank(name: str) -> int:
+        place = place_tensor(name)
+        return {FIRST: -1, LAST: 1 << 30, None: 1 << 31}.get(place, place)
+
+    ordered = sorted(tensors, key=lambda t: (rank(t[0]), *layout_order(t[1], t[0])))
+    offset = 0
+    for _, dtype, nbytes in ordered:
+        if offset % max(DTYPE_BITS[dtype] // 8, 1):
+            ordered = sorted(tensors, key=lambda t: layout_order(t[1], t[0]))
+            break
+        offset += nbytes
+    return [name for name, _, _ in ordered]
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from packager.checkpoint import Checkpoint, SourceTensor, open_checkpoint
 from packager.chunks import ChunkHasher
 from packager.digest import DIGEST_ALGORITHM, digest_bytes, package_id
 from packager.errors import PackageError
-from packager.layout import HEAD_NAMES, BlockLayout, plan_blocks
+from packager.layout import HEAD_NAMES, BlockLayout, plan_blocks, stream_order
 from packager.manifest import MANIFEST_FILE, MANIFEST_FORMAT_VERSION, manifest_to_json, validate_manifest
-from packager.safetensors_format import build_header, layout_order
+from packager.safetensors_format import build_header
 from pipecast.fsutil import atomic_directory
 from pipecast.v1.manifest_pb2 import Block, Manifest, PackageFile
 
@@ -97,8 +97,8 @@ class _ShardReader:
 
 def _write_block(root: Path, layout: BlockLayout, ckpt: Checkpoint, reader: _ShardReader,
                  chunk_bytes: int) -> Block:
-    ordered = sorted((ckpt.tensors[n] for n in layout.tensor_names),
-                     key=lambda t: layout_order(t.info.dtype, t.info.name))
+    infos = [ckpt.tensors[n].info for n in layout.tensor_names]
+    ordered = [ckpt.tensors[n] for n in stream_order([(i.name, i.dtype, i.nbytes) for i in infos])]
     metadata = {"format": "pt", "pipecast.block": str(layout.index),
                 "pipecast.layers": f"{layout.layer_start}-{layout.layer_end - 1}"}
     header, _ = build_header([(t.info.name, t.info.dtype, t.info.shape, t.info.nbytes) for t in ordered],

@@ -37,16 +37,6 @@ def receiving_store(manifest: Manifest, budget_bytes: int = 1 << 30, **kwargs) -
                            manifest_origin="test", **kwargs)
 
 
-def fill_block(store: BlockStore, block: int, data: bytes, peer: str = "p1") -> None:
-    """Write every chunk of ``block`` as a transport would, each verified as it lands."""
-    offset = 0
-    for chunk in range(store.chunk_count(block)):
-        buffer = store.chunk_buffer(block, chunk)
-        buffer[:] = data[offset:offset + len(buffer)]
-        offset += len(buffer)
-        store.chunk_landed(block, chunk, peer)
-
-
 def seed_store(root: Path) -> BlockStore:
     """A store serving the package folder ``root``, as a seed agent holds it."""
     source = PackageFolderSource(root)

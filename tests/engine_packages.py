@@ -53,8 +53,8 @@ def random_prompt(length: int, seed: int, vocab: int = 256) -> list[int]:
 
 
 class GatedAgent:
-    """The node agent's local client (LocalAgentClient's methods) over a package folder, each block
-    verified only once the test releases it."""
+    """The node agent's local client (LocalAgentClient's methods) over a package folder, each block (or a
+    prefix of it) verified only once the test releases it."""
 
     def __init__(self, pkg: Path) -> None:
         from packager.package import Package
@@ -65,12 +65,20 @@ class GatedAgent:
         for block in self._manifest.blocks:
             with (pkg / block.file).open("rb") as f:
                 self.buffers.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-        self._released = [threading.Event() for _ in self.buffers]
+        self._verified = [0] * len(self.buffers)  # bytes of each block released so far
+        self._cond = threading.Condition()
         self.mapped_ahead: set[int] = set()
 
     def release(self, *blocks: int) -> None:
-        for i in blocks or range(len(self._released)):
-            self._released[i].set()
+        """Verify the given blocks (all of them if none is named)."""
+        for i in blocks or range(len(self.buffers)):
+            self.release_prefix(i, len(self.buffers[i]))
+
+    def release_prefix(self, block: int, nbytes: int) -> None:
+        """Verify the first ``nbytes`` bytes of ``block``, as its chunks landing one by one would."""
+        with self._cond:
+            self._verified[block] = max(self._verified[block], nbytes)
+            self._cond.notify_all()
 
     def _check(self, package_id: str | None) -> None:
         if package_id not in (None, self._manifest.package_id):
@@ -88,13 +96,21 @@ class GatedAgent:
         self._check(package_id)
         self.mapped_ahead.add(index)
 
-    def wait_block(self, index, timeout, package_id=None):
+    def wait_prefix(self, index, nbytes, timeout, package_id=None):
         self._check(package_id)
-        if not self._released[index].wait(timeout):
-            raise LocalApiTimeoutError(f"block {index} not verified within {timeout} s")
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._verified[index] >= nbytes, timeout):
+                raise LocalApiTimeoutError(f"the first {nbytes} bytes of block {index} not verified within "
+                                           f"{timeout} s")
+        return memoryview(self.buffers[index])[:nbytes]
+
+    def wait_block(self, index, timeout, package_id=None):
+        self.wait_prefix(index, len(self.buffers[index]), timeout, package_id)
         return memoryview(self.buffers[index])
 
     def progress(self, package_id=None, timeout=30.0):
         self._check(package_id)
-        return SimpleNamespace(blocks=[SimpleNamespace(index=i, verified_at=1.0 if e.is_set() else None)
-                                       for i, e in enumerate(self._released)])
+        with self._cond:
+            verified = [n == len(b) for n, b in zip(self._verified, self.buffers)]
+        return SimpleNamespace(blocks=[SimpleNamespace(index=i, verified_at=1.0 if v else None)
+                                       for i, v in enumerate(verified)])

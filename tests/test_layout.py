@@ -3,7 +3,7 @@
 import pytest
 
 from packager.errors import UnplacedTensorsError
-from packager.layout import FIRST, LAST, place_tensor, plan_blocks
+from packager.layout import FIRST, LAST, place_tensor, plan_blocks, stream_order
 
 NAMING = {
     # architecture: (an embedding, a layer-2 tensor, the final norm, the head or None when tied)
@@ -55,3 +55,19 @@ def test_default_is_eight_blocks_of_equal_layers():
                                                              (20, 24), (24, 28), (28, 30)]
     assert "model.embed_tokens.weight" in blocks[0].tensor_names
     assert "model.norm.weight" in blocks[-1].tensor_names
+
+
+def test_blocks_stream_in_layer_order_so_each_layer_can_run_before_its_block_is_complete():
+    tensors = [("model.layers.10.mlp.weight", "BF16", 8), ("model.layers.9.mlp.weight", "BF16", 8),
+               ("model.layers.9.input_layernorm.weight", "F32", 4), ("model.norm.weight", "F32", 4),
+               ("model.embed_tokens.weight", "BF16", 16)]
+    # Numeric layer order (9 before 10, which a name sort inverts), wide dtypes first inside each part.
+    assert stream_order(tensors) == ["model.embed_tokens.weight", "model.layers.9.input_layernorm.weight",
+                                     "model.layers.9.mlp.weight", "model.layers.10.mlp.weight",
+                                     "model.norm.weight"]
+
+
+def test_a_layer_order_that_would_misalign_a_tensor_falls_back_to_wide_dtypes_first():
+    # Layer 0 ends on a 2-byte offset, so layer 1's F32 tensor would start misaligned.
+    tensors = [("model.layers.0.bias", "BF16", 2), ("model.layers.1.norm.weight", "F32", 4)]
+    assert stream_order(tensors) == ["model.layers.1.norm.weight", "model.layers.0.bias"]

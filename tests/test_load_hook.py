@@ -140,6 +140,28 @@ def test_agent_blocks_serve_layer_by_layer_without_copies(tiny):
         assert base.data_ptr() <= weight.data_ptr() < base.data_ptr() + base.numel()
 
 
+def test_layers_run_as_their_own_bytes_are_verified_before_their_block_is(tmp_path):
+    from packager.blockfile import buffer_header, map_file
+
+    ckpt, pkg = make_package(tmp_path, "llama", seed=4, layers_per_block=2)
+    block = (pkg / "blocks" / "block-0000.safetensors")
+    header = buffer_header(map_file(block))  # embeddings, then layer 0, then layer 1
+    layer0_end = header.data_start + max(t.end for n, t in header.tensors.items() if ".layers.0." in n)
+    assert layer0_end < block.stat().st_size
+    client = GatedAgent(pkg)
+    with pipecast.load(pkg, agent=client) as model:
+        stream = model.submit(PROMPT, max_new_tokens=8)
+        client.release_prefix(0, layer0_end - 1)  # one byte short of layer 0
+        time.sleep(0.2)
+        assert model.engine.model.layer_first_run_at == {}
+        client.release_prefix(0, layer0_end)
+        wait_until(lambda: 0 in model.engine.model.layer_first_run_at)
+        time.sleep(0.2)
+        assert 1 not in model.engine.model.layer_first_run_at and model.progress().blocks_present == 0
+        client.release()
+        assert stream.result(timeout=30) == reference_generate(reference_model(ckpt), PROMPT, 8)
+
+
 def test_generation_stops_at_the_packages_eos_by_default(tiny_files, tmp_path):
     ckpt, pkg = tiny_files
     with pipecast.load(pkg) as model:

@@ -8,10 +8,10 @@ from pipecast.agent.errors import LocalApiError
 from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.local_client import LocalAgentClient
 from pipecast.agent.peer_server import PeerServer
-from tests.agent_fixtures import fill_block, make_package, receiving_store
+from tests.agent_fixtures import make_package, receiving_store
 
 
-async def test_a_block_is_mapped_ahead_while_in_flight_and_read_once_verified(tmp_path):
+async def test_a_block_is_mapped_ahead_read_by_verified_prefix_and_whole_once_verified(tmp_path):
     manifest = make_package(tmp_path / "pkg", layers=3, layer_bytes=200_000, chunk_bytes=64 << 10)
     store = receiving_store(manifest)
     holdings = PeerServer()
@@ -27,7 +27,21 @@ async def test_a_block_is_mapped_ahead_while_in_flight_and_read_once_verified(tm
             await asyncio.to_thread(client.map_ahead, 9)
 
         data = (tmp_path / "pkg" / manifest.blocks[1].file).read_bytes()
-        fill_block(store, 1, data)
+        chunk = manifest.blocks[1].chunk_bytes
+        store.chunk_buffer(1, 0)[:] = data[:chunk]
+        store.chunk_landed(1, 0, "p1")  # the first chunk is verified, the block is not
+        prefix = await asyncio.to_thread(client.wait_prefix, 1, chunk, 5.0)
+        assert bytes(prefix) == data[:chunk]
+        with pytest.raises(TimeoutError, match="the first 65537 bytes of block 1 not verified within 0.1 s"):
+            await asyncio.to_thread(client.wait_prefix, 1, chunk + 1, 0.1)
+        with pytest.raises(LocalApiError, match=f"block 1 has {len(data)} bytes: no prefix of {len(data) + 1}"):
+            await asyncio.to_thread(client.wait_prefix, 1, len(data) + 1, 0.1)
+        prefix.release()
+
+        for i in range(1, store.chunk_count(1)):
+            start = i * chunk
+            store.chunk_buffer(1, i)[:] = data[start:start + chunk]
+            store.chunk_landed(1, i, "p1")
         view = await asyncio.to_thread(client.wait_block, 1, 5.0)
         assert bytes(view) == data  # the mapping made ahead shows what arrived after it
         assert len(client._maps) == 1  # and wait_block used it rather than mapping again

@@ -8,13 +8,17 @@ unix socket as JSON lines, one request and one answer at a time::
     {"op": "manifest"}                          -> {"ok": true, "manifest": {...}}
     {"op": "wait_block", "block": 3, "timeout": 30}
                                                 -> {"ok": true, "block": 3, "path": "/proc/..", "bytes": N}
+    {"op": "wait_prefix", "block": 3, "bytes": 4096, "timeout": 30}
+                                                -> the same, once the block's first 4096 bytes are verified
     {"op": "buffer", "block": 3}                -> {"ok": true, "block": 3, "path": "/proc/..", "bytes": N}
     {"op": "file", "path": "config.json"}       -> {"ok": true, "data": "<base64>"}
     {"op": "progress"}                          -> {"ok": true, "progress": {StoreProgress as JSON}}
     {"op": "status"}                            -> {"ok": true, "status": {node, bytes moved, packages}}
     {"op": "subscribe"}                         -> {"ok": true}, then {"event": "block_verified", ...} lines
 
-``buffer`` answers at once, verified or not: a block's buffer never moves, so the engine can map it
+``wait_prefix`` lets an engine use a block's first layers while the rest of it is in flight: every chunk
+is verified against its own digest as it lands, so a verified prefix is as safe to read as a verified
+block. ``buffer`` answers at once, verified or not: a block's buffer never moves, so the engine can map it
 while the block is still arriving and read it once ``wait_block`` says it is verified (mapping costs
 ~0.15 ms per MB of page-table set-up, which then stays off the path from the last block to the first
 token). Every request may name ``"package"`` (a package id); without it the agent's only package is meant.
@@ -125,13 +129,20 @@ class LocalApiServer:
             except TimeoutError:
                 raise LocalApiTimeoutError(f"file {request['path']!r} not here within {timeout:g} s") from None
             return {"ok": True, "data": base64.b64encode(data).decode()}
-        if op in ("wait_block", "buffer"):
+        if op in ("wait_block", "wait_prefix", "buffer"):
             block = int(request["block"])
             if op == "wait_block":
                 try:
                     await asyncio.wait_for(store.wait_block(block), timeout)
                 except TimeoutError:
                     raise LocalApiTimeoutError(f"block {block} not verified within {timeout:g} s") from None
+            elif op == "wait_prefix":
+                nbytes = int(request["bytes"])
+                try:
+                    await asyncio.wait_for(store.wait_prefix(block, nbytes), timeout)
+                except TimeoutError:
+                    raise LocalApiTimeoutError(f"the first {nbytes} bytes of block {block} not verified within "
+                                               f"{timeout:g} s") from None
             return {"ok": True, "package": store.package_id, "block": block, "path": store.block_path(block),
                     "bytes": store.manifest.blocks[block].bytes}
         raise LocalApiError(f"unknown op {op!r}")

@@ -301,6 +301,14 @@ class BlockStore:
             await fut
         return state.readonly[slice(*state.bounds(chunk))]
 
+    async def wait_prefix(self, block: int, nbytes: int) -> None:
+        """Return once the first ``nbytes`` bytes of ``block`` are verified (every chunk they touch)."""
+        state = self._state(block)
+        if not 0 < nbytes <= state.meta.bytes:
+            raise UnknownPackageError(f"block {block} has {state.meta.bytes} bytes: no prefix of {nbytes}")
+        for chunk in range((nbytes - 1) // state.meta.chunk_bytes + 1):
+            await self.wait_chunk(block, chunk)
+
     async def wait_block(self, block: int) -> None:
         """Return once ``block`` is complete and verified."""
         state = self._state(block)

@@ -1,4 +1,4 @@
-"""The execute-while-load engine: a decoder-only model that runs layer i as soon as its block is bound.
+"""The execute-while-load engine: a decoder-only model that runs layer i as soon as its tensors are bound.
 
 Modules, one concern each (import them directly; this package imports nothing so the CLI stays light):
 

@@ -2,8 +2,11 @@
 
 Blocks can arrive out of order (multicast sends rotated orders); the loader binds whichever is present,
 lowest index first, and otherwise waits for the lowest missing one in short slices so that a later block
-arriving first is not left waiting. If no block arrives for ``stall_timeout_s`` the source is declared
-stalled and the model fails (requests that need the missing layers get the error).
+arriving first is not left waiting. From a provider that verifies blocks chunk by chunk (the node agent),
+the block in flight is bound part by part: each layer as soon as its own bytes are verified, so the
+prefill runs a layer behind the transfer rather than a block behind it. If nothing arrives for
+``stall_timeout_s`` the source is declared stalled and the model fails (requests that need the missing
+layers get the error).
 """
 
 import logging
@@ -12,7 +15,8 @@ import time
 
 from pipecast.engine.errors import BlockStalledError, BlockWaitTimeout
 from pipecast.engine.progressive import ProgressiveModel
-from pipecast.engine.providers import BlockProvider
+from pipecast.engine.providers import BlockProvider, StreamingBlockProvider
+from pipecast.engine.weights import part_of
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +33,8 @@ class BlockLoader:
         self.started_at: float | None = None
         self.block_bound_at: dict[int, float] = {}
         """``time.monotonic()`` at which each block was bound."""
+        self._runs: dict[int, list[list[str]]] = {}  # per block being streamed: the parts still to bind
+        self._last_arrival = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pipecast-block-loader", daemon=True)
 
@@ -55,22 +61,56 @@ class BlockLoader:
 
     def _load(self) -> None:
         p = self.provider
+        streaming = isinstance(p, StreamingBlockProvider)
         missing = list(range(p.num_blocks))
-        last_arrival = time.monotonic()
+        self._last_arrival = time.monotonic()
         while missing and not self._stop.is_set():
-            index = next((i for i in missing if p.is_present(i)), missing[0])
+            present = next((i for i in missing if p.is_present(i)), None)
+            index = missing[0] if present is None else present
             try:
-                tensors = p.wait_block(index, timeout=POLL_S)
+                if streaming and (present is None or index in self._runs):
+                    self._stream(index)  # the lowest block still in flight: its layers as they come
+                else:
+                    self._bind(index, p.wait_block(index, timeout=POLL_S))
             except BlockWaitTimeout:
-                if time.monotonic() - last_arrival > self.stall_timeout_s:
+                if time.monotonic() - self._last_arrival > self.stall_timeout_s:
                     raise BlockStalledError(missing, p.source, self.stall_timeout_s) from None
                 continue
             block = p.manifest.blocks[index]
-            self.model.bind_block(index, range(block.layer_start, block.layer_end), tensors, p.source)
-            last_arrival = self.block_bound_at[index] = time.monotonic()
+            self.model.check_block(index, range(block.layer_start, block.layer_end), p.source)
+            self.block_bound_at[index] = time.monotonic()
             missing.remove(index)
             logger.debug("bound block %d (layers %d-%d) from %s", index, block.layer_start,
                          block.layer_end - 1, p.source)
         if not missing:
             logger.info("model fully loaded from %s in %.3f s: %d blocks", p.source,
-                        last_arrival - self.started_at, p.num_blocks)
+                        self._last_arrival - self.started_at, p.num_blocks)
+
+    def _stream(self, index: int) -> None:
+        """Bind block ``index`` part by part (embeddings, each layer, head) in its byte order, each part
+        as soon as its bytes are verified; raises BlockWaitTimeout when the next part is not in yet (the
+        parts bound so far stay bound, and the next call goes on from there)."""
+        if index not in self._runs:
+            header = self.provider.wait_header(index, timeout=POLL_S)
+            self._runs[index] = _part_runs(header)
+        runs = self._runs[index]
+        while runs:
+            self._bind(index, self.provider.wait_tensors(index, runs[0], timeout=POLL_S))
+            runs.pop(0)
+
+    def _bind(self, index: int, tensors) -> None:
+        self.model.bind_tensors(index, tensors, self.provider.source)
+        self._last_arrival = time.monotonic()
+
+
+def _part_runs(header) -> list[list[str]]:
+    """A block's tensors in byte order, cut where the part (a layer, the embeddings, the head) changes."""
+    runs: list[list[str]] = []
+    previous = None
+    for name, _ in sorted(header.tensors.items(), key=lambda item: item[1].begin):
+        part = part_of(name)
+        if not runs or part != previous:
+            runs.append([])
+        runs[-1].append(name)
+        previous = part
+    return runs

@@ -45,15 +45,24 @@ class ProgressiveModel:
 
     def bind_block(self, index: int, layers: range, tensors: Mapping[str, "torch.Tensor"], source: str) -> None:
         """Bind block ``index`` (holding ``layers``) and publish the parts it completes."""
+        self.bind_tensors(index, tensors, source)
+        self.check_block(index, layers, source)
+
+    def bind_tensors(self, index: int, tensors: Mapping[str, "torch.Tensor"], source: str) -> None:
+        """Bind some of block ``index``'s tensors and publish the parts (layers) they complete."""
         done = self._binder.bind(index, tensors, source)
+        if done:
+            with self._cond:
+                self._ready |= done
+                self._cond.notify_all()
+            self._notify()
+
+    def check_block(self, index: int, layers: range, source: str) -> None:
+        """Raise :class:`BlockBindError` if block ``index``, wholly bound, left any of ``layers`` incomplete."""
         incomplete = sorted(n for layer in layers for n in self._binder.missing(layer))
         if incomplete:
             raise BlockBindError(index, source, f"holds layers {layers.start}-{layers.stop - 1} but lacks "
                                                 f"tensors {incomplete[:8]}")
-        with self._cond:
-            self._ready |= done
-            self._cond.notify_all()
-        self._notify()
 
     def fail(self, error: Exception) -> None:
         """Record that loading failed: waiters and later calls raise :class:`ModelLoadError`."""

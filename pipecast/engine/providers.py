@@ -2,7 +2,8 @@
 
 - :class:`PackageFolderProvider`: a package folder on local disk, blocks mapped zero-copy (the unicast /
   local-cache fallback);
-- :class:`AgentBlockProvider`: blocks from the node agent's shared memory, through its local client;
+- :class:`AgentBlockProvider`: blocks from the node agent's shared memory, through its local client, and
+  (a :class:`StreamingBlockProvider`) each block's layers as soon as their own bytes are verified;
 - :class:`DelayedProvider`: wraps another provider and releases blocks one by one, by hand or on a
   schedule (tests, and benchmarks that emulate blocks arriving over a link).
 """
@@ -20,6 +21,8 @@ from pipecast.v1.manifest_pb2 import Manifest
 
 if TYPE_CHECKING:
     import torch
+
+    from packager.safetensors_format import Header
 
 
 @runtime_checkable
@@ -53,6 +56,18 @@ class BlockProvider(Protocol):
 
         Raises :class:`BlockWaitTimeout` if it is not there in time; other errors are final.
         """
+
+
+@runtime_checkable
+class StreamingBlockProvider(BlockProvider, Protocol):
+    """A provider that also hands out a block's tensors before the whole block is verified: its bytes are
+    verified chunk by chunk, so the tensors wholly inside the verified prefix are safe to use."""
+
+    def wait_header(self, index: int, timeout: float) -> "Header":
+        """Block ``index``'s layout once its header's bytes are verified; :class:`BlockWaitTimeout` if not."""
+
+    def wait_tensors(self, index: int, names: Sequence[str], timeout: float) -> Mapping[str, "torch.Tensor"]:
+        """The named tensors of block ``index`` once the bytes up to the last of them are verified."""
 
 
 class PackageFolderProvider:
@@ -102,9 +117,11 @@ class AgentBlockProvider:
     """Blocks held by the node agent, read from its shared memory through its local client (no copy).
 
     ``client`` is a :class:`pipecast.agent.local_client.LocalAgentClient` (or an object with its
-    methods): ``manifest``, ``map_ahead``, ``wait_block`` (a read-only view of a verified block;
-    ``TimeoutError`` if not verified in time), ``progress`` and ``package_file``. The agent hands out
-    verified bytes only.
+    methods): ``manifest``, ``map_ahead``, ``wait_block`` / ``wait_prefix`` (a read-only view of a
+    verified block or prefix; ``TimeoutError`` if not verified in time), ``progress`` and
+    ``package_file``. The agent hands out verified bytes only. Besides whole blocks, this provider hands
+    out a block's layers one by one as their bytes are verified (:meth:`wait_header`,
+    :meth:`wait_tensors`): a :class:`StreamingBlockProvider`.
     """
 
     def __init__(self, client: Any, *, package_id: str | None, where: str, timeout_s: float = 10.0):
@@ -119,6 +136,7 @@ class AgentBlockProvider:
         self._config = json.loads(config)
         self._verified: set[int] = set()
         self._mapped: set[int] = set()
+        self._headers: dict[int, "Header"] = {}
 
     @property
     def manifest(self) -> Manifest:
@@ -148,22 +166,58 @@ class AgentBlockProvider:
         return index in self._verified
 
     def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
-        from packager.blockfile import buffer_header, tensors_from_buffer
+        from packager.blockfile import tensors_from_buffer
 
+        buf = self._wait(index, None, timeout)
+        return tensors_from_buffer(buf, self._where_block(index), self._header(index, buf))
+
+    def wait_header(self, index: int, timeout: float) -> "Header":
+        """Block ``index``'s layout (tensor names, dtypes, byte ranges) once the chunks holding its header
+        are verified, usually long before the block is. Raises :class:`BlockWaitTimeout`."""
+        import struct
+
+        if index not in self._headers:
+            size = self._manifest.blocks[index].bytes
+            length = struct.unpack("<Q", bytes(self._wait(index, min(8, size), timeout)[:8]))[0]
+            self._header(index, self._wait(index, min(8 + length, size), timeout))
+        return self._headers[index]
+
+    def wait_tensors(self, index: int, names: Sequence[str], timeout: float) -> Mapping[str, "torch.Tensor"]:
+        """Some of block ``index``'s tensors (views, no copy) as soon as the bytes up to the last of them
+        are verified, while the rest of the block may still be in flight. Raises :class:`BlockWaitTimeout`."""
+        from packager.blockfile import tensors_from_buffer
+
+        header = self.wait_header(index, timeout)
+        end = header.data_start + max(header.tensors[n].end for n in names)
+        return tensors_from_buffer(self._wait(index, end, timeout), self._where_block(index), header, names)
+
+    def _wait(self, index: int, nbytes: int | None, timeout: float) -> memoryview:
+        """The block's verified bytes: all of it, or its first ``nbytes``."""
         try:
             if index not in self._mapped:  # the first wait for a block finds it in flight: map it then
                 self.client.map_ahead(index, self._package_id, timeout=self._timeout_s)
                 self._mapped.add(index)
-            buf = self.client.wait_block(index, timeout, self._package_id)
+            if nbytes is None:
+                return self.client.wait_block(index, timeout, self._package_id)
+            return self.client.wait_prefix(index, nbytes, timeout, self._package_id)
         except TimeoutError:
             raise BlockWaitTimeout(index, self.source, timeout) from None
-        where = f"{self.source}, block {index}"
-        header = buffer_header(buf, where)
-        expected = set(self._manifest.blocks[index].tensor_names)
-        if set(header.tensors) != expected:
-            raise BlockBindError(index, self.source, f"holds tensors {sorted(set(header.tensors) ^ expected)} "
-                                                     "that differ from the manifest")
-        return tensors_from_buffer(buf, where, header)
+
+    def _where_block(self, index: int) -> str:
+        return f"{self.source}, block {index}"
+
+    def _header(self, index: int, buf: memoryview) -> "Header":
+        """Parse and check block ``index``'s header from ``buf`` (the block or a prefix holding the header)."""
+        from packager.safetensors_format import parse_header
+
+        if index not in self._headers:
+            header = parse_header(buf, self._manifest.blocks[index].bytes, self._where_block(index))
+            expected = set(self._manifest.blocks[index].tensor_names)
+            if set(header.tensors) != expected:
+                raise BlockBindError(index, self.source, f"holds tensors {sorted(set(header.tensors) ^ expected)} "
+                                                         "that differ from the manifest")
+            self._headers[index] = header
+        return self._headers[index]
 
 
 class DelayedProvider:

@@ -1,7 +1,7 @@
 """Binding a block's tensors to the skeleton's parameters.
 
 On CPU a parameter *is* the block's tensor: a view of the provider's buffer (the package file's mapping or
-the agent's shared memory), so weights are never held twice. On a GPU each block is copied to the device
+the agent's shared memory), so weights are never held twice. On a GPU each tensor is copied to the device
 once, on a dedicated CUDA stream, so the copy overlaps the compute of layers already bound.
 
 Parameters are grouped into *parts*: each decoder layer (its index), the embeddings (:data:`EMBED`) and the
