@@ -43,6 +43,7 @@ from subprocess import DEVNULL, Popen, TimeoutExpired
 
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler, CpuUsage
+from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.errors import PipecastError
 from pipecast.units import format_bytes
 
@@ -153,7 +154,7 @@ class RunResult:
 
 def transfer_floor_seconds(package_bytes: int, link_mbit: float) -> float:
     """S/B: no block package crosses the link sooner."""
-    return package_bytes / (link_mbit * 1e6 / 8)
+    return package_bytes / mbit_to_bytes_per_s(link_mbit)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from subprocess import DEVNULL, PIPE, Popen, TimeoutExpired
 
+from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.errors import PipecastError
 
 LINK_MBIT = 400.0  # the 269 MB model crosses one link in about 5.4 s
@@ -326,7 +327,7 @@ def cold_start(package: Path, logs: Path, mode: str) -> None:
             tempfile.TemporaryDirectory(prefix="pc-demo-") as sockets:
         _step(cluster.describe())
         demo = _Demo(cluster, package, logs, Path(sockets))
-        floor = demo.manifest.total_bytes / (LINK_MBIT * 1e6 / 8)
+        floor = demo.manifest.total_bytes / mbit_to_bytes_per_s(LINK_MBIT)
         start = time.monotonic()
         demo.start_services()
         _step(f"control plane, store agent and {len(WORKERS)} worker agents up in {time.monotonic() - start:.1f} s; "

@@ -38,6 +38,7 @@ from benchmarks.plots import Series, save_line_chart
 from control_plane.schedules import STRATEGIES, make_plan
 from control_plane.simulate import simulate
 from pipecast.agent.plan_file import plan_file_data
+from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.errors import PipecastError
 from pipecast.units import format_bytes
 from pipecast.v1.manifest_pb2 import Manifest
@@ -150,10 +151,6 @@ class PackageFacts:
 
 
 # -- bounds (pure) -------------------------------------------------------------------------------------
-
-
-def mbit_to_bytes_per_s(mbit: float) -> float:
-    return mbit * 1e6 / 8
 
 
 def worker_names(n: int) -> list[str]:

@@ -335,3 +335,22 @@ async def test_fetcher_without_fallback_fails_naming_the_parent(package):
     assert str(caught.value).startswith("block 0 could not be fetched from any peer (PeerClosedError: peer parent@")
     assert [peer for peer, _ in caught.value.attempts] == [str(caught.value.attempts[0][0])] * 2
     assert isinstance(caught.value.attempts[1][1], PeerConnectError)
+
+
+async def test_a_failed_channel_takes_its_peers_idle_channels_with_it(package):
+    root, manifest = package
+    seed = seed_store(root)
+    _, listener = await serve(PeerServer(), seed)
+    pool = ChannelPool(TcpTransport("rx", settings()))
+    peer = Peer("seed", listener.address)
+    try:
+        first, second = await pool.acquire(peer), await pool.acquire(peer)
+        pool.release(peer, first)   # e.g. the small files' channel, done
+        await pool.discard(peer, second)  # the blocks' channel saw the peer fail
+        third = await pool.acquire(peer)
+        assert third is not first  # a fresh connection, not the one that may be just as broken
+        assert await third.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
+    finally:
+        await pool.close()
+        await listener.close()
+        seed.close()

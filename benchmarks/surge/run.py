@@ -36,7 +36,7 @@ from subprocess import DEVNULL, Popen, TimeoutExpired
 
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler
-from benchmarks.distribution import floor_seconds, mbit_to_bytes_per_s, worker_names
+from benchmarks.distribution import floor_seconds, worker_names
 from benchmarks.surge.loadgen import DriverSpec, WorkerEndpoint
 from benchmarks.surge.report import (
     FIRST_N,
@@ -50,6 +50,7 @@ from benchmarks.surge.report import (
 from benchmarks.surge.strategies import Strategy, check_pool
 from benchmarks.surge.trace import PEAK_WINDOW_S, ScheduledRequest, TokenCaps, prompt_token_ids, schedule_facts
 from pipecast.agent.events import read_events
+from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.errors import PipecastError
 from pipecast.units import format_bytes
 

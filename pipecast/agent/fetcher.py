@@ -10,7 +10,7 @@ that a control plane can re-parent. A peer given up on is not asked for later bl
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from packager.errors import ManifestError
@@ -74,10 +74,12 @@ class ChannelPool:
         self._busy.discard(channel)
         self._idle.setdefault(peer, []).append(channel)
 
-    async def discard(self, channel: Channel) -> None:
-        """Close a channel whose request failed."""
+    async def discard(self, peer: Peer, channel: Channel) -> None:
+        """Close a channel whose request failed, and ``peer``'s idle ones: a peer that failed one request
+        (died, closed, stalled) has likely broken the others too, and a fresh connection says so at once."""
         self._busy.discard(channel)
-        await channel.close()
+        for suspect in [channel, *self._idle.pop(peer, [])]:
+            await suspect.close()
 
     async def close(self) -> None:
         """Close every channel."""
@@ -113,12 +115,23 @@ async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[Pee
         except PeerError as exc:
             error = exc
         if channel is not None:
-            await pool.discard(channel)
+            await pool.discard(peer, channel)
         log.warning("manifest of %s: %s", package_id[:12], error)
         attempts.append((str(peer), error))
         if on_failure:
             on_failure(MANIFEST_FILE, peer, error)
     raise FetchFailedError(f"the manifest of package {package_id[:12]}", attempts)
+
+
+async def fetch_together(*fetches: Awaitable[None]) -> None:
+    """Run fetches concurrently; the first failure cancels the others and is raised as it is."""
+    tasks = [asyncio.ensure_future(f) for f in fetches]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[Peer],
@@ -137,7 +150,7 @@ async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[Peer
                 break
             except PeerError as exc:
                 if channel is not None:
-                    await pool.discard(channel)
+                    await pool.discard(peer, channel)
                 log.warning("file %s: %s", path, exc)
                 attempts.append((str(peer), exc))
                 if on_failure:
@@ -223,7 +236,7 @@ class Fetcher:
         try:
             await channel.fetch_block(self.store.package_id, block, first, self.store)
         except BaseException:
-            await self.pool.discard(channel)
+            await self.pool.discard(peer, channel)
             raise
         self.pool.release(peer, channel)
         seconds = time.perf_counter() - start

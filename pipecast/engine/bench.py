@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.engine.engine import Engine
 from pipecast.engine.memory import MemoryReport, process_memory
 from pipecast.engine.providers import DelayedProvider, PackageFolderProvider
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"concurrency {r.concurrency:3d}: {r.tokens_per_s:9.1f} tokens/s ({r.tokens_per_s / base:.2f}x "
               f"concurrency {args.concurrency[0]}), {r.tokens} tokens in {r.seconds:.2f} s, "
               f"{r.decode_steps} decode steps")
-    t = ttft_while_loading(args.package, bytes_per_s=args.link_mbit * 1e6 / 8, device=args.device)
+    t = ttft_while_loading(args.package, bytes_per_s=mbit_to_bytes_per_s(args.link_mbit), device=args.device)
     print(f"TTFT at {args.link_mbit:g} Mbit/s (floor S/B {t.floor_s:.3f} s): execute-while-load "
           f"{t.execute_while_load_s:.3f} s ({t.execute_while_load_s / t.floor_s:.2f}x floor), load-then-serve "
           f"{t.load_then_serve_s:.3f} s ({t.load_then_serve_s / t.floor_s:.2f}x floor)")
