@@ -18,9 +18,10 @@ from pipecast.v1.control_pb2 import Peer, WorkerSpec, WorkerState
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
 
-def health(status="ready", queue_depth=0, present=8, total=8, max_queue=16, running=0) -> WorkerHealth:
+def health(status="ready", queue_depth=0, present=8, total=8, max_queue=16, running=0,
+           max_batch=0) -> WorkerHealth:
     return WorkerHealth(status=status, blocks_present=present, blocks_total=total, queue_depth=queue_depth,
-                        running=running, max_queue=max_queue)
+                        running=running, max_queue=max_queue, max_batch=max_batch)
 
 
 def pool_of(**states: WorkerHealth) -> WorkerPool:
@@ -38,7 +39,8 @@ def pool_of(**states: WorkerHealth) -> WorkerPool:
 def test_health_answer_is_parsed():
     answer = {"status": "partial", "blocks_present": 3, "blocks_total": 8, "queue_depth": 2, "running": 1,
               "max_queue": 64}
-    assert parse_health(A, answer) == WorkerHealth("partial", 3, 8, 2, 1, 64)
+    assert parse_health(A, answer) == WorkerHealth("partial", 3, 8, 2, 1, 64, max_batch=0)  # an older worker
+    assert parse_health(A, {**answer, "max_batch": 16}).max_batch == 16
 
 
 @pytest.mark.parametrize("answer, message", [
@@ -81,6 +83,19 @@ def test_ready_beats_partial_at_equal_load_but_an_idle_partial_beats_a_busy_read
 def test_among_partial_workers_the_one_holding_more_blocks_wins():
     pool = pool_of(a=health("partial", present=2), b=health("partial", present=6))
     assert pool.choose(now=1.0).url == B
+
+
+def test_a_partial_worker_takes_one_batch_then_requests_wait_for_a_worker_that_can_serve_sooner():
+    pool = pool_of(a=health("partial", present=1, max_batch=2), b=health("loading", present=5))
+    for _ in range(2):
+        pool.begin(pool.choose(now=1.0).url)
+    assert pool.choose(now=1.0) is None  # a third would wait for a's transfer and its batch
+    pool.record_health(B, health("partial", present=6, max_batch=2), polled_at=1.0)
+    assert pool.choose(now=1.0).url == B
+    pool.record_health(A, health("ready", max_batch=2, running=2), polled_at=1.0)
+    pool.begin(B)
+    pool.begin(B)
+    assert pool.choose(now=1.0).url == A  # a ready worker queues more itself: it runs them as slots free
 
 
 def test_sequential_requests_spread_over_equally_loaded_workers():

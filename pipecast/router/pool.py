@@ -4,7 +4,10 @@ Which worker gets a request (:meth:`WorkerPool.choose`):
 
 - Only workers that can serve are candidates: health ``ready`` or ``partial`` (a partial worker runs
   prefill layer by layer as blocks arrive), not marked failed, not busy after a 429, and not reporting a
-  full queue.
+  full queue. A partial worker takes at most one batch (its ``max_batch``) of this router's requests:
+  those all prefill as its blocks arrive, while more would wait there for the transfer *and* that
+  batch. They wait in the router instead, for whichever worker can serve them first (in a multicast
+  plan the first worker holding the embeddings is not the first to hold every block).
 - Least loaded first. Load is the requests this router has in flight there plus the worker's reported
   queue depth (this router's requests still queued there count twice, which only steers harder away
   from deep queues). Load comes before readiness on purpose: a request queued behind k others waits k
@@ -35,6 +38,7 @@ STATES = ("loading", "partial", "ready")
 SERVING = ("partial", "ready")
 
 _HEALTH_COUNTS = ("blocks_present", "blocks_total", "queue_depth", "running", "max_queue")
+_OPTIONAL_COUNTS = ("max_batch",)  # 0 when a worker does not report it: no per-batch cap
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class WorkerHealth:
     queue_depth: int
     running: int
     max_queue: int
+    max_batch: int = 0
 
     @property
     def can_serve(self) -> bool:
@@ -71,8 +76,8 @@ def parse_health(worker: str, answer: object) -> WorkerHealth:
     if status not in STATES:
         raise HealthAnswerError(worker, f"/health status {status!r} is not one of {', '.join(STATES)}")
     counts = {}
-    for name in _HEALTH_COUNTS:
-        value = answer.get(name)
+    for name in _HEALTH_COUNTS + _OPTIONAL_COUNTS:
+        value = answer.get(name, 0 if name in _OPTIONAL_COUNTS else None)
         # bool is an int in Python; a JSON true is still not a count.
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise HealthAnswerError(worker, f"/health field {name!r} is {value!r}, not a count")
@@ -112,7 +117,10 @@ class Worker:
 
     def can_take(self, now: float) -> bool:
         """Whether a new request may be sent to this worker at clock time ``now``."""
-        if self.health is None or not self.health.can_serve or self.failed_at is not None:
+        health = self.health
+        if health is None or not health.can_serve or self.failed_at is not None:
+            return False
+        if health.status == "partial" and health.max_batch and self.in_flight >= health.max_batch:
             return False
         return self.busy_at is None or now >= self.busy_until
 
@@ -126,6 +134,7 @@ class Worker:
             "queue_depth": health.queue_depth if health else None,
             "running": health.running if health else None,
             "max_queue": health.max_queue if health else None,
+            "max_batch": health.max_batch if health else None,
             "blocks_present": health.blocks_present if health else None,
             "blocks_total": health.blocks_total if health else None,
         }

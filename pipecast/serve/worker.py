@@ -79,7 +79,7 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class Health:
-    """The worker's state as ``GET /health`` reports it (the router reads the first six fields)."""
+    """The worker's state as ``GET /health`` reports it (the router reads the first seven fields)."""
 
     status: str                 # loading | partial | ready, or failed | draining (answered 503)
     blocks_present: int
@@ -87,6 +87,7 @@ class Health:
     queue_depth: int
     running: int
     max_queue: int
+    max_batch: int
     stage: str
     model: str | None
     package_id: str | None
@@ -298,7 +299,8 @@ class ServingWorker:
             else:
                 status = "partial"
         return Health(status=status, blocks_present=present, blocks_total=total, queue_depth=self.queue_depth,
-                      running=self.running, max_queue=self.config.max_queue, stage=self._stage,
+                      running=self.running, max_queue=self.config.max_queue, max_batch=self.config.max_batch,
+                      stage=self._stage,
                       model=self.model_name, package_id=self.package_id, error=self._error)
 
     # --- requests ------------------------------------------------------------------------------------
