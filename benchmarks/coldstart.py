@@ -39,10 +39,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from subprocess import DEVNULL, Popen, TimeoutExpired
+from subprocess import TimeoutExpired
 
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler, CpuUsage
+from benchmarks.processes import POLL_S, RunProcesses, cli, free_port
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.errors import PipecastError
 from pipecast.units import format_bytes
@@ -64,10 +65,7 @@ AGENT_START_DELAY_S = 4.0
 SEED_START_TIMEOUT_S = 60.0
 RUN_DEADLINE_FACTOR = 4.0   # x S/B, plus the slack, before a run is declared stuck
 RUN_DEADLINE_SLACK_S = 60.0
-STOP_TIMEOUT_S = 15.0
-POLL_S = 0.05
 COMPUTE_REPEATS = 5
-LOG_TAIL_LINES = 20
 # Text the prompts are cut from (the package's tokenizer gives each length exactly).
 PROMPT_TEXT = ("The history of computing is a story of ideas that took decades to become practical. "
                "Early machines filled rooms and consumed enormous power, yet their designers already asked how "
@@ -468,35 +466,6 @@ def client_main(argv: Sequence[str] | None = None) -> int:
 # -- running (I/O) -------------------------------------------------------------------------------------
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pipecast.cli", "-v", *args]
-
-
-def _tail(path: Path) -> str:
-    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-    return "\n".join(lines[-LOG_TAIL_LINES:])
-
-
-def _read_events(path: Path) -> list[dict]:
-    from pipecast.agent.events import read_events
-
-    return read_events(path) if path.exists() else []
-
-
-def _stop(procs: Sequence[Popen]) -> None:
-    """SIGTERM, then SIGKILL after the timeout: every process of a finished run."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for proc in procs:
-        try:
-            proc.wait(max(deadline - time.monotonic(), 0.01))
-        except TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @dataclass
 class _Bench:
     """The cluster of one benchmark invocation, its seed agent and what the runs share."""
@@ -516,7 +485,7 @@ class _Bench:
 
     def port(self, base: int) -> int:
         """A port for this run: netns hosts have their own stacks; loopback hosts share this one."""
-        return base + self.runs if self.cluster.mode == "netns" else _free_port(self.cluster.address(WORKER))
+        return base + self.runs if self.cluster.mode == "netns" else free_port(self.cluster.address(WORKER))
 
     def write_plan(self, path: Path, worker_address: str) -> None:
         """The static plan of a run: the worker fetches every block from the store."""
@@ -527,40 +496,28 @@ class _Bench:
         path.write_text(json.dumps(plan_file_data(plan, self.package_id, {STORE: self.store_address,
                                                                            WORKER: worker_address})))
 
-    def spawn(self, host: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Popen:
-        with log.open("w") as out:
-            return self.cluster.spawn(host, argv, env=env, stdin=DEVNULL, stdout=out, stderr=out)
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _start_seed(cluster: EmulatedCluster, package: Path, folder: Path) -> tuple[Popen, str]:
+def _start_seed(cluster: EmulatedCluster, package: Path, folder: Path) -> tuple[RunProcesses, str]:
     """The store's agent seeding ``package``; returns it once it listens, with its address."""
-    port = AGENT_PORT if cluster.mode == "netns" else _free_port(cluster.address(STORE))
+    port = AGENT_PORT if cluster.mode == "netns" else free_port(cluster.address(STORE))
     address = f"{cluster.address(STORE)}:{port}"
-    events, log = folder / "store.events.jsonl", folder / "store.log"
-    with log.open("w") as out:
-        proc = cluster.spawn(STORE, _cli("agent", "--node-id", STORE, "--listen", address, "--seed", str(package),
-                                         "--events", str(events)), stdin=DEVNULL, stdout=out, stderr=out)
-    deadline = time.monotonic() + SEED_START_TIMEOUT_S
-    while not any(e["event"] == "listening" for e in _read_events(events)):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise ColdStartBenchError(f"the store's agent did not start:\n{_tail(log)}")
-        time.sleep(POLL_S)
-    return proc, address
+    seed = RunProcesses(cluster, folder, ColdStartBenchError)
+    seed.spawn(STORE, STORE, cli("agent", "--node-id", STORE, "--listen", address, "--seed", package,
+                                 "--events", seed.events_path(STORE)))
+    try:
+        seed.wait_event([STORE], "listening", time.time() + SEED_START_TIMEOUT_S, "the store's agent starting")
+    except ColdStartBenchError:
+        seed.stop()
+        raise
+    return seed, address
 
 
-def _wait_file(path: Path, procs: Sequence[Popen], deadline: float, what: str, log: Path) -> None:
+def _wait_file(path: Path, run: RunProcesses, deadline: float, what: str, log: str) -> None:
     """Until ``path`` exists; ColdStartBenchError (with ``log``'s tail) if a process exits or time runs out."""
     while not path.exists():
-        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            raise ColdStartBenchError(f"{what}:\n--- last lines of {log}:\n{_tail(log)}")
+        if any(p.poll() is not None for p in run.procs.values()) or time.monotonic() > deadline:
+            raise ColdStartBenchError(f"{what}:\n--- last lines of {run.log_path(log)}:\n{run.log_tail(log)}")
         time.sleep(POLL_S)
 
 
@@ -578,49 +535,47 @@ def run_once(bench: _Bench, strategy: str, prompt: list[int]) -> RunResult:
     agent_address, serve_port = bench.address(WORKER, bench.port(AGENT_PORT)), bench.port(SERVE_PORT)
     url = f"http://{bench.cluster.address(WORKER)}:{serve_port}"
     socket = bench.sockets / f"agent-{bench.runs}.sock"
-    events, answer_path = folder / "worker.events.jsonl", folder / "client.json"
+    answer_path = folder / "client.json"
     ready, start = folder / "serve.ready", folder / "t0"
     (folder / "prompt.json").write_text(json.dumps(prompt))
     bench.write_plan(folder / "plan.json", agent_address)
 
     spawned = time.time()
-    serve = _cli("serve", bench.package_id, "--agent-socket", str(socket), "--host", bench.cluster.address(WORKER),
-                 "--port", str(serve_port), "--agent-timeout", f"{SERVE_START_TIMEOUT_S + SEED_START_TIMEOUT_S:.0f}")
+    run = RunProcesses(bench.cluster, folder, ColdStartBenchError)
+    serve = cli("serve", bench.package_id, "--agent-socket", socket, "--host", bench.cluster.address(WORKER),
+                "--port", serve_port, "--agent-timeout", f"{SERVE_START_TIMEOUT_S + SEED_START_TIMEOUT_S:.0f}")
     threads = {"OMP_NUM_THREADS": str(c.threads), "MKL_NUM_THREADS": str(c.threads)}
-    procs = [bench.spawn(WORKER, serve + (["--wait-full-load"] if strategy == LOAD_THEN_SERVE else []),
-                         folder / "serve.log", env=threads)]
-    client = bench.spawn(WORKER, client_argv(url, bench.package_id, ready, start, folder / "prompt.json", c.max_tokens,
-                                             RUN_DEADLINE_FACTOR * floor + RUN_DEADLINE_SLACK_S, answer_path),
-                         folder / "client.log")
-    procs.append(client)
+    run.spawn("serve", WORKER, serve + (["--wait-full-load"] if strategy == LOAD_THEN_SERVE else []), env=threads)
+    client = run.spawn("client", WORKER, client_argv(url, bench.package_id, ready, start, folder / "prompt.json",
+                                                     c.max_tokens, RUN_DEADLINE_FACTOR * floor + RUN_DEADLINE_SLACK_S,
+                                                     answer_path))
     try:
-        _wait_file(ready, procs, time.monotonic() + SERVE_START_TIMEOUT_S, "the worker did not start",
-                   folder / "serve.log")
+        _wait_file(ready, run, time.monotonic() + SERVE_START_TIMEOUT_S, "the worker did not start", "serve")
         start_at = time.time() + AGENT_START_DELAY_S
-        procs.append(bench.spawn(WORKER, _cli("agent", "--node-id", WORKER, "--plan", str(folder / "plan.json"),
-                                              "--events", str(events), "--local-socket", str(socket),
-                                              "--start-at", f"{start_at:.6f}"), folder / "agent.log"))
+        run.spawn("agent", WORKER, cli("agent", "--node-id", WORKER, "--plan", folder / "plan.json",
+                                       "--events", run.events_path("agent"), "--local-socket", socket,
+                                       "--start-at", f"{start_at:.6f}"))
         write_start_file(start, start_at)
         with CpuSampler() as cpu:
             try:
                 client.wait(start_at - time.time() + RUN_DEADLINE_FACTOR * floor + RUN_DEADLINE_SLACK_S)
             except TimeoutExpired:
                 raise ColdStartBenchError(f"{strategy}, {len(prompt)} tokens: no answer in time; serve log:\n"
-                                          f"{_tail(folder / 'serve.log')}") from None
+                                          f"{run.log_tail('serve')}") from None
         answer = (json.loads(answer_path.read_text()) if answer_path.exists()
-                  else {"error": _tail(folder / "client.log")})
+                  else {"error": run.log_tail("client")})
     finally:
-        _stop(procs)
+        run.stop()
     if "error" in answer:
         raise ColdStartBenchError(f"{strategy}, {len(prompt)} tokens: {answer['error']}\n--- last lines of the "
-                                  f"worker's log:\n{_tail(folder / 'serve.log')}")
+                                  f"worker's log:\n{run.log_tail('serve')}")
     if answer["first_token_at"] is None:
         raise ColdStartBenchError(f"{strategy}, {len(prompt)} tokens: the worker answered without any token")
-    agent_events = _read_events(events)
+    agent_events = run.events("agent")
     listening = next((e["t"] for e in agent_events if e["event"] == "listening"), None)
     if listening is None or listening > start_at:
         raise ColdStartBenchError(f"the worker's agent was not listening by t0 ({AGENT_START_DELAY_S:g} s after "
-                                  f"it was started): the machine is too busy; see {folder / 'agent.log'}")
+                                  f"it was started): the machine is too busy; see {run.log_path('agent')}")
     first, last = transfer_times(agent_events, start_at, bench.package_id, bench.num_blocks)
     return RunResult(ttft_seconds=answer["first_token_at"] - start_at, transfer_seconds=last,
                      first_block_seconds=first, tokens=tuple(answer["tokens"]), text=answer["text"],
@@ -671,7 +626,7 @@ def run(config: ColdStartConfig, workdir: Path, progress: ProgressCallback = lam
                                  f"{result.exposed_seconds:.3f} s; "
                                  f"{result.cpu.summary()}")
         finally:
-            _stop([seed])
+            seed.stop()
         meta = {
             "benchmark": "coldstart", "versions": _versions(), "cpu_cores": os.cpu_count(), "mode": cluster.mode,
             "mode_reason": cluster.mode_reason, "cluster": cluster.describe(), "link_mbit": config.link_mbit,

@@ -24,8 +24,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from subprocess import DEVNULL, PIPE, Popen, TimeoutExpired
+from subprocess import PIPE, Popen, TimeoutExpired
 
+from benchmarks.processes import POLL_S, RunProcesses, cli, free_port, stop_processes
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.errors import PipecastError
 
@@ -40,9 +41,7 @@ SERVE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 START_TIMEOUT_S = 300.0  # processes starting (two serving workers import torch on a shared machine)
 TRANSFER_TIMEOUT_S = 300.0
 COMMAND_TIMEOUT_S = 60.0
-POLL_S = 0.1
 PROGRESS_EVERY_S = 1.0
-LOG_TAIL_LINES = 15
 PASSAGE = (
     "When a popular chatbot suddenly gets ten times more users, the service that runs it must start new "
     "copies of its language model on more machines. Each copy needs the model's weights, which can take "
@@ -104,46 +103,28 @@ def chat_prompt(package: Path) -> list[int]:
 # -- the cluster ---------------------------------------------------------------------------------------
 
 
-class _Demo:
+class _Demo(RunProcesses):
     """The processes of the demo inside the emulated cluster, their logs and events."""
 
     def __init__(self, cluster, package: Path, logs: Path, sockets: Path) -> None:
         from packager.manifest import read_manifest
 
-        self.cluster = cluster
+        super().__init__(cluster, logs, DemoError)
         self.package = package
         self.manifest = read_manifest(package)
         self.logs = logs
         self.sockets = sockets
-        self.procs: dict[str, Popen] = {}
         netns = cluster.mode == "netns"
         self.endpoints = {
-            (host, service): f"{cluster.address(host)}:{port if netns else _free_port(cluster.address(host))}"
+            (host, service): f"{cluster.address(host)}:{port if netns else free_port(cluster.address(host))}"
             for service, port in PORTS.items() for host in (STORE, CONTROL, *WORKERS)}
 
     def endpoint(self, host: str, service: str) -> str:
         return self.endpoints[host, service]
 
-    def spawn(self, name: str, host: str, argv: list[str], stdout=None, env: dict | None = None) -> Popen:
-        """Start ``argv`` on ``host``; its output goes to ``name``.log (stdout to ``stdout`` if given)."""
-        log = (self.logs / f"{name}.log").open("w")
-        self.procs[name] = self.cluster.spawn(host, argv, env=env, stdin=DEVNULL,
-                                              stdout=log if stdout is None else stdout, stderr=log)
-        log.close()
-        return self.procs[name]
-
     def log(self, name: str) -> str:
-        path = self.logs / f"{name}.log"
+        path = self.log_path(name)
         return path.read_text(errors="replace") if path.exists() else ""
-
-    def tail(self, name: str) -> str:
-        return "\n".join(self.log(name).splitlines()[-LOG_TAIL_LINES:])
-
-    def events(self, host: str) -> list[dict]:
-        from pipecast.agent.events import read_events
-
-        path = self.logs / f"{host}.events.jsonl"
-        return read_events(path) if path.exists() else []
 
     def wait(self, what: str, done, watch: list[str], timeout_s: float) -> None:
         """Until ``done()``; DemoError naming ``what`` if a watched process exits or time runs out."""
@@ -152,14 +133,14 @@ class _Demo:
             for name in watch:
                 if self.procs[name].poll() is not None:
                     raise DemoError(f"{what}: {name} exited (code {self.procs[name].returncode}); last lines of "
-                                    f"{self.logs / name}.log:\n{self.tail(name)}")
+                                    f"{self.log_path(name)}:\n{self.log_tail(name)}")
             if time.monotonic() > deadline:
                 raise DemoError(f"{what}: not done within {timeout_s:.0f} s; logs in {self.logs}")
             time.sleep(POLL_S)
 
     def cp(self, name: str, *args: str) -> str:
         """Run ``pipecast cp ARGS`` on the control plane's host; its standard output."""
-        proc = self.spawn(name, CONTROL, _cli("cp", "--control-plane", self.endpoint(CONTROL, "control"), *args),
+        proc = self.spawn(name, CONTROL, cli("cp", "--control-plane", self.endpoint(CONTROL, "control"), *args),
                           stdout=PIPE)
         try:
             out, _ = proc.communicate(timeout=COMMAND_TIMEOUT_S)
@@ -167,18 +148,8 @@ class _Demo:
             proc.kill()
             raise DemoError(f"pipecast cp {' '.join(args)}: no answer within {COMMAND_TIMEOUT_S:.0f} s") from None
         if proc.returncode != 0:
-            raise DemoError(f"pipecast cp {' '.join(args)} failed:\n{self.tail(name)}")
+            raise DemoError(f"pipecast cp {' '.join(args)} failed:\n{self.log_tail(name)}")
         return out.decode()
-
-    def stop(self, *names: str) -> None:
-        """SIGTERM the named processes and wait for them (SIGKILL after the command timeout)."""
-        for name in names:
-            self.procs[name].terminate()
-        for name in names:
-            try:
-                self.procs[name].wait(COMMAND_TIMEOUT_S)
-            except TimeoutExpired:
-                self.procs[name].kill()
 
     # -- the steps ------------------------------------------------------------------------------------
 
@@ -186,18 +157,18 @@ class _Demo:
         """The control plane, the package published, the store's and the workers' agents registered."""
         control = self.endpoint(CONTROL, "control")
         host, port = control.rsplit(":", 1)
-        self.spawn("control-plane", CONTROL, _cli("control-plane", "--host", host, "--port", port,
+        self.spawn("control-plane", CONTROL, cli("control-plane", "--host", host, "--port", port,
                                                    "--db", str(self.logs / "control.sqlite3")))
         self.wait("control plane", lambda: "control plane listening" in self.log("control-plane"),
                   ["control-plane"], START_TIMEOUT_S)
         self.cp("publish", "publish", str(self.package), "--store-node", STORE, "--store-address",
                 self.endpoint(STORE, "agent"))
-        self.spawn(STORE, STORE, _cli("agent", "--node-id", STORE, "--listen", self.endpoint(STORE, "agent"),
+        self.spawn(STORE, STORE, cli("agent", "--node-id", STORE, "--listen", self.endpoint(STORE, "agent"),
                                       "--seed", str(self.package), "--control-plane", control,
                                       "--events", str(self.logs / f"{STORE}.events.jsonl")))
         for w in WORKERS:
             serve = ["--serve-url", f"http://{self.endpoint(w, 'serve')}"] if w in (EWL, LTS) else []
-            self.spawn(w, w, _cli("agent", "--node-id", w, "--listen", self.endpoint(w, "agent"),
+            self.spawn(w, w, cli("agent", "--node-id", w, "--listen", self.endpoint(w, "agent"),
                                   "--control-plane", control, "--local-socket", str(self.sockets / f"{w}.sock"),
                                   "--events", str(self.logs / f"{w}.events.jsonl"), *serve))
         self.wait("agents", lambda: all(any(e["event"] == "listening" for e in self.events(h))
@@ -222,7 +193,7 @@ class _Demo:
         clients = {}
         for w, extra in ((EWL, []), (LTS, ["--wait-full-load"])):
             host, port = self.endpoint(w, "serve").rsplit(":", 1)
-            self.spawn(f"{w}-serve", w, _cli("serve", self.manifest.package_id, "--agent-socket",
+            self.spawn(f"{w}-serve", w, cli("serve", self.manifest.package_id, "--agent-socket",
                                              str(self.sockets / f"{w}.sock"), "--host", host, "--port", port,
                                              "--model-name", self.manifest.model_name, "--agent-timeout",
                                              f"{START_TIMEOUT_S + TRANSFER_TIMEOUT_S:.0f}", *extra),
@@ -275,18 +246,6 @@ class _Demo:
         self.wait("dropping the package", lambda: all(any(e["event"] == "dropped" and e["t"] >= since
                                                           for e in self.events(w)) for w in WORKERS),
                   list(WORKERS), COMMAND_TIMEOUT_S)
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pipecast.cli", "-v", *args]
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _verified(events: list[dict], package_id: str, since: float) -> int:
@@ -357,7 +316,7 @@ def cold_start(package: Path, logs: Path, mode: str) -> None:
               f"{'yes' if same else 'NO'}")
         _step(f"multicast: every worker held the model {max(multicast.values()):.2f} s after the first plan arrived "
               f"({max(multicast.values()) / floor:.2f}x S/B); this machine meanwhile: {cpu.usage().summary()}")
-        demo.stop(*(f"{w}-{role}" for w in (EWL, LTS) for role in ("serve", "client")))
+        stop_processes([demo.procs[f"{w}-{role}"] for w in (EWL, LTS) for role in ("serve", "client")])
         demo.release()
         _step(f"{', '.join(WORKERS)} dropped the package; now unicast from the store to the same workers")
         unicast = demo.scale_up("unicast", time.time())

@@ -20,21 +20,20 @@ import math
 import os
 import platform
 import resource
-import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from subprocess import DEVNULL, Popen, TimeoutExpired
+from subprocess import TimeoutExpired
 
 import psutil
 
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage
 from benchmarks.plots import Series, save_line_chart
+from benchmarks.processes import RunProcesses, cli, free_port
 from control_plane.schedules import STRATEGIES, make_plan
 from control_plane.simulate import simulate
 from pipecast.agent.plan_file import plan_file_data
@@ -59,12 +58,10 @@ START_DELAY_S = 2.0
 START_DELAY_PER_WORKER_S = 0.25
 START_ATTEMPTS = 3
 SEED_START_TIMEOUT_S = 60.0  # the seed verifies the whole package before it listens
-POLL_S = 0.05
 # A run may take this multiple of its strategy's theory (plus the slack) before it is declared stuck.
 RUN_DEADLINE_FACTOR = 4.0
 RUN_DEADLINE_SLACK_S = 30.0
 EXIT_TIMEOUT_S = 15.0  # for agents to leave once every worker is complete
-LOG_TAIL_LINES = 15
 
 ProgressCallback = Callable[[str], None]
 
@@ -426,14 +423,8 @@ def save_plot(report: DistributionReport, path: Path) -> Path:
 
 
 def _agent_argv(host: str, address: str, plan: Path, events: Path, transport: str) -> list[str]:
-    return [sys.executable, "-m", "pipecast.cli", "-v", "agent", "--node-id", host, "--listen", address,
-            "--plan", str(plan), "--events", str(events), "--exit-when-complete", "--transport", transport]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return cli("agent", "--node-id", host, "--listen", address, "--plan", plan, "--events", events,
+               "--exit-when-complete", "--transport", transport)
 
 
 def _reaped_children_cpu_seconds() -> float:
@@ -441,69 +432,20 @@ def _reaped_children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-class _Run:
+class _Run(RunProcesses):
     """The agents of one run: spawned into the cluster, watched through their events files and logs."""
 
     def __init__(self, cluster: EmulatedCluster, folder: Path, transport: str) -> None:
-        self.cluster = cluster
-        self.folder = folder
+        super().__init__(cluster, folder, DistributionBenchError)
         self.transport = transport
-        self.procs: dict[str, Popen] = {}
-        folder.mkdir(parents=True)
 
-    def events_path(self, host: str) -> Path:
-        return self.folder / f"{host}.events.jsonl"
-
-    def log_path(self, host: str) -> Path:
-        return self.folder / f"{host}.log"
-
-    def events(self, host: str) -> list[dict]:
-        """The host's events so far; a line still being written (no newline yet) is left for later."""
-        path = self.events_path(host)
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
-
-    def has(self, host: str, kind: str) -> bool:
-        return any(e["event"] == kind for e in self.events(host))
-
-    def spawn(self, host: str, address: str, plan: Path, *extra: str) -> None:
+    def spawn_agent(self, host: str, address: str, plan: Path, *extra: str) -> None:
         env = {"UCX_NET_DEVICES": self.cluster.interface(host)} if self.transport == "ucx" else None
-        with self.log_path(host).open("w") as log:
-            self.procs[host] = self.cluster.spawn(
-                host, [*_agent_argv(host, address, plan, self.events_path(host), self.transport), *extra],
-                env=env, stdin=DEVNULL, stdout=log, stderr=log)
-
-    def check_alive(self, hosts: Sequence[str], until_event: str) -> None:
-        """Raise, with its log, for an agent that failed or exited before logging ``until_event``."""
-        for host in hosts:
-            code = self.procs[host].poll()
-            failed = [e for e in self.events(host) if e["event"] == "failed"]
-            if failed or (code is not None and not self.has(host, until_event)):
-                why = failed[0]["message"] if failed else f"exited with code {code}"
-                raise DistributionBenchError(f"agent {host} failed before '{until_event}': {why}\n"
-                                             f"--- last lines of {self.log_path(host)}:\n{self.log_tail(host)}")
-
-    def log_tail(self, host: str) -> str:
-        lines = self.log_path(host).read_text(errors="replace").splitlines()
-        return "\n".join(lines[-LOG_TAIL_LINES:])
-
-    def wait_for(self, hosts: Sequence[str], kind: str, deadline: float, what: str,
-                 late: type[DistributionBenchError] = DistributionBenchError) -> None:
-        """Wait until every host logged ``kind``; raise ``late`` naming the stragglers at ``deadline``
-        (time.time), or :class:`DistributionBenchError` for an agent that died."""
-        pending = list(hosts)
-        while pending:
-            self.check_alive(pending, kind)
-            pending = [h for h in pending if not self.has(h, kind)]
-            if pending and time.time() >= deadline:
-                raise late(f"{what}: {', '.join(pending)} had not logged '{kind}' in time; "
-                           f"last lines of {pending[0]}'s log:\n{self.log_tail(pending[0])}")
-            if pending:
-                time.sleep(POLL_S)
+        self.spawn(host, host, [*_agent_argv(host, address, plan, self.events_path(host), self.transport), *extra],
+                   env)
 
     def wait_exits(self, timeout_s: float) -> tuple[str, ...]:
-        """Wait for every agent to exit; terminate (and return) those still running after ``timeout_s``."""
+        """Wait for every agent to exit; stop (and return) those still running after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         for proc in self.procs.values():
             try:
@@ -525,14 +467,6 @@ class _Run:
             total += times.user + times.system
         return total
 
-    def stop(self) -> None:
-        """Terminate every agent of this run that still runs, and reap it."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            proc.wait(EXIT_TIMEOUT_S)
-
 
 def run_once(cluster: EmulatedCluster, folder: Path, facts: PackageFacts, strategy: str, n: int,
              config: DistributionConfig, start_delay_s: float) -> RunResult:
@@ -541,21 +475,21 @@ def run_once(cluster: EmulatedCluster, folder: Path, facts: PackageFacts, strate
     listening by then (its agents stopped)."""
     workers = worker_names(n)
     hosts = [STORE, *workers]
-    ports = {h: AGENT_PORT if cluster.mode == "netns" else _free_port(cluster.address(h)) for h in hosts}
+    ports = {h: AGENT_PORT if cluster.mode == "netns" else free_port(cluster.address(h)) for h in hosts}
     nodes = {h: f"{cluster.address(h)}:{ports[h]}" for h in hosts}
     plan = make_plan(strategy, [STORE], workers, len(facts.block_bytes))
     run = _Run(cluster, folder, config.transport)
     plan_path = folder / "plan.json"
     plan_path.write_text(json.dumps(plan_file_data(plan, facts.package_id, nodes)))
 
-    run.spawn(STORE, nodes[STORE], plan_path, "--seed", str(facts.path))
-    run.wait_for([STORE], "listening", time.time() + SEED_START_TIMEOUT_S, "seed agent")
+    run.spawn_agent(STORE, nodes[STORE], plan_path, "--seed", str(facts.path))
+    run.wait_event([STORE], "listening", time.time() + SEED_START_TIMEOUT_S, "seed agent")
     start_at = time.time() + start_delay_s
     for worker in workers:
-        run.spawn(worker, nodes[worker], plan_path, "--start-at", f"{start_at:.6f}")
+        run.spawn_agent(worker, nodes[worker], plan_path, "--start-at", f"{start_at:.6f}")
     try:
-        run.wait_for(workers, "listening", start_at, f"synchronised start {start_delay_s:.1f} s after spawning "
-                     "the workers (the machine may be too busy)", late=StartMissedError)
+        run.wait_event(workers, "listening", start_at, f"synchronised start {start_delay_s:.1f} s after spawning "
+                       "the workers (the machine may be too busy)", late=StartMissedError)
     except StartMissedError:
         run.stop()
         raise
@@ -565,8 +499,8 @@ def run_once(cluster: EmulatedCluster, folder: Path, facts: PackageFacts, strate
     theory = theory_seconds(strategy, n, facts.total_bytes, facts.chunk_bytes, config.link_mbit,
                             config.store_rate_mbit)
     with CpuSampler() as cpu:
-        run.wait_for(workers, "complete", start_at + RUN_DEADLINE_FACTOR * theory + RUN_DEADLINE_SLACK_S,
-                     f"{strategy} to {n} worker(s)")
+        run.wait_event(workers, "complete", start_at + RUN_DEADLINE_FACTOR * theory + RUN_DEADLINE_SLACK_S,
+                       f"{strategy} to {n} worker(s)")
     killed = run.wait_exits(EXIT_TIMEOUT_S)
     window = time.time() - start_at
     per_worker = completion_seconds({w: run.events(w) for w in workers}, start_at, facts.package_id,

@@ -152,7 +152,7 @@ def test_an_agent_that_dies_fails_the_run_with_its_log(package, tmp_path):
         "--workdir", str(tmp_path / "work")])
     assert isinstance(result.exception, DistributionBenchError), result.output
     message = str(result.exception)
-    assert "agent store failed before 'listening'" in message
+    assert message.startswith("store failed before 'listening': ")
     assert "last lines of" in message and "store.log" in message
     assert leftover_agents(tmp_path / "work") == []
 

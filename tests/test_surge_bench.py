@@ -202,8 +202,8 @@ def test_a_process_that_dies_fails_the_benchmark_with_its_log_and_leaves_nothing
         "burst:requests=1", "--repeat", "1", "--no-calibrate", "--workdir", str(tmp_path / "work")])
     assert isinstance(result.exception, SurgeBenchError), result.output
     message = str(result.exception)
-    assert message.startswith("store exited with code 2 during the run")
+    assert message.startswith("store failed during the run: exited with code 2")
     assert "last lines of" in message and "store.log" in message
-    assert "[pipecast 1/1] FAILED, retrying once: store exited" in result.stderr
+    assert "[pipecast 1/1] FAILED, retrying once: store failed during the run" in result.stderr
     assert (tmp_path / "work" / "repeat1" / "pipecast-retry").is_dir()
     assert leftovers(tmp_path / "work") == []

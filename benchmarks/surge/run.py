@@ -22,8 +22,6 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -32,11 +30,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from subprocess import DEVNULL, Popen, TimeoutExpired
 
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler
 from benchmarks.distribution import floor_seconds, worker_names
+from benchmarks.processes import POLL_S, RunProcesses, cli, free_port
 from benchmarks.surge.loadgen import DriverSpec, WorkerEndpoint
 from benchmarks.surge.report import (
     FIRST_N,
@@ -49,7 +47,6 @@ from benchmarks.surge.report import (
 )
 from benchmarks.surge.strategies import Strategy, check_pool
 from benchmarks.surge.trace import PEAK_WINDOW_S, ScheduledRequest, TokenCaps, prompt_token_ids, schedule_facts
-from pipecast.agent.events import read_events
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.errors import PipecastError
 from pipecast.units import format_bytes
@@ -57,10 +54,7 @@ from pipecast.units import format_bytes
 STORE, CONTROL, ROUTER, LOAD = "store", "cp", "router", "load"
 PORTS = {"agent": 7070, "serve": 8000, "router": 8080, "control": 7000}  # netns: every host has its own ports
 START_TIMEOUT_S = 600.0  # for everything to be up before the surge (8 workers import torch on 2 cores)
-POLL_S = 0.05
 PROGRESS_EVERY_S = 5.0
-STOP_GRACE_S = 5.0
-LOG_TAIL_LINES = 20
 # Every serving worker computes on this many threads: the workers share the machine's cores, and torch's
 # default (one thread per core in each of N processes) would oversubscribe them.
 WORKER_THREADS = 1
@@ -147,65 +141,19 @@ class SurgeReport:
 # -- processes -----------------------------------------------------------------------------------------
 
 
-def _cli(*args: str | Path, verbose: bool = True) -> list[str]:
-    """A ``pipecast`` command line; ``verbose`` logs at INFO (not for HTTP servers: a line per health poll)."""
-    return [sys.executable, "-m", "pipecast.cli", *(["-v"] if verbose else []), *map(str, args)]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class _RunProcesses:
-    """The processes of one run: spawned into the cluster with a log each, watched, stopped at the end."""
+class _RunProcesses(RunProcesses):
+    """The processes of one run: the services (control plane, agents, workers, router) must live until it
+    ends; the driver (LOAD) exits when its load is done."""
 
     def __init__(self, cluster: EmulatedCluster, folder: Path) -> None:
-        self.cluster = cluster
-        self.folder = folder
-        self.procs: dict[str, Popen] = {}
-        folder.mkdir(parents=True)
+        super().__init__(cluster, folder, SurgeBenchError)
 
-    def log_path(self, name: str) -> Path:
-        return self.folder / f"{name}.log"
-
-    def events_path(self, name: str) -> Path:
-        return self.folder / f"{name}.events.jsonl"
-
-    def events(self, name: str) -> list[dict]:
-        path = self.events_path(name)
-        return read_events(path) if path.exists() else []
-
-    def spawn(self, name: str, host: str, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
-        with self.log_path(name).open("w") as log:
-            self.procs[name] = self.cluster.spawn(host, [str(a) for a in argv], env=env, stdin=DEVNULL, stdout=log,
-                                                  stderr=log)
-
-    def log_tail(self, name: str) -> str:
-        lines = self.log_path(name).read_text(errors="replace").splitlines()
-        return "\n".join(lines[-LOG_TAIL_LINES:])
-
-    def check_alive(self) -> None:
-        """Raise, with its log, for any process that exited while the run needs it."""
-        for name, proc in self.procs.items():
-            if name != LOAD and proc.poll() is not None:
-                raise SurgeBenchError(f"{name} exited with code {proc.returncode} during the run\n"
-                                      f"--- last lines of {self.log_path(name)}:\n{self.log_tail(name)}")
-
-    def wait_event(self, names: Sequence[str], kind: str, deadline: float, what: str) -> None:
-        """Wait until each of ``names`` logged ``kind``; raise naming the stragglers at ``deadline``."""
-        pending = list(names)
-        while pending:
-            self.check_alive()
-            pending = [n for n in pending if not any(e["event"] == kind for e in self.events(n))]
-            if pending and LOAD in pending and self.procs[LOAD].poll() is not None:
-                raise SurgeBenchError(f"the driver stopped before '{kind}': {self.driver_error()}")
-            if pending and time.time() > deadline:
-                raise SurgeBenchError(f"{what}: {', '.join(pending)} had not logged '{kind}' in time; last lines "
-                                      f"of {self.log_path(pending[0])}:\n{self.log_tail(pending[0])}")
-            if pending:
-                time.sleep(POLL_S)
+    def check_alive(self, names: Sequence[str] = (), until_event: str | None = None) -> None:
+        """Raise, with its log, for any service that exited; for the driver, if it is among ``names`` and
+        exited before logging ``until_event``."""
+        super().check_alive([n for n in self.procs if n != LOAD])
+        if LOAD in names and self.procs[LOAD].poll() is not None and not self.has(LOAD, until_event or ""):
+            raise SurgeBenchError(f"the driver stopped before '{until_event}': {self.driver_error()}")
 
     def driver_error(self) -> str:
         results = self.folder / "results.json"
@@ -214,29 +162,9 @@ class _RunProcesses:
         except (OSError, ValueError, KeyError):
             return f"exit code {self.procs[LOAD].poll()}; last lines of its log:\n{self.log_tail(LOAD)}"
 
-    def stop(self) -> None:
+    def stop(self, last: Sequence[str] = (CONTROL,)) -> None:
         """Stop every process of the run: the control plane last, so agents can deregister on the way out."""
-        self._stop([p for name, p in self.procs.items() if name != CONTROL])
-        self._stop([p for name, p in self.procs.items() if name == CONTROL])
-
-    @staticmethod
-    def _stop(procs: Sequence[Popen]) -> None:
-        """SIGTERM each process group, then SIGKILL what is left after a grace period."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for proc in procs:
-                if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, sig)
-                    except ProcessLookupError:
-                        pass
-            deadline = time.monotonic() + STOP_GRACE_S
-            for proc in procs:
-                try:
-                    proc.wait(max(deadline - time.monotonic(), 0.01))
-                except TimeoutExpired:
-                    pass
-            if all(proc.poll() is not None for proc in procs):
-                return
+        super().stop(last)
 
 
 # -- one run -------------------------------------------------------------------------------------------
@@ -278,7 +206,7 @@ class _Layout:
         def endpoint(host: str, service: str) -> str:
             address = cluster.address(host)
             # netns: every host has its own ports; loopback: hosts share the machine's, so take free ones.
-            return f"{address}:{PORTS[service] if cluster.mode == 'netns' else _free_port(address)}"
+            return f"{address}:{PORTS[service] if cluster.mode == 'netns' else free_port(address)}"
 
         return cls(endpoint(CONTROL, "control"), endpoint(STORE, "agent"), endpoint(ROUTER, "router"),
                    {w: endpoint(w, "agent") for w in workers}, {w: endpoint(w, "serve") for w in workers})
@@ -288,19 +216,19 @@ def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strat
                     package: PackageFacts, sockets: Path, deadline: float) -> None:
     """Start the run's processes in order (see the module docstring); return once the driver is up."""
     host, port = layout.control.rsplit(":", 1)
-    run.spawn(CONTROL, CONTROL, _cli("control-plane", "--host", host, "--port", port,
+    run.spawn(CONTROL, CONTROL, cli("control-plane", "--host", host, "--port", port,
                                      "--db", run.folder / "control.sqlite3"))
     run.spawn(LOAD, LOAD, [sys.executable, "-m", "benchmarks.surge.loadgen", run.folder / "spec.json"])
     run.wait_event([LOAD], "published", deadline, "publishing the package")
     agent = ("agent", "--transport", "tcp")
-    run.spawn(STORE, STORE, _cli(*agent, "--node-id", STORE, "--listen", layout.store, "--seed", package.path,
+    run.spawn(STORE, STORE, cli(*agent, "--node-id", STORE, "--listen", layout.store, "--seed", package.path,
                                  "--control-plane", layout.control, "--events", run.events_path(STORE)))
     for worker in spec.workers:
         w = worker.name
         role = ["--seed", str(package.path)] if worker.warm else []
         if w in spec.registered:
             role += ["--control-plane", layout.control]
-        run.spawn(w, w, _cli(*agent, "--node-id", w, "--listen", layout.agents[w], "--local-socket",
+        run.spawn(w, w, cli(*agent, "--node-id", w, "--listen", layout.agents[w], "--local-socket",
                              sockets / f"{w}.sock", "--events", run.events_path(w), *role))
     run.wait_event([STORE, *(w.name for w in spec.workers)], "listening", deadline, "agents starting")
     threads = str(WORKER_THREADS)
@@ -308,13 +236,13 @@ def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strat
         w = worker.name
         host, port = layout.serving[w].rsplit(":", 1)
         full = [] if strategy.execute_while_load else ["--wait-full-load"]
-        run.spawn(f"{w}-serve", w, _cli(
+        run.spawn(f"{w}-serve", w, cli(
             "serve", package.package_id, "--agent-socket", sockets / f"{w}.sock", "--host", host, "--port", port,
             "--max-batch", config.worker_max_batch, "--max-queue", config.worker_max_queue,
             "--agent-timeout", START_TIMEOUT_S + config.request_timeout_s, "--drain-timeout", 0, *full,
             verbose=False), env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
     host, port = layout.router.rsplit(":", 1)
-    run.spawn(ROUTER, ROUTER, _cli(
+    run.spawn(ROUTER, ROUTER, cli(
         "router", "--host", host, "--port", port, *(a for e in spec.workers for a in ("--worker", e.url)),
         "--max-queue", config.router_max_queue, "--queue-timeout", config.queue_timeout_s, "--drain-timeout", 0,
         verbose=False))

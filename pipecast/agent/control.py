@@ -30,7 +30,7 @@ from control_plane.model import AcceleratorInfo, AssignmentUpdate, PeerInfo, Upd
 from control_plane.worker_session import WorkerSession
 from pipecast.agent.errors import AgentError, CorruptChunkError, CorruptFileError, FetchFailedError
 from pipecast.agent.events import EventLog
-from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, Peer, PeerFailureCallback, fetch_together
+from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, Peer, fetch_files
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.store import BlockStore, StoreEvent
 from pipecast.agent.transport.base import Transport, split_address
@@ -54,11 +54,6 @@ class AgentHost(Protocol):
 
     async def open_store(self, package_id: str, peers: Sequence[Peer], pool: ChannelPool) -> BlockStore:
         """The store of ``package_id``: the one held, else a new one (disk cache first, manifest from ``peers``)."""
-        ...
-
-    async def fetch_small_files(self, store: BlockStore, peers: Sequence[Peer], pool: ChannelPool,
-                                on_failure: PeerFailureCallback | None = None) -> None:
-        """The package's small files ``store`` lacks, from ``peers`` (run beside the block fetch)."""
         ...
 
     def peer_failed(self, what: str, peer: Peer, error: Exception) -> None:
@@ -220,15 +215,15 @@ class PackageFollower:
         """Exactly the parents given, unless some are skipped: then the plan's sources are the fallback."""
         return replace(self._policy, fallbacks=tuple(self._sources()) if skipped else ())
 
-    def _peers(self, wanted: list[tuple[int, Peer]]) -> list[Peer]:
-        return [*dict.fromkeys(parent for _, parent in wanted), *self._sources()]
-
     async def _open(self, wanted: list[tuple[int, Peer]]) -> BlockStore:
+        peers = [*dict.fromkeys(parent for _, parent in wanted), *self._sources()]
         store = self._store()
         if store is None:
-            store = await self._host.open_store(self.package_id, self._peers(wanted), self._pool)
+            store = await self._host.open_store(self.package_id, peers, self._pool)
             store.subscribe(self._on_store_event)
             self._session.report_verified(self.package_id, store.verified_blocks())  # e.g. from the disk cache
+        if store.missing_files():
+            await fetch_files(self._pool, store, peers, self._peer_failed)
         return store
 
     def _on_store_event(self, event: StoreEvent) -> None:
@@ -237,8 +232,7 @@ class PackageFollower:
 
     async def _fetch(self, fetcher: Fetcher, store: BlockStore, wanted: list[tuple[int, Peer]]) -> None:
         """Run one generation until it ends or the parts change what it fetches."""
-        files = self._host.fetch_small_files(store, self._peers(wanted), self._pool, self._peer_failed)
-        fetching = asyncio.create_task(fetch_together(fetcher.fetch(wanted), files))
+        fetching = asyncio.create_task(fetcher.fetch(wanted))
         try:
             while True:
                 changed = asyncio.create_task(self._changed.wait())

@@ -22,16 +22,7 @@ from pipecast.agent.buffers import SharedMemoryAllocator
 from pipecast.agent.cache import BlockCache
 from pipecast.agent.errors import PlanFileError
 from pipecast.agent.events import EventLog
-from pipecast.agent.fetcher import (
-    ChannelPool,
-    Fetcher,
-    FetchPolicy,
-    Peer,
-    PeerFailureCallback,
-    fetch_files,
-    fetch_manifest,
-    fetch_together,
-)
+from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, Peer, fetch_files, fetch_manifest
 from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.plan_file import StaticPlan, read_plan_file
@@ -220,11 +211,10 @@ class AgentDaemon:
         pool = ChannelPool(self.transport)
         try:
             sources = plan.sources()
-            peers = [*(p for _, p in assignments), *sources]
-            store = await self.open_store(plan.package_id, peers, pool)
+            store = await self.open_store(plan.package_id, [*(p for _, p in assignments), *sources], pool)
             policy = replace(self.options.policy, fallbacks=tuple(sources))
             fetcher = Fetcher(store, pool, policy, self.peer_failed)
-            await fetch_together(fetcher.fetch(assignments), self.fetch_small_files(store, peers, pool))
+            await fetcher.fetch(assignments)
         finally:
             await pool.close()
         await self.package_complete(store)
@@ -242,24 +232,17 @@ class AgentDaemon:
         self.events.emit("complete", package=store.package_id, bytes=progress.bytes_total, seconds=seconds)
 
     async def open_store(self, package_id: str, peers: Sequence[Peer], pool: ChannelPool) -> BlockStore:
-        """The store of ``package_id``: the one held, else a new one (its verified blocks from the disk
-        cache, its manifest from the cache or the first of ``peers`` that has it)."""
+        """The store of ``package_id`` with all its small files: the one held, else a new one (its verified
+        blocks from the disk cache, its manifest from the cache or the first of ``peers`` that has it)."""
         store = self.holdings.stores.get(package_id)
         if store is None:
             store = await self._open_receiving_store(package_id, peers, pool)
+        if store.missing_files():
+            await fetch_files(pool, store, peers, self.peer_failed)
+            if self.cache is not None:
+                for path, data in store.files.items():
+                    await asyncio.to_thread(self.cache.write_file, store.package_id, path, data)
         return store
-
-    async def fetch_small_files(self, store: BlockStore, peers: Sequence[Peer], pool: ChannelPool,
-                                on_failure: PeerFailureCallback | None = None) -> None:
-        """The package's small files (config, tokenizer) that ``store`` lacks, from ``peers``, into the disk
-        cache too. Run it beside the block fetch, not before it: each hop of a chain would otherwise hold
-        back its first block for them (~72 ms for a 3.5 MB tokenizer at 400 Mbit/s)."""
-        if not store.missing_files():
-            return
-        await fetch_files(pool, store, peers, on_failure or self.peer_failed)
-        if self.cache is not None:
-            for path, data in store.files.items():
-                await asyncio.to_thread(self.cache.write_file, store.package_id, path, data)
 
     async def _open_receiving_store(self, package_id: str, peers: Sequence[Peer], pool: ChannelPool) -> BlockStore:
         cached = self.cache.source(package_id) if self.cache is not None else None

@@ -10,7 +10,7 @@ that a control plane can re-parent. A peer given up on is not asked for later bl
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from packager.errors import ManifestError
@@ -121,17 +121,6 @@ async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[Pee
         if on_failure:
             on_failure(MANIFEST_FILE, peer, error)
     raise FetchFailedError(f"the manifest of package {package_id[:12]}", attempts)
-
-
-async def fetch_together(*fetches: Awaitable[None]) -> None:
-    """Run fetches concurrently; the first failure cancels the others and is raised as it is."""
-    tasks = [asyncio.ensure_future(f) for f in fetches]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[Peer],

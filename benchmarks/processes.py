@@ -1,0 +1,133 @@
+"""The processes of one benchmark run on the emulated cluster: each spawned into its host with a log and
+an events file, waited on by the events it logs, and stopped as a process group at the end.
+
+Shared by the distribution, surge and cold-start benchmarks and the demo, which differ only in what they
+start and what they wait for.
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from subprocess import DEVNULL, Popen, TimeoutExpired
+
+from benchmarks.cluster import EmulatedCluster
+
+POLL_S = 0.05
+LOG_TAIL_LINES = 20
+STOP_GRACE_S = 5.0  # after SIGTERM, before SIGKILL
+
+
+def cli(*args: str | Path, verbose: bool = True) -> list[str]:
+    """A ``pipecast`` command line; ``verbose`` logs at INFO (not for HTTP servers: a line per health poll)."""
+    return [sys.executable, "-m", "pipecast.cli", *(["-v"] if verbose else []), *map(str, args)]
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (loopback mode, where every host shares one network stack)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a log ("" if it does not exist yet)."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def stop_processes(procs: Sequence[Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM each process group, then SIGKILL what is left after ``grace_s``; every process is reaped."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for proc in procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.01))
+            except TimeoutExpired:
+                pass
+        if all(proc.poll() is not None for proc in procs):
+            return
+
+
+class RunProcesses:
+    """Named processes of one run, in ``folder``: ``<name>.log`` and ``<name>.events.jsonl`` each.
+
+    Failures raise ``error`` (the benchmark's own exception type) with the process's log tail.
+    """
+
+    def __init__(self, cluster: EmulatedCluster, folder: Path, error: type[Exception]) -> None:
+        self.cluster = cluster
+        self.folder = folder
+        self.error = error
+        self.procs: dict[str, Popen] = {}
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def log_path(self, name: str) -> Path:
+        return self.folder / f"{name}.log"
+
+    def events_path(self, name: str) -> Path:
+        return self.folder / f"{name}.events.jsonl"
+
+    def events(self, name: str) -> list[dict]:
+        """The events ``name`` logged so far; a line still being written (no newline yet) is left for later."""
+        path = self.events_path(name)
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
+
+    def has(self, name: str, kind: str) -> bool:
+        return any(e["event"] == kind for e in self.events(name))
+
+    def spawn(self, name: str, host: str, argv: Sequence[str | Path], env: dict[str, str] | None = None,
+              stdout: int | None = None) -> Popen:
+        """Start ``argv`` on ``host`` (its own process group), its output to ``name``'s log (standard output
+        to ``stdout`` instead, e.g. PIPE, if given)."""
+        with self.log_path(name).open("w") as log:
+            self.procs[name] = self.cluster.spawn(host, [str(a) for a in argv], env=env, stdin=DEVNULL,
+                                                  stdout=log if stdout is None else stdout, stderr=log)
+        return self.procs[name]
+
+    def log_tail(self, name: str) -> str:
+        return tail(self.log_path(name))
+
+    def check_alive(self, names: Sequence[str], until_event: str | None = None) -> None:
+        """Raise ``error``, with its log, for a process that logged ``failed`` or exited (before logging
+        ``until_event``, when one is given)."""
+        for name in names:
+            code = self.procs[name].poll()
+            failed = [e for e in self.events(name) if e["event"] == "failed"]
+            if failed or (code is not None and (until_event is None or not self.has(name, until_event))):
+                why = failed[0]["message"] if failed else f"exited with code {code}"
+                when = f"before '{until_event}'" if until_event else "during the run"
+                raise self.error(f"{name} failed {when}: {why}\n--- last lines of {self.log_path(name)}:\n"
+                                 f"{self.log_tail(name)}")
+
+    def wait_event(self, names: Sequence[str], kind: str, deadline: float, what: str,
+                   late: type[Exception] | None = None) -> None:
+        """Wait until each of ``names`` logged ``kind``; at ``deadline`` (time.time) raise ``late`` (default
+        ``error``) naming the stragglers, and ``error`` at once for one that died."""
+        pending = list(names)
+        while pending:
+            self.check_alive(pending, kind)
+            pending = [n for n in pending if not self.has(n, kind)]
+            if pending and time.time() >= deadline:
+                raise (late or self.error)(f"{what}: {', '.join(pending)} had not logged '{kind}' in time; last "
+                                           f"lines of {self.log_path(pending[0])}:\n{self.log_tail(pending[0])}")
+            if pending:
+                time.sleep(POLL_S)
+
+    def stop(self, last: Sequence[str] = ()) -> None:
+        """Stop every process, those named in ``last`` after the others (e.g. a control plane, so that
+        agents can deregister on the way out)."""
+        stop_processes([p for name, p in self.procs.items() if name not in last])
+        stop_processes([p for name, p in self.procs.items() if name in last])
