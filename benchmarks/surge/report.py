@@ -277,8 +277,8 @@ def verdicts(summaries: Sequence[StrategySummary], pair_ratios: Mapping[str, Map
                 continue
             matches = p99 <= reference * MATCH_TOLERANCE
             lines.append(f"{s.strategy} ({s.warm_workers} warm): first-{first_n} p99 {p99:.2f} s vs "
-                         f"{pipecast.strategy} {reference:.2f} s ({'matches' if matches else 'does not match'} "
-                         f"within {MATCH_TOLERANCE - 1:.0%}); {cost:.0f} vs {ref_cost:.0f} worker-seconds "
+                         f"{pipecast.strategy} {reference:.2f} s ({'as good or better' if matches else 'worse'}: "
+                         f"tolerance {MATCH_TOLERANCE - 1:.0%}); {cost:.0f} vs {ref_cost:.0f} worker-seconds "
                          f"({cost / ref_cost:.2f}x: {'costs more' if cost > ref_cost else 'costs no more'})")
     saturated = [s.strategy for s in summaries if any(m.cpu_saturated for m in s.metrics)]
     lines.append(f"CPU-bound run(s), compute saturated this machine: {', '.join(saturated)}" if saturated

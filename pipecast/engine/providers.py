@@ -19,6 +19,8 @@ from packager.errors import PackageError
 from pipecast.engine.errors import BlockBindError, BlockWaitTimeout
 from pipecast.v1.manifest_pb2 import Manifest
 
+PROGRESS_REFRESH_S = 0.01
+
 if TYPE_CHECKING:
     import torch
 
@@ -135,6 +137,7 @@ class AgentBlockProvider:
             raise PackageError(f"package {self._package_id[:12]} held by {self.source} has no config.json")
         self._config = json.loads(config)
         self._verified: set[int] = set()
+        self._progress_at = float("-inf")
         self._mapped: set[int] = set()
         self._headers: dict[int, "Header"] = {}
 
@@ -160,8 +163,11 @@ class AgentBlockProvider:
         return self.client.package_file(path, self._package_id, timeout=self._timeout_s)
 
     def is_present(self, index: int) -> bool:
-        if index not in self._verified:
+        # One snapshot of the agent's progress answers for every block for a moment: the loader asks about
+        # each missing block in turn, every poll, and the answers would otherwise cost a round trip each.
+        if index not in self._verified and time.monotonic() - self._progress_at > PROGRESS_REFRESH_S:
             progress = self.client.progress(self._package_id, timeout=self._timeout_s)
+            self._progress_at = time.monotonic()
             self._verified |= {b.index for b in progress.blocks if b.verified_at is not None}
         return index in self._verified
 
