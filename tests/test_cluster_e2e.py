@@ -27,12 +27,12 @@ from control_plane.command import cp_group
 from control_plane.model import AcceleratorInfo, AssignmentUpdate, PeerInfo, Transfer, UpdateKind
 from packager.digest import digest_bytes
 from pipecast.agent.control import advertised_address, detect_accelerator, merged_fetches
-from pipecast.agent.events import read_events
 from pipecast.agent.fetcher import Peer
 from pipecast.agent.ratelimit import DEFAULT_BURST_BYTES
 from pipecast.router.discovery import ControlPlaneDiscovery, DiscoveredWorker
 from pipecast.v1.manifest_pb2 import Manifest
 from tests.agent_fixtures import make_package
+from tests.agent_processes import Agents, free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "e2e-token"
@@ -82,21 +82,15 @@ def package(tmp_path_factory) -> tuple[Path, Manifest]:
     return root, make_package(root, layers=8, layer_bytes=250_000, chunk_bytes=64 << 10)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
+class Cluster(Agents):
     """A control plane, a store agent and worker agents of one test, their logs and event files; every
     process is stopped at the end."""
 
     def __init__(self, tmp: Path, root: Path, manifest: Manifest) -> None:
-        self.tmp, self.root, self.manifest = tmp, root, manifest
-        self.cp_address = f"127.0.0.1:{free_port()}"
-        self.store_address = f"127.0.0.1:{free_port()}"
-        self.procs: dict[str, subprocess.Popen] = {}
+        super().__init__(tmp)
+        self.root, self.manifest = root, manifest
+        cp_port, store_port = free_ports(2)
+        self.cp_address, self.store_address = f"127.0.0.1:{cp_port}", f"127.0.0.1:{store_port}"
 
     def _start(self, name: str, *args: str | Path, env: dict[str, str]) -> subprocess.Popen:
         with (self.tmp / f"{name}.log").open("a") as log:
@@ -163,14 +157,6 @@ class Cluster:
         plans = self.try_cp("plans", "--package", package_id)
         assert plans is not None
         return {n for p in plans for n in [*p.get("sources", []), *p.get("receivers", [])]}
-
-    def events(self, node: str, kind: str | None = None) -> list[dict]:
-        path = self.tmp / f"{node}.jsonl"
-        events = read_events(path) if path.exists() else []
-        return [e for e in events if kind is None or e["event"] == kind]
-
-    def log(self, node: str) -> str:
-        return (self.tmp / f"{node}.log").read_text()
 
     def wait_event(self, node: str, kind: str, where: Callable[[dict], bool] = lambda e: True) -> dict:
         def found() -> dict | None:
