@@ -1,19 +1,15 @@
 """The ``pipecast router`` command: run the request router until SIGTERM or SIGINT."""
 
 import asyncio
-import logging
-import signal
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import click
-from aiohttp import web
 
+from pipecast.httpserve import serve_until_signalled
 from pipecast.router.app import Router, RouterConfig, build_app
 from pipecast.router.discovery import ControlPlaneDiscovery, Discovery, StaticDiscovery
 from pipecast.router.errors import WorkerUrlError
-
-log = logging.getLogger(__name__)
 
 DEFAULTS = RouterConfig()
 
@@ -26,20 +22,7 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
     listening, fails its queued requests (503) and gives requests already at a worker ``drain_timeout_s``
     to finish before closing.
     """
-    runner = web.AppRunner(build_app(router), shutdown_timeout=drain_timeout_s)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-        bound_host, bound_port = runner.addresses[0][:2]
-        announce(f"http://{bound_host}:{bound_port}")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        await stop.wait()
-        log.info("stopping: draining requests in flight for up to %g s", drain_timeout_s)
-    finally:
-        await runner.cleanup()
+    await serve_until_signalled(build_app(router), host, port, drain_timeout_s, announce)
 
 
 @click.command("router")

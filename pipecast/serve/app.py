@@ -16,14 +16,13 @@ Endpoints:
 lets running ones finish for up to ``drain_timeout_s`` and closes the engine.
 """
 
-import asyncio
 import logging
-import signal
 import time
 from collections.abc import Callable
 
 from aiohttp import web
 
+from pipecast.httpserve import serve_until_signalled
 from pipecast.serve.errors import ServeError, WorkerBusyError
 from pipecast.serve.openai_api import (
     SSE_DONE,
@@ -163,17 +162,4 @@ async def run_worker(worker: ServingWorker, host: str, port: int, drain_timeout_
     ``announce`` gets the bound base URL as soon as the worker listens (before the model is in).
     """
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its request.
-    runner = web.AppRunner(build_app(worker), handler_cancellation=True, shutdown_timeout=drain_timeout_s)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-        bound_host, bound_port = runner.addresses[0][:2]
-        announce(f"http://{bound_host}:{bound_port}")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        await stop.wait()
-        log.info("stopping: draining requests in flight for up to %g s", drain_timeout_s)
-    finally:
-        await runner.cleanup()
+    await serve_until_signalled(build_app(worker), host, port, drain_timeout_s, announce, handler_cancellation=True)

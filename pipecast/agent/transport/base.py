@@ -16,7 +16,12 @@ Contract every backend keeps:
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from pipecast.agent.ratelimit import HostRateLimits
+
+if TYPE_CHECKING:
+    from pipecast.settings import Settings
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -108,7 +113,13 @@ class Transport(ABC):
     """One backend instance per agent, holding its settings, rate limits and stats."""
 
     name: str
-    stats: TransportStats
+
+    def __init__(self, node_id: str, settings: "Settings") -> None:
+        self.node_id = node_id
+        self.connect_timeout_s = settings.connect_timeout_s
+        self.io_timeout_s = settings.io_timeout_s
+        self.limits = HostRateLimits.from_mbit(settings.egress_mbit, settings.ingress_mbit)
+        self.stats = TransportStats()
 
     @abstractmethod
     async def listen(self, host: str, port: int, provider: ChunkProvider) -> Listener:

@@ -38,7 +38,6 @@ from pipecast.agent.transport.base import (
     TransportStats,
     split_address,
 )
-from pipecast.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -433,13 +432,6 @@ class TcpTransport(Transport):
     """asyncio TCP with application-level rate limits; see the module docstring for the wire format."""
 
     name = "tcp"
-
-    def __init__(self, node_id: str, settings: Settings) -> None:
-        self.node_id = node_id
-        self.connect_timeout_s = settings.connect_timeout_s
-        self.io_timeout_s = settings.io_timeout_s
-        self.limits = HostRateLimits.from_mbit(settings.egress_mbit, settings.ingress_mbit)
-        self.stats = TransportStats()
 
     async def listen(self, host: str, port: int, provider: ChunkProvider) -> TcpListener:
         listener = TcpListener(provider, self.limits, self.stats, self.io_timeout_s)

@@ -642,11 +642,7 @@ class UcxTransport(Transport):
     name = "ucx"
 
     def __init__(self, node_id: str, settings: Settings) -> None:
-        self.node_id = node_id
-        self.connect_timeout_s = settings.connect_timeout_s
-        self.io_timeout_s = settings.io_timeout_s
-        self.limits = HostRateLimits.from_mbit(settings.egress_mbit, settings.ingress_mbit)
-        self.stats = TransportStats()
+        super().__init__(node_id, settings)
         self._context: "ApplicationContext | None" = None
         self._listeners: set[UcxListener] = set()
         self._channels: set[UcxChannel] = set()
