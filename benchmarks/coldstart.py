@@ -30,20 +30,19 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from subprocess import TimeoutExpired
 
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler, CpuUsage
 from benchmarks.processes import POLL_S, RunProcesses, cli, free_port
+from benchmarks.runinfo import parse_counts, versions
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.errors import PipecastError
 from pipecast.units import format_bytes
@@ -83,13 +82,7 @@ class ColdStartBenchError(PipecastError):
 
 def parse_prompt_tokens(text: str) -> tuple[int, ...]:
     """``"128,512"`` to ``(128, 512)``: distinct positive prompt lengths, in the order given."""
-    try:
-        lengths = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ColdStartBenchError(f"--prompt-tokens must be comma-separated token counts, got {text!r}") from None
-    if any(n < 1 for n in lengths) or len(set(lengths)) != len(lengths):
-        raise ColdStartBenchError(f"--prompt-tokens must list distinct counts >= 1, got {text!r}")
-    return lengths
+    return parse_counts(text, "--prompt-tokens", ColdStartBenchError)
 
 
 @dataclass(frozen=True)
@@ -582,17 +575,6 @@ def run_once(bench: _Bench, strategy: str, prompt: list[int]) -> RunResult:
                      serve_start_seconds=answer["started_at"] - spawned, cpu=cpu.usage())
 
 
-def _versions() -> dict:
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
-    return {"pipecast": version("pipecast"), "python": platform.python_version(), "kernel": platform.release(),
-            "torch": version("torch"), "transformers": version("transformers")}
-
-
 def run(config: ColdStartConfig, workdir: Path, progress: ProgressCallback = lambda line: None) -> ColdStartReport:
     """Measure both strategies at every prompt length; logs, events and answers go under ``workdir``."""
     from packager.manifest import read_manifest
@@ -628,7 +610,7 @@ def run(config: ColdStartConfig, workdir: Path, progress: ProgressCallback = lam
         finally:
             seed.stop()
         meta = {
-            "benchmark": "coldstart", "versions": _versions(), "cpu_cores": os.cpu_count(), "mode": cluster.mode,
+            "benchmark": "coldstart", "versions": versions("torch", "transformers"), "cpu_cores": os.cpu_count(), "mode": cluster.mode,
             "mode_reason": cluster.mode_reason, "cluster": cluster.describe(), "link_mbit": config.link_mbit,
             "package_id": manifest.package_id, "package_path": str(config.package), "model_name": manifest.model_name,
             "package_bytes": manifest.total_bytes, "blocks": len(manifest.blocks),

@@ -18,13 +18,11 @@ The module is pure logic (parsing, theory, summaries, report) above :func:`run`,
 import json
 import math
 import os
-import platform
 import resource
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from subprocess import TimeoutExpired
 
@@ -34,6 +32,7 @@ from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage
 from benchmarks.plots import Series, save_line_chart
 from benchmarks.processes import RunProcesses, cli, free_port
+from benchmarks.runinfo import parse_counts, versions
 from control_plane.schedules import STRATEGIES, make_plan
 from control_plane.simulate import simulate
 from pipecast.agent.plan_file import plan_file_data
@@ -79,13 +78,7 @@ class StartMissedError(DistributionBenchError):
 
 def parse_workers(text: str) -> tuple[int, ...]:
     """``"1,2,4,8"`` to ``(1, 2, 4, 8)``: distinct positive worker counts, in the order given."""
-    try:
-        counts = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise DistributionBenchError(f"--workers must be a comma-separated list of counts, got {text!r}") from None
-    if any(n < 1 for n in counts) or len(set(counts)) != len(counts):
-        raise DistributionBenchError(f"--workers must list distinct counts >= 1, got {text!r}")
-    return counts
+    return parse_counts(text, "--workers", DistributionBenchError)
 
 
 def parse_strategies(text: str) -> tuple[str, ...]:
@@ -526,20 +519,9 @@ def _run_started_in_time(cluster: EmulatedCluster, folder: Path, facts: PackageF
             progress(f"{str(exc).splitlines()[0]}; retrying with a {delay:.1f} s start delay")
 
 
-def _versions() -> dict:
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
-    return {"pipecast": version("pipecast"), "python": platform.python_version(), "kernel": platform.release(),
-            "blake3": version("blake3")}
-
-
 def _meta(config: DistributionConfig, facts: PackageFacts, cluster: EmulatedCluster) -> dict:
     return {
-        "benchmark": "distribution", "versions": _versions(), "cpu_cores": os.cpu_count(),
+        "benchmark": "distribution", "versions": versions("blake3"), "cpu_cores": os.cpu_count(),
         "load_average_at_start": os.getloadavg()[0],  # others' work on this shared machine adds to "CPU"
         "mode": cluster.mode, "mode_reason": cluster.mode_reason, "clusters": [],
         "transport": config.transport, "link_mbit": config.link_mbit, "store_mbit": config.store_rate_mbit,

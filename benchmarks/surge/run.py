@@ -20,7 +20,6 @@ shared machine hits them alike; the CPU is sampled during every run and a satura
 
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -28,13 +27,13 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler
 from benchmarks.distribution import floor_seconds, worker_names
 from benchmarks.processes import POLL_S, RunProcesses, cli, free_port
+from benchmarks.runinfo import versions
 from benchmarks.surge.loadgen import DriverSpec, WorkerEndpoint
 from benchmarks.surge.report import (
     FIRST_N,
@@ -338,18 +337,6 @@ def measure_prefill_seconds(package: Path, prompt_tokens: int, threads: int = WO
     return statistics.median(times[1:])
 
 
-def _versions() -> dict:
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
-    return {"pipecast": version("pipecast"), "python": platform.python_version(), "kernel": platform.release(),
-            "torch": version("torch"), "transformers": version("transformers"), "aiohttp": version("aiohttp"),
-            "grpcio": version("grpcio")}
-
-
 def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, prefill_s: float | None) -> dict:
     facts = schedule_facts(config.schedule)
     floor = floor_seconds(package.total_bytes, config.link_mbit, config.store_rate_mbit)
@@ -374,7 +361,7 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
         f"TTFT from each request's scheduled arrival; first{config.first_n} = the first {config.first_n} requests",
     ]
     return {
-        "benchmark": "surge", "versions": _versions(), "cpu_cores": os.cpu_count(), "mode": cluster.mode,
+        "benchmark": "surge", "versions": versions("torch", "transformers", "aiohttp", "grpcio"), "cpu_cores": os.cpu_count(), "mode": cluster.mode,
         "mode_reason": cluster.mode_reason, "cluster": cluster.describe(), "link_mbit": config.link_mbit,
         "store_mbit": config.store_rate_mbit, "package_id": package.package_id, "package_path": str(package.path),
         "model_name": package.model_name, "package_bytes": package.total_bytes, "blocks": package.blocks,
