@@ -96,6 +96,11 @@ class ModeChoice:
     reason: str
 
 
+def store_egress_mbit(link_mbit: float, store_mbit: float | None) -> float:
+    """The store host's egress rate: ``store_mbit`` when given, else the common link rate."""
+    return float(link_mbit if store_mbit is None else store_mbit)
+
+
 def plan_hosts(
     hosts: Sequence[str],
     link_mbit: float,
@@ -118,7 +123,7 @@ def plan_hosts(
             raise ClusterError(f"store_mbit must be > 0, got {store_mbit}")
         if store_host not in hosts:
             raise ClusterError(f"store_mbit is set but the store host {store_host!r} is not among the hosts")
-    store_egress = link_mbit if store_mbit is None else store_mbit
+    store_egress = store_egress_mbit(link_mbit, store_mbit)
     return tuple(
         HostPlan(
             name=name,
@@ -322,7 +327,7 @@ class EmulatedCluster:
     @property
     def store_mbit(self) -> float:
         """The store host's egress rate, Mbit/s."""
-        return self._link_mbit if self._store_mbit is None else float(self._store_mbit)
+        return store_egress_mbit(self._link_mbit, self._store_mbit)
 
     @property
     def mode(self) -> ClusterMode:

@@ -28,7 +28,7 @@ from subprocess import TimeoutExpired
 
 import psutil
 
-from benchmarks.cluster import EmulatedCluster, RequestedMode
+from benchmarks.cluster import EmulatedCluster, RequestedMode, store_egress_mbit
 from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage
 from benchmarks.plots import Series, save_line_chart
 from benchmarks.processes import RunProcesses, cli, free_port
@@ -117,7 +117,7 @@ class DistributionConfig:
     @property
     def store_rate_mbit(self) -> float:
         """The store's egress rate, Mbit/s."""
-        return self.link_mbit if self.store_mbit is None else self.store_mbit
+        return store_egress_mbit(self.link_mbit, self.store_mbit)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Shared pieces of the agent's tests: small random packages (real packager, no torch), a faulty relay."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,16 @@ def receiving_store(manifest: Manifest, budget_bytes: int = 1 << 30, **kwargs) -
     """An empty store for ``manifest``, as a receiving agent opens it (shared memory, nothing verified)."""
     return BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=MemoryBudget(budget_bytes),
                            manifest_origin="test", **kwargs)
+
+
+def corrupt_copy(package: Path, dest: Path) -> Path:
+    """A copy of the package folder ``package`` at ``dest`` whose first block file has its last byte flipped."""
+    shutil.copytree(package, dest)
+    block = min((dest / "blocks").iterdir())
+    data = bytearray(block.read_bytes())
+    data[-1] ^= 0xFF
+    block.write_bytes(bytes(data))
+    return dest
 
 
 def seed_store(root: Path) -> BlockStore:

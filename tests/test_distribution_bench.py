@@ -8,7 +8,6 @@ print, DESIGN 5).
 
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 
 import psutil
@@ -27,7 +26,7 @@ from benchmarks.distribution import (
     theory_seconds,
     tree_levels,
 )
-from tests.agent_fixtures import make_package
+from tests.agent_fixtures import corrupt_copy, make_package
 
 MIB = 1 << 20
 S = 256 * MIB
@@ -141,12 +140,7 @@ def test_short_run_reports_every_worker_and_writes_json_and_plot(package, tmp_pa
 
 
 def test_an_agent_that_dies_fails_the_run_with_its_log(package, tmp_path):
-    broken = tmp_path / "broken"
-    shutil.copytree(package, broken)
-    block = next((broken / "blocks").iterdir())
-    data = bytearray(block.read_bytes())
-    data[-1] ^= 0xFF
-    block.write_bytes(bytes(data))
+    broken = corrupt_copy(package, tmp_path / "broken")
     result = CliRunner().invoke(bench_group, [
         "distribution", "--package", str(broken), "--workers", "1", "--strategy", "chain", "--repeat", "1",
         "--workdir", str(tmp_path / "work")])

@@ -10,7 +10,6 @@ benchmark's to print, DESIGN 5). The full-size run is marked slow.
 import csv
 import json
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from benchmarks.surge.report import CSV_COLUMNS
 from benchmarks.surge.run import SurgeBenchError
 from benchmarks.surge.trace import ScheduledRequest
 from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER
+from tests.agent_fixtures import corrupt_copy
 from tests.serve_packages import make_served_package
 
 STRATEGIES = ("unicast", "warm-pool:1", "pipecast")
@@ -191,12 +191,7 @@ def test_demo_model_surge_meets_the_issue_targets(tmp_path):
 
 
 def test_a_process_that_dies_fails_the_benchmark_with_its_log_and_leaves_nothing(package, tmp_path):
-    broken = tmp_path / "broken"
-    shutil.copytree(package, broken)
-    block = next((broken / "blocks").iterdir())
-    data = bytearray(block.read_bytes())
-    data[-1] ^= 0xFF
-    block.write_bytes(bytes(data))
+    broken = corrupt_copy(package, tmp_path / "broken")
     result = CliRunner().invoke(bench_group, [
         "surge", "--package", str(broken), "--workers", "1", "--strategy", "pipecast", "--synthetic",
         "burst:requests=1", "--repeat", "1", "--no-calibrate", "--workdir", str(tmp_path / "work")])

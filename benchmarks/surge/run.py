@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.cluster import EmulatedCluster, RequestedMode
+from benchmarks.cluster import EmulatedCluster, RequestedMode, store_egress_mbit
 from benchmarks.cpu import CpuSampler
 from benchmarks.distribution import floor_seconds, worker_names
 from benchmarks.processes import POLL_S, RunProcesses, cli, free_port
@@ -102,7 +102,8 @@ class SurgeConfig:
 
     @property
     def store_rate_mbit(self) -> float:
-        return self.link_mbit if self.store_mbit is None else self.store_mbit
+        """The store's egress rate, Mbit/s."""
+        return store_egress_mbit(self.link_mbit, self.store_mbit)
 
 
 @dataclass(frozen=True)

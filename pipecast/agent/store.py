@@ -307,7 +307,8 @@ class BlockStore:
         if not 0 < nbytes <= state.meta.bytes:
             raise UnknownPackageError(f"block {block} has {state.meta.bytes} bytes: no prefix of {nbytes}")
         for chunk in range((nbytes - 1) // state.meta.chunk_bytes + 1):
-            await self.wait_chunk(block, chunk)
+            if not state.present[chunk]:  # the engine asks again every layer: skip what is already here
+                await self.wait_chunk(block, chunk)
 
     async def wait_block(self, block: int) -> None:
         """Return once ``block`` is complete and verified."""
