@@ -34,27 +34,55 @@ def place_tensor(name: str) -> int | None:
     return None
 
 
+# Inside a decoder layer, tensors in the order the forward pass uses them: the attention's norm, its
+# projections (q, k, v before the output one), the MLP's norm, its input projections, its output one.
+# Names no pattern knows go after them (the engine waits for such tensors before the layer starts).
+_EXECUTION_ORDER = tuple(re.compile(p) for p in (
+    r"\.(?:input_layernorm|ln_1|attention_norm|input_norm|pre_attention_layernorm)\.",
+    r"\.(?:q_proj|k_proj|v_proj|qkv_proj|query_key_value|c_attn|wq|wk|wv)\.",
+    r"\.(?:self_attn|attention|attn)\.(?:o_proj|out_proj|dense|c_proj|wo)\.",
+    r"\.(?:post_attention_layernorm|ln_2|ffn_norm|pre_feedforward_layernorm)\.",
+    r"\.(?:gate_proj|up_proj|gate_up_proj|c_fc|fc1|dense_h_to_4h|w1|w3)\.",
+    r"\.(?:down_proj|fc2|dense_4h_to_h|w2)\.|\.mlp\.c_proj\.",
+))
+
+
+def _execution_rank(name: str) -> int:
+    return next((i for i, pattern in enumerate(_EXECUTION_ORDER) if pattern.search(name)), len(_EXECUTION_ORDER))
+
+
 def stream_order(tensors: Sequence[tuple[str, str, int]]) -> list[str]:
     """The byte order of a block's tensors, given as (name, dtype, bytes): embeddings, then each layer in
-    turn, then the final norm and head, wide dtypes first inside each.
+    turn, then the final norm and head; inside a layer, in the order its forward pass uses them.
 
-    A receiver can then run each layer as soon as the (verified) bytes up to its last tensor are in,
-    before the rest of the block arrives. If that order would leave a tensor misaligned for its dtype
-    (a part whose narrow tensors end on an odd offset), the block keeps the plain wide-dtypes-first
-    order, where every offset is aligned: alignment is what lets engines view the bytes without a copy.
+    A receiver can then run each layer, even each half of a layer, as soon as the (verified) bytes up to
+    its last tensor are in, before the rest of the block arrives. The first of these orders that leaves
+    every tensor aligned for its dtype is used: execution order inside each layer, else widest dtype first
+    inside each layer, else widest dtype first in the whole block (every offset aligned). Alignment is what
+    lets engines view the bytes without a copy.
     """
-    def rank(name: str) -> int:
+    def layer_rank(name: str) -> int:
         place = place_tensor(name)
         return {FIRST: -1, LAST: 1 << 30, None: 1 << 31}.get(place, place)
 
-    ordered = sorted(tensors, key=lambda t: (rank(t[0]), *layout_order(t[1], t[0])))
+    keys = (lambda t: (layer_rank(t[0]), _execution_rank(t[0]), *layout_order(t[1], t[0])),
+            lambda t: (layer_rank(t[0]), *layout_order(t[1], t[0])))
+    for key in keys:
+        ordered = sorted(tensors, key=key)
+        if _aligned(ordered):
+            break
+    else:
+        ordered = sorted(tensors, key=lambda t: layout_order(t[1], t[0]))
+    return [name for name, _, _ in ordered]
+
+
+def _aligned(ordered: Sequence[tuple[str, str, int]]) -> bool:
     offset = 0
     for _, dtype, nbytes in ordered:
         if offset % max(DTYPE_BITS[dtype] // 8, 1):
-            ordered = sorted(tensors, key=lambda t: layout_order(t[1], t[0]))
-            break
+            return False
         offset += nbytes
-    return [name for name, _, _ in ordered]
+    return True
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,33 @@ def test_blocks_stream_in_layer_order_so_each_layer_can_run_before_its_block_is_
                                      "model.norm.weight"]
 
 
+def test_inside_a_layer_tensors_stream_in_the_order_the_forward_pass_uses_them():
+    names = ["mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "post_attention_layernorm.weight",
+             "self_attn.k_proj.weight", "self_attn.o_proj.weight", "self_attn.q_proj.bias",
+             "self_attn.q_proj.weight", "input_layernorm.weight", "self_attn.q_norm.weight"]
+    tensors = [(f"model.layers.3.{n}", "BF16", 8) for n in names]
+    assert [n.removeprefix("model.layers.3.") for n in stream_order(tensors)] == [
+        "input_layernorm.weight", "self_attn.k_proj.weight", "self_attn.q_proj.bias", "self_attn.q_proj.weight",
+        "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+        "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "self_attn.q_norm.weight"]  # unknown to the patterns: after the rest of its layer
+
+
+def test_an_execution_order_that_would_misalign_falls_back_to_wide_dtypes_first_inside_each_layer():
+    # An F32 norm after a 2-byte BF16 projection would start misaligned; widest first per layer keeps all
+    # aligned and still streams layer by layer.
+    layer0 = [("model.layers.0.input_layernorm.weight", "F32", 4),
+              ("model.layers.0.self_attn.q_proj.weight", "BF16", 2),
+              ("model.layers.0.post_attention_layernorm.weight", "F32", 4),
+              ("model.layers.0.mlp.up_proj.weight", "BF16", 2)]
+    tensors = [*layer0, ("model.layers.1.mlp.up_proj.weight", "BF16", 4),
+               ("model.layers.1.input_layernorm.weight", "F32", 4)]
+    assert stream_order(tensors) == ["model.layers.0.input_layernorm.weight",
+                                     "model.layers.0.post_attention_layernorm.weight",
+                                     "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+                                     "model.layers.1.input_layernorm.weight", "model.layers.1.mlp.up_proj.weight"]
+
+
 def test_a_layer_order_that_would_misalign_a_tensor_falls_back_to_wide_dtypes_first():
     # Layer 0 ends on a 2-byte offset, so layer 1's F32 tensor would start misaligned.
     tensors = [("model.layers.0.bias", "BF16", 2), ("model.layers.1.norm.weight", "F32", 4)]

@@ -13,6 +13,7 @@ import torch
 import pipecast
 from packager.pack import pack
 from pipecast.engine.engine import LoadProgress
+from pipecast.engine.weights import ATTENTION, LAYER_STAGES, MLP_IN, stage_of
 from pipecast.hook import PackageUnavailableError
 from tests.engine_packages import GatedAgent, make_package, random_prompt, reference_generate, reference_model
 
@@ -131,7 +132,7 @@ def test_agent_blocks_serve_layer_by_layer_without_copies(tiny):
         client.release(0)
         wait_until(lambda: 0 in model.engine.model.layer_first_run_at)
         assert stream.tokens == [] and not model.fully_loaded.is_set()
-        assert 1 in client.mapped_ahead  # the block the loader waits for is mapped while in flight
+        wait_until(lambda: 1 in client.mapped_ahead)  # the block the loader waits for is mapped while in flight
         client.release(1, 2, 3)
         assert stream.result(timeout=30) == reference_generate(ref, PROMPT, 12)
         assert model.fully_loaded.wait(30)
@@ -140,23 +141,32 @@ def test_agent_blocks_serve_layer_by_layer_without_copies(tiny):
         assert base.data_ptr() <= weight.data_ptr() < base.data_ptr() + base.numel()
 
 
-def test_layers_run_as_their_own_bytes_are_verified_before_their_block_is(tmp_path):
+def test_each_stage_of_a_layer_runs_as_its_own_bytes_are_verified_before_its_block_is(tmp_path):
     from packager.blockfile import buffer_header, map_file
 
     ckpt, pkg = make_package(tmp_path, "llama", seed=4, layers_per_block=2)
     block = (pkg / "blocks" / "block-0000.safetensors")
-    header = buffer_header(map_file(block))  # embeddings, then layer 0, then layer 1
-    layer0_end = header.data_start + max(t.end for n, t in header.tensors.items() if ".layers.0." in n)
-    assert layer0_end < block.stat().st_size
+    header = buffer_header(map_file(block))  # embeddings, then layer 0 in execution order, then layer 1
+
+    def end_of(layer: int, stages) -> int:
+        return header.data_start + max(t.end for n, t in header.tensors.items() if stage_of(n) in
+                                       [(layer, s) for s in stages])
+
+    attention_end, layer0_end = end_of(0, [ATTENTION]), end_of(0, LAYER_STAGES)
+    assert attention_end < layer0_end < block.stat().st_size
     client = GatedAgent(pkg)
     with pipecast.load(pkg, agent=client) as model:
+        scheduler = model.engine.scheduler
         stream = model.submit(PROMPT, max_new_tokens=8)
-        client.release_prefix(0, layer0_end - 1)  # one byte short of layer 0
+        client.release_prefix(0, attention_end - 1)  # one byte short of layer 0's attention
         time.sleep(0.2)
         assert model.engine.model.layer_first_run_at == {}
-        client.release_prefix(0, layer0_end)
+        client.release_prefix(0, attention_end)  # the attention runs; the MLP waits for its weights
         wait_until(lambda: 0 in model.engine.model.layer_first_run_at)
         time.sleep(0.2)
+        assert [(s.next_layer, s.next_stage) for s in scheduler.prefilling] == [(0, MLP_IN)]
+        client.release_prefix(0, layer0_end)  # the rest of layer 0, not layer 1: the prompt waits there
+        wait_until(lambda: [(s.next_layer, s.next_stage) for s in scheduler.prefilling] == [(1, ATTENTION)])
         assert 1 not in model.engine.model.layer_first_run_at and model.progress().blocks_present == 0
         client.release()
         assert stream.result(timeout=30) == reference_generate(reference_model(ckpt), PROMPT, 8)

@@ -9,7 +9,8 @@ unix socket as JSON lines, one request and one answer at a time::
     {"op": "wait_block", "block": 3, "timeout": 30}
                                                 -> {"ok": true, "block": 3, "path": "/proc/..", "bytes": N}
     {"op": "wait_prefix", "block": 3, "bytes": 4096, "timeout": 30}
-                                                -> the same, once the block's first 4096 bytes are verified
+                                                -> the same, once the block's first 4096 bytes are verified,
+                                                   plus "verified": bytes verified from its start (>= 4096)
     {"op": "buffer", "block": 3}                -> {"ok": true, "block": 3, "path": "/proc/..", "bytes": N}
     {"op": "file", "path": "config.json"}       -> {"ok": true, "data": "<base64>"}
     {"op": "progress"}                          -> {"ok": true, "progress": {StoreProgress as JSON}}
@@ -143,8 +144,11 @@ class LocalApiServer:
                 except TimeoutError:
                     raise LocalApiTimeoutError(f"the first {nbytes} bytes of block {block} not verified within "
                                                f"{timeout:g} s") from None
-            return {"ok": True, "package": store.package_id, "block": block, "path": store.block_path(block),
-                    "bytes": store.manifest.blocks[block].bytes}
+            answer = {"ok": True, "package": store.package_id, "block": block, "path": store.block_path(block),
+                      "bytes": store.manifest.blocks[block].bytes}
+            if op == "wait_prefix":  # all that is verified: the engine's next parts may need no request
+                answer["verified"] = store.verified_prefix(block)
+            return answer
         raise LocalApiError(f"unknown op {op!r}")
 
     async def _stream_events(self, request: dict, writer: asyncio.StreamWriter) -> None:

@@ -83,13 +83,14 @@ class LocalAgentClient:
 
     def wait_prefix(self, index: int, nbytes: int, timeout: float, package_id: str | None = None) -> memoryview:
         """The first ``nbytes`` bytes of block ``index`` once verified (chunk by chunk), while the rest of
-        the block may still be arriving: a read-only view of exactly that prefix (no copy).
+        the block may still be arriving: a read-only view (no copy) of every byte verified from the block's
+        start by then, so at least ``nbytes``.
 
         Raises :class:`LocalApiTimeoutError` (a ``TimeoutError``) if not verified within ``timeout``.
         """
         answer = self._call({"op": "wait_prefix", "block": index, "bytes": nbytes, "package": package_id,
                              "timeout": timeout}, timeout)
-        return memoryview(self._map(answer))[:nbytes]
+        return memoryview(self._map(answer))[:max(nbytes, answer.get("verified", nbytes))]
 
     def map_ahead(self, index: int, package_id: str | None = None, timeout: float = 30.0) -> None:
         """Map block ``index``'s buffer now, verified or not, so that :meth:`wait_block` finds it mapped.

@@ -88,6 +88,7 @@ class _BlockState:
         self.present = bytearray(self.count)
         self.n_present = 0
         self.bytes_present = 0
+        self.prefix_chunks = 0  # chunks verified from the block's start without a gap
         self.chunk_waiters: dict[int, list[asyncio.Future]] = {}
         self.block_waiters: list[asyncio.Future] = []
         self.started_at: float | None = None
@@ -109,7 +110,7 @@ class _BlockState:
 
     def reset(self) -> None:
         self.present = bytearray(self.count)
-        self.n_present = self.bytes_present = 0
+        self.n_present = self.bytes_present = self.prefix_chunks = 0
 
 
 def _wake(waiters: list[asyncio.Future]) -> None:
@@ -234,6 +235,8 @@ class BlockStore:
             raise CorruptChunkError(peer, state.meta.index, chunk)
         state.present[chunk] = 1
         state.n_present += 1
+        while state.prefix_chunks < state.count and state.present[state.prefix_chunks]:
+            state.prefix_chunks += 1
         state.bytes_present += end - start
         now = time.time()
         if state.started_at is None:
@@ -309,6 +312,11 @@ class BlockStore:
         for chunk in range((nbytes - 1) // state.meta.chunk_bytes + 1):
             if not state.present[chunk]:  # the engine asks again every layer: skip what is already here
                 await self.wait_chunk(block, chunk)
+
+    def verified_prefix(self, block: int) -> int:
+        """How many bytes of ``block`` are verified from its start without a gap."""
+        state = self._state(block)
+        return min(state.prefix_chunks * state.meta.chunk_bytes, state.meta.bytes)
 
     async def wait_block(self, block: int) -> None:
         """Return once ``block`` is complete and verified."""

@@ -3,10 +3,10 @@
 Each :meth:`StepScheduler.step` does, in order:
 
 1. drop cancelled sequences;
-2. advance every prefilling sequence through all the parts that are bound (embeddings, layers, head),
-   each prompt on its own so its numerics are the single-sequence ones; a sequence whose next layer is
-   still in transit waits there, while the others (and newcomers) go on. A prompt that reaches the head
-   yields its first token and joins the decode batch;
+2. advance every prefilling sequence through all the parts that are bound (embeddings, each stage of
+   each layer, head), each prompt on its own so its numerics are the single-sequence ones; a sequence
+   whose next stage is still in transit waits there, while the others (and newcomers) go on. A prompt
+   that reaches the head yields its first token and joins the decode batch;
 3. run one decode step for all decoding sequences together (one forward pass, one new token each);
    finished sequences leave the batch at once, and their rows are refilled from the end.
 
@@ -21,7 +21,7 @@ from pipecast.engine.errors import EngineError
 from pipecast.engine.kv_cache import PrefillCache, SlotKVCache, decode_mask, prefill_mask
 from pipecast.engine.sampling import SamplingParams, new_generator, sample_tokens
 from pipecast.engine.streams import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, TokenStream
-from pipecast.engine.weights import EMBED, HEAD
+from pipecast.engine.weights import EMBED, HEAD, LAYER_STAGES, Part
 
 if TYPE_CHECKING:
     import torch
@@ -51,9 +51,12 @@ class Sequence:
     generator: "torch.Generator | None" = None
     cancelled: bool = False
     generated: int = 0
-    # prefill progress: the hidden state after layer next_layer - 1, and what every layer reuses
+    # prefill progress: the stage to run next, the hidden state (and the MLP's inner activation, between
+    # its stages) before it, and what every layer reuses
     next_layer: int = 0
+    next_stage: int = 0
     hidden: "torch.Tensor | None" = None
+    carry: "torch.Tensor | None" = None
     prefill: PrefillState | None = None
     # decode state: row in the slot cache, tokens whose keys/values are cached, token to feed next
     row: int = -1
@@ -148,13 +151,13 @@ class StepScheduler:
 
     # --- prefill -------------------------------------------------------------------------------------
 
-    def _next_part(self, seq: Sequence) -> int | None:
+    def _next_part(self, seq: Sequence) -> Part | None:
         """The part ``seq`` waits for; None if it cannot progress because loading failed."""
         if self.model.failed:
             return None
         if seq.hidden is None:
             return EMBED
-        return seq.next_layer if seq.next_layer < self.model.num_layers else HEAD
+        return (seq.next_layer, seq.next_stage) if seq.next_layer < self.model.num_layers else HEAD
 
     def _advance_prefill(self, seq: Sequence) -> None:
         import torch
@@ -180,11 +183,13 @@ class StepScheduler:
                 cache=PrefillCache(),
             )
         p = seq.prefill
-        while seq.next_layer < m.num_layers and m.is_ready(seq.next_layer):
-            seq.hidden = m.run_layer(seq.next_layer, seq.hidden, position_embeddings=p.rope,
-                                     position_ids=p.position_ids, mask=p.masks[m.window(seq.next_layer)],
-                                     cache=p.cache)
-            seq.next_layer += 1
+        while seq.next_layer < m.num_layers and m.is_ready((seq.next_layer, seq.next_stage)):
+            seq.hidden, seq.carry = m.run_stage(seq.next_layer, seq.next_stage, seq.hidden, seq.carry,
+                                                position_embeddings=p.rope, position_ids=p.position_ids,
+                                                mask=p.masks[m.window(seq.next_layer)], cache=p.cache)
+            seq.next_stage += 1
+            if seq.next_stage == len(LAYER_STAGES):
+                seq.next_layer, seq.next_stage = seq.next_layer + 1, 0
         if seq.next_layer < m.num_layers or not m.is_ready(HEAD):
             return
         logits = m.head(seq.hidden, last_only=True)[:, -1].float().cpu()
@@ -199,8 +204,9 @@ class StepScheduler:
 
     def _can_finish_prefill(self, seq: Sequence) -> bool:
         m = self.model
-        needed = ([EMBED] if seq.hidden is None else []) + list(range(seq.next_layer, m.num_layers)) + [HEAD]
-        return all(m.is_ready(part) for part in needed)
+        stages = [(seq.next_layer, s) for s in LAYER_STAGES[seq.next_stage:] if seq.next_layer < m.num_layers]
+        needed = ([EMBED] if seq.hidden is None else []) + stages + list(range(seq.next_layer + 1, m.num_layers))
+        return all(m.is_ready(part) for part in needed + [HEAD])
 
     # --- decode --------------------------------------------------------------------------------------
 

@@ -3,8 +3,9 @@
 Blocks can arrive out of order (multicast sends rotated orders); the loader binds whichever is present,
 lowest index first, and otherwise waits for the lowest missing one in short slices so that a later block
 arriving first is not left waiting. From a provider that verifies blocks chunk by chunk (the node agent),
-the block in flight is bound part by part: each layer as soon as its own bytes are verified, so the
-prefill runs a layer behind the transfer rather than a block behind it. If nothing arrives for
+the block in flight is bound part by part: each stage of each layer (its attention, the MLP's input
+projections, its output projection) as soon as its own bytes are verified, so the prefill runs a fraction
+of a layer behind the transfer rather than a block behind it. If nothing arrives for
 ``stall_timeout_s`` the source is declared stalled and the model fails (requests that need the missing
 layers get the error).
 """
@@ -16,7 +17,7 @@ import time
 from pipecast.engine.errors import BlockStalledError, BlockWaitTimeout
 from pipecast.engine.progressive import ProgressiveModel
 from pipecast.engine.providers import BlockProvider, StreamingBlockProvider
-from pipecast.engine.weights import part_of
+from pipecast.engine.weights import stage_of
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,8 @@ class BlockLoader:
                         self._last_arrival - self.started_at, p.num_blocks)
 
     def _stream(self, index: int) -> None:
-        """Bind block ``index`` part by part (embeddings, each layer, head) in its byte order, each part
-        as soon as its bytes are verified; raises BlockWaitTimeout when the next part is not in yet (the
+        """Bind block ``index`` part by part (embeddings, each layer's stages, head) in its byte order, each
+        part as soon as its bytes are verified; raises BlockWaitTimeout when the next part is not in yet (the
         parts bound so far stay bound, and the next call goes on from there)."""
         if index not in self._runs:
             header = self.provider.wait_header(index, timeout=POLL_S)
@@ -104,11 +105,12 @@ class BlockLoader:
 
 
 def _part_runs(header) -> list[list[str]]:
-    """A block's tensors in byte order, cut where the part (a layer, the embeddings, the head) changes."""
+    """A block's tensors in byte order, cut where the part (a layer's stage, the embeddings, the head)
+    changes."""
     runs: list[list[str]] = []
     previous = None
     for name, _ in sorted(header.tensors.items(), key=lambda item: item[1].begin):
-        part = part_of(name)
+        part = stage_of(name)
         if not runs or part != previous:
             runs.append([])
         runs[-1].append(name)

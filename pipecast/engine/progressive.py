@@ -1,9 +1,10 @@
 """The layer-wise model: transformers' own modules, driven one decoder layer at a time.
 
 The model is built from config.json with no weights; blocks are bound as they arrive (by the loader), and
-each part (embeddings, layer i, head) becomes usable the moment its last tensor is bound. Compute methods
-run one step of the forward pass; they never wait. :meth:`ProgressiveModel.forward_logits` is the one
-convenience that walks the whole model, waiting for each part just before it needs it.
+each part (embeddings, layer i, head), and each stage of a layer, becomes usable the moment its last tensor
+is bound. Compute methods run one step of the forward pass; they never wait.
+:meth:`ProgressiveModel.forward_logits` is the one convenience that walks the whole model, waiting for
+each part just before it needs it.
 """
 
 import threading
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipecast.engine.architectures import build_skeleton
 from pipecast.engine.errors import BlockBindError, ModelLoadError
-from pipecast.engine.weights import EMBED, HEAD, WeightBinder
+from pipecast.engine.weights import ATTENTION, EMBED, HEAD, MLP_IN, Part, WeightBinder
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +36,7 @@ class ProgressiveModel:
         self._binder = WeightBinder(self.skeleton.model, dtype=dtype, device=self.device,
                                     tied_embeddings=self.skeleton.tied_embeddings)
         self._cond = threading.Condition()
-        self._ready: set[int] = set()
+        self._ready: set[Part] = set()
         self._error: Exception | None = None
         self._listeners: list[Callable[[], None]] = []
         self.layer_first_run_at: dict[int, float] = {}
@@ -89,16 +90,16 @@ class ProgressiveModel:
         if self._error is not None:
             raise ModelLoadError(f"loading the model failed: {self._error}") from self._error
 
-    def is_ready(self, part: int) -> bool:
-        """True if ``part`` (a layer index, EMBED or HEAD) can run now."""
+    def is_ready(self, part: Part) -> bool:
+        """True if ``part`` (a layer index, EMBED, HEAD or a layer's stage) can run now."""
         return part in self._ready
 
     @property
     def fully_loaded(self) -> bool:
         """True once every part is bound."""
-        return len(self._ready) == self.num_layers + 2
+        return self.is_ready(EMBED) and self.is_ready(HEAD) and all(map(self.is_ready, range(self.num_layers)))
 
-    def wait_ready(self, part: int, timeout: float | None) -> None:
+    def wait_ready(self, part: Part, timeout: float | None) -> None:
         """Block until ``part`` is bound; raise ModelLoadError if loading failed, TimeoutError on timeout."""
         with self._cond:
             if not self._cond.wait_for(lambda: part in self._ready or self._error is not None, timeout):
@@ -120,11 +121,37 @@ class ProgressiveModel:
     def run_layer(self, layer: int, hidden: "torch.Tensor", *, position_embeddings: tuple,
                   position_ids: "torch.Tensor", mask: "torch.Tensor | None", cache: Any) -> "torch.Tensor":
         """Run decoder layer ``layer``; ``cache`` has ``update(k, v, layer_idx) -> (k, v)`` or is None."""
-        if layer not in self.layer_first_run_at:
-            self.layer_first_run_at[layer] = time.monotonic()
+        self._mark_run(layer)
         return self._inner.layers[layer](hidden, attention_mask=mask, position_embeddings=position_embeddings,
                                          position_ids=position_ids, past_key_values=cache,
                                          use_cache=cache is not None)
+
+    def run_stage(self, layer: int, stage: int, hidden: "torch.Tensor", carry: "torch.Tensor | None", *,
+                  position_embeddings: tuple, position_ids: "torch.Tensor", mask: "torch.Tensor | None",
+                  cache: Any) -> tuple["torch.Tensor", "torch.Tensor | None"]:
+        """Run one stage of decoder layer ``layer``: ``(hidden, carry)`` in, ``(hidden, carry)`` for the next
+        stage out (``carry`` is the MLP's inner activation between MLP_IN and MLP_OUT, else None).
+
+        The three stages are the decoder layer's forward (shared by every supported model type) cut in
+        three: the same modules and tensor operations in the same order, so the result is bitwise
+        :meth:`run_layer`'s (the exactness tests run prefills this way).
+        """
+        module = self._inner.layers[layer]
+        mlp = module.mlp
+        if stage == ATTENTION:
+            self._mark_run(layer)
+            attended, _ = module.self_attn(hidden_states=module.input_layernorm(hidden), attention_mask=mask,
+                                           position_ids=position_ids, past_key_values=cache,
+                                           use_cache=cache is not None, position_embeddings=position_embeddings)
+            return hidden + attended, None
+        if stage == MLP_IN:
+            normed = module.post_attention_layernorm(hidden)
+            return hidden, mlp.act_fn(mlp.gate_proj(normed)) * mlp.up_proj(normed)
+        return hidden + mlp.down_proj(carry), None
+
+    def _mark_run(self, layer: int) -> None:
+        if layer not in self.layer_first_run_at:
+            self.layer_first_run_at[layer] = time.monotonic()
 
     def head(self, hidden: "torch.Tensor", last_only: bool) -> "torch.Tensor":
         """Final norm and LM head: logits of every position, or of the last one only."""
@@ -166,5 +193,7 @@ class ProgressiveModel:
             return self.head(hidden, last_only=False)
 
 
-def _part_name(part: int) -> str:
+def _part_name(part: Part) -> str:
+    if isinstance(part, tuple):
+        return f"stage {part[1]} of layer {part[0]}"
     return {EMBED: "the embeddings", HEAD: "the final norm and LM head"}.get(part, f"layer {part}")

@@ -139,6 +139,7 @@ class AgentBlockProvider:
         self._verified: set[int] = set()
         self._progress_at = float("-inf")
         self._mapped: set[int] = set()
+        self._prefixes: dict[int, memoryview] = {}  # per block in flight: its longest verified prefix seen
         self._headers: dict[int, "Header"] = {}
 
     @property
@@ -205,7 +206,10 @@ class AgentBlockProvider:
                 self._mapped.add(index)
             if nbytes is None:
                 return self.client.wait_block(index, timeout, self._package_id)
-            return self.client.wait_prefix(index, nbytes, timeout, self._package_id)
+            known = self._prefixes.get(index)
+            if known is None or len(known) < nbytes:  # else verified already: no round trip to the agent
+                known = self._prefixes[index] = self.client.wait_prefix(index, nbytes, timeout, self._package_id)
+            return known[:nbytes]
         except TimeoutError:
             raise BlockWaitTimeout(index, self.source, timeout) from None
 

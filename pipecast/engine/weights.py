@@ -6,6 +6,9 @@ once, on a dedicated CUDA stream, so the copy overlaps the compute of layers alr
 
 Parameters are grouped into *parts*: each decoder layer (its index), the embeddings (:data:`EMBED`) and the
 head, i.e. final norm and LM head (:data:`HEAD`). A part is usable once every parameter in it is bound.
+A layer's parameters are also grouped into *stages*, ``(layer, stage)``, in the order its forward pass uses
+them (:data:`ATTENTION`, :data:`MLP_IN`, :data:`MLP_OUT`): a prefill can run a layer's attention while its
+MLP weights are still arriving.
 """
 
 import logging
@@ -25,8 +28,17 @@ logger = logging.getLogger(__name__)
 
 EMBED = -1
 HEAD = -2
+# The stages of a decoder layer: attention (its norm, projections, residual add); the MLP's norm and input
+# projections; the MLP's output projection and residual add.
+ATTENTION, MLP_IN, MLP_OUT = 0, 1, 2
+LAYER_STAGES = (ATTENTION, MLP_IN, MLP_OUT)
 _LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.")
 _EMBED_PARAM = re.compile(r"^model\.embed_tokens\.")
+_MLP_IN_PARAM = re.compile(r"\.(?:post_attention_layernorm|mlp\.gate_proj|mlp\.up_proj)\.")
+_MLP_OUT_PARAM = re.compile(r"\.mlp\.down_proj\.")
+
+Part = int | tuple[int, int]
+"""A layer index, EMBED, HEAD, or a layer's stage ``(layer, stage)``."""
 
 
 def part_of(name: str) -> int:
@@ -35,6 +47,19 @@ def part_of(name: str) -> int:
     if match:
         return int(match.group(1))
     return EMBED if _EMBED_PARAM.match(name) else HEAD
+
+
+def stage_of(name: str) -> Part:
+    """The finest part a parameter belongs to: ``(layer, stage)`` for a layer's, else EMBED or HEAD.
+
+    A layer parameter no pattern knows belongs to ATTENTION, the first stage: waiting for it too early is
+    slower but never wrong.
+    """
+    part = part_of(name)
+    if part < 0:
+        return part
+    stage = MLP_OUT if _MLP_OUT_PARAM.search(name) else MLP_IN if _MLP_IN_PARAM.search(name) else ATTENTION
+    return part, stage
 
 
 class WeightBinder:
@@ -52,18 +77,20 @@ class WeightBinder:
         self._shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
         # With tied embeddings the head's weight *is* the embedding's: bound together, never from a tensor.
         self._tied = {"lm_head.weight": "model.embed_tokens.weight"} if tied_embeddings else {}
-        self._missing: dict[int, set[str]] = {}
+        self._missing: dict[Part, set[str]] = {}
         for name in self._shapes:
-            self._missing.setdefault(part_of(name), set()).add(name)
+            for part in _parts(name):
+                self._missing.setdefault(part, set()).add(name)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._warned_convert = False
 
-    def missing(self, part: int) -> set[str]:
-        """Parameter names of ``part`` not bound yet."""
+    def missing(self, part: Part) -> set[str]:
+        """Parameter names of ``part`` (a part or a stage) not bound yet."""
         return set(self._missing.get(part, ()))
 
-    def bind(self, block: int, tensors: Mapping[str, "torch.Tensor"], source: str) -> set[int]:
-        """Bind a block's tensors; return the parts this completed. Raise BlockBindError if they misfit."""
+    def bind(self, block: int, tensors: Mapping[str, "torch.Tensor"], source: str) -> set[Part]:
+        """Bind a block's tensors; return the parts and stages this completed. Raise BlockBindError if they
+        misfit."""
         wanted = {}
         for name, tensor in tensors.items():
             if name.endswith(DERIVED_TENSOR_SUFFIXES) or name in self._tied:
@@ -86,10 +113,10 @@ class WeightBinder:
                     self._set(alias, value)
         done = set()
         for name in list(placed) + [a for a, t in self._tied.items() if t in placed]:
-            part = part_of(name)
-            self._missing[part].discard(name)
-            if not self._missing[part]:
-                done.add(part)
+            for part in _parts(name):
+                self._missing[part].discard(name)
+                if not self._missing[part]:
+                    done.add(part)
         return done
 
     def _place(self, block: int, tensors: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
@@ -115,6 +142,12 @@ class WeightBinder:
 
         module_name, _, attr = name.rpartition(".")
         setattr(self._model.get_submodule(module_name), attr, torch.nn.Parameter(value, requires_grad=False))
+
+
+def _parts(name: str) -> tuple[Part, ...]:
+    """The part of parameter ``name`` and, for a layer's, its stage."""
+    stage = stage_of(name)
+    return (stage[0], stage) if isinstance(stage, tuple) else (stage,)
 
 
 _SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
