@@ -66,7 +66,8 @@ class BlockLoader:
         missing = list(range(p.num_blocks))
         self._last_arrival = time.monotonic()
         while missing and not self._stop.is_set():
-            present = next((i for i in missing if p.is_present(i)), None)
+            present_now = p.present_blocks()
+            present = next((i for i in missing if i in present_now), None)
             index = missing[0] if present is None else present
             try:
                 if streaming and (present is None or index in self._runs):

@@ -19,8 +19,6 @@ from packager.errors import PackageError
 from pipecast.engine.errors import BlockBindError, BlockWaitTimeout
 from pipecast.v1.manifest_pb2 import Manifest
 
-PROGRESS_REFRESH_S = 0.01
-
 if TYPE_CHECKING:
     import torch
 
@@ -50,8 +48,8 @@ class BlockProvider(Protocol):
     def small_file(self, path: str) -> bytes | None:
         """A small file of the package (e.g. ``generation_config.json``), or None if it has none."""
 
-    def is_present(self, index: int) -> bool:
-        """True if block ``index`` can be had now without waiting."""
+    def present_blocks(self) -> set[int]:
+        """The blocks that can be had now without waiting (one question however many blocks are missing)."""
 
     def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
         """Block ``index``'s tensors (views of the block's buffer, no copy), waiting up to ``timeout`` s.
@@ -103,7 +101,10 @@ class PackageFolderProvider:
             return None
         return (self.package.root / path).read_bytes()
 
-    def is_present(self, index: int) -> bool:
+    def present_blocks(self) -> set[int]:
+        return {i for i in range(self.num_blocks) if self._on_disk(i)}
+
+    def _on_disk(self, index: int) -> bool:
         try:
             return self.package.block_path(index).stat().st_size == self.package.block(index).bytes
         except OSError:
@@ -137,7 +138,6 @@ class AgentBlockProvider:
             raise PackageError(f"package {self._package_id[:12]} held by {self.source} has no config.json")
         self._config = json.loads(config)
         self._verified: set[int] = set()
-        self._progress_at = float("-inf")
         self._mapped: set[int] = set()
         self._prefixes: dict[int, memoryview] = {}  # per block in flight: its longest verified prefix seen
         self._headers: dict[int, "Header"] = {}
@@ -163,14 +163,11 @@ class AgentBlockProvider:
             return None
         return self.client.package_file(path, self._package_id, timeout=self._timeout_s)
 
-    def is_present(self, index: int) -> bool:
-        # One snapshot of the agent's progress answers for every block for a moment: the loader asks about
-        # each missing block in turn, every poll, and the answers would otherwise cost a round trip each.
-        if index not in self._verified and time.monotonic() - self._progress_at > PROGRESS_REFRESH_S:
+    def present_blocks(self) -> set[int]:
+        if len(self._verified) < self.num_blocks:  # a verified block stays verified: ask only while some are not
             progress = self.client.progress(self._package_id, timeout=self._timeout_s)
-            self._progress_at = time.monotonic()
             self._verified |= {b.index for b in progress.blocks if b.verified_at is not None}
-        return index in self._verified
+        return set(self._verified)
 
     def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
         from packager.blockfile import tensors_from_buffer
@@ -292,9 +289,9 @@ class DelayedProvider:
         with self._cond:
             return self._released_at.get(index) if self._present(index) else None
 
-    def is_present(self, index: int) -> bool:
+    def present_blocks(self) -> set[int]:
         with self._cond:
-            return self._present(index)
+            return {i for i in range(self.num_blocks) if self._present(i)}
 
     def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
         deadline = time.monotonic() + timeout
