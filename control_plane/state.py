@@ -209,6 +209,9 @@ class ControlState:
         self.availability: dict[str, Availability] = {}
         self.plans: dict[str, ActivePlan] = {}
         self.releases: dict[tuple[str, str], float] = {}  # (package id, node id) -> drop at
+        # Receivers whose lease lapsed while a plan still fed them: node id -> package ids. When one registers
+        # again it gets a plan for the blocks it still lacks (kept in memory only: a restart forgets it).
+        self.lapsed: dict[str, set[str]] = {}
         self.notices: list[Notice] = []
         self.dirty = Dirty()
         self.replan_count = 0
@@ -216,7 +219,8 @@ class ControlState:
     # ----- workers -----
 
     def register(self, spec: WorkerSpec, held: Mapping[str, Iterable[int]], now: float) -> list[str]:
-        """Add or replace a worker; ``held`` replaces all it was known to hold. Returns unknown package ids."""
+        """Add or replace a worker; ``held`` replaces all it was known to hold. A worker whose lease lapsed
+        while a plan fed it gets a plan for the rest. Returns unknown package ids."""
         node = spec.node_id
         if not node or not spec.peer.address:
             raise InvalidRequest(f"worker registration needs a node id and an address, got "
@@ -238,7 +242,21 @@ class ControlState:
                 self.dirty.availability.add((package_id, node))
             if availability.is_complete(node):
                 self._receiver_done(package_id, node)
+        self._resume(node, now)
         return unknown
+
+    def _resume(self, node: str, now: float) -> None:
+        """Plan the rest of every package ``node`` was receiving when its lease lapsed."""
+        for package_id in sorted(self.lapsed.pop(node, ())):
+            if package_id not in self.packages:
+                continue
+            try:
+                result = self.scale_up(package_id, node_ids=[node], now=now)
+            except InsufficientWorkers as exc:
+                log.warning("worker %s is back but cannot resume package=%s: %s", node, package_id, exc)
+                continue
+            if result.receivers:
+                log.info("worker %s is back: plan=%s resumes package=%s", node, result.plan_id, package_id)
 
     def heartbeat(self, node: str, now: float) -> None:
         """Renew ``node``'s lease."""
@@ -250,6 +268,7 @@ class ControlState:
             raise UnknownWorker.named(node)
         self._remove_nodes({node})
         del self.workers[node]
+        self.lapsed.pop(node, None)
         self.dirty.workers.add(node)
 
     def tick(self, now: float) -> list[str]:
@@ -259,6 +278,10 @@ class ControlState:
         for node in dead:
             self.workers[node].alive = False
             self.dirty.workers.add(node)
+        for node in dead:
+            receiving = {p.package_id for p in self.plans.values() if node in p.pending}
+            if receiving:
+                self.lapsed.setdefault(node, set()).update(receiving)
         if dead:
             self._remove_nodes(set(dead))
         for (package_id, node), drop_at in sorted(self.releases.items()):
@@ -267,6 +290,7 @@ class ControlState:
         forget = [n for n, w in self.workers.items() if not w.alive and w.lease_expires + self.forget_after_s <= now]
         for node in forget:
             del self.workers[node]
+            self.lapsed.pop(node, None)
             self.dirty.workers.add(node)
         return dead
 

@@ -110,6 +110,37 @@ def test_lease_lapses_without_heartbeat_and_a_dead_worker_must_register_again():
     assert state.workers["w1"].alive
 
 
+def test_a_receiver_whose_lease_lapsed_gets_the_rest_of_the_package_when_it_registers_again():
+    state = cluster(3)
+    first = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], strategy="chain", now=1).plan_id
+    state.report("w1", {"pkg": [0, 1, 2]}, {}, now=2)
+    for node in ("w0", "w2"):
+        state.heartbeat(node, now=LEASE)
+    assert state.tick(now=LEASE + 2.5) == ["w1"]
+    assert state.plans[first].pending == {"w0", "w2"}  # the others go on without it
+    state.notices.clear()
+    state.register(spec("w1"), {"pkg": [0, 1, 2]}, now=LEASE + 3)
+    resumed = [p for p in state.plans.values() if p.plan_id != first]
+    assert len(resumed) == 1 and resumed[0].pending == {"w1"}
+    assert sorted(a.block for a in resumed[0].parts["w1"].fetch) == [3, 4, 5, 6, 7]  # only what it lacks
+    assert "w1" in notices_of(state, UpdateKind.ASSIGN)
+    state.register(spec("w1"), {"pkg": [0, 1, 2]}, now=LEASE + 4)  # registering again plans nothing more
+    assert len(state.plans) == 2
+
+
+def test_a_worker_that_was_not_receiving_or_left_on_purpose_is_not_resumed():
+    state = cluster(3)
+    state.scale_up("pkg", node_ids=["w0", "w1"], strategy="chain", now=1)
+    state.heartbeat("w0", now=LEASE)
+    state.heartbeat("w1", now=LEASE)
+    assert state.tick(now=LEASE + 1) == ["w2"]  # in no plan
+    state.deregister("w1")  # left on purpose while receiving
+    plans = set(state.plans)
+    state.register(spec("w2"), {}, now=LEASE + 2)
+    state.register(spec("w1"), {}, now=LEASE + 2)
+    assert set(state.plans) == plans and state.lapsed == {}
+
+
 def test_dead_worker_record_is_forgotten_after_a_while():
     state = ControlState(lease_s=LEASE, forget_after_s=100)
     state.register(spec("w0"), {}, now=0)
