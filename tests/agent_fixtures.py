@@ -38,6 +38,19 @@ def receiving_store(manifest: Manifest, budget_bytes: int = 1 << 30, **kwargs) -
                            manifest_origin="test", **kwargs)
 
 
+def block_file_bytes(root: Path, manifest: Manifest, block: int) -> bytes:
+    """The bytes of block ``block``'s file in the package folder ``root``."""
+    return (root / manifest.blocks[block].file).read_bytes()
+
+
+def land_chunk(store: BlockStore, data: bytes, block: int, chunk: int) -> None:
+    """Land ``chunk`` of ``block`` (whose bytes are ``data``) in ``store`` as if an upstream parent sent it."""
+    buffer = store.chunk_buffer(block, chunk)
+    start = chunk * store.manifest.blocks[block].chunk_bytes
+    buffer[:] = data[start:start + len(buffer)]
+    store.chunk_landed(block, chunk, "upstream")
+
+
 def corrupt_copy(package: Path, dest: Path) -> Path:
     """A copy of the package folder ``package`` at ``dest`` whose first block file has its last byte flipped."""
     shutil.copytree(package, dest)

@@ -1,4 +1,5 @@
-"""The TCP transport and the fetcher on loopback, in one process: transfers, cut-through, deadlines, faults."""
+"""The TCP transport and the fetcher on loopback, in one process: deadlines, faults on the wire, rate limits,
+resumes. What every transport must do is in test_transport_conformance.py."""
 
 import asyncio
 import importlib.util
@@ -7,11 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from packager.manifest import manifest_from_json
-from pipecast.agent.budget import MemoryBudget
-from pipecast.agent.buffers import SharedMemoryAllocator
 from pipecast.agent.errors import (
-    CorruptChunkError,
     FetchFailedError,
     PeerClosedError,
     PeerConnectError,
@@ -27,7 +24,7 @@ from pipecast.agent.transport.registry import resolve_transport_name
 from pipecast.agent.transport.tcp import TcpListener, TcpTransport
 from pipecast.settings import Settings
 from pipecast.v1.manifest_pb2 import Manifest
-from tests.agent_fixtures import FlippingServer, make_package, seed_store
+from tests.agent_fixtures import FlippingServer, block_file_bytes, make_package, receiving_store, seed_store
 
 CHUNK = 64 << 10
 IO_TIMEOUT_S = 0.3
@@ -44,13 +41,6 @@ def settings(**overrides) -> Settings:
     return Settings(**{**values, **overrides})
 
 
-def empty_store(manifest: Manifest) -> BlockStore:
-    return BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=MemoryBudget(1 << 30),
-                           manifest_origin="test")
-
-
-def block_bytes(root: Path, manifest: Manifest, block: int) -> bytes:
-    return (root / manifest.blocks[block].file).read_bytes()
 
 
 class DyingServer(PeerServer):
@@ -85,74 +75,6 @@ async def serve(server: PeerServer, store: BlockStore, **overrides) -> tuple[Tcp
     return transport, await transport.listen("127.0.0.1", 0, server)
 
 
-async def test_blocks_and_files_arrive_byte_identical(package):
-    root, manifest = package
-    seed = seed_store(root)
-    server_transport, listener = await serve(PeerServer(), seed)
-    client = TcpTransport("rx", settings())
-    store = empty_store(manifest)
-    try:
-        channel = await client.connect(listener.address, "seed")
-        fetched = manifest_from_json(await channel.fetch_file(manifest.package_id, "manifest.json"))
-        assert fetched == manifest
-        assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
-        for block in range(len(manifest.blocks)):
-            await channel.fetch_block(manifest.package_id, block, 0, store)
-            assert bytes(store.block_view(block)) == block_bytes(root, manifest, block)
-        assert client.stats.bytes_received == server_transport.stats.bytes_sent >= manifest.total_bytes
-        await channel.close()
-    finally:
-        await listener.close()
-        store.close()
-        seed.close()
-
-
-async def test_relay_serves_chunks_before_its_block_is_complete(package):
-    root, manifest = package
-    data = block_bytes(root, manifest, 0)
-    relay = empty_store(manifest)
-    _, listener = await serve(PeerServer(), relay)
-    child = empty_store(manifest)
-    channel = await TcpTransport("child", settings(io_timeout_s=5)).connect(listener.address, "relay")
-    try:
-        fetch = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child))
-        relay.chunk_buffer(0, 0)[:] = data[:CHUNK]
-        relay.chunk_landed(0, 0, "upstream")
-        assert bytes(await asyncio.wait_for(child.wait_chunk(0, 0), 2)) == data[:CHUNK]
-        assert not relay.is_chunk_present(0, 1)  # the relay still lacks the rest of block 0
-        for chunk in range(1, relay.chunk_count(0)):
-            relay.chunk_buffer(0, chunk)[:] = data[chunk * CHUNK:(chunk + 1) * CHUNK]
-            relay.chunk_landed(0, chunk, "upstream")
-        await asyncio.wait_for(fetch, 2)
-        assert bytes(child.block_view(0)) == data
-    finally:
-        await channel.close()
-        await listener.close()
-        child.close()
-        relay.close()
-
-
-async def test_corrupt_chunk_from_a_relay_is_never_present_and_names_it(package):
-    root, manifest = package
-    seed = seed_store(root)
-    _, listener = await serve(FlippingServer(flip=(1, 1)), seed)
-    store = empty_store(manifest)
-    peer = Peer("faulty", listener.address)
-    channel = await TcpTransport("rx", settings()).connect(peer.address, str(peer))
-    try:
-        with pytest.raises(CorruptChunkError) as caught:
-            await channel.fetch_block(manifest.package_id, 1, 0, store)
-        assert str(caught.value) == (f"peer faulty@{listener.address}: sent a corrupt chunk 1 of block 1 "
-                                     "(digest mismatch)")
-        assert store.is_chunk_present(1, 0) and not store.is_chunk_present(1, 1)
-        assert store.first_missing_chunk(1) == 1
-    finally:
-        await channel.close()
-        await listener.close()
-        store.close()
-        seed.close()
-
-
 async def raw_server(handler) -> tuple[asyncio.Server, str]:
     server = await asyncio.start_server(handler, "127.0.0.1", 0)
     return server, "127.0.0.1:%d" % server.sockets[0].getsockname()[1]
@@ -166,7 +88,7 @@ async def test_silent_peer_raises_a_timeout_naming_it_within_the_deadline(packag
         await asyncio.sleep(30)
 
     server, address = await raw_server(mute)
-    store = empty_store(manifest)
+    store = receiving_store(manifest)
     try:
         channel = await TcpTransport("rx", settings()).connect(address, "mute")
         started = time.monotonic()
@@ -192,7 +114,7 @@ async def test_peer_closing_mid_block_raises_closed_naming_it(package):
         writer.close()
 
     server, address = await raw_server(half)
-    store = empty_store(manifest)
+    store = receiving_store(manifest)
     try:
         channel = await TcpTransport("rx", settings()).connect(address, "parent")
         with pytest.raises(PeerClosedError) as caught:
@@ -215,7 +137,7 @@ async def test_refused_connection_and_unknown_package_are_typed(package):
 
     seed = seed_store(root)
     _, listener = await serve(PeerServer(), seed)
-    store = empty_store(manifest)
+    store = receiving_store(manifest)
     try:
         channel = await TcpTransport("rx", settings()).connect(listener.address, "seed")
         with pytest.raises(PeerRefusedError, match=r"^peer seed: package 000000000000 is not held here$"):
@@ -231,7 +153,7 @@ async def test_egress_limit_paces_the_sender(package):
     seed = seed_store(root)
     mbit = 16.0
     _, listener = await serve(PeerServer(), seed, egress_mbit=mbit)
-    store = empty_store(manifest)
+    store = receiving_store(manifest)
     try:
         channel = await TcpTransport("rx", settings()).connect(listener.address, "seed")
         started = time.monotonic()
@@ -283,7 +205,7 @@ async def fetch_with(parent_server: PeerServer, manifest: Manifest, root: Path, 
     source_server = RecordingServer()
     _, source_listener = await serve(source_server, source_seed)
     parent, source = Peer("parent", parent_listener.address), Peer("source", source_listener.address)
-    store = empty_store(manifest)
+    store = receiving_store(manifest)
     failures = []
     pool = ChannelPool(TcpTransport("rx", settings()))
     policy = FetchPolicy(concurrency=1, retries=1, backoff_s=0.01, fallbacks=(source,) if fallback else ())
@@ -306,7 +228,7 @@ async def test_fetcher_resumes_from_the_first_missing_chunk_at_the_source(packag
     root, manifest = package
     store, failures, served, parent = await fetch_with(DyingServer(die_at=(1, 2)), manifest, root, fallback=True)
     try:
-        assert [bytes(store.block_view(b)) for b in range(3)] == [block_bytes(root, manifest, b) for b in range(3)]
+        assert [bytes(store.block_view(b)) for b in range(3)] == [block_file_bytes(root, manifest, b) for b in range(3)]
         # Block 2 goes straight to the source: the parent was given up on.
         assert [(what, p.node_id, type(exc)) for what, p, exc in failures] == [
             ("block 1", "parent", PeerClosedError), ("block 1", "parent", PeerConnectError)]

@@ -1,5 +1,6 @@
-"""The UCX transport (ucxx over TCP and shared memory on loopback): transfers, cut-through, faults,
-deadlines, shutdown without hanging, and a pair of real ``pipecast agent --transport ucx`` processes."""
+"""The UCX transport (ucxx over TCP and shared memory on loopback): faults, deadlines, shutdown without
+hanging, and a pair of real ``pipecast agent --transport ucx`` processes. What every transport must do
+is in test_transport_conformance.py."""
 
 import asyncio
 import signal
@@ -16,26 +17,26 @@ import pytest
 pytest.importorskip("ucxx", reason="the ucx extra (ucxx-cu12) is not installed")
 
 from control_plane.schedules import make_plan  # noqa: E402
-from packager.manifest import manifest_from_json  # noqa: E402
-from pipecast.agent.budget import MemoryBudget  # noqa: E402
-from pipecast.agent.buffers import SharedMemoryAllocator  # noqa: E402
 from pipecast.agent.errors import (  # noqa: E402
-    CorruptChunkError,
     PeerClosedError,
     PeerConnectError,
     PeerRefusedError,
     PeerTimeoutError,
 )
-from pipecast.agent.fetcher import Peer  # noqa: E402
 from pipecast.agent.peer_server import PeerServer  # noqa: E402
 from pipecast.agent.plan_file import plan_file_data  # noqa: E402
-from pipecast.agent.store import BlockStore  # noqa: E402
 from pipecast.agent.transport import registry  # noqa: E402
 from pipecast.agent.transport.registry import resolve_transport_name  # noqa: E402
 from pipecast.agent.transport.ucx import UcxListener, UcxTransport, _as_bytes, _tls_allows_tcp  # noqa: E402
 from pipecast.settings import Settings  # noqa: E402
 from pipecast.v1.manifest_pb2 import Manifest  # noqa: E402
-from tests.agent_fixtures import FlippingServer, make_package, seed_store  # noqa: E402
+from tests.agent_fixtures import (  # noqa: E402
+    block_file_bytes,
+    land_chunk,
+    make_package,
+    receiving_store,
+    seed_store,
+)
 from tests.agent_processes import REPO, assert_identical_copy, free_ports, write_plan  # noqa: E402
 
 pytestmark = [pytest.mark.ucx, pytest.mark.timeout(60)]
@@ -71,19 +72,6 @@ async def transports():
     assert NOTIFIER_THREAD not in {t.name for t in threading.enumerate()}
 
 
-def empty_store(manifest: Manifest) -> BlockStore:
-    return BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=MemoryBudget(1 << 30),
-                           manifest_origin="test")
-
-
-def block_bytes(root: Path, manifest: Manifest, block: int) -> bytes:
-    return (root / manifest.blocks[block].file).read_bytes()
-
-
-def fill_chunk(store: BlockStore, data: bytes, block: int, chunk: int) -> None:
-    """Land ``chunk`` of ``block`` in ``store`` as if an upstream parent had sent it."""
-    store.chunk_buffer(block, chunk)[:] = data[chunk * CHUNK:(chunk + 1) * CHUNK]
-    store.chunk_landed(block, chunk, "upstream")
 
 
 def closed_port() -> int:
@@ -92,94 +80,19 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-async def test_blocks_and_files_arrive_byte_identical(package, transports):
-    root, manifest = package
-    seed = seed_store(root)
-    server = PeerServer()
-    server.add(seed)
-    serving = transports("seed")
-    listener = await serving.listen("127.0.0.1", 0, server)
-    client = transports("rx")
-    store = empty_store(manifest)
-    try:
-        channel = await client.connect(listener.address, "seed")
-        fetched = manifest_from_json(await channel.fetch_file(manifest.package_id, "manifest.json"))
-        assert fetched == manifest
-        assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
-        for block in range(len(manifest.blocks)):
-            await channel.fetch_block(manifest.package_id, block, 0, store)
-            assert bytes(store.block_view(block)) == block_bytes(root, manifest, block)
-        assert client.stats.bytes_received == serving.stats.bytes_sent >= manifest.total_bytes
-        assert listener.open_connections == 1
-        await channel.close()
-        await asyncio.sleep(0.1)
-        assert listener.open_connections == 0  # the goodbye ended the server's side too
-    finally:
-        store.close()
-        seed.close()
-
-
-async def test_relay_serves_chunks_before_its_block_is_complete(package, transports):
-    root, manifest = package
-    data = block_bytes(root, manifest, 0)
-    relay = empty_store(manifest)
-    server = PeerServer()
-    server.add(relay)
-    listener = await transports("relay").listen("127.0.0.1", 0, server)
-    child = empty_store(manifest)
-    channel = await transports("child", io_timeout_s=5).connect(listener.address, "relay")
-    try:
-        fetch = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child))
-        fill_chunk(relay, data, 0, 0)
-        assert bytes(await asyncio.wait_for(child.wait_chunk(0, 0), 2)) == data[:CHUNK]
-        assert not relay.is_chunk_present(0, 1)  # the relay still lacks the rest of block 0
-        for chunk in range(1, relay.chunk_count(0)):
-            fill_chunk(relay, data, 0, chunk)
-        await asyncio.wait_for(fetch, 2)
-        assert bytes(child.block_view(0)) == data
-    finally:
-        await channel.close()
-        child.close()
-        relay.close()
-
-
-async def test_corrupt_chunk_from_a_relay_is_never_present_and_names_it(package, transports):
-    root, manifest = package
-    seed = seed_store(root)
-    faulty = FlippingServer(flip=(1, 1))
-    faulty.add(seed)
-    listener = await transports("faulty").listen("127.0.0.1", 0, faulty)
-    store = empty_store(manifest)
-    peer = Peer("faulty", listener.address)
-    channel = await transports("rx").connect(peer.address, str(peer))
-    try:
-        with pytest.raises(CorruptChunkError) as caught:
-            await channel.fetch_block(manifest.package_id, 1, 0, store)
-        assert str(caught.value) == (f"peer faulty@{listener.address}: sent a corrupt chunk 1 of block 1 "
-                                     "(digest mismatch)")
-        assert store.is_chunk_present(1, 0) and not store.is_chunk_present(1, 1)
-        assert store.first_missing_chunk(1) == 1
-        with pytest.raises(CorruptChunkError):  # the channel is done with: it says so again
-            await channel.fetch_block(manifest.package_id, 2, 0, store)
-    finally:
-        await channel.close()
-        store.close()
-        seed.close()
-
-
 async def test_parent_going_away_mid_block_is_a_closed_error_naming_it_at_once(package, transports):
     root, manifest = package
-    data = block_bytes(root, manifest, 0)
-    relay = empty_store(manifest)
+    data = block_file_bytes(root, manifest, 0)
+    relay = receiving_store(manifest)
     server = PeerServer()
     server.add(relay)
     listener: UcxListener = await transports("relay").listen("127.0.0.1", 0, server)
-    child = empty_store(manifest)
+    child = receiving_store(manifest)
     # A long silence deadline: the error must come from the broken connection, not from a timeout.
     channel = await transports("child", io_timeout_s=10).connect(listener.address, "relay")
     try:
         fetch = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child))
-        fill_chunk(relay, data, 0, 0)
+        land_chunk(relay, data, 0, 0)
         await asyncio.wait_for(child.wait_chunk(0, 0), 2)
         started = time.monotonic()
         await listener.close()  # every connection of the relay is dropped
@@ -200,7 +113,7 @@ async def test_silent_peer_raises_a_timeout_naming_it_within_the_deadline(packag
     mute = PeerServer()
     mute.expect(manifest.package_id)  # it will "soon" hold the package: requests wait, forever
     listener = await transports("mute").listen("127.0.0.1", 0, mute)
-    store = empty_store(manifest)
+    store = receiving_store(manifest)
     channel = await transports("rx").connect(listener.address, "mute")
     try:
         started = time.monotonic()
@@ -230,7 +143,7 @@ async def test_unknown_package_and_file_are_refused_naming_the_peer(package, tra
     server = PeerServer()
     server.add(seed)
     listener = await transports("seed").listen("127.0.0.1", 0, server)
-    store = empty_store(manifest)
+    store = receiving_store(manifest)
     client = transports("rx")
     try:
         # As with TCP, a refusal ends its channel; the fetcher opens another for the next request.
@@ -242,7 +155,7 @@ async def test_unknown_package_and_file_are_refused_naming_the_peer(package, tra
             await channel.fetch_file(manifest.package_id, "weights.bin")
         channel = await client.connect(listener.address, "seed")
         await channel.fetch_block(manifest.package_id, 0, 0, store)
-        assert bytes(store.block_view(0)) == block_bytes(root, manifest, 0)
+        assert bytes(store.block_view(0)) == block_file_bytes(root, manifest, 0)
     finally:
         store.close()
         seed.close()
@@ -258,7 +171,7 @@ async def test_rate_limit_paces_the_transfer(package, transports, side):
     limited = {side: mbit}
     listener = await transports("seed", **(limited if side == "egress_mbit" else {})).listen("127.0.0.1", 0, server)
     client = transports("rx", io_timeout_s=5, **(limited if side == "ingress_mbit" else {}))
-    store = empty_store(manifest)
+    store = receiving_store(manifest)
     channel = await client.connect(listener.address, "seed")
     try:
         started = time.monotonic()
@@ -267,7 +180,7 @@ async def test_rate_limit_paces_the_transfer(package, transports, side):
         elapsed = time.monotonic() - started
         # Lower bound only: the bucket may start full (its 256 KiB burst), the rest must wait for tokens.
         assert elapsed >= (manifest.total_bytes - (256 << 10)) / (mbit * 1e6 / 8) * 0.9
-        assert bytes(store.block_view(2)) == block_bytes(root, manifest, 2)
+        assert bytes(store.block_view(2)) == block_file_bytes(root, manifest, 2)
     finally:
         await channel.close()
         store.close()
