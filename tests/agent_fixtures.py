@@ -17,8 +17,9 @@ from pipecast.v1.manifest_pb2 import Manifest
 
 
 def make_package(path: Path, *, layers: int = 4, layer_bytes: int = 1 << 20, chunk_bytes: int = 256 << 10,
-                 seed: int = 0) -> Manifest:
-    """Pack a random checkpoint of ``layers`` layers (one block each) into the package folder ``path``."""
+                 seed: int = 0, tokenizer_bytes: int = 0) -> Manifest:
+    """Pack a random checkpoint of ``layers`` layers (one block each) into the package folder ``path``,
+    with a random ``tokenizer.json`` of ``tokenizer_bytes`` bytes among its small files if asked."""
     rng = np.random.default_rng(seed)
     checkpoint = path.parent / f"{path.name}-checkpoint"
     checkpoint.mkdir(parents=True)
@@ -29,6 +30,8 @@ def make_package(path: Path, *, layers: int = 4, layer_bytes: int = 1 << 20, chu
     save_file(tensors, str(checkpoint / "model.safetensors"))
     (checkpoint / "config.json").write_text(json.dumps(
         {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers}))
+    if tokenizer_bytes:
+        (checkpoint / "tokenizer.json").write_bytes(rng.integers(0, 256, tokenizer_bytes, dtype=np.uint8).tobytes())
     return pack(checkpoint, path, layers_per_block=1, chunk_bytes=chunk_bytes)
 
 

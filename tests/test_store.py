@@ -15,13 +15,15 @@ from pipecast.agent.buffers import SharedMemoryAllocator
 from pipecast.agent.cache import BlockCache
 from pipecast.agent.errors import (
     CorruptChunkError,
+    CorruptFileError,
     MemoryBudgetError,
     PackageSourceError,
+    UnknownPackageError,
 )
 from pipecast.agent.source import PackageFolderSource
 from pipecast.agent.store import BlockStore
 from pipecast.v1.manifest_pb2 import Manifest
-from tests.agent_fixtures import make_package, receiving_store
+from tests.agent_fixtures import block_file_bytes, make_package, receiving_store
 
 CHUNK = 64 << 10
 
@@ -29,11 +31,7 @@ CHUNK = 64 << 10
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> tuple[Path, Manifest]:
     root = tmp_path_factory.mktemp("store") / "pkg"
-    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK)
-
-
-def block_bytes(root: Path, manifest: Manifest, block: int) -> bytes:
-    return (root / manifest.blocks[block].file).read_bytes()
+    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK, tokenizer_bytes=1000)
 
 
 def put_chunk(store: BlockStore, block: int, chunk: int, data: bytes, peer: str = "p1") -> None:
@@ -44,7 +42,7 @@ def put_chunk(store: BlockStore, block: int, chunk: int, data: bytes, peer: str 
 
 async def test_chunks_become_present_and_wake_waiters(package):
     root, manifest = package
-    data = block_bytes(root, manifest, 1)
+    data = block_file_bytes(root, manifest, 1)
     store = receiving_store(manifest)
     try:
         count = store.chunk_count(1)
@@ -72,7 +70,7 @@ async def test_chunks_become_present_and_wake_waiters(package):
 
 async def test_out_of_order_chunks_verify_the_block(package):
     root, manifest = package
-    data = block_bytes(root, manifest, 0)
+    data = block_file_bytes(root, manifest, 0)
     store = receiving_store(manifest)
     try:
         for chunk in reversed(range(store.chunk_count(0))):
@@ -85,7 +83,7 @@ async def test_out_of_order_chunks_verify_the_block(package):
 
 async def test_corrupt_chunk_is_refused_and_names_the_peer(package):
     root, manifest = package
-    data = bytearray(block_bytes(root, manifest, 2))
+    data = bytearray(block_file_bytes(root, manifest, 2))
     store = receiving_store(manifest)
     events = []
     store.subscribe(events.append)
@@ -120,6 +118,45 @@ def test_forged_chunk_digests_are_refused_before_any_byte(package):
                         manifest_origin="peer liar@1.2.3.4:7070")
 
 
+async def test_a_file_can_be_read_range_by_range_before_it_is_whole_and_is_verified_once_whole(package):
+    root, manifest = package
+    data = (root / "tokenizer.json").read_bytes()
+    store = receiving_store(manifest)
+    try:
+        early = asyncio.ensure_future(store.wait_file_range("tokenizer.json", 100, 200))
+        whole = asyncio.ensure_future(store.wait_file("tokenizer.json"))
+        store.file_range_landed("tokenizer.json", 0, data[:250], "p1")
+        await asyncio.sleep(0)
+        assert not early.done()
+        store.file_range_landed("tokenizer.json", 250, data[250:400], "p1")
+        assert await asyncio.wait_for(early, 1) == data[100:300]
+        assert not whole.done() and "tokenizer.json" in store.missing_files()
+        store.file_range_landed("tokenizer.json", 400, data[400:], "p1")
+        assert await asyncio.wait_for(whole, 1) == data and "tokenizer.json" not in store.missing_files()
+    finally:
+        store.close()
+
+
+async def test_a_corrupt_file_is_dropped_whole_naming_its_sender_and_ranges_are_checked(package):
+    root, manifest = package
+    data = bytearray((root / "tokenizer.json").read_bytes())
+    data[-1] ^= 0xFF
+    store = receiving_store(manifest)
+    try:
+        store.file_range_landed("tokenizer.json", 0, bytes(data[:600]), "bad")
+        with pytest.raises(CorruptFileError, match="^peer bad: sent file 'tokenizer.json' whose size or digest "
+                                                   "differs from the manifest$"):
+            store.file_range_landed("tokenizer.json", 600, bytes(data[600:]), "bad")
+        assert store.file_received("tokenizer.json") == 0 and "tokenizer.json" in store.missing_files()
+        with pytest.raises(UnknownPackageError, match="file 'tokenizer.json' of package .* has 1000 bytes: "
+                                                      "no range of 10 at 995"):
+            await store.wait_file_range("tokenizer.json", 995, 10)
+        with pytest.raises(UnknownPackageError, match="has no file 'secrets.json'"):
+            await store.wait_file_range("secrets.json", 0, 1)
+    finally:
+        store.close()
+
+
 def test_memory_budget_refuses_a_package_that_does_not_fit(package):
     _, manifest = package
     total = manifest.total_bytes
@@ -146,7 +183,7 @@ def test_seed_is_mapped_verified_and_costs_no_budget(package):
     try:
         assert store.verified_blocks() == [0, 1, 2] and budget.used_bytes == 0
         assert store.block_path(1) == str((root / manifest.blocks[1].file).resolve())
-        assert bytes(store.block_view(1)) == block_bytes(root, manifest, 1)
+        assert bytes(store.block_view(1)) == block_file_bytes(root, manifest, 1)
         assert store.files["config.json"] == (root / "config.json").read_bytes()
     finally:
         store.close()
@@ -168,7 +205,7 @@ def test_corrupt_seed_is_refused_naming_the_file(package, tmp_path):
 
 def test_received_block_is_shared_memory_another_mapping_sees(package):
     root, manifest = package
-    data = block_bytes(root, manifest, 0)
+    data = block_file_bytes(root, manifest, 0)
     store = receiving_store(manifest)
     try:
         for chunk in range(store.chunk_count(0)):
@@ -190,12 +227,13 @@ def test_cache_round_trip_reverifies_and_refetches_bad_blocks(package, tmp_path,
     cache = BlockCache(tmp_path / "cache")
     store = receiving_store(manifest)
     for block in (0, 1):
-        data = block_bytes(root, manifest, block)
+        data = block_file_bytes(root, manifest, block)
         for chunk in range(store.chunk_count(block)):
             put_chunk(store, block, chunk, data)
         cache.write_block(manifest, block, store.block_view(block))
     cache.write_manifest(manifest)
-    cache.write_file(manifest.package_id, "config.json", (root / "config.json").read_bytes())
+    for entry in manifest.files:
+        cache.write_file(manifest.package_id, entry.path, (root / entry.path).read_bytes())
     store.close()
     cached_block1 = cache.package_dir(manifest.package_id) / manifest.blocks[1].file
     raw = bytearray(cached_block1.read_bytes())
@@ -211,7 +249,7 @@ def test_cache_round_trip_reverifies_and_refetches_bad_blocks(package, tmp_path,
         assert "block 1 does not match the manifest" in caplog.text
         assert budget.used_bytes == manifest.blocks[1].bytes + manifest.blocks[2].bytes
         assert restarted.block_path(0) == str(cache.package_dir(manifest.package_id) / manifest.blocks[0].file)
-        assert bytes(restarted.block_view(0)) == block_bytes(root, manifest, 0)
+        assert bytes(restarted.block_view(0)) == block_file_bytes(root, manifest, 0)
         assert restarted.missing_files() == []
         assert restarted.first_missing_chunk(1) == 0
     finally:

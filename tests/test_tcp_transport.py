@@ -16,7 +16,7 @@ from pipecast.agent.errors import (
     PeerTimeoutError,
     TransportUnavailableError,
 )
-from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, Peer
+from pipecast.agent.fetcher import FILE_RANGE_BYTES, ChannelPool, Fetcher, FetchPolicy, Peer, fetch_files
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.ratelimit import TokenBucket
 from pipecast.agent.store import BlockStore
@@ -33,7 +33,7 @@ IO_TIMEOUT_S = 0.3
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> tuple[Path, Manifest]:
     root = tmp_path_factory.mktemp("tcp") / "pkg"
-    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK)
+    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK, tokenizer_bytes=600_000)
 
 
 def settings(**overrides) -> Settings:
@@ -276,3 +276,38 @@ async def test_a_failed_channel_takes_its_peers_idle_channels_with_it(package):
         await pool.close()
         await listener.close()
         seed.close()
+
+
+class FileFlippingServer(PeerServer):
+    """Serves small files in ranges, with the last byte of every file flipped."""
+
+    async def file_bytes(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
+        data = bytearray(await super().file_bytes(package_id, path, offset, length))
+        size = next(f.bytes for f in self.stores[package_id].manifest.files if f.path == path)
+        if data and offset + len(data) == size:
+            data[-1] ^= 0xFF
+        return bytes(data)
+
+
+async def test_files_come_in_ranges_each_checked_whole_and_a_corrupting_peer_is_left_for_the_next(package):
+    root, manifest = package
+    assert manifest.files and max(f.bytes for f in manifest.files) > 2 * FILE_RANGE_BYTES
+    bad_seed, good_seed = seed_store(root), seed_store(root)
+    _, bad_listener = await serve(FileFlippingServer(), bad_seed)
+    _, good_listener = await serve(PeerServer(), good_seed)
+    bad, good = Peer("bad", bad_listener.address), Peer("good", good_listener.address)
+    store = receiving_store(manifest)
+    failures = []
+    pool = ChannelPool(TcpTransport("rx", settings()))
+    try:
+        await fetch_files(pool, store, [bad, good], lambda what, peer, exc: failures.append((what, peer)))
+        assert store.missing_files() == []
+        for entry in manifest.files:
+            assert store.files[entry.path] == (root / entry.path).read_bytes()
+        assert sorted(failures) == sorted((f.path, bad) for f in manifest.files)
+    finally:
+        await pool.close()
+        await bad_listener.close()
+        await good_listener.close()
+        for s in (store, bad_seed, good_seed):
+            s.close()

@@ -1,6 +1,7 @@
 """What every transport must do, run against each one (TCP always, UCX where ucxx is installed), on
 loopback in one process: blocks and files arrive byte-identical, a relay forwards chunks before its block
-is complete, a corrupt chunk is never present and names its sender. Transport-specific behaviour (faults
+is complete, a corrupt chunk is never present and names its sender, a relay forwards a file's ranges before it has
+the whole file. Transport-specific behaviour (faults
 on the wire, rate limits, process exit) is in test_tcp_transport.py and test_ucx_transport.py."""
 
 import asyncio
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> tuple[Path, Manifest]:
     root = tmp_path_factory.mktemp("conformance") / "pkg"
-    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK)
+    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK, tokenizer_bytes=300_000)
 
 
 @pytest.fixture(params=["tcp", pytest.param("ucx", marks=pytest.mark.ucx)])
@@ -132,3 +133,26 @@ async def test_corrupt_chunk_from_a_relay_is_never_present_and_names_it(package,
         await channel.close()
         store.close()
         seed.close()
+
+
+async def test_relay_serves_a_file_range_before_it_has_the_whole_file(package, transports):
+    root, manifest = package
+    data = (root / "tokenizer.json").read_bytes()
+    relay = receiving_store(manifest)
+    server = PeerServer()
+    server.add(relay)
+    listener = await transports("relay").listen("127.0.0.1", 0, server)
+    channel = await transports("child", io_timeout_s=5).connect(listener.address, "relay")
+    try:
+        fetch = asyncio.create_task(channel.fetch_file(manifest.package_id, "tokenizer.json", 1000, 5000))
+        await asyncio.sleep(0.1)
+        assert not fetch.done()  # the relay has none of it yet
+        relay.file_range_landed("tokenizer.json", 0, data[:6000], "upstream")
+        assert await asyncio.wait_for(fetch, 2) == data[1000:6000]
+        assert "tokenizer.json" in relay.missing_files()  # not whole, so not verified, yet
+        whole = asyncio.create_task(channel.fetch_file(manifest.package_id, "tokenizer.json"))
+        relay.file_range_landed("tokenizer.json", 6000, data[6000:], "upstream")
+        assert await asyncio.wait_for(whole, 2) == data  # a whole-file request waits for the verified file
+    finally:
+        await channel.close()
+        relay.close()

@@ -100,9 +100,9 @@ class _AgentPeerServer(PeerServer):
         await self._heard_of(package_id)
         return await super().chunk_count(package_id, block)
 
-    async def file_bytes(self, package_id: str, path: str) -> bytes:
+    async def file_bytes(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
         await self._heard_of(package_id)
-        return await super().file_bytes(package_id, path)
+        return await super().file_bytes(package_id, path, offset, length)
 
     def peer_requested(self, requester: str, package_id: str, block: int | None) -> None:
         super().peer_requested(requester, package_id, block)

@@ -5,6 +5,9 @@ from the block's first missing chunk. A parent that fails is retried a bounded n
 backoff, except one that sent a corrupt chunk (never retried); then the fetch falls back to the given
 fallback peers (the sources of a static plan), or fails with a typed error naming every peer tried so
 that a control plane can re-parent. A peer given up on is not asked for later blocks either.
+
+Small files (tokenizer, config) are fetched in ranges that each hop serves as soon as it has them, so a
+chain forwards them like blocks instead of each hop waiting for its parent's whole copy.
 """
 
 import asyncio
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 from packager.errors import ManifestError
 from packager.manifest import MANIFEST_FILE, manifest_from_json
-from pipecast.agent.errors import CorruptChunkError, CorruptFileError, FetchFailedError, PeerError
+from pipecast.agent.errors import CorruptChunkError, CorruptFileError, FetchFailedError, PeerError, PeerProtocolError
 from pipecast.agent.ratelimit import format_rate
 from pipecast.agent.store import BlockStore
 from pipecast.agent.transport.base import Channel, Transport
@@ -27,6 +30,8 @@ log = logging.getLogger(__name__)
 DEFAULT_CONCURRENCY = 2
 DEFAULT_RETRIES = 2
 DEFAULT_BACKOFF_S = 0.2
+# A small file moves in ranges this big: what a relay must hold before it passes the file on.
+FILE_RANGE_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -123,21 +128,36 @@ async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[Pee
     raise FetchFailedError(f"the manifest of package {package_id[:12]}", attempts)
 
 
+async def _fetch_file_ranges(channel: Channel, store: BlockStore, path: str, size: int, peer: str) -> None:
+    offset = store.file_received(path)  # a fetch cancelled mid-file (a new plan) left these bytes
+    while True:
+        length = min(FILE_RANGE_BYTES, size - offset)
+        data = await channel.fetch_file(store.package_id, path, offset, length) if length else b""
+        if len(data) != length:
+            raise PeerProtocolError(peer, f"sent {len(data)} bytes for {length} of file {path} at {offset}")
+        store.file_range_landed(path, offset, data, peer)  # the last range checks the whole file
+        offset += length
+        if offset == size:
+            return
+
+
 async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[Peer],
                       on_failure: PeerFailureCallback | None = None) -> None:
-    """Fetch the package's small files the store lacks, each verified against the manifest."""
+    """Fetch the package's small files the store lacks, range by range, each file verified against the
+    manifest once whole. A peer that fails mid-file leaves nothing behind: the next one starts over."""
+    sizes = {f.path: f.bytes for f in store.manifest.files}
     for path in store.missing_files():
         attempts: list[tuple[str, Exception]] = []
         for peer in dict.fromkeys(peers):
             channel = None
             try:
                 channel = await pool.acquire(peer)
-                data = await channel.fetch_file(store.package_id, path)
+                await _fetch_file_ranges(channel, store, path, sizes[path], str(peer))
                 pool.release(peer, channel)
                 channel = None
-                store.add_file(path, data, str(peer))
                 break
             except PeerError as exc:
+                store.discard_partial_file(path)
                 if channel is not None:
                     await pool.discard(peer, channel)
                 log.warning("file %s: %s", path, exc)

@@ -14,7 +14,8 @@ class PeerServer:
     """The :class:`~pipecast.agent.transport.base.ChunkProvider` of an agent, over its block stores.
 
     A chunk is served as soon as the store holds it verified (cut-through), even while the rest of its
-    block is still arriving. A request for a package this agent is about to receive (:meth:`expect`)
+    block is still arriving; a range of a small file as soon as its bytes are here (each receiver checks
+    the whole file against the manifest). A request for a package this agent is about to receive (:meth:`expect`)
     waits for it instead of being refused: children may ask before their parent has the manifest. It
     also remembers which nodes asked, so a node knows when the children its plan gave it have come.
     """
@@ -60,10 +61,13 @@ class PeerServer:
     async def wait_chunk(self, package_id: str, block: int, chunk: int) -> memoryview:
         return await (await self._store(package_id)).wait_chunk(block, chunk)
 
-    async def file_bytes(self, package_id: str, path: str) -> bytes:
+    async def file_bytes(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
         store = await self._store(package_id)
         if path == MANIFEST_FILE:
-            return manifest_to_json(store.manifest).encode()
+            data = manifest_to_json(store.manifest).encode()
+            return data[offset:offset + length] if length else data
+        if length:
+            return await store.wait_file_range(path, offset, length)
         return await store.wait_file(path)
 
     def peer_requested(self, requester: str, package_id: str, block: int | None) -> None:

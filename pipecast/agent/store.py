@@ -28,7 +28,7 @@ from pipecast.agent.errors import (
     UnknownPackageError,
 )
 from pipecast.agent.source import PackageSource
-from pipecast.v1.manifest_pb2 import Block, Manifest
+from pipecast.v1.manifest_pb2 import Block, Manifest, PackageFile
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ class BlockStore:
         self.package_id = manifest.package_id
         self.manifest_origin = manifest_origin
         self.files: dict[str, bytes] = {}
+        self._partial_files: dict[str, bytearray] = {}  # files being received, not verified yet
         self._blocks: list[_BlockState] = []
         self._reservation: Reservation | None = None
         self._listeners: list[Callable[[StoreEvent], None]] = []
@@ -251,23 +252,78 @@ class BlockStore:
 
     def add_file(self, path: str, data: bytes, peer: str) -> None:
         """Keep a small package file after checking it against the manifest; ``peer`` is who sent it."""
-        entry = next((f for f in self.manifest.files if f.path == path), None)
+        entry = self._file_entry(path)
         if entry is None:
             raise CorruptFileError(peer, f"sent file {path!r}, which the manifest does not list")
+        self._partial_files.pop(path, None)
         if len(data) != entry.bytes or digest_bytes(data) != entry.digest:
+            _wake(self._file_waiters.pop(path, []))  # range waiters see the partial copy gone
             raise CorruptFileError(peer, f"sent file {path!r} whose size or digest differs from the manifest")
         self.files[path] = data
         _wake(self._file_waiters.pop(path, []))
 
+    def file_range_landed(self, path: str, offset: int, data: bytes, peer: str) -> None:
+        """Append ``data``, sent by ``peer``, to the file being received (``offset`` is where it ends so
+        far). Its bytes can be served at once (:meth:`wait_file_range`); once whole it is checked against the
+        manifest (:meth:`add_file`: a mismatch raises :class:`CorruptFileError` and drops the copy)."""
+        entry = self._file_entry(path)
+        if entry is None:
+            raise CorruptFileError(peer, f"sent file {path!r}, which the manifest does not list")
+        partial = self._partial_files.setdefault(path, bytearray())
+        if offset != len(partial) or offset + len(data) > entry.bytes:
+            raise ValueError(f"file {path!r}: {len(data)} bytes at {offset}, but {len(partial)} of "
+                             f"{entry.bytes} are here")
+        partial += data
+        if len(partial) == entry.bytes:
+            self.add_file(path, bytes(partial), peer)
+        else:
+            _wake(self._file_waiters.pop(path, []))
+
+    def file_received(self, path: str) -> int:
+        """Bytes of ``path`` here so far (verified or not)."""
+        return len(self.files[path]) if path in self.files else len(self._partial_files.get(path, b""))
+
+    def discard_partial_file(self, path: str) -> None:
+        """Forget the unverified bytes of ``path`` (its sender failed): the next sender starts over."""
+        if self._partial_files.pop(path, None) is not None:
+            _wake(self._file_waiters.pop(path, []))
+
     async def wait_file(self, path: str) -> bytes:
-        """A small package file, once held (no deadline: the caller's); unknown paths are refused."""
-        if not any(f.path == path for f in self.manifest.files):
-            raise UnknownPackageError(f"package {self.package_id[:12]} has no file {path!r}")
+        """A small package file, once held and verified (no deadline: the caller's); unknown paths are
+        refused."""
+        self._check_file(path)
         while path not in self.files:
-            fut = asyncio.get_running_loop().create_future()
-            self._file_waiters.setdefault(path, []).append(fut)
-            await fut
+            await self._file_progress(path)
         return self.files[path]
+
+    async def wait_file_range(self, path: str, offset: int, length: int) -> bytes:
+        """Bytes ``offset .. offset + length`` of a small package file as soon as they are here, verified
+        with the whole file or not yet (a relay forwards a file as it arrives; every receiver checks the
+        whole file against the manifest). No deadline: the caller's."""
+        size = self._check_file(path).bytes
+        if offset < 0 or length < 0 or offset + length > size:
+            raise UnknownPackageError(f"file {path!r} of package {self.package_id[:12]} has {size} bytes: "
+                                      f"no range of {length} at {offset}")
+        if length == 0:
+            return b""
+        while self.file_received(path) < offset + length:
+            await self._file_progress(path)
+        data = self.files[path] if path in self.files else self._partial_files[path]
+        return bytes(data[offset:offset + length])
+
+    def _file_entry(self, path: str) -> PackageFile | None:
+        return next((f for f in self.manifest.files if f.path == path), None)
+
+    def _check_file(self, path: str) -> PackageFile:
+        entry = self._file_entry(path)
+        if entry is None:
+            raise UnknownPackageError(f"package {self.package_id[:12]} has no file {path!r}")
+        return entry
+
+    async def _file_progress(self, path: str) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self._file_waiters.setdefault(path, []).append(fut)
+        await fut
 
     def missing_files(self) -> list[str]:
         """Small package files not held yet."""

@@ -59,8 +59,9 @@ class ChunkProvider(Protocol):
         """The verified bytes of ``chunk``, once this node has them."""
         ...
 
-    async def file_bytes(self, package_id: str, path: str) -> bytes:
-        """A package's manifest (``manifest.json``) or small file; raises ``UnknownPackageError``."""
+    async def file_bytes(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
+        """A package's manifest (``manifest.json``) or small file, whole once verified (``length`` 0), or
+        its bytes ``offset .. offset + length`` as soon as they are here; raises ``UnknownPackageError``."""
         ...
 
     def peer_requested(self, requester: str, package_id: str, block: int | None) -> None:
@@ -86,8 +87,10 @@ class Channel(ABC):
         """Receive chunks ``first_chunk`` .. last of ``block`` into ``sink``, in order; return when done."""
 
     @abstractmethod
-    async def fetch_file(self, package_id: str, path: str) -> bytes:
-        """The bytes of a package's ``manifest.json`` or small file, as the peer has them (unverified)."""
+    async def fetch_file(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
+        """The bytes of a package's ``manifest.json`` or small file, as the peer has them (unverified):
+        the whole file once the peer has verified it (``length`` 0), or bytes ``offset .. offset + length``
+        as soon as the peer has them (it may still be receiving the rest)."""
 
     @abstractmethod
     async def close(self) -> None:

@@ -2,8 +2,9 @@
 
 Wire format: every message is a 20-byte header ``!2sBBIIQ`` (magic ``PC``, version, type, block, chunk,
 payload length) followed by the payload. A requester sends ``REQ_BLOCK`` (block, first chunk; payload
-``package_id\\nrequester``) or ``REQ_FILE`` (payload ``package_id\\nrequester\\npath``) and waits for its
-answer before the next request: ``CHUNK`` messages for chunks first..last in order, one ``FILE`` message,
+``package_id\\nrequester``) or ``REQ_FILE`` (block and chunk fields: offset and length of the range wanted,
+length 0 for the whole file; payload ``package_id\\nrequester\\npath``) and waits for its answer before the
+next request: ``CHUNK`` messages for chunks first..last in order, one ``FILE`` message,
 or one ``ERROR`` (UTF-8 text).
 
 The receive side is an ``asyncio.BufferedProtocol`` that hands the socket the chunk's own slice of the
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("!2sBBIIQ")
 MAGIC = b"PC"
-VERSION = 1
+VERSION = 2  # 2: REQ_FILE asks for a byte range
 REQ_BLOCK, REQ_FILE, CHUNK, FILE, ERROR = 1, 2, 3, 4, 5
 MAX_REQUEST_BYTES = 4096
 MAX_ERROR_BYTES = 64 << 10
@@ -273,10 +274,10 @@ class TcpChannel(Channel):
         request = _BlockRequest(block, first_chunk, count, sink, asyncio.get_running_loop().create_future())
         await self._run(request, _header(REQ_BLOCK, block, first_chunk, len(payload)) + payload)
 
-    async def fetch_file(self, package_id: str, path: str) -> bytes:
+    async def fetch_file(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
         payload = f"{package_id}\n{self._requester}\n{path}".encode()
         request = _FileRequest(path, asyncio.get_running_loop().create_future())
-        await self._run(request, _header(REQ_FILE, length=len(payload)) + payload)
+        await self._run(request, _header(REQ_FILE, offset, length, len(payload)) + payload)
         return request.done.result()
 
     async def close(self) -> None:
@@ -349,7 +350,7 @@ class _ServerProtocol(asyncio.Protocol):
                 else:
                     path = fields[2] if len(fields) > 2 else ""
                     provider.peer_requested(requester, package_id, None)
-                    data = await provider.file_bytes(package_id, path)
+                    data = await provider.file_bytes(package_id, path, offset=block, length=chunk)
                     await self._send(_header(FILE, length=len(data)), memoryview(data))
             except PeerError as exc:  # the requester stopped reading or went away
                 log.warning("%s", exc)

@@ -9,7 +9,8 @@ message is announced by a fixed 24-byte header ``!2sBBIIQI`` (magic ``PU``, vers
 payload length, frame size) on tag ``TAG_HEADER``; its payload follows on ``TAG_PAYLOAD`` as
 ``ceil(length / frame)`` messages (one when frame is 0) received into consecutive slices of the target
 buffer. Message types and limits are the TCP backend's. A requester sends ``REQ_BLOCK`` or ``REQ_FILE``
-(payload ``package_id\\nrequester[\\npath]``; the frame field is the largest frame it wants: 64 KiB when
+(for a file, block and chunk are the offset and length of the range wanted, length 0 for the whole file;
+payload ``package_id\\nrequester[\\npath]``; the frame field is the largest frame it wants: 64 KiB when
 its ingress is rate-limited, else 0) and waits for the answer: ``CHUNK`` messages for chunks first..last
 in order, one ``FILE``, or one ``ERROR``. Frames let a rate-limited side pace a smooth stream, as the TCP
 backend's send slices do. A channel ends with ``CLOSE``, answered by ``CLOSE_ACK``.
@@ -73,7 +74,7 @@ log = logging.getLogger(__name__)
 # Pitfall: a receiver must post a buffer of the message's size, so a fixed-size header announces each payload.
 HEADER = struct.Struct("!2sBBIIQI")
 MAGIC = b"PU"
-VERSION = 1
+VERSION = 2  # 2: REQ_FILE asks for a byte range
 CLOSE, CLOSE_ACK = 6, 7
 # Pitfall: integer tags only. ucxx hashes a user tag with the endpoint's own tag; a str tag goes through
 # hash(), which differs per process, so the two ends would never match and the receive hangs silently.
@@ -384,10 +385,10 @@ class UcxChannel(Channel):
                 sink.chunk_landed(block, chunk, self.peer)
                 self._link.stats.bytes_received += header.length
 
-    async def fetch_file(self, package_id: str, path: str) -> bytes:
+    async def fetch_file(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
         progress = _Progress(f"file {path}")
         async with self._request(progress):
-            await self._ask(REQ_FILE, 0, 0, f"{package_id}\n{self._requester}\n{path}")
+            await self._ask(REQ_FILE, offset, length, f"{package_id}\n{self._requester}\n{path}")
             header = await self._answer(FILE, progress)
             if header.length > MAX_FILE_BYTES:
                 raise PeerProtocolError(self.peer, f"sent file {path} of {header.length} bytes (limit "
@@ -502,7 +503,7 @@ class _ServerConnection:
             else:
                 path = fields[2] if len(fields) > 2 else ""
                 provider.peer_requested(requester, package_id, None)
-                data = await self._from_provider(provider.file_bytes(package_id, path))
+                data = await self._from_provider(provider.file_bytes(package_id, path, header.block, header.chunk))
                 await self._link.send(_Header(FILE, 0, 0, len(data), frame), memoryview(data), self._slow_reader,
                                       paced=True)
                 self._link.stats.bytes_sent += len(data)
