@@ -433,7 +433,7 @@ def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
                 await c.register(spec("w1"))
         asyncio.run(register())
         result = runner.invoke(cp_group, ["scale-up", pid, "--count", "1"])
-        assert result.exit_code == 0 and "binomial from store to 1 workers" in result.output
+        assert result.exit_code == 0 and "chain from store to 1 workers" in result.output
         plans = json.loads(runner.invoke(cp_group, ["--json", "plans"]).output)
         assert [(p["package_id"], p["receivers"]) for p in plans] == [(pid, ["w1"])]
         assert "w1" in runner.invoke(cp_group, ["workers"]).output

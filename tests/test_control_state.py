@@ -5,7 +5,7 @@ import pytest
 
 from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
 from control_plane.model import PeerInfo, UpdateKind, WorkerSpec
-from control_plane.state import ControlState, Notice
+from control_plane.state import CHAIN_MAX_RECEIVERS, ControlState, Notice
 from control_plane.store_sqlite import SqliteStore
 from pipecast.v1.manifest_pb2 import Block, Manifest
 
@@ -152,10 +152,20 @@ def test_dead_worker_record_is_forgotten_after_a_while():
 
 # ----- scale-up -----
 
+def test_one_source_plans_a_chain_for_few_receivers_and_a_binomial_pipeline_for_many():
+    state = cluster(CHAIN_MAX_RECEIVERS + 1)
+    few = state.scale_up("pkg", count=CHAIN_MAX_RECEIVERS, now=1)
+    assert few.strategy == "chain"
+    state = cluster(CHAIN_MAX_RECEIVERS + 1)
+    many = state.scale_up("pkg", count=CHAIN_MAX_RECEIVERS + 1, now=1)
+    assert many.strategy == "binomial"
+    assert_complete_plan(state, many.plan_id, set(many.receivers))
+
+
 def test_scale_up_from_the_store_plans_every_block_for_every_receiver():
     state = cluster(5)
     result = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], now=1)
-    assert result.sources == ("store",) and result.strategy == "binomial"
+    assert result.sources == ("store",) and result.strategy == "chain"  # few receivers
     assert_complete_plan(state, result.plan_id, {"w0", "w1", "w2"})
     assert notices_of(state, UpdateKind.ASSIGN) >= {"w0", "w1", "w2"}
 

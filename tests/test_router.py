@@ -53,7 +53,7 @@ class FakeWorker:
     finished: bool = False
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": self.status, "blocks_present": 4 if self.status == "ready" else 1,
+        return web.json_response({"status": self.status, "blocks_present": {"ready": 4, "partial": 3}.get(self.status, 1),
                                   "blocks_total": 4, "queue_depth": self.queue_depth, "running": 0,
                                   "max_queue": 8}, status=self.health_code)
 

@@ -74,23 +74,30 @@ def test_least_loaded_worker_is_chosen_counting_in_flight_and_reported_queue():
 
 
 def test_ready_beats_partial_at_equal_load_but_an_idle_partial_beats_a_busy_ready():
-    pool = pool_of(a=health("partial", present=3), b=health("ready"))
+    pool = pool_of(a=health("partial", present=7), b=health("ready"))
     assert pool.choose(now=1.0).url == B
     pool.begin(B)
     assert pool.choose(now=1.0).url == A
 
 
 def test_among_partial_workers_the_one_holding_more_blocks_wins():
-    pool = pool_of(a=health("partial", present=2), b=health("partial", present=6))
+    pool = pool_of(a=health("partial", present=6, total=7), b=health("partial", present=7, total=8))
     assert pool.choose(now=1.0).url == B
 
 
+def test_a_partial_worker_is_offered_requests_only_once_it_lacks_at_most_one_block():
+    pool = pool_of(a=health("partial", present=6, total=8))
+    assert pool.choose(now=1.0) is None  # it can start, but may well finish after another worker
+    pool.record_health(A, health("partial", present=7, total=8), polled_at=1.0)
+    assert pool.choose(now=1.0).url == A
+
+
 def test_a_partial_worker_takes_one_batch_then_requests_wait_for_a_worker_that_can_serve_sooner():
-    pool = pool_of(a=health("partial", present=1, max_batch=2), b=health("loading", present=5))
+    pool = pool_of(a=health("partial", present=7, max_batch=2), b=health("loading", present=5))
     for _ in range(2):
         pool.begin(pool.choose(now=1.0).url)
     assert pool.choose(now=1.0) is None  # a third would wait for a's transfer and its batch
-    pool.record_health(B, health("partial", present=6, max_batch=2), polled_at=1.0)
+    pool.record_health(B, health("partial", present=7, max_batch=2), polled_at=1.0)
     assert pool.choose(now=1.0).url == B
     pool.record_health(A, health("ready", max_batch=2, running=2), polled_at=1.0)
     pool.begin(B)

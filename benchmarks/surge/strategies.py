@@ -30,8 +30,8 @@ class Strategy:
 
     name: str
     description: str
-    #: The control plane's scale-up strategy for the cold workers; "" lets it choose (binomial pipeline
-    #: from one source, rotated pipelines from several).
+    #: The control plane's scale-up strategy for the cold workers; "" lets it choose (from one source a
+    #: chain for up to 8 receivers, else a binomial pipeline; rotated pipelines from several).
     plan_strategy: str
     #: Serve while blocks arrive (the worker's health goes ``partial``); else only once all are in.
     execute_while_load: bool
