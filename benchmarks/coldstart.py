@@ -610,7 +610,8 @@ def run(config: ColdStartConfig, workdir: Path, progress: ProgressCallback = lam
         finally:
             seed.stop()
         meta = {
-            "benchmark": "coldstart", "versions": versions("torch", "transformers"), "cpu_cores": os.cpu_count(), "mode": cluster.mode,
+            "benchmark": "coldstart", "versions": versions("torch", "transformers"), "cpu_cores": os.cpu_count(),
+            "mode": cluster.mode,
             "mode_reason": cluster.mode_reason, "cluster": cluster.describe(), "link_mbit": config.link_mbit,
             "package_id": manifest.package_id, "package_path": str(config.package), "model_name": manifest.model_name,
             "package_bytes": manifest.total_bytes, "blocks": len(manifest.blocks),

@@ -53,7 +53,8 @@ class FakeWorker:
     finished: bool = False
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": self.status, "blocks_present": {"ready": 4, "partial": 3}.get(self.status, 1),
+        present = {"ready": 4, "partial": 3}.get(self.status, 1)  # a partial worker in its last block
+        return web.json_response({"status": self.status, "blocks_present": present,
                                   "blocks_total": 4, "queue_depth": self.queue_depth, "running": 0,
                                   "max_queue": 8}, status=self.health_code)
 

@@ -311,3 +311,15 @@ async def test_files_come_in_ranges_each_checked_whole_and_a_corrupting_peer_is_
         await good_listener.close()
         for s in (store, bad_seed, good_seed):
             s.close()
+
+
+def test_only_a_peers_own_corrupt_data_gets_it_distrusted():
+    from packager.manifest import MANIFEST_FILE
+    from pipecast.agent.control import sender_at_fault
+    from pipecast.agent.errors import CorruptChunkError, CorruptFileError
+
+    assert sender_at_fault("block 3", CorruptChunkError("p", 3, 1))  # verified by the peer before it served it
+    assert sender_at_fault(MANIFEST_FILE, CorruptFileError("p", "sent an invalid manifest"))
+    # A file is forwarded before its relay has checked it whole: its parent may have corrupted it.
+    assert not sender_at_fault("tokenizer.json", CorruptFileError("p", "sent file 'tokenizer.json' ..."))
+    assert not sender_at_fault("block 3", PeerClosedError("p", "closed the connection"))

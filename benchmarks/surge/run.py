@@ -362,7 +362,8 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
         f"TTFT from each request's scheduled arrival; first{config.first_n} = the first {config.first_n} requests",
     ]
     return {
-        "benchmark": "surge", "versions": versions("torch", "transformers", "aiohttp", "grpcio"), "cpu_cores": os.cpu_count(), "mode": cluster.mode,
+        "benchmark": "surge", "versions": versions("torch", "transformers", "aiohttp", "grpcio"),
+        "cpu_cores": os.cpu_count(), "mode": cluster.mode,
         "mode_reason": cluster.mode_reason, "cluster": cluster.describe(), "link_mbit": config.link_mbit,
         "store_mbit": config.store_rate_mbit, "package_id": package.package_id, "package_path": str(package.path),
         "model_name": package.model_name, "package_bytes": package.total_bytes, "blocks": package.blocks,

@@ -28,6 +28,7 @@ from control_plane.client import ControlPlaneClient
 from control_plane.errors import ControlPlaneError
 from control_plane.model import AcceleratorInfo, AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.worker_session import WorkerSession
+from packager.manifest import MANIFEST_FILE
 from pipecast.agent.errors import AgentError, CorruptChunkError, CorruptFileError, FetchFailedError
 from pipecast.agent.events import EventLog
 from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, Peer, fetch_files
@@ -102,6 +103,14 @@ def advertised_address(listen_address: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def sender_at_fault(what: str, error: Exception) -> bool:
+    """Whether ``error``, from fetching ``what`` (a block or a file path), proves the peer itself sent corrupt
+    data, so that it is never asked again. Chunks and manifests are verified before a peer serves them; a
+    small file is forwarded range by range before its relay has checked it whole, so a corrupt copy may
+    come from the relay's own parent (the relay drops it and fetches it again)."""
+    return isinstance(error, CorruptChunkError) or (isinstance(error, CorruptFileError) and what == MANIFEST_FILE)
+
+
 def merged_fetches(parts: Iterable[AssignmentUpdate], verified: Collection[int] = ()) -> list[tuple[int, Peer]]:
     """The (block, parent) fetches of every part, in the parts' order, each block once (the first part
     that names it wins), without the ``verified`` blocks."""
@@ -137,7 +146,7 @@ class PackageFollower:
         self._pool = ChannelPool(host.transport)
         self._changed = asyncio.Event()
         self._errors: dict[Peer, Exception] = {}
-        self._untrusted: set[Peer] = set()  # sent corrupt data: never asked again
+        self._untrusted: set[Peer] = set()  # sent corrupt data of their own: never asked again
         held = self._store()
         self._completed = held is not None and held.progress().complete  # a seed: nothing to announce
         self._task = asyncio.get_running_loop().create_task(self._follow(), name=f"follow-{package_id[:12]}")
@@ -175,7 +184,7 @@ class PackageFollower:
 
     def _peer_failed(self, what: str, peer: Peer, error: Exception) -> None:
         self._errors[peer] = error
-        if isinstance(error, (CorruptChunkError, CorruptFileError)):
+        if sender_at_fault(what, error):
             self._untrusted.add(peer)
         self._host.peer_failed(what, peer, error)
 

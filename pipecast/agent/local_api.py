@@ -132,6 +132,7 @@ class LocalApiServer:
             return {"ok": True, "data": base64.b64encode(data).decode()}
         if op in ("wait_block", "wait_prefix", "buffer"):
             block = int(request["block"])
+            verified = {}
             if op == "wait_block":
                 try:
                     await asyncio.wait_for(store.wait_block(block), timeout)
@@ -144,11 +145,10 @@ class LocalApiServer:
                 except TimeoutError:
                     raise LocalApiTimeoutError(f"the first {nbytes} bytes of block {block} not verified within "
                                                f"{timeout:g} s") from None
-            answer = {"ok": True, "package": store.package_id, "block": block, "path": store.block_path(block),
-                      "bytes": store.manifest.blocks[block].bytes}
-            if op == "wait_prefix":  # all that is verified: the engine's next parts may need no request
-                answer["verified"] = store.verified_prefix(block)
-            return answer
+                # All that is verified: the engine's next parts may need no request.
+                verified = {"verified": store.verified_prefix(block)}
+            return {"ok": True, "package": store.package_id, "block": block, "path": store.block_path(block),
+                    "bytes": store.manifest.blocks[block].bytes, **verified}
         raise LocalApiError(f"unknown op {op!r}")
 
     async def _stream_events(self, request: dict, writer: asyncio.StreamWriter) -> None:

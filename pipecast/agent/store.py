@@ -128,6 +128,7 @@ class BlockStore:
         self.manifest_origin = manifest_origin
         self.files: dict[str, bytes] = {}
         self._partial_files: dict[str, bytearray] = {}  # files being received, not verified yet
+        self._file_entries = {f.path: f for f in manifest.files}
         self._blocks: list[_BlockState] = []
         self._reservation: Reservation | None = None
         self._listeners: list[Callable[[StoreEvent], None]] = []
@@ -252,7 +253,7 @@ class BlockStore:
 
     def add_file(self, path: str, data: bytes, peer: str) -> None:
         """Keep a small package file after checking it against the manifest; ``peer`` is who sent it."""
-        entry = self._file_entry(path)
+        entry = self._file_entries.get(path)
         if entry is None:
             raise CorruptFileError(peer, f"sent file {path!r}, which the manifest does not list")
         self._partial_files.pop(path, None)
@@ -266,7 +267,7 @@ class BlockStore:
         """Append ``data``, sent by ``peer``, to the file being received (``offset`` is where it ends so
         far). Its bytes can be served at once (:meth:`wait_file_range`); once whole it is checked against the
         manifest (:meth:`add_file`: a mismatch raises :class:`CorruptFileError` and drops the copy)."""
-        entry = self._file_entry(path)
+        entry = self._file_entries.get(path)
         if entry is None:
             raise CorruptFileError(peer, f"sent file {path!r}, which the manifest does not list")
         partial = self._partial_files.setdefault(path, bytearray())
@@ -309,13 +310,10 @@ class BlockStore:
         while self.file_received(path) < offset + length:
             await self._file_progress(path)
         data = self.files[path] if path in self.files else self._partial_files[path]
-        return bytes(data[offset:offset + length])
-
-    def _file_entry(self, path: str) -> PackageFile | None:
-        return next((f for f in self.manifest.files if f.path == path), None)
+        return bytes(memoryview(data)[offset:offset + length])  # one copy, not two
 
     def _check_file(self, path: str) -> PackageFile:
-        entry = self._file_entry(path)
+        entry = self._file_entries.get(path)
         if entry is None:
             raise UnknownPackageError(f"package {self.package_id[:12]} has no file {path!r}")
         return entry
@@ -365,8 +363,9 @@ class BlockStore:
         state = self._state(block)
         if not 0 < nbytes <= state.meta.bytes:
             raise UnknownPackageError(f"block {block} has {state.meta.bytes} bytes: no prefix of {nbytes}")
-        for chunk in range((nbytes - 1) // state.meta.chunk_bytes + 1):
-            if not state.present[chunk]:  # the engine asks again every layer: skip what is already here
+        # The engine asks again for every part: start past the verified prefix.
+        for chunk in range(state.prefix_chunks, (nbytes - 1) // state.meta.chunk_bytes + 1):
+            if not state.present[chunk]:
                 await self.wait_chunk(block, chunk)
 
     def verified_prefix(self, block: int) -> int:
