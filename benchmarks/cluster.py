@@ -30,8 +30,8 @@ from itertools import count
 from types import FrameType, TracebackType
 from typing import Any, Literal
 
-from pipecast.errors import PipecastError
-from pipecast.fsutil import pid_alive
+from pipecast.core.errors import PipecastError
+from pipecast.core.fsutil import pid_alive
 
 logger = logging.getLogger(__name__)
 

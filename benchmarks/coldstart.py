@@ -44,8 +44,8 @@ from benchmarks.cpu import CpuSampler, CpuUsage
 from benchmarks.processes import POLL_S, RunProcesses, cli, free_port
 from benchmarks.runinfo import parse_counts, versions
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
-from pipecast.errors import PipecastError
-from pipecast.units import format_bytes
+from pipecast.core.errors import PipecastError
+from pipecast.core.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -482,7 +482,7 @@ class _Bench:
 
     def write_plan(self, path: Path, worker_address: str) -> None:
         """The static plan of a run: the worker fetches every block from the store."""
-        from control_plane.schedules import make_plan
+        from control_plane.planner.schedules import make_plan
         from pipecast.agent.plan_file import plan_file_data
 
         plan = make_plan("unicast", [STORE], [WORKER], self.num_blocks)

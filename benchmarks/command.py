@@ -6,7 +6,6 @@ from pathlib import Path
 
 import click
 
-from control_plane.command import bench_command as control_plane_bench
 from packager.command import SIZE
 
 
@@ -14,8 +13,6 @@ from packager.command import SIZE
 def bench_group():
     """Benchmarks; each prints measured / floor and the baseline, measured in the same run."""
 
-
-bench_group.add_command(control_plane_bench, "control-plane")
 
 
 @bench_group.command("pack")
@@ -146,7 +143,7 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
     from benchmarks.surge import run as surge
     from benchmarks.surge import trace as traces
     from benchmarks.surge.strategies import parse_strategies
-    from pipecast.errors import PipecastError
+    from pipecast.core.errors import PipecastError
 
     try:
         caps = traces.TokenCaps(prompt_cap, output_cap)
@@ -251,3 +248,23 @@ def bench_engine(package, concurrency, prompt_tokens, max_tokens, device, thread
     click.echo(engine_bench.format_report(report))
     if json_path:
         Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+
+
+@bench_group.command("control-plane")
+@click.option("--workers", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--blocks", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
+              help="Seconds of block reporting.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Blocks per report.")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Planning repeats.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the figures as JSON.")
+def bench_control_plane(workers: int, blocks: int, duration_s: float, batch: int, repeat: int,
+                        json_path: Path | None) -> None:
+    """Plan time of a scale-up and block reports/s of the real server under simulated workers."""
+    from benchmarks import control_plane_bench as bench
+
+    result = bench.run(workers=workers, blocks=blocks, duration_s=duration_s, batch=batch, repeat=repeat,
+                       progress=lambda message: click.echo(message, err=True))
+    click.echo(bench.report(result))
+    if json_path:
+        json_path.write_text(json.dumps(bench.to_json(result), indent=2))

@@ -28,7 +28,7 @@ from subprocess import PIPE, Popen, TimeoutExpired
 
 from benchmarks.processes import POLL_S, RunProcesses, cli, free_port, stop_processes
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
-from pipecast.errors import PipecastError
+from pipecast.core.errors import PipecastError
 
 LINK_MBIT = 400.0  # the 269 MB model crosses one link in about 5.4 s
 STORE, CONTROL = "store", "cp"
@@ -68,7 +68,7 @@ def prepare_package(cache: Path) -> Path:
     from packager.command import format_table
     from packager.pack import pack
     from packager.verify import verify_package
-    from pipecast.units import format_bytes
+    from pipecast.core.units import format_bytes
 
     _step(f"demo model: {demo_gguf()}")
     ckpt = demo_checkpoint(cache)
@@ -277,7 +277,7 @@ def cold_start(package: Path, logs: Path, mode: str) -> None:
     from benchmarks.cluster import EmulatedCluster
     from benchmarks.coldstart import write_start_file
     from benchmarks.cpu import CpuSampler
-    from pipecast.units import format_bytes
+    from pipecast.core.units import format_bytes
 
     prompt = chat_prompt(package)
     shutil.rmtree(logs, ignore_errors=True)

@@ -8,7 +8,7 @@ they all listen first and then fetch together; a worker's time runs from that in
 verified (read from its events file); every agent exits when complete.
 
 Each result stands beside the floor S/min(B, B_store), the strategy's theory (DESIGN 4), the fluid model's
-prediction for the very plan that ran (:mod:`control_plane.simulate`) and unicast from the store, the
+prediction for the very plan that ran (:mod:`control_plane.planner.simulate`) and unicast from the store, the
 baseline, measured in the same cluster. The machine's CPU load is sampled during every transfer: all
 hosts share this machine, so a busy CPU, not the links, may be what a run measured, and it is flagged.
 
@@ -33,12 +33,12 @@ from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage
 from benchmarks.plots import Series, save_line_chart
 from benchmarks.processes import RunProcesses, cli, free_port
 from benchmarks.runinfo import parse_counts, versions
-from control_plane.schedules import STRATEGIES, make_plan
-from control_plane.simulate import simulate
+from control_plane.planner.schedules import STRATEGIES, make_plan
+from control_plane.planner.simulate import simulate
 from pipecast.agent.plan_file import plan_file_data
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
-from pipecast.errors import PipecastError
-from pipecast.units import format_bytes
+from pipecast.core.errors import PipecastError
+from pipecast.core.units import format_bytes
 from pipecast.v1.manifest_pb2 import Manifest
 
 DEFAULT_WORKERS = (1, 2, 4, 8)

@@ -1,5 +1,5 @@
 """``pipecast bench engine``: the engine fully loaded: decode throughput against concurrency, and memory
-against the package's size (the measurements are :mod:`pipecast.engine.bench`'s; this module reports them).
+against the package's size (the measurements are :mod:`benchmarks.engine_measure`'s; this module reports them).
 
 Throughput is judged against concurrency 1 measured in the same run (the continuous batching speed-up),
 each figure the median of ``repeat`` runs on ``threads`` torch threads (one by default: on a shared machine
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipecast.engine.bench import ThroughputResult
+from benchmarks.engine_measure import ThroughputResult
 from pipecast.engine.memory import MemoryReport
-from pipecast.units import format_bytes
+from pipecast.core.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def run(package: Path, *, concurrencies: Sequence[int], prompt_tokens: int, max_
     import torch
 
     from packager.manifest import read_manifest
-    from pipecast.engine.bench import memory_report, throughput
+    from benchmarks.engine_measure import memory_report, throughput
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -5,7 +5,7 @@ server's own error class and message, :class:`Unauthenticated` for a refused tok
 :class:`ControlPlaneUnavailable` naming the call that went unanswered. The assignment stream has no
 deadline (it lives as long as the worker); HTTP/2 keepalive pings end it with ControlPlaneUnavailable
 within about ``KEEPALIVE_S`` seconds if the server vanishes. Worker-facing calls take and return the
-value types of :mod:`control_plane.model`; operator listings return the protobuf messages as they are.
+value types of :mod:`control_plane.messages`; operator listings return the protobuf messages as they are.
 """
 
 import asyncio
@@ -25,8 +25,8 @@ from control_plane.convert import (
     update_from_proto,
 )
 from control_plane.errors import ControlPlaneUnavailable, error_from_rpc
-from control_plane.model import AssignmentUpdate, PeerInfo, WorkerSpec
-from pipecast.settings import Settings
+from control_plane.messages import AssignmentUpdate, PeerInfo, WorkerSpec
+from pipecast.core.settings import Settings
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1 import control_pb2_grpc
 from pipecast.v1.manifest_pb2 import Manifest

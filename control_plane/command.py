@@ -14,8 +14,8 @@ from typing import Any
 
 import click
 
-from pipecast.settings import Settings, load_settings
-from pipecast.units import format_bytes
+from pipecast.core.settings import Settings, load_settings
+from pipecast.core.units import format_bytes
 
 CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, dir_okay=False),
                       help="TOML config file (also PIPECAST_CONFIG).")
@@ -173,7 +173,7 @@ def plans_command(ctx: click.Context, package_id: str) -> None:
 def publish_command(ctx: click.Context, package_dir: Path, store_node: str, store_address: str,
                     transports: tuple[str, ...]) -> None:
     """Publish the package in PACKAGE_DIR (its manifest.json), served by a store node."""
-    from control_plane.model import PeerInfo
+    from control_plane.messages import PeerInfo
     from packager.manifest import read_manifest
 
     manifest = read_manifest(package_dir)
@@ -225,23 +225,3 @@ def release_command(ctx: click.Context, package_id: str, workers: tuple[str, ...
     when = datetime.fromtimestamp(drop_at).isoformat(timespec="seconds")
     _emit(ctx, {"drop_at_unix": drop_at},
           [f"released {package_id} from {len(workers)} workers; they drop it at {when}"])
-
-
-@click.command("control-plane")
-@click.option("--workers", type=click.IntRange(min=1), default=1000, show_default=True)
-@click.option("--blocks", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--duration", "duration_s", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
-              help="Seconds of block reporting.")
-@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Blocks per report.")
-@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Planning repeats.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the figures as JSON.")
-def bench_command(workers: int, blocks: int, duration_s: float, batch: int, repeat: int,
-                  json_path: Path | None) -> None:
-    """Plan time of a scale-up and block reports/s of the real server under simulated workers."""
-    from control_plane import bench
-
-    result = bench.run(workers=workers, blocks=blocks, duration_s=duration_s, batch=batch, repeat=repeat,
-                       progress=lambda message: click.echo(message, err=True))
-    click.echo(bench.report(result))
-    if json_path:
-        json_path.write_text(json.dumps(bench.to_json(result), indent=2))

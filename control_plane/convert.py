@@ -1,8 +1,8 @@
-"""Between the control plane's value types (:mod:`control_plane.model`) and their protobuf messages."""
+"""Between the control plane's value types (:mod:`control_plane.messages`) and their protobuf messages."""
 
 from collections.abc import Iterable, Mapping
 
-from control_plane.model import AcceleratorInfo, AssignmentUpdate, PeerInfo, Transfer, UpdateKind, WorkerSpec
+from control_plane.messages import AcceleratorInfo, AssignmentUpdate, PeerInfo, Transfer, UpdateKind, WorkerSpec
 from pipecast.v1 import control_pb2 as pb
 
 # The largest message either side accepts: a 70B model's manifest with 1 MiB chunk digests is ~10 MB.

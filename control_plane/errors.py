@@ -8,7 +8,7 @@ class with the server's exact message, so an agent or the CLI can tell e.g. :cla
 
 import grpc
 
-from pipecast.errors import PipecastError
+from pipecast.core.errors import PipecastError
 
 ERROR_TRAILER = "pipecast-error"
 

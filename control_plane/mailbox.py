@@ -10,7 +10,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from control_plane.model import UpdateKind
+from control_plane.messages import UpdateKind
 from control_plane.state import Notice
 
 

@@ -22,7 +22,7 @@ from control_plane.metrics import ControlMetrics
 from control_plane.service import ControlPlaneService
 from control_plane.state import ControlState
 from control_plane.store_sqlite import SqliteStore
-from pipecast.settings import Settings
+from pipecast.core.settings import Settings
 from pipecast.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from control_plane.convert import (
 from control_plane.errors import ERROR_TRAILER, ControlPlaneError, UnknownWorker
 from control_plane.mailbox import Mailbox
 from control_plane.metrics import ControlMetrics
-from control_plane.model import UpdateKind
+from control_plane.messages import UpdateKind
 from control_plane.state import ActivePlan, ControlState, Notice
 from control_plane.store_sqlite import SqliteStore
 from pipecast.v1 import control_pb2 as pb

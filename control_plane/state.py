@@ -4,7 +4,7 @@ package, releases with keep-alive, and active multicast plans.
 Pure and synchronous: no sockets, no files, no clock (every call that depends on time takes ``now``,
 in seconds). What agents must be told goes to :attr:`ControlState.notices` (the service drains it into
 the assignment streams); what changed goes to :attr:`ControlState.dirty` (the store drains it into
-SQLite). Plans come from the pure planner (:mod:`control_plane.schedules`, :mod:`control_plane.replan`).
+SQLite). Plans come from the pure planner (:mod:`control_plane.planner.schedules`, :mod:`control_plane.planner.replan`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
-from control_plane.model import PeerInfo, UpdateKind, WorkerSpec
-from control_plane.replan import replan
-from control_plane.schedules import STRATEGIES, Assignment, Plan, make_plan
-from pipecast.units import format_bytes
+from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
+from control_plane.planner.replan import replan
+from control_plane.planner.schedules import STRATEGIES, Assignment, Plan, make_plan
+from pipecast.core.units import format_bytes
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mappi
 
 from control_plane.client import ControlPlaneClient, ReportStream
 from control_plane.errors import ControlPlaneError, Unauthenticated, UnknownWorker
-from control_plane.model import AssignmentUpdate, WorkerSpec
+from control_plane.messages import AssignmentUpdate, WorkerSpec
 
 log = logging.getLogger(__name__)
 

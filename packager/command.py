@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from pipecast.units import format_bytes, parse_size
+from pipecast.core.units import format_bytes, parse_size
 
 
 class SizeParam(click.ParamType):

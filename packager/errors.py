@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from pipecast.errors import PipecastError
+from pipecast.core.errors import PipecastError
 
 
 class PackageError(PipecastError):

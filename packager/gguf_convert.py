@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from packager.errors import CheckpointError
-from pipecast.fsutil import atomic_directory
+from pipecast.core.fsutil import atomic_directory
 
 logger = logging.getLogger(__name__)
 

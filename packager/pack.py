@@ -16,7 +16,7 @@ from packager.errors import PackageError
 from packager.layout import HEAD_NAMES, BlockLayout, plan_blocks, stream_order
 from packager.manifest import MANIFEST_FILE, MANIFEST_FORMAT_VERSION, manifest_to_json, validate_manifest
 from packager.safetensors_format import build_header
-from pipecast.fsutil import atomic_directory
+from pipecast.core.fsutil import atomic_directory
 from pipecast.v1.manifest_pb2 import Block, Manifest, PackageFile
 
 logger = logging.getLogger(__name__)

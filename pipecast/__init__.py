@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # ``pipecast.load`` is imported on first use: it pulls in the engine (torch, transformers).
     if name == "load":
-        from pipecast.hook import load
+        from pipecast.loading import load
 
         return load
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

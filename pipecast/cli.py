@@ -3,10 +3,11 @@
 import importlib
 import logging
 import sys
+from pathlib import Path
 
 import click
 
-from pipecast.errors import PipecastError
+from pipecast.core.errors import PipecastError
 
 # name -> (module:attribute, one-line help shown by `pipecast --help` without importing the module)
 COMMANDS = {
@@ -26,6 +27,19 @@ COMMANDS = {
     "bench": ("benchmarks.command:bench_group", "Run a benchmark (pack, ...); each prints its floor."),
 }
 
+# The benchmarks are not installed with pipecast (the runtime never imports them): `pipecast bench` runs
+# from a source checkout, the folder beside this package.
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def _import_command_module(module: str):
+    if module.split(".")[0] == "benchmarks" and str(CHECKOUT) not in sys.path:
+        if not (CHECKOUT / "benchmarks" / "command.py").is_file():
+            raise click.ClickException(
+                f"`pipecast bench` needs a source checkout: no benchmarks/ folder at {CHECKOUT}")
+        sys.path.insert(0, str(CHECKOUT))
+    return importlib.import_module(module)
+
 
 class LazyGroup(click.Group):
     """A group whose subcommands are imported only when invoked."""
@@ -37,7 +51,7 @@ class LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         module, attr = COMMANDS[name][0].split(":")
-        return getattr(importlib.import_module(module), attr)
+        return getattr(_import_command_module(module), attr)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):

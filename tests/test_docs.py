@@ -3,9 +3,10 @@
 from pathlib import Path
 
 from pipecast.cli import COMMANDS
-from pipecast.settings import Settings
+from pipecast.core.settings import Settings
+from tests.support import REPO
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = (REPO / "README.md").read_text()
 
 
 def test_every_setting_is_in_the_readme_table():

@@ -34,7 +34,7 @@ import aiohttp
 from benchmarks.surge.report import RequestResult
 from benchmarks.surge.trace import ScheduledRequest, prompt_token_ids
 from pipecast.agent.events import EventLog
-from pipecast.errors import PipecastError
+from pipecast.core.errors import PipecastError
 from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class Driver:
 
     async def _publish(self, cp, deadline: float) -> None:
         from control_plane.errors import ControlPlaneUnavailable
-        from control_plane.model import PeerInfo
+        from control_plane.messages import PeerInfo
         from packager.manifest import read_manifest
 
         manifest = read_manifest(Path(self.spec.package))

@@ -47,8 +47,8 @@ from benchmarks.surge.report import (
 from benchmarks.surge.strategies import Strategy, check_pool
 from benchmarks.surge.trace import PEAK_WINDOW_S, ScheduledRequest, TokenCaps, prompt_token_ids, schedule_facts
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
-from pipecast.errors import PipecastError
-from pipecast.units import format_bytes
+from pipecast.core.errors import PipecastError
+from pipecast.core.units import format_bytes
 
 STORE, CONTROL, ROUTER, LOAD = "store", "cp", "router", "load"
 PORTS = {"agent": 7070, "serve": 8000, "router": 8080, "control": 7000}  # netns: every host has its own ports

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from pipecast.errors import PipecastError
+from pipecast.core.errors import PipecastError
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 SYNTHETIC_KINDS = ("step", "burst")

@@ -5,7 +5,7 @@ import threading
 from dataclasses import dataclass, field
 
 from pipecast.agent.errors import MemoryBudgetError
-from pipecast.units import format_bytes
+from pipecast.core.units import format_bytes
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from pipecast.agent.errors import PlanFileError
 from pipecast.agent.fetcher import FetchPolicy
 from pipecast.agent.transport.base import split_address
 from pipecast.agent.transport.registry import transport_names
-from pipecast.settings import load_settings
-from pipecast.units import parse_size
+from pipecast.core.settings import load_settings
+from pipecast.core.units import parse_size
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:

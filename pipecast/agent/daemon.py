@@ -31,9 +31,9 @@ from pipecast.agent.source import PackageFolderSource
 from pipecast.agent.store import BlockStore, StoreEvent
 from pipecast.agent.transport.base import Listener, Transport, split_address
 from pipecast.agent.transport.registry import select_transport
-from pipecast.errors import PipecastError
-from pipecast.settings import Settings
-from pipecast.units import format_bytes
+from pipecast.core.errors import PipecastError
+from pipecast.core.settings import Settings
+from pipecast.core.units import format_bytes
 
 if TYPE_CHECKING:
     from pipecast.agent.control import ControlLink
@@ -274,8 +274,9 @@ class AgentDaemon:
     async def _control_link(self) -> "ControlLink":
         """The link to the control plane named in the options, for this agent as it listens now."""
         from control_plane.client import ControlPlaneClient
-        from control_plane.model import PeerInfo, WorkerSpec
-        from pipecast.agent.control import ControlLink, advertised_address, detect_accelerator
+        from control_plane.messages import PeerInfo, WorkerSpec
+        from pipecast.agent.control import ControlLink
+        from pipecast.agent.host import advertised_address, detect_accelerator
 
         settings = self.settings.model_copy(update={"control_plane": self.options.control_plane})
         accelerator = await asyncio.to_thread(detect_accelerator, settings.device)

@@ -1,6 +1,6 @@
 """Typed failures of the node agent; each message says whose fault the failure was."""
 
-from pipecast.errors import PipecastError
+from pipecast.core.errors import PipecastError
 
 
 class AgentError(PipecastError):

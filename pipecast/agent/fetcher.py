@@ -22,7 +22,7 @@ from pipecast.agent.errors import CorruptChunkError, CorruptFileError, FetchFail
 from pipecast.agent.ratelimit import format_rate
 from pipecast.agent.store import BlockStore
 from pipecast.agent.transport.base import Channel, Transport
-from pipecast.units import format_bytes
+from pipecast.core.units import format_bytes
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Static plan files: a multicast plan plus the package and the address of every node, for running
 agents without a control plane (benchmarks, tests, air-gapped clusters).
 
-Format: the JSON of :meth:`control_plane.schedules.Plan.to_json` with two more keys::
+Format: the JSON of :meth:`control_plane.planner.schedules.Plan.to_json` with two more keys::
 
     {"package_id": "...", "nodes": {"seed": "10.0.0.1:7070", "r1": "10.0.0.2:7070"},
      "strategy": "chain", "sources": ["seed"], "assignments": {"r1": [[0, "seed"], [1, "seed"]]}}
@@ -17,7 +17,7 @@ from pipecast.agent.fetcher import Peer
 from pipecast.agent.transport.base import split_address
 
 if TYPE_CHECKING:
-    from control_plane.schedules import Plan
+    from control_plane.planner.schedules import Plan
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def plan_file_data(plan: "Plan", package_id: str, nodes: dict[str, str]) -> dict
 
 def read_plan_file(path: Path) -> StaticPlan:
     """Read and check a plan file; raise :class:`PlanFileError` naming the file and the problem."""
-    from control_plane.schedules import Plan, PlanError
+    from control_plane.planner.schedules import Plan, PlanError
 
     try:
         data = json.loads(Path(path).read_text())

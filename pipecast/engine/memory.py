@@ -9,7 +9,7 @@ to the package size. Linux only (reads /proc/self/status).
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipecast.units import format_bytes
+from pipecast.core.units import format_bytes
 
 _FIELDS = {"VmRSS": "rss", "VmHWM": "peak_rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
 

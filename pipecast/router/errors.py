@@ -1,6 +1,6 @@
 """Typed failures of the request router; each message says whose fault the failure was."""
 
-from pipecast.errors import PipecastError
+from pipecast.core.errors import PipecastError
 
 
 class RouterError(PipecastError):

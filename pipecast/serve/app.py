@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from pipecast.httpserve import serve_until_signalled
+from pipecast.core.httpserve import serve_until_signalled
 from pipecast.serve.errors import ServeError, WorkerBusyError
 from pipecast.serve.openai_api import (
     SSE_DONE,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from pipecast.settings import load_settings
+from pipecast.core.settings import load_settings
 
 SWITCH_INTERVAL_S = 0.0005
 

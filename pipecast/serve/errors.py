@@ -1,7 +1,7 @@
 """Typed failures of the serving worker; each carries the HTTP status it is answered with and says whose
 fault it was."""
 
-from pipecast.errors import PipecastError
+from pipecast.core.errors import PipecastError
 
 
 class ServeError(PipecastError):

@@ -31,7 +31,7 @@ from pipecast.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
-from pipecast.errors import PipecastError
+from pipecast.core.errors import PipecastError
 from pipecast.serve.errors import (
     ModelNotServedError,
     ModelUnavailableError,
@@ -46,7 +46,7 @@ from pipecast.serve.text import CompletionText, TextCodec
 
 if TYPE_CHECKING:
     from pipecast.engine.streams import TokenStream
-    from pipecast.hook import LoadedModel
+    from pipecast.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class ServingWorker:
         threading.Thread(target=self._load, name="pipecast-serve-load", daemon=True).start()
 
     def _load(self) -> None:
-        from pipecast.hook import load
+        from pipecast.loading import load
 
         try:
             _warm_imports()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from pipecast.agent.ratelimit import HostRateLimits
 
 if TYPE_CHECKING:
-    from pipecast.settings import Settings
+    from pipecast.core.settings import Settings
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pipecast.agent.errors import TransportUnavailableError
 from pipecast.agent.transport.base import Transport
-from pipecast.settings import Settings
+from pipecast.core.settings import Settings
 
 log = logging.getLogger(__name__)
 

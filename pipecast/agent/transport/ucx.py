@@ -64,7 +64,7 @@ from pipecast.agent.transport.tcp import (
     REQ_BLOCK,
     REQ_FILE,
 )
-from pipecast.settings import Settings
+from pipecast.core.settings import Settings
 
 if TYPE_CHECKING:
     from ucxx._lib_async import ApplicationContext, Endpoint

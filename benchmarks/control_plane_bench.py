@@ -1,0 +1,341 @@
+"""``pipecast bench control-plane``: how fast the control plane plans, and how much load it takes.
+
+Two parts. Planning, in-process and pure: a scale-up of N workers x B blocks (source pick, schedule,
+every node's part), from the store (binomial) and from K holders (rotated), median of ``repeat``.
+Load, against the real server (``pipecast control-plane``) in a subprocess with its SQLite file: N
+simulated workers register, watch their assignment streams and heartbeat every ``heartbeat_s``; a
+scale-up onto all of them is timed until every stream has its ASSIGN; then for ``duration_s`` the
+workers report verified blocks, ``batch`` per report (1: each block as it is verified), each on its
+own report stream as agents do, ``in_flight`` reports outstanding at a time (the first package's plan
+completes on the way and every stream gets its CANCEL). Printed: blocks/s, report latency
+percentiles, heartbeats kept, workers alive at the end, and the CPU of the server and of this driver
+(both on this machine: the driver's share is CPU the server did not get).
+"""
+
+import asyncio
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import psutil
+
+from control_plane.client import ControlPlaneClient
+from control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
+from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
+from control_plane.state import ControlState
+from pipecast.v1.manifest_pb2 import Block, Manifest
+
+PLAN_TARGET_MS = 100.0
+REPORT_TARGET_PER_S = 5000.0
+TOKEN = "bench-token"
+STORE = PeerInfo("store", "10.255.0.1:7070", ("tcp",))
+
+
+@dataclass
+class PlanningResult:
+    workers: int
+    blocks: int
+    sources: int
+    strategy: str
+    scale_up_ms: float  # median over repeats: source pick + make_plan + every node's part
+    replan_ms: float  # median over repeats: one receiver's lease lapses, its children get new parents
+
+
+@dataclass
+class LoadResult:
+    workers: int
+    blocks: int
+    duration_s: float
+    batch: int
+    register_s: float
+    scale_up_rpc_ms: float
+    all_assigned_s: float  # from the ScaleUp call until every stream had its ASSIGN
+    blocks_reported: int
+    reports: int
+    blocks_per_s: float
+    report_p50_ms: float
+    report_p99_ms: float
+    heartbeats: int
+    heartbeat_failures: int
+    alive_at_end: int
+    plan_cancelled_streams: int
+    server_cpu_percent: float  # of one core
+    driver_cpu_percent: float
+    machine_busy_percent: float
+
+
+@dataclass
+class BenchResult:
+    planning: list[PlanningResult] = field(default_factory=list)
+    load: LoadResult | None = None
+
+
+def manifest(package_id: str, blocks: int) -> Manifest:
+    return Manifest(package_id=package_id, model_name="bench",
+                    blocks=[Block(index=i, bytes=64 << 20) for i in range(blocks)])
+
+
+def worker_spec(i: int, racks: int = 8) -> WorkerSpec:
+    return WorkerSpec(PeerInfo(f"w{i:05d}", f"10.{i // 250}.{i % 250}.1:7070", ("tcp",)), 1 << 40,
+                      labels={"rack": f"r{i % racks}"})
+
+
+def measure_planning(workers: int, blocks: int, sources: int, repeat: int) -> PlanningResult:
+    """Median times of ControlState.scale_up onto ``workers`` fresh workers from ``sources`` holders (0: the
+    store), and of the re-plan when one receiver that serves others dies."""
+    plan_times, replan_times, strategy = [], [], ""
+    for _ in range(repeat):
+        state = ControlState(lease_s=10.0)
+        state.publish(manifest("pkg", blocks), STORE, now=0)
+        for i in range(workers + sources):
+            state.register(worker_spec(i), {"pkg": range(blocks)} if i >= workers else {}, now=0)
+        start = time.perf_counter()
+        result = state.scale_up("pkg", count=workers, now=1)
+        plan_times.append((time.perf_counter() - start) * 1000)
+        strategy = result.strategy
+        parts = state.plans[result.plan_id].parts
+        victim = next(node for node in result.receivers if parts[node].serve)
+        state.workers[victim].lease_expires = 0  # every other lease runs to 10
+        start = time.perf_counter()
+        state.tick(now=1)
+        replan_times.append((time.perf_counter() - start) * 1000)
+    return PlanningResult(workers, blocks, sources, strategy, statistics.median(plan_times),
+                          statistics.median(replan_times))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+async def _wait_ready(client: ControlPlaneClient, proc: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ControlPlaneUnavailable(f"control plane subprocess exited with {proc.returncode} before "
+                                          f"serving: {log_path.read_text(errors='replace')[-2000:]}")
+        try:
+            await client.list_packages()
+            return
+        except ControlPlaneUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+class _Fleet:
+    """Simulated workers sharing a few channels; counts what they see."""
+
+    def __init__(self, address: str, workers: int, channels: int, packages: list[str]):
+        self.clients = [ControlPlaneClient(address, token=TOKEN, timeout_s=30.0) for _ in range(channels)]
+        self.specs = [worker_spec(i) for i in range(workers)]
+        self.client_of = {s.node_id: self.clients[i % channels] for i, s in enumerate(self.specs)}
+        self.packages = packages
+        self.synced = asyncio.Semaphore(0)
+        self.assigned: dict[str, float] = {}  # node -> when its ASSIGN of the first package came
+        self.all_assigned = asyncio.Event()
+        self.cancelled: set[str] = set()  # nodes told that the first package's plan ended
+        self.heartbeats = self.heartbeat_failures = 0
+        self.latencies: list[float] = []
+        self.blocks_reported = self.reports = 0
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+    async def register_all(self, in_flight: int) -> None:
+        limit = asyncio.Semaphore(in_flight)
+
+        async def register(spec: WorkerSpec) -> None:
+            async with limit:
+                await self.client_of[spec.node_id].register(spec)
+
+        await asyncio.gather(*(register(s) for s in self.specs))
+
+    async def watch(self, node: str) -> None:
+        async for update in self.client_of[node].watch_assignments(node):
+            if update.kind is UpdateKind.SYNC:
+                self.synced.release()
+            elif update.package_id == self.packages[0] and update.kind is UpdateKind.ASSIGN:
+                self.assigned.setdefault(node, time.monotonic())
+                if len(self.assigned) == len(self.specs):
+                    self.all_assigned.set()
+            elif update.package_id == self.packages[0] and update.kind is UpdateKind.CANCEL:
+                self.cancelled.add(node)
+
+    async def heartbeat(self, node: str, interval_s: float) -> None:
+        await asyncio.sleep(random.uniform(0, interval_s))
+        while True:
+            try:
+                await self.client_of[node].heartbeat(node)
+                self.heartbeats += 1
+            except ControlPlaneError:
+                self.heartbeat_failures += 1
+            await asyncio.sleep(interval_s)
+
+    async def report(self, nodes: list[str], blocks: int, batch: int, deadline: float) -> None:
+        """Each of ``nodes`` reports on its own stream: its blocks in order, package after package."""
+        streams = {node: self.client_of[node].open_report_stream() for node in nodes}
+        try:
+            for package_id in self.packages:
+                for first in range(0, blocks, batch):
+                    chunk = list(range(first, min(first + batch, blocks)))
+                    for node in nodes:
+                        if time.monotonic() >= deadline:
+                            return
+                        start = time.perf_counter()
+                        await streams[node].report(node, {package_id: chunk})
+                        self.latencies.append(time.perf_counter() - start)
+                        self.blocks_reported += len(chunk)
+                        self.reports += 1
+        finally:
+            for stream in streams.values():
+                stream.close()
+
+
+async def _drive(address: str, server: psutil.Process, workers: int, blocks: int, duration_s: float, batch: int,
+                 heartbeat_s: float, channels: int, in_flight: int, progress: Callable[[str], None]) -> LoadResult:
+    # Enough packages that reporting never runs out of blocks within duration_s (up to 5x the target rate).
+    packages = [f"pkg{k}" for k in range(2 + int(duration_s * REPORT_TARGET_PER_S * 5 / (workers * blocks)))]
+    fleet = _Fleet(address, workers, channels, packages)
+    tasks: list[asyncio.Task] = []
+    try:
+        for package_id in packages:
+            await fleet.clients[0].publish_package(manifest(package_id, blocks), STORE)
+        start = time.monotonic()
+        await fleet.register_all(in_flight)
+        register_s = time.monotonic() - start
+        progress(f"registered {workers} workers in {register_s:.2f} s")
+        nodes = list(fleet.client_of)
+        tasks = [asyncio.create_task(fleet.watch(node)) for node in nodes]
+        for _ in nodes:
+            await asyncio.wait_for(fleet.synced.acquire(), 60)
+        progress(f"{workers} assignment streams open")
+        tasks += [asyncio.create_task(fleet.heartbeat(node, heartbeat_s)) for node in nodes]
+
+        start = time.monotonic()
+        await fleet.clients[0].scale_up(packages[0], count=workers)
+        scale_up_rpc_ms = (time.monotonic() - start) * 1000
+        await asyncio.wait_for(fleet.all_assigned.wait(), 120)
+        all_assigned_s = max(fleet.assigned.values()) - start
+        progress(f"scale-up: RPC {scale_up_rpc_ms:.0f} ms, all {workers} streams assigned after {all_assigned_s:.2f} s")
+
+        cpu_server, cpu_driver, machine = server.cpu_times(), psutil.Process().cpu_times(), psutil.cpu_times()
+        start = time.monotonic()
+        # `in_flight` reporters share the workers: that many reports are outstanding at any time.
+        await asyncio.gather(*(fleet.report(nodes[k::in_flight], blocks, batch, start + duration_s)
+                               for k in range(in_flight)))
+        elapsed = time.monotonic() - start
+        server_cpu = _cpu(cpu_server, server.cpu_times()) / elapsed
+        driver_cpu = _cpu(cpu_driver, psutil.Process().cpu_times()) / elapsed
+        machine_busy = _busy(machine, psutil.cpu_times())
+        alive = sum(w.alive for w in await fleet.clients[0].list_workers())
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await fleet.close()
+    return LoadResult(
+        workers=workers, blocks=blocks, duration_s=elapsed, batch=batch, register_s=register_s,
+        scale_up_rpc_ms=scale_up_rpc_ms, all_assigned_s=all_assigned_s, blocks_reported=fleet.blocks_reported,
+        reports=fleet.reports, blocks_per_s=fleet.blocks_reported / elapsed,
+        report_p50_ms=_percentile(fleet.latencies, 0.5) * 1000, report_p99_ms=_percentile(fleet.latencies, 0.99) * 1000,
+        heartbeats=fleet.heartbeats, heartbeat_failures=fleet.heartbeat_failures, alive_at_end=alive,
+        plan_cancelled_streams=len(fleet.cancelled), server_cpu_percent=100 * server_cpu,
+        driver_cpu_percent=100 * driver_cpu, machine_busy_percent=100 * machine_busy)
+
+
+def _cpu(before, after) -> float:
+    return (after.user + after.system) - (before.user + before.system)
+
+
+def _busy(before, after) -> float:
+    total = sum(after) - sum(before)
+    idle = (after.idle + getattr(after, "iowait", 0.0)) - (before.idle + getattr(before, "iowait", 0.0))
+    return 1 - idle / total if total > 0 else 0.0
+
+
+def run(workers: int = 1000, blocks: int = 64, duration_s: float = 10.0, batch: int = 1, heartbeat_s: float = 2.0,
+        channels: int = 8, in_flight: int = 64, repeat: int = 3,
+        progress: Callable[[str], None] = lambda message: None) -> BenchResult:
+    """Measure planning in-process, then load against a server subprocess; returns every figure."""
+    result = BenchResult()
+    for sources in (0, 4):
+        result.planning.append(measure_planning(workers, blocks, sources, repeat))
+        planning = result.planning[-1]
+        progress(f"planning {workers}x{blocks} from {f'{sources} worker sources' if sources else 'the store'}: "
+                 f"{planning.scale_up_ms:.1f} ms, re-plan after a death {planning.replan_ms:.1f} ms")
+    with tempfile.TemporaryDirectory(prefix="pipecast-cp-bench-") as tmp:
+        port, log_path = _free_port(), Path(tmp) / "server.log"
+        env = {**os.environ, "PIPECAST_AUTH_TOKEN": TOKEN, "PIPECAST_HEARTBEAT_S": str(heartbeat_s),
+               "PIPECAST_LEASE_S": str(5 * heartbeat_s)}
+        cmd = [sys.executable, "-c", "import sys; from control_plane.command import control_plane_command as c; "
+               "c(sys.argv[1:])", "--host", "127.0.0.1", "--port", str(port), "--db", str(Path(tmp) / "cp.sqlite3")]
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            async def main() -> LoadResult:
+                address = f"127.0.0.1:{port}"
+                async with ControlPlaneClient(address, token=TOKEN, timeout_s=2.0) as probe:
+                    await _wait_ready(probe, proc, log_path, timeout_s=30.0)
+                return await _drive(address, psutil.Process(proc.pid), workers, blocks, duration_s, batch,
+                                    heartbeat_s, channels, in_flight, progress)
+            result.load = asyncio.run(main())
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return result
+
+
+def report(result: BenchResult) -> str:
+    """The figures, each beside its target."""
+    lines = [f"control plane bench (grpcio {grpc.__version__}, {psutil.cpu_count()} cores, server in a subprocess "
+             "with its SQLite file, driver in this process)"]
+    for p in result.planning:
+        source = f"{p.sources} worker sources" if p.sources else "the store"
+        verdict = "ok" if p.scale_up_ms < PLAN_TARGET_MS else "OVER"
+        lines.append(f"  plan scale-up {p.workers} workers x {p.blocks} blocks from {source} ({p.strategy}): "
+                     f"{p.scale_up_ms:.1f} ms median (target < {PLAN_TARGET_MS:.0f} ms: {verdict}); re-plan after "
+                     f"a parent's death {p.replan_ms:.1f} ms")
+    load = result.load
+    if load is not None:
+        verdict = "ok" if load.blocks_per_s >= REPORT_TARGET_PER_S else "UNDER"
+        lines += [
+            f"  {load.workers} workers registered in {load.register_s:.2f} s; "
+            f"ScaleUp RPC {load.scale_up_rpc_ms:.0f} ms, "
+            f"every stream had its ASSIGN after {load.all_assigned_s:.2f} s",
+            f"  block reports: {load.blocks_per_s:.0f} blocks/s sustained over {load.duration_s:.1f} s "
+            f"(target >= {REPORT_TARGET_PER_S:.0f}: {verdict}); {load.reports} reports of {load.batch} block(s) "
+            f"on {load.workers} report streams, "
+            f"latency p50 {load.report_p50_ms:.1f} ms p99 {load.report_p99_ms:.1f} ms",
+            f"  heartbeats: {load.heartbeats} sent, {load.heartbeat_failures} failed; workers alive at the end "
+            f"{load.alive_at_end}/{load.workers}; plan finished on {load.plan_cancelled_streams} streams",
+            f"  CPU: server {load.server_cpu_percent:.0f}% of a core, driver {load.driver_cpu_percent:.0f}%, "
+            f"machine {load.machine_busy_percent:.0f}% busy"
+            + ("; the machine was saturated: the driver took CPU the server did not get"
+               if load.machine_busy_percent >= 90 else ""),
+        ]
+    return "\n".join(lines)
+
+
+def to_json(result: BenchResult) -> dict:
+    return asdict(result)

@@ -1,0 +1,120 @@
+"""The one settings module: every tunable of pipecast, with precedence CLI > env > file > default.
+
+Environment variables use the ``PIPECAST_`` prefix (``PIPECAST_AGENT_PORT=7000``); a TOML config file
+is named by ``--config`` or ``PIPECAST_CONFIG``; command-line flags override both through
+:func:`load_settings`'s ``overrides``.
+"""
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from pipecast.core.errors import PipecastError
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+class SettingsError(PipecastError):
+    """A config file or value that cannot be used."""
+
+
+class Settings(BaseSettings):
+    """All of pipecast's settings; see the README's configuration table."""
+
+    model_config = SettingsConfigDict(env_prefix="PIPECAST_", extra="forbid")
+
+    config: Path | None = Field(None, description="TOML file of settings (flat keys, optionally under [pipecast])")
+
+    # Node agent (data plane).
+    agent_host: str = Field("127.0.0.1", description="data-plane listen address")
+    agent_port: int = Field(7070, ge=0, le=65535, description="data-plane listen port (0: any free port)")
+    agent_node_id: str = Field("", description="node id; default: hostname:port")
+    agent_transport: Literal["auto", "tcp", "ucx"] = Field(
+        "auto", description="data transport; auto: UCX on GPU/RDMA nodes with ucxx installed, else TCP")
+    agent_memory_bytes: int = Field(8 << 30, gt=0, description="host memory budget for block buffers")
+    agent_cache_dir: Path | None = Field(None, description="disk cache of verified blocks (off if unset)")
+    agent_local_socket: Path | None = Field(None, description="local API socket for engines on this node")
+    egress_mbit: float = Field(0.0, ge=0, description="application-level egress cap (0: none)")
+    ingress_mbit: float = Field(0.0, ge=0, description="application-level ingress cap (0: none)")
+    connect_timeout_s: float = Field(5.0, gt=0, description="deadline of a connection to a peer")
+    io_timeout_s: float = Field(10.0, gt=0, description="longest silence tolerated from a peer mid-transfer")
+    agent_fetch_concurrency: int = Field(2, ge=1, description="parents a node fetches from at once")
+    agent_fetch_retries: int = Field(2, ge=0, description="retries of a failed parent before giving up on it")
+    agent_fetch_backoff_s: float = Field(0.2, ge=0, description="first retry backoff (doubling per retry)")
+    agent_replan_wait_s: float = Field(
+        5.0, gt=0, description="after reporting a failed parent, how long to wait for the control plane's new "
+                               "parents before fetching around it from the plan's sources")
+    agent_labels: dict[str, str] = Field(default_factory=dict,
+                                         description="topology labels the agent registers with, e.g. rack")
+    agent_serve_url: str = Field("", description="HTTP base URL of the serving worker on this node (router)")
+
+    # Control plane.
+    control_plane: str = Field("127.0.0.1:7000", description="host:port of the control plane")
+    control_host: str = Field("127.0.0.1", description="control plane listen address")
+    control_port: int = Field(7000, ge=0, le=65535, description="control plane listen port")
+    control_db: Path = Field(Path("pipecast-control.sqlite3"), description="control plane state (SQLite)")
+    auth_token: str = Field("", description="shared token for every RPC (empty: auth off)")
+    tls_cert: Path | None = Field(None, description="PEM certificate (TLS on when set with tls_key)")
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
+    tls_ca: Path | None = Field(None, description="CA for verifying peers; set on the server for mTLS")
+    lease_s: float = Field(10.0, gt=0, description="worker lease; a worker silent this long is dead")
+    heartbeat_s: float = Field(2.0, gt=0, description="worker heartbeat interval")
+    rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of one control-plane call")
+    control_scan_s: float | None = Field(None, gt=0, description="lease scan interval (unset: min(heartbeat, lease/4))")
+    control_flush_s: float = Field(0.5, gt=0, description="how often the control plane writes its state to SQLite")
+    control_metrics_port: int | None = Field(None, ge=0, le=65535,
+                                             description="Prometheus port of the control plane (unset: off)")
+
+    # Engine and serving worker.
+    device: str = Field("cpu", description="where the engine runs: cpu, cuda, cuda:1 ...")
+    serve_host: str = Field("127.0.0.1", description="serving worker listen address")
+    serve_port: int = Field(8000, ge=0, le=65535, description="serving worker listen port")
+    max_queue: int = Field(64, ge=1, description="requests waiting beyond this get 429")
+    max_batch: int = Field(16, ge=1, description="sequences sharing one forward pass")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # init (CLI overrides) > env > config file > defaults
+        config = init_settings.init_kwargs.get("config") or os.environ.get("PIPECAST_CONFIG")
+        return init_settings, env_settings, _TomlFileSource(settings_cls, config)
+
+
+class _TomlFileSource(PydanticBaseSettingsSource):
+    """Values from a TOML config file (flat keys named as the fields, optionally under [pipecast])."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: str | Path | None):
+        super().__init__(settings_cls)
+        self.path = path
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = self.path
+        if not path:
+            return {}
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"config file {path}: {exc}") from exc
+        return data.get("pipecast", data)
+
+
+def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
+    """Build settings; ``overrides`` (CLI flags) whose value is None are ignored."""
+    try:
+        return Settings(config=config, **{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise SettingsError(f"invalid settings: {problems}") from None

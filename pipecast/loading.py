@@ -1,0 +1,202 @@
+"""The library hook, ``pipecast.load``: a model object that is usable before its weights are all in.
+
+``pipecast.load(package)`` returns at once. Blocks are bound in the background (from the node agent's
+shared memory when one is reachable, else from the package folder: the unicast fallback, logged as a
+warning), and each call blocks only for the layers it needs::
+
+    model = pipecast.load("/models/smollm2-pkg")
+    model.generate([1, 2, 3], max_new_tokens=16)      # first layers run while later blocks arrive
+    model.progress()                                  # LoadProgress(blocks_present=3, blocks_total=8, ...)
+    model.fully_loaded.wait()
+
+This module is named ``hook`` and not ``load`` on purpose: a submodule ``pipecast.load`` would replace the
+function ``pipecast.load`` on the package as soon as anything imported it.
+"""
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipecast.engine.errors import InvalidRequestError
+from pipecast.core.errors import PipecastError
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipecast.engine.engine import Engine, LoadProgress
+    from pipecast.engine.providers import BlockProvider
+    from pipecast.engine.streams import TokenStream
+
+logger = logging.getLogger(__name__)
+
+SOURCE_AGENT = "agent"
+SOURCE_LOCAL = "local"
+
+
+class PackageUnavailableError(PipecastError):
+    """Neither the node agent nor a local folder can provide the package (the caller's setup)."""
+
+
+class LoadedModel:
+    """A model being loaded or loaded: generate and score now, block only for missing layers."""
+
+    def __init__(self, engine: "Engine", *, source: str, stop_token_ids: frozenset[int],
+                 on_close: Callable[[], None] | None = None):
+        self.engine = engine
+        self._on_close = on_close
+        self.source = source
+        """Where blocks come from: ``agent`` (multicast delivery) or ``local`` (the package folder)."""
+        self.fully_loaded = engine.fully_loaded
+        """A ``threading.Event`` set once every block is bound."""
+        self.stop_token_ids = stop_token_ids
+        """Tokens that end generation by default (the model's EOS ids)."""
+
+    def progress(self) -> "LoadProgress":
+        """Blocks present out of the package's total."""
+        return self.engine.progress()
+
+    def wait_loaded(self, timeout: float | None = None) -> None:
+        """Block until fully loaded; raise ModelLoadError if loading failed, TimeoutError on timeout."""
+        self.engine.wait_loaded(timeout)
+
+    def generate(self, input_ids: "Sequence[int] | torch.Tensor", *, max_new_tokens: int = 32,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 stop_token_ids: Sequence[int] | None = None, timeout: float | None = None) -> list[int]:
+        """The generated token ids for one prompt (the prompt is not repeated).
+
+        Greedy when ``temperature`` is 0; ends at a stop token (returned last; default: the model's EOS)
+        or after ``max_new_tokens``.
+        """
+        return self.submit(input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           seed=seed, stop_token_ids=stop_token_ids).result(timeout)
+
+    def submit(self, input_ids: "Sequence[int] | torch.Tensor", *, max_new_tokens: int = 32,
+               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+               stop_token_ids: Sequence[int] | None = None) -> "TokenStream":
+        """Like :meth:`generate` but returns the token stream at once (iterate it, or ``async for``)."""
+        from pipecast.engine.sampling import SamplingParams
+
+        stops = self.stop_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                stop_token_ids=stops)
+        return self.engine.submit(_one_prompt(input_ids), params)
+
+    def logits(self, input_ids: "Sequence[int] | torch.Tensor", timeout: float | None = None) -> "torch.Tensor":
+        """Logits of every position: [seq, vocab] for one prompt, [batch, seq, vocab] for a 2-D tensor.
+
+        Runs on the calling thread, waiting for each layer just before it is needed (each wait bounded
+        by ``timeout`` seconds).
+        """
+        import torch
+
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.dim() == 1:
+            return self.engine.logits(ids.unsqueeze(0), timeout)[0]
+        return self.engine.logits(ids, timeout)
+
+    def close(self) -> None:
+        """Stop the engine (requests still running fail with EngineClosedError) and its agent client."""
+        self.engine.close()
+        if self._on_close is not None:
+            self._on_close()
+
+    def __enter__(self) -> "LoadedModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(package: str | Path, *, agent: str | Path | Any | None = None, device: str = "cpu",
+         dtype: "torch.dtype | None" = None, max_batch: int = 16, max_queue: int = 64,
+         stall_timeout_s: float = 600.0, agent_timeout_s: float = 10.0, verify: bool = True) -> LoadedModel:
+    """Start loading ``package`` (a package folder, or a package id); return a usable model at once.
+
+    ``agent`` is the node agent's local socket (or a connected client); by default the socket set in
+    pipecast's settings (``PIPECAST_AGENT_LOCAL_SOCKET``). Without a reachable agent holding the package,
+    blocks are read from the package folder, or from the agent's disk cache (``PIPECAST_AGENT_CACHE_DIR``)
+    for a package id: the unicast fallback, logged as a warning. ``dtype`` defaults to the weights' dtype
+    (then CPU parameters are views of the block buffers: no copy). ``stall_timeout_s`` bounds how long
+    loading may go without a new block before it fails; ``agent_timeout_s`` bounds each agent request.
+    """
+    from pipecast.engine.engine import Engine
+    from pipecast.core.settings import load_settings
+
+    settings = load_settings()
+    folder = _local_folder(package, settings.agent_cache_dir)
+    provider, source, on_close = _provider(package, folder, agent or settings.agent_local_socket,
+                                           agent_timeout_s, verify)
+    engine = Engine(provider, device=device, dtype=dtype, max_batch=max_batch, max_queue=max_queue,
+                    stall_timeout_s=stall_timeout_s).start()
+    logger.info("loading package %s (%d blocks) from %s", provider.manifest.package_id[:12], provider.num_blocks,
+                provider.source)
+    return LoadedModel(engine, source=source, stop_token_ids=default_stop_token_ids(provider), on_close=on_close)
+
+
+def _local_folder(package: str | Path, cache_dir: Path | None) -> Path | None:
+    """The package's folder on this node: ``package`` itself, or its package id in the agent's cache."""
+    if Path(package).is_dir():
+        return Path(package)
+    if cache_dir is not None and (Path(cache_dir) / str(package)).is_dir():
+        return Path(cache_dir) / str(package)
+    return None
+
+
+def _provider(package: str | Path, folder: Path | None, agent: Any, timeout_s: float,
+              verify: bool) -> tuple["BlockProvider", str, Callable[[], None] | None]:
+    """The block provider, where it gets blocks, and what to close with the model (a client we opened)."""
+    from pipecast.engine.providers import AgentBlockProvider, PackageFolderProvider
+
+    if agent is None:
+        reason = "no pipecast agent configured (PIPECAST_AGENT_LOCAL_SOCKET unset)"
+    else:
+        package_id = _read_package_id(folder) if folder else str(package)
+        client = None
+        try:
+            client = _connect(agent) if isinstance(agent, (str, Path)) else agent
+            provider = AgentBlockProvider(client, package_id=package_id, where=str(agent), timeout_s=timeout_s)
+            return provider, SOURCE_AGENT, client.close if client is not agent else None
+        except (OSError, PipecastError) as exc:
+            reason = f"pipecast agent at {agent} cannot serve package {package} ({exc})"
+            if client is not None and client is not agent:
+                client.close()
+    if folder is None:
+        raise PackageUnavailableError(f"package {package}: {reason}, and it is neither a package folder nor "
+                                      "in the agent's disk cache")
+    logger.warning("%s: loading %s from the package folder (unicast fallback)", reason, folder)
+    return PackageFolderProvider(folder, verify=verify), SOURCE_LOCAL, None
+
+
+def _connect(socket: str | Path) -> Any:
+    from pipecast.agent.local_client import LocalAgentClient
+
+    return LocalAgentClient(socket)
+
+
+def _read_package_id(folder: Path) -> str:
+    from packager.manifest import read_manifest
+
+    return read_manifest(folder).package_id
+
+
+def default_stop_token_ids(provider: "BlockProvider") -> frozenset[int]:
+    """The model's EOS ids: generation_config.json's if the package has one, else config.json's."""
+    gen = provider.small_file("generation_config.json")
+    eos = json.loads(gen).get("eos_token_id") if gen else None
+    if eos is None:
+        eos = provider.config.get("eos_token_id")
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+def _one_prompt(input_ids: "Sequence[int] | torch.Tensor") -> list[int]:
+    """A prompt as a list of ids, from a list, a 1-D tensor or a [1, seq] tensor."""
+    shape = getattr(input_ids, "shape", None)
+    if shape is not None and len(shape) == 2:
+        if shape[0] != 1:
+            raise InvalidRequestError(f"generate takes one prompt, got a batch of {shape[0]} (submit each)")
+        input_ids = input_ids[0]
+    return [int(t) for t in input_ids]

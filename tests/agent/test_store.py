@@ -1,0 +1,257 @@
+"""The block store without sockets: chunk state, verification, waiters, memory budget, seed and cache."""
+
+import asyncio
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+
+from packager.errors import ManifestError
+
+from packager.digest import digest_bytes
+from pipecast.agent.budget import MemoryBudget
+from pipecast.agent.buffers import SharedMemoryAllocator
+from pipecast.agent.cache import BlockCache
+from pipecast.agent.errors import (
+    CorruptChunkError,
+    CorruptFileError,
+    MemoryBudgetError,
+    PackageSourceError,
+    UnknownPackageError,
+)
+from pipecast.agent.source import PackageFolderSource
+from pipecast.agent.store import BlockStore
+from pipecast.v1.manifest_pb2 import Manifest
+from tests.support.agent_fixtures import block_file_bytes, make_package, receiving_store
+
+CHUNK = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> tuple[Path, Manifest]:
+    root = tmp_path_factory.mktemp("store") / "pkg"
+    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK, tokenizer_bytes=1000)
+
+
+def put_chunk(store: BlockStore, block: int, chunk: int, data: bytes, peer: str = "p1") -> None:
+    bounds = slice(chunk * CHUNK, (chunk + 1) * CHUNK)
+    store.chunk_buffer(block, chunk)[:] = data[bounds]
+    store.chunk_landed(block, chunk, peer)
+
+
+async def test_chunks_become_present_and_wake_waiters(package):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 1)
+    store = receiving_store(manifest)
+    try:
+        count = store.chunk_count(1)
+        assert count == len(manifest.blocks[1].chunk_digests) >= 3
+        chunk_waiter = asyncio.ensure_future(store.wait_chunk(1, 1))
+        block_waiter = asyncio.ensure_future(store.wait_block(1))
+        await asyncio.sleep(0)
+        put_chunk(store, 1, 0, data)
+        await asyncio.sleep(0)
+        assert not chunk_waiter.done()
+        assert store.first_missing_chunk(1) == 1
+        put_chunk(store, 1, 1, data)
+        assert bytes(await asyncio.wait_for(chunk_waiter, 1)) == data[CHUNK:2 * CHUNK]
+        assert not block_waiter.done() and not store.is_block_verified(1)
+        for chunk in range(2, count):
+            put_chunk(store, 1, chunk, data)
+        await asyncio.wait_for(block_waiter, 1)
+        assert store.is_block_verified(1) and store.first_missing_chunk(1) is None
+        assert bytes(store.block_view(1)) == data
+        progress = store.progress()
+        assert progress.bytes_present == len(data) and progress.blocks_verified == 1 and not progress.complete
+    finally:
+        store.close()
+
+
+async def test_out_of_order_chunks_verify_the_block(package):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    store = receiving_store(manifest)
+    try:
+        for chunk in reversed(range(store.chunk_count(0))):
+            put_chunk(store, 0, chunk, data)
+        assert store.is_block_verified(0)
+        assert bytes(store.block_view(0)) == data
+    finally:
+        store.close()
+
+
+async def test_corrupt_chunk_is_refused_and_names_the_peer(package):
+    root, manifest = package
+    data = bytearray(block_file_bytes(root, manifest, 2))
+    store = receiving_store(manifest)
+    events = []
+    store.subscribe(events.append)
+    try:
+        put_chunk(store, 2, 0, bytes(data))
+        data[CHUNK + 5] ^= 0xFF
+        with pytest.raises(CorruptChunkError) as caught:
+            put_chunk(store, 2, 1, bytes(data), peer="evil@10.0.0.9:7070")
+        assert str(caught.value) == "peer evil@10.0.0.9:7070: sent a corrupt chunk 1 of block 2 (digest mismatch)"
+        assert (caught.value.peer, caught.value.block, caught.value.chunk) == ("evil@10.0.0.9:7070", 2, 1)
+        assert not store.is_chunk_present(2, 1)
+        assert store.first_missing_chunk(2) == 1
+        waiter = asyncio.ensure_future(store.wait_chunk(2, 1))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # nobody may read the bad bytes
+        data[CHUNK + 5] ^= 0xFF
+        put_chunk(store, 2, 1, bytes(data))
+        assert bytes(await asyncio.wait_for(waiter, 1)) == bytes(data[CHUNK:2 * CHUNK])
+        assert [(e.kind, e.block, e.peer) for e in events] == [("block_started", 2, "p1")]
+    finally:
+        store.close()
+
+
+def test_forged_chunk_digests_are_refused_before_any_byte(package):
+    """A peer's manifest must hash to its package id, which covers every chunk digest."""
+    _, manifest = package
+    forged = Manifest()
+    forged.CopyFrom(manifest)
+    forged.blocks[0].chunk_digests[0] = digest_bytes(bytes(CHUNK))
+    with pytest.raises(ManifestError, match=r"peer liar@1.2.3.4:7070: invalid manifest: package_id"):
+        BlockStore.open(forged, allocator=SharedMemoryAllocator(), budget=MemoryBudget(1 << 30),
+                        manifest_origin="peer liar@1.2.3.4:7070")
+
+
+async def test_a_file_can_be_read_range_by_range_before_it_is_whole_and_is_verified_once_whole(package):
+    root, manifest = package
+    data = (root / "tokenizer.json").read_bytes()
+    store = receiving_store(manifest)
+    try:
+        early = asyncio.ensure_future(store.wait_file_range("tokenizer.json", 100, 200))
+        whole = asyncio.ensure_future(store.wait_file("tokenizer.json"))
+        store.file_range_landed("tokenizer.json", 0, data[:250], "p1")
+        await asyncio.sleep(0)
+        assert not early.done()
+        store.file_range_landed("tokenizer.json", 250, data[250:400], "p1")
+        assert await asyncio.wait_for(early, 1) == data[100:300]
+        assert not whole.done() and "tokenizer.json" in store.missing_files()
+        store.file_range_landed("tokenizer.json", 400, data[400:], "p1")
+        assert await asyncio.wait_for(whole, 1) == data and "tokenizer.json" not in store.missing_files()
+    finally:
+        store.close()
+
+
+async def test_a_corrupt_file_is_dropped_whole_naming_its_sender_and_ranges_are_checked(package):
+    root, manifest = package
+    data = bytearray((root / "tokenizer.json").read_bytes())
+    data[-1] ^= 0xFF
+    store = receiving_store(manifest)
+    try:
+        store.file_range_landed("tokenizer.json", 0, bytes(data[:600]), "bad")
+        with pytest.raises(CorruptFileError, match="^peer bad: sent file 'tokenizer.json' whose size or digest "
+                                                   "differs from the manifest$"):
+            store.file_range_landed("tokenizer.json", 600, bytes(data[600:]), "bad")
+        assert store.file_received("tokenizer.json") == 0 and "tokenizer.json" in store.missing_files()
+        with pytest.raises(UnknownPackageError, match="file 'tokenizer.json' of package .* has 1000 bytes: "
+                                                      "no range of 10 at 995"):
+            await store.wait_file_range("tokenizer.json", 995, 10)
+        with pytest.raises(UnknownPackageError, match="has no file 'secrets.json'"):
+            await store.wait_file_range("secrets.json", 0, 1)
+    finally:
+        store.close()
+
+
+def test_memory_budget_refuses_a_package_that_does_not_fit(package):
+    _, manifest = package
+    total = manifest.total_bytes
+    budget = MemoryBudget(total - 1)
+    with pytest.raises(MemoryBudgetError) as caught:
+        BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=budget)
+    assert str(caught.value) == (
+        f"package {manifest.package_id[:12]} (3 blocks to receive) needs 590.9 KiB ({total} bytes) of host "
+        f"memory but the agent's budget has 590.9 KiB ({total - 1} bytes) free of 590.9 KiB (raise --memory / "
+        "PIPECAST_AGENT_MEMORY_BYTES or free a package)")
+    assert budget.used_bytes == 0
+    budget = MemoryBudget(manifest.total_bytes)
+    store = BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=budget)
+    assert budget.used_bytes == manifest.total_bytes
+    store.close()
+    assert budget.used_bytes == 0
+
+
+def test_seed_is_mapped_verified_and_costs_no_budget(package):
+    root, manifest = package
+    budget = MemoryBudget(1)
+    store = BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=budget,
+                            local=PackageFolderSource(root), require_complete=True)
+    try:
+        assert store.verified_blocks() == [0, 1, 2] and budget.used_bytes == 0
+        assert store.block_path(1) == str((root / manifest.blocks[1].file).resolve())
+        assert bytes(store.block_view(1)) == block_file_bytes(root, manifest, 1)
+        assert store.files["config.json"] == (root / "config.json").read_bytes()
+    finally:
+        store.close()
+
+
+def test_corrupt_seed_is_refused_naming_the_file(package, tmp_path):
+    root, manifest = package
+    copy = tmp_path / "pkg"
+    make_package(copy, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK)
+    block_file = copy / manifest.blocks[1].file
+    raw = bytearray(block_file.read_bytes())
+    raw[-1] ^= 1
+    block_file.write_bytes(raw)
+    with pytest.raises(PackageSourceError, match=rf"package folder {copy}: block 1 \(blocks/block-0001.safetensors\) "
+                                                 r"does not match the manifest: .*corrupt chunk \d+ of block 1"):
+        BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=MemoryBudget(1 << 30),
+                        local=PackageFolderSource(copy), require_complete=True)
+
+
+def test_received_block_is_shared_memory_another_mapping_sees(package):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    store = receiving_store(manifest)
+    try:
+        for chunk in range(store.chunk_count(0)):
+            put_chunk(store, 0, chunk, data)
+        path = store.block_path(0)
+        assert path.startswith(f"/proc/{os.getpid()}/fd/")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with mmap.mmap(fd, len(data), prot=mmap.PROT_READ) as mapped:
+                assert mapped[:] == data
+        finally:
+            os.close(fd)
+    finally:
+        store.close()
+
+
+def test_cache_round_trip_reverifies_and_refetches_bad_blocks(package, tmp_path, caplog):
+    root, manifest = package
+    cache = BlockCache(tmp_path / "cache")
+    store = receiving_store(manifest)
+    for block in (0, 1):
+        data = block_file_bytes(root, manifest, block)
+        for chunk in range(store.chunk_count(block)):
+            put_chunk(store, block, chunk, data)
+        cache.write_block(manifest, block, store.block_view(block))
+    cache.write_manifest(manifest)
+    for entry in manifest.files:
+        cache.write_file(manifest.package_id, entry.path, (root / entry.path).read_bytes())
+    store.close()
+    cached_block1 = cache.package_dir(manifest.package_id) / manifest.blocks[1].file
+    raw = bytearray(cached_block1.read_bytes())
+    raw[100] ^= 1
+    cached_block1.write_bytes(raw)  # rot on disk
+
+    source = cache.source(manifest.package_id)
+    assert source is not None and source.manifest == manifest
+    budget = MemoryBudget(1 << 30)
+    restarted = BlockStore.open(source.manifest, allocator=SharedMemoryAllocator(), budget=budget, local=source)
+    try:
+        assert restarted.verified_blocks() == [0]
+        assert "block 1 does not match the manifest" in caplog.text
+        assert budget.used_bytes == manifest.blocks[1].bytes + manifest.blocks[2].bytes
+        assert restarted.block_path(0) == str(cache.package_dir(manifest.package_id) / manifest.blocks[0].file)
+        assert bytes(restarted.block_view(0)) == block_file_bytes(root, manifest, 0)
+        assert restarted.missing_files() == []
+        assert restarted.first_missing_chunk(1) == 0
+    finally:
+        restarted.close()
+    assert BlockCache(tmp_path / "empty").source(manifest.package_id) is None

@@ -1,0 +1,325 @@
+"""The TCP transport and the fetcher on loopback, in one process: deadlines, faults on the wire, rate limits,
+resumes. What every transport must do is in test_transport_conformance.py."""
+
+import asyncio
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+from pipecast.agent.errors import (
+    FetchFailedError,
+    PeerClosedError,
+    PeerConnectError,
+    PeerRefusedError,
+    PeerTimeoutError,
+    TransportUnavailableError,
+)
+from pipecast.agent.fetcher import FILE_RANGE_BYTES, ChannelPool, Fetcher, FetchPolicy, Peer, fetch_files
+from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.ratelimit import TokenBucket
+from pipecast.agent.store import BlockStore
+from pipecast.agent.transport.registry import resolve_transport_name
+from pipecast.agent.transport.tcp import TcpListener, TcpTransport
+from pipecast.core.settings import Settings
+from pipecast.v1.manifest_pb2 import Manifest
+from tests.support.agent_fixtures import FlippingServer, block_file_bytes, make_package, receiving_store, seed_store
+
+CHUNK = 64 << 10
+IO_TIMEOUT_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> tuple[Path, Manifest]:
+    root = tmp_path_factory.mktemp("tcp") / "pkg"
+    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK, tokenizer_bytes=600_000)
+
+
+def settings(**overrides) -> Settings:
+    values = {"io_timeout_s": IO_TIMEOUT_S, "connect_timeout_s": 1.0, "egress_mbit": 0, "ingress_mbit": 0}
+    return Settings(**{**values, **overrides})
+
+
+
+
+class DyingServer(PeerServer):
+    """A parent that goes away (all its connections reset) when asked for one chunk."""
+
+    def __init__(self, die_at: tuple[int, int]) -> None:
+        super().__init__()
+        self.die_at = die_at
+        self.listener: TcpListener | None = None
+
+    async def wait_chunk(self, package_id: str, block: int, chunk: int) -> memoryview:
+        if (block, chunk) == self.die_at:
+            await self.listener.close()
+        return await super().wait_chunk(package_id, block, chunk)
+
+
+class RecordingServer(PeerServer):
+    """Records every (block, chunk) it serves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.served: list[tuple[int, int]] = []
+
+    async def wait_chunk(self, package_id: str, block: int, chunk: int) -> memoryview:
+        self.served.append((block, chunk))
+        return await super().wait_chunk(package_id, block, chunk)
+
+
+async def serve(server: PeerServer, store: BlockStore, **overrides) -> tuple[TcpTransport, TcpListener]:
+    server.add(store)
+    transport = TcpTransport("server", settings(**overrides))
+    return transport, await transport.listen("127.0.0.1", 0, server)
+
+
+async def raw_server(handler) -> tuple[asyncio.Server, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, "127.0.0.1:%d" % server.sockets[0].getsockname()[1]
+
+
+async def test_silent_peer_raises_a_timeout_naming_it_within_the_deadline(package):
+    _, manifest = package
+
+    async def mute(reader, writer):
+        await reader.read(1 << 16)
+        await asyncio.sleep(30)
+
+    server, address = await raw_server(mute)
+    store = receiving_store(manifest)
+    try:
+        channel = await TcpTransport("rx", settings()).connect(address, "mute")
+        started = time.monotonic()
+        with pytest.raises(PeerTimeoutError) as caught:
+            await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 5)
+        assert time.monotonic() - started < IO_TIMEOUT_S + 1.0
+        assert str(caught.value) == (f"peer mute: silent for {IO_TIMEOUT_S:g} s while sending block 0 "
+                                     f"(chunk 0 of {store.chunk_count(0)})")
+    finally:
+        server.close()
+        store.close()
+
+
+async def test_peer_closing_mid_block_raises_closed_naming_it(package):
+    _, manifest = package
+
+    async def half(reader, writer):
+        from pipecast.agent.transport.tcp import CHUNK as CHUNK_MESSAGE, _header
+
+        await reader.read(1 << 16)
+        writer.write(_header(CHUNK_MESSAGE, 0, 0, CHUNK) + bytes(1000))
+        await writer.drain()
+        writer.close()
+
+    server, address = await raw_server(half)
+    store = receiving_store(manifest)
+    try:
+        channel = await TcpTransport("rx", settings()).connect(address, "parent")
+        with pytest.raises(PeerClosedError) as caught:
+            await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 5)
+        assert str(caught.value) == (f"peer parent: closed the connection while sending block 0 (chunk 0 of "
+                                     f"{store.chunk_count(0)}) (end of stream)")
+        assert not store.is_chunk_present(0, 0)
+    finally:
+        server.close()
+        store.close()
+
+
+async def test_refused_connection_and_unknown_package_are_typed(package):
+    root, manifest = package
+    server, address = await raw_server(lambda r, w: None)
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(PeerConnectError, match=rf"^peer gone: cannot connect to {address} \(Connection refused\)$"):
+        await TcpTransport("rx", settings()).connect(address, "gone")
+
+    seed = seed_store(root)
+    _, listener = await serve(PeerServer(), seed)
+    store = receiving_store(manifest)
+    try:
+        channel = await TcpTransport("rx", settings()).connect(listener.address, "seed")
+        with pytest.raises(PeerRefusedError, match=r"^peer seed: package 000000000000 is not held here$"):
+            await channel.fetch_block("0" * 64, 0, 0, store)
+    finally:
+        await listener.close()
+        store.close()
+        seed.close()
+
+
+async def test_egress_limit_paces_the_sender(package):
+    root, manifest = package
+    seed = seed_store(root)
+    mbit = 16.0
+    _, listener = await serve(PeerServer(), seed, egress_mbit=mbit)
+    store = receiving_store(manifest)
+    try:
+        channel = await TcpTransport("rx", settings()).connect(listener.address, "seed")
+        started = time.monotonic()
+        await channel.fetch_block(manifest.package_id, 0, 0, store)
+        elapsed = time.monotonic() - started
+        # Lower bound only: the bucket may start full (its burst), the rest must wait for tokens.
+        assert elapsed >= (manifest.blocks[0].bytes - (256 << 10)) / (mbit * 1e6 / 8) * 0.9
+    finally:
+        await listener.close()
+        store.close()
+        seed.close()
+
+
+def test_token_bucket_lends_and_asks_for_repayment():
+    now = [0.0]
+    bucket = TokenBucket(rate_bytes_per_s=1000, burst_bytes=500, clock=lambda: now[0])
+    assert bucket.take(500) == 0.0
+    assert bucket.take(1000) == pytest.approx(1.0)
+    now[0] = 1.0
+    assert bucket.take(0) == 0.0
+    now[0] = 100.0
+    assert bucket.take(600) == pytest.approx(0.1)  # refill is capped at the burst
+
+
+def test_transport_selection(monkeypatch):
+    from dataclasses import replace
+
+    from pipecast.agent.transport import registry
+
+    # auto means TCP on a node without GPU/RDMA, whether or not ucxx is installed
+    entry = registry._REGISTRY["ucx"]
+    monkeypatch.setitem(registry._REGISTRY, "ucx", replace(entry, preferred=lambda: False))
+    assert resolve_transport_name("auto") == "tcp"
+    assert resolve_transport_name("tcp") == "tcp"
+    if importlib.util.find_spec("ucxx") is None:
+        with pytest.raises(TransportUnavailableError,
+                           match="transport 'ucx' cannot be used on this node: .*not installed"):
+            resolve_transport_name("ucx")
+    with pytest.raises(TransportUnavailableError, match="transport 'carrier-pigeon' is not registered"):
+        resolve_transport_name("carrier-pigeon")
+
+
+async def fetch_with(parent_server: PeerServer, manifest: Manifest, root: Path, *, fallback: bool):
+    """Fetch every block from ``parent_server`` with a recording good source as fallback."""
+    parent_seed, source_seed = seed_store(root), seed_store(root)
+    _, parent_listener = await serve(parent_server, parent_seed)
+    if isinstance(parent_server, DyingServer):
+        parent_server.listener = parent_listener
+    source_server = RecordingServer()
+    _, source_listener = await serve(source_server, source_seed)
+    parent, source = Peer("parent", parent_listener.address), Peer("source", source_listener.address)
+    store = receiving_store(manifest)
+    failures = []
+    pool = ChannelPool(TcpTransport("rx", settings()))
+    policy = FetchPolicy(concurrency=1, retries=1, backoff_s=0.01, fallbacks=(source,) if fallback else ())
+    fetcher = Fetcher(store, pool, policy, on_peer_failure=lambda what, peer, exc: failures.append((what, peer, exc)))
+    try:
+        await fetcher.fetch([(b, parent) for b in range(len(manifest.blocks))])
+        return store, failures, source_server.served, parent
+    except BaseException:
+        store.close()
+        raise
+    finally:
+        await pool.close()
+        await parent_listener.close()
+        await source_listener.close()
+        parent_seed.close()
+        source_seed.close()
+
+
+async def test_fetcher_resumes_from_the_first_missing_chunk_at_the_source(package):
+    root, manifest = package
+    store, failures, served, parent = await fetch_with(DyingServer(die_at=(1, 2)), manifest, root, fallback=True)
+    try:
+        assert [bytes(store.block_view(b)) for b in range(3)] == [block_file_bytes(root, manifest, b) for b in range(3)]
+        # Block 2 goes straight to the source: the parent was given up on.
+        assert [(what, p.node_id, type(exc)) for what, p, exc in failures] == [
+            ("block 1", "parent", PeerClosedError), ("block 1", "parent", PeerConnectError)]
+        assert served[0] == (1, 2)  # block 1 resumed where the parent stopped
+        assert {b for b, _ in served} == {1, 2}
+    finally:
+        store.close()
+
+
+async def test_fetcher_never_asks_a_corrupting_parent_again(package):
+    root, manifest = package
+    store, failures, served, parent = await fetch_with(FlippingServer(flip=(0, 2)), manifest, root, fallback=True)
+    try:
+        assert [(what, str(exc)) for what, _, exc in failures] == [
+            ("block 0", f"peer {parent}: sent a corrupt chunk 2 of block 0 (digest mismatch)")]
+        assert served[0] == (0, 2)
+        assert store.progress().complete
+    finally:
+        store.close()
+
+
+async def test_fetcher_without_fallback_fails_naming_the_parent(package):
+    root, manifest = package
+    with pytest.raises(FetchFailedError) as caught:
+        await fetch_with(DyingServer(die_at=(0, 1)), manifest, root, fallback=False)
+    assert str(caught.value).startswith("block 0 could not be fetched from any peer (PeerClosedError: peer parent@")
+    assert [peer for peer, _ in caught.value.attempts] == [str(caught.value.attempts[0][0])] * 2
+    assert isinstance(caught.value.attempts[1][1], PeerConnectError)
+
+
+async def test_a_failed_channel_takes_its_peers_idle_channels_with_it(package):
+    root, manifest = package
+    seed = seed_store(root)
+    _, listener = await serve(PeerServer(), seed)
+    pool = ChannelPool(TcpTransport("rx", settings()))
+    peer = Peer("seed", listener.address)
+    try:
+        first, second = await pool.acquire(peer), await pool.acquire(peer)
+        pool.release(peer, first)   # e.g. the small files' channel, done
+        await pool.discard(peer, second)  # the blocks' channel saw the peer fail
+        third = await pool.acquire(peer)
+        assert third is not first  # a fresh connection, not the one that may be just as broken
+        assert await third.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
+    finally:
+        await pool.close()
+        await listener.close()
+        seed.close()
+
+
+class FileFlippingServer(PeerServer):
+    """Serves small files in ranges, with the last byte of every file flipped."""
+
+    async def file_bytes(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
+        data = bytearray(await super().file_bytes(package_id, path, offset, length))
+        size = next(f.bytes for f in self.stores[package_id].manifest.files if f.path == path)
+        if data and offset + len(data) == size:
+            data[-1] ^= 0xFF
+        return bytes(data)
+
+
+async def test_files_come_in_ranges_each_checked_whole_and_a_corrupting_peer_is_left_for_the_next(package):
+    root, manifest = package
+    assert manifest.files and max(f.bytes for f in manifest.files) > 2 * FILE_RANGE_BYTES
+    bad_seed, good_seed = seed_store(root), seed_store(root)
+    _, bad_listener = await serve(FileFlippingServer(), bad_seed)
+    _, good_listener = await serve(PeerServer(), good_seed)
+    bad, good = Peer("bad", bad_listener.address), Peer("good", good_listener.address)
+    store = receiving_store(manifest)
+    failures = []
+    pool = ChannelPool(TcpTransport("rx", settings()))
+    try:
+        await fetch_files(pool, store, [bad, good], lambda what, peer, exc: failures.append((what, peer)))
+        assert store.missing_files() == []
+        for entry in manifest.files:
+            assert store.files[entry.path] == (root / entry.path).read_bytes()
+        assert sorted(failures) == sorted((f.path, bad) for f in manifest.files)
+    finally:
+        await pool.close()
+        await bad_listener.close()
+        await good_listener.close()
+        for s in (store, bad_seed, good_seed):
+            s.close()
+
+
+def test_only_a_peers_own_corrupt_data_gets_it_distrusted():
+    from packager.manifest import MANIFEST_FILE
+    from pipecast.agent.control import sender_at_fault
+    from pipecast.agent.errors import CorruptChunkError, CorruptFileError
+
+    assert sender_at_fault("block 3", CorruptChunkError("p", 3, 1))  # verified by the peer before it served it
+    assert sender_at_fault(MANIFEST_FILE, CorruptFileError("p", "sent an invalid manifest"))
+    # A file is forwarded before its relay has checked it whole: its parent may have corrupted it.
+    assert not sender_at_fault("tokenizer.json", CorruptFileError("p", "sent file 'tokenizer.json' ..."))
+    assert not sender_at_fault("block 3", PeerClosedError("p", "closed the connection"))

@@ -1,0 +1,276 @@
+"""The UCX transport (ucxx over TCP and shared memory on loopback): faults, deadlines, shutdown without
+hanging, and a pair of real ``pipecast agent --transport ucx`` processes. What every transport must do
+is in test_transport_conformance.py."""
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ucxx", reason="the ucx extra (ucxx-cu12) is not installed")
+
+from control_plane.planner.schedules import make_plan  # noqa: E402
+from pipecast.agent.errors import (  # noqa: E402
+    PeerClosedError,
+    PeerConnectError,
+    PeerRefusedError,
+    PeerTimeoutError,
+)
+from pipecast.agent.peer_server import PeerServer  # noqa: E402
+from pipecast.agent.plan_file import plan_file_data  # noqa: E402
+from pipecast.agent.transport import registry  # noqa: E402
+from pipecast.agent.transport.registry import resolve_transport_name  # noqa: E402
+from pipecast.agent.transport.ucx import UcxListener, UcxTransport, _as_bytes, _tls_allows_tcp  # noqa: E402
+from pipecast.core.settings import Settings  # noqa: E402
+from pipecast.v1.manifest_pb2 import Manifest  # noqa: E402
+from tests.support.agent_fixtures import (  # noqa: E402
+    block_file_bytes,
+    land_chunk,
+    make_package,
+    receiving_store,
+    seed_store,
+)
+from tests.support.agent_processes import REPO, assert_identical_copy, free_ports, write_plan  # noqa: E402
+
+pytestmark = [pytest.mark.ucx, pytest.mark.timeout(60)]
+
+CHUNK = 64 << 10
+IO_TIMEOUT_S = 0.3
+NOTIFIER_THREAD = "UCX-Py Async Notifier Thread"  # ucxx's name for the thread that must stop at exit
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> tuple[Path, Manifest]:
+    root = tmp_path_factory.mktemp("ucx") / "pkg"
+    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK)
+
+
+def settings(**overrides) -> Settings:
+    values = {"io_timeout_s": IO_TIMEOUT_S, "connect_timeout_s": 2.0, "egress_mbit": 0, "ingress_mbit": 0}
+    return Settings(**{**values, **overrides})
+
+
+@pytest.fixture
+async def transports():
+    """Make UCX transports; every one is closed at the end, and ucxx's threads must be gone then."""
+    made: list[UcxTransport] = []
+
+    def make(node: str, **overrides) -> UcxTransport:
+        made.append(UcxTransport(node, settings(**overrides)))
+        return made[-1]
+
+    yield make
+    for transport in made:
+        await transport.close()
+    assert NOTIFIER_THREAD not in {t.name for t in threading.enumerate()}
+
+
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_parent_going_away_mid_block_is_a_closed_error_naming_it_at_once(package, transports):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    relay = receiving_store(manifest)
+    server = PeerServer()
+    server.add(relay)
+    listener: UcxListener = await transports("relay").listen("127.0.0.1", 0, server)
+    child = receiving_store(manifest)
+    # A long silence deadline: the error must come from the broken connection, not from a timeout.
+    channel = await transports("child", io_timeout_s=10).connect(listener.address, "relay")
+    try:
+        fetch = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child))
+        land_chunk(relay, data, 0, 0)
+        await asyncio.wait_for(child.wait_chunk(0, 0), 2)
+        started = time.monotonic()
+        await listener.close()  # every connection of the relay is dropped
+        with pytest.raises(PeerClosedError) as caught:
+            await asyncio.wait_for(fetch, 5)
+        assert time.monotonic() - started < 1.0
+        assert str(caught.value).startswith(f"peer relay: closed the connection while sending block 0 (chunk 1 "
+                                            f"of {child.chunk_count(0)}) (")
+        assert child.is_chunk_present(0, 0) and child.first_missing_chunk(0) == 1
+    finally:
+        await channel.close()
+        child.close()
+        relay.close()
+
+
+async def test_silent_peer_raises_a_timeout_naming_it_within_the_deadline(package, transports):
+    _, manifest = package
+    mute = PeerServer()
+    mute.expect(manifest.package_id)  # it will "soon" hold the package: requests wait, forever
+    listener = await transports("mute").listen("127.0.0.1", 0, mute)
+    store = receiving_store(manifest)
+    channel = await transports("rx").connect(listener.address, "mute")
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerTimeoutError) as caught:
+            await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 5)
+        assert time.monotonic() - started < IO_TIMEOUT_S + 1.0
+        assert str(caught.value) == (f"peer mute: silent for {IO_TIMEOUT_S:g} s while sending block 0 "
+                                     f"(chunk 0 of {store.chunk_count(0)})")
+    finally:
+        await channel.close()
+        store.close()
+
+
+async def test_refused_connection_is_a_connect_error_long_before_the_deadline(transports):
+    address = f"127.0.0.1:{closed_port()}"
+    client = transports("rx", connect_timeout_s=5.0)
+    started = time.monotonic()
+    with pytest.raises(PeerConnectError, match=rf"^peer gone: cannot connect to {address} \(.+\)$"):
+        await client.connect(address, "gone")
+    # ucxx's own connect would wait out its 5 s peer-info exchange here.
+    assert time.monotonic() - started < 1.0
+
+
+async def test_unknown_package_and_file_are_refused_naming_the_peer(package, transports):
+    root, manifest = package
+    seed = seed_store(root)
+    server = PeerServer()
+    server.add(seed)
+    listener = await transports("seed").listen("127.0.0.1", 0, server)
+    store = receiving_store(manifest)
+    client = transports("rx")
+    try:
+        # As with TCP, a refusal ends its channel; the fetcher opens another for the next request.
+        channel = await client.connect(listener.address, "seed")
+        with pytest.raises(PeerRefusedError, match=r"^peer seed: package 000000000000 is not held here$"):
+            await channel.fetch_block("0" * 64, 0, 0, store)
+        channel = await client.connect(listener.address, "seed")
+        with pytest.raises(PeerRefusedError, match=r"^peer seed: package \w{12} has no file 'weights.bin'$"):
+            await channel.fetch_file(manifest.package_id, "weights.bin")
+        channel = await client.connect(listener.address, "seed")
+        await channel.fetch_block(manifest.package_id, 0, 0, store)
+        assert bytes(store.block_view(0)) == block_file_bytes(root, manifest, 0)
+    finally:
+        store.close()
+        seed.close()
+
+
+@pytest.mark.parametrize("side", ["egress_mbit", "ingress_mbit"])
+async def test_rate_limit_paces_the_transfer(package, transports, side):
+    root, manifest = package
+    seed = seed_store(root)
+    server = PeerServer()
+    server.add(seed)
+    mbit = 4.0
+    limited = {side: mbit}
+    listener = await transports("seed", **(limited if side == "egress_mbit" else {})).listen("127.0.0.1", 0, server)
+    client = transports("rx", io_timeout_s=5, **(limited if side == "ingress_mbit" else {}))
+    store = receiving_store(manifest)
+    channel = await client.connect(listener.address, "seed")
+    try:
+        started = time.monotonic()
+        for block in range(len(manifest.blocks)):
+            await channel.fetch_block(manifest.package_id, block, 0, store)
+        elapsed = time.monotonic() - started
+        # Lower bound only: the bucket may start full (its 256 KiB burst), the rest must wait for tokens.
+        assert elapsed >= (manifest.total_bytes - (256 << 10)) / (mbit * 1e6 / 8) * 0.9
+        assert bytes(store.block_view(2)) == block_file_bytes(root, manifest, 2)
+    finally:
+        await channel.close()
+        store.close()
+        seed.close()
+
+
+@pytest.mark.parametrize(("tls", "listens"), [("tcp,sm,self", True), ("all", True), ("^ib", True),
+                                               ("sm,self", False), ("^tcp,ib", False)])
+def test_ucx_tls_without_tcp_is_recognised(tls, listens):
+    assert _tls_allows_tcp(tls) is listens
+
+
+def test_typed_buffers_travel_as_flat_bytes():
+    import numpy as np
+
+    weights = np.arange(6, dtype=np.float32).reshape(2, 3)
+    view = _as_bytes(memoryview(weights))
+    assert (view.format, view.ndim, len(view)) == ("B", 1, weights.nbytes)
+    assert bytes(view) == weights.tobytes()
+
+
+def test_transport_selection_keeps_ucx_for_accelerated_nodes(monkeypatch):
+    assert resolve_transport_name("ucx") == "ucx"
+    entry = registry._REGISTRY["ucx"]
+    monkeypatch.setitem(registry._REGISTRY, "ucx", replace(entry, preferred=lambda: False))
+    assert resolve_transport_name("auto") == "tcp"
+    monkeypatch.setitem(registry._REGISTRY, "ucx", replace(entry, preferred=lambda: True))
+    assert resolve_transport_name("auto") == "ucx"
+
+
+FORGETFUL = """
+import asyncio
+from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.transport.ucx import UcxTransport
+from pipecast.core.settings import Settings
+
+async def main():
+    transport = UcxTransport("forgetful", Settings(connect_timeout_s=2.0))
+    listener = await transport.listen("127.0.0.1", 0, PeerServer())
+    await transport.connect(listener.address, "self")
+
+asyncio.run(main())  # never closes the transport: ucxx's notifier thread is still running at exit
+"""
+
+
+def test_a_process_that_never_closes_its_transport_still_exits():
+    done = subprocess.run([sys.executable, "-c", FORGETFUL], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "a UCX transport was not closed; stopping ucxx at exit" in done.stderr
+
+
+def test_agent_processes_copy_a_package_over_ucx_and_exit_cleanly(agents, package, tmp_path):
+    root, manifest = package
+    nodes = dict(zip(["seed", "r1"], (f"127.0.0.1:{port}" for port in free_ports(2))))
+    plan = write_plan(tmp_path / "plan.json", plan_file_data(
+        make_plan("chain", ["seed"], ["r1"], len(manifest.blocks)), manifest.package_id, nodes))
+    seed = agents.start("seed", "--seed", root, "--plan", plan, "--transport", "ucx")
+    assert agents.wait("seed", "listening")["transport"] == "ucx"
+    rx = agents.start("r1", "--plan", plan, "--cache-dir", tmp_path / "cache-r1", "--transport", "ucx",
+                      "--exit-when-complete")
+    agents.wait("r1", "stopped")
+    assert rx.wait(10) == 0, agents.log("r1")
+    assert agents.wait("r1", "listening")["transport"] == "ucx"
+    assert agents.events("r1", "peer_failed") == []
+    assert_identical_copy(agents, "r1", root, manifest)
+    seed.terminate()
+    assert seed.wait(10) == 0, agents.log("seed")
+    assert agents.events("seed")[-1]["event"] == "stopped"
+    for node in ("seed", "r1"):  # the agent's shutdown closed its transport, not the exit safety hook
+        assert "a UCX transport was not closed" not in agents.log(node)
+
+
+def test_killed_parent_agent_is_a_typed_error_on_its_child_at_once(agents, package, tmp_path):
+    root, manifest = package
+    nodes = dict(zip(["seed", "r1"], (f"127.0.0.1:{port}" for port in free_ports(2))))
+    plan = write_plan(tmp_path / "plan.json", plan_file_data(
+        make_plan("chain", ["seed"], ["r1"], len(manifest.blocks)), manifest.package_id, nodes))
+    # 4 Mbit/s: the 0.6 MB package takes over a second, so the seed dies mid-transfer.
+    seed = agents.start("seed", "--seed", root, "--plan", plan, "--transport", "ucx",
+                        env={"PIPECAST_EGRESS_MBIT": "4"})
+    agents.wait("seed", "listening")
+    rx = agents.start("r1", "--plan", plan, "--transport", "ucx")
+    agents.wait("r1", "block_started")
+    seed.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    failure = agents.wait("r1", "peer_failed")
+    assert failure["t"] - killed_at < 2.0  # far below the agents' 10 s silence deadline
+    assert failure["error"] == "PeerClosedError"
+    assert failure["message"].startswith(f"peer seed@{nodes['seed']}: closed the connection while sending block ")
+    # With no other source the child gives up (refused reconnects are told at once) and exits.
+    assert rx.wait(15) != 0
+    assert agents.events("r1", "failed")[0]["error"] == "FetchFailedError"
+    assert {e["error"] for e in agents.events("r1", "peer_failed")[1:]} <= {"PeerConnectError"}

@@ -1,0 +1,193 @@
+"""``pipecast bench distribution`` (benchmarks/distribution.py): the bounds it reports, reading agents'
+events, and short real runs in an emulated cluster (netns where permitted, else loopback).
+
+The CI run is the short form: a 4 MiB random package to 2 workers, two strategies, one repeat. It checks
+the report's shape and that every worker got the package, not how fast (speed is the benchmark's to
+print, DESIGN 5).
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+from click.testing import CliRunner
+
+from benchmarks.command import bench_group
+from benchmarks.distribution import (
+    DistributionBenchError,
+    PackageFacts,
+    completion_seconds,
+    floor_seconds,
+    model_seconds,
+    parse_strategies,
+    parse_workers,
+    theory_seconds,
+    tree_levels,
+)
+from tests.support.agent_fixtures import corrupt_copy, make_package
+
+MIB = 1 << 20
+S = 256 * MIB
+C = MIB
+B = 400 / 8 * 1e6  # bytes/s at 400 Mbit/s
+
+RESULT_FIELDS = {"strategy", "workers", "bytes", "link_mbit", "seconds", "floor_seconds", "ratio_to_floor",
+                 "per_worker_seconds", "goodput_mbit", "cpu_mean_percent", "cpu_saturated", "repeats",
+                 "theory_seconds", "model_seconds"}
+META_FIELDS = {"versions", "mode", "transport", "link_mbit", "store_mbit", "package_id", "package_bytes", "repeat"}
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("distribution") / "pkg"
+    make_package(root, layers=4, layer_bytes=MIB, chunk_bytes=256 << 10)
+    return root
+
+
+def leftover_agents(workdir: Path) -> list[psutil.Process]:
+    """Processes still running whose command line names a file under ``workdir`` (our agents)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(workdir) in arg for arg in proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
+
+
+# -- pure parts ----------------------------------------------------------------------------------------
+
+
+def test_floor_is_set_by_the_slower_of_link_and_store():
+    assert floor_seconds(S, 400, 400) == pytest.approx(S / B)
+    assert floor_seconds(S, 400, 200) == pytest.approx(2 * S / B)
+    assert floor_seconds(S, 400, 4000) == pytest.approx(S / B)
+
+
+def test_theory_follows_design_section_4():
+    assert theory_seconds("unicast", 8, S, C, 400, 400) == pytest.approx(8 * S / B)
+    assert theory_seconds("unicast", 8, S, C, 400, 3200) == pytest.approx(S / B)  # a fast store: the link bounds
+    assert theory_seconds("chain", 8, S, C, 400, 400) == pytest.approx(S / B + 7 * C / B)
+    # binary tree of 8 under the store: levels 2, 4, 2; every inner node feeds two children
+    assert tree_levels(8, 2) == 3
+    assert theory_seconds("tree", 8, S, C, 400, 400) == pytest.approx(2 * S / B + 2 * C / B)
+    assert theory_seconds("tree", 3, S, C, 400, 400) == pytest.approx(2 * S / B + C / B)
+    assert theory_seconds("binomial", 7, S, C, 400, 400) == pytest.approx(S / B + 2 * C / B)
+    for strategy in ("unicast", "chain", "tree", "binomial"):
+        assert theory_seconds(strategy, 1, S, C, 400, 400) == pytest.approx(S / B)
+
+
+def test_model_prices_the_plan_that_runs():
+    facts = PackageFacts(path=Path("."), package_id="p" * 64, model_name="m", total_bytes=S, files_bytes=0,
+                         block_bytes=(S // 8,) * 8, chunk_bytes=C)
+    assert model_seconds("unicast", 4, facts, 400) == pytest.approx(4 * S / B)
+    assert model_seconds("chain", 4, facts, 400) == pytest.approx(S / B + 3 * C / B)
+
+
+def test_completion_is_the_last_block_verified_after_the_start():
+    start = 1000.0
+    events = {
+        "w1": [{"event": "listening", "t": 999.0},
+               {"event": "block_verified", "t": 1002.0, "block": 1, "package": "P"},
+               {"event": "block_verified", "t": 1001.0, "block": 0, "package": "P"},
+               {"event": "block_verified", "t": 1009.0, "block": 2, "package": "other"}],
+        "w2": [{"event": "block_verified", "t": 1003.5, "block": b, "package": "P"} for b in (0, 1)],
+    }
+    assert completion_seconds(events, start, "P", 2) == {"w1": 2.0, "w2": 3.5}
+    events["w2"] = events["w2"][:1]
+    with pytest.raises(DistributionBenchError, match=r"worker w2 did not verify block\(s\) 1 of package P"):
+        completion_seconds(events, start, "P", 2)
+
+
+def test_lists_are_parsed_and_bad_ones_refused():
+    assert parse_workers("1,2,4,8") == (1, 2, 4, 8)
+    assert parse_strategies("chain, unicast") == ("chain", "unicast")
+    with pytest.raises(DistributionBenchError, match="distinct counts >= 1"):
+        parse_workers("2,0")
+    with pytest.raises(DistributionBenchError, match="comma-separated list of counts"):
+        parse_workers("two")
+    with pytest.raises(DistributionBenchError, match="distinct strategies among"):
+        parse_strategies("chain,gossip")
+
+
+# -- real runs -----------------------------------------------------------------------------------------
+
+
+def test_short_run_reports_every_worker_and_writes_json_and_plot(package, tmp_path):
+    json_path, plot_path, workdir = tmp_path / "out.json", tmp_path / "out.png", tmp_path / "work"
+    result = CliRunner().invoke(bench_group, [
+        "distribution", "--package", str(package), "--workers", "2", "--strategy", "chain,unicast",
+        "--link-mbit", "800", "--repeat", "1", "--json", str(json_path), "--plot", str(plot_path),
+        "--workdir", str(workdir)])
+    assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+    assert "verdict N=2:" in result.stdout
+    assert "N=2 chain run 1/1" in result.stderr  # progress goes to stderr
+
+    data = json.loads(json_path.read_text())
+    assert META_FIELDS <= data["meta"].keys()
+    assert data["meta"]["package_id"] == json.loads((package / "manifest.json").read_text())["package_id"]
+    assert [(r["strategy"], r["workers"]) for r in data["results"]] == [("chain", 2), ("unicast", 2)]
+    for r in data["results"]:
+        assert RESULT_FIELDS <= r.keys()
+        assert set(r["per_worker_seconds"]) == {"w1", "w2"}
+        assert all(s > 0 for s in r["per_worker_seconds"].values())
+        assert r["seconds"] == max(r["per_worker_seconds"].values())
+        assert r["ratio_to_floor"] > 0 and r["goodput_mbit"] > 0
+        assert r["bytes"] == data["meta"]["package_bytes"]
+        assert len(r["repeats"]) == 1 and r["repeats"][0]["agent_cpu_seconds"] > 0 and r["agent_cpu_percent"] > 0
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert leftover_agents(workdir) == []
+
+
+def test_an_agent_that_dies_fails_the_run_with_its_log(package, tmp_path):
+    broken = corrupt_copy(package, tmp_path / "broken")
+    result = CliRunner().invoke(bench_group, [
+        "distribution", "--package", str(broken), "--workers", "1", "--strategy", "chain", "--repeat", "1",
+        "--workdir", str(tmp_path / "work")])
+    assert isinstance(result.exception, DistributionBenchError), result.output
+    message = str(result.exception)
+    assert message.startswith("store failed before 'listening': ")
+    assert "last lines of" in message and "store.log" in message
+    assert leftover_agents(tmp_path / "work") == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is not None, reason="ucxx is installed here")
+def test_an_unusable_transport_is_refused_before_anything_starts(package, tmp_path):
+    result = CliRunner().invoke(bench_group, [
+        "distribution", "--package", str(package), "--workers", "1", "--transport", "ucx",
+        "--workdir", str(tmp_path / "work")])
+    assert isinstance(result.exception, DistributionBenchError)
+    assert str(result.exception).startswith("--transport ucx: transport 'ucx' cannot be used on this node")
+    assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.slow
+def test_every_strategy_delivers_to_six_workers(tmp_path):
+    """Six workers make the binomial plan pair receivers in slots; each strategy must still deliver."""
+    root = tmp_path / "pkg"
+    make_package(root, layers=8, layer_bytes=4 * MIB, chunk_bytes=MIB)
+    json_path = tmp_path / "out.json"
+    result = CliRunner().invoke(bench_group, [
+        "distribution", "--package", str(root), "--workers", "6", "--strategy", "unicast,chain,tree,binomial,rotated",
+        "--link-mbit", "800", "--repeat", "1", "--json", str(json_path), "--workdir", str(tmp_path / "work")])
+    assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+    results = json.loads(json_path.read_text())["results"]
+    assert [r["strategy"] for r in results] == ["unicast", "chain", "tree", "binomial", "rotated"]
+    for r in results:
+        assert set(r["per_worker_seconds"]) == {f"w{i}" for i in range(1, 7)}
+
+
+def test_a_missed_start_is_retried_with_longer_delays_then_reported(package, tmp_path, monkeypatch):
+    from benchmarks import distribution
+
+    monkeypatch.setattr(distribution, "START_DELAY_S", 0.001)  # no python starts that fast
+    monkeypatch.setattr(distribution, "START_DELAY_PER_WORKER_S", 0.0)
+    result = CliRunner().invoke(bench_group, [
+        "distribution", "--package", str(package), "--workers", "1", "--strategy", "chain", "--repeat", "1",
+        "--workdir", str(tmp_path / "work")])
+    assert isinstance(result.exception, distribution.StartMissedError), result.output
+    assert "w1 had not logged 'listening' in time" in str(result.exception)
+    assert result.stderr.count("retrying with a") == distribution.START_ATTEMPTS - 1
+    assert sorted(p.name for p in (tmp_path / "work" / "n1").iterdir()) == ["chain-1", "chain-1-start2",
+                                                                            "chain-1-start3"]
+    assert leftover_agents(tmp_path / "work") == []

@@ -1,0 +1,167 @@
+"""Replanning after failures, departures and joins: exactly the missing blocks, from live parents,
+without cycles or deadlocks, keeping what still works."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from control_plane.planner.replan import replan
+from control_plane.planner.schedules import STRATEGIES, Assignment, Plan, PlanError, make_plan
+from control_plane.planner.simulate import simulate
+
+
+def _check(old: Plan, new: Plan, *, dead: set[str], held: dict[str, set[int]], sources: list[str],
+           fanout: int, needs: dict[str, set[int]]) -> None:
+    """Everything replan promises, checked from the outside."""
+    new.validate()
+    assert new.sources == tuple(sources)
+    assert {rx: {a.block for a in fetches} for rx, fetches in new.assignments.items()} == needs
+    for rx, fetches in new.assignments.items():
+        assert len(fetches) == len(needs[rx])  # nothing twice
+        for a in fetches:
+            assert a.parent not in dead
+            assert a.block not in held.get(rx, ())
+            # A parent is a source, holds the block (and is listed as serving it) or fetches it too.
+            assert a.parent in sources or a.block in needs.get(a.parent, ()) or (
+                a.block in held.get(a.parent, ()) and a.block in new.held[a.parent])
+    old_parent = {(rx, a.block): a.parent for rx, fetches in old.assignments.items() for a in fetches}
+    children: dict[tuple[str, int], list[str]] = {}
+    for rx, fetches in new.assignments.items():
+        for a in fetches:
+            children.setdefault((a.parent, a.block), []).append(rx)
+    for (parent, block), kids in children.items():
+        if parent not in sources:
+            moved = [rx for rx in kids if old_parent.get((rx, block)) != parent]
+            assert not moved or len(kids) <= fanout, (parent, block, kids)
+    simulate(new, 2, 1, 1)  # fetching in order terminates: no deadlock
+
+
+@st.composite
+def scenarios(draw):
+    strategy = draw(st.sampled_from(STRATEGIES))
+    num_blocks = draw(st.integers(1, 12))
+    receivers = [f"w{i}" for i in range(draw(st.integers(0, 24)))]
+    sources = [f"p{i}" for i in range(draw(st.integers(0, 2)))] + ["store"]
+    labels = None
+    if draw(st.booleans()):
+        labels = {node: {"rack": draw(st.sampled_from(["r0", "r1"]))} for node in [*sources, *receivers]}
+    events = draw(st.lists(st.tuples(st.sampled_from(["progress", "fail", "join", "source-fails"]),
+                                     st.randoms(use_true_random=False)), max_size=6))
+    return strategy, num_blocks, receivers, sources, labels, draw(st.integers(1, 3)), events
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_replan_under_random_failures_departures_and_joins(scenario):
+    strategy, num_blocks, receivers, sources, labels, fanout, events = scenario
+    plan = make_plan(strategy, sources, receivers, num_blocks, fanout=fanout, labels=labels)
+    dead: set[str] = set()
+    held: dict[str, set[int]] = {}
+    joins = 0
+    for kind, rnd in events:
+        live = sorted(plan.assignments)
+        joined = []
+        if kind == "progress":  # some receivers verify some of their remaining blocks
+            for rx in rnd.sample(live, k=rnd.randint(0, len(live))):
+                held.setdefault(rx, set()).update(
+                    a.block for a in plan.assignments[rx] if rnd.random() < 0.6)
+        elif kind == "fail" and live:  # a failure or a departure: the node is gone either way
+            dead.add(rnd.choice(live))
+        elif kind == "source-fails" and len(sources) > 1:
+            dead.add(sources.pop(0))
+        elif kind == "join":
+            joined = [f"j{joins + i}" for i in range(rnd.randint(1, 3))]
+            joins += len(joined)
+            for node in joined:
+                held[node] = {b for b in range(num_blocks) if rnd.random() < 0.2}
+                if labels is not None:
+                    labels[node] = {"rack": rnd.choice(["r0", "r1"])}
+        for node in dead:
+            held.pop(node, None)
+        needs = {rx: {a.block for a in fetches} - held.get(rx, set())
+                 for rx, fetches in plan.assignments.items() if rx not in dead}
+        needs.update({rx: set(range(num_blocks)) - held[rx] for rx in joined})
+        needs = {rx: blocks for rx, blocks in needs.items() if blocks}
+        new = replan(plan, dead=dead, held=held, sources=sources, labels=labels, fanout=fanout,
+                     joined=joined, num_blocks=num_blocks)
+        _check(plan, new, dead=dead, held=held, sources=sources, fanout=fanout, needs=needs)
+        plan = new
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(STRATEGIES), st.integers(0, 30), st.integers(1, 10), st.integers(1, 3))
+def test_replan_with_nothing_changed_keeps_the_plan(strategy, n, num_blocks, k):
+    sources = [f"p{i}" for i in range(k)]
+    plan = make_plan(strategy, sources, [f"w{i}" for i in range(n)], num_blocks)
+    again = replan(plan, dead=(), held={}, sources=sources)
+    assert again.assignments == {rx: fetches for rx, fetches in plan.assignments.items() if fetches}
+    assert again.strategy == strategy and not again.held
+
+
+def test_a_dead_chain_link_is_bridged_by_the_node_before_it():
+    plan = make_plan("chain", ["store"], ["a", "b", "c", "d"], 3)
+    new = replan(plan, dead={"b"}, held={"a": {0}, "c": {0}}, sources=["store"])
+    assert new.assignments == {
+        "a": [Assignment(1, "store"), Assignment(2, "store")],
+        "c": [Assignment(1, "a"), Assignment(2, "a")],
+        "d": [Assignment(0, "c"), Assignment(1, "c"), Assignment(2, "c")],
+    }
+    assert new.held == {"c": (0,)}  # c already has block 0: d keeps c as its parent and c serves it
+
+
+def test_orphans_go_to_a_holder_in_their_rack_then_to_a_source():
+    plan = Plan("tree", ("store",), {"hub": [Assignment(0, "store")],
+                                     **{rx: [Assignment(0, "hub")] for rx in ["a1", "x1", "x2", "h1", "h2"]}})
+    labels = {"a1": {"rack": "y"}, "x1": {"rack": "x"}, "x2": {"rack": "x"},
+              "h1": {"rack": "y"}, "h2": {"rack": "x"}}
+    new = replan(plan, dead={"hub"}, held={"h1": {0}, "h2": {0}}, sources=["store"], labels=labels, fanout=1)
+    # Each holder takes one orphan from its rack (fanout 1); the third orphan falls back to the store.
+    assert {rx: fetches[0].parent for rx, fetches in new.assignments.items()} == {
+        "a1": "h1", "x1": "h2", "x2": "store"}
+    assert new.held == {"h1": (0,), "h2": (0,)}
+
+
+def test_joined_receivers_fetch_from_holders_and_from_each_other():
+    plan = make_plan("chain", ["store"], ["a"], 2)
+    new = replan(plan, dead=(), held={"a": {0, 1}}, sources=["store"], joined=["j0", "j1", "j2"],
+                 num_blocks=2, fanout=1)
+    assert new.assignments == {
+        "j0": [Assignment(0, "a"), Assignment(1, "a")],
+        "j1": [Assignment(0, "j0"), Assignment(1, "j0")],
+        "j2": [Assignment(0, "j1"), Assignment(1, "j1")],
+    }
+    assert new.held == {"a": (0, 1)}
+
+
+def test_a_source_that_lost_its_blocks_and_rejoined_is_no_longer_a_parent():
+    plan = make_plan("chain", ["p0", "store"], ["a"], 2)
+    new = replan(plan, dead=(), held={}, sources=["store"], joined=["p0"], num_blocks=2)
+    assert new.assignments == {"a": [Assignment(0, "store"), Assignment(1, "store")],
+                               "p0": [Assignment(0, "a"), Assignment(1, "a")]}
+
+
+def test_a_receiver_that_became_a_source_leaves_the_plan():
+    plan = make_plan("chain", ["store"], ["a", "b"], 2)
+    new = replan(plan, dead=(), held={}, sources=["a", "store"])
+    assert new.assignments == {"b": [Assignment(0, "a"), Assignment(1, "a")]}
+
+
+def test_replan_is_also_importable_from_schedules():
+    from control_plane.planner.schedules import replan as reexported
+    assert reexported is replan
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sources": []}, "replan: no sources to plan from"),
+    ({"dead": {"store"}}, "replan: source 'store' is listed as dead"),
+    ({"fanout": 0}, "replan: fanout must be a positive integer, got 0"),
+    ({"joined": ["a"], "num_blocks": 2}, "replan: joined node 'a' is already a receiver, a source or dead"),
+    ({"joined": ["j", "j"], "num_blocks": 2}, "replan: a joined node is listed twice"),
+    ({"joined": ["j"]}, "replan: joined receivers need num_blocks (a positive integer), got None"),
+])
+def test_replan_rejects_bad_requests(kwargs, message):
+    plan = make_plan("chain", ["store"], ["a", "b"], 2)
+    args = {"dead": set(), "held": {}, "sources": ["store"], **kwargs}
+    with pytest.raises(PlanError) as err:
+        replan(plan, **args)
+    assert str(err.value) == message

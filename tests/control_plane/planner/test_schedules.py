@@ -1,0 +1,364 @@
+"""Multicast plans: every strategy delivers every block exactly once, without cycles or deadlocks, and
+the simulator reproduces the textbook completion times."""
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from control_plane.planner.schedules import STRATEGIES, Assignment, Plan, PlanError, make_plan
+from control_plane.planner.simulate import simulate
+from pipecast.core.errors import PipecastError
+
+
+def _ancestors_reach_a_root(plan: Plan) -> None:
+    """Follow parent links per block from every receiver: each walk must end at a source or holder."""
+    parent = {(rx, a.block): a.parent for rx, fetches in plan.assignments.items() for a in fetches}
+    for (rx, block) in parent:
+        seen, node = {rx}, parent[rx, block]
+        while (node, block) in parent:
+            assert node not in seen, f"block {block}: {rx} is its own ancestor"
+            seen.add(node)
+            node = parent[node, block]
+        assert node in plan.sources or block in plan.held.get(node, ()), (rx, block, node)
+
+
+def _uploads(plan: Plan) -> dict[str, int]:
+    sent: dict[str, int] = {}
+    for fetches in plan.assignments.values():
+        for a in fetches:
+            sent[a.parent] = sent.get(a.parent, 0) + 1
+    return sent
+
+
+def _max_children(plan: Plan) -> int:
+    counts: dict[tuple[str, int], int] = {}
+    for fetches in plan.assignments.values():
+        for a in fetches:
+            counts[a.parent, a.block] = counts.get((a.parent, a.block), 0) + 1
+    return max(counts.values(), default=0)
+
+
+@st.composite
+def plan_requests(draw):
+    strategy = draw(st.sampled_from(STRATEGIES))
+    k = draw(st.integers(1, 4))
+    n = draw(st.integers(0, 40))
+    sources = [f"s{i}" for i in range(k - 1)] + ["store"]
+    receivers = draw(st.permutations([f"w{i}" for i in range(n)]))
+    labels = None
+    if draw(st.booleans()):
+        racks = st.sampled_from(["r0", "r1", "r2"])
+        labels = {node: {"rack": draw(racks)} for node in [*sources, *receivers] if draw(st.booleans())}
+    return strategy, sources, list(receivers), draw(st.integers(1, 24)), draw(st.integers(1, 4)), labels
+
+
+@settings(max_examples=150, deadline=None)
+@given(plan_requests())
+def test_every_receiver_gets_every_block_once_without_cycles_or_deadlock(case):
+    strategy, sources, receivers, num_blocks, fanout, labels = case
+    plan = make_plan(strategy, sources, receivers, num_blocks, fanout=fanout, labels=labels)
+    assert plan.strategy == strategy and plan.sources == tuple(sources) and not plan.held
+    assert set(plan.assignments) == set(receivers)
+    for fetches in plan.assignments.values():
+        assert sorted(a.block for a in fetches) == list(range(num_blocks))
+    _ancestors_reach_a_root(plan)
+    plan.validate()
+    # Fetching strictly in plan order with cut-through finishes: no wait cycle across blocks either.
+    done = simulate(plan, block_bytes=2, link_bytes_per_s=1, chunk_bytes=1)
+    assert set(done) == set(receivers)
+    assert all(t >= 2 * num_blocks for t in done.values())  # nobody beats the floor S/B
+
+
+@settings(max_examples=100, deadline=None)
+@given(plan_requests())
+def test_fanout_and_upload_limits(case):
+    strategy, sources, receivers, num_blocks, fanout, labels = case
+    plan = make_plan(strategy, sources, receivers, num_blocks, fanout=fanout, labels=labels)
+    sent = _uploads(plan)
+    if strategy == "unicast":
+        assert set(sent) <= set(sources)
+        if labels is None:  # round robin: every source serves the same number of receivers, within one
+            shares = [sent.get(source, 0) for source in sources]
+            assert max(shares) - min(shares) <= num_blocks and sum(shares) == len(receivers) * num_blocks
+    elif strategy == "chain":
+        assert _max_children(plan) <= 1 and sent.get(sources[0], 0) == num_blocks * bool(receivers)
+    elif strategy == "tree":
+        assert _max_children(plan) <= fanout
+    else:
+        # Each group is a binomial pipeline: its source sends each block once, a receiver serves at most
+        # d children per block and uploads about one model (at most num_blocks + d - 1 blocks).
+        used = sources[:1] if strategy == "binomial" else sources[:len(receivers)]
+        group = math.ceil(len(receivers) / max(len(used), 1)) if strategy == "rotated" else len(receivers)
+        dim = (group + 1).bit_length() - 1
+        for source in sources:
+            assert sent.get(source, 0) == (num_blocks if source in used and receivers else 0)
+        assert _max_children(plan) <= max(dim, 1)
+        assert all(sent.get(rx, 0) <= num_blocks + dim - 1 for rx in receivers)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 60), st.integers(1, 40))
+def test_rotated_groups_together_cover_the_model_early(k, n, num_blocks):
+    sources = [f"s{i}" for i in range(k)]
+    plan = make_plan("rotated", sources, [f"w{i}" for i in range(n)], num_blocks)
+    first_seen = {}
+    for fetches in plan.assignments.values():
+        for position, a in enumerate(fetches):
+            first_seen[a.block] = min(first_seen.get(a.block, position), position)
+    groups = min(k, n)
+    # Some receiver fetches each block among its first ceil(B/K) fetches: each group covers its share.
+    assert max(first_seen.values()) < math.ceil(num_blocks / groups)
+    if groups == 1:
+        assert plan.assignments == make_plan("binomial", sources[:1], [f"w{i}" for i in range(n)],
+                                             num_blocks).assignments
+
+
+def test_binomial_for_a_thousand_receivers_keeps_its_bounds():
+    receivers = [f"w{i}" for i in range(1000)]
+    plan = make_plan("binomial", ["store"], receivers, 64)
+    assert all(sorted(a.block for a in fetches) == list(range(64)) for fetches in plan.assignments.values())
+    sent = _uploads(plan)
+    assert sent["store"] == 64
+    assert max(sent[rx] for rx in receivers if rx in sent) <= 64 + 8  # d = 9
+    assert max(len(plan.children(rx, b)) for rx in receivers for b in range(64)) <= 9
+
+
+def test_chain_and_tree_shapes():
+    chain = make_plan("chain", ["store"], ["a", "b", "c"], 2)
+    assert chain.assignments == {"a": [Assignment(0, "store"), Assignment(1, "store")],
+                                 "b": [Assignment(0, "a"), Assignment(1, "a")],
+                                 "c": [Assignment(0, "b"), Assignment(1, "b")]}
+    tree = make_plan("tree", ["store"], [f"w{i}" for i in range(7)], 1, fanout=3)
+    assert {rx: fetches[0].parent for rx, fetches in tree.assignments.items()} == {
+        "w0": "store", "w1": "store", "w2": "store", "w3": "w0", "w4": "w0", "w5": "w0", "w6": "w1"}
+    assert tree.children("w0", 0) == ["w3", "w4", "w5"] and tree.children("w6", 0) == []
+
+
+def test_unicast_deals_receivers_round_robin_over_sources():
+    plan = make_plan("unicast", ["a", "b"], ["x", "y", "z"], 2)
+    assert plan.assignments == {"x": [Assignment(0, "a"), Assignment(1, "a")],
+                                "y": [Assignment(0, "b"), Assignment(1, "b")],
+                                "z": [Assignment(0, "a"), Assignment(1, "a")]}
+
+
+def test_labels_prefer_a_parent_in_the_same_rack():
+    racks = {"east": {"rack": "e"}, "west": {"rack": "w"},
+             **{f"e{i}": {"rack": "e"} for i in range(4)}, **{f"w{i}": {"rack": "w"} for i in range(4)}}
+    mixed = ["e0", "w0", "e1", "w1", "e2", "w2", "e3", "w3"]
+    unicast = make_plan("unicast", ["east", "west"], mixed, 3, labels=racks)
+    assert all(a.parent[0] == rx[0] for rx, fetches in unicast.assignments.items() for a in fetches)
+    for strategy in ("chain", "tree", "binomial", "rotated"):
+        plan = make_plan(strategy, ["east", "west"], mixed, 4, labels=racks)
+        cross = sum(a.parent[0] != rx[0] for rx, fetches in plan.assignments.items() for a in fetches)
+        blind = make_plan(strategy, ["east", "west"], mixed, 4)
+        blind_cross = sum(a.parent[0] != rx[0] for rx, fetches in blind.assignments.items() for a in fetches)
+        assert cross < blind_cross, strategy
+    # The chain starts in the source's rack and crosses to the other rack once.
+    chain = make_plan("chain", ["west"], mixed, 2, labels=racks)
+    assert [a.parent for a in chain.assignments["w0"]] == ["west", "west"]
+    assert sum(a.parent[0] != rx[0] for rx, fetches in chain.assignments.items() for a in fetches) == 2
+    # Rotated puts each rack's receivers in the group of that rack's source: no block crosses racks.
+    rotated = make_plan("rotated", ["east", "west"], mixed, 4, labels=racks)
+    assert all(a.parent[0] == rx[0] for rx, fetches in rotated.assignments.items() for a in fetches)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("bcast", ["s"], ["a"], 1), "make_plan: unknown strategy 'bcast' (expected one of unicast, chain, tree, "
+                                  "binomial, rotated)"),
+    (("chain", ["s"], ["a"], 0), "make_plan: num_blocks must be a positive integer, got 0"),
+    (("chain", [], ["a"], 1), "make_plan: no sources to plan from"),
+    (("chain", ["s"], ["a", "a"], 1), "make_plan: receiver 'a' is listed twice"),
+    (("chain", ["s"], ["a", ""], 1), "make_plan: receiver id must be a non-empty string, got ''"),
+    (("chain", ["s", "a"], ["a"], 1), "make_plan: 'a' is both a source and a receiver"),
+])
+def test_make_plan_rejects_bad_requests(args, message):
+    with pytest.raises(PlanError) as err:
+        make_plan(*args)
+    assert str(err.value) == message
+    assert isinstance(err.value, PipecastError)
+
+
+def test_make_plan_rejects_a_zero_fanout():
+    with pytest.raises(PlanError, match=r"^make_plan: fanout must be a positive integer, got 0$"):
+        make_plan("tree", ["s"], ["a"], 1, fanout=0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(plan_requests())
+def test_json_round_trip(case):
+    strategy, sources, receivers, num_blocks, fanout, labels = case
+    plan = make_plan(strategy, sources, receivers, num_blocks, fanout=fanout, labels=labels)
+    data = plan.to_json()
+    assert set(data) == {"strategy", "sources", "assignments"}
+    again = Plan.from_json(json.loads(json.dumps(data)))
+    assert again == plan and again.to_json() == data
+
+
+def test_json_round_trip_keeps_holders():
+    plan = Plan("chain", ("s",), {"a": [Assignment(1, "s")], "b": [Assignment(0, "a"), Assignment(1, "a")]},
+                {"a": (0,)})
+    data = plan.to_json()
+    assert data["held"] == {"a": [0]}
+    assert Plan.from_json(json.loads(json.dumps(data))) == plan
+
+
+def _good() -> dict:
+    return {"strategy": "chain", "sources": ["s"], "assignments": {"a": [[0, "s"], [1, "s"]],
+                                                                    "b": [[0, "a"], [1, "a"]]}}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: [d], "malformed plan: expected a JSON object, got list"),
+    (lambda d: d.pop("sources") and d, "malformed plan: missing key(s) sources"),
+    (lambda d: {**d, "extra": 1}, "malformed plan: unknown key(s) extra"),
+    (lambda d: {**d, "strategy": 3}, "malformed plan: 'strategy' must be a string, got int"),
+    (lambda d: {**d, "strategy": "gossip"}, "malformed plan: unknown strategy 'gossip' (expected one of "
+                                            "unicast, chain, tree, binomial, rotated)"),
+    (lambda d: {**d, "sources": "s"}, "malformed plan: 'sources' must be a list of node ids"),
+    (lambda d: {**d, "sources": []}, "malformed plan: no sources"),
+    (lambda d: {**d, "sources": ["s", "s"]}, "malformed plan: source 's' is listed twice"),
+    (lambda d: {**d, "assignments": []}, "malformed plan: 'assignments' must be an object mapping receiver "
+                                         "ids to fetch lists, got list"),
+    (lambda d: {**d, "held": [1]}, "malformed plan: 'held' must be an object mapping node ids to block "
+                                   "lists, got list"),
+    (lambda d: {**d, "held": {"a": [-1]}}, "malformed plan: held blocks of 'a' must be a list of block "
+                                           "indexes >= 0"),
+    (lambda d: {**d, "held": {"s": [0]}}, "malformed plan: source 's' is also listed as a holder"),
+    (lambda d: {**d, "held": {"a": [0]}}, "malformed plan: 'a' fetches block 0 that it holds"),
+    (lambda d: d["assignments"].update(a={}) or d, "malformed plan: fetches of 'a' must be a list, got dict"),
+    (lambda d: d["assignments"]["a"].append([True, "s"]) or d,
+     "malformed plan: fetch 2 of 'a' must be [block, parent] with a block index >= 0 and a parent id, "
+     "got [True, 's']"),
+    (lambda d: d["assignments"]["a"].append([2]) or d,
+     "malformed plan: fetch 2 of 'a' must be [block, parent] with a block index >= 0 and a parent id, got [2]"),
+    (lambda d: d["assignments"]["a"].append([0, "s"]) or d, "malformed plan: 'a' fetches block 0 twice"),
+    (lambda d: d["assignments"]["a"].append([2, "a"]) or d, "malformed plan: 'a' fetches block 2 from itself"),
+    (lambda d: d["assignments"]["a"].append([2, ""]) or d,
+     "malformed plan: 'a' has a fetch Assignment(block=2, parent='') without a block index >= 0 and a parent id"),
+    (lambda d: d["assignments"].update(s=[[0, "a"]]) or d, "malformed plan: source 's' is also a receiver"),
+    (lambda d: d["assignments"]["b"].append([2, "x"]) or d,
+     "malformed plan: 'b' fetches block 2 from 'x', which is no source, does not hold it and does not fetch it"),
+    (lambda d: d["assignments"].update(a=[[0, "b"], [1, "s"]]) or d,
+     "malformed plan: block 0: 'a' is its own ancestor ('a' -> 'b' -> 'a', each fetching from the next)"),
+    # No per-block cycle, but a gets 0 from b, which gets it after 1, which it gets from a after 0.
+    (lambda d: d["assignments"].update(a=[[0, "b"], [1, "s"]], b=[[1, "a"], [0, "s"]]) or d,
+     "malformed plan: fetch orders and parent links form a cycle, so receivers 'a', 'b' would wait for each "
+     "other forever"),
+])
+def test_from_json_rejects_malformed_plans(change, message):
+    with pytest.raises(PlanError) as err:
+        Plan.from_json(change(_good()))
+    assert str(err.value) == message
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(plan_requests(), st.data(), json_values)
+def test_from_json_never_crashes_on_a_corrupted_plan(case, data, junk):
+    strategy, sources, receivers, num_blocks, fanout, labels = case
+    plan_json = make_plan(strategy, sources, receivers, num_blocks, fanout=fanout, labels=labels).to_json()
+    places = [(plan_json, key) for key in plan_json]
+    for rx, fetches in plan_json["assignments"].items():
+        places.append((plan_json["assignments"], rx))
+        places.extend((fetches, k) for k in range(len(fetches)))
+        places.extend((pair, k) for pair in fetches for k in (0, 1))
+    container, key = data.draw(st.sampled_from(places))
+    container[key] = junk
+    try:
+        Plan.from_json(plan_json)
+    except PlanError:
+        pass
+
+
+def test_children_inverts_the_assignments():
+    plan = make_plan("binomial", ["store"], [f"w{i}" for i in range(12)], 5)
+    for node in ["store", *plan.assignments]:
+        for block in range(5):
+            assert plan.children(node, block) == [rx for rx, fetches in plan.assignments.items()
+                                                  if Assignment(block, node) in fetches]
+
+
+# --- the simulator: times in units of one chunk at link rate (1 byte chunks at 1 byte/s) ---
+
+def _finish(strategy, n, num_blocks, chunks_per_block, sources=("store",), serve="fair", **kw) -> float:
+    plan = make_plan(strategy, list(sources), [f"w{i}" for i in range(n)], num_blocks, **kw)
+    return max(simulate(plan, chunks_per_block, 1, 1, serve=serve).values())
+
+
+def test_chain_takes_s_over_b_plus_one_chunk_per_hop():
+    plan = make_plan("chain", ["store"], [f"w{i}" for i in range(5)], 8)
+    done = simulate(plan, block_bytes=4 << 20, link_bytes_per_s=1 << 20, chunk_bytes=1 << 20)
+    assert done == {f"w{i}": pytest.approx(32 + i) for i in range(5)}
+
+
+def test_unicast_takes_n_s_over_b_per_source():
+    assert _finish("unicast", 6, 4, 2) == 6 * 8
+    assert _finish("unicast", 6, 4, 2, sources=("a", "b")) == 3 * 8
+
+
+def test_tree_pipelined_and_not():
+    # Pipelined, a node's uplink is shared by its two children: about 2 S/B whatever N.
+    assert 2 * 64 <= _finish("tree", 15, 16, 4) <= 2 * 64 * 1.1
+    # Unpipelined (one chunk per model) a node sends to its children one after the other: with 7
+    # receivers the last one (store -> w1, second; w1 -> w5, second) has the model at 2 S/B + 2 S/B.
+    assert _finish("tree", 7, 1, 1) == 4
+
+
+@pytest.mark.parametrize("n", [3, 7, 31])
+def test_binomial_without_cut_through_takes_k_plus_log_n_rounds(n):
+    # Store-and-forward of whole blocks reproduces the rounds exactly: k + d rounds for n = 2^d - 1.
+    dim = (n + 1).bit_length() - 1
+    assert _finish("binomial", n, 16, 1) == 16 + dim
+
+
+@pytest.mark.parametrize("n", [20, 31, 100])
+def test_binomial_is_close_to_the_floor_and_beats_the_alternatives(n):
+    dim = (n + 1).bit_length() - 1
+    ideal = (64 + dim) * 2  # k + d rounds of one block (2 chunks)
+    binomial = _finish("binomial", n, 64, 2)
+    assert binomial <= ideal * 1.06
+    assert binomial < _finish("chain", n, 64, 2) and binomial < _finish("tree", n, 64, 2) / 1.8
+    assert _finish("rotated", n, 64, 2, sources=("peer", "store")) <= ideal * 1.06
+
+
+def test_binomial_needs_the_round_rhythm_at_many_chunks_per_block():
+    # Fair sharing with 4 chunks per block lets early receivers steal their parent's uplink from the
+    # current round; serving the child furthest behind keeps close to (k + d) rounds.
+    ideal = (32 + 5) * 4
+    assert _finish("binomial", 31, 32, 4) > 1.5 * ideal
+    assert _finish("binomial", 31, 32, 4, serve="earliest") <= 1.05 * ideal
+    assert _finish("binomial", 100, 64, 8, serve="earliest") <= 1.05 * (64 + 6) * 8
+
+
+def test_simulate_takes_sizes_per_block_and_holders():
+    plan = Plan("chain", ("s",), {"a": [Assignment(1, "s")], "b": [Assignment(0, "a"), Assignment(1, "a")]},
+                {"a": (0,)})
+    # b: block 0 (3 bytes, chunks of 2 and 1) from holder a, then block 1 (2 bytes) that a has at 2.
+    assert simulate(plan, [3, 2], 1, 2) == {"a": 2, "b": 3 + 2}
+
+
+def test_simulate_reports_a_deadlock():
+    # a gets block 0 from b, which gets it only after block 1, which it gets from a after block 0.
+    plan = Plan("chain", ("s",), {"a": [Assignment(0, "b"), Assignment(1, "s")],
+                                  "b": [Assignment(1, "a"), Assignment(0, "s")]})
+    with pytest.raises(PlanError, match=r"^plan deadlocks in simulation: 2 receiver\(s\) never finish, e\.g\. "
+                                        r"'a' waiting for block 0 from 'b'$"):
+        simulate(plan, 1, 1, 1)
+
+
+def test_simulate_rejects_bad_numbers():
+    plan = make_plan("chain", ["s"], ["a"], 1)
+    with pytest.raises(ValueError, match="link rate and chunk size must be positive"):
+        simulate(plan, 1, 0, 1)
+    with pytest.raises(ValueError, match="serve must be one of fair, earliest"):
+        simulate(plan, 1, 1, 1, serve="fastest")
+    with pytest.raises(ValueError, match="block_bytes gives 0 sizes; the plan fetches block 0"):
+        simulate(plan, [], 1, 1)

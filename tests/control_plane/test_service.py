@@ -1,0 +1,445 @@
+"""The control plane over real gRPC on loopback (port 0): auth, leases, packages, availability, the
+assignment streams, restarts with the same SQLite file, metrics, mTLS and the agent-side session."""
+
+import asyncio
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from control_plane.client import ControlPlaneClient
+from control_plane.errors import ControlPlaneUnavailable, InvalidRequest, Unauthenticated, UnknownPackage, UnknownWorker
+from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
+from control_plane.server import ControlPlaneServer, ServerConfig
+from control_plane.worker_session import WorkerSession
+from pipecast.v1.manifest_pb2 import Block, Manifest
+
+TOKEN = "s3cret-token"
+LEASE_S, HEARTBEAT_S, SCAN_S = 0.6, 0.15, 0.1
+BLOCKS = 4
+STORE = PeerInfo("store", "10.0.0.1:7070", ("tcp",))
+WAIT_S = 5.0
+
+
+def manifest(package_id: str = "pkg") -> Manifest:
+    return Manifest(package_id=package_id, model_name="tiny",
+                    blocks=[Block(index=i, bytes=1000) for i in range(BLOCKS)])
+
+
+def spec(node: str) -> WorkerSpec:
+    return WorkerSpec(PeerInfo(node, f"127.0.0.1:{9000 + int(node[1:])}", ("tcp",)), 1 << 30, labels={"rack": "r0"})
+
+
+def config(db: Path, **overrides) -> ServerConfig:
+    values = dict(host="127.0.0.1", port=0, db_path=db, token=TOKEN, lease_s=LEASE_S, heartbeat_s=HEARTBEAT_S,
+                  scan_interval_s=SCAN_S, flush_interval_s=0.05)
+    values.update(overrides)
+    return ServerConfig(**values)
+
+
+@pytest.fixture
+async def server(tmp_path) -> AsyncIterator[ControlPlaneServer]:
+    srv = ControlPlaneServer(config(tmp_path / "cp.sqlite3"))
+    await srv.start()
+    yield srv
+    await srv.stop(grace_s=0)
+
+
+@pytest.fixture
+async def client(server) -> AsyncIterator[ControlPlaneClient]:
+    async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as c:
+        yield c
+
+
+async def eventually(check, timeout_s: float = WAIT_S, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = await check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class Watcher:
+    """Collects one worker's assignment stream in the background."""
+
+    def __init__(self, client: ControlPlaneClient, node: str):
+        self.updates: asyncio.Queue[AssignmentUpdate] = asyncio.Queue()
+        self.task = asyncio.create_task(self._run(client, node))
+
+    async def _run(self, client, node):
+        async for update in client.watch_assignments(node):
+            await self.updates.put(update)
+
+    async def next(self) -> AssignmentUpdate:
+        return await asyncio.wait_for(self.updates.get(), WAIT_S)
+
+    async def close(self):
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+async def test_lease_expiry_removes_a_silent_worker_from_plans_within_lease_plus_one_scan(client):
+    await client.publish_package(manifest(), STORE)
+    for node in ("w0", "w1", "w2"):
+        await client.register(spec(node))
+    silent_since = time.monotonic()
+    watchers = {node: Watcher(client, node) for node in ("w1", "w2")}
+    for watcher in watchers.values():
+        assert (await watcher.next()).kind is UpdateKind.SYNC
+    await client.scale_up("pkg", node_ids=["w0", "w1", "w2"], strategy="chain")  # store -> w0 -> w1 -> w2
+    first = await watchers["w2"].next()
+    assert {t.peer.node_id for t in first.fetch} == {"w1"} and first.version == 1
+
+    async def beat():
+        while True:
+            await client.heartbeat("w0")
+            await client.heartbeat("w2")
+            await asyncio.sleep(HEARTBEAT_S)
+
+    beating = asyncio.create_task(beat())
+    try:
+        async def w1_gone():
+            plans = await client.list_plans("pkg")
+            return plans and "w1" not in plans[0].receivers
+        await eventually(w1_gone, what="w1 to leave the plan")
+        elapsed = time.monotonic() - silent_since
+        plan = (await client.list_plans("pkg"))[0]
+        workers = {w.worker.peer.node_id: w.alive for w in await client.list_workers()}
+        replanned = await watchers["w2"].next()
+        with pytest.raises(UnknownWorker):  # the dead worker's stream ends: it must register again
+            await asyncio.wait_for(watchers["w1"].task, WAIT_S)
+    finally:
+        beating.cancel()
+        await asyncio.gather(beating, return_exceptions=True)
+        for watcher in watchers.values():
+            await watcher.close()
+    assert elapsed <= LEASE_S + SCAN_S + 0.3  # slack for a busy machine
+    assert workers == {"w0": True, "w1": False, "w2": True}
+    assert set(plan.receivers) == {"w0", "w2"} and plan.replans == 1
+    assert replanned.kind is UpdateKind.ASSIGN and replanned.version == 2
+    assert sorted(t.block for t in replanned.fetch) == list(range(BLOCKS))
+    assert "w1" not in {t.peer.node_id for t in replanned.fetch}
+    with pytest.raises(UnknownWorker, match="worker 'w1' is not registered"):
+        await client.heartbeat("w1")
+
+
+@pytest.mark.parametrize("token", ["wrong-token", ""])
+async def test_bad_or_missing_token_is_unauthenticated_and_changes_nothing(server, client, token):
+    async with ControlPlaneClient(server.address, token=token, timeout_s=WAIT_S) as intruder:
+        with pytest.raises(Unauthenticated, match="missing or wrong token"):
+            await intruder.register(spec("w0"))
+        with pytest.raises(Unauthenticated):
+            await intruder.publish_package(manifest(), STORE)
+        with pytest.raises(Unauthenticated):
+            async for _ in intruder.watch_assignments("w0"):
+                pass
+        with pytest.raises(Unauthenticated):
+            await intruder.open_report_stream().report("w0", {"pkg": [0]})
+    assert await client.list_workers() == []
+    assert await client.list_packages() == []
+
+
+async def test_health_answers_without_a_token(server):
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pipecast.v1.ControlPlane"), timeout=WAIT_S)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_publish_get_list_remove(client):
+    assert await client.publish_package(manifest("a"), STORE) == "a"
+    await client.publish_package(manifest("b"), STORE)
+    got, store = await client.get_package("a")
+    assert got == manifest("a") and store == STORE
+    summaries = {p.package_id: p for p in await client.list_packages()}
+    assert set(summaries) == {"a", "b"}
+    assert summaries["a"].num_blocks == BLOCKS and summaries["a"].total_bytes == BLOCKS * 1000
+    await client.remove_package("a")
+    assert [p.package_id for p in await client.list_packages()] == ["b"]
+    with pytest.raises(UnknownPackage, match="package 'a' is not published"):
+        await client.get_package("a")
+
+
+async def test_scale_up_streams_assignments_to_each_watching_worker(client):
+    await client.publish_package(manifest(), STORE)
+    nodes = ["w1", "w2", "w3"]
+    for node in nodes:
+        await client.register(spec(node))
+    watchers = {node: Watcher(client, node) for node in nodes}
+    try:
+        for watcher in watchers.values():
+            first = await watcher.next()
+            assert first.kind is UpdateKind.SYNC and first.plan_ids == ()
+        reply = await client.scale_up("pkg", node_ids=nodes)
+        parents = {}
+        for node, watcher in watchers.items():
+            update = await watcher.next()
+            assert update.kind is UpdateKind.ASSIGN and update.plan_id == reply.plan_id
+            assert sorted(t.block for t in update.fetch) == list(range(BLOCKS))
+            for t in update.fetch:
+                parents[node, t.block] = t.peer
+        # Every parent is the store or another receiver, with the address it registered.
+        for (node, _), peer in parents.items():
+            assert peer == STORE or (peer.node_id in nodes and peer.node_id != node and peer == spec(peer.node_id).peer)
+        for node in nodes:
+            await client.report_blocks(node, {"pkg": range(BLOCKS)})
+        for watcher in watchers.values():
+            update = await watcher.next()
+            assert update.kind is UpdateKind.CANCEL and update.plan_id == reply.plan_id
+        assert await client.list_plans() == []
+    finally:
+        for watcher in watchers.values():
+            await watcher.close()
+
+
+async def test_a_reconnecting_stream_gets_its_current_part(client):
+    await client.publish_package(manifest(), STORE)
+    await client.register(spec("w1"))
+    reply = await client.scale_up("pkg", node_ids=["w1"])
+    watcher = Watcher(client, "w1")
+    try:
+        sync, assign = await watcher.next(), await watcher.next()
+    finally:
+        await watcher.close()
+    assert sync.kind is UpdateKind.SYNC and sync.plan_ids == (reply.plan_id,)
+    assert assign.kind is UpdateKind.ASSIGN and [t.peer for t in assign.fetch] == [STORE] * BLOCKS
+    assert assign.sources == (STORE,)
+
+
+async def test_report_blocks_updates_availability_and_metrics(tmp_path):
+    async with ControlPlaneServer(config(tmp_path / "cp.sqlite3", metrics_port=0)) as server:
+        async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as client:
+            await _report_and_scrape(server, client)
+
+
+async def _report_and_scrape(server, client):
+    await client.publish_package(manifest(), STORE)
+    await client.register(spec("w1"))
+    await client.register(spec("w2"), held={"pkg": [3]})
+    assert await client.report_blocks("w1", {"pkg": [0, 1], "unknown": [0]}) == ("unknown",)
+    await client.report_blocks("w2", {"pkg": [1]})
+    availability = await client.availability("pkg")
+    assert availability.by_worker == {"w1": {0, 1}, "w2": {1, 3}}
+    assert availability.by_block == [{"w1"}, {"w1", "w2"}, set(), {"w2"}]
+    with pytest.raises(InvalidRequest, match="reported block 9 of package 'pkg'"):
+        await client.report_blocks("w1", {"pkg": [9]})
+    with pytest.raises(UnknownWorker):
+        await client.report_blocks("nobody", {"pkg": [0]})
+
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    metrics = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=WAIT_S).read().decode())
+    assert "pipecast_control_workers_alive 2.0" in metrics
+    assert 'pipecast_control_package_blocks{package="pkg"} 4.0' in metrics
+    assert "pipecast_control_block_reports_total 3.0" in metrics
+    assert 'pipecast_control_rpc_seconds_count{method="ReportBlocks"} 4.0' in metrics
+
+
+async def test_report_stream_updates_availability_and_ends_on_a_refused_report(client):
+    await client.publish_package(manifest(), STORE)
+    await client.register(spec("w1"))
+    stream = client.open_report_stream()
+    assert await stream.report("w1", {"pkg": [0]}) == ()
+    assert await stream.report("w1", {"pkg": [1], "unknown": [0]}) == ("unknown",)
+    assert (await client.availability("pkg")).by_worker == {"w1": {0, 1}}
+    with pytest.raises(InvalidRequest, match="reported block 9 of package 'pkg'"):
+        await stream.report("w1", {"pkg": [9]})
+    assert stream.closed
+    stream = client.open_report_stream()
+    await stream.report("w1", {"pkg": [2]}, dropped={"pkg": [0]})
+    stream.close()
+    assert (await client.availability("pkg")).by_worker == {"w1": {1, 2}}
+
+
+async def test_a_restart_with_the_same_database_reloads_the_state(tmp_path):
+    db = tmp_path / "cp.sqlite3"
+    async with ControlPlaneServer(config(db)) as first:
+        async with ControlPlaneClient(first.address, token=TOKEN, timeout_s=WAIT_S) as c:
+            await c.publish_package(manifest(), STORE)
+            await c.register(spec("w1"))
+            await c.report_blocks("w1", {"pkg": [0, 2]})
+    async with ControlPlaneServer(config(db)) as second:
+        async with ControlPlaneClient(second.address, token=TOKEN, timeout_s=WAIT_S) as c:
+            assert [p.package_id for p in await c.list_packages()] == ["pkg"]
+            assert (await c.get_package("pkg"))[0] == manifest()
+            assert (await c.availability("pkg")).by_worker == {"w1": {0, 2}}
+            await c.heartbeat("w1")  # the worker carries on without registering again
+
+
+async def test_worker_session_registers_again_when_the_control_plane_forgets_it(server, client):
+    await client.publish_package(manifest(), STORE)
+    held = {"pkg": {0}}
+    async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as own:
+        session = WorkerSession(own, spec("w1"), holdings=lambda: held, report_delay_s=0.01, retry_s=0.05)
+        await session.start()
+        try:
+            await asyncio.wait_for(session.registered.wait(), WAIT_S)
+            assert session.heartbeat_s == HEARTBEAT_S
+            held["pkg"].add(1)
+            session.report_verified("pkg", [1])
+
+            async def availability():
+                return (await client.availability("pkg")).by_worker
+            await eventually(lambda: _equals(availability, {"w1": {0, 1}}), what="the batched report")
+
+            await client.deregister("w1")  # e.g. a control plane restarted without its database
+            held["pkg"].add(2)
+            await eventually(lambda: _equals(availability, {"w1": {0, 1, 2}}), what="re-registration")
+
+            stream = session.assignments()
+            first = await asyncio.wait_for(anext(stream), WAIT_S)
+            assert first.kind is UpdateKind.SYNC
+            await stream.aclose()
+        finally:
+            await session.close()
+    assert await client.list_workers() == []
+
+
+async def test_worker_session_converges_across_a_control_plane_restart(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = config(tmp_path / "cp.sqlite3", port=port)
+    held = {"pkg": {0}}
+    first = ControlPlaneServer(cfg)
+    await first.start()
+    async with ControlPlaneClient(first.address, token=TOKEN, timeout_s=1.0) as own:
+        await own.publish_package(manifest(), STORE)
+        session = WorkerSession(own, spec("w1"), holdings=lambda: held, report_delay_s=0.01, retry_s=0.05)
+        await session.start()
+        try:
+            await asyncio.wait_for(session.registered.wait(), WAIT_S)
+            await first.stop(grace_s=0)
+            held["pkg"].update({1, 2})  # verified while the control plane is down: the report waits
+            session.report_verified("pkg", [1, 2])
+            await asyncio.sleep(0.2)
+            async with ControlPlaneServer(cfg) as second, \
+                    ControlPlaneClient(second.address, token=TOKEN, timeout_s=WAIT_S) as admin:
+                async def availability():
+                    try:
+                        return (await admin.availability("pkg")).by_worker
+                    except ControlPlaneUnavailable:  # this process's channels back off a moment after the outage
+                        return None
+                await eventually(lambda: _equals(availability, {"w1": {0, 1, 2}}), what="availability to converge")
+        finally:
+            await session.close()
+
+
+async def _equals(query, expected) -> bool:
+    return await query() == expected
+
+
+async def test_calls_to_a_dead_control_plane_fail_typed_within_the_deadline():
+    async with ControlPlaneClient("127.0.0.1:1", timeout_s=0.5) as c:
+        start = time.monotonic()
+        with pytest.raises(ControlPlaneUnavailable, match=r"control plane at 127.0.0.1:1 did not answer Heartbeat"):
+            await c.heartbeat("w1")
+    assert time.monotonic() - start < 3
+
+
+def _make_certs(folder: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
+    def openssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=folder)
+
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+            "-subj", "/CN=test-ca", "-keyout", "ca.key", "-out", "ca.pem")
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
+        openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", f"/CN={name}",
+                "-keyout", f"{name}.key", "-out", f"{name}.csr")
+        (folder / f"{name}.ext").write_text(ext + "\n")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.pem")
+    return {name: folder / name for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make test certificates")
+async def test_mtls_admits_only_clients_with_a_certificate_from_the_ca(tmp_path):
+    from control_plane.auth import channel_credentials
+
+    certs = _make_certs(tmp_path)
+    cfg = config(tmp_path / "cp.sqlite3", tls_cert=certs["server.pem"], tls_key=certs["server.key"],
+                 tls_ca=certs["ca.pem"])
+    async with ControlPlaneServer(cfg) as srv:
+        good = channel_credentials(certs["ca.pem"], certs["client.pem"], certs["client.key"])
+        async with ControlPlaneClient(srv.address, token=TOKEN, credentials=good, timeout_s=WAIT_S) as c:
+            await c.register(spec("w1"))
+        no_cert = channel_credentials(certs["ca.pem"], None, None)
+        async with ControlPlaneClient(srv.address, token=TOKEN, credentials=no_cert, timeout_s=1.0) as c:
+            with pytest.raises(ControlPlaneUnavailable):
+                await c.register(spec("w2"))
+        assert set(srv.state.workers) == {"w1"}
+
+
+def _valid_package(folder: Path) -> str:
+    """A package folder whose manifest passes the packager's validation; returns the package id."""
+    from packager.digest import package_id
+    from packager.manifest import manifest_to_json
+
+    blocks = [Block(index=i, file=f"blocks/block-{i:03d}.safetensors", bytes=1000, layer_start=i, layer_end=i + 1,
+                    tensor_names=[f"model.layers.{i}.w"], digest=f"{i:02x}" * 32, chunk_bytes=1000,
+                    chunk_digests=[f"{i:02x}" * 32]) for i in range(BLOCKS)]
+    pid = package_id(blocks, [])
+    folder.mkdir()
+    (folder / "manifest.json").write_text(manifest_to_json(Manifest(
+        format_version=1, package_id=pid, model_name="tiny", digest_algorithm="blake3", num_layers=BLOCKS,
+        blocks=blocks, total_bytes=BLOCKS * 1000)))
+    return pid
+
+
+def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
+    import json
+    import os
+    import socket
+    import sys
+
+    from click.testing import CliRunner
+
+    from control_plane.command import cp_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PIPECAST_AUTH_TOKEN": TOKEN}
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from control_plane.command import control_plane_command as c; "
+         "c(sys.argv[1:])", "--port", str(port), "--db", str(tmp_path / "cp.sqlite3")],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    monkeypatch.setenv("PIPECAST_AUTH_TOKEN", TOKEN)
+    monkeypatch.setenv("PIPECAST_CONTROL_PLANE", f"127.0.0.1:{port}")
+    runner = CliRunner()
+    try:
+        deadline = time.monotonic() + 20
+        while runner.invoke(cp_group, ["packages"]).exit_code != 0:
+            assert server.poll() is None and time.monotonic() < deadline, "control plane did not start"
+            time.sleep(0.1)
+        pid = _valid_package(tmp_path / "pkg")
+        result = runner.invoke(cp_group, ["publish", str(tmp_path / "pkg"), "--store-node", "store",
+                                          "--store-address", "10.0.0.1:7070"])
+        assert result.output == f"published {pid} ({BLOCKS} blocks)\n"
+
+        async def register():
+            async with ControlPlaneClient(f"127.0.0.1:{port}", token=TOKEN, timeout_s=WAIT_S) as c:
+                await c.register(spec("w1"))
+        asyncio.run(register())
+        result = runner.invoke(cp_group, ["scale-up", pid, "--count", "1"])
+        assert result.exit_code == 0 and "chain from store to 1 workers" in result.output
+        plans = json.loads(runner.invoke(cp_group, ["--json", "plans"]).output)
+        assert [(p["package_id"], p["receivers"]) for p in plans] == [(pid, ["w1"])]
+        assert "w1" in runner.invoke(cp_group, ["workers"]).output
+        refused = runner.invoke(cp_group, ["--token", "wrong", "packages"])
+        assert isinstance(refused.exception, Unauthenticated)
+    finally:
+        server.terminate()
+        _, stderr = server.communicate(timeout=10)
+    assert server.returncode == 0, stderr.decode()  # SIGTERM stops it cleanly

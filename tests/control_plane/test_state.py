@@ -1,0 +1,396 @@
+"""The control plane's state model, without sockets: the availability maps, leases, scale-up plans,
+re-planning on death and bad peers, releases with keep-alive, and the SQLite round trip."""
+
+import pytest
+
+from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
+from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
+from control_plane.state import CHAIN_MAX_RECEIVERS, ControlState, Notice
+from control_plane.store_sqlite import SqliteStore
+from pipecast.v1.manifest_pb2 import Block, Manifest
+
+LEASE = 10.0
+BLOCKS = 8
+STORE = PeerInfo("store", "10.0.0.1:7070", ("tcp",))
+
+
+def manifest(package_id: str = "pkg", blocks: int = BLOCKS, block_bytes: int = 100) -> Manifest:
+    return Manifest(package_id=package_id, model_name="tiny",
+                    blocks=[Block(index=i, bytes=block_bytes) for i in range(blocks)])
+
+
+def spec(node: str, rack: str = "", memory: int = 10_000) -> WorkerSpec:
+    return WorkerSpec(PeerInfo(node, f"{node}.local:7070", ("tcp",)), memory, labels={"rack": rack} if rack else {})
+
+
+def cluster(workers: int, *, racks: int = 0) -> ControlState:
+    state = ControlState(lease_s=LEASE)
+    state.publish(manifest(), STORE, now=0)
+    for i in range(workers):
+        state.register(spec(f"w{i}", f"r{i % racks}" if racks else ""), {}, now=0)
+    return state
+
+
+def notices_of(state: ControlState, kind: UpdateKind) -> set[str]:
+    return {n.node_id for n in state.notices if n.kind is kind}
+
+
+def assert_complete_plan(state: ControlState, plan_id: str, receivers: set[str]) -> None:
+    """Each receiver fetches every block it lacks exactly once, from a live node that is not itself."""
+    active = state.plans[plan_id]
+    assert set(active.plan.assignments) == receivers
+    for node in receivers:
+        have = state.availability["pkg"].held(node)
+        fetched = [a.block for a in active.parts[node].fetch]
+        assert sorted(fetched) == sorted(set(range(BLOCKS)) - have)
+        for a in active.parts[node].fetch:
+            assert a.parent != node
+            assert a.parent in active.plan.sources or state.workers[a.parent].alive
+
+
+# ----- availability -----
+
+def test_reports_update_both_maps_and_drops_remove_from_both():
+    state = cluster(2)
+    state.report("w0", {"pkg": [0, 1, 2]}, {}, now=1)
+    state.report("w1", {"pkg": [2]}, {}, now=1)
+    availability = state.availability["pkg"]
+    assert availability.by_worker == {"w0": {0, 1, 2}, "w1": {2}}
+    assert availability.by_block[2] == {"w0", "w1"} and availability.by_block[0] == {"w0"}
+    state.report("w0", {}, {"pkg": [2]}, now=2)
+    assert availability.by_worker["w0"] == {0, 1}
+    assert availability.by_block[2] == {"w1"}
+    assert ("pkg", "w0") in state.dirty.availability
+
+
+def test_report_of_unknown_package_is_skipped_and_named():
+    state = cluster(1)
+    assert state.report("w0", {"pkg": [0], "gone": [1]}, {}, now=1) == ["gone"]
+    assert state.availability["pkg"].by_worker == {"w0": {0}}
+
+
+def test_report_with_bad_block_index_changes_nothing():
+    state = cluster(1)
+    with pytest.raises(InvalidRequest, match=r"worker 'w0' reported block 8 of package 'pkg', which has blocks 0..7"):
+        state.report("w0", {"pkg": [0, 8]}, {}, now=1)
+    assert state.availability["pkg"].by_worker == {}
+
+
+def test_register_replaces_what_the_worker_was_known_to_hold():
+    state = cluster(1)
+    state.report("w0", {"pkg": [0, 1, 2]}, {}, now=1)
+    state.register(spec("w0"), {"pkg": [5]}, now=2)
+    assert state.availability["pkg"].by_worker == {"w0": {5}}
+    assert state.availability["pkg"].by_block[0] == set()
+
+
+def test_a_worker_back_at_another_address_is_announced_to_its_plans():
+    state = cluster(3)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], strategy="chain", now=1)
+    state.notices.clear()
+    moved = WorkerSpec(PeerInfo("w1", "w1.local:7071", ("tcp",)), 10_000)
+    state.register(moved, {}, now=2)
+    assert notices_of(state, UpdateKind.ASSIGN) == {"store", "w0", "w1", "w2"}
+    assert state.plans[result.plan_id].version == 2
+    assert state.peer("w1").address == "w1.local:7071"
+
+
+# ----- leases -----
+
+def test_lease_lapses_without_heartbeat_and_a_dead_worker_must_register_again():
+    state = cluster(2)
+    state.report("w1", {"pkg": [0]}, {}, now=1)
+    state.heartbeat("w0", now=LEASE - 1)
+    assert state.tick(now=LEASE + 1.5) == ["w1"]  # the report at 1 renewed its lease
+    assert not state.workers["w1"].alive and state.workers["w0"].alive
+    assert state.availability["pkg"].by_worker == {}
+    with pytest.raises(UnknownWorker, match="worker 'w1' is not registered"):
+        state.heartbeat("w1", now=LEASE + 1)
+    state.register(spec("w1"), {}, now=LEASE + 2)
+    assert state.workers["w1"].alive
+
+
+def test_a_receiver_whose_lease_lapsed_gets_the_rest_of_the_package_when_it_registers_again():
+    state = cluster(3)
+    first = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], strategy="chain", now=1).plan_id
+    state.report("w1", {"pkg": [0, 1, 2]}, {}, now=2)
+    for node in ("w0", "w2"):
+        state.heartbeat(node, now=LEASE)
+    assert state.tick(now=LEASE + 2.5) == ["w1"]
+    assert state.plans[first].pending == {"w0", "w2"}  # the others go on without it
+    state.notices.clear()
+    state.register(spec("w1"), {"pkg": [0, 1, 2]}, now=LEASE + 3)
+    resumed = [p for p in state.plans.values() if p.plan_id != first]
+    assert len(resumed) == 1 and resumed[0].pending == {"w1"}
+    assert sorted(a.block for a in resumed[0].parts["w1"].fetch) == [3, 4, 5, 6, 7]  # only what it lacks
+    assert "w1" in notices_of(state, UpdateKind.ASSIGN)
+    state.register(spec("w1"), {"pkg": [0, 1, 2]}, now=LEASE + 4)  # registering again plans nothing more
+    assert len(state.plans) == 2
+
+
+def test_a_worker_that_was_not_receiving_or_left_on_purpose_is_not_resumed():
+    state = cluster(3)
+    state.scale_up("pkg", node_ids=["w0", "w1"], strategy="chain", now=1)
+    state.heartbeat("w0", now=LEASE)
+    state.heartbeat("w1", now=LEASE)
+    assert state.tick(now=LEASE + 1) == ["w2"]  # in no plan
+    state.deregister("w1")  # left on purpose while receiving
+    plans = set(state.plans)
+    state.register(spec("w2"), {}, now=LEASE + 2)
+    state.register(spec("w1"), {}, now=LEASE + 2)
+    assert set(state.plans) == plans and state.lapsed == {}
+
+
+def test_dead_worker_record_is_forgotten_after_a_while():
+    state = ControlState(lease_s=LEASE, forget_after_s=100)
+    state.register(spec("w0"), {}, now=0)
+    state.tick(now=LEASE)
+    assert "w0" in state.workers
+    state.tick(now=LEASE + 100)
+    assert "w0" not in state.workers
+
+
+# ----- scale-up -----
+
+def test_one_source_plans_a_chain_for_few_receivers_and_a_binomial_pipeline_for_many():
+    state = cluster(CHAIN_MAX_RECEIVERS + 1)
+    few = state.scale_up("pkg", count=CHAIN_MAX_RECEIVERS, now=1)
+    assert few.strategy == "chain"
+    state = cluster(CHAIN_MAX_RECEIVERS + 1)
+    many = state.scale_up("pkg", count=CHAIN_MAX_RECEIVERS + 1, now=1)
+    assert many.strategy == "binomial"
+    assert_complete_plan(state, many.plan_id, set(many.receivers))
+
+
+def test_scale_up_from_the_store_plans_every_block_for_every_receiver():
+    state = cluster(5)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], now=1)
+    assert result.sources == ("store",) and result.strategy == "chain"  # few receivers
+    assert_complete_plan(state, result.plan_id, {"w0", "w1", "w2"})
+    assert notices_of(state, UpdateKind.ASSIGN) >= {"w0", "w1", "w2"}
+
+
+def test_scale_up_prefers_workers_holding_the_package_as_sources_rotated():
+    state = cluster(6)
+    for node in ("w4", "w5"):
+        state.report(node, {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", count=4, now=2)
+    assert result.sources == ("w4", "w5") and result.strategy == "rotated"
+    assert set(result.receivers) == {"w0", "w1", "w2", "w3"}
+    assert_complete_plan(state, result.plan_id, set(result.receivers))
+
+
+def test_scale_up_keeps_parents_in_the_receivers_rack():
+    state = cluster(10, racks=2)  # w0, w2, .. in r0; w1, w3, .. in r1
+    for node in ("w0", "w1"):
+        state.report(node, {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=[f"w{i}" for i in range(2, 10)], now=2)
+    parts = state.plans[result.plan_id].parts
+    rack = {n: state.workers[n].spec.labels["rack"] for n in state.workers}
+    for node in result.receivers:
+        assert {rack[a.parent] for a in parts[node].fetch} == {rack[node]}
+
+
+def test_scale_up_does_not_refetch_blocks_a_receiver_holds():
+    state = cluster(3)
+    state.report("w0", {"pkg": [0, 3]}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0", "w1"], now=2)
+    assert_complete_plan(state, result.plan_id, {"w0", "w1"})
+
+
+def test_scale_up_skips_holders_and_refuses_what_cannot_work():
+    state = cluster(3)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0"], now=2)
+    assert result.plan_id == "" and result.unchanged == ("w0",)
+    with pytest.raises(InsufficientWorkers, match=r"asked for 3 more workers; only 2 are alive"):
+        state.scale_up("pkg", count=3, now=2)
+    with pytest.raises(UnknownWorker):
+        state.scale_up("pkg", node_ids=["w1", "nobody"], now=2)
+    with pytest.raises(InvalidRequest, match="unknown strategy 'gossip'"):
+        state.scale_up("pkg", node_ids=["w1"], strategy="gossip", now=2)
+    with pytest.raises(UnknownPackage):
+        state.scale_up("nope", node_ids=["w1"], now=2)
+    assert state.plans == {}
+
+
+def test_scale_up_respects_the_memory_budget():
+    state = cluster(0)
+    state.publish(manifest("big", block_bytes=1000), STORE, now=0)
+    state.register(spec("w0", memory=8_500), {"big": range(BLOCKS)}, now=0)  # holds 8000 bytes of "big"
+    with pytest.raises(InsufficientWorkers, match=r"worker 'w0' has 500 B of its 8.3 KiB memory budget free; "
+                                                  r"package 'pkg' needs 800 B"):
+        state.scale_up("pkg", node_ids=["w0"], now=1)
+
+
+def test_a_plan_ends_when_every_receiver_holds_every_block():
+    state = cluster(2)
+    result = state.scale_up("pkg", node_ids=["w0", "w1"], now=1)
+    state.notices.clear()
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=2)
+    assert result.plan_id in state.plans
+    state.report("w1", {"pkg": range(BLOCKS)}, {}, now=2)
+    assert result.plan_id not in state.plans
+    assert {n for n in state.notices if n.kind is UpdateKind.CANCEL} >= {
+        Notice("w0", UpdateKind.CANCEL, "pkg", result.plan_id), Notice("w1", UpdateKind.CANCEL, "pkg", result.plan_id)}
+
+
+# ----- re-planning -----
+
+def test_death_of_a_parent_replans_its_children_for_exactly_the_missing_blocks():
+    state = cluster(6)
+    result = state.scale_up("pkg", node_ids=[f"w{i}" for i in range(6)], strategy="chain", now=1)
+    chain = state.plans[result.plan_id]
+    victim = next(n for n in result.receivers if chain.parts[n].serve)
+    child = chain.parts[victim].serve[0][1]
+    state.report(child, {"pkg": [0, 1, 2]}, {}, now=2)
+    for node in result.receivers:
+        if node != victim:
+            state.heartbeat(node, now=LEASE)
+    state.notices.clear()
+    assert state.tick(now=LEASE + 1.5) == [victim]
+    active = state.plans[result.plan_id]
+    assert victim not in active.parts and victim not in active.pending
+    assert [a.block for a in active.parts[child].fetch] == list(range(3, BLOCKS))
+    assert all(a.parent != victim for part in active.parts.values() for a in part.fetch)
+    assert_complete_plan(state, result.plan_id, set(result.receivers) - {victim})
+    assert child in notices_of(state, UpdateKind.ASSIGN)
+    assert active.version == 2 and state.replan_count == 1
+
+
+def test_death_of_the_only_worker_source_falls_back_to_the_store():
+    state = cluster(3)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w1", "w2"], now=1)
+    assert result.sources == ("w0",)
+    state.heartbeat("w1", now=LEASE)
+    state.heartbeat("w2", now=LEASE)
+    state.tick(now=LEASE + 1)
+    assert state.plans[result.plan_id].plan.sources == ("store",)
+    assert_complete_plan(state, result.plan_id, {"w1", "w2"})
+
+
+def test_bad_peer_report_gives_the_child_another_parent():
+    state = cluster(4)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
+    parts = state.plans[result.plan_id].parts
+    child = next(n for n in result.receivers if parts[n].fetch[0].parent != "store")
+    parent = parts[child].fetch[0].parent
+    assert not state.report_bad_peer(child, "w-unrelated", "pkg", 0, "digest mismatch", now=2)
+    assert state.report_bad_peer(child, parent, "pkg", 0, "digest mismatch in chunk 0", now=2)
+    active = state.plans[result.plan_id]
+    assert parent not in active.parts
+    assert all(a.parent != parent for a in active.parts[child].fetch)
+
+
+# ----- release -----
+
+def test_release_with_keep_alive_stays_a_source_until_it_drops():
+    state = cluster(4)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    drop_at = state.release("pkg", ["w0"], keep_alive_s=30, now=2)
+    assert drop_at == 32
+    result = state.scale_up("pkg", node_ids=["w1"], now=3)
+    assert result.sources == ("w0",)
+    for node in ("w0", "w1", "w2", "w3"):
+        state.heartbeat(node, now=25)
+    state.notices.clear()
+    state.tick(now=32)
+    assert "w0" not in state.availability["pkg"].by_worker
+    assert Notice("w0", UpdateKind.DROP, "pkg") in state.notices
+    assert state.plans[result.plan_id].plan.sources == ("store",)  # re-planned without w0
+
+
+def test_scale_up_during_keep_alive_takes_the_worker_back():
+    state = cluster(2)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    state.release("pkg", ["w0"], keep_alive_s=30, now=2)
+    result = state.scale_up("pkg", count=1, now=3)
+    assert result.unchanged == ("w0",) and result.plan_id == ""
+    assert state.releases == {}
+    state.heartbeat("w0", now=35)
+    state.tick(now=40)
+    assert state.availability["pkg"].is_complete("w0")
+
+
+def test_release_without_keep_alive_drops_at_once_and_needs_a_holder():
+    state = cluster(2)
+    state.report("w0", {"pkg": [1]}, {}, now=1)
+    state.release("pkg", ["w0"], keep_alive_s=0, now=2)
+    assert state.availability["pkg"].by_worker == {}
+    assert Notice("w0", UpdateKind.DROP, "pkg") in state.notices
+    with pytest.raises(Conflict, match="worker 'w1' does not hold package 'pkg': nothing to release"):
+        state.release("pkg", ["w1"], keep_alive_s=5, now=2)
+
+
+# ----- packages -----
+
+def test_remove_package_is_refused_while_held_unless_forced():
+    state = cluster(2)
+    state.report("w0", {"pkg": [0]}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w1"], now=1)
+    with pytest.raises(Conflict, match="package 'pkg' is held by 1 workers and used by 1 active plans"):
+        state.remove_package("pkg")
+    state.notices.clear()
+    state.remove_package("pkg", force=True)
+    assert "pkg" not in state.packages and state.plans == {}
+    assert {Notice("w0", UpdateKind.DROP, "pkg"), Notice("w1", UpdateKind.DROP, "pkg"),
+            Notice("w1", UpdateKind.CANCEL, "pkg", result.plan_id)} <= set(state.notices)
+
+
+def test_publish_rejects_a_manifest_with_misnumbered_blocks():
+    state = ControlState(lease_s=LEASE)
+    bad = manifest()
+    bad.blocks[3].index = 7
+    with pytest.raises(InvalidRequest, match="block at position 3 has index 7"):
+        state.publish(bad, STORE, now=0)
+    assert state.packages == {}
+
+
+# ----- persistence -----
+
+def test_sqlite_round_trip(tmp_path):
+    path = tmp_path / "control.sqlite3"
+    state = cluster(4, racks=2)
+    state.publish(manifest("other", blocks=2), STORE, now=0)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    state.report("w1", {"pkg": [0, 1], "other": [1]}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w1", "w2"], now=1)
+    state.release("pkg", ["w0"], keep_alive_s=60, now=2)
+    state.deregister("w3")
+    store = SqliteStore(path)
+    assert store.flush(state) > 0 and not state.dirty
+    store.close()
+
+    loaded = ControlState(lease_s=LEASE)
+    store = SqliteStore(path)
+    store.load(loaded, now=100)
+    assert set(loaded.packages) == {"pkg", "other"}
+    assert loaded.packages["pkg"].manifest == state.packages["pkg"].manifest
+    assert loaded.packages["pkg"].store == STORE
+    assert set(loaded.workers) == {"w0", "w1", "w2"}
+    assert loaded.workers["w1"].spec == state.workers["w1"].spec
+    assert loaded.workers["w1"].lease_expires == 100 + LEASE  # a fresh lease to show up in
+    for package_id in ("pkg", "other"):
+        assert loaded.availability[package_id].by_worker == state.availability[package_id].by_worker
+    assert loaded.releases == {("pkg", "w0"): 62}
+    active = loaded.plans[result.plan_id]
+    assert active.plan.to_json() == state.plans[result.plan_id].plan.to_json()
+    assert active.pending == {"w1", "w2"} and active.parts == state.plans[result.plan_id].parts
+
+    # Deletions reach the file too.
+    loaded.remove_package("other", force=True)
+    store.flush(loaded)
+    store.close()
+    again = ControlState(lease_s=LEASE)
+    SqliteStore(path).load(again, now=200)
+    assert set(again.packages) == {"pkg"}
+
+
+def test_a_file_that_is_not_a_database_is_a_store_error(tmp_path):
+    from control_plane.errors import StoreError
+
+    path = tmp_path / "control.sqlite3"
+    path.write_bytes(b"not a database, just some bytes" * 100)
+    with pytest.raises(StoreError, match=f"control plane database {path}: file is not a database"):
+        SqliteStore(path)

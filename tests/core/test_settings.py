@@ -1,0 +1,31 @@
+"""Settings precedence: CLI overrides > PIPECAST_* environment > TOML file > defaults."""
+
+import pytest
+
+from pipecast.core.settings import SettingsError, load_settings
+
+
+def test_precedence(tmp_path, monkeypatch):
+    config = tmp_path / "pipecast.toml"
+    config.write_text("[pipecast]\nagent_port = 1111\nlease_s = 3.5\nmax_queue = 7\n")
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    assert load_settings().agent_port == 7070
+    assert load_settings(config).agent_port == 1111
+    monkeypatch.setenv("PIPECAST_AGENT_PORT", "2222")
+    s = load_settings(config)
+    assert (s.agent_port, s.lease_s, s.max_queue) == (2222, 3.5, 7)
+    assert load_settings(config, agent_port=3333, max_queue=None).agent_port == 3333
+    monkeypatch.setenv("PIPECAST_CONFIG", str(config))
+    assert load_settings().lease_s == 3.5
+
+
+def test_bad_file_and_unknown_key_are_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("agent_port = [")
+    with pytest.raises(SettingsError, match="bad.toml"):
+        load_settings(bad)
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("agent_prot = 1\n")
+    with pytest.raises(SettingsError, match="invalid settings: agent_prot: Extra inputs are not permitted"):
+        load_settings(unknown)

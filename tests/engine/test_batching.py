@@ -1,0 +1,248 @@
+"""Execute-while-load, continuous batching, sampling and request lifecycle of the engine."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import pipecast.engine.batching as batching
+from pipecast.engine.engine import Engine, LoadProgress
+from pipecast.engine.errors import (
+    EngineClosedError,
+    EngineError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    ModelLoadError,
+)
+from pipecast.engine.providers import DelayedProvider, PackageFolderProvider
+from pipecast.engine.sampling import SamplingParams
+from pipecast.engine.streams import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
+from tests.support.engine_packages import make_package, random_prompt
+
+PROMPT = random_prompt(9, 7)
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.001)
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    """A 4-layer llama in 4 blocks of one layer each."""
+    return make_package(tmp_path_factory.mktemp("batching"), "llama", seed=5)[1]
+
+
+@pytest.fixture(scope="module")
+def engine(pkg):
+    with Engine(PackageFolderProvider(pkg)).start() as engine:
+        engine.wait_loaded(timeout=30)
+        yield engine
+
+
+def solo(engine, prompt, **params) -> list[int]:
+    """Tokens of ``prompt`` generated with no other request in the engine."""
+    assert engine.scheduler.active == 0
+    return engine.generate(prompt, SamplingParams(**params), timeout=30)
+
+
+def test_first_block_runs_before_the_last_block_arrives(pkg, engine):
+    expected = solo(engine, PROMPT, max_tokens=8)
+    provider = DelayedProvider(PackageFolderProvider(pkg))
+    with Engine(provider).start() as delayed:
+        provider.release(0)
+        stream = delayed.submit(PROMPT, SamplingParams(max_tokens=8))
+        wait_until(lambda: 0 in delayed.model.layer_first_run_at)
+        assert provider.present_blocks() == {0} and stream.tokens == []
+        assert delayed.progress() == LoadProgress(blocks_present=1, blocks_total=4, fully_loaded=False)
+        provider.release(1, 2, 3)
+        assert stream.result(timeout=30) == expected
+        assert delayed.model.layer_first_run_at[0] < provider.released_at(3)
+        assert delayed.fully_loaded.is_set()
+
+
+def test_blocks_arriving_in_reverse_order(pkg, engine):
+    expected = solo(engine, PROMPT, max_tokens=8)
+    provider = DelayedProvider(PackageFolderProvider(pkg))
+    with Engine(provider).start() as delayed:
+        stream = delayed.submit(PROMPT, SamplingParams(max_tokens=8))
+        for block in (3, 2, 1):
+            provider.release(block)
+            wait_until(lambda: block in delayed.loader.block_bound_at)
+        assert delayed.model.layer_first_run_at == {}  # layer 0 is still missing: nothing could run
+        provider.release(0)
+        assert stream.result(timeout=30) == expected
+
+
+def test_request_joining_mid_decode_gets_its_solo_tokens_and_shares_steps(engine, monkeypatch):
+    long_prompt, short_prompt = random_prompt(6, 1), random_prompt(13, 2)
+    long_alone = solo(engine, long_prompt, max_tokens=60)
+    short_alone = solo(engine, short_prompt, max_tokens=12)
+    # Hold the engine after its 5th decode step until the second request is queued: it joins mid-decode.
+    gate, decode = threading.Event(), engine.scheduler._decode
+    start = engine.scheduler.steps
+
+    def gated_decode():
+        if engine.scheduler.steps - start == 5:
+            gate.wait(10)
+        decode()
+
+    monkeypatch.setattr(engine.scheduler, "_decode", gated_decode)
+    first = engine.submit(long_prompt, SamplingParams(max_tokens=60))
+    wait_until(lambda: len(first.tokens) == 6)
+    second = engine.submit(short_prompt, SamplingParams(max_tokens=12))
+    gate.set()
+    assert second.result(timeout=30) == short_alone
+    assert first.result(timeout=30) == long_alone
+    # The joiner never had a forward pass of its own: all its decode steps were the first request's.
+    assert engine.scheduler.steps - start == 59
+
+
+def test_concurrent_requests_share_every_decode_step(engine):
+    prompts = [random_prompt(4 + i, 10 + i) for i in range(8)]  # different lengths: padded decode batches
+    alone = [solo(engine, p, max_tokens=10) for p in prompts]
+    start = engine.scheduler.steps
+    streams = engine.submit_many(prompts, SamplingParams(max_tokens=10))
+    assert [s.result(timeout=30) for s in streams] == alone
+    assert engine.scheduler.steps - start == 9
+
+
+def test_padded_decode_batches_keep_tokens_exact_and_logits_close(engine, monkeypatch):
+    """Rows of different lengths are padded (masked) in a decode batch, and matrix products run on the
+    whole batch: logits differ from a lone sequence's in the last bits (measured ~2e-5 in fp32), so they
+    are compared with a tight tolerance; the tokens are compared exactly."""
+    calls = []
+
+    def spy(logits, params, generators):
+        calls.append(logits.clone())
+        return sample_tokens(logits, params, generators)
+
+    sample_tokens = batching.sample_tokens
+    monkeypatch.setattr(batching, "sample_tokens", spy)
+    prompts = [random_prompt(4 + 3 * i, 30 + i) for i in range(4)]
+    alone, alone_logits = [], []
+    for p in prompts:
+        calls.clear()
+        alone.append(solo(engine, p, max_tokens=10))
+        alone_logits.append(torch.cat(calls))
+    calls.clear()
+    streams = engine.submit_many(prompts, SamplingParams(max_tokens=10))
+    assert [s.result(timeout=30) for s in streams] == alone
+    prefills, decodes = calls[:4], calls[4:]  # one prefill per prompt, then 9 steps of all four rows
+    assert [c.shape[0] for c in decodes] == [4] * 9
+    for i in range(4):
+        batched = torch.cat([prefills[i]] + [step[i:i + 1] for step in decodes])
+        torch.testing.assert_close(batched, alone_logits[i], rtol=1e-5, atol=1e-4)
+
+
+def test_a_failing_step_fails_its_request_and_the_engine_keeps_serving(engine, monkeypatch):
+    expected = solo(engine, PROMPT, max_tokens=6)
+    sample_tokens = batching.sample_tokens
+
+    def broken_once(logits, params, generators):
+        monkeypatch.setattr(batching, "sample_tokens", sample_tokens)
+        raise RuntimeError("sampler exploded")
+
+    monkeypatch.setattr(batching, "sample_tokens", broken_once)
+    with pytest.raises(EngineError, match="^the engine failed while running this request: sampler exploded$"):
+        engine.generate(PROMPT, SamplingParams(max_tokens=6), timeout=30)
+    assert engine.scheduler.active == 0
+    assert solo(engine, PROMPT, max_tokens=6) == expected
+
+
+def test_sequences_leaving_the_batch_early_keep_the_others_exact(engine):
+    """Rows that finish first are refilled from the end of the batch (their cache rows move)."""
+    prompts = [random_prompt(5, 20), random_prompt(9, 21), random_prompt(7, 22), random_prompt(11, 23)]
+    lengths = [3, 20, 8, 14]
+    alone = [solo(engine, p, max_tokens=n) for p, n in zip(prompts, lengths)]
+    streams = engine.submit_many(prompts, [SamplingParams(max_tokens=n) for n in lengths])
+    assert [s.result(timeout=30) for s in streams] == alone
+
+
+def test_seeded_sampling_is_deterministic_and_independent_of_the_batch(engine):
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=1234)
+    first = solo(engine, PROMPT, max_tokens=24, temperature=1.0, seed=1234)
+    assert solo(engine, PROMPT, max_tokens=24, temperature=1.0, seed=1234) == first
+    assert solo(engine, PROMPT, max_tokens=24, temperature=1.0, seed=4321) != first
+    assert first != solo(engine, PROMPT, max_tokens=24)  # it really sampled
+    others = engine.submit_many([random_prompt(5, 3), random_prompt(8, 4)], SamplingParams(max_tokens=30))
+    assert engine.generate(PROMPT, params, timeout=30) == first
+    for s in others:
+        s.result(timeout=30)
+
+
+def test_tiny_top_p_keeps_only_the_top_token(engine):
+    greedy = solo(engine, PROMPT, max_tokens=16)
+    assert solo(engine, PROMPT, max_tokens=16, temperature=1.0, top_p=1e-6, seed=0) == greedy
+
+
+def test_stop_token_ends_generation_and_is_returned(engine):
+    tokens = solo(engine, PROMPT, max_tokens=20)
+    k = next(i for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])
+    stream = engine.submit(PROMPT, SamplingParams(max_tokens=20, stop_token_ids={tokens[k]}))
+    assert stream.result(timeout=30) == tokens[: k + 1]
+    assert stream.finish_reason == FINISH_STOP
+
+
+def test_max_tokens_ends_generation(engine):
+    stream = engine.submit(PROMPT, SamplingParams(max_tokens=5))
+    assert stream.result(timeout=30) == solo(engine, PROMPT, max_tokens=20)[:5]
+    assert stream.finish_reason == FINISH_LENGTH
+
+
+async def test_async_iteration_yields_the_tokens(engine):
+    expected = solo(engine, PROMPT, max_tokens=12)
+    stream = engine.submit(PROMPT, SamplingParams(max_tokens=12))
+    assert [t async for t in stream] == expected
+
+
+def test_cancel_ends_the_stream_and_frees_the_engine(engine):
+    stream = engine.submit(PROMPT, SamplingParams(max_tokens=100))
+    got = []
+    for token in stream:
+        got.append(token)
+        if len(got) == 3:
+            stream.cancel()
+    assert stream.finish_reason == FINISH_CANCELLED
+    assert 3 <= len(got) < 100
+    wait_until(lambda: engine.scheduler.active == 0)
+    assert solo(engine, PROMPT, max_tokens=len(got)) == got
+
+
+@pytest.mark.parametrize("prompt,max_tokens,message", [
+    ([], 4, "the prompt is empty"),
+    ([1, 256, 3], 4, r"prompt token ids \[256\] are outside the vocabulary \(0-255\)"),
+    ([1] * 100, 29, "prompt of 100 tokens plus max_tokens 29 exceeds the model's 128 positions"),
+])
+def test_invalid_requests_are_refused(engine, prompt, max_tokens, message):
+    with pytest.raises(InvalidRequestError, match=f"^{message}$"):
+        engine.submit(prompt, SamplingParams(max_tokens=max_tokens))
+
+
+def test_full_queue_refuses_and_close_fails_pending(pkg):
+    engine = Engine(PackageFolderProvider(pkg), max_queue=2)  # not started: nothing drains the queue
+    pending = engine.submit_many([PROMPT, PROMPT])
+    with pytest.raises(EngineOverloadedError, match="^the engine is full: 2 requests are already waiting$"):
+        engine.submit(PROMPT)
+    engine.close()
+    for stream in pending:
+        with pytest.raises(EngineClosedError):
+            stream.result(timeout=1)
+    with pytest.raises(EngineClosedError, match="^the engine is closed$"):
+        engine.submit(PROMPT)
+
+
+def test_stalled_block_source_fails_waiting_requests(pkg):
+    provider = DelayedProvider(PackageFolderProvider(pkg))
+    provider.release(0)
+    with Engine(provider, stall_timeout_s=0.3).start() as engine:
+        stream = engine.submit(PROMPT)
+        with pytest.raises(ModelLoadError, match=r"^loading the model failed: blocks \[1, 2, 3\] did not arrive "
+                                                 r"from delayed package folder .*: nothing arrived for 0.3 s$"):
+            stream.result(timeout=30)
+        with pytest.raises(ModelLoadError):
+            engine.submit(PROMPT)

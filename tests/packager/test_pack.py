@@ -1,0 +1,307 @@
+"""The block packager: round trips, determinism, atomicity, verify/inspect, and every kind of bad input."""
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from packager.errors import (BlockMismatchError, CheckpointError, ManifestError, MissingShardError,
+                             PackageError, PickleCheckpointError, SafetensorsFormatError,
+                             UnplacedTensorsError)
+from packager.manifest import manifest_to_json, read_manifest
+from packager.pack import pack
+from packager.package import Package
+from packager.verify import verify_package
+from pipecast.cli import main
+from tests.support.tiny_models import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        "llama": make_checkpoint("llama", root / "llama"),
+        "qwen2": make_checkpoint("qwen2", root / "qwen2", dtype="bfloat16"),
+        "gpt2": make_checkpoint("gpt2", root / "gpt2"),
+        "sharded": make_checkpoint("llama", root / "sharded", seed=1, max_shard_size="100KB"),
+    }
+
+
+def original_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "sharded"])
+def test_round_trip_every_tensor_exactly_once(checkpoints, tmp_path, name):
+    manifest = pack(checkpoints[name], tmp_path / "pkg", layers_per_block=3)
+    pkg = Package.open(tmp_path / "pkg")
+    original = original_tensors(checkpoints[name])
+    seen: dict[str, int] = {}
+    for b in manifest.blocks:
+        # Each block is a valid safetensors file any reader can open.
+        with safe_open(pkg.block_path(b.index), "pt") as f:
+            assert sorted(f.keys()) == list(b.tensor_names)
+        for tensor_name, tensor in pkg.block_tensors(b.index).items():
+            assert tensor_name not in seen
+            seen[tensor_name] = b.index
+            assert tensor.dtype == original[tensor_name].dtype
+            assert torch.equal(tensor, original[tensor_name]), tensor_name
+    assert set(seen) == set(original)
+    assert [(b.layer_start, b.layer_end) for b in manifest.blocks] == [(0, 3), (3, 4)]
+    embed = next(n for n in original if "embed_tokens" in n or ".wte." in n)
+    assert seen[embed] == 0
+    final_norm = next(n for n in original if n in ("model.norm.weight", "transformer.ln_f.weight"))
+    assert seen[final_norm] == len(manifest.blocks) - 1
+    assert manifest.tied_embeddings == ("lm_head.weight" not in original)
+
+
+def test_block_tensors_are_zero_copy_views_of_the_mapped_file(checkpoints, tmp_path):
+    pack(checkpoints["llama"], tmp_path / "pkg")
+    pkg = Package.open(tmp_path / "pkg")
+    buf = pkg.block_buffer(0)
+    base = torch.frombuffer(buf, dtype=torch.uint8)
+    start, end = base.data_ptr(), base.data_ptr() + len(buf)
+    for tensor in pkg.block_tensors(0).values():
+        assert start <= tensor.data_ptr() < end
+    assert pkg.block_of_layer(3) == 3 and list(pkg.layer_range(1)) == [1]
+
+
+def test_same_input_gives_identical_bytes_and_id(checkpoints, tmp_path):
+    a = pack(checkpoints["sharded"], tmp_path / "a", block_bytes=40_000, chunk_bytes=4096)
+    b = pack(checkpoints["sharded"], tmp_path / "b", block_bytes=40_000, chunk_bytes=4096)
+    assert a.package_id == b.package_id
+    files_a = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    assert files_a == files_b
+    for rel in files_a:
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
+    # Another chunk size gives the same block bytes, but another package id: the id covers the chunk
+    # digests, so that receivers can trust them.
+    c = pack(checkpoints["sharded"], tmp_path / "c", block_bytes=40_000, chunk_bytes=8192)
+    assert [b.digest for b in c.blocks] == [b.digest for b in a.blocks]
+    assert c.package_id != a.package_id
+
+
+def test_block_bytes_groups_whole_layers(checkpoints, tmp_path):
+    layer_bytes = 148_224  # one tiny Llama layer, fp32
+    manifest = pack(checkpoints["llama"], tmp_path / "pkg", block_bytes=2 * layer_bytes + 2048)
+    # The first block also carries the embeddings, so it fits one layer.
+    assert [(b.layer_start, b.layer_end) for b in manifest.blocks] == [(0, 1), (1, 3), (3, 4)]
+    # Too small for any layer: still whole layers, one per block.
+    manifest = pack(checkpoints["llama"], tmp_path / "one", block_bytes=1000)
+    assert [(b.layer_start, b.layer_end) for b in manifest.blocks] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_failed_pack_leaves_nothing_behind(checkpoints, tmp_path, monkeypatch):
+    import packager.pack as pack_module
+
+    real = pack_module._write_block
+    calls = []
+
+    def fail_on_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-pack
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pack_module, "_write_block", fail_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        pack(checkpoints["llama"], tmp_path / "pkg", layers_per_block=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_names_each_bad_block_and_chunk(checkpoints, tmp_path, capsys):
+    pack(checkpoints["llama"], tmp_path / "pkg", layers_per_block=2, chunk_bytes=4096)
+    assert verify_package(tmp_path / "pkg") == []
+    assert main(["verify", str(tmp_path / "pkg")]) == 0
+    path = tmp_path / "pkg" / "blocks" / "block-0001.safetensors"
+    data = bytearray(path.read_bytes())
+    data[3 * 4096 + 17] ^= 0xFF
+    path.write_bytes(bytes(data))
+    problems = [str(p) for p in verify_package(tmp_path / "pkg")]
+    assert problems == ["blocks/block-0001.safetensors: block 1: chunk 3 digest mismatch (bytes 12288-16383)",
+                        "blocks/block-0001.safetensors: block 1: block digest mismatch"]
+    assert main(["verify", str(tmp_path / "pkg")]) == 1
+    assert "chunk 3 digest mismatch" in capsys.readouterr().err
+
+
+def test_inspect_table_and_json(checkpoints, tmp_path, capsys):
+    manifest = pack(checkpoints["qwen2"], tmp_path / "pkg", layers_per_block=2)
+    assert main(["inspect", str(tmp_path / "pkg")]) == 0
+    out = capsys.readouterr().out
+    assert manifest.package_id in out and "Qwen2ForCausalLM" in out and "BF16" in out
+    assert main(["inspect", "--json", str(tmp_path / "pkg")]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["package_id"] == manifest.package_id and len(data["blocks"]) == 2
+
+
+def test_pack_cli_json_and_refuses_existing_output(checkpoints, tmp_path, capsys):
+    assert main(["pack", str(checkpoints["gpt2"]), str(tmp_path / "pkg"), "--json", "--chunk-bytes", "64KiB"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["blocks"][0]["chunk_bytes"] == str(64 * 1024)
+    assert main(["pack", str(checkpoints["gpt2"]), str(tmp_path / "pkg")]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+
+# --- bad input: typed error in the library, exit 2 naming the file on the CLI, nothing left behind ---
+
+def _write_safetensors(path: Path, header: dict, data: bytes) -> None:
+    body = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
+
+
+def _config(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "architectures": ["X"]}))
+
+
+def _bad_checkpoints(root: Path, checkpoints) -> dict[str, tuple[Path, type, str]]:
+    cases = {}
+    d = root / "pickle"
+    _config(d)
+    torch.save({"w": torch.zeros(1)}, d / "pytorch_model.bin")
+    cases["pickle"] = (d, PickleCheckpointError, "pickle checkpoints are refused")
+    cases["pickle-file"] = (d / "pytorch_model.bin", PickleCheckpointError, "pickle checkpoints are refused")
+
+    d = root / "truncated"
+    _config(d)
+    full = (checkpoints["llama"] / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(full[:-100])
+    cases["truncated"] = (d, SafetensorsFormatError, "truncated")
+
+    d = root / "overlap"
+    _config(d)
+    _write_safetensors(d / "model.safetensors", {
+        "model.layers.0.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "model.layers.0.b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12))
+    cases["overlap"] = (d, SafetensorsFormatError, "overlaps")
+
+    d = root / "overflow"
+    _config(d)
+    _write_safetensors(d / "model.safetensors", {
+        "model.layers.0.a": {"dtype": "F32", "shape": [2**62], "data_offsets": [0, 2**64 - 8]}}, bytes(8))
+    cases["overflow"] = (d, SafetensorsFormatError, "model.layers.0.a")
+
+    d = root / "huge-header"
+    _config(d)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", 2**63) + b"{}")
+    cases["huge-header"] = (d, SafetensorsFormatError, "header length")
+
+    d = root / "dtype"
+    _config(d)
+    _write_safetensors(d / "model.safetensors", {
+        "model.layers.0.a": {"dtype": "F12", "shape": [1], "data_offsets": [0, 2]}}, bytes(2))
+    cases["dtype"] = (d, SafetensorsFormatError, "unknown dtype 'F12'")
+
+    d = root / "missing-shard"
+    _config(d)
+    _write_safetensors(d / "model-1.safetensors", {
+        "model.layers.0.a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(4))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.layers.0.a": "model-1.safetensors", "model.layers.0.b": "model-2.safetensors"}}))
+    cases["missing-shard"] = (d, MissingShardError, "model-2.safetensors")
+
+    d = root / "unplaced"
+    _config(d)
+    _write_safetensors(d / "model.safetensors", {
+        "model.layers.0.a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+        "mystery.weight": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8))
+    cases["unplaced"] = (d, UnplacedTensorsError, "mystery.weight")
+
+    d = root / "no-config"
+    d.mkdir()
+    cases["no-config"] = (d, CheckpointError, "config.json")
+    return cases
+
+
+BAD_CASES = ["pickle", "pickle-file", "truncated", "overlap", "overflow", "huge-header", "dtype",
+             "missing-shard", "unplaced", "no-config"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_checkpoint_typed_error_and_no_output(checkpoints, tmp_path, capsys, case):
+    src, error, text = _bad_checkpoints(tmp_path / "in", checkpoints)[case]
+    out = tmp_path / "out" / "pkg"
+    with pytest.raises(error) as info:
+        pack(src, out)
+    assert text in str(info.value)
+    assert main(["pack", str(src), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert text in err and str(src.name) in err
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []
+
+
+def _good_package(checkpoints, tmp_path) -> Path:
+    pack(checkpoints["llama"], tmp_path / "pkg", layers_per_block=2)
+    return tmp_path / "pkg"
+
+
+def _edit_manifest(pkg: Path, edit) -> None:
+    data = json.loads((pkg / "manifest.json").read_text())
+    edit(data)
+    (pkg / "manifest.json").write_text(json.dumps(data))
+
+
+def test_manifest_path_escaping_the_package_is_refused(checkpoints, tmp_path, capsys):
+    pkg = _good_package(checkpoints, tmp_path)
+    _edit_manifest(pkg, lambda d: d["blocks"][0].__setitem__("file", "../../etc/passwd"))
+    with pytest.raises(ManifestError, match=r"block 0 file '../../etc/passwd' escapes the package folder"):
+        Package.open(pkg)
+    assert main(["verify", str(pkg)]) == 2
+    assert "manifest.json: invalid manifest" in capsys.readouterr().err
+
+
+def test_block_size_or_digest_disagreeing_with_manifest(checkpoints, tmp_path, capsys):
+    pkg = _good_package(checkpoints, tmp_path)
+    path = pkg / "blocks" / "block-0000.safetensors"
+    original = path.read_bytes()
+    path.write_bytes(original + b"x")
+    with pytest.raises(BlockMismatchError, match="size is"):
+        Package.open(pkg).block_tensors(0)
+    assert main(["verify", str(pkg)]) == 1
+    assert "block 0: size is" in capsys.readouterr().err
+    corrupted = bytearray(original)
+    corrupted[-1] ^= 1
+    path.write_bytes(bytes(corrupted))
+    with pytest.raises(BlockMismatchError, match="digest mismatch"):
+        Package.open(pkg).block_tensors(0)
+
+
+@pytest.mark.parametrize("field,value", [("digest", "0" * 64), ("chunk_digests", ["0" * 64])])
+def test_manifest_changed_digest_breaks_package_id(checkpoints, tmp_path, field, value):
+    pkg = _good_package(checkpoints, tmp_path)
+    _edit_manifest(pkg, lambda d: d["blocks"][1].__setitem__(field, value))
+    with pytest.raises(ManifestError, match="package_id"):
+        read_manifest(pkg)
+
+
+def test_manifest_json_round_trip_is_stable(checkpoints, tmp_path):
+    pkg = _good_package(checkpoints, tmp_path)
+    manifest = read_manifest(pkg)
+    assert manifest_to_json(manifest) == (pkg / "manifest.json").read_text()
+    assert os.path.isfile(pkg / "config.json")
+
+
+def test_unknown_package_folder_is_a_typed_error(tmp_path):
+    with pytest.raises(PackageError, match="no such package folder"):
+        Package.open(tmp_path / "nope")
+
+
+def test_partial_folder_of_a_killed_pack_is_removed_by_the_next(checkpoints, tmp_path):
+    # A pack killed with SIGKILL cannot clean up; its hidden folder names a pid that no longer runs.
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".pkg.partial-{dead.pid}"
+    (stale / "blocks").mkdir(parents=True)
+    pack(checkpoints["gpt2"], tmp_path / "pkg")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]

@@ -1,0 +1,468 @@
+"""The router over real sockets: real aiohttp servers on loopback, with small fake workers.
+
+A fake worker speaks the serving worker's protocol (``GET /health``, ``POST /v1/completions`` with
+JSON or Server-Sent Events, 429 when full) and can be told to stall, to die before answering or to die
+mid-stream (its connection is aborted, as when the process is killed).
+"""
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from control_plane.client import ControlPlaneClient
+from control_plane.messages import PeerInfo
+from control_plane.messages import WorkerSpec as RegisteredSpec
+from control_plane.server import ControlPlaneServer, ServerConfig
+from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER, Router, RouterConfig, build_app
+from pipecast.router.discovery import SERVE_URL_LABEL, ControlPlaneDiscovery, StaticDiscovery
+from pipecast.v1 import control_pb2 as pb
+
+pytestmark = pytest.mark.timeout(30)
+
+FAST = dict(health_interval_s=0.02, health_timeout_s=0.5, connect_timeout_s=1.0, upstream_timeout_s=5.0,
+            discovery_interval_s=0.05)
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)
+BODY = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "stop": None}
+
+
+@dataclass
+class FakeWorker:
+    """A serving worker's HTTP surface with scriptable health and behaviour."""
+
+    status: str = "ready"
+    queue_depth: int = 0
+    health_code: int = 200
+    #: "answer", "busy" (429), "invalid" (400), "die_before" (abort without answering) or
+    #: "die_mid_stream" (after 2 events; its /health then answers 503, as a dead worker's would fail)
+    behaviour: str = "answer"
+    tokens: int = 3
+    #: When set, a stream pauses after its first event until the test sets it.
+    gate: asyncio.Event | None = None
+    bodies: list[bytes] = field(default_factory=list)
+    url: str = ""
+    finished: bool = False
+
+    async def health(self, request: web.Request) -> web.Response:
+        present = {"ready": 4, "partial": 3}.get(self.status, 1)  # a partial worker in its last block
+        return web.json_response({"status": self.status, "blocks_present": present,
+                                  "blocks_total": 4, "queue_depth": self.queue_depth, "running": 0,
+                                  "max_queue": 8}, status=self.health_code)
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.bodies.append(body)
+        if self.behaviour == "busy":
+            return web.json_response({"error": {"message": "full"}}, status=429, headers={"Retry-After": "5"})
+        if self.behaviour == "invalid":
+            return web.json_response({"error": {"message": "max_tokens too large"}}, status=400)
+        if self.behaviour == "die_before":
+            request.transport.abort()
+            return web.Response()
+        payload = json.loads(body)
+        if payload.get("stream") is not True:
+            return web.json_response({"choices": [{"text": "t" * self.tokens}], "worker": self.url})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for index in range(self.tokens):
+            if self.behaviour == "die_mid_stream" and index == 2:
+                # Half an event, then the connection goes: as when the process is killed mid-write.
+                await response.write(b'data: {"choices": [{"te')
+                await asyncio.sleep(0.05)
+                self.health_code = 503
+                request.transport.abort()
+                return response
+            await response.write(b"data: " + json.dumps({"choices": [{"text": f"t{index}"}]}).encode() + b"\n\n")
+            if index == 0 and self.gate is not None:
+                await self.gate.wait()
+        await response.write(b"data: [DONE]\n\n")
+        self.finished = True
+        return response
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """Serve ``app`` on a free loopback port; yield its base URL; clean up after."""
+    runner = web.AppRunner(app, shutdown_timeout=0.25)  # a fake's stalled handler is cut after this
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def workers(*fakes: FakeWorker) -> AsyncIterator[list[FakeWorker]]:
+    """Start every fake worker on its own port."""
+    async with AsyncExitStack() as stack:
+        for fake in fakes:
+            app = web.Application()
+            app.add_routes([web.get("/health", fake.health), web.post("/v1/completions", fake.complete)])
+            fake.url = await stack.enter_async_context(serving(app))
+        yield list(fakes)
+
+
+@asynccontextmanager
+async def router(urls: list[str], **config) -> AsyncIterator[tuple[str, Router]]:
+    """A router over the workers at ``urls`` (fast polling), served on a free port."""
+    instance = Router(RouterConfig(**(FAST | config)), [StaticDiscovery(urls)])
+    async with serving(build_app(instance)) as url:
+        yield url, instance
+
+
+async def eventually(condition, timeout_s: float = 5.0) -> None:
+    """Wait until ``condition()`` holds (polled every 10 ms)."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def post(client: aiohttp.ClientSession, url: str, **extra) -> tuple[int, Mapping[str, str], dict]:
+    async with client.post(f"{url}/v1/completions", json=BODY | extra) as response:
+        return response.status, response.headers.copy(), await response.json()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+        yield session
+
+
+async def read_events(response: aiohttp.ClientResponse) -> list[str]:
+    """Every ``data:`` payload of an event stream, to its end."""
+    text = (await response.read()).decode()
+    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+
+
+async def test_a_request_queued_while_every_worker_loads_is_served_once_one_is_partial(client):
+    async with workers(FakeWorker(status="loading"), FakeWorker(status="loading")) as (first, second):
+        async with router([first.url, second.url]) as (url, instance):
+            pending = asyncio.create_task(post(client, url))
+            await eventually(lambda: instance.dispatcher.waiting == 1)
+            await asyncio.sleep(0.1)  # several health polls: still nobody to serve
+            assert not pending.done() and first.bodies == second.bodies == []
+            second.status = "partial"
+            status, headers, answer = await pending
+            assert status == 200
+            assert answer["worker"] == second.url == headers[WORKER_HEADER]
+            assert float(headers[QUEUE_HEADER]) >= 0.1
+            assert first.bodies == []
+
+
+async def test_requests_go_only_to_workers_able_to_serve(client):
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with workers(FakeWorker(status="loading"), FakeWorker(), FakeWorker(health_code=503)) as fakes:
+        loading, ready, unhealthy = fakes
+        async with router([loading.url, ready.url, unhealthy.url, dead]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            answers = await asyncio.gather(*(post(client, url) for _ in range(4)))
+            assert [(status, headers[WORKER_HEADER]) for status, headers, _ in answers] == [(200, ready.url)] * 4
+            assert len(ready.bodies) == 4 and loading.bodies == unhealthy.bodies == []
+            async with client.get(f"{url}/v1/workers") as response:
+                pool = {worker["url"]: worker for worker in (await response.json())["workers"]}
+            assert {u: pool[u]["status"] for u in pool} == {loading.url: "loading", ready.url: "ready",
+                                                           unhealthy.url: "down", dead: "down"}
+            assert pool[unhealthy.url]["problem"] == f"worker {unhealthy.url}: /health answered HTTP 503"
+            assert pool[dead]["problem"].startswith(f"worker {dead}: /health failed: ClientConnectorError")
+
+
+async def test_the_request_body_reaches_the_worker_unchanged(client):
+    raw = b'{"model": "m", "prompt": [5, 6, 7], "max_tokens": 2, "stream": false, "extra": {"x": 1}}'
+    async with workers(FakeWorker()) as (worker,):
+        async with router([worker.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            async with client.post(f"{url}/v1/completions", data=raw,
+                                   headers={"Content-Type": "application/json"}) as response:
+                assert response.status == 200
+    assert worker.bodies == [raw]
+
+
+async def test_a_full_router_queue_answers_429_with_retry_after(client):
+    async with workers(FakeWorker(status="loading")) as (worker,):
+        async with router([worker.url], max_queue=1) as (url, instance):
+            queued = asyncio.create_task(post(client, url))
+            await eventually(lambda: instance.dispatcher.waiting == 1)
+            status, headers, answer = await post(client, url)
+            assert status == 429 and headers["Retry-After"] == "1"
+            assert answer == {"error": {"message": "router queue is full (1 requests waiting); retry later",
+                                        "type": "queue_full"}}
+            worker.status = "ready"
+            assert (await queued)[0] == 200
+            async with client.get(f"{url}/metrics") as response:
+                metrics = await response.text()
+            assert 'pipecast_router_requests_rejected_total{reason="queue_full"} 1.0' in metrics
+
+
+async def test_a_request_nobody_can_take_gets_503_at_its_deadline(client):
+    async with workers(FakeWorker(status="loading")) as (worker,):
+        async with router([worker.url], queue_timeout_s=0.2) as (url, instance):
+            status, _, answer = await post(client, url)
+    assert status == 503
+    assert answer == {"error": {"type": "queue_timeout", "message": (
+        "no worker could take the request within 0.2 s (1 workers known, 0 able to serve)")}}
+
+
+async def test_streaming_relays_each_event_as_it_arrives(client):
+    gate = asyncio.Event()
+    async with workers(FakeWorker(gate=gate)) as (worker,):
+        async with router([worker.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
+                assert response.status == 200
+                assert response.headers[WORKER_HEADER] == worker.url
+                assert response.content_type == "text/event-stream"
+                first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), timeout=5)
+                # The worker is still blocked after its first token: the router did not wait for the end.
+                assert not worker.finished
+                assert first == b'data: {"choices": [{"text": "t0"}]}\n\n'
+                gate.set()
+                rest = await read_events(response)
+            assert rest == ['{"choices": [{"text": "t1"}]}', '{"choices": [{"text": "t2"}]}', "[DONE]"]
+            async with client.get(f"{url}/metrics") as response:
+                metrics = await response.text()
+            assert "pipecast_router_ttft_seconds_count 1.0" in metrics
+            assert 'pipecast_router_ttft_seconds_bucket{le="600.0"} 1.0' in metrics
+            assert f'pipecast_router_requests_routed_total{{worker="{worker.url}"}} 1.0' in metrics
+
+
+async def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(client):
+    async with workers(FakeWorker(behaviour="die_mid_stream", tokens=5), FakeWorker(queue_depth=3)) as fakes:
+        dying, other = fakes
+        async with router([dying.url, other.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 2)
+            async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
+                assert response.headers[WORKER_HEADER] == dying.url
+                events = await read_events(response)
+            assert events[:2] == ['{"choices": [{"text": "t0"}]}', '{"choices": [{"text": "t1"}]}']
+            # The torn third event is not relayed; the error event names the worker and ends the stream.
+            assert len(events) == 3
+            error = json.loads(events[2])["error"]
+            assert error["type"] == "worker_failed" and error["worker"] == dying.url
+            assert error["message"].startswith(f"worker {dying.url}: failed mid-stream: ClientPayloadError")
+            async with client.get(f"{url}/metrics") as response:
+                metrics = await response.text()
+            assert (f'pipecast_router_requests_failed_total{{stage="mid_stream",worker="{dying.url}"}} 1.0'
+                    in metrics)
+            async with client.get(f"{url}/v1/workers") as response:
+                view = {worker["url"]: worker for worker in (await response.json())["workers"]}
+            assert not view[dying.url]["available"]
+            assert (await post(client, url))[1][WORKER_HEADER] == other.url
+
+
+# A worker process that streams one event and then stays silent; the test kills it with SIGKILL.
+STREAM_ONE_AND_WAIT = r"""
+import asyncio, sys
+from aiohttp import web
+
+async def health(request):
+    return web.json_response({"status": "ready", "blocks_present": 1, "blocks_total": 1, "queue_depth": 0,
+                              "running": 0, "max_queue": 8})
+
+async def complete(request):
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b'data: {"choices": [{"text": "t0"}]}\n\n')
+    await asyncio.sleep(60)
+    return response
+
+async def main():
+    app = web.Application()
+    app.add_routes([web.get("/health", health), web.post("/v1/completions", complete)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    print(runner.addresses[0][1], flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_worker_process_ends_the_stream_with_an_error_event(client):
+    process = subprocess.Popen([sys.executable, "-c", STREAM_ONE_AND_WAIT], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = f"http://127.0.0.1:{int(process.stdout.readline())}"
+        async with router([worker]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
+                first = await response.content.readuntil(b"\n\n")
+                process.kill()
+                events = await read_events(response)
+        assert first == b'data: {"choices": [{"text": "t0"}]}\n\n'
+        assert len(events) == 1
+        assert json.loads(events[0])["error"]["message"].startswith(f"worker {worker}: failed mid-stream: ")
+    finally:
+        process.kill()
+        process.wait()
+        process.stdout.close()
+
+
+async def test_a_worker_silent_mid_stream_is_cut_off_at_the_deadline(client):
+    async with workers(FakeWorker(gate=asyncio.Event())) as (stalled,):  # the gate is never set
+        async with router([stalled.url], upstream_timeout_s=0.3) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
+                events = await read_events(response)
+    assert events[0] == '{"choices": [{"text": "t0"}]}'
+    assert json.loads(events[1])["error"]["message"] == (
+        f"worker {stalled.url}: failed mid-stream: silent for more than 0.3 s")
+    assert len(events) == 2
+
+
+async def test_a_worker_dying_before_it_answers_is_retried_on_another(client):
+    async with workers(FakeWorker(behaviour="die_before"), FakeWorker(queue_depth=3)) as (dying, other):
+        async with router([dying.url, other.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 2)
+            for stream in (False, True):
+                dying.bodies.clear()
+                await eventually(lambda: instance.pool.serving(instance.clock()) == 2)  # dying recovered
+                async with client.post(f"{url}/v1/completions", json=BODY | {"stream": stream}) as response:
+                    assert response.status == 200
+                    assert response.headers[WORKER_HEADER] == other.url
+                    await response.read()
+                assert len(dying.bodies) == 1  # it was tried first (less loaded), then other served
+            async with client.get(f"{url}/metrics") as response:
+                metrics = await response.text()
+            assert f'pipecast_router_retries_total{{worker="{dying.url}"}} 2.0' in metrics
+
+
+async def test_retries_are_bounded_and_end_in_502_naming_the_workers(client):
+    async with workers(FakeWorker(behaviour="die_before"), FakeWorker(behaviour="die_before")) as fakes:
+        urls = sorted(fake.url for fake in fakes)
+        async with router(urls, max_retries=1) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 2)
+            status, headers, answer = await post(client, url)
+    assert status == 502
+    error = answer["error"]
+    assert error["type"] == "worker_failed"
+    assert sorted(error["attempts"]) == urls and error["worker"] == error["attempts"][-1]
+    assert headers[WORKER_HEADER] == error["worker"]
+    assert error["message"].startswith(f"request failed on 2 attempt(s): worker {error['attempts'][0]}: "
+                                       "no answer to POST /v1/completions: ")
+    assert sum(len(fake.bodies) for fake in fakes) == 2
+
+
+async def test_a_busy_worker_sends_the_request_back_to_the_queue_not_to_an_error(client):
+    async with workers(FakeWorker(behaviour="busy"), FakeWorker(queue_depth=3)) as (busy, other):
+        async with router([busy.url, other.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 2)
+            status, headers, _ = await post(client, url)
+            assert status == 200 and headers[WORKER_HEADER] == other.url
+            assert len(busy.bodies) == 1
+            assert instance.pool.get(busy.url).problem == f"worker {busy.url}: queue full (429), retry after 5 s"
+
+
+async def test_client_and_worker_refusals_keep_their_status(client):
+    async with workers(FakeWorker(behaviour="invalid")) as (worker,):
+        async with router([worker.url]) as (url, instance):
+            async with client.post(f"{url}/v1/completions", data=b"{not json") as response:
+                assert response.status == 400
+                assert (await response.json())["error"]["message"].startswith("request body is not JSON: ")
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            status, headers, answer = await post(client, url)
+            assert (status, answer) == (400, {"error": {"message": "max_tokens too large"}})
+            assert headers[WORKER_HEADER] == worker.url
+            assert instance.pool.get(worker.url).can_take(instance.clock())  # the client's fault, not its
+
+
+async def test_shutdown_fails_queued_requests_at_once(client):
+    async with workers(FakeWorker(status="loading")) as (worker,):
+        instance = Router(RouterConfig(**FAST), [StaticDiscovery([worker.url])])
+        async with serving(build_app(instance)) as url:
+            pending = asyncio.create_task(post(client, url))
+            await eventually(lambda: instance.dispatcher.waiting == 1)
+        status, _, answer = await pending
+    assert (status, answer) == (503, {"error": {"message": "router is shutting down", "type": "shutting_down"}})
+
+
+async def test_workers_are_learned_from_the_control_plane_and_kept_while_it_fails(client):
+    listed: list = []
+    failing = False
+
+    class Lister:
+        async def list_workers(self):
+            if failing:
+                raise ConnectionError("control plane restarting")
+            return list(listed)
+
+    async with workers(FakeWorker()) as (worker,):
+        instance = Router(RouterConfig(**FAST), [ControlPlaneDiscovery(Lister(), "cp:7000")])
+        async with serving(build_app(instance)) as url:
+            pending = asyncio.create_task(post(client, url))
+            await eventually(lambda: instance.dispatcher.waiting == 1)
+            listed.append(pb.WorkerState(worker=pb.WorkerSpec(peer=pb.Peer(node_id="n1"),
+                                                              labels={SERVE_URL_LABEL: worker.url}), alive=True))
+            assert (await pending)[0] == 200
+            failing = True
+            await asyncio.sleep(0.2)  # several failed discoveries
+            async with client.get(f"{url}/health") as response:
+                assert await response.json() == {"status": "ready", "workers": 1, "serving": 1,
+                                                 "queue_depth": 0, "max_queue": 256}
+            failing = False
+            listed[0].alive = False
+            await eventually(lambda: not instance.pool.workers())
+            async with client.get(f"{url}/health") as response:
+                assert (await response.json())["status"] == "waiting"
+
+
+async def test_workers_registered_at_the_real_control_plane_are_routed_to(client, tmp_path):
+    control = ControlPlaneServer(ServerConfig(host="127.0.0.1", port=0, db_path=tmp_path / "cp.sqlite3"))
+    await control.start()
+    try:
+        async with workers(FakeWorker()) as (worker,), ControlPlaneClient(control.address) as cp:
+            await cp.register(RegisteredSpec(PeerInfo("n1", "127.0.0.1:7071"), 1 << 30,
+                                              labels={SERVE_URL_LABEL: worker.url}))
+            instance = Router(RouterConfig(**FAST), [ControlPlaneDiscovery(cp, control.address)])
+            async with serving(build_app(instance)) as url:
+                status, headers, _ = await post(client, url)
+                assert (status, headers[WORKER_HEADER]) == (200, worker.url)
+                assert [(w.node_id, w.url) for w in instance.pool.workers()] == [("n1", worker.url)]
+    finally:
+        await control.stop(grace_s=0)
+
+
+async def test_the_router_command_routes_to_static_and_control_plane_workers_until_sigterm(client, tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    control = ControlPlaneServer(ServerConfig(host="127.0.0.1", port=0, db_path=tmp_path / "cp.sqlite3"))
+    await control.start()
+    code = "import sys; from pipecast.router.command import router_command; sys.exit(router_command())"
+    process = None
+    try:
+        async with workers(FakeWorker()) as (worker,), ControlPlaneClient(control.address) as cp:
+            await cp.register(RegisteredSpec(PeerInfo("n1", "127.0.0.1:7071"), 1 << 30,
+                                             labels={SERVE_URL_LABEL: worker.url}))
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", code, "--port", "0", "--worker", dead, "--control-plane", control.address,
+                "--health-interval", "0.05", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            line = (await asyncio.wait_for(process.stdout.readline(), timeout=20)).decode()
+            assert line.startswith("router listening on http://127.0.0.1:"), await process.stderr.read()
+            url = line.split()[-1]
+            status, headers, _ = await post(client, url)
+            assert (status, headers[WORKER_HEADER]) == (200, worker.url)
+            async with client.get(f"{url}/v1/workers") as response:
+                pool = [(w["node_id"], w["url"]) for w in (await response.json())["workers"]]
+            assert sorted(pool) == sorted([(dead, dead), ("n1", worker.url)])
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), timeout=10) == 0
+    finally:
+        if process is not None and process.returncode is None:
+            process.kill()
+            await process.wait()
+        await control.stop(grace_s=0)

@@ -1,0 +1,415 @@
+"""The serving worker: OpenAI completions over the execute-while-load engine, health while blocks arrive,
+admission control, cancellation, graceful shutdown, and the real ``openai`` client against a worker process.
+
+Servers run in-process on loopback (one torch import for the module) except the one test of the
+``pipecast serve`` process itself.
+"""
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+import pipecast
+from pipecast.engine.errors import EngineClosedError
+from pipecast.serve.app import build_app
+from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
+from pipecast.serve.metrics import RateMeter
+from pipecast.serve.openai_api import CompletionRequest, parse_completion_request
+from pipecast.serve.text import CompletionText, IncrementalDetokenizer, StopMatcher, TextCodec
+from pipecast.serve.worker import ServingWorker, WorkerConfig
+from tests.support.engine_packages import random_prompt
+from tests.support.engine_packages import GatedAgent
+from tests.support.serve_packages import make_served_package
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = "tiny-llama"
+PROMPT = random_prompt(10, 3)
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+@pytest.fixture(autouse=True)
+def no_configured_agent(monkeypatch):
+    for name in ("PIPECAST_AGENT_LOCAL_SOCKET", "PIPECAST_CONFIG", "PIPECAST_AGENT_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory) -> Path:
+    """A tiny llama package (4 blocks of one layer each) with a byte-level tokenizer."""
+    return make_served_package(tmp_path_factory.mktemp("serve"), "llama", seed=4)
+
+
+@pytest.fixture(scope="module")
+def reference(pkg):
+    """The engine's own greedy tokens: ``reference(prompt, max_tokens)``."""
+    with pipecast.load(pkg) as model:
+        yield lambda prompt, n: model.generate(prompt, max_new_tokens=n, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def codec(pkg) -> TextCodec:
+    return TextCodec.from_files(lambda name: (pkg / name).read_bytes(), ["tokenizer.json", "tokenizer_config.json"],
+                                "test package")
+
+
+@asynccontextmanager
+async def serving(config: WorkerConfig):
+    """A worker served on loopback as `pipecast serve` serves it: (base URL, worker, runner)."""
+    worker = ServingWorker(config)
+    runner = web.AppRunner(build_app(worker), handler_cancellation=True, shutdown_timeout=10)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+            yield f"http://{host}:{port}", worker, runner, http
+    finally:
+        if runner.server is not None:  # a test may have shut it down itself
+            await runner.cleanup()
+
+
+async def health(http: aiohttp.ClientSession, url: str) -> dict:
+    async with http.get(f"{url}/health") as response:
+        return await response.json()
+
+
+async def wait_health(http: aiohttp.ClientSession, url: str, predicate, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while not predicate(state := await health(http, url)):
+        assert time.monotonic() < deadline, f"health never matched; last: {state}"
+        await asyncio.sleep(0.01)
+    return state
+
+
+async def post(http: aiohttp.ClientSession, url: str, body) -> tuple[int, dict, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with http.post(f"{url}/v1/completions", data=data) as response:
+        return response.status, dict(response.headers), await response.json()
+
+
+async def sse_events(http: aiohttp.ClientSession, url: str, body: dict) -> list[str]:
+    """The ``data:`` payloads of a streamed completion, in order."""
+    async with http.post(f"{url}/v1/completions", json=body) as response:
+        assert response.status == 200 and response.headers["Content-Type"] == "text/event-stream"
+        text = (await response.read()).decode()
+    assert text.endswith("\n\n")
+    events = text[:-2].split("\n\n")
+    assert all(e.startswith("data: ") for e in events), text
+    return [e[len("data: "):] for e in events]
+
+
+def body(**fields) -> dict:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True,
+            **fields}
+
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+# --- over HTTP, in-process ---------------------------------------------------------------------------
+
+
+async def test_json_and_streamed_completions_give_the_engines_greedy_tokens(pkg, reference, codec):
+    expected = reference(PROMPT, 12)
+    async with serving(WorkerConfig(str(pkg))) as (url, worker, _, http):
+        status, _, whole = await post(http, url, body())
+        assert status == 200
+        choice = whole["choices"][0]
+        assert choice["token_ids"] == expected
+        assert choice["finish_reason"] == ("length" if len(expected) == 12 else "stop")
+        assert whole["usage"] == {"prompt_tokens": 10, "completion_tokens": len(expected),
+                                  "total_tokens": 10 + len(expected)}
+        assert whole["object"] == "text_completion" and whole["model"] == MODEL
+
+        events = await sse_events(http, url, body(stream=True, stream_options={"include_usage": True}))
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        *pieces, usage = chunks
+        assert [t for c in pieces for t in c["choices"][0]["token_ids"]] == expected
+        assert "".join(c["choices"][0]["text"] for c in pieces) == choice["text"]
+        assert [c["choices"][0]["finish_reason"] for c in pieces] == [None] * (len(pieces) - 1) + [
+            choice["finish_reason"]]
+        assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+
+        # A text prompt goes through the package's tokenizer (bytes here), the token ids stay out by default.
+        status, _, answer = await post(http, url, body(prompt="Hello", return_token_ids=False))
+        assert status == 200 and "token_ids" not in answer["choices"][0]
+        assert answer["choices"][0]["text"] == codec.decode(reference(list(b"Hello"), 12))
+
+        async with http.get(f"{url}/v1/models") as response:
+            assert [m["id"] for m in (await response.json())["data"]] == [MODEL]
+        async with http.get(f"{url}/metrics") as response:
+            page = await response.text()
+        assert metric(page, "pipecast_serve_ttft_seconds_count") == 3
+        assert metric(page, 'pipecast_serve_requests_total{outcome="ok"}') == 3
+        assert metric(page, "pipecast_serve_generated_tokens_total") == 2 * len(expected) + answer["usage"][
+            "completion_tokens"]
+
+
+async def test_health_goes_loading_partial_ready_as_blocks_arrive_and_the_prompt_runs_meanwhile(pkg, reference):
+    agent = GatedAgent(pkg)
+    async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, worker, _, http):
+        state = await wait_health(http, url, lambda h: h["blocks_total"] == 4)
+        assert state["status"] == "loading" and state["blocks_present"] == 0
+        request = asyncio.create_task(sse_events(http, url, body(stream=True)))
+        await wait_health(http, url, lambda h: h["running"] == 1)
+        agent.release(0)
+        # Partial as soon as the embeddings are bound, which can be before the rest of block 0 is.
+        await wait_health(http, url, lambda h: h["status"] == "partial")
+        await wait_health(http, url, lambda h: h["blocks_present"] == 1)
+        agent.release(1, 2)
+        state = await wait_health(http, url, lambda h: h["blocks_present"] == 3)
+        assert state["status"] == "partial" and state["running"] == 1 and not request.done()
+        agent.release(3)
+        events = await request
+        assert [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]] == reference(PROMPT, 12)
+        assert await health(http, url) == {"status": "ready", "blocks_present": 4, "blocks_total": 4,
+                                           "queue_depth": 0, "running": 0, "max_queue": 64, "max_batch": 16,
+                                           "stage": "loaded",
+                                           "model": MODEL, "package_id": worker.package_id}
+
+
+async def test_load_then_serve_holds_requests_until_the_whole_model_is_in(pkg, reference):
+    agent = GatedAgent(pkg)
+    async with serving(WorkerConfig(str(pkg), agent=agent, wait_full_load=True)) as (url, worker, _, http):
+        await wait_health(http, url, lambda h: h["blocks_total"] == 4)
+        request = asyncio.create_task(post(http, url, body()))
+        agent.release(0, 1, 2)
+        state = await wait_health(http, url, lambda h: h["blocks_present"] == 3 and h["queue_depth"] == 1)
+        assert state["status"] == "loading" and state["running"] == 0  # held back, not prefilling
+        agent.release(3)
+        status, _, whole = await request
+        assert status == 200 and whole["choices"][0]["token_ids"] == reference(PROMPT, 12)
+        assert (await health(http, url))["status"] == "ready"
+
+
+async def test_a_full_queue_answers_429_with_retry_after(pkg, reference):
+    agent = GatedAgent(pkg)  # no block yet: admitted requests stay in the worker
+    async with serving(WorkerConfig(str(pkg), agent=agent, max_queue=1, max_batch=1)) as (url, _, _, http):
+        await wait_health(http, url, lambda h: h["blocks_total"] == 4)
+        first = asyncio.create_task(post(http, url, body()))
+        await wait_health(http, url, lambda h: h["running"] == 1)
+        second = asyncio.create_task(post(http, url, body()))
+        state = await wait_health(http, url, lambda h: h["queue_depth"] == 1)
+        assert state["max_queue"] == 1
+        status, headers, answer = await post(http, url, body())
+        assert status == 429 and headers["Retry-After"] == "1"
+        assert answer["error"] == {"message": "the worker is full: 1 requests are already waiting; retry in 1 s",
+                                   "type": "rate_limit_error", "param": None, "code": "queue_full"}
+        agent.release()
+        expected = reference(PROMPT, 12)
+        for task in (first, second):
+            status, _, whole = await task
+            assert status == 200 and whole["choices"][0]["token_ids"] == expected
+
+
+BAD_REQUESTS = [
+    (b"{not json", None, "the request body is not valid JSON"),
+    ({"prompt": [1]}, "model", "model: required"),
+    ({"model": MODEL, "prompt": []}, "prompt", "prompt: required: a non-empty string or a non-empty list of token"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "prompt: one prompt per request, got a batch of 2"),
+    ({"model": MODEL, "prompt": [1], "max_tokens": 0}, "max_tokens", "max_tokens: must be at least 1, got 0"),
+    ({"model": MODEL, "prompt": [1], "max_tokens": "8"}, "max_tokens", "max_tokens: must be an integer, got '8'"),
+    ({"model": MODEL, "prompt": [1], "temperature": -1}, "temperature",
+     "temperature: must be between 0 and 2, got -1"),
+    ({"model": MODEL, "prompt": [1], "top_p": 0}, "top_p", "top_p: must be in (0, 1], got 0"),
+    ({"model": MODEL, "prompt": [1], "stop": [""]}, "stop", "stop: must be a non-empty string or a list of"),
+    ({"model": MODEL, "prompt": [1], "n": 2}, "n", "n: 2 is not supported (accepted: null or 1)"),
+    ({"model": MODEL, "prompt": [1], "frobnicate": 1}, "frobnicate", "frobnicate: unknown field"),
+    ({"model": MODEL, "prompt": [1, 999]}, "prompt", "prompt: prompt token ids [999] are outside the vocabulary"),
+    ({"model": MODEL, "prompt": [1], "max_tokens": 500}, "prompt",
+     "prompt: prompt of 1 tokens plus max_tokens 500 exceeds the model's 128 positions"),
+]
+
+
+async def test_bad_requests_get_400_naming_the_field_and_unknown_models_404(pkg):
+    async with serving(WorkerConfig(str(pkg))) as (url, _, _, http):
+        for request, param, message in BAD_REQUESTS:
+            status, _, answer = await post(http, url, request)
+            assert status == 400, (request, answer)
+            assert answer["error"]["param"] == param and answer["error"]["type"] == "invalid_request_error"
+            assert answer["error"]["message"].startswith(message), answer
+        status, _, answer = await post(http, url, {**body(), "model": "gpt-4"})
+        assert status == 404 and answer["error"] == {
+            "message": f"model 'gpt-4' is not served here: this worker serves '{MODEL}'",
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+        async with http.get(f"{url}/metrics") as response:
+            assert metric(await response.text(), 'pipecast_serve_requests_total{outcome="invalid"}') == len(
+                BAD_REQUESTS) + 1
+
+
+async def test_a_client_that_goes_away_cancels_its_request_in_the_engine(pkg, reference):
+    agent = GatedAgent(pkg)
+    async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, worker, _, http):
+        await wait_health(http, url, lambda h: h["blocks_total"] == 4)
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as leaving:
+            request = asyncio.create_task(post(leaving, url, body(max_tokens=50)))
+            await wait_health(http, url, lambda h: h["running"] == 1)
+            request.cancel()
+        await wait_health(http, url, lambda h: h["running"] == 0)
+        engine = worker._model.engine
+        deadline = time.monotonic() + 10
+        while engine.scheduler.active:  # the engine dropped the sequence, not just the worker's count
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        agent.release()
+        status, _, whole = await post(http, url, body())
+        assert status == 200 and whole["choices"][0]["token_ids"] == reference(PROMPT, 12)
+        async with http.get(f"{url}/metrics") as response:
+            page = await response.text()
+        assert metric(page, 'pipecast_serve_requests_total{outcome="cancelled"}') == 1
+        assert metric(page, "pipecast_serve_generated_tokens_total") == len(whole["choices"][0]["token_ids"])
+
+
+async def test_shutdown_refuses_new_requests_and_lets_running_ones_finish(pkg, reference):
+    agent = GatedAgent(pkg)
+    async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, worker, runner, http):
+        await wait_health(http, url, lambda h: h["blocks_total"] == 4)
+        running = asyncio.create_task(sse_events(http, url, body(stream=True)))
+        await wait_health(http, url, lambda h: h["running"] == 1)
+        shutdown = asyncio.create_task(runner.cleanup())
+        while worker.health().status != "draining":
+            await asyncio.sleep(0.01)
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as late:
+            with pytest.raises(aiohttp.ClientConnectionError):
+                await post(late, url, body())
+        agent.release()
+        events = await running
+        assert events[-1] == "[DONE]"
+        assert [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]] == reference(PROMPT, 12)
+        await asyncio.wait_for(shutdown, 10)
+        with pytest.raises(EngineClosedError):
+            worker._model.engine.submit(PROMPT)
+
+
+async def test_a_package_without_tokenizer_fails_the_worker_with_503(tmp_path):
+    bare = make_served_package(tmp_path, "llama", seed=1, with_tokenizer=False)
+    async with serving(WorkerConfig(str(bare))) as (url, _, _, http):
+        deadline = time.monotonic() + 30
+        while (response := await http.get(f"{url}/health")).status != 503:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        state = await response.json()
+        assert state["status"] == "failed"
+        assert "has no tokenizer (tokenizer.json or tokenizer.model or vocab.json)" in state["error"]
+        status, _, answer = await post(http, url, body())
+        assert status == 503 and answer["error"]["code"] == "model_unavailable"
+        assert answer["error"]["message"] == state["error"]
+
+
+# --- the pieces, without HTTP ------------------------------------------------------------------------
+
+
+def test_requests_are_checked_field_by_field():
+    assert parse_completion_request({"model": "m", "prompt": ["hi"], "stop": "\n", "seed": 3, "stream": True,
+                                     "stream_options": {"include_usage": True}, "n": 1, "user": "u"}) == \
+        CompletionRequest(model="m", prompt="hi", stop=("\n",), seed=3, stream=True, include_usage=True)
+    assert parse_completion_request({"model": "m", "prompt": [[5, 6]], "max_tokens": None}).prompt == (5, 6)
+    for fields, param in [({"n": True}, "n"), ({"stream": 1}, "stream"), ({"echo": True}, "echo"),
+                          ({"prompt": [1, True]}, "prompt"), ({"temperature": True}, "temperature"),
+                          ({"stream_options": {"include_usage": True}}, "stream_options"),
+                          ({"seed": 1.5}, "seed"), ({"temperature": float("nan")}, "temperature")]:
+        with pytest.raises(RequestFieldError) as caught:
+            parse_completion_request({"model": "m", "prompt": [1], **fields})
+        assert caught.value.param == param, fields
+
+
+def test_text_comes_out_whole_characters_and_stops_before_a_stop_string(codec):
+    text = "héllo wörld"
+    detokenizer = IncrementalDetokenizer(codec, list(b"say: "))
+    deltas = [detokenizer.add(t) for t in text.encode()]
+    assert deltas[1:3] == ["", "é"] and "".join(deltas) + detokenizer.flush() == text
+    cut = CompletionText(codec, [], ["wö"])
+    assert "".join(cut.add(t) for t in text.encode()) + cut.finish() == "héllo " and cut.stopped
+
+    stops = StopMatcher(["STOP", "END"])
+    assert [stops.feed("abcS"), stops.feed("T"), stops.feed("x")] == ["abc", "", "STx"]
+    assert stops.flush() == "" and not stops.stopped
+    assert stops.feed("yEN") == "y" and stops.feed("D!") == "" and stops.stopped and stops.flush() == ""
+
+
+def test_a_package_without_tokenizer_files_is_refused(codec):
+    with pytest.raises(ModelUnavailableError, match=r"^pkg has no tokenizer \(tokenizer.json or tokenizer.model or "
+                                                    r"vocab.json\): the serving worker needs one"):
+        TextCodec.from_files(lambda name: b"{}", ["config.json"], "pkg")
+
+
+def test_the_token_rate_counts_the_last_window_only():
+    now = [100.0]
+    meter = RateMeter(window_s=10, clock=lambda: now[0])
+    meter.add(30)
+    now[0] += 5
+    meter.add(20)
+    assert meter.rate() == 5.0
+    now[0] += 6  # the first 30 are out of the window
+    assert meter.rate() == 2.0
+
+
+# --- a worker process, with the openai client and raw HTTP -------------------------------------------
+
+
+def test_the_openai_client_and_raw_http_against_a_worker_process(pkg, reference, tmp_path):
+    import openai
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPECAST_")}
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "pipecast.cli", "serve", str(pkg), "--host", "127.0.0.1",
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        match = re.fullmatch(r"pipecast serve: listening on (http://\S+)\n", line)
+        assert match, (line, (tmp_path / "serve.log").read_text())
+        url = match.group(1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="dummy", max_retries=0, timeout=30)
+        deadline = time.monotonic() + 40
+        while not client.models.list().data:  # the model's name is known once its manifest is read
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+
+        expected = reference(PROMPT, 12)
+        chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                stream=True, extra_body={"return_token_ids": True}))
+        assert [t for c in chunks for t in c.choices[0].token_ids] == expected
+        whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+        assert whole.usage.completion_tokens == len(expected) and whole.usage.prompt_tokens == len(PROMPT)
+        with pytest.raises(openai.BadRequestError, match="max_tokens: must be at least 1"):
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+
+        # Raw HTTP, as curl sends it: the bytes of a Server-Sent Events answer.
+        address = urlsplit(url)
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+        connection.request("POST", "/v1/completions", body=json.dumps(body(stream=True)),
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        raw = response.read()
+        connection.close()
+        assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+        assert raw.startswith(b'data: {"id": "cmpl-') and raw.endswith(b"\n\ndata: [DONE]\n\n")
+        assert len(raw.split(b"\n\n")) == len(chunks) + 2  # every chunk, [DONE], and the empty tail
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, (tmp_path / "serve.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        log.close()

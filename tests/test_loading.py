@@ -1,0 +1,187 @@
+"""``pipecast.load``: returns at once, serves while loading, uses the agent or falls back to the folder."""
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import pipecast
+from packager.pack import pack
+from pipecast.engine.engine import LoadProgress
+from pipecast.engine.weights import ATTENTION, LAYER_STAGES, MLP_IN, stage_of
+from pipecast.loading import PackageUnavailableError
+from tests.support.engine_packages import GatedAgent, make_package, random_prompt, reference_generate, reference_model
+
+PROMPT = random_prompt(10, 11)
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    """(checkpoint folder, package folder) of a tiny qwen2 (tied embeddings) in 4 blocks."""
+    return make_package(tmp_path_factory.mktemp("hook"), "qwen2", seed=9)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_files):
+    """(transformers reference model, package folder)."""
+    ckpt, pkg = tiny_files
+    return reference_model(ckpt), pkg
+
+
+@pytest.fixture(autouse=True)
+def no_configured_agent(monkeypatch):
+    monkeypatch.delenv("PIPECAST_AGENT_LOCAL_SOCKET", raising=False)
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    monkeypatch.delenv("PIPECAST_AGENT_CACHE_DIR", raising=False)
+
+
+@pytest.fixture(scope="module")
+def real_agent(tiny, tmp_path_factory):
+    """A ``pipecast agent`` process seeded with the tiny package, serving its local API on a socket."""
+    socket = tmp_path_factory.mktemp("agent") / "agent.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "pipecast.cli", "agent", "--seed", str(tiny[1]),
+                             "--local-socket", str(socket), "--listen", "127.0.0.1:0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: socket.exists() or proc.poll() is not None, timeout=30)
+        assert proc.poll() is None, proc.stderr.read().decode()
+        yield socket
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
+
+
+def test_import_stays_light_and_load_is_the_function():
+    code = ("import sys, pipecast, pipecast.loading; "
+            "assert pipecast.load is pipecast.loading.load, pipecast.load; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_without_agent_loads_the_folder_and_says_so(tiny, caplog):
+    ref, pkg = tiny
+    with caplog.at_level(logging.WARNING, logger="pipecast.loading"):
+        model = pipecast.load(pkg)
+    with model:
+        assert model.source == "local"
+        assert "unicast fallback" in caplog.text and str(pkg) in caplog.text
+        assert model.generate(PROMPT, max_new_tokens=12, timeout=30) == reference_generate(ref, PROMPT, 12)
+        with torch.no_grad():
+            assert torch.equal(model.logits(PROMPT, timeout=30), ref(torch.tensor([PROMPT])).logits[0])
+        assert model.fully_loaded.wait(30)
+        assert model.progress() == LoadProgress(blocks_present=4, blocks_total=4, fully_loaded=True)
+
+
+def test_unreachable_agent_falls_back_to_the_folder(tiny, tmp_path, caplog):
+    _, pkg = tiny
+    socket = tmp_path / "no-agent.sock"
+    with caplog.at_level(logging.WARNING, logger="pipecast.loading"), pipecast.load(pkg, agent=socket) as model:
+        assert model.source == "local"
+        assert f"pipecast agent at {socket} cannot serve package {pkg} (no agent at {socket}" in caplog.text
+        assert model.generate(PROMPT, max_new_tokens=3, timeout=30)
+
+
+def test_package_neither_at_the_agent_nor_local_is_refused(tiny):
+    _, pkg = tiny
+    with pytest.raises(PackageUnavailableError, match=r"^package f{64}: pipecast agent at .* cannot serve package "
+                                                      r"f{64} \(agent: unknown package f{64}\), and it is neither "
+                                                      r"a package folder nor in the agent's disk cache$"):
+        pipecast.load("f" * 64, agent=GatedAgent(pkg))
+
+
+def test_real_agent_serves_the_package_by_folder_or_by_id(tiny, real_agent):
+    ref, pkg = tiny
+    expected = reference_generate(ref, PROMPT, 12)
+    package_id = json.loads((pkg / "manifest.json").read_text())["package_id"]
+    for package in (pkg, package_id):
+        with pipecast.load(package, agent=real_agent) as model:
+            assert model.source == "agent"
+            assert model.generate(PROMPT, max_new_tokens=12, timeout=30) == expected
+
+
+def test_package_id_falls_back_to_the_agents_disk_cache(tiny, tmp_path, monkeypatch, caplog):
+    ref, pkg = tiny
+    package_id = json.loads((pkg / "manifest.json").read_text())["package_id"]
+    shutil.copytree(pkg, tmp_path / package_id)
+    monkeypatch.setenv("PIPECAST_AGENT_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="pipecast.loading"), pipecast.load(package_id) as model:
+        assert model.source == "local"
+        assert f"loading {tmp_path / package_id} from the package folder (unicast fallback)" in caplog.text
+        assert model.generate(PROMPT, max_new_tokens=12, timeout=30) == reference_generate(ref, PROMPT, 12)
+
+
+def test_agent_blocks_serve_layer_by_layer_without_copies(tiny):
+    ref, pkg = tiny
+    client = GatedAgent(pkg)
+    with pipecast.load(pkg, agent=client) as model:
+        assert model.source == "agent"
+        assert model.progress() == LoadProgress(blocks_present=0, blocks_total=4, fully_loaded=False)
+        stream = model.submit(PROMPT, max_new_tokens=12)
+        client.release(0)
+        wait_until(lambda: 0 in model.engine.model.layer_first_run_at)
+        assert stream.tokens == [] and not model.fully_loaded.is_set()
+        wait_until(lambda: 1 in client.mapped_ahead)  # the block the loader waits for is mapped while in flight
+        client.release(1, 2, 3)
+        assert stream.result(timeout=30) == reference_generate(ref, PROMPT, 12)
+        assert model.fully_loaded.wait(30)
+        weight = model.engine.model.skeleton.model.model.layers[0].self_attn.q_proj.weight
+        base = torch.frombuffer(client.buffers[0], dtype=torch.uint8)
+        assert base.data_ptr() <= weight.data_ptr() < base.data_ptr() + base.numel()
+
+
+def test_each_stage_of_a_layer_runs_as_its_own_bytes_are_verified_before_its_block_is(tmp_path):
+    from packager.blockfile import buffer_header, map_file
+
+    ckpt, pkg = make_package(tmp_path, "llama", seed=4, layers_per_block=2)
+    block = (pkg / "blocks" / "block-0000.safetensors")
+    header = buffer_header(map_file(block))  # embeddings, then layer 0 in execution order, then layer 1
+
+    def end_of(layer: int, stages) -> int:
+        return header.data_start + max(t.end for n, t in header.tensors.items() if stage_of(n) in
+                                       [(layer, s) for s in stages])
+
+    attention_end, layer0_end = end_of(0, [ATTENTION]), end_of(0, LAYER_STAGES)
+    assert attention_end < layer0_end < block.stat().st_size
+    client = GatedAgent(pkg)
+    with pipecast.load(pkg, agent=client) as model:
+        scheduler = model.engine.scheduler
+        stream = model.submit(PROMPT, max_new_tokens=8)
+        client.release_prefix(0, attention_end - 1)  # one byte short of layer 0's attention
+        time.sleep(0.2)
+        assert model.engine.model.layer_first_run_at == {}
+        client.release_prefix(0, attention_end)  # the attention runs; the MLP waits for its weights
+        wait_until(lambda: 0 in model.engine.model.layer_first_run_at)
+        time.sleep(0.2)
+        assert [(s.next_layer, s.next_stage) for s in scheduler.prefilling] == [(0, MLP_IN)]
+        client.release_prefix(0, layer0_end)  # the rest of layer 0, not layer 1: the prompt waits there
+        wait_until(lambda: [(s.next_layer, s.next_stage) for s in scheduler.prefilling] == [(1, ATTENTION)])
+        assert 1 not in model.engine.model.layer_first_run_at and model.progress().blocks_present == 0
+        client.release()
+        assert stream.result(timeout=30) == reference_generate(reference_model(ckpt), PROMPT, 8)
+
+
+def test_generation_stops_at_the_packages_eos_by_default(tiny_files, tmp_path):
+    ckpt, pkg = tiny_files
+    with pipecast.load(pkg) as model:
+        tokens = model.generate(PROMPT, max_new_tokens=16, stop_token_ids=[], timeout=30)
+    k = next(i for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])
+    # The same checkpoint, packed again with generation_config.json naming that token as an EOS.
+    ckpt = shutil.copytree(ckpt, tmp_path / "ckpt")
+    gen_config = ckpt / "generation_config.json"
+    gen_config.write_text(json.dumps({**json.loads(gen_config.read_text()), "eos_token_id": [tokens[k], 255]}))
+    pack(ckpt, tmp_path / "pkg", layers_per_block=1)
+    with pipecast.load(tmp_path / "pkg") as model:
+        assert model.stop_token_ids == {tokens[k], 255}
+        assert model.generate(PROMPT, max_new_tokens=16, timeout=30) == tokens[: k + 1]
