@@ -43,9 +43,17 @@ from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler, CpuUsage
 from benchmarks.processes import POLL_S, RunProcesses, cli, free_port
 from benchmarks.runinfo import parse_counts, versions
+from control_plane.planner.schedules import make_plan
+from packager.manifest import read_manifest
+from pipecast.agent.plan_file import plan_file_data
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.core.errors import PipecastError
+from pipecast.core.fsutil import atomic_write
 from pipecast.core.units import format_bytes
+from pipecast.engine.engine import Engine
+from pipecast.engine.kv_cache import PrefillCache, prefill_mask
+from pipecast.engine.providers import PackageFolderProvider
+from pipecast.serve.text import TextCodec
 
 logger = logging.getLogger(__name__)
 
@@ -291,8 +299,6 @@ def measure_compute(package: Path, prompts: Mapping[int, Sequence[int]], threads
     """
     import torch
 
-    from pipecast.engine.engine import Engine
-    from pipecast.engine.providers import PackageFolderProvider
 
     profiles = {}
     previous = torch.get_num_threads()
@@ -315,7 +321,6 @@ def _time_prefill(model, prompt: list[int], last_block_start: int) -> tuple[floa
     layer to the first token's logits."""
     import torch
 
-    from pipecast.engine.kv_cache import PrefillCache, prefill_mask
 
     m = model
     start = time.perf_counter()
@@ -337,9 +342,6 @@ def _time_prefill(model, prompt: list[int], last_block_start: int) -> tuple[floa
 
 def make_prompts(package: Path, lengths: Sequence[int]) -> dict[int, list[int]]:
     """A prompt of exactly each length, cut from English text by the package's tokenizer."""
-    from packager.manifest import read_manifest
-    from pipecast.serve.text import TextCodec
-
     names = [f.path for f in read_manifest(package).files]
     codec = TextCodec.from_files(lambda name: (package / name).read_bytes(), names, f"package {package}")
     ids = codec.encode(PROMPT_TEXT)
@@ -425,9 +427,7 @@ def client_argv(url: str, model: str, ready_file: Path, start_file: Path, prompt
 
 def write_start_file(path: Path, start_at: float) -> None:
     """Tell waiting clients t0 (``time.time()``); written whole or not at all, as they poll for it."""
-    partial = path.with_suffix(".partial")
-    partial.write_text(f"{start_at:.6f}")
-    partial.rename(path)
+    atomic_write(path, f"{start_at:.6f}".encode())
 
 
 def client_main(argv: Sequence[str] | None = None) -> int:
@@ -482,9 +482,6 @@ class _Bench:
 
     def write_plan(self, path: Path, worker_address: str) -> None:
         """The static plan of a run: the worker fetches every block from the store."""
-        from control_plane.planner.schedules import make_plan
-        from pipecast.agent.plan_file import plan_file_data
-
         plan = make_plan("unicast", [STORE], [WORKER], self.num_blocks)
         path.write_text(json.dumps(plan_file_data(plan, self.package_id, {STORE: self.store_address,
                                                                            WORKER: worker_address})))
@@ -577,8 +574,6 @@ def run_once(bench: _Bench, strategy: str, prompt: list[int]) -> RunResult:
 
 def run(config: ColdStartConfig, workdir: Path, progress: ProgressCallback = lambda line: None) -> ColdStartReport:
     """Measure both strategies at every prompt length; logs, events and answers go under ``workdir``."""
-    from packager.manifest import read_manifest
-
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     manifest = read_manifest(config.package)
     prompts = make_prompts(config.package, config.prompt_tokens)

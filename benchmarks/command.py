@@ -1,4 +1,7 @@
-"""``pipecast bench``: the benchmarks. Each prints its result beside its floor and its baseline."""
+"""``pipecast bench``: the benchmarks. Each prints its result beside its floor and its baseline.
+
+Each command imports its benchmark only when it runs, so that ``pipecast bench --help`` starts fast.
+"""
 
 import json
 import tempfile

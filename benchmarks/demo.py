@@ -26,9 +26,19 @@ import time
 from pathlib import Path
 from subprocess import PIPE, Popen, TimeoutExpired
 
+from benchmarks.cluster import EmulatedCluster
+from benchmarks.coldstart import client_argv, write_start_file
+from benchmarks.cpu import CpuSampler
+from benchmarks.demo_model import MODEL_NAME, demo_checkpoint, demo_gguf
 from benchmarks.processes import POLL_S, RunProcesses, cli, free_port, stop_processes
+from packager.command import format_table
+from packager.manifest import read_manifest
+from packager.pack import pack
+from packager.verify import verify_package
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.core.errors import PipecastError
+from pipecast.core.units import format_bytes
+from pipecast.serve.text import TextCodec
 
 LINK_MBIT = 400.0  # the 269 MB model crosses one link in about 5.4 s
 STORE, CONTROL = "store", "cp"
@@ -64,12 +74,6 @@ def _step(message: str) -> None:
 
 def prepare_package(cache: Path) -> Path:
     """Convert (once), pack and verify the demo model; print the package's table; return the package."""
-    from benchmarks.demo_model import MODEL_NAME, demo_checkpoint, demo_gguf
-    from packager.command import format_table
-    from packager.pack import pack
-    from packager.verify import verify_package
-    from pipecast.core.units import format_bytes
-
     _step(f"demo model: {demo_gguf()}")
     ckpt = demo_checkpoint(cache)
     _step(f"safetensors checkpoint: {ckpt}")
@@ -90,9 +94,6 @@ def prepare_package(cache: Path) -> Path:
 
 def chat_prompt(package: Path) -> list[int]:
     """The demo's question as token ids, through the chat template of the package's tokenizer."""
-    from packager.manifest import read_manifest
-    from pipecast.serve.text import TextCodec
-
     names = [f.path for f in read_manifest(package).files]
     tokenizer = TextCodec.from_files(lambda name: (package / name).read_bytes(), names, str(package)).tokenizer
     text = tokenizer.apply_chat_template([{"role": "user", "content": f"{PASSAGE}\n\n{QUESTION}"}],
@@ -107,8 +108,6 @@ class _Demo(RunProcesses):
     """The processes of the demo inside the emulated cluster, their logs and events."""
 
     def __init__(self, cluster, package: Path, logs: Path, sockets: Path) -> None:
-        from packager.manifest import read_manifest
-
         super().__init__(cluster, logs, DemoError)
         self.package = package
         self.manifest = read_manifest(package)
@@ -121,10 +120,6 @@ class _Demo(RunProcesses):
 
     def endpoint(self, host: str, service: str) -> str:
         return self.endpoints[host, service]
-
-    def log(self, name: str) -> str:
-        path = self.log_path(name)
-        return path.read_text(errors="replace") if path.exists() else ""
 
     def wait(self, what: str, done, watch: list[str], timeout_s: float) -> None:
         """Until ``done()``; DemoError naming ``what`` if a watched process exits or time runs out."""
@@ -186,8 +181,6 @@ class _Demo(RunProcesses):
     def start_serving(self, prompt: list[int]) -> dict[str, Popen]:
         """``pipecast serve`` on w1 and w2 (cold: their agents hold nothing) and a client for each, waiting
         for t0; returns once both workers have started."""
-        from benchmarks.coldstart import client_argv
-
         prompt_file = self.logs / "prompt.json"
         prompt_file.write_text(json.dumps(prompt))
         clients = {}
@@ -274,11 +267,6 @@ def _reader(proc: Popen, pieces: "queue.Queue") -> threading.Thread:
 
 def cold_start(package: Path, logs: Path, mode: str) -> None:
     """Steps 2 and 3 of the module docstring."""
-    from benchmarks.cluster import EmulatedCluster
-    from benchmarks.coldstart import write_start_file
-    from benchmarks.cpu import CpuSampler
-    from pipecast.core.units import format_bytes
-
     prompt = chat_prompt(package)
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)

@@ -9,6 +9,10 @@ import logging
 from pathlib import Path
 
 from packager.errors import PackageError
+from packager.gguf_convert import convert_gguf
+from packager.manifest import read_manifest
+from packager.pack import pack
+from pipecast.core.units import DEFAULT_CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +35,6 @@ def demo_gguf() -> Path:
 
 def demo_checkpoint(cache: Path) -> Path:
     """The safetensors checkpoint of the demo model, converted on first use."""
-    from packager.gguf_convert import convert_gguf
-
     out = Path(cache) / "checkpoints" / MODEL_NAME
     if not (out / "config.json").is_file():
         logger.warning("converting %s to safetensors once (about 20 s); cached in %s", MODEL_NAME, out)
@@ -42,9 +44,6 @@ def demo_checkpoint(cache: Path) -> Path:
 
 def demo_package(cache: Path, *, chunk_bytes: int | None = None) -> Path:
     """The block package of the demo model, packed on first use."""
-    from packager.manifest import read_manifest
-    from packager.pack import DEFAULT_CHUNK_BYTES, pack
-
     out = Path(cache) / "packages" / MODEL_NAME
     try:
         read_manifest(out)

@@ -33,10 +33,13 @@ from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage
 from benchmarks.plots import Series, save_line_chart
 from benchmarks.processes import RunProcesses, cli, free_port
 from benchmarks.runinfo import parse_counts, versions
-from control_plane.planner.schedules import STRATEGIES, make_plan
+from control_plane.planner.plan import STRATEGIES
+from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import simulate
+from packager.manifest import read_manifest
 from pipecast.agent.plan_file import plan_file_data
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
+from pipecast.agent.transport.registry import resolve_transport_name
 from pipecast.core.errors import PipecastError
 from pipecast.core.units import format_bytes
 from pipecast.v1.manifest_pb2 import Manifest
@@ -536,9 +539,6 @@ def _meta(config: DistributionConfig, facts: PackageFacts, cluster: EmulatedClus
 def run(config: DistributionConfig, workdir: Path, progress: ProgressCallback = lambda line: None
         ) -> DistributionReport:
     """Measure every strategy at every worker count; agents' plans, events and logs go under ``workdir``."""
-    from packager.manifest import read_manifest
-    from pipecast.agent.transport.registry import resolve_transport_name
-
     try:
         resolve_transport_name(config.transport)
     except PipecastError as exc:

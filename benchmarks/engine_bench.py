@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.engine_measure import ThroughputResult
-from pipecast.engine.memory import MemoryReport
+from benchmarks.engine_measure import memory_report, throughput
+from packager.manifest import read_manifest
 from pipecast.core.units import format_bytes
+from pipecast.engine.memory import MemoryReport
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,6 @@ def run(package: Path, *, concurrencies: Sequence[int], prompt_tokens: int, max_
     throughput at each concurrency, ``repeat`` times."""
     import torch
 
-    from packager.manifest import read_manifest
-    from benchmarks.engine_measure import memory_report, throughput
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

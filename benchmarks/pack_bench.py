@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from packager.package import Package
+from packager.safetensors_format import build_header
 from pipecast.core.units import format_bytes
 
 _LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -45,8 +47,6 @@ class PackBenchResult:
 
 def write_synthetic_checkpoint(path: Path, total_bytes: int, shards: int = 4) -> Path:
     """A Llama-named F16 checkpoint of about ``total_bytes`` in ``shards`` shards (random bytes)."""
-    from packager.safetensors_format import build_header
-
     layers = 16
     per_tensor = max(1024, total_bytes // (layers * len(_LAYER_TENSORS) + 2)) // 2 * 2
     names = ["model.embed_tokens.weight", "model.norm.weight"] + [
@@ -110,7 +110,6 @@ def run(workdir: Path, size_bytes: int, repeat: int = 3, progress=print) -> Pack
     cp_seconds, pack_seconds = statistics.median(cp_times), statistics.median(pack_times)
     import safetensors.torch
 
-    from packager.package import Package
 
     def open_all(verify: bool) -> float:
         start = time.perf_counter()

@@ -2,7 +2,8 @@
 an events file, waited on by the events it logs, and stopped as a process group at the end.
 
 Shared by the distribution, surge and cold-start benchmarks and the demo, which differ only in what they
-start and what they wait for.
+start and what they wait for, and by the tests' agent processes (:class:`Processes`, started on this
+machine without a cluster).
 """
 
 import json
@@ -11,7 +12,8 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from subprocess import DEVNULL, Popen, TimeoutExpired
 
@@ -46,6 +48,8 @@ def stop_processes(procs: Sequence[Popen], grace_s: float = STOP_GRACE_S) -> Non
         for proc in procs:
             if proc.poll() is None:
                 try:
+                    if sig == signal.SIGTERM:
+                        os.killpg(proc.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:
                     pass
@@ -59,14 +63,14 @@ def stop_processes(procs: Sequence[Popen], grace_s: float = STOP_GRACE_S) -> Non
             return
 
 
-class RunProcesses:
-    """Named processes of one run, in ``folder``: ``<name>.log`` and ``<name>.events.jsonl`` each.
+class Processes:
+    """Named processes, each in a process group of its own, in ``folder``: ``<name>.log`` and
+    ``<name>.events.jsonl`` each.
 
-    Failures raise ``error`` (the benchmark's own exception type) with the process's log tail.
+    Failures raise ``error`` (the caller's own exception type) with the process's log tail.
     """
 
-    def __init__(self, cluster: EmulatedCluster, folder: Path, error: type[Exception]) -> None:
-        self.cluster = cluster
+    def __init__(self, folder: Path, error: type[Exception]) -> None:
         self.folder = folder
         self.error = error
         self.procs: dict[str, Popen] = {}
@@ -88,14 +92,23 @@ class RunProcesses:
     def has(self, name: str, kind: str) -> bool:
         return any(e["event"] == kind for e in self.events(name))
 
-    def spawn(self, name: str, host: str, argv: Sequence[str | Path], env: dict[str, str] | None = None,
-              stdout: int | None = None) -> Popen:
-        """Start ``argv`` on ``host`` (its own process group), its output to ``name``'s log (standard output
-        to ``stdout`` instead, e.g. PIPE, if given)."""
+    def launch(self, name: str, argv: Sequence[str | Path], env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> Popen:
+        """Start ``argv`` on this machine in a process group of its own, with this process's environment
+        plus ``env``; its output to ``name``'s log."""
+        return self._logged(name, partial(Popen, [str(a) for a in argv], env={**os.environ, **(env or {})},
+                                          cwd=cwd, start_new_session=True), None)
+
+    def _logged(self, name: str, start: Callable[..., Popen], stdout: int | None) -> Popen:
+        """``start(stdin=, stdout=, stderr=)`` with the output to ``name``'s log; the process is ``name``."""
         with self.log_path(name).open("w") as log:
-            self.procs[name] = self.cluster.spawn(host, [str(a) for a in argv], env=env, stdin=DEVNULL,
-                                                  stdout=log if stdout is None else stdout, stderr=log)
+            self.procs[name] = start(stdin=DEVNULL, stdout=log if stdout is None else stdout, stderr=log)
         return self.procs[name]
+
+    def log(self, name: str) -> str:
+        """Everything ``name`` logged so far ("" before it starts)."""
+        path = self.log_path(name)
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def log_tail(self, name: str) -> str:
         return tail(self.log_path(name))
@@ -131,3 +144,17 @@ class RunProcesses:
         agents can deregister on the way out)."""
         stop_processes([p for name, p in self.procs.items() if name not in last])
         stop_processes([p for name, p in self.procs.items() if name in last])
+
+
+class RunProcesses(Processes):
+    """The processes of one run, each spawned into a host of the emulated cluster."""
+
+    def __init__(self, cluster: EmulatedCluster, folder: Path, error: type[Exception]) -> None:
+        super().__init__(folder, error)
+        self.cluster = cluster
+
+    def spawn(self, name: str, host: str, argv: Sequence[str | Path], env: dict[str, str] | None = None,
+              stdout: int | None = None) -> Popen:
+        """Start ``argv`` on ``host`` (its own process group), its output to ``name``'s log (standard output
+        to ``stdout`` instead, e.g. PIPE, if given)."""
+        return self._logged(name, partial(self.cluster.spawn, host, [str(a) for a in argv], env=env), stdout)

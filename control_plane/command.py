@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+from google.protobuf import json_format
 
+from control_plane.messages import PeerInfo
+from packager.manifest import read_manifest
 from pipecast.core.settings import Settings, load_settings
 from pipecast.core.units import format_bytes
 
@@ -33,7 +36,7 @@ CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, d
 def control_plane_command(config: Path | None, host: str | None, port: int | None, db: Path | None,
                           lease_s: float | None, metrics_port: int | None) -> None:
     """Run the control plane until SIGINT/SIGTERM."""
-    from control_plane.server import ControlPlaneServer, ServerConfig
+    from control_plane.server import ControlPlaneServer, ServerConfig  # grpc: not loaded by `--help`
 
     settings = load_settings(config, control_host=host, control_port=port, control_db=db, lease_s=lease_s)
     server_config = ServerConfig.from_settings(settings, metrics_port=metrics_port)
@@ -68,7 +71,7 @@ def cp_group(ctx: click.Context, config: Path | None, target: str | None, token:
 
 def _run(ctx: click.Context, call: Callable[[Any], Awaitable[Any]]) -> Any:
     """Run ``call(client)`` against the control plane named in the settings."""
-    from control_plane.client import ControlPlaneClient
+    from control_plane.client import ControlPlaneClient  # grpc: not loaded by `--help`
 
     settings: Settings = ctx.obj[0]
 
@@ -99,8 +102,6 @@ def _ranges(blocks: frozenset[int]) -> str:
 
 
 def _message_json(message: Any) -> dict:
-    from google.protobuf import json_format
-
     return json_format.MessageToDict(message, preserving_proto_field_name=True)
 
 
@@ -173,9 +174,6 @@ def plans_command(ctx: click.Context, package_id: str) -> None:
 def publish_command(ctx: click.Context, package_dir: Path, store_node: str, store_address: str,
                     transports: tuple[str, ...]) -> None:
     """Publish the package in PACKAGE_DIR (its manifest.json), served by a store node."""
-    from control_plane.messages import PeerInfo
-    from packager.manifest import read_manifest
-
     manifest = read_manifest(package_dir)
     store = PeerInfo(store_node, store_address, transports)
     package_id = _run(ctx, lambda c: c.publish_package(manifest, store))

@@ -2,7 +2,8 @@
 
 from collections.abc import Iterable, Mapping
 
-from control_plane.messages import AcceleratorInfo, AssignmentUpdate, PeerInfo, Transfer, UpdateKind, WorkerSpec
+from control_plane.messages import AcceleratorInfo, AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
+from control_plane.planner.plan import Fetch
 from pipecast.v1 import control_pb2 as pb
 
 # The largest message either side accepts: a 70B model's manifest with 1 MiB chunk digests is ~10 MB.
@@ -53,9 +54,10 @@ def blocks_from_proto(msgs: Iterable[pb.PackageBlocks]) -> dict[str, set[int]]:
 
 
 def update_from_proto(msg: pb.AssignmentUpdate) -> AssignmentUpdate:
+    """The update's fetches keep their parents' addresses; a serve list needs only the children's ids."""
     return AssignmentUpdate(
         kind=_KIND_FROM_PROTO[msg.kind], plan_id=msg.plan_id, package_id=msg.package_id, version=msg.version,
         strategy=msg.strategy,
-        fetch=tuple(Transfer(t.block, peer_from_proto(t.peer)) for t in msg.fetch),
-        serve=tuple(Transfer(t.block, peer_from_proto(t.peer)) for t in msg.serve),
+        fetch=tuple(Fetch(t.block, peer_from_proto(t.peer)) for t in msg.fetch),
+        serve=tuple((t.block, t.peer.node_id) for t in msg.serve),
         plan_ids=tuple(msg.plan_ids), sources=tuple(peer_from_proto(p) for p in msg.sources))

@@ -33,6 +33,7 @@ class Mailbox:
         self._owner = 0
 
     def put(self, notice: Notice) -> None:
+        """Queue ``notice`` last, replacing a pending one for the same plan (or package, for a DROP)."""
         key = _key(notice)
         self._items.pop(key, None)
         self._items[key] = notice

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from control_plane.planner.plan import Fetch
+
 
 @dataclass(frozen=True)
 class PeerInfo:
@@ -18,6 +20,9 @@ class PeerInfo:
     node_id: str
     address: str
     transports: tuple[str, ...] = ("tcp",)
+
+    def __str__(self) -> str:
+        return f"{self.node_id}@{self.address}"
 
 
 @dataclass(frozen=True)
@@ -70,14 +75,6 @@ class UpdateKind(Enum):
 
 
 @dataclass(frozen=True)
-class Transfer:
-    """One block over one plan edge: from ``peer`` (in fetch lists) or to ``peer`` (in serve lists)."""
-
-    block: int
-    peer: PeerInfo
-
-
-@dataclass(frozen=True)
 class AssignmentUpdate:
     """One message of a worker's assignment stream."""
 
@@ -86,7 +83,7 @@ class AssignmentUpdate:
     package_id: str = ""
     version: int = 0
     strategy: str = ""
-    fetch: tuple[Transfer, ...] = ()
-    serve: tuple[Transfer, ...] = ()
+    fetch: tuple[Fetch[PeerInfo], ...] = ()  # ASSIGN: in this order, each from its parent
+    serve: tuple[tuple[int, str], ...] = ()  # ASSIGN: (block, child id), as in a plan's Part
     plan_ids: tuple[str, ...] = ()
     sources: tuple[PeerInfo, ...] = ()  # ASSIGN: nodes holding every block, the fallback of any fetch

@@ -1,10 +1,11 @@
 """The control plane's in-memory model: workers and leases, packages, the two availability maps per
-package, releases with keep-alive, and active multicast plans.
+package (:mod:`control_plane.availability`), releases with keep-alive, and active multicast plans.
 
 Pure and synchronous: no sockets, no files, no clock (every call that depends on time takes ``now``,
 in seconds). What agents must be told goes to :attr:`ControlState.notices` (the service drains it into
 the assignment streams); what changed goes to :attr:`ControlState.dirty` (the store drains it into
-SQLite). Plans come from the pure planner (:mod:`control_plane.planner.schedules`, :mod:`control_plane.planner.replan`).
+SQLite). Which workers a scale-up takes and which nodes it sends from is decided by
+:mod:`control_plane.placement`; plans come from the pure planner (:mod:`control_plane.planner`).
 """
 
 from __future__ import annotations
@@ -15,21 +16,17 @@ import uuid
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from control_plane.availability import Availability
 from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
+from control_plane.placement import (
+    DEFAULT_FANOUT, Candidate, counted_targets, default_strategy, named_targets, pick_sources)
+from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.replan import replan
-from control_plane.planner.schedules import STRATEGIES, Assignment, Plan, make_plan
-from pipecast.core.units import format_bytes
+from control_plane.planner.schedules import make_plan
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
-
-DEFAULT_FANOUT = 2
-# One source and at most this many receivers: a chain, else a binomial pipeline. With chunk cut-through a
-# chain runs every link at full rate and adds one chunk of latency per hop (measured, N = 8 at 400 Mbit/s:
-# chain 1.07x S/B, binomial 1.71x, whose rounds move whole blocks); that latency grows with N, the
-# binomial pipeline's with log N. 8 is the largest N measured on this project's emulated cluster.
-CHAIN_MAX_RECEIVERS = 8
 
 
 @dataclass
@@ -60,87 +57,6 @@ class Package:
     @functools.cached_property
     def total_bytes(self) -> int:
         return sum(block.bytes for block in self.manifest.blocks)
-
-
-class Availability:
-    """Both maps of one package, kept in step: worker -> blocks held and block -> workers holding it."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self.by_worker: dict[str, set[int]] = {}
-        self.by_block: list[set[str]] = [set() for _ in range(num_blocks)]
-
-    def add(self, node: str, blocks: Iterable[int]) -> bool:
-        """Record verified ``blocks`` on ``node``; True if anything was new."""
-        held = self.by_worker.setdefault(node, set())
-        before = len(held)
-        for block in blocks:
-            if block not in held:
-                held.add(block)
-                self.by_block[block].add(node)
-        return len(held) != before
-
-    def remove(self, node: str, blocks: Iterable[int]) -> bool:
-        """Forget ``blocks`` on ``node``; True if it held any of them."""
-        held = self.by_worker.get(node)
-        if not held:
-            return False
-        before = len(held)
-        for block in blocks:
-            if block in held:
-                held.discard(block)
-                self.by_block[block].discard(node)
-        if not held:
-            del self.by_worker[node]
-        return len(held) != before
-
-    def remove_worker(self, node: str) -> bool:
-        """Forget everything ``node`` holds; True if it held anything."""
-        held = self.by_worker.pop(node, None)
-        for block in held or ():
-            self.by_block[block].discard(node)
-        return bool(held)
-
-    def held(self, node: str) -> frozenset[int]:
-        return frozenset(self.by_worker.get(node, ()))
-
-    def count(self, node: str) -> int:
-        return len(self.by_worker.get(node, ()))
-
-    def is_complete(self, node: str) -> bool:
-        return self.count(node) == self.num_blocks
-
-    def complete_holders(self) -> list[str]:
-        """Workers holding every block, sorted."""
-        return sorted(node for node, held in self.by_worker.items() if len(held) == self.num_blocks)
-
-    def replicas(self) -> int:
-        """(worker, block) pairs held."""
-        return sum(map(len, self.by_worker.values()))
-
-
-@dataclass(frozen=True)
-class Part:
-    """One node's part in a plan: what it fetches (in order, each from its parent) and whom it serves."""
-
-    fetch: tuple[Assignment, ...]
-    serve: tuple[tuple[int, str], ...]  # (block, child); each child fetches in its own order
-
-
-def plan_parts(plan: Plan) -> dict[str, Part]:
-    """Every node's part in ``plan``: receivers fetch; parents (sources, receivers, holders) serve."""
-    serving: dict[str, list[tuple[int, str]]] = {}
-    for receiver, fetches in plan.assignments.items():
-        for fetch in fetches:
-            children = serving.get(fetch.parent)
-            if children is None:
-                children = serving[fetch.parent] = []
-            children.append((fetch.block, receiver))
-    parts = {receiver: Part(tuple(fetches), ()) for receiver, fetches in plan.assignments.items()}
-    for node, children in serving.items():
-        own = parts.get(node)
-        parts[node] = Part(own.fetch if own is not None else (), tuple(children))
-    return parts
 
 
 @dataclass
@@ -375,7 +291,7 @@ class ControlState:
         self._check_blocks(node, self.package(package_id), [block])
         worker.lease_expires = now + self.lease_s
         plans = [p for p in self.plans.values() if p.package_id == package_id and node in p.parts
-                 and Assignment(block, peer) in p.parts[node].fetch]
+                 and Fetch(block, peer) in p.parts[node].fetch]
         if not plans:
             log.warning("bad-peer report ignored node=%s peer=%s package=%s block=%d: not its parent for "
                         "that block in any active plan", node, peer, package_id, block)
@@ -391,7 +307,8 @@ class ControlState:
                  fanout: int = 0, now: float) -> ScaleUpResult:
         """Bring a package onto ``node_ids``, or onto ``count`` more workers picked here (workers in a
         keep-alive release of it first, then those holding most of it, then the least loaded). Sources
-        are the alive workers holding all of it, else its store; several sources give a rotated plan."""
+        are the alive workers holding all of it, else its store; several sources give a rotated plan
+        (see :mod:`control_plane.placement`)."""
         package = self.package(package_id)
         if bool(node_ids) == bool(count):
             raise InvalidRequest(f"scale-up of package {package_id!r}: give either target workers or a count")
@@ -400,52 +317,24 @@ class ControlState:
                                  f"(expected one of {', '.join(STRATEGIES)})")
         if len(set(node_ids)) != len(node_ids):
             raise InvalidRequest(f"scale-up of package {package_id!r}: a target worker is listed twice")
-        availability = self.availability[package_id]
-        receiving = {n for p in self.plans.values() if p.package_id == package_id for n in p.pending}
-        committed = self._committed_bytes(excluding=package_id)
-
-        def fits(node: str) -> bool:
-            return committed.get(node, 0) + package.total_bytes <= self.workers[node].spec.memory_bytes
-
-        unchanged: list[str] = []
-        receivers: list[str] = []
         if node_ids:
             for node in node_ids:
                 self.alive_worker(node)
-            for node in node_ids:
-                if availability.is_complete(node) or node in receiving:
-                    unchanged.append(node)
-                elif not fits(node):
-                    memory = self.workers[node].spec.memory_bytes
-                    raise InsufficientWorkers(
-                        f"worker {node!r} has {format_bytes(memory - committed.get(node, 0))} of its "
-                        f"{format_bytes(memory)} memory budget free; package {package_id!r} needs "
-                        f"{format_bytes(package.total_bytes)}")
-                else:
-                    receivers.append(node)
+            targets = named_targets(package_id, package.total_bytes, self._candidates(package_id, node_ids))
         else:
-            # A worker in a keep-alive release of the package that holds all of it is ready at once.
-            releasing = {n for (p, n) in self.releases if p == package_id}
-            candidates = [n for n, w in self.workers.items() if w.alive and n not in receiving and (
-                (n in releasing and availability.is_complete(n)) or (not availability.is_complete(n) and fits(n)))]
-            if len(candidates) < count:
-                raise InsufficientWorkers(
-                    f"scale-up of package {package_id!r} asked for {count} more workers; only {len(candidates)} "
-                    f"are alive, do not hold it already and have {format_bytes(package.total_bytes)} of "
-                    "memory budget free")
-            candidates.sort(key=lambda n: (n not in releasing, -availability.count(n), committed.get(n, 0), n))
-            for node in candidates[:count]:
-                (unchanged if availability.is_complete(node) else receivers).append(node)
+            alive = [n for n, w in self.workers.items() if w.alive]
+            targets = counted_targets(package_id, package.total_bytes, self._candidates(package_id, alive), count)
+        receivers, unchanged = targets.receivers, targets.unchanged
         for node in [*unchanged, *receivers]:
             if self.releases.pop((package_id, node), None) is not None:
                 self.dirty.releases.add((package_id, node))
                 log.info("release cancelled by scale-up package=%s node=%s", package_id, node)
         if not receivers:
-            return ScaleUpResult("", "", (), (), tuple(unchanged))
+            return ScaleUpResult("", "", (), (), unchanged)
 
+        availability = self.availability[package_id]
         sources = self._pick_sources(package, exclude=set(receivers))
-        strategy = strategy or ("rotated" if len(sources) > 1
-                                else "chain" if len(receivers) <= CHAIN_MAX_RECEIVERS else "binomial")
+        strategy = strategy or default_strategy(len(sources), len(receivers))
         fanout = fanout or DEFAULT_FANOUT
         labels = self._labels([*sources, *receivers])
         plan = make_plan(strategy, sources, receivers, package.num_blocks, fanout=fanout, labels=labels)
@@ -460,7 +349,7 @@ class ControlState:
                  strategy, len(sources), len(receivers))
         if not active.pending:
             self._end_plan(active)
-        return ScaleUpResult(active.plan_id, strategy, tuple(sources), tuple(receivers), tuple(unchanged))
+        return ScaleUpResult(active.plan_id, strategy, tuple(sources), receivers, unchanged)
 
     def release(self, package_id: str, node_ids: Sequence[str], keep_alive_s: float, now: float) -> float:
         """Drop a package from workers: each stays a source for ``keep_alive_s`` (a later scale-up may
@@ -534,7 +423,7 @@ class ControlState:
         availability = self.availability[package_id]
         active = ActivePlan(plan_id, package_id, plan, fanout, created_at, version, replans,
                             pending={n for n in plan.assignments if not availability.is_complete(n)},
-                            parts=plan_parts(plan))
+                            parts=plan.parts())
         self.plans[plan_id] = active
 
     # ----- internals -----
@@ -571,19 +460,26 @@ class ControlState:
                 committed[node] = committed.get(node, 0) + package.total_bytes
         return committed
 
+    def _candidates(self, package_id: str, nodes: Iterable[str]) -> list[Candidate]:
+        """``nodes`` (alive workers) as placement sees them for a scale-up of ``package_id``."""
+        availability = self.availability[package_id]
+        receiving = {n for p in self.plans.values() if p.package_id == package_id for n in p.pending}
+        releasing = {n for (p, n) in self.releases if p == package_id}
+        committed = self._committed_bytes(excluding=package_id)
+        return [Candidate(n, self.workers[n].spec.memory_bytes, committed.get(n, 0), availability.count(n),
+                          availability.is_complete(n), n in receiving, n in releasing) for n in nodes]
+
     def _pick_sources(self, package: Package, exclude: Collection[str]) -> list[str]:
         # Availability lists alive workers only: a dead one's blocks leave it when it dies.
-        holders = [n for n in self.availability[package.package_id].complete_holders() if n not in exclude]
-        if holders:
-            return holders
-        return [] if package.store.node_id in exclude else [package.store.node_id]
+        return pick_sources(self.availability[package.package_id].complete_holders(), package.store.node_id,
+                            exclude)
 
     def _labels(self, nodes: Iterable[str]) -> dict[str, Mapping[str, str]]:
         return {n: self.workers[n].spec.labels for n in nodes if n in self.workers}
 
     def _install(self, active: ActivePlan, plan: Plan) -> None:
         """Make ``plan`` the plan of ``active`` and tell every node whose part changed."""
-        parts = plan_parts(plan)
+        parts = plan.parts()
         old = active.parts
         for node in old.keys() - parts.keys():
             self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from control_plane.errors import StoreError
 from control_plane.messages import PeerInfo, WorkerSpec
-from control_plane.planner.schedules import Plan, PlanError
+from control_plane.planner.plan import Plan, PlanError
 from control_plane.state import ControlState, Dirty
 from pipecast.v1.manifest_pb2 import Manifest
 

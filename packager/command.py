@@ -5,6 +5,10 @@ from pathlib import Path
 
 import click
 
+from packager.gguf_convert import convert_gguf
+from packager.manifest import manifest_to_json, read_manifest
+from packager.pack import pack
+from packager.verify import verify_package
 from pipecast.core.units import format_bytes, parse_size
 
 
@@ -40,9 +44,6 @@ def pack_command(src, out, layers_per_block, block_bytes, chunk_bytes, model_nam
 
     By default the model is cut into 8 blocks of equal layer count.
     """
-    from packager.manifest import manifest_to_json
-    from packager.pack import pack
-
     if layers_per_block and block_bytes:
         raise click.UsageError("give --layers-per-block or --block-bytes, not both")
     start = time.perf_counter()
@@ -61,8 +62,6 @@ def pack_command(src, out, layers_per_block, block_bytes, chunk_bytes, model_nam
 @click.argument("package", type=click.Path(path_type=Path))
 def verify_command(package):
     """Re-hash every block, chunk and file of PACKAGE; exit 1 naming each bad one."""
-    from packager.verify import verify_package
-
     problems = verify_package(package)
     for problem in problems:
         click.echo(f"BAD {problem}", err=True)
@@ -77,8 +76,6 @@ def verify_command(package):
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def inspect_command(package, as_json):
     """Print PACKAGE's blocks, layer ranges, sizes and digests."""
-    from packager.manifest import manifest_to_json, read_manifest
-
     manifest = read_manifest(package)
     if as_json:
         click.echo(manifest_to_json(manifest), nl=False)
@@ -114,6 +111,4 @@ def format_table(manifest) -> str:
               show_default=True)
 def convert_gguf_command(gguf, out, dtype):
     """Dequantize the GGUF model file GGUF into a safetensors checkpoint folder OUT (extra: convert)."""
-    from packager.gguf_convert import convert_gguf
-
     click.echo(f"converted {convert_gguf(gguf, out, dtype=dtype)}")

@@ -43,7 +43,8 @@ class UnplacedTensorsError(CheckpointError):
 
     def __init__(self, where: str, names: list[str]):
         shown = ", ".join(names[:20]) + (f" (and {len(names) - 20} more)" if len(names) > 20 else "")
-        super().__init__(f"{where}: cannot place {len(names)} tensor(s) in a layer, the embeddings or the head: {shown}")
+        super().__init__(
+            f"{where}: cannot place {len(names)} tensor(s) in a layer, the embeddings or the head: {shown}")
         self.names = names
 
 

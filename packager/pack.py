@@ -17,11 +17,11 @@ from packager.layout import HEAD_NAMES, BlockLayout, plan_blocks, stream_order
 from packager.manifest import MANIFEST_FILE, MANIFEST_FORMAT_VERSION, manifest_to_json, validate_manifest
 from packager.safetensors_format import build_header
 from pipecast.core.fsutil import atomic_directory
+from pipecast.core.units import DEFAULT_CHUNK_BYTES
 from pipecast.v1.manifest_pb2 import Block, Manifest, PackageFile
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 1 << 20
 COPY_BUFFER_BYTES = 8 << 20
 BLOCKS_DIR = "blocks"
 

@@ -25,12 +25,13 @@ class Package:
     _maps: dict[int, mmap.mmap] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def open(cls, root: Path | str) -> "Package":
-        """Open ``root`` and validate its manifest (block contents are checked when opened)."""
+    def open(cls, root: Path | str, manifest: Manifest | None = None) -> "Package":
+        """Open ``root`` and validate its manifest, unless ``manifest`` (validated already) is given; block
+        contents are checked when opened."""
         root = Path(root)
         if not root.is_dir():
             raise PackageError(f"{root}: no such package folder")
-        return cls(root=root, manifest=read_manifest(root))
+        return cls(root=root, manifest=manifest if manifest is not None else read_manifest(root))
 
     @property
     def package_id(self) -> str:
@@ -52,6 +53,20 @@ class Package:
 
     def block_path(self, index: int) -> Path:
         return self.root / self.block(index).file
+
+    def has_block(self, index: int) -> bool:
+        """Whether block ``index``'s file is there with the manifest's size (its contents are not checked)."""
+        try:
+            return self.block_path(index).stat().st_size == self.block(index).bytes
+        except OSError:
+            return False
+
+    def small_file(self, path: str) -> bytes | None:
+        """The bytes of ``path``, a small file the manifest lists, as they are on disk (not checked against
+        their digest); None if the manifest lists no such file. ``FileNotFoundError`` if it is not there."""
+        if path not in {f.path for f in self.manifest.files}:
+            return None
+        return (self.root / path).read_bytes()
 
     def layer_range(self, index: int) -> range:
         """Layers held by block ``index``."""

@@ -42,11 +42,11 @@ class PackageUnavailableError(PipecastError):
 class LoadedModel:
     """A model being loaded or loaded: generate and score now, block only for missing layers."""
 
-    def __init__(self, engine: "Engine", *, source: str, stop_token_ids: frozenset[int],
+    def __init__(self, engine: "Engine", *, origin: str, stop_token_ids: frozenset[int],
                  on_close: Callable[[], None] | None = None):
         self.engine = engine
         self._on_close = on_close
-        self.source = source
+        self.origin = origin
         """Where blocks come from: ``agent`` (multicast delivery) or ``local`` (the package folder)."""
         self.fully_loaded = engine.fully_loaded
         """A ``threading.Event`` set once every block is bound."""
@@ -126,13 +126,13 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
 
     settings = load_settings()
     folder = _local_folder(package, settings.agent_cache_dir)
-    provider, source, on_close = _provider(package, folder, agent or settings.agent_local_socket,
+    provider, origin, on_close = _provider(package, folder, agent or settings.agent_local_socket,
                                            agent_timeout_s, verify)
     engine = Engine(provider, device=device, dtype=dtype, max_batch=max_batch, max_queue=max_queue,
                     stall_timeout_s=stall_timeout_s).start()
     logger.info("loading package %s (%d blocks) from %s", provider.manifest.package_id[:12], provider.num_blocks,
-                provider.source)
-    return LoadedModel(engine, source=source, stop_token_ids=default_stop_token_ids(provider), on_close=on_close)
+                provider.origin)
+    return LoadedModel(engine, origin=origin, stop_token_ids=default_stop_token_ids(provider), on_close=on_close)
 
 
 def _local_folder(package: str | Path, cache_dir: Path | None) -> Path | None:

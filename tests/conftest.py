@@ -1,8 +1,12 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures used by tests in several folders (a folder's own fixtures are in its conftest.py)."""
+
+from collections.abc import Callable
 
 import pytest
 
+from tests.support import packages
 from tests.support.agent_processes import Agents
+from tests.support.packages import TinyPackage
 
 
 @pytest.fixture
@@ -11,3 +15,19 @@ def agents(tmp_path):
     running = Agents(tmp_path)
     yield running
     running.stop_all()
+
+
+@pytest.fixture
+def tiny_package(tmp_path) -> Callable[..., TinyPackage]:
+    """Builds tiny packages in the test's folder: ``tiny_package(arch, name="pkg", **options)`` is
+    :func:`tests.support.packages.tiny_package` at ``tmp_path / name``."""
+    def build(arch: str = "llama", *, name: str = "pkg", **options) -> TinyPackage:
+        return packages.tiny_package(tmp_path / name, arch, **options)
+    return build
+
+
+@pytest.fixture
+def no_configured_agent(monkeypatch):
+    """No node agent from the environment: ``pipecast.load`` and the serving worker read the package folder."""
+    for name in ("PIPECAST_AGENT_LOCAL_SOCKET", "PIPECAST_CONFIG", "PIPECAST_AGENT_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)

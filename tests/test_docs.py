@@ -1,6 +1,5 @@
 """The README stays true to the code: every setting and every CLI command is documented."""
 
-from pathlib import Path
 
 from pipecast.cli import COMMANDS
 from pipecast.core.settings import Settings

@@ -15,7 +15,10 @@ from packager.pack import pack
 from pipecast.engine.engine import LoadProgress
 from pipecast.engine.weights import ATTENTION, LAYER_STAGES, MLP_IN, stage_of
 from pipecast.loading import PackageUnavailableError
-from tests.support.engine_packages import GatedAgent, make_package, random_prompt, reference_generate, reference_model
+from tests.support import packages
+from tests.support.engine_fixtures import GatedAgent, random_prompt, reference_generate, reference_model
+
+pytestmark = pytest.mark.usefixtures("no_configured_agent")
 
 PROMPT = random_prompt(10, 11)
 
@@ -23,7 +26,8 @@ PROMPT = random_prompt(10, 11)
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
     """(checkpoint folder, package folder) of a tiny qwen2 (tied embeddings) in 4 blocks."""
-    return make_package(tmp_path_factory.mktemp("hook"), "qwen2", seed=9)
+    package = packages.tiny_package(tmp_path_factory.mktemp("hook") / "pkg", "qwen2", seed=9)
+    return package.checkpoint, package.path
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +35,6 @@ def tiny(tiny_files):
     """(transformers reference model, package folder)."""
     ckpt, pkg = tiny_files
     return reference_model(ckpt), pkg
-
-
-@pytest.fixture(autouse=True)
-def no_configured_agent(monkeypatch):
-    monkeypatch.delenv("PIPECAST_AGENT_LOCAL_SOCKET", raising=False)
-    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
-    monkeypatch.delenv("PIPECAST_AGENT_CACHE_DIR", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +72,7 @@ def test_without_agent_loads_the_folder_and_says_so(tiny, caplog):
     with caplog.at_level(logging.WARNING, logger="pipecast.loading"):
         model = pipecast.load(pkg)
     with model:
-        assert model.source == "local"
+        assert model.origin == "local"
         assert "unicast fallback" in caplog.text and str(pkg) in caplog.text
         assert model.generate(PROMPT, max_new_tokens=12, timeout=30) == reference_generate(ref, PROMPT, 12)
         with torch.no_grad():
@@ -88,7 +85,7 @@ def test_unreachable_agent_falls_back_to_the_folder(tiny, tmp_path, caplog):
     _, pkg = tiny
     socket = tmp_path / "no-agent.sock"
     with caplog.at_level(logging.WARNING, logger="pipecast.loading"), pipecast.load(pkg, agent=socket) as model:
-        assert model.source == "local"
+        assert model.origin == "local"
         assert f"pipecast agent at {socket} cannot serve package {pkg} (no agent at {socket}" in caplog.text
         assert model.generate(PROMPT, max_new_tokens=3, timeout=30)
 
@@ -107,7 +104,7 @@ def test_real_agent_serves_the_package_by_folder_or_by_id(tiny, real_agent):
     package_id = json.loads((pkg / "manifest.json").read_text())["package_id"]
     for package in (pkg, package_id):
         with pipecast.load(package, agent=real_agent) as model:
-            assert model.source == "agent"
+            assert model.origin == "agent"
             assert model.generate(PROMPT, max_new_tokens=12, timeout=30) == expected
 
 
@@ -117,7 +114,7 @@ def test_package_id_falls_back_to_the_agents_disk_cache(tiny, tmp_path, monkeypa
     shutil.copytree(pkg, tmp_path / package_id)
     monkeypatch.setenv("PIPECAST_AGENT_CACHE_DIR", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="pipecast.loading"), pipecast.load(package_id) as model:
-        assert model.source == "local"
+        assert model.origin == "local"
         assert f"loading {tmp_path / package_id} from the package folder (unicast fallback)" in caplog.text
         assert model.generate(PROMPT, max_new_tokens=12, timeout=30) == reference_generate(ref, PROMPT, 12)
 
@@ -126,7 +123,7 @@ def test_agent_blocks_serve_layer_by_layer_without_copies(tiny):
     ref, pkg = tiny
     client = GatedAgent(pkg)
     with pipecast.load(pkg, agent=client) as model:
-        assert model.source == "agent"
+        assert model.origin == "agent"
         assert model.progress() == LoadProgress(blocks_present=0, blocks_total=4, fully_loaded=False)
         stream = model.submit(PROMPT, max_new_tokens=12)
         client.release(0)
@@ -141,10 +138,11 @@ def test_agent_blocks_serve_layer_by_layer_without_copies(tiny):
         assert base.data_ptr() <= weight.data_ptr() < base.data_ptr() + base.numel()
 
 
-def test_each_stage_of_a_layer_runs_as_its_own_bytes_are_verified_before_its_block_is(tmp_path):
+def test_each_stage_of_a_layer_runs_as_its_own_bytes_are_verified_before_its_block_is(tiny_package):
     from packager.blockfile import buffer_header, map_file
 
-    ckpt, pkg = make_package(tmp_path, "llama", seed=4, layers_per_block=2)
+    package = tiny_package(seed=4, layers_per_block=2)
+    ckpt, pkg = package.checkpoint, package.path
     block = (pkg / "blocks" / "block-0000.safetensors")
     header = buffer_header(map_file(block))  # embeddings, then layer 0 in execution order, then layer 1
 

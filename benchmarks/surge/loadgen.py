@@ -33,6 +33,10 @@ import aiohttp
 
 from benchmarks.surge.report import RequestResult
 from benchmarks.surge.trace import ScheduledRequest, prompt_token_ids
+from control_plane.client import ControlPlaneClient
+from control_plane.errors import ControlPlaneUnavailable
+from control_plane.messages import PeerInfo
+from packager.manifest import read_manifest
 from pipecast.agent.events import EventLog
 from pipecast.core.errors import PipecastError
 from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER
@@ -181,8 +185,6 @@ class Driver:
 
     async def run(self) -> dict:
         """Arm, surge, replay; return the results object."""
-        from control_plane.client import ControlPlaneClient
-
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http, \
                 ControlPlaneClient(self.spec.control_plane) as cp:
@@ -210,10 +212,6 @@ class Driver:
         return {"t0": t0, "scale_up": scale, "requests": requests, "health": self.health}
 
     async def _publish(self, cp, deadline: float) -> None:
-        from control_plane.errors import ControlPlaneUnavailable
-        from control_plane.messages import PeerInfo
-        from packager.manifest import read_manifest
-
         manifest = read_manifest(Path(self.spec.package))
         store = PeerInfo(self.spec.store_node, self.spec.store_address, self.spec.transports)
         while True:

@@ -44,11 +44,17 @@ from benchmarks.surge.report import (
     run_metrics,
     summarize,
 )
+from benchmarks.surge.plots import save_timeline, save_ttft_cdf
+from benchmarks.surge.report import to_json, write_requests_csv
 from benchmarks.surge.strategies import Strategy, check_pool
 from benchmarks.surge.trace import PEAK_WINDOW_S, ScheduledRequest, TokenCaps, prompt_token_ids, schedule_facts
+from packager.manifest import read_manifest
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.core.errors import PipecastError
 from pipecast.core.units import format_bytes
+from pipecast.engine.engine import Engine
+from pipecast.engine.providers import PackageFolderProvider
+from pipecast.engine.sampling import SamplingParams
 
 STORE, CONTROL, ROUTER, LOAD = "store", "cp", "router", "load"
 PORTS = {"agent": 7070, "serve": 8000, "router": 8080, "control": 7000}  # netns: every host has its own ports
@@ -119,8 +125,6 @@ class PackageFacts:
 
     @classmethod
     def of(cls, path: Path) -> "PackageFacts":
-        from packager.manifest import read_manifest
-
         manifest = read_manifest(Path(path))
         try:
             vocab = int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
@@ -317,9 +321,6 @@ def measure_prefill_seconds(package: Path, prompt_tokens: int, threads: int = WO
     the model loaded from the package folder: what one request costs a worker here."""
     import torch
 
-    from pipecast.engine.engine import Engine
-    from pipecast.engine.providers import PackageFolderProvider
-    from pipecast.engine.sampling import SamplingParams
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -425,9 +426,6 @@ def write_outputs(report: SurgeReport, *, json_path: Path | None = None, csv_pat
                   plots_dir: Path | None = None) -> list[Path]:
     """Write the JSON figures, the CSV of every request and the PNGs (``ttft_cdf.png``, ``timeline.png``)
     where asked; return the paths written."""
-    from benchmarks.surge.plots import save_timeline, save_ttft_cdf
-    from benchmarks.surge.report import to_json, write_requests_csv
-
     written = []
     if json_path is not None:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)

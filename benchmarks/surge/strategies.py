@@ -12,7 +12,7 @@ A name may carry a warm count, ``NAME:W`` (e.g. ``warm-pool:4``): the strategy w
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from control_plane.planner.schedules import STRATEGIES as PLAN_STRATEGIES
+from control_plane.planner.plan import STRATEGIES as PLAN_STRATEGIES
 from pipecast.core.errors import PipecastError
 
 BASELINE = "unicast"

@@ -1,14 +1,15 @@
 """Repairing a multicast plan after nodes fail, leave or join: new parents for the blocks still missing.
 
 Pure: from the old plan and what the control plane knows now (dead nodes, verified blocks per node,
-sources) to a new :class:`~control_plane.planner.schedules.Plan`.
+sources) to a new :class:`~control_plane.planner.plan.Plan`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-from control_plane.planner.schedules import Assignment, ParentPool, Plan, PlanError, rack_of
+from control_plane.planner.plan import Fetch, Plan, PlanError
+from control_plane.planner.racks import ParentPool, rack_of
 
 
 def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[int]], sources: Sequence[str],
@@ -81,7 +82,7 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     pools: dict[int, ParentPool] = {}
     source_load = dict.fromkeys(sources, 0)
     serving: dict[str, set[int]] = {}
-    assignments: dict[str, list[Assignment]] = {}
+    assignments: dict[str, list[Fetch[str]]] = {}
     for level, rx, block, old in needs:
         pool = pools.get(block)
         if pool is None:
@@ -97,7 +98,7 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
             source_load[parent] += 1
         elif (parent, block) not in scheduled:
             serving.setdefault(parent, set()).add(block)
-        assignments.setdefault(rx, []).append(Assignment(block, parent))
+        assignments.setdefault(rx, []).append(Fetch(block, parent))
         pool.add(rx, fanout - kept.get((rx, block), 0), time=level)
     return Plan(plan.strategy, sources, assignments,
                 {node: tuple(sorted(blocks)) for node, blocks in serving.items()})

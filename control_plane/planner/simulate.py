@@ -27,7 +27,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-from control_plane.planner.schedules import Plan, PlanError
+from control_plane.planner.plan import Plan, PlanError
 
 
 SERVE_POLICIES = ("fair", "earliest")

@@ -9,28 +9,15 @@ rates), and a torn or rotten file is dropped and fetched again.
 """
 
 import logging
-import os
 from pathlib import Path
 
 from packager.errors import ManifestError
 from packager.manifest import MANIFEST_FILE, manifest_to_json, read_manifest
-from pipecast.agent.source import PackageFolderSource
+from pipecast.agent.local_package import LocalPackageFolder
+from pipecast.core.fsutil import atomic_write
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
-
-
-def write_atomically(path: Path, data: bytes | memoryview) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class BlockCache:
@@ -42,7 +29,7 @@ class BlockCache:
     def package_dir(self, package_id: str) -> Path:
         return self.root / package_id
 
-    def source(self, package_id: str) -> PackageFolderSource | None:
+    def local_package(self, package_id: str) -> LocalPackageFolder | None:
         """The cached folder of ``package_id`` if its manifest is there and valid, else None."""
         folder = self.package_dir(package_id)
         if not (folder / MANIFEST_FILE).exists():
@@ -55,19 +42,19 @@ class BlockCache:
         if manifest.package_id != package_id:
             log.warning("%s holds the manifest of package %s; ignoring it", folder, manifest.package_id[:12])
             return None
-        return PackageFolderSource(folder, manifest)
+        return LocalPackageFolder(folder, manifest)
 
     def write_manifest(self, manifest: Manifest) -> None:
         """Persist the manifest (once per package)."""
         path = self.package_dir(manifest.package_id) / MANIFEST_FILE
         if not path.exists():
-            write_atomically(path, manifest_to_json(manifest).encode())
+            atomic_write(path, manifest_to_json(manifest).encode())
 
     def write_file(self, package_id: str, path: str, data: bytes) -> None:
         """Persist a verified small file."""
-        write_atomically(self.package_dir(package_id) / path, data)
+        atomic_write(self.package_dir(package_id) / path, data)
 
     def write_block(self, manifest: Manifest, block: int, data: memoryview) -> None:
         """Persist a verified block (the caller keeps ``data`` unchanged meanwhile)."""
-        write_atomically(self.package_dir(manifest.package_id) / manifest.blocks[block].file, data)
+        atomic_write(self.package_dir(manifest.package_id) / manifest.blocks[block].file, data)
         log.debug("cached block %d of %s", block, manifest.package_id[:12])

@@ -24,21 +24,23 @@ from typing import Protocol
 from control_plane.client import ControlPlaneClient
 from control_plane.errors import ControlPlaneError
 from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
+from control_plane.planner.plan import Fetch
 from control_plane.worker_session import WorkerSession
 from packager.manifest import MANIFEST_FILE
 from pipecast.agent.errors import AgentError, CorruptChunkError, CorruptFileError, FetchFailedError
 from pipecast.agent.events import EventLog
-from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, Peer, fetch_files
+from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, fetch_files
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.store import BlockStore, StoreEvent
 from pipecast.agent.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
+
 class AgentHost(Protocol):
     """What a :class:`ControlLink` needs from the agent daemon that runs it."""
 
-    holdings: PeerServer
+    peer_server: PeerServer
     events: EventLog
 
     @property
@@ -46,11 +48,11 @@ class AgentHost(Protocol):
         """The agent's data transport (listening already)."""
         ...
 
-    async def open_store(self, package_id: str, peers: Sequence[Peer], pool: ChannelPool) -> BlockStore:
+    async def open_store(self, package_id: str, peers: Sequence[PeerInfo], pool: ChannelPool) -> BlockStore:
         """The store of ``package_id``: the one held, else a new one (disk cache first, manifest from ``peers``)."""
         ...
 
-    def peer_failed(self, what: str, peer: Peer, error: Exception) -> None:
+    def peer_failed(self, what: str, peer: PeerInfo, error: Exception) -> None:
         """Record a failed fetch from ``peer``."""
         ...
 
@@ -71,19 +73,15 @@ def sender_at_fault(what: str, error: Exception) -> bool:
     return isinstance(error, CorruptChunkError) or (isinstance(error, CorruptFileError) and what == MANIFEST_FILE)
 
 
-def merged_fetches(parts: Iterable[AssignmentUpdate], verified: Collection[int] = ()) -> list[tuple[int, Peer]]:
-    """The (block, parent) fetches of every part, in the parts' order, each block once (the first part
-    that names it wins), without the ``verified`` blocks."""
-    fetches: dict[int, Peer] = {}
+def merged_fetches(parts: Iterable[AssignmentUpdate], verified: Collection[int] = ()) -> list[Fetch[PeerInfo]]:
+    """The fetches of every part, in the parts' order, each block once (the first part that names it
+    wins), without the ``verified`` blocks."""
+    fetches: dict[int, Fetch[PeerInfo]] = {}
     for part in parts:
-        for transfer in part.fetch:
-            if transfer.block not in verified and transfer.block not in fetches:
-                fetches[transfer.block] = _peer(transfer.peer)
-    return list(fetches.items())
-
-
-def _peer(info: PeerInfo) -> Peer:
-    return Peer(info.node_id, info.address)
+        for fetch in part.fetch:
+            if fetch.block not in verified and fetch.block not in fetches:
+                fetches[fetch.block] = fetch
+    return list(fetches.values())
 
 
 class PackageFollower:
@@ -105,8 +103,8 @@ class PackageFollower:
         self._replan_wait_s = replan_wait_s
         self._pool = ChannelPool(host.transport)
         self._changed = asyncio.Event()
-        self._errors: dict[Peer, Exception] = {}
-        self._untrusted: set[Peer] = set()  # sent corrupt data of their own: never asked again
+        self._errors: dict[PeerInfo, Exception] = {}
+        self._untrusted: set[PeerInfo] = set()  # sent corrupt data of their own: never asked again
         held = self._store()
         self._completed = held is not None and held.progress().complete  # a seed: nothing to announce
         self._task = asyncio.get_running_loop().create_task(self._follow(), name=f"follow-{package_id[:12]}")
@@ -133,23 +131,23 @@ class PackageFollower:
         await self._pool.close()
 
     def _store(self) -> BlockStore | None:
-        return self._host.holdings.stores.get(self.package_id)
+        return self._host.peer_server.stores.get(self.package_id)
 
-    def _wanted(self) -> list[tuple[int, Peer]]:
+    def _wanted(self) -> list[Fetch[PeerInfo]]:
         store = self._store()
         return merged_fetches(self.parts.values(), store.verified_blocks() if store is not None else ())
 
-    def _sources(self) -> list[Peer]:
-        return list(dict.fromkeys(_peer(s) for part in self.parts.values() for s in part.sources))
+    def _sources(self) -> list[PeerInfo]:
+        return list(dict.fromkeys(s for part in self.parts.values() for s in part.sources))
 
-    def _peer_failed(self, what: str, peer: Peer, error: Exception) -> None:
+    def _peer_failed(self, what: str, peer: PeerInfo, error: Exception) -> None:
         self._errors[peer] = error
         if sender_at_fault(what, error):
             self._untrusted.add(peer)
         self._host.peer_failed(what, peer, error)
 
     async def _follow(self) -> None:
-        avoid: set[Peer] = set()  # parents the control plane did not replace in time: fetched around
+        avoid: set[PeerInfo] = set()  # parents the control plane did not replace in time: fetched around
         while True:
             self._changed.clear()
             wanted = self._wanted()
@@ -180,12 +178,12 @@ class PackageFollower:
                 continue
             avoid = set()
 
-    def _policy_around(self, skipped: set[Peer]) -> FetchPolicy:
+    def _policy_around(self, skipped: set[PeerInfo]) -> FetchPolicy:
         """Exactly the parents given, unless some are skipped: then the plan's sources are the fallback."""
         return replace(self._policy, fallbacks=tuple(self._sources()) if skipped else ())
 
-    async def _open(self, wanted: list[tuple[int, Peer]]) -> BlockStore:
-        peers = [*dict.fromkeys(parent for _, parent in wanted), *self._sources()]
+    async def _open(self, wanted: list[Fetch[PeerInfo]]) -> BlockStore:
+        peers = [*dict.fromkeys(f.parent for f in wanted), *self._sources()]
         store = self._store()
         if store is None:
             store = await self._host.open_store(self.package_id, peers, self._pool)
@@ -199,7 +197,7 @@ class PackageFollower:
         if event.kind == "block_verified":
             self._session.report_verified(self.package_id, [event.block])
 
-    async def _fetch(self, fetcher: Fetcher, store: BlockStore, wanted: list[tuple[int, Peer]]) -> None:
+    async def _fetch(self, fetcher: Fetcher, store: BlockStore, wanted: list[Fetch[PeerInfo]]) -> None:
         """Run one generation until it ends or the parts change what it fetches."""
         fetching = asyncio.create_task(fetcher.fetch(wanted))
         try:
@@ -213,7 +211,7 @@ class PackageFollower:
                     fetching.result()
                     return
                 self._changed.clear()
-                remaining = {(block, parent) for block, parent in wanted if not store.is_block_verified(block)}
+                remaining = {f for f in wanted if not store.is_block_verified(f.block)}
                 if set(self._wanted()) != remaining:
                     log.info("package %s: new parts; fetching the %d missing blocks as they say",
                              self.package_id[:12], len(self._wanted()))
@@ -222,8 +220,8 @@ class PackageFollower:
             fetching.cancel()
             await asyncio.gather(fetching, return_exceptions=True)
 
-    async def _after_failure(self, error: FetchFailedError, failed: set[Peer],
-                             wanted: list[tuple[int, Peer]]) -> set[Peer]:
+    async def _after_failure(self, error: FetchFailedError, failed: set[PeerInfo],
+                             wanted: list[Fetch[PeerInfo]]) -> set[PeerInfo]:
         """Report the parents given up on; returns the peers to fetch around next (none: new parts came)."""
         log.warning("package %s: %s", self.package_id[:12], error)
         if self._changed.is_set():
@@ -245,12 +243,12 @@ class PackageFollower:
                         ", ".join(map(str, failed)))
             return around
 
-    async def _report(self, failed: set[Peer], wanted: list[tuple[int, Peer]]) -> bool:
+    async def _report(self, failed: set[PeerInfo], wanted: list[Fetch[PeerInfo]]) -> bool:
         store = self._store()
         replanned = False
         for peer in sorted(failed, key=str):
-            block = next((b for b, parent in wanted if parent == peer
-                          and (store is None or not store.is_block_verified(b))), None)
+            block = next((f.block for f in wanted if f.parent == peer
+                          and (store is None or not store.is_block_verified(f.block))), None)
             if block is None:
                 continue
             error = self._errors.get(peer)
@@ -273,7 +271,7 @@ class ControlLink:
         self._followers: dict[str, PackageFollower] = {}
 
     def _held(self) -> Mapping[str, Collection[int]]:
-        return {pid: store.verified_blocks() for pid, store in self.host.holdings.stores.items()}
+        return {pid: store.verified_blocks() for pid, store in self.host.peer_server.stores.items()}
 
     async def run(self) -> None:
         """Follow the assignment stream until cancelled; raises ``Unauthenticated`` if the token is refused.
@@ -297,12 +295,12 @@ class ControlLink:
                 follower.retain(update.plan_ids)
         elif update.kind is UpdateKind.ASSIGN:
             events.emit("assignment", plan=update.plan_id, package=package_id, version=update.version,
-                        fetch=[[t.block, t.peer.node_id] for t in update.fetch],
-                        serve=[[t.block, t.peer.node_id] for t in update.serve])
+                        fetch=[[f.block, f.parent.node_id] for f in update.fetch],
+                        serve=[[block, child] for block, child in update.serve])
             log.info("plan %s v%d: fetch %d blocks, serve %d transfers of package %s", update.plan_id,
                      update.version, len(update.fetch), len(update.serve), package_id[:12])
-            if update.fetch and package_id not in self.host.holdings.stores:
-                self.host.holdings.expect(package_id)  # children may ask before this node has the manifest
+            if update.fetch and package_id not in self.host.peer_server.stores:
+                self.host.peer_server.expect(package_id)  # children may ask before this node has the manifest
             follower = self._followers.get(package_id)
             if follower is None:
                 follower = self._followers[package_id] = PackageFollower(

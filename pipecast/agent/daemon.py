@@ -17,17 +17,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from control_plane.messages import PeerInfo, WorkerSpec
 from pipecast.agent.budget import MemoryBudget
 from pipecast.agent.buffers import SharedMemoryAllocator
 from pipecast.agent.cache import BlockCache
 from pipecast.agent.errors import PlanFileError
 from pipecast.agent.events import EventLog
-from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, Peer, fetch_files, fetch_manifest
+from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, fetch_files, fetch_manifest
+from pipecast.agent.host import advertised_address, detect_accelerator
 from pipecast.agent.local_api import LocalApiServer
+from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.plan_file import StaticPlan, read_plan_file
 from pipecast.agent.ratelimit import format_rate
-from pipecast.agent.source import PackageFolderSource
 from pipecast.agent.store import BlockStore, StoreEvent
 from pipecast.agent.transport.base import Listener, Transport, split_address
 from pipecast.agent.transport.registry import select_transport
@@ -117,7 +119,7 @@ class AgentDaemon:
         self.settings = settings
         self.node_id = options.node_id
         self.events = EventLog(options.events, options.node_id)
-        self.holdings = _AgentPeerServer(self.events, UNASSIGNED_GRACE_S if options.control_plane else 0.0)
+        self.peer_server = _AgentPeerServer(self.events, UNASSIGNED_GRACE_S if options.control_plane else 0.0)
         self.budget = MemoryBudget(settings.agent_memory_bytes)
         self.allocator = SharedMemoryAllocator()
         self.cache = BlockCache(settings.agent_cache_dir) if settings.agent_cache_dir else None
@@ -144,9 +146,9 @@ class AgentDaemon:
         reporter = loop.create_task(self._report_progress())
         try:
             if self.options.seed is not None:
-                source = PackageFolderSource(self.options.seed)
-                store = await asyncio.to_thread(BlockStore.open, source.manifest, allocator=self.allocator,
-                                                budget=self.budget, local=source, require_complete=True)
+                seed = LocalPackageFolder(self.options.seed)
+                store = await asyncio.to_thread(BlockStore.open, seed.manifest, allocator=self.allocator,
+                                                budget=self.budget, local=seed, require_complete=True)
                 self._hold(store, cache=False)
                 if plan is not None and store.package_id != plan.package_id:
                     raise PlanFileError(f"{self.options.plan}: the plan is for package {plan.package_id[:12]} "
@@ -155,11 +157,11 @@ class AgentDaemon:
                          len(store.manifest.blocks), format_bytes(store.manifest.total_bytes), self.options.seed)
             self.transport = select_transport(self.settings.agent_transport, self.node_id, self.settings)
             host, port = self._listen_address(plan)
-            self.listener = await self.transport.listen(host, port, self.holdings)
+            self.listener = await self.transport.listen(host, port, self.peer_server)
             log.info("agent %s listening on %s (%s)", self.node_id, self.listener.address, self.transport.name)
             self.events.emit("listening", address=self.listener.address, transport=self.transport.name)
             if self.settings.agent_local_socket is not None:
-                self._local_api = LocalApiServer(self.holdings, self.status)
+                self._local_api = LocalApiServer(self.peer_server, self.status)
                 await self._local_api.start(self.settings.agent_local_socket)
                 log.info("local API on %s", self.settings.agent_local_socket)
             control = await self._control_link() if self.options.control_plane is not None else None
@@ -201,20 +203,20 @@ class AgentDaemon:
             self.stop()
 
     async def _follow_plan(self, plan: StaticPlan) -> None:
-        assignments = plan.assignments_for(self.node_id)
-        if plan.package_id in self.holdings.stores or not assignments:
-            if self.node_id in plan.plan.sources and plan.package_id not in self.holdings.stores:
+        fetches = plan.fetches_of(self.node_id)
+        if plan.package_id in self.peer_server.stores or not fetches:
+            if self.node_id in plan.plan.sources and plan.package_id not in self.peer_server.stores:
                 log.warning("node %s is a source in the plan but seeds no package %s (use --seed)",
                             self.node_id, plan.package_id[:12])
             return
-        self.holdings.expect(plan.package_id)
+        self.peer_server.expect(plan.package_id)
         pool = ChannelPool(self.transport)
         try:
             sources = plan.sources()
-            store = await self.open_store(plan.package_id, [*(p for _, p in assignments), *sources], pool)
+            store = await self.open_store(plan.package_id, [*(f.parent for f in fetches), *sources], pool)
             policy = replace(self.options.policy, fallbacks=tuple(sources))
             fetcher = Fetcher(store, pool, policy, self.peer_failed)
-            await fetcher.fetch(assignments)
+            await fetcher.fetch(fetches)
         finally:
             await pool.close()
         await self.package_complete(store)
@@ -231,10 +233,10 @@ class AgentDaemon:
                  format_rate(progress.bytes_total / seconds) if seconds else "-")
         self.events.emit("complete", package=store.package_id, bytes=progress.bytes_total, seconds=seconds)
 
-    async def open_store(self, package_id: str, peers: Sequence[Peer], pool: ChannelPool) -> BlockStore:
+    async def open_store(self, package_id: str, peers: Sequence[PeerInfo], pool: ChannelPool) -> BlockStore:
         """The store of ``package_id`` with all its small files: the one held, else a new one (its verified
         blocks from the disk cache, its manifest from the cache or the first of ``peers`` that has it)."""
-        store = self.holdings.stores.get(package_id)
+        store = self.peer_server.stores.get(package_id)
         if store is None:
             store = await self._open_receiving_store(package_id, peers, pool)
         if store.missing_files():
@@ -244,8 +246,9 @@ class AgentDaemon:
                     await asyncio.to_thread(self.cache.write_file, store.package_id, path, data)
         return store
 
-    async def _open_receiving_store(self, package_id: str, peers: Sequence[Peer], pool: ChannelPool) -> BlockStore:
-        cached = self.cache.source(package_id) if self.cache is not None else None
+    async def _open_receiving_store(self, package_id: str, peers: Sequence[PeerInfo],
+                                    pool: ChannelPool) -> BlockStore:
+        cached = self.cache.local_package(package_id) if self.cache is not None else None
         if cached is not None:
             manifest, origin = cached.manifest, cached.description
         else:
@@ -264,8 +267,8 @@ class AgentDaemon:
 
     def drop_package(self, package_id: str) -> None:
         """Stop serving ``package_id`` and free its memory (the disk cache keeps its blocks)."""
-        self.holdings.expected.discard(package_id)
-        store = self.holdings.stores.pop(package_id, None)
+        self.peer_server.expected.discard(package_id)
+        store = self.peer_server.stores.pop(package_id, None)
         if store is not None:
             store.close()
         log.info("agent %s: dropped package %s", self.node_id, package_id[:12])
@@ -273,10 +276,9 @@ class AgentDaemon:
 
     async def _control_link(self) -> "ControlLink":
         """The link to the control plane named in the options, for this agent as it listens now."""
+        # Imported here: the control link needs grpc, which an agent without a control plane never loads.
         from control_plane.client import ControlPlaneClient
-        from control_plane.messages import PeerInfo, WorkerSpec
         from pipecast.agent.control import ControlLink
-        from pipecast.agent.host import advertised_address, detect_accelerator
 
         settings = self.settings.model_copy(update={"control_plane": self.options.control_plane})
         accelerator = await asyncio.to_thread(detect_accelerator, settings.device)
@@ -290,7 +292,7 @@ class AgentDaemon:
 
     def _hold(self, store: BlockStore, cache: bool) -> None:
         """Serve ``store`` and wire its events to the event log, the local API and the disk cache."""
-        self.holdings.add(store)
+        self.peer_server.add(store)
 
         def on_event(event: StoreEvent) -> None:
             self.events.emit(event.kind, at=event.at, package=store.package_id, block=event.block,
@@ -315,7 +317,7 @@ class AgentDaemon:
         self._cache_writes.add(task)
         task.add_done_callback(self._cache_writes.discard)
 
-    def peer_failed(self, what: str, peer: Peer, error: Exception) -> None:
+    def peer_failed(self, what: str, peer: PeerInfo, error: Exception) -> None:
         """Record a failed fetch from ``peer`` in the event log."""
         self.events.emit("peer_failed", what=what, peer=peer.node_id, address=peer.address,
                          error=type(error).__name__, message=str(error))
@@ -325,7 +327,7 @@ class AgentDaemon:
         children = plan.children_of(self.node_id) if plan is not None else set()
         idle_since = None
         while True:
-            idle = self.listener.open_connections == 0 and children <= self.holdings.requesters
+            idle = self.listener.open_connections == 0 and children <= self.peer_server.requesters
             now = time.monotonic()
             idle_since = (idle_since or now) if idle else None
             if idle_since is not None and now - idle_since >= EXIT_LINGER_S:
@@ -341,7 +343,7 @@ class AgentDaemon:
             stats = self.transport.stats
             if (stats.bytes_received, stats.bytes_sent) == (last_in, last_out):
                 continue  # nothing moved: say nothing
-            for store in self.holdings.stores.values():
+            for store in self.peer_server.stores.values():
                 p = store.progress()
                 log.info("agent %s: %s %d/%d blocks, %s of %s; in %s, out %s", self.node_id,
                          store.package_id[:12], p.blocks_verified, p.blocks_total, format_bytes(p.bytes_present),
@@ -362,7 +364,7 @@ class AgentDaemon:
                       "bytes_present": p.bytes_present, "bytes_total": p.bytes_total, "complete": p.complete,
                       "goodput_bytes_per_s": p.bytes_total / p.elapsed_s if p.elapsed_s else None,
                       "blocks": [vars(b) for b in p.blocks]}
-                for pid, p in ((pid, s.progress()) for pid, s in self.holdings.stores.items())
+                for pid, p in ((pid, s.progress()) for pid, s in self.peer_server.stores.items())
             },
         }
 
@@ -375,7 +377,7 @@ class AgentDaemon:
             await self.transport.close()
         if self._cache_writes:
             await asyncio.gather(*self._cache_writes, return_exceptions=True)
-        for store in self.holdings.stores.values():
+        for store in self.peer_server.stores.values():
             store.close()
         stats = self.transport.stats if self.transport is not None else None
         self.events.emit("stopped", bytes_sent=stats.bytes_sent if stats else 0,

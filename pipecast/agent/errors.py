@@ -52,7 +52,7 @@ class MemoryBudgetError(AgentError):
     """A package does not fit in the agent's memory budget; refused rather than swapped."""
 
 
-class PackageSourceError(AgentError):
+class LocalPackageError(AgentError):
     """A package folder (seed or cache) that cannot be served: missing, unreadable or corrupt."""
 
 

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from control_plane.messages import PeerInfo
+from control_plane.planner.plan import Fetch
 from packager.errors import ManifestError
 from packager.manifest import MANIFEST_FILE, manifest_from_json
 from pipecast.agent.errors import CorruptChunkError, CorruptFileError, FetchFailedError, PeerError, PeerProtocolError
@@ -35,17 +37,6 @@ FILE_RANGE_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
-class Peer:
-    """Another agent: its node id and where it listens."""
-
-    node_id: str
-    address: str
-
-    def __str__(self) -> str:
-        return f"{self.node_id}@{self.address}"
-
-
-@dataclass(frozen=True)
 class FetchPolicy:
     """How hard to try: parents fetched from at once, retries per peer, first backoff (doubling),
     fallback peers."""
@@ -53,10 +44,10 @@ class FetchPolicy:
     concurrency: int = DEFAULT_CONCURRENCY
     retries: int = DEFAULT_RETRIES
     backoff_s: float = DEFAULT_BACKOFF_S
-    fallbacks: tuple[Peer, ...] = ()
+    fallbacks: tuple[PeerInfo, ...] = ()
 
 
-PeerFailureCallback = Callable[[str, Peer, Exception], None]
+PeerFailureCallback = Callable[[str, PeerInfo, Exception], None]
 
 
 class ChannelPool:
@@ -64,22 +55,22 @@ class ChannelPool:
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
-        self._idle: dict[Peer, list[Channel]] = {}
+        self._idle: dict[PeerInfo, list[Channel]] = {}
         self._busy: set[Channel] = set()
 
-    async def acquire(self, peer: Peer) -> Channel:
+    async def acquire(self, peer: PeerInfo) -> Channel:
         """An idle channel to ``peer``, or a new one (raises ``PeerConnectError`` within the deadline)."""
         idle = self._idle.get(peer)
         channel = idle.pop() if idle else await self.transport.connect(peer.address, str(peer))
         self._busy.add(channel)
         return channel
 
-    def release(self, peer: Peer, channel: Channel) -> None:
+    def release(self, peer: PeerInfo, channel: Channel) -> None:
         """Give back a channel whose request ended well."""
         self._busy.discard(channel)
         self._idle.setdefault(peer, []).append(channel)
 
-    async def discard(self, peer: Peer, channel: Channel) -> None:
+    async def discard(self, peer: PeerInfo, channel: Channel) -> None:
         """Close a channel whose request failed, and ``peer``'s idle ones: a peer that failed one request
         (died, closed, stalled) has likely broken the others too, and a fresh connection says so at once."""
         self._busy.discard(channel)
@@ -95,8 +86,8 @@ class ChannelPool:
             await channel.close()
 
 
-async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[Peer],
-                         on_failure: PeerFailureCallback | None = None) -> tuple[Manifest, Peer]:
+async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[PeerInfo],
+                         on_failure: PeerFailureCallback | None = None) -> tuple[Manifest, PeerInfo]:
     """The manifest of ``package_id`` from the first of ``peers`` that gives a valid one.
 
     Valid means it parses, is consistent, and its block and file digests hash to ``package_id``: a peer
@@ -141,7 +132,7 @@ async def _fetch_file_ranges(channel: Channel, store: BlockStore, path: str, siz
             return
 
 
-async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[Peer],
+async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[PeerInfo],
                       on_failure: PeerFailureCallback | None = None) -> None:
     """Fetch the package's small files the store lacks, range by range, each file verified against the
     manifest once whole. A peer that fails mid-file leaves nothing behind: the next one starts over."""
@@ -177,10 +168,10 @@ class Fetcher:
         self.pool = pool
         self.policy = policy
         self.on_peer_failure = on_peer_failure
-        self.failed_peers: set[Peer] = set()
+        self.failed_peers: set[PeerInfo] = set()
 
-    async def fetch(self, assignments: Sequence[tuple[int, Peer]]) -> None:
-        """Fetch every ``(block, parent)`` in order: one block at a time per parent, and up to
+    async def fetch(self, fetches: Sequence[Fetch[PeerInfo]]) -> None:
+        """Fetch every block from its parent, in order: one block at a time per parent, and up to
         ``policy.concurrency`` parents at once.
 
         One block at a time from a parent makes blocks complete in order, each at the parent's full rate
@@ -188,15 +179,15 @@ class Fetcher:
         Raises the first :class:`FetchFailedError` (the other fetches are cancelled).
         """
         gate = asyncio.Semaphore(self.policy.concurrency)
-        per_parent: dict[Peer, asyncio.Lock] = {}
+        per_parent: dict[PeerInfo, asyncio.Lock] = {}
 
-        async def one(block: int, parent: Peer) -> None:
-            # Locks and the semaphore are FIFO and tasks start in assignment order: order is kept.
+        async def one(block: int, parent: PeerInfo) -> None:
+            # Locks and the semaphore are FIFO and tasks start in fetch order: order is kept.
             async with per_parent.setdefault(parent, asyncio.Lock()), gate:
                 await self._fetch_block(block, parent)
 
-        tasks = [asyncio.create_task(one(block, parent)) for block, parent in assignments]
-        prefaulting = asyncio.create_task(self._prefault([block for block, _ in assignments]))
+        tasks = [asyncio.create_task(one(f.block, f.parent)) for f in fetches]
+        prefaulting = asyncio.create_task(self._prefault([f.block for f in fetches]))
         try:
             for next_done in asyncio.as_completed(tasks):
                 await next_done
@@ -206,11 +197,11 @@ class Fetcher:
             await asyncio.gather(*tasks, prefaulting, return_exceptions=True)
 
     async def _prefault(self, blocks: list[int]) -> None:
-        """Map the blocks' memory in assignment order, off the event loop, ahead of their bytes."""
+        """Map the blocks' memory in fetch order, off the event loop, ahead of their bytes."""
         for block in blocks:
             await asyncio.to_thread(self.store.prefault, block)
 
-    async def _fetch_block(self, block: int, parent: Peer) -> None:
+    async def _fetch_block(self, block: int, parent: PeerInfo) -> None:
         attempts: list[tuple[str, Exception]] = []
         peers = [parent, *(p for p in self.policy.fallbacks if p != parent)]
         for n, peer in enumerate(peers):
@@ -236,7 +227,7 @@ class Fetcher:
         given_up = tuple(str(p) for p in peers if p in self.failed_peers and str(p) not in dict(attempts))
         raise FetchFailedError(f"block {block}", attempts, given_up)
 
-    async def _fetch_from(self, block: int, peer: Peer) -> None:
+    async def _fetch_from(self, block: int, peer: PeerInfo) -> None:
         first = self.store.first_missing_chunk(block)
         if first is None:
             return

@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 class LocalApiServer:
     """Serves the local API of one agent on a unix socket (mode 0600: same user only)."""
 
-    def __init__(self, holdings: PeerServer, status: Callable[[], dict]) -> None:
-        self._holdings = holdings
+    def __init__(self, peer_server: PeerServer, status: Callable[[], dict]) -> None:
+        self._peer_server = peer_server
         self._status = status
         self._server: asyncio.AbstractServer | None = None
         self._subscribers: set[asyncio.Queue] = set()
@@ -116,7 +116,7 @@ class LocalApiServer:
             return {"ok": True, "status": self._status()}
         timeout = float(request.get("timeout", 30.0))
         try:
-            store = await asyncio.wait_for(self._holdings.wait_store(request.get("package")), timeout)
+            store = await asyncio.wait_for(self._peer_server.wait_store(request.get("package")), timeout)
         except TimeoutError:
             raise LocalApiTimeoutError(f"no package {request.get('package') or ''} here within "
                                        f"{timeout:g} s") from None
@@ -156,7 +156,7 @@ class LocalApiServer:
         self._subscribers.add(queue)
         try:
             writer.write(b'{"ok": true}\n')
-            for store in self._holdings.stores.values():  # what happened before the subscription
+            for store in self._peer_server.stores.values():  # what happened before the subscription
                 for block in store.verified_blocks():
                     at = store.progress().blocks[block].verified_at
                     queue.put_nowait({"event": "block_verified", "package": store.package_id, "block": block,

@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 
 class PeerServer:
-    """The :class:`~pipecast.agent.transport.base.ChunkProvider` of an agent, over its block stores.
+    """The :class:`~pipecast.agent.transport.base.ServedPackages` of an agent, over its block stores.
 
     A chunk is served as soon as the store holds it verified (cut-through), even while the rest of its
     block is still arriving; a range of a small file as soon as its bytes are here (each receiver checks

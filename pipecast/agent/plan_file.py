@@ -1,7 +1,7 @@
 """Static plan files: a multicast plan plus the package and the address of every node, for running
 agents without a control plane (benchmarks, tests, air-gapped clusters).
 
-Format: the JSON of :meth:`control_plane.planner.schedules.Plan.to_json` with two more keys::
+Format: the JSON of :meth:`control_plane.planner.plan.Plan.to_json` with two more keys::
 
     {"package_id": "...", "nodes": {"seed": "10.0.0.1:7070", "r1": "10.0.0.2:7070"},
      "strategy": "chain", "sources": ["seed"], "assignments": {"r1": [[0, "seed"], [1, "seed"]]}}
@@ -10,14 +10,11 @@ Format: the JSON of :meth:`control_plane.planner.schedules.Plan.to_json` with tw
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from control_plane.messages import PeerInfo
+from control_plane.planner.plan import Fetch, Plan, PlanError
 from pipecast.agent.errors import PlanFileError
-from pipecast.agent.fetcher import Peer
 from pipecast.agent.transport.base import split_address
-
-if TYPE_CHECKING:
-    from control_plane.planner.schedules import Plan
 
 
 @dataclass(frozen=True)
@@ -26,17 +23,17 @@ class StaticPlan:
 
     package_id: str
     nodes: dict[str, str]
-    plan: "Plan"
+    plan: Plan
 
-    def peer(self, node_id: str) -> Peer:
+    def peer(self, node_id: str) -> PeerInfo:
         """The node ``node_id`` with its address."""
-        return Peer(node_id, self.nodes[node_id])
+        return PeerInfo(node_id, self.nodes[node_id])
 
-    def assignments_for(self, node_id: str) -> list[tuple[int, Peer]]:
-        """What ``node_id`` fetches, in order: (block, parent)."""
-        return [(a.block, self.peer(a.parent)) for a in self.plan.assignments.get(node_id, [])]
+    def fetches_of(self, node_id: str) -> list[Fetch[PeerInfo]]:
+        """What ``node_id`` fetches, in order, each from its parent."""
+        return [Fetch(f.block, self.peer(f.parent)) for f in self.plan.assignments.get(node_id, [])]
 
-    def sources(self) -> list[Peer]:
+    def sources(self) -> list[PeerInfo]:
         """The nodes that hold the whole package, in the plan's order: the fallback of every fetch."""
         return [self.peer(s) for s in self.plan.sources]
 
@@ -45,15 +42,13 @@ class StaticPlan:
         return {rx for rx, fetches in self.plan.assignments.items() if any(a.parent == node_id for a in fetches)}
 
 
-def plan_file_data(plan: "Plan", package_id: str, nodes: dict[str, str]) -> dict:
+def plan_file_data(plan: Plan, package_id: str, nodes: dict[str, str]) -> dict:
     """The JSON-able content of a plan file (see the module docstring)."""
     return {"package_id": package_id, "nodes": dict(nodes), **plan.to_json()}
 
 
 def read_plan_file(path: Path) -> StaticPlan:
     """Read and check a plan file; raise :class:`PlanFileError` naming the file and the problem."""
-    from control_plane.planner.schedules import Plan, PlanError
-
     try:
         data = json.loads(Path(path).read_text())
     except OSError as exc:

@@ -24,10 +24,10 @@ from pipecast.agent.buffers import BlockBuffer, BufferAllocator
 from pipecast.agent.errors import (
     CorruptChunkError,
     CorruptFileError,
-    PackageSourceError,
+    LocalPackageError,
     UnknownPackageError,
 )
-from pipecast.agent.source import PackageSource
+from pipecast.agent.local_package import LocalPackage
 from pipecast.v1.manifest_pb2 import Block, Manifest, PackageFile
 
 log = logging.getLogger(__name__)
@@ -136,14 +136,14 @@ class BlockStore:
 
     @classmethod
     def open(cls, manifest: Manifest, *, allocator: BufferAllocator, budget: MemoryBudget,
-             local: PackageSource | None = None, require_complete: bool = False,
+             local: LocalPackage | None = None, require_complete: bool = False,
              manifest_origin: str = "") -> "BlockStore":
         """A store for ``manifest``: blocks found in ``local`` are mapped and verified, the rest allocated.
 
         Local blocks are re-hashed on open (no trusted marker: a torn or rotten file is caught here and
         fetched again). Blocks mapped from files cost no budget (they are page cache); allocated blocks
         are reserved against ``budget`` up front, or :class:`MemoryBudgetError` is raised. With
-        ``require_complete`` (a seed) a missing or corrupt local block raises :class:`PackageSourceError`.
+        ``require_complete`` (a seed) a missing or corrupt local block raises :class:`LocalPackageError`.
         An inconsistent manifest (e.g. chunk digests that do not hash to its package id) raises
         :class:`packager.errors.ManifestError` naming ``manifest_origin``.
         """
@@ -168,12 +168,12 @@ class BlockStore:
             raise
         return store
 
-    def _load_local(self, local: PackageSource, require_complete: bool) -> None:
+    def _load_local(self, local: LocalPackage, require_complete: bool) -> None:
         """Map and verify every block and file ``local`` has; keep the good ones."""
         for meta in self.manifest.blocks:
             if not local.has_block(meta.index):
                 if require_complete:
-                    raise PackageSourceError(f"{local.description}: block {meta.index} ({meta.file}) is "
+                    raise LocalPackageError(f"{local.description}: block {meta.index} ({meta.file}) is "
                                              "missing or has the wrong size")
                 continue
             state = _BlockState(meta, local.open_block(meta.index))
@@ -183,7 +183,7 @@ class BlockStore:
             except CorruptChunkError as exc:
                 state.close()
                 if require_complete:
-                    raise PackageSourceError(f"{local.description}: block {meta.index} ({meta.file}) does "
+                    raise LocalPackageError(f"{local.description}: block {meta.index} ({meta.file}) does "
                                              f"not match the manifest: {exc}") from exc
                 log.warning("%s: block %d does not match the manifest (%s); fetching it again",
                             local.description, meta.index, exc)
@@ -193,11 +193,11 @@ class BlockStore:
             data = local.read_file(entry.path)
             try:
                 if data is None:
-                    raise PackageSourceError(f"{local.description}: file {entry.path} is missing")
+                    raise LocalPackageError(f"{local.description}: file {entry.path} is missing")
                 self.add_file(entry.path, data, local.description)
-            except (PackageSourceError, CorruptFileError) as exc:
+            except (LocalPackageError, CorruptFileError) as exc:
                 if require_complete:
-                    raise PackageSourceError(str(exc)) from exc
+                    raise LocalPackageError(str(exc)) from exc
                 log.warning("%s; fetching it again", exc)
 
     # -- receiving ---------------------------------------------------------------------------------------

@@ -20,6 +20,20 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def atomic_write(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename, so a crash never
+    leaves a half file under ``path`` (no fsync: durability is not promised)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 @contextmanager
 def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Build a folder in a hidden sibling and rename it to ``out`` only if the body succeeds.

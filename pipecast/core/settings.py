@@ -15,8 +15,6 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from pipecast.core.errors import PipecastError
 
-DEFAULT_CHUNK_BYTES = 1 << 20
-
 
 class SettingsError(PipecastError):
     """A config file or value that cannot be used."""

@@ -1,6 +1,9 @@
-"""Parsing and printing byte sizes and rates."""
+"""Parsing and printing byte sizes and rates, and the package chunk size."""
 
 import re
+
+# Chunk size of a package's per-chunk digests: the unit peers verify and forward.
+DEFAULT_CHUNK_BYTES = 1 << 20
 
 _UNITS = {
     "": 1, "b": 1,

@@ -19,25 +19,25 @@ class UnsupportedModelError(EngineError):
 class BlockBindError(EngineError):
     """A block's tensors do not fit the model built from config.json (the package's fault)."""
 
-    def __init__(self, block: int, source: str, problem: str):
-        super().__init__(f"block {block} from {source}: {problem}")
-        self.block, self.source, self.problem = block, source, problem
+    def __init__(self, block: int, origin: str, problem: str):
+        super().__init__(f"block {block} from {origin}: {problem}")
+        self.block, self.origin, self.problem = block, origin, problem
 
 
 class BlockWaitTimeout(EngineError, TimeoutError):
     """A block was not available within the wait's timeout (normal while a transfer is in progress)."""
 
-    def __init__(self, block: int, source: str, timeout_s: float):
-        super().__init__(f"block {block} not available from {source} within {timeout_s:g} s")
-        self.block, self.source, self.timeout_s = block, source, timeout_s
+    def __init__(self, block: int, origin: str, timeout_s: float):
+        super().__init__(f"block {block} not available from {origin} within {timeout_s:g} s")
+        self.block, self.origin, self.timeout_s = block, origin, timeout_s
 
 
 class BlockStalledError(EngineError):
-    """No missing block arrived for too long: the block source (agent, peer, store) stopped delivering."""
+    """No missing block arrived for too long: the blocks' origin (agent, peer, store) stopped delivering."""
 
-    def __init__(self, blocks: list[int], source: str, stall_s: float):
-        super().__init__(f"blocks {blocks} did not arrive from {source}: nothing arrived for {stall_s:g} s")
-        self.blocks, self.source, self.stall_s = blocks, source, stall_s
+    def __init__(self, blocks: list[int], origin: str, stall_s: float):
+        super().__init__(f"blocks {blocks} did not arrive from {origin}: nothing arrived for {stall_s:g} s")
+        self.blocks, self.origin, self.stall_s = blocks, origin, stall_s
 
 
 class ModelLoadError(EngineError):

@@ -6,7 +6,7 @@ arriving first is not left waiting. From a provider that verifies blocks chunk b
 the block in flight is bound part by part: each stage of each layer (its attention, the MLP's input
 projections, its output projection) as soon as its own bytes are verified, so the prefill runs a fraction
 of a layer behind the transfer rather than a block behind it. If nothing arrives for
-``stall_timeout_s`` the source is declared stalled and the model fails (requests that need the missing
+``stall_timeout_s`` the origin is declared stalled and the model fails (requests that need the missing
 layers get the error).
 """
 
@@ -56,8 +56,8 @@ class BlockLoader:
     def _run(self) -> None:
         try:
             self._load()
-        except Exception as exc:  # every failure of a block source or a block ends loading: report it
-            logger.error("loading from %s failed: %s", self.provider.source, exc)
+        except Exception as exc:  # every failure of a block origin or a block ends loading: report it
+            logger.error("loading from %s failed: %s", self.provider.origin, exc)
             self.model.fail(exc)
 
     def _load(self) -> None:
@@ -76,16 +76,16 @@ class BlockLoader:
                     self._bind(index, p.wait_block(index, timeout=POLL_S))
             except BlockWaitTimeout:
                 if time.monotonic() - self._last_arrival > self.stall_timeout_s:
-                    raise BlockStalledError(missing, p.source, self.stall_timeout_s) from None
+                    raise BlockStalledError(missing, p.origin, self.stall_timeout_s) from None
                 continue
             block = p.manifest.blocks[index]
-            self.model.check_block(index, range(block.layer_start, block.layer_end), p.source)
+            self.model.check_block(index, range(block.layer_start, block.layer_end), p.origin)
             self.block_bound_at[index] = time.monotonic()
             missing.remove(index)
             logger.debug("bound block %d (layers %d-%d) from %s", index, block.layer_start,
-                         block.layer_end - 1, p.source)
+                         block.layer_end - 1, p.origin)
         if not missing:
-            logger.info("model fully loaded from %s in %.3f s: %d blocks", p.source,
+            logger.info("model fully loaded from %s in %.3f s: %d blocks", p.origin,
                         self._last_arrival - self.started_at, p.num_blocks)
 
     def _stream(self, index: int) -> None:
@@ -101,7 +101,7 @@ class BlockLoader:
             runs.pop(0)
 
     def _bind(self, index: int, tensors) -> None:
-        self.model.bind_tensors(index, tensors, self.provider.source)
+        self.model.bind_tensors(index, tensors, self.provider.origin)
         self._last_arrival = time.monotonic()
 
 

@@ -44,25 +44,25 @@ class ProgressiveModel:
 
     # --- loading -------------------------------------------------------------------------------------
 
-    def bind_block(self, index: int, layers: range, tensors: Mapping[str, "torch.Tensor"], source: str) -> None:
+    def bind_block(self, index: int, layers: range, tensors: Mapping[str, "torch.Tensor"], origin: str) -> None:
         """Bind block ``index`` (holding ``layers``) and publish the parts it completes."""
-        self.bind_tensors(index, tensors, source)
-        self.check_block(index, layers, source)
+        self.bind_tensors(index, tensors, origin)
+        self.check_block(index, layers, origin)
 
-    def bind_tensors(self, index: int, tensors: Mapping[str, "torch.Tensor"], source: str) -> None:
+    def bind_tensors(self, index: int, tensors: Mapping[str, "torch.Tensor"], origin: str) -> None:
         """Bind some of block ``index``'s tensors and publish the parts (layers) they complete."""
-        done = self._binder.bind(index, tensors, source)
+        done = self._binder.bind(index, tensors, origin)
         if done:
             with self._cond:
                 self._ready |= done
                 self._cond.notify_all()
             self._notify()
 
-    def check_block(self, index: int, layers: range, source: str) -> None:
+    def check_block(self, index: int, layers: range, origin: str) -> None:
         """Raise :class:`BlockBindError` if block ``index``, wholly bound, left any of ``layers`` incomplete."""
         incomplete = sorted(n for layer in layers for n in self._binder.missing(layer))
         if incomplete:
-            raise BlockBindError(index, source, f"holds layers {layers.start}-{layers.stop - 1} but lacks "
+            raise BlockBindError(index, origin, f"holds layers {layers.start}-{layers.stop - 1} but lacks "
                                                 f"tensors {incomplete[:8]}")
 
     def fail(self, error: Exception) -> None:

@@ -9,25 +9,27 @@
 """
 
 import json
+import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from packager.blockfile import tensors_from_buffer
 from packager.errors import PackageError
+from packager.package import Package
+from packager.safetensors_format import Header, parse_header
 from pipecast.engine.errors import BlockBindError, BlockWaitTimeout
 from pipecast.v1.manifest_pb2 import Manifest
 
 if TYPE_CHECKING:
     import torch
 
-    from packager.safetensors_format import Header
-
 
 @runtime_checkable
 class BlockProvider(Protocol):
-    """A source of a package's verified blocks, each as tensors named as in the original checkpoint."""
+    """Where an engine gets a package's verified blocks, each as tensors named as in the original checkpoint."""
 
     @property
     def manifest(self) -> Manifest:
@@ -42,7 +44,7 @@ class BlockProvider(Protocol):
         """How many blocks the package has."""
 
     @property
-    def source(self) -> str:
+    def origin(self) -> str:
         """Where blocks come from, for logs and error messages (e.g. ``package folder /data/pkg``)."""
 
     def small_file(self, path: str) -> bytes | None:
@@ -63,7 +65,7 @@ class StreamingBlockProvider(BlockProvider, Protocol):
     """A provider that also hands out a block's tensors before the whole block is verified: its bytes are
     verified chunk by chunk, so the tensors wholly inside the verified prefix are safe to use."""
 
-    def wait_header(self, index: int, timeout: float) -> "Header":
+    def wait_header(self, index: int, timeout: float) -> Header:
         """Block ``index``'s layout once its header's bytes are verified; :class:`BlockWaitTimeout` if not."""
 
     def wait_tensors(self, index: int, names: Sequence[str], timeout: float) -> Mapping[str, "torch.Tensor"]:
@@ -74,8 +76,6 @@ class PackageFolderProvider:
     """Blocks of a package folder on this node, mapped copy-on-write and checked against the manifest."""
 
     def __init__(self, root: Path | str, *, verify: bool = True):
-        from packager.package import Package
-
         self.package = Package.open(root)
         self._config = self.package.config
         self._verify = verify
@@ -93,22 +93,14 @@ class PackageFolderProvider:
         return self.package.num_blocks
 
     @property
-    def source(self) -> str:
+    def origin(self) -> str:
         return f"package folder {self.package.root}"
 
     def small_file(self, path: str) -> bytes | None:
-        if path not in {f.path for f in self.manifest.files}:
-            return None
-        return (self.package.root / path).read_bytes()
+        return self.package.small_file(path)
 
     def present_blocks(self) -> set[int]:
-        return {i for i in range(self.num_blocks) if self._on_disk(i)}
-
-    def _on_disk(self, index: int) -> bool:
-        try:
-            return self.package.block_path(index).stat().st_size == self.package.block(index).bytes
-        except OSError:
-            return False
+        return {i for i in range(self.num_blocks) if self.package.has_block(i)}
 
     def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
         # A local folder has every block or is broken: nothing to wait for, and a bad or missing file is
@@ -135,12 +127,12 @@ class AgentBlockProvider:
         self._timeout_s = timeout_s
         config = self.small_file("config.json")
         if config is None:
-            raise PackageError(f"package {self._package_id[:12]} held by {self.source} has no config.json")
+            raise PackageError(f"package {self._package_id[:12]} held by {self.origin} has no config.json")
         self._config = json.loads(config)
         self._verified: set[int] = set()
         self._mapped: set[int] = set()
         self._prefixes: dict[int, memoryview] = {}  # per block in flight: its longest verified prefix seen
-        self._headers: dict[int, "Header"] = {}
+        self._headers: dict[int, Header] = {}
 
     @property
     def manifest(self) -> Manifest:
@@ -155,7 +147,7 @@ class AgentBlockProvider:
         return len(self._manifest.blocks)
 
     @property
-    def source(self) -> str:
+    def origin(self) -> str:
         return f"agent at {self._where}"
 
     def small_file(self, path: str) -> bytes | None:
@@ -170,16 +162,12 @@ class AgentBlockProvider:
         return set(self._verified)
 
     def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
-        from packager.blockfile import tensors_from_buffer
-
         buf = self._wait(index, None, timeout)
         return tensors_from_buffer(buf, self._where_block(index), self._header(index, buf))
 
-    def wait_header(self, index: int, timeout: float) -> "Header":
+    def wait_header(self, index: int, timeout: float) -> Header:
         """Block ``index``'s layout (tensor names, dtypes, byte ranges) once the chunks holding its header
         are verified, usually long before the block is. Raises :class:`BlockWaitTimeout`."""
-        import struct
-
         if index not in self._headers:
             size = self._manifest.blocks[index].bytes
             length = struct.unpack("<Q", bytes(self._wait(index, min(8, size), timeout)[:8]))[0]
@@ -189,8 +177,6 @@ class AgentBlockProvider:
     def wait_tensors(self, index: int, names: Sequence[str], timeout: float) -> Mapping[str, "torch.Tensor"]:
         """Some of block ``index``'s tensors (views, no copy) as soon as the bytes up to the last of them
         are verified, while the rest of the block may still be in flight. Raises :class:`BlockWaitTimeout`."""
-        from packager.blockfile import tensors_from_buffer
-
         header = self.wait_header(index, timeout)
         end = header.data_start + max(header.tensors[n].end for n in names)
         return tensors_from_buffer(self._wait(index, end, timeout), self._where_block(index), header, names)
@@ -208,20 +194,18 @@ class AgentBlockProvider:
                 known = self._prefixes[index] = self.client.wait_prefix(index, nbytes, timeout, self._package_id)
             return known[:nbytes]
         except TimeoutError:
-            raise BlockWaitTimeout(index, self.source, timeout) from None
+            raise BlockWaitTimeout(index, self.origin, timeout) from None
 
     def _where_block(self, index: int) -> str:
-        return f"{self.source}, block {index}"
+        return f"{self.origin}, block {index}"
 
-    def _header(self, index: int, buf: memoryview) -> "Header":
+    def _header(self, index: int, buf: memoryview) -> Header:
         """Parse and check block ``index``'s header from ``buf`` (the block or a prefix holding the header)."""
-        from packager.safetensors_format import parse_header
-
         if index not in self._headers:
             header = parse_header(buf, self._manifest.blocks[index].bytes, self._where_block(index))
             expected = set(self._manifest.blocks[index].tensor_names)
             if set(header.tensors) != expected:
-                raise BlockBindError(index, self.source, f"holds tensors {sorted(set(header.tensors) ^ expected)} "
+                raise BlockBindError(index, self.origin, f"holds tensors {sorted(set(header.tensors) ^ expected)} "
                                                          "that differ from the manifest")
             self._headers[index] = header
         return self._headers[index]
@@ -266,8 +250,8 @@ class DelayedProvider:
         return self.inner.num_blocks
 
     @property
-    def source(self) -> str:
-        return f"delayed {self.inner.source}"
+    def origin(self) -> str:
+        return f"delayed {self.inner.origin}"
 
     def small_file(self, path: str) -> bytes | None:
         return self.inner.small_file(path)
@@ -299,7 +283,7 @@ class DelayedProvider:
             while not self._present(index):
                 now = time.monotonic()
                 if now >= deadline:
-                    raise BlockWaitTimeout(index, self.source, timeout)
+                    raise BlockWaitTimeout(index, self.origin, timeout)
                 due = self._due[index] if self._due is not None else deadline
                 self._cond.wait(min(deadline, max(due, now)) - now)
         return self.inner.wait_block(index, timeout)

@@ -88,7 +88,7 @@ class WeightBinder:
         """Parameter names of ``part`` (a part or a stage) not bound yet."""
         return set(self._missing.get(part, ()))
 
-    def bind(self, block: int, tensors: Mapping[str, "torch.Tensor"], source: str) -> set[Part]:
+    def bind(self, block: int, tensors: Mapping[str, "torch.Tensor"], origin: str) -> set[Part]:
         """Bind a block's tensors; return the parts and stages this completed. Raise BlockBindError if they
         misfit."""
         wanted = {}
@@ -96,13 +96,13 @@ class WeightBinder:
             if name.endswith(DERIVED_TENSOR_SUFFIXES) or name in self._tied:
                 continue
             if name not in self._shapes:
-                raise BlockBindError(block, source, f"tensor {name!r} is not a parameter of "
+                raise BlockBindError(block, origin, f"tensor {name!r} is not a parameter of "
                                                     f"{type(self._model).__name__}")
             if tuple(tensor.shape) != self._shapes[name]:
-                raise BlockBindError(block, source, f"tensor {name!r} has shape {list(tensor.shape)} but "
+                raise BlockBindError(block, origin, f"tensor {name!r} has shape {list(tensor.shape)} but "
                                                     f"config.json implies {list(self._shapes[name])}")
             if not tensor.dtype.is_floating_point:
-                raise BlockBindError(block, source, f"tensor {name!r} has dtype {tensor.dtype}, not a "
+                raise BlockBindError(block, origin, f"tensor {name!r} has dtype {tensor.dtype}, not a "
                                                     "floating-point type")
             wanted[name] = tensor
         placed = self._place(block, wanted)

@@ -7,6 +7,7 @@ from contextlib import AsyncExitStack
 import click
 
 from pipecast.core.httpserve import serve_until_signalled
+from pipecast.core.settings import load_settings
 from pipecast.router.app import Router, RouterConfig, build_app
 from pipecast.router.discovery import ControlPlaneDiscovery, Discovery, StaticDiscovery
 from pipecast.router.errors import WorkerUrlError
@@ -73,10 +74,9 @@ async def _serve(config: RouterConfig, static: StaticDiscovery | None, control_p
     async with AsyncExitStack() as stack:
         sources: list[Discovery] = [static] if static else []
         if control_plane:
-            # grpc loads only when a control plane is used; its token and TLS files come from the settings
-            # (PIPECAST_* variables or the config file).
+            # Imported here: grpc loads only when a control plane is used. Its token and TLS files come from
+            # the settings (PIPECAST_* variables or the config file).
             from control_plane.client import ControlPlaneClient
-            from pipecast.core.settings import load_settings
 
             client = ControlPlaneClient.from_settings(load_settings(control_plane=control_plane))
             await stack.enter_async_context(client)

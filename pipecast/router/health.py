@@ -1,4 +1,7 @@
-"""Polls each worker's ``GET /health`` and records the answers in the pool (one task per worker)."""
+"""Polls each worker's ``GET /health`` and records the answers in the pool (one task per worker).
+
+The answer's format is :class:`pipecast.serve.health.WorkerHealth`, the type the worker writes.
+"""
 
 import asyncio
 import logging
@@ -8,9 +11,22 @@ from collections.abc import Callable, Iterable
 import aiohttp
 
 from pipecast.router.errors import HealthAnswerError, describe_exception
-from pipecast.router.pool import WorkerPool, parse_health
+from pipecast.router.pool import WorkerPool
+from pipecast.serve.health import HealthFormatError, WorkerHealth
 
 log = logging.getLogger(__name__)
+
+
+def parse_health(worker: str, answer: object) -> WorkerHealth:
+    """Check a decoded ``/health`` JSON answer of ``worker`` and return it typed.
+
+    Raises :class:`HealthAnswerError` when the answer is not an object with a known status and
+    non-negative integer counts.
+    """
+    try:
+        return WorkerHealth.from_json(answer)
+    except HealthFormatError as exc:
+        raise HealthAnswerError(worker, str(exc)) from None
 
 
 class HealthMonitor:

@@ -35,58 +35,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pipecast.router.errors import HealthAnswerError, QueueFullError, QueueTimeoutError, RouterClosedError
-
-#: Health states a worker reports; the last two can serve requests.
-STATES = ("loading", "partial", "ready")
-SERVING = ("partial", "ready")
-
-_HEALTH_COUNTS = ("blocks_present", "blocks_total", "queue_depth", "running", "max_queue")
-_OPTIONAL_COUNTS = ("max_batch",)  # 0 when a worker does not report it: no per-batch cap
-
-
-@dataclass(frozen=True)
-class WorkerHealth:
-    """One answer of a worker's ``GET /health``."""
-
-    status: str
-    blocks_present: int
-    blocks_total: int
-    queue_depth: int
-    running: int
-    max_queue: int
-    max_batch: int = 0
-
-    @property
-    def can_serve(self) -> bool:
-        """Whether the worker says it serves, and its own queue has room."""
-        return self.status in SERVING and not (self.max_queue and self.queue_depth >= self.max_queue)
-
-    @property
-    def fraction_present(self) -> float:
-        """The fraction of the model's blocks the worker holds (1.0 when it reports no blocks)."""
-        return self.blocks_present / self.blocks_total if self.blocks_total else 1.0
-
-
-def parse_health(worker: str, answer: object) -> WorkerHealth:
-    """Check a decoded ``/health`` JSON answer of ``worker`` and return it typed.
-
-    Raises :class:`HealthAnswerError` when the answer is not an object with a known status and
-    non-negative integer counts.
-    """
-    if not isinstance(answer, dict):
-        raise HealthAnswerError(worker, f"/health answered {type(answer).__name__}, not a JSON object")
-    status = answer.get("status")
-    if status not in STATES:
-        raise HealthAnswerError(worker, f"/health status {status!r} is not one of {', '.join(STATES)}")
-    counts = {}
-    for name in _HEALTH_COUNTS + _OPTIONAL_COUNTS:
-        value = answer.get(name, 0 if name in _OPTIONAL_COUNTS else None)
-        # bool is an int in Python; a JSON true is still not a count.
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise HealthAnswerError(worker, f"/health field {name!r} is {value!r}, not a count")
-        counts[name] = value
-    return WorkerHealth(status=status, **counts)
+from pipecast.router.errors import QueueFullError, QueueTimeoutError, RouterClosedError
+from pipecast.serve.health import SERVING, WorkerHealth
 
 
 @dataclass

@@ -7,6 +7,8 @@ from pathlib import Path
 import click
 
 from pipecast.core.settings import load_settings
+from pipecast.serve.app import run_worker
+from pipecast.serve.worker import ServingWorker, WorkerConfig
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -42,9 +44,6 @@ def serve_command(package: str, agent_socket: Path | None, host: str | None, por
 
     Prints the URL it listens on. Register that URL for the router with the node agent's --serve-url.
     """
-    from pipecast.serve.app import run_worker
-    from pipecast.serve.worker import ServingWorker, WorkerConfig
-
     settings = load_settings(serve_host=host, serve_port=port, max_queue=max_queue, max_batch=max_batch,
                              device=device, agent_local_socket=agent_socket)
     config = WorkerConfig(package=package, agent=settings.agent_local_socket, device=settings.device,

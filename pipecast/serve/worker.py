@@ -13,7 +13,6 @@ Admission: requests admitted but not in the engine's batch (waiting for the mode
 """
 
 import asyncio
-import dataclasses
 import importlib
 import logging
 import threading
@@ -22,8 +21,10 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pipecast.core.errors import PipecastError
+from pipecast.engine.architectures import SUPPORTED_MODEL_TYPES
 from pipecast.engine.errors import (
     EngineClosedError,
     EngineError,
@@ -31,7 +32,9 @@ from pipecast.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
-from pipecast.core.errors import PipecastError
+from pipecast.engine.streams import TokenStream
+from pipecast.engine.weights import EMBED
+from pipecast.loading import LoadedModel, load
 from pipecast.serve.errors import (
     ModelNotServedError,
     ModelUnavailableError,
@@ -40,13 +43,10 @@ from pipecast.serve.errors import (
     WorkerBusyError,
     WorkerClosingError,
 )
+from pipecast.serve.health import WorkerHealth
 from pipecast.serve.metrics import ServeMetrics
 from pipecast.serve.openai_api import CompletionRequest
 from pipecast.serve.text import CompletionText, TextCodec
-
-if TYPE_CHECKING:
-    from pipecast.engine.streams import TokenStream
-    from pipecast.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -78,32 +78,6 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
-class Health:
-    """The worker's state as ``GET /health`` reports it (the router reads the first seven fields)."""
-
-    status: str                 # loading | partial | ready, or failed | draining (answered 503)
-    blocks_present: int
-    blocks_total: int
-    queue_depth: int
-    running: int
-    max_queue: int
-    max_batch: int
-    stage: str
-    model: str | None
-    package_id: str | None
-    error: str | None = None
-
-    @property
-    def http_status(self) -> int:
-        """200 while the worker serves or will (the router reads the status), 503 when it cannot."""
-        return 200 if self.status in ("loading", "partial", "ready") else 503
-
-    def to_json(self) -> dict:
-        """The JSON answer; ``error`` only when there is one."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k != "error"}
-
-
-@dataclass(frozen=True)
 class Piece:
     """Output of a completion: the text and tokens one step added; ``finish_reason`` on the last piece."""
 
@@ -117,8 +91,6 @@ def _warm_imports() -> None:
     weights are then the only thing still to come."""
     import torch  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-
-    from pipecast.engine.architectures import SUPPORTED_MODEL_TYPES
 
     for model_type in SUPPORTED_MODEL_TYPES:
         importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
@@ -153,8 +125,6 @@ class ServingWorker:
         threading.Thread(target=self._load, name="pipecast-serve-load", daemon=True).start()
 
     def _load(self) -> None:
-        from pipecast.loading import load
-
         try:
             _warm_imports()
             self._post(self._set_stage, STAGE_WAITING)
@@ -168,7 +138,7 @@ class ServingWorker:
             self._post(self._set_model, model)
             provider = model.engine.provider
             codec = TextCodec.from_files(provider.small_file, [f.path for f in provider.manifest.files],
-                                         f"package {provider.manifest.package_id[:12]} ({provider.source})")
+                                         f"package {provider.manifest.package_id[:12]} ({provider.origin})")
             self._post(self._set_codec, codec)
         except PipecastError as exc:  # the package, the agent or the block source failed us
             log.error("cannot serve %s: %s", self.config.package, exc)
@@ -202,7 +172,7 @@ class ServingWorker:
         self._stage = stage
         self._notify()
 
-    def _set_model(self, model: "LoadedModel") -> None:
+    def _set_model(self, model: LoadedModel) -> None:
         if self._closing:  # shut down while loading: nobody will serve this model
             threading.Thread(target=model.close, daemon=True).start()
             return
@@ -212,7 +182,7 @@ class ServingWorker:
         self._on_model_change()
         p = model.engine.provider
         log.info("serving %s (package %s, %d blocks) from %s; %s", self.model_name, p.manifest.package_id[:12],
-                 p.num_blocks, p.source, "waiting for the full model before each request" if
+                 p.num_blocks, p.origin, "waiting for the full model before each request" if
                  self.config.wait_full_load else "requests run while blocks arrive")
 
     def _set_codec(self, codec: TextCodec) -> None:
@@ -278,10 +248,8 @@ class ServingWorker:
         """Requests admitted and waiting: for the model, or for a batch slot."""
         return self._held + max(self._submitted - self.config.max_batch, 0)
 
-    def health(self) -> Health:
+    def health(self) -> WorkerHealth:
         """The state now (see the module docstring for the statuses)."""
-        from pipecast.engine.weights import EMBED
-
         present = total = 0
         if self._closing:
             status = "draining"
@@ -298,10 +266,10 @@ class ServingWorker:
                 status = "loading"
             else:
                 status = "partial"
-        return Health(status=status, blocks_present=present, blocks_total=total, queue_depth=self.queue_depth,
-                      running=self.running, max_queue=self.config.max_queue, max_batch=self.config.max_batch,
-                      stage=self._stage,
-                      model=self.model_name, package_id=self.package_id, error=self._error)
+        return WorkerHealth(status=status, blocks_present=present, blocks_total=total,
+                            queue_depth=self.queue_depth, running=self.running, max_queue=self.config.max_queue,
+                            max_batch=self.config.max_batch, stage=self._stage, model=self.model_name,
+                            package_id=self.package_id, error=self._error)
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -367,7 +335,7 @@ def _served_error(exc: EngineError) -> ServeError:
 class Generation:
     """One running completion: iterate for its :class:`Piece` s; closing it cancels what is left."""
 
-    def __init__(self, worker: ServingWorker, stream: "TokenStream", prompt: list[int], text: CompletionText,
+    def __init__(self, worker: ServingWorker, stream: TokenStream, prompt: list[int], text: CompletionText,
                  arrived: float) -> None:
         self.request_id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())

@@ -8,15 +8,16 @@ from pipecast.agent.errors import LocalApiError
 from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.local_client import LocalAgentClient
 from pipecast.agent.peer_server import PeerServer
-from tests.support.agent_fixtures import make_package, receiving_store
+from tests.support.agent_fixtures import receiving_store
+from tests.support.packages import tiny_package
 
 
 async def test_a_block_is_mapped_ahead_read_by_verified_prefix_and_whole_once_verified(tmp_path):
-    manifest = make_package(tmp_path / "pkg", layers=3, layer_bytes=200_000, chunk_bytes=64 << 10)
+    manifest = tiny_package(tmp_path / "pkg", layers=3, layer_bytes=200_000, chunk_bytes=64 << 10).manifest
     store = receiving_store(manifest)
-    holdings = PeerServer()
-    holdings.add(store)
-    server = LocalApiServer(holdings, status=dict)
+    peer_server = PeerServer()
+    peer_server.add(store)
+    server = LocalApiServer(peer_server, status=dict)
     await server.start(tmp_path / "agent.sock")
     client = await asyncio.to_thread(LocalAgentClient, tmp_path / "agent.sock")
     try:

@@ -16,14 +16,15 @@ from pipecast.agent.cache import BlockCache
 from pipecast.agent.errors import (
     CorruptChunkError,
     CorruptFileError,
+    LocalPackageError,
     MemoryBudgetError,
-    PackageSourceError,
     UnknownPackageError,
 )
-from pipecast.agent.source import PackageFolderSource
+from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.agent.store import BlockStore
 from pipecast.v1.manifest_pb2 import Manifest
-from tests.support.agent_fixtures import block_file_bytes, make_package, receiving_store
+from tests.support.agent_fixtures import block_file_bytes, receiving_store
+from tests.support.packages import tiny_package
 
 CHUNK = 64 << 10
 
@@ -31,7 +32,7 @@ CHUNK = 64 << 10
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> tuple[Path, Manifest]:
     root = tmp_path_factory.mktemp("store") / "pkg"
-    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK, tokenizer_bytes=1000)
+    return root, tiny_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK, tokenizer_bytes=1000).manifest
 
 
 def put_chunk(store: BlockStore, block: int, chunk: int, data: bytes, peer: str = "p1") -> None:
@@ -179,7 +180,7 @@ def test_seed_is_mapped_verified_and_costs_no_budget(package):
     root, manifest = package
     budget = MemoryBudget(1)
     store = BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=budget,
-                            local=PackageFolderSource(root), require_complete=True)
+                            local=LocalPackageFolder(root), require_complete=True)
     try:
         assert store.verified_blocks() == [0, 1, 2] and budget.used_bytes == 0
         assert store.block_path(1) == str((root / manifest.blocks[1].file).resolve())
@@ -192,15 +193,15 @@ def test_seed_is_mapped_verified_and_costs_no_budget(package):
 def test_corrupt_seed_is_refused_naming_the_file(package, tmp_path):
     root, manifest = package
     copy = tmp_path / "pkg"
-    make_package(copy, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK)
+    tiny_package(copy, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK)
     block_file = copy / manifest.blocks[1].file
     raw = bytearray(block_file.read_bytes())
     raw[-1] ^= 1
     block_file.write_bytes(raw)
-    with pytest.raises(PackageSourceError, match=rf"package folder {copy}: block 1 \(blocks/block-0001.safetensors\) "
+    with pytest.raises(LocalPackageError, match=rf"package folder {copy}: block 1 \(blocks/block-0001.safetensors\) "
                                                  r"does not match the manifest: .*corrupt chunk \d+ of block 1"):
         BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=MemoryBudget(1 << 30),
-                        local=PackageFolderSource(copy), require_complete=True)
+                        local=LocalPackageFolder(copy), require_complete=True)
 
 
 def test_received_block_is_shared_memory_another_mapping_sees(package):
@@ -240,10 +241,10 @@ def test_cache_round_trip_reverifies_and_refetches_bad_blocks(package, tmp_path,
     raw[100] ^= 1
     cached_block1.write_bytes(raw)  # rot on disk
 
-    source = cache.source(manifest.package_id)
-    assert source is not None and source.manifest == manifest
+    cached = cache.local_package(manifest.package_id)
+    assert cached is not None and cached.manifest == manifest
     budget = MemoryBudget(1 << 30)
-    restarted = BlockStore.open(source.manifest, allocator=SharedMemoryAllocator(), budget=budget, local=source)
+    restarted = BlockStore.open(cached.manifest, allocator=SharedMemoryAllocator(), budget=budget, local=cached)
     try:
         assert restarted.verified_blocks() == [0]
         assert "block 1 does not match the manifest" in caplog.text
@@ -254,4 +255,4 @@ def test_cache_round_trip_reverifies_and_refetches_bad_blocks(package, tmp_path,
         assert restarted.first_missing_chunk(1) == 0
     finally:
         restarted.close()
-    assert BlockCache(tmp_path / "empty").source(manifest.package_id) is None
+    assert BlockCache(tmp_path / "empty").local_package(manifest.package_id) is None

@@ -6,7 +6,6 @@ must split per peer. They skip, saying why, where network namespaces are not per
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -3,7 +3,6 @@ the real demo model in the slow test)."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -25,7 +24,6 @@ from benchmarks.coldstart import (
     transfer_times,
 )
 from benchmarks.cpu import CpuUsage
-from tests.support.serve_packages import make_served_package
 from tests.support import REPO
 
 RESULT_FIELDS = {"strategy", "prompt_tokens", "ttft_seconds", "floor_seconds", "transfer_seconds", "tokens",
@@ -81,8 +79,8 @@ def test_transfer_times_come_from_the_agents_events():
 
 
 @pytest.mark.timeout(120)
-def test_a_short_run_on_a_tiny_model_writes_every_field_and_both_strategies_agree(tmp_path):
-    pkg = make_served_package(tmp_path, "llama", seed=2, hidden_size=256, intermediate_size=512)  # 7 MB
+def test_a_short_run_on_a_tiny_model_writes_every_field_and_both_strategies_agree(tiny_package, tmp_path):
+    pkg = tiny_package(seed=2, tokenizer=True, hidden_size=256, intermediate_size=512).path  # 7 MB
     config = ColdStartConfig(package=pkg, prompt_tokens=(24,), link_mbit=40.0, repeat=1, max_tokens=4)
     report = run(config, tmp_path / "work")
     data = json.loads(json.dumps(report.to_json()))

@@ -26,7 +26,8 @@ from benchmarks.distribution import (
     theory_seconds,
     tree_levels,
 )
-from tests.support.agent_fixtures import corrupt_copy, make_package
+from tests.support.agent_fixtures import corrupt_copy
+from tests.support.packages import tiny_package
 
 MIB = 1 << 20
 S = 256 * MIB
@@ -42,7 +43,7 @@ META_FIELDS = {"versions", "mode", "transport", "link_mbit", "store_mbit", "pack
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("distribution") / "pkg"
-    make_package(root, layers=4, layer_bytes=MIB, chunk_bytes=256 << 10)
+    tiny_package(root, layers=4, layer_bytes=MIB, chunk_bytes=256 << 10)
     return root
 
 
@@ -165,7 +166,7 @@ def test_an_unusable_transport_is_refused_before_anything_starts(package, tmp_pa
 def test_every_strategy_delivers_to_six_workers(tmp_path):
     """Six workers make the binomial plan pair receivers in slots; each strategy must still deliver."""
     root = tmp_path / "pkg"
-    make_package(root, layers=8, layer_bytes=4 * MIB, chunk_bytes=MIB)
+    tiny_package(root, layers=8, layer_bytes=4 * MIB, chunk_bytes=MIB)
     json_path = tmp_path / "out.json"
     result = CliRunner().invoke(bench_group, [
         "distribution", "--package", str(root), "--workers", "6", "--strategy", "unicast,chain,tree,binomial,rotated",

@@ -97,7 +97,7 @@ async def test_lease_expiry_removes_a_silent_worker_from_plans_within_lease_plus
         assert (await watcher.next()).kind is UpdateKind.SYNC
     await client.scale_up("pkg", node_ids=["w0", "w1", "w2"], strategy="chain")  # store -> w0 -> w1 -> w2
     first = await watchers["w2"].next()
-    assert {t.peer.node_id for t in first.fetch} == {"w1"} and first.version == 1
+    assert {f.parent.node_id for f in first.fetch} == {"w1"} and first.version == 1
 
     async def beat():
         while True:
@@ -126,8 +126,8 @@ async def test_lease_expiry_removes_a_silent_worker_from_plans_within_lease_plus
     assert workers == {"w0": True, "w1": False, "w2": True}
     assert set(plan.receivers) == {"w0", "w2"} and plan.replans == 1
     assert replanned.kind is UpdateKind.ASSIGN and replanned.version == 2
-    assert sorted(t.block for t in replanned.fetch) == list(range(BLOCKS))
-    assert "w1" not in {t.peer.node_id for t in replanned.fetch}
+    assert sorted(f.block for f in replanned.fetch) == list(range(BLOCKS))
+    assert "w1" not in {f.parent.node_id for f in replanned.fetch}
     with pytest.raises(UnknownWorker, match="worker 'w1' is not registered"):
         await client.heartbeat("w1")
 
@@ -184,9 +184,9 @@ async def test_scale_up_streams_assignments_to_each_watching_worker(client):
         for node, watcher in watchers.items():
             update = await watcher.next()
             assert update.kind is UpdateKind.ASSIGN and update.plan_id == reply.plan_id
-            assert sorted(t.block for t in update.fetch) == list(range(BLOCKS))
-            for t in update.fetch:
-                parents[node, t.block] = t.peer
+            assert sorted(f.block for f in update.fetch) == list(range(BLOCKS))
+            for f in update.fetch:
+                parents[node, f.block] = f.parent
         # Every parent is the store or another receiver, with the address it registered.
         for (node, _), peer in parents.items():
             assert peer == STORE or (peer.node_id in nodes and peer.node_id != node and peer == spec(peer.node_id).peer)
@@ -211,7 +211,7 @@ async def test_a_reconnecting_stream_gets_its_current_part(client):
     finally:
         await watcher.close()
     assert sync.kind is UpdateKind.SYNC and sync.plan_ids == (reply.plan_id,)
-    assert assign.kind is UpdateKind.ASSIGN and [t.peer for t in assign.fetch] == [STORE] * BLOCKS
+    assert assign.kind is UpdateKind.ASSIGN and [f.parent for f in assign.fetch] == [STORE] * BLOCKS
     assert assign.sources == (STORE,)
 
 

@@ -5,7 +5,8 @@ import pytest
 
 from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
-from control_plane.state import CHAIN_MAX_RECEIVERS, ControlState, Notice
+from control_plane.placement import CHAIN_MAX_RECEIVERS
+from control_plane.state import ControlState, Notice
 from control_plane.store_sqlite import SqliteStore
 from pipecast.v1.manifest_pb2 import Block, Manifest
 

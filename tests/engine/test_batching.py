@@ -18,7 +18,8 @@ from pipecast.engine.errors import (
 from pipecast.engine.providers import DelayedProvider, PackageFolderProvider
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.streams import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
-from tests.support.engine_packages import make_package, random_prompt
+from tests.support.engine_fixtures import random_prompt
+from tests.support.packages import tiny_package
 
 PROMPT = random_prompt(9, 7)
 
@@ -34,7 +35,7 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
 @pytest.fixture(scope="module")
 def pkg(tmp_path_factory):
     """A 4-layer llama in 4 blocks of one layer each."""
-    return make_package(tmp_path_factory.mktemp("batching"), "llama", seed=5)[1]
+    return tiny_package(tmp_path_factory.mktemp("batching") / "pkg", seed=5).path
 
 
 @pytest.fixture(scope="module")

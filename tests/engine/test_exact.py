@@ -5,13 +5,15 @@ import json
 import pytest
 import torch
 
+from packager.pack import pack
 from pipecast.engine.engine import Engine
 from pipecast.engine.errors import BlockBindError, ModelLoadError, UnsupportedModelError
 from pipecast.engine.progressive import ProgressiveModel
 from pipecast.engine.providers import PackageFolderProvider
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.weights import EMBED, HEAD
-from tests.support.engine_packages import make_package, random_prompt, reference_generate, reference_model
+from tests.support import packages
+from tests.support.engine_fixtures import random_prompt, reference_generate, reference_model
 
 CASES = [  # (arch, dtype, config overrides): llama and mistral untied, qwen2 tied with q/k/v biases
     ("llama", "float32", {}),
@@ -25,10 +27,10 @@ CASES = [  # (arch, dtype, config overrides): llama and mistral untied, qwen2 ti
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}{'-window' if c[2] else ''}")
 def case(request, tmp_path_factory):
     arch, dtype, overrides = request.param
-    ckpt, pkg = make_package(tmp_path_factory.mktemp(arch), arch, dtype=dtype, seed=CASES.index(request.param),
-                             **overrides)
-    engine = Engine(PackageFolderProvider(pkg)).start()
-    yield reference_model(ckpt), engine, pkg
+    package = packages.tiny_package(tmp_path_factory.mktemp(arch) / "pkg", arch, dtype=dtype,
+                                    seed=CASES.index(request.param), **overrides)
+    engine = Engine(PackageFolderProvider(package.path)).start()
+    yield reference_model(package.checkpoint), engine, package.path
     engine.close()
 
 
@@ -61,8 +63,6 @@ def test_qwen2_sliding_window_layers_equal_transformers(tmp_path):
                                       use_sliding_window=True, sliding_window=6, max_window_layers=2,
                                       initializer_range=0.3)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
-    from packager.pack import pack
-
     pack(tmp_path / "ckpt", tmp_path / "pkg", layers_per_block=2)
     ref = reference_model(tmp_path / "ckpt")
     with Engine(PackageFolderProvider(tmp_path / "pkg")).start() as engine:
@@ -89,20 +89,20 @@ def test_cpu_parameters_are_views_of_the_block_buffers(case):
         assert params["lm_head.weight"].data_ptr() == params["model.embed_tokens.weight"].data_ptr()
 
 
-def test_block_with_wrong_shape_is_refused_naming_block_and_tensor(tmp_path):
-    _, pkg = make_package(tmp_path, "llama", layers_per_block=2)
+def test_block_with_wrong_shape_is_refused_naming_block_and_tensor(tiny_package):
+    pkg = tiny_package(layers_per_block=2).path
     config = json.loads((pkg / "config.json").read_text())
     config["intermediate_size"] = 96  # the package's MLP weights are 128 wide
     provider = PackageFolderProvider(pkg)
     model = ProgressiveModel(config, dtype=torch.float32)
     with pytest.raises(BlockBindError) as err:
-        model.bind_block(0, range(0, 2), provider.wait_block(0, timeout=1), provider.source)
+        model.bind_block(0, range(0, 2), provider.wait_block(0, timeout=1), provider.origin)
     assert str(err.value) == (f"block 0 from package folder {pkg}: tensor 'model.layers.0.mlp.gate_proj.weight' "
                               "has shape [128, 64] but config.json implies [96, 64]")  # the first in byte order
 
 
-def test_load_failure_reaches_waiters_as_model_load_error(tmp_path):
-    _, pkg = make_package(tmp_path, "llama", layers_per_block=2)
+def test_load_failure_reaches_waiters_as_model_load_error(tiny_package):
+    pkg = tiny_package(layers_per_block=2).path
     (pkg / "blocks" / "block-0001.safetensors").write_bytes(b"corrupt")
     with Engine(PackageFolderProvider(pkg)).start() as engine:
         with pytest.raises(ModelLoadError, match="block-0001.safetensors: block disagrees with the manifest"):

@@ -17,8 +17,9 @@ from pipecast.agent.plan_file import plan_file_data
 from pipecast.agent.transport.tcp import TcpTransport
 from pipecast.core.settings import Settings
 from pipecast.v1.manifest_pb2 import Manifest
-from tests.support.agent_fixtures import FlippingServer, make_package, seed_store
+from tests.support.agent_fixtures import FlippingServer, seed_store
 from tests.support.agent_processes import IO_TIMEOUT_S, Agents, assert_identical_copy, free_ports, write_plan
+from tests.support.packages import tiny_package
 
 SEED_MBIT = "16"  # 2 MB/s: the 1.2 MB package takes ~0.6 s from the seed
 
@@ -26,7 +27,7 @@ SEED_MBIT = "16"  # 2 MB/s: the 1.2 MB package takes ~0.6 s from the seed
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> tuple[Path, Manifest]:
     root = tmp_path_factory.mktemp("integration") / "pkg"
-    return root, make_package(root, layers=4, layer_bytes=300_000, chunk_bytes=64 << 10)
+    return root, tiny_package(root, layers=4, layer_bytes=300_000, chunk_bytes=64 << 10).manifest
 
 
 def start_seed_held(agents: Agents, root: Path, plan: Path) -> subprocess.Popen:

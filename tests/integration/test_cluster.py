@@ -3,8 +3,7 @@ package onto 4 agents; a killed relay's children are re-parented; a control plan
 the transfer and its state converges; a wrong token is refused; a frozen worker leaves the plans.
 
 The store agent seeds the package with its egress rate-limited (PIPECAST_EGRESS_MBIT), so a transfer
-lasts about two seconds: long enough to break something in the middle of it. Leases are short. The pure
-helpers of :mod:`pipecast.agent.control` are tested at the end.
+lasts about two seconds: long enough to break something in the middle of it. Leases are short.
 """
 
 import asyncio
@@ -24,17 +23,13 @@ from click.testing import CliRunner
 
 from control_plane.client import ControlPlaneClient
 from control_plane.command import cp_group
-from control_plane.messages import AcceleratorInfo, AssignmentUpdate, PeerInfo, Transfer, UpdateKind
 from packager.digest import digest_bytes
-from pipecast.agent.control import merged_fetches
-from pipecast.agent.host import advertised_address, detect_accelerator
-from pipecast.agent.fetcher import Peer
 from pipecast.agent.ratelimit import DEFAULT_BURST_BYTES
 from pipecast.router.discovery import ControlPlaneDiscovery, DiscoveredWorker
 from pipecast.v1.manifest_pb2 import Manifest
-from tests.support.agent_fixtures import make_package
-from tests.support.agent_processes import Agents, free_ports
 from tests.support import REPO
+from tests.support.agent_processes import Agents, free_ports
+from tests.support.packages import tiny_package
 
 TOKEN = "e2e-token"
 LEASE_S, HEARTBEAT_S, SCAN_S = 2.0, 0.4, 0.1
@@ -80,7 +75,7 @@ asyncio.run(main(*sys.argv[1:]))
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> tuple[Path, Manifest]:
     root = tmp_path_factory.mktemp("e2e") / "pkg"
-    return root, make_package(root, layers=8, layer_bytes=250_000, chunk_bytes=64 << 10)
+    return root, tiny_package(root, layers=8, layer_bytes=250_000, chunk_bytes=64 << 10).manifest
 
 
 class Cluster(Agents):
@@ -97,7 +92,8 @@ class Cluster(Agents):
         with (self.tmp / f"{name}.log").open("a") as log:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "pipecast.cli", "-v", *map(str, args)], cwd=REPO, stdout=log,
-                stderr=subprocess.STDOUT, env={**os.environ, "PIPECAST_AUTH_TOKEN": TOKEN, **env})
+                stderr=subprocess.STDOUT, env={**os.environ, "PIPECAST_AUTH_TOKEN": TOKEN, **env},
+                start_new_session=True)  # stopped as a process group, as Agents stops its own
         return self.procs[name]
 
     def start_control_plane(self, wait: bool = True) -> subprocess.Popen:
@@ -122,7 +118,7 @@ class Cluster(Agents):
 
     def start_agent(self, node: str, *args: str | Path, env: dict[str, str] | None = None) -> subprocess.Popen:
         return self._start(node, "agent", "--node-id", node, "--control-plane", self.cp_address,
-                           "--events", self.tmp / f"{node}.jsonl", "--label", "rack=r0", *args, env=env or {})
+                           "--events", self.processes.events_path(node), "--label", "rack=r0", *args, env=env or {})
 
     def up(self, store_mbit: str = STORE_MBIT, agents: tuple[str, ...] = tuple(AGENTS)) -> str:
         """Control plane, the published package, its store agent and the agents, all registered."""
@@ -160,12 +156,7 @@ class Cluster(Agents):
         return {n for p in plans for n in [*p.get("sources", []), *p.get("receivers", [])]}
 
     def wait_event(self, node: str, kind: str, where: Callable[[dict], bool] = lambda e: True) -> dict:
-        def found() -> dict | None:
-            hits = [e for e in self.events(node, kind) if where(e)]
-            if not hits and self.procs[node].poll() is not None:
-                pytest.fail(f"{node} exited ({self.procs[node].returncode}) before {kind}:\n{self.log(node)}")
-            return hits[0] if hits else None
-        return self.wait_for(found, f"{kind} from {node}", logs=(node,))
+        return self.wait(node, kind, where)
 
     def wait_for(self, check: Callable[[], Any], what: str, details: Callable[[], str] = lambda: "",
                  logs: tuple[str, ...] = ()) -> Any:
@@ -197,18 +188,7 @@ class Cluster(Agents):
 
     def stop_all(self) -> None:
         """Agents first (they deregister), then the control plane; whatever does not stop is killed."""
-        agents = [proc for name, proc in self.procs.items() if name != "cp"]
-        for group in (agents, [self.procs["cp"]] if "cp" in self.procs else []):
-            for proc in group:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-                    proc.terminate()
-            for proc in group:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        self.processes.stop(last=["cp"])
 
 
 @pytest.fixture
@@ -322,9 +302,8 @@ def test_a_corrupting_source_is_reported_and_its_receiver_replanned_around_it(cl
     root, manifest = package
     blocks = list(range(len(manifest.blocks)))
     package_id = cluster.up(agents=("a1",))
-    with (cluster.tmp / "faulty.log").open("w") as log:
-        cluster.procs["faulty"] = subprocess.Popen([sys.executable, "-c", CORRUPTING_WORKER, cluster.cp_address,
-                                                    str(root), TOKEN], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    cluster.processes.launch("faulty", [sys.executable, "-c", CORRUPTING_WORKER, cluster.cp_address, root, TOKEN],
+                             cwd=REPO)
     cluster.wait_for(lambda: cluster.cp("availability", package_id)["by_worker"].get("faulty") == blocks,
                      "the corrupting worker to register its blocks")
     reply = cluster.cp("scale-up", package_id, "--worker", "a1")
@@ -435,29 +414,3 @@ def test_a_frozen_worker_leaves_the_plans_within_lease_plus_one_scan(cluster, pa
                      == cluster.verified(frozen), f"{frozen}'s blocks to be known again")
     print(f"\n{frozen} left the plan {removed_after:.2f} s after it froze (lease {LEASE_S} s, scan {SCAN_S} s)")
 
-
-# ----- the pure helpers of pipecast.agent.control -----
-
-def test_merged_fetches_take_each_missing_block_once_in_the_parts_order():
-    store, a1 = PeerInfo("store", "10.0.0.1:7070"), PeerInfo("a1", "10.0.0.2:7070")
-    first = AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p1", fetch=(Transfer(2, a1), Transfer(0, store)))
-    second = AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p2", fetch=(Transfer(0, a1), Transfer(1, store)))
-    assert merged_fetches([first, second], verified={1}) == [(2, Peer("a1", "10.0.0.2:7070")),
-                                                             (0, Peer("store", "10.0.0.1:7070"))]
-
-
-def test_a_wildcard_listen_address_is_advertised_by_host_name():
-    assert advertised_address("10.0.0.5:7070") == "10.0.0.5:7070"
-    assert advertised_address("0.0.0.0:7070") == f"{socket.gethostname()}:7070"
-    assert advertised_address("[::1]:7070") == "[::1]:7070"
-
-
-def test_a_cuda_node_registers_its_gpus_from_nvidia_smi(tmp_path, monkeypatch):
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\necho 'NVIDIA H200, 143771'\necho 'NVIDIA H200, 143771'\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", str(tmp_path))
-    assert detect_accelerator("cuda:0") == AcceleratorInfo("cuda", "NVIDIA H200", 2, 143771 << 20)
-    assert detect_accelerator("cpu") == AcceleratorInfo("cpu")
-    monkeypatch.setenv("PATH", str(tmp_path / "none"))
-    assert detect_accelerator("cuda") == AcceleratorInfo("cuda")

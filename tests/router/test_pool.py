@@ -12,7 +12,9 @@ from pipecast.router.errors import (
     RouterClosedError,
     WorkerUrlError,
 )
-from pipecast.router.pool import Dispatcher, WorkerHealth, WorkerPool, parse_health
+from pipecast.router.health import parse_health
+from pipecast.router.pool import Dispatcher, WorkerPool
+from pipecast.serve.health import WorkerHealth
 from pipecast.v1.control_pb2 import Peer, WorkerSpec, WorkerState
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"

@@ -30,27 +30,20 @@ from pipecast.serve.metrics import RateMeter
 from pipecast.serve.openai_api import CompletionRequest, parse_completion_request
 from pipecast.serve.text import CompletionText, IncrementalDetokenizer, StopMatcher, TextCodec
 from pipecast.serve.worker import ServingWorker, WorkerConfig
-from tests.support.engine_packages import random_prompt
-from tests.support.engine_packages import GatedAgent
-from tests.support.serve_packages import make_served_package
+from tests.support import packages
+from tests.support.engine_fixtures import GatedAgent, random_prompt
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_configured_agent")]
 
 MODEL = "tiny-llama"
 PROMPT = random_prompt(10, 3)
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=30)
 
 
-@pytest.fixture(autouse=True)
-def no_configured_agent(monkeypatch):
-    for name in ("PIPECAST_AGENT_LOCAL_SOCKET", "PIPECAST_CONFIG", "PIPECAST_AGENT_CACHE_DIR"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.fixture(scope="module")
 def pkg(tmp_path_factory) -> Path:
     """A tiny llama package (4 blocks of one layer each) with a byte-level tokenizer."""
-    return make_served_package(tmp_path_factory.mktemp("serve"), "llama", seed=4)
+    return packages.tiny_package(tmp_path_factory.mktemp("serve") / "pkg", seed=4, tokenizer=True).path
 
 
 @pytest.fixture(scope="module")
@@ -298,8 +291,8 @@ async def test_shutdown_refuses_new_requests_and_lets_running_ones_finish(pkg, r
             worker._model.engine.submit(PROMPT)
 
 
-async def test_a_package_without_tokenizer_fails_the_worker_with_503(tmp_path):
-    bare = make_served_package(tmp_path, "llama", seed=1, with_tokenizer=False)
+async def test_a_package_without_tokenizer_fails_the_worker_with_503(tiny_package):
+    bare = tiny_package(seed=1).path
     async with serving(WorkerConfig(str(bare))) as (url, _, _, http):
         deadline = time.monotonic() + 30
         while (response := await http.get(f"{url}/health")).status != 503:

@@ -1,38 +1,15 @@
-"""Shared pieces of the agent's tests: small random packages (real packager, no torch), a faulty relay."""
+"""Shared pieces of the agent's tests: stores as a seed or a receiver opens them, chunk helpers, a faulty relay
+(their packages: ``tiny_package(..., layer_bytes=...)`` in tests.support.packages)."""
 
-import json
 import shutil
 from pathlib import Path
 
-import numpy as np
-from safetensors.numpy import save_file
-
-from packager.pack import pack
 from pipecast.agent.budget import MemoryBudget
 from pipecast.agent.buffers import SharedMemoryAllocator
+from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.agent.peer_server import PeerServer
-from pipecast.agent.source import PackageFolderSource
 from pipecast.agent.store import BlockStore
 from pipecast.v1.manifest_pb2 import Manifest
-
-
-def make_package(path: Path, *, layers: int = 4, layer_bytes: int = 1 << 20, chunk_bytes: int = 256 << 10,
-                 seed: int = 0, tokenizer_bytes: int = 0) -> Manifest:
-    """Pack a random checkpoint of ``layers`` layers (one block each) into the package folder ``path``,
-    with a random ``tokenizer.json`` of ``tokenizer_bytes`` bytes among its small files if asked."""
-    rng = np.random.default_rng(seed)
-    checkpoint = path.parent / f"{path.name}-checkpoint"
-    checkpoint.mkdir(parents=True)
-    tensors = {"model.embed_tokens.weight": rng.integers(0, 256, (16, 256), dtype=np.uint8),
-               "model.norm.weight": rng.integers(0, 256, (256,), dtype=np.uint8)}
-    for layer in range(layers):
-        tensors[f"model.layers.{layer}.mlp.weight"] = rng.integers(0, 256, (layer_bytes,), dtype=np.uint8)
-    save_file(tensors, str(checkpoint / "model.safetensors"))
-    (checkpoint / "config.json").write_text(json.dumps(
-        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers}))
-    if tokenizer_bytes:
-        (checkpoint / "tokenizer.json").write_bytes(rng.integers(0, 256, tokenizer_bytes, dtype=np.uint8).tobytes())
-    return pack(checkpoint, path, layers_per_block=1, chunk_bytes=chunk_bytes)
 
 
 def receiving_store(manifest: Manifest, budget_bytes: int = 1 << 30, **kwargs) -> BlockStore:
@@ -66,9 +43,9 @@ def corrupt_copy(package: Path, dest: Path) -> Path:
 
 def seed_store(root: Path) -> BlockStore:
     """A store serving the package folder ``root``, as a seed agent holds it."""
-    source = PackageFolderSource(root)
-    return BlockStore.open(source.manifest, allocator=SharedMemoryAllocator(), budget=MemoryBudget(1 << 30),
-                           local=source, require_complete=True)
+    seed = LocalPackageFolder(root)
+    return BlockStore.open(seed.manifest, allocator=SharedMemoryAllocator(), budget=MemoryBudget(1 << 30),
+                           local=seed, require_complete=True)
 
 
 class FlippingServer(PeerServer):

@@ -1,20 +1,17 @@
 """Real agent processes for integration tests: started with a log and an event file each, waited on by
-event, all stopped at the end (the ``agents`` fixture in conftest.py)."""
+event, all stopped at the end (the ``agents`` fixture in conftest.py). Starting, reading and stopping them
+is the benchmarks' :class:`benchmarks.processes.Processes`."""
 
 import asyncio
 import json
-import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from subprocess import Popen
 
-import pytest
-
-from pipecast.agent.events import read_events
+from benchmarks.processes import Processes
 from pipecast.v1.manifest_pb2 import Manifest
 from tests.support import REPO
 
@@ -24,9 +21,11 @@ LAUNCH = ("import logging, sys; logging.basicConfig(level=logging.INFO, "
 # Longer than the seed is held stopped while the receivers start (their first requests wait meanwhile).
 IO_TIMEOUT_S = 10.0
 WAIT_S = 30.0
+POLL_S = 0.02  # finer than the benchmarks': some tests act between two blocks of a transfer
 
 
 def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free now (all bound at once, so none is handed out twice)."""
     sockets = [socket.socket() for _ in range(n)]
     for s in sockets:
         s.bind(("127.0.0.1", 0))
@@ -37,61 +36,50 @@ def free_ports(n: int) -> list[int]:
 
 
 class Agents:
-    """Agent processes of one test, their logs and event files; all stopped at the end."""
+    """Agent processes of one test, their logs and event files in ``tmp``; all stopped at the end."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.processes = Processes(tmp, AssertionError)
+        self.procs = self.processes.procs
 
-    def start(self, node: str, *args: str | Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = (self.tmp / f"{node}.log").open("w")
-        self.procs[node] = subprocess.Popen(
-            [sys.executable, "-c", LAUNCH, "--node-id", node, "--events", str(self.tmp / f"{node}.jsonl"),
-             *map(str, args)],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PIPECAST_IO_TIMEOUT_S": str(IO_TIMEOUT_S), **(env or {})})
-        log.close()
-        return self.procs[node]
+    def start(self, node: str, *args: str | Path, env: dict[str, str] | None = None) -> Popen:
+        """``pipecast agent ARGS`` as ``node``, logging at INFO and recording its events."""
+        argv = [sys.executable, "-c", LAUNCH, "--node-id", node, "--events", self.processes.events_path(node), *args]
+        return self.processes.launch(node, argv, env={"PIPECAST_IO_TIMEOUT_S": str(IO_TIMEOUT_S), **(env or {})},
+                                     cwd=REPO)
 
     def events(self, node: str, kind: str | None = None) -> list[dict]:
-        path = self.tmp / f"{node}.jsonl"
-        events = read_events(path) if path.exists() else []
-        return [e for e in events if kind is None or e["event"] == kind]
+        """The events ``node`` recorded so far (of ``kind`` only, if given)."""
+        return [e for e in self.processes.events(node) if kind is None or e["event"] == kind]
 
     def log(self, node: str) -> str:
-        return (self.tmp / f"{node}.log").read_text()
-
-    def find(self, node: str, kind: str, where: Callable[[dict], bool] = lambda e: True) -> dict | None:
-        found = [e for e in self.events(node, kind) if where(e)]
-        if not found and self.procs[node].poll() is not None and kind != "stopped":
-            pytest.fail(f"agent {node} exited ({self.procs[node].returncode}) before {kind}:\n{self.log(node)}")
-        return found[0] if found else None
+        return self.processes.log(node)
 
     def wait(self, node: str, kind: str, where: Callable[[dict], bool] = lambda e: True) -> dict:
+        """The first ``kind`` event of ``node`` that ``where`` accepts, once there (failing after WAIT_S, or
+        at once when the agent failed or exited before recording ``kind``)."""
         deadline = time.monotonic() + WAIT_S
-        while (event := self.find(node, kind, where)) is None:
-            assert time.monotonic() < deadline, f"no {kind} from {node}:\n{self.log(node)}"
-            time.sleep(0.02)
+        while (event := self._first(node, kind, where, deadline)) is None:
+            time.sleep(POLL_S)
         return event
 
     async def wait_async(self, node: str, kind: str) -> dict:
+        """:meth:`wait` without blocking the event loop (for tests that serve peers in-process)."""
         deadline = time.monotonic() + WAIT_S
-        while (event := self.find(node, kind)) is None:
-            assert time.monotonic() < deadline, f"no {kind} from {node}:\n{self.log(node)}"
-            await asyncio.sleep(0.02)
+        while (event := self._first(node, kind, lambda e: True, deadline)) is None:
+            await asyncio.sleep(POLL_S)
         return event
 
+    def _first(self, node: str, kind: str, where: Callable[[dict], bool], deadline: float) -> dict | None:
+        self.processes.check_alive([node], kind)
+        found = [e for e in self.events(node, kind) if where(e)]
+        assert found or time.monotonic() < deadline, f"no {kind} from {node} within {WAIT_S} s:\n{self.log(node)}"
+        return found[0] if found else None
+
     def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """SIGTERM every agent, SIGKILL those still running a few seconds later."""
+        self.processes.stop()
 
 
 def write_plan(path: Path, data: dict) -> Path:

@@ -1,27 +1,25 @@
 """The transport interface: how blocks move between agents, whatever carries them (TCP, UCX).
 
 A backend implements :class:`Transport` (listen, connect), :class:`Channel` (one connection to one peer,
-one request at a time) and :class:`Listener`. It knows nothing of stores or plans: the receive side
-writes each chunk into the buffer a :class:`ChunkSink` gives and then reports it, the serve side asks a
-:class:`ChunkProvider` for each chunk and sends it as soon as it is there (cut-through: a node still
-receiving a block serves its verified chunks at once).
+one request at a time) and :class:`Listener`; the messages it carries are :mod:`.wire`'s. It knows
+nothing of stores or plans: the receive side writes each chunk into the buffer a :class:`ChunkSink` gives
+and then reports it, the serve side asks the :class:`ServedPackages` for each chunk and sends it as soon
+as it is there (cut-through: a node still receiving a block serves its verified chunks at once).
 
 Contract every backend keeps:
 - every wait on the network has a deadline (connect timeout; I/O silence timeout while a request is
   outstanding), and a failure raises a :class:`~pipecast.agent.errors.PeerError` subclass naming the peer;
 - an error from the sink (a corrupt chunk) ends the request with that error and the channel is closed;
-- the provider's errors are sent to the requester, who raises ``PeerRefusedError``;
+- the served packages' errors are sent to the requester, who raises ``PeerRefusedError``;
 - ``stats`` counts payload bytes both ways, for goodput.
 """
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from pipecast.agent.ratelimit import HostRateLimits
-
-if TYPE_CHECKING:
-    from pipecast.core.settings import Settings
+from pipecast.core.settings import Settings
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -48,8 +46,8 @@ class ChunkSink(Protocol):
         ...
 
 
-class ChunkProvider(Protocol):
-    """What a node serves to its peers (the agent's stores)."""
+class ServedPackages(Protocol):
+    """What a node serves to its peers: the packages its stores hold (the agent's peer server)."""
 
     async def chunk_count(self, package_id: str, block: int) -> int:
         """Number of chunks of ``block``; raises ``UnknownPackageError`` if not served here."""
@@ -117,7 +115,7 @@ class Transport(ABC):
 
     name: str
 
-    def __init__(self, node_id: str, settings: "Settings") -> None:
+    def __init__(self, node_id: str, settings: Settings) -> None:
         self.node_id = node_id
         self.connect_timeout_s = settings.connect_timeout_s
         self.io_timeout_s = settings.io_timeout_s
@@ -125,8 +123,8 @@ class Transport(ABC):
         self.stats = TransportStats()
 
     @abstractmethod
-    async def listen(self, host: str, port: int, provider: ChunkProvider) -> Listener:
-        """Serve ``provider`` to peers on ``host:port`` (port 0: any free port)."""
+    async def listen(self, host: str, port: int, served: ServedPackages) -> Listener:
+        """Serve ``served`` to peers on ``host:port`` (port 0: any free port)."""
 
     @abstractmethod
     async def connect(self, address: str, peer: str) -> Channel:

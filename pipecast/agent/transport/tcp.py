@@ -1,11 +1,7 @@
 """The TCP transport on asyncio: the default data path on CPU nodes.
 
-Wire format: every message is a 20-byte header ``!2sBBIIQ`` (magic ``PC``, version, type, block, chunk,
-payload length) followed by the payload. A requester sends ``REQ_BLOCK`` (block, first chunk; payload
-``package_id\\nrequester``) or ``REQ_FILE`` (block and chunk fields: offset and length of the range wanted,
-length 0 for the whole file; payload ``package_id\\nrequester\\npath``) and waits for its answer before the
-next request: ``CHUNK`` messages for chunks first..last in order, one ``FILE`` message,
-or one ``ERROR`` (UTF-8 text).
+Messages are :mod:`.wire`'s: each a 20-byte header (:data:`~.wire.TCP_HEADER`) followed by its payload on
+the stream.
 
 The receive side is an ``asyncio.BufferedProtocol`` that hands the socket the chunk's own slice of the
 block buffer: bytes go from the kernel into the block store with no extra copy, and a wake-up costs about
@@ -16,12 +12,10 @@ fixed buffers slowed chains down, DESIGN 5).
 import asyncio
 import logging
 import os
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipecast.agent.errors import (
-    AgentError,
     PeerClosedError,
     PeerConnectError,
     PeerError,
@@ -32,33 +26,36 @@ from pipecast.agent.errors import (
 from pipecast.agent.ratelimit import HostRateLimits, TokenBucket
 from pipecast.agent.transport.base import (
     Channel,
-    ChunkProvider,
     ChunkSink,
     Listener,
+    ServedPackages,
     Transport,
     TransportStats,
     split_address,
 )
+from pipecast.agent.transport.wire import (
+    CHUNK,
+    ERROR,
+    FILE,
+    LIMITED_SEND_SLICE,
+    REQ_BLOCK,
+    REQ_FILE,
+    TCP_HEADER,
+    Header,
+    answer_request,
+    check_answer,
+    check_chunk,
+    check_request,
+    parse_request,
+    request_payload,
+)
 
 log = logging.getLogger(__name__)
 
-HEADER = struct.Struct("!2sBBIIQ")
-MAGIC = b"PC"
-VERSION = 2  # 2: REQ_FILE asks for a byte range
-REQ_BLOCK, REQ_FILE, CHUNK, FILE, ERROR = 1, 2, 3, 4, 5
-MAX_REQUEST_BYTES = 4096
-MAX_ERROR_BYTES = 64 << 10
-MAX_FILE_BYTES = 256 << 20  # manifests of very large models with 1 MiB chunks are a few MB
 MAX_QUEUED_REQUESTS = 8
 # Let the transport buffer a few chunks before pausing the sender: fewer wake-ups per chunk.
 WRITE_HIGH_WATER = 4 << 20
 WRITE_LOW_WATER = 1 << 20
-# Rate-limited sends go in slices this big so a limited link carries a smooth stream, not chunk bursts.
-LIMITED_SEND_SLICE = 64 << 10
-
-
-def _header(kind: int, block: int = 0, chunk: int = 0, length: int = 0) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, kind, block, chunk, length)
 
 
 @dataclass
@@ -93,7 +90,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         self._ingress = ingress
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self._header = bytearray(HEADER.size)
+        self._header = bytearray(TCP_HEADER.size)
         self._target = memoryview(self._header)
         self._filled = 0
         self._on_complete: Callable[[], None] = self._header_complete
@@ -195,33 +192,19 @@ class _ClientProtocol(asyncio.BufferedProtocol):
             on_complete()
 
     def _header_complete(self) -> None:
-        magic, version, kind, block, chunk, length = HEADER.unpack(self._header)
-        if magic != MAGIC or version != VERSION:
-            raise PeerProtocolError(self.peer, f"sent a header with magic {magic!r} version {version} "
-                                               f"(expected {MAGIC!r} version {VERSION})")
+        header = TCP_HEADER.parse(self._header, self.peer)
         request = self.request
         if request is None:
-            raise PeerProtocolError(self.peer, f"sent message type {kind} with no request outstanding")
-        if kind == ERROR:
-            if length > MAX_ERROR_BYTES:
-                raise PeerProtocolError(self.peer, f"sent an error message of {length} bytes")
-            self._expect(memoryview(bytearray(length)), self._error_complete)
-        elif kind == CHUNK and isinstance(request, _BlockRequest):
-            if block != request.block or chunk != request.next_chunk:
-                raise PeerProtocolError(self.peer, f"sent chunk {chunk} of block {block}; expected chunk "
-                                                   f"{request.next_chunk} of block {request.block}")
-            buffer = request.sink.chunk_buffer(block, chunk)
-            if length != len(buffer):
-                raise PeerProtocolError(self.peer, f"sent {length} bytes for chunk {chunk} of block {block}; "
-                                                   f"the manifest says {len(buffer)}")
+            raise PeerProtocolError(self.peer, f"sent message type {header.kind} with no request outstanding")
+        check_answer(header, CHUNK if isinstance(request, _BlockRequest) else FILE, request.describe(), self.peer)
+        if header.kind == ERROR:
+            self._expect(memoryview(bytearray(header.length)), self._error_complete)
+        elif header.kind == CHUNK:
+            buffer = request.sink.chunk_buffer(request.block, request.next_chunk)
+            check_chunk(header, request.block, request.next_chunk, len(buffer), self.peer)
             self._expect(buffer, self._chunk_complete)
-        elif kind == FILE and isinstance(request, _FileRequest):
-            if length > MAX_FILE_BYTES:
-                raise PeerProtocolError(self.peer, f"sent file {request.path} of {length} bytes (limit "
-                                                   f"{MAX_FILE_BYTES})")
-            self._expect(memoryview(bytearray(length)), self._file_complete)
         else:
-            raise PeerProtocolError(self.peer, f"sent message type {kind} in answer to {request.describe()}")
+            self._expect(memoryview(bytearray(header.length)), self._file_complete)
 
     def _next_header(self) -> memoryview:
         payload = self._target
@@ -270,14 +253,14 @@ class TcpChannel(Channel):
         count = sink.chunk_count(block)
         if first_chunk >= count:
             return
-        payload = f"{package_id}\n{self._requester}".encode()
+        payload = request_payload(package_id, self._requester)
         request = _BlockRequest(block, first_chunk, count, sink, asyncio.get_running_loop().create_future())
-        await self._run(request, _header(REQ_BLOCK, block, first_chunk, len(payload)) + payload)
+        await self._run(request, TCP_HEADER.pack(Header(REQ_BLOCK, block, first_chunk, len(payload))) + payload)
 
     async def fetch_file(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
-        payload = f"{package_id}\n{self._requester}\n{path}".encode()
+        payload = request_payload(package_id, self._requester, path)
         request = _FileRequest(path, asyncio.get_running_loop().create_future())
-        await self._run(request, _header(REQ_FILE, offset, length, len(payload)) + payload)
+        await self._run(request, TCP_HEADER.pack(Header(REQ_FILE, offset, length, len(payload))) + payload)
         return request.done.result()
 
     async def close(self) -> None:
@@ -286,7 +269,7 @@ class TcpChannel(Channel):
 
 
 class _ServerProtocol(asyncio.Protocol):
-    """Serve side of one connection: queues requests, sends chunks as the provider gets them."""
+    """Serve side of one connection: queues requests, sends chunks as soon as this node has them."""
 
     def __init__(self, listener: "TcpListener") -> None:
         self._listener = listener
@@ -320,60 +303,48 @@ class _ServerProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._inbox += data
-        while len(self._inbox) >= HEADER.size:
-            magic, version, kind, block, chunk, length = HEADER.unpack_from(self._inbox)
-            if magic != MAGIC or version != VERSION or kind not in (REQ_BLOCK, REQ_FILE) \
-                    or length > MAX_REQUEST_BYTES or self._requests.qsize() >= MAX_QUEUED_REQUESTS:
-                log.warning("requester %s broke the protocol (type %d, %d bytes); closing", self.peer, kind,
-                            length)
+        while len(self._inbox) >= TCP_HEADER.size:
+            try:
+                header = TCP_HEADER.parse(self._inbox, self.peer)
+                check_request(header, self.peer)
+                if self._requests.qsize() >= MAX_QUEUED_REQUESTS:
+                    raise PeerProtocolError(self.peer, f"sent more than {MAX_QUEUED_REQUESTS} requests at once")
+            except PeerProtocolError as exc:
+                log.warning("%s; closing", exc)
                 self._transport.abort()
                 return
-            if len(self._inbox) < HEADER.size + length:
+            end = TCP_HEADER.size + header.length
+            if len(self._inbox) < end:
                 return
-            payload = bytes(self._inbox[HEADER.size:HEADER.size + length])
-            del self._inbox[:HEADER.size + length]
-            self._requests.put_nowait((kind, block, chunk, payload.decode("utf-8", "replace").split("\n")))
+            payload = bytes(self._inbox[TCP_HEADER.size:end])
+            del self._inbox[:end]
+            self._requests.put_nowait(parse_request(header, payload))
 
     def abort(self) -> None:
         self._transport.abort()
 
     async def _serve(self) -> None:
-        provider = self._listener.provider
         while True:
-            kind, block, chunk, fields = await self._requests.get()
-            package_id, requester = fields[0], fields[1] if len(fields) > 1 else "?"
-            self.peer = f"{requester}@{self._transport.get_extra_info('peername')[0]}"
+            request = await self._requests.get()
+            self.peer = f"{request.requester}@{self._transport.get_extra_info('peername')[0]}"
             try:
-                if kind == REQ_BLOCK:
-                    provider.peer_requested(requester, package_id, block)
-                    await self._send_block(provider, package_id, block, chunk)
-                else:
-                    path = fields[2] if len(fields) > 2 else ""
-                    provider.peer_requested(requester, package_id, None)
-                    data = await provider.file_bytes(package_id, path, offset=block, length=chunk)
-                    await self._send(_header(FILE, length=len(data)), memoryview(data))
+                await answer_request(self._listener.served, request, self._send, self.peer)
             except PeerError as exc:  # the requester stopped reading or went away
                 log.warning("%s", exc)
                 self._transport.abort()
                 return
-            except AgentError as exc:  # we do not hold what was asked for: say so and keep serving
-                log.info("refusing %s: %s", self.peer, exc)
-                message = str(exc).encode()[:MAX_ERROR_BYTES]
-                self._transport.write(_header(ERROR, block, chunk, len(message)) + message)
             except Exception:
                 log.exception("serving %s failed", self.peer)
                 self._transport.abort()
                 return
 
-    async def _send_block(self, provider: ChunkProvider, package_id: str, block: int, first: int) -> None:
-        count = await provider.chunk_count(package_id, block)
-        for chunk in range(first, count):
-            data = await provider.wait_chunk(package_id, block, chunk)
-            await self._send(_header(CHUNK, block, chunk, len(data)), data)
-
-    async def _send(self, header: bytes, payload: memoryview) -> None:
+    async def _send(self, header: Header, payload: memoryview) -> None:
+        """Send one message: an answer paced at the egress limit and counted, an ``ERROR`` at once."""
+        self._transport.write(TCP_HEADER.pack(header))
+        if header.kind == ERROR:
+            self._transport.write(payload)
+            return
         egress = self._listener.limits.egress
-        self._transport.write(header)
         step = LIMITED_SEND_SLICE if egress is not None else max(len(payload), 1)
         for start in range(0, len(payload), step):
             piece = payload[start:start + step]
@@ -400,11 +371,11 @@ class _ServerProtocol(asyncio.Protocol):
 
 
 class TcpListener(Listener):
-    """A listening TCP socket serving a provider."""
+    """A listening TCP socket serving an agent's packages."""
 
-    def __init__(self, provider: ChunkProvider, limits: HostRateLimits, stats: TransportStats,
+    def __init__(self, served: ServedPackages, limits: HostRateLimits, stats: TransportStats,
                  io_timeout_s: float) -> None:
-        self.provider = provider
+        self.served = served
         self.limits = limits
         self.stats = stats
         self.io_timeout_s = io_timeout_s
@@ -430,12 +401,12 @@ class TcpListener(Listener):
 
 
 class TcpTransport(Transport):
-    """asyncio TCP with application-level rate limits; see the module docstring for the wire format."""
+    """asyncio TCP with application-level rate limits; :mod:`.wire` describes the wire format."""
 
     name = "tcp"
 
-    async def listen(self, host: str, port: int, provider: ChunkProvider) -> TcpListener:
-        listener = TcpListener(provider, self.limits, self.stats, self.io_timeout_s)
+    async def listen(self, host: str, port: int, served: ServedPackages) -> TcpListener:
+        listener = TcpListener(served, self.limits, self.stats, self.io_timeout_s)
         await listener.start(host, port)
         return listener
 

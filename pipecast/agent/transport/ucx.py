@@ -4,16 +4,9 @@ Same semantics as the TCP backend (``tcp.py``): a listener serves "block b from 
 becomes present (cut-through), a channel receives every chunk straight into the store's buffer, every
 wait has a deadline, and a failing peer is a typed :class:`~pipecast.agent.errors.PeerError` naming it.
 
-Wire format. UCX tag messages carry no length the receiver can read before posting its buffer, so every
-message is announced by a fixed 24-byte header ``!2sBBIIQI`` (magic ``PU``, version, type, block, chunk,
-payload length, frame size) on tag ``TAG_HEADER``; its payload follows on ``TAG_PAYLOAD`` as
-``ceil(length / frame)`` messages (one when frame is 0) received into consecutive slices of the target
-buffer. Message types and limits are the TCP backend's. A requester sends ``REQ_BLOCK`` or ``REQ_FILE``
-(for a file, block and chunk are the offset and length of the range wanted, length 0 for the whole file;
-payload ``package_id\\nrequester[\\npath]``; the frame field is the largest frame it wants: 64 KiB when
-its ingress is rate-limited, else 0) and waits for the answer: ``CHUNK`` messages for chunks first..last
-in order, one ``FILE``, or one ``ERROR``. Frames let a rate-limited side pace a smooth stream, as the TCP
-backend's send slices do. A channel ends with ``CLOSE``, answered by ``CLOSE_ACK``.
+Messages are :mod:`.wire`'s: a 24-byte header (:data:`~.wire.UCX_HEADER`) on tag ``TAG_HEADER`` announces
+each payload, which follows on ``TAG_PAYLOAD`` in frames. A channel ends with ``CLOSE``, answered by
+``CLOSE_ACK``.
 
 ucxx pitfalls measured on this project's machines (DESIGN 6), each handled where marked "pitfall":
 notifier-thread mode, stopping that thread, integer tags, UCX_TLS with tcp, a header before each
@@ -23,17 +16,16 @@ inside the functions that use it, so the registry can name this module on nodes 
 
 import asyncio
 import errno
+import functools
 import logging
 import os
-import struct
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipecast.agent.errors import (
-    AgentError,
     PeerClosedError,
     PeerConnectError,
     PeerError,
@@ -45,24 +37,33 @@ from pipecast.agent.errors import (
 from pipecast.agent.ratelimit import HostRateLimits
 from pipecast.agent.transport.base import (
     Channel,
-    ChunkProvider,
     ChunkSink,
     Listener,
+    ServedPackages,
     Transport,
     TransportStats,
     split_address,
 )
 from pipecast.agent.transport.registry import accelerated_fabric_present
-from pipecast.agent.transport.tcp import (
+from pipecast.agent.transport.wire import (
     CHUNK,
+    CLOSE,
+    CLOSE_ACK,
     ERROR,
     FILE,
     LIMITED_SEND_SLICE,
-    MAX_ERROR_BYTES,
-    MAX_FILE_BYTES,
-    MAX_REQUEST_BYTES,
     REQ_BLOCK,
     REQ_FILE,
+    UCX_HEADER,
+    Header,
+    answer_request,
+    byte_view,
+    check_answer,
+    check_chunk,
+    check_request,
+    frames,
+    parse_request,
+    request_payload,
 )
 from pipecast.core.settings import Settings
 
@@ -71,16 +72,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Pitfall: a receiver must post a buffer of the message's size, so a fixed-size header announces each payload.
-HEADER = struct.Struct("!2sBBIIQI")
-MAGIC = b"PU"
-VERSION = 2  # 2: REQ_FILE asks for a byte range
-CLOSE, CLOSE_ACK = 6, 7
+# Pitfall: a receiver must post a buffer of the message's size, so a fixed-size header (wire.UCX_HEADER) on
+# its own tag announces each payload.
 # Pitfall: integer tags only. ucxx hashes a user tag with the endpoint's own tag; a str tag goes through
 # hash(), which differs per process, so the two ends would never match and the receive hangs silently.
 TAG_HEADER, TAG_PAYLOAD = 1, 2
-# A frame below this is a peer making us post a receive per few bytes.
-MIN_FRAME_BYTES = 4096
 # How often a connect attempt checks whether UCX has already failed its endpoint.
 CONNECT_POLL_S = 0.005
 # Bound on waiting for ucxx to retire the connection handlers of a closed listener.
@@ -89,35 +85,6 @@ LISTENER_DRAIN_S = 1.0
 GOODBYE_S = 1.0
 
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class _Header:
-    kind: int
-    block: int
-    chunk: int
-    length: int
-    frame: int
-
-    def pack(self) -> bytes:
-        return HEADER.pack(MAGIC, VERSION, self.kind, self.block, self.chunk, self.length, self.frame)
-
-
-def _frames(length: int, frame: int) -> list[tuple[int, int]]:
-    """The (start, end) byte ranges a payload of ``length`` travels in; none for an empty payload."""
-    step = frame or length
-    return [(start, min(start + step, length)) for start in range(0, length, step)] if length else []
-
-
-def _as_bytes(buffer: memoryview) -> memoryview:
-    """A flat uint8 view of ``buffer`` (no copy).
-
-    Pitfall: byte views only, as a torch or numpy buffer must go as a uint8 view: lengths in headers,
-    frame offsets and the size ucxx gives a message are all in bytes, which a typed view's ``len`` and
-    slices are not.
-    """
-    view = memoryview(buffer)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _ucx_reason(exc: BaseException) -> str:
@@ -233,13 +200,13 @@ class _Link:
         self.limits = limits
         self.stats = stats
 
-    async def send(self, header: _Header, payload: memoryview, on_timeout: Callable[[], PeerError],
+    async def send(self, header: Header, payload: memoryview, on_timeout: Callable[[], PeerError],
                    paced: bool) -> None:
         """Send ``header``, then ``payload`` (bytes) in frames of ``header.frame``; ``paced``: at the egress
         limit (answers are, requests and errors are not, as with TCP)."""
-        await _with_deadline(self.endpoint.send(header.pack(), tag=TAG_HEADER), self.io_timeout_s, on_timeout)
+        await _with_deadline(self.endpoint.send(UCX_HEADER.pack(header), tag=TAG_HEADER), self.io_timeout_s, on_timeout)
         egress = self.limits.egress if paced else None
-        for start, end in _frames(len(payload), header.frame):
+        for start, end in frames(len(payload), header.frame):
             if egress is not None:
                 delay = egress.take(end - start)
                 if delay > 0:
@@ -247,25 +214,19 @@ class _Link:
             await _with_deadline(self.endpoint.send(payload[start:end], tag=TAG_PAYLOAD), self.io_timeout_s,
                                  on_timeout)
 
-    async def recv_header(self, on_timeout: Callable[[], PeerError] | None) -> _Header:
+    async def recv_header(self, on_timeout: Callable[[], PeerError] | None) -> Header:
         """The next header; ``on_timeout`` None waits without a deadline (an idle connection)."""
-        raw = bytearray(HEADER.size)
+        raw = bytearray(UCX_HEADER.size)
         receive = self.endpoint.recv(raw, tag=TAG_HEADER)
         await (receive if on_timeout is None else _with_deadline(receive, self.io_timeout_s, on_timeout))
-        magic, version, kind, block, chunk, length, frame = HEADER.unpack(raw)
-        if magic != MAGIC or version != VERSION:
-            raise PeerProtocolError(self.peer, f"sent a header with magic {magic!r} version {version} "
-                                               f"(expected {MAGIC!r} version {VERSION})")
-        if frame and frame < MIN_FRAME_BYTES:
-            raise PeerProtocolError(self.peer, f"sent a frame size of {frame} bytes (minimum {MIN_FRAME_BYTES})")
-        return _Header(kind, block, chunk, length, frame)
+        return UCX_HEADER.parse(raw, self.peer)
 
     async def recv_payload(self, target: memoryview, frame: int, on_timeout: Callable[[], PeerError],
                            paced: bool) -> None:
         """Receive a payload in frames of ``frame`` into ``target`` (bytes) in place: when that is the
         store's buffer, UCX writes there directly, with no copy. ``paced``: at the ingress limit."""
         ingress = self.limits.ingress if paced else None
-        for start, end in _frames(len(target), frame):
+        for start, end in frames(len(target), frame):
             await _with_deadline(self.endpoint.recv(target[start:end], tag=TAG_PAYLOAD), self.io_timeout_s,
                                  on_timeout)
             if ingress is not None:
@@ -342,26 +303,21 @@ class UcxChannel(Channel):
         what = self._progress.describe() if self._progress else "its answer"
         return PeerTimeoutError(self.peer, f"silent for {self._link.io_timeout_s:g} s while sending {what}")
 
-    async def _ask(self, kind: int, block: int, chunk: int, fields: str) -> None:
-        payload = fields.encode()
+    async def _ask(self, kind: int, block: int, chunk: int, payload: bytes) -> None:
         # The frame asked for: small when this node's ingress is limited, so the limit paces a smooth stream.
         frame = LIMITED_SEND_SLICE if self._link.limits.ingress is not None else 0
         # The request itself goes whole (its header's frame field is about the answer).
-        await self._link.send(_Header(kind, block, chunk, len(payload), frame), memoryview(payload), self._silent,
+        await self._link.send(Header(kind, block, chunk, len(payload), frame), memoryview(payload), self._silent,
                               paced=False)
 
-    async def _answer(self, expected: int, progress: _Progress) -> _Header:
+    async def _answer(self, expected: int, progress: _Progress) -> Header:
         """The next answer header; an ERROR answer is raised as :class:`PeerRefusedError`."""
         header = await self._link.recv_header(self._silent)
+        check_answer(header, expected, progress.describe(), self.peer)
         if header.kind == ERROR:
-            if header.length > MAX_ERROR_BYTES:
-                raise PeerProtocolError(self.peer, f"sent an error message of {header.length} bytes")
             text = bytearray(header.length)
             await self._link.recv_payload(memoryview(text), header.frame, self._silent, paced=False)
             raise PeerRefusedError(self.peer, text.decode("utf-8", "replace"))
-        if header.kind != expected:
-            raise PeerProtocolError(self.peer, f"sent message type {header.kind} in answer to "
-                                               f"{progress.describe()}")
         return header
 
     async def fetch_block(self, package_id: str, block: int, first_chunk: int, sink: ChunkSink) -> None:
@@ -370,17 +326,13 @@ class UcxChannel(Channel):
             return
         progress = _Progress("block", block, first_chunk, count)
         async with self._request(progress):
-            await self._ask(REQ_BLOCK, block, first_chunk, f"{package_id}\n{self._requester}")
+            await self._ask(REQ_BLOCK, block, first_chunk, request_payload(package_id, self._requester))
             for chunk in range(first_chunk, count):
                 progress.next_chunk = chunk
                 header = await self._answer(CHUNK, progress)
-                if header.block != block or header.chunk != chunk:
-                    raise PeerProtocolError(self.peer, f"sent chunk {header.chunk} of block {header.block}; "
-                                                       f"expected chunk {chunk} of block {block}")
-                buffer = _as_bytes(sink.chunk_buffer(block, chunk))
-                if header.length != len(buffer):
-                    raise PeerProtocolError(self.peer, f"sent {header.length} bytes for chunk {chunk} of block "
-                                                       f"{block}; the manifest says {len(buffer)}")
+                # Pitfall: byte views only: lengths and frame offsets are in bytes, as is what ucxx receives.
+                buffer = byte_view(sink.chunk_buffer(block, chunk))
+                check_chunk(header, block, chunk, len(buffer), self.peer)
                 await self._link.recv_payload(buffer, header.frame, self._silent, paced=True)
                 sink.chunk_landed(block, chunk, self.peer)
                 self._link.stats.bytes_received += header.length
@@ -388,18 +340,15 @@ class UcxChannel(Channel):
     async def fetch_file(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
         progress = _Progress(f"file {path}")
         async with self._request(progress):
-            await self._ask(REQ_FILE, offset, length, f"{package_id}\n{self._requester}\n{path}")
+            await self._ask(REQ_FILE, offset, length, request_payload(package_id, self._requester, path))
             header = await self._answer(FILE, progress)
-            if header.length > MAX_FILE_BYTES:
-                raise PeerProtocolError(self.peer, f"sent file {path} of {header.length} bytes (limit "
-                                                   f"{MAX_FILE_BYTES})")
             data = bytearray(header.length)
             await self._link.recv_payload(memoryview(data), header.frame, self._silent, paced=True)
             self._link.stats.bytes_received += header.length
             return bytes(data)
 
     async def _goodbye(self) -> None:
-        await self._link.send(_Header(CLOSE, 0, 0, 0, 0), memoryview(b""), self._silent, paced=False)
+        await self._link.send(Header(CLOSE), memoryview(b""), self._silent, paced=False)
         ack = await self._link.recv_header(self._silent)
         if ack.kind != CLOSE_ACK:
             log.debug("peer %s answered close with message type %d", self.peer, ack.kind)
@@ -422,7 +371,7 @@ class UcxChannel(Channel):
 
 
 class _ServerConnection:
-    """Serve side of one endpoint: answers requests one at a time, sending chunks as the provider gets them."""
+    """Serve side of one endpoint: answers requests one at a time, sending chunks as soon as this node has them."""
 
     def __init__(self, listener: "UcxListener", endpoint: "Endpoint") -> None:
         self._listener = listener
@@ -431,7 +380,7 @@ class _ServerConnection:
         self._link = _Link(endpoint, self.peer, listener.io_timeout_s, listener.limits, listener.stats)
         self._task = asyncio.current_task()
         self._peer_gone = asyncio.Event()
-        self._waiting_on_provider = False
+        self._waiting_on_served = False
         self._closing = False
         endpoint.set_close_callback(self._endpoint_closed)
 
@@ -446,7 +395,7 @@ class _ServerConnection:
     def _peer_closed(self) -> None:
         self._peer_gone.set()
         # A requester that went away while we wait for a chunk (cut-through) is not waited for.
-        if self._waiting_on_provider and not self._closing and self._task is not None:
+        if self._waiting_on_served and not self._closing and self._task is not None:
             self._task.cancel()
 
     def abort(self) -> None:
@@ -480,40 +429,19 @@ class _ServerConnection:
         """Answer one request; False once the requester said goodbye."""
         header = await self._link.recv_header(None)  # an idle connection has no deadline, as with TCP
         if header.kind == CLOSE:
-            await self._link.send(_Header(CLOSE_ACK, 0, 0, 0, 0), memoryview(b""), self._slow_reader, paced=False)
+            await self._link.send(Header(CLOSE_ACK), memoryview(b""), self._slow_reader, paced=False)
             try:  # the requester closes once it has the ack; closing first could reset its receive
                 await asyncio.wait_for(self._peer_gone.wait(), GOODBYE_S)
             except TimeoutError:
                 log.debug("requester %s did not close after its goodbye", self.peer)
             return False
-        if header.kind not in (REQ_BLOCK, REQ_FILE) or not 0 < header.length <= MAX_REQUEST_BYTES:
-            raise PeerProtocolError(self.peer, f"sent message type {header.kind} of {header.length} bytes "
-                                               "as a request")
+        check_request(header, self.peer)
         raw = bytearray(header.length)
         await self._link.recv_payload(memoryview(raw), header.frame, self._slow_reader, paced=False)
-        fields = raw.decode("utf-8", "replace").split("\n")
-        package_id, requester = fields[0], fields[1] if len(fields) > 1 else "?"
-        self.peer = self._link.peer = requester
-        provider = self._listener.provider
-        frame = self._frame(header.frame)
-        try:
-            if header.kind == REQ_BLOCK:
-                provider.peer_requested(requester, package_id, header.block)
-                await self._send_block(provider, package_id, header.block, header.chunk, frame)
-            else:
-                path = fields[2] if len(fields) > 2 else ""
-                provider.peer_requested(requester, package_id, None)
-                data = await self._from_provider(provider.file_bytes(package_id, path, header.block, header.chunk))
-                await self._link.send(_Header(FILE, 0, 0, len(data), frame), memoryview(data), self._slow_reader,
-                                      paced=True)
-                self._link.stats.bytes_sent += len(data)
-        except PeerError:
-            raise
-        except AgentError as exc:  # we do not hold what was asked for: say so and keep serving
-            log.info("refusing %s: %s", self.peer, exc)
-            message = str(exc).encode()[:MAX_ERROR_BYTES]
-            await self._link.send(_Header(ERROR, header.block, header.chunk, len(message), 0), memoryview(message),
-                                  self._slow_reader, paced=False)
+        request = parse_request(header, raw)
+        self.peer = self._link.peer = request.requester
+        send = functools.partial(self._send, self._frame(header.frame))
+        await answer_request(self._listener.served, request, send, self.peer, self._from_served)
         return True
 
     def _frame(self, requested: int) -> int:
@@ -521,33 +449,34 @@ class _ServerConnection:
         wanted = [f for f in (requested, LIMITED_SEND_SLICE if self._link.limits.egress is not None else 0) if f]
         return min(wanted) if wanted else 0
 
-    async def _from_provider(self, awaitable: Awaitable[_T]) -> _T:
-        self._waiting_on_provider = True
+    async def _from_served(self, awaitable: Awaitable[_T]) -> _T:
+        self._waiting_on_served = True
         try:
             return await awaitable
         finally:
-            self._waiting_on_provider = False
+            self._waiting_on_served = False
 
-    async def _send_block(self, provider: ChunkProvider, package_id: str, block: int, first: int,
-                          frame: int) -> None:
-        count = await self._from_provider(provider.chunk_count(package_id, block))
-        for chunk in range(first, count):
-            data = _as_bytes(await self._from_provider(provider.wait_chunk(package_id, block, chunk)))
-            await self._link.send(_Header(CHUNK, block, chunk, len(data), frame), data, self._slow_reader, paced=True)
-            self._link.stats.bytes_sent += len(data)
+    async def _send(self, frame: int, header: Header, payload: memoryview) -> None:
+        """Send one message: an answer in frames of ``frame``, paced at the egress limit and counted; an
+        ``ERROR`` whole, at once."""
+        if header.kind == ERROR:
+            await self._link.send(header, payload, self._slow_reader, paced=False)
+            return
+        await self._link.send(replace(header, frame=frame), payload, self._slow_reader, paced=True)
+        self._link.stats.bytes_sent += len(payload)
 
 
 class UcxListener(Listener):
-    """A UCX listener serving a provider.
+    """A UCX listener serving an agent's packages.
 
     UCX listens on every interface of the node (ucxx takes a port only); ``address`` names the host the
     agent was told to listen on, which is where its peers connect.
     """
 
-    def __init__(self, context: "ApplicationContext", provider: ChunkProvider, limits: HostRateLimits,
+    def __init__(self, context: "ApplicationContext", served: ServedPackages, limits: HostRateLimits,
                  stats: TransportStats, io_timeout_s: float, connect_timeout_s: float,
                  on_close: Callable[["UcxListener"], None]) -> None:
-        self.provider = provider
+        self.served = served
         self.limits = limits
         self.stats = stats
         self.io_timeout_s = io_timeout_s
@@ -634,7 +563,7 @@ async def _open_endpoint(context: "ApplicationContext", host: str, port: int, ti
 
 
 class UcxTransport(Transport):
-    """ucxx with application-level rate limits; see the module docstring for the wire format.
+    """ucxx with application-level rate limits; :mod:`.wire` describes the wire format.
 
     Call :meth:`close` when done: it closes what is still open and, with the last UCX transport of the
     process, stops ucxx's threads (a process that skips it would hang at exit but for a safety hook).
@@ -653,8 +582,8 @@ class UcxTransport(Transport):
             self._context = _RUNTIME.acquire()
         return self._context
 
-    async def listen(self, host: str, port: int, provider: ChunkProvider) -> UcxListener:
-        listener = UcxListener(self._runtime(), provider, self.limits, self.stats, self.io_timeout_s,
+    async def listen(self, host: str, port: int, served: ServedPackages) -> UcxListener:
+        listener = UcxListener(self._runtime(), served, self.limits, self.stats, self.io_timeout_s,
                                self.connect_timeout_s, self._listeners.discard)
         listener.start(host, port)
         self._listeners.add(listener)

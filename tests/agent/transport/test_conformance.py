@@ -2,7 +2,7 @@
 loopback in one process: blocks and files arrive byte-identical, a relay forwards chunks before its block
 is complete, a corrupt chunk is never present and names its sender, a relay forwards a file's ranges before it has
 the whole file. Transport-specific behaviour (faults
-on the wire, rate limits, process exit) is in test_tcp_transport.py and test_ucx_transport.py."""
+on the wire, rate limits, process exit) is in test_tcp.py and test_ucx.py."""
 
 import asyncio
 import threading
@@ -10,21 +10,23 @@ from pathlib import Path
 
 import pytest
 
+from control_plane.messages import PeerInfo
 from packager.manifest import manifest_from_json
 from pipecast.agent.errors import CorruptChunkError
-from pipecast.agent.fetcher import Peer
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.transport.base import Transport
+from pipecast.agent.transport.tcp import TcpTransport
+from pipecast.agent.transport.ucx import UcxTransport
 from pipecast.core.settings import Settings
 from pipecast.v1.manifest_pb2 import Manifest
 from tests.support.agent_fixtures import (
     FlippingServer,
     block_file_bytes,
     land_chunk,
-    make_package,
     receiving_store,
     seed_store,
 )
+from tests.support.packages import tiny_package
 
 CHUNK = 64 << 10
 UCX_NOTIFIER_THREAD = "UCX-Py Async Notifier Thread"  # ucxx's thread that must be gone once all are closed
@@ -35,7 +37,8 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> tuple[Path, Manifest]:
     root = tmp_path_factory.mktemp("conformance") / "pkg"
-    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK, tokenizer_bytes=300_000)
+    return root, tiny_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK,
+                              tokenizer_bytes=300_000).manifest
 
 
 @pytest.fixture(params=["tcp", pytest.param("ucx", marks=pytest.mark.ucx)])
@@ -43,10 +46,10 @@ async def transports(request):
     """Make transports of the kind under test; every one is closed at the end (and, for UCX, ucxx's
     notifier thread must be gone then)."""
     if request.param == "tcp":
-        from pipecast.agent.transport.tcp import TcpTransport as kind
+        kind = TcpTransport
     else:
         pytest.importorskip("ucxx", reason="the UCX extra (ucxx-cu12) is not installed")
-        from pipecast.agent.transport.ucx import UcxTransport as kind
+        kind = UcxTransport
     made: list[Transport] = []
 
     def make(node: str, **overrides) -> Transport:
@@ -118,7 +121,7 @@ async def test_corrupt_chunk_from_a_relay_is_never_present_and_names_it(package,
     faulty.add(seed)
     listener = await transports("faulty").listen("127.0.0.1", 0, faulty)
     store = receiving_store(manifest)
-    peer = Peer("faulty", listener.address)
+    peer = PeerInfo("faulty", listener.address)
     channel = await transports("rx").connect(peer.address, str(peer))
     try:
         with pytest.raises(CorruptChunkError) as caught:

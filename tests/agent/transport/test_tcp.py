@@ -4,10 +4,13 @@ resumes. What every transport must do is in test_transport_conformance.py."""
 import asyncio
 import importlib.util
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from control_plane.messages import PeerInfo
+from control_plane.planner.plan import Fetch
 from pipecast.agent.errors import (
     FetchFailedError,
     PeerClosedError,
@@ -16,15 +19,19 @@ from pipecast.agent.errors import (
     PeerTimeoutError,
     TransportUnavailableError,
 )
-from pipecast.agent.fetcher import FILE_RANGE_BYTES, ChannelPool, Fetcher, FetchPolicy, Peer, fetch_files
+from pipecast.agent.fetcher import FILE_RANGE_BYTES, ChannelPool, Fetcher, FetchPolicy, fetch_files
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.ratelimit import TokenBucket
 from pipecast.agent.store import BlockStore
+from pipecast.agent.transport import registry
 from pipecast.agent.transport.registry import resolve_transport_name
 from pipecast.agent.transport.tcp import TcpListener, TcpTransport
+from pipecast.agent.transport.wire import CHUNK as CHUNK_MESSAGE
+from pipecast.agent.transport.wire import TCP_HEADER, Header
 from pipecast.core.settings import Settings
 from pipecast.v1.manifest_pb2 import Manifest
-from tests.support.agent_fixtures import FlippingServer, block_file_bytes, make_package, receiving_store, seed_store
+from tests.support.agent_fixtures import FlippingServer, block_file_bytes, receiving_store, seed_store
+from tests.support.packages import tiny_package
 
 CHUNK = 64 << 10
 IO_TIMEOUT_S = 0.3
@@ -33,7 +40,8 @@ IO_TIMEOUT_S = 0.3
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> tuple[Path, Manifest]:
     root = tmp_path_factory.mktemp("tcp") / "pkg"
-    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK, tokenizer_bytes=600_000)
+    return root, tiny_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK,
+                              tokenizer_bytes=600_000).manifest
 
 
 def settings(**overrides) -> Settings:
@@ -106,10 +114,8 @@ async def test_peer_closing_mid_block_raises_closed_naming_it(package):
     _, manifest = package
 
     async def half(reader, writer):
-        from pipecast.agent.transport.tcp import CHUNK as CHUNK_MESSAGE, _header
-
         await reader.read(1 << 16)
-        writer.write(_header(CHUNK_MESSAGE, 0, 0, CHUNK) + bytes(1000))
+        writer.write(TCP_HEADER.pack(Header(CHUNK_MESSAGE, 0, 0, CHUNK)) + bytes(1000))
         await writer.drain()
         writer.close()
 
@@ -179,10 +185,6 @@ def test_token_bucket_lends_and_asks_for_repayment():
 
 
 def test_transport_selection(monkeypatch):
-    from dataclasses import replace
-
-    from pipecast.agent.transport import registry
-
     # auto means TCP on a node without GPU/RDMA, whether or not ucxx is installed
     entry = registry._REGISTRY["ucx"]
     monkeypatch.setitem(registry._REGISTRY, "ucx", replace(entry, preferred=lambda: False))
@@ -204,14 +206,14 @@ async def fetch_with(parent_server: PeerServer, manifest: Manifest, root: Path, 
         parent_server.listener = parent_listener
     source_server = RecordingServer()
     _, source_listener = await serve(source_server, source_seed)
-    parent, source = Peer("parent", parent_listener.address), Peer("source", source_listener.address)
+    parent, source = PeerInfo("parent", parent_listener.address), PeerInfo("source", source_listener.address)
     store = receiving_store(manifest)
     failures = []
     pool = ChannelPool(TcpTransport("rx", settings()))
     policy = FetchPolicy(concurrency=1, retries=1, backoff_s=0.01, fallbacks=(source,) if fallback else ())
     fetcher = Fetcher(store, pool, policy, on_peer_failure=lambda what, peer, exc: failures.append((what, peer, exc)))
     try:
-        await fetcher.fetch([(b, parent) for b in range(len(manifest.blocks))])
+        await fetcher.fetch([Fetch(b, parent) for b in range(len(manifest.blocks))])
         return store, failures, source_server.served, parent
     except BaseException:
         store.close()
@@ -264,7 +266,7 @@ async def test_a_failed_channel_takes_its_peers_idle_channels_with_it(package):
     seed = seed_store(root)
     _, listener = await serve(PeerServer(), seed)
     pool = ChannelPool(TcpTransport("rx", settings()))
-    peer = Peer("seed", listener.address)
+    peer = PeerInfo("seed", listener.address)
     try:
         first, second = await pool.acquire(peer), await pool.acquire(peer)
         pool.release(peer, first)   # e.g. the small files' channel, done
@@ -295,7 +297,7 @@ async def test_files_come_in_ranges_each_checked_whole_and_a_corrupting_peer_is_
     bad_seed, good_seed = seed_store(root), seed_store(root)
     _, bad_listener = await serve(FileFlippingServer(), bad_seed)
     _, good_listener = await serve(PeerServer(), good_seed)
-    bad, good = Peer("bad", bad_listener.address), Peer("good", good_listener.address)
+    bad, good = PeerInfo("bad", bad_listener.address), PeerInfo("good", good_listener.address)
     store = receiving_store(manifest)
     failures = []
     pool = ChannelPool(TcpTransport("rx", settings()))
@@ -312,14 +314,3 @@ async def test_files_come_in_ranges_each_checked_whole_and_a_corrupting_peer_is_
         for s in (store, bad_seed, good_seed):
             s.close()
 
-
-def test_only_a_peers_own_corrupt_data_gets_it_distrusted():
-    from packager.manifest import MANIFEST_FILE
-    from pipecast.agent.control import sender_at_fault
-    from pipecast.agent.errors import CorruptChunkError, CorruptFileError
-
-    assert sender_at_fault("block 3", CorruptChunkError("p", 3, 1))  # verified by the peer before it served it
-    assert sender_at_fault(MANIFEST_FILE, CorruptFileError("p", "sent an invalid manifest"))
-    # A file is forwarded before its relay has checked it whole: its parent may have corrupted it.
-    assert not sender_at_fault("tokenizer.json", CorruptFileError("p", "sent file 'tokenizer.json' ..."))
-    assert not sender_at_fault("block 3", PeerClosedError("p", "closed the connection"))

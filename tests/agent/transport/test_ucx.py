@@ -27,17 +27,18 @@ from pipecast.agent.peer_server import PeerServer  # noqa: E402
 from pipecast.agent.plan_file import plan_file_data  # noqa: E402
 from pipecast.agent.transport import registry  # noqa: E402
 from pipecast.agent.transport.registry import resolve_transport_name  # noqa: E402
-from pipecast.agent.transport.ucx import UcxListener, UcxTransport, _as_bytes, _tls_allows_tcp  # noqa: E402
+from pipecast.agent.transport.ucx import UcxListener, UcxTransport, _tls_allows_tcp  # noqa: E402
 from pipecast.core.settings import Settings  # noqa: E402
 from pipecast.v1.manifest_pb2 import Manifest  # noqa: E402
+from tests.support import REPO  # noqa: E402
 from tests.support.agent_fixtures import (  # noqa: E402
     block_file_bytes,
     land_chunk,
-    make_package,
     receiving_store,
     seed_store,
 )
-from tests.support.agent_processes import REPO, assert_identical_copy, free_ports, write_plan  # noqa: E402
+from tests.support.agent_processes import assert_identical_copy, free_ports, write_plan  # noqa: E402
+from tests.support.packages import tiny_package  # noqa: E402
 
 pytestmark = [pytest.mark.ucx, pytest.mark.timeout(60)]
 
@@ -49,7 +50,7 @@ NOTIFIER_THREAD = "UCX-Py Async Notifier Thread"  # ucxx's name for the thread t
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> tuple[Path, Manifest]:
     root = tmp_path_factory.mktemp("ucx") / "pkg"
-    return root, make_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK)
+    return root, tiny_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK).manifest
 
 
 def settings(**overrides) -> Settings:
@@ -191,15 +192,6 @@ async def test_rate_limit_paces_the_transfer(package, transports, side):
                                                ("sm,self", False), ("^tcp,ib", False)])
 def test_ucx_tls_without_tcp_is_recognised(tls, listens):
     assert _tls_allows_tcp(tls) is listens
-
-
-def test_typed_buffers_travel_as_flat_bytes():
-    import numpy as np
-
-    weights = np.arange(6, dtype=np.float32).reshape(2, 3)
-    view = _as_bytes(memoryview(weights))
-    assert (view.format, view.ndim, len(view)) == ("B", 1, weights.nbytes)
-    assert bytes(view) == weights.tobytes()
 
 
 def test_transport_selection_keeps_ucx_for_accelerated_nodes(monkeypatch):

@@ -27,7 +27,7 @@ from benchmarks.surge.run import SurgeBenchError
 from benchmarks.surge.trace import ScheduledRequest
 from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER
 from tests.support.agent_fixtures import corrupt_copy
-from tests.support.serve_packages import make_served_package
+from tests.support.packages import tiny_package
 
 STRATEGIES = ("unicast", "warm-pool:1", "pipecast")
 FIELDS = {"first100_ttft_p50_seconds", "first100_ttft_p99_seconds", "ttft_p99_seconds", "all_ready_seconds",
@@ -49,7 +49,7 @@ REQUESTS = 7
 
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> Path:
-    return make_served_package(tmp_path_factory.mktemp("surge"))
+    return tiny_package(tmp_path_factory.mktemp("surge") / "pkg", tokenizer=True).path
 
 
 def leftovers(workdir: Path) -> list[psutil.Process]:

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from control_plane.planner.replan import replan
-from control_plane.planner.schedules import STRATEGIES, Assignment, Plan, PlanError, make_plan
+from control_plane.planner.plan import STRATEGIES, Fetch, Plan, PlanError
+from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import simulate
 
 
@@ -102,16 +103,16 @@ def test_a_dead_chain_link_is_bridged_by_the_node_before_it():
     plan = make_plan("chain", ["store"], ["a", "b", "c", "d"], 3)
     new = replan(plan, dead={"b"}, held={"a": {0}, "c": {0}}, sources=["store"])
     assert new.assignments == {
-        "a": [Assignment(1, "store"), Assignment(2, "store")],
-        "c": [Assignment(1, "a"), Assignment(2, "a")],
-        "d": [Assignment(0, "c"), Assignment(1, "c"), Assignment(2, "c")],
+        "a": [Fetch(1, "store"), Fetch(2, "store")],
+        "c": [Fetch(1, "a"), Fetch(2, "a")],
+        "d": [Fetch(0, "c"), Fetch(1, "c"), Fetch(2, "c")],
     }
     assert new.held == {"c": (0,)}  # c already has block 0: d keeps c as its parent and c serves it
 
 
 def test_orphans_go_to_a_holder_in_their_rack_then_to_a_source():
-    plan = Plan("tree", ("store",), {"hub": [Assignment(0, "store")],
-                                     **{rx: [Assignment(0, "hub")] for rx in ["a1", "x1", "x2", "h1", "h2"]}})
+    plan = Plan("tree", ("store",), {"hub": [Fetch(0, "store")],
+                                     **{rx: [Fetch(0, "hub")] for rx in ["a1", "x1", "x2", "h1", "h2"]}})
     labels = {"a1": {"rack": "y"}, "x1": {"rack": "x"}, "x2": {"rack": "x"},
               "h1": {"rack": "y"}, "h2": {"rack": "x"}}
     new = replan(plan, dead={"hub"}, held={"h1": {0}, "h2": {0}}, sources=["store"], labels=labels, fanout=1)
@@ -126,9 +127,9 @@ def test_joined_receivers_fetch_from_holders_and_from_each_other():
     new = replan(plan, dead=(), held={"a": {0, 1}}, sources=["store"], joined=["j0", "j1", "j2"],
                  num_blocks=2, fanout=1)
     assert new.assignments == {
-        "j0": [Assignment(0, "a"), Assignment(1, "a")],
-        "j1": [Assignment(0, "j0"), Assignment(1, "j0")],
-        "j2": [Assignment(0, "j1"), Assignment(1, "j1")],
+        "j0": [Fetch(0, "a"), Fetch(1, "a")],
+        "j1": [Fetch(0, "j0"), Fetch(1, "j0")],
+        "j2": [Fetch(0, "j1"), Fetch(1, "j1")],
     }
     assert new.held == {"a": (0, 1)}
 
@@ -136,19 +137,14 @@ def test_joined_receivers_fetch_from_holders_and_from_each_other():
 def test_a_source_that_lost_its_blocks_and_rejoined_is_no_longer_a_parent():
     plan = make_plan("chain", ["p0", "store"], ["a"], 2)
     new = replan(plan, dead=(), held={}, sources=["store"], joined=["p0"], num_blocks=2)
-    assert new.assignments == {"a": [Assignment(0, "store"), Assignment(1, "store")],
-                               "p0": [Assignment(0, "a"), Assignment(1, "a")]}
+    assert new.assignments == {"a": [Fetch(0, "store"), Fetch(1, "store")],
+                               "p0": [Fetch(0, "a"), Fetch(1, "a")]}
 
 
 def test_a_receiver_that_became_a_source_leaves_the_plan():
     plan = make_plan("chain", ["store"], ["a", "b"], 2)
     new = replan(plan, dead=(), held={}, sources=["a", "store"])
-    assert new.assignments == {"b": [Assignment(0, "a"), Assignment(1, "a")]}
-
-
-def test_replan_is_also_importable_from_schedules():
-    from control_plane.planner.schedules import replan as reexported
-    assert reexported is replan
+    assert new.assignments == {"b": [Fetch(0, "a"), Fetch(1, "a")]}
 
 
 @pytest.mark.parametrize("kwargs, message", [

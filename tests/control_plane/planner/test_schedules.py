@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.planner.schedules import STRATEGIES, Assignment, Plan, PlanError, make_plan
+from control_plane.planner.plan import STRATEGIES, Fetch, Plan, PlanError
+from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import simulate
 from pipecast.core.errors import PipecastError
 
@@ -128,9 +129,9 @@ def test_binomial_for_a_thousand_receivers_keeps_its_bounds():
 
 def test_chain_and_tree_shapes():
     chain = make_plan("chain", ["store"], ["a", "b", "c"], 2)
-    assert chain.assignments == {"a": [Assignment(0, "store"), Assignment(1, "store")],
-                                 "b": [Assignment(0, "a"), Assignment(1, "a")],
-                                 "c": [Assignment(0, "b"), Assignment(1, "b")]}
+    assert chain.assignments == {"a": [Fetch(0, "store"), Fetch(1, "store")],
+                                 "b": [Fetch(0, "a"), Fetch(1, "a")],
+                                 "c": [Fetch(0, "b"), Fetch(1, "b")]}
     tree = make_plan("tree", ["store"], [f"w{i}" for i in range(7)], 1, fanout=3)
     assert {rx: fetches[0].parent for rx, fetches in tree.assignments.items()} == {
         "w0": "store", "w1": "store", "w2": "store", "w3": "w0", "w4": "w0", "w5": "w0", "w6": "w1"}
@@ -139,9 +140,9 @@ def test_chain_and_tree_shapes():
 
 def test_unicast_deals_receivers_round_robin_over_sources():
     plan = make_plan("unicast", ["a", "b"], ["x", "y", "z"], 2)
-    assert plan.assignments == {"x": [Assignment(0, "a"), Assignment(1, "a")],
-                                "y": [Assignment(0, "b"), Assignment(1, "b")],
-                                "z": [Assignment(0, "a"), Assignment(1, "a")]}
+    assert plan.assignments == {"x": [Fetch(0, "a"), Fetch(1, "a")],
+                                "y": [Fetch(0, "b"), Fetch(1, "b")],
+                                "z": [Fetch(0, "a"), Fetch(1, "a")]}
 
 
 def test_labels_prefer_a_parent_in_the_same_rack():
@@ -198,7 +199,7 @@ def test_json_round_trip(case):
 
 
 def test_json_round_trip_keeps_holders():
-    plan = Plan("chain", ("s",), {"a": [Assignment(1, "s")], "b": [Assignment(0, "a"), Assignment(1, "a")]},
+    plan = Plan("chain", ("s",), {"a": [Fetch(1, "s")], "b": [Fetch(0, "a"), Fetch(1, "a")]},
                 {"a": (0,)})
     data = plan.to_json()
     assert data["held"] == {"a": [0]}
@@ -237,7 +238,7 @@ def _good() -> dict:
     (lambda d: d["assignments"]["a"].append([0, "s"]) or d, "malformed plan: 'a' fetches block 0 twice"),
     (lambda d: d["assignments"]["a"].append([2, "a"]) or d, "malformed plan: 'a' fetches block 2 from itself"),
     (lambda d: d["assignments"]["a"].append([2, ""]) or d,
-     "malformed plan: 'a' has a fetch Assignment(block=2, parent='') without a block index >= 0 and a parent id"),
+     "malformed plan: 'a' has a fetch Fetch(block=2, parent='') without a block index >= 0 and a parent id"),
     (lambda d: d["assignments"].update(s=[[0, "a"]]) or d, "malformed plan: source 's' is also a receiver"),
     (lambda d: d["assignments"]["b"].append([2, "x"]) or d,
      "malformed plan: 'b' fetches block 2 from 'x', which is no source, does not hold it and does not fetch it"),
@@ -283,7 +284,7 @@ def test_children_inverts_the_assignments():
     for node in ["store", *plan.assignments]:
         for block in range(5):
             assert plan.children(node, block) == [rx for rx, fetches in plan.assignments.items()
-                                                  if Assignment(block, node) in fetches]
+                                                  if Fetch(block, node) in fetches]
 
 
 # --- the simulator: times in units of one chunk at link rate (1 byte chunks at 1 byte/s) ---
@@ -339,7 +340,7 @@ def test_binomial_needs_the_round_rhythm_at_many_chunks_per_block():
 
 
 def test_simulate_takes_sizes_per_block_and_holders():
-    plan = Plan("chain", ("s",), {"a": [Assignment(1, "s")], "b": [Assignment(0, "a"), Assignment(1, "a")]},
+    plan = Plan("chain", ("s",), {"a": [Fetch(1, "s")], "b": [Fetch(0, "a"), Fetch(1, "a")]},
                 {"a": (0,)})
     # b: block 0 (3 bytes, chunks of 2 and 1) from holder a, then block 1 (2 bytes) that a has at 2.
     assert simulate(plan, [3, 2], 1, 2) == {"a": 2, "b": 3 + 2}
@@ -347,8 +348,8 @@ def test_simulate_takes_sizes_per_block_and_holders():
 
 def test_simulate_reports_a_deadlock():
     # a gets block 0 from b, which gets it only after block 1, which it gets from a after block 0.
-    plan = Plan("chain", ("s",), {"a": [Assignment(0, "b"), Assignment(1, "s")],
-                                  "b": [Assignment(1, "a"), Assignment(0, "s")]})
+    plan = Plan("chain", ("s",), {"a": [Fetch(0, "b"), Fetch(1, "s")],
+                                  "b": [Fetch(1, "a"), Fetch(0, "s")]})
     with pytest.raises(PlanError, match=r"^plan deadlocks in simulation: 2 receiver\(s\) never finish, e\.g\. "
                                         r"'a' waiting for block 0 from 'b'$"):
         simulate(plan, 1, 1, 1)

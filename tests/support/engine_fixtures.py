@@ -1,5 +1,5 @@
-"""Tiny packages and transformers reference models for the engine and hook tests (built in-process), and
-a fake node agent whose blocks a test releases one by one."""
+"""What the engine and loading tests compare with and load through: transformers' reference models, random
+prompts, and a fake node agent whose blocks a test releases one by one (the packages: tests.support.packages)."""
 
 import mmap
 import random
@@ -7,26 +7,8 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+from packager.package import Package
 from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError
-
-from tests.support.tiny_models import make_checkpoint
-
-# Larger than transformers' default init (0.02), so a random tiny model's greedy tokens vary instead of
-# repeating one token: token-level comparisons then mean something.
-INIT_RANGE = 0.3
-
-
-def make_package(root: Path, arch: str, *, dtype: str = "float32", seed: int = 0, layers_per_block: int = 1,
-                 **overrides) -> tuple[Path, Path]:
-    """(checkpoint folder, package folder) of a random tiny ``arch`` model under ``root``."""
-    from packager.pack import pack
-
-    name = f"{arch}-{dtype}-{seed}"
-    ckpt = make_checkpoint(arch, root / f"{name}-ckpt", seed=seed, dtype=dtype, initializer_range=INIT_RANGE,
-                           **overrides)
-    pkg = root / f"{name}-pkg"
-    pack(ckpt, pkg, layers_per_block=layers_per_block)
-    return ckpt, pkg
 
 
 def reference_model(ckpt: Path):
@@ -48,6 +30,7 @@ def reference_generate(model, prompt: list[int], max_new_tokens: int) -> list[in
 
 
 def random_prompt(length: int, seed: int, vocab: int = 256) -> list[int]:
+    """``length`` token ids drawn from ``vocab``, the same for the same ``seed``."""
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(length)]
 
@@ -57,8 +40,6 @@ class GatedAgent:
     prefix of it) verified only once the test releases it."""
 
     def __init__(self, pkg: Path) -> None:
-        from packager.package import Package
-
         self.root = pkg
         self._manifest = Package.open(pkg).manifest
         self.buffers = []

@@ -1,18 +1,19 @@
-"""Where a node's local package bytes come from: a package folder (a seed, or the agent's disk cache).
+"""A node's local package bytes, there without the network: a package folder (a seed, or the agent's disk
+cache).
 
-A :class:`PackageSource` only finds and maps bytes; the block store verifies them. An object-store
-source can implement the same three methods later.
+A :class:`LocalPackage` only finds and maps bytes; the block store verifies them. An object-store
+implementation of the same three methods can come later.
 """
 
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from packager.manifest import read_manifest
+from packager.package import Package
 from pipecast.agent.buffers import BlockBuffer, FileBuffer
 from pipecast.v1.manifest_pb2 import Manifest
 
 
-class PackageSource(ABC):
+class LocalPackage(ABC):
     """Blocks and small files of one package, available without the network."""
 
     description: str
@@ -31,29 +32,24 @@ class PackageSource(ABC):
         """A small package file listed in the manifest, or None when it is not there."""
 
 
-class PackageFolderSource(PackageSource):
+class LocalPackageFolder(LocalPackage):
     """A package folder as the packager writes it (``manifest.json``, small files, ``blocks/``)."""
 
     def __init__(self, root: Path, manifest: Manifest | None = None) -> None:
         """Open ``root``; its manifest is read and validated unless ``manifest`` (already verified) is given."""
-        self.root = Path(root)
+        self.package = Package.open(root, manifest)
+        self.root = self.package.root
         self.description = f"package folder {self.root}"
-        self.manifest = manifest if manifest is not None else read_manifest(self.root)
-
-    def _block_path(self, index: int) -> Path:
-        return self.root / self.manifest.blocks[index].file
+        self.manifest = self.package.manifest
 
     def has_block(self, index: int) -> bool:
-        try:
-            return self._block_path(index).stat().st_size == self.manifest.blocks[index].bytes
-        except OSError:
-            return False
+        return self.package.has_block(index)
 
     def open_block(self, index: int) -> BlockBuffer:
-        return FileBuffer(self._block_path(index), self.manifest.blocks[index].bytes)
+        return FileBuffer(self.package.block_path(index), self.package.block(index).bytes)
 
     def read_file(self, path: str) -> bytes | None:
         try:
-            return (self.root / path).read_bytes()
-        except FileNotFoundError:
+            return self.package.small_file(path)
+        except FileNotFoundError:  # a cache folder holds the files fetched so far
             return None

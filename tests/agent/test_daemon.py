@@ -1,0 +1,58 @@
+"""The agent daemon in-process: seeded with a package, it serves its blocks to a TCP peer, reports them in its
+status and event log, and on stop closes its port and frees its blocks."""
+
+import asyncio
+
+import pytest
+
+from pipecast.agent.daemon import AgentDaemon, AgentOptions
+from pipecast.agent.errors import PeerConnectError
+from pipecast.agent.events import read_events
+from pipecast.agent.transport.tcp import TcpTransport
+from pipecast.core.settings import Settings
+from tests.support.agent_fixtures import block_file_bytes, receiving_store
+
+pytestmark = pytest.mark.timeout(30)
+
+SETTINGS = dict(agent_transport="tcp", agent_cache_dir=None, agent_local_socket=None, connect_timeout_s=1.0,
+                egress_mbit=0, ingress_mbit=0)
+
+
+async def test_a_seeded_daemon_serves_a_block_reports_it_and_frees_everything_on_stop(tiny_package, tmp_path):
+    package = tiny_package(layers=3, layer_bytes=200_000, chunk_bytes=64 << 10)
+    manifest = package.manifest
+    events = tmp_path / "seed.jsonl"
+    daemon = AgentDaemon(AgentOptions(node_id="seed", listen="127.0.0.1:0", seed=package.path, events=events),
+                         Settings(**SETTINGS))
+    running = asyncio.create_task(daemon.run())
+    while daemon.listener is None:
+        assert not running.done(), running.exception()
+        await asyncio.sleep(0.01)
+    address = daemon.listener.address
+    client = TcpTransport("rx", Settings(**SETTINGS))
+    received = receiving_store(manifest)
+    try:
+        channel = await client.connect(address, "seed")
+        await channel.fetch_block(manifest.package_id, 1, 0, received)
+        await channel.close()
+        assert received.verified_blocks() == [1]
+        assert bytes(received.block_view(1)) == block_file_bytes(package.path, manifest, 1)
+
+        status = daemon.status()
+        assert (status["node"], status["address"]) == ("seed", address)
+        assert status["bytes_sent"] >= manifest.blocks[1].bytes
+        held = status["packages"][manifest.package_id]
+        assert held["complete"] and held["blocks_verified"] == held["blocks_total"] == 3
+    finally:
+        received.close()
+        daemon.stop()
+        await asyncio.wait_for(running, 10)
+
+    store = daemon.peer_server.stores[manifest.package_id]
+    assert store.verified_blocks() == []  # its block buffers are released
+    with pytest.raises(PeerConnectError):
+        await client.connect(address, "seed")
+    await client.close()
+    log = read_events(events)
+    assert [(e["requester"], e["block"]) for e in log if e["event"] == "peer_request"] == [("rx", 1)]
+    assert log[-1]["event"] == "stopped" and log[-1]["bytes_sent"] == status["bytes_sent"]

@@ -1,0 +1,59 @@
+"""Placement of a scale-up (:mod:`control_plane.placement`), pure: which workers receive a package, which
+nodes send it, and the default strategy."""
+
+import pytest
+
+from control_plane.errors import InsufficientWorkers
+from control_plane.placement import (
+    CHAIN_MAX_RECEIVERS, Candidate, Targets, counted_targets, default_strategy, named_targets, pick_sources)
+
+PACKAGE_BYTES = 100
+
+
+def candidate(node: str, *, memory: int = 1000, committed: int = 0, held: int = 0, complete: bool = False,
+              receiving: bool = False, releasing: bool = False) -> Candidate:
+    return Candidate(node, memory, committed, held, complete, receiving, releasing)
+
+
+def test_a_package_fits_beside_what_a_worker_is_committed_to():
+    assert candidate("w", memory=300, committed=200).fits(PACKAGE_BYTES)
+    assert not candidate("w", memory=300, committed=201).fits(PACKAGE_BYTES)
+
+
+def test_named_workers_that_hold_or_receive_the_package_stay_unchanged():
+    targets = named_targets("pkg", PACKAGE_BYTES, [candidate("a"), candidate("b", complete=True),
+                                                   candidate("c", receiving=True), candidate("d")])
+    assert targets == Targets(receivers=("a", "d"), unchanged=("b", "c"))
+
+
+def test_a_named_worker_without_room_is_refused_with_its_free_budget():
+    with pytest.raises(InsufficientWorkers, match="worker 'a' has 50 B of its 1000 B memory budget free; "
+                                                  "package 'pkg' needs 100 B"):
+        named_targets("pkg", PACKAGE_BYTES, [candidate("a", committed=950)])
+
+
+def test_counted_workers_come_releasing_holders_first_then_most_held_then_least_committed():
+    candidates = [candidate("full", complete=True),  # holds it and is not releasing it: not a target
+                  candidate("busy", receiving=True),
+                  candidate("tight", committed=950),
+                  candidate("c", committed=200), candidate("b", committed=100), candidate("a", committed=100),
+                  candidate("half", held=4, committed=500),
+                  candidate("kept", complete=True, releasing=True)]
+    assert counted_targets("pkg", PACKAGE_BYTES, candidates, 4) == Targets(("half", "a", "b"), ("kept",))
+
+
+def test_too_few_workers_for_the_count_are_refused():
+    with pytest.raises(InsufficientWorkers, match=r"asked for 2 more workers; only 1 are alive"):
+        counted_targets("pkg", PACKAGE_BYTES, [candidate("a"), candidate("b", complete=True)], 2)
+
+
+def test_sources_are_the_complete_holders_else_the_store():
+    assert pick_sources(["w1", "w2"], "store", exclude={"w2"}) == ["w1"]
+    assert pick_sources(["w1"], "store", exclude={"w1"}) == ["store"]
+    assert pick_sources([], "store", exclude={"store"}) == []
+
+
+def test_the_default_strategy_is_a_chain_for_few_receivers_of_one_source():
+    assert default_strategy(1, CHAIN_MAX_RECEIVERS) == "chain"
+    assert default_strategy(1, CHAIN_MAX_RECEIVERS + 1) == "binomial"
+    assert default_strategy(2, 1) == "rotated"

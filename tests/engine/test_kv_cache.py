@@ -1,0 +1,82 @@
+"""The KV cache: masks only where SDPA's own causal rule is not exact, a prompt's keys moving into a row of
+the shared cache, rows kept dense, capacity that grows without losing what is stored, and the view one
+batched decode step attends over."""
+
+import pytest
+import torch
+
+from pipecast.engine.kv_cache import CAPACITY_STEP, PrefillCache, SlotKVCache, decode_mask, prefill_mask
+
+CPU = torch.device("cpu")
+LAYERS, HEADS, DIM = 2, 2, 4
+
+
+def cache(rows: int = 3) -> SlotKVCache:
+    return SlotKVCache(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, rows=rows, dtype=torch.float32,
+                       device=CPU)
+
+
+def prompt_cache(length: int, seed: int) -> PrefillCache:
+    """A prefilled prompt's cache: each layer's keys and values, [1, heads, length, dim]."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = PrefillCache()
+    for layer in range(LAYERS):
+        keys, values = (torch.randn(1, HEADS, length, DIM, generator=generator) for _ in range(2))
+        assert prompt.update(keys, values, layer) == (keys, values)
+    return prompt
+
+
+def test_a_prompt_needs_a_mask_only_once_it_reaches_the_sliding_window():
+    assert prefill_mask(5, None, CPU) is None and prefill_mask(5, 6, CPU) is None
+    mask = prefill_mask(5, 3, CPU)
+    assert mask.shape == (1, 1, 5, 5)
+    # query i sees keys i-2..i: causal, and no further back than the window
+    assert mask[0, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 0],
+                                         [0, 0, 1, 1, 1]]
+
+
+def test_a_decode_step_needs_a_mask_only_for_rows_of_different_lengths_or_past_the_window():
+    assert decode_mask([4, 4], None, CPU) is None and decode_mask([4, 4], 6, CPU) is None
+    mask = decode_mask([1, 3], None, CPU)
+    assert mask.shape == (2, 1, 1, 4)
+    assert mask[:, 0, 0].int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert decode_mask([3, 3], 2, CPU)[:, 0, 0].int().tolist() == [[0, 0, 1, 1], [0, 0, 1, 1]]
+
+
+def test_capacity_grows_in_steps_at_least_doubling_and_keeps_what_is_stored():
+    slots = cache()
+    assert slots.capacity == 0 and slots.nbytes == 0  # nothing allocated before first use
+    slots.write_prompt(1, prompt := prompt_cache(5, seed=1), 5)
+    assert slots.capacity == CAPACITY_STEP
+    assert slots.nbytes == 2 * LAYERS * 3 * HEADS * CAPACITY_STEP * DIM * 4
+    slots.reserve(CAPACITY_STEP + 1)
+    assert slots.capacity == 2 * CAPACITY_STEP
+    slots.reserve(5 * CAPACITY_STEP - 10)
+    assert slots.capacity == 5 * CAPACITY_STEP
+    for layer in range(LAYERS):
+        assert torch.equal(slots.keys[layer][1, :, :5], prompt.keys[layer][0])
+        assert torch.equal(slots.values[layer][1, :, :5], prompt.values[layer][0])
+        assert not slots.keys[layer][1, :, 5:].any() and not slots.keys[layer][0].any()  # zeros, not garbage
+
+
+def test_a_decode_step_writes_each_rows_token_and_attends_over_a_view_of_the_used_rows():
+    slots = cache()
+    short, long = prompt_cache(2, seed=1), prompt_cache(4, seed=2)
+    slots.write_prompt(2, short, 2)  # a sequence in row 2, moved down when row 0 is free
+    slots.write_prompt(1, long, 4)
+    slots.move_row(2, 0, 2)
+    step = slots.step([2, 4])  # row 0 writes at position 2, row 1 at position 4
+    new_keys, new_values = torch.randn(2, HEADS, 1, DIM), torch.randn(2, HEADS, 1, DIM)
+    keys, values = step.update(new_keys, new_values, layer_idx=1)
+    assert keys.shape == values.shape == (2, HEADS, 5, DIM)
+    assert keys.data_ptr() == slots.keys[1].data_ptr()  # a view of the cache, not a gather
+    assert torch.equal(keys[0, :, :2], short.keys[1][0]) and torch.equal(keys[1, :, :4], long.keys[1][0])
+    assert torch.equal(keys[0, :, 2], new_keys[0, :, 0]) and torch.equal(values[1, :, 4], new_values[1, :, 0])
+    assert not keys[0, :, 3:].any()  # row 0's future positions stay empty (masked by decode_mask)
+
+
+@pytest.mark.parametrize("positions", [[0], [CAPACITY_STEP]])
+def test_a_step_makes_room_for_its_furthest_position(positions):
+    slots = cache(rows=1)
+    slots.step(positions)
+    assert slots.capacity > max(positions)

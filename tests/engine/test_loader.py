@@ -1,0 +1,96 @@
+"""The block loader: binds blocks in whatever order they arrive, a streamed block part by part as its bytes are
+verified, declares a silent source stalled, and stops when told."""
+
+import time
+
+import pytest
+import torch
+
+from packager.blockfile import buffer_header, map_file
+from pipecast.engine.errors import BlockStalledError, ModelLoadError
+from pipecast.engine.loader import BlockLoader
+from pipecast.engine.progressive import ProgressiveModel
+from pipecast.engine.providers import AgentBlockProvider, DelayedProvider, PackageFolderProvider
+from pipecast.engine.weights import ATTENTION, EMBED, HEAD, MLP_IN, stage_of
+from tests.support.engine_fixtures import GatedAgent
+from tests.support.packages import tiny_package
+
+WAIT_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    """A 4-layer llama in 4 blocks of one layer each (the embeddings in the first, the head in the last)."""
+    return tiny_package(tmp_path_factory.mktemp("loader") / "pkg", seed=3).path
+
+
+def loading(provider, stall_timeout_s: float = 600.0) -> tuple[BlockLoader, ProgressiveModel]:
+    model = ProgressiveModel(provider.config, dtype=torch.float32)
+    loader = BlockLoader(provider, model, stall_timeout_s=stall_timeout_s)
+    loader.start()
+    return loader, model
+
+
+def wait_until(predicate, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def test_a_block_that_arrives_early_is_bound_while_the_lowest_missing_one_is_awaited(pkg):
+    provider = DelayedProvider(PackageFolderProvider(pkg))
+    loader, model = loading(provider)
+    try:
+        provider.release(2)
+        wait_until(lambda: loader.blocks_bound == 1)
+        assert model.is_ready(2) and not model.is_ready(EMBED)
+        provider.release(3, 0)
+        wait_until(lambda: loader.blocks_bound == 3)
+        assert model.is_ready(HEAD) and model.is_ready(0) and not model.is_ready(1)
+        provider.release(1)
+        wait_until(lambda: model.fully_loaded)
+        bound = loader.block_bound_at
+        assert bound[2] < bound[0] < bound[1] and bound[3] < bound[1]
+    finally:
+        loader.stop(timeout=WAIT_S)
+
+
+def test_a_source_silent_past_the_stall_timeout_fails_the_model_naming_the_missing_blocks(pkg):
+    provider = DelayedProvider(PackageFolderProvider(pkg))
+    provider.release(0)
+    loader, model = loading(provider, stall_timeout_s=0.3)
+    try:
+        wait_until(lambda: model.failed)
+        with pytest.raises(ModelLoadError) as info:
+            model.check_failed()
+        stalled = info.value.__cause__
+        assert isinstance(stalled, BlockStalledError) and stalled.blocks == [1, 2, 3]
+        assert model.is_ready(0) and loader.blocks_bound == 1  # what arrived stays bound
+    finally:
+        loader.stop(timeout=WAIT_S)
+
+
+def test_stop_ends_the_wait_within_a_poll_slice_without_failing_the_model(pkg):
+    loader, model = loading(DelayedProvider(PackageFolderProvider(pkg)))
+    started = time.monotonic()
+    loader.stop(timeout=WAIT_S)
+    assert time.monotonic() - started < 1.0  # not the join's timeout: the thread ended
+    assert not model.failed and loader.blocks_bound == 0
+
+
+def test_a_streamed_block_is_bound_stage_by_stage_as_its_bytes_are_verified(pkg):
+    agent = GatedAgent(pkg)
+    provider = AgentBlockProvider(agent, package_id=None, where="gated agent", timeout_s=WAIT_S)
+    header = buffer_header(map_file(pkg / provider.manifest.blocks[0].file))
+    attention_end = max(t.end for name, t in header.tensors.items() if stage_of(name) == (0, ATTENTION))
+    loader, model = loading(provider)
+    try:
+        agent.release_prefix(0, header.data_start + attention_end)
+        wait_until(lambda: model.is_ready((0, ATTENTION)))
+        assert model.is_ready(EMBED) and not model.is_ready((0, MLP_IN)) and loader.blocks_bound == 0
+        agent.release()
+        wait_until(lambda: model.fully_loaded)
+        assert loader.blocks_bound == 4
+    finally:
+        loader.stop(timeout=WAIT_S)

@@ -1,0 +1,91 @@
+"""Tiny packages for the tests, built in-process with the real packager: :func:`tiny_package`.
+
+Two kinds: a random tiny transformers model (torch builds it; the engine runs it, a serving worker serves
+it with the byte-level tokenizer), or random bytes shaped like a llama checkpoint (no torch: fast, and as
+large as a test of the agent or the transports needs; nothing can run it).
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from packager.pack import pack
+from pipecast.core.units import DEFAULT_CHUNK_BYTES
+from pipecast.v1.manifest_pb2 import Manifest
+from tests.support.tiny_models import make_checkpoint
+
+# Larger than transformers' default init (0.02), so a random tiny model's greedy tokens vary instead of
+# repeating one token: token-level comparisons then mean something.
+INIT_RANGE = 0.3
+
+
+@dataclass(frozen=True)
+class TinyPackage:
+    """A packed tiny checkpoint: the checkpoint folder, the package folder and its manifest."""
+
+    checkpoint: Path
+    path: Path
+    manifest: Manifest
+
+
+def tiny_package(path: Path, arch: str = "llama", *, seed: int = 0, layers: int = 4, layers_per_block: int = 1,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, dtype: str = "float32", tokenizer: bool = False,
+                 layer_bytes: int | None = None, tokenizer_bytes: int = 0, **config) -> TinyPackage:
+    """Pack a tiny checkpoint of ``layers`` layers into the package folder ``path`` (model name
+    ``tiny-<arch>``); the checkpoint is written beside it, at ``<path>-checkpoint``.
+
+    By default a random ``arch`` model (see :mod:`tests.support.tiny_models`; ``config`` overrides its
+    config) in ``dtype``. With ``layer_bytes``, random bytes instead: ``layer_bytes`` per layer, shaped
+    like a llama checkpoint, and ``tokenizer_bytes`` of random bytes as its ``tokenizer.json`` if asked
+    (a small file to move). ``tokenizer`` adds the byte-level tokenizer a serving worker needs.
+    """
+    checkpoint = path.parent / f"{path.name}-checkpoint"
+    if layer_bytes is None:
+        if tokenizer_bytes:
+            raise ValueError("tokenizer_bytes is for random-bytes packages (layer_bytes)")
+        make_checkpoint(arch, checkpoint, seed=seed, dtype=dtype, initializer_range=INIT_RANGE,
+                        num_hidden_layers=layers, **config)
+    elif arch != "llama" or config:
+        raise ValueError("a random-bytes package (layer_bytes) is shaped like a llama and has no model config")
+    else:
+        _random_checkpoint(checkpoint, layers, layer_bytes, tokenizer_bytes, seed)
+    if tokenizer:
+        write_byte_tokenizer(checkpoint)
+    manifest = pack(checkpoint, path, layers_per_block=layers_per_block, chunk_bytes=chunk_bytes,
+                    model_name=f"tiny-{arch}")
+    return TinyPackage(checkpoint, path, manifest)
+
+
+def _random_checkpoint(folder: Path, layers: int, layer_bytes: int, tokenizer_bytes: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    tensors = {"model.embed_tokens.weight": rng.integers(0, 256, (16, 256), dtype=np.uint8),
+               "model.norm.weight": rng.integers(0, 256, (256,), dtype=np.uint8)}
+    for layer in range(layers):
+        tensors[f"model.layers.{layer}.mlp.weight"] = rng.integers(0, 256, (layer_bytes,), dtype=np.uint8)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers}))
+    if tokenizer_bytes:
+        (folder / "tokenizer.json").write_bytes(rng.integers(0, 256, tokenizer_bytes, dtype=np.uint8).tobytes())
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (the alphabet of byte-level BPE)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def write_byte_tokenizer(folder: Path) -> None:
+    """Write tokenizer.json and tokenizer_config.json of a byte-level tokenizer: token id = byte value."""
+    vocab = {symbol: byte for byte, symbol in _byte_symbols().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
