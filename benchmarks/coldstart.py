@@ -299,7 +299,6 @@ def measure_compute(package: Path, prompts: Mapping[int, Sequence[int]], threads
     """
     import torch
 
-
     profiles = {}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -320,7 +319,6 @@ def _time_prefill(model, prompt: list[int], last_block_start: int) -> tuple[floa
     """Seconds of one prefill as the engine's scheduler runs it: in all, and from ``last_block_start``'s
     layer to the first token's logits."""
     import torch
-
 
     m = model
     start = time.perf_counter()

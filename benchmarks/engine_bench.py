@@ -59,7 +59,6 @@ def run(package: Path, *, concurrencies: Sequence[int], prompt_tokens: int, max_
     throughput at each concurrency, ``repeat`` times."""
     import torch
 
-
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -110,7 +110,6 @@ def run(workdir: Path, size_bytes: int, repeat: int = 3, progress=print) -> Pack
     cp_seconds, pack_seconds = statistics.median(cp_times), statistics.median(pack_times)
     import safetensors.torch
 
-
     def open_all(verify: bool) -> float:
         start = time.perf_counter()
         pkg = Package.open(out)

@@ -321,7 +321,6 @@ def measure_prefill_seconds(package: Path, prompt_tokens: int, threads: int = WO
     the model loaded from the package folder: what one request costs a worker here."""
     import torch
 
-
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
