@@ -3,7 +3,6 @@
 import asyncio
 import mmap
 import os
-from pathlib import Path
 
 import pytest
 
@@ -23,16 +22,11 @@ from pipecast.agent.errors import (
 from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.agent.store import BlockStore
 from pipecast.v1.manifest_pb2 import Manifest
+from tests.agent.conftest import CHUNK
 from tests.support.agent_fixtures import block_file_bytes, receiving_store
 from tests.support.packages import tiny_package
 
-CHUNK = 64 << 10
-
-
-@pytest.fixture(scope="module")
-def package(tmp_path_factory) -> tuple[Path, Manifest]:
-    root = tmp_path_factory.mktemp("store") / "pkg"
-    return root, tiny_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK, tokenizer_bytes=1000).manifest
+TOKENIZER_BYTES = 1_000  # the package fixture (conftest) gives it a tokenizer file this big
 
 
 def put_chunk(store: BlockStore, block: int, chunk: int, data: bytes, peer: str = "p1") -> None:

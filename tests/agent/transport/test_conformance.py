@@ -6,7 +6,6 @@ on the wire, rate limits, process exit) is in test_tcp.py and test_ucx.py."""
 
 import asyncio
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +17,6 @@ from pipecast.agent.transport.base import Transport
 from pipecast.agent.transport.tcp import TcpTransport
 from pipecast.agent.transport.ucx import UcxTransport
 from pipecast.core.settings import Settings
-from pipecast.v1.manifest_pb2 import Manifest
 from tests.support.agent_fixtures import (
     FlippingServer,
     block_file_bytes,
@@ -26,19 +24,12 @@ from tests.support.agent_fixtures import (
     receiving_store,
     seed_store,
 )
-from tests.support.packages import tiny_package
+from tests.agent.conftest import CHUNK
 
-CHUNK = 64 << 10
+TOKENIZER_BYTES = 300_000  # the package fixture (conftest) gives it a tokenizer file this big
 UCX_NOTIFIER_THREAD = "UCX-Py Async Notifier Thread"  # ucxx's thread that must be gone once all are closed
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def package(tmp_path_factory) -> tuple[Path, Manifest]:
-    root = tmp_path_factory.mktemp("conformance") / "pkg"
-    return root, tiny_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK,
-                              tokenizer_bytes=300_000).manifest
 
 
 @pytest.fixture(params=["tcp", pytest.param("ucx", marks=pytest.mark.ucx)])

@@ -30,18 +30,11 @@ from pipecast.agent.transport.wire import CHUNK as CHUNK_MESSAGE
 from pipecast.agent.transport.wire import TCP_HEADER, Header
 from pipecast.core.settings import Settings
 from pipecast.v1.manifest_pb2 import Manifest
+from tests.agent.conftest import CHUNK
 from tests.support.agent_fixtures import FlippingServer, block_file_bytes, receiving_store, seed_store
-from tests.support.packages import tiny_package
 
-CHUNK = 64 << 10
+TOKENIZER_BYTES = 600_000  # the package fixture (conftest) gives it a tokenizer file this big
 IO_TIMEOUT_S = 0.3
-
-
-@pytest.fixture(scope="module")
-def package(tmp_path_factory) -> tuple[Path, Manifest]:
-    root = tmp_path_factory.mktemp("tcp") / "pkg"
-    return root, tiny_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK,
-                              tokenizer_bytes=600_000).manifest
 
 
 def settings(**overrides) -> Settings:

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -29,7 +28,6 @@ from pipecast.agent.transport import registry  # noqa: E402
 from pipecast.agent.transport.registry import resolve_transport_name  # noqa: E402
 from pipecast.agent.transport.ucx import UcxListener, UcxTransport, _tls_allows_tcp  # noqa: E402
 from pipecast.core.settings import Settings  # noqa: E402
-from pipecast.v1.manifest_pb2 import Manifest  # noqa: E402
 from tests.support import REPO  # noqa: E402
 from tests.support.agent_fixtures import (  # noqa: E402
     block_file_bytes,
@@ -38,19 +36,11 @@ from tests.support.agent_fixtures import (  # noqa: E402
     seed_store,
 )
 from tests.support.agent_processes import assert_identical_copy, free_ports, write_plan  # noqa: E402
-from tests.support.packages import tiny_package  # noqa: E402
 
 pytestmark = [pytest.mark.ucx, pytest.mark.timeout(60)]
 
-CHUNK = 64 << 10
 IO_TIMEOUT_S = 0.3
 NOTIFIER_THREAD = "UCX-Py Async Notifier Thread"  # ucxx's name for the thread that must stop at exit
-
-
-@pytest.fixture(scope="module")
-def package(tmp_path_factory) -> tuple[Path, Manifest]:
-    root = tmp_path_factory.mktemp("ucx") / "pkg"
-    return root, tiny_package(root, layers=3, layer_bytes=200_000, chunk_bytes=CHUNK).manifest
 
 
 def settings(**overrides) -> Settings:
