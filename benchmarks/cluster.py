@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from pipecast.core.errors import PipecastError
 from pipecast.core.fsutil import pid_alive
+from pipecast.core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ RequestedMode = Literal["auto", "netns", "loopback"]
 
 EGRESS_ENV = "PIPECAST_EGRESS_MBIT"
 INGRESS_ENV = "PIPECAST_INGRESS_MBIT"
+PER_ADDRESS_ENV = "PIPECAST_AGENT_MAX_CONNECTIONS_PER_ADDRESS"
 
 NETNS_SUBNET = "10.77.0."
 NETNS_PREFIX_LEN = 24
@@ -382,6 +384,9 @@ class EmulatedCluster:
             command = [_tool("ip"), "netns", "exec", self._host_netns(plan), *argv]
         else:
             child_env.update({EGRESS_ENV: f"{plan.egress_mbit:g}", INGRESS_ENV: f"{plan.ingress_mbit:g}"})
+            # Every host has the same address here: an agent's per-address connection cap would be the
+            # whole cluster's, so it gets the total cap instead.
+            child_env.setdefault(PER_ADDRESS_ENV, str(Settings.model_fields["agent_max_connections"].default))
             command = list(argv)
         child_env.update(env or {})
         process = subprocess.Popen(command, env=child_env, start_new_session=True, **popen_kwargs)

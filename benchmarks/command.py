@@ -56,8 +56,11 @@ def bench_pack(size, workdir, repeat, json_path):
               show_default=True, help="Where the demo package is cached.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the agents' plans, events and logs here (default: a temp dir, removed).")
+@click.option("--no-auth", is_flag=True,
+              help="Run the agents without credentials (no data-plane hello), to compare with the default: every "
+                   "agent given the same master token.")
 def bench_distribution(workers, link_mbit, store_mbit, package, strategies, transport, repeat, mode, json_path,
-                       plot_path, cache, workdir):
+                       plot_path, cache, workdir, no_auth):
     """N workers receive a block package in about the time one does: every strategy vs the floor S/B."""
     from benchmarks import distribution
 
@@ -71,7 +74,7 @@ def bench_distribution(workers, link_mbit, store_mbit, package, strategies, tran
         package = demo_package(cache)
     config = distribution.DistributionConfig(package=package, workers=counts, link_mbit=link_mbit,
                                              store_mbit=store_mbit, strategies=names, transport=transport,
-                                             repeat=repeat, mode=mode)
+                                             repeat=repeat, mode=mode, auth=not no_auth)
     with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
         report = distribution.run(config, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
     click.echo(distribution.format_report(report))
@@ -251,6 +254,31 @@ def bench_engine(package, concurrency, prompt_tokens, max_tokens, device, thread
     click.echo(engine_bench.format_report(report))
     if json_path:
         Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+
+
+@bench_group.command("chaos")
+@click.option("--short", is_flag=True, help="Smaller counts: the whole suite in under 3 minutes on 2 cores.")
+@click.option("--only", metavar="NAME,...", help="Run only these scenarios, comma-separated (default: all).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results as JSON.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep every process's log and events here (default: a temp dir, removed).")
+def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: Path | None) -> None:
+    """Inject faults into real processes: survived, corrupt blocks served, hangs, peak RSS/fds vs bounds.
+
+    Exits 1 if any scenario fails."""
+    from benchmarks import chaos
+
+    try:
+        names = chaos.parse_only(only)
+    except chaos.ChaosError as exc:
+        raise click.BadParameter(str(exc)) from None
+    with tempfile.TemporaryDirectory(prefix="pipecast-chaos-") as tmp:
+        report = chaos.run(names, short, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
+    click.echo(chaos.format_report(report))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+    if not report.passed:
+        raise SystemExit(1)
 
 
 @bench_group.command("control-plane")

@@ -2,7 +2,8 @@
 
 Two parts. Planning, in-process and pure: a scale-up of N workers x B blocks (source pick, schedule,
 every node's part), from the store (binomial) and from K holders (rotated), median of ``repeat``.
-Load, against the real server (``pipecast control-plane``) in a subprocess with its SQLite file: N
+Load, against the real server (``pipecast control-plane``) in a subprocess with its SQLite file and
+authentication on (every call carries the master token and passes the server's token check): N
 simulated workers register, watch their assignment streams and heartbeat every ``heartbeat_s``; a
 scale-up onto all of them is timed until every stream has its ASSIGN; then for ``duration_s`` the
 workers report verified blocks, ``batch`` per report (1: each block as it is verified), each on its
@@ -32,6 +33,8 @@ from control_plane.client import ControlPlaneClient
 from control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.state import ControlState
+from packager.digest import DIGEST_ALGORITHM, digest_bytes
+from packager.manifest import MANIFEST_FORMAT_VERSION, seal_manifest
 from pipecast.v1.manifest_pb2 import Block, Manifest
 
 PLAN_TARGET_MS = 100.0
@@ -79,9 +82,17 @@ class BenchResult:
     load: LoadResult | None = None
 
 
-def manifest(package_id: str, blocks: int) -> Manifest:
-    return Manifest(package_id=package_id, model_name="bench",
-                    blocks=[Block(index=i, bytes=64 << 20) for i in range(blocks)])
+def manifest(name: str, blocks: int) -> Manifest:
+    """A valid manifest (the control plane validates what is published) of ``blocks`` one-chunk 64 MiB
+    blocks with made-up digests; ``name`` makes it, and so its id, differ from the others."""
+    size = 64 << 20
+    return seal_manifest(Manifest(
+        format_version=MANIFEST_FORMAT_VERSION, model_name=name, digest_algorithm=DIGEST_ALGORITHM,
+        num_layers=blocks, total_bytes=blocks * size,
+        blocks=[Block(index=i, file=f"blocks/block-{i:04d}.safetensors", bytes=size, layer_start=i, layer_end=i + 1,
+                      tensor_names=[f"model.layers.{i}.w"], digest=digest_bytes(f"{name} {i}".encode()),
+                      chunk_bytes=size, chunk_digests=[digest_bytes(f"{name} {i} 0".encode())])
+                for i in range(blocks)]))
 
 
 def worker_spec(i: int, racks: int = 8) -> WorkerSpec:
@@ -95,11 +106,11 @@ def measure_planning(workers: int, blocks: int, sources: int, repeat: int) -> Pl
     plan_times, replan_times, strategy = [], [], ""
     for _ in range(repeat):
         state = ControlState(lease_s=10.0)
-        state.publish(manifest("pkg", blocks), STORE, now=0)
+        package_id = state.publish(manifest("pkg", blocks), STORE, now=0)
         for i in range(workers + sources):
-            state.register(worker_spec(i), {"pkg": range(blocks)} if i >= workers else {}, now=0)
+            state.register(worker_spec(i), {package_id: range(blocks)} if i >= workers else {}, now=0)
         start = time.perf_counter()
-        result = state.scale_up("pkg", count=workers, now=1)
+        result = state.scale_up(package_id, count=workers, now=1)
         plan_times.append((time.perf_counter() - start) * 1000)
         strategy = result.strategy
         parts = state.plans[result.plan_id].parts
@@ -211,12 +222,13 @@ class _Fleet:
 async def _drive(address: str, server: psutil.Process, workers: int, blocks: int, duration_s: float, batch: int,
                  heartbeat_s: float, channels: int, in_flight: int, progress: Callable[[str], None]) -> LoadResult:
     # Enough packages that reporting never runs out of blocks within duration_s (up to 5x the target rate).
-    packages = [f"pkg{k}" for k in range(2 + int(duration_s * REPORT_TARGET_PER_S * 5 / (workers * blocks)))]
-    fleet = _Fleet(address, workers, channels, packages)
+    manifests = [manifest(f"pkg{k}", blocks)
+                 for k in range(2 + int(duration_s * REPORT_TARGET_PER_S * 5 / (workers * blocks)))]
+    fleet = _Fleet(address, workers, channels, [m.package_id for m in manifests])
     tasks: list[asyncio.Task] = []
     try:
-        for package_id in packages:
-            await fleet.clients[0].publish_package(manifest(package_id, blocks), STORE)
+        for m in manifests:
+            await fleet.clients[0].publish_package(m, STORE)
         start = time.monotonic()
         await fleet.register_all(in_flight)
         register_s = time.monotonic() - start
@@ -229,7 +241,7 @@ async def _drive(address: str, server: psutil.Process, workers: int, blocks: int
         tasks += [asyncio.create_task(fleet.heartbeat(node, heartbeat_s)) for node in nodes]
 
         start = time.monotonic()
-        await fleet.clients[0].scale_up(packages[0], count=workers)
+        await fleet.clients[0].scale_up(fleet.packages[0], count=workers)
         scale_up_rpc_ms = (time.monotonic() - start) * 1000
         await asyncio.wait_for(fleet.all_assigned.wait(), 120)
         all_assigned_s = max(fleet.assigned.values()) - start

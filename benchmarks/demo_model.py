@@ -38,7 +38,7 @@ def demo_checkpoint(cache: Path) -> Path:
     out = Path(cache) / "checkpoints" / MODEL_NAME
     if not (out / "config.json").is_file():
         logger.warning("converting %s to safetensors once (about 20 s); cached in %s", MODEL_NAME, out)
-        convert_gguf(demo_gguf(), out)
+        convert_gguf(demo_gguf(), out, overwrite=True)  # a folder without config.json is a failed conversion
     return out
 
 

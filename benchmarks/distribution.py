@@ -12,6 +12,10 @@ prediction for the very plan that ran (:mod:`control_plane.planner.simulate`) an
 baseline, measured in the same cluster. The machine's CPU load is sampled during every transfer: all
 hosts share this machine, so a busy CPU, not the links, may be what a run measured, and it is flagged.
 
+Data-plane authentication is on by default, as in a cluster with credentials: every run gives all its
+agents one fresh master token (``PIPECAST_AUTH_TOKEN``), so every connection starts with the HMAC hello;
+``auth=False`` (``--no-auth``) runs them without, for comparison.
+
 The module is pure logic (parsing, theory, summaries, report) above :func:`run`, which does the I/O.
 """
 
@@ -19,6 +23,7 @@ import json
 import math
 import os
 import resource
+import secrets
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -106,6 +111,7 @@ class DistributionConfig:
     transport: str = "tcp"
     repeat: int = 3
     mode: RequestedMode = "auto"
+    auth: bool = True  # every agent given the same master token: data-plane hello on every connection
 
     def __post_init__(self) -> None:
         if not self.workers or any(n < 1 for n in self.workers):
@@ -372,6 +378,7 @@ def format_report(report: DistributionReport) -> str:
              f"{format_bytes(meta['chunk_bytes'])} chunks), {meta['transport']} transport",
              f"links {meta['link_mbit']:g} Mbit/s, store {meta['store_mbit']:g} Mbit/s; emulated cluster in "
              f"{meta['mode']} mode ({meta['mode_reason']})",
+             "data-plane auth: on (HMAC hello)" if meta.get("auth", True) else "data-plane auth: off (--no-auth)",
              f"medians of {meta['repeat']} run(s); x floor = time / (S/B); theory: DESIGN 4; "
              f"model: the fluid simulator on the same plan; CPU: the whole machine during the transfer, "
              f"agents: their own share of it"]
@@ -431,12 +438,16 @@ def _reaped_children_cpu_seconds() -> float:
 class _Run(RunProcesses):
     """The agents of one run: spawned into the cluster, watched through their events files and logs."""
 
-    def __init__(self, cluster: EmulatedCluster, folder: Path, transport: str) -> None:
+    def __init__(self, cluster: EmulatedCluster, folder: Path, transport: str, auth_token: str) -> None:
         super().__init__(cluster, folder, DistributionBenchError)
         self.transport = transport
+        self.auth_token = auth_token
 
     def spawn_agent(self, host: str, address: str, plan: Path, *extra: str) -> None:
-        env = {"UCX_NET_DEVICES": self.cluster.interface(host)} if self.transport == "ucx" else None
+        # The same master token for every agent of the run (empty: auth off, whatever this process has).
+        env = {"PIPECAST_AUTH_TOKEN": self.auth_token}
+        if self.transport == "ucx":
+            env["UCX_NET_DEVICES"] = self.cluster.interface(host)
         self.spawn(host, host, [*_agent_argv(host, address, plan, self.events_path(host), self.transport), *extra],
                    env)
 
@@ -474,7 +485,7 @@ def run_once(cluster: EmulatedCluster, folder: Path, facts: PackageFacts, strate
     ports = {h: AGENT_PORT if cluster.mode == "netns" else free_port(cluster.address(h)) for h in hosts}
     nodes = {h: f"{cluster.address(h)}:{ports[h]}" for h in hosts}
     plan = make_plan(strategy, [STORE], workers, len(facts.block_bytes))
-    run = _Run(cluster, folder, config.transport)
+    run = _Run(cluster, folder, config.transport, secrets.token_hex(16) if config.auth else "")
     plan_path = folder / "plan.json"
     plan_path.write_text(json.dumps(plan_file_data(plan, facts.package_id, nodes)))
 
@@ -527,7 +538,8 @@ def _meta(config: DistributionConfig, facts: PackageFacts, cluster: EmulatedClus
         "benchmark": "distribution", "versions": versions("blake3"), "cpu_cores": os.cpu_count(),
         "load_average_at_start": os.getloadavg()[0],  # others' work on this shared machine adds to "CPU"
         "mode": cluster.mode, "mode_reason": cluster.mode_reason, "clusters": [],
-        "transport": config.transport, "link_mbit": config.link_mbit, "store_mbit": config.store_rate_mbit,
+        "transport": config.transport, "auth": config.auth, "link_mbit": config.link_mbit,
+        "store_mbit": config.store_rate_mbit,
         "package_id": facts.package_id, "package_path": str(facts.path), "model_name": facts.model_name,
         "package_bytes": facts.total_bytes, "files_bytes": facts.files_bytes, "blocks": len(facts.block_bytes),
         "chunk_bytes": facts.chunk_bytes, "repeat": config.repeat, "strategies": list(config.strategies),

@@ -1,46 +1,62 @@
-"""Who may talk to the control plane: a shared bearer token on every RPC, and optional TLS / mTLS.
+"""Who may talk to the control plane: a bearer token on every RPC naming a principal, and optional TLS / mTLS.
 
-The token travels as ``authorization: Bearer <token>`` metadata and is compared in constant time. The
-standard health service is exempt, so that probes (kubelet, load balancers) that cannot send a token
-still work; it tells nothing but SERVING / NOT_SERVING.
+The token travels as ``authorization: Bearer <token>`` metadata. :class:`TokenAuthInterceptor` resolves
+it to a :class:`~pipecast.core.credentials.Principal` (the master token: the operator; a node token: that
+node; see :mod:`pipecast.core.credentials`) and runs the handler with it in :func:`current_principal`;
+an unknown or forged token is UNAUTHENTICATED and the handler never runs, so a refused call changes
+nothing. The standard health service is exempt, so that probes (kubelet, load balancers) that cannot
+send a token still work; it tells nothing but SERVING / NOT_SERVING. What each principal may do is
+decided by the handlers (:mod:`control_plane.service`).
 """
 
-import hmac
+import contextvars
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from control_plane.errors import TlsConfigError
+from pipecast.core.credentials import Principal, principal_for
 
 log = logging.getLogger(__name__)
 
 AUTH_KEY = "authorization"
+BEARER = "Bearer "
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-DENIED = "missing or wrong token: send metadata 'authorization: Bearer <token>' with the control plane's token"
+DENIED = ("missing or wrong token: send metadata 'authorization: Bearer <token>' with the control plane's "
+          "token or a node token it issued")
+
+# The principal of the call being handled (set by the interceptor's wrapper in the call's own task).
+_principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("pipecast_principal", default=None)
 
 
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """The call metadata that carries ``token`` (none when the token is empty: auth off)."""
-    return ((AUTH_KEY, f"Bearer {token}"),) if token else ()
+    return ((AUTH_KEY, f"{BEARER}{token}"),) if token else ()
+
+
+def current_principal() -> Principal | None:
+    """Who makes the call being handled; None outside a call the interceptor admitted (auth off)."""
+    return _principal.get()
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call (except health checks) whose token is not the server's: UNAUTHENTICATED, and
-    the handler never runs, so a refused call changes nothing."""
+    """Admits a call (except health checks) only with the master token or a node token issued from it,
+    and runs its handler as that principal; else UNAUTHENTICATED."""
 
-    def __init__(self, token: str):
-        if not token:
-            raise ValueError("TokenAuthInterceptor needs a non-empty token")
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, master: str):
+        if not master:
+            raise ValueError("TokenAuthInterceptor needs a non-empty master token")
+        self._master = master
 
-    def _authorized(self, metadata: object) -> bool:
+    def _principal(self, metadata: object) -> Principal | None:
         for key, value in metadata or ():  # type: ignore[attr-defined]
             if key == AUTH_KEY:
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(given, self._expected)
-        return False
+                given = value.decode(errors="replace") if isinstance(value, bytes) else value
+                return principal_for(self._master, given[len(BEARER):]) if given.startswith(BEARER) else None
+        return None
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -48,27 +64,51 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method.startswith(HEALTH_PREFIX) \
-                or self._authorized(handler_call_details.invocation_metadata):
+        if handler is None or method.startswith(HEALTH_PREFIX):
             return handler
-        log.warning("refused unauthenticated call method=%s", method)
-        return _denying(handler)
+        principal = self._principal(handler_call_details.invocation_metadata)
+        if principal is None:
+            log.warning("refused unauthenticated call method=%s", method)
+            return _rebuilt(handler, _denied, _denied)  # a coroutine may answer a stream
+        return _rebuilt(handler, *_as_principal(principal, handler))
 
 
-def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that only answers UNAUTHENTICATED."""
-    async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+async def _denied(request: object, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
 
+
+def _behavior(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
+    return (handler.unary_unary or handler.unary_stream or handler.stream_unary  # type: ignore[return-value]
+            or handler.stream_stream)
+
+
+def _as_principal(principal: Principal, handler: grpc.RpcMethodHandler) -> tuple[Callable, Callable]:
+    """``handler``'s behavior run as ``principal`` (unary-response and streaming-response forms)."""
+    behavior = _behavior(handler)
+
+    async def unary(request: object, context: grpc.aio.ServicerContext) -> object:
+        _principal.set(principal)
+        return await behavior(request, context)
+
+    async def streaming(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+        _principal.set(principal)
+        async for response in behavior(request, context):
+            yield response
+
+    return unary, streaming
+
+
+def _rebuilt(handler: grpc.RpcMethodHandler, unary: Callable, streaming: Callable) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` running ``unary`` or ``streaming`` (by response kind)."""
     kwargs = {"request_deserializer": handler.request_deserializer,
               "response_serializer": handler.response_serializer}
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
+        return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
+        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+        return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
 
 
 def _read(path: Path, what: str) -> bytes:

@@ -1,7 +1,8 @@
 """A typed async client of the control plane, for agents and the CLI.
 
 Every unary call has a deadline (``timeout_s``) and raises :mod:`control_plane.errors` on failure: the
-server's own error class and message, :class:`Unauthenticated` for a refused token, or
+server's own error class and message, :class:`Unauthenticated` for a refused token,
+:class:`PermissionDenied` for a call the token does not allow (another node's, an operator's), or
 :class:`ControlPlaneUnavailable` naming the call that went unanswered. The assignment stream has no
 deadline (it lives as long as the worker); HTTP/2 keepalive pings end it with ControlPlaneUnavailable
 within about ``KEEPALIVE_S`` seconds if the server vanishes. Worker-facing calls take and return the
@@ -49,12 +50,13 @@ CHANNEL_OPTIONS = [
 
 @dataclass(frozen=True)
 class Registration:
-    """The server's answer to a registration: the lease, the heartbeat interval it expects, and held
-    packages it does not know (the worker may drop them)."""
+    """The server's answer to a registration: the lease, the heartbeat interval it expects, held
+    packages it does not know (the worker may drop them), and the data-plane key (b"" with auth off)."""
 
     lease_s: float
     heartbeat_s: float
     unknown_packages: tuple[str, ...]
+    data_key: bytes
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class ControlPlaneClient:
         """Register (or re-register) a worker; ``held`` is every verified block it holds now, per package."""
         reply = await self._call("Register", pb.RegisterRequest(worker=spec_to_proto(spec),
                                                                 held=blocks_to_proto(held or {})))
-        return Registration(reply.lease_s, reply.heartbeat_s, tuple(reply.unknown_packages))
+        return Registration(reply.lease_s, reply.heartbeat_s, tuple(reply.unknown_packages), reply.data_key)
 
     async def heartbeat(self, node_id: str) -> float:
         """Renew the lease; returns its length. :class:`UnknownWorker` means: register again."""
@@ -188,6 +190,13 @@ class ControlPlaneClient:
             raise error_from_rpc(exc, target=self.target, method="WatchAssignments") from None
         finally:
             call.cancel()
+
+
+    # ----- credentials -----
+
+    async def issue_token(self, node_id: str) -> str:
+        """A node token for ``node_id`` (operator only): it lets its holder act as that node, and only as it."""
+        return (await self._call("IssueToken", pb.IssueTokenRequest(node_id=node_id))).token
 
 
 class ReportStream:

@@ -1,5 +1,6 @@
 """Command line of the control plane: ``control-plane`` runs the server; the ``cp`` group is the
-operator's view (workers, packages, availability, plans) and levers (publish, remove, scale-up, release).
+operator's view (workers, packages, availability, plans) and levers (publish, remove, scale-up, release,
+issue-token).
 
 Settings come from pipecast's settings (env ``PIPECAST_*``, ``--config`` TOML); flags override them.
 """
@@ -61,7 +62,8 @@ def control_plane_command(config: Path | None, host: str | None, port: int | Non
 @click.group("cp")
 @CONFIG
 @click.option("--control-plane", "target", help="host:port of the control plane (settings: control_plane).")
-@click.option("--token", help="Shared token (settings: auth_token; env PIPECAST_AUTH_TOKEN).")
+@click.option("--token", help="The control plane's master token, or a node token for reads (settings: auth_token; "
+                               "env PIPECAST_AUTH_TOKEN).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.pass_context
 def cp_group(ctx: click.Context, config: Path | None, target: str | None, token: str | None, as_json: bool) -> None:
@@ -223,3 +225,13 @@ def release_command(ctx: click.Context, package_id: str, workers: tuple[str, ...
     when = datetime.fromtimestamp(drop_at).isoformat(timespec="seconds")
     _emit(ctx, {"drop_at_unix": drop_at},
           [f"released {package_id} from {len(workers)} workers; they drop it at {when}"])
+
+
+@cp_group.command("issue-token")
+@click.argument("node_id")
+@click.pass_context
+def issue_token_command(ctx: click.Context, node_id: str) -> None:
+    """Print a node token for NODE_ID (needs the master token): give it to that node's agent as its
+    auth_token; it may then register, report and watch only as NODE_ID."""
+    token = _run(ctx, lambda c: c.issue_token(node_id))
+    _emit(ctx, {"node_id": node_id, "token": token}, [token])

@@ -63,6 +63,13 @@ class Unauthenticated(ControlPlaneError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(ControlPlaneError):
+    """The caller's token is valid but does not allow this call: a node token acting for another node,
+    or an operator call made with a node token. Retrying cannot fix it."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ControlPlaneUnavailable(ControlPlaneError):
     """The control plane could not be reached or did not answer within the deadline."""
 
@@ -79,7 +86,7 @@ class StoreError(ControlPlaneError):
 
 _BY_NAME: dict[str, type[ControlPlaneError]] = {
     cls.__name__: cls for cls in (UnknownWorker, UnknownPackage, InvalidRequest, Conflict,
-                                  InsufficientWorkers, Unauthenticated, ControlPlaneUnavailable)
+                                  InsufficientWorkers, Unauthenticated, PermissionDenied, ControlPlaneUnavailable)
 }
 
 

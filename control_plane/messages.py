@@ -65,6 +65,11 @@ class WorkerSpec:
                    labels=dict(data["labels"]), serve_url=data.get("serve_url", ""))  # absent before field 5
 
 
+#: The WorkerSpec label that held a serving worker's HTTP base URL before WorkerSpec.serve_url; the router
+#: still reads it when the field is empty.
+SERVE_URL_LABEL = "serve_url"
+
+
 class UpdateKind(Enum):
     """What an :class:`AssignmentUpdate` tells a worker (see AssignmentUpdate.Kind in control.proto)."""
 

@@ -22,6 +22,7 @@ from control_plane.metrics import ControlMetrics
 from control_plane.service import ControlPlaneService
 from control_plane.state import ControlState
 from control_plane.store_sqlite import SqliteStore
+from pipecast.core.credentials import warn_if_auth_off
 from pipecast.core.settings import Settings
 from pipecast.v1 import control_pb2, control_pb2_grpc
 
@@ -52,7 +53,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 7000
     db_path: Path | str = ":memory:"
-    token: str = ""
+    token: str = ""  # the master token (empty: auth off); node tokens are derived from it
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
@@ -99,7 +100,7 @@ class ControlPlaneServer:
         self.store.load(self.state, clock(), lease_grace_s=RESTART_LEASE_GRACE_S)
         self.metrics = ControlMetrics(self.state)
         self.service = ControlPlaneService(self.state, self.metrics, heartbeat_s=config.heartbeat_s,
-                                           store=self.store, clock=clock)
+                                           store=self.store, clock=clock, master=config.token)
 
     @property
     def address(self) -> str:
@@ -107,7 +108,8 @@ class ControlPlaneServer:
 
     async def start(self) -> None:
         config, credentials = self.config, self._credentials
-        interceptors = [TokenAuthInterceptor(config.token)] if config.token else []
+        auth_off = warn_if_auth_off(config.token, "control plane")
+        interceptors = [] if auth_off else [TokenAuthInterceptor(config.token)]
         server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         control_pb2_grpc.add_ControlPlaneServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

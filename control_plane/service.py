@@ -4,14 +4,22 @@ Every handler runs on the event loop and calls the synchronous state model (no l
 errors become status codes (see :mod:`control_plane.errors`); notices the state produced are handed to
 the workers' mailboxes after each call, and the assignment streams render them when they send, so a
 stream always carries the current part.
+
+With auth on, each call runs as the principal the interceptor resolved (:mod:`control_plane.auth`): a
+node may register, heartbeat, report, watch and deregister only as itself (another node id is
+PERMISSION_DENIED naming both), the operator RPCs (:data:`OPERATOR_RPCS`) need the master token, and the
+listings any principal. Input from the network is validated before anything is recorded: a published
+manifest and its id, the store's address, a worker's serve URL (on its own data-plane host).
 """
 
 import contextlib
 import functools
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import grpc
 
@@ -24,12 +32,24 @@ from control_plane.convert import (
     spec_from_proto,
     spec_to_proto,
 )
-from control_plane.errors import ERROR_TRAILER, ControlPlaneError, UnknownWorker
+from control_plane.auth import DENIED, current_principal
+from control_plane.errors import (
+    ERROR_TRAILER,
+    Conflict,
+    ControlPlaneError,
+    InvalidRequest,
+    PermissionDenied,
+    Unauthenticated,
+    UnknownWorker,
+)
 from control_plane.mailbox import Mailbox
 from control_plane.metrics import ControlMetrics
-from control_plane.messages import UpdateKind
+from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.state import ActivePlan, ControlState, Notice
 from control_plane.store_sqlite import SqliteStore
+from packager.errors import ManifestError
+from packager.manifest import validate_manifest
+from pipecast.core.credentials import OPERATOR, CredentialError, Principal, data_plane_key, issue_node_token
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1 import control_pb2_grpc
 from pipecast.v1.manifest_pb2 import Manifest
@@ -39,6 +59,12 @@ log = logging.getLogger(__name__)
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Handler = Callable[["ControlPlaneService", Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+
+#: RPCs only the operator (the master token) may call.
+OPERATOR_RPCS = frozenset({"PublishPackage", "RemovePackage", "ScaleUp", "Release", "IssueToken"})
+#: Who every call is with auth off (dev mode): anyone may do anything, as before auth existed.
+ANONYMOUS = Principal("anonymous", OPERATOR)
+_PACKAGE_ID = re.compile(r"[0-9a-f]{64}")
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: ControlPlaneError) -> None:
@@ -63,8 +89,10 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     periodically and here right away for the operator's changes (packages, scale-ups, releases)."""
 
     def __init__(self, state: ControlState, metrics: ControlMetrics, *, heartbeat_s: float,
-                 store: SqliteStore | None = None, clock: Callable[[], float] = time.time):
+                 store: SqliteStore | None = None, clock: Callable[[], float] = time.time, master: str = ""):
         self.state = state
+        self.master = master  # empty: auth off
+        self.data_key = data_plane_key(master)
         self.metrics = metrics
         self.heartbeat_s = heartbeat_s
         self.store = store
@@ -74,10 +102,13 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 
     @contextlib.asynccontextmanager
     async def handling(self, name: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """Around each request: typed errors become status codes, other failures INTERNAL (logged); the
-        notices it produced go to the mailboxes; its latency goes to the RPC histogram."""
+        """Around each request: operator RPCs are refused to other principals; typed errors become status
+        codes, other failures INTERNAL (logged); the notices it produced go to the mailboxes; its latency
+        goes to the RPC histogram."""
         start = time.perf_counter()
         try:
+            if name in OPERATOR_RPCS:
+                self.require_operator(name)
             yield
         except ControlPlaneError as exc:
             await _abort(context, exc)
@@ -87,6 +118,30 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         finally:
             self.dispatch()
             self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - start)
+
+    # ----- who calls -----
+
+    def caller(self) -> Principal:
+        """The principal of the call being handled (:data:`ANONYMOUS` with auth off)."""
+        principal = current_principal()
+        if principal is not None:
+            return principal
+        if self.master:  # unreachable behind the interceptor: refuse rather than run as nobody knows whom
+            raise Unauthenticated(DENIED)
+        return ANONYMOUS
+
+    def require_operator(self, rpc: str) -> None:
+        """Refuse (PERMISSION_DENIED) ``rpc`` unless the caller is the operator."""
+        caller = self.caller()
+        if not caller.is_operator:
+            raise PermissionDenied(f"{rpc} needs the operator's token; node {caller.name!r} may not call it")
+
+    def act_for(self, node_id: str) -> None:
+        """Refuse (PERMISSION_DENIED, naming both) unless the caller may act for ``node_id``."""
+        caller = self.caller()
+        if not caller.may_act_for(node_id):
+            raise PermissionDenied(f"node {caller.name!r} may not act for node {node_id!r}: a node token acts "
+                                   "only for its own node")
 
     # ----- driven by the server -----
 
@@ -123,20 +178,25 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     @_rpc
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
         spec = spec_from_proto(request.worker)
+        self.act_for(spec.node_id)
+        check_serve_urls(spec)
         unknown = self.state.register(spec, blocks_from_proto(request.held), self.clock())
         self.mailboxes.setdefault(spec.node_id, Mailbox(spec.node_id))
         log.info("registered node=%s address=%s transports=%s labels=%s packages=%d", spec.node_id,
                  spec.peer.address, ",".join(spec.peer.transports), dict(spec.labels), len(request.held))
-        return pb.RegisterResponse(lease_s=self.state.lease_s, heartbeat_s=self.heartbeat_s, unknown_packages=unknown)
+        return pb.RegisterResponse(lease_s=self.state.lease_s, heartbeat_s=self.heartbeat_s, unknown_packages=unknown,
+                                   data_key=self.data_key)
 
     @_rpc
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        self.act_for(request.node_id)
         self.state.heartbeat(request.node_id, self.clock())
         return pb.HeartbeatResponse(lease_s=self.state.lease_s)
 
     @_rpc
     async def Deregister(self, request: pb.DeregisterRequest,
                          context: grpc.aio.ServicerContext) -> pb.DeregisterResponse:
+        self.act_for(request.node_id)
         self.state.deregister(request.node_id)
         self._close_mailbox(request.node_id)
         log.info("deregistered node=%s", request.node_id)
@@ -162,7 +222,9 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                              context: grpc.aio.ServicerContext) -> pb.PublishPackageResponse:
         manifest = Manifest()
         manifest.CopyFrom(request.manifest)
-        package_id = self.state.publish(manifest, peer_from_proto(request.store), self.clock())
+        store = peer_from_proto(request.store)
+        check_publish(manifest, store)
+        package_id = self.state.publish(manifest, store, self.clock())
         self.flush()
         log.info("published package=%s model=%s blocks=%d store=%s", package_id, manifest.model_name,
                  len(manifest.blocks), request.store.address)
@@ -210,6 +272,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             yield response
 
     def _report(self, request: pb.ReportBlocksRequest) -> pb.ReportBlocksResponse:
+        self.act_for(request.node_id)
         unknown = self.state.report(request.node_id, blocks_from_proto(request.verified),
                                     blocks_from_proto(request.dropped), self.clock())
         self.metrics.block_reports.inc(sum(len(r.blocks) for r in request.verified if r.package_id not in unknown))
@@ -218,6 +281,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     @_rpc
     async def ReportBadPeer(self, request: pb.ReportBadPeerRequest,
                             context: grpc.aio.ServicerContext) -> pb.ReportBadPeerResponse:
+        self.act_for(request.node_id)
         replanned = self.state.report_bad_peer(request.node_id, request.peer_id, request.package_id, request.block,
                                                request.reason, self.clock())
         return pb.ReportBadPeerResponse(replanned=replanned)
@@ -262,6 +326,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                                context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AssignmentUpdate]:
         node = request.node_id
         try:
+            self.act_for(node)
             self.state.alive_worker(node)
         except ControlPlaneError as exc:
             await _abort(context, exc)
@@ -275,6 +340,20 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             log.info("assignment stream closed node=%s", node)
         if mailbox.closed:  # the worker died or deregistered: it must register again
             await _abort(context, UnknownWorker.named(node))
+
+    # ----- credentials -----
+
+    @_rpc
+    async def IssueToken(self, request: pb.IssueTokenRequest,
+                         context: grpc.aio.ServicerContext) -> pb.IssueTokenResponse:
+        if not self.master:
+            raise Conflict("auth is off (no auth_token set on the control plane): there are no node tokens to issue")
+        try:
+            token = issue_node_token(self.master, request.node_id)
+        except CredentialError as exc:
+            raise InvalidRequest(f"cannot issue a token: {exc}") from None
+        log.info("issued a node token node=%s", request.node_id)
+        return pb.IssueTokenResponse(token=token)
 
     def _render(self, notice: Notice) -> pb.AssignmentUpdate:
         kind = notice.kind
@@ -307,3 +386,43 @@ def _plan_summary(active: ActivePlan) -> pb.PlanSummary:
     return pb.PlanSummary(plan_id=active.plan_id, package_id=active.package_id, strategy=active.plan.strategy,
                           sources=active.plan.sources, receivers=sorted(active.plan.assignments),
                           pending=sorted(active.pending), replans=active.replans, created_unix=active.created_at)
+
+
+def host_port(address: str, what: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) as (lower-case host, port); :class:`InvalidRequest` naming
+    ``what`` otherwise."""
+    try:
+        parts = urlsplit(f"//{address}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host = port = None
+    if not host or port is None or parts.username is not None or parts.path or parts.query or parts.fragment:
+        raise InvalidRequest(f"{what} {address!r} is not a host:port address")
+    return host, port
+
+
+def check_serve_urls(spec: WorkerSpec) -> None:
+    """A worker's serve URL (and the legacy label the router also reads) must be on the worker's own
+    data-plane host: else a worker could send the router's requests anywhere."""
+    host, _ = host_port(spec.peer.address, f"worker {spec.node_id!r} address")
+    for url in (spec.serve_url, spec.labels.get(SERVE_URL_LABEL, "")):
+        try:
+            url_host = urlsplit(url).hostname if url else host
+        except ValueError:
+            url_host = None
+        if url_host != host:
+            raise InvalidRequest(f"worker {spec.node_id!r}: serve URL {url!r} is not on its own host {host!r} "
+                                 f"(its data-plane address {spec.peer.address!r})")
+
+
+def check_publish(manifest: Manifest, store: PeerInfo) -> None:
+    """A published package must have a well-formed id, a valid manifest and a store at a host:port."""
+    if not _PACKAGE_ID.fullmatch(manifest.package_id):
+        raise InvalidRequest(f"published package id {manifest.package_id[:80]!r} is not 64 lower-case hex digits")
+    try:
+        validate_manifest(manifest, f"published manifest of package {manifest.package_id}")
+    except ManifestError as exc:
+        raise InvalidRequest(str(exc)) from None
+    if not store.node_id:
+        raise InvalidRequest(f"package {manifest.package_id} published without a store node id")
+    host_port(store.address, f"store {store.node_id!r} address")

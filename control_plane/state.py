@@ -133,6 +133,9 @@ class ControlState:
         # Receivers whose lease lapsed while a plan still fed them: node id -> package ids. When one registers
         # again it gets a plan for the blocks it still lacks (kept in memory only: a restart forgets it).
         self.lapsed: dict[str, set[str]] = {}
+        # (package id, node id) told to DROP and not assigned the package since: verified reports the node sent
+        # before it dropped may still arrive (batched, on another stream than the DROP) and must not count.
+        self.dropping: set[tuple[str, str]] = set()
         self.notices: list[Notice] = []
         self.dirty = Dirty()
         self.replan_count = 0
@@ -153,6 +156,7 @@ class ControlState:
         old = self.workers.get(node)
         self.workers[node] = Worker(spec, now + self.lease_s)
         self.dirty.workers.add(node)
+        self._clear_dropping(node)  # ``held`` is what it holds now
         if old is not None and old.alive and old.spec.peer != spec.peer:
             self._readdressed(node)
         for package_id, availability in self.availability.items():
@@ -190,6 +194,7 @@ class ControlState:
         self._remove_nodes({node})
         del self.workers[node]
         self.lapsed.pop(node, None)
+        self._clear_dropping(node)
         self.dirty.workers.add(node)
 
     def tick(self, now: float) -> list[str]:
@@ -212,6 +217,7 @@ class ControlState:
         for node in forget:
             del self.workers[node]
             self.lapsed.pop(node, None)
+            self._clear_dropping(node)
             self.dirty.workers.add(node)
         return dead
 
@@ -258,6 +264,7 @@ class ControlState:
         for key in [k for k in self.releases if k[0] == package_id]:
             del self.releases[key]
             self.dirty.releases.add(key)
+        self.dropping = {k for k in self.dropping if k[0] != package_id}
         self.dirty.availability.update((package_id, node) for node in availability.by_worker)
         del self.availability[package_id]
         del self.packages[package_id]
@@ -276,6 +283,10 @@ class ControlState:
             if self.availability[package_id].remove(node, blocks):
                 self.dirty.availability.add((package_id, node))
         for package_id, blocks in gained.items():
+            if (package_id, node) in self.dropping:
+                log.info("ignored verified blocks of package=%s from node=%s: reported before it dropped them",
+                         package_id, node)
+                continue
             availability = self.availability[package_id]
             if availability.add(node, blocks):
                 self.dirty.availability.add((package_id, node))
@@ -486,6 +497,7 @@ class ControlState:
         for node, part in parts.items():
             if old.get(node) != part:
                 self.notices.append(Notice(node, UpdateKind.ASSIGN, active.package_id, active.plan_id))
+            self.dropping.discard((active.package_id, node))
         active.plan, active.parts = plan, parts
         active.version += 1
         active.pending.intersection_update(plan.assignments)
@@ -554,6 +566,9 @@ class ControlState:
             if gone:
                 self._repair(active, gone)
 
+    def _clear_dropping(self, node: str) -> None:
+        self.dropping = {k for k in self.dropping if k[1] != node}
+
     def _drop(self, package_id: str, node: str) -> None:
         """``node`` no longer holds ``package_id``: out of its availability and plans, and told to drop it."""
         if self.releases.pop((package_id, node), None) is not None:
@@ -562,5 +577,6 @@ class ControlState:
             self.dirty.availability.add((package_id, node))
         for active in [p for p in self.plans.values() if p.package_id == package_id and node in p.parts]:
             self._repair(active, {node})
+        self.dropping.add((package_id, node))
         self.notices.append(Notice(node, UpdateKind.DROP, package_id))
         log.info("dropped package=%s node=%s", package_id, node)

@@ -3,17 +3,27 @@
 Writes are incremental: :meth:`SqliteStore.flush` writes exactly the keys in the state's dirty set,
 in one transaction. Leases are not stored: after a restart every worker that was alive gets one fresh
 lease to heartbeat (or re-register) in, so availability converges from what the agents report.
+
+Durability: the service answers an RPC (a published package, a plan) only after its flush, so the flush
+must survive a power loss: ``synchronous=FULL`` syncs the WAL at every commit. Reading: a row that does
+not decode (a damaged file, a hand edit) stops the start-up with :class:`CorruptStateError` naming the
+table and the key, except an undecodable plan, which is skipped with a warning (plans are re-made).
 """
 
 import json
 import logging
+import math
 import sqlite3
 from pathlib import Path
+from typing import Any
+
+from google.protobuf.message import DecodeError
 
 from control_plane.errors import StoreError
 from control_plane.messages import PeerInfo, WorkerSpec
 from control_plane.planner.plan import Plan, PlanError
 from control_plane.state import ControlState, Dirty
+from pipecast.core.strictjson import JSONInputError, describe, loads
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
@@ -39,6 +49,37 @@ def _compact(data: object) -> str:
     return json.dumps(data, separators=(",", ":"))
 
 
+class CorruptStateError(StoreError):
+    """A row of the control plane's database that does not decode; ``table`` and ``key`` name it."""
+
+    def __init__(self, path: str, table: str, key: object, problem: str) -> None:
+        super().__init__(f"control plane database {path}: table {table}, key {describe(key)}: corrupt row "
+                         f"({problem}); restore the file from a backup or start on another path")
+        self.path, self.table, self.key, self.problem = path, table, key, problem
+
+
+# What decoding a damaged row can raise: the JSON, the protobuf, and the checks below.
+_DECODE_ERRORS = (JSONInputError, DecodeError, KeyError, TypeError, ValueError, AttributeError, IndexError)
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{what} {describe(value)} is not a finite number")
+    return value
+
+
+def _integer(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} {describe(value)} is not an integer")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} {describe(value)} is not text")
+    return value
+
+
 class SqliteStore:
     """One SQLite file (or ":memory:") holding the control plane's state between restarts."""
 
@@ -62,8 +103,8 @@ class SqliteStore:
         """Set the connection up and create missing tables; returns the file's schema version."""
         if self.path != ":memory:":
             self._db.execute("PRAGMA journal_mode=WAL")
-        # A crash may lose the last transaction, never corrupt the file; agents re-report anyway.
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        # An acknowledged write survives a crash or a power loss (module docstring).
+        self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         row = self._db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if row is not None:
@@ -86,28 +127,57 @@ class SqliteStore:
                  len(state.workers), len(state.plans))
 
     def _load(self, state: ControlState, now: float, lease_grace_s: float) -> None:
-        for _, manifest_bytes, store, published_at in self._db.execute("SELECT * FROM packages"):
-            manifest = Manifest.FromString(manifest_bytes)
-            peer = json.loads(store)
-            state.restore_package(manifest, PeerInfo(peer["node_id"], peer["address"], tuple(peer["transports"])),
-                                  published_at)
-        for _, spec, alive in self._db.execute("SELECT * FROM workers"):
-            state.restore_worker(WorkerSpec.from_json(json.loads(spec)), bool(alive), now, lease_grace_s)
+        for package_id, manifest_bytes, store, published_at in self._db.execute("SELECT * FROM packages"):
+            try:
+                manifest = Manifest.FromString(manifest_bytes)
+                if manifest.package_id != package_id:
+                    raise ValueError(f"the manifest is that of package {describe(manifest.package_id)}")
+                peer = loads(store)
+                origin = PeerInfo(_text(peer["node_id"], "node id"), _text(peer["address"], "address"),
+                                  tuple(_text(t, "transport") for t in peer["transports"]))
+                published_at = _number(published_at, "published_at")
+            except _DECODE_ERRORS as exc:
+                raise CorruptStateError(self.path, "packages", package_id, _problem(exc)) from None
+            state.restore_package(manifest, origin, published_at)
+        for node, spec, alive in self._db.execute("SELECT * FROM workers"):
+            try:
+                worker = WorkerSpec.from_json(loads(spec))
+                if worker.node_id != node:
+                    raise ValueError(f"the spec is that of worker {describe(worker.node_id)}")
+                alive = _integer(alive, "alive")
+            except _DECODE_ERRORS as exc:
+                raise CorruptStateError(self.path, "workers", node, _problem(exc)) from None
+            state.restore_worker(worker, bool(alive), now, lease_grace_s)
         for package_id, node, blocks in self._db.execute("SELECT * FROM availability"):
             worker = state.workers.get(node)
             if package_id in state.packages and worker is not None and worker.alive:
-                state.restore_availability(package_id, node, json.loads(blocks))
+                num_blocks = len(state.packages[package_id].manifest.blocks)
+                try:
+                    held = loads(blocks)
+                    if not isinstance(held, list) or not all(
+                            _integer(b, "block") in range(num_blocks) for b in held):
+                        raise ValueError(f"blocks {describe(held)} are not a list of blocks 0..{num_blocks - 1}")
+                except _DECODE_ERRORS as exc:
+                    raise CorruptStateError(self.path, "availability", (package_id, node), _problem(exc)) from None
+                state.restore_availability(package_id, node, held)
         for package_id, node, drop_at in self._db.execute("SELECT * FROM releases"):
             if package_id in state.packages and node in state.workers:
+                try:
+                    drop_at = _number(drop_at, "drop_at")
+                except ValueError as exc:
+                    raise CorruptStateError(self.path, "releases", (package_id, node), _problem(exc)) from None
                 state.restore_release(package_id, node, drop_at)
         for plan_id, package_id, plan, fanout, created_at, version, replans in self._db.execute("SELECT * FROM plans"):
             if package_id not in state.packages:
                 continue
             try:
-                parsed = Plan.from_json(json.loads(plan))
-            except (PlanError, ValueError) as exc:
-                log.warning("skipped stored plan=%s package=%s: %s", plan_id, package_id, exc)
+                parsed = Plan.from_json(loads(plan))
+                numbers = (_integer(fanout, "fanout"), _number(created_at, "created_at"),
+                           _integer(version, "version"), _integer(replans, "replans"))
+            except (PlanError, *_DECODE_ERRORS) as exc:
+                log.warning("skipped stored plan=%s package=%s: %s", plan_id, package_id, _problem(exc))
                 continue
+            fanout, created_at, version, replans = numbers
             state.restore_plan(plan_id, package_id, parsed, fanout=fanout, created_at=created_at,
                                version=version, replans=replans)
 
@@ -167,3 +237,10 @@ class SqliteStore:
                 db.execute("INSERT OR REPLACE INTO plans VALUES (?, ?, ?, ?, ?, ?, ?)",
                            (plan_id, active.package_id, _compact(active.plan.to_json()), active.fanout,
                             active.created_at, active.version, active.replans))
+
+
+def _problem(exc: BaseException) -> str:
+    """What is wrong with a row, from the exception decoding it raised."""
+    if isinstance(exc, KeyError):
+        return f"missing field {exc}"
+    return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"

@@ -7,9 +7,14 @@ delivered), and yields the assignment stream, reconnecting after failures. The c
 down never stops the agent: calls fail with typed errors that are logged, and the session retries.
 After any failed call the next contact is a full registration, so reports a crashed control plane had
 acknowledged but not yet written to its database are restored. A refused token is the one fatal error:
-it ends :meth:`WorkerSession.assignments` with :class:`Unauthenticated` (retrying cannot fix it).
+it ends :meth:`WorkerSession.assignments` with :class:`Unauthenticated`, or :class:`PermissionDenied` for
+a node token of another node (retrying cannot fix either).
 
-    session = WorkerSession(client, spec, holdings=store.holdings)
+Each registration brings the data-plane key (:attr:`WorkerSession.data_key`; b"" with auth off): the
+agent keys its data-plane hello with it, and ``on_data_key`` is called whenever it changes (the first
+registration, a control plane restarted with another master token).
+
+    session = WorkerSession(client, spec, holdings=store.holdings, on_data_key=transport.set_key)
     await session.start()
     session.report_verified(package_id, [block])
     async for update in session.assignments(): ...
@@ -21,19 +26,22 @@ import logging
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 
 from control_plane.client import ControlPlaneClient, ReportStream
-from control_plane.errors import ControlPlaneError, Unauthenticated, UnknownWorker
+from control_plane.errors import ControlPlaneError, PermissionDenied, Unauthenticated, UnknownWorker
 from control_plane.messages import AssignmentUpdate, WorkerSpec
 
 log = logging.getLogger(__name__)
 
 Holdings = Callable[[], Mapping[str, Collection[int]]]
+#: Errors no retry can fix: the token is refused, or it is not this node's.
+REFUSED = (Unauthenticated, PermissionDenied)
 
 
 class WorkerSession:
     """Registration, heartbeats, batched reports and the assignment stream of one worker."""
 
     def __init__(self, client: ControlPlaneClient, spec: WorkerSpec, holdings: Holdings, *,
-                 report_delay_s: float = 0.05, retry_s: float = 1.0, heartbeat_s: float = 2.0):
+                 report_delay_s: float = 0.05, retry_s: float = 1.0, heartbeat_s: float = 2.0,
+                 on_data_key: Callable[[bytes], None] | None = None):
         self.client = client
         self.spec = spec
         self.node_id = spec.node_id
@@ -46,7 +54,9 @@ class WorkerSession:
         self._dropped: dict[str, set[int]] = {}
         self._report_wake = asyncio.Event()
         self._kick = asyncio.Event()  # set: re-register now
-        self._refused: Unauthenticated | None = None
+        self._refused: ControlPlaneError | None = None
+        self._data_key: bytes | None = None
+        self._on_data_key = on_data_key
         self._refused_event = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -69,6 +79,11 @@ class WorkerSession:
                 log.warning("deregister failed node=%s: %s", self.node_id, exc)
             self.registered.clear()
 
+    @property
+    def data_key(self) -> bytes | None:
+        """The data-plane key of the last registration (b"": auth is off), None before the first."""
+        return self._data_key
+
     def report_verified(self, package_id: str, blocks: Iterable[int]) -> None:
         """Queue verified blocks for the next batched report."""
         blocks = set(blocks)
@@ -90,7 +105,7 @@ class WorkerSession:
     async def assignments(self) -> AsyncIterator[AssignmentUpdate]:
         """The assignment stream, for as long as the caller iterates: each (re)connection starts with a
         SYNC naming the plans the worker is in, then an ASSIGN for each. Raises :class:`Unauthenticated`
-        once the control plane refuses the token."""
+        once the control plane refuses the token, :class:`PermissionDenied` if it is another node's."""
         while True:
             await self._until_registered()
             try:
@@ -100,7 +115,7 @@ class WorkerSession:
             except UnknownWorker:
                 self._need_registration()
                 continue
-            except Unauthenticated:
+            except REFUSED:
                 raise
             except ControlPlaneError as exc:
                 log.warning("assignment stream failed node=%s: %s; retrying in %.1f s", self.node_id, exc,
@@ -140,6 +155,7 @@ class WorkerSession:
                     self._verified, self._dropped = {}, {}
                     registration = await self.client.register(self.spec, held)
                     self.heartbeat_s = registration.heartbeat_s
+                    self._set_data_key(registration.data_key)
                     self.registered.set()
                     log.info("registered node=%s with control plane %s packages=%d unknown=%s", self.node_id,
                              self.client.target, len(held), list(registration.unknown_packages))
@@ -151,7 +167,7 @@ class WorkerSession:
                             self.node_id)
                 self.registered.clear()
                 continue
-            except Unauthenticated as exc:
+            except REFUSED as exc:
                 log.error("control plane %s refused node=%s: %s", self.client.target, self.node_id, exc)
                 self._refused = exc
                 self._refused_event.set()
@@ -166,6 +182,13 @@ class WorkerSession:
                 await self._nap(self.retry_s)
                 continue
             await self._nap(self.heartbeat_s)
+
+    def _set_data_key(self, key: bytes) -> None:
+        if key == self._data_key:
+            return
+        self._data_key = key
+        if self._on_data_key is not None:
+            self._on_data_key(key)
 
     async def _report_loop(self) -> None:
         stream: ReportStream | None = None

@@ -1,12 +1,21 @@
-"""Reading a Hugging Face checkpoint folder: config, safetensors shards, and the small files."""
+"""Reading a Hugging Face checkpoint folder: config, safetensors shards, and the small files.
 
-import json
+Only regular files inside the folder are read. A symlink is followed only when it resolves inside the
+folder or, for a snapshot of the Hugging Face cache (``<cache>/models--org--name/snapshots/<rev>/``, whose
+files are symlinks to ``../../blobs/<digest>``), inside that same repository's ``blobs/``: a
+``tokenizer.json`` that leads to ``~/.ssh/id_rsa`` or ``/dev/zero`` is refused with
+:class:`CheckpointFileError` naming it, never copied into a package.
+"""
+
 import logging
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from packager.errors import CheckpointError, MissingShardError, PickleCheckpointError
+from packager.errors import CheckpointError, CheckpointFileError, MissingShardError, PickleCheckpointError
 from packager.safetensors_format import TensorInfo, read_header
+from pipecast.core.strictjson import JSONInputError, loads_object
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +66,12 @@ def open_checkpoint(src: Path) -> Checkpoint:
     if not src.is_dir():
         raise CheckpointError(f"{src}: no such checkpoint folder")
     config_path = src / "config.json"
+    if checkpoint_file(src, "config.json") is None:
+        raise CheckpointError(f"{config_path}: missing (a checkpoint folder needs config.json)")
     try:
-        config = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{config_path}: missing (a checkpoint folder needs config.json)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{config_path}: not a JSON object")
+        config = loads_object(read_checkpoint_file(src, "config.json"))
+    except JSONInputError as exc:
+        raise CheckpointError(f"{config_path}: not a valid JSON object ({exc})") from None
     shards = _shard_files(src)
     tensors: dict[str, SourceTensor] = {}
     for shard in shards:
@@ -76,29 +83,91 @@ def open_checkpoint(src: Path) -> Checkpoint:
     _check_index_names(src, shards, tensors)
     if not tensors:
         raise CheckpointError(f"{src}: the checkpoint holds no tensors")
-    small = tuple(name for name in SMALL_FILES if (src / name).is_file())
+    small = tuple(name for name in SMALL_FILES if checkpoint_file(src, name) is not None)
     return Checkpoint(root=src, config=config, tensors=tensors, small_files=small)
+
+
+def _allowed_roots(src: Path) -> tuple[Path, ...]:
+    """Where the files of the checkpoint folder ``src`` may really be (module docstring)."""
+    try:
+        root = src.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(f"{src}: cannot resolve the checkpoint folder ({exc})") from None
+    roots = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        roots.append((root.parent.parent / "blobs").resolve())
+    return tuple(roots)
+
+
+def checkpoint_file(src: Path, name: str) -> Path | None:
+    """``src / name`` if it is there, checked to be a regular file inside the folder (module docstring);
+    None if there is no such file (a dangling symlink included). Raises :class:`CheckpointFileError` for a
+    file that is there but must not be read."""
+    path = src / name
+    if not os.path.lexists(path):
+        return None
+    try:
+        real = path.resolve(strict=True)
+    except FileNotFoundError:
+        return None  # a dangling symlink: as good as absent
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise CheckpointFileError(path, f"cannot resolve it ({exc})") from None
+    if not any(real.is_relative_to(root) for root in _allowed_roots(src)):
+        raise CheckpointFileError(path, f"it is a symlink to {real}, outside the checkpoint folder"
+                                        " (and outside its Hugging Face blob store)")
+    try:
+        mode = real.stat().st_mode
+    except OSError as exc:
+        raise CheckpointFileError(path, f"cannot stat it ({exc.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointFileError(path, "not a regular file")
+    return path
+
+
+def read_checkpoint_file(src: Path, name: str) -> bytes:
+    """The bytes of the checkpoint file ``name``, checked as :func:`checkpoint_file` does and checked again
+    on the open file (it may have been swapped for something else since)."""
+    path = checkpoint_file(src, name)
+    if path is None:
+        raise CheckpointError(f"{src / name}: missing")
+    real = path.resolve()
+    try:
+        # O_NOFOLLOW: ``real`` has no symlink left in it, unless one was swapped in; O_NONBLOCK: a FIFO
+        # swapped in does not hang the open (it is refused just below).
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CheckpointFileError(path, f"cannot open it ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointFileError(path, "not a regular file")
+        try:
+            return f.read()
+        except OSError as exc:
+            raise CheckpointFileError(path, f"cannot read it ({exc.strerror})") from None
 
 
 def _shard_files(src: Path) -> list[Path]:
     index = src / INDEX_FILE
-    if index.is_file():
-        weight_map = _read_weight_map(index)
+    if checkpoint_file(src, INDEX_FILE) is not None:
+        weight_map = _read_weight_map(src)
         shards = []
         for shard in sorted(set(weight_map.values())):
-            path = src / shard
-            if Path(shard).is_absolute() or ".." in Path(shard).parts or "/" in shard:
+            if Path(shard).is_absolute() or ".." in Path(shard).parts or "/" in shard or not shard:
                 raise CheckpointError(f"{index}: shard name {shard!r} must be a plain file name in the folder")
-            if not path.is_file():
+            path = checkpoint_file(src, shard)
+            if path is None:
                 raise MissingShardError(index, shard)
             shards.append(path)
         return shards
-    single = src / SINGLE_FILE
-    if single.is_file():
+    single = checkpoint_file(src, SINGLE_FILE)
+    if single is not None:
         return [single]
     loose = sorted(src.glob("*.safetensors"))
     if len(loose) == 1:
-        return loose
+        checked = checkpoint_file(src, loose[0].name)
+        if checked is None:
+            raise CheckpointError(f"{loose[0]}: a dangling symlink")
+        return [checked]
     pickles = sorted(p for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise PickleCheckpointError(pickles[0])
@@ -108,11 +177,11 @@ def _shard_files(src: Path) -> list[Path]:
     raise CheckpointError(f"{src}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def _read_weight_map(index: Path) -> dict[str, str]:
+def _read_weight_map(src: Path) -> dict[str, str]:
+    index = src / INDEX_FILE
     try:
-        data = json.loads(index.read_text())
-        weight_map = data["weight_map"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        weight_map = loads_object(read_checkpoint_file(src, INDEX_FILE))["weight_map"]
+    except (JSONInputError, KeyError) as exc:
         raise CheckpointError(f"{index}: not a valid shard index ({exc!r})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
@@ -122,9 +191,9 @@ def _read_weight_map(index: Path) -> dict[str, str]:
 def _check_index_names(src: Path, shards: list[Path], tensors: dict[str, SourceTensor]) -> None:
     """Every tensor the index names must be in the shard it names."""
     index = src / INDEX_FILE
-    if not index.is_file():
+    if checkpoint_file(src, INDEX_FILE) is None:
         return
-    for name, shard in _read_weight_map(index).items():
+    for name, shard in _read_weight_map(src).items():
         found = tensors.get(name)
         if found is None or found.path.name != shard:
             where = f"in {found.path.name}" if found else "in no shard"

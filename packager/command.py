@@ -109,6 +109,7 @@ def format_table(manifest) -> str:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True)
-def convert_gguf_command(gguf, out, dtype):
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def convert_gguf_command(gguf, out, dtype, force):
     """Dequantize the GGUF model file GGUF into a safetensors checkpoint folder OUT (extra: convert)."""
-    click.echo(f"converted {convert_gguf(gguf, out, dtype=dtype)}")
+    click.echo(f"converted {convert_gguf(gguf, out, dtype=dtype, overwrite=force)}")

@@ -30,6 +30,16 @@ class MissingShardError(CheckpointError):
         self.index, self.shard = index, shard
 
 
+class CheckpointFileError(CheckpointError):
+    """A file of the checkpoint folder that is not a regular file inside it (or inside its Hugging Face
+    blob store): a symlink leading elsewhere, a FIFO, a device. Packing it would copy whatever it points at
+    into the package, so it is refused."""
+
+    def __init__(self, path: Path, problem: str):
+        super().__init__(f"{path}: refused: {problem}")
+        self.path, self.problem = path, problem
+
+
 class SafetensorsFormatError(PackageError):
     """A safetensors file (input shard or package block) whose bytes are not a valid safetensors file."""
 

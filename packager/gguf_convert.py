@@ -5,23 +5,29 @@ to a dense model, which is saved once as a Hugging Face safetensors checkpoint t
 """
 
 import logging
+import os
 from pathlib import Path
 
-from packager.errors import CheckpointError
+from packager.errors import CheckpointError, PackageError
 from pipecast.core.fsutil import atomic_directory
 
 logger = logging.getLogger(__name__)
 
 
-def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16") -> Path:
-    """Dequantize ``gguf`` into the checkpoint folder ``out`` (written atomically); return ``out``."""
+def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
+    """Dequantize ``gguf`` into the checkpoint folder ``out`` (written atomically); return ``out``.
+
+    An existing ``out`` is replaced only with ``overwrite`` (``--force``): otherwise :class:`PackageError`.
+    """
     gguf, out = Path(gguf), Path(out)
     if not gguf.is_file():
         raise CheckpointError(f"{gguf}: no such GGUF file")
+    if os.path.lexists(out) and not overwrite:
+        raise PackageError(f"{out}: already exists (pass --force to replace it)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    with atomic_directory(out, overwrite=True) as tmp:
+    with atomic_directory(out, overwrite=overwrite) as tmp:
         folder, name = str(gguf.parent), gguf.name
         logger.info("dequantizing %s to %s", gguf, dtype)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

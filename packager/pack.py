@@ -9,12 +9,19 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from packager.checkpoint import Checkpoint, SourceTensor, open_checkpoint
+from packager.checkpoint import Checkpoint, SourceTensor, open_checkpoint, read_checkpoint_file
 from packager.chunks import ChunkHasher
-from packager.digest import DIGEST_ALGORITHM, digest_bytes, package_id
+from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.errors import PackageError
 from packager.layout import HEAD_NAMES, BlockLayout, plan_blocks, stream_order
-from packager.manifest import MANIFEST_FILE, MANIFEST_FORMAT_VERSION, manifest_to_json, validate_manifest
+from packager.manifest import (
+    MANIFEST_FILE,
+    MANIFEST_FORMAT_VERSION,
+    MAX_MANIFEST_BYTES,
+    manifest_to_json,
+    seal_manifest,
+    validate_manifest,
+)
 from packager.safetensors_format import build_header
 from pipecast.core.fsutil import atomic_directory
 from pipecast.core.units import DEFAULT_CHUNK_BYTES
@@ -51,7 +58,11 @@ def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_byt
         files = [_copy_small_file(ckpt.root, tmp, name) for name in ckpt.small_files]
         manifest = _build_manifest(ckpt, src, model_name, blocks, files)
         validate_manifest(manifest, tmp / MANIFEST_FILE)
-        (tmp / MANIFEST_FILE).write_text(manifest_to_json(manifest))
+        text = manifest_to_json(manifest)
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise PackageError(f"{src}: the manifest would be {len(text)} bytes, more than a manifest may have "
+                               f"({MAX_MANIFEST_BYTES} bytes); pack with larger chunks (--chunk-bytes)")
+        (tmp / MANIFEST_FILE).write_text(text)
     logger.info("packed %s into %s: %d blocks, %d bytes, package %s", src, out, len(blocks),
                 manifest.total_bytes, manifest.package_id)
     return manifest
@@ -122,7 +133,7 @@ def _block_bytes(header: bytes, ordered: list[SourceTensor], reader: _ShardReade
 
 
 def _copy_small_file(src: Path, dst: Path, name: str) -> PackageFile:
-    data = (src / name).read_bytes()
+    data = read_checkpoint_file(src, name)  # a regular file of the folder, checked again as it is opened
     (dst / name).write_bytes(data)
     return PackageFile(path=name, bytes=len(data), digest=digest_bytes(data))
 
@@ -132,13 +143,13 @@ def _build_manifest(ckpt: Checkpoint, src: Path, model_name: str | None, blocks:
     config = ckpt.config
     archs = config.get("architectures") or [""]
     name = model_name or config.get("_name_or_path") or src.resolve().name
-    return Manifest(
+    # The id is sealed last: it is the digest of every other field (packager.manifest).
+    return seal_manifest(Manifest(
         format_version=MANIFEST_FORMAT_VERSION,
-        package_id=package_id(blocks, ((f.path, f.digest) for f in files)),
         model_name=str(name), architecture=str(archs[0]), model_type=str(config.get("model_type", "")),
         dtypes=sorted({t.info.dtype for t in ckpt.tensors.values()}),
         num_layers=blocks[-1].layer_end,
         tied_embeddings=not any(HEAD_NAMES.match(n) for n in ckpt.tensors),
         digest_algorithm=DIGEST_ALGORITHM, total_bytes=sum(b.bytes for b in blocks),
         blocks=blocks, files=files,
-    )
+    ))

@@ -1,18 +1,24 @@
 """Reading and writing the safetensors container, strictly and without loading tensor data.
 
 Headers are validated before anything is allocated from them (as huggingface/safetensors does): a sane
-header length, UTF-8 JSON, known dtypes, shapes that match byte lengths, and data offsets that are sorted,
-contiguous, non-overlapping and inside the file.
+header length, UTF-8 JSON (no duplicate names, no deep nesting, no non-finite numbers), known dtypes,
+shapes that match byte lengths, and data offsets that are sorted, contiguous, non-overlapping and inside
+the file. Whatever the bytes, :func:`parse_header` returns a header or raises
+:class:`SafetensorsFormatError` (the fuzz tests hold it to that).
 """
 
 import json
 import math
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from packager.errors import SafetensorsFormatError
+from pipecast.core.strictjson import JSONInputError, describe
+from pipecast.core.strictjson import loads as strict_loads
 
 MAX_HEADER_BYTES = 100_000_000
 # itemsize in bits: sub-byte float formats exist, so sizes are computed in bits.
@@ -74,14 +80,14 @@ def parse_header(prefix: bytes | memoryview, file_bytes: int, where: Path | str)
     if len(prefix) < 8 + header_len:
         raise ValueError("prefix shorter than the header")
     try:
-        raw = json.loads(bytes(prefix[8:8 + header_len]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SafetensorsFormatError(where, f"header is not UTF-8 JSON ({exc})") from None
+        raw = strict_loads(prefix[8:8 + header_len])
+    except JSONInputError as exc:
+        raise SafetensorsFormatError(where, f"header is not valid UTF-8 JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise SafetensorsFormatError(where, "header is not a JSON object")
-    metadata = raw.pop(METADATA_KEY, {}) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                  for k, v in metadata.items()):
+    metadata = raw.pop(METADATA_KEY, None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise SafetensorsFormatError(where, "__metadata__ must map strings to strings")
     data_start = 8 + header_len
     data_bytes = file_bytes - data_start
@@ -89,14 +95,15 @@ def parse_header(prefix: bytes | memoryview, file_bytes: int, where: Path | str)
     cursor = 0
     for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
         if info.begin < cursor:
-            raise SafetensorsFormatError(where, f"tensor {info.name!r} overlaps the previous tensor "
-                                                f"(offset {info.begin} < {cursor})")
+            raise SafetensorsFormatError(where, f"tensor {describe(info.name)} overlaps the previous "
+                                                f"tensor (offset {info.begin} < {cursor})")
         if info.begin > cursor:
-            raise SafetensorsFormatError(where, f"gap before tensor {info.name!r} (offset {info.begin}, "
-                                                f"expected {cursor})")
+            raise SafetensorsFormatError(where, f"gap before tensor {describe(info.name)} (offset "
+                                                f"{info.begin}, expected {cursor})")
         if info.end > data_bytes:
-            raise SafetensorsFormatError(where, f"truncated: tensor {info.name!r} ends at data offset "
-                                                f"{info.end}, past the data section's {data_bytes} bytes")
+            raise SafetensorsFormatError(where, f"truncated: tensor {describe(info.name)} ends at data "
+                                                f"offset {info.end}, past the data section's {data_bytes} "
+                                                "bytes")
         cursor = info.end
     if cursor != data_bytes:
         raise SafetensorsFormatError(where, f"{data_bytes - cursor} trailing bytes after the last tensor")
@@ -105,31 +112,36 @@ def parse_header(prefix: bytes | memoryview, file_bytes: int, where: Path | str)
 
 def _parse_entry(name: str, entry: Any, where: Path | str) -> TensorInfo:
     if not isinstance(entry, dict):
-        raise SafetensorsFormatError(where, f"entry for {name!r} is not an object")
+        raise SafetensorsFormatError(where, f"entry for {describe(name)} is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_BITS:
-        raise SafetensorsFormatError(where, f"tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise SafetensorsFormatError(where, f"tensor {describe(name)} has unknown dtype {describe(dtype)}")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        raise SafetensorsFormatError(where, f"tensor {name!r} has an invalid shape {shape!r}")
+        raise SafetensorsFormatError(where, f"tensor {describe(name)} has an invalid shape {describe(shape)}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0
                                                                       for o in offsets)):
-        raise SafetensorsFormatError(where, f"tensor {name!r} has invalid data_offsets {offsets!r}")
+        raise SafetensorsFormatError(where, f"tensor {describe(name)} has invalid data_offsets "
+                                            f"{describe(offsets)}")
     begin, end = offsets
     if end < begin:
-        raise SafetensorsFormatError(where, f"tensor {name!r} has data_offsets {offsets} that end before "
-                                            "they begin")
+        raise SafetensorsFormatError(where, f"tensor {describe(name)} has data_offsets {offsets} that end "
+                                            "before they begin")
     expected = _expected_nbytes(dtype, tuple(shape))
     if end - begin != expected:
-        raise SafetensorsFormatError(where, f"tensor {name!r}: data_offsets span {end - begin} bytes but "
-                                            f"{dtype}{shape} needs {expected}")
+        raise SafetensorsFormatError(where, f"tensor {describe(name)}: data_offsets span {end - begin} "
+                                            f"bytes but {dtype}{shape} needs {expected}")
     return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
 
 
 def read_header(path: Path) -> Header:
     """Read and validate the header of the safetensors file at ``path``."""
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
+        # O_NONBLOCK: a FIFO under the name does not hang the open (it is refused just below).
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise SafetensorsFormatError(path, "not a regular file")
+            size = st.st_size
             head = f.read(8)
             if len(head) == 8:
                 (n,) = struct.unpack("<Q", head)

@@ -6,25 +6,38 @@ to a temporary name and renamed into place, so a crash never leaves a half file 
 There is no fsync and no trusted "verified" marker: on restart each cached block is re-hashed against
 the manifest when the store opens it (BLAKE3 runs at several GB/s per core, far above disk and network
 rates), and a torn or rotten file is dropped and fetched again.
+
+The cache is an optimisation, never a reason to stop: a write that fails (disk full, I/O error, a
+read-only mount) is logged and counted in :attr:`BlockCache.write_errors`, the block stays served from
+memory, and the agent goes on. Temporary files left by a crash mid-write are removed when the cache opens.
 """
 
 import logging
+import threading
 from pathlib import Path
 
-from packager.errors import ManifestError
+from packager.errors import PackageError
 from packager.manifest import MANIFEST_FILE, manifest_to_json, read_manifest
 from pipecast.agent.local_package import LocalPackageFolder
-from pipecast.core.fsutil import atomic_write
+from pipecast.core.fsutil import atomic_write, sweep_stale_temporaries
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
 
 
 class BlockCache:
-    """A folder of cached packages, one package folder per package id."""
+    """A folder of cached packages, one package folder per package id. Every method is safe to call
+    whatever the disk does: reads that fail find nothing, writes that fail return False."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        #: Writes that failed since the cache opened (each is logged; the data stayed in memory).
+        self.write_errors = 0
+        self._lock = threading.Lock()  # writes run on worker threads
+        removed = sweep_stale_temporaries(self.root)
+        if removed:
+            log.info("disk cache %s: removed %d temporary file(s) left by an interrupted write", self.root,
+                     removed)
 
     def package_dir(self, package_id: str) -> Path:
         return self.root / package_id
@@ -32,29 +45,53 @@ class BlockCache:
     def local_package(self, package_id: str) -> LocalPackageFolder | None:
         """The cached folder of ``package_id`` if its manifest is there and valid, else None."""
         folder = self.package_dir(package_id)
-        if not (folder / MANIFEST_FILE).exists():
-            return None
         try:
-            manifest = read_manifest(folder)  # validated: its digests hash to its package id
-        except ManifestError as exc:
-            log.warning("ignoring the cached manifest: %s", exc)
+            if not (folder / MANIFEST_FILE).exists():
+                return None
+            manifest = read_manifest(folder)  # validated: its digest is its package id
+            if manifest.package_id != package_id:
+                log.warning("%s holds the manifest of package %s; ignoring it", folder,
+                            manifest.package_id[:12])
+                return None
+            return LocalPackageFolder(folder, manifest)
+        except (PackageError, OSError) as exc:
+            log.warning("disk cache: ignoring %s: %s", folder, exc)
             return None
-        if manifest.package_id != package_id:
-            log.warning("%s holds the manifest of package %s; ignoring it", folder, manifest.package_id[:12])
-            return None
-        return LocalPackageFolder(folder, manifest)
 
-    def write_manifest(self, manifest: Manifest) -> None:
-        """Persist the manifest (once per package)."""
+    def write_manifest(self, manifest: Manifest) -> bool:
+        """Persist the manifest (once per package); False if it could not be written."""
         path = self.package_dir(manifest.package_id) / MANIFEST_FILE
-        if not path.exists():
-            atomic_write(path, manifest_to_json(manifest).encode())
+        try:
+            if path.exists():
+                return True
+        except OSError as exc:
+            return self._failed(f"the manifest of {manifest.package_id[:12]}", exc)
+        return self._write(path, manifest_to_json(manifest).encode(), f"the manifest of {manifest.package_id[:12]}")
 
-    def write_file(self, package_id: str, path: str, data: bytes) -> None:
-        """Persist a verified small file."""
-        atomic_write(self.package_dir(package_id) / path, data)
+    def write_file(self, package_id: str, path: str, data: bytes) -> bool:
+        """Persist a verified small file; False if it could not be written."""
+        return self._write(self.package_dir(package_id) / path, data, f"file {path} of {package_id[:12]}")
 
-    def write_block(self, manifest: Manifest, block: int, data: memoryview) -> None:
-        """Persist a verified block (the caller keeps ``data`` unchanged meanwhile)."""
-        atomic_write(self.package_dir(manifest.package_id) / manifest.blocks[block].file, data)
-        log.debug("cached block %d of %s", block, manifest.package_id[:12])
+    def write_block(self, manifest: Manifest, block: int, data: memoryview) -> bool:
+        """Persist a verified block (the caller keeps ``data`` unchanged meanwhile); False if it could not
+        be written."""
+        what = f"block {block} of {manifest.package_id[:12]}"
+        if self._write(self.package_dir(manifest.package_id) / manifest.blocks[block].file, data, what):
+            log.debug("cached %s", what)
+            return True
+        return False
+
+    def _write(self, path: Path, data: bytes | memoryview, what: str) -> bool:
+        try:
+            atomic_write(path, data)
+        except OSError as exc:
+            return self._failed(what, exc)
+        return True
+
+    def _failed(self, what: str, exc: OSError) -> bool:
+        with self._lock:
+            self.write_errors += 1
+            count = self.write_errors
+        log.warning("disk cache: could not write %s (%s); it stays in memory only (%d failed write(s) so far)",
+                    what, exc.strerror or exc, count)
+        return False

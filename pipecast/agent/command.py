@@ -81,7 +81,12 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
                   cache_dir: Path | None, memory: int | None, transport: str | None, local_socket: Path | None,
                   events: Path | None, exit_when_complete: bool, control_plane: str | None, labels: dict[str, str],
                   serve_url: str | None, start_at: float | None) -> None:
-    """Run the node agent: serve blocks to peers, fetch this node's share, feed local engines."""
+    """Run the node agent: serve blocks to peers, fetch this node's share, feed local engines.
+
+    Peers authenticate each other with a data-plane key: under --control-plane it comes with the
+    registration; without one it derives from the cluster's master token (settings auth_token,
+    PIPECAST_AUTH_TOKEN), which every agent of a static plan is given. Without credentials the data plane
+    is open, and the agent says so."""
     if control_plane is not None and (plan is not None or exit_when_complete):
         raise click.UsageError("--control-plane decides what this node fetches: it goes with neither --plan nor "
                                "--exit-when-complete")

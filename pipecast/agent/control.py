@@ -7,6 +7,10 @@ Each ASSIGN on the assignment stream is the node's whole part in one plan; a :cl
 per package fetches exactly the blocks the parts name, each from the parent they name, and a re-planned
 part replaces the fetches whose parent changed without refetching a verified block or chunk.
 
+Each registration brings the cluster's data-plane key, which the transport's hello uses from then on; and
+each part says whom this node serves: the peer server admits only the children the node's current parts
+name (any peer for a package it holds whole or whose plan names it a source: the fallback of every fetch).
+
 A parent the fetcher gives up on (dead, silent, or sent a corrupt chunk) is reported to the control
 plane, which re-parents its children; only if the control plane cannot be told, or sends no new parts
 within ``agent_replan_wait_s``, does the node fetch around that parent from the plan's sources. A peer
@@ -29,7 +33,7 @@ from control_plane.worker_session import WorkerSession
 from packager.manifest import MANIFEST_FILE
 from pipecast.agent.errors import AgentError, CorruptChunkError, CorruptFileError, FetchFailedError
 from pipecast.agent.events import EventLog
-from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, fetch_files
+from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, PeerFailureCallback, fetch_files
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.store import BlockStore, StoreEvent
 from pipecast.agent.transport.base import Transport
@@ -48,8 +52,10 @@ class AgentHost(Protocol):
         """The agent's data transport (listening already)."""
         ...
 
-    async def open_store(self, package_id: str, peers: Sequence[PeerInfo], pool: ChannelPool) -> BlockStore:
-        """The store of ``package_id``: the one held, else a new one (disk cache first, manifest from ``peers``)."""
+    async def open_store(self, package_id: str, peers: Sequence[PeerInfo], pool: ChannelPool,
+                         on_failure: PeerFailureCallback | None = None) -> BlockStore:
+        """The store of ``package_id``: the one held, else a new one (disk cache first, manifest from ``peers``);
+        a failing peer is reported to ``on_failure``."""
         ...
 
     def peer_failed(self, what: str, peer: PeerInfo, error: Exception) -> None:
@@ -147,6 +153,24 @@ class PackageFollower:
         self._host.peer_failed(what, peer, error)
 
     async def _follow(self) -> None:
+        """Follow the parts until closed. Failures of peers are handled in :meth:`_follow_parts` (reported,
+        fetched around); anything else that escapes it (a bug, a full disk) is logged and recorded, and the
+        follower starts again on new parts or after a pause: it never dies while the agent runs."""
+        while True:
+            try:
+                await self._follow_parts()
+            except Exception as exc:  # anything at all but cancellation (close)
+                pause = max(self._replan_wait_s, 1.0)
+                log.exception("package %s: unexpected %s: %s; starting again on new parts or in %.1f s",
+                              self.package_id[:12], type(exc).__name__, exc, pause)
+                self._host.events.emit("transfer_failed", package=self.package_id, error=type(exc).__name__,
+                                       message=str(exc)[:1000])
+                try:
+                    await asyncio.wait_for(self._changed.wait(), pause)
+                except TimeoutError:
+                    pass
+
+    async def _follow_parts(self) -> None:
         avoid: set[PeerInfo] = set()  # parents the control plane did not replace in time: fetched around
         while True:
             self._changed.clear()
@@ -183,10 +207,12 @@ class PackageFollower:
         return replace(self._policy, fallbacks=tuple(self._sources()) if skipped else ())
 
     async def _open(self, wanted: list[Fetch[PeerInfo]]) -> BlockStore:
-        peers = [*dict.fromkeys(f.parent for f in wanted), *self._sources()]
+        # The manifest and the small files: not from a peer that sent corrupt data of its own.
+        peers = [p for p in dict.fromkeys([*(f.parent for f in wanted), *self._sources()]) if p not in self._untrusted]
         store = self._store()
         if store is None:
-            store = await self._host.open_store(self.package_id, peers, self._pool)
+            # The follower's own callback: a peer that sent an invalid manifest is never asked again.
+            store = await self._host.open_store(self.package_id, peers, self._pool, self._peer_failed)
             store.subscribe(self._on_store_event)
             self._session.report_verified(self.package_id, store.verified_blocks())  # e.g. from the disk cache
         if store.missing_files():
@@ -265,7 +291,8 @@ class ControlLink:
                  replan_wait_s: float) -> None:
         self.host = host
         self.client = client
-        self.session = WorkerSession(client, spec, holdings=self._held)
+        # The data-plane key comes with each registration: the transport keys its hello with it from then on.
+        self.session = WorkerSession(client, spec, holdings=self._held, on_data_key=host.transport.set_key)
         self._policy = policy
         self._replan_wait_s = replan_wait_s
         self._followers: dict[str, PackageFollower] = {}
@@ -291,6 +318,7 @@ class ControlLink:
         events, package_id = self.host.events, update.package_id
         if update.kind is UpdateKind.SYNC:
             events.emit("sync", plans=list(update.plan_ids))
+            self.host.peer_server.retain_parts(update.plan_ids)
             for follower in self._followers.values():
                 follower.retain(update.plan_ids)
         elif update.kind is UpdateKind.ASSIGN:
@@ -301,6 +329,9 @@ class ControlLink:
                      update.version, len(update.fetch), len(update.serve), package_id[:12])
             if update.fetch and package_id not in self.host.peer_server.stores:
                 self.host.peer_server.expect(package_id)  # children may ask before this node has the manifest
+            # Whom this node serves the package: the part's children, anyone if it is a source (the fallback).
+            self.host.peer_server.serve_part(update.plan_id, package_id, (child for _, child in update.serve),
+                                             source=self.session.node_id in {s.node_id for s in update.sources})
             follower = self._followers.get(package_id)
             if follower is None:
                 follower = self._followers[package_id] = PackageFollower(
@@ -308,10 +339,15 @@ class ControlLink:
             follower.assign(update)
         elif update.kind is UpdateKind.CANCEL:
             events.emit("plan_cancelled", plan=update.plan_id, package=package_id)
+            self.host.peer_server.end_part(update.plan_id)
             if package_id in self._followers:
                 self._followers[package_id].cancel(update.plan_id)
         elif update.kind is UpdateKind.DROP:
             follower = self._followers.pop(package_id, None)
             if follower is not None:
                 await follower.close()
+            store = self.host.peer_server.stores.get(package_id)
+            if store is not None:
+                # Unqueues its verified reports, and follows any already sent: its holdings converge on this drop.
+                self.session.report_dropped(package_id, store.verified_blocks())
             self.host.drop_package(package_id)

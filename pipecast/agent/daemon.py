@@ -23,7 +23,14 @@ from pipecast.agent.buffers import SharedMemoryAllocator
 from pipecast.agent.cache import BlockCache
 from pipecast.agent.errors import PlanFileError
 from pipecast.agent.events import EventLog
-from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, fetch_files, fetch_manifest
+from pipecast.agent.fetcher import (
+    ChannelPool,
+    Fetcher,
+    FetchPolicy,
+    PeerFailureCallback,
+    fetch_files,
+    fetch_manifest,
+)
 from pipecast.agent.host import advertised_address, detect_accelerator
 from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.local_package import LocalPackageFolder
@@ -31,8 +38,9 @@ from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.plan_file import StaticPlan, read_plan_file
 from pipecast.agent.ratelimit import format_rate
 from pipecast.agent.store import BlockStore, StoreEvent
-from pipecast.agent.transport.base import Listener, Transport, split_address
+from pipecast.agent.transport.base import Listener, PeerAuth, Transport, split_address
 from pipecast.agent.transport.registry import select_transport
+from pipecast.core.credentials import parse_node_token
 from pipecast.core.errors import PipecastError
 from pipecast.core.settings import Settings
 from pipecast.core.units import format_bytes
@@ -69,13 +77,13 @@ class AgentOptions:
 
 
 class _AgentPeerServer(PeerServer):
-    """The agent's :class:`PeerServer`: records every request in the event log (what it served to whom),
-    and gives a package it has not heard of ``grace_s`` to be assigned (expected) before refusing it."""
+    """The agent's :class:`PeerServer`: records every admitted request in the event log (what it served to
+    whom), and gives a package it has not heard of ``grace_s`` to be assigned (expected) before refusing
+    it; under a control plane (``plan_gated``) it serves only the children its parts name."""
 
-    def __init__(self, events: EventLog, grace_s: float) -> None:
-        super().__init__()
+    def __init__(self, events: EventLog, grace_s: float, plan_gated: bool) -> None:
+        super().__init__(plan_gated=plan_gated, grace_s=grace_s)
         self._events = events
-        self._grace_s = grace_s
         self._heard = asyncio.Event()
 
     def add(self, store: BlockStore) -> None:
@@ -87,7 +95,7 @@ class _AgentPeerServer(PeerServer):
         self._heard.set()
 
     async def _heard_of(self, package_id: str) -> None:
-        deadline = time.monotonic() + self._grace_s
+        deadline = time.monotonic() + self.grace_s
         while package_id not in self.stores and package_id not in self.expected:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -119,7 +127,9 @@ class AgentDaemon:
         self.settings = settings
         self.node_id = options.node_id
         self.events = EventLog(options.events, options.node_id)
-        self.peer_server = _AgentPeerServer(self.events, UNASSIGNED_GRACE_S if options.control_plane else 0.0)
+        under_control = options.control_plane is not None
+        self.peer_server = _AgentPeerServer(self.events, UNASSIGNED_GRACE_S if under_control else 0.0,
+                                            plan_gated=under_control)
         self.budget = MemoryBudget(settings.agent_memory_bytes)
         self.allocator = SharedMemoryAllocator()
         self.cache = BlockCache(settings.agent_cache_dir) if settings.agent_cache_dir else None
@@ -155,7 +165,8 @@ class AgentDaemon:
                                         f"but --seed {self.options.seed} holds {store.package_id[:12]}")
                 log.info("seeding package %s (%d blocks, %s) from %s", store.package_id[:12],
                          len(store.manifest.blocks), format_bytes(store.manifest.total_bytes), self.options.seed)
-            self.transport = select_transport(self.settings.agent_transport, self.node_id, self.settings)
+            self.transport = select_transport(self.settings.agent_transport, self.node_id, self.settings,
+                                              self._peer_auth())
             host, port = self._listen_address(plan)
             self.listener = await self.transport.listen(host, port, self.peer_server)
             log.info("agent %s listening on %s (%s)", self.node_id, self.listener.address, self.transport.name)
@@ -183,6 +194,19 @@ class AgentDaemon:
                     task.cancel()
             await asyncio.gather(*(t for t in (work, reporter) if t is not None), return_exceptions=True)
             await self._shutdown()
+
+    def _peer_auth(self) -> PeerAuth:
+        """This node's data-plane credentials: under a control plane the key comes with the registration
+        (unknown until then); in static-plan mode it derives from the cluster's master token (the
+        ``auth_token`` setting; empty: auth off)."""
+        if self.options.control_plane is not None:
+            return PeerAuth(self.node_id, None)
+        token = self.settings.auth_token
+        if token and parse_node_token(token) is not None:
+            raise PlanFileError("auth_token holds a node token: without a control plane an agent derives the "
+                                "data-plane key from the cluster's master token, so every agent of a static plan is "
+                                "given the master token")
+        return PeerAuth.from_token(self.node_id, token)
 
     def _listen_address(self, plan: StaticPlan | None) -> tuple[str, int]:
         if self.options.listen is not None:
@@ -233,26 +257,29 @@ class AgentDaemon:
                  format_rate(progress.bytes_total / seconds) if seconds else "-")
         self.events.emit("complete", package=store.package_id, bytes=progress.bytes_total, seconds=seconds)
 
-    async def open_store(self, package_id: str, peers: Sequence[PeerInfo], pool: ChannelPool) -> BlockStore:
+    async def open_store(self, package_id: str, peers: Sequence[PeerInfo], pool: ChannelPool,
+                         on_failure: PeerFailureCallback | None = None) -> BlockStore:
         """The store of ``package_id`` with all its small files: the one held, else a new one (its verified
-        blocks from the disk cache, its manifest from the cache or the first of ``peers`` that has it)."""
+        blocks from the disk cache, its manifest from the cache or the first of ``peers`` that has it).
+        A peer that fails is reported to ``on_failure`` (default :meth:`peer_failed`)."""
+        report = on_failure or self.peer_failed
         store = self.peer_server.stores.get(package_id)
         if store is None:
-            store = await self._open_receiving_store(package_id, peers, pool)
+            store = await self._open_receiving_store(package_id, peers, pool, report)
         if store.missing_files():
-            await fetch_files(pool, store, peers, self.peer_failed)
+            await fetch_files(pool, store, peers, report)
             if self.cache is not None:
                 for path, data in store.files.items():
                     await asyncio.to_thread(self.cache.write_file, store.package_id, path, data)
         return store
 
-    async def _open_receiving_store(self, package_id: str, peers: Sequence[PeerInfo],
-                                    pool: ChannelPool) -> BlockStore:
+    async def _open_receiving_store(self, package_id: str, peers: Sequence[PeerInfo], pool: ChannelPool,
+                                    report: PeerFailureCallback) -> BlockStore:
         cached = self.cache.local_package(package_id) if self.cache is not None else None
         if cached is not None:
             manifest, origin = cached.manifest, cached.description
         else:
-            manifest, peer = await fetch_manifest(pool, package_id, peers, self.peer_failed)
+            manifest, peer = await fetch_manifest(pool, package_id, peers, report)
             origin = f"peer {peer}"
             if self.cache is not None:
                 await asyncio.to_thread(self.cache.write_manifest, manifest)
@@ -268,6 +295,7 @@ class AgentDaemon:
     def drop_package(self, package_id: str) -> None:
         """Stop serving ``package_id`` and free its memory (the disk cache keeps its blocks)."""
         self.peer_server.expected.discard(package_id)
+        self.peer_server.end_package(package_id)
         store = self.peer_server.stores.pop(package_id, None)
         if store is not None:
             store.close()
@@ -307,13 +335,9 @@ class AgentDaemon:
         store.subscribe(on_event)
 
     def _write_to_cache(self, store: BlockStore, block: int) -> None:
-        async def write() -> None:
-            try:
-                await asyncio.to_thread(self.cache.write_block, store.manifest, block, store.block_view(block))
-            except OSError as exc:
-                log.warning("disk cache: could not write block %d (%s); it stays in memory only", block, exc)
-
-        task = asyncio.get_running_loop().create_task(write())
+        # BlockCache logs and counts a failed write itself (ENOSPC, EIO): the block stays in memory only.
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(self.cache.write_block, store.manifest, block, store.block_view(block)))
         self._cache_writes.add(task)
         task.add_done_callback(self._cache_writes.discard)
 
@@ -327,7 +351,8 @@ class AgentDaemon:
         children = plan.children_of(self.node_id) if plan is not None else set()
         idle_since = None
         while True:
-            idle = self.listener.open_connections == 0 and children <= self.peer_server.requesters
+            served = plan is None or self.peer_server.have_requested(plan.package_id, children)
+            idle = self.listener.open_connections == 0 and served
             now = time.monotonic()
             idle_since = (idle_since or now) if idle else None
             if idle_since is not None and now - idle_since >= EXIT_LINGER_S:
@@ -359,6 +384,7 @@ class AgentDaemon:
             "address": self.listener.address if self.listener is not None else None,
             "bytes_received": stats.bytes_received if stats else 0,
             "bytes_sent": stats.bytes_sent if stats else 0,
+            "cache_write_errors": self.cache.write_errors if self.cache is not None else 0,
             "packages": {
                 pid: {"blocks_verified": p.blocks_verified, "blocks_total": p.blocks_total,
                       "bytes_present": p.bytes_present, "bytes_total": p.bytes_total, "complete": p.complete,

@@ -35,6 +35,25 @@ class PeerRefusedError(PeerError):
     """The peer answered with an error (it does not hold the package, block or file asked for)."""
 
 
+class PeerAuthError(PeerError):
+    """The data-plane hello failed: "peer X: authentication failed: ...". ``fault`` says whose it is:
+    ``"here"`` (this node lacks the key the peer requires), ``"peer"`` (the peer proved no key, or runs
+    without one), ``"keys differ"`` (both hold a key, not the same one: one of the two was given other
+    cluster credentials; both key ids are in the message)."""
+
+    def __init__(self, peer: str, message: str, fault: str) -> None:
+        super().__init__(peer, f"authentication failed: {message}")
+        self.fault = fault
+
+
+class PeerNotAllowedError(AgentError):
+    """A requester this node must not serve (not a child of it in any current plan of the package)."""
+
+
+class ServeWaitTimeoutError(AgentError):
+    """What a requester asked for did not arrive at this node within the serving deadline."""
+
+
 class CorruptChunkError(PeerError):
     """A chunk whose digest does not match the manifest; it was not marked present."""
 

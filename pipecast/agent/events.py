@@ -2,6 +2,12 @@
 
 Each line has ``t`` (time.time(), comparable between the processes of one host), ``node`` and ``event``
 plus the event's fields. Benchmarks and tests read it to time every block on every node.
+
+The record is bounded whatever peers do: each event kind has a token bucket (:data:`EVENT_BURST` lines,
+refilled at :data:`EVENT_RATE_PER_S` a second). Lines over it are dropped and counted, and an
+``events_dropped`` line (``kind``, ``dropped``, ``since``) says how many, before the next line of that
+kind that is written and when the log closes. An agent's own events (blocks, assignments) stay far
+below the bucket; a flood of peers' requests or failures does not.
 """
 
 import json
@@ -9,22 +15,63 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+EVENT_RATE_PER_S = 200.0
+EVENT_BURST = 5000.0
+
+
+class _Bucket:
+    """Tokens of one event kind, and what was dropped since the last line of that kind."""
+
+    __slots__ = ("tokens", "stamp", "dropped", "since")
+
+    def __init__(self, now: float, tokens: float) -> None:
+        self.tokens, self.stamp, self.dropped, self.since = tokens, now, 0, 0.0
+
 
 class EventLog:
-    """Appends events to a file, flushed per line; does nothing without a path."""
+    """Appends events to a file, flushed per line, at a bounded rate per kind; does nothing without a path."""
 
-    def __init__(self, path: Path | None, node_id: str) -> None:
+    def __init__(self, path: Path | None, node_id: str, rate_per_s: float = EVENT_RATE_PER_S,
+                 burst: float = EVENT_BURST) -> None:
         self.node_id = node_id
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self._buckets: dict[str, _Bucket] = {}
         self._file: IO[str] | None = Path(path).open("a", buffering=1) if path else None
 
     def emit(self, event: str, at: float | None = None, **fields: Any) -> None:
-        """Record ``event`` (at ``at``, default now) with ``fields``."""
-        if self._file is not None:
-            record = {"t": time.time() if at is None else at, "node": self.node_id, "event": event, **fields}
-            self._file.write(json.dumps(record) + "\n")
+        """Record ``event`` (at ``at``, default now) with ``fields``, unless its kind is over its rate."""
+        if self._file is None:
+            return
+        now = time.monotonic()
+        bucket = self._buckets.get(event)
+        if bucket is None:
+            bucket = self._buckets[event] = _Bucket(now, self.burst)
+        bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.stamp) * self.rate_per_s)
+        bucket.stamp = now
+        if bucket.tokens < 1:
+            if not bucket.dropped:
+                bucket.since = time.time()
+            bucket.dropped += 1
+            return
+        bucket.tokens -= 1
+        if bucket.dropped:
+            self._summary(event, bucket)
+        self._write({"t": time.time() if at is None else at, "node": self.node_id, "event": event, **fields})
+
+    def _summary(self, kind: str, bucket: _Bucket) -> None:
+        self._write({"t": time.time(), "node": self.node_id, "event": "events_dropped", "kind": kind,
+                     "dropped": bucket.dropped, "since": bucket.since})
+        bucket.dropped = 0
+
+    def _write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         if self._file is not None:
+            for kind, bucket in self._buckets.items():
+                if bucket.dropped:
+                    self._summary(kind, bucket)
             self._file.close()
             self._file = None
 

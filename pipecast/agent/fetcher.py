@@ -8,6 +8,11 @@ that a control plane can re-parent. A peer given up on is not asked for later bl
 
 Small files (tokenizer, config) are fetched in ranges that each hop serves as soon as it has them, so a
 chain forwards them like blocks instead of each hop waiting for its parent's whole copy.
+
+Whatever goes wrong with a peer's answer is that peer's failure, logged, reported and followed by the next
+peer: a fetch never dies of a peer's bytes. A failure that is not a :class:`PeerError` already (a parser or
+transport bug provoked by odd bytes) becomes one naming the peer (:func:`peer_failure`); only this node's
+own errors (:class:`AgentError`, e.g. the store was dropped meanwhile) end a fetch.
 """
 
 import asyncio
@@ -20,7 +25,14 @@ from control_plane.messages import PeerInfo
 from control_plane.planner.plan import Fetch
 from packager.errors import ManifestError
 from packager.manifest import MANIFEST_FILE, manifest_from_json
-from pipecast.agent.errors import CorruptChunkError, CorruptFileError, FetchFailedError, PeerError, PeerProtocolError
+from pipecast.agent.errors import (
+    AgentError,
+    CorruptChunkError,
+    CorruptFileError,
+    FetchFailedError,
+    PeerError,
+    PeerProtocolError,
+)
 from pipecast.agent.ratelimit import format_rate
 from pipecast.agent.store import BlockStore
 from pipecast.agent.transport.base import Channel, Transport
@@ -48,6 +60,40 @@ class FetchPolicy:
 
 
 PeerFailureCallback = Callable[[str, PeerInfo, Exception], None]
+
+
+def peer_failure(peer: PeerInfo, what: str, error: Exception) -> PeerError:
+    """``error``, raised while fetching ``what`` from ``peer``, as the :class:`PeerError` naming ``peer``: itself
+    if it is one, else a :class:`PeerProtocolError` (logged with its traceback: it is a bug somewhere that
+    this peer's answer provoked, and the fetch goes on with the next peer)."""
+    if isinstance(error, PeerError):
+        return error
+    log.warning("%s from %s: unexpected %s", what, peer, type(error).__name__, exc_info=error)
+    text = f"{type(error).__name__}: {error}"
+    return PeerProtocolError(str(peer), f"failed unexpectedly on {what} "
+                                        f"({text if len(text) <= 300 else text[:300] + '...'})")
+
+
+def _own_failure(error: Exception) -> bool:
+    """Whether ``error`` is this node's own failure (e.g. its store was dropped, its memory budget is spent),
+    which no other peer can help with: then a fetch ends instead of blaming the peer."""
+    return isinstance(error, AgentError) and not isinstance(error, PeerError)
+
+
+def verified_manifest(data: bytes, package_id: str, peer: PeerInfo) -> Manifest:
+    """The manifest of ``package_id`` in ``data``, as ``peer`` sent it; :class:`CorruptFileError` naming ``peer``
+    if it is not exactly that manifest (it does not parse, is inconsistent, or its digest, which covers every
+    field, is not ``package_id``). The sender is at fault: a relay verifies a manifest before serving it."""
+    try:
+        manifest = manifest_from_json(data, where=f"manifest from {peer}")
+    except ManifestError as exc:
+        raise CorruptFileError(str(peer), f"sent an invalid manifest: {exc.problem}") from None
+    except Exception as exc:  # manifest_from_json raises nothing else; if it ever does, the bytes were bad still
+        raise CorruptFileError(str(peer), f"sent a manifest that cannot be parsed ({type(exc).__name__})") from exc
+    if manifest.package_id != package_id:
+        raise CorruptFileError(str(peer), f"sent the manifest of package {manifest.package_id[:12]}, "
+                                          f"not {package_id[:12]}")
+    return manifest
 
 
 class ChannelPool:
@@ -90,8 +136,11 @@ async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[Pee
                          on_failure: PeerFailureCallback | None = None) -> tuple[Manifest, PeerInfo]:
     """The manifest of ``package_id`` from the first of ``peers`` that gives a valid one.
 
-    Valid means it parses, is consistent, and its block and file digests hash to ``package_id``: a peer
-    cannot substitute another package.
+    Valid means it parses, is consistent, and is the manifest whose digest is ``package_id`` (the id covers
+    every field): a peer can neither substitute another package nor change one field of this one. Nothing
+    else is kept of a peer's answer: an invalid one (:func:`verified_manifest`), or any other failure, is
+    logged and reported (``on_failure``) and the next peer is asked; :class:`FetchFailedError` names every
+    peer tried once none is left.
     """
     attempts: list[tuple[str, Exception]] = []
     for peer in dict.fromkeys(peers):
@@ -101,17 +150,13 @@ async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[Pee
             data = await channel.fetch_file(package_id, MANIFEST_FILE)
             pool.release(peer, channel)
             channel = None
-            manifest = manifest_from_json(data, where=f"manifest from {peer}")
-            if manifest.package_id != package_id:
-                raise CorruptFileError(str(peer), f"sent the manifest of package {manifest.package_id[:12]}, "
-                                                  f"not {package_id[:12]}")
-            return manifest, peer
-        except ManifestError as exc:
-            error: Exception = CorruptFileError(str(peer), f"sent an invalid manifest: {exc.problem}")
-        except PeerError as exc:
-            error = exc
-        if channel is not None:
-            await pool.discard(peer, channel)
+            return verified_manifest(data, package_id, peer), peer
+        except Exception as exc:  # any failure on a peer's answer moves on to the next peer
+            if channel is not None:
+                await pool.discard(peer, channel)
+            if _own_failure(exc):
+                raise
+            error = peer_failure(peer, MANIFEST_FILE, exc)
         log.warning("manifest of %s: %s", package_id[:12], error)
         attempts.append((str(peer), error))
         if on_failure:
@@ -147,14 +192,17 @@ async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[Peer
                 pool.release(peer, channel)
                 channel = None
                 break
-            except PeerError as exc:
+            except Exception as exc:  # any failure on a peer's answer moves on to the next peer
                 store.discard_partial_file(path)
                 if channel is not None:
                     await pool.discard(peer, channel)
-                log.warning("file %s: %s", path, exc)
-                attempts.append((str(peer), exc))
-                if on_failure:
-                    on_failure(path, peer, exc)
+                if _own_failure(exc):
+                    raise
+                error = peer_failure(peer, f"file {path}", exc)
+            log.warning("file %s: %s", path, error)
+            attempts.append((str(peer), error))
+            if on_failure:
+                on_failure(path, peer, error)
         else:
             raise FetchFailedError(f"file {path}", attempts)
 
@@ -215,13 +263,16 @@ class Fetcher:
                 try:
                     await self._fetch_from(block, peer)
                     return
-                except PeerError as exc:
-                    attempts.append((str(peer), exc))
-                    log.warning("block %d: %s", block, exc)
-                    if self.on_peer_failure:
-                        self.on_peer_failure(f"block {block}", peer, exc)
-                    if isinstance(exc, CorruptChunkError):
-                        break  # a peer that sent bad bytes is not asked again
+                except Exception as exc:  # any failure on a peer's answer: retry, or the next peer
+                    if _own_failure(exc):
+                        raise
+                    error = peer_failure(peer, f"block {block}", exc)
+                attempts.append((str(peer), error))
+                log.warning("block %d: %s", block, error)
+                if self.on_peer_failure:
+                    self.on_peer_failure(f"block {block}", peer, error)
+                if isinstance(error, CorruptChunkError):
+                    break  # a peer that sent bad bytes is not asked again
             # Given up on this peer: later blocks go straight to the next one instead of waiting again.
             self.failed_peers.add(peer)
         given_up = tuple(str(p) for p in peers if p in self.failed_peers and str(p) not in dict(attempts))

@@ -23,7 +23,9 @@ block. ``buffer`` answers at once, verified or not: a block's buffer never moves
 while the block is still arriving and read it once ``wait_block`` says it is verified (mapping costs
 ~0.15 ms per MB of page-table set-up, which then stays off the path from the last block to the first
 token). Every request may name ``"package"`` (a package id); without it the agent's only package is meant.
-Failures answer ``{"ok": false, "error": "...", "timeout": bool}``. A received block's path is
+Failures answer ``{"ok": false, "error": "...", "timeout": bool}``: a line that is not a JSON object, an
+unknown op, a field of the wrong type or range (``timeout`` must be a finite number from 0 to
+``MAX_TIMEOUT_S``; ``block`` and ``bytes`` non-negative integers) included. A received block's path is
 ``/proc/<agent pid>/fd/<n>`` (its memfd): the engine must run as the agent's user and see its pid
 namespace (same container or pod with a shared process namespace). The engine's side is
 :class:`pipecast.agent.local_client.LocalAgentClient`.
@@ -34,17 +36,73 @@ import base64
 import dataclasses
 import json
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from packager.manifest import manifest_to_json
 from pipecast.agent.errors import AgentError, LocalApiError, LocalApiTimeoutError
+from pipecast.agent.local_client import MAX_TIMEOUT_S
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.store import StoreEvent
+from pipecast.core.strictjson import JSONInputError, describe, loads_object
 
 log = logging.getLogger(__name__)
+
+OPS = ("manifest", "wait_block", "wait_prefix", "buffer", "file", "progress", "status", "subscribe")
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class LocalRequest:
+    """One checked request of the local API (the module docstring lists the ops and their fields)."""
+
+    op: str
+    package: str | None = None
+    timeout: float = DEFAULT_TIMEOUT_S
+    block: int | None = None
+    nbytes: int | None = None
+    path: str | None = None
+
+
+def parse_request(line: bytes | str) -> LocalRequest:
+    """Check one request line; :class:`LocalApiError` says what is wrong with it (never anything else)."""
+    try:
+        request = loads_object(line)
+    except JSONInputError as exc:
+        raise LocalApiError(f"the request is not a JSON object: {exc}") from None
+    op = request.get("op")
+    if not isinstance(op, str) or op not in OPS:
+        raise LocalApiError(f"unknown op {describe(op)} (ops: {', '.join(OPS)})")
+    package = request.get("package")
+    if package is not None and not isinstance(package, str):
+        raise LocalApiError(f"package must be a package id (a string), got {describe(package)}")
+    timeout = request.get("timeout", DEFAULT_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
+            math.isfinite(timeout) and 0 <= timeout <= MAX_TIMEOUT_S):
+        raise LocalApiError(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, "
+                            f"got {describe(timeout)}")
+    block = nbytes = path = None
+    if op in ("wait_block", "wait_prefix", "buffer"):
+        block = _count(request, "block")
+    if op == "wait_prefix":
+        nbytes = _count(request, "bytes")
+    if op == "file":
+        path = request.get("path")
+        if not isinstance(path, str):
+            raise LocalApiError(f"path must be a file name of the package, got {describe(path)}")
+    return LocalRequest(op, package, float(timeout), block, nbytes, path)
+
+
+def _count(request: dict[str, Any], name: str) -> int:
+    value = request.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LocalApiError(f"{name} must be a non-negative integer, got {describe(value)}")
+    return value
 
 
 class LocalApiServer:
@@ -58,7 +116,11 @@ class LocalApiServer:
         self.path: Path | None = None
 
     async def start(self, path: Path) -> None:
-        """Listen on ``path``; a stale socket file left by a dead agent is replaced."""
+        """Listen on ``path``; a stale socket file left by a dead agent is replaced.
+
+        The socket is bound under a temporary name, made 0600, and only then listens and is renamed to
+        ``path``: no other user can connect at any moment, and a client that sees ``path`` can connect.
+        """
         path = Path(path)
         if path.exists():
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -70,8 +132,7 @@ class LocalApiServer:
                 path.unlink(missing_ok=True)
             finally:
                 probe.close()
-        self._server = await asyncio.start_unix_server(self._serve, path=str(path))
-        os.chmod(path, 0o600)
+        self._server = await asyncio.start_unix_server(self._serve, sock=_private_socket(path))
         self.path = path
 
     def publish(self, event: StoreEvent, package_id: str) -> None:
@@ -94,14 +155,14 @@ class LocalApiServer:
         try:
             while line := await reader.readline():
                 try:
-                    request = json.loads(line)
-                    if request.get("op") == "subscribe":
-                        await self._stream_events(request, writer)
+                    request = parse_request(line)
+                    if request.op == "subscribe":
+                        await self._stream_events(writer)
                         return
                     answer = await self._answer(request)
                 except LocalApiTimeoutError as exc:
                     answer = {"ok": False, "error": str(exc), "timeout": True}
-                except (AgentError, ValueError, KeyError, TypeError) as exc:
+                except (AgentError, ValueError, KeyError, TypeError, IndexError) as exc:
                     answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "timeout": False}
                 writer.write(json.dumps(answer).encode() + b"\n")
                 await writer.drain()
@@ -110,15 +171,14 @@ class LocalApiServer:
         finally:
             writer.close()
 
-    async def _answer(self, request: dict) -> dict:
-        op = request.get("op")
+    async def _answer(self, request: LocalRequest) -> dict:
+        op, timeout = request.op, request.timeout
         if op == "status":
             return {"ok": True, "status": self._status()}
-        timeout = float(request.get("timeout", 30.0))
         try:
-            store = await asyncio.wait_for(self._peer_server.wait_store(request.get("package")), timeout)
+            store = await asyncio.wait_for(self._peer_server.wait_store(request.package), timeout)
         except TimeoutError:
-            raise LocalApiTimeoutError(f"no package {request.get('package') or ''} here within "
+            raise LocalApiTimeoutError(f"no package {request.package or ''} here within "
                                        f"{timeout:g} s") from None
         if op == "manifest":
             return {"ok": True, "manifest": json.loads(manifest_to_json(store.manifest))}
@@ -126,32 +186,30 @@ class LocalApiServer:
             return {"ok": True, "progress": dataclasses.asdict(store.progress())}
         if op == "file":
             try:
-                data = await asyncio.wait_for(store.wait_file(request["path"]), timeout)
+                data = await asyncio.wait_for(store.wait_file(request.path), timeout)
             except TimeoutError:
-                raise LocalApiTimeoutError(f"file {request['path']!r} not here within {timeout:g} s") from None
+                raise LocalApiTimeoutError(f"file {request.path!r} not here within {timeout:g} s") from None
             return {"ok": True, "data": base64.b64encode(data).decode()}
-        if op in ("wait_block", "wait_prefix", "buffer"):
-            block = int(request["block"])
-            verified = {}
-            if op == "wait_block":
-                try:
-                    await asyncio.wait_for(store.wait_block(block), timeout)
-                except TimeoutError:
-                    raise LocalApiTimeoutError(f"block {block} not verified within {timeout:g} s") from None
-            elif op == "wait_prefix":
-                nbytes = int(request["bytes"])
-                try:
-                    await asyncio.wait_for(store.wait_prefix(block, nbytes), timeout)
-                except TimeoutError:
-                    raise LocalApiTimeoutError(f"the first {nbytes} bytes of block {block} not verified within "
-                                               f"{timeout:g} s") from None
-                # All that is verified: the engine's next parts may need no request.
-                verified = {"verified": store.verified_prefix(block)}
-            return {"ok": True, "package": store.package_id, "block": block, "path": store.block_path(block),
-                    "bytes": store.manifest.blocks[block].bytes, **verified}
-        raise LocalApiError(f"unknown op {op!r}")
+        block = request.block
+        verified = {}
+        if op == "wait_block":
+            try:
+                await asyncio.wait_for(store.wait_block(block), timeout)
+            except TimeoutError:
+                raise LocalApiTimeoutError(f"block {block} not verified within {timeout:g} s") from None
+        elif op == "wait_prefix":
+            nbytes = request.nbytes
+            try:
+                await asyncio.wait_for(store.wait_prefix(block, nbytes), timeout)
+            except TimeoutError:
+                raise LocalApiTimeoutError(f"the first {nbytes} bytes of block {block} not verified within "
+                                           f"{timeout:g} s") from None
+            # All that is verified: the engine's next parts may need no request.
+            verified = {"verified": store.verified_prefix(block)}
+        return {"ok": True, "package": store.package_id, "block": block, "path": store.block_path(block),
+                "bytes": store.manifest.blocks[block].bytes, **verified}
 
-    async def _stream_events(self, request: dict, writer: asyncio.StreamWriter) -> None:
+    async def _stream_events(self, writer: asyncio.StreamWriter) -> None:
         queue: asyncio.Queue = asyncio.Queue()
         self._subscribers.add(queue)
         try:
@@ -166,3 +224,27 @@ class LocalApiServer:
                 await writer.drain()
         finally:
             self._subscribers.discard(queue)
+
+
+def _private_socket(path: Path) -> socket.socket:
+    """A unix socket listening at ``path`` that only this user can connect to, at every moment."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        tmp.unlink(missing_ok=True)
+        sock.bind(str(tmp))
+        try:
+            os.chmod(tmp, 0o600)   # before listen: until then every connect is refused
+            sock.listen(socket.SOMAXCONN)
+            os.replace(tmp, path)  # the path appears ready, and private
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        sock.close()
+        raise LocalApiError(f"{path}: cannot listen: {exc.strerror or exc}") from None
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock

@@ -6,6 +6,7 @@ in :mod:`pipecast.agent.local_api`.
 
 import base64
 import json
+import math
 import mmap
 import os
 import socket
@@ -16,10 +17,14 @@ from pathlib import Path
 from packager.manifest import manifest_from_json
 from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError
 from pipecast.agent.store import BlockProgress, StoreProgress
+from pipecast.core.strictjson import JSONInputError, loads_object
 from pipecast.v1.manifest_pb2 import Manifest
 
 # Slack on top of a request's own timeout before the client gives up on the agent itself.
 CLIENT_SLACK_S = 5.0
+#: Longest wait a request may ask for (a day): any finite number would do, but a sane bound keeps every
+#: deadline computation (the agent's timers, this socket's timeout) far from overflow.
+MAX_TIMEOUT_S = 86_400.0
 
 
 class LocalAgentClient:
@@ -49,6 +54,9 @@ class LocalAgentClient:
         return sock
 
     def _call(self, request: dict, timeout: float) -> dict:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
+                math.isfinite(timeout) and 0 <= timeout <= MAX_TIMEOUT_S):
+            raise LocalApiError(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, got {timeout!r}")
         with self._lock:
             self._sock.settimeout(timeout + CLIENT_SLACK_S)
             try:
@@ -61,11 +69,18 @@ class LocalAgentClient:
                 raise LocalApiError(f"agent at {self.socket_path}: {exc.strerror or exc}") from None
         if not line:
             raise LocalApiError(f"agent at {self.socket_path} closed the connection")
-        answer = json.loads(line)
+        answer = self._decode(line)
         if not answer.get("ok"):
             error = LocalApiTimeoutError if answer.get("timeout") else LocalApiError
             raise error(f"agent at {self.socket_path}: {answer.get('error')}")
         return answer
+
+    def _decode(self, line: bytes) -> dict:
+        try:
+            return loads_object(line)
+        except JSONInputError as exc:
+            raise LocalApiError(f"agent at {self.socket_path} answered something that is not a JSON object: "
+                                f"{exc}") from None
 
     def manifest(self, package_id: str | None = None, timeout: float = 30.0) -> Manifest:
         """The package's manifest (waits until the agent has it)."""
@@ -152,7 +167,7 @@ class LocalAgentClient:
                         from None
                 if not line:
                     return
-                message = json.loads(line)
+                message = self._decode(line)
                 if "event" in message:
                     yield message
         finally:

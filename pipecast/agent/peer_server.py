@@ -2,12 +2,19 @@
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
 
 from packager.manifest import MANIFEST_FILE, manifest_to_json
-from pipecast.agent.errors import UnknownPackageError
+from pipecast.agent.errors import PeerNotAllowedError, UnknownPackageError
 from pipecast.agent.store import BlockStore
 
 log = logging.getLogger(__name__)
+
+# Requesters remembered per package (the most recent ones): enough for any plan's children, bounded
+# whatever names unauthenticated or misbehaving peers make up.
+MAX_REQUESTERS_PER_PACKAGE = 1024
 
 
 class PeerServer:
@@ -17,14 +24,28 @@ class PeerServer:
     block is still arriving; a range of a small file as soon as its bytes are here (each receiver checks
     the whole file against the manifest). A request for a package this agent is about to receive (:meth:`expect`)
     waits for it instead of being refused: children may ask before their parent has the manifest. It
-    also remembers which nodes asked, so a node knows when the children its plan gave it have come.
+    also remembers which nodes asked (the last :data:`MAX_REQUESTERS_PER_PACKAGE` per package), so a node
+    knows when the children its plan gave it have come.
+
+    With ``plan_gated`` (an agent under a control plane) a node still receiving a package serves it only
+    to the children its current parts name (:meth:`serve_part`); a node that is a source of a current
+    plan of the package, or holds all of it (the control plane's sources are the complete holders), serves
+    it to any requester the transport let in, because the plan's sources are every receiver's fallback and
+    a source's own part names only its direct children (a source without children gets no part at all).
+    A requester it does not know yet gets ``grace_s`` for the part that names it to arrive (the control
+    plane tells a parent and its child at once, in no particular order). Without ``plan_gated`` (a static
+    plan) every requester the transport let in is served.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, plan_gated: bool = False, grace_s: float = 0.0) -> None:
         self.stores: dict[str, BlockStore] = {}
         self.expected: set[str] = set()
-        self.requesters: set[str] = set()
+        self.requesters: dict[str, OrderedDict[str, None]] = {}
+        self.plan_gated = plan_gated
+        self.grace_s = grace_s
+        self._parts: dict[str, tuple[str, frozenset[str], bool]] = {}  # plan -> (package, children, source)
         self._added = asyncio.Event()
+        self._parts_changed = asyncio.Event()
 
     def add(self, store: BlockStore) -> None:
         """Serve ``store`` from now on."""
@@ -34,6 +55,53 @@ class PeerServer:
     def expect(self, package_id: str) -> None:
         """This agent will hold ``package_id`` soon: hold requests for it until then."""
         self.expected.add(package_id)
+
+    # -- whom to serve (plan_gated) ----------------------------------------------------------------------
+
+    def serve_part(self, plan_id: str, package_id: str, children: Iterable[str], source: bool) -> None:
+        """This node's current part in ``plan_id`` names ``children`` (``source``: it is one of the plan's
+        sources)."""
+        self._parts[plan_id] = (package_id, frozenset(children), source)
+        self._parts_changed.set()
+
+    def end_part(self, plan_id: str) -> None:
+        """This node has no part in ``plan_id`` any more."""
+        self._parts.pop(plan_id, None)
+
+    def retain_parts(self, plan_ids: Collection[str]) -> None:
+        """Forget the parts of plans other than ``plan_ids``."""
+        for plan_id in [p for p in self._parts if p not in plan_ids]:
+            del self._parts[plan_id]
+
+    def end_package(self, package_id: str) -> None:
+        """Forget every part of ``package_id`` and who asked for it (the package is dropped)."""
+        for plan_id in [p for p, (pid, _, _) in self._parts.items() if pid == package_id]:
+            del self._parts[plan_id]
+        self.requesters.pop(package_id, None)
+
+    def _allowed(self, requester: str, package_id: str) -> bool:
+        if any(pid == package_id and (source or requester in children)
+               for pid, children, source in self._parts.values()):
+            return True
+        store = self.stores.get(package_id)
+        return store is not None and len(store.verified_blocks()) == len(store.manifest.blocks)
+
+    async def admit(self, requester: str, package_id: str) -> None:
+        if not self.plan_gated or self._allowed(requester, package_id):
+            return
+        deadline = time.monotonic() + self.grace_s
+        while not self._allowed(requester, package_id):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerNotAllowedError(f"node {requester} is not a child of this node in any current plan of "
+                                          f"package {package_id[:12]} (and this node is not one of its sources)")
+            self._parts_changed.clear()
+            try:
+                await asyncio.wait_for(self._parts_changed.wait(), left)
+            except TimeoutError:
+                pass
+
+    # -- what to serve -----------------------------------------------------------------------------------
 
     async def wait_store(self, package_id: str | None) -> BlockStore:
         """The store of ``package_id`` (None: the only one held), once this agent has it.
@@ -70,7 +138,21 @@ class PeerServer:
             return await store.wait_file_range(path, offset, length)
         return await store.wait_file(path)
 
+    # -- who asked -----------------------------------------------------------------------------------------
+
     def peer_requested(self, requester: str, package_id: str, block: int | None) -> None:
-        if requester not in self.requesters:
-            log.info("serving %s (package %s)", requester, package_id[:12])
-            self.requesters.add(requester)
+        known = self.requesters.get(package_id)
+        if known is None:
+            known = self.requesters[package_id] = OrderedDict()
+        if requester in known:
+            known.move_to_end(requester)
+            return
+        log.info("serving %s (package %s)", requester, package_id[:12])
+        known[requester] = None
+        if len(known) > MAX_REQUESTERS_PER_PACKAGE:
+            known.popitem(last=False)
+
+    def have_requested(self, package_id: str, nodes: Collection[str]) -> bool:
+        """Whether every node of ``nodes`` has asked for ``package_id``."""
+        known = self.requesters.get(package_id, {})
+        return all(node in known for node in nodes)

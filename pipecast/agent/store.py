@@ -4,8 +4,9 @@ Each block has one buffer sized from the manifest. Transports receive straight i
 that buffer (:meth:`BlockStore.chunk_buffer`) and then report it (:meth:`BlockStore.chunk_landed`): the
 chunk is hashed against its manifest digest and only then counts as present, so a peer serving this
 store (cut-through) or a local engine can never read an unverified byte. A block is verified when all
-its chunks are: the manifest is validated on open, and its package id covers every chunk digest, so the
-chunk digests are as trustworthy as the package id and one hash pass over the bytes suffices.
+its chunks are: the manifest is validated on open, and its package id is the digest of the whole manifest
+(every chunk digest, size and file name in it), so the chunk digests are as trustworthy as the package id
+and one hash pass over the bytes suffices.
 
 The store is used from one asyncio event loop: marking is synchronous, waiting is awaitable.
 """
@@ -144,7 +145,7 @@ class BlockStore:
         fetched again). Blocks mapped from files cost no budget (they are page cache); allocated blocks
         are reserved against ``budget`` up front, or :class:`MemoryBudgetError` is raised. With
         ``require_complete`` (a seed) a missing or corrupt local block raises :class:`LocalPackageError`.
-        An inconsistent manifest (e.g. chunk digests that do not hash to its package id) raises
+        An inconsistent manifest (e.g. one whose digest is not its package id) raises
         :class:`packager.errors.ManifestError` naming ``manifest_origin``.
         """
         validate_manifest(manifest, manifest_origin or "manifest")

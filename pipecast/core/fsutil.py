@@ -1,12 +1,16 @@
 """Small filesystem and process helpers shared by the packager, the agent and the benchmarks."""
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 PARTIAL_MARK = ".partial-"
+TEMPORARY_MARK = ".tmp-"
+# What atomic_write names its temporary files: ".<name>.tmp-<pid>".
+_TEMPORARY = re.compile(r"^\..+" + re.escape(TEMPORARY_MARK) + r"(\d+)$")
 
 
 def pid_alive(pid: int) -> bool:
@@ -24,7 +28,7 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder and a rename, so a crash never
     leaves a half file under ``path`` (no fsync: durability is not promised)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}")
     try:
         with tmp.open("wb") as f:
             f.write(data)
@@ -32,6 +36,37 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def sweep_stale_temporaries(root: Path) -> int:
+    """Remove the temporary files that :func:`atomic_write` calls left under ``root`` (at any depth) by
+    processes that are gone; return how many were removed. A file named with this process's own pid is
+    stale too when it is older than the process (a restarted container's agent gets the same pid)."""
+    try:
+        import psutil
+
+        started = psutil.Process().create_time()
+    except Exception:  # psutil missing or /proc unreadable: keep own-pid files
+        started = None
+    removed = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            match = _TEMPORARY.match(name)
+            if match is None:
+                continue
+            path = Path(folder) / name
+            pid = int(match.group(1))
+            try:
+                if pid == os.getpid():
+                    if started is None or path.stat().st_mtime >= started:
+                        continue
+                elif pid_alive(pid):
+                    continue
+                path.unlink()
+                removed += 1
+            except OSError:
+                pass  # gone meanwhile, or not ours to remove
+    return removed
 
 
 @contextmanager
@@ -51,10 +86,13 @@ def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        if out.exists():
+        if os.path.lexists(out):
             if not overwrite:
                 raise FileExistsError(f"{out} appeared while it was being built")
-            shutil.rmtree(out)
+            if out.is_dir() and not out.is_symlink():
+                shutil.rmtree(out)
+            else:  # a file or a symlink is replaced itself, never what a symlink points at
+                out.unlink()
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -46,6 +46,12 @@ class Settings(BaseSettings):
     agent_replan_wait_s: float = Field(
         5.0, gt=0, description="after reporting a failed parent, how long to wait for the control plane's new "
                                "parents before fetching around it from the plan's sources")
+    agent_idle_timeout_s: float = Field(60.0, gt=0, description="a served peer connection with no request this long "
+                                                                "is closed")
+    agent_max_connections: int = Field(256, ge=1, description="peer connections an agent serves at once; more are "
+                                                              "closed at once")
+    agent_max_connections_per_address: int = Field(32, ge=1, description="peer connections an agent serves at once "
+                                                                         "from one address")
     agent_labels: dict[str, str] = Field(default_factory=dict,
                                          description="topology labels the agent registers with, e.g. rack")
     agent_serve_url: str = Field("", description="HTTP base URL of the serving worker on this node (router)")
@@ -55,7 +61,9 @@ class Settings(BaseSettings):
     control_host: str = Field("127.0.0.1", description="control plane listen address")
     control_port: int = Field(7000, ge=0, le=65535, description="control plane listen port")
     control_db: Path = Field(Path("pipecast-control.sqlite3"), description="control plane state (SQLite)")
-    auth_token: str = Field("", description="shared token for every RPC (empty: auth off)")
+    auth_token: str = Field("", description="the cluster's master secret on the control plane, and the token a client "
+                                           "sends: the master (operator) or a node token from `pipecast cp "
+                                           "issue-token` (empty: auth off)")
     tls_cert: Path | None = Field(None, description="PEM certificate (TLS on when set with tls_key)")
     tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
     tls_ca: Path | None = Field(None, description="CA for verifying peers; set on the server for mTLS")
@@ -73,6 +81,10 @@ class Settings(BaseSettings):
     serve_port: int = Field(8000, ge=0, le=65535, description="serving worker listen port")
     max_queue: int = Field(64, ge=1, description="requests waiting beyond this get 429")
     max_batch: int = Field(16, ge=1, description="sequences sharing one forward pass")
+
+    # Router.
+    router_forward_auth: bool = Field(False, description="pass clients' Authorization header on to the workers "
+                                                         "(off: dropped, so workers never see client credentials)")
 
     @classmethod
     def settings_customise_sources(

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_body
+from pipecast.core.strictjson import JSONInputError
 from pipecast.router.discovery import DiscoveredWorker, Discovery
 from pipecast.router.errors import (
     QueueFullError,
@@ -48,7 +50,10 @@ log = logging.getLogger(__name__)
 WORKER_HEADER = "x-pipecast-worker"
 QUEUE_HEADER = "x-pipecast-queue-seconds"
 #: Client headers passed on to the worker; the rest (Host, Content-Length, ...) are per connection.
-FORWARDED_HEADERS = ("Content-Type", "Accept", "Authorization", "X-Request-Id")
+FORWARDED_HEADERS = ("Content-Type", "Accept", "X-Request-Id")
+#: The client's credentials: passed on only with ``RouterConfig.forward_auth``, else any worker (whatever
+#: serve URL it registered) would receive what clients authenticate to the router with.
+AUTH_HEADER = "Authorization"
 #: Retry-After of the router's own 429, and the back-off after a worker's 429 without a usable one.
 RETRY_AFTER_S = 1
 
@@ -68,8 +73,15 @@ class RouterConfig:
     max_retries: int = 2
     discovery_interval_s: float = 2.0
     discovery_timeout_s: float = 5.0
-    #: Largest request body accepted (a prompt given as token ids is big JSON).
-    max_body_bytes: int = 64 << 20
+    #: Largest request body accepted (the serving worker's limit; see pipecast.serve.app.MAX_BODY_BYTES):
+    #: a larger one is refused with 413 from its Content-Length, unread.
+    max_body_bytes: int = 16 << 20
+    #: Largest non-streaming answer read from a worker, and largest single event of a streamed one: a
+    #: worker sending more (a bug, or not a pipecast worker) fails the request instead of filling memory.
+    max_answer_bytes: int = 64 << 20
+    max_event_bytes: int = 1 << 20
+    #: Pass the client's Authorization header on to the worker (settings: router_forward_auth).
+    forward_auth: bool = False
 
 
 def complete_events_end(buffer: bytes | bytearray) -> int:
@@ -108,6 +120,7 @@ class Router:
         self.pool = WorkerPool()
         self.dispatcher = Dispatcher(self.pool, config.max_queue, config.queue_timeout_s, clock)
         self.metrics = RouterMetrics(lambda: self.dispatcher.waiting)
+        self._forwarded = FORWARDED_HEADERS + ((AUTH_HEADER,) if config.forward_auth else ())
         self._sources = list(sources)
         self._discovered: dict[int, list[DiscoveredWorker]] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -169,16 +182,22 @@ class Router:
     async def complete(self, request: web.Request) -> web.StreamResponse:
         """Handle ``POST /v1/completions`` (module docstring)."""
         arrival = self.clock()
-        body = await request.read()
         try:
-            payload = json.loads(body)
-        except ValueError as exc:
+            body = await read_body(request, self.config.max_body_bytes)
+        except BodyTooLargeError as exc:
+            response = web.json_response(error_body(str(exc), "invalid_request_error", code="request_too_large"),
+                                         status=413)
+            response.force_close()  # the rest of the body is never read
+            return response
+        try:
+            payload = await decode_json_body(body)
+        except JSONInputError as exc:
             return web.json_response(error_body(f"request body is not JSON: {exc}", "invalid_request_error"),
                                      status=400)
         if not isinstance(payload, dict):
             return web.json_response(error_body("request body must be a JSON object", "invalid_request_error"),
                                      status=400)
-        headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+        headers = {name: request.headers[name] for name in self._forwarded if name in request.headers}
         failures: list[WorkerFailedError] = []
         queued_s = 0.0
         while True:
@@ -245,7 +264,7 @@ class Router:
             if upstream.status == 200 and upstream.content_type == "text/event-stream":
                 return await self._relay_stream(request, upstream, worker, arrival, timing)
             try:
-                answer = await upstream.read()
+                answer = await self._read_answer(upstream, worker)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 problem = f"lost before its answer was complete: {self._describe(exc)}"
                 raise WorkerFailedError(worker.url, problem) from exc
@@ -254,6 +273,20 @@ class Router:
             content_type = upstream.headers.get("Content-Type", "application/json")
             return web.Response(status=upstream.status, body=answer,
                                 headers={"Content-Type": content_type, **timing})
+
+    async def _read_answer(self, upstream: aiohttp.ClientResponse, worker: Worker) -> bytes:
+        """A worker's whole (non-streaming) answer, at most ``max_answer_bytes`` of it held:
+        :class:`WorkerFailedError` for a larger one."""
+        limit = self.config.max_answer_bytes
+        declared = upstream.content_length
+        if declared is not None and declared > limit:
+            raise WorkerFailedError(worker.url, f"answered {declared} bytes, over the router's limit of {limit}")
+        answer = bytearray()
+        async for chunk in upstream.content.iter_any():
+            answer += chunk
+            if len(answer) > limit:
+                raise WorkerFailedError(worker.url, f"answered more than the router's limit of {limit} bytes")
+        return bytes(answer)
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, worker: Worker,
                             arrival: float, timing: dict[str, str]) -> web.StreamResponse:
@@ -284,6 +317,11 @@ class Router:
             if end and not await self._send(response, bytes(pending[:end])):
                 return response
             del pending[:end]
+            if len(pending) > self.config.max_event_bytes:  # buffered output stays bounded
+                failure = WorkerStreamError(worker.url, f"sent an event of more than {self.config.max_event_bytes} "
+                                                        "bytes")
+                pending.clear()
+                break
         if failure is None:
             if pending:  # a last event without its blank line: the worker's stream, passed on as it is
                 await self._send(response, bytes(pending))

@@ -7,7 +7,7 @@ from contextlib import AsyncExitStack
 import click
 
 from pipecast.core.httpserve import serve_until_signalled
-from pipecast.core.settings import load_settings
+from pipecast.core.settings import Settings, load_settings
 from pipecast.router.app import Router, RouterConfig, build_app
 from pipecast.router.discovery import ControlPlaneDiscovery, Discovery, StaticDiscovery
 from pipecast.router.errors import WorkerUrlError
@@ -50,8 +50,11 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
               help="Other workers tried when one fails before answering.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM/SIGINT, seconds given to requests at workers to finish.")
+@click.option("--forward-auth/--no-forward-auth", default=None,
+              help="Pass clients' Authorization header on to the workers (settings: router_forward_auth; off "
+                   "by default).")
 def router_command(host, port, workers, control_plane, max_queue, queue_timeout, health_interval, health_timeout,
-                   upstream_timeout, max_retries, drain_timeout):
+                   upstream_timeout, max_retries, drain_timeout, forward_auth):
     """Route OpenAI-style completion requests to the least-loaded serving worker.
 
     Workers come from --worker URLs and/or the control plane; a worker serves once its /health says
@@ -63,23 +66,24 @@ def router_command(host, port, workers, control_plane, max_queue, queue_timeout,
         static = StaticDiscovery(list(workers)) if workers else None
     except WorkerUrlError as exc:
         raise click.UsageError(str(exc)) from None
+    # The token and TLS files of the control plane come from the settings (PIPECAST_* variables or config file).
+    settings = load_settings(control_plane=control_plane, router_forward_auth=forward_auth)
     config = RouterConfig(max_queue=max_queue, queue_timeout_s=queue_timeout, health_interval_s=health_interval,
                           health_timeout_s=health_timeout, upstream_timeout_s=upstream_timeout,
-                          max_retries=max_retries)
-    asyncio.run(_serve(config, static, control_plane, host, port, drain_timeout))
+                          max_retries=max_retries, forward_auth=settings.router_forward_auth)
+    asyncio.run(_serve(config, static, settings if control_plane else None, host, port, drain_timeout))
 
 
-async def _serve(config: RouterConfig, static: StaticDiscovery | None, control_plane: str | None, host: str,
+async def _serve(config: RouterConfig, static: StaticDiscovery | None, settings: Settings | None, host: str,
                  port: int, drain_timeout_s: float) -> None:
     async with AsyncExitStack() as stack:
         sources: list[Discovery] = [static] if static else []
-        if control_plane:
-            # Imported here: grpc loads only when a control plane is used. Its token and TLS files come from
-            # the settings (PIPECAST_* variables or the config file).
+        if settings is not None:
+            # Imported here: grpc loads only when a control plane is used.
             from control_plane.client import ControlPlaneClient
 
-            client = ControlPlaneClient.from_settings(load_settings(control_plane=control_plane))
+            client = ControlPlaneClient.from_settings(settings)
             await stack.enter_async_context(client)
-            sources.append(ControlPlaneDiscovery(client, control_plane))
+            sources.append(ControlPlaneDiscovery(client, settings.control_plane))
         await run_router(Router(config, sources), host, port, drain_timeout_s,
                          lambda url: click.echo(f"router listening on {url}"))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from control_plane.messages import SERVE_URL_LABEL
 from pipecast.router.errors import WorkerUrlError
 from pipecast.v1.control_pb2 import WorkerState
 
@@ -65,9 +66,6 @@ class StaticDiscovery:
 # A serving worker registers its HTTP base URL in WorkerSpec.serve_url (`pipecast agent --serve-url`).
 # Workers registered before that field existed carried it as the label SERVE_URL_LABEL; it is still read
 # when the field is empty.
-
-#: The WorkerSpec label that held a serving worker's HTTP base URL before WorkerSpec.serve_url.
-SERVE_URL_LABEL = "serve_url"
 
 
 class WorkerLister(Protocol):

@@ -10,11 +10,14 @@ from collections.abc import Callable, Iterable
 
 import aiohttp
 
+from pipecast.core import strictjson
 from pipecast.router.errors import HealthAnswerError, describe_exception
 from pipecast.router.pool import WorkerPool
 from pipecast.serve.health import HealthFormatError, WorkerHealth
 
 log = logging.getLogger(__name__)
+
+MAX_HEALTH_BYTES = 64 << 10  # a /health answer is a few hundred bytes; more is a broken or hostile worker
 
 
 def parse_health(worker: str, answer: object) -> WorkerHealth:
@@ -61,11 +64,17 @@ class HealthMonitor:
             async with self._session.get(f"{url}/health", timeout=self._timeout) as response:
                 if response.status != 200:
                     raise HealthAnswerError(url, f"/health answered HTTP {response.status}")
-                answer = await response.json(content_type=None)
+                body = await response.content.read(MAX_HEALTH_BYTES + 1)
+                if len(body) > MAX_HEALTH_BYTES:
+                    raise HealthAnswerError(url, f"/health answered more than {MAX_HEALTH_BYTES} bytes")
+                # A worker's answer is untrusted: strict JSON turns deep nesting or huge numbers into an error.
+                answer = strictjson.loads(body)
             health = parse_health(url, answer)
         except HealthAnswerError as exc:
             self._pool.record_unreachable(url, str(exc))
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: not JSON
+        except strictjson.JSONInputError as exc:
+            self._pool.record_unreachable(url, f"worker {url}: /health answered no usable JSON: {exc}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self._pool.record_unreachable(
                 url, f"worker {url}: /health failed: {describe_exception(exc, self._timeout.total)}")
         else:

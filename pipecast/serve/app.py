@@ -4,7 +4,8 @@ its weights arrive.
 Endpoints:
 
 - ``POST /v1/completions``: JSON, or Server-Sent Events with ``"stream": true`` (``data: {...}`` per
-  generated token, ``data: [DONE]`` at the end). 400 names the bad field; 404 an unknown model; 429 with
+  generated token, ``data: [DONE]`` at the end). 400 names the bad field; 413 a body over
+  ``max_body_bytes`` (refused from its Content-Length, unread); 404 an unknown model; 429 with
   ``Retry-After`` when the queue is full; 503 while the worker cannot serve (model failed, shutting down).
   A request that arrives before the model is there waits for it. A client that goes away (even
   mid-answer) cancels its request in the engine.
@@ -22,17 +23,18 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from pipecast.core.httpserve import serve_until_signalled
-from pipecast.serve.errors import ServeError, WorkerBusyError
+from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_body, serve_until_signalled
+from pipecast.core.strictjson import JSONInputError
+from pipecast.serve.errors import RequestTooLargeError, ServeError, WorkerBusyError
 from pipecast.serve.openai_api import (
     SSE_DONE,
     CompletionRequest,
     chunk_body,
     completion_body,
     error_body,
+    json_error,
     models_body,
     parse_completion_request,
-    parse_json_body,
     sse,
     usage_chunk_body,
 )
@@ -41,8 +43,10 @@ from pipecast.serve.worker import Generation, ServingWorker
 log = logging.getLogger(__name__)
 
 WORKER = web.AppKey("worker", ServingWorker)
-#: Largest request body accepted (a long prompt given as token ids is big JSON).
-MAX_BODY_BYTES = 64 << 20
+MAX_BODY = web.AppKey("max_body_bytes", int)
+#: Largest request body accepted. A prompt of a million token ids is ~8 MB of JSON; decoding that many
+#: numbers holds the GIL ~0.15 s per 8 MB, so the bound also bounds how long /health can wait.
+MAX_BODY_BYTES = 16 << 20
 
 
 def _outcome(error: ServeError) -> str:
@@ -62,17 +66,32 @@ async def completions(request: web.Request) -> web.StreamResponse:
     outcome = "cancelled"  # unless an answer ends: the handler was cancelled because the client went away
     try:
         try:
-            body = parse_completion_request(parse_json_body(await request.read()))
+            body = parse_completion_request(await _decode(request))
             generation = await worker.generate(body)
         except ServeError as exc:
             outcome = _outcome(exc)
-            return error_response(exc)
+            response = error_response(exc)
+            if isinstance(exc, RequestTooLargeError):
+                response.force_close()  # the rest of the body is never read
+            return response
         async with generation:
             response, outcome = await (_stream(request, body, generation) if body.stream
                                        else _whole(body, generation))
         return response
     finally:
         worker.metrics.requests.labels(outcome).inc()
+
+
+async def _decode(request: web.Request) -> object:
+    """The request's JSON body, read within the size limit and decoded strictly (large ones off the loop)."""
+    try:
+        raw = await read_body(request, request.app[MAX_BODY])
+    except BodyTooLargeError as exc:
+        raise RequestTooLargeError(str(exc)) from None
+    try:
+        return await decode_json_body(raw)
+    except JSONInputError as exc:
+        raise json_error(exc) from None
 
 
 async def _whole(body: CompletionRequest, generation: Generation) -> tuple[web.Response, str]:
@@ -131,10 +150,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=payload, headers={"Content-Type": content_type})
 
 
-def build_app(worker: ServingWorker) -> web.Application:
+def build_app(worker: ServingWorker, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
     """The aiohttp application of ``worker``; the worker starts loading when the application starts."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app = web.Application(client_max_size=max_body_bytes)
     app[WORKER] = worker
+    app[MAX_BODY] = max_body_bytes
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)

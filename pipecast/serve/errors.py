@@ -24,6 +24,14 @@ class RequestFieldError(ServeError):
         self.param = param
 
 
+class RequestTooLargeError(ServeError):
+    """A request body over the worker's size limit (the client's fault), refused before it is read whole."""
+
+    status = 413
+    kind = "invalid_request_error"
+    code = "request_too_large"
+
+
 class ModelNotServedError(ServeError):
     """The request names a model this worker does not serve (the client's fault)."""
 

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pipecast.core.errors import PipecastError
+from pipecast.core.strictjson import describe
 
 #: The statuses of a worker that serves or will (answered 200); the last two can serve requests.
 STATES = ("loading", "partial", "ready")
@@ -69,14 +70,14 @@ class WorkerHealth:
         if not isinstance(answer, dict):
             raise HealthFormatError(f"/health answered {type(answer).__name__}, not a JSON object")
         status = answer.get("status")
-        if status not in STATES:
-            raise HealthFormatError(f"/health status {status!r} is not one of {', '.join(STATES)}")
+        if not isinstance(status, str) or status not in STATES:
+            raise HealthFormatError(f"/health status {describe(status)} is not one of {', '.join(STATES)}")
         counts = {}
         for name in _COUNTS + _OPTIONAL_COUNTS:
             value = answer.get(name, 0 if name in _OPTIONAL_COUNTS else None)
             # bool is an int in Python; a JSON true is still not a count.
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise HealthFormatError(f"/health field {name!r} is {value!r}, not a count")
+                raise HealthFormatError(f"/health field {name!r} is {describe(value)}, not a count")
             counts[name] = value
         texts = {name: answer[name] for name in _TEXTS if isinstance(answer.get(name), str)}
         return cls(status=status, **counts, **texts)

@@ -5,7 +5,8 @@
 ``seed``, ``stream`` and ``stream_options.include_usage``; ``return_token_ids`` (as vLLM) adds the
 generated token ids to each choice. Parameters the engine cannot honour (``n`` > 1, ``logprobs``,
 ``echo``, penalties, ``logit_bias``, ``suffix``) are refused with a 400 naming the field rather than
-silently ignored, as are unknown fields.
+silently ignored, as are unknown fields. Every malformed value (a wrong type, a number out of range, a
+body that is not strict JSON) is a 400 naming the field, never a 500.
 """
 
 import json
@@ -13,10 +14,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pipecast.core.strictjson import JSONInputError, describe
 from pipecast.serve.errors import RequestFieldError, ServeError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_TEMPERATURE = 2.0
+#: The seeds a request may give: what the engine's generator takes (a signed or unsigned 64-bit integer).
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
+#: Most stop strings per request (OpenAI allows 4); each is checked against the text after every token.
+MAX_STOPS = 16
 SSE_DONE = b"data: [DONE]\n\n"
 
 # Accepted only at the value that means "off" (the engine has no such feature): field -> accepted values.
@@ -44,12 +50,10 @@ class CompletionRequest:
     return_token_ids: bool = False
 
 
-def parse_json_body(raw: bytes) -> Any:
-    """The decoded JSON of a request body; :class:`RequestFieldError` when it is not JSON."""
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RequestFieldError(None, f"the request body is not valid JSON ({exc})") from None
+def json_error(exc: JSONInputError) -> RequestFieldError:
+    """The 400 of a body that :func:`pipecast.core.strictjson.loads` refused (duplicate keys, deep nesting,
+    ``NaN`` or ``1e400`` included)."""
+    return RequestFieldError(None, f"the request body is not valid JSON ({exc})")
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -63,7 +67,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         value = body.get(name)
         # Compared with their types: 1 == True in Python, but "n": true is not "n": 1.
         if not any(type(value) is type(a) and value == a for a in accepted):
-            raise RequestFieldError(name, f"{json.dumps(value)} is not supported (accepted: "
+            raise RequestFieldError(name, f"{_shown(value)} is not supported (accepted: "
                                           f"{' or '.join(json.dumps(a) for a in accepted)})")
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -79,7 +83,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         raise RequestFieldError("user", "must be a string")
     max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS)
     if max_tokens < 1:
-        raise RequestFieldError("max_tokens", f"must be at least 1, got {max_tokens}")
+        raise RequestFieldError("max_tokens", f"must be at least 1, got {_short(max_tokens)}")
     temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise RequestFieldError("temperature", f"must be between 0 and {MAX_TEMPERATURE:g}, got {temperature:g}")
@@ -89,6 +93,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     seed = body.get("seed")
     if seed is not None:
         seed = _integer(body, "seed", 0)
+        if not MIN_SEED <= seed <= MAX_SEED:
+            raise RequestFieldError("seed", f"must be an integer from -2^63 to 2^64-1, got {_short(seed)}")
     return CompletionRequest(
         model=model, prompt=_prompt(body.get("prompt")), max_tokens=max_tokens, temperature=temperature,
         top_p=top_p, stop=_stop(body.get("stop")), seed=seed, stream=stream,
@@ -116,6 +122,8 @@ def _stop(value: Any) -> tuple[str, ...]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestFieldError("stop", "must be a non-empty string or a list of non-empty strings")
+    if len(stops) > MAX_STOPS:
+        raise RequestFieldError("stop", f"at most {MAX_STOPS} stop strings, got {len(stops)}")
     return tuple(dict.fromkeys(stops))
 
 
@@ -124,7 +132,7 @@ def _boolean(body: dict, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise RequestFieldError(name, f"must be true or false, got {value!r}")
+        raise RequestFieldError(name, f"must be true or false, got {describe(value)}")
     return value
 
 
@@ -133,7 +141,7 @@ def _integer(body: dict, name: str, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestFieldError(name, f"must be an integer, got {value!r}")
+        raise RequestFieldError(name, f"must be an integer, got {describe(value)}")
     return value
 
 
@@ -141,9 +149,27 @@ def _number(body: dict, name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestFieldError(name, f"must be a number, got {value!r}")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestFieldError(name, f"must be a number, got {describe(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        number = math.inf
+    if not math.isfinite(number):
+        raise RequestFieldError(name, f"must be a finite number, got {_short(value)}")
+    return number
+
+
+def _shown(value: Any) -> str:
+    """A value as JSON for a message, cut short (a nested one never in full: it may nest hundreds deep)."""
+    text = describe(value) if isinstance(value, list | dict) else json.dumps(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _short(value: Any) -> str:
+    """A value for a message: an integer of thousands of digits is cut short."""
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else describe(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
 
 
 # --- responses ---------------------------------------------------------------------------------------

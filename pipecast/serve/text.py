@@ -18,6 +18,7 @@ from pipecast.serve.errors import ModelUnavailableError
 PROMPT_CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"  # what a decoder gives for bytes that are not a whole UTF-8 character (yet)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+NORMALIZER_SLACK = 4
 
 
 class Decoder(Protocol):
@@ -30,6 +31,16 @@ class TextCodec:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        # The most characters one token can stand for (its vocabulary string, added tokens included; a
+        # byte-level vocabulary spells a byte as one character, so a token covers at most that many
+        # characters of text). Computed once, on the loader's thread.
+        self.max_token_chars = max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of ``text``, without tokenizing it: with the vocabulary's longest
+        token at most every ``max_token_chars`` characters, and a slack of 4 for normalizers that compose
+        characters (NFKC), ``text`` cannot take fewer."""
+        return len(text) // (NORMALIZER_SLACK * self.max_token_chars)
 
     @classmethod
     def from_files(cls, read: Callable[[str], bytes | None], names: Sequence[str], where: str) -> "TextCodec":

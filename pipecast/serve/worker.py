@@ -8,8 +8,12 @@ arriving; prompts run layer by layer as they do) -> ``ready`` (fully loaded). Wi
 then; everything else is the same.
 
 Admission: requests admitted but not in the engine's batch (waiting for the model, or for one of
-``max_batch`` slots) form the queue; beyond ``max_queue`` of them a request is refused
+``max_batch`` slots, or being tokenized) form the queue; beyond ``max_queue`` of them a request is refused
 (:class:`WorkerBusyError`, answered 429 with Retry-After).
+
+A prompt is tokenized on a thread (a long one takes seconds: /health and other requests must not wait
+for it), and a prompt that cannot fit the model's positions is refused before any work that grows with
+it: token ids by their count, text by a lower bound on its tokens (:meth:`TextCodec.min_tokens`).
 """
 
 import asyncio
@@ -59,6 +63,8 @@ STAGE_DRAINING = "draining"
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 AGENT_SOCKET_POLL_S = 0.05
+#: Prompts of up to this many characters are tokenized on the event loop (a thread hop costs more).
+INLINE_TOKENIZE_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -301,11 +307,11 @@ class ServingWorker:
         self._held += 1
         try:
             await self._wait_servable()
+            if request.model not in (self.model_name, self.package_id):
+                raise ModelNotServedError(request.model, self.model_name)
+            prompt = await self._prompt_ids(request)
         finally:
             self._held -= 1
-        if request.model not in (self.model_name, self.package_id):
-            raise ModelNotServedError(request.model, self.model_name)
-        prompt = list(request.prompt) if isinstance(request.prompt, tuple) else self._codec.encode(request.prompt)
         try:
             stream = self._model.submit(prompt, max_new_tokens=request.max_tokens, temperature=request.temperature,
                                         top_p=request.top_p, seed=request.seed)
@@ -318,6 +324,29 @@ class ServingWorker:
         self._submitted += 1
         self.metrics.prompt_tokens.inc(len(prompt))
         return Generation(self, stream, prompt, CompletionText(self._codec, prompt, request.stop), arrived)
+
+    async def _prompt_ids(self, request: CompletionRequest) -> list[int]:
+        """The prompt's token ids, refused with :class:`RequestFieldError` as soon as it cannot fit."""
+        positions = getattr(self._model.engine.model.config, "max_position_embeddings", None)
+
+        def check(tokens: int, size: str) -> None:
+            if positions and tokens + request.max_tokens > positions:
+                # The engine's own words for the same refusal (it checks again, in time linear in the prompt).
+                raise RequestFieldError("prompt", f"prompt of {size} plus max_tokens {request.max_tokens} "
+                                                  f"exceeds the model's {positions} positions")
+
+        prompt = request.prompt
+        if isinstance(prompt, tuple):
+            check(len(prompt), f"{len(prompt)} tokens")
+            return list(prompt)
+        least = self._codec.min_tokens(prompt)
+        check(least, f"{len(prompt)} characters (at least {least} tokens)")
+        if len(prompt) <= INLINE_TOKENIZE_CHARS:
+            ids = self._codec.encode(prompt)
+        else:
+            ids = await asyncio.to_thread(self._codec.encode, prompt)
+        check(len(ids), f"{len(ids)} tokens")
+        return ids
 
     def _finished(self) -> None:
         self._submitted -= 1

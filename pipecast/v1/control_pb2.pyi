@@ -68,14 +68,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerSpec, _Mapping]] = ..., held: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("lease_s", "heartbeat_s", "unknown_packages")
+    __slots__ = ("lease_s", "heartbeat_s", "unknown_packages", "data_key")
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_PACKAGES_FIELD_NUMBER: _ClassVar[int]
+    DATA_KEY_FIELD_NUMBER: _ClassVar[int]
     lease_s: float
     heartbeat_s: float
     unknown_packages: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., unknown_packages: _Optional[_Iterable[str]] = ...) -> None: ...
+    data_key: bytes
+    def __init__(self, lease_s: _Optional[float] = ..., heartbeat_s: _Optional[float] = ..., unknown_packages: _Optional[_Iterable[str]] = ..., data_key: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id",)
@@ -384,3 +386,15 @@ class AssignmentUpdate(_message.Message):
     plan_ids: _containers.RepeatedScalarFieldContainer[str]
     sources: _containers.RepeatedCompositeFieldContainer[Peer]
     def __init__(self, kind: _Optional[_Union[AssignmentUpdate.Kind, str]] = ..., plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., version: _Optional[int] = ..., strategy: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., serve: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., plan_ids: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
+
+class IssueTokenRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class IssueTokenResponse(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...

@@ -114,6 +114,11 @@ class ControlPlaneStub:
                 request_serializer=pipecast_dot_v1_dot_control__pb2.WatchAssignmentsRequest.SerializeToString,
                 response_deserializer=pipecast_dot_v1_dot_control__pb2.AssignmentUpdate.FromString,
                 _registered_method=True)
+        self.IssueToken = channel.unary_unary(
+                '/pipecast.v1.ControlPlane/IssueToken',
+                request_serializer=pipecast_dot_v1_dot_control__pb2.IssueTokenRequest.SerializeToString,
+                response_deserializer=pipecast_dot_v1_dot_control__pb2.IssueTokenResponse.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -226,6 +231,13 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IssueToken(self, request, context):
+        """Credentials (operator only): the token that lets node_id act as itself (and only as itself).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -308,6 +320,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.WatchAssignments,
                     request_deserializer=pipecast_dot_v1_dot_control__pb2.WatchAssignmentsRequest.FromString,
                     response_serializer=pipecast_dot_v1_dot_control__pb2.AssignmentUpdate.SerializeToString,
+            ),
+            'IssueToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueToken,
+                    request_deserializer=pipecast_dot_v1_dot_control__pb2.IssueTokenRequest.FromString,
+                    response_serializer=pipecast_dot_v1_dot_control__pb2.IssueTokenResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -742,6 +759,33 @@ class ControlPlane:
             '/pipecast.v1.ControlPlane/WatchAssignments',
             pipecast_dot_v1_dot_control__pb2.WatchAssignmentsRequest.SerializeToString,
             pipecast_dot_v1_dot_control__pb2.AssignmentUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipecast.v1.ControlPlane/IssueToken',
+            pipecast_dot_v1_dot_control__pb2.IssueTokenRequest.SerializeToString,
+            pipecast_dot_v1_dot_control__pb2.IssueTokenResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,11 +1,23 @@
-"""The pure helpers of :mod:`pipecast.agent.control`: merging a node's parts into one fetch list, and which
-failures prove a peer itself sent corrupt data."""
+"""The agent's control link: the pure helpers (merging a node's parts into one fetch list, which failures
+prove a peer itself sent corrupt data), and a package follower that never dies of what a peer sends."""
+
+import asyncio
+
+import pytest
 
 from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind
 from control_plane.planner.plan import Fetch
 from packager.manifest import MANIFEST_FILE
-from pipecast.agent.control import merged_fetches, sender_at_fault
+from pipecast.agent.control import PackageFollower, merged_fetches, sender_at_fault
+from pipecast.agent.daemon import AgentDaemon, AgentOptions
 from pipecast.agent.errors import CorruptChunkError, CorruptFileError, PeerClosedError
+from pipecast.agent.events import read_events
+from pipecast.agent.fetcher import FetchPolicy
+from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.transport.tcp import TcpTransport
+from pipecast.core.settings import Settings
+from tests.agent.test_fetcher import NESTED, SETTINGS, ManifestForger
+from tests.support.agent_fixtures import block_file_bytes, seed_store
 
 
 def test_merged_fetches_take_each_missing_block_once_in_the_parts_order():
@@ -21,3 +33,120 @@ def test_only_a_peers_own_corrupt_data_gets_it_distrusted():
     # A file is forwarded before its relay has checked it whole: its parent may have corrupted it.
     assert not sender_at_fault("tokenizer.json", CorruptFileError("p", "sent file 'tokenizer.json' ..."))
     assert not sender_at_fault("block 3", PeerClosedError("p", "closed the connection"))
+
+
+# -- a follower never dies of a peer ------------------------------------------------------------------------
+
+TOKENIZER_BYTES = 1_000  # the package fixture (conftest) gives it a tokenizer file this big
+
+
+class FakeSession:
+    """What a follower needs of a :class:`WorkerSession`: it records the reports."""
+
+    def __init__(self) -> None:
+        self.verified: list[int] = []
+        self.bad: list[tuple[str, int, str]] = []
+
+    def report_verified(self, package_id: str, blocks) -> None:
+        self.verified += list(blocks)
+
+    async def report_bad_peer(self, peer_id: str, package_id: str, block: int, reason: str) -> bool:
+        self.bad.append((peer_id, block, reason))
+        return False  # no re-plan: the follower fetches around the peer after replan_wait_s
+
+
+class FlakyDaemon(AgentDaemon):
+    """An agent daemon whose first ``open_store`` fails with an exception no peer was blamed for."""
+
+    failures = 0
+
+    async def open_store(self, package_id, peers, pool, *more):
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("a bug, or a full disk")
+        return await super().open_store(package_id, peers, pool, *more)
+
+
+@pytest.fixture
+async def two_peers(package):
+    """A peer answering the manifest with ``[`` nested 100,000 deep (and refusing the rest), and an honest
+    seed; both over TCP on loopback."""
+    transport = TcpTransport("peers", Settings(**SETTINGS))
+    honest_server = PeerServer()
+    honest_server.add(seed_store(package[0]))
+    listeners = [await transport.listen("127.0.0.1", 0, served) for served in (ManifestForger(NESTED), honest_server)]
+    yield [PeerInfo(name, listener.address) for name, listener in zip(("forger", "honest"), listeners)]
+    for listener in listeners:
+        await listener.close()
+    await transport.close()
+    for store in honest_server.stores.values():
+        store.close()
+
+
+async def _follow_until_complete(daemon: AgentDaemon, fetch: tuple[Fetch[PeerInfo], ...], sources: tuple[PeerInfo, ...],
+                                 package_id: str) -> tuple[PackageFollower, FakeSession]:
+    daemon.transport = TcpTransport("rx", Settings(**SETTINGS))
+    session = FakeSession()
+    follower = PackageFollower(package_id, daemon, session, FetchPolicy(retries=0, backoff_s=0.01), replan_wait_s=0.2)
+    follower.assign(AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p1", package_id=package_id, fetch=fetch,
+                                     sources=sources))
+    for _ in range(2000):
+        store = daemon.peer_server.stores.get(package_id)
+        if store is not None and store.progress().complete and follower._completed:
+            return follower, session
+        assert not follower._task.done(), follower._task
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the package was not fetched; events: {read_events(daemon.options.events)}")
+
+
+def _daemon(tmp_path, cls=AgentDaemon) -> AgentDaemon:
+    return cls(AgentOptions(node_id="rx", listen="127.0.0.1:0", events=tmp_path / "rx.jsonl"),
+               Settings(**{**SETTINGS, "agent_cache_dir": tmp_path / "cache"}))
+
+
+@pytest.mark.timeout(60)
+async def test_a_follower_whose_first_peer_sends_a_manifest_nested_100000_deep_gets_the_package_elsewhere(
+        package, two_peers, tmp_path):
+    """Finding 3: the agent died of RecursionError and never tried its other sources."""
+    root, manifest = package
+    forger, honest = two_peers
+    daemon = _daemon(tmp_path)
+    # The forger is the first parent, so the first peer asked for the manifest.
+    fetch = (Fetch(0, forger), *(Fetch(b.index, honest) for b in manifest.blocks[1:]))
+    follower, session = await _follow_until_complete(daemon, fetch, (honest,), manifest.package_id)
+    try:
+        store = daemon.peer_server.stores[manifest.package_id]
+        assert store.manifest == manifest and store.manifest_origin == f"peer {honest}"
+        for b in manifest.blocks:
+            assert bytes(store.block_view(b.index)) == block_file_bytes(root, manifest, b.index)
+        assert sorted(session.verified) == [b.index for b in manifest.blocks]
+        failed = [e for e in read_events(tmp_path / "rx.jsonl") if e["event"] == "peer_failed"]
+        assert [failed[0][k] for k in ("what", "peer", "error")] == [MANIFEST_FILE, "forger", "CorruptFileError"]
+        assert failed[0]["message"] == (f"peer {forger}: sent an invalid manifest: not acceptable JSON (nested too "
+                                        "deeply)")
+        assert all(e["peer"] == "forger" for e in failed)
+        cached = tmp_path / "cache" / manifest.package_id / MANIFEST_FILE
+        assert cached.read_bytes() == (root / MANIFEST_FILE).read_bytes()
+    finally:
+        await follower.close()
+        await daemon.transport.close()
+        daemon.peer_server.stores[manifest.package_id].close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_follower_survives_an_exception_no_peer_is_blamed_for_and_starts_again(package, two_peers, tmp_path):
+    root, manifest = package
+    _, honest = two_peers
+    daemon = _daemon(tmp_path, FlakyDaemon)
+    daemon.failures = 1
+    fetch = tuple(Fetch(b.index, honest) for b in manifest.blocks)
+    follower, _ = await _follow_until_complete(daemon, fetch, (honest,), manifest.package_id)
+    try:
+        events = read_events(tmp_path / "rx.jsonl")
+        [failure] = [e for e in events if e["event"] == "transfer_failed"]
+        assert (failure["error"], failure["message"]) == ("RuntimeError", "a bug, or a full disk")
+        assert [e["event"] for e in events].count("complete") == 1
+    finally:
+        await follower.close()
+        await daemon.transport.close()
+        daemon.peer_server.stores[manifest.package_id].close()

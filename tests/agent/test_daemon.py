@@ -1,14 +1,16 @@
 """The agent daemon in-process: seeded with a package, it serves its blocks to a TCP peer, reports them in its
-status and event log, and on stop closes its port and frees its blocks."""
+status and event log, and on stop closes its port and frees its blocks; without a control plane its
+data-plane key derives from the master token."""
 
 import asyncio
 
 import pytest
 
 from pipecast.agent.daemon import AgentDaemon, AgentOptions
-from pipecast.agent.errors import PeerConnectError
+from pipecast.agent.errors import PeerAuthError, PeerConnectError, PlanFileError
 from pipecast.agent.events import read_events
 from pipecast.agent.transport.tcp import TcpTransport
+from pipecast.core.credentials import issue_node_token
 from pipecast.core.settings import Settings
 from tests.support.agent_fixtures import block_file_bytes, receiving_store
 
@@ -56,3 +58,34 @@ async def test_a_seeded_daemon_serves_a_block_reports_it_and_frees_everything_on
     log = read_events(events)
     assert [(e["requester"], e["block"]) for e in log if e["event"] == "peer_request"] == [("rx", 1)]
     assert log[-1]["event"] == "stopped" and log[-1]["bytes_sent"] == status["bytes_sent"]
+
+
+async def test_a_static_daemon_keys_its_hello_with_the_master_token_and_refuses_other_keys(tiny_package, tmp_path):
+    package = tiny_package(layers=2, layer_bytes=100_000, chunk_bytes=64 << 10)
+    manifest = package.manifest
+    daemon = AgentDaemon(AgentOptions(node_id="seed", listen="127.0.0.1:0", seed=package.path),
+                         Settings(**SETTINGS, auth_token="master"))
+    running = asyncio.create_task(daemon.run())
+    while daemon.listener is None:
+        assert not running.done(), running.exception()
+        await asyncio.sleep(0.01)
+    member, stranger = (TcpTransport("rx", Settings(**SETTINGS, auth_token=t)) for t in ("master", "guess"))
+    try:
+        channel = await member.connect(daemon.listener.address, "seed")
+        config = (package.path / "config.json").read_bytes()
+        assert await channel.fetch_file(manifest.package_id, "config.json") == config
+        await channel.close()
+        with pytest.raises(PeerAuthError, match="data-plane keys differ"):
+            await stranger.connect(daemon.listener.address, "seed")
+    finally:
+        daemon.stop()
+        await asyncio.wait_for(running, 10)
+        await member.close()
+        await stranger.close()
+
+
+async def test_a_static_daemon_given_a_node_token_says_it_needs_the_master_token(tiny_package):
+    token = issue_node_token("master", "seed")
+    daemon = AgentDaemon(AgentOptions(node_id="seed", listen="127.0.0.1:0"), Settings(**SETTINGS, auth_token=token))
+    with pytest.raises(PlanFileError, match="auth_token holds a node token"):
+        await asyncio.wait_for(daemon.run(), 10)

@@ -1,11 +1,19 @@
 """The local API between a node agent and its engine, over a real unix socket, without the network."""
 
 import asyncio
+import json
+import math
+import os
+import socket
+import stat
+from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipecast.agent.errors import LocalApiError
-from pipecast.agent.local_api import LocalApiServer
+from pipecast.agent.local_api import MAX_TIMEOUT_S, OPS, LocalApiServer, parse_request
 from pipecast.agent.local_client import LocalAgentClient
 from pipecast.agent.peer_server import PeerServer
 from tests.support.agent_fixtures import receiving_store
@@ -51,3 +59,150 @@ async def test_a_block_is_mapped_ahead_read_by_verified_prefix_and_whole_once_ve
         client.close()
         await server.close()
         store.close()
+
+
+# --- hostile requests (issue #12, finding 7 and 3) ---------------------------------------------------
+
+async def exchange(path, *lines: bytes) -> list[dict]:
+    """Send ``lines`` on one connection; return the agent's answer to each."""
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    try:
+        answers = []
+        for line in lines:
+            writer.write(line + b"\n")
+            await writer.drain()
+            answers.append(json.loads(await asyncio.wait_for(reader.readline(), 5)))
+        return answers
+    finally:
+        writer.close()
+
+
+BAD_REQUESTS = [
+    (b"[1, 2]", "not a JSON object"),
+    (b'"wait_block"', "not a JSON object"),
+    (b"7", "not a JSON object"),
+    (b"null", "not a JSON object"),
+    (b"{not json", "not a JSON object"),
+    (b"[" * 50_000, "nested too deeply"),
+    (b'{"op": "status", "op": "manifest"}', "duplicate key 'op'"),
+    (b'{"op": "wait_block", "block": 0, "timeout": 1e400}', "out of range"),
+    (b'{"op": "wait_block", "block": 0, "timeout": NaN}', "NaN is not a JSON number"),
+    (b'{"op": "wait_block", "block": 0, "timeout": Infinity}', "Infinity is not a JSON number"),
+    (b'{"op": "wait_block", "block": 0, "timeout": -1}', "timeout must be a number of seconds"),
+    (b'{"op": "wait_block", "block": 0, "timeout": 1e300}', "timeout must be a number of seconds"),
+    (b'{"op": "wait_block", "block": 0, "timeout": "30"}', "timeout must be a number of seconds"),
+    (b'{"op": "wait_block", "block": 0, "timeout": true}', "timeout must be a number of seconds"),
+    (b'{"op": "wait_block", "block": -1}', "block must be a non-negative integer"),
+    (b'{"op": "wait_block", "block": "0"}', "block must be a non-negative integer"),
+    (b'{"op": "wait_block", "block": 0.5}', "block must be a non-negative integer"),
+    (b'{"op": "wait_block"}', "block must be a non-negative integer"),
+    (b'{"op": "wait_prefix", "block": 0, "bytes": [1]}', "bytes must be a non-negative integer"),
+    (b'{"op": "file", "path": ["config.json"]}', "path must be a file name"),
+    (b'{"op": "manifest", "package": {"id": 1}}', "package must be a package id"),
+    (b'{"op": ["status"]}', "unknown op"),
+    (b'{"block": 0}', "unknown op None"),
+    (b'{"op": "reboot"}', "unknown op 'reboot'"),
+]
+
+
+async def test_malformed_requests_answer_ok_false_and_the_connection_goes_on(package, tmp_path):
+    """Findings 3 and 7: a request that is not a JSON object killed the connection (AttributeError) and
+    ``timeout`` NaN, negative or infinite reached asyncio; each is now an ``ok: false`` answer saying what
+    is wrong, and the next request on the same connection is served."""
+    _, manifest = package
+    store = receiving_store(manifest)
+    peer_server = PeerServer()
+    peer_server.add(store)
+    server = LocalApiServer(peer_server, status=lambda: {"node": "n1"})
+    await server.start(tmp_path / "agent.sock")
+    try:
+        lines = [line for line, _ in BAD_REQUESTS]
+        answers = await exchange(tmp_path / "agent.sock", *lines, b'{"op": "status"}')
+        for (line, problem), answer in zip(BAD_REQUESTS, answers):
+            assert answer["ok"] is False and answer["timeout"] is False, (line[:60], answer)
+            assert problem in answer["error"], (line[:60], answer)
+        assert answers[-1] == {"ok": True, "status": {"node": "n1"}}
+    finally:
+        await server.close()
+        store.close()
+
+
+async def test_the_client_refuses_a_timeout_that_is_not_a_finite_number(tmp_path):
+    """Finding 7: a NaN or infinite timeout reached the socket (ValueError/OverflowError); now LocalApiError."""
+    server = LocalApiServer(PeerServer(), status=dict)
+    await server.start(tmp_path / "agent.sock")
+    client = await asyncio.to_thread(LocalAgentClient, tmp_path / "agent.sock")
+    try:
+        for timeout in (math.nan, math.inf, -1.0, 1e300):
+            with pytest.raises(LocalApiError, match="timeout must be a number of seconds from 0 to 86400"):
+                await asyncio.to_thread(client.wait_block, 0, timeout)
+        assert await asyncio.to_thread(client.status) == {}
+    finally:
+        client.close()
+        await server.close()
+
+
+async def test_the_socket_is_private_before_it_accepts_anyone(tmp_path, monkeypatch):
+    """Finding 7: the socket was chmod-ed to 0600 only after it listened, so with a permissive umask any
+    local user could connect in between; now it listens only once it is 0600."""
+    modes_at_listen = []
+    real_listen = socket.socket.listen
+
+    def listen(sock, *args):
+        bound = Path(sock.getsockname())
+        # A socket file renamed since its bind is stat-ed under its new name.
+        modes_at_listen.append(stat.S_IMODE(os.stat(bound if bound.exists() else tmp_path / "agent.sock").st_mode))
+        return real_listen(sock, *args)
+
+    monkeypatch.setattr(socket.socket, "listen", listen)
+    old_umask = os.umask(0)
+    try:
+        server = LocalApiServer(PeerServer(), status=dict)
+        await server.start(tmp_path / "agent.sock")
+    finally:
+        os.umask(old_umask)
+    try:
+        assert modes_at_listen and set(modes_at_listen) == {0o600}
+        assert stat.S_IMODE(os.stat(tmp_path / "agent.sock").st_mode) == 0o600
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["agent.sock"]  # no temporary name left
+        client = await asyncio.to_thread(LocalAgentClient, tmp_path / "agent.sock")
+        assert await asyncio.to_thread(client.status) == {}
+        client.close()
+    finally:
+        await server.close()
+    assert not (tmp_path / "agent.sock").exists()
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=5),
+    max_leaves=25)
+REQUESTS = st.fixed_dictionaries({}, optional={
+    "op": st.sampled_from(OPS) | JSON_VALUES,
+    "package": st.none() | st.text(max_size=8) | JSON_VALUES,
+    "timeout": st.floats() | st.integers() | JSON_VALUES,
+    "block": st.integers() | JSON_VALUES,
+    "bytes": st.integers() | JSON_VALUES,
+    "path": st.text(max_size=8) | JSON_VALUES,
+})
+
+
+@settings(max_examples=500, deadline=None)
+@given(REQUESTS | JSON_VALUES)
+def test_fuzz_the_request_parser_with_json_values(value):
+    """Finding 3: any JSON value (NaN and infinities as Python writes them included) is a checked request
+    or LocalApiError, nothing else."""
+    try:
+        request = parse_request(json.dumps(value).encode())
+    except LocalApiError:
+        return
+    assert request.op in OPS and math.isfinite(request.timeout) and 0 <= request.timeout <= MAX_TIMEOUT_S
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_fuzz_the_request_parser_with_bytes(line):
+    try:
+        parse_request(line)
+    except LocalApiError:
+        pass

@@ -14,10 +14,20 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.client import ControlPlaneClient
-from control_plane.errors import ControlPlaneUnavailable, InvalidRequest, Unauthenticated, UnknownPackage, UnknownWorker
+from control_plane.errors import (
+    ControlPlaneUnavailable,
+    InvalidRequest,
+    PermissionDenied,
+    Unauthenticated,
+    UnknownPackage,
+    UnknownWorker,
+)
 from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.server import ControlPlaneServer, ServerConfig
 from control_plane.worker_session import WorkerSession
+from packager.digest import DIGEST_ALGORITHM, digest_bytes
+from packager.manifest import MANIFEST_FORMAT_VERSION, manifest_to_json, seal_manifest
+from pipecast.core.credentials import verify_node_token
 from pipecast.v1.manifest_pb2 import Block, Manifest
 
 TOKEN = "s3cret-token"
@@ -27,9 +37,17 @@ STORE = PeerInfo("store", "10.0.0.1:7070", ("tcp",))
 WAIT_S = 5.0
 
 
-def manifest(package_id: str = "pkg") -> Manifest:
-    return Manifest(package_id=package_id, model_name="tiny",
-                    blocks=[Block(index=i, bytes=1000) for i in range(BLOCKS)])
+def manifest(name: str = "pkg") -> Manifest:
+    """A valid manifest of BLOCKS one-chunk blocks (no files behind it); ``name`` makes it, and its id, differ."""
+    blocks = [Block(index=i, file=f"blocks/block-{i:04d}.safetensors", bytes=1000, layer_start=i, layer_end=i + 1,
+                    tensor_names=[f"model.layers.{i}.w"], digest=digest_bytes(f"{name} {i}".encode()),
+                    chunk_bytes=1000, chunk_digests=[digest_bytes(f"{name} {i} 0".encode())]) for i in range(BLOCKS)]
+    return seal_manifest(Manifest(format_version=MANIFEST_FORMAT_VERSION, model_name=name,
+                                  digest_algorithm=DIGEST_ALGORITHM, num_layers=BLOCKS, total_bytes=BLOCKS * 1000,
+                                  blocks=blocks))
+
+
+PKG = manifest().package_id
 
 
 def spec(node: str) -> WorkerSpec:
@@ -95,7 +113,7 @@ async def test_lease_expiry_removes_a_silent_worker_from_plans_within_lease_plus
     watchers = {node: Watcher(client, node) for node in ("w1", "w2")}
     for watcher in watchers.values():
         assert (await watcher.next()).kind is UpdateKind.SYNC
-    await client.scale_up("pkg", node_ids=["w0", "w1", "w2"], strategy="chain")  # store -> w0 -> w1 -> w2
+    await client.scale_up(PKG, node_ids=["w0", "w1", "w2"], strategy="chain")  # store -> w0 -> w1 -> w2
     first = await watchers["w2"].next()
     assert {f.parent.node_id for f in first.fetch} == {"w1"} and first.version == 1
 
@@ -108,11 +126,11 @@ async def test_lease_expiry_removes_a_silent_worker_from_plans_within_lease_plus
     beating = asyncio.create_task(beat())
     try:
         async def w1_gone():
-            plans = await client.list_plans("pkg")
+            plans = await client.list_plans(PKG)
             return plans and "w1" not in plans[0].receivers
         await eventually(w1_gone, what="w1 to leave the plan")
         elapsed = time.monotonic() - silent_since
-        plan = (await client.list_plans("pkg"))[0]
+        plan = (await client.list_plans(PKG))[0]
         workers = {w.worker.peer.node_id: w.alive for w in await client.list_workers()}
         replanned = await watchers["w2"].next()
         with pytest.raises(UnknownWorker):  # the dead worker's stream ends: it must register again
@@ -143,7 +161,7 @@ async def test_bad_or_missing_token_is_unauthenticated_and_changes_nothing(serve
             async for _ in intruder.watch_assignments("w0"):
                 pass
         with pytest.raises(Unauthenticated):
-            await intruder.open_report_stream().report("w0", {"pkg": [0]})
+            await intruder.open_report_stream().report("w0", {PKG: [0]})
     assert await client.list_workers() == []
     assert await client.list_packages() == []
 
@@ -156,17 +174,18 @@ async def test_health_answers_without_a_token(server):
 
 
 async def test_publish_get_list_remove(client):
-    assert await client.publish_package(manifest("a"), STORE) == "a"
-    await client.publish_package(manifest("b"), STORE)
-    got, store = await client.get_package("a")
-    assert got == manifest("a") and store == STORE
+    a, b = manifest("a"), manifest("b")
+    assert await client.publish_package(a, STORE) == a.package_id
+    await client.publish_package(b, STORE)
+    got, store = await client.get_package(a.package_id)
+    assert got == a and store == STORE
     summaries = {p.package_id: p for p in await client.list_packages()}
-    assert set(summaries) == {"a", "b"}
-    assert summaries["a"].num_blocks == BLOCKS and summaries["a"].total_bytes == BLOCKS * 1000
-    await client.remove_package("a")
-    assert [p.package_id for p in await client.list_packages()] == ["b"]
-    with pytest.raises(UnknownPackage, match="package 'a' is not published"):
-        await client.get_package("a")
+    assert set(summaries) == {a.package_id, b.package_id}
+    assert summaries[a.package_id].num_blocks == BLOCKS and summaries[a.package_id].total_bytes == BLOCKS * 1000
+    await client.remove_package(a.package_id)
+    assert [p.package_id for p in await client.list_packages()] == [b.package_id]
+    with pytest.raises(UnknownPackage, match=f"package '{a.package_id}' is not published"):
+        await client.get_package(a.package_id)
 
 
 async def test_scale_up_streams_assignments_to_each_watching_worker(client):
@@ -179,7 +198,7 @@ async def test_scale_up_streams_assignments_to_each_watching_worker(client):
         for watcher in watchers.values():
             first = await watcher.next()
             assert first.kind is UpdateKind.SYNC and first.plan_ids == ()
-        reply = await client.scale_up("pkg", node_ids=nodes)
+        reply = await client.scale_up(PKG, node_ids=nodes)
         parents = {}
         for node, watcher in watchers.items():
             update = await watcher.next()
@@ -191,7 +210,7 @@ async def test_scale_up_streams_assignments_to_each_watching_worker(client):
         for (node, _), peer in parents.items():
             assert peer == STORE or (peer.node_id in nodes and peer.node_id != node and peer == spec(peer.node_id).peer)
         for node in nodes:
-            await client.report_blocks(node, {"pkg": range(BLOCKS)})
+            await client.report_blocks(node, {PKG: range(BLOCKS)})
         for watcher in watchers.values():
             update = await watcher.next()
             assert update.kind is UpdateKind.CANCEL and update.plan_id == reply.plan_id
@@ -204,7 +223,7 @@ async def test_scale_up_streams_assignments_to_each_watching_worker(client):
 async def test_a_reconnecting_stream_gets_its_current_part(client):
     await client.publish_package(manifest(), STORE)
     await client.register(spec("w1"))
-    reply = await client.scale_up("pkg", node_ids=["w1"])
+    reply = await client.scale_up(PKG, node_ids=["w1"])
     watcher = Watcher(client, "w1")
     try:
         sync, assign = await watcher.next(), await watcher.next()
@@ -224,21 +243,21 @@ async def test_report_blocks_updates_availability_and_metrics(tmp_path):
 async def _report_and_scrape(server, client):
     await client.publish_package(manifest(), STORE)
     await client.register(spec("w1"))
-    await client.register(spec("w2"), held={"pkg": [3]})
-    assert await client.report_blocks("w1", {"pkg": [0, 1], "unknown": [0]}) == ("unknown",)
-    await client.report_blocks("w2", {"pkg": [1]})
-    availability = await client.availability("pkg")
+    await client.register(spec("w2"), held={PKG: [3]})
+    assert await client.report_blocks("w1", {PKG: [0, 1], "unknown": [0]}) == ("unknown",)
+    await client.report_blocks("w2", {PKG: [1]})
+    availability = await client.availability(PKG)
     assert availability.by_worker == {"w1": {0, 1}, "w2": {1, 3}}
     assert availability.by_block == [{"w1"}, {"w1", "w2"}, set(), {"w2"}]
-    with pytest.raises(InvalidRequest, match="reported block 9 of package 'pkg'"):
-        await client.report_blocks("w1", {"pkg": [9]})
+    with pytest.raises(InvalidRequest, match=f"reported block 9 of package '{PKG}'"):
+        await client.report_blocks("w1", {PKG: [9]})
     with pytest.raises(UnknownWorker):
-        await client.report_blocks("nobody", {"pkg": [0]})
+        await client.report_blocks("nobody", {PKG: [0]})
 
     url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     metrics = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=WAIT_S).read().decode())
     assert "pipecast_control_workers_alive 2.0" in metrics
-    assert 'pipecast_control_package_blocks{package="pkg"} 4.0' in metrics
+    assert f'pipecast_control_package_blocks{{package="{PKG}"}} 4.0' in metrics
     assert "pipecast_control_block_reports_total 3.0" in metrics
     assert 'pipecast_control_rpc_seconds_count{method="ReportBlocks"} 4.0' in metrics
 
@@ -247,16 +266,16 @@ async def test_report_stream_updates_availability_and_ends_on_a_refused_report(c
     await client.publish_package(manifest(), STORE)
     await client.register(spec("w1"))
     stream = client.open_report_stream()
-    assert await stream.report("w1", {"pkg": [0]}) == ()
-    assert await stream.report("w1", {"pkg": [1], "unknown": [0]}) == ("unknown",)
-    assert (await client.availability("pkg")).by_worker == {"w1": {0, 1}}
-    with pytest.raises(InvalidRequest, match="reported block 9 of package 'pkg'"):
-        await stream.report("w1", {"pkg": [9]})
+    assert await stream.report("w1", {PKG: [0]}) == ()
+    assert await stream.report("w1", {PKG: [1], "unknown": [0]}) == ("unknown",)
+    assert (await client.availability(PKG)).by_worker == {"w1": {0, 1}}
+    with pytest.raises(InvalidRequest, match=f"reported block 9 of package '{PKG}'"):
+        await stream.report("w1", {PKG: [9]})
     assert stream.closed
     stream = client.open_report_stream()
-    await stream.report("w1", {"pkg": [2]}, dropped={"pkg": [0]})
+    await stream.report("w1", {PKG: [2]}, dropped={PKG: [0]})
     stream.close()
-    assert (await client.availability("pkg")).by_worker == {"w1": {1, 2}}
+    assert (await client.availability(PKG)).by_worker == {"w1": {1, 2}}
 
 
 async def test_a_restart_with_the_same_database_reloads_the_state(tmp_path):
@@ -265,33 +284,33 @@ async def test_a_restart_with_the_same_database_reloads_the_state(tmp_path):
         async with ControlPlaneClient(first.address, token=TOKEN, timeout_s=WAIT_S) as c:
             await c.publish_package(manifest(), STORE)
             await c.register(spec("w1"))
-            await c.report_blocks("w1", {"pkg": [0, 2]})
+            await c.report_blocks("w1", {PKG: [0, 2]})
     async with ControlPlaneServer(config(db)) as second:
         async with ControlPlaneClient(second.address, token=TOKEN, timeout_s=WAIT_S) as c:
-            assert [p.package_id for p in await c.list_packages()] == ["pkg"]
-            assert (await c.get_package("pkg"))[0] == manifest()
-            assert (await c.availability("pkg")).by_worker == {"w1": {0, 2}}
+            assert [p.package_id for p in await c.list_packages()] == [PKG]
+            assert (await c.get_package(PKG))[0] == manifest()
+            assert (await c.availability(PKG)).by_worker == {"w1": {0, 2}}
             await c.heartbeat("w1")  # the worker carries on without registering again
 
 
 async def test_worker_session_registers_again_when_the_control_plane_forgets_it(server, client):
     await client.publish_package(manifest(), STORE)
-    held = {"pkg": {0}}
+    held = {PKG: {0}}
     async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as own:
         session = WorkerSession(own, spec("w1"), holdings=lambda: held, report_delay_s=0.01, retry_s=0.05)
         await session.start()
         try:
             await asyncio.wait_for(session.registered.wait(), WAIT_S)
             assert session.heartbeat_s == HEARTBEAT_S
-            held["pkg"].add(1)
-            session.report_verified("pkg", [1])
+            held[PKG].add(1)
+            session.report_verified(PKG, [1])
 
             async def availability():
-                return (await client.availability("pkg")).by_worker
+                return (await client.availability(PKG)).by_worker
             await eventually(lambda: _equals(availability, {"w1": {0, 1}}), what="the batched report")
 
             await client.deregister("w1")  # e.g. a control plane restarted without its database
-            held["pkg"].add(2)
+            held[PKG].add(2)
             await eventually(lambda: _equals(availability, {"w1": {0, 1, 2}}), what="re-registration")
 
             stream = session.assignments()
@@ -310,7 +329,7 @@ async def test_worker_session_converges_across_a_control_plane_restart(tmp_path)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = config(tmp_path / "cp.sqlite3", port=port)
-    held = {"pkg": {0}}
+    held = {PKG: {0}}
     first = ControlPlaneServer(cfg)
     await first.start()
     async with ControlPlaneClient(first.address, token=TOKEN, timeout_s=1.0) as own:
@@ -320,14 +339,14 @@ async def test_worker_session_converges_across_a_control_plane_restart(tmp_path)
         try:
             await asyncio.wait_for(session.registered.wait(), WAIT_S)
             await first.stop(grace_s=0)
-            held["pkg"].update({1, 2})  # verified while the control plane is down: the report waits
-            session.report_verified("pkg", [1, 2])
+            held[PKG].update({1, 2})  # verified while the control plane is down: the report waits
+            session.report_verified(PKG, [1, 2])
             await asyncio.sleep(0.2)
             async with ControlPlaneServer(cfg) as second, \
                     ControlPlaneClient(second.address, token=TOKEN, timeout_s=WAIT_S) as admin:
                 async def availability():
                     try:
-                        return (await admin.availability("pkg")).by_worker
+                        return (await admin.availability(PKG)).by_worker
                     except ControlPlaneUnavailable:  # this process's channels back off a moment after the outage
                         return None
                 await eventually(lambda: _equals(availability, {"w1": {0, 1, 2}}), what="availability to converge")
@@ -383,18 +402,9 @@ async def test_mtls_admits_only_clients_with_a_certificate_from_the_ca(tmp_path)
 
 def _valid_package(folder: Path) -> str:
     """A package folder whose manifest passes the packager's validation; returns the package id."""
-    from packager.digest import package_id
-    from packager.manifest import manifest_to_json
-
-    blocks = [Block(index=i, file=f"blocks/block-{i:03d}.safetensors", bytes=1000, layer_start=i, layer_end=i + 1,
-                    tensor_names=[f"model.layers.{i}.w"], digest=f"{i:02x}" * 32, chunk_bytes=1000,
-                    chunk_digests=[f"{i:02x}" * 32]) for i in range(BLOCKS)]
-    pid = package_id(blocks, [])
     folder.mkdir()
-    (folder / "manifest.json").write_text(manifest_to_json(Manifest(
-        format_version=1, package_id=pid, model_name="tiny", digest_algorithm="blake3", num_layers=BLOCKS,
-        blocks=blocks, total_bytes=BLOCKS * 1000)))
-    return pid
+    (folder / "manifest.json").write_text(manifest_to_json(manifest()))
+    return PKG
 
 
 def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
@@ -439,6 +449,12 @@ def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
         assert "w1" in runner.invoke(cp_group, ["workers"]).output
         refused = runner.invoke(cp_group, ["--token", "wrong", "packages"])
         assert isinstance(refused.exception, Unauthenticated)
+        token = runner.invoke(cp_group, ["issue-token", "w9"]).output.strip()
+        assert verify_node_token(TOKEN, token) == "w9"
+        assert json.loads(runner.invoke(cp_group, ["--json", "issue-token", "w9"]).output) == {
+            "node_id": "w9", "token": token}
+        as_node = runner.invoke(cp_group, ["--token", token, "scale-up", pid, "--count", "1"])
+        assert isinstance(as_node.exception, PermissionDenied)
     finally:
         server.terminate()
         _, stderr = server.communicate(timeout=10)

@@ -324,6 +324,35 @@ def test_release_without_keep_alive_drops_at_once_and_needs_a_holder():
         state.release("pkg", ["w1"], keep_alive_s=5, now=2)
 
 
+@pytest.mark.parametrize("keep_alive_s", [0, 5])
+def test_verified_reports_sent_before_a_drop_do_not_make_the_worker_a_holder_again(keep_alive_s):
+    state = cluster(2)
+    first = state.scale_up("pkg", node_ids=["w0", "w1"], now=1)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=2)
+    state.release("pkg", ["w0", "w1"], keep_alive_s=keep_alive_s, now=3)
+    state.tick(now=3 + keep_alive_s)
+    assert first.plan_id not in state.plans
+    # w1's batched report of the blocks it verified before its DROP arrives after it: w1 dropped them.
+    state.report("w1", {"pkg": range(BLOCKS)}, {}, now=4 + keep_alive_s)
+    assert state.availability["pkg"].by_worker == {}
+    again = state.scale_up("pkg", node_ids=["w0", "w1"], now=5 + keep_alive_s)
+    assert again.unchanged == () and again.sources == ("store",) and set(again.receivers) == {"w0", "w1"}
+    # Assigned the package again: what it verifies now counts, and the plan ends when both hold it all.
+    for node in ("w0", "w1"):
+        state.report(node, {"pkg": range(BLOCKS)}, {}, now=6 + keep_alive_s)
+    assert state.availability["pkg"].complete_holders() == ["w0", "w1"]
+    assert again.plan_id not in state.plans
+
+
+def test_a_registration_after_a_drop_says_what_the_worker_holds():
+    state = cluster(1)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    state.release("pkg", ["w0"], keep_alive_s=0, now=2)
+    state.register(spec("w0"), {"pkg": [0, 1]}, now=3)  # e.g. it restarted with blocks in its disk cache
+    state.report("w0", {"pkg": [2]}, {}, now=4)
+    assert state.availability["pkg"].held("w0") == {0, 1, 2}
+
+
 # ----- packages -----
 
 def test_remove_package_is_refused_while_held_unless_forced():

@@ -1,4 +1,5 @@
-"""Real agent processes on loopback following static plans: identical bytes, cut-through, faults, shutdown.
+"""Real agent processes on loopback following static plans: identical bytes, cut-through, faults, shutdown,
+and data-plane authentication from the master token (issue #12).
 
 The seed's egress is rate-limited (PIPECAST_EGRESS_MBIT) so a transfer lasts long enough to observe,
 and it is held with SIGSTOP until every receiver is up, so all of them are connected when bytes start.
@@ -155,3 +156,30 @@ async def test_corrupting_relay_is_named_never_trusted_and_bypassed(agents, pack
     verified = {e["block"]: e["peer"] for e in agents.events("r1", "block_verified")}
     assert sorted(verified) == blocks and verified[0] == f"seed@{nodes['seed']}"
     assert_identical_copy(agents, "r1", root, manifest)
+
+
+def test_agents_given_the_master_token_authenticate_and_one_with_another_token_gets_nothing(agents, package,
+                                                                                            tmp_path):
+    root, manifest = package
+    names = ["seed", "r1", "intruder"]
+    nodes = {node: f"127.0.0.1:{port}" for node, port in zip(names, free_ports(len(names)))}
+    plan = write_plan(tmp_path / "plan.json", plan_file_data(
+        make_plan("tree", ["seed"], ["r1", "intruder"], len(manifest.blocks)), manifest.package_id, nodes))
+    cluster, other = {"PIPECAST_AUTH_TOKEN": "cluster master"}, {"PIPECAST_AUTH_TOKEN": "another master"}
+    agents.start("seed", "--seed", root, "--plan", plan, env=cluster)
+    agents.wait("seed", "listening")
+    rx = agents.start("r1", "--plan", plan, "--cache-dir", tmp_path / "cache-r1", "--exit-when-complete", env=cluster)
+    intruder = agents.start("intruder", "--plan", plan, env=other)
+    assert intruder.wait(30) != 0
+    assert agents.events("intruder", "failed")[0]["error"] == "FetchFailedError"
+    refusals = agents.events("intruder", "peer_failed")
+    assert refusals and {e["error"] for e in refusals} == {"PeerAuthError"}
+    assert refusals[0]["message"].startswith(f"peer seed@{nodes['seed']}: authentication failed: the peer holds "
+                                             "another data-plane key: data-plane keys differ")
+    assert not list((tmp_path).glob("cache-intruder*"))
+    agents.wait("r1", "stopped")
+    assert rx.wait(10) == 0, agents.log("r1")
+    assert agents.events("r1", "peer_failed") == []
+    assert_identical_copy(agents, "r1", root, manifest)
+    assert "intruder" not in {e["requester"] for e in agents.events("seed", "peer_request")}
+    assert "data-plane authentication is off" not in agents.log("seed")

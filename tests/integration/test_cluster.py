@@ -60,10 +60,13 @@ class Corrupting(PeerServer):
 async def main(control_plane, root, token):
     store, server = seed_store(root), Corrupting()
     server.add(store)
-    listener = await TcpTransport("faulty", Settings()).listen("127.0.0.1", 0, server)
+    transport = TcpTransport("faulty", Settings())
+    listener = await transport.listen("127.0.0.1", 0, server)
     async with ControlPlaneClient(control_plane, token=token) as client:
+        # A member of the cluster: it keys its data-plane hello with the key its registration brings.
         session = WorkerSession(client, WorkerSpec(PeerInfo("faulty", listener.address), 1 << 30),
-                                holdings=lambda: {store.package_id: store.verified_blocks()})
+                                holdings=lambda: {store.package_id: store.verified_blocks()},
+                                on_data_key=transport.set_key)
         await session.start()
         async for _ in session.assignments():
             pass

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from packager.errors import (BlockMismatchError, CheckpointError, ManifestError, MissingShardError,
                              PackageError, PickleCheckpointError, SafetensorsFormatError,
                              UnplacedTensorsError)
-from packager.manifest import manifest_to_json, read_manifest
+from packager.manifest import compute_package_id, manifest_to_json, read_manifest
 from packager.pack import pack
 from packager.package import Package
 from packager.verify import verify_package
@@ -281,6 +281,53 @@ def test_manifest_changed_digest_breaks_package_id(checkpoints, tmp_path, field,
     _edit_manifest(pkg, lambda d: d["blocks"][1].__setitem__(field, value))
     with pytest.raises(ManifestError, match="package_id"):
         read_manifest(pkg)
+
+
+def _swap_tensor_names(d: dict) -> None:
+    d["blocks"][0]["tensor_names"], d["blocks"][1]["tensor_names"] = (d["blocks"][1]["tensor_names"],
+                                                                      d["blocks"][0]["tensor_names"])
+
+
+def _shrink_last_block(d: dict) -> None:
+    d["blocks"][-1]["bytes"] = str(int(d["blocks"][-1]["bytes"]) - 1)
+    d["total_bytes"] = str(int(d["total_bytes"]) - 1)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d.__setitem__("model_name", "another-model"),
+    lambda d: d.__setitem__("tied_embeddings", not d["tied_embeddings"]),
+    lambda d: d["blocks"][0].__setitem__("file", "blocks/elsewhere.safetensors"),
+    lambda d: d["files"][0].__setitem__("path", "config2.json"),
+    _swap_tensor_names,
+    _shrink_last_block,
+], ids=["model_name", "tied_embeddings", "block file", "file path", "tensor names swapped", "block shrunk"])
+def test_a_consistent_but_edited_manifest_is_refused_by_its_package_id(checkpoints, tmp_path, capsys, edit):
+    """Edits that keep the manifest self-consistent: the whole-manifest id is what refuses them."""
+    pkg = _good_package(checkpoints, tmp_path)
+    _edit_manifest(pkg, edit)
+    with pytest.raises(ManifestError, match="package_id .* is not the digest of the manifest"):
+        read_manifest(pkg)
+    assert main(["verify", str(pkg)]) == 2
+    assert "is not the digest of the manifest" in capsys.readouterr().err
+
+
+def test_a_format_version_1_package_is_refused_with_how_to_repack(checkpoints, tmp_path, capsys):
+    pkg = _good_package(checkpoints, tmp_path)
+    _edit_manifest(pkg, lambda d: d.__setitem__("format_version", 1))
+    with pytest.raises(ManifestError, match="format_version 1 packages have a package id that does not cover the "
+                                            "whole manifest; repack with `pipecast pack`"):
+        Package.open(pkg)
+    assert main(["verify", str(pkg)]) == 2
+    assert "repack with `pipecast pack`" in capsys.readouterr().err
+
+
+def test_the_package_id_is_the_digest_of_the_whole_manifest(checkpoints, tmp_path):
+    a = pack(checkpoints["llama"], tmp_path / "a", layers_per_block=2)
+    assert a.format_version == 2 and compute_package_id(read_manifest(tmp_path / "a")) == a.package_id
+    # The model name is part of the manifest, so of the id; the blocks are the same bytes.
+    b = pack(checkpoints["llama"], tmp_path / "b", layers_per_block=2, model_name="renamed")
+    assert b.package_id != a.package_id
+    assert [x.digest for x in b.blocks] == [x.digest for x in a.blocks]
 
 
 def test_manifest_json_round_trip_is_stable(checkpoints, tmp_path):

@@ -42,8 +42,9 @@ class FakeWorker:
     status: str = "ready"
     queue_depth: int = 0
     health_code: int = 200
-    #: "answer", "busy" (429), "invalid" (400), "die_before" (abort without answering) or
-    #: "die_mid_stream" (after 2 events; its /health then answers 503, as a dead worker's would fail)
+    #: "answer", "busy" (429), "invalid" (400), "die_before" (abort without answering),
+    #: "die_mid_stream" (after 2 events; its /health then answers 503, as a dead worker's would fail),
+    #: "endless_event" (a stream of bytes that never ends an event) or "huge_answer" (8 MiB of JSON)
     behaviour: str = "answer"
     tokens: int = 3
     #: When set, a stream pauses after its first event until the test sets it.
@@ -68,6 +69,15 @@ class FakeWorker:
         if self.behaviour == "die_before":
             request.transport.abort()
             return web.Response()
+        if self.behaviour == "huge_answer":
+            return web.json_response({"choices": [{"text": "t" * (8 << 20)}]})
+        if self.behaviour == "endless_event":
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"choices": [{"text": "t0"}]}\n\n')
+            for _ in range(64):  # 4 MiB without a blank line
+                await response.write(b"data: " + b"x" * (64 << 10))
+            return response
         payload = json.loads(body)
         if payload.get("stream") is not True:
             return web.json_response({"choices": [{"text": "t" * self.tokens}], "worker": self.url})
@@ -107,7 +117,7 @@ async def workers(*fakes: FakeWorker) -> AsyncIterator[list[FakeWorker]]:
     """Start every fake worker on its own port."""
     async with AsyncExitStack() as stack:
         for fake in fakes:
-            app = web.Application()
+            app = web.Application(client_max_size=64 << 20)  # the worker's own limit is not under test
             app.add_routes([web.get("/health", fake.health), web.post("/v1/completions", fake.complete)])
             fake.url = await stack.enter_async_context(serving(app))
         yield list(fakes)
@@ -466,3 +476,98 @@ async def test_the_router_command_routes_to_static_and_control_plane_workers_unt
             process.kill()
             await process.wait()
         await control.stop(grace_s=0)
+
+
+# --- hostile input and output (issue #12, findings 3 and 8) ------------------------------------------
+
+@pytest.mark.parametrize("data, problem", [
+    (b"[" * 100_000, "nested too deeply"),
+    (b'{"model": "m", "model": "n"}', "duplicate key 'model'"),
+    (b'{"model": "m", "temperature": 1e400}', "out of range"),
+    (b'{"model": "m", "top_p": NaN}', "NaN is not a JSON number"),
+    (b"\xff", "not UTF-8"),
+])
+async def test_hostile_json_is_a_400_with_a_json_error(client, data, problem):
+    """Finding 3: a body nested 100000 deep raised RecursionError in the router (a 500); now 400."""
+    async with workers(FakeWorker()) as (worker,):
+        async with router([worker.url]) as (url, _):
+            async with client.post(f"{url}/v1/completions", data=data) as response:
+                assert response.status == 400
+                error = (await response.json())["error"]
+            assert error["type"] == "invalid_request_error" and problem in error["message"], error
+            assert worker.bodies == []
+
+
+async def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(client):
+    """Finding 8: the router read any body up to 64 MiB whole before looking at it; now the
+    Content-Length is checked first, and a chunked body is cut as soon as it passes the limit."""
+    async with workers(FakeWorker()) as (worker,):
+        async with router([worker.url], max_body_bytes=1 << 20) as (url, _):
+            big = b'{"model": "m", "prompt": "' + b"a" * (4 << 20) + b'"}'
+
+            async def chunked():
+                for start in range(0, len(big), 64 << 10):
+                    yield big[start:start + (64 << 10)]
+
+            for data in (big, chunked()):
+                async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as own:
+                    async with own.post(f"{url}/v1/completions", data=data) as response:
+                        assert response.status == 413
+                        error = (await response.json())["error"]
+                assert error["code"] == "request_too_large" and "limit of 1048576 bytes" in error["message"]
+            status, _, _ = await post(client, url)  # the router goes on
+            assert status == 200 and len(worker.bodies) == 1
+
+
+async def test_health_answers_within_a_second_while_huge_bodies_come_in(client):
+    """Finding 8: decoding a body is bounded (the size limit) and done off the event loop when large."""
+    async with workers(FakeWorker()) as (worker,):
+        async with router([worker.url]) as (url, _):
+            latencies: list[float] = []
+            done = asyncio.Event()
+
+            async def watch():
+                while not done.is_set():
+                    start = asyncio.get_running_loop().time()
+                    async with client.get(f"{url}/health") as response:
+                        assert response.status == 200
+                    latencies.append(asyncio.get_running_loop().time() - start)
+                    await asyncio.sleep(0.02)
+
+            watcher = asyncio.create_task(watch())
+            try:
+                over = b'{"model": "m", "prompt": "' + b"a" * (64 << 20) + b'"}'
+                under = json.dumps({"model": "m", "prompt": list(range(1_000_000, 1_000_000 + (14 << 20) // 9))})
+                async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as own:
+                    async with own.post(f"{url}/v1/completions", data=over) as response:
+                        assert response.status == 413
+                    async with own.post(f"{url}/v1/completions", data=under.encode()) as response:
+                        assert response.status == 200
+            finally:
+                done.set()
+                await watcher
+            assert len(latencies) > 3 and max(latencies) < 1.0, sorted(latencies)[-5:]
+
+
+async def test_a_worker_answer_over_the_limit_fails_the_request_instead_of_filling_memory(client):
+    """Finding 8: a worker's whole answer was read into memory however large; now at most
+    max_answer_bytes of it, and the request fails (502) naming the worker."""
+    async with workers(FakeWorker(behaviour="huge_answer")) as (worker,):
+        async with router([worker.url], max_answer_bytes=1 << 20, max_retries=0) as (url, _):
+            status, headers, answer = await post(client, url)
+    assert status == 502 and headers[WORKER_HEADER] == worker.url
+    assert "over the router's limit" in answer["error"]["message"]
+
+
+async def test_a_stream_event_over_the_limit_ends_the_stream_with_an_error_event(client):
+    """Finding 8: bytes of a worker's stream without an event end were buffered without bound; now the
+    router holds at most max_event_bytes, then ends the stream with an error event."""
+    async with workers(FakeWorker(behaviour="endless_event")) as (worker,):
+        async with router([worker.url], max_event_bytes=256 << 10) as (url, instance):
+            async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
+                assert response.status == 200
+                events = await read_events(response)
+    assert json.loads(events[0]) == {"choices": [{"text": "t0"}]}
+    error = json.loads(events[-1])["error"]
+    assert error["type"] == "worker_failed" and "sent an event of more than 262144 bytes" in error["message"]
+    assert len(events) == 2

@@ -247,6 +247,96 @@ async def test_bad_requests_get_400_naming_the_field_and_unknown_models_404(pkg)
                 BAD_REQUESTS) + 1
 
 
+HOSTILE_REQUESTS = [
+    (b"[" * 100_000, None, "the request body is not valid JSON (nested too deeply)"),
+    (b'{"model": "m", "model": "m", "prompt": [1]}', None, "the request body is not valid JSON (duplicate key"),
+    (b'{"model": "tiny-llama", "prompt": [1], "temperature": 1e400}', None,
+     "the request body is not valid JSON (number 1e400 is out of range)"),
+    (b'{"model": "tiny-llama", "prompt": [1], "top_p": NaN}', None, "the request body is not valid JSON (NaN"),
+    (b"[1, 2]", None, "the request body must be a JSON object, got list"),
+    (b'"prompt"', None, "the request body must be a JSON object, got str"),
+    (b"\xff\xfe", None, "the request body is not valid JSON (not UTF-8"),
+    ({"model": MODEL, "prompt": [1], "seed": 1 << 64}, "seed", "seed: must be an integer from -2^63 to 2^64-1"),
+    ({"model": MODEL, "prompt": [1], "seed": -(1 << 63) - 1}, "seed", "seed: must be an integer from -2^63"),
+    ({"model": MODEL, "prompt": [1], "seed": 1.5}, "seed", "seed: must be an integer, got 1.5"),
+    ({"model": MODEL, "prompt": [1], "max_tokens": -5}, "max_tokens", "max_tokens: must be at least 1, got -5"),
+    ({"model": MODEL, "prompt": [1], "max_tokens": [[[[[[1]]]]]]}, "max_tokens", "max_tokens: must be an integer"),
+    ({"model": MODEL, "prompt": [1], "temperature": 10 ** 400}, "temperature", "temperature: must be a finite"),
+    ({"model": MODEL, "prompt": [1], "top_p": "0.5"}, "top_p", "top_p: must be a number, got '0.5'"),
+    ({"model": MODEL, "prompt": [1], "stream": "yes"}, "stream", "stream: must be true or false"),
+    ({"model": MODEL, "prompt": [1], "stop": ["x"] * 17}, "stop", "stop: at most 16 stop strings, got 17"),
+    ({"model": MODEL, "prompt": [1], "n": [[[[[[[[2]]]]]]]]}, "n", "n: [[[[...]]]] is not supported"),
+    ({"model": MODEL, "prompt": [1], "user": 7}, "user", "user: must be a string"),
+    ({"model": MODEL, "prompt": "x" * 2000}, "prompt",
+     "prompt: prompt of 2000 characters (at least 500 tokens) plus max_tokens 16 exceeds the model's 128"),
+]
+
+
+async def test_hostile_requests_get_400_never_500(pkg):
+    """Finding 3 and 8: RecursionError, an out-of-range number or a seed past 64 bits were a 500 (or an
+    engine failure); every malformed field or body is now a 400 with a JSON error naming it."""
+    async with serving(WorkerConfig(str(pkg))) as (url, _, _, http):
+        for request, param, message in HOSTILE_REQUESTS:
+            status, _, answer = await post(http, url, request)
+            assert status == 400, (str(request)[:80], answer)
+            assert answer["error"]["param"] == param and answer["error"]["type"] == "invalid_request_error"
+            assert answer["error"]["message"].startswith(message), answer
+        status, _, answer = await post(http, url, body(seed=(1 << 64) - 1, temperature=1.0, max_tokens=2))
+        assert status == 200, answer  # the largest seed still runs
+
+
+async def test_health_answers_within_a_second_while_huge_prompts_are_refused_or_tokenized(pkg, monkeypatch):
+    """Finding 8: the body was read whole before any limit and the prompt tokenized on the event loop, so
+    one 16-64 MiB prompt stalled /health (and every other request) for as long as the tokenizer ran (a
+    second per MiB with a byte-level tokenizer). Now: over the limit, 413 from the Content-Length (or as a
+    chunked body passes it); under it, a prompt that cannot fit is refused before tokenizing; one that may
+    fit is tokenized on a thread."""
+    big = b'{"model": "tiny-llama", "prompt": "' + b"a" * (64 << 20) + b'"}'
+
+    async def chunked():
+        for start in range(0, len(big), 1 << 20):
+            yield big[start:start + (1 << 20)]
+
+    async with serving(WorkerConfig(str(pkg))) as (url, worker, _, http):
+        await wait_health(http, url, lambda h: h["status"] == "ready")
+        latencies: list[float] = []
+        done = asyncio.Event()
+
+        async def watch():
+            while not done.is_set():
+                start = time.monotonic()
+                async with http.get(f"{url}/health") as response:
+                    assert response.status == 200
+                latencies.append(time.monotonic() - start)
+                await asyncio.sleep(0.02)
+
+        async def send(data) -> tuple[int, dict]:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as own:
+                async with own.post(f"{url}/v1/completions", data=data) as response:
+                    return response.status, await response.json()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            status, answer = await send(big)
+            assert (status, answer["error"]["code"]) == (413, "request_too_large"), answer
+            assert f"of {len(big)} bytes is over this server's limit of {16 << 20} bytes" in answer["error"]["message"]
+            status, answer = await send(chunked())
+            assert (status, answer["error"]["code"]) == (413, "request_too_large"), answer
+            under = json.dumps({"model": MODEL, "prompt": "b" * (15 << 20)}).encode()
+            status, answer = await send(under)
+            assert status == 400 and "exceeds the model's 128 positions" in answer["error"]["message"]
+            # Without the bound on characters, a 2 MiB prompt is tokenized (~2 s here) on a thread; its
+            # 2 million tokens are then refused.
+            monkeypatch.setattr(worker._codec, "max_token_chars", 1 << 40)
+            tokenized = json.dumps({"model": MODEL, "prompt": "c" * (2 << 20)}).encode()
+            status, answer = await send(tokenized)
+            assert status == 400 and f"prompt of {2 << 20} tokens" in answer["error"]["message"], answer
+        finally:
+            done.set()
+            await watcher
+        assert len(latencies) > 10 and max(latencies) < 1.0, sorted(latencies)[-5:]
+
+
 async def test_a_client_that_goes_away_cancels_its_request_in_the_engine(pkg, reference):
     agent = GatedAgent(pkg)
     async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, worker, _, http):

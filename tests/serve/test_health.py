@@ -3,6 +3,8 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipecast.serve.health import HealthFormatError, WorkerHealth
 
@@ -38,3 +40,29 @@ def test_serving_and_room():
     assert PARTIAL.can_serve and not WorkerHealth("loading", 0, 8, 0, 0, 4).can_serve
     assert not WorkerHealth("ready", 8, 8, 4, 0, 4).can_serve  # its own queue is full
     assert PARTIAL.fraction_present == 3 / 8 and WorkerHealth("ready", 0, 0, 0, 0, 4).fraction_present == 1.0
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.fixed_dictionaries({}, optional={name: st.sampled_from(["loading", "partial", "ready"]) | st.integers()
+                                           | JSON_VALUES for name in PARTIAL.to_json()}) | JSON_VALUES)
+def test_fuzz_any_answer_reads_as_health_or_a_format_error(answer):
+    """Issue #12, finding 3: whatever a worker answers (nested hundreds deep included), the router's
+    reading of it is a WorkerHealth or HealthFormatError, never another exception."""
+    try:
+        WorkerHealth.from_json(answer)
+    except HealthFormatError:
+        pass
+
+
+def test_a_deeply_nested_status_is_a_format_error():
+    nested: list = []
+    for _ in range(900):
+        nested = [nested]
+    with pytest.raises(HealthFormatError, match=r"status \[\[\[\[\.\.\.\]\]\]\] is not one of"):
+        WorkerHealth.from_json({"status": nested})

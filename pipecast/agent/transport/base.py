@@ -7,19 +7,94 @@ and then reports it, the serve side asks the :class:`ServedPackages` for each ch
 as it is there (cut-through: a node still receiving a block serves its verified chunks at once).
 
 Contract every backend keeps:
+- with a data-plane key (:class:`PeerAuth`) every connection starts with the authenticated hello of
+  :mod:`.wire`, and a peer that fails it is served nothing; without one the data plane is open (a
+  warning says so once);
 - every wait on the network has a deadline (connect timeout; I/O silence timeout while a request is
-  outstanding), and a failure raises a :class:`~pipecast.agent.errors.PeerError` subclass naming the peer;
+  outstanding; on the serving side a header deadline, an idle deadline and deadlines on the served
+  packages), and a failure raises a :class:`~pipecast.agent.errors.PeerError` subclass naming the peer;
+- a listener holds at most ``max_connections`` connections, ``max_connections_per_address`` from one
+  address, and buffers a bounded amount of output per connection;
 - an error from the sink (a corrupt chunk) ends the request with that error and the channel is closed;
 - the served packages' errors are sent to the requester, who raises ``PeerRefusedError``;
 - ``stats`` counts payload bytes both ways, for goodput.
 """
 
+import asyncio
+import hashlib
+import hmac
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
 from pipecast.agent.ratelimit import HostRateLimits
+from pipecast.core.credentials import data_plane_key, parse_node_token
 from pipecast.core.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_KEY_ID_CONTEXT = b"pipecast data plane key id v1"
+_warned_open = False
+
+
+class PeerAuth:
+    """A node's data-plane credentials: its node id and the cluster's data-plane key.
+
+    The key is b"" when auth is off, and None while it is not known yet (an agent under a control plane
+    learns it from its registration). The transports read it for every new connection, so a key set
+    later (:meth:`set_key`) applies from then on.
+    """
+
+    def __init__(self, node_id: str, key: bytes | None = b"") -> None:
+        self.node_id = node_id
+        self._key = key
+        self._known: asyncio.Event | None = None
+
+    @classmethod
+    def from_token(cls, node_id: str, token: str) -> "PeerAuth":
+        """The credentials a cluster's master ``token`` gives (static-plan mode: every agent is given the
+        master). A node token cannot derive the key: the key stays unknown until :meth:`set_key`."""
+        if token and parse_node_token(token) is not None:
+            return cls(node_id, None)
+        return cls(node_id, data_plane_key(token))
+
+    @property
+    def key(self) -> bytes | None:
+        return self._key
+
+    @property
+    def key_id(self) -> bytes:
+        """8 bytes naming the key (not revealing it), so two nodes can tell that their keys differ."""
+        return hmac.new(self._key or b"", _KEY_ID_CONTEXT, hashlib.sha256).digest()[:8]
+
+    def set_key(self, key: bytes) -> None:
+        """The data-plane key from now on (b"": auth off)."""
+        self._key = bytes(key)
+        if self._known is not None:
+            self._known.set()
+        if not key:
+            warn_open_data_plane(self.node_id)
+
+    async def wait_key(self, timeout_s: float) -> bytes | None:
+        """The key, once known, waiting at most ``timeout_s`` (None: still unknown)."""
+        if self._key is None:
+            if self._known is None:
+                self._known = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._known.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        return self._key
+
+
+def warn_open_data_plane(node_id: str) -> None:
+    """Log, once per process, that this node serves its data plane without authentication."""
+    global _warned_open
+    if not _warned_open:
+        _warned_open = True
+        log.warning("node %s: data-plane authentication is off (no cluster credentials): any host that reaches "
+                    "this node's data-plane port can fetch every package it holds", node_id)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -62,8 +137,14 @@ class ServedPackages(Protocol):
         its bytes ``offset .. offset + length`` as soon as they are here; raises ``UnknownPackageError``."""
         ...
 
+    async def admit(self, requester: str, package_id: str) -> None:
+        """Return if node ``requester`` may be served ``package_id``; raise an ``AgentError`` saying why
+        not (e.g. ``PeerNotAllowedError``: it is not a child of this node in any current plan)."""
+        ...
+
     def peer_requested(self, requester: str, package_id: str, block: int | None) -> None:
-        """Note that node ``requester`` asked for ``block`` (None: a file) of ``package_id``."""
+        """Note that node ``requester`` asked for ``block`` (None: a file) of ``package_id`` (called once
+        the request is admitted and valid)."""
         ...
 
 
@@ -115,12 +196,27 @@ class Transport(ABC):
 
     name: str
 
-    def __init__(self, node_id: str, settings: Settings) -> None:
+    def __init__(self, node_id: str, settings: Settings, auth: PeerAuth | None = None) -> None:
         self.node_id = node_id
+        # Default: the key the settings' token gives (static-plan mode, tests); under a control plane the
+        # agent passes credentials whose key comes with its registration.
+        self.auth = auth if auth is not None else PeerAuth.from_token(node_id, settings.auth_token)
         self.connect_timeout_s = settings.connect_timeout_s
         self.io_timeout_s = settings.io_timeout_s
+        self.idle_timeout_s = settings.agent_idle_timeout_s
+        self.max_connections = settings.agent_max_connections
+        self.max_connections_per_address = settings.agent_max_connections_per_address
         self.limits = HostRateLimits.from_mbit(settings.egress_mbit, settings.ingress_mbit)
         self.stats = TransportStats()
+
+    def set_key(self, key: bytes) -> None:
+        """The data-plane key from now on (b"": auth off); e.g. the one a control plane handed out."""
+        self.auth.set_key(key)
+
+    def _listening(self) -> None:
+        """Called by a backend's :meth:`listen`: warn if the data plane is open."""
+        if self.auth.key == b"":
+            warn_open_data_plane(self.node_id)
 
     @abstractmethod
     async def listen(self, host: str, port: int, served: ServedPackages) -> Listener:
@@ -133,3 +229,33 @@ class Transport(ABC):
     async def close(self) -> None:
         """Close what is still open and release what the backend holds for the process (idempotent); the
         agent calls it on shutdown. This default, for backends that hold nothing, does nothing."""
+
+
+class ConnectionLimits:
+    """The connections a listener holds: at most ``total``, at most ``per_address`` from one address."""
+
+    def __init__(self, total: int, per_address: int) -> None:
+        self.total = total
+        self.per_address = per_address
+        self.by_address: dict[str, int] = {}
+        self.count = 0
+
+    def admit(self, address: str) -> str | None:
+        """Count a new connection from ``address``; or say why it is refused (then nothing is counted)."""
+        if self.count >= self.total:
+            return f"{self.count} connections are open (limit {self.total})"
+        held = self.by_address.get(address, 0)
+        if held >= self.per_address:
+            return f"{held} connections from {address} are open (limit {self.per_address} per address)"
+        self.by_address[address] = held + 1
+        self.count += 1
+        return None
+
+    def release(self, address: str) -> None:
+        """A connection :meth:`admit` counted has ended."""
+        held = self.by_address.get(address, 0)
+        if held <= 1:
+            self.by_address.pop(address, None)
+        else:
+            self.by_address[address] = held - 1
+        self.count = max(self.count - 1, 0)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipecast.agent.errors import TransportUnavailableError
-from pipecast.agent.transport.base import Transport
+from pipecast.agent.transport.base import PeerAuth, Transport
 from pipecast.core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def accelerated_fabric_present() -> bool:
 class TransportEntry:
     """A backend: its name, its class (``module:attribute``), the modules it needs, when auto picks it.
 
-    The class is built as ``cls(node_id, settings)``.
+    The class is built as ``cls(node_id, settings, auth)``.
     """
 
     name: str
@@ -73,9 +73,10 @@ def resolve_transport_name(name: str) -> str:
     return name
 
 
-def select_transport(name: str, node_id: str, settings: Settings) -> Transport:
-    """Build the transport ``name`` (``auto``, ``tcp``, ...) for the agent ``node_id``."""
+def select_transport(name: str, node_id: str, settings: Settings, auth: PeerAuth | None = None) -> Transport:
+    """Build the transport ``name`` (``auto``, ``tcp``, ...) for the agent ``node_id`` with its data-plane
+    credentials ``auth`` (None: those the settings' ``auth_token`` gives)."""
     resolved = resolve_transport_name(name)
     module, attribute = _REGISTRY[resolved].target.split(":")
     log.info("transport: %s%s", resolved, " (auto)" if name == "auto" else "")
-    return getattr(importlib.import_module(module), attribute)(node_id, settings)
+    return getattr(importlib.import_module(module), attribute)(node_id, settings, auth)

@@ -1,7 +1,13 @@
 """The TCP transport on asyncio: the default data path on CPU nodes.
 
 Messages are :mod:`.wire`'s: each a 20-byte header (:data:`~.wire.TCP_HEADER`) followed by its payload on
-the stream.
+the stream; with a data-plane key a connection starts with the hello (:func:`~.wire.accept_hello`).
+
+The serving side bounds what a peer can make it hold: connections (total and per address), a header
+deadline (a connection must send each whole message within ``io_timeout_s`` of its first byte, and its
+first within ``io_timeout_s`` of connecting), an idle deadline between requests, a few queued requests,
+and at most :data:`MAX_BUFFERED_OUTPUT` bytes of unsent output (it writes in slices and waits for the
+socket to drain after each, error answers included).
 
 The receive side is an ``asyncio.BufferedProtocol`` that hands the socket the chunk's own slice of the
 block buffer: bytes go from the kernel into the block store with no extra copy, and a wake-up costs about
@@ -16,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipecast.agent.errors import (
+    PeerAuthError,
     PeerClosedError,
     PeerConnectError,
     PeerError,
@@ -23,30 +30,44 @@ from pipecast.agent.errors import (
     PeerRefusedError,
     PeerTimeoutError,
 )
-from pipecast.agent.ratelimit import HostRateLimits, TokenBucket
+from pipecast.agent.ratelimit import TokenBucket
 from pipecast.agent.transport.base import (
     Channel,
     ChunkSink,
+    ConnectionLimits,
     Listener,
+    PeerAuth,
     ServedPackages,
     Transport,
     TransportStats,
     split_address,
 )
 from pipecast.agent.transport.wire import (
+    AUTH_CHALLENGE,
+    AUTH_FAIL,
+    AUTH_HELLO,
+    AUTH_OK,
+    AUTH_PROOF,
     CHUNK,
     ERROR,
     FILE,
     LIMITED_SEND_SLICE,
+    MAX_HELLO_BYTES,
     REQ_BLOCK,
     REQ_FILE,
+    SERVE_LOG,
+    SERVE_WAIT_IO_TIMEOUTS,
     TCP_HEADER,
+    ClientHello,
     Header,
+    accept_hello,
     answer_request,
     check_answer,
     check_chunk,
-    check_request,
+    check_message,
+    file_answer_limit,
     parse_request,
+    refused_by_peer,
     request_payload,
 )
 
@@ -56,6 +77,10 @@ MAX_QUEUED_REQUESTS = 8
 # Let the transport buffer a few chunks before pausing the sender: fewer wake-ups per chunk.
 WRITE_HIGH_WATER = 4 << 20
 WRITE_LOW_WATER = 1 << 20
+# An answer goes to the socket in slices this big, each written once the buffer is below the high water
+# mark: a requester that reads nothing makes the server hold at most MAX_BUFFERED_OUTPUT bytes.
+WRITE_SLICE = 1 << 20
+MAX_BUFFERED_OUTPUT = WRITE_HIGH_WATER + WRITE_SLICE + TCP_HEADER.size
 
 
 @dataclass
@@ -73,18 +98,33 @@ class _BlockRequest:
 @dataclass
 class _FileRequest:
     path: str
+    limit: int  # the longest answer that fits what was asked for
     done: asyncio.Future
 
     def describe(self) -> str:
         return f"file {self.path}"
 
 
+@dataclass
+class _HelloStep:
+    expected: int  # AUTH_CHALLENGE or AUTH_OK
+    done: asyncio.Future
+
+    def describe(self) -> str:
+        return "its hello"
+
+
+_Request = _BlockRequest | _FileRequest | _HelloStep
+
+
 class _ClientProtocol(asyncio.BufferedProtocol):
     """Receive side of a channel: parses headers, lands chunks in the sink's buffers, keeps deadlines."""
 
     def __init__(self, peer: str, io_timeout_s: float, stats: TransportStats,
-                 ingress: TokenBucket | None) -> None:
+                 ingress: TokenBucket | None, have_key: bool) -> None:
         self.peer = peer
+        self._have_key = have_key
+        self.closed_idle = False  # the peer closed the connection while no request was outstanding
         self._io_timeout_s = io_timeout_s
         self._stats = stats
         self._ingress = ingress
@@ -94,7 +134,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         self._target = memoryview(self._header)
         self._filled = 0
         self._on_complete: Callable[[], None] = self._header_complete
-        self.request: _BlockRequest | _FileRequest | None = None
+        self.request: _Request | None = None
         self._last_rx = self._loop.time()
         self._watchdog: asyncio.TimerHandle | None = None
         self.error: PeerError | None = None
@@ -128,13 +168,15 @@ class _ClientProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._watchdog:
             self._watchdog.cancel()
+        if self.request is None and self.error is None:
+            self.closed_idle = True  # e.g. the server's idle deadline: a new connection may take over
         during = f" while sending {self.request.describe()}" if self.request else ""
         reason = f"{type(exc).__name__}: {exc}" if exc else "end of stream"
         self._fail(PeerClosedError(self.peer, f"closed the connection{during} ({reason})"))
 
     # requests
 
-    def start(self, request: _BlockRequest | _FileRequest, message: bytes) -> None:
+    def start(self, request: _Request, message: bytes) -> None:
         if self.error is not None:
             raise self.error
         if self.request is not None:
@@ -196,13 +238,22 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         request = self.request
         if request is None:
             raise PeerProtocolError(self.peer, f"sent message type {header.kind} with no request outstanding")
-        check_answer(header, CHUNK if isinstance(request, _BlockRequest) else FILE, request.describe(), self.peer)
+        if isinstance(request, _HelloStep):
+            check_answer(header, request.expected, request.describe(), self.peer, MAX_HELLO_BYTES)
+        elif isinstance(request, _FileRequest):
+            check_answer(header, FILE, request.describe(), self.peer, request.limit)
+        else:
+            check_answer(header, CHUNK, request.describe(), self.peer)
         if header.kind == ERROR:
             self._expect(memoryview(bytearray(header.length)), self._error_complete)
+        elif header.kind == AUTH_FAIL:
+            self._expect(memoryview(bytearray(header.length)), self._auth_failed)
         elif header.kind == CHUNK:
             buffer = request.sink.chunk_buffer(request.block, request.next_chunk)
             check_chunk(header, request.block, request.next_chunk, len(buffer), self.peer)
             self._expect(buffer, self._chunk_complete)
+        elif isinstance(request, _HelloStep):
+            self._expect(memoryview(bytearray(header.length)), self._hello_complete)
         else:
             self._expect(memoryview(bytearray(header.length)), self._file_complete)
 
@@ -227,20 +278,35 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         self._stats.bytes_received += len(payload)
         self._finish(payload.tobytes())
 
+    def _hello_complete(self) -> None:
+        self._finish(self._next_header().tobytes())
+
     def _error_complete(self) -> None:
         payload = self._next_header()
         raise PeerRefusedError(self.peer, bytes(payload).decode("utf-8", "replace"))
 
+    def _auth_failed(self) -> None:
+        payload = self._next_header()
+        raise refused_by_peer(self.peer, bytes(payload).decode("utf-8", "replace"), self._have_key)
+
 
 class TcpChannel(Channel):
-    """A TCP connection to one peer agent."""
+    """A TCP connection to one peer agent. If the peer closed it while it was idle (the peer's idle
+    deadline), the next request opens a new one first."""
 
-    def __init__(self, peer: str, protocol: _ClientProtocol, requester: str) -> None:
+    def __init__(self, peer: str, protocol: _ClientProtocol, requester: str, address: str,
+                 transport: "TcpTransport") -> None:
         self.peer = peer
         self._protocol = protocol
         self._requester = requester
+        self._address = address
+        self._transport = transport
+        self._closed = False
 
-    async def _run(self, request: _BlockRequest | _FileRequest, message: bytes) -> None:
+    async def _run(self, request: _Request, message: bytes) -> None:
+        if self._protocol.closed_idle and not self._closed:
+            log.debug("peer %s closed an idle channel; connecting again", self.peer)
+            self._protocol = await self._transport.open_protocol(self._address, self.peer)
         self._protocol.start(request, message)
         try:
             await request.done
@@ -259,39 +325,76 @@ class TcpChannel(Channel):
 
     async def fetch_file(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
         payload = request_payload(package_id, self._requester, path)
-        request = _FileRequest(path, asyncio.get_running_loop().create_future())
+        request = _FileRequest(path, file_answer_limit(path, length), asyncio.get_running_loop().create_future())
         await self._run(request, TCP_HEADER.pack(Header(REQ_FILE, offset, length, len(payload))) + payload)
         return request.done.result()
 
     async def close(self) -> None:
+        self._closed = True
         if self._protocol.transport is not None and not self._protocol.transport.is_closing():
             self._protocol.transport.close()
 
 
+async def _client_hello(protocol: _ClientProtocol, auth: PeerAuth, peer: str) -> None:
+    """The requester's side of the hello (:mod:`.wire`) on a new connection."""
+    loop = asyncio.get_running_loop()
+    hello = ClientHello(auth, TCP_HEADER, peer)
+
+    async def step(kind: int, payload: bytes, expected: int) -> bytes:
+        request = _HelloStep(expected, loop.create_future())
+        protocol.start(request, TCP_HEADER.pack(Header(kind, length=len(payload))) + payload)
+        return await request.done
+
+    challenge = await step(AUTH_HELLO, hello.hello(), AUTH_CHALLENGE)
+    await step(AUTH_PROOF, hello.proof(challenge), AUTH_OK)
+
+
 class _ServerProtocol(asyncio.Protocol):
-    """Serve side of one connection: queues requests, sends chunks as soon as this node has them."""
+    """Serve side of one connection: the hello, then queued requests, each answered with chunks as soon
+    as this node has them; deadlines on the peer's silence (see the module docstring)."""
 
     def __init__(self, listener: "TcpListener") -> None:
         self._listener = listener
+        self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._inbox = bytearray()
         self._requests: asyncio.Queue = asyncio.Queue()
         self._worker: asyncio.Task | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
+        self._host = ""
+        self._counted = False
+        self._greeted = False  # the hello (or, with auth off, the first request) is behind us
+        self._partial_since = 0.0  # when the inbox began to hold part of a message
+        self._waiting_since: float | None = None  # when the server began to wait for the next message
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self.peer = "?"
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
         host, port = transport.get_extra_info("peername")[:2]
-        self.peer = f"{host}:{port}"
+        self._host, self.peer = host, f"{host}:{port}"
+        refused = self._listener.limits.admit(host)
+        if refused is not None:
+            SERVE_LOG.log(logging.WARNING, "refusing a connection from %s: %s", self.peer, refused)
+            self._transport.abort()
+            return
+        self._counted = True
         self._listener.connections.add(self)
-        self._worker = asyncio.get_running_loop().create_task(self._serve())
+        self._waiting_since = self._loop.time()
+        self._arm()
+        self._worker = self._loop.create_task(self._serve())
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._counted:
+            self._counted = False
+            self._listener.limits.release(self._host)
         self._listener.connections.discard(self)
         self._can_write.set()
+        if self._timer is not None:
+            self._timer.cancel()
         if self._worker:
             self._worker.cancel()
 
@@ -302,59 +405,118 @@ class _ServerProtocol(asyncio.Protocol):
         self._can_write.set()
 
     def data_received(self, data: bytes) -> None:
+        if not self._inbox:
+            self._partial_since = self._loop.time()
         self._inbox += data
         while len(self._inbox) >= TCP_HEADER.size:
             try:
                 header = TCP_HEADER.parse(self._inbox, self.peer)
-                check_request(header, self.peer)
+                check_message(header, self.peer)
                 if self._requests.qsize() >= MAX_QUEUED_REQUESTS:
                     raise PeerProtocolError(self.peer, f"sent more than {MAX_QUEUED_REQUESTS} requests at once")
             except PeerProtocolError as exc:
-                log.warning("%s; closing", exc)
+                SERVE_LOG.log(logging.WARNING, "%s; closing", exc)
                 self._transport.abort()
                 return
             end = TCP_HEADER.size + header.length
             if len(self._inbox) < end:
-                return
+                break
             payload = bytes(self._inbox[TCP_HEADER.size:end])
             del self._inbox[:end]
-            self._requests.put_nowait(parse_request(header, payload))
+            self._partial_since = self._loop.time()
+            self._waiting_since = None
+            self._requests.put_nowait((header, payload))
+        self._arm()
+
+    # deadlines
+
+    def _due(self) -> tuple[float, str] | None:
+        """When the peer's silence ends this connection, and how to say why; None: no deadline now."""
+        io_timeout, dues = self._listener.io_timeout_s, []
+        if self._inbox:
+            dues.append((self._partial_since + io_timeout,
+                         f"sent part of a message, then nothing for {io_timeout:g} s"))
+        if self._waiting_since is not None:
+            if self._greeted:
+                limit = self._listener.idle_timeout_s
+                dues.append((self._waiting_since + limit, f"sent no request for {limit:g} s"))
+            else:
+                dues.append((self._waiting_since + io_timeout, f"sent no complete message for {io_timeout:g} s"))
+        return min(dues) if dues else None
+
+    def _arm(self) -> None:
+        due = self._due()
+        if due is None:
+            return
+        if self._timer is None or due[0] < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = due[0]
+            self._timer = self._loop.call_at(due[0], self._check_deadline)
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        due = self._due()
+        if due is None or self._transport is None or self._transport.is_closing():
+            return
+        if self._loop.time() >= due[0]:
+            SERVE_LOG.log(logging.INFO, "peer %s %s; closing", self.peer, due[1])
+            self._transport.abort()
+        else:
+            self._arm()
+
+    async def _receive(self) -> tuple[Header, bytes]:
+        if self._requests.empty():
+            self._waiting_since = self._loop.time()
+            self._arm()
+        message = await self._requests.get()
+        self._waiting_since = None
+        return message
 
     def abort(self) -> None:
         self._transport.abort()
 
     async def _serve(self) -> None:
-        while True:
-            request = await self._requests.get()
-            self.peer = f"{request.requester}@{self._transport.get_extra_info('peername')[0]}"
-            try:
-                await answer_request(self._listener.served, request, self._send, self.peer)
-            except PeerError as exc:  # the requester stopped reading or went away
-                log.warning("%s", exc)
-                self._transport.abort()
-                return
-            except Exception:
-                log.exception("serving %s failed", self.peer)
-                self._transport.abort()
-                return
+        listener = self._listener
+        try:
+            node, first = await accept_hello(listener.auth, TCP_HEADER, self._receive, self._send, self.peer,
+                                             listener.io_timeout_s)
+            self._greeted = True
+            message = first or await self._receive()
+            while True:
+                request = parse_request(*message, self.peer)
+                self.peer = f"{request.requester}@{self._host}"
+                await answer_request(listener.served, request, self._send, self.peer, authenticated=node,
+                                     wait_s=SERVE_WAIT_IO_TIMEOUTS * listener.io_timeout_s)
+                message = await self._receive()
+        except PeerAuthError as exc:  # refused in the hello: it was told why; close once that is sent
+            SERVE_LOG.log(logging.WARNING, "%s; closing", exc)
+            self._transport.close()
+        except PeerError as exc:  # the requester broke the protocol, stopped reading or went away
+            SERVE_LOG.log(logging.WARNING, "%s; closing", exc)
+            self._transport.abort()
+        except Exception:
+            log.exception("serving %s failed", self.peer)
+            self._transport.abort()
 
     async def _send(self, header: Header, payload: memoryview) -> None:
-        """Send one message: an answer paced at the egress limit and counted, an ``ERROR`` at once."""
+        """Send one message, in slices, waiting for the socket to drain after each: an answer paced at the
+        egress limit and counted; an ``ERROR`` or hello message at once."""
         self._transport.write(TCP_HEADER.pack(header))
-        if header.kind == ERROR:
-            self._transport.write(payload)
-            return
-        egress = self._listener.limits.egress
-        step = LIMITED_SEND_SLICE if egress is not None else max(len(payload), 1)
+        answer = header.kind in (CHUNK, FILE)
+        egress = self._listener.limits_rate.egress if answer else None
+        step = LIMITED_SEND_SLICE if egress is not None else WRITE_SLICE
         for start in range(0, len(payload), step):
             piece = payload[start:start + step]
             if egress is not None:
                 delay = egress.take(len(piece))
                 if delay > 0:
                     await asyncio.sleep(delay)
-            self._transport.write(piece)
-            self._listener.stats.bytes_sent += len(piece)
             await self._drain()
+            self._transport.write(piece)
+            if answer:
+                self._listener.stats.bytes_sent += len(piece)
+        await self._drain()
 
     async def _drain(self) -> None:
         timeout = self._listener.io_timeout_s
@@ -373,12 +535,14 @@ class _ServerProtocol(asyncio.Protocol):
 class TcpListener(Listener):
     """A listening TCP socket serving an agent's packages."""
 
-    def __init__(self, served: ServedPackages, limits: HostRateLimits, stats: TransportStats,
-                 io_timeout_s: float) -> None:
+    def __init__(self, served: ServedPackages, transport: "TcpTransport") -> None:
         self.served = served
-        self.limits = limits
-        self.stats = stats
-        self.io_timeout_s = io_timeout_s
+        self.auth = transport.auth
+        self.limits_rate = transport.limits
+        self.stats = transport.stats
+        self.io_timeout_s = transport.io_timeout_s
+        self.idle_timeout_s = transport.idle_timeout_s
+        self.limits = ConnectionLimits(transport.max_connections, transport.max_connections_per_address)
         self.connections: set[_ServerProtocol] = set()
         self.address = ""
         self._server: asyncio.Server | None = None
@@ -406,21 +570,33 @@ class TcpTransport(Transport):
     name = "tcp"
 
     async def listen(self, host: str, port: int, served: ServedPackages) -> TcpListener:
-        listener = TcpListener(served, self.limits, self.stats, self.io_timeout_s)
+        self._listening()
+        listener = TcpListener(served, self)
         await listener.start(host, port)
         return listener
 
-    async def connect(self, address: str, peer: str) -> TcpChannel:
+    async def open_protocol(self, address: str, peer: str) -> _ClientProtocol:
+        """A new connection to ``address``, through the hello when this node has a data-plane key."""
         host, port = split_address(address)
-        protocol = _ClientProtocol(peer, self.io_timeout_s, self.stats, self.limits.ingress)
+        key = self.auth.key
+        protocol = _ClientProtocol(peer, self.io_timeout_s, self.stats, self.limits.ingress, bool(key))
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(
-                asyncio.get_running_loop().create_connection(lambda: protocol, host, port),
-                self.connect_timeout_s)
+            async with asyncio.timeout(self.connect_timeout_s):
+                await loop.create_connection(lambda: protocol, host, port)
+                if key:
+                    await _client_hello(protocol, self.auth, peer)
         except TimeoutError:
+            protocol.abort(PeerConnectError(peer, "gave up connecting"))
             raise PeerConnectError(peer, f"no connection to {address} within {self.connect_timeout_s:g} s") \
                 from None
         except OSError as exc:
             reason = os.strerror(exc.errno) if exc.errno else str(exc)
             raise PeerConnectError(peer, f"cannot connect to {address} ({reason})") from None
-        return TcpChannel(peer, protocol, self.node_id)
+        except BaseException as exc:
+            protocol.abort(exc if isinstance(exc, PeerError) else PeerClosedError(peer, "connection abandoned"))
+            raise
+        return protocol
+
+    async def connect(self, address: str, peer: str) -> TcpChannel:
+        return TcpChannel(peer, await self.open_protocol(address, peer), self.node_id, address, self)

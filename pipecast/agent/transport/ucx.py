@@ -5,8 +5,13 @@ becomes present (cut-through), a channel receives every chunk straight into the 
 wait has a deadline, and a failing peer is a typed :class:`~pipecast.agent.errors.PeerError` naming it.
 
 Messages are :mod:`.wire`'s: a 24-byte header (:data:`~.wire.UCX_HEADER`) on tag ``TAG_HEADER`` announces
-each payload, which follows on ``TAG_PAYLOAD`` in frames. A channel ends with ``CLOSE``, answered by
-``CLOSE_ACK``.
+each payload, which follows on ``TAG_PAYLOAD`` in frames. With a data-plane key a connection starts with
+the hello (:func:`~.wire.accept_hello`). A channel ends with ``CLOSE``, answered by ``CLOSE_ACK``.
+
+The listen address: ucxx 0.52's Python listener takes a port only and binds every interface (libucxx's
+C++ ``ListenerBuilder::host`` is not bound in Python). So the listener asks UCX which local address each
+new endpoint came in on (``ucp_ep_query``) and closes, before reading anything, every connection that
+did not come to the configured host, as well as those over the connection caps.
 
 ucxx pitfalls measured on this project's machines (DESIGN 6), each handled where marked "pitfall":
 notifier-thread mode, stopping that thread, integer tags, UCX_TLS with tcp, a header before each
@@ -15,10 +20,15 @@ inside the functions that use it, so the registry can name this module on nodes 
 """
 
 import asyncio
+import ctypes
 import errno
 import functools
+import glob
+import ipaddress
 import logging
 import os
+import socket
+import struct
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipecast.agent.errors import (
+    PeerAuthError,
     PeerClosedError,
     PeerConnectError,
     PeerError,
@@ -38,7 +49,9 @@ from pipecast.agent.ratelimit import HostRateLimits
 from pipecast.agent.transport.base import (
     Channel,
     ChunkSink,
+    ConnectionLimits,
     Listener,
+    PeerAuth,
     ServedPackages,
     Transport,
     TransportStats,
@@ -46,23 +59,35 @@ from pipecast.agent.transport.base import (
 )
 from pipecast.agent.transport.registry import accelerated_fabric_present
 from pipecast.agent.transport.wire import (
+    AUTH_CHALLENGE,
+    AUTH_FAIL,
+    AUTH_HELLO,
+    AUTH_OK,
+    AUTH_PROOF,
     CHUNK,
     CLOSE,
     CLOSE_ACK,
     ERROR,
     FILE,
     LIMITED_SEND_SLICE,
+    MAX_HELLO_BYTES,
     REQ_BLOCK,
     REQ_FILE,
+    SERVE_LOG,
+    SERVE_WAIT_IO_TIMEOUTS,
     UCX_HEADER,
+    ClientHello,
     Header,
+    accept_hello,
     answer_request,
     byte_view,
     check_answer,
     check_chunk,
-    check_request,
+    check_message,
+    file_answer_limit,
     frames,
     parse_request,
+    refused_by_peer,
     request_payload,
 )
 from pipecast.core.settings import Settings
@@ -194,6 +219,7 @@ class _Link:
 
     def __init__(self, endpoint: "Endpoint", peer: str, io_timeout_s: float, limits: HostRateLimits,
                  stats: TransportStats) -> None:
+        self.closed_idle = False  # the peer closed the endpoint while no request was outstanding
         self.endpoint = endpoint
         self.peer = peer
         self.io_timeout_s = io_timeout_s
@@ -214,12 +240,23 @@ class _Link:
             await _with_deadline(self.endpoint.send(payload[start:end], tag=TAG_PAYLOAD), self.io_timeout_s,
                                  on_timeout)
 
-    async def recv_header(self, on_timeout: Callable[[], PeerError] | None) -> Header:
-        """The next header; ``on_timeout`` None waits without a deadline (an idle connection)."""
+    async def recv_header(self, on_timeout: Callable[[], PeerError], timeout_s: float | None = None) -> Header:
+        """The next header, within ``timeout_s`` (default: the I/O timeout)."""
         raw = bytearray(UCX_HEADER.size)
-        receive = self.endpoint.recv(raw, tag=TAG_HEADER)
-        await (receive if on_timeout is None else _with_deadline(receive, self.io_timeout_s, on_timeout))
+        await _with_deadline(self.endpoint.recv(raw, tag=TAG_HEADER), timeout_s or self.io_timeout_s, on_timeout)
         return UCX_HEADER.parse(raw, self.peer)
+
+    async def recv_message(self, on_timeout: Callable[[], PeerError], timeout_s: float | None = None
+                           ) -> tuple[Header, bytes]:
+        """The next message a requester may send (a request, a hello message, ``CLOSE``), header within
+        ``timeout_s`` and payload within the I/O timeout; :class:`PeerProtocolError` for anything else."""
+        header = await self.recv_header(on_timeout, timeout_s)
+        if header.kind == CLOSE:
+            return header, b""
+        check_message(header, self.peer)
+        raw = bytearray(header.length)
+        await self.recv_payload(memoryview(raw), header.frame, on_timeout, paced=False)
+        return header, bytes(raw)
 
     async def recv_payload(self, target: memoryview, frame: int, on_timeout: Callable[[], PeerError],
                            paced: bool) -> None:
@@ -255,16 +292,37 @@ class _Progress:
 
 
 class UcxChannel(Channel):
-    """A UCX endpoint to one peer agent; one request at a time."""
+    """A UCX endpoint to one peer agent; one request at a time. If the peer closed it while it was idle
+    (the peer's idle deadline), the next request opens a new one first."""
 
-    def __init__(self, peer: str, link: _Link, requester: str, on_close: Callable[["UcxChannel"], None]) -> None:
+    def __init__(self, peer: str, link: _Link, requester: str, address: str, transport: "UcxTransport") -> None:
         self.peer = peer
         self._link = link
         self._requester = requester
-        self._on_close = on_close
+        self._address = address
+        self._transport = transport
         self._progress: _Progress | None = None
         self._broken: PeerError | None = None
         self._closed = False
+        self._watch(link)
+
+    def _watch(self, link: _Link) -> None:
+        loop = asyncio.get_running_loop()
+
+        def closed() -> None:  # ucxx calls it from its progress thread
+            try:
+                loop.call_soon_threadsafe(self._peer_closed, link)
+            except RuntimeError:
+                pass
+
+        try:
+            link.endpoint.set_close_callback(closed)
+        except RuntimeError:  # the peer closed it already ("Endpoint is closing or has already closed")
+            link.closed_idle = True
+
+    def _peer_closed(self, link: _Link) -> None:
+        if link is self._link and self._progress is None:
+            link.closed_idle = True
 
     @asynccontextmanager
     async def _request(self, progress: _Progress) -> AsyncIterator[None]:
@@ -274,6 +332,11 @@ class UcxChannel(Channel):
             raise self._broken or PeerClosedError(self.peer, "channel already closed")
         if self._progress is not None:
             raise RuntimeError(f"channel to {self.peer} already has a request in flight")
+        if self._link.closed_idle:
+            log.debug("peer %s closed an idle channel; connecting again", self.peer)
+            self._link.abort()
+            self._link = await self._transport.open_link(self._address, self.peer)
+            self._watch(self._link)
         self._progress = progress
         try:
             yield
@@ -310,14 +373,18 @@ class UcxChannel(Channel):
         await self._link.send(Header(kind, block, chunk, len(payload), frame), memoryview(payload), self._silent,
                               paced=False)
 
-    async def _answer(self, expected: int, progress: _Progress) -> Header:
-        """The next answer header; an ERROR answer is raised as :class:`PeerRefusedError`."""
+    async def _answer(self, expected: int, progress: _Progress, limit: int = 0) -> Header:
+        """The next answer header, its length checked against ``limit`` (a ``FILE``'s); an ERROR answer is
+        raised as :class:`PeerRefusedError`, an AUTH_FAIL as :class:`PeerAuthError`."""
         header = await self._link.recv_header(self._silent)
-        check_answer(header, expected, progress.describe(), self.peer)
-        if header.kind == ERROR:
+        check_answer(header, expected, progress.describe(), self.peer, limit)
+        if header.kind in (ERROR, AUTH_FAIL):
             text = bytearray(header.length)
             await self._link.recv_payload(memoryview(text), header.frame, self._silent, paced=False)
-            raise PeerRefusedError(self.peer, text.decode("utf-8", "replace"))
+            reason = text.decode("utf-8", "replace")
+            if header.kind == AUTH_FAIL:
+                raise refused_by_peer(self.peer, reason, bool(self._transport.auth.key))
+            raise PeerRefusedError(self.peer, reason)
         return header
 
     async def fetch_block(self, package_id: str, block: int, first_chunk: int, sink: ChunkSink) -> None:
@@ -341,7 +408,7 @@ class UcxChannel(Channel):
         progress = _Progress(f"file {path}")
         async with self._request(progress):
             await self._ask(REQ_FILE, offset, length, request_payload(package_id, self._requester, path))
-            header = await self._answer(FILE, progress)
+            header = await self._answer(FILE, progress, file_answer_limit(path, length))
             data = bytearray(header.length)
             await self._link.recv_payload(memoryview(data), header.frame, self._silent, paced=True)
             self._link.stats.bytes_received += header.length
@@ -359,8 +426,8 @@ class UcxChannel(Channel):
         if self._closed:
             return
         self._closed = True
-        self._on_close(self)
-        if self._broken is None and self._progress is None:
+        self._transport.forget(self)
+        if self._broken is None and self._progress is None and not self._link.closed_idle:
             # Pitfall: closing right after a send can reset the peer's receive. Say goodbye and wait for
             # the server's ack, so neither side closes under the other's last message.
             try:
@@ -370,8 +437,90 @@ class UcxChannel(Channel):
         self._link.abort()
 
 
+async def _client_hello(link: _Link, auth: PeerAuth, peer: str) -> None:
+    """The requester's side of the hello (:mod:`.wire`) on a new endpoint."""
+    hello = ClientHello(auth, UCX_HEADER, peer)
+
+    def silent() -> PeerTimeoutError:
+        return PeerTimeoutError(peer, f"silent for {link.io_timeout_s:g} s during the hello")
+
+    async def step(kind: int, payload: bytes, expected: int) -> bytes:
+        await link.send(Header(kind, length=len(payload)), memoryview(payload), silent, paced=False)
+        header = await link.recv_header(silent)
+        check_answer(header, expected, "its hello", peer, MAX_HELLO_BYTES)
+        data = bytearray(header.length)
+        await link.recv_payload(memoryview(data), header.frame, silent, paced=False)
+        if header.kind == AUTH_FAIL:
+            raise refused_by_peer(peer, data.decode("utf-8", "replace"), have_key=True)
+        if header.kind == ERROR:
+            raise PeerRefusedError(peer, data.decode("utf-8", "replace"))
+        return bytes(data)
+
+    challenge = await step(AUTH_HELLO, hello.hello(), AUTH_CHALLENGE)
+    await step(AUTH_PROOF, hello.proof(challenge), AUTH_OK)
+
+
+class _EpAttr(ctypes.Structure):
+    """UCX's ``ucp_ep_attr_t`` (ucp.h, UCX >= 1.15): the fields up to the remote address are all we read."""
+
+    _fields_ = [("field_mask", ctypes.c_uint64), ("name", ctypes.c_char * 32),
+                ("local_sockaddr", ctypes.c_ubyte * 128), ("remote_sockaddr", ctypes.c_ubyte * 128),
+                ("transports", ctypes.c_ubyte * 64), ("user_data", ctypes.c_void_p)]
+
+
+_EP_ATTR_LOCAL_SOCKADDR, _EP_ATTR_REMOTE_SOCKADDR = 1 << 1, 1 << 2
+_ucp_ep_query: Any = None
+
+
+def _load_ep_query() -> Any:
+    """``ucp_ep_query`` of the libucp ucxx uses (loaded already: dlopen by soname finds that one)."""
+    global _ucp_ep_query
+    if _ucp_ep_query is None:
+        candidates = ["libucp.so.0"]
+        try:
+            import libucx
+
+            candidates += sorted(glob.glob(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so*")))
+        except ImportError:
+            pass
+        for name in candidates:
+            try:
+                function = ctypes.CDLL(name).ucp_ep_query
+            except (OSError, AttributeError):
+                continue
+            function.argtypes, function.restype = [ctypes.c_void_p, ctypes.POINTER(_EpAttr)], ctypes.c_int
+            _ucp_ep_query = function
+            break
+        else:
+            _ucp_ep_query = False
+    return _ucp_ep_query
+
+
+def _sockaddr_host(raw: bytes) -> str | None:
+    family = struct.unpack_from("=H", raw)[0]
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, raw[4:8])
+    if family == socket.AF_INET6:
+        address = ipaddress.IPv6Address(raw[8:24])
+        return str(address.ipv4_mapped or address)
+    return None
+
+
+def endpoint_hosts(endpoint: "Endpoint") -> tuple[str | None, str | None]:
+    """The (local, remote) IP addresses of a connected endpoint, as UCX says (None where it cannot)."""
+    query = _load_ep_query()
+    if not query:
+        return None, None
+    attr = _EpAttr()
+    attr.field_mask = _EP_ATTR_LOCAL_SOCKADDR | _EP_ATTR_REMOTE_SOCKADDR
+    if query(ctypes.c_void_p(endpoint.ucp_endpoint), ctypes.byref(attr)) != 0:
+        return None, None
+    return _sockaddr_host(bytes(attr.local_sockaddr)), _sockaddr_host(bytes(attr.remote_sockaddr))
+
+
 class _ServerConnection:
-    """Serve side of one endpoint: answers requests one at a time, sending chunks as soon as this node has them."""
+    """Serve side of one endpoint: the hello, then requests one at a time, sending chunks as soon as this
+    node has them."""
 
     def __init__(self, listener: "UcxListener", endpoint: "Endpoint") -> None:
         self._listener = listener
@@ -382,6 +531,7 @@ class _ServerConnection:
         self._peer_gone = asyncio.Event()
         self._waiting_on_served = False
         self._closing = False
+        self._counted: str | None = None
         endpoint.set_close_callback(self._endpoint_closed)
 
     def _endpoint_closed(self) -> None:
@@ -402,14 +552,36 @@ class _ServerConnection:
         self._closing = True
         self._link.abort()
 
+    def _admit(self) -> str | None:
+        """Why this connection is refused before anything is read from it (None: it is not)."""
+        local, remote = endpoint_hosts(self._link.endpoint)
+        self.peer = self._link.peer = f"a requester at {remote}" if remote else "a requester"
+        bound = self._listener.bound_hosts
+        if bound and local is not None and local not in bound:
+            return f"it connected to {local}, not to the address this agent listens on ({self._listener.host})"
+        refused = self._listener.connection_limits.admit(remote or "?")
+        if refused is None:
+            self._counted = remote or "?"
+        return refused
+
     async def serve(self) -> None:
         from ucxx.exceptions import UCXError
 
+        listener = self._listener
         try:
-            while await self._serve_one():
-                pass
-        except PeerError as exc:  # the requester stopped reading, broke the protocol, or went away
-            log.warning("%s", exc)
+            refused = self._admit()
+            if refused is not None:
+                SERVE_LOG.log(logging.WARNING, "refusing a connection from %s: %s", self.peer, refused)
+                return
+            node, first = await accept_hello(listener.auth, UCX_HEADER, self._receive_first, self._send_plain,
+                                             self.peer, listener.io_timeout_s)
+            message = first or await self._receive_next()
+            while await self._serve_one(message, node):
+                message = await self._receive_next()
+        except PeerError as exc:  # the requester failed the hello, broke the protocol, stopped reading or left
+            SERVE_LOG.log(logging.WARNING, "%s; closing", exc)
+            if isinstance(exc, PeerAuthError):
+                await self._linger()
         except UCXError as exc:
             if not self._closing:
                 log.debug("requester %s went away (%s)", self.peer, _ucx_reason(exc))
@@ -420,14 +592,36 @@ class _ServerConnection:
         except Exception:
             log.exception("serving %s failed", self.peer)
         finally:
+            if self._counted is not None:
+                listener.connection_limits.release(self._counted)
+                self._counted = None
             self.abort()
+
+    async def _linger(self) -> None:
+        """Give a refused requester a moment to read why before the endpoint goes (pitfall: closing right
+        after a send can reset the peer's receive)."""
+        try:
+            await asyncio.wait_for(self._peer_gone.wait(), GOODBYE_S)
+        except TimeoutError:
+            pass
 
     def _slow_reader(self) -> PeerTimeoutError:
         return PeerTimeoutError(self.peer, f"read nothing for {self._link.io_timeout_s:g} s")
 
-    async def _serve_one(self) -> bool:
+    async def _receive_first(self) -> tuple[Header, bytes]:
+        """A message of the hello (or the first request): each within the I/O timeout."""
+        return await self._link.recv_message(
+            lambda: PeerTimeoutError(self.peer, f"sent no complete message for {self._link.io_timeout_s:g} s"))
+
+    async def _receive_next(self) -> tuple[Header, bytes]:
+        """The next request, within the idle deadline."""
+        idle = self._listener.idle_timeout_s
+        return await self._link.recv_message(lambda: PeerTimeoutError(self.peer, f"sent no request for {idle:g} s"),
+                                             idle)
+
+    async def _serve_one(self, message: tuple[Header, bytes], node: str | None) -> bool:
         """Answer one request; False once the requester said goodbye."""
-        header = await self._link.recv_header(None)  # an idle connection has no deadline, as with TCP
+        header, payload = message
         if header.kind == CLOSE:
             await self._link.send(Header(CLOSE_ACK), memoryview(b""), self._slow_reader, paced=False)
             try:  # the requester closes once it has the ack; closing first could reset its receive
@@ -435,13 +629,11 @@ class _ServerConnection:
             except TimeoutError:
                 log.debug("requester %s did not close after its goodbye", self.peer)
             return False
-        check_request(header, self.peer)
-        raw = bytearray(header.length)
-        await self._link.recv_payload(memoryview(raw), header.frame, self._slow_reader, paced=False)
-        request = parse_request(header, raw)
+        request = parse_request(header, payload, self.peer)
         self.peer = self._link.peer = request.requester
         send = functools.partial(self._send, self._frame(header.frame))
-        await answer_request(self._listener.served, request, send, self.peer, self._from_served)
+        await answer_request(self._listener.served, request, send, self.peer, self._from_served, authenticated=node,
+                             wait_s=SERVE_WAIT_IO_TIMEOUTS * self._listener.io_timeout_s)
         return True
 
     def _frame(self, requested: int) -> int:
@@ -456,11 +648,15 @@ class _ServerConnection:
         finally:
             self._waiting_on_served = False
 
+    async def _send_plain(self, header: Header, payload: memoryview) -> None:
+        """Send a message whole, at once (not an answer: errors, hello messages)."""
+        await self._link.send(header, payload, self._slow_reader, paced=False)
+
     async def _send(self, frame: int, header: Header, payload: memoryview) -> None:
         """Send one message: an answer in frames of ``frame``, paced at the egress limit and counted; an
         ``ERROR`` whole, at once."""
-        if header.kind == ERROR:
-            await self._link.send(header, payload, self._slow_reader, paced=False)
+        if header.kind not in (CHUNK, FILE):
+            await self._send_plain(header, payload)
             return
         await self._link.send(replace(header, frame=frame), payload, self._slow_reader, paced=True)
         self._link.stats.bytes_sent += len(payload)
@@ -469,36 +665,43 @@ class _ServerConnection:
 class UcxListener(Listener):
     """A UCX listener serving an agent's packages.
 
-    UCX listens on every interface of the node (ucxx takes a port only); ``address`` names the host the
-    agent was told to listen on, which is where its peers connect.
+    UCX listens on every interface of the node (ucxx takes a port only); connections that did not come to
+    ``host`` are closed at once (see the module docstring). ``address`` names that host, which is where
+    its peers connect.
     """
 
-    def __init__(self, context: "ApplicationContext", served: ServedPackages, limits: HostRateLimits,
-                 stats: TransportStats, io_timeout_s: float, connect_timeout_s: float,
-                 on_close: Callable[["UcxListener"], None]) -> None:
+    def __init__(self, context: "ApplicationContext", served: ServedPackages, transport: "UcxTransport") -> None:
         self.served = served
-        self.limits = limits
-        self.stats = stats
-        self.io_timeout_s = io_timeout_s
+        self.auth = transport.auth
+        self.limits = transport.limits
+        self.stats = transport.stats
+        self.io_timeout_s = transport.io_timeout_s
+        self.idle_timeout_s = transport.idle_timeout_s
+        self.connection_limits = ConnectionLimits(transport.max_connections, transport.max_connections_per_address)
         self._context = context
-        self._connect_timeout_s = connect_timeout_s
-        self._on_close = on_close
+        self._connect_timeout_s = transport.connect_timeout_s
+        self._on_close = transport.forget_listener
         self.connections: set[_ServerConnection] = set()
         self._handlers: set[asyncio.Task] = set()
         self._listener: Any = None
         self.address = ""
+        self.host = ""
+        self.bound_hosts: frozenset[str] = frozenset()  # empty: every interface
 
     def start(self, host: str, port: int) -> None:
         from ucxx.exceptions import UCXBusyError
 
+        self.host, self.bound_hosts = host, _addresses_of(host)
         try:
             self._listener = self._context.create_listener(self._handle, port=port,
                                                            connect_timeout=self._connect_timeout_s)
         except UCXBusyError:
             raise OSError(errno.EADDRINUSE, f"cannot listen on port {port} with UCX: address already in use") \
                 from None
+        if self.bound_hosts and not _load_ep_query():
+            log.warning("UCX listener on port %d: cannot query endpoint addresses (ucp_ep_query missing); it "
+                        "serves every interface, not only %s", self._listener.port, host)
         self.address = f"[{host}]:{self._listener.port}" if ":" in host else f"{host}:{self._listener.port}"
-
     async def _handle(self, endpoint: "Endpoint") -> None:
         connection = _ServerConnection(self, endpoint)
         task = asyncio.current_task()
@@ -562,6 +765,22 @@ async def _open_endpoint(context: "ApplicationContext", host: str, port: int, ti
     return Endpoint(endpoint=raw, ctx=context, tags={"msg_send": info["msg_tag"], "msg_recv": msg_tag})
 
 
+def _addresses_of(host: str) -> frozenset[str]:
+    """The IP addresses ``host`` names (empty for a wildcard: every interface)."""
+    if host in ("", "0.0.0.0", "::", "*"):
+        return frozenset()
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return frozenset({host})
+    found = set()
+    for info in infos:
+        address = ipaddress.ip_address(info[4][0].split("%")[0])
+        mapped = getattr(address, "ipv4_mapped", None)
+        found.add(str(mapped or address))
+    return frozenset(found)
+
+
 class UcxTransport(Transport):
     """ucxx with application-level rate limits; :mod:`.wire` describes the wire format.
 
@@ -571,8 +790,8 @@ class UcxTransport(Transport):
 
     name = "ucx"
 
-    def __init__(self, node_id: str, settings: Settings) -> None:
-        super().__init__(node_id, settings)
+    def __init__(self, node_id: str, settings: Settings, auth: PeerAuth | None = None) -> None:
+        super().__init__(node_id, settings, auth)
         self._context: "ApplicationContext | None" = None
         self._listeners: set[UcxListener] = set()
         self._channels: set[UcxChannel] = set()
@@ -582,28 +801,51 @@ class UcxTransport(Transport):
             self._context = _RUNTIME.acquire()
         return self._context
 
+    def forget_listener(self, listener: UcxListener) -> None:
+        self._listeners.discard(listener)
+
+    def forget(self, channel: UcxChannel) -> None:
+        self._channels.discard(channel)
+
     async def listen(self, host: str, port: int, served: ServedPackages) -> UcxListener:
-        listener = UcxListener(self._runtime(), served, self.limits, self.stats, self.io_timeout_s,
-                               self.connect_timeout_s, self._listeners.discard)
+        self._listening()
+        listener = UcxListener(self._runtime(), served, self)
         listener.start(host, port)
         self._listeners.add(listener)
         return listener
 
-    async def connect(self, address: str, peer: str) -> UcxChannel:
+    async def open_link(self, address: str, peer: str) -> _Link:
+        """A new endpoint to ``address``, through the hello when this node has a data-plane key."""
         from ucxx.exceptions import UCXError
 
         host, port = split_address(address)
         context = self._runtime()
+        link = None
         try:
-            endpoint = await asyncio.wait_for(_open_endpoint(context, host, port, self.connect_timeout_s),
-                                              self.connect_timeout_s)
+            async with asyncio.timeout(self.connect_timeout_s):
+                endpoint = await _open_endpoint(context, host, port, self.connect_timeout_s)
+                link = _Link(endpoint, peer, self.io_timeout_s, self.limits, self.stats)
+                if self.auth.key:
+                    await _client_hello(link, self.auth, peer)
         except TimeoutError:
+            if link is not None:
+                link.abort()
             raise PeerConnectError(peer, f"no connection to {address} within {self.connect_timeout_s:g} s") \
                 from None
         except UCXError as exc:
+            if link is not None:
+                link.abort()
+                raise PeerClosedError(peer, f"closed the connection during the hello ({_ucx_reason(exc)})") \
+                    from None
             raise PeerConnectError(peer, f"cannot connect to {address} ({_ucx_reason(exc)})") from None
-        channel = UcxChannel(peer, _Link(endpoint, peer, self.io_timeout_s, self.limits, self.stats), self.node_id,
-                             self._channels.discard)
+        except BaseException:
+            if link is not None:
+                link.abort()
+            raise
+        return link
+
+    async def connect(self, address: str, peer: str) -> UcxChannel:
+        channel = UcxChannel(peer, await self.open_link(address, peer), self.node_id, address, self)
         self._channels.add(channel)
         return channel
 

@@ -1,4 +1,5 @@
-"""The agents' wire protocol, shared by the TCP and UCX backends: message layout, limits, requests, answers.
+"""The agents' wire protocol, shared by the TCP and UCX backends: message layout, the authenticated hello,
+limits, requests, answers.
 
 Every message is a fixed-size header followed by its payload. The header carries magic, version, message
 type, block, chunk and payload length:
@@ -10,36 +11,85 @@ type, block, chunk and payload length:
   frame is 0) received into consecutive slices of the target buffer (:func:`frames`). Frames let a
   rate-limited side pace a smooth stream, as the TCP backend's send slices do.
 
+**The hello.** When the cluster has credentials, every connection starts with a mutual HMAC-SHA256
+challenge keyed with the data-plane key (:func:`pipecast.core.credentials.data_plane_key`); the key
+never travels. ``K`` is the key, ``id(K)`` its 8-byte key id, ``Nc``/``Ns`` 32 random bytes of each side::
+
+    requester -> server   AUTH_HELLO      id(K) | Nc | requester node id
+    server -> requester   AUTH_CHALLENGE  id(K) | Ns | MAC(K, "server", Nc, Ns, ids) | server node id
+    requester -> server   AUTH_PROOF      MAC(K, "client", Nc, Ns, ids)
+    server -> requester   AUTH_OK         (empty)
+
+Each side checks the other's MAC over both fresh nonces, both node ids and the header format's magic (a
+recorded hello replays to nothing, a TCP hello proves nothing over UCX). Any
+failure is an ``AUTH_FAIL`` (UTF-8 reason) and the connection is closed: a missing hello, a wrong key
+(key ids differ), a bad or replayed MAC. A server without a key answers a hello with ``AUTH_FAIL``; a
+server with one answers a request sent without a hello with ``AUTH_FAIL``. Without a key on either
+side no hello is sent (auth off, as in version 2). The requester's id in later requests must be the
+one it authenticated as.
+
 A requester sends ``REQ_BLOCK`` (block, first chunk; payload ``package_id\\nrequester``) or ``REQ_FILE``
 (block and chunk fields: offset and length of the range wanted, length 0 for the whole file; payload
 ``package_id\\nrequester\\npath``) and waits for its answer before the next request: ``CHUNK`` messages
-for chunks first..last in order, one ``FILE`` message, or one ``ERROR`` (UTF-8 text). Over UCX a
-request's frame field is the largest frame the requester wants (:data:`LIMITED_SEND_SLICE` when its
-ingress is rate-limited, else 0), and a channel ends with ``CLOSE``, answered by ``CLOSE_ACK``.
+for chunks first..last in order, one ``FILE`` message, or one ``ERROR`` (UTF-8 text). A request is
+checked whole (format, requester, admission by the served packages, block or file and range) before
+anything about its requester is recorded; an answer's announced length is checked against what was
+asked for before a byte is allocated for it. Over UCX a request's frame field is the largest frame the
+requester wants (:data:`LIMITED_SEND_SLICE` when its ingress is rate-limited, else 0), and a channel
+ends with ``CLOSE``, answered by ``CLOSE_ACK``.
 """
 
+import asyncio
+import hashlib
+import hmac
 import logging
+import os
+import re
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipecast.agent.errors import AgentError, PeerError, PeerProtocolError
-from pipecast.agent.transport.base import ServedPackages
+from packager.manifest import MANIFEST_FILE
+from pipecast.agent.errors import (
+    AgentError,
+    PeerAuthError,
+    PeerError,
+    PeerNotAllowedError,
+    PeerProtocolError,
+    ServeWaitTimeoutError,
+    UnknownPackageError,
+)
+from pipecast.agent.transport.base import PeerAuth, ServedPackages
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # 2: REQ_FILE asks for a byte range
+VERSION = 3  # 2: REQ_FILE asks for a byte range; 3: the authenticated hello
 REQ_BLOCK, REQ_FILE, CHUNK, FILE, ERROR = 1, 2, 3, 4, 5
 CLOSE, CLOSE_ACK = 6, 7  # UCX only
+AUTH_HELLO, AUTH_CHALLENGE, AUTH_PROOF, AUTH_OK, AUTH_FAIL = 8, 9, 10, 11, 12
+REQUESTS = (REQ_BLOCK, REQ_FILE)
 MAX_REQUEST_BYTES = 4096
 MAX_ERROR_BYTES = 64 << 10
-MAX_FILE_BYTES = 256 << 20  # manifests of very large models with 1 MiB chunks are a few MB
+MAX_FILE_BYTES = 256 << 20  # a whole small file (ranges are bounded by what was asked for)
+MAX_MANIFEST_BYTES = 32 << 20  # manifests of very large models with 1 MiB chunks are a few MB
 # A frame below this is a peer making us post a receive per few bytes.
 MIN_FRAME_BYTES = 4096
 # Rate-limited sends go in slices this big so a limited link carries a smooth stream, not chunk bursts.
 LIMITED_SEND_SLICE = 64 << 10
+# A serving side waits for what it serves (a relay's chunk still on its way) at most this many I/O
+# timeouts: the requester gives up after one of silence anyway.
+SERVE_WAIT_IO_TIMEOUTS = 2.0
 
+NONCE_BYTES = 32
+MAC_BYTES = 32
+KEY_ID_BYTES = 8
+MAX_NODE_ID_BYTES = 256
+MAX_HELLO_BYTES = KEY_ID_BYTES + NONCE_BYTES + MAC_BYTES + MAX_NODE_ID_BYTES
+_HELLO_CONTEXT = b"pipecast data-plane hello v3\0"
+PACKAGE_ID = re.compile(r"[0-9a-f]{64}")
+MAX_PATH_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -100,6 +150,177 @@ def byte_view(buffer: memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+class LogLimit:
+    """At most ``burst`` lines, refilled at ``per_s`` a second; the lines left out are counted and said in
+    the next line that is logged (a flood of refused peers must not flood the log)."""
+
+    def __init__(self, per_s: float = 5.0, burst: float = 20.0) -> None:
+        self.per_s, self.burst = per_s, burst
+        self._tokens, self._stamp, self.dropped = burst, time.monotonic(), 0
+
+    def log(self, level: int, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.per_s)
+        self._stamp = now
+        if self._tokens < 1:
+            self.dropped += 1
+            return
+        self._tokens -= 1
+        if self.dropped:
+            message += f" ({self.dropped} similar lines left out)"
+            self.dropped = 0
+        log.log(level, message, *args)
+
+
+#: Refusals and closed connections of the serving side, logged at a bounded rate.
+SERVE_LOG = LogLimit()
+
+
+# -- the hello -----------------------------------------------------------------------------------------
+
+
+def _node_id_bytes(node_id: str) -> bytes:
+    raw = node_id.encode()
+    if not raw or len(raw) > MAX_NODE_ID_BYTES:
+        raise ValueError(f"node id {node_id[:64]!r} must be 1-{MAX_NODE_ID_BYTES} bytes")
+    return raw
+
+
+def _mac(key: bytes, role: bytes, magic: bytes, client_nonce: bytes, server_nonce: bytes, client: bytes,
+         server: bytes) -> bytes:
+    transcript = b"".join([_HELLO_CONTEXT, role, b"\0", magic, client_nonce, server_nonce,
+                           struct.pack("!H", len(client)), client, struct.pack("!H", len(server)), server])
+    return hmac.new(key, transcript, hashlib.sha256).digest()
+
+
+def _differing_keys(requester_key_id: bytes, server_key_id: bytes) -> str:
+    return (f"data-plane keys differ (requester's key id {requester_key_id.hex()}, server's key id "
+            f"{server_key_id.hex()})")
+
+
+def _keys_differ(detail: str) -> str:
+    return f"the peer holds another data-plane key: {detail}; one of the two was given other cluster credentials"
+
+
+class HelloRefused(Exception):
+    """The serving side refuses a requester's hello; the text goes to it in an ``AUTH_FAIL``."""
+
+
+class ClientHello:
+    """The requester's side of one hello (see the module docstring)."""
+
+    def __init__(self, auth: PeerAuth, fmt: HeaderFormat, peer: str) -> None:
+        if not auth.key:
+            raise ValueError("a hello needs a data-plane key")
+        self.key, self.key_id, self.magic, self.peer = auth.key, auth.key_id, fmt.magic, peer
+        self.node = _node_id_bytes(auth.node_id)
+        self.nonce = os.urandom(NONCE_BYTES)
+
+    def hello(self) -> bytes:
+        """The ``AUTH_HELLO`` payload."""
+        return self.key_id + self.nonce + self.node
+
+    def proof(self, challenge: bytes) -> bytes:
+        """The ``AUTH_PROOF`` payload answering the server's ``AUTH_CHALLENGE``, once its MAC checks out;
+        :class:`PeerAuthError` (whose fault it is) otherwise."""
+        fixed = KEY_ID_BYTES + NONCE_BYTES + MAC_BYTES
+        if not fixed < len(challenge) <= MAX_HELLO_BYTES:
+            raise PeerProtocolError(self.peer, f"sent a hello challenge of {len(challenge)} bytes")
+        key_id, nonce = challenge[:KEY_ID_BYTES], challenge[KEY_ID_BYTES:KEY_ID_BYTES + NONCE_BYTES]
+        mac, server = challenge[KEY_ID_BYTES + NONCE_BYTES:fixed], challenge[fixed:]
+        if key_id != self.key_id:
+            raise PeerAuthError(self.peer, _keys_differ(_differing_keys(self.key_id, key_id)), fault="keys differ")
+        if not hmac.compare_digest(mac, _mac(self.key, b"server", self.magic, self.nonce, nonce, self.node, server)):
+            raise PeerAuthError(self.peer, "the peer's hello names this cluster's key but does not prove it (a forged "
+                                           "or replayed hello): it is not a member of this cluster", fault="peer")
+        return _mac(self.key, b"client", self.magic, self.nonce, nonce, self.node, server)
+
+
+class ServerHello:
+    """The serving side of one hello (see the module docstring)."""
+
+    def __init__(self, auth: PeerAuth, fmt: HeaderFormat) -> None:
+        self.key, self.key_id, self.magic = auth.key or b"", auth.key_id, fmt.magic
+        self.node = _node_id_bytes(auth.node_id)
+        self.nonce = os.urandom(NONCE_BYTES)
+        self.client_nonce = b""
+        self.client = b""
+
+    def challenge(self, hello: bytes) -> bytes:
+        """The ``AUTH_CHALLENGE`` payload answering the requester's ``AUTH_HELLO``; :class:`HelloRefused`."""
+        if not KEY_ID_BYTES + NONCE_BYTES < len(hello) <= KEY_ID_BYTES + NONCE_BYTES + MAX_NODE_ID_BYTES:
+            raise HelloRefused(f"malformed hello ({len(hello)} bytes)")
+        key_id = hello[:KEY_ID_BYTES]
+        self.client_nonce = hello[KEY_ID_BYTES:KEY_ID_BYTES + NONCE_BYTES]
+        self.client = hello[KEY_ID_BYTES + NONCE_BYTES:]
+        if key_id != self.key_id:
+            raise HelloRefused(_differing_keys(key_id, self.key_id))
+        mac = _mac(self.key, b"server", self.magic, self.client_nonce, self.nonce, self.client, self.node)
+        return self.key_id + self.nonce + mac + self.node
+
+    def check(self, proof: bytes) -> str:
+        """The requester's node id, once its ``AUTH_PROOF`` checks out; :class:`HelloRefused` otherwise."""
+        expected = _mac(self.key, b"client", self.magic, self.client_nonce, self.nonce, self.client, self.node)
+        if len(proof) != MAC_BYTES or not hmac.compare_digest(proof, expected):
+            raise HelloRefused("the requester's proof does not match (a forged or replayed hello)")
+        try:
+            return self.client.decode()
+        except UnicodeDecodeError:
+            raise HelloRefused("the requester's node id is not UTF-8") from None
+
+
+def refused_by_peer(peer: str, reason: str, have_key: bool) -> PeerAuthError:
+    """The error of a requester whose peer answered ``AUTH_FAIL`` with ``reason``."""
+    if not have_key:
+        return PeerAuthError(peer, f"the peer requires the data-plane hello and this node has no data-plane key "
+                                   f"(authentication is off here): {reason}", fault="here")
+    if "authentication is off" in reason:
+        return PeerAuthError(peer, f"the peer runs without data-plane authentication: {reason}", fault="peer")
+    if reason.startswith("data-plane keys differ"):
+        return PeerAuthError(peer, _keys_differ(reason), fault="keys differ")
+    return PeerAuthError(peer, f"the peer refused this node's hello: {reason}", fault="here")
+
+
+# How the serving side reads the next whole message (header and payload) of a connection; it applies
+# the connection's deadlines itself and raises a PeerError when they pass.
+ReceiveMessage = Callable[[], Awaitable[tuple[Header, bytes]]]
+# How a serving backend sends one message (header and payload) to the requester.
+SendMessage = Callable[[Header, memoryview], Awaitable[None]]
+
+
+async def accept_hello(auth: PeerAuth, fmt: HeaderFormat, receive: ReceiveMessage, send: SendMessage, peer: str,
+                       wait_key_s: float) -> tuple[str | None, tuple[Header, bytes] | None]:
+    """The serving side's start of a connection: the hello if this node has a key. Returns the node id the
+    requester authenticated as (None: auth off) and, with auth off, its first message (a request). A
+    refused requester is sent ``AUTH_FAIL`` and :class:`PeerAuthError` is raised: close the connection."""
+    key = await auth.wait_key(wait_key_s)
+    header, payload = await receive()
+    try:
+        if key is None:
+            raise HelloRefused("this node has no data-plane key yet (it has not registered with its control "
+                               "plane); try again")
+        if header.kind != AUTH_HELLO:
+            if key:
+                raise HelloRefused("this node requires the data-plane hello (authentication is on here); the "
+                                   "requester sent none")
+            return None, (header, payload)
+        if not key:
+            raise HelloRefused("this node has no data-plane key (authentication is off here)")
+        server = ServerHello(auth, fmt)
+        challenge = server.challenge(payload)
+        await send(Header(AUTH_CHALLENGE, length=len(challenge)), memoryview(challenge))
+        header, payload = await receive()
+        if header.kind != AUTH_PROOF:
+            raise HelloRefused(f"the requester sent message type {header.kind} instead of its hello proof")
+        node = server.check(payload)
+    except HelloRefused as exc:
+        reason = str(exc).encode()
+        await send(Header(AUTH_FAIL, length=len(reason)), memoryview(reason))
+        raise PeerAuthError(peer, str(exc), fault="peer") from None
+    await send(Header(AUTH_OK), memoryview(b""))
+    return node, None
+
+
 # -- requests ------------------------------------------------------------------------------------------
 
 
@@ -121,21 +342,37 @@ def request_payload(package_id: str, requester: str, path: str | None = None) ->
     return "\n".join([package_id, requester, *([path] if path is not None else [])]).encode()
 
 
-def check_request(header: Header, peer: str) -> None:
-    """Raise :class:`PeerProtocolError` unless ``header`` announces a request of an allowed size."""
-    if header.kind not in (REQ_BLOCK, REQ_FILE) or not 0 < header.length <= MAX_REQUEST_BYTES:
+def check_message(header: Header, peer: str) -> None:
+    """Raise :class:`PeerProtocolError` unless ``header`` announces a request or a hello message of an
+    allowed size (what a serving side may be sent)."""
+    if header.kind not in (*REQUESTS, AUTH_HELLO, AUTH_PROOF) or not 0 < header.length <= MAX_REQUEST_BYTES:
         raise PeerProtocolError(peer, f"sent message type {header.kind} of {header.length} bytes as a request")
 
 
-def parse_request(header: Header, payload: bytes | bytearray) -> Request:
-    """The request ``header`` (checked by :func:`check_request`) and its ``payload`` make."""
-    fields = payload.decode("utf-8", "replace").split("\n")
-    return Request(header.kind, header.block, header.chunk, fields[0], fields[1] if len(fields) > 1 else "?",
-                   fields[2] if len(fields) > 2 else "")
+
+def _printable(text: str) -> bool:
+    return bool(text) and text.isprintable() and not any(c.isspace() for c in text)
 
 
-# How a serving backend sends one message (header and payload) to the requester.
-SendMessage = Callable[[Header, memoryview], Awaitable[None]]
+def parse_request(header: Header, payload: bytes | bytearray, peer: str) -> Request:
+    """The request ``header`` (checked by :func:`check_message`) and its ``payload`` make, checked whole:
+    :class:`PeerProtocolError` if it is malformed (the connection is then closed)."""
+    if header.kind not in REQUESTS:
+        raise PeerProtocolError(peer, f"sent message type {header.kind} where a request was expected")
+    try:
+        fields = bytes(payload).decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise PeerProtocolError(peer, "sent a request that is not UTF-8") from None
+    if len(fields) != (2 if header.kind == REQ_BLOCK else 3):
+        raise PeerProtocolError(peer, f"sent a request of {len(fields)} fields")
+    package_id, requester, *path = fields
+    if not PACKAGE_ID.fullmatch(package_id):
+        raise PeerProtocolError(peer, f"sent a request for {package_id[:80]!r}, which is not a package id")
+    if not _printable(requester) or len(requester.encode()) > MAX_NODE_ID_BYTES:
+        raise PeerProtocolError(peer, f"sent a request from {requester[:80]!r}, which is not a node id")
+    if path and (not path[0] or len(path[0]) > MAX_PATH_CHARS or not path[0].isprintable()):
+        raise PeerProtocolError(peer, f"sent a request for file {path[0][:80]!r}")
+    return Request(header.kind, header.block, header.chunk, package_id, requester, path[0] if path else "")
 
 
 async def _now(awaitable: Awaitable[Any]) -> Any:
@@ -143,45 +380,82 @@ async def _now(awaitable: Awaitable[Any]) -> Any:
 
 
 async def answer_request(served: ServedPackages, request: Request, send: SendMessage, peer: str,
-                         waiting: Callable[[Awaitable[Any]], Awaitable[Any]] = _now) -> None:
+                         waiting: Callable[[Awaitable[Any]], Awaitable[Any]] = _now, *,
+                         authenticated: str | None = None, wait_s: float | None = None) -> None:
     """Answer ``request`` from ``served`` through ``send``: the block's ``CHUNK`` messages from the first
-    chunk asked for, each as soon as ``served`` has it, or the ``FILE`` message. If ``served`` refuses (an
-    :class:`AgentError`: not held here) the answer is one ``ERROR`` with its text, and the connection
-    serves on; a :class:`PeerError` (the requester stopped reading or went away) is raised. ``waiting``
-    wraps every wait on ``served`` (UCX gives up on a requester that leaves meanwhile); ``peer`` names
-    the requester in the log."""
+    chunk asked for, each as soon as ``served`` has it, or the ``FILE`` message.
+
+    The request is admitted first: its requester must be the node that ``authenticated`` (when the hello
+    ran) and ``served`` must admit it; only then is it recorded (``served.peer_requested``). If anything
+    refuses (an :class:`AgentError`: not allowed, not held here, nothing within ``wait_s``) the answer is
+    one ``ERROR`` with its text, logged, and the connection serves on; a :class:`PeerError` (the requester
+    stopped reading or went away) is raised. ``waiting`` wraps every wait on ``served`` (UCX gives up on
+    a requester that leaves meanwhile); ``peer`` names the requester in the log."""
     block = request.block if request.kind == REQ_BLOCK else None
+
+    async def provided(awaitable: Awaitable[Any], what: str) -> Any:
+        if wait_s is None:
+            return await waiting(awaitable)
+        try:
+            async with asyncio.timeout(wait_s):
+                return await waiting(awaitable)
+        except TimeoutError:
+            raise ServeWaitTimeoutError(f"{what} of package {request.package_id[:12]} is not here after "
+                                        f"{wait_s:g} s") from None
+
     try:
-        served.peer_requested(request.requester, request.package_id, block)
+        if authenticated is not None and request.requester != authenticated:
+            raise PeerNotAllowedError(f"the request names requester {request.requester!r}, not the node that "
+                                      f"authenticated ({authenticated!r})")
+        await provided(served.admit(request.requester, request.package_id), "admission")
         if request.kind == REQ_BLOCK:
-            count = await waiting(served.chunk_count(request.package_id, request.block))
+            count = await provided(served.chunk_count(request.package_id, request.block), f"block {block}")
+            if request.chunk >= count:
+                raise UnknownPackageError(f"block {block} has no chunk {request.chunk} (it has {count})")
+            served.peer_requested(request.requester, request.package_id, block)
             for chunk in range(request.chunk, count):
-                data = byte_view(await waiting(served.wait_chunk(request.package_id, request.block, chunk)))
+                data = byte_view(await provided(served.wait_chunk(request.package_id, request.block, chunk),
+                                                f"chunk {chunk} of block {block}"))
                 await send(Header(CHUNK, request.block, chunk, len(data)), data)
         else:
-            data = await waiting(served.file_bytes(request.package_id, request.path, request.block, request.chunk))
+            data = await provided(served.file_bytes(request.package_id, request.path, request.block, request.chunk),
+                                  f"file {request.path}")
+            served.peer_requested(request.requester, request.package_id, None)
             await send(Header(FILE, length=len(data)), memoryview(data))
     except PeerError:
         raise
-    except AgentError as exc:  # we do not hold what was asked for: say so and keep serving
-        log.info("refusing %s: %s", peer, exc)
-        message = str(exc).encode()[:MAX_ERROR_BYTES]
-        await send(Header(ERROR, request.block, request.chunk, len(message)), memoryview(message))
+    except AgentError as exc:  # not allowed, or we do not hold what was asked for: say so and keep serving
+        await _refuse(request, send, peer, str(exc))
+
+
+async def _refuse(request: Request, send: SendMessage, peer: str, reason: str) -> None:
+    SERVE_LOG.log(logging.INFO, "refusing %s: %s", peer, reason)
+    message = reason.encode()[:MAX_ERROR_BYTES]
+    await send(Header(ERROR, request.block, request.chunk, len(message)), memoryview(message))
 
 
 # -- answers -------------------------------------------------------------------------------------------
 
 
-def check_answer(header: Header, expected: int, what: str, peer: str) -> None:
-    """Raise :class:`PeerProtocolError` unless ``header`` is an ``ERROR`` or the ``expected`` answer
-    (``CHUNK``, ``FILE``) to the request for ``what`` (e.g. "file config.json"), within the size limits."""
-    if header.kind == ERROR:
+def file_answer_limit(path: str, length: int) -> int:
+    """The longest ``FILE`` answer a request for ``length`` bytes of ``path`` may get (0: the whole file)."""
+    if length:
+        return length
+    return MAX_MANIFEST_BYTES if path == MANIFEST_FILE else MAX_FILE_BYTES
+
+
+def check_answer(header: Header, expected: int, what: str, peer: str, limit: int = MAX_FILE_BYTES) -> None:
+    """Raise :class:`PeerProtocolError` unless ``header`` is an ``ERROR``, an ``AUTH_FAIL`` or the
+    ``expected`` answer (``CHUNK``, ``FILE``, a hello message) to the request for ``what`` (e.g. "file
+    config.json"), within the size limits: a ``FILE`` or hello answer at most ``limit`` bytes, checked
+    before anything is allocated for it."""
+    if header.kind in (ERROR, AUTH_FAIL):
         if header.length > MAX_ERROR_BYTES:
             raise PeerProtocolError(peer, f"sent an error message of {header.length} bytes")
     elif header.kind != expected:
         raise PeerProtocolError(peer, f"sent message type {header.kind} in answer to {what}")
-    elif header.kind == FILE and header.length > MAX_FILE_BYTES:
-        raise PeerProtocolError(peer, f"sent {what} of {header.length} bytes (limit {MAX_FILE_BYTES})")
+    elif header.kind != CHUNK and header.length > limit:
+        raise PeerProtocolError(peer, f"announced {what} of {header.length} bytes (at most {limit} asked for)")
 
 
 def check_chunk(header: Header, block: int, chunk: int, size: int, peer: str) -> None:

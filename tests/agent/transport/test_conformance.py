@@ -1,21 +1,34 @@
 """What every transport must do, run against each one (TCP always, UCX where ucxx is installed), on
-loopback in one process: blocks and files arrive byte-identical, a relay forwards chunks before its block
-is complete, a corrupt chunk is never present and names its sender, a relay forwards a file's ranges before it has
-the whole file. Transport-specific behaviour (faults
-on the wire, rate limits, process exit) is in test_tcp.py and test_ucx.py."""
+loopback in one process, with data-plane authentication on (one cluster key) unless a test says: blocks
+and files arrive byte-identical, a relay forwards chunks before its block is complete, a corrupt chunk is
+never present and names its sender, a relay forwards a file's ranges before it has the whole file.
+Issue #12: a peer without the key or with another one is served nothing and told whose fault it is; a
+requester not named in a plan is refused; an answer longer than asked for is refused before it is
+received; a wait on what is served has a deadline; connections over the caps are closed; silent
+connections are closed. Transport-specific behaviour (faults on the wire, rate limits, process exit) is in
+test_tcp.py and test_ucx.py."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from control_plane.messages import PeerInfo
 from packager.manifest import manifest_from_json
-from pipecast.agent.errors import CorruptChunkError
+from pipecast.agent.errors import (
+    CorruptChunkError,
+    PeerAuthError,
+    PeerError,
+    PeerProtocolError,
+    PeerRefusedError,
+)
 from pipecast.agent.peer_server import PeerServer
-from pipecast.agent.transport.base import Transport
+from pipecast.agent.transport import base
+from pipecast.agent.transport.base import PeerAuth, Transport
 from pipecast.agent.transport.tcp import TcpTransport
 from pipecast.agent.transport.ucx import UcxTransport
+from pipecast.core.credentials import data_plane_key
 from pipecast.core.settings import Settings
 from tests.support.agent_fixtures import (
     FlippingServer,
@@ -26,6 +39,7 @@ from tests.support.agent_fixtures import (
 )
 from tests.agent.conftest import CHUNK
 
+CLUSTER_KEY = data_plane_key("conformance master token")
 TOKENIZER_BYTES = 300_000  # the package fixture (conftest) gives it a tokenizer file this big
 UCX_NOTIFIER_THREAD = "UCX-Py Async Notifier Thread"  # ucxx's thread that must be gone once all are closed
 
@@ -43,9 +57,9 @@ async def transports(request):
         kind = UcxTransport
     made: list[Transport] = []
 
-    def make(node: str, **overrides) -> Transport:
+    def make(node: str, key: bytes = CLUSTER_KEY, **overrides) -> Transport:
         values = {"io_timeout_s": 0.3, "connect_timeout_s": 2.0, "egress_mbit": 0, "ingress_mbit": 0}
-        made.append(kind(node, Settings(**{**values, **overrides})))
+        made.append(kind(node, Settings(**{**values, **overrides}), PeerAuth(node, key)))
         return made[-1]
 
     yield make
@@ -150,3 +164,200 @@ async def test_relay_serves_a_file_range_before_it_has_the_whole_file(package, t
     finally:
         await channel.close()
         relay.close()
+
+
+# -- issue #12: who gets in, and bounds ----------------------------------------------------------------
+
+
+class RecordingServer(PeerServer):
+    """Serves its stores and records every requester it admitted."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.admitted: list[str] = []
+
+    def peer_requested(self, requester: str, package_id: str, block: int | None) -> None:
+        super().peer_requested(requester, package_id, block)
+        self.admitted.append(requester)
+
+
+async def test_a_peer_without_the_key_gets_nothing_and_is_told_it_lacks_one(package, transports):
+    root, manifest = package
+    seed = seed_store(root)
+    server = RecordingServer()
+    server.add(seed)
+    listener = await transports("seed").listen("127.0.0.1", 0, server)
+    keyless = transports("rx", key=b"")
+    try:
+        channel = await keyless.connect(listener.address, "seed")
+        with pytest.raises(PeerAuthError, match=r"^peer seed: authentication failed: the peer requires the "
+                                                r"data-plane hello and this node has no data-plane key") as caught:
+            await channel.fetch_file(manifest.package_id, "manifest.json")
+        assert caught.value.fault == "here"
+        await channel.close()
+        assert keyless.stats.bytes_received == 0 and server.admitted == []
+    finally:
+        seed.close()
+
+
+async def test_a_peer_with_another_key_is_refused_before_anything_is_served(package, transports):
+    root, manifest = package
+    seed = seed_store(root)
+    server = RecordingServer()
+    server.add(seed)
+    listener = await transports("seed").listen("127.0.0.1", 0, server)
+    stranger = transports("rx", key=data_plane_key("another cluster"))
+    try:
+        with pytest.raises(PeerAuthError, match=r"^peer seed: authentication failed: the peer holds another "
+                                                r"data-plane key: data-plane keys differ \(requester's key id "
+                                                r"[0-9a-f]{16}, server's key id [0-9a-f]{16}\); one of the two was "
+                                                r"given other cluster credentials$") as caught:
+            await stranger.connect(listener.address, "seed")
+        assert caught.value.fault == "keys differ"
+        # A keyed requester to a server that runs without a key: the peer's side is open.
+        open_server = await transports("open", key=b"").listen("127.0.0.1", 0, server)
+        with pytest.raises(PeerAuthError, match="the peer runs without data-plane authentication") as caught:
+            await transports("rx2").connect(open_server.address, "open")
+        assert caught.value.fault == "peer"
+        assert stranger.stats.bytes_received == 0 and server.admitted == []
+    finally:
+        seed.close()
+
+
+async def test_without_keys_on_either_side_the_data_plane_is_open_and_says_so(package, transports, caplog):
+    root, manifest = package
+    seed = seed_store(root)
+    server = PeerServer()
+    server.add(seed)
+    base.warn_open_data_plane.__globals__["_warned_open"] = False
+    listener = await transports("seed", key=b"").listen("127.0.0.1", 0, server)
+    assert "data-plane authentication is off" in caplog.text
+    try:
+        channel = await transports("rx", key=b"").connect(listener.address, "seed")
+        assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
+        await channel.close()
+    finally:
+        seed.close()
+
+
+async def test_a_requester_no_plan_names_is_refused_and_not_recorded(package, transports):
+    _, manifest = package
+    relay = receiving_store(manifest)  # still receiving: it serves only its children
+    server = RecordingServer(plan_gated=True, grace_s=0.1)
+    server.add(relay)
+    server.serve_part("plan-1", manifest.package_id, ["child"], source=False)
+    listener = await transports("relay").listen("127.0.0.1", 0, server)
+    try:
+        stranger = await transports("stranger").connect(listener.address, "relay")
+        with pytest.raises(PeerRefusedError, match=r"^peer relay: node stranger is not a child of this node in any "
+                                                   r"current plan of package"):
+            await stranger.fetch_file(manifest.package_id, "manifest.json")
+        child = await transports("child").connect(listener.address, "relay")
+        assert manifest_from_json(await child.fetch_file(manifest.package_id, "manifest.json")) == manifest
+        assert server.admitted == ["child"]
+        await stranger.close()
+        await child.close()
+    finally:
+        relay.close()
+
+
+class LongAnswers(PeerServer):
+    """Answers every range request with more bytes than were asked for."""
+
+    async def file_bytes(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
+        return bytes(length + 4096) if length else await super().file_bytes(package_id, path)
+
+
+async def test_an_answer_longer_than_the_range_asked_for_is_a_protocol_error(package, transports):
+    root, manifest = package
+    seed = seed_store(root)
+    server = LongAnswers()
+    server.add(seed)
+    listener = await transports("liar").listen("127.0.0.1", 0, server)
+    client = transports("rx")
+    try:
+        channel = await client.connect(listener.address, "liar")
+        with pytest.raises(PeerProtocolError, match=r"^peer liar: announced file tokenizer.json of 5096 bytes "
+                                                    r"\(at most 1000 asked for\)"):
+            await channel.fetch_file(manifest.package_id, "tokenizer.json", 0, 1000)
+        assert client.stats.bytes_received == 0  # refused on its header: nothing of it was received
+        await channel.close()
+    finally:
+        seed.close()
+
+
+async def test_a_wait_on_what_is_served_has_a_deadline(package, transports):
+    _, manifest = package
+    server = PeerServer()
+    server.expect(manifest.package_id)  # it will "soon" hold it: a request waits, but not forever
+    listener = await transports("slow", io_timeout_s=0.2).listen("127.0.0.1", 0, server)
+    store = receiving_store(manifest)
+    try:
+        channel = await transports("rx", io_timeout_s=5).connect(listener.address, "slow")
+        started = time.monotonic()
+        with pytest.raises(PeerRefusedError, match=r"block 0 of package [0-9a-f]{12} is not here after 0.4 s"):
+            await channel.fetch_block(manifest.package_id, 0, 0, store)
+        assert time.monotonic() - started < 2.0
+        await channel.close()
+    finally:
+        store.close()
+
+
+async def test_connections_over_the_per_address_cap_are_closed_at_once(package, transports):
+    root, manifest = package
+    seed = seed_store(root)
+    server = PeerServer()
+    server.add(seed)
+    listener = await transports("seed", agent_max_connections_per_address=2).listen("127.0.0.1", 0, server)
+    client = transports("rx")
+    try:
+        first, second = await client.connect(listener.address, "seed"), await client.connect(listener.address, "seed")
+        with pytest.raises(PeerError):
+            third = await client.connect(listener.address, "seed")  # the hello fails: the server closed it
+            await third.fetch_file(manifest.package_id, "config.json")
+        assert await first.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
+        assert listener.open_connections == 2
+        await first.close()
+        await second.close()
+    finally:
+        seed.close()
+
+
+async def test_a_connection_that_sends_nothing_is_closed_after_the_deadline(package, transports):
+    root, _ = package
+    seed = seed_store(root)
+    server = PeerServer()
+    server.add(seed)
+    listener = await transports("seed", io_timeout_s=0.3).listen("127.0.0.1", 0, server)
+    keyless = transports("rx", key=b"")  # no hello: it connects and says nothing
+    try:
+        channel = await keyless.connect(listener.address, "seed")
+        await asyncio.sleep(0.1)
+        assert listener.open_connections == 1
+        started = time.monotonic()
+        while listener.open_connections:
+            assert time.monotonic() - started < 2.0, "a silent connection was kept open"
+            await asyncio.sleep(0.02)
+        await channel.close()
+    finally:
+        seed.close()
+
+
+async def test_an_idle_channel_closed_by_the_server_is_opened_again_for_the_next_request(package, transports):
+    root, manifest = package
+    seed = seed_store(root)
+    server = PeerServer()
+    server.add(seed)
+    listener = await transports("seed", agent_idle_timeout_s=0.2).listen("127.0.0.1", 0, server)
+    try:
+        channel = await transports("rx").connect(listener.address, "seed")
+        assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
+        started = time.monotonic()
+        while listener.open_connections:  # the idle deadline closes it
+            assert time.monotonic() - started < 2.0
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
+        await channel.close()
+    finally:
+        seed.close()

@@ -1,9 +1,14 @@
 """The TCP transport and the fetcher on loopback, in one process: deadlines, faults on the wire, rate limits,
-resumes. What every transport must do is in test_transport_conformance.py."""
+resumes; and raw peers against it (issue #12): no hello no bytes, forged proofs, requests in another
+node's name, floods of made-up requesters, a requester that never reads, half headers and silence,
+connection caps, lying lengths. What every transport must do is in test_conformance.py."""
 
 import asyncio
+import contextlib
 import importlib.util
+import socket
 import time
+import tracemalloc
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,19 +20,23 @@ from pipecast.agent.errors import (
     FetchFailedError,
     PeerClosedError,
     PeerConnectError,
+    PeerProtocolError,
     PeerRefusedError,
     PeerTimeoutError,
     TransportUnavailableError,
 )
 from pipecast.agent.fetcher import FILE_RANGE_BYTES, ChannelPool, Fetcher, FetchPolicy, fetch_files
-from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.peer_server import MAX_REQUESTERS_PER_PACKAGE, PeerServer
 from pipecast.agent.ratelimit import TokenBucket
 from pipecast.agent.store import BlockStore
 from pipecast.agent.transport import registry
 from pipecast.agent.transport.registry import resolve_transport_name
-from pipecast.agent.transport.tcp import TcpListener, TcpTransport
+from pipecast.agent.transport.base import PeerAuth, split_address
+from pipecast.agent.transport.tcp import MAX_BUFFERED_OUTPUT, TcpChannel, TcpListener, TcpTransport
+from pipecast.agent.transport.wire import AUTH_CHALLENGE, AUTH_FAIL, AUTH_HELLO, AUTH_PROOF, ERROR, FILE, REQ_FILE
 from pipecast.agent.transport.wire import CHUNK as CHUNK_MESSAGE
-from pipecast.agent.transport.wire import TCP_HEADER, Header
+from pipecast.agent.transport.wire import TCP_HEADER, ClientHello, Header, request_payload
+from pipecast.core.credentials import data_plane_key
 from pipecast.core.settings import Settings
 from pipecast.v1.manifest_pb2 import Manifest
 from tests.agent.conftest import CHUNK
@@ -307,3 +316,234 @@ async def test_files_come_in_ranges_each_checked_whole_and_a_corrupting_peer_is_
         for s in (store, bad_seed, good_seed):
             s.close()
 
+
+
+# -- issue #12 on the wire: raw peers against the TCP server and client ----------------------------------
+
+KEY = data_plane_key("tcp test master token")
+
+
+async def read_all(reader: asyncio.StreamReader, timeout: float = 3.0) -> bytes:
+    """Everything the server sends until it closes (the test fails if it does not close in time)."""
+    data = b""
+    async with asyncio.timeout(timeout):
+        while chunk := await reader.read(1 << 16):
+            data += chunk
+    return data
+
+
+def messages(data: bytes) -> list[tuple[Header, bytes]]:
+    out = []
+    while len(data) >= TCP_HEADER.size:
+        header = TCP_HEADER.parse(data, "server")
+        out.append((header, data[TCP_HEADER.size:TCP_HEADER.size + header.length]))
+        data = data[TCP_HEADER.size + header.length:]
+    return out
+
+
+def request(kind: int, package_id: str, requester: str, path: str | None = None, block: int = 0,
+            chunk: int = 0) -> bytes:
+    payload = request_payload(package_id, requester, path)
+    return TCP_HEADER.pack(Header(kind, block, chunk, len(payload))) + payload
+
+
+async def keyed_seed(root: Path, server: PeerServer | None = None, **overrides):
+    server = server or PeerServer()
+    seed = seed_store(root)
+    server.add(seed)
+    transport = TcpTransport("seed", settings(**overrides), PeerAuth("seed", KEY))
+    return seed, server, await transport.listen("127.0.0.1", 0, server)
+
+
+async def test_a_raw_client_without_the_hello_gets_no_manifest_byte(package):
+    root, manifest = package
+    seed, _, listener = await keyed_seed(root)
+    try:
+        reader, writer = await asyncio.open_connection(*split_address(listener.address))
+        writer.write(request(REQ_FILE, manifest.package_id, "thief", "manifest.json"))
+        got = await read_all(reader)  # the server closes the connection
+        [(header, reason)] = messages(got)
+        assert header.kind == AUTH_FAIL and b"requires the data-plane hello" in reason
+        assert manifest.package_id.encode() not in got and b"blocks" not in got
+        writer.close()
+    finally:
+        await listener.close()
+        seed.close()
+
+
+async def test_a_forged_proof_is_refused_and_the_connection_closed(package):
+    root, manifest = package
+    seed, server, listener = await keyed_seed(root)
+    try:
+        reader, writer = await asyncio.open_connection(*split_address(listener.address))
+        hello = ClientHello(PeerAuth("thief", KEY), TCP_HEADER, "seed")
+        hello.key = b"a guess"  # it knows the key id (it travels) but not the key
+        writer.write(TCP_HEADER.pack(Header(AUTH_HELLO, length=len(hello.hello()))) + hello.hello())
+        challenge = TCP_HEADER.parse(await reader.readexactly(TCP_HEADER.size), "seed")
+        payload = await reader.readexactly(challenge.length)
+        forged = bytes(32)
+        writer.write(TCP_HEADER.pack(Header(AUTH_PROOF, length=len(forged))) + forged
+                     + request(REQ_FILE, manifest.package_id, "thief", "manifest.json"))
+        [(header, reason)] = messages(await read_all(reader))
+        assert challenge.kind == AUTH_CHALLENGE and len(payload) > 32
+        assert header.kind == AUTH_FAIL
+        assert reason == b"the requester's proof does not match (a forged or replayed hello)"
+        assert server.requesters == {}
+        writer.close()
+    finally:
+        await listener.close()
+        seed.close()
+
+
+async def test_an_authenticated_peer_cannot_ask_in_another_nodes_name(package):
+    root, manifest = package
+    seed, server, listener = await keyed_seed(root)
+    try:
+        protocol = await TcpTransport("a", settings(), PeerAuth("a", KEY)).open_protocol(listener.address, "seed")
+        channel = TcpChannel("seed", protocol, "b", listener.address, None)  # requests name "b"
+        with pytest.raises(PeerRefusedError, match=r"^peer seed: the request names requester 'b', not the node that "
+                                                   r"authenticated \('a'\)$"):
+            await channel.fetch_file(manifest.package_id, "config.json")
+        assert server.requesters == {}
+        await channel.close()
+    finally:
+        await listener.close()
+        seed.close()
+
+
+async def test_a_flood_of_made_up_requesters_is_checked_before_it_is_recorded_and_stays_bounded(package):
+    root, manifest = package
+    seed = seed_store(root)
+    server = PeerServer()
+    _, listener = await serve(server, seed)
+    try:
+        reader, writer = await asyncio.open_connection(*split_address(listener.address))
+        for i in range(MAX_REQUESTERS_PER_PACKAGE + 500):
+            for package_id in ("0" * 64, manifest.package_id):  # one not held here, one held
+                writer.write(request(REQ_FILE, package_id, f"made-up-{i}", "config.json", 0, 10))
+                header = TCP_HEADER.parse(await reader.readexactly(TCP_HEADER.size), "seed")
+                await reader.readexactly(header.length)
+                assert header.kind == (ERROR if package_id == "0" * 64 else FILE)
+        assert list(server.requesters) == [manifest.package_id]
+        assert len(server.requesters[manifest.package_id]) == MAX_REQUESTERS_PER_PACKAGE
+        writer.close()
+    finally:
+        await listener.close()
+        seed.close()
+
+
+class HugeFile(PeerServer):
+    """Serves a 48 MiB file whatever is asked."""
+
+    async def file_bytes(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
+        return HUGE
+
+
+HUGE = bytes(48 << 20)
+
+
+async def test_a_requester_that_never_reads_holds_at_most_the_output_cap_then_is_dropped(package):
+    root, manifest = package
+    seed = seed_store(root)
+    _, listener = await serve(HugeFile(), seed)
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # it reads nothing and buffers little
+        sock.connect(split_address(listener.address))
+        sock.sendall(request(REQ_FILE, manifest.package_id, "sloth", "tokenizer.json"))
+        started, peak = time.monotonic(), 0
+        while listener.connections or time.monotonic() - started < 0.2:
+            for connection in list(listener.connections):
+                peak = max(peak, connection._transport.get_write_buffer_size())
+            assert time.monotonic() - started < IO_TIMEOUT_S + 3.0, "a requester that reads nothing was kept"
+            await asyncio.sleep(0.005)
+        assert 0 < peak <= MAX_BUFFERED_OUTPUT < len(HUGE) // 4
+        sock.close()
+    finally:
+        await listener.close()
+        seed.close()
+
+
+async def test_error_answers_wait_for_the_socket_too(package):
+    root, _ = package
+    seed = seed_store(root)
+    _, listener = await serve(PeerServer(), seed)
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(split_address(listener.address))
+        sock.setblocking(False)
+        flood = request(REQ_FILE, "0" * 64, "sloth", "x" * 1000)  # each refused with ~1 kB of error text
+        sent = 0
+        with contextlib.suppress(OSError):
+            for _ in range(20_000):
+                sock.send(flood)
+                sent += 1
+                await asyncio.sleep(0)
+        await asyncio.sleep(IO_TIMEOUT_S + 0.5)
+        assert not listener.connections  # closed: too many requests queued behind unread answers
+        sock.close()
+    finally:
+        await listener.close()
+        seed.close()
+
+
+async def test_half_a_header_or_silence_is_closed_after_the_io_timeout_and_an_idle_connection_after_its_own(package):
+    root, manifest = package
+    seed = seed_store(root)
+    _, listener = await serve(PeerServer(), seed, agent_idle_timeout_s=1.0)
+    try:
+        silent = await asyncio.open_connection(*split_address(listener.address))
+        half = await asyncio.open_connection(*split_address(listener.address))
+        half[1].write(request(REQ_FILE, manifest.package_id, "rx", "config.json")[:7])
+        idle = await asyncio.open_connection(*split_address(listener.address))
+        idle[1].write(request(REQ_FILE, manifest.package_id, "rx", "config.json"))
+        started = time.monotonic()
+        assert await read_all(silent[0]) == b"" and await read_all(half[0]) == b""
+        assert IO_TIMEOUT_S * 0.9 <= time.monotonic() - started <= IO_TIMEOUT_S + 1.0
+        [(answer, _)] = messages(await read_all(idle[0]))  # answered, then closed once idle for 1 s
+        assert answer.kind == FILE and time.monotonic() - started >= 0.9
+        for _, writer in (silent, half, idle):
+            writer.close()
+    finally:
+        await listener.close()
+        seed.close()
+
+
+async def test_connections_over_the_total_cap_are_closed_at_once(package):
+    root, _ = package
+    seed = seed_store(root)
+    _, listener = await serve(PeerServer(), seed, agent_max_connections=3, io_timeout_s=5.0)
+    try:
+        held = [await asyncio.open_connection(*split_address(listener.address)) for _ in range(3)]
+        extra = await asyncio.open_connection(*split_address(listener.address))
+        assert await read_all(extra[0]) == b""
+        assert listener.open_connections == 3
+        for _, writer in [*held, extra]:
+            writer.close()
+    finally:
+        await listener.close()
+        seed.close()
+
+
+async def test_an_announced_length_beyond_the_range_is_refused_before_allocation(package):
+    _, manifest = package
+
+    async def liar(reader, writer):
+        await reader.read(1 << 16)
+        writer.write(TCP_HEADER.pack(Header(FILE, length=200 << 20)))  # 200 MiB for a 1000-byte range
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    server, address = await raw_server(liar)
+    try:
+        channel = await TcpTransport("rx", settings()).connect(address, "liar")
+        tracemalloc.start()
+        with pytest.raises(PeerProtocolError, match=r"^peer liar: announced file tokenizer.json of 209715200 bytes "
+                                                    r"\(at most 1000 asked for\)$"):
+            await channel.fetch_file(manifest.package_id, "tokenizer.json", 0, 1000)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak < 10 << 20
+    finally:
+        server.close()

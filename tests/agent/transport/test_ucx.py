@@ -1,5 +1,6 @@
 """The UCX transport (ucxx over TCP and shared memory on loopback): faults, deadlines, shutdown without
-hanging, and a pair of real ``pipecast agent --transport ucx`` processes. What every transport must do
+hanging, a listener that serves only the address it was given, and a pair of real ``pipecast agent
+--transport ucx`` processes. What every transport must do
 is in test_transport_conformance.py."""
 
 import asyncio
@@ -11,6 +12,7 @@ import threading
 import time
 from dataclasses import replace
 
+import psutil
 import pytest
 
 pytest.importorskip("ucxx", reason="the ucx extra (ucxx-cu12) is not installed")
@@ -18,6 +20,7 @@ pytest.importorskip("ucxx", reason="the ucx extra (ucxx-cu12) is not installed")
 from control_plane.planner.schedules import make_plan  # noqa: E402
 from pipecast.agent.errors import (  # noqa: E402
     PeerClosedError,
+    PeerError,
     PeerConnectError,
     PeerRefusedError,
     PeerTimeoutError,
@@ -256,3 +259,34 @@ def test_killed_parent_agent_is_a_typed_error_on_its_child_at_once(agents, packa
     assert rx.wait(15) != 0
     assert agents.events("r1", "failed")[0]["error"] == "FetchFailedError"
     assert {e["error"] for e in agents.events("r1", "peer_failed")[1:]} <= {"PeerConnectError"}
+
+
+def other_local_ipv4() -> str | None:
+    """An IPv4 address of this host that is not loopback (None if it has none)."""
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return address.address
+    return None
+
+
+async def test_a_listener_on_127_0_0_1_serves_nobody_who_comes_in_on_another_address(package, transports):
+    other = other_local_ipv4()
+    if other is None:
+        pytest.skip("this host has no non-loopback IPv4 address to come in on")
+    root, manifest = package
+    seed = seed_store(root)
+    server = PeerServer()
+    server.add(seed)
+    listener = await transports("seed").listen("127.0.0.1", 0, server)
+    port = listener.address.rpartition(":")[2]
+    try:
+        with pytest.raises(PeerError):  # UCX's listener takes the connection; the agent closes it unread
+            channel = await transports("outsider").connect(f"{other}:{port}", "seed")
+            await channel.fetch_file(manifest.package_id, "config.json")
+        assert server.requesters == {}
+        channel = await transports("rx").connect(listener.address, "seed")
+        assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
+        await channel.close()
+    finally:
+        seed.close()

@@ -1,0 +1,131 @@
+"""Every credential of a pipecast cluster, derived from one master secret (the ``auth_token`` setting).
+
+- The **master token** is the operator's: a caller presenting it may do anything.
+- A **node token** ``pcn1.<node_id>.<mac>``, mac = base64url-nopad(HMAC-SHA256(master,
+  ``b"pipecast node token v1\\0" + node_id``)), names its node and proves the master's holder issued it:
+  the control plane checks it without storing anything, and it lets its holder act for that node only.
+  Node ids therefore cannot contain ``.``.
+- The **data-plane key** HMAC-SHA256(master, ``b"pipecast data plane v1"``) keys the agents' mutual hello
+  before block transfers; the control plane hands it to registered workers.
+
+Each derivation has its own label, so no credential turns into another. An empty master means auth off
+(dev mode). Pure functions, no I/O (but for the one warning that auth is off).
+"""
+
+import base64
+import hashlib
+import hmac
+import logging
+from dataclasses import dataclass
+
+from pipecast.core.errors import PipecastError
+
+log = logging.getLogger(__name__)
+
+OPERATOR = "operator"
+NODE = "node"
+MAX_NODE_ID = 128
+NODE_TOKEN_PREFIX = "pcn1"
+_NODE_LABEL = b"pipecast node token v1\x00"
+_DATA_LABEL = b"pipecast data plane v1"
+_warned_auth_off: set[str] = set()
+
+
+class CredentialError(PipecastError, ValueError):
+    """A node id or token that cannot be used as given (the message says what is wrong)."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: ``role`` is :data:`OPERATOR` (the master token) or :data:`NODE` (a node token;
+    ``name`` is then its node id)."""
+
+    name: str
+    role: str
+
+    @property
+    def is_operator(self) -> bool:
+        return self.role == OPERATOR
+
+    def may_act_for(self, node_id: str) -> bool:
+        """Whether this principal may speak for ``node_id`` (the operator may speak for any node)."""
+        return self.is_operator or (self.role == NODE and self.name == node_id)
+
+
+def validate_node_id(node_id: str) -> str:
+    """``node_id`` if usable (non-empty, printable, no white space, at most 128 characters; dots are fine: a
+    token's node id is what lies between its first and its last '.', and the MAC has none); else
+    :class:`CredentialError` saying what is wrong."""
+    if not node_id:
+        raise CredentialError("a node id must not be empty")
+    if len(node_id) > MAX_NODE_ID:
+        raise CredentialError(f"node id {node_id[:32]!r}... has {len(node_id)} characters; at most {MAX_NODE_ID}")
+    if not node_id.isprintable():
+        raise CredentialError(f"node id {node_id!r} has unprintable characters")
+    if any(c.isspace() for c in node_id):
+        raise CredentialError(f"node id {node_id!r} has white space")
+    return node_id
+
+
+def _hmac(master: str, message: bytes) -> bytes:
+    if not master:
+        raise CredentialError("no master token is set (auth is off): there is no credential to derive")
+    return hmac.new(master.encode(), message, hashlib.sha256).digest()
+
+
+def _node_mac(master: str, node_id: str) -> str:
+    return base64.urlsafe_b64encode(_hmac(master, _NODE_LABEL + node_id.encode())).rstrip(b"=").decode()
+
+
+def issue_node_token(master: str, node_id: str) -> str:
+    """The token that lets ``node_id`` (validated) act as itself in the cluster of ``master``."""
+    return f"{NODE_TOKEN_PREFIX}.{validate_node_id(node_id)}.{_node_mac(master, node_id)}"
+
+
+def parse_node_token(token: str) -> tuple[str, str] | None:
+    """``(node_id, mac)`` of a token shaped like a node token (not verified), else None (e.g. a master)."""
+    prefix, _, rest = token.partition(".")
+    node_id, dot, mac = rest.rpartition(".")
+    if prefix != NODE_TOKEN_PREFIX or not dot or not mac:
+        return None
+    try:
+        return validate_node_id(node_id), mac
+    except CredentialError:
+        return None
+
+
+def verify_node_token(master: str, token: str) -> str | None:
+    """The node id ``token`` was issued for by ``master``'s holder, or None (malformed, forged, auth off).
+    Constant-time in the mac."""
+    parsed = parse_node_token(token) if master else None
+    if parsed is None:
+        return None
+    node_id, mac = parsed
+    return node_id if hmac.compare_digest(mac.encode(), _node_mac(master, node_id).encode()) else None
+
+
+def principal_for(master: str, token: str) -> Principal | None:
+    """Who ``token`` is in the cluster of ``master``: the operator, a node, or None (unknown or forged)."""
+    if not master or not token:
+        return None
+    if hmac.compare_digest(token.encode(), master.encode()):
+        return Principal(OPERATOR, OPERATOR)
+    node_id = verify_node_token(master, token)
+    return Principal(node_id, NODE) if node_id is not None else None
+
+
+def data_plane_key(master: str) -> bytes:
+    """The 32-byte key of the data-plane hello (agent-to-agent block transfers); b"" when ``master`` is
+    empty (auth off)."""
+    return _hmac(master, _DATA_LABEL) if master else b""
+
+
+def warn_if_auth_off(master: str, component: str) -> bool:
+    """True (and a warning, once per component and process) when ``master`` is empty: auth is off."""
+    if master:
+        return False
+    if component not in _warned_auth_off:
+        _warned_auth_off.add(component)
+        log.warning("%s: no auth_token set: authentication is OFF (dev mode); anyone who can reach it may "
+                    "act as the operator", component)
+    return True

@@ -1,0 +1,115 @@
+"""The disk cache degrades instead of failing (issue #12, finding 7): a full or broken disk is logged and
+counted and the agent goes on from memory; temporary files of an interrupted write are swept when the
+cache opens."""
+
+import errno
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipecast.agent.cache import BlockCache
+from tests.support.agent_fixtures import receiving_store
+
+
+def verified_store(package):
+    """A receiving store of the package holding every block, verified."""
+    root, manifest = package
+    store = receiving_store(manifest)
+    for block in range(len(manifest.blocks)):
+        data = (root / manifest.blocks[block].file).read_bytes()
+        size = manifest.blocks[block].chunk_bytes
+        for chunk in range(store.chunk_count(block)):
+            store.chunk_buffer(block, chunk)[:] = data[chunk * size:(chunk + 1) * size]
+            store.chunk_landed(block, chunk, "p1")
+    return store
+
+
+def write_everything(cache: BlockCache, package, store) -> list[bool]:
+    root, manifest = package
+    results = [cache.write_manifest(manifest)]
+    results += [cache.write_file(manifest.package_id, f.path, (root / f.path).read_bytes()) for f in manifest.files]
+    results += [cache.write_block(manifest, block, store.block_view(block)) for block in range(len(manifest.blocks))]
+    return results
+
+
+def test_writes_on_a_broken_disk_are_logged_and_counted_not_raised(package, tmp_path, caplog):
+    """Finding 7: write_manifest and write_file raised OSError into the agent (a full disk failed the
+    fetch of a package the agent held in memory); now every write reports False and is counted."""
+    _, manifest = package
+    (tmp_path / "not-a-folder").write_text("")  # every write under it fails with ENOTDIR, a real error
+    cache = BlockCache(tmp_path / "not-a-folder" / "cache")
+    store = verified_store(package)
+    try:
+        results = write_everything(cache, package, store)
+        assert results == [False] * len(results)
+        assert cache.write_errors == len(results)
+        assert "it stays in memory only" in caplog.text
+        assert bytes(store.block_view(0)) == (package[0] / manifest.blocks[0].file).read_bytes()  # still served
+        assert cache.local_package(manifest.package_id) is None
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_a_full_disk_mid_write_leaves_no_temporary_file(package, tmp_path, monkeypatch, code):
+    """Finding 7: ENOSPC or EIO while the bytes are written: False, counted, and no half file left."""
+    real_open = type(tmp_path).open
+
+    def failing_open(self, mode="r", *args, **kwargs):
+        handle = real_open(self, mode, *args, **kwargs)
+        if "w" in mode:
+            def write(data):
+                raise OSError(code, os.strerror(code))
+            handle.write = write
+        return handle
+
+    cache = BlockCache(tmp_path / "cache")
+    store = verified_store(package)
+    monkeypatch.setattr(type(tmp_path), "open", failing_open)
+    try:
+        results = write_everything(cache, package, store)
+    finally:
+        monkeypatch.undo()
+        store.close()
+    assert not any(results) and cache.write_errors == len(results)
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
+
+
+def test_a_working_cache_writes_and_reads_back(package, tmp_path):
+    _, manifest = package
+    cache = BlockCache(tmp_path / "cache")
+    store = verified_store(package)
+    try:
+        assert all(write_everything(cache, package, store)) and cache.write_errors == 0
+    finally:
+        store.close()
+    assert cache.local_package(manifest.package_id).manifest == manifest
+
+
+def test_stale_temporary_files_are_swept_when_the_cache_opens(package, tmp_path):
+    """Finding 7: a crash mid-write left ``.<name>.tmp-<pid>`` files for ever; opening the cache removes
+    those of dead processes (and this process's own pid from before it started: a container's agent
+    restarts with the same pid), and keeps those of live ones."""
+    _, manifest = package
+    folder = tmp_path / "cache" / manifest.package_id / "blocks"
+    folder.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    stale = folder / f".block-0000.safetensors.tmp-{dead_pid}"
+    mine_old = folder / f".block-0001.safetensors.tmp-{os.getpid()}"
+    live = folder / f".block-0002.safetensors.tmp-{os.getppid()}"
+    keep = folder / "block-0000.safetensors"
+    for path in (stale, mine_old, live, keep):
+        path.write_bytes(b"x")
+    long_ago = time.time() - 10 * 365 * 86400
+    os.utime(mine_old, (long_ago, long_ago))
+    cache_manifest = tmp_path / "cache" / manifest.package_id / f".manifest.json.tmp-{dead_pid}"
+    cache_manifest.write_bytes(b"{")
+
+    BlockCache(tmp_path / "cache")
+    assert sorted(p.name for p in folder.iterdir()) == sorted([live.name, keep.name])
+    assert not cache_manifest.exists()

@@ -1,0 +1,293 @@
+"""The fetcher against peers that answer badly: a hostile or forged manifest names its sender and the
+manifest comes from the next peer (never cached, never served), and any exception a peer's answer
+provokes, whatever its type, moves a fetch on to its next peer instead of ending it."""
+
+import json
+
+import pytest
+
+from control_plane.messages import PeerInfo
+from control_plane.planner.plan import Fetch
+from packager.manifest import MANIFEST_FILE, manifest_to_json, seal_manifest
+from pipecast.agent.daemon import AgentDaemon, AgentOptions
+from pipecast.agent.errors import (
+    CorruptFileError,
+    FetchFailedError,
+    PeerProtocolError,
+    PeerRefusedError,
+    UnknownPackageError,
+)
+from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, fetch_files, fetch_manifest
+from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.transport.base import Channel, Transport
+from pipecast.agent.transport.tcp import TcpTransport
+from pipecast.core.settings import Settings
+from pipecast.v1.manifest_pb2 import Manifest
+from tests.support.agent_fixtures import block_file_bytes, receiving_store, seed_store
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKENIZER_BYTES = 1_000  # the package fixture (conftest) gives it a tokenizer file this big
+SETTINGS = dict(agent_transport="tcp", agent_cache_dir=None, agent_local_socket=None, connect_timeout_s=1.0,
+                io_timeout_s=5.0, egress_mbit=0, ingress_mbit=0)
+NESTED = b"[" * 100_000  # finding 3: an agent died of RecursionError on this and never tried its other sources
+
+
+class ManifestForger(PeerServer):
+    """A peer that answers ``manifest.json`` with ``answer`` and refuses everything else."""
+
+    def __init__(self, answer: bytes) -> None:
+        super().__init__()
+        self.answer = answer
+
+    async def file_bytes(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
+        if path == MANIFEST_FILE:
+            return self.answer
+        raise UnknownPackageError(f"package {package_id[:12]} is not held here")
+
+    async def chunk_count(self, package_id: str, block: int) -> int:
+        raise UnknownPackageError(f"package {package_id[:12]} is not held here")
+
+
+class Peers:
+    """TCP peers on loopback, each serving a :class:`PeerServer`; closed by the fixture."""
+
+    def __init__(self) -> None:
+        self.transport = TcpTransport("peers", Settings(**SETTINGS))
+        self.listeners = []
+
+    async def start(self, name: str, served: PeerServer) -> PeerInfo:
+        listener = await self.transport.listen("127.0.0.1", 0, served)
+        self.listeners.append(listener)
+        return PeerInfo(name, listener.address)
+
+    async def close(self) -> None:
+        for listener in self.listeners:
+            await listener.close()
+        await self.transport.close()
+
+
+@pytest.fixture
+async def peers():
+    running = Peers()
+    yield running
+    await running.close()
+
+
+@pytest.fixture
+async def honest(package, peers):
+    """An honest peer serving the package (a seed)."""
+    store = seed_store(package[0])
+    served = PeerServer()
+    served.add(store)
+    yield await peers.start("honest", served)
+    store.close()
+
+
+@pytest.fixture
+async def pool():
+    transport = TcpTransport("rx", Settings(**SETTINGS))
+    channels = ChannelPool(transport)
+    yield channels
+    await channels.close()
+    await transport.close()
+
+
+def _forged(manifest: Manifest, edit) -> bytes:
+    """``manifest`` with ``edit`` applied to its JSON, its package id left as it was."""
+    doc = json.loads(manifest_to_json(manifest))
+    edit(doc)
+    return json.dumps(doc).encode()
+
+
+def _another_package(manifest: Manifest) -> bytes:
+    other = Manifest()
+    other.CopyFrom(manifest)
+    other.model_name += "-other"
+    return manifest_to_json(seal_manifest(other)).encode()
+
+
+def _version_1(manifest: Manifest) -> bytes:
+    old = Manifest()
+    old.CopyFrom(manifest)
+    old.format_version = 1
+    return manifest_to_json(old).encode()
+
+
+HOSTILE = {
+    "nested 100000 deep": (lambda m: NESTED, "nested too deeply"),
+    "a number out of range": (lambda m: b'{"format_version": 1e400}', "out of range"),
+    "duplicate keys": (lambda m: manifest_to_json(m).encode().replace(b"{", b'{"model_name": "x",', 1),
+                       "duplicate key 'model_name'"),
+    "an array": (lambda m: b"[]", "expected a JSON object"),
+    "garbage": (lambda m: bytes(range(256)) * 64, "not UTF-8"),
+    "a block renamed": (lambda m: _forged(m, lambda d: d["blocks"][0].__setitem__("file", "blocks/x.safetensors")),
+                        "is not the digest of the manifest"),
+    "tensor names swapped": (lambda m: _forged(m, lambda d: d["blocks"].__setitem__(slice(0, 2), [
+        {**d["blocks"][0], "tensor_names": d["blocks"][1]["tensor_names"]},
+        {**d["blocks"][1], "tensor_names": d["blocks"][0]["tensor_names"]}])), "is not the digest of the manifest"),
+    "another package's manifest": (_another_package, "sent the manifest of package"),
+    "a format_version 1 manifest": (_version_1, "format_version 1 packages"),
+}
+
+
+@pytest.mark.parametrize("answer", HOSTILE.values(), ids=HOSTILE.keys())
+async def test_a_bad_manifest_names_its_sender_and_comes_from_the_next_peer(package, peers, honest, pool, answer):
+    _, manifest = package
+    make, problem = answer
+    forger = await peers.start("forger", ManifestForger(make(manifest)))
+    failures = []
+    got, peer = await fetch_manifest(pool, manifest.package_id, [forger, honest],
+                                     lambda what, p, e: failures.append((what, p, e)))
+    assert (got, peer) == (manifest, honest)
+    [(what, blamed, error)] = failures
+    assert (what, blamed, type(error)) == (MANIFEST_FILE, forger, CorruptFileError)
+    assert str(error).startswith(f"peer {forger}: sent ")
+    assert problem in str(error)
+
+
+async def test_with_only_forgers_the_manifest_fetch_fails_naming_every_one(package, peers, pool):
+    _, manifest = package
+    forgers = [await peers.start(f"forger{i}", ManifestForger(answer))
+               for i, answer in enumerate([NESTED, _another_package(manifest)])]
+    with pytest.raises(FetchFailedError) as failed:
+        await fetch_manifest(pool, manifest.package_id, forgers)
+    assert [(peer, type(e)) for peer, e in failed.value.attempts] == [(str(p), CorruptFileError) for p in forgers]
+
+
+async def test_a_forged_manifest_never_reaches_the_store_the_cache_or_children(package, peers, honest, tmp_path):
+    """The daemon's open_store path: the forger is asked first; what lands and is served is the honest
+    manifest, byte for byte as the packager wrote it."""
+    root, manifest = package
+    forger = await peers.start("forger", ManifestForger(NESTED))
+    cache = tmp_path / "cache"
+    daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"),
+                         Settings(**{**SETTINGS, "agent_cache_dir": cache}))
+    daemon.transport = TcpTransport("rx", Settings(**SETTINGS))
+    pool = ChannelPool(daemon.transport)
+    try:
+        store = await daemon.open_store(manifest.package_id, [forger, honest], pool)
+        assert store.manifest == manifest and store.manifest_origin == f"peer {honest}"
+        assert (cache / manifest.package_id / MANIFEST_FILE).read_bytes() == (root / MANIFEST_FILE).read_bytes()
+        served = await daemon.peer_server.file_bytes(manifest.package_id, MANIFEST_FILE)
+        assert served == (root / MANIFEST_FILE).read_bytes()
+        store.close()
+
+        # Only the forger: nothing is held, cached or served.
+        other = Manifest()
+        other.CopyFrom(manifest)
+        other.model_name = "never-packed"
+        wanted = seal_manifest(other).package_id
+        with pytest.raises(FetchFailedError):
+            await daemon.open_store(wanted, [forger], pool)
+        assert wanted not in daemon.peer_server.stores
+        assert not (cache / wanted).exists()
+    finally:
+        await pool.close()
+        await daemon.transport.close()
+
+
+# -- any exception from a peer's answer moves on to the next peer -----------------------------------------
+
+
+class StubChannel(Channel):
+    """A channel whose answers are scripted per peer: an exception to raise, or the real peer's answer."""
+
+    def __init__(self, peer: str, fail: BaseException | None, real: Channel | None) -> None:
+        self.peer, self._fail, self._real = peer, fail, real
+
+    async def fetch_block(self, package_id, block, first_chunk, sink) -> None:
+        if self._fail is not None:
+            raise self._fail
+        await self._real.fetch_block(package_id, block, first_chunk, sink)
+
+    async def fetch_file(self, package_id, path, offset=0, length=0) -> bytes:
+        if self._fail is not None:
+            raise self._fail
+        return await self._real.fetch_file(package_id, path, offset, length)
+
+    async def close(self) -> None:
+        if self._real is not None:
+            await self._real.close()
+
+
+class StubTransport(Transport):
+    """Connects peers named in ``failures`` to a channel raising that exception, others over TCP."""
+
+    name = "stub"
+
+    def __init__(self, failures: dict[str, BaseException]) -> None:
+        super().__init__("rx", Settings(**SETTINGS))
+        self.failures = failures
+        self.tcp = TcpTransport("rx", Settings(**SETTINGS))
+
+    async def listen(self, host, port, served):
+        raise NotImplementedError
+
+    async def connect(self, address: str, peer: str) -> Channel:
+        name = peer.partition("@")[0]
+        if name in self.failures:
+            return StubChannel(peer, self.failures[name], None)
+        return StubChannel(peer, None, await self.tcp.connect(address, peer))
+
+
+UNEXPECTED = [RecursionError("maximum recursion depth exceeded"), MemoryError(), ValueError("bad length"),
+              KeyError("x"), RuntimeError("a transport bug")]
+
+
+@pytest.mark.parametrize("exc", UNEXPECTED, ids=lambda e: type(e).__name__)
+async def test_any_exception_from_a_peer_is_that_peers_failure_and_the_next_peer_is_asked(package, honest, exc):
+    root, manifest = package
+    odd = PeerInfo("odd", "127.0.0.1:9")
+    transport = StubTransport({"odd": exc})
+    pool = ChannelPool(transport)
+    failures = []
+
+    def failed(what, peer, error):
+        failures.append((what, peer.node_id, type(error)))
+
+    store = None
+    try:
+        got, _ = await fetch_manifest(pool, manifest.package_id, [odd, honest], failed)
+        assert got == manifest
+        store = receiving_store(manifest)
+        await fetch_files(pool, store, [odd, honest], failed)
+        assert store.missing_files() == []
+        fetcher = Fetcher(store, pool, FetchPolicy(retries=1, backoff_s=0.01, fallbacks=(honest,)), failed)
+        await fetcher.fetch([Fetch(b.index, odd) for b in manifest.blocks])
+        for b in manifest.blocks:
+            assert bytes(store.block_view(b.index)) == block_file_bytes(root, manifest, b.index)
+    finally:
+        if store is not None:
+            store.close()
+        await pool.close()
+        await transport.tcp.close()
+    files = [f.path for f in manifest.files]
+    # Each is the odd peer's failure, a PeerProtocolError naming it; the odd peer is tried twice for the
+    # first block (retries=1), then given up on: later blocks go straight to the fallback.
+    assert failures == [(MANIFEST_FILE, "odd", PeerProtocolError), *((f, "odd", PeerProtocolError) for f in files),
+                        ("block 0", "odd", PeerProtocolError), ("block 0", "odd", PeerProtocolError)]
+
+
+async def test_this_nodes_own_failure_ends_a_fetch_without_blaming_the_peer(package, honest, pool):
+    _, manifest = package
+    store = receiving_store(manifest)
+    store.close()  # dropped meanwhile: the store knows no block any more
+    failures = []
+    with pytest.raises(UnknownPackageError):
+        await Fetcher(store, pool, on_peer_failure=lambda *a: failures.append(a)).fetch([Fetch(0, honest)])
+    assert failures == []
+
+
+async def test_a_refusing_peer_is_not_blamed_for_corruption(package, peers, honest, pool):
+    """The forger refuses the small files: that is a PeerRefusedError, not a corrupt copy."""
+    _, manifest = package
+    forger = await peers.start("forger", ManifestForger(NESTED))
+    store = receiving_store(manifest)
+    failures = []
+    try:
+        await fetch_files(pool, store, [forger, honest], lambda what, p, e: failures.append((what, type(e))))
+    finally:
+        store.close()
+    assert failures == [(f.path, PeerRefusedError) for f in manifest.files]
+

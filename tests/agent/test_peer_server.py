@@ -1,0 +1,99 @@
+"""What an agent serves and to whom (no sockets): under a control plane only the children its parts name,
+with a grace for a part that arrives after the child's request; the requesters it remembers stay bounded;
+the event log is rate-limited per kind. Over the wire: tests/agent/transport/."""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from pipecast.agent.errors import PeerNotAllowedError
+from pipecast.agent.events import EventLog, read_events
+from pipecast.agent.peer_server import MAX_REQUESTERS_PER_PACKAGE, PeerServer
+from tests.support.agent_fixtures import receiving_store, seed_store
+
+pytestmark = pytest.mark.timeout(30)
+
+PKG = "ab" * 32
+
+
+async def test_a_static_plan_serves_any_requester_the_transport_let_in():
+    server = PeerServer()
+    await server.admit("anyone", PKG)
+
+
+async def test_under_a_control_plane_only_the_children_of_a_current_part_are_served(package):
+    _, manifest = package
+    relay = receiving_store(manifest)  # still receiving: not a source
+    server = PeerServer(plan_gated=True, grace_s=0.2)
+    server.add(relay)
+    pid = manifest.package_id
+    try:
+        server.serve_part("plan-1", pid, ["child"], source=False)
+        await server.admit("child", pid)
+        started = time.monotonic()
+        with pytest.raises(PeerNotAllowedError, match=rf"^node stranger is not a child of this node in any current "
+                                                      rf"plan of package {pid[:12]}"):
+            await server.admit("stranger", pid)
+        assert time.monotonic() - started >= 0.2  # it was given the grace
+        with pytest.raises(PeerNotAllowedError):
+            await server.admit("child", "cd" * 32)  # a child of another package's plan is not one of this
+        server.end_part("plan-1")
+        with pytest.raises(PeerNotAllowedError):
+            await server.admit("child", pid)
+    finally:
+        relay.close()
+
+
+async def test_a_part_arriving_within_the_grace_admits_the_child_that_asked_first():
+    server = PeerServer(plan_gated=True, grace_s=2.0)
+    waiting = asyncio.create_task(server.admit("child", PKG))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    server.serve_part("plan-1", PKG, ["child"], source=False)
+    await asyncio.wait_for(waiting, 1)
+
+
+async def test_a_source_or_a_complete_holder_serves_every_receivers_fallback(package):
+    root, manifest = package
+    server = PeerServer(plan_gated=True, grace_s=0.0)
+    server.serve_part("plan-1", PKG, [], source=True)
+    await server.admit("anyone", PKG)
+    server.retain_parts([])
+    with pytest.raises(PeerNotAllowedError):
+        await server.admit("anyone", PKG)
+    seed = seed_store(root)
+    try:
+        server.add(seed)  # holds all of it: a source in any plan of it
+        await server.admit("anyone", manifest.package_id)
+    finally:
+        seed.close()
+
+
+def test_the_requesters_remembered_stay_bounded_under_a_flood_of_made_up_names():
+    server = PeerServer()
+    for i in range(5 * MAX_REQUESTERS_PER_PACKAGE):
+        server.peer_requested(f"node-{i}", PKG, 0)
+    assert len(server.requesters[PKG]) == MAX_REQUESTERS_PER_PACKAGE
+    assert server.have_requested(PKG, [f"node-{5 * MAX_REQUESTERS_PER_PACKAGE - 1}"])
+    assert not server.have_requested(PKG, ["node-0"])  # the oldest went first
+    server.end_package(PKG)
+    assert PKG not in server.requesters
+
+
+def test_events_are_rate_limited_per_kind_and_the_dropped_ones_counted(tmp_path):
+    path = tmp_path / "events.jsonl"
+    events = EventLog(path, "n1", rate_per_s=10.0, burst=100.0)
+    for i in range(10_000):
+        events.emit("peer_request", requester=f"node-{i}")
+    events.emit("block_verified", block=0)  # another kind has its own bucket
+    events.close()
+    log = read_events(path)
+    requests = [e for e in log if e["event"] == "peer_request"]
+    assert 100 <= len(requests) < 110
+    assert [e["block"] for e in log if e["event"] == "block_verified"] == [0]
+    dropped = [e for e in log if e["event"] == "events_dropped"]
+    assert sum(e["dropped"] for e in dropped) == 10_000 - len(requests)
+    assert {e["kind"] for e in dropped} == {"peer_request"}
+    assert path.stat().st_size < 100 * len(json.dumps(log[0])) * 2

@@ -1,0 +1,216 @@
+"""One identity per node and an operator role on the control plane (issue #12, finding 2), over real gRPC.
+
+On the old code one shared token let any worker act as any node or as the operator: register again under
+another node's id (plans then pointed at the new address), report blocks or take the assignment stream
+of another node, publish a manifest without chunk digests or with the id ``../../../../tmp/x``, and
+register a serve URL anywhere. Each test below fails there.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from control_plane.client import ControlPlaneClient
+from control_plane.errors import Conflict, InvalidRequest, PermissionDenied, Unauthenticated, UnknownWorker
+from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
+from control_plane.server import ControlPlaneServer
+from control_plane.worker_session import WorkerSession
+from pipecast.core.credentials import data_plane_key, issue_node_token, verify_node_token
+from tests.control_plane.test_service import PKG, STORE, TOKEN, WAIT_S, Watcher, config, manifest, spec
+
+
+@pytest.fixture
+async def server(tmp_path) -> AsyncIterator[ControlPlaneServer]:
+    async with ControlPlaneServer(config(tmp_path / "cp.sqlite3")) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def operator(server) -> AsyncIterator[ControlPlaneClient]:
+    async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as c:
+        yield c
+
+
+@pytest.fixture
+async def w2(server) -> AsyncIterator[ControlPlaneClient]:
+    """The client of node w2, with the node token the operator issued it."""
+    async with ControlPlaneClient(server.address, token=issue_node_token(TOKEN, "w2"), timeout_s=WAIT_S) as c:
+        yield c
+
+
+def denied(acting: str, victim: str):
+    return pytest.raises(PermissionDenied, match=f"node '{acting}' may not act for node '{victim}'")
+
+
+async def test_a_node_cannot_register_again_as_another_node(operator, w2):
+    """Finding 2: re-registering w1's id with another address is refused; plans keep w1's address."""
+    await operator.publish_package(manifest(), STORE)
+    await operator.register(spec("w1"))
+    await operator.scale_up(PKG, node_ids=["w1"])
+    hijack = WorkerSpec(PeerInfo("w1", "127.0.0.1:6666", ("tcp",)), 1 << 30)
+    with denied("w2", "w1"):
+        await w2.register(hijack)
+    [worker] = await operator.list_workers()
+    assert worker.worker.peer.address == spec("w1").peer.address
+
+
+async def test_a_node_cannot_report_beat_or_leave_for_another(operator, w2):
+    """Finding 2: claims about another node's blocks, lease or registration are refused."""
+    await operator.publish_package(manifest(), STORE)
+    await operator.register(spec("w1"))
+    with denied("w2", "w1"):
+        await w2.report_blocks("w1", {PKG: range(4)})
+    stream = w2.open_report_stream()
+    with denied("w2", "w1"):
+        await stream.report("w1", {PKG: range(4)})
+    assert stream.closed
+    with denied("w2", "w1"):
+        await w2.heartbeat("w1")
+    with denied("w2", "w1"):
+        await w2.report_bad_peer("w1", "store", PKG, 0, "made up")
+    with denied("w2", "w1"):
+        await w2.deregister("w1")
+    assert (await operator.availability(PKG)).by_worker == {}
+    assert [w.worker.peer.node_id for w in await operator.list_workers()] == ["w1"]
+
+
+async def test_a_node_cannot_watch_another_nodes_assignments(operator, w2):
+    """Finding 2: WatchAssignments for another node is refused, and the victim's stream goes on."""
+    await operator.register(spec("w1"))
+    own = Watcher(operator, "w1")
+    try:
+        assert (await own.next()).kind is UpdateKind.SYNC
+        with denied("w2", "w1"):
+            async for _ in w2.watch_assignments("w1"):
+                pass
+        await operator.publish_package(manifest(), STORE)
+        await operator.scale_up(PKG, node_ids=["w1"])
+        assert (await own.next()).kind is UpdateKind.ASSIGN
+    finally:
+        await own.close()
+
+
+async def test_a_node_acts_as_itself_and_reads_but_is_no_operator(operator, w2):
+    """Finding 2: a node token publishes, scales, releases, removes and issues tokens no more."""
+    await operator.publish_package(manifest(), STORE)
+    registration = await w2.register(spec("w2"))
+    assert registration.data_key == data_plane_key(TOKEN)
+    await w2.heartbeat("w2")
+    await w2.report_blocks("w2", {PKG: [0]})
+    watcher = Watcher(w2, "w2")
+    try:
+        assert (await watcher.next()).kind is UpdateKind.SYNC
+    finally:
+        await watcher.close()
+    # Reads are open to any principal.
+    assert [p.package_id for p in await w2.list_packages()] == [PKG]
+    assert (await w2.get_package(PKG))[0] == manifest()
+    assert (await w2.availability(PKG)).by_worker == {"w2": {0}}
+    assert [w.worker.peer.node_id for w in await w2.list_workers()] == ["w2"]
+    assert await w2.list_plans() == []
+    operator_calls = {
+        "PublishPackage": w2.publish_package(manifest("other"), STORE),
+        "ScaleUp": w2.scale_up(PKG, count=1),
+        "Release": w2.release(PKG, ["w2"]),
+        "RemovePackage": w2.remove_package(PKG, force=True),
+        "IssueToken": w2.issue_token("w1"),
+    }
+    for rpc, call in operator_calls.items():
+        with pytest.raises(PermissionDenied, match=f"{rpc} needs the operator's token; node 'w2' may not call it"):
+            await call
+    assert [p.package_id for p in await operator.list_packages()] == [PKG]
+    assert await operator.list_plans() == []
+    await w2.deregister("w2")
+    with pytest.raises(UnknownWorker):
+        await w2.heartbeat("w2")
+
+
+@pytest.mark.parametrize("token", [
+    issue_node_token("another-master", "w2"),  # a real token of another cluster
+    issue_node_token(TOKEN, "w2")[:-2] + "AA",  # a forged mac
+    "pcn1.w2",  # no mac
+    TOKEN + "x",
+])
+async def test_forged_node_tokens_are_unauthenticated(server, token):
+    async with ControlPlaneClient(server.address, token=token, timeout_s=WAIT_S) as intruder:
+        with pytest.raises(Unauthenticated, match="missing or wrong token"):
+            await intruder.register(spec("w2"))
+    assert server.state.workers == {}
+
+
+async def test_the_operator_issues_node_tokens_for_valid_node_ids(operator, server):
+    token = await operator.issue_token("w7")
+    assert verify_node_token(TOKEN, token) == "w7"
+    async with ControlPlaneClient(server.address, token=token, timeout_s=WAIT_S) as w7:
+        await w7.register(spec("w7"))
+    for bad in ("", "a b", "x" * 129, "tab\there"):
+        with pytest.raises(InvalidRequest, match="cannot issue a token: .*node id"):
+            await operator.issue_token(bad)
+
+
+async def test_without_auth_everything_is_allowed_and_there_is_no_data_key(tmp_path):
+    async with ControlPlaneServer(config(tmp_path / "cp.sqlite3", token="")) as srv:
+        async with ControlPlaneClient(srv.address, timeout_s=WAIT_S) as anyone:
+            await anyone.publish_package(manifest(), STORE)
+            assert (await anyone.register(spec("w1"))).data_key == b""
+            await anyone.report_blocks("w1", {PKG: [0]})
+            await anyone.scale_up(PKG, count=1)
+            with pytest.raises(Conflict, match="auth is off"):
+                await anyone.issue_token("w1")
+
+
+@pytest.mark.parametrize(("problem", "edit"), [
+    ("is not 64 lower-case hex digits", lambda m: setattr(m, "package_id", "../../../../tmp/x")),
+    ("is not 64 lower-case hex digits", lambda m: setattr(m, "package_id", m.package_id.upper())),
+    ("block 0 has 0 chunk digests", lambda m: m.blocks[0].ClearField("chunk_digests")),
+    ("is not the digest of the manifest", lambda m: setattr(m, "model_name", "forged")),
+])
+async def test_publish_refuses_a_bad_id_or_manifest_and_records_nothing(operator, server, problem, edit):
+    """Finding 2: PublishPackage validates the id and the whole manifest before recording anything."""
+    bad = manifest()
+    edit(bad)
+    with pytest.raises(InvalidRequest, match=problem):
+        await operator.publish_package(bad, STORE)
+    assert server.state.packages == {}
+
+
+@pytest.mark.parametrize("address", ["", "10.0.0.1", "10.0.0.1:99999", "user@10.0.0.1:7070", "10.0.0.1:7070/x"])
+async def test_publish_refuses_a_store_address_that_is_not_host_port(operator, server, address):
+    with pytest.raises(InvalidRequest, match="is not a host:port address"):
+        await operator.publish_package(manifest(), PeerInfo("store", address))
+    assert server.state.packages == {}
+
+
+@pytest.mark.parametrize(("serve_url", "labels"), [
+    ("http://10.9.9.9:8000", {}),
+    ("http://127.0.0.2:8000", {}),
+    ("", {"serve_url": "http://evil.example:8000"}),  # the legacy label the router also reads
+])
+async def test_a_serve_url_on_another_host_is_refused(w2, server, serve_url, labels):
+    """Finding 2: the router sends prompts to a registered serve URL: it must be on the node's own host."""
+    elsewhere = WorkerSpec(spec("w2").peer, 1 << 30, labels=labels, serve_url=serve_url)
+    with pytest.raises(InvalidRequest, match="serve URL .* is not on its own host '127.0.0.1'"):
+        await w2.register(elsewhere)
+    assert server.state.workers == {}
+    await w2.register(WorkerSpec(spec("w2").peer, 1 << 30, serve_url="http://127.0.0.1:8000"))
+
+
+async def test_worker_session_hands_over_the_data_key_and_stops_on_another_nodes_token(server):
+    keys: list[bytes] = []
+    async with ControlPlaneClient(server.address, token=issue_node_token(TOKEN, "w2"), timeout_s=WAIT_S) as own:
+        session = WorkerSession(own, spec("w2"), holdings=dict, retry_s=0.05, on_data_key=keys.append)
+        assert session.data_key is None
+        await session.start()
+        try:
+            await asyncio.wait_for(session.registered.wait(), WAIT_S)
+            assert session.data_key == data_plane_key(TOKEN) and keys == [data_plane_key(TOKEN)]
+        finally:
+            await session.close()
+        wrong = WorkerSession(own, spec("w1"), holdings=dict, retry_s=0.05)
+        await wrong.start()
+        try:
+            with pytest.raises(PermissionDenied, match="node 'w2' may not act for node 'w1'"):
+                await asyncio.wait_for(anext(wrong.assignments()), WAIT_S)
+        finally:
+            await wrong.close()

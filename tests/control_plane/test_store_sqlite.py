@@ -1,0 +1,94 @@
+"""The control plane's SQLite file: acknowledged writes are durable, and a damaged row stops the start-up
+with a typed error naming its table and key (issue #12, finding 7)."""
+
+import logging
+import sqlite3
+
+import pytest
+
+from control_plane.errors import StoreError
+from control_plane.messages import PeerInfo, WorkerSpec
+from control_plane.state import ControlState
+from control_plane.store_sqlite import CorruptStateError, SqliteStore
+from pipecast.v1.manifest_pb2 import Block, Manifest
+
+STORE = PeerInfo("store", "10.0.0.1:7070", ("tcp",))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A database holding two packages, two workers, availability, a release and a plan."""
+    path = tmp_path / "control.sqlite3"
+    state = ControlState(lease_s=10.0)
+    for package_id in ("pkg", "other"):
+        state.publish(Manifest(package_id=package_id, blocks=[Block(index=i, bytes=100) for i in range(4)]),
+                      STORE, now=0)
+    for node in ("w0", "w1"):
+        state.register(WorkerSpec(PeerInfo(node, f"{node}.local:7070", ("tcp",)), 10_000), {}, now=0)
+    state.report("w0", {"pkg": range(4), "other": [0]}, {}, now=1)
+    state.scale_up("pkg", node_ids=["w1"], now=1)
+    state.release("other", ["w0"], keep_alive_s=60, now=2)
+    store = SqliteStore(path)
+    store.flush(state)
+    store.close()
+    return path
+
+
+def load(path) -> ControlState:
+    state = ControlState(lease_s=10.0)
+    store = SqliteStore(path)
+    try:
+        store.load(state, now=100)
+    finally:
+        store.close()
+    return state
+
+
+def corrupt(path, sql: str, *args) -> None:
+    db = sqlite3.connect(path)
+    with db:
+        assert db.execute(sql, args).rowcount == 1
+    db.close()
+
+
+def test_every_commit_is_synced():
+    """Finding 7: synchronous=NORMAL in WAL mode could lose acknowledged plans on a power loss."""
+    store = SqliteStore(":memory:")
+    assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    store.close()
+
+
+def test_an_intact_file_loads(saved):
+    state = load(saved)
+    assert set(state.packages) == {"pkg", "other"} and set(state.workers) == {"w0", "w1"}
+    assert state.availability["pkg"].held("w0") == frozenset(range(4)) and len(state.plans) == 1
+
+
+@pytest.mark.parametrize("sql, args, table, key", [
+    ("UPDATE packages SET manifest = ? WHERE package_id = 'pkg'", b"\xff\xff\xff\xff", "packages", "'pkg'"),
+    ("UPDATE packages SET manifest = ? WHERE package_id = 'pkg'",
+     Manifest(package_id="someone-else").SerializeToString(), "packages", "'pkg'"),
+    ("UPDATE packages SET store = ? WHERE package_id = 'other'", '{"node_id": "s"}', "packages", "'other'"),
+    ("UPDATE packages SET published_at = ? WHERE package_id = 'pkg'", "yesterday", "packages", "'pkg'"),
+    ("UPDATE workers SET spec = ? WHERE node_id = 'w1'", "[" * 100_000, "workers", "'w1'"),
+    ("UPDATE workers SET spec = ? WHERE node_id = 'w1'", '{"node_id": "w1"}', "workers", "'w1'"),
+    ("UPDATE availability SET blocks = ? WHERE package_id = 'pkg'", "[0, 99]", "availability", "('pkg', 'w0')"),
+    ("UPDATE availability SET blocks = ? WHERE package_id = 'pkg'", "[0, 1e400]", "availability", "('pkg', 'w0')"),
+    ("UPDATE releases SET drop_at = ? WHERE node_id = 'w0'", "soon", "releases", "('other', 'w0')"),
+])
+def test_a_corrupt_row_is_a_typed_error_naming_table_and_key(saved, sql, args, table, key):
+    """Finding 7: an undecodable manifest blob raised protobuf's DecodeError (a JSON one ValueError or
+    RecursionError) out of the start-up; now CorruptStateError names the table and the key."""
+    corrupt(saved, sql, args)
+    with pytest.raises(CorruptStateError) as info:
+        load(saved)
+    error = info.value
+    assert isinstance(error, StoreError) and error.table == table
+    assert f"table {table}, key {key}: corrupt row" in str(error) and str(saved) in str(error)
+
+
+def test_an_undecodable_plan_is_skipped_with_a_warning(saved, caplog):
+    corrupt(saved, "UPDATE plans SET plan = ?", '{"strategy": "x", "strategy": "y"}')
+    with caplog.at_level(logging.WARNING):
+        state = load(saved)
+    assert state.plans == {} and "skipped stored plan" in caplog.text and "duplicate key" in caplog.text
