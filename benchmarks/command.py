@@ -59,8 +59,10 @@ def bench_pack(size, workdir, repeat, json_path):
 @click.option("--no-auth", is_flag=True,
               help="Run the agents without credentials (no data-plane hello), to compare with the default: every "
                    "agent given the same master token.")
+@click.option("--tls", is_flag=True, help="Mutual TLS between the agents (TCP transport; needs openssl for the "
+                                          "run's certificates).")
 def bench_distribution(workers, link_mbit, store_mbit, package, strategies, transport, repeat, mode, json_path,
-                       plot_path, cache, workdir, no_auth):
+                       plot_path, cache, workdir, no_auth, tls):
     """N workers receive a block package in about the time one does: every strategy vs the floor S/B."""
     from benchmarks import distribution
 
@@ -74,7 +76,7 @@ def bench_distribution(workers, link_mbit, store_mbit, package, strategies, tran
         package = demo_package(cache)
     config = distribution.DistributionConfig(package=package, workers=counts, link_mbit=link_mbit,
                                              store_mbit=store_mbit, strategies=names, transport=transport,
-                                             repeat=repeat, mode=mode, auth=not no_auth)
+                                             repeat=repeat, mode=mode, auth=not no_auth, tls=tls)
     with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
         report = distribution.run(config, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
     click.echo(distribution.format_report(report))

@@ -33,6 +33,7 @@ from subprocess import TimeoutExpired
 
 import psutil
 
+from benchmarks.certs import make_certs
 from benchmarks.cluster import EmulatedCluster, RequestedMode, store_egress_mbit
 from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage
 from benchmarks.plots import Series, save_line_chart
@@ -112,6 +113,7 @@ class DistributionConfig:
     repeat: int = 3
     mode: RequestedMode = "auto"
     auth: bool = True  # every agent given the same master token: data-plane hello on every connection
+    tls: bool = False  # every agent given a certificate of the run's CA: mutual TLS on every connection
 
     def __post_init__(self) -> None:
         if not self.workers or any(n < 1 for n in self.workers):
@@ -378,7 +380,8 @@ def format_report(report: DistributionReport) -> str:
              f"{format_bytes(meta['chunk_bytes'])} chunks), {meta['transport']} transport",
              f"links {meta['link_mbit']:g} Mbit/s, store {meta['store_mbit']:g} Mbit/s; emulated cluster in "
              f"{meta['mode']} mode ({meta['mode_reason']})",
-             "data-plane auth: on (HMAC hello)" if meta.get("auth", True) else "data-plane auth: off (--no-auth)",
+             ("data-plane auth: on (HMAC hello)" if meta.get("auth", True) else "data-plane auth: off (--no-auth)")
+             + ("; mutual TLS (--tls)" if meta.get("tls") else ""),
              f"medians of {meta['repeat']} run(s); x floor = time / (S/B); theory: DESIGN 4; "
              f"model: the fluid simulator on the same plan; CPU: the whole machine during the transfer, "
              f"agents: their own share of it"]
@@ -438,14 +441,20 @@ def _reaped_children_cpu_seconds() -> float:
 class _Run(RunProcesses):
     """The agents of one run: spawned into the cluster, watched through their events files and logs."""
 
-    def __init__(self, cluster: EmulatedCluster, folder: Path, transport: str, auth_token: str) -> None:
+    def __init__(self, cluster: EmulatedCluster, folder: Path, transport: str, auth_token: str,
+                 tls: bool) -> None:
         super().__init__(cluster, folder, DistributionBenchError)
         self.transport = transport
         self.auth_token = auth_token
+        self.tls_env: dict[str, str] = {}
+        if tls:  # one certificate for every node: the CA's signature is what the data plane checks
+            certs = make_certs(folder)
+            self.tls_env = {"PIPECAST_TLS_CERT": str(certs["server.pem"]),
+                            "PIPECAST_TLS_KEY": str(certs["server.key"]), "PIPECAST_TLS_CA": str(certs["ca.pem"])}
 
     def spawn_agent(self, host: str, address: str, plan: Path, *extra: str) -> None:
         # The same master token for every agent of the run (empty: auth off, whatever this process has).
-        env = {"PIPECAST_AUTH_TOKEN": self.auth_token}
+        env = {"PIPECAST_AUTH_TOKEN": self.auth_token, **self.tls_env}
         if self.transport == "ucx":
             env["UCX_NET_DEVICES"] = self.cluster.interface(host)
         self.spawn(host, host, [*_agent_argv(host, address, plan, self.events_path(host), self.transport), *extra],
@@ -485,7 +494,7 @@ def run_once(cluster: EmulatedCluster, folder: Path, facts: PackageFacts, strate
     ports = {h: AGENT_PORT if cluster.mode == "netns" else free_port(cluster.address(h)) for h in hosts}
     nodes = {h: f"{cluster.address(h)}:{ports[h]}" for h in hosts}
     plan = make_plan(strategy, [STORE], workers, len(facts.block_bytes))
-    run = _Run(cluster, folder, config.transport, secrets.token_hex(16) if config.auth else "")
+    run = _Run(cluster, folder, config.transport, secrets.token_hex(16) if config.auth else "", config.tls)
     plan_path = folder / "plan.json"
     plan_path.write_text(json.dumps(plan_file_data(plan, facts.package_id, nodes)))
 
@@ -538,7 +547,7 @@ def _meta(config: DistributionConfig, facts: PackageFacts, cluster: EmulatedClus
         "benchmark": "distribution", "versions": versions("blake3"), "cpu_cores": os.cpu_count(),
         "load_average_at_start": os.getloadavg()[0],  # others' work on this shared machine adds to "CPU"
         "mode": cluster.mode, "mode_reason": cluster.mode_reason, "clusters": [],
-        "transport": config.transport, "auth": config.auth, "link_mbit": config.link_mbit,
+        "transport": config.transport, "auth": config.auth, "tls": config.tls, "link_mbit": config.link_mbit,
         "store_mbit": config.store_rate_mbit,
         "package_id": facts.package_id, "package_path": str(facts.path), "model_name": facts.model_name,
         "package_bytes": facts.total_bytes, "files_bytes": facts.files_bytes, "blocks": len(facts.block_bytes),

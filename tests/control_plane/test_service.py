@@ -2,7 +2,6 @@
 assignment streams, restarts with the same SQLite file, metrics, mTLS and the agent-side session."""
 
 import asyncio
-import shutil
 import subprocess
 import time
 import urllib.request
@@ -22,6 +21,7 @@ from control_plane.errors import (
     UnknownPackage,
     UnknownWorker,
 )
+from benchmarks.certs import have_openssl, make_certs
 from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.server import ControlPlaneServer, ServerConfig
 from control_plane.worker_session import WorkerSession
@@ -366,27 +366,11 @@ async def test_calls_to_a_dead_control_plane_fail_typed_within_the_deadline():
     assert time.monotonic() - start < 3
 
 
-def _make_certs(folder: Path) -> dict[str, Path]:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
-    def openssl(*args):
-        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=folder)
-
-    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
-            "-subj", "/CN=test-ca", "-keyout", "ca.key", "-out", "ca.pem")
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
-        openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", f"/CN={name}",
-                "-keyout", f"{name}.key", "-out", f"{name}.csr")
-        (folder / f"{name}.ext").write_text(ext + "\n")
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.pem")
-    return {name: folder / name for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
-
-
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make test certificates")
+@pytest.mark.skipif(not have_openssl(), reason="needs the openssl command to make test certificates")
 async def test_mtls_admits_only_clients_with_a_certificate_from_the_ca(tmp_path):
     from control_plane.auth import channel_credentials
 
-    certs = _make_certs(tmp_path)
+    certs = make_certs(tmp_path)
     cfg = config(tmp_path / "cp.sqlite3", tls_cert=certs["server.pem"], tls_key=certs["server.key"],
                  tls_ca=certs["ca.pem"])
     async with ControlPlaneServer(cfg) as srv:

@@ -18,8 +18,10 @@ fixed buffers slowed chains down, DESIGN 5).
 import asyncio
 import logging
 import os
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipecast.agent.errors import (
     PeerAuthError,
@@ -42,6 +44,7 @@ from pipecast.agent.transport.base import (
     TransportStats,
     split_address,
 )
+from pipecast.core.settings import Settings
 from pipecast.agent.transport.wire import (
     AUTH_CHALLENGE,
     AUTH_FAIL,
@@ -538,6 +541,7 @@ class TcpListener(Listener):
     def __init__(self, served: ServedPackages, transport: "TcpTransport") -> None:
         self.served = served
         self.auth = transport.auth
+        self.tls = transport.tls
         self.limits_rate = transport.limits
         self.stats = transport.stats
         self.io_timeout_s = transport.io_timeout_s
@@ -549,7 +553,7 @@ class TcpListener(Listener):
 
     async def start(self, host: str, port: int) -> None:
         self._server = await asyncio.get_running_loop().create_server(lambda: _ServerProtocol(self), host,
-                                                                      port)
+                                                                      port, ssl=self.tls.server)
         bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
         self.address = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
 
@@ -564,10 +568,41 @@ class TcpListener(Listener):
         await self._server.wait_closed()
 
 
+@dataclass(frozen=True)
+class DataPlaneTls:
+    """The TLS contexts of the TCP data plane: mutual TLS when the node has a certificate, its key and the
+    cluster's CA (``tls_cert``, ``tls_key``, ``tls_ca``), else none (the hello still authenticates peers)."""
+
+    server: ssl.SSLContext | None = None
+    client: ssl.SSLContext | None = None
+
+    @classmethod
+    def from_files(cls, cert: Path | None, key: Path | None, ca: Path | None) -> "DataPlaneTls":
+        if not (cert and key and ca):
+            if cert or key or ca:
+                log.warning("data plane without TLS: mutual TLS needs tls_cert, tls_key and tls_ca all set")
+            return cls()
+        server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(ca))
+        server.verify_mode = ssl.CERT_REQUIRED  # only nodes whose certificate the cluster's CA signed
+        client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca))
+        # Peers are addressed by whatever address they advertise; membership is the CA's signature, and
+        # the node identity the hello's (a certificate per node address would tie certificates to IPs).
+        client.check_hostname = False
+        for context in (server, client):
+            context.minimum_version = ssl.TLSVersion.TLSv1_3
+            context.load_cert_chain(str(cert), str(key))
+        return cls(server, client)
+
+
 class TcpTransport(Transport):
-    """asyncio TCP with application-level rate limits; :mod:`.wire` describes the wire format."""
+    """asyncio TCP with application-level rate limits; :mod:`.wire` describes the wire format; mutual TLS
+    when the node's settings name a certificate, its key and the cluster's CA."""
 
     name = "tcp"
+
+    def __init__(self, node_id: str, settings: Settings, auth: PeerAuth | None = None) -> None:
+        super().__init__(node_id, settings, auth)
+        self.tls = DataPlaneTls.from_files(settings.tls_cert, settings.tls_key, settings.tls_ca)
 
     async def listen(self, host: str, port: int, served: ServedPackages) -> TcpListener:
         self._listening()
@@ -583,7 +618,8 @@ class TcpTransport(Transport):
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                await loop.create_connection(lambda: protocol, host, port)
+                await loop.create_connection(lambda: protocol, host, port, ssl=self.tls.client,
+                                             server_hostname=host if self.tls.client else None)
                 if key:
                     await _client_hello(protocol, self.auth, peer)
         except TimeoutError:

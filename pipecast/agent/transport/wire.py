@@ -121,6 +121,8 @@ class HeaderFormat:
 
     def parse(self, raw: bytes | bytearray, peer: str) -> Header:
         """The header at the start of ``raw``; :class:`PeerProtocolError` naming ``peer`` if it is not one."""
+        if len(raw) < self.size:
+            raise PeerProtocolError(peer, f"sent a truncated header of {len(raw)} bytes ({self.size} expected)")
         magic, version, kind, block, chunk, length, *frame = self.layout.unpack_from(raw)
         if magic != self.magic or version != VERSION:
             raise PeerProtocolError(peer, f"sent a header with magic {magic!r} version {version} "

@@ -20,18 +20,20 @@ from pipecast.agent.errors import (
     FetchFailedError,
     PeerClosedError,
     PeerConnectError,
+    PeerError,
     PeerProtocolError,
     PeerRefusedError,
     PeerTimeoutError,
     TransportUnavailableError,
 )
+from benchmarks.certs import have_openssl, make_certs
 from pipecast.agent.fetcher import FILE_RANGE_BYTES, ChannelPool, Fetcher, FetchPolicy, fetch_files
 from pipecast.agent.peer_server import MAX_REQUESTERS_PER_PACKAGE, PeerServer
 from pipecast.agent.ratelimit import TokenBucket
 from pipecast.agent.store import BlockStore
 from pipecast.agent.transport import registry
-from pipecast.agent.transport.registry import resolve_transport_name
 from pipecast.agent.transport.base import PeerAuth, split_address
+from pipecast.agent.transport.registry import resolve_transport_name
 from pipecast.agent.transport.tcp import MAX_BUFFERED_OUTPUT, TcpChannel, TcpListener, TcpTransport
 from pipecast.agent.transport.wire import AUTH_CHALLENGE, AUTH_FAIL, AUTH_HELLO, AUTH_PROOF, ERROR, FILE, REQ_FILE
 from pipecast.agent.transport.wire import CHUNK as CHUNK_MESSAGE
@@ -547,3 +549,36 @@ async def test_an_announced_length_beyond_the_range_is_refused_before_allocation
         assert peak < 10 << 20
     finally:
         server.close()
+
+
+@pytest.mark.skipif(not have_openssl(), reason="needs the openssl command to make test certificates")
+async def test_with_certificates_the_data_plane_is_mutual_tls(package, tmp_path):
+    """Issue #12: mTLS on the data plane when tls_* are set; a peer without a certificate from the cluster's
+    CA gets nothing, even with the data-plane key."""
+    root, manifest = package
+    certs = make_certs(tmp_path)
+    (tmp_path / "other").mkdir()
+    stranger = make_certs(tmp_path / "other", ca="other-ca")
+    tls = {"tls_cert": certs["server.pem"], "tls_key": certs["server.key"], "tls_ca": certs["ca.pem"],
+           "auth_token": "master"}
+    seed = seed_store(root)
+    _, listener = await serve(PeerServer(), seed, **tls)
+    try:
+        store = receiving_store(manifest)
+        try:
+            channel = await TcpTransport("rx", settings(**tls)).connect(listener.address, "seed")
+            await channel.fetch_block(manifest.package_id, 0, 0, store)
+            assert bytes(store.block_view(0)) == block_file_bytes(root, manifest, 0)
+            await channel.close()
+        finally:
+            store.close()
+        outsiders = [settings(auth_token="master"),  # the key but no certificate
+                     settings(auth_token="master", tls_cert=stranger["server.pem"], tls_key=stranger["server.key"],
+                              tls_ca=certs["ca.pem"])]  # a certificate from another CA
+        for outsider in outsiders:
+            with pytest.raises(PeerError):
+                channel = await TcpTransport("rx", outsider).connect(listener.address, "seed")
+                await channel.fetch_file(manifest.package_id, "manifest.json")
+    finally:
+        await listener.close()
+        seed.close()
