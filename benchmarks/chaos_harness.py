@@ -11,7 +11,9 @@ import logging
 import os
 import signal
 import socket
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -178,6 +180,9 @@ class Harness:
         self.key = data_plane_key(token)  # what the cluster's insiders (and their impostors) hold
         self.processes = Processes(folder, ChaosError)
         self.sockets: dict[str, Path] = {}
+        # Unix socket paths are limited to ~107 bytes: the agents' local sockets live in a short folder of
+        # their own, whatever --workdir is.
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="pc-chaos-"))
         self.mounts: list[Path] = []
         self.expected_dead: set[str] = set()
         self.failures = 0
@@ -257,7 +262,7 @@ class Harness:
         local API, watched by the sampler; returns its data-plane address."""
         name = name or node
         address = address or f"127.0.0.1:{free_port('127.0.0.1')}"
-        self.sockets[name] = self.folder / f"{name}.sock"
+        self.sockets[name] = self._socket_dir / f"{name}.sock"
         proc = self.processes.launch(name, cli("agent", "--node-id", node, "--listen", address, "--events",
                                                self.processes.events_path(name), "--local-socket",
                                                self.sockets[name], *args), env=self.env(env))
@@ -383,6 +388,7 @@ class Harness:
         """Stop every process (the control plane last), unmount, and record the peaks."""
         self.processes.stop(last=[n for n in self.processes.procs if n.startswith("control-plane")])
         self._sampler.stop()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
         for path in self.mounts:
             done = subprocess.run(["umount", str(path)], capture_output=True, timeout=CALL_TIMEOUT_S)
             if done.returncode != 0:
