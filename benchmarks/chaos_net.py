@@ -168,8 +168,25 @@ async def _close(writer: asyncio.StreamWriter) -> None:
 # -- a relay whose served bytes are flipped ------------------------------------------------------------
 
 
+class _LoopbackServer:
+    """A fake peer listening on loopback; subclasses answer each connection in ``_serve``."""
+
+    server: asyncio.AbstractServer | None
+    port: int
+
+    async def start(self, loop: BackgroundLoop) -> int:
+        """Listen on a free loopback port of ``loop`` (which closes it); the port."""
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        loop.servers.append(self.server)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
 @dataclass
-class FlippingProxy:
+class FlippingProxy(_LoopbackServer):
     """Forwards connections on its port to ``upstream``; in every ``CHUNK`` the agent sends back, one
     byte is flipped (a relay with bad memory, or a man in the middle). ``flipped`` counts them."""
 
@@ -178,13 +195,6 @@ class FlippingProxy:
     unparsed: int = 0  # answers that did not parse as the wire protocol (passed on unchanged)
     server: asyncio.AbstractServer | None = None
     port: int = 0
-
-    async def start(self, loop: BackgroundLoop) -> int:
-        """Listen on a free loopback port of ``loop`` (which closes it); the port."""
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        loop.servers.append(self.server)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self.port
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -241,7 +251,7 @@ def nested_json(nbytes: int) -> bytes:
 
 
 @dataclass
-class FakePeer:
+class FakePeer(_LoopbackServer):
     """A peer that answers every file request with ``body`` (a hostile manifest) and refuses blocks; with
     the data-plane ``key`` it passes the hello first (an insider)."""
 
@@ -250,13 +260,6 @@ class FakePeer:
     requests: int = 0
     server: asyncio.AbstractServer | None = None
     port: int = 0
-
-    async def start(self, loop: BackgroundLoop) -> int:
-        """Listen on a free loopback port of ``loop`` (which closes it); the port."""
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        loop.servers.append(self.server)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self.port
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
