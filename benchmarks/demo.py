@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import queue
+import secrets
 import shutil
 import sys
 import tempfile
@@ -36,6 +37,7 @@ from packager.manifest import read_manifest
 from packager.pack import pack
 from packager.verify import verify_package
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
+from pipecast.core.credentials import issue_node_token
 from pipecast.core.errors import PipecastError
 from pipecast.core.units import format_bytes
 from pipecast.serve.text import TextCodec
@@ -113,6 +115,9 @@ class _Demo(RunProcesses):
         self.manifest = read_manifest(package)
         self.logs = logs
         self.sockets = sockets
+        # Credentials as in a real cluster: the operator holds the master token, each agent its node token
+        # (so every peer connection runs the authenticated hello).
+        self.master = secrets.token_hex(16)
         netns = cluster.mode == "netns"
         self.endpoints = {
             (host, service): f"{cluster.address(host)}:{port if netns else free_port(cluster.address(host))}"
@@ -136,7 +141,7 @@ class _Demo(RunProcesses):
     def cp(self, name: str, *args: str) -> str:
         """Run ``pipecast cp ARGS`` on the control plane's host; its standard output."""
         proc = self.spawn(name, CONTROL, cli("cp", "--control-plane", self.endpoint(CONTROL, "control"), *args),
-                          stdout=PIPE)
+                          env=self.token_env(), stdout=PIPE)
         try:
             out, _ = proc.communicate(timeout=COMMAND_TIMEOUT_S)
         except TimeoutExpired:
@@ -146,6 +151,10 @@ class _Demo(RunProcesses):
             raise DemoError(f"pipecast cp {' '.join(args)} failed:\n{self.log_tail(name)}")
         return out.decode()
 
+    def token_env(self, node: str | None = None) -> dict[str, str]:
+        """The environment that gives the operator (``node`` None) or agent ``node`` its token."""
+        return {"PIPECAST_AUTH_TOKEN": issue_node_token(self.master, node) if node else self.master}
+
     # -- the steps ------------------------------------------------------------------------------------
 
     def start_services(self) -> None:
@@ -153,19 +162,22 @@ class _Demo(RunProcesses):
         control = self.endpoint(CONTROL, "control")
         host, port = control.rsplit(":", 1)
         self.spawn("control-plane", CONTROL, cli("control-plane", "--host", host, "--port", port,
-                                                   "--db", str(self.logs / "control.sqlite3")))
+                                                   "--db", str(self.logs / "control.sqlite3")),
+                   env=self.token_env())
         self.wait("control plane", lambda: "control plane listening" in self.log("control-plane"),
                   ["control-plane"], START_TIMEOUT_S)
         self.cp("publish", "publish", str(self.package), "--store-node", STORE, "--store-address",
                 self.endpoint(STORE, "agent"))
         self.spawn(STORE, STORE, cli("agent", "--node-id", STORE, "--listen", self.endpoint(STORE, "agent"),
                                       "--seed", str(self.package), "--control-plane", control,
-                                      "--events", str(self.logs / f"{STORE}.events.jsonl")))
+                                      "--events", str(self.logs / f"{STORE}.events.jsonl")),
+                   env=self.token_env(STORE))
         for w in WORKERS:
             serve = ["--serve-url", f"http://{self.endpoint(w, 'serve')}"] if w in (EWL, LTS) else []
             self.spawn(w, w, cli("agent", "--node-id", w, "--listen", self.endpoint(w, "agent"),
                                   "--control-plane", control, "--local-socket", str(self.sockets / f"{w}.sock"),
-                                  "--events", str(self.logs / f"{w}.events.jsonl"), *serve))
+                                  "--events", str(self.logs / f"{w}.events.jsonl"), *serve),
+                       env=self.token_env(w))
         self.wait("agents", lambda: all(any(e["event"] == "listening" for e in self.events(h))
                                         for h in (STORE, *WORKERS)), [STORE, *WORKERS], START_TIMEOUT_S)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -279,7 +291,8 @@ def cold_start(package: Path, logs: Path, mode: str) -> None:
         demo.start_services()
         _step(f"control plane, store agent and {len(WORKERS)} worker agents up in {time.monotonic() - start:.1f} s; "
               f"package {demo.manifest.package_id[:12]} published ({format_bytes(demo.manifest.total_bytes)}, "
-              f"S/B = {floor:.2f} s over {LINK_MBIT:g} Mbit/s)")
+              f"S/B = {floor:.2f} s over {LINK_MBIT:g} Mbit/s); credentials: the operator's master token, a "
+              f"node token per agent, every peer connection through the authenticated hello")
         start = time.monotonic()
         clients = demo.start_serving(prompt)
         _step(f"pipecast serve started on {EWL} (execute-while-load) and {LTS} (load-then-serve, the baseline) in "
