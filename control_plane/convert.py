@@ -60,4 +60,5 @@ def update_from_proto(msg: pb.AssignmentUpdate) -> AssignmentUpdate:
         strategy=msg.strategy,
         fetch=tuple(Fetch(t.block, peer_from_proto(t.peer)) for t in msg.fetch),
         serve=tuple((t.block, t.peer.node_id) for t in msg.serve),
-        plan_ids=tuple(msg.plan_ids), sources=tuple(peer_from_proto(p) for p in msg.sources))
+        plan_ids=tuple(msg.plan_ids), sources=tuple(peer_from_proto(p) for p in msg.sources),
+        receivers=tuple(msg.receivers))

@@ -92,3 +92,4 @@ class AssignmentUpdate:
     serve: tuple[tuple[int, str], ...] = ()  # ASSIGN: (block, child id), as in a plan's Part
     plan_ids: tuple[str, ...] = ()
     sources: tuple[PeerInfo, ...] = ()  # ASSIGN: nodes holding every block, the fallback of any fetch
+    receivers: tuple[str, ...] = ()  # ASSIGN to a source: every receiver of the plan, whom it may serve

@@ -379,7 +379,9 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             version=active.version, strategy=active.plan.strategy,
             fetch=[pb.Transfer(block=a.block, peer=peer(a.parent)) for a in part.fetch],
             serve=[pb.Transfer(block=block, peer=peer(child)) for block, child in part.serve],
-            sources=[peer(source) for source in active.plan.sources])
+            sources=[peer(source) for source in active.plan.sources],
+            # A source is every receiver's fallback: it may serve each of them, and only them.
+            receivers=sorted(active.plan.assignments) if notice.node_id in active.plan.sources else [])
 
 
 def _plan_summary(active: ActivePlan) -> pb.PlanSummary:

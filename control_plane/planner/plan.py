@@ -68,7 +68,8 @@ class Plan:
         return list(self._children.get((node, block), ()))
 
     def parts(self) -> dict[str, Part]:
-        """Every node's part: receivers fetch; parents (sources, receivers, holders) serve."""
+        """Every node's part: receivers fetch; parents (sources, receivers, holders) serve; every source has
+        a part, children or not (it is every receiver's fallback, so it must hear of the plan)."""
         serving: dict[str, list[tuple[int, str]]] = {}
         for receiver, fetches in self.assignments.items():
             for fetch in fetches:
@@ -80,6 +81,8 @@ class Plan:
         for node, children in serving.items():
             own = parts.get(node)
             parts[node] = Part(own.fetch if own is not None else (), tuple(children))
+        for source in self.sources:
+            parts.setdefault(source, Part((), ()))
         return parts
 
     def to_json(self) -> dict:

@@ -330,8 +330,8 @@ class ControlLink:
             if update.fetch and package_id not in self.host.peer_server.stores:
                 self.host.peer_server.expect(package_id)  # children may ask before this node has the manifest
             # Whom this node serves the package: the part's children, anyone if it is a source (the fallback).
-            self.host.peer_server.serve_part(update.plan_id, package_id, (child for _, child in update.serve),
-                                             source=self.session.node_id in {s.node_id for s in update.sources})
+            self.host.peer_server.serve_part(update.plan_id, package_id,
+                                             {*(child for _, child in update.serve), *update.receivers})
             follower = self._followers.get(package_id)
             if follower is None:
                 follower = self._followers[package_id] = PackageFollower(

@@ -27,12 +27,9 @@ class PeerServer:
     also remembers which nodes asked (the last :data:`MAX_REQUESTERS_PER_PACKAGE` per package), so a node
     knows when the children its plan gave it have come.
 
-    With ``plan_gated`` (an agent under a control plane) a node still receiving a package serves it only
-    to the children its current parts name (:meth:`serve_part`); a node that is a source of a current
-    plan of the package, or holds all of it (the control plane's sources are the complete holders), serves
-    it to any requester the transport let in, because the plan's sources are every receiver's fallback and
-    a source's own part names only its direct children (a source without children gets no part at all).
-    A requester it does not know yet gets ``grace_s`` for the part that names it to arrive (the control
+    With ``plan_gated`` (an agent under a control plane) a node serves a package only to the peers its
+    current parts name (:meth:`serve_part`): its children, and, for a plan's source, every receiver of that
+    plan (the sources are every receiver's fallback). A requester it does not know yet gets ``grace_s`` for the part that names it to arrive (the control
     plane tells a parent and its child at once, in no particular order). Without ``plan_gated`` (a static
     plan) every requester the transport let in is served.
     """
@@ -43,7 +40,7 @@ class PeerServer:
         self.requesters: dict[str, OrderedDict[str, None]] = {}
         self.plan_gated = plan_gated
         self.grace_s = grace_s
-        self._parts: dict[str, tuple[str, frozenset[str], bool]] = {}  # plan -> (package, children, source)
+        self._parts: dict[str, tuple[str, frozenset[str]]] = {}  # plan -> (package, the peers it may serve)
         self._added = asyncio.Event()
         self._parts_changed = asyncio.Event()
 
@@ -58,10 +55,10 @@ class PeerServer:
 
     # -- whom to serve (plan_gated) ----------------------------------------------------------------------
 
-    def serve_part(self, plan_id: str, package_id: str, children: Iterable[str], source: bool) -> None:
-        """This node's current part in ``plan_id`` names ``children`` (``source``: it is one of the plan's
-        sources)."""
-        self._parts[plan_id] = (package_id, frozenset(children), source)
+    def serve_part(self, plan_id: str, package_id: str, peers: Iterable[str]) -> None:
+        """This node's current part in ``plan_id`` lets it serve ``peers`` (its children; for a source, every
+        receiver of the plan)."""
+        self._parts[plan_id] = (package_id, frozenset(peers))
         self._parts_changed.set()
 
     def end_part(self, plan_id: str) -> None:
@@ -75,16 +72,12 @@ class PeerServer:
 
     def end_package(self, package_id: str) -> None:
         """Forget every part of ``package_id`` and who asked for it (the package is dropped)."""
-        for plan_id in [p for p, (pid, _, _) in self._parts.items() if pid == package_id]:
+        for plan_id in [p for p, (pid, _) in self._parts.items() if pid == package_id]:
             del self._parts[plan_id]
         self.requesters.pop(package_id, None)
 
     def _allowed(self, requester: str, package_id: str) -> bool:
-        if any(pid == package_id and (source or requester in children)
-               for pid, children, source in self._parts.values()):
-            return True
-        store = self.stores.get(package_id)
-        return store is not None and len(store.verified_blocks()) == len(store.manifest.blocks)
+        return any(pid == package_id and requester in peers for pid, peers in self._parts.values())
 
     async def admit(self, requester: str, package_id: str) -> None:
         if not self.plan_gated or self._allowed(requester, package_id):
@@ -93,8 +86,8 @@ class PeerServer:
         while not self._allowed(requester, package_id):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PeerNotAllowedError(f"node {requester} is not a child of this node in any current plan of "
-                                          f"package {package_id[:12]} (and this node is not one of its sources)")
+                raise PeerNotAllowedError(f"node {requester} is not named to this node in any current plan of "
+                                          f"package {package_id[:12]} (neither a child nor, for a source, a receiver)")
             self._parts_changed.clear()
             try:
                 await asyncio.wait_for(self._parts_changed.wait(), left)

@@ -354,7 +354,7 @@ class Transfer(_message.Message):
     def __init__(self, block: _Optional[int] = ..., peer: _Optional[_Union[Peer, _Mapping]] = ...) -> None: ...
 
 class AssignmentUpdate(_message.Message):
-    __slots__ = ("kind", "plan_id", "package_id", "version", "strategy", "fetch", "serve", "plan_ids", "sources")
+    __slots__ = ("kind", "plan_id", "package_id", "version", "strategy", "fetch", "serve", "plan_ids", "sources", "receivers")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[AssignmentUpdate.Kind]
@@ -376,6 +376,7 @@ class AssignmentUpdate(_message.Message):
     SERVE_FIELD_NUMBER: _ClassVar[int]
     PLAN_IDS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVERS_FIELD_NUMBER: _ClassVar[int]
     kind: AssignmentUpdate.Kind
     plan_id: str
     package_id: str
@@ -385,7 +386,8 @@ class AssignmentUpdate(_message.Message):
     serve: _containers.RepeatedCompositeFieldContainer[Transfer]
     plan_ids: _containers.RepeatedScalarFieldContainer[str]
     sources: _containers.RepeatedCompositeFieldContainer[Peer]
-    def __init__(self, kind: _Optional[_Union[AssignmentUpdate.Kind, str]] = ..., plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., version: _Optional[int] = ..., strategy: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., serve: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., plan_ids: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
+    receivers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[_Union[AssignmentUpdate.Kind, str]] = ..., plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., version: _Optional[int] = ..., strategy: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., serve: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., plan_ids: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., receivers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class IssueTokenRequest(_message.Message):
     __slots__ = ("node_id",)

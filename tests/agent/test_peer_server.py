@@ -30,10 +30,10 @@ async def test_under_a_control_plane_only_the_children_of_a_current_part_are_ser
     server.add(relay)
     pid = manifest.package_id
     try:
-        server.serve_part("plan-1", pid, ["child"], source=False)
+        server.serve_part("plan-1", pid, ["child"])
         await server.admit("child", pid)
         started = time.monotonic()
-        with pytest.raises(PeerNotAllowedError, match=rf"^node stranger is not a child of this node in any current "
+        with pytest.raises(PeerNotAllowedError, match=rf"^node stranger is not named to this node in any current "
                                                       rf"plan of package {pid[:12]}"):
             await server.admit("stranger", pid)
         assert time.monotonic() - started >= 0.2  # it was given the grace
@@ -51,22 +51,29 @@ async def test_a_part_arriving_within_the_grace_admits_the_child_that_asked_firs
     waiting = asyncio.create_task(server.admit("child", PKG))
     await asyncio.sleep(0.05)
     assert not waiting.done()
-    server.serve_part("plan-1", PKG, ["child"], source=False)
+    server.serve_part("plan-1", PKG, ["child"])
     await asyncio.wait_for(waiting, 1)
 
 
-async def test_a_source_or_a_complete_holder_serves_every_receivers_fallback(package):
+async def test_a_source_serves_the_receivers_of_its_plans_and_no_one_else(package):
+    """Issue #12: a source (every receiver's fallback) is told the plan's receivers; holding the whole
+    package lets a node serve no one by itself."""
     root, manifest = package
+    pid = manifest.package_id
     server = PeerServer(plan_gated=True, grace_s=0.0)
-    server.serve_part("plan-1", PKG, [], source=True)
-    await server.admit("anyone", PKG)
-    server.retain_parts([])
-    with pytest.raises(PeerNotAllowedError):
-        await server.admit("anyone", PKG)
     seed = seed_store(root)
     try:
-        server.add(seed)  # holds all of it: a source in any plan of it
-        await server.admit("anyone", manifest.package_id)
+        server.add(seed)  # holds all of it
+        with pytest.raises(PeerNotAllowedError):
+            await server.admit("anyone", pid)
+        server.serve_part("plan-1", pid, ["w1", "w2", "w3"])  # a source's part: every receiver of plan-1
+        for receiver in ("w1", "w2", "w3"):
+            await server.admit(receiver, pid)
+        with pytest.raises(PeerNotAllowedError):
+            await server.admit("anyone", pid)
+        server.retain_parts([])
+        with pytest.raises(PeerNotAllowedError):
+            await server.admit("w1", pid)
     finally:
         seed.close()
 

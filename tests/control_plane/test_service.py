@@ -220,6 +220,32 @@ async def test_scale_up_streams_assignments_to_each_watching_worker(client):
             await watcher.close()
 
 
+async def test_a_source_is_told_every_receiver_of_its_plan_even_without_children(client):
+    """Issue #12: a source serves only the receivers of its current plans (each may fall back to it), so its
+    ASSIGN names them all, and a source with no child of its own still gets one."""
+    await client.publish_package(manifest(), STORE)
+    for node in ("w8", "w9"):  # warm workers holding the package: sources
+        await client.register(spec(node), {PKG: range(BLOCKS)})
+    receivers = ["w1", "w2"]
+    for node in receivers:
+        await client.register(spec(node))
+    watchers = {node: Watcher(client, node) for node in ("w8", "w9", *receivers)}
+    try:
+        for watcher in watchers.values():
+            assert (await watcher.next()).kind is UpdateKind.SYNC
+        reply = await client.scale_up(PKG, node_ids=receivers, strategy="chain")
+        updates = {node: await watcher.next() for node, watcher in watchers.items()}
+        assert all(u.kind is UpdateKind.ASSIGN and u.plan_id == reply.plan_id for u in updates.values())
+        sources = {s.node_id for s in updates["w1"].sources}
+        assert sources and sources <= {"w8", "w9", STORE.node_id}
+        for node in sources - {STORE.node_id}:
+            assert updates[node].receivers == tuple(receivers) and not updates[node].fetch
+        assert all(updates[node].receivers == () for node in receivers)
+    finally:
+        for watcher in watchers.values():
+            await watcher.close()
+
+
 async def test_a_reconnecting_stream_gets_its_current_part(client):
     await client.publish_package(manifest(), STORE)
     await client.register(spec("w1"))

@@ -139,7 +139,7 @@ class ServedPackages(Protocol):
 
     async def admit(self, requester: str, package_id: str) -> None:
         """Return if node ``requester`` may be served ``package_id``; raise an ``AgentError`` saying why
-        not (e.g. ``PeerNotAllowedError``: it is not a child of this node in any current plan)."""
+        not (e.g. ``PeerNotAllowedError``: no current plan names it to this node)."""
         ...
 
     def peer_requested(self, requester: str, package_id: str, block: int | None) -> None:

@@ -245,11 +245,11 @@ async def test_a_requester_no_plan_names_is_refused_and_not_recorded(package, tr
     relay = receiving_store(manifest)  # still receiving: it serves only its children
     server = RecordingServer(plan_gated=True, grace_s=0.1)
     server.add(relay)
-    server.serve_part("plan-1", manifest.package_id, ["child"], source=False)
+    server.serve_part("plan-1", manifest.package_id, ["child"])
     listener = await transports("relay").listen("127.0.0.1", 0, server)
     try:
         stranger = await transports("stranger").connect(listener.address, "relay")
-        with pytest.raises(PeerRefusedError, match=r"^peer relay: node stranger is not a child of this node in any "
+        with pytest.raises(PeerRefusedError, match=r"^peer relay: node stranger is not named to this node in any "
                                                    r"current plan of package"):
             await stranger.fetch_file(manifest.package_id, "manifest.json")
         child = await transports("child").connect(listener.address, "relay")
