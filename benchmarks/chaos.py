@@ -35,11 +35,14 @@ from benchmarks.chaos_scenarios import (
     cache_enospc,
     control_plane_restart,
     corrupt_relay,
+    forged_manifest,
     hostile_json,
+    impersonation,
     nested_manifest,
     relay_killed,
     resource_abuse,
     scale_cycles,
+    symlinked_checkpoint,
     unauthenticated_manifest,
 )
 from benchmarks.runinfo import versions
@@ -59,7 +62,10 @@ SCENARIOS: dict[str, Scenario] = {
     "resource-abuse": resource_abuse,
     "scale-cycles": scale_cycles,
     "nested-manifest": nested_manifest,
+    "forged-manifest": forged_manifest,
     "unauth-manifest": unauthenticated_manifest,
+    "impersonation": impersonation,
+    "symlinked-checkpoint": symlinked_checkpoint,
     "hostile-json": hostile_json,
 }
 

@@ -6,6 +6,8 @@ a 400). The harness counts hangs, corrupt blocks served and resource peaks aroun
 import asyncio
 import json
 import re
+import shutil
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -26,13 +28,18 @@ from benchmarks.chaos_net import (
     unique_requesters,
 )
 from benchmarks.processes import cli, free_port
-from control_plane.messages import PeerInfo
+from control_plane.client import ControlPlaneClient
+from control_plane.errors import PermissionDenied
+from control_plane.messages import PeerInfo, WorkerSpec
 from control_plane.planner.schedules import make_plan
+from packager.manifest import manifest_to_json
 from pipecast.agent.plan_file import plan_file_data
+from pipecast.core.credentials import issue_node_token
 from pipecast.v1.manifest_pb2 import Manifest
 
 MIB = 1 << 20
 STORE = "store"
+OVERSIZED_BODY_BYTES = 20 << 20  # over the serving worker's and the router's 16 MiB body limit
 START_S = 60.0  # python start-up of a few processes on a busy 2-core machine
 # Growth over the scale-up/release cycles that still counts as no leak: allocator noise, caches filled
 # by the first cycles (the baseline is taken after the first one).
@@ -464,11 +471,11 @@ def scale_cycles(h: Harness, ctx: Context) -> bool:
 # -- 8. the issue's findings, black-box ----------------------------------------------------------------
 
 
-def nested_manifest(h: Harness, ctx: Context) -> bool:
-    """A fake peer answers the manifest request with deeply nested JSON: the agent survives and gets the
-    package from the store."""
+def _bad_manifest_first(h: Harness, ctx: Context, body: bytes, what: str) -> bool:
+    """A fake member (it holds the data-plane key) is the first source of a plan and answers the manifest
+    request with ``body``: the target survives, refuses it and gets the package from the store."""
     pid, blocks = ctx.manifest.package_id, len(ctx.manifest.blocks)
-    fake = FakePeer(nested_json(ctx.sizes.hostile_bytes), h.key)
+    fake = FakePeer(body, h.key)
     nodes = {"fake": f"127.0.0.1:{ctx.loop.run(fake.start(ctx.loop), 10.0)}",
              STORE: f"127.0.0.1:{free_port('127.0.0.1')}", "target": f"127.0.0.1:{free_port('127.0.0.1')}"}
     # The fake is the first source, so the target asks it for the manifest first.
@@ -477,11 +484,79 @@ def nested_manifest(h: Harness, ctx: Context) -> bool:
     if not h.wait_event(STORE, "listening", START_S):  # the others would give up on it meanwhile
         return False
     h.agent("target", "--plan", plan, address=nodes["target"])
-    h.fault(f"a fake peer (with the data-plane key) serves a {ctx.sizes.hostile_bytes // 1000} KB deeply nested "
-            "manifest")
+    h.fault(f"a fake peer (with the data-plane key) serves {what}")
     done = h.wait_event("target", "complete", ctx.sizes.transfer_s, package=pid)
     h.check(fake.requests > 0, "the target never asked the fake peer")
     return h.check(done, "the target did not complete from the store")
+
+
+def nested_manifest(h: Harness, ctx: Context) -> bool:
+    """Finding 3: a fake peer answers the manifest request with deeply nested JSON."""
+    return _bad_manifest_first(h, ctx, nested_json(ctx.sizes.hostile_bytes),
+                               f"a {ctx.sizes.hostile_bytes // 1000} KB deeply nested manifest")
+
+
+def forged_manifest(h: Harness, ctx: Context) -> bool:
+    """Finding 4: a fake peer answers with the real manifest, one field changed, under the real id."""
+    forged = Manifest()
+    forged.CopyFrom(ctx.manifest)
+    forged.model_name = "forged"
+    return _bad_manifest_first(h, ctx, manifest_to_json(forged).encode(),
+                               "the package's manifest with model_name changed and the package id kept")
+
+
+def impersonation(h: Harness, ctx: Context) -> bool:
+    """Finding 2: with its own node token, w2 tries to register as w1, watch w1's assignments, publish and
+    scale up: every call is refused, and w1 stays registered at its own address."""
+    if not _start_cluster(h, ctx, ["w1"]):
+        return False
+    forged = WorkerSpec(PeerInfo("w1", "127.0.0.9:7070", ("tcp",)), 1 << 30)
+    calls = {"register as w1": lambda c: c.register(forged),
+             "report blocks as w1": lambda c: c.report_blocks("w1", {ctx.manifest.package_id: [0]}),
+             "publish": lambda c: c.publish_package(ctx.manifest, PeerInfo("w2", "127.0.0.9:7070", ("tcp",))),
+             "scale up": lambda c: c.scale_up(ctx.manifest.package_id, count=1)}
+    ok = True
+    for what, call in calls.items():
+        h.fault(f"w2's node token: {what}")
+
+        async def attempt(call=call) -> str:
+            w2 = ControlPlaneClient(h.control_address, token=issue_node_token(h.token, "w2"), timeout_s=10.0)
+            async with w2 as client:
+                try:
+                    await call(client)
+                except PermissionDenied as exc:
+                    return f"refused ({exc})"[:120]
+                return "accepted"
+
+        outcome = h.call(what, attempt)
+        h.note(f"{what}: {outcome}")
+        ok &= h.check(outcome is not None and outcome.startswith("refused"), f"{what} was not refused: {outcome}")
+
+    async def w1_address() -> str:
+        async with h.client() as client:
+            return next(w.worker.peer.address for w in await client.list_workers() if w.worker.peer.node_id == "w1")
+
+    address = h.call("list workers", w1_address)
+    return h.check(ok and address is not None and address != forged.peer.address,
+                   f"w1 is registered at {address}")
+
+
+def symlinked_checkpoint(h: Harness, ctx: Context) -> bool:
+    """Finding 6: a checkpoint whose tokenizer.json is a symlink to a secret outside it: `pipecast pack`
+    refuses it by name and leaves no package behind."""
+    source = ctx.package.parent / f"{ctx.package.name}-checkpoint"
+    checkpoint, out, secret = h.folder / "checkpoint", h.folder / "packed", h.folder / "secret.txt"
+    checkpoint.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(source / name, checkpoint / name)
+    secret.write_text("a credential that must never be multicast\n")
+    (checkpoint / "tokenizer.json").symlink_to(secret)
+    h.fault("pack a checkpoint whose tokenizer.json is a symlink to a file outside it")
+    done = subprocess.run(cli("pack", checkpoint, out, verbose=False), capture_output=True, text=True,
+                          timeout=120)
+    h.note(f"pipecast pack: exit {done.returncode}: {done.stderr.strip()[-160:]}")
+    return h.check(done.returncode == 2 and "tokenizer.json" in done.stderr and not out.exists(),
+                   "the packager read a file outside the checkpoint or left a package behind")
 
 
 def unauthenticated_manifest(h: Harness, ctx: Context) -> bool:
@@ -521,8 +596,8 @@ def _healthy(url: str) -> bool:
 
 
 def hostile_json(h: Harness, ctx: Context) -> bool:
-    """~200 KB of deeply nested JSON to the completions endpoint of a serving worker and of the router:
-    400, not 500, and both keep serving."""
+    """Findings 3 and 8: ~200 KB of deeply nested JSON to the completions endpoint of a serving worker and
+    of the router: 400, not 500; a body over the limit: 413; and both keep serving."""
     package, manifest = ctx.model_package()
     ctx.manifests[manifest.package_id] = manifest
     h.agent("agent", "--seed", package)
@@ -550,6 +625,11 @@ def hostile_json(h: Harness, ctx: Context) -> bool:
             if status == 0:
                 h.hang(f"{name} did not answer {what}")
             ok &= h.check(status == 400, f"{name} answered {what} with {status or 'nothing'} (expected 400)")
+        big = b'{"model": "m", "max_tokens": 1, "prompt": "' + b"a" * OVERSIZED_BODY_BYTES + b'"}'
+        status = _post(f"{url}/v1/completions", big)
+        h.fault(f"a {len(big) >> 20} MiB body to {name}")
+        h.note(f"{name}, {len(big) >> 20} MiB body: {status or 'no answer'}")
+        ok &= h.check(status == 413, f"{name} answered a {len(big) >> 20} MiB body with {status} (expected 413)")
         ok &= h.check(_healthy(url), f"{name} is not healthy after the hostile bodies")
     return ok
 

@@ -41,6 +41,9 @@ def test_a_scenario_passes_only_if_it_survived_clean_and_within_bounds():
     assert set(data["scenarios"][0]) == SCENARIO_FIELDS
 
 
+NO_AGENTS = {"symlinked-checkpoint"}  # runs the packager only: no agent to sample or re-hash
+
+
 def _ours(workdir: Path) -> list[str]:
     return [" ".join(p.info["cmdline"]) for p in psutil.process_iter(["cmdline"])
             if any(str(workdir) in arg for arg in p.info["cmdline"] or ())]
@@ -57,8 +60,9 @@ def test_the_short_suite_passes_every_scenario_and_leaves_nothing_behind(tmp_pat
     for scenario in data["scenarios"]:
         assert set(scenario) == SCENARIO_FIELDS
         assert set(scenario["bounds"]) == {"rss_bytes", "fds", "threads"}
-        assert scenario["peak_rss_bytes"] > 0, scenario  # its agents were sampled
-        assert scenario["blocks_rehashed"] > 0, scenario  # the store's blocks at least: the check is not empty
+        if scenario["name"] not in NO_AGENTS:
+            assert scenario["peak_rss_bytes"] > 0, scenario  # its agents were sampled
+            assert scenario["blocks_rehashed"] > 0, scenario  # the store's blocks at least: the check is not empty
         assert scenario["passed"] == (scenario["survived"] and not scenario["corrupt_served"]
                                       and not scenario["hangs"]
                                       and scenario["peak_rss_bytes"] <= scenario["bounds"]["rss_bytes"]
