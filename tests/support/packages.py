@@ -5,14 +5,10 @@ it with the byte-level tokenizer), or random bytes shaped like a llama checkpoin
 large as a test of the agent or the transports needs; nothing can run it).
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from safetensors.numpy import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
+from benchmarks.tiny_checkpoints import write_byte_tokenizer, write_random_checkpoint
 from packager.pack import pack
 from pipecast.core.units import DEFAULT_CHUNK_BYTES
 from pipecast.v1.manifest_pb2 import Manifest
@@ -52,40 +48,9 @@ def tiny_package(path: Path, arch: str = "llama", *, seed: int = 0, layers: int 
     elif arch != "llama" or config:
         raise ValueError("a random-bytes package (layer_bytes) is shaped like a llama and has no model config")
     else:
-        _random_checkpoint(checkpoint, layers, layer_bytes, tokenizer_bytes, seed)
+        write_random_checkpoint(checkpoint, layers, layer_bytes, tokenizer_bytes, seed)
     if tokenizer:
         write_byte_tokenizer(checkpoint)
     manifest = pack(checkpoint, path, layers_per_block=layers_per_block, chunk_bytes=chunk_bytes,
                     model_name=f"tiny-{arch}")
     return TinyPackage(checkpoint, path, manifest)
-
-
-def _random_checkpoint(folder: Path, layers: int, layer_bytes: int, tokenizer_bytes: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True)
-    tensors = {"model.embed_tokens.weight": rng.integers(0, 256, (16, 256), dtype=np.uint8),
-               "model.norm.weight": rng.integers(0, 256, (256,), dtype=np.uint8)}
-    for layer in range(layers):
-        tensors[f"model.layers.{layer}.mlp.weight"] = rng.integers(0, 256, (layer_bytes,), dtype=np.uint8)
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(
-        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers}))
-    if tokenizer_bytes:
-        (folder / "tokenizer.json").write_bytes(rng.integers(0, 256, tokenizer_bytes, dtype=np.uint8).tobytes())
-
-
-def _byte_symbols() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte (the alphabet of byte-level BPE)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-
-
-def write_byte_tokenizer(folder: Path) -> None:
-    """Write tokenizer.json and tokenizer_config.json of a byte-level tokenizer: token id = byte value."""
-    vocab = {symbol: byte for byte, symbol in _byte_symbols().items()}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))

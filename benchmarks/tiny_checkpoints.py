@@ -1,0 +1,44 @@
+"""Small checkpoints built in-process for benchmarks and tests (nothing is downloaded): random bytes shaped
+like a Llama checkpoint for moving data, and a byte-level tokenizer for serving a tiny model."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+
+def write_random_checkpoint(folder: Path, layers: int, layer_bytes: int, tokenizer_bytes: int = 0,
+                            seed: int = 0) -> None:
+    """A checkpoint folder of ``layers`` layers of ``layer_bytes`` random bytes each (Llama tensor names;
+    nothing can run it), and ``tokenizer_bytes`` of random bytes as its tokenizer.json if asked."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    tensors = {"model.embed_tokens.weight": rng.integers(0, 256, (16, 256), dtype=np.uint8),
+               "model.norm.weight": rng.integers(0, 256, (256,), dtype=np.uint8)}
+    for layer in range(layers):
+        tensors[f"model.layers.{layer}.mlp.weight"] = rng.integers(0, 256, (layer_bytes,), dtype=np.uint8)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers}))
+    if tokenizer_bytes:
+        (folder / "tokenizer.json").write_bytes(rng.integers(0, 256, tokenizer_bytes, dtype=np.uint8).tobytes())
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (the alphabet of byte-level BPE)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def write_byte_tokenizer(folder: Path) -> None:
+    """Write tokenizer.json and tokenizer_config.json of a byte-level tokenizer: token id = byte value."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {symbol: byte for byte, symbol in _byte_symbols().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
