@@ -5,6 +5,8 @@ of its own, so nothing is added to the machine's own namespace and the private s
 never leaves the cluster. Each host's link is shaped with tc HTB in both directions: egress on the
 host-side veth, ingress on the bridge-side veth. Each direction has one class per peer (rate B/(n-1),
 ceil B) under a parent at rate B, so flows sharing a link split it per peer rather than per TCP flow.
+With ``link_queue="fifo"`` each direction is one class at rate B instead: one first-in first-out queue
+shared by every flow, as at a switch port, so a small flow waits behind a bulk flow's queued bytes.
 
 In ``loopback`` mode (no namespaces allowed, or asked for) each host gets its own 127.0.0.x address and
 the processes the cluster starts are told their link rate through ``PIPECAST_EGRESS_MBIT`` and
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 ClusterMode = Literal["netns", "loopback"]
 RequestedMode = Literal["auto", "netns", "loopback"]
+LinkQueue = Literal["per-peer", "fifo"]
 
 EGRESS_ENV = "PIPECAST_EGRESS_MBIT"
 INGRESS_ENV = "PIPECAST_INGRESS_MBIT"
@@ -139,15 +142,19 @@ def plan_hosts(
 
 
 def htb_commands(dev: str, rate_mbit: float, peers: Sequence[HostPlan], match: Literal["dst", "src"],
-                 mtu: int) -> list[str]:
+                 mtu: int, queue: LinkQueue = "per-peer") -> list[str]:
     """tc batch lines shaping ``dev``'s egress at ``rate_mbit`` with one HTB class per peer.
 
     Each peer's class is guaranteed rate/len(peers) and may borrow up to the full rate; packets are
     classified by the peer's address as destination (a host's egress) or source (a host's ingress).
-    Equal quanta make borrowing classes share spare rate equally.
+    Equal quanta make borrowing classes share spare rate equally. ``queue="fifo"``: one class (and its
+    one FIFO) for every packet instead.
     """
     rate = int(rate_mbit * 1e6)
     shape = f"burst {HTB_BURST_BYTES} cburst {HTB_BURST_BYTES}"
+    if queue == "fifo":
+        return [f"qdisc replace dev {dev} root handle 1: htb default 1",
+                f"class add dev {dev} parent 1: classid 1:1 htb rate {rate}bit ceil {rate}bit {shape}"]
     quantum = 2 * (mtu + 14)
     lines = [
         f"qdisc replace dev {dev} root handle 1: htb default 2",
@@ -276,7 +283,8 @@ class EmulatedCluster:
 
     ``link_mbit`` is every host's rate in each direction; the store host (``store_host``, if among the
     hosts) sends at ``store_mbit`` (default: ``link_mbit``). ``mode="auto"`` uses namespaces where they
-    work and loopback otherwise (logged, and in :attr:`mode_reason`). ``mtu`` applies to netns mode.
+    work and loopback otherwise (logged, and in :attr:`mode_reason`). ``mtu`` and ``link_queue`` (one
+    class per peer, or one FIFO per link direction: see the module docstring) apply to netns mode.
     """
 
     def __init__(
@@ -288,9 +296,12 @@ class EmulatedCluster:
         mode: RequestedMode = "auto",
         mtu: int = 9000,
         name_prefix: str = "pc",
+        link_queue: LinkQueue = "per-peer",
     ) -> None:
         if mode not in ("auto", "netns", "loopback"):
             raise ClusterError(f"mode must be 'auto', 'netns' or 'loopback', got {mode!r}")
+        if link_queue not in ("per-peer", "fifo"):
+            raise ClusterError(f"link_queue must be 'per-peer' or 'fifo', got {link_queue!r}")
         if not _NAME_PREFIX.match(name_prefix):
             raise ClusterError(f"name_prefix must be 1-6 lowercase letters, got {name_prefix!r}")
         if not 1280 <= mtu <= 65535:
@@ -302,6 +313,7 @@ class EmulatedCluster:
         self._store_host = store_host
         self._mtu = mtu
         self._name_prefix = name_prefix
+        self._link_queue: LinkQueue = link_queue
         # Validate now, so a bad layout fails before anything is built.
         plan_hosts(self._hosts, self._link_mbit, store_mbit, store_host, NETNS_SUBNET)
         self._mode: ClusterMode | None = None
@@ -359,7 +371,8 @@ class EmulatedCluster:
 
     def describe(self) -> str:
         """One line for benchmark output: mode, size and link rates."""
-        shaping = ("tc htb per host and direction, one class per peer" if self.mode == "netns"
+        queue = "one class per peer" if self._link_queue == "per-peer" else "one FIFO shared by every flow"
+        shaping = (f"tc htb per host and direction, {queue}" if self.mode == "netns"
                    else f"application-level token buckets ({EGRESS_ENV}/{INGRESS_ENV}), no kernel shaping")
         store = (f", store {self._store_host!r} egress {self.store_mbit:g} Mbit/s"
                  if self._store_host in self._hosts else "")
@@ -505,9 +518,10 @@ class EmulatedCluster:
                 f"link set {HOST_IFACE} up",
             ]
             _run([ip, "-n", self._host_netns(p), "-batch", "-"], stdin="\n".join(host_lines) + "\n")
-            egress = htb_commands(HOST_IFACE, p.egress_mbit, peers, "dst", self._mtu)
+            egress = htb_commands(HOST_IFACE, p.egress_mbit, peers, "dst", self._mtu, self._link_queue)
             _run([tc, "-n", self._host_netns(p), "-batch", "-"], stdin="\n".join(egress) + "\n")
-            ingress_lines += htb_commands(self._bridge_port(p), p.ingress_mbit, peers, "src", self._mtu)
+            ingress_lines += htb_commands(self._bridge_port(p), p.ingress_mbit, peers, "src", self._mtu,
+                                          self._link_queue)
         _run([tc, "-n", bridge_ns, "-batch", "-"], stdin="\n".join(ingress_lines) + "\n")
 
     # -- signals --------------------------------------------------------------------------------------

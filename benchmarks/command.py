@@ -4,6 +4,7 @@ Each command imports its benchmark only when it runs, so that ``pipecast bench -
 """
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -86,6 +87,49 @@ def bench_distribution(workers, link_mbit, store_mbit, package, strategies, tran
         distribution.save_plot(report, plot_path)
 
 
+@bench_group.command("share")
+@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+              help="Every host's link rate per direction, Mbit/s (the agents' agent_link_mbit).")
+@click.option("--share", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=0.8,
+              show_default=True, help="The multicast share measured against share 1 (the whole link).")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=50.0, show_default=True,
+              help="Serving requests per second, open loop (enough that each multicast phase has a p99).")
+@click.option("--deadline", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="Seconds a serving request may take; a later one counts as failed, at the deadline.")
+@click.option("--idle-seconds", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Length of the idle-link phase.")
+@click.option("--package-mib", type=click.IntRange(min=8), default=160, show_default=True,
+              help="Size of the random package built (and cached) when --package is not given.")
+@click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Block package to multicast (default: a random one of --package-mib).")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
+              show_default=True, help="Where the random package is cached.")
+@click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
+              help="Emulated cluster: network namespaces with tc, or loopback with app-level rate limits.")
+@click.option("--link-queue", type=click.Choice(["fifo", "per-peer"]), default="fifo", show_default=True,
+              help="netns mode: each link direction one FIFO shared by every flow (a switch port), or one tc class "
+                   "per peer (which keeps the serving traffic out of the multicast's queue).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep the processes' logs and events here (default: a temp dir, removed).")
+def bench_share(link_mbit, share, rate, deadline, idle_seconds, package_mib, package, cache, mode, link_queue,
+                json_path, workdir):
+    """Serving p99 on a link that is multicasting: idle, at the whole link, and at the multicast share."""
+    from benchmarks import share as share_bench
+
+    try:
+        config = share_bench.ShareConfig(package=package or share_bench.share_package(cache, package_mib),
+                                         link_mbit=link_mbit, share=share, rate_per_s=rate, deadline_s=deadline,
+                                         idle_s=idle_seconds, mode=mode, link_queue=link_queue)
+    except share_bench.ShareBenchError as exc:
+        raise click.UsageError(str(exc)) from None
+    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
+        report = share_bench.run(config, Path(workdir or tmp), progress=click.echo)
+    click.echo(share_bench.format_report(report))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+
+
 # The Azure LLM inference trace 2023 (conversation), beside the repository (DESIGN 5).
 SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 
@@ -95,7 +139,7 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
               help="Pool size N the surge scales to.")
 @click.option("--min-workers", type=click.IntRange(min=0), default=0, show_default=True,
               help="Workers holding the model before the surge in every strategy (the pool's minimum).")
-@click.option("--strategy", "strategies", default="unicast,warm-pool,pipecast", show_default=True,
+@click.option("--strategy", "strategies", default="unicast,warm-pool,pipecast-oracle,pipecast", show_default=True,
               help="Strategies, comma-separated; NAME:W gives one W warm workers (e.g. warm-pool:4).")
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), default=SURGE_TRACE, show_default=True,
               help="Trace CSV with columns TIMESTAMP, ContextTokens, GeneratedTokens.")
@@ -111,6 +155,17 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
                    "out of saturation).")
 @click.option("--synthetic", metavar="step:rate=R,duration=D | burst:requests=K,spread=S",
               help="A synthetic surge instead of the trace (its requests use the caps as lengths).")
+@click.option("--surges", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Play the load this many times, each after --quiet-seconds without a request (the long run: "
+                   "scale-down in the quiet, a cold start at each surge).")
+@click.option("--quiet-seconds", type=click.FloatRange(min=0), default=90.0, show_default=True,
+              help="The quiet period between two surges (longer than the keep-alive plus the scale-down cooldown).")
+@click.option("--slo-ttft-p99", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="The daemon's p99 TTFT SLO, seconds (strategies scaled by the daemon).")
+@click.option("--keep-alive", type=click.FloatRange(min=0), default=20.0, show_default=True,
+              help="The daemon releases a replica idle this long, seconds.")
+@click.option("--scale-down-cooldown", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="The daemon releases nothing this long after a scale event, seconds.")
 @click.option("--prompt-cap", type=click.IntRange(min=1), default=64, show_default=True,
               help="Largest prompt sent, in tokens (this machine computes on CPU).")
 @click.option("--output-cap", type=click.IntRange(min=1), default=4, show_default=True,
@@ -129,6 +184,9 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
               help="Sequences a worker runs together.")
 @click.option("--queue-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds a request may wait in the router for a worker.")
+@click.option("--worker-cpus", type=click.FloatRange(min=0),
+              help="CPUs each serving worker may use (a cgroup CFS quota): each emulated node's own compute, as a "
+                   "GPU node has. Default: the machine's cores / --workers; 0: no quota (workers share every core).")
 @click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Block package to serve (default: the demo model's, packed on first use).")
 @click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
@@ -144,10 +202,13 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep every process's log and events here (default: a temp dir, removed).")
 def bench_surge(workers, min_workers, strategies, trace, window_start, window_seconds, window_requests, time_scale,
-                synthetic, prompt_cap, output_cap, link_mbit, store_mbit, repeat, pre_surge_seconds, first_n,
-                worker_max_batch, queue_timeout, package, cache, mode, no_calibrate, json_path, csv_path,
-                plots_dir, workdir):
+                synthetic, surges, quiet_seconds, slo_ttft_p99, keep_alive, scale_down_cooldown, prompt_cap,
+                output_cap, link_mbit, store_mbit, repeat, pre_surge_seconds, first_n, worker_max_batch,
+                queue_timeout, worker_cpus, package, cache, mode, no_calibrate, json_path, csv_path, plots_dir,
+                workdir):
     """TTFT while a traffic surge scales the pool from its minimum to N: pipecast vs unicast and a warm pool."""
+    from dataclasses import replace
+
     from benchmarks.surge import run as surge
     from benchmarks.surge import trace as traces
     from benchmarks.surge.strategies import parse_strategies
@@ -162,6 +223,9 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
             window = traces.Window(window_start, window_seconds, window_requests)
             schedule = traces.replay_schedule(traces.read_trace(trace), window, time_scale, caps)
             description = f"trace {trace.name}, window {window.describe()}, time scale {time_scale:g}"
+        if surges > 1:
+            schedule = traces.repeat_surges(schedule, surges, quiet_seconds)
+            description += f"; played {surges} times, {quiet_seconds:g} s quiet between"
         if package is None:
             from benchmarks.demo_model import demo_package
 
@@ -170,7 +234,10 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
             package=package, schedule=schedule, load_description=description, caps=caps,
             strategies=parse_strategies(strategies), workers=workers, min_workers=min_workers, link_mbit=link_mbit,
             store_mbit=store_mbit, repeat=repeat, pre_surge_s=pre_surge_seconds, first_n=first_n, mode=mode,
-            worker_max_batch=worker_max_batch, queue_timeout_s=queue_timeout, calibrate=not no_calibrate)
+            worker_max_batch=worker_max_batch, queue_timeout_s=queue_timeout, calibrate=not no_calibrate,
+            worker_cpus=(os.cpu_count() or 1) / workers if worker_cpus is None else (worker_cpus or None),
+            policy=replace(surge.DEFAULT_POLICY, slo_ttft_p99_s=slo_ttft_p99, keep_alive_s=keep_alive,
+                           scale_down_cooldown_s=scale_down_cooldown))
     except PipecastError as exc:
         raise click.UsageError(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
@@ -301,3 +368,40 @@ def bench_control_plane(workers: int, blocks: int, duration_s: float, batch: int
     click.echo(bench.report(result))
     if json_path:
         json_path.write_text(json.dumps(bench.to_json(result), indent=2))
+
+
+@bench_group.command("tenants")
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Serving workers.")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=20.0,
+              show_default=True, help="Seconds of load per phase.")
+@click.option("--rate-b", type=click.FloatRange(min=0, min_open=True),
+              help="Tenant b's requests/s (default: 20% of the calibrated capacity).")
+@click.option("--rate-a", type=click.FloatRange(min=0, min_open=True),
+              help="Tenant a's limit, requests/s (default: 20% of the calibrated capacity).")
+@click.option("--burst-factor", type=click.FloatRange(min=1, min_open=True), default=10.0, show_default=True,
+              help="Tenant a sends this many times its limit in the burst phases.")
+@click.option("--deadline", "deadline_s", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Seconds a request may take; a later one counts as failed, at the deadline.")
+@click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Block package to serve (default: a random tiny Llama with a byte-level tokenizer, built on "
+                   "first use).")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
+              show_default=True, help="Where the default package is cached.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep the processes' logs here (default: a temp dir, removed).")
+def bench_tenants(workers, duration_s, rate_b, rate_a, burst_factor, deadline_s, package, cache, json_path, workdir):
+    """Tenant b's p99 while tenant a bursts at 10x its rate, with per-tenant limits and without."""
+    from benchmarks import tenants
+
+    try:
+        config = tenants.TenantsConfig(package=package or tenants.tenants_package(cache), workers=workers,
+                                       duration_s=duration_s, rate_a=rate_a, rate_b=rate_b,
+                                       burst_factor=burst_factor, deadline_s=deadline_s)
+    except tenants.TenantsBenchError as exc:
+        raise click.UsageError(str(exc)) from None
+    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
+        report = tenants.run(config, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
+    click.echo(tenants.format_report(report))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))

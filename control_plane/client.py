@@ -20,11 +20,16 @@ from control_plane.auth import auth_metadata, channel_credentials
 from control_plane.convert import (
     MAX_MESSAGE_BYTES,
     blocks_to_proto,
+    deployment_from_proto,
+    deployment_to_proto,
     peer_from_proto,
     peer_to_proto,
+    scale_event_from_proto,
+    scale_event_to_proto,
     spec_to_proto,
     update_from_proto,
 )
+from control_plane.deployments import Deployment, ScaleEvent
 from control_plane.errors import ControlPlaneUnavailable, error_from_rpc
 from control_plane.messages import AssignmentUpdate, PeerInfo, WorkerSpec
 from pipecast.core.settings import Settings
@@ -197,6 +202,27 @@ class ControlPlaneClient:
     async def issue_token(self, node_id: str) -> str:
         """A node token for ``node_id`` (operator only): it lets its holder act as that node, and only as it."""
         return (await self._call("IssueToken", pb.IssueTokenRequest(node_id=node_id))).token
+
+
+    async def put_deployment(self, deployment: Deployment) -> Deployment:
+        reply = await self._call("PutDeployment", pb.PutDeploymentRequest(deployment=deployment_to_proto(deployment)))
+        return deployment_from_proto(reply.deployment)
+
+    async def list_deployments(self) -> list[Deployment]:
+        reply = await self._call("ListDeployments", pb.ListDeploymentsRequest())
+        return [deployment_from_proto(d) for d in reply.deployments]
+
+    async def remove_deployment(self, package_id: str) -> None:
+        await self._call("RemoveDeployment", pb.RemoveDeploymentRequest(package_id=package_id))
+
+    async def append_scale_event(self, event: ScaleEvent) -> int:
+        reply = await self._call("AppendScaleEvent", pb.AppendScaleEventRequest(event=scale_event_to_proto(event)))
+        return reply.seq
+
+    async def list_scale_events(self, package_id: str = "", *, after_seq: int = 0, limit: int = 0) -> list[ScaleEvent]:
+        reply = await self._call("ListScaleEvents", pb.ListScaleEventsRequest(package_id=package_id,
+                                                                              after_seq=after_seq, limit=limit))
+        return [scale_event_from_proto(e) for e in reply.events]
 
 
 class ReportStream:

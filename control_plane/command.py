@@ -1,6 +1,6 @@
 """Command line of the control plane: ``control-plane`` runs the server; the ``cp`` group is the
-operator's view (workers, packages, availability, plans) and levers (publish, remove, scale-up, release,
-issue-token).
+operator's view (workers, packages, availability, plans, deployments) and levers (publish, remove, scale-up,
+release, issue-token, deploy, undeploy).
 
 Settings come from pipecast's settings (env ``PIPECAST_*``, ``--config`` TOML); flags override them.
 """
@@ -16,10 +16,11 @@ from typing import Any
 import click
 from google.protobuf import json_format
 
+from control_plane.deployments import Deployment, ScalingPolicy
 from control_plane.messages import PeerInfo
 from packager.manifest import read_manifest
 from pipecast.core.settings import Settings, load_settings
-from pipecast.core.units import format_bytes
+from pipecast.core.units import format_bytes, parse_duration
 
 CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, dir_okay=False),
                       help="TOML config file (also PIPECAST_CONFIG).")
@@ -225,6 +226,83 @@ def release_command(ctx: click.Context, package_id: str, workers: tuple[str, ...
     when = datetime.fromtimestamp(drop_at).isoformat(timespec="seconds")
     _emit(ctx, {"drop_at_unix": drop_at},
           [f"released {package_id} from {len(workers)} workers; they drop it at {when}"])
+
+
+class Duration(click.ParamType):
+    """Seconds, written as 2s, 500ms, 5m or a plain number."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float):
+            return value
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+DEFAULT_POLICY = ScalingPolicy()
+
+
+@cp_group.command("deploy")
+@click.argument("package_id")
+@click.option("--min", "min_replicas", type=click.IntRange(min=0), default=DEFAULT_POLICY.min_replicas,
+              show_default=True, help="Replicas kept loaded with no traffic (0: scale to zero).")
+@click.option("--max", "max_replicas", type=click.IntRange(min=1), default=DEFAULT_POLICY.max_replicas,
+              show_default=True, help="Most replicas.")
+@click.option("--slo-ttft-p99", type=Duration(), default=DEFAULT_POLICY.slo_ttft_p99_s, show_default=True,
+              help="p99 time to first token to hold, e.g. 2s.")
+@click.option("--warm", type=click.IntRange(min=0), default=DEFAULT_POLICY.warm, show_default=True,
+              help="Idle replicas kept loaded beyond what the load needs.")
+@click.option("--keep-alive", type=Duration(), default=DEFAULT_POLICY.keep_alive_s, show_default=True,
+              help="A replica idle this long may be released.")
+@click.option("--scale-up-cooldown", type=Duration(), default=DEFAULT_POLICY.scale_up_cooldown_s, show_default=True,
+              help="After a scale-up, none again this long unless the SLO is missed.")
+@click.option("--scale-down-cooldown", type=Duration(), default=DEFAULT_POLICY.scale_down_cooldown_s,
+              show_default=True, help="After a scale-up, no release this long.")
+@click.option("--replica-rps", type=float, default=DEFAULT_POLICY.replica_rps, show_default=True,
+              help="Requests/s one replica serves, until the scaler has measured it.")
+@click.option("--replica-concurrency", type=click.IntRange(min=1), default=DEFAULT_POLICY.replica_concurrency,
+              show_default=True, help="Requests one replica runs at once (its batch).")
+@click.option("--router", "routers", multiple=True, metavar="URL",
+              help="Base URL of a router whose /stats feed the scaler (repeat for several).")
+@click.pass_context
+def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...], **policy: Any) -> None:
+    """Create or replace the deployment of a published package: the policy `pipecast scaler` keeps it by."""
+    policy["slo_ttft_p99_s"] = policy.pop("slo_ttft_p99")
+    policy["keep_alive_s"] = policy.pop("keep_alive")
+    policy["scale_up_cooldown_s"] = policy.pop("scale_up_cooldown")
+    policy["scale_down_cooldown_s"] = policy.pop("scale_down_cooldown")
+    wanted = Deployment(package_id, ScalingPolicy(**policy), routers)
+    stored = _run(ctx, lambda c: c.put_deployment(wanted))
+    _emit(ctx, stored.to_json(), [f"deployed {package_id}: {_describe_policy(stored.policy)}; routers "
+                                  f"{', '.join(stored.routers) or '-'}"])
+
+
+def _describe_policy(p: ScalingPolicy) -> str:
+    return (f"replicas {p.min_replicas}..{p.max_replicas}, warm {p.warm}, p99 TTFT SLO {p.slo_ttft_p99_s:g} s, "
+            f"keep-alive {p.keep_alive_s:g} s, cooldowns up {p.scale_up_cooldown_s:g} s / down "
+            f"{p.scale_down_cooldown_s:g} s, {p.replica_rps:g} req/s and {p.replica_concurrency} at once per replica")
+
+
+@cp_group.command("deployments")
+@click.pass_context
+def deployments_command(ctx: click.Context) -> None:
+    """List deployments and their policies."""
+    deployments = _run(ctx, lambda c: c.list_deployments())
+    lines = [f"{d.package_id[:20]:<20} {_describe_policy(d.policy)}; routers {', '.join(d.routers) or '-'}"
+             for d in deployments] or ["no deployments"]
+    _emit(ctx, [d.to_json() for d in deployments], lines)
+
+
+@cp_group.command("undeploy")
+@click.argument("package_id")
+@click.pass_context
+def undeploy_command(ctx: click.Context, package_id: str) -> None:
+    """Remove a package's deployment (its replicas stay until released; the scaler stops scaling it)."""
+    _run(ctx, lambda c: c.remove_deployment(package_id))
+    _emit(ctx, {"undeployed": package_id}, [f"undeployed {package_id}"])
 
 
 @cp_group.command("issue-token")

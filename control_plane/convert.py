@@ -2,6 +2,7 @@
 
 from collections.abc import Iterable, Mapping
 
+from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.messages import AcceleratorInfo, AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.planner.plan import Fetch
 from pipecast.v1 import control_pb2 as pb
@@ -62,3 +63,36 @@ def update_from_proto(msg: pb.AssignmentUpdate) -> AssignmentUpdate:
         serve=tuple((t.block, t.peer.node_id) for t in msg.serve),
         plan_ids=tuple(msg.plan_ids), sources=tuple(peer_from_proto(p) for p in msg.sources),
         receivers=tuple(msg.receivers))
+
+
+def deployment_to_proto(deployment: Deployment) -> pb.Deployment:
+    p = deployment.policy
+    policy = pb.ScalingPolicy(
+        min_replicas=p.min_replicas, max_replicas=p.max_replicas, slo_ttft_p99_s=p.slo_ttft_p99_s, warm=p.warm,
+        keep_alive_s=p.keep_alive_s, scale_up_cooldown_s=p.scale_up_cooldown_s,
+        scale_down_cooldown_s=p.scale_down_cooldown_s, replica_rps=p.replica_rps,
+        replica_concurrency=p.replica_concurrency)
+    return pb.Deployment(package_id=deployment.package_id, policy=policy, routers=deployment.routers,
+                         created_unix=deployment.created_at, updated_unix=deployment.updated_at)
+
+
+def deployment_from_proto(msg: pb.Deployment) -> Deployment:
+    p = msg.policy
+    policy = ScalingPolicy(
+        min_replicas=p.min_replicas, max_replicas=p.max_replicas, slo_ttft_p99_s=p.slo_ttft_p99_s, warm=p.warm,
+        keep_alive_s=p.keep_alive_s, scale_up_cooldown_s=p.scale_up_cooldown_s,
+        scale_down_cooldown_s=p.scale_down_cooldown_s, replica_rps=p.replica_rps,
+        replica_concurrency=p.replica_concurrency)
+    return Deployment(msg.package_id, policy, tuple(msg.routers), msg.created_unix, msg.updated_unix)
+
+
+def scale_event_to_proto(event: ScaleEvent) -> pb.ScaleEvent:
+    return pb.ScaleEvent(seq=event.seq, at_unix=event.at, package_id=event.package_id, action=event.action,
+                         count=event.count, node_ids=event.node_ids, reason=event.reason,
+                         inputs_json=event.inputs_json, desired=event.desired, actual=event.actual)
+
+
+def scale_event_from_proto(msg: pb.ScaleEvent) -> ScaleEvent:
+    return ScaleEvent(at=msg.at_unix, package_id=msg.package_id, action=msg.action, count=msg.count,
+                      node_ids=tuple(msg.node_ids), reason=msg.reason, inputs_json=msg.inputs_json,
+                      desired=msg.desired, actual=msg.actual, seq=msg.seq)

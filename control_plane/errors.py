@@ -39,6 +39,16 @@ class UnknownPackage(ControlPlaneError):
         return cls(f"package {package_id!r} is not published")
 
 
+class UnknownDeployment(ControlPlaneError):
+    """The caller named a package that has no deployment."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+    @classmethod
+    def named(cls, package_id: str) -> "UnknownDeployment":
+        return cls(f"package {package_id!r} has no deployment")
+
+
 class InvalidRequest(ControlPlaneError):
     """The caller sent a request that can never succeed as written (bad block index, bad strategy)."""
 
@@ -85,7 +95,7 @@ class StoreError(ControlPlaneError):
 
 
 _BY_NAME: dict[str, type[ControlPlaneError]] = {
-    cls.__name__: cls for cls in (UnknownWorker, UnknownPackage, InvalidRequest, Conflict,
+    cls.__name__: cls for cls in (UnknownWorker, UnknownPackage, UnknownDeployment, InvalidRequest, Conflict,
                                   InsufficientWorkers, Unauthenticated, PermissionDenied, ControlPlaneUnavailable)
 }
 

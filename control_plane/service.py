@@ -27,12 +27,17 @@ from control_plane.convert import (
     KIND_TO_PROTO,
     blocks_from_proto,
     blocks_to_proto,
+    deployment_from_proto,
+    deployment_to_proto,
     peer_from_proto,
     peer_to_proto,
+    scale_event_from_proto,
+    scale_event_to_proto,
     spec_from_proto,
     spec_to_proto,
 )
 from control_plane.auth import DENIED, current_principal
+from control_plane.deployments import DeploymentBook
 from control_plane.errors import (
     ERROR_TRAILER,
     Conflict,
@@ -61,7 +66,8 @@ Resp = TypeVar("Resp")
 Handler = Callable[["ControlPlaneService", Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 #: RPCs only the operator (the master token) may call.
-OPERATOR_RPCS = frozenset({"PublishPackage", "RemovePackage", "ScaleUp", "Release", "IssueToken"})
+OPERATOR_RPCS = frozenset({"PublishPackage", "RemovePackage", "ScaleUp", "Release", "IssueToken", "PutDeployment",
+                           "RemoveDeployment", "AppendScaleEvent"})
 #: Who every call is with auth off (dev mode): anyone may do anything, as before auth existed.
 ANONYMOUS = Principal("anonymous", OPERATOR)
 _PACKAGE_ID = re.compile(r"[0-9a-f]{64}")
@@ -89,8 +95,10 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     periodically and here right away for the operator's changes (packages, scale-ups, releases)."""
 
     def __init__(self, state: ControlState, metrics: ControlMetrics, *, heartbeat_s: float,
-                 store: SqliteStore | None = None, clock: Callable[[], float] = time.time, master: str = ""):
+                 store: SqliteStore | None = None, clock: Callable[[], float] = time.time, master: str = "",
+                 book: DeploymentBook | None = None):
         self.state = state
+        self.book = book if book is not None else DeploymentBook()
         self.master = master  # empty: auth off
         self.data_key = data_plane_key(master)
         self.metrics = metrics
@@ -158,6 +166,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         """Write the state's changes to the store (if any)."""
         if self.store is not None:
             self.store.flush(self.state)
+            self.store.flush_book(self.book)
 
     def dispatch(self) -> None:
         """Hand the state's notices to the workers' mailboxes (notices for nodes without one are moot:
@@ -252,6 +261,9 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     @_rpc
     async def RemovePackage(self, request: pb.RemovePackageRequest,
                             context: grpc.aio.ServicerContext) -> pb.RemovePackageResponse:
+        if request.package_id in self.book.deployments:
+            raise Conflict(f"package {request.package_id!r} is deployed: remove its deployment first "
+                           "(pipecast cp undeploy)")
         self.state.remove_package(request.package_id, force=request.force)
         self.flush()
         log.info("removed package=%s force=%s", request.package_id, request.force)
@@ -354,6 +366,42 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             raise InvalidRequest(f"cannot issue a token: {exc}") from None
         log.info("issued a node token node=%s", request.node_id)
         return pb.IssueTokenResponse(token=token)
+
+    # ----- deployments and the scaling daemon's audit trail -----
+
+    @_rpc
+    async def PutDeployment(self, request: pb.PutDeploymentRequest,
+                            context: grpc.aio.ServicerContext) -> pb.PutDeploymentResponse:
+        stored = self.book.put(deployment_from_proto(request.deployment), self.state.packages, self.clock())
+        self.flush()
+        log.info("deployment package=%s policy=%s routers=%s", stored.package_id, stored.policy, list(stored.routers))
+        return pb.PutDeploymentResponse(deployment=deployment_to_proto(stored))
+
+    @_rpc
+    async def ListDeployments(self, request: pb.ListDeploymentsRequest,
+                              context: grpc.aio.ServicerContext) -> pb.ListDeploymentsResponse:
+        return pb.ListDeploymentsResponse(deployments=[deployment_to_proto(d) for d in self.book.listing()])
+
+    @_rpc
+    async def RemoveDeployment(self, request: pb.RemoveDeploymentRequest,
+                               context: grpc.aio.ServicerContext) -> pb.RemoveDeploymentResponse:
+        self.book.remove(request.package_id)
+        self.flush()
+        log.info("deployment removed package=%s", request.package_id)
+        return pb.RemoveDeploymentResponse()
+
+    @_rpc
+    async def AppendScaleEvent(self, request: pb.AppendScaleEventRequest,
+                               context: grpc.aio.ServicerContext) -> pb.AppendScaleEventResponse:
+        stored = self.book.append(scale_event_from_proto(request.event))
+        self.flush()  # the audit trail is durable before the daemon acts on the decision
+        return pb.AppendScaleEventResponse(seq=stored.seq)
+
+    @_rpc
+    async def ListScaleEvents(self, request: pb.ListScaleEventsRequest,
+                              context: grpc.aio.ServicerContext) -> pb.ListScaleEventsResponse:
+        events = self.book.list_events(request.package_id, request.after_seq, request.limit)
+        return pb.ListScaleEventsResponse(events=[scale_event_to_proto(e) for e in events])
 
     def _render(self, notice: Notice) -> pb.AssignmentUpdate:
         kind = notice.kind

@@ -319,7 +319,8 @@ class ControlState:
         """Bring a package onto ``node_ids``, or onto ``count`` more workers picked here (workers in a
         keep-alive release of it first, then those holding most of it, then the least loaded). Sources
         are the alive workers holding all of it, else its store; several sources give a rotated plan
-        (see :mod:`control_plane.placement`)."""
+        (see :mod:`control_plane.placement`). While a chain from the store is still in progress, a new
+        chain hangs behind its last node instead (one copy leaves the store, not two)."""
         package = self.package(package_id)
         if bool(node_ids) == bool(count):
             raise InvalidRequest(f"scale-up of package {package_id!r}: give either target workers or a count")
@@ -345,6 +346,13 @@ class ControlState:
 
         availability = self.availability[package_id]
         sources = self._pick_sources(package, exclude=set(receivers))
+        from_store = sources == [package.store.node_id]
+        tail = self._chain_tail(package_id) if strategy in ("", "chain") and from_store else None
+        if tail is not None:
+            # A chain is still bringing the package from the store: hang the new receivers behind its last
+            # node (it forwards each chunk as it lands) instead of splitting the store's egress between two
+            # plans, which would slow the first one down.
+            sources, strategy = [tail], "chain"
         strategy = strategy or default_strategy(len(sources), len(receivers))
         fanout = fanout or DEFAULT_FANOUT
         labels = self._labels([*sources, *receivers])
@@ -479,6 +487,18 @@ class ControlState:
         committed = self._committed_bytes(excluding=package_id)
         return [Candidate(n, self.workers[n].spec.memory_bytes, committed.get(n, 0), availability.count(n),
                           availability.is_complete(n), n in receiving, n in releasing) for n in nodes]
+
+    def _chain_tail(self, package_id: str) -> str | None:
+        """The last node of the newest active chain plan of ``package_id`` still receiving it (None if none)."""
+        chains = [a for a in self.plans.values() if a.package_id == package_id and a.plan.strategy == "chain"
+                  and a.pending]
+        if not chains:
+            return None
+        newest = max(chains, key=lambda a: a.created_at)
+        parents = {f.parent for part in newest.parts.values() for f in part.fetch}
+        tails = [n for n in newest.plan.assignments if n not in parents and self.workers.get(n) is not None
+                 and self.workers[n].alive]
+        return tails[0] if len(tails) == 1 else None
 
     def _pick_sources(self, package: Package, exclude: Collection[str]) -> list[str]:
         # Availability lists alive workers only: a dead one's blocks leave it when it dies.

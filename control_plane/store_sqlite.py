@@ -1,4 +1,5 @@
-"""The control plane's state in SQLite: packages, workers, availability, releases and active plans.
+"""The control plane's state in SQLite: packages, workers, availability, releases, active plans, and the
+deployments with the scaling daemon's audit trail (:class:`~control_plane.deployments.DeploymentBook`).
 
 Writes are incremental: :meth:`SqliteStore.flush` writes exactly the keys in the state's dirty set,
 in one transaction. Leases are not stored: after a restart every worker that was alive gets one fresh
@@ -19,6 +20,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from control_plane.deployments import EVENTS_IN_MEMORY, Deployment, DeploymentBook, ScaleEvent
 from control_plane.errors import StoreError
 from control_plane.messages import PeerInfo, WorkerSpec
 from control_plane.planner.plan import Plan, PlanError
@@ -42,6 +44,8 @@ CREATE TABLE IF NOT EXISTS releases (
 CREATE TABLE IF NOT EXISTS plans (
   plan_id TEXT PRIMARY KEY, package_id TEXT NOT NULL, plan TEXT NOT NULL, fanout INTEGER NOT NULL,
   created_at REAL NOT NULL, version INTEGER NOT NULL, replans INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS deployments (package_id TEXT PRIMARY KEY, deployment TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS scale_events (seq INTEGER PRIMARY KEY, package_id TEXT NOT NULL, event TEXT NOT NULL);
 """
 
 
@@ -180,6 +184,50 @@ class SqliteStore:
             fanout, created_at, version, replans = numbers
             state.restore_plan(plan_id, package_id, parsed, fanout=fanout, created_at=created_at,
                                version=version, replans=replans)
+
+    def load_book(self, book: DeploymentBook) -> None:
+        """Fill an empty ``book``: every deployment and the latest scale events."""
+        try:
+            deployments = []
+            for package_id, text in self._db.execute("SELECT * FROM deployments"):
+                try:
+                    deployments.append(Deployment.from_json(loads(text)))
+                except _DECODE_ERRORS as exc:
+                    raise CorruptStateError(self.path, "deployments", package_id, _problem(exc)) from None
+            events = []
+            rows = self._db.execute("SELECT seq, event FROM scale_events ORDER BY seq DESC LIMIT ?",
+                                    (EVENTS_IN_MEMORY,))
+            for seq, text in reversed(rows.fetchall()):
+                try:
+                    events.append(ScaleEvent.from_json(loads(text)))
+                except _DECODE_ERRORS as exc:
+                    raise CorruptStateError(self.path, "scale_events", seq, _problem(exc)) from None
+        except sqlite3.Error as exc:
+            raise StoreError(f"control plane database {self.path}: cannot read: {exc}") from exc
+        book.restore(deployments, events)
+
+    def flush_book(self, book: DeploymentBook) -> int:
+        """Write the book's changed deployments and new events in one transaction (kept dirty on failure)."""
+        dirty, events = book.dirty_deployments, book.new_events
+        if not dirty and not events:
+            return 0
+        book.dirty_deployments, book.new_events = set(), []
+        try:
+            with self._db:
+                for package_id in dirty:
+                    deployment = book.deployments.get(package_id)
+                    if deployment is None:
+                        self._db.execute("DELETE FROM deployments WHERE package_id = ?", (package_id,))
+                    else:
+                        self._db.execute("INSERT OR REPLACE INTO deployments VALUES (?, ?)",
+                                         (package_id, _compact(deployment.to_json())))
+                self._db.executemany("INSERT INTO scale_events VALUES (?, ?, ?)",
+                                     [(e.seq, e.package_id, _compact(e.to_json())) for e in events])
+        except sqlite3.Error as exc:
+            book.dirty_deployments |= dirty
+            book.new_events[:0] = events
+            raise StoreError(f"control plane database {self.path}: cannot write: {exc}") from exc
+        return len(dirty) + len(events)
 
     def flush(self, state: ControlState) -> int:
         """Write every dirty key of ``state`` in one transaction; returns the number of keys written.

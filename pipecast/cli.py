@@ -24,6 +24,8 @@ COMMANDS = {
               "Serve a model (OpenAI API) from the moment its blocks start arriving."),
     "router": ("pipecast.router.command:router_command",
                "Route completion requests to the least-loaded serving worker."),
+    "scaler": ("pipecast.scaler.command:scaler_group",
+               "The scaling daemon: keep each deployment's replicas at its SLO; print its decisions."),
     "bench": ("benchmarks.command:bench_group", "Run a benchmark (pack, ...); each prints its floor."),
 }
 

@@ -9,11 +9,14 @@ file at the end. ``python -m benchmarks.surge.loadgen SPEC.json``; one run:
    sources), then emit ``published``;
 2. wait until the cold workers (and warm sources) are registered, every worker's ``/health`` answers
    (cold ones done importing, warm ones ``ready``) and the router answers; emit ``armed``;
-3. at the surge's start (``surge``, time t0) ask the control plane to bring the package onto every cold
-   worker (the fixed scaling rule: the whole pool at the first request), then replay the schedule through
-   the router, open loop, each request streamed; meanwhile poll every worker's health;
-4. once every request has its answer and every worker is ready (or ``ready_grace_s`` later), write the
-   results: each request, each worker's health transitions, the scale-up's answer.
+3. at the surge's start (``surge``, time t0) replay the schedule through the router, open loop, each
+   request streamed; meanwhile poll every worker's health. Who scales: with ``scaled_by`` "daemon" the
+   driver declared the deployment (step 1) and ``pipecast scaler`` decides from the routers' signals;
+   with "oracle" the driver asks the control plane, at t0, to bring the package onto every cold worker
+   (the whole pool at the first request: a baseline no deployment has); with "none" nobody does;
+4. once every request has its answer (and, for the oracle, every worker is ready or ``ready_grace_s``
+   later), write the results: each request, each worker's health transitions, the oracle's scale-up or
+   the daemon's decisions (``scale_events``, from the control plane's audit trail).
 
 A failure (a deadline passed, a service refused) is written to the results file as ``error`` and the
 process exits with code 2.
@@ -34,6 +37,7 @@ import aiohttp
 from benchmarks.surge.report import RequestResult
 from benchmarks.surge.trace import ScheduledRequest, prompt_token_ids
 from control_plane.client import ControlPlaneClient
+from control_plane.deployments import Deployment
 from control_plane.errors import ControlPlaneUnavailable
 from control_plane.messages import PeerInfo
 from packager.manifest import read_manifest
@@ -86,6 +90,8 @@ class DriverSpec:
     ready_grace_s: float = 60.0
     settle_s: float = 1.0  # a pause between armed and the surge, so start-up work does not spill over
     transports: tuple[str, ...] = field(default=("tcp",))
+    scaled_by: str = "oracle"  # see benchmarks.surge.strategies.SCALERS
+    deployment: dict | None = None  # Deployment.to_json() declared after publishing, for the daemon
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -190,6 +196,8 @@ class Driver:
                 ControlPlaneClient(self.spec.control_plane) as cp:
             deadline = time.monotonic() + self.spec.startup_timeout_s
             await self._publish(cp, deadline)
+            if self.spec.deployment is not None:
+                await cp.put_deployment(Deployment.from_json(self.spec.deployment))
             await self._arm(http, cp, deadline)
             await asyncio.sleep(self.spec.settle_s)
             t0 = time.time()
@@ -200,16 +208,19 @@ class Driver:
                 # The scaling decision comes with the first request (it takes milliseconds; TTFT counts from
                 # each request's scheduled arrival, so sending after it biases nothing) and a refusal ends
                 # the run at once instead of leaving every request to time out.
-                scale = await self._scale_up(cp, t0)
+                scale = await self._scale_up(cp, t0) if self.spec.scaled_by == "oracle" else None
                 await self._replay(http, t0)
-                await self._wait_all_ready()
+                if scale is not None:
+                    await self._wait_all_ready()
             finally:
                 for task in (poller, progress):
                     task.cancel()
                 await asyncio.gather(poller, progress, return_exceptions=True)
+            events = await cp.list_scale_events(self.spec.package_id, limit=100_000) if self.spec.deployment else []
         self.events.emit("done", answered=sum(r.status == "ok" for r in self.results))
         requests = [asdict(r) for r in sorted(self.results, key=lambda r: r.index)]
-        return {"t0": t0, "scale_up": scale, "requests": requests, "health": self.health}
+        return {"t0": t0, "scale_up": scale, "requests": requests, "health": self.health,
+                "scale_events": [{**e.to_json(), "t": e.at - t0} for e in events]}
 
     async def _publish(self, cp, deadline: float) -> None:
         manifest = read_manifest(Path(self.spec.package))

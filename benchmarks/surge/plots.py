@@ -11,7 +11,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.surge.report import StrategySummary
+from benchmarks.surge.report import StrategySummary, WorkerTimeline
 
 NOTE_WIDTH = 170  # characters per line of the conditions printed under a chart
 # Arrival histogram bins: about this many over the run, none shorter than the minimum.
@@ -59,6 +59,24 @@ def save_ttft_cdf(path: Path, summaries: Sequence[StrategySummary], *, floor_s: 
     return _save(figure, path, note)
 
 
+def held_steps(worker: WorkerTimeline, end: float) -> tuple[list[float], list[float]]:
+    """A cold worker's share of the model held over time: growing with each block of each time it held a
+    replica, back to 0 when it dropped the package."""
+    intervals = worker.billed or ((0.0, None),)
+    xs, ys = [0.0], [0.0]
+    for start, stop in intervals:
+        times = sorted(t for t in worker.block_times if t >= start and (stop is None or t <= stop))
+        for i, t in enumerate(times):
+            xs.append(t)
+            ys.append(min((i + 1) / worker.blocks_total, 1.0))
+        if stop is not None:
+            xs.append(stop)
+            ys.append(0.0)
+    xs.append(end)
+    ys.append(ys[-1])
+    return xs, ys
+
+
 def save_timeline(path: Path, summaries: Sequence[StrategySummary], *, note: str | None = None) -> Path:
     """Draw each strategy's first repeat: workers' load progress and request arrivals; return the path."""
     if not summaries:
@@ -71,12 +89,12 @@ def save_timeline(path: Path, summaries: Sequence[StrategySummary], *, note: str
         shared = shared or axes
         run = s.runs[0]
         for worker in run.workers:
+            if not worker.warm and worker.provisioned_s is None:  # never scaled up
+                continue
             if worker.warm:
                 xs, ys = [worker.provisioned_s, end], [1.0, 1.0]
             else:
-                times = sorted(worker.block_times)
-                held = [(i + 1) / worker.blocks_total for i in range(len(times))]
-                xs, ys = [0.0, *times, end], [0.0, *held, held[-1] if held else 0.0]
+                xs, ys = held_steps(worker, end)
             label = worker.name + (" (warm)" if worker.warm else "")
             (line,) = axes.step(xs, ys, where="post", linewidth=1.3, label=label)
             if worker.ready_s is not None and worker.ready_s >= 0:

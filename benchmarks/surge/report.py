@@ -23,12 +23,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from benchmarks.surge.strategies import BASELINE, PIPECAST, WARM_POOL
+from benchmarks.surge.strategies import BASELINE, FIXED, ORACLE_SUFFIX, PIPECAST, WARM_POOL
 
 STATUSES = ("ok", "rejected", "failed")
 FIRST_N = 100
 # The issue's bar: pipecast's p99 TTFT over the first requests at least this many times lower than unicast's.
 TARGET_FIRST_P99_RATIO = 5.0
+# The long run's bar: pipecast with the daemon at least this much cheaper than W*, the smallest fixed warm pool
+# whose overall p99 TTFT is as good (FaaScale reports 31.3%).
+TARGET_SAVING_VS_W_STAR = 0.30
+# The daemon's bar: its first-requests p99 TTFT at most this many times the oracle's.
+TARGET_DAEMON_TO_ORACLE = 1.3
 # A warm pool "matches" pipecast when its first-requests p99 TTFT is at most this much above pipecast's.
 MATCH_TOLERANCE = 1.10
 # Metrics compared between strategies (RunMetrics field names).
@@ -72,11 +77,19 @@ class WorkerTimeline:
 
     name: str
     warm: bool
-    provisioned_s: float
+    provisioned_s: float | None  # None: never scaled up
     blocks_total: int
     block_times: tuple[float, ...] = ()  # each received block verified, sorted (a warm worker received none)
     partial_s: float | None = None  # health first said "partial" (serving while loading)
     ready_s: float | None = None  # health first said "ready"
+    #: When it held a replica: (start, end) pairs, end None for "to the run's end"; None: from provisioning on.
+    billed: tuple[tuple[float, float | None], ...] | None = None
+
+    def billed_seconds(self, end_s: float) -> float:
+        """Its cost up to ``end_s``: each billed interval, or provisioning to ``end_s``."""
+        if self.billed is None:
+            return 0.0 if self.provisioned_s is None else max(end_s - self.provisioned_s, 0.0)
+        return sum(max((end_s if stop is None else min(stop, end_s)) - start, 0.0) for start, stop in self.billed)
 
     @property
     def serving_s(self) -> float | None:
@@ -159,8 +172,8 @@ def median_or_none(values: Sequence[float | None]) -> float | None:
 
 
 def worker_seconds(workers: Sequence[WorkerTimeline], end_s: float) -> float:
-    """Each worker's time from its provisioning to ``end_s``, summed."""
-    return sum(max(end_s - w.provisioned_s, 0.0) for w in workers)
+    """Each worker's billed time up to ``end_s`` (:meth:`WorkerTimeline.billed_seconds`), summed."""
+    return sum(w.billed_seconds(end_s) for w in workers)
 
 
 def run_metrics(run: RunRecord, first_n: int = FIRST_N) -> RunMetrics:
@@ -171,7 +184,7 @@ def run_metrics(run: RunRecord, first_n: int = FIRST_N) -> RunMetrics:
     every = [r.ttft_s for r in answered]
     cold = [w for w in run.workers if not w.warm]
     serving = [w.serving_s for w in cold if w.serving_s is not None]
-    ready = [w.ready_s for w in run.workers]
+    ready = [w.ready_s for w in run.workers if w.provisioned_s is not None]  # never scaled up: never expected
     end = run.end_s
     tokens = sum(r.output_tokens for r in answered)
     cost = worker_seconds(run.workers, end)
@@ -214,6 +227,11 @@ class StrategySummary:
         for name in METRIC_NAMES:
             out[name] = self.median(name)
         out["cpu_saturated"] = any(m.cpu_saturated for m in self.metrics)
+        scaled_by = self.runs[0].notes.get("scaled_by", "oracle") if self.runs else "oracle"
+        out["scaled_by"], out["oracle"] = scaled_by, scaled_by == "oracle"
+        # The first repeat's decisions (every repeat's are in its notes).
+        out["scale_events"] = [{k: e[k] for k in ("t", "action", "count", "node_ids", "reason", "desired", "actual")}
+                               for e in (self.runs[0].notes.get("scale_events", []) if self.runs else [])]
         out["repeats"] = [{"repeat": run.repeat, **asdict(m), "notes": dict(run.notes),
                            "workers": [asdict(w) for w in run.workers]}
                           for run, m in zip(self.runs, self.metrics)]
@@ -280,9 +298,59 @@ def verdicts(summaries: Sequence[StrategySummary], pair_ratios: Mapping[str, Map
                          f"{pipecast.strategy} {reference:.2f} s ({'as good or better' if matches else 'worse'}: "
                          f"tolerance {MATCH_TOLERANCE - 1:.0%}); {cost:.0f} vs {ref_cost:.0f} worker-seconds "
                          f"({cost / ref_cost:.2f}x: {'costs more' if cost > ref_cost else 'costs no more'})")
+    by_name = {s.strategy: s for s in summaries}
+    for daemon, oracle in ((PIPECAST, PIPECAST + ORACLE_SUFFIX), (BASELINE, BASELINE + ORACLE_SUFFIX)):
+        value = pair_ratios.get(f"{daemon}/{oracle}", {}).get("first100_ttft_p99_seconds")
+        if daemon in by_name and oracle in by_name:
+            shown = "n/a" if value is None else f"{value:.2f}x"
+            met = "met" if value is not None and value <= TARGET_DAEMON_TO_ORACLE else "NOT met"
+            lines.append(f"first-{first_n} p99 TTFT, {daemon} (scaled by the daemon) / {oracle} = {shown} "
+                         f"(target <= {TARGET_DAEMON_TO_ORACLE:g}x: {met})")
+    lines += _long_run_verdicts(by_name, pair_ratios)
     saturated = [s.strategy for s in summaries if any(m.cpu_saturated for m in s.metrics)]
     lines.append(f"CPU-bound run(s), compute saturated this machine: {', '.join(saturated)}" if saturated
                  else "CPU not saturated in any run")
+    return lines
+
+
+def oscillations(events: Sequence[Mapping], cooldown_s: float) -> int:
+    """Scale-ups that came within ``cooldown_s`` of a release: the thrash a policy must not do."""
+    releases = [e["t"] for e in events if e["action"] == "release"]
+    return sum(any(0 <= e["t"] - t < cooldown_s for t in releases) for e in events if e["action"] == "scale_up")
+
+
+def _long_run_verdicts(by_name: Mapping[str, StrategySummary],
+                       pair_ratios: Mapping[str, Mapping[str, float | None]]) -> list[str]:
+    """The long run's targets: the daemon's thrash, W* (the smallest fixed pool as good as pipecast) and its
+    cost, and pipecast's p99 against the daemon with unicast loading."""
+    lines = []
+    pipecast = by_name.get(PIPECAST)
+    for s in by_name.values():
+        if s.runs and s.runs[0].notes.get("scaled_by") == "daemon":
+            cooldown = s.runs[0].notes.get("policy", {}).get("scale_down_cooldown_s", 0.0)
+            count = sum(oscillations(run.notes.get("scale_events", []), cooldown) for run in s.runs)
+            lines.append(f"{s.strategy}: {count} scale-up(s) within the {cooldown:g} s cooldown of a release "
+                         f"(target 0: {'met' if count == 0 else 'NOT met'})")
+    if pipecast is None:
+        return lines
+    p99, cost = pipecast.median("ttft_p99_seconds"), pipecast.median("worker_seconds")
+    fixed = sorted((s for name, s in by_name.items() if name.startswith(f"{FIXED}:")), key=lambda s: s.warm_workers)
+    if fixed and p99 is not None and cost:
+        w_star = next((s for s in fixed if (s.median("ttft_p99_seconds") or math.inf) <= p99), None)
+        if w_star is None:
+            lines.append(f"W*: no fixed pool measured ({', '.join(s.strategy for s in fixed)}) reached pipecast's "
+                         f"overall p99 TTFT {p99:.2f} s")
+        else:
+            saving = 1 - cost / w_star.median("worker_seconds")
+            met = "met" if saving >= TARGET_SAVING_VS_W_STAR else "NOT met"
+            lines.append(f"W* = {w_star.warm_workers} ({w_star.strategy}: overall p99 "
+                         f"{w_star.median('ttft_p99_seconds'):.2f} s <= pipecast's {p99:.2f} s); pipecast uses "
+                         f"{saving:.0%} fewer worker-seconds ({cost:.0f} vs {w_star.median('worker_seconds'):.0f}; "
+                         f"target >= {TARGET_SAVING_VS_W_STAR:.0%}: {met})")
+    value = pair_ratios.get(f"{BASELINE}/{PIPECAST}", {}).get("ttft_p99_seconds")
+    if value is not None and BASELINE in by_name and by_name[BASELINE].runs[0].notes.get("scaled_by") == "daemon":
+        lines.append(f"overall p99 TTFT, unicast (daemon) / pipecast (daemon) = {value:.1f}x (target >= "
+                     f"{TARGET_FIRST_P99_RATIO:g}x: {'met' if value >= TARGET_FIRST_P99_RATIO else 'NOT met'})")
     return lines
 
 
@@ -343,6 +411,12 @@ def format_report(meta: Mapping[str, object], summaries: Sequence[StrategySummar
                      f"{_s(m('requests'), 0):>5} {_s(m('rejected'), 0):>4} {_s(m('failed'), 0):>4} "
                      f"{_s(m('tokens_per_s'), 1):>6} {_s(m('worker_seconds'), 0):>9} "
                      f"{_s(m('cost_per_1k_output_tokens'), 1):>10} {_s(m('cpu_mean_percent'), 0):>4}%{flag}")
+    for s in summaries:
+        events = [e for e in (s.runs[0].notes.get("scale_events", []) if s.runs else []) if e["action"] != "hold"]
+        if events:
+            shown = "; ".join(f"{'+' if e['action'] == 'scale_up' else '-'}{e['count']} at {e['t']:.1f} s"
+                              for e in events)
+            lines.append(f"{s.strategy} scale events (repeat {s.runs[0].repeat}): {shown}")
     lines += ["", "ratios (median over repeats of per-repeat ratios; TTFT a/b = how many times lower b is):"]
     for pair, values in pair_ratios.items():
         if not pair.startswith(f"{BASELINE}/") and f"/{PIPECAST}" not in pair:

@@ -9,9 +9,13 @@ One run of one strategy starts every process afresh: the control plane; the driv
 package; the store agent; the workers' agents (warm ones seed the package from disk, i.e. they hold it in
 memory; cold ones register with the control plane and hold nothing); the serving workers (cold ones wait
 for the package once they have imported torch); the router. When all of that is up the driver starts
-the surge: it asks the control plane to bring the package onto every cold worker (the fixed scaling
-rule: the whole pool at the first request) and replays the schedule through the router. Cold workers
-cost from that decision on: their processes were started (and torch imported) before it, so process
+the surge and replays the schedule through the router. Who scales the cold workers up depends on the
+strategy: the scaling daemon (``pipecast scaler``, started on the control plane's host, with the
+deployment the driver declared: it notices the surge through the router's ``/stats``), the driver at the
+surge's first instant (``*-oracle`` and ``warm-pool``: a baseline no deployment has), or nobody (``fixed``).
+A cold worker costs from the moment the control plane assigned it the package (its agent's first
+``assignment`` event; the oracle's decision for the oracle strategies) until its agent dropped the
+package (a release) or the run ended: its processes were started (and torch imported) before, so process
 start-up, a container's own cold start, is outside every strategy's figures alike.
 
 Repeats interleave the strategies (unicast, warm-pool, pipecast, unicast, ...) so a slow phase of this
@@ -26,11 +30,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.cluster import EmulatedCluster, RequestedMode, store_egress_mbit
 from benchmarks.cpu import CpuSampler
+from benchmarks.cpuquota import CpuQuotas, open_quotas
 from benchmarks.distribution import floor_seconds, worker_names
 from benchmarks.processes import POLL_S, RunProcesses, cli, free_port
 from benchmarks.runinfo import versions
@@ -47,6 +52,7 @@ from benchmarks.surge.report import (
 from benchmarks.surge.plots import save_timeline, save_ttft_cdf
 from benchmarks.surge.report import to_json, write_requests_csv
 from benchmarks.surge.strategies import Strategy, check_pool
+from control_plane.deployments import Deployment, ScalingPolicy
 from benchmarks.surge.trace import PEAK_WINDOW_S, ScheduledRequest, TokenCaps, prompt_token_ids, schedule_facts
 from packager.manifest import read_manifest
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
@@ -56,7 +62,7 @@ from pipecast.engine.engine import Engine
 from pipecast.engine.providers import PackageFolderProvider
 from pipecast.engine.sampling import SamplingParams
 
-STORE, CONTROL, ROUTER, LOAD = "store", "cp", "router", "load"
+STORE, CONTROL, ROUTER, LOAD, SCALER = "store", "cp", "router", "load", "scaler"
 PORTS = {"agent": 7070, "serve": 8000, "router": 8080, "control": 7000}  # netns: every host has its own ports
 START_TIMEOUT_S = 600.0  # for everything to be up before the surge (8 workers import torch on 2 cores)
 PROGRESS_EVERY_S = 5.0
@@ -66,6 +72,11 @@ WORKER_THREADS = 1
 PREFILL_REPEATS = 3
 
 ProgressCallback = Callable[[str], None]
+# The daemon's policy here: replica_concurrency is the workers' batch; replica_rps a CPU worker's order of
+# magnitude (the daemon measures it once requests queue); keep-alive and cooldowns short enough for a run of
+# minutes.
+DEFAULT_POLICY = ScalingPolicy(max_replicas=8, slo_ttft_p99_s=2.0, keep_alive_s=20.0, scale_up_cooldown_s=5.0,
+                               scale_down_cooldown_s=30.0, replica_rps=0.5, replica_concurrency=8)
 
 
 class SurgeBenchError(PipecastError):
@@ -95,6 +106,12 @@ class SurgeConfig:
     queue_timeout_s: float = 600.0
     request_timeout_s: float = 900.0
     calibrate: bool = True
+    #: The daemon's policy for the "daemon" strategies (max_replicas is capped at the pool's cold workers).
+    policy: ScalingPolicy = DEFAULT_POLICY
+    scaler_tick_s: float = 1.0
+    #: CPUs each serving worker may use (a CFS quota, see benchmarks.cpuquota): each emulated node's own
+    #: compute capacity, as a GPU node has; None: none, every worker may use every core.
+    worker_cpus: float | None = None
 
     def __post_init__(self) -> None:
         if not self.schedule:
@@ -174,11 +191,30 @@ class _RunProcesses(RunProcesses):
 # -- one run -------------------------------------------------------------------------------------------
 
 
+def billed_intervals(events: Sequence[dict], package_id: str, t0: float) -> tuple[tuple[float, float | None], ...]:
+    """When a worker held a replica: from each first ``assignment`` of the package (after the start or a
+    drop) to the ``dropped`` that ended it (None: still held at the end), in seconds from ``t0``."""
+    intervals: list[tuple[float, float | None]] = []
+    start = None
+    for event in events:
+        if event.get("package") != package_id:
+            continue
+        if event["event"] == "assignment" and start is None:
+            start = event["t"] - t0
+        elif event["event"] == "dropped" and start is not None:
+            intervals.append((start, event["t"] - t0))
+            start = None
+    if start is not None:
+        intervals.append((start, None))
+    return tuple(intervals)
+
+
 def _timelines(spec: DriverSpec, results: dict, events: dict[str, list[dict]], package: PackageFacts,
                pre_surge_s: float) -> tuple[WorkerTimeline, ...]:
     """Each worker's provisioning, block arrivals (from its agent's events) and health changes (from the
     driver's polls), in seconds from the surge's start. A warm worker was provisioned and ready
-    ``pre_surge_s`` before the surge and received nothing."""
+    ``pre_surge_s`` before the surge and received nothing; a cold one scaled by the daemon is billed for
+    each interval it held a replica (:func:`billed_intervals`)."""
     t0 = results["t0"]
     out = []
     for worker in spec.workers:
@@ -191,7 +227,13 @@ def _timelines(spec: DriverSpec, results: dict, events: dict[str, list[dict]], p
         verified = sorted(e["t"] - t0 for e in events[worker.name]
                           if e["event"] == "block_verified" and e.get("package") == package.package_id)
         ready = next((t for t, status, _ in history if status == "ready"), None)
-        out.append(WorkerTimeline(worker.name, False, 0.0, package.blocks, tuple(verified), partial, ready))
+        if spec.scaled_by == "oracle":
+            billed = ((0.0, None),)
+        else:
+            billed = billed_intervals(events[worker.name], package.package_id, t0)
+        provisioned = billed[0][0] if billed else None
+        out.append(WorkerTimeline(worker.name, False, provisioned, package.blocks, tuple(verified), partial, ready,
+                                  billed=billed))
     return tuple(out)
 
 
@@ -217,13 +259,16 @@ class _Layout:
 
 
 def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strategy: Strategy, config: SurgeConfig,
-                    package: PackageFacts, sockets: Path, deadline: float) -> None:
+                    package: PackageFacts, sockets: Path, deadline: float, quotas: CpuQuotas) -> None:
     """Start the run's processes in order (see the module docstring); return once the driver is up."""
     host, port = layout.control.rsplit(":", 1)
     run.spawn(CONTROL, CONTROL, cli("control-plane", "--host", host, "--port", port,
                                      "--db", run.folder / "control.sqlite3"))
     run.spawn(LOAD, LOAD, [sys.executable, "-m", "benchmarks.surge.loadgen", run.folder / "spec.json"])
     run.wait_event([LOAD], "published", deadline, "publishing the package")
+    if strategy.scaled_by == "daemon":
+        run.spawn(SCALER, CONTROL, cli("scaler", "run", "--control-plane", layout.control, "--tick",
+                                        config.scaler_tick_s, "--plan-strategy", strategy.plan_strategy))
     agent = ("agent", "--transport", "tcp")
     run.spawn(STORE, STORE, cli(*agent, "--node-id", STORE, "--listen", layout.store, "--seed", package.path,
                                  "--control-plane", layout.control, "--events", run.events_path(STORE)))
@@ -233,23 +278,34 @@ def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strat
         if w in spec.registered:
             role += ["--control-plane", layout.control]
         run.spawn(w, w, cli(*agent, "--node-id", w, "--listen", layout.agents[w], "--local-socket",
-                             sockets / f"{w}.sock", "--events", run.events_path(w), *role))
+                             sockets / f"{w}.sock", "--events", run.events_path(w),
+                             "--serve-url", f"http://{layout.serving[w]}", *role))
     run.wait_event([STORE, *(w.name for w in spec.workers)], "listening", deadline, "agents starting")
     threads = str(WORKER_THREADS)
     for worker in spec.workers:
         w = worker.name
         host, port = layout.serving[w].rsplit(":", 1)
         full = [] if strategy.execute_while_load else ["--wait-full-load"]
-        run.spawn(f"{w}-serve", w, cli(
+        serve = run.spawn(f"{w}-serve", w, cli(
             "serve", package.package_id, "--agent-socket", sockets / f"{w}.sock", "--host", host, "--port", port,
             "--max-batch", config.worker_max_batch, "--max-queue", config.worker_max_queue,
             "--agent-timeout", START_TIMEOUT_S + config.request_timeout_s, "--drain-timeout", 0, *full,
             verbose=False), env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+        quotas.limit(serve.pid)
     host, port = layout.router.rsplit(":", 1)
     run.spawn(ROUTER, ROUTER, cli(
         "router", "--host", host, "--port", port, *(a for e in spec.workers for a in ("--worker", e.url)),
         "--max-queue", config.router_max_queue, "--queue-timeout", config.queue_timeout_s, "--drain-timeout", 0,
         verbose=False))
+
+
+def _deployment(strategy: Strategy, config: SurgeConfig, package: PackageFacts, layout: "_Layout",
+                warm: int) -> dict | None:
+    """The deployment the driver declares for the daemon (None for the other strategies)."""
+    if strategy.scaled_by != "daemon":
+        return None
+    policy = replace(config.policy, max_replicas=min(config.policy.max_replicas, config.workers - warm))
+    return Deployment(package.package_id, policy, (f"http://{layout.router}",)).to_json()
 
 
 def run_once(cluster: EmulatedCluster, folder: Path, package: PackageFacts, strategy: Strategy, repeat: int,
@@ -266,13 +322,15 @@ def run_once(cluster: EmulatedCluster, folder: Path, package: PackageFacts, stra
         registered=tuple(w for w in workers if w not in warm or strategy.warm_are_sources),
         plan_strategy=strategy.plan_strategy, schedule=config.schedule, vocab_size=package.vocab_size,
         package_id=package.package_id, events=str(run.events_path(LOAD)), results=str(folder / "results.json"),
-        startup_timeout_s=START_TIMEOUT_S, request_timeout_s=config.request_timeout_s)
+        startup_timeout_s=START_TIMEOUT_S, request_timeout_s=config.request_timeout_s,
+        scaled_by=strategy.scaled_by, deployment=_deployment(strategy, config, package, layout, len(warm)))
     (folder / "spec.json").write_text(json.dumps(spec.to_json()))
     label = f"[{strategy.name} {repeat}/{config.repeat}]"
     sockets = Path(tempfile.mkdtemp(prefix="pcs-"))  # short: a unix socket path has at most 107 bytes
+    quotas = open_quotas(config.worker_cpus)
     try:
         deadline = time.time() + START_TIMEOUT_S
-        _start_services(run, layout, spec, strategy, config, package, sockets, deadline)
+        _start_services(run, layout, spec, strategy, config, package, sockets, deadline, quotas)
         run.wait_event([LOAD], "surge", deadline, f"{label} arming (every worker up, cold ones waiting)")
         progress(f"{label} surge: {len(config.schedule)} requests to {len(warm)} warm + {len(workers) - len(warm)} "
                  f"cold workers")
@@ -283,6 +341,7 @@ def run_once(cluster: EmulatedCluster, folder: Path, package: PackageFacts, stra
             raise SurgeBenchError(f"{label} the driver failed: {run.driver_error()}")
     finally:
         run.stop()
+        quotas.close()
         shutil.rmtree(sockets, ignore_errors=True)
     results = json.loads((folder / "results.json").read_text())
     usage = cpu.usage()
@@ -291,7 +350,10 @@ def run_once(cluster: EmulatedCluster, folder: Path, package: PackageFacts, stra
                      workers=_timelines(spec, results, {w: run.events(w) for w in workers}, package,
                                         config.pre_surge_s),
                      cpu_mean_percent=usage.mean_percent, cpu_p95_percent=usage.p95_percent,
-                     cpu_saturated=usage.saturated(), notes={"scale_up": results["scale_up"]})
+                     cpu_saturated=usage.saturated(),
+                     notes={"scale_up": results["scale_up"], "scaled_by": strategy.scaled_by,
+                            "scale_events": results.get("scale_events", []),
+                            "policy": spec.deployment["policy"] if spec.deployment else {}})
 
 
 def _follow_driver(run: _RunProcesses, end_by: float, label: str, progress: ProgressCallback) -> None:
@@ -338,11 +400,13 @@ def measure_prefill_seconds(package: Path, prompt_tokens: int, threads: int = WO
     return statistics.median(times[1:])
 
 
-def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, prefill_s: float | None) -> dict:
+def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, prefill_s: float | None,
+          quota: str) -> dict:
     facts = schedule_facts(config.schedule)
     floor = floor_seconds(package.total_bytes, config.link_mbit, config.store_rate_mbit)
     one_copy = package.total_bytes / mbit_to_bytes_per_s(config.link_mbit)
-    ratio = one_copy / prefill_s if prefill_s else None
+    worker_prefill_s = prefill_s / min(config.worker_cpus or 1.0, 1.0) if prefill_s else None
+    ratio = one_copy / worker_prefill_s if worker_prefill_s else None
     headline = [
         f"pipecast bench surge: {package.model_name} package {package.package_id[:12]} "
         f"({format_bytes(package.total_bytes)}, {package.blocks} blocks), {config.workers} workers "
@@ -354,9 +418,11 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
         f"{config.caps.prompt_tokens} tokens, outputs <= {config.caps.output_tokens} tokens",
         f"floor S/B = {floor:.2f} s (no cold worker answers sooner); unicast from the store to every cold worker "
         f"takes about N_cold*S/B_store",
+        f"compute: {quota}",
         ("transfer/compute: one model copy over a link takes "
          f"{one_copy:.2f} s, a {config.caps.prompt_tokens}-token prefill {prefill_s * 1000:.0f} ms on "
-         f"{WORKER_THREADS} thread: ratio {ratio:.0f} (a GPU cluster: seconds against tens of ms, ~20-200)")
+         f"{WORKER_THREADS} thread ({worker_prefill_s * 1000:.0f} ms at a worker's CPU share): ratio {ratio:.0f} "
+         "(a GPU cluster: seconds against tens of ms, ~20-200)")
         if ratio else "transfer/compute ratio not calibrated (--no-calibrate)",
         f"cost: worker-seconds from provisioning (warm: {config.pre_surge_s:g} s before the surge) to the run's end; "
         f"TTFT from each request's scheduled arrival; first{config.first_n} = the first {config.first_n} requests",
@@ -373,8 +439,10 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
         "peak_rate_per_s": facts.peak_rate_per_s, "prompt_cap_tokens": config.caps.prompt_tokens,
         "output_cap_tokens": config.caps.output_tokens, "repeat": config.repeat,
         "pre_surge_seconds": config.pre_surge_s,
-        "first_n": config.first_n, "floor_seconds": floor, "model_copy_seconds": one_copy,
-        "prefill_seconds": prefill_s, "transfer_to_prefill_ratio": ratio, "worker_threads": WORKER_THREADS,
+        "first_n": config.first_n, "floor_seconds": floor, "policy": asdict(config.policy),
+        "model_copy_seconds": one_copy,
+        "prefill_seconds": prefill_s, "worker_prefill_seconds": worker_prefill_s, "transfer_to_prefill_ratio": ratio,
+        "worker_threads": WORKER_THREADS, "worker_cpus": config.worker_cpus, "worker_cpu_quota": quota,
         "worker_max_batch": config.worker_max_batch, "worker_max_queue": config.worker_max_queue,
         "router_max_queue": config.router_max_queue, "queue_timeout_seconds": config.queue_timeout_s,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "headline": headline,
@@ -388,11 +456,16 @@ def run(config: SurgeConfig, workdir: Path, progress: ProgressCallback = lambda 
     if config.calibrate:
         progress(f"calibrating: a {config.caps.prompt_tokens}-token prefill on {WORKER_THREADS} thread")
         prefill_s = measure_prefill_seconds(package.path, config.caps.prompt_tokens)
+        # The daemon's per-replica throughput until it measures one: a request per prefill at the worker's
+        # CPU share (no batching gain: it errs towards more replicas).
+        cpus = min(config.worker_cpus or 1.0, 1.0)
+        config = replace(config, policy=replace(config.policy, replica_rps=round(cpus / prefill_s, 3)))
+    quota = open_quotas(config.worker_cpus).description
     runs: dict[str, list[RunRecord]] = {s.name: [] for s in config.strategies}
     hosts = [STORE, CONTROL, ROUTER, LOAD, *worker_names(config.workers)]
     with EmulatedCluster(hosts, config.link_mbit, store_mbit=config.store_mbit, store_host=STORE,
                          mode=config.mode) as cluster:
-        meta = _meta(config, package, cluster, prefill_s)
+        meta = _meta(config, package, cluster, prefill_s, quota)
         for line in meta["headline"]:
             progress(line)
         meta["retried_runs"] = []

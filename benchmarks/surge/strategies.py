@@ -1,9 +1,11 @@
 """The strategies a surge benchmark compares, and their registry.
 
 A strategy says how a pool of N workers gets the model: how many workers already hold it when the
-surge arrives (warm), whether those warm workers are multicast sources, which control-plane plan brings
-it to the cold ones, and whether a worker serves while its blocks arrive (execute-while-load) or only
-once it holds them all (load-then-serve). The orchestration (:mod:`benchmarks.surge.run`) reads only
+surge arrives (warm), whether those warm workers are multicast sources, who decides to bring it to cold
+ones (the scaling daemon from the routers' signals, the load generator at the surge's first instant, an
+oracle no deployment has, or nobody: a fixed pool), which control-plane plan brings it, and whether a
+worker serves while its blocks arrive (execute-while-load) or only once it holds them all
+(load-then-serve). The orchestration (:mod:`benchmarks.surge.run`) reads only
 these fields, so adding a strategy is one :func:`register` call (or one entry in :data:`BUILTIN`).
 
 A name may carry a warm count, ``NAME:W`` (e.g. ``warm-pool:4``): the strategy with W warm workers.
@@ -18,6 +20,11 @@ from pipecast.core.errors import PipecastError
 BASELINE = "unicast"
 PIPECAST = "pipecast"
 WARM_POOL = "warm-pool"
+FIXED = "fixed"
+ORACLE_SUFFIX = "-oracle"
+#: Who scales the cold workers up: the daemon (``pipecast scaler``), the load generator at the surge's first
+#: instant (an oracle), or nobody (a fixed pool of the warm workers).
+SCALERS = ("daemon", "oracle", "none")
 
 
 class StrategyError(PipecastError):
@@ -40,8 +47,13 @@ class Strategy:
     #: Warm workers register with the control plane, so its plans use them as sources; otherwise cold
     #: workers get the model from the store alone.
     warm_are_sources: bool = False
+    #: One of SCALERS.
+    scaled_by: str = "oracle"
 
     def __post_init__(self) -> None:
+        if self.scaled_by not in SCALERS:
+            raise StrategyError(f"strategy {self.name!r}: scaled_by {self.scaled_by!r} is not one of "
+                                f"{', '.join(SCALERS)}")
         if self.plan_strategy and self.plan_strategy not in PLAN_STRATEGIES:
             raise StrategyError(f"strategy {self.name!r}: plan strategy {self.plan_strategy!r} is not one of "
                                 f"{', '.join(PLAN_STRATEGIES)}")
@@ -55,7 +67,7 @@ class Strategy:
     def check_fits(self, workers: int, min_workers: int) -> None:
         """Raise :class:`StrategyError` when its warm workers outnumber the pool or leave no cold one."""
         warm = self.warm_count(min_workers)
-        if warm >= workers:
+        if warm > workers or (warm == workers and self.scaled_by != "none"):
             raise StrategyError(f"strategy {self.name!r}: {warm} warm worker(s) leave no cold worker in a pool of "
                                 f"{workers}; the surge would scale nothing")
 
@@ -73,20 +85,30 @@ def register(strategy: Strategy) -> Strategy:
     return strategy
 
 
-register(Strategy(BASELINE, "every new worker pulls the whole model from the store, then serves (load-then-serve)",
+register(Strategy(BASELINE, "the scaling daemon adds workers; each pulls the whole model from the store, then serves "
+                            "(load-then-serve)",
+                  plan_strategy="unicast", execute_while_load=False, scaled_by="daemon"))
+register(Strategy(BASELINE + ORACLE_SUFFIX, "every cold worker is scaled up at the surge's first instant (an oracle) "
+                                            "and pulls the whole model from the store, then serves",
                   plan_strategy="unicast", execute_while_load=False))
-register(Strategy(WARM_POOL, "W workers hold the model in memory before the surge; the rest cold-start by unicast "
-                             "from the store (load-then-serve)",
+register(Strategy(WARM_POOL, "W workers hold the model in memory before the surge; the rest are scaled up at the "
+                             "surge's first instant (an oracle) by unicast from the store (load-then-serve)",
                   plan_strategy="unicast", execute_while_load=False, warm=2))
-register(Strategy(PIPECAST, "pipelined multicast from every holder, planned by the control plane; workers serve "
-                            "while blocks arrive (execute-while-load)",
+register(Strategy(FIXED, "W workers hold the model in memory from the start; nothing scales", plan_strategy="unicast",
+                  execute_while_load=False, warm=1, scaled_by="none"))
+register(Strategy(PIPECAST, "the scaling daemon adds workers from the routers' signals; pipelined multicast from "
+                            "every holder, planned by the control plane; workers serve while blocks arrive "
+                            "(execute-while-load)",
+                  plan_strategy="", execute_while_load=True, warm_are_sources=True, scaled_by="daemon"))
+register(Strategy(PIPECAST + ORACLE_SUFFIX, "pipecast with every cold worker scaled up at the surge's first instant "
+                                            "(an oracle no deployment has: a baseline, not the headline)",
                   plan_strategy="", execute_while_load=True, warm_are_sources=True))
 
 # The same with the control plane told to plan a chain: every worker receives the blocks in order, one
 # chunk behind its parent, so the first worker that can serve is also among the first to hold everything.
 register(Strategy(f"{PIPECAST}-chain", "pipecast with a chain plan (blocks in layer order at every worker, "
-                                       "cut-through), execute-while-load",
-                  plan_strategy="chain", execute_while_load=True, warm_are_sources=True))
+                                       "cut-through), execute-while-load, scaled by the daemon",
+                  plan_strategy="chain", execute_while_load=True, warm_are_sources=True, scaled_by="daemon"))
 
 
 

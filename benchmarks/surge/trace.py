@@ -18,7 +18,7 @@ import math
 import random
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -249,6 +249,21 @@ def synthetic_schedule(load: SyntheticLoad, caps: TokenCaps) -> tuple[ScheduledR
     return tuple(ScheduledRequest(index=i, at_s=t, prompt_tokens=caps.prompt_tokens, max_tokens=caps.output_tokens,
                                   trace_prompt_tokens=caps.prompt_tokens, trace_output_tokens=caps.output_tokens)
                  for i, t in enumerate(times))
+
+
+def repeat_surges(schedule: Sequence[ScheduledRequest], surges: int, quiet_s: float) -> tuple[ScheduledRequest, ...]:
+    """``schedule`` played ``surges`` times, each after ``quiet_s`` seconds without a request: the long run
+    in which a pool must scale down in the quiet and cold-start again for the next surge."""
+    if surges < 1 or not (math.isfinite(quiet_s) and quiet_s >= 0):
+        raise TraceError(f"surges must be >= 1 and the quiet period >= 0 s, got {surges} and {quiet_s}")
+    if not schedule:
+        return ()
+    period = schedule[-1].at_s - schedule[0].at_s + quiet_s
+    out = []
+    for k in range(surges):
+        for r in schedule:
+            out.append(replace(r, index=len(out), at_s=r.at_s + k * period))
+    return tuple(out)
 
 
 def parse_synthetic(text: str) -> SyntheticLoad:

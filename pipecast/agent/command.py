@@ -9,6 +9,7 @@ import click
 from pipecast.agent.daemon import AgentDaemon, AgentOptions
 from pipecast.agent.errors import PlanFileError
 from pipecast.agent.fetcher import FetchPolicy
+from pipecast.agent.ratelimit import DataPlaneCaps
 from pipecast.agent.transport.base import split_address
 from pipecast.agent.transport.registry import transport_names
 from pipecast.core.settings import load_settings
@@ -74,13 +75,20 @@ def _labels(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
 @click.option("--serve-url", metavar="URL",
               help="HTTP base URL of this node's serving worker, registered for the router (settings: "
                    "agent_serve_url).")
+@click.option("--link-mbit", type=click.FloatRange(min=0), metavar="MBIT",
+              help="This node's link rate, Mbit/s, that --multicast-share is a share of (settings: agent_link_mbit).")
+@click.option("--multicast-share", type=click.FloatRange(min=0, max=1, min_open=True), metavar="SHARE",
+              help="Largest share of the link, in (0, 1], the data plane takes each direction, so that serving "
+                   "traffic on the same link keeps its latency; below 1 needs --link-mbit (settings: "
+                   "multicast_share).")
 @click.option("--start-at", type=float, metavar="EPOCH_SECONDS",
               help="Listen at once but begin fetching at this wall-clock time (seconds since the epoch), so "
                    "that agents started one after another fetch together (benchmarks).")
 def agent_command(listen: str | None, node_id: str | None, seed: Path | None, plan: Path | None,
                   cache_dir: Path | None, memory: int | None, transport: str | None, local_socket: Path | None,
                   events: Path | None, exit_when_complete: bool, control_plane: str | None, labels: dict[str, str],
-                  serve_url: str | None, start_at: float | None) -> None:
+                  serve_url: str | None, link_mbit: float | None, multicast_share: float | None,
+                  start_at: float | None) -> None:
     """Run the node agent: serve blocks to peers, fetch this node's share, feed local engines.
 
     Peers authenticate each other with a data-plane key: under --control-plane it comes with the
@@ -91,7 +99,9 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
         raise click.UsageError("--control-plane decides what this node fetches: it goes with neither --plan nor "
                                "--exit-when-complete")
     settings = load_settings(agent_cache_dir=cache_dir, agent_memory_bytes=memory, agent_transport=transport,
-                             agent_local_socket=local_socket, agent_node_id=node_id, agent_serve_url=serve_url)
+                             agent_local_socket=local_socket, agent_node_id=node_id, agent_serve_url=serve_url,
+                             agent_link_mbit=link_mbit, multicast_share=multicast_share)
+    DataPlaneCaps.of(settings)  # refuse a share without the link rate now, not after verifying a seed
     if plan is not None and not settings.agent_node_id:
         raise PlanFileError(f"{plan}: --node-id is needed to know which of the plan's nodes this agent is")
     policy = FetchPolicy(concurrency=settings.agent_fetch_concurrency, retries=settings.agent_fetch_retries,

@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pipecast.core.errors import PipecastError
@@ -18,6 +18,15 @@ from pipecast.core.errors import PipecastError
 
 class SettingsError(PipecastError):
     """A config file or value that cannot be used."""
+
+
+class TenantLimit(BaseModel):
+    """One tenant's admission limit at the router: a token bucket of ``burst`` requests refilled at ``rate``/s."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rate: float = Field(gt=0, allow_inf_nan=False, description="requests per second, sustained")
+    burst: int = Field(ge=1, description="requests admitted at once after a quiet spell")
 
 
 class Settings(BaseSettings):
@@ -38,6 +47,11 @@ class Settings(BaseSettings):
     agent_local_socket: Path | None = Field(None, description="local API socket for engines on this node")
     egress_mbit: float = Field(0.0, ge=0, description="application-level egress cap (0: none)")
     ingress_mbit: float = Field(0.0, ge=0, description="application-level ingress cap (0: none)")
+    agent_link_mbit: float = Field(0.0, ge=0, description="this node's link rate, Mbit/s, that multicast_share is "
+                                                          "a share of (0: unknown)")
+    multicast_share: float = Field(
+        1.0, gt=0, le=1, description="largest share of the link the data plane takes, each direction (below 1 needs "
+                                     "agent_link_mbit; 1: the whole link)")
     connect_timeout_s: float = Field(5.0, gt=0, description="deadline of a connection to a peer")
     io_timeout_s: float = Field(10.0, gt=0, description="longest silence tolerated from a peer mid-transfer")
     agent_fetch_concurrency: int = Field(2, ge=1, description="parents a node fetches from at once")
@@ -85,6 +99,19 @@ class Settings(BaseSettings):
     # Router.
     router_forward_auth: bool = Field(False, description="pass clients' Authorization header on to the workers "
                                                          "(off: dropped, so workers never see client credentials)")
+    router_api_keys: dict[str, str] = Field(
+        default_factory=dict, description="API key -> tenant; when set, a request needs `Authorization: Bearer <key>` "
+                                          "(401 otherwise) and is its key's tenant's. Config file or environment only, "
+                                          "never the command line")
+    router_tenant_header: str = Field("x-pipecast-tenant", min_length=1,
+                                      description="header naming a request's tenant when router_api_keys is empty "
+                                                  "(missing: tenant `default`)")
+    router_tenant_limits: dict[str, TenantLimit] = Field(
+        default_factory=dict, description="tenant -> {rate: requests/s, burst: requests}: a token bucket per tenant; "
+                                          "a request beyond it gets 429 with Retry-After (`pipecast router "
+                                          "--tenant-limit NAME=RATE:BURST` adds or overrides one)")
+    router_default_tenant_limit: TenantLimit | None = Field(
+        None, description="the limit of every tenant not in router_tenant_limits (unset: those are unlimited)")
 
     @classmethod
     def settings_customise_sources(

@@ -1,4 +1,4 @@
-"""Parsing and printing byte sizes and rates, and the package chunk size."""
+"""Parsing and printing byte sizes, rates and durations, and the package chunk size."""
 
 import re
 
@@ -23,6 +23,18 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise ValueError(f"size must be positive: {text!r}")
     return value
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|)\s*$")
+_SECONDS = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Parse "2s", "500ms", "5m", "1h" or "1.5" (seconds) into seconds; raise ValueError naming the text."""
+    match = _DURATION.match(str(text))
+    if not match:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 500ms, 2s, 5m, 1h or a number of seconds)")
+    return float(match.group(1)) * _SECONDS[match.group(2)]
 
 
 def format_bytes(n: float) -> str:

@@ -12,6 +12,17 @@ Endpoints:
   ``x-pipecast-queue-seconds``; a streaming response's headers leave as soon as the worker answers
   with its own headers, before the first token.
 - ``GET /health``: the router's own state; ``GET /v1/workers``: the pool; ``GET /metrics``: Prometheus.
+- ``GET /stats``: the scaling signals (:mod:`pipecast.router.signals`) as JSON, for autoscalers polling
+  every second or so: ``format`` (1), ``now_unix``, ``started_unix``, ``queue_depth`` (waiting here for
+  a worker), ``in_flight`` (at workers), ``workers`` (each ``url``, ``node_id``, ``status``,
+  ``in_flight`` and ``idle_s``: seconds since its in-flight count last dropped to 0 or it joined, null
+  while busy), cumulative ``counters`` (``arrived``, ``prompt_tokens``, ``answered``, ``rejected``,
+  ``failed``: take rates by differencing two answers), ``ttft`` (``window_s``, ``count``, ``p50``, ``p95``,
+  ``p99`` over the last 60 s) and ``tenants`` (each ``arrived``, ``admitted``, ``rejected``).
+
+Before its queue, the router admits each request for its tenant (:mod:`pipecast.router.admission`): with
+API keys configured, a request without a known ``Authorization: Bearer`` key gets 401
+(``authentication_error``); a tenant over its rate limit gets 429 (``rate_limited``) with ``Retry-After``.
 
 Every wait on a worker has a deadline: ``connect_timeout_s`` to connect, ``upstream_timeout_s`` of
 silence before its response or between two chunks of it.
@@ -22,13 +33,14 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
 from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_body
 from pipecast.core.strictjson import JSONInputError
+from pipecast.router.admission import AdmissionConfig, AdmissionControl
 from pipecast.router.discovery import DiscoveredWorker, Discovery
 from pipecast.router.errors import (
     QueueFullError,
@@ -36,6 +48,8 @@ from pipecast.router.errors import (
     RetriesExhaustedError,
     RouterClosedError,
     RouterError,
+    TenantAuthError,
+    TenantOverLimitError,
     WorkerBusyError,
     WorkerFailedError,
     WorkerStreamError,
@@ -44,6 +58,7 @@ from pipecast.router.errors import (
 from pipecast.router.health import HealthMonitor
 from pipecast.router.metrics import RouterMetrics
 from pipecast.router.pool import Dispatcher, Worker, WorkerPool
+from pipecast.router.signals import Signals, prompt_tokens
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +97,8 @@ class RouterConfig:
     max_event_bytes: int = 1 << 20
     #: Pass the client's Authorization header on to the worker (settings: router_forward_auth).
     forward_auth: bool = False
+    #: Tenants and their rate limits (settings: router_api_keys, router_tenant_*).
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
 
 def complete_events_end(buffer: bytes | bytearray) -> int:
@@ -114,10 +131,13 @@ class Router:
     """The pool, its queue, health polling, discovery and request forwarding of one router."""
 
     def __init__(self, config: RouterConfig, sources: Sequence[Discovery],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
-        self.pool = WorkerPool()
+        self.pool = WorkerPool(clock)
+        self.admission = AdmissionControl(config.admission, clock)
+        self.signals = Signals(clock, wall_clock)
         self.dispatcher = Dispatcher(self.pool, config.max_queue, config.queue_timeout_s, clock)
         self.metrics = RouterMetrics(lambda: self.dispatcher.waiting)
         self._forwarded = FORWARDED_HEADERS + ((AUTH_HEADER,) if config.forward_auth else ())
@@ -182,6 +202,10 @@ class Router:
     async def complete(self, request: web.Request) -> web.StreamResponse:
         """Handle ``POST /v1/completions`` (module docstring)."""
         arrival = self.clock()
+        try:  # before the body is read: an unknown client costs nothing more
+            tenant = self.config.admission.tenant_of(request.headers)
+        except TenantAuthError as exc:
+            return self._reject(exc, 401, "authentication_error", {"WWW-Authenticate": "Bearer"})
         try:
             body = await read_body(request, self.config.max_body_bytes)
         except BodyTooLargeError as exc:
@@ -197,6 +221,14 @@ class Router:
         if not isinstance(payload, dict):
             return web.json_response(error_body("request body must be a JSON object", "invalid_request_error"),
                                      status=400)
+        counted_as = self.signals.arrived(tenant, prompt_tokens(payload.get("prompt")))
+        admission = self.admission.admit(tenant)
+        self.signals.admission(counted_as, admission.admitted)
+        if not admission.admitted:
+            self.metrics.tenant_rejected.labels(counted_as).inc()
+            retry_after = admission.retry_after_header
+            error = TenantOverLimitError(tenant, admission.limit.rate, admission.limit.burst, retry_after)
+            return self._reject(error, 429, "rate_limited", {"Retry-After": str(retry_after)})
         headers = {name: request.headers[name] for name in self._forwarded if name in request.headers}
         failures: list[WorkerFailedError] = []
         queued_s = 0.0
@@ -227,6 +259,7 @@ class Router:
                 if len(failures) > self.config.max_retries:
                     log.warning("request failed for good: %s", exc)
                     self.metrics.failed.labels(worker.url, "before_response").inc()
+                    self.signals.failed()
                     return web.json_response(
                         error_body(str(RetriesExhaustedError(failures)), "worker_failed", worker=worker.url,
                                    attempts=[failure.worker for failure in failures]),
@@ -239,6 +272,10 @@ class Router:
     def _reject(self, error: RouterError, status: int, reason: str,
                 headers: dict[str, str] | None = None) -> web.Response:
         self.metrics.rejected.labels(reason).inc()
+        if status == 429:
+            self.signals.rejected()
+        elif status >= 500:
+            self.signals.failed()
         return web.json_response(error_body(str(error), reason), status=status, headers=headers)
 
     async def _attempt(self, request: web.Request, body: bytes, headers: dict[str, str], worker: Worker,
@@ -268,8 +305,12 @@ class Router:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 problem = f"lost before its answer was complete: {self._describe(exc)}"
                 raise WorkerFailedError(worker.url, problem) from exc
-            if upstream.status >= 500:
+            if upstream.status == 200:
+                self.signals.answer_started(arrival)
+                self.signals.answered()
+            elif upstream.status >= 500:
                 self.metrics.failed.labels(worker.url, "error_status").inc()
+                self.signals.failed()
             content_type = upstream.headers.get("Content-Type", "application/json")
             return web.Response(status=upstream.status, body=answer,
                                 headers={"Content-Type": content_type, **timing})
@@ -310,7 +351,7 @@ class Router:
                 failure = None
                 break
             if first:
-                self.metrics.ttft.observe(self.clock() - arrival)
+                self.metrics.ttft.observe(self.signals.answer_started(arrival))
                 first = False
             pending += chunk
             end = complete_events_end(pending)
@@ -325,10 +366,12 @@ class Router:
         if failure is None:
             if pending:  # a last event without its blank line: the worker's stream, passed on as it is
                 await self._send(response, bytes(pending))
+            self.signals.answered()
         else:
             log.warning("%s", failure)
             self.pool.record_failure(worker.url, str(failure), self.clock())
             self.metrics.failed.labels(worker.url, "mid_stream").inc()
+            self.signals.failed()
             await self._send(response, sse_event(error_body(str(failure), "worker_failed", worker=worker.url)))
         try:
             await response.write_eof()
@@ -361,6 +404,10 @@ class Router:
         return {"status": "ready" if serving else "waiting", "workers": len(self.pool.workers()),
                 "serving": serving, "queue_depth": self.dispatcher.waiting,
                 "max_queue": self.dispatcher.max_queue}
+
+    def stats(self) -> dict:
+        """The ``GET /stats`` answer (module docstring)."""
+        return self.signals.snapshot(self.dispatcher.waiting, self.pool.in_flight, self.pool.workers())
 
     def describe_workers(self) -> dict:
         """The ``GET /v1/workers`` answer."""
@@ -398,6 +445,9 @@ def build_app(router: Router) -> web.Application:
     async def workers(request: web.Request) -> web.Response:
         return web.json_response(router.describe_workers())
 
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response(router.stats())
+
     async def metrics(request: web.Request) -> web.Response:
         data, content_type = router.metrics.render()
         return web.Response(body=data, headers={"Content-Type": content_type})
@@ -405,5 +455,5 @@ def build_app(router: Router) -> web.Application:
     app.cleanup_ctx.append(lifetime)
     app.on_shutdown.append(on_shutdown)
     app.add_routes([web.post("/v1/completions", completions), web.get("/health", health),
-                    web.get("/v1/workers", workers), web.get("/metrics", metrics)])
+                    web.get("/v1/workers", workers), web.get("/metrics", metrics), web.get("/stats", stats)])
     return app

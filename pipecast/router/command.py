@@ -7,12 +7,39 @@ from contextlib import AsyncExitStack
 import click
 
 from pipecast.core.httpserve import serve_until_signalled
-from pipecast.core.settings import Settings, load_settings
+from pipecast.core.settings import Settings, TenantLimit, load_settings
+from pipecast.router.admission import AdmissionConfig
 from pipecast.router.app import Router, RouterConfig, build_app
 from pipecast.router.discovery import ControlPlaneDiscovery, Discovery, StaticDiscovery
 from pipecast.router.errors import WorkerUrlError
 
 DEFAULTS = RouterConfig()
+TENANT_LIMIT_FORM = "NAME=RATE:BURST"
+
+
+def parse_tenant_limits(ctx: click.Context, param: click.Parameter,
+                        values: tuple[str, ...]) -> dict[str, TenantLimit]:
+    """The ``--tenant-limit NAME=RATE:BURST`` values as tenant -> limit (a later one for a name wins)."""
+    limits: dict[str, TenantLimit] = {}
+    for value in values:
+        name, equals, spec = value.partition("=")
+        rate, colon, burst = spec.partition(":")
+        try:
+            if not (name and equals and colon):
+                raise ValueError(value)
+            limits[name] = TenantLimit(rate=float(rate), burst=int(burst))
+        except ValueError:  # pydantic's ValidationError is one
+            raise click.BadParameter(f"{value!r} is not {TENANT_LIMIT_FORM} with RATE > 0 requests/s and "
+                                     "BURST >= 1 requests, e.g. team-a=5:10") from None
+    return limits
+
+
+def admission_config(settings: Settings, tenant_limits: dict[str, TenantLimit]) -> AdmissionConfig:
+    """The router's admission: the settings' tenants and limits, ``tenant_limits`` (the command line)
+    added to the settings' limits or replacing them tenant by tenant."""
+    return AdmissionConfig(limits=settings.router_tenant_limits | tenant_limits,
+                           default_limit=settings.router_default_tenant_limit,
+                           api_keys=settings.router_api_keys, tenant_header=settings.router_tenant_header)
 
 
 async def run_router(router: Router, host: str, port: int, drain_timeout_s: float,
@@ -53,12 +80,21 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
 @click.option("--forward-auth/--no-forward-auth", default=None,
               help="Pass clients' Authorization header on to the workers (settings: router_forward_auth; off "
                    "by default).")
+@click.option("--tenant-limit", "tenant_limits", multiple=True, metavar=TENANT_LIMIT_FORM,
+              callback=parse_tenant_limits,
+              help="Admit at most RATE requests/s of tenant NAME, BURST at once; beyond it 429 (repeatable; adds "
+                   "to or overrides the settings' router_tenant_limits).")
 def router_command(host, port, workers, control_plane, max_queue, queue_timeout, health_interval, health_timeout,
-                   upstream_timeout, max_retries, drain_timeout, forward_auth):
+                   upstream_timeout, max_retries, drain_timeout, forward_auth, tenant_limits):
     """Route OpenAI-style completion requests to the least-loaded serving worker.
 
     Workers come from --worker URLs and/or the control plane; a worker serves once its /health says
     ready or partial. Requests wait in the router while no worker can take them.
+
+    Tenants: API keys (router_api_keys: key -> tenant) are read only from the config file or
+    PIPECAST_ROUTER_API_KEYS, never from the command line, where other users of the host could read
+    them; without keys a request's tenant is its router_tenant_header header. Limits per tenant:
+    router_tenant_limits, router_default_tenant_limit and --tenant-limit.
     """
     if not workers and not control_plane:
         raise click.UsageError("give at least one --worker URL or --control-plane")
@@ -70,7 +106,8 @@ def router_command(host, port, workers, control_plane, max_queue, queue_timeout,
     settings = load_settings(control_plane=control_plane, router_forward_auth=forward_auth)
     config = RouterConfig(max_queue=max_queue, queue_timeout_s=queue_timeout, health_interval_s=health_interval,
                           health_timeout_s=health_timeout, upstream_timeout_s=upstream_timeout,
-                          max_retries=max_retries, forward_auth=settings.router_forward_auth)
+                          max_retries=max_retries, forward_auth=settings.router_forward_auth,
+                          admission=admission_config(settings, tenant_limits))
     asyncio.run(_serve(config, static, settings if control_plane else None, host, port, drain_timeout))
 
 

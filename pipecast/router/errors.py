@@ -31,6 +31,22 @@ class RouterClosedError(RouterError):
         super().__init__("router is shutting down")
 
 
+class TenantAuthError(RouterError):
+    """A request without a known API key while the router requires one (``router_api_keys`` is set)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"{problem}: send `Authorization: Bearer <key>` with a key the router knows")
+
+
+class TenantOverLimitError(RouterError):
+    """A tenant sent requests faster than its admission limit allows: the client may retry after a while."""
+
+    def __init__(self, tenant: str, rate: float, burst: int, retry_after_s: int) -> None:
+        super().__init__(f"tenant {tenant!r} is over its rate of {rate:g} requests/s (burst {burst}); "
+                         f"retry after {retry_after_s} s")
+        self.tenant, self.rate, self.burst, self.retry_after_s = tenant, rate, burst, retry_after_s
+
+
 class WorkerUrlError(RouterError):
     """A worker URL from the operator or the control plane is not an http(s) base URL."""
 

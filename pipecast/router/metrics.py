@@ -19,8 +19,12 @@ class RouterMetrics:
         self.routed = Counter("pipecast_router_requests_routed", "Requests sent to a worker (every attempt).",
                               ["worker"], registry=self.registry)
         self.rejected = Counter("pipecast_router_requests_rejected",
-                                "Requests the router refused (queue_full, queue_timeout, shutting_down).",
+                                "Requests the router refused (queue_full, queue_timeout, shutting_down, "
+                                "rate_limited, authentication_error).",
                                 ["reason"], registry=self.registry)
+        self.tenant_rejected = Counter("pipecast_router_tenant_rejected",
+                                       "Requests refused with 429 because their tenant was over its rate limit.",
+                                       ["tenant"], registry=self.registry)
         self.failed = Counter("pipecast_router_requests_failed",
                               "Requests that ended in an error because of a worker, by the stage it failed at "
                               "(before_response: retries exhausted; mid_stream; error_status: a 5xx answer).",

@@ -56,6 +56,9 @@ class Worker:
     #: Clock time of the last 429, and until when the worker is not sent more.
     busy_at: float | None = None
     busy_until: float = 0.0
+    #: Clock time the worker joined the pool, began to serve (ready or partial) or its in-flight count last
+    #: dropped to 0, whichever is latest; None while it has requests in flight.
+    idle_since: float | None = None
 
     @property
     def status(self) -> str:
@@ -79,6 +82,10 @@ class Worker:
             return False
         return self.busy_at is None or now >= self.busy_until
 
+    def idle_s(self, now: float) -> float | None:
+        """Seconds without requests of this router at clock time ``now``; None while it has some."""
+        return None if self.idle_since is None else now - self.idle_since
+
     def describe(self, now: float) -> dict:
         """A JSON-ready view for ``GET /v1/workers``."""
         health = self.health
@@ -99,12 +106,15 @@ class WorkerPool:
     """The workers the router knows, their health and load, and the choice among them.
 
     Listeners (see :meth:`subscribe`) are called after every change that can make a worker able to
-    take a request, so a queue of waiting requests can be served at once.
+    take a request, so a queue of waiting requests can be served at once. ``clock`` times each worker's
+    idle spells (:meth:`Worker.idle_s`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self._workers: dict[str, Worker] = {}
         self._listeners: list[Callable[[], None]] = []
+        self._in_flight = 0
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after each change that may free capacity."""
@@ -132,7 +142,7 @@ class WorkerPool:
         for url in removed:
             del self._workers[url]
         for url in added:
-            self._workers[url] = Worker(url=url, node_id=members[url])
+            self._workers[url] = Worker(url=url, node_id=members[url], idle_since=self.clock())
         for url, node_id in members.items():
             self._workers[url].node_id = node_id
         if added:
@@ -144,7 +154,11 @@ class WorkerPool:
         worker = self._workers.get(url)
         if worker is None:
             return
+        was_serving = worker.health is not None and worker.health.status in SERVING
         worker.health = health
+        if health.status in SERVING and not was_serving and worker.in_flight == 0:
+            # Idle counts from when it could serve: a replica just loaded is not "idle" since it joined.
+            worker.idle_since = self.clock()
         if worker.failed_at is not None and polled_at >= worker.failed_at and health.status in SERVING:
             worker.failed_at = None
         if worker.busy_at is not None and polled_at >= worker.busy_at and health.can_serve:
@@ -190,13 +204,23 @@ class WorkerPool:
         worker = self._workers[url]
         worker.in_flight += 1
         worker.routed += 1
+        worker.idle_since = None
+        self._in_flight += 1
 
     def finish(self, url: str) -> None:
-        """Count a request of ``url`` as done (a removed worker is ignored)."""
+        """Count a request of ``url`` as done (a removed worker is ignored but for :attr:`in_flight`)."""
+        self._in_flight -= 1
         worker = self._workers.get(url)
         if worker is not None:
             worker.in_flight -= 1
+            if worker.in_flight == 0:
+                worker.idle_since = self.clock()
             self._changed()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests of this router at workers now, those at workers removed since included."""
+        return self._in_flight
 
     def serving(self, now: float) -> int:
         """How many workers can take a request now."""

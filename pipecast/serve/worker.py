@@ -7,6 +7,11 @@ arriving; prompts run layer by layer as they do) -> ``ready`` (fully loaded). Wi
 (the load-then-serve baseline) requests wait for the whole model and the health stays ``loading`` until
 then; everything else is the same.
 
+Released and back: a worker serving a package from its node agent asks the agent every
+``FOLLOW_AGENT_S`` whether it still holds it. Once the agent dropped it (the scaling daemon released this
+replica), the worker unloads the model, answers 503 (the router sends the request elsewhere) and waits,
+``loading`` in stage ``waiting_for_package``, for the package to come back with the next scale-up.
+
 Admission: requests admitted but not in the engine's batch (waiting for the model, or for one of
 ``max_batch`` slots, or being tokenized) form the queue; beyond ``max_queue`` of them a request is refused
 (:class:`WorkerBusyError`, answered 429 with Retry-After).
@@ -63,6 +68,10 @@ STAGE_DRAINING = "draining"
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 AGENT_SOCKET_POLL_S = 0.05
+#: How often a worker fed by its agent checks that the agent still holds the package (s).
+FOLLOW_AGENT_S = 1.0
+#: Each wait for a released package to come back asks the agent for this long, then again (s).
+REWAIT_S = 30.0
 #: Prompts of up to this many characters are tokenized on the event loop (a thread hop costs more).
 INLINE_TOKENIZE_CHARS = 4096
 
@@ -121,6 +130,8 @@ class ServingWorker:
         self._submitted = 0   # in the engine, not finished
         self._loop: asyncio.AbstractEventLoop | None = None
         self._change: asyncio.Event | None = None
+        self._released = False
+        self._follower: asyncio.Task | None = None
 
     # --- life cycle ----------------------------------------------------------------------------------
 
@@ -129,13 +140,18 @@ class ServingWorker:
         self._loop = asyncio.get_running_loop()
         self._change = asyncio.Event()
         threading.Thread(target=self._load, name="pipecast-serve-load", daemon=True).start()
+        if isinstance(self.config.agent, (str, Path)) and not Path(self.config.package).is_dir():
+            self._follower = asyncio.create_task(self._follow_agent(), name="pipecast-serve-follow-agent")
 
-    def _load(self) -> None:
+    def _load(self, again: bool = False) -> None:
         try:
-            _warm_imports()
-            self._post(self._set_stage, STAGE_WAITING)
+            if again:
+                self._wait_for_package_again()
+            else:
+                _warm_imports()
+                self._post(self._set_stage, STAGE_WAITING)
+                self._wait_for_agent_socket()
             c = self.config
-            self._wait_for_agent_socket()
             # The engine's own bound is above the worker's: the worker admits max_queue waiting requests
             # plus max_batch running ones, and hands them to the engine all at once when the model is in.
             model = load(c.package, agent=c.agent, device=c.device, max_batch=c.max_batch,
@@ -163,6 +179,54 @@ class ServingWorker:
         while not Path(agent).exists() and time.monotonic() < deadline:
             time.sleep(AGENT_SOCKET_POLL_S)
 
+    def _wait_for_package_again(self) -> None:
+        """After a release: ask the agent for the package's manifest until it holds the package again."""
+        from pipecast.agent.errors import LocalApiTimeoutError
+        from pipecast.agent.local_client import LocalAgentClient
+
+        while not self._closing:
+            try:
+                with LocalAgentClient(self.config.agent) as client:
+                    client.manifest(self.config.package, timeout=REWAIT_S)
+                return
+            except LocalApiTimeoutError:
+                continue
+            except (OSError, PipecastError) as exc:  # the agent restarts: ask again
+                log.warning("waiting for package %s to come back: %s", self.config.package, exc)
+                time.sleep(FOLLOW_AGENT_S)
+
+    async def _follow_agent(self) -> None:
+        """Unload the model once the agent no longer holds its package (module docstring)."""
+        from pipecast.agent.local_client import LocalAgentClient
+
+        client = None
+        try:
+            while not self._closing:
+                await asyncio.sleep(FOLLOW_AGENT_S)
+                if self._model is None:
+                    continue
+                try:
+                    client = client or LocalAgentClient(self.config.agent)
+                    status = await asyncio.to_thread(client.status)
+                except (OSError, PipecastError) as exc:
+                    log.warning("cannot ask the agent whether it still holds the package: %s", exc)
+                    client = None
+                    continue
+                if self._model is not None and self.package_id not in status.get("packages", {}):
+                    self._unload()
+        finally:
+            if client is not None:
+                client.close()
+
+    def _unload(self) -> None:
+        model, self._model, self._codec = self._model, None, None
+        self._released, self._stage = True, STAGE_WAITING
+        log.info("package %s released from this node: model unloaded, waiting for the package to come back",
+                 model.engine.provider.manifest.package_id[:12])
+        self._notify()
+        threading.Thread(target=model.close, name="pipecast-serve-unload", daemon=True).start()
+        threading.Thread(target=self._load, args=(True,), name="pipecast-serve-load", daemon=True).start()
+
     def _post(self, callback, *args) -> None:
         """Run ``callback(*args)`` on the worker's event loop (from the loader threads)."""
         try:
@@ -183,6 +247,7 @@ class ServingWorker:
             threading.Thread(target=model.close, daemon=True).start()
             return
         self._model = model
+        self._released = False
         self._stage = STAGE_LOADING
         model.engine.model.add_listener(lambda: self._post(self._on_model_change))
         self._on_model_change()
@@ -201,6 +266,8 @@ class ServingWorker:
         self._notify()
 
     def _on_model_change(self) -> None:
+        if self._model is None:  # a change of a model unloaded since
+            return
         engine = self._model.engine
         if engine.model.failed and self._error is None:
             try:
@@ -224,6 +291,9 @@ class ServingWorker:
     async def close(self) -> None:
         """Stop the engine (requests still running fail) and release the agent's blocks."""
         self.drain()
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
         if self._model is not None:
             await asyncio.to_thread(self._model.close)
 
@@ -282,6 +352,9 @@ class ServingWorker:
     def _check_open(self) -> None:
         if self._closing:
             raise WorkerClosingError()
+        if self._released:
+            raise ModelUnavailableError(f"package {self.config.package} was released from this node; the worker "
+                                        "waits for it to come back")
         if self._error is not None:
             raise ModelUnavailableError(self._error)
 

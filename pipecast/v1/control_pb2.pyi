@@ -400,3 +400,123 @@ class IssueTokenResponse(_message.Message):
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     token: str
     def __init__(self, token: _Optional[str] = ...) -> None: ...
+
+class ScalingPolicy(_message.Message):
+    __slots__ = ("min_replicas", "max_replicas", "slo_ttft_p99_s", "warm", "keep_alive_s", "scale_up_cooldown_s", "scale_down_cooldown_s", "replica_rps", "replica_concurrency")
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_P99_S_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_S_FIELD_NUMBER: _ClassVar[int]
+    SCALE_UP_COOLDOWN_S_FIELD_NUMBER: _ClassVar[int]
+    SCALE_DOWN_COOLDOWN_S_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_RPS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    min_replicas: int
+    max_replicas: int
+    slo_ttft_p99_s: float
+    warm: int
+    keep_alive_s: float
+    scale_up_cooldown_s: float
+    scale_down_cooldown_s: float
+    replica_rps: float
+    replica_concurrency: int
+    def __init__(self, min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., slo_ttft_p99_s: _Optional[float] = ..., warm: _Optional[int] = ..., keep_alive_s: _Optional[float] = ..., scale_up_cooldown_s: _Optional[float] = ..., scale_down_cooldown_s: _Optional[float] = ..., replica_rps: _Optional[float] = ..., replica_concurrency: _Optional[int] = ...) -> None: ...
+
+class Deployment(_message.Message):
+    __slots__ = ("package_id", "policy", "routers", "created_unix", "updated_unix")
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    policy: ScalingPolicy
+    routers: _containers.RepeatedScalarFieldContainer[str]
+    created_unix: float
+    updated_unix: float
+    def __init__(self, package_id: _Optional[str] = ..., policy: _Optional[_Union[ScalingPolicy, _Mapping]] = ..., routers: _Optional[_Iterable[str]] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ...) -> None: ...
+
+class PutDeploymentRequest(_message.Message):
+    __slots__ = ("deployment",)
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    deployment: Deployment
+    def __init__(self, deployment: _Optional[_Union[Deployment, _Mapping]] = ...) -> None: ...
+
+class PutDeploymentResponse(_message.Message):
+    __slots__ = ("deployment",)
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    deployment: Deployment
+    def __init__(self, deployment: _Optional[_Union[Deployment, _Mapping]] = ...) -> None: ...
+
+class ListDeploymentsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDeploymentsResponse(_message.Message):
+    __slots__ = ("deployments",)
+    DEPLOYMENTS_FIELD_NUMBER: _ClassVar[int]
+    deployments: _containers.RepeatedCompositeFieldContainer[Deployment]
+    def __init__(self, deployments: _Optional[_Iterable[_Union[Deployment, _Mapping]]] = ...) -> None: ...
+
+class RemoveDeploymentRequest(_message.Message):
+    __slots__ = ("package_id",)
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    def __init__(self, package_id: _Optional[str] = ...) -> None: ...
+
+class RemoveDeploymentResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ScaleEvent(_message.Message):
+    __slots__ = ("seq", "at_unix", "package_id", "action", "count", "node_ids", "reason", "inputs_json", "desired", "actual")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    ACTUAL_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    at_unix: float
+    package_id: str
+    action: str
+    count: int
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    inputs_json: str
+    desired: int
+    actual: int
+    def __init__(self, seq: _Optional[int] = ..., at_unix: _Optional[float] = ..., package_id: _Optional[str] = ..., action: _Optional[str] = ..., count: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., inputs_json: _Optional[str] = ..., desired: _Optional[int] = ..., actual: _Optional[int] = ...) -> None: ...
+
+class AppendScaleEventRequest(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: ScaleEvent
+    def __init__(self, event: _Optional[_Union[ScaleEvent, _Mapping]] = ...) -> None: ...
+
+class AppendScaleEventResponse(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+
+class ListScaleEventsRequest(_message.Message):
+    __slots__ = ("package_id", "after_seq", "limit")
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    after_seq: int
+    limit: int
+    def __init__(self, package_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class ListScaleEventsResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[ScaleEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[ScaleEvent, _Mapping]]] = ...) -> None: ...

@@ -119,6 +119,31 @@ class ControlPlaneStub:
                 request_serializer=pipecast_dot_v1_dot_control__pb2.IssueTokenRequest.SerializeToString,
                 response_deserializer=pipecast_dot_v1_dot_control__pb2.IssueTokenResponse.FromString,
                 _registered_method=True)
+        self.PutDeployment = channel.unary_unary(
+                '/pipecast.v1.ControlPlane/PutDeployment',
+                request_serializer=pipecast_dot_v1_dot_control__pb2.PutDeploymentRequest.SerializeToString,
+                response_deserializer=pipecast_dot_v1_dot_control__pb2.PutDeploymentResponse.FromString,
+                _registered_method=True)
+        self.ListDeployments = channel.unary_unary(
+                '/pipecast.v1.ControlPlane/ListDeployments',
+                request_serializer=pipecast_dot_v1_dot_control__pb2.ListDeploymentsRequest.SerializeToString,
+                response_deserializer=pipecast_dot_v1_dot_control__pb2.ListDeploymentsResponse.FromString,
+                _registered_method=True)
+        self.RemoveDeployment = channel.unary_unary(
+                '/pipecast.v1.ControlPlane/RemoveDeployment',
+                request_serializer=pipecast_dot_v1_dot_control__pb2.RemoveDeploymentRequest.SerializeToString,
+                response_deserializer=pipecast_dot_v1_dot_control__pb2.RemoveDeploymentResponse.FromString,
+                _registered_method=True)
+        self.AppendScaleEvent = channel.unary_unary(
+                '/pipecast.v1.ControlPlane/AppendScaleEvent',
+                request_serializer=pipecast_dot_v1_dot_control__pb2.AppendScaleEventRequest.SerializeToString,
+                response_deserializer=pipecast_dot_v1_dot_control__pb2.AppendScaleEventResponse.FromString,
+                _registered_method=True)
+        self.ListScaleEvents = channel.unary_unary(
+                '/pipecast.v1.ControlPlane/ListScaleEvents',
+                request_serializer=pipecast_dot_v1_dot_control__pb2.ListScaleEventsRequest.SerializeToString,
+                response_deserializer=pipecast_dot_v1_dot_control__pb2.ListScaleEventsResponse.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -238,6 +263,38 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutDeployment(self, request, context):
+        """Deployments: a published package with the policy the scaling daemon (`pipecast scaler`) keeps it
+        by. The daemon holds no state of its own: deployments and its audit trail of decisions live here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDeployments(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveDeployment(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AppendScaleEvent(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListScaleEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -325,6 +382,31 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.IssueToken,
                     request_deserializer=pipecast_dot_v1_dot_control__pb2.IssueTokenRequest.FromString,
                     response_serializer=pipecast_dot_v1_dot_control__pb2.IssueTokenResponse.SerializeToString,
+            ),
+            'PutDeployment': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutDeployment,
+                    request_deserializer=pipecast_dot_v1_dot_control__pb2.PutDeploymentRequest.FromString,
+                    response_serializer=pipecast_dot_v1_dot_control__pb2.PutDeploymentResponse.SerializeToString,
+            ),
+            'ListDeployments': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDeployments,
+                    request_deserializer=pipecast_dot_v1_dot_control__pb2.ListDeploymentsRequest.FromString,
+                    response_serializer=pipecast_dot_v1_dot_control__pb2.ListDeploymentsResponse.SerializeToString,
+            ),
+            'RemoveDeployment': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveDeployment,
+                    request_deserializer=pipecast_dot_v1_dot_control__pb2.RemoveDeploymentRequest.FromString,
+                    response_serializer=pipecast_dot_v1_dot_control__pb2.RemoveDeploymentResponse.SerializeToString,
+            ),
+            'AppendScaleEvent': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendScaleEvent,
+                    request_deserializer=pipecast_dot_v1_dot_control__pb2.AppendScaleEventRequest.FromString,
+                    response_serializer=pipecast_dot_v1_dot_control__pb2.AppendScaleEventResponse.SerializeToString,
+            ),
+            'ListScaleEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListScaleEvents,
+                    request_deserializer=pipecast_dot_v1_dot_control__pb2.ListScaleEventsRequest.FromString,
+                    response_serializer=pipecast_dot_v1_dot_control__pb2.ListScaleEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -786,6 +868,141 @@ class ControlPlane:
             '/pipecast.v1.ControlPlane/IssueToken',
             pipecast_dot_v1_dot_control__pb2.IssueTokenRequest.SerializeToString,
             pipecast_dot_v1_dot_control__pb2.IssueTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutDeployment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipecast.v1.ControlPlane/PutDeployment',
+            pipecast_dot_v1_dot_control__pb2.PutDeploymentRequest.SerializeToString,
+            pipecast_dot_v1_dot_control__pb2.PutDeploymentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDeployments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipecast.v1.ControlPlane/ListDeployments',
+            pipecast_dot_v1_dot_control__pb2.ListDeploymentsRequest.SerializeToString,
+            pipecast_dot_v1_dot_control__pb2.ListDeploymentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveDeployment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipecast.v1.ControlPlane/RemoveDeployment',
+            pipecast_dot_v1_dot_control__pb2.RemoveDeploymentRequest.SerializeToString,
+            pipecast_dot_v1_dot_control__pb2.RemoveDeploymentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendScaleEvent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipecast.v1.ControlPlane/AppendScaleEvent',
+            pipecast_dot_v1_dot_control__pb2.AppendScaleEventRequest.SerializeToString,
+            pipecast_dot_v1_dot_control__pb2.AppendScaleEventResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListScaleEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipecast.v1.ControlPlane/ListScaleEvents',
+            pipecast_dot_v1_dot_control__pb2.ListScaleEventsRequest.SerializeToString,
+            pipecast_dot_v1_dot_control__pb2.ListScaleEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -130,6 +130,15 @@ def test_plan_rejects_bad_layouts(hosts: list[str], link: float, store: float | 
         plan_hosts(hosts, link, store, "store", "10.77.0.")
 
 
+def test_a_fifo_link_is_one_class_for_every_packet() -> None:
+    plans = plan_hosts(["a", "b", "c"], 90, None, "store", "10.77.0.")
+    assert htb_commands("eth0", 90, plans[1:], "dst", 9000, "fifo") == [
+        "qdisc replace dev eth0 root handle 1: htb default 1",
+        "class add dev eth0 parent 1: classid 1:1 htb rate 90000000bit ceil 90000000bit burst 262144 cburst 262144"]
+    with pytest.raises(ClusterError, match="^link_queue must be 'per-peer' or 'fifo', got 'red'$"):
+        EmulatedCluster(["a"], 10, link_queue="red")
+
+
 def test_htb_has_one_class_and_filter_per_peer() -> None:
     plans = plan_hosts(["a", "b", "c", "d"], 90, None, "store", "10.77.0.")
     lines = htb_commands("eth0", 90, plans[1:], "dst", 9000)

@@ -424,3 +424,27 @@ def test_a_file_that_is_not_a_database_is_a_store_error(tmp_path):
     path.write_bytes(b"not a database, just some bytes" * 100)
     with pytest.raises(StoreError, match=f"control plane database {path}: file is not a database"):
         SqliteStore(path)
+
+
+def test_a_second_scale_up_during_a_chain_from_the_store_hangs_behind_its_last_node():
+    state = cluster(6)
+    first = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], now=1)
+    assert first.strategy == "chain" and first.sources == ("store",)
+    tail = next(n for n in first.receivers
+                if all(f.parent != n for part in state.plans[first.plan_id].parts.values() for f in part.fetch))
+    second = state.scale_up("pkg", node_ids=["w3", "w4"], now=2)
+    assert second.strategy == "chain" and second.sources == (tail,)  # one copy leaves the store, not two
+    assert_complete_plan(state, second.plan_id, {"w3", "w4"})
+    assert {f.parent for f in state.plans[second.plan_id].parts["w3"].fetch} | \
+        {f.parent for f in state.plans[second.plan_id].parts["w4"].fetch} <= {tail, "w3", "w4"}
+    third = state.scale_up("pkg", node_ids=["w5"], now=3)  # behind the newest chain's tail
+    assert third.sources[0] in {"w3", "w4"}
+    # Once a worker holds the whole package it is the source, as before.
+    for node in ("w0", "w1", "w2", "w3", "w4", "w5"):
+        state.report(node, {"pkg": range(BLOCKS)}, {}, now=4)
+    state.register(spec("w6"), {}, now=4)
+    assert state.scale_up("pkg", node_ids=["w6"], now=5).sources != ("store",)
+    # Asked for another strategy, the store stays the source.
+    fresh = cluster(4)
+    fresh.scale_up("pkg", node_ids=["w0", "w1"], now=1)
+    assert fresh.scale_up("pkg", node_ids=["w2", "w3"], strategy="unicast", now=2).sources == ("store",)

@@ -262,6 +262,22 @@ def test_one_scale_up_multicasts_the_package_onto_every_agent(cluster, package):
     assert asyncio.run(discovered()) == [DiscoveredWorker("a1", SERVE_URL)]
 
 
+def test_a_second_scale_up_mid_transfer_hangs_behind_the_chain_and_the_store_sends_one_copy(cluster, package):
+    root, manifest = package
+    package_id = cluster.up()
+    first = cluster.cp("scale-up", package_id, "--worker", "a1", "--worker", "a2")
+    assert first["strategy"] == "chain" and first["sources"] == ["store"]
+    cluster.wait_event("a1", "block_verified")  # the first chain is moving bytes
+    second = cluster.cp("scale-up", package_id, "--worker", "a3", "--worker", "a4")
+    assert second["strategy"] == "chain" and second["sources"] == ["a2"], second  # a2: the first chain's tail
+    for node in AGENTS:
+        cluster.wait_event(node, "complete")
+        cluster.assert_identical_copy(node)
+    # a2 served the second chain blocks it was still receiving; the store sent the package once.
+    assert {e["requester"] for e in cluster.events("a2", "peer_request")} & {"a3", "a4"}
+    assert cluster.stop("store")["bytes_sent"] < 1.5 * manifest.total_bytes
+
+
 def test_a_killed_relay_is_replaced_and_the_store_sends_only_what_the_replan_asks(cluster, package):
     root, manifest = package
     package_id = cluster.up()

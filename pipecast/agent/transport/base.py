@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
-from pipecast.agent.ratelimit import HostRateLimits
+from pipecast.agent.ratelimit import DataPlaneCaps, HostRateLimits
 from pipecast.core.credentials import data_plane_key, parse_node_token
 from pipecast.core.settings import Settings
 
@@ -206,7 +206,12 @@ class Transport(ABC):
         self.idle_timeout_s = settings.agent_idle_timeout_s
         self.max_connections = settings.agent_max_connections
         self.max_connections_per_address = settings.agent_max_connections_per_address
-        self.limits = HostRateLimits.from_mbit(settings.egress_mbit, settings.ingress_mbit)
+        caps = DataPlaneCaps.of(settings)  # raises LinkShareError: a share without the link rate
+        if settings.multicast_share < 1:
+            log.info("node %s: data plane capped at %.4g Mbit/s out, %.4g Mbit/s in (multicast_share %g of a "
+                     "%g Mbit/s link)", node_id, caps.egress_mbit, caps.ingress_mbit, settings.multicast_share,
+                     settings.agent_link_mbit)
+        self.limits = HostRateLimits.from_mbit(caps.egress_mbit, caps.ingress_mbit)
         self.stats = TransportStats()
 
     def set_key(self, key: bytes) -> None:

@@ -2,16 +2,19 @@
 
 import csv
 import json
+from dataclasses import replace
 
 import pytest
 
-from benchmarks.surge.plots import save_timeline, save_ttft_cdf
+from benchmarks.surge.plots import held_steps, save_timeline, save_ttft_cdf
+from benchmarks.surge.run import billed_intervals
 from benchmarks.surge.report import (
     CSV_COLUMNS,
     RequestResult,
     RunRecord,
     WorkerTimeline,
     format_report,
+    oscillations,
     percentile,
     ratios,
     run_metrics,
@@ -138,7 +141,7 @@ def test_strategies_resolve_with_a_warm_count_and_refuse_bad_names():
     assert resolve("warm-pool:4").warm == 4 and resolve("warm-pool:4").name == "warm-pool:4"
     assert resolve("pipecast").execute_while_load and not resolve("unicast").execute_while_load
     assert resolve("warm-pool").warm_count(min_workers=3) == 3
-    known = "unicast, warm-pool, pipecast, pipecast-chain"
+    known = "unicast, unicast-oracle, warm-pool, fixed, pipecast, pipecast-oracle, pipecast-chain"
     with pytest.raises(StrategyError, match=rf"unknown strategy 'nccl'; known: {known}$"):
         resolve("nccl")
     with pytest.raises(StrategyError, match=r"the warm count after ':' must be a whole number, got 'x'"):
@@ -209,3 +212,46 @@ def test_plots_are_written(tmp_path):
     timeline = save_timeline(tmp_path / "p" / "timeline.png", summaries, note="test")
     for path in (cdf, timeline):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_worker_is_billed_only_while_it_held_a_replica():
+    events = [{"event": "assignment", "package": "p", "t": 110.0}, {"event": "assignment", "package": "p", "t": 111.0},
+              {"event": "block_verified", "package": "p", "t": 112.0}, {"event": "dropped", "package": "p", "t": 150.0},
+              {"event": "assignment", "package": "other", "t": 160.0},
+              {"event": "assignment", "package": "p", "t": 170.0}]
+    billed = billed_intervals(events, "p", t0=100.0)
+    assert billed == ((10.0, 50.0), (70.0, None))
+    worker = WorkerTimeline("w1", False, 10.0, 4, billed=billed)
+    assert worker.billed_seconds(end_s=100.0) == 40.0 + 30.0
+    never = WorkerTimeline("w2", False, None, 4, billed=())
+    assert never.billed_seconds(100.0) == 0.0
+    assert WorkerTimeline("w3", True, -60.0, 4).billed_seconds(100.0) == 160.0
+
+
+def test_a_scale_up_soon_after_a_release_is_an_oscillation():
+    events = [{"t": 0.0, "action": "scale_up"}, {"t": 50.0, "action": "release"}, {"t": 60.0, "action": "scale_up"},
+              {"t": 200.0, "action": "scale_up"}]
+    assert oscillations(events, cooldown_s=30.0) == 1
+    assert oscillations(events, cooldown_s=5.0) == 0
+
+
+def test_the_long_run_verdicts_find_w_star_and_the_daemons_thrash():
+    def daemon(run: RunRecord, events: list[dict]) -> RunRecord:
+        return replace(run, notes={"scaled_by": "daemon", "scale_events": events,
+                                   "policy": {"scale_down_cooldown_s": 30.0}})
+
+    pipecast = daemon(run_of("pipecast", [1.0] * 10, 5.0), [{"t": 0.0, "action": "scale_up"}])
+    unicast = daemon(run_of("unicast", [9.0] * 10, 40.0), [])
+    fixed = [run_of(f"fixed:{w}", [p99] * 10, 1.0, warm=w) for w, p99 in ((1, 8.0), (2, 0.5))]
+    summaries = [summarize(r.strategy, "", int(r.strategy[-1]) if ":" in r.strategy else 0, [r])
+                 for r in (pipecast, unicast, *fixed)]
+    lines = verdicts(summaries, ratios(summaries))
+    assert "pipecast: 0 scale-up(s) within the 30 s cooldown of a release (target 0: met)" in lines
+    [w_star] = [line for line in lines if line.startswith("W* = ")]
+    assert w_star.startswith("W* = 2 (fixed:2: overall p99 0.50 s <= pipecast's 1.00 s); pipecast uses ")
+    assert "overall p99 TTFT, unicast (daemon) / pipecast (daemon) = 9.0x (target >= 5x: met)" in lines
+
+
+def test_the_timeline_drops_a_released_worker_to_nothing_and_loads_it_again():
+    worker = WorkerTimeline("w1", False, 1.0, 2, block_times=(2.0, 3.0, 12.0, 13.0), billed=((1.0, 8.0), (11.0, None)))
+    assert held_steps(worker, 20.0) == ([0.0, 2.0, 3.0, 8.0, 12.0, 13.0, 20.0], [0.0, 0.5, 1.0, 0.0, 0.5, 1.0, 1.0])

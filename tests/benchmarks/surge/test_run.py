@@ -29,7 +29,7 @@ from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER
 from tests.support.agent_fixtures import corrupt_copy
 from tests.support.packages import tiny_package
 
-STRATEGIES = ("unicast", "warm-pool:1", "pipecast")
+STRATEGIES = ("unicast", "warm-pool:1", "pipecast-oracle", "pipecast")
 FIELDS = {"first100_ttft_p50_seconds", "first100_ttft_p99_seconds", "ttft_p99_seconds", "all_ready_seconds",
           "worker_seconds", "requests", "rejected", "failed", "tokens_per_s", "cost_per_1k_output_tokens", "repeats"}
 META = {"versions", "mode", "link_mbit", "store_mbit", "model_name", "package_id", "floor_seconds",
@@ -154,9 +154,15 @@ def test_short_surge_writes_complete_outputs_and_answers_every_request(package, 
         workers = entry["repeats"][0]["workers"]
         assert [w["name"] for w in workers] == ["w1", "w2"]
         assert [w["warm"] for w in workers] == ([True, False] if name == "warm-pool:1" else [False, False])
-        cold = [w for w in workers if not w["warm"]]
-        assert all(len(w["block_times"]) == w["blocks_total"] for w in cold), name
-    assert data["strategies"]["pipecast"]["repeats"][0]["notes"]["scale_up"]["sources"] == ["store"]
+        cold = [w for w in workers if not w["warm"] and w["provisioned_s"] is not None]
+        assert cold and all(len(w["block_times"]) >= w["blocks_total"] for w in cold), name
+        assert entry["oracle"] == (name in ("warm-pool:1", "pipecast-oracle")), name
+    assert data["strategies"]["pipecast-oracle"]["repeats"][0]["notes"]["scale_up"]["sources"] == ["store"]
+    for name in ("unicast", "pipecast"):  # scaled by the daemon, from the router's signals alone
+        entry = data["strategies"][name]
+        assert entry["repeats"][0]["notes"]["scale_up"] is None
+        ups = [e for e in entry["scale_events"] if e["action"] == "scale_up"]
+        assert ups and ups[0]["t"] >= 0 and "queue" in ups[0]["reason"], entry["scale_events"]
     assert set(data["ratios"]) >= {"unicast/pipecast", "warm-pool:1/pipecast"}
 
     with (out / "requests.csv").open() as f:

@@ -17,6 +17,7 @@ from benchmarks.surge.trace import (
     parse_trace,
     prompt_token_ids,
     read_trace,
+    repeat_surges,
     replay_schedule,
     schedule_facts,
     synthetic_schedule,
@@ -158,3 +159,12 @@ def test_the_azure_conversation_trace_reads_whole():
     schedule = replay_schedule(trace, Window(requests=100), 1.0, CAPS)
     assert len(schedule) == 100 and schedule[0].at_s == 0.0
     assert all(r.prompt_tokens <= 64 and r.max_tokens <= 8 for r in schedule)
+
+
+def test_repeated_surges_are_spaced_by_the_quiet_period_and_renumbered():
+    one = tuple(ScheduledRequest(i, t, 8, 2, 8, 2) for i, t in enumerate((0.0, 1.0, 3.0)))
+    twice = repeat_surges(one, 2, 10.0)
+    assert [r.at_s for r in twice] == [0.0, 1.0, 3.0, 13.0, 14.0, 16.0]
+    assert [r.index for r in twice] == list(range(6))
+    with pytest.raises(TraceError, match="surges must be >= 1 and the quiet period >= 0 s, got 0 and 1.0"):
+        repeat_surges(one, 0, 1.0)

@@ -1,0 +1,177 @@
+"""Deployments and the scaling daemon's audit trail, as the control plane keeps them (pure: no I/O, no clock).
+
+A deployment is a published package with the :class:`ScalingPolicy` the scaling daemon (``pipecast
+scaler``) keeps it by, and the routers whose ``/stats`` are its signals. The daemon holds no state of its
+own: it reads the deployments here every tick and appends each decision (:class:`ScaleEvent`) to the
+:class:`DeploymentBook`'s log, from which a restarted daemon also recovers its cooldowns.
+"""
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+from control_plane.errors import InvalidRequest, UnknownDeployment, UnknownPackage
+
+#: Scale events kept in memory (the database keeps them all).
+EVENTS_IN_MEMORY = 10_000
+DEFAULT_EVENTS_LIMIT = 1000
+ACTIONS = ("scale_up", "release", "hold")
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    """How one deployment is scaled (the fields of ``ScalingPolicy`` in control.proto, same meaning)."""
+
+    min_replicas: int = 0
+    max_replicas: int = 8
+    slo_ttft_p99_s: float = 2.0
+    warm: int = 0
+    keep_alive_s: float = 60.0
+    scale_up_cooldown_s: float = 5.0
+    scale_down_cooldown_s: float = 60.0
+    replica_rps: float = 1.0
+    replica_concurrency: int = 8
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values (empty when they are usable)."""
+        found = []
+        numbers = {name: value for name, value in asdict(self).items()}
+        for name, value in numbers.items():
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                found.append(f"{name} must be a finite number >= 0, got {value!r}")
+        if found:
+            return found
+        if self.max_replicas < 1:
+            found.append(f"max_replicas must be >= 1, got {self.max_replicas}")
+        if self.min_replicas > self.max_replicas:
+            found.append(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
+        if self.warm > self.max_replicas:
+            found.append(f"warm ({self.warm}) must be <= max_replicas ({self.max_replicas})")
+        if self.slo_ttft_p99_s <= 0:
+            found.append(f"slo_ttft_p99_s must be > 0, got {self.slo_ttft_p99_s}")
+        if self.replica_rps <= 0:
+            found.append(f"replica_rps must be > 0, got {self.replica_rps}")
+        if self.replica_concurrency < 1:
+            found.append(f"replica_concurrency must be >= 1, got {self.replica_concurrency}")
+        return found
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A package the scaling daemon keeps, its policy and the routers it reads signals from."""
+
+    package_id: str
+    policy: ScalingPolicy
+    routers: tuple[str, ...] = ()
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"package_id": self.package_id, "policy": asdict(self.policy), "routers": list(self.routers),
+                "created_at": self.created_at, "updated_at": self.updated_at}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Deployment":
+        return cls(str(data["package_id"]), ScalingPolicy(**data["policy"]), tuple(str(r) for r in data["routers"]),
+                   float(data["created_at"]), float(data["updated_at"]))
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    """One decision of the scaling daemon (``ScaleEvent`` in control.proto); ``seq`` 0 until appended."""
+
+    at: float
+    package_id: str
+    action: str
+    count: int = 0
+    node_ids: tuple[str, ...] = ()
+    reason: str = ""
+    inputs_json: str = "{}"
+    desired: int = 0
+    actual: int = 0
+    seq: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "node_ids": list(self.node_ids)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ScaleEvent":
+        return cls(**{**data, "node_ids": tuple(data["node_ids"])})
+
+
+def check_router_url(url: str, package_id: str) -> str:
+    """A router's base URL (http or https, a host, no query), without a trailing slash."""
+    try:
+        parts = urlsplit(url.strip())
+        host = parts.hostname
+        parts.port  # noqa: B018 -- raises ValueError on a port that is not a number
+    except ValueError:
+        host = None
+    if parts.scheme not in ("http", "https") or not host or parts.query or parts.fragment:
+        raise InvalidRequest(f"deployment of package {package_id!r}: router {url!r} is not an http(s) base URL")
+    return f"{parts.scheme}://{parts.netloc}{parts.path}".rstrip("/")
+
+
+@dataclass
+class DeploymentBook:
+    """Every deployment and the latest scale events; ``dirty_deployments`` and ``new_events`` are what the
+    store has not written yet."""
+
+    deployments: dict[str, Deployment] = field(default_factory=dict)
+    events: deque[ScaleEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_IN_MEMORY))
+    last_seq: int = 0
+    dirty_deployments: set[str] = field(default_factory=set)
+    new_events: list[ScaleEvent] = field(default_factory=list)
+
+    def put(self, deployment: Deployment, published: Iterable[str], now: float) -> Deployment:
+        """Create or replace the deployment of its package; raises :class:`InvalidRequest` naming every bad
+        value, :class:`UnknownPackage` for a package that is not published."""
+        package_id = deployment.package_id
+        problems = deployment.policy.problems()
+        if problems:
+            raise InvalidRequest(f"deployment of package {package_id!r} refused: {'; '.join(problems)}")
+        if package_id not in set(published):
+            raise UnknownPackage.named(package_id)
+        routers = tuple(dict.fromkeys(check_router_url(url, package_id) for url in deployment.routers))
+        earlier = self.deployments.get(package_id)
+        stored = replace(deployment, routers=routers, created_at=earlier.created_at if earlier else now,
+                         updated_at=now)
+        self.deployments[package_id] = stored
+        self.dirty_deployments.add(package_id)
+        return stored
+
+    def remove(self, package_id: str) -> None:
+        """Forget a deployment (its events stay); raises :class:`UnknownDeployment` if there is none."""
+        if self.deployments.pop(package_id, None) is None:
+            raise UnknownDeployment.named(package_id)
+        self.dirty_deployments.add(package_id)
+
+    def listing(self) -> list[Deployment]:
+        return [self.deployments[p] for p in sorted(self.deployments)]
+
+    def append(self, event: ScaleEvent) -> ScaleEvent:
+        """Record ``event`` under the next sequence number; raises :class:`InvalidRequest` for an unknown
+        action or a deployment that does not exist."""
+        if event.action not in ACTIONS:
+            raise InvalidRequest(f"scale event action {event.action!r} is not one of {', '.join(ACTIONS)}")
+        if event.package_id not in self.deployments:
+            raise UnknownDeployment.named(event.package_id)
+        self.last_seq += 1
+        stored = replace(event, seq=self.last_seq)
+        self.events.append(stored)
+        self.new_events.append(stored)
+        return stored
+
+    def list_events(self, package_id: str = "", after_seq: int = 0, limit: int = 0) -> list[ScaleEvent]:
+        """The latest ``limit`` events (0: :data:`DEFAULT_EVENTS_LIMIT`) after ``after_seq``, oldest first."""
+        chosen = [e for e in self.events if e.seq > after_seq and (not package_id or e.package_id == package_id)]
+        return chosen[-(limit or DEFAULT_EVENTS_LIMIT):]
+
+    def restore(self, deployments: Sequence[Deployment], events: Sequence[ScaleEvent]) -> None:
+        """Fill an empty book from the store (events oldest first)."""
+        self.deployments = {d.package_id: d for d in deployments}
+        self.events.extend(events)
+        self.last_seq = max((e.seq for e in events), default=0)

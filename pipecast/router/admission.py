@@ -1,0 +1,126 @@
+"""Per-tenant admission at the router: whose a request is, and whether its tenant may send it now.
+
+Pure logic, no sockets; the clock is injected. A request's tenant is its API key's when the router has
+API keys (``router_api_keys``; a missing or unknown key is refused), else the value of a request header
+(``router_tenant_header``, ``default`` when absent). That header is trusted as sent: set it at a gateway in
+front of the router, since a client could name any tenant there, a new one per request to dodge the
+default limit.
+
+Each limited tenant has a token bucket of ``burst`` tokens refilled at ``rate`` per second; a request
+takes one, and a request that finds none is refused with the time until one is back. Admission comes
+before the router's queue, so a tenant over its limit never holds a queue slot another tenant could use.
+"""
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from pipecast.core.settings import Settings, TenantLimit
+from pipecast.router.errors import TenantAuthError
+
+DEFAULT_TENANT = "default"
+TENANT_HEADER: str = Settings.model_fields["router_tenant_header"].default
+AUTHORIZATION = "Authorization"
+#: Buckets kept before the full ones are dropped (a full bucket is a fresh one): tenant names in a header
+#: are whatever clients send, so they must not grow the router's memory without bound.
+MAX_BUCKETS = 4096
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Who the tenants are and their limits (settings ``router_*``; see the README's configuration)."""
+
+    limits: Mapping[str, TenantLimit] = field(default_factory=dict)
+    #: The limit of tenants not in ``limits``; None: they are unlimited.
+    default_limit: TenantLimit | None = None
+    #: API key -> tenant; empty: tenants are named by ``tenant_header``. Secrets: kept out of the repr.
+    api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)
+    tenant_header: str = TENANT_HEADER
+
+    def limit_of(self, tenant: str) -> TenantLimit | None:
+        """The limit ``tenant`` is held to, None when it is unlimited."""
+        return self.limits.get(tenant, self.default_limit)
+
+    def tenant_of(self, headers: Mapping[str, str]) -> str:
+        """The tenant of a request with ``headers`` (case-insensitive, as aiohttp's are).
+
+        Raises :class:`TenantAuthError` when API keys are set and the request has none the router knows.
+        """
+        if not self.api_keys:
+            return headers.get(self.tenant_header) or DEFAULT_TENANT
+        scheme, _, key = headers.get(AUTHORIZATION, "").strip().partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise TenantAuthError("missing API key")
+        tenant = self.api_keys.get(key)
+        if tenant is None:
+            raise TenantAuthError("unknown API key")
+        return tenant
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The answer to one request: admitted, or refused until ``retry_after_s`` from now."""
+
+    tenant: str
+    admitted: bool
+    limit: TenantLimit | None = None
+    retry_after_s: float = 0.0
+
+    @property
+    def retry_after_header(self) -> int:
+        """The ``Retry-After`` value of a refusal: whole seconds, rounded up, at least 1."""
+        return max(1, math.ceil(self.retry_after_s))
+
+
+@dataclass
+class TokenBucket:
+    """``limit.burst`` tokens at most, refilled at ``limit.rate`` per second since ``updated``."""
+
+    limit: TenantLimit
+    tokens: float
+    updated: float
+
+    def refill(self, now: float) -> None:
+        """Add the tokens earned since the last update (never beyond the burst)."""
+        self.tokens = min(float(self.limit.burst), self.tokens + (now - self.updated) * self.limit.rate)
+        self.updated = now
+
+    def take(self, now: float) -> float:
+        """Take one token at ``now``: 0.0 when there was one, else the seconds until one is back."""
+        self.refill(now)
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.limit.rate
+
+
+class AdmissionControl:
+    """The token buckets of every limited tenant; :meth:`admit` decides each request."""
+
+    def __init__(self, config: AdmissionConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def admit(self, tenant: str) -> Admission:
+        """Admit a request of ``tenant`` now (taking a token of its bucket), or refuse it."""
+        limit = self.config.limit_of(tenant)
+        if limit is None:
+            return Admission(tenant, admitted=True)
+        now = self.clock()
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            self._forget_full_buckets(now)
+            bucket = self._buckets[tenant] = TokenBucket(limit, float(limit.burst), now)
+        wait_s = bucket.take(now)
+        return Admission(tenant, admitted=wait_s == 0.0, limit=limit, retry_after_s=wait_s)
+
+    def _forget_full_buckets(self, now: float) -> None:
+        if len(self._buckets) < MAX_BUCKETS:
+            return
+        for tenant, bucket in list(self._buckets.items()):
+            bucket.refill(now)
+            if bucket.tokens >= bucket.limit.burst:
+                del self._buckets[tenant]

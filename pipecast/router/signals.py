@@ -1,0 +1,171 @@
+"""The router's scaling signals: the bookkeeping behind ``GET /stats``, for autoscalers that poll it.
+
+Pure logic, no sockets; both clocks are injected (``clock``: monotonic, for durations; ``wall_clock``: Unix
+time, for the answer's timestamps). Counters are cumulative since the router started, so a poller takes
+rates by differencing two answers and adds several routers' answers up; the rest (queue depth, requests in
+flight, each worker's idle time) is the state now. TTFT here is the router's: from a request's arrival at
+the router to the first body chunk relayed to the client (streaming) or to the whole answer (a
+non-streaming 200), over a sliding window of the last 60 s.
+"""
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from pipecast.router.pool import Worker
+
+#: Version of the ``/stats`` answer; a change of its meaning bumps it.
+STATS_FORMAT = 1
+TTFT_WINDOW_S = 60.0
+#: TTFT samples kept at most (the latest): the window spans fewer than 60 s only beyond ~1,000 answers/s.
+MAX_TTFT_SAMPLES = 65536
+#: Tenants counted by name; later ones are counted together under OTHER_TENANTS, since tenants named in a
+#: header are whatever clients send and the answer (and /metrics) must stay bounded.
+MAX_TENANTS = 1000
+OTHER_TENANTS = "(other)"
+#: Text prompts are not tokenized at the router: about 4 characters a token, as for English text.
+CHARS_PER_TOKEN = 4
+
+
+def _single_prompt_tokens(prompt: object) -> int | None:
+    """Tokens of one prompt (text, or a list of token ids), None when ``prompt`` is neither."""
+    if isinstance(prompt, str):
+        return len(prompt) // CHARS_PER_TOKEN
+    # Judged by the first item only: this runs on the event loop, and a prompt may hold a million ids.
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    return None
+
+
+def prompt_tokens(prompt: object) -> int:
+    """The prompt tokens of a completion request's ``prompt`` field.
+
+    A list of token ids counts its length, a text ``len(text) // 4`` (an estimate), and a batch (a list
+    of either) the sum of its prompts; anything else counts 0.
+    """
+    tokens = _single_prompt_tokens(prompt)
+    if tokens is not None:
+        return tokens
+    if isinstance(prompt, list):
+        return sum(_single_prompt_tokens(item) or 0 for item in prompt)
+    return 0
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of non-empty sorted values, interpolated linearly between the two
+    nearest ranks (numpy's default method)."""
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+class TtftWindow:
+    """TTFT samples of the last ``window_s`` seconds (at most ``max_samples``, the latest) and their percentiles."""
+
+    def __init__(self, window_s: float = TTFT_WINDOW_S, max_samples: int = MAX_TTFT_SAMPLES) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def add(self, at: float, ttft_s: float) -> None:
+        """Record a TTFT of ``ttft_s`` observed at clock time ``at`` (times never decrease)."""
+        self._samples.append((at, ttft_s))
+
+    def summary(self, now: float) -> dict:
+        """The window at clock time ``now``: its length, sample count and p50/p95/p99 (None when empty)."""
+        while self._samples and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+        ordered = sorted(ttft for _, ttft in self._samples)
+        quantiles = {f"p{q}": percentile(ordered, q) if ordered else None for q in (50, 95, 99)}
+        return {"window_s": self.window_s, "count": len(ordered), **quantiles}
+
+
+@dataclass
+class RequestCounters:
+    """Cumulative counts of completion requests since the router started (``/stats`` ``counters``)."""
+
+    #: Requests with a valid JSON body, from an identified tenant.
+    arrived: int = 0
+    #: Prompt tokens of the arrived requests (see :func:`prompt_tokens`).
+    prompt_tokens: int = 0
+    #: Answers completed with status 200.
+    answered: int = 0
+    #: The router's own 429s (its queue full, or a tenant over its limit).
+    rejected: int = 0
+    #: 5xx answers (the router's and workers') and streams ended by a worker failure.
+    failed: int = 0
+
+
+@dataclass
+class TenantCounters:
+    """Cumulative counts of one tenant's requests: arrived, then admitted or rejected by its limit."""
+
+    arrived: int = 0
+    admitted: int = 0
+    rejected: int = 0
+
+
+class Signals:
+    """The counters and the TTFT window of one router; :meth:`snapshot` is the ``/stats`` answer."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time, window_s: float = TTFT_WINDOW_S,
+                 max_samples: int = MAX_TTFT_SAMPLES) -> None:
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.started_unix = wall_clock()
+        self.counters = RequestCounters()
+        self.tenants: dict[str, TenantCounters] = {}
+        self.ttft = TtftWindow(window_s, max_samples)
+
+    def arrived(self, tenant: str, tokens: int) -> str:
+        """Count a request of ``tenant`` with ``tokens`` prompt tokens; return the name it is counted
+        under (``tenant``, or :data:`OTHER_TENANTS` beyond :data:`MAX_TENANTS` names)."""
+        name = tenant if tenant in self.tenants or len(self.tenants) < MAX_TENANTS else OTHER_TENANTS
+        counts = self.tenants.setdefault(name, TenantCounters())
+        counts.arrived += 1
+        self.counters.arrived += 1
+        self.counters.prompt_tokens += tokens
+        return name
+
+    def admission(self, name: str, admitted: bool) -> None:
+        """Count the admission decision for a request counted under tenant ``name``."""
+        counts = self.tenants[name]
+        if admitted:
+            counts.admitted += 1
+        else:
+            counts.rejected += 1
+
+    def answer_started(self, arrival: float) -> float:
+        """The first chunk of an answer (or a whole non-streaming one) left for the client now; record and
+        return the TTFT of the request that arrived at clock time ``arrival``."""
+        now = self.clock()
+        self.ttft.add(now, now - arrival)
+        return now - arrival
+
+    def answered(self) -> None:
+        """Count an answer completed with status 200."""
+        self.counters.answered += 1
+
+    def rejected(self) -> None:
+        """Count a 429 of the router's own."""
+        self.counters.rejected += 1
+
+    def failed(self) -> None:
+        """Count a 5xx answer or a stream ended by a worker's failure."""
+        self.counters.failed += 1
+
+    def snapshot(self, queue_depth: int, in_flight: int, workers: Iterable[Worker]) -> dict:
+        """The ``GET /stats`` answer (format :data:`STATS_FORMAT`; the README's Router section lists it)."""
+        now = self.clock()
+        return {
+            "format": STATS_FORMAT, "now_unix": self.wall_clock(), "started_unix": self.started_unix,
+            "queue_depth": queue_depth, "in_flight": in_flight,
+            "workers": [{"url": worker.url, "node_id": worker.node_id, "status": worker.status,
+                         "in_flight": worker.in_flight, "idle_s": worker.idle_s(now)} for worker in workers],
+            "counters": asdict(self.counters),
+            "ttft": self.ttft.summary(now),
+            "tenants": {name: asdict(counts) for name, counts in sorted(self.tenants.items())},
+        }

@@ -1,0 +1,115 @@
+"""``pipecast scaler``: ``run`` the scaling daemon until SIGTERM or SIGINT; ``events`` prints its audit trail."""
+
+import asyncio
+import json
+import logging
+from datetime import datetime
+from pathlib import Path
+
+import click
+
+from control_plane.command import CONFIG, Duration
+from pipecast.core.settings import Settings, load_settings
+from pipecast.scaler.daemon import ScalerConfig
+
+log = logging.getLogger(__name__)
+DEFAULTS = ScalerConfig()
+
+
+@click.group("scaler")
+def scaler_group() -> None:
+    """The scaling daemon: keeps every deployment (`pipecast cp deploy`) at its SLO."""
+
+
+@scaler_group.command("run")
+@CONFIG
+@click.option("--control-plane", help="host:port of the control plane (settings: control_plane).")
+@click.option("--tick", "tick_s", type=Duration(), default=DEFAULTS.tick_s, show_default=True,
+              help="How often every deployment is looked at.")
+@click.option("--router-timeout", "router_timeout_s", type=Duration(), default=DEFAULTS.router_timeout_s,
+              show_default=True, help="Deadline of one router's /stats.")
+@click.option("--plan-strategy", default=DEFAULTS.plan_strategy,
+              help="Plan strategy of the scale-ups (default: the control plane picks; unicast: each from the store).")
+@click.option("--source-keep", "source_keep_s", type=Duration(), default=DEFAULTS.source_keep_s, show_default=True,
+              help="A released replica stays a multicast source this long before it drops the package.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address of /metrics and /health.")
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
+              help="Port of /metrics and /health (0: any free port; unset: none).")
+def run_command(config: Path | None, control_plane: str | None, tick_s: float, router_timeout_s: float,
+                plan_strategy: str, source_keep_s: float, host: str, port: int | None) -> None:
+    """Run the scaling daemon (one per cluster; it keeps no state: restart it any time)."""
+    settings = load_settings(config, control_plane=control_plane)
+    scaler_config = ScalerConfig(tick_s=tick_s, router_timeout_s=router_timeout_s, plan_strategy=plan_strategy,
+                                 source_keep_s=source_keep_s)
+    asyncio.run(_run(settings, scaler_config, host, port))
+
+
+async def _run(settings: Settings, config: ScalerConfig, host: str, port: int | None) -> None:
+    from aiohttp import web
+
+    from control_plane.client import ControlPlaneClient
+    from pipecast.core.httpserve import serve_until_signalled
+    from pipecast.scaler.daemon import Scaler
+
+    async with ControlPlaneClient.from_settings(settings) as client, Scaler(client, config) as scaler:
+        stop = asyncio.Event()
+        log.info("scaler: control plane %s, tick %g s, plan strategy %s", settings.control_plane, config.tick_s,
+                 config.plan_strategy or "(control plane's choice)")
+        app = web.Application()
+
+        async def metrics(request: web.Request) -> web.Response:
+            body, content_type = scaler.metrics.render()
+            return web.Response(body=body, headers={"Content-Type": content_type})
+
+        async def health(request: web.Request) -> web.Response:
+            return web.json_response({"status": "ok", "deployments": sorted(scaler.tracked)})
+
+        async def loop(app: web.Application):
+            task = asyncio.create_task(scaler.run(stop), name="scaler")
+            yield
+            stop.set()
+            await task
+
+        app.add_routes([web.get("/metrics", metrics), web.get("/health", health)])
+        app.cleanup_ctx.append(loop)
+        if port is None:
+            await _until_signalled(scaler, stop)
+        else:
+            await serve_until_signalled(app, host, port, 0.0, lambda url: click.echo(f"scaler metrics on {url}",
+                                                                                     err=True))
+
+
+async def _until_signalled(scaler, stop: asyncio.Event) -> None:
+    import signal
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await scaler.run(stop)
+
+
+@scaler_group.command("events")
+@CONFIG
+@click.option("--control-plane", help="host:port of the control plane (settings: control_plane).")
+@click.option("--package", "package_id", default="", help="Only this deployment's events.")
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True, help="The latest this many.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
+def events_command(config: Path | None, control_plane: str | None, package_id: str, limit: int,
+                   as_json: bool) -> None:
+    """Print the scaling daemon's decisions (kept by the control plane), oldest first."""
+    from control_plane.client import ControlPlaneClient
+
+    settings = load_settings(config, control_plane=control_plane)
+
+    async def fetch():
+        async with ControlPlaneClient.from_settings(settings) as client:
+            return await client.list_scale_events(package_id, limit=limit)
+
+    for event in asyncio.run(fetch()):
+        if as_json:
+            click.echo(json.dumps(event.to_json(), sort_keys=True))
+            continue
+        when = datetime.fromtimestamp(event.at).isoformat(timespec="milliseconds")
+        nodes = f" [{','.join(event.node_ids)}]" if event.node_ids else ""
+        click.echo(f"{event.seq:>6} {when} {event.package_id[:12]} {event.action:<8} {event.count:>2}{nodes} "
+                   f"desired {event.desired} actual {event.actual}: {event.reason}")

@@ -1,0 +1,193 @@
+"""The scaling daemon's loop: every tick, for every deployment, read signals, decide, record, act.
+
+One :class:`Scaler` per cluster. Each tick it lists the deployments from the control plane, polls each
+deployment's routers (``GET /stats``, each within ``router_timeout_s``), reads the workers and plans, and
+asks :func:`pipecast.scaler.policy.decide`. A decision that changes something (and the start of a hold
+that leaves the pool behind the load: routers silent, no free worker) is appended to the control plane's
+audit trail *before* the daemon acts on it: a scale-up (``ScaleUp`` with a count: the control plane places
+it, holders first) or a release (``Release``; ``source_keep_s`` keeps the blocks as a multicast source that
+long before the drop).
+
+Stateless across restarts: the deployments and the audit trail are the control plane's, and the
+cooldowns are recovered from the trail's last events. The signal history restarts empty, so a restarted
+daemon decides from fresh data (a worker's idle time comes from the
+routers, which keep it).
+"""
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from control_plane.deployments import Deployment, ScaleEvent
+from control_plane.errors import ControlPlaneError
+from pipecast.core import strictjson
+from pipecast.scaler.metrics import ScalerMetrics
+from pipecast.scaler.policy import Decision, Signals, decide
+from pipecast.scaler.signals import StatsFormatError, add_up, parse_stats, pool_of, serve_urls
+
+log = logging.getLogger(__name__)
+
+MAX_STATS_BYTES = 1 << 20
+#: Signals kept per deployment (s): the policy looks back a keep-alive at most (longer ones see this much).
+HISTORY_S = 600.0
+#: Holds recorded in the audit trail (when they begin): the pool cannot follow the load.
+NOTABLE_HOLDS = ("no_signals", "no_free_workers")
+#: A released worker is not counted as a replica this long, while its agent reports the drop (s).
+RELEASE_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class ScalerConfig:
+    """The daemon's tunables (``pipecast scaler run``'s options)."""
+
+    tick_s: float = 1.0
+    router_timeout_s: float = 1.0
+    #: The control plane's plan strategy for scale-ups ("" lets it choose; "unicast": every replica from the store).
+    plan_strategy: str = ""
+    #: A released replica stays a multicast source this long before it drops the package (s).
+    source_keep_s: float = 0.0
+
+
+@dataclass
+class _Tracked:
+    """What the daemon remembers of one deployment between ticks (all recoverable: see the module docstring)."""
+
+    history: deque[Signals] = field(default_factory=deque)
+    released: dict[str, float] = field(default_factory=dict)  # node -> when
+    last_scale_up: float | None = None
+    last_kind: str = ""
+    recovered: bool = False
+
+
+class Scaler:
+    """The daemon over one control plane ``client`` (a :class:`control_plane.client.ControlPlaneClient`)."""
+
+    def __init__(self, client, config: ScalerConfig = ScalerConfig(), *, metrics: ScalerMetrics | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.client = client
+        self.config = config
+        self.metrics = metrics or ScalerMetrics()
+        self.clock = clock
+        self.tracked: dict[str, _Tracked] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._blocks: dict[str, int] = {}
+
+    async def __aenter__(self) -> "Scaler":
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._session.close()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Tick every ``tick_s`` until ``stop`` is set; a failed tick is logged and the next one tries again."""
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await self.tick()
+            except ControlPlaneError as exc:
+                log.warning("scaler tick failed, holding every pool: %s", exc)
+            try:
+                await asyncio.wait_for(stop.wait(), max(self.config.tick_s - (time.monotonic() - started), 0.0))
+            except TimeoutError:
+                pass
+
+    async def tick(self) -> list[tuple[str, Decision]]:
+        """One pass over every deployment; returns the decisions made."""
+        deployments = await self.client.list_deployments()
+        for gone in set(self.tracked) - {d.package_id for d in deployments}:
+            del self.tracked[gone]
+        if not deployments:
+            return []
+        workers = await self.client.list_workers()
+        plans = await self.client.list_plans()
+        urls = serve_urls(workers)
+        decisions = []
+        for deployment in deployments:
+            decision = await self._step(deployment, workers, plans, urls)
+            decisions.append((deployment.package_id, decision))
+        return decisions
+
+    async def _step(self, deployment: Deployment, workers, plans, urls: dict[str, str]) -> Decision:
+        package_id = deployment.package_id
+        tracked = self.tracked.setdefault(package_id, _Tracked())
+        if not tracked.recovered:
+            await self._recover(package_id, tracked)
+        answers = await asyncio.gather(*(self._poll(url) for url in deployment.routers))
+        now = self.clock()
+        tracked.history.append(add_up(now, answers, urls))
+        while tracked.history and tracked.history[0].at < now - HISTORY_S:
+            tracked.history.popleft()
+        tracked.released = {n: at for n, at in tracked.released.items() if now - at < RELEASE_GRACE_S}
+        pool = pool_of(package_id, await self._num_blocks(package_id), workers, plans, now=now,
+                       released=tracked.released, last_scale_up=tracked.last_scale_up)
+        decision = decide(list(tracked.history), pool, deployment.policy)
+        self.metrics.observe(package_id, decision, len(pool.replicas))
+        if decision.action != "hold" or (decision.kind != tracked.last_kind and decision.kind in NOTABLE_HOLDS):
+            await self._act(package_id, decision, len(pool.replicas), tracked, now)
+        tracked.last_kind = decision.kind
+        return decision
+
+    async def _act(self, package_id: str, decision: Decision, actual: int, tracked: _Tracked, now: float) -> None:
+        nodes: Sequence[str] = decision.release
+        event = ScaleEvent(at=now, package_id=package_id, action=decision.action,
+                           count=decision.add or len(decision.release), node_ids=tuple(nodes), reason=decision.reason,
+                           inputs_json=json.dumps(decision.inputs, sort_keys=True), desired=decision.desired,
+                           actual=actual)
+        if decision.action == "hold":
+            await self.client.append_scale_event(event)
+            log.info("scaler %s: %s", package_id[:12], decision.reason)
+            return
+        # The decision is durable before it is acted on: a crash in between leaves it in the trail.
+        await self.client.append_scale_event(event)
+        log.info("scaler %s: %s (%s)", package_id[:12], decision.action, decision.reason)
+        try:
+            if decision.add:
+                reply = await self.client.scale_up(package_id, count=decision.add, strategy=self.config.plan_strategy)
+                log.info("scaler %s: plan %s to %s (already holding: %s)", package_id[:12], reply.plan_id or "-",
+                         ",".join(reply.receivers) or "-", ",".join(reply.unchanged) or "-")
+                tracked.last_scale_up = now
+            else:
+                await self.client.release(package_id, list(decision.release), keep_alive_s=self.config.source_keep_s)
+                tracked.released.update({node: now for node in decision.release})
+        except ControlPlaneError as exc:
+            # The placement may differ from the pool the policy saw (a worker died, memory is short): hold.
+            log.warning("scaler %s: %s refused: %s", package_id[:12], decision.action, exc)
+            await self.client.append_scale_event(ScaleEvent(
+                at=self.clock(), package_id=package_id, action="hold", reason=f"{decision.action} refused: {exc}",
+                desired=decision.desired, actual=actual))
+            return
+
+    async def _recover(self, package_id: str, tracked: _Tracked) -> None:
+        """Cooldowns from the audit trail's latest events (a restarted daemon goes on where it was)."""
+        for event in await self.client.list_scale_events(package_id, limit=200):
+            if event.action == "scale_up":
+                tracked.last_scale_up = event.at
+        tracked.recovered = True
+
+    async def _num_blocks(self, package_id: str) -> int:
+        if package_id not in self._blocks:
+            manifest, _ = await self.client.get_package(package_id)
+            self._blocks[package_id] = len(manifest.blocks)
+        return self._blocks[package_id]
+
+    async def _poll(self, url: str) -> dict | None:
+        """One router's checked /stats, or None (logged) when it is silent or its answer unusable."""
+        try:
+            async with self._session.get(f"{url}/stats",
+                                         timeout=aiohttp.ClientTimeout(total=self.config.router_timeout_s)) as answer:
+                if answer.status != 200:
+                    raise StatsFormatError(f"router {url}: /stats answered HTTP {answer.status}")
+                body = await answer.content.read(MAX_STATS_BYTES + 1)
+                if len(body) > MAX_STATS_BYTES:
+                    raise StatsFormatError(f"router {url}: /stats answered more than {MAX_STATS_BYTES} bytes")
+                return parse_stats(url, strictjson.loads(body))
+        except (aiohttp.ClientError, TimeoutError, StatsFormatError, strictjson.JSONInputError) as exc:
+            log.warning("router %s gave no signals: %s", url, exc or type(exc).__name__)
+            return None

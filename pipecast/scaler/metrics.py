@@ -1,0 +1,27 @@
+"""Prometheus metrics of the scaling daemon, in a registry of its own."""
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from pipecast.scaler.policy import Decision
+
+
+class ScalerMetrics:
+    """Desired and actual replicas per deployment, decisions by action and kind."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.desired = Gauge("pipecast_scaler_desired_replicas", "Replicas the policy wants, per deployment.",
+                             ["package"], registry=self.registry)
+        self.actual = Gauge("pipecast_scaler_replicas", "Replicas loaded or loading, per deployment.", ["package"],
+                            registry=self.registry)
+        self.decisions = Counter("pipecast_scaler_decisions", "Decisions by action (scale_up, release, hold) and "
+                                 "kind (demand, slo, idle, steady, cooldown, no_signals, no_free_workers).",
+                                 ["package", "action", "kind"], registry=self.registry)
+
+    def observe(self, package_id: str, decision: Decision, replicas: int) -> None:
+        self.desired.labels(package_id).set(decision.desired)
+        self.actual.labels(package_id).set(replicas)
+        self.decisions.labels(package_id, decision.action, decision.kind).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

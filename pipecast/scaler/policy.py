@@ -1,0 +1,182 @@
+"""The scaling policy (pure): a window of signals and the pool's state in, a decision out.
+
+:func:`decide` is a function of its arguments only (no clock, no I/O), so every load shape is a unit test.
+How it decides, in this order:
+
+1. **No data, no change.** Without a recent answer from any router the pool is held as it is: missing
+   signals never scale to zero. With some routers silent it may add replicas but releases none.
+2. **Demand** (leading signals first): replicas needed for the requests present now (router queue + in
+   flight, at ``replica_concurrency`` each) and for the arrival rate over the last ``SHORT_WINDOW_S``
+   (at the per-replica throughput, measured from the window whenever requests queued, else the policy's
+   ``replica_rps``); then the lagging one: a p99 TTFT over the SLO with requests still queued and no
+   replica on its way adds one more. ``desired`` = demand + ``warm``, within ``min..max``.
+3. **Scale up** by the whole gap at once (not one at a time), at most the free workers. Within
+   ``scale_up_cooldown_s`` of the last scale-up only while requests queue or the SLO is missed.
+4. **Scale down** with hysteresis: only replicas idle for ``keep_alive_s`` (every router agreeing), only
+   above ``DOWN_HEADROOM`` times the *peak* demand of the last ``keep_alive_s`` or ``scale_down_cooldown_s``,
+   whichever is longer, and never within ``scale_down_cooldown_s`` of a scale-up, so a replica is not
+   acquired and released again within the cooldown.
+"""
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from control_plane.deployments import ScalingPolicy
+
+#: Arrival rates are measured over this window (s) ...
+SHORT_WINDOW_S = 5.0
+#: ... and over this one, the higher counting: a surge shows in the first seconds, not diluted by five.
+SURGE_WINDOW_S = 2.0
+#: Scale-down keeps this much above the window's peak demand: a level the load reaches again in noise is
+#: not released (the hysteresis band between scaling up and down).
+DOWN_HEADROOM = 1.25
+#: Signals older than this (s) are no signals.
+STALE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Signals:
+    """One poll of a deployment's routers, added up (cumulative counters, gauges now)."""
+
+    at: float  # unix seconds
+    routers_total: int
+    routers_answered: int
+    queue_depth: int = 0
+    in_flight: int = 0
+    arrived: int = 0  # cumulative, all routers
+    answered: int = 0  # cumulative
+    serving: int = 0  # workers the routers route to now (ready or partial)
+    ttft_p99_s: float | None = None  # the worst router's p99 over its window
+    idle_s: Mapping[str, float | None] = field(default_factory=dict)  # node id -> idle seconds (None: busy)
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A worker holding the package or receiving it (a replica on its way)."""
+
+    node_id: str
+    loading: bool
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The deployment's workers now, and when it last scaled up (unix seconds, None: never)."""
+
+    now: float
+    replicas: tuple[Replica, ...]
+    free: int  # alive workers that could take the package
+    last_scale_up: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do now: ``add`` replicas, ``release`` these nodes, or neither (hold); and why."""
+
+    add: int
+    release: tuple[str, ...]
+    reason: str
+    kind: str  # a short label for metrics: no_signals, demand, slo, idle, steady, cooldown, no_free_workers
+    desired: int
+    inputs: dict
+
+    @property
+    def action(self) -> str:
+        return "scale_up" if self.add else "release" if self.release else "hold"
+
+
+def _rate(history: Sequence[Signals], attr: str, window_s: float) -> float:
+    """Per-second growth of cumulative counter ``attr`` over the last ``window_s`` of ``history``."""
+    last = history[-1]
+    first = next((s for s in history if s.at >= last.at - window_s), last)
+    span = last.at - first.at
+    if span <= 0:
+        return 0.0
+    return max(getattr(last, attr) - getattr(first, attr), 0) / span
+
+
+def arrival_rate(history: Sequence[Signals]) -> float:
+    """Requests/s arriving now: the higher of the surge and the short window's rates."""
+    return max(_rate(history, "arrived", SURGE_WINDOW_S), _rate(history, "arrived", SHORT_WINDOW_S))
+
+
+def replica_throughput(history: Sequence[Signals], policy: ScalingPolicy) -> float:
+    """Requests/s one replica serves: measured over the short window while requests queued (replicas were
+    busy), else the policy's ``replica_rps``."""
+    window = [s for s in history if s.at >= history[-1].at - SHORT_WINDOW_S]
+    busy = [s for s in window if s.queue_depth > 0 and s.serving > 0]
+    if len(busy) < 2 or busy[-1].at - busy[0].at <= 0:
+        return policy.replica_rps
+    answered = (busy[-1].answered - busy[0].answered) / (busy[-1].at - busy[0].at)
+    serving = sum(s.serving for s in busy) / len(busy)
+    return answered / serving if answered > 0 else policy.replica_rps
+
+
+def _demand(signals: Signals, rate: float, throughput: float, policy: ScalingPolicy) -> tuple[int, int]:
+    by_requests = math.ceil((signals.queue_depth + signals.in_flight) / policy.replica_concurrency)
+    by_rate = math.ceil(rate / throughput - 1e-9) if rate > 0 else 0
+    return by_requests, by_rate
+
+
+def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Decision:
+    """The decision for now (module docstring); ``history`` is oldest first."""
+    have = len(pool.replicas)
+    if not history or history[-1].routers_answered == 0 or pool.now - history[-1].at > STALE_S:
+        return Decision(0, (), f"no signals from any router: holding {have} replicas", "no_signals", have, {})
+    now = history[-1]
+    rate = arrival_rate(history)
+    throughput = replica_throughput(history, policy)
+    by_requests, by_rate = _demand(now, rate, throughput, policy)
+    loading = sum(r.loading for r in pool.replicas)
+    slo_missed = (now.ttft_p99_s is not None and now.ttft_p99_s > policy.slo_ttft_p99_s and now.queue_depth > 0
+                  and loading == 0)
+    needed = max(by_requests, by_rate, have + 1 if slo_missed else 0)
+    desired = min(max(needed + policy.warm, policy.min_replicas), policy.max_replicas)
+    inputs = {"queue_depth": now.queue_depth, "in_flight": now.in_flight, "arrival_rps": round(rate, 3),
+              "replica_rps": round(throughput, 3), "ttft_p99_s": now.ttft_p99_s, "serving": now.serving,
+              "replicas": have, "loading": loading, "free": pool.free,
+              "routers": f"{now.routers_answered}/{now.routers_total}"}
+    why = (f"queue {now.queue_depth} + in flight {now.in_flight} need {by_requests} at {policy.replica_concurrency} "
+           f"each; {rate:.2f} req/s needs {by_rate} at {throughput:.2f} req/s each"
+           f"{'; p99 TTFT %.2f s over the SLO %.2f s' % (now.ttft_p99_s, policy.slo_ttft_p99_s) if slo_missed else ''}"
+           f"; +warm {policy.warm} -> desired {desired}, have {have}")
+    if desired > have:
+        cooling = pool.last_scale_up is not None and pool.now - pool.last_scale_up < policy.scale_up_cooldown_s
+        # Replicas still loading will take the queue: within the cooldown only a higher rate or a missed SLO adds.
+        if cooling and by_rate <= have and not slo_missed:
+            return Decision(0, (), f"{why}: in the scale-up cooldown", "cooldown", desired, inputs)
+        add = min(desired - have, pool.free)
+        if add == 0:
+            return Decision(0, (), f"{why}: no free worker to add", "no_free_workers", desired, inputs)
+        return Decision(add, (), f"{why}: add {add}", "slo" if slo_missed else "demand", desired, inputs)
+    return _scale_down(history, pool, policy, desired, why, inputs)
+
+
+def _scale_down(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy, desired: int, why: str,
+                inputs: dict) -> Decision:
+    now = history[-1]
+    have = len(pool.replicas)
+    if desired >= have:
+        return Decision(0, (), f"{why}: steady", "steady", desired, inputs)
+    if now.routers_answered < now.routers_total:
+        return Decision(0, (), f"{why}: not releasing while {now.routers_total - now.routers_answered} router(s) "
+                               "are silent", "steady", desired, inputs)
+    # Releasing right after an acquire is thrash; releasing more after a release is not (a pool drains in one go).
+    if pool.last_scale_up is not None and pool.now - pool.last_scale_up < policy.scale_down_cooldown_s:
+        return Decision(0, (), f"{why}: in the scale-down cooldown", "cooldown", desired, inputs)
+    # Hysteresis: keep what the peak of the long window needed (at the throughput measured now).
+    throughput = replica_throughput(history, policy)
+    window_s = max(policy.keep_alive_s, policy.scale_down_cooldown_s, SHORT_WINDOW_S)
+    start = next(i for i, s in enumerate(history) if s.at >= now.at - window_s)
+    peak = max(max(_demand(history[i], arrival_rate(history[:i + 1]), throughput, policy))
+               for i in range(start, len(history)))
+    keep = min(max(math.ceil(peak * DOWN_HEADROOM) + policy.warm, policy.min_replicas, desired), policy.max_replicas)
+    idle = sorted(((now.idle_s.get(r.node_id), r.node_id) for r in pool.replicas if not r.loading),
+                  key=lambda pair: (-(pair[0] or 0.0), pair[1]))
+    candidates = [node for idle_s, node in idle if idle_s is not None and idle_s >= policy.keep_alive_s]
+    release = tuple(candidates[:max(have - keep, 0)])
+    if not release:
+        return Decision(0, (), f"{why}: keeping {keep} (peak of the last {window_s:g} s), "
+                               f"{len(candidates)} idle for {policy.keep_alive_s:g} s", "steady", desired, inputs)
+    return Decision(0, release, f"{why}: release {len(release)} idle for >= {policy.keep_alive_s:g} s "
+                                f"(keeping {keep})", "idle", desired, inputs)

@@ -1,0 +1,99 @@
+"""From what the routers and the control plane answer to the policy's inputs (pure: no I/O, no clock).
+
+A router's ``GET /stats`` (see :mod:`pipecast.router.app`) is read strictly: an answer without the fields
+the policy needs is that router's fault and counts as silent (:class:`StatsFormatError`). Several routers
+add up: counters and gauges are summed, the TTFT p99 is the worst router's, a worker's idle time the
+shortest any router saw (it is idle only if idle everywhere).
+"""
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from pipecast.core.errors import PipecastError
+from pipecast.scaler.policy import Pool, Replica, Signals
+from pipecast.v1 import control_pb2 as pb
+
+STATS_FORMAT = 1
+SERVING_STATUSES = ("ready", "partial")
+
+
+class StatsFormatError(PipecastError):
+    """A router's /stats answer lacks a field or has one of the wrong type (the router's fault)."""
+
+
+def _number(data: Mapping[str, Any], key: str, router: str, *, nullable: bool = False) -> float | None:
+    value = data.get(key)
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise StatsFormatError(f"router {router}: /stats field {key!r} is {value!r}, not a number >= 0")
+    return value
+
+
+def parse_stats(router: str, data: Any) -> dict[str, Any]:
+    """The fields of one router's /stats answer the scaler reads, checked."""
+    if not isinstance(data, dict) or data.get("format") != STATS_FORMAT:
+        raise StatsFormatError(f"router {router}: /stats is not format {STATS_FORMAT}")
+    counters, ttft, workers = data.get("counters"), data.get("ttft"), data.get("workers")
+    if not isinstance(counters, dict) or not isinstance(ttft, dict) or not isinstance(workers, list):
+        raise StatsFormatError(f"router {router}: /stats lacks counters, ttft or workers")
+    parsed_workers = []
+    for worker in workers:
+        if not isinstance(worker, dict) or not isinstance(worker.get("url"), str):
+            raise StatsFormatError(f"router {router}: /stats has a worker without a url")
+        parsed_workers.append({"url": worker["url"], "node_id": str(worker.get("node_id", "")),
+                               "status": str(worker.get("status", "")),
+                               "idle_s": _number(worker, "idle_s", router, nullable=True)})
+    return {"queue_depth": int(_number(data, "queue_depth", router)),
+            "in_flight": int(_number(data, "in_flight", router)),
+            "arrived": int(_number(counters, "arrived", router)),
+            "answered": int(_number(counters, "answered", router)),
+            "ttft_p99_s": _number(ttft, "p99", router, nullable=True), "workers": parsed_workers}
+
+
+def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Mapping[str, str]) -> Signals:
+    """One :class:`Signals` from the parsed answers of every router (None: that router was silent).
+    Workers are named by their control-plane node id (``node_of_url`` maps serve URLs to it)."""
+    got = [a for a in answers if a is not None]
+    idle: dict[str, float | None] = {}
+    serving = 0
+    for answer in got:
+        for worker in answer["workers"]:
+            node = node_of_url.get(worker["url"].rstrip("/"), worker["node_id"] or worker["url"])
+            serving += worker["status"] in SERVING_STATUSES
+            seen = worker["idle_s"]
+            if node in idle and (idle[node] is None or seen is None):
+                idle[node] = None
+            else:
+                idle[node] = seen if node not in idle else min(idle[node], seen)
+    p99s = [a["ttft_p99_s"] for a in got if a["ttft_p99_s"] is not None]
+    return Signals(at=at, routers_total=len(answers), routers_answered=len(got),
+                   queue_depth=sum(a["queue_depth"] for a in got), in_flight=sum(a["in_flight"] for a in got),
+                   arrived=sum(a["arrived"] for a in got), answered=sum(a["answered"] for a in got),
+                   serving=serving, ttft_p99_s=max(p99s, default=None), idle_s=idle)
+
+
+def serve_urls(workers: Iterable[pb.WorkerState]) -> dict[str, str]:
+    """Serve URL (no trailing slash) -> node id, of every registered worker with one."""
+    return {w.worker.serve_url.rstrip("/"): w.worker.peer.node_id for w in workers if w.worker.serve_url}
+
+
+def pool_of(package_id: str, num_blocks: int, workers: Iterable[pb.WorkerState], plans: Iterable[pb.PlanSummary],
+            *, now: float, released: Iterable[str] = (), last_scale_up: float | None = None) -> Pool:
+    """The deployment's pool: replicas are alive serving workers that hold blocks of the package or are
+    receiving it (loading until they hold every block); free ones hold and receive nothing of it.
+    ``released`` nodes (released moments ago, their drop not reported yet) are neither."""
+    pending = {node for plan in plans if plan.package_id == package_id for node in plan.pending}
+    released = set(released)
+    replicas, free = [], 0
+    for state in workers:
+        node = state.worker.peer.node_id
+        if not state.alive or not state.worker.serve_url or node in released:
+            continue
+        held = sum(len(h.blocks) for h in state.held if h.package_id == package_id)
+        if held or node in pending:
+            replicas.append(Replica(node, loading=held < num_blocks or node in pending))
+        else:
+            free += 1
+    return Pool(now=now, replicas=tuple(sorted(replicas, key=lambda r: r.node_id)), free=free,
+                last_scale_up=last_scale_up)

@@ -1,0 +1,110 @@
+"""Deployments and the scale-event log: validation (pure), and over real gRPC with a restart on the same file."""
+
+import re
+
+import pytest
+
+from control_plane.client import ControlPlaneClient
+from control_plane.command import deploy_command
+from control_plane.deployments import Deployment, DeploymentBook, ScaleEvent, ScalingPolicy
+from control_plane.errors import Conflict, InvalidRequest, PermissionDenied, UnknownDeployment, UnknownPackage
+from control_plane.server import ControlPlaneServer
+from pipecast.core.credentials import issue_node_token
+from pipecast.core.units import parse_duration
+from tests.support import REPO
+from tests.control_plane.test_service import PKG, STORE, TOKEN, WAIT_S, config, manifest
+
+
+def test_a_usable_policy_has_no_problems():
+    assert ScalingPolicy().problems() == []
+    assert ScalingPolicy(min_replicas=2, max_replicas=2, warm=2).problems() == []
+
+
+def test_every_bad_value_is_named():
+    bad = ScalingPolicy(min_replicas=5, max_replicas=3, warm=4, slo_ttft_p99_s=0, replica_rps=0,
+                        replica_concurrency=0)
+    assert bad.problems() == ["min_replicas (5) must be <= max_replicas (3)", "warm (4) must be <= max_replicas (3)",
+                              "slo_ttft_p99_s must be > 0, got 0", "replica_rps must be > 0, got 0",
+                              "replica_concurrency must be >= 1, got 0"]
+    assert ScalingPolicy(keep_alive_s=float("nan")).problems() == ["keep_alive_s must be a finite number >= 0, got nan"]
+
+
+def test_the_book_refuses_bad_deployments_and_keeps_created_time():
+    book = DeploymentBook()
+    with pytest.raises(InvalidRequest, match=r"deployment of package 'p' refused: max_replicas must be >= 1, got 0"):
+        book.put(Deployment("p", ScalingPolicy(max_replicas=0)), ["p"], 1.0)
+    with pytest.raises(UnknownPackage, match="package 'q' is not published"):
+        book.put(Deployment("q", ScalingPolicy()), ["p"], 1.0)
+    with pytest.raises(InvalidRequest, match="router 'ftp://x' is not an http"):
+        book.put(Deployment("p", ScalingPolicy(), ("ftp://x",)), ["p"], 1.0)
+    first = book.put(Deployment("p", ScalingPolicy(), ("http://r:8080/", "http://r:8080")), ["p"], 1.0)
+    assert first.routers == ("http://r:8080",) and first.created_at == first.updated_at == 1.0
+    second = book.put(Deployment("p", ScalingPolicy(max_replicas=4)), ["p"], 2.0)
+    assert (second.created_at, second.updated_at, second.policy.max_replicas) == (1.0, 2.0, 4)
+
+
+def test_events_get_growing_sequence_numbers_and_filters():
+    book = DeploymentBook()
+    for package in ("a", "b"):
+        book.put(Deployment(package, ScalingPolicy()), ["a", "b"], 0.0)
+    for i in range(5):
+        book.append(ScaleEvent(at=float(i), package_id="ab"[i % 2], action="hold", reason=f"r{i}"))
+    assert [e.seq for e in book.list_events()] == [1, 2, 3, 4, 5]
+    assert [e.reason for e in book.list_events("a", after_seq=1)] == ["r2", "r4"]
+    assert [e.seq for e in book.list_events(limit=2)] == [4, 5]
+    with pytest.raises(InvalidRequest, match="scale event action 'grow' is not one of scale_up, release, hold"):
+        book.append(ScaleEvent(at=0.0, package_id="a", action="grow"))
+    with pytest.raises(UnknownDeployment, match="package 'zz' has no deployment"):
+        book.append(ScaleEvent(at=0.0, package_id="zz", action="hold"))
+
+
+async def test_deployments_and_events_over_grpc_survive_a_restart(tmp_path):
+    db = tmp_path / "cp.sqlite3"
+    server = ControlPlaneServer(config(db))
+    await server.start()
+    try:
+        async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as c:
+            await c.publish_package(manifest(), STORE)
+            with pytest.raises(InvalidRequest, match="min_replicas \\(3\\) must be <= max_replicas \\(2\\)"):
+                await c.put_deployment(Deployment(PKG, ScalingPolicy(min_replicas=3, max_replicas=2)))
+            stored = await c.put_deployment(Deployment(PKG, ScalingPolicy(max_replicas=4), ("http://10.0.0.9:8080",)))
+            assert stored.created_at > 0
+            seq = await c.append_scale_event(ScaleEvent(at=1.0, package_id=PKG, action="scale_up", count=2,
+                                                        node_ids=("w1", "w2"), reason="queue", desired=2))
+            assert seq == 1
+            with pytest.raises(Conflict, match="is deployed: remove its deployment first"):
+                await c.remove_package(PKG, force=True)
+        async with ControlPlaneClient(server.address, token=issue_node_token(TOKEN, "w1"), timeout_s=WAIT_S) as node:
+            with pytest.raises(PermissionDenied, match="PutDeployment needs the operator's token"):
+                await node.put_deployment(Deployment(PKG, ScalingPolicy()))
+            assert [d.package_id for d in await node.list_deployments()] == [PKG]
+    finally:
+        await server.stop(grace_s=0)
+    again = ControlPlaneServer(config(db))
+    await again.start()
+    try:
+        async with ControlPlaneClient(again.address, token=TOKEN, timeout_s=WAIT_S) as c:
+            assert await c.list_deployments() == [stored]
+            events = await c.list_scale_events(PKG)
+            assert [(e.seq, e.action, e.node_ids, e.desired) for e in events] == [(1, "scale_up", ("w1", "w2"), 2)]
+            assert await c.append_scale_event(ScaleEvent(at=2.0, package_id=PKG, action="hold")) == 2
+            await c.remove_deployment(PKG)
+            with pytest.raises(UnknownDeployment):
+                await c.remove_deployment(PKG)
+            assert await c.list_deployments() == []
+    finally:
+        await again.stop(grace_s=0)
+
+
+def test_the_readme_table_of_deploy_options_matches_the_command():
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("| `pipecast cp deploy` option |"):].split("\n\n", 1)[0].splitlines()[2:]
+    rows = {re.match(r"\| `(--[a-z0-9-]+)", row).group(1): row.split("|")[2].strip() for row in table}
+    options = {p.opts[0]: p.default for p in deploy_command.params if p.opts[0].startswith("--")}
+    assert {name.split(" ")[0] for name in rows} == set(options)
+    for name, default in options.items():
+        shown = rows[name]
+        if name == "--router":
+            assert shown == "-"
+        else:
+            assert parse_duration(shown) == float(default), name

@@ -1,0 +1,151 @@
+"""The router's scaling signals, pure (fake clocks): counters, the TTFT window, idle time, the /stats shape."""
+
+from dataclasses import replace
+
+import pytest
+
+from pipecast.router.pool import Dispatcher, WorkerPool
+from pipecast.router.signals import MAX_TENANTS, OTHER_TENANTS, Signals, TtftWindow, percentile, prompt_tokens
+from pipecast.serve.health import WorkerHealth
+
+A, B = "http://a:1", "http://b:1"
+READY = WorkerHealth(status="ready", blocks_present=1, blocks_total=1, queue_depth=0, running=0, max_queue=8)
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_percentiles_interpolate_linearly_between_ranks():
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([1.0, 2.0], 50) == 1.5
+    values = [float(v) for v in range(1, 101)]  # 1..100: numpy.percentile gives the same
+    assert (percentile(values, 50), percentile(values, 95), percentile(values, 99)) == (50.5, pytest.approx(95.05),
+                                                                                         pytest.approx(99.01))
+    assert percentile([1.0, 2.0, 3.0, 10.0], 95) == pytest.approx(8.95)
+
+
+def test_the_ttft_window_forgets_samples_older_than_its_length():
+    window = TtftWindow(window_s=60.0)
+    assert window.summary(0.0) == {"window_s": 60.0, "count": 0, "p50": None, "p95": None, "p99": None}
+    window.add(0.0, 9.0)
+    window.add(30.0, 1.0)
+    window.add(50.0, 3.0)
+    assert window.summary(60.0) == {"window_s": 60.0, "count": 3, "p50": 3.0, "p95": pytest.approx(8.4),
+                                    "p99": pytest.approx(8.88)}
+    assert window.summary(60.5)["count"] == 2 and window.summary(60.5)["p50"] == 2.0  # the 9 s sample left
+    assert window.summary(111.0)["count"] == 0 and window.summary(111.0)["p99"] is None
+
+
+def test_the_ttft_window_is_bounded():
+    window = TtftWindow(window_s=60.0, max_samples=3)
+    for at in range(5):
+        window.add(float(at), float(at))
+    assert window.summary(5.0)["count"] == 3 and window.summary(5.0)["p50"] == 3.0  # the latest 3
+
+
+@pytest.mark.parametrize("prompt, tokens", [
+    ([1, 2, 3], 3), ([[1, 2], [3, 4, 5]], 5), ("abcdefghi", 2), (["abcd", "abcdefgh"], 3), (["abcd", [1, 2]], 3),
+    ([], 0), ("", 0), (None, 0), (42, 0), ({"x": 1}, 0), ([None, {"x": 1}], 0),
+])
+def test_prompt_tokens_count_ids_and_estimate_text(prompt, tokens):
+    assert prompt_tokens(prompt) == tokens
+
+
+def test_counters_and_tenants_accumulate():
+    clock = FakeClock()
+    signals = Signals(clock, wall_clock=lambda: 1.7e9)
+    assert signals.arrived("a", 10) == "a" and signals.arrived("a", 5) == "a" and signals.arrived("b", 1) == "b"
+    signals.admission("a", True)
+    signals.admission("a", False)
+    signals.admission("b", True)
+    signals.rejected()
+    clock.now += 0.25
+    assert signals.answer_started(clock.now - 2.0) == 2.0
+    signals.answered()
+    signals.failed()
+    stats = signals.snapshot(queue_depth=4, in_flight=2, workers=[])
+    assert stats["counters"] == {"arrived": 3, "prompt_tokens": 16, "answered": 1, "rejected": 1, "failed": 1}
+    assert stats["tenants"] == {"a": {"arrived": 2, "admitted": 1, "rejected": 1},
+                                "b": {"arrived": 1, "admitted": 1, "rejected": 0}}
+    assert stats["ttft"] == {"window_s": 60.0, "count": 1, "p50": 2.0, "p95": 2.0, "p99": 2.0}
+    assert (stats["queue_depth"], stats["in_flight"], stats["now_unix"], stats["started_unix"]) == (4, 2, 1.7e9, 1.7e9)
+
+
+def test_tenant_names_beyond_the_cap_are_counted_together():
+    signals = Signals(FakeClock())
+    for index in range(MAX_TENANTS):
+        signals.arrived(f"t{index}", 0)
+    assert signals.arrived("one-more", 0) == OTHER_TENANTS == signals.arrived("and-another", 0)
+    assert signals.arrived("t0", 0) == "t0"
+    assert len(signals.tenants) == MAX_TENANTS + 1 and signals.tenants[OTHER_TENANTS].arrived == 2
+
+
+def test_a_workers_idle_time_runs_from_its_join_or_its_last_request():
+    clock = FakeClock(1000.0)
+    pool = WorkerPool(clock)
+    pool.sync({A: "node-a"})
+    clock.now = 1003.0
+    pool.sync({A: "node-a", B: "node-b"})
+    assert [(w.url, w.idle_s(1010.0)) for w in pool.workers()] == [(A, 10.0), (B, 7.0)]
+    pool.begin(A)
+    pool.begin(A)
+    clock.now = 1020.0
+    pool.finish(A)
+    assert pool.get(A).idle_s(1030.0) is None and pool.in_flight == 1  # still one in flight
+    clock.now = 1025.0
+    pool.finish(A)
+    assert pool.get(A).idle_s(1030.0) == 5.0 and pool.in_flight == 0
+
+
+def test_a_worker_is_idle_from_when_it_began_to_serve_not_from_when_it_joined():
+    clock = FakeClock(1000.0)
+    pool = WorkerPool(clock)
+    pool.sync({A: "node-a"})
+    clock.now = 1040.0
+    pool.record_health(A, replace(READY, status="loading"), 1040.0)
+    assert pool.get(A).idle_s(1041.0) == 41.0  # waiting for its package all that time
+    clock.now = 1050.0
+    pool.record_health(A, READY, 1050.0)
+    pool.record_health(A, READY, 1051.0)  # still serving: the spell goes on
+    assert pool.get(A).idle_s(1052.0) == 2.0
+
+
+def test_requests_at_a_removed_worker_stay_in_flight_until_they_end():
+    pool = WorkerPool(FakeClock())
+    pool.sync({A: "node-a"})
+    pool.begin(A)
+    pool.sync({})
+    assert pool.in_flight == 1
+    pool.finish(A)
+    assert pool.in_flight == 0
+
+
+async def test_the_snapshot_pins_the_stats_contract():
+    """The keys an autoscaler reads (format 1): renaming one breaks its pollers."""
+    clock = FakeClock(1000.0)
+    pool = WorkerPool(clock)
+    dispatcher = Dispatcher(pool, max_queue=8, queue_timeout_s=10.0, clock=clock)
+    pool.sync({A: "node-a", B: "node-b"})
+    pool.record_health(A, READY, polled_at=1000.0)
+    worker = await dispatcher.acquire(arrival=1000.0)
+    clock.now = 1002.5
+    signals = Signals(clock, wall_clock=lambda: 1.7e9)
+    signals.arrived("default", 3)
+    stats = signals.snapshot(dispatcher.waiting, pool.in_flight, pool.workers())
+    assert list(stats) == ["format", "now_unix", "started_unix", "queue_depth", "in_flight", "workers", "counters",
+                           "ttft", "tenants"]
+    assert stats["format"] == 1
+    assert stats["workers"] == [
+        {"url": A, "node_id": "node-a", "status": "ready", "in_flight": 1, "idle_s": None},
+        {"url": B, "node_id": "node-b", "status": "unknown", "in_flight": 0, "idle_s": 2.5},
+    ]
+    assert list(stats["counters"]) == ["arrived", "prompt_tokens", "answered", "rejected", "failed"]
+    assert list(stats["ttft"]) == ["window_s", "count", "p50", "p95", "p99"]
+    assert stats["tenants"] == {"default": {"arrived": 1, "admitted": 0, "rejected": 0}}
+    assert (stats["queue_depth"], stats["in_flight"]) == (0, 1)
+    dispatcher.release(worker)

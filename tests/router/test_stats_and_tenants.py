@@ -1,0 +1,125 @@
+"""The router's /stats and per-tenant admission over real sockets, with the fake workers of test_app."""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from pipecast.core.settings import TenantLimit
+from pipecast.router.admission import AdmissionConfig
+from tests.router.test_app import BODY, CLIENT_TIMEOUT, FakeWorker, eventually, post, router, workers
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as client:
+        yield client
+
+
+async def stats_of(session: aiohttp.ClientSession, url: str) -> dict:
+    async with session.get(f"{url}/stats") as response:
+        assert response.status == 200 and response.content_type == "application/json"
+        return await response.json()
+
+
+async def post_as(session: aiohttp.ClientSession, url: str, key: str) -> tuple[int, str | None, dict]:
+    """POST the test body with API key ``key``: its status, Retry-After and JSON answer."""
+    async with session.post(f"{url}/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"}) as response:
+        return response.status, response.headers.get("Retry-After"), await response.json()
+
+
+async def test_stats_count_requests_and_show_each_worker(session):
+    gate = asyncio.Event()
+    async with workers(FakeWorker(gate=gate), FakeWorker(status="loading")) as (ready, loading):
+        async with router([ready.url, loading.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            assert (await post(session, url))[0] == 200
+            assert (await post(session, url, prompt="abcdefghijkl"))[0] == 200  # ~3 tokens of text
+            async with session.post(f"{url}/v1/completions", data=b"{not json") as response:
+                assert response.status == 400  # not counted: no valid body
+            async with session.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
+                await response.content.readuntil(b"\n\n")  # the first event; the worker waits at the gate
+                during = await stats_of(session, url)
+                gate.set()
+                await response.read()
+            after = await stats_of(session, url)
+    assert during["in_flight"] == 1 and during["queue_depth"] == 0
+    workers_during = {worker["url"]: worker for worker in during["workers"]}
+    assert workers_during[ready.url] == {"url": ready.url, "node_id": ready.url, "status": "ready", "in_flight": 1,
+                                         "idle_s": None}
+    assert workers_during[loading.url]["status"] == "loading" and workers_during[loading.url]["idle_s"] > 0
+    assert during["counters"] == {"arrived": 3, "prompt_tokens": 9, "answered": 2, "rejected": 0, "failed": 0}
+    assert during["ttft"]["count"] == 3  # the stream's first event has reached the client
+    assert after["counters"] == {"arrived": 3, "prompt_tokens": 9, "answered": 3, "rejected": 0, "failed": 0}
+    assert after["in_flight"] == 0 and after["tenants"] == {"default": {"arrived": 3, "admitted": 3, "rejected": 0}}
+    ttft = after["ttft"]
+    assert ttft["window_s"] == 60.0 and ttft["count"] == 3 and 0 < ttft["p50"] <= ttft["p95"] <= ttft["p99"] < 5
+    assert {worker["url"]: worker["idle_s"] for worker in after["workers"]}[ready.url] >= 0
+    assert after["started_unix"] <= after["now_unix"]
+
+
+async def test_stats_count_the_routers_429s_and_5xx(session):
+    async with workers(FakeWorker(status="loading")) as (worker,):
+        async with router([worker.url], max_queue=1, queue_timeout_s=0.3) as (url, instance):
+            queued = asyncio.create_task(post(session, url))
+            await eventually(lambda: instance.dispatcher.waiting == 1)
+            assert (await stats_of(session, url))["queue_depth"] == 1
+            assert (await post(session, url))[0] == 429  # queue full
+            assert (await queued)[0] == 503  # its deadline
+            stats = await stats_of(session, url)
+    assert stats["counters"] == {"arrived": 2, "prompt_tokens": 6, "answered": 0, "rejected": 1, "failed": 1}
+    assert stats["ttft"] == {"window_s": 60.0, "count": 0, "p50": None, "p95": None, "p99": None}
+    assert stats["queue_depth"] == 0
+
+
+async def test_a_tenant_over_its_limit_gets_429_while_another_passes(session):
+    admission = AdmissionConfig(limits={"a": TenantLimit(rate=0.5, burst=2)})
+    async with workers(FakeWorker()) as (worker,):
+        async with router([worker.url], admission=admission) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            tenant_a, tenant_b = {"x-pipecast-tenant": "a"}, {"x-pipecast-tenant": "b"}
+            answers = []
+            for headers in (tenant_a, tenant_a, tenant_a, tenant_b, tenant_b, tenant_b):
+                async with session.post(f"{url}/v1/completions", json=BODY, headers=headers) as response:
+                    answers.append((response.status, response.headers.get("Retry-After"), await response.json()))
+            stats = await stats_of(session, url)
+            async with session.get(f"{url}/metrics") as response:
+                metrics = await response.text()
+    assert [status for status, _, _ in answers] == [200, 200, 429, 200, 200, 200]
+    _, retry_after, refusal = answers[2]
+    assert retry_after == "2"  # one token back at 0.5/s: just under 2 s, rounded up
+    assert refusal == {"error": {"message": "tenant 'a' is over its rate of 0.5 requests/s (burst 2); retry after 2 s",
+                                 "type": "rate_limited"}}
+    assert len(worker.bodies) == 5
+    assert stats["tenants"] == {"a": {"arrived": 3, "admitted": 2, "rejected": 1},
+                                "b": {"arrived": 3, "admitted": 3, "rejected": 0}}
+    assert stats["counters"]["rejected"] == 1 and stats["counters"]["answered"] == 5
+    assert 'pipecast_router_tenant_rejected_total{tenant="a"} 1.0' in metrics
+    assert 'pipecast_router_requests_rejected_total{reason="rate_limited"} 1.0' in metrics
+
+
+async def test_with_api_keys_a_request_needs_a_known_key_which_names_its_tenant(session):
+    admission = AdmissionConfig(api_keys={"key-of-a": "a"}, limits={"a": TenantLimit(rate=1.0, burst=1)})
+    async with workers(FakeWorker()) as (worker,):
+        async with router([worker.url], admission=admission) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            refusals = []
+            for headers in ({"x-pipecast-tenant": "a"}, {"Authorization": "Bearer key-of-b"}):
+                async with session.post(f"{url}/v1/completions", json=BODY, headers=headers) as response:
+                    refusals.append((response.status, response.headers.get("WWW-Authenticate"),
+                                     await response.json()))
+            accepted, _, _ = await post_as(session, url, "key-of-a")
+            limited, _, answer = await post_as(session, url, "key-of-a")
+            stats = await stats_of(session, url)
+    hint = "send `Authorization: Bearer <key>` with a key the router knows"
+    assert refusals == [
+        (401, "Bearer", {"error": {"message": f"missing API key: {hint}", "type": "authentication_error"}}),
+        (401, "Bearer", {"error": {"message": f"unknown API key: {hint}", "type": "authentication_error"}}),
+    ]
+    assert (accepted, limited) == (200, 429) and answer["error"]["message"].startswith("tenant 'a' is over")
+    assert len(worker.bodies) == 1
+    assert stats["tenants"] == {"a": {"arrived": 2, "admitted": 1, "rejected": 1}}
+    assert stats["counters"]["arrived"] == 2  # the 401s are nobody's requests

@@ -1,0 +1,145 @@
+"""The daemon's tick over real HTTP to a stub router's /stats, with a recording control-plane client (a fake:
+this is the daemon's unit test; tests/integration/test_scaler.py runs it against the real services)."""
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from aiohttp import web
+
+from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
+from control_plane.errors import InsufficientWorkers
+from pipecast.scaler.daemon import Scaler, ScalerConfig
+from pipecast.v1 import control_pb2 as pb
+from pipecast.v1.manifest_pb2 import Block, Manifest
+
+pytestmark = pytest.mark.timeout(30)
+PKG = "p" * 64
+BLOCKS = 4
+POLICY = ScalingPolicy(max_replicas=4, keep_alive_s=10.0, scale_down_cooldown_s=5.0, replica_concurrency=2)
+
+
+def worker(node: str, held: int = 0) -> pb.WorkerState:
+    spec = pb.WorkerSpec(peer=pb.Peer(node_id=node, address=f"10.0.0.{node[1:]}:7070"),
+                         serve_url=f"http://10.0.0.{node[1:]}:8000")
+    blocks = [pb.PackageBlocks(package_id=PKG, blocks=list(range(held)))] if held else []
+    return pb.WorkerState(worker=spec, alive=True, held=blocks)
+
+
+class RecordingClient:
+    """The control plane's client as the daemon uses it, recording what it is asked."""
+
+    def __init__(self, workers: list[pb.WorkerState], routers: tuple[str, ...], events: list[ScaleEvent] = ()):
+        self.workers, self.events, self.calls = workers, list(events), []
+        self.deployment = Deployment(PKG, POLICY, routers)
+        self.refuse: Exception | None = None
+
+    async def list_deployments(self):
+        return [self.deployment]
+
+    async def list_workers(self):
+        return self.workers
+
+    async def list_plans(self, package_id: str = ""):
+        return []
+
+    async def get_package(self, package_id):
+        return Manifest(package_id=PKG, blocks=[Block(index=i) for i in range(BLOCKS)]), None
+
+    async def list_scale_events(self, package_id="", *, after_seq=0, limit=0):
+        return list(self.events)
+
+    async def append_scale_event(self, event: ScaleEvent) -> int:
+        self.events.append(event)
+        self.calls.append(("event", event.action))
+        return len(self.events)
+
+    async def scale_up(self, package_id, *, count=0, strategy="", **_):
+        self.calls.append(("scale_up", count, strategy))
+        if self.refuse:
+            raise self.refuse
+        return pb.ScaleUpResponse(plan_id="plan1", receivers=[f"w{i}" for i in range(count)])
+
+    async def release(self, package_id, node_ids, *, keep_alive_s=0.0):
+        self.calls.append(("release", tuple(node_ids), keep_alive_s))
+        return 0.0
+
+
+def stats(queue: int = 0, idle: dict[str, float | None] | None = None, arrived: int = 0) -> dict:
+    return {"format": 1, "now_unix": 0.0, "started_unix": 0.0, "queue_depth": queue, "in_flight": 0,
+            "workers": [{"url": f"http://10.0.0.{n[1:]}:8000", "node_id": "", "status": "ready", "in_flight": 0,
+                         "idle_s": s} for n, s in (idle or {}).items()],
+            "counters": {"arrived": arrived, "prompt_tokens": 0, "answered": 0, "rejected": 0, "failed": 0},
+            "ttft": {"window_s": 60.0, "count": 0, "p50": None, "p95": None, "p99": None}, "tenants": {}}
+
+
+@asynccontextmanager
+async def stub_router(answer: dict) -> AsyncIterator[tuple[str, dict]]:
+    """A router whose /stats answers ``state["answer"]`` (changeable while it runs)."""
+    state = {"answer": answer}
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response(state["answer"])
+
+    app = web.Application()
+    app.add_routes([web.get("/stats", handler)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}", state
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_queue_at_the_router_scales_up_once_recorded_before_acting():
+    async with stub_router(stats(queue=5, arrived=5)) as (url, _):
+        client = RecordingClient([worker("w1"), worker("w2"), worker("w3")], (url,))
+        async with Scaler(client, ScalerConfig(plan_strategy="unicast")) as scaler:
+            [(package, decision)] = await scaler.tick()
+    assert package == PKG and decision.add == 3  # 5 queued at 2 each, capped at the 3 free workers
+    assert client.calls == [("event", "scale_up"), ("scale_up", 3, "unicast")]
+    event = client.events[0]
+    assert (event.desired, event.actual) == (3, 0) and json.loads(event.inputs_json)["queue_depth"] == 5
+
+
+async def test_a_silent_router_holds_the_pool_recording_the_hold_once():
+    client = RecordingClient([worker("w1", held=BLOCKS)], ("http://127.0.0.1:9",))
+    async with Scaler(client, ScalerConfig(router_timeout_s=0.5)) as scaler:
+        for _ in range(3):
+            [(_, decision)] = await scaler.tick()
+            assert decision.kind == "no_signals"
+    assert client.calls == [("event", "hold")]  # recorded when it began, never a release
+    assert client.events[0].reason == "no signals from any router: holding 1 replicas"
+
+
+async def test_idle_replicas_are_released_after_keep_alive_and_the_refusal_of_a_scale_up_is_recorded():
+    idle = {"w1": 30.0, "w2": 3.0}
+    async with stub_router(stats(idle=idle)) as (url, state):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS), worker("w3")], (url,))
+        async with Scaler(client, ScalerConfig(source_keep_s=7.0)) as scaler:
+            [(_, decision)] = await scaler.tick()
+            assert decision.release == ("w1",)
+            assert client.calls[-1] == ("release", ("w1",), 7.0)
+            # w1 is released: not a replica while its drop is reported, however the control plane lists it.
+            state["answer"] = stats(queue=9, arrived=9)
+            client.refuse = InsufficientWorkers("no memory")
+            [(_, decision)] = await scaler.tick()
+            assert decision.add == 1  # only w3 is free
+    assert client.calls[-2:] == [("scale_up", 1, ""), ("event", "hold")]
+    assert client.events[-1].reason == "scale_up refused: no memory"
+
+
+async def test_a_restarted_daemon_recovers_its_cooldowns_from_the_audit_trail():
+    import time
+
+    recent = ScaleEvent(at=time.time() - 1.0, package_id=PKG, action="scale_up", count=1, seq=1)
+    async with stub_router(stats(idle={"w1": 60.0, "w2": 60.0})) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,), [recent])
+        async with Scaler(client) as scaler:
+            [(_, decision)] = await scaler.tick()
+    assert decision.kind == "cooldown" and not decision.release  # 1 s after a scale event: no release
+    assert scaler.tracked[PKG].last_scale_up == recent.at

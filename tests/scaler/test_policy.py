@@ -1,0 +1,172 @@
+"""The scaling policy on load shapes (step, ramp, spike, noise, decay), missing data and cooldowns: pure."""
+
+import random
+
+from control_plane.deployments import ScalingPolicy
+from pipecast.scaler.policy import Decision, Pool, Replica, Signals, decide
+
+POLICY = ScalingPolicy(min_replicas=0, max_replicas=8, slo_ttft_p99_s=2.0, warm=0, keep_alive_s=10.0,
+                       scale_up_cooldown_s=5.0, scale_down_cooldown_s=20.0, replica_rps=1.0, replica_concurrency=4)
+
+
+class Sim:
+    """A tiny closed loop: arrivals per second in, the policy's decisions applied to a pool (loading takes
+    ``load_s``), replicas serving ``POLICY.replica_rps`` each; records every decision."""
+
+    def __init__(self, policy: ScalingPolicy = POLICY, workers: int = 8, load_s: float = 5.0, replicas: int = 0):
+        self.policy, self.workers, self.load_s = policy, workers, load_s
+        self.t = 1000.0
+        self.history: list[Signals] = []
+        self.replicas: dict[str, float] = {f"w{i}": self.t - 100 for i in range(replicas)}  # node -> ready at
+        self.idle_since: dict[str, float] = {}
+        self.arrived = self.answered = 0
+        self.queue = 0.0
+        self.decisions: list[tuple[float, Decision]] = []
+        self.last_up = None
+
+    def step(self, arrivals: int, *, routers_answered: int = 1) -> Decision:
+        self.t += 1.0
+        ready = [n for n, at in self.replicas.items() if at <= self.t]
+        self.arrived += arrivals
+        self.queue += arrivals
+        served = min(self.queue, len(ready) * self.policy.replica_rps)
+        self.queue -= served
+        self.answered += int(served)
+        busy = set(ready[:int(round(served))])
+        for node in ready:
+            if node in busy:
+                self.idle_since.pop(node, None)
+            else:
+                self.idle_since.setdefault(node, self.t)
+        idle = {n: (None if n in busy else self.t - self.idle_since[n]) for n in ready}
+        self.history.append(Signals(at=self.t, routers_total=1, routers_answered=routers_answered,
+                                    queue_depth=int(self.queue), in_flight=len(busy), arrived=self.arrived,
+                                    answered=self.answered, serving=len(ready), idle_s=idle))
+        pool = Pool(now=self.t, replicas=tuple(Replica(n, at > self.t) for n, at in sorted(self.replicas.items())),
+                    free=self.workers - len(self.replicas), last_scale_up=self.last_up)
+        decision = decide(self.history[-120:], pool, self.policy)
+        free = [f"w{i}" for i in range(self.workers) if f"w{i}" not in self.replicas]
+        for node in free[:decision.add]:
+            self.replicas[node] = self.t + self.load_s
+        for node in decision.release:
+            del self.replicas[node]
+            self.idle_since.pop(node, None)
+        if decision.add:
+            self.last_up = self.t
+        if decision.action != "hold":
+            self.decisions.append((self.t, decision))
+        return decision
+
+    def run(self, load: list[int]) -> None:
+        for arrivals in load:
+            self.step(arrivals)
+
+    def thrash(self) -> list[tuple[float, float]]:
+        """(release time, acquire time) pairs closer than the scale-down cooldown."""
+        out = []
+        releases = [t for t, d in self.decisions if d.release]
+        for t_up, d in self.decisions:
+            out += [(t_r, t_up) for t_r in releases if d.add and 0 <= t_up - t_r < self.policy.scale_down_cooldown_s]
+        return out
+
+
+def test_a_step_is_met_with_the_whole_gap_at_once_not_one_at_a_time():
+    sim = Sim()
+    sim.run([0] * 10 + [4] * 3)
+    ups = [d for _, d in sim.decisions if d.add]
+    assert ups and ups[0].add >= 1
+    sim.run([4] * 20)
+    assert 4 <= len(sim.replicas) <= 8  # 4 req/s at 1 req/s each
+    assert len([d for _, d in sim.decisions if d.add]) <= 3, sim.decisions
+
+
+def test_the_first_decision_adds_enough_for_the_queue():
+    sim = Sim()
+    decision = sim.step(20)  # a burst: 20 waiting at 4 per replica
+    assert decision.add == 5 and decision.kind == "demand"
+    assert "queue 20 + in flight 0 need 5 at 4 each" in decision.reason
+
+
+def test_a_ramp_grows_the_pool_monotonically_and_never_past_max():
+    sim = Sim()
+    sim.run([min(i // 4, 12) for i in range(60)])
+    sizes = [len(sim.replicas)]
+    assert sizes[-1] == POLICY.max_replicas
+    assert all(not d.release for _, d in sim.decisions)
+
+
+def test_a_spike_then_quiet_scales_up_then_back_to_zero_after_keep_alive_without_thrash():
+    sim = Sim()
+    sim.run([30] + [0] * 200)
+    assert any(d.add for _, d in sim.decisions)
+    assert len(sim.replicas) == 0  # min 0: scale to zero
+    releases = [(t, d) for t, d in sim.decisions if d.release]
+    first_add = min(t for t, d in sim.decisions if d.add)
+    assert all(t - first_add >= POLICY.keep_alive_s for t, _ in releases)
+    assert sim.thrash() == []
+
+
+def test_noise_around_a_level_does_not_oscillate():
+    rng = random.Random(7)
+    sim = Sim(replicas=3)
+    sim.run([max(0, round(3 + rng.gauss(0, 1))) for _ in range(300)])
+    assert sim.thrash() == []
+    assert len([d for _, d in sim.decisions if d.release]) <= 2, sim.decisions
+
+
+def test_a_decaying_load_releases_gradually_and_keeps_min_and_warm():
+    policy = ScalingPolicy(**{**POLICY.__dict__, "min_replicas": 1, "warm": 1})
+    sim = Sim(policy=policy)
+    sim.run([6] * 30 + [3] * 60 + [1] * 60 + [0] * 150)
+    releases = [d for _, d in sim.decisions if d.release]
+    assert len(sim.replicas) == 1  # no demand: warm 1 on top of 0, and min 1
+    assert len(releases) >= 2  # stepwise, following the decay
+    assert sim.thrash() == []
+
+
+def test_no_signals_hold_the_pool_and_never_scale_to_zero():
+    sim = Sim(replicas=3)
+    sim.run([0] * 30)
+    decision = sim.step(0, routers_answered=0)
+    assert decision.action == "hold" and decision.kind == "no_signals"
+    assert decision.reason.startswith("no signals from any router: holding")
+    pool = Pool(now=10_000.0, replicas=(Replica("w0", False),), free=0)
+    stale = decide(sim.history, pool, POLICY)
+    assert stale.kind == "no_signals" and stale.desired == 1
+
+
+def test_a_silent_router_blocks_releases_not_scale_ups():
+    history = [Signals(at=float(t), routers_total=2, routers_answered=1, idle_s={"w0": 100.0}) for t in range(30)]
+    pool = Pool(now=29.0, replicas=(Replica("w0", False),), free=3)
+    decision = decide(history, pool, POLICY)
+    assert decision.action == "hold" and "router(s) are silent" in decision.reason
+    busy = history + [Signals(at=30.0, routers_total=2, routers_answered=1, queue_depth=12)]
+    assert decide(busy, Pool(now=30.0, replicas=(), free=3), POLICY).add == 3
+
+
+def test_slo_miss_with_a_queue_adds_one_more_than_demand():
+    history = [Signals(at=float(t), routers_total=1, routers_answered=1, queue_depth=1, serving=2, arrived=t,
+                       answered=t, ttft_p99_s=5.0) for t in range(10)]
+    pool = Pool(now=9.0, replicas=(Replica("w0", False), Replica("w1", False)), free=4)
+    decision = decide(history, pool, POLICY)
+    assert decision.kind == "slo" and decision.add == 1
+    assert "p99 TTFT 5.00 s over the SLO 2.00 s" in decision.reason
+
+
+def test_within_the_scale_up_cooldown_a_queue_waits_for_the_replicas_loading_but_a_higher_rate_adds():
+    history = [Signals(at=float(t), routers_total=1, routers_answered=1, arrived=t, queue_depth=8) for t in range(10)]
+    pool = Pool(now=9.0, replicas=(Replica("w0", True),), free=4, last_scale_up=7.0)
+    decision = decide(history, pool, POLICY)
+    assert decision.kind == "cooldown" and decision.add == 0
+    faster = [Signals(at=float(t), routers_total=1, routers_answered=1, arrived=3 * t) for t in range(10)]
+    assert decide(faster, pool, POLICY).add == 2
+
+
+def test_idle_replicas_go_in_one_release_not_one_per_cooldown():
+    idle = {f"w{i}": 30.0 for i in range(4)}
+    history = [Signals(at=float(t), routers_total=1, routers_answered=1, idle_s=idle) for t in range(100, 131)]
+    replicas = tuple(Replica(n, False) for n in idle)
+    decision = decide(history, Pool(now=130.0, replicas=replicas, free=0, last_scale_up=50.0), POLICY)
+    assert sorted(decision.release) == sorted(idle) and decision.kind == "idle"
+    soon = decide(history, Pool(now=130.0, replicas=replicas, free=0, last_scale_up=120.0), POLICY)
+    assert soon.kind == "cooldown" and not soon.release  # 10 s after a scale-up: not yet
