@@ -45,8 +45,6 @@ def write_byte_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
-ARCHS = ("llama", "qwen2", "mistral", "gpt2")
-
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 

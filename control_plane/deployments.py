@@ -11,9 +11,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
-from urllib.parse import urlsplit
 
 from control_plane.errors import InvalidRequest, UnknownDeployment, UnknownPackage
+from pipecast.core.urls import http_base_url
 
 #: Scale events kept in memory (the database keeps them all).
 EVENTS_IN_MEMORY = 10_000
@@ -104,15 +104,10 @@ class ScaleEvent:
 
 def check_router_url(url: str, package_id: str) -> str:
     """A router's base URL (http or https, a host, no query), without a trailing slash."""
-    try:
-        parts = urlsplit(url.strip())
-        host = parts.hostname
-        parts.port  # noqa: B018 -- raises ValueError on a port that is not a number
-    except ValueError:
-        host = None
-    if parts.scheme not in ("http", "https") or not host or parts.query or parts.fragment:
+    base = http_base_url(url)
+    if base is None:
         raise InvalidRequest(f"deployment of package {package_id!r}: router {url!r} is not an http(s) base URL")
-    return f"{parts.scheme}://{parts.netloc}{parts.path}".rstrip("/")
+    return base
 
 
 @dataclass

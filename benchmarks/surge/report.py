@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from benchmarks.surge.strategies import BASELINE, FIXED, ORACLE_SUFFIX, PIPECAST, WARM_POOL
+from pipecast.router.signals import percentile as sorted_percentile
 
 STATUSES = ("ok", "rejected", "failed")
 FIRST_N = 100
@@ -156,12 +157,7 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     ordered = sorted(values)
     if not 0 <= q <= 100:
         raise ValueError(f"percentile must be within 0..100, got {q}")
-    if not ordered:
-        return None
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return sorted_percentile(ordered, q) if ordered else None
 
 
 def median_or_none(values: Sequence[float | None]) -> float | None:

@@ -8,9 +8,9 @@ source's last answer while it fails (a control plane restart must not empty the 
 import logging
 from dataclasses import dataclass
 from typing import Protocol
-from urllib.parse import urlsplit
 
 from control_plane.messages import SERVE_URL_LABEL
+from pipecast.core.urls import http_base_url
 from pipecast.router.errors import WorkerUrlError
 from pipecast.v1.control_pb2 import WorkerState
 
@@ -27,14 +27,10 @@ class DiscoveredWorker:
 
 def normalize_url(url: str, source: str) -> str:
     """``url`` as a base URL without a trailing slash; :class:`WorkerUrlError` when it is not http(s)."""
-    try:
-        parsed = urlsplit(url.strip())
-        host, _ = parsed.hostname, parsed.port
-    except ValueError:  # e.g. a port that is not a number
-        raise WorkerUrlError(url, source) from None
-    if parsed.scheme not in ("http", "https") or not host or parsed.query or parsed.fragment:
+    base = http_base_url(url)
+    if base is None:
         raise WorkerUrlError(url, source)
-    return f"{parsed.scheme}://{parsed.netloc}{parsed.path}".rstrip("/")
+    return base
 
 
 class Discovery(Protocol):

@@ -37,6 +37,8 @@ def test_the_book_refuses_bad_deployments_and_keeps_created_time():
         book.put(Deployment("q", ScalingPolicy()), ["p"], 1.0)
     with pytest.raises(InvalidRequest, match="router 'ftp://x' is not an http"):
         book.put(Deployment("p", ScalingPolicy(), ("ftp://x",)), ["p"], 1.0)
+    with pytest.raises(InvalidRequest, match=r"router 'http://\[::1' is not an http"):  # urlsplit raises on it
+        book.put(Deployment("p", ScalingPolicy(), ("http://[::1",)), ["p"], 1.0)
     first = book.put(Deployment("p", ScalingPolicy(), ("http://r:8080/", "http://r:8080")), ["p"], 1.0)
     assert first.routers == ("http://r:8080",) and first.created_at == first.updated_at == 1.0
     second = book.put(Deployment("p", ScalingPolicy(max_replicas=4)), ["p"], 2.0)

@@ -18,7 +18,7 @@ from packager.pack import pack
 from packager.package import Package
 from packager.verify import verify_package
 from pipecast.cli import main
-from tests.support.tiny_models import make_checkpoint
+from benchmarks.tiny_checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,10 @@ large as a test of the agent or the transports needs; nothing can run it).
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.tiny_checkpoints import write_byte_tokenizer, write_random_checkpoint
+from benchmarks.tiny_checkpoints import make_checkpoint, write_byte_tokenizer, write_random_checkpoint
 from packager.pack import pack
 from pipecast.core.units import DEFAULT_CHUNK_BYTES
 from pipecast.v1.manifest_pb2 import Manifest
-from tests.support.tiny_models import make_checkpoint
 
 # Larger than transformers' default init (0.02), so a random tiny model's greedy tokens vary instead of
 # repeating one token: token-level comparisons then mean something.
@@ -34,7 +33,7 @@ def tiny_package(path: Path, arch: str = "llama", *, seed: int = 0, layers: int 
     """Pack a tiny checkpoint of ``layers`` layers into the package folder ``path`` (model name
     ``tiny-<arch>``); the checkpoint is written beside it, at ``<path>-checkpoint``.
 
-    By default a random ``arch`` model (see :mod:`tests.support.tiny_models`; ``config`` overrides its
+    By default a random ``arch`` model (see :mod:`benchmarks.tiny_checkpoints`; ``config`` overrides its
     config) in ``dtype``. With ``layer_bytes``, random bytes instead: ``layer_bytes`` per layer, shaped
     like a llama checkpoint, and ``tokenizer_bytes`` of random bytes as its ``tokenizer.json`` if asked
     (a small file to move). ``tokenizer`` adds the byte-level tokenizer a serving worker needs.
