@@ -35,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
@@ -156,6 +156,8 @@ def schedule(rate_per_s: float, duration_s: float) -> list[float]:
 
 
 STATUSES = ("ok", "rejected", "failed")
+#: Slowest requests of each tenant and phase kept in the figures.
+SLOWEST = 5
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,14 @@ def summarize(phase: str, tenant: str, rate_per_s: float, records: Sequence[Requ
                         rejected_by=by)
 
 
+def slowest(tenant: str, records: Sequence[RequestRecord], deadline_s: float) -> tuple[tuple[float, float], ...]:
+    """``tenant``'s :data:`SLOWEST` slowest admitted requests as (due_s, latency_s), slowest first (a failed one
+    at ``deadline_s``): whether a p99 comes from one moment of the phase (a burst's start) or from all of it."""
+    timed = sorted(((r.latency_s if r.status == "ok" else deadline_s, r.due_s) for r in records
+                    if r.tenant == tenant and r.status != "rejected"), reverse=True)
+    return tuple((due, latency) for latency, due in timed[:SLOWEST])
+
+
 def p99_ratio(results: Sequence[TenantResult], phase: str) -> float | None:
     """b's p99 in ``phase`` over its p99 alone (None when either is missing)."""
     p99 = {r.phase: r.p99_s for r in results if r.tenant == STEADY}
@@ -239,6 +249,8 @@ class TenantsReport:
     results: tuple[TenantResult, ...]
     cpu: Mapping[str, CpuUsage]
     process_cpu: Mapping[str, ProcessCpu]
+    #: Phase -> b's slowest requests (:func:`slowest`).
+    slowest: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float | None:
@@ -249,6 +261,8 @@ class TenantsReport:
         return {"meta": self.meta, "results": [asdict(r) for r in self.results],
                 "cpu_mean_percent": {phase: usage.mean_percent for phase, usage in self.cpu.items()},
                 "process_cpu_percent": {phase: asdict(usage) for phase, usage in self.process_cpu.items()},
+                "slowest_b": {phase: [{"due_s": due, "latency_s": latency} for due, latency in requests]
+                              for phase, requests in self.slowest.items()},
                 "ratio": self.ratio, "ratio_unlimited": p99_ratio(self.results, UNLIMITED),
                 "target_ratio": TARGET_RATIO, "met": self.ratio is not None and self.ratio <= TARGET_RATIO}
 
@@ -305,6 +319,10 @@ def format_report(report: TenantsReport) -> str:
     lines.append("CPU by process, % of one core (router / workers / load generator): " + "; ".join(
         f"{phase} {usage.router:.0f} / {usage.workers:.0f} / {usage.load_generator:.0f}"
         for phase, usage in report.process_cpu.items()))
+    if report.slowest:
+        lines.append(f"{STEADY}'s {SLOWEST} slowest, ms (due at s into the phase): " + "; ".join(
+            f"{phase} " + ", ".join(f"{latency * 1000:.0f} ({due:.1f})" for due, latency in requests)
+            for phase, requests in report.slowest.items()))
     lines.append(verdict(report))
     return "\n".join(lines)
 
@@ -496,6 +514,7 @@ def run(config: TenantsConfig, workdir: Path, progress: ProgressCallback = lambd
         results: list[TenantResult] = []
         cpu: dict[str, CpuUsage] = {}
         process_cpu: dict[str, ProcessCpu] = {}
+        slow: dict[str, tuple[tuple[float, float], ...]] = {}
         for phase, (limits, loads) in phases.items():
             progress(f"phase {phase}: " + ", ".join(f"{t} at {r:g}/s" for t, r in loads.items())
                      + f" for {config.duration_s:g} s")
@@ -511,8 +530,9 @@ def run(config: TenantsConfig, workdir: Path, progress: ProgressCallback = lambd
             cpu[phase] = sampler.usage()
             process_cpu[phase] = ProcessCpu(router=used[0], workers=sum(used[1:-1]), load_generator=used[-1])
             results += [summarize(phase, tenant, rate, records, config.deadline_s) for tenant, rate in loads.items()]
+            slow[phase] = slowest(STEADY, records, config.deadline_s)
             procs.check_alive(list(procs.procs))
             time.sleep(PAUSE_S)
     finally:
         procs.stop()
-    return TenantsReport(meta=meta, results=tuple(results), cpu=cpu, process_cpu=process_cpu)
+    return TenantsReport(meta=meta, results=tuple(results), cpu=cpu, process_cpu=process_cpu, slowest=slow)

@@ -53,13 +53,15 @@ def tiny_config(arch: str, **overrides):
     """A transformers config for a tiny model of ``arch`` (hidden 64, 4 layers, vocab 256)."""
     import transformers
 
+    # Overrides go to the constructor: some fields derive others there (Qwen2's per-layer layer_types).
     if arch == "llama":
-        config = transformers.LlamaConfig(**_COMMON, tie_word_embeddings=False)
-    elif arch == "qwen2":
-        config = transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True)
-    elif arch == "mistral":
-        config = transformers.MistralConfig(**_COMMON, tie_word_embeddings=False, sliding_window=None)
-    elif arch == "gpt2":
+        return transformers.LlamaConfig(**{**_COMMON, "tie_word_embeddings": False, **overrides})
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**{**_COMMON, "tie_word_embeddings": True, **overrides})
+    if arch == "mistral":
+        return transformers.MistralConfig(**{**_COMMON, "tie_word_embeddings": False, "sliding_window": None,
+                                             **overrides})
+    if arch == "gpt2":
         config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=128,
                                          bos_token_id=0, eos_token_id=0)
     else:

@@ -185,6 +185,10 @@ class ControlPlaneClient:
     async def list_plans(self, package_id: str = "") -> list[pb.PlanSummary]:
         return list((await self._call("ListPlans", pb.ListPlansRequest(package_id=package_id))).plans)
 
+    async def list_pipelines(self, package_id: str = "") -> list[pb.PipelineInfo]:
+        """Cross-node pipelines of ``package_id`` (every package's if ""), formed from the blocks held now."""
+        return list((await self._call("ListPipelines", pb.ListPipelinesRequest(package_id=package_id))).pipelines)
+
     async def watch_assignments(self, node_id: str) -> AsyncIterator[AssignmentUpdate]:
         """The worker's assignment stream: a SYNC, its part in each active plan, then every change."""
         call = self._stub.WatchAssignments(pb.WatchAssignmentsRequest(node_id=node_id), metadata=self._metadata)

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 from google.protobuf import json_format
 
-from control_plane.deployments import Deployment, ScalingPolicy
+from control_plane.deployments import DEFAULT_WARM_AUTO_FACTOR, Deployment, ScalingPolicy
 from control_plane.messages import PeerInfo
 from packager.manifest import read_manifest
 from pipecast.core.settings import Settings, load_settings
@@ -35,12 +36,16 @@ CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, d
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Serve Prometheus metrics on this port, 0 for any (settings: control_metrics_port; off unless "
                    "set).")
+@click.option("--store-links", type=click.IntRange(min=1),
+              help="A store's egress in worker links: scale-ups from the store alone plan this many rotated "
+                   "groups (settings: control_store_links).")
 def control_plane_command(config: Path | None, host: str | None, port: int | None, db: Path | None,
-                          lease_s: float | None, metrics_port: int | None) -> None:
+                          lease_s: float | None, metrics_port: int | None, store_links: int | None) -> None:
     """Run the control plane until SIGINT/SIGTERM."""
     from control_plane.server import ControlPlaneServer, ServerConfig  # grpc: not loaded by `--help`
 
-    settings = load_settings(config, control_host=host, control_port=port, control_db=db, lease_s=lease_s)
+    settings = load_settings(config, control_host=host, control_port=port, control_db=db, lease_s=lease_s,
+                             control_store_links=store_links)
     server_config = ServerConfig.from_settings(settings, metrics_port=metrics_port)
 
     async def serve() -> None:
@@ -242,6 +247,27 @@ class Duration(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
+#: ``--warm auto``: the warm pool is sized from the traffic.
+WARM_AUTO = "auto"
+
+
+class WarmCount(click.ParamType):
+    """A number of warm replicas (>= 0), or ``auto``: sized from the traffic."""
+
+    name = "count|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        if isinstance(value, int) or value == WARM_AUTO:
+            return value
+        try:
+            count = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number of replicas nor {WARM_AUTO!r}", param, ctx)
+        if count < 0:
+            self.fail(f"{count} is not >= 0", param, ctx)
+        return count
+
+
 DEFAULT_POLICY = ScalingPolicy()
 
 
@@ -253,8 +279,11 @@ DEFAULT_POLICY = ScalingPolicy()
               show_default=True, help="Most replicas.")
 @click.option("--slo-ttft-p99", type=Duration(), default=DEFAULT_POLICY.slo_ttft_p99_s, show_default=True,
               help="p99 time to first token to hold, e.g. 2s.")
-@click.option("--warm", type=click.IntRange(min=0), default=DEFAULT_POLICY.warm, show_default=True,
-              help="Idle replicas kept loaded beyond what the load needs.")
+@click.option("--warm", type=WarmCount(), default=DEFAULT_POLICY.warm, show_default=True,
+              help="Idle replicas kept loaded beyond what the load needs, or 'auto': enough to absorb "
+                   "--warm-factor times the baseline demand.")
+@click.option("--warm-factor", type=float, default=DEFAULT_WARM_AUTO_FACTOR, show_default=True,
+              help="With --warm auto: the warm pool absorbs this many times the baseline demand (1..10).")
 @click.option("--keep-alive", type=Duration(), default=DEFAULT_POLICY.keep_alive_s, show_default=True,
               help="A replica idle this long may be released.")
 @click.option("--scale-up-cooldown", type=Duration(), default=DEFAULT_POLICY.scale_up_cooldown_s, show_default=True,
@@ -274,6 +303,13 @@ def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...]
     policy["keep_alive_s"] = policy.pop("keep_alive")
     policy["scale_up_cooldown_s"] = policy.pop("scale_up_cooldown")
     policy["scale_down_cooldown_s"] = policy.pop("scale_down_cooldown")
+    warm, factor = policy.pop("warm"), policy.pop("warm_factor")
+    if warm == WARM_AUTO:
+        policy["warm_auto_factor"] = factor
+    elif ctx.get_parameter_source("warm_factor") is not ParameterSource.DEFAULT:
+        raise click.BadParameter("is used only with --warm auto", param_hint="'--warm-factor'")
+    else:
+        policy["warm"] = warm
     wanted = Deployment(package_id, ScalingPolicy(**policy), routers)
     stored = _run(ctx, lambda c: c.put_deployment(wanted))
     _emit(ctx, stored.to_json(), [f"deployed {package_id}: {_describe_policy(stored.policy)}; routers "
@@ -281,7 +317,8 @@ def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...]
 
 
 def _describe_policy(p: ScalingPolicy) -> str:
-    return (f"replicas {p.min_replicas}..{p.max_replicas}, warm {p.warm}, p99 TTFT SLO {p.slo_ttft_p99_s:g} s, "
+    warm = f"auto ({p.warm_auto_factor}x baseline)" if p.warm_auto_factor else p.warm
+    return (f"replicas {p.min_replicas}..{p.max_replicas}, warm {warm}, p99 TTFT SLO {p.slo_ttft_p99_s:g} s, "
             f"keep-alive {p.keep_alive_s:g} s, cooldowns up {p.scale_up_cooldown_s:g} s / down "
             f"{p.scale_down_cooldown_s:g} s, {p.replica_rps:g} req/s and {p.replica_concurrency} at once per replica")
 

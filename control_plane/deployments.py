@@ -19,6 +19,10 @@ from pipecast.core.urls import http_base_url
 EVENTS_IN_MEMORY = 10_000
 DEFAULT_EVENTS_LIMIT = 1000
 ACTIONS = ("scale_up", "release", "hold")
+#: ``warm_auto_factor``'s usable range: from just the baseline to ten times it.
+WARM_AUTO_FACTORS = (1.0, 10.0)
+#: The factor ``pipecast cp deploy --warm auto`` asks for (the operator's rule: absorb 2-3x the baseline).
+DEFAULT_WARM_AUTO_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,8 @@ class ScalingPolicy:
     scale_down_cooldown_s: float = 60.0
     replica_rps: float = 1.0
     replica_concurrency: int = 8
+    #: 0: the warm pool is ``warm``; else it is sized from the traffic, to absorb this many times the baseline.
+    warm_auto_factor: float = 0.0
 
     def problems(self) -> list[str]:
         """What is wrong with these values (empty when they are usable)."""
@@ -56,6 +62,12 @@ class ScalingPolicy:
             found.append(f"replica_rps must be > 0, got {self.replica_rps}")
         if self.replica_concurrency < 1:
             found.append(f"replica_concurrency must be >= 1, got {self.replica_concurrency}")
+        if self.warm_auto_factor and not WARM_AUTO_FACTORS[0] <= self.warm_auto_factor <= WARM_AUTO_FACTORS[1]:
+            found.append(f"warm_auto_factor must be 0 (warm fixed) or within {WARM_AUTO_FACTORS[0]:g}.."
+                         f"{WARM_AUTO_FACTORS[1]:g}, got {self.warm_auto_factor}")
+        if self.warm_auto_factor and self.warm:
+            found.append(f"warm ({self.warm}) must be 0 when warm_auto_factor ({self.warm_auto_factor}) sizes "
+                         "the warm pool")
         return found
 
 

@@ -70,6 +70,11 @@ class WorkerSpec:
 SERVE_URL_LABEL = "serve_url"
 
 
+def serve_url_of(spec: WorkerSpec) -> str:
+    """The worker's serving URL: WorkerSpec.serve_url, else the older label; "" if it serves nothing."""
+    return spec.serve_url or spec.labels.get(SERVE_URL_LABEL, "")
+
+
 class UpdateKind(Enum):
     """What an :class:`AssignmentUpdate` tells a worker (see AssignmentUpdate.Kind in control.proto)."""
 

@@ -67,6 +67,7 @@ class ServerConfig:
     scan_interval_s: float | None = None  # None: min(heartbeat_s, lease_s / 4)
     flush_interval_s: float = 0.5
     metrics_port: int | None = None  # None: no Prometheus endpoint; 0: any free port
+    store_links: int = 1  # a store's egress in worker links (see ControlState)
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides: Any) -> "ServerConfig":
@@ -74,7 +75,7 @@ class ServerConfig:
                      token=settings.auth_token, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
                      tls_ca=settings.tls_ca, lease_s=settings.lease_s, heartbeat_s=settings.heartbeat_s,
                      scan_interval_s=settings.control_scan_s, flush_interval_s=settings.control_flush_s,
-                     metrics_port=settings.control_metrics_port)
+                     metrics_port=settings.control_metrics_port, store_links=settings.control_store_links)
         for key, value in overrides.items():
             if value is not None:
                 setattr(config, key, value)
@@ -98,7 +99,7 @@ class ControlPlaneServer:
         self._health = health_aio.HealthServicer()
         self._metrics_httpd: Any = None
         self._credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
-        self.state = ControlState(lease_s=config.lease_s)
+        self.state = ControlState(lease_s=config.lease_s, store_links=config.store_links)
         self.store = SqliteStore(config.db_path)
         # Workers notice the restart only when their reconnect backoff ends: a lease shorter than that
         # must not mark them dead before they are back.
@@ -145,9 +146,9 @@ class ControlPlaneServer:
         self._tasks = [asyncio.create_task(self._every(config.scan_s, self.service.tick), name="lease-scan"),
                        asyncio.create_task(self._every(config.flush_interval_s, self.service.flush), name="flush")]
         log.info("control plane serving address=%s tls=%s mtls=%s auth=%s db=%s lease_s=%.1f scan_s=%.2f "
-                 "metrics_port=%s",
+                 "metrics_port=%s store_links=%d",
                  self.address, credentials is not None, config.tls_ca is not None, bool(config.token),
-                 config.db_path, config.lease_s, config.scan_s, self.metrics_port)
+                 config.db_path, config.lease_s, config.scan_s, self.metrics_port, config.store_links)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving (open streams end after ``grace_s``), then write the state out and close."""

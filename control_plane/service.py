@@ -49,7 +49,7 @@ from control_plane.errors import (
 )
 from control_plane.mailbox import Mailbox
 from control_plane.metrics import ControlMetrics
-from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, WorkerSpec
+from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, WorkerSpec, serve_url_of
 from control_plane.state import ActivePlan, ControlState, Notice
 from control_plane.store_sqlite import SqliteStore
 from packager.errors import ManifestError
@@ -333,6 +333,20 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         return pb.ListPlansResponse(plans=[
             _plan_summary(active) for _, active in sorted(self.state.plans.items())
             if not request.package_id or active.package_id == request.package_id])
+
+    @_rpc
+    async def ListPipelines(self, request: pb.ListPipelinesRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ListPipelinesResponse:
+        packages = [request.package_id] if request.package_id else sorted(self.state.packages)
+        found = []
+        for package_id in packages:
+            layout = self.state.package(package_id).layout
+            for pipeline in self.state.pipelines(package_id):  # none without a layout
+                stages = [pb.PipelineStage(node_id=s.node, serve_url=serve_url_of(self.state.workers[s.node].spec),
+                                           layer_start=s.start, layer_end=s.stop) for s in pipeline.stages]
+                found.append(pb.PipelineInfo(package_id=package_id, stages=stages,
+                                             bottleneck_layers=max(pipeline.stage_costs(layout))))
+        return pb.ListPipelinesResponse(pipelines=found)
 
     async def WatchAssignments(self, request: pb.WatchAssignmentsRequest,
                                context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AssignmentUpdate]:

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 
 from control_plane.availability import Availability
 from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
-from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
+from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec, serve_url_of
 from control_plane.placement import (
     DEFAULT_FANOUT, Candidate, counted_targets, default_strategy, named_targets, pick_sources)
+from control_plane.planner.pipelines import ModelLayout, Pipeline, form_pipelines
 from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
+from control_plane.planner.racks import RACK_LABEL
 from control_plane.planner.replan import replan
 from control_plane.planner.schedules import make_plan
 from pipecast.v1.manifest_pb2 import Manifest
@@ -57,6 +59,18 @@ class Package:
     @functools.cached_property
     def total_bytes(self) -> int:
         return sum(block.bytes for block in self.manifest.blocks)
+
+    @functools.cached_property
+    def block_bytes(self) -> tuple[int, ...]:
+        """Each block's size, by index: rotated plans rotate by bytes."""
+        return tuple(block.bytes for block in self.manifest.blocks)
+
+    @functools.cached_property
+    def layout(self) -> ModelLayout | None:
+        """What the pipeline former needs of the package; None if its blocks hold no decoder layers."""
+        if not any(b.layer_end > b.layer_start for b in self.manifest.blocks):
+            return None
+        return ModelLayout.from_manifest(self.manifest)
 
 
 @dataclass
@@ -121,8 +135,12 @@ class ControlState:
     """Everything the control plane knows. Methods raise :mod:`control_plane.errors` on bad requests
     and change nothing then."""
 
-    def __init__(self, *, lease_s: float, forget_after_s: float | None = None):
+    def __init__(self, *, lease_s: float, forget_after_s: float | None = None, store_links: int = 1):
+        if isinstance(store_links, bool) or not isinstance(store_links, int) or store_links < 1:
+            raise ValueError(f"store_links must be a positive integer, got {store_links!r}")
         self.lease_s = lease_s
+        # A store's egress in worker links: a scale-up from the store alone gives it that many rotated groups.
+        self.store_links = store_links
         # A dead worker's record stays visible (ListWorkers) this long, then is forgotten.
         self.forget_after_s = forget_after_s if forget_after_s is not None else 30 * lease_s
         self.workers: dict[str, Worker] = {}
@@ -317,10 +335,11 @@ class ControlState:
     def scale_up(self, package_id: str, *, node_ids: Sequence[str] = (), count: int = 0, strategy: str = "",
                  fanout: int = 0, now: float) -> ScaleUpResult:
         """Bring a package onto ``node_ids``, or onto ``count`` more workers picked here (workers in a
-        keep-alive release of it first, then those holding most of it, then the least loaded). Sources
-        are the alive workers holding all of it, else its store; several sources give a rotated plan
-        (see :mod:`control_plane.placement`). While a chain from the store is still in progress, a new
-        chain hangs behind its last node instead (one copy leaves the store, not two)."""
+        keep-alive release of it first, then those holding most of it, then those in a source's rack, then
+        the least loaded). Sources are the alive workers holding all of it, else its store; several sources,
+        or a store of :attr:`store_links` > 1 links feeding two receivers or more, give a plan rotated by
+        bytes (see :mod:`control_plane.placement`). While a chain from the store is still in progress, a
+        new chain hangs behind its last node instead (one copy leaves the store, not two)."""
         package = self.package(package_id)
         if bool(node_ids) == bool(count):
             raise InvalidRequest(f"scale-up of package {package_id!r}: give either target workers or a count")
@@ -335,7 +354,12 @@ class ControlState:
             targets = named_targets(package_id, package.total_bytes, self._candidates(package_id, node_ids))
         else:
             alive = [n for n, w in self.workers.items() if w.alive]
-            targets = counted_targets(package_id, package.total_bytes, self._candidates(package_id, alive), count)
+            # Receivers are never complete holders, so the sources picked after them are these (bar a store
+            # that is also a target worker, which costs only the rack preference).
+            sources, _ = self._plan_sources(package, strategy, exclude=())
+            source_racks = {rack for n in sources if (rack := self._rack(n)) is not None}
+            targets = counted_targets(package_id, package.total_bytes, self._candidates(package_id, alive), count,
+                                      source_racks)
         receivers, unchanged = targets.receivers, targets.unchanged
         for node in [*unchanged, *receivers]:
             if self.releases.pop((package_id, node), None) is not None:
@@ -345,18 +369,14 @@ class ControlState:
             return ScaleUpResult("", "", (), (), unchanged)
 
         availability = self.availability[package_id]
-        sources = self._pick_sources(package, exclude=set(receivers))
-        from_store = sources == [package.store.node_id]
-        tail = self._chain_tail(package_id) if strategy in ("", "chain") and from_store else None
-        if tail is not None:
-            # A chain is still bringing the package from the store: hang the new receivers behind its last
-            # node (it forwards each chunk as it lands) instead of splitting the store's egress between two
-            # plans, which would slow the first one down.
-            sources, strategy = [tail], "chain"
-        strategy = strategy or default_strategy(len(sources), len(receivers))
+        sources, strategy = self._plan_sources(package, strategy, exclude=set(receivers))
+        links = self._source_links(package, sources, len(receivers))
+        slots = sum(links.get(s, 1) for s in sources)
+        strategy = strategy or default_strategy(slots, len(receivers))
         fanout = fanout or DEFAULT_FANOUT
         labels = self._labels([*sources, *receivers])
-        plan = make_plan(strategy, sources, receivers, package.num_blocks, fanout=fanout, labels=labels)
+        plan = make_plan(strategy, sources, receivers, package.num_blocks, fanout=fanout, labels=labels,
+                         block_bytes=package.block_bytes, source_links=links)
         if any(n in availability.by_worker for n in receivers):
             # Nothing a receiver already verified is fetched again.
             plan = replan(plan, dead=(), held=availability.by_worker, sources=sources,
@@ -364,8 +384,8 @@ class ControlState:
         active = ActivePlan(uuid.uuid4().hex[:12], package_id, plan, fanout, now, version=0)
         active.pending = {n for n in plan.assignments if not availability.is_complete(n)}
         self._install(active, plan)
-        log.info("scale-up plan=%s package=%s strategy=%s sources=%d receivers=%d", active.plan_id, package_id,
-                 strategy, len(sources), len(receivers))
+        log.info("scale-up plan=%s package=%s strategy=%s sources=%d source_slots=%d receivers=%d", active.plan_id,
+                 package_id, strategy, len(sources), slots, len(receivers))
         if not active.pending:
             self._end_plan(active)
         return ScaleUpResult(active.plan_id, strategy, tuple(sources), receivers, unchanged)
@@ -420,6 +440,28 @@ class ControlState:
     def plans_of(self, node: str) -> list[str]:
         """Ids of the active plans ``node`` has a part in."""
         return [plan_id for plan_id, active in self.plans.items() if node in active.parts]
+
+    def pipelines(self, package_id: str) -> list[Pipeline]:
+        """Cross-node pipelines of ``package_id`` now (:func:`form_pipelines`) among its alive serving
+        workers (those with a serve URL) that hold part of it: each counts with the blocks it holds and the
+        one it receives next (a stage waits for its layers, so a pipeline forms one block earlier)."""
+        package = self.package(package_id)
+        if package.layout is None:
+            return []
+        availability = self.availability[package_id]
+        held: dict[str, set[int]] = {}
+        for active in self.plans.values():
+            if active.package_id != package_id:
+                continue
+            for node in active.pending:
+                have = availability.held(node)
+                following = next((f.block for f in active.parts[node].fetch if f.block not in have), None)
+                held.setdefault(node, set(have)).update(() if following is None else (following,))
+        for node, blocks in availability.by_worker.items():
+            held.setdefault(node, set(blocks))
+        serving = {n: b for n, b in held.items() if n in self.workers and self.workers[n].alive
+                   and serve_url_of(self.workers[n].spec) and b}
+        return form_pipelines(package.layout, serving)
 
     # ----- restoring from the store (no dirty marks, no notices) -----
 
@@ -486,7 +528,7 @@ class ControlState:
         releasing = {n for (p, n) in self.releases if p == package_id}
         committed = self._committed_bytes(excluding=package_id)
         return [Candidate(n, self.workers[n].spec.memory_bytes, committed.get(n, 0), availability.count(n),
-                          availability.is_complete(n), n in receiving, n in releasing) for n in nodes]
+                          availability.is_complete(n), n in receiving, n in releasing, self._rack(n)) for n in nodes]
 
     def _chain_tail(self, package_id: str) -> str | None:
         """The last node of the newest active chain plan of ``package_id`` still receiving it (None if none)."""
@@ -504,6 +546,32 @@ class ControlState:
         # Availability lists alive workers only: a dead one's blocks leave it when it dies.
         return pick_sources(self.availability[package.package_id].complete_holders(), package.store.node_id,
                             exclude)
+
+    def _plan_sources(self, package: Package, strategy: str, exclude: Collection[str]) -> tuple[list[str], str]:
+        """The sources of a new plan of ``package`` (none of ``exclude``) and its strategy (``strategy``, or
+        "chain" where it hangs behind a chain in progress)."""
+        sources = self._pick_sources(package, exclude)
+        from_store = sources == [package.store.node_id]
+        tail = self._chain_tail(package.package_id) if strategy in ("", "chain") and from_store else None
+        if tail is not None:
+            # A chain is still bringing the package from the store: hang the new receivers behind its last
+            # node (it forwards each chunk as it lands) instead of splitting the store's egress between two
+            # plans, which would slow the first one down.
+            return [tail], "chain"
+        return sources, strategy
+
+    def _source_links(self, package: Package, sources: Sequence[str], receivers: int) -> dict[str, int]:
+        """Links per source of a new plan: the store's :attr:`store_links` when it is the only source of
+        two receivers or more. Beside complete holders the store stays out: its links may still carry an
+        earlier plan from the store, which the state does not track per link."""
+        if self.store_links > 1 and receivers > 1 and list(sources) == [package.store.node_id]:
+            return {package.store.node_id: self.store_links}
+        return {}
+
+    def _rack(self, node: str) -> str | None:
+        """The ``rack`` label of ``node``, None where it has none or is no worker (a store)."""
+        worker = self.workers.get(node)
+        return worker.spec.labels.get(RACK_LABEL) if worker is not None else None
 
     def _labels(self, nodes: Iterable[str]) -> dict[str, Mapping[str, str]]:
         return {n: self.workers[n].spec.labels for n in nodes if n in self.workers}

@@ -13,6 +13,7 @@ that come from elsewhere.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 from control_plane.planner.plan import STRATEGIES, Fetch, Plan, PlanError, check_ids, is_index
@@ -20,16 +21,22 @@ from control_plane.planner.racks import ParentPool, Rack, rack_of, rack_order
 
 
 def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], num_blocks: int, *,
-              fanout: int = 2, labels: Mapping[str, Mapping[str, str]] | None = None) -> Plan:
+              fanout: int = 2, labels: Mapping[str, Mapping[str, str]] | None = None,
+              block_bytes: Sequence[int] | None = None, source_links: Mapping[str, int] | None = None) -> Plan:
     """Plan how ``receivers`` get blocks ``0..num_blocks-1`` from ``sources`` (nodes holding everything).
 
     Strategies: ``unicast`` (every block from a source, spread over the sources), ``chain``
     (sources[0] -> r0 -> r1 -> ...), ``tree`` (a ``fanout``-ary tree rooted at sources[0]), ``binomial``
     (binomial pipeline on a hypercube rooted at sources[0]: each block has its own spanning tree, so the
     source sends each block once and every receiver uploads about one model) and ``rotated`` (one group
-    of receivers per source, each a binomial pipeline fetching the blocks rotated by g*num_blocks/K, so
-    the groups together hold the whole model early). Where ``labels`` give nodes a ``rack``, receivers
-    are laid out rack by rack and a parent in the receiver's rack is preferred wherever there is a choice.
+    of receivers per source slot, K slots in all, each group a binomial pipeline fetching the blocks
+    rotated so that group g starts at the block holding byte g*S/K of the S bytes, so the groups together
+    hold the whole model early). Where ``labels`` give nodes a ``rack``, receivers are laid out rack by
+    rack and a parent in the receiver's rack is preferred wherever there is a choice.
+
+    ``block_bytes`` are the blocks' sizes (default: all equal, so the rotation is by g*num_blocks/K).
+    ``source_links`` gives a source's egress in links (default 1): ``rotated`` gives a source with L links
+    L groups (a store at 8x the link rate is 8 sources); the other strategies ignore it.
     """
     sources, receivers = tuple(sources), tuple(receivers)
     if strategy not in STRATEGIES:
@@ -45,9 +52,23 @@ def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], n
     both = set(sources).intersection(receivers)
     if both:
         raise PlanError(f"make_plan: {min(both)!r} is both a source and a receiver")
+    if block_bytes is not None:
+        block_bytes = tuple(block_bytes)
+        if len(block_bytes) != num_blocks:
+            raise PlanError(f"make_plan: block_bytes gives {len(block_bytes)} sizes for {num_blocks} blocks")
+        bad = next((b for b, size in enumerate(block_bytes) if not is_index(size)), None)
+        if bad is not None:
+            raise PlanError(f"make_plan: block {bad} has size {block_bytes[bad]!r}; sizes must be integers >= 0")
+    for source, links in (source_links or {}).items():
+        if source not in sources:
+            raise PlanError(f"make_plan: source_links names {source!r}, which is no source")
+        if not is_index(links) or links < 1:
+            raise PlanError(f"make_plan: links of source {source!r} must be a positive integer, got {links!r}")
     rack = rack_of(labels)
-    build = {"unicast": _unicast, "chain": _chain, "tree": _tree, "binomial": _binomial,
-             "rotated": _rotated}[strategy]
+    if strategy == "rotated":
+        slots = [s for s in sources for _ in range((source_links or {}).get(s, 1))]
+        return Plan(strategy, sources, _rotated(slots, receivers, num_blocks, rack, block_bytes))
+    build = {"unicast": _unicast, "chain": _chain, "tree": _tree, "binomial": _binomial}[strategy]
     return Plan(strategy, sources, build(sources, receivers, num_blocks, fanout, rack))
 
 
@@ -92,18 +113,41 @@ def _binomial(sources, receivers, num_blocks, fanout, rack) -> dict[str, list[Fe
     return out
 
 
-def _rotated(sources, receivers, num_blocks, fanout, rack) -> dict[str, list[Fetch[str]]]:
-    k = max(1, min(len(sources), len(receivers)))  # groups that get receivers: the first k ones
+def _rotated(slots, receivers, num_blocks, rack, block_bytes) -> dict[str, list[Fetch[str]]]:
+    k = max(1, min(len(slots), len(receivers)))  # groups that get receivers: the first k ones
     out: dict[str, list[Fetch[str]]] = {}
-    for g, (source, group) in enumerate(zip(sources, _split_groups(sources, receivers, rack))):
-        start = g * num_blocks // k
+    starts = _rotation_starts(k, num_blocks, block_bytes)
+    for source, group, start in zip(slots, _split_groups(slots, receivers, rack), starts):
         order = [(start + i) % num_blocks for i in range(num_blocks)]
         _binomial_group(source, rack_order(group, rack, rack(source)), order, rack, out)
     return {rx: out[rx] for rx in receivers}
 
 
+def _rotation_starts(k: int, num_blocks: int, block_bytes: Sequence[int] | None) -> list[int]:
+    """The first block of each of ``k`` groups: group g's is the block holding byte g*S/k of the S bytes
+    (group 0's is block 0).
+
+    Where a big block (the embeddings) would give two groups the same first block and there are k blocks
+    or more, each group starts past the previous one's, leaving a block for each group after it, so that
+    every group starts on a different part of the model. Equal sizes (or none given, or all zero) give
+    g*num_blocks//k.
+    """
+    if block_bytes is None or not any(block_bytes):
+        return [g * num_blocks // k for g in range(k)]
+    total = sum(block_bytes)
+    ends = list(itertools.accumulate(block_bytes))
+    starts = [0]  # also where leading blocks are empty
+    for g in range(1, k):
+        start = next(b for b, end in enumerate(ends) if end * k > g * total)  # integer-exact: no float division
+        if k <= num_blocks:
+            start = min(max(start, starts[-1] + 1), num_blocks - k + g)
+        starts.append(start)
+    return starts
+
+
 def _split_groups(sources, receivers, rack) -> list[list[str]]:
-    """Receivers in len(sources) groups of near-equal size, each filled first from its source's rack."""
+    """Receivers in len(sources) groups of near-equal size, each filled first from its source's rack (a
+    source listed several times, one per link, heads several groups)."""
     k, n = len(sources), len(receivers)
     sizes = [n // k + (g < n % k) for g in range(k)]
     groups: list[list[str]] = [[] for _ in sources]

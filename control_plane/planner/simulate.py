@@ -2,12 +2,14 @@
 
 The model, kept simple on purpose:
 
-- every node has a full-duplex link of the same rate; only uplinks are contended, since a receiver
-  fetches one block at a time (strictly in plan order) and so its downlink carries one stream;
-- an uplink sends one chunk at a time to one of the children fetching from it whose next chunk it
-  already holds: by default taking turns (round robin), so concurrent children share the uplink
-  equally, as TCP flows would; with ``serve="earliest"`` the child whose current fetch comes earliest
-  in its own fetch list (the one furthest behind) instead, which a sender can do knowing only the plan;
+- every node has a full-duplex link of the same rate, or several (``links``: a store whose egress is
+  L links' worth); only uplinks are contended, since a receiver fetches one block at a time (strictly
+  in plan order) and so its downlink carries one stream;
+- each of a node's uplinks sends one chunk at a time to one of the children fetching from it whose next
+  chunk it already holds and that no other uplink is sending to: by default taking turns (round robin),
+  so concurrent children share the uplinks equally, as TCP flows would; with ``serve="earliest"`` the
+  child whose current fetch comes earliest in its own fetch list (the one furthest behind) instead,
+  which a sender can do knowing only the plan;
 - a receiver forwards a chunk once the whole chunk has arrived (cut-through at chunk granularity);
 - sources hold every block and the plan's holders their held blocks from time 0; there is no latency,
   no per-message cost and no verification time.
@@ -25,7 +27,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from control_plane.planner.plan import Plan, PlanError
 
@@ -34,18 +36,23 @@ SERVE_POLICIES = ("fair", "earliest")
 
 
 def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: float, chunk_bytes: int, *,
-             serve: str = "fair") -> dict[str, float]:
+             serve: str = "fair", links: Mapping[str, int] | None = None) -> dict[str, float]:
     """Seconds from the start until each receiver of ``plan`` holds all its blocks.
 
     ``block_bytes`` is one size for every block or a size per block index; ``serve`` is how an uplink
-    picks among waiting children (see the module docstring). Raises :class:`PlanError` if some
-    receivers never finish (the plan deadlocks or names a parent that never gets the block).
+    picks among waiting children (see the module docstring); ``links`` gives a node's uplinks at
+    ``link_bytes_per_s`` each (default 1). Raises :class:`PlanError` if some receivers never finish (the
+    plan deadlocks or names a parent that never gets the block).
     """
     if link_bytes_per_s <= 0 or chunk_bytes <= 0:
         raise ValueError(f"simulate: link rate and chunk size must be positive, got {link_bytes_per_s!r} "
                          f"and {chunk_bytes!r}")
     if serve not in SERVE_POLICIES:
         raise ValueError(f"simulate: serve must be one of {', '.join(SERVE_POLICIES)}, got {serve!r}")
+    links = dict(links or {})
+    for node, count in links.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"simulate: links of {node!r} must be a positive integer, got {count!r}")
     fetches = {rx: [a.block for a in items] for rx, items in plan.assignments.items()}
     parents = {rx: [a.parent for a in items] for rx, items in plan.assignments.items()}
     blocks = {b for items in fetches.values() for b in items}
@@ -64,7 +71,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     done: dict[str, set[int]] = {rx: set() for rx in fetches}
     ticket = dict.fromkeys(fetches, 0)  # bumped per fetch: older uplink queue entries are stale
     queues: dict[str, deque[tuple[str, int]]] = {}
-    busy: set[str] = set()
+    sending: dict[str, int] = {}  # chunks each node has in flight, at most its links
+    receiving: set[str] = set()  # children with a chunk in flight: a downlink carries one
     events: list[tuple[float, int, str, str]] = []
     finished: dict[str, float] = {}
     seq = 0
@@ -91,7 +99,7 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             if ticket[child] != fetch:
                 continue  # that child has moved on to another fetch
             queue.append((child, fetch))  # to the back: the next pick starts after it (round robin)
-            if got[child] < has(parent, fetches[child][position[child]]):
+            if child not in receiving and got[child] < has(parent, fetches[child][position[child]]):
                 if serve == "fair":
                     return child
                 if position[child] < behind:
@@ -100,11 +108,14 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
 
     def send(parent: str, now: float) -> None:
         nonlocal seq
-        child = None if parent in busy else pick(parent)
-        if child is not None:
+        while sending.get(parent, 0) < links.get(parent, 1):
+            child = pick(parent)
+            if child is None:
+                return
             block, nth = fetches[child][position[child]], got[child]
             nbytes = min(chunk_bytes, size[block] - nth * chunk_bytes)
-            busy.add(parent)
+            sending[parent] = sending.get(parent, 0) + 1
+            receiving.add(child)
             seq += 1
             heapq.heappush(events, (now + nbytes / link_bytes_per_s, seq, parent, child))
 
@@ -121,7 +132,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
         start(rx, 0.0)
     while events:
         now, _, parent, child = heapq.heappop(events)
-        busy.discard(parent)
+        sending[parent] -= 1
+        receiving.discard(child)
         got[child] += 1
         block = fetches[child][position[child]]
         if got[child] == chunks[block]:

@@ -88,6 +88,9 @@ class Settings(BaseSettings):
     control_flush_s: float = Field(0.5, gt=0, description="how often the control plane writes its state to SQLite")
     control_metrics_port: int | None = Field(None, ge=0, le=65535,
                                              description="Prometheus port of the control plane (unset: off)")
+    control_store_links: int = Field(1, ge=1, description="a store's egress in worker links: a scale-up from the store "
+                                                     "alone plans this many rotated groups (8: a store at 8x the "
+                                                     "link rate is 8 sources)")
 
     # Engine and serving worker.
     device: str = Field("cpu", description="where the engine runs: cpu, cuda, cuda:1 ...")
@@ -112,6 +115,10 @@ class Settings(BaseSettings):
                                           "--tenant-limit NAME=RATE:BURST` adds or overrides one)")
     router_default_tenant_limit: TenantLimit | None = Field(
         None, description="the limit of every tenant not in router_tenant_limits (unset: those are unlimited)")
+    router_tenant_pacing: float = Field(
+        2.0, ge=0, description="while other tenants are active, a tenant with a limit is sent to the workers at most "
+                               "this many times its rate, so its burst does not fill the others' batches (0: never "
+                               "paced)")
 
     @classmethod
     def settings_customise_sources(

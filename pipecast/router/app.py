@@ -18,11 +18,14 @@ Endpoints:
   ``in_flight`` and ``idle_s``: seconds since its in-flight count last dropped to 0 or it joined, null
   while busy), cumulative ``counters`` (``arrived``, ``prompt_tokens``, ``answered``, ``rejected``,
   ``failed``: take rates by differencing two answers), ``ttft`` (``window_s``, ``count``, ``p50``, ``p95``,
-  ``p99`` over the last 60 s) and ``tenants`` (each ``arrived``, ``admitted``, ``rejected``).
+  ``p99`` over the last 60 s) and ``tenants`` (each ``arrived``, ``admitted``, ``rejected`` and ``queued``:
+  waiting here now).
 
 Before its queue, the router admits each request for its tenant (:mod:`pipecast.router.admission`): with
 API keys configured, a request without a known ``Authorization: Bearer`` key gets 401
 (``authentication_error``); a tenant over its rate limit gets 429 (``rate_limited``) with ``Retry-After``.
+Admitted requests wait for a worker in one queue per tenant and are dispatched fairly across tenants
+(:mod:`pipecast.router.fairness`): the next free slot goes to the tenant furthest below its share.
 
 Every wait on a worker has a deadline: ``connect_timeout_s`` to connect, ``upstream_timeout_s`` of
 silence before its response or between two chunks of it.
@@ -39,6 +42,7 @@ import aiohttp
 from aiohttp import web
 
 from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_body
+from pipecast.core.settings import Settings
 from pipecast.core.strictjson import JSONInputError
 from pipecast.router.admission import AdmissionConfig, AdmissionControl
 from pipecast.router.discovery import DiscoveredWorker, Discovery
@@ -99,6 +103,23 @@ class RouterConfig:
     forward_auth: bool = False
     #: Tenants and their rate limits (settings: router_api_keys, router_tenant_*).
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    #: While other tenants are active, a tenant with a rate limit is dispatched to the workers at most this
+    #: many times its rate (0: never paced; settings: router_tenant_pacing; see pipecast.router.fairness).
+    tenant_pacing: float = Settings.model_fields["router_tenant_pacing"].default
+
+    def tenant_rate(self, tenant: str) -> float | None:
+        """``tenant``'s admitted rate (requests/s), its weight in fair dispatch; None when unlimited."""
+        limit = self.admission.limit_of(tenant)
+        return None if limit is None else limit.rate
+
+    @property
+    def unlimited_weight(self) -> float:
+        """The weight of a tenant without a rate limit in fair dispatch: the highest configured rate (such a
+        tenant is trusted at least as much as any limited one), 1 when no tenant is limited."""
+        rates = [limit.rate for limit in self.admission.limits.values()]
+        if self.admission.default_limit is not None:
+            rates.append(self.admission.default_limit.rate)
+        return max(rates, default=1.0)
 
 
 def complete_events_end(buffer: bytes | bytearray) -> int:
@@ -138,7 +159,9 @@ class Router:
         self.pool = WorkerPool(clock)
         self.admission = AdmissionControl(config.admission, clock)
         self.signals = Signals(clock, wall_clock)
-        self.dispatcher = Dispatcher(self.pool, config.max_queue, config.queue_timeout_s, clock)
+        self.dispatcher = Dispatcher(self.pool, config.max_queue, config.queue_timeout_s, clock,
+                                     rate_of=config.tenant_rate, default_weight=config.unlimited_weight,
+                                     pacing=config.tenant_pacing)
         self.metrics = RouterMetrics(lambda: self.dispatcher.waiting)
         self._forwarded = FORWARDED_HEADERS + ((AUTH_HEADER,) if config.forward_auth else ())
         self._sources = list(sources)
@@ -235,7 +258,8 @@ class Router:
         while True:
             waiting_since = self.clock()
             try:
-                worker = await self.dispatcher.acquire(arrival, avoid={failure.worker for failure in failures})
+                worker = await self.dispatcher.acquire(arrival, avoid={failure.worker for failure in failures},
+                                                       tenant=tenant)
             except QueueFullError as exc:
                 return self._reject(exc, 429, "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
             except QueueTimeoutError as exc:
@@ -267,7 +291,7 @@ class Router:
                 log.warning("retrying on another worker: %s", exc)
                 self.metrics.retried.labels(worker.url).inc()
             finally:
-                self.dispatcher.release(worker)
+                self.dispatcher.release(worker, tenant)
 
     def _reject(self, error: RouterError, status: int, reason: str,
                 headers: dict[str, str] | None = None) -> web.Response:
@@ -407,7 +431,8 @@ class Router:
 
     def stats(self) -> dict:
         """The ``GET /stats`` answer (module docstring)."""
-        return self.signals.snapshot(self.dispatcher.waiting, self.pool.in_flight, self.pool.workers())
+        return self.signals.snapshot(self.dispatcher.waiting, self.pool.in_flight, self.pool.workers(),
+                                     self.dispatcher.waiting_by_tenant())
 
     def describe_workers(self) -> dict:
         """The ``GET /v1/workers`` answer."""

@@ -107,7 +107,8 @@ def router_command(host, port, workers, control_plane, max_queue, queue_timeout,
     config = RouterConfig(max_queue=max_queue, queue_timeout_s=queue_timeout, health_interval_s=health_interval,
                           health_timeout_s=health_timeout, upstream_timeout_s=upstream_timeout,
                           max_retries=max_retries, forward_auth=settings.router_forward_auth,
-                          admission=admission_config(settings, tenant_limits))
+                          admission=admission_config(settings, tenant_limits),
+                          tenant_pacing=settings.router_tenant_pacing)
     asyncio.run(_serve(config, static, settings if control_plane else None, host, port, drain_timeout))
 
 

@@ -12,6 +12,10 @@ Which worker gets a request (:meth:`WorkerPool.choose`):
   (measured, surge over a binomial plan, 3 repeats each: first-100 p99 10.6 s binding at the embeddings,
   8.9 s binding in the last block). So requests wait in the router, bound late, for whichever worker
   can serve them first.
+- A ready worker queues requests beyond its batch itself, except while the dispatcher asks for
+  ``one_batch`` (several tenants active): then it too takes at most one batch of this router's requests,
+  so that the rest wait in the router, where the next free slot is handed out fairly across tenants
+  (:mod:`pipecast.router.fairness`).
 - Least loaded first. Load is the requests this router has in flight there plus the worker's reported
   queue depth (this router's requests still queued there count twice, which only steers harder away
   from deep queues). Load comes before readiness on purpose: a request queued behind k others waits k
@@ -31,11 +35,12 @@ it can serve: an answer to a poll sent before the failure proves nothing about t
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from pipecast.router.admission import DEFAULT_TENANT
 from pipecast.router.errors import QueueFullError, QueueTimeoutError, RouterClosedError
+from pipecast.router.fairness import FairQueue
 from pipecast.serve.health import SERVING, WorkerHealth
 
 
@@ -72,13 +77,16 @@ class Worker:
         """Requests in flight from this router plus the worker's reported queue depth."""
         return self.in_flight + (self.health.queue_depth if self.health else 0)
 
-    def can_take(self, now: float) -> bool:
-        """Whether a new request may be sent to this worker at clock time ``now``."""
+    def can_take(self, now: float, one_batch: bool = False) -> bool:
+        """Whether a new request may be sent to this worker at clock time ``now``; with ``one_batch``, a
+        ready worker too takes at most one batch (its ``max_batch``) of this router's requests."""
         health = self.health
         if health is None or not health.can_serve or self.failed_at is not None:
             return False
-        if health.status == "partial" and (health.blocks_present < health.blocks_total - 1
-                                           or (health.max_batch and self.in_flight >= health.max_batch)):
+        if health.status == "partial" and health.blocks_present < health.blocks_total - 1:
+            return False
+        if ((health.status == "partial" or one_batch) and health.max_batch
+                and self.in_flight >= health.max_batch):
             return False
         return self.busy_at is None or now >= self.busy_until
 
@@ -189,10 +197,11 @@ class WorkerPool:
             worker.busy_until = at + retry_after_s
             worker.problem = problem
 
-    def choose(self, now: float, avoid: Iterable[str] = ()) -> Worker | None:
-        """The best worker for a new request at clock time ``now`` (module docstring), or None."""
+    def choose(self, now: float, avoid: Iterable[str] = (), one_batch: bool = False) -> Worker | None:
+        """The best worker for a new request at clock time ``now`` (module docstring), or None;
+        ``one_batch`` as for :meth:`Worker.can_take`."""
         avoid = frozenset(avoid)
-        candidates = [worker for worker in self._workers.values() if worker.can_take(now)]
+        candidates = [worker for worker in self._workers.values() if worker.can_take(now, one_batch)]
         if not candidates:
             return None
         return min(candidates, key=lambda worker: (
@@ -238,49 +247,61 @@ class _Waiter:
 
 
 class Dispatcher:
-    """The router's bounded FIFO of requests waiting for a worker, served as workers become able.
+    """The router's bounded queue of admitted requests waiting for a worker, served fairly across tenants.
 
-    A request that finds a worker able to take it (and nobody waiting before it) gets one at once;
-    otherwise it waits, at most ``queue_timeout_s`` after its arrival. Waiters are served in arrival
-    order whenever the pool reports a change (health answers arrive every poll interval, so the end
-    of a worker's 429 back-off is noticed within one interval).
+    Requests wait in one queue per tenant (:class:`~pipecast.router.fairness.FairQueue`: the next one is
+    the tenant's furthest below its share, a tenant alone gets every worker, a tenant with a rate may be
+    paced while others are active). A request that can go at once gets a worker at once; otherwise it
+    waits, at most ``queue_timeout_s`` after its arrival. Waiters are served whenever the pool reports a
+    change (health answers arrive every poll interval, so the end of a worker's 429 back-off is noticed
+    within one interval), a request ends, or a paced tenant's next dispatch is due.
+
+    While more than one tenant is active, a ready worker takes at most one batch (its ``max_batch``) of
+    this router's requests, as a partial one always does: the rest wait here, where the next free slot
+    goes to the tenant below its share, instead of in the worker's own first-come-first-served queue.
+    With one tenant, ready workers queue more themselves, as before (their batches never wait for a
+    round trip to the router).
     """
 
     def __init__(self, pool: WorkerPool, max_queue: int, queue_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 rate_of: Callable[[str], float | None] = lambda tenant: None,
+                 default_weight: float = 1.0, pacing: float = 0.0) -> None:
         self.pool = pool
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.clock = clock
-        self._waiters: deque[_Waiter] = deque()
+        self._queue: FairQueue[_Waiter] = FairQueue(max_queue, rate_of, default_weight, pacing)
         self._closed = False
+        self._wake: asyncio.TimerHandle | None = None
         pool.subscribe(self._assign)
 
     @property
     def waiting(self) -> int:
         """Requests waiting for a worker now."""
-        return len(self._waiters)
+        return self._queue.waiting
 
-    async def acquire(self, arrival: float, avoid: Iterable[str] = ()) -> Worker:
-        """Wait for a worker for a request that arrived at clock time ``arrival``; count it as busy there.
+    def waiting_by_tenant(self) -> dict[str, int]:
+        """Tenant -> requests waiting for a worker now (tenants with none left out)."""
+        return self._queue.waiting_by_tenant()
 
-        The caller must :meth:`release` the worker when the request ends. Raises
-        :class:`QueueFullError` when ``max_queue`` requests already wait, :class:`QueueTimeoutError`
-        past the deadline and :class:`RouterClosedError` once the router shuts down.
+    async def acquire(self, arrival: float, avoid: Iterable[str] = (), tenant: str = DEFAULT_TENANT) -> Worker:
+        """Wait for a worker for a request of ``tenant`` that arrived at clock time ``arrival``; count it
+        as busy there.
+
+        The caller must :meth:`release` the worker (with the same tenant) when the request ends. Raises
+        :class:`QueueFullError` when ``max_queue`` requests already wait (also later, to a waiting
+        request pushed out by a request of a tenant with fewer waiting), :class:`QueueTimeoutError` past
+        the deadline and :class:`RouterClosedError` once the router shuts down.
         """
         if self._closed:
             raise RouterClosedError()
-        avoid = frozenset(avoid)
+        self._assign()  # those already waiting go first, if they may
+        waiter = _Waiter(frozenset(avoid), asyncio.get_running_loop().create_future())
+        evicted = self._queue.push(tenant, waiter, self.clock())
+        if evicted is not None and not evicted.future.done():
+            evicted.future.set_exception(QueueFullError(self.max_queue))
         self._assign()
-        if not self._waiters:
-            worker = self.pool.choose(self.clock(), avoid)
-            if worker is not None:
-                self.pool.begin(worker.url)
-                return worker
-        if len(self._waiters) >= self.max_queue:
-            raise QueueFullError(self.max_queue)
-        waiter = _Waiter(avoid, asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
         try:
             async with asyncio.timeout(arrival + self.queue_timeout_s - self.clock()):
                 return await waiter.future
@@ -292,33 +313,55 @@ class Dispatcher:
                                     self.pool.serving(self.clock())) from None
         except asyncio.CancelledError:
             if _assigned(waiter.future):
-                self.release(waiter.future.result())
+                self.release(waiter.future.result(), tenant)
             raise
         finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            self._queue.remove(tenant, waiter)
             waiter.future.cancel()
 
-    def release(self, worker: Worker) -> None:
-        """The request that :meth:`acquire` gave ``worker`` to has ended."""
-        self.pool.finish(worker.url)
+    def release(self, worker: Worker, tenant: str = DEFAULT_TENANT) -> None:
+        """The request of ``tenant`` that :meth:`acquire` gave ``worker`` to has ended."""
+        self._queue.finished(tenant, self.clock())
+        self.pool.finish(worker.url)  # calls _assign: the slot goes to whoever is next
 
     def close(self) -> None:
         """Refuse new requests and fail every waiting one with :class:`RouterClosedError`."""
         self._closed = True
-        while self._waiters:
-            waiter = self._waiters.popleft()
+        if self._wake is not None:
+            self._wake.cancel()
+        for waiter in self._queue.clear():
             if not waiter.future.done():
                 waiter.future.set_exception(RouterClosedError())
 
     def _assign(self) -> None:
-        if not self._waiters:
+        if not self._queue.waiting:
             return
         now = self.clock()
-        for waiter in list(self._waiters):
-            worker = self.pool.choose(now, waiter.avoid)
-            if worker is None:
-                return
-            self._waiters.remove(waiter)
+        # Several tenants: a ready worker takes one batch, so the next slot is handed out here, fairly.
+        one_batch = self._queue.active_tenants(now) > 1
+        while self._queue.waiting and self.pool.choose(now, one_batch=one_batch) is not None:
+            picked = self._queue.pick(now)
+            if picked is None:
+                break
+            tenant, waiter = picked
+            if waiter.future.done():  # cancelled or timed out in this loop turn: its slot goes on
+                continue
+            worker = self.pool.choose(now, waiter.avoid, one_batch=one_batch)
             self.pool.begin(worker.url)
+            self._queue.started(tenant, now)
             waiter.future.set_result(worker)
+        self._schedule_wake(now)
+
+    def _schedule_wake(self, now: float) -> None:
+        """Come back when a paced tenant's next dispatch is due (nothing else would call :meth:`_assign`)."""
+        if self._wake is not None:
+            self._wake.cancel()
+            self._wake = None
+        due = self._queue.wake_at(now)
+        if due is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop: nobody can be waiting
+            return
+        self._wake = loop.call_later(max(0.0, due - now), self._assign)

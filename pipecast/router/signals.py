@@ -11,7 +11,7 @@ non-streaming 200), over a sliding window of the last 60 s.
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from pipecast.router.pool import Worker
@@ -157,9 +157,16 @@ class Signals:
         """Count a 5xx answer or a stream ended by a worker's failure."""
         self.counters.failed += 1
 
-    def snapshot(self, queue_depth: int, in_flight: int, workers: Iterable[Worker]) -> dict:
-        """The ``GET /stats`` answer (format :data:`STATS_FORMAT`; the README's Router section lists it)."""
+    def snapshot(self, queue_depth: int, in_flight: int, workers: Iterable[Worker],
+                 queued: Mapping[str, int] | None = None) -> dict:
+        """The ``GET /stats`` answer (format :data:`STATS_FORMAT`; the README's Router section lists it);
+        ``queued``: tenant -> requests waiting in the router now, each tenant's ``queued`` (a tenant counted
+        under :data:`OTHER_TENANTS` adds to that one's)."""
         now = self.clock()
+        waiting = dict.fromkeys(self.tenants, 0)
+        for tenant, count in (queued or {}).items():
+            name = tenant if tenant in self.tenants else OTHER_TENANTS
+            waiting[name] = waiting.get(name, 0) + count
         return {
             "format": STATS_FORMAT, "now_unix": self.wall_clock(), "started_unix": self.started_unix,
             "queue_depth": queue_depth, "in_flight": in_flight,
@@ -167,5 +174,6 @@ class Signals:
                          "in_flight": worker.in_flight, "idle_s": worker.idle_s(now)} for worker in workers],
             "counters": asdict(self.counters),
             "ttft": self.ttft.summary(now),
-            "tenants": {name: asdict(counts) for name, counts in sorted(self.tenants.items())},
+            "tenants": {name: {**asdict(counts), "queued": waiting[name]}
+                        for name, counts in sorted(self.tenants.items())},
         }

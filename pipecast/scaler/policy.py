@@ -9,7 +9,9 @@ How it decides, in this order:
    flight, at ``replica_concurrency`` each) and for the arrival rate over the last ``SHORT_WINDOW_S``
    (at the per-replica throughput, measured from the window whenever requests queued, else the policy's
    ``replica_rps``); then the lagging one: a p99 TTFT over the SLO with requests still queued and no
-   replica on its way adds one more. ``desired`` = demand + ``warm``, within ``min..max``.
+   replica on its way adds one more. ``desired`` = demand + the warm pool, within ``min..max``: the policy's
+   ``warm``, or with ``warm_auto_factor`` the replicas that absorb that many times the *baseline* demand
+   (:func:`baseline_demand`, the median over the history) beyond what the demand needs now.
 3. **Scale up** by the whole gap at once (not one at a time), at most the free workers. Within
    ``scale_up_cooldown_s`` of the last scale-up only while requests queue or the SLO is missed.
 4. **Scale down** with hysteresis: only replicas idle for ``keep_alive_s`` (every router agreeing), only
@@ -19,6 +21,7 @@ How it decides, in this order:
 """
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +36,8 @@ SURGE_WINDOW_S = 2.0
 DOWN_HEADROOM = 1.25
 #: Signals older than this (s) are no signals.
 STALE_S = 5.0
+#: Demand fractions this close below a whole replica round down (float noise does not add a replica).
+EPSILON = 1e-9
 
 
 @dataclass(frozen=True)
@@ -112,9 +117,25 @@ def replica_throughput(history: Sequence[Signals], policy: ScalingPolicy) -> flo
     return answered / serving if answered > 0 else policy.replica_rps
 
 
+def baseline_demand(history: Sequence[Signals], throughput: float, policy: ScalingPolicy) -> float:
+    """Replicas (fractional) the usual load of ``history`` needs: the median over its samples of the higher
+    of the requests present per ``replica_concurrency`` and the arrival rate over ``SHORT_WINDOW_S`` per
+    ``throughput``. The median: a spike shorter than half the history barely moves it."""
+    answered = [s for s in history if s.routers_answered > 0]
+    demands = []
+    first = 0
+    for s in answered:
+        while answered[first].at < s.at - SHORT_WINDOW_S:
+            first += 1
+        span = s.at - answered[first].at
+        rate = max(s.arrived - answered[first].arrived, 0) / span if span > 0 else 0.0
+        demands.append(max((s.queue_depth + s.in_flight) / policy.replica_concurrency, rate / throughput))
+    return statistics.median(demands) if demands else 0.0
+
+
 def _demand(signals: Signals, rate: float, throughput: float, policy: ScalingPolicy) -> tuple[int, int]:
     by_requests = math.ceil((signals.queue_depth + signals.in_flight) / policy.replica_concurrency)
-    by_rate = math.ceil(rate / throughput - 1e-9) if rate > 0 else 0
+    by_rate = math.ceil(rate / throughput - EPSILON) if rate > 0 else 0
     return by_requests, by_rate
 
 
@@ -131,15 +152,22 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     slo_missed = (now.ttft_p99_s is not None and now.ttft_p99_s > policy.slo_ttft_p99_s and now.queue_depth > 0
                   and loading == 0)
     needed = max(by_requests, by_rate, have + 1 if slo_missed else 0)
-    desired = min(max(needed + policy.warm, policy.min_replicas), policy.max_replicas)
     inputs = {"queue_depth": now.queue_depth, "in_flight": now.in_flight, "arrival_rps": round(rate, 3),
               "replica_rps": round(throughput, 3), "ttft_p99_s": now.ttft_p99_s, "serving": now.serving,
               "replicas": have, "loading": loading, "free": pool.free,
               "routers": f"{now.routers_answered}/{now.routers_total}"}
+    if policy.warm_auto_factor:
+        baseline = baseline_demand(history, throughput, policy)
+        warm = max(math.ceil(policy.warm_auto_factor * baseline - EPSILON) - needed, 0)
+        warm_why = f"+warm auto {warm} ({policy.warm_auto_factor}x baseline {round(baseline, 2):g} replicas)"
+        inputs["baseline_replicas"] = round(baseline, 3)
+    else:
+        warm, warm_why = policy.warm, f"+warm {policy.warm}"
+    desired = min(max(needed + warm, policy.min_replicas), policy.max_replicas)
     why = (f"queue {now.queue_depth} + in flight {now.in_flight} need {by_requests} at {policy.replica_concurrency} "
            f"each; {rate:.2f} req/s needs {by_rate} at {throughput:.2f} req/s each"
            f"{'; p99 TTFT %.2f s over the SLO %.2f s' % (now.ttft_p99_s, policy.slo_ttft_p99_s) if slo_missed else ''}"
-           f"; +warm {policy.warm} -> desired {desired}, have {have}")
+           f"; {warm_why} -> desired {desired}, have {have}")
     if desired > have:
         cooling = pool.last_scale_up is not None and pool.now - pool.last_scale_up < policy.scale_up_cooldown_s
         # Replicas still loading will take the queue: within the cooldown only a higher rate or a missed SLO adds.
@@ -149,10 +177,10 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
         if add == 0:
             return Decision(0, (), f"{why}: no free worker to add", "no_free_workers", desired, inputs)
         return Decision(add, (), f"{why}: add {add}", "slo" if slo_missed else "demand", desired, inputs)
-    return _scale_down(history, pool, policy, desired, why, inputs)
+    return _scale_down(history, pool, policy, warm, desired, why, inputs)
 
 
-def _scale_down(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy, desired: int, why: str,
+def _scale_down(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy, warm: int, desired: int, why: str,
                 inputs: dict) -> Decision:
     now = history[-1]
     have = len(pool.replicas)
@@ -170,7 +198,7 @@ def _scale_down(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy, d
     start = next(i for i, s in enumerate(history) if s.at >= now.at - window_s)
     peak = max(max(_demand(history[i], arrival_rate(history[:i + 1]), throughput, policy))
                for i in range(start, len(history)))
-    keep = min(max(math.ceil(peak * DOWN_HEADROOM) + policy.warm, policy.min_replicas, desired), policy.max_replicas)
+    keep = min(max(math.ceil(peak * DOWN_HEADROOM) + warm, policy.min_replicas, desired), policy.max_replicas)
     idle = sorted(((now.idle_s.get(r.node_id), r.node_id) for r in pool.replicas if not r.loading),
                   key=lambda pair: (-(pair[0] or 0.0), pair[1]))
     candidates = [node for idle_s, node in idle if idle_s is not None and idle_s >= policy.keep_alive_s]

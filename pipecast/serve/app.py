@@ -17,6 +17,7 @@ Endpoints:
 lets running ones finish for up to ``drain_timeout_s`` and closes the engine.
 """
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -24,8 +25,10 @@ from collections.abc import Callable
 from aiohttp import web
 
 from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_body, serve_until_signalled
-from pipecast.core.strictjson import JSONInputError
-from pipecast.serve.errors import RequestTooLargeError, ServeError, WorkerBusyError
+from pipecast.core.strictjson import JSONInputError, loads
+from pipecast.engine.errors import InvalidRequestError
+from pipecast.engine.stage import StageCapacityError, StageSessionError
+from pipecast.serve.errors import RequestFieldError, RequestTooLargeError, ServeError, StageFailedError, WorkerBusyError
 from pipecast.serve.openai_api import (
     SSE_DONE,
     CompletionRequest,
@@ -37,6 +40,17 @@ from pipecast.serve.openai_api import (
     parse_completion_request,
     sse,
     usage_chunk_body,
+)
+from pipecast.serve.pipeline import (
+    PIPELINE_HEADER,
+    STAGE_CLOSE_PATH,
+    STAGE_PATH,
+    Hop,
+    PipelineProtocolError,
+    decode_frame,
+    encode_frame,
+    params_from_json,
+    parse_route,
 )
 from pipecast.serve.worker import Generation, ServingWorker
 
@@ -66,8 +80,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     outcome = "cancelled"  # unless an answer ends: the handler was cancelled because the client went away
     try:
         try:
+            route = _route(request)
             body = parse_completion_request(await _decode(request))
-            generation = await worker.generate(body)
+            generation = await worker.generate(body, route)
         except ServeError as exc:
             outcome = _outcome(exc)
             response = error_response(exc)
@@ -80,6 +95,91 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return response
     finally:
         worker.metrics.requests.labels(outcome).inc()
+
+
+def _route(request: web.Request) -> tuple[Hop, ...] | None:
+    """The cross-node pipeline this request runs through (its :data:`PIPELINE_HEADER`), if any."""
+    value = request.headers.get(PIPELINE_HEADER)
+    if value is None:
+        return None
+    try:
+        return parse_route(loads(value))
+    except (JSONInputError, PipelineProtocolError) as exc:
+        raise RequestFieldError(PIPELINE_HEADER, str(exc)) from None
+
+
+async def stage_call(request: web.Request) -> web.Response:
+    """``POST /v1/stage``: run this worker's layers of a pipelined request and call the next stage
+    (:mod:`pipecast.serve.pipeline`); the answer is the last stage's token, or an error naming the stage
+    that failed (``node``: null for this one)."""
+    worker = request.app[WORKER]
+    received = time.monotonic()
+    session = None
+    try:
+        header, hidden = decode_frame(await read_body(request, request.app[MAX_BODY]))
+        session, layers, position, deadline, hops, params = _stage_header(header, received)
+        runner = await worker.wait_stage_runner(deadline - time.monotonic())
+        runner.expire()
+        out = await asyncio.to_thread(runner.run, session, layers, position, hidden=hidden, params=params,
+                                      timeout=max(deadline - time.monotonic(), 0.0))
+        token = out.token
+        if hops:
+            token = await worker.stage_client.forward(hops, session, position, out.hidden,
+                                                      params=params, deadline=deadline)
+        return web.Response(body=encode_frame({"token": token}), content_type="application/octet-stream")
+    except StageFailedError as exc:  # a stage after this one
+        worker.forget_stage_session(session)
+        return web.json_response({"error": {"message": str(exc), "problem": exc.problem, "node": exc.node}},
+                                 status=502)
+    except BodyTooLargeError as exc:
+        response = _stage_error(str(exc), 413)
+        response.force_close()  # the rest of the body is never read
+        return response
+    except (PipelineProtocolError, InvalidRequestError, StageSessionError) as exc:
+        return _stage_error(str(exc), 400)
+    except StageCapacityError as exc:
+        return _stage_error(str(exc), 503)
+    except TimeoutError as exc:
+        return _stage_error(str(exc), 504)
+    except ServeError as exc:
+        return _stage_error(str(exc), exc.status)
+
+
+def _stage_header(header: dict, received: float) -> tuple:
+    """(session, layers, position, deadline, next hops, sampling params or None) of a stage call."""
+    session, layers, position = header.get("session"), header.get("layers"), header.get("position")
+    deadline_s, params = header.get("deadline_s"), header.get("params")
+    if not isinstance(session, str) or not 0 < len(session) <= 64:
+        raise PipelineProtocolError("'session' must be a string of 1 to 64 characters")
+    if type(position) is not int or position < 0:
+        raise PipelineProtocolError(f"'position' must be an integer >= 0, got {str(position)[:40]}")
+    if not isinstance(deadline_s, (int, float)) or not 0 < deadline_s <= 3600:
+        raise PipelineProtocolError(f"'deadline_s' must be a number of seconds in (0, 3600], got {str(deadline_s)[:40]}")
+    if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
+        raise PipelineProtocolError("'layers' must be [start, stop]")
+    hops = parse_route(header.get("next"), first=layers[1]) if header.get("next") else ()
+    return (session, range(*layers), position, received + deadline_s, hops,
+            None if params is None else params_from_json(params))
+
+
+def _stage_error(message: str, status: int) -> web.Response:
+    return web.json_response({"error": {"message": message, "node": None}}, status=status)
+
+
+async def stage_close(request: web.Request) -> web.Response:
+    """``POST /v1/stage/close``: forget a pipelined session here and at the stages after this one."""
+    worker = request.app[WORKER]
+    try:
+        body = await _decode(request)
+        session = body.get("session") if isinstance(body, dict) else None
+        if not isinstance(session, str):
+            raise PipelineProtocolError("'session' must be a string")
+        hops = parse_route(body["next"], first=None) if body.get("next") else ()
+    except (RequestFieldError, PipelineProtocolError) as exc:
+        return _stage_error(str(exc), 400)
+    worker.forget_stage_session(session)
+    await worker.stage_client.close_sessions(hops, session)
+    return web.json_response({"closed": session})
 
 
 async def _decode(request: web.Request) -> object:
@@ -156,6 +256,8 @@ def build_app(worker: ServingWorker, max_body_bytes: int = MAX_BODY_BYTES) -> we
     app[WORKER] = worker
     app[MAX_BODY] = max_body_bytes
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post(STAGE_PATH, stage_call)
+    app.router.add_post(STAGE_CLOSE_PATH, stage_close)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

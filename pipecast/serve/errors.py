@@ -75,3 +75,16 @@ class WorkerClosingError(ServeError):
 
     def __init__(self) -> None:
         super().__init__("the worker is shutting down")
+
+
+class StageFailedError(ServeError):
+    """A stage of a cross-node pipeline failed or did not answer in time: ``node`` (its URL) is whose fault
+    it was. Answered 503 before the answer started, so the router retries the request elsewhere."""
+
+    status = 503
+    kind = "server_error"
+    code = "pipeline_stage_failed"
+
+    def __init__(self, node: str, problem: str) -> None:
+        super().__init__(f"pipeline stage {node} failed: {problem}")
+        self.node, self.problem = node, problem

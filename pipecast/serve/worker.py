@@ -30,7 +30,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipecast.core.errors import PipecastError
 from pipecast.engine.architectures import SUPPORTED_MODEL_TYPES
@@ -55,7 +55,11 @@ from pipecast.serve.errors import (
 from pipecast.serve.health import WorkerHealth
 from pipecast.serve.metrics import ServeMetrics
 from pipecast.serve.openai_api import CompletionRequest
+from pipecast.serve.pipeline import PIPELINE_HEADER, STEP_TIMEOUT_S, Hop, PipelineHead, StageClient
 from pipecast.serve.text import CompletionText, TextCodec
+
+if TYPE_CHECKING:
+    from pipecast.engine.stage import StageRunner
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,7 @@ class WorkerConfig:
     agent_timeout_s: float = 60.0      # how long the agent may take to appear, and to hold the manifest
     stall_timeout_s: float = 600.0     # loading fails after this long without a new block
     retry_after_s: int = 1
+    pipeline_step_timeout_s: float = STEP_TIMEOUT_S  # a token through a cross-node pipeline, waits included
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,8 @@ class ServingWorker:
         self._change: asyncio.Event | None = None
         self._released = False
         self._follower: asyncio.Task | None = None
+        self.stage_client = StageClient()
+        self._head: PipelineHead | None = None
 
     # --- life cycle ----------------------------------------------------------------------------------
 
@@ -219,7 +226,7 @@ class ServingWorker:
                 client.close()
 
     def _unload(self) -> None:
-        model, self._model, self._codec = self._model, None, None
+        model, self._model, self._codec, self._head = self._model, None, None, None
         self._released, self._stage = True, STAGE_WAITING
         log.info("package %s released from this node: model unloaded, waiting for the package to come back",
                  model.engine.provider.manifest.package_id[:12])
@@ -246,7 +253,11 @@ class ServingWorker:
         if self._closing:  # shut down while loading: nobody will serve this model
             threading.Thread(target=model.close, daemon=True).start()
             return
+        from pipecast.engine.stage import StageRunner
+
         self._model = model
+        self._head = PipelineHead(StageRunner(model.engine.model), self.stage_client,
+                                  step_timeout_s=self.config.pipeline_step_timeout_s)
         self._released = False
         self._stage = STAGE_LOADING
         model.engine.model.add_listener(lambda: self._post(self._on_model_change))
@@ -296,6 +307,7 @@ class ServingWorker:
             await asyncio.gather(self._follower, return_exceptions=True)
         if self._model is not None:
             await asyncio.to_thread(self._model.close)
+        await self.stage_client.aclose()
 
     # --- state ---------------------------------------------------------------------------------------
 
@@ -366,12 +378,15 @@ class ServingWorker:
                 return
             await self._change.wait()
 
-    async def generate(self, request: CompletionRequest) -> "Generation":
-        """Admit ``request``, wait for the model, and start generating.
+    async def generate(self, request: CompletionRequest, route: "tuple[Hop, ...] | None" = None) -> "Generation":
+        """Admit ``request``, wait for the model, and start generating: here, or as the head stage of the
+        cross-node pipeline ``route`` (:mod:`pipecast.serve.pipeline`; its first token is in when this
+        returns, so a failing stage fails the call, before any answer).
 
         Raises :class:`WorkerBusyError` (queue full), :class:`ModelNotServedError`,
-        :class:`RequestFieldError` (a prompt the model cannot take), :class:`ModelUnavailableError` or
-        :class:`WorkerClosingError`. The returned generation must be closed (``async with``).
+        :class:`RequestFieldError` (a prompt the model cannot take, a route it cannot head),
+        :class:`ModelUnavailableError`, :class:`StageFailedError` or :class:`WorkerClosingError`. The
+        returned generation must be closed (``async with``).
         """
         arrived = time.monotonic()
         self._check_open()
@@ -383,8 +398,14 @@ class ServingWorker:
             if request.model not in (self.model_name, self.package_id):
                 raise ModelNotServedError(request.model, self.model_name)
             prompt = await self._prompt_ids(request)
+            if route is not None:
+                stream = await self._start_pipeline(route, prompt, request)
         finally:
             self._held -= 1
+        if route is not None:
+            self._submitted += 1
+            self.metrics.prompt_tokens.inc(len(prompt))
+            return Generation(self, stream, prompt, CompletionText(self._codec, prompt, request.stop), arrived)
         try:
             stream = self._model.submit(prompt, max_new_tokens=request.max_tokens, temperature=request.temperature,
                                         top_p=request.top_p, seed=request.seed)
@@ -397,6 +418,46 @@ class ServingWorker:
         self._submitted += 1
         self.metrics.prompt_tokens.inc(len(prompt))
         return Generation(self, stream, prompt, CompletionText(self._codec, prompt, request.stop), arrived)
+
+    async def _start_pipeline(self, route: "tuple[Hop, ...]", prompt: list[int],
+                              request: CompletionRequest) -> TokenStream:
+        from pipecast.engine.sampling import SamplingParams
+
+        layers = self._model.engine.model.num_layers
+        if route[-1].layers.stop != layers:
+            raise RequestFieldError(PIPELINE_HEADER, f"the route runs layers 0-{route[-1].layers.stop - 1}, the "
+                                                     f"model has {layers}")
+        try:
+            params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
+                                    top_p=request.top_p, seed=request.seed,
+                                    stop_token_ids=self._model.stop_token_ids)
+        except InvalidRequestError as exc:
+            raise RequestFieldError(None, str(exc)) from None
+        return await self._head.start(route, prompt, params)
+
+    def stage_runner(self) -> "StageRunner":
+        """The runner of this worker's pipeline stages; :class:`ModelUnavailableError` while no model is in."""
+        self._check_open()
+        if self._head is None:
+            raise ModelUnavailableError("this worker has no model yet (its package's manifest has not arrived)")
+        return self._head.runner
+
+    async def wait_stage_runner(self, timeout: float) -> "StageRunner":
+        """:meth:`stage_runner`, waiting up to ``timeout`` seconds for the model (a stage may be called while
+        its worker starts); TimeoutError beyond."""
+        try:
+            async with asyncio.timeout(timeout):
+                while self._head is None:
+                    self._check_open()
+                    await self._change.wait()
+        except TimeoutError:
+            raise TimeoutError(f"this worker's model did not start loading within {timeout:.3g} s") from None
+        return self.stage_runner()
+
+    def forget_stage_session(self, session: str | None) -> None:
+        """Drop a pipelined session's state here (its request ended or failed further down)."""
+        if session is not None and self._head is not None:
+            self._head.runner.close(session)
 
     async def _prompt_ids(self, request: CompletionRequest) -> list[int]:
         """The prompt's token ids, refused with :class:`RequestFieldError` as soon as it cannot fit."""

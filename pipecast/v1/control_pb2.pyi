@@ -339,6 +339,40 @@ class ListPlansResponse(_message.Message):
     plans: _containers.RepeatedCompositeFieldContainer[PlanSummary]
     def __init__(self, plans: _Optional[_Iterable[_Union[PlanSummary, _Mapping]]] = ...) -> None: ...
 
+class ListPipelinesRequest(_message.Message):
+    __slots__ = ("package_id",)
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    def __init__(self, package_id: _Optional[str] = ...) -> None: ...
+
+class PipelineStage(_message.Message):
+    __slots__ = ("node_id", "serve_url", "layer_start", "layer_end")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVE_URL_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    serve_url: str
+    layer_start: int
+    layer_end: int
+    def __init__(self, node_id: _Optional[str] = ..., serve_url: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class PipelineInfo(_message.Message):
+    __slots__ = ("package_id", "stages", "bottleneck_layers")
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    BOTTLENECK_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    stages: _containers.RepeatedCompositeFieldContainer[PipelineStage]
+    bottleneck_layers: float
+    def __init__(self, package_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[PipelineStage, _Mapping]]] = ..., bottleneck_layers: _Optional[float] = ...) -> None: ...
+
+class ListPipelinesResponse(_message.Message):
+    __slots__ = ("pipelines",)
+    PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    pipelines: _containers.RepeatedCompositeFieldContainer[PipelineInfo]
+    def __init__(self, pipelines: _Optional[_Iterable[_Union[PipelineInfo, _Mapping]]] = ...) -> None: ...
+
 class WatchAssignmentsRequest(_message.Message):
     __slots__ = ("node_id",)
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -402,7 +436,7 @@ class IssueTokenResponse(_message.Message):
     def __init__(self, token: _Optional[str] = ...) -> None: ...
 
 class ScalingPolicy(_message.Message):
-    __slots__ = ("min_replicas", "max_replicas", "slo_ttft_p99_s", "warm", "keep_alive_s", "scale_up_cooldown_s", "scale_down_cooldown_s", "replica_rps", "replica_concurrency")
+    __slots__ = ("min_replicas", "max_replicas", "slo_ttft_p99_s", "warm", "keep_alive_s", "scale_up_cooldown_s", "scale_down_cooldown_s", "replica_rps", "replica_concurrency", "warm_auto_factor")
     MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SLO_TTFT_P99_S_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +446,7 @@ class ScalingPolicy(_message.Message):
     SCALE_DOWN_COOLDOWN_S_FIELD_NUMBER: _ClassVar[int]
     REPLICA_RPS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    WARM_AUTO_FACTOR_FIELD_NUMBER: _ClassVar[int]
     min_replicas: int
     max_replicas: int
     slo_ttft_p99_s: float
@@ -421,7 +456,8 @@ class ScalingPolicy(_message.Message):
     scale_down_cooldown_s: float
     replica_rps: float
     replica_concurrency: int
-    def __init__(self, min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., slo_ttft_p99_s: _Optional[float] = ..., warm: _Optional[int] = ..., keep_alive_s: _Optional[float] = ..., scale_up_cooldown_s: _Optional[float] = ..., scale_down_cooldown_s: _Optional[float] = ..., replica_rps: _Optional[float] = ..., replica_concurrency: _Optional[int] = ...) -> None: ...
+    warm_auto_factor: float
+    def __init__(self, min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., slo_ttft_p99_s: _Optional[float] = ..., warm: _Optional[int] = ..., keep_alive_s: _Optional[float] = ..., scale_up_cooldown_s: _Optional[float] = ..., scale_down_cooldown_s: _Optional[float] = ..., replica_rps: _Optional[float] = ..., replica_concurrency: _Optional[int] = ..., warm_auto_factor: _Optional[float] = ...) -> None: ...
 
 class Deployment(_message.Message):
     __slots__ = ("package_id", "policy", "routers", "created_unix", "updated_unix")

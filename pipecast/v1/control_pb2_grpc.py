@@ -109,6 +109,11 @@ class ControlPlaneStub:
                 request_serializer=pipecast_dot_v1_dot_control__pb2.ListPlansRequest.SerializeToString,
                 response_deserializer=pipecast_dot_v1_dot_control__pb2.ListPlansResponse.FromString,
                 _registered_method=True)
+        self.ListPipelines = channel.unary_unary(
+                '/pipecast.v1.ControlPlane/ListPipelines',
+                request_serializer=pipecast_dot_v1_dot_control__pb2.ListPipelinesRequest.SerializeToString,
+                response_deserializer=pipecast_dot_v1_dot_control__pb2.ListPipelinesResponse.FromString,
+                _registered_method=True)
         self.WatchAssignments = channel.unary_stream(
                 '/pipecast.v1.ControlPlane/WatchAssignments',
                 request_serializer=pipecast_dot_v1_dot_control__pb2.WatchAssignmentsRequest.SerializeToString,
@@ -249,6 +254,14 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListPipelines(self, request, context):
+        """Cross-node pipelines: serving workers that together hold every layer of a package while none holds
+        all of it, formed from the availability map as blocks land (control_plane/planner/pipelines.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchAssignments(self, request, context):
         """One stream per worker: its part of every active plan, re-sent whole whenever it changes.
         """
@@ -372,6 +385,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.ListPlans,
                     request_deserializer=pipecast_dot_v1_dot_control__pb2.ListPlansRequest.FromString,
                     response_serializer=pipecast_dot_v1_dot_control__pb2.ListPlansResponse.SerializeToString,
+            ),
+            'ListPipelines': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPipelines,
+                    request_deserializer=pipecast_dot_v1_dot_control__pb2.ListPipelinesRequest.FromString,
+                    response_serializer=pipecast_dot_v1_dot_control__pb2.ListPipelinesResponse.SerializeToString,
             ),
             'WatchAssignments': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchAssignments,
@@ -814,6 +832,33 @@ class ControlPlane:
             '/pipecast.v1.ControlPlane/ListPlans',
             pipecast_dot_v1_dot_control__pb2.ListPlansRequest.SerializeToString,
             pipecast_dot_v1_dot_control__pb2.ListPlansResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPipelines(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipecast.v1.ControlPlane/ListPipelines',
+            pipecast_dot_v1_dot_control__pb2.ListPipelinesRequest.SerializeToString,
+            pipecast_dot_v1_dot_control__pb2.ListPipelinesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,11 +1,14 @@
 """Deployments and the scale-event log: validation (pure), and over real gRPC with a restart on the same file."""
 
+import asyncio
 import re
 
 import pytest
+from click.testing import CliRunner
 
 from control_plane.client import ControlPlaneClient
-from control_plane.command import deploy_command
+from control_plane.command import cp_group, deploy_command
+from control_plane.convert import deployment_from_proto, deployment_to_proto
 from control_plane.deployments import Deployment, DeploymentBook, ScaleEvent, ScalingPolicy
 from control_plane.errors import Conflict, InvalidRequest, PermissionDenied, UnknownDeployment, UnknownPackage
 from control_plane.server import ControlPlaneServer
@@ -27,6 +30,40 @@ def test_every_bad_value_is_named():
                               "slo_ttft_p99_s must be > 0, got 0", "replica_rps must be > 0, got 0",
                               "replica_concurrency must be >= 1, got 0"]
     assert ScalingPolicy(keep_alive_s=float("nan")).problems() == ["keep_alive_s must be a finite number >= 0, got nan"]
+
+
+def test_an_auto_warm_factor_is_within_1_to_10_and_excludes_a_fixed_warm():
+    assert ScalingPolicy(warm_auto_factor=1.0).problems() == []
+    assert ScalingPolicy(warm_auto_factor=10.0).problems() == []
+    assert ScalingPolicy(warm_auto_factor=0.5).problems() == [
+        "warm_auto_factor must be 0 (warm fixed) or within 1..10, got 0.5"]
+    assert ScalingPolicy(warm_auto_factor=12.0, warm=1).problems() == [
+        "warm_auto_factor must be 0 (warm fixed) or within 1..10, got 12.0",
+        "warm (1) must be 0 when warm_auto_factor (12.0) sizes the warm pool"]
+    assert ScalingPolicy(warm_auto_factor=-1.0).problems() == [
+        "warm_auto_factor must be a finite number >= 0, got -1.0"]
+    with pytest.raises(InvalidRequest, match=re.escape(
+            "deployment of package 'p' refused: warm_auto_factor must be 0 (warm fixed) or within 1..10, got 11.0")):
+        DeploymentBook().put(Deployment("p", ScalingPolicy(warm_auto_factor=11.0)), ["p"], 1.0)
+
+
+def test_the_auto_warm_factor_survives_the_proto_and_json_and_old_rows_read_as_fixed_warm():
+    deployment = Deployment("p", ScalingPolicy(warm_auto_factor=2.5), ("http://r:8080",), 1.0, 2.0)
+    assert deployment_from_proto(deployment_to_proto(deployment)) == deployment
+    assert Deployment.from_json(deployment.to_json()) == deployment
+    old = deployment.to_json()
+    del old["policy"]["warm_auto_factor"]  # a row written before the field existed
+    assert Deployment.from_json(old).policy.warm_auto_factor == 0.0
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--warm", "1", "--warm-factor", "3"], "Invalid value for '--warm-factor': is used only with --warm auto"),
+    (["--warm", "some"], "Invalid value for '--warm': 'some' is neither a number of replicas nor 'auto'"),
+    (["--warm", "-1"], "Invalid value for '--warm': -1 is not >= 0"),
+])
+def test_the_deploy_command_refuses_a_factor_without_auto_and_a_bad_warm(args, error):
+    result = CliRunner().invoke(cp_group, ["--control-plane", "127.0.0.1:1", "deploy", "pkg", *args])
+    assert result.exit_code == 2 and error in result.output, result.output
 
 
 def test_the_book_refuses_bad_deployments_and_keeps_created_time():
@@ -69,8 +106,12 @@ async def test_deployments_and_events_over_grpc_survive_a_restart(tmp_path):
             await c.publish_package(manifest(), STORE)
             with pytest.raises(InvalidRequest, match="min_replicas \\(3\\) must be <= max_replicas \\(2\\)"):
                 await c.put_deployment(Deployment(PKG, ScalingPolicy(min_replicas=3, max_replicas=2)))
-            stored = await c.put_deployment(Deployment(PKG, ScalingPolicy(max_replicas=4), ("http://10.0.0.9:8080",)))
-            assert stored.created_at > 0
+            with pytest.raises(InvalidRequest, match=re.escape("warm_auto_factor must be 0 (warm fixed) or within "
+                                                               "1..10, got 0.5")):
+                await c.put_deployment(Deployment(PKG, ScalingPolicy(warm_auto_factor=0.5)))
+            stored = await c.put_deployment(Deployment(PKG, ScalingPolicy(max_replicas=4, warm_auto_factor=2.5),
+                                                       ("http://10.0.0.9:8080",)))
+            assert stored.created_at > 0 and stored.policy.warm_auto_factor == 2.5
             seq = await c.append_scale_event(ScaleEvent(at=1.0, package_id=PKG, action="scale_up", count=2,
                                                         node_ids=("w1", "w2"), reason="queue", desired=2))
             assert seq == 1
@@ -96,6 +137,23 @@ async def test_deployments_and_events_over_grpc_survive_a_restart(tmp_path):
             assert await c.list_deployments() == []
     finally:
         await again.stop(grace_s=0)
+
+
+async def test_deploy_warm_auto_from_the_command_line_is_listed_with_its_factor(tmp_path):
+    server = ControlPlaneServer(config(tmp_path / "cp.sqlite3"))
+    await server.start()
+    try:
+        async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as c:
+            await c.publish_package(manifest(), STORE)
+        cp = ["--control-plane", server.address, "--token", TOKEN]
+        # The commands run their own event loop: off this test's.
+        deployed = await asyncio.to_thread(CliRunner().invoke, cp_group, [*cp, "deploy", PKG, "--warm", "auto",
+                                                                          "--warm-factor", "3"])
+        assert deployed.exit_code == 0, deployed.output
+        listed = await asyncio.to_thread(CliRunner().invoke, cp_group, [*cp, "deployments"])
+        assert "warm auto (3.0x baseline)" in listed.output, listed.output
+    finally:
+        await server.stop(grace_s=0)
 
 
 def test_the_readme_table_of_deploy_options_matches_the_command():

@@ -11,8 +11,8 @@ PACKAGE_BYTES = 100
 
 
 def candidate(node: str, *, memory: int = 1000, committed: int = 0, held: int = 0, complete: bool = False,
-              receiving: bool = False, releasing: bool = False) -> Candidate:
-    return Candidate(node, memory, committed, held, complete, receiving, releasing)
+              receiving: bool = False, releasing: bool = False, rack: str | None = None) -> Candidate:
+    return Candidate(node, memory, committed, held, complete, receiving, releasing, rack)
 
 
 def test_a_package_fits_beside_what_a_worker_is_committed_to():
@@ -40,6 +40,24 @@ def test_counted_workers_come_releasing_holders_first_then_most_held_then_least_
                   candidate("half", held=4, committed=500),
                   candidate("kept", complete=True, releasing=True)]
     assert counted_targets("pkg", PACKAGE_BYTES, candidates, 4) == Targets(("half", "a", "b"), ("kept",))
+
+
+def test_counted_workers_in_a_source_rack_come_after_holders_before_the_least_committed():
+    candidates = [candidate("far", rack="r1"), candidate("unlabelled"),
+                  candidate("near-busy", committed=500, rack="r0"), candidate("near", committed=100, rack="r0"),
+                  candidate("half", held=4, committed=500, rack="r1"),
+                  candidate("kept", complete=True, releasing=True, rack="r2")]
+    assert counted_targets("pkg", PACKAGE_BYTES, candidates, 4, {"r0"}) == Targets(("half", "near", "near-busy"),
+                                                                                   ("kept",))
+    assert counted_targets("pkg", PACKAGE_BYTES, candidates, 3, {"r1"}) == Targets(("half", "far"), ("kept",))
+
+
+def test_without_source_racks_or_labels_the_order_is_unchanged():
+    candidates = [candidate("c", committed=200, rack="r0"), candidate("b", committed=100), candidate("a")]
+    by_load = Targets(("a", "b"), ())
+    assert counted_targets("pkg", PACKAGE_BYTES, candidates, 2) == by_load  # the store's rack is unknown
+    unlabelled = [candidate(c.node_id, committed=c.committed_bytes) for c in candidates]
+    assert counted_targets("pkg", PACKAGE_BYTES, unlabelled, 2, {"r0"}) == by_load
 
 
 def test_too_few_workers_for_the_count_are_refused():

@@ -469,3 +469,17 @@ def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
         server.terminate()
         _, stderr = server.communicate(timeout=10)
     assert server.returncode == 0, stderr.decode()  # SIGTERM stops it cleanly
+
+
+async def test_list_pipelines_names_each_stage_with_its_serve_url_and_layers(client):
+    await client.publish_package(manifest(), STORE)
+    for node, blocks in (("w1", [0, 1]), ("w2", [2, 3]), ("w3", [0])):
+        worker = spec(node)
+        await client.register(WorkerSpec(worker.peer, worker.memory_bytes, serve_url=f"http://127.0.0.1:{8000 + int(node[1:])}"))
+        await client.report_blocks(node, {PKG: blocks})
+    [pipeline] = await client.list_pipelines()
+    assert pipeline.package_id == PKG and pipeline.bottleneck_layers == 2.0
+    assert [(s.node_id, s.serve_url, s.layer_start, s.layer_end) for s in pipeline.stages] == [
+        ("w1", "http://127.0.0.1:8001", 0, 2), ("w2", "http://127.0.0.1:8002", 2, 4)]
+    with pytest.raises(UnknownPackage):
+        await client.list_pipelines("f" * 64)

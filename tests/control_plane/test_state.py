@@ -192,6 +192,20 @@ def test_scale_up_keeps_parents_in_the_receivers_rack():
         assert {rack[a.parent] for a in parts[node].fetch} == {rack[node]}
 
 
+def test_counted_scale_up_prefers_workers_in_the_sources_rack():
+    state = cluster(8, racks=2)  # w0, w2, .. in r0; w1, w3, .. in r1
+    state.report("w3", {"pkg": range(BLOCKS)}, {}, now=1)
+    state.report("w6", {"pkg": [0]}, {}, now=1)  # a partial holder in the other rack still comes first
+    result = state.scale_up("pkg", count=3, now=2)
+    assert result.sources == ("w3",) and result.receivers == ("w6", "w1", "w5")
+
+
+def test_counted_scale_up_from_the_store_has_no_rack_preference():
+    state = cluster(4, racks=2)  # the store has no rack label: by load, then name, across racks
+    result = state.scale_up("pkg", count=2, now=1)
+    assert result.sources == ("store",) and result.receivers == ("w0", "w1")
+
+
 def test_scale_up_does_not_refetch_blocks_a_receiver_holds():
     state = cluster(3)
     state.report("w0", {"pkg": [0, 3]}, {}, now=1)
@@ -448,3 +462,117 @@ def test_a_second_scale_up_during_a_chain_from_the_store_hangs_behind_its_last_n
     fresh = cluster(4)
     fresh.scale_up("pkg", node_ids=["w0", "w1"], now=1)
     assert fresh.scale_up("pkg", node_ids=["w2", "w3"], strategy="unicast", now=2).sources == ("store",)
+
+
+# ----- cross-node pipelines -----
+
+def layered_manifest() -> Manifest:
+    """8 blocks of one layer; the last also holds the head (its bytes: 2 layers' worth more)."""
+    return Manifest(package_id="llm", model_name="tiny", num_layers=BLOCKS, blocks=[
+        Block(index=i, bytes=300 if i == BLOCKS - 1 else 100, layer_start=i, layer_end=i + 1) for i in range(BLOCKS)])
+
+
+def test_pipelines_form_from_rotated_halves_count_the_next_block_and_dissolve_when_complete():
+    state = ControlState(lease_s=LEASE)
+    state.publish(layered_manifest(), STORE, now=0)
+    for i in range(6):
+        serving = WorkerSpec(PeerInfo(f"w{i}", f"w{i}.local:7070", ("tcp",)), 10_000,
+                             serve_url=f"http://w{i}.local:8000" if i != 3 else "")
+        state.register(serving, {"llm": range(BLOCKS)} if i >= 4 else {}, now=0)
+    assert state.package("llm").layout.head_cost == 2.0
+    result = state.scale_up("llm", node_ids=["w0", "w1", "w2", "w3"], strategy="rotated", now=1)
+    assert result.sources == ("w4", "w5")
+    assert state.pipelines("llm") == []  # nobody holds anything yet: each counts one block, its next
+    order = {n: [f.block for f in state.plans[result.plan_id].parts[n].fetch] for n in result.receivers}
+    size = state.package("llm").block_bytes
+    held_or_next = {}
+    for node, blocks in order.items():  # every receiver has half the bytes of its rotated order in
+        count = next(k for k in range(BLOCKS) if 2 * sum(size[b] for b in blocks[:k + 1]) > sum(size))
+        state.report(node, {"llm": blocks[:count]}, {}, now=2)
+        held_or_next[node] = set(blocks[:count + 1])
+    pipelines = state.pipelines("llm")
+    assert pipelines, order
+    for pipeline in pipelines:  # w3 has no serve URL: never a stage; stages hold their blocks or the next
+        assert "w3" not in pipeline.nodes and len(pipeline.stages) == 2
+        for stage in pipeline.stages:
+            assert set(range(stage.start, stage.stop)) <= held_or_next[stage.node]
+    for node, blocks in order.items():
+        state.report(node, {"llm": blocks}, {}, now=3)
+    assert state.pipelines("llm") == []  # every worker holds the model: each serves alone
+
+
+# ----- a store with several links; rotation by bytes -----
+
+def store_cluster(workers: int, store_links: int) -> ControlState:
+    state = ControlState(lease_s=LEASE, store_links=store_links)
+    state.publish(manifest(), STORE, now=0)
+    for i in range(workers):
+        state.register(spec(f"w{i}"), {}, now=0)
+    return state
+
+
+def test_a_store_with_four_links_feeds_four_rotated_groups():
+    state = store_cluster(8, store_links=4)
+    result = state.scale_up("pkg", count=8, now=1)
+    assert result.strategy == "rotated" and result.sources == ("store",)
+    assert_complete_plan(state, result.plan_id, set(result.receivers))
+    parts = state.plans[result.plan_id].parts
+    assert {parts[n].fetch[0].block for n in result.receivers} == {0, 2, 4, 6}
+    assert len(parts["store"].serve) == 4 * BLOCKS  # each group gets every block from the store once
+    state.plans[result.plan_id].plan.validate()
+
+
+def test_store_links_need_two_receivers_and_a_store_alone():
+    state = store_cluster(4, store_links=4)
+    assert state.scale_up("pkg", node_ids=["w0"], now=1).strategy == "chain"  # one receiver: one link is all
+    state = store_cluster(5, store_links=4)
+    state.report("w4", {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], now=2)
+    assert result.sources == ("w4",) and result.strategy == "chain"  # a holder: the store stays out
+
+
+def test_a_dead_receiver_of_a_store_rotated_plan_is_repaired():
+    state = store_cluster(8, store_links=4)
+    result = state.scale_up("pkg", count=8, now=1)
+    parts = state.plans[result.plan_id].parts
+    victim = next(n for n in result.receivers if parts[n].serve)  # a forwarder: its partner is orphaned
+    for node in result.receivers:
+        state.report(node, {"pkg": [a.block for a in parts[node].fetch[:2]]}, {}, now=2)
+        if node != victim:
+            state.heartbeat(node, now=LEASE)
+    assert state.tick(now=LEASE + 2.5) == [victim]
+    active = state.plans[result.plan_id]
+    assert active.plan.strategy == "rotated" and active.plan.sources == ("store",)
+    assert_complete_plan(state, result.plan_id, set(result.receivers) - {victim})
+    active.plan.validate()
+
+
+def test_rotated_plans_rotate_by_bytes():
+    state = ControlState(lease_s=LEASE, store_links=2)
+    sizes = [81, 25, 25, 25, 25, 25, 25, 26]  # the embeddings first: 81 of 257
+    state.publish(Manifest(package_id="pkg", blocks=[Block(index=i, bytes=b) for i, b in enumerate(sizes)]),
+                  STORE, now=0)
+    for i in range(2):
+        state.register(spec(f"w{i}"), {}, now=0)
+    result = state.scale_up("pkg", node_ids=["w0", "w1"], now=1)
+    parts = state.plans[result.plan_id].parts
+    assert result.strategy == "rotated"
+    # Half the bytes lie in block 2, where the second group starts (by block count: block 4).
+    assert sorted(parts[n].fetch[0].block for n in result.receivers) == [0, 2]
+
+
+def test_store_links_come_from_the_settings_and_the_command_line():
+    from click.testing import CliRunner
+
+    from control_plane.command import control_plane_command
+    from control_plane.server import ServerConfig
+    from pipecast.core.settings import SettingsError, load_settings
+
+    config = ServerConfig.from_settings(load_settings(control_store_links=8))
+    assert config.store_links == 8 and ServerConfig.from_settings(load_settings()).store_links == 1
+    with pytest.raises(SettingsError, match="control_store_links"):
+        load_settings(control_store_links=0)
+    with pytest.raises(ValueError, match=r"^store_links must be a positive integer, got 0$"):
+        ControlState(lease_s=LEASE, store_links=0)
+    refused = CliRunner().invoke(control_plane_command, ["--store-links", "0"])
+    assert refused.exit_code == 2 and "--store-links" in refused.output

@@ -70,8 +70,8 @@ def test_counters_and_tenants_accumulate():
     signals.failed()
     stats = signals.snapshot(queue_depth=4, in_flight=2, workers=[])
     assert stats["counters"] == {"arrived": 3, "prompt_tokens": 16, "answered": 1, "rejected": 1, "failed": 1}
-    assert stats["tenants"] == {"a": {"arrived": 2, "admitted": 1, "rejected": 1},
-                                "b": {"arrived": 1, "admitted": 1, "rejected": 0}}
+    assert stats["tenants"] == {"a": {"arrived": 2, "admitted": 1, "rejected": 1, "queued": 0},
+                                "b": {"arrived": 1, "admitted": 1, "rejected": 0, "queued": 0}}
     assert stats["ttft"] == {"window_s": 60.0, "count": 1, "p50": 2.0, "p95": 2.0, "p99": 2.0}
     assert (stats["queue_depth"], stats["in_flight"], stats["now_unix"], stats["started_unix"]) == (4, 2, 1.7e9, 1.7e9)
 
@@ -146,6 +146,6 @@ async def test_the_snapshot_pins_the_stats_contract():
     ]
     assert list(stats["counters"]) == ["arrived", "prompt_tokens", "answered", "rejected", "failed"]
     assert list(stats["ttft"]) == ["window_s", "count", "p50", "p95", "p99"]
-    assert stats["tenants"] == {"default": {"arrived": 1, "admitted": 0, "rejected": 0}}
+    assert stats["tenants"] == {"default": {"arrived": 1, "admitted": 0, "rejected": 0, "queued": 0}}
     assert (stats["queue_depth"], stats["in_flight"]) == (0, 1)
     dispatcher.release(worker)

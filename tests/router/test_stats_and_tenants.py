@@ -31,6 +31,13 @@ async def post_as(session: aiohttp.ClientSession, url: str, key: str) -> tuple[i
         return response.status, response.headers.get("Retry-After"), await response.json()
 
 
+async def post_tenant(session: aiohttp.ClientSession, url: str, tenant: str) -> int:
+    """POST the test body as ``tenant`` (its header): the status."""
+    async with session.post(f"{url}/v1/completions", json=BODY, headers={"x-pipecast-tenant": tenant}) as response:
+        await response.read()
+        return response.status
+
+
 async def test_stats_count_requests_and_show_each_worker(session):
     gate = asyncio.Event()
     async with workers(FakeWorker(gate=gate), FakeWorker(status="loading")) as (ready, loading):
@@ -54,7 +61,8 @@ async def test_stats_count_requests_and_show_each_worker(session):
     assert during["counters"] == {"arrived": 3, "prompt_tokens": 9, "answered": 2, "rejected": 0, "failed": 0}
     assert during["ttft"]["count"] == 3  # the stream's first event has reached the client
     assert after["counters"] == {"arrived": 3, "prompt_tokens": 9, "answered": 3, "rejected": 0, "failed": 0}
-    assert after["in_flight"] == 0 and after["tenants"] == {"default": {"arrived": 3, "admitted": 3, "rejected": 0}}
+    assert after["in_flight"] == 0
+    assert after["tenants"] == {"default": {"arrived": 3, "admitted": 3, "rejected": 0, "queued": 0}}
     ttft = after["ttft"]
     assert ttft["window_s"] == 60.0 and ttft["count"] == 3 and 0 < ttft["p50"] <= ttft["p95"] <= ttft["p99"] < 5
     assert {worker["url"]: worker["idle_s"] for worker in after["workers"]}[ready.url] >= 0
@@ -94,8 +102,8 @@ async def test_a_tenant_over_its_limit_gets_429_while_another_passes(session):
     assert refusal == {"error": {"message": "tenant 'a' is over its rate of 0.5 requests/s (burst 2); retry after 2 s",
                                  "type": "rate_limited"}}
     assert len(worker.bodies) == 5
-    assert stats["tenants"] == {"a": {"arrived": 3, "admitted": 2, "rejected": 1},
-                                "b": {"arrived": 3, "admitted": 3, "rejected": 0}}
+    assert stats["tenants"] == {"a": {"arrived": 3, "admitted": 2, "rejected": 1, "queued": 0},
+                                "b": {"arrived": 3, "admitted": 3, "rejected": 0, "queued": 0}}
     assert stats["counters"]["rejected"] == 1 and stats["counters"]["answered"] == 5
     assert 'pipecast_router_tenant_rejected_total{tenant="a"} 1.0' in metrics
     assert 'pipecast_router_requests_rejected_total{reason="rate_limited"} 1.0' in metrics
@@ -121,5 +129,16 @@ async def test_with_api_keys_a_request_needs_a_known_key_which_names_its_tenant(
     ]
     assert (accepted, limited) == (200, 429) and answer["error"]["message"].startswith("tenant 'a' is over")
     assert len(worker.bodies) == 1
-    assert stats["tenants"] == {"a": {"arrived": 2, "admitted": 1, "rejected": 1}}
+    assert stats["tenants"] == {"a": {"arrived": 2, "admitted": 1, "rejected": 1, "queued": 0}}
     assert stats["counters"]["arrived"] == 2  # the 401s are nobody's requests
+
+
+async def test_stats_show_each_tenants_requests_waiting_in_the_router(session):
+    async with workers(FakeWorker(status="loading")) as (worker,):
+        async with router([worker.url], queue_timeout_s=0.5) as (url, instance):
+            waiting = [asyncio.create_task(post_tenant(session, url, tenant)) for tenant in ("a", "a", "b")]
+            await eventually(lambda: instance.dispatcher.waiting == 3)
+            stats = await stats_of(session, url)
+            assert await asyncio.gather(*waiting) == [503] * 3
+    assert stats["queue_depth"] == 3
+    assert {name: counts["queued"] for name, counts in stats["tenants"].items()} == {"a": 2, "b": 1}

@@ -2,8 +2,10 @@
 
 import random
 
+import pytest
+
 from control_plane.deployments import ScalingPolicy
-from pipecast.scaler.policy import Decision, Pool, Replica, Signals, decide
+from pipecast.scaler.policy import Decision, Pool, Replica, Signals, baseline_demand, decide
 
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=8, slo_ttft_p99_s=2.0, warm=0, keep_alive_s=10.0,
                        scale_up_cooldown_s=5.0, scale_down_cooldown_s=20.0, replica_rps=1.0, replica_concurrency=4)
@@ -170,3 +172,50 @@ def test_idle_replicas_go_in_one_release_not_one_per_cooldown():
     assert sorted(decision.release) == sorted(idle) and decision.kind == "idle"
     soon = decide(history, Pool(now=130.0, replicas=replicas, free=0, last_scale_up=120.0), POLICY)
     assert soon.kind == "cooldown" and not soon.release  # 10 s after a scale-up: not yet
+
+
+AUTO = ScalingPolicy(**{**POLICY.__dict__, "warm_auto_factor": 2.0})
+
+
+def steady(seconds: int, *, start: int = 0) -> list[Signals]:
+    """0.8 req/s: four arrivals every five seconds, one at a time (one in flight)."""
+    return [Signals(at=float(t), routers_total=1, routers_answered=1, arrived=(t * 4) // 5, answered=(t * 4) // 5,
+                    in_flight=1, serving=1) for t in range(start, start + seconds)]
+
+
+def test_auto_warm_absorbs_twice_the_steady_baseline_beyond_what_is_needed_now():
+    history = steady(120)
+    pool = Pool(now=119.0, replicas=(Replica("w0", False),), free=4)
+    decision = decide(history, pool, AUTO)
+    # baseline 0.8 replicas; 2.0x is 1.6 -> 2 replicas; the rate now needs 1: warm 1
+    assert "+warm auto 1 (2.0x baseline 0.8 replicas) -> desired 2, have 1: add 1" in decision.reason
+    assert decision.add == 1 and decision.inputs["baseline_replicas"] == 0.8
+    tripled = decide(history, pool, ScalingPolicy(**{**AUTO.__dict__, "warm_auto_factor": 3.0}))
+    assert tripled.desired == 3 and "+warm auto 2 (3.0x baseline 0.8 replicas)" in tripled.reason
+
+
+def test_a_spike_barely_moves_the_baseline_and_the_warm_pool_is_not_added_on_top_of_it():
+    history = steady(120)
+    arrived = history[-1].arrived
+    history += [Signals(at=float(t), routers_total=1, routers_answered=1, arrived=arrived + 20 * (t - 119),
+                        in_flight=8, serving=1) for t in range(120, 135)]
+    assert baseline_demand(history, 1.0, AUTO) == pytest.approx(0.8)
+    decision = decide(history, Pool(now=134.0, replicas=(Replica("w0", False),), free=30), AUTO)
+    assert "+warm auto 0 (2.0x baseline 0.8 replicas) -> desired 8" in decision.reason  # 20 req/s, max 8
+
+
+def test_auto_warm_with_no_traffic_is_zero_but_min_holds():
+    history = [Signals(at=float(t), routers_total=1, routers_answered=1) for t in range(60)]
+    policy = ScalingPolicy(**{**AUTO.__dict__, "min_replicas": 1})
+    decision = decide(history, Pool(now=59.0, replicas=(), free=4), policy)
+    assert decision.add == 1 and "+warm auto 0 (2.0x baseline 0 replicas) -> desired 1" in decision.reason
+    silent = decide(history[:-1] + [Signals(at=59.0, routers_total=1, routers_answered=0)],
+                    Pool(now=59.0, replicas=(Replica("w0", False),), free=4), AUTO)
+    assert silent.kind == "no_signals" and silent.desired == 1
+
+
+def test_auto_warm_in_the_closed_loop_settles_at_twice_the_baseline_without_thrash():
+    sim = Sim(policy=AUTO)
+    sim.run([1, 1, 1, 1, 0] * 60)
+    assert len(sim.replicas) == 2
+    assert sim.thrash() == []

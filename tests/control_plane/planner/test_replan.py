@@ -161,3 +161,20 @@ def test_replan_rejects_bad_requests(kwargs, message):
     with pytest.raises(PlanError) as err:
         replan(plan, **args)
     assert str(err.value) == message
+
+
+def test_a_store_rotated_over_its_links_is_repaired_when_a_receiver_dies():
+    # 4 groups of 2 from a store with 4 links: in each, the first member fetches from the store and
+    # forwards to the second. The forwarder of the group starting at block 2 dies after 2 blocks.
+    plan = make_plan("rotated", ["store"], [f"w{i}" for i in range(8)], 8, source_links={"store": 4},
+                     block_bytes=[100] * 8)
+    forwarder = next(rx for rx, fetches in plan.assignments.items()
+                     if fetches[0] == Fetch(2, "store"))
+    (orphan,) = [rx for rx, fetches in plan.assignments.items() if fetches[0].parent == forwarder]
+    held = {rx: {a.block for a in fetches[:2]} for rx, fetches in plan.assignments.items() if rx != forwarder}
+    needs = {rx: set(range(8)) - blocks for rx, blocks in held.items()}
+    new = replan(plan, dead={forwarder}, held=held, sources=["store"], fanout=2)
+    _check(plan, new, dead={forwarder}, held=held, sources=["store"], fanout=2, needs=needs)
+    assert new.strategy == "rotated" and forwarder not in new.assignments
+    # The orphan keeps its rotation: blocks 4.. then 0, 1, from live parents.
+    assert [a.block for a in new.assignments[orphan]] == [4, 5, 6, 7, 0, 1]

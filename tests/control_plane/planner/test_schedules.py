@@ -1,6 +1,7 @@
 """Multicast plans: every strategy delivers every block exactly once, without cycles or deadlocks, and
 the simulator reproduces the textbook completion times."""
 
+import itertools
 import json
 import math
 
@@ -363,3 +364,103 @@ def test_simulate_rejects_bad_numbers():
         simulate(plan, 1, 1, 1, serve="fastest")
     with pytest.raises(ValueError, match="block_bytes gives 0 sizes; the plan fetches block 0"):
         simulate(plan, [], 1, 1)
+
+
+# --- rotation by bytes and sources with several links ---
+
+EMBEDDINGS_FIRST = [81, 25, 25, 25, 25, 25, 25, 26]  # a real model's blocks, MiB: the embeddings are 81 of 257
+
+
+def test_rotated_starts_each_group_at_its_share_of_the_bytes():
+    plan = make_plan("rotated", ["a", "b"], ["x", "y"], 8, block_bytes=EMBEDDINGS_FIRST)
+    # Half the bytes (128.5) lie in block 2 (bytes 106..131); by block count it would be block 4.
+    assert [a.block for a in plan.assignments["y"]] == [2, 3, 4, 5, 6, 7, 0, 1]
+    assert make_plan("rotated", ["a", "b"], ["x", "y"], 8).assignments["y"][0].block == 4
+    # K = 4: a quarter (64.25) lies in block 0 too; that group moves on to block 1.
+    four = make_plan("rotated", ["a", "b", "c", "d"], ["w", "x", "y", "z"], 8, block_bytes=EMBEDDINGS_FIRST)
+    assert [four.assignments[rx][0].block for rx in "wxyz"] == [0, 1, 2, 5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 40), st.integers(1, 24), st.integers(1, 3), st.integers(0, 1000))
+def test_rotated_with_equal_block_sizes_is_rotated_by_block_count(k, n, num_blocks, links, size):
+    sources, receivers = [f"s{i}" for i in range(k)], [f"w{i}" for i in range(n)]
+    by_count = make_plan("rotated", sources, receivers, num_blocks, source_links={"s0": links})
+    assert make_plan("rotated", sources, receivers, num_blocks, block_bytes=[size] * num_blocks,
+                     source_links={"s0": links}) == by_count
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 3), st.lists(st.integers(1, 4), min_size=1, max_size=3), st.integers(0, 30),
+       st.lists(st.integers(0, 300), min_size=1, max_size=16))
+def test_rotated_by_bytes_from_sources_with_links_delivers_every_block_once(k, links, n, sizes):
+    sources, receivers = [f"s{i}" for i in range(k)], [f"w{i}" for i in range(n)]
+    source_links = dict(zip(sources, links))
+    plan = make_plan("rotated", sources, receivers, len(sizes), block_bytes=sizes, source_links=source_links)
+    assert plan.sources == tuple(sources) and set(plan.assignments) == set(receivers)
+    for fetches in plan.assignments.values():
+        assert sorted(a.block for a in fetches) == list(range(len(sizes)))
+    _ancestors_reach_a_root(plan)
+    plan.validate()
+    simulate(plan, [s + 1 for s in sizes], 1, 50, links=source_links)
+    # One receiver per slot: each fetches its group's rotation, which starts at the block holding byte
+    # g*S/K; where groups would share a first block and there are blocks enough, each gets its own.
+    slots = sum(source_links.get(s, 1) for s in sources)
+    alone = make_plan("rotated", sources, [f"v{g}" for g in range(slots)], len(sizes), block_bytes=sizes,
+                      source_links=source_links)
+    starts = [alone.assignments[f"v{g}"][0].block for g in range(slots)]
+    total, ends = sum(sizes), list(itertools.accumulate(sizes))
+    holding = [next(b for b, end in enumerate(ends) if end * slots > g * total) if total and g else
+               g * len(sizes) // slots for g in range(slots)]
+    if len(sizes) >= slots:
+        assert starts == sorted(set(starts))
+    if holding == sorted(set(holding)):
+        assert starts == holding
+
+
+def test_a_store_with_four_links_feeds_four_groups():
+    receivers = [f"w{i}" for i in range(8)]
+    plan = make_plan("rotated", ["store"], receivers, 8, source_links={"store": 4})
+    plan.validate()
+    assert plan.sources == ("store",)
+    for fetches in plan.assignments.values():
+        assert sorted(a.block for a in fetches) == list(range(8))
+    fed = [rx for rx, fetches in plan.assignments.items() if fetches[0].parent == "store"]
+    assert len(fed) == 4 and {plan.assignments[rx][0].block for rx in fed} == {0, 2, 4, 6}
+    assert _uploads(plan)["store"] == 4 * 8  # each group gets every block from the store once
+    # Each group of 2 is a pair: one fetches from the store and forwards to the other.
+    partners = {rx: {a.parent for a in fetches} for rx, fetches in plan.assignments.items() if rx not in fed}
+    assert all(parents == {"store"} for rx, parents in ((rx, {a.parent for a in plan.assignments[rx]}) for rx in fed))
+    assert sorted(p for parents in partners.values() for p in parents) == sorted(fed)
+
+
+def test_a_store_at_four_links_finishes_near_one_transfer_not_four():
+    plan = make_plan("rotated", ["store"], [f"w{i}" for i in range(8)], 8, source_links={"store": 4})
+    floor = 8 * 4  # S/B: 8 blocks of 4 chunks at one chunk per unit
+    fast = max(simulate(plan, 4, 1, 1, links={"store": 4}).values())
+    assert floor <= fast <= floor + 2  # one chunk of latency for the pair's forwarding
+    assert max(simulate(plan, 4, 1, 1).values()) >= 4 * floor  # one link: the four groups share it
+
+
+def test_simulate_with_one_link_per_node_is_unchanged_by_links():
+    plan = make_plan("binomial", ["store"], [f"w{i}" for i in range(12)], 6)
+    assert simulate(plan, 3, 1, 1, links={"store": 1}) == simulate(plan, 3, 1, 1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_bytes": [1, 2]}, "make_plan: block_bytes gives 2 sizes for 3 blocks"),
+    ({"block_bytes": [1, -2, 3]}, "make_plan: block 1 has size -2; sizes must be integers >= 0"),
+    ({"block_bytes": [1, 2.5, 3]}, "make_plan: block 1 has size 2.5; sizes must be integers >= 0"),
+    ({"source_links": {"x": 2}}, "make_plan: source_links names 'x', which is no source"),
+    ({"source_links": {"s": 0}}, "make_plan: links of source 's' must be a positive integer, got 0"),
+])
+def test_make_plan_rejects_bad_sizes_and_links(kwargs, message):
+    with pytest.raises(PlanError) as err:
+        make_plan("rotated", ["s"], ["a"], 3, **kwargs)
+    assert str(err.value) == message
+
+
+def test_simulate_rejects_bad_links():
+    plan = make_plan("chain", ["s"], ["a"], 1)
+    with pytest.raises(ValueError, match=r"^simulate: links of 's' must be a positive integer, got 0$"):
+        simulate(plan, 1, 1, 1, links={"s": 0})

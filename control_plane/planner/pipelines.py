@@ -1,0 +1,232 @@
+"""The pipeline former: nodes holding different blocks, chained into pipelines that cover every layer.
+
+While a package is multicast in rotated orders, no single node holds the model for a while, but a group
+of nodes together does: node A holding layers 0-14 and node B holding 15-29 can serve as one pipeline
+(A embeds and runs its layers, sends the hidden states to B, which runs the rest and applies the head).
+:func:`form_pipelines` is a pure function from what each node holds (or will hold next) to such
+pipelines; the control plane calls it again whenever blocks land, the benchmarks and tests call it
+directly. No sockets, no clock.
+
+Each pipeline is an ordered tuple of :class:`Stage` (node, layer range) covering every layer exactly
+once; the first stage also embeds (it holds block 0, where the embeddings are), the last applies the
+final norm and head (it holds the last block, and block 0 too when the head is tied to the embeddings).
+A node is in at most one pipeline, and nodes that hold the whole package are left out: they serve on
+their own. Pipelines are formed fewest stages first (each hop costs a network round per token), and
+each pipeline's cut points are then chosen to balance compute: the cost of a stage is its layers' plus
+the head's (``head_cost``, in decoder layers) for the last stage.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from control_plane.planner.plan import PlanError, check_ids
+
+#: Most stages in one pipeline: each adds a hop per token. FaaScale plans pipelines of 8/4/2/1 nodes.
+DEFAULT_MAX_STAGES = 8
+#: Partial chains kept per stage end while searching (see :func:`_fewest_stages`).
+_PATHS_PER_END = 32
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What the former needs of a package: the layers each block holds (``block_layers[i]``, in order,
+    together ``0..num_layers-1``), whether the head is tied to the embeddings, and the head's compute in
+    units of one decoder layer."""
+
+    block_layers: tuple[range, ...]
+    tied_embeddings: bool = False
+    head_cost: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.block_layers:
+            raise PlanError("ModelLayout: a package has at least one block")
+        expected = 0
+        for index, layers in enumerate(self.block_layers):
+            if layers.step != 1 or layers.start != expected or layers.stop < layers.start:
+                raise PlanError(f"ModelLayout: block {index} holds layers {layers.start}-{layers.stop - 1}, "
+                                f"expected a range starting at layer {expected}")
+            expected = layers.stop
+        if expected < 1:
+            raise PlanError("ModelLayout: the blocks hold no decoder layer")
+        if not self.head_cost >= 0:
+            raise PlanError(f"ModelLayout: head_cost must be >= 0, got {self.head_cost!r}")
+
+    @classmethod
+    def from_manifest(cls, manifest) -> ModelLayout:
+        """The layout of a package's manifest (``pipecast.v1.Manifest``), the head's cost estimated from
+        its bytes: compute per token is proportional to the weights a part multiplies by, and the manifest
+        knows each block's bytes. A layer's bytes are the median of the blocks' bytes per layer; the head's
+        are what the last block (or, tied, the first) holds beyond its layers."""
+        blocks = manifest.blocks
+        per_layer = sorted(b.bytes / (b.layer_end - b.layer_start) for b in blocks if b.layer_end > b.layer_start)
+        layer_bytes = per_layer[len(per_layer) // 2] if per_layer else 0
+        holder = blocks[0] if manifest.tied_embeddings else blocks[-1]
+        extra = holder.bytes - (holder.layer_end - holder.layer_start) * layer_bytes
+        head_cost = max(extra, 0) / layer_bytes if layer_bytes else 0.0
+        return cls(tuple(range(b.layer_start, b.layer_end) for b in blocks), manifest.tied_embeddings,
+                   round(head_cost, 3))
+
+    @property
+    def num_layers(self) -> int:
+        return self.block_layers[-1].stop
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_layers)
+
+    @cached_property
+    def _block_of_layer(self) -> tuple[int, ...]:
+        return tuple(b for b, layers in enumerate(self.block_layers) for _ in layers)
+
+    def blocks_for(self, start: int, stop: int) -> frozenset[int]:
+        """The blocks a stage running layers ``start..stop-1`` needs (with the embedding and head blocks
+        where the stage is the first or the last)."""
+        needed = {self._block_of_layer[layer] for layer in range(start, stop)}
+        if start == 0:
+            needed.add(0)
+        if stop == self.num_layers:
+            needed.add(self.num_blocks - 1)
+            if self.tied_embeddings:
+                needed.add(0)
+        return frozenset(needed)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One node's part of a pipeline: decoder layers ``start..stop-1``."""
+
+    node: str
+    start: int
+    stop: int
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.stop)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Stages in order; together they run every layer exactly once."""
+
+    stages: tuple[Stage, ...]
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(s.node for s in self.stages)
+
+    def stage_costs(self, layout: ModelLayout) -> list[float]:
+        """Each stage's compute in decoder layers (the last one's includes the head)."""
+        costs = [float(len(s.layers)) for s in self.stages]
+        costs[-1] += layout.head_cost
+        return costs
+
+    def to_json(self) -> list[dict]:
+        return [{"node": s.node, "layers": [s.start, s.stop]} for s in self.stages]
+
+
+def form_pipelines(layout: ModelLayout, held: Mapping[str, Collection[int]], *,
+                   max_stages: int = DEFAULT_MAX_STAGES) -> list[Pipeline]:
+    """Disjoint pipelines of at most ``max_stages`` stages among the nodes of ``held`` (node -> blocks it
+    holds, or holds and will hold next: the caller decides), fewest stages first, each balanced by
+    compute. Nodes holding every block are left out. Deterministic: ties go to the smaller node id."""
+    if not isinstance(max_stages, int) or max_stages < 2:
+        raise PlanError(f"form_pipelines: max_stages must be an integer >= 2, got {max_stages!r}")
+    check_ids("form_pipelines", list(held), "node")
+    for node, blocks in held.items():
+        bad = sorted(b for b in blocks if not (isinstance(b, int) and 0 <= b < layout.num_blocks))
+        if bad:
+            raise PlanError(f"form_pipelines: node {node!r} holds blocks {bad[:5]} outside the package's "
+                            f"0-{layout.num_blocks - 1}")
+    runs = {node: _Runs(layout, frozenset(blocks)) for node, blocks in sorted(held.items())
+            if len(set(blocks)) < layout.num_blocks}
+    runs = {node: r for node, r in runs.items() if r.spans}
+    pipelines = []
+    while True:
+        chain = _fewest_stages(layout, runs, max_stages)
+        if chain is None:
+            return pipelines
+        pipelines.append(_balance(layout, chain))
+        for node, _ in chain:
+            del runs[node]
+
+
+class _Runs:
+    """A node's maximal runs of consecutive layers it holds, and whether it can embed and apply the head."""
+
+    def __init__(self, layout: ModelLayout, blocks: frozenset[int]):
+        self.can_embed = 0 in blocks
+        self.can_head = layout.num_blocks - 1 in blocks and (0 in blocks or not layout.tied_embeddings)
+        self.spans: list[tuple[int, int]] = []
+        for b in sorted(blocks):
+            layers = layout.block_layers[b]
+            if not layers:
+                continue
+            if self.spans and self.spans[-1][1] == layers.start:
+                self.spans[-1] = (self.spans[-1][0], layers.stop)
+            else:
+                self.spans.append((layers.start, layers.stop))
+
+    def span_at(self, layer: int) -> tuple[int, int] | None:
+        return next(((lo, hi) for lo, hi in self.spans if lo <= layer < hi), None)
+
+
+def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
+                   max_stages: int) -> list[tuple[str, tuple[int, int]]] | None:
+    """A shortest chain of (node, its span) from layer 0 to the last, breadth first over stage ends.
+
+    From a position p a node whose span holds p goes as far as its span does: reaching further never
+    hurts, except that the stage reaching the last layer must be able to apply the head, so a node that
+    cannot stops anywhere short of it. A node runs one stage per pipeline, so each position keeps up to
+    :data:`_PATHS_PER_END` chains with different nodes (a node holding blocks 6, 7, 0 and 1 of a rotated
+    order has two spans, and the chain through one may need it for the other).
+    """
+    last = layout.num_layers
+    found: dict[int, list[frozenset[str]]] = {0: [frozenset()]}
+    frontier: list[tuple[int, list[tuple[str, tuple[int, int]]]]] = [(0, [])]
+    for _ in range(max_stages):
+        following = []
+        for p, path in frontier:
+            used = {node for node, _ in path}
+            for node, r in runs.items():
+                span = r.span_at(p)
+                if node in used or span is None or (p == 0 and not r.can_embed):
+                    continue
+                ends = [span[1]] if span[1] < last or r.can_head else range(p + 1, last)
+                for q in ends:
+                    if q == last and not path:
+                        continue  # one node alone would hold everything: not a pipeline
+                    if q == last:
+                        return path + [(node, span)]
+                    members = frozenset(used | {node})
+                    seen = found.setdefault(q, [])
+                    if len(seen) < _PATHS_PER_END and members not in seen:
+                        seen.append(members)
+                        following.append((q, path + [(node, span)]))
+        frontier = following
+    return None
+
+
+def _balance(layout: ModelLayout, chain: Sequence[tuple[str, tuple[int, int]]]) -> Pipeline:
+    """Cut points for ``chain`` (each node within its span) that minimise the largest stage cost."""
+    last, k = layout.num_layers, len(chain)
+    inf = float("inf")
+    # best[i][c]: (largest stage cost, cuts) for stages 0..i-1 covering layers 0..c-1
+    best: list[dict[int, tuple[float, tuple[int, ...]]]] = [{0: (0.0, ())}]
+    for i, (_, (lo, hi)) in enumerate(chain):
+        row: dict[int, tuple[float, tuple[int, ...]]] = {}
+        head = layout.head_cost if i == k - 1 else 0.0
+        for start, (worst, cuts) in best[i].items():
+            if not lo <= start < hi:
+                continue
+            for stop in ([last] if i == k - 1 else range(start + 1, min(hi, last - 1) + 1)):
+                if stop > hi:
+                    continue
+                cost = max(worst, stop - start + head)
+                if cost < row.get(stop, (inf,))[0]:
+                    row[stop] = (cost, cuts + (stop,))
+        best.append(row)
+    _, cuts = best[k][last]
+    starts = (0,) + cuts[:-1]
+    return Pipeline(tuple(Stage(node, a, b) for (node, _), a, b in zip(chain, starts, cuts)))

@@ -1,0 +1,217 @@
+"""Stages of cross-node pipelines: a layer range of the model run for requests served elsewhere.
+
+While a package is still arriving, a node holding layers 0-14 and another holding 15-29 serve together
+(``control_plane.planner.pipelines``): the first stage embeds the tokens and runs its layers, each next
+stage runs its own on the hidden states it is sent, the last applies the head and samples the token.
+:class:`StageRunner` is one node's side of that: a session per pipelined request, holding the keys and
+values of this node's layers only, so decoding goes on through the pipeline one token per round.
+
+Each layer is waited for just before it runs (execute-while-load inside a stage), each wait bounded by
+the call's timeout. The arithmetic is the engine's: the same modules, masks and rotary embeddings, and a
+cache that grows by concatenation as transformers' does, so greedy tokens through a pipeline are the
+single-node ones bit for bit (the exactness tests check it for 2, 3 and 8 stages). Calls of one session
+must come in order; calls of different sessions may run on different threads at once.
+"""
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipecast.engine.errors import EngineError, InvalidRequestError
+from pipecast.engine.kv_cache import decode_mask, prefill_mask
+from pipecast.engine.sampling import SamplingParams, new_generator, sample_tokens
+from pipecast.engine.weights import EMBED, HEAD
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipecast.engine.progressive import ProgressiveModel
+
+#: Sessions not called for this long are dropped (their head stage died or forgot to close them) (s).
+SESSION_IDLE_S = 120.0
+#: Most sessions one node keeps at once; a new session beyond it is refused.
+MAX_SESSIONS = 256
+
+
+class StageSessionError(EngineError):
+    """A stage call that does not fit the session's state: unknown session, out-of-order position, a
+    different layer range (the caller's fault, or this node lost the session: it restarted or expired it)."""
+
+
+class StageCapacityError(EngineError):
+    """This node holds :data:`MAX_SESSIONS` pipelined sessions already (retry elsewhere or later)."""
+
+    def __init__(self, sessions: int):
+        super().__init__(f"this node already runs {sessions} pipelined sessions")
+        self.sessions = sessions
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """What a stage call produced: the hidden states for the next stage, or, from the last stage, the
+    sampled token (and the last position's logits, float32, when asked for)."""
+
+    hidden: "torch.Tensor | None" = None
+    token: int | None = None
+    logits: "torch.Tensor | None" = None
+
+
+class _AppendCache:
+    """Keys and values of one session's layers, grown by concatenation (transformers' dynamic cache)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, "torch.Tensor"] = {}
+        self.values: dict[int, "torch.Tensor"] = {}
+
+    def update(self, keys: "torch.Tensor", values: "torch.Tensor",
+               layer_idx: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        import torch
+
+        if layer_idx in self.keys:
+            keys = torch.cat([self.keys[layer_idx], keys], dim=-2)
+            values = torch.cat([self.values[layer_idx], values], dim=-2)
+        self.keys[layer_idx], self.values[layer_idx] = keys, values
+        return keys, values
+
+
+@dataclass
+class _Session:
+    layers: range
+    params: SamplingParams
+    generator: "torch.Generator | None"
+    cache: _AppendCache
+    length: int = 0  # positions cached
+    used_at: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time
+
+
+class StageRunner:
+    """Runs layer ranges of ``model`` for pipelined sessions (module docstring)."""
+
+    def __init__(self, model: "ProgressiveModel", *, idle_s: float = SESSION_IDLE_S,
+                 max_sessions: int = MAX_SESSIONS, clock: Callable[[], float] = time.monotonic):
+        self.model = model
+        self.idle_s = idle_s
+        self.max_sessions = max_sessions
+        self._clock = clock
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def sessions(self) -> int:
+        """Sessions held now."""
+        with self._lock:
+            return len(self._sessions)
+
+    def run(self, session: str, layers: range, position: int, *, tokens: Sequence[int] | None = None,
+            hidden: "torch.Tensor | None" = None, params: SamplingParams | None = None,
+            want_logits: bool = False, timeout: float) -> StageOutput:
+        """Run ``layers`` for ``session`` on the tokens at ``position`` onwards.
+
+        The first stage (``layers`` from 0) gets ``tokens`` (the prompt at position 0, then one token a
+        call), the others ``hidden`` [1, n, hidden_size]; the last stage (``layers`` to the model's end)
+        returns the sampled token. A call at position 0 opens the session (``params``: how the last stage
+        samples); later calls must continue where the previous one ended. Each part the call needs is
+        waited for up to ``timeout`` seconds (TimeoutError beyond). Raises :class:`StageSessionError`,
+        :class:`StageCapacityError`, :class:`InvalidRequestError` for bad inputs.
+        """
+        import torch
+
+        m = self.model
+        first, last = layers.start == 0, layers.stop == m.num_layers
+        if not (0 <= layers.start < layers.stop <= m.num_layers) or layers.step != 1:
+            raise InvalidRequestError(f"layers {layers.start}-{layers.stop - 1} are not a range of the model's "
+                                      f"{m.num_layers} layers")
+        if first == (tokens is None) or first == (hidden is not None):
+            raise InvalidRequestError("the first stage takes token ids, the others hidden states"
+                                      f" (layers {layers.start}-{layers.stop - 1} got "
+                                      f"{'token ids' if tokens is not None else 'hidden states'})")
+        width = m.config.hidden_size
+        if not first and (hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != width):
+            raise InvalidRequestError(f"hidden states must be [1, positions, {width}], got {list(hidden.shape)}")
+        n = len(tokens) if first else hidden.shape[1]
+        if n < 1 or (n > 1 and position > 0):
+            raise InvalidRequestError(f"a call carries the whole prompt at position 0 or one token after it; "
+                                      f"got {n} positions at {position}")
+        state = self._session(session, layers, position, params)
+        with state.lock:
+            if state.length != position:
+                raise StageSessionError(f"session {session!r} is at position {state.length}, the call is at "
+                                        f"{position}")
+            try:
+                with torch.inference_mode():
+                    if first:
+                        self._wait(EMBED, timeout)
+                        ids = torch.tensor([list(tokens)], device=m.device)
+                        if int(ids.min()) < 0 or int(ids.max()) >= m.vocab_size:
+                            raise InvalidRequestError(f"token ids outside the vocabulary (0-{m.vocab_size - 1})")
+                        hidden = m.embed(ids)
+                    else:
+                        hidden = hidden.to(device=m.device, dtype=m.dtype)
+                    out = self._forward(state, hidden, position, timeout, last, want_logits)
+            except BaseException:
+                self.close(session)  # some layers may have cached this call's keys: the session is spent
+                raise
+            state.length, state.used_at = position + n, self._clock()
+        return out
+
+    def close(self, session: str) -> bool:
+        """Forget ``session`` (its request ended); False if it was not held."""
+        with self._lock:
+            return self._sessions.pop(session, None) is not None
+
+    def expire(self) -> int:
+        """Drop sessions idle for longer than ``idle_s``; the number dropped."""
+        now = self._clock()
+        with self._lock:
+            stale = [s for s, state in self._sessions.items() if now - state.used_at > self.idle_s]
+            for s in stale:
+                del self._sessions[s]
+        return len(stale)
+
+    def _session(self, session: str, layers: range, position: int, params: SamplingParams | None) -> _Session:
+        with self._lock:
+            state = self._sessions.get(session)
+            if position == 0:
+                if state is not None:
+                    raise StageSessionError(f"session {session!r} is open already")
+                if len(self._sessions) >= self.max_sessions:
+                    raise StageCapacityError(len(self._sessions))
+                params = params or SamplingParams()
+                state = _Session(layers, params, new_generator(params), _AppendCache(), used_at=self._clock())
+                self._sessions[session] = state
+            elif state is None:
+                raise StageSessionError(f"session {session!r} is not held here (expired, or this node restarted)")
+            elif state.layers != layers:
+                raise StageSessionError(f"session {session!r} runs layers {state.layers.start}-"
+                                        f"{state.layers.stop - 1} here, the call asks for {layers.start}-"
+                                        f"{layers.stop - 1}")
+            return state
+
+    def _wait(self, part, timeout: float) -> None:
+        if not self.model.is_ready(part):
+            self.model.wait_ready(part, timeout)
+
+    def _forward(self, state: _Session, hidden: "torch.Tensor", position: int, timeout: float, last: bool,
+                 want_logits: bool) -> StageOutput:
+        import torch
+
+        m = self.model
+        n = hidden.shape[1]
+        positions = torch.arange(position, position + n, device=m.device).unsqueeze(0)
+        rope = m.position_embeddings(hidden, positions)
+        windows = set(m.skeleton.windows)
+        masks = ({w: prefill_mask(n, w, m.device) for w in windows} if position == 0
+                 else {w: decode_mask([position], w, m.device) for w in windows})
+        for layer in state.layers:
+            self._wait(layer, timeout)
+            hidden = m.run_layer(layer, hidden, position_embeddings=rope, position_ids=positions,
+                                 mask=masks[m.window(layer)], cache=state.cache)
+        if not last:
+            return StageOutput(hidden=hidden)
+        self._wait(HEAD, timeout)
+        logits = m.head(hidden, last_only=True)[:, -1].float().cpu()
+        token = sample_tokens(logits, [state.params], [state.generator])[0]
+        return StageOutput(token=token, logits=logits[0] if want_logits else None)

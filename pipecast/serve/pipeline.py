@@ -1,0 +1,329 @@
+"""Cross-node pipelines between serving workers: the route, the activation frames, the stage calls, and
+the head stage that drives a request through them.
+
+A pipelined request reaches its head stage (the worker holding layers 0..k with the embeddings) as an
+ordinary ``POST /v1/completions`` with the route in the :data:`PIPELINE_HEADER` header: a JSON list of
+``{"url": ..., "layers": [start, stop]}``, one per stage, in order, the first being the head itself.
+For each token the head runs its layers (:class:`~pipecast.engine.stage.StageRunner`) and sends the
+hidden states to the next stage's ``POST /v1/stage``; every stage runs its layers and calls the next one
+in turn, and the last applies the head, samples and answers the token, which travels back along the
+calls. Every stage keeps its own layers' keys and values per session, so decoding goes on through the
+pipeline; when the request ends the head closes the sessions along the route (``POST /v1/stage/close``;
+stages also drop sessions left idle).
+
+Frames carry binary tensors: 4 bytes (big endian) of header length, the header as JSON, then the
+tensor's raw bytes (dtype and shape in the header), so bf16 activations travel exactly. Every call has
+a deadline that travels with it (``deadline_s``: the time left), bounding each stage's waits for its
+layers and the calls after it. A stage that fails or does not answer in time fails the request with
+:class:`~pipecast.serve.errors.StageFailedError` naming that stage, answered 503 before any token left,
+so the router retries the request on another worker.
+"""
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pipecast.core.errors import PipecastError
+from pipecast.core.strictjson import JSONInputError, loads
+from pipecast.core.urls import http_base_url
+from pipecast.engine.sampling import SamplingParams
+from pipecast.engine.streams import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, TokenStream
+from pipecast.serve.errors import StageFailedError
+
+if TYPE_CHECKING:
+    import aiohttp
+    import torch
+
+    from pipecast.engine.stage import StageRunner
+
+log = logging.getLogger(__name__)
+
+PIPELINE_HEADER = "x-pipecast-pipeline"
+STAGE_PATH = "/v1/stage"
+STAGE_CLOSE_PATH = "/v1/stage/close"
+#: Default time a token may take through the whole pipeline, waits for arriving layers included (s).
+STEP_TIMEOUT_S = 30.0
+#: Closing sessions along the route is best effort within this (s): stages drop idle sessions anyway.
+CLOSE_TIMEOUT_S = 2.0
+#: Most stages a route may name.
+MAX_ROUTE_STAGES = 64
+#: Largest answer a stage call reads (a token and its header).
+MAX_ANSWER_BYTES = 1 << 16
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class PipelineProtocolError(PipecastError):
+    """A malformed route or frame (the sender's fault); the message says which part and what is wrong."""
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One stage of a route: the worker's base URL and the layers it runs."""
+
+    url: str
+    layers: range
+
+    def to_json(self) -> dict:
+        return {"url": self.url, "layers": [self.layers.start, self.layers.stop]}
+
+
+def parse_route(value: Any, *, first: int | None = 0) -> tuple[Hop, ...]:
+    """The hops of a decoded route (a list of ``{"url", "layers"}``), checked: consecutive non-empty layer
+    ranges starting at ``first`` (None: anywhere), http(s) URLs. Raises :class:`PipelineProtocolError`."""
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_ROUTE_STAGES:
+        raise PipelineProtocolError(f"a route is a list of 1 to {MAX_ROUTE_STAGES} stages")
+    hops, position = [], first
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or set(item) != {"url", "layers"}:
+            raise PipelineProtocolError(f"stage {i} of the route must be an object with 'url' and 'layers'")
+        url, layers = item["url"], item["layers"]
+        base = http_base_url(url) if isinstance(url, str) else None
+        if base is None:
+            raise PipelineProtocolError(f"stage {i} of the route has no http(s) URL: {str(url)[:80]!r}")
+        if position is None and isinstance(layers, list) and layers and type(layers[0]) is int:
+            position = layers[0]
+        if (not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers)
+                or layers[0] != position or not 0 <= layers[0] < layers[1]):
+            raise PipelineProtocolError(f"stage {i} of the route must run layers [{position}, stop) with "
+                                        f"stop > {position}, got {str(layers)[:80]}")
+        hops.append(Hop(base, range(layers[0], layers[1])))
+        position = layers[1]
+    return tuple(hops)
+
+
+def route_header(hops: Sequence[Hop]) -> str:
+    """The :data:`PIPELINE_HEADER` value of a route."""
+    return json.dumps([h.to_json() for h in hops], separators=(",", ":"))
+
+
+def encode_frame(header: dict, tensor: "torch.Tensor | None" = None) -> bytes:
+    """A frame of ``header`` (JSON-able) and, optionally, one tensor's bytes."""
+    meta = dict(header)
+    data = b""
+    if tensor is not None:
+        import torch
+
+        tensor = tensor.detach().to("cpu").contiguous()
+        meta["tensor"] = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    head = json.dumps(meta, separators=(",", ":")).encode()
+    return len(head).to_bytes(4, "big") + head + data
+
+
+def decode_frame(body: bytes) -> tuple[dict, "torch.Tensor | None"]:
+    """The header and tensor of a frame; :class:`PipelineProtocolError` names what is malformed."""
+    if len(body) < 4 or len(body) < 4 + int.from_bytes(body[:4], "big"):
+        raise PipelineProtocolError(f"a frame of {len(body)} bytes is shorter than its header says")
+    end = 4 + int.from_bytes(body[:4], "big")
+    try:
+        header = loads(body[4:end])
+    except JSONInputError as exc:
+        raise PipelineProtocolError(f"the frame's header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise PipelineProtocolError("the frame's header is not a JSON object")
+    meta = header.pop("tensor", None)
+    if meta is None:
+        if end != len(body):
+            raise PipelineProtocolError(f"{len(body) - end} bytes follow a header that names no tensor")
+        return header, None
+    import torch
+
+    dtype, shape = (meta.get("dtype"), meta.get("shape")) if isinstance(meta, dict) else (None, None)
+    if dtype not in _DTYPES or not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise PipelineProtocolError(f"the frame's tensor must name a dtype of {', '.join(_DTYPES)} and a shape, "
+                                    f"got {str(meta)[:120]}")
+    torch_dtype = getattr(torch, dtype)
+    count = 1
+    for n in shape:
+        count *= n
+    expected = count * torch_dtype.itemsize
+    if len(body) - end != expected:
+        raise PipelineProtocolError(f"the frame's tensor {dtype}{shape} needs {expected} bytes, "
+                                    f"{len(body) - end} follow the header")
+    if count == 0:
+        return header, torch.empty(shape, dtype=torch_dtype)
+    flat = torch.frombuffer(bytearray(body[end:]), dtype=torch.uint8)
+    return header, flat.view(torch_dtype).reshape(shape)
+
+
+def params_json(params: SamplingParams) -> dict:
+    """What the last stage needs to sample as the head would (stops and lengths stay with the head)."""
+    return {"temperature": params.temperature, "top_p": params.top_p, "seed": params.seed}
+
+
+def params_from_json(value: Any) -> SamplingParams:
+    """The sampling parameters of a stage call (:func:`params_json`); :class:`PipelineProtocolError`."""
+    if not isinstance(value, dict) or set(value) != {"temperature", "top_p", "seed"}:
+        raise PipelineProtocolError("'params' must be an object with temperature, top_p and seed")
+    try:
+        return SamplingParams(max_tokens=1, temperature=float(value["temperature"]), top_p=float(value["top_p"]),
+                              seed=None if value["seed"] is None else int(value["seed"]))
+    except (TypeError, ValueError, PipecastError) as exc:
+        raise PipelineProtocolError(f"bad 'params': {exc}") from None
+
+
+class StageClient:
+    """Calls to the next stages of routes (one HTTP connection pool per worker)."""
+
+    def __init__(self) -> None:
+        self._session: "aiohttp.ClientSession | None" = None
+
+    def _http(self) -> "aiohttp.ClientSession":
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def forward(self, hops: Sequence[Hop], session: str, position: int, hidden: "torch.Tensor", *,
+                      params: SamplingParams | None, deadline: float) -> int:
+        """Send ``hidden`` to ``hops[0]`` (which calls the rest) and return the token the last stage sampled.
+
+        ``deadline`` is a ``time.monotonic()`` instant. Raises :class:`StageFailedError` naming the stage
+        that failed (the one called, or the one it reports).
+        """
+        import aiohttp
+
+        hop = hops[0]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StageFailedError(hop.url, "the step's deadline passed before the call")
+        header = {"session": session, "layers": [hop.layers.start, hop.layers.stop], "position": position,
+                  "params": params_json(params) if params is not None else None,
+                  "next": [h.to_json() for h in hops[1:]], "deadline_s": left}
+        try:
+            async with self._http().post(hop.url + STAGE_PATH, data=encode_frame(header, hidden),
+                                         headers={"Content-Type": "application/octet-stream"},
+                                         timeout=aiohttp.ClientTimeout(total=left)) as answer:
+                body = await answer.content.read(MAX_ANSWER_BYTES + 1)
+                status = answer.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            problem = "no answer within the step's deadline" if isinstance(exc, TimeoutError) else str(exc)
+            raise StageFailedError(hop.url, problem or type(exc).__name__) from None
+        if status != 200:
+            raise _answered_error(hop.url, status, body)
+        try:
+            answer_header, _ = decode_frame(body)
+        except PipelineProtocolError as exc:
+            raise StageFailedError(hop.url, f"a malformed answer: {exc}") from None
+        token = answer_header.get("token")
+        if type(token) is not int:
+            raise StageFailedError(hop.url, f"an answer without a token: {str(answer_header)[:120]}")
+        return token
+
+    async def close_sessions(self, hops: Sequence[Hop], session: str) -> None:
+        """Ask ``hops[0]`` to forget ``session`` and to pass it on; best effort (stages expire sessions)."""
+        import aiohttp
+
+        if not hops:
+            return
+        body = {"session": session, "next": [h.to_json() for h in hops[1:]]}
+        try:
+            async with self._http().post(hops[0].url + STAGE_CLOSE_PATH, json=body,
+                                         timeout=aiohttp.ClientTimeout(total=CLOSE_TIMEOUT_S)) as answer:
+                await answer.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.debug("closing session %s at %s: %s", session, hops[0].url, exc)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def _answered_error(url: str, status: int, body: bytes) -> StageFailedError:
+    """The error of a stage's non-200 answer: the stage it names as failed (downstream), else ``url``."""
+    try:
+        error = loads(body).get("error", {})
+        node = error.get("node") or url
+        message = str(error.get("message") or f"answered {status}")
+    except (JSONInputError, AttributeError):
+        node, message = url, f"answered {status}: {body[:120]!r}"
+    if node != url:  # already "pipeline stage X failed: ..." from downstream: keep its words
+        return StageFailedError(node, error.get("problem") or message)
+    return StageFailedError(url, f"answered {status}: {message}")
+
+
+class PipelineHead:
+    """The head stage of pipelined requests on one worker: runs its own layers and drives the rest."""
+
+    def __init__(self, runner: "StageRunner", client: StageClient, *, step_timeout_s: float = STEP_TIMEOUT_S):
+        self.runner = runner
+        self.client = client
+        self.step_timeout_s = step_timeout_s
+        self._ids = iter(range(1 << 62))
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, route: Sequence[Hop], prompt: list[int], params: SamplingParams) -> TokenStream:
+        """Run the prompt through the route and return the request's stream, its first token in.
+
+        Raises :class:`StageFailedError` (the prefill failed: nothing was answered yet, retry elsewhere).
+        """
+        session = uuid.uuid4().hex
+        task: list[asyncio.Task] = []
+        stream = TokenStream(next(self._ids), lambda _: task and task[0].cancel())
+        try:
+            token = await self._step(route, session, 0, prompt, params)
+        except BaseException:
+            self._close(route, session)
+            raise
+        if self._emit(stream, token, params):
+            self._close(route, session)
+            return stream
+        task.append(self._spawn(self._decode(route, session, len(prompt), token, params, stream)))
+        return stream
+
+    async def _decode(self, route: Sequence[Hop], session: str, position: int, token: int,
+                      params: SamplingParams, stream: TokenStream) -> None:
+        try:
+            while True:
+                token = await self._step(route, session, position, [token], params)
+                position += 1
+                if self._emit(stream, token, params):
+                    return
+        except asyncio.CancelledError:
+            stream.finish(FINISH_CANCELLED)
+        except PipecastError as exc:
+            log.warning("pipelined request failed after %d tokens: %s", len(stream.tokens), exc)
+            stream.fail(exc)
+        finally:
+            self._close(route, session)
+
+    async def _step(self, route: Sequence[Hop], session: str, position: int, tokens: list[int],
+                    params: SamplingParams) -> int:
+        deadline = time.monotonic() + self.step_timeout_s
+        own = route[0]
+        try:
+            out = await asyncio.to_thread(self.runner.run, session, own.layers, position, tokens=tokens,
+                                          params=params if len(route) == 1 else None, timeout=self.step_timeout_s)
+        except (TimeoutError, PipecastError) as exc:
+            raise StageFailedError(own.url, str(exc)) from None
+        if len(route) == 1:
+            return out.token
+        return await self.client.forward(route[1:], session, position, out.hidden,
+                                         params=params if position == 0 else None, deadline=deadline)
+
+    @staticmethod
+    def _emit(stream: TokenStream, token: int, params: SamplingParams) -> bool:
+        """Hand ``token`` to the stream; True if the request is finished with it."""
+        stream.push(token)
+        if token in params.stop_token_ids:
+            stream.finish(FINISH_STOP)
+        elif len(stream.tokens) >= params.max_tokens:
+            stream.finish(FINISH_LENGTH)
+        return stream.done
+
+    def _close(self, route: Sequence[Hop], session: str) -> None:
+        self.runner.close(session)
+        if len(route) > 1:
+            self._spawn(self.client.close_sessions(route[1:], session))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # keep a reference until done (the loop holds tasks weakly)
+        task.add_done_callback(self._tasks.discard)
+        return task

@@ -1,0 +1,129 @@
+"""The pipeline former: properties on random holdings, checked against a brute-force search."""
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from control_plane.planner.pipelines import ModelLayout, Pipeline, Stage, form_pipelines
+from control_plane.planner.plan import PlanError
+
+
+def layout_of(layers_per_block, tied=False, head_cost=0.0) -> ModelLayout:
+    start, spans = 0, []
+    for n in layers_per_block:
+        spans.append(range(start, start + n))
+        start += n
+    return ModelLayout(tuple(spans), tied, head_cost)
+
+
+def valid(layout: ModelLayout, held, pipeline: Pipeline) -> bool:
+    """Every layer once, in order, each stage on blocks its node holds, embeddings first, head last."""
+    stages = pipeline.stages
+    if len(stages) < 2 or len(set(pipeline.nodes)) != len(stages):
+        return False
+    position = 0
+    for stage in stages:
+        if stage.start != position or stage.stop <= stage.start:
+            return False
+        if not layout.blocks_for(stage.start, stage.stop) <= set(held[stage.node]):
+            return False
+        position = stage.stop
+    return position == layout.num_layers
+
+
+def can_form_any(layout: ModelLayout, held, nodes, max_stages) -> int | None:
+    """Brute force: the fewest stages of any pipeline among ``nodes``, trying every order and cut."""
+    L = layout.num_layers
+    for k in range(2, min(max_stages, len(nodes)) + 1):
+        for order in itertools.permutations(nodes, k):
+            for cuts in itertools.combinations(range(1, L), k - 1):
+                bounds = (0,) + cuts + (L,)
+                stages = tuple(Stage(n, a, b) for n, a, b in zip(order, bounds, bounds[1:]))
+                if valid(layout, held, Pipeline(stages)):
+                    return k
+    return None
+
+
+@st.composite
+def holdings(draw, max_nodes=5):
+    blocks = draw(st.lists(st.integers(1, 3), min_size=2, max_size=6))
+    layout = layout_of(blocks, tied=draw(st.booleans()), head_cost=draw(st.sampled_from([0.0, 1.5])))
+    nodes = draw(st.integers(1, max_nodes))
+    held = {f"n{i}": draw(st.sets(st.integers(0, len(blocks) - 1))) for i in range(nodes)}
+    return layout, held
+
+
+@settings(max_examples=300, deadline=None)
+@given(holdings(), st.integers(2, 4))
+def test_pipelines_cover_every_layer_once_on_held_blocks_and_never_share_a_node(case, max_stages):
+    layout, held = case
+    pipelines = form_pipelines(layout, held, max_stages=max_stages)
+    seen = set()
+    for pipeline in pipelines:
+        assert valid(layout, held, pipeline)
+        assert len(pipeline.stages) <= max_stages
+        assert not seen & set(pipeline.nodes)
+        seen |= set(pipeline.nodes)
+        for node in pipeline.nodes:  # nodes with the whole package serve on their own
+            assert len(held[node]) < layout.num_blocks
+
+
+@settings(max_examples=300, deadline=None)
+@given(holdings(max_nodes=4), st.integers(2, 4))
+def test_the_former_is_maximal_and_forms_fewest_stages_first(case, max_stages):
+    layout, held = case
+    pipelines = form_pipelines(layout, held, max_stages=max_stages)
+    partial = [n for n in sorted(held) if len(held[n]) < layout.num_blocks]
+    if pipelines:
+        assert len(pipelines[0].stages) == can_form_any(layout, held, partial, max_stages)
+    left = [n for n in partial if all(n not in p.nodes for p in pipelines)]
+    assert can_form_any(layout, held, left, max_stages) is None
+
+
+def test_rotated_halves_make_one_two_stage_pipeline_balanced_by_compute():
+    # 8 blocks of 2 layers; node a got blocks 0-3, node b blocks 4-7 (two sources, rotated by half)
+    layout = layout_of([2] * 8, head_cost=0.0)
+    [pipeline] = form_pipelines(layout, {"a": range(4), "b": range(4, 8)})
+    assert pipeline.stages == (Stage("a", 0, 8), Stage("b", 8, 16))
+
+
+def test_overlapping_holders_split_the_layers_evenly_and_the_head_counts():
+    # both hold most layers: the cut balances the cost, the last stage also pays the head
+    layout = layout_of([2] * 8, head_cost=2.0)
+    [pipeline] = form_pipelines(layout, {"a": range(7), "b": range(1, 8)})
+    assert pipeline.stages == (Stage("a", 0, 9), Stage("b", 9, 16))
+    assert pipeline.stage_costs(layout) == [9.0, 9.0]
+
+
+def test_tied_head_needs_the_embedding_block_in_the_last_stage():
+    layout = layout_of([2, 2, 2, 2], tied=True)
+    assert form_pipelines(layout, {"a": {0, 1}, "b": {2, 3}}) == []
+    [pipeline] = form_pipelines(layout, {"a": {0, 1}, "b": {0, 2, 3}})
+    assert pipeline.nodes == ("a", "b")
+
+
+def test_a_node_with_two_spans_of_a_rotated_order_is_used_once():
+    # c holds blocks 3 and 0 (rotated order): it can only head, since it cannot be both ends
+    layout = layout_of([1, 1, 1, 1])
+    [pipeline] = form_pipelines(layout, {"c": {3, 0}, "d": {1, 2, 3}})
+    assert pipeline.stages == (Stage("c", 0, 1), Stage("d", 1, 4))
+
+
+def test_fewest_stages_first_then_the_rest_and_whole_holders_are_left_out():
+    layout = layout_of([1] * 4)
+    held = {"whole": range(4), "a": {0, 1}, "b": {2, 3}, "c": {0}, "d": {1}, "e": {2}, "f": {3}}
+    pipelines = form_pipelines(layout, held, max_stages=4)
+    assert [p.nodes for p in pipelines] == [("a", "b"), ("c", "d", "e", "f")]
+    assert form_pipelines(layout, held, max_stages=3) == [Pipeline((Stage("a", 0, 2), Stage("b", 2, 4)))]
+
+
+def test_bad_inputs_are_refused_naming_them():
+    layout = layout_of([1, 1])
+    with pytest.raises(PlanError, match=r"node 'a' holds blocks \[2\] outside the package's 0-1"):
+        form_pipelines(layout, {"a": {2}})
+    with pytest.raises(PlanError, match="max_stages must be an integer >= 2, got 1"):
+        form_pipelines(layout, {}, max_stages=1)
+    with pytest.raises(PlanError, match="block 1 holds layers 3-3, expected a range starting at layer 1"):
+        ModelLayout((range(0, 1), range(3, 4)))

@@ -1,0 +1,149 @@
+"""Pipelines of stages compute exactly what one node and transformers compute, and stages run while
+their blocks arrive."""
+
+import threading
+import uuid
+
+import pytest
+import torch
+
+from pipecast.engine.engine import Engine
+from pipecast.engine.errors import InvalidRequestError
+from pipecast.engine.providers import AgentBlockProvider, PackageFolderProvider
+from pipecast.engine.sampling import SamplingParams
+from pipecast.engine.stage import StageCapacityError, StageRunner, StageSessionError
+from tests.support import packages
+from tests.support.engine_fixtures import GatedAgent, random_prompt, reference_generate, reference_model
+
+LAYERS = 8
+CASES = [  # llama and mistral untied, qwen2 tied (the last stage needs the embeddings too)
+    ("llama", "float32", {}),
+    ("qwen2", "float32", {}),
+    ("mistral", "float32", {"sliding_window": 6}),  # prompts and generations run past the window
+    ("llama", "bfloat16", {}),
+]
+SPLITS = {2: (0, 4, 8), 3: (0, 3, 5, 8), 8: tuple(range(9))}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}{'-window' if c[2] else ''}")
+def case(request, tmp_path_factory):
+    arch, dtype, overrides = request.param
+    package = packages.tiny_package(tmp_path_factory.mktemp(arch) / "pkg", arch, dtype=dtype, layers=LAYERS,
+                                    layers_per_block=2, seed=10 + CASES.index(request.param), **overrides)
+    engine = Engine(PackageFolderProvider(package.path)).start()
+    engine.wait_loaded(timeout=30)
+    yield reference_model(package.checkpoint), engine
+    engine.close()
+
+
+def pipeline_generate(runners, cuts, prompt, params, *, logits=None):
+    """Generate through stages ``runners[i]`` running layers ``cuts[i]..cuts[i+1]-1``, as a head stage does."""
+    session, tokens, position, step = uuid.uuid4().hex, [], 0, list(prompt)
+    while len(tokens) < params.max_tokens:
+        hidden = None
+        for i, runner in enumerate(runners):
+            out = runner.run(session, range(cuts[i], cuts[i + 1]), position, tokens=step if i == 0 else None,
+                             hidden=hidden, params=params if position == 0 else None,
+                             want_logits=logits is not None, timeout=30)
+            hidden = out.hidden
+        if logits is not None:
+            logits.append(out.logits)
+        position += len(step)
+        tokens.append(out.token)
+        step = [out.token]
+        if out.token in params.stop_token_ids:
+            break
+    for runner in runners:
+        runner.close(session)
+    return tokens
+
+
+@pytest.mark.parametrize("stages", sorted(SPLITS))
+def test_greedy_tokens_through_a_pipeline_equal_one_node_and_transformers(case, stages):
+    ref, engine = case
+    prompt = random_prompt(9, stages)
+    expected = reference_generate(ref, prompt, 16)
+    assert len(set(expected)) > 4  # the model is not degenerate: the comparison means something
+    params = SamplingParams(max_tokens=16, stop_token_ids=[ref.generation_config.eos_token_id])
+    runners = [StageRunner(engine.model) for _ in range(stages)]
+    got = pipeline_generate(runners, SPLITS[stages], prompt, params)
+    assert got == expected == engine.generate(prompt, params, timeout=30)
+    assert all(r.sessions == 0 for r in runners)
+
+
+def test_logits_at_every_step_equal_transformers(case):
+    ref, engine = case
+    prompt = random_prompt(7, 99)
+    logits = []
+    tokens = pipeline_generate([StageRunner(engine.model) for _ in range(3)], SPLITS[3], prompt,
+                               SamplingParams(max_tokens=5), logits=logits)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
+                           do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    assert tokens == out.sequences[0, len(prompt):].tolist()
+    for got, want in zip(logits, out.logits, strict=True):  # the prefill's, then each decode step's
+        assert torch.equal(got, want[0].float())
+
+
+def test_seeded_sampling_through_a_pipeline_equals_one_node(case):
+    _, engine = case
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+    prompt = random_prompt(6, 5)
+    runners = [StageRunner(engine.model) for _ in range(2)]
+    assert pipeline_generate(runners, SPLITS[2], prompt, params) == engine.generate(prompt, params, timeout=30)
+
+
+def test_a_stage_runs_while_its_blocks_arrive_and_its_waits_have_deadlines(tmp_path):
+    package = packages.tiny_package(tmp_path / "pkg", "llama", layers=4, layers_per_block=1, seed=3)
+    agent = GatedAgent(package.path)
+    engine = Engine(AgentBlockProvider(agent, package_id=None, where="gated agent", timeout_s=30)).start()
+    try:
+        head, tail = StageRunner(engine.model), StageRunner(engine.model)
+        agent.release(0, 1)  # the head stage's blocks only: layers 0-1 with the embeddings
+        out = head.run("s", range(0, 2), 0, tokens=[1, 2, 3], timeout=10)
+        assert out.hidden.shape == (1, 3, 64) and not engine.model.fully_loaded
+        with pytest.raises(TimeoutError, match="layer 2 not loaded within 0.2 s"):
+            tail.run("s", range(2, 4), 0, hidden=out.hidden, timeout=0.2)
+        assert tail.sessions == 0  # a failed call leaves no half-filled session behind
+        done = threading.Timer(0.3, agent.release)
+        done.start()
+        assert tail.run("s", range(2, 4), 0, hidden=out.hidden, timeout=10).token is not None
+        done.join()
+    finally:
+        engine.close()
+
+
+def test_calls_that_do_not_fit_the_session_are_refused_naming_why(case):
+    _, engine = case
+    runner = StageRunner(engine.model, max_sessions=1)
+    out = runner.run("s", range(0, 4), 0, tokens=[1, 2, 3], timeout=5)
+    with pytest.raises(StageSessionError, match="session 's' is at position 3, the call is at 5"):
+        runner.run("s", range(0, 4), 5, tokens=[4], timeout=5)
+    with pytest.raises(StageSessionError, match="session 's' runs layers 0-3 here, the call asks for 0-1"):
+        runner.run("s", range(0, 2), 3, tokens=[4], timeout=5)
+    with pytest.raises(StageSessionError, match="session 'x' is not held here"):
+        runner.run("x", range(4, 8), 3, hidden=out.hidden[:, -1:], timeout=5)
+    with pytest.raises(StageSessionError, match="session 's' is open already"):
+        runner.run("s", range(0, 4), 0, tokens=[1], timeout=5)
+    with pytest.raises(StageCapacityError, match="already runs 1 pipelined sessions"):
+        runner.run("t", range(0, 4), 0, tokens=[1], timeout=5)
+    with pytest.raises(InvalidRequestError, match=r"hidden states must be \[1, positions, 64\], got \[3, 64\]"):
+        runner.run("t", range(4, 8), 0, hidden=out.hidden[0], timeout=5)
+    with pytest.raises(InvalidRequestError, match="the first stage takes token ids, the others hidden states"):
+        runner.run("t", range(0, 4), 0, hidden=out.hidden, timeout=5)
+    with pytest.raises(InvalidRequestError, match="one token after it; got 2 positions at 3"):
+        runner.run("s", range(0, 4), 3, tokens=[4, 5], timeout=5)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        StageRunner(engine.model).run("v", range(0, 4), 0, tokens=[1, 9999], timeout=5)
+    assert runner.run("s", range(0, 4), 3, tokens=[4], timeout=5).hidden.shape[1] == 1
+
+
+def test_idle_sessions_expire():
+    clock = [0.0]
+    runner = StageRunner(model=None, idle_s=10, clock=lambda: clock[0])
+    runner._session("a", range(0, 1), 0, None)
+    clock[0] = 5
+    runner._session("b", range(0, 1), 0, None)
+    clock[0] = 12
+    assert runner.expire() == 1 and runner.sessions == 1

@@ -1,0 +1,193 @@
+"""Cross-node pipelines between serving workers: routes and frames, requests through stages over real
+HTTP, and stages that fail or die mid-request.
+
+Workers run in-process on loopback (one torch import), except the stage killed mid-request, which is a
+``pipecast serve`` process.
+"""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+import torch
+
+import pipecast
+from pipecast.serve.pipeline import (
+    PIPELINE_HEADER,
+    Hop,
+    PipelineProtocolError,
+    decode_frame,
+    encode_frame,
+    parse_route,
+    route_header,
+)
+from pipecast.serve.worker import WorkerConfig
+from tests.serve.test_app import serving
+from tests.support import packages
+from tests.support.engine_fixtures import random_prompt
+from tests.support.agent_processes import free_ports
+
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_configured_agent")]
+
+MODEL = "tiny-llama"
+PROMPT = random_prompt(10, 8)
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    """A tiny llama of 6 layers (one a block) with a byte-level tokenizer."""
+    return packages.tiny_package(tmp_path_factory.mktemp("pipe") / "pkg", seed=6, layers=6, tokenizer=True).path
+
+
+@pytest.fixture(scope="module")
+def reference(pkg):
+    with pipecast.load(pkg) as model:
+        yield lambda prompt, n: model.generate(prompt, max_new_tokens=n, timeout=30)
+
+
+def route(urls_and_cuts) -> str:
+    return route_header([Hop(url, range(a, b)) for url, a, b in urls_and_cuts])
+
+
+def completion(n: int, stream: bool = False) -> dict:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": n, "temperature": 0, "return_token_ids": True,
+            "stream": stream}
+
+
+async def post(http, url, body, headers=None):
+    async with http.post(f"{url}/v1/completions", json=body, headers=headers or {}) as response:
+        return response.status, await response.json()
+
+
+# --- routes and frames -------------------------------------------------------------------------------
+
+
+def raw_frame(header: dict, data: bytes) -> bytes:
+    head = json.dumps(header).encode()
+    return len(head).to_bytes(4, "big") + head + data
+
+
+def test_frames_carry_tensors_exactly():
+    for dtype in (torch.float32, torch.bfloat16):
+        tensor = torch.randn(1, 5, 8).to(dtype)
+        header, back = decode_frame(encode_frame({"session": "s"}, tensor))
+        assert header == {"session": "s"} and back.dtype == dtype and torch.equal(back, tensor)
+    assert decode_frame(encode_frame({"token": 7})) == ({"token": 7}, None)
+
+
+@pytest.mark.parametrize("frame, message", [
+    (b"\x00\x00", "a frame of 2 bytes is shorter than its header says"),
+    (b"\x00\x00\x00\x02[]", "the frame's header is not a JSON object"),
+    (encode_frame({"token": 1}) + b"x", "1 bytes follow a header that names no tensor"),
+    (encode_frame({}, torch.zeros(2))[:-1], r"the frame's tensor float32\[2\] needs 8 bytes, 7 follow the header"),
+    (raw_frame({"tensor": {"dtype": "int64", "shape": [1]}}, b"\0" * 8),
+     "must name a dtype of float32, bfloat16, float16"),
+])
+def test_malformed_frames_are_refused_naming_what(frame, message):
+    with pytest.raises(PipelineProtocolError, match=message):
+        decode_frame(frame)
+
+
+@pytest.mark.parametrize("value, message", [
+    ([], "a route is a list of 1 to 64 stages"),
+    ([{"url": "http://a:1", "layers": [1, 2]}], r"stage 0 of the route must run layers \[0, stop\)"),
+    ([{"url": "http://a:1", "layers": [0, 2]}, {"url": "http://b:1", "layers": [3, 4]}],
+     r"stage 1 of the route must run layers \[2, stop\)"),
+    ([{"url": "ftp://a", "layers": [0, 2]}], "stage 0 of the route has no http\\(s\\) URL"),
+    ([{"url": "http://a:1"}], "stage 0 of the route must be an object with 'url' and 'layers'"),
+])
+def test_bad_routes_are_refused_naming_the_stage(value, message):
+    with pytest.raises(PipelineProtocolError, match=message):
+        parse_route(value)
+
+
+# --- requests through stages -------------------------------------------------------------------------
+
+
+async def test_a_request_through_three_stages_answers_the_single_node_tokens(pkg, reference):
+    expected = reference(PROMPT, 12)
+    async with serving(WorkerConfig(str(pkg))) as (a, wa, _, http), \
+            serving(WorkerConfig(str(pkg))) as (b, wb, _, _), serving(WorkerConfig(str(pkg))) as (c, wc, _, _):
+        header = {PIPELINE_HEADER: route([(a, 0, 2), (b, 2, 5), (c, 5, 6)])}
+        status, answer = await post(http, a, completion(12), header)
+        assert status == 200, answer
+        assert answer["choices"][0]["token_ids"] == expected
+        # streamed, token by token, through the same stages
+        async with http.post(f"{a}/v1/completions", json=completion(12, stream=True), headers=header) as response:
+            events = [json.loads(line[6:]) for line in (await response.text()).split("\n\n")
+                      if line.startswith("data: {")]
+        assert [t for e in events for t in e["choices"][0]["token_ids"]] == expected
+        # two stages, and a route headed by the only stage (a worker alone)
+        status, answer = await post(http, a, completion(12), {PIPELINE_HEADER: route([(a, 0, 3), (c, 3, 6)])})
+        assert answer["choices"][0]["token_ids"] == expected
+        await asyncio.sleep(0.2)  # closing the sessions along the route is asynchronous
+        assert [w.stage_runner().sessions for w in (wa, wb, wc)] == [0, 0, 0]
+
+
+async def test_a_dead_stage_fails_the_request_with_503_naming_it_and_a_bad_route_is_a_400(pkg):
+    dead = f"http://127.0.0.1:{free_ports(1)[0]}"
+    async with serving(WorkerConfig(str(pkg))) as (a, worker, _, http):
+        status, answer = await post(http, a, completion(4), {PIPELINE_HEADER: route([(a, 0, 3), (dead, 3, 6)])})
+        assert status == 503 and answer["error"]["code"] == "pipeline_stage_failed"
+        assert answer["error"]["message"].startswith(f"pipeline stage {dead} failed: ")
+        status, answer = await post(http, a, completion(4), {PIPELINE_HEADER: route([(a, 0, 3), (dead, 3, 5)])})
+        assert status == 400 and answer["error"]["param"] == PIPELINE_HEADER
+        assert "the route runs layers 0-4, the model has 6" in answer["error"]["message"]
+        status, answer = await post(http, a, completion(4), {PIPELINE_HEADER: "[1"})
+        assert status == 400 and answer["error"]["param"] == PIPELINE_HEADER
+        assert worker.stage_runner().sessions == 0
+
+
+async def test_a_stage_process_killed_mid_request_fails_it_naming_the_stage(pkg, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPECAST_")}
+    with (tmp_path / "tail.log").open("w") as log:
+        tail = subprocess.Popen([sys.executable, "-m", "pipecast.cli", "serve", str(pkg), "--host", "127.0.0.1",
+                                 "--port", "0"], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    try:
+        match = re.fullmatch(r"pipecast serve: listening on (http://\S+)\n", tail.stdout.readline())
+        assert match, (tmp_path / "tail.log").read_text()
+        c = match.group(1)
+        async with serving(WorkerConfig(str(pkg))) as (a, _, _, http), serving(WorkerConfig(str(pkg))) as (b, _, _, _):
+            header = {PIPELINE_HEADER: route([(a, 0, 2), (b, 2, 4), (c, 4, 6)])}
+            status, answer = await post(http, a, completion(3), header)  # the tail loads, then answers
+            assert status == 200, answer
+            async with http.post(f"{a}/v1/completions", json=completion(100, stream=True),
+                                 headers=header) as response:
+                first = await response.content.readline()
+                assert first.startswith(b"data: {")
+                tail.send_signal(signal.SIGKILL)
+                rest = (await response.content.read()).decode()
+            events = [json.loads(e.strip()[6:]) for e in rest.split("\n\n") if e.strip().startswith("data: {")]
+            assert "error" in events[-1] and events[-1]["error"]["code"] == "pipeline_stage_failed"
+            assert f"pipeline stage {c} failed" in events[-1]["error"]["message"]
+            assert len(events) < 99  # it failed, it did not finish
+            # a new request fails before any answer: the router retries it on another worker
+            status, answer = await post(http, a, completion(3), header)
+            assert status == 503 and f"pipeline stage {c} failed" in answer["error"]["message"]
+    finally:
+        if tail.poll() is None:
+            tail.kill()
+        tail.wait()
+        tail.stdout.close()
+
+
+async def test_stage_calls_with_bad_frames_are_answered_400(pkg):
+    async with serving(WorkerConfig(str(pkg))) as (a, _, _, http):
+        async with http.post(f"{a}/v1/stage", data=raw_frame({"a": 1}, b"")) as response:
+            answer = await response.json()
+        assert response.status == 400 and "'session' must be a string" in answer["error"]["message"]
+        frame = encode_frame({"session": "s", "layers": [2, 6], "position": 0, "params": None, "next": [],
+                              "deadline_s": 5}, torch.zeros(1, 3, 7))
+        async with http.post(f"{a}/v1/stage", data=frame) as response:
+            answer = await response.json()
+        assert response.status == 400 and "hidden states must be [1, positions, 64], got [1, 3, 7]" in \
+            answer["error"]["message"]
+        async with aiohttp.ClientSession() as other:
+            async with other.post(f"{a}/v1/stage/close", json={"session": "nope"}) as response:
+                assert response.status == 200
