@@ -18,6 +18,22 @@ def bench_group():
     """Benchmarks; each prints measured / floor and the baseline, measured in the same run."""
 
 
+def _run_and_report(run, config, workdir: Path | None, format_report, json_path: Path | None) -> object:
+    """Run a benchmark in ``workdir`` (default: a temp dir), print its report and write its JSON if asked."""
+    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
+        report = run(config, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
+    click.echo(format_report(report))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+    return report
+
+
+def _demo(cache: Path) -> Path:
+    """The demo model's package, packed on first use."""
+    from benchmarks.demo_model import demo_package
+
+    return demo_package(cache)
+
 
 @bench_group.command("pack")
 @click.option("--size", type=SIZE, default="2GB", show_default=True, help="Synthetic checkpoint size.")
@@ -72,17 +88,11 @@ def bench_distribution(workers, link_mbit, store_mbit, package, strategies, tran
     except distribution.DistributionBenchError as exc:
         raise click.BadParameter(str(exc)) from None
     if package is None:
-        from benchmarks.demo_model import demo_package
-
-        package = demo_package(cache)
+        package = _demo(cache)
     config = distribution.DistributionConfig(package=package, workers=counts, link_mbit=link_mbit,
                                              store_mbit=store_mbit, strategies=names, transport=transport,
                                              repeat=repeat, mode=mode, auth=not no_auth, tls=tls)
-    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
-        report = distribution.run(config, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
-    click.echo(distribution.format_report(report))
-    if json_path:
-        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+    report = _run_and_report(distribution.run, config, workdir, distribution.format_report, json_path)
     if plot_path:
         distribution.save_plot(report, plot_path)
 
@@ -227,9 +237,7 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
             schedule = traces.repeat_surges(schedule, surges, quiet_seconds)
             description += f"; played {surges} times, {quiet_seconds:g} s quiet between"
         if package is None:
-            from benchmarks.demo_model import demo_package
-
-            package = demo_package(cache)
+            package = _demo(cache)
         config = surge.SurgeConfig(
             package=package, schedule=schedule, load_description=description, caps=caps,
             strategies=parse_strategies(strategies), workers=workers, min_workers=min_workers, link_mbit=link_mbit,
@@ -279,16 +287,51 @@ def bench_coldstart(prompt_tokens, link_mbit, package, repeat, max_tokens, mode,
     except coldstart.ColdStartBenchError as exc:
         raise click.BadParameter(str(exc)) from None
     if package is None:
-        from benchmarks.demo_model import demo_package
-
-        package = demo_package(cache)
+        package = _demo(cache)
     config = coldstart.ColdStartConfig(package=package, prompt_tokens=lengths, link_mbit=link_mbit, repeat=repeat,
                                        max_tokens=max_tokens, mode=mode, threads=threads)
-    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
-        report = coldstart.run(config, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
-    click.echo(coldstart.format_report(report))
-    if json_path:
-        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+    _run_and_report(coldstart.run, config, workdir, coldstart.format_report, json_path)
+
+
+@bench_group.command("pipelines")
+@click.option("--sources", default="1,2,4,8", show_default=True, help="Source counts K, comma-separated.")
+@click.option("--source-kind", "source_kinds", default="warm,store", show_default=True,
+              help="warm: K warm workers hold the package; store: the store's egress is K links.")
+@click.option("--strategy", "strategies", default="pipelines,whole-model", show_default=True,
+              help="pipelines (the router routes to cross-node pipelines) and/or whole-model (--no-pipelines).")
+@click.option("--receivers", type=click.IntRange(min=2), default=8, show_default=True,
+              help="Workers scaled up (N), each an agent and a serving worker.")
+@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+              help="Every host's link rate (B).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Block package (default: the demo model's, packed on first use).")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
+              show_default=True, help="Where the demo package is cached.")
+@click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
+              help="Emulated cluster: network namespaces with tc, or loopback with token buckets.")
+@click.option("--worker-cpus", type=click.FloatRange(min=0),
+              help="CPUs each serving worker may use (a CFS quota, each emulated node its own capacity; default: "
+                   "this machine's cores / receivers; 0: no quota).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep logs and events here (default: a temp dir).")
+def bench_pipelines(sources, source_kinds, strategies, receivers, link_mbit, prompt_tokens, max_tokens, package,
+                    cache, mode, worker_cpus, json_path, workdir):
+    """First token after a scale-up from K sources: cross-node pipelines vs waiting for a whole model."""
+    from benchmarks import pipelines
+
+    try:
+        config = pipelines.PipelinesConfig(
+            package=package or _demo(cache), sources=pipelines.parse_sources(sources),
+            source_kinds=pipelines.parse_choice(source_kinds, pipelines.SOURCE_KINDS, "--source-kind"),
+            strategies=pipelines.parse_choice(strategies, pipelines.STRATEGIES, "--strategy"),
+            receivers=receivers, link_mbit=link_mbit, prompt_tokens=prompt_tokens, max_tokens=max_tokens, mode=mode,
+            worker_cpus=(os.cpu_count() or 1) / receivers if worker_cpus is None else (worker_cpus or None))
+    except pipelines.PipelinesBenchError as exc:
+        raise click.UsageError(str(exc)) from None
+    _run_and_report(pipelines.run, config, workdir, pipelines.format_report, json_path)
 
 
 @bench_group.command("engine")
@@ -315,9 +358,7 @@ def bench_engine(package, concurrency, prompt_tokens, max_tokens, device, thread
     if not concurrencies or min(concurrencies) < 1:
         raise click.BadParameter(f"concurrencies must be >= 1, got {concurrency!r}")
     if package is None:
-        from benchmarks.demo_model import demo_package
-
-        package = demo_package(cache)
+        package = _demo(cache)
     report = engine_bench.run(package, concurrencies=concurrencies, prompt_tokens=prompt_tokens,
                               max_tokens=max_tokens, device=device, threads=threads, repeat=repeat)
     click.echo(engine_bench.format_report(report))
@@ -400,8 +441,4 @@ def bench_tenants(workers, duration_s, rate_b, rate_a, burst_factor, deadline_s,
                                        burst_factor=burst_factor, deadline_s=deadline_s)
     except tenants.TenantsBenchError as exc:
         raise click.UsageError(str(exc)) from None
-    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
-        report = tenants.run(config, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
-    click.echo(tenants.format_report(report))
-    if json_path:
-        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+    _run_and_report(tenants.run, config, workdir, tenants.format_report, json_path)

@@ -173,6 +173,19 @@ def plans_command(ctx: click.Context, package_id: str) -> None:
     _emit(ctx, [_message_json(p) for p in plans], lines)
 
 
+@cp_group.command("pipelines")
+@click.option("--package", "package_id", default="", help="Only this package's pipelines.")
+@click.pass_context
+def pipelines_command(ctx: click.Context, package_id: str) -> None:
+    """List cross-node pipelines: serving workers that together hold every layer while none holds all."""
+    pipelines = _run(ctx, lambda c: c.list_pipelines(package_id))
+    lines = [f"{'PACKAGE':<20} {'STAGES':>6} {'SLOWEST':>8}  NODE[LAYERS] ..."]
+    for p in pipelines:
+        stages = " -> ".join(f"{s.node_id}[{s.layer_start}-{s.layer_end - 1}]" for s in p.stages)
+        lines.append(f"{p.package_id[:20]:<20} {len(p.stages):>6} {p.bottleneck_layers:>8.1f}  {stages}")
+    _emit(ctx, [_message_json(p) for p in pipelines], lines)
+
+
 @cp_group.command("publish")
 @click.argument("package_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--store-node", required=True, help="Node id of the store that serves the package.")

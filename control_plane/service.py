@@ -341,10 +341,10 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         found = []
         for package_id in packages:
             layout = self.state.package(package_id).layout
-            for pipeline in self.state.pipelines(package_id):  # none without a layout
+            for pipeline, waiting in self.state.pipelines(package_id):  # none without a layout
                 stages = [pb.PipelineStage(node_id=s.node, serve_url=serve_url_of(self.state.workers[s.node].spec),
                                            layer_start=s.start, layer_end=s.stop) for s in pipeline.stages]
-                found.append(pb.PipelineInfo(package_id=package_id, stages=stages,
+                found.append(pb.PipelineInfo(package_id=package_id, stages=stages, waiting_blocks=waiting,
                                              bottleneck_layers=max(pipeline.stage_costs(layout))))
         return pb.ListPipelinesResponse(pipelines=found)
 

@@ -441,27 +441,37 @@ class ControlState:
         """Ids of the active plans ``node`` has a part in."""
         return [plan_id for plan_id, active in self.plans.items() if node in active.parts]
 
-    def pipelines(self, package_id: str) -> list[Pipeline]:
+    def pipelines(self, package_id: str) -> list[tuple[Pipeline, int]]:
         """Cross-node pipelines of ``package_id`` now (:func:`form_pipelines`) among its alive serving
-        workers (those with a serve URL) that hold part of it: each counts with the blocks it holds and the
-        one it receives next (a stage waits for its layers, so a pipeline forms one block earlier)."""
+        workers (those with a serve URL) that hold part of it, each with the number of blocks its stages
+        still wait for. Pipelines of verified blocks come first; the workers left then count with the block
+        each receives next too (a stage waits for its layers, so such a pipeline serves one block earlier,
+        overlapping its compute with the transfer)."""
         package = self.package(package_id)
         if package.layout is None:
             return []
         availability = self.availability[package_id]
-        held: dict[str, set[int]] = {}
+        serving = {n for n in self.workers if self.workers[n].alive and serve_url_of(self.workers[n].spec)}
+        verified = {n: set(b) for n, b in availability.by_worker.items() if n in serving and b}
+        ready = form_pipelines(package.layout, verified)
+        taken = {n for p in ready for n in p.nodes}
+        ahead = {n: set(b) for n, b in verified.items() if n not in taken}
         for active in self.plans.values():
             if active.package_id != package_id:
                 continue
-            for node in active.pending:
+            for node in active.pending - taken:
+                if node not in serving:
+                    continue
                 have = availability.held(node)
                 following = next((f.block for f in active.parts[node].fetch if f.block not in have), None)
-                held.setdefault(node, set(have)).update(() if following is None else (following,))
-        for node, blocks in availability.by_worker.items():
-            held.setdefault(node, set(blocks))
-        serving = {n: b for n, b in held.items() if n in self.workers and self.workers[n].alive
-                   and serve_url_of(self.workers[n].spec) and b}
-        return form_pipelines(package.layout, serving)
+                if following is not None:
+                    ahead.setdefault(node, set(have)).add(following)
+        waiting = form_pipelines(package.layout, ahead)
+
+        def missing(pipeline: Pipeline) -> int:
+            return sum(len(package.layout.blocks_for(s.start, s.stop) - availability.held(s.node))
+                       for s in pipeline.stages)
+        return [(p, 0) for p in ready] + [(p, missing(p)) for p in waiting]
 
     # ----- restoring from the store (no dirty marks, no notices) -----
 

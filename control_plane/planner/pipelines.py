@@ -9,11 +9,12 @@ directly. No sockets, no clock.
 
 Each pipeline is an ordered tuple of :class:`Stage` (node, layer range) covering every layer exactly
 once; the first stage also embeds (it holds block 0, where the embeddings are), the last applies the
-final norm and head (it holds the last block, and block 0 too when the head is tied to the embeddings).
+final norm and head (it holds the last block); an LM head tied to the embeddings is applied by the first
+stage, which holds them (the last stage sends back its final norm), so no stage needs block 0 twice.
 A node is in at most one pipeline, and nodes that hold the whole package are left out: they serve on
 their own. Pipelines are formed fewest stages first (each hop costs a network round per token), and
 each pipeline's cut points are then chosen to balance compute: the cost of a stage is its layers' plus
-the head's (``head_cost``, in decoder layers) for the last stage.
+the head's (``head_cost``, in decoder layers) for the stage applying it.
 """
 from __future__ import annotations
 
@@ -82,14 +83,13 @@ class ModelLayout:
 
     def blocks_for(self, start: int, stop: int) -> frozenset[int]:
         """The blocks a stage running layers ``start..stop-1`` needs (with the embedding and head blocks
-        where the stage is the first or the last)."""
+        where the stage is the first or the last). A tied LM head is applied by the first stage, which
+        holds the embeddings: the last stage then needs only the final norm, in the last block."""
         needed = {self._block_of_layer[layer] for layer in range(start, stop)}
         if start == 0:
             needed.add(0)
         if stop == self.num_layers:
             needed.add(self.num_blocks - 1)
-            if self.tied_embeddings:
-                needed.add(0)
         return frozenset(needed)
 
 
@@ -117,9 +117,9 @@ class Pipeline:
         return tuple(s.node for s in self.stages)
 
     def stage_costs(self, layout: ModelLayout) -> list[float]:
-        """Each stage's compute in decoder layers (the last one's includes the head)."""
+        """Each stage's compute in decoder layers, the LM head's included (the first stage's when tied)."""
         costs = [float(len(s.layers)) for s in self.stages]
-        costs[-1] += layout.head_cost
+        costs[0 if layout.tied_embeddings else -1] += layout.head_cost
         return costs
 
     def to_json(self) -> list[dict]:
@@ -157,7 +157,7 @@ class _Runs:
 
     def __init__(self, layout: ModelLayout, blocks: frozenset[int]):
         self.can_embed = 0 in blocks
-        self.can_head = layout.num_blocks - 1 in blocks and (0 in blocks or not layout.tied_embeddings)
+        self.can_head = layout.num_blocks - 1 in blocks
         self.spans: list[tuple[int, int]] = []
         for b in sorted(blocks):
             layers = layout.block_layers[b]
@@ -214,9 +214,10 @@ def _balance(layout: ModelLayout, chain: Sequence[tuple[str, tuple[int, int]]]) 
     inf = float("inf")
     # best[i][c]: (largest stage cost, cuts) for stages 0..i-1 covering layers 0..c-1
     best: list[dict[int, tuple[float, tuple[int, ...]]]] = [{0: (0.0, ())}]
+    head_stage = 0 if layout.tied_embeddings else k - 1
     for i, (_, (lo, hi)) in enumerate(chain):
         row: dict[int, tuple[float, tuple[int, ...]]] = {}
-        head = layout.head_cost if i == k - 1 else 0.0
+        head = layout.head_cost if i == head_stage else 0.0
         for start, (worst, cuts) in best[i].items():
             if not lo <= start < hi:
                 continue

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipecast.engine.architectures import build_skeleton
 from pipecast.engine.errors import BlockBindError, ModelLoadError
-from pipecast.engine.weights import ATTENTION, EMBED, HEAD, MLP_IN, Part, WeightBinder
+from pipecast.engine.weights import ATTENTION, EMBED, FINAL_NORM, HEAD, LM_HEAD, MLP_IN, Part, WeightBinder
 
 if TYPE_CHECKING:
     import torch
@@ -155,6 +155,10 @@ class ProgressiveModel:
 
     def head(self, hidden: "torch.Tensor", last_only: bool) -> "torch.Tensor":
         """Final norm and LM head: logits of every position, or of the last one only."""
+        return self.lm_head(self.final_norm(hidden, last_only))
+
+    def final_norm(self, hidden: "torch.Tensor", last_only: bool) -> "torch.Tensor":
+        """The final norm of every position, or of the last one only (the LM head's input)."""
         import torch
 
         hidden = self._inner.norm(hidden)
@@ -163,7 +167,11 @@ class ProgressiveModel:
             # slower (measured: SmolLM2's head 78 ms instead of 4 ms after a 128-token prompt); the copy
             # gives the row its own dense strides.
             hidden = hidden[:, -1:, :].clone(memory_format=torch.contiguous_format)
-        return self.skeleton.model.lm_head(hidden)
+        return hidden
+
+    def lm_head(self, normed: "torch.Tensor") -> "torch.Tensor":
+        """The LM head: logits of :meth:`final_norm`'s output."""
+        return self.skeleton.model.lm_head(normed)
 
     def window(self, layer: int) -> int | None:
         """Sliding-window size of ``layer``'s attention, or None for full attention."""
@@ -194,6 +202,8 @@ class ProgressiveModel:
 
 
 def _part_name(part: Part) -> str:
+    if part in (FINAL_NORM, LM_HEAD):
+        return "the final norm" if part == FINAL_NORM else "the LM head"
     if isinstance(part, tuple):
         return f"stage {part[1]} of layer {part[0]}"
     return {EMBED: "the embeddings", HEAD: "the final norm and LM head"}.get(part, f"layer {part}")

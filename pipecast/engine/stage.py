@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from pipecast.engine.errors import EngineError, InvalidRequestError
 from pipecast.engine.kv_cache import decode_mask, prefill_mask
 from pipecast.engine.sampling import SamplingParams, new_generator, sample_tokens
-from pipecast.engine.weights import EMBED, HEAD
+from pipecast.engine.weights import EMBED, FINAL_NORM, HEAD, LM_HEAD
 
 if TYPE_CHECKING:
     import torch
@@ -107,12 +107,14 @@ class StageRunner:
 
     def run(self, session: str, layers: range, position: int, *, tokens: Sequence[int] | None = None,
             hidden: "torch.Tensor | None" = None, params: SamplingParams | None = None,
-            want_logits: bool = False, timeout: float) -> StageOutput:
+            want_logits: bool = False, norm_only: bool = False, timeout: float) -> StageOutput:
         """Run ``layers`` for ``session`` on the tokens at ``position`` onwards.
 
         The first stage (``layers`` from 0) gets ``tokens`` (the prompt at position 0, then one token a
         call), the others ``hidden`` [1, n, hidden_size]; the last stage (``layers`` to the model's end)
-        returns the sampled token. A call at position 0 opens the session (``params``: how the last stage
+        returns the sampled token, or with ``norm_only`` the last position's final norm [1, 1, hidden_size]
+        for the first stage to finish with :meth:`sample` (a tied LM head is the embeddings, which the
+        first stage holds). A call at position 0 opens the session (``params``: how the stage that samples
         samples); later calls must continue where the previous one ended. Each part the call needs is
         waited for up to ``timeout`` seconds (TimeoutError beyond). Raises :class:`StageSessionError`,
         :class:`StageCapacityError`, :class:`InvalidRequestError` for bad inputs.
@@ -150,12 +152,32 @@ class StageRunner:
                         hidden = m.embed(ids)
                     else:
                         hidden = hidden.to(device=m.device, dtype=m.dtype)
-                    out = self._forward(state, hidden, position, timeout, last, want_logits)
+                    out = self._forward(state, hidden, position, timeout, last, want_logits, norm_only)
             except BaseException:
                 self.close(session)  # some layers may have cached this call's keys: the session is spent
                 raise
             state.length, state.used_at = position + n, self._clock()
         return out
+
+    def sample(self, session: str, normed: "torch.Tensor", *, want_logits: bool = False,
+               timeout: float) -> StageOutput:
+        """Apply the LM head to the last stage's final norm (:meth:`run` with ``norm_only``) and sample
+        the token with ``session``'s parameters; the first stage calls this."""
+        import torch
+
+        m = self.model
+        width = m.config.hidden_size
+        if normed.dim() != 3 or tuple(normed.shape[:2]) != (1, 1) or normed.shape[2] != width:
+            raise InvalidRequestError(f"the final norm must be [1, 1, {width}], got {list(normed.shape)}")
+        with self._lock:
+            state = self._sessions.get(session)
+        if state is None:
+            raise StageSessionError(f"session {session!r} is not held here (expired, or this node restarted)")
+        with state.lock, torch.inference_mode():
+            self._wait(LM_HEAD, timeout)
+            logits = m.lm_head(normed.to(device=m.device, dtype=m.dtype))[:, -1].float().cpu()
+            token = sample_tokens(logits, [state.params], [state.generator])[0]
+        return StageOutput(token=token, logits=logits[0] if want_logits else None)
 
     def close(self, session: str) -> bool:
         """Forget ``session`` (its request ended); False if it was not held."""
@@ -195,7 +217,7 @@ class StageRunner:
             self.model.wait_ready(part, timeout)
 
     def _forward(self, state: _Session, hidden: "torch.Tensor", position: int, timeout: float, last: bool,
-                 want_logits: bool) -> StageOutput:
+                 want_logits: bool, norm_only: bool) -> StageOutput:
         import torch
 
         m = self.model
@@ -211,6 +233,9 @@ class StageRunner:
                                  mask=masks[m.window(layer)], cache=state.cache)
         if not last:
             return StageOutput(hidden=hidden)
+        if norm_only:
+            self._wait(FINAL_NORM, timeout)
+            return StageOutput(hidden=m.final_norm(hidden, last_only=True))
         self._wait(HEAD, timeout)
         logits = m.head(hidden, last_only=True)[:, -1].float().cpu()
         token = sample_tokens(logits, [state.params], [state.generator])[0]

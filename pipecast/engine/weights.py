@@ -5,7 +5,9 @@ the agent's shared memory), so weights are never held twice. On a GPU each tenso
 once, on a dedicated CUDA stream, so the copy overlaps the compute of layers already bound.
 
 Parameters are grouped into *parts*: each decoder layer (its index), the embeddings (:data:`EMBED`) and the
-head, i.e. final norm and LM head (:data:`HEAD`). A part is usable once every parameter in it is bound.
+head, i.e. final norm and LM head (:data:`HEAD`), itself made of :data:`FINAL_NORM` and :data:`LM_HEAD` (a
+pipeline's last stage may apply the norm only, while the first stage, holding the tied embeddings, applies
+the LM head). A part is usable once every parameter in it is bound.
 A layer's parameters are also grouped into *stages*, ``(layer, stage)``, in the order its forward pass uses
 them (:data:`ATTENTION`, :data:`MLP_IN`, :data:`MLP_OUT`): a prefill can run a layer's attention while its
 MLP weights are still arriving.
@@ -32,13 +34,14 @@ HEAD = -2
 # projections; the MLP's output projection and residual add.
 ATTENTION, MLP_IN, MLP_OUT = 0, 1, 2
 LAYER_STAGES = (ATTENTION, MLP_IN, MLP_OUT)
+FINAL_NORM, LM_HEAD = (HEAD, 0), (HEAD, 1)
 _LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.")
 _EMBED_PARAM = re.compile(r"^model\.embed_tokens\.")
 _MLP_IN_PARAM = re.compile(r"\.(?:post_attention_layernorm|mlp\.gate_proj|mlp\.up_proj)\.")
 _MLP_OUT_PARAM = re.compile(r"\.mlp\.down_proj\.")
 
 Part = int | tuple[int, int]
-"""A layer index, EMBED, HEAD, or a layer's stage ``(layer, stage)``."""
+"""A layer index, EMBED, HEAD, a layer's stage ``(layer, stage)``, FINAL_NORM or LM_HEAD."""
 
 
 def part_of(name: str) -> int:
@@ -145,9 +148,13 @@ class WeightBinder:
 
 
 def _parts(name: str) -> tuple[Part, ...]:
-    """The part of parameter ``name`` and, for a layer's, its stage."""
+    """The part of parameter ``name`` and, for a layer's, its stage; for the head's, FINAL_NORM or LM_HEAD."""
     stage = stage_of(name)
-    return (stage[0], stage) if isinstance(stage, tuple) else (stage,)
+    if isinstance(stage, tuple):
+        return stage[0], stage
+    if stage == HEAD:
+        return HEAD, (LM_HEAD if name.startswith("lm_head.") else FINAL_NORM)
+    return (stage,)
 
 
 _SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}

@@ -45,7 +45,7 @@ from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_bo
 from pipecast.core.settings import Settings
 from pipecast.core.strictjson import JSONInputError
 from pipecast.router.admission import AdmissionConfig, AdmissionControl
-from pipecast.router.discovery import DiscoveredWorker, Discovery
+from pipecast.router.discovery import DiscoveredPipeline, DiscoveredWorker, Discovery
 from pipecast.router.errors import (
     QueueFullError,
     QueueTimeoutError,
@@ -61,7 +61,7 @@ from pipecast.router.errors import (
 )
 from pipecast.router.health import HealthMonitor
 from pipecast.router.metrics import RouterMetrics
-from pipecast.router.pool import Dispatcher, Worker, WorkerPool
+from pipecast.router.pool import PIPELINE_MAX_IN_FLIGHT, Dispatcher, PipelineUnit, Worker, WorkerPool
 from pipecast.router.signals import Signals, prompt_tokens
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,10 @@ class RouterConfig:
     #: While other tenants are active, a tenant with a rate limit is dispatched to the workers at most this
     #: many times its rate (0: never paced; settings: router_tenant_pacing; see pipecast.router.fairness).
     tenant_pacing: float = Settings.model_fields["router_tenant_pacing"].default
+    #: Route to cross-node pipelines the control plane forms while no worker holds the whole model.
+    pipelines: bool = True
+    #: Requests of this router at once on one pipeline.
+    pipeline_max_in_flight: int = PIPELINE_MAX_IN_FLIGHT
 
     def tenant_rate(self, tenant: str) -> float | None:
         """``tenant``'s admitted rate (requests/s), its weight in fair dispatch; None when unlimited."""
@@ -166,6 +170,7 @@ class Router:
         self._forwarded = FORWARDED_HEADERS + ((AUTH_HEADER,) if config.forward_auth else ())
         self._sources = list(sources)
         self._discovered: dict[int, list[DiscoveredWorker]] = {}
+        self._pipelines: dict[int, list[DiscoveredPipeline]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._monitor: HealthMonitor | None = None
         self._discovery_task: asyncio.Task | None = None
@@ -202,6 +207,8 @@ class Router:
             try:
                 async with asyncio.timeout(self.config.discovery_timeout_s):
                     self._discovered[index] = await source.list_workers()
+                    if self.config.pipelines:
+                        self._pipelines[index] = await source.list_pipelines()
             # Any failure of a source (its client may raise anything) must not stop discovery or empty
             # the pool: keep the source's last answer and try again next interval.
             except Exception as exc:
@@ -216,6 +223,13 @@ class Router:
         for url in removed:
             log.info("worker %s removed", url)
         self._monitor.sync(members)
+        added, removed = self.pool.sync_pipelines(
+            [p for index in sorted(self._pipelines) for p in self._pipelines[index]],
+            self.config.pipeline_max_in_flight)
+        for key in added:
+            log.info("pipeline %s added", key)
+        for key in removed:
+            log.info("pipeline %s dissolved: it takes no new requests", key)
 
     async def _rediscover(self) -> None:
         while True:
@@ -302,7 +316,8 @@ class Router:
             self.signals.failed()
         return web.json_response(error_body(str(error), reason), status=status, headers=headers)
 
-    async def _attempt(self, request: web.Request, body: bytes, headers: dict[str, str], worker: Worker,
+    async def _attempt(self, request: web.Request, body: bytes, headers: dict[str, str],
+                       worker: Worker | PipelineUnit,
                        arrival: float, queued_s: float) -> web.StreamResponse:
         """Send the request to ``worker`` once and relay its answer.
 
@@ -310,7 +325,8 @@ class Router:
         :class:`WorkerBusyError` on the worker's 429.
         """
         try:
-            upstream = await self._session.post(f"{worker.url}/v1/completions", data=body, headers=headers,
+            upstream = await self._session.post(f"{worker.endpoint}/v1/completions", data=body,
+                                                 headers={**headers, **worker.headers},
                                                  timeout=self._upstream_timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:
             problem = f"no answer to POST /v1/completions: {self._describe(exc)}"
@@ -438,6 +454,7 @@ class Router:
         """The ``GET /v1/workers`` answer."""
         now = self.clock()
         return {"workers": [worker.describe(now) for worker in self.pool.workers()],
+                "pipelines": [pipeline.describe() for pipeline in self.pool.pipelines()],
                 "queue_depth": self.dispatcher.waiting, "max_queue": self.dispatcher.max_queue}
 
 

@@ -80,16 +80,26 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
 @click.option("--forward-auth/--no-forward-auth", default=None,
               help="Pass clients' Authorization header on to the workers (settings: router_forward_auth; off "
                    "by default).")
+@click.option("--discovery-interval", type=click.FloatRange(min=0.05), default=DEFAULTS.discovery_interval_s,
+              show_default=True, help="Seconds between two questions to the control plane for workers and "
+                                      "pipelines.")
+@click.option("--pipelines/--no-pipelines", default=True, show_default=True,
+              help="Route to the cross-node pipelines the control plane forms while no worker holds the whole "
+                   "model.")
+@click.option("--pipeline-max-in-flight", type=click.IntRange(min=1), default=DEFAULTS.pipeline_max_in_flight,
+              show_default=True, help="Requests at once on one pipeline.")
 @click.option("--tenant-limit", "tenant_limits", multiple=True, metavar=TENANT_LIMIT_FORM,
               callback=parse_tenant_limits,
               help="Admit at most RATE requests/s of tenant NAME, BURST at once; beyond it 429 (repeatable; adds "
                    "to or overrides the settings' router_tenant_limits).")
 def router_command(host, port, workers, control_plane, max_queue, queue_timeout, health_interval, health_timeout,
-                   upstream_timeout, max_retries, drain_timeout, forward_auth, tenant_limits):
+                   upstream_timeout, max_retries, drain_timeout, forward_auth, discovery_interval, pipelines,
+                   pipeline_max_in_flight, tenant_limits):
     """Route OpenAI-style completion requests to the least-loaded serving worker.
 
     Workers come from --worker URLs and/or the control plane; a worker serves once its /health says
-    ready or partial. Requests wait in the router while no worker can take them.
+    ready or partial. With a control plane, groups of workers that together hold every layer serve as
+    pipelines until each holds the model. Requests wait in the router while nothing can take them.
 
     Tenants: API keys (router_api_keys: key -> tenant) are read only from the config file or
     PIPECAST_ROUTER_API_KEYS, never from the command line, where other users of the host could read
@@ -108,7 +118,8 @@ def router_command(host, port, workers, control_plane, max_queue, queue_timeout,
                           health_timeout_s=health_timeout, upstream_timeout_s=upstream_timeout,
                           max_retries=max_retries, forward_auth=settings.router_forward_auth,
                           admission=admission_config(settings, tenant_limits),
-                          tenant_pacing=settings.router_tenant_pacing)
+                          tenant_pacing=settings.router_tenant_pacing, discovery_interval_s=discovery_interval,
+                          pipelines=pipelines, pipeline_max_in_flight=pipeline_max_in_flight)
     asyncio.run(_serve(config, static, settings if control_plane else None, host, port, drain_timeout))
 
 

@@ -1,8 +1,10 @@
 """How the router learns its workers: a fixed list of URLs, or the control plane's worker list.
 
 Every source answers the same question, :meth:`Discovery.list_workers`: which workers serve now, as
-(node id, base URL) pairs. The router asks each source again every discovery interval and keeps a
-source's last answer while it fails (a control plane restart must not empty the pool).
+(node id, base URL) pairs, and :meth:`Discovery.list_pipelines`: which groups of them serve together as
+cross-node pipelines while none holds the whole model (only the control plane knows; a fixed list has
+none). The router asks each source again every discovery interval and keeps a source's last answer while
+it fails (a control plane restart must not empty the pool).
 """
 
 import logging
@@ -12,7 +14,8 @@ from typing import Protocol
 from control_plane.messages import SERVE_URL_LABEL
 from pipecast.core.urls import http_base_url
 from pipecast.router.errors import WorkerUrlError
-from pipecast.v1.control_pb2 import WorkerState
+from pipecast.serve.pipeline import Hop, route_header
+from pipecast.v1.control_pb2 import PipelineInfo, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +26,18 @@ class DiscoveredWorker:
 
     node_id: str
     url: str
+
+
+@dataclass(frozen=True)
+class DiscoveredPipeline:
+    """A cross-node pipeline: its stages' workers in order (the first, the head, receives the request
+    with the route in ``header``, the value of :data:`pipecast.serve.pipeline.PIPELINE_HEADER`)."""
+
+    key: str  # "pipeline:" and the stages' node ids, joined by "+"
+    head_url: str
+    member_urls: tuple[str, ...]
+    header: str
+    waiting_blocks: int = 0  # blocks its stages still wait for
 
 
 def normalize_url(url: str, source: str) -> str:
@@ -43,6 +58,10 @@ class Discovery(Protocol):
         """The workers of this source now; raises when the source cannot answer."""
         ...
 
+    async def list_pipelines(self) -> list[DiscoveredPipeline]:
+        """The cross-node pipelines among this source's workers now; raises when it cannot answer."""
+        ...
+
 
 class StaticDiscovery:
     """A fixed list of worker URLs (``--worker URL``); each URL is also the worker's node id."""
@@ -57,6 +76,10 @@ class StaticDiscovery:
         """The configured workers."""
         return list(self._workers)
 
+    async def list_pipelines(self) -> list[DiscoveredPipeline]:
+        """None: a fixed list of workers says nothing about the blocks they hold."""
+        return []
+
 
 # --- Control plane -----------------------------------------------------------------------------------
 # A serving worker registers its HTTP base URL in WorkerSpec.serve_url (`pipecast agent --serve-url`).
@@ -69,6 +92,10 @@ class WorkerLister(Protocol):
 
     async def list_workers(self) -> list[WorkerState]:
         """Every registered worker, alive or not."""
+        ...
+
+    async def list_pipelines(self, package_id: str = "") -> list[PipelineInfo]:
+        """The cross-node pipelines of every package now."""
         ...
 
 
@@ -92,4 +119,19 @@ class ControlPlaneDiscovery:
                 found.append(DiscoveredWorker(node_id, normalize_url(serve_url, f"{self.name}, worker {node_id}")))
             except WorkerUrlError as exc:
                 log.warning("skipping a worker: %s", exc)
+        return found
+
+    async def list_pipelines(self) -> list[DiscoveredPipeline]:
+        """The control plane's pipelines (every package's), as routes; one with a malformed stage URL is
+        logged and skipped."""
+        found = []
+        for info in await self._client.list_pipelines():
+            try:
+                hops = [Hop(normalize_url(s.serve_url, f"{self.name}, pipeline stage {s.node_id}"),
+                            range(s.layer_start, s.layer_end)) for s in info.stages]
+            except WorkerUrlError as exc:
+                log.warning("skipping a pipeline: %s", exc)
+                continue
+            found.append(DiscoveredPipeline("pipeline:" + "+".join(s.node_id for s in info.stages), hops[0].url,
+                                            tuple(h.url for h in hops), route_header(hops), info.waiting_blocks))
         return found

@@ -29,6 +29,15 @@ Which worker gets a request (:meth:`WorkerPool.choose`):
 - A retried request names the workers that failed it (``avoid``): they come last, not never, so a
   request can still go back to a worker that has recovered when it is the only one left.
 
+Cross-node pipelines (:class:`PipelineUnit`, from the control plane through discovery) are candidates
+too, as one unit each: the request goes to the head stage's worker with the route in a header. A pipeline
+is a candidate only while no ready worker has room in its batch (a full worker serves each token without
+the hops), every member answers its health polls and none failed a request, and for at most
+``max_in_flight`` requests of this router. Among candidates it ranks after ready and partial workers of
+the same load, one whose stages hold their blocks before one still waiting for some: an idle pipeline
+beats a worker with a queue, which is how capacity appears before any node holds the whole model. A pipeline the control plane no longer lists (its members now hold the
+model) takes no new requests; those in flight finish on it.
+
 A worker that failed a request stays unavailable until a health poll *started after* the failure says
 it can serve: an answer to a poll sent before the failure proves nothing about the worker now.
 """
@@ -39,6 +48,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pipecast.router.admission import DEFAULT_TENANT
+from pipecast.router.discovery import DiscoveredPipeline
 from pipecast.router.errors import QueueFullError, QueueTimeoutError, RouterClosedError
 from pipecast.router.fairness import FairQueue
 from pipecast.serve.health import SERVING, WorkerHealth
@@ -64,6 +74,16 @@ class Worker:
     #: Clock time the worker joined the pool, began to serve (ready or partial) or its in-flight count last
     #: dropped to 0, whichever is latest; None while it has requests in flight.
     idle_since: float | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The base URL requests are sent to."""
+        return self.url
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers a request sent here carries besides the client's."""
+        return {}
 
     @property
     def status(self) -> str:
@@ -110,6 +130,55 @@ class Worker:
         }
 
 
+#: Requests of this router at once on one pipeline: each runs token by token through every stage, and a
+#: stage serves its pipelined sessions one call at a time.
+PIPELINE_MAX_IN_FLIGHT = 4
+_STOPPED = ("failed", "draining")
+
+
+@dataclass
+class PipelineUnit:
+    """A cross-node pipeline as the router routes to it: keyed by ``url`` (``pipeline:n1+n2...``), sent to
+    its head stage's worker with the route header."""
+
+    url: str
+    head_url: str
+    member_urls: tuple[str, ...]
+    header: str
+    waiting_blocks: int = 0
+    max_in_flight: int = PIPELINE_MAX_IN_FLIGHT
+    in_flight: int = 0
+    routed: int = 0
+    failed_at: float | None = None
+    problem: str = ""
+
+    @property
+    def endpoint(self) -> str:
+        return self.head_url
+
+    @property
+    def headers(self) -> dict[str, str]:
+        from pipecast.serve.pipeline import PIPELINE_HEADER
+
+        return {PIPELINE_HEADER: self.header}
+
+    @property
+    def load(self) -> int:
+        return self.in_flight
+
+    def can_take(self, members: Iterable["Worker | None"]) -> bool:
+        """Whether a new request may go through this pipeline, given its members' state in the pool."""
+        if self.failed_at is not None or self.in_flight >= self.max_in_flight:
+            return False
+        return all(m is not None and m.health is not None and m.health.status not in _STOPPED
+                   and m.failed_at is None for m in members)
+
+    def describe(self) -> dict:
+        """A JSON-ready view for ``GET /v1/workers``."""
+        return {"key": self.url, "stages": list(self.member_urls), "in_flight": self.in_flight,
+                "routed": self.routed, "problem": self.problem}
+
+
 class WorkerPool:
     """The workers the router knows, their health and load, and the choice among them.
 
@@ -121,6 +190,7 @@ class WorkerPool:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._workers: dict[str, Worker] = {}
+        self._pipelines: dict[str, PipelineUnit] = {}
         self._listeners: list[Callable[[], None]] = []
         self._in_flight = 0
 
@@ -139,6 +209,29 @@ class WorkerPool:
     def get(self, url: str) -> Worker | None:
         """The worker at ``url``, or None when it is not (or no longer) in the pool."""
         return self._workers.get(url)
+
+    def pipelines(self) -> list[PipelineUnit]:
+        """Every pipeline the pool routes to now, by key."""
+        return [self._pipelines[key] for key in sorted(self._pipelines)]
+
+    def sync_pipelines(self, found: Iterable[DiscoveredPipeline],
+                       max_in_flight: int = PIPELINE_MAX_IN_FLIGHT) -> tuple[list[str], list[str]]:
+        """Make the pool route to exactly the pipelines ``found``; return the keys added and removed. A
+        removed pipeline's requests in flight finish undisturbed (its stages keep their sessions)."""
+        found = {p.key: p for p in found}
+        added = sorted(set(found) - set(self._pipelines))
+        removed = sorted(set(self._pipelines) - set(found))
+        for key in removed:
+            del self._pipelines[key]
+        for key in added:
+            p = found[key]
+            self._pipelines[key] = PipelineUnit(key, p.head_url, p.member_urls, p.header,
+                                                max_in_flight=max_in_flight)
+        for key, p in found.items():
+            self._pipelines[key].waiting_blocks = p.waiting_blocks
+        if added:
+            self._changed()
+        return added, removed
 
     def sync(self, members: Mapping[str, str]) -> tuple[list[str], list[str]]:
         """Make the pool hold exactly ``members`` (URL -> node id); return the URLs added and removed.
@@ -183,8 +276,9 @@ class WorkerPool:
             worker.problem = problem
 
     def record_failure(self, url: str, problem: str, at: float) -> None:
-        """A request failed on the worker at clock time ``at``: unavailable until a newer poll says it serves."""
-        worker = self._workers.get(url)
+        """A request failed on the worker (or pipeline) at clock time ``at``: unavailable until a newer poll
+        says it serves (a pipeline: until discovery lists it anew)."""
+        worker = self._workers.get(url) or self._pipelines.get(url)
         if worker is not None:
             worker.failed_at = at
             worker.problem = problem
@@ -197,23 +291,28 @@ class WorkerPool:
             worker.busy_until = at + retry_after_s
             worker.problem = problem
 
-    def choose(self, now: float, avoid: Iterable[str] = (), one_batch: bool = False) -> Worker | None:
+    def choose(self, now: float, avoid: Iterable[str] = (),
+               one_batch: bool = False) -> "Worker | PipelineUnit | None":
         """The best worker for a new request at clock time ``now`` (module docstring), or None;
         ``one_batch`` as for :meth:`Worker.can_take`."""
         avoid = frozenset(avoid)
         candidates = [worker for worker in self._workers.values() if worker.can_take(now, one_batch)]
+        if not any(w.health.status == "ready" and w.load < (w.health.max_batch or 1) for w in candidates):
+            candidates += [p for p in self._pipelines.values()
+                           if p.can_take(self._workers.get(url) for url in p.member_urls)]
         if not candidates:
             return None
-        return min(candidates, key=lambda worker: (
-            worker.url in avoid, worker.load, worker.health.status != "ready",
-            -worker.health.fraction_present, worker.routed, worker.url))
+        return min(candidates, key=lambda unit: (unit.url in avoid, unit.load) + (
+            (2, unit.waiting_blocks) if isinstance(unit, PipelineUnit) else
+            (unit.health.status != "ready", -unit.health.fraction_present)) + (unit.routed, unit.url))
 
     def begin(self, url: str) -> None:
-        """Count a request sent to ``url``."""
-        worker = self._workers[url]
-        worker.in_flight += 1
-        worker.routed += 1
-        worker.idle_since = None
+        """Count a request sent to ``url`` (a worker's, or a pipeline's key)."""
+        unit = self._workers.get(url) or self._pipelines[url]
+        unit.in_flight += 1
+        unit.routed += 1
+        if isinstance(unit, Worker):
+            unit.idle_since = None
         self._in_flight += 1
 
     def finish(self, url: str) -> None:
@@ -224,6 +323,9 @@ class WorkerPool:
             worker.in_flight -= 1
             if worker.in_flight == 0:
                 worker.idle_since = self.clock()
+            self._changed()
+        elif url in self._pipelines:
+            self._pipelines[url].in_flight -= 1
             self._changed()
 
     @property

@@ -117,16 +117,18 @@ async def stage_call(request: web.Request) -> web.Response:
     session = None
     try:
         header, hidden = decode_frame(await read_body(request, request.app[MAX_BODY]))
-        session, layers, position, deadline, hops, params = _stage_header(header, received)
+        session, layers, position, deadline, hops, params, norm_only = _stage_header(header, received)
         runner = await worker.wait_stage_runner(deadline - time.monotonic())
         runner.expire()
         out = await asyncio.to_thread(runner.run, session, layers, position, hidden=hidden, params=params,
-                                      timeout=max(deadline - time.monotonic(), 0.0))
-        token = out.token
+                                      norm_only=norm_only and not hops, timeout=max(deadline - time.monotonic(), 0.0))
         if hops:
-            token = await worker.stage_client.forward(hops, session, position, out.hidden,
-                                                      params=params, deadline=deadline)
-        return web.Response(body=encode_frame({"token": token}), content_type="application/octet-stream")
+            answer = await worker.stage_client.forward(hops, session, position, out.hidden, params=params,
+                                                       norm_only=norm_only, deadline=deadline)
+            frame = encode_frame({}, answer) if norm_only else encode_frame({"token": answer})
+        else:
+            frame = encode_frame({}, out.hidden) if norm_only else encode_frame({"token": out.token})
+        return web.Response(body=frame, content_type="application/octet-stream")
     except StageFailedError as exc:  # a stage after this one
         worker.forget_stage_session(session)
         return web.json_response({"error": {"message": str(exc), "problem": exc.problem, "node": exc.node}},
@@ -146,9 +148,11 @@ async def stage_call(request: web.Request) -> web.Response:
 
 
 def _stage_header(header: dict, received: float) -> tuple:
-    """(session, layers, position, deadline, next hops, sampling params or None) of a stage call."""
+    """(session, layers, position, deadline, next hops, sampling params or None, norm only) of a stage call."""
     session, layers, position = header.get("session"), header.get("layers"), header.get("position")
-    deadline_s, params = header.get("deadline_s"), header.get("params")
+    deadline_s, params, norm_only = header.get("deadline_s"), header.get("params"), header.get("norm_only", False)
+    if not isinstance(norm_only, bool):
+        raise PipelineProtocolError("'norm_only' must be true or false")
     if not isinstance(session, str) or not 0 < len(session) <= 64:
         raise PipelineProtocolError("'session' must be a string of 1 to 64 characters")
     if type(position) is not int or position < 0:
@@ -159,7 +163,7 @@ def _stage_header(header: dict, received: float) -> tuple:
         raise PipelineProtocolError("'layers' must be [start, stop]")
     hops = parse_route(header.get("next"), first=layers[1]) if header.get("next") else ()
     return (session, range(*layers), position, received + deadline_s, hops,
-            None if params is None else params_from_json(params))
+            None if params is None else params_from_json(params), norm_only)
 
 
 def _stage_error(message: str, status: int) -> web.Response:

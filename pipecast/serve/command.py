@@ -8,6 +8,7 @@ import click
 
 from pipecast.core.settings import load_settings
 from pipecast.serve.app import run_worker
+from pipecast.serve.pipeline import STEP_TIMEOUT_S
 from pipecast.serve.worker import ServingWorker, WorkerConfig
 
 SWITCH_INTERVAL_S = 0.0005
@@ -37,9 +38,13 @@ SWITCH_INTERVAL_S = 0.0005
               help="Loading fails after this many seconds without a new block.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM: seconds running requests may take to finish before they are cut.")
+@click.option("--pipeline-step-timeout", type=click.FloatRange(min=0, min_open=True), default=STEP_TIMEOUT_S,
+              show_default=True, help="As the head stage of a cross-node pipeline: seconds one token may take "
+                                      "through every stage, waits for arriving layers included.")
 def serve_command(package: str, agent_socket: Path | None, host: str | None, port: int | None,
                   max_queue: int | None, max_batch: int | None, device: str | None, model_name: str | None,
-                  wait_full_load: bool, agent_timeout: float, stall_timeout: float, drain_timeout: float) -> None:
+                  wait_full_load: bool, agent_timeout: float, stall_timeout: float, drain_timeout: float,
+                  pipeline_step_timeout: float) -> None:
     """Serve PACKAGE (a package folder or id) with an OpenAI-compatible API, from the moment it starts loading.
 
     Prints the URL it listens on. Register that URL for the router with the node agent's --serve-url.
@@ -49,7 +54,7 @@ def serve_command(package: str, agent_socket: Path | None, host: str | None, por
     config = WorkerConfig(package=package, agent=settings.agent_local_socket, device=settings.device,
                           max_queue=settings.max_queue, max_batch=settings.max_batch, model_name=model_name,
                           wait_full_load=wait_full_load, agent_timeout_s=agent_timeout,
-                          stall_timeout_s=stall_timeout)
+                          stall_timeout_s=stall_timeout, pipeline_step_timeout_s=pipeline_step_timeout)
     # The engine thread holds the GIL between torch ops; the event loop that streams its tokens would wait
     # up to the default 5 ms switch interval for each hand-over (measured: first tokens 1.5-4 ms late).
     sys.setswitchinterval(SWITCH_INTERVAL_S)

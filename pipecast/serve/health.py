@@ -17,7 +17,8 @@ STATES = ("loading", "partial", "ready")
 SERVING = ("partial", "ready")
 
 _COUNTS = ("blocks_present", "blocks_total", "queue_depth", "running", "max_queue")
-_OPTIONAL_COUNTS = ("max_batch",)  # 0 when a worker does not report it: no per-batch cap
+# 0 when a worker does not report them: no per-batch cap; no pipelined sessions
+_OPTIONAL_COUNTS = ("max_batch", "pipeline_sessions")
 _TEXTS = ("stage", "model", "package_id", "error")  # descriptive: nothing acts on them
 
 
@@ -36,6 +37,7 @@ class WorkerHealth:
     running: int
     max_queue: int
     max_batch: int = 0
+    pipeline_sessions: int = 0  # requests of cross-node pipelines whose stage state this worker holds
     stage: str | None = None    # the worker's loading stage (see pipecast.serve.worker)
     model: str | None = None
     package_id: str | None = None

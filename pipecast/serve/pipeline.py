@@ -7,7 +7,8 @@ ordinary ``POST /v1/completions`` with the route in the :data:`PIPELINE_HEADER` 
 For each token the head runs its layers (:class:`~pipecast.engine.stage.StageRunner`) and sends the
 hidden states to the next stage's ``POST /v1/stage``; every stage runs its layers and calls the next one
 in turn, and the last applies the head, samples and answers the token, which travels back along the
-calls. Every stage keeps its own layers' keys and values per session, so decoding goes on through the
+calls. With tied embeddings the last stage answers its final norm instead, and the head stage, which
+holds the embeddings (the tied LM head), samples: the last stage then never needs the embeddings' block. Every stage keeps its own layers' keys and values per session, so decoding goes on through the
 pipeline; when the request ends the head closes the sessions along the route (``POST /v1/stage/close``;
 stages also drop sessions left idle).
 
@@ -181,8 +182,9 @@ class StageClient:
         return self._session
 
     async def forward(self, hops: Sequence[Hop], session: str, position: int, hidden: "torch.Tensor", *,
-                      params: SamplingParams | None, deadline: float) -> int:
-        """Send ``hidden`` to ``hops[0]`` (which calls the rest) and return the token the last stage sampled.
+                      params: SamplingParams | None, norm_only: bool, deadline: float) -> "int | torch.Tensor":
+        """Send ``hidden`` to ``hops[0]`` (which calls the rest) and return the token the last stage sampled,
+        or with ``norm_only`` its final norm of the last position (for the first stage's tied LM head).
 
         ``deadline`` is a ``time.monotonic()`` instant. Raises :class:`StageFailedError` naming the stage
         that failed (the one called, or the one it reports).
@@ -194,7 +196,7 @@ class StageClient:
         if left <= 0:
             raise StageFailedError(hop.url, "the step's deadline passed before the call")
         header = {"session": session, "layers": [hop.layers.start, hop.layers.stop], "position": position,
-                  "params": params_json(params) if params is not None else None,
+                  "params": params_json(params) if params is not None else None, "norm_only": norm_only,
                   "next": [h.to_json() for h in hops[1:]], "deadline_s": left}
         try:
             async with self._http().post(hop.url + STAGE_PATH, data=encode_frame(header, hidden),
@@ -208,9 +210,13 @@ class StageClient:
         if status != 200:
             raise _answered_error(hop.url, status, body)
         try:
-            answer_header, _ = decode_frame(body)
+            answer_header, normed = decode_frame(body)
         except PipelineProtocolError as exc:
             raise StageFailedError(hop.url, f"a malformed answer: {exc}") from None
+        if norm_only:
+            if normed is None:
+                raise StageFailedError(hop.url, "an answer without the final norm")
+            return normed
         token = answer_header.get("token")
         if type(token) is not int:
             raise StageFailedError(hop.url, f"an answer without a token: {str(answer_header)[:120]}")
@@ -268,6 +274,10 @@ class PipelineHead:
         stream = TokenStream(next(self._ids), lambda _: task and task[0].cancel())
         try:
             token = await self._step(route, session, 0, prompt, params)
+        except StageFailedError as exc:
+            log.warning("pipelined request failed before its first token: %s", exc)
+            self._close(route, session)
+            raise
         except BaseException:
             self._close(route, session)
             raise
@@ -297,15 +307,26 @@ class PipelineHead:
                     params: SamplingParams) -> int:
         deadline = time.monotonic() + self.step_timeout_s
         own = route[0]
+        # A tied LM head is the embedding matrix, which this stage holds: the last stage sends back its
+        # final norm and the token is sampled here, so the last stage never needs the embeddings' block.
+        here = len(route) > 1 and self.runner.model.skeleton.tied_embeddings
         try:
             out = await asyncio.to_thread(self.runner.run, session, own.layers, position, tokens=tokens,
-                                          params=params if len(route) == 1 else None, timeout=self.step_timeout_s)
+                                          params=params, timeout=self.step_timeout_s)
         except (TimeoutError, PipecastError) as exc:
             raise StageFailedError(own.url, str(exc)) from None
         if len(route) == 1:
             return out.token
-        return await self.client.forward(route[1:], session, position, out.hidden,
-                                         params=params if position == 0 else None, deadline=deadline)
+        answer = await self.client.forward(route[1:], session, position, out.hidden, norm_only=here,
+                                           params=params if position == 0 and not here else None,
+                                           deadline=deadline)
+        if not here:
+            return answer
+        try:
+            left = max(deadline - time.monotonic(), 0.0)
+            return (await asyncio.to_thread(self.runner.sample, session, answer, timeout=left)).token
+        except (TimeoutError, PipecastError) as exc:
+            raise StageFailedError(own.url, str(exc)) from None
 
     @staticmethod
     def _emit(stream: TokenStream, token: int, params: SamplingParams) -> bool:

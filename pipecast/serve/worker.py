@@ -356,7 +356,9 @@ class ServingWorker:
                 status = "partial"
         return WorkerHealth(status=status, blocks_present=present, blocks_total=total,
                             queue_depth=self.queue_depth, running=self.running, max_queue=self.config.max_queue,
-                            max_batch=self.config.max_batch, stage=self._stage, model=self.model_name,
+                            max_batch=self.config.max_batch,
+                            pipeline_sessions=self._head.runner.sessions if self._head is not None else 0,
+                            stage=self._stage, model=self.model_name,
                             package_id=self.package_id, error=self._error)
 
     # --- requests ------------------------------------------------------------------------------------

@@ -358,14 +358,16 @@ class PipelineStage(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., serve_url: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
 
 class PipelineInfo(_message.Message):
-    __slots__ = ("package_id", "stages", "bottleneck_layers")
+    __slots__ = ("package_id", "stages", "bottleneck_layers", "waiting_blocks")
     PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     BOTTLENECK_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     package_id: str
     stages: _containers.RepeatedCompositeFieldContainer[PipelineStage]
     bottleneck_layers: float
-    def __init__(self, package_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[PipelineStage, _Mapping]]] = ..., bottleneck_layers: _Optional[float] = ...) -> None: ...
+    waiting_blocks: int
+    def __init__(self, package_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[PipelineStage, _Mapping]]] = ..., bottleneck_layers: _Optional[float] = ..., waiting_blocks: _Optional[int] = ...) -> None: ...
 
 class ListPipelinesResponse(_message.Message):
     __slots__ = ("pipelines",)

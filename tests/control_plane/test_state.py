@@ -492,10 +492,14 @@ def test_pipelines_form_from_rotated_halves_count_the_next_block_and_dissolve_wh
         held_or_next[node] = set(blocks[:count + 1])
     pipelines = state.pipelines("llm")
     assert pipelines, order
-    for pipeline in pipelines:  # w3 has no serve URL: never a stage; stages hold their blocks or the next
+    for pipeline, waiting in pipelines:  # w3 has no serve URL: never a stage; stages hold their blocks or the next
         assert "w3" not in pipeline.nodes and len(pipeline.stages) == 2
         for stage in pipeline.stages:
             assert set(range(stage.start, stage.stop)) <= held_or_next[stage.node]
+        layout = state.package("llm").layout
+        assert waiting == sum(len(layout.blocks_for(s.start, s.stop) - state.availability["llm"].held(s.node))
+                              for s in pipeline.stages)
+    assert [w for _, w in pipelines] == sorted(w for _, w in pipelines)  # those ready now come first
     for node, blocks in order.items():
         state.report(node, {"llm": blocks}, {}, now=3)
     assert state.pipelines("llm") == []  # every worker holds the model: each serves alone
@@ -557,8 +561,8 @@ def test_rotated_plans_rotate_by_bytes():
     result = state.scale_up("pkg", node_ids=["w0", "w1"], now=1)
     parts = state.plans[result.plan_id].parts
     assert result.strategy == "rotated"
-    # Half the bytes lie in block 2, where the second group starts (by block count: block 4).
-    assert sorted(parts[n].fetch[0].block for n in result.receivers) == [0, 2]
+    # Half the bytes are nearest the boundary before block 3, where the second group starts (by count: 4).
+    assert sorted(parts[n].fetch[0].block for n in result.receivers) == [0, 3]
 
 
 def test_store_links_come_from_the_settings_and_the_command_line():

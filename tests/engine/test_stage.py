@@ -37,15 +37,19 @@ def case(request, tmp_path_factory):
 
 
 def pipeline_generate(runners, cuts, prompt, params, *, logits=None):
-    """Generate through stages ``runners[i]`` running layers ``cuts[i]..cuts[i+1]-1``, as a head stage does."""
+    """Generate through stages ``runners[i]`` running layers ``cuts[i]..cuts[i+1]-1``, as a head stage does
+    (with tied embeddings the last stage sends back its final norm and the first samples)."""
     session, tokens, position, step = uuid.uuid4().hex, [], 0, list(prompt)
+    tied = len(runners) > 1 and runners[0].model.skeleton.tied_embeddings
     while len(tokens) < params.max_tokens:
         hidden = None
         for i, runner in enumerate(runners):
             out = runner.run(session, range(cuts[i], cuts[i + 1]), position, tokens=step if i == 0 else None,
                              hidden=hidden, params=params if position == 0 else None,
-                             want_logits=logits is not None, timeout=30)
+                             want_logits=logits is not None, norm_only=tied, timeout=30)
             hidden = out.hidden
+        if tied:
+            out = runners[0].sample(session, hidden, want_logits=logits is not None, timeout=30)
         if logits is not None:
             logits.append(out.logits)
         position += len(step)

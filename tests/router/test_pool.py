@@ -1,10 +1,17 @@
 """The router's pure logic: health parsing, worker choice, availability, the bounded queue, discovery."""
 
 import asyncio
+import json
 import pytest
 
 from pipecast.router.app import complete_events_end, retry_after_seconds
-from pipecast.router.discovery import SERVE_URL_LABEL, ControlPlaneDiscovery, DiscoveredWorker, StaticDiscovery
+from pipecast.router.discovery import (
+    SERVE_URL_LABEL,
+    ControlPlaneDiscovery,
+    DiscoveredPipeline,
+    DiscoveredWorker,
+    StaticDiscovery,
+)
 from pipecast.router.errors import (
     HealthAnswerError,
     QueueFullError,
@@ -303,3 +310,68 @@ async def test_control_plane_discovery_lists_alive_workers_with_a_serve_url():
     discovery = ControlPlaneDiscovery(Client(), "cp:7000")
     assert discovery.name == "control plane cp:7000"
     assert await discovery.list_workers() == [DiscoveredWorker("n1", "http://10.0.0.1:8000")]
+
+
+# --- cross-node pipelines ----------------------------------------------------------------------------
+
+def pipeline(*names: str) -> DiscoveredPipeline:
+    urls = tuple(f"http://{n}:1" for n in names)
+    return DiscoveredPipeline("pipeline:" + "+".join(names), urls[0], urls, "[route]")
+
+
+def test_a_pipeline_serves_while_no_ready_worker_has_room_and_its_members_answer():
+    # a and b hold halves (loading: b lacks the embeddings), c is a worker still far from the whole model
+    pool = pool_of(a=health("partial", present=4), b=health("loading", present=4), c=health("partial", present=2))
+    pool.sync_pipelines([pipeline("a", "b")], max_in_flight=2)
+    chosen = pool.choose(0.0)
+    assert chosen.url == "pipeline:a+b" and chosen.endpoint == "http://a:1"
+    assert chosen.headers == {"x-pipecast-pipeline": "[route]"}
+    pool.begin(chosen.url)
+    pool.begin(chosen.url)
+    assert pool.choose(0.0) is None  # at its max in flight; c still lacks two blocks
+    pool.finish(chosen.url)
+    assert pool.choose(0.0).url == "pipeline:a+b"
+    pool.record_unreachable("http://b:1", "connection refused")  # a member stops answering
+    assert pool.choose(0.0) is None
+
+
+def test_a_ready_worker_with_room_goes_first_and_a_full_one_after_an_idle_pipeline():
+    pool = pool_of(a=health("partial", present=4), b=health("partial", present=4),
+                   c=health("ready", max_batch=2))
+    pool.sync_pipelines([pipeline("a", "b")])
+    assert pool.choose(0.0).url == "http://c:1"
+    pool.begin("http://c:1")
+    pool.begin("http://c:1")  # c's batch is full: the idle pipeline serves now
+    assert pool.choose(0.0).url == "pipeline:a+b"
+
+
+def test_a_dissolved_pipeline_takes_nothing_new_and_its_requests_finish():
+    pool = pool_of(a=health("partial", present=4), b=health("partial", present=4))
+    pool.sync_pipelines([pipeline("a", "b")])
+    pool.begin("pipeline:a+b")
+    assert pool.sync_pipelines([]) == ([], ["pipeline:a+b"])
+    assert pool.choose(0.0) is None and pool.in_flight == 1
+    pool.finish("pipeline:a+b")
+    assert pool.in_flight == 0
+    pool.sync_pipelines([pipeline("a", "b")])
+    pool.record_failure("pipeline:a+b", "answered 503", at=1.0)  # failed: out until discovery lists it anew
+    assert pool.choose(2.0) is None
+
+
+async def test_control_plane_discovery_turns_pipelines_into_routes():
+    from pipecast.v1.control_pb2 import PipelineInfo, PipelineStage
+
+    class Client:
+        async def list_pipelines(self):
+            return [PipelineInfo(package_id="p", stages=[
+                PipelineStage(node_id="n1", serve_url="http://10.0.0.1:8000/", layer_start=0, layer_end=3),
+                PipelineStage(node_id="n2", serve_url="http://10.0.0.2:8000", layer_start=3, layer_end=8)]),
+                PipelineInfo(package_id="p", stages=[
+                    PipelineStage(node_id="n3", serve_url="10.0.0.3:8000", layer_start=0, layer_end=8)])]
+
+    [found] = await ControlPlaneDiscovery(Client(), "cp:7000").list_pipelines()
+    assert found.key == "pipeline:n1+n2" and found.head_url == "http://10.0.0.1:8000"
+    assert found.member_urls == ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
+    assert json.loads(found.header) == [{"url": "http://10.0.0.1:8000", "layers": [0, 3]},
+                                        {"url": "http://10.0.0.2:8000", "layers": [3, 8]}]
+    assert await StaticDiscovery([A]).list_pipelines() == []

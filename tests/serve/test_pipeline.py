@@ -191,3 +191,17 @@ async def test_stage_calls_with_bad_frames_are_answered_400(pkg):
         async with aiohttp.ClientSession() as other:
             async with other.post(f"{a}/v1/stage/close", json={"session": "nope"}) as response:
                 assert response.status == 200
+
+
+async def test_a_tied_model_samples_at_the_head_stage_and_answers_the_single_node_tokens(tmp_path):
+    qwen = packages.tiny_package(tmp_path / "qwen", "qwen2", seed=2, layers=4, tokenizer=True).path
+    with pipecast.load(qwen) as model:
+        expected = model.generate(PROMPT, max_new_tokens=10, timeout=30)
+        sampled = model.generate(PROMPT, max_new_tokens=10, temperature=0.9, seed=3, timeout=30)
+    async with serving(WorkerConfig(str(qwen))) as (a, _, _, http), serving(WorkerConfig(str(qwen))) as (b, _, _, _):
+        body = {**completion(10), "model": "tiny-qwen2"}
+        status, answer = await post(http, a, body, {PIPELINE_HEADER: route([(a, 0, 1), (b, 1, 4)])})
+        assert status == 200 and answer["choices"][0]["token_ids"] == expected
+        body = {**body, "temperature": 0.9, "seed": 3}  # sampled at the head, with the request's seed
+        assert (await post(http, a, body, {PIPELINE_HEADER: route([(a, 0, 2), (b, 2, 4)])}))[1]["choices"][0][
+            "token_ids"] == sampled

@@ -97,11 +97,12 @@ def test_overlapping_holders_split_the_layers_evenly_and_the_head_counts():
     assert pipeline.stage_costs(layout) == [9.0, 9.0]
 
 
-def test_tied_head_needs_the_embedding_block_in_the_last_stage():
-    layout = layout_of([2, 2, 2, 2], tied=True)
-    assert form_pipelines(layout, {"a": {0, 1}, "b": {2, 3}}) == []
-    [pipeline] = form_pipelines(layout, {"a": {0, 1}, "b": {0, 2, 3}})
-    assert pipeline.nodes == ("a", "b")
+def test_a_tied_head_is_the_first_stages_so_the_last_needs_no_embeddings_and_the_first_pays_the_head():
+    layout = layout_of([2, 2, 2, 2], tied=True, head_cost=2.0)
+    [pipeline] = form_pipelines(layout, {"a": {0, 1, 2}, "b": {1, 2, 3}})
+    assert pipeline.stages == (Stage("a", 0, 3), Stage("b", 3, 8))  # a: 3 layers + the head, b: 5 layers
+    assert pipeline.stage_costs(layout) == [5.0, 5.0]
+    assert layout.blocks_for(6, 8) == {3} and layout.blocks_for(0, 2) == {0}
 
 
 def test_a_node_with_two_spans_of_a_rotated_order_is_used_once():

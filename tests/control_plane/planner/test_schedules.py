@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from control_plane.planner.plan import STRATEGIES, Fetch, Plan, PlanError
-from control_plane.planner.schedules import make_plan
+from control_plane.planner.schedules import GROUP_CHAIN_MAX, make_plan
 from control_plane.planner.simulate import simulate
 from pipecast.core.errors import PipecastError
 
@@ -113,8 +113,9 @@ def test_rotated_groups_together_cover_the_model_early(k, n, num_blocks):
     groups = min(k, n)
     # Some receiver fetches each block among its first ceil(B/K) fetches: each group covers its share.
     assert max(first_seen.values()) < math.ceil(num_blocks / groups)
-    if groups == 1:
-        assert plan.assignments == make_plan("binomial", sources[:1], [f"w{i}" for i in range(n)],
+    if groups == 1:  # one group: a chain while it is short, a binomial pipeline beyond
+        alone = "chain" if n <= GROUP_CHAIN_MAX else "binomial"
+        assert plan.assignments == make_plan(alone, sources[:1], [f"w{i}" for i in range(n)],
                                              num_blocks).assignments
 
 
@@ -371,14 +372,15 @@ def test_simulate_rejects_bad_numbers():
 EMBEDDINGS_FIRST = [81, 25, 25, 25, 25, 25, 25, 26]  # a real model's blocks, MiB: the embeddings are 81 of 257
 
 
-def test_rotated_starts_each_group_at_its_share_of_the_bytes():
+def test_rotated_starts_each_group_at_the_block_boundary_nearest_its_share_of_the_bytes():
     plan = make_plan("rotated", ["a", "b"], ["x", "y"], 8, block_bytes=EMBEDDINGS_FIRST)
-    # Half the bytes (128.5) lie in block 2 (bytes 106..131); by block count it would be block 4.
-    assert [a.block for a in plan.assignments["y"]] == [2, 3, 4, 5, 6, 7, 0, 1]
+    # Half the bytes (128.5) lie between the boundaries at 106 (block 2) and 131 (block 3): 131 is nearer,
+    # so the halves are 131 and 126 bytes; by block count it would be block 4.
+    assert [a.block for a in plan.assignments["y"]] == [3, 4, 5, 6, 7, 0, 1, 2]
     assert make_plan("rotated", ["a", "b"], ["x", "y"], 8).assignments["y"][0].block == 4
-    # K = 4: a quarter (64.25) lies in block 0 too; that group moves on to block 1.
+    # K = 4: 64.25 -> 81 (block 1), 128.5 -> 131 (block 3), 192.75 -> 181 (block 5)
     four = make_plan("rotated", ["a", "b", "c", "d"], ["w", "x", "y", "z"], 8, block_bytes=EMBEDDINGS_FIRST)
-    assert [four.assignments[rx][0].block for rx in "wxyz"] == [0, 1, 2, 5]
+    assert [four.assignments[rx][0].block for rx in "wxyz"] == [0, 1, 3, 5]
 
 
 @settings(max_examples=60, deadline=None)
@@ -403,19 +405,19 @@ def test_rotated_by_bytes_from_sources_with_links_delivers_every_block_once(k, l
     _ancestors_reach_a_root(plan)
     plan.validate()
     simulate(plan, [s + 1 for s in sizes], 1, 50, links=source_links)
-    # One receiver per slot: each fetches its group's rotation, which starts at the block holding byte
-    # g*S/K; where groups would share a first block and there are blocks enough, each gets its own.
+    # One receiver per slot: each fetches its group's rotation, which starts at the block boundary nearest
+    # byte g*S/K; where groups would share a first block and there are blocks enough, each gets its own.
     slots = sum(source_links.get(s, 1) for s in sources)
     alone = make_plan("rotated", sources, [f"v{g}" for g in range(slots)], len(sizes), block_bytes=sizes,
                       source_links=source_links)
     starts = [alone.assignments[f"v{g}"][0].block for g in range(slots)]
-    total, ends = sum(sizes), list(itertools.accumulate(sizes))
-    holding = [next(b for b, end in enumerate(ends) if end * slots > g * total) if total and g else
-               g * len(sizes) // slots for g in range(slots)]
+    weights = sizes if any(sizes) else [1] * len(sizes)
+    total, bounds = sum(weights), [0, *itertools.accumulate(weights)][:-1]
+    nearest = [min(range(len(sizes)), key=lambda b: (abs(bounds[b] * slots - g * total), b)) for g in range(slots)]
     if len(sizes) >= slots:
         assert starts == sorted(set(starts))
-    if holding == sorted(set(holding)):
-        assert starts == holding
+    if nearest == sorted(set(nearest)):
+        assert starts == nearest
 
 
 def test_a_store_with_four_links_feeds_four_groups():
