@@ -334,6 +334,38 @@ def bench_pipelines(sources, source_kinds, strategies, receivers, link_mbit, pro
     _run_and_report(pipelines.run, config, workdir, pipelines.format_report, json_path)
 
 
+@bench_group.command("hops")
+@click.option("--stages", default="1,2,4,8", show_default=True,
+              help="Stage counts, comma-separated (1: one worker alone, the baseline).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=2), default=32, show_default=True)
+@click.option("--repeat", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Requests per stage count; the medians are reported.")
+@click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Block package (default: the demo model's, packed on first use).")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
+              show_default=True, help="Where the demo package is cached.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep the workers' logs here (default: a temp dir).")
+def bench_hops(stages, prompt_tokens, max_tokens, repeat, package, cache, json_path, workdir):
+    """Per-token latency through a cross-node pipeline of k stages against one worker: the hops' cost."""
+    from benchmarks import hops
+
+    try:
+        counts = tuple(int(part) for part in stages.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated counts, got {stages!r}") from None
+    if not counts or min(counts) < 1 or counts[0] != 1 or len(set(counts)) != len(counts):
+        raise click.BadParameter(f"distinct counts starting with 1 (the baseline), got {stages!r}")
+    config = hops.HopsConfig(package=package or _demo(cache), stages=counts, prompt_tokens=prompt_tokens,
+                             max_tokens=max_tokens, repeat=repeat)
+    try:
+        _run_and_report(hops.run, config, workdir, hops.format_report, json_path)
+    except hops.HopsBenchError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 @bench_group.command("engine")
 @click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Block package to run (default: the demo model's, packed on first use).")

@@ -40,7 +40,7 @@ from benchmarks.plots import Series, save_line_chart
 from benchmarks.processes import RunProcesses, cli, free_port
 from benchmarks.runinfo import parse_counts, versions
 from control_plane.planner.plan import STRATEGIES
-from control_plane.planner.schedules import make_plan
+from control_plane.planner.schedules import GROUP_CHAIN_MAX, make_plan
 from control_plane.planner.simulate import simulate
 from packager.manifest import read_manifest
 from pipecast.agent.plan_file import plan_file_data
@@ -58,7 +58,7 @@ TARGET_RATIO = 1.15
 STORE = "store"
 FANOUT = 2  # make_plan's default: the tree is binary
 # Planned per block in hypercube rounds, while DESIGN 4's figure for them assumes chunk-sized units.
-BLOCK_ROUND_STRATEGIES = ("binomial", "rotated")
+BLOCK_ROUND_STRATEGIES = ("binomial",)
 AGENT_PORT = 7070  # netns mode: every host has its own network stack
 # The workers start together this long after they were spawned (python start-up, on a busy machine);
 # a missed start is retried with twice the delay, which then stays for the rest of that cluster's runs.
@@ -182,12 +182,15 @@ def theory_seconds(strategy: str, n: int, total_bytes: int, chunk_bytes: int, li
     planner's tree forwards chunk by chunk, so its busiest uplink carries ``fanout`` copies: fanout*S/B
     plus one chunk per level; binomial pipeline: S/B + (log2(N+1) - 1)*c/B, the figure of a pipeline whose
     unit is the chunk (the planner's unit is the block: see the fluid model's figure beside it).
-    ``rotated`` from one source is the binomial pipeline.
+    ``rotated`` from one source is one group: a chain up to GROUP_CHAIN_MAX receivers, else the binomial
+    pipeline.
     """
     size, link, store = float(total_bytes), mbit_to_bytes_per_s(link_mbit), mbit_to_bytes_per_s(store_mbit)
     first, hop = min(link, store), chunk_bytes / link
     if strategy == "unicast":
         return max(n * size / store, size / link)
+    if strategy == "rotated":  # from the one source of this benchmark: a single group
+        strategy = "chain" if n <= GROUP_CHAIN_MAX else "binomial"
     if strategy == "chain":
         return size / first + (n - 1) * hop
     if strategy == "tree":

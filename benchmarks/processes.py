@@ -93,11 +93,11 @@ class Processes:
         return any(e["event"] == kind for e in self.events(name))
 
     def launch(self, name: str, argv: Sequence[str | Path], env: dict[str, str] | None = None,
-               cwd: Path | None = None) -> Popen:
+               cwd: Path | None = None, stdout: int | None = None) -> Popen:
         """Start ``argv`` on this machine in a process group of its own, with this process's environment
-        plus ``env``; its output to ``name``'s log."""
+        plus ``env``; its output to ``name``'s log (standard output to ``stdout`` instead, e.g. PIPE, if given)."""
         return self._logged(name, partial(Popen, [str(a) for a in argv], env={**os.environ, **(env or {})},
-                                          cwd=cwd, start_new_session=True), None)
+                                          cwd=cwd, start_new_session=True), stdout)
 
     def _logged(self, name: str, start: Callable[..., Popen], stdout: int | None) -> Popen:
         """``start(stdin=, stdout=, stderr=)`` with the output to ``name``'s log; the process is ``name``."""

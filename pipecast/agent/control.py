@@ -178,8 +178,9 @@ class PackageFollower:
             if not wanted:
                 store = self._store()
                 if store is not None and not self._completed and store.progress().complete:
-                    self._completed = True
+                    # Completed once announced: the disk cache written and the event logged.
                     await self._host.package_complete(store)
+                    self._completed = True
                 await self._changed.wait()
                 continue
             self._errors.clear()
