@@ -31,7 +31,7 @@ from benchmarks.cluster import EmulatedCluster
 from benchmarks.coldstart import client_argv, write_start_file
 from benchmarks.cpu import CpuSampler
 from benchmarks.demo_model import MODEL_NAME, demo_checkpoint, demo_gguf
-from benchmarks.processes import POLL_S, RunProcesses, cli, free_port, stop_processes
+from benchmarks.processes import POLL_S, RunProcesses, cli, endpoint, stop_processes
 from packager.command import format_table
 from packager.manifest import read_manifest
 from packager.pack import pack
@@ -46,7 +46,6 @@ LINK_MBIT = 400.0  # the 269 MB model crosses one link in about 5.4 s
 STORE, CONTROL = "store", "cp"
 WORKERS = ("w1", "w2", "w3")
 EWL, LTS = "w1", "w2"  # the serving workers: execute-while-load, load-then-serve
-PORTS = {"agent": 7070, "serve": 8000, "control": 7000}  # netns: every host has its own ports
 MAX_TOKENS = 80
 # Two serving workers share this machine's cores: one compute thread each, or their thread pools fight.
 SERVE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -118,10 +117,8 @@ class _Demo(RunProcesses):
         # Credentials as in a real cluster: the operator holds the master token, each agent its node token
         # (so every peer connection runs the authenticated hello).
         self.master = secrets.token_hex(16)
-        netns = cluster.mode == "netns"
-        self.endpoints = {
-            (host, service): f"{cluster.address(host)}:{port if netns else free_port(cluster.address(host))}"
-            for service, port in PORTS.items() for host in (STORE, CONTROL, *WORKERS)}
+        self.endpoints = {(host, service): endpoint(cluster, host, service)
+                          for service in ("agent", "serve", "control") for host in (STORE, CONTROL, *WORKERS)}
 
     def endpoint(self, host: str, service: str) -> str:
         return self.endpoints[host, service]

@@ -37,7 +37,7 @@ class HopsBenchError(PipecastError):
 @dataclass(frozen=True)
 class HopsConfig:
     package: Path
-    stages: tuple[int, ...] = (1, 2, 4, 8)
+    stages: tuple[int, ...] = (1, 2, 4, 8)  # starting with 1 (the baseline)
     prompt_tokens: int = 16
     max_tokens: int = 32
     repeat: int = 5
@@ -114,19 +114,19 @@ async def _measure(urls: list[str], config: HopsConfig, model: str, num_layers: 
     vocab = json.loads((config.package / "config.json").read_text())["vocab_size"]
     body = {"model": model, "prompt": [(11 + 53 * i) % vocab for i in range(config.prompt_tokens)],
             "max_tokens": config.max_tokens, "temperature": 0, "stream": True, "return_token_ids": True}
-    results, single, reference = [], None, None
+    results: list[HopsResult] = []
+    reference: list[int] = []  # one worker's tokens
     async with aiohttp.ClientSession() as http:
-        for k in config.stages:
+        for k in config.stages:  # the first is 1: one worker alone, the baseline
             route = [Hop(url, layers) for url, layers in zip(urls, split_layers(num_layers, k))]
             headers = {PIPELINE_HEADER: route_header(route)} if k > 1 else {}
             await _one(http, urls[0], body, headers)  # warm-up: each process's first forward pass
             runs = [await _one(http, urls[0], body, headers) for _ in range(config.repeat)]
             reference = reference or runs[0][2]
-            ttft = statistics.median(r[0] for r in runs)
             per_token = statistics.median(r[1] for r in runs)
-            single = single if single is not None else (per_token if k == 1 else None)
-            hop = (per_token - single) / (k - 1) if single is not None and k > 1 else None
-            results.append(HopsResult(k, ttft, per_token, hop, all(r[2] == reference for r in runs)))
+            hop = (per_token - results[0].per_token_seconds) / (k - 1) if results else None
+            results.append(HopsResult(k, statistics.median(r[0] for r in runs), per_token, hop,
+                                      all(r[2] == reference for r in runs)))
     return results
 
 
@@ -134,6 +134,8 @@ def run(config: HopsConfig, workdir: Path, progress=lambda line: None) -> HopsRe
     """Start the workers, measure every stage count, stop them."""
     manifest = read_manifest(config.package)
     num_layers = manifest.num_layers
+    if config.stages[0] != 1:
+        raise HopsBenchError(f"--stages must start with 1 (one worker, the baseline), got {config.stages}")
     for k in config.stages:
         split_layers(num_layers, k)
     count = max(config.stages)

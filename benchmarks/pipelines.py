@@ -38,7 +38,7 @@ from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler
 from benchmarks.cpuquota import CpuQuotas, open_quotas
 from benchmarks.distribution import floor_seconds, worker_names
-from benchmarks.processes import RunProcesses, cli, free_port
+from benchmarks.processes import RunProcesses, cli, endpoint
 from benchmarks.runinfo import versions
 from packager.manifest import read_manifest
 from pipecast.core.errors import PipecastError
@@ -49,7 +49,6 @@ STRATEGIES = (PIPELINES, WHOLE)
 WARM, STORE_KIND = "warm", "store"
 SOURCE_KINDS = (WARM, STORE_KIND)
 STORE, CONTROL, ROUTER, DRIVER = "store", "cp", "router", "driver"
-PORTS = {"agent": 7070, "serve": 8000, "router": 8080, "control": 7000}  # netns: every host has its own
 #: The issue's targets: first token within this share of S/B, by source count.
 TARGETS = {2: 0.6, 4: 0.35, 8: 0.3}
 START_TIMEOUT_S = 600.0  # N workers import torch on 2 cores
@@ -197,6 +196,7 @@ class DriverSpec:
     control_plane: str
     router_url: str
     package: str
+    model: str  # the name requests use
     store_address: str
     receivers: dict[str, str]  # name -> serve URL
     holders: tuple[str, ...]   # warm sources that must be registered first
@@ -283,7 +283,7 @@ async def _request(http, spec: DriverSpec, t0: float) -> tuple[float | None, flo
     two tokens after it, tokens, served by)."""
     import aiohttp
 
-    body = {"model": read_manifest(Path(spec.package)).model_name, "prompt": spec.prompt,
+    body = {"model": spec.model, "prompt": spec.prompt,
             "max_tokens": spec.max_tokens, "temperature": 0, "stream": True, "return_token_ids": True}
     ttft, last, tokens = None, None, []
     async with http.post(f"{spec.router_url}/v1/completions", json=body,
@@ -331,23 +331,18 @@ def _driver_main(spec_path: str) -> int:
 # -- the orchestrator ----------------------------------------------------------------------------------
 
 
-def _endpoint(cluster: EmulatedCluster, host: str, service: str) -> str:
-    address = cluster.address(host)
-    return f"{address}:{PORTS[service] if cluster.mode == 'netns' else free_port(address)}"
-
-
-def run_once(cluster: EmulatedCluster, folder: Path, config: PipelinesConfig, k: int, kind: str, strategy: str,
-             sockets: Path, quotas: CpuQuotas) -> RunResult:
-    """One run (module docstring); logs, events and the driver's results stay under ``folder``."""
-    manifest = read_manifest(config.package)
+def run_once(cluster: EmulatedCluster, folder: Path, config: PipelinesConfig, manifest, k: int, kind: str,
+             strategy: str, sockets: Path, quotas: CpuQuotas) -> RunResult:
+    """One run (module docstring) of ``config.package`` (its ``manifest``); logs, events and the driver's
+    results stay under ``folder``."""
     receivers = worker_names(config.receivers)
     holders = [f"s{i + 1}" for i in range(k)] if kind == WARM else []
-    control, store, router = (_endpoint(cluster, CONTROL, "control"), _endpoint(cluster, STORE, "agent"),
-                              _endpoint(cluster, ROUTER, "router"))
-    agents = {w: _endpoint(cluster, w, "agent") for w in receivers}
-    serving = {w: _endpoint(cluster, w, "serve") for w in receivers}
+    control, store, router = (endpoint(cluster, CONTROL, "control"), endpoint(cluster, STORE, "agent"),
+                              endpoint(cluster, ROUTER, "router"))
+    agents = {w: endpoint(cluster, w, "agent") for w in receivers}
+    serving = {w: endpoint(cluster, w, "serve") for w in receivers}
     run = RunProcesses(cluster, folder, PipelinesBenchError)
-    spec = DriverSpec(control, f"http://{router}", str(config.package), store,
+    spec = DriverSpec(control, f"http://{router}", str(config.package), manifest.model_name, store,
                       {w: f"http://{serving[w]}" for w in receivers}, tuple(holders),
                       prompt_ids(config.package, config.prompt_tokens), config.max_tokens,
                       str(run.events_path(DRIVER)), str(folder / "results.json"))
@@ -365,7 +360,7 @@ def run_once(cluster: EmulatedCluster, folder: Path, config: PipelinesConfig, k:
         run.spawn(STORE, STORE, cli(*agent, "--node-id", STORE, "--listen", store, "--seed", config.package,
                                      "--events", run.events_path(STORE)))
         for h in holders:
-            run.spawn(h, h, cli(*agent, "--node-id", h, "--listen", _endpoint(cluster, h, "agent"), "--seed",
+            run.spawn(h, h, cli(*agent, "--node-id", h, "--listen", endpoint(cluster, h, "agent"), "--seed",
                                 config.package, "--control-plane", control, "--events", run.events_path(h)))
         for w in receivers:
             run.spawn(w, w, cli(*agent, "--node-id", w, "--listen", agents[w], "--local-socket", sockets / f"{w}.sock",
@@ -438,11 +433,12 @@ def run(config: PipelinesConfig, workdir: Path, progress: ProgressCallback = lam
                         label = f"[K={k} {kind} {strategy}]"
                         folder = Path(workdir) / f"{kind}-{k}" / strategy
                         try:
-                            result = run_once(cluster, folder, config, k, kind, strategy, sockets, quotas)
+                            result = run_once(cluster, folder, config, manifest, k, kind, strategy, sockets,
+                                              quotas)
                         except PipelinesBenchError as exc:
                             progress(f"{label} FAILED, retrying once: {exc}")
-                            result = run_once(cluster, folder.with_name(strategy + "-retry"), config, k, kind,
-                                              strategy, sockets, quotas)
+                            result = run_once(cluster, folder.with_name(strategy + "-retry"), config, manifest,
+                                              k, kind, strategy, sockets, quotas)
                         report.results.append(result)
                         first = ("no first token" if result.ttft_seconds is None else
                                  f"first token {result.ttft_seconds:.2f} s ({result.ratio_to_floor:.2f} x S/B)")

@@ -36,6 +36,17 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+#: A service's port on its host in netns mode, where every host has its own ports.
+SERVICE_PORTS = {"agent": 7070, "serve": 8000, "router": 8080, "control": 7000}
+
+
+def endpoint(cluster: EmulatedCluster, host: str, service: str) -> str:
+    """``address:port`` for ``service`` (a key of :data:`SERVICE_PORTS`) on ``host``: its fixed port in netns
+    mode; in loopback mode, where hosts share the machine's ports, a free one."""
+    address = cluster.address(host)
+    return f"{address}:{SERVICE_PORTS[service] if cluster.mode == 'netns' else free_port(address)}"
+
+
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     """The last ``lines`` lines of a log ("" if it does not exist yet)."""
     text = path.read_text(errors="replace") if path.exists() else ""

@@ -37,7 +37,7 @@ from benchmarks.cluster import EmulatedCluster, RequestedMode, store_egress_mbit
 from benchmarks.cpu import CpuSampler
 from benchmarks.cpuquota import CpuQuotas, open_quotas
 from benchmarks.distribution import floor_seconds, worker_names
-from benchmarks.processes import POLL_S, RunProcesses, cli, free_port
+from benchmarks.processes import POLL_S, RunProcesses, cli, endpoint
 from benchmarks.runinfo import versions
 from benchmarks.surge.loadgen import DriverSpec, WorkerEndpoint
 from benchmarks.surge.report import (
@@ -63,7 +63,6 @@ from pipecast.engine.providers import PackageFolderProvider
 from pipecast.engine.sampling import SamplingParams
 
 STORE, CONTROL, ROUTER, LOAD, SCALER = "store", "cp", "router", "load", "scaler"
-PORTS = {"agent": 7070, "serve": 8000, "router": 8080, "control": 7000}  # netns: every host has its own ports
 START_TIMEOUT_S = 600.0  # for everything to be up before the surge (8 workers import torch on 2 cores)
 PROGRESS_EVERY_S = 5.0
 # Every serving worker computes on this many threads: the workers share the machine's cores, and torch's
@@ -249,13 +248,11 @@ class _Layout:
 
     @classmethod
     def of(cls, cluster: EmulatedCluster, workers: Sequence[str]) -> "_Layout":
-        def endpoint(host: str, service: str) -> str:
-            address = cluster.address(host)
-            # netns: every host has its own ports; loopback: hosts share the machine's, so take free ones.
-            return f"{address}:{PORTS[service] if cluster.mode == 'netns' else free_port(address)}"
+        def at(host: str, service: str) -> str:
+            return endpoint(cluster, host, service)
 
-        return cls(endpoint(CONTROL, "control"), endpoint(STORE, "agent"), endpoint(ROUTER, "router"),
-                   {w: endpoint(w, "agent") for w in workers}, {w: endpoint(w, "serve") for w in workers})
+        return cls(at(CONTROL, "control"), at(STORE, "agent"), at(ROUTER, "router"),
+                   {w: at(w, "agent") for w in workers}, {w: at(w, "serve") for w in workers})
 
 
 def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strategy: Strategy, config: SurgeConfig,

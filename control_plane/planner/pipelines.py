@@ -168,9 +168,6 @@ class _Runs:
             else:
                 self.spans.append((layers.start, layers.stop))
 
-    def span_at(self, layer: int) -> tuple[int, int] | None:
-        return next(((lo, hi) for lo, hi in self.spans if lo <= layer < hi), None)
-
 
 def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
                    max_stages: int) -> list[tuple[str, tuple[int, int]]] | None:
@@ -183,15 +180,20 @@ def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
     order has two spans, and the chain through one may need it for the other).
     """
     last = layout.num_layers
+    covering: dict[int, list[tuple[str, tuple[int, int]]]] = {}  # layer -> (node, its span holding it)
+    for node, r in runs.items():
+        for span in r.spans:
+            for layer in range(*span):
+                covering.setdefault(layer, []).append((node, span))
     found: dict[int, list[frozenset[str]]] = {0: [frozenset()]}
     frontier: list[tuple[int, list[tuple[str, tuple[int, int]]]]] = [(0, [])]
     for _ in range(max_stages):
         following = []
         for p, path in frontier:
             used = {node for node, _ in path}
-            for node, r in runs.items():
-                span = r.span_at(p)
-                if node in used or span is None or (p == 0 and not r.can_embed):
+            for node, span in covering.get(p, ()):
+                r = runs[node]
+                if node in used or (p == 0 and not r.can_embed):
                     continue
                 ends = [span[1]] if span[1] < last or r.can_head else range(p + 1, last)
                 for q in ends:

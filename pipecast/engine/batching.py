@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from pipecast.engine.errors import EngineError
 from pipecast.engine.kv_cache import PrefillCache, SlotKVCache, decode_mask, prefill_mask
 from pipecast.engine.sampling import SamplingParams, new_generator, sample_tokens
-from pipecast.engine.streams import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, TokenStream
+from pipecast.engine.streams import FINISH_CANCELLED, TokenStream, emit
 from pipecast.engine.weights import EMBED, HEAD, LAYER_STAGES, Part
 
 if TYPE_CHECKING:
@@ -71,14 +71,7 @@ class Sequence:
         """Hand ``token`` to the stream; True if the sequence is finished with it."""
         self.generated += 1
         self.last_token = token
-        self.stream.push(token)
-        if token in self.params.stop_token_ids:
-            self.stream.finish(FINISH_STOP)
-            return True
-        if self.generated >= self.params.max_tokens:
-            self.stream.finish(FINISH_LENGTH)
-            return True
-        return False
+        return emit(self.stream, token, self.generated, self.params)
 
 
 class StepScheduler:

@@ -103,7 +103,7 @@ class ProgressiveModel:
         """Block until ``part`` is bound; raise ModelLoadError if loading failed, TimeoutError on timeout."""
         with self._cond:
             if not self._cond.wait_for(lambda: part in self._ready or self._error is not None, timeout):
-                raise TimeoutError(f"{_part_name(part)} not loaded within {timeout:g} s")
+                raise TimeoutError(f"{_part_name(part)} not loaded within {timeout:.3g} s")
             if part not in self._ready:
                 self.check_failed()
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipecast.engine.errors import InvalidRequestError
+from pipecast.engine.streams import FINISH_LENGTH, FINISH_STOP
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +40,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def finish_reason(self, token: int, generated: int) -> str | None:
+        """Why generation ends with ``token``, the ``generated``-th: ``stop``, ``length``, or None (it goes on)."""
+        if token in self.stop_token_ids:
+            return FINISH_STOP
+        return FINISH_LENGTH if generated >= self.max_tokens else None
 
 
 def new_generator(params: SamplingParams) -> "torch.Generator | None":

@@ -115,9 +115,10 @@ class StageRunner:
         returns the sampled token, or with ``norm_only`` the last position's final norm [1, 1, hidden_size]
         for the first stage to finish with :meth:`sample` (a tied LM head is the embeddings, which the
         first stage holds). A call at position 0 opens the session (``params``: how the stage that samples
-        samples); later calls must continue where the previous one ended. Each part the call needs is
-        waited for up to ``timeout`` seconds (TimeoutError beyond). Raises :class:`StageSessionError`,
-        :class:`StageCapacityError`, :class:`InvalidRequestError` for bad inputs.
+        samples); later calls must continue where the previous one ended, within the model's positions.
+        The parts the call needs are waited for within ``timeout`` seconds in all (TimeoutError beyond).
+        Raises :class:`StageSessionError`, :class:`StageCapacityError`, :class:`InvalidRequestError` for bad
+        inputs.
         """
         import torch
 
@@ -137,6 +138,10 @@ class StageRunner:
         if n < 1 or (n > 1 and position > 0):
             raise InvalidRequestError(f"a call carries the whole prompt at position 0 or one token after it; "
                                       f"got {n} positions at {position}")
+        limit = getattr(m.config, "max_position_embeddings", None)
+        if limit and position + n > limit:  # a session's keys and values never grow past the model
+            raise InvalidRequestError(f"positions {position}-{position + n - 1} exceed the model's {limit}")
+        deadline = time.monotonic() + timeout
         state = self._session(session, layers, position, params)
         with state.lock:
             if state.length != position:
@@ -145,14 +150,14 @@ class StageRunner:
             try:
                 with torch.inference_mode():
                     if first:
-                        self._wait(EMBED, timeout)
+                        self._wait(EMBED, deadline)
                         ids = torch.tensor([list(tokens)], device=m.device)
                         if int(ids.min()) < 0 or int(ids.max()) >= m.vocab_size:
                             raise InvalidRequestError(f"token ids outside the vocabulary (0-{m.vocab_size - 1})")
                         hidden = m.embed(ids)
                     else:
                         hidden = hidden.to(device=m.device, dtype=m.dtype)
-                    out = self._forward(state, hidden, position, timeout, last, want_logits, norm_only)
+                    out = self._forward(state, hidden, position, deadline, last, want_logits, norm_only)
             except BaseException:
                 self.close(session)  # some layers may have cached this call's keys: the session is spent
                 raise
@@ -174,10 +179,8 @@ class StageRunner:
         if state is None:
             raise StageSessionError(f"session {session!r} is not held here (expired, or this node restarted)")
         with state.lock, torch.inference_mode():
-            self._wait(LM_HEAD, timeout)
-            logits = m.lm_head(normed.to(device=m.device, dtype=m.dtype))[:, -1].float().cpu()
-            token = sample_tokens(logits, [state.params], [state.generator])[0]
-        return StageOutput(token=token, logits=logits[0] if want_logits else None)
+            self._wait(LM_HEAD, time.monotonic() + timeout)
+            return self._sample(state, m.lm_head(normed.to(device=m.device, dtype=m.dtype)), want_logits)
 
     def close(self, session: str) -> bool:
         """Forget ``session`` (its request ended); False if it was not held."""
@@ -212,11 +215,19 @@ class StageRunner:
                                         f"{layers.stop - 1}")
             return state
 
-    def _wait(self, part, timeout: float) -> None:
+    def _wait(self, part, deadline: float) -> None:
+        """Until ``part`` is bound; every wait of one call shares the call's ``deadline`` (monotonic)."""
         if not self.model.is_ready(part):
-            self.model.wait_ready(part, timeout)
+            self.model.wait_ready(part, max(deadline - time.monotonic(), 0.0))
 
-    def _forward(self, state: _Session, hidden: "torch.Tensor", position: int, timeout: float, last: bool,
+    @staticmethod
+    def _sample(state: _Session, logits: "torch.Tensor", want_logits: bool) -> StageOutput:
+        """The session's next token from the LM head's output [1, positions, vocab]."""
+        last = logits[:, -1].float().cpu()
+        token = sample_tokens(last, [state.params], [state.generator])[0]
+        return StageOutput(token=token, logits=last[0] if want_logits else None)
+
+    def _forward(self, state: _Session, hidden: "torch.Tensor", position: int, deadline: float, last: bool,
                  want_logits: bool, norm_only: bool) -> StageOutput:
         import torch
 
@@ -228,15 +239,13 @@ class StageRunner:
         masks = ({w: prefill_mask(n, w, m.device) for w in windows} if position == 0
                  else {w: decode_mask([position], w, m.device) for w in windows})
         for layer in state.layers:
-            self._wait(layer, timeout)
+            self._wait(layer, deadline)
             hidden = m.run_layer(layer, hidden, position_embeddings=rope, position_ids=positions,
                                  mask=masks[m.window(layer)], cache=state.cache)
         if not last:
             return StageOutput(hidden=hidden)
         if norm_only:
-            self._wait(FINAL_NORM, timeout)
+            self._wait(FINAL_NORM, deadline)
             return StageOutput(hidden=m.final_norm(hidden, last_only=True))
-        self._wait(HEAD, timeout)
-        logits = m.head(hidden, last_only=True)[:, -1].float().cpu()
-        token = sample_tokens(logits, [state.params], [state.generator])[0]
-        return StageOutput(token=token, logits=logits[0] if want_logits else None)
+        self._wait(HEAD, deadline)
+        return self._sample(state, m.head(hidden, last_only=True), want_logits)

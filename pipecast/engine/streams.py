@@ -8,6 +8,10 @@ waiter), or waits for the whole answer with :meth:`~TokenStream.result`.
 import asyncio
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipecast.engine.sampling import SamplingParams
 
 FINISH_STOP = "stop"          # a stop token was generated (it is the last token)
 FINISH_LENGTH = "length"      # max_tokens reached
@@ -135,3 +139,13 @@ class TokenStream:
     async def aclose(self) -> None:
         """Cancel the request (for ``contextlib.aclosing`` and servers whose client disconnected)."""
         self.cancel()
+
+
+def emit(stream: TokenStream, token: int, generated: int, params: "SamplingParams") -> bool:
+    """Hand ``token``, the ``generated``-th of its request, to ``stream`` and end the stream if ``params``
+    say so; True if the request is finished with it."""
+    stream.push(token)
+    reason = params.finish_reason(token, generated)
+    if reason is not None:
+        stream.finish(reason)
+    return reason is not None

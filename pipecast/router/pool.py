@@ -52,6 +52,7 @@ from pipecast.router.discovery import DiscoveredPipeline
 from pipecast.router.errors import QueueFullError, QueueTimeoutError, RouterClosedError
 from pipecast.router.fairness import FairQueue
 from pipecast.serve.health import SERVING, WorkerHealth
+from pipecast.serve.pipeline import PIPELINE_HEADER
 
 
 @dataclass
@@ -133,7 +134,6 @@ class Worker:
 #: Requests of this router at once on one pipeline: each runs token by token through every stage, and a
 #: stage serves its pipelined sessions one call at a time.
 PIPELINE_MAX_IN_FLIGHT = 4
-_STOPPED = ("failed", "draining")
 
 
 @dataclass
@@ -158,8 +158,6 @@ class PipelineUnit:
 
     @property
     def headers(self) -> dict[str, str]:
-        from pipecast.serve.pipeline import PIPELINE_HEADER
-
         return {PIPELINE_HEADER: self.header}
 
     @property
@@ -170,8 +168,8 @@ class PipelineUnit:
         """Whether a new request may go through this pipeline, given its members' state in the pool."""
         if self.failed_at is not None or self.in_flight >= self.max_in_flight:
             return False
-        return all(m is not None and m.health is not None and m.health.status not in _STOPPED
-                   and m.failed_at is None for m in members)
+        # A member's health is None unless its last poll was a 200 (failed or draining workers answer 503).
+        return all(m is not None and m.health is not None and m.failed_at is None for m in members)
 
     def describe(self) -> dict:
         """A JSON-ready view for ``GET /v1/workers``."""

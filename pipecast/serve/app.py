@@ -47,9 +47,9 @@ from pipecast.serve.pipeline import (
     STAGE_PATH,
     Hop,
     PipelineProtocolError,
+    StageCall,
     decode_frame,
     encode_frame,
-    params_from_json,
     parse_route,
 )
 from pipecast.serve.worker import Generation, ServingWorker
@@ -117,17 +117,21 @@ async def stage_call(request: web.Request) -> web.Response:
     session = None
     try:
         header, hidden = decode_frame(await read_body(request, request.app[MAX_BODY]))
-        session, layers, position, deadline, hops, params, norm_only = _stage_header(header, received)
+        call = StageCall.from_header(header)
+        session, deadline = call.session, received + call.deadline_s
         runner = await worker.wait_stage_runner(deadline - time.monotonic())
         runner.expire()
-        out = await asyncio.to_thread(runner.run, session, layers, position, hidden=hidden, params=params,
-                                      norm_only=norm_only and not hops, timeout=max(deadline - time.monotonic(), 0.0))
-        if hops:
-            answer = await worker.stage_client.forward(hops, session, position, out.hidden, params=params,
-                                                       norm_only=norm_only, deadline=deadline)
-            frame = encode_frame({}, answer) if norm_only else encode_frame({"token": answer})
+        last = not call.following
+        out = await asyncio.to_thread(runner.run, session, call.layers, call.position, hidden=hidden,
+                                      params=call.params, norm_only=call.norm_only and last,
+                                      timeout=max(deadline - time.monotonic(), 0.0))
+        if last:
+            answer = out.hidden if call.norm_only else out.token
         else:
-            frame = encode_frame({}, out.hidden) if norm_only else encode_frame({"token": out.token})
+            answer = await worker.stage_client.forward(call.following, session, call.position, out.hidden,
+                                                       params=call.params, norm_only=call.norm_only,
+                                                       deadline=deadline)
+        frame = encode_frame({}, answer) if call.norm_only else encode_frame({"token": answer})
         return web.Response(body=frame, content_type="application/octet-stream")
     except StageFailedError as exc:  # a stage after this one
         worker.forget_stage_session(session)
@@ -145,25 +149,6 @@ async def stage_call(request: web.Request) -> web.Response:
         return _stage_error(str(exc), 504)
     except ServeError as exc:
         return _stage_error(str(exc), exc.status)
-
-
-def _stage_header(header: dict, received: float) -> tuple:
-    """(session, layers, position, deadline, next hops, sampling params or None, norm only) of a stage call."""
-    session, layers, position = header.get("session"), header.get("layers"), header.get("position")
-    deadline_s, params, norm_only = header.get("deadline_s"), header.get("params"), header.get("norm_only", False)
-    if not isinstance(norm_only, bool):
-        raise PipelineProtocolError("'norm_only' must be true or false")
-    if not isinstance(session, str) or not 0 < len(session) <= 64:
-        raise PipelineProtocolError("'session' must be a string of 1 to 64 characters")
-    if type(position) is not int or position < 0:
-        raise PipelineProtocolError(f"'position' must be an integer >= 0, got {str(position)[:40]}")
-    if not isinstance(deadline_s, (int, float)) or not 0 < deadline_s <= 3600:
-        raise PipelineProtocolError(f"'deadline_s' must be a number of seconds in (0, 3600], got {str(deadline_s)[:40]}")
-    if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
-        raise PipelineProtocolError("'layers' must be [start, stop]")
-    hops = parse_route(header.get("next"), first=layers[1]) if header.get("next") else ()
-    return (session, range(*layers), position, received + deadline_s, hops,
-            None if params is None else params_from_json(params), norm_only)
 
 
 def _stage_error(message: str, status: int) -> web.Response:

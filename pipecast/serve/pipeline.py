@@ -33,7 +33,7 @@ from pipecast.core.errors import PipecastError
 from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.core.urls import http_base_url
 from pipecast.engine.sampling import SamplingParams
-from pipecast.engine.streams import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, TokenStream
+from pipecast.engine.streams import FINISH_CANCELLED, TokenStream, emit
 from pipecast.serve.errors import StageFailedError
 
 if TYPE_CHECKING:
@@ -53,6 +53,8 @@ STEP_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 2.0
 #: Most stages a route may name.
 MAX_ROUTE_STAGES = 64
+#: Longest deadline a stage call may carry (s): a hostile caller cannot hold a stage's waits for longer.
+MAX_DEADLINE_S = 3600
 #: Largest answer a stage call reads (a token and its header).
 MAX_ANSWER_BYTES = 1 << 16
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -148,7 +150,7 @@ def decode_frame(body: bytes) -> tuple[dict, "torch.Tensor | None"]:
                                     f"{len(body) - end} follow the header")
     if count == 0:
         return header, torch.empty(shape, dtype=torch_dtype)
-    flat = torch.frombuffer(bytearray(body[end:]), dtype=torch.uint8)
+    flat = torch.frombuffer(bytearray(memoryview(body)[end:]), dtype=torch.uint8)  # one (writable) copy
     return header, flat.view(torch_dtype).reshape(shape)
 
 
@@ -166,6 +168,50 @@ def params_from_json(value: Any) -> SamplingParams:
                               seed=None if value["seed"] is None else int(value["seed"]))
     except (TypeError, ValueError, PipecastError) as exc:
         raise PipelineProtocolError(f"bad 'params': {exc}") from None
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """One ``POST /v1/stage``: the session, this stage's layers, the position, the time left of the token's
+    deadline, the stages after this one, how the last stage samples (position 0 only) and whether it
+    answers its final norm instead of a token."""
+
+    session: str
+    layers: range
+    position: int
+    deadline_s: float
+    following: tuple[Hop, ...] = ()
+    params: SamplingParams | None = None
+    norm_only: bool = False
+
+    def header(self) -> dict:
+        """The frame header of this call."""
+        return {"session": self.session, "layers": [self.layers.start, self.layers.stop],
+                "position": self.position, "deadline_s": self.deadline_s,
+                "next": [h.to_json() for h in self.following],
+                "params": params_json(self.params) if self.params is not None else None,
+                "norm_only": self.norm_only}
+
+    @classmethod
+    def from_header(cls, header: dict) -> "StageCall":
+        """The call a frame header describes; :class:`PipelineProtocolError` names the bad field."""
+        session, layers, position = header.get("session"), header.get("layers"), header.get("position")
+        deadline_s, params = header.get("deadline_s"), header.get("params")
+        norm_only = header.get("norm_only", False)
+        if not isinstance(session, str) or not 0 < len(session) <= 64:
+            raise PipelineProtocolError("'session' must be a string of 1 to 64 characters")
+        if type(position) is not int or position < 0:
+            raise PipelineProtocolError(f"'position' must be an integer >= 0, got {str(position)[:40]}")
+        if not isinstance(deadline_s, (int, float)) or not 0 < deadline_s <= MAX_DEADLINE_S:
+            raise PipelineProtocolError(f"'deadline_s' must be a number of seconds in (0, {MAX_DEADLINE_S}], got "
+                                        f"{str(deadline_s)[:40]}")
+        if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
+            raise PipelineProtocolError("'layers' must be [start, stop]")
+        if not isinstance(norm_only, bool):
+            raise PipelineProtocolError("'norm_only' must be true or false")
+        following = parse_route(header["next"], first=layers[1]) if header.get("next") else ()
+        return cls(session, range(*layers), position, float(deadline_s), following,
+                   None if params is None else params_from_json(params), norm_only)
 
 
 class StageClient:
@@ -195,11 +241,9 @@ class StageClient:
         left = deadline - time.monotonic()
         if left <= 0:
             raise StageFailedError(hop.url, "the step's deadline passed before the call")
-        header = {"session": session, "layers": [hop.layers.start, hop.layers.stop], "position": position,
-                  "params": params_json(params) if params is not None else None, "norm_only": norm_only,
-                  "next": [h.to_json() for h in hops[1:]], "deadline_s": left}
+        call = StageCall(session, hop.layers, position, left, tuple(hops[1:]), params, norm_only)
         try:
-            async with self._http().post(hop.url + STAGE_PATH, data=encode_frame(header, hidden),
+            async with self._http().post(hop.url + STAGE_PATH, data=encode_frame(call.header(), hidden),
                                          headers={"Content-Type": "application/octet-stream"},
                                          timeout=aiohttp.ClientTimeout(total=left)) as answer:
                 body = await answer.content.read(MAX_ANSWER_BYTES + 1)
@@ -274,14 +318,12 @@ class PipelineHead:
         stream = TokenStream(next(self._ids), lambda _: task and task[0].cancel())
         try:
             token = await self._step(route, session, 0, prompt, params)
-        except StageFailedError as exc:
-            log.warning("pipelined request failed before its first token: %s", exc)
+        except BaseException as exc:
+            if isinstance(exc, StageFailedError):
+                log.warning("pipelined request failed before its first token: %s", exc)
             self._close(route, session)
             raise
-        except BaseException:
-            self._close(route, session)
-            raise
-        if self._emit(stream, token, params):
+        if emit(stream, token, 1, params):
             self._close(route, session)
             return stream
         task.append(self._spawn(self._decode(route, session, len(prompt), token, params, stream)))
@@ -289,16 +331,17 @@ class PipelineHead:
 
     async def _decode(self, route: Sequence[Hop], session: str, position: int, token: int,
                       params: SamplingParams, stream: TokenStream) -> None:
+        generated = 1
         try:
             while True:
                 token = await self._step(route, session, position, [token], params)
-                position += 1
-                if self._emit(stream, token, params):
+                position, generated = position + 1, generated + 1
+                if emit(stream, token, generated, params):
                     return
         except asyncio.CancelledError:
             stream.finish(FINISH_CANCELLED)
         except PipecastError as exc:
-            log.warning("pipelined request failed after %d tokens: %s", len(stream.tokens), exc)
+            log.warning("pipelined request failed after %d tokens: %s", generated, exc)
             stream.fail(exc)
         finally:
             self._close(route, session)
@@ -327,16 +370,6 @@ class PipelineHead:
             return (await asyncio.to_thread(self.runner.sample, session, answer, timeout=left)).token
         except (TimeoutError, PipecastError) as exc:
             raise StageFailedError(own.url, str(exc)) from None
-
-    @staticmethod
-    def _emit(stream: TokenStream, token: int, params: SamplingParams) -> bool:
-        """Hand ``token`` to the stream; True if the request is finished with it."""
-        stream.push(token)
-        if token in params.stop_token_ids:
-            stream.finish(FINISH_STOP)
-        elif len(stream.tokens) >= params.max_tokens:
-            stream.finish(FINISH_LENGTH)
-        return stream.done
 
     def _close(self, route: Sequence[Hop], session: str) -> None:
         self.runner.close(session)

@@ -404,22 +404,23 @@ class ServingWorker:
                 stream = await self._start_pipeline(route, prompt, request)
         finally:
             self._held -= 1
-        if route is not None:
-            self._submitted += 1
-            self.metrics.prompt_tokens.inc(len(prompt))
-            return Generation(self, stream, prompt, CompletionText(self._codec, prompt, request.stop), arrived)
+        if route is None:
+            stream = self._submit(prompt, request)
+        self._submitted += 1
+        self.metrics.prompt_tokens.inc(len(prompt))
+        return Generation(self, stream, prompt, CompletionText(self._codec, prompt, request.stop), arrived)
+
+    def _submit(self, prompt: list[int], request: CompletionRequest) -> TokenStream:
+        """Hand the prompt to this worker's engine."""
         try:
-            stream = self._model.submit(prompt, max_new_tokens=request.max_tokens, temperature=request.temperature,
-                                        top_p=request.top_p, seed=request.seed)
+            return self._model.submit(prompt, max_new_tokens=request.max_tokens, temperature=request.temperature,
+                                      top_p=request.top_p, seed=request.seed)
         except InvalidRequestError as exc:
             raise RequestFieldError("prompt", str(exc)) from None
         except EngineOverloadedError as exc:
             raise WorkerBusyError(exc.waiting, self.config.retry_after_s) from None
         except EngineError as exc:
             raise _served_error(exc) from None
-        self._submitted += 1
-        self.metrics.prompt_tokens.inc(len(prompt))
-        return Generation(self, stream, prompt, CompletionText(self._codec, prompt, request.stop), arrived)
 
     async def _start_pipeline(self, route: "tuple[Hop, ...]", prompt: list[int],
                               request: CompletionRequest) -> TokenStream:

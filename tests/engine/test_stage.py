@@ -140,6 +140,8 @@ def test_calls_that_do_not_fit_the_session_are_refused_naming_why(case):
         runner.run("s", range(0, 4), 3, tokens=[4, 5], timeout=5)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         StageRunner(engine.model).run("v", range(0, 4), 0, tokens=[1, 9999], timeout=5)
+    with pytest.raises(InvalidRequestError, match="positions 0-128 exceed the model's 128"):  # no unbounded cache
+        StageRunner(engine.model).run("w", range(0, 4), 0, tokens=[1] * 129, timeout=5)
     assert runner.run("s", range(0, 4), 3, tokens=[4], timeout=5).hidden.shape[1] == 1
 
 
