@@ -99,11 +99,14 @@ class ProgressiveModel:
         """True once every part is bound."""
         return self.is_ready(EMBED) and self.is_ready(HEAD) and all(map(self.is_ready, range(self.num_layers)))
 
-    def wait_ready(self, part: Part, timeout: float | None) -> None:
-        """Block until ``part`` is bound; raise ModelLoadError if loading failed, TimeoutError on timeout."""
+    def wait_ready(self, part: Part, timeout: float | None, *, deadline_s: float | None = None) -> None:
+        """Block until ``part`` is bound; raise ModelLoadError if loading failed, TimeoutError on timeout.
+
+        ``deadline_s`` is the whole deadline the error names when ``timeout`` is what is left of it.
+        """
         with self._cond:
             if not self._cond.wait_for(lambda: part in self._ready or self._error is not None, timeout):
-                raise TimeoutError(f"{_part_name(part)} not loaded within {timeout:.3g} s")
+                raise TimeoutError(f"{_part_name(part)} not loaded within {deadline_s or timeout:.3g} s")
             if part not in self._ready:
                 self.check_failed()
 

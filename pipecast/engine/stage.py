@@ -76,6 +76,14 @@ class _AppendCache:
         return keys, values
 
 
+@dataclass(frozen=True)
+class _Deadline:
+    """One call's deadline: the monotonic instant ``at`` and the ``seconds`` it was given."""
+
+    at: float
+    seconds: float
+
+
 @dataclass
 class _Session:
     layers: range
@@ -141,7 +149,7 @@ class StageRunner:
         limit = getattr(m.config, "max_position_embeddings", None)
         if limit and position + n > limit:  # a session's keys and values never grow past the model
             raise InvalidRequestError(f"positions {position}-{position + n - 1} exceed the model's {limit}")
-        deadline = time.monotonic() + timeout
+        deadline = _Deadline(time.monotonic() + timeout, timeout)
         state = self._session(session, layers, position, params)
         with state.lock:
             if state.length != position:
@@ -215,10 +223,10 @@ class StageRunner:
                                         f"{layers.stop - 1}")
             return state
 
-    def _wait(self, part, deadline: float) -> None:
-        """Until ``part`` is bound; every wait of one call shares the call's ``deadline`` (monotonic)."""
+    def _wait(self, part, deadline: _Deadline) -> None:
+        """Until ``part`` is bound; every wait of one call shares the call's deadline."""
         if not self.model.is_ready(part):
-            self.model.wait_ready(part, max(deadline - time.monotonic(), 0.0))
+            self.model.wait_ready(part, max(deadline.at - time.monotonic(), 0.0), deadline_s=deadline.seconds)
 
     @staticmethod
     def _sample(state: _Session, logits: "torch.Tensor", want_logits: bool) -> StageOutput:
@@ -227,7 +235,7 @@ class StageRunner:
         token = sample_tokens(last, [state.params], [state.generator])[0]
         return StageOutput(token=token, logits=last[0] if want_logits else None)
 
-    def _forward(self, state: _Session, hidden: "torch.Tensor", position: int, deadline: float, last: bool,
+    def _forward(self, state: _Session, hidden: "torch.Tensor", position: int, deadline: _Deadline, last: bool,
                  want_logits: bool, norm_only: bool) -> StageOutput:
         import torch
 
