@@ -8,7 +8,7 @@ import click
 
 from pipecast.core.settings import load_settings
 from pipecast.serve.app import run_worker
-from pipecast.serve.pipeline import STEP_TIMEOUT_S
+from pipecast.serve.pipeline import DISSOLVE_CHOICES, DISSOLVE_MOVE, STEP_TIMEOUT_S
 from pipecast.serve.worker import ServingWorker, WorkerConfig
 
 SWITCH_INTERVAL_S = 0.0005
@@ -41,10 +41,14 @@ SWITCH_INTERVAL_S = 0.0005
 @click.option("--pipeline-step-timeout", type=click.FloatRange(min=0, min_open=True), default=STEP_TIMEOUT_S,
               show_default=True, help="As the head stage of a cross-node pipeline: seconds one token may take "
                                       "through every stage, waits for arriving layers included.")
+@click.option("--pipeline-dissolve", type=click.Choice(DISSOLVE_CHOICES), default=DISSOLVE_MOVE,
+              show_default=True, help="As the head stage: a request whose pipeline dissolves under it (this "
+                                      "worker came to hold the whole model) moves to this worker's engine with "
+                                      "its tokens so far, or finishes through the stages.")
 def serve_command(package: str, agent_socket: Path | None, host: str | None, port: int | None,
                   max_queue: int | None, max_batch: int | None, device: str | None, model_name: str | None,
                   wait_full_load: bool, agent_timeout: float, stall_timeout: float, drain_timeout: float,
-                  pipeline_step_timeout: float) -> None:
+                  pipeline_step_timeout: float, pipeline_dissolve: str) -> None:
     """Serve PACKAGE (a package folder or id) with an OpenAI-compatible API, from the moment it starts loading.
 
     Prints the URL it listens on. Register that URL for the router with the node agent's --serve-url.
@@ -54,7 +58,8 @@ def serve_command(package: str, agent_socket: Path | None, host: str | None, por
     config = WorkerConfig(package=package, agent=settings.agent_local_socket, device=settings.device,
                           max_queue=settings.max_queue, max_batch=settings.max_batch, model_name=model_name,
                           wait_full_load=wait_full_load, agent_timeout_s=agent_timeout,
-                          stall_timeout_s=stall_timeout, pipeline_step_timeout_s=pipeline_step_timeout)
+                          stall_timeout_s=stall_timeout, pipeline_step_timeout_s=pipeline_step_timeout,
+                          pipeline_dissolve=pipeline_dissolve)
     # The engine thread holds the GIL between torch ops; the event loop that streams its tokens would wait
     # up to the default 5 ms switch interval for each hand-over (measured: first tokens 1.5-4 ms late).
     sys.setswitchinterval(SWITCH_INTERVAL_S)

@@ -25,8 +25,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pipecast.core.errors import PipecastError
@@ -49,6 +49,10 @@ STAGE_PATH = "/v1/stage"
 STAGE_CLOSE_PATH = "/v1/stage/close"
 #: Default time a token may take through the whole pipeline, waits for arriving layers included (s).
 STEP_TIMEOUT_S = 30.0
+#: What a head does with a request whose pipeline dissolves under it: move it to its own engine (the
+#: tokens so far re-prefilled), or finish it through the stages. ``pipecast bench pipelines`` measures both.
+DISSOLVE_MOVE, DISSOLVE_FINISH = "move", "finish"
+DISSOLVE_CHOICES = (DISSOLVE_MOVE, DISSOLVE_FINISH)
 #: Closing sessions along the route is best effort within this (s): stages drop idle sessions anyway.
 CLOSE_TIMEOUT_S = 2.0
 #: Most stages a route may name.
@@ -301,18 +305,32 @@ def _answered_error(url: str, status: int, body: bytes) -> StageFailedError:
 class PipelineHead:
     """The head stage of pipelined requests on one worker: runs its own layers and drives the rest."""
 
-    def __init__(self, runner: "StageRunner", client: StageClient, *, step_timeout_s: float = STEP_TIMEOUT_S):
+    def __init__(self, runner: "StageRunner", client: StageClient, *, step_timeout_s: float = STEP_TIMEOUT_S,
+                 local: "Callable[[list[int], SamplingParams], TokenStream] | None" = None):
+        """``local`` submits a prompt to this worker's own engine: given, a request whose pipeline dissolves
+        under it (this worker came to hold the whole model after the request started) moves here with its
+        tokens so far, re-prefilled, instead of finishing through the stages (:meth:`start`)."""
         self.runner = runner
         self.client = client
         self.step_timeout_s = step_timeout_s
+        self.local = local
+        #: Requests moved off their pipeline to this worker's engine.
+        self.moved = 0
         self._ids = iter(range(1 << 62))
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self, route: Sequence[Hop], prompt: list[int], params: SamplingParams) -> TokenStream:
         """Run the prompt through the route and return the request's stream, its first token in.
 
+        The request decodes through the route; if this worker did not hold the whole model when the request
+        started and holds it later (the pipeline dissolves), the rest of it runs on the local engine from
+        the prompt and its tokens so far (greedy and unseeded requests: a seeded one's generator lives in
+        the sampling stage, so it finishes through the route).
+
         Raises :class:`StageFailedError` (the prefill failed: nothing was answered yet, retry elsewhere).
         """
+        movable = self.local is not None and not self.runner.model.fully_loaded and \
+            (params.greedy or params.seed is None)
         session = uuid.uuid4().hex
         task: list[asyncio.Task] = []
         stream = TokenStream(next(self._ids), lambda _: task and task[0].cancel())
@@ -326,25 +344,61 @@ class PipelineHead:
         if emit(stream, token, 1, params):
             self._close(route, session)
             return stream
-        task.append(self._spawn(self._decode(route, session, len(prompt), token, params, stream)))
+        task.append(self._spawn(self._decode(route, session, [*prompt, token], len(prompt), params, stream,
+                                             movable)))
         return stream
 
-    async def _decode(self, route: Sequence[Hop], session: str, position: int, token: int,
-                      params: SamplingParams, stream: TokenStream) -> None:
-        generated = 1
+    async def _decode(self, route: Sequence[Hop], session: str, history: list[int], prompt_length: int,
+                      params: SamplingParams, stream: TokenStream, movable: bool) -> None:
+        """Decode after the first token: ``history`` is the prompt and the tokens so far."""
+        closed = False
         try:
             while True:
-                token = await self._step(route, session, position, [token], params)
-                position, generated = position + 1, generated + 1
-                if emit(stream, token, generated, params):
+                if movable and self.runner.model.fully_loaded:
+                    local = self._move(history, prompt_length, params)
+                    if local is not None:
+                        self._close(route, session)  # the stages' sessions are no longer needed
+                        closed = True
+                        await self._relay(local, len(history) - prompt_length, params, stream)
+                        return
+                    movable = False
+                token = await self._step(route, session, len(history) - 1, [history[-1]], params)
+                history.append(token)
+                if emit(stream, token, len(history) - prompt_length, params):
                     return
         except asyncio.CancelledError:
             stream.finish(FINISH_CANCELLED)
         except PipecastError as exc:
-            log.warning("pipelined request failed after %d tokens: %s", generated, exc)
+            log.warning("pipelined request failed after %d tokens: %s", len(history) - prompt_length, exc)
             stream.fail(exc)
         finally:
-            self._close(route, session)
+            if not closed:
+                self._close(route, session)
+
+    def _move(self, history: list[int], prompt_length: int, params: SamplingParams) -> TokenStream | None:
+        """Submit the rest of a request to the local engine; None (it stays on its route) if refused."""
+        generated = len(history) - prompt_length
+        try:
+            local = self.local(list(history), replace(params, max_tokens=params.max_tokens - generated))
+        except PipecastError as exc:
+            log.info("pipelined request stays on its route (the local engine refused it: %s)", exc)
+            return None
+        self.moved += 1
+        log.info("pipeline dissolved under a request: %d tokens so far, re-prefilled here", generated)
+        return local
+
+    @staticmethod
+    async def _relay(local: TokenStream, generated: int, params: SamplingParams, stream: TokenStream) -> None:
+        """Pass the local engine's tokens on as the request's, counting on from ``generated``."""
+        try:
+            async for token in local:
+                generated += 1
+                if emit(stream, token, generated, params):
+                    return
+            stream.finish(local.finish_reason or FINISH_CANCELLED)  # the engine ended it (e.g. shutting down)
+        finally:
+            if not local.done:  # this request was cancelled: free the engine's slot
+                local.cancel()
 
     async def _step(self, route: Sequence[Hop], session: str, position: int, tokens: list[int],
                     params: SamplingParams) -> int:

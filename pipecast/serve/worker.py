@@ -55,7 +55,14 @@ from pipecast.serve.errors import (
 from pipecast.serve.health import WorkerHealth
 from pipecast.serve.metrics import ServeMetrics
 from pipecast.serve.openai_api import CompletionRequest
-from pipecast.serve.pipeline import PIPELINE_HEADER, STEP_TIMEOUT_S, Hop, PipelineHead, StageClient
+from pipecast.serve.pipeline import (
+    DISSOLVE_MOVE,
+    PIPELINE_HEADER,
+    STEP_TIMEOUT_S,
+    Hop,
+    PipelineHead,
+    StageClient,
+)
 from pipecast.serve.text import CompletionText, TextCodec
 
 if TYPE_CHECKING:
@@ -95,6 +102,7 @@ class WorkerConfig:
     stall_timeout_s: float = 600.0     # loading fails after this long without a new block
     retry_after_s: int = 1
     pipeline_step_timeout_s: float = STEP_TIMEOUT_S  # a token through a cross-node pipeline, waits included
+    pipeline_dissolve: str = DISSOLVE_MOVE  # a headed request whose pipeline dissolves: move here, or finish
 
 
 @dataclass(frozen=True)
@@ -257,7 +265,9 @@ class ServingWorker:
 
         self._model = model
         self._head = PipelineHead(StageRunner(model.engine.model), self.stage_client,
-                                  step_timeout_s=self.config.pipeline_step_timeout_s)
+                                  step_timeout_s=self.config.pipeline_step_timeout_s,
+                                  local=model.engine.submit if self.config.pipeline_dissolve == DISSOLVE_MOVE
+                                  else None)
         self._released = False
         self._stage = STAGE_LOADING
         model.engine.model.add_listener(lambda: self._post(self._on_model_change))
@@ -358,6 +368,7 @@ class ServingWorker:
                             queue_depth=self.queue_depth, running=self.running, max_queue=self.config.max_queue,
                             max_batch=self.config.max_batch,
                             pipeline_sessions=self._head.runner.sessions if self._head is not None else 0,
+                            pipeline_moved=self._head.moved if self._head is not None else 0,
                             stage=self._stage, model=self.model_name,
                             package_id=self.package_id, error=self._error)
 

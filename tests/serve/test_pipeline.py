@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 import aiohttp
 import pytest
@@ -28,9 +29,10 @@ from pipecast.serve.pipeline import (
     route_header,
 )
 from pipecast.serve.worker import WorkerConfig
-from tests.serve.test_app import serving
+from tests.router.test_app import eventually
+from tests.serve.test_app import serving, wait_health
 from tests.support import packages
-from tests.support.engine_fixtures import random_prompt
+from tests.support.engine_fixtures import GatedAgent, random_prompt
 from tests.support.agent_processes import free_ports
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_configured_agent")]
@@ -205,3 +207,66 @@ async def test_a_tied_model_samples_at_the_head_stage_and_answers_the_single_nod
         body = {**body, "temperature": 0.9, "seed": 3}  # sampled at the head, with the request's seed
         assert (await post(http, a, body, {PIPELINE_HEADER: route([(a, 0, 2), (b, 2, 4)])}))[1]["choices"][0][
             "token_ids"] == sampled
+
+
+# --- dissolution: the head comes to hold the whole model mid-request ----------------------------------
+
+
+def gate_after(runner, calls: int) -> tuple[threading.Event, list]:
+    """Hold ``runner``'s stage calls after the first ``calls`` until the returned event is set; the list
+    gets one entry per call."""
+    opened, run, made = threading.Event(), runner.run, []
+
+    def gated(*args, **kwargs):
+        made.append(None)
+        if len(made) > calls:
+            assert opened.wait(30)
+        return run(*args, **kwargs)
+
+    runner.run = gated
+    return opened, made
+
+
+@pytest.mark.parametrize("mode", ["move", "finish"])
+async def test_a_request_whose_pipeline_dissolves_moves_to_the_head_or_finishes_there_with_the_same_tokens(
+        pkg, reference, mode):
+    expected = reference(PROMPT, 24)
+    with pipecast.load(pkg) as model:
+        sampled = model.generate(PROMPT, max_new_tokens=24, temperature=0.9, seed=5, timeout=30)
+    agent = GatedAgent(pkg)
+    agent.release(0, 1)  # the head holds layers 0-1 when the request starts
+    async with serving(WorkerConfig(str(pkg), agent=agent, pipeline_dissolve=mode)) as (a, head, _, http), \
+            serving(WorkerConfig(str(pkg))) as (b, tail, _, _):
+        await wait_health(http, a, lambda h: h["blocks_present"] == 2)
+        # the tail runs the prefill and 3 decode steps, then holds the 5th call
+        opened, calls = gate_after(await tail.wait_stage_runner(10), 4)
+        header = {PIPELINE_HEADER: route([(a, 0, 2), (b, 2, 6)])}
+        request = asyncio.create_task(post(http, a, completion(24), header))
+        await eventually(lambda: len(calls) == 5, 30)
+        agent.release()  # every block: the pipeline dissolves under the request
+        state = await wait_health(http, a, lambda h: h["status"] == "ready")
+        assert state["pipeline_sessions"] == 1
+        opened.set()
+        status, answer = await request
+        assert status == 200 and answer["choices"][0]["token_ids"] == expected
+        moved = (await wait_health(http, a, lambda h: h["pipeline_sessions"] == 0))["pipeline_moved"]
+        assert moved == (1 if mode == "move" else 0)
+        # moved after the 5th token (the call held when the head became whole), or every token there
+        assert len(calls) == (5 if mode == "move" else 24)
+        assert tail.stage_runner().sessions == 0
+    # A seeded sampled request finishes through its route (its generator lives in the sampling stage).
+    agent = GatedAgent(pkg)
+    agent.release(0, 1)
+    async with serving(WorkerConfig(str(pkg), agent=agent)) as (a, head, _, http), \
+            serving(WorkerConfig(str(pkg))) as (b, tail, _, _):
+        await wait_health(http, a, lambda h: h["blocks_present"] == 2)
+        opened, calls = gate_after(await tail.wait_stage_runner(10), 4)
+        body = {**completion(24), "temperature": 0.9, "seed": 5}
+        request = asyncio.create_task(post(http, a, body, {PIPELINE_HEADER: route([(a, 0, 2), (b, 2, 6)])}))
+        await eventually(lambda: len(calls) == 5, 30)
+        agent.release()
+        await wait_health(http, a, lambda h: h["status"] == "ready")
+        opened.set()
+        status, answer = await request
+        assert status == 200 and answer["choices"][0]["token_ids"] == sampled and len(calls) == 24
+        assert (await wait_health(http, a, lambda h: h["pipeline_sessions"] == 0))["pipeline_moved"] == 0
