@@ -14,7 +14,11 @@ The scale-up is the control plane's default plan (rotated by bytes over K source
 strategies in the same cluster, everything else identical: ``pipelines`` (the router routes to the
 pipelines the control plane forms as blocks land) and ``whole-model`` (``--no-pipelines``: the request
 waits for a worker holding, or about to hold, the whole model; execute-while-load still overlaps its
-prefill with the last block). Each run starts every process, waits until all are up (the serving workers
+prefill with the last block). ``pipelines-finish`` is ``pipelines`` with heads that finish a request
+through its pipeline when the pipeline dissolves under it, where ``pipelines`` moves the request to the
+head's own engine (``pipecast serve --pipeline-dissolve``); with a request that outlasts the transfer
+(``--max-tokens``) the two compare how long it runs on once its head holds the whole model. Each run
+starts every process, waits until all are up (the serving workers
 waiting for the package, torch imported), then the driver scales up and, at the same instant, sends one
 streamed request through the router; its TTFT counts from the scale-up, against the floor S/B of one
 link. The driver also records when each receiver holds the whole package.
@@ -44,8 +48,9 @@ from packager.manifest import read_manifest
 from pipecast.core.errors import PipecastError
 from pipecast.core.units import format_bytes
 
-PIPELINES, WHOLE = "pipelines", "whole-model"
-STRATEGIES = (PIPELINES, WHOLE)
+PIPELINES, PIPELINES_FINISH, WHOLE = "pipelines", "pipelines-finish", "whole-model"
+STRATEGIES = (PIPELINES, PIPELINES_FINISH, WHOLE)
+DEFAULT_STRATEGIES = (PIPELINES, WHOLE)
 WARM, STORE_KIND = "warm", "store"
 SOURCE_KINDS = (WARM, STORE_KIND)
 STORE, CONTROL, ROUTER, DRIVER = "store", "cp", "router", "driver"
@@ -94,7 +99,7 @@ class PipelinesConfig:
     package: Path
     sources: tuple[int, ...] = (1, 2, 4, 8)
     source_kinds: tuple[str, ...] = SOURCE_KINDS
-    strategies: tuple[str, ...] = STRATEGIES
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     receivers: int = 8
     link_mbit: float = 400.0
     prompt_tokens: int = 16
@@ -118,6 +123,11 @@ class RunResult:
     served_by: str
     tokens: list[int]
     inter_token_seconds: float | None  # mean time between two tokens after the first (the hops' cost)
+    last_token_seconds: float | None  # the request's end, after the scale-up
+    #: A pipelined request's end after its head held the whole model (the pipeline dissolving under it);
+    #: None if it ended before, or no pipeline served it.
+    after_dissolution_seconds: float | None
+    moved: bool  # moved to its head's engine when its pipeline dissolved
     plan_strategy: str
     first_complete_seconds: float | None  # the first receiver holding the whole package
     all_complete_seconds: float | None
@@ -151,13 +161,22 @@ def verdicts(results: Sequence[RunResult]) -> list[str]:
         met = r.ratio_to_floor is not None and r.ratio_to_floor <= target
         lines.append(f"K={r.sources} {r.source_kind}: first token {got} (target <= {target} x S/B: "
                      f"{'met' if met else 'NOT met'})")
-    by_setting: dict[tuple[int, str], dict[str, list[int]]] = {}
+    by_setting: dict[tuple[int, str], dict[str, RunResult]] = {}
     for r in results:
-        by_setting.setdefault((r.sources, r.source_kind), {})[r.strategy] = r.tokens
-    same = [k for k, v in by_setting.items() if len(v) == 2 and v[PIPELINES] == v[WHOLE] and v[PIPELINES]]
-    pairs = [k for k, v in by_setting.items() if len(v) == 2]
+        by_setting.setdefault((r.sources, r.source_kind), {})[r.strategy] = r
+    pairs = [(v[s].tokens, v[WHOLE].tokens) for v in by_setting.values() if WHOLE in v
+             for s in (PIPELINES, PIPELINES_FINISH) if s in v]
     if pairs:
-        lines.append(f"tokens identical to whole-model generation: {len(same)} of {len(pairs)} settings")
+        same = sum(1 for piped, whole in pairs if piped and piped == whole)
+        lines.append(f"tokens identical to whole-model generation: {same} of {len(pairs)} runs")
+    for (k, kind), v in by_setting.items():
+        move, finish = v.get(PIPELINES), v.get(PIPELINES_FINISH)
+        if move and finish and None not in (move.after_dissolution_seconds, finish.after_dissolution_seconds):
+            better = "moving" if move.after_dissolution_seconds < finish.after_dissolution_seconds else "finishing"
+            lines.append(f"K={k} {kind}: after its head held the whole model the request ran on "
+                         f"{move.after_dissolution_seconds:.2f} s when moved to the head "
+                         f"({'moved' if move.moved else 'NOT moved'}), {finish.after_dissolution_seconds:.2f} s "
+                         f"through the pipeline: {better} is better")
     return lines
 
 
@@ -167,8 +186,8 @@ def format_report(report: PipelinesReport) -> str:
              f"{m['receivers']} receivers, links {m['link_mbit']:g} Mbit/s ({m['mode']}), floor S/B "
              f"{m['floor_seconds']:.2f} s; one request of {m['prompt_tokens']} tokens at the scale-up; "
              f"{m['worker_cpus']}",
-             f"{'sources':>7} {'kind':<5} {'strategy':<11} {'plan':<8} {'TTFT s':>7} {'/ S/B':>6} {'stages':>6} "
-             f"{'ms/token':>8} {'1st whole s':>11} {'all whole s':>11} {'CPU':>5}"]
+             f"{'sources':>7} {'kind':<5} {'strategy':<16} {'plan':<8} {'TTFT s':>7} {'/ S/B':>6} {'stages':>6} "
+             f"{'ms/token':>8} {'1st whole s':>11} {'all whole s':>11} {'end s':>6} {'after s':>7} {'CPU':>5}"]
     for r in report.results:
         ttft = "-" if r.ttft_seconds is None else f"{r.ttft_seconds:.2f}"
         ratio = "-" if r.ratio_to_floor is None else f"{r.ratio_to_floor:.2f}"
@@ -176,13 +195,19 @@ def format_report(report: PipelinesReport) -> str:
         every = "-" if r.all_complete_seconds is None else f"{r.all_complete_seconds:.2f}"
         cpu = f"{r.cpu_mean_percent:.0f}%{'!' if r.cpu_saturated else ''}"
         per_token = "-" if r.inter_token_seconds is None else f"{r.inter_token_seconds * 1000:.0f}"
-        lines.append(f"{r.sources:>7} {r.source_kind:<5} {r.strategy:<11} {r.plan_strategy:<8} {ttft:>7} "
-                     f"{ratio:>6} {r.pipeline_stages:>6} {per_token:>8} {first:>11} {every:>11} {cpu:>5}"
+        end = "-" if r.last_token_seconds is None else f"{r.last_token_seconds:.2f}"
+        after = "-" if r.after_dissolution_seconds is None else \
+            f"{r.after_dissolution_seconds:.2f}{'m' if r.moved else ''}"
+        lines.append(f"{r.sources:>7} {r.source_kind:<5} {r.strategy:<16} {r.plan_strategy:<8} {ttft:>7} "
+                     f"{ratio:>6} {r.pipeline_stages:>6} {per_token:>8} {first:>11} {every:>11} {end:>6} {after:>7} "
+                     f"{cpu:>5}"
                      + (f"  error: {r.error}" if r.error else ""))
     lines += [f"verdict: {line}" for line in verdicts(report.results)]
     if "largest_block_share" in m:
         lines.append(f"bound: the largest block alone takes {m['largest_block_share']:.2f} x S/B over one link: no "
                      "pipeline answers before it is in")
+    lines.append("end: the request's last token after the scale-up; after: how long a pipelined request ran on "
+                 "after its head held the whole model ('m': moved to the head's engine)")
     lines.append("CPU: mean of the machine's cores during the run; '!' marks a saturated run (the CPU, not the "
                  "plan, bounds its figures)")
     return "\n".join(lines)
@@ -236,14 +261,18 @@ async def _drive(spec: DriverSpec) -> dict:
         complete: dict[str, float] = {}
         watcher = asyncio.create_task(_watch_complete(cp, package_id, blocks, set(spec.receivers), t0, complete))
         try:
-            ttft, between, tokens, served_by = await _request(http, spec, t0)
+            ttft, last, tokens, served_by = await _request(http, spec, t0)
             async with asyncio.timeout(RUN_TIMEOUT_S):
                 await watcher
         finally:
             watcher.cancel()
+        head = served_by.removeprefix("pipeline:").split("+")[0] if served_by.startswith("pipeline:") else None
+        moved = bool(head and ((await _probe(http, f"{spec.receivers[head]}/health")) or {}).get("pipeline_moved"))
     events.emit("done")
+    between = (last - ttft) / (len(tokens) - 1) if len(tokens) > 1 else None
     return {"plan_strategy": reply.strategy, "sources": list(reply.sources), "ttft_seconds": ttft,
-            "inter_token_seconds": between, "tokens": tokens, "served_by": served_by, "complete": complete}
+            "last_token_seconds": last, "inter_token_seconds": between, "tokens": tokens, "served_by": served_by,
+            "head": head, "moved": moved, "complete": complete}
 
 
 async def _arm(spec: DriverSpec, cp, http, package_id: str, deadline: float) -> None:
@@ -279,8 +308,8 @@ async def _probe(http, url: str) -> dict | None:
 
 
 async def _request(http, spec: DriverSpec, t0: float) -> tuple[float | None, float | None, list[int], str]:
-    """One streamed greedy completion through the router; (first token after ``t0``, mean time between
-    two tokens after it, tokens, served by)."""
+    """One streamed greedy completion through the router; (first and last token after ``t0``, tokens,
+    served by)."""
     import aiohttp
 
     body = {"model": spec.model, "prompt": spec.prompt,
@@ -302,8 +331,7 @@ async def _request(http, spec: DriverSpec, t0: float) -> tuple[float | None, flo
                 last = time.monotonic() - t0
                 ttft = last if ttft is None else ttft
             tokens += ids
-    between = (last - ttft) / (len(tokens) - 1) if len(tokens) > 1 else None
-    return ttft, between, tokens, served_by
+    return ttft, last, tokens, served_by
 
 
 async def _watch_complete(cp, package_id: str, blocks: int, receivers: set[str], t0: float,
@@ -350,7 +378,8 @@ def run_once(cluster: EmulatedCluster, folder: Path, config: PipelinesConfig, ma
     floor = floor_seconds(sum(b.bytes for b in manifest.blocks), config.link_mbit, config.link_mbit)
     try:
         host, port = control.rsplit(":", 1)
-        links = ["--store-links", str(k)] if kind == STORE_KIND else []
+        # warm: the K holders alone are the sources (the store sits out: K is the count measured)
+        links = ["--store-links", str(k)] if kind == STORE_KIND else ["--no-store-beside-holders"]
         run.spawn(CONTROL, CONTROL, cli("control-plane", "--host", host, "--port", port, "--db",
                                          folder / "control.sqlite3", *links))
         run.spawn(DRIVER, DRIVER, [sys.executable, "-m", "benchmarks.pipelines", folder / "spec.json"])
@@ -369,13 +398,14 @@ def run_once(cluster: EmulatedCluster, folder: Path, config: PipelinesConfig, ma
             host, port = serving[w].rsplit(":", 1)
             serve = run.spawn(f"{w}-serve", w, cli(
                 "serve", manifest.package_id, "--agent-socket", sockets / f"{w}.sock", "--host", host, "--port", port,
-                "--agent-timeout", START_TIMEOUT_S, "--drain-timeout", 0),
+                "--agent-timeout", START_TIMEOUT_S, "--drain-timeout", 0, "--pipeline-dissolve",
+                "finish" if strategy == PIPELINES_FINISH else "move"),
                 env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
             quotas.limit(serve.pid)
         host, port = router.rsplit(":", 1)
         run.spawn(ROUTER, ROUTER, cli("router", "--host", host, "--port", port, "--control-plane", control,
                                        "--discovery-interval", "0.2", "--health-interval", "0.2", "--health-timeout", 3, "--drain-timeout",
-                                       0, *([] if strategy == PIPELINES else ["--no-pipelines"])))
+                                       0, *(["--no-pipelines"] if strategy == WHOLE else [])))
         run.wait_event([DRIVER], "armed", deadline, "every process up")
         with CpuSampler() as cpu:
             run.wait_event([DRIVER], "done", time.time() + RUN_TIMEOUT_S + 30, "the request and the transfer")
@@ -387,11 +417,14 @@ def run_once(cluster: EmulatedCluster, folder: Path, config: PipelinesConfig, ma
         raise PipelinesBenchError(f"the driver failed: {data['error']}")
     usage = cpu.usage()
     done = sorted(data["complete"].values())
-    ttft = data["ttft_seconds"]
+    ttft, last = data["ttft_seconds"], data["last_token_seconds"]
+    head_whole = data["complete"].get(data["head"]) if data["head"] else None
+    after = None if head_whole is None or last is None or last <= head_whole else last - head_whole
     return RunResult(sources=k, source_kind=kind, strategy=strategy, ttft_seconds=ttft, floor_seconds=floor,
                      ratio_to_floor=None if ttft is None else ttft / floor,
                      pipeline_stages=stages_of(data["served_by"]), served_by=data["served_by"], tokens=data["tokens"],
-                     inter_token_seconds=data["inter_token_seconds"],
+                     inter_token_seconds=data["inter_token_seconds"], last_token_seconds=last,
+                     after_dissolution_seconds=after, moved=data["moved"],
                      plan_strategy=data["plan_strategy"], first_complete_seconds=done[0] if done else None,
                      all_complete_seconds=done[-1] if len(done) == config.receivers else None,
                      cpu_mean_percent=usage.mean_percent, cpu_saturated=usage.saturated())

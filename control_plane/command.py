@@ -37,15 +37,20 @@ CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, d
               help="Serve Prometheus metrics on this port, 0 for any (settings: control_metrics_port; off unless "
                    "set).")
 @click.option("--store-links", type=click.IntRange(min=1),
-              help="A store's egress in worker links: scale-ups from the store alone plan this many rotated "
-                   "groups (settings: control_store_links).")
+              help="A store's egress in worker links: scale-ups give the store this many rotated groups "
+                   "(settings: control_store_links).")
+@click.option("--store-beside-holders/--no-store-beside-holders", default=None,
+              help="Whether a rotated scale-up also sends from the store, while it is idle, beside the workers "
+                   "holding the package (settings: control_store_beside_holders; on by default). Off saves the "
+                   "store's egress where peers can send.")
 def control_plane_command(config: Path | None, host: str | None, port: int | None, db: Path | None,
-                          lease_s: float | None, metrics_port: int | None, store_links: int | None) -> None:
+                          lease_s: float | None, metrics_port: int | None, store_links: int | None,
+                          store_beside_holders: bool | None) -> None:
     """Run the control plane until SIGINT/SIGTERM."""
     from control_plane.server import ControlPlaneServer, ServerConfig  # grpc: not loaded by `--help`
 
     settings = load_settings(config, control_host=host, control_port=port, control_db=db, lease_s=lease_s,
-                             control_store_links=store_links)
+                             control_store_links=store_links, control_store_beside_holders=store_beside_holders)
     server_config = ServerConfig.from_settings(settings, metrics_port=metrics_port)
 
     async def serve() -> None:

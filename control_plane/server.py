@@ -68,6 +68,7 @@ class ServerConfig:
     flush_interval_s: float = 0.5
     metrics_port: int | None = None  # None: no Prometheus endpoint; 0: any free port
     store_links: int = 1  # a store's egress in worker links (see ControlState)
+    store_beside_holders: bool = True  # a rotated scale-up also sends from an idle store (see ControlState)
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides: Any) -> "ServerConfig":
@@ -75,7 +76,8 @@ class ServerConfig:
                      token=settings.auth_token, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
                      tls_ca=settings.tls_ca, lease_s=settings.lease_s, heartbeat_s=settings.heartbeat_s,
                      scan_interval_s=settings.control_scan_s, flush_interval_s=settings.control_flush_s,
-                     metrics_port=settings.control_metrics_port, store_links=settings.control_store_links)
+                     metrics_port=settings.control_metrics_port, store_links=settings.control_store_links,
+                     store_beside_holders=settings.control_store_beside_holders)
         for key, value in overrides.items():
             if value is not None:
                 setattr(config, key, value)
@@ -99,7 +101,8 @@ class ControlPlaneServer:
         self._health = health_aio.HealthServicer()
         self._metrics_httpd: Any = None
         self._credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
-        self.state = ControlState(lease_s=config.lease_s, store_links=config.store_links)
+        self.state = ControlState(lease_s=config.lease_s, store_links=config.store_links,
+                                  store_beside_holders=config.store_beside_holders)
         self.store = SqliteStore(config.db_path)
         # Workers notice the restart only when their reconnect backoff ends: a lease shorter than that
         # must not mark them dead before they are back.

@@ -135,12 +135,15 @@ class ControlState:
     """Everything the control plane knows. Methods raise :mod:`control_plane.errors` on bad requests
     and change nothing then."""
 
-    def __init__(self, *, lease_s: float, forget_after_s: float | None = None, store_links: int = 1):
+    def __init__(self, *, lease_s: float, forget_after_s: float | None = None, store_links: int = 1,
+                 store_beside_holders: bool = True):
         if isinstance(store_links, bool) or not isinstance(store_links, int) or store_links < 1:
             raise ValueError(f"store_links must be a positive integer, got {store_links!r}")
         self.lease_s = lease_s
-        # A store's egress in worker links: a scale-up from the store alone gives it that many rotated groups.
+        # A store's egress in worker links: a scale-up gives the store that many rotated groups.
         self.store_links = store_links
+        # A rotated scale-up also sends from an idle store beside the complete holders (see _plan_sources).
+        self.store_beside_holders = store_beside_holders
         # A dead worker's record stays visible (ListWorkers) this long, then is forgotten.
         self.forget_after_s = forget_after_s if forget_after_s is not None else 30 * lease_s
         self.workers: dict[str, Worker] = {}
@@ -336,9 +339,10 @@ class ControlState:
                  fanout: int = 0, now: float) -> ScaleUpResult:
         """Bring a package onto ``node_ids``, or onto ``count`` more workers picked here (workers in a
         keep-alive release of it first, then those holding most of it, then those in a source's rack, then
-        the least loaded). Sources are the alive workers holding all of it, else its store; several sources,
-        or a store of :attr:`store_links` > 1 links feeding two receivers or more, give a plan rotated by
-        bytes (see :mod:`control_plane.placement`). While a chain from the store is still in progress, a
+        the least loaded). Sources are the alive workers holding all of it, and its store while no plan in
+        progress sends from it (:attr:`store_beside_holders`), else its store alone; several sources, or a
+        store of :attr:`store_links` > 1 links feeding two receivers or more, give a plan rotated by bytes
+        (see :mod:`control_plane.placement`). While a chain from the store is still in progress, a
         new chain hangs behind its last node instead (one copy leaves the store, not two)."""
         package = self.package(package_id)
         if bool(node_ids) == bool(count):
@@ -559,9 +563,16 @@ class ControlState:
 
     def _plan_sources(self, package: Package, strategy: str, exclude: Collection[str]) -> tuple[list[str], str]:
         """The sources of a new plan of ``package`` (none of ``exclude``) and its strategy (``strategy``, or
-        "chain" where it hangs behind a chain in progress)."""
+        "chain" where it hangs behind a chain in progress).
+
+        Beside complete holders, a rotated plan (or one whose strategy is left to the state) also sends from
+        the store while no plan in progress does: its egress is a source like theirs."""
         sources = self._pick_sources(package, exclude)
-        from_store = sources == [package.store.node_id]
+        store = package.store.node_id
+        if self.store_beside_holders and sources and store not in sources and store not in exclude \
+                and strategy in ("", "rotated") and not self._store_busy(store):
+            sources.append(store)
+        from_store = sources == [store]
         tail = self._chain_tail(package.package_id) if strategy in ("", "chain") and from_store else None
         if tail is not None:
             # A chain is still bringing the package from the store: hang the new receivers behind its last
@@ -571,12 +582,15 @@ class ControlState:
         return sources, strategy
 
     def _source_links(self, package: Package, sources: Sequence[str], receivers: int) -> dict[str, int]:
-        """Links per source of a new plan: the store's :attr:`store_links` when it is the only source of
-        two receivers or more. Beside complete holders the store stays out: its links may still carry an
-        earlier plan from the store, which the state does not track per link."""
-        if self.store_links > 1 and receivers > 1 and list(sources) == [package.store.node_id]:
+        """Links per source of a new plan: the store's :attr:`store_links` when it sends to two receivers or
+        more (alone, or beside holders while it is idle: :meth:`_plan_sources`)."""
+        if self.store_links > 1 and receivers > 1 and package.store.node_id in sources:
             return {package.store.node_id: self.store_links}
         return {}
+
+    def _store_busy(self, store: str) -> bool:
+        """Whether a plan in progress sends from ``store`` (the state does not track its links one by one)."""
+        return any(store in a.plan.sources for a in self.plans.values() if a.pending)
 
     def _rack(self, node: str) -> str | None:
         """The ``rack`` label of ``node``, None where it has none or is no worker (a store)."""

@@ -23,13 +23,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from benchmarks.surge.strategies import BASELINE, FIXED, ORACLE_SUFFIX, PIPECAST, WARM_POOL
+from benchmarks.surge.strategies import BASELINE, FIXED, ORACLE_SUFFIX, PIPECAST, PIPECAST_PIPELINES, WARM_POOL
 from pipecast.router.signals import percentile as sorted_percentile
 
 STATUSES = ("ok", "rejected", "failed")
 FIRST_N = 100
 # The issue's bar: pipecast's p99 TTFT over the first requests at least this many times lower than unicast's.
 TARGET_FIRST_P99_RATIO = 5.0
+# Where a variant has its own bar: with pipelines, against unicast from a store of 8 links' egress (where
+# every cold worker pulls its own copy at its full link rate, so plain multicast has no edge).
+TARGET_FIRST_P99_RATIO_OF = {PIPECAST_PIPELINES: 2.0}
 # The long run's bar: pipecast with the daemon at least this much cheaper than W*, the smallest fixed warm pool
 # whose overall p99 TTFT is as good (FaaScale reports 31.3%).
 TARGET_SAVING_VS_W_STAR = 0.30
@@ -277,10 +280,11 @@ def verdicts(summaries: Sequence[StrategySummary], pair_ratios: Mapping[str, Map
     for pipecast in variants:
         value = pair_ratios.get(f"{BASELINE}/{pipecast.strategy}", {}).get("first100_ttft_p99_seconds")
         if f"{BASELINE}/{pipecast.strategy}" in pair_ratios:
-            met = "met" if value is not None and value >= TARGET_FIRST_P99_RATIO else "NOT met"
+            target = TARGET_FIRST_P99_RATIO_OF.get(pipecast.strategy.partition(":")[0], TARGET_FIRST_P99_RATIO)
+            met = "met" if value is not None and value >= target else "NOT met"
             shown = "n/a" if value is None else f"{value:.1f}x"
             lines.append(f"first-{first_n} p99 TTFT, unicast / {pipecast.strategy} = {shown} "
-                         f"(target >= {TARGET_FIRST_P99_RATIO:g}x: {met})")
+                         f"(target >= {target:g}x: {met})")
         reference, ref_cost = pipecast.median("first100_ttft_p99_seconds"), pipecast.median("worker_seconds")
         for s in summaries:
             if not s.strategy.startswith(WARM_POOL):
@@ -294,6 +298,11 @@ def verdicts(summaries: Sequence[StrategySummary], pair_ratios: Mapping[str, Map
                          f"{pipecast.strategy} {reference:.2f} s ({'as good or better' if matches else 'worse'}: "
                          f"tolerance {MATCH_TOLERANCE - 1:.0%}); {cost:.0f} vs {ref_cost:.0f} worker-seconds "
                          f"({cost / ref_cost:.2f}x: {'costs more' if cost > ref_cost else 'costs no more'})")
+            if pipecast.strategy.partition(":")[0] == PIPECAST_PIPELINES and s.warm_workers == \
+                    pipecast.warm_workers + 1:
+                met = reference <= p99 and ref_cost < cost
+                lines.append(f"{pipecast.strategy} ({pipecast.warm_workers} warm) against {s.strategy}: first-"
+                             f"{first_n} p99 at or below it with fewer worker-seconds ({'met' if met else 'NOT met'})")
     by_name = {s.strategy: s for s in summaries}
     for daemon, oracle in ((PIPECAST, PIPECAST + ORACLE_SUFFIX), (BASELINE, BASELINE + ORACLE_SUFFIX)):
         value = pair_ratios.get(f"{daemon}/{oracle}", {}).get("first100_ttft_p99_seconds")

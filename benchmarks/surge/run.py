@@ -69,6 +69,9 @@ PROGRESS_EVERY_S = 5.0
 # default (one thread per core in each of N processes) would oversubscribe them.
 WORKER_THREADS = 1
 PREFILL_REPEATS = 3
+# How often a router that routes to pipelines asks the control plane for them: pipelines change as blocks
+# land, every few hundred ms at these link rates.
+DISCOVERY_INTERVAL_S = 0.5
 
 ProgressCallback = Callable[[str], None]
 # The daemon's policy here: replica_concurrency is the workers' batch; replica_rps a CPU worker's order of
@@ -126,6 +129,11 @@ class SurgeConfig:
     def store_rate_mbit(self) -> float:
         """The store's egress rate, Mbit/s."""
         return store_egress_mbit(self.link_mbit, self.store_mbit)
+
+    @property
+    def store_links(self) -> int:
+        """The store's egress in whole links, as an operator tells the control plane (``--store-links``)."""
+        return max(1, int(self.store_rate_mbit // self.link_mbit))
 
 
 @dataclass(frozen=True)
@@ -260,7 +268,7 @@ def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strat
     """Start the run's processes in order (see the module docstring); return once the driver is up."""
     host, port = layout.control.rsplit(":", 1)
     run.spawn(CONTROL, CONTROL, cli("control-plane", "--host", host, "--port", port,
-                                     "--db", run.folder / "control.sqlite3"))
+                                     "--db", run.folder / "control.sqlite3", "--store-links", config.store_links))
     run.spawn(LOAD, LOAD, [sys.executable, "-m", "benchmarks.surge.loadgen", run.folder / "spec.json"])
     run.wait_event([LOAD], "published", deadline, "publishing the package")
     if strategy.scaled_by == "daemon":
@@ -290,10 +298,12 @@ def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strat
             verbose=False), env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
         quotas.limit(serve.pid)
     host, port = layout.router.rsplit(":", 1)
+    pipelines = ["--control-plane", layout.control, "--discovery-interval", DISCOVERY_INTERVAL_S] \
+        if strategy.pipelines else []
     run.spawn(ROUTER, ROUTER, cli(
         "router", "--host", host, "--port", port, *(a for e in spec.workers for a in ("--worker", e.url)),
         "--max-queue", config.router_max_queue, "--queue-timeout", config.queue_timeout_s, "--drain-timeout", 0,
-        verbose=False))
+        *pipelines, verbose=False))
 
 
 def _deployment(strategy: Strategy, config: SurgeConfig, package: PackageFacts, layout: "_Layout",

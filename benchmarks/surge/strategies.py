@@ -5,7 +5,8 @@ surge arrives (warm), whether those warm workers are multicast sources, who deci
 ones (the scaling daemon from the routers' signals, the load generator at the surge's first instant, an
 oracle no deployment has, or nobody: a fixed pool), which control-plane plan brings it, and whether a
 worker serves while its blocks arrive (execute-while-load) or only once it holds them all
-(load-then-serve). The orchestration (:mod:`benchmarks.surge.run`) reads only
+(load-then-serve), and whether the router also routes to the cross-node pipelines the control plane forms
+while no worker holds the whole model. The orchestration (:mod:`benchmarks.surge.run`) reads only
 these fields, so adding a strategy is one :func:`register` call (or one entry in :data:`BUILTIN`).
 
 A name may carry a warm count, ``NAME:W`` (e.g. ``warm-pool:4``): the strategy with W warm workers.
@@ -19,6 +20,7 @@ from pipecast.core.errors import PipecastError
 
 BASELINE = "unicast"
 PIPECAST = "pipecast"
+PIPECAST_PIPELINES = "pipecast-pipelines"
 WARM_POOL = "warm-pool"
 FIXED = "fixed"
 ORACLE_SUFFIX = "-oracle"
@@ -49,6 +51,9 @@ class Strategy:
     warm_are_sources: bool = False
     #: One of SCALERS.
     scaled_by: str = "oracle"
+    #: The router learns the control plane's cross-node pipelines and routes to them while no worker has
+    #: room (``pipecast router --control-plane``); otherwise it knows the workers alone.
+    pipelines: bool = False
 
     def __post_init__(self) -> None:
         if self.scaled_by not in SCALERS:
@@ -106,6 +111,12 @@ register(Strategy(PIPECAST + ORACLE_SUFFIX, "pipecast with every cold worker sca
 
 # The same with the control plane told to plan a chain: every worker receives the blocks in order, one
 # chunk behind its parent, so the first worker that can serve is also among the first to hold everything.
+register(Strategy(PIPECAST_PIPELINES, "pipecast with W warm workers (default 1) as multicast sources beside the "
+                                           "store (each a slot of a plan rotated by bytes), and the router routing "
+                                           "to the pipelines across cold workers the control plane forms as blocks "
+                                           "land, until they hold the whole model; scaled by the daemon",
+                  plan_strategy="", execute_while_load=True, warm=1, warm_are_sources=True, scaled_by="daemon",
+                  pipelines=True))
 register(Strategy(f"{PIPECAST}-chain", "pipecast with a chain plan (blocks in layer order at every worker, "
                                        "cut-through), execute-while-load, scaled by the daemon",
                   plan_strategy="chain", execute_while_load=True, warm_are_sources=True, scaled_by="daemon"))

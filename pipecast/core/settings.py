@@ -88,9 +88,12 @@ class Settings(BaseSettings):
     control_flush_s: float = Field(0.5, gt=0, description="how often the control plane writes its state to SQLite")
     control_metrics_port: int | None = Field(None, ge=0, le=65535,
                                              description="Prometheus port of the control plane (unset: off)")
-    control_store_links: int = Field(1, ge=1, description="a store's egress in worker links: a scale-up from the store "
-                                                     "alone plans this many rotated groups (8: a store at 8x the "
-                                                     "link rate is 8 sources)")
+    control_store_links: int = Field(1, ge=1, description="a store's egress in worker links: a scale-up gives the "
+                                                     "store this many rotated groups (8: a store at 8x the link "
+                                                     "rate is 8 sources)")
+    control_store_beside_holders: bool = Field(True, description="a rotated scale-up also sends from an idle store "
+                                                                 "beside the workers holding the package (off: "
+                                                                 "the store sends only when nobody else can)")
 
     # Engine and serving worker.
     device: str = Field("cpu", description="where the engine runs: cpu, cuda, cuda:1 ...")

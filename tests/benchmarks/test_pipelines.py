@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from benchmarks.command import bench_group
 from benchmarks.pipelines import (
     PIPELINES,
+    PIPELINES_FINISH,
     WHOLE,
     PipelinesBenchError,
     PipelinesReport,
@@ -22,11 +23,13 @@ from benchmarks.pipelines import (
 from tests.support.packages import tiny_package
 
 
-def result(k: int, strategy: str, ttft: float | None, tokens=(1, 2), stages: int = 0) -> RunResult:
+def result(k: int, strategy: str, ttft: float | None, tokens=(1, 2), stages: int = 0, after: float | None = None,
+           moved: bool = False) -> RunResult:
     return RunResult(sources=k, source_kind="warm", strategy=strategy, ttft_seconds=ttft, floor_seconds=10.0,
                      ratio_to_floor=None if ttft is None else ttft / 10.0, pipeline_stages=stages,
                      served_by="pipeline:a+b" if stages else "http://w1:8000", tokens=list(tokens),
-                     inter_token_seconds=0.05,
+                     inter_token_seconds=0.05, last_token_seconds=None if ttft is None else ttft + 0.35,
+                     after_dissolution_seconds=after, moved=moved,
                      plan_strategy="rotated", first_complete_seconds=10.5, all_complete_seconds=11.0,
                      cpu_mean_percent=40.0, cpu_saturated=False)
 
@@ -43,18 +46,22 @@ def test_options_are_checked_naming_the_option():
 
 
 def test_verdicts_compare_each_source_count_with_its_target_and_the_tokens_with_whole_model_ones():
-    results = [result(2, PIPELINES, 5.5, stages=2), result(2, WHOLE, 10.7), result(4, PIPELINES, 3.4, stages=4),
+    results = [result(2, PIPELINES, 5.5, stages=2, after=1.25, moved=True), result(2, WHOLE, 10.7),
+               result(2, PIPELINES_FINISH, 5.6, stages=2, after=3.5), result(4, PIPELINES, 3.4, stages=4),
                result(4, WHOLE, 10.6, tokens=(1, 3)), result(8, PIPELINES, None)]
     assert verdicts(results) == [
         "K=2 warm: first token 0.55 x S/B (target <= 0.6 x S/B: met)",
         "K=4 warm: first token 0.34 x S/B (target <= 0.35 x S/B: met)",
         "K=8 warm: first token no first token (target <= 0.3 x S/B: NOT met)",
-        "tokens identical to whole-model generation: 1 of 2 settings"]
+        "tokens identical to whole-model generation: 2 of 3 runs",
+        "K=2 warm: after its head held the whole model the request ran on 1.25 s when moved to the head (moved), "
+        "3.50 s through the pipeline: moving is better"]
     meta = {"model_name": "m", "package_bytes": 1 << 20, "blocks": 4, "receivers": 8, "link_mbit": 100.0,
             "mode": "netns", "floor_seconds": 10.0, "prompt_tokens": 16, "worker_cpus": "no CPU quota"}
     text = format_report(PipelinesReport(meta, results))
-    assert "      2 warm  pipelines   rotated     5.50   0.55      2       50" in text
-    assert "verdict: tokens identical to whole-model generation: 1 of 2 settings" in text
+    assert "      2 warm  pipelines        rotated     5.50   0.55      2       50       10.50       11.00   5.85   1.25m" \
+        in text
+    assert "verdict: tokens identical to whole-model generation: 2 of 3 runs" in text
 
 
 @pytest.mark.timeout(600)
@@ -71,7 +78,8 @@ def test_a_pipeline_of_two_receivers_answers_first_with_the_whole_models_tokens(
     piped, whole = by[PIPELINES], by[WHOLE]
     assert piped["pipeline_stages"] == 2 and whole["pipeline_stages"] == 0
     assert piped["tokens"] == whole["tokens"] and len(piped["tokens"]) == 8
+    assert piped["last_token_seconds"] >= piped["ttft_seconds"] and whole["after_dissolution_seconds"] is None
     # the pipeline answers before any receiver holds the model; the whole model cannot beat its transfer
     assert piped["ttft_seconds"] < piped["first_complete_seconds"]
     assert whole["ttft_seconds"] >= 0.9 * whole["first_complete_seconds"]
-    assert "verdict: tokens identical to whole-model generation: 1 of 1 settings" in run.output
+    assert "verdict: tokens identical to whole-model generation: 1 of 1 runs" in run.output

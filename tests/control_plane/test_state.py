@@ -24,8 +24,8 @@ def spec(node: str, rack: str = "", memory: int = 10_000) -> WorkerSpec:
     return WorkerSpec(PeerInfo(node, f"{node}.local:7070", ("tcp",)), memory, labels={"rack": rack} if rack else {})
 
 
-def cluster(workers: int, *, racks: int = 0) -> ControlState:
-    state = ControlState(lease_s=LEASE)
+def cluster(workers: int, *, racks: int = 0, store_beside_holders: bool = True) -> ControlState:
+    state = ControlState(lease_s=LEASE, store_beside_holders=store_beside_holders)
     state.publish(manifest(), STORE, now=0)
     for i in range(workers):
         state.register(spec(f"w{i}", f"r{i % racks}" if racks else ""), {}, now=0)
@@ -171,18 +171,56 @@ def test_scale_up_from_the_store_plans_every_block_for_every_receiver():
     assert notices_of(state, UpdateKind.ASSIGN) >= {"w0", "w1", "w2"}
 
 
-def test_scale_up_prefers_workers_holding_the_package_as_sources_rotated():
+def test_scale_up_prefers_workers_holding_the_package_as_sources_rotated_with_the_idle_store_beside():
     state = cluster(6)
     for node in ("w4", "w5"):
         state.report(node, {"pkg": range(BLOCKS)}, {}, now=1)
     result = state.scale_up("pkg", count=4, now=2)
-    assert result.sources == ("w4", "w5") and result.strategy == "rotated"
+    assert result.sources == ("w4", "w5", "store") and result.strategy == "rotated"
     assert set(result.receivers) == {"w0", "w1", "w2", "w3"}
+    assert_complete_plan(state, result.plan_id, set(result.receivers))
+    # One receiver: the first holder's group alone gets one (the store's slot comes last).
+    state = cluster(3)
+    state.report("w2", {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0"], now=2)
+    assert {a.parent for a in state.plans[result.plan_id].parts["w0"].fetch} == {"w2"}
+
+
+def test_the_store_sends_beside_holders_only_while_no_plan_sends_from_it_and_if_allowed():
+    state = cluster(6)
+    busy = state.scale_up("pkg", node_ids=["w0", "w1"], now=1)  # from the store alone, still in progress
+    state.report("w5", {"pkg": range(BLOCKS)}, {}, now=2)
+    assert busy.sources == ("store",)
+    assert state.scale_up("pkg", node_ids=["w2", "w3"], now=3).sources == ("w5",)
+    for strategy in ("chain", "unicast"):  # named strategies other than rotated keep the holders alone
+        state = cluster(4)
+        state.report("w3", {"pkg": range(BLOCKS)}, {}, now=1)
+        assert state.scale_up("pkg", node_ids=["w0", "w1"], strategy=strategy, now=2).sources == ("w3",)
+    state = ControlState(lease_s=LEASE, store_beside_holders=False)
+    state.publish(manifest(), STORE, now=0)
+    for i in range(4):
+        state.register(spec(f"w{i}", ""), {}, now=0)
+    state.report("w3", {"pkg": range(BLOCKS)}, {}, now=1)
+    assert state.scale_up("pkg", node_ids=["w0", "w1"], now=2).sources == ("w3",)
+
+
+def test_a_store_of_several_links_beside_a_holder_heads_a_group_per_link():
+    state = ControlState(lease_s=LEASE, store_links=3)
+    state.publish(manifest(), STORE, now=0)
+    for i in range(5):
+        state.register(spec(f"w{i}", ""), {}, now=0)
+    state.report("w4", {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], now=2)
+    assert result.sources == ("w4", "store") and result.strategy == "rotated"
+    parts = state.plans[result.plan_id].parts
+    first_parents = [parts[n].fetch[0].parent for n in result.receivers]
+    assert first_parents.count("store") == 3 and first_parents.count("w4") == 1  # 4 groups of one
     assert_complete_plan(state, result.plan_id, set(result.receivers))
 
 
 def test_scale_up_keeps_parents_in_the_receivers_rack():
-    state = cluster(10, racks=2)  # w0, w2, .. in r0; w1, w3, .. in r1
+    # w0, w2, .. in r0; w1, w3, .. in r1; the holders alone send (the store has no rack)
+    state = cluster(10, racks=2, store_beside_holders=False)
     for node in ("w0", "w1"):
         state.report(node, {"pkg": range(BLOCKS)}, {}, now=1)
     result = state.scale_up("pkg", node_ids=[f"w{i}" for i in range(2, 10)], now=2)
@@ -197,7 +235,7 @@ def test_counted_scale_up_prefers_workers_in_the_sources_rack():
     state.report("w3", {"pkg": range(BLOCKS)}, {}, now=1)
     state.report("w6", {"pkg": [0]}, {}, now=1)  # a partial holder in the other rack still comes first
     result = state.scale_up("pkg", count=3, now=2)
-    assert result.sources == ("w3",) and result.receivers == ("w6", "w1", "w5")
+    assert result.sources == ("w3", "store") and result.receivers == ("w6", "w1", "w5")
 
 
 def test_counted_scale_up_from_the_store_has_no_rack_preference():
@@ -277,7 +315,7 @@ def test_death_of_the_only_worker_source_falls_back_to_the_store():
     state = cluster(3)
     state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
     result = state.scale_up("pkg", node_ids=["w1", "w2"], now=1)
-    assert result.sources == ("w0",)
+    assert result.sources == ("w0", "store")
     state.heartbeat("w1", now=LEASE)
     state.heartbeat("w2", now=LEASE)
     state.tick(now=LEASE + 1)
@@ -306,7 +344,7 @@ def test_release_with_keep_alive_stays_a_source_until_it_drops():
     drop_at = state.release("pkg", ["w0"], keep_alive_s=30, now=2)
     assert drop_at == 32
     result = state.scale_up("pkg", node_ids=["w1"], now=3)
-    assert result.sources == ("w0",)
+    assert result.sources == ("w0", "store")
     for node in ("w0", "w1", "w2", "w3"):
         state.heartbeat(node, now=25)
     state.notices.clear()
@@ -473,7 +511,7 @@ def layered_manifest() -> Manifest:
 
 
 def test_pipelines_form_from_rotated_halves_count_the_next_block_and_dissolve_when_complete():
-    state = ControlState(lease_s=LEASE)
+    state = ControlState(lease_s=LEASE, store_beside_holders=False)  # two holders, two halves
     state.publish(layered_manifest(), STORE, now=0)
     for i in range(6):
         serving = WorkerSpec(PeerInfo(f"w{i}", f"w{i}.local:7070", ("tcp",)), 10_000,
@@ -526,13 +564,9 @@ def test_a_store_with_four_links_feeds_four_rotated_groups():
     state.plans[result.plan_id].plan.validate()
 
 
-def test_store_links_need_two_receivers_and_a_store_alone():
+def test_store_links_need_two_receivers():
     state = store_cluster(4, store_links=4)
     assert state.scale_up("pkg", node_ids=["w0"], now=1).strategy == "chain"  # one receiver: one link is all
-    state = store_cluster(5, store_links=4)
-    state.report("w4", {"pkg": range(BLOCKS)}, {}, now=1)
-    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], now=2)
-    assert result.sources == ("w4",) and result.strategy == "chain"  # a holder: the store stays out
 
 
 def test_a_dead_receiver_of_a_store_rotated_plan_is_repaired():
