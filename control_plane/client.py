@@ -110,10 +110,13 @@ class ControlPlaneClient:
 
     # ----- workers -----
 
-    async def register(self, spec: WorkerSpec, held: Mapping[str, Iterable[int]] | None = None) -> Registration:
-        """Register (or re-register) a worker; ``held`` is every verified block it holds now, per package."""
+    async def register(self, spec: WorkerSpec, held: Mapping[str, Iterable[int]] | None = None,
+                       cached: Mapping[str, Iterable[int]] | None = None) -> Registration:
+        """Register (or re-register) a worker; ``held`` is every verified block it holds now, per package,
+        ``cached`` those in its disk cache only."""
         reply = await self._call("Register", pb.RegisterRequest(worker=spec_to_proto(spec),
-                                                                held=blocks_to_proto(held or {})))
+                                                                held=blocks_to_proto(held or {}),
+                                                                cached=blocks_to_proto(cached or {})))
         return Registration(reply.lease_s, reply.heartbeat_s, tuple(reply.unknown_packages), reply.data_key)
 
     async def heartbeat(self, node_id: str) -> float:
@@ -147,10 +150,11 @@ class ControlPlaneClient:
     # ----- availability -----
 
     async def report_blocks(self, node_id: str, verified: Mapping[str, Iterable[int]],
-                            dropped: Mapping[str, Iterable[int]] | None = None) -> tuple[str, ...]:
-        """Report newly verified (and dropped) blocks; also renews the lease. Returns unknown package ids."""
-        request = pb.ReportBlocksRequest(node_id=node_id, verified=blocks_to_proto(verified),
-                                         dropped=blocks_to_proto(dropped or {}))
+                            dropped: Mapping[str, Iterable[int]] | None = None,
+                            cached: Mapping[str, Iterable[int]] | None = None) -> tuple[str, ...]:
+        """Report newly verified, dropped and disk-cached blocks; also renews the lease. Returns unknown
+        package ids."""
+        request = report_request(node_id, verified, dropped, cached)
         return tuple((await self._call("ReportBlocks", request)).unknown_packages)
 
     def open_report_stream(self) -> "ReportStream":
@@ -229,6 +233,13 @@ class ControlPlaneClient:
         return [scale_event_from_proto(e) for e in reply.events]
 
 
+def report_request(node_id: str, verified: Mapping[str, Iterable[int]],
+                   dropped: Mapping[str, Iterable[int]] | None,
+                   cached: Mapping[str, Iterable[int]] | None) -> pb.ReportBlocksRequest:
+    return pb.ReportBlocksRequest(node_id=node_id, verified=blocks_to_proto(verified),
+                                  dropped=blocks_to_proto(dropped or {}), cached=blocks_to_proto(cached or {}))
+
+
 class ReportStream:
     """One worker's open report stream: each :meth:`report` is answered before the next is sent. A
     failure (the server refused a report, or did not answer within the client's deadline) raises the
@@ -241,10 +252,10 @@ class ReportStream:
         self.closed = False
 
     async def report(self, node_id: str, verified: Mapping[str, Iterable[int]],
-                     dropped: Mapping[str, Iterable[int]] | None = None) -> tuple[str, ...]:
+                     dropped: Mapping[str, Iterable[int]] | None = None,
+                     cached: Mapping[str, Iterable[int]] | None = None) -> tuple[str, ...]:
         """Like :meth:`ControlPlaneClient.report_blocks`, on this stream. Returns unknown package ids."""
-        request = pb.ReportBlocksRequest(node_id=node_id, verified=blocks_to_proto(verified),
-                                         dropped=blocks_to_proto(dropped or {}))
+        request = report_request(node_id, verified, dropped, cached)
         target = self._client.target
         async with self._lock:
             if self.closed:

@@ -31,6 +31,7 @@ class Candidate:
     receiving: bool  # an active plan still feeds it this package
     releasing: bool  # it is in a keep-alive release of this package
     rack: str | None = None  # its ``rack`` label (None: unknown)
+    blocks_cached: int = 0  # blocks of this package in its disk cache and not in memory
 
     def fits(self, package_bytes: int) -> bool:
         """Whether a package of ``package_bytes`` fits its memory budget beside what it is committed to."""
@@ -67,9 +68,10 @@ def named_targets(package_id: str, package_bytes: int, candidates: Sequence[Cand
 def counted_targets(package_id: str, package_bytes: int, candidates: Iterable[Candidate], count: int,
                     source_racks: Collection[str] = ()) -> Targets:
     """``count`` workers picked among the alive ``candidates``: those in a keep-alive release of the package
-    that hold all of it first (they are ready at once), then those holding most of it (a local load), then
-    those in one of ``source_racks`` (the racks of the plan's sources: no cross-rack traffic), then the
-    least committed; raises :class:`InsufficientWorkers` if fewer than ``count`` can take it."""
+    that hold all of it first (they are ready at once), then those holding most of it in memory or in their
+    disk cache (a local load; memory first among equals), then those in one of ``source_racks`` (the racks
+    of the plan's sources: no cross-rack traffic), then the least committed; raises
+    :class:`InsufficientWorkers` if fewer than ``count`` can take it."""
     eligible = [c for c in candidates if not c.receiving and (
         (c.releasing and c.complete) or (not c.complete and c.fits(package_bytes)))]
     if len(eligible) < count:
@@ -77,8 +79,8 @@ def counted_targets(package_id: str, package_bytes: int, candidates: Iterable[Ca
             f"scale-up of package {package_id!r} asked for {count} more workers; only {len(eligible)} "
             f"are alive, do not hold it already and have {format_bytes(package_bytes)} of "
             "memory budget free")
-    eligible.sort(key=lambda c: (not c.releasing, -c.blocks_held, c.rack is None or c.rack not in source_racks,
-                                 c.committed_bytes, c.node_id))
+    eligible.sort(key=lambda c: (not c.releasing, -(c.blocks_held + c.blocks_cached), -c.blocks_held,
+                                 c.rack is None or c.rack not in source_racks, c.committed_bytes, c.node_id))
     chosen = eligible[:count]
     return Targets(tuple(c.node_id for c in chosen if not c.complete), tuple(c.node_id for c in chosen if c.complete))
 

@@ -189,7 +189,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         spec = spec_from_proto(request.worker)
         self.act_for(spec.node_id)
         check_serve_urls(spec)
-        unknown = self.state.register(spec, blocks_from_proto(request.held), self.clock())
+        unknown = self.state.register(spec, blocks_from_proto(request.held), self.clock(),
+                                      cached=blocks_from_proto(request.cached))
         self.mailboxes.setdefault(spec.node_id, Mailbox(spec.node_id))
         log.info("registered node=%s address=%s transports=%s labels=%s packages=%d", spec.node_id,
                  spec.peer.address, ",".join(spec.peer.transports), dict(spec.labels), len(request.held))
@@ -219,9 +220,13 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         for package_id, availability in self.state.availability.items():
             for node, blocks in availability.by_worker.items():
                 held.setdefault(node, {})[package_id] = blocks
+        cached: dict[str, dict[str, set[int]]] = {}
+        for package_id, by_node in self.state.cached.items():
+            for node, blocks in by_node.items():
+                cached.setdefault(node, {})[package_id] = blocks
         return pb.ListWorkersResponse(workers=[
             pb.WorkerState(worker=spec_to_proto(w.spec), alive=w.alive, lease_remaining_s=w.lease_expires - now,
-                           held=blocks_to_proto(held.get(node, {})))
+                           held=blocks_to_proto(held.get(node, {})), cached=blocks_to_proto(cached.get(node, {})))
             for node, w in sorted(self.state.workers.items())])
 
     # ----- packages -----
@@ -286,7 +291,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     def _report(self, request: pb.ReportBlocksRequest) -> pb.ReportBlocksResponse:
         self.act_for(request.node_id)
         unknown = self.state.report(request.node_id, blocks_from_proto(request.verified),
-                                    blocks_from_proto(request.dropped), self.clock())
+                                    blocks_from_proto(request.dropped), self.clock(),
+                                    cached=blocks_from_proto(request.cached))
         self.metrics.block_reports.inc(sum(len(r.blocks) for r in request.verified if r.package_id not in unknown))
         return pb.ReportBlocksResponse(unknown_packages=unknown)
 

@@ -157,15 +157,20 @@ class ControlState:
         # (package id, node id) told to DROP and not assigned the package since: verified reports the node sent
         # before it dropped may still arrive (batched, on another stream than the DROP) and must not count.
         self.dropping: set[tuple[str, str]] = set()
+        # Blocks in a worker's disk cache that it does not hold in memory: package id -> node id -> blocks.
+        # Soft state from registrations and reports (placement prefers such a worker: a local load).
+        self.cached: dict[str, dict[str, set[int]]] = {}
         self.notices: list[Notice] = []
         self.dirty = Dirty()
         self.replan_count = 0
 
     # ----- workers -----
 
-    def register(self, spec: WorkerSpec, held: Mapping[str, Iterable[int]], now: float) -> list[str]:
-        """Add or replace a worker; ``held`` replaces all it was known to hold. A worker whose lease lapsed
-        while a plan fed it gets a plan for the rest. Returns unknown package ids."""
+    def register(self, spec: WorkerSpec, held: Mapping[str, Iterable[int]], now: float, *,
+                 cached: Mapping[str, Iterable[int]] | None = None) -> list[str]:
+        """Add or replace a worker; ``held`` replaces all it was known to hold, ``cached`` all it was known to
+        have in its disk cache. A worker whose lease lapsed while a plan fed it gets a plan for the rest.
+        Returns unknown package ids (of either)."""
         node = spec.node_id
         if not node or not spec.peer.address:
             raise InvalidRequest(f"worker registration needs a node id and an address, got "
@@ -174,10 +179,14 @@ class ControlState:
             raise InvalidRequest(f"worker {node!r} registered with memory budget {spec.memory_bytes}: "
                                  "it must be positive")
         blocks, unknown = self._parse_reports(node, held)
+        on_disk, unknown_cached = self._parse_reports(node, cached or {})
         old = self.workers.get(node)
         self.workers[node] = Worker(spec, now + self.lease_s)
         self.dirty.workers.add(node)
         self._clear_dropping(node)  # ``held`` is what it holds now
+        self._forget_cached(node)
+        for package_id, cached_blocks in on_disk.items():
+            self.cached.setdefault(package_id, {})[node] = cached_blocks
         if old is not None and old.alive and old.spec.peer != spec.peer:
             self._readdressed(node)
         for package_id, availability in self.availability.items():
@@ -189,7 +198,7 @@ class ControlState:
             if availability.is_complete(node):
                 self._receiver_done(package_id, node)
         self._resume(node, now)
-        return unknown
+        return sorted(set(unknown) | set(unknown_cached))
 
     def _resume(self, node: str, now: float) -> None:
         """Plan the rest of every package ``node`` was receiving when its lease lapsed."""
@@ -213,10 +222,7 @@ class ControlState:
         if node not in self.workers:
             raise UnknownWorker.named(node)
         self._remove_nodes({node})
-        del self.workers[node]
-        self.lapsed.pop(node, None)
-        self._clear_dropping(node)
-        self.dirty.workers.add(node)
+        self._forget(node)
 
     def tick(self, now: float) -> list[str]:
         """Mark workers whose lease lapsed dead (they leave every plan), drop releases that are due,
@@ -236,11 +242,16 @@ class ControlState:
                 self._drop(package_id, node)
         forget = [n for n, w in self.workers.items() if not w.alive and w.lease_expires + self.forget_after_s <= now]
         for node in forget:
-            del self.workers[node]
-            self.lapsed.pop(node, None)
-            self._clear_dropping(node)
-            self.dirty.workers.add(node)
+            self._forget(node)
         return dead
+
+    def _forget(self, node: str) -> None:
+        """Remove every trace of ``node`` (it left every plan and availability already)."""
+        del self.workers[node]
+        self.lapsed.pop(node, None)
+        self._clear_dropping(node)
+        self._forget_cached(node)
+        self.dirty.workers.add(node)
 
     # ----- packages -----
 
@@ -286,6 +297,7 @@ class ControlState:
             del self.releases[key]
             self.dirty.releases.add(key)
         self.dropping = {k for k in self.dropping if k[0] != package_id}
+        self.cached.pop(package_id, None)
         self.dirty.availability.update((package_id, node) for node in availability.by_worker)
         del self.availability[package_id]
         del self.packages[package_id]
@@ -294,12 +306,16 @@ class ControlState:
     # ----- availability -----
 
     def report(self, node: str, verified: Mapping[str, Iterable[int]], dropped: Mapping[str, Iterable[int]],
-               now: float) -> list[str]:
-        """Apply a worker's batched report (it also renews the lease). Returns unknown package ids."""
+               now: float, *, cached: Mapping[str, Iterable[int]] | None = None) -> list[str]:
+        """Apply a worker's batched report (it also renews the lease); ``cached`` blocks are now in its disk
+        cache (e.g. kept there after a drop). Returns unknown package ids."""
         worker = self.alive_worker(node)
         gained, unknown = self._parse_reports(node, verified)
         lost, unknown_dropped = self._parse_reports(node, dropped)
+        on_disk, unknown_cached = self._parse_reports(node, cached or {})
         worker.lease_expires = now + self.lease_s
+        for package_id, blocks in on_disk.items():
+            self.cached.setdefault(package_id, {}).setdefault(node, set()).update(blocks)
         for package_id, blocks in lost.items():
             if self.availability[package_id].remove(node, blocks):
                 self.dirty.availability.add((package_id, node))
@@ -313,7 +329,7 @@ class ControlState:
                 self.dirty.availability.add((package_id, node))
                 if availability.is_complete(node):
                     self._receiver_done(package_id, node)
-        return sorted(set(unknown) | set(unknown_dropped))
+        return sorted(set(unknown) | set(unknown_dropped) | set(unknown_cached))
 
     def report_bad_peer(self, node: str, peer: str, package_id: str, block: int, reason: str, now: float) -> bool:
         """A child says ``peer`` served it bad data (or failed) for ``block``: the peer loses that block's
@@ -523,6 +539,10 @@ class ControlState:
             known.setdefault(package_id, set()).update(blocks)
         return known, unknown
 
+    def _forget_cached(self, node: str) -> None:
+        for by_node in self.cached.values():
+            by_node.pop(node, None)
+
     def _committed_bytes(self, *, excluding: str) -> dict[str, int]:
         """Per worker, the bytes of the packages (other than ``excluding``) it holds or is receiving."""
         committed: dict[str, int] = {}
@@ -541,8 +561,10 @@ class ControlState:
         receiving = {n for p in self.plans.values() if p.package_id == package_id for n in p.pending}
         releasing = {n for (p, n) in self.releases if p == package_id}
         committed = self._committed_bytes(excluding=package_id)
+        on_disk = self.cached.get(package_id, {})
         return [Candidate(n, self.workers[n].spec.memory_bytes, committed.get(n, 0), availability.count(n),
-                          availability.is_complete(n), n in receiving, n in releasing, self._rack(n)) for n in nodes]
+                          availability.is_complete(n), n in receiving, n in releasing, self._rack(n),
+                          len(on_disk.get(n, set()) - availability.held(n))) for n in nodes]
 
     def _chain_tail(self, package_id: str) -> str | None:
         """The last node of the newest active chain plan of ``package_id`` still receiving it (None if none)."""

@@ -41,7 +41,9 @@ class WorkerSession:
 
     def __init__(self, client: ControlPlaneClient, spec: WorkerSpec, holdings: Holdings, *,
                  report_delay_s: float = 0.05, retry_s: float = 1.0, heartbeat_s: float = 2.0,
-                 on_data_key: Callable[[bytes], None] | None = None):
+                 on_data_key: Callable[[bytes], None] | None = None, cached: Holdings | None = None):
+        """``holdings`` gives the blocks held in memory, ``cached`` those only in the disk cache, per package:
+        each registration carries both."""
         self.client = client
         self.spec = spec
         self.node_id = spec.node_id
@@ -50,8 +52,10 @@ class WorkerSession:
         self.heartbeat_s = heartbeat_s  # replaced by the server's at registration
         self.registered = asyncio.Event()
         self._holdings = holdings
+        self._cached_holdings = cached
         self._verified: dict[str, set[int]] = {}
         self._dropped: dict[str, set[int]] = {}
+        self._cached: dict[str, set[int]] = {}
         self._report_wake = asyncio.Event()
         self._kick = asyncio.Event()  # set: re-register now
         self._refused: ControlPlaneError | None = None
@@ -96,6 +100,11 @@ class WorkerSession:
         blocks = set(blocks)
         self._verified.get(package_id, set()).difference_update(blocks)
         self._dropped.setdefault(package_id, set()).update(blocks)
+        self._report_wake.set()
+
+    def report_cached(self, package_id: str, blocks: Iterable[int]) -> None:
+        """Queue blocks now in the disk cache only (e.g. after a drop) for the next batched report."""
+        self._cached.setdefault(package_id, set()).update(blocks)
         self._report_wake.set()
 
     async def report_bad_peer(self, peer_id: str, package_id: str, block: int, reason: str) -> bool:
@@ -151,9 +160,11 @@ class WorkerSession:
                     await self.client.heartbeat(self.node_id)
                 else:
                     held = {package_id: set(blocks) for package_id, blocks in self._holdings().items()}
-                    # The registration carries every held block: queued reports are part of it.
-                    self._verified, self._dropped = {}, {}
-                    registration = await self.client.register(self.spec, held)
+                    cached = {p: set(b) for p, b in self._cached_holdings().items()} if self._cached_holdings \
+                        else {}
+                    # The registration carries every held (and cached) block: queued reports are part of it.
+                    self._verified, self._dropped, self._cached = {}, {}, {}
+                    registration = await self.client.register(self.spec, held, cached)
                     self.heartbeat_s = registration.heartbeat_s
                     self._set_data_key(registration.data_key)
                     self.registered.set()
@@ -208,15 +219,18 @@ class WorkerSession:
     async def _report_once(self, stream: ReportStream) -> None:
         verified = {p: b for p, b in self._verified.items() if b}
         dropped = {p: b for p, b in self._dropped.items() if b}
-        if verified or dropped:
-            self._verified, self._dropped = {}, {}
+        cached = {p: b for p, b in self._cached.items() if b}
+        if verified or dropped or cached:
+            self._verified, self._dropped, self._cached = {}, {}, {}
             try:
-                await stream.report(self.node_id, verified, dropped)
+                await stream.report(self.node_id, verified, dropped, cached)
             except UnknownWorker:
                 self._need_registration()  # the registration will carry these blocks
             except ControlPlaneError as exc:
                 log.warning("block report failed node=%s: %s; retrying in %.1f s", self.node_id, exc, self.retry_s)
                 self._requeue(verified, dropped)
+                for package_id, blocks in cached.items():
+                    self._cached.setdefault(package_id, set()).update(blocks)
                 await asyncio.sleep(self.retry_s)
                 self._report_wake.set()
 

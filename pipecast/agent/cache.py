@@ -58,6 +58,21 @@ class BlockCache:
             log.warning("disk cache: ignoring %s: %s", folder, exc)
             return None
 
+    def cached_blocks(self, package_id: str) -> list[int]:
+        """The blocks of ``package_id`` whose files are in the cache (not re-hashed: a hint for placement;
+        a store that opens them verifies each)."""
+        cached = self.local_package(package_id)
+        if cached is None:
+            return []
+        return [i for i in range(len(cached.manifest.blocks)) if cached.has_block(i)]
+
+    def packages(self) -> list[str]:
+        """The package ids with a folder in the cache (unreadable cache: none)."""
+        try:
+            return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+        except OSError:
+            return []
+
     def write_manifest(self, manifest: Manifest) -> bool:
         """Persist the manifest (once per package); False if it could not be written."""
         path = self.package_dir(manifest.package_id) / MANIFEST_FILE

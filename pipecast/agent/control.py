@@ -70,6 +70,10 @@ class AgentHost(Protocol):
         """Stop serving ``package_id`` and free its memory."""
         ...
 
+    def disk_cached(self, package_ids: Collection[str] | None = None) -> dict[str, list[int]]:
+        """Blocks in the disk cache, per package (of ``package_ids``, or every cached one); none without."""
+        ...
+
 
 def sender_at_fault(what: str, error: Exception) -> bool:
     """Whether ``error``, from fetching ``what`` (a block or a file path), proves the peer itself sent corrupt
@@ -293,13 +297,19 @@ class ControlLink:
         self.host = host
         self.client = client
         # The data-plane key comes with each registration: the transport keys its hello with it from then on.
-        self.session = WorkerSession(client, spec, holdings=self._held, on_data_key=host.transport.set_key)
+        self.session = WorkerSession(client, spec, holdings=self._held, on_data_key=host.transport.set_key,
+                                     cached=self._cached)
         self._policy = policy
         self._replan_wait_s = replan_wait_s
         self._followers: dict[str, PackageFollower] = {}
 
     def _held(self) -> Mapping[str, Collection[int]]:
         return {pid: store.verified_blocks() for pid, store in self.host.peer_server.stores.items()}
+
+    def _cached(self) -> Mapping[str, Collection[int]]:
+        """The disk cache's packages this agent does not serve from memory (placement prefers such a node)."""
+        held = self.host.peer_server.stores
+        return {pid: blocks for pid, blocks in self.host.disk_cached().items() if pid not in held and blocks}
 
     async def run(self) -> None:
         """Follow the assignment stream until cancelled; raises ``Unauthenticated`` if the token is refused.
@@ -352,3 +362,6 @@ class ControlLink:
                 # Unqueues its verified reports, and follows any already sent: its holdings converge on this drop.
                 self.session.report_dropped(package_id, store.verified_blocks())
             self.host.drop_package(package_id)
+            cached = self.host.disk_cached([package_id]).get(package_id)
+            if cached:  # a later scale-up of it here is a local load
+                self.session.report_cached(package_id, cached)

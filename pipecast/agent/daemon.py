@@ -12,7 +12,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -291,6 +291,13 @@ class AgentDaemon:
         self._hold(store, cache=True)
         self._from_cache = len(store.verified_blocks())
         return store
+
+    def disk_cached(self, package_ids: Collection[str] | None = None) -> dict[str, list[int]]:
+        """Blocks in the disk cache, per package (of ``package_ids``, or every cached one); none without."""
+        if self.cache is None:
+            return {}
+        ids = self.cache.packages() if package_ids is None else package_ids
+        return {pid: self.cache.cached_blocks(pid) for pid in ids}
 
     def drop_package(self, package_id: str) -> None:
         """Stop serving ``package_id`` and free its memory (the disk cache keeps its blocks)."""

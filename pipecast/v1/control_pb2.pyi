@@ -60,12 +60,14 @@ class PackageBlocks(_message.Message):
     def __init__(self, package_id: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker", "held")
+    __slots__ = ("worker", "held", "cached")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerSpec
     held: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
-    def __init__(self, worker: _Optional[_Union[WorkerSpec, _Mapping]] = ..., held: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ...) -> None: ...
+    cached: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
+    def __init__(self, worker: _Optional[_Union[WorkerSpec, _Mapping]] = ..., held: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ..., cached: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("lease_s", "heartbeat_s", "unknown_packages", "data_key")
@@ -106,16 +108,18 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("worker", "alive", "lease_remaining_s", "held")
+    __slots__ = ("worker", "alive", "lease_remaining_s", "held", "cached")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_S_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerSpec
     alive: bool
     lease_remaining_s: float
     held: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
-    def __init__(self, worker: _Optional[_Union[WorkerSpec, _Mapping]] = ..., alive: _Optional[bool] = ..., lease_remaining_s: _Optional[float] = ..., held: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ...) -> None: ...
+    cached: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
+    def __init__(self, worker: _Optional[_Union[WorkerSpec, _Mapping]] = ..., alive: _Optional[bool] = ..., lease_remaining_s: _Optional[float] = ..., held: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ..., cached: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
@@ -194,14 +198,16 @@ class RemovePackageResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReportBlocksRequest(_message.Message):
-    __slots__ = ("node_id", "verified", "dropped")
+    __slots__ = ("node_id", "verified", "dropped", "cached")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     verified: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
     dropped: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
-    def __init__(self, node_id: _Optional[str] = ..., verified: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ..., dropped: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ...) -> None: ...
+    cached: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
+    def __init__(self, node_id: _Optional[str] = ..., verified: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ..., dropped: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ..., cached: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ...) -> None: ...
 
 class ReportBlocksResponse(_message.Message):
     __slots__ = ("unknown_packages",)

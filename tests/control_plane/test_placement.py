@@ -11,8 +11,8 @@ PACKAGE_BYTES = 100
 
 
 def candidate(node: str, *, memory: int = 1000, committed: int = 0, held: int = 0, complete: bool = False,
-              receiving: bool = False, releasing: bool = False, rack: str | None = None) -> Candidate:
-    return Candidate(node, memory, committed, held, complete, receiving, releasing, rack)
+              receiving: bool = False, releasing: bool = False, rack: str | None = None, cached: int = 0) -> Candidate:
+    return Candidate(node, memory, committed, held, complete, receiving, releasing, rack, cached)
 
 
 def test_a_package_fits_beside_what_a_worker_is_committed_to():
@@ -40,6 +40,13 @@ def test_counted_workers_come_releasing_holders_first_then_most_held_then_least_
                   candidate("half", held=4, committed=500),
                   candidate("kept", complete=True, releasing=True)]
     assert counted_targets("pkg", PACKAGE_BYTES, candidates, 4) == Targets(("half", "a", "b"), ("kept",))
+
+
+def test_blocks_in_a_disk_cache_count_as_local_and_memory_wins_among_equals():
+    candidates = [candidate("near", rack="r0"), candidate("disk", cached=3, committed=500),
+                  candidate("memory", held=3, committed=500), candidate("both", held=1, cached=3, committed=900)]
+    assert counted_targets("pkg", PACKAGE_BYTES, candidates, 4, {"r0"}).receivers == ("both", "memory", "disk",
+                                                                                    "near")
 
 
 def test_counted_workers_in_a_source_rack_come_after_holders_before_the_least_committed():

@@ -338,6 +338,21 @@ def test_bad_peer_report_gives_the_child_another_parent():
 
 # ----- release -----
 
+def test_a_worker_with_the_package_in_its_disk_cache_is_picked_first_until_it_forgets_it():
+    state = cluster(4)
+    assert state.register(spec("w3"), {}, now=1, cached={"pkg": range(BLOCKS), "nope": [0]}) == ["nope"]
+    assert state.scale_up("pkg", count=1, now=2).receivers == ("w3",)  # a local load, not the least loaded
+    state = cluster(4)
+    state.report("w2", {}, {}, now=1, cached={"pkg": [0, 1]})  # e.g. kept on disk after a drop
+    state.report("w2", {}, {}, now=1, cached={"pkg": [2]})
+    assert state.cached["pkg"]["w2"] == {0, 1, 2}
+    state.register(spec("w2"), {}, now=1)  # a registration replaces what it had on disk
+    assert "w2" not in state.cached["pkg"]
+    state.report("w1", {}, {}, now=1, cached={"pkg": [0]})
+    state.deregister("w1")
+    assert state.cached["pkg"] == {}
+
+
 def test_release_with_keep_alive_stays_a_source_until_it_drops():
     state = cluster(4)
     state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)

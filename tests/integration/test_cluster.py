@@ -255,6 +255,10 @@ def test_one_scale_up_multicasts_the_package_onto_every_agent(cluster, package):
     cluster.cp("release", package_id, "a4")
     cluster.wait_event("a4", "dropped", lambda e: e["package"] == package_id)
     assert "a4" not in cluster.cp("availability", package_id)["by_worker"]
+    # Its disk cache keeps the blocks: the control plane knows (placement prefers a4 for a local load).
+    cluster.wait_for(lambda: {p["package_id"]: p["blocks"] for w in cluster.cp("workers")
+                              if w["worker"]["peer"]["node_id"] == "a4" for p in w.get("cached", [])}
+                     == {package_id: blocks}, "a4's disk cache to be known")
 
     async def discovered() -> list[DiscoveredWorker]:
         async with ControlPlaneClient(cluster.cp_address, token=TOKEN) as client:

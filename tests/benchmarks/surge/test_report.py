@@ -137,6 +137,20 @@ def test_verdicts_say_whether_each_target_is_met():
     assert "(target >= 5x: NOT met)" in verdicts([uni, slow], ratios([uni, slow]))[0]
 
 
+def test_pipelines_have_their_own_targets_against_unicast_and_the_warm_pool_of_one_more():
+    uni = summarize("unicast", "", 0, [run_of("unicast", [20.0] * 5, 20.0)])
+    piped = summarize("pipecast-pipelines", "", 1, [run_of("pipecast-pipelines", [8.0] * 5, 5.0, warm=1)])
+    warm2 = summarize("warm-pool:2", "", 2, [run_of("warm-pool:2", [9.0] * 5, 40.0, warm=2)])
+    lines = verdicts([uni, piped, warm2], ratios([uni, piped, warm2]))
+    assert lines[0] == "first-100 p99 TTFT, unicast / pipecast-pipelines = 2.5x (target >= 2x: met)"
+    assert lines[2] == ("pipecast-pipelines (1 warm) against warm-pool:2: first-100 p99 at or below it with fewer "
+                        "worker-seconds (met)")
+    faster = summarize("warm-pool:2", "", 2, [run_of("warm-pool:2", [7.0] * 5, 40.0, warm=2)])
+    assert "worker-seconds (NOT met)" in verdicts([piped, faster], ratios([piped, faster]))[1]
+    assert resolve("pipecast-pipelines").pipelines and resolve("pipecast-pipelines").warm == 1
+    assert not resolve("pipecast").pipelines
+
+
 def test_strategies_resolve_with_a_warm_count_and_refuse_bad_names():
     assert resolve("warm-pool:4").warm == 4 and resolve("warm-pool:4").name == "warm-pool:4"
     assert resolve("pipecast").execute_while_load and not resolve("unicast").execute_while_load
