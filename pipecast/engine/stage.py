@@ -13,6 +13,7 @@ single-node ones bit for bit (the exactness tests check it for 2, 3 and 8 stages
 must come in order; calls of different sessions may run on different threads at once.
 """
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     import torch
 
     from pipecast.engine.progressive import ProgressiveModel
+
+log = logging.getLogger(__name__)
 
 #: Sessions not called for this long are dropped (their head stage died or forgot to close them) (s).
 SESSION_IDLE_S = 120.0
@@ -76,12 +79,14 @@ class _AppendCache:
         return keys, values
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Deadline:
-    """One call's deadline: the monotonic instant ``at`` and the ``seconds`` it was given."""
+    """One call's deadline: the monotonic instant ``at`` and the ``seconds`` it was given; ``waited``
+    counts the seconds the call spent waiting for its layers."""
 
     at: float
     seconds: float
+    waited: float = 0.0
 
 
 @dataclass
@@ -149,7 +154,8 @@ class StageRunner:
         limit = getattr(m.config, "max_position_embeddings", None)
         if limit and position + n > limit:  # a session's keys and values never grow past the model
             raise InvalidRequestError(f"positions {position}-{position + n - 1} exceed the model's {limit}")
-        deadline = _Deadline(time.monotonic() + timeout, timeout)
+        started = time.monotonic()
+        deadline = _Deadline(started + timeout, timeout)
         state = self._session(session, layers, position, params)
         with state.lock:
             if state.length != position:
@@ -170,6 +176,9 @@ class StageRunner:
                 self.close(session)  # some layers may have cached this call's keys: the session is spent
                 raise
             state.length, state.used_at = position + n, self._clock()
+        log.debug("stage call %s layers %d-%d at %d: %d position(s) in %.3f s, %.3f s of it waiting for layers",
+                  session[:8], layers.start, layers.stop - 1, position, n, time.monotonic() - started,
+                  deadline.waited)
         return out
 
     def sample(self, session: str, normed: "torch.Tensor", *, want_logits: bool = False,
@@ -226,7 +235,11 @@ class StageRunner:
     def _wait(self, part, deadline: _Deadline) -> None:
         """Until ``part`` is bound; every wait of one call shares the call's deadline."""
         if not self.model.is_ready(part):
-            self.model.wait_ready(part, max(deadline.at - time.monotonic(), 0.0), deadline_s=deadline.seconds)
+            since = time.monotonic()
+            try:
+                self.model.wait_ready(part, max(deadline.at - since, 0.0), deadline_s=deadline.seconds)
+            finally:
+                deadline.waited += time.monotonic() - since
 
     @staticmethod
     def _sample(state: _Session, logits: "torch.Tensor", want_logits: bool) -> StageOutput:

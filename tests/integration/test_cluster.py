@@ -266,6 +266,24 @@ def test_one_scale_up_multicasts_the_package_onto_every_agent(cluster, package):
     assert asyncio.run(discovered()) == [DiscoveredWorker("a1", SERVE_URL)]
 
 
+def test_a_holder_and_the_idle_store_are_two_sources_of_a_rotated_plan(cluster, package):
+    root, manifest = package
+    package_id = cluster.up()
+    first = cluster.cp("scale-up", package_id, "--worker", "a1")
+    assert first["sources"] == ["store"]
+    cluster.wait_event("a1", "complete")
+    cluster.wait_for(lambda: cluster.in_plans(package_id) == set(), "the first plan to end")
+    store_served = len([e for e in cluster.events("store", "peer_request") if e["block"] is not None])
+    second = cluster.cp("scale-up", package_id, "--worker", "a2", "--worker", "a3", "--worker", "a4")
+    assert second["strategy"] == "rotated" and second["sources"] == ["a1", "store"], second
+    for node in ("a2", "a3", "a4"):
+        cluster.wait_event(node, "complete")
+        cluster.assert_identical_copy(node)
+    # Both sent: the store's egress counted beside the holder's.
+    assert {e["requester"] for e in cluster.events("a1", "peer_request") if e["block"] is not None}
+    assert len([e for e in cluster.events("store", "peer_request") if e["block"] is not None]) > store_served
+
+
 def test_a_second_scale_up_mid_transfer_hangs_behind_the_chain_and_the_store_sends_one_copy(cluster, package):
     root, manifest = package
     package_id = cluster.up()
