@@ -108,7 +108,8 @@ class SurgeConfig:
     queue_timeout_s: float = 600.0
     request_timeout_s: float = 900.0
     calibrate: bool = True
-    #: The daemon's policy for the "daemon" strategies (max_replicas is capped at the pool's cold workers).
+    #: The daemon's policy for the "daemon" strategies (its minimum raised to the warm workers, its maximum
+    #: capped at the pool).
     policy: ScalingPolicy = DEFAULT_POLICY
     scaler_tick_s: float = 1.0
     #: CPUs each serving worker may use (a CFS quota, see benchmarks.cpuquota): each emulated node's own
@@ -311,8 +312,16 @@ def _deployment(strategy: Strategy, config: SurgeConfig, package: PackageFacts, 
     """The deployment the driver declares for the daemon (None for the other strategies)."""
     if strategy.scaled_by != "daemon":
         return None
-    policy = replace(config.policy, max_replicas=min(config.policy.max_replicas, config.workers - warm))
+    policy = deployment_policy(config.policy, config.workers, warm)
     return Deployment(package.package_id, policy, (f"http://{layout.router}",)).to_json()
+
+
+def deployment_policy(policy: ScalingPolicy, workers: int, warm: int) -> ScalingPolicy:
+    """``policy`` for a pool of ``workers`` with ``warm`` of them loaded before the surge: the daemon counts
+    the warm ones as replicas and keeps them (its minimum; released while the pool idles before the surge,
+    they would not be warm when it comes), up to the whole pool."""
+    return replace(policy, min_replicas=max(policy.min_replicas, warm),
+                   max_replicas=min(policy.max_replicas, workers))
 
 
 def run_once(cluster: EmulatedCluster, folder: Path, package: PackageFacts, strategy: Strategy, repeat: int,

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from benchmarks.surge.plots import held_steps, save_timeline, save_ttft_cdf
-from benchmarks.surge.run import billed_intervals
+from benchmarks.surge.run import DEFAULT_POLICY, billed_intervals, deployment_policy
 from benchmarks.surge.report import (
     CSV_COLUMNS,
     RequestResult,
@@ -149,6 +149,12 @@ def test_pipelines_have_their_own_targets_against_unicast_and_the_warm_pool_of_o
     assert "worker-seconds (NOT met)" in verdicts([piped, faster], ratios([piped, faster]))[1]
     assert resolve("pipecast-pipelines").pipelines and resolve("pipecast-pipelines").warm == 1
     assert not resolve("pipecast").pipelines
+
+
+def test_the_daemon_keeps_the_warm_workers_and_may_use_the_whole_pool():
+    policy = deployment_policy(DEFAULT_POLICY, workers=8, warm=1)
+    assert (policy.min_replicas, policy.max_replicas) == (1, 8)
+    assert deployment_policy(DEFAULT_POLICY, workers=4, warm=0).max_replicas == 4
 
 
 def test_strategies_resolve_with_a_warm_count_and_refuse_bad_names():
