@@ -362,6 +362,6 @@ class ControlLink:
                 # Unqueues its verified reports, and follows any already sent: its holdings converge on this drop.
                 self.session.report_dropped(package_id, store.verified_blocks())
             self.host.drop_package(package_id)
-            cached = self.host.disk_cached([package_id]).get(package_id)
+            cached = (await asyncio.to_thread(self.host.disk_cached, [package_id])).get(package_id)
             if cached:  # a later scale-up of it here is a local load
                 self.session.report_cached(package_id, cached)
