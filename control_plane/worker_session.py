@@ -52,7 +52,7 @@ class WorkerSession:
         self.heartbeat_s = heartbeat_s  # replaced by the server's at registration
         self.registered = asyncio.Event()
         self._holdings = holdings
-        self._cached_holdings = cached
+        self._disk_holdings = cached
         self._verified: dict[str, set[int]] = {}
         self._dropped: dict[str, set[int]] = {}
         self._cached: dict[str, set[int]] = {}
@@ -160,7 +160,7 @@ class WorkerSession:
                     await self.client.heartbeat(self.node_id)
                 else:
                     held = {package_id: set(blocks) for package_id, blocks in self._holdings().items()}
-                    cached = {p: set(b) for p, b in self._cached_holdings().items()} if self._cached_holdings \
+                    cached = {p: set(b) for p, b in self._disk_holdings().items()} if self._disk_holdings \
                         else {}
                     # The registration carries every held (and cached) block: queued reports are part of it.
                     self._verified, self._dropped, self._cached = {}, {}, {}
@@ -228,13 +228,12 @@ class WorkerSession:
                 self._need_registration()  # the registration will carry these blocks
             except ControlPlaneError as exc:
                 log.warning("block report failed node=%s: %s; retrying in %.1f s", self.node_id, exc, self.retry_s)
-                self._requeue(verified, dropped)
-                for package_id, blocks in cached.items():
-                    self._cached.setdefault(package_id, set()).update(blocks)
+                self._requeue(verified, dropped, cached)
                 await asyncio.sleep(self.retry_s)
                 self._report_wake.set()
 
-    def _requeue(self, verified: Mapping[str, set[int]], dropped: Mapping[str, set[int]]) -> None:
+    def _requeue(self, verified: Mapping[str, set[int]], dropped: Mapping[str, set[int]],
+                 cached: Mapping[str, set[int]]) -> None:
         # Reports queued since the failed one are newer: they win over the requeued ones.
         for package_id, blocks in verified.items():
             newer = self._dropped.get(package_id, set())
@@ -242,3 +241,5 @@ class WorkerSession:
         for package_id, blocks in dropped.items():
             newer = self._verified.get(package_id, set())
             self._dropped.setdefault(package_id, set()).update(blocks - newer)
+        for package_id, blocks in cached.items():  # a hint that only adds: nothing newer contradicts it
+            self._cached.setdefault(package_id, set()).update(blocks)
