@@ -330,10 +330,12 @@ class AgentDaemon:
         self.peer_server.add(store)
 
         def on_event(event: StoreEvent) -> None:
+            if self._local_api is not None:
+                self._local_api.publish(event, store)
+            if event.kind == "prefix_verified":
+                return  # one a chunk: for the engine (above), not for the record
             self.events.emit(event.kind, at=event.at, package=store.package_id, block=event.block,
                              peer=event.peer)
-            if self._local_api is not None:
-                self._local_api.publish(event, store.package_id)
             if event.kind == "block_verified":
                 log.debug("block %d verified (from %s)", event.block, event.peer)
                 if cache and self.cache is not None:

@@ -15,14 +15,19 @@ unix socket as JSON lines, one request and one answer at a time::
     {"op": "file", "path": "config.json"}       -> {"ok": true, "data": "<base64>"}
     {"op": "progress"}                          -> {"ok": true, "progress": {StoreProgress as JSON}}
     {"op": "status"}                            -> {"ok": true, "status": {node, bytes moved, packages}}
-    {"op": "subscribe"}                         -> {"ok": true}, then {"event": "block_verified", ...} lines
+    {"op": "subscribe"}                         -> {"ok": true}, then event lines, what happened before first:
+        {"event": "block_verified", "package": ID, "block": 3, "bytes": N, "at": T}   (N: the block's size)
+        {"event": "prefix_verified", "package": ID, "block": 3, "bytes": N, "at": T}   (N: verified from
+                                                   the block's start; one a chunk, while it is in flight)
 
 ``wait_prefix`` lets an engine use a block's first layers while the rest of it is in flight: every chunk
 is verified against its own digest as it lands, so a verified prefix is as safe to read as a verified
 block. ``buffer`` answers at once, verified or not: a block's buffer never moves, so the engine can map it
 while the block is still arriving and read it once ``wait_block`` says it is verified (mapping costs
 ~0.15 ms per MB of page-table set-up, which then stays off the path from the last block to the first
-token). Every request may name ``"package"`` (a package id); without it the agent's only package is meant.
+token). An engine that subscribes learns what is verified without asking: its waits and its view of the
+blocks held cost no request (:class:`pipecast.agent.local_client.LocalAgentClient`). Every request may
+name ``"package"`` (a package id); without it the agent's only package is meant.
 Failures answer ``{"ok": false, "error": "...", "timeout": bool}``: a line that is not a JSON object, an
 unknown op, a field of the wrong type or range (``timeout`` must be a finite number from 0 to
 ``MAX_TIMEOUT_S``; ``block`` and ``bytes`` non-negative integers) included. A received block's path is
@@ -48,7 +53,7 @@ from packager.manifest import manifest_to_json
 from pipecast.agent.errors import AgentError, LocalApiError, LocalApiTimeoutError
 from pipecast.agent.local_client import MAX_TIMEOUT_S
 from pipecast.agent.peer_server import PeerServer
-from pipecast.agent.store import StoreEvent
+from pipecast.agent.store import BlockStore, StoreEvent
 from pipecast.core.strictjson import JSONInputError, describe, loads_object
 
 log = logging.getLogger(__name__)
@@ -135,16 +140,19 @@ class LocalApiServer:
         self._server = await asyncio.start_unix_server(self._serve, sock=_private_socket(path))
         self.path = path
 
-    def publish(self, event: StoreEvent, package_id: str) -> None:
-        """Send a verified-block event to every subscriber."""
-        if event.kind != "block_verified":
+    def publish(self, event: StoreEvent, store: BlockStore) -> None:
+        """Send a block's verification, or its longer verified prefix, to every subscriber."""
+        if event.kind == "block_started":
             return
-        message = {"event": event.kind, "package": package_id, "block": event.block, "at": event.at}
+        message = _event(store, event.block, event.at)
         for queue in self._subscribers:
             queue.put_nowait(message)
 
     async def close(self) -> None:
-        """Stop serving and remove the socket file."""
+        """Stop serving, end every event stream (an engine waiting on one learns the agent is gone at
+        once, not at its deadline) and remove the socket file."""
+        for queue in self._subscribers:
+            queue.put_nowait(None)
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -215,15 +223,21 @@ class LocalApiServer:
         try:
             writer.write(b'{"ok": true}\n')
             for store in self._peer_server.stores.values():  # what happened before the subscription
-                for block in store.verified_blocks():
-                    at = store.progress().blocks[block].verified_at
-                    queue.put_nowait({"event": "block_verified", "package": store.package_id, "block": block,
-                                      "at": at})
-            while True:
-                writer.write(json.dumps(await queue.get()).encode() + b"\n")
+                for block in store.progress().blocks:
+                    if block.verified_at is not None or store.verified_prefix(block.index):
+                        queue.put_nowait(_event(store, block.index, block.verified_at or block.started_at))
+            while (event := await queue.get()) is not None:
+                writer.write(json.dumps(event).encode() + b"\n")
                 await writer.drain()
         finally:
             self._subscribers.discard(queue)
+
+
+def _event(store: BlockStore, block: int, at: float | None) -> dict:
+    """A subscriber's line for ``block``: verified, or how many bytes from its start are."""
+    kind = "block_verified" if store.is_block_verified(block) else "prefix_verified"
+    return {"event": kind, "package": store.package_id, "block": block, "bytes": store.verified_prefix(block),
+            "at": at}
 
 
 def _private_socket(path: Path) -> socket.socket:

@@ -11,7 +11,10 @@ import mmap
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
+from typing import BinaryIO
+from dataclasses import dataclass
 from pathlib import Path
 
 from packager.manifest import manifest_from_json
@@ -25,23 +28,40 @@ CLIENT_SLACK_S = 5.0
 #: Longest wait a request may ask for (a day): any finite number would do, but a sane bound keeps every
 #: deadline computation (the agent's timers, this socket's timeout) far from overflow.
 MAX_TIMEOUT_S = 86_400.0
+#: What a request that answers at once (mapping a buffer) may take on a busy agent.
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class _Mapped:
+    package: str
+    memory: mmap.mmap
 
 
 class LocalAgentClient:
     """An engine's handle on the agent of its node.
 
-    Thread-safe: calls are serialised on one connection (keep waits short when several threads share a
-    client). A block's memory stays mapped until :meth:`close` and, after it, for as long as a view of
-    it (a tensor) is alive.
+    Thread-safe: each thread's request goes over a connection of its own (kept for the next request), so a
+    long one, such as a small file the agent is still receiving, holds up no other. What the agent has
+    verified the client learns from the agent's event stream, on a thread and a connection of their own
+    started by the first wait: :meth:`wait_block`, :meth:`wait_prefix` and :meth:`verified_blocks` then
+    wait on that knowledge, not on a request, so a busy agent answering late delays no block by more than
+    the event's own delivery. A block's memory stays mapped until :meth:`close` and, after it, for as long
+    as a view of it (a tensor) is alive.
     """
 
     def __init__(self, socket_path: Path | str, connect_timeout_s: float = 5.0) -> None:
         self.socket_path = str(socket_path)
         self._connect_timeout_s = connect_timeout_s
-        self._lock = threading.Lock()
-        self._sock = self._connect()
-        self._lines = self._sock.makefile("rb")
+        self._lock = threading.Lock()  # guards the idle connections, the mappings and closed
+        self._idle: list[tuple[socket.socket, BinaryIO]] = [self._open()]  # fails at once without an agent
+        self._closed = False
         self._maps: dict[tuple[str, int], mmap.mmap] = {}
+        self._known = threading.Condition()  # guards the four below, filled by the event thread
+        self._verified: dict[tuple[str, int], int] = {}  # (package, block) -> bytes verified from its start
+        self._complete: dict[str, set[int]] = {}  # package -> its verified blocks
+        self._stream: socket.socket | None = None
+        self._stream_error: str | None = None
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -53,20 +73,37 @@ class LocalAgentClient:
             raise LocalApiError(f"no agent at {self.socket_path} ({exc.strerror or exc})") from None
         return sock
 
+    def _open(self) -> tuple[socket.socket, BinaryIO]:
+        sock = self._connect()
+        return sock, sock.makefile("rb")
+
     def _call(self, request: dict, timeout: float) -> dict:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
                 math.isfinite(timeout) and 0 <= timeout <= MAX_TIMEOUT_S):
             raise LocalApiError(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, got {timeout!r}")
         with self._lock:
-            self._sock.settimeout(timeout + CLIENT_SLACK_S)
-            try:
-                self._sock.sendall(json.dumps(request).encode() + b"\n")
-                line = self._lines.readline()
-            except TimeoutError:
-                raise LocalApiTimeoutError(f"agent at {self.socket_path} did not answer {request['op']} "
-                                           f"within {timeout + CLIENT_SLACK_S:g} s") from None
-            except OSError as exc:
-                raise LocalApiError(f"agent at {self.socket_path}: {exc.strerror or exc}") from None
+            if self._closed:
+                raise LocalApiError(f"agent at {self.socket_path}: the client is closed")
+            connection = self._idle.pop() if self._idle else None
+        sock, lines = connection or self._open()
+        line = b""
+        try:
+            sock.settimeout(timeout + CLIENT_SLACK_S)
+            sock.sendall(json.dumps(request).encode() + b"\n")
+            line = lines.readline()
+        except TimeoutError:
+            raise LocalApiTimeoutError(f"agent at {self.socket_path} did not answer {request['op']} "
+                                       f"within {timeout + CLIENT_SLACK_S:g} s") from None
+        except OSError as exc:
+            raise LocalApiError(f"agent at {self.socket_path}: {exc.strerror or exc}") from None
+        finally:
+            with self._lock:
+                keep = bool(line) and not self._closed  # else the connection is out of step or gone
+                if keep:
+                    self._idle.append((sock, lines))
+            if not keep:
+                lines.close()
+                sock.close()
         if not line:
             raise LocalApiError(f"agent at {self.socket_path} closed the connection")
         answer = self._decode(line)
@@ -92,9 +129,9 @@ class LocalAgentClient:
 
         Raises :class:`LocalApiTimeoutError` (a ``TimeoutError``) if not verified within ``timeout``.
         """
-        answer = self._call({"op": "wait_block", "block": index, "package": package_id, "timeout": timeout},
-                            timeout)
-        return memoryview(self._map(answer))
+        mapped = self._buffer(index, package_id, timeout)
+        self._await(mapped.package, index, len(mapped.memory), timeout, f"block {index} not verified")
+        return memoryview(mapped.memory)
 
     def wait_prefix(self, index: int, nbytes: int, timeout: float, package_id: str | None = None) -> memoryview:
         """The first ``nbytes`` bytes of block ``index`` once verified (chunk by chunk), while the rest of
@@ -103,9 +140,30 @@ class LocalAgentClient:
 
         Raises :class:`LocalApiTimeoutError` (a ``TimeoutError``) if not verified within ``timeout``.
         """
-        answer = self._call({"op": "wait_prefix", "block": index, "bytes": nbytes, "package": package_id,
-                             "timeout": timeout}, timeout)
-        return memoryview(self._map(answer))[:max(nbytes, answer.get("verified", nbytes))]
+        mapped = self._buffer(index, package_id, timeout)
+        size = len(mapped.memory)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes <= size:
+            raise LocalApiError(f"agent at {self.socket_path}: block {index} has {size} bytes: no prefix of "
+                                f"{nbytes!r}")
+        verified = self._await(mapped.package, index, nbytes, timeout,
+                               f"the first {nbytes} bytes of block {index} not verified")
+        return memoryview(mapped.memory)[:verified]
+
+    def verified_bytes(self, index: int, package_id: str | None = None) -> int:
+        """Bytes of block ``index`` verified from its start by now, as the agent's events told (no wait)."""
+        package = self._package(package_id)
+        self._watch()
+        with self._known:
+            verified = self._verified.get((package, index), 0)
+        return verified
+
+    def verified_blocks(self, package_id: str | None = None) -> set[int]:
+        """The blocks of the package verified by now, as the agent's events told (no request once the
+        event stream runs)."""
+        package = self._package(package_id)
+        self._watch()
+        with self._known:
+            return set(self._complete.get(package, ()))
 
     def map_ahead(self, index: int, package_id: str | None = None, timeout: float = 30.0) -> None:
         """Map block ``index``'s buffer now, verified or not, so that :meth:`wait_block` finds it mapped.
@@ -113,7 +171,73 @@ class LocalAgentClient:
         Call it while the block is in flight: the page-table set-up then happens during the transfer
         instead of between the block's verification and its first use. Nothing is read from it here.
         """
-        self._map(self._call({"op": "buffer", "block": index, "package": package_id, "timeout": timeout}, timeout))
+        self._buffer(index, package_id, timeout)
+
+    def _package(self, package_id: str | None) -> str:
+        return package_id if package_id is not None else self.manifest(None).package_id
+
+    def _buffer(self, index: int, package_id: str | None, timeout: float) -> "_Mapped":
+        """Block ``index``'s buffer, mapped (one request the first time; the agent checks the block)."""
+        if package_id is not None:
+            with self._lock:
+                mapped = self._maps.get((package_id, index))
+            if mapped is not None:
+                return _Mapped(package_id, mapped)
+        answer = self._call({"op": "buffer", "block": index, "package": package_id,
+                             "timeout": min(timeout, DEFAULT_REQUEST_TIMEOUT_S)}, timeout)
+        return _Mapped(answer["package"], self._map(answer))
+
+    def _await(self, package: str, index: int, nbytes: int, timeout: float, what: str) -> int:
+        """Wait until the first ``nbytes`` of block ``index`` are verified; the bytes verified by then."""
+        self._watch()
+        deadline = time.monotonic() + timeout
+        with self._known:
+            while (verified := self._verified.get((package, index), 0)) < nbytes:
+                if self._stream_error is not None:
+                    raise LocalApiError(f"agent at {self.socket_path}: {self._stream_error}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LocalApiTimeoutError(f"agent at {self.socket_path}: {what} within {timeout:g} s")
+                self._known.wait(left)
+        return verified
+
+    def _watch(self) -> None:
+        """Start following the agent's event stream (once; the first events are what it holds already)."""
+        with self._known:
+            if self._stream is not None:
+                return
+            sock = self._connect()
+            try:
+                sock.settimeout(self._connect_timeout_s)
+                sock.sendall(b'{"op": "subscribe"}\n')
+                lines = sock.makefile("rb")
+                self._decode(lines.readline())  # {"ok": true}: subscribed, past events follow
+            except (OSError, LocalApiError) as exc:
+                sock.close()
+                raise LocalApiError(f"agent at {self.socket_path}: cannot follow its events "
+                                    f"({getattr(exc, 'strerror', None) or exc})") from None
+            sock.settimeout(None)  # an idle agent sends nothing; close() ends the wait
+            self._stream = sock
+        threading.Thread(target=self._follow, args=(lines,), name="pipecast-agent-events", daemon=True).start()
+
+    def _follow(self, lines) -> None:
+        error = "closed its event stream"
+        try:
+            while line := lines.readline():
+                event = self._decode(line)
+                key = (event.get("package"), event.get("block"))
+                with self._known:
+                    if event.get("event") in ("block_verified", "prefix_verified"):
+                        self._verified[key] = max(self._verified.get(key, 0), event["bytes"])
+                    if event.get("event") == "block_verified":
+                        self._complete.setdefault(key[0], set()).add(key[1])
+                    self._known.notify_all()
+        except (OSError, ValueError, KeyError, TypeError, LocalApiError) as exc:
+            error = f"its event stream failed ({type(exc).__name__}: {exc})"
+        finally:
+            with self._known:
+                self._stream_error = error
+                self._known.notify_all()
 
     def _map(self, answer: dict) -> mmap.mmap:
         key = (answer["package"], answer["block"])
@@ -150,7 +274,8 @@ class LocalAgentClient:
         return self._call({"op": "status"}, 0.0)["status"]
 
     def events(self, timeout: float | None = None) -> Iterator[dict]:
-        """Verified-block events (past ones first), on a connection of their own.
+        """The agent's block events (``block_verified``, ``prefix_verified``; past ones first), on a connection
+        of their own.
 
         ``timeout`` bounds the wait for each event (:class:`LocalApiTimeoutError`); None waits forever.
         """
@@ -174,16 +299,26 @@ class LocalAgentClient:
             sock.close()
 
     def close(self) -> None:
-        """Close the connection and unmap the blocks (views still held keep their mapping alive)."""
+        """Close the connections and unmap the blocks (views still held keep their mapping alive)."""
+        with self._known:
+            if self._stream is not None:
+                try:
+                    self._stream.shutdown(socket.SHUT_RDWR)  # ends the event thread's read
+                except OSError:
+                    pass
+                self._stream.close()
         with self._lock:
+            self._closed = True
             for mapped in self._maps.values():
                 try:
                     mapped.close()
                 except BufferError:
                     pass  # a caller still holds a view (a tensor): the mapping goes when that view does
             self._maps.clear()
-            self._lines.close()
-            self._sock.close()
+            for sock, lines in self._idle:  # a connection in use is closed when its request returns
+                lines.close()
+                sock.close()
+            self._idle.clear()
 
     def __enter__(self) -> "LocalAgentClient":
         return self

@@ -36,9 +36,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StoreEvent:
-    """Something that happened to a block: its first verified chunk, or its verification."""
+    """Something that happened to a block: its first verified chunk, a longer verified prefix (every chunk
+    from its start verified, without a gap), or its verification."""
 
-    kind: Literal["block_started", "block_verified"]
+    kind: Literal["block_started", "prefix_verified", "block_verified"]
     block: int
     peer: str
     at: float  # time.time(): comparable across the processes of one host
@@ -238,6 +239,7 @@ class BlockStore:
             raise CorruptChunkError(peer, state.meta.index, chunk)
         state.present[chunk] = 1
         state.n_present += 1
+        prefix_chunks = state.prefix_chunks
         while state.prefix_chunks < state.count and state.present[state.prefix_chunks]:
             state.prefix_chunks += 1
         state.bytes_present += end - start
@@ -250,6 +252,8 @@ class BlockStore:
             _wake(state.block_waiters)
             state.block_waiters.clear()
             self._emit(StoreEvent("block_verified", state.meta.index, peer, now))
+        elif state.prefix_chunks > prefix_chunks:
+            self._emit(StoreEvent("prefix_verified", state.meta.index, peer, now))
         _wake(state.chunk_waiters.pop(chunk, []))
 
     def add_file(self, path: str, data: bytes, peer: str) -> None:

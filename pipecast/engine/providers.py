@@ -71,6 +71,9 @@ class StreamingBlockProvider(BlockProvider, Protocol):
     def wait_tensors(self, index: int, names: Sequence[str], timeout: float) -> Mapping[str, "torch.Tensor"]:
         """The named tensors of block ``index`` once the bytes up to the last of them are verified."""
 
+    def verified_bytes(self, index: int) -> int:
+        """Bytes of block ``index`` verified from its start by now (0: none yet), without waiting."""
+
 
 class PackageFolderProvider:
     """Blocks of a package folder on this node, mapped copy-on-write and checked against the manifest."""
@@ -113,8 +116,8 @@ class AgentBlockProvider:
 
     ``client`` is a :class:`pipecast.agent.local_client.LocalAgentClient` (or an object with its
     methods): ``manifest``, ``map_ahead``, ``wait_block`` / ``wait_prefix`` (a read-only view of a
-    verified block or prefix; ``TimeoutError`` if not verified in time), ``progress`` and
-    ``package_file``. The agent hands out verified bytes only. Besides whole blocks, this provider hands
+    verified block or prefix; ``TimeoutError`` if not verified in time), ``verified_blocks``,
+    ``verified_bytes`` and ``package_file``. The agent hands out verified bytes only. Besides whole blocks, this provider hands
     out a block's layers one by one as their bytes are verified (:meth:`wait_header`,
     :meth:`wait_tensors`): a :class:`StreamingBlockProvider`.
     """
@@ -129,7 +132,6 @@ class AgentBlockProvider:
         if config is None:
             raise PackageError(f"package {self._package_id[:12]} held by {self.origin} has no config.json")
         self._config = json.loads(config)
-        self._verified: set[int] = set()
         self._mapped: set[int] = set()
         self._prefixes: dict[int, memoryview] = {}  # per block in flight: its longest verified prefix seen
         self._headers: dict[int, Header] = {}
@@ -156,10 +158,10 @@ class AgentBlockProvider:
         return self.client.package_file(path, self._package_id, timeout=self._timeout_s)
 
     def present_blocks(self) -> set[int]:
-        if len(self._verified) < self.num_blocks:  # a verified block stays verified: ask only while some are not
-            progress = self.client.progress(self._package_id, timeout=self._timeout_s)
-            self._verified |= {b.index for b in progress.blocks if b.verified_at is not None}
-        return set(self._verified)
+        return self.client.verified_blocks(self._package_id)
+
+    def verified_bytes(self, index: int) -> int:
+        return self.client.verified_bytes(index, self._package_id)
 
     def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
         buf = self._wait(index, None, timeout)

@@ -41,6 +41,7 @@ from pipecast.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
+from pipecast.engine.providers import StreamingBlockProvider
 from pipecast.engine.streams import TokenStream
 from pipecast.engine.weights import EMBED
 from pipecast.loading import LoadedModel, load
@@ -83,6 +84,8 @@ AGENT_SOCKET_POLL_S = 0.05
 FOLLOW_AGENT_S = 1.0
 #: Each wait for a released package to come back asks the agent for this long, then again (s).
 REWAIT_S = 30.0
+#: How often the loading thread checks whether the tokenizer is needed yet (s; a request wakes it at once).
+CODEC_POLL_S = 0.1
 #: Prompts of up to this many characters are tokenized on the event loop (a thread hop costs more).
 INLINE_TOKENIZE_CHARS = 4096
 
@@ -137,6 +140,7 @@ class ServingWorker:
         self._stage = STAGE_STARTING
         self._model: LoadedModel | None = None
         self._codec: TextCodec | None = None
+        self._codec_wanted = threading.Event()  # a request waits for the tokenizer (see _wait_codec_needed)
         self._error: str | None = None
         self._closing = False
         self._held = 0        # admitted, waiting for the model (or the full model) before the engine
@@ -173,9 +177,15 @@ class ServingWorker:
                          max_queue=c.max_queue + c.max_batch, stall_timeout_s=c.stall_timeout_s,
                          agent_timeout_s=c.agent_timeout_s)
             self._post(self._set_model, model)
+            self._wait_codec_needed(model)
+            if self._closing:
+                return
             provider = model.engine.provider
+            started, cpu = time.monotonic(), time.thread_time()
             codec = TextCodec.from_files(provider.small_file, [f.path for f in provider.manifest.files],
                                          f"package {provider.manifest.package_id[:12]} ({provider.origin})")
+            log.info("tokenizer loaded in %.3f s (%.3f s of CPU)", time.monotonic() - started,
+                     time.thread_time() - cpu)
             self._post(self._set_codec, codec)
         except PipecastError as exc:  # the package, the agent or the block source failed us
             log.error("cannot serve %s: %s", self.config.package, exc)
@@ -183,6 +193,24 @@ class ServingWorker:
         except Exception as exc:  # anything else (the device, a bug) must still reach the waiting requests
             log.exception("loading %s failed", self.config.package)
             self._post(self._set_error, f"cannot load {self.config.package}: {type(exc).__name__}: {exc}")
+
+    def _wait_codec_needed(self, model: LoadedModel) -> None:
+        """Until the tokenizer is needed: a request waits for it, the embeddings (block 0) are the first
+        block this node receives (it will serve alone or head a pipeline), or the model is complete (or
+        failed, or the worker closes). A pipeline's other stages need none, and loading it (0.3-1 s of
+        CPU, partly in C calls that hold the GIL) held up the binding of the blocks they serve, and the
+        stage calls, for seconds on a node short of CPU."""
+        provider = model.engine.provider
+        streaming = isinstance(provider, StreamingBlockProvider)
+        head = True  # no block but the embeddings' here yet
+        while not self._codec_wanted.wait(CODEC_POLL_S):
+            if self._closing or model.fully_loaded.is_set() or model.engine.model.failed:
+                return
+            if head:
+                present = provider.present_blocks()
+                head = not present - {0}
+                if head and (provider.verified_bytes(0) if streaming else 0 in present):
+                    return
 
     def _wait_for_agent_socket(self) -> None:
         """An agent named by its socket may start after the worker (a sidecar): wait up to the agent
@@ -305,6 +333,7 @@ class ServingWorker:
     def drain(self) -> None:
         """Stop admitting requests (503) and fail those still waiting for the model; running ones go on."""
         self._closing = True
+        self._codec_wanted.set()  # a loading thread waiting for it ends
         self._stage = STAGE_DRAINING
         if self._change is not None:
             self._notify()
@@ -387,6 +416,8 @@ class ServingWorker:
         """Until the model (the whole model with ``wait_full_load``) and its tokenizer are in."""
         while True:
             self._check_open()
+            if self._codec is None:
+                self._codec_wanted.set()
             if self._codec is not None and (not self.config.wait_full_load or self._model.fully_loaded.is_set()):
                 return
             await self._change.wait()

@@ -6,6 +6,7 @@ import math
 import os
 import socket
 import stat
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -16,29 +17,46 @@ from pipecast.agent.errors import LocalApiError
 from pipecast.agent.local_api import MAX_TIMEOUT_S, OPS, LocalApiServer, parse_request
 from pipecast.agent.local_client import LocalAgentClient
 from pipecast.agent.peer_server import PeerServer
-from tests.support.agent_fixtures import receiving_store
+from tests.support.agent_fixtures import block_file_bytes, land_chunk, receiving_store
 from tests.support.packages import tiny_package
 
 
-async def test_a_block_is_mapped_ahead_read_by_verified_prefix_and_whole_once_verified(tmp_path):
-    manifest = tiny_package(tmp_path / "pkg", layers=3, layer_bytes=200_000, chunk_bytes=64 << 10).manifest
+@asynccontextmanager
+async def local_api(tmp_path, layers: int = 3, layer_bytes: int = 200_000, status=dict):
+    """A package's receiving store served by a local API server (its events published as the agent wires
+    them) and a client: (manifest, store, server, client), all closed at the end."""
+    manifest = tiny_package(tmp_path / "pkg", layers=layers, layer_bytes=layer_bytes, chunk_bytes=64 << 10).manifest
     store = receiving_store(manifest)
     peer_server = PeerServer()
     peer_server.add(store)
-    server = LocalApiServer(peer_server, status=dict)
+    server = LocalApiServer(peer_server, status=status)
+    store.subscribe(lambda event: server.publish(event, store))
     await server.start(tmp_path / "agent.sock")
     client = await asyncio.to_thread(LocalAgentClient, tmp_path / "agent.sock")
     try:
+        yield manifest, store, server, client
+    finally:
+        client.close()
+        await server.close()
+        store.close()
+
+
+def land(store, data: bytes, block: int, chunks: range) -> None:
+    for chunk in chunks:
+        land_chunk(store, data, block, chunk)
+
+
+async def test_a_block_is_mapped_ahead_read_by_verified_prefix_and_whole_once_verified(tmp_path):
+    async with local_api(tmp_path) as (manifest, store, _, client):
         await asyncio.to_thread(client.map_ahead, 1)  # nothing of block 1 is here yet
         with pytest.raises(TimeoutError, match="block 1 not verified within 0.1 s"):
             await asyncio.to_thread(client.wait_block, 1, 0.1)
         with pytest.raises(LocalApiError, match=r"has no block 9 \(it has 3\)"):
             await asyncio.to_thread(client.map_ahead, 9)
 
-        data = (tmp_path / "pkg" / manifest.blocks[1].file).read_bytes()
+        data = block_file_bytes(tmp_path / "pkg", manifest, 1)
         chunk = manifest.blocks[1].chunk_bytes
-        store.chunk_buffer(1, 0)[:] = data[:chunk]
-        store.chunk_landed(1, 0, "p1")  # the first chunk is verified, the block is not
+        land(store, data, 1, range(1))  # the first chunk is verified, the block is not
         prefix = await asyncio.to_thread(client.wait_prefix, 1, 1, 5.0)
         assert bytes(prefix) == data[:chunk]  # all that is verified, not just the byte asked for
         with pytest.raises(TimeoutError, match="the first 65537 bytes of block 1 not verified within 0.1 s"):
@@ -47,18 +65,71 @@ async def test_a_block_is_mapped_ahead_read_by_verified_prefix_and_whole_once_ve
             await asyncio.to_thread(client.wait_prefix, 1, len(data) + 1, 0.1)
         prefix.release()
 
-        for i in range(1, store.chunk_count(1)):
-            start = i * chunk
-            store.chunk_buffer(1, i)[:] = data[start:start + chunk]
-            store.chunk_landed(1, i, "p1")
+        land(store, data, 1, range(1, store.chunk_count(1)))
         view = await asyncio.to_thread(client.wait_block, 1, 5.0)
         assert bytes(view) == data  # the mapping made ahead shows what arrived after it
         assert len(client._maps) == 1  # and wait_block used it rather than mapping again
         view.release()
-    finally:
-        client.close()
+
+
+async def test_once_subscribed_the_client_waits_on_events_not_requests(tmp_path):
+    """Issue #14: under load an agent answered requests 0.3-3 s late and the engine asked it about every
+    block in 50 ms slices, so blocks were bound seconds after they were verified. The client now learns
+    what is verified from the agent's events: only a block's first mapping is a request."""
+    async with local_api(tmp_path) as (manifest, store, server, client):
+        asked = []
+        answer = server._answer
+
+        async def counted(request):
+            asked.append(request.op)
+            return await answer(request)
+
+        server._answer = counted
+        blocks = {i: block_file_bytes(tmp_path / "pkg", manifest, i) for i in (1, 2)}
+        chunk, package = manifest.blocks[1].chunk_bytes, manifest.package_id
+        land(store, blocks[1], 1, range(1))  # before the client subscribes: its first events say so
+        prefix = await asyncio.to_thread(client.wait_prefix, 1, 1, 5.0, package)
+        assert bytes(prefix) == blocks[1][:chunk] and asked == ["buffer"]
+        assert await asyncio.to_thread(client.verified_bytes, 1, package) == chunk
+        prefix.release()
+        waiting = asyncio.ensure_future(asyncio.to_thread(client.wait_block, 1, 5.0, package))
+        await asyncio.sleep(0.05)
+        land(store, blocks[1], 1, range(1, store.chunk_count(1)))
+        land(store, blocks[2], 2, range(store.chunk_count(2)))
+        view = await asyncio.wait_for(waiting, 5)
+        assert bytes(view) == blocks[1]
+        view.release()
+        assert await asyncio.to_thread(client.verified_blocks, package) == {1, 2}
+        assert await asyncio.to_thread(client.verified_bytes, 2, package) == len(blocks[2])
+        assert asked == ["buffer"]  # the waits and what is verified asked nothing
+        view = await asyncio.to_thread(client.wait_block, 2, 5.0, package)
+        assert bytes(view) == blocks[2] and asked == ["buffer", "buffer"]  # block 2's mapping
+        view.release()
+
+
+async def test_a_long_request_holds_up_no_other_thread(tmp_path):
+    """Issue #14: the worker's tokenizer read (a file the agent was still receiving) held the client's one
+    connection, and the loader's requests queued behind it for seconds. Each thread now has its own."""
+    async with local_api(tmp_path, layers=2, status=lambda: {"node": "n1"}) as (_, store, _, client):
+        config = (tmp_path / "pkg" / "config.json").read_bytes()
+        reading = asyncio.ensure_future(asyncio.to_thread(client.package_file, "config.json", None, 30.0))
+        await asyncio.sleep(0.2)
+        assert not reading.done()  # the agent has no config.json yet
+        assert await asyncio.wait_for(asyncio.to_thread(client.status), 2) == {"node": "n1"}
+        await asyncio.wait_for(asyncio.to_thread(client.map_ahead, 0), 2)
+        store.add_file("config.json", config, "p1")
+        assert await asyncio.wait_for(reading, 5) == config
+
+
+async def test_a_wait_ends_with_a_clear_error_as_soon_as_the_agent_goes_away(tmp_path):
+    """No hung await: a wait on the agent's events ends when the agent closes, long before its deadline."""
+    async with local_api(tmp_path, layers=2) as (_, _, server, client):
+        waiting = asyncio.ensure_future(asyncio.to_thread(client.wait_block, 0, 60.0))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
         await server.close()
-        store.close()
+        with pytest.raises(LocalApiError, match="agent at .*agent.sock: closed its event stream"):
+            await asyncio.wait_for(waiting, 10)
 
 
 # --- hostile requests (issue #12, finding 7 and 3) ---------------------------------------------------

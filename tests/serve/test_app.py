@@ -29,7 +29,7 @@ from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
 from pipecast.serve.metrics import RateMeter
 from pipecast.serve.openai_api import CompletionRequest, parse_completion_request
 from pipecast.serve.text import CompletionText, IncrementalDetokenizer, StopMatcher, TextCodec
-from pipecast.serve.worker import ServingWorker, WorkerConfig
+from pipecast.serve.worker import CODEC_POLL_S, ServingWorker, WorkerConfig
 from tests.support import packages
 from tests.support.engine_fixtures import GatedAgent, random_prompt
 
@@ -86,6 +86,13 @@ async def wait_health(http: aiohttp.ClientSession, url: str, predicate, timeout:
         assert time.monotonic() < deadline, f"health never matched; last: {state}"
         await asyncio.sleep(0.01)
     return state
+
+
+async def wait_until_async(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0.01)
 
 
 async def post(http: aiohttp.ClientSession, url: str, body) -> tuple[int, dict, dict]:
@@ -176,6 +183,52 @@ async def test_health_goes_loading_partial_ready_as_blocks_arrive_and_the_prompt
                                            "queue_depth": 0, "running": 0, "max_queue": 64, "max_batch": 16,
                                            "pipeline_sessions": 0, "pipeline_moved": 0, "stage": "loaded",
                                            "model": MODEL, "package_id": worker.package_id}
+
+
+class ReadingAgent(GatedAgent):
+    """A gated agent that records the small files read from it."""
+
+    def __init__(self, pkg: Path) -> None:
+        super().__init__(pkg)
+        self.read: list[str] = []
+
+    def package_file(self, path, package_id=None, timeout=30.0):
+        self.read.append(path)
+        return super().package_file(path, package_id, timeout)
+
+
+async def test_the_tokenizer_is_read_when_needed_not_while_a_stage_binds_its_blocks(pkg, reference):
+    """Issue #14: every worker read its tokenizer (0.3-1 s of CPU) at once, and on a node short of CPU the
+    binding of the blocks a pipeline waited for, and its stage calls, stalled for seconds. A worker whose
+    first block is not the embeddings (a pipeline's later stage) reads it only once a request needs it or
+    the model is in; one whose first block is the embeddings (it will serve alone or head a pipeline)
+    reads it while that block arrives."""
+    stage = ReadingAgent(pkg)
+    async with serving(WorkerConfig(str(pkg), agent=stage)) as (url, _, _, http):
+        await wait_health(http, url, lambda h: h["blocks_total"] == 4)
+        stage.release(1)
+        await wait_health(http, url, lambda h: h["blocks_present"] == 1)
+        stage.release(0)  # block 0 after another: this node is no head
+        await wait_health(http, url, lambda h: h["blocks_present"] == 2)
+        await asyncio.sleep(5 * CODEC_POLL_S)
+        assert "tokenizer.json" not in stage.read
+        request = asyncio.create_task(post(http, url, body()))
+        await wait_until_async(lambda: "tokenizer.json" in stage.read)
+        stage.release()
+        status, _, answer = await request
+        assert status == 200 and answer["choices"][0]["token_ids"] == reference(PROMPT, 12)
+
+    head = ReadingAgent(pkg)
+    async with serving(WorkerConfig(str(pkg), agent=head)) as (url, _, _, http):
+        await wait_health(http, url, lambda h: h["blocks_total"] == 4)
+        head.release_prefix(0, 1 << 10)  # the embeddings' block arriving first: read it, no request yet
+        await wait_until_async(lambda: "tokenizer.json" in head.read)
+
+    whole = ReadingAgent(pkg)
+    async with serving(WorkerConfig(str(pkg), agent=whole)) as (url, _, _, http):
+        await wait_health(http, url, lambda h: h["blocks_total"] == 4)
+        whole.release(3, 2, 1, 0)
+        await wait_until_async(lambda: "tokenizer.json" in whole.read)  # the model is in
 
 
 async def test_load_then_serve_holds_requests_until_the_whole_model_is_in(pkg, reference):

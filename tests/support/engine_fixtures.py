@@ -5,7 +5,6 @@ import mmap
 import random
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 from packager.package import Package
 from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError
@@ -89,9 +88,12 @@ class GatedAgent:
         self.wait_prefix(index, len(self.buffers[index]), timeout, package_id)
         return memoryview(self.buffers[index])
 
-    def progress(self, package_id=None, timeout=30.0):
+    def verified_bytes(self, index, package_id=None):
         self._check(package_id)
         with self._cond:
-            verified = [n == len(b) for n, b in zip(self._verified, self.buffers)]
-        return SimpleNamespace(blocks=[SimpleNamespace(index=i, verified_at=1.0 if v else None)
-                                       for i, v in enumerate(verified)])
+            return self._verified[index]
+
+    def verified_blocks(self, package_id=None):
+        self._check(package_id)
+        with self._cond:
+            return {i for i, (n, b) in enumerate(zip(self._verified, self.buffers)) if n == len(b)}
