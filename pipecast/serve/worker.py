@@ -86,6 +86,8 @@ FOLLOW_AGENT_S = 1.0
 REWAIT_S = 30.0
 #: How often the loading thread checks whether the tokenizer is needed yet (s; a request wakes it at once).
 CODEC_POLL_S = 0.1
+#: A worker reads its tokenizer once it lacks at most this many blocks (it will serve whole requests soon).
+CODEC_BLOCKS_LEFT = 2
 #: Prompts of up to this many characters are tokenized on the event loop (a thread hop costs more).
 INLINE_TOKENIZE_CHARS = 4096
 
@@ -196,21 +198,23 @@ class ServingWorker:
 
     def _wait_codec_needed(self, model: LoadedModel) -> None:
         """Until the tokenizer is needed: a request waits for it, the embeddings (block 0) are the first
-        block this node receives (it will serve alone or head a pipeline), or the model is complete (or
-        failed, or the worker closes). A pipeline's other stages need none, and loading it (0.3-1 s of
-        CPU, partly in C calls that hold the GIL) held up the binding of the blocks they serve, and the
-        stage calls, for seconds on a node short of CPU."""
+        block this node receives (it will serve alone or head a pipeline), the model lacks at most
+        ``CODEC_BLOCKS_LEFT`` blocks (the router offers whole requests once it lacks one), or it failed,
+        or the worker closes. A pipeline's other stages need none while they serve as stages, and loading
+        it (0.3-1 s of CPU, partly in C calls that hold the GIL) held up the binding of the blocks they
+        serve, and their stage calls, for seconds on a node short of CPU."""
         provider = model.engine.provider
         streaming = isinstance(provider, StreamingBlockProvider)
         head = True  # no block but the embeddings' here yet
         while not self._codec_wanted.wait(CODEC_POLL_S):
-            if self._closing or model.fully_loaded.is_set() or model.engine.model.failed:
+            if self._closing or model.engine.model.failed:
                 return
-            if head:
-                present = provider.present_blocks()
-                head = not present - {0}
-                if head and (provider.verified_bytes(0) if streaming else 0 in present):
-                    return
+            present = provider.present_blocks()
+            if len(present) >= provider.num_blocks - CODEC_BLOCKS_LEFT:
+                return
+            head = head and not present - {0}
+            if head and (provider.verified_bytes(0) if streaming else 0 in present):
+                return
 
     def _wait_for_agent_socket(self) -> None:
         """An agent named by its socket may start after the worker (a sidecar): wait up to the agent

@@ -29,7 +29,7 @@ from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
 from pipecast.serve.metrics import RateMeter
 from pipecast.serve.openai_api import CompletionRequest, parse_completion_request
 from pipecast.serve.text import CompletionText, IncrementalDetokenizer, StopMatcher, TextCodec
-from pipecast.serve.worker import CODEC_POLL_S, ServingWorker, WorkerConfig
+from pipecast.serve.worker import CODEC_BLOCKS_LEFT, CODEC_POLL_S, ServingWorker, WorkerConfig
 from tests.support import packages
 from tests.support.engine_fixtures import GatedAgent, random_prompt
 
@@ -201,15 +201,15 @@ async def test_the_tokenizer_is_read_when_needed_not_while_a_stage_binds_its_blo
     """Issue #14: every worker read its tokenizer (0.3-1 s of CPU) at once, and on a node short of CPU the
     binding of the blocks a pipeline waited for, and its stage calls, stalled for seconds. A worker whose
     first block is not the embeddings (a pipeline's later stage) reads it only once a request needs it or
-    the model is in; one whose first block is the embeddings (it will serve alone or head a pipeline)
-    reads it while that block arrives."""
+    it lacks at most CODEC_BLOCKS_LEFT blocks; one whose first block is the embeddings (it will serve alone
+    or head a pipeline) reads it while that block arrives."""
+    assert CODEC_BLOCKS_LEFT == 2  # of the test package's 4 blocks
     stage = ReadingAgent(pkg)
     async with serving(WorkerConfig(str(pkg), agent=stage)) as (url, _, _, http):
         await wait_health(http, url, lambda h: h["blocks_total"] == 4)
         stage.release(1)
         await wait_health(http, url, lambda h: h["blocks_present"] == 1)
-        stage.release(0)  # block 0 after another: this node is no head
-        await wait_health(http, url, lambda h: h["blocks_present"] == 2)
+        stage.release_prefix(0, 1 << 10)  # the embeddings after another block: this node is no head
         await asyncio.sleep(5 * CODEC_POLL_S)
         assert "tokenizer.json" not in stage.read
         request = asyncio.create_task(post(http, url, body()))
@@ -224,11 +224,15 @@ async def test_the_tokenizer_is_read_when_needed_not_while_a_stage_binds_its_blo
         head.release_prefix(0, 1 << 10)  # the embeddings' block arriving first: read it, no request yet
         await wait_until_async(lambda: "tokenizer.json" in head.read)
 
-    whole = ReadingAgent(pkg)
-    async with serving(WorkerConfig(str(pkg), agent=whole)) as (url, _, _, http):
+    tail = ReadingAgent(pkg)
+    async with serving(WorkerConfig(str(pkg), agent=tail)) as (url, _, _, http):
         await wait_health(http, url, lambda h: h["blocks_total"] == 4)
-        whole.release(3, 2, 1, 0)
-        await wait_until_async(lambda: "tokenizer.json" in whole.read)  # the model is in
+        tail.release(3)
+        await wait_health(http, url, lambda h: h["blocks_present"] == 1)
+        await asyncio.sleep(5 * CODEC_POLL_S)
+        assert "tokenizer.json" not in tail.read
+        tail.release(2)  # two blocks left: it will serve whole requests soon
+        await wait_until_async(lambda: "tokenizer.json" in tail.read)
 
 
 async def test_load_then_serve_holds_requests_until_the_whole_model_is_in(pkg, reference):
