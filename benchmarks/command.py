@@ -317,10 +317,12 @@ def bench_coldstart(prompt_tokens, link_mbit, package, repeat, max_tokens, mode,
               help="CPUs each serving worker may use (a CFS quota, each emulated node its own capacity; default: "
                    "this machine's cores / receivers; 0: no quota).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Draw the first token against K (a share of S/B) as a PNG.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep logs and events here (default: a temp dir).")
 def bench_pipelines(sources, source_kinds, strategies, receivers, link_mbit, prompt_tokens, max_tokens, package,
-                    cache, mode, worker_cpus, json_path, workdir):
+                    cache, mode, worker_cpus, json_path, plot_path, workdir):
     """First token after a scale-up from K sources: cross-node pipelines vs waiting for a whole model."""
     from benchmarks import pipelines
 
@@ -333,7 +335,9 @@ def bench_pipelines(sources, source_kinds, strategies, receivers, link_mbit, pro
             worker_cpus=(os.cpu_count() or 1) / receivers if worker_cpus is None else (worker_cpus or None))
     except pipelines.PipelinesBenchError as exc:
         raise click.UsageError(str(exc)) from None
-    _run_and_report(pipelines.run, config, workdir, pipelines.format_report, json_path)
+    report = _run_and_report(pipelines.run, config, workdir, pipelines.format_report, json_path)
+    if plot_path:
+        pipelines.save_plot(report, plot_path)
 
 
 @bench_group.command("hops")

@@ -42,6 +42,7 @@ from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler
 from benchmarks.cpuquota import CpuQuotas, open_quotas
 from benchmarks.distribution import floor_seconds, worker_names
+from benchmarks.plots import Series, save_line_chart
 from benchmarks.processes import RunProcesses, cli, endpoint
 from benchmarks.runinfo import versions
 from packager.manifest import read_manifest
@@ -144,6 +145,11 @@ class PipelinesReport:
     def to_json(self) -> dict:
         return {"meta": self.meta, "results": [asdict(r) for r in self.results], "verdicts": verdicts(self.results)}
 
+    @classmethod
+    def from_json(cls, data: dict) -> "PipelinesReport":
+        """The report a run wrote with ``--json``."""
+        return cls(meta=data["meta"], results=[RunResult(**r) for r in data["results"]])
+
 
 def stages_of(served_by: str) -> int:
     """Stages of the pipeline named by the router's ``x-pipecast-worker`` (``pipeline:a+b``), 0 otherwise."""
@@ -211,6 +217,28 @@ def format_report(report: PipelinesReport) -> str:
     lines.append("CPU: mean of the machine's cores during the run; '!' marks a saturated run (the CPU, not the "
                  "plan, bounds its figures)")
     return "\n".join(lines)
+
+
+def save_plot(report: PipelinesReport, path: Path) -> Path:
+    """PNG of the first token against K, as a share of S/B, per source kind and strategy, with the floor
+    (one copy over one link) and the targets."""
+    m = report.meta
+    series = []
+    for kind, strategy in dict.fromkeys((r.source_kind, r.strategy) for r in report.results):
+        points = sorted((r.sources, r.ratio_to_floor) for r in report.results
+                        if (r.source_kind, r.strategy) == (kind, strategy) and r.ratio_to_floor is not None)
+        series.append(Series(f"{strategy}, {kind} sources", [k for k, _ in points], [y for _, y in points]))
+    counts = sorted({r.sources for r in report.results})
+    series.append(Series("floor S/B (one copy, one link)", counts, [1.0] * len(counts), reference=True))
+    targets = [k for k in counts if k in TARGETS]
+    if len(targets) > 1:
+        series.append(Series("target (issue #14)", targets, [TARGETS[k] for k in targets], reference=True))
+    return save_line_chart(
+        path, series, x_ticks=counts, log2_x=len(counts) > 1,
+        title=f"{m['model_name']} ({format_bytes(m['package_bytes'])}, {m['blocks']} blocks): first token after "
+              f"a scale-up of {m['receivers']}",
+        xlabel="sources (K)", ylabel="first token / S/B",
+        note=f"links {m['link_mbit']:g} Mbit/s ({m['mode']}), S/B {m['floor_seconds']:.2f} s; {m['worker_cpus']}")
 
 
 # -- the driver (runs on its own host) -----------------------------------------------------------------

@@ -1,13 +1,16 @@
 """PNG charts for the benchmarks (matplotlib, Agg): one figure per call, no pyplot global state.
 
 A chart is a list of :class:`Series` drawn as lines with markers; a series marked ``reference`` (a floor,
-a baseline's theory) is drawn dashed, without markers, so measured and bound read apart at a glance.
+a baseline's theory) is drawn black, dashed (a second one dotted), without markers, so measured and bound
+read apart at a glance.
 """
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+REFERENCE_STYLES = ("--", ":", "-.")
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,12 @@ def save_line_chart(path: Path, series: Sequence[Series], *, title: str, xlabel:
         raise ValueError("save_line_chart: nothing to draw (no series)")
     figure = Figure(figsize=(8, 5), dpi=110, layout="constrained")
     axes = figure.add_subplot()
+    references = 0
     for s in series:
-        if s.reference:
-            axes.plot(s.x, s.y, linestyle="--", color="black", linewidth=1.2, label=s.label)
+        if s.reference:  # dashed, then dotted: two bounds on one chart stay apart
+            axes.plot(s.x, s.y, linestyle=REFERENCE_STYLES[references % len(REFERENCE_STYLES)], color="black",
+                      linewidth=1.2, label=s.label)
+            references += 1
         else:
             axes.plot(s.x, s.y, marker="o", linewidth=1.8, label=s.label)
     if log2_x:

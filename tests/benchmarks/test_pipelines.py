@@ -17,6 +17,7 @@ from benchmarks.pipelines import (
     format_report,
     parse_choice,
     parse_sources,
+    save_plot,
     stages_of,
     verdicts,
 )
@@ -45,7 +46,7 @@ def test_options_are_checked_naming_the_option():
     assert stages_of("pipeline:w1+w5+w3") == 3 and stages_of("http://10.0.0.2:8000") == 0
 
 
-def test_verdicts_compare_each_source_count_with_its_target_and_the_tokens_with_whole_model_ones():
+def test_verdicts_compare_each_source_count_with_its_target_and_the_tokens_with_whole_model_ones(tmp_path):
     results = [result(2, PIPELINES, 5.5, stages=2, after=1.25, moved=True), result(2, WHOLE, 10.7),
                result(2, PIPELINES_FINISH, 5.6, stages=2, after=3.5), result(4, PIPELINES, 3.4, stages=4),
                result(4, WHOLE, 10.6, tokens=(1, 3)), result(8, PIPELINES, None)]
@@ -62,6 +63,10 @@ def test_verdicts_compare_each_source_count_with_its_target_and_the_tokens_with_
     assert "      2 warm  pipelines        rotated     5.50   0.55      2       50       10.50       11.00   5.85   1.25m" \
         in text
     assert "verdict: tokens identical to whole-model generation: 2 of 3 runs" in text
+
+    again = PipelinesReport.from_json(json.loads(json.dumps(PipelinesReport(meta, results).to_json())))
+    assert again.results == results and format_report(again) == text  # a run's JSON can be reported and drawn
+    assert save_plot(again, tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.timeout(600)
