@@ -86,7 +86,8 @@ FOLLOW_AGENT_S = 1.0
 REWAIT_S = 30.0
 #: How often the loading thread checks whether the tokenizer is needed yet (s; a request wakes it at once).
 CODEC_POLL_S = 0.1
-#: A worker reads its tokenizer once it lacks at most this many blocks (it will serve whole requests soon).
+#: A worker reads its tokenizer once it lacks at most this many blocks (it will serve whole requests soon),
+#: and at most a quarter of them (see codec_blocks_left).
 CODEC_BLOCKS_LEFT = 2
 #: Prompts of up to this many characters are tokenized on the event loop (a thread hop costs more).
 INLINE_TOKENIZE_CHARS = 4096
@@ -127,6 +128,13 @@ def _warm_imports() -> None:
 
     for model_type in SUPPORTED_MODEL_TYPES:
         importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+def codec_blocks_left(num_blocks: int) -> int:
+    """How few blocks a worker lacks when it reads its tokenizer unasked: ``CODEC_BLOCKS_LEFT``, but at most
+    a quarter of the package (at least one): a pipeline's later stage holds half of a small package's blocks
+    or more while it serves as a stage, and must not read it then."""
+    return min(CODEC_BLOCKS_LEFT, max(1, num_blocks // 4))
 
 
 class ServingWorker:
@@ -199,7 +207,7 @@ class ServingWorker:
     def _wait_codec_needed(self, model: LoadedModel) -> None:
         """Until the tokenizer is needed: a request waits for it, the embeddings (block 0) are the first
         block this node receives (it will serve alone or head a pipeline), the model lacks at most
-        ``CODEC_BLOCKS_LEFT`` blocks (the router offers whole requests once it lacks one), or it failed,
+        :func:`codec_blocks_left` blocks (the router offers whole requests once it lacks one), or it failed,
         or the worker closes. A pipeline's other stages need none while they serve as stages, and loading
         it (0.3-1 s of CPU, partly in C calls that hold the GIL) held up the binding of the blocks they
         serve, and their stage calls, for seconds on a node short of CPU."""
@@ -210,7 +218,7 @@ class ServingWorker:
             if self._closing or model.engine.model.failed:
                 return
             present = provider.present_blocks()
-            if len(present) >= provider.num_blocks - CODEC_BLOCKS_LEFT:
+            if len(present) >= provider.num_blocks - codec_blocks_left(provider.num_blocks):
                 return
             head = head and not present - {0}
             if head and (provider.verified_bytes(0) if streaming else 0 in present):

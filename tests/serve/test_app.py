@@ -29,7 +29,7 @@ from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
 from pipecast.serve.metrics import RateMeter
 from pipecast.serve.openai_api import CompletionRequest, parse_completion_request
 from pipecast.serve.text import CompletionText, IncrementalDetokenizer, StopMatcher, TextCodec
-from pipecast.serve.worker import CODEC_BLOCKS_LEFT, CODEC_POLL_S, ServingWorker, WorkerConfig
+from pipecast.serve.worker import CODEC_BLOCKS_LEFT, CODEC_POLL_S, ServingWorker, WorkerConfig, codec_blocks_left
 from tests.support import packages
 from tests.support.engine_fixtures import GatedAgent, random_prompt
 
@@ -201,9 +201,8 @@ async def test_the_tokenizer_is_read_when_needed_not_while_a_stage_binds_its_blo
     """Issue #14: every worker read its tokenizer (0.3-1 s of CPU) at once, and on a node short of CPU the
     binding of the blocks a pipeline waited for, and its stage calls, stalled for seconds. A worker whose
     first block is not the embeddings (a pipeline's later stage) reads it only once a request needs it or
-    it lacks at most CODEC_BLOCKS_LEFT blocks; one whose first block is the embeddings (it will serve alone
+    it lacks at most codec_blocks_left(4) = 1 block; one whose first block is the embeddings (it will serve alone
     or head a pipeline) reads it while that block arrives."""
-    assert CODEC_BLOCKS_LEFT == 2  # of the test package's 4 blocks
     stage = ReadingAgent(pkg)
     async with serving(WorkerConfig(str(pkg), agent=stage)) as (url, _, _, http):
         await wait_health(http, url, lambda h: h["blocks_total"] == 4)
@@ -227,12 +226,17 @@ async def test_the_tokenizer_is_read_when_needed_not_while_a_stage_binds_its_blo
     tail = ReadingAgent(pkg)
     async with serving(WorkerConfig(str(pkg), agent=tail)) as (url, _, _, http):
         await wait_health(http, url, lambda h: h["blocks_total"] == 4)
-        tail.release(3)
-        await wait_health(http, url, lambda h: h["blocks_present"] == 1)
+        tail.release(3, 2)  # half the blocks: what a pipeline's tail stage holds here
+        await wait_health(http, url, lambda h: h["blocks_present"] == 2)
         await asyncio.sleep(5 * CODEC_POLL_S)
         assert "tokenizer.json" not in tail.read
-        tail.release(2)  # two blocks left: it will serve whole requests soon
+        tail.release(1)  # one block left: it will serve whole requests soon
         await wait_until_async(lambda: "tokenizer.json" in tail.read)
+
+
+def test_a_worker_reads_its_tokenizer_unasked_a_few_blocks_before_the_end_never_at_half():
+    assert [codec_blocks_left(n) for n in (1, 2, 4, 7, 8, 9, 16, 1000)] == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert CODEC_BLOCKS_LEFT == 2
 
 
 async def test_load_then_serve_holds_requests_until_the_whole_model_is_in(pkg, reference):
