@@ -63,6 +63,9 @@ class FakeWorker:
         body = await request.read()
         self.bodies.append(body)
         if self.behaviour == "busy":
+            # Its queue is full, as its next /health says: a poll after the 429 must not clear it (it did
+            # with room reported, a race the test lost once in CI).
+            self.queue_depth = 8
             return web.json_response({"error": {"message": "full"}}, status=429, headers={"Retry-After": "5"})
         if self.behaviour == "invalid":
             return web.json_response({"error": {"message": "max_tokens too large"}}, status=400)
