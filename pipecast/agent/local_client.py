@@ -13,9 +13,9 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import BinaryIO
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from packager.manifest import manifest_from_json
 from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError
@@ -154,8 +154,7 @@ class LocalAgentClient:
         package = self._package(package_id)
         self._watch()
         with self._known:
-            verified = self._verified.get((package, index), 0)
-        return verified
+            return self._verified.get((package, index), 0)
 
     def verified_blocks(self, package_id: str | None = None) -> set[int]:
         """The blocks of the package verified by now, as the agent's events told (no request once the
