@@ -58,6 +58,9 @@ from pipecast.core.strictjson import JSONInputError, describe, loads_object
 
 log = logging.getLogger(__name__)
 
+#: Events a subscriber may leave unread before its stream is ended (an engine that stopped reading must not
+#: grow the agent's memory one line a chunk; a live one is never this far behind).
+MAX_PENDING_EVENTS = 1 << 16
 OPS = ("manifest", "wait_block", "wait_prefix", "buffer", "file", "progress", "status", "subscribe")
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -145,13 +148,20 @@ class LocalApiServer:
         if event.kind == "block_started":
             return
         message = _event(store, event.block, event.at)
-        for queue in self._subscribers:
-            queue.put_nowait(message)
+        for queue in list(self._subscribers):
+            try:
+                queue.put_nowait(message)
+            except asyncio.QueueFull:  # it stopped reading: end its stream after what it has
+                self._subscribers.discard(queue)
+                queue.get_nowait()
+                queue.put_nowait(None)
 
     async def close(self) -> None:
         """Stop serving, end every event stream (an engine waiting on one learns the agent is gone at
         once, not at its deadline) and remove the socket file."""
         for queue in self._subscribers:
+            if queue.full():
+                queue.get_nowait()
             queue.put_nowait(None)
         if self._server is not None:
             self._server.close()
@@ -218,7 +228,7 @@ class LocalApiServer:
                 "bytes": store.manifest.blocks[block].bytes, **verified}
 
     async def _stream_events(self, writer: asyncio.StreamWriter) -> None:
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue(MAX_PENDING_EVENTS)
         self._subscribers.add(queue)
         try:
             writer.write(b'{"ok": true}\n')

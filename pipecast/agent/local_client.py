@@ -205,11 +205,8 @@ class LocalAgentClient:
         with self._known:
             if self._stream is not None:
                 return
-            sock = self._connect()
+            sock, lines = self._subscribe(self._connect_timeout_s)
             try:
-                sock.settimeout(self._connect_timeout_s)
-                sock.sendall(b'{"op": "subscribe"}\n')
-                lines = sock.makefile("rb")
                 self._decode(lines.readline())  # {"ok": true}: subscribed, past events follow
             except (OSError, LocalApiError) as exc:
                 sock.close()
@@ -218,6 +215,17 @@ class LocalAgentClient:
             sock.settimeout(None)  # an idle agent sends nothing; close() ends the wait
             self._stream = sock
         threading.Thread(target=self._follow, args=(lines,), name="pipecast-agent-events", daemon=True).start()
+
+    def _subscribe(self, timeout: float | None) -> tuple[socket.socket, BinaryIO]:
+        """A connection of its own on which the agent's events will come (its answer not read yet)."""
+        sock = self._connect()
+        try:
+            sock.settimeout(timeout)
+            sock.sendall(b'{"op": "subscribe"}\n')
+        except OSError as exc:
+            sock.close()
+            raise LocalApiError(f"agent at {self.socket_path}: {exc.strerror or exc}") from None
+        return sock, sock.makefile("rb")
 
     def _follow(self, lines) -> None:
         error = "closed its event stream"
@@ -278,11 +286,8 @@ class LocalAgentClient:
 
         ``timeout`` bounds the wait for each event (:class:`LocalApiTimeoutError`); None waits forever.
         """
-        sock = self._connect()
+        sock, lines = self._subscribe(timeout)
         try:
-            sock.settimeout(timeout)
-            sock.sendall(b'{"op": "subscribe"}\n')
-            lines = sock.makefile("rb")
             while True:
                 try:
                     line = lines.readline()

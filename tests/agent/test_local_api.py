@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipecast.agent.errors import LocalApiError
+from pipecast.agent import local_api
 from pipecast.agent.local_api import MAX_TIMEOUT_S, OPS, LocalApiServer, parse_request
 from pipecast.agent.local_client import LocalAgentClient
 from pipecast.agent.peer_server import PeerServer
@@ -22,7 +23,7 @@ from tests.support.packages import tiny_package
 
 
 @asynccontextmanager
-async def local_api(tmp_path, layers: int = 3, layer_bytes: int = 200_000, status=dict):
+async def local_api_server(tmp_path, layers: int = 3, layer_bytes: int = 200_000, status=dict):
     """A package's receiving store served by a local API server (its events published as the agent wires
     them) and a client: (manifest, store, server, client), all closed at the end."""
     manifest = tiny_package(tmp_path / "pkg", layers=layers, layer_bytes=layer_bytes, chunk_bytes=64 << 10).manifest
@@ -47,7 +48,7 @@ def land(store, data: bytes, block: int, chunks: range) -> None:
 
 
 async def test_a_block_is_mapped_ahead_read_by_verified_prefix_and_whole_once_verified(tmp_path):
-    async with local_api(tmp_path) as (manifest, store, _, client):
+    async with local_api_server(tmp_path) as (manifest, store, _, client):
         await asyncio.to_thread(client.map_ahead, 1)  # nothing of block 1 is here yet
         with pytest.raises(TimeoutError, match="block 1 not verified within 0.1 s"):
             await asyncio.to_thread(client.wait_block, 1, 0.1)
@@ -76,7 +77,7 @@ async def test_once_subscribed_the_client_waits_on_events_not_requests(tmp_path)
     """Issue #14: under load an agent answered requests 0.3-3 s late and the engine asked it about every
     block in 50 ms slices, so blocks were bound seconds after they were verified. The client now learns
     what is verified from the agent's events: only a block's first mapping is a request."""
-    async with local_api(tmp_path) as (manifest, store, server, client):
+    async with local_api_server(tmp_path) as (manifest, store, server, client):
         asked = []
         answer = server._answer
 
@@ -110,7 +111,7 @@ async def test_once_subscribed_the_client_waits_on_events_not_requests(tmp_path)
 async def test_a_long_request_holds_up_no_other_thread(tmp_path):
     """Issue #14: the worker's tokenizer read (a file the agent was still receiving) held the client's one
     connection, and the loader's requests queued behind it for seconds. Each thread now has its own."""
-    async with local_api(tmp_path, layers=2, status=lambda: {"node": "n1"}) as (_, store, _, client):
+    async with local_api_server(tmp_path, layers=2, status=lambda: {"node": "n1"}) as (_, store, _, client):
         config = (tmp_path / "pkg" / "config.json").read_bytes()
         reading = asyncio.ensure_future(asyncio.to_thread(client.package_file, "config.json", None, 30.0))
         await asyncio.sleep(0.2)
@@ -123,13 +124,29 @@ async def test_a_long_request_holds_up_no_other_thread(tmp_path):
 
 async def test_a_wait_ends_with_a_clear_error_as_soon_as_the_agent_goes_away(tmp_path):
     """No hung await: a wait on the agent's events ends when the agent closes, long before its deadline."""
-    async with local_api(tmp_path, layers=2) as (_, _, server, client):
+    async with local_api_server(tmp_path, layers=2) as (_, _, server, client):
         waiting = asyncio.ensure_future(asyncio.to_thread(client.wait_block, 0, 60.0))
         await asyncio.sleep(0.2)
         assert not waiting.done()
         await server.close()
         with pytest.raises(LocalApiError, match="agent at .*agent.sock: closed its event stream"):
             await asyncio.wait_for(waiting, 10)
+
+
+async def test_a_subscriber_that_stops_reading_is_cut_off_not_kept_in_memory(tmp_path, monkeypatch):
+    """An engine that subscribes and never reads must not grow the agent one event a chunk: past
+    MAX_PENDING_EVENTS unread, its stream ends after what it was sent."""
+    monkeypatch.setattr(local_api, "MAX_PENDING_EVENTS", 3)
+    async with local_api_server(tmp_path) as (manifest, store, server, _):
+        reader, writer = await asyncio.open_unix_connection(str(tmp_path / "agent.sock"))
+        writer.write(b'{"op": "subscribe"}\n')
+        assert json.loads(await reader.readline()) == {"ok": True}
+        data = block_file_bytes(tmp_path / "pkg", manifest, 1)
+        land(store, data, 1, range(store.chunk_count(1)))  # more events than the bound, none read yet
+        assert not server._subscribers
+        lines = (await asyncio.wait_for(reader.read(), 5)).decode().splitlines()
+        assert 1 <= len(lines) <= 3 and all(json.loads(line)["block"] == 1 for line in lines)  # then EOF
+        writer.close()
 
 
 # --- hostile requests (issue #12, finding 7 and 3) ---------------------------------------------------
