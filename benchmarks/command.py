@@ -298,9 +298,9 @@ def bench_coldstart(prompt_tokens, link_mbit, package, repeat, max_tokens, mode,
 @click.option("--source-kind", "source_kinds", default="warm,store", show_default=True,
               help="warm: K warm workers hold the package; store: the store's egress is K links.")
 @click.option("--strategy", "strategies", default="pipelines,whole-model", show_default=True,
-              help="pipelines (the router routes to cross-node pipelines), pipelines-finish (the same, requests "
-                   "finishing through a dissolving pipeline instead of moving to its head) and/or whole-model "
-                   "(--no-pipelines).")
+              help="pipelines (the router routes to cross-node pipelines; a head whose pipeline dissolves under "
+                   "a request moves it or not as it measures), pipelines-move and pipelines-finish (the same, heads "
+                   "always moving such requests to their engine, or never) and/or whole-model (--no-pipelines).")
 @click.option("--receivers", type=click.IntRange(min=2), default=8, show_default=True,
               help="Workers scaled up (N), each an agent and a serving worker.")
 @click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,

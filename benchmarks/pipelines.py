@@ -14,10 +14,12 @@ The scale-up is the control plane's default plan (rotated by bytes over K source
 strategies in the same cluster, everything else identical: ``pipelines`` (the router routes to the
 pipelines the control plane forms as blocks land) and ``whole-model`` (``--no-pipelines``: the request
 waits for a worker holding, or about to hold, the whole model; execute-while-load still overlaps its
-prefill with the last block). ``pipelines-finish`` is ``pipelines`` with heads that finish a request
-through its pipeline when the pipeline dissolves under it, where ``pipelines`` moves the request to the
-head's own engine (``pipecast serve --pipeline-dissolve``); with a request that outlasts the transfer
-(``--max-tokens``) the two compare how long it runs on once its head holds the whole model. Each run
+prefill with the last block). When a pipeline dissolves under its request (the head came to hold the
+whole model), ``pipelines`` heads choose from their measured step times whether to move the request to
+their own engine or to finish it through the stages (``pipecast serve --pipeline-dissolve auto``, the
+default), ``pipelines-move`` heads always move it, ``pipelines-finish`` heads never; with a request that
+outlasts the transfer (``--max-tokens``) the three compare how long it runs on once its head holds the
+whole model. Each run
 starts every process, waits until all are up (the serving workers
 waiting for the package, torch imported), then the driver scales up and, at the same instant, sends one
 streamed request through the router; its TTFT counts from the scale-up, against the floor S/B of one
@@ -49,8 +51,10 @@ from packager.manifest import read_manifest
 from pipecast.core.errors import PipecastError
 from pipecast.core.units import format_bytes
 
-PIPELINES, PIPELINES_FINISH, WHOLE = "pipelines", "pipelines-finish", "whole-model"
-STRATEGIES = (PIPELINES, PIPELINES_FINISH, WHOLE)
+PIPELINES, PIPELINES_MOVE, PIPELINES_FINISH, WHOLE = "pipelines", "pipelines-move", "pipelines-finish", "whole-model"
+STRATEGIES = (PIPELINES, PIPELINES_MOVE, PIPELINES_FINISH, WHOLE)
+#: Each pipelined strategy's ``pipecast serve --pipeline-dissolve``.
+DISSOLVE_OF = {PIPELINES: "auto", PIPELINES_MOVE: "move", PIPELINES_FINISH: "finish"}
 DEFAULT_STRATEGIES = (PIPELINES, WHOLE)
 WARM, STORE_KIND = "warm", "store"
 SOURCE_KINDS = (WARM, STORE_KIND)
@@ -171,18 +175,23 @@ def verdicts(results: Sequence[RunResult]) -> list[str]:
     for r in results:
         by_setting.setdefault((r.sources, r.source_kind), {})[r.strategy] = r
     pairs = [(v[s].tokens, v[WHOLE].tokens) for v in by_setting.values() if WHOLE in v
-             for s in (PIPELINES, PIPELINES_FINISH) if s in v]
+             for s in DISSOLVE_OF if s in v]
     if pairs:
         same = sum(1 for piped, whole in pairs if piped and piped == whole)
         lines.append(f"tokens identical to whole-model generation: {same} of {len(pairs)} runs")
     for (k, kind), v in by_setting.items():
-        move, finish = v.get(PIPELINES), v.get(PIPELINES_FINISH)
+        move, finish, auto = v.get(PIPELINES_MOVE), v.get(PIPELINES_FINISH), v.get(PIPELINES)
         if move and finish and None not in (move.after_dissolution_seconds, finish.after_dissolution_seconds):
             better = "moving" if move.after_dissolution_seconds < finish.after_dissolution_seconds else "finishing"
-            lines.append(f"K={k} {kind}: after its head held the whole model the request ran on "
-                         f"{move.after_dissolution_seconds:.2f} s when moved to the head "
-                         f"({'moved' if move.moved else 'NOT moved'}), {finish.after_dissolution_seconds:.2f} s "
-                         f"through the pipeline: {better} is better")
+            line = (f"K={k} {kind}: after its head held the whole model the request ran on "
+                    f"{move.after_dissolution_seconds:.2f} s when moved to the head "
+                    f"({'moved' if move.moved else 'NOT moved'}), {finish.after_dissolution_seconds:.2f} s "
+                    f"through the pipeline: {better} is better")
+            if auto and auto.after_dissolution_seconds is not None:
+                chose = "moving" if auto.moved else "finishing"
+                line += (f"; the head's own choice (auto): {chose}, {auto.after_dissolution_seconds:.2f} s "
+                         f"({'the better' if chose == better else 'NOT the better'})")
+            lines.append(line)
     return lines
 
 
@@ -427,7 +436,7 @@ def run_once(cluster: EmulatedCluster, folder: Path, config: PipelinesConfig, ma
             serve = run.spawn(f"{w}-serve", w, cli(
                 "serve", manifest.package_id, "--agent-socket", sockets / f"{w}.sock", "--host", host, "--port", port,
                 "--agent-timeout", START_TIMEOUT_S, "--drain-timeout", 0, "--pipeline-dissolve",
-                "finish" if strategy == PIPELINES_FINISH else "move"),
+                DISSOLVE_OF.get(strategy, "auto")),
                 env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
             quotas.limit(serve.pid)
         host, port = router.rsplit(":", 1)

@@ -20,6 +20,7 @@ from google.protobuf import json_format
 from control_plane.deployments import DEFAULT_WARM_AUTO_FACTOR, Deployment, ScalingPolicy
 from control_plane.messages import PeerInfo
 from packager.manifest import read_manifest
+from pipecast.core.priorities import DEFAULT_PRIORITY, PRIORITIES
 from pipecast.core.settings import Settings, load_settings
 from pipecast.core.units import format_bytes, parse_duration
 
@@ -314,8 +315,12 @@ DEFAULT_POLICY = ScalingPolicy()
               show_default=True, help="Requests one replica runs at once (its batch).")
 @click.option("--router", "routers", multiple=True, metavar="URL",
               help="Base URL of a router whose /stats feed the scaler (repeat for several).")
+@click.option("--priority", type=click.Choice(PRIORITIES), default=DEFAULT_PRIORITY, show_default=True,
+              help="The package's priority: its multicast takes the share of each link the agents' "
+                   "priority_shares give it (else their multicast_share).")
 @click.pass_context
-def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...], **policy: Any) -> None:
+def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...], priority: str,
+                   **policy: Any) -> None:
     """Create or replace the deployment of a published package: the policy `pipecast scaler` keeps it by."""
     policy["slo_ttft_p99_s"] = policy.pop("slo_ttft_p99")
     policy["keep_alive_s"] = policy.pop("keep_alive")
@@ -328,10 +333,10 @@ def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...]
         raise click.BadParameter("is used only with --warm auto", param_hint="'--warm-factor'")
     else:
         policy["warm"] = warm
-    wanted = Deployment(package_id, ScalingPolicy(**policy), routers)
+    wanted = Deployment(package_id, ScalingPolicy(**policy), routers, priority=priority)
     stored = _run(ctx, lambda c: c.put_deployment(wanted))
-    _emit(ctx, stored.to_json(), [f"deployed {package_id}: {_describe_policy(stored.policy)}; routers "
-                                  f"{', '.join(stored.routers) or '-'}"])
+    _emit(ctx, stored.to_json(), [f"deployed {package_id}: {_describe_policy(stored.policy)}; priority "
+                                  f"{stored.priority}; routers {', '.join(stored.routers) or '-'}"])
 
 
 def _describe_policy(p: ScalingPolicy) -> str:
@@ -346,8 +351,8 @@ def _describe_policy(p: ScalingPolicy) -> str:
 def deployments_command(ctx: click.Context) -> None:
     """List deployments and their policies."""
     deployments = _run(ctx, lambda c: c.list_deployments())
-    lines = [f"{d.package_id[:20]:<20} {_describe_policy(d.policy)}; routers {', '.join(d.routers) or '-'}"
-             for d in deployments] or ["no deployments"]
+    lines = [f"{d.package_id[:20]:<20} {_describe_policy(d.policy)}; priority {d.priority}; routers "
+             f"{', '.join(d.routers) or '-'}" for d in deployments] or ["no deployments"]
     _emit(ctx, [d.to_json() for d in deployments], lines)
 
 

@@ -5,6 +5,7 @@ from collections.abc import Iterable, Mapping
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.messages import AcceleratorInfo, AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.planner.plan import Fetch
+from pipecast.core.priorities import DEFAULT_PRIORITY
 from pipecast.v1 import control_pb2 as pb
 
 # The largest message either side accepts: a 70B model's manifest with 1 MiB chunk digests is ~10 MB.
@@ -62,7 +63,7 @@ def update_from_proto(msg: pb.AssignmentUpdate) -> AssignmentUpdate:
         fetch=tuple(Fetch(t.block, peer_from_proto(t.peer)) for t in msg.fetch),
         serve=tuple((t.block, t.peer.node_id) for t in msg.serve),
         plan_ids=tuple(msg.plan_ids), sources=tuple(peer_from_proto(p) for p in msg.sources),
-        receivers=tuple(msg.receivers))
+        receivers=tuple(msg.receivers), priority=msg.priority or DEFAULT_PRIORITY)
 
 
 def deployment_to_proto(deployment: Deployment) -> pb.Deployment:
@@ -73,7 +74,8 @@ def deployment_to_proto(deployment: Deployment) -> pb.Deployment:
         scale_down_cooldown_s=p.scale_down_cooldown_s, replica_rps=p.replica_rps,
         replica_concurrency=p.replica_concurrency, warm_auto_factor=p.warm_auto_factor)
     return pb.Deployment(package_id=deployment.package_id, policy=policy, routers=deployment.routers,
-                         created_unix=deployment.created_at, updated_unix=deployment.updated_at)
+                         created_unix=deployment.created_at, updated_unix=deployment.updated_at,
+                         priority=deployment.priority)
 
 
 def deployment_from_proto(msg: pb.Deployment) -> Deployment:
@@ -83,7 +85,8 @@ def deployment_from_proto(msg: pb.Deployment) -> Deployment:
         keep_alive_s=p.keep_alive_s, scale_up_cooldown_s=p.scale_up_cooldown_s,
         scale_down_cooldown_s=p.scale_down_cooldown_s, replica_rps=p.replica_rps,
         replica_concurrency=p.replica_concurrency, warm_auto_factor=p.warm_auto_factor)
-    return Deployment(msg.package_id, policy, tuple(msg.routers), msg.created_unix, msg.updated_unix)
+    return Deployment(msg.package_id, policy, tuple(msg.routers), msg.created_unix, msg.updated_unix,
+                      msg.priority or DEFAULT_PRIORITY)
 
 
 def scale_event_to_proto(event: ScaleEvent) -> pb.ScaleEvent:

@@ -1,7 +1,8 @@
 """Deployments and the scaling daemon's audit trail, as the control plane keeps them (pure: no I/O, no clock).
 
 A deployment is a published package with the :class:`ScalingPolicy` the scaling daemon (``pipecast
-scaler``) keeps it by, and the routers whose ``/stats`` are its signals. The daemon holds no state of its
+scaler``) keeps it by, the routers whose ``/stats`` are its signals, and its priority (the share of each
+link its multicast takes: the agents' ``priority_shares``). The daemon holds no state of its
 own: it reads the deployments here every tick and appends each decision (:class:`ScaleEvent`) to the
 :class:`DeploymentBook`'s log, from which a restarted daemon also recovers its cooldowns.
 """
@@ -13,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from control_plane.errors import InvalidRequest, UnknownDeployment, UnknownPackage
+from pipecast.core.priorities import DEFAULT_PRIORITY, PRIORITIES
 from pipecast.core.urls import http_base_url
 
 #: Scale events kept in memory (the database keeps them all).
@@ -73,22 +75,24 @@ class ScalingPolicy:
 
 @dataclass(frozen=True)
 class Deployment:
-    """A package the scaling daemon keeps, its policy and the routers it reads signals from."""
+    """A package the scaling daemon keeps, its policy, the routers it reads signals from and its priority."""
 
     package_id: str
     policy: ScalingPolicy
     routers: tuple[str, ...] = ()
     created_at: float = 0.0
     updated_at: float = 0.0
+    priority: str = DEFAULT_PRIORITY
 
     def to_json(self) -> dict[str, Any]:
         return {"package_id": self.package_id, "policy": asdict(self.policy), "routers": list(self.routers),
-                "created_at": self.created_at, "updated_at": self.updated_at}
+                "created_at": self.created_at, "updated_at": self.updated_at, "priority": self.priority}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Deployment":
         return cls(str(data["package_id"]), ScalingPolicy(**data["policy"]), tuple(str(r) for r in data["routers"]),
-                   float(data["created_at"]), float(data["updated_at"]))
+                   float(data["created_at"]), float(data["updated_at"]),
+                   str(data.get("priority", DEFAULT_PRIORITY)))  # rows written before priorities: normal
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,8 @@ class DeploymentBook:
         value, :class:`UnknownPackage` for a package that is not published."""
         package_id = deployment.package_id
         problems = deployment.policy.problems()
+        if deployment.priority not in PRIORITIES:
+            problems.append(f"priority must be one of {', '.join(PRIORITIES)}, got {deployment.priority!r}")
         if problems:
             raise InvalidRequest(f"deployment of package {package_id!r} refused: {'; '.join(problems)}")
         if package_id not in set(published):
@@ -155,6 +161,11 @@ class DeploymentBook:
         if self.deployments.pop(package_id, None) is None:
             raise UnknownDeployment.named(package_id)
         self.dirty_deployments.add(package_id)
+
+    def priority_of(self, package_id: str) -> str:
+        """The priority of ``package_id``'s deployment; ``normal`` for a package without one."""
+        deployment = self.deployments.get(package_id)
+        return deployment.priority if deployment is not None else DEFAULT_PRIORITY
 
     def listing(self) -> list[Deployment]:
         return [self.deployments[p] for p in sorted(self.deployments)]

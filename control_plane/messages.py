@@ -11,6 +11,7 @@ from enum import Enum
 from typing import Any
 
 from control_plane.planner.plan import Fetch
+from pipecast.core.priorities import DEFAULT_PRIORITY
 
 
 @dataclass(frozen=True)
@@ -98,3 +99,4 @@ class AssignmentUpdate:
     plan_ids: tuple[str, ...] = ()
     sources: tuple[PeerInfo, ...] = ()  # ASSIGN: nodes holding every block, the fallback of any fetch
     receivers: tuple[str, ...] = ()  # ASSIGN to a source: every receiver of the plan, whom it may serve
+    priority: str = DEFAULT_PRIORITY  # ASSIGN: the package's priority (its deployment's), for the link shares

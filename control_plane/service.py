@@ -449,7 +449,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             serve=[pb.Transfer(block=block, peer=peer(child)) for block, child in part.serve],
             sources=[peer(source) for source in active.plan.sources],
             # A source is every receiver's fallback: it may serve each of them, and only them.
-            receivers=sorted(active.plan.assignments) if notice.node_id in active.plan.sources else [])
+            receivers=sorted(active.plan.assignments) if notice.node_id in active.plan.sources else [],
+            priority=self.book.priority_of(active.package_id))
 
 
 def _plan_summary(active: ActivePlan) -> pb.PlanSummary:

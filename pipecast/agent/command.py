@@ -45,6 +45,17 @@ def _labels(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
     return labels
 
 
+def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, float]:
+    shares = {}
+    for value in _labels(ctx, param, values).items():
+        priority, share = value
+        try:
+            shares[priority] = float(share)
+        except ValueError:
+            raise click.BadParameter(f"expected PRIORITY=SHARE with a number, got {priority}={share!r}") from None
+    return shares
+
+
 @click.command("agent")
 @click.option("--listen", metavar="HOST:PORT", callback=_address,
               help="Where peers connect. Default: this node's address in --plan, else "
@@ -81,6 +92,11 @@ def _labels(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
               help="Largest share of the link, in (0, 1], the data plane takes each direction, so that serving "
                    "traffic on the same link keeps its latency; below 1 needs --link-mbit (settings: "
                    "multicast_share).")
+@click.option("--priority-share", "priority_shares", multiple=True, metavar="PRIORITY=SHARE",
+              callback=_priority_shares,
+              help="A share of the link for the packages of one priority (high, normal, low; a deployment's "
+                   "--priority), e.g. low=0.25 (repeat; given, replaces settings priority_shares; below 1 needs "
+                   "--link-mbit).")
 @click.option("--start-at", type=float, metavar="EPOCH_SECONDS",
               help="Listen at once but begin fetching at this wall-clock time (seconds since the epoch), so "
                    "that agents started one after another fetch together (benchmarks).")
@@ -88,7 +104,7 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
                   cache_dir: Path | None, memory: int | None, transport: str | None, local_socket: Path | None,
                   events: Path | None, exit_when_complete: bool, control_plane: str | None, labels: dict[str, str],
                   serve_url: str | None, link_mbit: float | None, multicast_share: float | None,
-                  start_at: float | None) -> None:
+                  priority_shares: dict[str, float], start_at: float | None) -> None:
     """Run the node agent: serve blocks to peers, fetch this node's share, feed local engines.
 
     Peers authenticate each other with a data-plane key: under --control-plane it comes with the
@@ -100,7 +116,8 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
                                "--exit-when-complete")
     settings = load_settings(agent_cache_dir=cache_dir, agent_memory_bytes=memory, agent_transport=transport,
                              agent_local_socket=local_socket, agent_node_id=node_id, agent_serve_url=serve_url,
-                             agent_link_mbit=link_mbit, multicast_share=multicast_share)
+                             agent_link_mbit=link_mbit, multicast_share=multicast_share,
+                             priority_shares=priority_shares or None)
     DataPlaneCaps.of(settings)  # refuse a share without the link rate now, not after verifying a seed
     if plan is not None and not settings.agent_node_id:
         raise PlanFileError(f"{plan}: --node-id is needed to know which of the plan's nodes this agent is")

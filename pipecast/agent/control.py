@@ -335,9 +335,11 @@ class ControlLink:
         elif update.kind is UpdateKind.ASSIGN:
             events.emit("assignment", plan=update.plan_id, package=package_id, version=update.version,
                         fetch=[[f.block, f.parent.node_id] for f in update.fetch],
-                        serve=[[block, child] for block, child in update.serve])
-            log.info("plan %s v%d: fetch %d blocks, serve %d transfers of package %s", update.plan_id,
-                     update.version, len(update.fetch), len(update.serve), package_id[:12])
+                        serve=[[block, child] for block, child in update.serve], priority=update.priority)
+            log.info("plan %s v%d: fetch %d blocks, serve %d transfers of package %s (priority %s)",
+                     update.plan_id, update.version, len(update.fetch), len(update.serve), package_id[:12],
+                     update.priority)
+            self.host.transport.limits.set_priority(package_id, update.priority)  # its share of the link
             if update.fetch and package_id not in self.host.peer_server.stores:
                 self.host.peer_server.expect(package_id)  # children may ask before this node has the manifest
             # Whom this node serves the package: the part's children, anyone if it is a source (the fallback).
@@ -362,6 +364,7 @@ class ControlLink:
                 # Unqueues its verified reports, and follows any already sent: its holdings converge on this drop.
                 self.session.report_dropped(package_id, store.verified_blocks())
             self.host.drop_package(package_id)
+            self.host.transport.limits.forget(package_id)
             cached = (await asyncio.to_thread(self.host.disk_cached, [package_id])).get(package_id)
             if cached:  # a later scale-up of it here is a local load
                 self.session.report_cached(package_id, cached)

@@ -8,12 +8,13 @@ is named by ``--config`` or ``PIPECAST_CONFIG``; command-line flags override bot
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pipecast.core.errors import PipecastError
+from pipecast.core.priorities import PRIORITIES
 
 
 class SettingsError(PipecastError):
@@ -52,6 +53,10 @@ class Settings(BaseSettings):
     multicast_share: float = Field(
         1.0, gt=0, le=1, description="largest share of the link the data plane takes, each direction (below 1 needs "
                                      "agent_link_mbit; 1: the whole link)")
+    priority_shares: dict[Literal[PRIORITIES], Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=dict, description="a share of the link per package priority (a deployment's), each "
+                                          "direction, for the priorities named (the others: multicast_share); all "
+                                          "packages together take at most the largest share")
     connect_timeout_s: float = Field(5.0, gt=0, description="deadline of a connection to a peer")
     io_timeout_s: float = Field(10.0, gt=0, description="longest silence tolerated from a peer mid-transfer")
     agent_fetch_concurrency: int = Field(2, ge=1, description="parents a node fetches from at once")

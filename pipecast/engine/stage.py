@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pipecast.engine.errors import EngineError, InvalidRequestError
@@ -54,11 +54,13 @@ class StageCapacityError(EngineError):
 @dataclass(frozen=True)
 class StageOutput:
     """What a stage call produced: the hidden states for the next stage, or, from the last stage, the
-    sampled token (and the last position's logits, float32, when asked for)."""
+    sampled token (and the last position's logits, float32, when asked for); ``seconds``: the call's time
+    less its waits for layers (what the computing took, for a head's estimates)."""
 
     hidden: "torch.Tensor | None" = None
     token: int | None = None
     logits: "torch.Tensor | None" = None
+    seconds: float = 0.0
 
 
 class _AppendCache:
@@ -176,10 +178,10 @@ class StageRunner:
                 self.close(session)  # some layers may have cached this call's keys: the session is spent
                 raise
             state.length, state.used_at = position + n, self._clock()
+        elapsed = time.monotonic() - started
         log.debug("stage call %s layers %d-%d at %d: %d position(s) in %.3f s, %.3f s of it waiting for layers",
-                  session[:8], layers.start, layers.stop - 1, position, n, time.monotonic() - started,
-                  deadline.waited)
-        return out
+                  session[:8], layers.start, layers.stop - 1, position, n, elapsed, deadline.waited)
+        return replace(out, seconds=max(elapsed - deadline.waited, 0.0))
 
     def sample(self, session: str, normed: "torch.Tensor", *, want_logits: bool = False,
                timeout: float) -> StageOutput:
@@ -195,9 +197,12 @@ class StageRunner:
             state = self._sessions.get(session)
         if state is None:
             raise StageSessionError(f"session {session!r} is not held here (expired, or this node restarted)")
+        started = time.monotonic()
+        deadline = _Deadline(started + timeout, timeout)
         with state.lock, torch.inference_mode():
-            self._wait(LM_HEAD, time.monotonic() + timeout)
-            return self._sample(state, m.lm_head(normed.to(device=m.device, dtype=m.dtype)), want_logits)
+            self._wait(LM_HEAD, deadline)
+            out = self._sample(state, m.lm_head(normed.to(device=m.device, dtype=m.dtype)), want_logits)
+        return replace(out, seconds=max(time.monotonic() - started - deadline.waited, 0.0))
 
     def close(self, session: str) -> bool:
         """Forget ``session`` (its request ended); False if it was not held."""

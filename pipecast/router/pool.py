@@ -16,7 +16,12 @@ Which worker gets a request (:meth:`WorkerPool.choose`):
   ``one_batch`` (several tenants active): then it too takes at most one batch of this router's requests,
   so that the rest wait in the router, where the next free slot is handed out fairly across tenants
   (:mod:`pipecast.router.fairness`).
-- Least loaded first. Load is the requests this router has in flight there plus the worker's reported
+- While several tenants are active, apart from the others first: a request goes to the worker with the
+  fewest requests of *other* tenants in flight from this router, then the most of its own tenant, so
+  that a bursting tenant's admitted requests batch with each other on some workers and the other
+  tenants' requests find the rest free (a shared batch or core slows each of its requests; measured
+  under "Tenants" in the README). With one tenant active this rule does not apply.
+- Then least loaded. Load is the requests this router has in flight there plus the worker's reported
   queue depth (this router's requests still queued there count twice, which only steers harder away
   from deep queues). Load comes before readiness on purpose: a request queued behind k others waits k
   generations on any worker, while a partial worker's extra wait is only the part of the remaining
@@ -66,6 +71,8 @@ class Worker:
     #: Why the worker is unavailable now (the failed poll, request or 429), "" when it is not.
     problem: str = ""
     in_flight: int = 0
+    #: Tenant -> requests of that tenant in flight from this router (tenants with none left out).
+    tenants: dict[str, int] = field(default_factory=dict)
     routed: int = 0
     #: Clock time of the last request failure; set until a later-started poll says the worker serves.
     failed_at: float | None = None
@@ -148,6 +155,7 @@ class PipelineUnit:
     waiting_blocks: int = 0
     max_in_flight: int = PIPELINE_MAX_IN_FLIGHT
     in_flight: int = 0
+    tenants: dict[str, int] = field(default_factory=dict)
     routed: int = 0
     failed_at: float | None = None
     problem: str = ""
@@ -289,10 +297,11 @@ class WorkerPool:
             worker.busy_until = at + retry_after_s
             worker.problem = problem
 
-    def choose(self, now: float, avoid: Iterable[str] = (),
-               one_batch: bool = False) -> "Worker | PipelineUnit | None":
+    def choose(self, now: float, avoid: Iterable[str] = (), one_batch: bool = False,
+               tenant: str | None = None) -> "Worker | PipelineUnit | None":
         """The best worker for a new request at clock time ``now`` (module docstring), or None;
-        ``one_batch`` as for :meth:`Worker.can_take`."""
+        ``one_batch`` as for :meth:`Worker.can_take`; ``tenant``: the request's, given while several
+        tenants are active (it then goes apart from the others' requests)."""
         avoid = frozenset(avoid)
         candidates = [worker for worker in self._workers.values() if worker.can_take(now, one_batch)]
         if not any(w.health.status == "ready" and w.load < (w.health.max_batch or 1) for w in candidates):
@@ -300,31 +309,40 @@ class WorkerPool:
                            if p.can_take(self._workers.get(url) for url in p.member_urls)]
         if not candidates:
             return None
-        return min(candidates, key=lambda unit: (unit.url in avoid, unit.load) + (
+        def apart(unit: "Worker | PipelineUnit") -> tuple[int, int]:
+            own = unit.tenants.get(tenant, 0) if tenant is not None else 0
+            return (unit.in_flight - own, -own) if tenant is not None else (0, 0)
+
+        return min(candidates, key=lambda unit: (unit.url in avoid, *apart(unit), unit.load) + (
             (2, unit.waiting_blocks) if isinstance(unit, PipelineUnit) else
             (unit.health.status != "ready", -unit.health.fraction_present)) + (unit.routed, unit.url))
 
-    def begin(self, url: str) -> None:
-        """Count a request sent to ``url`` (a worker's, or a pipeline's key)."""
+    def begin(self, url: str, tenant: str = DEFAULT_TENANT) -> None:
+        """Count a request of ``tenant`` sent to ``url`` (a worker's, or a pipeline's key)."""
         unit = self._workers.get(url) or self._pipelines[url]
         unit.in_flight += 1
+        unit.tenants[tenant] = unit.tenants.get(tenant, 0) + 1
         unit.routed += 1
         if isinstance(unit, Worker):
             unit.idle_since = None
         self._in_flight += 1
 
-    def finish(self, url: str) -> None:
-        """Count a request of ``url`` as done (a removed worker is ignored but for :attr:`in_flight`)."""
+    def finish(self, url: str, tenant: str = DEFAULT_TENANT) -> None:
+        """Count a request of ``tenant`` at ``url`` as done (a removed worker is ignored but for
+        :attr:`in_flight`)."""
         self._in_flight -= 1
-        worker = self._workers.get(url)
-        if worker is not None:
-            worker.in_flight -= 1
-            if worker.in_flight == 0:
-                worker.idle_since = self.clock()
-            self._changed()
-        elif url in self._pipelines:
-            self._pipelines[url].in_flight -= 1
-            self._changed()
+        unit = self._workers.get(url) or self._pipelines.get(url)
+        if unit is None:
+            return
+        unit.in_flight -= 1
+        left = unit.tenants.get(tenant, 0) - 1
+        if left > 0:
+            unit.tenants[tenant] = left
+        else:
+            unit.tenants.pop(tenant, None)
+        if isinstance(unit, Worker) and unit.in_flight == 0:
+            unit.idle_since = self.clock()
+        self._changed()
 
     @property
     def in_flight(self) -> int:
@@ -422,7 +440,7 @@ class Dispatcher:
     def release(self, worker: Worker, tenant: str = DEFAULT_TENANT) -> None:
         """The request of ``tenant`` that :meth:`acquire` gave ``worker`` to has ended."""
         self._queue.finished(tenant, self.clock())
-        self.pool.finish(worker.url)  # calls _assign: the slot goes to whoever is next
+        self.pool.finish(worker.url, tenant)  # calls _assign: the slot goes to whoever is next
 
     def close(self) -> None:
         """Refuse new requests and fail every waiting one with :class:`RouterClosedError`."""
@@ -437,7 +455,8 @@ class Dispatcher:
         if not self._queue.waiting:
             return
         now = self.clock()
-        # Several tenants: a ready worker takes one batch, so the next slot is handed out here, fairly.
+        # Several tenants: a ready worker takes one batch, so the next slot is handed out here, fairly, and
+        # each request goes apart from the other tenants' where it can.
         one_batch = self._queue.active_tenants(now) > 1
         while self._queue.waiting and self.pool.choose(now, one_batch=one_batch) is not None:
             picked = self._queue.pick(now)
@@ -446,8 +465,8 @@ class Dispatcher:
             tenant, waiter = picked
             if waiter.future.done():  # cancelled or timed out in this loop turn: its slot goes on
                 continue
-            worker = self.pool.choose(now, waiter.avoid, one_batch=one_batch)
-            self.pool.begin(worker.url)
+            worker = self.pool.choose(now, waiter.avoid, one_batch=one_batch, tenant=tenant if one_batch else None)
+            self.pool.begin(worker.url, tenant)
             self._queue.started(tenant, now)
             waiter.future.set_result(worker)
         self._schedule_wake(now)

@@ -8,7 +8,7 @@ import click
 
 from pipecast.core.settings import load_settings
 from pipecast.serve.app import run_worker
-from pipecast.serve.pipeline import DISSOLVE_CHOICES, DISSOLVE_MOVE, STEP_TIMEOUT_S
+from pipecast.serve.pipeline import DISSOLVE_AUTO, DISSOLVE_CHOICES, STEP_TIMEOUT_S
 from pipecast.serve.worker import ServingWorker, WorkerConfig
 
 SWITCH_INTERVAL_S = 0.0005
@@ -41,10 +41,12 @@ SWITCH_INTERVAL_S = 0.0005
 @click.option("--pipeline-step-timeout", type=click.FloatRange(min=0, min_open=True), default=STEP_TIMEOUT_S,
               show_default=True, help="As the head stage of a cross-node pipeline: seconds one token may take "
                                       "through every stage, waits for arriving layers included.")
-@click.option("--pipeline-dissolve", type=click.Choice(DISSOLVE_CHOICES), default=DISSOLVE_MOVE,
+@click.option("--pipeline-dissolve", type=click.Choice(DISSOLVE_CHOICES), default=DISSOLVE_AUTO,
               show_default=True, help="As the head stage: a request whose pipeline dissolves under it (this "
                                       "worker came to hold the whole model) moves to this worker's engine with "
-                                      "its tokens so far, or finishes through the stages.")
+                                      "its tokens so far (move), finishes through the stages (finish), or "
+                                      "does whichever this worker's measured step times say ends it sooner "
+                                      "(auto).")
 def serve_command(package: str, agent_socket: Path | None, host: str | None, port: int | None,
                   max_queue: int | None, max_batch: int | None, device: str | None, model_name: str | None,
                   wait_full_load: bool, agent_timeout: float, stall_timeout: float, drain_timeout: float,

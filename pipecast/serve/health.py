@@ -18,7 +18,7 @@ SERVING = ("partial", "ready")
 
 _COUNTS = ("blocks_present", "blocks_total", "queue_depth", "running", "max_queue")
 # 0 when a worker does not report them: no per-batch cap; no pipelined sessions
-_OPTIONAL_COUNTS = ("max_batch", "pipeline_sessions", "pipeline_moved")
+_OPTIONAL_COUNTS = ("max_batch", "pipeline_sessions", "pipeline_moved", "pipeline_kept")
 _TEXTS = ("stage", "model", "package_id", "error")  # descriptive: nothing acts on them
 
 
@@ -39,6 +39,7 @@ class WorkerHealth:
     max_batch: int = 0
     pipeline_sessions: int = 0  # requests of cross-node pipelines whose stage state this worker holds
     pipeline_moved: int = 0     # requests moved here off a pipeline that dissolved under them (as its head)
+    pipeline_kept: int = 0      # such requests left on their pipeline by the auto choice
     stage: str | None = None    # the worker's loading stage (see pipecast.serve.worker)
     model: str | None = None
     package_id: str | None = None

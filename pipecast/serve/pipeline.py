@@ -26,7 +26,8 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pipecast.core.errors import PipecastError
@@ -50,9 +51,12 @@ STAGE_CLOSE_PATH = "/v1/stage/close"
 #: Default time a token may take through the whole pipeline, waits for arriving layers included (s).
 STEP_TIMEOUT_S = 30.0
 #: What a head does with a request whose pipeline dissolves under it: move it to its own engine (the
-#: tokens so far re-prefilled), or finish it through the stages. ``pipecast bench pipelines`` measures both.
-DISSOLVE_MOVE, DISSOLVE_FINISH = "move", "finish"
-DISSOLVE_CHOICES = (DISSOLVE_MOVE, DISSOLVE_FINISH)
+#: tokens so far re-prefilled), finish it through the stages, or choose per request from what it measured
+#: (:func:`move_pays`). ``pipecast bench pipelines`` measures all three.
+DISSOLVE_AUTO, DISSOLVE_MOVE, DISSOLVE_FINISH = "auto", "move", "finish"
+DISSOLVE_CHOICES = (DISSOLVE_AUTO, DISSOLVE_MOVE, DISSOLVE_FINISH)
+#: The latest decode steps whose means auto's estimates use.
+STEPS_KEPT = 8
 #: Closing sessions along the route is best effort within this (s): stages drop idle sessions anyway.
 CLOSE_TIMEOUT_S = 2.0
 #: Most stages a route may name.
@@ -218,6 +222,61 @@ class StageCall:
                    None if params is None else params_from_json(params), norm_only)
 
 
+@dataclass
+class RequestTiming:
+    """What a head measured of one pipelined request, for the choice at dissolution: its own layers'
+    computing (waits for arriving layers left out) at the prefill and at the latest decoded tokens, its
+    sampling (the tied LM head, when it samples), and the latest tokens' times through the whole route."""
+
+    own_layers: int
+    prompt_tokens: int
+    own_prefill_s: float = 0.0
+    own_decode_s: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    sample_s: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    route_s: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+
+
+@dataclass(frozen=True)
+class DissolveEstimate:
+    """The two ways to finish a request whose head now holds the whole model, in seconds."""
+
+    remaining: int      # tokens the request may still generate (its max_tokens left)
+    route_s: float      # a token through the route, measured (the latest steps' mean)
+    local_s: float      # a token on the head's engine: its own layers' time scaled to every layer
+    reprefill_s: float  # the prompt and the tokens so far, prefilled again on the head's engine
+
+    @property
+    def stay_s(self) -> float:
+        return self.remaining * self.route_s
+
+    @property
+    def move_s(self) -> float:
+        return self.reprefill_s + self.remaining * self.local_s
+
+
+def dissolve_estimate(timing: RequestTiming, total_layers: int, history: int, remaining: int) -> DissolveEstimate | None:
+    """Both ways' cost from what the head measured (``history``: prompt and tokens so far); None before a
+    token was decoded through the route (nothing to compare yet).
+
+    The head ran ``own_layers`` of ``total_layers``: its per-layer time, scaled to the whole model, is the
+    local engine's on the same device and CPU share; the re-prefill scales its own prefill by layers and
+    by ``history`` over the prompt (linear in tokens: an upper bound for short prompts). Where the last
+    stage samples (untied LM head), the head's cost is left out of the local estimate.
+    """
+    if not timing.own_decode_s or not timing.route_s or timing.own_layers < 1:
+        return None
+    scale = total_layers / timing.own_layers
+    sample = sum(timing.sample_s) / len(timing.sample_s) if timing.sample_s else 0.0
+    local = sum(timing.own_decode_s) / len(timing.own_decode_s) * scale + sample
+    reprefill = timing.own_prefill_s * scale * history / max(timing.prompt_tokens, 1) + sample
+    return DissolveEstimate(remaining, sum(timing.route_s) / len(timing.route_s), local, reprefill)
+
+
+def move_pays(estimate: DissolveEstimate) -> bool:
+    """Whether moving to the head's engine ends the request sooner than finishing through the route."""
+    return estimate.move_s < estimate.stay_s
+
+
 class StageClient:
     """Calls to the next stages of routes (one HTTP connection pool per worker)."""
 
@@ -306,16 +365,24 @@ class PipelineHead:
     """The head stage of pipelined requests on one worker: runs its own layers and drives the rest."""
 
     def __init__(self, runner: "StageRunner", client: StageClient, *, step_timeout_s: float = STEP_TIMEOUT_S,
-                 local: "Callable[[list[int], SamplingParams], TokenStream] | None" = None):
+                 local: "Callable[[list[int], SamplingParams], TokenStream] | None" = None,
+                 dissolve: str = DISSOLVE_AUTO):
         """``local`` submits a prompt to this worker's own engine: given, a request whose pipeline dissolves
-        under it (this worker came to hold the whole model after the request started) moves here with its
-        tokens so far, re-prefilled, instead of finishing through the stages (:meth:`start`)."""
+        under it (this worker came to hold the whole model after the request started) may move here with its
+        tokens so far, re-prefilled, instead of finishing through the stages (:meth:`start`): always with
+        ``dissolve`` :data:`DISSOLVE_MOVE`, where :func:`move_pays` says so with :data:`DISSOLVE_AUTO`,
+        never with :data:`DISSOLVE_FINISH`."""
+        if dissolve not in DISSOLVE_CHOICES:
+            raise ValueError(f"dissolve must be one of {', '.join(DISSOLVE_CHOICES)}, got {dissolve!r}")
         self.runner = runner
         self.client = client
         self.step_timeout_s = step_timeout_s
-        self.local = local
+        self.local = local if dissolve != DISSOLVE_FINISH else None
+        self.dissolve = dissolve
         #: Requests moved off their pipeline to this worker's engine.
         self.moved = 0
+        #: Requests whose pipeline dissolved under them and that finished through it by choice (auto).
+        self.kept = 0
         self._ids = iter(range(1 << 62))
         self._tasks: set[asyncio.Task] = set()
 
@@ -334,8 +401,9 @@ class PipelineHead:
         session = uuid.uuid4().hex
         task: list[asyncio.Task] = []
         stream = TokenStream(next(self._ids), lambda _: task and task[0].cancel())
+        timing = RequestTiming(len(route[0].layers), len(prompt))
         try:
-            token = await self._step(route, session, 0, prompt, params)
+            token = await self._step(route, session, 0, prompt, params, timing)
         except BaseException as exc:
             if isinstance(exc, StageFailedError):
                 log.warning("pipelined request failed before its first token: %s", exc)
@@ -345,24 +413,27 @@ class PipelineHead:
             self._close(route, session)
             return stream
         task.append(self._spawn(self._decode(route, session, [*prompt, token], len(prompt), params, stream,
-                                             movable)))
+                                             movable, timing)))
         return stream
 
     async def _decode(self, route: Sequence[Hop], session: str, history: list[int], prompt_length: int,
-                      params: SamplingParams, stream: TokenStream, movable: bool) -> None:
+                      params: SamplingParams, stream: TokenStream, movable: bool, timing: RequestTiming) -> None:
         """Decode after the first token: ``history`` is the prompt and the tokens so far."""
         closed = False
         try:
             while True:
                 if movable and self.runner.model.fully_loaded:
-                    local = self._move(history, prompt_length, params)
+                    move = self._should_move(timing, len(history), params.max_tokens - (len(history) - prompt_length))
+                    local = self._move(history, prompt_length, params) if move else None
                     if local is not None:
                         self._close(route, session)  # the stages' sessions are no longer needed
                         closed = True
                         await self._relay(local, len(history) - prompt_length, params, stream)
                         return
-                    movable = False
-                token = await self._step(route, session, len(history) - 1, [history[-1]], params)
+                    movable = move is None  # undecided: nothing measured yet, one more step first
+                started = time.monotonic()
+                token = await self._step(route, session, len(history) - 1, [history[-1]], params, timing)
+                timing.route_s.append(time.monotonic() - started)
                 history.append(token)
                 if emit(stream, token, len(history) - prompt_length, params):
                     return
@@ -374,6 +445,22 @@ class PipelineHead:
         finally:
             if not closed:
                 self._close(route, session)
+
+    def _should_move(self, timing: RequestTiming, history: int, remaining: int) -> bool | None:
+        """Move a request whose pipeline dissolved? None: auto, and no token measured through the route yet."""
+        if self.dissolve == DISSOLVE_MOVE:
+            return True
+        estimate = dissolve_estimate(timing, self.runner.model.num_layers, history, remaining)
+        if estimate is None:
+            return None
+        move = move_pays(estimate)
+        if not move:
+            self.kept += 1
+        log.info("pipeline dissolved under a request: %s (%.0f ms a token through the route, about %.0f ms here "
+                 "after a %.2f s re-prefill; %d tokens left at most)", "moving it here" if move else
+                 "it finishes through the route", estimate.route_s * 1e3, estimate.local_s * 1e3,
+                 estimate.reprefill_s, remaining)
+        return move
 
     def _move(self, history: list[int], prompt_length: int, params: SamplingParams) -> TokenStream | None:
         """Submit the rest of a request to the local engine; None (it stays on its route) if refused."""
@@ -401,7 +488,7 @@ class PipelineHead:
                 local.cancel()
 
     async def _step(self, route: Sequence[Hop], session: str, position: int, tokens: list[int],
-                    params: SamplingParams) -> int:
+                    params: SamplingParams, timing: RequestTiming) -> int:
         deadline = time.monotonic() + self.step_timeout_s
         own = route[0]
         # A tied LM head is the embedding matrix, which this stage holds: the last stage sends back its
@@ -412,6 +499,10 @@ class PipelineHead:
                                           params=params, timeout=self.step_timeout_s)
         except (TimeoutError, PipecastError) as exc:
             raise StageFailedError(own.url, str(exc)) from None
+        if position == 0:
+            timing.own_prefill_s = out.seconds
+        else:
+            timing.own_decode_s.append(out.seconds)
         if len(route) == 1:
             return out.token
         answer = await self.client.forward(route[1:], session, position, out.hidden, norm_only=here,
@@ -421,9 +512,11 @@ class PipelineHead:
             return answer
         try:
             left = max(deadline - time.monotonic(), 0.0)
-            return (await asyncio.to_thread(self.runner.sample, session, answer, timeout=left)).token
+            sampled = await asyncio.to_thread(self.runner.sample, session, answer, timeout=left)
         except (TimeoutError, PipecastError) as exc:
             raise StageFailedError(own.url, str(exc)) from None
+        timing.sample_s.append(sampled.seconds)
+        return sampled.token
 
     def _close(self, route: Sequence[Hop], session: str) -> None:
         self.runner.close(session)

@@ -57,7 +57,7 @@ from pipecast.serve.health import WorkerHealth
 from pipecast.serve.metrics import ServeMetrics
 from pipecast.serve.openai_api import CompletionRequest
 from pipecast.serve.pipeline import (
-    DISSOLVE_MOVE,
+    DISSOLVE_AUTO,
     PIPELINE_HEADER,
     STEP_TIMEOUT_S,
     Hop,
@@ -108,7 +108,7 @@ class WorkerConfig:
     stall_timeout_s: float = 600.0     # loading fails after this long without a new block
     retry_after_s: int = 1
     pipeline_step_timeout_s: float = STEP_TIMEOUT_S  # a token through a cross-node pipeline, waits included
-    pipeline_dissolve: str = DISSOLVE_MOVE  # a headed request whose pipeline dissolves: move here, or finish
+    pipeline_dissolve: str = DISSOLVE_AUTO  # a headed request whose pipeline dissolves: auto, move here, finish
 
 
 @dataclass(frozen=True)
@@ -306,8 +306,7 @@ class ServingWorker:
         self._model = model
         self._head = PipelineHead(StageRunner(model.engine.model), self.stage_client,
                                   step_timeout_s=self.config.pipeline_step_timeout_s,
-                                  local=model.engine.submit if self.config.pipeline_dissolve == DISSOLVE_MOVE
-                                  else None)
+                                  local=model.engine.submit, dissolve=self.config.pipeline_dissolve)
         self._released = False
         self._stage = STAGE_LOADING
         model.engine.model.add_listener(lambda: self._post(self._on_model_change))
@@ -410,6 +409,7 @@ class ServingWorker:
                             max_batch=self.config.max_batch,
                             pipeline_sessions=self._head.runner.sessions if self._head is not None else 0,
                             pipeline_moved=self._head.moved if self._head is not None else 0,
+                            pipeline_kept=self._head.kept if self._head is not None else 0,
                             stage=self._stage, model=self.model_name,
                             package_id=self.package_id, error=self._error)
 

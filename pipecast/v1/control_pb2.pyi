@@ -396,7 +396,7 @@ class Transfer(_message.Message):
     def __init__(self, block: _Optional[int] = ..., peer: _Optional[_Union[Peer, _Mapping]] = ...) -> None: ...
 
 class AssignmentUpdate(_message.Message):
-    __slots__ = ("kind", "plan_id", "package_id", "version", "strategy", "fetch", "serve", "plan_ids", "sources", "receivers")
+    __slots__ = ("kind", "plan_id", "package_id", "version", "strategy", "fetch", "serve", "plan_ids", "sources", "receivers", "priority")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[AssignmentUpdate.Kind]
@@ -419,6 +419,7 @@ class AssignmentUpdate(_message.Message):
     PLAN_IDS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     RECEIVERS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     kind: AssignmentUpdate.Kind
     plan_id: str
     package_id: str
@@ -429,7 +430,8 @@ class AssignmentUpdate(_message.Message):
     plan_ids: _containers.RepeatedScalarFieldContainer[str]
     sources: _containers.RepeatedCompositeFieldContainer[Peer]
     receivers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, kind: _Optional[_Union[AssignmentUpdate.Kind, str]] = ..., plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., version: _Optional[int] = ..., strategy: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., serve: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., plan_ids: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., receivers: _Optional[_Iterable[str]] = ...) -> None: ...
+    priority: str
+    def __init__(self, kind: _Optional[_Union[AssignmentUpdate.Kind, str]] = ..., plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., version: _Optional[int] = ..., strategy: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., serve: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., plan_ids: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., receivers: _Optional[_Iterable[str]] = ..., priority: _Optional[str] = ...) -> None: ...
 
 class IssueTokenRequest(_message.Message):
     __slots__ = ("node_id",)
@@ -468,18 +470,20 @@ class ScalingPolicy(_message.Message):
     def __init__(self, min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., slo_ttft_p99_s: _Optional[float] = ..., warm: _Optional[int] = ..., keep_alive_s: _Optional[float] = ..., scale_up_cooldown_s: _Optional[float] = ..., scale_down_cooldown_s: _Optional[float] = ..., replica_rps: _Optional[float] = ..., replica_concurrency: _Optional[int] = ..., warm_auto_factor: _Optional[float] = ...) -> None: ...
 
 class Deployment(_message.Message):
-    __slots__ = ("package_id", "policy", "routers", "created_unix", "updated_unix")
+    __slots__ = ("package_id", "policy", "routers", "created_unix", "updated_unix", "priority")
     PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     ROUTERS_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     package_id: str
     policy: ScalingPolicy
     routers: _containers.RepeatedScalarFieldContainer[str]
     created_unix: float
     updated_unix: float
-    def __init__(self, package_id: _Optional[str] = ..., policy: _Optional[_Union[ScalingPolicy, _Mapping]] = ..., routers: _Optional[_Iterable[str]] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ...) -> None: ...
+    priority: str
+    def __init__(self, package_id: _Optional[str] = ..., policy: _Optional[_Union[ScalingPolicy, _Mapping]] = ..., routers: _Optional[_Iterable[str]] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., priority: _Optional[str] = ...) -> None: ...
 
 class PutDeploymentRequest(_message.Message):
     __slots__ = ("deployment",)

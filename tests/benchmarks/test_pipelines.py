@@ -10,6 +10,7 @@ from benchmarks.command import bench_group
 from benchmarks.pipelines import (
     PIPELINES,
     PIPELINES_FINISH,
+    PIPELINES_MOVE,
     WHOLE,
     PipelinesBenchError,
     PipelinesReport,
@@ -49,20 +50,21 @@ def test_options_are_checked_naming_the_option():
 def test_verdicts_compare_each_source_count_with_its_target_and_the_tokens_with_whole_model_ones(tmp_path):
     results = [result(2, PIPELINES, 5.5, stages=2, after=1.25, moved=True), result(2, WHOLE, 10.7),
                result(2, PIPELINES_FINISH, 5.6, stages=2, after=3.5), result(4, PIPELINES, 3.4, stages=4),
+               result(2, PIPELINES_MOVE, 5.4, stages=2, after=1.3, moved=True),
                result(4, WHOLE, 10.6, tokens=(1, 3)), result(8, PIPELINES, None)]
     assert verdicts(results) == [
         "K=2 warm: first token 0.55 x S/B (target <= 0.6 x S/B: met)",
         "K=4 warm: first token 0.34 x S/B (target <= 0.35 x S/B: met)",
         "K=8 warm: first token no first token (target <= 0.3 x S/B: NOT met)",
-        "tokens identical to whole-model generation: 2 of 3 runs",
-        "K=2 warm: after its head held the whole model the request ran on 1.25 s when moved to the head (moved), "
-        "3.50 s through the pipeline: moving is better"]
+        "tokens identical to whole-model generation: 3 of 4 runs",
+        "K=2 warm: after its head held the whole model the request ran on 1.30 s when moved to the head (moved), "
+        "3.50 s through the pipeline: moving is better; the head's own choice (auto): moving, 1.25 s (the better)"]
     meta = {"model_name": "m", "package_bytes": 1 << 20, "blocks": 4, "receivers": 8, "link_mbit": 100.0,
             "mode": "netns", "floor_seconds": 10.0, "prompt_tokens": 16, "worker_cpus": "no CPU quota"}
     text = format_report(PipelinesReport(meta, results))
     assert "      2 warm  pipelines        rotated     5.50   0.55      2       50       10.50       11.00   5.85   1.25m" \
         in text
-    assert "verdict: tokens identical to whole-model generation: 2 of 3 runs" in text
+    assert "verdict: tokens identical to whole-model generation: 3 of 4 runs" in text
 
     again = PipelinesReport.from_json(json.loads(json.dumps(PipelinesReport(meta, results).to_json())))
     assert again.results == results and format_report(again) == text  # a run's JSON can be reported and drawn

@@ -47,6 +47,20 @@ def test_an_auto_warm_factor_is_within_1_to_10_and_excludes_a_fixed_warm():
         DeploymentBook().put(Deployment("p", ScalingPolicy(warm_auto_factor=11.0)), ["p"], 1.0)
 
 
+def test_a_deployments_priority_is_checked_kept_over_proto_and_json_and_old_rows_read_as_normal():
+    book = DeploymentBook()
+    with pytest.raises(InvalidRequest, match=re.escape(
+            "deployment of package 'p' refused: priority must be one of high, normal, low, got 'urgent'")):
+        book.put(Deployment("p", ScalingPolicy(), priority="urgent"), ["p"], 1.0)
+    stored = book.put(Deployment("p", ScalingPolicy(), priority="low"), ["p"], 1.0)
+    assert book.priority_of("p") == "low" and book.priority_of("other") == "normal"
+    assert deployment_from_proto(deployment_to_proto(stored)) == stored
+    assert Deployment.from_json(stored.to_json()) == stored
+    old = stored.to_json()
+    del old["priority"]  # a row written before priorities
+    assert Deployment.from_json(old).priority == "normal"
+
+
 def test_the_auto_warm_factor_survives_the_proto_and_json_and_old_rows_read_as_fixed_warm():
     deployment = Deployment("p", ScalingPolicy(warm_auto_factor=2.5), ("http://r:8080",), 1.0, 2.0)
     assert deployment_from_proto(deployment_to_proto(deployment)) == deployment
@@ -151,7 +165,9 @@ async def test_deploy_warm_auto_from_the_command_line_is_listed_with_its_factor(
                                                                           "--warm-factor", "3"])
         assert deployed.exit_code == 0, deployed.output
         listed = await asyncio.to_thread(CliRunner().invoke, cp_group, [*cp, "deployments"])
-        assert "warm auto (3.0x baseline)" in listed.output, listed.output
+        assert "warm auto (3.0x baseline)" in listed.output and "priority normal" in listed.output, listed.output
+        deployed = await asyncio.to_thread(CliRunner().invoke, cp_group, [*cp, "deploy", PKG, "--priority", "low"])
+        assert deployed.exit_code == 0 and "priority low" in deployed.output, deployed.output
     finally:
         await server.stop(grace_s=0)
 
@@ -166,5 +182,7 @@ def test_the_readme_table_of_deploy_options_matches_the_command():
         shown = rows[name]
         if name == "--router":
             assert shown == "-"
+        elif name == "--priority":
+            assert shown == default
         else:
             assert parse_duration(shown) == float(default), name

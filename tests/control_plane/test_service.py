@@ -13,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.client import ControlPlaneClient
+from control_plane.deployments import Deployment, ScalingPolicy
 from control_plane.errors import (
     ControlPlaneUnavailable,
     InvalidRequest,
@@ -258,6 +259,25 @@ async def test_a_reconnecting_stream_gets_its_current_part(client):
     assert sync.kind is UpdateKind.SYNC and sync.plan_ids == (reply.plan_id,)
     assert assign.kind is UpdateKind.ASSIGN and [f.parent for f in assign.fetch] == [STORE] * BLOCKS
     assert assign.sources == (STORE,)
+
+
+async def test_an_assignment_names_its_packages_priority_from_the_deployment(client):
+    await client.publish_package(manifest(), STORE)
+    for node in ("w1", "w2"):
+        await client.register(spec(node))
+    parts = {}
+    for node, priority in (("w1", None), ("w2", "low")):
+        if priority is not None:
+            await client.put_deployment(Deployment(PKG, ScalingPolicy(), priority=priority))
+        await client.scale_up(PKG, node_ids=[node])
+        watcher = Watcher(client, node)
+        try:
+            await watcher.next()  # SYNC
+            parts[node] = await watcher.next()
+        finally:
+            await watcher.close()
+    assert parts["w1"].kind is parts["w2"].kind is UpdateKind.ASSIGN
+    assert (parts["w1"].priority, parts["w2"].priority) == ("normal", "low")
 
 
 async def test_report_blocks_updates_availability_and_metrics(tmp_path):

@@ -284,6 +284,29 @@ def test_a_holder_and_the_idle_store_are_two_sources_of_a_rotated_plan(cluster, 
     assert len([e for e in cluster.events("store", "peer_request") if e["block"] is not None]) > store_served
 
 
+def test_a_low_priority_deployment_multicasts_at_its_share_of_the_stores_link(cluster, package):
+    root, manifest = package
+    cluster.start_control_plane()
+    package_id = cluster.cp("publish", root, "--store-node", "store", "--store-address", cluster.store_address)[
+        "package_id"]
+    # The store's link is 16 Mbit/s; low-priority packages take a quarter of it (4 Mbit/s), the others all.
+    cluster.start_agent("store", "--listen", cluster.store_address, "--seed", root, "--link-mbit", "16",
+                        env={"PIPECAST_PRIORITY_SHARES": '{"low": 0.25}'})
+    cluster.start_agent("a1", "--listen", "127.0.0.1:0")
+    cluster.wait_for(lambda: cluster.alive() >= {"store", "a1"}, "the store and a1 to register")
+    assert cluster.cp("deploy", package_id, "--priority", "low")["priority"] == "low"
+    started = time.time()
+    cluster.cp("scale-up", package_id, "--worker", "a1")
+    assert cluster.wait_event("store", "assignment")["priority"] == "low"
+    assert cluster.wait_event("a1", "assignment")["priority"] == "low"
+    seconds = cluster.wait_event("a1", "complete")["t"] - started
+    floor = (manifest.total_bytes - DEFAULT_BURST_BYTES) * 8 / 4e6  # the low share's bucket after its burst
+    print(f"\na low-priority package of {manifest.total_bytes / 1e6:.1f} MB took {seconds:.2f} s at a 4 Mbit/s share "
+          f"(floor {floor:.2f} s)")
+    assert seconds >= floor * 0.9
+    assert "packages of priority low capped at 4 Mbit/s each way" in cluster.log("store")
+
+
 def test_a_second_scale_up_mid_transfer_hangs_behind_the_chain_and_the_store_sends_one_copy(cluster, package):
     root, manifest = package
     package_id = cluster.up()

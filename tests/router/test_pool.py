@@ -114,6 +114,25 @@ def test_a_partial_worker_takes_one_batch_then_requests_wait_for_a_worker_that_c
     assert pool.choose(now=1.0).url == A  # a ready worker queues more itself: it runs them as slots free
 
 
+def test_while_tenants_share_the_pool_a_request_goes_apart_from_the_others_and_beside_its_own():
+    pool = pool_of(a=health(), b=health(), c=health())
+    pool.begin(pool.choose(now=1.0, tenant="burst").url, "burst")  # a
+    # its next goes beside it (not to an idle worker): the idle ones stay free for the other tenants
+    assert pool.choose(now=1.0, tenant="burst").url == A
+    pool.begin(A, "burst")
+    assert pool.choose(now=1.0, tenant="steady").url == B
+    pool.begin(B, "steady")
+    pool.begin(C, "steady")
+    pool.begin(C, "steady")  # c has more requests in flight than a, but all of steady's own
+    assert pool.choose(now=1.0, tenant="steady").url == C
+    assert pool.choose(now=1.0, tenant="other").url == B  # fewest of other tenants' (1, then least loaded)
+    assert pool.choose(now=1.0).url == B  # no tenant given (one active): least loaded only
+    pool.finish(A, "burst")
+    pool.finish(A, "burst")
+    assert pool.workers()[0].tenants == {} and pool.choose(now=1.0, tenant="steady").url == C
+    assert pool.choose(now=1.0, tenant="burst").url == A
+
+
 def test_sequential_requests_spread_over_equally_loaded_workers():
     pool = pool_of(a=health(), b=health(), c=health())
     chosen = []

@@ -21,10 +21,15 @@ import torch
 import pipecast
 from pipecast.serve.pipeline import (
     PIPELINE_HEADER,
+    DissolveEstimate,
     Hop,
+    PipelineHead,
     PipelineProtocolError,
+    RequestTiming,
     decode_frame,
+    dissolve_estimate,
     encode_frame,
+    move_pays,
     parse_route,
     route_header,
 )
@@ -227,7 +232,46 @@ def gate_after(runner, calls: int) -> tuple[threading.Event, list]:
     return opened, made
 
 
-@pytest.mark.parametrize("mode", ["move", "finish"])
+def timing(prefill, decode, sample, route_s, own_layers=10, prompt=16) -> RequestTiming:
+    t = RequestTiming(own_layers, prompt, own_prefill_s=prefill)
+    t.own_decode_s.extend(decode)
+    t.sample_s.extend(sample)
+    t.route_s.extend(route_s)
+    return t
+
+
+def test_the_dissolve_estimate_scales_the_heads_own_times_to_the_whole_model():
+    # the head ran 10 of 30 layers: 20 ms a token (+5 ms sampling) -> 65 ms locally; the prefill of 16
+    # tokens took 100 ms there -> 300 ms for every layer, 600 ms for the 32 tokens so far (+5 ms sampling)
+    e = dissolve_estimate(timing(0.1, [0.02, 0.02], [0.005], [0.09, 0.11]), 30, history=32, remaining=100)
+    assert e == DissolveEstimate(100, pytest.approx(0.1), pytest.approx(0.065), pytest.approx(0.605))
+    assert move_pays(e)  # 0.605 + 6.5 s here against 10 s through the route
+    assert not move_pays(DissolveEstimate(5, 0.1, 0.065, 0.605))  # 5 tokens left: the re-prefill does not pay
+    assert not move_pays(DissolveEstimate(100, 0.06, 0.065, 0.0))  # the route is faster a token (CPU shares)
+    # nothing decoded through the route yet: no estimate (the head takes one more step first)
+    assert dissolve_estimate(timing(0.1, [], [], []), 30, 17, 50) is None
+
+
+def test_an_auto_head_moves_or_keeps_a_request_as_its_estimate_says_and_counts_what_it_kept():
+    class Runner:
+        class model:
+            num_layers = 30
+
+    head = PipelineHead(Runner(), None, local=lambda *_: None)
+    assert head.dissolve == "auto"
+    assert head._should_move(timing(0.1, [0.02], [0.005], []), 17, 50) is None
+    assert head._should_move(timing(0.1, [0.02], [0.005], [0.2]), 32, 100) is True
+    assert head._should_move(timing(0.1, [0.02], [0.005], [0.05]), 32, 100) is False
+    assert (head.moved, head.kept) == (0, 1)  # moving is counted when the local engine takes the request
+    assert PipelineHead(Runner(), None, local=lambda *_: None, dissolve="move")._should_move(
+        timing(0.1, [], [], []), 17, 50) is True
+    assert PipelineHead(Runner(), None, local=lambda *_: None, dissolve="finish").local is None
+    with pytest.raises(ValueError, match="dissolve must be one of auto, move, finish, got 'stay'"):
+        PipelineHead(Runner(), None, dissolve="stay")
+
+
+# "auto": the tail's held call makes the route slow against the head's own estimate, so it moves
+@pytest.mark.parametrize("mode", ["move", "finish", "auto"])
 async def test_a_request_whose_pipeline_dissolves_moves_to_the_head_or_finishes_there_with_the_same_tokens(
         pkg, reference, mode):
     expected = reference(PROMPT, 24)
@@ -250,9 +294,9 @@ async def test_a_request_whose_pipeline_dissolves_moves_to_the_head_or_finishes_
         status, answer = await request
         assert status == 200 and answer["choices"][0]["token_ids"] == expected
         moved = (await wait_health(http, a, lambda h: h["pipeline_sessions"] == 0))["pipeline_moved"]
-        assert moved == (1 if mode == "move" else 0)
+        assert moved == (0 if mode == "finish" else 1)
         # moved after the 5th token (the call held when the head became whole), or every token there
-        assert len(calls) == (5 if mode == "move" else 24)
+        assert len(calls) == (24 if mode == "finish" else 5)
         assert tail.stage_runner().sessions == 0
     # A seeded sampled request finishes through its route (its generator lives in the sampling stage).
     agent = GatedAgent(pkg)

@@ -211,7 +211,9 @@ class Transport(ABC):
             log.info("node %s: data plane capped at %.4g Mbit/s out, %.4g Mbit/s in (multicast_share %g of a "
                      "%g Mbit/s link)", node_id, caps.egress_mbit, caps.ingress_mbit, settings.multicast_share,
                      settings.agent_link_mbit)
-        self.limits = HostRateLimits.from_mbit(caps.egress_mbit, caps.ingress_mbit)
+        for priority, mbit in caps.priority_mbit.items():
+            log.info("node %s: packages of priority %s capped at %.4g Mbit/s each way", node_id, priority, mbit)
+        self.limits = HostRateLimits.of(caps)
         self.stats = TransportStats()
 
     def set_key(self, key: bytes) -> None:

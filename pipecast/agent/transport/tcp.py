@@ -21,6 +21,7 @@ import os
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from pipecast.agent.errors import (
@@ -32,7 +33,7 @@ from pipecast.agent.errors import (
     PeerRefusedError,
     PeerTimeoutError,
 )
-from pipecast.agent.ratelimit import TokenBucket
+from pipecast.agent.ratelimit import Pacer
 from pipecast.agent.transport.base import (
     Channel,
     ChunkSink,
@@ -123,14 +124,13 @@ _Request = _BlockRequest | _FileRequest | _HelloStep
 class _ClientProtocol(asyncio.BufferedProtocol):
     """Receive side of a channel: parses headers, lands chunks in the sink's buffers, keeps deadlines."""
 
-    def __init__(self, peer: str, io_timeout_s: float, stats: TransportStats,
-                 ingress: TokenBucket | None, have_key: bool) -> None:
+    def __init__(self, peer: str, io_timeout_s: float, stats: TransportStats, have_key: bool) -> None:
         self.peer = peer
         self._have_key = have_key
         self.closed_idle = False  # the peer closed the connection while no request was outstanding
         self._io_timeout_s = io_timeout_s
         self._stats = stats
-        self._ingress = ingress
+        self._ingress: Pacer | None = None  # the request's (its package's priority and the host's)
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._header = bytearray(TCP_HEADER.size)
@@ -179,12 +179,14 @@ class _ClientProtocol(asyncio.BufferedProtocol):
 
     # requests
 
-    def start(self, request: _Request, message: bytes) -> None:
+    def start(self, request: _Request, message: bytes, ingress: Pacer | None = None) -> None:
+        """Send ``request``'s ``message``; its answer's bytes are paced through ``ingress``."""
         if self.error is not None:
             raise self.error
         if self.request is not None:
             raise RuntimeError(f"channel to {self.peer} already has a request in flight")
         self.request = request
+        self._ingress = ingress
         self._last_rx = self._loop.time()
         self._arm_watchdog()
         self.transport.write(message)
@@ -306,11 +308,11 @@ class TcpChannel(Channel):
         self._transport = transport
         self._closed = False
 
-    async def _run(self, request: _Request, message: bytes) -> None:
+    async def _run(self, request: _Request, message: bytes, package_id: str) -> None:
         if self._protocol.closed_idle and not self._closed:
             log.debug("peer %s closed an idle channel; connecting again", self.peer)
             self._protocol = await self._transport.open_protocol(self._address, self.peer)
-        self._protocol.start(request, message)
+        self._protocol.start(request, message, self._transport.limits.ingress_for(package_id))
         try:
             await request.done
         except asyncio.CancelledError:
@@ -324,12 +326,14 @@ class TcpChannel(Channel):
             return
         payload = request_payload(package_id, self._requester)
         request = _BlockRequest(block, first_chunk, count, sink, asyncio.get_running_loop().create_future())
-        await self._run(request, TCP_HEADER.pack(Header(REQ_BLOCK, block, first_chunk, len(payload))) + payload)
+        await self._run(request, TCP_HEADER.pack(Header(REQ_BLOCK, block, first_chunk, len(payload))) + payload,
+                        package_id)
 
     async def fetch_file(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
         payload = request_payload(package_id, self._requester, path)
         request = _FileRequest(path, file_answer_limit(path, length), asyncio.get_running_loop().create_future())
-        await self._run(request, TCP_HEADER.pack(Header(REQ_FILE, offset, length, len(payload))) + payload)
+        await self._run(request, TCP_HEADER.pack(Header(REQ_FILE, offset, length, len(payload))) + payload,
+                        package_id)
         return request.done.result()
 
     async def close(self) -> None:
@@ -489,7 +493,8 @@ class _ServerProtocol(asyncio.Protocol):
             while True:
                 request = parse_request(*message, self.peer)
                 self.peer = f"{request.requester}@{self._host}"
-                await answer_request(listener.served, request, self._send, self.peer, authenticated=node,
+                await answer_request(listener.served, request, partial(self._send, package_id=request.package_id),
+                                     self.peer, authenticated=node,
                                      wait_s=SERVE_WAIT_IO_TIMEOUTS * listener.io_timeout_s)
                 message = await self._receive()
         except PeerAuthError as exc:  # refused in the hello: it was told why; close once that is sent
@@ -502,12 +507,12 @@ class _ServerProtocol(asyncio.Protocol):
             log.exception("serving %s failed", self.peer)
             self._transport.abort()
 
-    async def _send(self, header: Header, payload: memoryview) -> None:
-        """Send one message, in slices, waiting for the socket to drain after each: an answer paced at the
-        egress limit and counted; an ``ERROR`` or hello message at once."""
+    async def _send(self, header: Header, payload: memoryview, package_id: str = "") -> None:
+        """Send one message, in slices, waiting for the socket to drain after each: an answer (of
+        ``package_id``) paced at its egress limit and counted; an ``ERROR`` or hello message at once."""
         self._transport.write(TCP_HEADER.pack(header))
         answer = header.kind in (CHUNK, FILE)
-        egress = self._listener.limits_rate.egress if answer else None
+        egress = self._listener.limits_rate.egress_for(package_id) if answer else None
         step = LIMITED_SEND_SLICE if egress is not None else WRITE_SLICE
         for start in range(0, len(payload), step):
             piece = payload[start:start + step]
@@ -614,7 +619,7 @@ class TcpTransport(Transport):
         """A new connection to ``address``, through the hello when this node has a data-plane key."""
         host, port = split_address(address)
         key = self.auth.key
-        protocol = _ClientProtocol(peer, self.io_timeout_s, self.stats, self.limits.ingress, bool(key))
+        protocol = _ClientProtocol(peer, self.io_timeout_s, self.stats, bool(key))
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):

@@ -45,7 +45,7 @@ from pipecast.agent.errors import (
     PeerTimeoutError,
     TransportUnavailableError,
 )
-from pipecast.agent.ratelimit import HostRateLimits
+from pipecast.agent.ratelimit import HostRateLimits, Pacer
 from pipecast.agent.transport.base import (
     Channel,
     ChunkSink,
@@ -227,11 +227,10 @@ class _Link:
         self.stats = stats
 
     async def send(self, header: Header, payload: memoryview, on_timeout: Callable[[], PeerError],
-                   paced: bool) -> None:
-        """Send ``header``, then ``payload`` (bytes) in frames of ``header.frame``; ``paced``: at the egress
-        limit (answers are, requests and errors are not, as with TCP)."""
+                   egress: Pacer | None = None) -> None:
+        """Send ``header``, then ``payload`` (bytes) in frames of ``header.frame``, paced through ``egress``
+        (answers are, requests and errors are not, as with TCP)."""
         await _with_deadline(self.endpoint.send(UCX_HEADER.pack(header), tag=TAG_HEADER), self.io_timeout_s, on_timeout)
-        egress = self.limits.egress if paced else None
         for start, end in frames(len(payload), header.frame):
             if egress is not None:
                 delay = egress.take(end - start)
@@ -255,14 +254,13 @@ class _Link:
             return header, b""
         check_message(header, self.peer)
         raw = bytearray(header.length)
-        await self.recv_payload(memoryview(raw), header.frame, on_timeout, paced=False)
+        await self.recv_payload(memoryview(raw), header.frame, on_timeout)
         return header, bytes(raw)
 
     async def recv_payload(self, target: memoryview, frame: int, on_timeout: Callable[[], PeerError],
-                           paced: bool) -> None:
+                           ingress: Pacer | None = None) -> None:
         """Receive a payload in frames of ``frame`` into ``target`` (bytes) in place: when that is the
-        store's buffer, UCX writes there directly, with no copy. ``paced``: at the ingress limit."""
-        ingress = self.limits.ingress if paced else None
+        store's buffer, UCX writes there directly, with no copy; paced through ``ingress``."""
         for start, end in frames(len(target), frame):
             await _with_deadline(self.endpoint.recv(target[start:end], tag=TAG_PAYLOAD), self.io_timeout_s,
                                  on_timeout)
@@ -366,12 +364,11 @@ class UcxChannel(Channel):
         what = self._progress.describe() if self._progress else "its answer"
         return PeerTimeoutError(self.peer, f"silent for {self._link.io_timeout_s:g} s while sending {what}")
 
-    async def _ask(self, kind: int, block: int, chunk: int, payload: bytes) -> None:
-        # The frame asked for: small when this node's ingress is limited, so the limit paces a smooth stream.
-        frame = LIMITED_SEND_SLICE if self._link.limits.ingress is not None else 0
+    async def _ask(self, kind: int, block: int, chunk: int, payload: bytes, ingress: Pacer | None) -> None:
+        # The frame asked for: small when the answer's ingress is limited, so the limit paces a smooth stream.
+        frame = LIMITED_SEND_SLICE if ingress is not None else 0
         # The request itself goes whole (its header's frame field is about the answer).
-        await self._link.send(Header(kind, block, chunk, len(payload), frame), memoryview(payload), self._silent,
-                              paced=False)
+        await self._link.send(Header(kind, block, chunk, len(payload), frame), memoryview(payload), self._silent)
 
     async def _answer(self, expected: int, progress: _Progress, limit: int = 0) -> Header:
         """The next answer header, its length checked against ``limit`` (a ``FILE``'s); an ERROR answer is
@@ -380,7 +377,7 @@ class UcxChannel(Channel):
         check_answer(header, expected, progress.describe(), self.peer, limit)
         if header.kind in (ERROR, AUTH_FAIL):
             text = bytearray(header.length)
-            await self._link.recv_payload(memoryview(text), header.frame, self._silent, paced=False)
+            await self._link.recv_payload(memoryview(text), header.frame, self._silent)
             reason = text.decode("utf-8", "replace")
             if header.kind == AUTH_FAIL:
                 raise refused_by_peer(self.peer, reason, bool(self._transport.auth.key))
@@ -392,30 +389,32 @@ class UcxChannel(Channel):
         if first_chunk >= count:
             return
         progress = _Progress("block", block, first_chunk, count)
+        ingress = self._link.limits.ingress_for(package_id)
         async with self._request(progress):
-            await self._ask(REQ_BLOCK, block, first_chunk, request_payload(package_id, self._requester))
+            await self._ask(REQ_BLOCK, block, first_chunk, request_payload(package_id, self._requester), ingress)
             for chunk in range(first_chunk, count):
                 progress.next_chunk = chunk
                 header = await self._answer(CHUNK, progress)
                 # Pitfall: byte views only: lengths and frame offsets are in bytes, as is what ucxx receives.
                 buffer = byte_view(sink.chunk_buffer(block, chunk))
                 check_chunk(header, block, chunk, len(buffer), self.peer)
-                await self._link.recv_payload(buffer, header.frame, self._silent, paced=True)
+                await self._link.recv_payload(buffer, header.frame, self._silent, ingress)
                 sink.chunk_landed(block, chunk, self.peer)
                 self._link.stats.bytes_received += header.length
 
     async def fetch_file(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
         progress = _Progress(f"file {path}")
+        ingress = self._link.limits.ingress_for(package_id)
         async with self._request(progress):
-            await self._ask(REQ_FILE, offset, length, request_payload(package_id, self._requester, path))
+            await self._ask(REQ_FILE, offset, length, request_payload(package_id, self._requester, path), ingress)
             header = await self._answer(FILE, progress, file_answer_limit(path, length))
             data = bytearray(header.length)
-            await self._link.recv_payload(memoryview(data), header.frame, self._silent, paced=True)
+            await self._link.recv_payload(memoryview(data), header.frame, self._silent, ingress)
             self._link.stats.bytes_received += header.length
             return bytes(data)
 
     async def _goodbye(self) -> None:
-        await self._link.send(Header(CLOSE), memoryview(b""), self._silent, paced=False)
+        await self._link.send(Header(CLOSE), memoryview(b""), self._silent)
         ack = await self._link.recv_header(self._silent)
         if ack.kind != CLOSE_ACK:
             log.debug("peer %s answered close with message type %d", self.peer, ack.kind)
@@ -445,11 +444,11 @@ async def _client_hello(link: _Link, auth: PeerAuth, peer: str) -> None:
         return PeerTimeoutError(peer, f"silent for {link.io_timeout_s:g} s during the hello")
 
     async def step(kind: int, payload: bytes, expected: int) -> bytes:
-        await link.send(Header(kind, length=len(payload)), memoryview(payload), silent, paced=False)
+        await link.send(Header(kind, length=len(payload)), memoryview(payload), silent)
         header = await link.recv_header(silent)
         check_answer(header, expected, "its hello", peer, MAX_HELLO_BYTES)
         data = bytearray(header.length)
-        await link.recv_payload(memoryview(data), header.frame, silent, paced=False)
+        await link.recv_payload(memoryview(data), header.frame, silent)
         if header.kind == AUTH_FAIL:
             raise refused_by_peer(peer, data.decode("utf-8", "replace"), have_key=True)
         if header.kind == ERROR:
@@ -623,7 +622,7 @@ class _ServerConnection:
         """Answer one request; False once the requester said goodbye."""
         header, payload = message
         if header.kind == CLOSE:
-            await self._link.send(Header(CLOSE_ACK), memoryview(b""), self._slow_reader, paced=False)
+            await self._link.send(Header(CLOSE_ACK), memoryview(b""), self._slow_reader)
             try:  # the requester closes once it has the ack; closing first could reset its receive
                 await asyncio.wait_for(self._peer_gone.wait(), GOODBYE_S)
             except TimeoutError:
@@ -631,14 +630,16 @@ class _ServerConnection:
             return False
         request = parse_request(header, payload, self.peer)
         self.peer = self._link.peer = request.requester
-        send = functools.partial(self._send, self._frame(header.frame))
+        egress = self._link.limits.egress_for(request.package_id)
+        send = functools.partial(self._send, self._frame(header.frame, egress), egress)
         await answer_request(self._listener.served, request, send, self.peer, self._from_served, authenticated=node,
                              wait_s=SERVE_WAIT_IO_TIMEOUTS * self._listener.io_timeout_s)
         return True
 
-    def _frame(self, requested: int) -> int:
+    @staticmethod
+    def _frame(requested: int, egress: Pacer | None) -> int:
         """Frame size for answers: the smaller of the requester's and our egress limit's (0: whole)."""
-        wanted = [f for f in (requested, LIMITED_SEND_SLICE if self._link.limits.egress is not None else 0) if f]
+        wanted = [f for f in (requested, LIMITED_SEND_SLICE if egress is not None else 0) if f]
         return min(wanted) if wanted else 0
 
     async def _from_served(self, awaitable: Awaitable[_T]) -> _T:
@@ -650,15 +651,15 @@ class _ServerConnection:
 
     async def _send_plain(self, header: Header, payload: memoryview) -> None:
         """Send a message whole, at once (not an answer: errors, hello messages)."""
-        await self._link.send(header, payload, self._slow_reader, paced=False)
+        await self._link.send(header, payload, self._slow_reader)
 
-    async def _send(self, frame: int, header: Header, payload: memoryview) -> None:
-        """Send one message: an answer in frames of ``frame``, paced at the egress limit and counted; an
+    async def _send(self, frame: int, egress: Pacer | None, header: Header, payload: memoryview) -> None:
+        """Send one message: an answer in frames of ``frame``, paced through ``egress`` and counted; an
         ``ERROR`` whole, at once."""
         if header.kind not in (CHUNK, FILE):
             await self._send_plain(header, payload)
             return
-        await self._link.send(replace(header, frame=frame), payload, self._slow_reader, paced=True)
+        await self._link.send(replace(header, frame=frame), payload, self._slow_reader, egress)
         self._link.stats.bytes_sent += len(payload)
 
 

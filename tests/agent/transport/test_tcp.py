@@ -158,19 +158,55 @@ async def test_refused_connection_and_unknown_package_are_typed(package):
         seed.close()
 
 
+async def fetch_all_timed(channel, manifest, store) -> float:
+    """Seconds to fetch every block of ``manifest`` over ``channel``."""
+    started = time.monotonic()
+    for block in range(len(manifest.blocks)):
+        await channel.fetch_block(manifest.package_id, block, 0, store)
+    return time.monotonic() - started
+
+
+def paced_floor(manifest, mbit: float) -> float:
+    """The least time the package's blocks take through a bucket of ``mbit``: it may start full (its burst
+    of 256 KiB), the rest must wait for tokens; 10% slack for the clock."""
+    total = sum(b.bytes for b in manifest.blocks)
+    assert total > 2 * (256 << 10)  # else the floor would say nothing
+    return (total - (256 << 10)) / (mbit * 1e6 / 8) * 0.9
+
+
 async def test_egress_limit_paces_the_sender(package):
     root, manifest = package
     seed = seed_store(root)
-    mbit = 16.0
+    mbit = 4.0
     _, listener = await serve(PeerServer(), seed, egress_mbit=mbit)
     store = receiving_store(manifest)
     try:
         channel = await TcpTransport("rx", settings()).connect(listener.address, "seed")
-        started = time.monotonic()
-        await channel.fetch_block(manifest.package_id, 0, 0, store)
-        elapsed = time.monotonic() - started
-        # Lower bound only: the bucket may start full (its burst), the rest must wait for tokens.
-        assert elapsed >= (manifest.blocks[0].bytes - (256 << 10)) / (mbit * 1e6 / 8) * 0.9
+        assert await fetch_all_timed(channel, manifest, store) >= paced_floor(manifest, mbit)
+    finally:
+        await listener.close()
+        store.close()
+        seed.close()
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+async def test_a_low_priority_package_is_paced_at_its_share_of_the_link_each_way(package, side):
+    root, manifest = package
+    seed = seed_store(root)
+    shares = {"agent_link_mbit": 16.0, "priority_shares": {"low": 0.25}}  # low: 4 Mbit/s; the rest: the link
+    server_transport, listener = await serve(PeerServer(), seed, **(shares if side == "sender" else {}))
+    rx = TcpTransport("rx", settings(**(shares if side == "receiver" else {})))
+    paced = server_transport if side == "sender" else rx
+    assert paced.limits.egress is None and paced.limits.ingress is None  # multicast_share 1: no host cap
+    assert paced.limits.egress_for(manifest.package_id) is None  # normal until a plan says otherwise
+    paced.limits.set_priority(manifest.package_id, "low")
+    assert paced.limits.egress_for(manifest.package_id) is not None
+    store = receiving_store(manifest)
+    try:
+        channel = await rx.connect(listener.address, "seed")
+        assert await fetch_all_timed(channel, manifest, store) >= paced_floor(manifest, 4.0)
+        paced.limits.forget(manifest.package_id)  # dropped: its next plan says its priority again
+        assert paced.limits.ingress_for(manifest.package_id) is None
     finally:
         await listener.close()
         store.close()
@@ -401,8 +437,9 @@ async def test_an_authenticated_peer_cannot_ask_in_another_nodes_name(package):
     root, manifest = package
     seed, server, listener = await keyed_seed(root)
     try:
-        protocol = await TcpTransport("a", settings(), PeerAuth("a", KEY)).open_protocol(listener.address, "seed")
-        channel = TcpChannel("seed", protocol, "b", listener.address, None)  # requests name "b"
+        transport = TcpTransport("a", settings(), PeerAuth("a", KEY))
+        protocol = await transport.open_protocol(listener.address, "seed")
+        channel = TcpChannel("seed", protocol, "b", listener.address, transport)  # requests name "b"
         with pytest.raises(PeerRefusedError, match=r"^peer seed: the request names requester 'b', not the node that "
                                                    r"authenticated \('a'\)$"):
             await channel.fetch_file(manifest.package_id, "config.json")
