@@ -55,12 +55,14 @@ class StageCapacityError(EngineError):
 class StageOutput:
     """What a stage call produced: the hidden states for the next stage, or, from the last stage, the
     sampled token (and the last position's logits, float32, when asked for); ``seconds``: the call's time
-    less its waits for layers (what the computing took, for a head's estimates)."""
+    less its waits for layers, ``cpu_seconds``: its thread's CPU time (what the computing took, for a
+    head's estimates)."""
 
     hidden: "torch.Tensor | None" = None
     token: int | None = None
     logits: "torch.Tensor | None" = None
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
 
 class _AppendCache:
@@ -156,7 +158,7 @@ class StageRunner:
         limit = getattr(m.config, "max_position_embeddings", None)
         if limit and position + n > limit:  # a session's keys and values never grow past the model
             raise InvalidRequestError(f"positions {position}-{position + n - 1} exceed the model's {limit}")
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.thread_time()
         deadline = _Deadline(started + timeout, timeout)
         state = self._session(session, layers, position, params)
         with state.lock:
@@ -181,7 +183,7 @@ class StageRunner:
         elapsed = time.monotonic() - started
         log.debug("stage call %s layers %d-%d at %d: %d position(s) in %.3f s, %.3f s of it waiting for layers",
                   session[:8], layers.start, layers.stop - 1, position, n, elapsed, deadline.waited)
-        return replace(out, seconds=max(elapsed - deadline.waited, 0.0))
+        return replace(out, seconds=max(elapsed - deadline.waited, 0.0), cpu_seconds=time.thread_time() - cpu)
 
     def sample(self, session: str, normed: "torch.Tensor", *, want_logits: bool = False,
                timeout: float) -> StageOutput:
@@ -197,12 +199,13 @@ class StageRunner:
             state = self._sessions.get(session)
         if state is None:
             raise StageSessionError(f"session {session!r} is not held here (expired, or this node restarted)")
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.thread_time()
         deadline = _Deadline(started + timeout, timeout)
         with state.lock, torch.inference_mode():
             self._wait(LM_HEAD, deadline)
             out = self._sample(state, m.lm_head(normed.to(device=m.device, dtype=m.dtype)), want_logits)
-        return replace(out, seconds=max(time.monotonic() - started - deadline.waited, 0.0))
+        return replace(out, seconds=max(time.monotonic() - started - deadline.waited, 0.0),
+                       cpu_seconds=time.thread_time() - cpu)
 
     def close(self, session: str) -> bool:
         """Forget ``session`` (its request ended); False if it was not held."""

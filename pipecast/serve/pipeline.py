@@ -226,13 +226,14 @@ class StageCall:
 class RequestTiming:
     """What a head measured of one pipelined request, for the choice at dissolution: its own layers'
     computing (waits for arriving layers left out) at the prefill and at the latest decoded tokens, its
-    sampling (the tied LM head, when it samples), and the latest tokens' times through the whole route."""
+    sampling (the tied LM head, when it samples), each as (seconds, CPU seconds of its thread), and the
+    latest tokens' times through the whole route."""
 
     own_layers: int
     prompt_tokens: int
-    own_prefill_s: float = 0.0
-    own_decode_s: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
-    sample_s: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    own_prefill: tuple[float, float] = (0.0, 0.0)
+    own_decode: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    sample: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
     route_s: deque = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
 
 
@@ -254,21 +255,35 @@ class DissolveEstimate:
         return self.reprefill_s + self.remaining * self.local_s
 
 
-def dissolve_estimate(timing: RequestTiming, total_layers: int, history: int, remaining: int) -> DissolveEstimate | None:
+def _mean(pairs: deque) -> tuple[float, float]:
+    return (sum(w for w, _ in pairs) / len(pairs), sum(c for _, c in pairs) / len(pairs)) if pairs else (0.0, 0.0)
+
+
+def dissolve_estimate(timing: RequestTiming, total_layers: int, history: int, remaining: int,
+                      cpus: float | None = None) -> DissolveEstimate | None:
     """Both ways' cost from what the head measured (``history``: prompt and tokens so far); None before a
     token was decoded through the route (nothing to compare yet).
 
     The head ran ``own_layers`` of ``total_layers``: its per-layer time, scaled to the whole model, is the
-    local engine's on the same device and CPU share; the re-prefill scales its own prefill by layers and
-    by ``history`` over the prompt (linear in tokens: an upper bound for short prompts). Where the last
+    local engine's on the same device; the re-prefill scales its own prefill by layers and by ``history``
+    over the prompt (linear in tokens: an upper bound for short prompts). Under a CPU quota of ``cpus``
+    (a container's limit) work that is sustained runs at most at the quota while one stage's short burst
+    ran at full speed: the local engine then takes at least its CPU time over ``cpus``. Where the last
     stage samples (untied LM head), the head's cost is left out of the local estimate.
     """
-    if not timing.own_decode_s or not timing.route_s or timing.own_layers < 1:
+    if not timing.own_decode or not timing.route_s or timing.own_layers < 1:
         return None
     scale = total_layers / timing.own_layers
-    sample = sum(timing.sample_s) / len(timing.sample_s) if timing.sample_s else 0.0
-    local = sum(timing.own_decode_s) / len(timing.own_decode_s) * scale + sample
-    reprefill = timing.own_prefill_s * scale * history / max(timing.prompt_tokens, 1) + sample
+    sample = _mean(timing.sample)
+
+    def sustained(wall: float, cpu: float) -> float:
+        return max(wall, cpu / cpus) if cpus else wall
+
+    decode = _mean(timing.own_decode)
+    local = sustained(decode[0] * scale + sample[0], decode[1] * scale + sample[1])
+    tokens = history / max(timing.prompt_tokens, 1)
+    reprefill = sustained(timing.own_prefill[0] * scale * tokens + sample[0],
+                          timing.own_prefill[1] * scale * tokens + sample[1])
     return DissolveEstimate(remaining, sum(timing.route_s) / len(timing.route_s), local, reprefill)
 
 
@@ -366,12 +381,12 @@ class PipelineHead:
 
     def __init__(self, runner: "StageRunner", client: StageClient, *, step_timeout_s: float = STEP_TIMEOUT_S,
                  local: "Callable[[list[int], SamplingParams], TokenStream] | None" = None,
-                 dissolve: str = DISSOLVE_AUTO):
+                 dissolve: str = DISSOLVE_AUTO, cpus: float | None = None):
         """``local`` submits a prompt to this worker's own engine: given, a request whose pipeline dissolves
         under it (this worker came to hold the whole model after the request started) may move here with its
         tokens so far, re-prefilled, instead of finishing through the stages (:meth:`start`): always with
         ``dissolve`` :data:`DISSOLVE_MOVE`, where :func:`move_pays` says so with :data:`DISSOLVE_AUTO`,
-        never with :data:`DISSOLVE_FINISH`."""
+        never with :data:`DISSOLVE_FINISH`; ``cpus``: this worker's CPU quota, if any (the estimate's)."""
         if dissolve not in DISSOLVE_CHOICES:
             raise ValueError(f"dissolve must be one of {', '.join(DISSOLVE_CHOICES)}, got {dissolve!r}")
         self.runner = runner
@@ -379,6 +394,7 @@ class PipelineHead:
         self.step_timeout_s = step_timeout_s
         self.local = local if dissolve != DISSOLVE_FINISH else None
         self.dissolve = dissolve
+        self.cpus = cpus
         #: Requests moved off their pipeline to this worker's engine.
         self.moved = 0
         #: Requests whose pipeline dissolved under them and that finished through it by choice (auto).
@@ -450,7 +466,7 @@ class PipelineHead:
         """Move a request whose pipeline dissolved? None: auto, and no token measured through the route yet."""
         if self.dissolve == DISSOLVE_MOVE:
             return True
-        estimate = dissolve_estimate(timing, self.runner.model.num_layers, history, remaining)
+        estimate = dissolve_estimate(timing, self.runner.model.num_layers, history, remaining, self.cpus)
         if estimate is None:
             return None
         move = move_pays(estimate)
@@ -500,9 +516,9 @@ class PipelineHead:
         except (TimeoutError, PipecastError) as exc:
             raise StageFailedError(own.url, str(exc)) from None
         if position == 0:
-            timing.own_prefill_s = out.seconds
+            timing.own_prefill = (out.seconds, out.cpu_seconds)
         else:
-            timing.own_decode_s.append(out.seconds)
+            timing.own_decode.append((out.seconds, out.cpu_seconds))
         if len(route) == 1:
             return out.token
         answer = await self.client.forward(route[1:], session, position, out.hidden, norm_only=here,
@@ -515,7 +531,7 @@ class PipelineHead:
             sampled = await asyncio.to_thread(self.runner.sample, session, answer, timeout=left)
         except (TimeoutError, PipecastError) as exc:
             raise StageFailedError(own.url, str(exc)) from None
-        timing.sample_s.append(sampled.seconds)
+        timing.sample.append((sampled.seconds, sampled.cpu_seconds))
         return sampled.token
 
     def _close(self, route: Sequence[Hop], session: str) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipecast.core.cpulimit import cpu_limit
 from pipecast.core.errors import PipecastError
 from pipecast.engine.architectures import SUPPORTED_MODEL_TYPES
 from pipecast.engine.errors import (
@@ -306,7 +307,8 @@ class ServingWorker:
         self._model = model
         self._head = PipelineHead(StageRunner(model.engine.model), self.stage_client,
                                   step_timeout_s=self.config.pipeline_step_timeout_s,
-                                  local=model.engine.submit, dissolve=self.config.pipeline_dissolve)
+                                  local=model.engine.submit, dissolve=self.config.pipeline_dissolve,
+                                  cpus=cpu_limit())
         self._released = False
         self._stage = STAGE_LOADING
         model.engine.model.add_listener(lambda: self._post(self._on_model_change))

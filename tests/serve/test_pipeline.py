@@ -233,9 +233,11 @@ def gate_after(runner, calls: int) -> tuple[threading.Event, list]:
 
 
 def timing(prefill, decode, sample, route_s, own_layers=10, prompt=16) -> RequestTiming:
-    t = RequestTiming(own_layers, prompt, own_prefill_s=prefill)
-    t.own_decode_s.extend(decode)
-    t.sample_s.extend(sample)
+    """A head's measurements, each step as (seconds, CPU seconds) or as seconds with as much CPU."""
+    pair = lambda step: step if isinstance(step, tuple) else (step, step)  # noqa: E731
+    t = RequestTiming(own_layers, prompt, own_prefill=pair(prefill))
+    t.own_decode.extend(map(pair, decode))
+    t.sample.extend(map(pair, sample))
     t.route_s.extend(route_s)
     return t
 
@@ -247,9 +249,24 @@ def test_the_dissolve_estimate_scales_the_heads_own_times_to_the_whole_model():
     assert e == DissolveEstimate(100, pytest.approx(0.1), pytest.approx(0.065), pytest.approx(0.605))
     assert move_pays(e)  # 0.605 + 6.5 s here against 10 s through the route
     assert not move_pays(DissolveEstimate(5, 0.1, 0.065, 0.605))  # 5 tokens left: the re-prefill does not pay
-    assert not move_pays(DissolveEstimate(100, 0.06, 0.065, 0.0))  # the route is faster a token (CPU shares)
+    assert not move_pays(DissolveEstimate(100, 0.06, 0.065, 0.0))  # the route is faster a token
     # nothing decoded through the route yet: no estimate (the head takes one more step first)
     assert dissolve_estimate(timing(0.1, [], [], []), 30, 17, 50) is None
+
+
+def test_under_a_cpu_quota_the_local_engine_is_estimated_at_the_quota_not_at_a_bursts_speed():
+    # Each stage's step was a short burst at full speed (20 ms, all of it CPU); the whole model's steps,
+    # sustained, get a quarter of a CPU: 65 ms of CPU a token take 260 ms (measured here: a worker alone
+    # 393 ms/token, two stages 236 ms/token, so finishing on the route wins).
+    measured = timing((0.1, 0.1), [(0.02, 0.02)], [(0.005, 0.005)], [0.236])
+    free = dissolve_estimate(measured, 30, history=32, remaining=100)
+    quota = dissolve_estimate(measured, 30, history=32, remaining=100, cpus=0.25)
+    assert free.local_s == pytest.approx(0.065) and move_pays(free)
+    assert quota.local_s == pytest.approx(0.26) and quota.reprefill_s == pytest.approx(2.42)
+    assert not move_pays(quota)
+    # a step that waited on a device (wall time, little CPU) is not scaled by the quota
+    device = timing((0.1, 0.001), [(0.02, 0.001)], [(0.005, 0.0005)], [0.236])
+    assert dissolve_estimate(device, 30, 32, 100, cpus=0.25).local_s == pytest.approx(0.065)
 
 
 def test_an_auto_head_moves_or_keeps_a_request_as_its_estimate_says_and_counts_what_it_kept():
@@ -258,11 +275,13 @@ def test_an_auto_head_moves_or_keeps_a_request_as_its_estimate_says_and_counts_w
             num_layers = 30
 
     head = PipelineHead(Runner(), None, local=lambda *_: None)
-    assert head.dissolve == "auto"
+    assert head.dissolve == "auto" and head.cpus is None
     assert head._should_move(timing(0.1, [0.02], [0.005], []), 17, 50) is None
     assert head._should_move(timing(0.1, [0.02], [0.005], [0.2]), 32, 100) is True
     assert head._should_move(timing(0.1, [0.02], [0.005], [0.05]), 32, 100) is False
     assert (head.moved, head.kept) == (0, 1)  # moving is counted when the local engine takes the request
+    quota = PipelineHead(Runner(), None, local=lambda *_: None, cpus=0.25)
+    assert quota._should_move(timing(0.1, [0.02], [0.005], [0.2]), 32, 100) is False  # 260 ms here
     assert PipelineHead(Runner(), None, local=lambda *_: None, dissolve="move")._should_move(
         timing(0.1, [], [], []), 17, 50) is True
     assert PipelineHead(Runner(), None, local=lambda *_: None, dissolve="finish").local is None

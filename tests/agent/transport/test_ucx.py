@@ -155,16 +155,21 @@ async def test_unknown_package_and_file_are_refused_naming_the_peer(package, tra
         seed.close()
 
 
-@pytest.mark.parametrize("side", ["egress_mbit", "ingress_mbit"])
+# A plain cap each way, and a low-priority package's share (a quarter of a 16 Mbit/s link) each way.
+@pytest.mark.parametrize("side", ["egress_mbit", "ingress_mbit", "low-sender", "low-receiver"])
 async def test_rate_limit_paces_the_transfer(package, transports, side):
     root, manifest = package
     seed = seed_store(root)
     server = PeerServer()
     server.add(seed)
     mbit = 4.0
-    limited = {side: mbit}
-    listener = await transports("seed", **(limited if side == "egress_mbit" else {})).listen("127.0.0.1", 0, server)
-    client = transports("rx", io_timeout_s=5, **(limited if side == "ingress_mbit" else {}))
+    limited = {side: mbit} if side.endswith("_mbit") else {"agent_link_mbit": 16.0, "priority_shares": {"low": 0.25}}
+    sender, receiver = side in ("egress_mbit", "low-sender"), side in ("ingress_mbit", "low-receiver")
+    serving = transports("seed", **(limited if sender else {}))
+    listener = await serving.listen("127.0.0.1", 0, server)
+    client = transports("rx", io_timeout_s=5, **(limited if receiver else {}))
+    for transport in (serving, client):
+        transport.limits.set_priority(manifest.package_id, "low")
     store = receiving_store(manifest)
     channel = await client.connect(listener.address, "seed")
     try:
