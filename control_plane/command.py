@@ -71,7 +71,30 @@ def control_plane_command(config: Path | None, host: str | None, port: int | Non
     asyncio.run(serve())
 
 
-@click.group("cp")
+class GroupOptionsAnywhere(click.Group):
+    """A group whose own options may also follow its subcommand, as users type them (``pipecast cp publish
+    PKG --store-node s --control-plane HOST:PORT``): they are moved in front before parsing. Its
+    subcommands must not have options of the same names (a test checks)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        own = {opt: param for param in self.params if isinstance(param, click.Option) for opt in param.opts}
+        front: list[str] = []
+        rest: list[str] = []
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            if arg == "--":  # the end of options: the rest is the subcommand's, as given
+                rest += args[i:]
+                break
+            name, eq, _ = arg.partition("=")
+            param = own.get(name)
+            taken = 1 if param is None or param.is_flag or eq else 2
+            (rest if param is None else front).extend(args[i:i + taken])
+            i += taken
+        return super().parse_args(ctx, front + rest)
+
+
+@click.group("cp", cls=GroupOptionsAnywhere)
 @CONFIG
 @click.option("--control-plane", "target", help="host:port of the control plane (settings: control_plane).")
 @click.option("--token", help="The control plane's master token, or a node token for reads (settings: auth_token; "

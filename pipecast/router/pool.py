@@ -20,7 +20,8 @@ Which worker gets a request (:meth:`WorkerPool.choose`):
   fewest requests of *other* tenants in flight from this router, then the most of its own tenant, so
   that a bursting tenant's admitted requests batch with each other on some workers and the other
   tenants' requests find the rest free (a shared batch or core slows each of its requests; measured
-  under "Tenants" in the README). With one tenant active this rule does not apply.
+  under "Tenants" in the README). A worker then takes one batch at most, so a tenant's requests spill
+  over to the next worker once a batch is full. With one tenant active this rule does not apply.
 - Then least loaded. Load is the requests this router has in flight there plus the worker's reported
   queue depth (this router's requests still queued there count twice, which only steers harder away
   from deep queues). Load comes before readiness on purpose: a request queued behind k others waits k

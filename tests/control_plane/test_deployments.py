@@ -186,3 +186,15 @@ def test_the_readme_table_of_deploy_options_matches_the_command():
             assert shown == default
         else:
             assert parse_duration(shown) == float(default), name
+
+
+def test_the_groups_options_may_follow_the_subcommand_and_no_subcommand_has_options_of_their_names():
+    for args in (["packages", "--control-plane", "127.0.0.1:1", "--json"], ["packages", "--control-plane=127.0.0.1:1"],
+                 ["--json", "packages", "--control-plane", "127.0.0.1:1"]):
+        result = CliRunner().invoke(cp_group, args)
+        assert str(result.exception).startswith("control plane at 127.0.0.1:1 did not answer ListPackages"), args
+    # after "--" nothing is moved: the subcommand gets what follows as given
+    assert "Got unexpected extra argument" in CliRunner().invoke(cp_group, ["packages", "--", "--json"]).output
+    own = {opt for param in cp_group.params for opt in param.opts}
+    for name, command in cp_group.commands.items():
+        assert not own & {opt for param in command.params for opt in param.opts}, name
