@@ -33,8 +33,16 @@ def _byte_symbols() -> dict[int, str]:
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
 
 
+#: A small chat template for the tiny models: each message as <|role|>content, the assistant's turn last; it
+#: refuses tool messages, as templates refuse what they cannot render.
+BYTE_CHAT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool messages') }}"
+                      "{% endif %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
 def write_byte_tokenizer(folder: Path) -> None:
-    """Write tokenizer.json and tokenizer_config.json of a byte-level tokenizer: token id = byte value."""
+    """Write tokenizer.json and tokenizer_config.json (with :data:`BYTE_CHAT_TEMPLATE`) of a byte-level
+    tokenizer: token id = byte value."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {symbol: byte for byte, symbol in _byte_symbols().items()}
@@ -42,7 +50,8 @@ def write_byte_tokenizer(folder: Path) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "chat_template": BYTE_CHAT_TEMPLATE}))
 
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

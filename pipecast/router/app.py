@@ -2,7 +2,8 @@
 
 Endpoints:
 
-- ``POST /v1/completions``: the body goes to a worker unchanged. While no worker can take it, the
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: the body goes to a worker unchanged, at the
+  same path. While no worker can take it, the
   request waits in the router's queue (beyond ``max_queue`` waiting: 429 with ``Retry-After``; past the
   queue deadline: 503). A worker that fails before anything reached the client is marked unavailable
   and the request goes to another one (at most ``max_retries`` times, then 502 naming the workers). A
@@ -62,7 +63,7 @@ from pipecast.router.errors import (
 from pipecast.router.health import HealthMonitor
 from pipecast.router.metrics import RouterMetrics
 from pipecast.router.pool import PIPELINE_MAX_IN_FLIGHT, Dispatcher, PipelineUnit, Worker, WorkerPool
-from pipecast.router.signals import Signals, prompt_tokens
+from pipecast.router.signals import Signals, request_prompt_tokens
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class Router:
             await self.refresh_workers()
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
-        """Handle ``POST /v1/completions`` (module docstring)."""
+        """Handle ``POST /v1/completions`` and ``POST /v1/chat/completions`` (module docstring)."""
         arrival = self.clock()
         try:  # before the body is read: an unknown client costs nothing more
             tenant = self.config.admission.tenant_of(request.headers)
@@ -258,7 +259,7 @@ class Router:
         if not isinstance(payload, dict):
             return web.json_response(error_body("request body must be a JSON object", "invalid_request_error"),
                                      status=400)
-        counted_as = self.signals.arrived(tenant, prompt_tokens(payload.get("prompt")))
+        counted_as = self.signals.arrived(tenant, request_prompt_tokens(payload))
         admission = self.admission.admit(tenant)
         self.signals.admission(counted_as, admission.admitted)
         if not admission.admitted:
@@ -325,11 +326,11 @@ class Router:
         :class:`WorkerBusyError` on the worker's 429.
         """
         try:
-            upstream = await self._session.post(f"{worker.endpoint}/v1/completions", data=body,
+            upstream = await self._session.post(f"{worker.endpoint}{request.path}", data=body,
                                                  headers={**headers, **worker.headers},
                                                  timeout=self._upstream_timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            problem = f"no answer to POST /v1/completions: {self._describe(exc)}"
+            problem = f"no answer to POST {request.path}: {self._describe(exc)}"
             raise WorkerFailedError(worker.url, problem) from exc
         async with upstream:
             if upstream.status == 429:
@@ -496,6 +497,7 @@ def build_app(router: Router) -> web.Application:
 
     app.cleanup_ctx.append(lifetime)
     app.on_shutdown.append(on_shutdown)
-    app.add_routes([web.post("/v1/completions", completions), web.get("/health", health),
+    app.add_routes([web.post("/v1/completions", completions), web.post("/v1/chat/completions", completions),
+                    web.get("/health", health),
                     web.get("/v1/workers", workers), web.get("/metrics", metrics), web.get("/stats", stats)])
     return app

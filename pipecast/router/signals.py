@@ -53,6 +53,16 @@ def prompt_tokens(prompt: object) -> int:
     return 0
 
 
+def request_prompt_tokens(payload: dict) -> int:
+    """The prompt tokens of a completion (``prompt``) or chat (``messages``: their text contents) request,
+    as :func:`prompt_tokens` counts them."""
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        return sum(len(m["content"]) // CHARS_PER_TOKEN for m in messages
+                   if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return prompt_tokens(payload.get("prompt"))
+
+
 def percentile(ordered: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of non-empty sorted values, interpolated linearly between the two
     nearest ranks (numpy's default method)."""

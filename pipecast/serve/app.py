@@ -3,8 +3,9 @@ its weights arrive.
 
 Endpoints:
 
-- ``POST /v1/completions``: JSON, or Server-Sent Events with ``"stream": true`` (``data: {...}`` per
-  generated token, ``data: [DONE]`` at the end). 400 names the bad field; 413 a body over
+- ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the messages rendered with the package's
+  chat template): JSON, or Server-Sent Events with ``"stream": true`` (``data: {...}`` per generated
+  token, ``data: [DONE]`` at the end). 400 names the bad field; 413 a body over
   ``max_body_bytes`` (refused from its Content-Length, unread); 404 an unknown model; 429 with
   ``Retry-After`` when the queue is full; 503 while the worker cannot serve (model failed, shutting down).
   A request that arrives before the model is there waits for it. A client that goes away (even
@@ -32,11 +33,15 @@ from pipecast.serve.errors import RequestFieldError, RequestTooLargeError, Serve
 from pipecast.serve.openai_api import (
     SSE_DONE,
     CompletionRequest,
+    chat_chunk_body,
+    chat_completion_body,
+    chat_usage_chunk_body,
     chunk_body,
     completion_body,
     error_body,
     json_error,
     models_body,
+    parse_chat_request,
     parse_completion_request,
     sse,
     usage_chunk_body,
@@ -76,12 +81,22 @@ def error_response(error: ServeError) -> web.Response:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``."""
+    return await _generate(request, parse_completion_request)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    return await _generate(request, parse_chat_request)
+
+
+async def _generate(request: web.Request, parse: Callable[[object], CompletionRequest]) -> web.StreamResponse:
     worker = request.app[WORKER]
     outcome = "cancelled"  # unless an answer ends: the handler was cancelled because the client went away
     try:
         try:
             route = _route(request)
-            body = parse_completion_request(await _decode(request))
+            body = parse(await _decode(request))
             generation = await worker.generate(body, route)
         except ServeError as exc:
             outcome = _outcome(exc)
@@ -192,7 +207,8 @@ async def _whole(body: CompletionRequest, generation: Generation) -> tuple[web.R
             reason = piece.finish_reason
     except ServeError as exc:
         return error_response(exc), _outcome(exc)
-    return web.json_response(completion_body(
+    answer = chat_completion_body if body.chat else completion_body
+    return web.json_response(answer(
         generation.request_id, generation.created, generation.model, "".join(texts), reason,
         token_ids if body.return_token_ids else None, generation.prompt_tokens, generation.completion_tokens)), "ok"
 
@@ -204,13 +220,18 @@ async def _stream(request: web.Request, body: CompletionRequest,
     await response.prepare(request)
     try:
         try:
+            first = True
             async for piece in g:
-                await response.write(sse(chunk_body(g.request_id, g.created, g.model, piece.text,
-                                                    piece.finish_reason,
-                                                    list(piece.token_ids) if body.return_token_ids else None)))
+                ids = list(piece.token_ids) if body.return_token_ids else None
+                chunk = (chat_chunk_body(g.request_id, g.created, g.model, piece.text, piece.finish_reason, ids,
+                                         first=first) if body.chat else
+                         chunk_body(g.request_id, g.created, g.model, piece.text, piece.finish_reason, ids))
+                await response.write(sse(chunk))
+                first = False
             if body.include_usage:
-                await response.write(sse(usage_chunk_body(g.request_id, g.created, g.model, g.prompt_tokens,
-                                                          g.completion_tokens)))
+                last = chat_usage_chunk_body if body.chat else usage_chunk_body
+                await response.write(sse(last(g.request_id, g.created, g.model, g.prompt_tokens,
+                                              g.completion_tokens)))
             await response.write(SSE_DONE)
             outcome = "ok"
         except ServeError as exc:  # the headers are gone: the error is the stream's last event
@@ -245,6 +266,7 @@ def build_app(worker: ServingWorker, max_body_bytes: int = MAX_BODY_BYTES) -> we
     app[WORKER] = worker
     app[MAX_BODY] = max_body_bytes
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post(STAGE_PATH, stage_call)
     app.router.add_post(STAGE_CLOSE_PATH, stage_close)
     app.router.add_get("/v1/models", models)

@@ -1,12 +1,16 @@
-"""The OpenAI completions API, mapped to and from the engine: request checking and response bodies (pure).
+"""The OpenAI completions and chat completions APIs, mapped to and from the engine: request checking and
+response bodies (pure).
 
 ``POST /v1/completions`` takes ``model``, ``prompt`` (a string, token ids, or a list holding one of them),
 ``max_tokens`` (default 16), ``temperature`` (default 1), ``top_p``, ``stop`` (a string or a list),
 ``seed``, ``stream`` and ``stream_options.include_usage``; ``return_token_ids`` (as vLLM) adds the
-generated token ids to each choice. Parameters the engine cannot honour (``n`` > 1, ``logprobs``,
-``echo``, penalties, ``logit_bias``, ``suffix``) are refused with a 400 naming the field rather than
-silently ignored, as are unknown fields. Every malformed value (a wrong type, a number out of range, a
-body that is not strict JSON) is a 400 naming the field, never a 500.
+generated token ids to each choice. ``POST /v1/chat/completions`` takes ``messages`` (each a ``role`` and
+its ``content``: a string, or a list of text parts) instead of ``prompt``, and ``max_completion_tokens``
+as well as ``max_tokens`` (default: as many as the model's positions leave); the worker renders the
+messages with the package's chat template. Parameters the engine cannot honour (``n`` > 1, ``logprobs``,
+``echo``, penalties, ``logit_bias``, ``suffix``, tools) are refused with a 400 naming the field rather
+than silently ignored, as are unknown fields. Every malformed value (a wrong type, a number out of range,
+a body that is not strict JSON) is a 400 naming the field, never a 500.
 """
 
 import json
@@ -32,15 +36,35 @@ _OFF_ONLY: dict[str, tuple[Any, ...]] = {
 }
 _KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options",
           "return_token_ids", "user", *_OFF_ONLY}
+_CHAT_OFF_ONLY: dict[str, tuple[Any, ...]] = {
+    **{name: accepted for name, accepted in _OFF_ONLY.items() if name not in ("best_of", "echo", "suffix", "logprobs")},
+    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+_CHAT_KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
+               "stream", "stream_options", "return_token_ids", "user", *_CHAT_OFF_ONLY}
+#: Roles a chat message may have (what chat templates know).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+#: Most messages per chat request.
+MAX_MESSAGES = 1024
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat request: its role and its text."""
+
+    role: str
+    content: str
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    """A checked completion request."""
+    """A checked completion request; a chat request's prompt is its messages (``chat``), rendered by the
+    worker with the model's chat template. ``max_tokens`` None: as many as the model's positions leave."""
 
     model: str
-    prompt: str | tuple[int, ...]
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    prompt: str | tuple[int, ...] | tuple[ChatMessage, ...]
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
@@ -48,6 +72,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False  # streaming: a last chunk carrying usage
     return_token_ids: bool = False
+    chat: bool = False
 
 
 def json_error(exc: JSONInputError) -> RequestFieldError:
@@ -58,12 +83,33 @@ def json_error(exc: JSONInputError) -> RequestFieldError:
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     """Check a decoded ``/v1/completions`` body; :class:`RequestFieldError` names the first bad field."""
+    common = _common_fields(body, _KNOWN, _OFF_ONLY)
+    max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS)
+    if max_tokens < 1:
+        raise RequestFieldError("max_tokens", f"must be at least 1, got {_short(max_tokens)}")
+    return CompletionRequest(prompt=_prompt(body.get("prompt")), max_tokens=max_tokens, **common)
+
+
+def parse_chat_request(body: Any) -> CompletionRequest:
+    """Check a decoded ``/v1/chat/completions`` body; :class:`RequestFieldError` names the first bad field."""
+    common = _common_fields(body, _CHAT_KNOWN, _CHAT_OFF_ONLY)
+    limits = {name: _integer(body, name, 0) for name in ("max_completion_tokens", "max_tokens") if name in body
+              and body[name] is not None}
+    for name, value in limits.items():
+        if value < 1:
+            raise RequestFieldError(name, f"must be at least 1, got {_short(value)}")
+    max_tokens = limits.get("max_completion_tokens", limits.get("max_tokens"))
+    return CompletionRequest(prompt=_messages(body.get("messages")), max_tokens=max_tokens, chat=True, **common)
+
+
+def _common_fields(body: Any, known: set[str], off_only: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
+    """The fields both APIs share, checked, as :class:`CompletionRequest` keywords."""
     if not isinstance(body, dict):
         raise RequestFieldError(None, f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - _KNOWN)
+    unknown = sorted(set(body) - known)
     if unknown:
-        raise RequestFieldError(unknown[0], f"unknown field (this worker accepts {', '.join(sorted(_KNOWN))})")
-    for name, accepted in _OFF_ONLY.items():
+        raise RequestFieldError(unknown[0], f"unknown field (this worker accepts {', '.join(sorted(known))})")
+    for name, accepted in off_only.items():
         value = body.get(name)
         # Compared with their types: 1 == True in Python, but "n": true is not "n": 1.
         if not any(type(value) is type(a) and value == a for a in accepted):
@@ -81,9 +127,6 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             raise RequestFieldError("stream_options", 'must be an object like {"include_usage": true}')
     if not isinstance(body.get("user", ""), str):
         raise RequestFieldError("user", "must be a string")
-    max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS)
-    if max_tokens < 1:
-        raise RequestFieldError("max_tokens", f"must be at least 1, got {_short(max_tokens)}")
     temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise RequestFieldError("temperature", f"must be between 0 and {MAX_TEMPERATURE:g}, got {temperature:g}")
@@ -95,11 +138,38 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         seed = _integer(body, "seed", 0)
         if not MIN_SEED <= seed <= MAX_SEED:
             raise RequestFieldError("seed", f"must be an integer from -2^63 to 2^64-1, got {_short(seed)}")
-    return CompletionRequest(
-        model=model, prompt=_prompt(body.get("prompt")), max_tokens=max_tokens, temperature=temperature,
-        top_p=top_p, stop=_stop(body.get("stop")), seed=seed, stream=stream,
-        include_usage=bool(stream_options and _boolean(stream_options, "include_usage")),
-        return_token_ids=_boolean(body, "return_token_ids"))
+    return {"model": model, "temperature": temperature, "top_p": top_p, "stop": _stop(body.get("stop")),
+            "seed": seed, "stream": stream,
+            "include_usage": bool(stream_options and _boolean(stream_options, "include_usage")),
+            "return_token_ids": _boolean(body, "return_token_ids")}
+
+
+def _messages(value: Any) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list) or not value:
+        raise RequestFieldError("messages", "required: a non-empty list of {role, content} objects")
+    if len(value) > MAX_MESSAGES:
+        raise RequestFieldError("messages", f"at most {MAX_MESSAGES} messages, got {len(value)}")
+    messages = []
+    for i, item in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict) or item.get("role") not in CHAT_ROLES:
+            raise RequestFieldError(where, f"must be an object whose role is one of {', '.join(CHAT_ROLES)}")
+        unknown = sorted(set(item) - {"role", "content", "name"})
+        if unknown:
+            raise RequestFieldError(f"{where}.{unknown[0]}", "is not supported (a message has role, content, name)")
+        messages.append(ChatMessage(item["role"], _content(item.get("content"), f"{where}.content")))
+    return tuple(messages)
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                       and set(p) == {"type", "text"} for p in value):
+        return "".join(p["text"] for p in value)
+    raise RequestFieldError(where, 'must be a string or a list of {"type": "text", "text": ...} parts (this model '
+                                   "reads text only)")
 
 
 def _prompt(value: Any) -> str | tuple[int, ...]:
@@ -206,6 +276,36 @@ def usage_chunk_body(request_id: str, created: int, model: str, prompt_tokens: i
     """The streamed chunk after the last one when ``stream_options.include_usage`` is set."""
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
             "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_completion_body(request_id: str, created: int, model: str, text: str, finish_reason: str,
+                         token_ids: list[int] | None, prompt_tokens: int, completion_tokens: int) -> dict:
+    """The whole answer of a non-streaming chat request."""
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_chunk_body(request_id: str, created: int, model: str, text: str, finish_reason: str | None,
+                    token_ids: list[int] | None, first: bool = False) -> dict:
+    """One streamed chat chunk: the new text as the delta (the first also says the role), and the finish
+    reason on the last one."""
+    delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [choice]}
+
+
+def chat_usage_chunk_body(request_id: str, created: int, model: str, prompt_tokens: int,
+                          completion_tokens: int) -> dict:
+    """The streamed chat chunk after the last one when ``stream_options.include_usage`` is set."""
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def error_body(error: ServeError) -> dict:

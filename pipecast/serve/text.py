@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipecast.serve.errors import ModelUnavailableError
+from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
 
 # Tokens of the prompt decoded with the first generated ones, so a leading space comes out right.
 PROMPT_CONTEXT_TOKENS = 5
@@ -68,6 +68,22 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt (with the special tokens the tokenizer adds, e.g. BOS)."""
         return list(self.tokenizer(text)["input_ids"])
+
+    def chat_ids(self, messages: Sequence[Any]) -> list[int]:
+        """Token ids of chat ``messages`` (each with ``role`` and ``content``) through the model's chat
+        template, ending with the assistant's turn to answer; :class:`RequestFieldError` when the model has
+        no chat template or the template refuses the messages (e.g. roles that do not alternate)."""
+        from jinja2 import TemplateError
+
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+        except TemplateError as exc:
+            raise RequestFieldError("messages", f"the model's chat template refused them: {exc}") from None
+        except ValueError as exc:  # transformers: no chat template in the package
+            raise RequestFieldError("messages", f"this model cannot chat: {exc}") from None
+        return list(ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens (EOS) left out."""

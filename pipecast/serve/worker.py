@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +92,8 @@ CODEC_POLL_S = 0.1
 CODEC_BLOCKS_LEFT = 2
 #: Prompts of up to this many characters are tokenized on the event loop (a thread hop costs more).
 INLINE_TOKENIZE_CHARS = 4096
+#: The most tokens a chat request without max_tokens may generate, whatever the model's positions leave.
+UNBOUNDED_MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -456,6 +458,8 @@ class ServingWorker:
             if request.model not in (self.model_name, self.package_id):
                 raise ModelNotServedError(request.model, self.model_name)
             prompt = await self._prompt_ids(request)
+            if request.max_tokens is None:  # a chat request without a limit: what the positions leave
+                request = replace(request, max_tokens=self._room(len(prompt)))
             if route is not None:
                 stream = await self._start_pipeline(route, prompt, request)
         finally:
@@ -518,17 +522,32 @@ class ServingWorker:
         if session is not None and self._head is not None:
             self._head.runner.close(session)
 
-    async def _prompt_ids(self, request: CompletionRequest) -> list[int]:
-        """The prompt's token ids, refused with :class:`RequestFieldError` as soon as it cannot fit."""
+    def _room(self, prompt_tokens: int) -> int:
+        """Tokens a request may generate after ``prompt_tokens``: what the model's positions leave, at most
+        :data:`UNBOUNDED_MAX_TOKENS`."""
         positions = getattr(self._model.engine.model.config, "max_position_embeddings", None)
+        return min(positions - prompt_tokens, UNBOUNDED_MAX_TOKENS) if positions else UNBOUNDED_MAX_TOKENS
+
+    async def _prompt_ids(self, request: CompletionRequest) -> list[int]:
+        """The prompt's token ids (a chat's messages through the model's chat template), refused with
+        :class:`RequestFieldError` as soon as it cannot fit."""
+        positions = getattr(self._model.engine.model.config, "max_position_embeddings", None)
+        field = "messages" if request.chat else "prompt"
+        wanted = request.max_tokens or 1
 
         def check(tokens: int, size: str) -> None:
-            if positions and tokens + request.max_tokens > positions:
+            if positions and tokens + wanted > positions:
                 # The engine's own words for the same refusal (it checks again, in time linear in the prompt).
-                raise RequestFieldError("prompt", f"prompt of {size} plus max_tokens {request.max_tokens} "
-                                                  f"exceeds the model's {positions} positions")
+                raise RequestFieldError(field, f"prompt of {size} plus max_tokens {wanted} "
+                                               f"exceeds the model's {positions} positions")
 
         prompt = request.prompt
+        if request.chat:
+            least = sum(self._codec.min_tokens(m.content) for m in prompt)
+            check(least, f"{sum(len(m.content) for m in prompt)} characters of messages (at least {least} tokens)")
+            ids = await asyncio.to_thread(self._codec.chat_ids, prompt)
+            check(len(ids), f"{len(ids)} tokens")
+            return ids
         if isinstance(prompt, tuple):
             check(len(prompt), f"{len(prompt)} tokens")
             return list(prompt)

@@ -50,6 +50,7 @@ class FakeWorker:
     #: When set, a stream pauses after its first event until the test sets it.
     gate: asyncio.Event | None = None
     bodies: list[bytes] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
     url: str = ""
     finished: bool = False
 
@@ -62,6 +63,7 @@ class FakeWorker:
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         self.bodies.append(body)
+        self.paths.append(request.path)
         if self.behaviour == "busy":
             # Its queue is full, as its next /health says: a poll after the 429 must not clear it (it did
             # with room reported, a race the test lost once in CI).
@@ -121,7 +123,8 @@ async def workers(*fakes: FakeWorker) -> AsyncIterator[list[FakeWorker]]:
     async with AsyncExitStack() as stack:
         for fake in fakes:
             app = web.Application(client_max_size=64 << 20)  # the worker's own limit is not under test
-            app.add_routes([web.get("/health", fake.health), web.post("/v1/completions", fake.complete)])
+            app.add_routes([web.get("/health", fake.health), web.post("/v1/completions", fake.complete),
+                            web.post("/v1/chat/completions", fake.complete)])
             fake.url = await stack.enter_async_context(serving(app))
         yield list(fakes)
 
@@ -194,6 +197,19 @@ async def test_requests_go_only_to_workers_able_to_serve(client):
                                                            unhealthy.url: "down", dead: "down"}
             assert pool[unhealthy.url]["problem"] == f"worker {unhealthy.url}: /health answered HTTP 503"
             assert pool[dead]["problem"].startswith(f"worker {dead}: /health failed: ClientConnectorError")
+
+
+async def test_a_chat_request_goes_to_the_workers_chat_endpoint_and_its_stream_is_relayed(client):
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}], "stream": True}
+    async with workers(FakeWorker()) as (worker,), router([worker.url]) as (url, instance):
+        await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+        async with client.post(f"{url}/v1/chat/completions", json=chat) as response:
+            assert response.status == 200 and await read_events(response) == [
+                '{"choices": [{"text": "t0"}]}', '{"choices": [{"text": "t1"}]}', '{"choices": [{"text": "t2"}]}',
+                "[DONE]"]
+        assert worker.paths == ["/v1/chat/completions"] and json.loads(worker.bodies[0]) == chat
+        async with client.get(f"{url}/stats") as response:
+            assert (await response.json())["counters"]["prompt_tokens"] == 10  # 40 characters of messages
 
 
 async def test_the_request_body_reaches_the_worker_unchanged(client):

@@ -27,7 +27,7 @@ from pipecast.engine.errors import EngineClosedError
 from pipecast.serve.app import build_app
 from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
 from pipecast.serve.metrics import RateMeter
-from pipecast.serve.openai_api import CompletionRequest, parse_completion_request
+from pipecast.serve.openai_api import ChatMessage, CompletionRequest, parse_chat_request, parse_completion_request
 from pipecast.serve.text import CompletionText, IncrementalDetokenizer, StopMatcher, TextCodec
 from pipecast.serve.worker import CODEC_BLOCKS_LEFT, CODEC_POLL_S, ServingWorker, WorkerConfig, codec_blocks_left
 from tests.support import packages
@@ -95,15 +95,15 @@ async def wait_until_async(predicate, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def post(http: aiohttp.ClientSession, url: str, body) -> tuple[int, dict, dict]:
+async def post(http: aiohttp.ClientSession, url: str, body, path: str = "/v1/completions") -> tuple[int, dict, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with http.post(f"{url}/v1/completions", data=data) as response:
+    async with http.post(f"{url}{path}", data=data) as response:
         return response.status, dict(response.headers), await response.json()
 
 
-async def sse_events(http: aiohttp.ClientSession, url: str, body: dict) -> list[str]:
+async def sse_events(http: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/completions") -> list[str]:
     """The ``data:`` payloads of a streamed completion, in order."""
-    async with http.post(f"{url}/v1/completions", json=body) as response:
+    async with http.post(f"{url}{path}", json=body) as response:
         assert response.status == 200 and response.headers["Content-Type"] == "text/event-stream"
         text = (await response.read()).decode()
     assert text.endswith("\n\n")
@@ -160,6 +160,41 @@ async def test_json_and_streamed_completions_give_the_engines_greedy_tokens(pkg,
         assert metric(page, 'pipecast_serve_requests_total{outcome="ok"}') == 3
         assert metric(page, "pipecast_serve_generated_tokens_total") == 2 * len(expected) + answer["usage"][
             "completion_tokens"]
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+
+
+async def test_chat_completions_render_the_packages_template_and_give_the_engines_greedy_tokens(pkg, reference):
+    # The tiny package's template (benchmarks/tiny_checkpoints.py): <|role|>content per message, then the
+    # assistant's turn; its byte-level tokenizer makes each byte a token.
+    rendered = list(b"<|system|>Be brief.\n<|user|>Hi\n<|assistant|>")
+    expected = reference(rendered, 12)
+    chat = {"model": MODEL, "messages": CHAT, "max_completion_tokens": 12, "temperature": 0, "return_token_ids": True}
+    async with serving(WorkerConfig(str(pkg))) as (url, _, _, http):
+        status, _, whole = await post(http, url, chat, "/v1/chat/completions")
+        assert status == 200, whole
+        choice = whole["choices"][0]
+        assert whole["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+        assert choice["token_ids"] == expected and whole["usage"]["prompt_tokens"] == len(rendered)
+
+        events = await sse_events(http, url, {**chat, "stream": True, "stream_options": {"include_usage": True}},
+                                  "/v1/chat/completions")
+        *pieces, usage = [json.loads(e) for e in events[:-1]]
+        assert {c["object"] for c in pieces} == {"chat.completion.chunk"}
+        assert pieces[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in pieces) == choice["message"]["content"]
+        assert [t for c in pieces for t in c["choices"][0]["token_ids"]] == expected
+        assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+
+        # No limit given: as many tokens as the model's positions leave (the engine stops at EOS or there).
+        status, _, unbounded = await post(http, url, {**chat, "max_completion_tokens": None}, "/v1/chat/completions")
+        assert status == 200 and unbounded["usage"]["completion_tokens"] >= len(expected)
+        for bad, field in (({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # the template refuses
+                           ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0]"),
+                           ({"tools": [{"type": "function"}]}, "tools")):
+            status, _, error = await post(http, url, {**chat, **bad}, "/v1/chat/completions")
+            assert status == 400 and error["error"]["param"] == field, error
 
 
 async def test_health_goes_loading_partial_ready_as_blocks_arrive_and_the_prompt_runs_meanwhile(pkg, reference):
@@ -460,6 +495,26 @@ async def test_a_package_without_tokenizer_fails_the_worker_with_503(tiny_packag
 # --- the pieces, without HTTP ------------------------------------------------------------------------
 
 
+def test_chat_requests_are_checked_field_by_field():
+    request = parse_chat_request({"model": "m", "messages": CHAT, "max_tokens": 5, "stream": True, "n": 1})
+    assert request.chat and request.max_tokens == 5 and request.stream
+    assert request.prompt == (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"))
+    assert parse_chat_request({"model": "m", "messages": CHAT, "max_tokens": 5,
+                               "max_completion_tokens": 7}).max_tokens == 7  # the newer name wins
+    assert parse_chat_request({"model": "m", "messages": CHAT}).max_tokens is None
+    for fields, message in (
+            ({"messages": []}, "messages: required: a non-empty list of {role, content} objects"),
+            ({"messages": [{"role": "user"}]}, "messages[0].content: must be a string or a list of"),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+             "messages[0].content: must be a string or a list of"),
+            ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+             "messages[0].tool_calls: is not supported"),
+            ({"n": 2}, "n: 2 is not supported"), ({"prompt": "x"}, "prompt: unknown field"),
+            ({"max_completion_tokens": 0}, "max_completion_tokens: must be at least 1, got 0")):
+        with pytest.raises(RequestFieldError, match=re.escape(message)):
+            parse_chat_request({"model": "m", "messages": CHAT, **fields})
+
+
 def test_requests_are_checked_field_by_field():
     assert parse_completion_request({"model": "m", "prompt": ["hi"], "stop": "\n", "seed": 3, "stream": True,
                                      "stream_options": {"include_usage": True}, "n": 1, "user": "u"}) == \
@@ -536,6 +591,16 @@ def test_the_openai_client_and_raw_http_against_a_worker_process(pkg, reference,
         assert whole.usage.completion_tokens == len(expected) and whole.usage.prompt_tokens == len(PROMPT)
         with pytest.raises(openai.BadRequestError, match="max_tokens: must be at least 1"):
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+
+        # Chat, as chat clients call it: the package's template, streamed deltas, the same text whole.
+        rendered = list(b"<|system|>Be brief.\n<|user|>Hi\n<|assistant|>")
+        deltas = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=12,
+                                                     temperature=0, stream=True))
+        answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+        assert answer.choices[0].message.role == "assistant" and deltas[0].choices[0].delta.role == "assistant"
+        assert "".join(d.choices[0].delta.content or "" for d in deltas) == answer.choices[0].message.content
+        assert answer.usage.prompt_tokens == len(rendered)
+        assert answer.usage.completion_tokens == len(reference(rendered, 12))
 
         # Raw HTTP, as curl sends it: the bytes of a Server-Sent Events answer.
         address = urlsplit(url)
