@@ -12,7 +12,9 @@ Endpoints:
   ``data: {"error": {...}}`` event and the stream ends. Responses carry ``x-pipecast-worker`` and
   ``x-pipecast-queue-seconds``; a streaming response's headers leave as soon as the worker answers
   with its own headers, before the first token.
-- ``GET /health``: the router's own state; ``GET /v1/workers``: the pool; ``GET /metrics``: Prometheus.
+- ``GET /health``: the router's own state; ``GET /v1/workers``: the pool; ``GET /v1/models``: the models its
+  workers serve or load (as their health polls name them), each with its package id and workers;
+  ``GET /metrics``: Prometheus.
 - ``GET /stats``: the scaling signals (:mod:`pipecast.router.signals`) as JSON, for autoscalers polling
   every second or so: ``format`` (1), ``now_unix``, ``started_unix``, ``queue_depth`` (waiting here for
   a worker), ``in_flight`` (at workers), ``workers`` (each ``url``, ``node_id``, ``status``,
@@ -451,6 +453,17 @@ class Router:
         return self.signals.snapshot(self.dispatcher.waiting, self.pool.in_flight, self.pool.workers(),
                                      self.dispatcher.waiting_by_tenant())
 
+    def models(self) -> dict:
+        """The ``GET /v1/models`` answer: each model the workers' last health answers name (serving or loading)."""
+        served: dict[tuple[str, str], list[str]] = {}
+        for worker in self.pool.workers():
+            health = worker.health
+            if health is not None and health.model:
+                served.setdefault((health.model, health.package_id or ""), []).append(worker.url)
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(self.signals.started_unix), "owned_by": "pipecast",
+             "root": package_id, "workers": sorted(urls)} for (name, package_id), urls in sorted(served.items())]}
+
     def describe_workers(self) -> dict:
         """The ``GET /v1/workers`` answer."""
         now = self.clock()
@@ -491,6 +504,9 @@ def build_app(router: Router) -> web.Application:
     async def stats(request: web.Request) -> web.Response:
         return web.json_response(router.stats())
 
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(router.models())
+
     async def metrics(request: web.Request) -> web.Response:
         data, content_type = router.metrics.render()
         return web.Response(body=data, headers={"Content-Type": content_type})
@@ -498,6 +514,6 @@ def build_app(router: Router) -> web.Application:
     app.cleanup_ctx.append(lifetime)
     app.on_shutdown.append(on_shutdown)
     app.add_routes([web.post("/v1/completions", completions), web.post("/v1/chat/completions", completions),
-                    web.get("/health", health),
+                    web.get("/health", health), web.get("/v1/models", models),
                     web.get("/v1/workers", workers), web.get("/metrics", metrics), web.get("/stats", stats)])
     return app

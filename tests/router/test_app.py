@@ -52,13 +52,15 @@ class FakeWorker:
     bodies: list[bytes] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     url: str = ""
+    model: str = ""  # named in its /health when set
     finished: bool = False
 
     async def health(self, request: web.Request) -> web.Response:
         present = {"ready": 4, "partial": 3}.get(self.status, 1)  # a partial worker in its last block
+        named = {"model": self.model, "package_id": "p" * 64} if self.model else {}
         return web.json_response({"status": self.status, "blocks_present": present,
                                   "blocks_total": 4, "queue_depth": self.queue_depth, "running": 0,
-                                  "max_queue": 8}, status=self.health_code)
+                                  "max_queue": 8, **named}, status=self.health_code)
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -210,6 +212,16 @@ async def test_a_chat_request_goes_to_the_workers_chat_endpoint_and_its_stream_i
         assert worker.paths == ["/v1/chat/completions"] and json.loads(worker.bodies[0]) == chat
         async with client.get(f"{url}/stats") as response:
             assert (await response.json())["counters"]["prompt_tokens"] == 10  # 40 characters of messages
+
+
+async def test_the_router_lists_the_models_its_workers_name_with_their_workers(client):
+    async with workers(FakeWorker(model="chat"), FakeWorker(model="chat", status="loading"), FakeWorker()) as fakes, \
+            router([f.url for f in fakes]) as (url, instance):
+        await eventually(lambda: all(w.health is not None for w in instance.pool.workers()))
+        async with client.get(f"{url}/v1/models") as response:
+            listed = (await response.json())["data"]
+        assert [(m["id"], m["root"], m["workers"]) for m in listed] == [
+            ("chat", "p" * 64, sorted(f.url for f in fakes[:2]))]
 
 
 async def test_the_request_body_reaches_the_worker_unchanged(client):
