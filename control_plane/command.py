@@ -215,6 +215,43 @@ def pipelines_command(ctx: click.Context, package_id: str) -> None:
     _emit(ctx, [_message_json(p) for p in pipelines], lines)
 
 
+@cp_group.command("status")
+@click.pass_context
+def status_command(ctx: click.Context) -> None:
+    """One screen of the cluster: workers, packages (holders, replicas), plans, pipelines, deployments."""
+    async def everything(c: Any) -> tuple:
+        return await asyncio.gather(c.list_workers(), c.list_packages(), c.list_plans(), c.list_pipelines(),
+                                    c.list_deployments())
+
+    workers, packages, plans, pipelines, deployments = _run(ctx, everything)
+    alive = [w for w in workers if w.alive]
+    models = {p.package_id: p.model_name for p in packages}
+    lines = [f"workers: {len(alive)} alive of {len(workers)}"]
+    for w in workers:
+        held = " ".join(f"{models.get(h.package_id, h.package_id[:12])}:{len(h.blocks)}" for h in w.held) or "-"
+        lines.append(f"  {w.worker.peer.node_id:<24} {'alive' if w.alive else 'DEAD':<5} {held}")
+    lines.append(f"packages: {len(packages)}")
+    for p in packages:
+        lines.append(f"  {p.model_name[:28]:<28} {p.package_id[:12]}  {p.num_blocks} blocks, "
+                     f"{format_bytes(p.total_bytes)}, {p.complete_holders} holding all, store {p.store.node_id}")
+    lines.append(f"plans in progress: {len(plans)}")
+    for p in plans:
+        lines.append(f"  {p.plan_id:<12} {models.get(p.package_id, p.package_id[:12])}: {p.strategy} from "
+                     f"{', '.join(p.sources)} to {len(p.receivers)}, {len(p.pending)} pending")
+    lines.append(f"pipelines: {len(pipelines)}")
+    for p in pipelines:
+        lines.append(f"  {models.get(p.package_id, p.package_id[:12])}: "
+                     + " -> ".join(f"{s.node_id}[{s.layer_start}-{s.layer_end - 1}]" for s in p.stages))
+    lines.append(f"deployments: {len(deployments)}")
+    for d in deployments:
+        replicas = sum(1 for w in alive if any(h.package_id == d.package_id and h.blocks for h in w.held))
+        lines.append(f"  {models.get(d.package_id, d.package_id[:12])}: {replicas} workers holding blocks, "
+                     f"{_describe_policy(d.policy)}; priority {d.priority}")
+    _emit(ctx, {"workers": [_message_json(w) for w in workers], "packages": [_message_json(p) for p in packages],
+                "plans": [_message_json(p) for p in plans], "pipelines": [_message_json(p) for p in pipelines],
+                "deployments": [d.to_json() for d in deployments]}, lines)
+
+
 @cp_group.command("publish")
 @click.argument("package_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--store-node", required=True, help="Node id of the store that serves the package.")

@@ -477,6 +477,11 @@ def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
         plans = json.loads(runner.invoke(cp_group, ["--json", "plans"]).output)
         assert [(p["package_id"], p["receivers"]) for p in plans] == [(pid, ["w1"])]
         assert "w1" in runner.invoke(cp_group, ["workers"]).output
+        status = runner.invoke(cp_group, ["status"]).output
+        assert "workers: 1 alive of 1" in status and "plans in progress: 1" in status, status
+        assert f"pkg                          {pid[:12]}  {BLOCKS} blocks" in status, status
+        everything = json.loads(runner.invoke(cp_group, ["status", "--json"]).output)
+        assert [p["package_id"] for p in everything["packages"]] == [pid] and everything["deployments"] == []
         refused = runner.invoke(cp_group, ["--token", "wrong", "packages"])
         assert isinstance(refused.exception, Unauthenticated)
         token = runner.invoke(cp_group, ["issue-token", "w9"]).output.strip()
