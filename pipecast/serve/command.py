@@ -27,7 +27,8 @@ SWITCH_INTERVAL_S = 0.0005
 @click.option("--max-batch", type=click.IntRange(min=1),
               help="Sequences sharing one forward pass (settings: max_batch).")
 @click.option("--device", help="Where the model runs: cpu, cuda, cuda:1 ... (settings: device).")
-@click.option("--model-name", help="The model name requests use (default: the package's model name).")
+@click.option("--model-name", "--served-model-name", "model_name",
+              help="The model name requests use (default: the package's model name; vLLM's option name works too).")
 @click.option("--wait-full-load", is_flag=True,
               help="Load-then-serve: hold every request until the whole model is in (the baseline of "
                    "`pipecast bench coldstart`). By default prompts run layer by layer as blocks arrive.")
