@@ -19,6 +19,11 @@ Three phases, in this order, with the same processes:
    router (a's excess is refused with 429 and ``Retry-After``);
 3. ``burst-unlimited``: the same load through the router without limits: what the limit prevents.
 
+In the burst phases b is a steady tenant when a's burst comes: a starts :data:`BURST_DELAY_S` after b and
+b goes on that much longer, so that b sends throughout a's burst. (A burst that lands in the same
+millisecond as b's very first request is dispatched before b exists for the router; no dispatch order can
+then keep a's first requests from b's.)
+
 The figure is b's p99 in phase 2 over its p99 in phase 1, against the target :data:`TARGET_RATIO`.
 Percentiles are over a tenant's admitted requests (answered, or failed and counted at the deadline);
 429s are counted apart. The module is pure logic (configuration, rates, figures, report) above
@@ -76,6 +81,8 @@ CALIBRATION_S = 4.0  # of closed-loop load, every worker's batch full
 START_TIMEOUT_S = 120.0  # workers import torch and load the model on a busy machine
 POLL_S = 0.2
 PAUSE_S = 2.0  # between phases, once the previous phase's requests have ended
+#: In the burst phases, a's burst starts this long after b's steady stream (module docstring).
+BURST_DELAY_S = 1.0
 ROUTERS = {True: "router-limited", False: "router-unlimited"}  # process names, by "has limits"
 
 ProgressCallback = Callable[[str], None]
@@ -391,9 +398,18 @@ def _error_type(payload: bytes) -> str:
         return "unknown"
 
 
+def phase_schedule(loads: Mapping[str, float], duration_s: float) -> dict[str, list[float]]:
+    """Each tenant's send times in a phase: alone, b for ``duration_s``; with a's burst, a for ``duration_s``
+    from :data:`BURST_DELAY_S` on and b from 0 until a's burst ends."""
+    delay = BURST_DELAY_S if BURSTING in loads else 0.0
+    return {tenant: [delay + t for t in schedule(rate, duration_s)] if tenant == BURSTING
+            else schedule(rate, duration_s + delay) for tenant, rate in loads.items()}
+
+
 async def _phase(url: str, model: str, loads: Mapping[str, float], duration_s: float,
                  deadline_s: float) -> list[RequestRecord]:
-    """Each tenant of ``loads`` at its rate for ``duration_s``, open loop; returns once every request ended."""
+    """Each tenant of ``loads`` at its rate (:func:`phase_schedule`), open loop; returns once every request
+    ended."""
     import aiohttp
 
     origin = time.monotonic() + 0.1  # every task is created before the first is due
@@ -401,8 +417,9 @@ async def _phase(url: str, model: str, loads: Mapping[str, float], duration_s: f
     # a's in this process, where no router could keep them apart.
     sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) for _ in loads]
     try:
+        times = phase_schedule(loads, duration_s)
         tasks = [asyncio.create_task(_send(http, url, tenant, _body(model), origin + at, origin, deadline_s))
-                 for http, (tenant, rate) in zip(sessions, loads.items()) for at in schedule(rate, duration_s)]
+                 for http, tenant in zip(sessions, loads) for at in times[tenant]]
         return list(await asyncio.gather(*tasks))
     finally:
         for http in sessions:

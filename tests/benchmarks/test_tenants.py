@@ -23,6 +23,7 @@ from benchmarks.tenants import (
     choose_rates,
     format_report,
     p99_ratio,
+    phase_schedule,
     schedule,
     summarize,
 )
@@ -63,6 +64,13 @@ def test_a_is_limited_to_its_rate_and_b_has_headroom_over_its_own():
 def test_a_schedule_is_evenly_spaced_over_the_phase():
     assert schedule(2.0, 3.0) == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
     assert schedule(0.1, 3.0) == [0.0]  # a phase shorter than one interval still sends one
+
+
+def test_in_a_burst_phase_a_starts_after_b_and_b_sends_throughout_its_burst():
+    assert phase_schedule({"b": 2.0}, 2.0) == {"b": [0.0, 0.5, 1.0, 1.5]}
+    times = phase_schedule({"b": 2.0, "a": 4.0}, 1.0)
+    assert times["a"] == [1.0, 1.25, 1.5, 1.75]  # BURST_DELAY_S later
+    assert times["b"] == [0.0, 0.5, 1.0, 1.5]  # until a's burst ends
 
 
 def _records() -> list[RequestRecord]:
