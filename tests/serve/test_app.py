@@ -216,8 +216,8 @@ async def test_health_goes_loading_partial_ready_as_blocks_arrive_and_the_prompt
         assert [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]] == reference(PROMPT, 12)
         assert await health(http, url) == {"status": "ready", "blocks_present": 4, "blocks_total": 4,
                                            "queue_depth": 0, "running": 0, "max_queue": 64, "max_batch": 16,
-                                           "pipeline_sessions": 0, "pipeline_moved": 0, "stage": "loaded",
-                                           "model": MODEL, "package_id": worker.package_id}
+                                           "pipeline_sessions": 0, "pipeline_moved": 0, "pipeline_kept": 0,
+                                           "stage": "loaded", "model": MODEL, "package_id": worker.package_id}
 
 
 class ReadingAgent(GatedAgent):

@@ -14,8 +14,8 @@ PARTIAL = WorkerHealth(status="partial", blocks_present=3, blocks_total=8, queue
 
 def test_the_answer_has_every_field_in_order_and_error_only_when_there_is_one():
     assert list(PARTIAL.to_json()) == ["status", "blocks_present", "blocks_total", "queue_depth", "running",
-                                       "max_queue", "max_batch", "pipeline_sessions", "pipeline_moved", "stage",
-                                       "model", "package_id"]
+                                       "max_queue", "max_batch", "pipeline_sessions", "pipeline_moved", "pipeline_kept",
+                                       "stage", "model", "package_id"]
     failed = WorkerHealth("failed", 0, 0, 0, 0, 64, 16, stage="failed", error="cannot load x: gone")
     assert failed.to_json()["error"] == "cannot load x: gone" and failed.to_json()["model"] is None
 
