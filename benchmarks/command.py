@@ -176,6 +176,9 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
               help="The daemon releases a replica idle this long, seconds.")
 @click.option("--scale-down-cooldown", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="The daemon releases nothing this long after a scale event, seconds.")
+@click.option("--cold-start", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="The daemon's cold_start_s: seconds a new replica takes to serve (0: not counted; S/B is about "
+                   "it here).")
 @click.option("--prompt-cap", type=click.IntRange(min=1), default=64, show_default=True,
               help="Largest prompt sent, in tokens (this machine computes on CPU).")
 @click.option("--output-cap", type=click.IntRange(min=1), default=4, show_default=True,
@@ -212,7 +215,7 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep every process's log and events here (default: a temp dir, removed).")
 def bench_surge(workers, min_workers, strategies, trace, window_start, window_seconds, window_requests, time_scale,
-                synthetic, surges, quiet_seconds, slo_ttft_p99, keep_alive, scale_down_cooldown, prompt_cap,
+                synthetic, surges, quiet_seconds, slo_ttft_p99, keep_alive, scale_down_cooldown, cold_start, prompt_cap,
                 output_cap, link_mbit, store_mbit, repeat, pre_surge_seconds, first_n, worker_max_batch,
                 queue_timeout, worker_cpus, package, cache, mode, no_calibrate, json_path, csv_path, plots_dir,
                 workdir):
@@ -245,7 +248,7 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
             worker_max_batch=worker_max_batch, queue_timeout_s=queue_timeout, calibrate=not no_calibrate,
             worker_cpus=(os.cpu_count() or 1) / workers if worker_cpus is None else (worker_cpus or None),
             policy=replace(surge.DEFAULT_POLICY, slo_ttft_p99_s=slo_ttft_p99, keep_alive_s=keep_alive,
-                           scale_down_cooldown_s=scale_down_cooldown))
+                           scale_down_cooldown_s=scale_down_cooldown, cold_start_s=cold_start))
     except PipecastError as exc:
         raise click.UsageError(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:

@@ -373,6 +373,9 @@ DEFAULT_POLICY = ScalingPolicy()
               help="Requests/s one replica serves, until the scaler has measured it.")
 @click.option("--replica-concurrency", type=click.IntRange(min=1), default=DEFAULT_POLICY.replica_concurrency,
               show_default=True, help="Requests one replica runs at once (its batch).")
+@click.option("--cold-start", type=Duration(), default=DEFAULT_POLICY.cold_start_s, show_default=True,
+              help="How long a new replica takes to serve (about S/B; 0: not counted): a scale-up then also drains "
+                   "what arrives meanwhile within the SLO.")
 @click.option("--router", "routers", multiple=True, metavar="URL",
               help="Base URL of a router whose /stats feed the scaler (repeat for several).")
 @click.option("--priority", type=click.Choice(PRIORITIES), default=DEFAULT_PRIORITY, show_default=True,
@@ -386,6 +389,7 @@ def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...]
     policy["keep_alive_s"] = policy.pop("keep_alive")
     policy["scale_up_cooldown_s"] = policy.pop("scale_up_cooldown")
     policy["scale_down_cooldown_s"] = policy.pop("scale_down_cooldown")
+    policy["cold_start_s"] = policy.pop("cold_start")
     warm, factor = policy.pop("warm"), policy.pop("warm_factor")
     if warm == WARM_AUTO:
         policy["warm_auto_factor"] = factor
@@ -403,7 +407,8 @@ def _describe_policy(p: ScalingPolicy) -> str:
     warm = f"auto ({p.warm_auto_factor}x baseline)" if p.warm_auto_factor else p.warm
     return (f"replicas {p.min_replicas}..{p.max_replicas}, warm {warm}, p99 TTFT SLO {p.slo_ttft_p99_s:g} s, "
             f"keep-alive {p.keep_alive_s:g} s, cooldowns up {p.scale_up_cooldown_s:g} s / down "
-            f"{p.scale_down_cooldown_s:g} s, {p.replica_rps:g} req/s and {p.replica_concurrency} at once per replica")
+            f"{p.scale_down_cooldown_s:g} s, {p.replica_rps:g} req/s and {p.replica_concurrency} at once per replica"
+            + (f", cold start {p.cold_start_s:g} s" if p.cold_start_s else ""))
 
 
 @cp_group.command("deployments")

@@ -42,6 +42,9 @@ class ScalingPolicy:
     replica_concurrency: int = 8
     #: 0: the warm pool is ``warm``; else it is sized from the traffic, to absorb this many times the baseline.
     warm_auto_factor: float = 0.0
+    #: Seconds a new replica takes to serve (0: not counted): a scale-up is then sized to drain, within the
+    #: SLO, the requests that arrive meanwhile beyond what the serving replicas take.
+    cold_start_s: float = 0.0
 
     def problems(self) -> list[str]:
         """What is wrong with these values (empty when they are usable)."""

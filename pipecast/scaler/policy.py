@@ -8,8 +8,10 @@ How it decides, in this order:
 2. **Demand** (leading signals first): replicas needed for the requests present now (router queue + in
    flight, at ``replica_concurrency`` each) and for the arrival rate over the last ``SHORT_WINDOW_S``
    (at the per-replica throughput, measured from the window whenever requests queued, else the policy's
-   ``replica_rps``); then the lagging one: a p99 TTFT over the SLO with requests still queued and no
-   replica on its way adds one more. ``desired`` = demand + the warm pool, within ``min..max``: the policy's
+   ``replica_rps``); with ``cold_start_s`` (how long a new replica takes to serve), the replicas that also
+   drain, within the SLO once they serve, what arrives meanwhile beyond the serving replicas' throughput
+   (:func:`cold_start_demand`: with multicast, several replicas load in about the time of one); then the
+   lagging one: a p99 TTFT over the SLO with requests still queued and no replica on its way adds one more. ``desired`` = demand + the warm pool, within ``min..max``: the policy's
    ``warm``, or with ``warm_auto_factor`` the replicas that absorb that many times the *baseline* demand
    (:func:`baseline_demand`, the median over the history) beyond what the demand needs now.
 3. **Scale up** by the whole gap at once (not one at a time), at most the free workers. Within
@@ -133,6 +135,17 @@ def baseline_demand(history: Sequence[Signals], throughput: float, policy: Scali
     return statistics.median(demands) if demands else 0.0
 
 
+def cold_start_demand(rate: float, serving: int, throughput: float, policy: ScalingPolicy) -> int:
+    """Replicas for ``rate`` when new ones take ``cold_start_s`` to serve: the requests arriving meanwhile
+    beyond what the ``serving`` replicas take wait for them, and are drained within ``slo_ttft_p99_s`` once
+    they serve, on top of the rate itself. 0 when the serving replicas keep up, or without a cold start."""
+    excess = rate - serving * throughput
+    if policy.cold_start_s <= 0 or rate <= 0 or excess <= 0:
+        return 0
+    backlog = excess * policy.cold_start_s
+    return math.ceil((rate + backlog / policy.slo_ttft_p99_s) / throughput - EPSILON)
+
+
 def _demand(signals: Signals, rate: float, throughput: float, policy: ScalingPolicy) -> tuple[int, int]:
     by_requests = math.ceil((signals.queue_depth + signals.in_flight) / policy.replica_concurrency)
     by_rate = math.ceil(rate / throughput - EPSILON) if rate > 0 else 0
@@ -148,10 +161,11 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     rate = arrival_rate(history)
     throughput = replica_throughput(history, policy)
     by_requests, by_rate = _demand(now, rate, throughput, policy)
+    by_cold = cold_start_demand(rate, now.serving, throughput, policy)
     loading = sum(r.loading for r in pool.replicas)
     slo_missed = (now.ttft_p99_s is not None and now.ttft_p99_s > policy.slo_ttft_p99_s and now.queue_depth > 0
                   and loading == 0)
-    needed = max(by_requests, by_rate, have + 1 if slo_missed else 0)
+    needed = max(by_requests, by_rate, by_cold, have + 1 if slo_missed else 0)
     inputs = {"queue_depth": now.queue_depth, "in_flight": now.in_flight, "arrival_rps": round(rate, 3),
               "replica_rps": round(throughput, 3), "ttft_p99_s": now.ttft_p99_s, "serving": now.serving,
               "replicas": have, "loading": loading, "free": pool.free,
@@ -166,12 +180,13 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     desired = min(max(needed + warm, policy.min_replicas), policy.max_replicas)
     why = (f"queue {now.queue_depth} + in flight {now.in_flight} need {by_requests} at {policy.replica_concurrency} "
            f"each; {rate:.2f} req/s needs {by_rate} at {throughput:.2f} req/s each"
+           f"{'; %d to drain what arrives in a %gs cold start' % (by_cold, policy.cold_start_s) if by_cold else ''}"
            f"{'; p99 TTFT %.2f s over the SLO %.2f s' % (now.ttft_p99_s, policy.slo_ttft_p99_s) if slo_missed else ''}"
            f"; {warm_why} -> desired {desired}, have {have}")
     if desired > have:
         cooling = pool.last_scale_up is not None and pool.now - pool.last_scale_up < policy.scale_up_cooldown_s
         # Replicas still loading will take the queue: within the cooldown only a higher rate or a missed SLO adds.
-        if cooling and by_rate <= have and not slo_missed:
+        if cooling and max(by_rate, by_cold) <= have and not slo_missed:
             return Decision(0, (), f"{why}: in the scale-up cooldown", "cooldown", desired, inputs)
         add = min(desired - have, pool.free)
         if add == 0:

@@ -52,7 +52,7 @@ def test_a_deployments_priority_is_checked_kept_over_proto_and_json_and_old_rows
     with pytest.raises(InvalidRequest, match=re.escape(
             "deployment of package 'p' refused: priority must be one of high, normal, low, got 'urgent'")):
         book.put(Deployment("p", ScalingPolicy(), priority="urgent"), ["p"], 1.0)
-    stored = book.put(Deployment("p", ScalingPolicy(), priority="low"), ["p"], 1.0)
+    stored = book.put(Deployment("p", ScalingPolicy(cold_start_s=5.5), priority="low"), ["p"], 1.0)
     assert book.priority_of("p") == "low" and book.priority_of("other") == "normal"
     assert deployment_from_proto(deployment_to_proto(stored)) == stored
     assert Deployment.from_json(stored.to_json()) == stored

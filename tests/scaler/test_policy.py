@@ -5,7 +5,7 @@ import random
 import pytest
 
 from control_plane.deployments import ScalingPolicy
-from pipecast.scaler.policy import Decision, Pool, Replica, Signals, baseline_demand, decide
+from pipecast.scaler.policy import Decision, Pool, Replica, Signals, baseline_demand, cold_start_demand, decide
 
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=8, slo_ttft_p99_s=2.0, warm=0, keep_alive_s=10.0,
                        scale_up_cooldown_s=5.0, scale_down_cooldown_s=20.0, replica_rps=1.0, replica_concurrency=4)
@@ -219,3 +219,22 @@ def test_auto_warm_in_the_closed_loop_settles_at_twice_the_baseline_without_thra
     sim.run([1, 1, 1, 1, 0] * 60)
     assert len(sim.replicas) == 2
     assert sim.thrash() == []
+
+
+def test_with_a_cold_start_the_scale_up_drains_what_arrives_while_the_replicas_load():
+    # 3 req/s at 1 req/s per replica, nothing serving, 5 s to load and a 2 s SLO: 3 for the rate, and 15
+    # requests arrive meanwhile, drained within 2 s by 7.5 more: 11, at most max_replicas.
+    cold = ScalingPolicy(**{**POLICY.__dict__, "cold_start_s": 5.0, "max_replicas": 16})
+    assert cold_start_demand(3.0, 0, 1.0, cold) == 11
+    assert cold_start_demand(3.0, 3, 1.0, cold) == 0  # the serving replicas keep up: nothing piles up
+    assert cold_start_demand(3.0, 2, 1.0, cold) == 6  # 1 req/s beyond them for 5 s: 3 + 2.5
+    assert cold_start_demand(3.0, 0, 1.0, POLICY) == 0  # not counted without a cold start
+    sim = Sim(cold, workers=16)
+    sim.run([3] * 2)  # the first second: the queue (no rate yet); the second: 3 req/s seen
+    (_, first), (_, second) = sim.decisions
+    assert (first.add, second.add) == (1, 10) and "11 to drain what arrives in a 5s cold start" in second.reason
+    sim.run([3] * 38 + [0] * 60)  # once they serve, the extra ones go after the keep-alive, then the rest
+    assert len(sim.replicas) == 0 and sim.thrash() == []
+    plain = Sim()
+    plain.run([3] * 4)  # without a cold start: the rate alone, 3 replicas at 1 req/s each
+    assert sum(d.add for _, d in plain.decisions) == 3
