@@ -311,8 +311,10 @@ class WorkerPool:
         if not candidates:
             return None
         def apart(unit: "Worker | PipelineUnit") -> tuple[int, int]:
-            own = unit.tenants.get(tenant, 0) if tenant is not None else 0
-            return (unit.in_flight - own, -own) if tenant is not None else (0, 0)
+            if tenant is None:
+                return (0, 0)
+            own = unit.tenants.get(tenant, 0)
+            return (unit.in_flight - own, -own)
 
         return min(candidates, key=lambda unit: (unit.url in avoid, *apart(unit), unit.load) + (
             (2, unit.waiting_blocks) if isinstance(unit, PipelineUnit) else

@@ -35,7 +35,6 @@ from pipecast.serve.openai_api import (
     CompletionRequest,
     chat_chunk_body,
     chat_completion_body,
-    chat_usage_chunk_body,
     chunk_body,
     completion_body,
     error_body,
@@ -229,9 +228,8 @@ async def _stream(request: web.Request, body: CompletionRequest,
                 await response.write(sse(chunk))
                 first = False
             if body.include_usage:
-                last = chat_usage_chunk_body if body.chat else usage_chunk_body
-                await response.write(sse(last(g.request_id, g.created, g.model, g.prompt_tokens,
-                                              g.completion_tokens)))
+                await response.write(sse(usage_chunk_body(g.request_id, g.created, g.model, g.prompt_tokens,
+                                                          g.completion_tokens, chat=body.chat)))
             await response.write(SSE_DONE)
             outcome = "ok"
         except ServeError as exc:  # the headers are gone: the error is the stream's last event

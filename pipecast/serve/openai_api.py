@@ -272,10 +272,12 @@ def chunk_body(request_id: str, created: int, model: str, text: str, finish_reas
             "choices": [_choice(text, finish_reason, token_ids)]}
 
 
-def usage_chunk_body(request_id: str, created: int, model: str, prompt_tokens: int, completion_tokens: int) -> dict:
-    """The streamed chunk after the last one when ``stream_options.include_usage`` is set."""
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+def usage_chunk_body(request_id: str, created: int, model: str, prompt_tokens: int, completion_tokens: int,
+                     chat: bool = False) -> dict:
+    """The streamed chunk after the last one when ``stream_options.include_usage`` is set (of a chat
+    request's stream with ``chat``)."""
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chat_completion_body(request_id: str, created: int, model: str, text: str, finish_reason: str,
@@ -299,13 +301,6 @@ def chat_chunk_body(request_id: str, created: int, model: str, text: str, finish
         choice["token_ids"] = token_ids
     return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [choice]}
-
-
-def chat_usage_chunk_body(request_id: str, created: int, model: str, prompt_tokens: int,
-                          completion_tokens: int) -> dict:
-    """The streamed chat chunk after the last one when ``stream_options.include_usage`` is set."""
-    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def error_body(error: ServeError) -> dict:
