@@ -67,9 +67,18 @@ def tiny_config(arch: str, **overrides):
         return transformers.LlamaConfig(**{**_COMMON, "tie_word_embeddings": False, **overrides})
     if arch == "qwen2":
         return transformers.Qwen2Config(**{**_COMMON, "tie_word_embeddings": True, **overrides})
+    if arch == "qwen3":  # head_dim set apart from hidden / heads, as Qwen3's is
+        return transformers.Qwen3Config(**{**_COMMON, "head_dim": 32, "tie_word_embeddings": True, **overrides})
     if arch == "mistral":
         return transformers.MistralConfig(**{**_COMMON, "tie_word_embeddings": False, "sliding_window": None,
                                              **overrides})
+    if arch == "gemma3_text":
+        # Sliding (local rotary base, window 6) and global layers alternating, global rotary scaled as in
+        # Gemma 3 4B; softcapped logits and a query scale apart from head_dim exercise what Gemma adds.
+        return transformers.Gemma3TextConfig(**{
+            **_COMMON, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
+            "sliding_window_pattern": 2, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "final_logit_softcapping": 4.0, "tie_word_embeddings": True, **overrides})
     if arch == "gpt2":
         config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=128,
                                          bos_token_id=0, eos_token_id=0)
@@ -78,6 +87,17 @@ def tiny_config(arch: str, **overrides):
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
+
+
+def _gemma_weights(model) -> None:
+    """Gemma multiplies its embeddings by sqrt(hidden), and its norms by (1 + weight), zero when drawn. Drawn
+    as the other types' are, the embeddings would outweigh every layer and the tied head echo each token back:
+    they are drawn sqrt(hidden) times smaller, and the norms random, as a trained model's are (so that each
+    norm matters to the tests)."""
+    model.model.embed_tokens.weight.div_(model.config.hidden_size ** 0.5)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.normal_(0.0, 1.0)
 
 
 def make_checkpoint(arch: str, path: Path, *, seed: int = 0, dtype: str = "float32",
@@ -89,6 +109,9 @@ def make_checkpoint(arch: str, path: Path, *, seed: int = 0, dtype: str = "float
     torch.manual_seed(seed)
     config = tiny_config(arch, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    if arch == "gemma3_text":
+        with torch.no_grad():
+            _gemma_weights(model)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return Path(path)

@@ -35,15 +35,17 @@ def place_tensor(name: str) -> int | None:
 
 
 # Inside a decoder layer, tensors in the order the forward pass uses them: the attention's norm, its
-# projections (q, k, v before the output one), the MLP's norm, its input projections, its output one.
-# Names no pattern knows go after them (the engine waits for such tensors before the layer starts).
+# projections (q, k, v and their norms before the output one), the MLP's norm, its input projections, its
+# output one and the norm of its output. Gemma's post_attention_layernorm norms the attention's output, and
+# sorts by name before the MLP's pre_feedforward_layernorm in their group. Names no pattern knows go after
+# them (the engine waits for such tensors before the layer starts).
 _EXECUTION_ORDER = tuple(re.compile(p) for p in (
     r"\.(?:input_layernorm|ln_1|attention_norm|input_norm|pre_attention_layernorm)\.",
-    r"\.(?:q_proj|k_proj|v_proj|qkv_proj|query_key_value|c_attn|wq|wk|wv)\.",
+    r"\.(?:q_proj|k_proj|v_proj|qkv_proj|query_key_value|c_attn|wq|wk|wv|q_norm|k_norm)\.",
     r"\.(?:self_attn|attention|attn)\.(?:o_proj|out_proj|dense|c_proj|wo)\.",
     r"\.(?:post_attention_layernorm|ln_2|ffn_norm|pre_feedforward_layernorm)\.",
     r"\.(?:gate_proj|up_proj|gate_up_proj|c_fc|fc1|dense_h_to_4h|w1|w3)\.",
-    r"\.(?:down_proj|fc2|dense_4h_to_h|w2)\.|\.mlp\.c_proj\.",
+    r"\.(?:down_proj|fc2|dense_4h_to_h|w2|post_feedforward_layernorm)\.|\.mlp\.c_proj\.",
 ))
 
 

@@ -16,7 +16,7 @@ from pipecast.engine.engine import LoadProgress
 from pipecast.engine.weights import ATTENTION, LAYER_STAGES, MLP_IN, stage_of
 from pipecast.loading import PackageUnavailableError
 from tests.support import packages
-from tests.support.engine_fixtures import GatedAgent, random_prompt, reference_generate, reference_model
+from tests.support.engine_fixtures import GatedAgent, random_prompt, reference_generate, reference_model, wait_until
 
 pytestmark = pytest.mark.usefixtures("no_configured_agent")
 
@@ -51,13 +51,6 @@ def real_agent(tiny, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-
-
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.001)
 
 
 def test_import_stays_light_and_load_is_the_function():

@@ -36,7 +36,7 @@ class PrefillState:
     """What every layer of one prompt's prefill reuses."""
 
     position_ids: "torch.Tensor"
-    rope: tuple["torch.Tensor", "torch.Tensor"]
+    rope: dict[str | None, tuple["torch.Tensor", "torch.Tensor"]]  # by rotary variant (position_embeddings)
     masks: dict[int | None, "torch.Tensor | None"]  # by sliding-window size (None: full attention)
     cache: PrefillCache
 
@@ -83,7 +83,7 @@ class StepScheduler:
         self.prefilling: list[Sequence] = []
         self.decoding: list[Sequence] = []  # decoding[i].row == i
         sk = model.skeleton
-        self.kv = SlotKVCache(num_layers=model.num_layers, num_kv_heads=sk.num_kv_heads, head_dim=sk.head_dim,
+        self.kv = SlotKVCache(windows=sk.windows, num_kv_heads=sk.num_kv_heads, head_dim=sk.head_dim,
                               rows=max_batch, dtype=model.dtype, device=model.device)
         self.steps = 0
         """Decode steps run (each a forward pass shared by every decoding sequence)."""

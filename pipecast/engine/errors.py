@@ -10,9 +10,10 @@ class EngineError(PipecastError):
 class UnsupportedModelError(EngineError):
     """The package's model type is not one the engine can run layer by layer (the package's fault)."""
 
-    def __init__(self, model_type: str, supported: tuple[str, ...]):
-        super().__init__(f"model type {model_type!r} is not supported by the pipecast engine "
-                         f"(supported: {', '.join(supported)})")
+    def __init__(self, model_type: str, supported: tuple[str, ...], qualifier: str = ""):
+        """``qualifier`` names what rules out a supported type (e.g. "with bidirectional attention")."""
+        super().__init__(f"model type {model_type!r}{' ' + qualifier if qualifier else ''} is not supported by "
+                         f"the pipecast engine (supported: {', '.join(supported)})")
         self.model_type = model_type
 
 

@@ -8,9 +8,12 @@ layers use it: ``update(keys, values, layer_idx) -> (all_keys, all_values)``.
 
 Masks follow transformers' sdpa rule so single sequences match it bit for bit: no mask where SDPA's own
 ``is_causal`` (prefill) or full attention (one new token) is exact; an explicit boolean mask where rows
-have different lengths or a sliding window is reached.
+have different lengths or a sliding window is reached. A decode step of a sliding-window layer attends over
+the keys from :func:`window_start` on, as transformers' sliding-window cache, which drops older keys, does:
+masking them instead is the same attention but not the same arithmetic (bf16 tokens differ).
 """
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,8 +33,15 @@ def prefill_mask(length: int, window: int | None, device: "torch.device") -> "to
     return allowed[None, None]
 
 
+def window_start(positions: Sequence[int], window: int | None) -> int:
+    """The first key position a decode step of rows at ``positions`` attends over: 0, or with a sliding
+    ``window`` the first that any row's window holds."""
+    return 0 if window is None else max(min(positions) - window + 1, 0)
+
+
 def decode_mask(positions: list[int], window: int | None, device: "torch.device") -> "torch.Tensor | None":
-    """Mask for one new token per row, row ``s`` at ``positions[s]`` attending to its keys ``0..positions[s]``.
+    """Mask for one new token per row, row ``s`` at ``positions[s]`` attending to its keys ``0..positions[s]``
+    (within its window), over the keys from :func:`window_start` to the furthest position.
 
     None when every row has the same length and no window is reached (the view then holds no padding).
     """
@@ -40,7 +50,7 @@ def decode_mask(positions: list[int], window: int | None, device: "torch.device"
     span = max(positions) + 1
     if len(set(positions)) == 1 and (window is None or span < window):
         return None
-    keys = torch.arange(span, device=device)[None, :]
+    keys = torch.arange(window_start(positions, window), span, device=device)[None, :]
     pos = torch.tensor(positions, device=device)[:, None]
     allowed = keys <= pos
     if window is not None:
@@ -64,13 +74,15 @@ class PrefillCache:
 class SlotKVCache:
     """Per layer, keys and values of shape [rows, kv_heads, capacity, head_dim]; one row per sequence.
 
+    ``windows``: each layer's sliding-window size, or None for full attention (one per layer).
     Memory is allocated on first use and grows in steps of CAPACITY_STEP tokens (at least doubling).
     Unused positions hold zeros, never garbage: masked positions still enter SDPA's products.
     """
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, rows: int,
+    def __init__(self, *, windows: Sequence[int | None], num_kv_heads: int, head_dim: int, rows: int,
                  dtype: "torch.dtype", device: "torch.device"):
-        self.num_layers, self.num_kv_heads, self.head_dim, self.rows = num_layers, num_kv_heads, head_dim, rows
+        self.windows = tuple(windows)
+        self.num_layers, self.num_kv_heads, self.head_dim, self.rows = len(windows), num_kv_heads, head_dim, rows
         self.dtype, self.device = dtype, device
         self.capacity = 0
         self.keys: list["torch.Tensor"] = []
@@ -131,10 +143,12 @@ class DecodeStep:
         self._rows = torch.arange(self._n, device=cache.device)
         self._positions = torch.tensor(positions, device=cache.device)
         self._span = max(positions) + 1
+        self._starts = {w: window_start(positions, w) for w in set(cache.windows)}
 
     def update(self, keys: "torch.Tensor", values: "torch.Tensor",
                layer_idx: int) -> tuple["torch.Tensor", "torch.Tensor"]:
         k_all, v_all = self._cache.keys[layer_idx], self._cache.values[layer_idx]
         k_all[self._rows, :, self._positions] = keys[:, :, 0]
         v_all[self._rows, :, self._positions] = values[:, :, 0]
-        return k_all[: self._n, :, : self._span], v_all[: self._n, :, : self._span]
+        start = self._starts[self._cache.windows[layer_idx]]
+        return k_all[: self._n, :, start : self._span], v_all[: self._n, :, start : self._span]

@@ -94,7 +94,7 @@ class BlockLoader:
         parts bound so far stay bound, and the next call goes on from there)."""
         if index not in self._runs:
             header = self.provider.wait_header(index, timeout=POLL_S)
-            self._runs[index] = _part_runs(header)
+            self._runs[index] = _part_runs(header, self.model.skeleton.sandwich_norms)
         runs = self._runs[index]
         while runs:
             self._bind(index, self.provider.wait_tensors(index, runs[0], timeout=POLL_S))
@@ -105,13 +105,13 @@ class BlockLoader:
         self._last_arrival = time.monotonic()
 
 
-def _part_runs(header) -> list[list[str]]:
+def _part_runs(header, sandwich_norms: bool) -> list[list[str]]:
     """A block's tensors in byte order, cut where the part (a layer's stage, the embeddings, the head)
     changes."""
     runs: list[list[str]] = []
     previous = None
     for name, _ in sorted(header.tensors.items(), key=lambda item: item[1].begin):
-        part = stage_of(name)
+        part = stage_of(name, sandwich_norms)
         if not runs or part != previous:
             runs.append([])
         runs[-1].append(name)

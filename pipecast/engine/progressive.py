@@ -34,7 +34,9 @@ class ProgressiveModel:
         self.vocab_size = self.config.vocab_size
         self._inner = self.skeleton.model.model
         self._binder = WeightBinder(self.skeleton.model, dtype=dtype, device=self.device,
-                                    tied_embeddings=self.skeleton.tied_embeddings)
+                                    tied_embeddings=self.skeleton.tied_embeddings,
+                                    sandwich_norms=self.skeleton.sandwich_norms)
+        self._logit_cap = getattr(self.config, "final_logit_softcapping", None)
         self._cond = threading.Condition()
         self._ready: set[Part] = set()
         self._error: Exception | None = None
@@ -117,40 +119,50 @@ class ProgressiveModel:
         return self._inner.embed_tokens(input_ids)
 
     def position_embeddings(self, hidden: "torch.Tensor",
-                            position_ids: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
-        """Rotary (cos, sin) for ``position_ids`` [batch, seq], computed from the config as transformers does."""
-        return self.skeleton.rotary(hidden, position_ids)
+                            position_ids: "torch.Tensor") -> dict[str | None, tuple["torch.Tensor", "torch.Tensor"]]:
+        """Rotary (cos, sin) for ``position_ids`` [batch, seq], computed from the config as transformers does:
+        one pair per rotary variant the layers use (keyed as ``skeleton.rope_types``; Gemma 3's local and
+        global layers differ), for :meth:`run_layer` and :meth:`run_stage` to pick each layer's from."""
+        rotary = self.skeleton.rotary
+        return {t: rotary(hidden, position_ids) if t is None else rotary(hidden, position_ids, t)
+                for t in set(self.skeleton.rope_types)}
 
-    def run_layer(self, layer: int, hidden: "torch.Tensor", *, position_embeddings: tuple,
+    def run_layer(self, layer: int, hidden: "torch.Tensor", *, position_embeddings: Mapping[str | None, tuple],
                   position_ids: "torch.Tensor", mask: "torch.Tensor | None", cache: Any) -> "torch.Tensor":
         """Run decoder layer ``layer``; ``cache`` has ``update(k, v, layer_idx) -> (k, v)`` or is None."""
         self._mark_run(layer)
-        return self._inner.layers[layer](hidden, attention_mask=mask, position_embeddings=position_embeddings,
-                                         position_ids=position_ids, past_key_values=cache,
-                                         use_cache=cache is not None)
+        return self._inner.layers[layer](hidden, attention_mask=mask, position_ids=position_ids,
+                                         position_embeddings=self._layer_rope(position_embeddings, layer),
+                                         past_key_values=cache, use_cache=cache is not None)
 
     def run_stage(self, layer: int, stage: int, hidden: "torch.Tensor", carry: "torch.Tensor | None", *,
-                  position_embeddings: tuple, position_ids: "torch.Tensor", mask: "torch.Tensor | None",
-                  cache: Any) -> tuple["torch.Tensor", "torch.Tensor | None"]:
+                  position_embeddings: Mapping[str | None, tuple], position_ids: "torch.Tensor",
+                  mask: "torch.Tensor | None", cache: Any) -> tuple["torch.Tensor", "torch.Tensor | None"]:
         """Run one stage of decoder layer ``layer``: ``(hidden, carry)`` in, ``(hidden, carry)`` for the next
         stage out (``carry`` is the MLP's inner activation between MLP_IN and MLP_OUT, else None).
 
-        The three stages are the decoder layer's forward (shared by every supported model type) cut in
-        three: the same modules and tensor operations in the same order, so the result is bitwise
-        :meth:`run_layer`'s (the exactness tests run prefills this way).
+        The three stages are the decoder layer's forward (the supported types share one, Gemma's adding its
+        sandwich norms) cut in three: the same modules and tensor operations in the same order, so the result
+        is bitwise :meth:`run_layer`'s (the exactness tests run prefills this way).
         """
         module = self._inner.layers[layer]
         mlp = module.mlp
+        sandwich = self.skeleton.sandwich_norms
         if stage == ATTENTION:
             self._mark_run(layer)
             attended, _ = module.self_attn(hidden_states=module.input_layernorm(hidden), attention_mask=mask,
                                            position_ids=position_ids, past_key_values=cache,
-                                           use_cache=cache is not None, position_embeddings=position_embeddings)
-            return hidden + attended, None
+                                           use_cache=cache is not None,
+                                           position_embeddings=self._layer_rope(position_embeddings, layer))
+            return hidden + (module.post_attention_layernorm(attended) if sandwich else attended), None
         if stage == MLP_IN:
-            normed = module.post_attention_layernorm(hidden)
+            normed = (module.pre_feedforward_layernorm if sandwich else module.post_attention_layernorm)(hidden)
             return hidden, mlp.act_fn(mlp.gate_proj(normed)) * mlp.up_proj(normed)
-        return hidden + mlp.down_proj(carry), None
+        out = mlp.down_proj(carry)
+        return hidden + (module.post_feedforward_layernorm(out) if sandwich else out), None
+
+    def _layer_rope(self, position_embeddings: Mapping[str | None, tuple], layer: int) -> tuple:
+        return position_embeddings[self.skeleton.rope_types[layer]]
 
     def _mark_run(self, layer: int) -> None:
         if layer not in self.layer_first_run_at:
@@ -173,8 +185,13 @@ class ProgressiveModel:
         return hidden
 
     def lm_head(self, normed: "torch.Tensor") -> "torch.Tensor":
-        """The LM head: logits of :meth:`final_norm`'s output."""
-        return self.skeleton.model.lm_head(normed)
+        """The LM head: logits of :meth:`final_norm`'s output (softcapped where the config says, as Gemma's)."""
+        import torch
+
+        logits = self.skeleton.model.lm_head(normed)
+        if self._logit_cap is not None:  # transformers' three operations, in its order: bitwise its logits
+            logits = torch.tanh(logits / self._logit_cap) * self._logit_cap
+        return logits
 
     def window(self, layer: int) -> int | None:
         """Sliding-window size of ``layer``'s attention, or None for full attention."""

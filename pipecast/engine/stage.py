@@ -66,9 +66,12 @@ class StageOutput:
 
 
 class _AppendCache:
-    """Keys and values of one session's layers, grown by concatenation (transformers' dynamic cache)."""
+    """Keys and values of one session's layers, grown by concatenation (transformers' dynamic cache); a
+    sliding-window layer (``windows``: each layer's size or None) keeps only the keys its next step attends
+    over (transformers' sliding-window cache layer, and :func:`~pipecast.engine.kv_cache.window_start`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, windows: Sequence[int | None]) -> None:
+        self.windows = windows
         self.keys: dict[int, "torch.Tensor"] = {}
         self.values: dict[int, "torch.Tensor"] = {}
 
@@ -79,7 +82,9 @@ class _AppendCache:
         if layer_idx in self.keys:
             keys = torch.cat([self.keys[layer_idx], keys], dim=-2)
             values = torch.cat([self.values[layer_idx], values], dim=-2)
-        self.keys[layer_idx], self.values[layer_idx] = keys, values
+        window = self.windows[layer_idx]
+        keep = 0 if window is None else max(keys.shape[-2] - window + 1, 0)
+        self.keys[layer_idx], self.values[layer_idx] = keys[:, :, keep:], values[:, :, keep:]
         return keys, values
 
 
@@ -230,7 +235,8 @@ class StageRunner:
                 if len(self._sessions) >= self.max_sessions:
                     raise StageCapacityError(len(self._sessions))
                 params = params or SamplingParams()
-                state = _Session(layers, params, new_generator(params), _AppendCache(), used_at=self._clock())
+                state = _Session(layers, params, new_generator(params), _AppendCache(self.model.skeleton.windows),
+                                 used_at=self._clock())
                 self._sessions[session] = state
             elif state is None:
                 raise StageSessionError(f"session {session!r} is not held here (expired, or this node restarted)")

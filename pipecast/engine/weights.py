@@ -31,14 +31,17 @@ logger = logging.getLogger(__name__)
 EMBED = -1
 HEAD = -2
 # The stages of a decoder layer: attention (its norm, projections, residual add); the MLP's norm and input
-# projections; the MLP's output projection and residual add.
+# projections; the MLP's output projection and residual add. Sandwich norms (Gemma's norms of the attention's
+# and the MLP's outputs) go with the attention and the output projection.
 ATTENTION, MLP_IN, MLP_OUT = 0, 1, 2
 LAYER_STAGES = (ATTENTION, MLP_IN, MLP_OUT)
 FINAL_NORM, LM_HEAD = (HEAD, 0), (HEAD, 1)
 _LAYER_PARAM = re.compile(r"^model\.layers\.(\d+)\.")
 _EMBED_PARAM = re.compile(r"^model\.embed_tokens\.")
-_MLP_IN_PARAM = re.compile(r"\.(?:post_attention_layernorm|mlp\.gate_proj|mlp\.up_proj)\.")
-_MLP_OUT_PARAM = re.compile(r"\.mlp\.down_proj\.")
+_MLP_IN_PARAM = re.compile(r"\.(?:pre_feedforward_layernorm|mlp\.gate_proj|mlp\.up_proj)\.")
+_MLP_OUT_PARAM = re.compile(r"\.(?:mlp\.down_proj|post_feedforward_layernorm)\.")
+# The MLP's norm, except in layers with sandwich norms (Gemma), where it norms the attention's output.
+_POST_ATTENTION_NORM = re.compile(r"\.post_attention_layernorm\.")
 
 Part = int | tuple[int, int]
 """A layer index, EMBED, HEAD, a layer's stage ``(layer, stage)``, FINAL_NORM or LM_HEAD."""
@@ -52,16 +55,22 @@ def part_of(name: str) -> int:
     return EMBED if _EMBED_PARAM.match(name) else HEAD
 
 
-def stage_of(name: str) -> Part:
+def stage_of(name: str, sandwich_norms: bool = False) -> Part:
     """The finest part a parameter belongs to: ``(layer, stage)`` for a layer's, else EMBED or HEAD.
 
-    A layer parameter no pattern knows belongs to ATTENTION, the first stage: waiting for it too early is
-    slower but never wrong.
+    ``sandwich_norms``: the model's layers norm their attention's and MLP's outputs too (Gemma; see
+    :attr:`~pipecast.engine.architectures.Skeleton.sandwich_norms`). A layer parameter no pattern knows
+    belongs to ATTENTION, the first stage: waiting for it too early is slower but never wrong.
     """
     part = part_of(name)
     if part < 0:
         return part
-    stage = MLP_OUT if _MLP_OUT_PARAM.search(name) else MLP_IN if _MLP_IN_PARAM.search(name) else ATTENTION
+    if _MLP_OUT_PARAM.search(name):
+        stage = MLP_OUT
+    elif _MLP_IN_PARAM.search(name) or (not sandwich_norms and _POST_ATTENTION_NORM.search(name)):
+        stage = MLP_IN
+    else:
+        stage = ATTENTION
     return part, stage
 
 
@@ -72,17 +81,18 @@ class WeightBinder:
     """
 
     def __init__(self, model: "torch.nn.Module", *, dtype: "torch.dtype", device: "torch.device",
-                 tied_embeddings: bool):
+                 tied_embeddings: bool, sandwich_norms: bool):
         import torch
 
         self.dtype, self.device = dtype, device
         self._model = model
+        self._sandwich = sandwich_norms
         self._shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
         # With tied embeddings the head's weight *is* the embedding's: bound together, never from a tensor.
         self._tied = {"lm_head.weight": "model.embed_tokens.weight"} if tied_embeddings else {}
         self._missing: dict[Part, set[str]] = {}
         for name in self._shapes:
-            for part in _parts(name):
+            for part in _parts(name, sandwich_norms):
                 self._missing.setdefault(part, set()).add(name)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._warned_convert = False
@@ -116,7 +126,7 @@ class WeightBinder:
                     self._set(alias, value)
         done = set()
         for name in list(placed) + [a for a, t in self._tied.items() if t in placed]:
-            for part in _parts(name):
+            for part in _parts(name, self._sandwich):
                 self._missing[part].discard(name)
                 if not self._missing[part]:
                     done.add(part)
@@ -147,9 +157,9 @@ class WeightBinder:
         setattr(self._model.get_submodule(module_name), attr, torch.nn.Parameter(value, requires_grad=False))
 
 
-def _parts(name: str) -> tuple[Part, ...]:
+def _parts(name: str, sandwich_norms: bool) -> tuple[Part, ...]:
     """The part of parameter ``name`` and, for a layer's, its stage; for the head's, FINAL_NORM or LM_HEAD."""
-    stage = stage_of(name)
+    stage = stage_of(name, sandwich_norms)
     if isinstance(stage, tuple):
         return stage[0], stage
     if stage == HEAD:

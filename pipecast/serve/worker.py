@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipecast.core.cpulimit import cpu_limit
 from pipecast.core.errors import PipecastError
-from pipecast.engine.architectures import SUPPORTED_MODEL_TYPES
+from pipecast.engine.architectures import modeling_modules
 from pipecast.engine.errors import (
     EngineClosedError,
     EngineError,
@@ -129,8 +129,8 @@ def _warm_imports() -> None:
     import torch  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    for model_type in SUPPORTED_MODEL_TYPES:
-        importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    for module in modeling_modules():
+        importlib.import_module(module)
 
 
 def codec_blocks_left(num_blocks: int) -> int:

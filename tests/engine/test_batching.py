@@ -1,7 +1,6 @@
 """Execute-while-load, continuous batching, sampling and request lifecycle of the engine."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -18,18 +17,10 @@ from pipecast.engine.errors import (
 from pipecast.engine.providers import DelayedProvider, PackageFolderProvider
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.streams import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
-from tests.support.engine_fixtures import random_prompt
+from tests.support.engine_fixtures import random_prompt, wait_until
 from tests.support.packages import tiny_package
 
 PROMPT = random_prompt(9, 7)
-
-
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.001)
 
 
 @pytest.fixture(scope="module")

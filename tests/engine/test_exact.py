@@ -1,19 +1,22 @@
 """The engine computes exactly what transformers computes, and binds weights without copying them."""
 
+import importlib
 import json
 
 import pytest
 import torch
 
+from packager.blockfile import buffer_header, map_file
 from packager.pack import pack
+from pipecast.engine.architectures import modeling_modules
 from pipecast.engine.engine import Engine
 from pipecast.engine.errors import BlockBindError, ModelLoadError, UnsupportedModelError
 from pipecast.engine.progressive import ProgressiveModel
-from pipecast.engine.providers import PackageFolderProvider
+from pipecast.engine.providers import AgentBlockProvider, PackageFolderProvider
 from pipecast.engine.sampling import SamplingParams
-from pipecast.engine.weights import EMBED, HEAD
+from pipecast.engine.weights import EMBED, HEAD, LAYER_STAGES, stage_of
 from tests.support import packages
-from tests.support.engine_fixtures import random_prompt, reference_generate, reference_model
+from tests.support.engine_fixtures import GatedAgent, random_prompt, reference_generate, reference_model, wait_until
 
 CASES = [  # (arch, dtype, config overrides): llama and mistral untied, qwen2 tied with q/k/v biases
     ("llama", "float32", {}),
@@ -21,6 +24,11 @@ CASES = [  # (arch, dtype, config overrides): llama and mistral untied, qwen2 ti
     ("qwen2", "float32", {}),
     ("llama", "bfloat16", {}),
     ("mistral", "float32", {"sliding_window": 6}),  # prompts and generations run past the window
+    ("qwen3", "float32", {}),  # q/k norms, head_dim apart from hidden / heads
+    # Gemma 3: scaled tied embeddings, sandwich norms, sliding (window 6) and global layers with their own
+    # rotary bases, softcapped logits (benchmarks.tiny_checkpoints)
+    ("gemma3_text", "float32", {}),
+    ("gemma3_text", "bfloat16", {}),
 ]
 
 
@@ -110,8 +118,58 @@ def test_load_failure_reaches_waiters_as_model_load_error(tiny_package):
         assert engine.model.is_ready(EMBED) and not engine.model.is_ready(HEAD)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_a_streamed_prefill_runs_each_layer_stage_as_its_bytes_arrive(tmp_path, arch):
+    """Execute-while-load with the parts Qwen3 and Gemma add (q/k norms with the attention, Gemma's sandwich
+    norms with what they norm): the packer streams each stage's tensors together, and the prompt runs each
+    stage once its bytes are verified, not waiting for the next, with transformers' tokens."""
+    package = packages.tiny_package(tmp_path / "pkg", arch, layers=2, layers_per_block=2, seed=11)
+    header = buffer_header(map_file(package.path / package.manifest.blocks[0].file))
+    agent = GatedAgent(package.path)
+    engine = Engine(AgentBlockProvider(agent, package_id=None, where="gated agent", timeout_s=30)).start()
+    try:
+        sandwich = engine.model.skeleton.sandwich_norms
+        assert sandwich == (arch == "gemma3_text")
+        in_bytes = [stage_of(n, sandwich) for n, _ in sorted(header.tensors.items(), key=lambda t: t[1].begin)]
+        stages = [part for part in in_bytes if isinstance(part, tuple)]
+        assert stages == sorted(stages) and len(set(stages)) == 2 * len(LAYER_STAGES)  # each stage contiguous
+        ref = reference_model(package.checkpoint)
+        prompt = random_prompt(9, 6)
+        params = SamplingParams(max_tokens=12, stop_token_ids=[ref.generation_config.eos_token_id])
+        stream = engine.submit(prompt, params)
+        prefill = engine.scheduler.prefilling
+        for layer, stage in sorted(set(stages)):
+            end = max(t.end for n, t in header.tensors.items() if stage_of(n, sandwich) == (layer, stage))
+            agent.release_prefix(0, header.data_start + end)
+            after = (layer, stage + 1) if stage + 1 < len(LAYER_STAGES) else (layer + 1, 0)
+            wait_until(lambda: [(s.next_layer, s.next_stage) for s in prefill] == [after])
+        agent.release()
+        assert stream.result(timeout=30) == reference_generate(ref, prompt, 12)
+    finally:
+        engine.close()
+
+
 def test_unsupported_model_type_is_refused(tmp_path):
     config = {"model_type": "gpt2", "n_layer": 2}
     with pytest.raises(UnsupportedModelError, match=r"^model type 'gpt2' is not supported by the pipecast "
-                                                    r"engine \(supported: llama, mistral, qwen2\)$"):
+                                                    r"engine \(supported: llama, mistral, qwen2, qwen3, "
+                                                    r"gemma3_text\)$"):
+        ProgressiveModel(config, dtype=torch.float32)
+
+
+def test_the_modeling_module_of_every_supported_type_imports():
+    """What a serving worker imports before its package arrives (Gemma 3's text model is in gemma3's)."""
+    assert "transformers.models.gemma3.modeling_gemma3" in modeling_modules()
+    for module in modeling_modules():
+        importlib.import_module(module)
+
+
+@pytest.mark.parametrize("config, refused", [
+    # Gemma 3 with its vision tower: its text layers are named apart, with image tensors beside them.
+    ({"model_type": "gemma3", "text_config": {"num_hidden_layers": 2}}, "'gemma3'"),
+    # EmbeddingGemma: an encoder, whose attention the causal masks would cut.
+    ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "'gemma3_text' with bidirectional attention"),
+])
+def test_gemma_variants_that_are_not_causal_text_models_are_refused(config, refused):
+    with pytest.raises(UnsupportedModelError, match=f"^model type {refused} is not supported"):
         ProgressiveModel(config, dtype=torch.float32)

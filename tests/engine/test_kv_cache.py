@@ -5,14 +5,15 @@ batched decode step attends over."""
 import pytest
 import torch
 
-from pipecast.engine.kv_cache import CAPACITY_STEP, PrefillCache, SlotKVCache, decode_mask, prefill_mask
+from pipecast.engine.kv_cache import (CAPACITY_STEP, PrefillCache, SlotKVCache, decode_mask, prefill_mask,
+                                      window_start)
 
 CPU = torch.device("cpu")
 LAYERS, HEADS, DIM = 2, 2, 4
 
 
-def cache(rows: int = 3) -> SlotKVCache:
-    return SlotKVCache(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, rows=rows, dtype=torch.float32,
+def cache(rows: int = 3, windows=(None,) * LAYERS) -> SlotKVCache:
+    return SlotKVCache(windows=windows, num_kv_heads=HEADS, head_dim=DIM, rows=rows, dtype=torch.float32,
                        device=CPU)
 
 
@@ -40,7 +41,10 @@ def test_a_decode_step_needs_a_mask_only_for_rows_of_different_lengths_or_past_t
     mask = decode_mask([1, 3], None, CPU)
     assert mask.shape == (2, 1, 1, 4)
     assert mask[:, 0, 0].int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
-    assert decode_mask([3, 3], 2, CPU)[:, 0, 0].int().tolist() == [[0, 0, 1, 1], [0, 0, 1, 1]]
+    # Past the window, over the keys from the first any row's window holds (those before are left out)
+    assert decode_mask([3, 3], 2, CPU)[:, 0, 0].int().tolist() == [[1, 1], [1, 1]]
+    assert decode_mask([2, 4], 2, CPU)[:, 0, 0].int().tolist() == [[1, 1, 0, 0], [0, 0, 1, 1]]
+    assert window_start([2, 4], 2) == 1 and window_start([0, 4], 2) == 0 and window_start([9], None) == 0
 
 
 def test_capacity_grows_in_steps_at_least_doubling_and_keeps_what_is_stored():
@@ -73,6 +77,18 @@ def test_a_decode_step_writes_each_rows_token_and_attends_over_a_view_of_the_use
     assert torch.equal(keys[0, :, :2], short.keys[1][0]) and torch.equal(keys[1, :, :4], long.keys[1][0])
     assert torch.equal(keys[0, :, 2], new_keys[0, :, 0]) and torch.equal(values[1, :, 4], new_values[1, :, 0])
     assert not keys[0, :, 3:].any()  # row 0's future positions stay empty (masked by decode_mask)
+
+
+def test_a_sliding_window_layer_attends_over_the_keys_from_the_first_window_position_only():
+    slots = cache(rows=2, windows=(None, 2))
+    slots.write_prompt(0, prompt_cache(4, seed=1), 4)
+    slots.write_prompt(1, prompt := prompt_cache(2, seed=2), 2)
+    step = slots.step([4, 2])
+    new = torch.randn(2, HEADS, 1, DIM)
+    assert step.update(new, new, layer_idx=0)[0].shape[2] == 5  # full attention: every position
+    keys, _ = step.update(new, new, layer_idx=1)
+    assert keys.shape[2] == 4  # positions 1-4: row 1's window (1-2) starts there
+    assert torch.equal(keys[1, :, 0], prompt.keys[1][0, :, 1]) and torch.equal(keys[1, :, 1], new[1, :, 0])
 
 
 @pytest.mark.parametrize("positions", [[0], [CAPACITY_STEP]])

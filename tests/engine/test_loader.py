@@ -12,7 +12,7 @@ from pipecast.engine.loader import BlockLoader
 from pipecast.engine.progressive import ProgressiveModel
 from pipecast.engine.providers import AgentBlockProvider, DelayedProvider, PackageFolderProvider
 from pipecast.engine.weights import ATTENTION, EMBED, HEAD, MLP_IN, stage_of
-from tests.support.engine_fixtures import GatedAgent
+from tests.support.engine_fixtures import GatedAgent, wait_until
 from tests.support.packages import tiny_package
 
 WAIT_S = 10.0
@@ -29,13 +29,6 @@ def loading(provider, stall_timeout_s: float = 600.0) -> tuple[BlockLoader, Prog
     loader = BlockLoader(provider, model, stall_timeout_s=stall_timeout_s)
     loader.start()
     return loader, model
-
-
-def wait_until(predicate, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 def test_a_block_that_arrives_early_is_bound_while_the_lowest_missing_one_is_awaited(pkg):

@@ -3,6 +3,7 @@ their blocks arrive."""
 
 import threading
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,11 +17,14 @@ from tests.support import packages
 from tests.support.engine_fixtures import GatedAgent, random_prompt, reference_generate, reference_model
 
 LAYERS = 8
-CASES = [  # llama and mistral untied, qwen2 tied (the last stage needs the embeddings too)
+CASES = [  # llama and mistral untied, qwen2, qwen3 and gemma3 tied (the last stage needs the embeddings too)
     ("llama", "float32", {}),
     ("qwen2", "float32", {}),
     ("mistral", "float32", {"sliding_window": 6}),  # prompts and generations run past the window
     ("llama", "bfloat16", {}),
+    ("gemma3_text", "float32", {}),  # sliding (window 6) and global layers, softcapped logits
+    ("qwen3", "float32", {}),
+    ("gemma3_text", "bfloat16", {}),
 ]
 SPLITS = {2: (0, 4, 8), 3: (0, 3, 5, 8), 8: tuple(range(9))}
 
@@ -174,7 +178,8 @@ def test_calls_that_do_not_fit_the_session_are_refused_naming_why(case):
 
 def test_idle_sessions_expire():
     clock = [0.0]
-    runner = StageRunner(model=None, idle_s=10, clock=lambda: clock[0])
+    model = SimpleNamespace(skeleton=SimpleNamespace(windows=(None,)))  # what opening a session reads
+    runner = StageRunner(model=model, idle_s=10, clock=lambda: clock[0])
     runner._session("a", range(0, 1), 0, None)
     clock[0] = 5
     runner._session("b", range(0, 1), 0, None)

@@ -70,13 +70,26 @@ def test_blocks_stream_in_layer_order_so_each_layer_can_run_before_its_block_is_
 def test_inside_a_layer_tensors_stream_in_the_order_the_forward_pass_uses_them():
     names = ["mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "post_attention_layernorm.weight",
              "self_attn.k_proj.weight", "self_attn.o_proj.weight", "self_attn.q_proj.bias",
-             "self_attn.q_proj.weight", "input_layernorm.weight", "self_attn.q_norm.weight"]
+             "self_attn.q_proj.weight", "input_layernorm.weight", "self_attn.q_norm.weight", "mlp.lora.weight"]
     tensors = [(f"model.layers.3.{n}", "BF16", 8) for n in names]
     assert [n.removeprefix("model.layers.3.") for n in stream_order(tensors)] == [
-        "input_layernorm.weight", "self_attn.k_proj.weight", "self_attn.q_proj.bias", "self_attn.q_proj.weight",
-        "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-        "mlp.up_proj.weight", "mlp.down_proj.weight",
-        "self_attn.q_norm.weight"]  # unknown to the patterns: after the rest of its layer
+        "input_layernorm.weight", "self_attn.k_proj.weight", "self_attn.q_norm.weight", "self_attn.q_proj.bias",
+        "self_attn.q_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "mlp.lora.weight"]  # unknown to the patterns: after the rest of its layer
+
+
+def test_gemma_sandwich_norms_stream_next_to_what_they_norm():
+    """Gemma norms the attention's output (post_attention_layernorm) before the MLP's input
+    (pre_feedforward_layernorm), and the MLP's output (post_feedforward_layernorm) last."""
+    names = ["post_feedforward_layernorm.weight", "mlp.down_proj.weight", "mlp.up_proj.weight",
+             "pre_feedforward_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+             "self_attn.k_norm.weight", "self_attn.q_proj.weight", "input_layernorm.weight"]
+    tensors = [(f"model.layers.0.{n}", "F32", 8) for n in names]
+    assert [n.removeprefix("model.layers.0.") for n in stream_order(tensors)] == [
+        "input_layernorm.weight", "self_attn.k_norm.weight", "self_attn.q_proj.weight", "self_attn.o_proj.weight",
+        "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight", "post_feedforward_layernorm.weight"]
 
 
 def test_an_execution_order_that_would_misalign_falls_back_to_wide_dtypes_first_inside_each_layer():

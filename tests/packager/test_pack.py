@@ -29,6 +29,8 @@ def checkpoints(tmp_path_factory):
         "qwen2": make_checkpoint("qwen2", root / "qwen2", dtype="bfloat16"),
         "gpt2": make_checkpoint("gpt2", root / "gpt2"),
         "sharded": make_checkpoint("llama", root / "sharded", seed=1, max_shard_size="100KB"),
+        "qwen3": make_checkpoint("qwen3", root / "qwen3"),
+        "gemma3_text": make_checkpoint("gemma3_text", root / "gemma3_text", dtype="bfloat16"),
     }
 
 
@@ -39,7 +41,7 @@ def original_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "sharded"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "sharded", "qwen3", "gemma3_text"])
 def test_round_trip_every_tensor_exactly_once(checkpoints, tmp_path, name):
     manifest = pack(checkpoints[name], tmp_path / "pkg", layers_per_block=3)
     pkg = Package.open(tmp_path / "pkg")

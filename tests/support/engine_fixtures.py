@@ -1,9 +1,11 @@
 """What the engine and loading tests compare with and load through: transformers' reference models, random
-prompts, and a fake node agent whose blocks a test releases one by one (the packages: tests.support.packages)."""
+prompts, a poll for a condition, and a fake node agent whose blocks a test releases one by one (the packages:
+tests.support.packages)."""
 
 import mmap
 import random
 import threading
+import time
 from pathlib import Path
 
 from packager.package import Package
@@ -26,6 +28,14 @@ def reference_generate(model, prompt: list[int], max_new_tokens: int) -> list[in
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    """Poll ``predicate`` until it is true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
 
 
 def random_prompt(length: int, seed: int, vocab: int = 256) -> list[int]:
