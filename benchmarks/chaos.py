@@ -46,6 +46,7 @@ from benchmarks.chaos_scenarios import (
     unauthenticated_manifest,
 )
 from benchmarks.runinfo import versions
+from pipecast.core.progress import NO_PROGRESS, Progress
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,6 @@ SCENARIOS: dict[str, Scenario] = {
     "symlinked-checkpoint": symlinked_checkpoint,
     "hostile-json": hostile_json,
 }
-
-ProgressCallback = Callable[[str], None]
 
 
 def parse_only(text: str | None) -> tuple[str, ...]:
@@ -141,8 +140,7 @@ def _leftovers(workdir: Path, shm_before: set[str]) -> dict[str, list[str]]:
     return {"processes": procs, "mounts": mounts, "shm": shm}
 
 
-def run(names: Sequence[str], short: bool, workdir: Path, progress: ProgressCallback = lambda line: None
-        ) -> ChaosReport:
+def run(names: Sequence[str], short: bool, workdir: Path, progress: Progress = NO_PROGRESS) -> ChaosReport:
     """Run the scenarios ``names`` (see :data:`SCENARIOS`) in ``workdir``, one after another."""
     workdir = Path(workdir).resolve()
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -160,6 +158,7 @@ def run(names: Sequence[str], short: bool, workdir: Path, progress: ProgressCall
 
     token = secrets.token_hex(16)  # the cluster's master token, as a deployment would set it
     results = []
+    progress.start(len(names), "chaos", unit="scenario")
     for name in names:
         progress(f"chaos: {name} ...")
         loop = BackgroundLoop()
@@ -177,6 +176,7 @@ def run(names: Sequence[str], short: bool, workdir: Path, progress: ProgressCall
             result = harness.close()
             loop.close()
         results.append(result)
+        progress.advance()
         progress(f"chaos: {name}: {'PASS' if result.passed else 'FAIL'} in {result.seconds:.1f} s"
                  f"{'' if result.passed else ' (' + '; '.join(result.detail)[:300] + ')'}")
     return ChaosReport(results, short, started_at, _leftovers(workdir, shm_before))

@@ -34,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import TimeoutExpired
@@ -49,6 +49,7 @@ from pipecast.agent.plan_file import plan_file_data
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.core.errors import PipecastError
 from pipecast.core.fsutil import atomic_write
+from pipecast.core.progress import NO_PROGRESS, Progress
 from pipecast.core.units import format_bytes
 from pipecast.engine.engine import Engine
 from pipecast.engine.kv_cache import PrefillCache, prefill_mask
@@ -77,8 +78,6 @@ COMPUTE_REPEATS = 5
 PROMPT_TEXT = ("The history of computing is a story of ideas that took decades to become practical. "
                "Early machines filled rooms and consumed enormous power, yet their designers already asked how "
                "information could be stored, moved and transformed reliably. ")
-
-ProgressCallback = Callable[[str], None]
 
 
 class ColdStartBenchError(PipecastError):
@@ -570,7 +569,7 @@ def run_once(bench: _Bench, strategy: str, prompt: list[int]) -> RunResult:
                      serve_start_seconds=answer["started_at"] - spawned, cpu=cpu.usage())
 
 
-def run(config: ColdStartConfig, workdir: Path, progress: ProgressCallback = lambda line: None) -> ColdStartReport:
+def run(config: ColdStartConfig, workdir: Path, progress: Progress = NO_PROGRESS) -> ColdStartReport:
     """Measure both strategies at every prompt length; logs, events and answers go under ``workdir``."""
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     manifest = read_manifest(config.package)
@@ -591,11 +590,13 @@ def run(config: ColdStartConfig, workdir: Path, progress: ProgressCallback = lam
         try:
             bench = _Bench(cluster, config, workdir, Path(sockets), manifest.package_id, manifest.total_bytes,
                            len(manifest.blocks), store_address)
+            progress.start(config.repeat * len(config.prompt_tokens) * len(STRATEGIES), "cold starts", unit="run")
             for attempt in range(1, config.repeat + 1):
                 for n in config.prompt_tokens:
                     for strategy in STRATEGIES:
                         result = run_once(bench, strategy, prompts[n])
                         runs[strategy, n].append(result)
+                        progress.advance()
                         progress(f"run {attempt}/{config.repeat} {n} tokens {strategy}: TTFT "
                                  f"{result.ttft_seconds:.3f} s, transfer {result.transfer_seconds:.3f} s, after it "
                                  f"{result.exposed_seconds:.3f} s; "

@@ -10,18 +10,33 @@ from pathlib import Path
 
 import click
 
+from benchmarks.mlflow_log import with_mlflow_logging
 from packager.command import SIZE
+from pipecast.core.progress import Progress
 
 
-@click.group("bench")
+class _BenchGroup(click.Group):
+    """The bench group: every command added gets --mlflow-uri, to log its run to MLflow (benchmarks.mlflow_log)."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        super().add_command(with_mlflow_logging(cmd), name)
+
+
+@click.group("bench", cls=_BenchGroup)
 def bench_group():
     """Benchmarks; each prints measured / floor and the baseline, measured in the same run."""
 
 
+def _echo_err(line: str) -> None:
+    click.echo(line, err=True)
+
+
 def _run_and_report(run, config, workdir: Path | None, format_report, json_path: Path | None) -> object:
-    """Run a benchmark in ``workdir`` (default: a temp dir), print its report and write its JSON if asked."""
-    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
-        report = run(config, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
+    """Run a benchmark in ``workdir`` (default: a temp dir), print its report and write its JSON if asked.
+
+    Its progress lines go to stderr; on a terminal a bar over its runs stays below them."""
+    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp, Progress.on_stderr(_echo_err) as progress:
+        report = run(config, Path(workdir or tmp), progress=progress)
     click.echo(format_report(report))
     if json_path:
         Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
@@ -133,8 +148,8 @@ def bench_share(link_mbit, share, rate, deadline, idle_seconds, package_mib, pac
                                          idle_s=idle_seconds, mode=mode, link_queue=link_queue)
     except share_bench.ShareBenchError as exc:
         raise click.UsageError(str(exc)) from None
-    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
-        report = share_bench.run(config, Path(workdir or tmp), progress=click.echo)
+    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp, Progress.on_stderr(click.echo) as progress:
+        report = share_bench.run(config, Path(workdir or tmp), progress=progress)
     click.echo(share_bench.format_report(report))
     if json_path:
         Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
@@ -251,8 +266,8 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
                            scale_down_cooldown_s=scale_down_cooldown, cold_start_s=cold_start))
     except PipecastError as exc:
         raise click.UsageError(str(exc)) from None
-    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp:
-        report = surge.run(config, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
+    with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp, Progress.on_stderr(_echo_err) as progress:
+        report = surge.run(config, Path(workdir or tmp), progress=progress)
     from benchmarks.surge.report import format_report
 
     click.echo(format_report(report.meta, report.summaries))
@@ -423,8 +438,8 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
         names = chaos.parse_only(only)
     except chaos.ChaosError as exc:
         raise click.BadParameter(str(exc)) from None
-    with tempfile.TemporaryDirectory(prefix="pipecast-chaos-") as tmp:
-        report = chaos.run(names, short, Path(workdir or tmp), progress=lambda m: click.echo(m, err=True))
+    with tempfile.TemporaryDirectory(prefix="pipecast-chaos-") as tmp, Progress.on_stderr(_echo_err) as progress:
+        report = chaos.run(names, short, Path(workdir or tmp), progress=progress)
     click.echo(chaos.format_report(report))
     if json_path:
         Path(json_path).write_text(json.dumps(report.to_json(), indent=2))

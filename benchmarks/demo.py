@@ -39,6 +39,7 @@ from packager.verify import verify_package
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.core.credentials import issue_node_token
 from pipecast.core.errors import PipecastError
+from pipecast.core.progress import Progress
 from pipecast.core.units import format_bytes
 from pipecast.serve.text import TextCodec
 
@@ -81,7 +82,7 @@ def prepare_package(cache: Path) -> Path:
     out = cache / "packages" / MODEL_NAME
     start = time.perf_counter()
     manifest = pack(ckpt, out, model_name=MODEL_NAME, overwrite=True,
-                    progress=lambda line: print(f"    {line}", flush=True))
+                    progress=Progress(lambda line: print(f"    {line}", flush=True)))
     seconds = time.perf_counter() - start
     _step(f"packed {format_bytes(manifest.total_bytes)} into {out} in {seconds:.2f} s")
     start = time.perf_counter()

@@ -47,6 +47,7 @@ from pipecast.agent.plan_file import plan_file_data
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.agent.transport.registry import resolve_transport_name
 from pipecast.core.errors import PipecastError
+from pipecast.core.progress import NO_PROGRESS, Progress
 from pipecast.core.units import format_bytes
 from pipecast.v1.manifest_pb2 import Manifest
 
@@ -560,8 +561,7 @@ def _meta(config: DistributionConfig, facts: PackageFacts, cluster: EmulatedClus
     }
 
 
-def run(config: DistributionConfig, workdir: Path, progress: ProgressCallback = lambda line: None
-        ) -> DistributionReport:
+def run(config: DistributionConfig, workdir: Path, progress: Progress = NO_PROGRESS) -> DistributionReport:
     """Measure every strategy at every worker count; agents' plans, events and logs go under ``workdir``."""
     try:
         resolve_transport_name(config.transport)
@@ -570,6 +570,7 @@ def run(config: DistributionConfig, workdir: Path, progress: ProgressCallback = 
     facts = PackageFacts.of(config.package, read_manifest(Path(config.package)))
     meta: dict = {}
     results: list[StrategyResult] = []
+    progress.start(len(config.workers) * config.repeat * len(config.strategies), "transfers", unit="run")
     for n in config.workers:
         runs: dict[str, list[RunResult]] = {s: [] for s in config.strategies}
         with EmulatedCluster([STORE, *worker_names(n)], config.link_mbit, store_mbit=config.store_mbit,
@@ -584,6 +585,7 @@ def run(config: DistributionConfig, workdir: Path, progress: ProgressCallback = 
                     result, delay = _run_started_in_time(cluster, folder, facts, strategy, n, config, delay,
                                                          progress)
                     runs[strategy].append(result)
+                    progress.advance()
                     floor = floor_seconds(facts.total_bytes, config.link_mbit, config.store_rate_mbit)
                     killed = f"; killed {', '.join(result.killed)} (did not exit)" if result.killed else ""
                     progress(f"N={n} {strategy} run {attempt}/{config.repeat}: {result.seconds:.2f} s "

@@ -36,7 +36,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,6 +49,7 @@ from benchmarks.processes import RunProcesses, cli, endpoint
 from benchmarks.runinfo import versions
 from packager.manifest import read_manifest
 from pipecast.core.errors import PipecastError
+from pipecast.core.progress import NO_PROGRESS, Progress
 from pipecast.core.units import format_bytes
 
 PIPELINES, PIPELINES_MOVE, PIPELINES_FINISH, WHOLE = "pipelines", "pipelines-move", "pipelines-finish", "whole-model"
@@ -65,8 +66,6 @@ START_TIMEOUT_S = 600.0  # N workers import torch on 2 cores
 RUN_TIMEOUT_S = 300.0
 COLD_STAGE = "waiting_for_package"
 POLL_S = 0.05
-
-ProgressCallback = Callable[[str], None]
 
 
 class PipelinesBenchError(PipecastError):
@@ -473,7 +472,7 @@ def prompt_ids(package: Path, count: int) -> list[int]:
     return [(7 + 37 * i) % vocab for i in range(count)]
 
 
-def run(config: PipelinesConfig, workdir: Path, progress: ProgressCallback = lambda line: None) -> PipelinesReport:
+def run(config: PipelinesConfig, workdir: Path, progress: Progress = NO_PROGRESS) -> PipelinesReport:
     """Every source count and kind, both strategies each; logs and events under ``workdir``."""
     manifest = read_manifest(config.package)
     total = sum(b.bytes for b in manifest.blocks)
@@ -491,6 +490,7 @@ def run(config: PipelinesConfig, workdir: Path, progress: ProgressCallback = lam
     quotas = open_quotas(config.worker_cpus)
     report.meta["worker_cpus"] = quotas.description
     progress(f"serving workers: {quotas.description}")
+    progress.start(len(config.source_kinds) * len(config.sources) * len(config.strategies), "scale-ups", unit="run")
     try:
         for kind in config.source_kinds:
             for k in config.sources:
@@ -510,6 +510,7 @@ def run(config: PipelinesConfig, workdir: Path, progress: ProgressCallback = lam
                             result = run_once(cluster, folder.with_name(strategy + "-retry"), config, manifest,
                                               k, kind, strategy, sockets, quotas)
                         report.results.append(result)
+                        progress.advance()
                         first = ("no first token" if result.ttft_seconds is None else
                                  f"first token {result.ttft_seconds:.2f} s ({result.ratio_to_floor:.2f} x S/B)")
                         whole = result.first_complete_seconds

@@ -25,7 +25,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +42,7 @@ from packager.manifest import read_manifest
 from pipecast.agent.events import EventLog
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.core.errors import PipecastError
+from pipecast.core.progress import NO_PROGRESS, Progress
 from pipecast.core.units import DEFAULT_CHUNK_BYTES, format_bytes
 
 WORKERS = tuple(worker_names(2))
@@ -64,8 +65,6 @@ SHARE_ENV = "PIPECAST_MULTICAST_SHARE"
 IDLE, FULL, SHARED = "idle", "multicast", "multicast+share"
 LINK_QUEUES = {"fifo": "one FIFO per link direction (a switch port's)",
                "per-peer": "one tc class per peer on each link direction"}
-
-ProgressCallback = Callable[[str], None]
 
 
 class ShareBenchError(PipecastError):
@@ -283,7 +282,7 @@ def _meta(config: ShareConfig, facts: PackageFacts, cluster: EmulatedCluster) ->
             "answer_bytes": ANSWER_BYTES, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def run(config: ShareConfig, workdir: Path, progress: ProgressCallback = lambda line: None) -> ShareReport:
+def run(config: ShareConfig, workdir: Path, progress: Progress = NO_PROGRESS) -> ShareReport:
     """Measure the three phases (module docstring); the processes' logs and events go under ``workdir``."""
     facts = PackageFacts.of(config.package, read_manifest(Path(config.package)))
     multicast = DistributionConfig(package=config.package, workers=(len(WORKERS),), link_mbit=config.link_mbit,
@@ -304,12 +303,14 @@ def run(config: ShareConfig, workdir: Path, progress: ProgressCallback = lambda 
                 f"{config.deadline_s:g}", "--events", actors.events_path(CLIENT)), env)
             actors.wait_event([CLIENT], "started", time.time() + START_TIMEOUT_S, "client")
             idle_start = time.time() + WARMUP_S
+            progress.start(3, "phases", unit="phase")
             progress(f"phase {IDLE}: {config.idle_s:g} s of requests on the idle link")
             time.sleep(WARMUP_S)
             with CpuSampler() as sampler:
                 time.sleep(config.idle_s)
             windows = {IDLE: (idle_start, idle_start + config.idle_s)}
             cpu, seconds = {IDLE: sampler.usage()}, {}
+            progress.advance()
             for phase, share in ((FULL, 1.0), (SHARED, config.share)):
                 progress(f"phase {phase}: multicasting {format_bytes(facts.total_bytes)} {STRATEGY} "
                          f"{' -> '.join((STORE, *WORKERS))} at share {share:g}")
@@ -319,6 +320,7 @@ def run(config: ShareConfig, workdir: Path, progress: ProgressCallback = lambda 
                 agents = Processes(folder, ShareBenchError)
                 windows[phase] = multicast_window({h: agents.events(h) for h in (STORE, *WORKERS)})
                 seconds[phase], cpu[phase] = result.seconds, result.cpu
+                progress.advance()
                 progress(f"phase {phase}: multicast {result.seconds:.2f} s "
                          f"({result.seconds / floor_seconds(facts.total_bytes, config.link_mbit, share):.2f}x "
                          f"S/(share x B)); {result.cpu.summary()}")

@@ -52,6 +52,7 @@ from benchmarks.surge.report import percentile
 from packager.errors import PackageError
 from packager.manifest import read_manifest
 from pipecast.core.errors import PipecastError
+from pipecast.core.progress import NO_PROGRESS, Progress
 from pipecast.router.admission import TENANT_HEADER
 
 HOST = "127.0.0.1"
@@ -84,8 +85,6 @@ PAUSE_S = 2.0  # between phases, once the previous phase's requests have ended
 #: In the burst phases, a's burst starts this long after b's steady stream (module docstring).
 BURST_DELAY_S = 1.0
 ROUTERS = {True: "router-limited", False: "router-unlimited"}  # process names, by "has limits"
-
-ProgressCallback = Callable[[str], None]
 
 
 class TenantsBenchError(PipecastError):
@@ -500,7 +499,7 @@ def _start_router(procs: Processes, name: str, workers: Sequence[str], limit_arg
     return url
 
 
-def run(config: TenantsConfig, workdir: Path, progress: ProgressCallback = lambda line: None) -> TenantsReport:
+def run(config: TenantsConfig, workdir: Path, progress: Progress = NO_PROGRESS) -> TenantsReport:
     """Start the workers and routers, calibrate, measure the three phases (module docstring)."""
     procs = Processes(Path(workdir), TenantsBenchError)
     meta = {"benchmark": "tenants", "versions": versions("aiohttp", "torch"), "cpu_cores": os.cpu_count(),
@@ -532,6 +531,7 @@ def run(config: TenantsConfig, workdir: Path, progress: ProgressCallback = lambd
         cpu: dict[str, CpuUsage] = {}
         process_cpu: dict[str, ProcessCpu] = {}
         slow: dict[str, tuple[tuple[float, float], ...]] = {}
+        progress.start(len(phases), "phases", unit="phase")
         for phase, (limits, loads) in phases.items():
             progress(f"phase {phase}: " + ", ".join(f"{t} at {r:g}/s" for t, r in loads.items())
                      + f" for {config.duration_s:g} s")
@@ -548,6 +548,7 @@ def run(config: TenantsConfig, workdir: Path, progress: ProgressCallback = lambd
             process_cpu[phase] = ProcessCpu(router=used[0], workers=sum(used[1:-1]), load_generator=used[-1])
             results += [summarize(phase, tenant, rate, records, config.deadline_s) for tenant, rate in loads.items()]
             slow[phase] = slowest(STEADY, records, config.deadline_s)
+            progress.advance()
             procs.check_alive(list(procs.procs))
             time.sleep(PAUSE_S)
     finally:

@@ -27,11 +27,19 @@ class _StateCollector(Collector):
                                      "Verified (worker, block) pairs held, per package.", labels=["package"])
         complete = GaugeMetricFamily("pipecast_control_package_complete_holders",
                                      "Alive workers holding every block, per package.", labels=["package"])
+        # Bytes, not blocks: blocks differ in size, and a worker's slope is its ingest rate (no agent metrics).
+        held = GaugeMetricFamily("pipecast_control_worker_bytes",
+                                 "Bytes of verified blocks a worker holds, per package (from its block reports).",
+                                 labels=["node", "package"])
         for package_id, availability in state.availability.items():
             replicas.add_metric([package_id], availability.replicas())
             complete.add_metric([package_id], len(availability.complete_holders()))
+            sizes = state.packages[package_id].block_bytes
+            for node, blocks in availability.by_worker.items():
+                held.add_metric([node, package_id], sum(sizes[b] for b in blocks))
         yield replicas
         yield complete
+        yield held
         yield GaugeMetricFamily("pipecast_control_plans_active", "Scale-up plans in progress.", value=len(state.plans))
         yield CounterMetricFamily("pipecast_control_replans", "Plans repaired after a death, release or bad peer.",
                                   value=state.replan_count)

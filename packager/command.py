@@ -7,8 +7,10 @@ import click
 
 from packager.gguf_convert import convert_gguf
 from packager.manifest import manifest_to_json, read_manifest
+from packager.mlflow_source import source_checkpoint
 from packager.pack import pack
 from packager.verify import verify_package
+from pipecast.core.progress import Progress
 from pipecast.core.units import format_bytes, parse_size
 
 
@@ -30,7 +32,7 @@ SIZE = SizeParam()
 
 
 @click.command("pack")
-@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("src")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--layers-per-block", type=click.IntRange(min=1), help="Layers per block.")
 @click.option("--block-bytes", type=SIZE, help="Target block size, e.g. 64MB (whole layers per block).")
@@ -39,17 +41,26 @@ SIZE = SizeParam()
 @click.option("--name", "model_name", help="Model name recorded in the manifest.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
-def pack_command(src, out, layers_per_block, block_bytes, chunk_bytes, model_name, force, as_json):
+@click.option("--mlflow-uri", metavar="URI",
+              help="MLflow tracking server of a models:/ or runs:/ SRC (default: $MLFLOW_TRACKING_URI).")
+def pack_command(src, out, layers_per_block, block_bytes, chunk_bytes, model_name, force, as_json, mlflow_uri):
     """Pack the Hugging Face checkpoint folder SRC into the block package OUT.
+
+    SRC may be in MLflow instead (extra: mlflow): models:/NAME/VERSION or models:/NAME@ALIAS (a registered
+    model version, named NAME in the manifest unless --name says) or runs:/RUN_ID/PATH (a run's artifacts).
 
     By default the model is cut into 8 blocks of equal layer count.
     """
     if layers_per_block and block_bytes:
         raise click.UsageError("give --layers-per-block or --block-bytes, not both")
     start = time.perf_counter()
-    manifest = pack(src, out, layers_per_block=layers_per_block, block_bytes=block_bytes,
-                    chunk_bytes=chunk_bytes, model_name=model_name, overwrite=force,
-                    progress=None if as_json else lambda line: click.echo(line, err=True))
+    # An MLflow SRC is downloaded first, into a temporary folder beside OUT removed when the pack ends.
+    with source_checkpoint(src, scratch=out.parent, mlflow_uri=mlflow_uri) as checkpoint:
+        # A bar on a terminal, else a line per block; --json prints the manifest alone.
+        with Progress() if as_json else Progress.on_stderr(lambda line: click.echo(line, err=True)) as progress:
+            manifest = pack(checkpoint.folder, out, layers_per_block=layers_per_block, block_bytes=block_bytes,
+                            chunk_bytes=chunk_bytes, model_name=model_name or checkpoint.name, overwrite=force,
+                            progress=progress, source=checkpoint.source)
     if as_json:
         click.echo(manifest_to_json(manifest), nl=False)
         return
@@ -62,7 +73,8 @@ def pack_command(src, out, layers_per_block, block_bytes, chunk_bytes, model_nam
 @click.argument("package", type=click.Path(path_type=Path))
 def verify_command(package):
     """Re-hash every block, chunk and file of PACKAGE; exit 1 naming each bad one."""
-    problems = verify_package(package)
+    with Progress.on_stderr() as progress:
+        problems = verify_package(package, progress)
     for problem in problems:
         click.echo(f"BAD {problem}", err=True)
     if problems:
@@ -92,6 +104,8 @@ def format_table(manifest) -> str:
         f"tied embeddings: {'yes' if manifest.tied_embeddings else 'no'}",
         f"size      {format_bytes(manifest.total_bytes)} in {len(manifest.blocks)} blocks "
         f"({manifest.digest_algorithm} digests)",
+        *([f"source    {manifest.source.uri} (version {manifest.source.version or '-'}, run "
+           f"{manifest.source.run_id or '-'})"] if manifest.HasField("source") else []),
         "",
         f"{'block':>5}  {'layers':>9}  {'size':>11}  {'tensors':>7}  {'chunks':>6}  digest",
     ]
@@ -112,4 +126,6 @@ def format_table(manifest) -> str:
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def convert_gguf_command(gguf, out, dtype, force):
     """Dequantize the GGUF model file GGUF into a safetensors checkpoint folder OUT (extra: convert)."""
-    click.echo(f"converted {convert_gguf(gguf, out, dtype=dtype, overwrite=force)}")
+    with Progress.on_stderr() as progress:
+        converted = convert_gguf(gguf, out, dtype=dtype, overwrite=force, progress=progress)
+    click.echo(f"converted {converted}")

@@ -40,6 +40,15 @@ class CheckpointFileError(CheckpointError):
         self.path, self.problem = path, problem
 
 
+class MlflowSourceError(CheckpointError):
+    """A ``models:/`` or ``runs:/`` source that names nothing on the MLflow server, or whose artifacts hold no
+    checkpoint folder."""
+
+    def __init__(self, uri: str, problem: str):
+        super().__init__(f"{uri}: {problem}")
+        self.uri, self.problem = uri, problem
+
+
 class SafetensorsFormatError(PackageError):
     """A safetensors file (input shard or package block) whose bytes are not a valid safetensors file."""
 

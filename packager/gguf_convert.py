@@ -10,14 +10,17 @@ from pathlib import Path
 
 from packager.errors import CheckpointError, PackageError
 from pipecast.core.fsutil import atomic_directory
+from pipecast.core.progress import NO_PROGRESS, Progress
 
 logger = logging.getLogger(__name__)
 
 
-def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
+def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: bool = False,
+                 progress: Progress = NO_PROGRESS) -> Path:
     """Dequantize ``gguf`` into the checkpoint folder ``out`` (written atomically); return ``out``.
 
     An existing ``out`` is replaced only with ``overwrite`` (``--force``): otherwise :class:`PackageError`.
+    ``progress`` gets a bar over the three steps: tokenizer, dequantize, save.
     """
     gguf, out = Path(gguf), Path(out)
     if not gguf.is_file():
@@ -30,10 +33,17 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
     with atomic_directory(out, overwrite=overwrite) as tmp:
         folder, name = str(gguf.parent), gguf.name
         logger.info("dequantizing %s to %s", gguf, dtype)
+        progress.start(3, f"convert {name}", unit="step")
+        progress.status("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        progress.advance()
+        progress.status(f"dequantize to {dtype}")
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, dtype=getattr(torch, dtype),
             quantization_config=GgufConfig(gguf_file=name, dequantize=True))
+        progress.advance()
+        progress.status("save")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        progress.advance()
     return out

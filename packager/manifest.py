@@ -11,7 +11,10 @@ keys, two-space indent, ASCII only). A manifest whose id does not match is refus
 file, size, layer range or tensor names, a chunk digest, a small file, the model's name or flags) can be
 changed without changing the id. Format version 1 ids covered only the block and file digests; those
 manifests are refused. The canonical JSON prints every field of the schema, defaults included, so adding a
-field to ``pipecast.v1.Manifest`` changes every id: bump :data:`MANIFEST_FORMAT_VERSION` with it.
+scalar or repeated field to ``pipecast.v1.Manifest`` changes every id: bump :data:`MANIFEST_FORMAT_VERSION`
+with it. A message field has presence and is printed only when set: ``source`` (where ``pipecast pack``
+fetched the checkpoint, e.g. an MLflow model version) is absent from the manifest of a package packed from a
+local folder, whose id is the one it had before that field existed.
 
 Manifests also arrive from peers, so parsing is defensive: anything that is not a manifest (too large, too
 deeply nested, duplicate keys, numbers out of range, not an object: :mod:`pipecast.core.strictjson`) is a
@@ -189,6 +192,8 @@ def validate_manifest(m: Manifest, where: Path | str = MANIFEST_FILE) -> None:
         seen_paths.add(f.path)
         if not _HEX_DIGEST.match(f.digest):
             fail(f"file {_show(f.path)} has a malformed digest {_show(f.digest)}")
+    if m.HasField("source") and not m.source.uri:
+        fail("source has no uri")
     if m.package_id != compute_package_id(m):
         fail(f"package_id {_show(m.package_id)} is not the digest of the manifest (a field was changed after "
              "packing, or the manifest is not the one asked for)")

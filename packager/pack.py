@@ -6,7 +6,6 @@ and renamed into place only when complete: a failed or interrupted pack leaves n
 """
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 from packager.checkpoint import Checkpoint, SourceTensor, open_checkpoint, read_checkpoint_file
@@ -24,8 +23,9 @@ from packager.manifest import (
 )
 from packager.safetensors_format import build_header
 from pipecast.core.fsutil import atomic_directory
+from pipecast.core.progress import NO_PROGRESS, Progress
 from pipecast.core.units import DEFAULT_CHUNK_BYTES
-from pipecast.v1.manifest_pb2 import Block, Manifest, PackageFile
+from pipecast.v1.manifest_pb2 import Block, Manifest, ModelSource, PackageFile
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,12 @@ BLOCKS_DIR = "blocks"
 
 def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_bytes: int | None = None,
          chunk_bytes: int = DEFAULT_CHUNK_BYTES, model_name: str | None = None, overwrite: bool = False,
-         progress: Callable[[str], None] | None = None) -> Manifest:
-    """Pack the checkpoint folder ``src`` into the package folder ``out``; return its manifest."""
+         progress: Progress = NO_PROGRESS, source: ModelSource | None = None) -> Manifest:
+    """Pack the checkpoint folder ``src`` into the package folder ``out``; return its manifest.
+
+    ``progress`` gets a bar over the tensor bytes copied and a status line per block written. ``source``
+    (recorded in the manifest) says where ``src`` was fetched from, when it was (:mod:`packager.mlflow_source`).
+    """
     src, out = Path(src), Path(out)
     if chunk_bytes <= 0:
         raise PackageError(f"chunk size must be positive, got {chunk_bytes}")
@@ -49,14 +53,14 @@ def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_byt
     with atomic_directory(out, overwrite=overwrite) as tmp:
         (tmp / BLOCKS_DIR).mkdir()
         blocks = []
+        progress.start(sum(t.info.nbytes for t in ckpt.tensors.values()), f"pack {src.name}", byte_units=True)
         with _ShardReader() as reader:
             for layout in layouts:
-                blocks.append(_write_block(tmp, layout, ckpt, reader, chunk_bytes))
-                if progress:
-                    progress(f"block {layout.index + 1}/{len(layouts)}: layers {layout.layer_start}-"
-                             f"{layout.layer_end - 1}, {blocks[-1].bytes} bytes")
+                blocks.append(_write_block(tmp, layout, ckpt, reader, chunk_bytes, progress))
+                progress.status(f"block {layout.index + 1}/{len(layouts)}: layers {layout.layer_start}-"
+                                f"{layout.layer_end - 1}, {blocks[-1].bytes} bytes")
         files = [_copy_small_file(ckpt.root, tmp, name) for name in ckpt.small_files]
-        manifest = _build_manifest(ckpt, src, model_name, blocks, files)
+        manifest = _build_manifest(ckpt, src, model_name, blocks, files, source)
         validate_manifest(manifest, tmp / MANIFEST_FILE)
         text = manifest_to_json(manifest)
         if len(text) > MAX_MANIFEST_BYTES:
@@ -107,7 +111,7 @@ class _ShardReader:
 
 
 def _write_block(root: Path, layout: BlockLayout, ckpt: Checkpoint, reader: _ShardReader,
-                 chunk_bytes: int) -> Block:
+                 chunk_bytes: int, progress: Progress) -> Block:
     infos = [ckpt.tensors[n].info for n in layout.tensor_names]
     ordered = [ckpt.tensors[n] for n in stream_order([(i.name, i.dtype, i.nbytes) for i in infos])]
     metadata = {"format": "pt", "pipecast.block": str(layout.index),
@@ -117,19 +121,17 @@ def _write_block(root: Path, layout: BlockLayout, ckpt: Checkpoint, reader: _Sha
     rel = f"{BLOCKS_DIR}/block-{layout.index:04d}.safetensors"
     hasher = ChunkHasher(chunk_bytes)
     with (root / rel).open("wb") as f:
-        for piece in _block_bytes(header, ordered, reader):
-            hasher.update(piece)
-            f.write(piece)
+        hasher.update(header)
+        f.write(header)
+        for tensor in ordered:
+            for piece in reader.pieces(tensor):
+                hasher.update(piece)
+                f.write(piece)
+                progress.advance(len(piece))
     digest = hasher.finish()
     return Block(index=layout.index, file=rel, bytes=hasher.total, layer_start=layout.layer_start,
                  layer_end=layout.layer_end, tensor_names=list(layout.tensor_names), digest=digest,
                  chunk_bytes=chunk_bytes, chunk_digests=hasher.chunk_digests)
-
-
-def _block_bytes(header: bytes, ordered: list[SourceTensor], reader: _ShardReader):
-    yield header
-    for tensor in ordered:
-        yield from reader.pieces(tensor)
 
 
 def _copy_small_file(src: Path, dst: Path, name: str) -> PackageFile:
@@ -139,7 +141,7 @@ def _copy_small_file(src: Path, dst: Path, name: str) -> PackageFile:
 
 
 def _build_manifest(ckpt: Checkpoint, src: Path, model_name: str | None, blocks: list[Block],
-                    files: list[PackageFile]) -> Manifest:
+                    files: list[PackageFile], source: ModelSource | None) -> Manifest:
     config = ckpt.config
     archs = config.get("architectures") or [""]
     name = model_name or config.get("_name_or_path") or src.resolve().name
@@ -151,5 +153,5 @@ def _build_manifest(ckpt: Checkpoint, src: Path, model_name: str | None, blocks:
         num_layers=blocks[-1].layer_end,
         tied_embeddings=not any(HEAD_NAMES.match(n) for n in ckpt.tensors),
         digest_algorithm=DIGEST_ALGORITHM, total_bytes=sum(b.bytes for b in blocks),
-        blocks=blocks, files=files,
+        blocks=blocks, files=files, source=source,  # None: unset, so out of the canonical JSON and the id
     ))

@@ -7,6 +7,8 @@ from packager.blockfile import map_file
 from packager.digest import digest_bytes
 from packager.manifest import read_manifest
 from packager.package import check_block_bytes
+from pipecast.core.progress import NO_PROGRESS, Progress
+from pipecast.v1.manifest_pb2 import Block, PackageFile
 
 
 @dataclass(frozen=True)
@@ -20,36 +22,45 @@ class Problem:
         return f"{self.path}: {self.message}"
 
 
-def verify_package(root: Path) -> list[Problem]:
+def verify_package(root: Path, progress: Progress = NO_PROGRESS) -> list[Problem]:
     """Every problem of the package at ``root`` (empty: the package is intact).
 
-    A manifest that cannot be read or is inconsistent raises ManifestError instead.
+    A manifest that cannot be read or is inconsistent raises ManifestError instead. ``progress`` gets a
+    bar over the bytes checked.
     """
     root = Path(root)
     manifest = read_manifest(root)
+    progress.start(manifest.total_bytes + sum(f.bytes for f in manifest.files), f"verify {root.name}",
+                   byte_units=True)
     problems = []
     for block in manifest.blocks:
-        path = root / block.file
-        try:
-            size = path.stat().st_size
-            # Mapped, not read: a block can be many GB, and page-cache pages cost no private memory.
-            data = map_file(path) if size == block.bytes else None
-        except OSError as exc:
-            problems.append(Problem(block.file, f"block {block.index}: cannot read ({exc.strerror})"))
-            continue
-        if size != block.bytes:
-            problems.append(Problem(block.file, f"block {block.index}: size is {size} bytes, the manifest "
-                                                f"says {block.bytes}"))
-            continue
-        with data:
-            problems += [Problem(block.file, f"block {block.index}: {m}")
-                         for m in check_block_bytes(block, data)]
+        problems += _block_problems(root, block)
+        progress.advance(block.bytes)
     for entry in manifest.files:
-        try:
-            data = (root / entry.path).read_bytes()
-        except OSError as exc:
-            problems.append(Problem(entry.path, f"cannot read ({exc.strerror})"))
-            continue
-        if len(data) != entry.bytes or digest_bytes(data) != entry.digest:
-            problems.append(Problem(entry.path, "size or digest differs from the manifest"))
+        problems += _file_problems(root, entry)
+        progress.advance(entry.bytes)
     return problems
+
+
+def _block_problems(root: Path, block: Block) -> list[Problem]:
+    path = root / block.file
+    try:
+        size = path.stat().st_size
+        # Mapped, not read: a block can be many GB, and page-cache pages cost no private memory.
+        data = map_file(path) if size == block.bytes else None
+    except OSError as exc:
+        return [Problem(block.file, f"block {block.index}: cannot read ({exc.strerror})")]
+    if size != block.bytes:
+        return [Problem(block.file, f"block {block.index}: size is {size} bytes, the manifest says {block.bytes}")]
+    with data:
+        return [Problem(block.file, f"block {block.index}: {m}") for m in check_block_bytes(block, data)]
+
+
+def _file_problems(root: Path, entry: PackageFile) -> list[Problem]:
+    try:
+        data = (root / entry.path).read_bytes()
+    except OSError as exc:
+        return [Problem(entry.path, f"cannot read ({exc.strerror})")]
+    if len(data) != entry.bytes or digest_bytes(data) != entry.digest:
+        return [Problem(entry.path, "size or digest differs from the manifest")]
+    return []

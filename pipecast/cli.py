@@ -20,6 +20,8 @@ COMMANDS = {
               "Run the node agent: serve blocks, fetch this node's share, feed local engines."),
     "control-plane": ("control_plane.command:control_plane_command", "Run the control plane (gRPC)."),
     "cp": ("control_plane.command:cp_group", "Operate a running control plane: workers, packages, plans."),
+    "status": ("control_plane.command:cluster_status_command",
+               "One screen of the cluster (`pipecast cp status`): workers, packages, plans, deployments."),
     "serve": ("pipecast.serve.command:serve_command",
               "Serve a model (OpenAI API) from the moment its blocks start arriving."),
     "router": ("pipecast.router.command:router_command",

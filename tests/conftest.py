@@ -26,6 +26,23 @@ def tiny_package(tmp_path) -> Callable[..., TinyPackage]:
     return build
 
 
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real ``mlflow server`` (:class:`tests.support.mlflow_server.MlflowServer`) shared by the session's
+    MLflow tests, started on first use (~10 s), stopped at the end; MLflow's telemetry off in this process."""
+    from tests.support.mlflow_server import SERVER_ENV, MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_DISABLE_TELEMETRY", SERVER_ENV["MLFLOW_DISABLE_TELEMETRY"])
+        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):  # the tests name their server
+            env.delenv(name, raising=False)
+        try:
+            yield server.start()
+        finally:
+            server.stop()
+
+
 @pytest.fixture
 def no_configured_agent(monkeypatch):
     """No node agent from the environment: ``pipecast.load`` and the serving worker read the package folder."""

@@ -57,6 +57,7 @@ from benchmarks.surge.trace import PEAK_WINDOW_S, ScheduledRequest, TokenCaps, p
 from packager.manifest import read_manifest
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.core.errors import PipecastError
+from pipecast.core.progress import NO_PROGRESS, Progress
 from pipecast.core.units import format_bytes
 from pipecast.engine.engine import Engine
 from pipecast.engine.providers import PackageFolderProvider
@@ -465,7 +466,7 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
     }
 
 
-def run(config: SurgeConfig, workdir: Path, progress: ProgressCallback = lambda line: None) -> SurgeReport:
+def run(config: SurgeConfig, workdir: Path, progress: Progress = NO_PROGRESS) -> SurgeReport:
     """Measure every strategy ``repeat`` times in one emulated cluster; logs and events go under ``workdir``."""
     package = PackageFacts.of(config.package)
     prefill_s = None
@@ -485,6 +486,7 @@ def run(config: SurgeConfig, workdir: Path, progress: ProgressCallback = lambda 
         for line in meta["headline"]:
             progress(line)
         meta["retried_runs"] = []
+        progress.start(config.repeat * len(config.strategies), "surges", unit="run")
         for attempt in range(1, config.repeat + 1):
             for strategy in config.strategies:
                 folder = Path(workdir) / f"repeat{attempt}" / strategy.name.replace(":", "-")
@@ -498,6 +500,7 @@ def run(config: SurgeConfig, workdir: Path, progress: ProgressCallback = lambda 
                     record = run_once(cluster, folder.with_name(folder.name + "-retry"), package, strategy, attempt,
                                       config, progress)
                 runs[strategy.name].append(record)
+                progress.advance()
                 done = run_metrics(record, config.first_n)
                 p99 = done.first100_ttft_p99_seconds
                 progress(f"[{strategy.name} {attempt}/{config.repeat}] done: first-{config.first_n} p99 TTFT "

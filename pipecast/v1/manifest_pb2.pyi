@@ -39,7 +39,7 @@ class PackageFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., bytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("format_version", "package_id", "model_name", "architecture", "model_type", "dtypes", "num_layers", "tied_embeddings", "digest_algorithm", "total_bytes", "blocks", "files")
+    __slots__ = ("format_version", "package_id", "model_name", "architecture", "model_type", "dtypes", "num_layers", "tied_embeddings", "digest_algorithm", "total_bytes", "blocks", "files", "source")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class Manifest(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     package_id: str
     model_name: str
@@ -64,4 +65,17 @@ class Manifest(_message.Message):
     total_bytes: int
     blocks: _containers.RepeatedCompositeFieldContainer[Block]
     files: _containers.RepeatedCompositeFieldContainer[PackageFile]
-    def __init__(self, format_version: _Optional[int] = ..., package_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., dtypes: _Optional[_Iterable[str]] = ..., num_layers: _Optional[int] = ..., tied_embeddings: _Optional[bool] = ..., digest_algorithm: _Optional[str] = ..., total_bytes: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[PackageFile, _Mapping]]] = ...) -> None: ...
+    source: ModelSource
+    def __init__(self, format_version: _Optional[int] = ..., package_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., dtypes: _Optional[_Iterable[str]] = ..., num_layers: _Optional[int] = ..., tied_embeddings: _Optional[bool] = ..., digest_algorithm: _Optional[str] = ..., total_bytes: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[PackageFile, _Mapping]]] = ..., source: _Optional[_Union[ModelSource, _Mapping]] = ...) -> None: ...
+
+class ModelSource(_message.Message):
+    __slots__ = ("uri", "version", "run_id", "path")
+    URI_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    uri: str
+    version: str
+    run_id: str
+    path: str
+    def __init__(self, uri: _Optional[str] = ..., version: _Optional[str] = ..., run_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...

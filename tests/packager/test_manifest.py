@@ -27,13 +27,14 @@ from packager.manifest import (
     seal_manifest,
     validate_manifest,
 )
-from pipecast.v1.manifest_pb2 import Block, Manifest, PackageFile
+from pipecast.v1.manifest_pb2 import Block, Manifest, ModelSource, PackageFile
 
 CHUNK = 100
 FILES = [("config.json", b"{}"), ("tokenizer.json", b'{"model": {}}')]
 
 
-def _manifest(blocks: int, layers_per_block: int, chunks: list[int], tensors: int = 2, files: int = 1) -> Manifest:
+def _manifest(blocks: int, layers_per_block: int, chunks: list[int], tensors: int = 2, files: int = 1,
+              source: ModelSource | None = None) -> Manifest:
     bl = []
     for i in range(blocks):
         n = chunks[i % len(chunks)]
@@ -46,11 +47,13 @@ def _manifest(blocks: int, layers_per_block: int, chunks: list[int], tensors: in
         format_version=MANIFEST_FORMAT_VERSION, model_name="m", architecture="LlamaForCausalLM",
         model_type="llama", dtypes=["F32"], num_layers=blocks * layers_per_block, tied_embeddings=True,
         digest_algorithm="blake3", total_bytes=sum(b.bytes for b in bl), blocks=bl,
-        files=[PackageFile(path=p, bytes=len(d), digest=digest_bytes(d)) for p, d in FILES[:files]]))
+        files=[PackageFile(path=p, bytes=len(d), digest=digest_bytes(d)) for p, d in FILES[:files]],
+        source=source))
 
 
+SOURCE = ModelSource(uri="models:/tiny/3", version="3", run_id="0123456789abcdef0123456789abcdef", path="model")
 manifests = st.builds(_manifest, st.integers(1, 5), st.integers(1, 3), st.lists(st.integers(1, 4), min_size=1),
-                      st.integers(1, 3), st.integers(0, 2))
+                      st.integers(1, 3), st.integers(0, 2), source=st.sampled_from([None, SOURCE]))
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**65, 2**65) | st.floats(allow_nan=False, allow_infinity=False)
@@ -71,6 +74,21 @@ def test_the_id_is_the_domain_separated_digest_of_the_manifest_without_its_id():
     assert manifest.package_id == blake3.blake3(PACKAGE_ID_DOMAIN + canonical).hexdigest()
     assert PACKAGE_ID_DOMAIN == b"pipecast manifest v2\n"
     assert canonical.isascii()
+
+
+def test_an_unset_source_is_not_in_the_canonical_bytes_so_folder_packs_keep_their_ids():
+    manifest = _manifest(2, 2, [3])
+    assert b'"source"' not in canonical_manifest_bytes(manifest)
+    fetched = _manifest(2, 2, [3], source=SOURCE)
+    assert b'"uri": "models:/tiny/3"' in canonical_manifest_bytes(fetched)
+    assert fetched.package_id != manifest.package_id
+    fetched.ClearField("source")
+    assert seal_manifest(fetched).package_id == manifest.package_id
+
+
+def test_a_source_without_uri_is_refused():
+    with pytest.raises(ManifestError, match="invalid manifest: source has no uri$"):
+        validate_manifest(_manifest(1, 1, [1], source=ModelSource(version="1")))
 
 
 @given(manifests)
@@ -135,12 +153,22 @@ def single_changes(draw, manifest: Manifest) -> tuple[str, Manifest]:
     file, a file added or dropped, or one of the forgeries every structural check passes (:func:`_forgeries`)."""
     changed = Manifest()
     changed.CopyFrom(manifest)
-    kinds = ["manifest", "block", "forgery", "add file"] + (["file", "drop file"] if manifest.files else [])
+    kinds = ["manifest", "block", "forgery", "add file"] + (["file", "drop file"] if manifest.files else []) \
+        + (["source", "drop source"] if manifest.HasField("source") else ["add source"])
     kind = draw(st.sampled_from(kinds))
     if kind == "manifest":
         field = draw(st.sampled_from([f for f in Manifest.DESCRIPTOR.fields
-                                      if f.name not in ("package_id", "blocks", "files")]))
+                                      if f.name not in ("package_id", "blocks", "files", "source")]))
         return _set_field(draw, changed, field), changed
+    if kind == "source":
+        field = draw(st.sampled_from(list(ModelSource.DESCRIPTOR.fields)))
+        return f"source {_set_field(draw, changed.source, field)}", changed
+    if kind == "add source":
+        changed.source.CopyFrom(SOURCE)
+        return "a source added", changed
+    if kind == "drop source":
+        changed.ClearField("source")
+        return "the source dropped", changed
     if kind in ("block", "file"):
         items = getattr(changed, "blocks" if kind == "block" else "files")
         i = draw(st.integers(0, len(items) - 1))
@@ -206,9 +234,9 @@ def _changed_value(message, field):
 
 def test_every_field_of_manifest_block_and_file_is_covered_by_the_id():
     """Not sampled: each field in turn (any field added to the proto later is covered too)."""
-    manifest = _manifest(2, 1, [2], files=2)
+    manifest = _manifest(2, 1, [2], files=2, source=SOURCE)
     targets = [(Manifest.DESCRIPTOR, lambda m: m), (Block.DESCRIPTOR, lambda m: m.blocks[1]),
-               (PackageFile.DESCRIPTOR, lambda m: m.files[1])]
+               (PackageFile.DESCRIPTOR, lambda m: m.files[1]), (ModelSource.DESCRIPTOR, lambda m: m.source)]
     changed_fields = []
     for descriptor, pick in targets:
         for field in descriptor.fields:
@@ -226,8 +254,8 @@ def test_every_field_of_manifest_block_and_file_is_covered_by_the_id():
             with pytest.raises(ManifestError):
                 manifest_from_json(manifest_to_json(changed))
             changed_fields.append(field.full_name)
-    assert len(changed_fields) == len(Manifest.DESCRIPTOR.fields) - 3 + len(Block.DESCRIPTOR.fields) \
-        + len(PackageFile.DESCRIPTOR.fields)
+    assert len(changed_fields) == len(Manifest.DESCRIPTOR.fields) - 4 + len(Block.DESCRIPTOR.fields) \
+        + len(PackageFile.DESCRIPTOR.fields) + len(ModelSource.DESCRIPTOR.fields)
 
 
 @given(manifests, st.data())
