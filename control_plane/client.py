@@ -24,12 +24,15 @@ from control_plane.convert import (
     deployment_to_proto,
     peer_from_proto,
     peer_to_proto,
+    route_change_to_proto,
+    route_from_proto,
     scale_event_from_proto,
     scale_event_to_proto,
     spec_to_proto,
     update_from_proto,
 )
 from control_plane.deployments import Deployment, ScaleEvent
+from control_plane.routes import ModelRoute, RouteChange
 from control_plane.errors import ControlPlaneUnavailable, error_from_rpc
 from control_plane.messages import AssignmentUpdate, PeerInfo, WorkerSpec
 from pipecast.core.settings import Settings
@@ -231,6 +234,17 @@ class ControlPlaneClient:
         reply = await self._call("ListScaleEvents", pb.ListScaleEventsRequest(package_id=package_id,
                                                                               after_seq=after_seq, limit=limit))
         return [scale_event_from_proto(e) for e in reply.events]
+
+    # ----- served model routes -----
+
+    async def change_route(self, change: RouteChange) -> ModelRoute | None:
+        """Apply ``change`` (operator only); the route after it, None once removed."""
+        reply = await self._call("ChangeRoute", route_change_to_proto(change))
+        return route_from_proto(reply.route) if reply.HasField("route") else None
+
+    async def list_routes(self) -> list[ModelRoute]:
+        reply = await self._call("ListRoutes", pb.ListRoutesRequest())
+        return [route_from_proto(r) for r in reply.routes]
 
 
 def report_request(node_id: str, verified: Mapping[str, Iterable[int]],

@@ -19,6 +19,8 @@ from google.protobuf import json_format
 
 from control_plane.deployments import DEFAULT_WARM_AUTO_FACTOR, Deployment, ScalingPolicy
 from control_plane.messages import PeerInfo
+from control_plane.routes import CanaryGate, RouteChange
+from control_plane.routes import describe as describe_route
 from packager.manifest import read_manifest
 from pipecast.core.priorities import DEFAULT_PRIORITY, PRIORITIES
 from pipecast.core.settings import Settings, load_settings
@@ -218,12 +220,12 @@ def pipelines_command(ctx: click.Context, package_id: str) -> None:
 @cp_group.command("status")
 @click.pass_context
 def status_command(ctx: click.Context) -> None:
-    """One screen of the cluster: workers, packages (holders, replicas), plans, pipelines, deployments."""
+    """One screen of the cluster: workers, packages (holders, replicas), plans, pipelines, deployments, routes."""
     async def everything(c: Any) -> tuple:
         return await asyncio.gather(c.list_workers(), c.list_packages(), c.list_plans(), c.list_pipelines(),
-                                    c.list_deployments())
+                                    c.list_deployments(), c.list_routes())
 
-    workers, packages, plans, pipelines, deployments = _run(ctx, everything)
+    workers, packages, plans, pipelines, deployments, routes = _run(ctx, everything)
     alive = [w for w in workers if w.alive]
     models = {p.package_id: p.model_name for p in packages}
     lines = [f"workers: {len(alive)} alive of {len(workers)}"]
@@ -247,9 +249,19 @@ def status_command(ctx: click.Context) -> None:
         replicas = sum(1 for w in alive if any(h.package_id == d.package_id and h.blocks for h in w.held))
         lines.append(f"  {models.get(d.package_id, d.package_id[:12])}: {replicas} workers holding blocks, "
                      f"{_describe_policy(d.policy)}; priority {d.priority}")
+    lines.append(f"routes: {len(routes)}")
+    lines.extend(f"  {describe_route(r, r.name)}" + (" (gated)" if r.gate else "") for r in routes)
     _emit(ctx, {"workers": [_message_json(w) for w in workers], "packages": [_message_json(p) for p in packages],
                 "plans": [_message_json(p) for p in plans], "pipelines": [_message_json(p) for p in pipelines],
-                "deployments": [d.to_json() for d in deployments]}, lines)
+                "deployments": [d.to_json() for d in deployments], "routes": [r.to_json() for r in routes]}, lines)
+
+
+@click.command("status", params=list(cp_group.params))
+@click.pass_context
+def cluster_status_command(ctx: click.Context, **options: Any) -> None:
+    """One screen of the cluster: `pipecast cp status`, with the options of `pipecast cp`."""
+    ctx.invoke(cp_group.callback, **options)  # the settings and --json, as `pipecast cp` keeps them
+    ctx.invoke(status_command.callback)
 
 
 @cp_group.command("publish")
@@ -428,6 +440,102 @@ def undeploy_command(ctx: click.Context, package_id: str) -> None:
     """Remove a package's deployment (its replicas stay until released; the scaler stops scaling it)."""
     _run(ctx, lambda c: c.remove_deployment(package_id))
     _emit(ctx, {"undeployed": package_id}, [f"undeployed {package_id}"])
+
+
+DEFAULT_GATE = CanaryGate()
+
+
+def _gate_options(command: Callable) -> Callable:
+    """The automatic canary gate's options (``pipecast cp route`` and ``canary``)."""
+    for decorator in reversed((
+            click.option("--gate/--no-gate", "gate", default=None,
+                         help="Let `pipecast scaler` roll canaries back on their own (default: keep the route's "
+                              "setting; a new route has none)."),
+            click.option("--gate-ttft-margin", type=click.FloatRange(min=0), default=DEFAULT_GATE.ttft_p95_margin,
+                         show_default=True, help="Roll back when the canary's p95 TTFT exceeds the stable "
+                                                 "version's by this fraction (0.5: 50%)."),
+            click.option("--gate-error-margin", type=click.FloatRange(min=0), default=DEFAULT_GATE.error_rate_margin,
+                         show_default=True, help="Roll back when the canary's error rate exceeds the stable "
+                                                 "version's by this much (0.05: 5 points)."),
+            click.option("--gate-min-requests", type=click.IntRange(min=1), default=DEFAULT_GATE.min_requests,
+                         show_default=True, help="Judge only once each version served this many requests."))):
+        command = decorator(command)
+    return command
+
+
+def _gate(gate: bool | None, ttft_margin: float, error_margin: float, min_requests: int) -> dict[str, Any]:
+    """The gate fields of a :class:`RouteChange`: keep the route's (None), set one, or remove it."""
+    if gate is None:
+        return {}
+    return {"gate": CanaryGate(ttft_margin, error_margin, min_requests)} if gate else {"no_gate": True}
+
+
+def _change_route(ctx: click.Context, change: RouteChange) -> None:
+    route = _run(ctx, lambda c: c.change_route(change))
+    _emit(ctx, route.to_json() if route else {"unrouted": change.name}, [describe_route(route, change.name)])
+
+
+@cp_group.command("route")
+@click.argument("name")
+@click.argument("package_id")
+@_gate_options
+@click.pass_context
+def route_command(ctx: click.Context, name: str, package_id: str, gate: bool | None, gate_ttft_margin: float,
+                  gate_error_margin: float, gate_min_requests: int) -> None:
+    """Serve model NAME (what clients send as "model") with PACKAGE_ID, all of its requests: create the route
+    or switch its stable version (refused while canaries run). Its workers must serve the name
+    (`pipecast serve --served-model-name NAME`)."""
+    _change_route(ctx, RouteChange(name, "route", package_id,
+                                   **_gate(gate, gate_ttft_margin, gate_error_margin, gate_min_requests)))
+
+
+@cp_group.command("canary")
+@click.argument("name")
+@click.argument("package_id")
+@click.option("--weight", type=click.IntRange(1, 99), required=True, help="Percent of NAME's requests (1..99).")
+@_gate_options
+@click.pass_context
+def canary_command(ctx: click.Context, name: str, package_id: str, weight: int, gate: bool | None,
+                   gate_ttft_margin: float, gate_error_margin: float, gate_min_requests: int) -> None:
+    """Send WEIGHT percent of NAME's requests to PACKAGE_ID, a canary beside the stable version (again: a new
+    weight). With --gate, `pipecast scaler` rolls it back when it does worse than the stable version."""
+    _change_route(ctx, RouteChange(name, "canary", package_id, weight,
+                                   **_gate(gate, gate_ttft_margin, gate_error_margin, gate_min_requests)))
+
+
+@cp_group.command("promote")
+@click.argument("name")
+@click.argument("package_id", required=False, default="")
+@click.pass_context
+def promote_command(ctx: click.Context, name: str, package_id: str) -> None:
+    """Make NAME's canary (PACKAGE_ID, optional with one canary) its stable version, with every request."""
+    _change_route(ctx, RouteChange(name, "promote", package_id))
+
+
+@cp_group.command("rollback")
+@click.argument("name")
+@click.argument("package_id", required=False, default="")
+@click.pass_context
+def rollback_command(ctx: click.Context, name: str, package_id: str) -> None:
+    """Take NAME's canary PACKAGE_ID (default: every canary) out of its route: the stable version gets its share."""
+    _change_route(ctx, RouteChange(name, "rollback", package_id))
+
+
+@cp_group.command("unroute")
+@click.argument("name")
+@click.pass_context
+def unroute_command(ctx: click.Context, name: str) -> None:
+    """Remove NAME's route (routers then send its requests to any worker that serves the name)."""
+    _change_route(ctx, RouteChange(name, "unroute"))
+
+
+@cp_group.command("routes")
+@click.pass_context
+def routes_command(ctx: click.Context) -> None:
+    """List served model names, their versions and weights."""
+    routes = _run(ctx, lambda c: c.list_routes())
+    lines = [describe_route(r, r.name) + (" (gated)" if r.gate else "") for r in routes] or ["no routes"]
+    _emit(ctx, [r.to_json() for r in routes], lines)
 
 
 @cp_group.command("issue-token")

@@ -5,6 +5,7 @@ from collections.abc import Iterable, Mapping
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.messages import AcceleratorInfo, AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.planner.plan import Fetch
+from control_plane.routes import CanaryGate, ModelRoute, RouteChange
 from pipecast.core.priorities import DEFAULT_PRIORITY
 from pipecast.v1 import control_pb2 as pb
 
@@ -99,3 +100,37 @@ def scale_event_from_proto(msg: pb.ScaleEvent) -> ScaleEvent:
     return ScaleEvent(at=msg.at_unix, package_id=msg.package_id, action=msg.action, count=msg.count,
                       node_ids=tuple(msg.node_ids), reason=msg.reason, inputs_json=msg.inputs_json,
                       desired=msg.desired, actual=msg.actual, seq=msg.seq)
+
+
+def gate_to_proto(gate: CanaryGate) -> pb.CanaryGate:
+    return pb.CanaryGate(ttft_p95_margin=gate.ttft_p95_margin, error_rate_margin=gate.error_rate_margin,
+                         min_requests=gate.min_requests)
+
+
+def _gate_from_proto(owner: pb.ModelRoute | pb.ChangeRouteRequest) -> CanaryGate | None:
+    if not owner.HasField("gate"):
+        return None
+    g = owner.gate
+    return CanaryGate(g.ttft_p95_margin, g.error_rate_margin, g.min_requests)
+
+
+def route_to_proto(route: ModelRoute) -> pb.ModelRoute:
+    return pb.ModelRoute(name=route.name, stable=route.stable,
+                         versions=[pb.RouteVersion(package_id=p, weight=w) for p, w in route.versions],
+                         gate=gate_to_proto(route.gate) if route.gate else None, updated_unix=route.updated_at)
+
+
+def route_from_proto(msg: pb.ModelRoute) -> ModelRoute:
+    return ModelRoute(msg.name, msg.stable, tuple((v.package_id, v.weight) for v in msg.versions),
+                      _gate_from_proto(msg), msg.updated_unix)
+
+
+def route_change_to_proto(change: RouteChange) -> pb.ChangeRouteRequest:
+    return pb.ChangeRouteRequest(name=change.name, action=change.action, package_id=change.package_id,
+                                 weight=change.weight, gate=gate_to_proto(change.gate) if change.gate else None,
+                                 reason=change.reason, no_gate=change.no_gate)
+
+
+def route_change_from_proto(msg: pb.ChangeRouteRequest) -> RouteChange:
+    return RouteChange(msg.name, msg.action, msg.package_id, msg.weight, _gate_from_proto(msg), msg.reason,
+                       msg.no_gate)

@@ -1,12 +1,14 @@
-"""Deployments and the scaling daemon's audit trail, as the control plane keeps them (pure: no I/O, no clock).
+"""Deployments, served-model routes and the audit trail, as the control plane keeps them (pure: no I/O, no clock).
 
 A deployment is a published package with the :class:`ScalingPolicy` the scaling daemon (``pipecast
 scaler``) keeps it by, the routers whose ``/stats`` are its signals, and its priority (the share of each
 link its multicast takes: the agents' ``priority_shares``). The daemon holds no state of its
 own: it reads the deployments here every tick and appends each decision (:class:`ScaleEvent`) to the
-:class:`DeploymentBook`'s log, from which a restarted daemon also recovers its cooldowns.
+:class:`DeploymentBook`'s log, from which a restarted daemon also recovers its cooldowns. Every change of a
+served model's route (:mod:`control_plane.routes`: canaries, promotions, rollbacks) goes to the same log.
 """
 
+import json
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -14,12 +16,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from control_plane.errors import InvalidRequest, UnknownDeployment, UnknownPackage
+from control_plane.routes import ModelRoute, RouteChange, change_route, describe
 from pipecast.core.priorities import DEFAULT_PRIORITY, PRIORITIES
 from pipecast.core.urls import http_base_url
 
 #: Scale events kept in memory (the database keeps them all).
 EVENTS_IN_MEMORY = 10_000
 DEFAULT_EVENTS_LIMIT = 1000
+#: The scaling daemon's actions; a route's changes are logged under control_plane.routes.ROUTE_ACTIONS.
 ACTIONS = ("scale_up", "release", "hold")
 #: ``warm_auto_factor``'s usable range: from just the baseline to ten times it.
 WARM_AUTO_FACTORS = (1.0, 10.0)
@@ -100,7 +104,9 @@ class Deployment:
 
 @dataclass(frozen=True)
 class ScaleEvent:
-    """One decision of the scaling daemon (``ScaleEvent`` in control.proto); ``seq`` 0 until appended."""
+    """One entry of the audit trail (``ScaleEvent`` in control.proto): a decision of the scaling daemon, or a
+    change of a served model's route (``inputs_json`` then holds the route before and after); ``seq`` 0
+    until appended."""
 
     at: float
     package_id: str
@@ -131,14 +137,16 @@ def check_router_url(url: str, package_id: str) -> str:
 
 @dataclass
 class DeploymentBook:
-    """Every deployment and the latest scale events; ``dirty_deployments`` and ``new_events`` are what the
-    store has not written yet."""
+    """Every deployment and route and the latest audit events; ``dirty_deployments``, ``dirty_routes`` and
+    ``new_events`` are what the store has not written yet."""
 
     deployments: dict[str, Deployment] = field(default_factory=dict)
     events: deque[ScaleEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_IN_MEMORY))
     last_seq: int = 0
     dirty_deployments: set[str] = field(default_factory=set)
     new_events: list[ScaleEvent] = field(default_factory=list)
+    routes: dict[str, ModelRoute] = field(default_factory=dict)
+    dirty_routes: set[str] = field(default_factory=set)
 
     def put(self, deployment: Deployment, published: Iterable[str], now: float) -> Deployment:
         """Create or replace the deployment of its package; raises :class:`InvalidRequest` naming every bad
@@ -176,23 +184,52 @@ class DeploymentBook:
     def append(self, event: ScaleEvent) -> ScaleEvent:
         """Record ``event`` under the next sequence number; raises :class:`InvalidRequest` for an unknown
         action or a deployment that does not exist."""
-        if event.action not in ACTIONS:
+        if event.action not in ACTIONS:  # route changes are logged by change_route only
             raise InvalidRequest(f"scale event action {event.action!r} is not one of {', '.join(ACTIONS)}")
         if event.package_id not in self.deployments:
             raise UnknownDeployment.named(event.package_id)
+        return self._record(event)
+
+    def _record(self, event: ScaleEvent) -> ScaleEvent:
         self.last_seq += 1
         stored = replace(event, seq=self.last_seq)
         self.events.append(stored)
         self.new_events.append(stored)
         return stored
 
+    def change_route(self, change: RouteChange, published: Iterable[str], now: float) -> ModelRoute | None:
+        """Apply ``change`` to its route (:func:`control_plane.routes.change_route`, which raises what is
+        wrong) and log it in the audit trail with the versions before and after; return the route (None:
+        removed)."""
+        before = self.routes.get(change.name)
+        after = change_route(before, change, set(published), now)
+        if after is None:
+            del self.routes[change.name]
+        else:
+            self.routes[change.name] = after
+        self.dirty_routes.add(change.name)
+        concerned = change.package_id or (before.canaries[0] if before and before.canaries else
+                                          (before.stable if before else ""))
+        inputs = {"route": change.name, "before": before.to_json() if before else None,
+                  "after": after.to_json() if after else None}
+        self._record(ScaleEvent(at=now, package_id=concerned, action=change.action,
+                                reason=f"{change.reason or 'by hand'}; {describe(after, change.name)}",
+                                inputs_json=json.dumps(inputs, sort_keys=True)))
+        return after
+
+    def routes_of(self, package_id: str) -> list[str]:
+        """The served names that route some requests to ``package_id``."""
+        return sorted(name for name, route in self.routes.items() if package_id in route.weights())
+
     def list_events(self, package_id: str = "", after_seq: int = 0, limit: int = 0) -> list[ScaleEvent]:
         """The latest ``limit`` events (0: :data:`DEFAULT_EVENTS_LIMIT`) after ``after_seq``, oldest first."""
         chosen = [e for e in self.events if e.seq > after_seq and (not package_id or e.package_id == package_id)]
         return chosen[-(limit or DEFAULT_EVENTS_LIMIT):]
 
-    def restore(self, deployments: Sequence[Deployment], events: Sequence[ScaleEvent]) -> None:
+    def restore(self, deployments: Sequence[Deployment], events: Sequence[ScaleEvent],
+                routes: Sequence[ModelRoute] = ()) -> None:
         """Fill an empty book from the store (events oldest first)."""
         self.deployments = {d.package_id: d for d in deployments}
+        self.routes = {r.name: r for r in routes}
         self.events.extend(events)
         self.last_seq = max((e.seq for e in events), default=0)

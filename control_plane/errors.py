@@ -49,6 +49,16 @@ class UnknownDeployment(ControlPlaneError):
         return cls(f"package {package_id!r} has no deployment")
 
 
+class UnknownRoute(ControlPlaneError):
+    """The caller named a served model that has no route."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+    @classmethod
+    def named(cls, name: str) -> "UnknownRoute":
+        return cls(f"served model {name!r} has no route (pipecast cp route {name} PACKAGE creates it)")
+
+
 class InvalidRequest(ControlPlaneError):
     """The caller sent a request that can never succeed as written (bad block index, bad strategy)."""
 
@@ -95,8 +105,9 @@ class StoreError(ControlPlaneError):
 
 
 _BY_NAME: dict[str, type[ControlPlaneError]] = {
-    cls.__name__: cls for cls in (UnknownWorker, UnknownPackage, UnknownDeployment, InvalidRequest, Conflict,
-                                  InsufficientWorkers, Unauthenticated, PermissionDenied, ControlPlaneUnavailable)
+    cls.__name__: cls for cls in (UnknownWorker, UnknownPackage, UnknownDeployment, UnknownRoute, InvalidRequest,
+                                  Conflict, InsufficientWorkers, Unauthenticated, PermissionDenied,
+                                  ControlPlaneUnavailable)
 }
 
 

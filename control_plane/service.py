@@ -31,6 +31,8 @@ from control_plane.convert import (
     deployment_to_proto,
     peer_from_proto,
     peer_to_proto,
+    route_change_from_proto,
+    route_to_proto,
     scale_event_from_proto,
     scale_event_to_proto,
     spec_from_proto,
@@ -38,6 +40,7 @@ from control_plane.convert import (
 )
 from control_plane.auth import DENIED, current_principal
 from control_plane.deployments import DeploymentBook
+from control_plane.routes import describe as describe_route
 from control_plane.errors import (
     ERROR_TRAILER,
     Conflict,
@@ -67,7 +70,7 @@ Handler = Callable[["ControlPlaneService", Req, grpc.aio.ServicerContext], Await
 
 #: RPCs only the operator (the master token) may call.
 OPERATOR_RPCS = frozenset({"PublishPackage", "RemovePackage", "ScaleUp", "Release", "IssueToken", "PutDeployment",
-                           "RemoveDeployment", "AppendScaleEvent"})
+                           "RemoveDeployment", "AppendScaleEvent", "ChangeRoute"})
 #: Who every call is with auth off (dev mode): anyone may do anything, as before auth existed.
 ANONYMOUS = Principal("anonymous", OPERATOR)
 _PACKAGE_ID = re.compile(r"[0-9a-f]{64}")
@@ -269,6 +272,9 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         if request.package_id in self.book.deployments:
             raise Conflict(f"package {request.package_id!r} is deployed: remove its deployment first "
                            "(pipecast cp undeploy)")
+        if names := self.book.routes_of(request.package_id):
+            raise Conflict(f"package {request.package_id!r} answers served model {names[0]!r}: roll it back or "
+                           "route the name elsewhere first")
         self.state.remove_package(request.package_id, force=request.force)
         self.flush()
         log.info("removed package=%s force=%s", request.package_id, request.force)
@@ -422,6 +428,20 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                               context: grpc.aio.ServicerContext) -> pb.ListScaleEventsResponse:
         events = self.book.list_events(request.package_id, request.after_seq, request.limit)
         return pb.ListScaleEventsResponse(events=[scale_event_to_proto(e) for e in events])
+
+    @_rpc
+    async def ChangeRoute(self, request: pb.ChangeRouteRequest,
+                          context: grpc.aio.ServicerContext) -> pb.ChangeRouteResponse:
+        change = route_change_from_proto(request)
+        route = self.book.change_route(change, self.state.packages, self.clock())
+        self.flush()  # routers see the change only once it is durable
+        log.info("route %s: %s", change.action, describe_route(route, change.name))
+        return pb.ChangeRouteResponse(route=route_to_proto(route) if route else None)
+
+    @_rpc
+    async def ListRoutes(self, request: pb.ListRoutesRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListRoutesResponse:
+        return pb.ListRoutesResponse(routes=[route_to_proto(self.book.routes[n]) for n in sorted(self.book.routes)])
 
     def _render(self, notice: Notice) -> pb.AssignmentUpdate:
         kind = notice.kind

@@ -21,6 +21,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from control_plane.deployments import EVENTS_IN_MEMORY, Deployment, DeploymentBook, ScaleEvent
+from control_plane.routes import ModelRoute
 from control_plane.errors import StoreError
 from control_plane.messages import PeerInfo, WorkerSpec
 from control_plane.planner.plan import Plan, PlanError
@@ -46,6 +47,7 @@ CREATE TABLE IF NOT EXISTS plans (
   created_at REAL NOT NULL, version INTEGER NOT NULL, replans INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS deployments (package_id TEXT PRIMARY KEY, deployment TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS scale_events (seq INTEGER PRIMARY KEY, package_id TEXT NOT NULL, event TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS routes (name TEXT PRIMARY KEY, route TEXT NOT NULL);
 """
 
 
@@ -186,7 +188,7 @@ class SqliteStore:
                                version=version, replans=replans)
 
     def load_book(self, book: DeploymentBook) -> None:
-        """Fill an empty ``book``: every deployment and the latest scale events."""
+        """Fill an empty ``book``: every deployment and route and the latest audit events."""
         try:
             deployments = []
             for package_id, text in self._db.execute("SELECT * FROM deployments"):
@@ -202,16 +204,23 @@ class SqliteStore:
                     events.append(ScaleEvent.from_json(loads(text)))
                 except _DECODE_ERRORS as exc:
                     raise CorruptStateError(self.path, "scale_events", seq, _problem(exc)) from None
+            routes = []
+            for name, text in self._db.execute("SELECT name, route FROM routes"):
+                try:
+                    routes.append(ModelRoute.from_json(loads(text)))
+                except _DECODE_ERRORS as exc:
+                    raise CorruptStateError(self.path, "routes", name, _problem(exc)) from None
         except sqlite3.Error as exc:
             raise StoreError(f"control plane database {self.path}: cannot read: {exc}") from exc
-        book.restore(deployments, events)
+        book.restore(deployments, events, routes)
 
     def flush_book(self, book: DeploymentBook) -> int:
-        """Write the book's changed deployments and new events in one transaction (kept dirty on failure)."""
-        dirty, events = book.dirty_deployments, book.new_events
-        if not dirty and not events:
+        """Write the book's changed deployments and routes and its new events in one transaction (kept dirty
+        on failure)."""
+        dirty, events, routes = book.dirty_deployments, book.new_events, book.dirty_routes
+        if not dirty and not events and not routes:
             return 0
-        book.dirty_deployments, book.new_events = set(), []
+        book.dirty_deployments, book.new_events, book.dirty_routes = set(), [], set()
         try:
             with self._db:
                 for package_id in dirty:
@@ -221,13 +230,20 @@ class SqliteStore:
                     else:
                         self._db.execute("INSERT OR REPLACE INTO deployments VALUES (?, ?)",
                                          (package_id, _compact(deployment.to_json())))
+                for name in routes:
+                    route = book.routes.get(name)
+                    if route is None:
+                        self._db.execute("DELETE FROM routes WHERE name = ?", (name,))
+                    else:
+                        self._db.execute("INSERT OR REPLACE INTO routes VALUES (?, ?)", (name, _compact(route.to_json())))
                 self._db.executemany("INSERT INTO scale_events VALUES (?, ?, ?)",
                                      [(e.seq, e.package_id, _compact(e.to_json())) for e in events])
         except sqlite3.Error as exc:
             book.dirty_deployments |= dirty
+            book.dirty_routes |= routes
             book.new_events[:0] = events
             raise StoreError(f"control plane database {self.path}: cannot write: {exc}") from exc
-        return len(dirty) + len(events)
+        return len(dirty) + len(events) + len(routes)
 
     def flush(self, state: ControlState) -> int:
         """Write every dirty key of ``state`` in one transaction; returns the number of keys written.

@@ -12,8 +12,10 @@ Endpoints:
   ``data: {"error": {...}}`` event and the stream ends. Responses carry ``x-pipecast-worker`` and
   ``x-pipecast-queue-seconds``; a streaming response's headers leave as soon as the worker answers
   with its own headers, before the first token.
-- ``GET /health``: the router's own state; ``GET /v1/workers``: the pool; ``GET /v1/models``: the models its
-  workers serve or load (as their health polls name them), each with its package id and workers;
+- ``GET /health``: the router's own state; ``GET /v1/workers``: the pool; ``GET /v1/models``: the served
+  names of the control plane's routes, each with its versions (package id, weight, workers), then the
+  other models its workers serve or load (as their health polls name them), each with its package id and
+  workers;
   ``GET /metrics``: Prometheus.
 - ``GET /stats``: the scaling signals (:mod:`pipecast.router.signals`) as JSON, for autoscalers polling
   every second or so: ``format`` (1), ``now_unix``, ``started_unix``, ``queue_depth`` (waiting here for
@@ -21,8 +23,15 @@ Endpoints:
   ``in_flight`` and ``idle_s``: seconds since its in-flight count last dropped to 0 or it joined, null
   while busy), cumulative ``counters`` (``arrived``, ``prompt_tokens``, ``answered``, ``rejected``,
   ``failed``: take rates by differencing two answers), ``ttft`` (``window_s``, ``count``, ``p50``, ``p95``,
-  ``p99`` over the last 60 s) and ``tenants`` (each ``arrived``, ``admitted``, ``rejected`` and ``queued``:
-  waiting here now).
+  ``p99`` over the last 60 s), ``tenants`` (each ``arrived``, ``admitted``, ``rejected`` and ``queued``:
+  waiting here now) and ``versions`` (by package id, for requests of routed names: ``queue_depth`` and
+  ``in_flight`` now, ``counters`` with ``arrived``, ``answered``, ``failed``, ``completion_tokens``, and
+  ``ttft`` as above).
+
+A request whose ``model`` is a served name with a route (:mod:`control_plane.routes`: ``pipecast cp route``,
+``canary``, ``promote``, ``rollback``) goes to one of its versions by the route's weights
+(:mod:`pipecast.router.versions`) and waits for a worker of that package only; other requests go to any
+worker, which refuses a model it does not serve (404).
 
 Before its queue, the router admits each request for its tenant (:mod:`pipecast.router.admission`): with
 API keys configured, a request without a known ``Authorization: Bearer`` key gets 401
@@ -48,7 +57,7 @@ from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_bo
 from pipecast.core.settings import Settings
 from pipecast.core.strictjson import JSONInputError
 from pipecast.router.admission import AdmissionConfig, AdmissionControl
-from pipecast.router.discovery import DiscoveredPipeline, DiscoveredWorker, Discovery
+from pipecast.router.discovery import DiscoveredPipeline, DiscoveredWorker, Discovery, RouteTable
 from pipecast.router.errors import (
     QueueFullError,
     QueueTimeoutError,
@@ -65,7 +74,8 @@ from pipecast.router.errors import (
 from pipecast.router.health import HealthMonitor
 from pipecast.router.metrics import RouterMetrics
 from pipecast.router.pool import PIPELINE_MAX_IN_FLIGHT, Dispatcher, PipelineUnit, Worker, WorkerPool
-from pipecast.router.signals import Signals, request_prompt_tokens
+from pipecast.router.signals import Signals, answer_tokens, request_prompt_tokens, stream_tokens
+from pipecast.router.versions import VersionChooser, route_versions
 
 log = logging.getLogger(__name__)
 
@@ -166,19 +176,63 @@ class Router:
         self.pool = WorkerPool(clock)
         self.admission = AdmissionControl(config.admission, clock)
         self.signals = Signals(clock, wall_clock)
-        self.dispatcher = Dispatcher(self.pool, config.max_queue, config.queue_timeout_s, clock,
-                                     rate_of=config.tenant_rate, default_weight=config.unlimited_weight,
-                                     pacing=config.tenant_pacing)
-        self.metrics = RouterMetrics(lambda: self.dispatcher.waiting)
+        self.dispatcher = self._new_dispatcher(None)
+        #: Package id -> the queue of requests for that version of a routed name.
+        self.version_dispatchers: dict[str, Dispatcher] = {}
+        self.routes: RouteTable = {}
+        self.versions = VersionChooser()
+        self.metrics = RouterMetrics(lambda: self.waiting, lambda: self.signals.snapshot_versions())
         self._forwarded = FORWARDED_HEADERS + ((AUTH_HEADER,) if config.forward_auth else ())
         self._sources = list(sources)
         self._discovered: dict[int, list[DiscoveredWorker]] = {}
         self._pipelines: dict[int, list[DiscoveredPipeline]] = {}
+        self._routes: dict[int, RouteTable] = {}
         self._session: aiohttp.ClientSession | None = None
         self._monitor: HealthMonitor | None = None
         self._discovery_task: asyncio.Task | None = None
         self._upstream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
                                                        sock_read=config.upstream_timeout_s)
+
+    def _new_dispatcher(self, package: str | None) -> Dispatcher:
+        config = self.config
+        return Dispatcher(self.pool, config.max_queue, config.queue_timeout_s, self.clock, rate_of=config.tenant_rate,
+                          default_weight=config.unlimited_weight, pacing=config.tenant_pacing, package=package)
+
+    def _dispatchers(self) -> list[Dispatcher]:
+        return [self.dispatcher, *self.version_dispatchers.values()]
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting in the router for a worker now, every version's included."""
+        return sum(d.waiting for d in self._dispatchers())
+
+    def _dispatcher_for(self, version: str | None) -> Dispatcher:
+        if version is None:
+            return self.dispatcher
+        dispatcher = self.version_dispatchers.get(version)
+        if dispatcher is None:
+            dispatcher = self.version_dispatchers[version] = self._new_dispatcher(version)
+        return dispatcher
+
+    def choose_version(self, model: object) -> str | None:
+        """The package a request for ``model`` goes to, None when ``model`` names no route."""
+        versions = route_versions(self.routes, model)
+        if not versions:
+            return None
+        return self.versions.choose(versions, model, self.pool.serving_packages())
+
+    def _sync_routes(self) -> None:
+        routes: RouteTable = {}
+        for index in sorted(self._routes):
+            routes.update(self._routes[index])
+        if routes != self.routes:
+            log.info("routes: %s", "; ".join(f"{name} " + ", ".join(f"{p[:12]} {w}%" for p, w in versions)
+                                             for name, versions in sorted(routes.items())) or "none")
+        self.routes = routes
+        self.versions.forget(routes)
+        routed = {package for versions in routes.values() for package, _ in versions}
+        for package in [p for p, d in self.version_dispatchers.items() if p not in routed and not d.waiting]:
+            self.version_dispatchers.pop(package).detach()
 
     async def start(self) -> None:
         """Open the upstream session, learn the workers once, then keep polling and rediscovering."""
@@ -191,7 +245,8 @@ class Router:
 
     def stop_accepting(self) -> None:
         """Fail every queued request and refuse new ones; requests already at a worker go on."""
-        self.dispatcher.close()
+        for dispatcher in self._dispatchers():
+            dispatcher.close()
 
     async def close(self) -> None:
         """Stop accepting, stop polling and discovery, close the upstream session."""
@@ -212,6 +267,7 @@ class Router:
                     self._discovered[index] = await source.list_workers()
                     if self.config.pipelines:
                         self._pipelines[index] = await source.list_pipelines()
+                    self._routes[index] = await source.list_routes()
             # Any failure of a source (its client may raise anything) must not stop discovery or empty
             # the pool: keep the source's last answer and try again next interval.
             except Exception as exc:
@@ -233,6 +289,7 @@ class Router:
             log.info("pipeline %s added", key)
         for key in removed:
             log.info("pipeline %s dissolved: it takes no new requests", key)
+        self._sync_routes()
 
     async def _rediscover(self) -> None:
         while True:
@@ -261,7 +318,9 @@ class Router:
         if not isinstance(payload, dict):
             return web.json_response(error_body("request body must be a JSON object", "invalid_request_error"),
                                      status=400)
-        counted_as = self.signals.arrived(tenant, request_prompt_tokens(payload))
+        version = self.choose_version(payload.get("model"))
+        dispatcher = self._dispatcher_for(version)
+        counted_as = self.signals.arrived(tenant, request_prompt_tokens(payload), version)
         admission = self.admission.admit(tenant)
         self.signals.admission(counted_as, admission.admitted)
         if not admission.admitted:
@@ -275,21 +334,21 @@ class Router:
         while True:
             waiting_since = self.clock()
             try:
-                worker = await self.dispatcher.acquire(arrival, avoid={failure.worker for failure in failures},
-                                                       tenant=tenant)
+                worker = await dispatcher.acquire(arrival, avoid={failure.worker for failure in failures},
+                                                  tenant=tenant)
             except QueueFullError as exc:
                 return self._reject(exc, 429, "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
             except QueueTimeoutError as exc:
-                return self._reject(exc, 503, "queue_timeout")
+                return self._reject(exc, 503, "queue_timeout", version=version)
             except RouterClosedError as exc:
-                return self._reject(exc, 503, "shutting_down")
+                return self._reject(exc, 503, "shutting_down", version=version)
             queued_s += self.clock() - waiting_since
             try:
                 if request.transport is None or request.transport.is_closing():
                     log.info("client left while its request was queued (%.3f s)", queued_s)
                     return web.Response(status=499)  # nginx's "client closed request"; nobody reads it
                 self.metrics.routed.labels(worker.url).inc()
-                return await self._attempt(request, body, headers, worker, arrival, queued_s)
+                return await self._attempt(request, body, headers, worker, arrival, queued_s, version)
             except WorkerBusyError as exc:
                 # At least one poll interval, so a worker saying "Retry-After: 0" is not hammered.
                 self.pool.record_busy(worker.url, str(exc), self.clock(),
@@ -300,7 +359,7 @@ class Router:
                 if len(failures) > self.config.max_retries:
                     log.warning("request failed for good: %s", exc)
                     self.metrics.failed.labels(worker.url, "before_response").inc()
-                    self.signals.failed()
+                    self.signals.failed(version)
                     return web.json_response(
                         error_body(str(RetriesExhaustedError(failures)), "worker_failed", worker=worker.url,
                                    attempts=[failure.worker for failure in failures]),
@@ -308,20 +367,20 @@ class Router:
                 log.warning("retrying on another worker: %s", exc)
                 self.metrics.retried.labels(worker.url).inc()
             finally:
-                self.dispatcher.release(worker, tenant)
+                dispatcher.release(worker, tenant)
 
     def _reject(self, error: RouterError, status: int, reason: str,
-                headers: dict[str, str] | None = None) -> web.Response:
+                headers: dict[str, str] | None = None, version: str | None = None) -> web.Response:
         self.metrics.rejected.labels(reason).inc()
         if status == 429:
             self.signals.rejected()
         elif status >= 500:
-            self.signals.failed()
+            self.signals.failed(version)
         return web.json_response(error_body(str(error), reason), status=status, headers=headers)
 
     async def _attempt(self, request: web.Request, body: bytes, headers: dict[str, str],
                        worker: Worker | PipelineUnit,
-                       arrival: float, queued_s: float) -> web.StreamResponse:
+                       arrival: float, queued_s: float, version: str | None = None) -> web.StreamResponse:
         """Send the request to ``worker`` once and relay its answer.
 
         Raises :class:`WorkerFailedError` when nothing reached the client yet (retryable) and
@@ -342,18 +401,18 @@ class Router:
             self.metrics.queued.observe(queued_s)
             timing = {WORKER_HEADER: worker.url, QUEUE_HEADER: f"{queued_s:.6f}"}
             if upstream.status == 200 and upstream.content_type == "text/event-stream":
-                return await self._relay_stream(request, upstream, worker, arrival, timing)
+                return await self._relay_stream(request, upstream, worker, arrival, timing, version)
             try:
                 answer = await self._read_answer(upstream, worker)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 problem = f"lost before its answer was complete: {self._describe(exc)}"
                 raise WorkerFailedError(worker.url, problem) from exc
             if upstream.status == 200:
-                self.signals.answer_started(arrival)
-                self.signals.answered()
+                self.signals.answer_started(arrival, version)
+                self.signals.answered(version, answer_tokens(answer) if version else 0)
             elif upstream.status >= 500:
                 self.metrics.failed.labels(worker.url, "error_status").inc()
-                self.signals.failed()
+                self.signals.failed(version)
             content_type = upstream.headers.get("Content-Type", "application/json")
             return web.Response(status=upstream.status, body=answer,
                                 headers={"Content-Type": content_type, **timing})
@@ -373,7 +432,7 @@ class Router:
         return bytes(answer)
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, worker: Worker,
-                            arrival: float, timing: dict[str, str]) -> web.StreamResponse:
+                            arrival: float, timing: dict[str, str], version: str | None = None) -> web.StreamResponse:
         """Relay a worker's event stream event by event; end it with an error event if the worker fails.
 
         Only whole events are passed on, so a worker dying mid-event never leaves the client a torn one
@@ -384,6 +443,7 @@ class Router:
         await response.prepare(request)
         pending = bytearray()
         first = True
+        tokens = 0
         while True:
             try:
                 chunk = await upstream.content.readany()
@@ -394,10 +454,12 @@ class Router:
                 failure = None
                 break
             if first:
-                self.metrics.ttft.observe(self.signals.answer_started(arrival))
+                self.metrics.ttft.observe(self.signals.answer_started(arrival, version))
                 first = False
             pending += chunk
             end = complete_events_end(pending)
+            if version is not None:  # per-version tokens/s: only routed requests pay for decoding events
+                tokens += stream_tokens(bytes(pending[:end]))
             if end and not await self._send(response, bytes(pending[:end])):
                 return response
             del pending[:end]
@@ -409,12 +471,12 @@ class Router:
         if failure is None:
             if pending:  # a last event without its blank line: the worker's stream, passed on as it is
                 await self._send(response, bytes(pending))
-            self.signals.answered()
+            self.signals.answered(version, tokens)
         else:
             log.warning("%s", failure)
             self.pool.record_failure(worker.url, str(failure), self.clock())
             self.metrics.failed.labels(worker.url, "mid_stream").inc()
-            self.signals.failed()
+            self.signals.failed(version)
             await self._send(response, sse_event(error_body(str(failure), "worker_failed", worker=worker.url)))
         try:
             await response.write_eof()
@@ -445,23 +507,43 @@ class Router:
         """The router's ``GET /health`` answer."""
         serving = self.pool.serving(self.clock())
         return {"status": "ready" if serving else "waiting", "workers": len(self.pool.workers()),
-                "serving": serving, "queue_depth": self.dispatcher.waiting,
+                "serving": serving, "queue_depth": self.waiting,
                 "max_queue": self.dispatcher.max_queue}
 
     def stats(self) -> dict:
         """The ``GET /stats`` answer (module docstring)."""
-        return self.signals.snapshot(self.dispatcher.waiting, self.pool.in_flight, self.pool.workers(),
-                                     self.dispatcher.waiting_by_tenant())
+        queued: dict[str, int] = {}
+        for dispatcher in self._dispatchers():
+            for tenant, count in dispatcher.waiting_by_tenant().items():
+                queued[tenant] = queued.get(tenant, 0) + count
+        at_workers: dict[str, int] = {}
+        for unit in [*self.pool.workers(), *self.pool.pipelines()]:
+            package = unit.package_id if isinstance(unit, PipelineUnit) else unit.health and unit.health.package_id
+            if package:
+                at_workers[package] = at_workers.get(package, 0) + unit.in_flight
+        now = {package: (self.version_dispatchers[package].waiting if package in self.version_dispatchers else 0,
+                         at_workers.get(package, 0)) for package in self.signals.versions}
+        return self.signals.snapshot(self.waiting, self.pool.in_flight, self.pool.workers(), queued, now)
 
     def models(self) -> dict:
-        """The ``GET /v1/models`` answer: each model the workers' last health answers name (serving or loading)."""
+        """The ``GET /v1/models`` answer: each routed name with its versions, then each other model the
+        workers' last health answers name (serving or loading)."""
+        of_package: dict[str, list[str]] = {}
         served: dict[tuple[str, str], list[str]] = {}
         for worker in self.pool.workers():
             health = worker.health
-            if health is not None and health.model:
+            if health is not None and health.package_id:
+                of_package.setdefault(health.package_id, []).append(worker.url)
+            if health is not None and health.model and health.model not in self.routes:
                 served.setdefault((health.model, health.package_id or ""), []).append(worker.url)
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": int(self.signals.started_unix), "owned_by": "pipecast",
+        created = int(self.signals.started_unix)
+        routed = [{"id": name, "object": "model", "created": created, "owned_by": "pipecast", "root": versions[0][0],
+                   "workers": sorted(u for p, _ in versions for u in of_package.get(p, ())),
+                   "versions": [{"package_id": p, "weight": w, "workers": sorted(of_package.get(p, ()))}
+                                for p, w in versions]}
+                  for name, versions in sorted(self.routes.items())]
+        return {"object": "list", "data": routed + [
+            {"id": name, "object": "model", "created": created, "owned_by": "pipecast",
              "root": package_id, "workers": sorted(urls)} for (name, package_id), urls in sorted(served.items())]}
 
     def describe_workers(self) -> dict:
@@ -469,7 +551,7 @@ class Router:
         now = self.clock()
         return {"workers": [worker.describe(now) for worker in self.pool.workers()],
                 "pipelines": [pipeline.describe() for pipeline in self.pool.pipelines()],
-                "queue_depth": self.dispatcher.waiting, "max_queue": self.dispatcher.max_queue}
+                "queue_depth": self.waiting, "max_queue": self.dispatcher.max_queue}
 
 
 ROUTER = web.AppKey("router", Router)

@@ -1,21 +1,25 @@
 """How the router learns its workers: a fixed list of URLs, or the control plane's worker list.
 
 Every source answers the same question, :meth:`Discovery.list_workers`: which workers serve now, as
-(node id, base URL) pairs, and :meth:`Discovery.list_pipelines`: which groups of them serve together as
-cross-node pipelines while none holds the whole model (only the control plane knows; a fixed list has
-none). The router asks each source again every discovery interval and keeps a source's last answer while
+(node id, base URL) pairs, :meth:`Discovery.list_pipelines`: which groups of them serve together as
+cross-node pipelines while none holds the whole model, and :meth:`Discovery.list_routes`: which packages
+answer each served model name, with what share of its requests (only the control plane knows either; a
+fixed list has none). The router asks each source again every discovery interval and keeps a source's last answer while
 it fails (a control plane restart must not empty the pool).
 """
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from control_plane.messages import SERVE_URL_LABEL
 from pipecast.core.urls import http_base_url
 from pipecast.router.errors import WorkerUrlError
 from pipecast.serve.pipeline import Hop, route_header
 from pipecast.v1.control_pb2 import PipelineInfo, WorkerState
+
+if TYPE_CHECKING:
+    from control_plane.routes import ModelRoute
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,11 @@ class DiscoveredPipeline:
     member_urls: tuple[str, ...]
     header: str
     waiting_blocks: int = 0  # blocks its stages still wait for
+    package_id: str = ""
+
+
+#: Served model name -> its versions as (package id, weight in percent), the stable version first.
+RouteTable = dict[str, tuple[tuple[str, int], ...]]
 
 
 def normalize_url(url: str, source: str) -> str:
@@ -62,6 +71,10 @@ class Discovery(Protocol):
         """The cross-node pipelines among this source's workers now; raises when it cannot answer."""
         ...
 
+    async def list_routes(self) -> RouteTable:
+        """The served names with versions now; raises when the source cannot answer."""
+        ...
+
 
 class StaticDiscovery:
     """A fixed list of worker URLs (``--worker URL``); each URL is also the worker's node id."""
@@ -80,6 +93,10 @@ class StaticDiscovery:
         """None: a fixed list of workers says nothing about the blocks they hold."""
         return []
 
+    async def list_routes(self) -> RouteTable:
+        """None: a fixed list of workers has no versions."""
+        return {}
+
 
 # --- Control plane -----------------------------------------------------------------------------------
 # A serving worker registers its HTTP base URL in WorkerSpec.serve_url (`pipecast agent --serve-url`).
@@ -96,6 +113,10 @@ class WorkerLister(Protocol):
 
     async def list_pipelines(self, package_id: str = "") -> list[PipelineInfo]:
         """The cross-node pipelines of every package now."""
+        ...
+
+    async def list_routes(self) -> "list[ModelRoute]":
+        """Every served model's route."""
         ...
 
 
@@ -133,5 +154,10 @@ class ControlPlaneDiscovery:
                 log.warning("skipping a pipeline: %s", exc)
                 continue
             found.append(DiscoveredPipeline("pipeline:" + "+".join(s.node_id for s in info.stages), hops[0].url,
-                                            tuple(h.url for h in hops), route_header(hops), info.waiting_blocks))
+                                            tuple(h.url for h in hops), route_header(hops), info.waiting_blocks,
+                                            info.package_id))
         return found
+
+    async def list_routes(self) -> RouteTable:
+        """The control plane's routes (``pipecast cp route``, ``canary``, ``promote``, ``rollback``)."""
+        return {route.name: route.versions for route in await self._client.list_routes()}

@@ -1,8 +1,9 @@
 """The router's Prometheus metrics, in a registry of its own (several routers may share a process)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 #: Seconds; cold starts put time to first token in minutes, so the buckets reach 10 minutes.
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0)
@@ -11,8 +12,9 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 
 class RouterMetrics:
     """Counters and histograms of one router; :meth:`render` gives the ``/metrics`` page."""
 
-    def __init__(self, queue_depth: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], versions: Callable[[], dict] = dict) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(_VersionCollector(versions))
         self.queue_depth = Gauge("pipecast_router_queue_depth", "Requests waiting in the router for a worker.",
                                  registry=self.registry)
         self.queue_depth.set_function(queue_depth)
@@ -42,3 +44,30 @@ class RouterMetrics:
     def render(self) -> tuple[bytes, str]:
         """The text exposition of every metric and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _VersionCollector:
+    """Per-version figures of routed names, read from the router's signals at each scrape: ``versions``
+    returns the ``/stats`` answer's ``versions`` (package id -> counters and TTFT window)."""
+
+    def __init__(self, versions: Callable[[], dict]) -> None:
+        self._versions = versions
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("pipecast_router_version_requests",
+                                       "Requests of routed names by version (package id) and outcome "
+                                       "(arrived, answered, failed).", labels=["version", "outcome"])
+        tokens = CounterMetricFamily("pipecast_router_version_completion_tokens",
+                                     "Completion tokens answered, by version.", labels=["version"])
+        ttft = GaugeMetricFamily("pipecast_router_version_ttft_seconds",
+                                 "TTFT percentiles over the last 60 s, by version (NaN-free: absent while no sample).",
+                                 labels=["version", "quantile"])
+        for version, figures in self._versions().items():
+            counters = figures["counters"]
+            for outcome in ("arrived", "answered", "failed"):
+                requests.add_metric([version, outcome], counters[outcome])
+            tokens.add_metric([version], counters["completion_tokens"])
+            for q in ("50", "95", "99"):
+                if (value := figures["ttft"][f"p{q}"]) is not None:
+                    ttft.add_metric([version, f"0.{q}"], value)
+        yield from (requests, tokens, ttft)

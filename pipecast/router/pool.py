@@ -46,6 +46,10 @@ model) takes no new requests; those in flight finish on it.
 
 A worker that failed a request stays unavailable until a health poll *started after* the failure says
 it can serve: an answer to a poll sent before the failure proves nothing about the worker now.
+
+A request for one version of a served model (:mod:`pipecast.router.versions`) has candidates only among
+the workers whose health names that package, and the pipelines of it; each version waits in a
+:class:`Dispatcher` of its own.
 """
 
 import asyncio
@@ -155,6 +159,7 @@ class PipelineUnit:
     header: str
     waiting_blocks: int = 0
     max_in_flight: int = PIPELINE_MAX_IN_FLIGHT
+    package_id: str = ""
     in_flight: int = 0
     tenants: dict[str, int] = field(default_factory=dict)
     routed: int = 0
@@ -205,6 +210,10 @@ class WorkerPool:
         """Call ``listener()`` after each change that may free capacity."""
         self._listeners.append(listener)
 
+    def unsubscribe(self, listener: Callable[[], None]) -> None:
+        """Stop calling ``listener``."""
+        self._listeners.remove(listener)
+
     def _changed(self) -> None:
         for listener in self._listeners:
             listener()
@@ -233,7 +242,7 @@ class WorkerPool:
         for key in added:
             p = found[key]
             self._pipelines[key] = PipelineUnit(key, p.head_url, p.member_urls, p.header,
-                                                max_in_flight=max_in_flight)
+                                                max_in_flight=max_in_flight, package_id=p.package_id)
         for key, p in found.items():
             self._pipelines[key].waiting_blocks = p.waiting_blocks
         if added:
@@ -298,16 +307,24 @@ class WorkerPool:
             worker.busy_until = at + retry_after_s
             worker.problem = problem
 
+    def serving_packages(self) -> set[str]:
+        """The packages that some worker's last health answer names, or some pipeline runs."""
+        return ({w.health.package_id for w in self._workers.values() if w.health and w.health.package_id}
+                | {p.package_id for p in self._pipelines.values() if p.package_id})
+
     def choose(self, now: float, avoid: Iterable[str] = (), one_batch: bool = False,
-               tenant: str | None = None) -> "Worker | PipelineUnit | None":
+               tenant: str | None = None, package: str | None = None) -> "Worker | PipelineUnit | None":
         """The best worker for a new request at clock time ``now`` (module docstring), or None;
         ``one_batch`` as for :meth:`Worker.can_take`; ``tenant``: the request's, given while several
-        tenants are active (it then goes apart from the others' requests)."""
+        tenants are active (it then goes apart from the others' requests); ``package``: only workers and
+        pipelines of this version."""
         avoid = frozenset(avoid)
-        candidates = [worker for worker in self._workers.values() if worker.can_take(now, one_batch)]
+        candidates = [worker for worker in self._workers.values() if worker.can_take(now, one_batch)
+                      and (package is None or worker.health.package_id == package)]
         if not any(w.health.status == "ready" and w.load < (w.health.max_batch or 1) for w in candidates):
             candidates += [p for p in self._pipelines.values()
-                           if p.can_take(self._workers.get(url) for url in p.member_urls)]
+                           if (package is None or p.package_id == package)
+                           and p.can_take(self._workers.get(url) for url in p.member_urls)]
         if not candidates:
             return None
         def apart(unit: "Worker | PipelineUnit") -> tuple[int, int]:
@@ -368,7 +385,8 @@ class _Waiter:
 
 
 class Dispatcher:
-    """The router's bounded queue of admitted requests waiting for a worker, served fairly across tenants.
+    """The router's bounded queue of admitted requests waiting for a worker, served fairly across tenants;
+    with ``package``, the queue of one version's requests (only its workers serve them).
 
     Requests wait in one queue per tenant (:class:`~pipecast.router.fairness.FairQueue`: the next one is
     the tenant's furthest below its share, a tenant alone gets every worker, a tenant with a rate may be
@@ -387,8 +405,9 @@ class Dispatcher:
     def __init__(self, pool: WorkerPool, max_queue: int, queue_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic,
                  rate_of: Callable[[str], float | None] = lambda tenant: None,
-                 default_weight: float = 1.0, pacing: float = 0.0) -> None:
+                 default_weight: float = 1.0, pacing: float = 0.0, package: str | None = None) -> None:
         self.pool = pool
+        self.package = package
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.clock = clock
@@ -454,6 +473,11 @@ class Dispatcher:
             if not waiter.future.done():
                 waiter.future.set_exception(RouterClosedError())
 
+    def detach(self) -> None:
+        """Close this queue and stop following the pool (a version no longer routed)."""
+        self.close()
+        self.pool.unsubscribe(self._assign)
+
     def _assign(self) -> None:
         if not self._queue.waiting:
             return
@@ -461,14 +485,15 @@ class Dispatcher:
         # Several tenants: a ready worker takes one batch, so the next slot is handed out here, fairly, and
         # each request goes apart from the other tenants' where it can.
         one_batch = self._queue.active_tenants(now) > 1
-        while self._queue.waiting and self.pool.choose(now, one_batch=one_batch) is not None:
+        while self._queue.waiting and self.pool.choose(now, one_batch=one_batch, package=self.package) is not None:
             picked = self._queue.pick(now)
             if picked is None:
                 break
             tenant, waiter = picked
             if waiter.future.done():  # cancelled or timed out in this loop turn: its slot goes on
                 continue
-            worker = self.pool.choose(now, waiter.avoid, one_batch=one_batch, tenant=tenant if one_batch else None)
+            worker = self.pool.choose(now, waiter.avoid, one_batch=one_batch, tenant=tenant if one_batch else None,
+                                      package=self.package)
             self.pool.begin(worker.url, tenant)
             self._queue.started(tenant, now)
             waiter.future.set_result(worker)

@@ -5,9 +5,12 @@ time, for the answer's timestamps). Counters are cumulative since the router sta
 rates by differencing two answers and adds several routers' answers up; the rest (queue depth, requests in
 flight, each worker's idle time) is the state now. TTFT here is the router's: from a request's arrival at
 the router to the first body chunk relayed to the client (streaming) or to the whole answer (a
-non-streaming 200), over a sliding window of the last 60 s.
+non-streaming 200), over a sliding window of the last 60 s. The same counters (plus completion tokens) and
+TTFT window are kept per version of a served model (``versions``, by package id), which is what the
+canary gate (:mod:`pipecast.scaler.gate`) compares.
 """
 
+import json
 import math
 import time
 from collections import deque
@@ -27,6 +30,8 @@ MAX_TENANTS = 1000
 OTHER_TENANTS = "(other)"
 #: Text prompts are not tokenized at the router: about 4 characters a token, as for English text.
 CHARS_PER_TOKEN = 4
+#: Versions counted at most (they come from the control plane's routes; this bounds the answer regardless).
+MAX_VERSIONS = 256
 
 
 def _single_prompt_tokens(prompt: object) -> int | None:
@@ -117,8 +122,45 @@ class TenantCounters:
     rejected: int = 0
 
 
+def answer_tokens(answer: bytes) -> int:
+    """Completion tokens of a non-streaming answer (its ``usage``; 0 when it has none)."""
+    try:
+        tokens = json.loads(answer)["usage"]["completion_tokens"]
+    except (ValueError, KeyError, TypeError):
+        return 0
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
+
+
+def stream_tokens(events: bytes) -> int:
+    """Tokens in whole server-sent events of a streamed answer: one per chunk with choices (a chunk carries
+    one decoded piece: a token, or the few a character spans)."""
+    count = 0
+    for event in events.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            continue  # [DONE], comments, the empty tail
+        try:
+            count += bool(json.loads(event[6:]).get("choices"))
+        except (ValueError, AttributeError):
+            continue
+    return count
+
+
+@dataclass
+class VersionCounters:
+    """Cumulative counts of one version's requests (``/stats`` ``versions``): arrived, answered with 200,
+    failed (5xx or a broken stream) and the completion tokens answered."""
+
+    arrived: int = 0
+    answered: int = 0
+    failed: int = 0
+    completion_tokens: int = 0
+
+
 class Signals:
-    """The counters and the TTFT window of one router; :meth:`snapshot` is the ``/stats`` answer."""
+    """The counters and the TTFT window of one router; :meth:`snapshot` is the ``/stats`` answer.
+
+    The methods taking ``version`` also count the request for that version of a served model (a package
+    id; None: the request named no route)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, window_s: float = TTFT_WINDOW_S,
@@ -129,8 +171,15 @@ class Signals:
         self.counters = RequestCounters()
         self.tenants: dict[str, TenantCounters] = {}
         self.ttft = TtftWindow(window_s, max_samples)
+        self._window = (window_s, max_samples)
+        self.versions: dict[str, tuple[VersionCounters, TtftWindow]] = {}
 
-    def arrived(self, tenant: str, tokens: int) -> str:
+    def _version(self, version: str | None) -> tuple[VersionCounters, TtftWindow] | None:
+        if version is None or (version not in self.versions and len(self.versions) >= MAX_VERSIONS):
+            return None
+        return self.versions.setdefault(version, (VersionCounters(), TtftWindow(*self._window)))
+
+    def arrived(self, tenant: str, tokens: int, version: str | None = None) -> str:
         """Count a request of ``tenant`` with ``tokens`` prompt tokens; return the name it is counted
         under (``tenant``, or :data:`OTHER_TENANTS` beyond :data:`MAX_TENANTS` names)."""
         name = tenant if tenant in self.tenants or len(self.tenants) < MAX_TENANTS else OTHER_TENANTS
@@ -138,6 +187,8 @@ class Signals:
         counts.arrived += 1
         self.counters.arrived += 1
         self.counters.prompt_tokens += tokens
+        if of := self._version(version):
+            of[0].arrived += 1
         return name
 
     def admission(self, name: str, admitted: bool) -> None:
@@ -148,30 +199,39 @@ class Signals:
         else:
             counts.rejected += 1
 
-    def answer_started(self, arrival: float) -> float:
+    def answer_started(self, arrival: float, version: str | None = None) -> float:
         """The first chunk of an answer (or a whole non-streaming one) left for the client now; record and
         return the TTFT of the request that arrived at clock time ``arrival``."""
         now = self.clock()
         self.ttft.add(now, now - arrival)
+        if of := self._version(version):
+            of[1].add(now, now - arrival)
         return now - arrival
 
-    def answered(self) -> None:
-        """Count an answer completed with status 200."""
+    def answered(self, version: str | None = None, tokens: int = 0) -> None:
+        """Count an answer completed with status 200, of ``tokens`` completion tokens."""
         self.counters.answered += 1
+        if of := self._version(version):
+            of[0].answered += 1
+            of[0].completion_tokens += tokens
 
     def rejected(self) -> None:
         """Count a 429 of the router's own."""
         self.counters.rejected += 1
 
-    def failed(self) -> None:
+    def failed(self, version: str | None = None) -> None:
         """Count a 5xx answer or a stream ended by a worker's failure."""
         self.counters.failed += 1
+        if of := self._version(version):
+            of[0].failed += 1
 
     def snapshot(self, queue_depth: int, in_flight: int, workers: Iterable[Worker],
-                 queued: Mapping[str, int] | None = None) -> dict:
+                 queued: Mapping[str, int] | None = None,
+                 versions_now: Mapping[str, tuple[int, int]] | None = None) -> dict:
         """The ``GET /stats`` answer (format :data:`STATS_FORMAT`; the README's Router section lists it);
         ``queued``: tenant -> requests waiting in the router now, each tenant's ``queued`` (a tenant counted
-        under :data:`OTHER_TENANTS` adds to that one's)."""
+        under :data:`OTHER_TENANTS` adds to that one's); ``versions_now``: package id -> (requests waiting
+        for a worker of it, requests at its workers) now."""
         now = self.clock()
         waiting = dict.fromkeys(self.tenants, 0)
         for tenant, count in (queued or {}).items():
@@ -186,4 +246,14 @@ class Signals:
             "ttft": self.ttft.summary(now),
             "tenants": {name: {**asdict(counts), "queued": waiting[name]}
                         for name, counts in sorted(self.tenants.items())},
+            "versions": self.snapshot_versions(versions_now),
         }
+
+    def snapshot_versions(self, versions_now: Mapping[str, tuple[int, int]] | None = None) -> dict:
+        """The ``/stats`` answer's ``versions``: per package id, its ``queue_depth`` and ``in_flight`` now
+        (``versions_now``; 0 when not given), ``counters`` and ``ttft`` window."""
+        now = self.clock()
+        return {package: {"queue_depth": (versions_now or {}).get(package, (0, 0))[0],
+                          "in_flight": (versions_now or {}).get(package, (0, 0))[1],
+                          "counters": asdict(counts), "ttft": window.summary(now)}
+                for package, (counts, window) in sorted(self.versions.items())}

@@ -8,6 +8,10 @@ audit trail *before* the daemon acts on it: a scale-up (``ScaleUp`` with a count
 it, holders first) or a release (``Release``; ``source_keep_s`` keeps the blocks as a multicast source that
 long before the drop).
 
+Each tick also judges every served model route with a gate and canaries (:mod:`pipecast.scaler.gate`)
+from the per-version figures of its deployments' routers, and rolls back (``ChangeRoute``, recorded in the
+audit trail with the figures) the canaries that do worse than the stable version.
+
 Stateless across restarts: the deployments and the audit trail are the control plane's, and the
 cooldowns are recovered from the trail's last events. The signal history restarts empty, so a restarted
 daemon decides from fresh data (a worker's idle time comes from the
@@ -26,7 +30,9 @@ import aiohttp
 
 from control_plane.deployments import Deployment, ScaleEvent
 from control_plane.errors import ControlPlaneError
+from control_plane.routes import RouteChange
 from pipecast.core import strictjson
+from pipecast.scaler.gate import add_up_versions, judge
 from pipecast.scaler.metrics import ScalerMetrics
 from pipecast.scaler.policy import Decision, Signals, decide
 from pipecast.scaler.signals import StatsFormatError, add_up, parse_stats, pool_of, serve_urls
@@ -77,6 +83,7 @@ class Scaler:
         self.tracked: dict[str, _Tracked] = {}
         self._session: aiohttp.ClientSession | None = None
         self._blocks: dict[str, int] = {}
+        self._answers: dict[str, dict | None] = {}  # this tick's /stats, by router URL
 
     async def __aenter__(self) -> "Scaler":
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -109,19 +116,40 @@ class Scaler:
         plans = await self.client.list_plans()
         urls = serve_urls(workers)
         decisions = []
+        self._answers = {}
         for deployment in deployments:
             decision = await self._step(deployment, workers, plans, urls)
             decisions.append((deployment.package_id, decision))
+        await self._gate(deployments)
         return decisions
+
+    async def _gate(self, deployments: Sequence[Deployment]) -> None:
+        """Roll back the canaries that the gates of their routes fail (module docstring)."""
+        routers_of = {d.package_id: d.routers for d in deployments}
+        for route in await self.client.list_routes():
+            urls = sorted({url for package, _ in route.versions for url in routers_of.get(package, ())})
+            if route.gate is None or not route.canaries or not urls:
+                continue
+            answers = await asyncio.gather(*(self._stats(url) for url in urls))
+            for verdict in judge(route, add_up_versions(a["versions"] if a else None for a in answers)):
+                log.warning("scaler: rolling back canary %s of %s: %s", verdict.package_id[:12], route.name,
+                            verdict.reason)
+                try:
+                    await self.client.change_route(RouteChange(route.name, "rollback", verdict.package_id,
+                                                               reason=verdict.reason))
+                except ControlPlaneError as exc:  # changed by hand meanwhile: judged again next tick
+                    log.warning("scaler: rollback of %s refused: %s", route.name, exc)
+                    continue
+                self.metrics.gate_rollbacks.labels(route.name).inc()
 
     async def _step(self, deployment: Deployment, workers, plans, urls: dict[str, str]) -> Decision:
         package_id = deployment.package_id
         tracked = self.tracked.setdefault(package_id, _Tracked())
         if not tracked.recovered:
             await self._recover(package_id, tracked)
-        answers = await asyncio.gather(*(self._poll(url) for url in deployment.routers))
+        answers = await asyncio.gather(*(self._stats(url) for url in deployment.routers))
         now = self.clock()
-        tracked.history.append(add_up(now, answers, urls))
+        tracked.history.append(add_up(now, answers, urls, package_id))
         while tracked.history and tracked.history[0].at < now - HISTORY_S:
             tracked.history.popleft()
         tracked.released = {n: at for n, at in tracked.released.items() if now - at < RELEASE_GRACE_S}
@@ -176,6 +204,12 @@ class Scaler:
             manifest, _ = await self.client.get_package(package_id)
             self._blocks[package_id] = len(manifest.blocks)
         return self._blocks[package_id]
+
+    async def _stats(self, url: str) -> dict | None:
+        """A router's /stats of this tick: polled once however many deployments and routes read it."""
+        if url not in self._answers:
+            self._answers[url] = await self._poll(url)
+        return self._answers[url]
 
     async def _poll(self, url: str) -> dict | None:
         """One router's checked /stats, or None (logged) when it is silent or its answer unusable."""

@@ -6,7 +6,7 @@ from pipecast.scaler.policy import Decision
 
 
 class ScalerMetrics:
-    """Desired and actual replicas per deployment, decisions by action and kind."""
+    """Desired and actual replicas per deployment, decisions by action and kind, canaries the gate rolled back."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -17,6 +17,8 @@ class ScalerMetrics:
         self.decisions = Counter("pipecast_scaler_decisions", "Decisions by action (scale_up, release, hold) and "
                                  "kind (demand, slo, idle, steady, cooldown, no_signals, no_free_workers).",
                                  ["package", "action", "kind"], registry=self.registry)
+        self.gate_rollbacks = Counter("pipecast_scaler_canary_rollbacks", "Canaries the automatic gate rolled "
+                                      "back, per served model name.", ["route"], registry=self.registry)
 
     def observe(self, package_id: str, decision: Decision, replicas: int) -> None:
         self.desired.labels(package_id).set(decision.desired)

@@ -44,17 +44,37 @@ def parse_stats(router: str, data: Any) -> dict[str, Any]:
         parsed_workers.append({"url": worker["url"], "node_id": str(worker.get("node_id", "")),
                                "status": str(worker.get("status", "")),
                                "idle_s": _number(worker, "idle_s", router, nullable=True)})
+    versions = data.get("versions", {})  # routers before versions send none
+    if not isinstance(versions, dict):
+        raise StatsFormatError(f"router {router}: /stats versions is not an object")
+    parsed_versions = {}
+    for package, figures in versions.items():
+        counters, window = (figures.get("counters"), figures.get("ttft")) if isinstance(figures, dict) else (None, None)
+        if not isinstance(counters, dict) or not isinstance(window, dict):
+            raise StatsFormatError(f"router {router}: /stats version {package!r} lacks counters or ttft")
+        answered, failed = int(_number(counters, "answered", router)), int(_number(counters, "failed", router))
+        parsed_versions[package] = {"requests": answered + failed, "failed": failed, "answered": answered,
+                                    "arrived": int(_number(counters, "arrived", router)),
+                                    "queue_depth": int(_number(figures, "queue_depth", router)),
+                                    "in_flight": int(_number(figures, "in_flight", router)),
+                                    "ttft_p95_s": _number(window, "p95", router, nullable=True),
+                                    "ttft_p99_s": _number(window, "p99", router, nullable=True)}
     return {"queue_depth": int(_number(data, "queue_depth", router)),
             "in_flight": int(_number(data, "in_flight", router)),
             "arrived": int(_number(counters, "arrived", router)),
             "answered": int(_number(counters, "answered", router)),
-            "ttft_p99_s": _number(ttft, "p99", router, nullable=True), "workers": parsed_workers}
+            "ttft_p99_s": _number(ttft, "p99", router, nullable=True), "workers": parsed_workers,
+            "versions": parsed_versions}
 
 
-def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Mapping[str, str]) -> Signals:
+def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Mapping[str, str],
+           package_id: str = "") -> Signals:
     """One :class:`Signals` from the parsed answers of every router (None: that router was silent).
-    Workers are named by their control-plane node id (``node_of_url`` maps serve URLs to it)."""
-    got = [a for a in answers if a is not None]
+    Workers are named by their control-plane node id (``node_of_url`` maps serve URLs to it). A router that
+    routes ``package_id`` as a version of a served name gives that version's queue, requests and TTFT,
+    not its totals: a canary's deployment scales for its share of the traffic."""
+    got = [a if package_id not in a["versions"] else {**a, **a["versions"][package_id]}
+           for a in answers if a is not None]
     idle: dict[str, float | None] = {}
     serving = 0
     for answer in got:

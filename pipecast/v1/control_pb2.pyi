@@ -570,3 +570,69 @@ class ListScaleEventsResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[ScaleEvent]
     def __init__(self, events: _Optional[_Iterable[_Union[ScaleEvent, _Mapping]]] = ...) -> None: ...
+
+class CanaryGate(_message.Message):
+    __slots__ = ("ttft_p95_margin", "error_rate_margin", "min_requests")
+    TTFT_P95_MARGIN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_RATE_MARGIN_FIELD_NUMBER: _ClassVar[int]
+    MIN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ttft_p95_margin: float
+    error_rate_margin: float
+    min_requests: int
+    def __init__(self, ttft_p95_margin: _Optional[float] = ..., error_rate_margin: _Optional[float] = ..., min_requests: _Optional[int] = ...) -> None: ...
+
+class RouteVersion(_message.Message):
+    __slots__ = ("package_id", "weight")
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    weight: int
+    def __init__(self, package_id: _Optional[str] = ..., weight: _Optional[int] = ...) -> None: ...
+
+class ModelRoute(_message.Message):
+    __slots__ = ("name", "stable", "versions", "gate", "updated_unix")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STABLE_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    GATE_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    stable: str
+    versions: _containers.RepeatedCompositeFieldContainer[RouteVersion]
+    gate: CanaryGate
+    updated_unix: float
+    def __init__(self, name: _Optional[str] = ..., stable: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[RouteVersion, _Mapping]]] = ..., gate: _Optional[_Union[CanaryGate, _Mapping]] = ..., updated_unix: _Optional[float] = ...) -> None: ...
+
+class ChangeRouteRequest(_message.Message):
+    __slots__ = ("name", "action", "package_id", "weight", "gate", "reason", "no_gate")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    GATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NO_GATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    action: str
+    package_id: str
+    weight: int
+    gate: CanaryGate
+    reason: str
+    no_gate: bool
+    def __init__(self, name: _Optional[str] = ..., action: _Optional[str] = ..., package_id: _Optional[str] = ..., weight: _Optional[int] = ..., gate: _Optional[_Union[CanaryGate, _Mapping]] = ..., reason: _Optional[str] = ..., no_gate: _Optional[bool] = ...) -> None: ...
+
+class ChangeRouteResponse(_message.Message):
+    __slots__ = ("route",)
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    route: ModelRoute
+    def __init__(self, route: _Optional[_Union[ModelRoute, _Mapping]] = ...) -> None: ...
+
+class ListRoutesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRoutesResponse(_message.Message):
+    __slots__ = ("routes",)
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    routes: _containers.RepeatedCompositeFieldContainer[ModelRoute]
+    def __init__(self, routes: _Optional[_Iterable[_Union[ModelRoute, _Mapping]]] = ...) -> None: ...

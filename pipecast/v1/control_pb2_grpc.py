@@ -149,6 +149,16 @@ class ControlPlaneStub:
                 request_serializer=pipecast_dot_v1_dot_control__pb2.ListScaleEventsRequest.SerializeToString,
                 response_deserializer=pipecast_dot_v1_dot_control__pb2.ListScaleEventsResponse.FromString,
                 _registered_method=True)
+        self.ChangeRoute = channel.unary_unary(
+                '/pipecast.v1.ControlPlane/ChangeRoute',
+                request_serializer=pipecast_dot_v1_dot_control__pb2.ChangeRouteRequest.SerializeToString,
+                response_deserializer=pipecast_dot_v1_dot_control__pb2.ChangeRouteResponse.FromString,
+                _registered_method=True)
+        self.ListRoutes = channel.unary_unary(
+                '/pipecast.v1.ControlPlane/ListRoutes',
+                request_serializer=pipecast_dot_v1_dot_control__pb2.ListRoutesRequest.SerializeToString,
+                response_deserializer=pipecast_dot_v1_dot_control__pb2.ListRoutesResponse.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -308,6 +318,20 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChangeRoute(self, request, context):
+        """Served model names and their versions (routers split a name's requests by the weights); every change
+        goes to the audit trail (ListScaleEvents).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRoutes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -425,6 +449,16 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.ListScaleEvents,
                     request_deserializer=pipecast_dot_v1_dot_control__pb2.ListScaleEventsRequest.FromString,
                     response_serializer=pipecast_dot_v1_dot_control__pb2.ListScaleEventsResponse.SerializeToString,
+            ),
+            'ChangeRoute': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChangeRoute,
+                    request_deserializer=pipecast_dot_v1_dot_control__pb2.ChangeRouteRequest.FromString,
+                    response_serializer=pipecast_dot_v1_dot_control__pb2.ChangeRouteResponse.SerializeToString,
+            ),
+            'ListRoutes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRoutes,
+                    request_deserializer=pipecast_dot_v1_dot_control__pb2.ListRoutesRequest.FromString,
+                    response_serializer=pipecast_dot_v1_dot_control__pb2.ListRoutesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1048,6 +1082,60 @@ class ControlPlane:
             '/pipecast.v1.ControlPlane/ListScaleEvents',
             pipecast_dot_v1_dot_control__pb2.ListScaleEventsRequest.SerializeToString,
             pipecast_dot_v1_dot_control__pb2.ListScaleEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChangeRoute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipecast.v1.ControlPlane/ChangeRoute',
+            pipecast_dot_v1_dot_control__pb2.ChangeRouteRequest.SerializeToString,
+            pipecast_dot_v1_dot_control__pb2.ChangeRouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRoutes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipecast.v1.ControlPlane/ListRoutes',
+            pipecast_dot_v1_dot_control__pb2.ListRoutesRequest.SerializeToString,
+            pipecast_dot_v1_dot_control__pb2.ListRoutesResponse.FromString,
             options,
             channel_credentials,
             insecure,

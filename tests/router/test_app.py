@@ -22,10 +22,12 @@ from aiohttp import web
 from control_plane.client import ControlPlaneClient
 from control_plane.messages import PeerInfo
 from control_plane.messages import WorkerSpec as RegisteredSpec
+from control_plane.routes import RouteChange
 from control_plane.server import ControlPlaneServer, ServerConfig
 from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER, Router, RouterConfig, build_app
 from pipecast.router.discovery import SERVE_URL_LABEL, ControlPlaneDiscovery, StaticDiscovery
 from pipecast.v1 import control_pb2 as pb
+from tests.control_plane.test_service import STORE, manifest
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -53,11 +55,12 @@ class FakeWorker:
     paths: list[str] = field(default_factory=list)
     url: str = ""
     model: str = ""  # named in its /health when set
+    package_id: str = "p" * 64  # named with the model
     finished: bool = False
 
     async def health(self, request: web.Request) -> web.Response:
         present = {"ready": 4, "partial": 3}.get(self.status, 1)  # a partial worker in its last block
-        named = {"model": self.model, "package_id": "p" * 64} if self.model else {}
+        named = {"model": self.model, "package_id": self.package_id} if self.model else {}
         return web.json_response({"status": self.status, "blocks_present": present,
                                   "blocks_total": 4, "queue_depth": self.queue_depth, "running": 0,
                                   "max_queue": 8, **named}, status=self.health_code)
@@ -443,6 +446,9 @@ async def test_workers_are_learned_from_the_control_plane_and_kept_while_it_fail
                 raise ConnectionError("control plane restarting")
             return list(listed)
 
+        async def list_routes(self):
+            return []
+
     async with workers(FakeWorker()) as (worker,):
         instance = Router(RouterConfig(**FAST), [ControlPlaneDiscovery(Lister(), "cp:7000")])
         async with serving(build_app(instance)) as url:
@@ -475,6 +481,56 @@ async def test_workers_registered_at_the_real_control_plane_are_routed_to(client
                 status, headers, _ = await post(client, url)
                 assert (status, headers[WORKER_HEADER]) == (200, worker.url)
                 assert [(w.node_id, w.url) for w in instance.pool.workers()] == [("n1", worker.url)]
+    finally:
+        await control.stop(grace_s=0)
+
+
+async def test_a_routed_name_is_split_by_the_control_planes_weights_and_follows_promote_and_rollback(client, tmp_path):
+    control = ControlPlaneServer(ServerConfig(host="127.0.0.1", port=0, db_path=tmp_path / "cp.sqlite3"))
+    await control.start()
+    a, b = manifest("a"), manifest("b")
+    fakes = (FakeWorker(model="chat", package_id=a.package_id), FakeWorker(model="chat", package_id=b.package_id),
+             FakeWorker(model="other", package_id="o" * 64))
+    try:
+        async with workers(*fakes) as (wa, wb, wo), ControlPlaneClient(control.address) as cp:
+            for m in (a, b):
+                await cp.publish_package(m, STORE)
+            await cp.change_route(RouteChange("chat", "route", a.package_id))
+            await cp.change_route(RouteChange("chat", "canary", b.package_id, 25))
+            instance = Router(RouterConfig(**FAST), [ControlPlaneDiscovery(cp, control.address),
+                                                     StaticDiscovery([wa.url, wb.url, wo.url])])
+            async with serving(build_app(instance)) as url:
+                await eventually(lambda: len(instance.pool.serving_packages()) == 3)
+
+                async def served_by(n: int) -> list[str]:
+                    return [(await post(client, url, model="chat"))[1][WORKER_HEADER] for _ in range(n)]
+
+                assert sorted(await served_by(8)) == sorted([wa.url] * 6 + [wb.url] * 2)
+                async with client.get(f"{url}/v1/models") as response:
+                    models = (await response.json())["data"]
+                assert models[0] | {"created": 0} == {
+                    "id": "chat", "object": "model", "created": 0, "owned_by": "pipecast", "root": a.package_id,
+                    "workers": sorted([wa.url, wb.url]),
+                    "versions": [{"package_id": a.package_id, "weight": 75, "workers": [wa.url]},
+                                 {"package_id": b.package_id, "weight": 25, "workers": [wb.url]}]}
+                assert [m["id"] for m in models] == ["chat", "other"]
+                async with client.get(f"{url}/stats") as response:
+                    versions = (await response.json())["versions"]
+                assert {p: v["counters"]["answered"] for p, v in versions.items()} == {a.package_id: 6,
+                                                                                         b.package_id: 2}
+                async with client.get(f"{url}/metrics") as response:
+                    assert (f'pipecast_router_version_requests_total{{outcome="answered",version="{b.package_id}"}} '
+                            "2.0") in await response.text()
+                await cp.change_route(RouteChange("chat", "promote"))
+                await eventually(lambda: instance.routes["chat"] == ((b.package_id, 100),))
+                assert set(await served_by(4)) == {wb.url}
+                await cp.change_route(RouteChange("chat", "canary", a.package_id, 50))
+                await eventually(lambda: len(instance.routes["chat"]) == 2)
+                assert sorted(await served_by(4)) == sorted([wa.url, wb.url] * 2)
+                await cp.change_route(RouteChange("chat", "rollback"))
+                await eventually(lambda: len(instance.routes["chat"]) == 1)
+                assert set(await served_by(4)) == {wb.url}
+                assert list(instance.version_dispatchers) == [b.package_id]  # a's queue went with its version
     finally:
         await control.stop(grace_s=0)
 

@@ -136,9 +136,17 @@ async def test_the_snapshot_pins_the_stats_contract():
     clock.now = 1002.5
     signals = Signals(clock, wall_clock=lambda: 1.7e9)
     signals.arrived("default", 3)
+    signals.arrived("default", 3, version="pkg-b")
+    signals.answer_started(1001.5, version="pkg-b")
+    signals.answered(version="pkg-b", tokens=7)
+    signals.failed(version="pkg-b")
     stats = signals.snapshot(dispatcher.waiting, pool.in_flight, pool.workers())
     assert list(stats) == ["format", "now_unix", "started_unix", "queue_depth", "in_flight", "workers", "counters",
-                           "ttft", "tenants"]
+                           "ttft", "tenants", "versions"]
+    assert stats["versions"] == {"pkg-b": {
+        "queue_depth": 0, "in_flight": 0,
+        "counters": {"arrived": 1, "answered": 1, "failed": 1, "completion_tokens": 7},
+        "ttft": {"window_s": 60.0, "count": 1, "p50": 1.0, "p95": 1.0, "p99": 1.0}}}
     assert stats["format"] == 1
     assert stats["workers"] == [
         {"url": A, "node_id": "node-a", "status": "ready", "in_flight": 1, "idle_s": None},
@@ -146,6 +154,6 @@ async def test_the_snapshot_pins_the_stats_contract():
     ]
     assert list(stats["counters"]) == ["arrived", "prompt_tokens", "answered", "rejected", "failed"]
     assert list(stats["ttft"]) == ["window_s", "count", "p50", "p95", "p99"]
-    assert stats["tenants"] == {"default": {"arrived": 1, "admitted": 0, "rejected": 0, "queued": 0}}
+    assert stats["tenants"] == {"default": {"arrived": 2, "admitted": 0, "rejected": 0, "queued": 0}}
     assert (stats["queue_depth"], stats["in_flight"]) == (0, 1)
     dispatcher.release(worker)

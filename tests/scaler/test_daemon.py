@@ -10,6 +10,7 @@ from aiohttp import web
 
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.errors import InsufficientWorkers
+from control_plane.routes import CanaryGate, ModelRoute, RouteChange
 from pipecast.scaler.daemon import Scaler, ScalerConfig
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1.manifest_pb2 import Block, Manifest
@@ -34,6 +35,7 @@ class RecordingClient:
         self.workers, self.events, self.calls = workers, list(events), []
         self.deployment = Deployment(PKG, POLICY, routers)
         self.refuse: Exception | None = None
+        self.routes: list[ModelRoute] = []
 
     async def list_deployments(self):
         return [self.deployment]
@@ -64,6 +66,12 @@ class RecordingClient:
     async def release(self, package_id, node_ids, *, keep_alive_s=0.0):
         self.calls.append(("release", tuple(node_ids), keep_alive_s))
         return 0.0
+
+    async def list_routes(self):
+        return self.routes
+
+    async def change_route(self, change: RouteChange):
+        self.calls.append(("change_route", change.name, change.action, change.package_id, change.reason))
 
 
 def stats(queue: int = 0, idle: dict[str, float | None] | None = None, arrived: int = 0) -> dict:
@@ -143,3 +151,45 @@ async def test_a_restarted_daemon_recovers_its_cooldowns_from_the_audit_trail():
             [(_, decision)] = await scaler.tick()
     assert decision.kind == "cooldown" and not decision.release  # 1 s after a scale event: no release
     assert scaler.tracked[PKG].last_scale_up == recent.at
+
+
+def version(answered: int, failed: int, p95: float | None, queue: int = 0) -> dict:
+    return {"queue_depth": queue, "in_flight": 0,
+            "counters": {"arrived": answered + failed, "answered": answered, "failed": failed,
+                         "completion_tokens": 0},
+            "ttft": {"window_s": 60.0, "count": answered, "p50": p95, "p95": p95, "p99": p95}}
+
+
+async def test_the_gate_rolls_back_a_failing_canary_once_with_its_figures_and_leaves_an_ungated_one():
+    canary = "c" * 64
+    answer = {**stats(), "versions": {PKG: version(90, 0, 0.5), canary: version(6, 4, 0.5)}}
+    async with stub_router(answer) as (url, state):
+        client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
+        gated = ModelRoute("chat", PKG, ((PKG, 90), (canary, 10)), CanaryGate(min_requests=10))
+        client.routes = [gated, ModelRoute("plain", PKG, ((PKG, 90), (canary, 10)))]
+        async with Scaler(client) as scaler:
+            await scaler.tick()
+            rollbacks = [c for c in client.calls if c[0] == "change_route"]
+            assert rollbacks == [("change_route", "chat", "rollback", canary,
+                                  "gate: canary error rate 40.0% > stable's 0.0% + 5.0% (canary: 10 requests, 4 "
+                                  "failed, p95 TTFT 0.500 s; stable: 90 requests, 0 failed, p95 TTFT 0.500 s)")]
+            # Slow but not failing, and fewer requests than the gate's minimum: no verdict yet.
+            state["answer"] = {**stats(), "versions": {PKG: version(90, 0, 0.5), canary: version(5, 0, 2.0)}}
+            client.calls.clear()
+            await scaler.tick()
+            assert not [c for c in client.calls if c[0] == "change_route"]
+            state["answer"] = {**stats(), "versions": {PKG: version(90, 0, 0.5), canary: version(10, 0, 0.8)}}
+            await scaler.tick()
+            [(_, _, _, _, reason)] = [c for c in client.calls if c[0] == "change_route"]
+            assert reason.startswith("gate: canary p95 TTFT 0.800 s > stable's 0.500 s x 1.5")
+
+
+async def test_a_version_of_a_routed_name_is_scaled_for_its_own_queue_not_the_routers():
+    canary = "c" * 64
+    answer = {**stats(queue=9, arrived=9), "versions": {PKG: version(0, 0, None, queue=1),
+                                                         canary: version(0, 0, None, queue=8)}}
+    async with stub_router(answer) as (url, _):
+        client = RecordingClient([worker("w1"), worker("w2"), worker("w3")], (url,))
+        async with Scaler(client) as scaler:
+            [(_, decision)] = await scaler.tick()
+    assert decision.add == 1  # its own queue of 1 at 2 a replica, not the router's 9

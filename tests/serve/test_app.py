@@ -220,6 +220,43 @@ async def test_health_goes_loading_partial_ready_as_blocks_arrive_and_the_prompt
                                            "stage": "loaded", "model": MODEL, "package_id": worker.package_id}
 
 
+async def test_the_openai_client_streams_a_chat_through_the_router_from_a_cold_worker_as_its_blocks_arrive(
+        pkg, reference):
+    import openai
+
+    from pipecast.router.app import Router, RouterConfig
+    from pipecast.router.app import build_app as build_router
+    from pipecast.router.discovery import StaticDiscovery
+
+    rendered = list(b"<|system|>Be brief.\n<|user|>Hi\n<|assistant|>")
+    expected = reference(rendered, 8)
+    agent = GatedAgent(pkg)
+    async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, _, _, http):
+        router = Router(RouterConfig(health_interval_s=0.05), [StaticDiscovery([url])])
+        runner = web.AppRunner(build_router(router))
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            front = "http://127.0.0.1:%d" % runner.addresses[0][1]
+            client = openai.OpenAI(base_url=f"{front}/v1", api_key="dummy", max_retries=0, timeout=30)
+
+            def chat() -> list:
+                return list(client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=8,
+                                                           temperature=0, stream=True,
+                                                           extra_body={"return_token_ids": True}))
+
+            streaming = asyncio.create_task(asyncio.to_thread(chat))
+            for block in range(4):  # the worker is cold when the chat arrives; its blocks come one by one
+                await asyncio.sleep(0.3)
+                assert not streaming.done()
+                agent.release(block)
+            deltas = await streaming
+        finally:
+            await runner.cleanup()
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert [t for d in deltas for t in d.choices[0].token_ids] == expected
+
+
 class ReadingAgent(GatedAgent):
     """A gated agent that records the small files read from it."""
 
