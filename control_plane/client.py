@@ -10,6 +10,7 @@ value types of :mod:`control_plane.messages`; operator listings return the proto
 """
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,12 +34,14 @@ from control_plane.convert import (
 )
 from control_plane.deployments import Deployment, ScaleEvent
 from control_plane.routes import ModelRoute, RouteChange
-from control_plane.errors import ControlPlaneUnavailable, error_from_rpc
+from control_plane.errors import LEADER_TRAILER, ControlPlaneUnavailable, error_from_rpc
 from control_plane.messages import AssignmentUpdate, PeerInfo, WorkerSpec
 from pipecast.core.settings import Settings
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1 import control_pb2_grpc
 from pipecast.v1.manifest_pb2 import Manifest
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 10.0
 # The longest a client waits between attempts to reconnect after an outage (gRPC adds +-20% jitter).
@@ -77,17 +80,45 @@ class Availability:
     by_block: list[frozenset[str]]
 
 
+def control_plane_addresses(target: str) -> tuple[str, ...]:
+    """The addresses of ``target``: one "host:port", or several separated by commas (replicas)."""
+    addresses = tuple(dict.fromkeys(a.strip() for a in target.split(",") if a.strip()))
+    if not addresses:
+        raise ControlPlaneUnavailable(f"no control plane address in {target!r}")
+    return addresses
+
+
 class ControlPlaneClient:
-    """One channel to the control plane at ``target`` ("host:port"). Use as ``async with``."""
+    """Channels to the control plane at ``target``: "host:port", or the replicas' addresses separated by
+    commas. A call goes to the replica that answered last; one that answers UNAVAILABLE (a standby, which
+    names the leader in the ``pipecast-leader`` trailer, or a replica that is down) sends the call on to
+    the leader it names, else to the next address, within the call's deadline. Use as ``async with``."""
 
     def __init__(self, target: str, *, token: str = "", credentials: grpc.ChannelCredentials | None = None,
                  timeout_s: float = 5.0):
         self.target = target
+        self.addresses = control_plane_addresses(target)
         self.timeout_s = timeout_s
         self._metadata = auth_metadata(token)
-        self._channel = (grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
-                         else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
-        self._stub = control_pb2_grpc.ControlPlaneStub(self._channel)
+        self._credentials = credentials
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, control_pb2_grpc.ControlPlaneStub] = {}
+        self.current = self.addresses[0]
+
+    @property
+    def _stub(self) -> control_pb2_grpc.ControlPlaneStub:
+        """The stub of the replica that answered last (streams open there)."""
+        return self._stub_of(self.current)
+
+    def _stub_of(self, address: str) -> control_pb2_grpc.ControlPlaneStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            credentials = self._credentials
+            channel = (grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS) if credentials
+                       else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+            self._channels[address] = channel
+            stub = self._stubs[address] = control_pb2_grpc.ControlPlaneStub(channel)
+        return stub
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "ControlPlaneClient":
@@ -97,7 +128,7 @@ class ControlPlaneClient:
                    credentials=channel_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key))
 
     async def close(self) -> None:
-        await self._channel.close()
+        await asyncio.gather(*(channel.close() for channel in self._channels.values()))
 
     async def __aenter__(self) -> "ControlPlaneClient":
         return self
@@ -106,10 +137,32 @@ class ControlPlaneClient:
         await self.close()
 
     async def _call(self, method: str, request: Any) -> Any:
-        try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, target=self.target, method=method) from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        address, tried = self.current, []
+        while True:
+            try:
+                reply = await getattr(self._stub_of(address), method)(
+                    request, timeout=max(deadline - loop.time(), 0.0), metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                tried.append(address)
+                address = self._next_replica(exc, tried)
+                if address is None or loop.time() >= deadline:
+                    raise error_from_rpc(exc, target=self.target, method=method) from None
+                log.info("control plane %s: %s unavailable, trying %s", method, tried[-1], address)
+                continue
+            self.current = address
+            return reply
+
+    def _next_replica(self, exc: grpc.aio.AioRpcError, tried: list[str]) -> str | None:
+        """Where a call that ``exc`` ended goes next: the leader a standby named, else an address not tried
+        yet; None when the error is the server's answer (not UNAVAILABLE) or every replica was tried."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+        leader = dict(exc.trailing_metadata() or ()).get(LEADER_TRAILER, "")
+        if leader and leader not in tried:
+            return leader
+        return next((a for a in self.addresses if a not in tried), None)
 
     # ----- workers -----
 

@@ -11,6 +11,8 @@ import grpc
 from pipecast.core.errors import PipecastError
 
 ERROR_TRAILER = "pipecast-error"
+#: A standby control plane answers every call UNAVAILABLE with the leader's address in this trailer.
+LEADER_TRAILER = "pipecast-leader"
 
 
 class ControlPlaneError(PipecastError):

@@ -76,7 +76,8 @@ class Settings(BaseSettings):
     agent_serve_url: str = Field("", description="HTTP base URL of the serving worker on this node (router)")
 
     # Control plane.
-    control_plane: str = Field("127.0.0.1:7000", description="host:port of the control plane")
+    control_plane: str = Field("127.0.0.1:7000", description="host:port of the control plane, or of its replicas "
+                                                              "separated by commas (calls follow the leader)")
     control_host: str = Field("127.0.0.1", description="control plane listen address")
     control_port: int = Field(7000, ge=0, le=65535, description="control plane listen port")
     control_db: Path = Field(Path("pipecast-control.sqlite3"), description="control plane state (SQLite)")

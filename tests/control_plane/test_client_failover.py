@@ -1,0 +1,66 @@
+"""A client of several control-plane replicas follows the leader: a standby's UNAVAILABLE with the leader's
+address in its trailer, a replica that is down, and the server's own errors (never retried elsewhere)."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from control_plane.client import ControlPlaneClient, control_plane_addresses
+from control_plane.errors import LEADER_TRAILER, ControlPlaneUnavailable, UnknownPackage
+from control_plane.server import ControlPlaneServer
+from tests.control_plane.test_service import PKG, config, manifest, STORE, TOKEN
+from tests.support.agent_processes import free_ports
+
+
+class Standby(grpc.GenericRpcHandler):
+    """Answers every call as a standby replica does: UNAVAILABLE, naming the leader."""
+
+    def __init__(self, leader: str) -> None:
+        self.leader, self.calls = leader, 0
+
+    def service(self, handler_call_details):
+        async def refuse(request, context):
+            self.calls += 1
+            context.set_trailing_metadata(((LEADER_TRAILER, self.leader),))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"not the leader; the leader is {self.leader}")
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def test_addresses_are_split_on_commas_once_each():
+    assert control_plane_addresses(" a:1, b:2 ,a:1,") == ("a:1", "b:2")
+    with pytest.raises(ControlPlaneUnavailable, match="no control plane address in ' , '"):
+        control_plane_addresses(" , ")
+
+
+def test_calls_follow_the_leader_a_standby_names_and_skip_a_replica_that_is_down(tmp_path):
+    async def main() -> None:
+        leader = ControlPlaneServer(config(tmp_path / "cp.sqlite3"))
+        await leader.start()
+        standby_port, dead_port = free_ports(2)
+        handler = Standby(f"127.0.0.1:{leader.port}")
+        standby = grpc.aio.server()
+        standby.add_generic_rpc_handlers((handler,))
+        standby.add_insecure_port(f"127.0.0.1:{standby_port}")
+        await standby.start()
+        try:
+            async with ControlPlaneClient(f"127.0.0.1:{standby_port}", token=TOKEN, timeout_s=5.0) as client:
+                await client.publish_package(manifest(), STORE)  # sent on to the leader the standby named
+                assert client.current == f"127.0.0.1:{leader.port}" and handler.calls == 1
+                assert [p.package_id for p in await client.list_packages()] == [PKG]
+                assert handler.calls == 1  # the next calls go straight to the leader
+            both = f"127.0.0.1:{dead_port},127.0.0.1:{leader.port}"
+            async with ControlPlaneClient(both, token=TOKEN, timeout_s=5.0) as client:
+                assert [p.package_id for p in await client.list_packages()] == [PKG]
+                with pytest.raises(UnknownPackage):  # the leader's answer: not tried elsewhere
+                    await client.get_package("0" * 64)
+                assert client.current == f"127.0.0.1:{leader.port}"
+            async with ControlPlaneClient(f"127.0.0.1:{dead_port}", token=TOKEN, timeout_s=1.0) as client:
+                with pytest.raises(ControlPlaneUnavailable, match=f"control plane at 127.0.0.1:{dead_port} did "
+                                                                  "not answer ListPackages"):
+                    await client.list_packages()
+        finally:
+            await standby.stop(0)
+            await leader.stop(grace_s=0)
+
+    asyncio.run(main())
