@@ -6,6 +6,7 @@ from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.messages import AcceleratorInfo, AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.planner.plan import Fetch
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
+from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.core.priorities import DEFAULT_PRIORITY
 from pipecast.v1 import control_pb2 as pb
 
@@ -34,14 +35,14 @@ def spec_to_proto(spec: WorkerSpec) -> pb.WorkerSpec:
     return pb.WorkerSpec(peer=peer_to_proto(spec.peer), memory_bytes=spec.memory_bytes,
                          accelerator=pb.Accelerator(kind=acc.kind, name=acc.name, count=acc.count,
                                                     memory_bytes=acc.memory_bytes),
-                         labels=dict(spec.labels), serve_url=spec.serve_url)
+                         labels=dict(spec.labels), serve_url=spec.serve_url, engine=spec.engine)
 
 
 def spec_from_proto(msg: pb.WorkerSpec) -> WorkerSpec:
     acc = msg.accelerator
     return WorkerSpec(peer=peer_from_proto(msg.peer), memory_bytes=msg.memory_bytes,
                       accelerator=AcceleratorInfo(acc.kind, acc.name, acc.count, acc.memory_bytes),
-                      labels=dict(msg.labels), serve_url=msg.serve_url)
+                      labels=dict(msg.labels), serve_url=msg.serve_url, engine=msg.engine or DEFAULT_ENGINE)
 
 
 def blocks_to_proto(held: Mapping[str, Iterable[int]]) -> list[pb.PackageBlocks]:

@@ -11,6 +11,7 @@ from enum import Enum
 from typing import Any
 
 from control_plane.planner.plan import Fetch
+from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.core.priorities import DEFAULT_PRIORITY
 
 
@@ -36,6 +37,7 @@ class AcceleratorInfo:
     memory_bytes: int = 0
 
 
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker says about itself when it registers."""
@@ -45,6 +47,7 @@ class WorkerSpec:
     accelerator: AcceleratorInfo = AcceleratorInfo()
     labels: Mapping[str, str] = field(default_factory=dict)
     serve_url: str = ""  # HTTP base URL of the worker's serving API; the router lists workers by it
+    engine: str = DEFAULT_ENGINE  # what answers at serve_url (SERVING_ENGINES)
 
     @property
     def node_id(self) -> str:
@@ -56,14 +59,15 @@ class WorkerSpec:
                 "accelerator": {"kind": self.accelerator.kind, "name": self.accelerator.name,
                                 "count": self.accelerator.count,
                                 "memory_bytes": self.accelerator.memory_bytes},
-                "labels": dict(self.labels), "serve_url": self.serve_url}
+                "labels": dict(self.labels), "serve_url": self.serve_url, "engine": self.engine}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "WorkerSpec":
         return cls(peer=PeerInfo(data["node_id"], data["address"], tuple(data["transports"])),
                    memory_bytes=int(data["memory_bytes"]),
                    accelerator=AcceleratorInfo(**data["accelerator"]),
-                   labels=dict(data["labels"]), serve_url=data.get("serve_url", ""))  # absent before field 5
+                   labels=dict(data["labels"]), serve_url=data.get("serve_url", ""),  # absent before field 5
+                   engine=data.get("engine", DEFAULT_ENGINE))  # absent before field 6
 
 
 #: The WorkerSpec label that held a serving worker's HTTP base URL before WorkerSpec.serve_url; the router

@@ -54,10 +54,11 @@ from control_plane.mailbox import Mailbox
 from control_plane.metrics import ControlMetrics
 from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, WorkerSpec, serve_url_of
 from control_plane.state import ActivePlan, ControlState, Notice
-from control_plane.store_sqlite import SqliteStore
+from control_plane.store import FencedError, Store
 from packager.errors import ManifestError
 from packager.manifest import validate_manifest
 from pipecast.core.credentials import OPERATOR, CredentialError, Principal, data_plane_key, issue_node_token
+from pipecast.core.engines import SERVING_ENGINES
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1 import control_pb2_grpc
 from pipecast.v1.manifest_pb2 import Manifest
@@ -95,11 +96,13 @@ def _rpc(handler: Handler) -> Handler:
 
 class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     """The ControlPlane service over one :class:`ControlState`; ``store`` (if any) is flushed by the server
-    periodically and here right away for the operator's changes (packages, scale-ups, releases)."""
+    periodically and here right away for the operator's changes (packages, scale-ups, releases).
+    ``on_fenced`` hears of a flush refused because another control plane took the lease (the server steps
+    down); the call that flushed fails UNAVAILABLE, so its client retries at the new leader."""
 
     def __init__(self, state: ControlState, metrics: ControlMetrics, *, heartbeat_s: float,
-                 store: SqliteStore | None = None, clock: Callable[[], float] = time.time, master: str = "",
-                 book: DeploymentBook | None = None):
+                 store: Store | None = None, clock: Callable[[], float] = time.time, master: str = "",
+                 book: DeploymentBook | None = None, on_fenced: Callable[[FencedError], None] | None = None):
         self.state = state
         self.book = book if book is not None else DeploymentBook()
         self.master = master  # empty: auth off
@@ -108,8 +111,16 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.heartbeat_s = heartbeat_s
         self.store = store
         self.clock = clock
-        self.mailboxes: dict[str, Mailbox] = {
-            node: Mailbox(node) for node, worker in state.workers.items() if worker.alive}
+        self.on_fenced = on_fenced
+        self.mailboxes: dict[str, Mailbox] = {}
+        self.open_mailboxes()
+
+    def open_mailboxes(self) -> None:
+        """A mailbox for every alive worker of the state (call it again after loading the state from the
+        store): notices for them queue until their assignment streams attach."""
+        for node, worker in self.state.workers.items():
+            if worker.alive:
+                self.mailboxes.setdefault(node, Mailbox(node))
 
     @contextlib.asynccontextmanager
     async def handling(self, name: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
@@ -167,9 +178,15 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 
     def flush(self) -> None:
         """Write the state's changes to the store (if any)."""
-        if self.store is not None:
+        if self.store is None:
+            return
+        try:
             self.store.flush(self.state)
             self.store.flush_book(self.book)
+        except FencedError as exc:
+            if self.on_fenced is not None:
+                self.on_fenced(exc)
+            raise
 
     def dispatch(self) -> None:
         """Hand the state's notices to the workers' mailboxes (notices for nodes without one are moot:
@@ -494,7 +511,10 @@ def host_port(address: str, what: str) -> tuple[str, int]:
 
 def check_serve_urls(spec: WorkerSpec) -> None:
     """A worker's serve URL (and the legacy label the router also reads) must be on the worker's own
-    data-plane host: else a worker could send the router's requests anywhere."""
+    data-plane host: else a worker could send the router's requests anywhere. Its engine must be known."""
+    if spec.engine not in SERVING_ENGINES:
+        raise InvalidRequest(f"worker {spec.node_id!r}: engine {spec.engine!r} is not one of "
+                             f"{', '.join(SERVING_ENGINES)}")
     host, _ = host_port(spec.peer.address, f"worker {spec.node_id!r} address")
     for url in (spec.serve_url, spec.labels.get(SERVE_URL_LABEL, "")):
         try:

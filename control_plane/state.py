@@ -26,6 +26,7 @@ from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
 from control_plane.planner.replan import replan
 from control_plane.planner.schedules import make_plan
+from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
@@ -471,7 +472,9 @@ class ControlState:
         if package.layout is None:
             return []
         availability = self.availability[package_id]
-        serving = {n for n in self.workers if self.workers[n].alive and serve_url_of(self.workers[n].spec)}
+        # Only pipecast's serving workers run stages (a vLLM worker serves the whole model alone).
+        serving = {n for n, w in self.workers.items()
+                   if w.alive and serve_url_of(w.spec) and w.spec.engine == DEFAULT_ENGINE}
         verified = {n: set(b) for n, b in availability.by_worker.items() if n in serving and b}
         ready = form_pipelines(package.layout, verified)
         taken = {n for p in ready for n in p.nodes}

@@ -12,6 +12,7 @@ from pipecast.agent.fetcher import FetchPolicy
 from pipecast.agent.ratelimit import DataPlaneCaps
 from pipecast.agent.transport.base import split_address
 from pipecast.agent.transport.registry import transport_names
+from pipecast.core.engines import SERVING_ENGINES
 from pipecast.core.settings import load_settings
 from pipecast.core.units import parse_size
 
@@ -29,7 +30,8 @@ def _address(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     if value is None:
         return None
     try:
-        split_address(value)
+        for address in value.split(","):  # the control plane's replicas, comma-separated
+            split_address(address.strip())
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     return value
@@ -86,6 +88,9 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
 @click.option("--serve-url", metavar="URL",
               help="HTTP base URL of this node's serving worker, registered for the router (settings: "
                    "agent_serve_url).")
+@click.option("--engine", type=click.Choice(SERVING_ENGINES),
+              help="What answers at --serve-url: pipecast's serving worker, or vLLM with pipecast's loader "
+                   "(settings: agent_engine).")
 @click.option("--link-mbit", type=click.FloatRange(min=0), metavar="MBIT",
               help="This node's link rate, Mbit/s, that --multicast-share is a share of (settings: agent_link_mbit).")
 @click.option("--multicast-share", type=click.FloatRange(min=0, max=1, min_open=True), metavar="SHARE",
@@ -103,7 +108,7 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
 def agent_command(listen: str | None, node_id: str | None, seed: Path | None, plan: Path | None,
                   cache_dir: Path | None, memory: int | None, transport: str | None, local_socket: Path | None,
                   events: Path | None, exit_when_complete: bool, control_plane: str | None, labels: dict[str, str],
-                  serve_url: str | None, link_mbit: float | None, multicast_share: float | None,
+                  serve_url: str | None, engine: str | None, link_mbit: float | None, multicast_share: float | None,
                   priority_shares: dict[str, float], start_at: float | None) -> None:
     """Run the node agent: serve blocks to peers, fetch this node's share, feed local engines.
 
@@ -116,6 +121,7 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
                                "--exit-when-complete")
     settings = load_settings(agent_cache_dir=cache_dir, agent_memory_bytes=memory, agent_transport=transport,
                              agent_local_socket=local_socket, agent_node_id=node_id, agent_serve_url=serve_url,
+                             agent_engine=engine,
                              agent_link_mbit=link_mbit, multicast_share=multicast_share,
                              priority_shares=priority_shares or None)
     DataPlaneCaps.of(settings)  # refuse a share without the link rate now, not after verifying a seed
@@ -127,5 +133,6 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
     options = AgentOptions(node_id=settings.agent_node_id or f"{socket.gethostname()}:{port}", listen=listen,
                            seed=seed, plan=plan, events=events, exit_when_complete=exit_when_complete,
                            start_at=start_at, policy=policy, control_plane=control_plane,
-                           labels={**settings.agent_labels, **labels}, serve_url=settings.agent_serve_url)
+                           labels={**settings.agent_labels, **labels}, serve_url=settings.agent_serve_url,
+                           engine=settings.agent_engine)
     asyncio.run(AgentDaemon(options, settings).run())

@@ -41,6 +41,7 @@ from pipecast.agent.store import BlockStore, StoreEvent
 from pipecast.agent.transport.base import Listener, PeerAuth, Transport, split_address
 from pipecast.agent.transport.registry import select_transport
 from pipecast.core.credentials import parse_node_token
+from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.core.errors import PipecastError
 from pipecast.core.settings import Settings
 from pipecast.core.units import format_bytes
@@ -74,6 +75,7 @@ class AgentOptions:
     control_plane: str | None = None  # host:port: register there and follow its assignments
     labels: Mapping[str, str] = field(default_factory=dict)  # topology labels registered with the control plane
     serve_url: str = ""  # HTTP base URL of this node's serving worker, registered for the router
+    engine: str = DEFAULT_ENGINE  # what answers at serve_url (control_plane.messages.SERVING_ENGINES)
 
 
 class _AgentPeerServer(PeerServer):
@@ -319,7 +321,7 @@ class AgentDaemon:
         accelerator = await asyncio.to_thread(detect_accelerator, settings.device)
         peer = PeerInfo(self.node_id, advertised_address(self.listener.address), (self.transport.name,))
         spec = WorkerSpec(peer, settings.agent_memory_bytes, accelerator, dict(self.options.labels),
-                          self.options.serve_url)
+                          self.options.serve_url, self.options.engine)
         log.info("agent %s: control plane %s, registering as %s (%s) labels=%s", self.node_id,
                  settings.control_plane, peer.address, accelerator.kind, dict(spec.labels))
         return ControlLink(self, ControlPlaneClient.from_settings(settings), spec, self.options.policy,

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from pipecast.core.engines import SERVING_ENGINES
 from pipecast.core.errors import PipecastError
 from pipecast.core.priorities import PRIORITIES
 
@@ -74,6 +75,8 @@ class Settings(BaseSettings):
     agent_labels: dict[str, str] = Field(default_factory=dict,
                                          description="topology labels the agent registers with, e.g. rack")
     agent_serve_url: str = Field("", description="HTTP base URL of the serving worker on this node (router)")
+    agent_engine: Literal[SERVING_ENGINES] = Field(
+        "pipecast", description="what answers at agent_serve_url: pipecast's serving worker or vLLM")
 
     # Control plane.
     control_plane: str = Field("127.0.0.1:7000", description="host:port of the control plane, or of its replicas "

@@ -274,14 +274,14 @@ class Router:
                 log.warning("worker discovery from %s failed, keeping its last %d workers: %s", source.name,
                             len(self._discovered.get(index, [])),
                             describe_exception(exc, self.config.discovery_timeout_s))
-        members = {found.url: found.node_id for index in sorted(self._discovered)
-                   for found in self._discovered[index]}
+        found_workers = [found for index in sorted(self._discovered) for found in self._discovered[index]]
+        members = {found.url: found.node_id for found in found_workers}
         added, removed = self.pool.sync(members)
         for url in added:
             log.info("worker %s (%s) added", url, members[url])
         for url in removed:
             log.info("worker %s removed", url)
-        self._monitor.sync(members)
+        self._monitor.sync(members, {found.url: found.engine for found in found_workers})
         added, removed = self.pool.sync_pipelines(
             [p for index in sorted(self._pipelines) for p in self._pipelines[index]],
             self.config.pipeline_max_in_flight)

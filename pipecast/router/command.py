@@ -59,6 +59,9 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
               help="Port to listen on (0: any free port, printed at start).")
 @click.option("--worker", "workers", multiple=True, metavar="URL",
               help="Base URL of a serving worker, e.g. http://10.0.0.5:8000 (repeatable).")
+@click.option("--vllm-worker", "vllm_workers", multiple=True, metavar="URL",
+              help="Base URL of a vLLM worker (`vllm serve PACKAGE --load-format pipecast`): its /health, "
+                   "/metrics and /v1/models are polled (repeatable).")
 @click.option("--control-plane", metavar="HOST:PORT", help="Also learn workers from this control plane.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=DEFAULTS.max_queue, show_default=True,
               help="Requests that may wait for a worker; beyond it the router answers 429.")
@@ -92,13 +95,13 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
               callback=parse_tenant_limits,
               help="Admit at most RATE requests/s of tenant NAME, BURST at once; beyond it 429 (repeatable; adds "
                    "to or overrides the settings' router_tenant_limits).")
-def router_command(host, port, workers, control_plane, max_queue, queue_timeout, health_interval, health_timeout,
+def router_command(host, port, workers, vllm_workers, control_plane, max_queue, queue_timeout, health_interval, health_timeout,
                    upstream_timeout, max_retries, drain_timeout, forward_auth, discovery_interval, pipelines,
                    pipeline_max_in_flight, tenant_limits):
     """Route OpenAI-style completion requests to the least-loaded serving worker.
 
-    Workers come from --worker URLs and/or the control plane; a worker serves once its /health says
-    ready or partial. With a control plane, groups of workers that together hold every layer serve as
+    Workers come from --worker (and --vllm-worker) URLs and/or the control plane; a worker serves once
+    its /health says ready or partial (a vLLM worker: once it answers). With a control plane, groups of workers that together hold every layer serve as
     pipelines until each holds the model. Requests wait in the router while nothing can take them.
 
     Tenants: API keys (router_api_keys: key -> tenant) are read only from the config file or
@@ -106,10 +109,11 @@ def router_command(host, port, workers, control_plane, max_queue, queue_timeout,
     them; without keys a request's tenant is its router_tenant_header header. Limits per tenant:
     router_tenant_limits, router_default_tenant_limit and --tenant-limit.
     """
-    if not workers and not control_plane:
+    if not workers and not vllm_workers and not control_plane:
         raise click.UsageError("give at least one --worker URL or --control-plane")
     try:
-        static = StaticDiscovery(list(workers)) if workers else None
+        static = [StaticDiscovery(list(urls), engine) for urls, engine in ((workers, "pipecast"),
+                                                                          (vllm_workers, "vllm")) if urls]
     except WorkerUrlError as exc:
         raise click.UsageError(str(exc)) from None
     # The token and TLS files of the control plane come from the settings (PIPECAST_* variables or config file).
@@ -123,10 +127,10 @@ def router_command(host, port, workers, control_plane, max_queue, queue_timeout,
     asyncio.run(_serve(config, static, settings if control_plane else None, host, port, drain_timeout))
 
 
-async def _serve(config: RouterConfig, static: StaticDiscovery | None, settings: Settings | None, host: str,
+async def _serve(config: RouterConfig, static: list[StaticDiscovery], settings: Settings | None, host: str,
                  port: int, drain_timeout_s: float) -> None:
     async with AsyncExitStack() as stack:
-        sources: list[Discovery] = [static] if static else []
+        sources: list[Discovery] = list(static)
         if settings is not None:
             # Imported here: grpc loads only when a control plane is used.
             from control_plane.client import ControlPlaneClient

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from control_plane.messages import SERVE_URL_LABEL
+from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.core.urls import http_base_url
 from pipecast.router.errors import WorkerUrlError
 from pipecast.serve.pipeline import Hop, route_header
@@ -26,10 +27,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DiscoveredWorker:
-    """A serving worker: its node id and the base URL of its HTTP API (no trailing slash)."""
+    """A serving worker: its node id, the base URL of its HTTP API (no trailing slash) and what answers
+    there (:data:`pipecast.core.engines.SERVING_ENGINES`)."""
 
     node_id: str
     url: str
+    engine: str = DEFAULT_ENGINE
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,12 @@ class Discovery(Protocol):
 
 
 class StaticDiscovery:
-    """A fixed list of worker URLs (``--worker URL``); each URL is also the worker's node id."""
+    """A fixed list of worker URLs (``--worker URL``, ``--vllm-worker URL`` with ``engine="vllm"``); each
+    URL is also the worker's node id."""
 
-    name = "--worker"
-
-    def __init__(self, urls: list[str]) -> None:
-        self._workers = [DiscoveredWorker(node_id=url, url=url)
+    def __init__(self, urls: list[str], engine: str = DEFAULT_ENGINE) -> None:
+        self.name = "--worker" if engine == DEFAULT_ENGINE else f"--{engine}-worker"
+        self._workers = [DiscoveredWorker(node_id=url, url=url, engine=engine)
                          for url in dict.fromkeys(normalize_url(url, self.name) for url in urls)]
 
     async def list_workers(self) -> list[DiscoveredWorker]:
@@ -137,7 +140,8 @@ class ControlPlaneDiscovery:
             if not state.alive or not serve_url:
                 continue
             try:
-                found.append(DiscoveredWorker(node_id, normalize_url(serve_url, f"{self.name}, worker {node_id}")))
+                found.append(DiscoveredWorker(node_id, normalize_url(serve_url, f"{self.name}, worker {node_id}"),
+                                              worker.engine or DEFAULT_ENGINE))
             except WorkerUrlError as exc:
                 log.warning("skipping a worker: %s", exc)
         return found

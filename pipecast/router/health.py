@@ -1,16 +1,22 @@
-"""Polls each worker's ``GET /health`` and records the answers in the pool (one task per worker).
+"""Polls each worker's health and records the answers in the pool (one task per worker).
 
-The answer's format is :class:`pipecast.serve.health.WorkerHealth`, the type the worker writes.
+A pipecast serving worker answers ``GET /health`` in the format of :class:`pipecast.serve.health.WorkerHealth`,
+the type the worker writes. A vLLM worker (``vllm serve PACKAGE --load-format pipecast``; its agent registers
+``--engine vllm``) answers ``GET /health`` with an empty 200 once its engine serves (it does not listen
+before), and its queue is read from ``GET /metrics`` (:func:`vllm_health`): it is ``ready`` with
+``vllm:num_requests_waiting`` as its queue depth and ``vllm:num_requests_running`` as what it runs; its model
+name comes from ``GET /v1/models``.
 """
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import aiohttp
 
 from pipecast.core import strictjson
+from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.router.errors import HealthAnswerError, describe_exception
 from pipecast.router.pool import WorkerPool
 from pipecast.serve.health import HealthFormatError, WorkerHealth
@@ -18,6 +24,10 @@ from pipecast.serve.health import HealthFormatError, WorkerHealth
 log = logging.getLogger(__name__)
 
 MAX_HEALTH_BYTES = 64 << 10  # a /health answer is a few hundred bytes; more is a broken or hostile worker
+#: A vLLM /metrics page is tens of kB (histogram buckets per model); more is not a vLLM worker.
+MAX_METRICS_BYTES = 4 << 20
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_RUNNING = "vllm:num_requests_running"
 
 
 def parse_health(worker: str, answer: object) -> WorkerHealth:
@@ -30,6 +40,28 @@ def parse_health(worker: str, answer: object) -> WorkerHealth:
         return WorkerHealth.from_json(answer)
     except HealthFormatError as exc:
         raise HealthAnswerError(worker, str(exc)) from None
+
+
+def _gauge(worker: str, metrics: str, name: str) -> int:
+    """The sum of gauge ``name`` over its label sets in a Prometheus text page (vLLM labels it by model)."""
+    total, found = 0.0, False
+    for line in metrics.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                raise HealthAnswerError(worker, f"/metrics line {line[:120]!r} has no number") from None
+            found = True
+    if not found:
+        raise HealthAnswerError(worker, f"/metrics has no {name} (not a vLLM worker?)")
+    return max(0, int(total))
+
+
+def vllm_health(worker: str, metrics: str, model: str | None) -> WorkerHealth:
+    """The health of a vLLM worker that answered ``/health`` with 200, from its ``/metrics`` page."""
+    return WorkerHealth(status="ready", blocks_present=0, blocks_total=0,
+                        queue_depth=_gauge(worker, metrics, VLLM_WAITING),
+                        running=_gauge(worker, metrics, VLLM_RUNNING), max_queue=0, model=model)
 
 
 class HealthMonitor:
@@ -47,29 +79,50 @@ class HealthMonitor:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
         self._tasks: dict[str, asyncio.Task] = {}
+        self._engines: dict[str, str] = {}
+        self._vllm_models: dict[str, str] = {}
 
-    def sync(self, urls: Iterable[str]) -> None:
-        """Poll exactly the workers at ``urls``: start polling new ones, stop polling removed ones."""
+    def sync(self, urls: Iterable[str], engines: Mapping[str, str] | None = None) -> None:
+        """Poll exactly the workers at ``urls``: start polling new ones, stop polling removed ones;
+        ``engines``: URL -> what answers there (default: pipecast's serving worker)."""
         urls = set(urls)
+        self._engines = {url: (engines or {}).get(url, DEFAULT_ENGINE) for url in urls}
         for url in set(self._tasks) - urls:
             self._tasks.pop(url).cancel()
+            self._vllm_models.pop(url, None)
         for url in urls - set(self._tasks):
             self._tasks[url] = asyncio.create_task(self._watch(url), name=f"health {url}")
+
+    async def _get(self, url: str, path: str, limit: int) -> bytes:
+        async with self._session.get(f"{url}{path}", timeout=self._timeout) as response:
+            if response.status != 200:
+                raise HealthAnswerError(url, f"{path} answered HTTP {response.status}")
+            body = await response.content.read(limit + 1)
+        if len(body) > limit:
+            raise HealthAnswerError(url, f"{path} answered more than {limit} bytes")
+        return body
+
+    async def _vllm(self, url: str) -> WorkerHealth:
+        await self._get(url, "/health", MAX_HEALTH_BYTES)
+        if url not in self._vllm_models:  # its served name does not change while it runs
+            models = strictjson.loads(await self._get(url, "/v1/models", MAX_HEALTH_BYTES))
+            try:
+                self._vllm_models[url] = models["data"][0]["id"]
+            except (KeyError, IndexError, TypeError):
+                raise HealthAnswerError(url, "/v1/models names no model") from None
+        metrics = await self._get(url, "/metrics", MAX_METRICS_BYTES)
+        return vllm_health(url, metrics.decode("utf-8", "replace"), self._vllm_models[url])
 
     async def poll(self, url: str) -> None:
         """Ask the worker at ``url`` for its health once and record the answer or the failure."""
         before = self._status(url)
         polled_at = self._clock()
         try:
-            async with self._session.get(f"{url}/health", timeout=self._timeout) as response:
-                if response.status != 200:
-                    raise HealthAnswerError(url, f"/health answered HTTP {response.status}")
-                body = await response.content.read(MAX_HEALTH_BYTES + 1)
-                if len(body) > MAX_HEALTH_BYTES:
-                    raise HealthAnswerError(url, f"/health answered more than {MAX_HEALTH_BYTES} bytes")
+            if self._engines.get(url) == "vllm":
+                health = await self._vllm(url)
+            else:
                 # A worker's answer is untrusted: strict JSON turns deep nesting or huge numbers into an error.
-                answer = strictjson.loads(body)
-            health = parse_health(url, answer)
+                health = parse_health(url, strictjson.loads(await self._get(url, "/health", MAX_HEALTH_BYTES)))
         except HealthAnswerError as exc:
             self._pool.record_unreachable(url, str(exc))
         except strictjson.JSONInputError as exc:

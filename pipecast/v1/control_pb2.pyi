@@ -31,7 +31,7 @@ class Accelerator(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., count: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerSpec(_message.Message):
-    __slots__ = ("peer", "memory_bytes", "accelerator", "labels", "serve_url")
+    __slots__ = ("peer", "memory_bytes", "accelerator", "labels", "serve_url", "engine")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,12 +44,14 @@ class WorkerSpec(_message.Message):
     ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     SERVE_URL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     peer: Peer
     memory_bytes: int
     accelerator: Accelerator
     labels: _containers.ScalarMap[str, str]
     serve_url: str
-    def __init__(self, peer: _Optional[_Union[Peer, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[Accelerator, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., serve_url: _Optional[str] = ...) -> None: ...
+    engine: str
+    def __init__(self, peer: _Optional[_Union[Peer, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[Accelerator, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., serve_url: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...
 
 class PackageBlocks(_message.Message):
     __slots__ = ("package_id", "blocks")

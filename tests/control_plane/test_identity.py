@@ -196,6 +196,14 @@ async def test_a_serve_url_on_another_host_is_refused(w2, server, serve_url, lab
     await w2.register(WorkerSpec(spec("w2").peer, 1 << 30, serve_url="http://127.0.0.1:8000"))
 
 
+async def test_a_workers_engine_is_kept_and_an_unknown_one_refused(w2, server):
+    with pytest.raises(InvalidRequest, match="worker 'w2': engine 'tgi' is not one of pipecast, vllm"):
+        await w2.register(WorkerSpec(spec("w2").peer, 1 << 30, serve_url="http://127.0.0.1:8000", engine="tgi"))
+    await w2.register(WorkerSpec(spec("w2").peer, 1 << 30, serve_url="http://127.0.0.1:8000", engine="vllm"))
+    assert server.state.workers["w2"].spec.engine == "vllm"
+    assert WorkerSpec.from_json(server.state.workers["w2"].spec.to_json()).engine == "vllm"
+
+
 async def test_worker_session_hands_over_the_data_key_and_stops_on_another_nodes_token(server):
     keys: list[bytes] = []
     async with ControlPlaneClient(server.address, token=issue_node_token(TOKEN, "w2"), timeout_s=WAIT_S) as own:

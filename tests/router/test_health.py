@@ -1,10 +1,13 @@
 """The router's health poller against hostile or broken workers (issue #12, finding 3)."""
 
+import asyncio
+
 import aiohttp
 import pytest
 from aiohttp import web
 
-from pipecast.router.health import MAX_HEALTH_BYTES, HealthMonitor
+from pipecast.router.errors import HealthAnswerError
+from pipecast.router.health import MAX_HEALTH_BYTES, HealthMonitor, vllm_health
 from pipecast.router.pool import WorkerPool
 
 
@@ -39,3 +42,55 @@ async def test_a_hostile_health_answer_marks_the_worker_down_and_the_poller_live
             assert problem not in pool.get(url).problem
     finally:
         await runner.cleanup()
+
+
+VLLM_METRICS = """# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="chat"} 3.0
+vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="chat"} 2.0
+"""
+
+
+def test_a_vllm_workers_queue_is_read_from_its_metrics():
+    health = vllm_health("w", VLLM_METRICS, "chat")
+    assert (health.status, health.queue_depth, health.running, health.model) == ("ready", 3, 2, "chat")
+    assert health.can_serve and health.fraction_present == 1.0
+    with pytest.raises(HealthAnswerError, match=r"worker w: /metrics has no vllm:num_requests_running \(not a vLLM "
+                                                r"worker\?\)"):
+        vllm_health("w", VLLM_METRICS.replace("vllm:num_requests_running", "other"), "chat")
+
+
+async def test_a_vllm_worker_is_polled_at_health_models_and_metrics():
+    seen: list[str] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "chat", "object": "model"}]})
+        return web.Response(text=VLLM_METRICS if request.path == "/metrics" else "")
+
+    app = web.Application()
+    for path in ("/health", "/v1/models", "/metrics"):
+        app.router.add_get(path, answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    pool = WorkerPool()
+    pool.sync({url: "w1"})
+    try:
+        async with aiohttp.ClientSession() as session:
+            monitor = HealthMonitor(pool, session, interval_s=0.02, timeout_s=2.0)
+            monitor.sync([url], {url: "vllm"})
+            async with asyncio.timeout(5):
+                while seen.count("/metrics") < 3:
+                    await asyncio.sleep(0.01)
+            await monitor.close()
+    finally:
+        await runner.cleanup()
+    health = pool.get(url).health
+    assert (health.status, health.queue_depth, health.model) == ("ready", 3, "chat")
+    assert seen[:3] == ["/health", "/v1/models", "/metrics"] and seen.count("/v1/models") == 1  # asked once

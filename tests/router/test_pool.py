@@ -329,6 +329,9 @@ async def test_control_plane_discovery_lists_alive_workers_with_a_serve_url():
     discovery = ControlPlaneDiscovery(Client(), "cp:7000")
     assert discovery.name == "control plane cp:7000"
     assert await discovery.list_workers() == [DiscoveredWorker("n1", "http://10.0.0.1:8000")]
+    states[0].worker.engine = "vllm"  # registered with `pipecast agent --engine vllm`
+    assert await discovery.list_workers() == [DiscoveredWorker("n1", "http://10.0.0.1:8000", "vllm")]
+    assert [w.engine for w in await StaticDiscovery(["http://a:1"], "vllm").list_workers()] == ["vllm"]
 
 
 # --- cross-node pipelines ----------------------------------------------------------------------------
