@@ -24,7 +24,7 @@ from control_plane.placement import (
 from control_plane.planner.pipelines import ModelLayout, Pipeline, form_pipelines
 from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
-from control_plane.planner.replan import replan
+from control_plane.planner.replan import parts_of, repair_deaths, replan
 from control_plane.planner.schedules import make_plan
 from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.v1.manifest_pb2 import Manifest
@@ -625,16 +625,22 @@ class ControlState:
     def _labels(self, nodes: Iterable[str]) -> dict[str, Mapping[str, str]]:
         return {n: self.workers[n].spec.labels for n in nodes if n in self.workers}
 
-    def _install(self, active: ActivePlan, plan: Plan) -> None:
-        """Make ``plan`` the plan of ``active`` and tell every node whose part changed."""
-        parts = plan.parts()
+    def _install(self, active: ActivePlan, plan: Plan, changed: set[str] | None = None) -> None:
+        """Make ``plan`` the plan of ``active`` and tell every node whose part changed; ``changed``: the only
+        nodes whose parts may differ from the old plan's (a repair), None: any node's."""
         old = active.parts
-        for node in old.keys() - parts.keys():
-            self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))
-        for node, part in parts.items():
-            if old.get(node) != part:
-                self.notices.append(Notice(node, UpdateKind.ASSIGN, active.package_id, active.plan_id))
-            self.dropping.discard((active.package_id, node))
+        if changed is None:
+            parts, changed = plan.parts(), old.keys() | set(plan.parts())
+        else:
+            parts = {node: part for node, part in old.items() if node not in changed}
+            parts.update(parts_of(plan, changed))
+        for node in changed:
+            if node in old and node not in parts:
+                self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))
+            elif node in parts:
+                if old.get(node) != parts[node]:
+                    self.notices.append(Notice(node, UpdateKind.ASSIGN, active.package_id, active.plan_id))
+                self.dropping.discard((active.package_id, node))
         active.plan, active.parts = plan, parts
         active.version += 1
         active.pending.intersection_update(plan.assignments)
@@ -655,10 +661,16 @@ class ControlState:
         availability = self.availability[active.package_id]
         held = {n: blocks for n, blocks in availability.by_worker.items() if n not in gone}
         nodes = set(active.parts) | set(held) | set(sources)
-        plan = replan(active.plan, dead=gone, held=held, sources=sources, labels=self._labels(nodes),
-                      fanout=active.fanout)
+        labels = self._labels(nodes)
+        # Deaths of receivers only: repaired in place, touching their neighbours alone (fast at any size).
+        repaired = repair_deaths(active.plan, dead=gone, held=held, labels=labels, fanout=active.fanout)
+        if repaired is not None:
+            plan, changed = repaired
+        else:
+            plan = replan(active.plan, dead=gone, held=held, sources=sources, labels=labels, fanout=active.fanout)
+            changed = None
         active.pending.difference_update(gone)
-        self._install(active, plan)
+        self._install(active, plan, changed)
         active.replans += 1
         self.replan_count += 1
         log.info("re-planned plan=%s package=%s without=%s version=%d pending=%d", active.plan_id,

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.planner.replan import replan
+from control_plane.planner.replan import parts_of, repair_deaths, replan
 from control_plane.planner.plan import STRATEGIES, Fetch, Plan, PlanError
 from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import simulate
@@ -87,6 +87,55 @@ def test_replan_under_random_failures_departures_and_joins(scenario):
                      joined=joined, num_blocks=num_blocks)
         _check(plan, new, dead=dead, held=held, sources=sources, fanout=fanout, needs=needs)
         plan = new
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_repairing_deaths_changes_only_the_dead_nodes_neighbours_and_cannot_deadlock(scenario):
+    strategy, num_blocks, receivers, sources, labels, fanout, events = scenario
+    plan = make_plan(strategy, sources, receivers, num_blocks, fanout=fanout, labels=labels)
+    dead: set[str] = set()
+    held: dict[str, set[int]] = {}
+    for kind, rnd in events:
+        live = sorted(plan.assignments)
+        if kind == "progress":
+            for rx in rnd.sample(live, k=rnd.randint(0, len(live))):
+                held.setdefault(rx, set()).update(a.block for a in plan.assignments[rx] if rnd.random() < 0.6)
+        elif kind in ("fail", "join") and live:  # deaths only: a join goes through replan
+            dead.add(rnd.choice(live))
+        for node in dead:
+            held.pop(node, None)
+        repaired = repair_deaths(plan, dead=dead, held=held, labels=labels, fanout=fanout)
+        assert repaired is not None  # no source died here
+        new, changed = repaired
+        new.validate()
+        simulate(new, 2, 1, 1)  # fetching in order terminates: no deadlock
+        old_parent = {(rx, a.block): a.parent for rx, fetches in plan.assignments.items() for a in fetches}
+        children: dict[tuple[str, int], int] = {}
+        for rx, fetches in new.assignments.items():
+            assert rx not in dead
+            wanted = {a.block for a in plan.assignments[rx]} - {a.block for a in fetches}
+            assert wanted <= held.get(rx, set()), (rx, wanted)  # only blocks it holds are no longer fetched
+            for a in fetches:
+                assert a.parent not in dead
+                children[a.parent, a.block] = children.get((a.parent, a.block), 0) + 1
+                if old_parent[rx, a.block] != a.parent:
+                    assert rx in changed and a.parent in changed
+                    assert a.parent in sources or a.block in held.get(a.parent, ())  # never one that waits
+        for (parent, block), count in children.items():
+            moved = [rx for rx, fetches in new.assignments.items() for a in fetches
+                     if a.parent == parent and a.block == block and old_parent[rx, block] != parent]
+            assert parent in sources or not moved or count <= max(fanout, count - len(moved))
+        # The parts of the changed nodes, updated alone, are the whole plan's parts.
+        parts = {n: p for n, p in plan.parts().items() if n not in changed}
+        parts.update(parts_of(new, changed))
+        assert parts == new.parts()
+        plan = new
+
+
+def test_a_dead_source_is_left_to_a_full_replan():
+    plan = make_plan("binomial", ["store"], ["a", "b", "c"], 2)
+    assert repair_deaths(plan, dead={"store"}, held={}) is None
 
 
 @settings(max_examples=50, deadline=None)
