@@ -630,7 +630,8 @@ class ControlState:
         nodes whose parts may differ from the old plan's (a repair), None: any node's."""
         old = active.parts
         if changed is None:
-            parts, changed = plan.parts(), old.keys() | set(plan.parts())
+            parts = plan.parts()
+            changed = old.keys() | parts.keys()
         else:
             parts = {node: part for node, part in old.items() if node not in changed}
             parts.update(parts_of(plan, changed))
