@@ -1,6 +1,8 @@
 """The router's health poller against hostile or broken workers (issue #12, finding 3)."""
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
@@ -9,6 +11,25 @@ from aiohttp import web
 from pipecast.router.errors import HealthAnswerError
 from pipecast.router.health import MAX_HEALTH_BYTES, HealthMonitor, vllm_health
 from pipecast.router.pool import WorkerPool
+
+
+@asynccontextmanager
+async def worker_app(handlers: dict) -> AsyncIterator[tuple[str, WorkerPool]]:
+    """A worker's GET ``handlers`` (path -> handler) on a free loopback port, and a pool holding it."""
+    app = web.Application()
+    for path, handler in handlers.items():
+        app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    pool = WorkerPool()
+    pool.sync({url: "w1"})
+    try:
+        yield url, pool
+    finally:
+        await runner.cleanup()
 
 
 @pytest.mark.parametrize("body, problem", [
@@ -22,16 +43,7 @@ async def test_a_hostile_health_answer_marks_the_worker_down_and_the_poller_live
     async def health(request: web.Request) -> web.Response:
         return web.Response(body=answers[-1], content_type="application/json")
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    pool = WorkerPool()
-    pool.sync({url: "w1"})
-    try:
+    async with worker_app({"/health": health}) as (url, pool):
         async with aiohttp.ClientSession() as session:
             monitor = HealthMonitor(pool, session, interval_s=0.05, timeout_s=2.0)
             await monitor.poll(url)
@@ -40,8 +52,6 @@ async def test_a_hostile_health_answer_marks_the_worker_down_and_the_poller_live
             answers.append(b"{}")  # the same poller goes on: a later answer is read and judged on its own
             await monitor.poll(url)
             assert problem not in pool.get(url).problem
-    finally:
-        await runner.cleanup()
 
 
 VLLM_METRICS = """# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
@@ -71,17 +81,7 @@ async def test_a_vllm_worker_is_polled_at_health_models_and_metrics():
             return web.json_response({"object": "list", "data": [{"id": "chat", "object": "model"}]})
         return web.Response(text=VLLM_METRICS if request.path == "/metrics" else "")
 
-    app = web.Application()
-    for path in ("/health", "/v1/models", "/metrics"):
-        app.router.add_get(path, answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    pool = WorkerPool()
-    pool.sync({url: "w1"})
-    try:
+    async with worker_app(dict.fromkeys(("/health", "/v1/models", "/metrics"), answer)) as (url, pool):
         async with aiohttp.ClientSession() as session:
             monitor = HealthMonitor(pool, session, interval_s=0.02, timeout_s=2.0)
             monitor.sync([url], {url: "vllm"})
@@ -89,8 +89,6 @@ async def test_a_vllm_worker_is_polled_at_health_models_and_metrics():
                 while seen.count("/metrics") < 3:
                     await asyncio.sleep(0.01)
             await monitor.close()
-    finally:
-        await runner.cleanup()
     health = pool.get(url).health
     assert (health.status, health.queue_depth, health.model) == ("ready", 3, "chat")
     assert seen[:3] == ["/health", "/v1/models", "/metrics"] and seen.count("/v1/models") == 1  # asked once

@@ -51,6 +51,13 @@ def scenarios(draw):
     return strategy, num_blocks, receivers, sources, labels, draw(st.integers(1, 3)), events
 
 
+def _progress(plan: Plan, held: dict[str, set[int]], rnd) -> None:
+    """Some receivers verify some of their remaining blocks."""
+    live = sorted(plan.assignments)
+    for rx in rnd.sample(live, k=rnd.randint(0, len(live))):
+        held.setdefault(rx, set()).update(a.block for a in plan.assignments[rx] if rnd.random() < 0.6)
+
+
 @settings(max_examples=150, deadline=None)
 @given(scenarios())
 def test_replan_under_random_failures_departures_and_joins(scenario):
@@ -62,10 +69,8 @@ def test_replan_under_random_failures_departures_and_joins(scenario):
     for kind, rnd in events:
         live = sorted(plan.assignments)
         joined = []
-        if kind == "progress":  # some receivers verify some of their remaining blocks
-            for rx in rnd.sample(live, k=rnd.randint(0, len(live))):
-                held.setdefault(rx, set()).update(
-                    a.block for a in plan.assignments[rx] if rnd.random() < 0.6)
+        if kind == "progress":
+            _progress(plan, held, rnd)
         elif kind == "fail" and live:  # a failure or a departure: the node is gone either way
             dead.add(rnd.choice(live))
         elif kind == "source-fails" and len(sources) > 1:
@@ -99,8 +104,7 @@ def test_repairing_deaths_changes_only_the_dead_nodes_neighbours_and_cannot_dead
     for kind, rnd in events:
         live = sorted(plan.assignments)
         if kind == "progress":
-            for rx in rnd.sample(live, k=rnd.randint(0, len(live))):
-                held.setdefault(rx, set()).update(a.block for a in plan.assignments[rx] if rnd.random() < 0.6)
+            _progress(plan, held, rnd)
         elif kind in ("fail", "join") and live:  # deaths only: a join goes through replan
             dead.add(rnd.choice(live))
         for node in dead:
