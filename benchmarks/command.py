@@ -454,13 +454,15 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
               help="Seconds of block reporting.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Blocks per report.")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Planning repeats.")
+@click.option("--db", help="The server's database: a postgresql:// URL (an empty database: the bench's state stays "
+                           "in it) or a SQLite path; default: a SQLite file in a temp dir.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the figures as JSON.")
-def bench_control_plane(workers: int, blocks: int, duration_s: float, batch: int, repeat: int,
+def bench_control_plane(workers: int, blocks: int, duration_s: float, batch: int, repeat: int, db: str | None,
                         json_path: Path | None) -> None:
     """Plan time of a scale-up and block reports/s of the real server under simulated workers."""
     from benchmarks import control_plane_bench as bench
 
-    result = bench.run(workers=workers, blocks=blocks, duration_s=duration_s, batch=batch, repeat=repeat,
+    result = bench.run(workers=workers, blocks=blocks, duration_s=duration_s, batch=batch, repeat=repeat, db=db,
                        progress=lambda message: click.echo(message, err=True))
     click.echo(bench.report(result))
     if json_path:

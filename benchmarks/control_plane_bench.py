@@ -2,11 +2,11 @@
 
 Two parts. Planning, in-process and pure: a scale-up of N workers x B blocks (source pick, schedule,
 every node's part), from the store (binomial) and from K holders (rotated), median of ``repeat``.
-Load, against the real server (``pipecast control-plane``) in a subprocess with its SQLite file and
-authentication on (every call carries the master token and passes the server's token check): N
-simulated workers register, watch their assignment streams and heartbeat every ``heartbeat_s``; a
-scale-up onto all of them is timed until every stream has its ASSIGN; then for ``duration_s`` the
-workers report verified blocks, ``batch`` per report (1: each block as it is verified), each on its
+Load, against the real server (``pipecast control-plane``) in a subprocess with its SQLite file (or the
+database ``db`` names, PostgreSQL) and authentication on (every call carries the master token and passes
+the server's token check): N simulated workers register, watch their assignment streams and heartbeat
+every ``heartbeat_s``; a scale-up onto all of them is timed until every stream has its ASSIGN; then for
+``duration_s`` the workers report verified blocks, ``batch`` per report (1: each block as it is verified), each on its
 own report stream as agents do, ``in_flight`` reports outstanding at a time (the first package's plan
 completes on the way and every stream gets its CANCEL). Printed: blocks/s, report latency
 percentiles, heartbeats kept, workers alive at the end, and the CPU of the server and of this driver
@@ -33,6 +33,7 @@ from control_plane.client import ControlPlaneClient
 from control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.state import ControlState
+from control_plane.store import is_postgres_url, redact_url
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.manifest import MANIFEST_FORMAT_VERSION, seal_manifest
 from pipecast.v1.manifest_pb2 import Block, Manifest
@@ -80,6 +81,7 @@ class LoadResult:
 class BenchResult:
     planning: list[PlanningResult] = field(default_factory=list)
     load: LoadResult | None = None
+    database: str = "its SQLite file"  # where the server subprocess kept its state
 
 
 def manifest(name: str, blocks: int) -> Manifest:
@@ -283,10 +285,14 @@ def _busy(before, after) -> float:
 
 
 def run(workers: int = 1000, blocks: int = 64, duration_s: float = 10.0, batch: int = 1, heartbeat_s: float = 2.0,
-        channels: int = 8, in_flight: int = 64, repeat: int = 3,
+        channels: int = 8, in_flight: int = 64, repeat: int = 3, db: str | None = None,
         progress: Callable[[str], None] = lambda message: None) -> BenchResult:
-    """Measure planning in-process, then load against a server subprocess; returns every figure."""
+    """Measure planning in-process, then load against a server subprocess (its state in ``db``: a
+    postgresql:// URL of an empty database or a SQLite path; None: a SQLite file in a temporary folder);
+    returns every figure."""
     result = BenchResult()
+    if db is not None:
+        result.database = f"PostgreSQL {redact_url(db)}" if is_postgres_url(db) else f"SQLite {db}"
     for sources in (0, 4):
         result.planning.append(measure_planning(workers, blocks, sources, repeat))
         planning = result.planning[-1]
@@ -297,7 +303,8 @@ def run(workers: int = 1000, blocks: int = 64, duration_s: float = 10.0, batch: 
         env = {**os.environ, "PIPECAST_AUTH_TOKEN": TOKEN, "PIPECAST_HEARTBEAT_S": str(heartbeat_s),
                "PIPECAST_LEASE_S": str(5 * heartbeat_s)}
         cmd = [sys.executable, "-c", "import sys; from control_plane.command import control_plane_command as c; "
-               "c(sys.argv[1:])", "--host", "127.0.0.1", "--port", str(port), "--db", str(Path(tmp) / "cp.sqlite3")]
+               "c(sys.argv[1:])", "--host", "127.0.0.1", "--port", str(port),
+               "--db", db or str(Path(tmp) / "cp.sqlite3")]
         with open(log_path, "wb") as log_file:
             proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         try:
@@ -321,7 +328,7 @@ def run(workers: int = 1000, blocks: int = 64, duration_s: float = 10.0, batch: 
 def report(result: BenchResult) -> str:
     """The figures, each beside its target."""
     lines = [f"control plane bench (grpcio {grpc.__version__}, {psutil.cpu_count()} cores, server in a subprocess "
-             "with its SQLite file, driver in this process)"]
+             f"with {result.database}, driver in this process)"]
     for p in result.planning:
         source = f"{p.sources} worker sources" if p.sources else "the store"
         verdict = "ok" if p.scale_up_ms < PLAN_TARGET_MS else "OVER"

@@ -69,8 +69,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         principal = self._principal(handler_call_details.invocation_metadata)
         if principal is None:
             log.warning("refused unauthenticated call method=%s", method)
-            return _rebuilt(handler, _denied, _denied)  # a coroutine may answer a stream
-        return _rebuilt(handler, *_as_principal(principal, handler))
+            return rebuilt(handler, _denied, _denied)  # a coroutine may answer a stream
+        return rebuilt(handler, *_as_principal(principal, handler))
 
 
 async def _denied(request: object, context: grpc.aio.ServicerContext) -> None:
@@ -98,7 +98,7 @@ def _as_principal(principal: Principal, handler: grpc.RpcMethodHandler) -> tuple
     return unary, streaming
 
 
-def _rebuilt(handler: grpc.RpcMethodHandler, unary: Callable, streaming: Callable) -> grpc.RpcMethodHandler:
+def rebuilt(handler: grpc.RpcMethodHandler, unary: Callable, streaming: Callable) -> grpc.RpcMethodHandler:
     """A handler of the same shape as ``handler`` running ``unary`` or ``streaming`` (by response kind)."""
     kwargs = {"request_deserializer": handler.request_deserializer,
               "response_serializer": handler.response_serializer}

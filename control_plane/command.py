@@ -34,8 +34,13 @@ CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, d
 @CONFIG
 @click.option("--host", help="Listen address (settings: control_host).")
 @click.option("--port", type=click.IntRange(0, 65535), help="Listen port, 0 for any (settings: control_port).")
-@click.option("--db", type=click.Path(path_type=Path, dir_okay=False), help="SQLite file (settings: control_db).")
-@click.option("--lease-s", type=click.FloatRange(min=0, min_open=True), help="Worker lease (settings: lease_s).")
+@click.option("--db", help="SQLite file, or a postgresql:// URL several replicas share (settings: control_db; "
+                           "a password is better in PGPASSWORD or ~/.pgpass than here).")
+@click.option("--advertise", metavar="HOST:PORT",
+              help="Where clients reach this replica; standbys name the leader's (settings: control_advertise; "
+                   "default: --host:--port).")
+@click.option("--lease-s", type=click.FloatRange(min=0, min_open=True),
+              help="Worker lease, and the lease of the leading replica (settings: lease_s).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Serve Prometheus metrics on this port, 0 for any (settings: control_metrics_port; off unless "
                    "set).")
@@ -46,17 +51,19 @@ CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, d
               help="Whether a rotated scale-up also sends from the store, while it is idle, beside the workers "
                    "holding the package (settings: control_store_beside_holders; on by default). Off saves the "
                    "store's egress where peers can send.")
-def control_plane_command(config: Path | None, host: str | None, port: int | None, db: Path | None,
-                          lease_s: float | None, metrics_port: int | None, store_links: int | None,
-                          store_beside_holders: bool | None) -> None:
-    """Run the control plane until SIGINT/SIGTERM."""
+def control_plane_command(config: Path | None, host: str | None, port: int | None, db: str | None,
+                          advertise: str | None, lease_s: float | None, metrics_port: int | None,
+                          store_links: int | None, store_beside_holders: bool | None) -> None:
+    """Run the control plane until SIGINT/SIGTERM (a replica on a shared database: until then, or until it
+    loses the lease, which exits 1 so that its supervisor restarts it as a standby)."""
     from control_plane.server import ControlPlaneServer, ServerConfig  # grpc: not loaded by `--help`
 
     settings = load_settings(config, control_host=host, control_port=port, control_db=db, lease_s=lease_s,
-                             control_store_links=store_links, control_store_beside_holders=store_beside_holders)
+                             control_advertise=advertise, control_store_links=store_links,
+                             control_store_beside_holders=store_beside_holders)
     server_config = ServerConfig.from_settings(settings, metrics_port=metrics_port)
 
-    async def serve() -> None:
+    async def serve() -> str:
         server = ControlPlaneServer(server_config)
         await server.start()
         stop = asyncio.Event()
@@ -64,13 +71,20 @@ def control_plane_command(config: Path | None, host: str | None, port: int | Non
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port is not None else ""
-        click.echo(f"control plane listening on {server.address} (db {server_config.db_path}{metrics})", err=True)
+        role = "" if not server.store.shared else ", leader" if server.leading else ", standby"
+        click.echo(f"control plane listening on {server.address} (db {server.store.where}{metrics}{role})", err=True)
+        ended = [asyncio.create_task(stop.wait()), asyncio.create_task(server.deposed.wait())]
         try:
-            await stop.wait()
+            await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in ended:
+                task.cancel()
             await server.stop(grace_s=2.0)
+        return server.deposed_reason
 
-    asyncio.run(serve())
+    deposed = asyncio.run(serve())
+    if deposed:
+        raise click.ClickException(f"{deposed}; exiting (restarted, it runs as a standby)")
 
 
 class GroupOptionsAnywhere(click.Group):

@@ -1,8 +1,18 @@
 """The control plane server: the ControlPlane service, the health service, auth and TLS, the lease
-scanner, the SQLite flusher and the Prometheus endpoint, started and stopped together."""
+scanner, the database flusher and the Prometheus endpoint, started and stopped together.
+
+With a shared database (PostgreSQL) the server is one of several replicas: it serves only while it holds the
+control plane lease (see :mod:`control_plane.store`), trying to take it every ``lease_s / 3``; a standby
+answers every call UNAVAILABLE naming the leader (:mod:`control_plane.leadership`). A standby that takes the
+lease loads the state from the database, as a restarted control plane does (workers' leases and availability
+are rebuilt from the agents' registrations and reports), and starts serving. A leader that cannot renew its
+lease, or whose write is refused as fenced, steps down at once: it stops serving and sets :attr:`deposed`
+(``pipecast control-plane`` then exits with the reason, and its supervisor restarts it as a standby).
+"""
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,11 +28,12 @@ from control_plane.auth import TokenAuthInterceptor, server_credentials
 from control_plane.client import MAX_RECONNECT_BACKOFF_S
 from control_plane.convert import MAX_MESSAGE_BYTES
 from control_plane.deployments import DeploymentBook
-from control_plane.errors import ControlPlaneError
+from control_plane.errors import ControlPlaneError, InvalidRequest, StoreError
+from control_plane.leadership import StandbyGate
 from control_plane.metrics import ControlMetrics
-from control_plane.service import ControlPlaneService
+from control_plane.service import ControlPlaneService, host_port
 from control_plane.state import ControlState
-from control_plane.store_sqlite import SqliteStore
+from control_plane.store import FencedError, open_store
 from pipecast.core.credentials import warn_if_auth_off
 from pipecast.core.settings import Settings
 from pipecast.v1 import control_pb2, control_pb2_grpc
@@ -57,7 +68,8 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 7000
-    db_path: Path | str = ":memory:"
+    db_path: Path | str = ":memory:"  # a SQLite path, or a postgresql:// URL (replicas; control_plane.store)
+    advertise: str | None = None  # host:port clients reach this replica at (None: the host:port it listens on)
     token: str = ""  # the master token (empty: auth off); node tokens are derived from it
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -73,6 +85,7 @@ class ServerConfig:
     @classmethod
     def from_settings(cls, settings: Settings, **overrides: Any) -> "ServerConfig":
         config = cls(host=settings.control_host, port=settings.control_port, db_path=settings.control_db,
+                     advertise=settings.control_advertise or None,
                      token=settings.auth_token, tls_cert=settings.tls_cert, tls_key=settings.tls_key,
                      tls_ca=settings.tls_ca, lease_s=settings.lease_s, heartbeat_s=settings.heartbeat_s,
                      scan_interval_s=settings.control_scan_s, flush_interval_s=settings.control_flush_s,
@@ -89,38 +102,58 @@ class ServerConfig:
 
 
 class ControlPlaneServer:
-    """One control plane: ``async with ControlPlaneServer(config) as server:`` serves on ``server.port``."""
+    """One control plane: ``async with ControlPlaneServer(config) as server:`` serves on ``server.port``
+    (with a shared database: once it leads; see the module docstring)."""
 
     def __init__(self, config: ServerConfig, *, clock: Callable[[], float] = time.time):
         self.config = config
         self.clock = clock
         self.port = 0
         self.metrics_port: int | None = None
+        self.advertise = ""
+        self.holder = ""  # who holds the lease, in the database and in messages: set by start()
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
+        self._stepping_down: asyncio.Task | None = None
         self._health = health_aio.HealthServicer()
         self._metrics_httpd: Any = None
         self._credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
+        self.gate = StandbyGate()
+        #: Set when this replica stepped down (lost the lease or was fenced); :attr:`deposed_reason` says why.
+        self.deposed = asyncio.Event()
+        self.deposed_reason = ""
         self.state = ControlState(lease_s=config.lease_s, store_links=config.store_links,
                                   store_beside_holders=config.store_beside_holders)
-        self.store = SqliteStore(config.db_path)
-        # Workers notice the restart only when their reconnect backoff ends: a lease shorter than that
-        # must not mark them dead before they are back.
-        self.store.load(self.state, clock(), lease_grace_s=RESTART_LEASE_GRACE_S)
+        self.store = open_store(config.db_path)
         self.book = DeploymentBook()
-        self.store.load_book(self.book)
         self.metrics = ControlMetrics(self.state)
         self.service = ControlPlaneService(self.state, self.metrics, heartbeat_s=config.heartbeat_s,
-                                           store=self.store, clock=clock, master=config.token, book=self.book)
+                                           store=self.store, clock=clock, master=config.token, book=self.book,
+                                           on_fenced=self._fenced)
+        if not self.store.shared:  # the only control plane on its file: it leads from the start
+            self._load()
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
+    @property
+    def leading(self) -> bool:
+        """Whether this control plane serves now (with a shared database: holds the lease)."""
+        return self.gate.leading
+
+    def _load(self) -> None:
+        # Workers notice the restart (or the new leader) only when their reconnect backoff ends: a lease
+        # shorter than that must not mark them dead before they are back.
+        self.store.load(self.state, self.clock(), lease_grace_s=RESTART_LEASE_GRACE_S)
+        self.store.load_book(self.book)
+        self.service.open_mailboxes()
+
     async def start(self) -> None:
         config, credentials = self.config, self._credentials
         auth_off = warn_if_auth_off(config.token, "control plane")
-        interceptors = [] if auth_off else [TokenAuthInterceptor(config.token)]
+        # Auth first: a standby names the leader only to callers with a valid token.
+        interceptors = ([] if auth_off else [TokenAuthInterceptor(config.token)]) + [self.gate]
         server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         control_pb2_grpc.add_ControlPlaneServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -134,6 +167,16 @@ class ControlPlaneServer:
         if port == 0:
             self.store.close()
             raise ServerStartError(f"control plane cannot listen on {listen}: {reason}")
+        self.port = port
+        self.advertise = config.advertise or self.address
+        try:
+            host_port(self.advertise, "advertised address")
+        except InvalidRequest as exc:
+            self.store.close()
+            raise ServerStartError(f"control plane cannot advertise itself: {exc}") from None
+        # Unique per process: a restarted replica is a new holder, with a new fencing number.
+        self.holder = f"{self.advertise}#{secrets.token_hex(4)}"
+        self.gate.advertise = self.advertise
         if config.metrics_port is not None:
             try:
                 self._metrics_httpd, _ = start_http_server(config.metrics_port, config.host, self.metrics.registry)
@@ -142,20 +185,95 @@ class ControlPlaneServer:
                 raise ServerStartError(f"control plane cannot serve metrics on {config.host}:{config.metrics_port}: "
                                        f"{exc.strerror or exc}") from exc
             self.metrics_port = self._metrics_httpd.server_port
+        if self.store.shared:
+            await self._set_health(False)
+        else:
+            await self._lead()
         await server.start()
-        self._server, self.port = server, port
+        self._server = server
+        if self.store.shared:
+            await self._campaign()
+            self._tasks.append(asyncio.create_task(self._campaign_loop(), name="leadership"))
+        log.info("control plane started address=%s advertise=%s role=%s tls=%s mtls=%s auth=%s db=%s lease_s=%.1f "
+                 "scan_s=%.2f metrics_port=%s store_links=%d",
+                 self.address, self.advertise, "leader" if self.leading else "standby", credentials is not None,
+                 config.tls_ca is not None, bool(config.token), self.store.where, config.lease_s, config.scan_s,
+                 self.metrics_port, config.store_links)
+
+    async def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", SERVICE_NAME):
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._tasks = [asyncio.create_task(self._every(config.scan_s, self.service.tick), name="lease-scan"),
-                       asyncio.create_task(self._every(config.flush_interval_s, self.service.flush), name="flush")]
-        log.info("control plane serving address=%s tls=%s mtls=%s auth=%s db=%s lease_s=%.1f scan_s=%.2f "
-                 "metrics_port=%s store_links=%d",
-                 self.address, credentials is not None, config.tls_ca is not None, bool(config.token),
-                 config.db_path, config.lease_s, config.scan_s, self.metrics_port, config.store_links)
+            await self._health.set(service, status)
+
+    async def _lead(self) -> None:
+        """Serve: the gate opens, health says SERVING, the lease scan and the flusher start."""
+        self.gate.leading = True
+        await self._set_health(True)
+        self._tasks += [
+            asyncio.create_task(self._every(self.config.scan_s, self.service.tick), name="lease-scan"),
+            asyncio.create_task(self._every(self.config.flush_interval_s, self.service.flush), name="flush")]
+
+    # ----- leadership (shared database) -----
+
+    async def _campaign_loop(self) -> None:
+        while not self.deposed.is_set():
+            await asyncio.sleep(self.config.lease_s / 3)
+            await self._campaign()
+
+    async def _campaign(self) -> None:
+        """Take or renew the lease: a standby that gets it takes over, a leader that does not steps down."""
+        try:
+            lease = self.store.acquire_or_renew(self.holder, self.advertise, self.config.lease_s, self.clock())
+            if lease is None:
+                self.gate.leader = self.store.leader()
+        except StoreError as exc:
+            if self.leading:
+                self._step_down(f"control plane {self.holder} cannot renew its lease: {exc}")
+            else:
+                log.warning("standby %s cannot take the lease: %s", self.holder, exc)
+            return
+        if lease is None and self.leading:
+            address, fencing = self.gate.leader
+            self._step_down(f"control plane {self.holder} lost its lease to {address} (fencing number {fencing})")
+        elif lease is not None and not self.leading:
+            log.warning("control plane %s took the lease (fencing number %d): loading the state from %s",
+                        self.holder, lease.fencing, self.store.where)
+            try:
+                self._load()
+            except StoreError as exc:
+                self._step_down(f"control plane {self.holder} took the lease but cannot load the state: {exc}")
+                return
+            await self._lead()
+            log.warning("control plane %s leads: packages=%d workers=%d deployments=%d", self.holder,
+                        len(self.state.packages), len(self.state.workers), len(self.book.deployments))
+
+    def _fenced(self, error: FencedError) -> None:
+        self._step_down(str(error))
+
+    def _step_down(self, reason: str) -> None:
+        """Stop serving at once (another replica leads, or may): calls and open streams end, and
+        :attr:`deposed` is set; nothing more is written."""
+        if self.deposed.is_set():
+            return
+        log.error("%s: stepping down", reason)
+        self.gate.leading = False
+        self.deposed_reason = reason
+        self.deposed.set()
+        self._stepping_down = asyncio.get_running_loop().create_task(self._stop_serving(), name="step-down")
+
+    async def _stop_serving(self) -> None:
+        await self._set_health(False)
+        for task in self._tasks:
+            task.cancel()
+        if self._server is not None:
+            await self._server.stop(0)
+            self._server = None
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving (open streams end after ``grace_s``), then write the state out and close."""
         await self._health.enter_graceful_shutdown()
+        if self._stepping_down is not None:
+            await self._stepping_down
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -168,8 +286,11 @@ class ControlPlaneServer:
             self._metrics_httpd.server_close()
             self._metrics_httpd = None
         try:
-            self.service.flush()
+            if self.leading:  # a deposed or standby replica writes nothing
+                self.service.flush()
+                self.store.release(self.holder)  # a standby takes over at once, not when the lease lapses
         finally:
+            self.gate.leading = False
             self.store.close()
         log.info("control plane stopped address=%s", self.address)
 

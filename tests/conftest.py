@@ -48,3 +48,16 @@ def no_configured_agent(monkeypatch):
     """No node agent from the environment: ``pipecast.load`` and the serving worker read the package folder."""
     for name in ("PIPECAST_AGENT_LOCAL_SOCKET", "PIPECAST_CONFIG", "PIPECAST_AGENT_CACHE_DIR"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server (:class:`tests.support.postgres.PostgresServer`) shared by the session's tests,
+    started on first use, stopped at the end; skips (or fails, with PIPECAST_REQUIRE_POSTGRES=1) without one."""
+    from tests.support.postgres import start_server
+
+    server = start_server()
+    try:
+        yield server
+    finally:
+        server.stop()

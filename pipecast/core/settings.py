@@ -83,18 +83,24 @@ class Settings(BaseSettings):
                                                               "separated by commas (calls follow the leader)")
     control_host: str = Field("127.0.0.1", description="control plane listen address")
     control_port: int = Field(7000, ge=0, le=65535, description="control plane listen port")
-    control_db: Path = Field(Path("pipecast-control.sqlite3"), description="control plane state (SQLite)")
+    control_db: str = Field("pipecast-control.sqlite3",
+                            description="control plane state: a SQLite file, or a postgresql:// URL that several "
+                                        "replicas share (one leads)")
+    control_advertise: str = Field("", description="host:port clients reach this control plane replica at, named "
+                                                   "to them by standbys (empty: control_host:control_port)")
     auth_token: str = Field("", description="the cluster's master secret on the control plane, and the token a client "
                                            "sends: the master (operator) or a node token from `pipecast cp "
                                            "issue-token` (empty: auth off)")
     tls_cert: Path | None = Field(None, description="PEM certificate (TLS on when set with tls_key)")
     tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
     tls_ca: Path | None = Field(None, description="CA for verifying peers; set on the server for mTLS")
-    lease_s: float = Field(10.0, gt=0, description="worker lease; a worker silent this long is dead")
+    lease_s: float = Field(10.0, gt=0, description="worker lease; a worker silent this long is dead. Also the "
+                                                   "lease of the leading control plane replica")
     heartbeat_s: float = Field(2.0, gt=0, description="worker heartbeat interval")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of one control-plane call")
     control_scan_s: float | None = Field(None, gt=0, description="lease scan interval (unset: min(heartbeat, lease/4))")
-    control_flush_s: float = Field(0.5, gt=0, description="how often the control plane writes its state to SQLite")
+    control_flush_s: float = Field(0.5, gt=0,
+                                   description="how often the control plane writes its state to its database")
     control_metrics_port: int | None = Field(None, ge=0, le=65535,
                                              description="Prometheus port of the control plane (unset: off)")
     control_store_links: int = Field(1, ge=1, description="a store's egress in worker links: a scale-up gives the "

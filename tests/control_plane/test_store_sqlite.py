@@ -9,7 +9,8 @@ import pytest
 from control_plane.errors import StoreError
 from control_plane.messages import PeerInfo, WorkerSpec
 from control_plane.state import ControlState
-from control_plane.store_sqlite import CorruptStateError, SqliteStore
+from control_plane.store import CorruptStateError
+from control_plane.store_sqlite import SqliteStore
 from pipecast.v1.manifest_pb2 import Block, Manifest
 
 STORE = PeerInfo("store", "10.0.0.1:7070", ("tcp",))
@@ -92,3 +93,15 @@ def test_an_undecodable_plan_is_skipped_with_a_warning(saved, caplog):
     with caplog.at_level(logging.WARNING):
         state = load(saved)
     assert state.plans == {} and "skipped stored plan" in caplog.text and "duplicate key" in caplog.text
+
+
+def test_a_file_from_before_the_lease_opens_and_gains_its_table(saved):
+    db = sqlite3.connect(saved)
+    with db:
+        db.execute("DROP TABLE leader")  # as pipecast wrote files before issue #17
+    db.close()
+    state = load(saved)
+    assert set(state.packages) == {"pkg", "other"}
+    store = SqliteStore(saved)
+    assert store.leader() == ("", 0) and store.acquire_or_renew("cp", "cp:7000", 10, now=0).fencing == 1
+    store.close()

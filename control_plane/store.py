@@ -1,0 +1,129 @@
+"""Where the control plane keeps its state: one interface (:class:`Store`), two backends.
+
+- a SQLite file (:mod:`control_plane.store_sqlite`): one control plane process;
+- PostgreSQL (:mod:`control_plane.store_postgres`, extra ``postgres``): several replicas on one database,
+  one of which leads.
+
+:func:`open_store` picks the backend from the ``--db`` value (setting ``control_db``): a URL starting with
+``postgresql://`` or ``postgres://`` is PostgreSQL, anything else a SQLite path.
+
+Leadership: the database holds one lease (table ``leader``: holder, its advertised address, a fencing
+number, expiry). :meth:`Store.acquire_or_renew` takes it atomically when it is free, expired or already
+the caller's; a new holder increments the fencing number. Once a store has taken the lease, every write
+transaction first checks, inside the same transaction and holding the lease row's lock, that the stored
+fencing number is still its own, and raises :class:`FencedError` otherwise: a deposed leader's late write
+is refused whole. A password in a PostgreSQL URL never appears in messages or logs (:func:`redact_url`).
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import grpc
+
+from control_plane.deployments import DeploymentBook
+from control_plane.errors import StoreError
+from control_plane.state import ControlState
+from pipecast.core.strictjson import describe
+
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The control plane lease as its holder took it: who, where clients reach it, its fencing number
+    (grows with every new holder) and when it lapses (Unix time) unless renewed."""
+
+    holder: str
+    address: str
+    fencing: int
+    expires_at: float
+
+
+class CorruptStateError(StoreError):
+    """A row of the control plane's database that does not decode; ``table`` and ``key`` name it."""
+
+    def __init__(self, path: str, table: str, key: object, problem: str, remedy: str) -> None:
+        super().__init__(f"control plane database {path}: table {table}, key {describe(key)}: corrupt row "
+                         f"({problem}); {remedy}")
+        self.path, self.table, self.key, self.problem = path, table, key, problem
+
+
+class FencedError(StoreError):
+    """A write of a control plane that lost the lease: another replica took it since (a higher fencing
+    number). Nothing of the write was stored; the caller must stop serving."""
+
+    # Clients retry elsewhere: the leader now is another replica.
+    code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, holder: str, fencing: int, current: int) -> None:
+        super().__init__(f"control plane {holder} was deposed: fencing number {fencing} is no longer the "
+                         f"leader's (now {current})")
+        self.holder, self.fencing, self.current = holder, fencing, current
+
+
+class Store(Protocol):
+    """What the server and the service need of a database; both backends pass one conformance suite
+    (tests/control_plane/test_store_conformance.py)."""
+
+    #: The database as messages name it (a path, or a URL without its password).
+    where: str
+    #: Whether several control planes may share the database: then only the lease holder serves and writes.
+    shared: bool
+
+    def load(self, state: ControlState, now: float, *, lease_grace_s: float = 0.0) -> None:
+        """Fill an empty ``state``; alive workers get a lease plus ``lease_grace_s`` to reconnect in."""
+
+    def load_book(self, book: DeploymentBook) -> None:
+        """Fill an empty ``book``: every deployment and route and the latest audit events."""
+
+    def flush(self, state: ControlState) -> int:
+        """Write the state's dirty keys in one durable transaction; returns how many. On failure they stay
+        dirty and :class:`StoreError` (:class:`FencedError` when deposed) is raised."""
+
+    def flush_book(self, book: DeploymentBook) -> int:
+        """Write the book's changes in one durable transaction; returns how many (kept dirty on failure)."""
+
+    def acquire_or_renew(self, holder: str, address: str, ttl_s: float, now: float) -> Lease | None:
+        """Take the lease for ``ttl_s`` from ``now`` if it is free, expired or ``holder``'s already (then
+        renewed, same fencing number); None if another holder's lease is still running."""
+
+    def release(self, holder: str) -> None:
+        """End ``holder``'s lease now, if it still holds it, so that a standby takes over at once."""
+
+    def leader(self) -> tuple[str, int]:
+        """The lease holder's advertised address and fencing number (``("", 0)``: never taken)."""
+
+    def close(self) -> None:
+        """Close the connection."""
+
+
+def is_postgres_url(target: str | Path) -> bool:
+    """Whether a ``--db`` value names a PostgreSQL database (else it is a SQLite path)."""
+    return str(target).startswith(POSTGRES_SCHEMES)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password, in the user part or a ``password`` parameter, replaced by ``***``."""
+    parts = urlsplit(url)
+    user, at, host = parts.netloc.rpartition("@")
+    if ":" in user:
+        user = user.split(":", 1)[0] + ":***"
+    query = urlencode([(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)],
+                      safe="*")
+    return urlunsplit(parts._replace(netloc=f"{user}{at}{host}", query=query))
+
+
+def open_store(target: str | Path) -> Store:
+    """The store ``target`` names: a PostgreSQL URL or a SQLite path (see the module docstring)."""
+    if is_postgres_url(target):
+        try:
+            from control_plane.store_postgres import PostgresStore
+        except ImportError as exc:
+            raise StoreError(f"control plane database {redact_url(str(target))}: PostgreSQL needs psycopg "
+                             f"(pip install 'pipecast[postgres]'): {exc}") from None
+        return PostgresStore(str(target))
+    from control_plane.store_sqlite import SqliteStore
+
+    return SqliteStore(target)

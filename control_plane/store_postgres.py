@@ -1,0 +1,82 @@
+"""The control plane's state in PostgreSQL (psycopg 3, extra ``postgres``): several control plane replicas
+share one database; the lease (:mod:`control_plane.store`) says which one leads. The tables, the row
+encoding and the lease are :mod:`control_plane.store_sql`'s, shared with SQLite.
+
+Durability: ``synchronous_commit=on`` for the session, so a commit returns only once its WAL is on disk
+(and on a synchronous standby, where the operator configured one). A write transaction first reads the lease
+row ``FOR UPDATE``: the fencing check and the writes after it are one unit, and a replica taking the lease
+waits for them to commit. ``lock_timeout`` bounds that wait, and ``idle_in_transaction_session_timeout``
+ends the session of a process that froze inside a transaction, so its lock cannot outlive it for long.
+
+A connection the server dropped (a restart, a failover, an administrator) is opened again by the next
+transaction; the one that found it broken fails with :class:`StoreError`.
+
+The URL's password (user part or ``password`` parameter) is replaced by ``***`` in every message; libpq's
+``PGPASSWORD`` and ``~/.pgpass`` keep it off the command line altogether.
+"""
+
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import psycopg
+
+from control_plane.errors import StoreError
+from control_plane.store import redact_url
+from control_plane.store_sql import Dialect, SqlStore
+
+# Any constant: the advisory lock that keeps replicas starting together from creating the tables at once.
+SCHEMA_LOCK_KEY = 0x70697065
+POSTGRES = Dialect(param="%s", types={"text": "TEXT", "bytes": "BYTEA", "real": "DOUBLE PRECISION",
+                                      "integer": "BIGINT"},
+                   lock_row=" FOR UPDATE", schema_lock=f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK_KEY})")
+CONNECT_TIMEOUT_S = 10
+# The statements run on the server's event loop: a lock held elsewhere must not stall it for long.
+LOCK_TIMEOUT_MS = 2000
+IDLE_IN_TRANSACTION_MS = 5000
+
+
+def _secrets(url: str) -> list[str]:
+    """The password of ``url`` as written and decoded (what must never be shown)."""
+    parts = urlsplit(url)
+    written = [parts.password or ""] + [v for k, v in parse_qsl(parts.query) if k == "password"]
+    return sorted({form for secret in written if secret for form in (secret, unquote(secret))}, key=len,
+                  reverse=True)
+
+
+class PostgresStore(SqlStore):
+    """One PostgreSQL database, shared by the control plane's replicas."""
+
+    dialect = POSTGRES
+    remedy = "restore the database from a backup or start on another database"
+    elsewhere = "use another database"
+    shared = True
+
+    def __init__(self, url: str):
+        self._url = url
+        self._secrets = _secrets(url)
+        where = redact_url(url)
+        try:
+            db = self._connect()
+        except psycopg.Error as exc:
+            # from None: the driver's own exception is not chained into tracebacks, it is described here.
+            raise StoreError(f"control plane database {where}: {self._describe(exc)}") from None
+        super().__init__(where, db, psycopg.Error)
+
+    def _describe(self, exc: Exception) -> str:
+        text = " ".join(str(exc).split())
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _configure(self) -> None:
+        self._db.execute("SET synchronous_commit TO on")
+        self._db.execute(f"SET lock_timeout TO {LOCK_TIMEOUT_MS}")
+        self._db.execute(f"SET idle_in_transaction_session_timeout TO {IDLE_IN_TRANSACTION_MS}")
+
+    def _connect(self) -> psycopg.Connection:
+        return psycopg.connect(self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+
+    def _transaction(self) -> psycopg.Transaction:
+        if self._db.broken:
+            self._db = self._connect()
+            self._configure()
+        return self._db.transaction()

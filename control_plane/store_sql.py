@@ -1,0 +1,448 @@
+"""What both SQL backends share: the tables, how state becomes rows and rows become state, one transaction
+per flush, and the leader lease with its fencing check. A backend (:mod:`control_plane.store_sqlite`,
+:mod:`control_plane.store_postgres`) brings its connection, its :class:`Dialect` (placeholder, column types,
+row lock), its transactions and its driver's error class.
+
+Writes are incremental: :meth:`SqlStore.flush` writes exactly the keys in the state's dirty set, in one
+transaction. Leases of workers are not stored: after a restart (or a takeover) every worker that was alive
+gets one fresh lease to heartbeat (or re-register) in, so availability converges from what the agents report.
+
+Reading: a row that does not decode (a damaged file, a hand edit) stops the start-up with
+:class:`~control_plane.store.CorruptStateError` naming the table and the key, except an undecodable plan,
+which is skipped with a warning (plans are re-made).
+"""
+
+import abc
+import contextlib
+import json
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from control_plane.deployments import EVENTS_IN_MEMORY, Deployment, DeploymentBook, ScaleEvent
+from control_plane.errors import StoreError
+from control_plane.messages import PeerInfo, WorkerSpec
+from control_plane.planner.plan import Plan, PlanError
+from control_plane.routes import ModelRoute
+from control_plane.state import ControlState, Dirty
+from control_plane.store import CorruptStateError, FencedError, Lease
+from pipecast.core.strictjson import JSONInputError, describe, loads
+from pipecast.v1.manifest_pb2 import Manifest
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table: its columns (name, kind: text, bytes, real or integer) in order, and its primary key."""
+
+    name: str
+    columns: tuple[tuple[str, str], ...]
+    key: tuple[str, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.columns)
+
+
+TABLES = {table.name: table for table in (
+    Table("meta", (("key", "text"), ("value", "text")), ("key",)),
+    Table("packages", (("package_id", "text"), ("manifest", "bytes"), ("store", "text"), ("published_at", "real")),
+          ("package_id",)),
+    Table("workers", (("node_id", "text"), ("spec", "text"), ("alive", "integer")), ("node_id",)),
+    Table("availability", (("package_id", "text"), ("node_id", "text"), ("blocks", "text")), ("package_id", "node_id")),
+    Table("releases", (("package_id", "text"), ("node_id", "text"), ("drop_at", "real")), ("package_id", "node_id")),
+    Table("plans", (("plan_id", "text"), ("package_id", "text"), ("plan", "text"), ("fanout", "integer"),
+                    ("created_at", "real"), ("version", "integer"), ("replans", "integer")), ("plan_id",)),
+    Table("deployments", (("package_id", "text"), ("deployment", "text")), ("package_id",)),
+    Table("scale_events", (("seq", "integer"), ("package_id", "text"), ("event", "text")), ("seq",)),
+    Table("routes", (("name", "text"), ("route", "text")), ("name",)),
+    # One row (id 1): the control plane lease (see control_plane.store).
+    Table("leader", (("id", "integer"), ("holder", "text"), ("address", "text"), ("fencing", "integer"),
+                     ("expires_at", "real")), ("id",)),
+)}
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How a backend spells the SQL: its placeholder, its column type per kind, what locks a row it reads
+    for the rest of the transaction, and what serializes schema creation between processes."""
+
+    param: str
+    types: Mapping[str, str]
+    lock_row: str
+    schema_lock: str
+
+
+class Statements:
+    """Every statement, in one dialect."""
+
+    def __init__(self, dialect: Dialect):
+        p = dialect.param
+        self.create = [
+            f"CREATE TABLE IF NOT EXISTS {t.name} ("
+            + ", ".join(f"{name} {dialect.types[kind]} NOT NULL" for name, kind in t.columns)
+            + f", PRIMARY KEY ({', '.join(t.key)}))" for t in TABLES.values()]
+        self.select = {t.name: f"SELECT {', '.join(t.names)} FROM {t.name}" for t in TABLES.values()}
+        self.insert = {t.name: f"INSERT INTO {t.name} ({', '.join(t.names)}) VALUES ({', '.join([p] * len(t.names))})"
+                       for t in TABLES.values()}
+        self.upsert = {
+            t.name: f"{self.insert[t.name]} ON CONFLICT ({', '.join(t.key)}) DO UPDATE SET "
+                    + ", ".join(f"{name} = excluded.{name}" for name in t.names if name not in t.key)
+            for t in TABLES.values()}
+        self.delete = {t.name: f"DELETE FROM {t.name} WHERE " + " AND ".join(f"{k} = {p}" for k in t.key)
+                       for t in TABLES.values()}
+        self.schema_version = "SELECT value FROM meta WHERE key = 'schema_version'"
+        self.latest_events = f"SELECT seq, event FROM scale_events ORDER BY seq DESC LIMIT {p}"
+        self.no_leader = ("INSERT INTO leader (id, holder, address, fencing, expires_at) VALUES (1, '', '', 0, 0) "
+                          "ON CONFLICT (id) DO NOTHING")
+        # One statement, so it is atomic on either backend: the holder's own lease is renewed (same fencing
+        # number), a lapsed one taken over (the next number); SET reads the row as it was before.
+        self.acquire = (f"UPDATE leader SET fencing = CASE WHEN holder = {p} THEN fencing ELSE fencing + 1 END, "
+                        f"holder = {p}, address = {p}, expires_at = {p} "
+                        f"WHERE id = 1 AND (holder = {p} OR expires_at <= {p}) RETURNING fencing")
+        self.release = f"UPDATE leader SET expires_at = 0 WHERE id = 1 AND holder = {p} AND fencing = {p}"
+        self.leader = "SELECT address, fencing FROM leader WHERE id = 1"
+        self.fencing = f"SELECT fencing FROM leader WHERE id = 1{dialect.lock_row}"
+
+
+def _compact(data: object) -> str:
+    return json.dumps(data, separators=(",", ":"))
+
+
+# What decoding a damaged row can raise: the JSON, the protobuf, and the checks below.
+_DECODE_ERRORS = (JSONInputError, DecodeError, KeyError, TypeError, ValueError, AttributeError, IndexError)
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{what} {describe(value)} is not a finite number")
+    return value
+
+
+def _integer(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} {describe(value)} is not an integer")
+    return value
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} {describe(value)} is not text")
+    return value
+
+
+def _problem(exc: BaseException) -> str:
+    """What is wrong with a row, from the exception decoding it raised."""
+    if isinstance(exc, KeyError):
+        return f"missing field {exc}"
+    return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+
+
+# A write: (statement kind: "upsert", "delete" or "insert", table, rows of parameters).
+Change = tuple[str, str, list[tuple]]
+
+
+def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
+    """The rows to write and delete for ``dirty``'s keys of ``state`` (a key no longer in it: delete)."""
+    packages, workers, availability, releases, plans = ([], []), ([], []), ([], []), ([], []), ([], [])
+    for package_id in dirty.packages:
+        package = state.packages.get(package_id)
+        if package is None:
+            packages[1].append((package_id,))
+        else:
+            store = {"node_id": package.store.node_id, "address": package.store.address,
+                     "transports": list(package.store.transports)}
+            packages[0].append((package_id, package.manifest.SerializeToString(), _compact(store),
+                                package.published_at))
+    for node in dirty.workers:
+        worker = state.workers.get(node)
+        if worker is None:
+            workers[1].append((node,))
+        else:
+            workers[0].append((node, _compact(worker.spec.to_json()), int(worker.alive)))
+    for package_id, node in dirty.availability:
+        held = state.availability[package_id].by_worker.get(node) if package_id in state.availability else None
+        if held:
+            availability[0].append((package_id, node, _compact(sorted(held))))
+        else:
+            availability[1].append((package_id, node))
+    for key in dirty.releases:
+        drop_at = state.releases.get(key)
+        if drop_at is None:
+            releases[1].append(key)
+        else:
+            releases[0].append((*key, drop_at))
+    for plan_id in dirty.plans:
+        active = state.plans.get(plan_id)
+        if active is None:
+            plans[1].append((plan_id,))
+        else:
+            plans[0].append((plan_id, active.package_id, _compact(active.plan.to_json()), active.fanout,
+                             active.created_at, active.version, active.replans))
+    tables = {"packages": packages, "workers": workers, "availability": availability, "releases": releases,
+              "plans": plans}
+    return [change for table, (upserts, deletes) in tables.items()
+            for change in (("upsert", table, upserts), ("delete", table, deletes))]
+
+
+def book_changes(book: DeploymentBook, deployments: set[str], events: list[ScaleEvent],
+                 routes: set[str]) -> list[Change]:
+    """The rows to write and delete for the book's changed ``deployments`` and ``routes`` and its new
+    ``events`` (the audit trail only grows)."""
+    changes: list[Change] = []
+    for table, keys, current in (("deployments", deployments, book.deployments), ("routes", routes, book.routes)):
+        present = [(key, _compact(current[key].to_json())) for key in keys if key in current]
+        changes += [("upsert", table, present), ("delete", table, [(key,) for key in keys if key not in current])]
+    changes.append(("insert", "scale_events", [(e.seq, e.package_id, _compact(e.to_json())) for e in events]))
+    return changes
+
+
+class SqlStore(abc.ABC):
+    """The control plane's state in a SQL database (see the module docstring); subclasses connect and
+    supply :attr:`dialect`, :meth:`_transaction` and the rest of the hooks below."""
+
+    dialect: Dialect
+    #: What a corrupt row's error tells the operator to do.
+    remedy: str
+    #: What a database of another schema version's error tells the operator to do.
+    elsewhere: str
+    shared: bool
+
+    def __init__(self, where: str, db: Any, errors: type[Exception]):
+        self.where = where
+        self._db = db
+        self._errors = errors
+        self._sql = Statements(self.dialect)
+        self._lease: Lease | None = None  # the last lease taken: writes are fenced from then on
+        try:
+            version = self._prepare()
+        except errors as exc:
+            self._db.close()
+            raise StoreError(f"control plane database {where}: {self._describe(exc)}") from exc
+        if version != str(SCHEMA_VERSION):
+            self._db.close()
+            raise StoreError(f"control plane database {where} has schema version {version}, this "
+                             f"version of pipecast reads {SCHEMA_VERSION}: {self.elsewhere}")
+
+    # ----- the backend's part -----
+
+    @abc.abstractmethod
+    def _configure(self) -> None:
+        """Set the connection up (durability) before the tables are created."""
+
+    @abc.abstractmethod
+    def _transaction(self) -> contextlib.AbstractContextManager:
+        """A transaction that holds the database's write lock (or the rows' it locks) until it ends: commits
+        on success, rolls back on an exception."""
+
+    def _describe(self, exc: Exception) -> str:
+        """The driver's error as a message may show it."""
+        return str(exc)
+
+    # ----- set-up -----
+
+    def _prepare(self) -> str:
+        """Set the connection up and create missing tables; returns the database's schema version."""
+        self._configure()
+        with self._transaction():
+            if self.dialect.schema_lock:
+                self._db.execute(self.dialect.schema_lock)
+            for statement in self._sql.create:
+                self._db.execute(statement)
+            self._db.execute(self._sql.no_leader)
+            row = self._db.execute(self._sql.schema_version).fetchone()
+            if row is not None:
+                return row[0]
+            self._db.execute(self._sql.insert["meta"], ("schema_version", str(SCHEMA_VERSION)))
+        return str(SCHEMA_VERSION)
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._db.close()
+
+    @contextlib.contextmanager
+    def _failing_as(self, action: str) -> Iterator[None]:
+        """Driver errors inside become :class:`StoreError` saying what could not be done."""
+        try:
+            yield
+        except self._errors as exc:
+            raise StoreError(f"control plane database {self.where}: {action}: {self._describe(exc)}") from exc
+
+    def _rows(self, table: str) -> list[tuple]:
+        return self._db.execute(self._sql.select[table]).fetchall()
+
+    # ----- reading -----
+
+    def load(self, state: ControlState, now: float, *, lease_grace_s: float = 0.0) -> None:
+        """Fill an empty ``state`` from the database; alive workers get a lease plus ``lease_grace_s`` to
+        reconnect in."""
+        # One transaction: one consistent view (a replica loads right after taking the lease, when a deposed
+        # leader's writes are already refused).
+        with self._failing_as("cannot read"), self._transaction():
+            self._load(state, now, lease_grace_s)
+        log.info("loaded state db=%s packages=%d workers=%d plans=%d", self.where, len(state.packages),
+                 len(state.workers), len(state.plans))
+
+    def _corrupt(self, table: str, key: object, exc: BaseException) -> CorruptStateError:
+        return CorruptStateError(self.where, table, key, _problem(exc), self.remedy)
+
+    def _load(self, state: ControlState, now: float, lease_grace_s: float) -> None:
+        for package_id, manifest_bytes, store, published_at in self._rows("packages"):
+            try:
+                manifest = Manifest.FromString(manifest_bytes)
+                if manifest.package_id != package_id:
+                    raise ValueError(f"the manifest is that of package {describe(manifest.package_id)}")
+                peer = loads(store)
+                origin = PeerInfo(_text(peer["node_id"], "node id"), _text(peer["address"], "address"),
+                                  tuple(_text(t, "transport") for t in peer["transports"]))
+                published_at = _number(published_at, "published_at")
+            except _DECODE_ERRORS as exc:
+                raise self._corrupt("packages", package_id, exc) from None
+            state.restore_package(manifest, origin, published_at)
+        for node, spec, alive in self._rows("workers"):
+            try:
+                worker = WorkerSpec.from_json(loads(spec))
+                if worker.node_id != node:
+                    raise ValueError(f"the spec is that of worker {describe(worker.node_id)}")
+                alive = _integer(alive, "alive")
+            except _DECODE_ERRORS as exc:
+                raise self._corrupt("workers", node, exc) from None
+            state.restore_worker(worker, bool(alive), now, lease_grace_s)
+        for package_id, node, blocks in self._rows("availability"):
+            worker = state.workers.get(node)
+            if package_id in state.packages and worker is not None and worker.alive:
+                num_blocks = len(state.packages[package_id].manifest.blocks)
+                try:
+                    held = loads(blocks)
+                    if not isinstance(held, list) or not all(
+                            _integer(b, "block") in range(num_blocks) for b in held):
+                        raise ValueError(f"blocks {describe(held)} are not a list of blocks 0..{num_blocks - 1}")
+                except _DECODE_ERRORS as exc:
+                    raise self._corrupt("availability", (package_id, node), exc) from None
+                state.restore_availability(package_id, node, held)
+        for package_id, node, drop_at in self._rows("releases"):
+            if package_id in state.packages and node in state.workers:
+                try:
+                    drop_at = _number(drop_at, "drop_at")
+                except ValueError as exc:
+                    raise self._corrupt("releases", (package_id, node), exc) from None
+                state.restore_release(package_id, node, drop_at)
+        for plan_id, package_id, plan, fanout, created_at, version, replans in self._rows("plans"):
+            if package_id not in state.packages:
+                continue
+            try:
+                parsed = Plan.from_json(loads(plan))
+                numbers = (_integer(fanout, "fanout"), _number(created_at, "created_at"),
+                           _integer(version, "version"), _integer(replans, "replans"))
+            except (PlanError, *_DECODE_ERRORS) as exc:
+                log.warning("skipped stored plan=%s package=%s: %s", plan_id, package_id, _problem(exc))
+                continue
+            fanout, created_at, version, replans = numbers
+            state.restore_plan(plan_id, package_id, parsed, fanout=fanout, created_at=created_at,
+                               version=version, replans=replans)
+
+    def load_book(self, book: DeploymentBook) -> None:
+        """Fill an empty ``book``: every deployment and route and the latest audit events."""
+        with self._failing_as("cannot read"), self._transaction():
+            deployments = []
+            for package_id, text in self._rows("deployments"):
+                try:
+                    deployments.append(Deployment.from_json(loads(text)))
+                except _DECODE_ERRORS as exc:
+                    raise self._corrupt("deployments", package_id, exc) from None
+            events = []
+            for seq, text in reversed(self._db.execute(self._sql.latest_events, (EVENTS_IN_MEMORY,)).fetchall()):
+                try:
+                    events.append(ScaleEvent.from_json(loads(text)))
+                except _DECODE_ERRORS as exc:
+                    raise self._corrupt("scale_events", seq, exc) from None
+            routes = []
+            for name, text in self._rows("routes"):
+                try:
+                    routes.append(ModelRoute.from_json(loads(text)))
+                except _DECODE_ERRORS as exc:
+                    raise self._corrupt("routes", name, exc) from None
+        book.restore(deployments, events, routes)
+
+    # ----- writing -----
+
+    def flush(self, state: ControlState) -> int:
+        """Write every dirty key of ``state`` in one transaction; returns the number of keys written.
+        On failure the keys stay dirty (the next flush retries them) and :class:`StoreError` is raised
+        (:class:`FencedError` if another control plane took the lease)."""
+        dirty, state.dirty = state.dirty, Dirty()
+        if not dirty:
+            return 0
+        try:
+            self._commit(state_changes(state, dirty))
+        except BaseException:
+            state.dirty.merge(dirty)
+            raise
+        return len(dirty)
+
+    def flush_book(self, book: DeploymentBook) -> int:
+        """Write the book's changed deployments and routes and its new events in one transaction (kept dirty
+        on failure, like :meth:`flush`)."""
+        dirty, events, routes = book.dirty_deployments, book.new_events, book.dirty_routes
+        if not dirty and not events and not routes:
+            return 0
+        book.dirty_deployments, book.new_events, book.dirty_routes = set(), [], set()
+        try:
+            self._commit(book_changes(book, dirty, events, routes))
+        except BaseException:
+            book.dirty_deployments |= dirty
+            book.dirty_routes |= routes
+            book.new_events[:0] = events
+            raise
+        return len(dirty) + len(events) + len(routes)
+
+    def _commit(self, changes: list[Change]) -> None:
+        """Apply ``changes`` in one transaction, after checking that this store still holds the lease."""
+        with self._failing_as("cannot write"), self._transaction():
+            self._check_fencing()
+            cursor = self._db.cursor()
+            for kind, table, rows in changes:
+                if rows:
+                    cursor.executemany(getattr(self._sql, kind)[table], rows)
+
+    def _check_fencing(self) -> None:
+        """Inside a write transaction: the lease row stays locked until it ends, so no replica takes the
+        lease between this check and the commit."""
+        if self._lease is None:  # never took the lease: a store used alone (tools, tests, a SQLite server)
+            return
+        (current,) = self._db.execute(self._sql.fencing).fetchone()
+        if current != self._lease.fencing:
+            raise FencedError(self._lease.holder, self._lease.fencing, current)
+
+    # ----- leadership -----
+
+    def acquire_or_renew(self, holder: str, address: str, ttl_s: float, now: float) -> Lease | None:
+        """Take the lease for ``ttl_s`` from ``now`` if it is free, expired or ``holder``'s already (renewed,
+        same fencing number; a new holder gets the next); None while another holder's lease runs."""
+        expires_at = now + ttl_s
+        with self._failing_as("cannot take the lease"), self._transaction():
+            rows = self._db.execute(self._sql.acquire, (holder, holder, address, expires_at, holder, now)).fetchall()
+        if not rows:
+            return None  # the last lease stays: this store's writes are refused from now on
+        self._lease = Lease(holder, address, rows[0][0], expires_at)
+        return self._lease
+
+    def release(self, holder: str) -> None:
+        """End ``holder``'s lease now if it still holds it (a clean stop: a standby takes over at once)."""
+        if self._lease is None or self._lease.holder != holder:
+            return
+        with self._failing_as("cannot release the lease"), self._transaction():
+            self._db.execute(self._sql.release, (holder, self._lease.fencing))
+
+    def leader(self) -> tuple[str, int]:
+        """The lease holder's advertised address and fencing number (``("", 0)``: never taken)."""
+        with self._failing_as("cannot read the lease"), self._transaction():
+            address, fencing = self._db.execute(self._sql.leader).fetchone()
+        return address, fencing

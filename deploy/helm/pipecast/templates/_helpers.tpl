@@ -1,0 +1,175 @@
+{{/* Names: the release's, or <release>-pipecast when the release name does not say pipecast. */}}
+{{- define "pipecast.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pipecast.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{ include "pipecast.selectorLabels" . }}
+{{- end -}}
+
+{{- define "pipecast.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Labels of one component: call with (list $ "router"). */}}
+{{- define "pipecast.componentLabels" -}}
+{{ include "pipecast.labels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "pipecast.componentSelector" -}}
+{{ include "pipecast.selectorLabels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "pipecast.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "pipecast.operatorSecret" -}}
+{{ .Values.auth.existingSecret | default (printf "%s-operator" (include "pipecast.fullname" .)) }}
+{{- end -}}
+
+{{- define "pipecast.nodeTokensSecret" -}}
+{{ .Values.auth.nodeTokensSecret | default (printf "%s-node-tokens" (include "pipecast.fullname" .)) }}
+{{- end -}}
+
+{{- define "pipecast.controlPlaneService" -}}
+{{ include "pipecast.fullname" . }}-control-plane
+{{- end -}}
+
+{{/* The control plane as its clients name it: every replica's stable address, comma-separated (a call
+follows the leader a standby names, else goes on to the next replica). */}}
+{{- define "pipecast.controlPlaneAddress" -}}
+{{- $service := include "pipecast.controlPlaneService" . -}}
+{{- $addresses := list -}}
+{{- range $i := until (int .Values.controlPlane.replicas) -}}
+{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc:%d" $service $i $service $.Release.Namespace (int $.Values.controlPlane.port)) -}}
+{{- end -}}
+{{ join "," $addresses }}
+{{- end -}}
+
+{{/* Every pod runs as the image's user; the agent's and the serving worker's must be the same. */}}
+{{- define "pipecast.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile: {type: RuntimeDefault}
+{{- end -}}
+
+{{- define "pipecast.securityContext" -}}
+allowPrivilegeEscalation: false
+capabilities: {drop: [ALL]}
+{{- end -}}
+
+{{/* A token from the operator Secret: (list $ "master-token"). */}}
+{{- define "pipecast.tokenEnv" -}}
+- name: PIPECAST_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "pipecast.operatorSecret" (index . 0) }}, key: {{ index . 1 }}}
+{{- end -}}
+
+{{/* The control plane's address and, with TLS, the certificate files: for every process that calls it. */}}
+{{- define "pipecast.clientEnv" -}}
+- name: PIPECAST_CONTROL_PLANE
+  value: {{ include "pipecast.controlPlaneAddress" . | quote }}
+{{- with include "pipecast.tlsEnv" . }}
+{{ . }}
+{{- end }}
+{{- end -}}
+
+{{- define "pipecast.tlsEnv" -}}
+{{- if .Values.tls.enabled -}}
+- {name: PIPECAST_TLS_CERT, value: /etc/pipecast/tls/tls.crt}
+- {name: PIPECAST_TLS_KEY, value: /etc/pipecast/tls/tls.key}
+- {name: PIPECAST_TLS_CA, value: /etc/pipecast/tls/ca.crt}
+{{- end -}}
+{{- end -}}
+
+{{- define "pipecast.tlsMount" -}}
+{{- if .Values.tls.enabled -}}
+- {name: tls, mountPath: /etc/pipecast/tls, readOnly: true}
+{{- end -}}
+{{- end -}}
+
+{{- define "pipecast.tlsVolume" -}}
+{{- if .Values.tls.enabled -}}
+- name: tls
+  secret: {secretName: {{ required "tls.enabled needs tls.existingSecret (keys tls.crt, tls.key, ca.crt)" .Values.tls.existingSecret }}}
+{{- end -}}
+{{- end -}}
+
+{{/* The node tokens as files "<node id>.toml" (PIPECAST_CONFIG names a process's own). Agents read them from
+the Secret, where every agent pod could read every node's token, or from a folder of the host that holds its
+node's token only (auth.nodeTokensHostPath); the store reads its own key of the Secret. Call with
+(list $ "agent") or (list $ "store"). */}}
+{{- define "pipecast.nodeTokenVolume" -}}
+{{- $ := index . 0 -}}
+- name: node-tokens
+{{- if and (eq (index . 1) "agent") $.Values.auth.nodeTokensHostPath }}
+  hostPath: {path: {{ $.Values.auth.nodeTokensHostPath }}, type: Directory}
+{{- else }}
+  secret:
+    secretName: {{ include "pipecast.nodeTokensSecret" $ }}
+    {{- if eq (index . 1) "store" }}
+    items: [{key: {{ $.Values.store.nodeId }}.toml, path: {{ $.Values.store.nodeId }}.toml}]
+    {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* An agent's probe: its local API answers a status request (agents have no HTTP endpoint). */}}
+{{- define "pipecast.agentProbe" -}}
+exec:
+  command:
+    - python
+    - -c
+    - |
+      import json, socket, sys
+      with socket.socket(socket.AF_UNIX) as agent:
+          agent.settimeout(5)
+          agent.connect("/run/pipecast/agent.sock")
+          agent.sendall(b'{"op": "status"}\n')
+          sys.exit(0 if json.loads(agent.makefile().readline())["ok"] else 1)
+periodSeconds: 10
+timeoutSeconds: 5
+{{- end -}}
+
+{{/* The control plane's probe: its gRPC health service answers (no token needed), SERVING from the leader,
+NOT_SERVING from a standby: both are alive, and ready to point callers at the leader (a standby never Ready
+would stall every rolling update). kubelet's own gRPC probe fails on NOT_SERVING and speaks plaintext only,
+so the check runs in the container; under TLS with the replica's own certificate (mTLS) and the name that
+certificate holds for it. */}}
+{{- define "pipecast.controlPlaneProbe" -}}
+{{- $name := include "pipecast.controlPlaneService" . -}}
+exec:
+  command:
+    - python
+    - -c
+    - |
+      import os, grpc
+      from grpc_health.v1 import health_pb2, health_pb2_grpc
+      address = os.environ["POD_IP"] + ":{{ .Values.controlPlane.port }}"
+      {{- if .Values.tls.enabled }}
+      def read(variable):
+          with open(os.environ[variable], "rb") as f:
+              return f.read()
+      credentials = grpc.ssl_channel_credentials(read("PIPECAST_TLS_CA"), read("PIPECAST_TLS_KEY"), read("PIPECAST_TLS_CERT"))
+      name = os.environ["POD_NAME"] + ".{{ $name }}.{{ .Release.Namespace }}.svc"
+      channel = grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", name)])
+      {{- else }}
+      channel = grpc.insecure_channel(address)
+      {{- end }}
+      with channel:
+          health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+periodSeconds: 10
+timeoutSeconds: 10
+{{- end -}}

@@ -1,0 +1,254 @@
+"""Control plane replicas on one PostgreSQL database (issue #17): a standby answers UNAVAILABLE naming the
+leader, takes over when the leader stops or dies (kill -9, real `pipecast control-plane` processes) and
+serves what the leader had stored; a deposed leader's write is refused and it steps down."""
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from control_plane.auth import auth_metadata
+from control_plane.client import ControlPlaneClient
+from control_plane.deployments import Deployment, ScalingPolicy
+from control_plane.errors import LEADER_TRAILER, ControlPlaneUnavailable
+from control_plane.routes import RouteChange
+from control_plane.server import ControlPlaneServer, ServerStartError
+from control_plane.state import ControlState
+from control_plane.store import open_store
+from pipecast.v1 import control_pb2 as pb
+from pipecast.v1 import control_pb2_grpc
+from tests.control_plane.test_service import PKG, STORE, TOKEN, WAIT_S, config, manifest
+from tests.support.agent_processes import free_ports
+from tests.support.postgres import DB_PASSWORD
+
+LEASE_S = 2.0  # the control plane lease (and the workers'): a replica tries to take it every LEASE_S / 3
+
+
+@pytest.fixture
+def url(postgres_server) -> str:
+    return postgres_server.database()
+
+
+async def list_packages(address: str, token: str = TOKEN) -> grpc.aio.AioRpcError | pb.ListPackagesResponse:
+    """One call to exactly ``address`` (no replica following): its answer, or its error."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            return await control_pb2_grpc.ControlPlaneStub(channel).ListPackages(
+                pb.ListPackagesRequest(), metadata=auth_metadata(token), timeout=WAIT_S)
+        except grpc.aio.AioRpcError as exc:
+            return exc
+
+
+async def health(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pipecast.v1.ControlPlane"), timeout=WAIT_S)
+    return reply.status
+
+
+def assert_standby_answer(error: object, standby: str, leader: str, fencing: int) -> None:
+    assert isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+    assert dict(error.trailing_metadata())[LEADER_TRAILER] == leader
+    assert error.details() == f"control plane {standby} is a standby: the leader is {leader} (fencing number {fencing})"
+
+
+def stored_packages(url: str) -> set[str]:
+    state, store = ControlState(lease_s=LEASE_S), open_store(url)
+    try:
+        store.load(state, now=time.time())
+    finally:
+        store.close()
+    return set(state.packages)
+
+
+async def test_a_standby_names_the_leader_and_takes_over_at_once_when_it_stops(url):
+    leader = ControlPlaneServer(config(url, lease_s=LEASE_S))
+    await leader.start()
+    standby = ControlPlaneServer(config(url, lease_s=LEASE_S))
+    await standby.start()
+    try:
+        assert leader.leading and not standby.leading
+        assert_standby_answer(await list_packages(standby.address), standby.advertise, leader.advertise, 1)
+        refused = await list_packages(standby.address, token="wrong")  # auth first: no leader named
+        assert refused.code() == grpc.StatusCode.UNAUTHENTICATED and not dict(refused.trailing_metadata())
+        async with grpc.aio.insecure_channel(standby.address) as channel:  # a stream is refused alike
+            stream = control_pb2_grpc.ControlPlaneStub(channel).WatchAssignments(
+                pb.WatchAssignmentsRequest(node_id="w1"), metadata=auth_metadata(TOKEN))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stream.read()
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert await health(standby.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await health(leader.address) == health_pb2.HealthCheckResponse.SERVING
+
+        async with ControlPlaneClient(f"{standby.address},{leader.address}", token=TOKEN, timeout_s=WAIT_S) as c:
+            await c.publish_package(manifest(), STORE)  # followed to the leader
+            assert c.current == leader.advertise
+
+        stopped = time.monotonic()
+        await leader.stop(grace_s=0)  # hands the lease over: no wait for it to lapse
+        while not standby.leading:
+            assert time.monotonic() - stopped < LEASE_S / 3 + 1.0, "the standby did not take the released lease"
+            await asyncio.sleep(0.02)
+        assert [p.package_id for p in (await list_packages(standby.address)).packages] == [PKG]
+        assert await health(standby.address) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await leader.stop(grace_s=0)
+        await standby.stop(grace_s=0)
+
+
+async def test_a_deposed_leaders_write_is_refused_and_it_steps_down(url):
+    leader = ControlPlaneServer(config(url, lease_s=LEASE_S))
+    await leader.start()
+    thief = open_store(url)
+    try:
+        # Another replica whose clock says the lease lapsed (a frozen leader looks the same to it).
+        assert thief.acquire_or_renew("thief", "10.9.9.9:7000", LEASE_S, now=time.time() + 10 * LEASE_S).fencing == 2
+        async with ControlPlaneClient(leader.address, token=TOKEN, timeout_s=WAIT_S) as c:
+            with pytest.raises(ControlPlaneUnavailable, match="was deposed: fencing number 1 is no longer the "
+                                                              r"leader's \(now 2\)"):
+                await c.publish_package(manifest(), STORE)
+        assert leader.deposed.is_set() and not leader.leading
+        assert leader.deposed_reason == (f"control plane {leader.holder} was deposed: fencing number 1 is no longer "
+                                         "the leader's (now 2)")
+        assert stored_packages(url) == set()  # nothing of the refused write
+        assert isinstance(await list_packages(leader.address), grpc.aio.AioRpcError)  # it serves no more
+    finally:
+        thief.close()
+        await leader.stop(grace_s=0)
+
+
+async def test_a_leader_that_loses_its_lease_steps_down_within_a_renewal(url):
+    leader = ControlPlaneServer(config(url, lease_s=LEASE_S))
+    await leader.start()
+    thief = open_store(url)
+    try:
+        thief.acquire_or_renew("thief", "10.9.9.9:7000", LEASE_S, now=time.time() + 10 * LEASE_S)
+        await asyncio.wait_for(leader.deposed.wait(), LEASE_S / 3 + 2.0)
+        assert leader.deposed_reason == (f"control plane {leader.holder} lost its lease to 10.9.9.9:7000 "
+                                         "(fencing number 2)")
+    finally:
+        thief.close()
+        await leader.stop(grace_s=0)
+
+
+async def test_a_standby_that_knows_no_leader_says_so_without_a_trailer(url):
+    holder = open_store(url)
+    standby = ControlPlaneServer(config(url, lease_s=LEASE_S))
+    try:
+        holder.acquire_or_renew("elsewhere", "", 60, now=time.time())  # a holder that gave no address
+        await standby.start()
+        error = await list_packages(standby.address)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and LEADER_TRAILER not in dict(error.trailing_metadata())
+        assert error.details() == (f"control plane {standby.advertise} is a standby and no replica leads now: retry "
+                                   "in a moment")
+    finally:
+        holder.close()
+        await standby.stop(grace_s=0)
+
+
+async def test_an_advertised_address_must_be_a_host_and_port(tmp_path):
+    server = ControlPlaneServer(config(tmp_path / "cp.sqlite3", advertise="nowhere"))
+    with pytest.raises(ServerStartError, match=re.escape(
+            "control plane cannot advertise itself: advertised address 'nowhere' is not a host:port address")):
+        await server.start()
+
+
+class Replica:
+    """A `pipecast control-plane` process on ``url``; its stderr in ``log``."""
+
+    def __init__(self, url: str, port: int, log_path) -> None:
+        self.address = f"127.0.0.1:{port}"
+        self.log_path = log_path
+        env = {**os.environ, "PIPECAST_AUTH_TOKEN": TOKEN}
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pipecast.cli", "-vv", "control-plane", "--host", "127.0.0.1", "--port",
+                 str(port), "--db", url, "--lease-s", str(LEASE_S)],
+                env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    async def wait_listening(self, role: str) -> None:
+        deadline = time.monotonic() + 60
+        while f"control plane listening on {self.address}" not in self.log():
+            assert self.proc.poll() is None, f"replica exited with {self.proc.returncode}:\n{self.log()}"
+            assert time.monotonic() < deadline, f"replica did not start:\n{self.log()}"
+            await asyncio.sleep(0.05)
+        assert f", {role})" in self.log()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def test_a_standby_process_takes_over_from_a_killed_leader_and_serves_what_it_stored(url, tmp_path):
+    first_port, second_port = free_ports(2)
+    first = Replica(url, first_port, tmp_path / "first.log")
+    second = None
+
+    async def main() -> float:
+        nonlocal second
+        await first.wait_listening("leader")
+        second = Replica(url, second_port, tmp_path / "second.log")
+        await second.wait_listening("standby")
+        async with ControlPlaneClient(first.address, token=TOKEN, timeout_s=WAIT_S) as c:
+            await c.publish_package(manifest(), STORE)
+            await c.put_deployment(Deployment(PKG, ScalingPolicy(min_replicas=1, max_replicas=3)))
+            await c.change_route(RouteChange("chat", "route", PKG))
+        assert_standby_answer(await list_packages(second.address), second.address, first.address, 1)
+
+        first.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        while not isinstance(answer := await list_packages(second.address), pb.ListPackagesResponse):
+            assert time.monotonic() - killed < 30, f"no takeover:\n{second.log()}"
+            await asyncio.sleep(0.02)
+        takeover_s = time.monotonic() - killed
+        assert [p.package_id for p in answer.packages] == [PKG]
+        async with ControlPlaneClient(f"{first.address},{second.address}", token=TOKEN, timeout_s=WAIT_S) as c:
+            assert [d.package_id for d in await c.list_deployments()] == [PKG]
+            assert [(r.name, r.versions) for r in await c.list_routes()] == [("chat", ((PKG, 100),))]
+            assert [e.action for e in await c.list_scale_events()] == ["route"]
+        return takeover_s
+
+    try:
+        takeover_s = asyncio.run(main())
+    finally:
+        first.stop()
+        code = second.stop() if second is not None else None
+    print(f"takeover after kill -9: {takeover_s:.2f} s (lease {LEASE_S} s, tries every {LEASE_S / 3:.2f} s)")
+    # The dead leader's last renewal left at most LEASE_S; the standby tries every LEASE_S / 3; then it loads.
+    assert takeover_s < LEASE_S + LEASE_S / 3 + 1.5, takeover_s
+    assert code == 0, second.log()  # SIGTERM stops a leader cleanly
+    assert "took the lease (fencing number 2)" in second.log()
+    for replica in (first, second):
+        assert DB_PASSWORD not in replica.log() and "pipecast:***@" in replica.log()
+
+
+def test_a_replica_process_that_loses_the_lease_exits_with_the_reason(url, tmp_path):
+    replica = Replica(url, free_ports(1)[0], tmp_path / "replica.log")
+    try:
+        asyncio.run(replica.wait_listening("leader"))
+        thief = open_store(url)
+        try:
+            thief.acquire_or_renew("thief", "10.9.9.9:7000", LEASE_S, now=time.time() + 10 * LEASE_S)
+        finally:
+            thief.close()
+        code = replica.proc.wait(LEASE_S / 3 + 10)
+    finally:
+        replica.stop()
+    assert code == 1
+    assert re.search(r"Error: control plane 127\.0\.0\.1:\d+#\w+ lost its lease to 10\.9\.9\.9:7000 "
+                     r"\(fencing number 2\); exiting \(restarted, it runs as a standby\)", replica.log()), replica.log()

@@ -1,0 +1,291 @@
+"""One suite, both backends of the control plane's store (issue #17): SQLite and a real PostgreSQL
+(tests/support/postgres.py; skipped without its binaries unless PIPECAST_REQUIRE_POSTGRES=1). Every kind of
+state round-trips, flushes are incremental, corrupt rows are typed errors naming table and key, and the
+lease is taken, renewed, expires and is taken over with growing fencing numbers, a deposed holder's write
+being refused whole."""
+
+import re
+import sqlite3
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from control_plane.deployments import Deployment, DeploymentBook, ScaleEvent, ScalingPolicy
+from control_plane.errors import StoreError
+from control_plane.routes import RouteChange
+from control_plane.state import ControlState
+from control_plane.store import CorruptStateError, FencedError, Lease, Store, open_store
+from tests.control_plane.test_state import LEASE, STORE, cluster, manifest
+
+OTHER = "other"
+
+
+@dataclass
+class Backend:
+    """A database both stores of a test open: a SQLite path or a PostgreSQL URL."""
+
+    kind: str
+    target: str
+
+    def open(self) -> Store:
+        return open_store(self.target)
+
+    def execute(self, sql: str, *args: object) -> list[tuple]:
+        """Run ``sql`` (``%s`` placeholders) on a connection of its own, as an operator's hand edit would."""
+        if self.kind == "sqlite":
+            db = sqlite3.connect(self.target)
+            try:
+                with db:
+                    return db.execute(sql.replace("%s", "?"), args).fetchall()
+            finally:
+                db.close()
+        import psycopg
+
+        with psycopg.connect(self.target, autocommit=True) as db:
+            cursor = db.execute(sql, args)
+            return cursor.fetchall() if cursor.description else []
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request, tmp_path) -> Backend:
+    if request.param == "sqlite":
+        return Backend("sqlite", str(tmp_path / "control.sqlite3"))
+    return Backend("postgresql", request.getfixturevalue("postgres_server").database())
+
+
+@pytest.fixture
+def store(backend) -> Iterator[Store]:
+    opened = backend.open()
+    yield opened
+    opened.close()
+
+
+def loaded(backend: Backend, now: float = 100) -> tuple[ControlState, DeploymentBook]:
+    """The state and book another store on the same database reads (a restart, another replica)."""
+    state, book = ControlState(lease_s=LEASE), DeploymentBook()
+    other = backend.open()
+    try:
+        other.load(state, now=now)
+        other.load_book(book)
+    finally:
+        other.close()
+    return state, book
+
+
+def populated() -> tuple[ControlState, DeploymentBook, str]:
+    """Two packages, four workers (one dead, one gone), availability, a plan, a release, a deployment, a
+    route with a canary, and audit events; returns the plan's id too."""
+    state = cluster(4, racks=2)
+    state.publish(manifest(OTHER, blocks=2), STORE, now=0)
+    state.report("w0", {"pkg": range(8)}, {}, now=1)
+    state.report("w1", {"pkg": [0, 1], OTHER: [1]}, {}, now=1)
+    plan = state.scale_up("pkg", node_ids=["w1", "w2"], now=1)
+    state.release("pkg", ["w0"], keep_alive_s=60, now=2)
+    state.deregister("w3")
+    book = DeploymentBook()
+    book.put(Deployment("pkg", ScalingPolicy(min_replicas=1, max_replicas=4), routers=("http://r1:8080",),
+                        priority="high"), state.packages, 3.0)
+    book.append(ScaleEvent(at=4.0, package_id="pkg", action="scale_up", count=2, node_ids=("w1", "w2"), reason="q"))
+    book.change_route(RouteChange("chat", "route", "pkg"), state.packages, 5.0)
+    book.change_route(RouteChange("chat", "canary", OTHER, 10), state.packages, 6.0)
+    return state, book, plan.plan_id
+
+
+# ----- state -----
+
+def test_every_kind_of_state_round_trips(backend, store):
+    state, book, plan_id = populated()
+    assert store.flush(state) > 0 and not state.dirty
+    assert store.flush_book(book) == 1 + 3 + 1 and not book.new_events
+
+    again, again_book = loaded(backend)
+    assert set(again.packages) == {"pkg", OTHER}
+    assert again.packages["pkg"].manifest == state.packages["pkg"].manifest and again.packages["pkg"].store == STORE
+    assert again.packages[OTHER].published_at == state.packages[OTHER].published_at
+    assert set(again.workers) == {"w0", "w1", "w2"} and again.workers["w1"].spec == state.workers["w1"].spec
+    assert again.workers["w1"].lease_expires == 100 + LEASE  # a fresh lease to show up in
+    for package_id in ("pkg", OTHER):
+        assert again.availability[package_id].by_worker == state.availability[package_id].by_worker
+    assert again.releases == {("pkg", "w0"): 62}
+    restored = again.plans[plan_id]
+    assert restored.plan.to_json() == state.plans[plan_id].plan.to_json() and restored.pending == {"w1", "w2"}
+    assert (restored.fanout, restored.version, restored.replans) == (
+        state.plans[plan_id].fanout, state.plans[plan_id].version, state.plans[plan_id].replans)
+    assert again_book.deployments == book.deployments and again_book.routes == book.routes
+    assert again_book.list_events() == book.list_events() and again_book.last_seq == 3
+
+
+def test_a_dead_worker_is_stored_dead_and_deletions_reach_the_database(backend, store):
+    state, book, _ = populated()
+    store.flush(state)
+    store.flush_book(book)
+    state.tick(now=1000)  # every lease lapsed: all dead, remembered for a while
+    state.remove_package(OTHER, force=True)
+    book.change_route(RouteChange("chat", "rollback"), state.packages, 7.0)
+    book.remove("pkg")
+    store.flush(state)
+    store.flush_book(book)
+    again, again_book = loaded(backend, now=1001)
+    assert set(again.packages) == {"pkg"} and not any(w.alive for w in again.workers.values())
+    assert again.availability["pkg"].by_worker == {}  # a dead worker's blocks are not offered
+    assert again_book.deployments == {} and again_book.routes["chat"].versions == (("pkg", 100),)
+    assert [e.action for e in again_book.list_events()] == ["scale_up", "route", "canary", "rollback"]
+
+
+def test_a_flush_writes_only_the_keys_changed_since_the_last(backend, store):
+    state, book, _ = populated()
+    store.flush(state)
+    store.flush_book(book)
+    assert store.flush(state) == 0 and store.flush_book(book) == 0
+    state.report("w2", {"pkg": [5]}, {}, now=3)
+    assert store.flush(state) == 1  # one availability row
+    assert backend.execute("SELECT blocks FROM availability WHERE package_id = %s AND node_id = %s", "pkg", "w2") == [
+        ("[5]",)]
+    book.append(ScaleEvent(at=8.0, package_id="pkg", action="hold", reason="steady"))
+    assert store.flush_book(book) == 1
+    assert backend.execute("SELECT count(*) FROM scale_events") == [(4,)]
+
+
+def test_the_audit_trail_loads_its_latest_events_in_order(backend, store, monkeypatch):
+    monkeypatch.setattr("control_plane.store_sql.EVENTS_IN_MEMORY", 2)
+    _, book, _ = populated()
+    store.flush_book(book)
+    _, again = loaded(backend)
+    assert [e.seq for e in again.list_events()] == [2, 3] and again.last_seq == 3
+
+
+@pytest.mark.parametrize("sql, args, table, key", [
+    ("UPDATE packages SET manifest = %s WHERE package_id = 'pkg'", b"\xff\xff\xff\xff", "packages", "'pkg'"),
+    ("UPDATE packages SET manifest = %s WHERE package_id = 'pkg'",
+     manifest("someone-else").SerializeToString(), "packages", "'pkg'"),
+    ("UPDATE packages SET store = %s WHERE package_id = 'other'", '{"node_id": "s"}', "packages", "'other'"),
+    ("UPDATE packages SET published_at = %s WHERE package_id = 'pkg'", float("inf"), "packages", "'pkg'"),
+    ("UPDATE workers SET spec = %s WHERE node_id = 'w1'", "[" * 100_000, "workers", "'w1'"),
+    ("UPDATE workers SET spec = %s WHERE node_id = 'w1'", '{"node_id": "w1"}', "workers", "'w1'"),
+    ("UPDATE availability SET blocks = %s WHERE package_id = 'pkg' AND node_id = 'w0'", "[0, 99]",
+     "availability", "('pkg', 'w0')"),
+    ("UPDATE availability SET blocks = %s WHERE package_id = 'pkg' AND node_id = 'w0'", "[0, 1e400]",
+     "availability", "('pkg', 'w0')"),
+    ("UPDATE releases SET drop_at = %s WHERE node_id = 'w0'", float("-inf"), "releases", "('pkg', 'w0')"),
+    ("UPDATE deployments SET deployment = %s WHERE package_id = 'pkg'", '{"package_id": "pkg"}', "deployments",
+     "'pkg'"),
+    ("UPDATE scale_events SET event = %s WHERE seq = 2", '{"at": 1, "at": 2}', "scale_events", "2"),
+    ("UPDATE routes SET route = %s WHERE name = 'chat'", "[]", "routes", "'chat'"),
+])
+def test_a_corrupt_row_is_a_typed_error_naming_table_and_key(backend, store, sql, args, table, key):
+    state, book, _ = populated()
+    store.flush(state)
+    store.flush_book(book)
+    backend.execute(sql, args)
+    with pytest.raises(CorruptStateError) as info:
+        loaded(backend)
+    error = info.value
+    assert isinstance(error, StoreError) and error.table == table
+    assert f"table {table}, key {key}: corrupt row" in str(error)
+    assert str(error).startswith(f"control plane database {store.where}: ")
+    assert str(error).endswith("restore the file from a backup or start on another path" if backend.kind == "sqlite"
+                               else "restore the database from a backup or start on another database")
+
+
+def test_an_undecodable_plan_is_skipped_with_a_warning(backend, store, caplog):
+    state, _, _ = populated()
+    store.flush(state)
+    backend.execute("UPDATE plans SET plan = %s", '{"strategy": "x", "strategy": "y"}')
+    again, _ = loaded(backend)
+    assert again.plans == {} and "skipped stored plan" in caplog.text and "duplicate key" in caplog.text
+
+
+def test_another_schema_version_is_refused(backend, store):
+    backend.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    elsewhere = "use another path" if backend.kind == "sqlite" else "use another database"
+    with pytest.raises(StoreError, match=re.escape(
+            f"control plane database {store.where} has schema version 99, this version of pipecast reads 1: "
+            f"{elsewhere}")):
+        backend.open()
+
+
+# ----- the lease -----
+
+def test_the_lease_is_taken_renewed_and_taken_over_with_growing_fencing_numbers(backend, store):
+    other = backend.open()
+    try:
+        assert store.leader() == ("", 0)
+        assert store.acquire_or_renew("a", "a:7000", 10, now=0) == Lease("a", "a:7000", 1, 10)
+        assert other.acquire_or_renew("b", "b:7000", 10, now=5) is None  # a's lease runs
+        assert other.leader() == ("a:7000", 1)
+        assert store.acquire_or_renew("a", "a:7000", 10, now=5) == Lease("a", "a:7000", 1, 15)  # renewed
+        assert other.acquire_or_renew("b", "b:7000", 10, now=14.9) is None
+        assert other.acquire_or_renew("b", "b:7000", 10, now=15) == Lease("b", "b:7000", 2, 25)  # lapsed: taken
+        assert store.acquire_or_renew("a", "a:7000", 10, now=16) is None  # a was deposed
+        assert store.leader() == ("b:7000", 2)
+        assert store.acquire_or_renew("a", "a:7000", 10, now=30) == Lease("a", "a:7000", 3, 40)
+    finally:
+        other.close()
+
+
+def test_a_deposed_holders_write_is_refused_and_nothing_of_it_is_written(backend, store):
+    state, book, _ = populated()
+    store.acquire_or_renew("a", "a:7000", 10, now=0)
+    store.flush(state)  # a still leads
+    store.flush_book(book)
+    successor = backend.open()
+    try:
+        assert successor.acquire_or_renew("b", "b:7000", 10, now=11).fencing == 2
+        state.publish(manifest("late", blocks=2), STORE, now=12)
+        state.report("w2", {"pkg": [7]}, {}, now=12)
+        book.change_route(RouteChange("chat", "promote"), state.packages, 12.0)
+        dirty = len(state.dirty)
+        message = "control plane a was deposed: fencing number 1 is no longer the leader's (now 2)"
+        with pytest.raises(FencedError, match=re.escape(message)) as info:
+            store.flush(state)
+        assert (info.value.holder, info.value.fencing, info.value.current) == ("a", 1, 2)
+        assert isinstance(info.value, StoreError) and len(state.dirty) == dirty  # kept, as for any failed write
+        with pytest.raises(FencedError, match=re.escape(message)):
+            store.flush_book(book)
+        assert book.dirty_routes == {"chat"} and len(book.new_events) == 1
+        again, again_book = loaded(backend)
+        assert "late" not in again.packages and 7 not in again.availability["pkg"].held("w2")
+        assert again_book.routes["chat"].canaries == (OTHER,) and again_book.last_seq == 3
+        # The successor writes.
+        assert successor.flush(state) == dirty and successor.flush_book(book) == 2
+        assert "late" in loaded(backend)[0].packages
+    finally:
+        successor.close()
+
+
+def test_a_released_lease_is_taken_at_once_by_the_next_holder(backend, store):
+    other = backend.open()
+    try:
+        store.acquire_or_renew("a", "a:7000", 10, now=0)
+        other.release("b")  # not b's: nothing happens
+        assert other.acquire_or_renew("b", "b:7000", 10, now=1) is None
+        store.release("a")
+        assert other.acquire_or_renew("b", "b:7000", 10, now=1) == Lease("b", "b:7000", 2, 11)
+        store.release("a")  # a holds it no more: b's lease stays
+        assert store.acquire_or_renew("a", "a:7000", 10, now=2) is None
+    finally:
+        other.close()
+
+
+def test_of_holders_racing_for_a_free_lease_exactly_one_gets_it(backend, store):
+    racers = 6
+    results: list[Lease | None] = [None] * racers
+    start = threading.Barrier(racers)
+
+    def race(i: int) -> None:
+        own = backend.open()  # a connection per thread, as per process
+        try:
+            start.wait()
+            results[i] = own.acquire_or_renew(f"h{i}", f"h{i}:7000", 10, now=0)
+        finally:
+            own.close()
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(racers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    winners = [lease for lease in results if lease is not None]
+    assert len(winners) == 1 and winners[0].fencing == 1

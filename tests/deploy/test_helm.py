@@ -1,0 +1,203 @@
+"""The Helm chart (deploy/helm/pipecast), rendered by a real helm for each setup's values file: `helm lint`
+passes, every manifest is valid for every Kubernetes version the chart supports (kubernetes-validate, strict:
+no unknown field), and the rules of a pipecast pod hold (probes, resources, no RBAC, secrets only through
+Secrets, the agent and its serving worker sharing what the zero-copy path needs, TLS for every client).
+tests/integration/test_chart.py runs the rendered commands."""
+
+import re
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import all_versions
+from packaging.version import Version
+
+from tests.support.helm import CHART, NAMESPACE, SETUPS, HelmError, containers, lint, pod_spec, render, workload
+
+# What an operator passes at install time (README), with tokens no template could produce by itself.
+MASTER, ROUTER, NODE_TOKEN, STORE_TOKEN = "master-3f9c", "router-77ab", "node-c0d1", "store-e5f6"
+INSTALL = {"auth": {"masterToken": MASTER, "routerToken": ROUTER,
+                    "nodeTokens": {"gpu-1": NODE_TOKEN, "store": STORE_TOKEN}},
+           "serve": {"package": "9d3c1f"}, "store": {"seed": "smollm2"}}
+# Each values file alone, HA with mTLS, and every option off by default switched on over the defaults.
+CASES = {name: ((name,), {}) for name in SETUPS}
+CASES["ha+mtls"] = (("values-ha.yaml", "values-mtls.yaml"), {})
+CASES["everything"] = ((), {"store": {"enabled": True, "packagesClaim": "packages"}, "serviceMonitor": {"enabled": True},
+                            "auth": {"nodeTokensHostPath": "/etc/pipecast/node-tokens"},
+                            "router": {"apiKeysSecret": "pipecast-api-keys"}, "agent": {"labels": {"rack": "r1"}},
+                            "serve": {"servedModelName": "smollm2-chat"}})
+SECRET_ENV = ("PIPECAST_AUTH_TOKEN", "PIPECAST_CONTROL_DB", "PIPECAST_ROUTER_API_KEYS")
+RBAC = {"ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}
+
+
+def merged(*layers: dict) -> dict:
+    """The values layers deep-merged, later ones winning."""
+    out: dict = {}
+    for layer in layers:
+        for key, value in layer.items():
+            out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request) -> tuple[str, list[dict]]:
+    """(case name, the manifests helm renders for it)."""
+    files, values = CASES[request.param]
+    return request.param, render(files, merged(INSTALL, values))
+
+
+def supported_versions() -> list[str]:
+    """Every Kubernetes version kubernetes-validate has schemas for, from the chart's kubeVersion floor on."""
+    floor = Version(re.search(r"\d+\.\d+", yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"])[0])
+    return [v for v in all_versions() if Version(v) >= floor]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_helm_lint_passes(name):
+    files, values = CASES[name]
+    assert "0 chart(s) failed" in lint(files, merged(INSTALL, values))
+
+
+def test_every_manifest_is_valid_for_every_supported_kubernetes_version(case):
+    name, manifests = case
+    versions = supported_versions()
+    assert len(versions) >= 5, versions  # 1.27 to the newest kubernetes-validate knows
+    problems, unchecked = [], set()
+    for manifest in manifests:
+        for version in versions:
+            try:
+                kubernetes_validate.validate(manifest, version, strict=True)
+            except kubernetes_validate.SchemaNotFoundError:
+                unchecked.add(manifest["kind"])
+            except kubernetes_validate.ValidationError as exc:
+                path = ".".join(map(str, exc.path))
+                problems.append(f"{version} {manifest['kind']}/{manifest['metadata']['name']}: {path}: {exc.message}")
+    assert not problems, "\n".join(problems)
+    assert unchecked <= {"ServiceMonitor"}, f"{name}: kinds without a Kubernetes schema: {unchecked}"
+
+
+def test_every_container_has_probes_and_resources(case):
+    _, manifests = case
+    for manifest, container in containers(manifests, init=False):
+        where = f"{manifest['metadata']['name']}/{container['name']}"
+        assert container.get("livenessProbe") and container.get("readinessProbe"), where
+        assert {"cpu", "memory"} <= set(container["resources"]["requests"]), where
+        assert "memory" in container["resources"]["limits"], where
+    for manifest, container in containers(manifests):
+        assert container["resources"]["limits"], f"{manifest['metadata']['name']}/{container['name']}"
+
+
+def test_pods_run_unprivileged_without_kubernetes_api_access(case):
+    """No RBAC object: no process calls the Kubernetes API, so no pod gets a service account token. Every
+    container runs as the image's user, without privilege escalation; the one exception is the init container
+    that hands the agent's host cache folder to that user (with CHOWN alone)."""
+    _, manifests = case
+    assert not RBAC & {m["kind"] for m in manifests}
+    for manifest in manifests:
+        spec = pod_spec(manifest)
+        if spec is not None:
+            assert spec["automountServiceAccountToken"] is False, manifest["metadata"]["name"]
+            assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 10001
+    for manifest, container in containers(manifests):
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"]["drop"] == ["ALL"]
+        if container["name"] == "cache-owner":
+            assert context["capabilities"]["add"] == ["CHOWN"] and container["command"][0] == "chown"
+        else:
+            assert "runAsUser" not in context and "add" not in context["capabilities"], container["name"]
+
+
+def test_secrets_reach_processes_only_through_secrets(case):
+    name, manifests = case
+    plain = yaml.safe_dump([m for m in manifests if m["kind"] != "Secret"])
+    for token in (MASTER, ROUTER, NODE_TOKEN, STORE_TOKEN):
+        assert token not in plain, f"{name}: a token outside a Secret"
+    for manifest, container in containers(manifests):
+        for env in container.get("env", []):
+            if env["name"] in SECRET_ENV:
+                assert set(env) == {"name", "valueFrom"} and "secretKeyRef" in env["valueFrom"], env
+
+
+def test_every_client_of_the_control_plane_names_every_replica_and_uses_tls_when_on(case):
+    name, manifests = case
+    statefulset = workload(manifests, "StatefulSet", "pipecast-control-plane")
+    service = statefulset["spec"]["serviceName"]
+    assert workload(manifests, "Service", service)["spec"]["clusterIP"] == "None"
+    port = statefulset["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    replicas = [f"pipecast-control-plane-{i}.{service}.{NAMESPACE}.svc:{port}"
+                for i in range(statefulset["spec"]["replicas"])]
+    tls = "mtls" in name
+    clients = [(m, c) for m, c in containers(manifests) if c.get("args", [""])[0] in ("agent", "router", "scaler")]
+    assert len(clients) >= 3
+    for manifest, container in clients:
+        env = {e["name"]: e for e in container["env"]}
+        assert env["PIPECAST_CONTROL_PLANE"]["value"].split(",") == replicas
+        files = [env[f"PIPECAST_TLS_{part}"]["value"] for part in ("CERT", "KEY", "CA") if f"PIPECAST_TLS_{part}" in env]
+        assert len(files) == (3 if tls else 0), container["name"]
+        mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in pod_spec(manifest).get("volumes", [])}
+        for path in files:
+            folder, _, key = path.rpartition("/")
+            assert volumes[mounts[folder]]["secret"]["secretName"] == "pipecast-tls" and key in (
+                "tls.crt", "tls.key", "ca.crt")
+
+
+def test_the_serving_worker_shares_the_agents_socket_memory_and_cache(case):
+    """The worker maps blocks zero-copy: by /proc/<agent pid>/fd (one process namespace, one user), from the
+    agent's socket, and cached blocks by their path in the agent's disk cache."""
+    _, manifests = case
+    daemonset = workload(manifests, "DaemonSet", "pipecast-agent")
+    spec = daemonset["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] and spec["dnsPolicy"] == "ClusterFirstWithHostNet" and spec["shareProcessNamespace"]
+    by_name = {c["name"]: c for c in spec["containers"]}
+    agent, serve = by_name["agent"], by_name["serve"]
+
+    def arg(container: dict, flag: str) -> str:
+        [value] = [a.split("=", 1)[1] for a in container["args"] if a.startswith(f"--{flag}=")]
+        return value
+
+    def volume_at(container: dict, path: str) -> str:
+        [name] = [m["name"] for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")
+                  or path == m["mountPath"]]
+        return name
+
+    socket = arg(serve, "agent-socket")
+    assert socket == arg(agent, "local-socket") and volume_at(serve, socket) == volume_at(agent, socket)
+    cache = arg(agent, "cache-dir")
+    assert volume_at(serve, cache) == volume_at(agent, cache)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert "hostPath" in volumes[volume_at(agent, cache)]
+    assert volumes[volume_at(agent, "/dev/shm")]["emptyDir"]["medium"] == "Memory"
+    assert volume_at(serve, "/dev/shm") == volume_at(agent, "/dev/shm")
+    assert arg(agent, "serve-url") == f"http://$(NODE_IP):{serve['ports'][0]['containerPort']}"
+
+
+def test_the_service_monitor_scrapes_every_metrics_endpoint():
+    manifests = render((), merged(INSTALL, CASES["everything"][1]))
+    [monitor] = [m for m in manifests if m["kind"] == "ServiceMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    names = {e["port"] for e in monitor["spec"]["endpoints"]}
+    scraped = {}
+    for service in (m for m in manifests if m["kind"] == "Service"):
+        if wanted.items() <= service["metadata"]["labels"].items():
+            ports = [p for p in service["spec"]["ports"] if p["name"] in names]
+            scraped[service["metadata"]["name"]] = {p["port"] for p in ports}
+    # /metrics: the control plane's --metrics-port, the router's and the workers' HTTP ports, the scaler's port.
+    assert scraped == {"pipecast-control-plane": {9100}, "pipecast-router": {8080}, "pipecast-workers": {8000},
+                       "pipecast-scaler": {9102}}
+    assert "ServiceMonitor" not in {m["kind"] for m in render((), INSTALL)}
+
+
+@pytest.mark.parametrize("files, values, message", [
+    ((), {"auth": {"masterToken": ""}}, "set auth.masterToken or auth.existingSecret"),
+    ((), {"auth": {"nodeTokens": None}}, "set auth.nodeTokens"),
+    ((), {"serve": {"package": ""}}, "serve.enabled needs serve.package"),
+    (("values-single-node.yaml",), {"store": {"seed": ""}}, "store.enabled needs store.seed"),
+    ((), {"controlPlane": {"replicas": 3}}, "controlPlane.replicas > 1 needs controlPlane.database.existingSecret"),
+    (("values-mtls.yaml",), {"tls": {"existingSecret": ""}}, "tls.enabled needs tls.existingSecret"),
+])
+def test_incomplete_values_are_refused_with_what_to_set(files, values, message):
+    with pytest.raises(HelmError, match=re.escape(message)):
+        render(files, merged(INSTALL, values))
