@@ -447,6 +447,39 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
         raise SystemExit(1)
 
 
+@bench_group.command("simulate")
+@click.option("--nodes", default="16,64,256,1024", show_default=True, help="Receiver counts N, comma-separated.")
+@click.option("--strategy", "strategies", default="chain,binomial", show_default=True,
+              help="Planner strategies to simulate, comma-separated (chain, binomial, tree, unicast).")
+@click.option("--model-bytes", type=SIZE, default="257MiB", show_default=True, help="Model size S (the demo model's).")
+@click.option("--blocks", type=click.IntRange(min=1), default=8, show_default=True, help="Blocks of equal size.")
+@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+              help="Every node's link rate B, Mbit/s.")
+@click.option("--chunk-bytes", type=SIZE, default="1MiB", show_default=True, help="The cut-through unit.")
+@click.option("--hop-latency-ms", type=click.FloatRange(min=0), default=0.2, show_default=True,
+              help="Latency of each hop, ms.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+def bench_simulate(nodes, strategies, model_bytes, blocks, link_mbit, chunk_bytes, hop_latency_ms, json_path):
+    """Multicast completion at any N in the chunk-level simulator, from the control plane's own plans."""
+    from benchmarks import distribution, simulate
+    from benchmarks.runinfo import parse_counts
+
+    try:
+        counts = parse_counts(nodes, "--nodes", distribution.DistributionBenchError)
+        names = distribution.parse_strategies(strategies)
+    except distribution.DistributionBenchError as exc:
+        raise click.BadParameter(str(exc)) from None
+    settings = dict(model_bytes=model_bytes, blocks=blocks, link_mbit=link_mbit, chunk_bytes=chunk_bytes,
+                    hop_latency_s=hop_latency_ms / 1e3)
+    with Progress.on_stderr(_echo_err) as progress:
+        progress.start(len(counts) * len(names), "simulate")
+        results = simulate.run(list(counts), list(names), **settings,
+                               progress=lambda line: (progress.status(line), progress.advance()))
+    click.echo(simulate.report(results, **settings))
+    if json_path:
+        json_path.write_text(json.dumps(simulate.to_json(results, **settings), indent=2))
+
+
 @bench_group.command("control-plane")
 @click.option("--workers", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--blocks", type=click.IntRange(min=1), default=64, show_default=True)

@@ -11,8 +11,9 @@ The model, kept simple on purpose:
   child whose current fetch comes earliest in its own fetch list (the one furthest behind) instead,
   which a sender can do knowing only the plan;
 - a receiver forwards a chunk once the whole chunk has arrived (cut-through at chunk granularity);
-- sources hold every block and the plan's holders their held blocks from time 0; there is no latency,
-  no per-message cost and no verification time.
+- sources hold every block and the plan's holders their held blocks from time 0; a chunk arrives
+  ``hop_latency_s`` after it left its sender's uplink (0 by default), which is free for the next chunk
+  meanwhile; there is no per-message cost and no verification time.
 
 So a chain finishes in S/B + (N-1)c/B, unicast from one source in N*S/B, and a binomial pipeline of k
 blocks to 2^d - 1 receivers in about (k+d)/k * S/B. That last figure needs the plan's round
@@ -33,17 +34,22 @@ from control_plane.planner.plan import Plan, PlanError
 
 
 SERVE_POLICIES = ("fair", "earliest")
+SENT, ARRIVED = 0, 1  # event kinds: a chunk left its sender's uplink; it reached its receiver
 
 
 def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: float, chunk_bytes: int, *,
-             serve: str = "fair", links: Mapping[str, int] | None = None) -> dict[str, float]:
+             serve: str = "fair", links: Mapping[str, int] | None = None,
+             hop_latency_s: float = 0.0) -> dict[str, float]:
     """Seconds from the start until each receiver of ``plan`` holds all its blocks.
 
     ``block_bytes`` is one size for every block or a size per block index; ``serve`` is how an uplink
     picks among waiting children (see the module docstring); ``links`` gives a node's uplinks at
-    ``link_bytes_per_s`` each (default 1). Raises :class:`PlanError` if some receivers never finish (the
-    plan deadlocks or names a parent that never gets the block).
+    ``link_bytes_per_s`` each (default 1); ``hop_latency_s`` delays each chunk's arrival. Raises
+    :class:`PlanError` if some receivers never finish (the plan deadlocks or names a parent that never gets
+    the block).
     """
+    if hop_latency_s < 0:
+        raise ValueError(f"simulate: hop latency must be >= 0, got {hop_latency_s!r}")
     if link_bytes_per_s <= 0 or chunk_bytes <= 0:
         raise ValueError(f"simulate: link rate and chunk size must be positive, got {link_bytes_per_s!r} "
                          f"and {chunk_bytes!r}")
@@ -68,6 +74,7 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
 
     position = dict.fromkeys(fetches, 0)  # index of the fetch in progress
     got = dict.fromkeys(fetches, 0)  # chunks of that block received so far
+    requested = dict.fromkeys(fetches, 0)  # chunks of that block sent toward it (arrived or on the way)
     done: dict[str, set[int]] = {rx: set() for rx in fetches}
     ticket = dict.fromkeys(fetches, 0)  # bumped per fetch: older uplink queue entries are stale
     queues: dict[str, deque[tuple[str, int]]] = {}
@@ -99,7 +106,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             if ticket[child] != fetch:
                 continue  # that child has moved on to another fetch
             queue.append((child, fetch))  # to the back: the next pick starts after it (round robin)
-            if child not in receiving and got[child] < has(parent, fetches[child][position[child]]):
+            block = fetches[child][position[child]]
+            if child not in receiving and requested[child] < min(has(parent, block), chunks[block]):
                 if serve == "fair":
                     return child
                 if position[child] < behind:
@@ -112,12 +120,13 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             child = pick(parent)
             if child is None:
                 return
-            block, nth = fetches[child][position[child]], got[child]
+            block, nth = fetches[child][position[child]], requested[child]
             nbytes = min(chunk_bytes, size[block] - nth * chunk_bytes)
             sending[parent] = sending.get(parent, 0) + 1
             receiving.add(child)
+            requested[child] += 1
             seq += 1
-            heapq.heappush(events, (now + nbytes / link_bytes_per_s, seq, parent, child))
+            heapq.heappush(events, (now + nbytes / link_bytes_per_s, seq, SENT, parent, child))
 
     def start(rx: str, now: float) -> None:
         k = position[rx]
@@ -130,20 +139,31 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
 
     for rx in fetches:
         start(rx, 0.0)
-    while events:
-        now, _, parent, child = heapq.heappop(events)
-        sending[parent] -= 1
-        receiving.discard(child)
+    def arrive(parent: str, child: str, now: float) -> None:
         got[child] += 1
         block = fetches[child][position[child]]
         if got[child] == chunks[block]:
             done[child].add(block)
             position[child] += 1
-            got[child] = 0
+            got[child] = requested[child] = 0
             ticket[child] += 1
             start(child, now)
         send(child, now)  # its own children may be waiting for the chunk that just arrived
         send(parent, now)
+
+    while events:
+        now, _, kind, parent, child = heapq.heappop(events)
+        if kind == ARRIVED:
+            arrive(parent, child, now)
+            continue
+        sending[parent] -= 1
+        receiving.discard(child)
+        if hop_latency_s:
+            seq += 1
+            heapq.heappush(events, (now + hop_latency_s, seq, ARRIVED, parent, child))
+            send(parent, now)  # its uplink is free for the next chunk while this one travels
+        else:
+            arrive(parent, child, now)
     if len(finished) < len(fetches):
         stuck = sorted(set(fetches) - finished.keys())
         rx = stuck[0]

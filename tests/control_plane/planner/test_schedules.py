@@ -348,6 +348,14 @@ def test_simulate_takes_sizes_per_block_and_holders():
     assert simulate(plan, [3, 2], 1, 2) == {"a": 2, "b": 3 + 2}
 
 
+def test_a_hop_latency_delays_each_chunks_arrival_but_not_the_next_chunks_send():
+    plan = make_plan("chain", ["s"], ["a", "b"], 1)
+    # 4 chunks of 1 s each: a's last arrives at 4 + L; a forwards each as it lands, b's last at 5 + 2L.
+    assert simulate(plan, 4, 1, 1, hop_latency_s=0.25) == {"a": 4.25, "b": 5.5}
+    with pytest.raises(ValueError, match="hop latency must be >= 0, got -1"):
+        simulate(plan, 4, 1, 1, hop_latency_s=-1)
+
+
 def test_simulate_reports_a_deadlock():
     # a gets block 0 from b, which gets it only after block 1, which it gets from a after block 0.
     plan = Plan("chain", ("s",), {"a": [Fetch(0, "b"), Fetch(1, "s")],
