@@ -4,8 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= .cache/pipecast
+# vLLM's own environment for the vLLM plugin's tests (vLLM pins other versions than pipecast: README "vLLM").
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: venv demo test test-full proto bench-pack deploy-tools clean
+.PHONY: venv demo test test-full test-vllm proto bench-pack deploy-tools clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +29,14 @@ test: $(STAMP) deploy-tools
 test-full: $(STAMP) deploy-tools
 	$(BIN)/python -m pytest -q
 
+$(VLLM_STAMP): vllm_plugin/setup_venv.sh vllm_plugin/pyproject.toml pyproject.toml
+	vllm_plugin/setup_venv.sh $(VLLM_VENV)
+	touch $(VLLM_STAMP)
+
+# Real `vllm serve` processes (from .venv-vllm) loading pipecast packages; the tests and agents run from .venv.
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	PIPECAST_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q tests/integration/vllm
+
 # Regenerate the committed gRPC/protobuf code (pinned grpcio-tools; tests/test_proto_current.py checks it).
 proto: $(STAMP)
 	$(BIN)/python -m pipecast.protogen
@@ -38,4 +49,4 @@ bench-pack: $(STAMP)
 	$(BIN)/python -m pipecast.cli bench pack
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR)
+	rm -rf $(VENV) $(VLLM_VENV) $(DEMO_DIR)

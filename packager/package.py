@@ -102,14 +102,20 @@ class Package:
 
     def block_tensors(self, index: int, *, verify: bool = True) -> dict[str, "torch.Tensor"]:
         """The block's tensors as zero-copy views of the mapped file."""
-        path = self.block_path(index)
-        buf = self.block_buffer(index, verify=verify)
-        header = buffer_header(buf, path)
-        expected = set(self.block(index).tensor_names)
-        if set(header.tensors) != expected:
-            raise BlockMismatchError(path, f"holds tensors {sorted(set(header.tensors) ^ expected)} "
-                                           "that differ from the manifest")
-        return tensors_from_buffer(buf, path, header)
+        return block_tensors_of(self.block(index), self.block_buffer(index, verify=verify), self.block_path(index))
+
+
+def block_tensors_of(block: Block, buf: bytes | bytearray | memoryview | mmap.mmap,
+                     where: Path | str) -> dict[str, "torch.Tensor"]:
+    """The tensors of ``block`` held in ``buf`` (its bytes, verified by the caller) as zero-copy views, once
+    the header's tensor names are checked against the manifest's (:class:`BlockMismatchError` naming
+    ``where`` otherwise)."""
+    header = buffer_header(buf, where)
+    expected = set(block.tensor_names)
+    if set(header.tensors) != expected:
+        raise BlockMismatchError(where, f"holds tensors {sorted(set(header.tensors) ^ expected)} "
+                                        "that differ from the manifest")
+    return tensors_from_buffer(buf, where, header)
 
 
 def check_block_bytes(block: Block, data: bytes | bytearray | memoryview | mmap.mmap) -> list[str]:
@@ -119,9 +125,10 @@ def check_block_bytes(block: Block, data: bytes | bytearray | memoryview | mmap.
         return [f"size is {len(view)} bytes, the manifest says {block.bytes}"]
     hasher = ChunkHasher(block.chunk_bytes)
     hasher.update(view)
+    digest = hasher.finish()  # first: it closes the last, partial chunk, which is then checked too
     problems = [f"chunk {i} digest mismatch (bytes {i * block.chunk_bytes}-"
                 f"{min((i + 1) * block.chunk_bytes, block.bytes) - 1})"
                 for i, (got, want) in enumerate(zip(hasher.chunk_digests, block.chunk_digests)) if got != want]
-    if hasher.finish() != block.digest:
+    if digest != block.digest:
         problems.append("block digest mismatch")
     return problems

@@ -18,7 +18,7 @@ from pipecast.agent import local_api
 from pipecast.agent.local_api import MAX_TIMEOUT_S, OPS, LocalApiServer, parse_request
 from pipecast.agent.local_client import LocalAgentClient
 from pipecast.agent.peer_server import PeerServer
-from tests.support.agent_fixtures import block_file_bytes, land_chunk, receiving_store
+from tests.support.agent_fixtures import block_file_bytes, land_chunk, local_api_serving, receiving_store
 from tests.support.packages import tiny_package
 
 
@@ -28,17 +28,14 @@ async def local_api_server(tmp_path, layers: int = 3, layer_bytes: int = 200_000
     them) and a client: (manifest, store, server, client), all closed at the end."""
     manifest = tiny_package(tmp_path / "pkg", layers=layers, layer_bytes=layer_bytes, chunk_bytes=64 << 10).manifest
     store = receiving_store(manifest)
-    peer_server = PeerServer()
-    peer_server.add(store)
-    server = LocalApiServer(peer_server, status=status)
-    store.subscribe(lambda event: server.publish(event, store))
-    await server.start(tmp_path / "agent.sock")
-    client = await asyncio.to_thread(LocalAgentClient, tmp_path / "agent.sock")
     try:
-        yield manifest, store, server, client
+        async with local_api_serving(store, tmp_path / "agent.sock", status) as server:
+            client = await asyncio.to_thread(LocalAgentClient, tmp_path / "agent.sock")
+            try:
+                yield manifest, store, server, client
+            finally:
+                client.close()
     finally:
-        client.close()
-        await server.close()
         store.close()
 
 

@@ -2,10 +2,13 @@
 (their packages: ``tiny_package(..., layer_bytes=...)`` in tests.support.packages)."""
 
 import shutil
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from pipecast.agent.budget import MemoryBudget
 from pipecast.agent.buffers import SharedMemoryAllocator
+from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.store import BlockStore
@@ -16,6 +19,22 @@ def receiving_store(manifest: Manifest, budget_bytes: int = 1 << 30, **kwargs) -
     """An empty store for ``manifest``, as a receiving agent opens it (shared memory, nothing verified)."""
     return BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=MemoryBudget(budget_bytes),
                            manifest_origin="test", **kwargs)
+
+
+@asynccontextmanager
+async def local_api_serving(store: BlockStore, socket: Path, status: Callable[[], dict] = dict) -> AsyncIterator[
+        LocalApiServer]:
+    """``store`` served by a local API server at ``socket``, its events published as the agent wires them;
+    the server closed at the end (the store is the caller's)."""
+    peer_server = PeerServer()
+    peer_server.add(store)
+    server = LocalApiServer(peer_server, status=status)
+    store.subscribe(lambda event: server.publish(event, store))
+    await server.start(socket)
+    try:
+        yield server
+    finally:
+        await server.close()
 
 
 def block_file_bytes(root: Path, manifest: Manifest, block: int) -> bytes:

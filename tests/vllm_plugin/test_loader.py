@@ -1,0 +1,246 @@
+"""``--load-format pipecast`` without vLLM (a fake ``vllm``, see conftest.py): blocks reach the model in block
+order, each once verified; from the node agent's memory as blocks land, else from the package folder (the
+unicast fallback, logged); a corrupt block is refused before any of its tensors is handed over; options,
+missing parameters and a folder that is not a package fail with their exact messages."""
+
+import asyncio
+import logging
+import shutil
+from types import SimpleNamespace
+
+import pytest
+from safetensors.torch import load_file
+
+from packager.manifest import read_manifest
+from pipecast.agent.local_client import LocalAgentClient
+from tests.support.agent_fixtures import block_file_bytes, land_chunk, local_api_serving, receiving_store
+from tests.support.packages import tiny_package
+from tests.vllm_plugin.conftest import FakeLoadConfig, FakeModel
+
+CHUNK = 64 << 10
+
+
+@pytest.fixture
+def package(tmp_path):
+    """A package of 4 random-byte layers: 4 blocks of several chunks each."""
+    return tiny_package(tmp_path / "pkg", layers=4, layer_bytes=150_000, chunk_bytes=CHUNK)
+
+
+def make_loader(fake_vllm, **extra):
+    from vllm_plugin.pipecast_vllm.loader import PipecastModelLoader
+
+    return PipecastModelLoader(FakeLoadConfig("pipecast", extra))
+
+
+def model_config(folder):
+    return SimpleNamespace(model=str(folder), quantization=None)
+
+
+def every_name(manifest) -> list[str]:
+    return [name for block in manifest.blocks for name in block.tensor_names]
+
+
+def block_of(manifest) -> dict[str, int]:
+    return {name: block.index for block in manifest.blocks for name in block.tensor_names}
+
+
+def assert_loaded_in_block_order(model, package):
+    """Every tensor of the package, equal to the checkpoint's, block after block."""
+    assert sorted(model.loaded) == sorted(every_name(package.manifest))
+    blocks = [block_of(package.manifest)[name] for name in model.order]
+    assert blocks == sorted(blocks)
+    checkpoint = load_file(package.checkpoint / "model.safetensors")
+    assert all(model.loaded[name].equal(checkpoint[name]) for name in model.loaded)
+
+
+def test_register_adds_the_load_format(fake_vllm):
+    fake_vllm.plugin.register()
+    from vllm_plugin.pipecast_vllm.loader import PipecastModelLoader
+
+    assert fake_vllm.registry == {"pipecast": PipecastModelLoader}
+
+
+def test_without_an_agent_the_folder_is_loaded_in_block_order_and_the_fallback_logged(
+        fake_vllm, package, no_configured_agent, caplog):
+    model = FakeModel(every_name(package.manifest))
+    with caplog.at_level(logging.INFO, logger="vllm.pipecast"):
+        make_loader(fake_vllm).load_weights(model, model_config(package.path))
+    assert_loaded_in_block_order(model, package)
+    assert (f"no pipecast agent configured (agent_socket, PIPECAST_AGENT_LOCAL_SOCKET unset): loading "
+            f"{package.path} from the package folder (unicast fallback)") in caplog.messages
+    assert (f"loading package {package.manifest.package_id[:12]} (tiny-llama, 4 blocks) from package folder "
+            f"{package.path}") in caplog.messages
+
+
+@pytest.mark.parametrize("configured", ["extra config", "environment"])
+def test_an_agent_that_is_not_there_falls_back_to_the_folder(configured, fake_vllm, package, tmp_path, monkeypatch,
+                                                            no_configured_agent, caplog):
+    socket = tmp_path / "none.sock"
+    extra = {"agent_socket": str(socket)} if configured == "extra config" else {}
+    if configured == "environment":
+        monkeypatch.setenv("PIPECAST_AGENT_LOCAL_SOCKET", str(socket))
+    model = FakeModel(every_name(package.manifest))
+    make_loader(fake_vllm, **extra).load_weights(model, model_config(package.path))
+    assert_loaded_in_block_order(model, package)
+    assert (f"pipecast agent at {socket} cannot serve package {package.manifest.package_id[:12]} (no agent at "
+            f"{socket} (No such file or directory)): loading {package.path} from the package folder (unicast "
+            "fallback)") in caplog.messages
+
+
+def test_a_corrupt_block_is_refused_before_any_of_its_tensors_is_handed_over(fake_vllm, package, no_configured_agent):
+    block = package.manifest.blocks[2]
+    path = package.path / block.file
+    data = bytearray(path.read_bytes())
+    data[CHUNK + 5] ^= 0x01  # in chunk 1
+    path.write_bytes(bytes(data))
+    model = FakeModel(every_name(package.manifest))
+    from vllm_plugin.pipecast_vllm.errors import BlockLoadError
+
+    with pytest.raises(BlockLoadError) as caught:
+        make_loader(fake_vllm).load_weights(model, model_config(package.path))
+    assert str(caught.value) == (f"pipecast loader: block 2 of package {package.manifest.package_id[:12]} from "
+                                 f"{path}: chunk 1 digest mismatch (bytes {CHUNK}-{2 * CHUNK - 1})")
+    assert isinstance(caught.value, RuntimeError)
+    assert {block_of(package.manifest)[name] for name in model.order} == {0, 1}  # nothing of block 2
+
+
+async def test_through_the_agent_each_block_is_handed_over_once_verified_in_block_order(
+        fake_vllm, package, tmp_path, caplog):
+    """The agent receives the blocks out of order (3, 0, 2, 1), chunk by chunk: the model gets block 0 when it
+    is verified, waits for block 1 although 2 and 3 are there, then gets 1, 2, 3. The folder given to vLLM is
+    what ``pipecast-vllm-folder`` writes from the agent: manifest and small files, no block."""
+    from vllm_plugin.pipecast_vllm.folder import write_package_folder
+
+    manifest, socket = package.manifest, tmp_path / "agent.sock"
+    store = receiving_store(manifest)
+    store.add_file("config.json", (package.path / "config.json").read_bytes(), "test")
+    model = FakeModel(every_name(manifest))
+
+    def handed_over() -> set[int]:
+        return {block_of(manifest)[name] for name in model.order}
+
+    def land(block: int, chunks: range) -> None:
+        data = block_file_bytes(package.path, manifest, block)
+        for chunk in chunks:
+            land_chunk(store, data, block, chunk)
+
+    async def settle() -> None:
+        await asyncio.sleep(0.3)  # time enough for the loader to take what it may
+
+    try:
+        async with local_api_serving(store, socket):
+            with LocalAgentClient(socket) as client:
+                folder = tmp_path / "model"
+                await asyncio.to_thread(write_package_folder, client, manifest.package_id, folder, 5.0)
+            assert sorted(p.name for p in folder.iterdir()) == ["config.json", "manifest.json"]
+            assert read_manifest(folder) == manifest
+            loader = make_loader(fake_vllm, agent_socket=str(socket), block_timeout_s=30)
+            with caplog.at_level(logging.INFO, logger="vllm.pipecast"):
+                loading = asyncio.ensure_future(asyncio.to_thread(loader.load_weights, model, model_config(folder)))
+                land(3, range(store.chunk_count(3)))
+                land(0, range(store.chunk_count(0) - 1))
+                await settle()
+                assert handed_over() == set()  # block 0 lacks a chunk
+                land(0, range(store.chunk_count(0) - 1, store.chunk_count(0)))
+                land(2, range(store.chunk_count(2)))
+                await settle()
+                assert handed_over() == {0}  # block 1 next, though 2 and 3 are verified
+                land(1, range(store.chunk_count(1)))
+                await asyncio.wait_for(loading, 10)
+    finally:
+        store.close()
+    assert_loaded_in_block_order(model, package)
+    assert (f"loading package {manifest.package_id[:12]} (tiny-llama, 4 blocks) from agent at {socket}"
+            in caplog.messages)
+    assert not any("unicast fallback" in m for m in caplog.messages)
+
+
+async def test_a_block_the_agent_does_not_verify_in_time_is_named(fake_vllm, package, tmp_path):
+    store = receiving_store(package.manifest)
+    land_chunk(store, block_file_bytes(package.path, package.manifest, 0), 0, 0)
+    socket = tmp_path / "agent.sock"
+    from vllm_plugin.pipecast_vllm.errors import BlockLoadError
+
+    try:
+        async with local_api_serving(store, socket):
+            loader = make_loader(fake_vllm, agent_socket=str(socket), block_timeout_s=0.2)
+            with pytest.raises(BlockLoadError) as caught:
+                await asyncio.to_thread(loader.load_weights, FakeModel([]), model_config(package.path))
+    finally:
+        store.close()
+    chunks = len(package.manifest.blocks[0].chunk_digests)
+    assert str(caught.value) == (f"pipecast loader: block 0 of package {package.manifest.package_id[:12]} from agent "
+                                 f"at {socket}: not verified within 0.2 s (the agent holds 1 of its {chunks} chunks)")
+
+
+def test_neither_an_agent_nor_blocks_in_the_folder(fake_vllm, package, tmp_path, no_configured_agent):
+    shutil.rmtree(package.path / "blocks")
+    from vllm_plugin.pipecast_vllm.errors import PackageUnavailableError
+
+    with pytest.raises(PackageUnavailableError) as caught:
+        make_loader(fake_vllm).load_weights(FakeModel([]), model_config(package.path))
+    assert str(caught.value) == (f"package {package.manifest.package_id[:12]}: no pipecast agent configured "
+                                 "(agent_socket, PIPECAST_AGENT_LOCAL_SOCKET unset), and the package folder "
+                                 f"{package.path} holds none of its blocks")
+
+
+def test_a_parameter_no_block_filled_fails_as_vllms_default_loader_does(fake_vllm, package, no_configured_agent):
+    from vllm_plugin.pipecast_vllm.errors import MissingWeightsError
+
+    model = FakeModel([*every_name(package.manifest), "lm_head.weight"])
+    with pytest.raises(MissingWeightsError) as caught:
+        make_loader(fake_vllm).load_weights(model, model_config(package.path))
+    assert str(caught.value) == (f"pipecast loader: package {package.path}: Following weights were not initialized "
+                                 "from checkpoint: {'lm_head.weight'}")
+    assert isinstance(caught.value, ValueError)
+
+
+def test_get_all_weights_reads_the_folder_vllm_names(fake_vllm, package, tmp_path, no_configured_agent):
+    """vLLM's in-place reload sets the model path to its ``weights_path`` and calls get_all_weights."""
+    other = tiny_package(tmp_path / "other", layers=2, layer_bytes=150_000, seed=1)
+    loader = make_loader(fake_vllm)
+    weights = dict(loader.get_all_weights(model_config(other.path), FakeModel([])))
+    checkpoint = load_file(other.checkpoint / "model.safetensors")
+    assert sorted(weights) == sorted(checkpoint) and all(weights[n].equal(checkpoint[n]) for n in weights)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"agent": "/run/a.sock"}, "unexpected --model-loader-extra-config keys for load format pipecast: agent "
+                               "(known: agent_socket, agent_timeout_s, block_timeout_s)"),
+    ({"agent_socket": 3}, "agent_socket must be the path of the agent's local socket, got 3"),
+    ({"block_timeout_s": 0}, "block_timeout_s must be a positive number of seconds, got 0"),
+    ({"agent_timeout_s": True}, "agent_timeout_s must be a positive number of seconds, got True"),
+    ({"agent_timeout_s": float("inf")}, "agent_timeout_s must be a positive number of seconds, got inf"),
+])
+def test_options_are_checked_when_vllm_makes_the_loader(fake_vllm, extra, message):
+    from vllm_plugin.pipecast_vllm.errors import LoaderConfigError
+
+    with pytest.raises(LoaderConfigError) as caught:
+        make_loader(fake_vllm, **extra)
+    assert str(caught.value) == message and isinstance(caught.value, ValueError)
+
+
+def test_a_model_path_that_is_not_a_package(fake_vllm, package, tmp_path):
+    from vllm_plugin.pipecast_vllm.errors import LoaderConfigError
+
+    with pytest.raises(LoaderConfigError) as caught:
+        make_loader(fake_vllm).load_weights(FakeModel([]), model_config(package.checkpoint))
+    assert str(caught.value) == (
+        f"{package.checkpoint} is not a pipecast package ({package.checkpoint}/manifest.json: invalid manifest: "
+        "cannot read (No such file or directory)): --load-format pipecast serves a package folder (manifest.json, "
+        "config.json and the tokenizer files at its root; `pipecast pack` writes one, `pipecast-vllm-folder` one "
+        "without blocks from the agent)")
+
+
+def test_the_folder_command_refuses_an_existing_folder_and_a_missing_agent(tmp_path, capsys, no_configured_agent):
+    from vllm_plugin.pipecast_vllm.folder import main
+
+    assert main(["0" * 64, str(tmp_path), "--agent", str(tmp_path / "a.sock")]) == 2
+    assert capsys.readouterr().err == f"pipecast-vllm-folder: {tmp_path}: already exists\n"
+    assert main(["0" * 64, str(tmp_path / "new")]) == 2
+    assert capsys.readouterr().err == ("pipecast-vllm-folder: no agent socket: pass --agent or set "
+                                       "PIPECAST_AGENT_LOCAL_SOCKET\n")
+    assert main(["0" * 64, str(tmp_path / "new"), "--agent", str(tmp_path / "a.sock")]) == 2
+    assert capsys.readouterr().err == (f"pipecast-vllm-folder: no agent at {tmp_path / 'a.sock'} (No such file or "
+                                       "directory)\n")
+    assert not (tmp_path / "new").exists()

@@ -1,0 +1,236 @@
+"""The (name, tensor) pairs a vLLM model loads, block after block in the manifest's order; a block's tensors
+are handed over only once all its bytes are verified against the manifest's digests:
+
+- from the node agent (:class:`AgentBlocks`): views of the agent's own memory (no copy), each block as soon as
+  the agent has verified it, so the model loads block ``i`` while later blocks are still being multicast;
+- from the package folder (:class:`FolderBlocks`), when no agent can serve the package (the unicast fallback,
+  logged as a warning): each block file mapped and checked here, every chunk digest and the block's, before
+  any tensor of it exists.
+
+Without vLLM: the loader (:mod:`pipecast_vllm.loader`) feeds :func:`iter_weights` to the model's own
+``load_weights``.
+"""
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from packager.errors import PackageError
+from packager.package import Package, block_tensors_of
+from pipecast.core.errors import PipecastError
+from pipecast.v1.manifest_pb2 import Block, Manifest
+
+from .errors import BlockLoadError, LoaderConfigError, PackageUnavailableError
+
+if TYPE_CHECKING:
+    import torch
+
+# A child of vLLM's logger, so that vLLM's handler, format and level (VLLM_LOGGING_LEVEL) apply to these lines.
+log = logging.getLogger("vllm.pipecast")
+
+LOAD_FORMAT = "pipecast"
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """What ``--model-loader-extra-config`` may set for ``--load-format pipecast`` (a JSON object)."""
+
+    agent_socket: str | None = None
+    """The node agent's local socket; unset: pipecast's setting ``agent_local_socket``
+    (``PIPECAST_AGENT_LOCAL_SOCKET``)."""
+    agent_timeout_s: float = 30.0
+    """How long the agent may take to hold the package's manifest before the package folder is read instead."""
+    block_timeout_s: float = 600.0
+    """How long to wait for each block to be verified by the agent (vLLM's own start-up limit,
+    VLLM_ENGINE_READY_TIMEOUT_S, is 600 s by default)."""
+
+    @classmethod
+    def from_extra_config(cls, extra: Any) -> "LoaderOptions":
+        """Check ``--model-loader-extra-config``; :class:`LoaderConfigError` (a ``ValueError``) says what is wrong."""
+        if not isinstance(extra, dict):
+            raise LoaderConfigError(f"--model-loader-extra-config must be a JSON object for load format "
+                                    f"{LOAD_FORMAT}, got {type(extra).__name__}")
+        known = tuple(cls.__dataclass_fields__)
+        unexpected = sorted(set(extra) - set(known))
+        if unexpected:
+            raise LoaderConfigError(f"unexpected --model-loader-extra-config keys for load format {LOAD_FORMAT}: "
+                                    f"{', '.join(unexpected)} (known: {', '.join(known)})")
+        socket = extra.get("agent_socket")
+        if socket is not None and (not isinstance(socket, str) or not socket):
+            raise LoaderConfigError(f"agent_socket must be the path of the agent's local socket, got {socket!r}")
+        for name in ("agent_timeout_s", "block_timeout_s"):
+            value = extra.get(name, 1.0)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    math.isfinite(value) and value > 0):
+                raise LoaderConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        return cls(**extra)
+
+
+class BlockSource(Protocol):
+    """Where a package's verified blocks come from."""
+
+    @property
+    def manifest(self) -> Manifest:
+        """The package's manifest (validated: its package id is its digest)."""
+
+    @property
+    def origin(self) -> str:
+        """Where the blocks come from, for logs and messages."""
+
+    def tensors(self, block: Block) -> dict[str, "torch.Tensor"]:
+        """``block``'s tensors once all its bytes are verified (views, no copy); :class:`BlockLoadError` if
+        they cannot be had."""
+
+    def close(self) -> None:
+        """Let go of the source (the views already handed over stay valid)."""
+
+
+class AgentBlocks:
+    """Blocks of the node agent's memory, through its local API (:class:`LocalAgentClient`); the agent
+    verifies every chunk before it counts it, and hands out verified blocks only."""
+
+    def __init__(self, client: Any, manifest: Manifest, socket: str, block_timeout_s: float) -> None:
+        self._client = client
+        self._manifest = manifest
+        self._origin = f"agent at {socket}"
+        self._timeout_s = block_timeout_s
+
+    @classmethod
+    def connect(cls, socket: str, package_id: str, options: LoaderOptions) -> "AgentBlocks":
+        """The agent at ``socket``, once it holds the package's manifest (``options.agent_timeout_s``);
+        ``OSError`` or :class:`PipecastError` if it cannot serve the package."""
+        from pipecast.agent.local_client import LocalAgentClient
+
+        client = LocalAgentClient(socket)
+        try:
+            manifest = client.manifest(package_id, timeout=options.agent_timeout_s)
+        except BaseException:
+            client.close()
+            raise
+        return cls(client, manifest, socket, options.block_timeout_s)
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._manifest
+
+    @property
+    def origin(self) -> str:
+        return self._origin
+
+    def tensors(self, block: Block) -> dict[str, "torch.Tensor"]:
+        package_id = self._manifest.package_id
+        try:
+            buf = self._client.wait_block(block.index, self._timeout_s, package_id)
+        except TimeoutError:
+            raise BlockLoadError(package_id, block.index, self._origin,
+                                 f"not verified within {self._timeout_s:g} s{self._held(block.index)}") from None
+        except PipecastError as exc:
+            raise BlockLoadError(package_id, block.index, self._origin,
+                                 str(exc).removeprefix(f"{self._origin}: ")) from None
+        try:
+            return block_tensors_of(block, buf, f"{self._origin}, block {block.index}")
+        except PackageError as exc:
+            raise BlockLoadError(package_id, block.index, self._origin, getattr(exc, "problem", str(exc))) from None
+
+    def _held(self, index: int) -> str:
+        """What the agent holds of block ``index``, for a timeout's message ("" if it cannot say): its peers
+        and their failures are in the agent's own log."""
+        try:
+            block = self._client.progress(self._manifest.package_id, timeout=5.0).blocks[index]
+        except (OSError, PipecastError, IndexError):
+            return ""
+        return f" (the agent holds {block.chunks_present} of its {block.chunks_total} chunks)"
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class FolderBlocks:
+    """Blocks of the package folder, each file mapped copy-on-write and checked against the manifest (size,
+    every chunk digest, the block digest, the header's tensor names) before any tensor of it is made."""
+
+    def __init__(self, package: Package) -> None:
+        self._package = package
+
+    @property
+    def manifest(self) -> Manifest:
+        return self._package.manifest
+
+    @property
+    def origin(self) -> str:
+        return f"package folder {self._package.root}"
+
+    def tensors(self, block: Block) -> dict[str, "torch.Tensor"]:
+        try:
+            return self._package.block_tensors(block.index)
+        except PackageError as exc:
+            raise BlockLoadError(self._package.package_id, block.index, str(self._package.block_path(block.index)),
+                                 getattr(exc, "problem", str(exc))) from None
+
+    def close(self) -> None:
+        """Nothing to do: each block's mapping goes with the last view of it."""
+
+
+def open_package(folder: Path | str) -> Package:
+    """The package at ``folder`` (vLLM's model path), its manifest validated."""
+    try:
+        return Package.open(folder)
+    except PackageError as exc:
+        raise LoaderConfigError(f"{folder} is not a pipecast package ({exc}): --load-format {LOAD_FORMAT} serves "
+                                "a package folder (manifest.json, config.json and the tokenizer files at its root; "
+                                "`pipecast pack` writes one, `pipecast-vllm-folder` one without blocks from the "
+                                "agent)") from None
+
+
+def open_blocks(folder: Path | str, options: LoaderOptions) -> BlockSource:
+    """The node agent's blocks of the package at ``folder`` if an agent can serve it, else the folder's own
+    (the unicast fallback, logged as a warning)."""
+    package = open_package(folder)
+    package_id = package.package_id
+    socket = options.agent_socket or _configured_socket()
+    if socket is None:
+        reason = "no pipecast agent configured (agent_socket, PIPECAST_AGENT_LOCAL_SOCKET unset)"
+    else:
+        asked = time.monotonic()
+        try:
+            blocks = AgentBlocks.connect(socket, package_id, options)
+            log.info("agent at %s holds package %s (its manifest came after %.2f s)", socket, package_id[:12],
+                     time.monotonic() - asked)
+            return blocks
+        except (OSError, PipecastError) as exc:
+            reason = f"pipecast agent at {socket} cannot serve package {package_id[:12]} ({exc})"
+    if not any(package.has_block(b.index) for b in package.manifest.blocks):
+        raise PackageUnavailableError(f"package {package_id[:12]}: {reason}, and the package folder {folder} holds "
+                                      "none of its blocks")
+    log.warning("%s: loading %s from the package folder (unicast fallback)", reason, folder)
+    return FolderBlocks(package)
+
+
+def _configured_socket() -> str | None:
+    from pipecast.core.settings import load_settings
+
+    socket = load_settings().agent_local_socket
+    return None if socket is None else str(socket)
+
+
+def iter_weights(source: BlockSource) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """Every tensor of the package as (checkpoint name, tensor), block after block, each block once verified;
+    closes ``source`` at the end."""
+    manifest = source.manifest
+    started = time.monotonic()
+    log.info("loading package %s (%s, %d blocks) from %s", manifest.package_id[:12], manifest.model_name,
+             len(manifest.blocks), source.origin)
+    try:
+        for block in manifest.blocks:
+            asked = time.monotonic()
+            tensors = source.tensors(block)
+            log.info("block %d/%d verified (%d tensors, %.1f MB) after waiting %.2f s", block.index + 1,
+                     len(manifest.blocks), len(tensors), block.bytes / 1e6, time.monotonic() - asked)
+            yield from tensors.items()
+    finally:
+        source.close()
+    log.info("package %s: every block handed over in %.2f s", manifest.package_id[:12], time.monotonic() - started)
