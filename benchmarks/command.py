@@ -489,14 +489,19 @@ def bench_simulate(nodes, strategies, model_bytes, blocks, link_mbit, chunk_byte
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Planning repeats.")
 @click.option("--db", help="The server's database: a postgresql:// URL (an empty database: the bench's state stays "
                            "in it) or a SQLite path; default: a SQLite file in a temp dir.")
+@click.option("--stall-workers", default="1000,5000", show_default=True,
+              help="Worker counts at which the server's event-loop stalls are measured (comma-separated; '' for none).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the figures as JSON.")
 def bench_control_plane(workers: int, blocks: int, duration_s: float, batch: int, repeat: int, db: str | None,
-                        json_path: Path | None) -> None:
+                        stall_workers: str, json_path: Path | None) -> None:
     """Plan time of a scale-up and block reports/s of the real server under simulated workers."""
     from benchmarks import control_plane_bench as bench
 
+    from benchmarks.runinfo import parse_counts
+
+    stalls = parse_counts(stall_workers, "--stall-workers", click.BadParameter) if stall_workers else ()
     result = bench.run(workers=workers, blocks=blocks, duration_s=duration_s, batch=batch, repeat=repeat, db=db,
-                       progress=lambda message: click.echo(message, err=True))
+                       stall_workers=stalls, progress=lambda message: click.echo(message, err=True))
     click.echo(bench.report(result))
     if json_path:
         json_path.write_text(json.dumps(bench.to_json(result), indent=2))

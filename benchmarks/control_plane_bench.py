@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,6 +32,7 @@ import psutil
 from control_plane.client import ControlPlaneClient
 from control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
+from control_plane.server import ControlPlaneServer, ServerConfig
 from control_plane.state import ControlState
 from control_plane.store import is_postgres_url, redact_url
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
@@ -39,6 +40,7 @@ from packager.manifest import MANIFEST_FORMAT_VERSION, seal_manifest
 from pipecast.v1.manifest_pb2 import Block, Manifest
 
 PLAN_TARGET_MS = 100.0
+STALL_TARGET_MS = 50.0
 REPORT_TARGET_PER_S = 5000.0
 TOKEN = "bench-token"
 STORE = PeerInfo("store", "10.255.0.1:7070", ("tcp",))
@@ -78,8 +80,21 @@ class LoadResult:
 
 
 @dataclass
+class StallResult:
+    """The longest the real server's event loop went without running during a ScaleUp RPC and during the
+    re-plan after a relay's lease lapses (its flush of the plan included): a 5 ms probe's worst lateness."""
+
+    workers: int
+    blocks: int
+    scale_up_rpc_ms: float
+    scale_up_stall_ms: float
+    replan_stall_ms: float
+
+
+@dataclass
 class BenchResult:
     planning: list[PlanningResult] = field(default_factory=list)
+    stalls: list[StallResult] = field(default_factory=list)
     load: LoadResult | None = None
     database: str = "its SQLite file"  # where the server subprocess kept its state
 
@@ -123,6 +138,61 @@ def measure_planning(workers: int, blocks: int, sources: int, repeat: int) -> Pl
         replan_times.append((time.perf_counter() - start) * 1000)
     return PlanningResult(workers, blocks, sources, strategy, statistics.median(plan_times),
                           statistics.median(replan_times))
+
+
+class _LoopProbe:
+    """Wakes every ``interval_s`` and keeps the worst lateness of its wake-ups: how long the loop was held."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s, self.worst_s = interval_s, 0.0
+
+    async def run(self) -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(self.interval_s)
+            self.worst_s = max(self.worst_s, time.perf_counter() - before - self.interval_s)
+
+    def take(self) -> float:
+        """The worst lateness since the last call, in ms."""
+        worst, self.worst_s = self.worst_s, 0.0
+        return worst * 1000
+
+
+def measure_stall(workers: int, blocks: int) -> StallResult:
+    """A ScaleUp RPC of ``workers`` (registered in-process) to the real server in this process, then a relay's
+    lease lapsing, with the loop probe running beside the server (its SQLite file in a temporary folder)."""
+    async def main(tmp: str) -> StallResult:
+        server = ControlPlaneServer(ServerConfig(host="127.0.0.1", port=0, db_path=str(Path(tmp) / "cp.sqlite3"),
+                                                 token=TOKEN, lease_s=600.0, scan_interval_s=0.05))
+        await server.start()
+        probe = _LoopProbe()
+        task = asyncio.create_task(probe.run())
+        try:
+            state = server.state
+            package_id = state.publish(manifest("stall", blocks), STORE, now=time.time())
+            for i in range(workers):
+                state.register(worker_spec(i), {}, now=time.time())
+            server.service.flush()  # as registrations over time would have: the stall is the scale-up's alone
+            async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=300.0) as client:
+                await asyncio.sleep(0.05)
+                probe.take()
+                start = time.perf_counter()
+                reply = await client.scale_up(package_id, count=workers)
+                rpc_ms = (time.perf_counter() - start) * 1000
+                scale_up_stall = probe.take()
+            parts = state.plans[reply.plan_id].parts
+            victim = next(node for node in reply.receivers if parts[node].serve)
+            state.workers[victim].lease_expires = 0  # the next scan finds it lapsed
+            while state.replan_count == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # the flush of the repaired plan
+            return StallResult(workers, blocks, rpc_ms, scale_up_stall, probe.take())
+        finally:
+            task.cancel()
+            await server.stop(grace_s=0)
+
+    with tempfile.TemporaryDirectory(prefix="pipecast-cp-stall-") as tmp:
+        return asyncio.run(main(tmp))
 
 
 def _free_port() -> int:
@@ -286,10 +356,11 @@ def _busy(before, after) -> float:
 
 def run(workers: int = 1000, blocks: int = 64, duration_s: float = 10.0, batch: int = 1, heartbeat_s: float = 2.0,
         channels: int = 8, in_flight: int = 64, repeat: int = 3, db: str | None = None,
-        progress: Callable[[str], None] = lambda message: None) -> BenchResult:
+        stall_workers: Sequence[int] = (), progress: Callable[[str], None] = lambda message: None) -> BenchResult:
     """Measure planning in-process, then load against a server subprocess (its state in ``db``: a
     postgresql:// URL of an empty database or a SQLite path; None: a SQLite file in a temporary folder);
-    returns every figure."""
+    returns every figure. ``stall_workers``: worker counts at which the server's event-loop stalls are
+    measured in this process (:func:`measure_stall`)."""
     result = BenchResult()
     if db is not None:
         result.database = f"PostgreSQL {redact_url(db)}" if is_postgres_url(db) else f"SQLite {db}"
@@ -298,6 +369,11 @@ def run(workers: int = 1000, blocks: int = 64, duration_s: float = 10.0, batch: 
         planning = result.planning[-1]
         progress(f"planning {workers}x{blocks} from {f'{sources} worker sources' if sources else 'the store'}: "
                  f"{planning.scale_up_ms:.1f} ms, re-plan after a death {planning.replan_ms:.1f} ms")
+    for count in stall_workers:
+        result.stalls.append(measure_stall(count, blocks))
+        stall = result.stalls[-1]
+        progress(f"event loop at {count} workers: longest stall {stall.scale_up_stall_ms:.0f} ms during the "
+                 f"ScaleUp RPC ({stall.scale_up_rpc_ms:.0f} ms), {stall.replan_stall_ms:.0f} ms during a re-plan")
     with tempfile.TemporaryDirectory(prefix="pipecast-cp-bench-") as tmp:
         port, log_path = _free_port(), Path(tmp) / "server.log"
         env = {**os.environ, "PIPECAST_AUTH_TOKEN": TOKEN, "PIPECAST_HEARTBEAT_S": str(heartbeat_s),
@@ -335,6 +411,11 @@ def report(result: BenchResult) -> str:
         lines.append(f"  plan scale-up {p.workers} workers x {p.blocks} blocks from {source} ({p.strategy}): "
                      f"{p.scale_up_ms:.1f} ms median (target < {PLAN_TARGET_MS:.0f} ms: {verdict}); re-plan after "
                      f"a parent's death {p.replan_ms:.1f} ms")
+    for st in result.stalls:
+        verdict = "ok" if max(st.scale_up_stall_ms, st.replan_stall_ms) <= STALL_TARGET_MS else "OVER"
+        lines.append(f"  event loop at {st.workers} workers x {st.blocks} blocks: longest stall {st.scale_up_stall_ms:.0f} "
+                     f"ms during the ScaleUp RPC ({st.scale_up_rpc_ms:.0f} ms), {st.replan_stall_ms:.0f} ms during a "
+                     f"re-plan after a relay's death (target <= {STALL_TARGET_MS:.0f} ms: {verdict})")
     load = result.load
     if load is not None:
         verdict = "ok" if load.blocks_per_s >= REPORT_TARGET_PER_S else "UNDER"

@@ -12,6 +12,7 @@ listings any principal. Input from the network is validated before anything is r
 manifest and its id, the store's address, a worker's serve URL (on its own data-plane host).
 """
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -343,8 +344,11 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 
     @_rpc
     async def ScaleUp(self, request: pb.ScaleUpRequest, context: grpc.aio.ServicerContext) -> pb.ScaleUpResponse:
-        result = self.state.scale_up(request.package_id, node_ids=list(request.node_ids), count=request.count,
-                                     strategy=request.strategy, fanout=request.fanout, now=self.clock())
+        draft = self.state.draft_scale_up(request.package_id, node_ids=list(request.node_ids), count=request.count,
+                                          strategy=request.strategy, fanout=request.fanout)
+        # Planning thousands of receivers takes long: in a thread, so the event loop keeps serving meanwhile.
+        plan = await asyncio.to_thread(draft.build) if draft.receivers else None
+        result = self.state.install_scale_up(draft, plan, now=self.clock())
         self.flush()  # an acknowledged plan survives a crash: agents drop parts a restarted control plane lacks
         return pb.ScaleUpResponse(plan_id=result.plan_id, strategy=result.strategy, sources=result.sources,
                                   receivers=result.receivers, unchanged=result.unchanged)

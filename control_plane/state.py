@@ -132,6 +132,33 @@ class ScaleUpResult:
     unchanged: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class ScaleUpDraft:
+    """A scale-up decided but not planned yet (:meth:`ControlState.draft_scale_up`): its own copies of what the
+    plan is made from, so that :meth:`build` may run in another thread while the state goes on changing."""
+
+    package_id: str
+    request: tuple  # (node_ids, count, strategy, fanout) as asked: to draft again if the cluster changed
+    receivers: tuple[str, ...]
+    unchanged: tuple[str, ...]
+    sources: tuple[str, ...] = ()
+    strategy: str = ""
+    fanout: int = DEFAULT_FANOUT
+    labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    links: Mapping[str, int] = field(default_factory=dict)
+    num_blocks: int = 0
+    block_bytes: tuple[int, ...] = ()
+    held: Mapping[str, frozenset[int]] = field(default_factory=dict)  # only when a receiver holds some
+
+    def build(self) -> Plan:
+        """The plan (pure; nothing a receiver already verified is fetched again)."""
+        plan = make_plan(self.strategy, self.sources, self.receivers, self.num_blocks, fanout=self.fanout,
+                         labels=self.labels, block_bytes=self.block_bytes, source_links=self.links)
+        if self.held:
+            plan = replan(plan, dead=(), held=self.held, sources=self.sources, labels=self.labels, fanout=self.fanout)
+        return plan
+
+
 class ControlState:
     """Everything the control plane knows. Methods raise :mod:`control_plane.errors` on bad requests
     and change nothing then."""
@@ -360,7 +387,18 @@ class ControlState:
         progress sends from it (:attr:`store_beside_holders`), else its store alone; several sources, or a
         store of :attr:`store_links` > 1 links feeding two receivers or more, give a plan rotated by bytes
         (see :mod:`control_plane.placement`). While a chain from the store is still in progress, a
-        new chain hangs behind its last node instead (one copy leaves the store, not two)."""
+        new chain hangs behind its last node instead (one copy leaves the store, not two).
+
+        The same as :meth:`draft_scale_up`, :meth:`ScaleUpDraft.build` and :meth:`install_scale_up`, which
+        the service calls apart to plan off its event loop."""
+        draft = self.draft_scale_up(package_id, node_ids=node_ids, count=count, strategy=strategy, fanout=fanout)
+        return self.install_scale_up(draft, draft.build() if draft.receivers else None, now=now)
+
+    def draft_scale_up(self, package_id: str, *, node_ids: Sequence[str] = (), count: int = 0, strategy: str = "",
+                       fanout: int = 0) -> "ScaleUpDraft":
+        """Who receives the package from whom (:meth:`scale_up`), with copies of everything the plan is made
+        from, so that :meth:`ScaleUpDraft.build` may run in another thread; changes nothing. Raises what
+        :meth:`scale_up` raises for bad requests."""
         package = self.package(package_id)
         if bool(node_ids) == bool(count):
             raise InvalidRequest(f"scale-up of package {package_id!r}: give either target workers or a count")
@@ -381,35 +419,58 @@ class ControlState:
             source_racks = {rack for n in sources if (rack := self._rack(n)) is not None}
             targets = counted_targets(package_id, package.total_bytes, self._candidates(package_id, alive), count,
                                       source_racks)
-        receivers, unchanged = targets.receivers, targets.unchanged
-        for node in [*unchanged, *receivers]:
-            if self.releases.pop((package_id, node), None) is not None:
-                self.dirty.releases.add((package_id, node))
-                log.info("release cancelled by scale-up package=%s node=%s", package_id, node)
+        receivers = tuple(targets.receivers)
+        request = (tuple(node_ids), count, strategy, fanout)
         if not receivers:
-            return ScaleUpResult("", "", (), (), unchanged)
-
+            return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged))
         availability = self.availability[package_id]
         sources, strategy = self._plan_sources(package, strategy, exclude=set(receivers))
         links = self._source_links(package, sources, len(receivers))
         slots = sum(links.get(s, 1) for s in sources)
-        strategy = strategy or default_strategy(slots, len(receivers))
-        fanout = fanout or DEFAULT_FANOUT
-        labels = self._labels([*sources, *receivers])
-        plan = make_plan(strategy, sources, receivers, package.num_blocks, fanout=fanout, labels=labels,
-                         block_bytes=package.block_bytes, source_links=links)
-        if any(n in availability.by_worker for n in receivers):
-            # Nothing a receiver already verified is fetched again.
-            plan = replan(plan, dead=(), held=availability.by_worker, sources=sources,
-                          labels=self._labels({*availability.by_worker, *sources, *receivers}), fanout=fanout)
-        active = ActivePlan(uuid.uuid4().hex[:12], package_id, plan, fanout, now, version=0)
+        held = {n: frozenset(b) for n, b in availability.by_worker.items()} \
+            if any(n in availability.by_worker for n in receivers) else {}
+        return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged), tuple(sources),
+                            strategy or default_strategy(slots, len(receivers)), fanout or DEFAULT_FANOUT,
+                            self._labels({*held, *sources, *receivers}), links, package.num_blocks,
+                            tuple(package.block_bytes), held)
+
+    def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float) -> ScaleUpResult:
+        """Start ``plan``, built from ``draft``, and tell its nodes. If the cluster changed since the draft
+        (a receiver or source gone, a receiver taken by another plan of the package), the scale-up is drafted
+        and planned again here, synchronously."""
+        package_id, receivers = draft.package_id, draft.receivers
+        if not self._draft_holds(draft):
+            node_ids, count, strategy, fanout = draft.request
+            again = self.draft_scale_up(package_id, node_ids=node_ids, count=count, strategy=strategy, fanout=fanout)
+            return self.install_scale_up(again, again.build() if again.receivers else None, now=now)
+        for node in [*draft.unchanged, *receivers]:
+            if self.releases.pop((package_id, node), None) is not None:
+                self.dirty.releases.add((package_id, node))
+                log.info("release cancelled by scale-up package=%s node=%s", package_id, node)
+        if plan is None:
+            return ScaleUpResult("", "", (), (), draft.unchanged)
+        availability = self.availability[package_id]
+        active = ActivePlan(uuid.uuid4().hex[:12], package_id, plan, draft.fanout, now, version=0)
         active.pending = {n for n in plan.assignments if not availability.is_complete(n)}
         self._install(active, plan)
         log.info("scale-up plan=%s package=%s strategy=%s sources=%d source_slots=%d receivers=%d", active.plan_id,
-                 package_id, strategy, len(sources), slots, len(receivers))
+                 package_id, draft.strategy, len(draft.sources), sum(draft.links.get(s, 1) for s in draft.sources),
+                 len(receivers))
         if not active.pending:
             self._end_plan(active)
-        return ScaleUpResult(active.plan_id, strategy, tuple(sources), receivers, unchanged)
+        return ScaleUpResult(active.plan_id, draft.strategy, draft.sources, receivers, draft.unchanged)
+
+    def _draft_holds(self, draft: "ScaleUpDraft") -> bool:
+        """Whether ``draft``'s receivers and worker sources are still alive and no receiver has joined another
+        plan of the package meanwhile."""
+        if draft.package_id not in self.packages:
+            return False
+        store = self.packages[draft.package_id].store.node_id
+        if not all(n == store or (n in self.workers and self.workers[n].alive) for n in (*draft.receivers,
+                                                                                         *draft.sources)):
+            return False
+        receivers = set(draft.receivers)
+        return not any(p.package_id == draft.package_id and receivers & p.parts.keys() for p in self.plans.values())
 
     def release(self, package_id: str, node_ids: Sequence[str], keep_alive_s: float, now: float) -> float:
         """Drop a package from workers: each stays a source for ``keep_alive_s`` (a later scale-up may

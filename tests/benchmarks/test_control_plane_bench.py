@@ -18,3 +18,11 @@ def test_bench_short_form_runs_against_a_server_on_postgresql(postgres_server):
     result = bench.run(workers=20, blocks=4, duration_s=0.5, repeat=1, db=url)
     assert result.load.alive_at_end == 20 and result.load.blocks_reported > 0
     assert "server in a subprocess with PostgreSQL postgresql://pipecast:***@" in bench.report(result)
+
+
+def test_the_event_loop_stall_is_measured_beside_a_real_server():
+    result = bench.run(workers=20, blocks=4, duration_s=0.5, repeat=1, stall_workers=(50,))
+    [stall] = result.stalls
+    assert (stall.workers, stall.blocks) == (50, 4) and stall.scale_up_rpc_ms > 0
+    assert 0 <= stall.scale_up_stall_ms < 10_000 and 0 <= stall.replan_stall_ms < 10_000
+    assert "event loop at 50 workers x 4 blocks: longest stall" in bench.report(result)

@@ -172,6 +172,22 @@ def test_scale_up_from_the_store_plans_every_block_for_every_receiver():
     assert notices_of(state, UpdateKind.ASSIGN) >= {"w0", "w1", "w2"}
 
 
+def test_a_scale_up_planned_while_the_cluster_changed_is_drafted_again_at_install():
+    state = cluster(4)
+    draft = state.draft_scale_up("pkg", node_ids=["w0", "w1"])
+    plan = draft.build()  # as the service does, in a thread: the state goes on meanwhile
+    state.workers["w1"].lease_expires = 0
+    state.tick(now=1)  # w1's lease lapsed
+    with pytest.raises(UnknownWorker):  # drafted again: the named worker is gone
+        state.install_scale_up(draft, plan, now=2)
+    state = cluster(6)
+    counted = state.draft_scale_up("pkg", count=2)
+    other = state.scale_up("pkg", node_ids=list(counted.receivers), now=2)  # another scale-up takes them first
+    result = state.install_scale_up(counted, counted.build(), now=3)
+    assert set(result.receivers).isdisjoint(other.receivers) and len(result.receivers) == 2
+    assert_complete_plan(state, result.plan_id, set(result.receivers))
+
+
 def test_scale_up_prefers_workers_holding_the_package_as_sources_rotated_with_the_idle_store_beside():
     state = cluster(6)
     for node in ("w4", "w5"):
