@@ -185,7 +185,7 @@ def measure_stall(workers: int, blocks: int) -> StallResult:
             state.workers[victim].lease_expires = 0  # the next scan finds it lapsed
             while state.replan_count == 0:
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.1)  # the flush of the repaired plan
+            await asyncio.sleep(0.6)  # the periodic flush (every 0.5 s) of the repaired plan
             return StallResult(workers, blocks, rpc_ms, scale_up_stall, probe.take())
         finally:
             task.cancel()

@@ -11,6 +11,7 @@ lease, or whose write is refused as fenced, steps down at once: it stops serving
 """
 
 import asyncio
+import inspect
 import logging
 import secrets
 import time
@@ -211,7 +212,7 @@ class ControlPlaneServer:
         await self._set_health(True)
         self._tasks += [
             asyncio.create_task(self._every(self.config.scan_s, self.service.tick), name="lease-scan"),
-            asyncio.create_task(self._every(self.config.flush_interval_s, self.service.flush), name="flush")]
+            asyncio.create_task(self._every(self.config.flush_interval_s, self.service.flush_encoded), name="flush")]
 
     # ----- leadership (shared database) -----
 
@@ -306,6 +307,8 @@ class ControlPlaneServer:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                step()
+                done = step()
+                if inspect.isawaitable(done):
+                    await done
             except Exception:
                 log.exception("periodic %s failed", getattr(step, "__name__", step))

@@ -54,7 +54,8 @@ from control_plane.errors import (
 from control_plane.mailbox import Mailbox
 from control_plane.metrics import ControlMetrics
 from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, WorkerSpec, serve_url_of
-from control_plane.state import ActivePlan, ControlState, Notice
+from control_plane.planner.plan import Plan
+from control_plane.state import ActivePlan, ControlState, Notice, ScaleUpDraft
 from control_plane.store import FencedError, Store
 from packager.errors import ManifestError
 from packager.manifest import validate_manifest
@@ -176,6 +177,15 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             self._close_mailbox(node)
         self.dispatch()
         return dead
+
+    async def flush_encoded(self) -> None:
+        """:meth:`flush`, with the changed plans' stored form made in a thread first (a plan is a value: its
+        JSON for thousands of receivers takes ~0.3 s, which the event loop then need not hold)."""
+        for plan_id in list(self.state.dirty.plans):
+            active = self.state.plans.get(plan_id)
+            if active is not None:
+                await asyncio.to_thread(active.plan.encoded)
+        self.flush()
 
     def flush(self) -> None:
         """Write the state's changes to the store (if any)."""
@@ -347,7 +357,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         draft = self.state.draft_scale_up(request.package_id, node_ids=list(request.node_ids), count=request.count,
                                           strategy=request.strategy, fanout=request.fanout)
         # Planning thousands of receivers takes long: in a thread, so the event loop keeps serving meanwhile.
-        plan = await asyncio.to_thread(draft.build) if draft.receivers else None
+        plan = await asyncio.to_thread(_build_encoded, draft) if draft.receivers else None
         result = self.state.install_scale_up(draft, plan, now=self.clock())
         self.flush()  # an acknowledged plan survives a crash: agents drop parts a restarted control plane lacks
         return pb.ScaleUpResponse(plan_id=result.plan_id, strategy=result.strategy, sources=result.sources,
@@ -511,6 +521,13 @@ def host_port(address: str, what: str) -> tuple[str, int]:
     if not host or port is None or parts.username is not None or parts.path or parts.query or parts.fragment:
         raise InvalidRequest(f"{what} {address!r} is not a host:port address")
     return host, port
+
+
+def _build_encoded(draft: ScaleUpDraft) -> Plan:
+    """The draft's plan with its stored form made too (both heavy for thousands of receivers; in a thread)."""
+    plan = draft.build()
+    plan.encoded()
+    return plan
 
 
 def check_serve_urls(spec: WorkerSpec) -> None:

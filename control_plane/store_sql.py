@@ -184,7 +184,7 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
         if active is None:
             plans[1].append((plan_id,))
         else:
-            plans[0].append((plan_id, active.package_id, _compact(active.plan.to_json()), active.fanout,
+            plans[0].append((plan_id, active.package_id, active.plan.encoded(), active.fanout,
                              active.created_at, active.version, active.replans))
     tables = {"packages": packages, "workers": workers, "availability": availability, "releases": releases,
               "plans": plans}

@@ -6,6 +6,7 @@ the control plane splits them into each node's :class:`Part`, and static plan fi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -56,6 +57,7 @@ class Plan:
     assignments: dict[str, list[Fetch[str]]]
     held: dict[str, tuple[int, ...]] = field(default_factory=dict)
     _children: dict[tuple[str, int], list[str]] | None = field(default=None, init=False, repr=False, compare=False)
+    _encoded: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def children(self, node: str, block: int) -> list[str]:
         """The receivers that fetch ``block`` from ``node``, in the order of :attr:`assignments`."""
@@ -93,6 +95,13 @@ class Plan:
         if self.held:
             data["held"] = {node: list(blocks) for node, blocks in self.held.items()}
         return data
+
+    def encoded(self) -> str:
+        """:meth:`to_json` as compact JSON text, made once (a 5,000-worker plan takes ~0.3 s: the control plane
+        has it made off its event loop, before the flush that stores it)."""
+        if self._encoded is None:
+            self._encoded = json.dumps(self.to_json(), separators=(",", ":"))
+        return self._encoded
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
