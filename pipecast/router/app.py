@@ -30,8 +30,9 @@ Endpoints:
 
 A request whose ``model`` is a served name with a route (:mod:`control_plane.routes`: ``pipecast cp route``,
 ``canary``, ``promote``, ``rollback``) goes to one of its versions by the route's weights
-(:mod:`pipecast.router.versions`) and waits for a worker of that package only; other requests go to any
-worker, which refuses a model it does not serve (404).
+(:mod:`pipecast.router.versions`) and waits for a worker of that package only; a request for a model that
+the workers of one package name (their served name or package id) waits for those; other requests go to
+any worker, which refuses a model it does not serve (404).
 
 Before its queue, the router admits each request for its tenant (:mod:`pipecast.router.admission`): with
 API keys configured, a request without a known ``Authorization: Bearer`` key gets 401
@@ -215,11 +216,13 @@ class Router:
         return dispatcher
 
     def choose_version(self, model: object) -> str | None:
-        """The package a request for ``model`` goes to, None when ``model`` names no route."""
+        """The package a request for ``model`` goes to: by its route's weights; without a route, the one
+        package whose workers name ``model`` (several routers serve several models); None: any worker."""
         versions = route_versions(self.routes, model)
-        if not versions:
-            return None
-        return self.versions.choose(versions, model, self.pool.serving_packages())
+        if versions:
+            return self.versions.choose(versions, model, self.pool.serving_packages())
+        named = self.pool.packages_named(model) if isinstance(model, str) else set()
+        return named.pop() if len(named) == 1 else None
 
     def _sync_routes(self) -> None:
         routes: RouteTable = {}

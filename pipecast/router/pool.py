@@ -312,6 +312,11 @@ class WorkerPool:
         return ({w.health.package_id for w in self._workers.values() if w.health and w.health.package_id}
                 | {p.package_id for p in self._pipelines.values() if p.package_id})
 
+    def packages_named(self, model: str) -> set[str]:
+        """The packages of the workers whose last health answer names ``model`` (served name or package id)."""
+        return {w.health.package_id for w in self._workers.values()
+                if w.health and w.health.package_id and model in (w.health.model, w.health.package_id)}
+
     def choose(self, now: float, avoid: Iterable[str] = (), one_batch: bool = False,
                tenant: str | None = None, package: str | None = None) -> "Worker | PipelineUnit | None":
         """The best worker for a new request at clock time ``now`` (module docstring), or None;

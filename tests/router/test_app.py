@@ -506,6 +506,8 @@ async def test_a_routed_name_is_split_by_the_control_planes_weights_and_follows_
                     return [(await post(client, url, model="chat"))[1][WORKER_HEADER] for _ in range(n)]
 
                 assert sorted(await served_by(8)) == sorted([wa.url] * 6 + [wb.url] * 2)
+                others = [(await post(client, url, model="other"))[1][WORKER_HEADER] for _ in range(3)]
+                assert set(others) == {wo.url}  # no route: the one package whose workers name it
                 async with client.get(f"{url}/v1/models") as response:
                     models = (await response.json())["data"]
                 assert models[0] | {"created": 0} == {
@@ -516,8 +518,8 @@ async def test_a_routed_name_is_split_by_the_control_planes_weights_and_follows_
                 assert [m["id"] for m in models] == ["chat", "other"]
                 async with client.get(f"{url}/stats") as response:
                     versions = (await response.json())["versions"]
-                assert {p: v["counters"]["answered"] for p, v in versions.items()} == {a.package_id: 6,
-                                                                                         b.package_id: 2}
+                assert {p: v["counters"]["answered"] for p, v in versions.items()} == {
+                    a.package_id: 6, b.package_id: 2, "o" * 64: 3}
                 async with client.get(f"{url}/metrics") as response:
                     assert (f'pipecast_router_version_requests_total{{outcome="answered",version="{b.package_id}"}} '
                             "2.0") in await response.text()
