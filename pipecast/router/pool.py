@@ -205,6 +205,9 @@ class WorkerPool:
         self._pipelines: dict[str, PipelineUnit] = {}
         self._listeners: list[Callable[[], None]] = []
         self._in_flight = 0
+        # Served name or package id -> packages that answer it, derived from the workers' health and the
+        # pipelines; rebuilt only after one of them changes (not per request, not per poll).
+        self._named: dict[str, set[str]] | None = None
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after each change that may free capacity."""
@@ -245,6 +248,8 @@ class WorkerPool:
                                                 max_in_flight=max_in_flight, package_id=p.package_id)
         for key, p in found.items():
             self._pipelines[key].waiting_blocks = p.waiting_blocks
+        if added or removed:
+            self._named = None
         if added:
             self._changed()
         return added, removed
@@ -258,6 +263,8 @@ class WorkerPool:
         removed = sorted(set(self._workers) - set(members))
         for url in removed:
             del self._workers[url]
+        if removed:
+            self._named = None
         for url in added:
             self._workers[url] = Worker(url=url, node_id=members[url], idle_since=self.clock())
         for url, node_id in members.items():
@@ -272,6 +279,9 @@ class WorkerPool:
         if worker is None:
             return
         was_serving = worker.health is not None and worker.health.status in SERVING
+        if worker.health is None or (worker.health.model, worker.health.package_id) != (health.model,
+                                                                                          health.package_id):
+            self._named = None
         worker.health = health
         if health.status in SERVING and not was_serving and worker.in_flight == 0:
             # Idle counts from when it could serve: a replica just loaded is not "idle" since it joined.
@@ -288,6 +298,8 @@ class WorkerPool:
         """A health poll failed (error, timeout, 503, bad answer): the worker is down until one works."""
         worker = self._workers.get(url)
         if worker is not None:
+            if worker.health is not None:
+                self._named = None
             worker.health = None
             worker.problem = problem
 
@@ -307,15 +319,26 @@ class WorkerPool:
             worker.busy_until = at + retry_after_s
             worker.problem = problem
 
+    def _names(self) -> dict[str, set[str]]:
+        if self._named is None:
+            named: dict[str, set[str]] = {}
+            for w in self._workers.values():
+                if w.health and w.health.package_id:
+                    for key in {w.health.model, w.health.package_id} - {None}:
+                        named.setdefault(key, set()).add(w.health.package_id)
+            for p in self._pipelines.values():
+                if p.package_id:
+                    named.setdefault(p.package_id, set()).add(p.package_id)
+            self._named = named
+        return self._named
+
     def serving_packages(self) -> set[str]:
         """The packages that some worker's last health answer names, or some pipeline runs."""
-        return ({w.health.package_id for w in self._workers.values() if w.health and w.health.package_id}
-                | {p.package_id for p in self._pipelines.values() if p.package_id})
+        return {package for packages in self._names().values() for package in packages}
 
     def packages_named(self, model: str) -> set[str]:
         """The packages of the workers whose last health answer names ``model`` (served name or package id)."""
-        return {w.health.package_id for w in self._workers.values()
-                if w.health and w.health.package_id and model in (w.health.model, w.health.package_id)}
+        return set(self._names().get(model, ()))
 
     def choose(self, now: float, avoid: Iterable[str] = (), one_batch: bool = False,
                tenant: str | None = None, package: str | None = None) -> "Worker | PipelineUnit | None":
