@@ -348,19 +348,24 @@ def make_prompts(package: Path, lengths: Sequence[int]) -> dict[int, list[int]]:
 # -- the client, on the worker host (python -m benchmarks.coldstart) ------------------------------------
 
 
-async def _wait_serve_started(http, url: str, deadline: float) -> float:
-    """When the worker at ``url`` had its imports done (time.time()); ColdStartBenchError at ``deadline``."""
+async def _wait_serve_started(http, url: str, timeout_s: float) -> float:
+    """When the worker at ``url`` had started (time.time()); ColdStartBenchError after ``timeout_s``.
+
+    pipecast's worker has started once its /health JSON leaves stage ``starting`` (its imports done); vLLM's
+    /health answers 200 with an empty body once its model is loaded (nothing listens before)."""
     import aiohttp
 
+    deadline = time.time() + timeout_s
     while time.time() < deadline:
         try:
             async with http.get(f"{url}/health") as response:
-                if (await response.json(content_type=None)).get("stage") != "starting":
+                body = await response.read()
+                if json.loads(body).get("stage") != "starting" if body else response.status == 200:
                     return time.time()
         except (aiohttp.ClientError, TimeoutError, ValueError):
             pass  # not listening yet
         await asyncio.sleep(POLL_S)
-    raise ColdStartBenchError(f"the worker at {url} did not start within {SERVE_START_TIMEOUT_S:g} s")
+    raise ColdStartBenchError(f"the worker at {url} did not start within {timeout_s:g} s")
 
 
 async def _wait_start_file(path: Path, deadline: float) -> float:
@@ -378,14 +383,14 @@ def _say(event: str, **fields) -> None:
 
 
 async def _client(url: str, model: str, ready_file: Path, start_file: Path, prompt: list[int], max_tokens: int,
-                  timeout_s: float) -> dict:
+                  timeout_s: float, ready_timeout_s: float = SERVE_START_TIMEOUT_S) -> dict:
     """Wait for the worker to have started, say so in ``ready_file``, read t0 from ``start_file``, send the
     prompt at t0 and time its stream (each piece also goes to stdout, see :func:`_say`)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        started = await _wait_serve_started(http, url, time.time() + SERVE_START_TIMEOUT_S)
+        started = await _wait_serve_started(http, url, ready_timeout_s)
         ready_file.write_text(f"{started:.6f}")
         start_at = await _wait_start_file(start_file, time.time() + SEED_START_TIMEOUT_S)
         await asyncio.sleep(max(start_at - time.time(), 0.0))
@@ -415,11 +420,12 @@ async def _client(url: str, model: str, ready_file: Path, start_file: Path, prom
 
 
 def client_argv(url: str, model: str, ready_file: Path, start_file: Path, prompt_file: Path, max_tokens: int,
-                timeout_s: float, out: Path) -> list[str]:
+                timeout_s: float, out: Path, ready_timeout_s: float = SERVE_START_TIMEOUT_S) -> list[str]:
     """The command line of a client (see :func:`client_main`) to start on a worker host."""
     return [sys.executable, "-m", "benchmarks.coldstart", "--url", url, "--model", model, "--ready-file",
             str(ready_file), "--start-file", str(start_file), "--prompt", str(prompt_file), "--max-tokens",
-            str(max_tokens), "--timeout", f"{timeout_s:g}", "--out", str(out)]
+            str(max_tokens), "--timeout", f"{timeout_s:g}", "--ready-timeout", f"{ready_timeout_s:g}", "--out",
+            str(out)]
 
 
 def write_start_file(path: Path, start_at: float) -> None:
@@ -437,6 +443,8 @@ def client_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt", type=Path, required=True, help="JSON list of token ids")
     parser.add_argument("--max-tokens", type=int, required=True)
     parser.add_argument("--timeout", type=float, required=True, help="longest silence from the worker, seconds")
+    parser.add_argument("--ready-timeout", type=float, default=SERVE_START_TIMEOUT_S,
+                        help="how long the worker may take to start, seconds")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     import aiohttp
@@ -444,7 +452,7 @@ def client_main(argv: Sequence[str] | None = None) -> int:
     prompt = json.loads(args.prompt.read_text())
     try:
         result = asyncio.run(_client(args.url, args.model, args.ready_file, args.start_file, prompt, args.max_tokens,
-                                     args.timeout))
+                                     args.timeout, args.ready_timeout))
     except ColdStartBenchError as exc:
         result = {"error": str(exc)}
     except (aiohttp.ClientError, TimeoutError) as exc:  # the worker went away or fell silent

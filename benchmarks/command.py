@@ -276,39 +276,72 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
 
 
 @bench_group.command("coldstart")
-@click.option("--prompt-tokens", default="128,512,1024", show_default=True,
-              help="Prompt lengths in tokens, comma-separated.")
-@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
-              help="The worker's and the store's link rate per direction, Mbit/s.")
+@click.option("--engine", type=click.Choice(["pipecast", "vllm"]), default="pipecast", show_default=True,
+              help="pipecast: one cold pipecast worker, execute-while-load vs load-then-serve. vllm: N cold `vllm "
+                   "serve` workers from the scale-up, pipecast multicast vs the store vs vLLM's own loader from disk.")
+@click.option("--prompt-tokens", help="Prompt lengths in tokens, comma-separated [default: 128,512,1024; with "
+                                      "--engine vllm one length, 128].")
+@click.option("--workers", default="1,4", show_default=True, help="--engine vllm: worker counts N, comma-separated.")
+@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True),
+              help="Every host's link rate per direction, Mbit/s [default: 400; with --engine vllm 50, where the "
+                   "transfer dominates vLLM's start-up].")
 @click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Block package to start cold (default: the demo model's, packed on first use).")
-@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Cold starts per strategy and prompt length; the medians are reported.")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="--engine vllm: the safetensors checkpoint the package was packed from, for vLLM's default "
+                   "loader (default: the demo model's).")
+@click.option("--vllm-venv", type=click.Path(file_okay=False, path_type=Path), envvar="PIPECAST_VLLM_VENV",
+              default=Path(".venv-vllm"), show_default=True,
+              help="--engine vllm: vLLM's environment with the pipecast-vllm plugin (make test-vllm builds it).")
+@click.option("--repeat", type=click.IntRange(min=1),
+              help="Cold starts per strategy (and prompt length or N); the medians are reported [default: 3; with "
+                   "--engine vllm 1].")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True,
               help="Tokens generated per request (compared between the strategies).")
 @click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
               help="Emulated cluster: network namespaces with tc, or loopback with app-level rate limits.")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Torch threads of the worker (OMP_NUM_THREADS) and of the compute measurement; more than one "
+              help="Torch threads of each worker (OMP_NUM_THREADS) and of the compute measurement; more than one "
                    "lets other load on a shared machine stall torch's thread pool for whole seconds.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
 @click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
               show_default=True, help="Where the demo package is cached.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep every run's logs, events and answers here (default: a temp dir, removed).")
-def bench_coldstart(prompt_tokens, link_mbit, package, repeat, max_tokens, mode, threads, json_path, cache, workdir):
-    """Time to first token of a cold worker: execute-while-load vs load-then-serve, beside S/B + compute."""
+def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoint, vllm_venv, repeat, max_tokens,
+                    mode, threads, json_path, cache, workdir):
+    """Time to first token of cold workers, beside the floor and the baseline (see --engine)."""
     from benchmarks import coldstart
 
+    vllm = engine == "vllm"
     try:
-        lengths = coldstart.parse_prompt_tokens(prompt_tokens)
+        lengths = coldstart.parse_prompt_tokens(prompt_tokens or ("128" if vllm else "128,512,1024"))
+        if vllm:
+            from benchmarks import coldstart_vllm
+
+            counts = coldstart_vllm.parse_workers(workers)
+            if len(lengths) > 1:
+                raise coldstart.ColdStartBenchError("--engine vllm takes one prompt length")
     except coldstart.ColdStartBenchError as exc:
         raise click.BadParameter(str(exc)) from None
     if package is None:
         package = _demo(cache)
-    config = coldstart.ColdStartConfig(package=package, prompt_tokens=lengths, link_mbit=link_mbit, repeat=repeat,
-                                       max_tokens=max_tokens, mode=mode, threads=threads)
-    _run_and_report(coldstart.run, config, workdir, coldstart.format_report, json_path)
+    if not vllm:
+        config = coldstart.ColdStartConfig(package=package, prompt_tokens=lengths, link_mbit=link_mbit or 400.0,
+                                           repeat=repeat or 3, max_tokens=max_tokens, mode=mode, threads=threads)
+        _run_and_report(coldstart.run, config, workdir, coldstart.format_report, json_path)
+        return
+    if checkpoint is None:
+        from benchmarks.demo_model import demo_checkpoint
+
+        checkpoint = demo_checkpoint(cache)
+    try:
+        config = coldstart_vllm.VllmColdStartConfig(
+            package=package, checkpoint=checkpoint, vllm_venv=vllm_venv, workers=counts, link_mbit=link_mbit or 50.0,
+            prompt_tokens=lengths[0], max_tokens=max_tokens, repeat=repeat or 1, threads=threads, mode=mode)
+    except coldstart.ColdStartBenchError as exc:
+        raise click.UsageError(str(exc)) from None
+    _run_and_report(coldstart_vllm.run, config, workdir, coldstart_vllm.format_report, json_path)
 
 
 @bench_group.command("pipelines")
