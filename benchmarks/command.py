@@ -484,6 +484,9 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
 @click.option("--nodes", default="16,64,256,1024", show_default=True, help="Receiver counts N, comma-separated.")
 @click.option("--strategy", "strategies", default="chain,binomial", show_default=True,
               help="Planner strategies to simulate, comma-separated (chain, binomial, tree, unicast).")
+@click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Take the blocks' and chunks' sizes from this package's manifest (overrides --model-bytes, "
+                   "--blocks and --chunk-bytes).")
 @click.option("--model-bytes", type=SIZE, default="257MiB", show_default=True, help="Model size S (the demo model's).")
 @click.option("--blocks", type=click.IntRange(min=1), default=8, show_default=True, help="Blocks of equal size.")
 @click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
@@ -491,8 +494,12 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
 @click.option("--chunk-bytes", type=SIZE, default="1MiB", show_default=True, help="The cut-through unit.")
 @click.option("--hop-latency-ms", type=click.FloatRange(min=0), default=0.2, show_default=True,
               help="Latency of each hop, ms.")
+@click.option("--serve", type=click.Choice(["fair", "earliest"]), default="fair", show_default=True,
+              help="How an uplink picks among its waiting children: fair (as agents serve them) or the child "
+                   "furthest behind in its fetch list first.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
-def bench_simulate(nodes, strategies, model_bytes, blocks, link_mbit, chunk_bytes, hop_latency_ms, json_path):
+def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, chunk_bytes, hop_latency_ms, serve,
+                   json_path):
     """Multicast completion at any N in the chunk-level simulator, from the control plane's own plans."""
     from benchmarks import distribution, simulate
     from benchmarks.runinfo import parse_counts
@@ -502,15 +509,26 @@ def bench_simulate(nodes, strategies, model_bytes, blocks, link_mbit, chunk_byte
         names = distribution.parse_strategies(strategies)
     except distribution.DistributionBenchError as exc:
         raise click.BadParameter(str(exc)) from None
-    settings = dict(model_bytes=model_bytes, blocks=blocks, link_mbit=link_mbit, chunk_bytes=chunk_bytes,
-                    hop_latency_s=hop_latency_ms / 1e3)
+    source = ""
+    if package is not None:
+        from packager.manifest import read_manifest
+        from pipecast.core.units import format_bytes
+
+        manifest = read_manifest(package)
+        block_bytes = [b.bytes for b in manifest.blocks]
+        chunk_bytes = max(b.chunk_bytes for b in manifest.blocks)
+        source = f"{manifest.model_name} ({format_bytes(manifest.total_bytes)})"
+    else:
+        block_bytes = simulate.equal_blocks(model_bytes, blocks)
+    settings = dict(block_bytes=block_bytes, link_mbit=link_mbit, chunk_bytes=chunk_bytes,
+                    hop_latency_s=hop_latency_ms / 1e3, serve=serve)
     with Progress.on_stderr(_echo_err) as progress:
         progress.start(len(counts) * len(names), "simulate")
         results = simulate.run(list(counts), list(names), **settings,
                                progress=lambda line: (progress.status(line), progress.advance()))
-    click.echo(simulate.report(results, **settings))
+    click.echo(simulate.report(results, **settings, source=source))
     if json_path:
-        json_path.write_text(json.dumps(simulate.to_json(results, **settings), indent=2))
+        json_path.write_text(json.dumps(simulate.to_json(results, **settings, package=str(package or "")), indent=2))
 
 
 @bench_group.command("control-plane")

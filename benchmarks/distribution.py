@@ -143,13 +143,15 @@ class PackageFacts:
     files_bytes: int  # the small files (tokenizer, config), fetched before the blocks
     block_bytes: tuple[int, ...]
     chunk_bytes: int
+    chunk_counts: tuple[int, ...]  # each block's chunks: a binomial plan's units are ranges of them
 
     @classmethod
     def of(cls, path: Path, manifest: Manifest) -> "PackageFacts":
         return cls(path=Path(path), package_id=manifest.package_id, model_name=manifest.model_name,
                    total_bytes=manifest.total_bytes, files_bytes=sum(f.bytes for f in manifest.files),
                    block_bytes=tuple(b.bytes for b in manifest.blocks),
-                   chunk_bytes=max(b.chunk_bytes for b in manifest.blocks))
+                   chunk_bytes=max(b.chunk_bytes for b in manifest.blocks),
+                   chunk_counts=tuple(len(b.chunk_digests) for b in manifest.blocks))
 
 
 # -- bounds (pure) -------------------------------------------------------------------------------------
@@ -204,7 +206,7 @@ def theory_seconds(strategy: str, n: int, total_bytes: int, chunk_bytes: int, li
 
 def model_seconds(strategy: str, n: int, facts: PackageFacts, link_mbit: float) -> float:
     """The fluid model's time for the plan this benchmark runs (links shared fairly, chunk cut-through)."""
-    plan = make_plan(strategy, [STORE], worker_names(n), len(facts.block_bytes))
+    plan = make_plan(strategy, [STORE], worker_names(n), len(facts.block_bytes), chunk_counts=facts.chunk_counts)
     finished = simulate(plan, list(facts.block_bytes), mbit_to_bytes_per_s(link_mbit), facts.chunk_bytes)
     return max(finished.values())
 
@@ -391,8 +393,8 @@ def format_report(report: DistributionReport) -> str:
              f"agents: their own share of it"]
     if any(r.strategy in BLOCK_ROUND_STRATEGIES for r in report.results):
         lines.append(f"note: {', '.join(BLOCK_ROUND_STRATEGIES)} theory is the chunk-level pipeline's; the planner "
-                     "schedules whole blocks in rounds, about (k+d)/k x the floor for k equal blocks and "
-                     "d = floor(log2(N+1)), and a big block (the embeddings) stretches its rounds: see model x")
+                     "schedules units (chunk ranges of blocks; rotated chains of up to 8: whole blocks) in rounds, "
+                     "about (k+d)/k x the floor for k units and d = floor(log2(N+1)): see model x")
     header = (f"{'strategy':<10} {'time s':>8} {'x floor':>8} {'theory x':>9} {'model x':>8} {'goodput':>9} "
               f"{'workers s (first-last)':>23} {'CPU':>5} {'agents':>7}")
     for n in dict.fromkeys(r.workers for r in report.results):
@@ -497,7 +499,7 @@ def run_once(cluster: EmulatedCluster, folder: Path, facts: PackageFacts, strate
     hosts = [STORE, *workers]
     ports = {h: AGENT_PORT if cluster.mode == "netns" else free_port(cluster.address(h)) for h in hosts}
     nodes = {h: f"{cluster.address(h)}:{ports[h]}" for h in hosts}
-    plan = make_plan(strategy, [STORE], workers, len(facts.block_bytes))
+    plan = make_plan(strategy, [STORE], workers, len(facts.block_bytes), chunk_counts=facts.chunk_counts)
     run = _Run(cluster, folder, config.transport, secrets.token_hex(16) if config.auth else "", config.tls)
     plan_path = folder / "plan.json"
     plan_path.write_text(json.dumps(plan_file_data(plan, facts.package_id, nodes)))

@@ -2,20 +2,26 @@
 chunk-level simulator (:mod:`control_plane.planner.simulate`), beside the floor and a lower bound.
 
 For each receiver count N and strategy, the plan :func:`control_plane.planner.schedules.make_plan` makes
-from one store is simulated with uniform links, chunk cut-through and a per-hop latency; the figure is
-when the last receiver holds the model. The floor is S/B (one copy over one link); the lower bound,
-which no schedule can beat, adds the first chunk's time and one hop's latency. ``default`` marks the
-strategy the control plane picks itself for N receivers from one store (``default_strategy``).
+from one store, given the blocks' chunk counts as the control plane gives them, is simulated with uniform
+links, chunk cut-through, a per-hop latency and uplinks shared fairly among the children fetching from them
+(as agents serve them); the figure is when the last receiver holds the model. A
+``binomial`` plan so runs over chunk-range units; ``binomial-blocks``, listed after it, is the same
+pipeline over whole blocks, for comparison. The floor is S/B (one copy over one link); the lower bound,
+which no schedule can beat (:func:`control_plane.planner.simulate.lower_bound`), adds the first chunk's
+time and one hop's latency. ``default`` marks the strategy the control plane picks itself for N receivers
+from one store (``default_strategy``).
 """
 
+import math
 from dataclasses import asdict, dataclass
 
 from control_plane.placement import default_strategy
 from control_plane.planner.schedules import make_plan
-from control_plane.planner.simulate import simulate
+from control_plane.planner.simulate import lower_bound, simulate
 from pipecast.core.units import format_bytes
 
 STRATEGIES = ("chain", "binomial", "tree", "unicast")
+WHOLE_BLOCKS = "binomial-blocks"  # the label of the binomial pipeline over whole blocks
 
 
 @dataclass(frozen=True)
@@ -23,43 +29,61 @@ class SimulatedRun:
     """One (N, strategy) figure, the JSON ``results[]`` entry."""
 
     nodes: int
-    strategy: str
+    strategy: str  # a planner strategy, or WHOLE_BLOCKS
     default: bool
+    units: int  # fetches in a receiver's list (the most of any receiver): the plan's units
     seconds: float
     floor_seconds: float
     ratio_to_floor: float
     lower_bound_seconds: float
 
 
-def run(nodes: list[int], strategies: list[str], *, model_bytes: int, blocks: int, link_mbit: float,
-        chunk_bytes: int, hop_latency_s: float, progress=lambda line: None) -> list[SimulatedRun]:
-    """Simulate every (N, strategy); ``progress`` gets a line per figure."""
+def equal_blocks(model_bytes: int, blocks: int) -> list[int]:
+    """``model_bytes`` cut into ``blocks`` blocks of equal size (the first ones a byte larger)."""
+    return [model_bytes // blocks + (b < model_bytes % blocks) for b in range(blocks)]
+
+
+def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link_mbit: float, chunk_bytes: int,
+        hop_latency_s: float, serve: str = "fair", progress=lambda line: None) -> list[SimulatedRun]:
+    """Simulate every (N, strategy) for blocks of ``block_bytes``, and the whole-block binomial after
+    ``binomial``; ``serve`` is how an uplink picks among its waiting children (the simulator's policies;
+    agents serve fairly); ``progress`` gets a line per figure. Raises RuntimeError if a figure beats its
+    lower bound (a simulator fault)."""
     rate = link_mbit * 1e6 / 8
-    block_bytes = [model_bytes // blocks + (b < model_bytes % blocks) for b in range(blocks)]
-    floor = model_bytes / rate
-    bound = floor + min(chunk_bytes, max(block_bytes)) / rate + hop_latency_s
+    blocks = len(block_bytes)
+    chunk_counts = [math.ceil(size / chunk_bytes) for size in block_bytes]  # as the manifest gives them
+    floor = sum(block_bytes) / rate
     out = []
     for n in nodes:
         receivers = [f"w{i}" for i in range(n)]
         for strategy in strategies:
-            plan = make_plan(strategy, ["store"], receivers, blocks)
-            seconds = max(simulate(plan, block_bytes, rate, chunk_bytes, hop_latency_s=hop_latency_s).values())
-            figure = SimulatedRun(n, strategy, strategy == default_strategy(1, n), seconds, floor, seconds / floor,
-                                  bound)
-            progress(f"N={n} {strategy}: {seconds:.2f} s = {figure.ratio_to_floor:.2f} x S/B")
-            out.append(figure)
+            plans = [(strategy, make_plan(strategy, ["store"], receivers, blocks, chunk_counts=chunk_counts))]
+            if strategy == "binomial":
+                plans.append((WHOLE_BLOCKS, make_plan(strategy, ["store"], receivers, blocks)))
+            for label, plan in plans:
+                seconds = max(simulate(plan, block_bytes, rate, chunk_bytes, serve=serve,
+                                       hop_latency_s=hop_latency_s).values())
+                bound = lower_bound(plan, block_bytes, rate, chunk_bytes, hop_latency_s=hop_latency_s)
+                if seconds < bound:
+                    raise RuntimeError(f"N={n} {label}: simulated {seconds:.4f} s, below the lower bound {bound:.4f} s")
+                units = max(map(len, plan.assignments.values()), default=0)
+                figure = SimulatedRun(n, label, label == default_strategy(1, n), units, seconds, floor,
+                                      seconds / floor, bound)
+                progress(f"N={n} {label}: {seconds:.2f} s = {figure.ratio_to_floor:.2f} x S/B")
+                out.append(figure)
     return out
 
 
-def report(results: list[SimulatedRun], *, model_bytes: int, blocks: int, link_mbit: float, chunk_bytes: int,
-           hop_latency_s: float) -> str:
+def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: float, chunk_bytes: int,
+           hop_latency_s: float, serve: str = "fair", source: str = "") -> str:
     """The table: per N, each strategy's completion over S/B, the default marked, the bound beside."""
-    lines = [f"simulated multicast of {format_bytes(model_bytes)} in {blocks} blocks, {format_bytes(chunk_bytes)} "
-             f"chunks, {link_mbit:g} Mbit/s links, {hop_latency_s * 1e3:g} ms a hop, from one store",
-             f"{'N':>6}  {'strategy':<9} {'seconds':>9} {'x S/B':>7}  lower bound", ]
+    lines = [f"simulated multicast of {source or format_bytes(sum(block_bytes))} in {len(block_bytes)} blocks, "
+             f"{format_bytes(chunk_bytes)} chunks, {link_mbit:g} Mbit/s links, {hop_latency_s * 1e3:g} ms a hop, "
+             f"uplinks shared {'fairly' if serve == 'fair' else 'child furthest behind first'}, from one store",
+             f"{'N':>6}  {'strategy':<15} {'units':>5} {'seconds':>9} {'x S/B':>7}  lower bound", ]
     for r in results:
         mark = " (default)" if r.default else ""
-        lines.append(f"{r.nodes:>6}  {r.strategy:<9} {r.seconds:>9.2f} {r.ratio_to_floor:>7.2f}  "
+        lines.append(f"{r.nodes:>6}  {r.strategy:<15} {r.units:>5} {r.seconds:>9.2f} {r.ratio_to_floor:>7.2f}  "
                      f"{r.lower_bound_seconds:.2f} s{mark}")
     return "\n".join(lines)
 

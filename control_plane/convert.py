@@ -57,12 +57,19 @@ def blocks_from_proto(msgs: Iterable[pb.PackageBlocks]) -> dict[str, set[int]]:
     return out
 
 
+def transfer_to_proto(fetch: Fetch, parent: pb.Peer) -> pb.Transfer:
+    """A plan's fetch as the assignment stream carries it: its chunk range, if any, as first/end chunk."""
+    first, end = fetch.chunks or (0, 0)
+    return pb.Transfer(block=fetch.block, peer=parent, first_chunk=first, end_chunk=end)
+
+
 def update_from_proto(msg: pb.AssignmentUpdate) -> AssignmentUpdate:
     """The update's fetches keep their parents' addresses; a serve list needs only the children's ids."""
     return AssignmentUpdate(
         kind=_KIND_FROM_PROTO[msg.kind], plan_id=msg.plan_id, package_id=msg.package_id, version=msg.version,
         strategy=msg.strategy,
-        fetch=tuple(Fetch(t.block, peer_from_proto(t.peer)) for t in msg.fetch),
+        fetch=tuple(Fetch(t.block, peer_from_proto(t.peer), (t.first_chunk, t.end_chunk) if t.end_chunk else None)
+                    for t in msg.fetch),
         serve=tuple((t.block, t.peer.node_id) for t in msg.serve),
         plan_ids=tuple(msg.plan_ids), sources=tuple(peer_from_proto(p) for p in msg.sources),
         receivers=tuple(msg.receivers), priority=msg.priority or DEFAULT_PRIORITY)

@@ -38,6 +38,7 @@ from control_plane.convert import (
     scale_event_to_proto,
     spec_from_proto,
     spec_to_proto,
+    transfer_to_proto,
 )
 from control_plane.auth import DENIED, current_principal
 from control_plane.deployments import DeploymentBook
@@ -496,7 +497,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         return pb.AssignmentUpdate(
             kind=pb.AssignmentUpdate.ASSIGN, plan_id=active.plan_id, package_id=active.package_id,
             version=active.version, strategy=active.plan.strategy,
-            fetch=[pb.Transfer(block=a.block, peer=peer(a.parent)) for a in part.fetch],
+            fetch=[transfer_to_proto(a, peer(a.parent)) for a in part.fetch],
             serve=[pb.Transfer(block=block, peer=peer(child)) for block, child in part.serve],
             sources=[peer(source) for source in active.plan.sources],
             # A source is every receiver's fallback: it may serve each of them, and only them.
@@ -524,9 +525,11 @@ def host_port(address: str, what: str) -> tuple[str, int]:
 
 
 def _build_encoded(draft: ScaleUpDraft) -> Plan:
-    """The draft's plan with its stored form made too (both heavy for thousands of receivers; in a thread)."""
+    """The draft's plan with its stored form and its nodes' parts made too (all heavy for thousands of
+    receivers; in a thread)."""
     plan = draft.build()
     plan.encoded()
+    plan.parts()
     return plan
 
 

@@ -67,6 +67,11 @@ class Package:
         return tuple(block.bytes for block in self.manifest.blocks)
 
     @functools.cached_property
+    def chunk_counts(self) -> tuple[int, ...]:
+        """Each block's chunks, by index: a binomial plan's units are ranges of them."""
+        return tuple(len(block.chunk_digests) for block in self.manifest.blocks)
+
+    @functools.cached_property
     def layout(self) -> ModelLayout | None:
         """What the pipeline former needs of the package; None if its blocks hold no decoder layers."""
         if not any(b.layer_end > b.layer_start for b in self.manifest.blocks):
@@ -148,12 +153,14 @@ class ScaleUpDraft:
     links: Mapping[str, int] = field(default_factory=dict)
     num_blocks: int = 0
     block_bytes: tuple[int, ...] = ()
+    chunk_counts: tuple[int, ...] = ()
     held: Mapping[str, frozenset[int]] = field(default_factory=dict)  # only when a receiver holds some
 
     def build(self) -> Plan:
         """The plan (pure; nothing a receiver already verified is fetched again)."""
         plan = make_plan(self.strategy, self.sources, self.receivers, self.num_blocks, fanout=self.fanout,
-                         labels=self.labels, block_bytes=self.block_bytes, source_links=self.links)
+                         labels=self.labels, block_bytes=self.block_bytes, source_links=self.links,
+                         chunk_counts=self.chunk_counts or None)
         if self.held:
             plan = replan(plan, dead=(), held=self.held, sources=self.sources, labels=self.labels, fanout=self.fanout)
         return plan
@@ -432,7 +439,7 @@ class ControlState:
         return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged), tuple(sources),
                             strategy or default_strategy(slots, len(receivers)), fanout or DEFAULT_FANOUT,
                             self._labels({*held, *sources, *receivers}), links, package.num_blocks,
-                            tuple(package.block_bytes), held)
+                            package.block_bytes, package.chunk_counts, held)
 
     def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float) -> ScaleUpResult:
         """Start ``plan``, built from ``draft``, and tell its nodes. If the cluster changed since the draft

@@ -1,4 +1,5 @@
-"""A multicast plan as a value: who fetches which block from whom, in which order, and its checks.
+"""A multicast plan as a value: who fetches which block, or chunk range of a block, from whom, in which
+order, and its checks.
 
 The planners (:mod:`control_plane.planner.schedules`, :mod:`control_plane.planner.replan`) build plans,
 the control plane splits them into each node's :class:`Part`, and static plan files carry their JSON.
@@ -7,7 +8,7 @@ the control plane splits them into each node's :class:`Part`, and static plan fi
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -16,6 +17,8 @@ from pipecast.core.errors import PipecastError
 STRATEGIES = ("unicast", "chain", "tree", "binomial", "rotated")
 
 Node = TypeVar("Node")
+Value = TypeVar("Value")
+Chunks = tuple[int, int] | None  # a chunk range [first, end) of a block; None: the whole block
 
 
 class PlanError(PipecastError):
@@ -24,14 +27,18 @@ class PlanError(PipecastError):
 
 @dataclass(frozen=True, slots=True)
 class Fetch(Generic[Node]):
-    """One fetch: the receiver gets ``block`` (0-based index) from ``parent``.
+    """One fetch: the receiver gets ``block`` (0-based index), or its chunks ``chunks = (first, end)``
+    (``first`` .. ``end - 1``), from ``parent``.
 
     The parent is a node id in plans (``Fetch[str]``) and, in the parts the control plane sends to a
-    worker, the node with its address (``Fetch[PeerInfo]``, see :mod:`control_plane.messages`).
+    worker, the node with its address (``Fetch[PeerInfo]``, see :mod:`control_plane.messages`). A plan
+    unit smaller than a block lets a schedule keep every uplink busy at any N (a binomial pipeline of k
+    units takes (k + d)/k x S/B); ``None`` is the whole block.
     """
 
     block: int
     parent: Node
+    chunks: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -39,17 +46,18 @@ class Part:
     """One node's part in a plan: what it fetches (in order, each from its parent) and whom it serves."""
 
     fetch: tuple[Fetch[str], ...]
-    serve: tuple[tuple[int, str], ...]  # (block, child); each child fetches in its own order
+    serve: tuple[tuple[int, str], ...]  # (block, child), once per pair; each child fetches in its own order
 
 
 @dataclass
 class Plan:
     """A multicast schedule.
 
-    ``sources`` hold the whole package. ``assignments`` maps each receiver to its fetches, in the order it
-    fetches them. ``held`` names non-source nodes that serve blocks they already hold (only replanned
-    plans have any); it is part of the JSON only when not empty. Treat a plan as a value: build a new one
-    instead of mutating it, because :meth:`children` caches an index.
+    ``sources`` hold the whole package. ``assignments`` maps each receiver to its fetches (of whole blocks,
+    or of chunk ranges of blocks: units), in the order it fetches them. ``held`` names non-source nodes that
+    serve blocks they already hold (only replanned plans have any); it is part of the JSON only when not
+    empty. Treat a plan as a value: build a new one instead of mutating it, because :meth:`children` caches
+    an index.
     """
 
     strategy: str
@@ -58,27 +66,35 @@ class Plan:
     held: dict[str, tuple[int, ...]] = field(default_factory=dict)
     _children: dict[tuple[str, int], list[str]] | None = field(default=None, init=False, repr=False, compare=False)
     _encoded: str | None = field(default=None, init=False, repr=False, compare=False)
+    _parts: dict[str, Part] | None = field(default=None, init=False, repr=False, compare=False)
 
     def children(self, node: str, block: int) -> list[str]:
-        """The receivers that fetch ``block`` from ``node``, in the order of :attr:`assignments`."""
+        """The receivers that fetch ``block``, or chunk ranges of it, from ``node``, each once, in the order
+        of :attr:`assignments`."""
         if self._children is None:
             index: dict[tuple[str, int], list[str]] = {}
             for receiver, fetches in self.assignments.items():
                 for a in fetches:
-                    index.setdefault((a.parent, a.block), []).append(receiver)
+                    children = index.setdefault((a.parent, a.block), [])
+                    # Receivers are indexed one after another: one listed already for this pair is the last.
+                    if not children or children[-1] != receiver:
+                        children.append(receiver)
             self._children = index
         return list(self._children.get((node, block), ()))
 
     def parts(self) -> dict[str, Part]:
         """Every node's part: receivers fetch; parents (sources, receivers, holders) serve; every source has
-        a part, children or not (it is every receiver's fallback, so it must hear of the plan)."""
+        a part, children or not (it is every receiver's fallback, so it must hear of the plan). Made once (a
+        few hundred ms for thousands of receivers in units: the control plane has them made off its event
+        loop); each call returns a new dict of them."""
+        if self._parts is None:
+            self._parts = self._make_parts()
+        return dict(self._parts)
+
+    def _make_parts(self) -> dict[str, Part]:
         serving: dict[str, list[tuple[int, str]]] = {}
         for receiver, fetches in self.assignments.items():
-            for fetch in fetches:
-                children = serving.get(fetch.parent)
-                if children is None:
-                    children = serving[fetch.parent] = []
-                children.append((fetch.block, receiver))
+            add_serving(serving, receiver, fetches)
         parts = {receiver: Part(tuple(fetches), ()) for receiver, fetches in self.assignments.items()}
         for node, children in serving.items():
             own = parts.get(node)
@@ -88,17 +104,20 @@ class Plan:
         return parts
 
     def to_json(self) -> dict:
-        """The plan as JSON-able data: ``{"strategy", "sources", "assignments": {rx: [[block, parent], ..]}}``."""
+        """The plan as JSON-able data: ``{"strategy", "sources", "assignments": {rx: [fetch, ..]}}``, a fetch
+        ``[block, parent]`` for a whole block, ``[block, parent, first, end]`` for its chunks first..end-1."""
         data: dict = {"strategy": self.strategy, "sources": list(self.sources),
-                      "assignments": {rx: [[a.block, a.parent] for a in fetches]
+                      "assignments": {rx: [[a.block, a.parent] if a.chunks is None else [a.block, a.parent, *a.chunks]
+                                           for a in fetches]
                                       for rx, fetches in self.assignments.items()}}
         if self.held:
             data["held"] = {node: list(blocks) for node, blocks in self.held.items()}
         return data
 
     def encoded(self) -> str:
-        """:meth:`to_json` as compact JSON text, made once (a 5,000-worker plan takes ~0.3 s: the control plane
-        has it made off its event loop, before the flush that stores it)."""
+        """:meth:`to_json` as compact JSON text, made once (a 5,000-worker plan takes ~0.3 s in whole blocks, ~1 s
+        in 132 units a worker: the control plane has it made off its event loop, before the flush that stores
+        it)."""
         if self._encoded is None:
             self._encoded = json.dumps(self.to_json(), separators=(",", ":"))
         return self._encoded
@@ -127,16 +146,25 @@ class Plan:
             raise PlanError(f"malformed plan: 'held' must be an object mapping node ids to block lists, "
                             f"got {type(held).__name__}")
         parsed: dict[str, list[Fetch[str]]] = {}
+        made: dict[tuple, Fetch[str]] = {}  # a parent's fetch of a unit recurs in each of its children's lists
         for receiver, fetches in assignments.items():
             if not isinstance(fetches, list | tuple):
                 raise PlanError(f"malformed plan: fetches of {receiver!r} must be a list, got {type(fetches).__name__}")
             out = []
-            for k, pair in enumerate(fetches):
-                if not (isinstance(pair, list | tuple) and len(pair) == 2 and is_index(pair[0])
-                        and isinstance(pair[1], str)):
-                    raise PlanError(f"malformed plan: fetch {k} of {receiver!r} must be [block, parent] with a "
-                                    f"block index >= 0 and a parent id, got {pair!r}")
-                out.append(Fetch(pair[0], pair[1]))
+            for k, entry in enumerate(fetches):
+                # Exact types: what JSON gives (a bool is no index), and checked fast at 100,000s of fetches.
+                size = len(entry) if type(entry) in (list, tuple) else 0
+                if not (size in (2, 4) and type(entry[0]) is int and entry[0] >= 0 and type(entry[1]) is str):
+                    raise PlanError(f"malformed plan: fetch {k} of {receiver!r} must be [block, parent] or [block, "
+                                    f"parent, first, end] with a block index >= 0 and a parent id, got {entry!r}")
+                if size == 4 and not (type(entry[2]) is int and type(entry[3]) is int and 0 <= entry[2] < entry[3]):
+                    raise PlanError(f"malformed plan: fetch {k} of {receiver!r} must give its chunks as first, "
+                                    f"end with integers 0 <= first < end, got {entry!r}")
+                key = tuple(entry)
+                fetch = made.get(key)
+                if fetch is None:
+                    fetch = made[key] = Fetch(entry[0], entry[1], (entry[2], entry[3]) if size == 4 else None)
+                out.append(fetch)
             parsed[receiver] = out
         parsed_held: dict[str, tuple[int, ...]] = {}
         for node, blocks in held.items():
@@ -150,10 +178,14 @@ class Plan:
     def validate(self) -> None:
         """Raise :class:`PlanError` unless the plan is executable.
 
-        Checked: a known strategy; distinct, non-empty node ids; no receiver that is a source; no block
-        fetched twice by one receiver or both held and fetched; no receiver its own parent; every parent
-        a source, a node that holds the block, or a receiver that fetches it; and no cycle through parent
-        links and fetch orders (per block or across blocks), so fetching in order cannot deadlock.
+        Checked: a known strategy; distinct, non-empty node ids; no receiver that is a source; chunk
+        ranges with 0 <= first < end; no two fetches of one receiver that overlap (the same block twice, a
+        whole block and a range of it, or two ranges sharing a chunk) and no block both held and fetched;
+        no receiver its own parent; every parent a source, a node that holds the block, or a receiver that
+        fetches the unit or one containing it (the whole block contains every range); and no cycle through
+        parent links and fetch orders (per unit or across units), so fetching in order cannot deadlock.
+        Not checked: that a range ends within its block, since a plan does not know the blocks' chunk
+        counts (an agent refuses a fetch past a block's end).
         """
         if self.strategy not in STRATEGIES:
             raise PlanError(f"malformed plan: unknown strategy {self.strategy!r} (expected one of "
@@ -168,101 +200,220 @@ class Plan:
                 raise PlanError(f"malformed plan: source {node!r} is also listed as a holder")
             if not all(is_index(b) for b in kept) or len(set(kept)) != len(kept):
                 raise PlanError(f"malformed plan: holder {node!r} must list distinct block indexes >= 0")
-        fetched: dict[str, set[int]] = {}
         for receiver, fetches in self.assignments.items():
             check_ids("malformed plan", (receiver,), "receiver")
             if receiver in sources:
                 raise PlanError(f"malformed plan: source {receiver!r} is also a receiver")
-            blocks: set[int] = set()
+            of_block: dict[int, list[Fetch[str]]] = {}
             for a in fetches:
-                if not is_index(a.block) or not isinstance(a.parent, str) or not a.parent:
+                # Exact types (a bool is no index), checked fast: a plan has up to 100,000s of fetches.
+                if type(a.block) is not int or a.block < 0 or type(a.parent) is not str or not a.parent:
                     raise PlanError(f"malformed plan: {receiver!r} has a fetch {a!r} without a block index >= 0 "
                                     "and a parent id")
+                chunks = a.chunks
+                if chunks is not None and not (type(chunks) is tuple and len(chunks) == 2 and type(chunks[0]) is int
+                                               and type(chunks[1]) is int and 0 <= chunks[0] < chunks[1]):
+                    raise PlanError(f"malformed plan: {receiver!r} has a fetch {a!r} whose chunks are not a range "
+                                    "(first, end) of integers with 0 <= first < end")
                 if a.parent == receiver:
-                    raise PlanError(f"malformed plan: {receiver!r} fetches block {a.block} from itself")
-                if a.block in blocks:
-                    raise PlanError(f"malformed plan: {receiver!r} fetches block {a.block} twice")
-                blocks.add(a.block)
-            both = blocks.intersection(self.held.get(receiver, ()))
+                    raise PlanError(f"malformed plan: {receiver!r} fetches {unit_name(a.block, a.chunks)} from "
+                                    "itself")
+                earlier = of_block.get(a.block)
+                if earlier is None:
+                    of_block[a.block] = [a]
+                    continue
+                if a.chunks is None or earlier[0].chunks is None:  # a whole block overlaps everything of it
+                    _overlap(receiver, earlier[0], a)
+                earlier.append(a)
+            for ranged in of_block.values():
+                if len(ranged) > 1:
+                    _check_disjoint(receiver, ranged)
+            both = of_block.keys() & set(self.held.get(receiver, ()))
             if both:
                 raise PlanError(f"malformed plan: {receiver!r} fetches block {min(both)} that it holds")
-            fetched[receiver] = blocks
-        for receiver, fetches in self.assignments.items():
-            for a in fetches:
-                if a.parent not in sources and a.block not in fetched.get(a.parent, ()) \
-                        and a.block not in self.held.get(a.parent, ()):
-                    raise PlanError(f"malformed plan: {receiver!r} fetches block {a.block} from {a.parent!r}, "
-                                    "which is no source, does not hold it and does not fetch it")
-        self.fetch_levels()
+        self._levels(check_parents=True)
 
     def fetch_levels(self) -> dict[str, list[int]]:
         """The earliest step of each fetch (aligned with :attr:`assignments`) if every fetch took one step.
 
-        A fetch waits for the receiver's previous fetch and, when the parent itself fetches the block,
-        for the parent's fetch. Raises :class:`PlanError` when these waits form a cycle (the plan would
-        deadlock), naming a receiver that is its own ancestor for a block where there is one.
+        A fetch waits for the receiver's previous fetch and, when the parent itself fetches the unit (or
+        one containing it), for that fetch of the parent's. Raises :class:`PlanError` when these waits form
+        a cycle (the plan would deadlock), naming a receiver that is its own ancestor for a unit where
+        there is one. Linear in the fetches, for plans whose receivers split a block as their parents do
+        (a parent's other ranges of the block are searched otherwise).
         """
-        # Fetches numbered flat, receiver after receiver: fetch f's successor in its list is f + 1.
+        return self._levels(check_parents=False)
+
+    def _levels(self, check_parents: bool) -> dict[str, list[int]]:
+        # Fetches numbered flat, receiver after receiver: fetch f's successor in its list is f + 1. Each
+        # waits for at most two others (its predecessor and its parent's fetch), so the fetches that wait
+        # for one are linked in arrays (first dependent, next sibling) rather than in a list each.
         first: dict[str, int] = {}
-        position: dict[str, dict[int, int]] = {}
+        exact: dict[tuple[str, int, Chunks], int] = {}
         total = 0
         for rx, fetches in self.assignments.items():
             first[rx] = total
-            position[rx] = {a.block: total + k for k, a in enumerate(fetches)}
+            for f, a in enumerate(fetches, start=total):
+                exact[rx, a.block, a.chunks] = f
             total += len(fetches)
+        index = UnitIndex(exact)  # for a unit a parent does not fetch as such: one containing it
+        sources, held = set(self.sources), self.held
         last = bytearray(total)
         waiting = [1] * total
-        dependents: dict[int, list[int]] = {}
+        above = [-1] * total  # the parent's fetch each fetch waits for, -1 for none
+        head = [-1] * total  # the first fetch that waits for fetch f as its parent's, -1 for none
+        sibling = [-1] * total  # the next fetch that waits for the same parent's fetch
         for rx, fetches in self.assignments.items():
             if fetches:
                 waiting[first[rx]] = 0
                 last[first[rx] + len(fetches) - 1] = 1
             for f, a in enumerate(fetches, start=first[rx]):
-                parent_f = position.get(a.parent, {}).get(a.block)
+                parent_f = exact.get((a.parent, a.block, a.chunks))
+                if parent_f is None:
+                    if a.parent in sources or (held and a.block in held.get(a.parent, ())):
+                        continue
+                    parent_f = index.get(a.parent, a.block, a.chunks)
                 if parent_f is not None:
-                    dependents.setdefault(parent_f, []).append(f)
+                    above[f] = parent_f
+                    sibling[f] = head[parent_f]
+                    head[parent_f] = f
                     waiting[f] += 1
+                elif check_parents:
+                    it = ("it and does not fetch it" if a.chunks is None
+                          else "the block and fetches no unit containing those chunks")
+                    raise PlanError(f"malformed plan: {rx!r} fetches {unit_name(a.block, a.chunks)} from "
+                                    f"{a.parent!r}, which is no source, does not hold {it}")
         level = [0] * total
         ready = [f for f in first.values() if f < total and waiting[f] == 0]
+
+        def wait_less(g: int, step: int) -> None:
+            if level[g] < step:
+                level[g] = step
+            waiting[g] -= 1
+            if waiting[g] == 0:
+                ready.append(g)
+
         done = 0
         while ready:
             f = ready.pop()
             done += 1
-            step = level[f] + 1
-            nexts = dependents.get(f, [])
-            for g in (nexts if last[f] else [*nexts, f + 1]):
-                if level[g] < step:
-                    level[g] = step
-                waiting[g] -= 1
-                if waiting[g] == 0:
-                    ready.append(g)
+            g = head[f]
+            while g != -1:
+                wait_less(g, level[f] + 1)
+                g = sibling[g]
+            if not last[f]:
+                wait_less(f + 1, level[f] + 1)
         if done < total:
             stuck = sorted(rx for rx, f in first.items() if any(waiting[f:f + len(self.assignments[rx])]))
-            raise PlanError(self._describe_cycle(stuck))
+            raise PlanError(self._describe_cycle(stuck, above))
         return {rx: level[f:f + len(self.assignments[rx])] for rx, f in first.items()}
 
-    def _describe_cycle(self, stuck: list[str]) -> str:
-        parents: dict[int, dict[str, str]] = {}
-        for rx, fetches in self.assignments.items():
-            for a in fetches:
-                parents.setdefault(a.block, {})[rx] = a.parent
-        for block in sorted({a.block for rx in stuck for a in self.assignments[rx]}):
-            of = parents[block]
-            cleared: set[str] = set()
-            for start in of:
-                path: dict[str, int] = {}  # node -> its place on the walk up from start
-                node = start
-                while node in of and node not in cleared and node not in path:
-                    path[node] = len(path)
-                    node = of[node]
-                if node in path:
-                    cycle = list(path)[path[node]:] + [node]
-                    return (f"malformed plan: block {block}: {node!r} is its own ancestor "
-                            f"({' -> '.join(map(repr, cycle))}, each fetching from the next)")
-                cleared.update(path)
+    def _describe_cycle(self, stuck: list[str], above: list[int]) -> str:
+        # Walk up the parents' fetches from every fetch of the stuck receivers' blocks, lowest block first.
+        # The units along a cycle contain each other in turn, so they are one unit.
+        owner: list[tuple[str, Fetch[str]]] = [(rx, a) for rx, fetches in self.assignments.items() for a in fetches]
+        blocks = {a.block for rx in stuck for a in self.assignments[rx]}
+        cleared: set[int] = set()
+        starts = sorted((f for f, (_, a) in enumerate(owner) if a.block in blocks), key=lambda f: owner[f][1].block)
+        for start in starts:
+            path: dict[int, int] = {}  # fetch -> its place on the walk up from start
+            f = start
+            while f != -1 and f not in cleared and f not in path:
+                path[f] = len(path)
+                f = above[f]
+            if f in path:
+                cycle = [owner[g][0] for g in list(path)[path[f]:]] + [owner[f][0]]
+                a = owner[f][1]
+                return (f"malformed plan: {unit_name(a.block, a.chunks)}: {owner[f][0]!r} is its own ancestor "
+                        f"({' -> '.join(map(repr, cycle))}, each fetching from the next)")
+            cleared.update(path)
         shown = ", ".join(map(repr, stuck[:5])) + (f" and {len(stuck) - 5} more" if len(stuck) > 5 else "")
         return (f"malformed plan: fetch orders and parent links form a cycle, so receivers {shown} would wait "
                 "for each other forever")
+
+
+class UnitIndex(Generic[Value]):
+    """A value for each unit (a block, or a chunk range of it) of each node, found by containment: the value
+    of the node's unit that contains a given unit (a whole block contains every range of it).
+
+    A node's units of one block do not overlap (:meth:`Plan.validate`), so at most one contains a given
+    unit. The same unit is found in O(1); another split of the block by a search of the node's ranges of it.
+    """
+
+    __slots__ = ("_exact", "_ranges")
+
+    def __init__(self, exact: dict[tuple[str, int, Chunks], Value] | None = None) -> None:
+        """An index of ``exact``: a value per (node, block, chunks), taken as it is, not copied."""
+        self._exact = {} if exact is None else exact
+        self._ranges: dict[tuple[str, int], list[tuple[int, int, Value]]] | None = None  # made on first need
+
+    def add(self, node: str, block: int, chunks: Chunks, value: Value) -> None:
+        """Record ``value`` for ``node``'s unit (``block``, ``chunks``)."""
+        self._exact[node, block, chunks] = value
+        if chunks is not None and self._ranges is not None:
+            self._ranges.setdefault((node, block), []).append((chunks[0], chunks[1], value))
+
+    def get(self, node: str, block: int, chunks: Chunks) -> Value | None:
+        """The value of ``node``'s unit of ``block`` that contains ``chunks``; None where it has none."""
+        found = self._exact.get((node, block, chunks))
+        if found is not None or chunks is None:
+            return found
+        found = self._exact.get((node, block, None))
+        if found is not None:
+            return found
+        if self._ranges is None:
+            self._ranges = {}
+            for (owner, of, span), value in self._exact.items():
+                if span is not None:
+                    self._ranges.setdefault((owner, of), []).append((span[0], span[1], value))
+        first, end = chunks
+        return next((value for f, e, value in self._ranges.get((node, block), ()) if f <= first and end <= e), None)
+
+
+def add_serving(serving: dict[str, list[tuple[int, str]]], receiver: str, fetches: Sequence[Fetch[str]],
+                parents: Collection[str] | None = None) -> None:
+    """Append (block, ``receiver``) to ``serving[parent]`` for each of ``receiver``'s ``fetches``, each pair
+    once, for every parent or those among ``parents``: what :attr:`Part.serve` lists."""
+    seen: set[tuple[str, int]] = set()
+    for fetch in fetches:
+        if parents is not None and fetch.parent not in parents:
+            continue
+        if fetch.chunks is not None:  # several ranges of a block from one parent: one child of it
+            key = (fetch.parent, fetch.block)
+            if key in seen:
+                continue
+            seen.add(key)
+        children = serving.get(fetch.parent)
+        if children is None:
+            children = serving[fetch.parent] = []
+        children.append((fetch.block, receiver))
+
+
+def _overlap(receiver: str, a: Fetch[str], b: Fetch[str]) -> None:
+    if a.chunks == b.chunks:
+        raise PlanError(f"malformed plan: {receiver!r} fetches {unit_name(a.block, a.chunks)} twice")
+    raise PlanError(f"malformed plan: {receiver!r} fetches {unit_name(a.block, a.chunks)} and "
+                    f"{unit_name(b.block, b.chunks)}, which overlap")
+
+
+def _check_disjoint(receiver: str, ranged: list[Fetch[str]]) -> None:
+    """Raise :class:`PlanError` naming two of ``ranged`` (ranges of one block, in fetch order) that overlap."""
+    by_first = sorted(range(len(ranged)), key=lambda k: ranged[k].chunks)
+    reach = by_first[0]  # of the ranges so far, the one that ends last
+    for k in by_first[1:]:
+        if ranged[k].chunks[0] < ranged[reach].chunks[1]:
+            _overlap(receiver, ranged[min(k, reach)], ranged[max(k, reach)])
+        if ranged[k].chunks[1] > ranged[reach].chunks[1]:
+            reach = k
+
+
+def unit_name(block: int, chunks: Chunks) -> str:
+    """A unit as messages name it: ``block 3``, ``chunk 4 of block 3`` or ``chunks 4-9 of block 3``."""
+    if chunks is None:
+        return f"block {block}"
+    first, end = chunks
+    return f"chunk {first} of block {block}" if end == first + 1 else f"chunks {first}-{end - 1} of block {block}"
+
 
 def check_ids(where: str, nodes: Sequence[str], kind: str) -> None:
     """Raise :class:`PlanError` (prefixed ``where``) unless ``nodes`` are distinct non-empty ids."""
@@ -278,3 +429,4 @@ def check_ids(where: str, nodes: Sequence[str], kind: str) -> None:
 def is_index(value: object) -> bool:
     """Whether ``value`` is a block index (an int >= 0, not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+

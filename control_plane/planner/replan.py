@@ -1,31 +1,35 @@
-"""Repairing a multicast plan after nodes fail, leave or join: new parents for the blocks still missing.
+"""Repairing a multicast plan after nodes fail, leave or join: new parents for the units still missing.
 
 Pure: from the old plan and what the control plane knows now (dead nodes, verified blocks per node,
-sources) to a new :class:`~control_plane.planner.plan.Plan`.
+sources) to a new :class:`~control_plane.planner.plan.Plan`. A unit is a block or a chunk range of one
+(:class:`~control_plane.planner.plan.Fetch`); nodes are known to hold whole blocks only, so a receiver
+fetches every unit of a block it has not verified, and fetches none of one it has.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from operator import itemgetter
 
-from control_plane.planner.plan import Fetch, Part, Plan, PlanError
+from control_plane.planner.plan import Chunks, Fetch, Part, Plan, PlanError, UnitIndex, add_serving
 from control_plane.planner.racks import ParentPool, rack_of
 
 
 def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[int]], sources: Sequence[str],
            labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
            joined: Sequence[str] = (), num_blocks: int | None = None) -> Plan:
-    """A plan for exactly the blocks each live receiver still misses.
+    """A plan for exactly the units each live receiver still misses.
 
-    A receiver of ``plan`` still needs its planned blocks minus those in ``held`` (verified blocks per
-    live node); a ``joined`` receiver needs blocks ``0..num_blocks-1`` minus those it holds. Dead
-    receivers, receivers now among ``sources`` and receivers that need nothing leave the plan. Each
-    receiver keeps its old fetch order, and its old parent wherever that parent is alive and holds the
-    block, is a source, or still fetches the block (earlier). Otherwise the new parent is the earliest
-    node with fewer than ``fanout`` children for that block (kept children count) that holds it or
-    fetches it earlier in the new plan, one in the receiver's rack first, else the least loaded source
-    (same rack first). Never a dead parent, never a cycle, never a block fetched that is already held.
-    Non-source nodes serving blocks they hold are listed in the new plan's ``held``.
+    A receiver of ``plan`` still needs its planned units minus those of blocks in ``held`` (verified
+    blocks per live node); a ``joined`` receiver needs blocks ``0..num_blocks-1``, whole, minus those it
+    holds. Dead receivers, receivers now among ``sources`` and receivers that need nothing leave the plan.
+    Each receiver keeps its old fetch order, and its old parent wherever that parent is alive and holds the
+    block, is a source, or still fetches the unit or one containing it (earlier). Otherwise the new parent
+    is the earliest node with fewer than ``fanout`` children for that unit (kept children count) that holds
+    the block or fetches the same unit earlier in the new plan, one in the receiver's rack first, else the
+    least loaded source (same rack first). Never a dead parent, never a cycle, never a unit fetched of a
+    block that is already held. Non-source nodes serving blocks they hold are listed in the new plan's
+    ``held``.
     """
     dead, sources = set(dead), tuple(sources)
     source_set = set(sources)
@@ -46,32 +50,41 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
 
     # Each remaining fetch keeps its old level (a topological order of the old plan), so kept parents
     # stay earlier than their children; joined receivers come after everything, interleaved so that one
-    # joined receiver may fetch a block from another that is earlier in `joined`.
+    # joined receiver may fetch a block from another that is earlier in `joined`. A receiver's levels
+    # rise along its list, so (level, receiver) orders the fetches completely.
     levels = plan.fetch_levels()
-    needs: list[tuple[int, str, int, str | None]] = []
+    needs: list[tuple[int, str, int, Chunks, str | None]] = []
     for rx, fetches in plan.assignments.items():
         if rx in dead or rx in source_set:
             continue
         have = holds.get(rx, ())
-        needs.extend((level, rx, a.block, a.parent) for a, level in zip(fetches, levels[rx]) if a.block not in have)
+        needs.extend((level, rx, a.block, a.chunks, a.parent) for a, level in zip(fetches, levels[rx])
+                     if a.block not in have)
     after = 1 + max((level for rx_levels in levels.values() for level in rx_levels), default=0)
     for q, rx in enumerate(joined):
         have = holds.get(rx, ())
         missing = [b for b in range(num_blocks or 0) if b not in have]
-        needs.extend((after + i * len(joined) + q, rx, b, None) for i, b in enumerate(missing))
-    needs.sort()
-    scheduled = {(rx, block): level for level, rx, block, _ in needs}
+        needs.extend((after + i * len(joined) + q, rx, b, None, None) for i, b in enumerate(missing))
+    needs.sort(key=itemgetter(0, 1))
+    scheduled: UnitIndex[int] = UnitIndex()
+    for level, rx, block, chunks, _ in needs:
+        scheduled.add(rx, block, chunks, level)
 
-    def keeps(parent: str | None, block: int, level: int) -> bool:
+    def keeps(parent: str | None, block: int, chunks: Chunks, level: int) -> bool:
         # Dead nodes are no source (checked above), hold nothing and fetch nothing here. A parent that
-        # fetches the block must do so earlier: an old source that rejoined fetches after everyone.
-        return parent is not None and (parent in source_set or block in holds.get(parent, ())
-                                       or scheduled.get((parent, block), level) < level)
+        # fetches the unit must do so earlier: an old source that rejoined fetches after everyone.
+        if parent is None:
+            return False
+        if parent in source_set or block in holds.get(parent, ()):
+            return True
+        then = scheduled.get(parent, block, chunks)
+        return then is not None and then < level
 
-    kept: dict[tuple[str, int], int] = {}
-    for level, _, block, parent in needs:
-        if keeps(parent, block, level) and parent not in source_set:
-            kept[parent, block] = kept.get((parent, block), 0) + 1
+    keep = [keeps(parent, block, chunks, level) for level, _, block, chunks, parent in needs]
+    kept: dict[tuple[str, int, Chunks], int] = {}
+    for kept_parent, (_, _, block, chunks, parent) in zip(keep, needs):
+        if kept_parent and parent not in source_set:
+            kept[parent, block, chunks] = kept.get((parent, block, chunks), 0) + 1
 
     rack = rack_of(labels)
     holders: dict[int, list[str]] = {}
@@ -79,27 +92,27 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
         if node not in source_set:
             for block in blocks:
                 holders.setdefault(block, []).append(node)
-    pools: dict[int, ParentPool] = {}
+    pools: dict[tuple[int, Chunks], ParentPool] = {}
     source_load = dict.fromkeys(sources, 0)
     serving: dict[str, set[int]] = {}
     assignments: dict[str, list[Fetch[str]]] = {}
-    for level, rx, block, old in needs:
-        pool = pools.get(block)
+    for kept_parent, (level, rx, block, chunks, old) in zip(keep, needs):
+        pool = pools.get((block, chunks))
         if pool is None:
-            pool = pools[block] = ParentPool(rack)
+            pool = pools[block, chunks] = ParentPool(rack)
             for node in holders.get(block, ()):
-                pool.add(node, fanout - kept.get((node, block), 0), time=-1)
-        parent = old if keeps(old, block, level) else pool.take(rack(rx), before=level)
+                pool.add(node, fanout - kept.get((node, block, chunks), 0), time=-1)
+        parent = old if kept_parent else pool.take(rack(rx), before=level)
         if parent is None:
             mine = rack(rx)
             near = [s for s in sources if mine is not None and rack(s) == mine] or sources
             parent = min(near, key=source_load.__getitem__)
         if parent in source_set:
             source_load[parent] += 1
-        elif (parent, block) not in scheduled:
+        elif block in holds.get(parent, ()):
             serving.setdefault(parent, set()).add(block)
-        assignments.setdefault(rx, []).append(Fetch(block, parent))
-        pool.add(rx, fanout - kept.get((rx, block), 0), time=level)
+        assignments.setdefault(rx, []).append(Fetch(block, parent, chunks))
+        pool.add(rx, fanout - kept.get((rx, block, chunks), 0), time=level)
     return Plan(plan.strategy, sources, assignments,
                 {node: tuple(sorted(blocks)) for node, blocks in serving.items()})
 
@@ -112,12 +125,13 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
 
     What :func:`replan` does in time proportional to the whole plan (every fetch re-levelled and
     re-parented) this does in a few passes over it, so a relay's death in a plan of thousands of workers
-    is repaired without stalling the control plane. Each fetch from a dead parent goes to a node that
-    already holds the block (``held``: verified blocks per node; a receiver among them stops fetching that
-    block and serves it as a holder), one in the receiver's rack first, with fewer than ``fanout``
-    children for it; else to the least loaded source (same rack first). A holder never waits, so no
-    cycle can form. A receiver's fetch of a block it already holds is dropped. Every other fetch keeps its
-    parent: the dead nodes' children get new parents, their descendants keep theirs.
+    is repaired without stalling the control plane. Each fetch from a dead parent, of a block or a chunk
+    range of one, goes to a node that already holds the block (``held``: verified blocks per node; a
+    receiver among them stops fetching that block and serves it as a holder), one in the receiver's rack
+    first, with fewer than ``fanout`` children for that unit; else to the least loaded source (same rack
+    first). A holder never waits, so no cycle can form. A receiver's fetch of a block it already holds is
+    dropped. Every other fetch keeps its parent: the dead nodes' children get new parents for their
+    units, their descendants keep theirs.
     """
     dead = set(dead)
     source_set = set(plan.sources)
@@ -125,73 +139,76 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
         return None
     holds = {node: set(blocks) for node, blocks in held.items() if node not in dead}
     changed = set(dead) & (plan.assignments.keys() | plan.held.keys())
-    orphans: list[tuple[str, int]] = []
+    orphans: list[tuple[str, Fetch[str]]] = []
     for rx, fetches in plan.assignments.items():
         if rx in dead:
             changed.update(a.parent for a in fetches)  # they no longer serve it
             continue
-        orphans.extend((rx, k) for k, a in enumerate(fetches) if a.parent in dead)
+        orphans.extend((rx, a) for a in fetches if a.parent in dead)
     if not orphans:
         return (plan, set()) if not changed else _without(plan, dead, {}, {}, changed)
-    wanted = {plan.assignments[rx][k].block for rx, k in orphans}
+    wanted = {a.block for _, a in orphans}
     candidates: dict[int, list[str]] = {b: [] for b in wanted}
     for node, blocks in holds.items():
         if node not in source_set:
             for block in wanted & blocks:
                 candidates[block].append(node)
-    children = {(node, block): 0 for block, nodes in candidates.items() for node in nodes}
+    holding = {(node, block) for block, nodes in candidates.items() for node in nodes}
+    children: dict[tuple[str, int, Chunks], int] = {}  # of the candidates, per unit
     for rx, fetches in plan.assignments.items():
         if rx not in dead:
             for a in fetches:
-                key = (a.parent, a.block)
-                if key in children:
-                    children[key] += 1
+                if (a.parent, a.block) in holding:
+                    key = (a.parent, a.block, a.chunks)
+                    children[key] = children.get(key, 0) + 1
     rack = rack_of(labels)
     source_load = dict.fromkeys(plan.sources, 0)
-    moved: dict[tuple[str, int], str | None] = {}  # (receiver, block) -> new parent; None: drop the fetch
-    for rx, k in orphans:
-        block = plan.assignments[rx][k].block
+    moved: dict[tuple[str, int, Chunks], str | None] = {}  # (receiver, unit) -> new parent; None: drop it
+    for rx, a in orphans:
         changed.add(rx)
-        if block in holds.get(rx, ()):
-            moved[rx, block] = None
+        if a.block in holds.get(rx, ()):
+            moved[rx, a.block, a.chunks] = None
             continue
         mine = rack(rx)
-        free = [n for n in candidates[block] if n != rx and children[n, block] < fanout]
+        load = {n: children.get((n, a.block, a.chunks), 0) for n in candidates[a.block] if n != rx}
+        free = [n for n, count in load.items() if count < fanout]
         if free:
-            parent = min(free, key=lambda n: (rack(n) != mine or mine is None, children[n, block]))
-            children[parent, block] += 1
+            parent = min(free, key=lambda n: (rack(n) != mine or mine is None, load[n]))
+            children[parent, a.block, a.chunks] = load[parent] + 1
         else:
             near = [s for s in plan.sources if mine is not None and rack(s) == mine] or plan.sources
             parent = min(near, key=source_load.__getitem__)
             source_load[parent] += 1
-        moved[rx, block] = parent
+        moved[rx, a.block, a.chunks] = parent
         changed.add(parent)
-    # A receiver that serves a block it holds stops fetching it (its old parent serves one fewer) and is
-    # listed as holding it, as is a receiver whose fetch of a block it holds was dropped.
-    for (rx, block), parent in list(moved.items()):
-        if parent is not None and parent not in source_set and parent in plan.assignments:
-            for a in plan.assignments[parent]:
-                if a.block == block and (parent, block) not in moved:
-                    moved[parent, block] = None
+    # A receiver that serves a block it holds, or whose fetch of a unit of a block it holds was dropped,
+    # stops fetching every unit of that block (its old parents serve it less) and is listed as holding it.
+    for (rx, block, _), parent in list(moved.items()):
+        holder = rx if parent is None else parent
+        if holder not in source_set and holder in plan.assignments:
+            for a in plan.assignments[holder]:
+                if a.block == block and (holder, block, a.chunks) not in moved:
+                    moved[holder, block, a.chunks] = None
                     changed.add(a.parent)
     serving: dict[str, set[int]] = {}
-    for (rx, block), parent in moved.items():
+    for (rx, block, _), parent in moved.items():
         holder = rx if parent is None else parent
         if holder not in source_set and (parent is None or parent in holds):
             serving.setdefault(holder, set()).add(block)
     return _without(plan, dead, moved, serving, changed)
 
 
-def _without(plan: Plan, dead: set[str], moved: Mapping[tuple[str, int], str | None],
+def _without(plan: Plan, dead: set[str], moved: Mapping[tuple[str, int, Chunks], str | None],
              serving: Mapping[str, set[int]], changed: set[str]) -> tuple[Plan, set[str]]:
-    """``plan`` without the ``dead``, with the ``moved`` fetches re-parented (None: dropped) and the
-    ``serving`` holders' blocks listed as held."""
+    """``plan`` without the ``dead``, with the ``moved`` fetches (receiver, block, chunks) re-parented
+    (None: dropped) and the ``serving`` holders' blocks listed as held."""
     assignments = {}
     for rx, fetches in plan.assignments.items():
         if rx in dead:
             continue
         if rx in changed:
-            fetches = [Fetch(a.block, moved[rx, a.block]) if (rx, a.block) in moved else a for a in fetches]
+            fetches = [Fetch(a.block, moved[key], a.chunks) if (key := (rx, a.block, a.chunks)) in moved else a
+                       for a in fetches]
             fetches = [a for a in fetches if a.parent is not None]
         assignments[rx] = fetches
     kept = {node: set(blocks) for node, blocks in plan.held.items() if node not in dead}
@@ -206,9 +223,7 @@ def parts_of(plan: Plan, nodes: Collection[str]) -> dict[str, Part]:
     nodes = set(nodes)
     serving: dict[str, list[tuple[int, str]]] = {}
     for rx, fetches in plan.assignments.items():
-        for a in fetches:
-            if a.parent in nodes:
-                serving.setdefault(a.parent, []).append((a.block, rx))
+        add_serving(serving, rx, fetches, nodes)
     out = {}
     for node in nodes:
         fetch, serve = plan.assignments.get(node), serving.get(node)

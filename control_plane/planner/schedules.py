@@ -5,7 +5,10 @@ control plane hands a plan to the agents, the benchmarks and the large-scale sim
 (:mod:`control_plane.planner.simulate`), and :func:`control_plane.planner.replan.replan` repairs one after
 failures and joins.
 
-Every strategy gives each (receiver, block) fetch a round such that a parent's round for a block comes
+Plans fetch whole blocks, or with ``chunk_counts`` the binomial pipelines fetch units: contiguous chunk
+ranges of a block, so that a round moves a small unit and the pipeline stays near S/B at any N.
+
+Every strategy gives each (receiver, unit) fetch a round such that a parent's round for a unit comes
 before its child's, and orders each receiver's fetches by round. So a receiver that fetches its list
 strictly in order, forwarding chunk by chunk, never waits on a fetch that waits on it: no plan built
 here can deadlock, and :meth:`~control_plane.planner.plan.Plan.validate` checks exactly that for plans
@@ -14,9 +17,10 @@ that come from elsewhere.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 
-from control_plane.planner.plan import STRATEGIES, Fetch, Plan, PlanError, check_ids, is_index
+from control_plane.planner.plan import STRATEGIES, Chunks, Fetch, Plan, PlanError, check_ids, is_index
 from control_plane.planner.racks import ParentPool, Rack, rack_of, rack_order
 
 #: Rotated groups up to this size are chains: with chunk cut-through a chain runs every link at full rate
@@ -25,10 +29,38 @@ from control_plane.planner.racks import ParentPool, Rack, rack_of, rack_order
 #: binomial pipelines, whose latency grows with log N instead of N.
 GROUP_CHAIN_MAX = 8
 
+#: The default size of a binomial pipeline's units (chunk ranges of a block). Each node gets one unit per
+#: round and a round lasts as long as the largest unit in flight, so k units of at most s chunks to a group
+#: 2^d - 1 receivers deep take about (k + d) * s chunk times, against the model's T chunks (the simulator
+#: agrees within ~3% where there are no pairs). The default s is the largest (the fewest units: the
+#: shortest fetch lists) for which (k + d) * s stays within ROUND_OVERHEAD of T; where none does, the one
+#: with the least (k + d) * s. A big model gets few, large units (140,000 chunks in 80 blocks at N = 1,024:
+#: 2 per block), a small one many (the demo's 264 chunks: 67 units of 4 chunks at N = 16 by this rule,
+#: 132 of 2 at N = 1,024). Units of more than 2 chunks keep the rounds' rhythm only where a parent serves
+#: the child furthest behind first (the simulator's ``serve="earliest"``); shared fairly, its uplink lets
+#: children that run ahead slow the current round (the demo at N = 16 in units of 4: 1.57x S/B, 1.10 served
+#: earliest first; in units of 3: 1.41 fair; of 2: 1.07; whole blocks 2.24 and 1.75): hence
+#: MAX_FAIR_UNIT_CHUNKS.
+ROUND_OVERHEAD = 0.1
+#: The default unit's least chunks, where blocks have that many. Where N is not 2^d - 1, receivers share
+#: a slot in pairs, one forwarding each unit to the other, whose sends are then a chunk late; with
+#: one-chunk units that chunk is a whole round and the lag builds up through the pipeline (measured, 257
+#: one-chunk units, 0.2 ms a hop: 1.13-1.18x S/B at N = 16-1,024; 1.8-2.0x at N = 100 or 500).
+MIN_UNIT_CHUNKS = 2
+#: Units of at most this many chunks keep the rounds' rhythm with uplinks shared fairly, as agents share
+#: them (a child that runs ahead takes at most a chunk of its parent's round from the others): the default
+#: unit is cut down to it where that leaves at most MAX_FAIR_UNITS units (the demo model: 132). A bigger
+#: model keeps bigger units and needs parents that serve the child furthest behind first (not built).
+MAX_FAIR_UNIT_CHUNKS = 2
+MAX_FAIR_UNITS = 256
+
+Unit = tuple[int, Chunks]  # (block, chunk range or None for the whole block)
+
 
 def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], num_blocks: int, *,
               fanout: int = 2, labels: Mapping[str, Mapping[str, str]] | None = None,
-              block_bytes: Sequence[int] | None = None, source_links: Mapping[str, int] | None = None) -> Plan:
+              block_bytes: Sequence[int] | None = None, source_links: Mapping[str, int] | None = None,
+              chunk_counts: Sequence[int] | None = None, units: int | None = None) -> Plan:
     """Plan how ``receivers`` get blocks ``0..num_blocks-1`` from ``sources`` (nodes holding everything).
 
     Strategies: ``unicast`` (every block from a source, spread over the sources), ``chain``
@@ -43,6 +75,15 @@ def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], n
     ``block_bytes`` are the blocks' sizes (default: all equal, so the rotation is by g*num_blocks/K).
     ``source_links`` gives a source's egress in links (default 1): ``rotated`` gives a source with L links
     L groups (a store at 8x the link rate is 8 sources); the other strategies ignore it.
+
+    ``chunk_counts`` are the blocks' chunk counts (the manifest's ceil(block bytes / chunk bytes)). With
+    them a binomial pipeline (``binomial``, and the binomial groups of ``rotated``) runs over units instead
+    of whole blocks: each block cut into contiguous chunk ranges of s chunks (its last one shorter), in
+    block order; a block that fits in one unit is fetched whole. s is the smallest for which there are at
+    most ``units`` units in all, or by default the largest that keeps the pipeline's rounds within
+    :data:`ROUND_OVERHEAD` of S/B (see there), so the units are about as many as the rounds need, not one
+    per chunk. ``unicast``, ``chain`` and ``tree`` ignore them: a receiver there forwards every chunk as
+    it arrives already, whatever the unit.
     """
     sources, receivers = tuple(sources), tuple(receivers)
     if strategy not in STRATEGIES:
@@ -65,16 +106,35 @@ def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], n
         bad = next((b for b, size in enumerate(block_bytes) if not is_index(size)), None)
         if bad is not None:
             raise PlanError(f"make_plan: block {bad} has size {block_bytes[bad]!r}; sizes must be integers >= 0")
+    if chunk_counts is not None:
+        chunk_counts = tuple(chunk_counts)
+        if len(chunk_counts) != num_blocks:
+            raise PlanError(f"make_plan: chunk_counts gives {len(chunk_counts)} counts for {num_blocks} blocks")
+        bad = next((b for b, count in enumerate(chunk_counts) if not is_index(count)), None)
+        if bad is not None:
+            raise PlanError(f"make_plan: block {bad} has {chunk_counts[bad]!r} chunks; chunk counts must be "
+                            "integers >= 0")
+    if units is not None:
+        if not is_index(units) or units < 1:
+            raise PlanError(f"make_plan: units must be a positive integer, got {units!r}")
+        if chunk_counts is None:
+            raise PlanError("make_plan: units needs chunk_counts (the chunks of each block)")
     for source, links in (source_links or {}).items():
         if source not in sources:
             raise PlanError(f"make_plan: source_links names {source!r}, which is no source")
         if not is_index(links) or links < 1:
             raise PlanError(f"make_plan: links of source {source!r} must be a positive integer, got {links!r}")
     rack = rack_of(labels)
+    split = _Splitter(chunk_counts, units)
     if strategy == "rotated":
         slots = [s for s in sources for _ in range((source_links or {}).get(s, 1))]
-        return Plan(strategy, sources, _rotated(slots, receivers, num_blocks, rack, block_bytes))
-    build = {"unicast": _unicast, "chain": _chain, "tree": _tree, "binomial": _binomial}[strategy]
+        return Plan(strategy, sources, _rotated(slots, receivers, num_blocks, rack, block_bytes, split))
+    if strategy == "binomial":
+        out: dict[str, list[Fetch[str]]] = {}
+        ordered = rack_order(receivers, rack, rack(sources[0]))
+        _binomial_group(sources[0], ordered, split(range(num_blocks), len(ordered)), rack, out)
+        return Plan(strategy, sources, out)
+    build = {"unicast": _unicast, "chain": _chain, "tree": _tree}[strategy]
     return Plan(strategy, sources, build(sources, receivers, num_blocks, fanout, rack))
 
 
@@ -113,13 +173,7 @@ def _tree(sources, receivers, num_blocks, fanout, rack) -> dict[str, list[Fetch[
     return out
 
 
-def _binomial(sources, receivers, num_blocks, fanout, rack) -> dict[str, list[Fetch[str]]]:
-    out: dict[str, list[Fetch[str]]] = {}
-    _binomial_group(sources[0], rack_order(receivers, rack, rack(sources[0])), range(num_blocks), rack, out)
-    return out
-
-
-def _rotated(slots, receivers, num_blocks, rack, block_bytes) -> dict[str, list[Fetch[str]]]:
+def _rotated(slots, receivers, num_blocks, rack, block_bytes, split) -> dict[str, list[Fetch[str]]]:
     k = max(1, min(len(slots), len(receivers)))  # groups that get receivers: the first k ones
     out: dict[str, list[Fetch[str]]] = {}
     starts = _rotation_starts(k, num_blocks, block_bytes)
@@ -132,7 +186,7 @@ def _rotated(slots, receivers, num_blocks, rack, block_bytes) -> dict[str, list[
                 out[rx] = [Fetch(b, parent) for b in order]
                 parent = rx
         else:
-            _binomial_group(source, group, order, rack, out)
+            _binomial_group(source, group, split(order, len(group)), rack, out)
     return {rx: out[rx] for rx in receivers}
 
 
@@ -180,21 +234,22 @@ def _split_groups(sources, receivers, rack) -> list[list[str]]:
     return groups
 
 
-def _binomial_group(source: str, receivers: list[str], order: Sequence[int], rack: Rack,
+def _binomial_group(source: str, receivers: list[str], order: Sequence[Unit], rack: Rack,
                     out: dict[str, list[Fetch[str]]]) -> None:
-    """Binomial pipeline of ``source`` to ``receivers``, blocks entering in ``order``; writes into ``out``.
+    """Binomial pipeline of ``source`` to ``receivers``, units (block, chunks) entering in ``order``; writes
+    into ``out``.
 
-    With n = 2^d - 1 receivers they and the source (slot 0) are the slots of a d-cube. The block
+    With n = 2^d - 1 receivers they and the source (slot 0) are the slots of a d-cube. The unit
     entering at position i starts on dimension j = i mod d: the source sends it to slot 2^j in round i;
     in round i+s (0 < s < d) every slot with bit j set and no bit outside j..j+s-1 sends it across
     dimension j+s; in round i+d the slots with bit j set send it across dimension j. Every edge used in
-    round t lies on dimension t mod d and, for distinct blocks, the senders of a round are disjoint, so
-    each node sends and receives at most one block per round: k blocks take k + d rounds, the source
-    sends each block once, and a receiver sends exactly d blocks per d consecutive ones (one model).
+    round t lies on dimension t mod d and, for distinct units, the senders of a round are disjoint, so
+    each node sends and receives at most one unit per round: k units take k + d rounds, the source
+    sends each unit once, and a receiver sends exactly d units per d consecutive ones (one model).
     Other counts take d = floor(log2(n + 1)) and let the n - (2^d - 1) surplus receivers share a slot
-    with another receiver (same rack first): one member fetches every block from the cube and forwards
+    with another receiver (same rack first): one member fetches every unit from the cube and forwards
     it, chunk by chunk, to the other, which makes all the slot's sends. Each still uploads about one
-    model and gets one block per round; the pair costs one more hop (one chunk) of latency.
+    model and gets one unit per round; the pair costs one more hop (one chunk) of latency.
     """
     n = len(receivers)
     if n == 0:
@@ -203,23 +258,79 @@ def _binomial_group(source: str, receivers: list[str], order: Sequence[int], rac
     slots = _pair_slots(receivers, n - ((1 << dim) - 1), rack)
     takers = [source] + [first for first, _ in slots]  # the member that fetches from the cube
     senders = [source] + [second or first for first, second in slots]  # the member that sends to the cube
-    # A receiver gets at most one block per round from the cube, or one from its pair partner, so its
+    # A receiver gets at most one unit per round from the cube, or one from its pair partner, so its
     # fetch in round r goes to place r of its timeline: ordering by round without a sort.
     places = len(order) + dim + 1
     timeline: dict[str, list[Fetch[str] | None]] = {rx: [None] * places for rx in receivers}
     rows = [[(takers[x], senders[parent], step, slots[x - 1][1])
              for x, (parent, step) in enumerate(_hypercube_parents(dim, j), start=1)] for j in range(dim)]
-    for i, block in enumerate(order):
+    for i, (block, chunks) in enumerate(order):
         made: dict[str, Fetch[str]] = {}
         for taker, parent, step, partner in rows[i % dim]:
             fetch = made.get(parent)
             if fetch is None:
-                fetch = made[parent] = Fetch(block, parent)
+                fetch = made[parent] = Fetch(block, parent, chunks)
             timeline[taker][i + step] = fetch
             if partner is not None:
-                timeline[partner][i + step] = Fetch(block, taker)
+                timeline[partner][i + step] = Fetch(block, taker, chunks)
     for rx, places_of in timeline.items():
         out[rx] = [fetch for fetch in places_of if fetch is not None]
+
+
+class _Splitter:
+    """The units a binomial pipeline fetches, in a given block order, for a group of a given size: whole
+    blocks without chunk counts, else each block's chunk ranges (see :func:`make_plan`)."""
+
+    def __init__(self, chunk_counts: Sequence[int] | None, units: int | None):
+        self._counts, self._units = chunk_counts, units
+        self._splits: dict[int, list[list[Chunks]]] = {}  # by the group's depth d: groups of one depth share
+
+    def __call__(self, blocks: Sequence[int], receivers: int) -> list[Unit]:
+        if self._counts is None:
+            return [(b, None) for b in blocks]
+        rounds = (receivers + 1).bit_length() - 1  # d
+        split = self._splits.get(rounds)
+        if split is None:
+            if self._units is None:
+                size = unit_chunks(self._counts, rounds)
+            else:  # the smallest size with at most that many units; whole blocks are one unit each at least
+                largest = max(self._counts, default=1)
+                size = next((s for s in range(1, largest) if _unit_count(self._counts, s) <= self._units), largest)
+            split = self._splits[rounds] = split_blocks(self._counts, size)
+        return [(b, chunks) for b in blocks for chunks in split[b]]
+
+
+def unit_chunks(chunk_counts: Sequence[int], rounds: int) -> int:
+    """The default unit size, in chunks, of a binomial pipeline ``rounds`` (d) deep over blocks of
+    ``chunk_counts`` chunks: the largest s of at least :data:`MIN_UNIT_CHUNKS` (where a block has that many)
+    for which k units of s chunks take (k + d) * s <= (1 + :data:`ROUND_OVERHEAD`) x T chunk times, T the
+    chunks in all; where none does, the s with the least (k + d) * s (the largest among equals). Then at most
+    :data:`MAX_FAIR_UNIT_CHUNKS`, where that makes no more than :data:`MAX_FAIR_UNITS` units."""
+    total = sum(chunk_counts)
+    largest = max(chunk_counts, default=0)
+    least = max(1, min(MIN_UNIT_CHUNKS, largest))
+    best, best_time = least, math.inf
+    for size in range(max(largest, least), least - 1, -1):
+        time = (_unit_count(chunk_counts, size) + rounds) * size
+        if time <= (1 + ROUND_OVERHEAD) * total:
+            best = size
+            break
+        if time < best_time:
+            best, best_time = size, time
+    fair = max(least, min(best, MAX_FAIR_UNIT_CHUNKS))
+    return fair if _unit_count(chunk_counts, fair) <= MAX_FAIR_UNITS else best
+
+
+def split_blocks(chunk_counts: Sequence[int], unit_chunks: int) -> list[list[Chunks]]:
+    """Each block's chunk ranges [first, end): ``unit_chunks`` chunks each, the block's last one shorter;
+    ``[None]`` (the whole block) for a block of at most ``unit_chunks`` chunks."""
+    return [[None] if count <= unit_chunks else
+            [(first, min(first + unit_chunks, count)) for first in range(0, count, unit_chunks)]
+            for count in chunk_counts]
+
+
+def _unit_count(chunk_counts: Sequence[int], unit_chunks: int) -> int:
+    return sum(max(1, -(-count // unit_chunks)) for count in chunk_counts)
 
 
 def _hypercube_parents(dim: int, j: int) -> list[tuple[int, int]]:

@@ -3,24 +3,28 @@
 The model, kept simple on purpose:
 
 - every node has a full-duplex link of the same rate, or several (``links``: a store whose egress is
-  L links' worth); only uplinks are contended, since a receiver fetches one block at a time (strictly
-  in plan order) and so its downlink carries one stream;
+  L links' worth); only uplinks are contended, since a receiver fetches one unit (a block or a chunk
+  range of one) at a time, strictly in plan order, and so its downlink carries one stream;
 - each of a node's uplinks sends one chunk at a time to one of the children fetching from it whose next
   chunk it already holds and that no other uplink is sending to: by default taking turns (round robin),
   so concurrent children share the uplinks equally, as TCP flows would; with ``serve="earliest"`` the
   child whose current fetch comes earliest in its own fetch list (the one furthest behind) instead,
   which a sender can do knowing only the plan;
-- a receiver forwards a chunk once the whole chunk has arrived (cut-through at chunk granularity);
+- a receiver forwards a chunk once the whole chunk has arrived (cut-through at chunk granularity): any
+  chunk of a unit it holds, and those of the unit it is fetching that have arrived, to a child fetching
+  that unit or a range within it;
 - sources hold every block and the plan's holders their held blocks from time 0; a chunk arrives
   ``hop_latency_s`` after it left its sender's uplink (0 by default), which is free for the next chunk
   meanwhile; there is no per-message cost and no verification time.
 
-So a chain finishes in S/B + (N-1)c/B, unicast from one source in N*S/B, and a binomial pipeline of k
-blocks to 2^d - 1 receivers in about (k+d)/k * S/B. That last figure needs the plan's round
-rhythm: with fair sharing and more than two chunks per block, receivers that finish a fetch early start
-the next one while their parent still sends an earlier round's block, and the lag grows round after
-round (1.8 * S/B for 31 receivers, 32 blocks of 4 chunks); ``serve="earliest"`` keeps the rhythm
-(1.19). The cost is one heap event per chunk transferred, plus a scan of the sender's waiting children.
+A receiver asks for a unit once it holds the one before, so with a hop latency each unit's first chunk
+comes a hop after the last one's. So a chain finishes in S/B + (N-1)c/B, unicast from one source in
+N*S/B, and a binomial pipeline of k equal units to 2^d - 1 receivers in about (k+d)/k * S/B. That last
+figure needs the plan's round rhythm: with fair sharing and more than three chunks per unit, receivers
+that finish a fetch early start the next one while their parent still sends an earlier round's unit, and
+the lag grows round after round (1.8 * S/B for 31 receivers, 32 blocks of 4 chunks); ``serve="earliest"``
+keeps the rhythm (1.19). The cost is one heap event per chunk transferred, plus a scan of the sender's
+waiting children. No schedule beats :func:`lower_bound`.
 """
 
 from __future__ import annotations
@@ -30,23 +34,25 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from control_plane.planner.plan import Plan, PlanError
+from control_plane.planner.plan import Plan, PlanError, UnitIndex, unit_name
 
 
 SERVE_POLICIES = ("fair", "earliest")
 SENT, ARRIVED = 0, 1  # event kinds: a chunk left its sender's uplink; it reached its receiver
+HOLDS = -1  # where a fetch's parent gets the unit: it holds it from the start (a source, a holder)
 
 
 def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: float, chunk_bytes: int, *,
              serve: str = "fair", links: Mapping[str, int] | None = None,
              hop_latency_s: float = 0.0) -> dict[str, float]:
-    """Seconds from the start until each receiver of ``plan`` holds all its blocks.
+    """Seconds from the start until each receiver of ``plan`` holds all its units.
 
-    ``block_bytes`` is one size for every block or a size per block index; ``serve`` is how an uplink
+    ``block_bytes`` is one size for every block or a size per block index; chunk c of block b is its bytes
+    c * ``chunk_bytes`` up to (c + 1) * ``chunk_bytes`` or the block's end. ``serve`` is how an uplink
     picks among waiting children (see the module docstring); ``links`` gives a node's uplinks at
     ``link_bytes_per_s`` each (default 1); ``hop_latency_s`` delays each chunk's arrival. Raises
     :class:`PlanError` if some receivers never finish (the plan deadlocks or names a parent that never gets
-    the block).
+    the unit), ValueError for bad numbers or a chunk range past its block's end.
     """
     if hop_latency_s < 0:
         raise ValueError(f"simulate: hop latency must be >= 0, got {hop_latency_s!r}")
@@ -59,41 +65,52 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     for node, count in links.items():
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"simulate: links of {node!r} must be a positive integer, got {count!r}")
-    fetches = {rx: [a.block for a in items] for rx, items in plan.assignments.items()}
-    parents = {rx: [a.parent for a in items] for rx, items in plan.assignments.items()}
-    blocks = {b for items in fetches.values() for b in items}
-    if not isinstance(block_bytes, int) and blocks and max(blocks) >= len(block_bytes):
-        raise ValueError(f"simulate: block_bytes gives {len(block_bytes)} sizes; the plan fetches block "
-                         f"{max(blocks)}")
-    size = {b: block_bytes if isinstance(block_bytes, int) else block_bytes[b] for b in blocks}
-    if any(s <= 0 for s in size.values()):
-        raise ValueError("simulate: block sizes must be positive")
+    size = _block_sizes(plan, block_bytes)
     chunks = {b: math.ceil(s / chunk_bytes) for b, s in size.items()}
+    # Each fetch as (block, first chunk, end chunk), and where its parent gets that unit: the number of the
+    # parent's fetch of the unit or of one containing it, HOLDS, or None (never: the plan deadlocks).
+    units: dict[str, list[tuple[int, int, int]]] = {}
+    index: UnitIndex[int] = UnitIndex()
+    for rx, items in plan.assignments.items():
+        units[rx] = []
+        for k, a in enumerate(items):
+            first, end = a.chunks or (0, chunks[a.block])
+            if end > chunks[a.block]:
+                raise ValueError(f"simulate: {rx!r} fetches {unit_name(a.block, a.chunks)}, which has "
+                                 f"{chunks[a.block]} chunks")
+            units[rx].append((a.block, first, end))
+            index.add(rx, a.block, a.chunks, k)
+    parents = {rx: [a.parent for a in items] for rx, items in plan.assignments.items()}
     sources = set(plan.sources)
-    held = {node: set(kept) for node, kept in plan.held.items()}
+    feeds = {rx: [HOLDS if a.parent in sources or a.block in plan.held.get(a.parent, ())
+                  else index.get(a.parent, a.block, a.chunks) for a in items]
+             for rx, items in plan.assignments.items()}
 
-    position = dict.fromkeys(fetches, 0)  # index of the fetch in progress
-    got = dict.fromkeys(fetches, 0)  # chunks of that block received so far
-    requested = dict.fromkeys(fetches, 0)  # chunks of that block sent toward it (arrived or on the way)
-    done: dict[str, set[int]] = {rx: set() for rx in fetches}
-    ticket = dict.fromkeys(fetches, 0)  # bumped per fetch: older uplink queue entries are stale
+    position = dict.fromkeys(units, 0)  # index of the fetch in progress
+    got = dict.fromkeys(units, 0)  # chunks of that unit received so far
+    requested = dict.fromkeys(units, 0)  # chunks of that unit sent toward it (arrived or on the way)
+    ticket = dict.fromkeys(units, 0)  # bumped per fetch: older uplink queue entries are stale
     queues: dict[str, deque[tuple[str, int]]] = {}
     sending: dict[str, int] = {}  # chunks each node has in flight, at most its links
     receiving: set[str] = set()  # children with a chunk in flight: a downlink carries one
-    events: list[tuple[float, int, str, str]] = []
+    events: list[tuple[float, int, int, str, str]] = []
     finished: dict[str, float] = {}
     seq = 0
 
-    def has(node: str, block: int) -> float:
-        """Chunks of ``block`` that ``node`` can forward now."""
-        if node in sources or block in held.get(node, ()):
+    def ready(child: str) -> float:
+        """Chunks of ``child``'s current unit that its parent can forward now."""
+        k = position[child]
+        feed = feeds[child][k]
+        if feed == HOLDS:
             return math.inf
-        if node not in fetches:
+        if feed is None:
             return 0
-        if block in done[node]:
-            return math.inf
-        k = position[node]
-        return got[node] if k < len(fetches[node]) and fetches[node][k] == block else 0
+        parent = parents[child][k]
+        at = position[parent]
+        if at != feed:
+            return math.inf if at > feed else 0
+        # The parent is fetching the unit (or one containing it) now: its chunks arrive in order.
+        return max(0, units[parent][at][1] + got[parent] - units[child][k][1])
 
     def pick(parent: str) -> str | None:
         """The child ``parent`` sends its next chunk to, if any can take one now."""
@@ -106,8 +123,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             if ticket[child] != fetch:
                 continue  # that child has moved on to another fetch
             queue.append((child, fetch))  # to the back: the next pick starts after it (round robin)
-            block = fetches[child][position[child]]
-            if child not in receiving and requested[child] < min(has(parent, block), chunks[block]):
+            _, first, end = units[child][position[child]]
+            if child not in receiving and requested[child] < min(ready(child), end - first):
                 if serve == "fair":
                     return child
                 if position[child] < behind:
@@ -120,8 +137,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             child = pick(parent)
             if child is None:
                 return
-            block, nth = fetches[child][position[child]], requested[child]
-            nbytes = min(chunk_bytes, size[block] - nth * chunk_bytes)
+            block, first, _ = units[child][position[child]]
+            nbytes = min(chunk_bytes, size[block] - (first + requested[child]) * chunk_bytes)
             sending[parent] = sending.get(parent, 0) + 1
             receiving.add(child)
             requested[child] += 1
@@ -130,20 +147,17 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
 
     def start(rx: str, now: float) -> None:
         k = position[rx]
-        if k == len(fetches[rx]):
+        if k == len(units[rx]):
             finished[rx] = now
             return
         parent = parents[rx][k]
         queues.setdefault(parent, deque()).append((rx, ticket[rx]))
         send(parent, now)
 
-    for rx in fetches:
-        start(rx, 0.0)
     def arrive(parent: str, child: str, now: float) -> None:
         got[child] += 1
-        block = fetches[child][position[child]]
-        if got[child] == chunks[block]:
-            done[child].add(block)
+        _, first, end = units[child][position[child]]
+        if got[child] == end - first:
             position[child] += 1
             got[child] = requested[child] = 0
             ticket[child] += 1
@@ -151,6 +165,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
         send(child, now)  # its own children may be waiting for the chunk that just arrived
         send(parent, now)
 
+    for rx in units:
+        start(rx, 0.0)
     while events:
         now, _, kind, parent, child = heapq.heappop(events)
         if kind == ARRIVED:
@@ -164,9 +180,54 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             send(parent, now)  # its uplink is free for the next chunk while this one travels
         else:
             arrive(parent, child, now)
-    if len(finished) < len(fetches):
-        stuck = sorted(set(fetches) - finished.keys())
+    if len(finished) < len(units):
+        stuck = sorted(set(units) - finished.keys())
         rx = stuck[0]
+        a = plan.assignments[rx][position[rx]]
         raise PlanError(f"plan deadlocks in simulation: {len(stuck)} receiver(s) never finish, e.g. {rx!r} "
-                        f"waiting for block {fetches[rx][position[rx]]} from {parents[rx][position[rx]]!r}")
+                        f"waiting for {unit_name(a.block, a.chunks)} from {a.parent!r}")
     return finished
+
+
+def lower_bound(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: float, chunk_bytes: int, *,
+                links: Mapping[str, int] | None = None, hop_latency_s: float = 0.0) -> float:
+    """Seconds before which no schedule of ``plan``'s fetches, in :func:`simulate`'s model with the same
+    arguments, gets every receiver its units: the fluid bound.
+
+    A receiver's downlink carries one chunk at a time, so the one fetching the most bytes, S, finishes no
+    earlier than S/B plus a hop's latency. Where one source with one uplink and no holders feeds two
+    receivers or more, every receiver but the one the source serves first starts getting bytes only once
+    the source's first chunk has left, no earlier than c/B for c the smallest first chunk of a unit fetched
+    from the source: the one of them fetching the most bytes, S, finishes no earlier than (S + c)/B plus a
+    hop.
+    """
+    size = _block_sizes(plan, block_bytes)
+
+    def unit_bytes(block: int, chunks: tuple[int, int] | None) -> int:
+        first, end = chunks or (0, math.ceil(size[block] / chunk_bytes))
+        return min(end * chunk_bytes, size[block]) - first * chunk_bytes
+
+    fetched = sorted((sum(unit_bytes(a.block, a.chunks) for a in items)
+                      for items in plan.assignments.values() if items), reverse=True)
+    if not fetched:
+        return 0.0
+    bound = fetched[0] / link_bytes_per_s
+    source, *others = plan.sources
+    if not others and not plan.held and (links or {}).get(source, 1) == 1 and len(fetched) > 1:
+        starts = {(a.block, a.chunks[0] if a.chunks else 0) for items in plan.assignments.values()
+                  for a in items if a.parent == source}
+        first = min((unit_bytes(block, (c, c + 1)) for block, c in starts), default=0)
+        bound = max(bound, (fetched[1] + first) / link_bytes_per_s)
+    return bound + hop_latency_s
+
+
+def _block_sizes(plan: Plan, block_bytes: int | Sequence[int]) -> dict[int, int]:
+    """The size of each block ``plan`` fetches; ValueError unless each is given and positive."""
+    blocks = {a.block for items in plan.assignments.values() for a in items}
+    if not isinstance(block_bytes, int) and blocks and max(blocks) >= len(block_bytes):
+        raise ValueError(f"simulate: block_bytes gives {len(block_bytes)} sizes; the plan fetches block "
+                         f"{max(blocks)}")
+    size = {b: block_bytes if isinstance(block_bytes, int) else block_bytes[b] for b in blocks}
+    if any(s <= 0 for s in size.values()):
+        raise ValueError("simulate: block sizes must be positive")
+    return size

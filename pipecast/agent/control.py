@@ -21,7 +21,7 @@ with everything held once it is back.
 
 import asyncio
 import logging
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -83,15 +83,32 @@ def sender_at_fault(what: str, error: Exception) -> bool:
     return isinstance(error, CorruptChunkError) or (isinstance(error, CorruptFileError) and what == MANIFEST_FILE)
 
 
-def merged_fetches(parts: Iterable[AssignmentUpdate], verified: Collection[int] = ()) -> list[Fetch[PeerInfo]]:
-    """The fetches of every part, in the parts' order, each block once (the first part that names it
-    wins), without the ``verified`` blocks."""
-    fetches: dict[int, Fetch[PeerInfo]] = {}
+def merged_fetches(parts: Iterable[AssignmentUpdate],
+                   done: Callable[[Fetch[PeerInfo]], bool] = lambda fetch: False) -> list[Fetch[PeerInfo]]:
+    """The fetches of every part, in the parts' order, each block from one part only (the first part that
+    names it wins, with every unit it has of the block: one plan's units of a block cover it without
+    overlap, two plans' units may overlap), without the units that are ``done``."""
+    owner: dict[int, str] = {}
+    fetches = []
     for part in parts:
         for fetch in part.fetch:
-            if fetch.block not in verified and fetch.block not in fetches:
-                fetches[fetch.block] = fetch
-    return list(fetches.values())
+            if owner.setdefault(fetch.block, part.plan_id) == part.plan_id and not done(fetch):
+                fetches.append(fetch)
+    return fetches
+
+
+def unit_done(store: BlockStore | None) -> Callable[[Fetch[PeerInfo]], bool]:
+    """Whether ``store`` holds every chunk of a fetch's unit (a range outside the block is not done: the
+    fetcher refuses it with its own error)."""
+    def done(fetch: Fetch[PeerInfo]) -> bool:
+        if store is None:
+            return False
+        first, end = fetch.chunks or (0, None)
+        try:
+            return store.first_missing_chunk(fetch.block, first, end) is None
+        except AgentError:
+            return False
+    return done
 
 
 class PackageFollower:
@@ -144,8 +161,7 @@ class PackageFollower:
         return self._host.peer_server.stores.get(self.package_id)
 
     def _wanted(self) -> list[Fetch[PeerInfo]]:
-        store = self._store()
-        return merged_fetches(self.parts.values(), store.verified_blocks() if store is not None else ())
+        return merged_fetches(self.parts.values(), unit_done(self._store()))
 
     def _sources(self) -> list[PeerInfo]:
         return list(dict.fromkeys(s for part in self.parts.values() for s in part.sources))
@@ -242,7 +258,8 @@ class PackageFollower:
                     fetching.result()
                     return
                 self._changed.clear()
-                remaining = {f for f in wanted if not store.is_block_verified(f.block)}
+                done = unit_done(store)
+                remaining = {f for f in wanted if not done(f)}
                 if set(self._wanted()) != remaining:
                     log.info("package %s: new parts; fetching the %d missing blocks as they say",
                              self.package_id[:12], len(self._wanted()))

@@ -1,10 +1,12 @@
 """Fetching a node's assigned blocks (and the package's manifest and small files) from its peers.
 
-Assignments are fetched in the plan's order with a bounded number in flight. A failed fetch resumes
-from the block's first missing chunk. A parent that fails is retried a bounded number of times with
-backoff, except one that sent a corrupt chunk (never retried); then the fetch falls back to the given
-fallback peers (the sources of a static plan), or fails with a typed error naming every peer tried so
-that a control plane can re-parent. A peer given up on is not asked for later blocks either.
+Assignments are fetched in the plan's order with a bounded number in flight. Each is a unit: a whole
+block, or a range of its chunks (:attr:`Fetch.chunks`), so that a block can come in parts from several
+parents; it is verified once its last chunk is here, whichever unit brought it. A failed fetch resumes
+from the first chunk of its unit still missing. A parent that fails is retried a bounded number of times
+with backoff, except one that sent a corrupt chunk (never retried); then the fetch falls back to the
+given fallback peers (the sources of a static plan), or fails with a typed error naming every peer tried
+so that a control plane can re-parent. A peer given up on is not asked for later units either.
 
 Small files (tokenizer, config) are fetched in ranges that each hop serves as soon as it has them, so a
 chain forwards them like blocks instead of each hop waiting for its parent's whole copy.
@@ -207,8 +209,63 @@ async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[Peer
             raise FetchFailedError(f"file {path}", attempts)
 
 
+def describe_fetch(fetch: Fetch) -> str:
+    """How logs and failure reports name ``fetch``: "block 3", or "block 3 chunks 5-9" for its chunks 5 .. 8
+    (first-end as in :attr:`Fetch.chunks` and on the wire)."""
+    if fetch.chunks is None:
+        return f"block {fetch.block}"
+    return f"block {fetch.block} chunks {fetch.chunks[0]}-{fetch.chunks[1]}"
+
+
+class _Slots:
+    """Up to ``limit`` fetches at once, handed to waiting fetches in plan order; the oldest unfinished
+    fetch never waits for a slot.
+
+    Why the exception: later fetches (from other parents) may hold every slot while they wait for chunks
+    their parents have yet to fetch, and those parents may be waiting on this node's oldest fetch (in a
+    ranged plan the receivers serve each other). Letting the oldest one run, one over the limit, keeps
+    fetching as free of deadlocks as fetching strictly in plan order, which ``Plan.validate`` checks.
+    """
+
+    def __init__(self, limit: int, count: int) -> None:
+        self.limit = limit
+        self.running = 0
+        self._finished = bytearray(count)
+        self._oldest = 0  # the first fetch not finished
+        self._waiting: dict[int, asyncio.Future] = {}
+
+    async def acquire(self, index: int) -> None:
+        """Wait until fetch ``index`` may run."""
+        if self.running < self.limit or index == self._oldest:
+            self.running += 1
+            return
+        granted = self._waiting[index] = asyncio.get_running_loop().create_future()
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if self._waiting.pop(index, None) is None:  # granted as it was cancelled: hand the slot on
+                self.running -= 1
+                self._grant()
+            raise
+
+    def release(self, index: int) -> None:
+        """Fetch ``index``, which held a slot, has ended."""
+        self.running -= 1
+        self._finished[index] = 1
+        while self._oldest < len(self._finished) and self._finished[self._oldest]:
+            self._oldest += 1
+        self._grant()
+
+    def _grant(self) -> None:
+        for index in sorted(self._waiting):
+            if self.running >= self.limit and index != self._oldest:
+                return
+            self.running += 1
+            self._waiting.pop(index).set_result(None)
+
+
 class Fetcher:
-    """Fetches assigned blocks into a store."""
+    """Fetches assigned blocks and chunk ranges into a store."""
 
     def __init__(self, store: BlockStore, pool: ChannelPool, policy: FetchPolicy = FetchPolicy(),
                  on_peer_failure: PeerFailureCallback | None = None) -> None:
@@ -219,23 +276,31 @@ class Fetcher:
         self.failed_peers: set[PeerInfo] = set()
 
     async def fetch(self, fetches: Sequence[Fetch[PeerInfo]]) -> None:
-        """Fetch every block from its parent, in order: one block at a time per parent, and up to
-        ``policy.concurrency`` parents at once.
+        """Fetch every unit (a block, or a chunk range of one) from its parent, in order: one unit at a time
+        per parent, and up to ``policy.concurrency`` parents at once (see :class:`_Slots`).
 
-        One block at a time from a parent makes blocks complete in order, each at the parent's full rate
-        (an engine needs block 0 first); several parents at once use a receiver's spare ingress.
-        Raises the first :class:`FetchFailedError` (the other fetches are cancelled).
+        One unit at a time from a parent makes blocks complete in order, each at the parent's full rate
+        (an engine needs block 0 first); several parents at once use a receiver's spare ingress, and a
+        block fetched in ranges from several parents is verified once its last chunk lands, whichever.
+        Raises :class:`UnknownPackageError` before anything moves if a range does not fit the manifest,
+        ``ValueError`` if two units overlap (a chunk is received once), and the first
+        :class:`FetchFailedError` (the other fetches are cancelled).
         """
-        gate = asyncio.Semaphore(self.policy.concurrency)
+        self._check_units(fetches)
+        slots = _Slots(self.policy.concurrency, len(fetches))
         per_parent: dict[PeerInfo, asyncio.Lock] = {}
 
-        async def one(block: int, parent: PeerInfo) -> None:
-            # Locks and the semaphore are FIFO and tasks start in fetch order: order is kept.
-            async with per_parent.setdefault(parent, asyncio.Lock()), gate:
-                await self._fetch_block(block, parent)
+        async def one(index: int, fetch: Fetch[PeerInfo]) -> None:
+            # Locks are FIFO and tasks start in fetch order: each parent's units go in plan order.
+            async with per_parent.setdefault(fetch.parent, asyncio.Lock()):
+                await slots.acquire(index)
+                try:
+                    await self._fetch_unit(fetch)
+                finally:
+                    slots.release(index)
 
-        tasks = [asyncio.create_task(one(f.block, f.parent)) for f in fetches]
-        prefaulting = asyncio.create_task(self._prefault([f.block for f in fetches]))
+        tasks = [asyncio.create_task(one(i, f)) for i, f in enumerate(fetches)]
+        prefaulting = asyncio.create_task(self._prefault(list(dict.fromkeys(f.block for f in fetches))))
         try:
             for next_done in asyncio.as_completed(tasks):
                 await next_done
@@ -244,54 +309,77 @@ class Fetcher:
                 task.cancel()
             await asyncio.gather(*tasks, prefaulting, return_exceptions=True)
 
+    def _check_units(self, fetches: Sequence[Fetch[PeerInfo]]) -> None:
+        """Every unit's range fits its block, and no two units share a chunk: two fetches receiving one
+        chunk at once would both write its buffer, the second after the first one's bytes were verified."""
+        taken: dict[int, list[tuple[int, int, Fetch[PeerInfo]]]] = {}
+        for fetch in fetches:
+            first, end = self.store.chunk_range(fetch.block, fetch.chunks)
+            for other_first, other_end, other in taken.setdefault(fetch.block, []):
+                if first < other_end and other_first < end:
+                    raise ValueError(f"{describe_fetch(fetch)} from {fetch.parent} overlaps "
+                                     f"{describe_fetch(other)} from {other.parent}")
+            taken[fetch.block].append((first, end, fetch))
+
     async def _prefault(self, blocks: list[int]) -> None:
-        """Map the blocks' memory in fetch order, off the event loop, ahead of their bytes."""
+        """Map the blocks' memory in fetch order, off the event loop, ahead of their bytes (once a block)."""
         for block in blocks:
             await asyncio.to_thread(self.store.prefault, block)
 
-    async def _fetch_block(self, block: int, parent: PeerInfo) -> None:
+    async def _fetch_unit(self, fetch: Fetch[PeerInfo]) -> None:
+        what = describe_fetch(fetch)
         attempts: list[tuple[str, Exception]] = []
+        parent = fetch.parent
         peers = [parent, *(p for p in self.policy.fallbacks if p != parent)]
         for n, peer in enumerate(peers):
             if peer in self.failed_peers:
                 continue
             if n:
-                log.warning("block %d: parent %s failed; falling back to source %s", block, parent, peer)
+                log.warning("%s: parent %s failed; falling back to source %s", what, parent, peer)
             for attempt in range(1 + self.policy.retries):
                 if attempt:
                     await asyncio.sleep(self.policy.backoff_s * 2 ** (attempt - 1))
                 try:
-                    await self._fetch_from(block, peer)
+                    await self._fetch_from(fetch, peer, what)
                     return
                 except Exception as exc:  # any failure on a peer's answer: retry, or the next peer
                     if _own_failure(exc):
                         raise
-                    error = peer_failure(peer, f"block {block}", exc)
+                    error = peer_failure(peer, what, exc)
                 attempts.append((str(peer), error))
-                log.warning("block %d: %s", block, error)
+                log.warning("%s: %s", what, error)
                 if self.on_peer_failure:
-                    self.on_peer_failure(f"block {block}", peer, error)
+                    self.on_peer_failure(what, peer, error)
                 if isinstance(error, CorruptChunkError):
                     break  # a peer that sent bad bytes is not asked again
-            # Given up on this peer: later blocks go straight to the next one instead of waiting again.
+            # Given up on this peer: later units go straight to the next one instead of waiting again.
             self.failed_peers.add(peer)
         given_up = tuple(str(p) for p in peers if p in self.failed_peers and str(p) not in dict(attempts))
-        raise FetchFailedError(f"block {block}", attempts, given_up)
+        raise FetchFailedError(what, attempts, given_up)
 
-    async def _fetch_from(self, block: int, peer: PeerInfo) -> None:
-        first = self.store.first_missing_chunk(block)
-        if first is None:
+    async def _fetch_from(self, fetch: Fetch[PeerInfo], peer: PeerInfo, what: str) -> None:
+        """Receive the chunks of ``fetch`` still missing from ``peer``: from the first missing one, in runs
+        that stop short of chunks already here (a resumed or re-planned fetch)."""
+        block = fetch.block
+        first, end = self.store.chunk_range(block, fetch.chunks)
+        run = self.store.missing_run(block, first, end)
+        if run is None:
             return
+        resumed_at = run[0] if run[0] > first else None
         channel = await self.pool.acquire(peer)
         start = time.perf_counter()
+        meta = self.store.manifest.blocks[block]
+        nbytes = 0
         try:
-            await channel.fetch_block(self.store.package_id, block, first, self.store)
+            while run is not None:
+                await channel.fetch_block(self.store.package_id, block, run[0], self.store, run[1])
+                nbytes += min(run[1] * meta.chunk_bytes, meta.bytes) - run[0] * meta.chunk_bytes
+                run = self.store.missing_run(block, first, end)
         except BaseException:
             await self.pool.discard(peer, channel)
             raise
         self.pool.release(peer, channel)
         seconds = time.perf_counter() - start
-        meta = self.store.manifest.blocks[block]
-        nbytes = meta.bytes - first * meta.chunk_bytes
-        log.info("block %d from %s: %s in %.3f s (%s)%s", block, peer, format_bytes(nbytes), seconds,
-                 format_rate(nbytes / seconds) if seconds else "-", f", resumed at chunk {first}" if first else "")
+        log.info("%s from %s: %s in %.3f s (%s)%s", what, peer, format_bytes(nbytes), seconds,
+                 format_rate(nbytes / seconds) if seconds else "-",
+                 f", resumed at chunk {resumed_at}" if resumed_at is not None else "")

@@ -4,7 +4,11 @@ agents without a control plane (benchmarks, tests, air-gapped clusters).
 Format: the JSON of :meth:`control_plane.planner.plan.Plan.to_json` with two more keys::
 
     {"package_id": "...", "nodes": {"seed": "10.0.0.1:7070", "r1": "10.0.0.2:7070"},
-     "strategy": "chain", "sources": ["seed"], "assignments": {"r1": [[0, "seed"], [1, "seed"]]}}
+     "strategy": "chain", "sources": ["seed"], "assignments": {"r1": [[0, "seed"], [1, "seed", 0, 8]]}}
+
+A fetch is ``[block, parent]`` for a whole block or ``[block, parent, first, end]`` for its chunks first ..
+end - 1; each goes to the fetcher as it is. Without a control plane every requester is served, so a
+child fetching a chunk range is admitted like one fetching a whole block.
 """
 
 import json
@@ -30,15 +34,15 @@ class StaticPlan:
         return PeerInfo(node_id, self.nodes[node_id])
 
     def fetches_of(self, node_id: str) -> list[Fetch[PeerInfo]]:
-        """What ``node_id`` fetches, in order, each from its parent."""
-        return [Fetch(f.block, self.peer(f.parent)) for f in self.plan.assignments.get(node_id, [])]
+        """What ``node_id`` fetches, in order, each (a block or a chunk range of one) from its parent."""
+        return [Fetch(f.block, self.peer(f.parent), f.chunks) for f in self.plan.assignments.get(node_id, [])]
 
     def sources(self) -> list[PeerInfo]:
         """The nodes that hold the whole package, in the plan's order: the fallback of every fetch."""
         return [self.peer(s) for s in self.plan.sources]
 
     def children_of(self, node_id: str) -> set[str]:
-        """Nodes that fetch at least one block from ``node_id``."""
+        """Nodes that fetch at least one block or chunk range from ``node_id``."""
         return {rx for rx, fetches in self.plan.assignments.items() if any(a.parent == node_id for a in fetches)}
 
 

@@ -4,7 +4,8 @@ Each block has one buffer sized from the manifest. Transports receive straight i
 that buffer (:meth:`BlockStore.chunk_buffer`) and then report it (:meth:`BlockStore.chunk_landed`): the
 chunk is hashed against its manifest digest and only then counts as present, so a peer serving this
 store (cut-through) or a local engine can never read an unverified byte. A block is verified when all
-its chunks are: the manifest is validated on open, and its package id is the digest of the whole manifest
+its chunks are, whichever fetches landed them (the whole block from one peer, or chunk ranges from
+several): the manifest is validated on open, and its package id is the digest of the whole manifest
 (every chunk digest, size and file name in it), so the chunk digests are as trustworthy as the package id
 and one hash pass over the bytes suffices.
 
@@ -334,11 +335,35 @@ class BlockStore:
 
     # -- reading -----------------------------------------------------------------------------------------
 
-    def first_missing_chunk(self, block: int) -> int | None:
-        """Where a (re)fetch of ``block`` starts; None when the block is verified."""
+    def chunk_range(self, block: int, chunks: tuple[int, int] | None = None) -> tuple[int, int]:
+        """``chunks`` (first, end: chunks first .. end - 1) of ``block``, checked, or its whole range for None;
+        :class:`UnknownPackageError` unless the block has them (a plan that does not fit the manifest)."""
+        count = self._state(block).count
+        if chunks is None:
+            return 0, count
+        first, end = chunks
+        if not 0 <= first < end <= count:
+            raise UnknownPackageError(f"package {self.package_id[:12]}: block {block} has no chunk range "
+                                      f"{first}-{end} (it has {count} chunks)")
+        return first, end
+
+    def first_missing_chunk(self, block: int, first: int = 0, end: int | None = None) -> int | None:
+        """Where a (re)fetch of chunks ``first`` .. ``end - 1`` of ``block`` (``end`` None: to its last chunk)
+        starts; None when all of them are present (for the whole block: it is verified)."""
+        run = self.missing_run(block, first, end)
+        return None if run is None else run[0]
+
+    def missing_run(self, block: int, first: int = 0, end: int | None = None) -> tuple[int, int] | None:
+        """The first run of missing chunks within chunks ``first`` .. ``end - 1`` of ``block`` (``end``
+        None: to its last chunk), as (first, end); None when all of them are present. A fetch asks for
+        runs, not past them: a chunk that another fetch landed meanwhile is not received twice."""
         present = self._state(block).present
-        index = present.find(0)
-        return None if index < 0 else index
+        first, end = self.chunk_range(block, (first, len(present) if end is None else end))
+        start = present.find(0, first, end)
+        if start < 0:
+            return None
+        stop = present.find(1, start, end)
+        return start, end if stop < 0 else stop
 
     def is_chunk_present(self, block: int, chunk: int) -> bool:
         return bool(self._state(block).present[chunk])

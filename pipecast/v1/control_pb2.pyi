@@ -390,12 +390,16 @@ class WatchAssignmentsRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class Transfer(_message.Message):
-    __slots__ = ("block", "peer")
+    __slots__ = ("block", "peer", "first_chunk", "end_chunk")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_CHUNK_FIELD_NUMBER: _ClassVar[int]
     block: int
     peer: Peer
-    def __init__(self, block: _Optional[int] = ..., peer: _Optional[_Union[Peer, _Mapping]] = ...) -> None: ...
+    first_chunk: int
+    end_chunk: int
+    def __init__(self, block: _Optional[int] = ..., peer: _Optional[_Union[Peer, _Mapping]] = ..., first_chunk: _Optional[int] = ..., end_chunk: _Optional[int] = ...) -> None: ...
 
 class AssignmentUpdate(_message.Message):
     __slots__ = ("kind", "plan_id", "package_id", "version", "strategy", "fetch", "serve", "plan_ids", "sources", "receivers", "priority")

@@ -24,7 +24,17 @@ def test_merged_fetches_take_each_missing_block_once_in_the_parts_order():
     store, a1 = PeerInfo("store", "10.0.0.1:7070"), PeerInfo("a1", "10.0.0.2:7070")
     first = AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p1", fetch=(Fetch(2, a1), Fetch(0, store)))
     second = AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p2", fetch=(Fetch(0, a1), Fetch(1, store)))
-    assert merged_fetches([first, second], verified={1}) == [Fetch(2, a1), Fetch(0, store)]
+    assert merged_fetches([first, second], done=lambda f: f.block == 1) == [Fetch(2, a1), Fetch(0, store)]
+
+
+def test_merged_fetches_take_a_blocks_units_from_the_first_part_that_names_it():
+    store, a1 = PeerInfo("store", "10.0.0.1:7070"), PeerInfo("a1", "10.0.0.2:7070")
+    first = AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p1",
+                             fetch=(Fetch(0, store, (0, 3)), Fetch(0, a1, (3, 8)), Fetch(1, a1, (0, 4))))
+    # Another plan's units of block 0 overlap the first's: they are left; its block 2 is taken.
+    second = AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p2", fetch=(Fetch(0, a1, (0, 5)), Fetch(2, store)))
+    assert merged_fetches([first, second], done=lambda f: f.chunks == (3, 8)) == [
+        Fetch(0, store, (0, 3)), Fetch(1, a1, (0, 4)), Fetch(2, store)]
 
 
 def test_only_a_peers_own_corrupt_data_gets_it_distrusted():

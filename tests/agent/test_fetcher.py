@@ -2,6 +2,7 @@
 manifest comes from the next peer (never cached, never served), and any exception a peer's answer
 provokes, whatever its type, moves a fetch on to its next peer instead of ending it."""
 
+import asyncio
 import json
 
 import pytest
@@ -23,7 +24,7 @@ from pipecast.agent.transport.base import Channel, Transport
 from pipecast.agent.transport.tcp import TcpTransport
 from pipecast.core.settings import Settings
 from pipecast.v1.manifest_pb2 import Manifest
-from tests.support.agent_fixtures import block_file_bytes, receiving_store, seed_store
+from tests.support.agent_fixtures import block_file_bytes, land_chunk, receiving_store, seed_store
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -196,10 +197,10 @@ class StubChannel(Channel):
     def __init__(self, peer: str, fail: BaseException | None, real: Channel | None) -> None:
         self.peer, self._fail, self._real = peer, fail, real
 
-    async def fetch_block(self, package_id, block, first_chunk, sink) -> None:
+    async def fetch_block(self, package_id, block, first_chunk, sink, end_chunk=None) -> None:
         if self._fail is not None:
             raise self._fail
-        await self._real.fetch_block(package_id, block, first_chunk, sink)
+        await self._real.fetch_block(package_id, block, first_chunk, sink, end_chunk)
 
     async def fetch_file(self, package_id, path, offset=0, length=0) -> bytes:
         if self._fail is not None:
@@ -291,3 +292,153 @@ async def test_a_refusing_peer_is_not_blamed_for_corruption(package, peers, hone
         store.close()
     assert failures == [(f.path, PeerRefusedError) for f in manifest.files]
 
+
+
+# -- chunk ranges (issue #16) ------------------------------------------------------------------------------
+
+
+class ChunkLog(PeerServer):
+    """Serves its stores and records every chunk it was asked for as (block, chunk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[int, int]] = []
+
+    async def wait_chunk(self, package_id: str, block: int, chunk: int) -> memoryview:
+        self.asked.append((block, chunk))
+        return await super().wait_chunk(package_id, block, chunk)
+
+
+async def test_ranges_from_two_parents_make_each_block_verified_once_as_a_whole_block_fetch_does(package, peers,
+                                                                                                 pool, caplog):
+    root, manifest = package
+    seed = seed_store(root)
+    servers = {"a": ChunkLog(), "b": ChunkLog()}
+    parents = {}
+    for name, server in servers.items():
+        server.add(seed)
+        parents[name] = await peers.start(name, server)
+    store = receiving_store(manifest)
+    events = []
+    store.subscribe(events.append)
+    counts = [store.chunk_count(b.index) for b in manifest.blocks]
+    # Each block: its first chunk and last half from b, the chunks between from a; b's units come first in
+    # its own order, and a unit of one block may land after a unit of the next.
+    fetches = []
+    for block, count in enumerate(counts):
+        half = count // 2
+        fetches += [Fetch(block, parents["b"], (half, count)), Fetch(block, parents["a"], (1, half)),
+                    Fetch(block, parents["b"], (0, 1))]
+    caplog.set_level("INFO", logger="pipecast.agent.fetcher")
+    try:
+        await Fetcher(store, pool).fetch(fetches)
+        for block in manifest.blocks:
+            assert bytes(store.block_view(block.index)) == block_file_bytes(root, manifest, block.index)
+        assert store.progress().complete
+        for name, server in servers.items():  # each parent was asked for its units' chunks only, in plan order
+            assert server.asked == [(f.block, c) for f in fetches if f.parent == parents[name]
+                                    for c in range(*f.chunks)]
+        verified = [e.block for e in events if e.kind == "block_verified"]
+        assert sorted(verified) == list(range(len(counts)))  # once a block, whichever unit completed it
+        assert [e.block for e in events if e.kind == "block_started"] == sorted(set(verified))
+        half = counts[0] // 2
+        assert f"block 0 chunks {half}-{counts[0]} from b@" in caplog.text
+        assert f"block 0 chunks 1-{half} from a@" in caplog.text
+    finally:
+        store.close()
+        seed.close()
+
+
+async def test_a_unit_whose_chunks_are_partly_here_fetches_only_the_missing_runs(package, peers, pool):
+    root, manifest = package
+    seed = seed_store(root)
+    server = ChunkLog()
+    server.add(seed)
+    parent = await peers.start("a", server)
+    store = receiving_store(manifest)
+    count = store.chunk_count(0)
+    data = block_file_bytes(root, manifest, 0)
+    try:
+        land_chunk(store, data, 0, 1)  # an earlier generation landed this one (e.g. from another parent)
+        await Fetcher(store, pool).fetch([Fetch(0, parent)])
+        assert server.asked == [(0, 0), *((0, c) for c in range(2, count))]
+        assert bytes(store.block_view(0)) == data
+    finally:
+        store.close()
+        seed.close()
+
+
+async def test_units_that_do_not_fit_the_manifest_or_overlap_fail_before_anything_moves(package, honest, pool):
+    _, manifest = package
+    store = receiving_store(manifest)
+    count = store.chunk_count(1)
+    try:
+        with pytest.raises(UnknownPackageError, match=rf"^package {manifest.package_id[:12]}: block 1 has no chunk "
+                                                      rf"range 2-{count + 1} \(it has {count} chunks\)$"):
+            await Fetcher(store, pool).fetch([Fetch(0, honest), Fetch(1, honest, (2, count + 1))])
+        with pytest.raises(ValueError, match=r"^block 1 chunks 1-3 from honest@\S+ overlaps block 1 chunks 0-2 from "):
+            await Fetcher(store, pool).fetch([Fetch(0, honest), Fetch(1, honest, (0, 2)), Fetch(1, honest, (1, 3))])
+        with pytest.raises(ValueError, match=r"^block 1 from .* overlaps block 1 chunks 0-2 from "):
+            await Fetcher(store, pool).fetch([Fetch(1, honest, (0, 2)), Fetch(1, honest)])
+        assert store.progress().bytes_present == 0
+    finally:
+        store.close()
+
+
+class ScriptedTransport(Transport):
+    """Channels that land chunks from ``data`` themselves: a unit of block 0 from "slow" takes ``slow_s``,
+    and every unit from "p" or "q" of block 1 waits until chunk 0 of block 1 is here (their peers need
+    what this node fetches from "slow" first)."""
+
+    name = "scripted"
+
+    def __init__(self, store, data: dict[int, bytes], slow_s: float) -> None:
+        super().__init__("rx", Settings(**SETTINGS))
+        self.store, self.data, self.slow_s = store, data, slow_s
+
+    async def listen(self, host, port, served):
+        raise NotImplementedError
+
+    async def connect(self, address: str, peer: str) -> Channel:
+        return ScriptedChannel(peer, self)
+
+
+class ScriptedChannel(Channel):
+    def __init__(self, peer: str, transport: ScriptedTransport) -> None:
+        self.peer, self.transport = peer, transport
+
+    async def fetch_block(self, package_id, block, first_chunk, sink, end_chunk=None) -> None:
+        name = self.peer.partition("@")[0]
+        if name == "slow" and block == 0:
+            await asyncio.sleep(self.transport.slow_s)
+        if name in ("p", "q") and block == 1:
+            await self.transport.store.wait_chunk(1, 0)
+        for chunk in range(first_chunk, end_chunk):
+            land_chunk(sink, self.transport.data[block], block, chunk)
+
+    async def fetch_file(self, package_id, path, offset=0, length=0) -> bytes:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_units_waiting_on_this_nodes_earlier_unit_never_keep_it_from_running(package):
+    """A ranged plan's receivers serve each other: later units (from p and q) can take every slot and wait
+    for chunks this node fetches in an earlier unit (from slow); that unit still runs, one over the limit."""
+    root, manifest = package
+    store = receiving_store(manifest)
+    count = store.chunk_count(0)
+    transport = ScriptedTransport(store, {b: block_file_bytes(root, manifest, b) for b in (0, 1)}, slow_s=0.2)
+    pool = ChannelPool(transport)
+    slow, p, q = (PeerInfo(name, f"127.0.0.1:{port}") for name, port in (("slow", 1), ("p", 2), ("q", 3)))
+    thirds = [(0, 1), (1, 2), (2, count)]
+    # Plan order: block 0 from slow, p, q; then block 1 likewise. p's and q's block 0 units end long before
+    # slow's, so their block 1 units queue for the two slots before slow's block 1 unit can.
+    fetches = [Fetch(block, parent, chunks) for block in (0, 1) for parent, chunks in zip((slow, p, q), thirds)]
+    try:
+        await asyncio.wait_for(Fetcher(store, pool, FetchPolicy(concurrency=2)).fetch(fetches), 5)
+        assert all(store.is_block_verified(b) for b in (0, 1))
+    finally:
+        await pool.close()
+        store.close()

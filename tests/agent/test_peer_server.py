@@ -11,7 +11,9 @@ import pytest
 from pipecast.agent.errors import PeerNotAllowedError
 from pipecast.agent.events import EventLog, read_events
 from pipecast.agent.peer_server import MAX_REQUESTERS_PER_PACKAGE, PeerServer
-from tests.support.agent_fixtures import receiving_store, seed_store
+from pipecast.agent.transport.wire import CHUNK, REQ_BLOCK, Header, answer_request, parse_request, request_payload
+from tests.agent.conftest import CHUNK as CHUNK_BYTES
+from tests.support.agent_fixtures import block_file_bytes, land_chunk, receiving_store, seed_store
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -42,6 +44,38 @@ async def test_under_a_control_plane_only_the_children_of_a_current_part_are_ser
         server.end_part("plan-1")
         with pytest.raises(PeerNotAllowedError):
             await server.admit("child", pid)
+    finally:
+        relay.close()
+
+
+async def test_a_child_of_a_current_part_is_served_a_chunk_range_as_it_lands(package):
+    """Issue #16: parts say whom a node serves, not which chunks; a child's range request is admitted and
+    answered chunk by chunk, cut-through, from a relay still receiving the block."""
+    root, manifest = package
+    relay = receiving_store(manifest)
+    server = PeerServer(plan_gated=True, grace_s=0.1)
+    server.add(relay)
+    server.serve_part("plan-1", manifest.package_id, ["child"])
+    data = block_file_bytes(root, manifest, 0)
+    sent = []
+
+    async def send(header: Header, payload: memoryview) -> None:
+        sent.append((header.kind, header.chunk, bytes(payload)))
+
+    payload = request_payload(manifest.package_id, "child", end_chunk=3)
+    request = parse_request(Header(REQ_BLOCK, 0, 1, len(payload)), payload, "child")
+    try:
+        answering = asyncio.create_task(answer_request(server, request, send, "child"))
+        land_chunk(relay, data, 0, 0)
+        await asyncio.sleep(0.02)
+        assert sent == []  # chunk 0 is not asked for
+        land_chunk(relay, data, 0, 1)
+        await asyncio.sleep(0.02)
+        assert [chunk for _, chunk, _ in sent] == [1] and not answering.done()
+        land_chunk(relay, data, 0, 2)
+        await asyncio.wait_for(answering, 1)
+        assert sent == [(CHUNK, c, data[c * CHUNK_BYTES:(c + 1) * CHUNK_BYTES]) for c in (1, 2)]
+        assert server.have_requested(manifest.package_id, ["child"])
     finally:
         relay.close()
 

@@ -251,3 +251,61 @@ def test_cache_round_trip_reverifies_and_refetches_bad_blocks(package, tmp_path,
     finally:
         restarted.close()
     assert BlockCache(tmp_path / "empty").local_package(manifest.package_id) is None
+
+
+# -- chunk ranges (issue #16) ------------------------------------------------------------------------------
+
+
+async def test_chunk_ranges_report_their_first_missing_chunk_and_missing_runs(package):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    store = receiving_store(manifest)
+    count = store.chunk_count(0)
+    assert count >= 4  # the package fixture's chunks are small enough for ranges to mean something
+    try:
+        assert store.chunk_range(0) == (0, count) and store.chunk_range(0, (1, 3)) == (1, 3)
+        for bad in [(2, 2), (3, 1), (-1, 2), (0, count + 1)]:
+            with pytest.raises(UnknownPackageError) as caught:
+                store.chunk_range(0, bad)
+            assert str(caught.value) == (f"package {manifest.package_id[:12]}: block 0 has no chunk range "
+                                         f"{bad[0]}-{bad[1]} (it has {count} chunks)")
+        put_chunk(store, 0, 1, data)
+        put_chunk(store, 0, 3, data)
+        assert store.first_missing_chunk(0) == 0
+        assert store.first_missing_chunk(0, 1) == 2  # to the block's end
+        assert store.first_missing_chunk(0, 1, 2) is None  # that range is all here
+        assert store.first_missing_chunk(0, 3, 4) is None
+        # A run stops short of a chunk already here: a fetch never receives a present chunk again.
+        assert store.missing_run(0) == (0, 1)
+        assert store.missing_run(0, 1, count) == (2, 3)
+        assert store.missing_run(0, 3) == ((4, count) if count > 4 else None)
+        assert store.missing_run(0, 1, 2) is None
+        assert not store.is_block_verified(0)
+    finally:
+        store.close()
+
+
+async def test_a_block_landed_in_ranges_from_two_peers_is_verified_once_as_a_whole_block_is(package):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 1)
+    store = receiving_store(manifest)
+    events = []
+    store.subscribe(events.append)
+    count = store.chunk_count(1)
+    half = count // 2
+    try:
+        waiter = asyncio.ensure_future(store.wait_block(1))
+        for chunk in range(half, count):  # the second range lands first
+            put_chunk(store, 1, chunk, data, peer="b")
+        assert store.first_missing_chunk(1, half) is None and store.first_missing_chunk(1) == 0
+        assert store.verified_prefix(1) == 0 and not waiter.done()
+        for chunk in range(half):
+            put_chunk(store, 1, chunk, data, peer="a")
+        await asyncio.wait_for(waiter, 1)
+        assert store.is_block_verified(1) and bytes(store.block_view(1)) == data
+        assert store.first_missing_chunk(1) is None and store.verified_prefix(1) == len(data)
+        kinds = [(e.kind, e.peer) for e in events if e.kind != "prefix_verified"]
+        assert kinds == [("block_started", "b"), ("block_verified", "a")]  # one each, whatever the ranges
+        assert store.progress().blocks[1].chunks_present == count
+    finally:
+        store.close()

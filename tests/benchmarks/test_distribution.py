@@ -80,7 +80,7 @@ def test_theory_follows_design_section_4():
 
 def test_model_prices_the_plan_that_runs():
     facts = PackageFacts(path=Path("."), package_id="p" * 64, model_name="m", total_bytes=S, files_bytes=0,
-                         block_bytes=(S // 8,) * 8, chunk_bytes=C)
+                         block_bytes=(S // 8,) * 8, chunk_bytes=C, chunk_counts=(-(-S // 8 // C),) * 8)
     assert model_seconds("unicast", 4, facts, 400) == pytest.approx(4 * S / B)
     assert model_seconds("chain", 4, facts, 400) == pytest.approx(S / B + 3 * C / B)
 

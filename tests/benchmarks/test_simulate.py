@@ -10,16 +10,35 @@ from benchmarks.command import bench_group
 def test_simulated_figures_follow_the_contract_and_never_beat_the_lower_bound(tmp_path):
     out = tmp_path / "sim.json"
     result = CliRunner().invoke(bench_group, ["simulate", "--nodes", "4,12", "--strategy", "chain,binomial,unicast",
-                                       "--model-bytes", "8MiB", "--json", str(out)])
+                                       "--model-bytes", "32MiB", "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
+    # The binomial pipeline over chunk ranges (what the control plane plans), then over whole blocks.
     assert [(r["nodes"], r["strategy"]) for r in data["results"]] == [
-        (n, s) for n in (4, 12) for s in ("chain", "binomial", "unicast")]
+        (n, s) for n in (4, 12) for s in ("chain", "binomial", "binomial-blocks", "unicast")]
     for r in data["results"]:
-        assert set(r) == {"nodes", "strategy", "default", "seconds", "floor_seconds", "ratio_to_floor",
+        assert set(r) == {"nodes", "strategy", "default", "units", "seconds", "floor_seconds", "ratio_to_floor",
                           "lower_bound_seconds"}
         assert r["floor_seconds"] < r["lower_bound_seconds"] <= r["seconds"]
         assert r["default"] == ((r["strategy"] == "chain") if r["nodes"] <= 8 else (r["strategy"] == "binomial"))
+        # 8 blocks of 4 chunks: a plan of whole blocks has 8 units, the binomial ranges of 2 chunks or more.
+        assert r["units"] == (16 if r["strategy"] == "binomial" else 8)
     unicast = {r["nodes"]: r["ratio_to_floor"] for r in data["results"] if r["strategy"] == "unicast"}
     assert unicast[12] > 11  # every copy over the store's one link
-    assert "x S/B" in result.output
+    ratios = {(r["nodes"], r["strategy"]): r["ratio_to_floor"] for r in data["results"]}
+    assert ratios[12, "binomial"] < ratios[12, "binomial-blocks"]
+    assert "x S/B" in result.output and "binomial-blocks" in result.output
+
+
+def test_a_packages_own_block_and_chunk_sizes_are_simulated(tiny_package, tmp_path):
+    package = tiny_package(seed=1, chunk_bytes=64 << 10)
+    manifest = package.manifest
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(bench_group, ["simulate", "--nodes", "12", "--strategy", "binomial", "--package",
+                                              str(package.path), "--serve", "earliest", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["block_bytes"] == [b.bytes for b in manifest.blocks] and settings["chunk_bytes"] == 64 << 10
+    assert settings["serve"] == "earliest" and settings["package"] == str(package.path)
+    assert f"simulated multicast of {manifest.model_name}" in result.output
+    assert "child furthest behind first" in result.output

@@ -221,6 +221,34 @@ async def test_scale_up_streams_assignments_to_each_watching_worker(client):
             await watcher.close()
 
 
+async def test_a_binomial_scale_up_streams_chunk_ranges_that_cover_every_block_once(client):
+    """Beyond a few chunks a block, a binomial plan's units are chunk ranges of it: each receiver's ASSIGN
+    carries them (first and end chunk), and they cover every chunk of every block exactly once."""
+    chunks = 8
+    base = manifest("ranged")
+    for block in base.blocks:
+        block.chunk_bytes = 125
+        block.chunk_digests[:] = [digest_bytes(f"{block.index} {c}".encode()) for c in range(chunks)]
+    ranged = seal_manifest(base)
+    await client.publish_package(ranged, STORE)
+    nodes = [f"w{i}" for i in range(1, 10)]
+    for node in nodes:
+        await client.register(spec(node))
+    watchers = {node: Watcher(client, node) for node in nodes}
+    try:
+        for watcher in watchers.values():
+            assert (await watcher.next()).kind is UpdateKind.SYNC
+        await client.scale_up(ranged.package_id, node_ids=nodes, strategy="binomial")
+        for watcher in watchers.values():
+            update = await watcher.next()
+            assert update.kind is UpdateKind.ASSIGN and all(f.chunks is not None for f in update.fetch)
+            got = sorted((f.block, c) for f in update.fetch for c in range(*f.chunks))
+            assert got == [(b, c) for b in range(BLOCKS) for c in range(chunks)]
+    finally:
+        for watcher in watchers.values():
+            await watcher.close()
+
+
 async def test_a_source_is_told_every_receiver_of_its_plan_even_without_children(client):
     """Issue #12: a source serves only the receivers of its current plans (each may fall back to it), so its
     ASSIGN names them all, and a source with no child of its own still gets one."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from control_plane.planner.plan import Fetch, Plan
 from control_plane.planner.schedules import make_plan
 from pipecast.agent.local_client import LocalAgentClient
 from pipecast.agent.plan_file import plan_file_data
@@ -97,6 +98,54 @@ def test_chain_of_four_copies_the_package_exactly_with_cut_through(agents, packa
         assert agents.procs[node].wait(10) == 0, agents.log(node)
         assert agents.events(node)[-1]["event"] == "stopped"
     assert not (tmp_path / "r4.sock").exists()
+
+
+def test_receivers_fetching_chunk_ranges_from_the_seed_and_each_other_each_end_with_every_block(agents, package,
+                                                                                                tmp_path):
+    """Issue #16: each receiver fetches one third of every block's chunks from the seed and the other two
+    thirds from the other receivers, who relay them cut-through; the seed sends the package once."""
+    root, manifest = package
+    receivers = ["r1", "r2", "r3"]
+    nodes = {node: f"127.0.0.1:{port}" for node, port in zip(["seed", *receivers], free_ports(4))}
+    assignments: dict[str, list[Fetch[str]]] = {rx: [] for rx in receivers}
+    for block in manifest.blocks:
+        count = len(block.chunk_digests)
+        thirds = [(0, count // 3), (count // 3, 2 * count // 3), (2 * count // 3, count)]
+        assert all(first < end for first, end in thirds)
+        for i, rx in enumerate(receivers):
+            # Its own third from the seed first, then the others' from them: each parent fetches what it
+            # serves before it, so the plan validates (no receiver waits on one that waits on it).
+            assignments[rx] += [Fetch(block.index, "seed", thirds[i]),
+                                *(Fetch(block.index, receivers[k], thirds[k]) for k in ((i + 1) % 3, (i + 2) % 3))]
+    ranged = Plan("binomial", ("seed",), assignments)
+    ranged.validate()
+    plan = write_plan(tmp_path / "plan.json", plan_file_data(ranged, manifest.package_id, nodes))
+    seed = start_seed_held(agents, root, plan)
+    try:
+        start_receivers(agents, plan, receivers)
+    finally:
+        seed.send_signal(signal.SIGCONT)
+    blocks = [b.index for b in manifest.blocks]
+    for rx in receivers:
+        agents.wait(rx, "complete")
+        assert_identical_copy(agents, rx, root, manifest)
+        assert agents.events(rx, "peer_failed") == []
+        assert sorted(e["block"] for e in agents.events(rx, "block_verified")) == blocks  # once each
+        # It served each block's third to both other receivers.
+        served = [(e["requester"], e["block"]) for e in agents.events(rx, "peer_request")]
+        assert sorted(served) == sorted((other, b) for other in receivers if other != rx for b in blocks)
+        log = agents.log(rx)
+        other = receivers[(receivers.index(rx) + 1) % 3]
+        first, end = assignments[rx][1].chunks
+        assert f"block 0 chunks {first}-{end} from {other}@{nodes[other]}: " in log
+    seed.terminate()
+    assert seed.wait(10) == 0, agents.log("seed")
+    # The seed's uplink carried every chunk once (a third of each block to each receiver), besides the
+    # manifest and the small files each receiver asked it for.
+    asked = [(e["requester"], e["block"]) for e in agents.events("seed", "peer_request") if e["block"] is not None]
+    assert sorted(asked) == sorted((rx, b) for rx in receivers for b in blocks)
+    files = (root / "manifest.json").stat().st_size + sum(f.bytes for f in manifest.files)
+    assert agents.events("seed", "stopped")[0]["bytes_sent"] == manifest.total_bytes + len(receivers) * files
 
 
 def test_killed_parent_is_a_typed_error_on_its_children_within_the_deadline(agents, package, tmp_path):

@@ -162,8 +162,11 @@ class Channel(ABC):
     peer: str
 
     @abstractmethod
-    async def fetch_block(self, package_id: str, block: int, first_chunk: int, sink: ChunkSink) -> None:
-        """Receive chunks ``first_chunk`` .. last of ``block`` into ``sink``, in order; return when done."""
+    async def fetch_block(self, package_id: str, block: int, first_chunk: int, sink: ChunkSink,
+                          end_chunk: int | None = None) -> None:
+        """Receive chunks ``first_chunk`` .. ``end_chunk - 1`` of ``block`` (``end_chunk`` None: to its last
+        chunk) into ``sink``, in order; return when done (at once for an empty range). ``ValueError`` if
+        ``end_chunk`` is past the block's end: the range is the caller's to check against the manifest."""
 
     @abstractmethod
     async def fetch_file(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:

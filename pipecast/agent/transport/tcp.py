@@ -66,11 +66,13 @@ from pipecast.agent.transport.wire import (
     Header,
     accept_hello,
     answer_request,
+    block_request_payload,
     check_answer,
     check_chunk,
     check_message,
     file_answer_limit,
     parse_request,
+    range_end,
     refused_by_peer,
     request_payload,
 )
@@ -91,6 +93,7 @@ MAX_BUFFERED_OUTPUT = WRITE_HIGH_WATER + WRITE_SLICE + TCP_HEADER.size
 class _BlockRequest:
     block: int
     next_chunk: int
+    end: int  # the chunk after the last one asked for
     count: int
     sink: ChunkSink
     done: asyncio.Future
@@ -275,7 +278,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         request.sink.chunk_landed(request.block, request.next_chunk, self.peer)
         self._stats.bytes_received += len(payload)
         request.next_chunk += 1
-        if request.next_chunk == request.count:
+        if request.next_chunk == request.end:
             self._finish()
 
     def _file_complete(self) -> None:
@@ -320,12 +323,14 @@ class TcpChannel(Channel):
             self._protocol.abort(PeerClosedError(self.peer, "channel closed by a cancelled request"))
             raise
 
-    async def fetch_block(self, package_id: str, block: int, first_chunk: int, sink: ChunkSink) -> None:
+    async def fetch_block(self, package_id: str, block: int, first_chunk: int, sink: ChunkSink,
+                          end_chunk: int | None = None) -> None:
         count = sink.chunk_count(block)
-        if first_chunk >= count:
+        end = range_end(block, first_chunk, end_chunk, count)
+        if first_chunk >= end:
             return
-        payload = request_payload(package_id, self._requester)
-        request = _BlockRequest(block, first_chunk, count, sink, asyncio.get_running_loop().create_future())
+        payload = block_request_payload(package_id, self._requester, end, count)
+        request = _BlockRequest(block, first_chunk, end, count, sink, asyncio.get_running_loop().create_future())
         await self._run(request, TCP_HEADER.pack(Header(REQ_BLOCK, block, first_chunk, len(payload))) + payload,
                         package_id)
 

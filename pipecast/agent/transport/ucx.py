@@ -1,8 +1,9 @@
 """The UCX transport on ucxx: the data path for RDMA fabrics and GPU memory (TCP stays the CPU default).
 
-Same semantics as the TCP backend (``tcp.py``): a listener serves "block b from chunk k" as each chunk
-becomes present (cut-through), a channel receives every chunk straight into the store's buffer, every
-wait has a deadline, and a failing peer is a typed :class:`~pipecast.agent.errors.PeerError` naming it.
+Same semantics as the TCP backend (``tcp.py``): a listener serves "chunks k .. e - 1 of block b" (to the
+block's end without e) as each chunk becomes present (cut-through), a channel receives every chunk
+straight into the store's buffer, every wait has a deadline, and a failing peer is a typed
+:class:`~pipecast.agent.errors.PeerError` naming it.
 
 Messages are :mod:`.wire`'s: a 24-byte header (:data:`~.wire.UCX_HEADER`) on tag ``TAG_HEADER`` announces
 each payload, which follows on ``TAG_PAYLOAD`` in frames. With a data-plane key a connection starts with
@@ -80,6 +81,7 @@ from pipecast.agent.transport.wire import (
     Header,
     accept_hello,
     answer_request,
+    block_request_payload,
     byte_view,
     check_answer,
     check_chunk,
@@ -87,6 +89,7 @@ from pipecast.agent.transport.wire import (
     file_answer_limit,
     frames,
     parse_request,
+    range_end,
     refused_by_peer,
     request_payload,
 )
@@ -384,15 +387,18 @@ class UcxChannel(Channel):
             raise PeerRefusedError(self.peer, reason)
         return header
 
-    async def fetch_block(self, package_id: str, block: int, first_chunk: int, sink: ChunkSink) -> None:
+    async def fetch_block(self, package_id: str, block: int, first_chunk: int, sink: ChunkSink,
+                          end_chunk: int | None = None) -> None:
         count = sink.chunk_count(block)
-        if first_chunk >= count:
+        end = range_end(block, first_chunk, end_chunk, count)
+        if first_chunk >= end:
             return
         progress = _Progress("block", block, first_chunk, count)
         ingress = self._link.limits.ingress_for(package_id)
         async with self._request(progress):
-            await self._ask(REQ_BLOCK, block, first_chunk, request_payload(package_id, self._requester), ingress)
-            for chunk in range(first_chunk, count):
+            await self._ask(REQ_BLOCK, block, first_chunk, block_request_payload(package_id, self._requester, end,
+                                                                                  count), ingress)
+            for chunk in range(first_chunk, end):
                 progress.next_chunk = chunk
                 header = await self._answer(CHUNK, progress)
                 # Pitfall: byte views only: lengths and frame offsets are in bytes, as is what ucxx receives.

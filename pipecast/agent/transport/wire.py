@@ -28,15 +28,20 @@ server with one answers a request sent without a hello with ``AUTH_FAIL``. Witho
 side no hello is sent (auth off, as in version 2). The requester's id in later requests must be the
 one it authenticated as.
 
-A requester sends ``REQ_BLOCK`` (block, first chunk; payload ``package_id\\nrequester``) or ``REQ_FILE``
+A requester sends ``REQ_BLOCK`` (block, first chunk; payload ``package_id\\nrequester``, or
+``package_id\\nrequester\\nend`` with ``end`` the chunk after the last one wanted, in decimal) or ``REQ_FILE``
 (block and chunk fields: offset and length of the range wanted, length 0 for the whole file; payload
 ``package_id\\nrequester\\npath``) and waits for its answer before the next request: ``CHUNK`` messages
-for chunks first..last in order, one ``FILE`` message, or one ``ERROR`` (UTF-8 text). A request is
-checked whole (format, requester, admission by the served packages, block or file and range) before
-anything about its requester is recorded; an answer's announced length is checked against what was
-asked for before a byte is allocated for it. Over UCX a request's frame field is the largest frame the
-requester wants (:data:`LIMITED_SEND_SLICE` when its ingress is rate-limited, else 0), and a channel
-ends with ``CLOSE``, answered by ``CLOSE_ACK``.
+for chunks first .. end - 1 in order (without an end line: to the block's last chunk), one ``FILE``
+message, or one ``ERROR`` (UTF-8 text). A requester sends the end line only for a range that ends before
+the block does, so whole-block requests are the same as before chunk ranges existed (servers that
+predate them serve them; requesters that predate them are served). A request is checked whole (format,
+requester, admission by the served packages, block and chunk range or file and range) before anything
+about its requester is recorded; a chunk range that is empty or runs past the block's end is refused
+with an ``ERROR``. An answer's announced length is checked against what was asked for before a byte is
+allocated for it. Over UCX a request's frame field is the largest frame the requester wants
+(:data:`LIMITED_SEND_SLICE` when its ingress is rate-limited, else 0), and a channel ends with
+``CLOSE``, answered by ``CLOSE_ACK``.
 """
 
 import asyncio
@@ -90,6 +95,9 @@ MAX_HELLO_BYTES = KEY_ID_BYTES + NONCE_BYTES + MAC_BYTES + MAX_NODE_ID_BYTES
 _HELLO_CONTEXT = b"pipecast data-plane hello v3\0"
 PACKAGE_ID = re.compile(r"[0-9a-f]{64}")
 MAX_PATH_CHARS = 1024
+# A REQ_BLOCK's end chunk: plain ASCII decimal, no sign, no padding; at most the header's chunk field + 1.
+END_CHUNK = re.compile(r"0|[1-9][0-9]{0,9}")
+MAX_END_CHUNK = 1 << 32
 
 
 @dataclass(frozen=True)
@@ -328,8 +336,9 @@ async def accept_hello(auth: PeerAuth, fmt: HeaderFormat, receive: ReceiveMessag
 
 @dataclass(frozen=True)
 class Request:
-    """A request as the serving side reads it. For ``REQ_FILE``, ``block`` and ``chunk`` hold the offset
-    and length of the range wanted (length 0: the whole file)."""
+    """A request as the serving side reads it. For ``REQ_BLOCK``, ``chunk`` is the first chunk wanted and
+    ``end_chunk`` the one after the last (None: to the block's end); for ``REQ_FILE``, ``block`` and
+    ``chunk`` hold the offset and length of the range wanted (length 0: the whole file)."""
 
     kind: int
     block: int
@@ -337,11 +346,34 @@ class Request:
     package_id: str
     requester: str
     path: str = ""
+    end_chunk: int | None = None
 
 
-def request_payload(package_id: str, requester: str, path: str | None = None) -> bytes:
-    """The payload of a ``REQ_BLOCK`` (no ``path``) or ``REQ_FILE`` request."""
-    return "\n".join([package_id, requester, *([path] if path is not None else [])]).encode()
+def request_payload(package_id: str, requester: str, path: str | None = None, end_chunk: int | None = None
+                    ) -> bytes:
+    """The payload of a ``REQ_BLOCK`` (no ``path``; ``end_chunk`` None: to the block's end) or ``REQ_FILE``
+    request."""
+    if path is not None and end_chunk is not None:
+        raise ValueError("a request names a file or an end chunk, not both")
+    last = path if path is not None else (str(end_chunk) if end_chunk is not None else None)
+    return "\n".join([package_id, requester, *([last] if last is not None else [])]).encode()
+
+
+def range_end(block: int, first_chunk: int, end_chunk: int | None, count: int) -> int:
+    """Where a requester's range of ``block`` (``count`` chunks) from ``first_chunk`` ends: ``end_chunk``, or
+    the block's end for None; ``ValueError`` past the block's end (a caller's range not checked against
+    the manifest)."""
+    end = count if end_chunk is None else end_chunk
+    if end > count:
+        raise ValueError(f"block {block} has {count} chunks: no chunk range {first_chunk}-{end}")
+    return end
+
+
+def block_request_payload(package_id: str, requester: str, end: int, count: int) -> bytes:
+    """The payload of a ``REQ_BLOCK`` for chunks up to ``end`` of a block of ``count`` chunks: the end line
+    only when the range ends before the block does (a whole-block request stays as servers that predate
+    chunk ranges read it)."""
+    return request_payload(package_id, requester, end_chunk=end if end < count else None)
 
 
 def check_message(header: Header, peer: str) -> None:
@@ -365,16 +397,25 @@ def parse_request(header: Header, payload: bytes | bytearray, peer: str) -> Requ
         fields = bytes(payload).decode("utf-8").split("\n")
     except UnicodeDecodeError:
         raise PeerProtocolError(peer, "sent a request that is not UTF-8") from None
-    if len(fields) != (2 if header.kind == REQ_BLOCK else 3):
+    if len(fields) not in ((2, 3) if header.kind == REQ_BLOCK else (3,)):
         raise PeerProtocolError(peer, f"sent a request of {len(fields)} fields")
-    package_id, requester, *path = fields
+    package_id, requester, *last = fields
     if not PACKAGE_ID.fullmatch(package_id):
         raise PeerProtocolError(peer, f"sent a request for {package_id[:80]!r}, which is not a package id")
     if not _printable(requester) or len(requester.encode()) > MAX_NODE_ID_BYTES:
         raise PeerProtocolError(peer, f"sent a request from {requester[:80]!r}, which is not a node id")
-    if path and (not path[0] or len(path[0]) > MAX_PATH_CHARS or not path[0].isprintable()):
-        raise PeerProtocolError(peer, f"sent a request for file {path[0][:80]!r}")
-    return Request(header.kind, header.block, header.chunk, package_id, requester, path[0] if path else "")
+    if header.kind == REQ_BLOCK:
+        end = None
+        if last:
+            if not END_CHUNK.fullmatch(last[0]) or int(last[0]) > MAX_END_CHUNK:
+                raise PeerProtocolError(peer, f"sent a request with end chunk {last[0][:80]!r}, which is not a "
+                                              f"chunk number (decimal, at most {MAX_END_CHUNK})")
+            end = int(last[0])
+        return Request(header.kind, header.block, header.chunk, package_id, requester, end_chunk=end)
+    path = last[0]
+    if not path or len(path) > MAX_PATH_CHARS or not path.isprintable():
+        raise PeerProtocolError(peer, f"sent a request for file {path[:80]!r}")
+    return Request(header.kind, header.block, header.chunk, package_id, requester, path)
 
 
 async def _now(awaitable: Awaitable[Any]) -> Any:
@@ -384,8 +425,9 @@ async def _now(awaitable: Awaitable[Any]) -> Any:
 async def answer_request(served: ServedPackages, request: Request, send: SendMessage, peer: str,
                          waiting: Callable[[Awaitable[Any]], Awaitable[Any]] = _now, *,
                          authenticated: str | None = None, wait_s: float | None = None) -> None:
-    """Answer ``request`` from ``served`` through ``send``: the block's ``CHUNK`` messages from the first
-    chunk asked for, each as soon as ``served`` has it, or the ``FILE`` message.
+    """Answer ``request`` from ``served`` through ``send``: the block's ``CHUNK`` messages of the chunk
+    range asked for (to the block's end without an end chunk), each as soon as ``served`` has it, or the
+    ``FILE`` message.
 
     The request is admitted first: its requester must be the node that ``authenticated`` (when the hello
     ran) and ``served`` must admit it; only then is it recorded (``served.peer_requested``). If anything
@@ -412,10 +454,14 @@ async def answer_request(served: ServedPackages, request: Request, send: SendMes
         await provided(served.admit(request.requester, request.package_id), "admission")
         if request.kind == REQ_BLOCK:
             count = await provided(served.chunk_count(request.package_id, request.block), f"block {block}")
+            end = count if request.end_chunk is None else request.end_chunk
+            if request.end_chunk is not None and not request.chunk < end <= count:
+                raise UnknownPackageError(f"block {block} has no chunk range {request.chunk}-{end} (it has "
+                                          f"{count} chunks)")
             if request.chunk >= count:
                 raise UnknownPackageError(f"block {block} has no chunk {request.chunk} (it has {count})")
             served.peer_requested(request.requester, request.package_id, block)
-            for chunk in range(request.chunk, count):
+            for chunk in range(request.chunk, end):
                 data = byte_view(await provided(served.wait_chunk(request.package_id, request.block, chunk),
                                                 f"chunk {chunk} of block {block}"))
                 await send(Header(CHUNK, request.block, chunk, len(data)), data)

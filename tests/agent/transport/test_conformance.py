@@ -5,8 +5,11 @@ never present and names its sender, a relay forwards a file's ranges before it h
 Issue #12: a peer without the key or with another one is served nothing and told whose fault it is; a
 requester not named in a plan is refused; an answer longer than asked for is refused before it is
 received; a wait on what is served has a deadline; connections over the caps are closed; silent
-connections are closed. Transport-specific behaviour (faults on the wire, rate limits, process exit) is in
-test_tcp.py and test_ucx.py."""
+connections are closed. Issue #16: a chunk range mid-block or to the block's end moves exactly its
+chunks, a range resumes within itself after a dropped connection, a range the block lacks is refused
+with the server's reason, a request without an end chunk is served to the block's end.
+Transport-specific behaviour (faults on the wire, rate limits, process exit) is in test_tcp.py and
+test_ucx.py."""
 
 import asyncio
 import threading
@@ -16,14 +19,18 @@ import pytest
 
 from control_plane.messages import PeerInfo
 from packager.manifest import manifest_from_json
+from control_plane.planner.plan import Fetch
 from pipecast.agent.errors import (
     CorruptChunkError,
     PeerAuthError,
+    PeerClosedError,
     PeerError,
     PeerProtocolError,
     PeerRefusedError,
 )
+from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy
 from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.store import BlockStore
 from pipecast.agent.transport import base
 from pipecast.agent.transport.base import PeerAuth, Transport
 from pipecast.agent.transport.tcp import TcpTransport
@@ -360,4 +367,148 @@ async def test_an_idle_channel_closed_by_the_server_is_opened_again_for_the_next
         assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
         await channel.close()
     finally:
+        seed.close()
+
+
+# -- issue #16: chunk ranges -------------------------------------------------------------------------------
+
+
+class ChunkLog(PeerServer):
+    """Serves its stores and records every chunk it was asked for as (block, chunk); with ``drop_at`` it drops
+    the connection the first time that chunk is asked for (as a requester that went away would)."""
+
+    def __init__(self, drop_at: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.asked: list[tuple[int, int]] = []
+        self.drop_at = drop_at
+
+    async def wait_chunk(self, package_id: str, block: int, chunk: int) -> memoryview:
+        self.asked.append((block, chunk))
+        if (block, chunk) == self.drop_at:
+            self.drop_at = None
+            raise PeerClosedError("test", "dropped on purpose")
+        return await super().wait_chunk(package_id, block, chunk)
+
+
+def chunk_bytes(store: BlockStore, block: int, first: int, end: int) -> int:
+    meta = store.manifest.blocks[block]
+    return min(end * meta.chunk_bytes, meta.bytes) - first * meta.chunk_bytes
+
+
+def present(store: BlockStore, block: int) -> list[int]:
+    return [c for c in range(store.chunk_count(block)) if store.is_chunk_present(block, c)]
+
+
+async def test_a_chunk_range_mid_block_and_one_to_its_end_move_exactly_their_chunks(package, transports):
+    root, manifest = package
+    seed = seed_store(root)
+    server = ChunkLog()
+    server.add(seed)
+    listener = await transports("seed").listen("127.0.0.1", 0, server)
+    client = transports("rx")
+    store = receiving_store(manifest)
+    count = store.chunk_count(0)
+    data = block_file_bytes(root, manifest, 0)
+    try:
+        channel = await client.connect(listener.address, "seed")
+        await channel.fetch_block(manifest.package_id, 0, 1, store, 3)
+        assert present(store, 0) == [1, 2]
+        assert bytes(await store.wait_chunk(0, 1)) + bytes(await store.wait_chunk(0, 2)) == data[CHUNK:3 * CHUNK]
+        assert client.stats.bytes_received == chunk_bytes(store, 0, 1, 3)
+        await channel.fetch_block(manifest.package_id, 0, 3, store, count)  # the range at the block's end
+        await channel.fetch_block(manifest.package_id, 0, 0, store, 1)  # and its first chunk: all of it now
+        assert store.is_block_verified(0) and bytes(store.block_view(0)) == data
+        assert server.asked == [(0, 1), (0, 2), *((0, c) for c in range(3, count)), (0, 0)]
+        assert client.stats.bytes_received == len(data)
+        await channel.close()
+    finally:
+        store.close()
+        seed.close()
+
+
+async def test_a_request_without_an_end_chunk_is_served_to_the_blocks_end(package, transports):
+    """What requesters sent before chunk ranges (and what a whole-block or to-the-end range sends now)."""
+    root, manifest = package
+    seed = seed_store(root)
+    server = ChunkLog()
+    server.add(seed)
+    listener = await transports("seed").listen("127.0.0.1", 0, server)
+    store = receiving_store(manifest)
+    count = store.chunk_count(2)
+    try:
+        channel = await transports("rx").connect(listener.address, "seed")
+        await channel.fetch_block(manifest.package_id, 2, 2, store)
+        assert present(store, 2) == list(range(2, count))
+        assert server.asked == [(2, c) for c in range(2, count)]
+        await channel.fetch_block(manifest.package_id, 2, 1, store, 1)  # an empty range: nothing is asked
+        assert server.asked == [(2, c) for c in range(2, count)]
+        await channel.close()
+    finally:
+        store.close()
+        seed.close()
+
+
+async def test_a_range_resumes_within_itself_after_a_dropped_connection(package, transports):
+    root, manifest = package
+    seed = seed_store(root)
+    server = ChunkLog(drop_at=(1, 2))
+    server.add(seed)
+    listener = await transports("seed").listen("127.0.0.1", 0, server)
+    peer = PeerInfo("seed", listener.address)
+    store = receiving_store(manifest)
+    count = store.chunk_count(1)
+    pool = ChannelPool(transports("rx"))
+    failures = []
+    try:
+        fetcher = Fetcher(store, pool, FetchPolicy(retries=1, backoff_s=0.01),
+                          lambda what, p, e: failures.append((what, p, type(e))))
+        await fetcher.fetch([Fetch(1, peer, (1, 3))])
+        assert present(store, 1) == [1, 2] and not store.is_block_verified(1)
+        assert failures == [("block 1 chunks 1-3", peer, PeerClosedError)]
+        # The first request stopped at the dropped chunk; the second began there and ended with the range.
+        assert server.asked == [(1, 1), (1, 2), (1, 2)]
+        await fetcher.fetch([Fetch(1, peer, (0, 1)), Fetch(1, peer, (3, count))])
+        assert bytes(store.block_view(1)) == block_file_bytes(root, manifest, 1)
+    finally:
+        await pool.close()
+        store.close()
+        seed.close()
+
+
+class MoreChunks:
+    """A sink that says its blocks have ``extra`` more chunks than they do: its requests name ranges past
+    a block's end, as a requester with another idea of the block would."""
+
+    def __init__(self, store: BlockStore, extra: int) -> None:
+        self.store, self.extra = store, extra
+
+    def chunk_count(self, block: int) -> int:
+        return self.store.chunk_count(block) + self.extra
+
+    def chunk_buffer(self, block: int, chunk: int) -> memoryview:
+        return self.store.chunk_buffer(block, chunk)
+
+    def chunk_landed(self, block: int, chunk: int, peer: str) -> None:
+        self.store.chunk_landed(block, chunk, peer)
+
+
+async def test_a_range_the_block_lacks_is_refused_with_the_servers_reason(package, transports):
+    root, manifest = package
+    seed = seed_store(root)
+    server = RecordingServer()
+    server.add(seed)
+    listener = await transports("seed").listen("127.0.0.1", 0, server)
+    store = receiving_store(manifest)
+    count = store.chunk_count(0)
+    try:
+        channel = await transports("rx").connect(listener.address, "seed")
+        with pytest.raises(ValueError, match=f"^block 0 has {count} chunks: no chunk range 1-{count + 1}$"):
+            await channel.fetch_block(manifest.package_id, 0, 1, store, count + 1)  # caught before it is sent
+        with pytest.raises(PeerRefusedError) as caught:
+            await channel.fetch_block(manifest.package_id, 0, 1, MoreChunks(store, 5), count + 3)
+        assert str(caught.value) == f"peer seed: block 0 has no chunk range 1-{count + 3} (it has {count} chunks)"
+        assert present(store, 0) == [] and server.admitted == []
+        await channel.close()
+    finally:
+        store.close()
         seed.close()

@@ -10,6 +10,7 @@ from pipecast.agent.transport.base import PeerAuth
 from pipecast.agent.transport.wire import (
     AUTH_FAIL,
     CHUNK,
+    ERROR,
     FILE,
     KEY_ID_BYTES,
     NONCE_BYTES,
@@ -21,12 +22,15 @@ from pipecast.agent.transport.wire import (
     Header,
     HelloRefused,
     ServerHello,
+    answer_request,
+    block_request_payload,
     byte_view,
     check_answer,
     check_message,
     file_answer_limit,
     frames,
     parse_request,
+    range_end,
     request_payload,
 )
 
@@ -146,3 +150,88 @@ def test_an_answer_longer_than_asked_for_is_refused_before_allocation():
                      file_answer_limit("manifest.json", 0))
     with pytest.raises(PeerProtocolError, match="error message of"):
         check_answer(Header(AUTH_FAIL, length=1 << 20), FILE, "file a", "p")
+
+
+# -- chunk ranges (issue #16) ------------------------------------------------------------------------------
+
+
+def test_a_block_request_may_name_its_end_chunk_and_a_whole_block_request_stays_as_it_was():
+    ranged = request_payload(PKG, "node-a", end_chunk=9)
+    assert ranged == f"{PKG}\nnode-a\n9".encode()
+    request = parse_request(Header(REQ_BLOCK, 3, 5, len(ranged)), ranged, "p")
+    assert (request.block, request.chunk, request.end_chunk, request.path) == (3, 5, 9, "")
+    old = request_payload(PKG, "node-a")  # what requesters sent before ranges: served to the block's end
+    assert old == f"{PKG}\nnode-a".encode()
+    assert parse_request(Header(REQ_BLOCK, 3, 5, len(old)), old, "p").end_chunk is None
+    # A range that runs to the block's end goes without the end line, so servers that predate ranges serve it.
+    assert block_request_payload(PKG, "node-a", 27, 27) == old
+    assert block_request_payload(PKG, "node-a", 9, 27) == ranged
+    assert range_end(3, 5, None, 27) == 27 and range_end(3, 5, 9, 27) == 9
+    with pytest.raises(ValueError, match="^block 3 has 27 chunks: no chunk range 5-28$"):
+        range_end(3, 5, 28, 27)
+    with pytest.raises(ValueError, match="a file or an end chunk"):
+        request_payload(PKG, "node-a", "config.json", 9)
+
+
+@pytest.mark.parametrize("end", ["", "-1", "+3", " 3", "3 ", "03", "1e3", "0x10", "\u0663", "4294967297",
+                                 "99999999999"])
+def test_a_malformed_end_chunk_is_a_protocol_error_naming_the_peer(end):
+    payload = f"{PKG}\nrx\n{end}".encode()
+    with pytest.raises(PeerProtocolError, match=r"^peer p: sent a request with end chunk .* which is not a chunk "
+                                                r"number \(decimal, at most 4294967296\)$"):
+        parse_request(Header(REQ_BLOCK, 0, 0, len(payload)), payload, "p")
+
+
+def test_a_block_request_of_four_fields_is_a_protocol_error():
+    payload = f"{PKG}\nrx\n3\n4".encode()
+    with pytest.raises(PeerProtocolError, match="sent a request of 4 fields"):
+        parse_request(Header(REQ_BLOCK, 0, 0, len(payload)), payload, "p")
+
+
+class Served:
+    """A block of ``count`` chunks, every one here; records the requests it admitted."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.requested: list[int | None] = []
+
+    async def admit(self, requester: str, package_id: str) -> None:
+        return None
+
+    async def chunk_count(self, package_id: str, block: int) -> int:
+        return self.count
+
+    async def wait_chunk(self, package_id: str, block: int, chunk: int) -> memoryview:
+        return memoryview(bytes([chunk]) * 4)
+
+    def peer_requested(self, requester: str, package_id: str, block: int | None) -> None:
+        self.requested.append(block)
+
+
+async def answers(served: Served, first: int, end: int | None) -> list[tuple[int, int, bytes]]:
+    """What ``answer_request`` sends for chunks ``first`` .. ``end`` of block 3: (kind, chunk, payload)."""
+    sent = []
+
+    async def send(header: Header, payload: memoryview) -> None:
+        sent.append((header.kind, header.chunk, bytes(payload)))
+
+    payload = request_payload(PKG, "rx", end_chunk=end)
+    await answer_request(served, parse_request(Header(REQ_BLOCK, 3, first, len(payload)), payload, "p"), send, "p")
+    return sent
+
+
+@pytest.mark.parametrize("first, end, chunks", [(5, 9, [5, 6, 7, 8]), (24, 27, [24, 25, 26]),
+                                                (26, None, [26]), (0, 1, [0])])
+async def test_the_server_sends_exactly_the_range_asked_for(first, end, chunks):
+    served = Served(27)
+    assert await answers(served, first, end) == [(CHUNK, c, bytes([c]) * 4) for c in chunks]
+    assert served.requested == [3]
+
+
+@pytest.mark.parametrize("first, end", [(5, 40), (5, 5), (9, 5), (27, 28), (30, 31)])
+async def test_a_chunk_range_the_block_lacks_is_refused_with_an_error_and_nothing_is_recorded(first, end):
+    served = Served(27)
+    [(kind, chunk, text)] = await answers(served, first, end)
+    assert (kind, chunk) == (ERROR, first)
+    assert text.decode() == f"block 3 has no chunk range {first}-{end} (it has 27 chunks)"
+    assert served.requested == []

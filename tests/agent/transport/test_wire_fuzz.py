@@ -32,6 +32,9 @@ payloads = st.one_of(
     st.builds(lambda pid, who, path, cut: request_payload(pid, who, path)[:cut],
               st.text("0123456789abcdef", min_size=60, max_size=66), st.text(max_size=40),
               st.none() | st.text(max_size=80), st.integers(0, 400)),
+    st.builds(lambda pid, who, end, cut: request_payload(pid, who, end_chunk=end)[:cut],
+              st.text("0123456789abcdef", min_size=64, max_size=64), st.text("abc-", min_size=1, max_size=8),
+              st.integers(-10, 2**40), st.integers(60, 400)),
 )
 
 
@@ -54,6 +57,7 @@ def test_any_request_parses_or_is_a_protocol_error(kind, block, chunk, payload):
     except PeerProtocolError:
         return
     assert len(request.package_id) == 64 and request.requester
+    assert request.end_chunk is None or 0 <= request.end_chunk <= 2**32
 
 
 @settings(max_examples=400, deadline=None)

@@ -11,30 +11,34 @@ from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import simulate
 
 
+def _units(fetches) -> set[tuple]:
+    return {(a.block, a.chunks) for a in fetches}
+
+
 def _check(old: Plan, new: Plan, *, dead: set[str], held: dict[str, set[int]], sources: list[str],
-           fanout: int, needs: dict[str, set[int]]) -> None:
-    """Everything replan promises, checked from the outside."""
+           fanout: int, needs: dict[str, set[tuple]], block_bytes=2) -> None:
+    """Everything replan promises, checked from the outside (``needs``: each receiver's units)."""
     new.validate()
     assert new.sources == tuple(sources)
-    assert {rx: {a.block for a in fetches} for rx, fetches in new.assignments.items()} == needs
+    assert {rx: _units(fetches) for rx, fetches in new.assignments.items()} == needs
     for rx, fetches in new.assignments.items():
         assert len(fetches) == len(needs[rx])  # nothing twice
         for a in fetches:
             assert a.parent not in dead
             assert a.block not in held.get(rx, ())
-            # A parent is a source, holds the block (and is listed as serving it) or fetches it too.
-            assert a.parent in sources or a.block in needs.get(a.parent, ()) or (
+            # A parent is a source, holds the block (and is listed as serving it) or fetches the unit too.
+            assert a.parent in sources or (a.block, a.chunks) in needs.get(a.parent, ()) or (
                 a.block in held.get(a.parent, ()) and a.block in new.held[a.parent])
-    old_parent = {(rx, a.block): a.parent for rx, fetches in old.assignments.items() for a in fetches}
-    children: dict[tuple[str, int], list[str]] = {}
+    old_parent = {(rx, a.block, a.chunks): a.parent for rx, fetches in old.assignments.items() for a in fetches}
+    children: dict[tuple, list[str]] = {}
     for rx, fetches in new.assignments.items():
         for a in fetches:
-            children.setdefault((a.parent, a.block), []).append(rx)
-    for (parent, block), kids in children.items():
+            children.setdefault((a.parent, a.block, a.chunks), []).append(rx)
+    for (parent, block, chunks), kids in children.items():
         if parent not in sources:
-            moved = [rx for rx in kids if old_parent.get((rx, block)) != parent]
-            assert not moved or len(kids) <= fanout, (parent, block, kids)
-    simulate(new, 2, 1, 1)  # fetching in order terminates: no deadlock
+            moved = [rx for rx in kids if old_parent.get((rx, block, chunks)) != parent]
+            assert not moved or len(kids) <= fanout, (parent, block, chunks, kids)
+    simulate(new, block_bytes, 1, 1)  # fetching in order terminates: no deadlock
 
 
 @st.composite
@@ -48,7 +52,14 @@ def scenarios(draw):
         labels = {node: {"rack": draw(st.sampled_from(["r0", "r1"]))} for node in [*sources, *receivers]}
     events = draw(st.lists(st.tuples(st.sampled_from(["progress", "fail", "join", "source-fails"]),
                                      st.randoms(use_true_random=False)), max_size=6))
-    return strategy, num_blocks, receivers, sources, labels, draw(st.integers(1, 3)), events
+    # Binomial pipelines over chunk ranges where the blocks' chunk counts are given (a block of c chunks
+    # simulated as c bytes in chunks of one).
+    counts = draw(st.none() | st.lists(st.integers(0, 7), min_size=num_blocks, max_size=num_blocks))
+    return strategy, num_blocks, receivers, sources, labels, draw(st.integers(1, 3)), events, counts
+
+
+def _sizes(counts: list[int] | None) -> int | list[int]:
+    return 2 if counts is None else [max(count, 1) for count in counts]
 
 
 def _progress(plan: Plan, held: dict[str, set[int]], rnd) -> None:
@@ -61,8 +72,8 @@ def _progress(plan: Plan, held: dict[str, set[int]], rnd) -> None:
 @settings(max_examples=150, deadline=None)
 @given(scenarios())
 def test_replan_under_random_failures_departures_and_joins(scenario):
-    strategy, num_blocks, receivers, sources, labels, fanout, events = scenario
-    plan = make_plan(strategy, sources, receivers, num_blocks, fanout=fanout, labels=labels)
+    strategy, num_blocks, receivers, sources, labels, fanout, events, counts = scenario
+    plan = make_plan(strategy, sources, receivers, num_blocks, fanout=fanout, labels=labels, chunk_counts=counts)
     dead: set[str] = set()
     held: dict[str, set[int]] = {}
     joins = 0
@@ -84,21 +95,22 @@ def test_replan_under_random_failures_departures_and_joins(scenario):
                     labels[node] = {"rack": rnd.choice(["r0", "r1"])}
         for node in dead:
             held.pop(node, None)
-        needs = {rx: {a.block for a in fetches} - held.get(rx, set())
+        needs = {rx: {(a.block, a.chunks) for a in fetches if a.block not in held.get(rx, ())}
                  for rx, fetches in plan.assignments.items() if rx not in dead}
-        needs.update({rx: set(range(num_blocks)) - held[rx] for rx in joined})
-        needs = {rx: blocks for rx, blocks in needs.items() if blocks}
+        needs.update({rx: {(b, None) for b in range(num_blocks) if b not in held[rx]} for rx in joined})
+        needs = {rx: units for rx, units in needs.items() if units}
         new = replan(plan, dead=dead, held=held, sources=sources, labels=labels, fanout=fanout,
                      joined=joined, num_blocks=num_blocks)
-        _check(plan, new, dead=dead, held=held, sources=sources, fanout=fanout, needs=needs)
+        _check(plan, new, dead=dead, held=held, sources=sources, fanout=fanout, needs=needs,
+               block_bytes=_sizes(counts))
         plan = new
 
 
 @settings(max_examples=150, deadline=None)
 @given(scenarios())
 def test_repairing_deaths_changes_only_the_dead_nodes_neighbours_and_cannot_deadlock(scenario):
-    strategy, num_blocks, receivers, sources, labels, fanout, events = scenario
-    plan = make_plan(strategy, sources, receivers, num_blocks, fanout=fanout, labels=labels)
+    strategy, num_blocks, receivers, sources, labels, fanout, events, counts = scenario
+    plan = make_plan(strategy, sources, receivers, num_blocks, fanout=fanout, labels=labels, chunk_counts=counts)
     dead: set[str] = set()
     held: dict[str, set[int]] = {}
     for kind, rnd in events:
@@ -113,22 +125,26 @@ def test_repairing_deaths_changes_only_the_dead_nodes_neighbours_and_cannot_dead
         assert repaired is not None  # no source died here
         new, changed = repaired
         new.validate()
-        simulate(new, 2, 1, 1)  # fetching in order terminates: no deadlock
-        old_parent = {(rx, a.block): a.parent for rx, fetches in plan.assignments.items() for a in fetches}
-        children: dict[tuple[str, int], int] = {}
+        simulate(new, _sizes(counts), 1, 1)  # fetching in order terminates: no deadlock
+        old_parent = {(rx, a.block, a.chunks): a.parent for rx, fetches in plan.assignments.items() for a in fetches}
+        children: dict[tuple, int] = {}
         for rx, fetches in new.assignments.items():
             assert rx not in dead
             wanted = {a.block for a in plan.assignments[rx]} - {a.block for a in fetches}
             assert wanted <= held.get(rx, set()), (rx, wanted)  # only blocks it holds are no longer fetched
+            # Of a block it still fetches, every unit: a unit is re-parented, never dropped or split.
+            assert _units(fetches) == {(a.block, a.chunks) for a in plan.assignments[rx] if a.block not in wanted}
             for a in fetches:
                 assert a.parent not in dead
-                children[a.parent, a.block] = children.get((a.parent, a.block), 0) + 1
-                if old_parent[rx, a.block] != a.parent:
+                unit = (a.parent, a.block, a.chunks)
+                children[unit] = children.get(unit, 0) + 1
+                if old_parent[rx, a.block, a.chunks] != a.parent:
                     assert rx in changed and a.parent in changed
                     assert a.parent in sources or a.block in held.get(a.parent, ())  # never one that waits
-        for (parent, block), count in children.items():
+        for (parent, block, chunks), count in children.items():
             moved = [rx for rx, fetches in new.assignments.items() for a in fetches
-                     if a.parent == parent and a.block == block and old_parent[rx, block] != parent]
+                     if (a.parent, a.block, a.chunks) == (parent, block, chunks)
+                     and old_parent[rx, block, chunks] != parent]
             assert parent in sources or not moved or count <= max(fanout, count - len(moved))
         # The parts of the changed nodes, updated alone, are the whole plan's parts.
         parts = {n: p for n, p in plan.parts().items() if n not in changed}
@@ -225,9 +241,48 @@ def test_a_store_rotated_over_its_links_is_repaired_when_a_receiver_dies():
                      if fetches[0] == Fetch(2, "store"))
     (orphan,) = [rx for rx, fetches in plan.assignments.items() if fetches[0].parent == forwarder]
     held = {rx: {a.block for a in fetches[:2]} for rx, fetches in plan.assignments.items() if rx != forwarder}
-    needs = {rx: set(range(8)) - blocks for rx, blocks in held.items()}
+    needs = {rx: {(b, None) for b in range(8) if b not in blocks} for rx, blocks in held.items()}
     new = replan(plan, dead={forwarder}, held=held, sources=["store"], fanout=2)
     _check(plan, new, dead={forwarder}, held=held, sources=["store"], fanout=2, needs=needs)
     assert new.strategy == "rotated" and forwarder not in new.assignments
     # The orphan keeps its rotation: blocks 4.. then 0, 1, from live parents.
     assert [a.block for a in new.assignments[orphan]] == [4, 5, 6, 7, 0, 1]
+
+
+# --- plans over chunk ranges of blocks ---
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["binomial", "rotated"]), st.integers(0, 40),
+       st.lists(st.integers(0, 9), min_size=1, max_size=5), st.integers(1, 3))
+def test_replan_with_nothing_changed_keeps_a_ranged_plan(strategy, n, counts, k):
+    sources = [f"p{i}" for i in range(k)]
+    plan = make_plan(strategy, sources, [f"w{i}" for i in range(n)], len(counts), chunk_counts=counts)
+    again = replan(plan, dead=(), held={}, sources=sources)
+    assert again.assignments == {rx: fetches for rx, fetches in plan.assignments.items() if fetches}
+
+
+def test_a_parent_fetching_a_containing_unit_is_kept_and_one_that_died_is_replaced_per_unit():
+    # a fetches block 0 whole; b two ranges of it from a, c one range of b's.
+    plan = Plan("binomial", ("s",), {"a": [Fetch(0, "s")], "b": [Fetch(0, "a", (0, 2)), Fetch(0, "a", (2, 4))],
+                                     "c": [Fetch(0, "b", (2, 3)), Fetch(0, "s", (0, 2)), Fetch(0, "s", (3, 4))]})
+    assert replan(plan, dead=(), held={}, sources=["s"]).assignments == plan.assignments
+    # b dies: c's range goes to a holder of the block, else to the store; c's other units stay as they were.
+    new, changed = repair_deaths(plan, dead={"b"}, held={"a": {0}})
+    assert new.assignments == {"a": [], "c": [Fetch(0, "a", (2, 3)), Fetch(0, "s", (0, 2)), Fetch(0, "s", (3, 4))]}
+    assert new.held == {"a": (0,)} and changed == {"a", "b", "c", "s"}  # s serves a no longer
+    assert repair_deaths(plan, dead={"b"}, held={})[0].assignments["c"][0] == Fetch(0, "s", (2, 3))
+    # Re-planned in full, c's range goes to a (which fetches the whole block before c needs it) or a holder.
+    full = replan(plan, dead={"b"}, held={}, sources=["s"])
+    assert full.assignments["c"][0] in (Fetch(0, "a", (2, 3)), Fetch(0, "s", (2, 3)))
+    full.validate()
+
+
+def test_a_receiver_that_holds_a_block_drops_every_range_of_it():
+    plan = Plan("binomial", ("s",), {"a": [Fetch(0, "s", (0, 2)), Fetch(0, "s", (2, 4))],
+                                     "b": [Fetch(0, "a", (0, 2)), Fetch(0, "s", (2, 4))],
+                                     "c": [Fetch(0, "a", (2, 4)), Fetch(0, "s", (0, 2))]})
+    # a dies; b holds block 0 already: its fetch of a range from a is dropped, and so is its other range.
+    new, changed = repair_deaths(plan, dead={"a"}, held={"b": {0}})
+    assert new.assignments == {"b": [], "c": [Fetch(0, "b", (2, 4)), Fetch(0, "s", (0, 2))]}
+    assert new.held == {"b": (0,)} and {"a", "b", "c", "s"} <= changed
+    new.validate()
