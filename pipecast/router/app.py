@@ -322,7 +322,6 @@ class Router:
             return web.json_response(error_body("request body must be a JSON object", "invalid_request_error"),
                                      status=400)
         version = self.choose_version(payload.get("model"))
-        dispatcher = self._dispatcher_for(version)
         counted_as = self.signals.arrived(tenant, request_prompt_tokens(payload), version)
         admission = self.admission.admit(tenant)
         self.signals.admission(counted_as, admission.admitted)
@@ -336,6 +335,9 @@ class Router:
         queued_s = 0.0
         while True:
             waiting_since = self.clock()
+            # Taken again on each attempt: an unrouted package's idle queue is detached (closed) at the next
+            # route sync, also while this request was at a worker, and made again on demand.
+            dispatcher = self._dispatcher_for(version)
             try:
                 worker = await dispatcher.acquire(arrival, avoid={failure.worker for failure in failures},
                                                   tenant=tenant)

@@ -77,6 +77,8 @@ class FakeWorker:
         if self.behaviour == "invalid":
             return web.json_response({"error": {"message": "max_tokens too large"}}, status=400)
         if self.behaviour == "die_before":
+            if self.gate is not None:
+                await self.gate.wait()
             request.transport.abort()
             return web.Response()
         if self.behaviour == "huge_answer":
@@ -385,6 +387,24 @@ async def test_a_worker_dying_before_it_answers_is_retried_on_another(client):
             async with client.get(f"{url}/metrics") as response:
                 metrics = await response.text()
             assert f'pipecast_router_retries_total{{worker="{dying.url}"}} 2.0' in metrics
+
+
+async def test_a_retry_is_served_after_its_packages_idle_queue_was_detached(client):
+    """A request for a model one package serves (no route) queues in that package's dispatcher, which a
+    route sync detaches once nobody waits in it: also while the request is at a worker. Its retry takes the
+    package's queue made again, not the closed one (it got 503 "shutting down" before)."""
+    gate = asyncio.Event()
+    async with workers(FakeWorker(behaviour="die_before", gate=gate, model="m"),
+                       FakeWorker(queue_depth=3, model="m")) as (dying, other):
+        async with router([dying.url, other.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 2)
+            request = asyncio.create_task(client.post(f"{url}/v1/completions", json=BODY))
+            await eventually(lambda: len(dying.bodies) == 1)
+            instance._sync_routes()
+            assert instance.version_dispatchers == {}
+            gate.set()
+            async with await request as response:
+                assert response.status == 200 and response.headers[WORKER_HEADER] == other.url
 
 
 async def test_retries_are_bounded_and_end_in_502_naming_the_workers(client):
