@@ -534,6 +534,8 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
 @bench_group.command("control-plane")
 @click.option("--workers", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--blocks", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--chunks", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Chunks a block in the planned packages: with several, binomial plans fetch chunk ranges.")
 @click.option("--duration", "duration_s", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
               help="Seconds of block reporting.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Blocks per report.")
@@ -543,8 +545,8 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
 @click.option("--stall-workers", default="1000,5000", show_default=True,
               help="Worker counts at which the server's event-loop stalls are measured (comma-separated; '' for none).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the figures as JSON.")
-def bench_control_plane(workers: int, blocks: int, duration_s: float, batch: int, repeat: int, db: str | None,
-                        stall_workers: str, json_path: Path | None) -> None:
+def bench_control_plane(workers: int, blocks: int, chunks: int, duration_s: float, batch: int, repeat: int,
+                        db: str | None, stall_workers: str, json_path: Path | None) -> None:
     """Plan time of a scale-up and block reports/s of the real server under simulated workers."""
     from benchmarks import control_plane_bench as bench
 
@@ -552,7 +554,7 @@ def bench_control_plane(workers: int, blocks: int, duration_s: float, batch: int
 
     stalls = parse_counts(stall_workers, "--stall-workers", click.BadParameter) if stall_workers else ()
     result = bench.run(workers=workers, blocks=blocks, duration_s=duration_s, batch=batch, repeat=repeat, db=db,
-                       stall_workers=stalls, progress=lambda message: click.echo(message, err=True))
+                       chunks=chunks, stall_workers=stalls, progress=lambda message: click.echo(message, err=True))
     click.echo(bench.report(result))
     if json_path:
         json_path.write_text(json.dumps(bench.to_json(result), indent=2))

@@ -54,6 +54,7 @@ class PlanningResult:
     strategy: str
     scale_up_ms: float  # median over repeats: source pick + make_plan + every node's part
     replan_ms: float  # median over repeats: one receiver's lease lapses, its children get new parents
+    chunks: int = 1  # a block's
 
 
 @dataclass
@@ -89,6 +90,7 @@ class StallResult:
     scale_up_rpc_ms: float
     scale_up_stall_ms: float
     replan_stall_ms: float
+    chunks: int = 1  # a block's
 
 
 @dataclass
@@ -99,16 +101,18 @@ class BenchResult:
     database: str = "its SQLite file"  # where the server subprocess kept its state
 
 
-def manifest(name: str, blocks: int) -> Manifest:
-    """A valid manifest (the control plane validates what is published) of ``blocks`` one-chunk 64 MiB
-    blocks with made-up digests; ``name`` makes it, and so its id, differ from the others."""
+def manifest(name: str, blocks: int, chunks: int = 1) -> Manifest:
+    """A valid manifest (the control plane validates what is published) of ``blocks`` 64 MiB blocks of
+    ``chunks`` chunks each, with made-up digests; ``name`` makes it, and so its id, differ from the others.
+    With several chunks a block, binomial plans fetch chunk ranges (more units, a bigger plan)."""
     size = 64 << 20
     return seal_manifest(Manifest(
         format_version=MANIFEST_FORMAT_VERSION, model_name=name, digest_algorithm=DIGEST_ALGORITHM,
         num_layers=blocks, total_bytes=blocks * size,
         blocks=[Block(index=i, file=f"blocks/block-{i:04d}.safetensors", bytes=size, layer_start=i, layer_end=i + 1,
                       tensor_names=[f"model.layers.{i}.w"], digest=digest_bytes(f"{name} {i}".encode()),
-                      chunk_bytes=size, chunk_digests=[digest_bytes(f"{name} {i} 0".encode())])
+                      chunk_bytes=-(-size // chunks),
+                      chunk_digests=[digest_bytes(f"{name} {i} {c}".encode()) for c in range(chunks)])
                 for i in range(blocks)]))
 
 
@@ -117,13 +121,13 @@ def worker_spec(i: int, racks: int = 8) -> WorkerSpec:
                       labels={"rack": f"r{i % racks}"})
 
 
-def measure_planning(workers: int, blocks: int, sources: int, repeat: int) -> PlanningResult:
+def measure_planning(workers: int, blocks: int, sources: int, repeat: int, chunks: int = 1) -> PlanningResult:
     """Median times of ControlState.scale_up onto ``workers`` fresh workers from ``sources`` holders (0: the
     store), and of the re-plan when one receiver that serves others dies."""
     plan_times, replan_times, strategy = [], [], ""
     for _ in range(repeat):
         state = ControlState(lease_s=10.0)
-        package_id = state.publish(manifest("pkg", blocks), STORE, now=0)
+        package_id = state.publish(manifest("pkg", blocks, chunks), STORE, now=0)
         for i in range(workers + sources):
             state.register(worker_spec(i), {package_id: range(blocks)} if i >= workers else {}, now=0)
         start = time.perf_counter()
@@ -137,7 +141,7 @@ def measure_planning(workers: int, blocks: int, sources: int, repeat: int) -> Pl
         state.tick(now=1)
         replan_times.append((time.perf_counter() - start) * 1000)
     return PlanningResult(workers, blocks, sources, strategy, statistics.median(plan_times),
-                          statistics.median(replan_times))
+                          statistics.median(replan_times), chunks)
 
 
 class _LoopProbe:
@@ -158,7 +162,7 @@ class _LoopProbe:
         return worst * 1000
 
 
-def measure_stall(workers: int, blocks: int) -> StallResult:
+def measure_stall(workers: int, blocks: int, chunks: int = 1) -> StallResult:
     """A ScaleUp RPC of ``workers`` (registered in-process) to the real server in this process, then a relay's
     lease lapsing, with the loop probe running beside the server (its SQLite file in a temporary folder)."""
     async def main(tmp: str) -> StallResult:
@@ -169,7 +173,7 @@ def measure_stall(workers: int, blocks: int) -> StallResult:
         task = asyncio.create_task(probe.run())
         try:
             state = server.state
-            package_id = state.publish(manifest("stall", blocks), STORE, now=time.time())
+            package_id = state.publish(manifest("stall", blocks, chunks), STORE, now=time.time())
             for i in range(workers):
                 state.register(worker_spec(i), {}, now=time.time())
             server.service.flush()  # as registrations over time would have: the stall is the scale-up's alone
@@ -186,7 +190,7 @@ def measure_stall(workers: int, blocks: int) -> StallResult:
             while state.replan_count == 0:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.6)  # the periodic flush (every 0.5 s) of the repaired plan
-            return StallResult(workers, blocks, rpc_ms, scale_up_stall, probe.take())
+            return StallResult(workers, blocks, rpc_ms, scale_up_stall, probe.take(), chunks)
         finally:
             task.cancel()
             await server.stop(grace_s=0)
@@ -355,22 +359,22 @@ def _busy(before, after) -> float:
 
 
 def run(workers: int = 1000, blocks: int = 64, duration_s: float = 10.0, batch: int = 1, heartbeat_s: float = 2.0,
-        channels: int = 8, in_flight: int = 64, repeat: int = 3, db: str | None = None,
+        channels: int = 8, in_flight: int = 64, repeat: int = 3, db: str | None = None, chunks: int = 1,
         stall_workers: Sequence[int] = (), progress: Callable[[str], None] = lambda message: None) -> BenchResult:
     """Measure planning in-process, then load against a server subprocess (its state in ``db``: a
     postgresql:// URL of an empty database or a SQLite path; None: a SQLite file in a temporary folder);
     returns every figure. ``stall_workers``: worker counts at which the server's event-loop stalls are
-    measured in this process (:func:`measure_stall`)."""
+    measured in this process (:func:`measure_stall`). ``chunks``: chunks a block in the planned packages."""
     result = BenchResult()
     if db is not None:
         result.database = f"PostgreSQL {redact_url(db)}" if is_postgres_url(db) else f"SQLite {db}"
     for sources in (0, 4):
-        result.planning.append(measure_planning(workers, blocks, sources, repeat))
+        result.planning.append(measure_planning(workers, blocks, sources, repeat, chunks))
         planning = result.planning[-1]
         progress(f"planning {workers}x{blocks} from {f'{sources} worker sources' if sources else 'the store'}: "
                  f"{planning.scale_up_ms:.1f} ms, re-plan after a death {planning.replan_ms:.1f} ms")
     for count in stall_workers:
-        result.stalls.append(measure_stall(count, blocks))
+        result.stalls.append(measure_stall(count, blocks, chunks))
         stall = result.stalls[-1]
         progress(f"event loop at {count} workers: longest stall {stall.scale_up_stall_ms:.0f} ms during the "
                  f"ScaleUp RPC ({stall.scale_up_rpc_ms:.0f} ms), {stall.replan_stall_ms:.0f} ms during a re-plan")
@@ -401,6 +405,10 @@ def run(workers: int = 1000, blocks: int = 64, duration_s: float = 10.0, batch: 
     return result
 
 
+def _blocks(figure: PlanningResult | StallResult) -> str:
+    return f"{figure.blocks} blocks" + (f" of {figure.chunks} chunks" if figure.chunks > 1 else "")
+
+
 def report(result: BenchResult) -> str:
     """The figures, each beside its target."""
     lines = [f"control plane bench (grpcio {grpc.__version__}, {psutil.cpu_count()} cores, server in a subprocess "
@@ -408,12 +416,12 @@ def report(result: BenchResult) -> str:
     for p in result.planning:
         source = f"{p.sources} worker sources" if p.sources else "the store"
         verdict = "ok" if p.scale_up_ms < PLAN_TARGET_MS else "OVER"
-        lines.append(f"  plan scale-up {p.workers} workers x {p.blocks} blocks from {source} ({p.strategy}): "
+        lines.append(f"  plan scale-up {p.workers} workers x {_blocks(p)} from {source} ({p.strategy}): "
                      f"{p.scale_up_ms:.1f} ms median (target < {PLAN_TARGET_MS:.0f} ms: {verdict}); re-plan after "
                      f"a parent's death {p.replan_ms:.1f} ms")
     for st in result.stalls:
         verdict = "ok" if max(st.scale_up_stall_ms, st.replan_stall_ms) <= STALL_TARGET_MS else "OVER"
-        lines.append(f"  event loop at {st.workers} workers x {st.blocks} blocks: longest stall {st.scale_up_stall_ms:.0f} "
+        lines.append(f"  event loop at {st.workers} workers x {_blocks(st)}: longest stall {st.scale_up_stall_ms:.0f} "
                      f"ms during the ScaleUp RPC ({st.scale_up_rpc_ms:.0f} ms), {st.replan_stall_ms:.0f} ms during a "
                      f"re-plan after a relay's death (target <= {STALL_TARGET_MS:.0f} ms: {verdict})")
     load = result.load
