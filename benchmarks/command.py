@@ -553,8 +553,11 @@ def bench_control_plane(workers: int, blocks: int, chunks: int, duration_s: floa
     from benchmarks.runinfo import parse_counts
 
     stalls = parse_counts(stall_workers, "--stall-workers", click.BadParameter) if stall_workers else ()
-    result = bench.run(workers=workers, blocks=blocks, duration_s=duration_s, batch=batch, repeat=repeat, db=db,
-                       chunks=chunks, stall_workers=stalls, progress=lambda message: click.echo(message, err=True))
+    try:
+        result = bench.run(workers=workers, blocks=blocks, duration_s=duration_s, batch=batch, repeat=repeat, db=db,
+                           chunks=chunks, stall_workers=stalls, progress=lambda message: click.echo(message, err=True))
+    except bench.ControlPlaneBenchError as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo(bench.report(result))
     if json_path:
         json_path.write_text(json.dumps(bench.to_json(result), indent=2))

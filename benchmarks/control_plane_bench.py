@@ -37,13 +37,19 @@ from control_plane.state import ControlState
 from control_plane.store import is_postgres_url, redact_url
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.manifest import MANIFEST_FORMAT_VERSION, seal_manifest
+from pipecast.core.errors import PipecastError
 from pipecast.v1.manifest_pb2 import Block, Manifest
 
 PLAN_TARGET_MS = 100.0
 STALL_TARGET_MS = 50.0
 REPORT_TARGET_PER_S = 5000.0
+STREAMS_TIMEOUT_S = 60.0  # for the next assignment stream to open, while the driver opens them all
 TOKEN = "bench-token"
 STORE = PeerInfo("store", "10.255.0.1:7070", ("tcp",))
+
+
+class ControlPlaneBenchError(PipecastError):
+    """The bench could not drive the load it was asked for on this machine."""
 
 
 @dataclass
@@ -311,8 +317,13 @@ async def _drive(address: str, server: psutil.Process, workers: int, blocks: int
         progress(f"registered {workers} workers in {register_s:.2f} s")
         nodes = list(fleet.client_of)
         tasks = [asyncio.create_task(fleet.watch(node)) for node in nodes]
-        for _ in nodes:
-            await asyncio.wait_for(fleet.synced.acquire(), 60)
+        for opened in range(len(nodes)):
+            try:
+                await asyncio.wait_for(fleet.synced.acquire(), STREAMS_TIMEOUT_S)
+            except TimeoutError:
+                raise ControlPlaneBenchError(
+                    f"only {opened} of {workers} assignment streams opened, none more within {STREAMS_TIMEOUT_S:g} s: "
+                    "this machine cannot drive that many workers (try fewer --workers)") from None
         progress(f"{workers} assignment streams open")
         tasks += [asyncio.create_task(fleet.heartbeat(node, heartbeat_s)) for node in nodes]
 
