@@ -30,6 +30,7 @@ from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.manifest import MANIFEST_FORMAT_VERSION, manifest_to_json, seal_manifest
 from pipecast.core.credentials import verify_node_token
 from pipecast.v1.manifest_pb2 import Block, Manifest
+from tests.support.agent_processes import free_ports
 
 TOKEN = "s3cret-token"
 LEASE_S, HEARTBEAT_S, SCAN_S = 0.6, 0.15, 0.1
@@ -397,11 +398,7 @@ async def test_worker_session_registers_again_when_the_control_plane_forgets_it(
 
 
 async def test_worker_session_converges_across_a_control_plane_restart(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)[0]
     cfg = config(tmp_path / "cp.sqlite3", port=port)
     held = {PKG: {0}}
     first = ControlPlaneServer(cfg)
@@ -468,16 +465,13 @@ def _valid_package(folder: Path) -> str:
 def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
     import json
     import os
-    import socket
     import sys
 
     from click.testing import CliRunner
 
     from control_plane.command import cp_group
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)[0]
     env = {**os.environ, "PIPECAST_AUTH_TOKEN": TOKEN}
     server = subprocess.Popen(
         [sys.executable, "-c", "import sys; from control_plane.command import control_plane_command as c; "

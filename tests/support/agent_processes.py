@@ -4,6 +4,7 @@ is the benchmarks' :class:`benchmarks.processes.Processes`."""
 
 import asyncio
 import json
+import random
 import socket
 import sys
 import time
@@ -22,17 +23,33 @@ LAUNCH = ("import logging, sys; logging.basicConfig(level=logging.INFO, "
 IO_TIMEOUT_S = 10.0
 WAIT_S = 30.0
 POLL_S = 0.02  # finer than the benchmarks': some tests act between two blocks of a transfer
+LISTEN_PORTS = (20000, 32768)  # [first, end): below the ephemeral range, see free_ports
+MAX_PORT_TRIES = 1000
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports free now (all bound at once, so none is handed out twice)."""
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    """``n`` distinct loopback ports free now, picked below the kernel's ephemeral range (32768-60999 by
+    default): a port the kernel hands out for port 0 may be taken, before the process it is meant for binds
+    it, as the local port of any outgoing connection (a UCX endpoint's, another test's client's); one below
+    that range only by an explicit bind."""
+    rng = random.Random()
+    ports: list[int] = []
+    for _ in range(MAX_PORT_TRIES):
+        if len(ports) == n:
+            return ports
+        port = rng.randrange(*LISTEN_PORTS)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use
+        ports.append(port)
+    if len(ports) == n:
+        return ports
+    raise AssertionError(f"no {n} free loopback ports in {LISTEN_PORTS[0]}-{LISTEN_PORTS[1] - 1} after "
+                         f"{MAX_PORT_TRIES} tries")
 
 
 class Agents:

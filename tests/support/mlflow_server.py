@@ -3,13 +3,14 @@ one test folder, on a free loopback port, ready within a deadline, stopped with 
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from tests.support.agent_processes import free_ports
 
 READY_DEADLINE_S = 120.0  # a cold start takes ~10 s on an idle 2-core machine; several times that under load
 STOP_DEADLINE_S = 10.0
@@ -19,10 +20,8 @@ SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TEL
 
 
 def free_loopback_port() -> int:
-    """A TCP port nothing listens on now (the server binds it right after: a race the tests accept)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on now (the server binds it right after)."""
+    return free_ports(1)[0]
 
 
 class MlflowServer:

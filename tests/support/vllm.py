@@ -4,7 +4,6 @@ its own with its log in a file, stopped with its engine and worker processes."""
 
 import json
 import os
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -12,6 +11,7 @@ from pathlib import Path
 from subprocess import Popen, TimeoutExpired
 
 from benchmarks.processes import Processes, stop_processes
+from tests.support.agent_processes import free_ports
 
 #: What keeps a tiny model's vLLM small and quick on a shared 2-core machine: 1 GiB of KV cache, two OpenMP
 #: threads, nothing fetched or reported.
@@ -28,12 +28,6 @@ class VllmError(AssertionError):
     """A vLLM server that failed, or did not do what a test waited for; the message ends with its log tail."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VllmServers:
     """``vllm serve`` processes of one test module, in ``folder`` (``<name>.log`` each); all stopped at the end."""
 
@@ -45,7 +39,7 @@ class VllmServers:
     def start(self, name: str, model: Path, *args: str, env: dict[str, str] | None = None) -> Popen:
         """``vllm serve MODEL`` with :data:`SERVE_ARGS` and ``args`` on a free port, as ``name``, in this
         process's environment plus :data:`ENV` and ``env``."""
-        port = free_port()
+        port = free_ports(1)[0]
         self.urls[name] = f"http://127.0.0.1:{port}"
         return self.processes.launch(name, [self.venv / "bin" / "vllm", "serve", model, "--port", str(port),
                                             *SERVE_ARGS, *args], env={**ENV, **(env or {})})
