@@ -493,7 +493,7 @@ class _Bench:
 
 
 
-def _start_seed(cluster: EmulatedCluster, package: Path, folder: Path) -> tuple[RunProcesses, str]:
+def start_seed(cluster: EmulatedCluster, package: Path, folder: Path) -> tuple[RunProcesses, str]:
     """The store's agent seeding ``package``; returns it once it listens, with its address."""
     port = AGENT_PORT if cluster.mode == "netns" else free_port(cluster.address(STORE))
     address = f"{cluster.address(STORE)}:{port}"
@@ -594,7 +594,7 @@ def run(config: ColdStartConfig, workdir: Path, progress: Progress = NO_PROGRESS
     with EmulatedCluster([STORE, WORKER], config.link_mbit, mode=config.mode) as cluster, \
             tempfile.TemporaryDirectory(prefix="pc-sock-") as sockets:
         progress(cluster.describe())
-        seed, store_address = _start_seed(cluster, config.package, workdir)
+        seed, store_address = start_seed(cluster, config.package, workdir)
         try:
             bench = _Bench(cluster, config, workdir, Path(sockets), manifest.package_id, manifest.total_bytes,
                            len(manifest.blocks), store_address)

@@ -31,7 +31,7 @@ from pathlib import Path
 from subprocess import TimeoutExpired
 
 from benchmarks.cluster import EmulatedCluster, RequestedMode
-from benchmarks.coldstart import (AGENT_START_DELAY_S, ColdStartBenchError, _start_seed, client_argv,
+from benchmarks.coldstart import (AGENT_START_DELAY_S, ColdStartBenchError, start_seed, client_argv,
                                   make_prompts, transfer_floor_seconds, transfer_times, write_start_file)
 from benchmarks.cpu import CpuSampler, CpuUsage
 from benchmarks.processes import RunProcesses, cli, endpoint
@@ -51,7 +51,6 @@ STORE = "store"
 N1_TARGET = 1.15
 #: ... and N workers at least this many times faster than all of them loading from the store.
 STORE_SPEEDUP_TARGET = 3.0
-VLLM_PORT = 8000  # netns mode: each host has its own ports
 #: What keeps each vLLM small on a shared machine: 1 GiB of KV cache, nothing fetched or reported; eager (no
 #: graph capture on CPU), a context of at most MAX_MODEL_LEN tokens.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -282,14 +281,12 @@ def _vllm_command(bench: _Bench, strategy: str, host: str, folder: Path, socket:
     package's folder made from the agent's manifest (``pipecast-vllm-folder``) then ``vllm serve --load-format
     pipecast``."""
     c, bin_ = bench.config, bench.config.vllm_venv.resolve() / "bin"
-    port = VLLM_PORT if bench.cluster.mode == "netns" else int(endpoint(bench.cluster, host, "serve").split(":")[1])
-    serve = [str(bin_ / "vllm"), "serve", "MODEL", "--host", bench.cluster.address(host), "--port", str(port),
+    port = int(endpoint(bench.cluster, host, "serve").rsplit(":", 1)[1])  # its fixed port in netns mode
+    model = c.checkpoint if strategy == LOCAL_DISK else folder / "model"
+    serve = [str(bin_ / "vllm"), "serve", str(model), "--host", bench.cluster.address(host), "--port", str(port),
              "--served-model-name", bench.package_id, "--max-model-len", str(bench.max_model_len), *VLLM_ARGS]
     if strategy == LOCAL_DISK:
-        serve[2] = str(c.checkpoint)
         return serve, port
-    model = folder / "model"
-    serve[2] = str(model)
     serve += ["--load-format", "pipecast", "--model-loader-extra-config", json.dumps({"agent_socket": str(socket)})]
     make_folder = [str(bin_ / "pipecast-vllm-folder"), bench.package_id, str(model), "--agent", str(socket)]
     return ["sh", "-c", f"{shlex.join(make_folder)} && exec {shlex.join(serve)}"], port
@@ -369,7 +366,7 @@ def run(config: VllmColdStartConfig, workdir: Path, progress: Progress = NO_PROG
     with EmulatedCluster([STORE, *_hosts(max(config.workers))], config.link_mbit, mode=config.mode) as cluster, \
             tempfile.TemporaryDirectory(prefix="pc-sock-") as sockets:
         progress(cluster.describe())
-        seed, store_address = _start_seed(cluster, config.package, workdir)
+        seed, store_address = start_seed(cluster, config.package, workdir)
         try:
             bench = _Bench(cluster, config, workdir, manifest.package_id, manifest.total_bytes, len(manifest.blocks),
                            store_address, prompt_file, Path(sockets), _max_model_len(config.package))

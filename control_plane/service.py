@@ -359,7 +359,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         draft = self.state.draft_scale_up(request.package_id, node_ids=list(request.node_ids), count=request.count,
                                           strategy=request.strategy, fanout=request.fanout)
         # Planning thousands of receivers takes long: in a thread, so the event loop keeps serving meanwhile.
-        plan = await asyncio.to_thread(_build_encoded, draft) if draft.receivers else None
+        plan = await asyncio.to_thread(_build_plan, draft) if draft.receivers else None
         result = self.state.install_scale_up(draft, plan, now=self.clock())
         self.flush()  # an acknowledged plan survives a crash: agents drop parts a restarted control plane lacks
         return pb.ScaleUpResponse(plan_id=result.plan_id, strategy=result.strategy, sources=result.sources,
@@ -525,7 +525,7 @@ def host_port(address: str, what: str) -> tuple[str, int]:
     return host, port
 
 
-def _build_encoded(draft: ScaleUpDraft) -> Plan:
+def _build_plan(draft: ScaleUpDraft) -> Plan:
     """The draft's plan with its stored form and its nodes' parts made too (all heavy for thousands of
     receivers; in a thread).
 
