@@ -207,10 +207,11 @@ class ControlPlaneClient:
 
     async def report_blocks(self, node_id: str, verified: Mapping[str, Iterable[int]],
                             dropped: Mapping[str, Iterable[int]] | None = None,
-                            cached: Mapping[str, Iterable[int]] | None = None) -> tuple[str, ...]:
-        """Report newly verified, dropped and disk-cached blocks; also renews the lease. Returns unknown
-        package ids."""
-        request = report_request(node_id, verified, dropped, cached)
+                            cached: Mapping[str, Iterable[int]] | None = None,
+                            progress: Mapping[str, int] | None = None) -> tuple[str, ...]:
+        """Report newly verified, dropped and disk-cached blocks, and bytes held of packages being received;
+        also renews the lease. Returns unknown package ids."""
+        request = report_request(node_id, verified, dropped, cached, progress)
         return tuple((await self._call("ReportBlocks", request)).unknown_packages)
 
     def open_report_stream(self) -> "ReportStream":
@@ -302,9 +303,12 @@ class ControlPlaneClient:
 
 def report_request(node_id: str, verified: Mapping[str, Iterable[int]],
                    dropped: Mapping[str, Iterable[int]] | None,
-                   cached: Mapping[str, Iterable[int]] | None) -> pb.ReportBlocksRequest:
+                   cached: Mapping[str, Iterable[int]] | None,
+                   progress: Mapping[str, int] | None = None) -> pb.ReportBlocksRequest:
     return pb.ReportBlocksRequest(node_id=node_id, verified=blocks_to_proto(verified),
-                                  dropped=blocks_to_proto(dropped or {}), cached=blocks_to_proto(cached or {}))
+                                  dropped=blocks_to_proto(dropped or {}), cached=blocks_to_proto(cached or {}),
+                                  progress=[pb.PackageProgress(package_id=package_id, bytes_present=held)
+                                            for package_id, held in (progress or {}).items()])
 
 
 class ReportStream:
@@ -320,9 +324,10 @@ class ReportStream:
 
     async def report(self, node_id: str, verified: Mapping[str, Iterable[int]],
                      dropped: Mapping[str, Iterable[int]] | None = None,
-                     cached: Mapping[str, Iterable[int]] | None = None) -> tuple[str, ...]:
+                     cached: Mapping[str, Iterable[int]] | None = None,
+                     progress: Mapping[str, int] | None = None) -> tuple[str, ...]:
         """Like :meth:`ControlPlaneClient.report_blocks`, on this stream. Returns unknown package ids."""
-        request = report_request(node_id, verified, dropped, cached)
+        request = report_request(node_id, verified, dropped, cached, progress)
         target = self._client.target
         async with self._lock:
             if self.closed:

@@ -51,16 +51,22 @@ CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, d
               help="Whether a rotated scale-up also sends from the store, while it is idle, beside the workers "
                    "holding the package (settings: control_store_beside_holders; on by default). Off saves the "
                    "store's egress where peers can send.")
+@click.option("--straggler-factor", type=click.FloatRange(min=0, max=1, max_open=True),
+              help="A receiver slower than this share of what its parents deliver (or of its declared link "
+                   "rate) is a straggler: its children move to faster parents and it becomes a leaf; 0 turns "
+                   "this off (settings: control_straggler_factor, 0.5).")
 def control_plane_command(config: Path | None, host: str | None, port: int | None, db: str | None,
                           advertise: str | None, lease_s: float | None, metrics_port: int | None,
-                          store_links: int | None, store_beside_holders: bool | None) -> None:
+                          store_links: int | None, store_beside_holders: bool | None,
+                          straggler_factor: float | None) -> None:
     """Run the control plane until SIGINT/SIGTERM (a replica on a shared database: until then, or until it
     loses the lease, which exits 1 so that its supervisor restarts it as a standby)."""
     from control_plane.server import ControlPlaneServer, ServerConfig  # grpc: not loaded by `--help`
 
     settings = load_settings(config, control_host=host, control_port=port, control_db=db, lease_s=lease_s,
                              control_advertise=advertise, control_store_links=store_links,
-                             control_store_beside_holders=store_beside_holders)
+                             control_store_beside_holders=store_beside_holders,
+                             control_straggler_factor=straggler_factor)
     server_config = ServerConfig.from_settings(settings, metrics_port=metrics_port)
 
     async def serve() -> str:

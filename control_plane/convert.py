@@ -35,14 +35,16 @@ def spec_to_proto(spec: WorkerSpec) -> pb.WorkerSpec:
     return pb.WorkerSpec(peer=peer_to_proto(spec.peer), memory_bytes=spec.memory_bytes,
                          accelerator=pb.Accelerator(kind=acc.kind, name=acc.name, count=acc.count,
                                                     memory_bytes=acc.memory_bytes),
-                         labels=dict(spec.labels), serve_url=spec.serve_url, engine=spec.engine)
+                         labels=dict(spec.labels), serve_url=spec.serve_url, engine=spec.engine,
+                         link_mbit=spec.link_mbit)
 
 
 def spec_from_proto(msg: pb.WorkerSpec) -> WorkerSpec:
     acc = msg.accelerator
     return WorkerSpec(peer=peer_from_proto(msg.peer), memory_bytes=msg.memory_bytes,
                       accelerator=AcceleratorInfo(acc.kind, acc.name, acc.count, acc.memory_bytes),
-                      labels=dict(msg.labels), serve_url=msg.serve_url, engine=msg.engine or DEFAULT_ENGINE)
+                      labels=dict(msg.labels), serve_url=msg.serve_url, engine=msg.engine or DEFAULT_ENGINE,
+                      link_mbit=msg.link_mbit)
 
 
 def blocks_to_proto(held: Mapping[str, Iterable[int]]) -> list[pb.PackageBlocks]:

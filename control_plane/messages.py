@@ -48,6 +48,7 @@ class WorkerSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     serve_url: str = ""  # HTTP base URL of the worker's serving API; the router lists workers by it
     engine: str = DEFAULT_ENGINE  # what answers at serve_url (SERVING_ENGINES)
+    link_mbit: float = 0.0  # the rate the data plane may take of its link (0: unknown): stragglers are below it
 
     @property
     def node_id(self) -> str:
@@ -59,7 +60,8 @@ class WorkerSpec:
                 "accelerator": {"kind": self.accelerator.kind, "name": self.accelerator.name,
                                 "count": self.accelerator.count,
                                 "memory_bytes": self.accelerator.memory_bytes},
-                "labels": dict(self.labels), "serve_url": self.serve_url, "engine": self.engine}
+                "labels": dict(self.labels), "serve_url": self.serve_url, "engine": self.engine,
+                "link_mbit": self.link_mbit}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "WorkerSpec":
@@ -67,7 +69,8 @@ class WorkerSpec:
                    memory_bytes=int(data["memory_bytes"]),
                    accelerator=AcceleratorInfo(**data["accelerator"]),
                    labels=dict(data["labels"]), serve_url=data.get("serve_url", ""),  # absent before field 5
-                   engine=data.get("engine", DEFAULT_ENGINE))  # absent before field 6
+                   engine=data.get("engine", DEFAULT_ENGINE),  # absent before field 6
+                   link_mbit=float(data.get("link_mbit", 0.0)))  # absent before field 7
 
 
 #: The WorkerSpec label that held a serving worker's HTTP base URL before WorkerSpec.serve_url; the router

@@ -33,6 +33,7 @@ from control_plane.errors import ControlPlaneError, InvalidRequest, StoreError
 from control_plane.leadership import StandbyGate
 from control_plane.metrics import ControlMetrics
 from control_plane.service import ControlPlaneService, host_port
+from control_plane.planner.stragglers import StragglerPolicy
 from control_plane.state import ControlState
 from control_plane.store import FencedError, open_store
 from pipecast.core.credentials import warn_if_auth_off
@@ -82,6 +83,8 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no Prometheus endpoint; 0: any free port
     store_links: int = 1  # a store's egress in worker links (see ControlState)
     store_beside_holders: bool = True  # a rotated scale-up also sends from an idle store (see ControlState)
+    straggler_factor: float = 0.5  # 0: stragglers are not looked for (see ControlState)
+    straggler_window_s: float = 0.6
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides: Any) -> "ServerConfig":
@@ -91,7 +94,9 @@ class ServerConfig:
                      tls_ca=settings.tls_ca, lease_s=settings.lease_s, heartbeat_s=settings.heartbeat_s,
                      scan_interval_s=settings.control_scan_s, flush_interval_s=settings.control_flush_s,
                      metrics_port=settings.control_metrics_port, store_links=settings.control_store_links,
-                     store_beside_holders=settings.control_store_beside_holders)
+                     store_beside_holders=settings.control_store_beside_holders,
+                     straggler_factor=settings.control_straggler_factor,
+                     straggler_window_s=settings.control_straggler_window_s)
         for key, value in overrides.items():
             if value is not None:
                 setattr(config, key, value)
@@ -124,7 +129,8 @@ class ControlPlaneServer:
         self.deposed = asyncio.Event()
         self.deposed_reason = ""
         self.state = ControlState(lease_s=config.lease_s, store_links=config.store_links,
-                                  store_beside_holders=config.store_beside_holders)
+                                  store_beside_holders=config.store_beside_holders,
+                                  stragglers=StragglerPolicy(config.straggler_factor, config.straggler_window_s))
         self.store = open_store(config.db_path)
         self.book = DeploymentBook()
         self.metrics = ControlMetrics(self.state)

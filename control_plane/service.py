@@ -328,7 +328,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.act_for(request.node_id)
         unknown = self.state.report(request.node_id, blocks_from_proto(request.verified),
                                     blocks_from_proto(request.dropped), self.clock(),
-                                    cached=blocks_from_proto(request.cached))
+                                    cached=blocks_from_proto(request.cached),
+                                    progress={p.package_id: p.bytes_present for p in request.progress})
         self.metrics.block_reports.inc(sum(len(r.blocks) for r in request.verified if r.package_id not in unknown))
         return pb.ReportBlocksResponse(unknown_packages=unknown)
 
@@ -509,7 +510,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 def _plan_summary(active: ActivePlan) -> pb.PlanSummary:
     return pb.PlanSummary(plan_id=active.plan_id, package_id=active.package_id, strategy=active.plan.strategy,
                           sources=active.plan.sources, receivers=sorted(active.plan.assignments),
-                          pending=sorted(active.pending), replans=active.replans, created_unix=active.created_at)
+                          pending=sorted(active.pending), replans=active.replans, created_unix=active.created_at,
+                          demoted=sorted(active.demoted))
 
 
 def host_port(address: str, what: str) -> tuple[str, int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
+from collections import deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -26,10 +27,14 @@ from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
 from control_plane.planner.replan import parts_of, repair_deaths, replan
 from control_plane.planner.schedules import make_plan
+from control_plane.planner.stragglers import Sample, StragglerPolicy, demote, find_stragglers, receive_rate
 from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
+
+# Progress samples kept per receiver: at the agents' default 0.2 s a few windows' worth.
+PROGRESS_SAMPLES = 32
 
 
 @dataclass
@@ -92,6 +97,8 @@ class ActivePlan:
     replans: int = 0
     pending: set[str] = field(default_factory=set)
     parts: dict[str, Part] = field(default_factory=dict)
+    demoted: set[str] = field(default_factory=set)  # receivers found straggling (never demoted twice)
+    checked_at: float = float("-inf")  # when it was last looked at for stragglers
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,7 @@ class ControlState:
     and change nothing then."""
 
     def __init__(self, *, lease_s: float, forget_after_s: float | None = None, store_links: int = 1,
-                 store_beside_holders: bool = True):
+                 store_beside_holders: bool = True, stragglers: StragglerPolicy = StragglerPolicy()):
         if isinstance(store_links, bool) or not isinstance(store_links, int) or store_links < 1:
             raise ValueError(f"store_links must be a positive integer, got {store_links!r}")
         self.lease_s = lease_s
@@ -195,6 +202,10 @@ class ControlState:
         # Blocks in a worker's disk cache that it does not hold in memory: package id -> node id -> blocks.
         # Soft state from registrations and reports (placement prefers such a worker: a local load).
         self.cached: dict[str, dict[str, set[int]]] = {}
+        # Stragglers are looked for from receivers' progress: (package id, node id) -> (seconds, bytes held),
+        # recent ones only, since the node's part last changed (soft state: a restart forgets it).
+        self.stragglers = stragglers
+        self.progress: dict[tuple[str, str], deque[Sample]] = {}
         self.notices: list[Notice] = []
         self.dirty = Dirty()
         self.replan_count = 0
@@ -341,9 +352,11 @@ class ControlState:
     # ----- availability -----
 
     def report(self, node: str, verified: Mapping[str, Iterable[int]], dropped: Mapping[str, Iterable[int]],
-               now: float, *, cached: Mapping[str, Iterable[int]] | None = None) -> list[str]:
+               now: float, *, cached: Mapping[str, Iterable[int]] | None = None,
+               progress: Mapping[str, int] | None = None) -> list[str]:
         """Apply a worker's batched report (it also renews the lease); ``cached`` blocks are now in its disk
-        cache (e.g. kept there after a drop). Returns unknown package ids."""
+        cache (e.g. kept there after a drop); ``progress``: bytes it holds of packages it receives (a plan
+        whose receiver straggles is changed around it). Returns unknown package ids."""
         worker = self.alive_worker(node)
         gained, unknown = self._parse_reports(node, verified)
         lost, unknown_dropped = self._parse_reports(node, dropped)
@@ -364,7 +377,53 @@ class ControlState:
                 self.dirty.availability.add((package_id, node))
                 if availability.is_complete(node):
                     self._receiver_done(package_id, node)
+        for package_id, held in (progress or {}).items():
+            if package_id in self.packages:
+                self._progressed(package_id, node, held, now)
         return sorted(set(unknown) | set(unknown_dropped) | set(unknown_cached))
+
+    def _progressed(self, package_id: str, node: str, held: int, now: float) -> None:
+        """Record that ``node`` holds ``held`` bytes of ``package_id``; look for stragglers in its plans (at most
+        every quarter window per plan)."""
+        plans = [p for p in self.plans.values() if p.package_id == package_id and node in p.pending]
+        if not plans or not self.stragglers.enabled:
+            return
+        samples = self.progress.setdefault((package_id, node), deque(maxlen=PROGRESS_SAMPLES))
+        samples.append((now, held))
+        for active in plans:
+            if now - active.checked_at >= self.stragglers.window_s / 4:
+                active.checked_at = now
+                self._find_stragglers(active, now)
+
+    def _find_stragglers(self, active: ActivePlan, now: float) -> None:
+        """Demote the receivers of ``active`` that straggle (:mod:`control_plane.planner.stragglers`)."""
+        policy, package_id = self.stragglers, active.package_id
+        rates = {}
+        for node in active.pending:
+            samples = self.progress.get((package_id, node))
+            rate = receive_rate(samples, now=now, window_s=policy.window_s) if samples else None
+            if rate is not None:
+                rates[node] = rate
+        if not rates:
+            return
+        expected = {node: w.spec.link_mbit * 1e6 / 8 for node in active.parts
+                    if (w := self.workers.get(node)) is not None and w.spec.link_mbit > 0}
+        slow = find_stragglers(active.parts, rates, active.pending, expected, factor=policy.factor,
+                               skip=active.demoted)
+        if not slow:
+            return
+        package = self.packages[package_id]
+        held = {n: blocks for n, blocks in self.availability[package_id].by_worker.items()}
+        plan = demote(active.plan, slow, held=held, sources=active.plan.sources, num_blocks=package.num_blocks,
+                      labels=self._labels(set(active.parts) | set(held)))
+        for node in slow:
+            log.warning("straggler node=%s plan=%s package=%s: receiving %.1f Mbit/s; its children move to "
+                        "faster parents and it becomes a leaf", node, active.plan_id, package_id,
+                        rates[node] * 8 / 1e6)
+        active.demoted.update(slow)
+        active.replans += 1
+        self.replan_count += 1
+        self._install(active, plan)
 
     def report_bad_peer(self, node: str, peer: str, package_id: str, block: int, reason: str, now: float) -> bool:
         """A child says ``peer`` served it bad data (or failed) for ``block``: the peer loses that block's
@@ -704,6 +763,9 @@ class ControlState:
             parts = {node: part for node, part in old.items() if node not in changed}
             parts.update(parts_of(plan, changed))
         for node in changed:
+            if old.get(node) != parts.get(node):
+                # Its rate so far was with other parents (or children): measured afresh from now on.
+                self.progress.pop((active.package_id, node), None)
             if node in old and node not in parts:
                 self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))
             elif node in parts:
@@ -759,12 +821,14 @@ class ControlState:
 
     def _end_plan(self, active: ActivePlan) -> None:
         for node in active.parts:
+            self.progress.pop((active.package_id, node), None)
             self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))
         del self.plans[active.plan_id]
         self.dirty.plans.add(active.plan_id)
         log.info("plan ended plan=%s package=%s replans=%d", active.plan_id, active.package_id, active.replans)
 
     def _receiver_done(self, package_id: str, node: str) -> None:
+        self.progress.pop((package_id, node), None)
         for active in [p for p in self.plans.values() if p.package_id == package_id and node in p.pending]:
             active.pending.discard(node)
             if not active.pending:

@@ -56,6 +56,7 @@ class WorkerSession:
         self._verified: dict[str, set[int]] = {}
         self._dropped: dict[str, set[int]] = {}
         self._cached: dict[str, set[int]] = {}
+        self._progress: dict[str, int] = {}  # the latest bytes held per package being received
         self._report_wake = asyncio.Event()
         self._kick = asyncio.Event()  # set: re-register now
         self._refused: ControlPlaneError | None = None
@@ -105,6 +106,12 @@ class WorkerSession:
     def report_cached(self, package_id: str, blocks: Iterable[int]) -> None:
         """Queue blocks now in the disk cache only (e.g. after a drop) for the next batched report."""
         self._cached.setdefault(package_id, set()).update(blocks)
+        self._report_wake.set()
+
+    def report_progress(self, package_id: str, bytes_present: int) -> None:
+        """Queue how many bytes of ``package_id`` this node holds now, for the next batched report (only the
+        latest counts: a report that fails is not sent again)."""
+        self._progress[package_id] = bytes_present
         self._report_wake.set()
 
     async def report_bad_peer(self, peer_id: str, package_id: str, block: int, reason: str) -> bool:
@@ -220,10 +227,11 @@ class WorkerSession:
         verified = {p: b for p, b in self._verified.items() if b}
         dropped = {p: b for p, b in self._dropped.items() if b}
         cached = {p: b for p, b in self._cached.items() if b}
-        if verified or dropped or cached:
+        progress, self._progress = self._progress, {}
+        if verified or dropped or cached or progress:
             self._verified, self._dropped, self._cached = {}, {}, {}
             try:
-                await stream.report(self.node_id, verified, dropped, cached)
+                await stream.report(self.node_id, verified, dropped, cached, progress)
             except UnknownWorker:
                 self._need_registration()  # the registration will carry these blocks
             except ControlPlaneError as exc:

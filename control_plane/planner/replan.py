@@ -17,12 +17,13 @@ from control_plane.planner.racks import ParentPool, rack_of
 
 def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[int]], sources: Sequence[str],
            labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
-           joined: Sequence[str] = (), num_blocks: int | None = None) -> Plan:
+           joined: Sequence[str] = (), num_blocks: int | None = None,
+           units: Mapping[int, Sequence[Chunks]] | None = None) -> Plan:
     """A plan for exactly the units each live receiver still misses.
 
     A receiver of ``plan`` still needs its planned units minus those of blocks in ``held`` (verified
-    blocks per live node); a ``joined`` receiver needs blocks ``0..num_blocks-1``, whole, minus those it
-    holds. Dead receivers, receivers now among ``sources`` and receivers that need nothing leave the plan.
+    blocks per live node); a ``joined`` receiver needs blocks ``0..num_blocks-1`` minus those it holds,
+    each in the ``units`` given for it (its chunk ranges, e.g. the plan's own), whole where none are. Dead receivers, receivers now among ``sources`` and receivers that need nothing leave the plan.
     Each receiver keeps its old fetch order, and its old parent wherever that parent is alive and holds the
     block, is a source, or still fetches the unit or one containing it (earlier). Otherwise the new parent
     is the earliest node with fewer than ``fanout`` children for that unit (kept children count) that holds
@@ -61,10 +62,11 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
         needs.extend((level, rx, a.block, a.chunks, a.parent) for a, level in zip(fetches, levels[rx])
                      if a.block not in have)
     after = 1 + max((level for rx_levels in levels.values() for level in rx_levels), default=0)
+    layout = [(b, chunks) for b in range(num_blocks or 0) for chunks in (units or {}).get(b, (None,))]
     for q, rx in enumerate(joined):
         have = holds.get(rx, ())
-        missing = [b for b in range(num_blocks or 0) if b not in have]
-        needs.extend((after + i * len(joined) + q, rx, b, None, None) for i, b in enumerate(missing))
+        missing = [(b, chunks) for b, chunks in layout if b not in have]
+        needs.extend((after + i * len(joined) + q, rx, b, chunks, None) for i, (b, chunks) in enumerate(missing))
     needs.sort(key=itemgetter(0, 1))
     scheduled: UnitIndex[int] = UnitIndex()
     for level, rx, block, chunks, _ in needs:

@@ -92,7 +92,8 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
               help="What answers at --serve-url: pipecast's serving worker, or vLLM with pipecast's loader "
                    "(settings: agent_engine).")
 @click.option("--link-mbit", type=click.FloatRange(min=0), metavar="MBIT",
-              help="This node's link rate, Mbit/s, that --multicast-share is a share of (settings: agent_link_mbit).")
+              help="This node's link rate, Mbit/s, that --multicast-share is a share of and the control plane judges "
+                   "stragglers by (settings: agent_link_mbit).")
 @click.option("--multicast-share", type=click.FloatRange(min=0, max=1, min_open=True), metavar="SHARE",
               help="Largest share of the link, in (0, 1], the data plane takes each direction, so that serving "
                    "traffic on the same link keeps its latency; below 1 needs --link-mbit (settings: "

@@ -40,6 +40,8 @@ from pipecast.agent.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
+DEFAULT_PROGRESS_INTERVAL_S = 0.2
+
 
 class AgentHost(Protocol):
     """What a :class:`ControlLink` needs from the agent daemon that runs it."""
@@ -121,13 +123,14 @@ class PackageFollower:
     """
 
     def __init__(self, package_id: str, host: AgentHost, session: WorkerSession, policy: FetchPolicy,
-                 replan_wait_s: float) -> None:
+                 replan_wait_s: float, progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S) -> None:
         self.package_id = package_id
         self.parts: dict[str, AssignmentUpdate] = {}
         self._host = host
         self._session = session
         self._policy = policy
         self._replan_wait_s = replan_wait_s
+        self._progress_interval_s = progress_interval_s
         self._pool = ChannelPool(host.transport)
         self._changed = asyncio.Event()
         self._errors: dict[PeerInfo, Exception] = {}
@@ -245,8 +248,9 @@ class PackageFollower:
             self._session.report_verified(self.package_id, [event.block])
 
     async def _fetch(self, fetcher: Fetcher, store: BlockStore, wanted: list[Fetch[PeerInfo]]) -> None:
-        """Run one generation until it ends or the parts change what it fetches."""
+        """Run one generation until it ends or the parts change what it fetches; report progress meanwhile."""
         fetching = asyncio.create_task(fetcher.fetch(wanted))
+        reporting = asyncio.create_task(self._report_progress(store))
         try:
             while True:
                 changed = asyncio.create_task(self._changed.wait())
@@ -266,7 +270,14 @@ class PackageFollower:
                     return
         finally:
             fetching.cancel()
-            await asyncio.gather(fetching, return_exceptions=True)
+            reporting.cancel()
+            await asyncio.gather(fetching, reporting, return_exceptions=True)
+
+    async def _report_progress(self, store: BlockStore) -> None:
+        """Tell the control plane the bytes held, every interval, stalled or not: it finds stragglers by them."""
+        while True:
+            self._session.report_progress(self.package_id, store.progress().bytes_present)
+            await asyncio.sleep(self._progress_interval_s)
 
     async def _after_failure(self, error: FetchFailedError, failed: set[PeerInfo],
                              wanted: list[Fetch[PeerInfo]]) -> set[PeerInfo]:
@@ -310,7 +321,7 @@ class ControlLink:
     """An agent's link to the control plane: the worker session and a follower per assigned package."""
 
     def __init__(self, host: AgentHost, client: ControlPlaneClient, spec: WorkerSpec, policy: FetchPolicy,
-                 replan_wait_s: float) -> None:
+                 replan_wait_s: float, progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S) -> None:
         self.host = host
         self.client = client
         # The data-plane key comes with each registration: the transport keys its hello with it from then on.
@@ -318,6 +329,7 @@ class ControlLink:
                                      cached=self._cached)
         self._policy = policy
         self._replan_wait_s = replan_wait_s
+        self._progress_interval_s = progress_interval_s
         self._followers: dict[str, PackageFollower] = {}
 
     def _held(self) -> Mapping[str, Collection[int]]:
@@ -365,7 +377,7 @@ class ControlLink:
             follower = self._followers.get(package_id)
             if follower is None:
                 follower = self._followers[package_id] = PackageFollower(
-                    package_id, self.host, self.session, self._policy, self._replan_wait_s)
+                    package_id, self.host, self.session, self._policy, self._replan_wait_s, self._progress_interval_s)
             follower.assign(update)
         elif update.kind is UpdateKind.CANCEL:
             events.emit("plan_cancelled", plan=update.plan_id, package=package_id)

@@ -320,12 +320,14 @@ class AgentDaemon:
         settings = self.settings.model_copy(update={"control_plane": self.options.control_plane})
         accelerator = await asyncio.to_thread(detect_accelerator, settings.device)
         peer = PeerInfo(self.node_id, advertised_address(self.listener.address), (self.transport.name,))
+        # The rate the data plane may take of the link: a receiver far below it is a straggler.
+        link_mbit = settings.agent_link_mbit * settings.multicast_share
         spec = WorkerSpec(peer, settings.agent_memory_bytes, accelerator, dict(self.options.labels),
-                          self.options.serve_url, self.options.engine)
+                          self.options.serve_url, self.options.engine, link_mbit)
         log.info("agent %s: control plane %s, registering as %s (%s) labels=%s", self.node_id,
                  settings.control_plane, peer.address, accelerator.kind, dict(spec.labels))
         return ControlLink(self, ControlPlaneClient.from_settings(settings), spec, self.options.policy,
-                           settings.agent_replan_wait_s)
+                           settings.agent_replan_wait_s, settings.agent_progress_interval_s)
 
     def _hold(self, store: BlockStore, cache: bool) -> None:
         """Serve ``store`` and wire its events to the event log, the local API and the disk cache."""

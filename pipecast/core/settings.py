@@ -50,7 +50,8 @@ class Settings(BaseSettings):
     egress_mbit: float = Field(0.0, ge=0, description="application-level egress cap (0: none)")
     ingress_mbit: float = Field(0.0, ge=0, description="application-level ingress cap (0: none)")
     agent_link_mbit: float = Field(0.0, ge=0, description="this node's link rate, Mbit/s, that multicast_share is "
-                                                          "a share of (0: unknown)")
+                                                          "a share of and the control plane judges stragglers by "
+                                                          "(0: unknown)")
     multicast_share: float = Field(
         1.0, gt=0, le=1, description="largest share of the link the data plane takes, each direction (below 1 needs "
                                      "agent_link_mbit; 1: the whole link)")
@@ -66,6 +67,9 @@ class Settings(BaseSettings):
     agent_replan_wait_s: float = Field(
         5.0, gt=0, description="after reporting a failed parent, how long to wait for the control plane's new "
                                "parents before fetching around it from the plan's sources")
+    agent_progress_interval_s: float = Field(0.2, gt=0, description="how often a receiving agent reports the bytes "
+                                                                    "it holds (the control plane finds stragglers "
+                                                                    "from them)")
     agent_idle_timeout_s: float = Field(60.0, gt=0, description="a served peer connection with no request this long "
                                                                 "is closed")
     agent_max_connections: int = Field(256, ge=1, description="peer connections an agent serves at once; more are "
@@ -106,6 +110,11 @@ class Settings(BaseSettings):
     control_store_links: int = Field(1, ge=1, description="a store's egress in worker links: a scale-up gives the "
                                                      "store this many rotated groups (8: a store at 8x the link "
                                                      "rate is 8 sources)")
+    control_straggler_factor: float = Field(0.5, ge=0, lt=1, description="a receiver slower than this share of "
+                                            "what its parents deliver (or of its declared link) is a straggler: "
+                                            "its children move to faster parents and it becomes a leaf (0: off)")
+    control_straggler_window_s: float = Field(0.6, gt=0, description="how long a receiver's progress is measured "
+                                                                      "before it may be called a straggler")
     control_store_beside_holders: bool = Field(True, description="a rotated scale-up also sends from an idle store "
                                                                  "beside the workers holding the package (off: "
                                                                  "the store sends only when nobody else can)")

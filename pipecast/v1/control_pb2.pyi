@@ -31,7 +31,7 @@ class Accelerator(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., count: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerSpec(_message.Message):
-    __slots__ = ("peer", "memory_bytes", "accelerator", "labels", "serve_url", "engine")
+    __slots__ = ("peer", "memory_bytes", "accelerator", "labels", "serve_url", "engine", "link_mbit")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,13 +45,15 @@ class WorkerSpec(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     SERVE_URL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    LINK_MBIT_FIELD_NUMBER: _ClassVar[int]
     peer: Peer
     memory_bytes: int
     accelerator: Accelerator
     labels: _containers.ScalarMap[str, str]
     serve_url: str
     engine: str
-    def __init__(self, peer: _Optional[_Union[Peer, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[Accelerator, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., serve_url: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...
+    link_mbit: float
+    def __init__(self, peer: _Optional[_Union[Peer, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[Accelerator, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., serve_url: _Optional[str] = ..., engine: _Optional[str] = ..., link_mbit: _Optional[float] = ...) -> None: ...
 
 class PackageBlocks(_message.Message):
     __slots__ = ("package_id", "blocks")
@@ -200,16 +202,26 @@ class RemovePackageResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReportBlocksRequest(_message.Message):
-    __slots__ = ("node_id", "verified", "dropped", "cached")
+    __slots__ = ("node_id", "verified", "dropped", "cached", "progress")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     verified: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
     dropped: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
     cached: _containers.RepeatedCompositeFieldContainer[PackageBlocks]
-    def __init__(self, node_id: _Optional[str] = ..., verified: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ..., dropped: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ..., cached: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ...) -> None: ...
+    progress: _containers.RepeatedCompositeFieldContainer[PackageProgress]
+    def __init__(self, node_id: _Optional[str] = ..., verified: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ..., dropped: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ..., cached: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ..., progress: _Optional[_Iterable[_Union[PackageProgress, _Mapping]]] = ...) -> None: ...
+
+class PackageProgress(_message.Message):
+    __slots__ = ("package_id", "bytes_present")
+    PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    package_id: str
+    bytes_present: int
+    def __init__(self, package_id: _Optional[str] = ..., bytes_present: _Optional[int] = ...) -> None: ...
 
 class ReportBlocksResponse(_message.Message):
     __slots__ = ("unknown_packages",)
@@ -322,7 +334,7 @@ class ListPlansRequest(_message.Message):
     def __init__(self, package_id: _Optional[str] = ...) -> None: ...
 
 class PlanSummary(_message.Message):
-    __slots__ = ("plan_id", "package_id", "strategy", "sources", "receivers", "pending", "replans", "created_unix")
+    __slots__ = ("plan_id", "package_id", "strategy", "sources", "receivers", "pending", "replans", "created_unix", "demoted")
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +343,7 @@ class PlanSummary(_message.Message):
     PENDING_FIELD_NUMBER: _ClassVar[int]
     REPLANS_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_FIELD_NUMBER: _ClassVar[int]
     plan_id: str
     package_id: str
     strategy: str
@@ -339,7 +352,8 @@ class PlanSummary(_message.Message):
     pending: _containers.RepeatedScalarFieldContainer[str]
     replans: int
     created_unix: float
-    def __init__(self, plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., strategy: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., receivers: _Optional[_Iterable[str]] = ..., pending: _Optional[_Iterable[str]] = ..., replans: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    demoted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., strategy: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ..., receivers: _Optional[_Iterable[str]] = ..., pending: _Optional[_Iterable[str]] = ..., replans: _Optional[int] = ..., created_unix: _Optional[float] = ..., demoted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListPlansResponse(_message.Message):
     __slots__ = ("plans",)

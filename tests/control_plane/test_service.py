@@ -2,6 +2,7 @@
 assignment streams, restarts with the same SQLite file, metrics, mTLS and the agent-side session."""
 
 import asyncio
+import dataclasses
 import subprocess
 import time
 import urllib.request
@@ -352,6 +353,24 @@ async def test_report_stream_updates_availability_and_ends_on_a_refused_report(c
     stream.close()
     assert (await client.availability(PKG)).by_worker == {"w1": {1, 2}}
 
+
+async def test_progress_reports_find_a_straggler_that_the_plan_then_names(client):
+    await client.publish_package(manifest(), STORE)
+    nodes = ["w1", "w2", "w3"]
+    for node in nodes:
+        await client.register(dataclasses.replace(spec(node), link_mbit=80.0))  # 10 MB/s declared
+    workers = {w.worker.peer.node_id: w.worker for w in await client.list_workers()}
+    assert workers["w1"].link_mbit == 80.0
+    reply = await client.scale_up(PKG, node_ids=nodes, strategy="chain")
+    start = time.monotonic()
+    for _ in range(12):  # w1, the head, receives at 1 MB/s; w2 and w3 behind it as slowly
+        held = int((time.monotonic() - start) * 1e6)
+        for node in nodes:
+            await client.report_blocks(node, {}, progress={PKG: held})
+        await asyncio.sleep(0.1)
+    [summary] = await client.list_plans(PKG)
+    assert summary.plan_id == reply.plan_id
+    assert list(summary.demoted) == ["w1"] and summary.replans == 1
 
 async def test_a_restart_with_the_same_database_reloads_the_state(tmp_path):
     db = tmp_path / "cp.sqlite3"

@@ -353,6 +353,63 @@ def test_bad_peer_report_gives_the_child_another_parent():
     assert all(a.parent != parent for a in active.parts[child].fetch)
 
 
+def _progress(state: ControlState, rates: dict[str, float], start: float, end: float, step: float = 0.125,
+              held: dict[str, float] | None = None) -> dict[str, float]:
+    """Every node reports the bytes it holds (``held`` at ``start``) growing at ``rates`` (bytes/s), every
+    ``step`` from ``start`` to ``end``; returns what each holds at the end."""
+    held = dict.fromkeys(rates, 0.0) | (held or {})
+    for k in range(int((end - start) / step) + 1):
+        for node, rate in rates.items():
+            state.report(node, {}, {}, now=start + k * step, progress={"pkg": int(held[node] + rate * k * step)})
+    return {node: held[node] + rate * (end - start) for node, rate in rates.items()}
+
+
+def test_a_straggling_relay_is_demoted_to_a_leaf_and_the_nodes_behind_it_are_not():
+    state = cluster(6)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3", "w4", "w5"], strategy="chain", now=1)
+    active = state.plans[result.plan_id]
+    state.notices.clear()
+    # w2 receives at a fifth of its parent's rate; w3..w5 are behind it and as slow.
+    held = _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 10e6, "w4": 10e6, "w5": 10e6}, 1.0, 2.0)
+    assert active.demoted == {"w2"}
+    assert active.replans == 1
+    assert {a.parent for a in active.parts["w3"].fetch} == {"w1"}
+    assert {a.parent for a in active.parts["w2"].fetch} == {"w5"}  # the tail
+    assert {"w1", "w2", "w3", "w5"} <= notices_of(state, UpdateKind.ASSIGN)
+    # Measured afresh after the change: w3's slow past does not make it a straggler behind w1.
+    _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 50e6, "w4": 50e6, "w5": 50e6}, 2.125, 3.125,
+              held=held)
+    assert active.demoted == {"w2"} and active.replans == 1
+
+
+def test_stragglers_are_found_only_when_enabled_and_never_on_equal_rates():
+    from control_plane.planner.stragglers import StragglerPolicy
+
+    state = cluster(4)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
+    _progress(state, dict.fromkeys(["w0", "w1", "w2", "w3"], 20e6), 1.0, 2.0)
+    assert not state.plans[result.plan_id].demoted
+    state = ControlState(lease_s=LEASE, stragglers=StragglerPolicy(factor=0))
+    state.publish(manifest(), STORE, now=0)
+    for i in range(4):
+        state.register(spec(f"w{i}"), {}, now=0)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
+    _progress(state, {"w0": 50e6, "w1": 5e6, "w2": 5e6, "w3": 5e6}, 1.0, 2.0)
+    assert not state.plans[result.plan_id].demoted and not state.progress
+
+
+def test_a_slow_chain_head_is_found_by_the_link_rate_it_declared():
+    state = ControlState(lease_s=LEASE)
+    state.publish(manifest(), STORE, now=0)
+    for i in range(3):
+        state.register(WorkerSpec(PeerInfo(f"w{i}", f"w{i}.local:7070", ("tcp",)), 10_000, link_mbit=400), {}, now=0)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], strategy="chain", now=1)
+    _progress(state, dict.fromkeys(["w0", "w1", "w2"], 12.5e6), 1.0, 2.0)  # 100 of 400 Mbit/s, all of them
+    active = state.plans[result.plan_id]
+    assert active.demoted == {"w0"}
+    assert {a.parent for a in active.parts["w1"].fetch} == {"store"}
+
+
 # ----- release -----
 
 def test_a_worker_with_the_package_in_its_disk_cache_is_picked_first_until_it_forgets_it():

@@ -1,0 +1,121 @@
+"""Stragglers: receivers that hold their subtree back, found from progress reports and moved out of the way.
+
+Pure: from what receivers reported (bytes held, when) and the plan's parts to the nodes to demote, and from
+a plan to the plan without them in the middle. A receiver is a straggler when it receives at less than
+``factor`` x its *reference*: the fastest of its parents that are still receiving themselves (a child cannot
+outrun a relay, so the children of a straggler are not stragglers), or, where a parent holds the package
+(a source, a holder), the receiver's declared link rate shared among that parent's children, or, with no
+declared rate, the fastest receiver of the plan. Only a receiver that serves others is demoted: a slow leaf
+slows no one. A demoted receiver's children take its parents (a slot it leaves free) and it is appended as
+a leaf, fed by nodes whose uplinks have room: in a chain the tail, so everyone but the straggler runs at
+the link rate.
+
+A straggler at the head of a plan whose nodes declare no link rate is not found: every node behind it is
+as slow, so nothing tells its rate from the link's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from control_plane.planner.plan import Part, Plan
+from control_plane.planner.replan import replan
+
+#: Progress samples kept per receiver: (seconds, bytes held).
+Sample = tuple[float, int]
+
+
+@dataclass(frozen=True)
+class StragglerPolicy:
+    """When a receiver is a straggler: below ``factor`` x its reference rate (0: never), measured over at
+    least ``window_s`` seconds of its progress (since its part last changed: the state forgets the samples
+    of a node whose part changes)."""
+
+    factor: float = 0.5
+    window_s: float = 0.6
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.factor < 1:
+            raise ValueError(f"straggler factor must be within [0, 1), got {self.factor!r}")
+        if self.window_s <= 0:
+            raise ValueError(f"straggler window must be positive, got {self.window_s!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.factor > 0
+
+
+def receive_rate(samples: Sequence[Sample], *, now: float, window_s: float) -> float | None:
+    """Bytes per second over the last ``window_s`` or so of ``samples`` (in time order); None while the recent
+    ones span less than ``window_s`` (not measured long enough, or the node stopped reporting)."""
+    usable = [s for s in samples if s[0] >= now - window_s * 1.5]
+    if len(usable) < 2 or usable[-1][0] - usable[0][0] < window_s:
+        return None
+    (t0, b0), (t1, b1) = usable[0], usable[-1]
+    return max(b1 - b0, 0) / (t1 - t0)
+
+
+def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], receiving: Collection[str],
+                    expected: Mapping[str, float], *, factor: float, skip: Collection[str] = ()) -> list[str]:
+    """The receivers to demote (sorted), by the module's rule.
+
+    ``parts``: each node's part in the plan; ``rates``: measured receive rates (bytes/s) of the receivers
+    still receiving that have one; ``receiving``: every receiver still missing blocks; ``expected``: declared
+    link rates (bytes/s) per node, where known; ``skip``: nodes never demoted again (demoted already).
+    A receiver whose receiving parent has no rate yet is not judged.
+    """
+    if factor <= 0 or not rates:
+        return []
+    fastest = max(rates.values())
+    counted: dict[str, int] = {}
+
+    def children(node: str) -> int:  # receiving children, counted only for the few nodes judged
+        if node not in counted:
+            part = parts.get(node)
+            counted[node] = len({child for _, child in part.serve if child in receiving}) if part else 0
+        return counted[node]
+
+    slow = []
+    for node, rate in rates.items():
+        # No reference exceeds the fastest receiver or the node's declared rate: most nodes stop here.
+        if node in skip or rate >= factor * max(fastest, expected.get(node, 0.0)) or not children(node):
+            continue
+        reference, judged = 0.0, True
+        for parent in {f.parent for f in parts[node].fetch}:
+            if parent in receiving:
+                if parent not in rates:
+                    judged = False
+                    break
+                reference = max(reference, rates[parent])
+            else:
+                mine = expected.get(node)
+                reference = max(reference, mine / max(children(parent), 1) if mine else fastest)
+        if judged and rate < factor * reference:
+            slow.append(node)
+    return sorted(slow)
+
+
+def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[int]], sources: Sequence[str],
+           num_blocks: int, labels: Mapping[str, Mapping[str, str]] | None = None) -> Plan:
+    """``plan`` with the ``slow`` receivers out of the middle: their children fetch what they still miss from
+    the nodes the slow ones fetched from (or other nodes with a free slot for the unit), and the slow ones
+    fetch what they miss (in the plan's own units) last, each unit from a node that serves it to no one else
+    (or a source), so that none of them is anyone's parent. ``held``: verified blocks per node."""
+    slow = set(slow)
+    others = {node: blocks for node, blocks in held.items() if node not in slow}
+    without = replan(plan, dead=slow, held=others, sources=sources, labels=labels, fanout=1)
+    return replan(without, dead=(), held=held, sources=sources, labels=labels, fanout=1,
+                  joined=sorted(slow & plan.assignments.keys()), num_blocks=num_blocks, units=unit_layout(plan))
+
+
+def unit_layout(plan: Plan) -> dict[int, tuple]:
+    """Each block's units in ``plan`` (its chunk ranges, in order; ``(None,)`` for whole blocks), as the first
+    receiver that fetches the block has them."""
+    layout: dict[int, list] = {}
+    owner: dict[int, str] = {}
+    for rx, fetches in plan.assignments.items():
+        for fetch in fetches:
+            if owner.setdefault(fetch.block, rx) == rx:
+                layout.setdefault(fetch.block, []).append(fetch.chunks)
+    return {block: tuple(sorted(units, key=lambda c: (0, 0) if c is None else c)) for block, units in layout.items()}

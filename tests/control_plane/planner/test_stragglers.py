@@ -1,0 +1,119 @@
+"""Stragglers: rates from progress samples, who is one (and who is only behind one), and plans that demote
+them to leaves without losing a unit or making a cycle."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from control_plane.planner.plan import Plan
+from control_plane.planner.schedules import make_plan
+from control_plane.planner.stragglers import (
+    StragglerPolicy, demote, find_stragglers, receive_rate, unit_layout)
+
+MB = 1_000_000
+
+
+def chain(n: int, blocks: int = 4) -> Plan:
+    return make_plan("chain", ["store"], [f"w{i}" for i in range(1, n + 1)], blocks)
+
+
+def test_receive_rate_needs_a_full_window_of_recent_samples():
+    assert receive_rate([(0.0, 0)], now=0.0, window_s=0.5) is None
+    assert receive_rate([(0.0, 0), (0.3, 3 * MB)], now=0.3, window_s=0.5) is None
+    assert receive_rate([(0.0, 0), (0.3, 3 * MB), (0.6, 6 * MB)], now=0.6, window_s=0.5) == pytest.approx(10 * MB)
+    # Samples older than 1.5 windows do not count: a node that stopped reporting has no rate.
+    old = [(0.0, 0), (0.6, 6 * MB)]
+    assert receive_rate(old, now=5.0, window_s=0.5) is None
+    assert receive_rate([(0.0, 0), (1.0, 2 * MB), (1.6, 2 * MB)], now=1.6, window_s=0.5) == 0.0
+
+
+def test_policy_rejects_bad_values():
+    with pytest.raises(ValueError, match="straggler factor must be within"):
+        StragglerPolicy(factor=1.0)
+    with pytest.raises(ValueError, match="straggler window must be positive"):
+        StragglerPolicy(window_s=0)
+    assert not StragglerPolicy(factor=0).enabled
+
+
+def test_only_the_slow_relay_is_a_straggler_not_the_nodes_behind_it():
+    plan = chain(8)
+    parts = plan.parts()
+    fast, slow = 50 * MB, 12 * MB
+    rates = {f"w{i}": fast if i < 3 else slow for i in range(1, 9)}  # w3 is slow; w4..w8 follow it
+    receiving = set(rates)
+    assert find_stragglers(parts, rates, receiving, {}, factor=0.5) == ["w3"]
+    assert find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}) == []
+    assert find_stragglers(parts, rates, receiving, {}, factor=0) == []
+
+
+def test_a_slow_leaf_is_left_alone_it_slows_no_one():
+    plan = chain(4)
+    rates = {"w1": 50 * MB, "w2": 50 * MB, "w3": 50 * MB, "w4": 5 * MB}
+    assert find_stragglers(plan.parts(), rates, set(rates), {}, factor=0.5) == []
+
+
+def test_a_node_whose_receiving_parent_has_no_rate_yet_is_not_judged():
+    plan = chain(4)
+    rates = {"w1": 50 * MB, "w3": 5 * MB, "w4": 5 * MB}  # w2 just had its part changed: no rate
+    assert find_stragglers(plan.parts(), rates, {"w1", "w2", "w3", "w4"}, {}, factor=0.5) == []
+
+
+def test_a_slow_head_is_found_by_its_declared_link_rate_only():
+    plan = chain(4)
+    rates = dict.fromkeys(["w1", "w2", "w3", "w4"], 12 * MB)  # everyone as slow as the head
+    receiving = set(rates)
+    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5) == []
+    declared = dict.fromkeys(receiving, 50 * MB)
+    assert find_stragglers(plan.parts(), rates, receiving, declared, factor=0.5) == ["w1"]
+
+
+def test_a_holder_feeding_several_children_shares_the_declared_rate():
+    plan = make_plan("tree", ["store"], ["w1", "w2", "w3", "w4", "w5", "w6"], 2, fanout=2)
+    parts = plan.parts()
+    # The store feeds two children at once: each at half the link is no straggler.
+    rates = {rx: 25 * MB for rx in plan.assignments}
+    assert find_stragglers(parts, rates, set(rates), dict.fromkeys(rates, 50 * MB), factor=0.5) == []
+
+
+def test_demoting_a_chain_relay_puts_its_child_behind_its_parent_and_it_at_the_tail():
+    plan = chain(6)
+    new = demote(plan, {"w3"}, held={"w1": {0}}, sources=["store"], num_blocks=4)
+    new.validate()
+    parents = {rx: {a.parent for a in fetches} for rx, fetches in new.assignments.items()}
+    assert parents["w4"] <= {"w2", "w1"}  # w1 holds block 0 and has a free slot for it
+    assert parents["w3"] == {"w6"}  # the tail, whose uplink was idle
+    assert not any(a.parent == "w3" for fetches in new.assignments.values() for a in fetches)
+    assert [a.block for a in new.assignments["w1"]] == [1, 2, 3]
+
+
+def test_unit_layout_is_the_plans_own_chunk_ranges():
+    plan = make_plan("binomial", ["store"], [f"w{i}" for i in range(1, 16)], 2, chunk_counts=[6, 4])
+    layout = unit_layout(plan)
+    assert sorted(layout) == [0, 1]
+    for block, count in ((0, 6), (1, 4)):
+        ranges = layout[block]
+        assert ranges[0][0] == 0 and ranges[-1][1] == count
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert unit_layout(chain(3)) == dict.fromkeys(range(4), (None,))
+
+
+@settings(max_examples=60, deadline=None)
+@given(strategy=st.sampled_from(["chain", "tree", "binomial", "binomial-units"]), n=st.integers(2, 20),
+       blocks=st.integers(1, 5), data=st.data())
+def test_demote_keeps_every_unit_and_no_straggler_serves_anyone(strategy, n, blocks, data):
+    receivers = [f"w{i}" for i in range(1, n + 1)]
+    if strategy == "binomial-units":
+        plan = make_plan("binomial", ["store"], receivers, blocks, chunk_counts=[4] * blocks)
+    else:
+        plan = make_plan(strategy, ["store"], receivers, blocks)
+    slow = set(data.draw(st.lists(st.sampled_from(receivers), min_size=1, max_size=3)))
+    held = {rx: set(data.draw(st.lists(st.integers(0, blocks - 1), max_size=blocks))) for rx in receivers}
+    new = demote(plan, slow, held=held, sources=["store"], num_blocks=blocks)
+    new.validate()
+    layout = unit_layout(plan)
+    for rx in receivers:
+        needs = {(b, c) for b in range(blocks) if b not in held[rx] for c in layout[b]}
+        got = [(a.block, a.chunks) for a in new.assignments.get(rx, ())]
+        assert sorted(got, key=str) == sorted(needs, key=str), rx  # every missing unit once, nothing else
+    for rx, fetches in new.assignments.items():  # a straggler may feed another one, nobody else
+        assert rx in slow or not any(a.parent in slow for a in fetches), rx
