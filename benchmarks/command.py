@@ -391,6 +391,48 @@ def bench_pipelines(sources, source_kinds, strategies, receivers, link_mbit, pro
         pipelines.save_plot(report, plot_path)
 
 
+@bench_group.command("stragglers")
+@click.option("--workers", type=click.IntRange(min=2), default=8, show_default=True,
+              help="Receivers scaled up (N), each an agent.")
+@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+              help="Every host's link rate (B), which every agent declares, the slow one's too.")
+@click.option("--slow-position", type=click.IntRange(min=1), default=3, show_default=True,
+              help="The slow receiver's position in the scale-up's order (1-based).")
+@click.option("--slow-factor", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=0.25,
+              show_default=True, help="The slow receiver's link rate, as a share of the link rate.")
+@click.option("--modes", default="handled,unhandled", show_default=True,
+              help="handled (the control plane's straggler handling), unhandled (--straggler-factor 0) and/or "
+                   "none (no slow receiver: the reference), comma-separated.")
+@click.option("--kill-position", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Also kill (SIGKILL) the agent of the receiver at this position during the transfer; 0: none.")
+@click.option("--kill-after", type=click.FloatRange(min=0), default=1.5, show_default=True,
+              help="Seconds after the scale-up that --kill-position is killed.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs per mode, interleaved; the verdict takes the medians.")
+@click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Block package (default: the demo model's, packed on first use).")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
+              show_default=True, help="Where the demo package is cached.")
+@click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
+              help="Emulated cluster: network namespaces with tc, or loopback with token buckets.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep logs and events here (default: a temp dir).")
+def bench_stragglers(workers, link_mbit, slow_position, slow_factor, modes, kill_position, kill_after, repeat,
+                     package, cache, mode, json_path, workdir):
+    """A scale-up with one receiver below its link's spec: the others' time vs S/B, handled and not."""
+    from benchmarks import stragglers
+
+    try:
+        config = stragglers.StragglersConfig(
+            package=package or _demo(cache), workers=workers, link_mbit=link_mbit, slow_position=slow_position,
+            slow_factor=slow_factor, modes=stragglers.parse_modes(modes), kill_position=kill_position,
+            kill_after_s=kill_after, repeat=repeat, mode=mode)
+    except stragglers.StragglersBenchError as exc:
+        raise click.UsageError(str(exc)) from None
+    _run_and_report(stragglers.run, config, workdir, stragglers.format_report, json_path)
+
+
 @bench_group.command("hops")
 @click.option("--stages", default="1,2,4,8", show_default=True,
               help="Stage counts, comma-separated (1: one worker alone, the baseline).")
@@ -497,11 +539,15 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
 @click.option("--serve", type=click.Choice(["fair", "earliest"]), default="fair", show_default=True,
               help="How an uplink picks among its waiting children: fair (as agents serve them) or the child "
                    "furthest behind in its fetch list first.")
+@click.option("--calibrated", is_flag=True,
+              help="The hop latency and the payload's share of a link fitted to this project's emulated cluster "
+                   "(16 ms, 97.5%; overrides --hop-latency-ms) instead of ideal links.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
 def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, chunk_bytes, hop_latency_ms, serve,
-                   json_path):
+                   calibrated, json_path):
     """Multicast completion at any N in the chunk-level simulator, from the control plane's own plans."""
     from benchmarks import distribution, simulate
+    from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_HOP_LATENCY_S
     from benchmarks.runinfo import parse_counts
 
     try:
@@ -521,7 +567,8 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
     else:
         block_bytes = simulate.equal_blocks(model_bytes, blocks)
     settings = dict(block_bytes=block_bytes, link_mbit=link_mbit, chunk_bytes=chunk_bytes,
-                    hop_latency_s=hop_latency_ms / 1e3, serve=serve)
+                    hop_latency_s=CALIBRATED_HOP_LATENCY_S if calibrated else hop_latency_ms / 1e3, serve=serve,
+                    goodput=CALIBRATED_GOODPUT if calibrated else 1.0)
     with Progress.on_stderr(_echo_err) as progress:
         progress.start(len(counts) * len(names), "simulate")
         results = simulate.run(list(counts), list(names), **settings,

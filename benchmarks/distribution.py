@@ -41,7 +41,7 @@ from benchmarks.processes import RunProcesses, cli, free_port
 from benchmarks.runinfo import parse_counts, versions
 from control_plane.planner.plan import STRATEGIES
 from control_plane.planner.schedules import GROUP_CHAIN_MAX, make_plan
-from control_plane.planner.simulate import simulate
+from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_HOP_LATENCY_S, simulate
 from packager.manifest import read_manifest
 from pipecast.agent.plan_file import plan_file_data
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
@@ -205,9 +205,11 @@ def theory_seconds(strategy: str, n: int, total_bytes: int, chunk_bytes: int, li
 
 
 def model_seconds(strategy: str, n: int, facts: PackageFacts, link_mbit: float) -> float:
-    """The fluid model's time for the plan this benchmark runs (links shared fairly, chunk cut-through)."""
+    """The simulator's time for the plan this benchmark runs (links shared fairly, chunk cut-through), with
+    the hop latency and payload share calibrated to this emulated cluster."""
     plan = make_plan(strategy, [STORE], worker_names(n), len(facts.block_bytes), chunk_counts=facts.chunk_counts)
-    finished = simulate(plan, list(facts.block_bytes), mbit_to_bytes_per_s(link_mbit), facts.chunk_bytes)
+    finished = simulate(plan, list(facts.block_bytes), mbit_to_bytes_per_s(link_mbit) * CALIBRATED_GOODPUT,
+                        facts.chunk_bytes, hop_latency_s=CALIBRATED_HOP_LATENCY_S)
     return max(finished.values())
 
 
@@ -389,7 +391,7 @@ def format_report(report: DistributionReport) -> str:
              ("data-plane auth: on (HMAC hello)" if meta.get("auth", True) else "data-plane auth: off (--no-auth)")
              + ("; mutual TLS (--tls)" if meta.get("tls") else ""),
              f"medians of {meta['repeat']} run(s); x floor = time / (S/B); theory: DESIGN 4; "
-             f"model: the fluid simulator on the same plan; CPU: the whole machine during the transfer, "
+             f"model: the simulator on the same plan, calibrated; CPU: the whole machine during the transfer, "
              f"agents: their own share of it"]
     if any(r.strategy in BLOCK_ROUND_STRATEGIES for r in report.results):
         lines.append(f"note: {', '.join(BLOCK_ROUND_STRATEGIES)} theory is the chunk-level pipeline's; the planner "

@@ -44,15 +44,18 @@ def equal_blocks(model_bytes: int, blocks: int) -> list[int]:
 
 
 def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link_mbit: float, chunk_bytes: int,
-        hop_latency_s: float, serve: str = "fair", progress=lambda line: None) -> list[SimulatedRun]:
+        hop_latency_s: float, serve: str = "fair", goodput: float = 1.0,
+        progress=lambda line: None) -> list[SimulatedRun]:
     """Simulate every (N, strategy) for blocks of ``block_bytes``, and the whole-block binomial after
     ``binomial``; ``serve`` is how an uplink picks among its waiting children (the simulator's policies;
-    agents serve fairly); ``progress`` gets a line per figure. Raises RuntimeError if a figure beats its
-    lower bound (a simulator fault)."""
-    rate = link_mbit * 1e6 / 8
+    agents serve fairly); ``goodput`` is the payload's share of each link (headers take the rest; the
+    floor stays S/B of the whole link); ``progress`` gets a line per figure. Raises RuntimeError if a
+    figure beats its lower bound (a simulator fault)."""
+    floor_rate = link_mbit * 1e6 / 8
+    rate = floor_rate * goodput
     blocks = len(block_bytes)
     chunk_counts = [math.ceil(size / chunk_bytes) for size in block_bytes]  # as the manifest gives them
-    floor = sum(block_bytes) / rate
+    floor = sum(block_bytes) / floor_rate
     out = []
     for n in nodes:
         receivers = [f"w{i}" for i in range(n)]
@@ -75,10 +78,12 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
 
 
 def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: float, chunk_bytes: int,
-           hop_latency_s: float, serve: str = "fair", source: str = "") -> str:
+           hop_latency_s: float, serve: str = "fair", goodput: float = 1.0, source: str = "") -> str:
     """The table: per N, each strategy's completion over S/B, the default marked, the bound beside."""
+    payload = f" ({goodput:.1%} of them payload)" if goodput < 1 else ""
     lines = [f"simulated multicast of {source or format_bytes(sum(block_bytes))} in {len(block_bytes)} blocks, "
-             f"{format_bytes(chunk_bytes)} chunks, {link_mbit:g} Mbit/s links, {hop_latency_s * 1e3:g} ms a hop, "
+             f"{format_bytes(chunk_bytes)} chunks, {link_mbit:g} Mbit/s links{payload}, {hop_latency_s * 1e3:g} ms "
+             f"a hop, "
              f"uplinks shared {'fairly' if serve == 'fair' else 'child furthest behind first'}, from one store",
              f"{'N':>6}  {'strategy':<15} {'units':>5} {'seconds':>9} {'x S/B':>7}  lower bound", ]
     for r in results:

@@ -9,24 +9,24 @@ from benchmarks.command import bench_group
 
 def test_simulated_figures_follow_the_contract_and_never_beat_the_lower_bound(tmp_path):
     out = tmp_path / "sim.json"
-    result = CliRunner().invoke(bench_group, ["simulate", "--nodes", "4,12", "--strategy", "chain,binomial,unicast",
+    result = CliRunner().invoke(bench_group, ["simulate", "--nodes", "4,20", "--strategy", "chain,binomial,unicast",
                                        "--model-bytes", "32MiB", "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     # The binomial pipeline over chunk ranges (what the control plane plans), then over whole blocks.
     assert [(r["nodes"], r["strategy"]) for r in data["results"]] == [
-        (n, s) for n in (4, 12) for s in ("chain", "binomial", "binomial-blocks", "unicast")]
+        (n, s) for n in (4, 20) for s in ("chain", "binomial", "binomial-blocks", "unicast")]
     for r in data["results"]:
         assert set(r) == {"nodes", "strategy", "default", "units", "seconds", "floor_seconds", "ratio_to_floor",
                           "lower_bound_seconds"}
         assert r["floor_seconds"] < r["lower_bound_seconds"] <= r["seconds"]
-        assert r["default"] == ((r["strategy"] == "chain") if r["nodes"] <= 8 else (r["strategy"] == "binomial"))
+        assert r["default"] == ((r["strategy"] == "chain") if r["nodes"] <= 16 else (r["strategy"] == "binomial"))
         # 8 blocks of 4 chunks: a plan of whole blocks has 8 units, the binomial ranges of 2 chunks or more.
         assert r["units"] == (16 if r["strategy"] == "binomial" else 8)
     unicast = {r["nodes"]: r["ratio_to_floor"] for r in data["results"] if r["strategy"] == "unicast"}
-    assert unicast[12] > 11  # every copy over the store's one link
+    assert unicast[20] > 19  # every copy over the store's one link
     ratios = {(r["nodes"], r["strategy"]): r["ratio_to_floor"] for r in data["results"]}
-    assert ratios[12, "binomial"] < ratios[12, "binomial-blocks"]
+    assert ratios[20, "binomial"] < ratios[20, "binomial-blocks"]
     assert "x S/B" in result.output and "binomial-blocks" in result.output
 
 
@@ -42,3 +42,19 @@ def test_a_packages_own_block_and_chunk_sizes_are_simulated(tiny_package, tmp_pa
     assert settings["serve"] == "earliest" and settings["package"] == str(package.path)
     assert f"simulated multicast of {manifest.model_name}" in result.output
     assert "child furthest behind first" in result.output
+
+
+def test_calibrated_links_carry_less_payload_and_add_the_measured_hop_latency(tmp_path):
+    ideal, calibrated = tmp_path / "ideal.json", tmp_path / "calibrated.json"
+    common = ["simulate", "--nodes", "8", "--strategy", "chain,unicast", "--model-bytes", "32MiB"]
+    assert CliRunner().invoke(bench_group, [*common, "--json", str(ideal)]).exit_code == 0
+    result = CliRunner().invoke(bench_group, [*common, "--calibrated", "--json", str(calibrated)])
+    assert result.exit_code == 0, result.output
+    assert "97.5% of them payload" in result.output and "16 ms a hop" in result.output
+    before, after = (json.loads(p.read_text()) for p in (ideal, calibrated))
+    assert after["settings"]["goodput"] == 0.975 and after["settings"]["hop_latency_s"] == 0.016
+    for a, b in zip(before["results"], after["results"]):
+        assert a["floor_seconds"] == b["floor_seconds"]  # S/B of the whole link either way
+        assert b["seconds"] > a["seconds"] and b["lower_bound_seconds"] <= b["seconds"]
+    unicast = [r for r in after["results"] if r["strategy"] == "unicast"][0]
+    assert unicast["ratio_to_floor"] >= 8 / 0.975 - 1e-9
