@@ -112,8 +112,13 @@ def plan_hosts(
     store_mbit: float | None,
     store_host: str,
     subnet: str,
+    host_mbit: Mapping[str, float] | None = None,
 ) -> tuple[HostPlan, ...]:
-    """Give each host an address in ``subnet`` (``"a.b.c."``) and its link rates; reject a bad layout."""
+    """Give each host an address in ``subnet`` (``"a.b.c."``) and its link rates; reject a bad layout.
+
+    A host named in ``host_mbit`` has that rate in both directions instead of ``link_mbit`` (a node below
+    its spec); ``store_mbit``, when given, still sets the store's egress.
+    """
     if not hosts:
         raise ClusterError("an emulated cluster needs at least one host")
     if len(hosts) > MAX_HOSTS:
@@ -128,14 +133,20 @@ def plan_hosts(
             raise ClusterError(f"store_mbit must be > 0, got {store_mbit}")
         if store_host not in hosts:
             raise ClusterError(f"store_mbit is set but the store host {store_host!r} is not among the hosts")
-    store_egress = store_egress_mbit(link_mbit, store_mbit)
+    own = dict(host_mbit or {})
+    for name, rate in own.items():
+        if name not in hosts:
+            raise ClusterError(f"host_mbit names {name!r}, which is not among the hosts")
+        if rate <= 0:
+            raise ClusterError(f"host_mbit of {name!r} must be > 0, got {rate}")
+    rates = {name: float(own.get(name, link_mbit)) for name in hosts}
     return tuple(
         HostPlan(
             name=name,
             index=i,
             address=f"{subnet}{i + 2}",
-            egress_mbit=store_egress if name == store_host else link_mbit,
-            ingress_mbit=link_mbit,
+            egress_mbit=store_egress_mbit(rates[name], store_mbit) if name == store_host else rates[name],
+            ingress_mbit=rates[name],
         )
         for i, name in enumerate(hosts)
     )
@@ -281,10 +292,11 @@ def detect_mode(name_prefix: str = "pc") -> ModeChoice:
 class EmulatedCluster:
     """Hosts with shaped links on one machine; use as ``with EmulatedCluster([...], 400) as c:``.
 
-    ``link_mbit`` is every host's rate in each direction; the store host (``store_host``, if among the
-    hosts) sends at ``store_mbit`` (default: ``link_mbit``). ``mode="auto"`` uses namespaces where they
-    work and loopback otherwise (logged, and in :attr:`mode_reason`). ``mtu`` and ``link_queue`` (one
-    class per peer, or one FIFO per link direction: see the module docstring) apply to netns mode.
+    ``link_mbit`` is every host's rate in each direction but those named in ``host_mbit``, which get their
+    own; the store host (``store_host``, if among the hosts) sends at ``store_mbit`` (default: its link
+    rate). ``mode="auto"`` uses namespaces where they work and loopback otherwise (logged, and in
+    :attr:`mode_reason`). ``mtu`` and ``link_queue`` (one class per peer, or one FIFO per link direction:
+    see the module docstring) apply to netns mode.
     """
 
     def __init__(
@@ -297,6 +309,7 @@ class EmulatedCluster:
         mtu: int = 9000,
         name_prefix: str = "pc",
         link_queue: LinkQueue = "per-peer",
+        host_mbit: Mapping[str, float] | None = None,
     ) -> None:
         if mode not in ("auto", "netns", "loopback"):
             raise ClusterError(f"mode must be 'auto', 'netns' or 'loopback', got {mode!r}")
@@ -314,8 +327,9 @@ class EmulatedCluster:
         self._mtu = mtu
         self._name_prefix = name_prefix
         self._link_queue: LinkQueue = link_queue
+        self._host_mbit = dict(host_mbit or {})
         # Validate now, so a bad layout fails before anything is built.
-        plan_hosts(self._hosts, self._link_mbit, store_mbit, store_host, NETNS_SUBNET)
+        plan_hosts(self._hosts, self._link_mbit, store_mbit, store_host, NETNS_SUBNET, self._host_mbit)
         self._mode: ClusterMode | None = None
         self._mode_reason = ""
         self._prefix = ""
@@ -335,13 +349,13 @@ class EmulatedCluster:
 
     @property
     def link_mbit(self) -> float:
-        """Every host's link rate per direction, Mbit/s."""
+        """Every host's link rate per direction (but those given their own), Mbit/s."""
         return self._link_mbit
 
     @property
     def store_mbit(self) -> float:
         """The store host's egress rate, Mbit/s."""
-        return store_egress_mbit(self._link_mbit, self._store_mbit)
+        return store_egress_mbit(self._host_mbit.get(self._store_host, self._link_mbit), self._store_mbit)
 
     @property
     def mode(self) -> ClusterMode:
@@ -376,8 +390,9 @@ class EmulatedCluster:
                    else f"application-level token buckets ({EGRESS_ENV}/{INGRESS_ENV}), no kernel shaping")
         store = (f", store {self._store_host!r} egress {self.store_mbit:g} Mbit/s"
                  if self._store_host in self._hosts else "")
+        own = "".join(f", {host} at {rate:g}" for host, rate in self._host_mbit.items())
         return (f"emulated cluster {self._prefix}: {self.mode} mode ({self._mode_reason}); "
-                f"{len(self._hosts)} hosts at {self._link_mbit:g} Mbit/s per direction{store}; {shaping}")
+                f"{len(self._hosts)} hosts at {self._link_mbit:g} Mbit/s per direction{own}{store}; {shaping}")
 
     # -- processes ------------------------------------------------------------------------------------
 
@@ -419,7 +434,7 @@ class EmulatedCluster:
             self._prefix = _instance_tag(self._name_prefix)
             subnet = NETNS_SUBNET if choice.mode == "netns" else LOOPBACK_SUBNET
             self._plans = {p.name: p for p in plan_hosts(self._hosts, self._link_mbit, self._store_mbit,
-                                                          self._store_host, subnet)}
+                                                          self._store_host, subnet, self._host_mbit)}
             self._running = True
             if choice.mode == "netns":
                 _live_tags.add(self._prefix)

@@ -84,7 +84,7 @@ class ServerConfig:
     store_links: int = 1  # a store's egress in worker links (see ControlState)
     store_beside_holders: bool = True  # a rotated scale-up also sends from an idle store (see ControlState)
     straggler_factor: float = 0.5  # 0: stragglers are not looked for (see ControlState)
-    straggler_window_s: float = 0.6
+    straggler_window_s: float = 0.4
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides: Any) -> "ServerConfig":

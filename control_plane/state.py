@@ -25,7 +25,7 @@ from control_plane.placement import (
 from control_plane.planner.pipelines import ModelLayout, Pipeline, form_pipelines
 from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
-from control_plane.planner.replan import parts_of, repair_deaths, replan
+from control_plane.planner.replan import parts_of, repair_deaths, replan, splice, unit_fanout
 from control_plane.planner.schedules import make_plan
 from control_plane.planner.stragglers import Sample, StragglerPolicy, demote, find_stragglers, receive_rate
 from pipecast.core.engines import DEFAULT_ENGINE
@@ -33,8 +33,10 @@ from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
 
-# Progress samples kept per receiver: at the agents' default 0.2 s a few windows' worth.
+# Progress samples kept per receiver: at the agents' default 0.1 s, several windows' worth.
 PROGRESS_SAMPLES = 32
+# Plans up to this many receivers are re-planned whole when a receiver dies (a few ms), larger ones in place.
+FULL_REPAIR_MAX_RECEIVERS = 64
 
 
 @dataclass
@@ -98,6 +100,7 @@ class ActivePlan:
     pending: set[str] = field(default_factory=set)
     parts: dict[str, Part] = field(default_factory=dict)
     demoted: set[str] = field(default_factory=set)  # receivers found straggling (never demoted twice)
+    limits: set[str] = field(default_factory=set)  # senders a straggler was demoted under (see find_stragglers)
     checked_at: float = float("-inf")  # when it was last looked at for stragglers
 
 
@@ -409,7 +412,7 @@ class ControlState:
         expected = {node: w.spec.link_mbit * 1e6 / 8 for node in active.parts
                     if (w := self.workers.get(node)) is not None and w.spec.link_mbit > 0}
         slow = find_stragglers(active.parts, rates, active.pending, expected, factor=policy.factor,
-                               skip=active.demoted)
+                               skip=active.demoted, limits=active.limits)
         if not slow:
             return
         package = self.packages[package_id]
@@ -421,6 +424,8 @@ class ControlState:
                         "faster parents and it becomes a leaf", node, active.plan_id, package_id,
                         rates[node] * 8 / 1e6)
         active.demoted.update(slow)
+        active.limits.update(f.parent for node in slow for f in active.parts[node].fetch
+                             if f.parent not in active.pending)
         active.replans += 1
         self.replan_count += 1
         self._install(active, plan)
@@ -762,10 +767,11 @@ class ControlState:
         else:
             parts = {node: part for node, part in old.items() if node not in changed}
             parts.update(parts_of(plan, changed))
+        # Every receiver's rate so far was under the old plan (its parents', or its parents' parents', now
+        # differ): measured afresh from now on.
+        for node in active.pending:
+            self.progress.pop((active.package_id, node), None)
         for node in changed:
-            if old.get(node) != parts.get(node):
-                # Its rate so far was with other parents (or children): measured afresh from now on.
-                self.progress.pop((active.package_id, node), None)
             if node in old and node not in parts:
                 self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))
             elif node in parts:
@@ -793,8 +799,15 @@ class ControlState:
         held = {n: blocks for n, blocks in availability.by_worker.items() if n not in gone}
         nodes = set(active.parts) | set(held) | set(sources)
         labels = self._labels(nodes)
-        # Deaths of receivers only: repaired in place, touching their neighbours alone (fast at any size).
-        repaired = repair_deaths(active.plan, dead=gone, held=held, labels=labels, fanout=active.fanout)
+        # Deaths of receivers only. In a small plan the dead nodes' children take the slots they leave
+        # (their parents', for the units they fetched), as a straggler's do: no sender gets a second child.
+        # In a large one that re-plan would hold the loop: repaired in place instead, touching the dead
+        # nodes' neighbours alone (their children go to holders of the block, or to a source).
+        if not gone & set(active.plan.sources) and len(active.plan.assignments) <= FULL_REPAIR_MAX_RECEIVERS:
+            repaired = replan(splice(active.plan, gone), dead=gone, held=held, sources=sources, labels=labels,
+                              fanout=unit_fanout(active.plan)), None
+        else:
+            repaired = repair_deaths(active.plan, dead=gone, held=held, labels=labels, fanout=active.fanout)
         if repaired is not None:
             plan, changed = repaired
         else:

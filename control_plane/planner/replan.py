@@ -220,6 +220,41 @@ def _without(plan: Plan, dead: set[str], moved: Mapping[tuple[str, int, Chunks],
                 {node: tuple(sorted(blocks)) for node, blocks in kept.items() if blocks}), changed
 
 
+def splice(plan: Plan, gone: Collection[str]) -> Plan:
+    """``plan`` with each fetch from a ``gone`` receiver going instead to the node that receiver fetched the
+    same unit from (further up while that one is gone too): the slot it leaves. In a chain its child then
+    follows its parent. A fetch of a unit the gone node held, or got in other units, keeps its gone parent
+    (for :func:`replan` to place)."""
+    gone = set(gone)
+    up = {node: {(a.block, a.chunks): a.parent for a in plan.assignments[node]}
+          for node in gone if node in plan.assignments}
+
+    def above(parent: str, unit: tuple[int, Chunks]) -> str:
+        seen = set()
+        while parent in up and parent not in seen and unit in up[parent]:
+            seen.add(parent)
+            parent = up[parent][unit]
+        return parent
+
+    assignments = {rx: [a if a.parent not in gone else Fetch(a.block, above(a.parent, (a.block, a.chunks)), a.chunks)
+                        for a in fetches] if rx not in gone else list(fetches)
+                   for rx, fetches in plan.assignments.items()}
+    return Plan(plan.strategy, plan.sources, assignments, dict(plan.held))
+
+
+def unit_fanout(plan: Plan) -> int:
+    """The most children a receiver of ``plan`` sends one unit to (1 in a chain or a binomial pipeline, the
+    tree's fanout in a tree; at least 1): the slots a re-plan may give a parent that lost a child."""
+    counts: dict[tuple[str, int, Chunks], int] = {}
+    sources = set(plan.sources)
+    for fetches in plan.assignments.values():
+        for a in fetches:
+            if a.parent not in sources:
+                key = (a.parent, a.block, a.chunks)
+                counts[key] = counts.get(key, 0) + 1
+    return max(counts.values(), default=1)
+
+
 def parts_of(plan: Plan, nodes: Collection[str]) -> dict[str, Part]:
     """The parts of ``nodes`` as :meth:`Plan.parts` gives them (nodes without one left out), in one pass."""
     nodes = set(nodes)

@@ -2,11 +2,13 @@
 
 Pure: from what receivers reported (bytes held, when) and the plan's parts to the nodes to demote, and from
 a plan to the plan without them in the middle. A receiver is a straggler when it receives at less than
-``factor`` x its *reference*: the fastest of its parents that are still receiving themselves (a child cannot
-outrun a relay, so the children of a straggler are not stragglers), or, where a parent holds the package
-(a source, a holder), the receiver's declared link rate shared among that parent's children, or, with no
-declared rate, the fastest receiver of the plan. Only a receiver that serves others is demoted: a slow leaf
-slows no one. A demoted receiver's children take its parents (a slot it leaves free) and it is appended as
+``factor`` x its *reference*: the best of what its parents can give it, each shared among its receiving
+children: a parent still receiving, its own rate (a child cannot outrun a relay, so the children of a
+straggler are not stragglers); a parent that holds the package (a source, a holder), the receiver's
+declared link rate, or, with no declared rate, the fastest receiver's of the plan. A receiver is judged only while its parents deliver at
+least ``factor`` x what it could get (its declared rate, else the fastest receiver's): behind a stalled or
+dead relay everyone is slow, and the repair, not a demotion, is the cure. Only a receiver that serves
+others is demoted: a slow leaf slows no one. A demoted receiver's children take its parents (a slot it leaves free) and it is appended as
 a leaf, fed by nodes whose uplinks have room: in a chain the tail, so everyone but the straggler runs at
 the link rate.
 
@@ -20,7 +22,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from control_plane.planner.plan import Part, Plan
-from control_plane.planner.replan import replan
+from control_plane.planner.replan import replan, splice, unit_fanout
 
 #: Progress samples kept per receiver: (seconds, bytes held).
 Sample = tuple[float, int]
@@ -33,7 +35,7 @@ class StragglerPolicy:
     of a node whose part changes)."""
 
     factor: float = 0.5
-    window_s: float = 0.6
+    window_s: float = 0.4
 
     def __post_init__(self) -> None:
         if not 0 <= self.factor < 1:
@@ -49,7 +51,7 @@ class StragglerPolicy:
 def receive_rate(samples: Sequence[Sample], *, now: float, window_s: float) -> float | None:
     """Bytes per second over the last ``window_s`` or so of ``samples`` (in time order); None while the recent
     ones span less than ``window_s`` (not measured long enough, or the node stopped reporting)."""
-    usable = [s for s in samples if s[0] >= now - window_s * 1.5]
+    usable = [s for s in samples if s[0] >= now - window_s * 2]
     if len(usable) < 2 or usable[-1][0] - usable[0][0] < window_s:
         return None
     (t0, b0), (t1, b1) = usable[0], usable[-1]
@@ -57,13 +59,16 @@ def receive_rate(samples: Sequence[Sample], *, now: float, window_s: float) -> f
 
 
 def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], receiving: Collection[str],
-                    expected: Mapping[str, float], *, factor: float, skip: Collection[str] = ()) -> list[str]:
+                    expected: Mapping[str, float], *, factor: float, skip: Collection[str] = (),
+                    limits: Collection[str] = ()) -> list[str]:
     """The receivers to demote (sorted), by the module's rule.
 
     ``parts``: each node's part in the plan; ``rates``: measured receive rates (bytes/s) of the receivers
     still receiving that have one; ``receiving``: every receiver still missing blocks; ``expected``: declared
-    link rates (bytes/s) per node, where known; ``skip``: nodes never demoted again (demoted already).
-    A receiver whose receiving parent has no rate yet is not judged.
+    link rates (bytes/s) per node, where known; ``skip``: nodes never demoted again (demoted already);
+    ``limits``: sources and holders that a child of theirs was demoted under already: if the next child is
+    as slow, the sender is the limit, not the child, so their children are not judged again. A receiver
+    whose receiving parent has no rate yet is not judged.
     """
     if factor <= 0 or not rates:
         return []
@@ -87,11 +92,14 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
                 if parent not in rates:
                     judged = False
                     break
-                reference = max(reference, rates[parent])
+                reference = max(reference, rates[parent] / max(children(parent), 1))
+            elif parent in limits:
+                judged = False
+                break
             else:
-                mine = expected.get(node)
-                reference = max(reference, mine / max(children(parent), 1) if mine else fastest)
-        if judged and rate < factor * reference:
+                reference = max(reference, (expected.get(node) or fastest) / max(children(parent), 1))
+        healthy = reference >= factor * (expected.get(node) or fastest)
+        if judged and healthy and rate < factor * reference:
             slow.append(node)
     return sorted(slow)
 
@@ -99,13 +107,15 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
 def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[int]], sources: Sequence[str],
            num_blocks: int, labels: Mapping[str, Mapping[str, str]] | None = None) -> Plan:
     """``plan`` with the ``slow`` receivers out of the middle: their children fetch what they still miss from
-    the nodes the slow ones fetched from (or other nodes with a free slot for the unit), and the slow ones
-    fetch what they miss (in the plan's own units) last, each unit from a node that serves it to no one else
+    the nodes the slow ones fetched it from (:func:`splice`), else from other nodes with a free slot for the
+    unit (no sender gets more children for a unit than the plan gives any: :func:`unit_fanout`), and the slow
+    ones fetch what they miss (in the plan's own units) last, each from a node with a free slot for the unit
     (or a source), so that none of them is anyone's parent. ``held``: verified blocks per node."""
     slow = set(slow)
     others = {node: blocks for node, blocks in held.items() if node not in slow}
-    without = replan(plan, dead=slow, held=others, sources=sources, labels=labels, fanout=1)
-    return replan(without, dead=(), held=held, sources=sources, labels=labels, fanout=1,
+    fanout = unit_fanout(plan)
+    without = replan(splice(plan, slow), dead=slow, held=others, sources=sources, labels=labels, fanout=fanout)
+    return replan(without, dead=(), held=held, sources=sources, labels=labels, fanout=fanout,
                   joined=sorted(slow & plan.assignments.keys()), num_blocks=num_blocks, units=unit_layout(plan))
 
 

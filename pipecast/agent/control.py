@@ -40,7 +40,7 @@ from pipecast.agent.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PROGRESS_INTERVAL_S = 0.2
+DEFAULT_PROGRESS_INTERVAL_S = 0.1
 
 
 class AgentHost(Protocol):

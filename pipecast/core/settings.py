@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     agent_replan_wait_s: float = Field(
         5.0, gt=0, description="after reporting a failed parent, how long to wait for the control plane's new "
                                "parents before fetching around it from the plan's sources")
-    agent_progress_interval_s: float = Field(0.2, gt=0, description="how often a receiving agent reports the bytes "
+    agent_progress_interval_s: float = Field(0.1, gt=0, description="how often a receiving agent reports the bytes "
                                                                     "it holds (the control plane finds stragglers "
                                                                     "from them)")
     agent_idle_timeout_s: float = Field(60.0, gt=0, description="a served peer connection with no request this long "
@@ -113,7 +113,7 @@ class Settings(BaseSettings):
     control_straggler_factor: float = Field(0.5, ge=0, lt=1, description="a receiver slower than this share of "
                                             "what its parents deliver (or of its declared link) is a straggler: "
                                             "its children move to faster parents and it becomes a leaf (0: off)")
-    control_straggler_window_s: float = Field(0.6, gt=0, description="how long a receiver's progress is measured "
+    control_straggler_window_s: float = Field(0.4, gt=0, description="how long a receiver's progress is measured "
                                                                       "before it may be called a straggler")
     control_store_beside_holders: bool = Field(True, description="a rotated scale-up also sends from an idle store "
                                                                  "beside the workers holding the package (off: "

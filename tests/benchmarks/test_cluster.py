@@ -130,6 +130,34 @@ def test_plan_rejects_bad_layouts(hosts: list[str], link: float, store: float | 
         plan_hosts(hosts, link, store, "store", "10.77.0.")
 
 
+def test_a_host_given_its_own_rate_has_it_both_ways() -> None:
+    plans = plan_hosts(["store", "w1", "w2"], 400, None, "store", "10.77.0.", host_mbit={"w2": 100})
+    assert [(p.egress_mbit, p.ingress_mbit) for p in plans] == [(400, 400), (400, 400), (100, 100)]
+    assert plan_hosts(["a"], 400, None, "store", "10.77.0.", host_mbit={}) == plan_hosts(
+        ["a"], 400, None, "store", "10.77.0.")
+
+
+def test_a_store_with_its_own_rate_still_sends_at_store_mbit_when_given() -> None:
+    slow = {"store": 50}
+    plans = plan_hosts(["store", "w1"], 400, None, "store", "10.77.0.", host_mbit=slow)
+    assert (plans[0].egress_mbit, plans[0].ingress_mbit) == (50, 50)
+    plans = plan_hosts(["store", "w1"], 400, 800, "store", "10.77.0.", host_mbit=slow)
+    assert (plans[0].egress_mbit, plans[0].ingress_mbit) == (800, 50)
+    assert EmulatedCluster(["store", "w1"], 400, host_mbit=slow).store_mbit == 50
+
+
+@pytest.mark.parametrize(("host_mbit", "message"), [
+    ({"w9": 100}, "host_mbit names 'w9', which is not among the hosts"),
+    ({"w1": 0}, "host_mbit of 'w1' must be > 0, got 0"),
+    ({"w1": -5.0}, "host_mbit of 'w1' must be > 0, got -5.0"),
+])
+def test_plan_rejects_bad_host_rates_naming_the_host(host_mbit: dict[str, float], message: str) -> None:
+    with pytest.raises(ClusterError, match=f"^{message}$"):
+        plan_hosts(["store", "w1"], 400, None, "store", "10.77.0.", host_mbit=host_mbit)
+    with pytest.raises(ClusterError, match=f"^{message}$"):
+        EmulatedCluster(["store", "w1"], 400, host_mbit=host_mbit)
+
+
 def test_a_fifo_link_is_one_class_for_every_packet() -> None:
     plans = plan_hosts(["a", "b", "c"], 90, None, "store", "10.77.0.")
     assert htb_commands("eth0", 90, plans[1:], "dst", 9000, "fifo") == [
@@ -167,6 +195,14 @@ def test_loopback_sets_addresses_and_rate_env() -> None:
         outs = [c.spawn(h, [sys.executable, "-c", show], stdout=subprocess.PIPE, text=True).communicate()[0]
                 for h in ("store", "w0")]
     assert outs == ["50 200\n", "200 200\n"]
+
+
+def test_loopback_tells_a_host_with_its_own_rate_that_rate() -> None:
+    with EmulatedCluster(["store", "w1"], 200, mode="loopback", host_mbit={"w1": 25}) as c:
+        assert "2 hosts at 200 Mbit/s per direction, w1 at 25, store 'store' egress 200 Mbit/s" in c.describe()
+        show = f"import os; print(os.environ['{EGRESS_ENV}'], os.environ['{INGRESS_ENV}'])"
+        out = c.spawn("w1", [sys.executable, "-c", show], stdout=subprocess.PIPE, text=True).communicate()[0]
+    assert out == "25 25\n"
 
 
 def test_unknown_host_and_spawn_outside_the_block_are_refused() -> None:

@@ -328,6 +328,15 @@ def test_death_of_a_parent_replans_its_children_for_exactly_the_missing_blocks()
     assert active.version == 2 and state.replan_count == 1
 
 
+def test_a_dead_chain_relays_child_takes_its_parent_not_the_store():
+    state = cluster(5)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3", "w4"], strategy="chain", now=1)
+    for node in ("w0", "w1", "w3", "w4"):
+        state.heartbeat(node, now=LEASE)
+    assert state.tick(now=LEASE + 1.5) == ["w2"]
+    parts = state.plans[result.plan_id].parts
+    assert {a.parent for a in parts["w3"].fetch} == {"w1"}  # the slot w2 left; the store keeps one child
+    assert {child for _, child in parts["store"].serve} == {"w0"}
 def test_death_of_the_only_worker_source_falls_back_to_the_store():
     state = cluster(3)
     state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
@@ -354,14 +363,18 @@ def test_bad_peer_report_gives_the_child_another_parent():
 
 
 def _progress(state: ControlState, rates: dict[str, float], start: float, end: float, step: float = 0.125,
-              held: dict[str, float] | None = None) -> dict[str, float]:
+              held: dict[str, float] | None = None, until=lambda: False) -> tuple[dict[str, float], float]:
     """Every node reports the bytes it holds (``held`` at ``start``) growing at ``rates`` (bytes/s), every
-    ``step`` from ``start`` to ``end``; returns what each holds at the end."""
+    ``step`` from ``start`` to ``end`` or until ``until()``; returns what each holds then, and when."""
     held = dict.fromkeys(rates, 0.0) | (held or {})
+    t = start
     for k in range(int((end - start) / step) + 1):
+        t = start + k * step
         for node, rate in rates.items():
-            state.report(node, {}, {}, now=start + k * step, progress={"pkg": int(held[node] + rate * k * step)})
-    return {node: held[node] + rate * (end - start) for node, rate in rates.items()}
+            state.report(node, {}, {}, now=t, progress={"pkg": int(held[node] + rate * k * step)})
+        if until():
+            break
+    return {node: held[node] + rate * (t - start) for node, rate in rates.items()}, t
 
 
 def test_a_straggling_relay_is_demoted_to_a_leaf_and_the_nodes_behind_it_are_not():
@@ -370,14 +383,15 @@ def test_a_straggling_relay_is_demoted_to_a_leaf_and_the_nodes_behind_it_are_not
     active = state.plans[result.plan_id]
     state.notices.clear()
     # w2 receives at a fifth of its parent's rate; w3..w5 are behind it and as slow.
-    held = _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 10e6, "w4": 10e6, "w5": 10e6}, 1.0, 2.0)
-    assert active.demoted == {"w2"}
+    held, t = _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 10e6, "w4": 10e6, "w5": 10e6}, 1.0, 3.0,
+                        until=lambda: bool(active.demoted))
+    assert active.demoted == {"w2"} and t < 1.75  # a window (0.4 s) of samples, then the next check
     assert active.replans == 1
     assert {a.parent for a in active.parts["w3"].fetch} == {"w1"}
     assert {a.parent for a in active.parts["w2"].fetch} == {"w5"}  # the tail
     assert {"w1", "w2", "w3", "w5"} <= notices_of(state, UpdateKind.ASSIGN)
-    # Measured afresh after the change: w3's slow past does not make it a straggler behind w1.
-    _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 50e6, "w4": 50e6, "w5": 50e6}, 2.125, 3.125,
+    # Every rate is measured afresh after the change: w3's slow past does not make it a straggler behind w1.
+    _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 50e6, "w4": 50e6, "w5": 50e6}, t + 0.125, t + 1.5,
               held=held)
     assert active.demoted == {"w2"} and active.replans == 1
 

@@ -286,3 +286,19 @@ def test_a_receiver_that_holds_a_block_drops_every_range_of_it():
     assert new.assignments == {"b": [], "c": [Fetch(0, "b", (2, 4)), Fetch(0, "s", (0, 2))]}
     assert new.held == {"b": (0,)} and {"a", "b", "c", "s"} <= changed
     new.validate()
+
+
+def test_splice_hands_a_gone_nodes_children_to_its_own_parents_unit_by_unit():
+    from control_plane.planner.replan import splice, unit_fanout
+
+    chain = make_plan("chain", ["s"], ["a", "b", "c", "d"], 3)
+    spliced = splice(chain, {"b", "c"})  # two in a row: d climbs to a
+    assert [(f.block, f.parent) for f in spliced.assignments["d"]] == [(0, "a"), (1, "a"), (2, "a")]
+    assert spliced.assignments["b"] == chain.assignments["b"]  # the gone keep theirs (replan drops them)
+    new = replan(spliced, dead={"b", "c"}, held={}, sources=["s"], fanout=unit_fanout(chain))
+    new.validate()
+    assert {f.parent for f in new.assignments["d"]} == {"a"} and set(new.assignments) == {"a", "d"}
+    # A unit the gone node held rather than fetched keeps its gone parent, for replan to place.
+    held = Plan("chain", ("s",), {"b": [Fetch(1, "s")], "c": [Fetch(0, "b"), Fetch(1, "b")]}, {"b": (0,)})
+    assert [(f.block, f.parent) for f in splice(held, {"b"}).assignments["c"]] == [(0, "b"), (1, "s")]
+    assert unit_fanout(chain) == 1 and unit_fanout(make_plan("tree", ["s"], list("abcdefg"), 2, fanout=2)) == 2

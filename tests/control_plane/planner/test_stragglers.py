@@ -21,7 +21,7 @@ def test_receive_rate_needs_a_full_window_of_recent_samples():
     assert receive_rate([(0.0, 0)], now=0.0, window_s=0.5) is None
     assert receive_rate([(0.0, 0), (0.3, 3 * MB)], now=0.3, window_s=0.5) is None
     assert receive_rate([(0.0, 0), (0.3, 3 * MB), (0.6, 6 * MB)], now=0.6, window_s=0.5) == pytest.approx(10 * MB)
-    # Samples older than 1.5 windows do not count: a node that stopped reporting has no rate.
+    # Samples older than 2 windows do not count: a node that stopped reporting has no rate.
     old = [(0.0, 0), (0.6, 6 * MB)]
     assert receive_rate(old, now=5.0, window_s=0.5) is None
     assert receive_rate([(0.0, 0), (1.0, 2 * MB), (1.6, 2 * MB)], now=1.6, window_s=0.5) == 0.0
@@ -52,6 +52,15 @@ def test_a_slow_leaf_is_left_alone_it_slows_no_one():
     assert find_stragglers(plan.parts(), rates, set(rates), {}, factor=0.5) == []
 
 
+def test_nodes_behind_a_stalled_relay_are_not_judged():
+    plan = chain(5)
+    # w2 died (no rate): w3 gets nothing; w4 got a chunk from w3 before the stall, w5 none.
+    rates = {"w1": 50 * MB, "w3": 0.0, "w4": 0.3 * MB, "w5": 0.0}
+    receiving = {"w1", "w2", "w3", "w4", "w5"}
+    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5) == []
+    assert find_stragglers(plan.parts(), rates, receiving, dict.fromkeys(receiving, 50 * MB), factor=0.5) == []
+
+
 def test_a_node_whose_receiving_parent_has_no_rate_yet_is_not_judged():
     plan = chain(4)
     rates = {"w1": 50 * MB, "w3": 5 * MB, "w4": 5 * MB}  # w2 just had its part changed: no rate
@@ -67,6 +76,13 @@ def test_a_slow_head_is_found_by_its_declared_link_rate_only():
     assert find_stragglers(plan.parts(), rates, receiving, declared, factor=0.5) == ["w1"]
 
 
+def test_after_one_demotion_under_a_source_its_next_child_is_not_judged_again():
+    plan = chain(3)
+    rates = dict.fromkeys(["w1", "w2", "w3"], 12 * MB)
+    declared = dict.fromkeys(rates, 50 * MB)
+    assert find_stragglers(plan.parts(), rates, set(rates), declared, factor=0.5, limits={"store"}) == []
+
+
 def test_a_holder_feeding_several_children_shares_the_declared_rate():
     plan = make_plan("tree", ["store"], ["w1", "w2", "w3", "w4", "w5", "w6"], 2, fanout=2)
     parts = plan.parts()
@@ -80,7 +96,7 @@ def test_demoting_a_chain_relay_puts_its_child_behind_its_parent_and_it_at_the_t
     new = demote(plan, {"w3"}, held={"w1": {0}}, sources=["store"], num_blocks=4)
     new.validate()
     parents = {rx: {a.parent for a in fetches} for rx, fetches in new.assignments.items()}
-    assert parents["w4"] <= {"w2", "w1"}  # w1 holds block 0 and has a free slot for it
+    assert parents["w4"] == {"w2"}  # the slot w3 leaves
     assert parents["w3"] == {"w6"}  # the tail, whose uplink was idle
     assert not any(a.parent == "w3" for fetches in new.assignments.values() for a in fetches)
     assert [a.block for a in new.assignments["w1"]] == [1, 2, 3]
