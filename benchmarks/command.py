@@ -22,6 +22,16 @@ class _BenchGroup(click.Group):
         super().add_command(with_mlflow_logging(cmd), name)
 
 
+# Options several bench commands share.
+DEMO_CACHE = click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
+                          show_default=True, help="Where the demo package is cached.")
+EMULATION = click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto",
+                         show_default=True, help="Emulated cluster: network namespaces with tc, or loopback with "
+                                                 "app-level rate limits.")
+JSON_OUT = click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+                        help="Write the figures as JSON.")
+
+
 @click.group("bench", cls=_BenchGroup)
 def bench_group():
     """Benchmarks; each prints measured / floor and the baseline, measured in the same run."""
@@ -79,13 +89,11 @@ def bench_pack(size, workdir, repeat, json_path):
 @click.option("--transport", type=click.Choice(["tcp", "ucx"]), default="tcp", show_default=True)
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
               help="Runs per strategy and N; the medians are reported.")
-@click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
-              help="Emulated cluster: network namespaces with tc, or loopback with app-level rate limits.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@EMULATION
+@JSON_OUT
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write a PNG of completion time vs N per strategy, with the floor.")
-@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
-              show_default=True, help="Where the demo package is cached.")
+@DEMO_CACHE
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the agents' plans, events and logs here (default: a temp dir, removed).")
 @click.option("--no-auth", is_flag=True,
@@ -129,12 +137,11 @@ def bench_distribution(workers, link_mbit, store_mbit, package, strategies, tran
               help="Block package to multicast (default: a random one of --package-mib).")
 @click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
               show_default=True, help="Where the random package is cached.")
-@click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
-              help="Emulated cluster: network namespaces with tc, or loopback with app-level rate limits.")
+@EMULATION
 @click.option("--link-queue", type=click.Choice(["fifo", "per-peer"]), default="fifo", show_default=True,
               help="netns mode: each link direction one FIFO shared by every flow (a switch port), or one tc class "
                    "per peer (which keeps the serving traffic out of the multicast's queue).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@JSON_OUT
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the processes' logs and events here (default: a temp dir, removed).")
 def bench_share(link_mbit, share, rate, deadline, idle_seconds, package_mib, package, cache, mode, link_queue,
@@ -217,12 +224,10 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
                    "GPU node has. Default: the machine's cores / --workers; 0: no quota (workers share every core).")
 @click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Block package to serve (default: the demo model's, packed on first use).")
-@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
-              show_default=True, help="Where the demo package is cached.")
-@click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
-              help="Emulated cluster: network namespaces with tc, or loopback with app-level rate limits.")
+@DEMO_CACHE
+@EMULATION
 @click.option("--no-calibrate", is_flag=True, help="Skip measuring one prefill (the transfer/compute ratio).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@JSON_OUT
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write every request (arrival, worker, TTFT, tokens) as CSV.")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
@@ -298,14 +303,12 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
                    "--engine vllm 1].")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True,
               help="Tokens generated per request (compared between the strategies).")
-@click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
-              help="Emulated cluster: network namespaces with tc, or loopback with app-level rate limits.")
+@EMULATION
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="Torch threads of each worker (OMP_NUM_THREADS) and of the compute measurement; more than one "
                    "lets other load on a shared machine stall torch's thread pool for whole seconds.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
-@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
-              show_default=True, help="Where the demo package is cached.")
+@JSON_OUT
+@DEMO_CACHE
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep every run's logs, events and answers here (default: a temp dir, removed).")
 def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoint, vllm_venv, repeat, max_tokens,
@@ -360,14 +363,12 @@ def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoi
 @click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Block package (default: the demo model's, packed on first use).")
-@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
-              show_default=True, help="Where the demo package is cached.")
-@click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
-              help="Emulated cluster: network namespaces with tc, or loopback with token buckets.")
+@DEMO_CACHE
+@EMULATION
 @click.option("--worker-cpus", type=click.FloatRange(min=0),
               help="CPUs each serving worker may use (a CFS quota, each emulated node its own capacity; default: "
                    "this machine's cores / receivers; 0: no quota).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@JSON_OUT
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Draw the first token against K (a share of S/B) as a PNG.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
@@ -411,11 +412,9 @@ def bench_pipelines(sources, source_kinds, strategies, receivers, link_mbit, pro
               help="Runs per mode, interleaved; the verdict takes the medians.")
 @click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Block package (default: the demo model's, packed on first use).")
-@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
-              show_default=True, help="Where the demo package is cached.")
-@click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True,
-              help="Emulated cluster: network namespaces with tc, or loopback with token buckets.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@DEMO_CACHE
+@EMULATION
+@JSON_OUT
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep logs and events here (default: a temp dir).")
 def bench_stragglers(workers, link_mbit, slow_position, slow_factor, modes, kill_position, kill_after, repeat,
@@ -442,9 +441,8 @@ def bench_stragglers(workers, link_mbit, slow_position, slow_factor, modes, kill
               help="Requests per stage count; the medians are reported.")
 @click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Block package (default: the demo model's, packed on first use).")
-@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
-              show_default=True, help="Where the demo package is cached.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@DEMO_CACHE
+@JSON_OUT
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the workers' logs here (default: a temp dir).")
 def bench_hops(stages, prompt_tokens, max_tokens, repeat, package, cache, json_path, workdir):
@@ -475,9 +473,8 @@ def bench_hops(stages, prompt_tokens, max_tokens, repeat, package, cache, json_p
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Torch threads.")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
               help="Runs per concurrency; the median is reported.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
-@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
-              show_default=True, help="Where the demo package is cached.")
+@JSON_OUT
+@DEMO_CACHE
 def bench_engine(package, concurrency, prompt_tokens, max_tokens, device, threads, repeat, json_path, cache):
     """Engine tokens/s at each concurrency, and memory (peak RSS) against the package's size."""
     from benchmarks import engine_bench
@@ -542,7 +539,7 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
 @click.option("--calibrated", is_flag=True,
               help="The hop latency and the payload's share of a link fitted to this project's emulated cluster "
                    "(16 ms, 97.5%; overrides --hop-latency-ms) instead of ideal links.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@JSON_OUT
 def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, chunk_bytes, hop_latency_ms, serve,
                    calibrated, json_path):
     """Multicast completion at any N in the chunk-level simulator, from the control plane's own plans."""
@@ -627,7 +624,7 @@ def bench_control_plane(workers: int, blocks: int, chunks: int, duration_s: floa
                    "first use).")
 @click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=Path(".cache/pipecast"),
               show_default=True, help="Where the default package is cached.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures as JSON.")
+@JSON_OUT
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the processes' logs here (default: a temp dir, removed).")
 def bench_tenants(workers, duration_s, rate_b, rate_a, burst_factor, deadline_s, package, cache, json_path, workdir):

@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 
 # Progress samples kept per receiver: at the agents' default 0.1 s, several windows' worth.
 PROGRESS_SAMPLES = 32
-# Plans up to this many receivers are re-planned whole when a receiver dies (a few ms), larger ones in place.
-FULL_REPAIR_MAX_RECEIVERS = 64
+# Plans up to this many receivers are re-planned whole on the event loop (~10-25 ms at 64 in units) when a
+# receiver dies or straggles; a larger one is repaired in place when a receiver dies (its stragglers are
+# left as they are: re-planning it would hold the loop for 0.1-1 s).
+INLINE_REPLAN_MAX_RECEIVERS = 64
 
 
 @dataclass
@@ -99,7 +101,8 @@ class ActivePlan:
     replans: int = 0
     pending: set[str] = field(default_factory=set)
     parts: dict[str, Part] = field(default_factory=dict)
-    demoted: set[str] = field(default_factory=set)  # receivers found straggling (never demoted twice)
+    stragglers: set[str] = field(default_factory=set)  # receivers found straggling (judged once)
+    demoted: set[str] = field(default_factory=set)  # those of them moved out of the way (small plans)
     limits: set[str] = field(default_factory=set)  # senders a straggler was demoted under (see find_stragglers)
     checked_at: float = float("-inf")  # when it was last looked at for stragglers
 
@@ -412,8 +415,13 @@ class ControlState:
         expected = {node: w.spec.link_mbit * 1e6 / 8 for node in active.parts
                     if (w := self.workers.get(node)) is not None and w.spec.link_mbit > 0}
         slow = find_stragglers(active.parts, rates, active.pending, expected, factor=policy.factor,
-                               skip=active.demoted, limits=active.limits)
+                               skip=active.stragglers, limits=active.limits)
         if not slow:
+            return
+        active.stragglers.update(slow)
+        if len(active.plan.assignments) > INLINE_REPLAN_MAX_RECEIVERS:
+            log.warning("stragglers %s in plan=%s of %d receivers: not demoted (re-planning a plan this large "
+                        "would hold the control plane)", ",".join(slow), active.plan_id, len(active.plan.assignments))
             return
         package = self.packages[package_id]
         held = {n: blocks for n, blocks in self.availability[package_id].by_worker.items()}
@@ -803,7 +811,7 @@ class ControlState:
         # (their parents', for the units they fetched), as a straggler's do: no sender gets a second child.
         # In a large one that re-plan would hold the loop: repaired in place instead, touching the dead
         # nodes' neighbours alone (their children go to holders of the block, or to a source).
-        if not gone & set(active.plan.sources) and len(active.plan.assignments) <= FULL_REPAIR_MAX_RECEIVERS:
+        if not gone & set(active.plan.sources) and len(active.plan.assignments) <= INLINE_REPLAN_MAX_RECEIVERS:
             repaired = replan(splice(active.plan, gone), dead=gone, held=held, sources=sources, labels=labels,
                               fanout=unit_fanout(active.plan)), None
         else:

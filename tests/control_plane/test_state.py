@@ -412,6 +412,18 @@ def test_stragglers_are_found_only_when_enabled_and_never_on_equal_rates():
     assert not state.plans[result.plan_id].demoted and not state.progress
 
 
+def test_a_straggler_in_a_plan_too_large_to_re_plan_inline_is_noted_not_demoted(caplog):
+    from control_plane.state import INLINE_REPLAN_MAX_RECEIVERS
+
+    n = INLINE_REPLAN_MAX_RECEIVERS + 1
+    state = cluster(n)
+    result = state.scale_up("pkg", count=n, strategy="chain", now=1)
+    active = state.plans[result.plan_id]
+    chain = list(active.plan.assignments)
+    rates = {node: 5e6 if i >= 2 else 50e6 for i, node in enumerate(chain)}  # the third and all behind it slow
+    _progress(state, rates, 1.0, 2.0)
+    assert active.stragglers == {chain[2]} and not active.demoted and active.replans == 0
+    assert f"stragglers {chain[2]} in plan={result.plan_id} of {n} receivers: not demoted" in caplog.text
 def test_a_slow_chain_head_is_found_by_the_link_rate_it_declared():
     state = ControlState(lease_s=LEASE)
     state.publish(manifest(), STORE, now=0)
