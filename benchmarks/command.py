@@ -537,14 +537,14 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
               help="How an uplink picks among its waiting children: fair (as agents serve them) or the child "
                    "furthest behind in its fetch list first.")
 @click.option("--calibrated", is_flag=True,
-              help="The hop latency and the payload's share of a link fitted to this project's emulated cluster "
-                   "(16 ms, 97.5%; overrides --hop-latency-ms) instead of ideal links.")
+              help="The start delay per hop and the payload's share of a link fitted to this project's emulated "
+                   "cluster (16 ms, 97.5%) instead of ideal links.")
 @JSON_OUT
 def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, chunk_bytes, hop_latency_ms, serve,
                    calibrated, json_path):
     """Multicast completion at any N in the chunk-level simulator, from the control plane's own plans."""
     from benchmarks import distribution, simulate
-    from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_HOP_LATENCY_S
+    from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S
     from benchmarks.runinfo import parse_counts
 
     try:
@@ -564,8 +564,8 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
     else:
         block_bytes = simulate.equal_blocks(model_bytes, blocks)
     settings = dict(block_bytes=block_bytes, link_mbit=link_mbit, chunk_bytes=chunk_bytes,
-                    hop_latency_s=CALIBRATED_HOP_LATENCY_S if calibrated else hop_latency_ms / 1e3, serve=serve,
-                    goodput=CALIBRATED_GOODPUT if calibrated else 1.0)
+                    hop_latency_s=hop_latency_ms / 1e3, serve=serve, goodput=CALIBRATED_GOODPUT if calibrated else 1.0,
+                    start_delay_s=CALIBRATED_START_DELAY_S if calibrated else 0.0)
     with Progress.on_stderr(_echo_err) as progress:
         progress.start(len(counts) * len(names), "simulate")
         results = simulate.run(list(counts), list(names), **settings,

@@ -41,7 +41,7 @@ from benchmarks.processes import RunProcesses, cli, free_port
 from benchmarks.runinfo import parse_counts, versions
 from control_plane.planner.plan import STRATEGIES
 from control_plane.planner.schedules import GROUP_CHAIN_MAX, make_plan
-from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_HOP_LATENCY_S, simulate
+from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S, simulate
 from packager.manifest import read_manifest
 from pipecast.agent.plan_file import plan_file_data
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
@@ -206,10 +206,10 @@ def theory_seconds(strategy: str, n: int, total_bytes: int, chunk_bytes: int, li
 
 def model_seconds(strategy: str, n: int, facts: PackageFacts, link_mbit: float) -> float:
     """The simulator's time for the plan this benchmark runs (links shared fairly, chunk cut-through), with
-    the hop latency and payload share calibrated to this emulated cluster."""
+    the start delay per hop and the payload's share of a link calibrated to this emulated cluster."""
     plan = make_plan(strategy, [STORE], worker_names(n), len(facts.block_bytes), chunk_counts=facts.chunk_counts)
     finished = simulate(plan, list(facts.block_bytes), mbit_to_bytes_per_s(link_mbit) * CALIBRATED_GOODPUT,
-                        facts.chunk_bytes, hop_latency_s=CALIBRATED_HOP_LATENCY_S)
+                        facts.chunk_bytes, start_delay_s=CALIBRATED_START_DELAY_S)
     return max(finished.values())
 
 

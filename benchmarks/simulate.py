@@ -44,12 +44,13 @@ def equal_blocks(model_bytes: int, blocks: int) -> list[int]:
 
 
 def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link_mbit: float, chunk_bytes: int,
-        hop_latency_s: float, serve: str = "fair", goodput: float = 1.0,
+        hop_latency_s: float, serve: str = "fair", goodput: float = 1.0, start_delay_s: float = 0.0,
         progress=lambda line: None) -> list[SimulatedRun]:
     """Simulate every (N, strategy) for blocks of ``block_bytes``, and the whole-block binomial after
     ``binomial``; ``serve`` is how an uplink picks among its waiting children (the simulator's policies;
     agents serve fairly); ``goodput`` is the payload's share of each link (headers take the rest; the
-    floor stays S/B of the whole link); ``progress`` gets a line per figure. Raises RuntimeError if a
+    floor stays S/B of the whole link); ``start_delay_s`` delays each receiver's first fetch by that much per
+    hop of depth (:func:`~control_plane.planner.simulate.simulate`); ``progress`` gets a line per figure. Raises RuntimeError if a
     figure beats its lower bound (a simulator fault)."""
     floor_rate = link_mbit * 1e6 / 8
     rate = floor_rate * goodput
@@ -65,8 +66,9 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
                 plans.append((WHOLE_BLOCKS, make_plan(strategy, ["store"], receivers, blocks)))
             for label, plan in plans:
                 seconds = max(simulate(plan, block_bytes, rate, chunk_bytes, serve=serve,
-                                       hop_latency_s=hop_latency_s).values())
-                bound = lower_bound(plan, block_bytes, rate, chunk_bytes, hop_latency_s=hop_latency_s)
+                                       hop_latency_s=hop_latency_s, start_delay_s=start_delay_s).values())
+                bound = lower_bound(plan, block_bytes, rate, chunk_bytes, hop_latency_s=hop_latency_s,
+                                    start_delay_s=start_delay_s)
                 if seconds < bound:
                     raise RuntimeError(f"N={n} {label}: simulated {seconds:.4f} s, below the lower bound {bound:.4f} s")
                 units = max(map(len, plan.assignments.values()), default=0)
@@ -78,9 +80,11 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
 
 
 def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: float, chunk_bytes: int,
-           hop_latency_s: float, serve: str = "fair", goodput: float = 1.0, source: str = "") -> str:
+           hop_latency_s: float, serve: str = "fair", goodput: float = 1.0, start_delay_s: float = 0.0,
+           source: str = "") -> str:
     """The table: per N, each strategy's completion over S/B, the default marked, the bound beside."""
     payload = f" ({goodput:.1%} of them payload)" if goodput < 1 else ""
+    payload += f", {start_delay_s * 1e3:g} ms start delay a hop" if start_delay_s else ""
     lines = [f"simulated multicast of {source or format_bytes(sum(block_bytes))} in {len(block_bytes)} blocks, "
              f"{format_bytes(chunk_bytes)} chunks, {link_mbit:g} Mbit/s links{payload}, {hop_latency_s * 1e3:g} ms "
              f"a hop, "

@@ -216,11 +216,12 @@ def plans_command(ctx: click.Context, package_id: str) -> None:
     """List active scale-up plans."""
     plans = _run(ctx, lambda c: c.list_plans(package_id))
     lines = [f"{'PLAN':<12} {'PACKAGE':<20} {'STRATEGY':<9} {'SOURCES':>7} {'RECEIVERS':>9} {'PENDING':>7} "
-             f"{'REPLANS':>7}  CREATED"]
+             f"{'REPLANS':>7}  {'CREATED':<19}  DEMOTED"]
     for p in plans:
         created = datetime.fromtimestamp(p.created_unix).isoformat(timespec="seconds")
         lines.append(f"{p.plan_id:<12} {p.package_id[:20]:<20} {p.strategy:<9} {len(p.sources):>7} "
-                     f"{len(p.receivers):>9} {len(p.pending):>7} {p.replans:>7}  {created}")
+                     f"{len(p.receivers):>9} {len(p.pending):>7} {p.replans:>7}  {created:<19}  "
+                     f"{','.join(p.demoted) or '-'}")
     _emit(ctx, [_message_json(p) for p in plans], lines)
 
 

@@ -38,30 +38,34 @@ from control_plane.planner.plan import Plan, PlanError, UnitIndex, unit_name
 
 
 SERVE_POLICIES = ("fair", "earliest")
-# Fitted to this project's emulated cluster (netns, TCP, 1 MiB chunks) against its measured chain, tree and
-# unicast runs at N = 4, 8 and 16: each hop's first block starts ~16 ms after its parent's (the manifest
-# and small files come first), and a transfer takes 2.5% more than S/B (TCP/IP headers on the shaped link:
-# the payload gets 97.5% of it). The unit binomial pipeline is not calibrated by them (see README).
-CALIBRATED_HOP_LATENCY_S = 0.016
+# Fitted to this project's emulated cluster (netns, TCP, 1 MiB chunks), checked against its measured runs at
+# N = 4, 8 and 16 (README): each hop's first block starts ~16 ms after its parent's (the manifest and small
+# files come first, each hop fetching them from its parent), and a transfer takes 2.5% more than S/B
+# (TCP/IP headers on the shaped link: the payload gets 97.5% of it).
+CALIBRATED_START_DELAY_S = 0.016
 CALIBRATED_GOODPUT = 0.975
-SENT, ARRIVED = 0, 1  # event kinds: a chunk left its sender's uplink; it reached its receiver
+SENT, ARRIVED, STARTED = 0, 1, 2  # event kinds: a chunk left its sender's uplink; it reached its receiver; a
+# receiver is ready to fetch its first unit
 HOLDS = -1  # where a fetch's parent gets the unit: it holds it from the start (a source, a holder)
 
 
 def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: float, chunk_bytes: int, *,
              serve: str = "fair", links: Mapping[str, int] | None = None,
-             hop_latency_s: float = 0.0) -> dict[str, float]:
+             hop_latency_s: float = 0.0, start_delay_s: float = 0.0) -> dict[str, float]:
     """Seconds from the start until each receiver of ``plan`` holds all its units.
 
     ``block_bytes`` is one size for every block or a size per block index; chunk c of block b is its bytes
     c * ``chunk_bytes`` up to (c + 1) * ``chunk_bytes`` or the block's end. ``serve`` is how an uplink
     picks among waiting children (see the module docstring); ``links`` gives a node's uplinks at
-    ``link_bytes_per_s`` each (default 1); ``hop_latency_s`` delays each chunk's arrival. Raises
+    ``link_bytes_per_s`` each (default 1); ``hop_latency_s`` delays each chunk's arrival; a receiver asks for
+    its first unit ``start_delay_s`` x its depth after the start (depth: hops from a source or holder along
+    each first fetch's parent, what agents spend on the manifest and small files hop by hop). Raises
     :class:`PlanError` if some receivers never finish (the plan deadlocks or names a parent that never gets
     the unit), ValueError for bad numbers or a chunk range past its block's end.
     """
-    if hop_latency_s < 0:
-        raise ValueError(f"simulate: hop latency must be >= 0, got {hop_latency_s!r}")
+    if hop_latency_s < 0 or start_delay_s < 0:
+        raise ValueError(f"simulate: hop latency and start delay must be >= 0, got {hop_latency_s!r} and "
+                         f"{start_delay_s!r}")
     if link_bytes_per_s <= 0 or chunk_bytes <= 0:
         raise ValueError(f"simulate: link rate and chunk size must be positive, got {link_bytes_per_s!r} "
                          f"and {chunk_bytes!r}")
@@ -171,10 +175,26 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
         send(child, now)  # its own children may be waiting for the chunk that just arrived
         send(parent, now)
 
+    depth: dict[str, int] = {}
+
+    def depth_of(rx: str) -> int:
+        if rx not in units or not units[rx]:
+            return 0  # a source or a holder
+        if rx not in depth:
+            depth[rx] = 1 + depth_of(parents[rx][0])  # its first fetch's parent fetches that unit before it
+        return depth[rx]
+
     for rx in units:
-        start(rx, 0.0)
+        if start_delay_s:
+            seq += 1
+            heapq.heappush(events, (start_delay_s * depth_of(rx), seq, STARTED, "", rx))
+        else:
+            start(rx, 0.0)
     while events:
         now, _, kind, parent, child = heapq.heappop(events)
+        if kind == STARTED:
+            start(child, now)
+            continue
         if kind == ARRIVED:
             arrive(parent, child, now)
             continue
@@ -196,7 +216,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
 
 
 def lower_bound(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: float, chunk_bytes: int, *,
-                links: Mapping[str, int] | None = None, hop_latency_s: float = 0.0) -> float:
+                links: Mapping[str, int] | None = None, hop_latency_s: float = 0.0,
+                start_delay_s: float = 0.0) -> float:
     """Seconds before which no schedule of ``plan``'s fetches, in :func:`simulate`'s model with the same
     arguments, gets every receiver its units: the fluid bound.
 
@@ -205,7 +226,7 @@ def lower_bound(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: 
     receivers or more, every receiver but the one the source serves first starts getting bytes only once
     the source's first chunk has left, no earlier than c/B for c the smallest first chunk of a unit fetched
     from the source: the one of them fetching the most bytes, S, finishes no earlier than (S + c)/B plus a
-    hop.
+    hop. Every receiver starts ``start_delay_s`` or later.
     """
     size = _block_sizes(plan, block_bytes)
 
@@ -224,7 +245,7 @@ def lower_bound(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: 
                   for a in items if a.parent == source}
         first = min((unit_bytes(block, (c, c + 1)) for block, c in starts), default=0)
         bound = max(bound, (fetched[1] + first) / link_bytes_per_s)
-    return bound + hop_latency_s
+    return bound + hop_latency_s + start_delay_s
 
 
 def _block_sizes(plan: Plan, block_bytes: int | Sequence[int]) -> dict[int, int]:

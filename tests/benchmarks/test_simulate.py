@@ -44,15 +44,15 @@ def test_a_packages_own_block_and_chunk_sizes_are_simulated(tiny_package, tmp_pa
     assert "child furthest behind first" in result.output
 
 
-def test_calibrated_links_carry_less_payload_and_add_the_measured_hop_latency(tmp_path):
+def test_calibrated_links_carry_less_payload_and_start_later_hop_by_hop(tmp_path):
     ideal, calibrated = tmp_path / "ideal.json", tmp_path / "calibrated.json"
     common = ["simulate", "--nodes", "8", "--strategy", "chain,unicast", "--model-bytes", "32MiB"]
     assert CliRunner().invoke(bench_group, [*common, "--json", str(ideal)]).exit_code == 0
     result = CliRunner().invoke(bench_group, [*common, "--calibrated", "--json", str(calibrated)])
     assert result.exit_code == 0, result.output
-    assert "97.5% of them payload" in result.output and "16 ms a hop" in result.output
+    assert "(97.5% of them payload), 16 ms start delay a hop" in result.output
     before, after = (json.loads(p.read_text()) for p in (ideal, calibrated))
-    assert after["settings"]["goodput"] == 0.975 and after["settings"]["hop_latency_s"] == 0.016
+    assert after["settings"]["goodput"] == 0.975 and after["settings"]["start_delay_s"] == 0.016
     for a, b in zip(before["results"], after["results"]):
         assert a["floor_seconds"] == b["floor_seconds"]  # S/B of the whole link either way
         assert b["seconds"] > a["seconds"] and b["lower_bound_seconds"] <= b["seconds"]

@@ -3,6 +3,7 @@ assignment streams, restarts with the same SQLite file, metrics, mTLS and the ag
 
 import asyncio
 import dataclasses
+import json
 import subprocess
 import time
 import urllib.request
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from click.testing import CliRunner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_plane.client import ControlPlaneClient
+from control_plane.command import cp_group
 from control_plane.deployments import Deployment, ScalingPolicy
 from control_plane.errors import (
     ControlPlaneUnavailable,
@@ -354,7 +357,7 @@ async def test_report_stream_updates_availability_and_ends_on_a_refused_report(c
     assert (await client.availability(PKG)).by_worker == {"w1": {1, 2}}
 
 
-async def test_progress_reports_find_a_straggler_that_the_plan_then_names(client):
+async def test_progress_reports_find_a_straggler_that_the_plan_then_names(server, client):
     await client.publish_package(manifest(), STORE)
     nodes = ["w1", "w2", "w3"]
     for node in nodes:
@@ -371,6 +374,11 @@ async def test_progress_reports_find_a_straggler_that_the_plan_then_names(client
     [summary] = await client.list_plans(PKG)
     assert summary.plan_id == reply.plan_id
     assert list(summary.demoted) == ["w1"] and summary.replans == 1
+    target = ["--control-plane", server.address, "--token", TOKEN]
+    table = await asyncio.to_thread(CliRunner().invoke, cp_group, [*target, "plans"])
+    assert table.exit_code == 0 and "DEMOTED" in table.output and table.output.rstrip().endswith("  w1"), table.output
+    listed = await asyncio.to_thread(CliRunner().invoke, cp_group, [*target, "plans", "--json"])
+    assert json.loads(listed.output)[0]["demoted"] == ["w1"]
 
 async def test_a_restart_with_the_same_database_reloads_the_state(tmp_path):
     db = tmp_path / "cp.sqlite3"

@@ -354,7 +354,7 @@ def test_a_hop_latency_delays_each_chunks_arrival_but_not_the_next_chunks_send()
     plan = make_plan("chain", ["s"], ["a", "b"], 1)
     # 4 chunks of 1 s each: a's last arrives at 4 + L; a forwards each as it lands, b's last at 5 + 2L.
     assert simulate(plan, 4, 1, 1, hop_latency_s=0.25) == {"a": 4.25, "b": 5.5}
-    with pytest.raises(ValueError, match="hop latency must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="hop latency and start delay must be >= 0, got -1 and 0.0"):
         simulate(plan, 4, 1, 1, hop_latency_s=-1)
 
 
@@ -773,3 +773,17 @@ def test_the_ranged_binomial_stays_near_s_over_b_where_whole_blocks_do_not():
     for n in (31, 64):
         assert ratio(n, "fair", chunk_counts=DEMO_CHUNKS) <= 1.1
     assert ratio(31, "fair", chunk_counts=DEMO_CHUNKS, units=67) >= 1.5
+
+
+def test_a_start_delay_holds_each_receiver_by_its_depth_and_the_bound_by_one():
+    tree = make_plan("tree", ["s"], ["a", "b", "c", "d"], 1, fanout=1)  # a chain under s: depths 1..4
+    plain = simulate(tree, 100, 100.0, 100)  # one chunk a block: store and forward
+    delayed = simulate(tree, 100, 100.0, 100, start_delay_s=0.5)
+    # a starts at 0.5 and gets its chunk at 1.5; b could start at 1.0 but waits for a's chunk: 2.5, ...
+    assert plain == {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}
+    assert delayed == {"a": 1.5, "b": 2.5, "c": 3.5, "d": 4.5}
+    wide = make_plan("unicast", ["s"], ["a", "b"], 1)
+    assert simulate(wide, 100, 100.0, 100, start_delay_s=3.0) == {"a": 4.0, "b": 5.0}
+    assert lower_bound(wide, 100, 100.0, 100, start_delay_s=3.0) == lower_bound(wide, 100, 100.0, 100) + 3.0
+    with pytest.raises(ValueError, match="start delay must be >= 0, got 0.0 and -1"):
+        simulate(wide, 100, 100.0, 100, start_delay_s=-1)
