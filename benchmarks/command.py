@@ -536,12 +536,17 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
 @click.option("--serve", type=click.Choice(["fair", "earliest"]), default="fair", show_default=True,
               help="How an uplink picks among its waiting children: fair (as agents serve them) or the child "
                    "furthest behind in its fetch list first.")
+@click.option("--slow-position", type=click.IntRange(min=0), default=0, show_default=True,
+              help="A receiver (1-based, in plan order; 0: none) whose link runs at --slow-factor x B; each plan is "
+                   "also simulated with it demoted from the start (the straggler handling's best).")
+@click.option("--slow-factor", type=click.FloatRange(min=0, max=1, min_open=True), default=0.25, show_default=True,
+              help="The slow receiver's link rate as a share of B.")
 @click.option("--calibrated", is_flag=True,
               help="The start delay per hop and the payload's share of a link fitted to this project's emulated "
                    "cluster (16 ms, 97.5%) instead of ideal links.")
 @JSON_OUT
 def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, chunk_bytes, hop_latency_ms, serve,
-                   calibrated, json_path):
+                   slow_position, slow_factor, calibrated, json_path):
     """Multicast completion at any N in the chunk-level simulator, from the control plane's own plans."""
     from benchmarks import distribution, simulate
     from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S
@@ -565,7 +570,8 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
         block_bytes = simulate.equal_blocks(model_bytes, blocks)
     settings = dict(block_bytes=block_bytes, link_mbit=link_mbit, chunk_bytes=chunk_bytes,
                     hop_latency_s=hop_latency_ms / 1e3, serve=serve, goodput=CALIBRATED_GOODPUT if calibrated else 1.0,
-                    start_delay_s=CALIBRATED_START_DELAY_S if calibrated else 0.0)
+                    start_delay_s=CALIBRATED_START_DELAY_S if calibrated else 0.0, slow_position=slow_position,
+                    slow_factor=slow_factor if slow_position else 1.0)
     with Progress.on_stderr(_echo_err) as progress:
         progress.start(len(counts) * len(names), "simulate")
         results = simulate.run(list(counts), list(names), **settings,

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from control_plane.placement import default_strategy
 from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import lower_bound, simulate
+from control_plane.planner.stragglers import demote
 from pipecast.core.units import format_bytes
 
 STRATEGIES = ("chain", "binomial", "tree", "unicast")
@@ -36,6 +37,9 @@ class SimulatedRun:
     floor_seconds: float
     ratio_to_floor: float
     lower_bound_seconds: float
+    # With a slow receiver: when the last of the others holds the model, and that over the floor.
+    others_seconds: float | None = None
+    others_ratio_to_floor: float | None = None
 
 
 def equal_blocks(model_bytes: int, blocks: int) -> list[int]:
@@ -45,12 +49,15 @@ def equal_blocks(model_bytes: int, blocks: int) -> list[int]:
 
 def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link_mbit: float, chunk_bytes: int,
         hop_latency_s: float, serve: str = "fair", goodput: float = 1.0, start_delay_s: float = 0.0,
-        progress=lambda line: None) -> list[SimulatedRun]:
+        slow_position: int = 0, slow_factor: float = 1.0, progress=lambda line: None) -> list[SimulatedRun]:
     """Simulate every (N, strategy) for blocks of ``block_bytes``, and the whole-block binomial after
     ``binomial``; ``serve`` is how an uplink picks among its waiting children (the simulator's policies;
     agents serve fairly); ``goodput`` is the payload's share of each link (headers take the rest; the
     floor stays S/B of the whole link); ``start_delay_s`` delays each receiver's first fetch by that much per
-    hop of depth (:func:`~control_plane.planner.simulate.simulate`); ``progress`` gets a line per figure. Raises RuntimeError if a
+    hop of depth (:func:`~control_plane.planner.simulate.simulate`); ``slow_position`` (1-based, 0: none) names
+    a receiver whose link runs at ``slow_factor`` x B, and each plan is then also simulated with it demoted
+    from the start (``STRATEGY-demoted``, :func:`~control_plane.planner.stragglers.demote`: what straggler
+    handling reaches at best); ``progress`` gets a line per figure. Raises RuntimeError if a
     figure beats its lower bound (a simulator fault)."""
     floor_rate = link_mbit * 1e6 / 8
     rate = floor_rate * goodput
@@ -60,20 +67,26 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
     out = []
     for n in nodes:
         receivers = [f"w{i}" for i in range(n)]
+        slow = receivers[slow_position - 1] if 0 < slow_position <= n else None
         for strategy in strategies:
             plans = [(strategy, make_plan(strategy, ["store"], receivers, blocks, chunk_counts=chunk_counts))]
             if strategy == "binomial":
                 plans.append((WHOLE_BLOCKS, make_plan(strategy, ["store"], receivers, blocks)))
+            if slow is not None:
+                plans += [(f"{label}-demoted", demote(plan, {slow}, held={}, sources=["store"], num_blocks=blocks))
+                          for label, plan in plans]
             for label, plan in plans:
-                seconds = max(simulate(plan, block_bytes, rate, chunk_bytes, serve=serve,
-                                       hop_latency_s=hop_latency_s, start_delay_s=start_delay_s).values())
+                finished = simulate(plan, block_bytes, rate, chunk_bytes, serve=serve, hop_latency_s=hop_latency_s,
+                                    start_delay_s=start_delay_s, rates={slow: slow_factor} if slow else None)
+                seconds = max(finished.values())
+                others = max((t for rx, t in finished.items() if rx != slow), default=None) if slow else None
                 bound = lower_bound(plan, block_bytes, rate, chunk_bytes, hop_latency_s=hop_latency_s,
                                     start_delay_s=start_delay_s)
                 if seconds < bound:
                     raise RuntimeError(f"N={n} {label}: simulated {seconds:.4f} s, below the lower bound {bound:.4f} s")
                 units = max(map(len, plan.assignments.values()), default=0)
                 figure = SimulatedRun(n, label, label == default_strategy(1, n), units, seconds, floor,
-                                      seconds / floor, bound)
+                                      seconds / floor, bound, others, None if others is None else others / floor)
                 progress(f"N={n} {label}: {seconds:.2f} s = {figure.ratio_to_floor:.2f} x S/B")
                 out.append(figure)
     return out
@@ -81,19 +94,24 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
 
 def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: float, chunk_bytes: int,
            hop_latency_s: float, serve: str = "fair", goodput: float = 1.0, start_delay_s: float = 0.0,
-           source: str = "") -> str:
-    """The table: per N, each strategy's completion over S/B, the default marked, the bound beside."""
+           slow_position: int = 0, slow_factor: float = 1.0, source: str = "") -> str:
+    """The table: per N, each strategy's completion over S/B, the default marked, the bound beside; with a
+    slow receiver, the others' completion too."""
     payload = f" ({goodput:.1%} of them payload)" if goodput < 1 else ""
     payload += f", {start_delay_s * 1e3:g} ms start delay a hop" if start_delay_s else ""
+    slow = slow_position > 0
+    payload += f", receiver {slow_position} at {slow_factor:g} x the link" if slow else ""
     lines = [f"simulated multicast of {source or format_bytes(sum(block_bytes))} in {len(block_bytes)} blocks, "
              f"{format_bytes(chunk_bytes)} chunks, {link_mbit:g} Mbit/s links{payload}, {hop_latency_s * 1e3:g} ms "
              f"a hop, "
              f"uplinks shared {'fairly' if serve == 'fair' else 'child furthest behind first'}, from one store",
-             f"{'N':>6}  {'strategy':<15} {'units':>5} {'seconds':>9} {'x S/B':>7}  lower bound", ]
+             f"{'N':>6}  {'strategy':<23} {'units':>5} {'seconds':>9} {'x S/B':>7}"
+             + (f" {'others x':>8}" if slow else "") + "  lower bound"]
     for r in results:
         mark = " (default)" if r.default else ""
-        lines.append(f"{r.nodes:>6}  {r.strategy:<15} {r.units:>5} {r.seconds:>9.2f} {r.ratio_to_floor:>7.2f}  "
-                     f"{r.lower_bound_seconds:.2f} s{mark}")
+        others = "" if not slow else f" {'-' if r.others_ratio_to_floor is None else f'{r.others_ratio_to_floor:.2f}':>8}"
+        lines.append(f"{r.nodes:>6}  {r.strategy:<23} {r.units:>5} {r.seconds:>9.2f} {r.ratio_to_floor:>7.2f}"
+                     f"{others}  {r.lower_bound_seconds:.2f} s{mark}")
     return "\n".join(lines)
 
 

@@ -2,8 +2,8 @@
 
 The model, kept simple on purpose:
 
-- every node has a full-duplex link of the same rate, or several (``links``: a store whose egress is
-  L links' worth); only uplinks are contended, since a receiver fetches one unit (a block or a chunk
+- every node has a full-duplex link of the same rate (or a share of it: ``rates``, e.g. a straggler), or
+  several (``links``: a store whose egress is L links' worth); only uplinks are contended, since a receiver fetches one unit (a block or a chunk
   range of one) at a time, strictly in plan order, and so its downlink carries one stream;
 - each of a node's uplinks sends one chunk at a time to one of the children fetching from it whose next
   chunk it already holds and that no other uplink is sending to: by default taking turns (round robin),
@@ -51,7 +51,8 @@ HOLDS = -1  # where a fetch's parent gets the unit: it holds it from the start (
 
 def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: float, chunk_bytes: int, *,
              serve: str = "fair", links: Mapping[str, int] | None = None,
-             hop_latency_s: float = 0.0, start_delay_s: float = 0.0) -> dict[str, float]:
+             hop_latency_s: float = 0.0, start_delay_s: float = 0.0,
+             rates: Mapping[str, float] | None = None) -> dict[str, float]:
     """Seconds from the start until each receiver of ``plan`` holds all its units.
 
     ``block_bytes`` is one size for every block or a size per block index; chunk c of block b is its bytes
@@ -59,7 +60,9 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     picks among waiting children (see the module docstring); ``links`` gives a node's uplinks at
     ``link_bytes_per_s`` each (default 1); ``hop_latency_s`` delays each chunk's arrival; a receiver asks for
     its first unit ``start_delay_s`` x its depth after the start (depth: hops from a source or holder along
-    each first fetch's parent, what agents spend on the manifest and small files hop by hop). Raises
+    each first fetch's parent, what agents spend on the manifest and small files hop by hop); ``rates`` gives
+    a node's link, both ways, as a share of ``link_bytes_per_s`` (default 1: mixed links, e.g. a straggler at
+    0.25), and a chunk moves at the slower end's rate. Raises
     :class:`PlanError` if some receivers never finish (the plan deadlocks or names a parent that never gets
     the unit), ValueError for bad numbers or a chunk range past its block's end.
     """
@@ -72,6 +75,9 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     if serve not in SERVE_POLICIES:
         raise ValueError(f"simulate: serve must be one of {', '.join(SERVE_POLICIES)}, got {serve!r}")
     links = dict(links or {})
+    share = dict(rates or {})
+    if any(not 0 < r <= 1 for r in share.values()):
+        raise ValueError(f"simulate: a node's rate share must be within (0, 1], got {sorted(share.items())!r}")
     for node, count in links.items():
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"simulate: links of {node!r} must be a positive integer, got {count!r}")
@@ -153,7 +159,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             receiving.add(child)
             requested[child] += 1
             seq += 1
-            heapq.heappush(events, (now + nbytes / link_bytes_per_s, seq, SENT, parent, child))
+            rate = link_bytes_per_s * min(share.get(parent, 1.0), share.get(child, 1.0))
+            heapq.heappush(events, (now + nbytes / rate, seq, SENT, parent, child))
 
     def start(rx: str, now: float) -> None:
         k = position[rx]

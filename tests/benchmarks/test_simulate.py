@@ -18,7 +18,8 @@ def test_simulated_figures_follow_the_contract_and_never_beat_the_lower_bound(tm
         (n, s) for n in (4, 20) for s in ("chain", "binomial", "binomial-blocks", "unicast")]
     for r in data["results"]:
         assert set(r) == {"nodes", "strategy", "default", "units", "seconds", "floor_seconds", "ratio_to_floor",
-                          "lower_bound_seconds"}
+                          "lower_bound_seconds", "others_seconds", "others_ratio_to_floor"}
+        assert r["others_seconds"] is r["others_ratio_to_floor"] is None  # no slow receiver
         assert r["floor_seconds"] < r["lower_bound_seconds"] <= r["seconds"]
         assert r["default"] == ((r["strategy"] == "chain") if r["nodes"] <= 16 else (r["strategy"] == "binomial"))
         # 8 blocks of 4 chunks: a plan of whole blocks has 8 units, the binomial ranges of 2 chunks or more.
@@ -58,3 +59,18 @@ def test_calibrated_links_carry_less_payload_and_start_later_hop_by_hop(tmp_path
         assert b["seconds"] > a["seconds"] and b["lower_bound_seconds"] <= b["seconds"]
     unicast = [r for r in after["results"] if r["strategy"] == "unicast"][0]
     assert unicast["ratio_to_floor"] >= 8 / 0.975 - 1e-9
+
+
+def test_a_slow_receiver_is_simulated_as_planned_and_demoted(tmp_path):
+    out = tmp_path / "slow.json"
+    result = CliRunner().invoke(bench_group, ["simulate", "--nodes", "6", "--strategy", "chain", "--model-bytes",
+                                              "32MiB", "--slow-position", "2", "--slow-factor", "0.25",
+                                              "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "receiver 2 at 0.25 x the link" in result.output and "others x" in result.output
+    runs = {r["strategy"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(runs) == {"chain", "chain-demoted"}
+    # As planned everyone behind the slow one runs at its rate; demoted, the others run at the link's.
+    assert runs["chain"]["others_ratio_to_floor"] > 3.5
+    assert runs["chain-demoted"]["others_ratio_to_floor"] < 1.2
+    assert runs["chain-demoted"]["seconds"] >= 4 * runs["chain"]["floor_seconds"]  # the slow one's own floor

@@ -787,3 +787,12 @@ def test_a_start_delay_holds_each_receiver_by_its_depth_and_the_bound_by_one():
     assert lower_bound(wide, 100, 100.0, 100, start_delay_s=3.0) == lower_bound(wide, 100, 100.0, 100) + 3.0
     with pytest.raises(ValueError, match="start delay must be >= 0, got 0.0 and -1"):
         simulate(wide, 100, 100.0, 100, start_delay_s=-1)
+
+
+def test_a_slow_link_slows_what_crosses_it_both_ways():
+    chain = make_plan("chain", ["s"], ["a", "b", "c"], 1)  # s -> a -> b -> c, one chunk: store and forward
+    assert simulate(chain, 100, 100.0, 100) == {"a": 1.0, "b": 2.0, "c": 3.0}
+    # b's link at a quarter: a -> b and b -> c take 4 s each; a is not slowed.
+    assert simulate(chain, 100, 100.0, 100, rates={"b": 0.25}) == {"a": 1.0, "b": 5.0, "c": 9.0}
+    with pytest.raises(ValueError, match=r"rate share must be within \(0, 1\]"):
+        simulate(chain, 100, 100.0, 100, rates={"b": 0})
