@@ -2,7 +2,8 @@
 
 Two parts. Planning, in-process and pure: a scale-up of N workers x B blocks (source pick, schedule,
 every node's part), from the store (binomial) and from K holders (rotated), p50 and p99 of ``repeat``; and in
-each of those plans 10 relays dying one after another, each re-plan timed (p50 and p99 of them all).
+each of those plans, a transfer under way (every receiver holding a quarter of the blocks, every other one
+half), 10 relays dying one after another, each re-plan timed (p50 and p99 of them all).
 Load, against the real server (``pipecast control-plane``) in a subprocess with its SQLite file (or the
 database ``db`` names, PostgreSQL) and authentication on (every call carries the master token and passes
 the server's token check): N simulated workers register, watch their assignment streams and heartbeat
@@ -150,6 +151,10 @@ def measure_planning(workers: int, blocks: int, sources: int, repeat: int, chunk
         strategy = result.strategy
         active = state.plans[result.plan_id]
         gc.freeze()  # as the server does with each plan it builds: the collector never scans the plan again
+        # A transfer under way, unevenly: every receiver holds the first quarter of the blocks, every other
+        # one the first half (a dead relay's children then take holders of what they miss).
+        for k, node in enumerate(result.receivers):
+            state.report(node, {package_id: range(blocks // (2 if k % 2 else 4))}, {}, now=1)
         for _ in range(deaths):
             victim = next((node for node, part in active.parts.items() if part.serve and node in active.pending), None)
             if victim is None:

@@ -774,7 +774,7 @@ class ControlState:
             changed = old.keys() | parts.keys()
         else:
             parts = {node: part for node, part in old.items() if node not in changed}
-            parts.update(parts_of(plan, changed))
+            parts.update(parts_of(plan, changed, old))
         # Every receiver's rate so far was under the old plan (its parents', or its parents' parents', now
         # differ): measured afresh from now on.
         for node in active.pending:
@@ -815,7 +815,8 @@ class ControlState:
             repaired = replan(splice(active.plan, gone), dead=gone, held=held, sources=sources, labels=labels,
                               fanout=unit_fanout(active.plan)), None
         else:
-            repaired = repair_deaths(active.plan, dead=gone, held=held, labels=labels, fanout=active.fanout)
+            repaired = repair_deaths(active.plan, dead=gone, held=held, labels=labels, fanout=active.fanout,
+                                     parts=active.parts)
         if repaired is not None:
             plan, changed = repaired
         else:

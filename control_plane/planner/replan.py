@@ -8,6 +8,7 @@ fetches every unit of a block it has not verified, and fetches none of one it ha
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Collection, Mapping, Sequence
 from operator import itemgetter
 
@@ -119,9 +120,14 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
                 {node: tuple(sorted(blocks)) for node, blocks in serving.items()})
 
 
+# A dead node's child takes the least loaded of the first this many holders of the block that have a free slot
+# (thousands may hold it; each costs a look at its children).
+REPAIR_CANDIDATES = 16
+
+
 def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[int]],
-                  labels: Mapping[str, Mapping[str, str]] | None = None,
-                  fanout: int = 2) -> tuple[Plan, set[str]] | None:
+                  labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
+                  parts: Mapping[str, Part] | None = None) -> tuple[Plan, set[str]] | None:
     """The plan without the ``dead`` receivers, changed only where it must be; with the nodes whose parts
     changed. None when a source died (then :func:`replan` plans again from the sources left).
 
@@ -130,10 +136,12 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
     is repaired without stalling the control plane. Each fetch from a dead parent, of a block or a chunk
     range of one, goes to a node that already holds the block (``held``: verified blocks per node; a
     receiver among them stops fetching that block and serves it as a holder), one in the receiver's rack
-    first, with fewer than ``fanout`` children for that unit; else to the least loaded source (same rack
-    first). A holder never waits, so no cycle can form. A receiver's fetch of a block it already holds is
+    first, with fewer than ``fanout`` children for that unit, the fewest among the first
+    :data:`REPAIR_CANDIDATES` holders (or more, until one has a free slot); else to the least loaded source
+    (same rack first). A holder never waits, so no cycle can form. A receiver's fetch of a block it already holds is
     dropped. Every other fetch keeps its parent: the dead nodes' children get new parents for their
-    units, their descendants keep theirs.
+    units, their descendants keep theirs. ``parts`` (the plan's :meth:`Plan.parts`, made already) lets it
+    find the dead nodes' children without a pass over the plan; the result is the same.
     """
     dead = set(dead)
     source_set = set(plan.sources)
@@ -141,28 +149,16 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
         return None
     holds = {node: set(blocks) for node, blocks in held.items() if node not in dead}
     changed = set(dead) & (plan.assignments.keys() | plan.held.keys())
-    orphans: list[tuple[str, Fetch[str]]] = []
-    for rx, fetches in plan.assignments.items():
-        if rx in dead:
-            changed.update(a.parent for a in fetches)  # they no longer serve it
-            continue
-        orphans.extend((rx, a) for a in fetches if a.parent in dead)
+    orphans = _orphans(plan, dead, changed, parts)
     if not orphans:
         return (plan, set()) if not changed else _without(plan, dead, {}, {}, changed)
-    wanted = {a.block for _, a in orphans}
+    wanted = {a.block for rx, a in orphans if a.block not in holds.get(rx, ())}  # the others are dropped
     candidates: dict[int, list[str]] = {b: [] for b in wanted}
     for node, blocks in holds.items():
         if node not in source_set:
             for block in wanted & blocks:
                 candidates[block].append(node)
-    holding = {(node, block) for block, nodes in candidates.items() for node in nodes}
-    children: dict[tuple[str, int, Chunks], int] = {}  # of the candidates, per unit
-    for rx, fetches in plan.assignments.items():
-        if rx not in dead:
-            for a in fetches:
-                if (a.parent, a.block) in holding:
-                    key = (a.parent, a.block, a.chunks)
-                    children[key] = children.get(key, 0) + 1
+    children = _children_of(plan, dead, candidates, parts)  # per (candidate, unit)
     rack = rack_of(labels)
     source_load = dict.fromkeys(plan.sources, 0)
     moved: dict[tuple[str, int, Chunks], str | None] = {}  # (receiver, unit) -> new parent; None: drop it
@@ -172,11 +168,18 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
             moved[rx, a.block, a.chunks] = None
             continue
         mine = rack(rx)
-        load = {n: children.get((n, a.block, a.chunks), 0) for n in candidates[a.block] if n != rx}
-        free = [n for n, count in load.items() if count < fanout]
-        if free:
-            parent = min(free, key=lambda n: (rack(n) != mine or mine is None, load[n]))
-            children[parent, a.block, a.chunks] = load[parent] + 1
+        parent, best, seen = None, (True, fanout), 0
+        for n in candidates[a.block]:  # the first best (same rack first, then fewest children) of the first
+            if n == rx:                # holders looked at, stopping at one that nothing beats
+                continue
+            key = (rack(n) != mine or mine is None, children[n, a.block, a.chunks])
+            if key[1] < fanout and (parent is None or key < best):
+                parent, best = n, key
+            seen += 1
+            if key == (mine is None, 0) or (parent is not None and seen >= REPAIR_CANDIDATES):
+                break
+        if parent is not None:
+            children[parent, a.block, a.chunks] = best[1] + 1
         else:
             near = [s for s in plan.sources if mine is not None and rack(s) == mine] or plan.sources
             parent = min(near, key=source_load.__getitem__)
@@ -198,6 +201,53 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
         if holder not in source_set and (parent is None or parent in holds):
             serving.setdefault(holder, set()).add(block)
     return _without(plan, dead, moved, serving, changed)
+
+
+class _Children(dict):
+    """Children per (node, block, chunks) in ``plan`` among the live receivers, counted on first use from the
+    node's part (its children, then their fetches): a repair looks at a few candidates of a few units."""
+
+    def __init__(self, plan: Plan, dead: set[str], parts: Mapping[str, Part]):
+        super().__init__()
+        self._plan, self._dead, self._parts = plan, dead, parts
+
+    def __missing__(self, key: tuple[str, int, Chunks]) -> int:
+        node, block, chunks = key
+        part = self._parts.get(node)
+        kids = {child for b, child in part.serve if b == block and child not in self._dead} if part else ()
+        count = self[key] = sum(1 for child in kids for a in self._plan.assignments[child]
+                                if a.parent == node and a.block == block and a.chunks == chunks)
+        return count
+
+
+def _children_of(plan: Plan, dead: set[str], candidates: Mapping[int, list[str]],
+                 parts: Mapping[str, Part] | None) -> dict[tuple[str, int, Chunks], int]:
+    """Children per (candidate, block, chunks) among the live receivers: from ``parts`` as they are asked
+    for, else counted in one pass over the plan (0 where a candidate has none)."""
+    if parts is not None:
+        return _Children(plan, dead, parts)
+    holding = {(node, block) for block, nodes in candidates.items() for node in nodes}
+    children: collections.defaultdict[tuple[str, int, Chunks], int] = collections.defaultdict(int)
+    for rx, fetches in plan.assignments.items() if holding else ():
+        if rx not in dead:
+            for a in fetches:
+                if (a.parent, a.block) in holding:
+                    children[a.parent, a.block, a.chunks] += 1
+    return children
+
+
+def _orphans(plan: Plan, dead: set[str], changed: set[str],
+             parts: Mapping[str, Part] | None) -> list[tuple[str, Fetch[str]]]:
+    """Every fetch from a dead parent, with its receiver, in the plan's order; adds the dead receivers'
+    parents to ``changed`` (they no longer serve them)."""
+    for node in dead:
+        changed.update(a.parent for a in plan.assignments.get(node, ()))
+    if parts is None:
+        kids: Collection[str] = plan.assignments.keys()
+    else:
+        rank = {rx: i for i, rx in enumerate(plan.assignments)}
+        kids = sorted({child for node in dead if node in parts for _, child in parts[node].serve}, key=rank.__getitem__)
+    return [(rx, a) for rx in kids if rx not in dead for a in plan.assignments[rx] if a.parent in dead]
 
 
 def _without(plan: Plan, dead: set[str], moved: Mapping[tuple[str, int, Chunks], str | None],
@@ -255,12 +305,20 @@ def unit_fanout(plan: Plan) -> int:
     return max(counts.values(), default=1)
 
 
-def parts_of(plan: Plan, nodes: Collection[str]) -> dict[str, Part]:
-    """The parts of ``nodes`` as :meth:`Plan.parts` gives them (nodes without one left out), in one pass."""
+def parts_of(plan: Plan, nodes: Collection[str], old: Mapping[str, Part] | None = None) -> dict[str, Part]:
+    """The parts of ``nodes`` as :meth:`Plan.parts` gives them (nodes without one left out), in one pass; with
+    ``old``, the parts of the plan ``plan`` was repaired from where only ``nodes`` changed, without a pass
+    over the plan: a node's children now are its old ones and the changed receivers."""
     nodes = set(nodes)
     serving: dict[str, list[tuple[int, str]]] = {}
-    for rx, fetches in plan.assignments.items():
-        add_serving(serving, rx, fetches, nodes)
+    if old is None:
+        receivers: Collection[str] = plan.assignments.keys()
+    else:
+        rank = {rx: i for i, rx in enumerate(plan.assignments)}
+        candidates = {child for node in nodes if node in old for _, child in old[node].serve} | nodes
+        receivers = sorted(candidates & rank.keys(), key=rank.__getitem__)
+    for rx in receivers:
+        add_serving(serving, rx, plan.assignments[rx], nodes)
     out = {}
     for node in nodes:
         fetch, serve = plan.assignments.get(node), serving.get(node)

@@ -123,6 +123,8 @@ def test_repairing_deaths_changes_only_the_dead_nodes_neighbours_and_cannot_dead
             held.pop(node, None)
         repaired = repair_deaths(plan, dead=dead, held=held, labels=labels, fanout=fanout)
         assert repaired is not None  # no source died here
+        # Found through the plan's parts instead of a pass over it: the same repair.
+        assert repair_deaths(plan, dead=dead, held=held, labels=labels, fanout=fanout, parts=plan.parts()) == repaired
         new, changed = repaired
         new.validate()
         simulate(new, _sizes(counts), 1, 1)  # fetching in order terminates: no deadlock
@@ -150,6 +152,7 @@ def test_repairing_deaths_changes_only_the_dead_nodes_neighbours_and_cannot_dead
         parts = {n: p for n, p in plan.parts().items() if n not in changed}
         parts.update(parts_of(new, changed))
         assert parts == new.parts()
+        assert parts_of(new, changed, plan.parts()) == parts_of(new, changed)
         plan = new
 
 
