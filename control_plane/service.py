@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+T = TypeVar("T")
 Handler = Callable[["ControlPlaneService", Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 #: RPCs only the operator (the master token) may call.
@@ -117,6 +118,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.clock = clock
         self.on_fenced = on_fenced
         self.mailboxes: dict[str, Mailbox] = {}
+        self._flushing = asyncio.Lock()
         self.open_mailboxes()
 
     def open_mailboxes(self) -> None:
@@ -182,12 +184,26 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 
     async def flush_encoded(self) -> None:
         """:meth:`flush`, with the changed plans' stored form made in a thread first (a plan is a value: its
-        JSON for thousands of receivers takes ~0.3 s, which the event loop then need not hold)."""
+        JSON for thousands of receivers takes ~0.3 s, which the event loop then need not hold) and the
+        transaction committed in a thread too (writing a plan of thousands of receivers, ~10 MB, takes tens of
+        ms); flushes are written in the order they were taken."""
         for plan_id in list(self.state.dirty.plans):
             active = self.state.plans.get(plan_id)
             if active is not None:
-                await asyncio.to_thread(active.plan.encoded)
-        self.flush()
+                await asyncio.to_thread(_collector_off, active.plan.encoded)
+        if self.store is None:
+            return
+        async with self._flushing:  # the next one waits here, not on the store's lock in the loop's thread
+            pending = self.store.begin_flush(self.state, self.book)
+            if pending is None:
+                return
+            try:
+                await asyncio.to_thread(pending.commit)
+            except BaseException as exc:
+                pending.restore()
+                if isinstance(exc, FencedError) and self.on_fenced is not None:
+                    self.on_fenced(exc)
+                raise
 
     def flush(self) -> None:
         """Write the state's changes to the store (if any)."""
@@ -362,7 +378,9 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         # Planning thousands of receivers takes long: in a thread, so the event loop keeps serving meanwhile.
         plan = await asyncio.to_thread(_build_plan, draft) if draft.receivers else None
         result = self.state.install_scale_up(draft, plan, now=self.clock())
-        self.flush()  # an acknowledged plan survives a crash: agents drop parts a restarted control plane lacks
+        # An acknowledged plan survives a crash (agents drop parts a restarted control plane lacks); its row
+        # is written in a thread: thousands of receivers' plan is ~10 MB.
+        await self.flush_encoded()
         return pb.ScaleUpResponse(plan_id=result.plan_id, strategy=result.strategy, sources=result.sources,
                                   receivers=result.receivers, unchanged=result.unchanged)
 
@@ -529,23 +547,29 @@ def host_port(address: str, what: str) -> tuple[str, int]:
 
 def _build_plan(draft: ScaleUpDraft) -> Plan:
     """The draft's plan with its stored form and its nodes' parts made too (all heavy for thousands of
-    receivers; in a thread).
-
-    With the cyclic garbage collector off meanwhile, and what it made frozen after (never scanned again,
-    still freed by reference counting: a plan holds no cycles): hundreds of thousands of new objects would
-    otherwise set off full collections over the whole state, each holding the GIL, so the event loop's
-    thread with it, for tens of milliseconds."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    receivers; in a thread), what it made frozen after (never scanned by the collector again, still freed by
+    reference counting: a plan holds no cycles)."""
+    def build() -> Plan:
         plan = draft.build()
         plan.encoded()
         plan.parts()
+        return plan
+    return _collector_off(build, freeze=True)
+
+
+def _collector_off(make: Callable[[], T], *, freeze: bool = False) -> T:
+    """``make()`` with the cyclic garbage collector off meanwhile (for a thread that makes hundreds of thousands
+    of objects, which would otherwise set off full collections over the whole state, each holding the GIL,
+    so the event loop's thread with it, for tens of milliseconds), and what exists then frozen if ``freeze``."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return make()
     finally:
-        gc.freeze()
+        if freeze:
+            gc.freeze()
         if enabled:
             gc.enable()
-    return plan
 
 
 def check_serve_urls(spec: WorkerSpec) -> None:

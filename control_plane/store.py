@@ -63,6 +63,17 @@ class FencedError(StoreError):
         self.holder, self.fencing, self.current = holder, fencing, current
 
 
+class PendingFlush(Protocol):
+    """Dirty keys taken from the state with their rows (:meth:`Store.begin_flush`), not written yet."""
+
+    def commit(self) -> None:
+        """Write them in one durable transaction, in any thread, and let the store go (raises
+        :class:`StoreError`, :class:`FencedError` when deposed)."""
+
+    def restore(self) -> None:
+        """After a failed :meth:`commit`, on the state's thread: the keys are dirty again."""
+
+
 class Store(Protocol):
     """What the server and the service need of a database; both backends pass one conformance suite
     (tests/control_plane/test_store_conformance.py)."""
@@ -84,6 +95,12 @@ class Store(Protocol):
 
     def flush_book(self, book: DeploymentBook) -> int:
         """Write the book's changes in one durable transaction; returns how many (kept dirty on failure)."""
+
+    def begin_flush(self, state: ControlState | None = None,
+                    book: DeploymentBook | None = None) -> PendingFlush | None:
+        """Take the dirty keys of ``state`` and ``book`` for one transaction that may be committed in another
+        thread; None if nothing is dirty. The store is held until the commit: flushes are written in the order
+        they were taken."""
 
     def acquire_or_renew(self, holder: str, address: str, ttl_s: float, now: float) -> Lease | None:
         """Take the lease for ``ttl_s`` from ``now`` if it is free, expired or ``holder``'s already (then

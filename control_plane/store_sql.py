@@ -17,7 +17,8 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,6 +205,39 @@ def book_changes(book: DeploymentBook, deployments: set[str], events: list[Scale
     return changes
 
 
+class _PendingFlush:
+    """A flush taken from the state (:meth:`SqlStore.begin_flush`): :meth:`commit` writes it (in any thread) and
+    lets the store go; after a failed commit :meth:`restore`, on the state's thread, makes its keys dirty again."""
+
+    def __init__(self, store: "SqlStore", changes: list[Change], undo: list[Callable[[], None]], count: int):
+        self.store, self.changes, self.count = store, changes, count
+        self._undo = undo
+
+    def commit(self) -> None:
+        """Write the taken rows in one transaction (raises :class:`StoreError`, :class:`FencedError`)."""
+        try:
+            self.store._commit(self.changes)
+        finally:
+            self.store._lock.release()
+
+    def restore(self) -> None:
+        """The keys taken are dirty again: the next flush retries them."""
+        for undo in self._undo:
+            undo()
+
+
+def _flush_now(pending: "_PendingFlush | None") -> int:
+    """Commit ``pending`` here and now (restored on failure); the number of keys it wrote."""
+    if pending is None:
+        return 0
+    try:
+        pending.commit()
+    except BaseException:
+        pending.restore()
+        raise
+    return pending.count
+
+
 class SqlStore(abc.ABC):
     """The control plane's state in a SQL database (see the module docstring); subclasses connect and
     supply :attr:`dialect`, :meth:`_transaction` and the rest of the hooks below."""
@@ -221,6 +255,7 @@ class SqlStore(abc.ABC):
         self._errors = errors
         self._sql = Statements(self.dialect)
         self._lease: Lease | None = None  # the last lease taken: writes are fenced from then on
+        self._lock = threading.Lock()  # one user of the connection at a time
         try:
             version = self._prepare()
         except errors as exc:
@@ -269,11 +304,10 @@ class SqlStore(abc.ABC):
 
     @contextlib.contextmanager
     def _failing_as(self, action: str) -> Iterator[None]:
-        """Driver errors inside become :class:`StoreError` saying what could not be done."""
-        try:
+        """Driver errors inside become :class:`StoreError` saying what could not be done; the connection is
+        used by one caller at a time (a flush may commit in another thread: :meth:`begin_flush`)."""
+        with self._lock, self._failing_as_held(action):
             yield
-        except self._errors as exc:
-            raise StoreError(f"control plane database {self.where}: {action}: {self._describe(exc)}") from exc
 
     def _rows(self, table: str) -> list[tuple]:
         return self._db.execute(self._sql.select[table]).fetchall()
@@ -377,35 +411,47 @@ class SqlStore(abc.ABC):
         """Write every dirty key of ``state`` in one transaction; returns the number of keys written.
         On failure the keys stay dirty (the next flush retries them) and :class:`StoreError` is raised
         (:class:`FencedError` if another control plane took the lease)."""
-        dirty, state.dirty = state.dirty, Dirty()
-        if not dirty:
-            return 0
-        try:
-            self._commit(state_changes(state, dirty))
-        except BaseException:
-            state.dirty.merge(dirty)
-            raise
-        return len(dirty)
+        return _flush_now(self.begin_flush(state=state))
 
     def flush_book(self, book: DeploymentBook) -> int:
         """Write the book's changed deployments and routes and its new events in one transaction (kept dirty
         on failure, like :meth:`flush`)."""
-        dirty, events, routes = book.dirty_deployments, book.new_events, book.dirty_routes
-        if not dirty and not events and not routes:
-            return 0
-        book.dirty_deployments, book.new_events, book.dirty_routes = set(), [], set()
-        try:
-            self._commit(book_changes(book, dirty, events, routes))
-        except BaseException:
-            book.dirty_deployments |= dirty
-            book.dirty_routes |= routes
-            book.new_events[:0] = events
-            raise
-        return len(dirty) + len(events) + len(routes)
+        return _flush_now(self.begin_flush(book=book))
+
+    def begin_flush(self, state: ControlState | None = None,
+                    book: DeploymentBook | None = None) -> "_PendingFlush | None":
+        """Take the dirty keys of ``state`` and ``book`` and their rows, on the thread that changes them, for one
+        transaction that its ``commit`` makes, in any thread; None if nothing is dirty. Until then the store
+        is held: flushes are written in the order they were taken."""
+        self._lock.acquire()
+        changes: list[Change] = []
+        undo: list[Callable[[], None]] = []
+        count = 0
+        if state is not None and state.dirty:
+            dirty, state.dirty = state.dirty, Dirty()
+            changes += state_changes(state, dirty)
+            undo.append(lambda: state.dirty.merge(dirty))
+            count += len(dirty)
+        if book is not None and (book.dirty_deployments or book.new_events or book.dirty_routes):
+            deployments, events, routes = book.dirty_deployments, book.new_events, book.dirty_routes
+            book.dirty_deployments, book.new_events, book.dirty_routes = set(), [], set()
+            changes += book_changes(book, deployments, events, routes)
+
+            def keep_book() -> None:
+                book.dirty_deployments |= deployments
+                book.dirty_routes |= routes
+                book.new_events[:0] = events
+            undo.append(keep_book)
+            count += len(deployments) + len(events) + len(routes)
+        if not undo:
+            self._lock.release()
+            return None
+        return _PendingFlush(self, changes, undo, count)
 
     def _commit(self, changes: list[Change]) -> None:
-        """Apply ``changes`` in one transaction, after checking that this store still holds the lease."""
-        with self._failing_as("cannot write"), self._transaction():
+        """Apply ``changes`` in one transaction, after checking that this store still holds the lease (the
+        caller holds the store: :meth:`begin_flush`)."""
+        with self._failing_as_held("cannot write"), self._transaction():
             self._check_fencing()
             cursor = self._db.cursor()
             for kind, table, rows in changes:
@@ -420,6 +466,14 @@ class SqlStore(abc.ABC):
         (current,) = self._db.execute(self._sql.fencing).fetchone()
         if current != self._lease.fencing:
             raise FencedError(self._lease.holder, self._lease.fencing, current)
+
+    @contextlib.contextmanager
+    def _failing_as_held(self, action: str) -> Iterator[None]:
+        """:meth:`_failing_as` for a caller that holds the store already."""
+        try:
+            yield
+        except self._errors as exc:
+            raise StoreError(f"control plane database {self.where}: {action}: {self._describe(exc)}") from exc
 
     # ----- leadership -----
 

@@ -31,7 +31,9 @@ class SqliteStore(SqlStore):
         where = str(path)
         try:
             # Autocommit: transactions are explicit (_transaction), so that reads can be inside them.
-            db = sqlite3.connect(where, isolation_level=None)
+            # Used by one thread at a time (the store's lock), not always the one that opened it: a large flush
+            # commits in a worker thread.
+            db = sqlite3.connect(where, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
             raise StoreError(f"control plane database {where}: {exc}") from exc
         super().__init__(where, db, sqlite3.Error)

@@ -225,6 +225,44 @@ def test_the_lease_is_taken_renewed_and_taken_over_with_growing_fencing_numbers(
         other.close()
 
 
+def test_a_flush_taken_on_one_thread_commits_on_another_in_the_order_taken(backend, store):
+    state, book, _ = populated()
+    assert store.flush(state) and store.flush_book(book)
+    assert store.begin_flush(state, book) is None  # nothing dirty
+    state.report("w2", {"pkg": [5]}, {}, now=3)
+    book.append(ScaleEvent(at=8.0, package_id="pkg", action="hold", reason="steady"))
+    pending = store.begin_flush(state, book)
+    assert pending is not None and not state.dirty and not book.new_events  # taken
+    state.report("w2", {"pkg": [6]}, {}, now=4)  # newer: must land after the pending one
+    later = threading.Thread(target=store.flush, args=(state,))
+    later.start()
+    later.join(0.2)
+    assert later.is_alive()  # held until the pending flush commits
+    committer = threading.Thread(target=pending.commit)
+    committer.start()
+    committer.join(10)
+    later.join(10)
+    assert not later.is_alive()
+    rows = backend.execute("SELECT blocks FROM availability WHERE package_id = %s AND node_id = %s", "pkg", "w2")
+    assert rows == [("[5,6]",)] and backend.execute("SELECT count(*) FROM scale_events") == [(4,)]
+
+
+def test_a_failed_pending_flush_is_restored_dirty(backend, store):
+    state, book, _ = populated()
+    store.acquire_or_renew("a", "a:7000", 10, now=0)
+    successor = backend.open()
+    try:
+        successor.acquire_or_renew("b", "b:7000", 10, now=11)
+        dirty = len(state.dirty)
+        pending = store.begin_flush(state, book)
+        with pytest.raises(FencedError):
+            pending.commit()
+        pending.restore()
+        assert len(state.dirty) == dirty and book.new_events
+        with pytest.raises(FencedError):  # not stuck: the store was let go after the failed commit
+            store.flush(state)
+    finally:
+        successor.close()
 def test_a_deposed_holders_write_is_refused_and_nothing_of_it_is_written(backend, store):
     state, book, _ = populated()
     store.acquire_or_renew("a", "a:7000", 10, now=0)
