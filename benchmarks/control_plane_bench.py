@@ -35,7 +35,9 @@ import psutil
 from control_plane.client import ControlPlaneClient
 from control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
+from control_plane.planner.plan import Plan
 from control_plane.server import ControlPlaneServer, ServerConfig
+from control_plane.service import collector_off
 from control_plane.state import ControlState
 from control_plane.store import is_postgres_url, redact_url
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
@@ -63,7 +65,7 @@ class PlanningResult:
     blocks: int
     sources: int
     strategy: str
-    scale_up_ms: float  # median over repeats: source pick + make_plan + every node's part
+    scale_up_ms: float  # median over repeats: source pick + schedule + every node's part, as the server plans
     replan_ms: float  # median over every re-plan: one relay's lease lapses, its children get new parents
     chunks: int = 1  # a block's
     scale_up_p99_ms: float = 0.0
@@ -145,12 +147,16 @@ def measure_planning(workers: int, blocks: int, sources: int, repeat: int, chunk
         package_id = state.publish(manifest("pkg", blocks, chunks), STORE, now=0)
         for i in range(workers + sources):
             state.register(worker_spec(i), {package_id: range(blocks)} if i >= workers else {}, now=0)
+        # As the server plans (ControlPlaneService.ScaleUp): drafted, then the schedule and every node's part
+        # made with the cyclic collector off and frozen after, then installed; its stored form, which the server
+        # makes in the same thread before its durable write, is not part of this figure.
         start = time.perf_counter()
-        result = state.scale_up(package_id, count=workers, now=1)
+        draft = state.draft_scale_up(package_id, count=workers)
+        plan = collector_off(lambda: _with_parts(draft.build()), freeze=True)
+        result = state.install_scale_up(draft, plan, now=1)
         plan_times.append((time.perf_counter() - start) * 1000)
         strategy = result.strategy
         active = state.plans[result.plan_id]
-        gc.freeze()  # as the server does with each plan it builds: the collector never scans the plan again
         # A transfer under way, unevenly: every receiver holds the first quarter of the blocks, every other
         # one the first half (a dead relay's children then take holders of what they miss).
         for k, node in enumerate(result.receivers):
@@ -163,10 +169,15 @@ def measure_planning(workers: int, blocks: int, sources: int, repeat: int, chunk
             start = time.perf_counter()
             state.tick(now=1)
             replan_times.append((time.perf_counter() - start) * 1000)
-        gc.unfreeze()
+        gc.unfreeze()  # this repeat's plan may go
     return PlanningResult(workers, blocks, sources, strategy, statistics.median(plan_times),
                           statistics.median(replan_times), chunks, scale_up_p99_ms=_percentile(plan_times, 0.99),
                           replan_p99_ms=_percentile(replan_times, 0.99), replans=len(replan_times))
+
+
+def _with_parts(plan: Plan) -> Plan:
+    plan.parts()
+    return plan
 
 
 class _LoopProbe:

@@ -190,7 +190,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         for plan_id in list(self.state.dirty.plans):
             active = self.state.plans.get(plan_id)
             if active is not None:
-                await asyncio.to_thread(_collector_off, active.plan.encoded)
+                await asyncio.to_thread(collector_off, active.plan.encoded)
         if self.store is None:
             return
         async with self._flushing:  # the next one waits here, not on the store's lock in the loop's thread
@@ -554,10 +554,10 @@ def _build_plan(draft: ScaleUpDraft) -> Plan:
         plan.encoded()
         plan.parts()
         return plan
-    return _collector_off(build, freeze=True)
+    return collector_off(build, freeze=True)
 
 
-def _collector_off(make: Callable[[], T], *, freeze: bool = False) -> T:
+def collector_off(make: Callable[[], T], *, freeze: bool = False) -> T:
     """``make()`` with the cyclic garbage collector off meanwhile (for a thread that makes hundreds of thousands
     of objects, which would otherwise set off full collections over the whole state, each holding the GIL,
     so the event loop's thread with it, for tens of milliseconds), and what exists then frozen if ``freeze``."""

@@ -379,19 +379,14 @@ def add_serving(serving: dict[str, list[tuple[int, str]]], receiver: str, fetche
                 parents: Collection[str] | None = None) -> None:
     """Append (block, ``receiver``) to ``serving[parent]`` for each of ``receiver``'s ``fetches``, each pair
     once, for every parent or those among ``parents``: what :attr:`Part.serve` lists."""
-    seen: set[tuple[str, int]] = set()
-    for fetch in fetches:
-        if parents is not None and fetch.parent not in parents:
-            continue
-        if fetch.chunks is not None:  # several ranges of a block from one parent: one child of it
-            key = (fetch.parent, fetch.block)
-            if key in seen:
-                continue
-            seen.add(key)
-        children = serving.get(fetch.parent)
-        if children is None:
-            children = serving[fetch.parent] = []
-        children.append((fetch.block, receiver))
+    # Several ranges of a block from one parent: one child of it (a receiver fetches a block once otherwise).
+    pairs = dict.fromkeys((f.parent, f.block) for f in fetches)
+    for parent, block in pairs:
+        if parents is None or parent in parents:
+            children = serving.get(parent)
+            if children is None:
+                children = serving[parent] = []
+            children.append((block, receiver))
 
 
 def _overlap(receiver: str, a: Fetch[str], b: Fetch[str]) -> None:

@@ -262,17 +262,25 @@ def _binomial_group(source: str, receivers: list[str], order: Sequence[Unit], ra
     # fetch in round r goes to place r of its timeline: ordering by round without a sort.
     places = len(order) + dim + 1
     timeline: dict[str, list[Fetch[str] | None]] = {rx: [None] * places for rx in receivers}
-    rows = [[(takers[x], senders[parent], step, slots[x - 1][1])
-             for x, (parent, step) in enumerate(_hypercube_parents(dim, j), start=1)] for j in range(dim)]
-    for i, (block, chunks) in enumerate(order):
-        made: dict[str, Fetch[str]] = {}
-        for taker, parent, step, partner in rows[i % dim]:
-            fetch = made.get(parent)
-            if fetch is None:
-                fetch = made[parent] = Fetch(block, parent, chunks)
-            timeline[taker][i + step] = fetch
+    # Per dimension: the senders of its units (one Fetch each per unit, shared by their takers), and for each
+    # taker its timeline, its sender's index and its round offset; the pairs' partners apart.
+    rows = []
+    for j in range(dim):
+        parents: dict[str, int] = {}
+        takes, pairs = [], []
+        for x, (parent, step) in enumerate(_hypercube_parents(dim, j), start=1):
+            taker, partner = takers[x], slots[x - 1][1]
+            takes.append((timeline[taker], parents.setdefault(senders[parent], len(parents)), step))
             if partner is not None:
-                timeline[partner][i + step] = Fetch(block, taker, chunks)
+                pairs.append((timeline[partner], taker, step))
+        rows.append((list(parents), takes, pairs))
+    for i, (block, chunks) in enumerate(order):
+        parents, takes, pairs = rows[i % dim]
+        made = [Fetch(block, parent, chunks) for parent in parents]
+        for places_of, k, step in takes:
+            places_of[i + step] = made[k]
+        for places_of, taker, step in pairs:
+            places_of[i + step] = Fetch(block, taker, chunks)
     for rx, places_of in timeline.items():
         out[rx] = [fetch for fetch in places_of if fetch is not None]
 
