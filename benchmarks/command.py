@@ -592,11 +592,13 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Planning repeats.")
 @click.option("--db", help="The server's database: a postgresql:// URL (an empty database: the bench's state stays "
                            "in it) or a SQLite path; default: a SQLite file in a temp dir.")
+@click.option("--heartbeat", "heartbeat_s", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between a simulated worker's heartbeats (the agents' default: 2; the lease is 5 of them).")
 @click.option("--stall-workers", default="1000,5000", show_default=True,
               help="Worker counts at which the server's event-loop stalls are measured (comma-separated; '' for none).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the figures as JSON.")
 def bench_control_plane(workers: int, blocks: int, chunks: int, duration_s: float, batch: int, repeat: int,
-                        db: str | None, stall_workers: str, json_path: Path | None) -> None:
+                        db: str | None, heartbeat_s: float, stall_workers: str, json_path: Path | None) -> None:
     """Plan time of a scale-up and block reports/s of the real server under simulated workers."""
     from benchmarks import control_plane_bench as bench
 
@@ -605,6 +607,7 @@ def bench_control_plane(workers: int, blocks: int, chunks: int, duration_s: floa
     stalls = parse_counts(stall_workers, "--stall-workers", click.BadParameter) if stall_workers else ()
     try:
         result = bench.run(workers=workers, blocks=blocks, duration_s=duration_s, batch=batch, repeat=repeat, db=db,
+                           heartbeat_s=heartbeat_s,
                            chunks=chunks, stall_workers=stalls, progress=lambda message: click.echo(message, err=True))
     except bench.ControlPlaneBenchError as exc:
         raise click.ClickException(str(exc)) from None

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.cluster import EmulatedCluster, RequestedMode
@@ -46,7 +46,7 @@ from benchmarks.cpuquota import CpuQuotas, open_quotas
 from benchmarks.distribution import floor_seconds, worker_names
 from benchmarks.plots import Series, save_line_chart
 from benchmarks.processes import RunProcesses, cli, endpoint
-from benchmarks.runinfo import versions
+from benchmarks.runinfo import RunsReport, versions
 from packager.manifest import read_manifest
 from pipecast.core.errors import PipecastError
 from pipecast.core.progress import NO_PROGRESS, Progress
@@ -140,18 +140,11 @@ class RunResult:
     error: str = ""
 
 
-@dataclass
-class PipelinesReport:
-    meta: dict
-    results: list[RunResult] = field(default_factory=list)
+class PipelinesReport(RunsReport[RunResult]):
+    result_type = RunResult
 
-    def to_json(self) -> dict:
-        return {"meta": self.meta, "results": [asdict(r) for r in self.results], "verdicts": verdicts(self.results)}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "PipelinesReport":
-        """The report a run wrote with ``--json``."""
-        return cls(meta=data["meta"], results=[RunResult(**r) for r in data["results"]])
+    def verdicts(self) -> list[str]:
+        return verdicts(self.results)
 
 
 def stages_of(served_by: str) -> int:

@@ -40,7 +40,7 @@ from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler, CpuUsage
 from benchmarks.distribution import floor_seconds, worker_names
 from benchmarks.processes import RunProcesses, cli, endpoint
-from benchmarks.runinfo import versions
+from benchmarks.runinfo import RunsReport, versions
 from packager.manifest import read_manifest
 from pipecast.core.errors import PipecastError
 from pipecast.core.progress import NO_PROGRESS, Progress
@@ -180,18 +180,11 @@ def summarize(config: StragglersConfig, mode: str, repeat: int, package_bytes: i
                      error=observed.get("error", ""))
 
 
-@dataclass
-class StragglersReport:
-    meta: dict
-    results: list[RunResult] = field(default_factory=list)
+class StragglersReport(RunsReport[RunResult]):
+    result_type = RunResult
 
-    def to_json(self) -> dict:
-        return {"meta": self.meta, "results": [asdict(r) for r in self.results], "verdicts": verdicts(self.results)}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "StragglersReport":
-        """The report a run wrote with ``--json``."""
-        return cls(meta=data["meta"], results=[RunResult(**r) for r in data["results"]])
+    def verdicts(self) -> list[str]:
+        return verdicts(self.results)
 
 
 def _median_ratio(runs: Sequence[RunResult]) -> float | None:
