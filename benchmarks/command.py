@@ -541,12 +541,17 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
                    "also simulated with it demoted from the start (the straggler handling's best).")
 @click.option("--slow-factor", type=click.FloatRange(min=0, max=1, min_open=True), default=0.25, show_default=True,
               help="The slow receiver's link rate as a share of B.")
+@click.option("--racks", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Put the receivers in this many racks (consecutive; the store in the first) and plan rack-aware; "
+                   "0: one flat network.")
+@click.option("--oversubscription", type=click.FloatRange(min=1), default=1.0, show_default=True,
+              help="A rack's uplink is its nodes' links over this (4: 4:1), each way (with --racks).")
 @click.option("--calibrated", is_flag=True,
               help="The start delay per hop and the payload's share of a link fitted to this project's emulated "
                    "cluster (16 ms, 97.5%) instead of ideal links.")
 @JSON_OUT
 def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, chunk_bytes, hop_latency_ms, serve,
-                   slow_position, slow_factor, calibrated, json_path):
+                   slow_position, slow_factor, racks, oversubscription, calibrated, json_path):
     """Multicast completion at any N in the chunk-level simulator, from the control plane's own plans."""
     from benchmarks import distribution, simulate
     from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S
@@ -571,7 +576,7 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
     settings = dict(block_bytes=block_bytes, link_mbit=link_mbit, chunk_bytes=chunk_bytes,
                     hop_latency_s=hop_latency_ms / 1e3, serve=serve, goodput=CALIBRATED_GOODPUT if calibrated else 1.0,
                     start_delay_s=CALIBRATED_START_DELAY_S if calibrated else 0.0, slow_position=slow_position,
-                    slow_factor=slow_factor if slow_position else 1.0)
+                    slow_factor=slow_factor if slow_position else 1.0, racks=racks, oversubscription=oversubscription)
     with Progress.on_stderr(_echo_err) as progress:
         progress.start(len(counts) * len(names), "simulate")
         results = simulate.run(list(counts), list(names), **settings,

@@ -49,7 +49,8 @@ def equal_blocks(model_bytes: int, blocks: int) -> list[int]:
 
 def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link_mbit: float, chunk_bytes: int,
         hop_latency_s: float, serve: str = "fair", goodput: float = 1.0, start_delay_s: float = 0.0,
-        slow_position: int = 0, slow_factor: float = 1.0, progress=lambda line: None) -> list[SimulatedRun]:
+        slow_position: int = 0, slow_factor: float = 1.0, racks: int = 0, oversubscription: float = 1.0,
+        progress=lambda line: None) -> list[SimulatedRun]:
     """Simulate every (N, strategy) for blocks of ``block_bytes``, and the whole-block binomial after
     ``binomial``; ``serve`` is how an uplink picks among its waiting children (the simulator's policies;
     agents serve fairly); ``goodput`` is the payload's share of each link (headers take the rest; the
@@ -57,7 +58,9 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
     hop of depth (:func:`~control_plane.planner.simulate.simulate`); ``slow_position`` (1-based, 0: none) names
     a receiver whose link runs at ``slow_factor`` x B, and each plan is then also simulated with it demoted
     from the start (``STRATEGY-demoted``, :func:`~control_plane.planner.stragglers.demote`: what straggler
-    handling reaches at best); ``progress`` gets a line per figure. Raises RuntimeError if a
+    handling reaches at best); ``racks`` > 0 puts the receivers in that many racks (consecutive, the store in
+    the first), plans them rack-aware, and gives each rack's uplink its nodes' links over ``oversubscription``
+    (at least one); ``progress`` gets a line per figure. Raises RuntimeError if a
     figure beats its lower bound (a simulator fault)."""
     floor_rate = link_mbit * 1e6 / 8
     rate = floor_rate * goodput
@@ -68,16 +71,20 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
     for n in nodes:
         receivers = [f"w{i}" for i in range(n)]
         slow = receivers[slow_position - 1] if 0 < slow_position <= n else None
+        rack_of, uplinks = rack_layout(receivers, racks, oversubscription)
+        labels = {node: {"rack": rack} for node, rack in rack_of.items()}
         for strategy in strategies:
-            plans = [(strategy, make_plan(strategy, ["store"], receivers, blocks, chunk_counts=chunk_counts))]
+            plans = [(strategy, make_plan(strategy, ["store"], receivers, blocks, chunk_counts=chunk_counts,
+                                          labels=labels))]
             if strategy == "binomial":
-                plans.append((WHOLE_BLOCKS, make_plan(strategy, ["store"], receivers, blocks)))
+                plans.append((WHOLE_BLOCKS, make_plan(strategy, ["store"], receivers, blocks, labels=labels)))
             if slow is not None:
                 plans += [(f"{label}-demoted", demote(plan, {slow}, held={}, sources=["store"], num_blocks=blocks))
                           for label, plan in plans]
             for label, plan in plans:
                 finished = simulate(plan, block_bytes, rate, chunk_bytes, serve=serve, hop_latency_s=hop_latency_s,
-                                    start_delay_s=start_delay_s, rates={slow: slow_factor} if slow else None)
+                                    start_delay_s=start_delay_s, rates={slow: slow_factor} if slow else None,
+                                    racks=rack_of, rack_uplinks=uplinks)
                 seconds = max(finished.values())
                 others = max((t for rx, t in finished.items() if rx != slow), default=None) if slow else None
                 bound = lower_bound(plan, block_bytes, rate, chunk_bytes, hop_latency_s=hop_latency_s,
@@ -92,15 +99,28 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
     return out
 
 
+def rack_layout(receivers: list[str], racks: int, oversubscription: float) -> tuple[dict[str, str], int]:
+    """Each node's rack (``racks`` of consecutive receivers, the store in the first) and the chunks a rack's
+    uplink carries at once (its nodes' links over ``oversubscription``, at least 1); none for ``racks`` 0."""
+    if racks <= 0:
+        return {}, 0
+    per_rack = math.ceil(len(receivers) / racks)
+    rack_of = {node: f"r{i // per_rack}" for i, node in enumerate(receivers)}
+    rack_of["store"] = "r0"
+    return rack_of, max(1, int(per_rack / oversubscription))
+
+
 def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: float, chunk_bytes: int,
            hop_latency_s: float, serve: str = "fair", goodput: float = 1.0, start_delay_s: float = 0.0,
-           slow_position: int = 0, slow_factor: float = 1.0, source: str = "") -> str:
+           slow_position: int = 0, slow_factor: float = 1.0, racks: int = 0, oversubscription: float = 1.0,
+           source: str = "") -> str:
     """The table: per N, each strategy's completion over S/B, the default marked, the bound beside; with a
     slow receiver, the others' completion too."""
     payload = f" ({goodput:.1%} of them payload)" if goodput < 1 else ""
     payload += f", {start_delay_s * 1e3:g} ms start delay a hop" if start_delay_s else ""
     slow = slow_position > 0
     payload += f", receiver {slow_position} at {slow_factor:g} x the link" if slow else ""
+    payload += f", {racks} racks at {oversubscription:g}:1 oversubscription" if racks else ""
     lines = [f"simulated multicast of {source or format_bytes(sum(block_bytes))} in {len(block_bytes)} blocks, "
              f"{format_bytes(chunk_bytes)} chunks, {link_mbit:g} Mbit/s links{payload}, {hop_latency_s * 1e3:g} ms "
              f"a hop, "

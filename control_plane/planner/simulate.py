@@ -52,7 +52,8 @@ HOLDS = -1  # where a fetch's parent gets the unit: it holds it from the start (
 def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: float, chunk_bytes: int, *,
              serve: str = "fair", links: Mapping[str, int] | None = None,
              hop_latency_s: float = 0.0, start_delay_s: float = 0.0,
-             rates: Mapping[str, float] | None = None) -> dict[str, float]:
+             rates: Mapping[str, float] | None = None, racks: Mapping[str, str] | None = None,
+             rack_uplinks: int = 0) -> dict[str, float]:
     """Seconds from the start until each receiver of ``plan`` holds all its units.
 
     ``block_bytes`` is one size for every block or a size per block index; chunk c of block b is its bytes
@@ -62,7 +63,10 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     its first unit ``start_delay_s`` x its depth after the start (depth: hops from a source or holder along
     each first fetch's parent, what agents spend on the manifest and small files hop by hop); ``rates`` gives
     a node's link, both ways, as a share of ``link_bytes_per_s`` (default 1: mixed links, e.g. a straggler at
-    0.25), and a chunk moves at the slower end's rate. Raises
+    0.25), and a chunk moves at the slower end's rate; with ``racks`` (a node's rack; nodes not named are
+    outside every rack) and ``rack_uplinks`` > 0, a rack's uplink carries that many chunks at once each way
+    (its rate over B: a rack of 16 nodes at 4:1 oversubscription has 4), and a chunk between two racks waits
+    until both have one free. Raises
     :class:`PlanError` if some receivers never finish (the plan deadlocks or names a parent that never gets
     the unit), ValueError for bad numbers or a chunk range past its block's end.
     """
@@ -76,6 +80,11 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
         raise ValueError(f"simulate: serve must be one of {', '.join(SERVE_POLICIES)}, got {serve!r}")
     links = dict(links or {})
     share = dict(rates or {})
+    rack_of = dict(racks or {}) if rack_uplinks else {}
+    if isinstance(rack_uplinks, bool) or not isinstance(rack_uplinks, int) or rack_uplinks < 0:
+        raise ValueError(f"simulate: rack uplinks must be a non-negative integer, got {rack_uplinks!r}")
+    spare = {(rack, way): rack_uplinks for rack in set(rack_of.values()) for way in ("out", "in")}
+    held_up: set[str] = set()  # senders that had a chunk to send but no free rack uplink for it
     if any(not 0 < r <= 1 for r in share.values()):
         raise ValueError(f"simulate: a node's rate share must be within (0, 1], got {sorted(share.items())!r}")
     for node, count in links.items():
@@ -141,11 +150,29 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             queue.append((child, fetch))  # to the back: the next pick starts after it (round robin)
             _, first, end = units[child][position[child]]
             if child not in receiving and requested[child] < min(ready(child), end - first):
+                if not crossing_free(parent, child):
+                    held_up.add(parent)
+                    continue
                 if serve == "fair":
                     return child
                 if position[child] < behind:
                     chosen, behind = child, position[child]
         return chosen
+
+    def crossing(parent: str, child: str) -> tuple[str, str] | None:
+        """The racks a chunk from ``parent`` to ``child`` leaves and enters, if it crosses between two."""
+        out, into = rack_of.get(parent), rack_of.get(child)
+        return (out, into) if out is not None and into is not None and out != into else None
+
+    def crossing_free(parent: str, child: str) -> bool:
+        racks_crossed = crossing(parent, child)
+        return racks_crossed is None or (spare[racks_crossed[0], "out"] > 0 and spare[racks_crossed[1], "in"] > 0)
+
+    def take_crossing(parent: str, child: str, amount: int) -> None:
+        racks_crossed = crossing(parent, child)
+        if racks_crossed is not None:
+            spare[racks_crossed[0], "out"] -= amount
+            spare[racks_crossed[1], "in"] -= amount
 
     def send(parent: str, now: float) -> None:
         nonlocal seq
@@ -158,6 +185,7 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             sending[parent] = sending.get(parent, 0) + 1
             receiving.add(child)
             requested[child] += 1
+            take_crossing(parent, child, 1)
             seq += 1
             rate = link_bytes_per_s * min(share.get(parent, 1.0), share.get(child, 1.0))
             heapq.heappush(events, (now + nbytes / rate, seq, SENT, parent, child))
@@ -207,6 +235,11 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             continue
         sending[parent] -= 1
         receiving.discard(child)
+        if crossing(parent, child) is not None:
+            take_crossing(parent, child, -1)
+            for sender in sorted(held_up - {parent}):  # a rack uplink came free: who waited for one tries again
+                held_up.discard(sender)
+                send(sender, now)
         if hop_latency_s:
             seq += 1
             heapq.heappush(events, (now + hop_latency_s, seq, ARRIVED, parent, child))

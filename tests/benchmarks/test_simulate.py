@@ -74,3 +74,20 @@ def test_a_slow_receiver_is_simulated_as_planned_and_demoted(tmp_path):
     assert runs["chain"]["others_ratio_to_floor"] > 3.5
     assert runs["chain-demoted"]["others_ratio_to_floor"] < 1.2
     assert runs["chain-demoted"]["seconds"] >= 4 * runs["chain"]["floor_seconds"]  # the slow one's own floor
+
+
+def test_racks_with_an_oversubscribed_uplink_slow_what_crosses_them(tmp_path):
+    out = tmp_path / "racks.json"
+    common = ["simulate", "--nodes", "16", "--strategy", "chain,tree", "--model-bytes", "16MiB"]
+    flat = CliRunner().invoke(bench_group, [*common, "--json", str(tmp_path / "flat.json")])
+    result = CliRunner().invoke(bench_group, [*common, "--racks", "4", "--oversubscription", "4", "--json", str(out)])
+    assert flat.exit_code == 0 and result.exit_code == 0, result.output
+    assert "4 racks at 4:1 oversubscription" in result.output
+    before = {r["strategy"]: r for r in json.loads((tmp_path / "flat.json").read_text())["results"]}
+    after = {r["strategy"]: r for r in json.loads(out.read_text())["results"]}
+    assert json.loads(out.read_text())["settings"]["racks"] == 4
+    # The rack-aware chain crosses each rack boundary once: one uplink slot is enough, nothing changes.
+    assert after["chain"]["seconds"] == before["chain"]["seconds"]
+    # The binary tree's store feeds two children, one of them in another rack only with rack 0 full: still
+    # never faster than without racks.
+    assert after["tree"]["seconds"] >= before["tree"]["seconds"]

@@ -796,3 +796,28 @@ def test_a_slow_link_slows_what_crosses_it_both_ways():
     assert simulate(chain, 100, 100.0, 100, rates={"b": 0.25}) == {"a": 1.0, "b": 5.0, "c": 9.0}
     with pytest.raises(ValueError, match=r"rate share must be within \(0, 1\]"):
         simulate(chain, 100, 100.0, 100, rates={"b": 0})
+
+
+def test_an_oversubscribed_rack_uplink_serialises_what_crosses_it():
+    # s (rack A) feeds a, b, c (rack B) directly: three chunks at once within B's downlink... but one rack uplink.
+    wide = make_plan("unicast", ["s"], ["a", "b", "c"], 1)
+    racks = {"s": "A", "a": "B", "b": "B", "c": "B"}
+    links = {"s": 3}  # the store could send three at once
+    assert simulate(wide, 100, 100.0, 100, links=links) == {"a": 1.0, "b": 1.0, "c": 1.0}
+    assert simulate(wide, 100, 100.0, 100, links=links, racks=racks, rack_uplinks=1) == {"a": 1.0, "b": 2.0, "c": 3.0}
+    assert simulate(wide, 100, 100.0, 100, links=links, racks=racks, rack_uplinks=3) == {"a": 1.0, "b": 1.0, "c": 1.0}
+    # Within a rack nothing waits; racks=None or rack_uplinks=0 means no rack limit.
+    same = {n: "A" for n in racks}
+    assert simulate(wide, 100, 100.0, 100, links=links, racks=same, rack_uplinks=1) == {"a": 1.0, "b": 1.0, "c": 1.0}
+    with pytest.raises(ValueError, match="rack uplinks must be a non-negative integer"):
+        simulate(wide, 100, 100.0, 100, racks=racks, rack_uplinks=-1)
+
+
+def test_a_rack_aware_chain_crosses_the_oversubscribed_uplink_once():
+    nodes = [f"w{i}" for i in range(8)]
+    racks = {"s": "r0", **{n: f"r{i % 2}" for i, n in enumerate(nodes)}}
+    labels = {n: {"rack": r} for n, r in racks.items()}
+    aware = make_plan("chain", ["s"], nodes, 4, labels=labels)
+    blind = make_plan("chain", ["s"], nodes, 4)  # alternates racks: every hop crosses
+    args = dict(racks=racks, rack_uplinks=1)
+    assert max(simulate(aware, 100, 100.0, 10, **args).values()) < max(simulate(blind, 100, 100.0, 10, **args).values())
