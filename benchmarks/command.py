@@ -546,12 +546,20 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
                    "0: one flat network.")
 @click.option("--oversubscription", type=click.FloatRange(min=1), default=1.0, show_default=True,
               help="A rack's uplink is its nodes' links over this (4: 4:1), each way (with --racks).")
+@click.option("--fail-position", type=click.IntRange(min=0), default=0, show_default=True,
+              help="A receiver (1-based, in plan order; 0: none) that dies --fail-at seconds after the start; the "
+                   "plan is repaired --detect seconds later, as the control plane repairs it.")
+@click.option("--fail-at", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="When --fail-position dies, seconds after the start.")
+@click.option("--detect", type=click.FloatRange(min=0), default=0.7, show_default=True,
+              help="Seconds from a death to the repair (a child reports its parent gone, or a lease lapses).")
 @click.option("--calibrated", is_flag=True,
               help="The start delay per hop and the payload's share of a link fitted to this project's emulated "
                    "cluster (16 ms, 97.5%) instead of ideal links.")
 @JSON_OUT
 def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, chunk_bytes, hop_latency_ms, serve,
-                   slow_position, slow_factor, racks, oversubscription, calibrated, json_path):
+                   slow_position, slow_factor, racks, oversubscription, fail_position, fail_at, detect, calibrated,
+                   json_path):
     """Multicast completion at any N in the chunk-level simulator, from the control plane's own plans."""
     from benchmarks import distribution, simulate
     from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S
@@ -576,7 +584,8 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
     settings = dict(block_bytes=block_bytes, link_mbit=link_mbit, chunk_bytes=chunk_bytes,
                     hop_latency_s=hop_latency_ms / 1e3, serve=serve, goodput=CALIBRATED_GOODPUT if calibrated else 1.0,
                     start_delay_s=CALIBRATED_START_DELAY_S if calibrated else 0.0, slow_position=slow_position,
-                    slow_factor=slow_factor if slow_position else 1.0, racks=racks, oversubscription=oversubscription)
+                    slow_factor=slow_factor if slow_position else 1.0, racks=racks, oversubscription=oversubscription,
+                    fail_position=fail_position, fail_at_s=fail_at, detect_s=detect)
     with Progress.on_stderr(_echo_err) as progress:
         progress.start(len(counts) * len(names), "simulate")
         results = simulate.run(list(counts), list(names), **settings,

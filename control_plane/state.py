@@ -25,7 +25,7 @@ from control_plane.placement import (
 from control_plane.planner.pipelines import ModelLayout, Pipeline, form_pipelines
 from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
-from control_plane.planner.replan import parts_of, repair_deaths, replan, splice, unit_fanout
+from control_plane.planner.replan import INLINE_REPLAN_MAX_RECEIVERS, parts_of, repair, replan
 from control_plane.planner.schedules import make_plan
 from control_plane.planner.stragglers import Sample, StragglerPolicy, demote, find_stragglers, receive_rate
 from pipecast.core.engines import DEFAULT_ENGINE
@@ -35,10 +35,6 @@ log = logging.getLogger(__name__)
 
 # Progress samples kept per receiver: at the agents' default 0.1 s, several windows' worth.
 PROGRESS_SAMPLES = 32
-# Plans up to this many receivers are re-planned whole on the event loop (~10-25 ms at 64 in units) when a
-# receiver dies or straggles; a larger one is repaired in place when a receiver dies (its stragglers are
-# left as they are: re-planning it would hold the loop for 0.1-1 s).
-INLINE_REPLAN_MAX_RECEIVERS = 64
 
 
 @dataclass
@@ -807,21 +803,8 @@ class ControlState:
         held = {n: blocks for n, blocks in availability.by_worker.items() if n not in gone}
         nodes = set(active.parts) | set(held) | set(sources)
         labels = self._labels(nodes)
-        # Deaths of receivers only. In a small plan the dead nodes' children take the slots they leave
-        # (their parents', for the units they fetched), as a straggler's do: no sender gets a second child.
-        # In a large one that re-plan would hold the loop: repaired in place instead, touching the dead
-        # nodes' neighbours alone (their children go to holders of the block, or to a source).
-        if not gone & set(active.plan.sources) and len(active.plan.assignments) <= INLINE_REPLAN_MAX_RECEIVERS:
-            repaired = replan(splice(active.plan, gone), dead=gone, held=held, sources=sources, labels=labels,
-                              fanout=unit_fanout(active.plan)), None
-        else:
-            repaired = repair_deaths(active.plan, dead=gone, held=held, labels=labels, fanout=active.fanout,
-                                     parts=active.parts)
-        if repaired is not None:
-            plan, changed = repaired
-        else:
-            plan = replan(active.plan, dead=gone, held=held, sources=sources, labels=labels, fanout=active.fanout)
-            changed = None
+        plan, changed = repair(active.plan, dead=gone, held=held, sources=sources, labels=labels,
+                               fanout=active.fanout, parts=active.parts)
         active.pending.difference_update(gone)
         self._install(active, plan, changed)
         active.replans += 1

@@ -292,6 +292,31 @@ def splice(plan: Plan, gone: Collection[str]) -> Plan:
     return Plan(plan.strategy, plan.sources, assignments, dict(plan.held))
 
 
+# Plans up to this many receivers are re-planned whole (~10-25 ms at 64 in units) when a receiver dies or
+# straggles; a larger one is repaired in place when a receiver dies (its stragglers are left as they are:
+# re-planning it would hold the control plane's event loop for 0.1-1 s).
+INLINE_REPLAN_MAX_RECEIVERS = 64
+
+
+def repair(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[int]], sources: Sequence[str],
+           labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
+           parts: Mapping[str, Part] | None = None) -> tuple[Plan, set[str] | None]:
+    """``plan`` without the ``dead``, as the control plane repairs it; with the nodes whose parts changed
+    (None: any may have). In a plan of up to :data:`INLINE_REPLAN_MAX_RECEIVERS` receivers the dead nodes'
+    children take the slots they leave (:func:`splice`, their parents' for the units they fetched: no sender
+    gets a second child); a larger one is repaired in place (:func:`repair_deaths`: their children go to holders
+    of the block, or to a source; ``parts``, the plan's, make that faster); a dead source means a re-plan from
+    the ``sources`` left (:func:`replan`)."""
+    dead = set(dead)
+    if not dead & set(plan.sources) and len(plan.assignments) <= INLINE_REPLAN_MAX_RECEIVERS:
+        return replan(splice(plan, dead), dead=dead, held=held, sources=sources, labels=labels,
+                      fanout=unit_fanout(plan)), None
+    repaired = repair_deaths(plan, dead=dead, held=held, labels=labels, fanout=fanout, parts=parts)
+    if repaired is not None:
+        return repaired
+    return replan(plan, dead=dead, held=held, sources=sources, labels=labels, fanout=fanout), None
+
+
 def unit_fanout(plan: Plan) -> int:
     """The most children a receiver of ``plan`` sends one unit to (1 in a chain or a binomial pipeline, the
     tree's fanout in a tree; at least 1): the slots a re-plan may give a parent that lost a child."""

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from control_plane.planner.plan import Plan, PlanError, UnitIndex, unit_name
+from control_plane.planner.replan import repair
 
 
 SERVE_POLICIES = ("fair", "earliest")
@@ -44,8 +45,9 @@ SERVE_POLICIES = ("fair", "earliest")
 # (TCP/IP headers on the shaped link: the payload gets 97.5% of it).
 CALIBRATED_START_DELAY_S = 0.016
 CALIBRATED_GOODPUT = 0.975
-SENT, ARRIVED, STARTED = 0, 1, 2  # event kinds: a chunk left its sender's uplink; it reached its receiver; a
-# receiver is ready to fetch its first unit
+# Event kinds: a chunk left its sender's uplink; it reached its receiver; a receiver is ready to fetch its
+# first unit; a receiver dies; the control plane re-plans around the dead.
+SENT, ARRIVED, STARTED, DIED, REPLANNED = 0, 1, 2, 3, 4
 HOLDS = -1  # where a fetch's parent gets the unit: it holds it from the start (a source, a holder)
 
 
@@ -53,7 +55,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
              serve: str = "fair", links: Mapping[str, int] | None = None,
              hop_latency_s: float = 0.0, start_delay_s: float = 0.0,
              rates: Mapping[str, float] | None = None, racks: Mapping[str, str] | None = None,
-             rack_uplinks: int = 0) -> dict[str, float]:
+             rack_uplinks: int = 0, failures: Mapping[str, float] | None = None,
+             detect_s: float = 0.0) -> dict[str, float]:
     """Seconds from the start until each receiver of ``plan`` holds all its units.
 
     ``block_bytes`` is one size for every block or a size per block index; chunk c of block b is its bytes
@@ -66,7 +69,10 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     0.25), and a chunk moves at the slower end's rate; with ``racks`` (a node's rack; nodes not named are
     outside every rack) and ``rack_uplinks`` > 0, a rack's uplink carries that many chunks at once each way
     (its rate over B: a rack of 16 nodes at 4:1 oversubscription has 4), and a chunk between two racks waits
-    until both have one free. Raises
+    until both have one free; ``failures`` kills receivers (node -> when: what it has in flight is lost, it
+    sends nothing more) and ``detect_s`` after each death the plan is repaired as the control plane repairs it
+    (:func:`~control_plane.planner.replan.repair`, from the blocks each receiver holds then); the dead are
+    left out of the result. Raises
     :class:`PlanError` if some receivers never finish (the plan deadlocks or names a parent that never gets
     the unit), ValueError for bad numbers or a chunk range past its block's end.
     """
@@ -90,26 +96,38 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     for node, count in links.items():
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"simulate: links of {node!r} must be a positive integer, got {count!r}")
+    failures = dict(failures or {})
+    unknown = sorted(set(failures) - plan.assignments.keys())
+    if unknown or detect_s < 0 or any(t < 0 for t in failures.values()):
+        raise ValueError(f"simulate: failures must name receivers of the plan at times >= 0, and detect_s be "
+                         f">= 0; got {sorted(failures.items())!r} and {detect_s!r}")
     size = _block_sizes(plan, block_bytes)
     chunks = {b: math.ceil(s / chunk_bytes) for b, s in size.items()}
-    # Each fetch as (block, first chunk, end chunk), and where its parent gets that unit: the number of the
-    # parent's fetch of the unit or of one containing it, HOLDS, or None (never: the plan deadlocks).
     units: dict[str, list[tuple[int, int, int]]] = {}
-    index: UnitIndex[int] = UnitIndex()
-    for rx, items in plan.assignments.items():
-        units[rx] = []
-        for k, a in enumerate(items):
-            first, end = a.chunks or (0, chunks[a.block])
-            if end > chunks[a.block]:
-                raise ValueError(f"simulate: {rx!r} fetches {unit_name(a.block, a.chunks)}, which has "
-                                 f"{chunks[a.block]} chunks")
-            units[rx].append((a.block, first, end))
-            index.add(rx, a.block, a.chunks, k)
-    parents = {rx: [a.parent for a in items] for rx, items in plan.assignments.items()}
-    sources = set(plan.sources)
-    feeds = {rx: [HOLDS if a.parent in sources or a.block in plan.held.get(a.parent, ())
-                  else index.get(a.parent, a.block, a.chunks) for a in items]
-             for rx, items in plan.assignments.items()}
+    parents: dict[str, list[str]] = {}
+    feeds: dict[str, list[int | None]] = {}
+
+    def follow(current: Plan) -> None:
+        """Take ``current``'s fetches: each as (block, first chunk, end chunk), and where its parent gets that
+        unit: the number of the parent's fetch of the unit or of one containing it, HOLDS, or None (never: the
+        plan deadlocks)."""
+        index: UnitIndex[int] = UnitIndex()
+        for rx, items in current.assignments.items():
+            units[rx] = []
+            for k, a in enumerate(items):
+                first, end = a.chunks or (0, chunks[a.block])
+                if end > chunks[a.block]:
+                    raise ValueError(f"simulate: {rx!r} fetches {unit_name(a.block, a.chunks)}, which has "
+                                     f"{chunks[a.block]} chunks")
+                units[rx].append((a.block, first, end))
+                index.add(rx, a.block, a.chunks, k)
+            parents[rx] = [a.parent for a in items]
+        sources = set(current.sources)
+        for rx, items in current.assignments.items():
+            feeds[rx] = [HOLDS if a.parent in sources or a.block in current.held.get(a.parent, ())
+                         else index.get(a.parent, a.block, a.chunks) for a in items]
+
+    follow(plan)
 
     position = dict.fromkeys(units, 0)  # index of the fetch in progress
     got = dict.fromkeys(units, 0)  # chunks of that unit received so far
@@ -118,8 +136,11 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     queues: dict[str, deque[tuple[str, int]]] = {}
     sending: dict[str, int] = {}  # chunks each node has in flight, at most its links
     receiving: set[str] = set()  # children with a chunk in flight: a downlink carries one
-    events: list[tuple[float, int, int, str, str]] = []
+    # (when, order, kind, parent, child, the child's ticket when it was scheduled: a chunk of a fetch since
+    # moved elsewhere by a re-plan is stale)
+    events: list[tuple[float, int, int, str, str, int]] = []
     finished: dict[str, float] = {}
+    dead: set[str] = set()
     seq = 0
 
     def ready(child: str) -> float:
@@ -145,8 +166,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
         chosen, behind = None, math.inf
         for _ in range(len(queue)):
             child, fetch = queue.popleft()
-            if ticket[child] != fetch:
-                continue  # that child has moved on to another fetch
+            if ticket[child] != fetch or child in dead:
+                continue  # that child has moved on to another fetch, or died
             queue.append((child, fetch))  # to the back: the next pick starts after it (round robin)
             _, first, end = units[child][position[child]]
             if child not in receiving and requested[child] < min(ready(child), end - first):
@@ -176,7 +197,7 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
 
     def send(parent: str, now: float) -> None:
         nonlocal seq
-        while sending.get(parent, 0) < links.get(parent, 1):
+        while parent not in dead and sending.get(parent, 0) < links.get(parent, 1):
             child = pick(parent)
             if child is None:
                 return
@@ -188,12 +209,12 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             take_crossing(parent, child, 1)
             seq += 1
             rate = link_bytes_per_s * min(share.get(parent, 1.0), share.get(child, 1.0))
-            heapq.heappush(events, (now + nbytes / rate, seq, SENT, parent, child))
+            heapq.heappush(events, (now + nbytes / rate, seq, SENT, parent, child, ticket[child]))
 
     def start(rx: str, now: float) -> None:
         k = position[rx]
         if k == len(units[rx]):
-            finished[rx] = now
+            finished.setdefault(rx, now)
             return
         parent = parents[rx][k]
         queues.setdefault(parent, deque()).append((rx, ticket[rx]))
@@ -219,37 +240,88 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             depth[rx] = 1 + depth_of(parents[rx][0])  # its first fetch's parent fetches that unit before it
         return depth[rx]
 
+    def replan_around(now: float) -> None:
+        """The control plane's repair, ``detect_s`` after a death: the live receivers take their new fetches
+        from their first unfinished unit on, keeping the chunks of it they have."""
+        nonlocal current
+        held = {}
+        for rx, items in units.items():
+            if rx not in dead:
+                done = {block for block, _, _ in items[:position[rx]]}
+                held[rx] = done - {block for block, _, _ in items[position[rx]:]}
+        current = repair(current, dead=dead, held=held, sources=current.sources)[0]
+        now_at = {rx: units[rx][position[rx]] for rx in units if rx not in dead and position[rx] < len(units[rx])}
+        old_parent = {rx: parents[rx][position[rx]] for rx in now_at}
+        for rx in [rx for rx in units if rx not in current.assignments]:
+            del units[rx], parents[rx], feeds[rx]
+        follow(current)
+        for rx, unit in now_at.items():
+            if rx not in units:  # it needs nothing more
+                finished.setdefault(rx, now)
+                continue
+            position[rx] = units[rx].index(unit)
+            if parents[rx][position[rx]] != old_parent[rx]:
+                ticket[rx] += 1  # a chunk still coming from the old parent is stale
+                requested[rx] = got[rx]
+                receiving.discard(rx)
+                start(rx, now)
+        for node in list(queues):
+            send(node, now)
+
+    current = plan
+    for rx, at in failures.items():
+        seq += 1
+        heapq.heappush(events, (at, seq, DIED, "", rx, 0))
     for rx in units:
         if start_delay_s:
             seq += 1
-            heapq.heappush(events, (start_delay_s * depth_of(rx), seq, STARTED, "", rx))
+            heapq.heappush(events, (start_delay_s * depth_of(rx), seq, STARTED, "", rx, 0))
         else:
             start(rx, 0.0)
     while events:
-        now, _, kind, parent, child = heapq.heappop(events)
+        now, _, kind, parent, child, held_ticket = heapq.heappop(events)
         if kind == STARTED:
             start(child, now)
             continue
+        if kind == DIED:
+            dead.add(child)
+            seq += 1
+            heapq.heappush(events, (now + detect_s, seq, REPLANNED, "", child, 0))
+            continue
+        if kind == REPLANNED:
+            replan_around(now)
+            continue
+        stale = child in dead or held_ticket != ticket[child]
         if kind == ARRIVED:
-            arrive(parent, child, now)
+            if not stale:
+                arrive(parent, child, now)
             continue
         sending[parent] -= 1
-        receiving.discard(child)
+        if not stale:
+            receiving.discard(child)
+        if parent in dead and not stale:  # its uplink died with it: the chunk never arrives
+            requested[child] -= 1
+            stale = True
         if crossing(parent, child) is not None:
             take_crossing(parent, child, -1)
             for sender in sorted(held_up - {parent}):  # a rack uplink came free: who waited for one tries again
                 held_up.discard(sender)
                 send(sender, now)
-        if hop_latency_s:
+        if stale:
+            send(parent, now)
+        elif hop_latency_s:
             seq += 1
-            heapq.heappush(events, (now + hop_latency_s, seq, ARRIVED, parent, child))
+            heapq.heappush(events, (now + hop_latency_s, seq, ARRIVED, parent, child, held_ticket))
             send(parent, now)  # its uplink is free for the next chunk while this one travels
         else:
             arrive(parent, child, now)
-    if len(finished) < len(units):
-        stuck = sorted(set(units) - finished.keys())
+    for node in dead:
+        finished.pop(node, None)
+    live = set(units) - dead
+    if len(finished) < len(live):
+        stuck = sorted(live - finished.keys())
         rx = stuck[0]
-        a = plan.assignments[rx][position[rx]]
+        a = current.assignments[rx][position[rx]]
         raise PlanError(f"plan deadlocks in simulation: {len(stuck)} receiver(s) never finish, e.g. {rx!r} "
                         f"waiting for {unit_name(a.block, a.chunks)} from {a.parent!r}")
     return finished

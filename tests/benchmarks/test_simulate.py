@@ -91,3 +91,16 @@ def test_racks_with_an_oversubscribed_uplink_slow_what_crosses_them(tmp_path):
     # The binary tree's store feeds two children, one of them in another rack only with rack 0 full: still
     # never faster than without racks.
     assert after["tree"]["seconds"] >= before["tree"]["seconds"]
+
+
+def test_a_receiver_that_dies_is_left_out_and_the_others_finish_after_the_repair(tmp_path):
+    out = tmp_path / "fail.json"
+    common = ["simulate", "--nodes", "6", "--strategy", "chain", "--model-bytes", "16MiB"]
+    assert CliRunner().invoke(bench_group, [*common, "--json", str(tmp_path / "ok.json")]).exit_code == 0
+    result = CliRunner().invoke(bench_group, [*common, "--fail-position", "3", "--fail-at", "0.1", "--detect", "0.5",
+                                              "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "receiver 3 dies at 0.1 s, repaired 0.5 s later" in result.output
+    [ok], [failed] = (json.loads(p.read_text())["results"] for p in (tmp_path / "ok.json", out))
+    assert failed["seconds"] > ok["seconds"]  # the receivers behind the dead one waited for the repair
+    assert failed["seconds"] <= ok["seconds"] + 0.5 + 0.1  # and lost no more than that

@@ -413,7 +413,7 @@ def test_stragglers_are_found_only_when_enabled_and_never_on_equal_rates():
 
 
 def test_a_straggler_in_a_plan_too_large_to_re_plan_inline_is_noted_not_demoted(caplog):
-    from control_plane.state import INLINE_REPLAN_MAX_RECEIVERS
+    from control_plane.planner.replan import INLINE_REPLAN_MAX_RECEIVERS
 
     n = INLINE_REPLAN_MAX_RECEIVERS + 1
     state = cluster(n)

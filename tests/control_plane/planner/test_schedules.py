@@ -821,3 +821,32 @@ def test_a_rack_aware_chain_crosses_the_oversubscribed_uplink_once():
     blind = make_plan("chain", ["s"], nodes, 4)  # alternates racks: every hop crosses
     args = dict(racks=racks, rack_uplinks=1)
     assert max(simulate(aware, 100, 100.0, 10, **args).values()) < max(simulate(blind, 100, 100.0, 10, **args).values())
+
+
+def test_a_relay_that_dies_is_replanned_around_after_the_detection_time():
+    chain = make_plan("chain", ["s"], ["a", "b", "c"], 2)  # 2 blocks of 4 chunks of 1 s
+    assert simulate(chain, 4, 1, 1) == {"a": 8, "b": 9, "c": 10}
+    # b dies at 2.5 (a holds 2 chunks, b 1 whole, its second on the way: lost); c has 0 whole chunks... until
+    # the repair at 3.5 gives c a's slot: c resumes from a (a sends b's lost chunk no more).
+    after = simulate(chain, 4, 1, 1, failures={"b": 2.5}, detect_s=1.0)
+    assert set(after) == {"a", "c"} and after["a"] == 8
+    assert 8 < after["c"] <= 8 + 3.5  # behind a by the time lost
+    # The later it is detected, the later c finishes; nothing finishes before it could.
+    assert simulate(chain, 4, 1, 1, failures={"b": 2.5}, detect_s=3.0)["c"] >= after["c"]
+    lossless = simulate(chain, 4, 1, 1, failures={"c": 1.0}, detect_s=0.5)  # a leaf dies: nobody waits
+    assert lossless == {"a": 8, "b": 9}
+    with pytest.raises(ValueError, match="failures must name receivers of the plan"):
+        simulate(chain, 4, 1, 1, failures={"s": 1.0})
+
+
+@settings(max_examples=40, deadline=None)
+@given(strategy=st.sampled_from(["chain", "tree", "binomial"]), n=st.integers(3, 12), blocks=st.integers(1, 4),
+       data=st.data())
+def test_every_live_receiver_finishes_after_deaths_and_never_before_the_bound(strategy, n, blocks, data):
+    receivers = [f"w{i}" for i in range(n)]
+    plan = make_plan(strategy, ["s"], receivers, blocks, chunk_counts=[3] * blocks if strategy == "binomial" else None)
+    victims = data.draw(st.lists(st.sampled_from(receivers), min_size=1, max_size=2, unique=True))
+    failures = {v: data.draw(st.floats(0, 3 * blocks)) for v in victims}
+    finished = simulate(plan, 3, 1, 1, failures=failures, detect_s=data.draw(st.floats(0, 2)))
+    assert set(finished) == set(receivers) - set(victims)
+    assert min(finished.values(), default=3 * blocks) >= 3 * blocks  # a receiver's own bytes at the link rate
