@@ -179,6 +179,34 @@ async def test_health_answers_without_a_token(server):
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_a_burst_of_streams_is_taken_up_whole(server):
+    """A fleet's agents open their streams together (after a restart): none may be cancelled for arriving in a
+    burst (grpcio's default pending-call limit, 3,000, cancelled the rest)."""
+    streams = 4000
+    channels = [grpc.aio.insecure_channel(server.address) for _ in range(4)]
+    first: list[int] = []
+
+    async def watch(k: int) -> None:
+        call = health_pb2_grpc.HealthStub(channels[k % 4]).Watch(
+            health_pb2.HealthCheckRequest(service="pipecast.v1.ControlPlane"))
+        try:
+            async for reply in call:
+                first.append(reply.status)
+                return
+        finally:
+            call.cancel()
+
+    try:
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(watch(k) for k in range(streams)), return_exceptions=True), 120)
+    finally:
+        for channel in channels:
+            await channel.close()
+    failures = [o for o in outcomes if o is not None]
+    assert not failures, f"{len(failures)} of {streams} streams failed, e.g. {failures[0]!r}"
+    assert first == [health_pb2.HealthCheckResponse.SERVING] * streams
+
+
 async def test_publish_get_list_remove(client):
     a, b = manifest("a"), manifest("b")
     assert await client.publish_package(a, STORE) == a.package_id
