@@ -135,7 +135,8 @@ def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: fl
              + (f" {'others x':>8}" if slow else "") + "  lower bound"]
     for r in results:
         mark = " (default)" if r.default else ""
-        others = "" if not slow else f" {'-' if r.others_ratio_to_floor is None else f'{r.others_ratio_to_floor:.2f}':>8}"
+        ratio = "-" if r.others_ratio_to_floor is None else f"{r.others_ratio_to_floor:.2f}"
+        others = f" {ratio:>8}" if slow else ""
         lines.append(f"{r.nodes:>6}  {r.strategy:<23} {r.units:>5} {r.seconds:>9.2f} {r.ratio_to_floor:>7.2f}"
                      f"{others}  {r.lower_bound_seconds:.2f} s{mark}")
     return "\n".join(lines)

@@ -380,8 +380,8 @@ class ControlState:
                 if availability.is_complete(node):
                     self._receiver_done(package_id, node)
         for package_id, held in (progress or {}).items():
-            if package_id in self.packages:
-                self._progressed(package_id, node, held, now)
+            if package_id in self.packages:  # a node cannot claim more than the package
+                self._progressed(package_id, node, min(held, self.packages[package_id].total_bytes), now)
         return sorted(set(unknown) | set(unknown_dropped) | set(unknown_cached))
 
     def _progressed(self, package_id: str, node: str, held: int, now: float) -> None:

@@ -427,22 +427,28 @@ class SqlStore(abc.ABC):
         changes: list[Change] = []
         undo: list[Callable[[], None]] = []
         count = 0
-        if state is not None and state.dirty:
-            dirty, state.dirty = state.dirty, Dirty()
-            changes += state_changes(state, dirty)
-            undo.append(lambda: state.dirty.merge(dirty))
-            count += len(dirty)
-        if book is not None and (book.dirty_deployments or book.new_events or book.dirty_routes):
-            deployments, events, routes = book.dirty_deployments, book.new_events, book.dirty_routes
-            book.dirty_deployments, book.new_events, book.dirty_routes = set(), [], set()
-            changes += book_changes(book, deployments, events, routes)
+        try:
+            if state is not None and state.dirty:
+                dirty, state.dirty = state.dirty, Dirty()
+                undo.append(lambda: state.dirty.merge(dirty))
+                changes += state_changes(state, dirty)
+                count += len(dirty)
+            if book is not None and (book.dirty_deployments or book.new_events or book.dirty_routes):
+                deployments, events, routes = book.dirty_deployments, book.new_events, book.dirty_routes
+                book.dirty_deployments, book.new_events, book.dirty_routes = set(), [], set()
 
-            def keep_book() -> None:
-                book.dirty_deployments |= deployments
-                book.dirty_routes |= routes
-                book.new_events[:0] = events
-            undo.append(keep_book)
-            count += len(deployments) + len(events) + len(routes)
+                def keep_book() -> None:
+                    book.dirty_deployments |= deployments
+                    book.dirty_routes |= routes
+                    book.new_events[:0] = events
+                undo.append(keep_book)
+                changes += book_changes(book, deployments, events, routes)
+                count += len(deployments) + len(events) + len(routes)
+        except BaseException:
+            for restore in undo:
+                restore()
+            self._lock.release()
+            raise
         if not undo:
             self._lock.release()
             return None

@@ -24,9 +24,10 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
 
     A receiver of ``plan`` still needs its planned units minus those of blocks in ``held`` (verified
     blocks per live node); a ``joined`` receiver needs blocks ``0..num_blocks-1`` minus those it holds,
-    each in the ``units`` given for it (its chunk ranges, e.g. the plan's own), whole where none are. Dead receivers, receivers now among ``sources`` and receivers that need nothing leave the plan.
-    Each receiver keeps its old fetch order, and its old parent wherever that parent is alive and holds the
-    block, is a source, or still fetches the unit or one containing it (earlier). Otherwise the new parent
+    each in the ``units`` given for it (its chunk ranges, e.g. the plan's own), whole where none are. Dead
+    receivers, receivers now among ``sources`` and receivers that need nothing leave the plan. Each receiver
+    keeps its old fetch order, and its old parent wherever that parent is alive and holds the block, is a
+    source, or still fetches the unit or one containing it (earlier). Otherwise the new parent
     is the earliest node with fewer than ``fanout`` children for that unit (kept children count) that holds
     the block or fetches the same unit earlier in the new plan, one in the receiver's rack first, else the
     least loaded source (same rack first). Never a dead parent, never a cycle, never a unit fetched of a

@@ -3,8 +3,9 @@
 The model, kept simple on purpose:
 
 - every node has a full-duplex link of the same rate (or a share of it: ``rates``, e.g. a straggler), or
-  several (``links``: a store whose egress is L links' worth); only uplinks are contended, since a receiver fetches one unit (a block or a chunk
-  range of one) at a time, strictly in plan order, and so its downlink carries one stream;
+  several (``links``: a store whose egress is L links' worth); only uplinks are contended, since a receiver
+  fetches one unit (a block or a chunk range of one) at a time, strictly in plan order, and so its downlink
+  carries one stream; a rack's uplink may carry fewer chunks at once than its nodes send (``racks``);
 - each of a node's uplinks sends one chunk at a time to one of the children fetching from it whose next
   chunk it already holds and that no other uplink is sending to: by default taking turns (round robin),
   so concurrent children share the uplinks equally, as TCP flows would; with ``serve="earliest"`` the

@@ -2,18 +2,18 @@
 
 Pure: from what receivers reported (bytes held, when) and the plan's parts to the nodes to demote, and from
 a plan to the plan without them in the middle. A receiver is a straggler when it receives at less than
-``factor`` x its *reference*: the best of what its parents can give it, each shared among its receiving
-children: a parent still receiving, its own rate (a child cannot outrun a relay, so the children of a
-straggler are not stragglers); a parent that holds the package (a source, a holder), the receiver's
-declared link rate, or, with no declared rate, the fastest receiver's of the plan. A receiver is judged only while its parents deliver at
-least ``factor`` x what it could get (its declared rate, else the fastest receiver's): behind a stalled or
-dead relay everyone is slow, and the repair, not a demotion, is the cure. Only a receiver that serves
-others is demoted: a slow leaf slows no one. A demoted receiver's children take its parents (a slot it leaves free) and it is appended as
-a leaf, fed by nodes whose uplinks have room: in a chain the tail, so everyone but the straggler runs at
-the link rate.
+``factor`` x its *reference*: the best of what its parents can give it, each parent's share among its
+receiving children of: for a parent still receiving, its own rate (a child cannot outrun a relay, so the
+children of a straggler are not stragglers); for a parent that holds the package (a source, a holder), the
+receiver's declared link rate, or with no declared rate the fastest receiver's. It is judged only while that
+reference is at least ``factor`` x what it could get (its declared rate, else the fastest receiver's): behind
+a stalled or dead relay everyone is slow, and the repair, not a demotion, is the cure. Only a receiver that
+serves others is demoted (a slow leaf slows no one): its children take the slots it leaves and it fetches
+what it misses last, from nodes whose uplinks have room (in a chain the tail), so everyone but the
+straggler runs at the link rate.
 
-A straggler at the head of a plan whose nodes declare no link rate is not found: every node behind it is
-as slow, so nothing tells its rate from the link's.
+A straggler at the head of a plan whose nodes declare no link rate is not found: every node behind it is as
+slow, so nothing tells its rate from the link's.
 """
 
 from __future__ import annotations
