@@ -45,7 +45,7 @@ from benchmarks.cpu import CpuSampler
 from benchmarks.cpuquota import CpuQuotas, open_quotas
 from benchmarks.distribution import floor_seconds, worker_names
 from benchmarks.plots import Series, save_line_chart
-from benchmarks.processes import RunProcesses, cli, endpoint
+from benchmarks.processes import RunProcesses, cli, endpoint, publish_when_up
 from benchmarks.runinfo import RunsReport, versions
 from packager.manifest import read_manifest
 from pipecast.core.errors import PipecastError
@@ -264,8 +264,6 @@ async def _drive(spec: DriverSpec) -> dict:
     import aiohttp
 
     from control_plane.client import ControlPlaneClient
-    from control_plane.errors import ControlPlaneUnavailable
-    from control_plane.messages import PeerInfo
     from pipecast.agent.events import EventLog
 
     events = EventLog(Path(spec.events), DRIVER)
@@ -274,14 +272,7 @@ async def _drive(spec: DriverSpec) -> dict:
     deadline = time.monotonic() + START_TIMEOUT_S
     async with ControlPlaneClient(spec.control_plane) as cp, aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as http:
-        while True:
-            try:
-                await cp.publish_package(manifest, PeerInfo(STORE, spec.store_address, ("tcp",)))
-                break
-            except ControlPlaneUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(POLL_S)
+        await publish_when_up(cp, manifest, STORE, spec.store_address, deadline, POLL_S)
         events.emit("published", package=package_id)
         await _arm(spec, cp, http, package_id, deadline)
         events.emit("armed")

@@ -6,6 +6,7 @@ start and what they wait for, and by the tests' agent processes (:class:`Process
 machine without a cluster).
 """
 
+import asyncio
 import json
 import os
 import signal
@@ -169,3 +170,21 @@ class RunProcesses(Processes):
         """Start ``argv`` on ``host`` (its own process group), its output to ``name``'s log (standard output
         to ``stdout`` instead, e.g. PIPE, if given)."""
         return self._logged(name, partial(self.cluster.spawn, host, [str(a) for a in argv], env=env), stdout)
+
+
+async def publish_when_up(cp, manifest, store_id: str, store_address: str, deadline: float,
+                          poll_s: float = 0.05) -> None:
+    """Publish ``manifest`` on the control plane client ``cp``, served by the store agent ``store_id`` at
+    ``store_address`` (TCP), once the control plane answers (a driver starts beside it); raises its
+    ``ControlPlaneUnavailable`` after ``deadline`` (``time.monotonic``)."""
+    from control_plane.errors import ControlPlaneUnavailable
+    from control_plane.messages import PeerInfo
+
+    while True:
+        try:
+            await cp.publish_package(manifest, PeerInfo(store_id, store_address, ("tcp",)))
+            return
+        except ControlPlaneUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(poll_s)

@@ -39,7 +39,7 @@ from pathlib import Path
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler, CpuUsage
 from benchmarks.distribution import floor_seconds, worker_names
-from benchmarks.processes import RunProcesses, cli, endpoint
+from benchmarks.processes import RunProcesses, cli, endpoint, publish_when_up
 from benchmarks.runinfo import RunsReport, versions
 from packager.manifest import read_manifest
 from pipecast.core.errors import PipecastError
@@ -282,8 +282,6 @@ class Observed:
 
 async def _drive(spec: DriverSpec, seen: Observed) -> None:
     from control_plane.client import ControlPlaneClient
-    from control_plane.errors import ControlPlaneUnavailable
-    from control_plane.messages import PeerInfo
     from pipecast.agent.events import EventLog
 
     events = EventLog(Path(spec.events), DRIVER)
@@ -291,14 +289,7 @@ async def _drive(spec: DriverSpec, seen: Observed) -> None:
     package_id = manifest.package_id
     deadline = time.monotonic() + START_TIMEOUT_S
     async with ControlPlaneClient(spec.control_plane) as cp:
-        while True:
-            try:
-                await cp.publish_package(manifest, PeerInfo(STORE, spec.store_address, ("tcp",)))
-                break
-            except ControlPlaneUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(POLL_S)
+        await publish_when_up(cp, manifest, STORE, spec.store_address, deadline, POLL_S)
         events.emit("published", package=package_id)
         while missing := set(spec.receivers) - {w.worker.peer.node_id for w in await cp.list_workers() if w.alive}:
             if time.monotonic() > deadline:

@@ -13,6 +13,7 @@ from pipecast.v1.manifest_pb2 import Block, Manifest
 LEASE = 10.0
 BLOCKS = 8
 STORE = PeerInfo("store", "10.0.0.1:7070", ("tcp",))
+BIG_BLOCK = 10**8  # blocks the progress reports of the straggler tests fit in (a node claims no more than these)
 
 
 def manifest(package_id: str = "pkg", blocks: int = BLOCKS, block_bytes: int = 100) -> Manifest:
@@ -24,11 +25,13 @@ def spec(node: str, rack: str = "", memory: int = 10_000) -> WorkerSpec:
     return WorkerSpec(PeerInfo(node, f"{node}.local:7070", ("tcp",)), memory, labels={"rack": rack} if rack else {})
 
 
-def cluster(workers: int, *, racks: int = 0, store_beside_holders: bool = True) -> ControlState:
-    state = ControlState(lease_s=LEASE, store_beside_holders=store_beside_holders)
-    state.publish(manifest(), STORE, now=0)
+def cluster(workers: int, *, racks: int = 0, store_beside_holders: bool = True, block_bytes: int = 100,
+            **options) -> ControlState:
+    state = ControlState(lease_s=LEASE, store_beside_holders=store_beside_holders, **options)
+    state.publish(manifest(block_bytes=block_bytes), STORE, now=0)
+    memory = max(10_000, 2 * BLOCKS * block_bytes)
     for i in range(workers):
-        state.register(spec(f"w{i}", f"r{i % racks}" if racks else ""), {}, now=0)
+        state.register(spec(f"w{i}", f"r{i % racks}" if racks else "", memory=memory), {}, now=0)
     return state
 
 
@@ -378,7 +381,7 @@ def _progress(state: ControlState, rates: dict[str, float], start: float, end: f
 
 
 def test_a_straggling_relay_is_demoted_to_a_leaf_and_the_nodes_behind_it_are_not():
-    state = cluster(6)
+    state = cluster(6, block_bytes=BIG_BLOCK)
     result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3", "w4", "w5"], strategy="chain", now=1)
     active = state.plans[result.plan_id]
     state.notices.clear()
@@ -399,14 +402,11 @@ def test_a_straggling_relay_is_demoted_to_a_leaf_and_the_nodes_behind_it_are_not
 def test_stragglers_are_found_only_when_enabled_and_never_on_equal_rates():
     from control_plane.planner.stragglers import StragglerPolicy
 
-    state = cluster(4)
+    state = cluster(4, block_bytes=BIG_BLOCK)
     result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
     _progress(state, dict.fromkeys(["w0", "w1", "w2", "w3"], 20e6), 1.0, 2.0)
     assert not state.plans[result.plan_id].demoted
-    state = ControlState(lease_s=LEASE, stragglers=StragglerPolicy(factor=0))
-    state.publish(manifest(), STORE, now=0)
-    for i in range(4):
-        state.register(spec(f"w{i}"), {}, now=0)
+    state = cluster(4, block_bytes=BIG_BLOCK, stragglers=StragglerPolicy(factor=0))
     result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
     _progress(state, {"w0": 50e6, "w1": 5e6, "w2": 5e6, "w3": 5e6}, 1.0, 2.0)
     assert not state.plans[result.plan_id].demoted and not state.progress
@@ -416,7 +416,7 @@ def test_a_straggler_in_a_plan_too_large_to_re_plan_inline_is_noted_not_demoted(
     from control_plane.planner.replan import INLINE_REPLAN_MAX_RECEIVERS
 
     n = INLINE_REPLAN_MAX_RECEIVERS + 1
-    state = cluster(n)
+    state = cluster(n, block_bytes=BIG_BLOCK)
     result = state.scale_up("pkg", count=n, strategy="chain", now=1)
     active = state.plans[result.plan_id]
     chain = list(active.plan.assignments)
@@ -426,9 +426,10 @@ def test_a_straggler_in_a_plan_too_large_to_re_plan_inline_is_noted_not_demoted(
     assert f"stragglers {chain[2]} in plan={result.plan_id} of {n} receivers: not demoted" in caplog.text
 def test_a_slow_chain_head_is_found_by_the_link_rate_it_declared():
     state = ControlState(lease_s=LEASE)
-    state.publish(manifest(), STORE, now=0)
+    state.publish(manifest(block_bytes=BIG_BLOCK), STORE, now=0)
     for i in range(3):
-        state.register(WorkerSpec(PeerInfo(f"w{i}", f"w{i}.local:7070", ("tcp",)), 10_000, link_mbit=400), {}, now=0)
+        state.register(WorkerSpec(PeerInfo(f"w{i}", f"w{i}.local:7070", ("tcp",)), 10 * BIG_BLOCK, link_mbit=400), {},
+                       now=0)
     result = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], strategy="chain", now=1)
     _progress(state, dict.fromkeys(["w0", "w1", "w2"], 12.5e6), 1.0, 2.0)  # 100 of 400 Mbit/s, all of them
     active = state.plans[result.plan_id]
