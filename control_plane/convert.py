@@ -74,7 +74,8 @@ def update_from_proto(msg: pb.AssignmentUpdate) -> AssignmentUpdate:
                     for t in msg.fetch),
         serve=tuple((t.block, t.peer.node_id) for t in msg.serve),
         plan_ids=tuple(msg.plan_ids), sources=tuple(peer_from_proto(p) for p in msg.sources),
-        receivers=tuple(msg.receivers), priority=msg.priority or DEFAULT_PRIORITY)
+        receivers=tuple(msg.receivers), priority=msg.priority or DEFAULT_PRIORITY,
+        report_progress=msg.report_progress)
 
 
 def deployment_to_proto(deployment: Deployment) -> pb.Deployment:

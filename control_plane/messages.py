@@ -107,3 +107,4 @@ class AssignmentUpdate:
     sources: tuple[PeerInfo, ...] = ()  # ASSIGN: nodes holding every block, the fallback of any fetch
     receivers: tuple[str, ...] = ()  # ASSIGN to a source: every receiver of the plan, whom it may serve
     priority: str = DEFAULT_PRIORITY  # ASSIGN: the package's priority (its deployment's), for the link shares
+    report_progress: bool = False  # ASSIGN: report the bytes held while receiving (the plan is watched for stragglers)

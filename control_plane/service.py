@@ -522,7 +522,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             sources=[peer(source) for source in active.plan.sources],
             # A source is every receiver's fallback: it may serve each of them, and only them.
             receivers=sorted(active.plan.assignments) if notice.node_id in active.plan.sources else [],
-            priority=self.book.priority_of(active.package_id))
+            priority=self.book.priority_of(active.package_id), report_progress=self.state.watches(active))
 
 
 def _plan_summary(active: ActivePlan) -> pb.PlanSummary:

@@ -97,8 +97,7 @@ class ActivePlan:
     replans: int = 0
     pending: set[str] = field(default_factory=set)
     parts: dict[str, Part] = field(default_factory=dict)
-    stragglers: set[str] = field(default_factory=set)  # receivers found straggling (judged once)
-    demoted: set[str] = field(default_factory=set)  # those of them moved out of the way (small plans)
+    demoted: set[str] = field(default_factory=set)  # receivers found straggling and moved aside (judged once)
     limits: set[str] = field(default_factory=set)  # senders a straggler was demoted under (see find_stragglers)
     checked_at: float = float("-inf")  # when it was last looked at for stragglers
 
@@ -384,11 +383,17 @@ class ControlState:
                 self._progressed(package_id, node, min(held, self.packages[package_id].total_bytes), now)
         return sorted(set(unknown) | set(unknown_dropped) | set(unknown_cached))
 
+    def watches(self, active: ActivePlan) -> bool:
+        """Whether ``active`` is watched for stragglers, so that its receivers report their progress: only a plan
+        small enough to re-plan on the event loop (:data:`INLINE_REPLAN_MAX_RECEIVERS`); a larger one's reports,
+        ten a second from every receiver, would outnumber what the control plane takes, for no demotion."""
+        return self.stragglers.enabled and len(active.plan.assignments) <= INLINE_REPLAN_MAX_RECEIVERS
+
     def _progressed(self, package_id: str, node: str, held: int, now: float) -> None:
-        """Record that ``node`` holds ``held`` bytes of ``package_id``; look for stragglers in its plans (at most
-        every quarter window per plan)."""
-        plans = [p for p in self.plans.values() if p.package_id == package_id and node in p.pending]
-        if not plans or not self.stragglers.enabled:
+        """Record that ``node`` holds ``held`` bytes of ``package_id``; look for stragglers in its watched plans
+        (at most every quarter window per plan)."""
+        plans = [p for p in self.plans.values() if p.package_id == package_id and node in p.pending and self.watches(p)]
+        if not plans:
             return
         samples = self.progress.setdefault((package_id, node), deque(maxlen=PROGRESS_SAMPLES))
         samples.append((now, held))
@@ -411,13 +416,8 @@ class ControlState:
         expected = {node: w.spec.link_mbit * 1e6 / 8 for node in active.parts
                     if (w := self.workers.get(node)) is not None and w.spec.link_mbit > 0}
         slow = find_stragglers(active.parts, rates, active.pending, expected, factor=policy.factor,
-                               skip=active.stragglers, limits=active.limits)
+                               skip=active.demoted, limits=active.limits)
         if not slow:
-            return
-        active.stragglers.update(slow)
-        if len(active.plan.assignments) > INLINE_REPLAN_MAX_RECEIVERS:
-            log.warning("stragglers %s in plan=%s of %d receivers: not demoted (re-planning a plan this large "
-                        "would hold the control plane)", ",".join(slow), active.plan_id, len(active.plan.assignments))
             return
         package = self.packages[package_id]
         held = {n: blocks for n, blocks in self.availability[package_id].by_worker.items()}

@@ -318,9 +318,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             arrive(parent, child, now)
     for node in dead:
         finished.pop(node, None)
-    live = set(units) - dead
-    if len(finished) < len(live):
-        stuck = sorted(live - finished.keys())
+    stuck = sorted(set(units) - dead - finished.keys())
+    if stuck:
         rx = stuck[0]
         a = current.assignments[rx][position[rx]]
         raise PlanError(f"plan deadlocks in simulation: {len(stuck)} receiver(s) never finish, e.g. {rx!r} "

@@ -248,9 +248,11 @@ class PackageFollower:
             self._session.report_verified(self.package_id, [event.block])
 
     async def _fetch(self, fetcher: Fetcher, store: BlockStore, wanted: list[Fetch[PeerInfo]]) -> None:
-        """Run one generation until it ends or the parts change what it fetches; report progress meanwhile."""
+        """Run one generation until it ends or the parts change what it fetches; report progress meanwhile if a
+        part asks for it."""
         fetching = asyncio.create_task(fetcher.fetch(wanted))
-        reporting = asyncio.create_task(self._report_progress(store))
+        watched = any(part.report_progress for part in self.parts.values())
+        reporting = asyncio.create_task(self._report_progress(store) if watched else asyncio.sleep(0))
         try:
             while True:
                 changed = asyncio.create_task(self._changed.wait())

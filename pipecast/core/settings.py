@@ -68,8 +68,8 @@ class Settings(BaseSettings):
         5.0, gt=0, description="after reporting a failed parent, how long to wait for the control plane's new "
                                "parents before fetching around it from the plan's sources")
     agent_progress_interval_s: float = Field(0.1, gt=0, description="how often a receiving agent reports the bytes "
-                                                                    "it holds (the control plane finds stragglers "
-                                                                    "from them)")
+                                                                    "it holds, in a plan whose ASSIGN asks for it "
+                                                                    "(the control plane finds stragglers from them)")
     agent_idle_timeout_s: float = Field(60.0, gt=0, description="a served peer connection with no request this long "
                                                                 "is closed")
     agent_max_connections: int = Field(256, ge=1, description="peer connections an agent serves at once; more are "

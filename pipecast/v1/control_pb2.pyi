@@ -416,7 +416,7 @@ class Transfer(_message.Message):
     def __init__(self, block: _Optional[int] = ..., peer: _Optional[_Union[Peer, _Mapping]] = ..., first_chunk: _Optional[int] = ..., end_chunk: _Optional[int] = ...) -> None: ...
 
 class AssignmentUpdate(_message.Message):
-    __slots__ = ("kind", "plan_id", "package_id", "version", "strategy", "fetch", "serve", "plan_ids", "sources", "receivers", "priority")
+    __slots__ = ("kind", "plan_id", "package_id", "version", "strategy", "fetch", "serve", "plan_ids", "sources", "receivers", "priority", "report_progress")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[AssignmentUpdate.Kind]
@@ -440,6 +440,7 @@ class AssignmentUpdate(_message.Message):
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     RECEIVERS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    REPORT_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     kind: AssignmentUpdate.Kind
     plan_id: str
     package_id: str
@@ -451,7 +452,8 @@ class AssignmentUpdate(_message.Message):
     sources: _containers.RepeatedCompositeFieldContainer[Peer]
     receivers: _containers.RepeatedScalarFieldContainer[str]
     priority: str
-    def __init__(self, kind: _Optional[_Union[AssignmentUpdate.Kind, str]] = ..., plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., version: _Optional[int] = ..., strategy: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., serve: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., plan_ids: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., receivers: _Optional[_Iterable[str]] = ..., priority: _Optional[str] = ...) -> None: ...
+    report_progress: bool
+    def __init__(self, kind: _Optional[_Union[AssignmentUpdate.Kind, str]] = ..., plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., version: _Optional[int] = ..., strategy: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., serve: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., plan_ids: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., receivers: _Optional[_Iterable[str]] = ..., priority: _Optional[str] = ..., report_progress: _Optional[bool] = ...) -> None: ...
 
 class IssueTokenRequest(_message.Message):
     __slots__ = ("node_id",)

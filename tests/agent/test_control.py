@@ -56,9 +56,13 @@ class FakeSession:
     def __init__(self) -> None:
         self.verified: list[int] = []
         self.bad: list[tuple[str, int, str]] = []
+        self.progress: list[int] = []
 
     def report_verified(self, package_id: str, blocks) -> None:
         self.verified += list(blocks)
+
+    def report_progress(self, package_id: str, bytes_present: int) -> None:
+        self.progress.append(bytes_present)
 
     async def report_bad_peer(self, peer_id: str, package_id: str, block: int, reason: str) -> bool:
         self.bad.append((peer_id, block, reason))
@@ -94,12 +98,13 @@ async def two_peers(package):
 
 
 async def _follow_until_complete(daemon: AgentDaemon, fetch: tuple[Fetch[PeerInfo], ...], sources: tuple[PeerInfo, ...],
-                                 package_id: str) -> tuple[PackageFollower, FakeSession]:
+                                 package_id: str, report_progress: bool = False) -> tuple[PackageFollower, FakeSession]:
     daemon.transport = TcpTransport("rx", Settings(**SETTINGS))
     session = FakeSession()
-    follower = PackageFollower(package_id, daemon, session, FetchPolicy(retries=0, backoff_s=0.01), replan_wait_s=0.2)
+    follower = PackageFollower(package_id, daemon, session, FetchPolicy(retries=0, backoff_s=0.01), replan_wait_s=0.2,
+                               progress_interval_s=0.001)
     follower.assign(AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p1", package_id=package_id, fetch=fetch,
-                                     sources=sources))
+                                     sources=sources, report_progress=report_progress))
     for _ in range(2000):
         store = daemon.peer_server.stores.get(package_id)
         if store is not None and store.progress().complete and follower._completed:
@@ -156,6 +161,27 @@ async def test_a_follower_survives_an_exception_no_peer_is_blamed_for_and_starts
         [failure] = [e for e in events if e["event"] == "transfer_failed"]
         assert (failure["error"], failure["message"]) == ("RuntimeError", "a bug, or a full disk")
         assert [e["event"] for e in events].count("complete") == 1
+    finally:
+        await follower.close()
+        await daemon.transport.close()
+        daemon.peer_server.stores[manifest.package_id].close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("watched", [True, False])
+async def test_a_follower_reports_its_progress_only_for_a_watched_plan(package, two_peers, tmp_path, watched):
+    _, manifest = package
+    _, honest = two_peers
+    daemon = _daemon(tmp_path)
+    fetch = tuple(Fetch(b.index, honest) for b in manifest.blocks)
+    follower, session = await _follow_until_complete(daemon, fetch, (honest,), manifest.package_id,
+                                                     report_progress=watched)
+    try:
+        if watched:
+            assert session.progress and session.progress == sorted(session.progress)  # bytes held only grow
+            assert session.progress[-1] <= sum(b.bytes for b in manifest.blocks)
+        else:
+            assert session.progress == []
     finally:
         await follower.close()
         await daemon.transport.close()

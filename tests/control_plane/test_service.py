@@ -320,6 +320,7 @@ async def test_a_reconnecting_stream_gets_its_current_part(client):
     assert sync.kind is UpdateKind.SYNC and sync.plan_ids == (reply.plan_id,)
     assert assign.kind is UpdateKind.ASSIGN and [f.parent for f in assign.fetch] == [STORE] * BLOCKS
     assert assign.sources == (STORE,)
+    assert assign.report_progress  # a plan small enough to re-plan is watched for stragglers
 
 
 async def test_an_assignment_names_its_packages_priority_from_the_deployment(client):
