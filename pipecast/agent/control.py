@@ -251,8 +251,9 @@ class PackageFollower:
         """Run one generation until it ends or the parts change what it fetches; report progress meanwhile if a
         part asks for it."""
         fetching = asyncio.create_task(fetcher.fetch(wanted))
-        watched = any(part.report_progress for part in self.parts.values())
-        reporting = asyncio.create_task(self._report_progress(store) if watched else asyncio.sleep(0))
+        tasks = [fetching]
+        if any(part.report_progress for part in self.parts.values()):
+            tasks.append(asyncio.create_task(self._report_progress(store)))
         try:
             while True:
                 changed = asyncio.create_task(self._changed.wait())
@@ -271,9 +272,9 @@ class PackageFollower:
                              self.package_id[:12], len(self._wanted()))
                     return
         finally:
-            fetching.cancel()
-            reporting.cancel()
-            await asyncio.gather(fetching, reporting, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _report_progress(self, store: BlockStore) -> None:
         """Tell the control plane the bytes held, every interval, stalled or not: it finds stragglers by them."""
