@@ -61,7 +61,7 @@ class Settings(BaseSettings):
                                           "packages together take at most the largest share")
     connect_timeout_s: float = Field(5.0, gt=0, description="deadline of a connection to a peer")
     io_timeout_s: float = Field(10.0, gt=0, description="longest silence tolerated from a peer mid-transfer")
-    agent_fetch_concurrency: int = Field(2, ge=1, description="parents a node fetches from at once")
+    agent_fetch_concurrency: int = Field(4, ge=1, description="parents a node fetches from at once")
     agent_fetch_retries: int = Field(2, ge=0, description="retries of a failed parent before giving up on it")
     agent_fetch_backoff_s: float = Field(0.2, ge=0, description="first retry backoff (doubling per retry)")
     agent_replan_wait_s: float = Field(
