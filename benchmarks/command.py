@@ -556,10 +556,13 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
 @click.option("--calibrated", is_flag=True,
               help="The start delay per hop and the payload's share of a link fitted to this project's emulated "
                    "cluster (16 ms, 97.5%) instead of ideal links.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Units a receiver fetches at once from different parents (the agents' agent_fetch_concurrency; "
+                   "1: one at a time, the model the calibration uses).")
 @JSON_OUT
 def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, chunk_bytes, hop_latency_ms, serve,
                    slow_position, slow_factor, racks, oversubscription, fail_position, fail_at, detect, calibrated,
-                   json_path):
+                   concurrency, json_path):
     """Multicast completion at any N in the chunk-level simulator, from the control plane's own plans."""
     from benchmarks import distribution, simulate
     from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S
@@ -585,7 +588,7 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
                     hop_latency_s=hop_latency_ms / 1e3, serve=serve, goodput=CALIBRATED_GOODPUT if calibrated else 1.0,
                     start_delay_s=CALIBRATED_START_DELAY_S if calibrated else 0.0, slow_position=slow_position,
                     slow_factor=slow_factor if slow_position else 1.0, racks=racks, oversubscription=oversubscription,
-                    fail_position=fail_position, fail_at_s=fail_at, detect_s=detect)
+                    fail_position=fail_position, fail_at_s=fail_at, detect_s=detect, concurrency=concurrency)
     with Progress.on_stderr(_echo_err) as progress:
         progress.start(len(counts) * len(names), "simulate")
         results = simulate.run(list(counts), list(names), **settings,

@@ -50,7 +50,7 @@ def equal_blocks(model_bytes: int, blocks: int) -> list[int]:
 def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link_mbit: float, chunk_bytes: int,
         hop_latency_s: float, serve: str = "fair", goodput: float = 1.0, start_delay_s: float = 0.0,
         slow_position: int = 0, slow_factor: float = 1.0, racks: int = 0, oversubscription: float = 1.0,
-        fail_position: int = 0, fail_at_s: float = 0.0, detect_s: float = 0.0,
+        fail_position: int = 0, fail_at_s: float = 0.0, detect_s: float = 0.0, concurrency: int = 1,
         progress=lambda line: None) -> list[SimulatedRun]:
     """Simulate every (N, strategy) for blocks of ``block_bytes``, and the whole-block binomial after
     ``binomial``; ``serve`` is how an uplink picks among its waiting children (the simulator's policies;
@@ -63,7 +63,8 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
     the first), plans them rack-aware, and gives each rack's uplink its nodes' links over ``oversubscription``
     (at least one); ``fail_position`` (1-based, 0: none) names a receiver that dies ``fail_at_s`` after the
     start, the plan repaired ``detect_s`` later as the control plane repairs it (the dead one left out of the
-    figures); ``progress`` gets a line per figure. Raises RuntimeError if a
+    figures); ``concurrency``: units a receiver fetches at once from different parents, as agents do;
+    ``progress`` gets a line per figure. Raises RuntimeError if a
     figure beats its lower bound (a simulator fault)."""
     floor_rate = link_mbit * 1e6 / 8
     rate = floor_rate * goodput
@@ -88,7 +89,8 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
             for label, plan in plans:
                 finished = simulate(plan, block_bytes, rate, chunk_bytes, serve=serve, hop_latency_s=hop_latency_s,
                                     start_delay_s=start_delay_s, rates={slow: slow_factor} if slow else None,
-                                    racks=rack_of, rack_uplinks=uplinks, failures=failures, detect_s=detect_s)
+                                    racks=rack_of, rack_uplinks=uplinks, failures=failures, detect_s=detect_s,
+                                    concurrency=concurrency)
                 seconds = max(finished.values())
                 others = max((t for rx, t in finished.items() if rx != slow), default=None) if slow else None
                 bound = lower_bound(plan, block_bytes, rate, chunk_bytes, hop_latency_s=hop_latency_s,
@@ -117,7 +119,8 @@ def rack_layout(receivers: list[str], racks: int, oversubscription: float) -> tu
 def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: float, chunk_bytes: int,
            hop_latency_s: float, serve: str = "fair", goodput: float = 1.0, start_delay_s: float = 0.0,
            slow_position: int = 0, slow_factor: float = 1.0, racks: int = 0, oversubscription: float = 1.0,
-           fail_position: int = 0, fail_at_s: float = 0.0, detect_s: float = 0.0, source: str = "") -> str:
+           fail_position: int = 0, fail_at_s: float = 0.0, detect_s: float = 0.0, concurrency: int = 1,
+           source: str = "") -> str:
     """The table: per N, each strategy's completion over S/B, the default marked, the bound beside; with a
     slow receiver, the others' completion too."""
     payload = f" ({goodput:.1%} of them payload)" if goodput < 1 else ""
@@ -127,6 +130,7 @@ def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: fl
     payload += f", {racks} racks at {oversubscription:g}:1 oversubscription" if racks else ""
     payload += (f", receiver {fail_position} dies at {fail_at_s:g} s, repaired {detect_s:g} s later"
                 if fail_position else "")
+    payload += f", {concurrency} units fetched at once from different parents" if concurrency > 1 else ""
     lines = [f"simulated multicast of {source or format_bytes(sum(block_bytes))} in {len(block_bytes)} blocks, "
              f"{format_bytes(chunk_bytes)} chunks, {link_mbit:g} Mbit/s links{payload}, {hop_latency_s * 1e3:g} ms "
              f"a hop, "

@@ -3,9 +3,11 @@
 The model, kept simple on purpose:
 
 - every node has a full-duplex link of the same rate (or a share of it: ``rates``, e.g. a straggler), or
-  several (``links``: a store whose egress is L links' worth); only uplinks are contended, since a receiver
-  fetches one unit (a block or a chunk range of one) at a time, strictly in plan order, and so its downlink
-  carries one stream; a rack's uplink may carry fewer chunks at once than its nodes send (``racks``);
+  several (``links``: a store whose egress is L links' worth), each way one chunk at a time; a receiver
+  fetches its units (blocks or chunk ranges of them) in plan order, one at a time by default, or up to
+  ``concurrency`` at once from different parents as agents do (one at a time per parent, the first
+  unfinished one always), its downlink still taking one chunk at a time from any of them; a rack's uplink
+  may carry fewer chunks at once than its nodes send (``racks``);
 - each of a node's uplinks sends one chunk at a time to one of the children fetching from it whose next
   chunk it already holds and that no other uplink is sending to: by default taking turns (round robin),
   so concurrent children share the uplinks equally, as TCP flows would; with ``serve="earliest"`` the
@@ -18,14 +20,17 @@ The model, kept simple on purpose:
   ``hop_latency_s`` after it left its sender's uplink (0 by default), which is free for the next chunk
   meanwhile; there is no per-message cost and no verification time.
 
-A receiver asks for a unit once it holds the one before, so with a hop latency each unit's first chunk
-comes a hop after the last one's. So a chain finishes in S/B + (N-1)c/B, unicast from one source in
-N*S/B, and a binomial pipeline of k equal units to 2^d - 1 receivers in about (k+d)/k * S/B. That last
-figure needs the plan's round rhythm: with fair sharing and more than three chunks per unit, receivers
-that finish a fetch early start the next one while their parent still sends an earlier round's unit, and
-the lag grows round after round (1.8 * S/B for 31 receivers, 32 blocks of 4 chunks); ``serve="earliest"``
-keeps the rhythm (1.19). The cost is one heap event per chunk transferred, plus a scan of the sender's
-waiting children. No schedule beats :func:`lower_bound`.
+One at a time, a receiver asks for a unit once it holds the one before, so with a hop latency each unit's
+first chunk comes a hop after the last one's; a request itself takes no time. So a chain finishes in S/B +
+(N-1)c/B, unicast from one source in N*S/B, and a binomial pipeline of k equal units to 2^d - 1 receivers in
+about (k+d)/k * S/B. That last figure needs the plan's round rhythm: with fair sharing and more than three
+chunks per unit, receivers that finish a fetch early start the next one while their parent still sends an
+earlier round's unit, and the lag grows round after round (1.8 * S/B for 31 receivers, 32 blocks of 4 chunks);
+``serve="earliest"`` keeps the rhythm (1.19). Several units at once from different parents (``concurrency``)
+break the rhythm too: the demo model's unit binomial pipeline to 8 receivers, calibrated, takes 1.28 x S/B
+four at a time, 1.09 one at a time, against 1.16 measured with agents fetching four at a time, whose requests
+take time that overlapping them hides and this model does not charge. The cost is one heap event per chunk
+transferred, plus a scan of the sender's waiting children. No schedule beats :func:`lower_bound`.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
              hop_latency_s: float = 0.0, start_delay_s: float = 0.0,
              rates: Mapping[str, float] | None = None, racks: Mapping[str, str] | None = None,
              rack_uplinks: int = 0, failures: Mapping[str, float] | None = None,
-             detect_s: float = 0.0) -> dict[str, float]:
+             detect_s: float = 0.0, concurrency: int = 1) -> dict[str, float]:
     """Seconds from the start until each receiver of ``plan`` holds all its units.
 
     ``block_bytes`` is one size for every block or a size per block index; chunk c of block b is its bytes
@@ -73,7 +78,9 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     until both have one free; ``failures`` kills receivers (node -> when: what it has in flight is lost, it
     sends nothing more) and ``detect_s`` after each death the plan is repaired as the control plane repairs it
     (:func:`~control_plane.planner.replan.repair`, from the blocks each receiver holds then); the dead are
-    left out of the result. Raises
+    left out of the result. ``concurrency``: fetches a receiver runs at once from different parents, as an
+    agent does (``agent_fetch_concurrency``; one at a time per parent, in plan order, the first unfinished one
+    always), its downlink still carrying one chunk at a time. Raises
     :class:`PlanError` if some receivers never finish (the plan deadlocks or names a parent that never gets
     the unit), ValueError for bad numbers or a chunk range past its block's end.
     """
@@ -83,6 +90,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     if link_bytes_per_s <= 0 or chunk_bytes <= 0:
         raise ValueError(f"simulate: link rate and chunk size must be positive, got {link_bytes_per_s!r} "
                          f"and {chunk_bytes!r}")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"simulate: concurrency must be a positive integer, got {concurrency!r}")
     if serve not in SERVE_POLICIES:
         raise ValueError(f"simulate: serve must be one of {', '.join(SERVE_POLICIES)}, got {serve!r}")
     links = dict(links or {})
@@ -130,55 +139,74 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
 
     follow(plan)
 
-    position = dict.fromkeys(units, 0)  # index of the fetch in progress
-    got = dict.fromkeys(units, 0)  # chunks of that unit received so far
-    requested = dict.fromkeys(units, 0)  # chunks of that unit sent toward it (arrived or on the way)
-    ticket = dict.fromkeys(units, 0)  # bumped per fetch: older uplink queue entries are stale
-    queues: dict[str, deque[tuple[str, int]]] = {}
+    # Each receiver's fetches as an agent runs them: up to ``concurrency`` at once, one at a time per parent,
+    # in plan order, the first unfinished one always (a running fetch is a slot taken, waiting for bytes or
+    # receiving them); each running fetch has an id, dropped when it ends or a re-plan moves it (a chunk on
+    # its way to a dropped id is stale).
+    done: dict[str, bytearray] = {}
+    oldest: dict[str, int] = {}  # the first unfinished fetch
+    running: dict[str, dict[int, int]] = {}  # fetch index -> its id
+    busy: dict[str, set[str]] = {}  # parents a fetch runs from
+    pending: dict[str, dict[str, deque[int]]] = {}  # per parent, the fetches not started, in plan order
+    whose: dict[int, tuple[str, int]] = {}  # fetch id -> (receiver, fetch index)
+    got: dict[int, int] = {}  # chunks of its unit received so far, in order
+    requested: dict[int, int] = {}  # chunks sent toward it (arrived or on the way)
+    queues: dict[str, deque[int]] = {}  # per sender, the ids of the fetches from it
     sending: dict[str, int] = {}  # chunks each node has in flight, at most its links
     receiving: set[str] = set()  # children with a chunk in flight: a downlink carries one
-    # (when, order, kind, parent, child, the child's ticket when it was scheduled: a chunk of a fetch since
-    # moved elsewhere by a re-plan is stale)
+    # (when, order, kind, parent, child, the fetch id a chunk is for)
     events: list[tuple[float, int, int, str, str, int]] = []
     finished: dict[str, float] = {}
     dead: set[str] = set()
-    seq = 0
+    seq = ids = 0
 
-    def ready(child: str) -> float:
-        """Chunks of ``child``'s current unit that its parent can forward now."""
-        k = position[child]
+    def lay_out(rx: str, finished_units: set[tuple[int, int, int]]) -> None:
+        """``rx``'s fetch state for its current units, those in ``finished_units`` done."""
+        done[rx] = bytearray(unit in finished_units for unit in units[rx])
+        oldest[rx] = next((k for k, flag in enumerate(done[rx]) if not flag), len(units[rx]))
+        running[rx], busy[rx], pending[rx] = {}, set(), {}
+        for k, parent in enumerate(parents[rx]):
+            if not done[rx][k]:
+                pending[rx].setdefault(parent, deque()).append(k)
+
+    def ready(fetch: int) -> float:
+        """Chunks of fetch ``fetch``'s unit that its parent can forward now."""
+        child, k = whose[fetch]
         feed = feeds[child][k]
         if feed == HOLDS:
             return math.inf
         if feed is None:
             return 0
         parent = parents[child][k]
-        at = position[parent]
-        if at != feed:
-            return math.inf if at > feed else 0
+        if done[parent][feed]:
+            return math.inf
+        theirs = running[parent].get(feed)
+        if theirs is None:
+            return 0
         # The parent is fetching the unit (or one containing it) now: its chunks arrive in order.
-        return max(0, units[parent][at][1] + got[parent] - units[child][k][1])
+        return max(0, units[parent][feed][1] + got[theirs] - units[child][k][1])
 
-    def pick(parent: str) -> str | None:
-        """The child ``parent`` sends its next chunk to, if any can take one now."""
+    def pick(parent: str) -> int | None:
+        """The fetch ``parent`` sends its next chunk to, if any can take one now."""
         queue = queues.get(parent)
         if not queue:
             return None
         chosen, behind = None, math.inf
         for _ in range(len(queue)):
-            child, fetch = queue.popleft()
-            if ticket[child] != fetch or child in dead:
-                continue  # that child has moved on to another fetch, or died
-            queue.append((child, fetch))  # to the back: the next pick starts after it (round robin)
-            _, first, end = units[child][position[child]]
-            if child not in receiving and requested[child] < min(ready(child), end - first):
+            fetch = queue.popleft()
+            if fetch not in whose or whose[fetch][0] in dead:
+                continue  # that fetch has ended or moved elsewhere, or its receiver died
+            queue.append(fetch)  # to the back: the next pick starts after it (round robin)
+            child, k = whose[fetch]
+            _, first, end = units[child][k]
+            if child not in receiving and requested[fetch] < min(ready(fetch), end - first):
                 if not crossing_free(parent, child):
                     held_up.add(parent)
                     continue
                 if serve == "fair":
-                    return child
-                if position[child] < behind:
-                    chosen, behind = child, position[child]
+                    return fetch
+                if k < behind:
+                    chosen, behind = fetch, k
         return chosen
 
     def crossing(parent: str, child: str) -> tuple[str, str] | None:
@@ -199,38 +227,66 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     def send(parent: str, now: float) -> None:
         nonlocal seq
         while parent not in dead and sending.get(parent, 0) < links.get(parent, 1):
-            child = pick(parent)
-            if child is None:
+            fetch = pick(parent)
+            if fetch is None:
                 return
-            block, first, _ = units[child][position[child]]
-            nbytes = min(chunk_bytes, size[block] - (first + requested[child]) * chunk_bytes)
+            child, k = whose[fetch]
+            block, first, _ = units[child][k]
+            nbytes = min(chunk_bytes, size[block] - (first + requested[fetch]) * chunk_bytes)
             sending[parent] = sending.get(parent, 0) + 1
             receiving.add(child)
-            requested[child] += 1
+            requested[fetch] += 1
             take_crossing(parent, child, 1)
             seq += 1
             rate = link_bytes_per_s * min(share.get(parent, 1.0), share.get(child, 1.0))
-            heapq.heappush(events, (now + nbytes / rate, seq, SENT, parent, child, ticket[child]))
+            heapq.heappush(events, (now + nbytes / rate, seq, SENT, parent, child, fetch))
 
-    def start(rx: str, now: float) -> None:
-        k = position[rx]
-        if k == len(units[rx]):
+    def begin(rx: str, k: int, now: float, progress: int = 0) -> None:
+        """Fetch ``k`` of ``rx`` takes a slot, ``progress`` chunks of it already here."""
+        nonlocal ids
+        ids += 1
+        parent = parents[rx][k]
+        running[rx][k] = ids
+        busy[rx].add(parent)
+        whose[ids] = (rx, k)
+        got[ids] = requested[ids] = progress
+        queues.setdefault(parent, deque()).append(ids)
+        send(parent, now)
+
+    def fill(rx: str, now: float) -> None:
+        """Start what may start: the next fetch from each idle parent, first ones first, while slots are free
+        (the first unfinished fetch whatever the slots)."""
+        if oldest[rx] == len(units[rx]):
             finished.setdefault(rx, now)
             return
-        parent = parents[rx][k]
-        queues.setdefault(parent, deque()).append((rx, ticket[rx]))
-        send(parent, now)
+        for k in sorted(queue[0] for parent, queue in pending[rx].items() if queue and parent not in busy[rx]):
+            if len(running[rx]) >= concurrency and k != oldest[rx]:
+                return
+            pending[rx][parents[rx][k]].popleft()
+            begin(rx, k, now)
 
-    def arrive(parent: str, child: str, now: float) -> None:
-        got[child] += 1
-        _, first, end = units[child][position[child]]
-        if got[child] == end - first:
-            position[child] += 1
-            got[child] = requested[child] = 0
-            ticket[child] += 1
-            start(child, now)
+    def end_fetch(fetch: int) -> None:
+        child, k = whose.pop(fetch)
+        del running[child][k], got[fetch], requested[fetch]
+        busy[child].discard(parents[child][k])
+
+    def arrive(parent: str, fetch: int, now: float) -> None:
+        child, k = whose[fetch]
+        got[fetch] += 1
+        _, first, end = units[child][k]
+        if got[fetch] == end - first:
+            done[child][k] = 1
+            end_fetch(fetch)
+            while oldest[child] < len(units[child]) and done[child][oldest[child]]:
+                oldest[child] += 1
+            fill(child, now)
         send(child, now)  # its own children may be waiting for the chunk that just arrived
         send(parent, now)
+
+    def downlink_free(child: str, now: float) -> None:
+        """``child``'s downlink can take a chunk again: its other parents may send."""
+        for k in list(running.get(child, ())):
+            send(parents[child][k], now)
 
     depth: dict[str, int] = {}
 
@@ -242,34 +298,54 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
         return depth[rx]
 
     def replan_around(now: float) -> None:
-        """The control plane's repair, ``detect_s`` after a death: the live receivers take their new fetches
-        from their first unfinished unit on, keeping the chunks of it they have."""
+        """The control plane's repair, ``detect_s`` after a death: the live receivers take their new fetches,
+        keeping the units they hold and the chunks of those they were fetching; a fetch whose parent stays
+        goes on, others start afresh from their next missing chunk."""
         nonlocal current
-        held = {}
+        held, have, was = {}, {}, {}
         for rx, items in units.items():
             if rx not in dead:
-                done = {block for block, _, _ in items[:position[rx]]}
-                held[rx] = done - {block for block, _, _ in items[position[rx]:]}
+                have[rx] = {unit for unit, flag in zip(items, done[rx]) if flag}
+                held[rx] = {block for block, _, _ in have[rx]} - {b for (b, _, _), f in zip(items, done[rx]) if not f}
+                was[rx] = {items[k]: (parents[rx][k], fetch) for k, fetch in running[rx].items()}
         current = repair(current, dead=dead, held=held, sources=current.sources)[0]
-        now_at = {rx: units[rx][position[rx]] for rx in units if rx not in dead and position[rx] < len(units[rx])}
-        old_parent = {rx: parents[rx][position[rx]] for rx in now_at}
         for rx in [rx for rx in units if rx not in current.assignments]:
             del units[rx], parents[rx], feeds[rx]
         follow(current)
-        for rx, unit in now_at.items():
+        restart: dict[str, list[tuple[int, int]]] = {}
+        for rx in was:  # every receiver's new state first: sending looks at the others'
+            if rx in units:
+                lay_out(rx, have[rx])
+            for k, unit in enumerate(units.get(rx, ())):
+                old = was[rx].pop(unit, None)
+                if old is None or done[rx][k]:
+                    continue
+                parent, fetch = old
+                pending[rx][parents[rx][k]].remove(k)
+                if parent == parents[rx][k]:  # goes on: the chunks on their way still count
+                    running[rx][k] = fetch
+                    busy[rx].add(parent)
+                    whose[fetch] = (rx, k)
+                else:
+                    restart.setdefault(rx, []).append((k, got[fetch]))
+                    was[rx][unit] = old  # dropped below: a chunk still coming from the old parent is stale
+            for _, fetch in was[rx].values():
+                if whose.pop(fetch, None) is not None:
+                    receiving.discard(rx)
+                    del got[fetch], requested[fetch]
+        for rx in was:
             if rx not in units:  # it needs nothing more
                 finished.setdefault(rx, now)
                 continue
-            position[rx] = units[rx].index(unit)
-            if parents[rx][position[rx]] != old_parent[rx]:
-                ticket[rx] += 1  # a chunk still coming from the old parent is stale
-                requested[rx] = got[rx]
-                receiving.discard(rx)
-                start(rx, now)
+            for k, progress in restart.get(rx, ()):
+                begin(rx, k, now, progress)
+            fill(rx, now)
         for node in list(queues):
             send(node, now)
 
     current = plan
+    for rx in units:
+        lay_out(rx, set())
     for rx, at in failures.items():
         seq += 1
         heapq.heappush(events, (at, seq, DIED, "", rx, 0))
@@ -278,11 +354,11 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             seq += 1
             heapq.heappush(events, (start_delay_s * depth_of(rx), seq, STARTED, "", rx, 0))
         else:
-            start(rx, 0.0)
+            fill(rx, 0.0)
     while events:
-        now, _, kind, parent, child, held_ticket = heapq.heappop(events)
+        now, _, kind, parent, child, fetch = heapq.heappop(events)
         if kind == STARTED:
-            start(child, now)
+            fill(child, now)
             continue
         if kind == DIED:
             dead.add(child)
@@ -292,16 +368,16 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
         if kind == REPLANNED:
             replan_around(now)
             continue
-        stale = child in dead or held_ticket != ticket[child]
+        stale = child in dead or whose.get(fetch, (None,))[0] != child
         if kind == ARRIVED:
             if not stale:
-                arrive(parent, child, now)
+                arrive(parent, fetch, now)
             continue
         sending[parent] -= 1
         if not stale:
             receiving.discard(child)
         if parent in dead and not stale:  # its uplink died with it: the chunk never arrives
-            requested[child] -= 1
+            requested[fetch] -= 1
             stale = True
         if crossing(parent, child) is not None:
             take_crossing(parent, child, -1)
@@ -312,16 +388,18 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             send(parent, now)
         elif hop_latency_s:
             seq += 1
-            heapq.heappush(events, (now + hop_latency_s, seq, ARRIVED, parent, child, held_ticket))
+            heapq.heappush(events, (now + hop_latency_s, seq, ARRIVED, parent, child, fetch))
             send(parent, now)  # its uplink is free for the next chunk while this one travels
         else:
-            arrive(parent, child, now)
+            arrive(parent, fetch, now)
+        if child not in dead:
+            downlink_free(child, now)
     for node in dead:
         finished.pop(node, None)
     stuck = sorted(set(units) - dead - finished.keys())
     if stuck:
         rx = stuck[0]
-        a = current.assignments[rx][position[rx]]
+        a = current.assignments[rx][oldest[rx]]
         raise PlanError(f"plan deadlocks in simulation: {len(stuck)} receiver(s) never finish, e.g. {rx!r} "
                         f"waiting for {unit_name(a.block, a.chunks)} from {a.parent!r}")
     return finished

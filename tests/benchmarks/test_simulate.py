@@ -104,3 +104,18 @@ def test_a_receiver_that_dies_is_left_out_and_the_others_finish_after_the_repair
     [ok], [failed] = (json.loads(p.read_text())["results"] for p in (tmp_path / "ok.json", out))
     assert failed["seconds"] > ok["seconds"]  # the receivers behind the dead one waited for the repair
     assert failed["seconds"] <= ok["seconds"] + 0.5 + 0.1  # and lost no more than that
+
+
+def test_receivers_fetch_as_many_units_at_once_as_asked(tmp_path):
+    out = tmp_path / "concurrent.json"
+    common = ["simulate", "--nodes", "20", "--strategy", "chain,binomial", "--model-bytes", "32MiB"]
+    result = CliRunner().invoke(bench_group, [*common, "--concurrency", "4", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "4 units fetched at once from different parents" in result.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["concurrency"] == 4
+    assert CliRunner().invoke(bench_group, [*common, "--json", str(tmp_path / "one.json")]).exit_code == 0
+    one = json.loads((tmp_path / "one.json").read_text())
+    seconds = {(r["strategy"], k): r["seconds"] for k, d in (("one", one), ("four", data)) for r in d["results"]}
+    assert seconds["chain", "one"] == seconds["chain", "four"]  # one parent: one unit at a time whatever the setting
+    assert all(r["lower_bound_seconds"] <= r["seconds"] for r in data["results"])

@@ -747,12 +747,12 @@ def test_the_lower_bound_is_one_copy_and_the_first_chunk_plus_a_hop():
 
 @settings(max_examples=80, deadline=None)
 @given(plan_requests(), st.lists(st.integers(1, 9), min_size=24, max_size=24), st.integers(1, 4),
-       st.sampled_from([0.0, 0.3]), st.sampled_from(SERVE_POLICIES))
-def test_no_simulated_plan_beats_the_lower_bound(case, sizes, chunk, hop, serve):
+       st.sampled_from([0.0, 0.3]), st.sampled_from(SERVE_POLICIES), st.sampled_from([1, 2, 4]))
+def test_no_simulated_plan_beats_the_lower_bound(case, sizes, chunk, hop, serve, concurrency):
     strategy, sources, receivers, num_blocks, fanout, labels = case
     counts = [-(-size // chunk) for size in sizes[:num_blocks]]
     plan = make_plan(strategy, sources, receivers, num_blocks, fanout=fanout, labels=labels, chunk_counts=counts)
-    done = simulate(plan, sizes[:num_blocks], 1, chunk, serve=serve, hop_latency_s=hop)
+    done = simulate(plan, sizes[:num_blocks], 1, chunk, serve=serve, hop_latency_s=hop, concurrency=concurrency)
     assert max(done.values(), default=0) >= lower_bound(plan, sizes[:num_blocks], 1, chunk, hop_latency_s=hop) - 1e-9
 
 
@@ -847,6 +847,30 @@ def test_every_live_receiver_finishes_after_deaths_and_never_before_the_bound(st
     plan = make_plan(strategy, ["s"], receivers, blocks, chunk_counts=[3] * blocks if strategy == "binomial" else None)
     victims = data.draw(st.lists(st.sampled_from(receivers), min_size=1, max_size=2, unique=True))
     failures = {v: data.draw(st.floats(0, 3 * blocks)) for v in victims}
-    finished = simulate(plan, 3, 1, 1, failures=failures, detect_s=data.draw(st.floats(0, 2)))
+    finished = simulate(plan, 3, 1, 1, failures=failures, detect_s=data.draw(st.floats(0, 2)),
+                        concurrency=data.draw(st.sampled_from([1, 2, 4])))
     assert set(finished) == set(receivers) - set(victims)
     assert min(finished.values(), default=3 * blocks) >= 3 * blocks  # a receiver's own bytes at the link rate
+
+
+def test_concurrent_fetches_fill_a_downlink_that_one_slow_parent_leaves_idle():
+    # r fetches block 0 from x, whose link runs at a quarter, then block 1 from holder h; 4 chunks each.
+    plan = Plan("chain", ("s",), {"x": [Fetch(0, "s")], "r": [Fetch(0, "x"), Fetch(1, "h")]}, {"h": (1,)})
+    # x gets a chunk every 4 s and passes each on in 4 s more: block 0 lands at 20, then block 1 at 24.
+    assert simulate(plan, 4, 1, 1, rates={"x": 0.25})["r"] == 24
+    # Block 1 arrives while block 0 trickles in, in the gaps of r's downlink.
+    assert simulate(plan, 4, 1, 1, rates={"x": 0.25}, concurrency=2)["r"] == 20
+    # Still one chunk at a time down a link: two parents at full rate take as long as one.
+    fast = Plan("chain", ("s",), {"r": [Fetch(0, "s"), Fetch(1, "h")]}, {"h": (1,)})
+    assert simulate(fast, 4, 1, 1, concurrency=2) == simulate(fast, 4, 1, 1) == {"r": 8}
+
+
+@pytest.mark.parametrize("strategy", ["chain", "tree", "unicast"])
+def test_one_parent_plans_fetch_one_unit_at_a_time_whatever_the_concurrency(strategy):
+    plan = make_plan(strategy, ["s"], [f"w{i}" for i in range(6)], 4)
+    assert simulate(plan, 3, 1, 1, hop_latency_s=0.1, concurrency=4) == simulate(plan, 3, 1, 1, hop_latency_s=0.1)
+
+
+def test_simulate_rejects_a_bad_concurrency():
+    with pytest.raises(ValueError, match="concurrency must be a positive integer, got 0"):
+        simulate(make_plan("chain", ["s"], ["a"], 1), 1, 1, 1, concurrency=0)
