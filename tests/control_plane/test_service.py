@@ -3,6 +3,7 @@ assignment streams, restarts with the same SQLite file, metrics, mTLS and the ag
 
 import asyncio
 import dataclasses
+import gc
 import json
 import subprocess
 import time
@@ -28,7 +29,7 @@ from control_plane.errors import (
 )
 from benchmarks.certs import have_openssl, make_certs
 from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
-from control_plane.server import ControlPlaneServer, ServerConfig
+from control_plane.server import GC_YOUNG_THRESHOLD, ControlPlaneServer, ServerConfig, tune_collector
 from control_plane.worker_session import WorkerSession
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.manifest import MANIFEST_FORMAT_VERSION, manifest_to_json, seal_manifest
@@ -587,3 +588,12 @@ async def test_list_pipelines_names_each_stage_with_its_serve_url_and_layers(cli
         ("w1", "http://127.0.0.1:8001", 0, 2), ("w2", "http://127.0.0.1:8002", 2, 4)]
     with pytest.raises(UnknownPackage):
         await client.list_pipelines("f" * 64)
+
+
+def test_the_control_plane_collects_young_garbage_less_often_and_keeps_the_older_thresholds():
+    before = gc.get_threshold()
+    try:
+        tune_collector()
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *before[1:]) and GC_YOUNG_THRESHOLD > before[0]
+    finally:
+        gc.set_threshold(*before)
