@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import queue
+import re
 import secrets
 import shutil
 import sys
@@ -208,11 +209,16 @@ class _Demo(RunProcesses):
                   [f"{w}-{role}" for w in (EWL, LTS) for role in ("serve", "client")], START_TIMEOUT_S)
         return clients
 
-    def scale_up(self, strategy: str, since: float, live: "queue.Queue | None" = None) -> dict[str, float]:
-        """Ask the control plane to bring the package onto the workers; show the blocks arriving (and the
-        live answer); return each worker's seconds from the first plan received to its last block."""
-        self.cp(f"scale-up-{strategy}", "scale-up", self.manifest.package_id, *(a for w in WORKERS for a in
-                                                                             ("--worker", w)), "--strategy", strategy)
+    def scale_up(self, since: float, live: "queue.Queue | None" = None,
+                 strategy: str = "") -> tuple[str, dict[str, float]]:
+        """Ask the control plane to bring the package onto the workers by ``strategy`` ("": the plan it picks,
+        as for a deployment); show the blocks arriving (and the live answer); return the plan's strategy and
+        each worker's seconds from the first plan received to its last block."""
+        out = self.cp(f"scale-up-{strategy or 'default'}", "scale-up", self.manifest.package_id,
+                      *(a for w in WORKERS for a in ("--worker", w)), *(("--strategy", strategy) if strategy else ()))
+        planned = re.match(r"plan \S+: (\w+) from", out)
+        if planned is None:
+            raise DemoError(f"pipecast cp scale-up answered no plan: {out.strip()!r}")
         deadline = time.monotonic() + TRANSFER_TIMEOUT_S
         streaming = False
         last_progress = 0.0
@@ -240,7 +246,7 @@ class _Demo(RunProcesses):
             print(flush=True)
         start = min(e["t"] for w in WORKERS for e in self.events(w)
                     if e["event"] == "assignment" and e.get("package") == self.manifest.package_id and e["t"] >= since)
-        return {w: done[w] - start for w in WORKERS}
+        return planned[1], {w: done[w] - start for w in WORKERS}
 
     def release(self) -> None:
         """The workers drop the package (the control plane tells them) and forget it: cold again."""
@@ -300,10 +306,10 @@ def cold_start(package: Path, logs: Path, mode: str) -> None:
         _reader(clients[LTS], queue.Queue())
         t0 = time.time()
         write_start_file(logs / "t0", t0)
-        _step(f"scale-up to {', '.join(WORKERS)} by binomial multicast, and at the same moment a "
+        _step(f"scale-up to {', '.join(WORKERS)} by multicast (the control plane's own plan), and at the same moment a "
               f"{len(prompt)}-token chat request to {EWL} and to {LTS}")
         with CpuSampler() as cpu:
-            multicast = demo.scale_up("binomial", t0, pieces)
+            planned, multicast = demo.scale_up(t0, pieces)
         answers = {w: json.loads((logs / f"{w}.answer.json").read_text()) for w in (EWL, LTS)}
         for w, answer in answers.items():
             if "error" in answer:
@@ -313,19 +319,20 @@ def cold_start(package: Path, logs: Path, mode: str) -> None:
         _step(f"time to first token from the scale-up request: {EWL} execute-while-load {ttft[EWL]:.2f} s, "
               f"{LTS} load-then-serve {ttft[LTS]:.2f} s ({ttft[LTS] - ttft[EWL]:+.2f} s); same answer: "
               f"{'yes' if same else 'NO'}")
-        _step(f"multicast: every worker held the model {max(multicast.values()):.2f} s after the first plan arrived "
-              f"({max(multicast.values()) / floor:.2f}x S/B); this machine meanwhile: {cpu.usage().summary()}")
+        _step(f"multicast ({planned}): every worker held the model {max(multicast.values()):.2f} s after the first "
+              f"plan arrived ({max(multicast.values()) / floor:.2f}x S/B); this machine meanwhile: "
+              f"{cpu.usage().summary()}")
         stop_processes([demo.procs[f"{w}-{role}"] for w in (EWL, LTS) for role in ("serve", "client")])
         demo.release()
         _step(f"{', '.join(WORKERS)} dropped the package; now unicast from the store to the same workers")
-        unicast = demo.scale_up("unicast", time.time())
+        _, unicast = demo.scale_up(time.time(), strategy="unicast")
         _step(f"unicast: every worker held the model {max(unicast.values()):.2f} s after the first plan arrived "
               f"({max(unicast.values()) / floor:.2f}x S/B)")
         print(f"\nsummary ({cluster.mode} mode, {len(WORKERS)} workers, links {LINK_MBIT:g} Mbit/s, "
               f"{demo.manifest.model_name} {format_bytes(demo.manifest.total_bytes)}: S/B = {floor:.2f} s)\n"
               f"  first token after the scale-up request   execute-while-load {ttft[EWL]:6.2f} s   "
               f"load-then-serve {ttft[LTS]:6.2f} s\n"
-              f"  every worker holding the model            multicast (binomial) {max(multicast.values()):5.2f} s   "
+              f"  every worker holding the model            multicast ({planned}) {max(multicast.values()):5.2f} s   "
               f"unicast {max(unicast.values()):6.2f} s ({max(unicast.values()) / max(multicast.values()):.1f}x "
               f"longer)", flush=True)
 
