@@ -14,10 +14,11 @@ from pipecast.core.units import format_bytes
 DEFAULT_FANOUT = 2
 # One source and at most this many receivers: a chain, else a binomial pipeline of chunk-range units. With
 # chunk cut-through a chain runs every link at full rate and adds one chunk of latency per hop; that latency
-# grows with N, the binomial pipeline's with log N. Measured on this project's emulated cluster (netns),
-# N = 16 at 200 Mbit/s: chain 1.12x S/B, the unit binomial pipeline 1.51x (its rounds lose their rhythm
-# with fairly shared uplinks); 16 is the largest N measured there.
-CHAIN_MAX_RECEIVERS = 16
+# grows with N, the binomial pipeline's with log N. Measured on this project's emulated cluster (netns, agents
+# asking four parents at once): N = 16 at 200 Mbit/s chain 1.11x S/B, unit binomial pipeline 1.19x; N = 32
+# at 100 Mbit/s chain 1.18x and 1.23x, binomial 1.33-1.37x (four runs); 32 is the largest N measured there.
+# Beyond it the chain's hops add up (simulated, calibrated, N = 64 at 400 Mbit/s: 1.28x).
+CHAIN_MAX_RECEIVERS = 32
 
 
 @dataclass(frozen=True)

@@ -5,29 +5,31 @@ import json
 from click.testing import CliRunner
 
 from benchmarks.command import bench_group
+from control_plane.placement import CHAIN_MAX_RECEIVERS
 
 
 def test_simulated_figures_follow_the_contract_and_never_beat_the_lower_bound(tmp_path):
     out = tmp_path / "sim.json"
-    result = CliRunner().invoke(bench_group, ["simulate", "--nodes", "4,20", "--strategy", "chain,binomial,unicast",
+    result = CliRunner().invoke(bench_group, ["simulate", "--nodes", "4,40", "--strategy", "chain,binomial,unicast",
                                        "--model-bytes", "32MiB", "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     # The binomial pipeline over chunk ranges (what the control plane plans), then over whole blocks.
     assert [(r["nodes"], r["strategy"]) for r in data["results"]] == [
-        (n, s) for n in (4, 20) for s in ("chain", "binomial", "binomial-blocks", "unicast")]
+        (n, s) for n in (4, 40) for s in ("chain", "binomial", "binomial-blocks", "unicast")]
     for r in data["results"]:
         assert set(r) == {"nodes", "strategy", "default", "units", "seconds", "floor_seconds", "ratio_to_floor",
                           "lower_bound_seconds", "others_seconds", "others_ratio_to_floor"}
         assert r["others_seconds"] is r["others_ratio_to_floor"] is None  # no slow receiver
         assert r["floor_seconds"] < r["lower_bound_seconds"] <= r["seconds"]
-        assert r["default"] == ((r["strategy"] == "chain") if r["nodes"] <= 16 else (r["strategy"] == "binomial"))
+        assert r["default"] == ((r["strategy"] == "chain") if r["nodes"] <= CHAIN_MAX_RECEIVERS
+                                else (r["strategy"] == "binomial"))
         # 8 blocks of 4 chunks: a plan of whole blocks has 8 units, the binomial ranges of 2 chunks or more.
         assert r["units"] == (16 if r["strategy"] == "binomial" else 8)
     unicast = {r["nodes"]: r["ratio_to_floor"] for r in data["results"] if r["strategy"] == "unicast"}
-    assert unicast[20] > 19  # every copy over the store's one link
+    assert unicast[40] > 39  # every copy over the store's one link
     ratios = {(r["nodes"], r["strategy"]): r["ratio_to_floor"] for r in data["results"]}
-    assert ratios[20, "binomial"] < ratios[20, "binomial-blocks"]
+    assert ratios[40, "binomial"] < ratios[40, "binomial-blocks"]
     assert "x S/B" in result.output and "binomial-blocks" in result.output
 
 
