@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import queue
-import re
 import secrets
 import shutil
 import sys
@@ -214,10 +213,10 @@ class _Demo(RunProcesses):
         """Ask the control plane to bring the package onto the workers by ``strategy`` ("": the plan it picks,
         as for a deployment); show the blocks arriving (and the live answer); return the plan's strategy and
         each worker's seconds from the first plan received to its last block."""
-        out = self.cp(f"scale-up-{strategy or 'default'}", "scale-up", self.manifest.package_id,
+        out = self.cp(f"scale-up-{strategy or 'default'}", "--json", "scale-up", self.manifest.package_id,
                       *(a for w in WORKERS for a in ("--worker", w)), *(("--strategy", strategy) if strategy else ()))
-        planned = re.match(r"plan \S+: (\w+) from", out)
-        if planned is None:
+        planned = json.loads(out).get("strategy")
+        if not planned:
             raise DemoError(f"pipecast cp scale-up answered no plan: {out.strip()!r}")
         deadline = time.monotonic() + TRANSFER_TIMEOUT_S
         streaming = False
@@ -246,7 +245,7 @@ class _Demo(RunProcesses):
             print(flush=True)
         start = min(e["t"] for w in WORKERS for e in self.events(w)
                     if e["event"] == "assignment" and e.get("package") == self.manifest.package_id and e["t"] >= since)
-        return planned[1], {w: done[w] - start for w in WORKERS}
+        return planned, {w: done[w] - start for w in WORKERS}
 
     def release(self) -> None:
         """The workers drop the package (the control plane tells them) and forget it: cold again."""

@@ -317,18 +317,17 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             if rx in units:
                 lay_out(rx, have[rx])
             for k, unit in enumerate(units.get(rx, ())):
-                old = was[rx].pop(unit, None)
-                if old is None or done[rx][k]:
+                parent, fetch = was[rx].get(unit, ("", 0))  # fetch ids start at 1
+                if not fetch or done[rx][k]:
                     continue
-                parent, fetch = old
                 pending[rx][parents[rx][k]].remove(k)
                 if parent == parents[rx][k]:  # goes on: the chunks on their way still count
+                    del was[rx][unit]
                     running[rx][k] = fetch
                     busy[rx].add(parent)
                     whose[fetch] = (rx, k)
-                else:
+                else:  # afresh from the next missing chunk (dropped below: what the old parent sends is stale)
                     restart.setdefault(rx, []).append((k, got[fetch]))
-                    was[rx][unit] = old  # dropped below: a chunk still coming from the old parent is stale
             for _, fetch in was[rx].values():
                 if whose.pop(fetch, None) is not None:
                     receiving.discard(rx)

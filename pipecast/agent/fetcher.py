@@ -38,6 +38,7 @@ from pipecast.agent.errors import (
 from pipecast.agent.ratelimit import format_rate
 from pipecast.agent.store import BlockStore
 from pipecast.agent.transport.base import Channel, Transport
+from pipecast.core.settings import Settings
 from pipecast.core.units import format_bytes
 from pipecast.v1.manifest_pb2 import Manifest
 
@@ -47,10 +48,11 @@ log = logging.getLogger(__name__)
 # request waits for its unit's first chunk to land at that parent: with requests out for the next units
 # meanwhile, that wait overlaps the current unit (netns, demo model, binomial: N = 8 at 400 Mbit/s 1.32x S/B
 # with 2, 1.16x with 4, 1.15x with 8; N = 16 at 200 Mbit/s 1.44x / 1.21x / 1.20x; 1.67x with 1). A
-# single-parent plan (chain, tree, unicast) is unaffected: one unit at a time per parent.
-DEFAULT_CONCURRENCY = 4
-DEFAULT_RETRIES = 2
-DEFAULT_BACKOFF_S = 0.2
+# single-parent plan (chain, tree, unicast) is unaffected: one unit at a time per parent. The defaults are the
+# settings' (agent_fetch_*), so that the library and the agent's command agree.
+DEFAULT_CONCURRENCY = Settings.model_fields["agent_fetch_concurrency"].default
+DEFAULT_RETRIES = Settings.model_fields["agent_fetch_retries"].default
+DEFAULT_BACKOFF_S = Settings.model_fields["agent_fetch_backoff_s"].default
 # A small file moves in ranges this big: what a relay must hold before it passes the file on.
 FILE_RANGE_BYTES = 256 << 10
 
