@@ -84,6 +84,8 @@ def test_a_streamed_block_is_bound_stage_by_stage_as_its_bytes_are_verified(pkg)
         assert model.is_ready(EMBED) and not model.is_ready((0, MLP_IN)) and loader.blocks_bound == 0
         agent.release()
         wait_until(lambda: model.fully_loaded)
+        # The loader records a block bound just after its last part is: the model can be whole a moment before.
+        wait_until(lambda: loader.blocks_bound == 4)
         assert loader.blocks_bound == 4
     finally:
         loader.stop(timeout=WAIT_S)
