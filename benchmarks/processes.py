@@ -9,6 +9,7 @@ machine without a cluster).
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import sys
@@ -30,11 +31,32 @@ def cli(*args: str | Path, verbose: bool = True) -> list[str]:
     return [sys.executable, "-m", "pipecast.cli", *(["-v"] if verbose else []), *map(str, args)]
 
 
+FREE_PORT_FLOOR = 20000  # above the well-known and most services' ports
+FREE_PORT_TRIES = 100
+
+
 def free_port(host: str) -> int:
-    """A port free on ``host`` now (loopback mode, where every host shares one network stack)."""
-    with socket.socket() as s:
+    """A port free on ``host`` now (loopback mode, where every host shares one network stack), below the
+    kernel's ephemeral range: one the kernel hands out could go to an outgoing connection before the service
+    binds it (seen once: a chaos agent's "address already in use")."""
+    for _ in range(FREE_PORT_TRIES):
+        port = random.randrange(FREE_PORT_FLOOR, max(_ephemeral_floor(), FREE_PORT_FLOOR + 1000))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all taken: whatever the kernel gives
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 #: A service's port on its host in netns mode, where every host has its own ports.
