@@ -1,8 +1,9 @@
 """Between the control plane's value types (:mod:`control_plane.messages`) and their protobuf messages."""
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
+from control_plane.errors import MalformedUpdate
 from control_plane.messages import AcceleratorInfo, AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.planner.plan import Fetch
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
@@ -59,23 +60,60 @@ def blocks_from_proto(msgs: Iterable[pb.PackageBlocks]) -> dict[str, set[int]]:
     return out
 
 
-def transfer_to_proto(fetch: Fetch, parent: pb.Peer) -> pb.Transfer:
-    """A plan's fetch as the assignment stream carries it: its chunk range, if any, as first/end chunk."""
-    first, end = fetch.chunks or (0, 0)
-    return pb.Transfer(block=fetch.block, peer=parent, first_chunk=first, end_chunk=end)
+def part_to_proto(fetch: Sequence[Fetch[str]], serve: Sequence[tuple[int, str]],
+                  peer: Callable[[str], pb.Peer]) -> tuple[pb.Transfers, pb.Transfers, list[pb.Peer]]:
+    """A node's part as the assignment stream carries it: its fetches and serves as columns that name each
+    parent and child by its index in one table of peers (``peer(node)``: the node's message), each once."""
+    index: dict[str, int] = {}
+    table: list[pb.Peer] = []
+
+    def at(node: str) -> int:
+        i = index.get(node)
+        if i is None:
+            i = index[node] = len(table)
+            table.append(peer(node))
+        return i
+
+    fetches = pb.Transfers(block=[a.block for a in fetch], peer=[at(a.parent) for a in fetch])
+    if any(a.chunks for a in fetch):  # whole blocks only: no chunk columns
+        fetches.first_chunk.extend(a.chunks[0] if a.chunks else 0 for a in fetch)
+        fetches.end_chunk.extend(a.chunks[1] if a.chunks else 0 for a in fetch)
+    serves = pb.Transfers(block=[block for block, _ in serve], peer=[at(child) for _, child in serve])
+    return fetches, serves, table
 
 
 def update_from_proto(msg: pb.AssignmentUpdate) -> AssignmentUpdate:
-    """The update's fetches keep their parents' addresses; a serve list needs only the children's ids."""
+    """The update's fetches keep their parents' addresses; a serve list needs only the children's ids.
+    Raises :class:`MalformedUpdate` for transfer columns that do not line up or name no peer."""
+    peers = tuple(peer_from_proto(p) for p in msg.peers)
+    fetch = tuple(Fetch(block, peers[i], (first, end) if end else None)
+                  for block, i, first, end in _transfers(msg, "fetch", peers))
+    serve = tuple((block, peers[i].node_id) for block, i, _, _ in _transfers(msg, "serve", peers))
     return AssignmentUpdate(
         kind=_KIND_FROM_PROTO[msg.kind], plan_id=msg.plan_id, package_id=msg.package_id, version=msg.version,
-        strategy=msg.strategy,
-        fetch=tuple(Fetch(t.block, peer_from_proto(t.peer), (t.first_chunk, t.end_chunk) if t.end_chunk else None)
-                    for t in msg.fetch),
-        serve=tuple((t.block, t.peer.node_id) for t in msg.serve),
+        strategy=msg.strategy, fetch=fetch, serve=serve,
         plan_ids=tuple(msg.plan_ids), sources=tuple(peer_from_proto(p) for p in msg.sources),
         receivers=tuple(msg.receivers), priority=msg.priority or DEFAULT_PRIORITY,
         report_progress=msg.report_progress)
+
+
+def _transfers(msg: pb.AssignmentUpdate, field: str,
+               peers: Sequence[PeerInfo]) -> Iterable[tuple[int, int, int, int]]:
+    """(block, peer index, first chunk, end chunk) of the update's ``field`` columns, checked."""
+    columns: pb.Transfers = getattr(msg, field)
+    count = len(columns.block)
+    chunks = (columns.first_chunk, columns.end_chunk) if columns.end_chunk or columns.first_chunk else None
+    where = f"assignment update of plan {msg.plan_id!r}: {field}"
+    if len(columns.peer) != count or (chunks and (len(chunks[0]), len(chunks[1])) != (count, count)):
+        raise MalformedUpdate(f"{where} has {count} blocks, {len(columns.peer)} peers, {len(columns.first_chunk)} "
+                              f"first and {len(columns.end_chunk)} end chunks (each must have one per block, or "
+                              "no chunks at all)")
+    bad = next((i for i in columns.peer if i >= len(peers)), None)
+    if bad is not None:
+        raise MalformedUpdate(f"{where} names peer {bad}, but the update lists {len(peers)} peers")
+    if chunks is None:
+        return ((block, i, 0, 0) for block, i in zip(columns.block, columns.peer))
+    return zip(columns.block, columns.peer, chunks[0], chunks[1])
 
 
 def deployment_to_proto(deployment: Deployment) -> pb.Deployment:

@@ -102,6 +102,13 @@ class TlsConfigError(ControlPlaneError):
     """A TLS certificate, key or CA file that cannot be used: the operator's configuration."""
 
 
+class MalformedUpdate(ControlPlaneError):
+    """The control plane sent an assignment update this worker cannot read: the control plane's fault (a bug,
+    or a version that encodes parts otherwise), never the worker's; the worker reconnects and retries."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class StoreError(ControlPlaneError):
     """The control plane's database cannot be opened, read or written (the path is the operator's)."""
 

@@ -31,6 +31,7 @@ from control_plane.convert import (
     blocks_to_proto,
     deployment_from_proto,
     deployment_to_proto,
+    part_to_proto,
     peer_from_proto,
     peer_to_proto,
     route_change_from_proto,
@@ -39,7 +40,6 @@ from control_plane.convert import (
     scale_event_to_proto,
     spec_from_proto,
     spec_to_proto,
-    transfer_to_proto,
 )
 from control_plane.auth import DENIED, current_principal
 from control_plane.deployments import DeploymentBook
@@ -514,11 +514,10 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                 msg = peers[node] = peer_to_proto(self.state.peer(node))
             return msg
 
+        fetch, serve, table = part_to_proto(part.fetch, part.serve, peer)
         return pb.AssignmentUpdate(
             kind=pb.AssignmentUpdate.ASSIGN, plan_id=active.plan_id, package_id=active.package_id,
-            version=active.version, strategy=active.plan.strategy,
-            fetch=[transfer_to_proto(a, peer(a.parent)) for a in part.fetch],
-            serve=[pb.Transfer(block=block, peer=peer(child)) for block, child in part.serve],
+            version=active.version, strategy=active.plan.strategy, fetch=fetch, serve=serve, peers=table,
             sources=[peer(source) for source in active.plan.sources],
             # A source is every receiver's fallback: it may serve each of them, and only them.
             receivers=sorted(active.plan.assignments) if notice.node_id in active.plan.sources else [],

@@ -403,20 +403,20 @@ class WatchAssignmentsRequest(_message.Message):
     node_id: str
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
-class Transfer(_message.Message):
+class Transfers(_message.Message):
     __slots__ = ("block", "peer", "first_chunk", "end_chunk")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
     END_CHUNK_FIELD_NUMBER: _ClassVar[int]
-    block: int
-    peer: Peer
-    first_chunk: int
-    end_chunk: int
-    def __init__(self, block: _Optional[int] = ..., peer: _Optional[_Union[Peer, _Mapping]] = ..., first_chunk: _Optional[int] = ..., end_chunk: _Optional[int] = ...) -> None: ...
+    block: _containers.RepeatedScalarFieldContainer[int]
+    peer: _containers.RepeatedScalarFieldContainer[int]
+    first_chunk: _containers.RepeatedScalarFieldContainer[int]
+    end_chunk: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block: _Optional[_Iterable[int]] = ..., peer: _Optional[_Iterable[int]] = ..., first_chunk: _Optional[_Iterable[int]] = ..., end_chunk: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AssignmentUpdate(_message.Message):
-    __slots__ = ("kind", "plan_id", "package_id", "version", "strategy", "fetch", "serve", "plan_ids", "sources", "receivers", "priority", "report_progress")
+    __slots__ = ("kind", "plan_id", "package_id", "version", "strategy", "plan_ids", "sources", "receivers", "priority", "report_progress", "fetch", "serve", "peers")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[AssignmentUpdate.Kind]
@@ -434,26 +434,28 @@ class AssignmentUpdate(_message.Message):
     PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
-    FETCH_FIELD_NUMBER: _ClassVar[int]
-    SERVE_FIELD_NUMBER: _ClassVar[int]
     PLAN_IDS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     RECEIVERS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REPORT_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    SERVE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     kind: AssignmentUpdate.Kind
     plan_id: str
     package_id: str
     version: int
     strategy: str
-    fetch: _containers.RepeatedCompositeFieldContainer[Transfer]
-    serve: _containers.RepeatedCompositeFieldContainer[Transfer]
     plan_ids: _containers.RepeatedScalarFieldContainer[str]
     sources: _containers.RepeatedCompositeFieldContainer[Peer]
     receivers: _containers.RepeatedScalarFieldContainer[str]
     priority: str
     report_progress: bool
-    def __init__(self, kind: _Optional[_Union[AssignmentUpdate.Kind, str]] = ..., plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., version: _Optional[int] = ..., strategy: _Optional[str] = ..., fetch: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., serve: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., plan_ids: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., receivers: _Optional[_Iterable[str]] = ..., priority: _Optional[str] = ..., report_progress: _Optional[bool] = ...) -> None: ...
+    fetch: Transfers
+    serve: Transfers
+    peers: _containers.RepeatedCompositeFieldContainer[Peer]
+    def __init__(self, kind: _Optional[_Union[AssignmentUpdate.Kind, str]] = ..., plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., version: _Optional[int] = ..., strategy: _Optional[str] = ..., plan_ids: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., receivers: _Optional[_Iterable[str]] = ..., priority: _Optional[str] = ..., report_progress: _Optional[bool] = ..., fetch: _Optional[_Union[Transfers, _Mapping]] = ..., serve: _Optional[_Union[Transfers, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
 
 class IssueTokenRequest(_message.Message):
     __slots__ = ("node_id",)
