@@ -72,8 +72,13 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
     """One :class:`Signals` from the parsed answers of every router (None: that router was silent).
     Workers are named by their control-plane node id (``node_of_url`` maps serve URLs to it). A router that
     routes ``package_id`` as a version of a served name gives that version's queue, requests and TTFT,
-    not its totals: a canary's deployment scales for its share of the traffic."""
-    got = [a if package_id not in a["versions"] else {**a, **a["versions"][package_id]}
+    not its totals: a canary's deployment scales for its share of the traffic. Requests that wait there for
+    no version (the router could not tell theirs: no worker names their model, as after a scale to zero)
+    count in every version's queue: they may be this deployment's, and none may wait for a pool that no
+    signal would ever grow."""
+    got = [a if package_id not in a["versions"] else {**a, **a["versions"][package_id],
+                                                      "queue_depth": a["versions"][package_id]["queue_depth"]
+                                                      + _unattributed(a)}
            for a in answers if a is not None]
     idle: dict[str, float | None] = {}
     serving = 0
@@ -91,6 +96,11 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
                    queue_depth=sum(a["queue_depth"] for a in got), in_flight=sum(a["in_flight"] for a in got),
                    arrived=sum(a["arrived"] for a in got), answered=sum(a["answered"] for a in got),
                    serving=serving, ttft_p99_s=max(p99s, default=None), idle_s=idle)
+
+
+def _unattributed(answer: Mapping[str, Any]) -> int:
+    """Requests waiting in a router for no version: its queue less every version's."""
+    return max(answer["queue_depth"] - sum(v["queue_depth"] for v in answer["versions"].values()), 0)
 
 
 def serve_urls(workers: Iterable[pb.WorkerState]) -> dict[str, str]:
