@@ -506,14 +506,10 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         if part is None:  # the plan ended or moved on without this node since the notice was queued
             return pb.AssignmentUpdate(kind=pb.AssignmentUpdate.CANCEL, plan_id=notice.plan_id,
                                        package_id=notice.package_id)
-        peers: dict[str, pb.Peer] = {}
-
         def peer(node: str) -> pb.Peer:
-            msg = peers.get(node)
-            if msg is None:
-                msg = peers[node] = peer_to_proto(self.state.peer(node))
-            return msg
+            return peer_to_proto(self.state.peer(node))
 
+        # part_to_proto asks for each parent and child once; the sources are a few more.
         fetch, serve, table = part_to_proto(part.fetch, part.serve, peer)
         return pb.AssignmentUpdate(
             kind=pb.AssignmentUpdate.ASSIGN, plan_id=active.plan_id, package_id=active.package_id,
