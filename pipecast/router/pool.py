@@ -31,7 +31,11 @@ Which worker gets a request (:meth:`WorkerPool.choose`):
   load.
 - At equal load, ``ready`` beats ``partial`` (no wait for blocks at all), and a partial worker holding
   more of its blocks beats one holding fewer (its transfer ends sooner).
-- Then the worker that was given fewer requests so far, so one-at-a-time traffic spreads evenly.
+- Then the worker used most recently (busy now, or idle for the shortest time), so that light traffic
+  keeps as few replicas busy as it needs and the others stay idle: an autoscaler releases a replica
+  only after a keep-alive of idleness (``idle_s`` in ``/stats``), which requests spread evenly over every
+  replica would never leave it (measured in the README's long surge run). Pipelines: the one given fewer
+  requests so far.
 - A retried request names the workers that failed it (``avoid``): they come last, not never, so a
   request can still go back to a worker that has recovered when it is the only one left.
 
@@ -53,6 +57,7 @@ the workers whose health names that package, and the pipelines of it; each versi
 """
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -208,6 +213,8 @@ class WorkerPool:
         # Served name or package id -> packages that answer it, derived from the workers' health and the
         # pipelines; rebuilt only after one of them changes (not per request, not per poll).
         self._named: dict[str, set[str]] | None = None
+        #: Model name or package id -> the packages that named it the last time any did.
+        self._last_named: dict[str, set[str]] = {}
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after each change that may free capacity."""
@@ -279,10 +286,13 @@ class WorkerPool:
         if worker is None:
             return
         was_serving = worker.health is not None and worker.health.status in SERVING
-        if worker.health is None or (worker.health.model, worker.health.package_id) != (health.model,
-                                                                                          health.package_id):
-            self._named = None
+        renamed = worker.health is None or (worker.health.model, worker.health.package_id) != (health.model,
+                                                                                                health.package_id)
         worker.health = health
+        if renamed:
+            self._named = None
+            if health.package_id:
+                self._names()  # remembered at once, even if the worker goes before the next request
         if health.status in SERVING and not was_serving and worker.in_flight == 0:
             # Idle counts from when it could serve: a replica just loaded is not "idle" since it joined.
             worker.idle_since = self.clock()
@@ -330,6 +340,7 @@ class WorkerPool:
                 if p.package_id:
                     named.setdefault(p.package_id, set()).add(p.package_id)
             self._named = named
+            self._last_named.update(named)
         return self._named
 
     def serving_packages(self) -> set[str]:
@@ -337,8 +348,10 @@ class WorkerPool:
         return {package for packages in self._names().values() for package in packages}
 
     def packages_named(self, model: str) -> set[str]:
-        """The packages of the workers whose last health answer names ``model`` (served name or package id)."""
-        return set(self._names().get(model, ()))
+        """The packages of the workers whose last health answer names ``model`` (served name or package id);
+        while none does, the packages that named it last (after a scale to zero: a request for it then waits
+        for a worker of its package, which a scaler sees and which another model's worker would refuse)."""
+        return set(self._names().get(model) or self._last_named.get(model, ()))
 
     def choose(self, now: float, avoid: Iterable[str] = (), one_batch: bool = False,
                tenant: str | None = None, package: str | None = None) -> "Worker | PipelineUnit | None":
@@ -362,8 +375,8 @@ class WorkerPool:
             return (unit.in_flight - own, -own)
 
         return min(candidates, key=lambda unit: (unit.url in avoid, *apart(unit), unit.load) + (
-            (2, unit.waiting_blocks) if isinstance(unit, PipelineUnit) else
-            (unit.health.status != "ready", -unit.health.fraction_present)) + (unit.routed, unit.url))
+            (2, unit.waiting_blocks, unit.routed) if isinstance(unit, PipelineUnit) else
+            (unit.health.status != "ready", -unit.health.fraction_present, _idle_order(unit))) + (unit.url,))
 
     def begin(self, url: str, tenant: str = DEFAULT_TENANT) -> None:
         """Count a request of ``tenant`` sent to ``url`` (a worker's, or a pipeline's key)."""
@@ -400,6 +413,11 @@ class WorkerPool:
     def serving(self, now: float) -> int:
         """How many workers can take a request now."""
         return sum(worker.can_take(now) for worker in self._workers.values())
+
+
+def _idle_order(worker: Worker) -> float:
+    """Most recently used first: a busy worker, then the one idle since the latest time."""
+    return -math.inf if worker.idle_since is None else -worker.idle_since
 
 
 def _assigned(future: asyncio.Future) -> bool:

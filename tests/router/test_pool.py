@@ -34,8 +34,9 @@ def health(status="ready", queue_depth=0, present=8, total=8, max_queue=16, runn
 
 
 def pool_of(**states: WorkerHealth) -> WorkerPool:
-    """A pool of workers named by keyword (a, b, c) with the given health, polled at time 0."""
-    pool = WorkerPool()
+    """A pool of workers named by keyword (a, b, c) with the given health, polled at time 0 (its clock's
+    only time: equally loaded workers are then told apart by their url)."""
+    pool = WorkerPool(clock=lambda: 0.0)
     urls = {name: f"http://{name}:1" for name in states}
     pool.sync({url: name for name, url in urls.items()})
     for name, state in states.items():
@@ -133,15 +134,26 @@ def test_while_tenants_share_the_pool_a_request_goes_apart_from_the_others_and_b
     assert pool.choose(now=1.0, tenant="burst").url == A
 
 
-def test_sequential_requests_spread_over_equally_loaded_workers():
-    pool = pool_of(a=health(), b=health(), c=health())
+def test_light_traffic_stays_on_the_worker_used_last_so_the_others_go_idle():
+    now = [0.0]
+    pool = WorkerPool(clock=lambda: now[0])
+    pool.sync({A: "a", B: "b", C: "c"})
+    for url, at in ((A, 0.0), (B, 1.0), (C, 2.0)):  # c began to serve last: idle for the shortest time
+        now[0] = at
+        pool.record_health(url, health(), polled_at=at)
     chosen = []
-    for _ in range(6):
-        worker = pool.choose(now=1.0)
+    for step in range(6):  # one request at a time: always the same worker, the others' idle time grows
+        now[0] = 10.0 + step
+        worker = pool.choose(now=now[0])
         pool.begin(worker.url)
         pool.finish(worker.url)
         chosen.append(worker.url)
-    assert sorted(chosen) == [A, A, B, B, C, C]
+    assert chosen == [C] * 6
+    assert [round(w.idle_s(20.0), 1) for w in pool.workers()] == [20.0, 19.0, 5.0]
+    pool.begin(C)  # two at once: the second goes to the idle worker used most recently, then the next
+    assert pool.choose(now=20.0).url == B
+    pool.begin(B)
+    assert pool.choose(now=20.0).url == A
 
 
 def test_workers_unable_to_serve_are_skipped():
