@@ -557,6 +557,27 @@ async def test_a_routed_name_is_split_by_the_control_planes_weights_and_follows_
         await control.stop(grace_s=0)
 
 
+async def test_after_a_scale_to_zero_a_request_waits_for_its_models_package_not_for_another_models_worker(client):
+    """Two models behind one router, no route: once chat's workers name nothing (released, as after a scale to
+    zero) a chat request must not go to the other model's worker (which would refuse it) but wait for chat's
+    package, and /stats must count it in that version's queue, where a scaler sees it."""
+    chat, other = FakeWorker(model="chat", package_id="c" * 64), FakeWorker(model="other", package_id="o" * 64)
+    async with workers(chat, other) as (wc, wo), router([wc.url, wo.url]) as (url, instance):
+        await eventually(lambda: len(instance.pool.serving_packages()) == 2)
+        assert (await post(client, url, model="chat"))[1][WORKER_HEADER] == wc.url
+        wc.model, wc.status = "", "loading"  # released: it names no package while it waits for one
+        await eventually(lambda: instance.pool.serving_packages() == {"o" * 64})
+        pending = asyncio.create_task(post(client, url, model="chat"))
+        await eventually(lambda: instance.waiting == 1)
+        async with client.get(f"{url}/stats") as response:
+            stats = await response.json()
+        assert (stats["queue_depth"], stats["versions"]["c" * 64]["queue_depth"]) == (1, 1)
+        assert not pending.done() and len(wo.bodies) == 0
+        wc.model, wc.status = "chat", "ready"  # scaled up again
+        status, headers, _ = await pending
+        assert (status, headers[WORKER_HEADER]) == (200, wc.url) and len(wo.bodies) == 0
+
+
 async def test_the_router_command_routes_to_static_and_control_plane_workers_until_sigterm(client, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     control = ControlPlaneServer(ServerConfig(host="127.0.0.1", port=0, db_path=tmp_path / "cp.sqlite3"))

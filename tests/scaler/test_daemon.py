@@ -196,8 +196,9 @@ async def test_a_version_of_a_routed_name_is_scaled_for_its_own_queue_not_the_ro
 
 
 async def test_requests_waiting_for_no_version_count_for_every_version_so_a_pool_at_zero_grows_again():
-    # After a scale to zero no worker names the model: a new surge's requests wait in the router for no
-    # version, while the version the router saw before reports an empty queue of its own.
+    # Requests for a model that no worker of the router names, nor did since it started (a new model's first
+    # requests; routers before they remembered a model's package: every surge after a scale to zero) wait
+    # there for no version, while the version the router saw before reports an empty queue of its own.
     answer = {**stats(queue=6, arrived=6), "versions": {PKG: version(95, 0, None, queue=0)}}
     async with stub_router(answer) as (url, _):
         client = RecordingClient([worker("w1"), worker("w2"), worker("w3"), worker("w4")], (url,))
