@@ -201,6 +201,8 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
 @click.option("--cold-start", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="The daemon's cold_start_s: seconds a new replica takes to serve (0: not counted; S/B is about "
                    "it here).")
+@click.option("--measure-cold-start", is_flag=True,
+              help="The daemon sizes for the cold starts it measures once it has one (--cold-start until then).")
 @click.option("--prompt-cap", type=click.IntRange(min=1), default=64, show_default=True,
               help="Largest prompt sent, in tokens (this machine computes on CPU).")
 @click.option("--output-cap", type=click.IntRange(min=1), default=4, show_default=True,
@@ -235,7 +237,8 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep every process's log and events here (default: a temp dir, removed).")
 def bench_surge(workers, min_workers, strategies, trace, window_start, window_seconds, window_requests, time_scale,
-                synthetic, surges, quiet_seconds, slo_ttft_p99, keep_alive, scale_down_cooldown, cold_start, prompt_cap,
+                synthetic, surges, quiet_seconds, slo_ttft_p99, keep_alive, scale_down_cooldown, cold_start,
+                measure_cold_start, prompt_cap,
                 output_cap, link_mbit, store_mbit, repeat, pre_surge_seconds, first_n, worker_max_batch,
                 queue_timeout, worker_cpus, package, cache, mode, no_calibrate, json_path, csv_path, plots_dir,
                 workdir):
@@ -268,7 +271,8 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
             worker_max_batch=worker_max_batch, queue_timeout_s=queue_timeout, calibrate=not no_calibrate,
             worker_cpus=(os.cpu_count() or 1) / workers if worker_cpus is None else (worker_cpus or None),
             policy=replace(surge.DEFAULT_POLICY, slo_ttft_p99_s=slo_ttft_p99, keep_alive_s=keep_alive,
-                           scale_down_cooldown_s=scale_down_cooldown, cold_start_s=cold_start))
+                           scale_down_cooldown_s=scale_down_cooldown, cold_start_s=cold_start,
+                           cold_start_measured=measure_cold_start))
     except PipecastError as exc:
         raise click.UsageError(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp, Progress.on_stderr(_echo_err) as progress:

@@ -410,6 +410,9 @@ DEFAULT_POLICY = ScalingPolicy()
 @click.option("--cold-start", type=Duration(), default=DEFAULT_POLICY.cold_start_s, show_default=True,
               help="How long a new replica takes to serve (about S/B; 0: not counted): a scale-up then also drains "
                    "what arrives meanwhile within the SLO.")
+@click.option("--measure-cold-start", "cold_start_measured", is_flag=True, default=False,
+              help="Size for the cold starts the scaler measures on this deployment's scale-ups once it has one "
+                   "(--cold-start until then).")
 @click.option("--router", "routers", multiple=True, metavar="URL",
               help="Base URL of a router whose /stats feed the scaler (repeat for several).")
 @click.option("--priority", type=click.Choice(PRIORITIES), default=DEFAULT_PRIORITY, show_default=True,
@@ -442,7 +445,8 @@ def _describe_policy(p: ScalingPolicy) -> str:
     return (f"replicas {p.min_replicas}..{p.max_replicas}, warm {warm}, p99 TTFT SLO {p.slo_ttft_p99_s:g} s, "
             f"keep-alive {p.keep_alive_s:g} s, cooldowns up {p.scale_up_cooldown_s:g} s / down "
             f"{p.scale_down_cooldown_s:g} s, {p.replica_rps:g} req/s and {p.replica_concurrency} at once per replica"
-            + (f", cold start {p.cold_start_s:g} s" if p.cold_start_s else ""))
+            + (f", cold start {p.cold_start_s:g} s" if p.cold_start_s else "")
+            + (", cold start measured" if p.cold_start_measured else ""))
 
 
 @cp_group.command("deployments")

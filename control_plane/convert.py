@@ -122,7 +122,8 @@ def deployment_to_proto(deployment: Deployment) -> pb.Deployment:
         min_replicas=p.min_replicas, max_replicas=p.max_replicas, slo_ttft_p99_s=p.slo_ttft_p99_s, warm=p.warm,
         keep_alive_s=p.keep_alive_s, scale_up_cooldown_s=p.scale_up_cooldown_s,
         scale_down_cooldown_s=p.scale_down_cooldown_s, replica_rps=p.replica_rps,
-        replica_concurrency=p.replica_concurrency, warm_auto_factor=p.warm_auto_factor, cold_start_s=p.cold_start_s)
+        replica_concurrency=p.replica_concurrency, warm_auto_factor=p.warm_auto_factor, cold_start_s=p.cold_start_s,
+        cold_start_measured=p.cold_start_measured)
     return pb.Deployment(package_id=deployment.package_id, policy=policy, routers=deployment.routers,
                          created_unix=deployment.created_at, updated_unix=deployment.updated_at,
                          priority=deployment.priority)
@@ -134,7 +135,8 @@ def deployment_from_proto(msg: pb.Deployment) -> Deployment:
         min_replicas=p.min_replicas, max_replicas=p.max_replicas, slo_ttft_p99_s=p.slo_ttft_p99_s, warm=p.warm,
         keep_alive_s=p.keep_alive_s, scale_up_cooldown_s=p.scale_up_cooldown_s,
         scale_down_cooldown_s=p.scale_down_cooldown_s, replica_rps=p.replica_rps,
-        replica_concurrency=p.replica_concurrency, warm_auto_factor=p.warm_auto_factor, cold_start_s=p.cold_start_s)
+        replica_concurrency=p.replica_concurrency, warm_auto_factor=p.warm_auto_factor, cold_start_s=p.cold_start_s,
+        cold_start_measured=p.cold_start_measured)
     return Deployment(msg.package_id, policy, tuple(msg.routers), msg.created_unix, msg.updated_unix,
                       msg.priority or DEFAULT_PRIORITY)
 

@@ -49,11 +49,16 @@ class ScalingPolicy:
     #: Seconds a new replica takes to serve (0: not counted): a scale-up is then sized to drain, within the
     #: SLO, the requests that arrive meanwhile beyond what the serving replicas take.
     cold_start_s: float = 0.0
+    #: The daemon sizes for the cold starts it measures on this deployment's scale-ups once it has one
+    #: (:mod:`pipecast.scaler.coldstart`), ``cold_start_s`` until then.
+    cold_start_measured: bool = False
 
     def problems(self) -> list[str]:
         """What is wrong with these values (empty when they are usable)."""
         found = []
-        numbers = {name: value for name, value in asdict(self).items()}
+        numbers = {name: value for name, value in asdict(self).items() if name != "cold_start_measured"}
+        if not isinstance(self.cold_start_measured, bool):
+            found.append(f"cold_start_measured must be true or false, got {self.cold_start_measured!r}")
         for name, value in numbers.items():
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 found.append(f"{name} must be a finite number >= 0, got {value!r}")

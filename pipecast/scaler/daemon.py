@@ -13,8 +13,8 @@ from the per-version figures of its deployments' routers, and rolls back (``Chan
 audit trail with the figures) the canaries that do worse than the stable version.
 
 Stateless across restarts: the deployments and the audit trail are the control plane's, and the
-cooldowns are recovered from the trail's last events. The signal history restarts empty, so a restarted
-daemon decides from fresh data (a worker's idle time comes from the
+cooldowns are recovered from the trail's last events. The signal history and the measured cold starts
+restart empty, so a restarted daemon decides from fresh data (a worker's idle time comes from the
 routers, which keep it).
 """
 
@@ -24,7 +24,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
@@ -32,6 +32,7 @@ from control_plane.deployments import Deployment, ScaleEvent
 from control_plane.errors import ControlPlaneError
 from control_plane.routes import RouteChange
 from pipecast.core import strictjson
+from pipecast.scaler.coldstart import ColdStarts
 from pipecast.scaler.gate import add_up_versions, judge
 from pipecast.scaler.metrics import ScalerMetrics
 from pipecast.scaler.policy import Decision, Signals, decide
@@ -69,6 +70,7 @@ class _Tracked:
     last_scale_up: float | None = None
     last_kind: str = ""
     recovered: bool = False
+    cold_starts: ColdStarts = field(default_factory=ColdStarts)
 
 
 class Scaler:
@@ -155,8 +157,10 @@ class Scaler:
         tracked.released = {n: at for n, at in tracked.released.items() if now - at < RELEASE_GRACE_S}
         pool = pool_of(package_id, await self._num_blocks(package_id), workers, plans, now=now,
                        released=tracked.released, last_scale_up=tracked.last_scale_up)
+        tracked.cold_starts.observe(pool.replicas, now, tracked.last_scale_up)
+        pool = replace(pool, cold_start_s=tracked.cold_starts.seconds)
         decision = decide(list(tracked.history), pool, deployment.policy)
-        self.metrics.observe(package_id, decision, len(pool.replicas))
+        self.metrics.observe(package_id, decision, len(pool.replicas), pool.cold_start_s)
         if decision.action != "hold" or (decision.kind != tracked.last_kind and decision.kind in NOTABLE_HOLDS):
             await self._act(package_id, decision, len(pool.replicas), tracked, now)
         tracked.last_kind = decision.kind

@@ -6,7 +6,8 @@ from pipecast.scaler.policy import Decision
 
 
 class ScalerMetrics:
-    """Desired and actual replicas per deployment, decisions by action and kind, canaries the gate rolled back."""
+    """Desired and actual replicas per deployment, their measured cold start, decisions by action and kind,
+    canaries the gate rolled back."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -17,12 +18,17 @@ class ScalerMetrics:
         self.decisions = Counter("pipecast_scaler_decisions", "Decisions by action (scale_up, release, hold) and "
                                  "kind (demand, slo, idle, steady, cooldown, no_signals, no_free_workers).",
                                  ["package", "action", "kind"], registry=self.registry)
+        self.cold_start = Gauge("pipecast_scaler_cold_start_seconds", "Median seconds the deployment's last new "
+                                "replicas took from the scale-up to holding the package (the daemon's measure).",
+                                ["package"], registry=self.registry)
         self.gate_rollbacks = Counter("pipecast_scaler_canary_rollbacks", "Canaries the automatic gate rolled "
                                       "back, per served model name.", ["route"], registry=self.registry)
 
-    def observe(self, package_id: str, decision: Decision, replicas: int) -> None:
+    def observe(self, package_id: str, decision: Decision, replicas: int, cold_start_s: float | None = None) -> None:
         self.desired.labels(package_id).set(decision.desired)
         self.actual.labels(package_id).set(replicas)
+        if cold_start_s is not None:
+            self.cold_start.labels(package_id).set(cold_start_s)
         self.decisions.labels(package_id, decision.action, decision.kind).inc()
 
     def render(self) -> tuple[bytes, str]:

@@ -8,7 +8,9 @@ How it decides, in this order:
 2. **Demand** (leading signals first): replicas needed for the requests present now (router queue + in
    flight, at ``replica_concurrency`` each) and for the arrival rate over the last ``SHORT_WINDOW_S``
    (at the per-replica throughput, measured from the window whenever requests queued, else the policy's
-   ``replica_rps``); with ``cold_start_s`` (how long a new replica takes to serve), the replicas that also
+   ``replica_rps``); with a cold start (how long a new replica takes to serve: the policy's ``cold_start_s``,
+   or with ``cold_start_measured`` the daemon's measure once it has one, :mod:`pipecast.scaler.coldstart`),
+   the replicas that also
    drain, within the SLO once they serve, what arrives meanwhile beyond the serving replicas' throughput
    (:func:`cold_start_demand`: with multicast, several replicas load in about the time of one); then the
    lagging one: a p99 TTFT over the SLO with requests still queued and no replica on its way adds one more. ``desired`` = demand + the warm pool, within ``min..max``: the policy's
@@ -74,6 +76,8 @@ class Pool:
     replicas: tuple[Replica, ...]
     free: int  # alive workers that could take the package
     last_scale_up: float | None = None
+    #: Seconds the deployment's last new replicas took to hold the package (the daemon's measure), None: none yet.
+    cold_start_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -135,14 +139,23 @@ def baseline_demand(history: Sequence[Signals], throughput: float, policy: Scali
     return statistics.median(demands) if demands else 0.0
 
 
-def cold_start_demand(rate: float, serving: int, throughput: float, policy: ScalingPolicy) -> int:
+def cold_start_of(policy: ScalingPolicy, pool: Pool) -> tuple[float, str]:
+    """The cold start a scale-up is sized for (seconds; 0: not counted) and where it comes from: the daemon's
+    measure with ``cold_start_measured`` once there is one, else the policy's ``cold_start_s``."""
+    if policy.cold_start_measured and pool.cold_start_s is not None:
+        return pool.cold_start_s, "measured"
+    return policy.cold_start_s, "policy"
+
+
+def cold_start_demand(rate: float, serving: int, throughput: float, policy: ScalingPolicy,
+                      cold_start_s: float) -> int:
     """Replicas for ``rate`` when new ones take ``cold_start_s`` to serve: the requests arriving meanwhile
     beyond what the ``serving`` replicas take wait for them, and are drained within ``slo_ttft_p99_s`` once
     they serve, on top of the rate itself. 0 when the serving replicas keep up, or without a cold start."""
     excess = rate - serving * throughput
-    if policy.cold_start_s <= 0 or rate <= 0 or excess <= 0:
+    if cold_start_s <= 0 or rate <= 0 or excess <= 0:
         return 0
-    backlog = excess * policy.cold_start_s
+    backlog = excess * cold_start_s
     return math.ceil((rate + backlog / policy.slo_ttft_p99_s) / throughput - EPSILON)
 
 
@@ -161,7 +174,8 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     rate = arrival_rate(history)
     throughput = replica_throughput(history, policy)
     by_requests, by_rate = _demand(now, rate, throughput, policy)
-    by_cold = cold_start_demand(rate, now.serving, throughput, policy)
+    cold_start, cold_from = cold_start_of(policy, pool)
+    by_cold = cold_start_demand(rate, now.serving, throughput, policy, cold_start)
     loading = sum(r.loading for r in pool.replicas)
     slo_missed = (now.ttft_p99_s is not None and now.ttft_p99_s > policy.slo_ttft_p99_s and now.queue_depth > 0
                   and loading == 0)
@@ -169,7 +183,8 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     inputs = {"queue_depth": now.queue_depth, "in_flight": now.in_flight, "arrival_rps": round(rate, 3),
               "replica_rps": round(throughput, 3), "ttft_p99_s": now.ttft_p99_s, "serving": now.serving,
               "replicas": have, "loading": loading, "free": pool.free,
-              "routers": f"{now.routers_answered}/{now.routers_total}"}
+              "routers": f"{now.routers_answered}/{now.routers_total}",
+              "cold_start_s": round(cold_start, 3), "cold_start_from": cold_from}
     if policy.warm_auto_factor:
         baseline = baseline_demand(history, throughput, policy)
         warm = max(math.ceil(policy.warm_auto_factor * baseline - EPSILON) - needed, 0)
@@ -178,9 +193,10 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     else:
         warm, warm_why = policy.warm, f"+warm {policy.warm}"
     desired = min(max(needed + warm, policy.min_replicas), policy.max_replicas)
+    cold_why = f"; {by_cold} to drain what arrives in a {round(cold_start, 1):g}s cold start" + (
+        " (measured)" if cold_from == "measured" else "")
     why = (f"queue {now.queue_depth} + in flight {now.in_flight} need {by_requests} at {policy.replica_concurrency} "
-           f"each; {rate:.2f} req/s needs {by_rate} at {throughput:.2f} req/s each"
-           f"{'; %d to drain what arrives in a %gs cold start' % (by_cold, policy.cold_start_s) if by_cold else ''}"
+           f"each; {rate:.2f} req/s needs {by_rate} at {throughput:.2f} req/s each{cold_why if by_cold else ''}"
            f"{'; p99 TTFT %.2f s over the SLO %.2f s' % (now.ttft_p99_s, policy.slo_ttft_p99_s) if slo_missed else ''}"
            f"; {warm_why} -> desired {desired}, have {have}")
     if desired > have:

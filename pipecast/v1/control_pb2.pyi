@@ -470,7 +470,7 @@ class IssueTokenResponse(_message.Message):
     def __init__(self, token: _Optional[str] = ...) -> None: ...
 
 class ScalingPolicy(_message.Message):
-    __slots__ = ("min_replicas", "max_replicas", "slo_ttft_p99_s", "warm", "keep_alive_s", "scale_up_cooldown_s", "scale_down_cooldown_s", "replica_rps", "replica_concurrency", "warm_auto_factor", "cold_start_s")
+    __slots__ = ("min_replicas", "max_replicas", "slo_ttft_p99_s", "warm", "keep_alive_s", "scale_up_cooldown_s", "scale_down_cooldown_s", "replica_rps", "replica_concurrency", "warm_auto_factor", "cold_start_s", "cold_start_measured")
     MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SLO_TTFT_P99_S_FIELD_NUMBER: _ClassVar[int]
@@ -482,6 +482,7 @@ class ScalingPolicy(_message.Message):
     REPLICA_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     WARM_AUTO_FACTOR_FIELD_NUMBER: _ClassVar[int]
     COLD_START_S_FIELD_NUMBER: _ClassVar[int]
+    COLD_START_MEASURED_FIELD_NUMBER: _ClassVar[int]
     min_replicas: int
     max_replicas: int
     slo_ttft_p99_s: float
@@ -493,7 +494,8 @@ class ScalingPolicy(_message.Message):
     replica_concurrency: int
     warm_auto_factor: float
     cold_start_s: float
-    def __init__(self, min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., slo_ttft_p99_s: _Optional[float] = ..., warm: _Optional[int] = ..., keep_alive_s: _Optional[float] = ..., scale_up_cooldown_s: _Optional[float] = ..., scale_down_cooldown_s: _Optional[float] = ..., replica_rps: _Optional[float] = ..., replica_concurrency: _Optional[int] = ..., warm_auto_factor: _Optional[float] = ..., cold_start_s: _Optional[float] = ...) -> None: ...
+    cold_start_measured: bool
+    def __init__(self, min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., slo_ttft_p99_s: _Optional[float] = ..., warm: _Optional[int] = ..., keep_alive_s: _Optional[float] = ..., scale_up_cooldown_s: _Optional[float] = ..., scale_down_cooldown_s: _Optional[float] = ..., replica_rps: _Optional[float] = ..., replica_concurrency: _Optional[int] = ..., warm_auto_factor: _Optional[float] = ..., cold_start_s: _Optional[float] = ..., cold_start_measured: _Optional[bool] = ...) -> None: ...
 
 class Deployment(_message.Message):
     __slots__ = ("package_id", "policy", "routers", "created_unix", "updated_unix", "priority")

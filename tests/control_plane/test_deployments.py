@@ -61,6 +61,18 @@ def test_a_deployments_priority_is_checked_kept_over_proto_and_json_and_old_rows
     assert Deployment.from_json(old).priority == "normal"
 
 
+def test_a_measured_cold_start_survives_the_proto_and_json_old_rows_read_as_unmeasured_and_a_non_bool_is_refused():
+    deployment = Deployment("p", ScalingPolicy(cold_start_s=4.0, cold_start_measured=True), (), 1.0, 2.0)
+    assert deployment_from_proto(deployment_to_proto(deployment)) == deployment
+    assert Deployment.from_json(deployment.to_json()) == deployment
+    old = deployment.to_json()
+    del old["policy"]["cold_start_measured"]  # a row written before the field existed
+    assert Deployment.from_json(old).policy.cold_start_measured is False
+    with pytest.raises(InvalidRequest, match=re.escape(
+            "deployment of package 'p' refused: cold_start_measured must be true or false, got 1")):
+        DeploymentBook().put(Deployment("p", ScalingPolicy(cold_start_measured=1)), ["p"], 1.0)
+
+
 def test_the_auto_warm_factor_survives_the_proto_and_json_and_old_rows_read_as_fixed_warm():
     deployment = Deployment("p", ScalingPolicy(warm_auto_factor=2.5), ("http://r:8080",), 1.0, 2.0)
     assert deployment_from_proto(deployment_to_proto(deployment)) == deployment
@@ -184,6 +196,8 @@ def test_the_readme_table_of_deploy_options_matches_the_command():
             assert shown == "-"
         elif name == "--priority":
             assert shown == default
+        elif isinstance(default, bool):  # a flag
+            assert shown == ("on" if default else "off"), name
         else:
             assert parse_duration(shown) == float(default), name
 

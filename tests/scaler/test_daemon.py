@@ -205,3 +205,22 @@ async def test_requests_waiting_for_no_version_count_for_every_version_so_a_pool
         async with Scaler(client) as scaler:
             [(_, decision)] = await scaler.tick()
     assert decision.add == 3  # 6 waiting at 2 a replica
+
+
+async def test_the_daemon_measures_how_long_its_scale_ups_take_and_sizes_for_it_where_asked():
+    clock = [100.0]
+    async with stub_router(stats(queue=1, arrived=1)) as (url, state):
+        client = RecordingClient([worker("w1"), worker("w2")], (url,))
+        client.deployment = Deployment(PKG, ScalingPolicy(**{**POLICY.__dict__, "cold_start_measured": True}), (url,))
+        async with Scaler(client, clock=lambda: clock[0]) as scaler:
+            [(_, first)] = await scaler.tick()  # t = 100: one queued, nothing measured yet
+            assert first.add == 1 and first.inputs["cold_start_from"] == "policy"
+            client.workers = [worker("w1", held=1), worker("w2")]  # the new replica loads
+            clock[0] = 101.0
+            await scaler.tick()
+            client.workers = [worker("w1", held=BLOCKS), worker("w2")]
+            clock[0] = 106.0
+            [(_, whole)] = await scaler.tick()
+            assert (whole.inputs["cold_start_s"], whole.inputs["cold_start_from"]) == (6.0, "measured")
+            assert b'pipecast_scaler_cold_start_seconds{package="' + PKG.encode() + b'"} 6.0' in \
+                scaler.metrics.render()[0]

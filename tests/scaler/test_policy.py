@@ -5,7 +5,8 @@ import random
 import pytest
 
 from control_plane.deployments import ScalingPolicy
-from pipecast.scaler.policy import Decision, Pool, Replica, Signals, baseline_demand, cold_start_demand, decide
+from pipecast.scaler.policy import (
+    Decision, Pool, Replica, Signals, baseline_demand, cold_start_demand, cold_start_of, decide)
 
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=8, slo_ttft_p99_s=2.0, warm=0, keep_alive_s=10.0,
                        scale_up_cooldown_s=5.0, scale_down_cooldown_s=20.0, replica_rps=1.0, replica_concurrency=4)
@@ -225,10 +226,10 @@ def test_with_a_cold_start_the_scale_up_drains_what_arrives_while_the_replicas_l
     # 3 req/s at 1 req/s per replica, nothing serving, 5 s to load and a 2 s SLO: 3 for the rate, and 15
     # requests arrive meanwhile, drained within 2 s by 7.5 more: 11, at most max_replicas.
     cold = ScalingPolicy(**{**POLICY.__dict__, "cold_start_s": 5.0, "max_replicas": 16})
-    assert cold_start_demand(3.0, 0, 1.0, cold) == 11
-    assert cold_start_demand(3.0, 3, 1.0, cold) == 0  # the serving replicas keep up: nothing piles up
-    assert cold_start_demand(3.0, 2, 1.0, cold) == 6  # 1 req/s beyond them for 5 s: 3 + 2.5
-    assert cold_start_demand(3.0, 0, 1.0, POLICY) == 0  # not counted without a cold start
+    assert cold_start_demand(3.0, 0, 1.0, cold, 5.0) == 11
+    assert cold_start_demand(3.0, 3, 1.0, cold, 5.0) == 0  # the serving replicas keep up: nothing piles up
+    assert cold_start_demand(3.0, 2, 1.0, cold, 5.0) == 6  # 1 req/s beyond them for 5 s: 3 + 2.5
+    assert cold_start_demand(3.0, 0, 1.0, POLICY, 0.0) == 0  # not counted without a cold start
     sim = Sim(cold, workers=16)
     sim.run([3] * 2)  # the first second: the queue (no rate yet); the second: 3 req/s seen
     (_, first), (_, second) = sim.decisions
@@ -238,3 +239,17 @@ def test_with_a_cold_start_the_scale_up_drains_what_arrives_while_the_replicas_l
     plain = Sim()
     plain.run([3] * 4)  # without a cold start: the rate alone, 3 replicas at 1 req/s each
     assert sum(d.add for _, d in plain.decisions) == 3
+
+
+def test_a_measured_cold_start_sizes_the_scale_up_only_where_the_policy_asks_for_it():
+    measured = ScalingPolicy(**{**POLICY.__dict__, "cold_start_measured": True, "max_replicas": 16})
+    before, after = Pool(now=1002.0, replicas=(), free=16), Pool(now=1002.0, replicas=(), free=16, cold_start_s=5.0)
+    assert cold_start_of(measured, before) == (0.0, "policy")  # nothing measured yet: the policy's (0: none)
+    assert cold_start_of(measured, after) == (5.0, "measured")
+    assert cold_start_of(POLICY, after) == (0.0, "policy")  # not asked for: the measure is not used
+    history = [Signals(at=1000.0 + t, routers_total=1, routers_answered=1, queue_depth=3 * t, arrived=3 * t)
+               for t in range(3)]
+    sized, plain = decide(history, after, measured), decide(history, after, POLICY)
+    assert (sized.add, plain.add) == (11, 3)  # as with cold_start_s 5 above
+    assert "11 to drain what arrives in a 5s cold start (measured)" in sized.reason
+    assert (sized.inputs["cold_start_s"], sized.inputs["cold_start_from"]) == (5.0, "measured")
