@@ -350,7 +350,8 @@ def _long_run_verdicts(by_name: Mapping[str, StrategySummary],
             met = "met" if saving >= TARGET_SAVING_VS_W_STAR else "NOT met"
             lines.append(f"W* = {w_star.warm_workers} ({w_star.strategy}: overall p99 "
                          f"{w_star.median('ttft_p99_seconds'):.2f} s <= pipecast's {p99:.2f} s); pipecast uses "
-                         f"{saving:.0%} fewer worker-seconds ({cost:.0f} vs {w_star.median('worker_seconds'):.0f}; "
+                         f"{abs(saving):.0%} {'fewer' if saving >= 0 else 'more'} worker-seconds ({cost:.0f} vs "
+                         f"{w_star.median('worker_seconds'):.0f}; "
                          f"target >= {TARGET_SAVING_VS_W_STAR:.0%}: {met})")
     value = pair_ratios.get(f"{BASELINE}/{PIPECAST}", {}).get("ttft_p99_seconds")
     if value is not None and BASELINE in by_name and by_name[BASELINE].runs[0].notes.get("scaled_by") == "daemon":

@@ -270,6 +270,12 @@ def test_the_long_run_verdicts_find_w_star_and_the_daemons_thrash():
     [w_star] = [line for line in lines if line.startswith("W* = ")]
     assert w_star.startswith("W* = 2 (fixed:2: overall p99 0.50 s <= pipecast's 1.00 s); pipecast uses ")
     assert "overall p99 TTFT, unicast (daemon) / pipecast (daemon) = 9.0x (target >= 5x: met)" in lines
+    # A pipecast that costs more than the smallest pool as fast: said as more, not as a negative saving.
+    longer = daemon(run_of("pipecast", [1.0] * 200, 5.0), [])
+    cheap = run_of("fixed:1", [0.9] * 10, 1.0, warm=1)
+    summaries = [summarize(r.strategy, "", 1 if ":" in r.strategy else 0, [r]) for r in (longer, cheap)]
+    [w_star] = [line for line in verdicts(summaries, ratios(summaries)) if line.startswith("W* = ")]
+    assert w_star.endswith("pipecast uses 396% more worker-seconds (401 vs 81; target >= 30%: NOT met)"), w_star
 
 
 def test_the_timeline_drops_a_released_worker_to_nothing_and_loads_it_again():
