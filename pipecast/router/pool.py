@@ -69,6 +69,9 @@ from pipecast.router.fairness import FairQueue
 from pipecast.serve.health import SERVING, WorkerHealth
 from pipecast.serve.pipeline import PIPELINE_HEADER
 
+#: Names (served names and package ids) whose last packages the pool remembers once no worker names them.
+MAX_REMEMBERED_NAMES = 1000
+
 
 @dataclass
 class Worker:
@@ -213,7 +216,8 @@ class WorkerPool:
         # Served name or package id -> packages that answer it, derived from the workers' health and the
         # pipelines; rebuilt only after one of them changes (not per request, not per poll).
         self._named: dict[str, set[str]] | None = None
-        #: Model name or package id -> the packages that named it the last time any did.
+        #: Model name or package id -> the packages that named it the last time any did; the most recently
+        #: named MAX_REMEMBERED_NAMES only (a worker whose health names a new model every poll must not grow it).
         self._last_named: dict[str, set[str]] = {}
 
     def subscribe(self, listener: Callable[[], None]) -> None:
@@ -340,7 +344,11 @@ class WorkerPool:
                 if p.package_id:
                     named.setdefault(p.package_id, set()).add(p.package_id)
             self._named = named
-            self._last_named.update(named)
+            for key, packages in named.items():  # most recently named last
+                self._last_named.pop(key, None)
+                self._last_named[key] = packages
+            while len(self._last_named) > MAX_REMEMBERED_NAMES:
+                del self._last_named[next(iter(self._last_named))]
         return self._named
 
     def serving_packages(self) -> set[str]:

@@ -20,7 +20,7 @@ from pipecast.router.errors import (
     WorkerUrlError,
 )
 from pipecast.router.health import parse_health
-from pipecast.router.pool import Dispatcher, WorkerPool
+from pipecast.router.pool import MAX_REMEMBERED_NAMES, Dispatcher, WorkerPool
 from pipecast.serve.health import WorkerHealth
 from pipecast.v1.control_pb2 import Peer, WorkerSpec, WorkerState
 
@@ -409,3 +409,16 @@ async def test_control_plane_discovery_turns_pipelines_into_routes():
     assert json.loads(found.header) == [{"url": "http://10.0.0.1:8000", "layers": [0, 3]},
                                         {"url": "http://10.0.0.2:8000", "layers": [3, 8]}]
     assert await StaticDiscovery([A]).list_pipelines() == []
+
+
+def test_the_names_a_pool_remembers_are_the_most_recently_named_and_bounded():
+    pool = pool_of(a=health())
+    url = "http://a:1"
+    for i in range(MAX_REMEMBERED_NAMES + 5):  # a worker that names another model every poll
+        pool.record_health(url, WorkerHealth("ready", 8, 8, 0, 0, 16, model=f"m{i}", package_id=f"{i:064x}"),
+                           polled_at=0.0)
+    pool.record_unreachable(url, "gone")
+    assert pool.packages_named("m0") == set()  # the oldest are forgotten
+    last = MAX_REMEMBERED_NAMES + 4
+    assert pool.packages_named(f"m{last}") == {f"{last:064x}"}
+    assert len(pool._last_named) == MAX_REMEMBERED_NAMES
