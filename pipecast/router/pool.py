@@ -13,9 +13,14 @@ Which worker gets a request (:meth:`WorkerPool.choose`):
   8.9 s binding in the last block). So requests wait in the router, bound late, for whichever worker
   can serve them first.
 - A ready worker queues requests beyond its batch itself, except while the dispatcher asks for
-  ``one_batch`` (several tenants active): then it too takes at most one batch of this router's requests,
-  so that the rest wait in the router, where the next free slot is handed out fairly across tenants
-  (:mod:`pipecast.router.fairness`).
+  ``one_batch``: then it too takes at most one batch of this router's requests, so that the rest wait
+  in the router. The dispatcher asks for it while several tenants are active (the next free slot is then
+  handed out fairly across tenants, :mod:`pipecast.router.fairness`) and while a worker of the same
+  package is still loading: in a surge the first worker to hold the model would otherwise take the whole
+  backlog into its own queue, and the workers ready a moment later would find none of it. Then each
+  worker also takes at most its share of the backlog (:meth:`WorkerPool.share`): the requests waiting
+  and in flight spread over the workers that serve or soon will, so that the surge's first requests,
+  which all waited for the model, are not all prefilled one after another by the first worker.
 - While several tenants are active, apart from the others first: a request goes to the worker with the
   fewest requests of *other* tenants in flight from this router, then the most of its own tenant, so
   that a bursting tenant's admitted requests batch with each other on some workers and the other
@@ -71,6 +76,9 @@ from pipecast.serve.pipeline import PIPELINE_HEADER
 
 #: Names (served names and package ids) whose last packages the pool remembers once no worker names them.
 MAX_REMEMBERED_NAMES = 1000
+#: A loading worker holding at least this share of its blocks counts among those that will soon serve
+#: when a surge's backlog is shared out (:meth:`WorkerPool.share`).
+SOON_FRACTION = 0.5
 
 
 @dataclass
@@ -118,9 +126,10 @@ class Worker:
         """Requests in flight from this router plus the worker's reported queue depth."""
         return self.in_flight + (self.health.queue_depth if self.health else 0)
 
-    def can_take(self, now: float, one_batch: bool = False) -> bool:
+    def can_take(self, now: float, one_batch: bool = False, share: int | None = None) -> bool:
         """Whether a new request may be sent to this worker at clock time ``now``; with ``one_batch``, a
-        ready worker too takes at most one batch (its ``max_batch``) of this router's requests."""
+        ready worker too takes at most one batch (its ``max_batch``) of this router's requests; with
+        ``share``, at most that many of them."""
         health = self.health
         if health is None or not health.can_serve or self.failed_at is not None:
             return False
@@ -128,6 +137,8 @@ class Worker:
             return False
         if ((health.status == "partial" or one_batch) and health.max_batch
                 and self.in_flight >= health.max_batch):
+            return False
+        if share is not None and self.in_flight >= share:
             return False
         return self.busy_at is None or now >= self.busy_until
 
@@ -362,13 +373,14 @@ class WorkerPool:
         return set(self._names().get(model) or self._last_named.get(model, ()))
 
     def choose(self, now: float, avoid: Iterable[str] = (), one_batch: bool = False,
-               tenant: str | None = None, package: str | None = None) -> "Worker | PipelineUnit | None":
+               tenant: str | None = None, package: str | None = None,
+               share: int | None = None) -> "Worker | PipelineUnit | None":
         """The best worker for a new request at clock time ``now`` (module docstring), or None;
-        ``one_batch`` as for :meth:`Worker.can_take`; ``tenant``: the request's, given while several
-        tenants are active (it then goes apart from the others' requests); ``package``: only workers and
-        pipelines of this version."""
+        ``one_batch`` and ``share`` as for :meth:`Worker.can_take`; ``tenant``: the request's, given while
+        several tenants are active (it then goes apart from the others' requests); ``package``: only
+        workers and pipelines of this version."""
         avoid = frozenset(avoid)
-        candidates = [worker for worker in self._workers.values() if worker.can_take(now, one_batch)
+        candidates = [worker for worker in self._workers.values() if worker.can_take(now, one_batch, share)
                       and (package is None or worker.health.package_id == package)]
         if not any(w.health.status == "ready" and w.load < (w.health.max_batch or 1) for w in candidates):
             candidates += [p for p in self._pipelines.values()
@@ -418,6 +430,20 @@ class WorkerPool:
         """Requests of this router at workers now, those at workers removed since included."""
         return self._in_flight
 
+    def share(self, waiting: int, package: str | None = None) -> int | None:
+        """While some worker that has not failed is loading a package (``package``, if given; health
+        ``loading`` or ``partial`` naming it): how many of this router's requests each of its workers
+        should hold at most, the ``waiting`` ones and those in flight at its workers spread over the
+        workers that serve it or soon will (``ready``, ``partial``, or ``loading`` with at least
+        :data:`SOON_FRACTION` of its blocks). None while none is loading: no cap."""
+        mine = [w for w in self._workers.values() if w.health is not None and w.failed_at is None
+                and w.health.package_id is not None and (package is None or w.health.package_id == package)]
+        if not any(w.health.status in ("loading", "partial") for w in mine):
+            return None
+        soon = sum(w.health.status in SERVING or (w.health.status == "loading"
+                                                   and w.health.fraction_present >= SOON_FRACTION) for w in mine)
+        return max(1, math.ceil((waiting + sum(w.in_flight for w in mine)) / max(1, soon)))
+
     def serving(self, now: float) -> int:
         """How many workers can take a request now."""
         return sum(worker.can_take(now) for worker in self._workers.values())
@@ -452,8 +478,10 @@ class Dispatcher:
     While more than one tenant is active, a ready worker takes at most one batch (its ``max_batch``) of
     this router's requests, as a partial one always does: the rest wait here, where the next free slot
     goes to the tenant below its share, instead of in the worker's own first-come-first-served queue.
-    With one tenant, ready workers queue more themselves, as before (their batches never wait for a
-    round trip to the router).
+    So too while a worker of this queue's package is loading, and then each worker takes at most its
+    share of the requests waiting and in flight (:meth:`WorkerPool.share`): a surge's backlog goes to the
+    workers as they come to serve, not all into the first one's queue. Otherwise ready workers queue more
+    themselves (their batches never wait for a round trip to the router).
     """
 
     def __init__(self, pool: WorkerPool, max_queue: int, queue_timeout_s: float,
@@ -537,17 +565,21 @@ class Dispatcher:
             return
         now = self.clock()
         # Several tenants: a ready worker takes one batch, so the next slot is handed out here, fairly, and
-        # each request goes apart from the other tenants' where it can.
-        one_batch = self._queue.active_tenants(now) > 1
-        while self._queue.waiting and self.pool.choose(now, one_batch=one_batch, package=self.package) is not None:
+        # each request goes apart from the other tenants' where it can. A worker still loading: one batch
+        # too, so the backlog waits here for whichever worker frees a slot or holds the model next.
+        tenants = self._queue.active_tenants(now) > 1
+        share = self.pool.share(self._queue.waiting, self.package)
+        one_batch = tenants or share is not None
+        while self._queue.waiting and self.pool.choose(now, one_batch=one_batch, package=self.package,
+                                                       share=share) is not None:
             picked = self._queue.pick(now)
             if picked is None:
                 break
             tenant, waiter = picked
             if waiter.future.done():  # cancelled or timed out in this loop turn: its slot goes on
                 continue
-            worker = self.pool.choose(now, waiter.avoid, one_batch=one_batch, tenant=tenant if one_batch else None,
-                                      package=self.package)
+            worker = self.pool.choose(now, waiter.avoid, one_batch=one_batch, tenant=tenant if tenants else None,
+                                      package=self.package, share=share)
             self.pool.begin(worker.url, tenant)
             self._queue.started(tenant, now)
             waiter.future.set_result(worker)

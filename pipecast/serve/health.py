@@ -19,7 +19,7 @@ SERVING = ("partial", "ready")
 _COUNTS = ("blocks_present", "blocks_total", "queue_depth", "running", "max_queue")
 # 0 when a worker does not report them: no per-batch cap; no pipelined sessions
 _OPTIONAL_COUNTS = ("max_batch", "pipeline_sessions", "pipeline_moved", "pipeline_kept")
-_TEXTS = ("stage", "model", "package_id", "error")  # descriptive: nothing acts on them
+_TEXTS = ("stage", "model", "package_id", "error")  # optional text fields (None when not reported)
 
 
 class HealthFormatError(PipecastError):

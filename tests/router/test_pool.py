@@ -28,9 +28,9 @@ A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
 
 def health(status="ready", queue_depth=0, present=8, total=8, max_queue=16, running=0,
-           max_batch=0) -> WorkerHealth:
+           max_batch=0, package_id=None) -> WorkerHealth:
     return WorkerHealth(status=status, blocks_present=present, blocks_total=total, queue_depth=queue_depth,
-                        running=running, max_queue=max_queue, max_batch=max_batch)
+                        running=running, max_queue=max_queue, max_batch=max_batch, package_id=package_id)
 
 
 def pool_of(**states: WorkerHealth) -> WorkerPool:
@@ -235,6 +235,52 @@ async def test_waiting_requests_are_served_in_arrival_order_when_a_worker_become
     await asyncio.gather(*tasks)
     assert order == [("first", A), ("second", A), ("third", A)]
     assert pool.get(A).in_flight == 3
+
+
+def test_while_a_worker_loads_its_package_the_backlog_is_shared_over_the_workers_that_serve_soon():
+    pool = pool_of(a=health("ready", package_id="p1"), b=health("loading"))
+    assert pool.share(waiting=8) is None  # b names no package: it was given none (an idle or released worker)
+    pool.record_health(B, health("loading", present=2, package_id="p2"), polled_at=0.0)
+    assert pool.share(8, "p1") is None  # nothing of p1 loads: no cap
+    assert pool.share(8, "p2") == 8  # b loads p2 but holds too little to serve soon: counted as one
+    assert pool.share(8) == 8  # any package: a serves, b holds too little of p2 to count
+    pool.record_health(B, health("loading", present=4, package_id="p1"), polled_at=0.0)
+    pool.begin(A)
+    assert pool.share(7, "p1") == 4  # half its blocks: b counts; (7 waiting + 1 in flight) / 2
+    pool.record_failure(B, "connection reset", at=0.5)
+    assert pool.share(7, "p1") is None  # a worker that failed a request may never finish loading
+    pool.record_health(B, health("partial", present=7, package_id="p1"), polled_at=1.0)
+    assert pool.share(7, "p1") == 4
+    pool.record_unreachable(B, "timed out")
+    assert pool.share(7, "p1") is None
+    pool.record_health(B, health("ready", package_id="p1"), polled_at=2.0)
+    assert pool.share(7, "p1") is None
+
+
+async def test_a_surge_backlog_goes_to_the_workers_as_they_come_to_serve_not_all_to_the_first():
+    loading = health("loading", present=5, max_batch=8, package_id="p")
+    pool = pool_of(a=health("partial", present=7, max_batch=8, package_id="p"), b=loading, c=loading)
+    dispatcher = Dispatcher(pool, max_queue=16, queue_timeout_s=5.0)
+    got = []
+
+    async def request():
+        got.append((await dispatcher.acquire(dispatcher.clock())).url)
+
+    tasks = [asyncio.create_task(request()) for _ in range(8)]
+    await asyncio.sleep(0.01)
+    assert got == [A, A, A] and dispatcher.waiting == 5  # its share, ceil(8 / 3), not a whole batch of 8
+    pool.record_health(A, health("ready", max_batch=8, package_id="p"), polled_at=dispatcher.clock())
+    await asyncio.sleep(0.01)
+    assert got == [A, A, A]  # ready now, and still its share while the others load
+    pool.record_health(B, health("partial", present=7, max_batch=8, package_id="p"), polled_at=dispatcher.clock())
+    await asyncio.sleep(0.01)
+    assert got[3:] == [B, B, B]
+    dispatcher.release(pool.get(A))
+    await asyncio.sleep(0.01)
+    assert got[6:] == [A]  # a slot freed: the backlog does not wait for c while a can take it
+    pool.record_health(C, health("ready", max_batch=8, package_id="p"), polled_at=dispatcher.clock())
+    await asyncio.gather(*tasks)  # nothing loads now: no share, no batch cap
+    assert got[7:] == [C]
 
 
 async def test_the_queue_is_bounded():
