@@ -79,6 +79,8 @@ MAX_REMEMBERED_NAMES = 1000
 #: A loading worker holding at least this share of its blocks counts among those that will soon serve
 #: when a surge's backlog is shared out (:meth:`WorkerPool.share`).
 SOON_FRACTION = 0.5
+#: The health statuses of a worker whose package is still arriving.
+LOADING = ("loading", "partial")
 
 
 @dataclass
@@ -438,7 +440,7 @@ class WorkerPool:
         :data:`SOON_FRACTION` of its blocks). None while none is loading: no cap."""
         mine = [w for w in self._workers.values() if w.health is not None and w.failed_at is None
                 and w.health.package_id is not None and (package is None or w.health.package_id == package)]
-        if not any(w.health.status in ("loading", "partial") for w in mine):
+        if not any(w.health.status in LOADING for w in mine):
             return None
         soon = sum(w.health.status in SERVING or (w.health.status == "loading"
                                                    and w.health.fraction_present >= SOON_FRACTION) for w in mine)
@@ -567,9 +569,9 @@ class Dispatcher:
         # Several tenants: a ready worker takes one batch, so the next slot is handed out here, fairly, and
         # each request goes apart from the other tenants' where it can. A worker still loading: one batch
         # too, so the backlog waits here for whichever worker frees a slot or holds the model next.
-        tenants = self._queue.active_tenants(now) > 1
+        several_tenants = self._queue.active_tenants(now) > 1
         share = self.pool.share(self._queue.waiting, self.package)
-        one_batch = tenants or share is not None
+        one_batch = several_tenants or share is not None
         while self._queue.waiting and self.pool.choose(now, one_batch=one_batch, package=self.package,
                                                        share=share) is not None:
             picked = self._queue.pick(now)
@@ -578,7 +580,7 @@ class Dispatcher:
             tenant, waiter = picked
             if waiter.future.done():  # cancelled or timed out in this loop turn: its slot goes on
                 continue
-            worker = self.pool.choose(now, waiter.avoid, one_batch=one_batch, tenant=tenant if tenants else None,
+            worker = self.pool.choose(now, waiter.avoid, one_batch=one_batch, tenant=tenant if several_tenants else None,
                                       package=self.package, share=share)
             self.pool.begin(worker.url, tenant)
             self._queue.started(tenant, now)
