@@ -4,7 +4,8 @@ Every source answers the same question, :meth:`Discovery.list_workers`: which wo
 (node id, base URL) pairs, :meth:`Discovery.list_pipelines`: which groups of them serve together as
 cross-node pipelines while none holds the whole model, and :meth:`Discovery.list_routes`: which packages
 answer each served model name, with what share of its requests (only the control plane knows either; a
-fixed list has none). The router asks each source again every discovery interval and keeps a source's last answer while
+fixed list has none). The control plane's routes include each deployed package's model name, so that a
+request for a deployed model waits for, and counts for, its deployment from the first one on. The router asks each source again every discovery interval and keeps a source's last answer while
 it fails (a control plane restart must not empty the pool).
 """
 
@@ -12,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from control_plane.errors import UnknownPackage
 from control_plane.messages import SERVE_URL_LABEL
 from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.core.urls import http_base_url
@@ -20,7 +22,9 @@ from pipecast.serve.pipeline import Hop, route_header
 from pipecast.v1.control_pb2 import PipelineInfo, WorkerState
 
 if TYPE_CHECKING:
+    from control_plane.deployments import Deployment
     from control_plane.routes import ModelRoute
+    from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +126,14 @@ class WorkerLister(Protocol):
         """Every served model's route."""
         ...
 
+    async def list_deployments(self) -> "list[Deployment]":
+        """Every package the scaling daemon keeps."""
+        ...
+
+    async def get_package(self, package_id: str) -> "tuple[Manifest, object]":
+        """A package's manifest (and its store)."""
+        ...
+
 
 class ControlPlaneDiscovery:
     """The workers the control plane lists as alive with a serve URL (WorkerSpec.serve_url, else the label
@@ -130,6 +142,7 @@ class ControlPlaneDiscovery:
     def __init__(self, client: WorkerLister, address: str) -> None:
         self._client = client
         self.name = f"control plane {address}"
+        self._model_names: dict[str, str] = {}  # deployed package id -> its manifest's model name
 
     async def list_workers(self) -> list[DiscoveredWorker]:
         """Alive serving workers; a malformed serve URL is logged and skipped (that worker's fault)."""
@@ -163,5 +176,27 @@ class ControlPlaneDiscovery:
         return found
 
     async def list_routes(self) -> RouteTable:
-        """The control plane's routes (``pipecast cp route``, ``canary``, ``promote``, ``rollback``)."""
-        return {route.name: route.versions for route in await self._client.list_routes()}
+        """The control plane's routes (``pipecast cp route``, ``canary``, ``promote``, ``rollback``), and for
+        each deployed package (``pipecast cp deploy``) whose manifest's model name no route serves and no
+        other deployed package shares, that name routed to it alone. So a request for a deployed model
+        waits for that package's workers, and counts in its version's signals (``/stats``), from the first
+        request on: before any worker names the model (a worker waiting for its package names none), the
+        request would otherwise count for no deployment, and a scaling daemon could not tell whose it is.
+        """
+        routes = {route.name: route.versions for route in await self._client.list_routes()}
+        deployed = [d.package_id for d in await self._client.list_deployments()]
+        self._model_names = {p: name for p, name in self._model_names.items() if p in deployed}
+        packages_of: dict[str, list[str]] = {}
+        for package in deployed:
+            if package not in self._model_names:  # a manifest never changes: asked once per deployment
+                try:
+                    manifest, _ = await self._client.get_package(package)
+                except UnknownPackage:  # removed since it was listed: no name to route
+                    continue
+                self._model_names[package] = manifest.model_name
+            if self._model_names.get(package):
+                packages_of.setdefault(self._model_names[package], []).append(package)
+        for name, packages in packages_of.items():
+            if name not in routes and len(packages) == 1:
+                routes[name] = ((packages[0], 100),)
+        return routes

@@ -73,9 +73,9 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
     Workers are named by their control-plane node id (``node_of_url`` maps serve URLs to it). A router that
     routes ``package_id`` as a version of a served name gives that version's queue, requests and TTFT,
     not its totals: a canary's deployment scales for its share of the traffic. Requests that wait there for
-    no version (the router could not tell theirs: no worker names their model, nor did one since the router
-    started) count in every version's queue: they may be this deployment's, and none may wait for a pool
-    that no signal would ever grow."""
+    no version (the router could not tell theirs: no deployment has their model's name, no worker names it,
+    nor did one since the router started) count in every version's queue: they may be this deployment's,
+    and none may wait for a pool that no signal would ever grow."""
     got = [a if package_id not in a["versions"] else {**a, **a["versions"][package_id],
                                                       "queue_depth": a["versions"][package_id]["queue_depth"]
                                                       + _unattributed(a)}

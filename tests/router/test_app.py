@@ -20,10 +20,12 @@ import pytest
 from aiohttp import web
 
 from control_plane.client import ControlPlaneClient
+from control_plane.deployments import Deployment, ScalingPolicy
 from control_plane.messages import PeerInfo
 from control_plane.messages import WorkerSpec as RegisteredSpec
 from control_plane.routes import RouteChange
 from control_plane.server import ControlPlaneServer, ServerConfig
+from packager.manifest import seal_manifest
 from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER, Router, RouterConfig, build_app
 from pipecast.router.discovery import SERVE_URL_LABEL, ControlPlaneDiscovery, StaticDiscovery
 from pipecast.v1 import control_pb2 as pb
@@ -469,6 +471,9 @@ async def test_workers_are_learned_from_the_control_plane_and_kept_while_it_fail
         async def list_routes(self):
             return []
 
+        async def list_deployments(self):
+            return []
+
     async with workers(FakeWorker()) as (worker,):
         instance = Router(RouterConfig(**FAST), [ControlPlaneDiscovery(Lister(), "cp:7000")])
         async with serving(build_app(instance)) as url:
@@ -576,6 +581,45 @@ async def test_after_a_scale_to_zero_a_request_waits_for_its_models_package_not_
         wc.model, wc.status = "chat", "ready"  # scaled up again
         status, headers, _ = await pending
         assert (status, headers[WORKER_HEADER]) == (200, wc.url) and len(wo.bodies) == 0
+
+
+async def test_a_request_for_a_deployed_model_counts_for_its_deployment_before_any_worker_names_it(client, tmp_path):
+    """A router that learns the control plane's deployments routes a request for a deployed package's model
+    name to that package from the first request on, while its only worker waits for the package and names
+    nothing: /stats counts it in that version's queue (where that deployment's scaling daemon, and no
+    other's, sees it). A name that two deployed packages share, or that none has, stays unattributed."""
+    control = ControlPlaneServer(ServerConfig(host="127.0.0.1", port=0, db_path=tmp_path / "cp.sqlite3"))
+    await control.start()
+    chat = manifest("chat")
+    twins = [seal_manifest(m) for m in (manifest("t1"), manifest("t2"))]
+    for twin in twins:
+        twin.model_name = "twin"
+        seal_manifest(twin)
+    waiting = FakeWorker(status="loading")  # names no model and no package yet
+    try:
+        async with workers(waiting) as (worker,), ControlPlaneClient(control.address) as cp:
+            for m in (chat, *twins):
+                await cp.publish_package(m, STORE)
+                await cp.put_deployment(Deployment(m.package_id, ScalingPolicy()))
+            instance = Router(RouterConfig(**FAST), [ControlPlaneDiscovery(cp, control.address),
+                                                     StaticDiscovery([worker.url])])
+            async with serving(build_app(instance)) as url:
+                await eventually(lambda: "chat" in instance.routes)
+                assert instance.routes == {"chat": ((chat.package_id, 100),)}  # "twin" is ambiguous
+                pending = [asyncio.create_task(post(client, url, model=name)) for name in ("chat", "twin", "none")]
+                await eventually(lambda: instance.waiting == 3)
+                async with client.get(f"{url}/stats") as response:
+                    stats = await response.json()
+                assert stats["queue_depth"] == 3
+                assert {p: v["queue_depth"] for p, v in stats["versions"].items()} == {chat.package_id: 1}
+                waiting.model, waiting.package_id, waiting.status = "chat", chat.package_id, "ready"
+                status, headers, _ = await pending[0]
+                assert (status, headers[WORKER_HEADER]) == (200, worker.url)
+                for task in pending[1:]:
+                    task.cancel()
+                await asyncio.gather(*pending[1:], return_exceptions=True)
+    finally:
+        await control.stop(grace_s=0)
 
 
 async def test_the_router_command_routes_to_static_and_control_plane_workers_until_sigterm(client, tmp_path):
