@@ -26,6 +26,9 @@ def scaler_group() -> None:
 @click.option("--control-plane", help="host:port of the control plane (settings: control_plane).")
 @click.option("--tick", "tick_s", type=Duration(), default=DEFAULTS.tick_s, show_default=True,
               help="How often every deployment is looked at.")
+@click.option("--watch", "watch_s", type=Duration(), default=DEFAULTS.watch_s, show_default=True,
+              help="Between ticks, how often the routers of deployments idle at zero replicas are polled, "
+                   "to scale from zero at a request's arrival (0: only at ticks).")
 @click.option("--router-timeout", "router_timeout_s", type=Duration(), default=DEFAULTS.router_timeout_s,
               show_default=True, help="Deadline of one router's /stats.")
 @click.option("--plan-strategy", default=DEFAULTS.plan_strategy,
@@ -35,12 +38,13 @@ def scaler_group() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address of /metrics and /health.")
 @click.option("--port", type=click.IntRange(0, 65535), default=None,
               help="Port of /metrics and /health (0: any free port; unset: none).")
-def run_command(config: Path | None, control_plane: str | None, tick_s: float, router_timeout_s: float,
-                plan_strategy: str, source_keep_s: float, host: str, port: int | None) -> None:
+def run_command(config: Path | None, control_plane: str | None, tick_s: float, watch_s: float,
+                router_timeout_s: float, plan_strategy: str, source_keep_s: float, host: str,
+                port: int | None) -> None:
     """Run the scaling daemon (one per cluster; it keeps no state: restart it any time)."""
     settings = load_settings(config, control_plane=control_plane)
-    scaler_config = ScalerConfig(tick_s=tick_s, router_timeout_s=router_timeout_s, plan_strategy=plan_strategy,
-                                 source_keep_s=source_keep_s)
+    scaler_config = ScalerConfig(tick_s=tick_s, watch_s=watch_s, router_timeout_s=router_timeout_s,
+                                 plan_strategy=plan_strategy, source_keep_s=source_keep_s)
     asyncio.run(_run(settings, scaler_config, host, port))
 
 

@@ -12,6 +12,12 @@ Each tick also judges every served model route with a gate and canaries (:mod:`p
 from the per-version figures of its deployments' routers, and rolls back (``ChangeRoute``, recorded in the
 audit trail with the figures) the canaries that do worse than the stable version.
 
+Between ticks the daemon watches the deployments it left at zero replicas with nothing waiting: it polls
+their routers every ``watch_s`` and ticks at once when a request waits there, so a scale from zero starts
+within a watch interval of the first request, not up to a tick later (the first request's TTFT pays that
+reaction in full; Knative's activator pokes its autoscaler for the same reason). A deployment is watched
+until a tick sees its demand, so a cold start costs one early tick, however many requests arrive.
+
 Stateless across restarts: the deployments and the audit trail are the control plane's, and the
 cooldowns are recovered from the trail's last events. The signal history and the measured cold starts
 restart empty, so a restarted daemon decides from fresh data (a worker's idle time comes from the
@@ -55,6 +61,8 @@ class ScalerConfig:
 
     tick_s: float = 1.0
     router_timeout_s: float = 1.0
+    #: Between ticks, the routers of deployments idle at zero replicas are polled this often (s; 0: never).
+    watch_s: float = 0.1
     #: The control plane's plan strategy for scale-ups ("" lets it choose; "unicast": every replica from the store).
     plan_strategy: str = ""
     #: A released replica stays a multicast source this long before it drops the package (s).
@@ -71,6 +79,9 @@ class _Tracked:
     last_kind: str = ""
     recovered: bool = False
     cold_starts: ColdStarts = field(default_factory=ColdStarts)
+    #: At the last tick: no replica and nothing waiting or in flight (watched between ticks), and its routers.
+    idle_at_zero: bool = False
+    routers: tuple[str, ...] = ()
 
 
 class Scaler:
@@ -103,7 +114,26 @@ class Scaler:
             except ControlPlaneError as exc:
                 log.warning("scaler tick failed, holding every pool: %s", exc)
             try:
-                await asyncio.wait_for(stop.wait(), max(self.config.tick_s - (time.monotonic() - started), 0.0))
+                await asyncio.wait_for(self._watch(stop), max(self.config.tick_s - (time.monotonic() - started), 0.0))
+            except TimeoutError:
+                pass
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        """Until ``stop`` is set or a request waits for a deployment left idle at zero replicas (module
+        docstring): then the caller ticks at once."""
+        watched = {p: t.routers for p, t in self.tracked.items() if t.idle_at_zero and t.routers} \
+            if self.config.watch_s > 0 else {}
+        while not stop.is_set():
+            if watched:
+                urls = sorted({url for routers in watched.values() for url in routers})
+                answers = dict(zip(urls, await asyncio.gather(*(self._poll(url, quiet=True) for url in urls))))
+                now = self.clock()
+                for package_id, routers in watched.items():
+                    if add_up(now, [answers[url] for url in routers], {}, package_id).queue_depth > 0:
+                        log.info("scaler %s: a request waits with no replica: looking now", package_id[:12])
+                        return
+            try:
+                await asyncio.wait_for(stop.wait(), self.config.watch_s if watched else None)
             except TimeoutError:
                 pass
 
@@ -158,6 +188,9 @@ class Scaler:
         pool = pool_of(package_id, await self._num_blocks(package_id), workers, plans, now=now,
                        released=tracked.released, last_scale_up=tracked.last_scale_up)
         tracked.cold_starts.observe(pool.replicas, now, tracked.last_scale_up)
+        signals = tracked.history[-1]
+        tracked.idle_at_zero = not pool.replicas and not signals.queue_depth and not signals.in_flight
+        tracked.routers = deployment.routers
         pool = replace(pool, cold_start_s=tracked.cold_starts.seconds)
         decision = decide(list(tracked.history), pool, deployment.policy)
         self.metrics.observe(package_id, decision, len(pool.replicas), pool.cold_start_s)
@@ -215,8 +248,9 @@ class Scaler:
             self._answers[url] = await self._poll(url)
         return self._answers[url]
 
-    async def _poll(self, url: str) -> dict | None:
-        """One router's checked /stats, or None (logged) when it is silent or its answer unusable."""
+    async def _poll(self, url: str, quiet: bool = False) -> dict | None:
+        """One router's checked /stats, or None (logged unless ``quiet``: the ticks log it) when it is silent
+        or its answer unusable."""
         try:
             async with self._session.get(f"{url}/stats",
                                          timeout=aiohttp.ClientTimeout(total=self.config.router_timeout_s)) as answer:
@@ -227,5 +261,6 @@ class Scaler:
                     raise StatsFormatError(f"router {url}: /stats answered more than {MAX_STATS_BYTES} bytes")
                 return parse_stats(url, strictjson.loads(body))
         except (aiohttp.ClientError, TimeoutError, StatsFormatError, strictjson.JSONInputError) as exc:
-            log.warning("router %s gave no signals: %s", url, exc or type(exc).__name__)
+            if not quiet:
+                log.warning("router %s gave no signals: %s", url, exc or type(exc).__name__)
             return None

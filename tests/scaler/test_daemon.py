@@ -1,7 +1,9 @@
 """The daemon's tick over real HTTP to a stub router's /stats, with a recording control-plane client (a fake:
 this is the daemon's unit test; tests/integration/test_scaler.py runs it against the real services)."""
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -224,3 +226,43 @@ async def test_the_daemon_measures_how_long_its_scale_ups_take_and_sizes_for_it_
             assert (whole.inputs["cold_start_s"], whole.inputs["cold_start_from"]) == (6.0, "measured")
             assert b'pipecast_scaler_cold_start_seconds{package="' + PKG.encode() + b'"} 6.0' in \
                 scaler.metrics.render()[0]
+
+
+async def test_a_deployment_idle_at_zero_scales_up_when_a_request_waits_not_at_the_next_tick():
+    """With a tick of 30 s the first tick sees nothing and the next is far off; the watch between ticks
+    notices the first waiting request and ticks at once (one early tick: then the demand is seen)."""
+    async with stub_router(stats()) as (url, state):
+        client = RecordingClient([worker("w1"), worker("w2")], (url,))
+        async with Scaler(client, ScalerConfig(tick_s=30.0, watch_s=0.05)) as scaler:
+            stop = asyncio.Event()
+            task = asyncio.create_task(scaler.run(stop))
+            while not scaler.tracked.get(PKG) or not scaler.tracked[PKG].history:
+                await asyncio.sleep(0.01)
+            assert client.calls == [] and scaler.tracked[PKG].idle_at_zero
+            await asyncio.sleep(0.2)  # several watches: nothing waits, no tick
+            assert len(scaler.tracked[PKG].history) == 1
+            state["answer"] = stats(queue=1, arrived=1)
+            asked = time.monotonic()
+            while not any(call[0] == "scale_up" for call in client.calls) and time.monotonic() - asked < 5:
+                await asyncio.sleep(0.01)
+            assert time.monotonic() - asked < 2.0  # a watch interval and a tick, not the 30 s tick
+            assert [call[0] for call in client.calls] == ["event", "scale_up"]
+            assert len(scaler.tracked[PKG].history) == 2
+            assert not scaler.tracked[PKG].idle_at_zero  # the demand is seen: no more early ticks
+            stop.set()
+            await task
+
+
+async def test_a_daemon_without_the_watch_waits_for_its_tick():
+    async with stub_router(stats()) as (url, state):
+        client = RecordingClient([worker("w1")], (url,))
+        async with Scaler(client, ScalerConfig(tick_s=30.0, watch_s=0.0)) as scaler:
+            stop = asyncio.Event()
+            task = asyncio.create_task(scaler.run(stop))
+            while not scaler.tracked.get(PKG) or not scaler.tracked[PKG].history:
+                await asyncio.sleep(0.01)
+            state["answer"] = stats(queue=1, arrived=1)
+            await asyncio.sleep(0.5)
+            assert client.calls == [] and len(scaler.tracked[PKG].history) == 1
+            stop.set()
+            await task
