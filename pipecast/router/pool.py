@@ -81,6 +81,9 @@ MAX_REMEMBERED_NAMES = 1000
 SOON_FRACTION = 0.5
 #: The health statuses of a worker whose package is still arriving.
 LOADING = ("loading", "partial")
+#: A loading worker whose blocks have not grown for this long (s) is not waited for when a backlog is shared
+#: out: a loader that hangs must not hold its package's ready workers at one batch and their share for good.
+LOADING_STALL_S = 30.0
 
 
 @dataclass
@@ -105,6 +108,8 @@ class Worker:
     #: Clock time the worker joined the pool, began to serve (ready or partial) or its in-flight count last
     #: dropped to 0, whichever is latest; None while it has requests in flight.
     idle_since: float | None = None
+    #: Clock time its health last reported more blocks present, or a package begun (see LOADING_STALL_S).
+    progressed_at: float | None = None
 
     @property
     def endpoint(self) -> str:
@@ -303,6 +308,9 @@ class WorkerPool:
         if worker is None:
             return
         was_serving = worker.health is not None and worker.health.status in SERVING
+        before = worker.health
+        if before is None or before.package_id != health.package_id or health.blocks_present > before.blocks_present:
+            worker.progressed_at = self.clock()
         renamed = worker.health is None or (worker.health.model, worker.health.package_id) != (health.model,
                                                                                                 health.package_id)
         worker.health = health
@@ -437,9 +445,12 @@ class WorkerPool:
         ``loading`` or ``partial`` naming it): how many of this router's requests each of its workers
         should hold at most, the ``waiting`` ones and those in flight at its workers spread over the
         workers that serve it or soon will (``ready``, ``partial``, or ``loading`` with at least
-        :data:`SOON_FRACTION` of its blocks). None while none is loading: no cap."""
+        :data:`SOON_FRACTION` of its blocks). None while none is loading: no cap. A loading worker whose
+        blocks have not grown for :data:`LOADING_STALL_S` counts for neither."""
+        now = self.clock()
         mine = [w for w in self._workers.values() if w.health is not None and w.failed_at is None
-                and w.health.package_id is not None and (package is None or w.health.package_id == package)]
+                and w.health.package_id is not None and (package is None or w.health.package_id == package)
+                and not (w.health.status in LOADING and now - w.progressed_at > LOADING_STALL_S)]
         if not any(w.health.status in LOADING for w in mine):
             return None
         soon = sum(w.health.status in SERVING or (w.health.status == "loading"

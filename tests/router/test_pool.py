@@ -20,7 +20,7 @@ from pipecast.router.errors import (
     WorkerUrlError,
 )
 from pipecast.router.health import parse_health
-from pipecast.router.pool import MAX_REMEMBERED_NAMES, Dispatcher, WorkerPool
+from pipecast.router.pool import LOADING_STALL_S, MAX_REMEMBERED_NAMES, Dispatcher, WorkerPool
 from pipecast.serve.health import WorkerHealth
 from pipecast.v1.control_pb2 import Peer, WorkerSpec, WorkerState
 
@@ -255,6 +255,23 @@ def test_while_a_worker_loads_its_package_the_backlog_is_shared_over_the_workers
     assert pool.share(7, "p1") is None
     pool.record_health(B, health("ready", package_id="p1"), polled_at=2.0)
     assert pool.share(7, "p1") is None
+
+
+def test_a_loading_worker_whose_blocks_stop_growing_no_longer_holds_the_others_at_their_share():
+    now = [0.0]
+    pool = WorkerPool(clock=lambda: now[0])
+    pool.sync({A: "a", B: "b"})
+    pool.record_health(A, health("ready", package_id="p"), polled_at=0.0)
+    pool.record_health(B, health("loading", present=4, package_id="p"), polled_at=0.0)
+    pool.begin(A)
+    assert pool.share(7, "p") == 4
+    now[0] = LOADING_STALL_S
+    pool.record_health(B, health("loading", present=4, package_id="p"), polled_at=now[0])
+    assert pool.share(7, "p") == 4  # no new block for LOADING_STALL_S: still waited for
+    now[0] += 0.1
+    assert pool.share(7, "p") is None  # longer: its loader may hang; a serves without a cap
+    pool.record_health(B, health("loading", present=5, package_id="p"), polled_at=now[0])
+    assert pool.share(7, "p") == 4  # a block came: loading again
 
 
 async def test_a_surge_backlog_goes_to_the_workers_as_they_come_to_serve_not_all_to_the_first():
