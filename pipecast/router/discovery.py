@@ -5,8 +5,9 @@ Every source answers the same question, :meth:`Discovery.list_workers`: which wo
 cross-node pipelines while none holds the whole model, and :meth:`Discovery.list_routes`: which packages
 answer each served model name, with what share of its requests (only the control plane knows either; a
 fixed list has none). The control plane's routes include each deployed package's model name, so that a
-request for a deployed model waits for, and counts for, its deployment from the first one on. The router asks each source again every discovery interval and keeps a source's last answer while
-it fails (a control plane restart must not empty the pool).
+request for a deployed model waits for, and counts for, its deployment from the first one on. The router
+asks each source again every discovery interval and keeps a source's last answer while it fails (a
+control plane restart must not empty the pool).
 """
 
 import logging

@@ -309,7 +309,8 @@ class WorkerPool:
             return
         was_serving = worker.health is not None and worker.health.status in SERVING
         before = worker.health
-        if before is None or before.package_id != health.package_id or health.blocks_present > before.blocks_present:
+        if before is None or before.package_id != health.package_id or \
+                health.blocks_present > before.blocks_present:
             worker.progressed_at = self.clock()
         renamed = worker.health is None or (worker.health.model, worker.health.package_id) != (health.model,
                                                                                                 health.package_id)

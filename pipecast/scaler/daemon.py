@@ -114,7 +114,8 @@ class Scaler:
             except ControlPlaneError as exc:
                 log.warning("scaler tick failed, holding every pool: %s", exc)
             try:
-                await asyncio.wait_for(self._watch(stop), max(self.config.tick_s - (time.monotonic() - started), 0.0))
+                left = max(self.config.tick_s - (time.monotonic() - started), 0.0)
+                await asyncio.wait_for(self._watch(stop), left)
             except TimeoutError:
                 pass
 
