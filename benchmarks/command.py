@@ -203,6 +203,9 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
                    "it here).")
 @click.option("--measure-cold-start", is_flag=True,
               help="The daemon sizes for the cold starts it measures once it has one (--cold-start until then).")
+@click.option("--daemon-warm", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The daemon's warm pool: replicas it keeps loaded beyond the demand (its policy's warm; "
+                   "pipecast:W instead keeps W as its minimum).")
 @click.option("--prompt-cap", type=click.IntRange(min=1), default=64, show_default=True,
               help="Largest prompt sent, in tokens (this machine computes on CPU).")
 @click.option("--output-cap", type=click.IntRange(min=1), default=4, show_default=True,
@@ -238,7 +241,7 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
               help="Keep every process's log and events here (default: a temp dir, removed).")
 def bench_surge(workers, min_workers, strategies, trace, window_start, window_seconds, window_requests, time_scale,
                 synthetic, surges, quiet_seconds, slo_ttft_p99, keep_alive, scale_down_cooldown, cold_start,
-                measure_cold_start, prompt_cap,
+                measure_cold_start, daemon_warm, prompt_cap,
                 output_cap, link_mbit, store_mbit, repeat, pre_surge_seconds, first_n, worker_max_batch,
                 queue_timeout, worker_cpus, package, cache, mode, no_calibrate, json_path, csv_path, plots_dir,
                 workdir):
@@ -272,7 +275,7 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
             worker_cpus=(os.cpu_count() or 1) / workers if worker_cpus is None else (worker_cpus or None),
             policy=replace(surge.DEFAULT_POLICY, slo_ttft_p99_s=slo_ttft_p99, keep_alive_s=keep_alive,
                            scale_down_cooldown_s=scale_down_cooldown, cold_start_s=cold_start,
-                           cold_start_measured=measure_cold_start))
+                           cold_start_measured=measure_cold_start, warm=daemon_warm))
     except PipecastError as exc:
         raise click.UsageError(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp, Progress.on_stderr(_echo_err) as progress:

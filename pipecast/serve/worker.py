@@ -9,8 +9,9 @@ then; everything else is the same.
 
 Released and back: a worker serving a package from its node agent asks the agent every
 ``FOLLOW_AGENT_S`` whether it still holds it. Once the agent dropped it (the scaling daemon released this
-replica), the worker unloads the model, answers 503 (the router sends the request elsewhere) and waits,
-``loading`` in stage ``waiting_for_package``, for the package to come back with the next scale-up.
+replica), the worker takes no more requests, answers 503 (the router sends the request elsewhere), closes
+the model once the requests running on it end (``RELEASE_DRAIN_S`` at most) and waits, ``loading`` in stage
+``waiting_for_package``, for the package to come back with the next scale-up.
 
 Admission: requests admitted but not in the engine's batch (waiting for the model, or for one of
 ``max_batch`` slots, or being tokenized) form the queue; beyond ``max_queue`` of them a request is refused
@@ -85,6 +86,10 @@ AGENT_SOCKET_POLL_S = 0.05
 FOLLOW_AGENT_S = 1.0
 #: Each wait for a released package to come back asks the agent for this long, then again (s).
 REWAIT_S = 30.0
+#: A released package's model is closed once the requests running on it end, or after this long (s): the
+#: router may have sent one just before the release (the daemon reads a replica idle, then releases it).
+RELEASE_DRAIN_S = 30.0
+RELEASE_DRAIN_POLL_S = 0.05
 #: How often the loading thread checks whether the tokenizer is needed yet (s; a request wakes it at once).
 CODEC_POLL_S = 0.1
 #: A worker reads its tokenizer once it lacks at most this many blocks (it will serve whole requests soon),
@@ -271,19 +276,27 @@ class ServingWorker:
                     client = None
                     continue
                 if self._model is not None and self.package_id not in status.get("packages", {}):
-                    self._unload()
+                    await self._unload()
         finally:
             if client is not None:
                 client.close()
 
-    def _unload(self) -> None:
+    async def _unload(self) -> None:
+        """Take no more requests for the released package, let those running finish (RELEASE_DRAIN_S at most;
+        the agent's memory under the model stays mapped until it is closed), then close the model."""
         model, self._model, self._codec, self._head = self._model, None, None, None
         self._released, self._stage = True, STAGE_WAITING
-        log.info("package %s released from this node: model unloaded, waiting for the package to come back",
-                 model.engine.provider.manifest.package_id[:12])
+        log.info("package %s released from this node: model unloaded once its %d running request(s) end, "
+                 "waiting for the package to come back", model.engine.provider.manifest.package_id[:12],
+                 self._submitted)
         self._notify()
-        threading.Thread(target=model.close, name="pipecast-serve-unload", daemon=True).start()
         threading.Thread(target=self._load, args=(True,), name="pipecast-serve-load", daemon=True).start()
+        deadline = time.monotonic() + RELEASE_DRAIN_S
+        while self._submitted and time.monotonic() < deadline and not self._closing:
+            await asyncio.sleep(RELEASE_DRAIN_POLL_S)
+        if self._submitted:
+            log.warning("closing the released model with %d request(s) still running", self._submitted)
+        threading.Thread(target=model.close, name="pipecast-serve-unload", daemon=True).start()
 
     def _post(self, callback, *args) -> None:
         """Run ``callback(*args)`` on the worker's event loop (from the loader threads)."""

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -218,6 +219,31 @@ async def test_health_goes_loading_partial_ready_as_blocks_arrive_and_the_prompt
                                            "queue_depth": 0, "running": 0, "max_queue": 64, "max_batch": 16,
                                            "pipeline_sessions": 0, "pipeline_moved": 0, "pipeline_kept": 0,
                                            "stage": "loaded", "model": MODEL, "package_id": worker.package_id}
+
+
+async def test_a_released_package_finishes_the_requests_running_on_it_before_the_model_closes(pkg, reference):
+    """The agent dropped the package (the daemon released this replica) while a request runs: new requests
+    get 503 at once (the router sends them elsewhere), the running one ends with every token, then the model
+    closes. Before, the model closed at once and the request failed ("the worker is shutting down")."""
+    agent = GatedAgent(pkg)
+    async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, worker, _, http):
+        worker._wait_for_package_again = threading.Event().wait  # the package does not come back here
+        agent.release(0, 1, 2)
+        request = asyncio.create_task(sse_events(http, url, body(stream=True)))
+        await wait_health(http, url, lambda h: h["running"] == 1)  # held at the last block's layers
+        model = worker._model
+        unloading = asyncio.create_task(worker._unload())  # what the agent dropping the package starts
+        state = await wait_health(http, url, lambda h: h["stage"] == "waiting_for_package")
+        assert state["status"] == "loading"
+        status, _, error = await post(http, url, body())
+        assert status == 503 and "was released from this node" in error["error"]["message"]
+        await asyncio.sleep(0.2)
+        assert not request.done() and not unloading.done() and not model.engine._closed
+        agent.release(3)
+        events = await request
+        assert [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]] == reference(PROMPT, 12)
+        await asyncio.wait_for(unloading, 10)
+        await wait_until_async(lambda: model.engine._closed)
 
 
 async def test_the_openai_client_streams_a_chat_through_the_router_from_a_cold_worker_as_its_blocks_arrive(
