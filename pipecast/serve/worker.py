@@ -292,11 +292,13 @@ class ServingWorker:
         self._notify()
         threading.Thread(target=self._load, args=(True,), name="pipecast-serve-load", daemon=True).start()
         deadline = time.monotonic() + RELEASE_DRAIN_S
-        while self._submitted and time.monotonic() < deadline and not self._closing:
-            await asyncio.sleep(RELEASE_DRAIN_POLL_S)
-        if self._submitted:
-            log.warning("closing the released model with %d request(s) still running", self._submitted)
-        threading.Thread(target=model.close, name="pipecast-serve-unload", daemon=True).start()
+        try:
+            while self._submitted and time.monotonic() < deadline and not self._closing:
+                await asyncio.sleep(RELEASE_DRAIN_POLL_S)
+        finally:  # also when the worker closes meanwhile (the follower is cancelled): the model must close
+            if self._submitted:
+                log.warning("closing the released model with %d request(s) still running", self._submitted)
+            threading.Thread(target=model.close, name="pipecast-serve-unload", daemon=True).start()
 
     def _post(self, callback, *args) -> None:
         """Run ``callback(*args)`` on the worker's event loop (from the loader threads)."""

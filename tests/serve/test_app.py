@@ -246,6 +246,23 @@ async def test_a_released_package_finishes_the_requests_running_on_it_before_the
         await wait_until_async(lambda: model.engine._closed)
 
 
+async def test_a_released_model_still_draining_closes_when_the_worker_stops_waiting_for_it(pkg):
+    agent = GatedAgent(pkg)
+    async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, worker, _, http):
+        worker._wait_for_package_again = threading.Event().wait
+        agent.release(0, 1, 2)
+        request = asyncio.create_task(sse_events(http, url, body(stream=True)))
+        await wait_health(http, url, lambda h: h["running"] == 1)
+        model = worker._model
+        unloading = asyncio.create_task(worker._unload())
+        await asyncio.sleep(0.2)
+        assert not model.engine._closed  # draining
+        unloading.cancel()  # as the worker's close cancels its follower
+        await asyncio.gather(unloading, return_exceptions=True)
+        await wait_until_async(lambda: model.engine._closed)
+        await asyncio.gather(request, return_exceptions=True)
+
+
 async def test_the_openai_client_streams_a_chat_through_the_router_from_a_cold_worker_as_its_blocks_arrive(
         pkg, reference):
     import openai
