@@ -185,7 +185,7 @@ class ControlPlaneDiscovery:
         request would otherwise count for no deployment, and a scaling daemon could not tell whose it is.
         """
         routes = {route.name: route.versions for route in await self._client.list_routes()}
-        deployed = [d.package_id for d in await self._client.list_deployments()]
+        deployed = dict.fromkeys(d.package_id for d in await self._client.list_deployments())  # ordered set
         self._model_names = {p: name for p, name in self._model_names.items() if p in deployed}
         packages_of: dict[str, list[str]] = {}
         for package in deployed:

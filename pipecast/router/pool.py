@@ -108,7 +108,10 @@ class Worker:
     #: Clock time the worker joined the pool, began to serve (ready or partial) or its in-flight count last
     #: dropped to 0, whichever is latest; None while it has requests in flight.
     idle_since: float | None = None
-    #: Clock time its health last reported more blocks present, or a package begun (see LOADING_STALL_S).
+    #: The (package id, blocks present) of its furthest health answer, and the clock time it was reached:
+    #: more blocks of the package, or another package begun (see LOADING_STALL_S). Kept across failed polls,
+    #: so a loader that hangs is not taken for a new one each time its health answers again.
+    progress: tuple[str | None, int] | None = None
     progressed_at: float | None = None
 
     @property
@@ -308,10 +311,9 @@ class WorkerPool:
         if worker is None:
             return
         was_serving = worker.health is not None and worker.health.status in SERVING
-        before = worker.health
-        if before is None or before.package_id != health.package_id or \
-                health.blocks_present > before.blocks_present:
-            worker.progressed_at = self.clock()
+        if worker.progress is None or worker.progress[0] != health.package_id or \
+                health.blocks_present > worker.progress[1]:
+            worker.progress, worker.progressed_at = (health.package_id, health.blocks_present), self.clock()
         renamed = worker.health is None or (worker.health.model, worker.health.package_id) != (health.model,
                                                                                                 health.package_id)
         worker.health = health

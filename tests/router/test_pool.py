@@ -270,6 +270,9 @@ def test_a_loading_worker_whose_blocks_stop_growing_no_longer_holds_the_others_a
     assert pool.share(7, "p") == 4  # no new block for LOADING_STALL_S: still waited for
     now[0] += 0.1
     assert pool.share(7, "p") is None  # longer: its loader may hang; a serves without a cap
+    pool.record_unreachable(B, "timed out")
+    pool.record_health(B, health("loading", present=4, package_id="p"), polled_at=now[0])
+    assert pool.share(7, "p") is None  # answering again after a failed poll is no progress
     pool.record_health(B, health("loading", present=5, package_id="p"), polled_at=now[0])
     assert pool.share(7, "p") == 4  # a block came: loading again
 
