@@ -117,6 +117,10 @@ register(Strategy(PIPECAST_PIPELINES, "pipecast with W warm workers (default 1) 
                                            "land, until they hold the whole model; scaled by the daemon",
                   plan_strategy="", execute_while_load=True, warm=1, warm_are_sources=True, scaled_by="daemon",
                   pipelines=True))
+register(Strategy(PIPECAST_PIPELINES + ORACLE_SUFFIX, "pipecast-pipelines with every cold worker scaled up at the "
+                                                     "surge's first instant (an oracle no deployment has: a "
+                                                     "baseline, not the headline)",
+                  plan_strategy="", execute_while_load=True, warm=1, warm_are_sources=True, pipelines=True))
 register(Strategy(f"{PIPECAST}-chain", "pipecast with a chain plan (blocks in layer order at every worker, "
                                        "cut-through), execute-while-load, scaled by the daemon",
                   plan_strategy="chain", execute_while_load=True, warm_are_sources=True, scaled_by="daemon"))

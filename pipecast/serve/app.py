@@ -18,7 +18,6 @@ Endpoints:
 lets running ones finish for up to ``drain_timeout_s`` and closes the engine.
 """
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -136,9 +135,9 @@ async def stage_call(request: web.Request) -> web.Response:
         runner = await worker.wait_stage_runner(deadline - time.monotonic())
         runner.expire()
         last = not call.following
-        out = await asyncio.to_thread(runner.run, session, call.layers, call.position, hidden=hidden,
-                                      params=call.params, norm_only=call.norm_only and last,
-                                      timeout=max(deadline - time.monotonic(), 0.0))
+        out = await worker.stage_queue.call(runner.run, session, call.layers, call.position, hidden=hidden,
+                                            params=call.params, norm_only=call.norm_only and last,
+                                            deadline=deadline)
         if last:
             answer = out.hidden if call.norm_only else out.token
         else:

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     import aiohttp
     import torch
 
-    from pipecast.engine.stage import StageRunner
+    from pipecast.engine.stage import StageOutput, StageRunner
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +293,36 @@ def move_pays(estimate: DissolveEstimate) -> bool:
     return estimate.move_s < estimate.stay_s
 
 
+class StageQueue:
+    """A worker's stage computations, run one at a time in arrival order on one thread.
+
+    Calls run at once would share the worker's CPU and all end late: a burst of prefills through a
+    pipeline would then move from stage to stage together, each stage idle while the others compute. One
+    at a time, a stage passes each call on as soon as it is done and computes the next meanwhile, so the
+    stages of a pipeline work on different requests at once. A call that is cancelled before its turn
+    never runs; one whose deadline passes while it waits fails with TimeoutError instead of running late.
+    """
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipecast-stage")
+
+    async def call(self, function: Callable[..., "StageOutput"], *args: Any, deadline: float,
+                   **kwargs: Any) -> "StageOutput":
+        """``function(*args, timeout=..., **kwargs)`` in its turn, ``timeout`` what is left until
+        ``deadline`` (a ``time.monotonic()`` instant) when the turn comes."""
+        def turn() -> "StageOutput":
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the step's deadline passed while the call waited for this worker's stage")
+            return function(*args, timeout=left, **kwargs)
+
+        return await asyncio.get_running_loop().run_in_executor(self._thread, turn)
+
+    def close(self) -> None:
+        """Drop the calls still waiting (their callers get CancelledError); the running one ends."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
 class StageClient:
     """Calls to the next stages of routes (one HTTP connection pool per worker)."""
 
@@ -379,10 +410,12 @@ def _answered_error(url: str, status: int, body: bytes) -> StageFailedError:
 class PipelineHead:
     """The head stage of pipelined requests on one worker: runs its own layers and drives the rest."""
 
-    def __init__(self, runner: "StageRunner", client: StageClient, *, step_timeout_s: float = STEP_TIMEOUT_S,
+    def __init__(self, runner: "StageRunner", client: StageClient, queue: StageQueue, *,
+                 step_timeout_s: float = STEP_TIMEOUT_S,
                  local: "Callable[[list[int], SamplingParams], TokenStream] | None" = None,
                  dissolve: str = DISSOLVE_AUTO, cpus: float | None = None):
-        """``local`` submits a prompt to this worker's own engine: given, a request whose pipeline dissolves
+        """``queue`` runs this worker's stage computations (the head's own and the stage calls it is sent);
+        ``local`` submits a prompt to this worker's own engine: given, a request whose pipeline dissolves
         under it (this worker came to hold the whole model after the request started) may move here with its
         tokens so far, re-prefilled, instead of finishing through the stages (:meth:`start`): always with
         ``dissolve`` :data:`DISSOLVE_MOVE`, where :func:`move_pays` says so with :data:`DISSOLVE_AUTO`,
@@ -391,6 +424,7 @@ class PipelineHead:
             raise ValueError(f"dissolve must be one of {', '.join(DISSOLVE_CHOICES)}, got {dissolve!r}")
         self.runner = runner
         self.client = client
+        self.queue = queue
         self.step_timeout_s = step_timeout_s
         self.local = local if dissolve != DISSOLVE_FINISH else None
         self.dissolve = dissolve
@@ -511,8 +545,8 @@ class PipelineHead:
         # final norm and the token is sampled here, so the last stage never needs the embeddings' block.
         here = len(route) > 1 and self.runner.model.skeleton.tied_embeddings
         try:
-            out = await asyncio.to_thread(self.runner.run, session, own.layers, position, tokens=tokens,
-                                          params=params, timeout=self.step_timeout_s)
+            out = await self.queue.call(self.runner.run, session, own.layers, position, tokens=tokens,
+                                        params=params, deadline=deadline)
         except (TimeoutError, PipecastError) as exc:
             raise StageFailedError(own.url, str(exc)) from None
         if position == 0:
@@ -527,8 +561,7 @@ class PipelineHead:
         if not here:
             return answer
         try:
-            left = max(deadline - time.monotonic(), 0.0)
-            sampled = await asyncio.to_thread(self.runner.sample, session, answer, timeout=left)
+            sampled = await self.queue.call(self.runner.sample, session, answer, deadline=deadline)
         except (TimeoutError, PipecastError) as exc:
             raise StageFailedError(own.url, str(exc)) from None
         timing.sample.append((sampled.seconds, sampled.cpu_seconds))

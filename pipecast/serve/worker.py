@@ -65,6 +65,7 @@ from pipecast.serve.pipeline import (
     Hop,
     PipelineHead,
     StageClient,
+    StageQueue,
 )
 from pipecast.serve.text import CompletionText, TextCodec
 
@@ -168,6 +169,7 @@ class ServingWorker:
         self._released = False
         self._follower: asyncio.Task | None = None
         self.stage_client = StageClient()
+        self.stage_queue = StageQueue()
         self._head: PipelineHead | None = None
 
     # --- life cycle ----------------------------------------------------------------------------------
@@ -322,7 +324,7 @@ class ServingWorker:
         from pipecast.engine.stage import StageRunner
 
         self._model = model
-        self._head = PipelineHead(StageRunner(model.engine.model), self.stage_client,
+        self._head = PipelineHead(StageRunner(model.engine.model), self.stage_client, self.stage_queue,
                                   step_timeout_s=self.config.pipeline_step_timeout_s,
                                   local=model.engine.submit, dissolve=self.config.pipeline_dissolve,
                                   cpus=cpu_limit())
@@ -376,6 +378,7 @@ class ServingWorker:
             await asyncio.gather(self._follower, return_exceptions=True)
         if self._model is not None:
             await asyncio.to_thread(self._model.close)
+        self.stage_queue.close()
         await self.stage_client.aclose()
 
     # --- state ---------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import aiohttp
 import pytest
@@ -26,6 +27,7 @@ from pipecast.serve.pipeline import (
     PipelineHead,
     PipelineProtocolError,
     RequestTiming,
+    StageQueue,
     decode_frame,
     dissolve_estimate,
     encode_frame,
@@ -274,19 +276,55 @@ def test_an_auto_head_moves_or_keeps_a_request_as_its_estimate_says_and_counts_w
         class model:
             num_layers = 30
 
-    head = PipelineHead(Runner(), None, local=lambda *_: None)
+    head = PipelineHead(Runner(), None, None, local=lambda *_: None)
     assert head.dissolve == "auto" and head.cpus is None
     assert head._should_move(timing(0.1, [0.02], [0.005], []), 17, 50) is None
     assert head._should_move(timing(0.1, [0.02], [0.005], [0.2]), 32, 100) is True
     assert head._should_move(timing(0.1, [0.02], [0.005], [0.05]), 32, 100) is False
     assert (head.moved, head.kept) == (0, 1)  # moving is counted when the local engine takes the request
-    quota = PipelineHead(Runner(), None, local=lambda *_: None, cpus=0.25)
+    quota = PipelineHead(Runner(), None, None, local=lambda *_: None, cpus=0.25)
     assert quota._should_move(timing(0.1, [0.02], [0.005], [0.2]), 32, 100) is False  # 260 ms here
-    assert PipelineHead(Runner(), None, local=lambda *_: None, dissolve="move")._should_move(
+    assert PipelineHead(Runner(), None, None, local=lambda *_: None, dissolve="move")._should_move(
         timing(0.1, [], [], []), 17, 50) is True
-    assert PipelineHead(Runner(), None, local=lambda *_: None, dissolve="finish").local is None
+    assert PipelineHead(Runner(), None, None, local=lambda *_: None, dissolve="finish").local is None
     with pytest.raises(ValueError, match="dissolve must be one of auto, move, finish, got 'stay'"):
-        PipelineHead(Runner(), None, dissolve="stay")
+        PipelineHead(Runner(), None, None, dissolve="stay")
+
+
+async def test_the_stage_queue_computes_one_call_at_a_time_in_arrival_order_within_each_deadline():
+    queue = StageQueue()
+    ran, running, overlap = [], [0], []
+    release = threading.Event()
+
+    def compute(name, *, timeout, hold=None):
+        running[0] += 1
+        overlap.append(running[0])
+        if hold is not None:
+            hold.wait(5)
+        ran.append((name, round(timeout)))
+        running[0] -= 1
+        return name
+
+    try:
+        now = time.monotonic()
+        first = asyncio.create_task(queue.call(compute, "a", hold=release, deadline=now + 60))
+        await eventually(lambda: ran == [] and overlap == [1])
+        late = asyncio.create_task(queue.call(compute, "late", deadline=now + 0.05))
+        later = [asyncio.create_task(queue.call(compute, name, deadline=now + 60)) for name in "bcd"]
+        cancelled = asyncio.create_task(queue.call(compute, "never", deadline=now + 60))
+        await asyncio.sleep(0.1)
+        cancelled.cancel()
+        release.set()
+        assert await first == "a" and [await t for t in later] == list("bcd")
+        with pytest.raises(TimeoutError, match="the step's deadline passed while the call waited for this "
+                                               "worker's stage"):
+            await late
+        # one at a time, in arrival order, each given what is left of its deadline; the late and the
+        # cancelled call never computed
+        assert [name for name, _ in ran] == list("abcd") and max(overlap) == 1
+        assert all(0 < left <= 60 for _, left in ran)
+    finally:
+        queue.close()
 
 
 # "auto": the tail's held call makes the route slow against the head's own estimate, so it moves

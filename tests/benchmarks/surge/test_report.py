@@ -161,7 +161,8 @@ def test_strategies_resolve_with_a_warm_count_and_refuse_bad_names():
     assert resolve("warm-pool:4").warm == 4 and resolve("warm-pool:4").name == "warm-pool:4"
     assert resolve("pipecast").execute_while_load and not resolve("unicast").execute_while_load
     assert resolve("warm-pool").warm_count(min_workers=3) == 3
-    known = "unicast, unicast-oracle, warm-pool, fixed, pipecast, pipecast-oracle, pipecast-pipelines, pipecast-chain"
+    known = ("unicast, unicast-oracle, warm-pool, fixed, pipecast, pipecast-oracle, pipecast-pipelines, "
+             "pipecast-pipelines-oracle, pipecast-chain")
     with pytest.raises(StrategyError, match=rf"unknown strategy 'nccl'; known: {known}$"):
         resolve("nccl")
     with pytest.raises(StrategyError, match=r"the warm count after ':' must be a whole number, got 'x'"):
