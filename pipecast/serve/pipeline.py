@@ -36,7 +36,7 @@ from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.core.urls import http_base_url
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.streams import FINISH_CANCELLED, TokenStream, emit
-from pipecast.serve.errors import StageFailedError
+from pipecast.serve.errors import StageFailedError, WorkerClosingError
 
 if TYPE_CHECKING:
     import aiohttp
@@ -316,10 +316,15 @@ class StageQueue:
                 raise TimeoutError("the step's deadline passed while the call waited for this worker's stage")
             return function(*args, timeout=left, **kwargs)
 
-        return await asyncio.get_running_loop().run_in_executor(self._thread, turn)
+        try:
+            computed = asyncio.get_running_loop().run_in_executor(self._thread, turn)
+        except RuntimeError:  # closed: the worker is shutting down
+            raise WorkerClosingError() from None
+        return await computed
 
     def close(self) -> None:
-        """Drop the calls still waiting (their callers get CancelledError); the running one ends."""
+        """Drop the calls still waiting (their callers get CancelledError), refuse new ones
+        (:class:`WorkerClosingError`); the running one ends."""
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 

@@ -35,6 +35,7 @@ from pipecast.serve.pipeline import (
     parse_route,
     route_header,
 )
+from pipecast.serve.errors import WorkerClosingError
 from pipecast.serve.worker import WorkerConfig
 from tests.router.test_app import eventually
 from tests.serve.test_app import serving, wait_health
@@ -325,6 +326,8 @@ async def test_the_stage_queue_computes_one_call_at_a_time_in_arrival_order_with
         assert all(0 < left <= 60 for _, left in ran)
     finally:
         queue.close()
+    with pytest.raises(WorkerClosingError, match="the worker is shutting down"):
+        await queue.call(compute, "closed", deadline=time.monotonic() + 60)
 
 
 # "auto": the tail's held call makes the route slow against the head's own estimate, so it moves
