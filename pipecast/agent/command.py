@@ -12,6 +12,7 @@ from pipecast.agent.fetcher import FetchPolicy
 from pipecast.agent.ratelimit import DataPlaneCaps
 from pipecast.agent.transport.base import split_address
 from pipecast.agent.transport.registry import transport_names
+from pipecast.core.allocator import keep_freed_memory
 from pipecast.core.engines import SERVING_ENGINES
 from pipecast.core.settings import load_settings
 from pipecast.core.units import parse_size
@@ -136,4 +137,5 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
                            start_at=start_at, policy=policy, control_plane=control_plane,
                            labels={**settings.agent_labels, **labels}, serve_url=settings.agent_serve_url,
                            engine=settings.agent_engine)
+    keep_freed_memory()  # send buffers churn by megabytes: reuse their memory (pipecast.core.allocator)
     asyncio.run(AgentDaemon(options, settings).run())
