@@ -4,9 +4,10 @@ Every byte an agent sends that the socket does not take at once is copied into t
 buffer, which grows and shrinks by megabytes many times a second. glibc's defaults hand such memory back to
 the kernel as soon as it is freed (heap trimmed above 128 KiB free, or a mapping of its own per large block),
 so the next growth faults fresh zeroed pages in: measured here, a store sending 8 copies of a 257 MiB model
-faulted in 570 MB of new pages (180,000 faults; 25,000 with the policy below). Where memory is backed lazily
-(a VM whose host takes freed memory back: 10-45 us a page on the machine of the README) that is seconds of
-CPU per surge; elsewhere a few hundred milliseconds. Keeping freed memory for reuse, up to a bound, stops it.
+faulted in about 640 MB of new pages beyond its start-up (180,000 faults; 24,000 with the policy below).
+Where memory is backed lazily (a VM whose host takes freed memory back: 10-45 us a page on the machine of
+the README) that is seconds of CPU per surge; elsewhere a few hundred milliseconds. Keeping freed memory for
+reuse, up to a bound, stops it.
 """
 
 import ctypes
