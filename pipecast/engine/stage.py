@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from pipecast.engine.errors import EngineError, InvalidRequestError
 from pipecast.engine.kv_cache import decode_mask, prefill_mask
 from pipecast.engine.sampling import SamplingParams, new_generator, sample_tokens
-from pipecast.engine.weights import EMBED, FINAL_NORM, HEAD, LM_HEAD
+from pipecast.engine.weights import EMBED, FINAL_NORM, HEAD, LM_HEAD, Part
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 SESSION_IDLE_S = 120.0
 #: Most sessions one node keeps at once; a new session beyond it is refused.
 MAX_SESSIONS = 256
+#: The parts :meth:`StageRunner.sample` reads.
+SAMPLE_PARTS = (LM_HEAD,)
 
 
 class StageSessionError(EngineError):
@@ -146,7 +148,7 @@ class StageRunner:
 
         m = self.model
         first, last = layers.start == 0, layers.stop == m.num_layers
-        if not (0 <= layers.start < layers.stop <= m.num_layers) or layers.step != 1:
+        if not self._in_model(layers):
             raise InvalidRequestError(f"layers {layers.start}-{layers.stop - 1} are not a range of the model's "
                                       f"{m.num_layers} layers")
         if first == (tokens is None) or first == (hidden is not None):
@@ -212,6 +214,29 @@ class StageRunner:
         return replace(out, seconds=max(time.monotonic() - started - deadline.waited, 0.0),
                        cpu_seconds=time.thread_time() - cpu)
 
+    def parts(self, layers: range, *, norm_only: bool = False) -> list[Part]:
+        """The parts a :meth:`run` of ``layers`` reads: the embeddings for the first stage, its layers, and for
+        the last the final norm (``norm_only``) or the head; :data:`SAMPLE_PARTS` for :meth:`sample`. Empty
+        for a range that is not the model's (:meth:`run` refuses it, naming why)."""
+        if not self._in_model(layers):
+            return []
+        first, last = layers.start == 0, layers.stop == self.model.num_layers
+        return [*([EMBED] if first else []), *layers, *([FINAL_NORM if norm_only else HEAD] if last else [])]
+
+    def waiter(self, parts: Sequence[Part]) -> Callable[[float], None] | None:
+        """None when every one of ``parts`` is bound; else a function that waits for the missing ones within
+        its ``timeout`` argument in all (TimeoutError beyond), for a caller that waits before it computes."""
+        missing = [part for part in parts if not self.model.is_ready(part)]
+        if not missing:
+            return None
+
+        def wait(timeout: float) -> None:
+            deadline = _Deadline(time.monotonic() + timeout, timeout)
+            for part in missing:
+                self._wait(part, deadline)
+
+        return wait
+
     def close(self, session: str) -> bool:
         """Forget ``session`` (its request ended); False if it was not held."""
         with self._lock:
@@ -245,6 +270,9 @@ class StageRunner:
                                         f"{state.layers.stop - 1} here, the call asks for {layers.start}-"
                                         f"{layers.stop - 1}")
             return state
+
+    def _in_model(self, layers: range) -> bool:
+        return 0 <= layers.start < layers.stop <= self.model.num_layers and layers.step == 1
 
     def _wait(self, part, deadline: _Deadline) -> None:
         """Until ``part`` is bound; every wait of one call shares the call's deadline."""

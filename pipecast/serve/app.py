@@ -135,9 +135,10 @@ async def stage_call(request: web.Request) -> web.Response:
         runner = await worker.wait_stage_runner(deadline - time.monotonic())
         runner.expire()
         last = not call.following
+        norm_only = call.norm_only and last
         out = await worker.stage_queue.call(runner.run, session, call.layers, call.position, hidden=hidden,
-                                            params=call.params, norm_only=call.norm_only and last,
-                                            deadline=deadline)
+                                            params=call.params, norm_only=norm_only, deadline=deadline,
+                                            wait=runner.waiter(runner.parts(call.layers, norm_only=norm_only)))
         if last:
             answer = out.hidden if call.norm_only else out.token
         else:

@@ -35,6 +35,7 @@ from pipecast.core.errors import PipecastError
 from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.core.urls import http_base_url
 from pipecast.engine.sampling import SamplingParams
+from pipecast.engine.stage import SAMPLE_PARTS, StageOutput, StageRunner
 from pipecast.engine.streams import FINISH_CANCELLED, TokenStream, emit
 from pipecast.serve.errors import StageFailedError, WorkerClosingError
 
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     import aiohttp
     import torch
 
-    from pipecast.engine.stage import StageOutput, StageRunner
 
 log = logging.getLogger(__name__)
 
@@ -301,16 +301,24 @@ class StageQueue:
     at a time, a stage passes each call on as soon as it is done and computes the next meanwhile, so the
     stages of a pipeline work on different requests at once. A call that is cancelled before its turn
     never runs; one whose deadline passes while it waits fails with TimeoutError instead of running late.
+    A call whose layers are still arriving waits for them before it queues, so it holds up no other call (it
+    gives up computing its first layers while its last ones arrive, at most one block's time once a pipeline
+    forms).
     """
 
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipecast-stage")
 
-    async def call(self, function: Callable[..., "StageOutput"], *args: Any, deadline: float,
-                   **kwargs: Any) -> "StageOutput":
+    async def call(self, function: Callable[..., StageOutput], *args: Any, deadline: float,
+                   wait: Callable[[float], None] | None = None, **kwargs: Any) -> StageOutput:
         """``function(*args, timeout=..., **kwargs)`` in its turn, ``timeout`` what is left until
-        ``deadline`` (a ``time.monotonic()`` instant) when the turn comes."""
-        def turn() -> "StageOutput":
+        ``deadline`` (a ``time.monotonic()`` instant) when the turn comes. ``wait(timeout)`` (a
+        :meth:`~pipecast.engine.stage.StageRunner.waiter`), if given, runs first, off the queue: a call whose
+        layers are still arriving holds up no other call while it waits for them."""
+        if wait is not None:
+            await asyncio.to_thread(wait, max(deadline - time.monotonic(), 0.0))
+
+        def turn() -> StageOutput:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("the step's deadline passed while the call waited for this worker's stage")
@@ -415,7 +423,7 @@ def _answered_error(url: str, status: int, body: bytes) -> StageFailedError:
 class PipelineHead:
     """The head stage of pipelined requests on one worker: runs its own layers and drives the rest."""
 
-    def __init__(self, runner: "StageRunner", client: StageClient, queue: StageQueue, *,
+    def __init__(self, runner: StageRunner, client: StageClient, queue: StageQueue, *,
                  step_timeout_s: float = STEP_TIMEOUT_S,
                  local: "Callable[[list[int], SamplingParams], TokenStream] | None" = None,
                  dissolve: str = DISSOLVE_AUTO, cpus: float | None = None):
@@ -551,7 +559,8 @@ class PipelineHead:
         here = len(route) > 1 and self.runner.model.skeleton.tied_embeddings
         try:
             out = await self.queue.call(self.runner.run, session, own.layers, position, tokens=tokens,
-                                        params=params, deadline=deadline)
+                                        params=params, deadline=deadline,
+                                        wait=self.runner.waiter(self.runner.parts(own.layers)))
         except (TimeoutError, PipecastError) as exc:
             raise StageFailedError(own.url, str(exc)) from None
         if position == 0:
@@ -566,7 +575,8 @@ class PipelineHead:
         if not here:
             return answer
         try:
-            sampled = await self.queue.call(self.runner.sample, session, answer, deadline=deadline)
+            sampled = await self.queue.call(self.runner.sample, session, answer, deadline=deadline,
+                                            wait=self.runner.waiter(SAMPLE_PARTS))
         except (TimeoutError, PipecastError) as exc:
             raise StageFailedError(own.url, str(exc)) from None
         timing.sample.append((sampled.seconds, sampled.cpu_seconds))

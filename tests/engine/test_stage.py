@@ -13,6 +13,7 @@ from pipecast.engine.errors import InvalidRequestError
 from pipecast.engine.providers import AgentBlockProvider, PackageFolderProvider
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.stage import StageCapacityError, StageRunner, StageSessionError
+from pipecast.engine.weights import EMBED, FINAL_NORM, HEAD
 from tests.support import packages
 from tests.support.engine_fixtures import GatedAgent, random_prompt, reference_generate, reference_model
 
@@ -150,8 +151,16 @@ def test_a_stage_runs_while_its_blocks_arrive_and_its_waits_have_deadlines(tmp_p
         with pytest.raises(TimeoutError, match="layer 2 not loaded within 0.2 s"):
             tail.run("s", range(2, 4), 0, hidden=out.hidden, timeout=0.2)
         assert tail.sessions == 0  # a failed call leaves no half-filled session behind
+        # what a call reads, and a wait for it apart from the call (a serving worker waits before its turn)
+        assert tail.parts(range(2, 4)) == [2, 3, HEAD] and tail.parts(range(0, 2)) == [EMBED, 0, 1]
+        assert tail.parts(range(2, 4), norm_only=True)[-1] == FINAL_NORM and tail.parts(range(3, 9)) == []
+        assert head.waiter(head.parts(range(0, 2))) is None
+        with pytest.raises(TimeoutError, match="layer 2 not loaded within 0.2 s"):
+            tail.waiter(tail.parts(range(2, 4)))(0.2)
         done = threading.Timer(0.3, agent.release)
         done.start()
+        tail.waiter(tail.parts(range(2, 4)))(10)
+        assert tail.waiter(tail.parts(range(2, 4))) is None
         assert tail.run("s", range(2, 4), 0, hidden=out.hidden, timeout=10).token is not None
         done.join()
     finally:

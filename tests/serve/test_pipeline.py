@@ -313,16 +313,23 @@ async def test_the_stage_queue_computes_one_call_at_a_time_in_arrival_order_with
         late = asyncio.create_task(queue.call(compute, "late", deadline=now + 0.05))
         later = [asyncio.create_task(queue.call(compute, name, deadline=now + 60)) for name in "bcd"]
         cancelled = asyncio.create_task(queue.call(compute, "never", deadline=now + 60))
+        # a call whose layers are still arriving waits for them before its turn, holding up no other call
+        arrived = threading.Event()
+        arriving = asyncio.create_task(queue.call(compute, "e", deadline=now + 60,
+                                                  wait=lambda timeout: arrived.wait(timeout)))
+        after = asyncio.create_task(queue.call(compute, "f", deadline=now + 60))
         await asyncio.sleep(0.1)
         cancelled.cancel()
         release.set()
-        assert await first == "a" and [await t for t in later] == list("bcd")
+        assert await first == "a" and [await t for t in later] == list("bcd") and await after == "f"
+        arrived.set()
+        assert await arriving == "e"
         with pytest.raises(TimeoutError, match="the step's deadline passed while the call waited for this "
                                                "worker's stage"):
             await late
         # one at a time, in arrival order, each given what is left of its deadline; the late and the
         # cancelled call never computed
-        assert [name for name, _ in ran] == list("abcd") and max(overlap) == 1
+        assert [name for name, _ in ran] == list("abcdfe") and max(overlap) == 1
         assert all(0 < left <= 60 for _, left in ran)
     finally:
         queue.close()
