@@ -21,6 +21,8 @@ so the router retries the request on another worker.
 """
 
 import asyncio
+import heapq
+import itertools
 import json
 import logging
 import time
@@ -294,12 +296,16 @@ def move_pays(estimate: DissolveEstimate) -> bool:
 
 
 class StageQueue:
-    """A worker's stage computations, run one at a time in arrival order on one thread.
+    """A worker's stage computations, run one at a time on one thread, the earliest deadline first.
 
     Calls run at once would share the worker's CPU and all end late: a burst of prefills through a
     pipeline would then move from stage to stage together, each stage idle while the others compute. One
     at a time, a stage passes each call on as soon as it is done and computes the next meanwhile, so the
-    stages of a pipeline work on different requests at once. A call that is cancelled before its turn
+    stages of a pipeline work on different requests at once. Every step of a pipelined request has one
+    deadline across its stages (its start plus the step timeout), so the earliest deadline is the step
+    that started first: a head's sample of a token whose step began before a burst of new prefills (its
+    hidden states came back from the last stage) is computed before them, not after (arrival order would
+    put it last). Calls of equal deadlines go in arrival order. A call that is cancelled before its turn
     never runs; one whose deadline passes while it waits fails with TimeoutError instead of running late.
     A call whose layers are still arriving waits for them before it queues, so it holds up no other call (it
     gives up computing its first layers while its last ones arrive, at most one block's time once a pipeline
@@ -308,6 +314,10 @@ class StageQueue:
 
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipecast-stage")
+        self._waiting: list[tuple[float, int, asyncio.Future]] = []  # a heap: (deadline, arrival, turn)
+        self._arrivals = itertools.count()
+        self._busy = False
+        self._closed = False
 
     async def call(self, function: Callable[..., StageOutput], *args: Any, deadline: float,
                    wait: Callable[[float], None] | None = None, **kwargs: Any) -> StageOutput:
@@ -324,15 +334,47 @@ class StageQueue:
                 raise TimeoutError("the step's deadline passed while the call waited for this worker's stage")
             return function(*args, timeout=left, **kwargs)
 
+        await self._turn(deadline)
         try:
-            computed = asyncio.get_running_loop().run_in_executor(self._thread, turn)
+            return await asyncio.get_running_loop().run_in_executor(self._thread, turn)
         except RuntimeError:  # closed: the worker is shutting down
             raise WorkerClosingError() from None
-        return await computed
+        finally:
+            self._next()
+
+    async def _turn(self, deadline: float) -> None:
+        """Return once this call may compute: at once when nothing computes or waits, else when it is the
+        earliest deadline waiting as the computing call ends."""
+        if self._closed:
+            raise WorkerClosingError()
+        if not self._busy and not self._waiting:
+            self._busy = True
+            return
+        granted = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (deadline, next(self._arrivals), granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():  # granted as it was cancelled: pass the turn on
+                self._next()
+            raise
+
+    def _next(self) -> None:
+        """The computing call ended: the earliest deadline waiting computes next."""
+        while self._waiting:
+            _, _, granted = heapq.heappop(self._waiting)
+            if not granted.done():
+                granted.set_result(None)
+                return
+        self._busy = False
 
     def close(self) -> None:
         """Drop the calls still waiting (their callers get CancelledError), refuse new ones
         (:class:`WorkerClosingError`); the running one ends."""
+        self._closed = True
+        for _, _, granted in self._waiting:
+            granted.cancel()
+        self._waiting.clear()
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 

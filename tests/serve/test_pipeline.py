@@ -292,7 +292,7 @@ def test_an_auto_head_moves_or_keeps_a_request_as_its_estimate_says_and_counts_w
         PipelineHead(Runner(), None, None, dissolve="stay")
 
 
-async def test_the_stage_queue_computes_one_call_at_a_time_in_arrival_order_within_each_deadline():
+async def test_the_stage_queue_computes_one_call_at_a_time_earliest_deadline_first_within_each_deadline():
     queue = StageQueue()
     ran, running, overlap = [], [0], []
     release = threading.Event()
@@ -312,7 +312,9 @@ async def test_the_stage_queue_computes_one_call_at_a_time_in_arrival_order_with
         await eventually(lambda: ran == [] and overlap == [1])
         late = asyncio.create_task(queue.call(compute, "late", deadline=now + 0.05))
         later = [asyncio.create_task(queue.call(compute, name, deadline=now + 60)) for name in "bcd"]
-        cancelled = asyncio.create_task(queue.call(compute, "never", deadline=now + 60))
+        # a step that started earlier (the head's sample of an older request's token) goes before them
+        urgent = asyncio.create_task(queue.call(compute, "u", deadline=now + 30))
+        cancelled = asyncio.create_task(queue.call(compute, "never", deadline=now + 20))
         # a call whose layers are still arriving waits for them before its turn, holding up no other call
         arrived = threading.Event()
         arriving = asyncio.create_task(queue.call(compute, "e", deadline=now + 60,
@@ -322,19 +324,43 @@ async def test_the_stage_queue_computes_one_call_at_a_time_in_arrival_order_with
         cancelled.cancel()
         release.set()
         assert await first == "a" and [await t for t in later] == list("bcd") and await after == "f"
+        assert await urgent == "u"
         arrived.set()
         assert await arriving == "e"
         with pytest.raises(TimeoutError, match="the step's deadline passed while the call waited for this "
                                                "worker's stage"):
             await late
-        # one at a time, in arrival order, each given what is left of its deadline; the late and the
-        # cancelled call never computed
-        assert [name for name, _ in ran] == list("abcdfe") and max(overlap) == 1
+        # one at a time, the earliest deadline first and equal ones in arrival order, each given what is
+        # left of its deadline; the late and the cancelled call never computed
+        assert [name for name, _ in ran] == list("aubcdfe") and max(overlap) == 1
         assert all(0 < left <= 60 for _, left in ran)
     finally:
         queue.close()
     with pytest.raises(WorkerClosingError, match="the worker is shutting down"):
         await queue.call(compute, "closed", deadline=time.monotonic() + 60)
+
+
+async def test_a_call_waiting_for_its_turn_when_the_stage_queue_closes_is_dropped():
+    queue = StageQueue()
+    release = threading.Event()
+    ran = []
+
+    def compute(name, *, timeout, hold=None):
+        if hold is not None:
+            hold.wait(5)
+        ran.append(name)
+        return name
+
+    running = asyncio.create_task(queue.call(compute, "a", hold=release, deadline=time.monotonic() + 60))
+    await asyncio.sleep(0.05)
+    waiting = asyncio.create_task(queue.call(compute, "b", deadline=time.monotonic() + 60))
+    await asyncio.sleep(0.05)
+    queue.close()
+    release.set()
+    assert await running == "a"  # the running one ends
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert ran == ["a"]
 
 
 # "auto": the tail's held call makes the route slow against the head's own estimate, so it moves
