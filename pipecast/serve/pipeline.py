@@ -336,9 +336,11 @@ class StageQueue:
 
         await self._turn(deadline)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._thread, turn)
-        except RuntimeError:  # closed: the worker is shutting down
-            raise WorkerClosingError() from None
+            try:
+                computed = asyncio.get_running_loop().run_in_executor(self._thread, turn)
+            except RuntimeError:  # closed: the worker is shutting down (not an error of the call's own)
+                raise WorkerClosingError() from None
+            return await computed
         finally:
             self._next()
 

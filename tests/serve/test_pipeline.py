@@ -340,6 +340,20 @@ async def test_the_stage_queue_computes_one_call_at_a_time_earliest_deadline_fir
         await queue.call(compute, "closed", deadline=time.monotonic() + 60)
 
 
+async def test_a_stage_calls_own_error_reaches_its_caller_and_the_next_call_runs():
+    queue = StageQueue()
+
+    def fails(*, timeout):
+        raise RuntimeError("shape mismatch")  # what torch raises: the call's fault, not a closing worker
+
+    try:
+        with pytest.raises(RuntimeError, match="^shape mismatch$"):
+            await queue.call(fails, deadline=time.monotonic() + 60)
+        assert await queue.call(lambda *, timeout: "next", deadline=time.monotonic() + 60) == "next"
+    finally:
+        queue.close()
+
+
 async def test_a_call_waiting_for_its_turn_when_the_stage_queue_closes_is_dropped():
     queue = StageQueue()
     release = threading.Event()
