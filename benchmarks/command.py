@@ -53,6 +53,18 @@ def _run_and_report(run, config, workdir: Path | None, format_report, json_path:
     return report
 
 
+def _reserve_size(ctx: click.Context, param: click.Parameter, value: str) -> int | str | None:
+    """--agent-reserve: a size in bytes, "package" (sized once the package is known) or None for 0."""
+    if value in ("package", "0"):
+        return None if value == "0" else value
+    from pipecast.core.units import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"{exc} (a size such as 512MiB, package or 0)") from None
+
+
 def _demo(cache: Path) -> Path:
     """The demo model's package, packed on first use."""
     from benchmarks.demo_model import demo_package
@@ -227,6 +239,11 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
 @click.option("--worker-cpus", type=click.FloatRange(min=0),
               help="CPUs each serving worker may use (a cgroup CFS quota): each emulated node's own compute, as a "
                    "GPU node has. Default: the machine's cores / --workers; 0: no quota (workers share every core).")
+@click.option("--agent-reserve", metavar="SIZE|package|0", default="package", show_default=True,
+              callback=_reserve_size,
+              help="Host memory each cold worker's agent populates at start and receives blocks into (agent "
+                   "--reserve, as an operator sets it on VMs that back memory lazily, as this one does; package: "
+                   "the package's size; 0: none).")
 @click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Block package to serve (default: the demo model's, packed on first use).")
 @DEMO_CACHE
@@ -243,8 +260,8 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
                 synthetic, surges, quiet_seconds, slo_ttft_p99, keep_alive, scale_down_cooldown, cold_start,
                 measure_cold_start, daemon_warm, prompt_cap,
                 output_cap, link_mbit, store_mbit, repeat, pre_surge_seconds, first_n, worker_max_batch,
-                queue_timeout, worker_cpus, package, cache, mode, no_calibrate, json_path, csv_path, plots_dir,
-                workdir):
+                queue_timeout, worker_cpus, agent_reserve, package, cache, mode, no_calibrate, json_path, csv_path,
+                plots_dir, workdir):
     """TTFT while a traffic surge scales the pool from its minimum to N: pipecast vs unicast and a warm pool."""
     from dataclasses import replace
 
@@ -267,6 +284,7 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
             description += f"; played {surges} times, {quiet_seconds:g} s quiet between"
         if package is None:
             package = _demo(cache)
+        reserve = surge.PackageFacts.of(package).total_bytes if agent_reserve == "package" else agent_reserve
         config = surge.SurgeConfig(
             package=package, schedule=schedule, load_description=description, caps=caps,
             strategies=parse_strategies(strategies), workers=workers, min_workers=min_workers, link_mbit=link_mbit,
@@ -275,7 +293,8 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
             worker_cpus=(os.cpu_count() or 1) / workers if worker_cpus is None else (worker_cpus or None),
             policy=replace(surge.DEFAULT_POLICY, slo_ttft_p99_s=slo_ttft_p99, keep_alive_s=keep_alive,
                            scale_down_cooldown_s=scale_down_cooldown, cold_start_s=cold_start,
-                           cold_start_measured=measure_cold_start, warm=daemon_warm))
+                           cold_start_measured=measure_cold_start, warm=daemon_warm),
+            agent_reserve_bytes=reserve)
     except PipecastError as exc:
         raise click.UsageError(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp, Progress.on_stderr(_echo_err) as progress:

@@ -116,6 +116,9 @@ class SurgeConfig:
     #: CPUs each serving worker may use (a CFS quota, see benchmarks.cpuquota): each emulated node's own
     #: compute capacity, as a GPU node has; None: none, every worker may use every core.
     worker_cpus: float | None = None
+    #: Host memory each cold worker's agent populates at start and receives blocks into (its
+    #: ``--reserve``, :mod:`pipecast.agent.reserve`); None: none.
+    agent_reserve_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.schedule:
@@ -279,15 +282,20 @@ def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strat
     agent = ("agent", "--transport", "tcp")
     run.spawn(STORE, STORE, cli(*agent, "--node-id", STORE, "--listen", layout.store, "--seed", package.path,
                                  "--control-plane", layout.control, "--events", run.events_path(STORE)))
+    reserving = [w.name for w in spec.workers if not w.warm] if config.agent_reserve_bytes else []
     for worker in spec.workers:
         w = worker.name
         role = ["--seed", str(package.path)] if worker.warm else []
         if w in spec.registered:
             role += ["--control-plane", layout.control]
+        if w in reserving:
+            role += ["--reserve", str(config.agent_reserve_bytes)]
         run.spawn(w, w, cli(*agent, "--node-id", w, "--listen", layout.agents[w], "--local-socket",
                              sockets / f"{w}.sock", "--events", run.events_path(w),
                              "--serve-url", f"http://{layout.serving[w]}", *role))
     run.wait_event([STORE, *(w.name for w in spec.workers)], "listening", deadline, "agents starting")
+    # Agents on nodes start long before a surge: their memory reserves are full when it comes.
+    run.wait_event(reserving, "reserve_filled", deadline, "agents filling their memory reserves")
     threads = str(WORKER_THREADS)
     for worker in spec.workers:
         w = worker.name
@@ -435,7 +443,9 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
         f"{config.caps.prompt_tokens} tokens, outputs <= {config.caps.output_tokens} tokens",
         f"floor S/B = {floor:.2f} s (no cold worker answers sooner); unicast from the store to every cold worker "
         f"takes about N_cold*S/B_store",
-        f"compute: {quota}",
+        f"compute: {quota}; memory: "
+        + (f"each cold worker's agent populates a {format_bytes(config.agent_reserve_bytes)} reserve at start "
+           "(--agent-reserve)" if config.agent_reserve_bytes else "no agent memory reserve (--agent-reserve 0)"),
         ("transfer/compute: one model copy over a link takes "
          f"{one_copy:.2f} s, a {config.caps.prompt_tokens}-token prefill {prefill_s * 1000:.0f} ms on "
          f"{WORKER_THREADS} thread ({worker_prefill_s * 1000:.0f} ms at a worker's CPU share): ratio {ratio:.0f} "
@@ -460,6 +470,7 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
         "model_copy_seconds": one_copy,
         "prefill_seconds": prefill_s, "worker_prefill_seconds": worker_prefill_s, "transfer_to_prefill_ratio": ratio,
         "worker_threads": WORKER_THREADS, "worker_cpus": config.worker_cpus, "worker_cpu_quota": quota,
+        "agent_reserve_bytes": config.agent_reserve_bytes or 0,
         "worker_max_batch": config.worker_max_batch, "worker_max_queue": config.worker_max_queue,
         "router_max_queue": config.router_max_queue, "queue_timeout_seconds": config.queue_timeout_s,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "headline": headline,

@@ -11,13 +11,21 @@ import functools
 import logging
 import mmap
 import os
+import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipecast.agent.reserve import MemoryReserve
 
 log = logging.getLogger(__name__)
 
 # Linux >= 5.14; Python 3.11's mmap module neither names it nor releases the GIL in madvise.
 _MADV_POPULATE_WRITE = 23
+#: Bytes a buffer populates at a time from a memory reserve (freed there, then taken here): small enough that
+#: the freed pages are taken again at once, large enough that the system calls cost nothing.
+POPULATE_STEP_BYTES = 64 << 20
 
 
 @functools.cache
@@ -27,11 +35,23 @@ def _madvise() -> ctypes._CFuncPtr:
     return madvise
 
 
+def populate(address: int, nbytes: int) -> bool:
+    """Populate ``nbytes`` of writable shared memory mapped at ``address`` (blocking, GIL-free); False, logged,
+    where the kernel cannot (before Linux 5.14 the pages fault in as they are first written)."""
+    if _madvise()(address, nbytes, _MADV_POPULATE_WRITE) != 0:
+        log.debug("cannot prefault shared memory (%s); pages fault in as they are received",
+                  os.strerror(ctypes.get_errno()))
+        return False
+    return True
+
+
 class BlockBuffer(ABC):
     """Memory of one block: ``view`` for this process, ``path`` for another process on the node."""
 
     view: memoryview
     path: str
+    #: Whether every page is in memory already (a prefault would do nothing).
+    populated: bool = True
 
     @abstractmethod
     def close(self) -> None:
@@ -60,9 +80,15 @@ class _MappedBuffer(BlockBuffer):
 
 
 class SharedMemoryBuffer(_MappedBuffer):
-    """Anonymous shared memory (memfd); another process maps it through ``/proc/<pid>/fd/<fd>``."""
+    """Anonymous shared memory (memfd); another process maps it through ``/proc/<pid>/fd/<fd>``.
 
-    def __init__(self, label: str, nbytes: int) -> None:
+    With a ``reserve`` its prefault takes its pages from there (:mod:`pipecast.agent.reserve`).
+    """
+
+    def __init__(self, label: str, nbytes: int, reserve: "MemoryReserve | None" = None) -> None:
+        self._reserve = reserve
+        self.populated = False
+        self._populating = threading.Lock()  # the fetcher and the local API may prefault it at once
         self._fd = os.memfd_create(label, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, nbytes)
@@ -73,13 +99,26 @@ class SharedMemoryBuffer(_MappedBuffer):
 
     def prefault(self) -> None:
         # A first touch of shared memory costs a page fault per 4 KiB page (~0.6 ms per MB measured
-        # here, more than the receive itself); populating ahead takes that off the critical path.
+        # here, more than the receive itself); populating ahead takes that off the critical path. Once
+        # only: a second caller waits for the first, then has nothing to do.
+        with self._populating:
+            if not self.populated:
+                self._populate()
+                self.populated = True  # or the kernel cannot: the pages fault in as they are written
+
+    def _populate(self) -> None:
         anchor = ctypes.c_char.from_buffer(self._map)
         address = ctypes.addressof(anchor)
         del anchor  # the buffer export would keep the mapping from closing
-        if _madvise()(address, len(self._map), _MADV_POPULATE_WRITE) != 0:
-            log.debug("cannot prefault shared memory (%s); pages fault in as they are received",
-                      os.strerror(ctypes.get_errno()))
+        if self._reserve is None:
+            populate(address, len(self._map))
+            return
+        # A step of the reserve freed, then at once the same amount of the buffer populated: it gets those pages.
+        for start in range(0, len(self._map), POPULATE_STEP_BYTES):
+            step = min(POPULATE_STEP_BYTES, len(self._map) - start)
+            self._reserve.hand_over(step)
+            if not populate(address + start, step):
+                return
 
     def close(self) -> None:
         try:
@@ -108,7 +147,11 @@ class BufferAllocator(ABC):
 
 
 class SharedMemoryAllocator(BufferAllocator):
-    """Host shared memory (memfd): what the agent uses on CPU nodes."""
+    """Host shared memory (memfd): what the agent uses on CPU nodes; its buffers populate from ``reserve``
+    where there is one."""
+
+    def __init__(self, reserve: "MemoryReserve | None" = None) -> None:
+        self.reserve = reserve
 
     def allocate(self, label: str, nbytes: int) -> BlockBuffer:
-        return SharedMemoryBuffer(label, nbytes)
+        return SharedMemoryBuffer(label, nbytes, self.reserve)

@@ -72,6 +72,10 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
               help="Disk cache of verified blocks, served again after a restart.")
 @click.option("--memory", callback=_size, metavar="SIZE",
               help="Host memory budget for received blocks, e.g. 16GiB (a package that does not fit is refused).")
+@click.option("--reserve", callback=_size, metavar="SIZE",
+              help="Host memory to populate at start and hand over to received blocks, e.g. 1GiB: on a VM that "
+                   "backs its memory lazily a surge's blocks then take pages already backed (settings: "
+                   "agent_reserve_bytes).")
 @click.option("--transport", type=click.Choice(transport_names()), help="Data transport (default: auto).")
 @click.option("--local-socket", type=click.Path(dir_okay=False, path_type=Path),
               help="Unix socket of the local API for engines on this node.")
@@ -108,8 +112,8 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
               help="Listen at once but begin fetching at this wall-clock time (seconds since the epoch), so "
                    "that agents started one after another fetch together (benchmarks).")
 def agent_command(listen: str | None, node_id: str | None, seed: Path | None, plan: Path | None,
-                  cache_dir: Path | None, memory: int | None, transport: str | None, local_socket: Path | None,
-                  events: Path | None, exit_when_complete: bool, control_plane: str | None, labels: dict[str, str],
+                  cache_dir: Path | None, memory: int | None, reserve: int | None, transport: str | None,
+                  local_socket: Path | None, events: Path | None, exit_when_complete: bool, control_plane: str | None, labels: dict[str, str],
                   serve_url: str | None, engine: str | None, link_mbit: float | None, multicast_share: float | None,
                   priority_shares: dict[str, float], start_at: float | None) -> None:
     """Run the node agent: serve blocks to peers, fetch this node's share, feed local engines.
@@ -121,7 +125,8 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
     if control_plane is not None and (plan is not None or exit_when_complete):
         raise click.UsageError("--control-plane decides what this node fetches: it goes with neither --plan nor "
                                "--exit-when-complete")
-    settings = load_settings(agent_cache_dir=cache_dir, agent_memory_bytes=memory, agent_transport=transport,
+    settings = load_settings(agent_cache_dir=cache_dir, agent_memory_bytes=memory, agent_reserve_bytes=reserve,
+                             agent_transport=transport,
                              agent_local_socket=local_socket, agent_node_id=node_id, agent_serve_url=serve_url,
                              agent_engine=engine,
                              agent_link_mbit=link_mbit, multicast_share=multicast_share,

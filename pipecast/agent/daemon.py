@@ -37,6 +37,7 @@ from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.plan_file import StaticPlan, read_plan_file
 from pipecast.agent.ratelimit import format_rate
+from pipecast.agent.reserve import MemoryReserve
 from pipecast.agent.store import BlockStore, StoreEvent
 from pipecast.agent.transport.base import Listener, PeerAuth, Transport, split_address
 from pipecast.agent.transport.registry import select_transport
@@ -133,7 +134,9 @@ class AgentDaemon:
         self.peer_server = _AgentPeerServer(self.events, UNASSIGNED_GRACE_S if under_control else 0.0,
                                             plan_gated=under_control)
         self.budget = MemoryBudget(settings.agent_memory_bytes)
-        self.allocator = SharedMemoryAllocator()
+        self.reserve = MemoryReserve(settings.agent_reserve_bytes) if settings.agent_reserve_bytes else None
+        self.allocator = SharedMemoryAllocator(self.reserve)
+        self._filling: asyncio.Task | None = None
         self.cache = BlockCache(settings.agent_cache_dir) if settings.agent_cache_dir else None
         self.listener: Listener | None = None
         self.transport: Transport | None = None
@@ -156,6 +159,7 @@ class AgentDaemon:
             raise PlanFileError(f"{self.options.plan}: node {self.node_id!r} is not in the plan's 'nodes'")
         work: asyncio.Task | None = None
         reporter = loop.create_task(self._report_progress())
+        self._fill_reserve()
         try:
             if self.options.seed is not None:
                 seed = LocalPackageFolder(self.options.seed)
@@ -308,8 +312,23 @@ class AgentDaemon:
         store = self.peer_server.stores.pop(package_id, None)
         if store is not None:
             store.close()
+            self._fill_reserve()  # from the pages the package freed, while they are still backed
         log.info("agent %s: dropped package %s", self.node_id, package_id[:12])
         self.events.emit("dropped", package=package_id)
+
+    def _fill_reserve(self) -> None:
+        """Fill the memory reserve, if any, in the background (a fill under way goes on to the end)."""
+        if self.reserve is None or (self._filling is not None and not self._filling.done()):
+            return
+        self._filling = asyncio.get_running_loop().create_task(self._fill(self.reserve))
+
+    async def _fill(self, reserve: MemoryReserve) -> None:
+        started, before = time.monotonic(), reserve.held_bytes
+        held = await asyncio.to_thread(reserve.fill)
+        seconds = time.monotonic() - started
+        log.info("agent %s: memory reserve holds %s of %s (%s populated in %.2f s)", self.node_id,
+                 format_bytes(held), format_bytes(reserve.size), format_bytes(held - before), seconds)
+        self.events.emit("reserve_filled", bytes=held, size=reserve.size, seconds=round(seconds, 3))
 
     async def _control_link(self) -> "ControlLink":
         """The link to the control plane named in the options, for this agent as it listens now."""
@@ -398,6 +417,9 @@ class AgentDaemon:
             "bytes_received": stats.bytes_received if stats else 0,
             "bytes_sent": stats.bytes_sent if stats else 0,
             "cache_write_errors": self.cache.write_errors if self.cache is not None else 0,
+            "reserve": None if self.reserve is None else {
+                "bytes": self.reserve.size, "held_bytes": self.reserve.held_bytes,
+                "handed_over_bytes": self.reserve.handed_over_bytes},
             "packages": {
                 pid: {"blocks_verified": p.blocks_verified, "blocks_total": p.blocks_total,
                       "bytes_present": p.bytes_present, "bytes_total": p.bytes_total, "complete": p.complete,
@@ -418,6 +440,10 @@ class AgentDaemon:
             await asyncio.gather(*self._cache_writes, return_exceptions=True)
         for store in self.peer_server.stores.values():
             store.close()
+        if self.reserve is not None:
+            self.reserve.close()  # waits for a fill's step under way; the fill then ends
+            if self._filling is not None:
+                await asyncio.gather(self._filling, return_exceptions=True)
         stats = self.transport.stats if self.transport is not None else None
         self.events.emit("stopped", bytes_sent=stats.bytes_sent if stats else 0,
                          bytes_received=stats.bytes_received if stats else 0)

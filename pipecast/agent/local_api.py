@@ -22,10 +22,11 @@ unix socket as JSON lines, one request and one answer at a time::
 
 ``wait_prefix`` lets an engine use a block's first layers while the rest of it is in flight: every chunk
 is verified against its own digest as it lands, so a verified prefix is as safe to read as a verified
-block. ``buffer`` answers at once, verified or not: a block's buffer never moves, so the engine can map it
-while the block is still arriving and read it once ``wait_block`` says it is verified (mapping costs
-~0.15 ms per MB of page-table set-up, which then stays off the path from the last block to the first
-token). An engine that subscribes learns what is verified without asking: its waits and its view of the
+block. ``buffer`` answers verified or not, once the block's memory is populated (by the agent, from its
+memory reserve where it has one, not by the engine's mapping on the engine's CPU): a block's buffer never
+moves, so the engine can map it while the block is still arriving and read it once ``wait_block`` says it
+is verified (mapping costs ~0.15 ms per MB of page-table set-up, which then stays off the path from the
+last block to the first token). An engine that subscribes learns what is verified without asking: its waits and its view of the
 blocks held cost no request (:class:`pipecast.agent.local_client.LocalAgentClient`). Every request may
 name ``"package"`` (a package id); without it the agent's only package is meant.
 Failures answer ``{"ok": false, "error": "...", "timeout": bool}``: a line that is not a JSON object, an
@@ -224,6 +225,10 @@ class LocalApiServer:
                                            f"{timeout:g} s") from None
             # All that is verified: the engine's next parts may need no request.
             verified = {"verified": store.verified_prefix(block)}
+        if not store.populated(block):
+            # The engine maps the whole block at once (MAP_POPULATE): pages missing then would be allocated and
+            # zeroed in the engine's process, on its CPU, and not from the agent's memory reserve.
+            await asyncio.to_thread(store.prefault, block)
         return {"ok": True, "package": store.package_id, "block": block, "path": store.block_path(block),
                 "bytes": store.manifest.blocks[block].bytes, **verified}
 

@@ -223,6 +223,11 @@ class BlockStore:
         if state.verified_at is None:
             state.buffer.prefault()
 
+    def populated(self, block: int) -> bool:
+        """Whether ``block``'s memory is all there (verified, or populated by :meth:`prefault`)."""
+        state = self._state(block)
+        return state.verified_at is not None or state.buffer.populated
+
     def chunk_landed(self, block: int, chunk: int, peer: str) -> None:
         """``chunk`` of ``block`` has been written into its buffer by ``peer``: verify it, then publish it.
 

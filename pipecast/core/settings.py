@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     agent_transport: Literal["auto", "tcp", "ucx"] = Field(
         "auto", description="data transport; auto: UCX on GPU/RDMA nodes with ucxx installed, else TCP")
     agent_memory_bytes: int = Field(8 << 30, gt=0, description="host memory budget for block buffers")
+    agent_reserve_bytes: int = Field(
+        0, ge=0, description="host memory the agent populates at start and hands over to the blocks it receives "
+                             "(VMs that back memory lazily; 0: none)")
     agent_cache_dir: Path | None = Field(None, description="disk cache of verified blocks (off if unset)")
     agent_local_socket: Path | None = Field(None, description="local API socket for engines on this node")
     egress_mbit: float = Field(0.0, ge=0, description="application-level egress cap (0: none)")

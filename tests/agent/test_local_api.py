@@ -46,7 +46,10 @@ def land(store, data: bytes, block: int, chunks: range) -> None:
 
 async def test_a_block_is_mapped_ahead_read_by_verified_prefix_and_whole_once_verified(tmp_path):
     async with local_api_server(tmp_path) as (manifest, store, _, client):
+        assert not store.populated(1)
         await asyncio.to_thread(client.map_ahead, 1)  # nothing of block 1 is here yet
+        # The agent populated the block's memory before answering: the engine's mapping allocated none of it.
+        assert store.populated(1) and not store.populated(2)
         with pytest.raises(TimeoutError, match="block 1 not verified within 0.1 s"):
             await asyncio.to_thread(client.wait_block, 1, 0.1)
         with pytest.raises(LocalApiError, match=r"has no block 9 \(it has 3\)"):

@@ -54,7 +54,9 @@ def test_chain_of_four_copies_the_package_exactly_with_cut_through(agents, packa
     seed = start_seed_held(agents, root, plan)
     try:
         start_receivers(agents, plan, chain[1:4])
-        start_receivers(agents, plan, ["r4"], "--local-socket", tmp_path / "r4.sock")
+        # r4 receives into pages its memory reserve populated at start (pipecast.agent.reserve).
+        start_receivers(agents, plan, ["r4"], "--local-socket", tmp_path / "r4.sock", "--reserve", "1MiB")
+        assert agents.wait("r4", "reserve_filled")["bytes"] == 1 << 20
         with LocalAgentClient(tmp_path / "r4.sock") as client, pytest.raises(TimeoutError):
             client.wait_block(0, timeout=0.1)  # nothing can be verified while the seed is held
     finally:
@@ -88,6 +90,8 @@ def test_chain_of_four_copies_the_package_exactly_with_cut_through(agents, packa
         assert all(b.verified_at is not None for b in progress.blocks)
         status = client.status()
         assert status["node"] == "r4" and status["bytes_received"] >= manifest.total_bytes
+        # The package (1.2 MB) took the whole reserve, a step before populating each block buffer.
+        assert status["reserve"] == {"bytes": 1 << 20, "held_bytes": 0, "handed_over_bytes": 1 << 20}
         assert status["packages"][manifest.package_id]["goodput_bytes_per_s"] > 0
         stream = client.events(timeout=5)  # past events first: every block was verified already
         assert sorted(next(stream)["block"] for _ in blocks) == list(blocks)

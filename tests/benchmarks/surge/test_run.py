@@ -146,6 +146,8 @@ def test_short_surge_writes_complete_outputs_and_answers_every_request(package, 
     data = json.loads((out / "surge.json").read_text())
     assert META <= data["meta"].keys()
     assert data["meta"]["transfer_to_prefill_ratio"] is None  # --no-calibrate
+    # By default each cold worker's agent populated a reserve of the package's size before the surge.
+    assert data["meta"]["agent_reserve_bytes"] == data["meta"]["package_bytes"]
     assert list(data["strategies"]) == list(STRATEGIES)
     for name, entry in data["strategies"].items():
         assert FIELDS <= entry.keys(), name
@@ -179,6 +181,15 @@ def test_short_surge_writes_complete_outputs_and_answers_every_request(package, 
 
     assert leftovers(tmp_path / "work") == []
     assert [n for n in namespaces() if n.startswith(f"pc{os.getpid()}x")] == []
+
+
+def test_an_agent_reserve_that_is_no_size_is_refused_before_anything_runs(package, tmp_path):
+    result = CliRunner().invoke(bench_group, ["surge", "--package", str(package), "--agent-reserve", "lots",
+                                              "--workdir", str(tmp_path / "work")])
+    assert result.exit_code == 2
+    assert "Invalid value for '--agent-reserve'" in result.output
+    assert "(a size such as 512MiB, package or 0)" in result.output
+    assert not (tmp_path / "work").exists()
 
 
 @pytest.mark.slow

@@ -1,0 +1,82 @@
+"""The memory reserve: populated ahead, handed over to block buffers as they populate, pages counted by the
+kernel (a memfd's allocated blocks), not by the reserve's own bookkeeping alone."""
+
+import mmap
+import os
+
+import pytest
+
+from pipecast.agent.buffers import POPULATE_STEP_BYTES, SharedMemoryAllocator, SharedMemoryBuffer
+from pipecast.agent.reserve import MemoryReserve
+
+MIB = 1 << 20
+
+
+def allocated(fd: int) -> int:
+    """Bytes of memory the kernel holds for memfd ``fd``."""
+    return os.fstat(fd).st_blocks * 512
+
+
+@pytest.fixture
+def reserve():
+    reserve = MemoryReserve(8 * MIB)
+    yield reserve
+    reserve.close()
+
+
+def test_a_reserve_holds_nothing_until_filled_then_its_whole_size(reserve):
+    assert (reserve.size, reserve.held_bytes, allocated(reserve._fd)) == (8 * MIB, 0, 0)
+    assert reserve.fill() == 8 * MIB
+    assert reserve.held_bytes == allocated(reserve._fd) == 8 * MIB
+    assert reserve.fill() == 8 * MIB  # full: nothing more to do
+
+
+def test_a_hand_over_frees_whole_pages_of_the_reserve_up_to_what_it_holds(reserve):
+    reserve.fill()
+    assert reserve.hand_over(3 * MIB + 1) == 3 * MIB + mmap.PAGESIZE  # whole pages
+    assert reserve.held_bytes == allocated(reserve._fd) == 5 * MIB - mmap.PAGESIZE
+    assert reserve.hand_over(100 * MIB) == 5 * MIB - mmap.PAGESIZE
+    assert (reserve.held_bytes, allocated(reserve._fd), reserve.hand_over(MIB)) == (0, 0, 0)
+    assert reserve.handed_over_bytes == 8 * MIB
+    assert reserve.fill() == 8 * MIB  # filled again, as after a package is dropped
+    assert allocated(reserve._fd) == 8 * MIB
+
+
+def test_a_buffer_populating_takes_its_size_from_the_reserve_and_is_populated_whole(reserve):
+    reserve.fill()
+    buffer = SharedMemoryAllocator(reserve).allocate("block", 5 * MIB + 3)
+    try:
+        assert allocated(buffer._fd) == 0
+        buffer.prefault()
+        assert allocated(buffer._fd) == 5 * MIB + mmap.PAGESIZE
+        assert reserve.handed_over_bytes == 5 * MIB + mmap.PAGESIZE
+        assert reserve.held_bytes == allocated(reserve._fd) == 3 * MIB - mmap.PAGESIZE
+        assert bytes(buffer.view[-3:]) == b"\0\0\0"  # zero-filled, as every new block buffer
+    finally:
+        buffer.close()
+
+
+def test_a_buffer_larger_than_the_reserve_empties_it_and_is_populated_whole(reserve):
+    reserve.fill()
+    size = POPULATE_STEP_BYTES + 2 * MIB  # two steps
+    buffer = SharedMemoryBuffer("block", size, reserve)
+    try:
+        buffer.prefault()
+        assert allocated(buffer._fd) == size
+        assert (reserve.held_bytes, allocated(reserve._fd), reserve.handed_over_bytes) == (0, 0, 8 * MIB)
+    finally:
+        buffer.close()
+
+
+def test_a_closed_reserve_frees_its_memory_and_ignores_fills_and_hand_overs(reserve):
+    reserve.fill()
+    reserve.close()
+    assert reserve._map.closed
+    assert (reserve.fill(), reserve.hand_over(MIB), reserve.held_bytes) == (0, 0, 0)
+    reserve.close()  # idempotent
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_a_reserve_needs_a_size(size):
+    with pytest.raises(ValueError, match=f"a memory reserve needs a size > 0, got {size}"):
+        MemoryReserve(size)
