@@ -419,9 +419,10 @@ def _shm() -> set[str]:
 
 def scale_cycles(h: Harness, ctx: Context) -> bool:
     """Scale up to two workers and release them, again and again: no memory, fd, process or shared
-    memory growth from the first cycle to the last."""
+    memory growth from the first cycle to the last. The agents hold a memory reserve of the package's size:
+    each scale-up's blocks take it, each release fills it again."""
     workers = ["w1", "w2"]
-    if not _start_cluster(h, ctx, workers):
+    if not _start_cluster(h, ctx, workers, {"PIPECAST_AGENT_RESERVE_BYTES": str(ctx.manifest.total_bytes)}):
         return False
     pid, watched = ctx.manifest.package_id, [STORE, *workers, "control-plane-1"]
     before: dict[str, tuple[int, int, int]] = {}
@@ -465,6 +466,9 @@ def scale_cycles(h: Harness, ctx: Context) -> bool:
         h.check(children <= children0, f"{name} has {children - children0} more child processes")
     new_shm = shm_after - shm_before
     h.check(not new_shm, f"new /dev/shm entries: {', '.join(sorted(new_shm)[:5])}")
+    for worker in workers:  # filled at start and after each release (the last one's fill may be under way)
+        fills = len(h.events(worker, "reserve_filled"))
+        h.check(fills >= done, f"{worker} filled its memory reserve {fills} times in {done} cycles")
     return h.check(done == ctx.sizes.cycles, f"only {done} of {ctx.sizes.cycles} cycles completed")
 
 

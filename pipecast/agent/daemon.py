@@ -21,7 +21,7 @@ from control_plane.messages import PeerInfo, WorkerSpec
 from pipecast.agent.budget import MemoryBudget
 from pipecast.agent.buffers import SharedMemoryAllocator
 from pipecast.agent.cache import BlockCache
-from pipecast.agent.errors import PlanFileError
+from pipecast.agent.errors import MemoryBudgetError, PlanFileError
 from pipecast.agent.events import EventLog
 from pipecast.agent.fetcher import (
     ChannelPool,
@@ -134,6 +134,12 @@ class AgentDaemon:
         self.peer_server = _AgentPeerServer(self.events, UNASSIGNED_GRACE_S if under_control else 0.0,
                                             plan_gated=under_control)
         self.budget = MemoryBudget(settings.agent_memory_bytes)
+        if settings.agent_reserve_bytes > settings.agent_memory_bytes:
+            raise MemoryBudgetError(
+                f"the memory reserve ({format_bytes(settings.agent_reserve_bytes)}, --reserve / "
+                f"PIPECAST_AGENT_RESERVE_BYTES) is larger than the memory budget "
+                f"({format_bytes(settings.agent_memory_bytes)}, --memory): it holds memory for the blocks the "
+                "budget admits, so it can be at most the budget")
         self.reserve = MemoryReserve(settings.agent_reserve_bytes) if settings.agent_reserve_bytes else None
         self.allocator = SharedMemoryAllocator(self.reserve)
         self._filling: asyncio.Task | None = None

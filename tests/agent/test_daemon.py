@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pipecast.agent.daemon import AgentDaemon, AgentOptions
-from pipecast.agent.errors import PeerAuthError, PeerConnectError, PlanFileError
+from pipecast.agent.errors import MemoryBudgetError, PeerAuthError, PeerConnectError, PlanFileError
 from pipecast.agent.events import read_events
 from pipecast.agent.transport.tcp import TcpTransport
 from pipecast.core.credentials import issue_node_token
@@ -89,3 +89,11 @@ async def test_a_static_daemon_given_a_node_token_says_it_needs_the_master_token
     daemon = AgentDaemon(AgentOptions(node_id="seed", listen="127.0.0.1:0"), Settings(**SETTINGS, auth_token=token))
     with pytest.raises(PlanFileError, match="auth_token holds a node token"):
         await asyncio.wait_for(daemon.run(), 10)
+
+
+def test_a_memory_reserve_larger_than_the_budget_is_refused_naming_both():
+    settings = Settings(**SETTINGS, agent_memory_bytes=1 << 30, agent_reserve_bytes=2 << 30)
+    with pytest.raises(MemoryBudgetError, match=r"^the memory reserve \(2\.0 GiB, --reserve / "
+                                                r"PIPECAST_AGENT_RESERVE_BYTES\) is larger than the memory budget "
+                                                r"\(1\.0 GiB, --memory\)"):
+        AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
