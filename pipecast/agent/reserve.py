@@ -68,19 +68,25 @@ class MemoryReserve:
         return self._held
 
     def fill(self) -> int:
-        """Populate the reserve up to its size, a step at a time; the bytes it holds then.
+        """Populate what the reserve lacks now, a step at a time; the bytes it holds then.
 
-        Blocking and GIL-free: run it in a worker thread. A hand-over waits for at most one step.
+        Blocking and GIL-free: run it in a worker thread. A hand-over waits for at most one step, and what it
+        frees meanwhile stays free: blocks being received while the reserve fills take its pages instead of
+        the reserve taking new ones for them.
         """
-        while True:
+        with self._lock:
+            missing = self.size - self._held
+        while missing > 0:
             with self._lock:
                 start = self._held
                 if self._closed or start >= self.size:
-                    return self._held
-                step = min(POPULATE_STEP_BYTES, self.size - start)
+                    break
+                step = min(POPULATE_STEP_BYTES, self.size - start, missing)
                 if not populate(self._address + start, step):
-                    return self._held  # populate() logged why; the reserve holds what it has
+                    break  # populate() logged why; the reserve holds what it has
                 self._held += step
+                missing -= step
+        return self._held
 
     def hand_over(self, nbytes: int) -> int:
         """Free up to ``nbytes`` of the reserve (its last populated pages), for memory populated right after
