@@ -113,7 +113,8 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
                    "that agents started one after another fetch together (benchmarks).")
 def agent_command(listen: str | None, node_id: str | None, seed: Path | None, plan: Path | None,
                   cache_dir: Path | None, memory: int | None, reserve: int | None, transport: str | None,
-                  local_socket: Path | None, events: Path | None, exit_when_complete: bool, control_plane: str | None, labels: dict[str, str],
+                  local_socket: Path | None, events: Path | None, exit_when_complete: bool, control_plane: str | None,
+                  labels: dict[str, str],
                   serve_url: str | None, engine: str | None, link_mbit: float | None, multicast_share: float | None,
                   priority_shares: dict[str, float], start_at: float | None) -> None:
     """Run the node agent: serve blocks to peers, fetch this node's share, feed local engines.

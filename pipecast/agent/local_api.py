@@ -26,9 +26,9 @@ block. ``buffer`` answers verified or not, once the block's memory is populated 
 memory reserve where it has one, not by the engine's mapping on the engine's CPU): a block's buffer never
 moves, so the engine can map it while the block is still arriving and read it once ``wait_block`` says it
 is verified (mapping costs ~0.15 ms per MB of page-table set-up, which then stays off the path from the
-last block to the first token). An engine that subscribes learns what is verified without asking: its waits and its view of the
-blocks held cost no request (:class:`pipecast.agent.local_client.LocalAgentClient`). Every request may
-name ``"package"`` (a package id); without it the agent's only package is meant.
+last block to the first token). An engine that subscribes learns what is verified without asking: its waits
+and its view of the blocks held cost no request (:class:`pipecast.agent.local_client.LocalAgentClient`).
+Every request may name ``"package"`` (a package id); without it the agent's only package is meant.
 Failures answer ``{"ok": false, "error": "...", "timeout": bool}``: a line that is not a JSON object, an
 unknown op, a field of the wrong type or range (``timeout`` must be a finite number from 0 to
 ``MAX_TIMEOUT_S``; ``block`` and ``bytes`` non-negative integers) included. A received block's path is
