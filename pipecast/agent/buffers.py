@@ -35,6 +35,14 @@ def _madvise() -> ctypes._CFuncPtr:
     return madvise
 
 
+def address_of(mapping: mmap.mmap) -> int:
+    """The address of ``mapping``'s first byte (for madvise and friends), without keeping an export of it."""
+    anchor = ctypes.c_char.from_buffer(mapping)
+    address = ctypes.addressof(anchor)
+    del anchor  # a buffer export would keep the mapping from closing
+    return address
+
+
 def populate(address: int, nbytes: int) -> bool:
     """Populate ``nbytes`` of writable shared memory mapped at ``address`` (blocking, GIL-free); False, logged,
     where the kernel cannot (before Linux 5.14 the pages fault in as they are first written)."""
@@ -107,9 +115,7 @@ class SharedMemoryBuffer(_MappedBuffer):
                 self.populated = True  # or the kernel cannot: the pages fault in as they are written
 
     def _populate(self) -> None:
-        anchor = ctypes.c_char.from_buffer(self._map)
-        address = ctypes.addressof(anchor)
-        del anchor  # the buffer export would keep the mapping from closing
+        address = address_of(self._map)
         if self._reserve is None:
             populate(address, len(self._map))
             return

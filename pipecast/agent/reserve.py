@@ -21,12 +21,16 @@ import mmap
 import os
 import threading
 
-from pipecast.agent.buffers import POPULATE_STEP_BYTES, populate
+from pipecast.agent.buffers import POPULATE_STEP_BYTES, address_of, populate
 
 log = logging.getLogger(__name__)
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def _whole_pages(nbytes: int) -> int:
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 @functools.cache
@@ -45,7 +49,7 @@ class MemoryReserve:
     def __init__(self, nbytes: int, label: str = "pipecast-reserve") -> None:
         if nbytes <= 0:
             raise ValueError(f"a memory reserve needs a size > 0, got {nbytes!r}")
-        self.size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.size = _whole_pages(nbytes)
         self._fd = os.memfd_create(label, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, self.size)
@@ -54,9 +58,7 @@ class MemoryReserve:
         except BaseException:
             os.close(self._fd)
             raise
-        anchor = ctypes.c_char.from_buffer(self._map)
-        self._address = ctypes.addressof(anchor)
-        del anchor  # a buffer export would keep the mapping from closing
+        self._address = address_of(self._map)
         self._held = 0  # bytes [0, held) are populated
         self._closed = False
         self._lock = threading.Lock()
@@ -94,7 +96,7 @@ class MemoryReserve:
         with self._lock:
             if self._closed:
                 return 0
-            amount = min(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, self._held)
+            amount = min(_whole_pages(nbytes), self._held)
             if amount <= 0:
                 return 0
             start = self._held - amount
