@@ -34,7 +34,7 @@ from control_plane.messages import PeerInfo, WorkerSpec
 from control_plane.planner.schedules import make_plan
 from packager.manifest import manifest_to_json
 from pipecast.agent.plan_file import plan_file_data
-from pipecast.core.credentials import issue_node_token
+from pipecast.core.credentials import data_plane_key, issue_node_token, serving_headers, serving_key
 from pipecast.v1.manifest_pb2 import Manifest
 
 MIB = 1 << 20
@@ -579,9 +579,10 @@ def unauthenticated_manifest(h: Harness, ctx: Context) -> bool:
     return h.check(got != "manifest", "an unauthenticated client got the manifest")
 
 
-def _post(url: str, body: bytes) -> int:
+def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> int:
     """HTTP status of POSTing ``body`` as JSON to ``url`` (0: no answer in time)."""
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})},
+                                 method="POST")
     try:
         with urllib.request.urlopen(req, timeout=15.0) as answer:
             return answer.status
@@ -620,17 +621,23 @@ def hostile_json(h: Harness, ctx: Context) -> bool:
     # Bare nesting, and nesting inside an otherwise well-formed request (where a handler may recurse).
     bodies = {"nested arrays": nested,
               "a request whose prompt is nested": b'{"model": "m", "max_tokens": 1, "prompt": ' + nested + b"}"}
-    ok = True
+    # The worker takes requests from its cluster's insiders only (the router presents the key itself): an
+    # outsider's hostile body is refused unread, an insider's is parsed and refused.
+    insider = serving_headers(serving_key(data_plane_key(h.token)))
+    status = _post(f"{serve}/v1/completions", bodies["nested arrays"])
+    h.fault("hostile JSON to serve without the cluster's serving key")
+    ok = h.check(status == 401, f"serve answered an outsider's request with {status or 'nothing'} (expected 401)")
     for name, url in (("serve", serve), ("router", router)):
+        headers = insider if name == "serve" else {}
         for what, body in bodies.items():
-            status = _post(f"{url}/v1/completions", body)
+            status = _post(f"{url}/v1/completions", body, headers)
             h.fault(f"{len(body) // 1000} KB of {what} to {name}")
             h.note(f"{name}, {what}: {status or 'no answer'}")
             if status == 0:
                 h.hang(f"{name} did not answer {what}")
             ok &= h.check(status == 400, f"{name} answered {what} with {status or 'nothing'} (expected 400)")
         big = b'{"model": "m", "max_tokens": 1, "prompt": "' + b"a" * OVERSIZED_BODY_BYTES + b'"}'
-        status = _post(f"{url}/v1/completions", big)
+        status = _post(f"{url}/v1/completions", big, headers)
         h.fault(f"a {len(big) >> 20} MiB body to {name}")
         h.note(f"{name}, {len(big) >> 20} MiB body: {status or 'no answer'}")
         ok &= h.check(status == 413, f"{name} answered a {len(big) >> 20} MiB body with {status} (expected 413)")

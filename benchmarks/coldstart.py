@@ -45,6 +45,7 @@ from benchmarks.processes import POLL_S, RunProcesses, cli, free_port
 from benchmarks.runinfo import parse_counts, versions
 from control_plane.planner.schedules import make_plan
 from packager.manifest import read_manifest
+from pipecast.agent.errors import LocalApiError
 from pipecast.agent.plan_file import plan_file_data
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.core.errors import PipecastError
@@ -383,10 +384,21 @@ def _say(event: str, **fields) -> None:
 
 
 async def _client(url: str, model: str, ready_file: Path, start_file: Path, prompt: list[int], max_tokens: int,
-                  timeout_s: float, ready_timeout_s: float = SERVE_START_TIMEOUT_S) -> dict:
+                  timeout_s: float, ready_timeout_s: float = SERVE_START_TIMEOUT_S,
+                  agent_socket: Path | None = None) -> dict:
     """Wait for the worker to have started, say so in ``ready_file``, read t0 from ``start_file``, send the
-    prompt at t0 and time its stream (each piece also goes to stdout, see :func:`_say`)."""
+    prompt at t0 and time its stream (each piece also goes to stdout, see :func:`_say`). With
+    ``agent_socket`` (the worker's node agent) the request presents the cluster's serving key, as the
+    router's would."""
     import aiohttp
+
+    from pipecast.agent.local_client import LocalAgentClient
+    from pipecast.core.credentials import serving_headers
+
+    headers = {}
+    if agent_socket is not None:
+        with LocalAgentClient(agent_socket) as agent:
+            headers = serving_headers(await asyncio.to_thread(agent.serving_key, ready_timeout_s))
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -400,7 +412,7 @@ async def _client(url: str, model: str, ready_file: Path, start_file: Path, prom
         tokens, texts = [], []
         sent = time.time()
         _say("sent")
-        async with http.post(f"{url}/v1/completions", json=body) as response:
+        async with http.post(f"{url}/v1/completions", json=body, headers=headers) as response:
             if response.status != 200:
                 return {"error": f"HTTP {response.status}: {await response.text()}"}
             async for line in response.content:
@@ -420,12 +432,14 @@ async def _client(url: str, model: str, ready_file: Path, start_file: Path, prom
 
 
 def client_argv(url: str, model: str, ready_file: Path, start_file: Path, prompt_file: Path, max_tokens: int,
-                timeout_s: float, out: Path, ready_timeout_s: float = SERVE_START_TIMEOUT_S) -> list[str]:
-    """The command line of a client (see :func:`client_main`) to start on a worker host."""
+                timeout_s: float, out: Path, ready_timeout_s: float = SERVE_START_TIMEOUT_S,
+                agent_socket: Path | None = None) -> list[str]:
+    """The command line of a client (see :func:`client_main`) to start on a worker host; with
+    ``agent_socket`` (the worker's agent, running already) its request presents the cluster's serving key."""
     return [sys.executable, "-m", "benchmarks.coldstart", "--url", url, "--model", model, "--ready-file",
             str(ready_file), "--start-file", str(start_file), "--prompt", str(prompt_file), "--max-tokens",
             str(max_tokens), "--timeout", f"{timeout_s:g}", "--ready-timeout", f"{ready_timeout_s:g}", "--out",
-            str(out)]
+            str(out)] + (["--agent-socket", str(agent_socket)] if agent_socket is not None else [])
 
 
 def write_start_file(path: Path, start_at: float) -> None:
@@ -446,14 +460,16 @@ def client_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ready-timeout", type=float, default=SERVE_START_TIMEOUT_S,
                         help="how long the worker may take to start, seconds")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--agent-socket", type=Path,
+                        help="the worker's node agent: the request presents the cluster's serving key it gives")
     args = parser.parse_args(argv)
     import aiohttp
 
     prompt = json.loads(args.prompt.read_text())
     try:
         result = asyncio.run(_client(args.url, args.model, args.ready_file, args.start_file, prompt, args.max_tokens,
-                                     args.timeout, args.ready_timeout))
-    except ColdStartBenchError as exc:
+                                     args.timeout, args.ready_timeout, args.agent_socket))
+    except (ColdStartBenchError, LocalApiError) as exc:
         result = {"error": str(exc)}
     except (aiohttp.ClientError, TimeoutError) as exc:  # the worker went away or fell silent
         result = {"error": f"worker {args.url}: {type(exc).__name__}: {exc}"}

@@ -203,7 +203,8 @@ class _Demo(RunProcesses):
                        env=SERVE_ENV)
             clients[w] = self.spawn(f"{w}-client", w, client_argv(
                 f"http://{host}:{port}", self.manifest.model_name, self.logs / f"{w}.ready", self.logs / "t0",
-                prompt_file, MAX_TOKENS, TRANSFER_TIMEOUT_S, self.logs / f"{w}.answer.json"), stdout=PIPE)
+                prompt_file, MAX_TOKENS, TRANSFER_TIMEOUT_S, self.logs / f"{w}.answer.json",
+                agent_socket=self.sockets / f"{w}.sock"), stdout=PIPE)
         self.wait("serving workers starting", lambda: all((self.logs / f"{w}.ready").exists() for w in (EWL, LTS)),
                   [f"{w}-{role}" for w in (EWL, LTS) for role in ("serve", "client")], START_TIMEOUT_S)
         return clients

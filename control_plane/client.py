@@ -183,7 +183,13 @@ class ControlPlaneClient:
         await self._call("Deregister", pb.DeregisterRequest(node_id=node_id))
 
     async def list_workers(self) -> list[pb.WorkerState]:
-        return list((await self._call("ListWorkers", pb.ListWorkersRequest())).workers)
+        return (await self.list_workers_keyed())[0]
+
+    async def list_workers_keyed(self) -> tuple[list[pb.WorkerState], bytes]:
+        """Every registered worker, and the serving key that requests to their serving workers present
+        (b"" with auth off): what a router needs."""
+        answer = await self._call("ListWorkers", pb.ListWorkersRequest())
+        return list(answer.workers), answer.serving_key
 
     # ----- packages -----
 

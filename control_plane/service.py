@@ -61,7 +61,14 @@ from control_plane.state import ActivePlan, ControlState, Notice, ScaleUpDraft
 from control_plane.store import FencedError, Store
 from packager.errors import ManifestError
 from packager.manifest import validate_manifest
-from pipecast.core.credentials import OPERATOR, CredentialError, Principal, data_plane_key, issue_node_token
+from pipecast.core.credentials import (
+    OPERATOR,
+    CredentialError,
+    Principal,
+    data_plane_key,
+    issue_node_token,
+    serving_key,
+)
 from pipecast.core.engines import SERVING_ENGINES
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1 import control_pb2_grpc
@@ -112,6 +119,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.book = book if book is not None else DeploymentBook()
         self.master = master  # empty: auth off
         self.data_key = data_plane_key(master)
+        self.serving_key = serving_key(self.data_key)
         self.metrics = metrics
         self.heartbeat_s = heartbeat_s
         self.store = store
@@ -276,7 +284,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         return pb.ListWorkersResponse(workers=[
             pb.WorkerState(worker=spec_to_proto(w.spec), alive=w.alive, lease_remaining_s=w.lease_expires - now,
                            held=blocks_to_proto(held.get(node, {})), cached=blocks_to_proto(cached.get(node, {})))
-            for node, w in sorted(self.state.workers.items())])
+            for node, w in sorted(self.state.workers.items())], serving_key=self.serving_key)
 
     # ----- packages -----
 

@@ -184,7 +184,7 @@ class AgentDaemon:
             log.info("agent %s listening on %s (%s)", self.node_id, self.listener.address, self.transport.name)
             self.events.emit("listening", address=self.listener.address, transport=self.transport.name)
             if self.settings.agent_local_socket is not None:
-                self._local_api = LocalApiServer(self.peer_server, self.status)
+                self._local_api = LocalApiServer(self.peer_server, self.status, self.transport.auth)
                 await self._local_api.start(self.settings.agent_local_socket)
                 log.info("local API on %s", self.settings.agent_local_socket)
             control = await self._control_link() if self.options.control_plane is not None else None

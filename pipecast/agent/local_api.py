@@ -15,6 +15,8 @@ unix socket as JSON lines, one request and one answer at a time::
     {"op": "file", "path": "config.json"}       -> {"ok": true, "data": "<base64>"}
     {"op": "progress"}                          -> {"ok": true, "progress": {StoreProgress as JSON}}
     {"op": "status"}                            -> {"ok": true, "status": {node, bytes moved, packages}}
+    {"op": "serving_key", "timeout": 30}        -> {"ok": true, "serving_key": "<hex>"} ("": auth off), once
+                                                   the agent knows its cluster credentials (its registration)
     {"op": "subscribe"}                         -> {"ok": true}, then event lines, what happened before first:
         {"event": "block_verified", "package": ID, "block": 3, "bytes": N, "at": T}   (N: the block's size)
         {"event": "prefix_verified", "package": ID, "block": 3, "bytes": N, "at": T}   (N: verified from
@@ -55,6 +57,8 @@ from pipecast.agent.errors import AgentError, LocalApiError, LocalApiTimeoutErro
 from pipecast.agent.local_client import MAX_TIMEOUT_S
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.store import BlockStore, StoreEvent
+from pipecast.agent.transport.base import PeerAuth
+from pipecast.core.credentials import serving_key
 from pipecast.core.strictjson import JSONInputError, describe, loads_object
 
 log = logging.getLogger(__name__)
@@ -62,7 +66,7 @@ log = logging.getLogger(__name__)
 #: Events a subscriber may leave unread before its stream is ended (an engine that stopped reading must not
 #: grow the agent's memory one line a chunk; a live one is never this far behind).
 MAX_PENDING_EVENTS = 1 << 16
-OPS = ("manifest", "wait_block", "wait_prefix", "buffer", "file", "progress", "status", "subscribe")
+OPS = ("manifest", "wait_block", "wait_prefix", "buffer", "file", "progress", "status", "serving_key", "subscribe")
 DEFAULT_TIMEOUT_S = 30.0
 
 
@@ -117,9 +121,10 @@ def _count(request: dict[str, Any], name: str) -> int:
 class LocalApiServer:
     """Serves the local API of one agent on a unix socket (mode 0600: same user only)."""
 
-    def __init__(self, peer_server: PeerServer, status: Callable[[], dict]) -> None:
+    def __init__(self, peer_server: PeerServer, status: Callable[[], dict], auth: PeerAuth) -> None:
         self._peer_server = peer_server
         self._status = status
+        self._auth = auth
         self._server: asyncio.AbstractServer | None = None
         self._subscribers: set[asyncio.Queue] = set()
         self.path: Path | None = None
@@ -194,6 +199,12 @@ class LocalApiServer:
         op, timeout = request.op, request.timeout
         if op == "status":
             return {"ok": True, "status": self._status()}
+        if op == "serving_key":
+            key = await self._auth.wait_key(timeout)
+            if key is None:
+                raise LocalApiTimeoutError(f"no cluster credentials here within {timeout:g} s (the agent has not "
+                                           f"registered with its control plane yet)")
+            return {"ok": True, "serving_key": serving_key(key).hex()}
         try:
             store = await asyncio.wait_for(self._peer_server.wait_store(request.package), timeout)
         except TimeoutError:

@@ -280,6 +280,15 @@ class LocalAgentClient:
         """The agent's state: node, address, bytes moved, and every package it holds with its goodput."""
         return self._call({"op": "status"}, 0.0)["status"]
 
+    def serving_key(self, timeout: float = 30.0) -> bytes:
+        """The key requests to this cluster's serving workers present (b"": auth off), once the agent knows
+        its cluster credentials; :class:`LocalApiTimeoutError` if it does not within ``timeout``."""
+        value = self._call({"op": "serving_key", "timeout": timeout}, timeout)["serving_key"]
+        try:
+            return bytes.fromhex(value)
+        except (TypeError, ValueError):
+            raise LocalApiError(f"the agent answered a malformed serving key: {str(value)[:40]!r}") from None
+
     def events(self, timeout: float | None = None) -> Iterator[dict]:
         """The agent's block events (``block_verified``, ``prefix_verified``; past ones first), on a connection
         of their own.

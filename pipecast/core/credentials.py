@@ -7,6 +7,10 @@
   Node ids therefore cannot contain ``.``.
 - The **data-plane key** HMAC-SHA256(master, ``b"pipecast data plane v1"``) keys the agents' mutual hello
   before block transfers; the control plane hands it to registered workers.
+- The **serving key** HMAC-SHA256(data-plane key, ``b"pipecast serving v1"``) is what the router and the
+  serving workers present to a serving worker (header :data:`SERVING_KEY_HEADER`): a worker learns it from
+  its node agent, the router from the control plane (or from the master token). Holding it lets one send
+  requests and pipeline stage calls to workers, not fetch blocks: the data-plane key is not derived from it.
 
 Each derivation has its own label, so no credential turns into another. An empty master means auth off
 (dev mode). Pure functions, no I/O (but for the one warning that auth is off).
@@ -28,6 +32,9 @@ MAX_NODE_ID = 128
 NODE_TOKEN_PREFIX = "pcn1"
 _NODE_LABEL = b"pipecast node token v1\x00"
 _DATA_LABEL = b"pipecast data plane v1"
+_SERVING_LABEL = b"pipecast serving v1"
+#: The HTTP header that carries the serving key (hex) to a serving worker.
+SERVING_KEY_HEADER = "X-Pipecast-Serving-Key"
 _warned_auth_off: set[str] = set()
 
 
@@ -118,6 +125,17 @@ def data_plane_key(master: str) -> bytes:
     """The 32-byte key of the data-plane hello (agent-to-agent block transfers); b"" when ``master`` is
     empty (auth off)."""
     return _hmac(master, _DATA_LABEL) if master else b""
+
+
+def serving_key(data_key: bytes) -> bytes:
+    """The 32-byte serving key of the cluster whose data-plane key is ``data_key``; b"" when that is b""
+    (auth off)."""
+    return hmac.new(data_key, _SERVING_LABEL, hashlib.sha256).digest() if data_key else b""
+
+
+def serving_headers(key: bytes) -> dict[str, str]:
+    """The headers that present ``key`` to a serving worker (none when ``key`` is b"": auth off)."""
+    return {SERVING_KEY_HEADER: key.hex()} if key else {}
 
 
 def warn_if_auth_off(master: str, component: str) -> bool:

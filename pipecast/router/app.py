@@ -54,9 +54,10 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from pipecast.core.credentials import serving_headers
 from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_body
 from pipecast.core.settings import Settings
-from pipecast.core.strictjson import JSONInputError
+from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.router.admission import AdmissionConfig, AdmissionControl
 from pipecast.router.discovery import DiscoveredPipeline, DiscoveredWorker, Discovery, RouteTable
 from pipecast.router.errors import (
@@ -77,6 +78,7 @@ from pipecast.router.metrics import RouterMetrics
 from pipecast.router.pool import PIPELINE_MAX_IN_FLIGHT, Dispatcher, PipelineUnit, Worker, WorkerPool
 from pipecast.router.signals import Signals, answer_tokens, request_prompt_tokens, stream_tokens
 from pipecast.router.versions import VersionChooser, route_versions
+from pipecast.serve.errors import ServingKeyError
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +168,18 @@ def retry_after_seconds(value: str | None) -> float:
     return seconds if seconds >= 0 else RETRY_AFTER_S
 
 
+def _serving_key_refusal(answer: bytes) -> str | None:
+    """The message of a serving worker's refusal of the router's serving key (a 401 with its code), else None:
+    a worker's other 401s (a vLLM worker's API key, with forward_auth) are the client's to read."""
+    try:
+        error = loads(answer).get("error")
+    except (JSONInputError, AttributeError):
+        return None
+    if isinstance(error, dict) and error.get("code") == ServingKeyError.code:
+        return str(error.get("message"))
+    return None
+
+
 class Router:
     """The pool, its queue, health polling, discovery and request forwarding of one router."""
 
@@ -186,6 +200,7 @@ class Router:
         self._forwarded = FORWARDED_HEADERS + ((AUTH_HEADER,) if config.forward_auth else ())
         self._sources = list(sources)
         self._discovered: dict[int, list[DiscoveredWorker]] = {}
+        self._serving_keys: dict[str, bytes] = {}  # worker URL -> the serving key requests to it present
         self._pipelines: dict[int, list[DiscoveredPipeline]] = {}
         self._routes: dict[int, RouteTable] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -279,6 +294,7 @@ class Router:
                             describe_exception(exc, self.config.discovery_timeout_s))
         found_workers = [found for index in sorted(self._discovered) for found in self._discovered[index]]
         members = {found.url: found.node_id for found in found_workers}
+        self._serving_keys = {found.url: found.serving_key for found in found_workers}
         added, removed = self.pool.sync(members)
         for url in added:
             log.info("worker %s (%s) added", url, members[url])
@@ -393,7 +409,9 @@ class Router:
         """
         try:
             upstream = await self._session.post(f"{worker.endpoint}{request.path}", data=body,
-                                                 headers={**headers, **worker.headers},
+                                                 headers={**headers, **worker.headers,
+                                                          **serving_headers(self._serving_keys.get(worker.endpoint,
+                                                                                                   b""))},
                                                  timeout=self._upstream_timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:
             problem = f"no answer to POST {request.path}: {self._describe(exc)}"
@@ -412,6 +430,8 @@ class Router:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 problem = f"lost before its answer was complete: {self._describe(exc)}"
                 raise WorkerFailedError(worker.url, problem) from exc
+            if upstream.status == 401 and (refused := _serving_key_refusal(answer)):
+                raise WorkerFailedError(worker.url, f"refused the router's credentials: {refused}")
             if upstream.status == 200:
                 self.signals.answer_started(arrival, version)
                 self.signals.answered(version, answer_tokens(answer) if version else 0)

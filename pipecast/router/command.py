@@ -6,6 +6,7 @@ from contextlib import AsyncExitStack
 
 import click
 
+from pipecast.core.credentials import data_plane_key, parse_node_token, serving_key
 from pipecast.core.httpserve import serve_until_signalled
 from pipecast.core.settings import Settings, TenantLimit, load_settings
 from pipecast.router.admission import AdmissionConfig
@@ -111,13 +112,14 @@ def router_command(host, port, workers, vllm_workers, control_plane, max_queue, 
     """
     if not workers and not vllm_workers and not control_plane:
         raise click.UsageError("give at least one --worker URL or --control-plane")
-    try:
-        static = [StaticDiscovery(list(urls), engine) for urls, engine in ((workers, "pipecast"),
-                                                                          (vllm_workers, "vllm")) if urls]
-    except WorkerUrlError as exc:
-        raise click.UsageError(str(exc)) from None
     # The token and TLS files of the control plane come from the settings (PIPECAST_* variables or config file).
     settings = load_settings(control_plane=control_plane, router_forward_auth=forward_auth)
+    try:
+        key = static_serving_key(settings.auth_token)
+        static = [StaticDiscovery(list(urls), engine, key) for urls, engine in ((workers, "pipecast"),
+                                                                               (vllm_workers, "vllm")) if urls]
+    except WorkerUrlError as exc:
+        raise click.UsageError(str(exc)) from None
     config = RouterConfig(max_queue=max_queue, queue_timeout_s=queue_timeout, health_interval_s=health_interval,
                           health_timeout_s=health_timeout, upstream_timeout_s=upstream_timeout,
                           max_retries=max_retries, forward_auth=settings.router_forward_auth,
@@ -125,6 +127,14 @@ def router_command(host, port, workers, vllm_workers, control_plane, max_queue, 
                           tenant_pacing=settings.router_tenant_pacing, discovery_interval_s=discovery_interval,
                           pipelines=pipelines, pipeline_max_in_flight=pipeline_max_in_flight)
     asyncio.run(_serve(config, static, settings if control_plane else None, host, port, drain_timeout))
+
+
+def static_serving_key(token: str) -> bytes:
+    """The serving key a router presents to its ``--worker`` URLs: the one the cluster's master token derives
+    (b"" with none: auth off). A node token derives none: such a router learns the key from its control plane."""
+    if not token or parse_node_token(token) is not None:
+        return b""
+    return serving_key(data_plane_key(token))
 
 
 async def _serve(config: RouterConfig, static: list[StaticDiscovery], settings: Settings | None, host: str,

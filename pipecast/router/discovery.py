@@ -8,6 +8,9 @@ fixed list has none). The control plane's routes include each deployed package's
 request for a deployed model waits for, and counts for, its deployment from the first one on. The router
 asks each source again every discovery interval and keeps a source's last answer while it fails (a
 control plane restart must not empty the pool).
+
+Each worker comes with the serving key requests to it present (b"": none): the control plane's, with its
+worker list; for a fixed list, the one the router's master token derives (a node token derives none).
 """
 
 import logging
@@ -32,12 +35,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DiscoveredWorker:
-    """A serving worker: its node id, the base URL of its HTTP API (no trailing slash) and what answers
-    there (:data:`pipecast.core.engines.SERVING_ENGINES`)."""
+    """A serving worker: its node id, the base URL of its HTTP API (no trailing slash), what answers
+    there (:data:`pipecast.core.engines.SERVING_ENGINES`) and the serving key requests to it present."""
 
     node_id: str
     url: str
     engine: str = DEFAULT_ENGINE
+    serving_key: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -86,11 +90,12 @@ class Discovery(Protocol):
 
 class StaticDiscovery:
     """A fixed list of worker URLs (``--worker URL``, ``--vllm-worker URL`` with ``engine="vllm"``); each
-    URL is also the worker's node id."""
+    URL is also the worker's node id. ``serving_key`` goes to pipecast's workers only."""
 
-    def __init__(self, urls: list[str], engine: str = DEFAULT_ENGINE) -> None:
+    def __init__(self, urls: list[str], engine: str = DEFAULT_ENGINE, serving_key: bytes = b"") -> None:
         self.name = "--worker" if engine == DEFAULT_ENGINE else f"--{engine}-worker"
-        self._workers = [DiscoveredWorker(node_id=url, url=url, engine=engine)
+        key = serving_key if engine == DEFAULT_ENGINE else b""
+        self._workers = [DiscoveredWorker(node_id=url, url=url, engine=engine, serving_key=key)
                          for url in dict.fromkeys(normalize_url(url, self.name) for url in urls)]
 
     async def list_workers(self) -> list[DiscoveredWorker]:
@@ -115,8 +120,8 @@ class StaticDiscovery:
 class WorkerLister(Protocol):
     """The part of :class:`control_plane.client.ControlPlaneClient` the router uses."""
 
-    async def list_workers(self) -> list[WorkerState]:
-        """Every registered worker, alive or not."""
+    async def list_workers_keyed(self) -> tuple[list[WorkerState], bytes]:
+        """Every registered worker, alive or not, and the cluster's serving key."""
         ...
 
     async def list_pipelines(self, package_id: str = "") -> list[PipelineInfo]:
@@ -148,14 +153,16 @@ class ControlPlaneDiscovery:
     async def list_workers(self) -> list[DiscoveredWorker]:
         """Alive serving workers; a malformed serve URL is logged and skipped (that worker's fault)."""
         found = []
-        for state in await self._client.list_workers():
+        states, serving_key = await self._client.list_workers_keyed()
+        for state in states:
             worker = state.worker
             node_id, serve_url = worker.peer.node_id, worker.serve_url or worker.labels.get(SERVE_URL_LABEL, "")
             if not state.alive or not serve_url:
                 continue
+            engine = worker.engine or DEFAULT_ENGINE
             try:
                 found.append(DiscoveredWorker(node_id, normalize_url(serve_url, f"{self.name}, worker {node_id}"),
-                                              worker.engine or DEFAULT_ENGINE))
+                                              engine, serving_key if engine == DEFAULT_ENGINE else b""))
             except WorkerUrlError as exc:
                 log.warning("skipping a worker: %s", exc)
         return found

@@ -10,6 +10,10 @@ Endpoints:
   ``Retry-After`` when the queue is full; 503 while the worker cannot serve (model failed, shutting down).
   A request that arrives before the model is there waits for it. A client that goes away (even
   mid-answer) cancels its request in the engine.
+- With the cluster's serving key (:mod:`pipecast.serve.worker`, "Credentials"), the completion and stage
+  endpoints answer 401 to a request without it in :data:`~pipecast.core.credentials.SERVING_KEY_HEADER`
+  (before its body is read), and 503 while the worker has not learned the key yet (after a wait);
+  ``/health``, ``/v1/models`` and ``/metrics`` take none.
 - ``GET /health``: ``{"status": "loading"|"partial"|"ready", "blocks_present", "blocks_total",
   "queue_depth", "running", "max_queue", ...}`` with 200, or ``failed``/``draining`` with 503.
 - ``GET /v1/models`` and ``GET /metrics`` (Prometheus).
@@ -18,17 +22,26 @@ Endpoints:
 lets running ones finish for up to ``drain_timeout_s`` and closes the engine.
 """
 
+import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from pipecast.core.credentials import SERVING_KEY_HEADER
 from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_body, serve_until_signalled
 from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.engine.errors import InvalidRequestError
 from pipecast.engine.stage import StageCapacityError, StageSessionError
-from pipecast.serve.errors import RequestFieldError, RequestTooLargeError, ServeError, StageFailedError, WorkerBusyError
+from pipecast.serve.errors import (
+    RequestFieldError,
+    RequestTooLargeError,
+    ServeError,
+    ServingKeyError,
+    StageFailedError,
+    WorkerBusyError,
+)
 from pipecast.serve.openai_api import (
     SSE_DONE,
     CompletionRequest,
@@ -64,6 +77,9 @@ MAX_BODY = web.AppKey("max_body_bytes", int)
 #: Largest request body accepted. A prompt of a million token ids is ~8 MB of JSON; decoding that many
 #: numbers holds the GIL ~0.15 s per 8 MB, so the bound also bounds how long /health can wait.
 MAX_BODY_BYTES = 16 << 20
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+#: How long a request waits for the worker to learn the cluster's serving key from its agent (s).
+SERVING_KEY_WAIT_S = 30.0
 
 
 def _outcome(error: ServeError) -> str:
@@ -76,6 +92,28 @@ def error_response(error: ServeError) -> web.Response:
     """The JSON error answer of ``error`` (with Retry-After on a 429)."""
     headers = {"Retry-After": str(error.retry_after_s)} if isinstance(error, WorkerBusyError) else None
     return web.json_response(error_body(error), status=error.status, headers=headers)
+
+
+@web.middleware
+async def check_serving_key(request: web.Request,
+                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Completion requests and stage calls present the cluster's serving key, if the worker has one."""
+    stage = request.path in (STAGE_PATH, STAGE_CLOSE_PATH)
+    if request.method != "POST" or not (stage or request.path in COMPLETION_PATHS):
+        return await handler(request)
+    worker = request.app[WORKER]
+    try:
+        key = await worker.serving_key(SERVING_KEY_WAIT_S)
+        presented = request.headers.get(SERVING_KEY_HEADER)
+        if key and not (presented and hmac.compare_digest(presented.encode(), key.hex().encode())):
+            raise ServingKeyError(presented is not None)
+    except ServeError as exc:
+        if not stage:
+            worker.metrics.requests.labels(_outcome(exc)).inc()
+        response = _stage_error(str(exc), exc.status) if stage else error_response(exc)
+        response.force_close()  # the body is never read
+        return response
+    return await handler(request)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -260,7 +298,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def build_app(worker: ServingWorker, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
     """The aiohttp application of ``worker``; the worker starts loading when the application starts."""
-    app = web.Application(client_max_size=max_body_bytes)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[check_serving_key])
     app[WORKER] = worker
     app[MAX_BODY] = max_body_bytes
     app.router.add_post("/v1/completions", completions)

@@ -54,7 +54,9 @@ def serve_command(package: str, agent_socket: Path | None, host: str | None, por
                   pipeline_step_timeout: float, pipeline_dissolve: str) -> None:
     """Serve PACKAGE (a package folder or id) with an OpenAI-compatible API, from the moment it starts loading.
 
-    Prints the URL it listens on. Register that URL for the router with the node agent's --serve-url.
+    Prints the URL it listens on. Register that URL for the router with the node agent's --serve-url. With
+    an agent that holds cluster credentials, completion requests and pipeline stage calls must present the
+    cluster's serving key (the router's and other workers' do); without one the worker takes them from anyone.
     """
     settings = load_settings(serve_host=host, serve_port=port, max_queue=max_queue, max_batch=max_batch,
                              device=device, agent_local_socket=agent_socket)

@@ -1,6 +1,7 @@
 """Typed failures of the serving worker; each carries the HTTP status it is answered with and says whose
 fault it was."""
 
+from pipecast.core.credentials import SERVING_KEY_HEADER
 from pipecast.core.errors import PipecastError
 
 
@@ -55,6 +56,34 @@ class WorkerBusyError(ServeError):
     def __init__(self, waiting: int, retry_after_s: int) -> None:
         super().__init__(f"the worker is full: {waiting} requests are already waiting; retry in {retry_after_s} s")
         self.waiting, self.retry_after_s = waiting, retry_after_s
+
+
+class ServingKeyError(ServeError):
+    """A request to a serving endpoint without the cluster's serving key, or with another one (the caller's
+    fault: only the cluster's router and serving workers hold it)."""
+
+    status = 401
+    kind = "authentication_error"
+    code = "invalid_serving_key"
+
+    def __init__(self, presented: bool) -> None:
+        what = "holds another key" if presented else "is missing"
+        super().__init__(f"this worker takes requests only from its cluster's router and serving workers: the "
+                         f"{SERVING_KEY_HEADER} header {what}")
+        self.presented = presented
+
+
+class ServingKeyUnknownError(ServeError):
+    """The worker has not yet learned from its node agent the key requests must present, within the wait
+    (the agent is not registered with its control plane): it cannot tell who may call it."""
+
+    status = 503
+    kind = "server_error"
+    code = "credentials_pending"
+
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(f"the worker has not learned its cluster's serving key from its node agent within "
+                         f"{waited_s:g} s (is the agent registered with its control plane?)")
 
 
 class ModelUnavailableError(ServeError):

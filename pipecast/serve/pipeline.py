@@ -381,10 +381,12 @@ class StageQueue:
 
 
 class StageClient:
-    """Calls to the next stages of routes (one HTTP connection pool per worker)."""
+    """Calls to the next stages of routes (one HTTP connection pool per worker); each call carries
+    ``headers`` (the cluster's serving key, once the worker knows it)."""
 
     def __init__(self) -> None:
         self._session: "aiohttp.ClientSession | None" = None
+        self.headers: dict[str, str] = {}
 
     def _http(self) -> "aiohttp.ClientSession":
         import aiohttp
@@ -410,7 +412,7 @@ class StageClient:
         call = StageCall(session, hop.layers, position, left, tuple(hops[1:]), params, norm_only)
         try:
             async with self._http().post(hop.url + STAGE_PATH, data=encode_frame(call.header(), hidden),
-                                         headers={"Content-Type": "application/octet-stream"},
+                                         headers={**self.headers, "Content-Type": "application/octet-stream"},
                                          timeout=aiohttp.ClientTimeout(total=left)) as answer:
                 body = await answer.content.read(MAX_ANSWER_BYTES + 1)
                 status = answer.status
@@ -440,7 +442,7 @@ class StageClient:
             return
         body = {"session": session, "next": [h.to_json() for h in hops[1:]]}
         try:
-            async with self._http().post(hops[0].url + STAGE_CLOSE_PATH, json=body,
+            async with self._http().post(hops[0].url + STAGE_CLOSE_PATH, json=body, headers=self.headers,
                                          timeout=aiohttp.ClientTimeout(total=CLOSE_TIMEOUT_S)) as answer:
                 await answer.read()
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -13,6 +13,13 @@ replica), the worker takes no more requests, answers 503 (the router sends the r
 the model once the requests running on it end (``RELEASE_DRAIN_S`` at most) and waits, ``loading`` in stage
 ``waiting_for_package``, for the package to come back with the next scale-up.
 
+Credentials: a worker fed by its node agent asks it for the cluster's serving key
+(:func:`pipecast.core.credentials.serving_key`; the agent answers once it has registered with its control
+plane) and from then on takes completion requests and pipeline stage calls only with that key
+(:meth:`ServingWorker.serving_key`; the HTTP layer checks it), and presents it to the stages it calls. A
+worker without an agent, or serving its package folder while no agent answers, takes them without one, and
+says so in its log: as an agent with auth off.
+
 Admission: requests admitted but not in the engine's batch (waiting for the model, or for one of
 ``max_batch`` slots, or being tokenized) form the queue; beyond ``max_queue`` of them a request is refused
 (:class:`WorkerBusyError`, answered 429 with Retry-After).
@@ -34,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipecast.core.cpulimit import cpu_limit
+from pipecast.core.credentials import serving_headers
 from pipecast.core.errors import PipecastError
 from pipecast.engine.architectures import modeling_modules
 from pipecast.engine.errors import (
@@ -52,6 +60,7 @@ from pipecast.serve.errors import (
     ModelUnavailableError,
     RequestFieldError,
     ServeError,
+    ServingKeyUnknownError,
     WorkerBusyError,
     WorkerClosingError,
 )
@@ -118,6 +127,7 @@ class WorkerConfig:
     retry_after_s: int = 1
     pipeline_step_timeout_s: float = STEP_TIMEOUT_S  # a token through a cross-node pipeline, waits included
     pipeline_dissolve: str = DISSOLVE_AUTO  # a headed request whose pipeline dissolves: auto, move here, finish
+    serving_key: bytes | None = None   # what callers must present; None: the agent's (b"": none, auth off)
 
 
 @dataclass(frozen=True)
@@ -171,6 +181,8 @@ class ServingWorker:
         self.stage_client = StageClient()
         self.stage_queue = StageQueue()
         self._head: PipelineHead | None = None
+        self._serving_key: bytes | None = None  # None until learned
+        self._key_known: asyncio.Event | None = None
 
     # --- life cycle ----------------------------------------------------------------------------------
 
@@ -178,7 +190,12 @@ class ServingWorker:
         """Begin loading on a thread; call from the event loop that serves the requests."""
         self._loop = asyncio.get_running_loop()
         self._change = asyncio.Event()
+        self._key_known = asyncio.Event()
         threading.Thread(target=self._load, name="pipecast-serve-load", daemon=True).start()
+        if self.config.serving_key is not None:
+            self._set_serving_key(self.config.serving_key)
+        else:
+            threading.Thread(target=self._learn_serving_key, name="pipecast-serve-key", daemon=True).start()
         if isinstance(self.config.agent, (str, Path)) and not Path(self.config.package).is_dir():
             self._follower = asyncio.create_task(self._follow_agent(), name="pipecast-serve-follow-agent")
 
@@ -243,6 +260,51 @@ class ServingWorker:
         deadline = time.monotonic() + self.config.agent_timeout_s
         while not Path(agent).exists() and time.monotonic() < deadline:
             time.sleep(AGENT_SOCKET_POLL_S)
+
+    def _learn_serving_key(self) -> None:
+        """Ask the agent for the cluster's serving key until it answers (module docstring); a thread."""
+        from pipecast.agent.errors import LocalApiTimeoutError
+        from pipecast.agent.local_client import LocalAgentClient
+
+        agent = self.config.agent
+        if not isinstance(agent, (str, Path)):  # no agent (a connected client is a test's, and has no key)
+            self._post(self._set_serving_key, b"")
+            return
+        self._wait_for_agent_socket()
+        while not self._closing:
+            try:
+                with LocalAgentClient(agent) as client:
+                    key = client.serving_key(timeout=REWAIT_S)
+                self._post(self._set_serving_key, key)
+                return
+            except LocalApiTimeoutError as exc:
+                log.warning("waiting for the cluster's serving key: %s", exc)
+            except (OSError, PipecastError) as exc:
+                if Path(self.config.package).is_dir():  # the unicast fallback: serves without its agent
+                    log.warning("cannot ask the agent at %s for the cluster's serving key (%s): serving the "
+                                "package folder without one", agent, exc)
+                    self._post(self._set_serving_key, b"")
+                    return
+                log.warning("cannot ask the agent at %s for the cluster's serving key: %s", agent, exc)
+                time.sleep(FOLLOW_AGENT_S)
+
+    def _set_serving_key(self, key: bytes) -> None:
+        self._serving_key = key
+        self.stage_client.headers = serving_headers(key)
+        if not key:
+            log.warning("serving worker: no cluster credentials: anyone who can reach this worker's port may "
+                        "send it requests and pipeline stage calls")
+        self._key_known.set()
+
+    async def serving_key(self, timeout_s: float) -> bytes:
+        """The key requests and stage calls must present (b"": none), once learned; waits at most
+        ``timeout_s`` for it, then :class:`ServingKeyUnknownError`."""
+        if self._serving_key is None:
+            try:
+                await asyncio.wait_for(self._key_known.wait(), timeout_s)
+            except TimeoutError:
+                raise ServingKeyUnknownError(timeout_s) from None
+        return self._serving_key
 
     def _wait_for_package_again(self) -> None:
         """After a release: ask the agent for the package's manifest until it holds the package again."""

@@ -126,10 +126,12 @@ class WorkerState(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerSpec, _Mapping]] = ..., alive: _Optional[bool] = ..., lease_remaining_s: _Optional[float] = ..., held: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ..., cached: _Optional[_Iterable[_Union[PackageBlocks, _Mapping]]] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "serving_key")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_KEY_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ...) -> None: ...
+    serving_key: bytes
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., serving_key: _Optional[bytes] = ...) -> None: ...
 
 class PublishPackageRequest(_message.Message):
     __slots__ = ("manifest", "store")

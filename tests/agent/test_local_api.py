@@ -13,11 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipecast.agent.errors import LocalApiError
+from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError
 from pipecast.agent import local_api
 from pipecast.agent.local_api import MAX_TIMEOUT_S, OPS, LocalApiServer, parse_request
 from pipecast.agent.local_client import LocalAgentClient
 from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.transport.base import PeerAuth
+from pipecast.core.credentials import data_plane_key, serving_key
 from tests.support.agent_fixtures import block_file_bytes, land_chunk, local_api_serving, receiving_store
 from tests.support.packages import tiny_package
 
@@ -205,7 +207,7 @@ async def test_malformed_requests_answer_ok_false_and_the_connection_goes_on(pac
     store = receiving_store(manifest)
     peer_server = PeerServer()
     peer_server.add(store)
-    server = LocalApiServer(peer_server, status=lambda: {"node": "n1"})
+    server = LocalApiServer(peer_server, status=lambda: {"node": "n1"}, auth=PeerAuth("n1"))
     await server.start(tmp_path / "agent.sock")
     try:
         lines = [line for line, _ in BAD_REQUESTS]
@@ -221,7 +223,7 @@ async def test_malformed_requests_answer_ok_false_and_the_connection_goes_on(pac
 
 async def test_the_client_refuses_a_timeout_that_is_not_a_finite_number(tmp_path):
     """Finding 7: a NaN or infinite timeout reached the socket (ValueError/OverflowError); now LocalApiError."""
-    server = LocalApiServer(PeerServer(), status=dict)
+    server = LocalApiServer(PeerServer(), status=dict, auth=PeerAuth("n1"))
     await server.start(tmp_path / "agent.sock")
     client = await asyncio.to_thread(LocalAgentClient, tmp_path / "agent.sock")
     try:
@@ -229,6 +231,30 @@ async def test_the_client_refuses_a_timeout_that_is_not_a_finite_number(tmp_path
             with pytest.raises(LocalApiError, match="timeout must be a number of seconds from 0 to 86400"):
                 await asyncio.to_thread(client.wait_block, 0, timeout)
         assert await asyncio.to_thread(client.status) == {}
+    finally:
+        client.close()
+        await server.close()
+
+
+async def test_the_serving_key_comes_once_the_agent_knows_its_cluster_credentials(tmp_path):
+    """A serving worker learns the key it checks requests against from its agent: derived from the
+    data-plane key (never the key itself), waited for while the agent has not registered, b"" with auth off."""
+    auth = PeerAuth("n1", None)  # under a control plane, before the registration
+    server = LocalApiServer(PeerServer(), status=dict, auth=auth)
+    await server.start(tmp_path / "agent.sock")
+    client = await asyncio.to_thread(LocalAgentClient, tmp_path / "agent.sock")
+    try:
+        with pytest.raises(LocalApiTimeoutError, match=r"no cluster credentials here within 0.05 s \(the agent "
+                                                       r"has not registered with its control plane yet\)"):
+            await asyncio.to_thread(client.serving_key, 0.05)
+        waiting = asyncio.ensure_future(asyncio.to_thread(client.serving_key, 5.0))
+        await asyncio.sleep(0.05)
+        auth.set_key(data_plane_key("master"))
+        key = await waiting
+        assert key == serving_key(data_plane_key("master")) and len(key) == 32
+        assert key != data_plane_key("master")
+        auth.set_key(b"")
+        assert await asyncio.to_thread(client.serving_key, 0.0) == b""
     finally:
         client.close()
         await server.close()
@@ -249,7 +275,7 @@ async def test_the_socket_is_private_before_it_accepts_anyone(tmp_path, monkeypa
     monkeypatch.setattr(socket.socket, "listen", listen)
     old_umask = os.umask(0)
     try:
-        server = LocalApiServer(PeerServer(), status=dict)
+        server = LocalApiServer(PeerServer(), status=dict, auth=PeerAuth("n1"))
         await server.start(tmp_path / "agent.sock")
     finally:
         os.umask(old_umask)

@@ -16,7 +16,7 @@ from control_plane.errors import Conflict, InvalidRequest, PermissionDenied, Una
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.server import ControlPlaneServer
 from control_plane.worker_session import WorkerSession
-from pipecast.core.credentials import data_plane_key, issue_node_token, verify_node_token
+from pipecast.core.credentials import data_plane_key, issue_node_token, serving_key, verify_node_token
 from tests.control_plane.test_service import PKG, STORE, TOKEN, WAIT_S, Watcher, config, manifest, spec
 
 
@@ -108,6 +108,8 @@ async def test_a_node_acts_as_itself_and_reads_but_is_no_operator(operator, w2):
     assert (await w2.get_package(PKG))[0] == manifest()
     assert (await w2.availability(PKG)).by_worker == {"w2": {0}}
     assert [w.worker.peer.node_id for w in await w2.list_workers()] == ["w2"]
+    # The router (a node token) learns what requests to serving workers present; never the data-plane key.
+    assert (await w2.list_workers_keyed())[1] == serving_key(data_plane_key(TOKEN)) != data_plane_key(TOKEN)
     assert await w2.list_plans() == []
     operator_calls = {
         "PublishPackage": w2.publish_package(manifest("other"), STORE),

@@ -1,4 +1,4 @@
-"""The cluster's credentials: node tokens, principals and the data-plane key, all derived from the master."""
+"""The cluster's credentials: node tokens, principals, the data-plane and serving keys, all derived from the master."""
 
 import base64
 import hashlib
@@ -16,6 +16,8 @@ from pipecast.core.credentials import (
     issue_node_token,
     parse_node_token,
     principal_for,
+    serving_headers,
+    serving_key,
     validate_node_id,
     verify_node_token,
     warn_if_auth_off,
@@ -37,6 +39,14 @@ def test_the_data_plane_key_is_the_specified_hmac_and_differs_from_every_token()
     assert key == hmac.new(MASTER.encode(), b"pipecast data plane v1", hashlib.sha256).digest()
     assert len(key) == 32 and data_plane_key("other") != key
     assert base64.urlsafe_b64encode(key).rstrip(b"=").decode() not in issue_node_token(MASTER, "w1")
+
+
+def test_the_serving_key_is_the_specified_hmac_of_the_data_plane_key_and_travels_in_one_header():
+    key = serving_key(data_plane_key(MASTER))
+    assert key == hmac.new(data_plane_key(MASTER), b"pipecast serving v1", hashlib.sha256).digest()
+    assert len(key) == 32 and key not in (data_plane_key(MASTER), serving_key(data_plane_key("other")))
+    assert serving_headers(key) == {"X-Pipecast-Serving-Key": key.hex()}
+    assert serving_key(b"") == b"" and serving_headers(b"") == {}
 
 
 @pytest.mark.parametrize("token", [

@@ -25,6 +25,7 @@ from control_plane.client import ControlPlaneClient
 from control_plane.command import cp_group
 from packager.digest import digest_bytes
 from pipecast.agent.ratelimit import DEFAULT_BURST_BYTES
+from pipecast.core.credentials import data_plane_key, serving_key
 from pipecast.router.discovery import ControlPlaneDiscovery, DiscoveredWorker
 from pipecast.v1.manifest_pb2 import Manifest
 from tests.support import REPO
@@ -263,7 +264,8 @@ def test_one_scale_up_multicasts_the_package_onto_every_agent(cluster, package):
     async def discovered() -> list[DiscoveredWorker]:
         async with ControlPlaneClient(cluster.cp_address, token=TOKEN) as client:
             return await ControlPlaneDiscovery(client, cluster.cp_address).list_workers()
-    assert asyncio.run(discovered()) == [DiscoveredWorker("a1", SERVE_URL)]
+    key = serving_key(data_plane_key(TOKEN))  # what the router presents to a1's serving worker
+    assert asyncio.run(discovered()) == [DiscoveredWorker("a1", SERVE_URL, serving_key=key)]
 
 
 def test_a_holder_and_the_idle_store_are_two_sources_of_a_rotated_plan(cluster, package):

@@ -4,7 +4,8 @@ with a serving worker, and a router learning workers and pipelines from the cont
 The sources send the package in rotated orders (each its egress rate-limited, so a block takes seconds):
 w1 gets blocks 0, 1, 2, 3 and w2 gets 2, 3, 0, 1. Halfway, together they hold every layer: the router
 sends requests through the pipeline w1 -> w2 before either holds the model; a stage killed mid-request
-fails it to the router, which serves it elsewhere; once both hold the model the pipeline dissolves.
+fails it to the router, which serves it elsewhere; once both hold the model the pipeline dissolves. The
+workers take requests and stage calls only with the cluster's serving key (the router's and each other's).
 """
 
 import asyncio
@@ -121,6 +122,11 @@ def test_pipelines_serve_before_any_worker_holds_the_model_survive_a_killed_stag
             assert status == 200 and served_by == "pipeline:w1+w2", (status, served_by, tokens)
             assert tokens == reference(8)
             assert all(held.get(w, 0) < blocks for w in WORKERS), held  # nobody holds the whole model yet
+            # an outsider (without the serving key the workers learned from their agents) runs nothing
+            for url, path in ((cluster.serve_urls["w1"], "/v1/completions"), (cluster.serve_urls["w2"], "/v1/stage")):
+                async with http.post(f"{url}{path}", data=b"{}") as answer:
+                    assert answer.status == 401, (path, await answer.text())
+                    assert (await answer.json())["error"]["message"].endswith("Serving-Key header is missing")
 
             # 2. the tail stage's worker dies mid-request: the request is served elsewhere, not lost
             long = asyncio.create_task(complete(http, cluster.router_url, 100))

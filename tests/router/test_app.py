@@ -26,7 +26,11 @@ from control_plane.messages import WorkerSpec as RegisteredSpec
 from control_plane.routes import RouteChange
 from control_plane.server import ControlPlaneServer, ServerConfig
 from packager.manifest import seal_manifest
+from pipecast.core.credentials import SERVING_KEY_HEADER, data_plane_key, issue_node_token, serving_key
 from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER, Router, RouterConfig, build_app
+from pipecast.router.command import static_serving_key
+from pipecast.serve.app import error_response
+from pipecast.serve.errors import ServingKeyError
 from pipecast.router.discovery import SERVE_URL_LABEL, ControlPlaneDiscovery, StaticDiscovery
 from pipecast.v1 import control_pb2 as pb
 from tests.control_plane.test_service import STORE, manifest
@@ -59,6 +63,8 @@ class FakeWorker:
     model: str = ""  # named in its /health when set
     package_id: str = "p" * 64  # named with the model
     finished: bool = False
+    serving_key: bytes = b""  # required of requests when set, as a serving worker of a cluster does
+    presented: list[str | None] = field(default_factory=list)  # each request's serving key header
 
     async def health(self, request: web.Request) -> web.Response:
         present = {"ready": 4, "partial": 3}.get(self.status, 1)  # a partial worker in its last block
@@ -71,6 +77,9 @@ class FakeWorker:
         body = await request.read()
         self.bodies.append(body)
         self.paths.append(request.path)
+        self.presented.append(request.headers.get(SERVING_KEY_HEADER))
+        if self.serving_key and self.presented[-1] != self.serving_key.hex():
+            return error_response(ServingKeyError(self.presented[-1] is not None))
         if self.behaviour == "busy":
             # Its queue is full, as its next /health says: a poll after the 429 must not clear it (it did
             # with room reported, a race the test lost once in CI).
@@ -139,9 +148,9 @@ async def workers(*fakes: FakeWorker) -> AsyncIterator[list[FakeWorker]]:
 
 
 @asynccontextmanager
-async def router(urls: list[str], **config) -> AsyncIterator[tuple[str, Router]]:
+async def router(urls: list[str], serving_key: bytes = b"", **config) -> AsyncIterator[tuple[str, Router]]:
     """A router over the workers at ``urls`` (fast polling), served on a free port."""
-    instance = Router(RouterConfig(**(FAST | config)), [StaticDiscovery(urls)])
+    instance = Router(RouterConfig(**(FAST | config)), [StaticDiscovery(urls, serving_key=serving_key)])
     async with serving(build_app(instance)) as url:
         yield url, instance
 
@@ -409,6 +418,30 @@ async def test_a_retry_is_served_after_its_packages_idle_queue_was_detached(clie
                 assert response.status == 200 and response.headers[WORKER_HEADER] == other.url
 
 
+async def test_the_router_presents_the_serving_key_and_a_refusal_is_the_workers_failure(client):
+    """Workers of a cluster take requests only with its serving key: the router presents its key to each;
+    a worker that refuses it (another cluster's credentials, or none) fails the attempt (retried elsewhere
+    like any failed attempt) and the client never sees the worker's 401."""
+    key = serving_key(data_plane_key("master"))
+    assert static_serving_key("master") == key
+    assert static_serving_key(issue_node_token("master", "router")) == b"" and static_serving_key("") == b""
+    mine, other = FakeWorker(serving_key=key), FakeWorker(serving_key=serving_key(data_plane_key("another")))
+    async with workers(mine, other):
+        async with router([mine.url], serving_key=key) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            status, headers, _ = await post(client, url)
+        assert status == 200 and mine.presented == [key.hex()]
+        for presented, words in ((key, "holds another key"), (b"", "is missing")):
+            async with router([other.url], serving_key=presented, max_retries=0) as (url, instance):
+                await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+                status, _, answer = await post(client, url)
+            assert status == 502 and other.presented[-1] == (presented.hex() or None)
+            assert answer["error"]["message"] == (
+                f"request failed on 1 attempt(s): worker {other.url}: refused the router's credentials: this "
+                "worker takes requests only from its cluster's router and serving workers: the "
+                f"X-Pipecast-Serving-Key header {words}")
+
+
 async def test_retries_are_bounded_and_end_in_502_naming_the_workers(client):
     async with workers(FakeWorker(behaviour="die_before"), FakeWorker(behaviour="die_before")) as fakes:
         urls = sorted(fake.url for fake in fakes)
@@ -463,10 +496,10 @@ async def test_workers_are_learned_from_the_control_plane_and_kept_while_it_fail
     failing = False
 
     class Lister:
-        async def list_workers(self):
+        async def list_workers_keyed(self):
             if failing:
                 raise ConnectionError("control plane restarting")
-            return list(listed)
+            return list(listed), b""
 
         async def list_routes(self):
             return []

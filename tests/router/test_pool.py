@@ -401,15 +401,17 @@ async def test_control_plane_discovery_lists_alive_workers_with_a_serve_url():
               worker_state("store", None), worker_state("n3", "10.0.0.3:8000")]
 
     class Client:
-        async def list_workers(self):
-            return states
+        async def list_workers_keyed(self):
+            return states, b"k" * 32
 
     discovery = ControlPlaneDiscovery(Client(), "cp:7000")
     assert discovery.name == "control plane cp:7000"
-    assert await discovery.list_workers() == [DiscoveredWorker("n1", "http://10.0.0.1:8000")]
-    states[0].worker.engine = "vllm"  # registered with `pipecast agent --engine vllm`
+    assert await discovery.list_workers() == [DiscoveredWorker("n1", "http://10.0.0.1:8000", serving_key=b"k" * 32)]
+    states[0].worker.engine = "vllm"  # registered with `pipecast agent --engine vllm`: not given the key
     assert await discovery.list_workers() == [DiscoveredWorker("n1", "http://10.0.0.1:8000", "vllm")]
-    assert [w.engine for w in await StaticDiscovery(["http://a:1"], "vllm").list_workers()] == ["vllm"]
+    assert [(w.engine, w.serving_key) for w in await StaticDiscovery(["http://a:1"], "vllm", b"k").list_workers()] \
+        == [("vllm", b"")]
+    assert [w.serving_key for w in await StaticDiscovery(["http://a:1"], serving_key=b"k").list_workers()] == [b"k"]
 
 
 # --- cross-node pipelines ----------------------------------------------------------------------------

@@ -35,7 +35,11 @@ from pipecast.serve.pipeline import (
     parse_route,
     route_header,
 )
-from pipecast.serve.errors import WorkerClosingError
+from pipecast.agent.local_api import LocalApiServer
+from pipecast.agent.peer_server import PeerServer
+from pipecast.agent.transport.base import PeerAuth
+from pipecast.core.credentials import data_plane_key, serving_headers, serving_key
+from pipecast.serve.errors import ServingKeyUnknownError, WorkerClosingError
 from pipecast.serve.worker import WorkerConfig
 from tests.router.test_app import eventually
 from tests.serve.test_app import serving, wait_health
@@ -185,6 +189,65 @@ async def test_a_stage_process_killed_mid_request_fails_it_naming_the_stage(pkg,
             tail.kill()
         tail.wait()
         tail.stdout.close()
+
+
+async def test_with_the_clusters_serving_key_only_its_holders_reach_completions_and_stages(pkg, reference):
+    """Workers that hold the cluster's serving key take completions and stage calls only with it (401 before
+    the body is read otherwise; /health and /metrics stay open), present it to the stages they call, and a
+    stage of another cluster refuses the head's call: the request fails naming that stage."""
+    key, other = serving_key(data_plane_key("master")), serving_key(data_plane_key("another"))
+    mine = serving_headers(key)
+    async with serving(WorkerConfig(str(pkg), serving_key=key)) as (a, _, _, http), \
+            serving(WorkerConfig(str(pkg), serving_key=key)) as (b, _, _, _), \
+            serving(WorkerConfig(str(pkg), serving_key=other)) as (c, _, _, _):
+        header = {PIPELINE_HEADER: route([(a, 0, 3), (b, 3, 6)])}
+        status, answer = await post(http, a, completion(6), {**header, **mine})
+        assert status == 200 and answer["choices"][0]["token_ids"] == reference(PROMPT, 6)
+        for presented, words in (({}, "is missing"), (serving_headers(other), "holds another key")):
+            status, answer = await post(http, a, completion(6), {**header, **presented})
+            assert status == 401 and answer["error"]["code"] == "invalid_serving_key", answer
+            assert answer["error"]["message"] == (
+                "this worker takes requests only from its cluster's router and serving workers: the "
+                f"X-Pipecast-Serving-Key header {words}")
+            frame = encode_frame({"session": "s", "layers": [3, 6], "position": 0, "params": None, "next": [],
+                                  "deadline_s": 5}, torch.zeros(1, 3, 64))
+            for path, data in (("/v1/stage", frame), ("/v1/stage/close", b'{"session": "s"}')):
+                async with http.post(f"{b}{path}", data=data, headers=presented) as response:
+                    assert response.status == 401, path
+                    assert words in (await response.json())["error"]["message"]
+        async with http.get(f"{a}/health") as response:
+            assert response.status == 200
+        async with http.get(f"{a}/metrics") as response:
+            assert 'pipecast_serve_requests_total{outcome="invalid"} 2.0' in await response.text()
+        status, answer = await post(http, a, completion(6), {PIPELINE_HEADER: route([(a, 0, 3), (c, 3, 6)]), **mine})
+        assert status == 503 and answer["error"]["code"] == "pipeline_stage_failed"
+        assert answer["error"]["message"].startswith(f"pipeline stage {c} failed: ")
+        assert "X-Pipecast-Serving-Key header holds another key" in answer["error"]["message"]
+
+
+async def test_a_worker_learns_the_serving_key_from_its_agent_and_waits_for_it(pkg, tmp_path):
+    """Fed by its node agent, a worker asks it for the key: while the agent has not registered, requests
+    wait for it; once it is known they must present it."""
+    auth = PeerAuth("n1", None)
+    server = LocalApiServer(PeerServer(), status=dict, auth=auth)
+    await server.start(tmp_path / "agent.sock")
+    try:
+        # The agent holds no package: the worker loads its folder after a second (the unicast fallback).
+        config = WorkerConfig(str(pkg), agent=tmp_path / "agent.sock", agent_timeout_s=1.0)
+        async with serving(config) as (a, worker, _, http):
+            with pytest.raises(ServingKeyUnknownError, match="the worker has not learned its cluster's serving "
+                                                             "key from its node agent within 0.1 s"):
+                await worker.serving_key(0.1)
+            waiting = asyncio.ensure_future(post(http, a, completion(3)))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            auth.set_key(data_plane_key("master"))
+            status, answer = await waiting
+            assert status == 401 and "header is missing" in answer["error"]["message"]
+            status, answer = await post(http, a, completion(3), serving_headers(serving_key(data_plane_key("master"))))
+            assert status == 200, answer
+    finally:
+        await server.close()
 
 
 async def test_stage_calls_with_bad_frames_are_answered_400(pkg):

@@ -12,6 +12,7 @@ from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.store import BlockStore
+from pipecast.agent.transport.base import PeerAuth
 from pipecast.v1.manifest_pb2 import Manifest
 
 
@@ -22,13 +23,14 @@ def receiving_store(manifest: Manifest, budget_bytes: int = 1 << 30, **kwargs) -
 
 
 @asynccontextmanager
-async def local_api_serving(store: BlockStore, socket: Path, status: Callable[[], dict] = dict) -> AsyncIterator[
-        LocalApiServer]:
-    """``store`` served by a local API server at ``socket``, its events published as the agent wires them;
-    the server closed at the end (the store is the caller's)."""
+async def local_api_serving(store: BlockStore, socket: Path, status: Callable[[], dict] = dict,
+                            auth: PeerAuth | None = None) -> AsyncIterator[LocalApiServer]:
+    """``store`` served by a local API server at ``socket``, its events published as the agent wires them
+    (``auth``: the agent's cluster credentials; default none, auth off); the server closed at the end (the
+    store is the caller's)."""
     peer_server = PeerServer()
     peer_server.add(store)
-    server = LocalApiServer(peer_server, status=status)
+    server = LocalApiServer(peer_server, status=status, auth=auth or PeerAuth("test"))
     store.subscribe(lambda event: server.publish(event, store))
     await server.start(socket)
     try:
