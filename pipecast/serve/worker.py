@@ -251,10 +251,11 @@ class ServingWorker:
             if head and (provider.verified_bytes(0) if streaming else 0 in present):
                 return
 
-    def _wait_for_agent_socket(self) -> None:
-        """An agent named by its socket may start after the worker (a sidecar): wait up to the agent
-        timeout for the socket to appear; without it, loading falls back to the folder or fails."""
-        agent = self.config.agent
+    def _wait_for_agent_socket(self, agent: "Path | Any" = None) -> None:
+        """An agent named by its socket (``agent``, default the configured one) may start after the worker (a
+        sidecar): wait up to the agent timeout for the socket to appear; without it, loading falls back to the
+        folder or fails."""
+        agent = agent if agent is not None else self.config.agent
         if not isinstance(agent, (str, Path)):
             return
         deadline = time.monotonic() + self.config.agent_timeout_s
@@ -266,11 +267,13 @@ class ServingWorker:
         from pipecast.agent.errors import LocalApiTimeoutError
         from pipecast.agent.local_client import LocalAgentClient
 
-        agent = self.config.agent
+        from pipecast.core.settings import load_settings
+
+        agent = self.config.agent if self.config.agent is not None else load_settings().agent_local_socket
         if not isinstance(agent, (str, Path)):  # no agent (a connected client is a test's, and has no key)
             self._post(self._set_serving_key, b"")
             return
-        self._wait_for_agent_socket()
+        self._wait_for_agent_socket(agent)
         while not self._closing:
             try:
                 with LocalAgentClient(agent) as client:
