@@ -22,7 +22,6 @@ Endpoints:
 lets running ones finish for up to ``drain_timeout_s`` and closes the engine.
 """
 
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -38,7 +37,6 @@ from pipecast.serve.errors import (
     RequestFieldError,
     RequestTooLargeError,
     ServeError,
-    ServingKeyError,
     StageFailedError,
     WorkerBusyError,
 )
@@ -103,10 +101,7 @@ async def check_serving_key(request: web.Request,
         return await handler(request)
     worker = request.app[WORKER]
     try:
-        key = await worker.serving_key(SERVING_KEY_WAIT_S)
-        presented = request.headers.get(SERVING_KEY_HEADER)
-        if key and not (presented and hmac.compare_digest(presented.encode(), key.hex().encode())):
-            raise ServingKeyError(presented is not None)
+        await worker.check_serving_key(request.headers.get(SERVING_KEY_HEADER), SERVING_KEY_WAIT_S)
     except ServeError as exc:
         if not stage:
             worker.metrics.requests.labels(_outcome(exc)).inc()

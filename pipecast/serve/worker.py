@@ -16,7 +16,9 @@ the model once the requests running on it end (``RELEASE_DRAIN_S`` at most) and 
 Credentials: a worker fed by its node agent asks it for the cluster's serving key
 (:func:`pipecast.core.credentials.serving_key`; the agent answers once it has registered with its control
 plane) and from then on takes completion requests and pipeline stage calls only with that key
-(:meth:`ServingWorker.serving_key`; the HTTP layer checks it), and presents it to the stages it calls. A
+(:meth:`ServingWorker.check_serving_key`, which the HTTP layer calls; a key it does not hold sends it to
+the agent again, rate-limited, as the cluster's credentials may have changed), and presents it to the
+stages it calls. A
 worker without an agent, or serving its package folder while no agent answers, takes them without one, and
 says so in its log: as an agent with auth off.
 
@@ -30,8 +32,10 @@ it: token ids by their count, text by a lower bound on its tokens (:meth:`TextCo
 """
 
 import asyncio
+import hmac
 import importlib
 import logging
+import math
 import threading
 import time
 import uuid
@@ -60,6 +64,7 @@ from pipecast.serve.errors import (
     ModelUnavailableError,
     RequestFieldError,
     ServeError,
+    ServingKeyError,
     ServingKeyUnknownError,
     WorkerBusyError,
     WorkerClosingError,
@@ -100,6 +105,10 @@ REWAIT_S = 30.0
 #: router may have sent one just before the release (the daemon reads a replica idle, then releases it).
 RELEASE_DRAIN_S = 30.0
 RELEASE_DRAIN_POLL_S = 0.05
+#: A request presenting a key the worker does not hold sends it to its agent again at most this often (s),
+#: waiting at most KEY_RECHECK_TIMEOUT_S for the answer.
+KEY_RECHECK_S = 5.0
+KEY_RECHECK_TIMEOUT_S = 2.0
 #: How often the loading thread checks whether the tokenizer is needed yet (s; a request wakes it at once).
 CODEC_POLL_S = 0.1
 #: A worker reads its tokenizer once it lacks at most this many blocks (it will serve whole requests soon),
@@ -183,6 +192,8 @@ class ServingWorker:
         self._head: PipelineHead | None = None
         self._serving_key: bytes | None = None  # None until learned
         self._key_known: asyncio.Event | None = None
+        self._key_source: Path | str | None = None  # the agent that gave it
+        self._key_asked_at = -math.inf
 
     # --- life cycle ----------------------------------------------------------------------------------
 
@@ -265,8 +276,6 @@ class ServingWorker:
     def _learn_serving_key(self) -> None:
         """Ask the agent for the cluster's serving key until it answers (module docstring); a thread."""
         from pipecast.agent.errors import LocalApiTimeoutError
-        from pipecast.agent.local_client import LocalAgentClient
-
         from pipecast.core.settings import load_settings
 
         agent = self.config.agent if self.config.agent is not None else load_settings().agent_local_socket
@@ -276,8 +285,8 @@ class ServingWorker:
         self._wait_for_agent_socket(agent)
         while not self._closing:
             try:
-                with LocalAgentClient(agent) as client:
-                    key = client.serving_key(timeout=REWAIT_S)
+                key = _ask_serving_key(agent, REWAIT_S)
+                self._key_source = agent
                 self._post(self._set_serving_key, key)
                 return
             except LocalApiTimeoutError as exc:
@@ -299,15 +308,42 @@ class ServingWorker:
                         "send it requests and pipeline stage calls")
         self._key_known.set()
 
-    async def serving_key(self, timeout_s: float) -> bytes:
-        """The key requests and stage calls must present (b"": none), once learned; waits at most
-        ``timeout_s`` for it, then :class:`ServingKeyUnknownError`."""
+    async def check_serving_key(self, presented: str | None, timeout_s: float) -> None:
+        """Pass a request that ``presented`` (its serving key header, hex) the cluster's key, or any request
+        where there is none; else :class:`ServingKeyError`. Waits at most ``timeout_s`` for the worker to
+        learn the key (then :class:`ServingKeyUnknownError`). A key it does not hold sends the worker to
+        its agent again (at most every ``KEY_RECHECK_S``): the cluster's credentials may have changed."""
         if self._serving_key is None:
             try:
                 await asyncio.wait_for(self._key_known.wait(), timeout_s)
             except TimeoutError:
                 raise ServingKeyUnknownError(timeout_s) from None
-        return self._serving_key
+        if self._key_matches(presented) or (presented is not None and await self._relearn_serving_key()
+                                            and self._key_matches(presented)):
+            return
+        raise ServingKeyError(presented is not None)
+
+    def _key_matches(self, presented: str | None) -> bool:
+        key = self._serving_key
+        return not key or (presented is not None and hmac.compare_digest(presented.encode(), key.hex().encode()))
+
+    async def _relearn_serving_key(self) -> bool:
+        """Ask the agent for the key again (rate-limited); whether it changed."""
+        now = time.monotonic()
+        if self._key_source is None or now - self._key_asked_at < KEY_RECHECK_S:
+            return False
+        self._key_asked_at = now
+        try:
+            key = await asyncio.to_thread(_ask_serving_key, self._key_source, KEY_RECHECK_TIMEOUT_S)
+        except (OSError, PipecastError) as exc:
+            log.warning("cannot ask the agent at %s for the cluster's serving key again: %s", self._key_source, exc)
+            return False
+        if key == self._serving_key:
+            return False
+        log.warning("the cluster's serving key changed (the agent holds other cluster credentials now): "
+                    "requests must present the new one")
+        self._set_serving_key(key)
+        return True
 
     def _wait_for_package_again(self) -> None:
         """After a release: ask the agent for the package's manifest until it holds the package again."""
@@ -645,6 +681,14 @@ class ServingWorker:
 
     def _finished(self) -> None:
         self._submitted -= 1
+
+
+def _ask_serving_key(agent: Path | str, timeout_s: float) -> bytes:
+    """The serving key the agent at socket ``agent`` gives (blocking)."""
+    from pipecast.agent.local_client import LocalAgentClient
+
+    with LocalAgentClient(agent) as client:
+        return client.serving_key(timeout=timeout_s)
 
 
 def _served_error(exc: EngineError) -> ServeError:

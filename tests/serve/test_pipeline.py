@@ -40,6 +40,7 @@ from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.transport.base import PeerAuth
 from pipecast.core.credentials import data_plane_key, serving_headers, serving_key
 from pipecast.serve.errors import ServingKeyUnknownError, WorkerClosingError
+from pipecast.serve import worker as worker_module
 from pipecast.serve.worker import WorkerConfig
 from tests.router.test_app import eventually
 from tests.serve.test_app import serving, wait_health
@@ -225,9 +226,12 @@ async def test_with_the_clusters_serving_key_only_its_holders_reach_completions_
         assert "X-Pipecast-Serving-Key header holds another key" in answer["error"]["message"]
 
 
-async def test_a_worker_learns_the_serving_key_from_its_agent_and_waits_for_it(pkg, tmp_path):
+async def test_a_worker_learns_the_serving_key_from_its_agent_waits_for_it_and_follows_a_change(pkg, tmp_path,
+                                                                                                  monkeypatch):
     """Fed by its node agent, a worker asks it for the key: while the agent has not registered, requests
-    wait for it; once it is known they must present it."""
+    wait for it; once it is known they must present it; when the cluster's credentials change, a request
+    presenting a key the worker does not hold sends it to its agent again (at most every KEY_RECHECK_S)."""
+    monkeypatch.setattr(worker_module, "KEY_RECHECK_S", 0.5)
     auth = PeerAuth("n1", None)
     server = LocalApiServer(PeerServer(), status=dict, auth=auth)
     await server.start(tmp_path / "agent.sock")
@@ -237,15 +241,24 @@ async def test_a_worker_learns_the_serving_key_from_its_agent_and_waits_for_it(p
         async with serving(config) as (a, worker, _, http):
             with pytest.raises(ServingKeyUnknownError, match="the worker has not learned its cluster's serving "
                                                              "key from its node agent within 0.1 s"):
-                await worker.serving_key(0.1)
+                await worker.check_serving_key(None, 0.1)
             waiting = asyncio.ensure_future(post(http, a, completion(3)))
             await asyncio.sleep(0.2)
             assert not waiting.done()
             auth.set_key(data_plane_key("master"))
             status, answer = await waiting
             assert status == 401 and "header is missing" in answer["error"]["message"]
-            status, answer = await post(http, a, completion(3), serving_headers(serving_key(data_plane_key("master"))))
+            old, new = (serving_headers(serving_key(data_plane_key(m))) for m in ("master", "rotated"))
+            assert (await post(http, a, completion(3), old))[0] == 200
+            assert (await post(http, a, completion(3), new))[0] == 401  # asks the agent: no change
+            auth.set_key(data_plane_key("rotated"))  # e.g. the agent restarted with new cluster credentials
+            assert (await post(http, a, completion(3), new))[0] == 401  # not asked again within 0.5 s
+            await asyncio.sleep(0.5)
+            status, answer = await post(http, a, completion(3), new)
             assert status == 200, answer
+            status, answer = await post(http, a, completion(3), old)
+            assert status == 401 and "header holds another key" in answer["error"]["message"]
+            assert worker.stage_client.headers == new  # the stages it calls present the new one too
     finally:
         await server.close()
 
