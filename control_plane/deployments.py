@@ -47,7 +47,7 @@ class ScalingPolicy:
     #: 0: the warm pool is ``warm``; else it is sized from the traffic, to absorb this many times the baseline.
     warm_auto_factor: float = 0.0
     #: Seconds a new replica takes to serve (0: not counted): a scale-up is then sized to drain, within the
-    #: SLO, the requests that arrive meanwhile beyond what the serving replicas take.
+    #: SLO, the requests that arrive meanwhile beyond what the ready replicas take.
     cold_start_s: float = 0.0
     #: The daemon sizes for the cold starts it measures on this deployment's scale-ups once it has one
     #: (:mod:`pipecast.scaler.coldstart`), ``cold_start_s`` until then.

@@ -11,7 +11,7 @@ How it decides, in this order:
    ``replica_rps``); with a cold start (how long a new replica takes to serve: the policy's ``cold_start_s``,
    or with ``cold_start_measured`` the daemon's measure once it has one, :mod:`pipecast.scaler.coldstart`),
    the replicas that also
-   drain, within the SLO once they serve, what arrives meanwhile beyond the serving replicas' throughput
+   drain, within the SLO once they serve, what arrives meanwhile beyond the ready replicas' throughput
    (:func:`cold_start_demand`: with multicast, several replicas load in about the time of one); then the
    lagging one: a p99 TTFT over the SLO with requests still queued and no replica on its way adds one more. ``desired`` = demand + the warm pool, within ``min..max``: the policy's
    ``warm``, or with ``warm_auto_factor`` the replicas that absorb that many times the *baseline* demand
@@ -55,7 +55,8 @@ class Signals:
     in_flight: int = 0
     arrived: int = 0  # cumulative, all routers
     answered: int = 0  # cumulative
-    serving: int = 0  # workers the routers route to now (ready or partial)
+    serving: int = 0  # workers the routers route to now (ready or partial), each counted once
+    ready: int = 0  # of those, the ones holding the whole model (a partial one is still in its cold start)
     ttft_p99_s: float | None = None  # the worst router's p99 over its window
     idle_s: Mapping[str, float | None] = field(default_factory=dict)  # node id -> idle seconds (None: busy)
 
@@ -147,12 +148,14 @@ def cold_start_of(policy: ScalingPolicy, pool: Pool) -> tuple[float, str]:
     return policy.cold_start_s, "policy"
 
 
-def cold_start_demand(rate: float, serving: int, throughput: float, policy: ScalingPolicy,
+def cold_start_demand(rate: float, ready: int, throughput: float, policy: ScalingPolicy,
                       cold_start_s: float) -> int:
     """Replicas for ``rate`` when new ones take ``cold_start_s`` to serve: the requests arriving meanwhile
-    beyond what the ``serving`` replicas take wait for them, and are drained within ``slo_ttft_p99_s`` once
-    they serve, on top of the rate itself. 0 when the serving replicas keep up, or without a cold start."""
-    excess = rate - serving * throughput
+    beyond what the ``ready`` replicas take wait for them, and are drained within ``slo_ttft_p99_s`` once
+    they serve, on top of the rate itself. 0 when the ready replicas keep up, or without a cold start. A
+    partial replica (serving layer by layer while its blocks arrive) is still in its cold start: it counts
+    among the replicas this sizes, not among those that keep up."""
+    excess = rate - ready * throughput
     if cold_start_s <= 0 or rate <= 0 or excess <= 0:
         return 0
     backlog = excess * cold_start_s
@@ -175,13 +178,14 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     throughput = replica_throughput(history, policy)
     by_requests, by_rate = _demand(now, rate, throughput, policy)
     cold_start, cold_from = cold_start_of(policy, pool)
-    by_cold = cold_start_demand(rate, now.serving, throughput, policy, cold_start)
+    by_cold = cold_start_demand(rate, now.ready, throughput, policy, cold_start)
     loading = sum(r.loading for r in pool.replicas)
     slo_missed = (now.ttft_p99_s is not None and now.ttft_p99_s > policy.slo_ttft_p99_s and now.queue_depth > 0
                   and loading == 0)
     needed = max(by_requests, by_rate, by_cold, have + 1 if slo_missed else 0)
     inputs = {"queue_depth": now.queue_depth, "in_flight": now.in_flight, "arrival_rps": round(rate, 3),
               "replica_rps": round(throughput, 3), "ttft_p99_s": now.ttft_p99_s, "serving": now.serving,
+              "ready": now.ready,
               "replicas": have, "loading": loading, "free": pool.free,
               "routers": f"{now.routers_answered}/{now.routers_total}",
               "cold_start_s": round(cold_start, 3), "cold_start_from": cold_from}

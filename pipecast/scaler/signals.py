@@ -3,7 +3,8 @@
 A router's ``GET /stats`` (see :mod:`pipecast.router.app`) is read strictly: an answer without the fields
 the policy needs is that router's fault and counts as silent (:class:`StatsFormatError`). Several routers
 add up: counters and gauges are summed, the TTFT p99 is the worst router's, a worker's idle time the
-shortest any router saw (it is idle only if idle everywhere).
+shortest any router saw (it is idle only if idle everywhere), and a worker serving (or ready) at any router
+counts once: every router lists every worker.
 """
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -14,7 +15,8 @@ from pipecast.scaler.policy import Pool, Replica, Signals
 from pipecast.v1 import control_pb2 as pb
 
 STATS_FORMAT = 1
-SERVING_STATUSES = ("ready", "partial")
+READY = "ready"
+SERVING_STATUSES = (READY, "partial")
 
 
 class StatsFormatError(PipecastError):
@@ -81,11 +83,15 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
                                                       + _unattributed(a)}
            for a in answers if a is not None]
     idle: dict[str, float | None] = {}
-    serving = 0
+    serving: set[str] = set()  # every router lists every worker: each counts once
+    ready: set[str] = set()
     for answer in got:
         for worker in answer["workers"]:
             node = node_of_url.get(worker["url"].rstrip("/"), worker["node_id"] or worker["url"])
-            serving += worker["status"] in SERVING_STATUSES
+            if worker["status"] in SERVING_STATUSES:
+                serving.add(node)
+            if worker["status"] == READY:
+                ready.add(node)
             seen = worker["idle_s"]
             if node in idle and (idle[node] is None or seen is None):
                 idle[node] = None
@@ -95,7 +101,7 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
     return Signals(at=at, routers_total=len(answers), routers_answered=len(got),
                    queue_depth=sum(a["queue_depth"] for a in got), in_flight=sum(a["in_flight"] for a in got),
                    arrived=sum(a["arrived"] for a in got), answered=sum(a["answered"] for a in got),
-                   serving=serving, ttft_p99_s=max(p99s, default=None), idle_s=idle)
+                   serving=len(serving), ready=len(ready), ttft_p99_s=max(p99s, default=None), idle_s=idle)
 
 
 def _unattributed(answer: Mapping[str, Any]) -> int:

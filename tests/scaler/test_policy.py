@@ -215,6 +215,23 @@ def test_auto_warm_with_no_traffic_is_zero_but_min_holds():
     assert silent.kind == "no_signals" and silent.desired == 1
 
 
+def test_partial_replicas_are_still_in_their_cold_start_and_a_rising_rate_adds_to_them():
+    """A replica serving layer by layer while its blocks arrive (partial) takes requests, but not yet at a
+    replica's throughput: what arrives meanwhile waits for it, so it does not count as keeping up. Three
+    partial replicas of a surge rising to 6 req/s: the daemon adds for the rate and the cold start."""
+    cold = ScalingPolicy(**{**POLICY.__dict__, "cold_start_s": 5.0, "max_replicas": 16})
+    history = [Signals(at=1000.0 + t, routers_total=1, routers_answered=1, in_flight=3, arrived=6 * t, serving=3,
+                       ready=0) for t in range(6)]
+    pool = Pool(now=1005.0, replicas=tuple(Replica(f"w{i}", True) for i in range(3)), free=13,
+                last_scale_up=1003.0)
+    decision = decide(history, pool, cold)
+    # 6 req/s for 5 s: 30 requests drained within the 2 s SLO, 15 more replicas at 1 req/s, plus the 6: 21 -> 16.
+    assert decision.add == 13 and decision.inputs["ready"] == 0 and "21 to drain what arrives" in decision.reason
+    # The same three holding the model take 3 req/s: only the other 3 pile up (15 requests, 7.5 replicas).
+    ready = [Signals(**{**h.__dict__, "ready": 3}) for h in history]
+    assert "14 to drain what arrives" in decide(ready, pool, cold).reason
+
+
 def test_auto_warm_in_the_closed_loop_settles_at_twice_the_baseline_without_thrash():
     sim = Sim(policy=AUTO)
     sim.run([1, 1, 1, 1, 0] * 60)

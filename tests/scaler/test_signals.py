@@ -1,0 +1,36 @@
+"""What the routers answer, read and added up for the policy (pure)."""
+
+import pytest
+
+from pipecast.scaler.signals import StatsFormatError, add_up, parse_stats
+
+
+def stats(queue: int, arrived: int, answered: int, p99: float | None, workers: list[tuple[str, str, float | None]]):
+    """A router's /stats answer, as :mod:`pipecast.router.app` sends it (format 1)."""
+    return {"format": 1, "queue_depth": queue, "in_flight": 1,
+            "counters": {"arrived": arrived, "prompt_tokens": 0, "answered": answered, "rejected": 0, "failed": 0},
+            "ttft": {"window_s": 60, "count": 3, "p50": 0.1, "p95": 0.2, "p99": p99},
+            "workers": [{"url": url, "node_id": "", "status": status, "in_flight": 0, "idle_s": idle}
+                        for url, status, idle in workers]}
+
+
+def test_two_routers_add_up_and_each_worker_counts_once():
+    """Every router lists every worker: a worker serving (or ready) counts once, not once per router; the
+    counters add up, the p99 is the worst router's, a worker is as idle as the least idle view of it."""
+    nodes = {"http://10.0.0.1:8000": "w1", "http://10.0.0.2:8000": "w2", "http://10.0.0.3:8000": "w3"}
+    workers = [("http://10.0.0.1:8000/", "ready", 4.0), ("http://10.0.0.2:8000", "partial", None),
+               ("http://10.0.0.3:8000", "loading", 9.0)]
+    a = parse_stats("r1", stats(2, 10, 7, 0.5, workers))
+    b = parse_stats("r2", stats(1, 5, 4, 1.5, [(url, status, 1.0 if idle else idle) for url, status, idle in workers]))
+    signals = add_up(100.0, [a, b, None], nodes)
+    assert (signals.routers_total, signals.routers_answered) == (3, 2)
+    assert (signals.queue_depth, signals.in_flight, signals.arrived, signals.answered) == (3, 2, 15, 11)
+    assert (signals.serving, signals.ready, signals.ttft_p99_s) == (2, 1, 1.5)
+    assert signals.idle_s == {"w1": 1.0, "w2": None, "w3": 1.0}
+
+
+def test_an_answer_without_what_the_policy_reads_is_the_routers_fault():
+    with pytest.raises(StatsFormatError, match="router r1: /stats lacks counters, ttft or workers"):
+        parse_stats("r1", {"format": 1, "counters": {}})
+    with pytest.raises(StatsFormatError, match="router r1: /stats is not format 1"):
+        parse_stats("r1", {"format": 2})
