@@ -18,9 +18,8 @@ Credentials: a worker fed by its node agent asks it for the cluster's serving ke
 plane) and from then on takes completion requests and pipeline stage calls only with that key
 (:meth:`ServingWorker.check_serving_key`, which the HTTP layer calls; a key it does not hold sends it to
 the agent again, rate-limited, as the cluster's credentials may have changed), and presents it to the
-stages it calls. A
-worker without an agent, or serving its package folder while no agent answers, takes them without one, and
-says so in its log: as an agent with auth off.
+stages it calls. A worker without an agent, or serving its package folder while no agent answers, takes
+them without one, and says so in its log: as an agent with auth off.
 
 Admission: requests admitted but not in the engine's batch (waiting for the model, or for one of
 ``max_batch`` slots, or being tokenized) form the queue; beyond ``max_queue`` of them a request is refused
