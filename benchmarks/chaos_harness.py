@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 import blake3
 import psutil
 
-from benchmarks.processes import Processes, cli, free_port
-from pipecast.core.credentials import data_plane_key, issue_node_token
+from benchmarks.processes import Processes, cli, credentials_env, free_port
+from pipecast.core.credentials import data_plane_key
 from pipecast.core.errors import PipecastError
 from pipecast.v1.manifest_pb2 import Manifest
 
@@ -250,11 +250,11 @@ class Harness:
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """Every process's environment: the cluster's master token, the fast timeouts, ``extra``."""
-        return {"PIPECAST_AUTH_TOKEN": self.token, **AGENT_ENV, **(extra or {})}
+        return {**credentials_env(self.token), **AGENT_ENV, **(extra or {})}
 
     def node_env(self, node: str, extra: dict[str, str] | None = None) -> dict[str, str]:
         """The environment of an agent under the control plane: its own node token, not the master's."""
-        return {**(extra or {}), "PIPECAST_AUTH_TOKEN": issue_node_token(self.token, node)}
+        return {**(extra or {}), **credentials_env(self.token, node)}
 
     def agent(self, node: str, *args: str | Path, env: dict[str, str] | None = None, address: str | None = None,
               name: str | None = None) -> str:

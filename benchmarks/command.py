@@ -28,6 +28,10 @@ DEMO_CACHE = click.option("--cache", type=click.Path(file_okay=False, path_type=
 EMULATION = click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto",
                          show_default=True, help="Emulated cluster: network namespaces with tc, or loopback with "
                                                  "app-level rate limits.")
+CREDENTIALS = click.option(
+    "--no-auth", is_flag=True,
+    help="Run without credentials (no data-plane hello, no serving key), to compare with the default: a master "
+         "token per run and a node token for each agent that registers, as in a cluster that has them.")
 JSON_OUT = click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
                         help="Write the figures as JSON.")
 
@@ -256,12 +260,13 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
               help="Write ttft_cdf.png and timeline.png into this folder.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep every process's log and events here (default: a temp dir, removed).")
+@CREDENTIALS
 def bench_surge(workers, min_workers, strategies, trace, window_start, window_seconds, window_requests, time_scale,
                 synthetic, surges, quiet_seconds, slo_ttft_p99, keep_alive, scale_down_cooldown, cold_start,
                 measure_cold_start, daemon_warm, prompt_cap,
                 output_cap, link_mbit, store_mbit, repeat, pre_surge_seconds, first_n, worker_max_batch,
                 queue_timeout, worker_cpus, agent_reserve, package, cache, mode, no_calibrate, json_path, csv_path,
-                plots_dir, workdir):
+                plots_dir, workdir, no_auth):
     """TTFT while a traffic surge scales the pool from its minimum to N: pipecast vs unicast and a warm pool."""
     from dataclasses import replace
 
@@ -294,7 +299,7 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
             policy=replace(surge.DEFAULT_POLICY, slo_ttft_p99_s=slo_ttft_p99, keep_alive_s=keep_alive,
                            scale_down_cooldown_s=scale_down_cooldown, cold_start_s=cold_start,
                            cold_start_measured=measure_cold_start, warm=daemon_warm),
-            agent_reserve_bytes=reserve)
+            agent_reserve_bytes=reserve, auth=not no_auth)
     except PipecastError as exc:
         raise click.UsageError(str(exc)) from None
     with tempfile.TemporaryDirectory(prefix="pipecast-bench-") as tmp, Progress.on_stderr(_echo_err) as progress:
@@ -399,8 +404,9 @@ def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoi
               help="Draw the first token against K (a share of S/B) as a PNG.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep logs and events here (default: a temp dir).")
+@CREDENTIALS
 def bench_pipelines(sources, source_kinds, strategies, receivers, link_mbit, prompt_tokens, max_tokens, package,
-                    cache, mode, worker_cpus, json_path, plot_path, workdir):
+                    cache, mode, worker_cpus, json_path, plot_path, workdir, no_auth):
     """First token after a scale-up from K sources: cross-node pipelines vs waiting for a whole model."""
     from benchmarks import pipelines
 
@@ -410,7 +416,8 @@ def bench_pipelines(sources, source_kinds, strategies, receivers, link_mbit, pro
             source_kinds=pipelines.parse_choice(source_kinds, pipelines.SOURCE_KINDS, "--source-kind"),
             strategies=pipelines.parse_choice(strategies, pipelines.STRATEGIES, "--strategy"),
             receivers=receivers, link_mbit=link_mbit, prompt_tokens=prompt_tokens, max_tokens=max_tokens, mode=mode,
-            worker_cpus=(os.cpu_count() or 1) / receivers if worker_cpus is None else (worker_cpus or None))
+            worker_cpus=(os.cpu_count() or 1) / receivers if worker_cpus is None else (worker_cpus or None),
+            auth=not no_auth)
     except pipelines.PipelinesBenchError as exc:
         raise click.UsageError(str(exc)) from None
     report = _run_and_report(pipelines.run, config, workdir, pipelines.format_report, json_path)

@@ -31,13 +31,12 @@ from benchmarks.cluster import EmulatedCluster
 from benchmarks.coldstart import client_argv, write_start_file
 from benchmarks.cpu import CpuSampler
 from benchmarks.demo_model import MODEL_NAME, demo_checkpoint, demo_gguf
-from benchmarks.processes import POLL_S, RunProcesses, cli, endpoint, stop_processes
+from benchmarks.processes import POLL_S, RunProcesses, cli, credentials_env, endpoint, stop_processes
 from packager.command import format_table
 from packager.manifest import read_manifest
 from packager.pack import pack
 from packager.verify import verify_package
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
-from pipecast.core.credentials import issue_node_token
 from pipecast.core.errors import PipecastError
 from pipecast.core.progress import Progress
 from pipecast.core.units import format_bytes
@@ -139,7 +138,7 @@ class _Demo(RunProcesses):
     def cp(self, name: str, *args: str) -> str:
         """Run ``pipecast cp ARGS`` on the control plane's host; its standard output."""
         proc = self.spawn(name, CONTROL, cli("cp", "--control-plane", self.endpoint(CONTROL, "control"), *args),
-                          env=self.token_env(), stdout=PIPE)
+                          env=credentials_env(self.master), stdout=PIPE)
         try:
             out, _ = proc.communicate(timeout=COMMAND_TIMEOUT_S)
         except TimeoutExpired:
@@ -149,10 +148,6 @@ class _Demo(RunProcesses):
             raise DemoError(f"pipecast cp {' '.join(args)} failed:\n{self.log_tail(name)}")
         return out.decode()
 
-    def token_env(self, node: str | None = None) -> dict[str, str]:
-        """The environment that gives the operator (``node`` None) or agent ``node`` its token."""
-        return {"PIPECAST_AUTH_TOKEN": issue_node_token(self.master, node) if node else self.master}
-
     # -- the steps ------------------------------------------------------------------------------------
 
     def start_services(self) -> None:
@@ -161,7 +156,7 @@ class _Demo(RunProcesses):
         host, port = control.rsplit(":", 1)
         self.spawn("control-plane", CONTROL, cli("control-plane", "--host", host, "--port", port,
                                                    "--db", str(self.logs / "control.sqlite3")),
-                   env=self.token_env())
+                   env=credentials_env(self.master))
         self.wait("control plane", lambda: "control plane listening" in self.log("control-plane"),
                   ["control-plane"], START_TIMEOUT_S)
         self.cp("publish", "publish", str(self.package), "--store-node", STORE, "--store-address",
@@ -169,13 +164,13 @@ class _Demo(RunProcesses):
         self.spawn(STORE, STORE, cli("agent", "--node-id", STORE, "--listen", self.endpoint(STORE, "agent"),
                                       "--seed", str(self.package), "--control-plane", control,
                                       "--events", str(self.logs / f"{STORE}.events.jsonl")),
-                   env=self.token_env(STORE))
+                   env=credentials_env(self.master, STORE))
         for w in WORKERS:
             serve = ["--serve-url", f"http://{self.endpoint(w, 'serve')}"] if w in (EWL, LTS) else []
             self.spawn(w, w, cli("agent", "--node-id", w, "--listen", self.endpoint(w, "agent"),
                                   "--control-plane", control, "--local-socket", str(self.sockets / f"{w}.sock"),
                                   "--events", str(self.logs / f"{w}.events.jsonl"), *serve),
-                       env=self.token_env(w))
+                       env=credentials_env(self.master, w))
         self.wait("agents", lambda: all(any(e["event"] == "listening" for e in self.events(h))
                                         for h in (STORE, *WORKERS)), [STORE, *WORKERS], START_TIMEOUT_S)
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -37,7 +37,7 @@ from benchmarks.certs import make_certs
 from benchmarks.cluster import EmulatedCluster, RequestedMode, store_egress_mbit
 from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage
 from benchmarks.plots import Series, save_line_chart
-from benchmarks.processes import RunProcesses, cli, free_port
+from benchmarks.processes import RunProcesses, cli, credentials_env, free_port
 from benchmarks.runinfo import parse_counts, versions
 from control_plane.planner.plan import STRATEGIES
 from control_plane.planner.schedules import GROUP_CHAIN_MAX, make_plan
@@ -461,8 +461,8 @@ class _Run(RunProcesses):
                             "PIPECAST_TLS_KEY": str(certs["server.key"]), "PIPECAST_TLS_CA": str(certs["ca.pem"])}
 
     def spawn_agent(self, host: str, address: str, plan: Path, *extra: str) -> None:
-        # The same master token for every agent of the run (empty: auth off, whatever this process has).
-        env = {"PIPECAST_AUTH_TOKEN": self.auth_token, **self.tls_env}
+        # The same master token for every agent of the run: a static plan's agents derive the key from it.
+        env = {**credentials_env(self.auth_token), **self.tls_env}
         if self.transport == "ucx":
             env["UCX_NET_DEVICES"] = self.cluster.interface(host)
         self.spawn(host, host, [*_agent_argv(host, address, plan, self.events_path(host), self.transport), *extra],

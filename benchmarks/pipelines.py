@@ -32,6 +32,7 @@ benchmarks.pipelines SPEC`` it is the driver, on its own host.
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -45,7 +46,8 @@ from benchmarks.cpu import CpuSampler
 from benchmarks.cpuquota import CpuQuotas, open_quotas
 from benchmarks.distribution import floor_seconds, worker_names
 from benchmarks.plots import Series, save_line_chart
-from benchmarks.processes import RunProcesses, cli, endpoint, publish_when_up
+from benchmarks.processes import (RunProcesses, cli, credentials_env, credentials_line, driver_token, endpoint,
+                                  publish_when_up)
 from benchmarks.runinfo import RunsReport, versions
 from packager.manifest import read_manifest
 from pipecast.core.errors import PipecastError
@@ -111,6 +113,9 @@ class PipelinesConfig:
     mode: RequestedMode = "auto"
     #: CPUs each serving worker may use (a CFS quota: each emulated node its own capacity); None: no quota.
     worker_cpus: float | None = None
+    #: Credentials as in a cluster that has them (a master token per run, node tokens for the agents that
+    #: register): every transfer starts with the data-plane hello, every stage call carries the serving key.
+    auth: bool = True
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,7 @@ def format_report(report: PipelinesReport) -> str:
              f"{m['receivers']} receivers, links {m['link_mbit']:g} Mbit/s ({m['mode']}), floor S/B "
              f"{m['floor_seconds']:.2f} s; one request of {m['prompt_tokens']} tokens at the scale-up; "
              f"{m['worker_cpus']}",
+             credentials_line(m.get("auth", True)),
              f"{'sources':>7} {'kind':<5} {'strategy':<16} {'plan':<8} {'TTFT s':>7} {'/ S/B':>6} {'stages':>6} "
              f"{'ms/token':>8} {'1st whole s':>11} {'all whole s':>11} {'end s':>6} {'after s':>7} {'CPU':>5}"]
     for r in report.results:
@@ -270,7 +276,7 @@ async def _drive(spec: DriverSpec) -> dict:
     manifest = read_manifest(Path(spec.package))
     package_id, blocks = manifest.package_id, len(manifest.blocks)
     deadline = time.monotonic() + START_TIMEOUT_S
-    async with ControlPlaneClient(spec.control_plane) as cp, aiohttp.ClientSession(
+    async with ControlPlaneClient(spec.control_plane, token=driver_token()) as cp, aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as http:
         await publish_when_up(cp, manifest, STORE, spec.store_address, deadline, POLL_S)
         events.emit("published", package=package_id)
@@ -396,25 +402,29 @@ def run_once(cluster: EmulatedCluster, folder: Path, config: PipelinesConfig, ma
                       str(run.events_path(DRIVER)), str(folder / "results.json"))
     (folder / "spec.json").write_text(json.dumps(asdict(spec)))
     floor = floor_seconds(sum(b.bytes for b in manifest.blocks), config.link_mbit, config.link_mbit)
+    master = secrets.token_hex(16) if config.auth else ""
+    operator = credentials_env(master)
     try:
         host, port = control.rsplit(":", 1)
         # warm: the K holders alone are the sources (the store sits out: K is the count measured)
         links = ["--store-links", str(k)] if kind == STORE_KIND else ["--no-store-beside-holders"]
         run.spawn(CONTROL, CONTROL, cli("control-plane", "--host", host, "--port", port, "--db",
-                                         folder / "control.sqlite3", *links))
-        run.spawn(DRIVER, DRIVER, [sys.executable, "-m", "benchmarks.pipelines", folder / "spec.json"])
+                                         folder / "control.sqlite3", *links), env=operator)
+        run.spawn(DRIVER, DRIVER, [sys.executable, "-m", "benchmarks.pipelines", folder / "spec.json"], env=operator)
         deadline = time.time() + START_TIMEOUT_S
         run.wait_event([DRIVER], "published", deadline, "publishing the package")
         agent = ("agent", "--transport", "tcp")
+        # The store has no control plane: it derives the cluster's keys from the master token.
         run.spawn(STORE, STORE, cli(*agent, "--node-id", STORE, "--listen", store, "--seed", config.package,
-                                     "--events", run.events_path(STORE)))
+                                     "--events", run.events_path(STORE)), env=operator)
         for h in holders:
             run.spawn(h, h, cli(*agent, "--node-id", h, "--listen", endpoint(cluster, h, "agent"), "--seed",
-                                config.package, "--control-plane", control, "--events", run.events_path(h)))
+                                config.package, "--control-plane", control, "--events", run.events_path(h)),
+                      env=credentials_env(master, h))
         for w in receivers:
             run.spawn(w, w, cli(*agent, "--node-id", w, "--listen", agents[w], "--local-socket", sockets / f"{w}.sock",
                                 "--control-plane", control, "--serve-url", f"http://{serving[w]}",
-                                "--events", run.events_path(w)))
+                                "--events", run.events_path(w)), env=credentials_env(master, w))
             host, port = serving[w].rsplit(":", 1)
             serve = run.spawn(f"{w}-serve", w, cli(
                 "serve", manifest.package_id, "--agent-socket", sockets / f"{w}.sock", "--host", host, "--port", port,
@@ -424,8 +434,9 @@ def run_once(cluster: EmulatedCluster, folder: Path, config: PipelinesConfig, ma
             quotas.limit(serve.pid)
         host, port = router.rsplit(":", 1)
         run.spawn(ROUTER, ROUTER, cli("router", "--host", host, "--port", port, "--control-plane", control,
-                                       "--discovery-interval", "0.2", "--health-interval", "0.2", "--health-timeout", 3, "--drain-timeout",
-                                       0, *(["--no-pipelines"] if strategy == WHOLE else [])))
+                                       "--discovery-interval", "0.2", "--health-interval", "0.2", "--health-timeout", 3,
+                                       "--drain-timeout", 0, *(["--no-pipelines"] if strategy == WHOLE else [])),
+                  env=operator)
         run.wait_event([DRIVER], "armed", deadline, "every process up")
         with CpuSampler() as cpu:
             run.wait_event([DRIVER], "done", time.time() + RUN_TIMEOUT_S + 30, "the request and the transfer")
@@ -468,7 +479,7 @@ def run(config: PipelinesConfig, workdir: Path, progress: Progress = NO_PROGRESS
         "max_tokens": config.max_tokens, "floor_seconds": floor_seconds(total, config.link_mbit, config.link_mbit),
         # no stage can run the layers of a block before it is in: the largest block bounds any pipeline
         "largest_block_share": max(b.bytes for b in manifest.blocks) / total,
-        "targets": TARGETS, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        "auth": config.auth, "targets": TARGETS, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     receivers = worker_names(config.receivers)
     sockets = Path(tempfile.mkdtemp(prefix="pcp-"))  # short: a unix socket path has at most 107 bytes
     quotas = open_quotas(config.worker_cpus)

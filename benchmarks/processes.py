@@ -20,6 +20,7 @@ from pathlib import Path
 from subprocess import DEVNULL, Popen, TimeoutExpired
 
 from benchmarks.cluster import EmulatedCluster
+from pipecast.core.credentials import issue_node_token
 
 POLL_S = 0.05
 LOG_TAIL_LINES = 20
@@ -29,6 +30,31 @@ STOP_GRACE_S = 5.0  # after SIGTERM, before SIGKILL
 def cli(*args: str | Path, verbose: bool = True) -> list[str]:
     """A ``pipecast`` command line; ``verbose`` logs at INFO (not for HTTP servers: a line per health poll)."""
     return [sys.executable, "-m", "pipecast.cli", *(["-v"] if verbose else []), *map(str, args)]
+
+
+#: The setting that gives a process the cluster's credentials (``auth_token``: the master or a node token).
+AUTH_TOKEN_ENV = "PIPECAST_AUTH_TOKEN"
+
+
+def credentials_env(master: str, node: str | None = None) -> dict[str, str]:
+    """The environment that gives a process the credentials of the cluster whose master token is ``master``:
+    agent ``node``, which registers with the control plane, its node token; ``node`` None the master itself
+    (the control plane, the operator's tools, a router, the scaler, and an agent without a control plane,
+    which derives the data-plane key from it). Empty ``master``: auth off (an empty token, whatever this
+    process has)."""
+    return {AUTH_TOKEN_ENV: issue_node_token(master, node) if master and node else master}
+
+
+def credentials_line(auth: bool) -> str:
+    """A benchmark headline's line on the run's credentials (:func:`credentials_env`)."""
+    return ("credentials: on, as in a cluster that has them (a master token per run, node tokens for registered "
+            "agents: the data-plane hello on every transfer, the serving key on every completion and stage call)"
+            if auth else "credentials: off (--no-auth)")
+
+
+def driver_token() -> str:
+    """The token a benchmark's driver process was given (:func:`credentials_env`; empty: auth off)."""
+    return os.environ.get(AUTH_TOKEN_ENV, "")
 
 
 FREE_PORT_FLOOR = 20000  # above the well-known and most services' ports

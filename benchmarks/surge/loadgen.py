@@ -34,6 +34,7 @@ from pathlib import Path
 
 import aiohttp
 
+from benchmarks.processes import driver_token
 from benchmarks.surge.report import RequestResult
 from benchmarks.surge.trace import ScheduledRequest, prompt_token_ids
 from control_plane.client import ControlPlaneClient
@@ -193,7 +194,7 @@ class Driver:
         """Arm, surge, replay; return the results object."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http, \
-                ControlPlaneClient(self.spec.control_plane) as cp:
+                ControlPlaneClient(self.spec.control_plane, token=driver_token()) as cp:
             deadline = time.monotonic() + self.spec.startup_timeout_s
             await self._publish(cp, deadline)
             if self.spec.deployment is not None:

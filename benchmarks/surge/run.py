@@ -24,6 +24,7 @@ shared machine hits them alike; the CPU is sampled during every run and a satura
 
 import json
 import os
+import secrets
 import shutil
 import statistics
 import sys
@@ -37,7 +38,7 @@ from benchmarks.cluster import EmulatedCluster, RequestedMode, store_egress_mbit
 from benchmarks.cpu import CpuSampler
 from benchmarks.cpuquota import CpuQuotas, open_quotas
 from benchmarks.distribution import floor_seconds, worker_names
-from benchmarks.processes import POLL_S, RunProcesses, cli, endpoint
+from benchmarks.processes import POLL_S, RunProcesses, cli, credentials_env, credentials_line, endpoint
 from benchmarks.runinfo import versions
 from benchmarks.surge.loadgen import DriverSpec, WorkerEndpoint
 from benchmarks.surge.report import (
@@ -119,6 +120,10 @@ class SurgeConfig:
     #: Host memory each cold worker's agent populates at start and receives blocks into (its
     #: ``--reserve``, :mod:`pipecast.agent.reserve`); None: none.
     agent_reserve_bytes: int | None = None
+    #: Credentials as in a cluster that has them: a fresh master token per run for the control plane, the
+    #: scaler, the router and the driver, a node token per registered agent, so every block transfer starts
+    #: with the data-plane hello and every completion and stage call carries the serving key. False: none.
+    auth: bool = True
 
     def __post_init__(self) -> None:
         if not self.schedule:
@@ -269,19 +274,23 @@ class _Layout:
 
 
 def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strategy: Strategy, config: SurgeConfig,
-                    package: PackageFacts, sockets: Path, deadline: float, quotas: CpuQuotas) -> None:
-    """Start the run's processes in order (see the module docstring); return once the driver is up."""
+                    package: PackageFacts, sockets: Path, deadline: float, quotas: CpuQuotas, master: str) -> None:
+    """Start the run's processes in order (see the module docstring), with the credentials of the cluster
+    whose master token is ``master`` (empty: none); return once the driver is up."""
+    operator = credentials_env(master)
     host, port = layout.control.rsplit(":", 1)
     run.spawn(CONTROL, CONTROL, cli("control-plane", "--host", host, "--port", port,
-                                     "--db", run.folder / "control.sqlite3", "--store-links", config.store_links))
-    run.spawn(LOAD, LOAD, [sys.executable, "-m", "benchmarks.surge.loadgen", run.folder / "spec.json"])
+                                     "--db", run.folder / "control.sqlite3", "--store-links", config.store_links),
+              env=operator)
+    run.spawn(LOAD, LOAD, [sys.executable, "-m", "benchmarks.surge.loadgen", run.folder / "spec.json"], env=operator)
     run.wait_event([LOAD], "published", deadline, "publishing the package")
     if strategy.scaled_by == "daemon":
         run.spawn(SCALER, CONTROL, cli("scaler", "run", "--control-plane", layout.control, "--tick",
-                                        config.scaler_tick_s, "--plan-strategy", strategy.plan_strategy))
+                                        config.scaler_tick_s, "--plan-strategy", strategy.plan_strategy), env=operator)
     agent = ("agent", "--transport", "tcp")
     run.spawn(STORE, STORE, cli(*agent, "--node-id", STORE, "--listen", layout.store, "--seed", package.path,
-                                 "--control-plane", layout.control, "--events", run.events_path(STORE)))
+                                 "--control-plane", layout.control, "--events", run.events_path(STORE)),
+              env=credentials_env(master, STORE))
     reserving = [w.name for w in spec.workers if not w.warm] if config.agent_reserve_bytes else []
     for worker in spec.workers:
         w = worker.name
@@ -290,9 +299,11 @@ def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strat
             role += ["--control-plane", layout.control]
         if w in reserving:
             role += ["--reserve", str(config.agent_reserve_bytes)]
+        # An agent without a control plane derives the cluster's keys from the master token.
         run.spawn(w, w, cli(*agent, "--node-id", w, "--listen", layout.agents[w], "--local-socket",
                              sockets / f"{w}.sock", "--events", run.events_path(w),
-                             "--serve-url", f"http://{layout.serving[w]}", *role))
+                             "--serve-url", f"http://{layout.serving[w]}", *role),
+                  env=credentials_env(master, w if w in spec.registered else None))
     run.wait_event([STORE, *(w.name for w in spec.workers)], "listening", deadline, "agents starting")
     # Agents on nodes start long before a surge: their memory reserves are full when it comes.
     run.wait_event(reserving, "reserve_filled", deadline, "agents filling their memory reserves")
@@ -313,7 +324,7 @@ def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strat
     run.spawn(ROUTER, ROUTER, cli(
         "router", "--host", host, "--port", port, *(a for e in spec.workers for a in ("--worker", e.url)),
         "--max-queue", config.router_max_queue, "--queue-timeout", config.queue_timeout_s, "--drain-timeout", 0,
-        *pipelines, verbose=False))
+        *pipelines, verbose=False), env=operator)
 
 
 def _deployment(strategy: Strategy, config: SurgeConfig, package: PackageFacts, layout: "_Layout",
@@ -355,7 +366,8 @@ def run_once(cluster: EmulatedCluster, folder: Path, package: PackageFacts, stra
     quotas = open_quotas(config.worker_cpus)
     try:
         deadline = time.time() + START_TIMEOUT_S
-        _start_services(run, layout, spec, strategy, config, package, sockets, deadline, quotas)
+        master = secrets.token_hex(16) if config.auth else ""
+        _start_services(run, layout, spec, strategy, config, package, sockets, deadline, quotas, master)
         run.wait_event([LOAD], "surge", deadline, f"{label} arming (every worker up, cold ones waiting)")
         progress(f"{label} surge: {len(config.schedule)} requests to {len(warm)} warm + {len(workers) - len(warm)} "
                  f"cold workers")
@@ -443,6 +455,7 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
         f"{config.caps.prompt_tokens} tokens, outputs <= {config.caps.output_tokens} tokens",
         f"floor S/B = {floor:.2f} s (no cold worker answers sooner); unicast from the store to every cold worker "
         f"takes about N_cold*S/B_store",
+        credentials_line(config.auth),
         f"compute: {quota}; memory: "
         + (f"each cold worker's agent populates a {format_bytes(config.agent_reserve_bytes)} reserve at start "
            "(--agent-reserve)" if config.agent_reserve_bytes else "no agent memory reserve (--agent-reserve 0)"),
@@ -470,7 +483,7 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
         "model_copy_seconds": one_copy,
         "prefill_seconds": prefill_s, "worker_prefill_seconds": worker_prefill_s, "transfer_to_prefill_ratio": ratio,
         "worker_threads": WORKER_THREADS, "worker_cpus": config.worker_cpus, "worker_cpu_quota": quota,
-        "agent_reserve_bytes": config.agent_reserve_bytes or 0,
+        "agent_reserve_bytes": config.agent_reserve_bytes or 0, "auth": config.auth,
         "worker_max_batch": config.worker_max_batch, "worker_max_queue": config.worker_max_queue,
         "router_max_queue": config.router_max_queue, "queue_timeout_seconds": config.queue_timeout_s,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "headline": headline,

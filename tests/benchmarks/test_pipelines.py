@@ -22,6 +22,7 @@ from benchmarks.pipelines import (
     stages_of,
     verdicts,
 )
+from tests.support.agent_processes import assert_auth_was_on
 from tests.support.packages import tiny_package
 
 
@@ -90,3 +91,6 @@ def test_a_pipeline_of_two_receivers_answers_first_with_the_whole_models_tokens(
     assert piped["ttft_seconds"] < piped["first_complete_seconds"]
     assert whole["ttft_seconds"] >= 0.9 * whole["first_complete_seconds"]
     assert "verdict: tokens identical to whole-model generation: 1 of 1 runs" in run.output
+    # ... with credentials, by default: stage calls carried the serving key (a worker refuses them without)
+    assert data["meta"]["auth"] is True and "credentials: on" in run.output
+    assert_auth_was_on(tmp_path / "work")

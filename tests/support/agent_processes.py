@@ -108,3 +108,12 @@ def assert_identical_copy(agents: Agents, rx: str, root: Path, manifest: Manifes
     cached = agents.tmp / f"cache-{rx}" / manifest.package_id
     for block in manifest.blocks:
         assert (cached / block.file).read_bytes() == (root / block.file).read_bytes(), f"{rx} block {block.index}"
+
+
+def assert_auth_was_on(workdir: Path) -> None:
+    """Every control plane a benchmark run started under ``workdir`` had the cluster's master token: none of
+    their logs (``cp.log``) warns that authentication is off."""
+    logs = list(workdir.rglob("cp.log"))
+    assert logs, f"no control-plane log under {workdir}"
+    off = [str(log.relative_to(workdir)) for log in logs if "authentication is OFF" in log.read_text()]
+    assert not off, f"control planes without credentials: {off}"

@@ -27,6 +27,7 @@ from benchmarks.surge.run import SurgeBenchError
 from benchmarks.surge.trace import ScheduledRequest
 from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER
 from tests.support.agent_fixtures import corrupt_copy
+from tests.support.agent_processes import assert_auth_was_on
 from tests.support.packages import tiny_package
 
 STRATEGIES = ("unicast", "warm-pool:1", "pipecast-oracle", "pipecast")
@@ -148,6 +149,9 @@ def test_short_surge_writes_complete_outputs_and_answers_every_request(package, 
     assert data["meta"]["transfer_to_prefill_ratio"] is None  # --no-calibrate
     # By default each cold worker's agent populated a reserve of the package's size before the surge.
     assert data["meta"]["agent_reserve_bytes"] == data["meta"]["package_bytes"]
+    # ... and every process had the cluster's credentials: the router presented the serving key to the workers
+    assert data["meta"]["auth"] is True and "credentials: on" in result.stdout
+    assert_auth_was_on(tmp_path / "work")
     assert list(data["strategies"]) == list(STRATEGIES)
     for name, entry in data["strategies"].items():
         assert FIELDS <= entry.keys(), name
