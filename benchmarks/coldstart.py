@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -41,7 +42,7 @@ from subprocess import TimeoutExpired
 
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler, CpuUsage
-from benchmarks.processes import POLL_S, RunProcesses, cli, free_port
+from benchmarks.processes import POLL_S, RunProcesses, cli, credentials_env, credentials_line, free_port
 from benchmarks.runinfo import parse_counts, versions
 from control_plane.planner.schedules import make_plan
 from packager.manifest import read_manifest
@@ -104,6 +105,10 @@ class ColdStartConfig:
     max_tokens: int = 16
     mode: RequestedMode = "auto"
     threads: int = 1  # torch threads of the worker and of the compute measurement
+    #: The cluster's credentials, as a deployment has them: a master token per run for both agents (a static
+    #: plan: they derive the data-plane key from it), and the client presents the serving key the worker's
+    #: agent gives, as a router would. False: none.
+    auth: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens or any(n < 1 for n in self.prompt_tokens):
@@ -255,6 +260,7 @@ def format_report(report: ColdStartReport) -> str:
              f"({format_bytes(meta['package_bytes'])} in {meta['blocks']} blocks) over {meta['link_mbit']:g} Mbit/s: "
              f"S/B = {meta['transfer_floor_seconds']:.2f} s",
              f"{meta['cluster']}",
+             credentials_line(meta.get("auth", True)),
              f"medians of {meta['repeat']} run(s); TTFT from t0 (the transfer's first byte, request sent then) to "
              f"the first streamed token of a {meta['max_tokens']}-token greedy completion on {meta['threads']} "
              "torch thread(s); floor = S/B + the compute left after the transfer (last block / all blocks, measured "
@@ -369,12 +375,17 @@ async def _wait_serve_started(http, url: str, timeout_s: float) -> float:
     raise ColdStartBenchError(f"the worker at {url} did not start within {timeout_s:g} s")
 
 
-async def _wait_start_file(path: Path, deadline: float) -> float:
-    """t0 once the benchmark has written it to ``path``."""
+async def _wait_path(path: Path, deadline: float, what: str) -> None:
+    """Until ``path`` exists; ColdStartBenchError naming ``what`` after ``deadline`` (``time.time``)."""
     while not path.exists():
         if time.time() > deadline:
-            raise ColdStartBenchError(f"no t0 in {path} in time: the benchmark did not start the transfer")
+            raise ColdStartBenchError(f"no {what} at {path} in time")
         await asyncio.sleep(POLL_S)
+
+
+async def _wait_start_file(path: Path, deadline: float) -> float:
+    """t0 once the benchmark has written it to ``path``."""
+    await _wait_path(path, deadline, "t0 (the benchmark did not start the transfer)")
     return float(path.read_text())
 
 
@@ -395,16 +406,16 @@ async def _client(url: str, model: str, ready_file: Path, start_file: Path, prom
     from pipecast.agent.local_client import LocalAgentClient
     from pipecast.core.credentials import serving_headers
 
-    headers = {}
-    if agent_socket is not None:
-        with LocalAgentClient(agent_socket) as agent:
-            headers = serving_headers(await asyncio.to_thread(agent.serving_key, ready_timeout_s))
-
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         started = await _wait_serve_started(http, url, ready_timeout_s)
         ready_file.write_text(f"{started:.6f}")
         start_at = await _wait_start_file(start_file, time.time() + SEED_START_TIMEOUT_S)
+        headers = {}
+        if agent_socket is not None:  # the agent may start after the worker, listening by t0 at the latest
+            await _wait_path(agent_socket, start_at + SEED_START_TIMEOUT_S, "the worker's agent socket")
+            with LocalAgentClient(agent_socket) as agent:
+                headers = serving_headers(await asyncio.to_thread(agent.serving_key, ready_timeout_s))
         await asyncio.sleep(max(start_at - time.time(), 0.0))
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "return_token_ids": True}
@@ -492,6 +503,7 @@ class _Bench:
     package_bytes: int
     num_blocks: int
     store_address: str
+    master: str  # the run's master token ("": auth off)
     runs: int = 0
 
     def address(self, host: str, port: int) -> str:
@@ -509,13 +521,15 @@ class _Bench:
 
 
 
-def start_seed(cluster: EmulatedCluster, package: Path, folder: Path) -> tuple[RunProcesses, str]:
-    """The store's agent seeding ``package``; returns it once it listens, with its address."""
+def start_seed(cluster: EmulatedCluster, package: Path, folder: Path,
+               env: dict[str, str] | None = None) -> tuple[RunProcesses, str]:
+    """The store's agent seeding ``package`` (``env`` on top of this process's: its credentials); returns it
+    once it listens, with its address."""
     port = AGENT_PORT if cluster.mode == "netns" else free_port(cluster.address(STORE))
     address = f"{cluster.address(STORE)}:{port}"
     seed = RunProcesses(cluster, folder, ColdStartBenchError)
     seed.spawn(STORE, STORE, cli("agent", "--node-id", STORE, "--listen", address, "--seed", package,
-                                 "--events", seed.events_path(STORE)))
+                                 "--events", seed.events_path(STORE)), env=env)
     try:
         seed.wait_event([STORE], "listening", time.time() + SEED_START_TIMEOUT_S, "the store's agent starting")
     except ColdStartBenchError:
@@ -559,13 +573,13 @@ def run_once(bench: _Bench, strategy: str, prompt: list[int]) -> RunResult:
     run.spawn("serve", WORKER, serve + (["--wait-full-load"] if strategy == LOAD_THEN_SERVE else []), env=threads)
     client = run.spawn("client", WORKER, client_argv(url, bench.package_id, ready, start, folder / "prompt.json",
                                                      c.max_tokens, RUN_DEADLINE_FACTOR * floor + RUN_DEADLINE_SLACK_S,
-                                                     answer_path))
+                                                     answer_path, agent_socket=socket))
     try:
         _wait_file(ready, run, time.monotonic() + SERVE_START_TIMEOUT_S, "the worker did not start", "serve")
         start_at = time.time() + AGENT_START_DELAY_S
         run.spawn("agent", WORKER, cli("agent", "--node-id", WORKER, "--plan", folder / "plan.json",
                                        "--events", run.events_path("agent"), "--local-socket", socket,
-                                       "--start-at", f"{start_at:.6f}"))
+                                       "--start-at", f"{start_at:.6f}"), env=credentials_env(bench.master))
         write_start_file(start, start_at)
         with CpuSampler() as cpu:
             try:
@@ -610,10 +624,11 @@ def run(config: ColdStartConfig, workdir: Path, progress: Progress = NO_PROGRESS
     with EmulatedCluster([STORE, WORKER], config.link_mbit, mode=config.mode) as cluster, \
             tempfile.TemporaryDirectory(prefix="pc-sock-") as sockets:
         progress(cluster.describe())
-        seed, store_address = start_seed(cluster, config.package, workdir)
+        master = secrets.token_hex(16) if config.auth else ""
+        seed, store_address = start_seed(cluster, config.package, workdir, credentials_env(master))
         try:
             bench = _Bench(cluster, config, workdir, Path(sockets), manifest.package_id, manifest.total_bytes,
-                           len(manifest.blocks), store_address)
+                           len(manifest.blocks), store_address, master)
             progress.start(config.repeat * len(config.prompt_tokens) * len(STRATEGIES), "cold starts", unit="run")
             for attempt in range(1, config.repeat + 1):
                 for n in config.prompt_tokens:
@@ -636,6 +651,7 @@ def run(config: ColdStartConfig, workdir: Path, progress: Progress = NO_PROGRESS
             "transfer_floor_seconds": transfer_floor_seconds(manifest.total_bytes, config.link_mbit),
             "repeat": config.repeat, "max_tokens": config.max_tokens, "prompt_tokens": list(config.prompt_tokens),
             "strategies": list(STRATEGIES), "target_factor": TARGET_FACTOR, "threads": config.threads,
+            "auth": config.auth,
             "compute": {n: vars(p) for n, p in compute.items()},
             "started_at": started_at,
         }

@@ -342,8 +342,9 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
 @DEMO_CACHE
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep every run's logs, events and answers here (default: a temp dir, removed).")
+@CREDENTIALS
 def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoint, vllm_venv, repeat, max_tokens,
-                    mode, threads, json_path, cache, workdir):
+                    mode, threads, json_path, cache, workdir, no_auth):
     """Time to first token of cold workers, beside the floor and the baseline (see --engine)."""
     from benchmarks import coldstart
 
@@ -356,13 +357,17 @@ def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoi
             counts = coldstart_vllm.parse_workers(workers)
             if len(lengths) > 1:
                 raise coldstart.ColdStartBenchError("--engine vllm takes one prompt length")
+            if no_auth:
+                raise coldstart.ColdStartBenchError("--no-auth: --engine vllm runs without credentials already "
+                                                    "(vLLM's workers take no serving key)")
     except coldstart.ColdStartBenchError as exc:
         raise click.BadParameter(str(exc)) from None
     if package is None:
         package = _demo(cache)
     if not vllm:
         config = coldstart.ColdStartConfig(package=package, prompt_tokens=lengths, link_mbit=link_mbit or 400.0,
-                                           repeat=repeat or 3, max_tokens=max_tokens, mode=mode, threads=threads)
+                                           repeat=repeat or 3, max_tokens=max_tokens, mode=mode, threads=threads,
+                                           auth=not no_auth)
         _run_and_report(coldstart.run, config, workdir, coldstart.format_report, json_path)
         return
     if checkpoint is None:

@@ -25,6 +25,7 @@ from benchmarks.coldstart import (
 )
 from benchmarks.cpu import CpuUsage
 from tests.support import REPO
+from tests.support.agent_processes import assert_auth_was_on
 
 RESULT_FIELDS = {"strategy", "prompt_tokens", "ttft_seconds", "floor_seconds", "transfer_seconds", "tokens",
                  "ratio_to_floor", "exposed_seconds", "compute_all_seconds", "compute_last_block_seconds",
@@ -101,6 +102,9 @@ def test_a_short_run_on_a_tiny_model_writes_every_field_and_both_strategies_agre
         assert math.isclose(r["floor_seconds"], meta["transfer_floor_seconds"] + (
             r["compute_last_block_seconds"] if r["strategy"] == EXECUTE_WHILE_LOAD else r["compute_all_seconds"]))
     assert "identical tokens: yes" in format_report(report)
+    # with credentials, by default: the client presented the serving key the worker's agent gave it
+    assert meta["auth"] is True and "credentials: on" in format_report(report)
+    assert_auth_was_on(tmp_path / "work")
 
 
 @pytest.mark.slow

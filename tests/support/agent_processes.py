@@ -111,9 +111,10 @@ def assert_identical_copy(agents: Agents, rx: str, root: Path, manifest: Manifes
 
 
 def assert_auth_was_on(workdir: Path) -> None:
-    """Every control plane a benchmark run started under ``workdir`` had the cluster's master token: none of
-    their logs (``cp.log``) warns that authentication is off."""
-    logs = list(workdir.rglob("cp.log"))
-    assert logs, f"no control-plane log under {workdir}"
-    off = [str(log.relative_to(workdir)) for log in logs if "authentication is OFF" in log.read_text()]
-    assert not off, f"control planes without credentials: {off}"
+    """Every process a benchmark run started under ``workdir`` had the cluster's credentials: none of their
+    logs warns that authentication is off (a control plane without a master token, an agent whose data plane
+    is open)."""
+    logs = list(workdir.rglob("*.log"))
+    assert logs, f"no process log under {workdir}"
+    off = [str(log.relative_to(workdir)) for log in logs if "authentication is off" in log.read_text().lower()]
+    assert not off, f"processes without credentials: {off}"
