@@ -383,6 +383,17 @@ async def _wait_path(path: Path, deadline: float, what: str) -> None:
         await asyncio.sleep(POLL_S)
 
 
+async def _serving_headers(agent_socket: Path, timeout_s: float) -> dict[str, str]:
+    """The headers presenting the serving key the agent at ``agent_socket`` gives, its socket waited for."""
+    from pipecast.agent.local_client import LocalAgentClient
+    from pipecast.core.credentials import serving_headers
+
+    deadline = time.time() + timeout_s
+    await _wait_path(agent_socket, deadline, "socket of the worker's agent")
+    with LocalAgentClient(agent_socket) as agent:
+        return serving_headers(await asyncio.to_thread(agent.serving_key, max(deadline - time.time(), 1.0)))
+
+
 async def _wait_start_file(path: Path, deadline: float) -> float:
     """t0 once the benchmark has written it to ``path``."""
     await _wait_path(path, deadline, "t0 (the benchmark did not start the transfer)")
@@ -403,19 +414,16 @@ async def _client(url: str, model: str, ready_file: Path, start_file: Path, prom
     router's would."""
     import aiohttp
 
-    from pipecast.agent.local_client import LocalAgentClient
-    from pipecast.core.credentials import serving_headers
-
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s)
+    # Asked for beside the waits below: the agent may start after the worker (bench coldstart starts it
+    # once the worker is up, listening by t0), or run already (the demo).
+    key = asyncio.create_task(_serving_headers(agent_socket, ready_timeout_s + SEED_START_TIMEOUT_S)) \
+        if agent_socket is not None else None
     async with aiohttp.ClientSession(timeout=timeout) as http:
         started = await _wait_serve_started(http, url, ready_timeout_s)
         ready_file.write_text(f"{started:.6f}")
         start_at = await _wait_start_file(start_file, time.time() + SEED_START_TIMEOUT_S)
-        headers = {}
-        if agent_socket is not None:  # the agent may start after the worker, listening by t0 at the latest
-            await _wait_path(agent_socket, start_at + SEED_START_TIMEOUT_S, "the worker's agent socket")
-            with LocalAgentClient(agent_socket) as agent:
-                headers = serving_headers(await asyncio.to_thread(agent.serving_key, ready_timeout_s))
+        headers = await key if key is not None else {}
         await asyncio.sleep(max(start_at - time.time(), 0.0))
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "return_token_ids": True}
