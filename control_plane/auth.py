@@ -9,6 +9,8 @@ send a token still work; it tells nothing but SERVING / NOT_SERVING. What each p
 decided by the handlers (:mod:`control_plane.service`).
 """
 
+import asyncio
+import contextlib
 import contextvars
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 AUTH_KEY = "authorization"
 BEARER = "Bearer "
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+DENIED_READ_S = 5.0  # how long a refused streaming call may take to send its first message
 DENIED = ("missing or wrong token: send metadata 'authorization: Bearer <token>' with the control plane's "
           "token or a node token it issued")
 
@@ -74,6 +77,13 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def _denied(request: object, context: grpc.aio.ServicerContext) -> None:
+    if hasattr(request, "__anext__"):
+        # A streaming client writes before it reads: refused at once, its write can race the refusal and
+        # fail with gRPC's local "Internal error from Core" instead of this status (seen in CI). So take its
+        # first message (or its end), waiting DENIED_READ_S at most, then refuse.
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(DENIED_READ_S):
+                await anext(request, None)  # type: ignore[call-overload]
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
 
 
