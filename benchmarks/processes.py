@@ -47,9 +47,9 @@ def credentials_env(master: str, node: str | None = None) -> dict[str, str]:
 
 def credentials_line(auth: bool) -> str:
     """A benchmark headline's line on the run's credentials (:func:`credentials_env`)."""
-    return ("credentials: on, as in a cluster that has them (a master token per run, node tokens for registered "
-            "agents: the data-plane hello on every transfer, the serving key on every completion and stage call)"
-            if auth else "credentials: off (--no-auth)")
+    return ("credentials: on, as in a cluster that has them (a master token per run, a node token for each agent "
+            "that registers: the data-plane hello on every transfer, the serving key on every completion and stage "
+            "call)" if auth else "credentials: off (--no-auth)")
 
 
 def driver_token() -> str:
