@@ -141,7 +141,10 @@ class Engine:
 
     def progress(self) -> LoadProgress:
         """Blocks bound so far out of the package's."""
-        return LoadProgress(self.loader.blocks_bound, self.provider.num_blocks, self.model.fully_loaded)
+        loaded = self.model.fully_loaded
+        # The loader stamps a block just after its last tensor is bound: a loaded model has them all.
+        bound = self.provider.num_blocks if loaded else self.loader.blocks_bound
+        return LoadProgress(bound, self.provider.num_blocks, loaded)
 
     def wait_loaded(self, timeout: float | None = None) -> None:
         """Block until every block is bound; raise ModelLoadError if loading failed, TimeoutError."""

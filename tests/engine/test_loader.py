@@ -42,7 +42,8 @@ def test_a_block_that_arrives_early_is_bound_while_the_lowest_missing_one_is_awa
         wait_until(lambda: loader.blocks_bound == 3)
         assert model.is_ready(HEAD) and model.is_ready(0) and not model.is_ready(1)
         provider.release(1)
-        wait_until(lambda: model.fully_loaded)
+        wait_until(lambda: loader.blocks_bound == 4)  # the stamp follows the model's last bind
+        assert model.fully_loaded
         bound = loader.block_bound_at
         assert bound[2] < bound[0] < bound[1] and bound[3] < bound[1]
     finally:
