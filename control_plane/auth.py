@@ -28,6 +28,7 @@ AUTH_KEY = "authorization"
 BEARER = "Bearer "
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 DENIED_READ_S = 5.0  # how long a refused streaming call may take to send its first message
+DENIED_HELD_MAX = 64  # refused streams waiting for that at once; beyond, refused at once (a flood holds no more)
 DENIED = ("missing or wrong token: send metadata 'authorization: Bearer <token>' with the control plane's "
           "token or a node token it issued")
 
@@ -53,6 +54,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         if not master:
             raise ValueError("TokenAuthInterceptor needs a non-empty master token")
         self._master = master
+        self._held = 0  # refused streams being held for their first message
 
     def _principal(self, metadata: object) -> Principal | None:
         for key, value in metadata or ():  # type: ignore[attr-defined]
@@ -72,19 +74,22 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         principal = self._principal(handler_call_details.invocation_metadata)
         if principal is None:
             log.warning("refused unauthenticated call method=%s", method)
-            return rebuilt(handler, _denied, _denied)  # a coroutine may answer a stream
+            return rebuilt(handler, self._denied, self._denied)  # a coroutine may answer a stream
         return rebuilt(handler, *_as_principal(principal, handler))
 
-
-async def _denied(request: object, context: grpc.aio.ServicerContext) -> None:
-    if hasattr(request, "__anext__"):
-        # A streaming client writes before it reads: refused at once, its write can race the refusal and
-        # fail with gRPC's local "Internal error from Core" instead of this status (seen in CI). So take its
-        # first message (or its end), waiting DENIED_READ_S at most, then refuse.
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(DENIED_READ_S):
-                await anext(request, None)  # type: ignore[call-overload]
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+    async def _denied(self, request: object, context: grpc.aio.ServicerContext) -> None:
+        if hasattr(request, "__anext__") and self._held < DENIED_HELD_MAX:
+            # A streaming client writes before it reads: refused at once, its write can race the refusal and
+            # fail with gRPC's local "Internal error from Core" instead of this status (seen in CI). So take
+            # its first message (or its end), waiting DENIED_READ_S at most, then refuse.
+            self._held += 1
+            try:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(DENIED_READ_S):
+                        await anext(request, None)  # type: ignore[call-overload]
+            finally:
+                self._held -= 1
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
 
 
 def _behavior(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:

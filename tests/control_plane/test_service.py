@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from control_plane import auth
 from control_plane.client import ControlPlaneClient
 from control_plane.command import cp_group
 from control_plane.deployments import Deployment, ScalingPolicy
@@ -34,6 +35,8 @@ from control_plane.worker_session import WorkerSession
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.manifest import MANIFEST_FORMAT_VERSION, manifest_to_json, seal_manifest
 from pipecast.core.credentials import verify_node_token
+from pipecast.v1.control_pb2 import ReportBlocksRequest
+from pipecast.v1.control_pb2_grpc import ControlPlaneStub
 from pipecast.v1.manifest_pb2 import Block, Manifest
 from tests.support.agent_processes import free_ports
 
@@ -181,6 +184,29 @@ async def test_a_refused_stream_says_unauthenticated_even_when_its_write_races_t
         for _ in range(500):
             with pytest.raises(Unauthenticated):
                 await intruder.open_report_stream().report("w0", {PKG: [0]})
+
+
+async def test_refused_streams_held_for_their_first_message_are_bounded(server, monkeypatch):
+    """Silent unauthenticated streams are held DENIED_READ_S at most, and only DENIED_HELD_MAX at once: the
+    next one is refused at once, so a flood of them ties up nothing more."""
+    monkeypatch.setattr(auth, "DENIED_HELD_MAX", 1)
+    never = asyncio.Event()
+
+    async def silent() -> AsyncIterator[ReportBlocksRequest]:
+        await never.wait()
+        yield ReportBlocksRequest()
+
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = ControlPlaneStub(channel)
+        held = stub.StreamReports(silent(), timeout=WAIT_S + auth.DENIED_READ_S)
+        held_code = asyncio.ensure_future(held.code())
+        await asyncio.sleep(0.5)  # the first is being held
+        started = time.monotonic()
+        second = stub.StreamReports(silent(), timeout=WAIT_S)
+        assert await second.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert time.monotonic() - started < auth.DENIED_READ_S / 2
+        assert not held_code.done()
+        assert await held_code == grpc.StatusCode.UNAUTHENTICATED  # refused when its DENIED_READ_S is out
 
 
 async def test_health_answers_without_a_token(server):
