@@ -7,8 +7,8 @@ How it decides, in this order:
    signals never scale to zero. With some routers silent it may add replicas but releases none.
 2. **Demand** (leading signals first): replicas needed for the requests present now (router queue + in
    flight, at ``replica_concurrency`` each) and for the arrival rate over the last ``SHORT_WINDOW_S``
-   (at the per-replica throughput, measured over the last ``SHORT_WINDOW_S`` in which requests queued, even
-   before a quiet spell, else the policy's ``replica_rps``); with a cold start (how long a new replica takes to serve: the policy's ``cold_start_s``,
+   (at the per-replica throughput, measured over the last ``SHORT_WINDOW_S`` in which requests queued at
+   replicas all holding the model, even before a quiet spell, else the policy's ``replica_rps``); with a cold start (how long a new replica takes to serve: the policy's ``cold_start_s``,
    or with ``cold_start_measured`` the daemon's measure once it has one, :mod:`pipecast.scaler.coldstart`),
    the replicas that also
    drain, within the SLO once they serve, what arrives meanwhile beyond the ready replicas' throughput
@@ -113,10 +113,11 @@ def arrival_rate(history: Sequence[Signals]) -> float:
 
 
 def replica_throughput(history: Sequence[Signals], policy: ScalingPolicy) -> float:
-    """Requests/s one replica serves: measured while requests queued (replicas were busy), over the
-    ``SHORT_WINDOW_S`` up to the last time they did in ``history`` (so a surge after a quiet spell is sized
-    at what the replicas did in the one before), else the policy's ``replica_rps``."""
-    queued = [s for s in history if s.queue_depth > 0 and s.serving > 0]
+    """Requests/s one replica holding the model serves: measured while requests queued (replicas were busy)
+    and every replica served whole (a partial one answers at the pace its blocks arrive, not its own), over
+    the ``SHORT_WINDOW_S`` up to the last time they did in ``history`` (so a surge after a quiet spell is
+    sized at what the replicas did in the one before), else the policy's ``replica_rps``."""
+    queued = [s for s in history if s.queue_depth > 0 and s.serving > 0 and s.ready == s.serving]
     busy = [s for s in queued if s.at >= queued[-1].at - SHORT_WINDOW_S] if queued else []
     if len(busy) < 2 or busy[-1].at - busy[0].at <= 0:
         return policy.replica_rps

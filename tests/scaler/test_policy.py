@@ -273,15 +273,22 @@ def test_a_measured_cold_start_sizes_the_scale_up_only_where_the_policy_asks_for
 
 
 def test_a_surge_after_a_quiet_spell_is_sized_at_the_throughput_measured_in_the_last_one():
-    # Two replicas answered 6 req/s between them while requests queued (3 each, the policy says 1); then 60 s
+    # Two replicas answered 6 req/s between them while requests queued (3 each, the policy says 1); then
     # quiet, scaled to zero; now 6 req/s arrive again with nothing queued yet: 2 replicas at the 3 measured,
     # not 6 at the policy's 1.
-    busy = [Signals(at=1000.0 + t, routers_total=1, routers_answered=1, queue_depth=10, in_flight=8, arrived=6 * t,
-                    answered=6 * t, serving=2, ready=2) for t in range(6)]
-    quiet = [Signals(at=1006.0 + t, routers_total=1, routers_answered=1, arrived=30, answered=30) for t in range(60)]
-    surge = [Signals(at=1066.0 + t, routers_total=1, routers_answered=1, arrived=30 + 6 * t, answered=30)
-             for t in range(1, 3)]
-    pool = Pool(now=1068.0, replicas=(), free=8)
-    decision = decide(busy + quiet + surge, pool, POLICY)
+    def signals(t: float, **values) -> Signals:
+        return Signals(at=1000.0 + t, routers_total=1, routers_answered=1, **values)
+
+    busy = [signals(t, queue_depth=10, in_flight=8, arrived=6 * t, answered=6 * t, serving=2, ready=2)
+            for t in range(6)]
+    # Then replicas still loading, queued: they answer at the pace their blocks arrive (0.5 req/s each),
+    # not their own, so that is no measure of what a replica serves.
+    partial = [signals(t, queue_depth=10, in_flight=8, arrived=30 + 6 * (t - 6), answered=30 + (t - 6),
+                       serving=2, ready=1) for t in range(6, 12)]
+    quiet = [signals(t, arrived=66, answered=66) for t in range(12, 66)]
+    surge = [signals(t, arrived=66 + 6 * (t - 65), answered=66) for t in range(66, 68)]
+    pool = Pool(now=1067.0, replicas=(), free=8)
+    decision = decide(busy + partial + quiet + surge, pool, POLICY)
     assert decision.inputs["replica_rps"] == 3.0 and decision.add == 2
-    assert decide(quiet + surge, pool, POLICY).add == 6  # never measured busy: the policy's 1 req/s
+    assert decide(partial + quiet + surge, pool, POLICY).inputs["replica_rps"] == POLICY.replica_rps
+    assert decide(quiet + surge, pool, POLICY).add == 6  # never measured: the policy's 1 req/s
