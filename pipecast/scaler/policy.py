@@ -8,12 +8,13 @@ How it decides, in this order:
 2. **Demand** (leading signals first): replicas needed for the requests present now (router queue + in
    flight, at ``replica_concurrency`` each) and for the arrival rate over the last ``SHORT_WINDOW_S``
    (at the per-replica throughput, measured over the last ``SHORT_WINDOW_S`` in which requests queued at
-   replicas all holding the model, even before a quiet spell, else the policy's ``replica_rps``); with a cold start (how long a new replica takes to serve: the policy's ``cold_start_s``,
-   or with ``cold_start_measured`` the daemon's measure once it has one, :mod:`pipecast.scaler.coldstart`),
-   the replicas that also
-   drain, within the SLO once they serve, what arrives meanwhile beyond the ready replicas' throughput
-   (:func:`cold_start_demand`: with multicast, several replicas load in about the time of one); then the
-   lagging one: a p99 TTFT over the SLO with requests still queued and no replica on its way adds one more. ``desired`` = demand + the warm pool, within ``min..max``: the policy's
+   replicas all holding the model, even before a quiet spell, else the policy's ``replica_rps``); with a
+   cold start (how long a new replica takes to serve: the policy's ``cold_start_s``, or with
+   ``cold_start_measured`` the daemon's measure once it has one, :mod:`pipecast.scaler.coldstart`), the
+   replicas that also drain, within the SLO once they serve, what arrives meanwhile beyond the ready
+   replicas' throughput (:func:`cold_start_demand`: with multicast, several replicas load in about the time
+   of one); then the lagging one: a p99 TTFT over the SLO with requests still queued and no replica on its
+   way adds one more. ``desired`` = demand + the warm pool, within ``min..max``: the policy's
    ``warm``, or with ``warm_auto_factor`` the replicas that absorb that many times the *baseline* demand
    (:func:`baseline_demand`, the median over the history) beyond what the demand needs now.
 3. **Scale up** by the whole gap at once (not one at a time), at most the free workers. Within
