@@ -84,6 +84,11 @@ LOADING = ("loading", "partial")
 #: A loading worker whose blocks have not grown for this long (s) is not waited for when a backlog is shared
 #: out: a loader that hangs must not hold its package's ready workers at one batch and their share for good.
 LOADING_STALL_S = 30.0
+#: A loading worker whose health polls fail counts for this long (s) after its last answer when a backlog is
+#: shared out: a loader short of CPU, binding blocks, misses polls (measured in the surge bench: a quarter-core
+#: worker answered no poll within 1 s for 1-2 s at a time). Dropping it at once gave the first ready worker the
+#: whole backlog, prefilled one request after another while the others came to serve a second later.
+UNANSWERED_GRACE_S = 3.0
 
 
 @dataclass
@@ -113,6 +118,10 @@ class Worker:
     #: so a loader that hangs is not taken for a new one each time its health answers again.
     progress: tuple[str | None, int] | None = None
     progressed_at: float | None = None
+    #: The last health answer and the clock time it came, kept when a later poll fails (see
+    #: UNANSWERED_GRACE_S).
+    answered: WorkerHealth | None = None
+    answered_at: float = -math.inf
 
     @property
     def endpoint(self) -> str:
@@ -316,7 +325,8 @@ class WorkerPool:
             worker.progress, worker.progressed_at = (health.package_id, health.blocks_present), self.clock()
         renamed = worker.health is None or (worker.health.model, worker.health.package_id) != (health.model,
                                                                                                 health.package_id)
-        worker.health = health
+        worker.health = worker.answered = health
+        worker.answered_at = self.clock()
         if renamed:
             self._named = None
             if health.package_id:
@@ -449,16 +459,22 @@ class WorkerPool:
         should hold at most, the ``waiting`` ones and those in flight at its workers spread over the
         workers that serve it or soon will (``ready``, ``partial``, or ``loading`` with at least
         :data:`SOON_FRACTION` of its blocks). None while none is loading: no cap. A loading worker whose
-        blocks have not grown for :data:`LOADING_STALL_S` counts for neither."""
+        blocks have not grown for :data:`LOADING_STALL_S` counts for neither; one whose health polls fail
+        counts by its last answer for :data:`UNANSWERED_GRACE_S`."""
         now = self.clock()
-        mine = [w for w in self._workers.values() if w.health is not None and w.failed_at is None
-                and w.health.package_id is not None and (package is None or w.health.package_id == package)
-                and not (w.health.status in LOADING and now - w.progressed_at > LOADING_STALL_S)]
-        if not any(w.health.status in LOADING for w in mine):
+        mine = []
+        for w in self._workers.values():
+            health = w.health if w.health is not None else \
+                w.answered if now - w.answered_at <= UNANSWERED_GRACE_S else None
+            if health is not None and w.failed_at is None and health.package_id is not None \
+                    and (package is None or health.package_id == package) \
+                    and not (health.status in LOADING and now - w.progressed_at > LOADING_STALL_S):
+                mine.append((w, health))
+        if not any(health.status in LOADING for _, health in mine):
             return None
-        soon = sum(w.health.status in SERVING or (w.health.status == "loading"
-                                                   and w.health.fraction_present >= SOON_FRACTION) for w in mine)
-        return max(1, math.ceil((waiting + sum(w.in_flight for w in mine)) / max(1, soon)))
+        soon = sum(health.status in SERVING or (health.status == "loading" and health.fraction_present >= SOON_FRACTION)
+                   for _, health in mine)
+        return max(1, math.ceil((waiting + sum(w.in_flight for w, _ in mine)) / max(1, soon)))
 
     def serving(self, now: float) -> int:
         """How many workers can take a request now."""

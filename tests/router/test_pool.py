@@ -20,7 +20,13 @@ from pipecast.router.errors import (
     WorkerUrlError,
 )
 from pipecast.router.health import parse_health
-from pipecast.router.pool import LOADING_STALL_S, MAX_REMEMBERED_NAMES, Dispatcher, WorkerPool
+from pipecast.router.pool import (
+    LOADING_STALL_S,
+    MAX_REMEMBERED_NAMES,
+    UNANSWERED_GRACE_S,
+    Dispatcher,
+    WorkerPool,
+)
 from pipecast.serve.health import WorkerHealth
 from pipecast.v1.control_pb2 import Peer, WorkerSpec, WorkerState
 
@@ -252,9 +258,27 @@ def test_while_a_worker_loads_its_package_the_backlog_is_shared_over_the_workers
     pool.record_health(B, health("partial", present=7, package_id="p1"), polled_at=1.0)
     assert pool.share(7, "p1") == 4
     pool.record_unreachable(B, "timed out")
-    assert pool.share(7, "p1") is None
+    assert pool.share(7, "p1") == 4  # a missed poll: counted by its last answer (next test)
     pool.record_health(B, health("ready", package_id="p1"), polled_at=2.0)
     assert pool.share(7, "p1") is None
+
+
+def test_a_loading_worker_that_misses_health_polls_counts_by_its_last_answer_for_a_grace_period():
+    now = [0.0]
+    pool = WorkerPool(clock=lambda: now[0])
+    pool.sync({A: "a", B: "b", C: "c"})
+    pool.record_health(A, health("ready", package_id="p"), polled_at=0.0)
+    pool.record_health(B, health("partial", present=2, package_id="p"), polled_at=0.0)
+    pool.record_health(C, health("partial", present=3, package_id="p"), polled_at=0.0)
+    assert pool.share(9, "p") == 3
+    now[0] = 1.0
+    pool.record_unreachable(B, "no answer within 1 s")  # binding blocks on a busy CPU
+    pool.record_unreachable(C, "no answer within 1 s")
+    assert pool.share(9, "p") == 3  # still loading, still coming: a does not take the whole backlog
+    now[0] = UNANSWERED_GRACE_S + 0.1
+    assert pool.share(9, "p") is None  # silent past the grace: not waited for
+    pool.record_health(C, health("partial", present=4, package_id="p"), polled_at=now[0])
+    assert pool.share(9, "p") == 5  # (9 waiting) over a and c
 
 
 def test_a_loading_worker_whose_blocks_stop_growing_no_longer_holds_the_others_at_their_share():
