@@ -7,21 +7,24 @@ How it decides, in this order:
    signals never scale to zero. With some routers silent it may add replicas but releases none.
 2. **Demand** (leading signals first): replicas needed for the requests present now (router queue + in
    flight, at ``replica_concurrency`` each) and for the arrival rate over the last ``SHORT_WINDOW_S``
-   (at the per-replica throughput, measured over the last ``SHORT_WINDOW_S`` in which requests queued at
-   replicas all holding the model, even before a quiet spell, else the policy's ``replica_rps``); with a
-   cold start (how long a new replica takes to serve: the policy's ``cold_start_s``, or with
-   ``cold_start_measured`` the daemon's measure once it has one, :mod:`pipecast.scaler.coldstart`), the
-   replicas that also drain, within the SLO once they serve, what arrives meanwhile beyond the ready
-   replicas' throughput (:func:`cold_start_demand`: with multicast, several replicas load in about the time
-   of one); then the lagging one: a p99 TTFT over the SLO with requests still queued and no replica on its
-   way adds one more. ``desired`` = demand + the warm pool, within ``min..max``: the policy's
-   ``warm``, or with ``warm_auto_factor`` the replicas that absorb that many times the *baseline* demand
+   (or ``SURGE_WINDOW_S`` where higher, while no replica holds the model), at the per-replica throughput
+   (measured over the last ``SHORT_WINDOW_S`` in which requests queued at replicas all holding the model,
+   even before a quiet spell, else the policy's ``replica_rps``); with a cold start (how long a new replica
+   takes to serve: the policy's ``cold_start_s``, or with ``cold_start_measured`` the daemon's measure once
+   it has one, :mod:`pipecast.scaler.coldstart`), the replicas that also drain, within the SLO or the cold
+   start (the longer) once they serve, what arrives meanwhile beyond the ready replicas' throughput
+   (:func:`cold_start_demand`: with multicast, several replicas load in about the time of one), and the
+   requests present add no replica while the ready replicas finish them within that drain
+   (:func:`drained_by_the_ready`: a replica added for them would serve once they are gone); then the
+   lagging one: a p99 TTFT over the SLO with requests still queued and no replica on its way adds one more.
+   ``desired`` = demand + the warm pool, within ``min..max``: the policy's ``warm``, or with
+   ``warm_auto_factor`` the replicas that absorb that many times the *baseline* demand
    (:func:`baseline_demand`, the median over the history) beyond what the demand needs now.
 3. **Scale up** by the whole gap at once (not one at a time), at most the free workers. Within
    ``scale_up_cooldown_s`` of the last scale-up only while requests queue or the SLO is missed.
 4. **Scale down** with hysteresis: only replicas idle for ``keep_alive_s`` (every router agreeing), only
-   above ``DOWN_HEADROOM`` times the *peak* demand of the last ``keep_alive_s`` or ``scale_down_cooldown_s``,
-   whichever is longer, and never within ``scale_down_cooldown_s`` of a scale-up, so a replica is not
+   above ``DOWN_HEADROOM`` times the *peak* demand of the last ``keep_alive_s`` (at least
+   ``SHORT_WINDOW_S``), and never within ``scale_down_cooldown_s`` of a scale-up, so a replica is not
    acquired and released again within the cooldown.
 """
 
@@ -34,7 +37,9 @@ from control_plane.deployments import ScalingPolicy
 
 #: Arrival rates are measured over this window (s) ...
 SHORT_WINDOW_S = 5.0
-#: ... and over this one, the higher counting: a surge shows in the first seconds, not diluted by five.
+#: ... and over this one, the higher counting, while no replica holds the model: a surge from nothing shows in
+#: its first seconds, not diluted by five. Once replicas serve, a burst this short is over before a replica
+#: added for it could serve (a cold start is longer); the queue and the serving replicas take it.
 SURGE_WINDOW_S = 2.0
 #: Scale-down keeps this much above the window's peak demand: a level the load reaches again in noise is
 #: not released (the hysteresis band between scaling up and down).
@@ -109,8 +114,10 @@ def _rate(history: Sequence[Signals], attr: str, window_s: float) -> float:
 
 
 def arrival_rate(history: Sequence[Signals]) -> float:
-    """Requests/s arriving now: the higher of the surge and the short window's rates."""
-    return max(_rate(history, "arrived", SURGE_WINDOW_S), _rate(history, "arrived", SHORT_WINDOW_S))
+    """Requests/s arriving now: the short window's rate, or the surge window's where higher while no replica
+    holds the whole model (:data:`SURGE_WINDOW_S`)."""
+    short = _rate(history, "arrived", SHORT_WINDOW_S)
+    return short if history[-1].ready else max(_rate(history, "arrived", SURGE_WINDOW_S), short)
 
 
 def replica_throughput(history: Sequence[Signals], policy: ScalingPolicy) -> float:
@@ -154,15 +161,32 @@ def cold_start_of(policy: ScalingPolicy, pool: Pool) -> tuple[float, str]:
 def cold_start_demand(rate: float, ready: int, throughput: float, policy: ScalingPolicy,
                       cold_start_s: float) -> int:
     """Replicas for ``rate`` when new ones take ``cold_start_s`` to serve: the requests arriving meanwhile
-    beyond what the ``ready`` replicas take wait for them, and are drained within ``slo_ttft_p99_s`` once
-    they serve, on top of the rate itself. 0 when the ready replicas keep up, or without a cold start. A
+    beyond what the ``ready`` replicas take wait for them, and are drained within ``slo_ttft_p99_s`` or
+    ``cold_start_s``, whichever is longer, once they serve, on top of the rate itself. The longer: those
+    requests have waited about a cold start already, and a request arriving once the replicas serve waits
+    at most the drain, so a drain within the cold start keeps every later request's wait below theirs
+    (the p99 a cold start sets), while a faster one buys replicas that idle for the rest of the surge
+    (measured in the README's long surge run). 0 when the ready replicas keep up, or without a cold start. A
     partial replica (serving layer by layer while its blocks arrive) is still in its cold start: it counts
     among the replicas this sizes, not among those that keep up."""
     excess = rate - ready * throughput
     if cold_start_s <= 0 or rate <= 0 or excess <= 0:
         return 0
     backlog = excess * cold_start_s
-    return math.ceil((rate + backlog / policy.slo_ttft_p99_s) / throughput - EPSILON)
+    return math.ceil((rate + backlog / drain_horizon(policy, cold_start_s)) / throughput - EPSILON)
+
+
+def drain_horizon(policy: ScalingPolicy, cold_start_s: float) -> float:
+    """Seconds within which a backlog must drain: the SLO or the cold start, the longer
+    (:func:`cold_start_demand` says why)."""
+    return max(policy.slo_ttft_p99_s, cold_start_s)
+
+
+def drained_by_the_ready(requests: int, ready: int, rate: float, throughput: float, horizon_s: float) -> bool:
+    """Whether the ``ready`` replicas, taking ``rate`` too, finish the ``requests`` present within
+    ``horizon_s``: then a replica added for them would serve only once they are gone."""
+    spare = ready * throughput - rate
+    return ready > 0 and spare > 0 and requests / spare <= horizon_s
 
 
 def _demand(signals: Signals, rate: float, throughput: float, policy: ScalingPolicy) -> tuple[int, int]:
@@ -182,6 +206,10 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     by_requests, by_rate = _demand(now, rate, throughput, policy)
     cold_start, cold_from = cold_start_of(policy, pool)
     by_cold = cold_start_demand(rate, now.ready, throughput, policy, cold_start)
+    drained = by_requests > have and cold_start > 0 and drained_by_the_ready(
+        now.queue_depth + now.in_flight, now.ready, rate, throughput, drain_horizon(policy, cold_start))
+    if drained:
+        by_requests = have
     loading = sum(r.loading for r in pool.replicas)
     slo_missed = (now.ttft_p99_s is not None and now.ttft_p99_s > policy.slo_ttft_p99_s and now.queue_depth > 0
                   and loading == 0)
@@ -202,8 +230,9 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     desired = min(max(needed + warm, policy.min_replicas), policy.max_replicas)
     cold_why = f"; {by_cold} to drain what arrives in a {round(cold_start, 1):g}s cold start" + (
         " (measured)" if cold_from == "measured" else "")
+    drained_why = f" (the {now.ready} ready drain them before a new one serves)" if drained else ""
     why = (f"queue {now.queue_depth} + in flight {now.in_flight} need {by_requests} at {policy.replica_concurrency} "
-           f"each; {rate:.2f} req/s needs {by_rate} at {throughput:.2f} req/s each{cold_why if by_cold else ''}"
+           f"each{drained_why}; {rate:.2f} req/s needs {by_rate} at {throughput:.2f} req/s each{cold_why if by_cold else ''}"
            f"{'; p99 TTFT %.2f s over the SLO %.2f s' % (now.ttft_p99_s, policy.slo_ttft_p99_s) if slo_missed else ''}"
            f"; {warm_why} -> desired {desired}, have {have}")
     if desired > have:
@@ -230,9 +259,10 @@ def _scale_down(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy, w
     # Releasing right after an acquire is thrash; releasing more after a release is not (a pool drains in one go).
     if pool.last_scale_up is not None and pool.now - pool.last_scale_up < policy.scale_down_cooldown_s:
         return Decision(0, (), f"{why}: in the scale-down cooldown", "cooldown", desired, inputs)
-    # Hysteresis: keep what the peak of the long window needed (at the throughput measured now).
+    # Hysteresis: keep what the keep-alive's peak needed (at the throughput measured now); the cooldown
+    # above, not this window, keeps a release away from a scale-up.
     throughput = replica_throughput(history, policy)
-    window_s = max(policy.keep_alive_s, policy.scale_down_cooldown_s, SHORT_WINDOW_S)
+    window_s = max(policy.keep_alive_s, SHORT_WINDOW_S)
     start = next(i for i, s in enumerate(history) if s.at >= now.at - window_s)
     peak = max(max(_demand(history[i], arrival_rate(history[:i + 1]), throughput, policy))
                for i in range(start, len(history)))

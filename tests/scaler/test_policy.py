@@ -175,6 +175,33 @@ def test_idle_replicas_go_in_one_release_not_one_per_cooldown():
     assert soon.kind == "cooldown" and not soon.release  # 10 s after a scale-up: not yet
 
 
+def test_a_burst_shorter_than_a_cold_start_adds_nothing_once_replicas_serve_but_starts_a_surge_from_nothing():
+    # 3 req/s for 8 s, then 7 in each of the last 2 s: 7 req/s over the last 2 s, 4.6 over the last 5.
+    arrived = [3 * t for t in range(9)] + [24 + 7, 24 + 14]
+    history = [Signals(at=float(t), routers_total=1, routers_answered=1, in_flight=4, arrived=n, serving=3, ready=3)
+               for t, n in enumerate(arrived)]
+    pool = Pool(now=10.0, replicas=tuple(Replica(f"w{i}", False) for i in range(3)), free=5)
+    two = ScalingPolicy(**{**POLICY.__dict__, "replica_rps": 2.0})
+    serving = decide(history, pool, two)
+    assert serving.add == 0 and serving.inputs["arrival_rps"] == 4.6  # 3 replicas at 2 req/s take it
+    nothing = [Signals(**{**s.__dict__, "in_flight": 0, "serving": 0, "ready": 0}) for s in history]
+    cold = decide(nothing, Pool(now=10.0, replicas=(), free=8), two)
+    assert cold.add == 4 and cold.inputs["arrival_rps"] == 7.0  # from nothing the first seconds count
+
+
+def test_release_keeps_the_peak_of_the_keep_alive_not_of_the_longer_scale_down_cooldown():
+    # 8 requests in flight 15 s ago (2 replicas at 4 each), none since; 4 replicas idle past the 10 s
+    # keep-alive, the last scale-up long ago: the 20 s cooldown is no reason to keep that peak's 3.
+    idle = {f"w{i}": 12.0 for i in range(4)}
+    history = [Signals(at=float(t), routers_total=1, routers_answered=1, in_flight=8 if t == 115 else 0,
+                       idle_s=idle) for t in range(100, 131)]
+    pool = Pool(now=130.0, replicas=tuple(Replica(n, False) for n in idle), free=0, last_scale_up=50.0)
+    assert len(decide(history, pool, POLICY).release) == 4
+    recent = [Signals(**{**s.__dict__, "in_flight": 8 if s.at == 125 else 0}) for s in history]
+    kept = decide(recent, pool, POLICY)  # within the keep-alive: 1.25 x 2 -> 3 kept
+    assert len(kept.release) == 1 and "keeping 3" in kept.reason
+
+
 AUTO = ScalingPolicy(**{**POLICY.__dict__, "warm_auto_factor": 2.0})
 
 
@@ -225,11 +252,11 @@ def test_partial_replicas_are_still_in_their_cold_start_and_a_rising_rate_adds_t
     pool = Pool(now=1005.0, replicas=tuple(Replica(f"w{i}", True) for i in range(3)), free=13,
                 last_scale_up=1003.0)
     decision = decide(history, pool, cold)
-    # 6 req/s for 5 s: 30 requests drained within the 2 s SLO, 15 more replicas at 1 req/s, plus the 6: 21 -> 16.
-    assert decision.add == 13 and decision.inputs["ready"] == 0 and "21 to drain what arrives" in decision.reason
-    # The same three holding the model take 3 req/s: only the other 3 pile up (15 requests, 7.5 replicas).
+    # 6 req/s for 5 s: 30 requests drained within the 5 s cold start, 6 more replicas at 1 req/s, plus the 6: 12.
+    assert decision.add == 9 and decision.inputs["ready"] == 0 and "12 to drain what arrives" in decision.reason
+    # The same three holding the model take 3 req/s: only the other 3 pile up (15 requests, 3 replicas).
     ready = [Signals(**{**h.__dict__, "ready": 3}) for h in history]
-    assert "14 to drain what arrives" in decide(ready, pool, cold).reason
+    assert "9 to drain what arrives" in decide(ready, pool, cold).reason
 
 
 def test_auto_warm_in_the_closed_loop_settles_at_twice_the_baseline_without_thrash():
@@ -241,21 +268,41 @@ def test_auto_warm_in_the_closed_loop_settles_at_twice_the_baseline_without_thra
 
 def test_with_a_cold_start_the_scale_up_drains_what_arrives_while_the_replicas_load():
     # 3 req/s at 1 req/s per replica, nothing serving, 5 s to load and a 2 s SLO: 3 for the rate, and 15
-    # requests arrive meanwhile, drained within 2 s by 7.5 more: 11, at most max_replicas.
+    # requests arrive meanwhile, drained within the cold start (longer than the SLO) by 3 more: 6.
     cold = ScalingPolicy(**{**POLICY.__dict__, "cold_start_s": 5.0, "max_replicas": 16})
-    assert cold_start_demand(3.0, 0, 1.0, cold, 5.0) == 11
+    assert cold_start_demand(3.0, 0, 1.0, cold, 5.0) == 6
     assert cold_start_demand(3.0, 3, 1.0, cold, 5.0) == 0  # the serving replicas keep up: nothing piles up
-    assert cold_start_demand(3.0, 2, 1.0, cold, 5.0) == 6  # 1 req/s beyond them for 5 s: 3 + 2.5
+    assert cold_start_demand(3.0, 2, 1.0, cold, 5.0) == 4  # 1 req/s beyond them for 5 s: 3 + 1
     assert cold_start_demand(3.0, 0, 1.0, POLICY, 0.0) == 0  # not counted without a cold start
+    # A cold start shorter than the SLO: its 3 requests are drained within the SLO, 1.5 more.
+    assert cold_start_demand(3.0, 0, 1.0, cold, 1.0) == 5
     sim = Sim(cold, workers=16)
     sim.run([3] * 2)  # the first second: the queue (no rate yet); the second: 3 req/s seen
     (_, first), (_, second) = sim.decisions
-    assert (first.add, second.add) == (1, 10) and "11 to drain what arrives in a 5s cold start" in second.reason
+    assert (first.add, second.add) == (1, 5) and "6 to drain what arrives in a 5s cold start" in second.reason
     sim.run([3] * 38 + [0] * 60)  # once they serve, the extra ones go after the keep-alive, then the rest
     assert len(sim.replicas) == 0 and sim.thrash() == []
     plain = Sim()
     plain.run([3] * 4)  # without a cold start: the rate alone, 3 replicas at 1 req/s each
     assert sum(d.add for _, d in plain.decisions) == 3
+
+
+def test_requests_the_ready_replicas_finish_within_a_cold_start_add_no_replica():
+    # Two ready replicas at 3 req/s each, 2 req/s arriving, 17 requests at them (8 a batch): they finish
+    # those in 17 / (6 - 2) = 4.25 s, before a replica added now (5 s to load) would serve.
+    cold = ScalingPolicy(**{**POLICY.__dict__, "cold_start_s": 5.0, "replica_rps": 3.0, "replica_concurrency": 8})
+    history = [Signals(at=1000.0 + t, routers_total=1, routers_answered=1, in_flight=17, arrived=2 * t, serving=2,
+                       ready=2) for t in range(6)]
+    pool = Pool(now=1005.0, replicas=(Replica("w0", False), Replica("w1", False)), free=6)
+    held = decide(history, pool, cold)
+    assert held.add == 0 and "need 2 at 8 each (the 2 ready drain them before a new one serves)" in held.reason
+    assert "ready drain" not in decide(history, pool, POLICY).reason  # no cold start: nothing capped
+    # 25 requests take 6.25 s, longer than the cold start: the third replica is worth adding.
+    more = [Signals(**{**h.__dict__, "in_flight": 25}) for h in history]
+    assert decide(more, pool, cold).add == 2
+    # Without a cold start the requests present count at the batch size, as before.
+    plain = ScalingPolicy(**{**cold.__dict__, "cold_start_s": 0.0})
+    assert decide(history, pool, plain).add == 1
 
 
 def test_a_measured_cold_start_sizes_the_scale_up_only_where_the_policy_asks_for_it():
@@ -267,8 +314,8 @@ def test_a_measured_cold_start_sizes_the_scale_up_only_where_the_policy_asks_for
     history = [Signals(at=1000.0 + t, routers_total=1, routers_answered=1, queue_depth=3 * t, arrived=3 * t)
                for t in range(3)]
     sized, plain = decide(history, after, measured), decide(history, after, POLICY)
-    assert (sized.add, plain.add) == (11, 3)  # as with cold_start_s 5 above
-    assert "11 to drain what arrives in a 5s cold start (measured)" in sized.reason
+    assert (sized.add, plain.add) == (6, 3)  # as with cold_start_s 5 above
+    assert "6 to drain what arrives in a 5s cold start (measured)" in sized.reason
     assert (sized.inputs["cold_start_s"], sized.inputs["cold_start_from"]) == (5.0, "measured")
 
 
