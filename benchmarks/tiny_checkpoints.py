@@ -54,6 +54,9 @@ def write_byte_tokenizer(folder: Path) -> None:
                                                             "chat_template": BYTE_CHAT_TEMPLATE}))
 
 
+# Larger than transformers' default init (0.02), so a random tiny model's greedy tokens vary instead of
+# repeating one token: token-level comparisons then mean something.
+INIT_RANGE = 0.3
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 

@@ -12,6 +12,11 @@ def digest_bytes(data: bytes | bytearray | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
 
 
+def whole_digest(data: bytes | bytearray | memoryview) -> str:
+    """Hex BLAKE3 digest of a large buffer (a whole block), hashed on all cores."""
+    return blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
+
+
 def new_hasher() -> "blake3.blake3":
     """An incremental hasher, for digests over streamed data."""
     return blake3.blake3()

@@ -8,14 +8,10 @@ large as a test of the agent or the transports needs; nothing can run it).
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.tiny_checkpoints import make_checkpoint, write_byte_tokenizer, write_random_checkpoint
+from benchmarks.tiny_checkpoints import INIT_RANGE, make_checkpoint, write_byte_tokenizer, write_random_checkpoint
 from packager.pack import pack
 from pipecast.core.units import DEFAULT_CHUNK_BYTES
 from pipecast.v1.manifest_pb2 import Manifest
-
-# Larger than transformers' default init (0.02), so a random tiny model's greedy tokens vary instead of
-# repeating one token: token-level comparisons then mean something.
-INIT_RANGE = 0.3
 
 
 @dataclass(frozen=True)
