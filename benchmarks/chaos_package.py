@@ -1,6 +1,6 @@
 """The packages the chaos scenarios move, built in-process with the real packager (from
-:mod:`benchmarks.tiny_checkpoints`, which the tests' builders use too): random bytes shaped like a llama checkpoint for the data plane, and a tiny
-random llama with a byte-level tokenizer that a serving worker can load."""
+:mod:`benchmarks.tiny_checkpoints`, which the tests' builders use too): random bytes shaped like a llama checkpoint for
+the data plane, and a tiny random llama with a byte-level tokenizer that a serving worker can load."""
 
 from pathlib import Path
 

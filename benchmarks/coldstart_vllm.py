@@ -219,7 +219,8 @@ def verdicts(report: VllmColdStartReport) -> list[str]:
             line += (f"; {speedup:.2f}x faster than every worker loading from the store "
                      f"({store.first_token_seconds:.1f} s)")
             if n > 1:
-                line += f" (target >= {STORE_SPEEDUP_TARGET:g}x: {'met' if speedup >= STORE_SPEEDUP_TARGET else 'NOT met'})"
+                line += (f" (target >= {STORE_SPEEDUP_TARGET:g}x: "
+                         f"{'met' if speedup >= STORE_SPEEDUP_TARGET else 'NOT met'})")
         if disk.first_token_seconds > sb:
             line += (f"; vLLM's start-up ({disk.first_token_seconds:.1f} s for {n} at once on "
                      f"{report.meta['cpu_cores']} cores), not the transfer, bounds it")

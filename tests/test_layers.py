@@ -176,7 +176,8 @@ def tree(tmp_path):
         "pipecast/__init__.py": "",
         "pipecast/core/__init__.py": "",
         "pipecast/core/errors.py": "class PipecastError(Exception):\n    pass\n",
-        "pipecast/agent.py": "from control_plane.client import Client\nfrom pipecast.core.errors import PipecastError\n",
+        "pipecast/agent.py": ("from control_plane.client import Client\n"
+                              "from pipecast.core.errors import PipecastError\n"),
         "packager/__init__.py": "",
         "packager/pack.py": "from pipecast.core import errors\n\ndef f():\n    import torch\n",
         "control_plane/__init__.py": "",
@@ -239,6 +240,7 @@ def test_the_readme_states_the_same_rules():
     """Each layer's row of the README's layout table ends with `may import: ...` listing LAYERS exactly."""
     rows = dict(re.findall(r"^\| `([\w./]+)/` \|.*\| may import: ([^|]*?) \|$", (REPO / "README.md").read_text(),
                            re.MULTILINE))
-    stated = {folder.replace("/", "."): tuple(sorted(re.findall(r"`([\w./]+)`", text))) for folder, text in rows.items()}
+    stated = {folder.replace("/", "."): tuple(sorted(re.findall(r"`([\w./]+)`", text)))
+              for folder, text in rows.items()}
     expected = {layer: tuple(sorted(allowed)) for layer, allowed in LAYERS.items()}
     assert stated == expected

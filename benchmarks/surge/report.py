@@ -429,6 +429,7 @@ def format_report(meta: Mapping[str, object], summaries: Sequence[StrategySummar
             continue  # the pairs that answer the questions; all pairs are in the JSON
         lines.append(f"  {pair:<26} first-n p50 {_s(values['first100_ttft_p50_seconds'], 1)}x, "
                      f"p99 {_s(values['first100_ttft_p99_seconds'], 1)}x; "
-                     f"all p99 {_s(values['ttft_p99_seconds'], 1)}x; all ready {_s(values['all_ready_seconds'], 1)}x; worker-s {_s(values['worker_seconds'], 2)}x")
+                     f"all p99 {_s(values['ttft_p99_seconds'], 1)}x; all ready {_s(values['all_ready_seconds'], 1)}x; "
+                     f"worker-s {_s(values['worker_seconds'], 2)}x")
     lines += ["", *(f"verdict: {line}" for line in verdicts(summaries, pair_ratios))]
     return "\n".join(lines)

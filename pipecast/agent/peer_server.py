@@ -29,9 +29,9 @@ class PeerServer:
 
     With ``plan_gated`` (an agent under a control plane) a node serves a package only to the peers its
     current parts name (:meth:`serve_part`): its children, and, for a plan's source, every receiver of that
-    plan (the sources are every receiver's fallback). A requester it does not know yet gets ``grace_s`` for the part that names it to arrive (the control
-    plane tells a parent and its child at once, in no particular order). Without ``plan_gated`` (a static
-    plan) every requester the transport let in is served.
+    plan (the sources are every receiver's fallback). A requester it does not know yet gets ``grace_s`` for the part
+    that names it to arrive (the control plane tells a parent and its child at once, in no particular order). Without
+    ``plan_gated`` (a static plan) every requester the transport let in is served.
     """
 
     def __init__(self, plan_gated: bool = False, grace_s: float = 0.0) -> None:

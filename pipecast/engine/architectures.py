@@ -1,10 +1,9 @@
 """Which Hugging Face model types the engine runs layer by layer, and how their skeleton is built.
 
-The engine drives transformers' own decoder layers one at a time (so numerics are transformers'), which
-relies on three facts of the pinned transformers version (DESIGN 6): ``config._attn_implementation`` must
-be set (left None the causal mask is silently dropped), the rotary embedding (and Gemma's embedding scale)
-is computed from the config, and each layer reads the KV cache at its own ``layer_idx``. A model type is listed here only when the
-exactness tests cover it.
+The engine drives transformers' own decoder layers one at a time (so numerics are transformers'), which relies on three
+facts of the pinned transformers version (DESIGN 6): ``config._attn_implementation`` must be set (left None the causal
+mask is silently dropped), the rotary embedding (and Gemma's embedding scale) is computed from the config, and each
+layer reads the KV cache at its own ``layer_idx``. A model type is listed here only when the exactness tests cover it.
 """
 
 import inspect

@@ -57,5 +57,6 @@ class MemoryReport:
         p = self.package_bytes
         return (f"package {format_bytes(p)}: peak RSS +{format_bytes(self.peak_growth)} "
                 f"({self.peak_growth / p:.2f}x package), anonymous +{format_bytes(self.anon_growth)} "
-                f"({self.anon_growth / p:.2f}x; KV cache {format_bytes(self.kv_cache_bytes)}), file-backed +{format_bytes(self.after.file - self.before.file)}, "
+                f"({self.anon_growth / p:.2f}x; KV cache {format_bytes(self.kv_cache_bytes)}), "
+                f"file-backed +{format_bytes(self.after.file - self.before.file)}, "
                 f"shared +{format_bytes(self.after.shmem - self.before.shmem)}")

@@ -114,12 +114,11 @@ class PackageFolderProvider:
 class AgentBlockProvider:
     """Blocks held by the node agent, read from its shared memory through its local client (no copy).
 
-    ``client`` is a :class:`pipecast.agent.local_client.LocalAgentClient` (or an object with its
-    methods): ``manifest``, ``map_ahead``, ``wait_block`` / ``wait_prefix`` (a read-only view of a
-    verified block or prefix; ``TimeoutError`` if not verified in time), ``verified_blocks``,
-    ``verified_bytes`` and ``package_file``. The agent hands out verified bytes only. Besides whole blocks, this provider hands
-    out a block's layers one by one as their bytes are verified (:meth:`wait_header`,
-    :meth:`wait_tensors`): a :class:`StreamingBlockProvider`.
+    ``client`` is a :class:`pipecast.agent.local_client.LocalAgentClient` (or an object with its methods): ``manifest``,
+    ``map_ahead``, ``wait_block`` / ``wait_prefix`` (a read-only view of a verified block or prefix; ``TimeoutError`` if
+    not verified in time), ``verified_blocks``, ``verified_bytes`` and ``package_file``. The agent hands out verified
+    bytes only. Besides whole blocks, this provider hands out a block's layers one by one as their bytes are verified
+    (:meth:`wait_header`, :meth:`wait_tensors`): a :class:`StreamingBlockProvider`.
     """
 
     def __init__(self, client: Any, *, package_id: str | None, where: str, timeout_s: float = 10.0):

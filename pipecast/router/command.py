@@ -96,14 +96,14 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
               callback=parse_tenant_limits,
               help="Admit at most RATE requests/s of tenant NAME, BURST at once; beyond it 429 (repeatable; adds "
                    "to or overrides the settings' router_tenant_limits).")
-def router_command(host, port, workers, vllm_workers, control_plane, max_queue, queue_timeout, health_interval, health_timeout,
-                   upstream_timeout, max_retries, drain_timeout, forward_auth, discovery_interval, pipelines,
-                   pipeline_max_in_flight, tenant_limits):
+def router_command(host, port, workers, vllm_workers, control_plane, max_queue, queue_timeout, health_interval,
+                   health_timeout, upstream_timeout, max_retries, drain_timeout, forward_auth, discovery_interval,
+                   pipelines, pipeline_max_in_flight, tenant_limits):
     """Route OpenAI-style completion requests to the least-loaded serving worker.
 
-    Workers come from --worker (and --vllm-worker) URLs and/or the control plane; a worker serves once
-    its /health says ready or partial (a vLLM worker: once it answers). With a control plane, groups of workers that together hold every layer serve as
-    pipelines until each holds the model. Requests wait in the router while nothing can take them.
+    Workers come from --worker (and --vllm-worker) URLs and/or the control plane; a worker serves once its /health says
+    ready or partial (a vLLM worker: once it answers). With a control plane, groups of workers that together hold every
+    layer serve as pipelines until each holds the model. Requests wait in the router while nothing can take them.
 
     Tenants: API keys (router_api_keys: key -> tenant) are read only from the config file or
     PIPECAST_ROUTER_API_KEYS, never from the command line, where other users of the host could read

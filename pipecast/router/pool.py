@@ -50,8 +50,8 @@ is a candidate only while no ready worker has room in its batch (a full worker s
 the hops), every member answers its health polls and none failed a request, and for at most
 ``max_in_flight`` requests of this router. Among candidates it ranks after ready and partial workers of
 the same load, one whose stages hold their blocks before one still waiting for some: an idle pipeline
-beats a worker with a queue, which is how capacity appears before any node holds the whole model. A pipeline the control plane no longer lists (its members now hold the
-model) takes no new requests; those in flight finish on it.
+beats a worker with a queue, which is how capacity appears before any node holds the whole model. A pipeline the control
+plane no longer lists (its members now hold the model) takes no new requests; those in flight finish on it.
 
 A worker that failed a request stays unavailable until a health poll *started after* the failure says
 it can serve: an answer to a poll sent before the failure proves nothing about the worker now.
@@ -610,8 +610,8 @@ class Dispatcher:
             tenant, waiter = picked
             if waiter.future.done():  # cancelled or timed out in this loop turn: its slot goes on
                 continue
-            worker = self.pool.choose(now, waiter.avoid, one_batch=one_batch, tenant=tenant if several_tenants else None,
-                                      package=self.package, share=share)
+            worker = self.pool.choose(now, waiter.avoid, one_batch=one_batch,
+                                      tenant=tenant if several_tenants else None, package=self.package, share=share)
             self.pool.begin(worker.url, tenant)
             self._queue.started(tenant, now)
             waiter.future.set_result(worker)

@@ -232,7 +232,8 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
         " (measured)" if cold_from == "measured" else "")
     drained_why = f" (the {now.ready} ready drain them before a new one serves)" if drained else ""
     why = (f"queue {now.queue_depth} + in flight {now.in_flight} need {by_requests} at {policy.replica_concurrency} "
-           f"each{drained_why}; {rate:.2f} req/s needs {by_rate} at {throughput:.2f} req/s each{cold_why if by_cold else ''}"
+           f"each{drained_why}; {rate:.2f} req/s needs {by_rate} at {throughput:.2f} req/s each"
+           f"{cold_why if by_cold else ''}"
            f"{'; p99 TTFT %.2f s over the SLO %.2f s' % (now.ttft_p99_s, policy.slo_ttft_p99_s) if slo_missed else ''}"
            f"; {warm_why} -> desired {desired}, have {have}")
     if desired > have:

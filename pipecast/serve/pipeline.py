@@ -8,9 +8,9 @@ For each token the head runs its layers (:class:`~pipecast.engine.stage.StageRun
 hidden states to the next stage's ``POST /v1/stage``; every stage runs its layers and calls the next one
 in turn, and the last applies the head, samples and answers the token, which travels back along the
 calls. With tied embeddings the last stage answers its final norm instead, and the head stage, which
-holds the embeddings (the tied LM head), samples: the last stage then never needs the embeddings' block. Every stage keeps its own layers' keys and values per session, so decoding goes on through the
-pipeline; when the request ends the head closes the sessions along the route (``POST /v1/stage/close``;
-stages also drop sessions left idle).
+holds the embeddings (the tied LM head), samples: the last stage then never needs the embeddings' block. Every stage
+keeps its own layers' keys and values per session, so decoding goes on through the pipeline; when the request ends the
+head closes the sessions along the route (``POST /v1/stage/close``; stages also drop sessions left idle).
 
 Frames carry binary tensors: 4 bytes (big endian) of header length, the header as JSON, then the
 tensor's raw bytes (dtype and shape in the header), so bf16 activations travel exactly. Every call has

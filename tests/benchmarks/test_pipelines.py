@@ -63,8 +63,8 @@ def test_verdicts_compare_each_source_count_with_its_target_and_the_tokens_with_
     meta = {"model_name": "m", "package_bytes": 1 << 20, "blocks": 4, "receivers": 8, "link_mbit": 100.0,
             "mode": "netns", "floor_seconds": 10.0, "prompt_tokens": 16, "worker_cpus": "no CPU quota"}
     text = format_report(PipelinesReport(meta, results))
-    assert "      2 warm  pipelines        rotated     5.50   0.55      2       50       10.50       11.00   5.85   1.25m" \
-        in text
+    assert ("      2 warm  pipelines        rotated     5.50   0.55      2       50"
+            "       10.50       11.00   5.85   1.25m" in text)
     assert "verdict: tokens identical to whole-model generation: 3 of 4 runs" in text
 
     again = PipelinesReport.from_json(json.loads(json.dumps(PipelinesReport(meta, results).to_json())))

@@ -55,7 +55,8 @@ def test_a_route_takes_canaries_by_weight_then_promotes_or_rolls_them_back():
     (RouteChange("other", "promote"), UnknownRoute,
      "served model 'other' has no route (pipecast cp route other PACKAGE creates it)"),
     (RouteChange("chat", "canary", A, 10), InvalidRequest, f"route 'chat': {A!r} is already the stable version"),
-    (RouteChange("chat", "canary", B, 100), InvalidRequest, "route 'chat': a canary's weight must be 1..99 percent, got 100"),
+    (RouteChange("chat", "canary", B, 100), InvalidRequest,
+     "route 'chat': a canary's weight must be 1..99 percent, got 100"),
     (RouteChange("chat", "promote"), InvalidRequest, "route 'chat' has no canary to promote"),
     (RouteChange("chat", "rollback", B), InvalidRequest, "route 'chat' has no canary to rollback"),
     (RouteChange("chat", "canary", B, 10, CanaryGate(min_requests=0)), InvalidRequest,
@@ -97,7 +98,8 @@ def test_routes_and_changes_survive_proto_and_json():
     assert ModelRoute.from_json(json.loads(json.dumps(route.to_json()))) == route
     plain = routed(RouteChange("chat", "route", A))
     assert route_from_proto(route_to_proto(plain)) == plain and plain.gate is None
-    for change in (RouteChange("chat", "canary", B, 10, CanaryGate(), "why"), RouteChange("chat", "route", A, no_gate=True)):
+    for change in (RouteChange("chat", "canary", B, 10, CanaryGate(), "why"),
+                   RouteChange("chat", "route", A, no_gate=True)):
         assert route_change_from_proto(route_change_to_proto(change)) == change
 
 

@@ -616,7 +616,8 @@ async def test_list_pipelines_names_each_stage_with_its_serve_url_and_layers(cli
     await client.publish_package(manifest(), STORE)
     for node, blocks in (("w1", [0, 1]), ("w2", [2, 3]), ("w3", [0])):
         worker = spec(node)
-        await client.register(WorkerSpec(worker.peer, worker.memory_bytes, serve_url=f"http://127.0.0.1:{8000 + int(node[1:])}"))
+        await client.register(WorkerSpec(worker.peer, worker.memory_bytes,
+                                         serve_url=f"http://127.0.0.1:{8000 + int(node[1:])}"))
         await client.report_blocks(node, {PKG: blocks})
     [pipeline] = await client.list_pipelines()
     assert pipeline.package_id == PKG and pipeline.bottleneck_layers == 2.0

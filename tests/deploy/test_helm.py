@@ -22,7 +22,8 @@ INSTALL = {"auth": {"masterToken": MASTER, "routerToken": ROUTER,
 # Each values file alone, HA with mTLS, and every option off by default switched on over the defaults.
 CASES = {name: ((name,), {}) for name in SETUPS}
 CASES["ha+mtls"] = (("values-ha.yaml", "values-mtls.yaml"), {})
-CASES["everything"] = ((), {"store": {"enabled": True, "packagesClaim": "packages"}, "serviceMonitor": {"enabled": True},
+CASES["everything"] = ((), {"store": {"enabled": True, "packagesClaim": "packages"},
+                            "serviceMonitor": {"enabled": True},
                             "auth": {"nodeTokensHostPath": "/etc/pipecast/node-tokens"},
                             "router": {"apiKeysSecret": "pipecast-api-keys"}, "agent": {"labels": {"rack": "r1"}},
                             "serve": {"servedModelName": "smollm2-chat"}})
@@ -133,7 +134,8 @@ def test_every_client_of_the_control_plane_names_every_replica_and_uses_tls_when
     for manifest, container in clients:
         env = {e["name"]: e for e in container["env"]}
         assert env["PIPECAST_CONTROL_PLANE"]["value"].split(",") == replicas
-        files = [env[f"PIPECAST_TLS_{part}"]["value"] for part in ("CERT", "KEY", "CA") if f"PIPECAST_TLS_{part}" in env]
+        files = [env[f"PIPECAST_TLS_{part}"]["value"] for part in ("CERT", "KEY", "CA")
+                 if f"PIPECAST_TLS_{part}" in env]
         assert len(files) == (3 if tls else 0), container["name"]
         mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
         volumes = {v["name"]: v for v in pod_spec(manifest).get("volumes", [])}

@@ -92,8 +92,11 @@ def test_the_single_node_chart_runs_as_rendered(pods, tmp_path):
     package_id = json.loads(published)["package_id"]
     router = pods.resolve(f"http://pipecast-router.{NAMESPACE}.svc:8080")
     in_scaler(pods, "cp", "deploy", package_id, "--min", "1", "--max", "1", "--router", router)
+
+    def events():
+        return [json.loads(line) for line in in_scaler(pods, "scaler", "events", "--json").splitlines()]
+
     # The daemon brings the one replica the policy asks for: the store multicasts the package to the node.
-    events = lambda: [json.loads(line) for line in in_scaler(pods, "scaler", "events", "--json").splitlines()]  # noqa: E731
     wait_until(pods, lambda: any(e["action"] == "scale_up" for e in events()), "the scaler's scale-up")
     wait_until(pods, lambda: holds_whole(pods, package_id, NODE), "the node to hold the package")
 

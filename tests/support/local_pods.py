@@ -28,7 +28,8 @@ from tests.support import REPO
 from tests.support.helm import NAMESPACE, pod_spec
 
 NETWORK = "127.0.83."
-ENTRYPOINT = next(c.value for c in dockerfile.parse_file(str(REPO / "deploy/docker/Dockerfile")) if c.cmd == "ENTRYPOINT")
+ENTRYPOINT = next(c.value for c in dockerfile.parse_file(str(REPO / "deploy/docker/Dockerfile"))
+                  if c.cmd == "ENTRYPOINT")
 EXECUTABLES = {"pipecast": str(Path(sys.executable).parent / "pipecast"), "python": sys.executable}
 REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -68,7 +69,8 @@ class LocalPods:
     def __init__(self, manifests: list[dict], folder: Path, claims: dict[str, Path], node: str = "node-a") -> None:
         self.folder, self.claims = folder, claims
         self.secrets = {m["metadata"]["name"]: {**m.get("stringData", {}),
-                                                **{k: base64.b64decode(v).decode() for k, v in m.get("data", {}).items()}}
+                                                **{k: base64.b64decode(v).decode()
+                                                   for k, v in m.get("data", {}).items()}}
                         for m in manifests if m["kind"] == "Secret"}
         addresses = (f"{NETWORK}{i}" for i in itertools.count(1))
         self.node_address = node_address = next(addresses)
@@ -123,7 +125,8 @@ class LocalPods:
         volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
         for template in pod.workload["spec"].get("volumeClaimTemplates", []):  # a replica's own claim
             volumes[template["metadata"]["name"]] = {"name": template["metadata"]["name"], "emptyDir": {}}
-        found = [(m["mountPath"], self._volume_folder(pod, volumes[m["name"]])) for m in container.get("volumeMounts", [])]
+        found = [(m["mountPath"], self._volume_folder(pod, volumes[m["name"]]))
+                 for m in container.get("volumeMounts", [])]
         return sorted(found, key=lambda mount: -len(mount[0]))
 
     def local(self, pod: Pod, container: dict, text: str) -> str:
@@ -159,7 +162,8 @@ class LocalPods:
     def argv(self, pod: Pod, container: dict, command: list[str] | None = None) -> list[str]:
         """The container's command and arguments (or ``command``, for an exec), expanded and made local."""
         variables = self.environment(pod, container)
-        words = command if command is not None else [*(container.get("command") or ENTRYPOINT), *container.get("args", [])]
+        words = command if command is not None else [*(container.get("command") or ENTRYPOINT),
+                                                     *container.get("args", [])]
         words = [self.local(pod, container, expand(w, variables)) for w in words]
         return [EXECUTABLES.get(words[0], words[0]), *words[1:]]
 

@@ -130,7 +130,8 @@ def test_verdicts_say_whether_each_target_is_met():
     warm = summarize("warm-pool:1", "", 1, [run_of("warm-pool:1", [5.2] * 5, 40.0, warm=1, saturated=True)])
     lines = verdicts([uni, pc, warm], ratios([uni, pc, warm]))
     assert lines[0] == "first-100 p99 TTFT, unicast / pipecast = 8.0x (target >= 5x: met)"
-    assert "warm-pool:1 (1 warm): first-100 p99 5.20 s vs pipecast 5.00 s (as good or better: tolerance 10%)" in lines[1]
+    assert ("warm-pool:1 (1 warm): first-100 p99 5.20 s vs pipecast 5.00 s (as good or better: tolerance 10%)"
+            in lines[1])
     assert "costs more" in lines[1]
     assert lines[2] == "CPU-bound run(s), compute saturated this machine: warm-pool:1"
     slow = summarize("pipecast", "", 0, [run_of("pipecast", [20.0] * 5, 5.0)])
