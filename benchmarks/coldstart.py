@@ -105,6 +105,7 @@ class ColdStartConfig:
     max_tokens: int = 16
     mode: RequestedMode = "auto"
     threads: int = 1  # torch threads of the worker and of the compute measurement
+    device: str = "cpu"  # where the worker and the compute measurement run (cpu, cuda, cuda:1 ...)
     #: The cluster's credentials, as a deployment has them: a master token per run for both agents (a static
     #: plan: they derive the data-plane key from it), and the client presents the serving key the worker's
     #: agent gives, as a router would. False: none.
@@ -262,9 +263,9 @@ def format_report(report: ColdStartReport) -> str:
              f"{meta['cluster']}",
              credentials_line(meta.get("auth", True)),
              f"medians of {meta['repeat']} run(s); TTFT from t0 (the transfer's first byte, request sent then) to "
-             f"the first streamed token of a {meta['max_tokens']}-token greedy completion on {meta['threads']} "
-             "torch thread(s); floor = S/B + the compute left after the transfer (last block / all blocks, measured "
-             "here)",
+             f"the first streamed token of a {meta['max_tokens']}-token greedy completion on {meta['device']}, "
+             f"{meta['threads']} torch thread(s); floor = S/B + the compute left after the transfer (last block / all "
+             "blocks, measured here)",
              "",
              f"{'prompt':>6} {'strategy':<19} {'TTFT s':>7} {'floor s':>8} {'x floor':>8} {'transfer s':>11} "
              f"{'after s':>8} {'compute last/all s':>19} {'hidden':>7} {'CPU':>5}"]
@@ -298,10 +299,32 @@ def transfer_times(events: Sequence[dict], start_at: float, package_id: str, num
 # -- measuring the compute (torch, in this process) -----------------------------------------------------
 
 
-def measure_compute(package: Path, prompts: Mapping[int, Sequence[int]], threads: int,
+def check_device(device: str) -> str:
+    """The name of torch ``device`` (``cpu``, ``cuda``, ``cuda:1`` ...) on this machine; ColdStartBenchError
+    when torch does not know it or this machine has no such device, before any worker starts."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ColdStartBenchError(f"--device {device}: not a torch device (cpu, cuda, cuda:1 ...)") from None
+    if parsed.type == "cpu":
+        return "cpu"
+    if parsed.type != "cuda":
+        raise ColdStartBenchError(f"--device {device}: only cpu and cuda devices are benchmarked")
+    if not torch.cuda.is_available():
+        raise ColdStartBenchError(f"--device {device}: torch {torch.__version__} sees no CUDA device here")
+    index = parsed.index or 0
+    if index >= torch.cuda.device_count():
+        raise ColdStartBenchError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return torch.cuda.get_device_name(index)
+
+
+def measure_compute(package: Path, prompts: Mapping[int, Sequence[int]], threads: int, device: str = "cpu",
                     repeat: int = COMPUTE_REPEATS) -> dict[int, ComputeProfile]:
-    """The prefill compute of each prompt on ``threads`` torch threads, fully loaded, layer by layer as the
-    engine runs it. Each prompt runs once to warm up, then ``repeat`` times; each figure is the median.
+    """The prefill compute of each prompt on ``device`` with ``threads`` torch threads, fully loaded, layer by
+    layer as the engine runs it. Each prompt runs once to warm up, then ``repeat`` times; each figure is the
+    median.
     """
     import torch
 
@@ -309,7 +332,7 @@ def measure_compute(package: Path, prompts: Mapping[int, Sequence[int]], threads
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with Engine(PackageFolderProvider(package)) as engine, torch.inference_mode():
+        with Engine(PackageFolderProvider(package), device=device) as engine, torch.inference_mode():
             engine.start().wait_loaded(timeout=600)
             last = engine.provider.manifest.blocks[-1]
             for n, prompt in prompts.items():
@@ -336,6 +359,8 @@ def _time_prefill(model, prompt: list[int], last_block_start: int) -> tuple[floa
     cache = PrefillCache()
     for layer in range(m.num_layers):
         if layer == last_block_start:
+            if m.device.type == "cuda":  # the earlier layers' kernels finish first: they are not the last block's
+                torch.cuda.synchronize(m.device)
             last_start = time.perf_counter()
         hidden = m.run_layer(layer, hidden, position_embeddings=rope, position_ids=positions,
                              mask=masks[m.window(layer)], cache=cache)
@@ -576,7 +601,8 @@ def run_once(bench: _Bench, strategy: str, prompt: list[int]) -> RunResult:
     spawned = time.time()
     run = RunProcesses(bench.cluster, folder, ColdStartBenchError)
     serve = cli("serve", bench.package_id, "--agent-socket", socket, "--host", bench.cluster.address(WORKER),
-                "--port", serve_port, "--agent-timeout", f"{SERVE_START_TIMEOUT_S + SEED_START_TIMEOUT_S:.0f}")
+                "--port", serve_port, "--agent-timeout", f"{SERVE_START_TIMEOUT_S + SEED_START_TIMEOUT_S:.0f}",
+                "--device", c.device)
     threads = {"OMP_NUM_THREADS": str(c.threads), "MKL_NUM_THREADS": str(c.threads)}
     run.spawn("serve", WORKER, serve + (["--wait-full-load"] if strategy == LOAD_THEN_SERVE else []), env=threads)
     client = run.spawn("client", WORKER, client_argv(url, bench.package_id, ready, start, folder / "prompt.json",
@@ -620,9 +646,10 @@ def run(config: ColdStartConfig, workdir: Path, progress: Progress = NO_PROGRESS
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     manifest = read_manifest(config.package)
     prompts = make_prompts(config.package, config.prompt_tokens)
+    device_name = check_device(config.device)
     progress(f"measuring the prefill compute of {', '.join(map(str, config.prompt_tokens))} tokens, fully loaded, "
-             f"on {config.threads} thread(s)")
-    compute = measure_compute(config.package, prompts, config.threads)
+             f"on {config.device} ({device_name}), {config.threads} thread(s)")
+    compute = measure_compute(config.package, prompts, config.threads, config.device)
     for p in compute.values():
         progress(f"  {p.prompt_tokens} tokens: all blocks {p.all_seconds:.3f} s, last block "
                  f"{p.last_block_seconds:.3f} s")
@@ -659,7 +686,7 @@ def run(config: ColdStartConfig, workdir: Path, progress: Progress = NO_PROGRESS
             "transfer_floor_seconds": transfer_floor_seconds(manifest.total_bytes, config.link_mbit),
             "repeat": config.repeat, "max_tokens": config.max_tokens, "prompt_tokens": list(config.prompt_tokens),
             "strategies": list(STRATEGIES), "target_factor": TARGET_FACTOR, "threads": config.threads,
-            "auth": config.auth,
+            "device": config.device, "device_name": device_name, "auth": config.auth,
             "compute": {n: vars(p) for n, p in compute.items()},
             "started_at": started_at,
         }

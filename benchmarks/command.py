@@ -338,13 +338,15 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="Torch threads of each worker (OMP_NUM_THREADS) and of the compute measurement; more than one "
                    "lets other load on a shared machine stall torch's thread pool for whole seconds.")
+@click.option("--device", default="cpu", show_default=True,
+              help="--engine pipecast: where the worker and the compute measurement run (cpu, cuda, cuda:1 ...).")
 @JSON_OUT
 @DEMO_CACHE
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep every run's logs, events and answers here (default: a temp dir, removed).")
 @CREDENTIALS
 def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoint, vllm_venv, repeat, max_tokens,
-                    mode, threads, json_path, cache, workdir, no_auth):
+                    mode, threads, device, json_path, cache, workdir, no_auth):
     """Time to first token of cold workers, beside the floor and the baseline (see --engine)."""
     from benchmarks import coldstart
 
@@ -360,6 +362,11 @@ def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoi
             if no_auth:
                 raise coldstart.ColdStartBenchError("--no-auth: --engine vllm runs without credentials already "
                                                     "(vLLM's workers take no serving key)")
+            if device != "cpu":
+                raise coldstart.ColdStartBenchError("--device is for --engine pipecast (vLLM runs its workers "
+                                                    "where its build targets)")
+        else:
+            coldstart.check_device(device)
     except coldstart.ColdStartBenchError as exc:
         raise click.BadParameter(str(exc)) from None
     if package is None:
@@ -367,7 +374,7 @@ def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoi
     if not vllm:
         config = coldstart.ColdStartConfig(package=package, prompt_tokens=lengths, link_mbit=link_mbit or 400.0,
                                            repeat=repeat or 3, max_tokens=max_tokens, mode=mode, threads=threads,
-                                           auth=not no_auth)
+                                           device=device, auth=not no_auth)
         _run_and_report(coldstart.run, config, workdir, coldstart.format_report, json_path)
         return
     if checkpoint is None:

@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import pipecast
@@ -17,6 +18,7 @@ from benchmarks.coldstart import (
     ComputeProfile,
     RunResult,
     StrategyResult,
+    check_device,
     format_report,
     make_prompts,
     parse_prompt_tokens,
@@ -58,10 +60,12 @@ def test_results_stand_beside_their_floors():
     assert lts.hidden_fraction == 0.0
     report = ColdStartReport(meta={"model_name": "m", "package_id": "ab" * 32, "package_bytes": 50_000_000,
                                    "blocks": 8, "link_mbit": 400.0, "transfer_floor_seconds": 1.0,
-                                   "cluster": "emulated cluster x", "repeat": 3, "max_tokens": 16, "threads": 1},
+                                   "cluster": "emulated cluster x", "repeat": 3, "max_tokens": 16, "threads": 1,
+                                   "device": "cpu"},
                              results=(ewl, lts))
     text = format_report(report)
     assert "   512 execute-while-load    1.120    1.050    1.067       1.050    0.070" in text
+    assert "greedy completion on cpu, 1 torch thread(s)" in text
     assert ("verdict 512 tokens: execute-while-load 1.12 s vs load-then-serve 1.50 s (+0.38 s saved, 1.34x); after "
             "the transfer it waited 0.070 s = 1.40x the last block's compute (target <= 1.1x: NOT met); 82% of the "
             "prefill hidden (baseline 0%); identical tokens: yes") in text
@@ -69,6 +73,23 @@ def test_results_stand_beside_their_floors():
     assert set(data[0]) >= RESULT_FIELDS and data[0]["tokens"] == [1, 2]
     other = StrategyResult(LOAD_THEN_SERVE, 512, 50_000_000, 400.0, compute, (_run(1.5, 1.0, tokens=(1, 3)),))
     assert "identical tokens: NO" in format_report(ColdStartReport(report.meta, (ewl, other)))
+
+
+def test_a_device_this_machine_lacks_is_refused_before_any_worker_starts(tiny_package, tmp_path):
+    from benchmarks.command import bench_group
+
+    pkg = tiny_package(seed=2, tokenizer=True).path
+    assert check_device("cpu") == "cpu"
+    with pytest.raises(ColdStartBenchError, match="--device tpu:0: not a torch device"):
+        check_device("tpu:0")
+    with pytest.raises(ColdStartBenchError, match="--device meta: only cpu and cuda devices are benchmarked"):
+        check_device("meta")
+    if not torch.cuda.is_available():
+        result = CliRunner().invoke(bench_group, ["coldstart", "--package", str(pkg), "--device", "cuda",
+                                                  "--workdir", str(tmp_path / "work")])
+        assert result.exit_code == 2
+        assert f"--device cuda: torch {torch.__version__} sees no CUDA device here" in result.output
+        assert not (tmp_path / "work").exists()  # nothing started
 
 
 def test_transfer_times_come_from_the_agents_events():
