@@ -19,17 +19,29 @@ from typing import Protocol
 from pipecast.core.priorities import DEFAULT_PRIORITY, PRIORITIES
 from pipecast.core.settings import Settings, SettingsError
 
-# Far below one chunk: a large burst lets an idle hop send faster than its rate and beat the floor
-# (DESIGN 5: 2 MB bursts faked better-than-floor results; 256 KiB did not).
-DEFAULT_BURST_BYTES = 256 << 10
+# Far below one chunk at the rates of the emulated links: a large burst lets an idle hop send faster than
+# its rate and beat the floor (DESIGN 5: 2 MB bursts faked better-than-floor results at 400 Mbit/s; 256 KiB
+# did not) ...
+MIN_BURST_BYTES = 256 << 10
+# ... but at least this long at the rate: a paced sender wakes up to a millisecond late (a timer's slack, a
+# busy event loop), and what a burst cannot hold of that lateness is lost. 256 KiB is 0.5 ms at 4 Gbit/s:
+# an agent capped at 500 MB/s moved 273 MB/s (README "On a GPU node"); 5 ms at 400 Mbit/s is about 256 KiB.
+BURST_SECONDS = 0.005
+
+
+def burst_bytes_for(rate_bytes_per_s: float) -> float:
+    """The burst of a bucket at ``rate_bytes_per_s``: :data:`BURST_SECONDS` of it, at least
+    :data:`MIN_BURST_BYTES`."""
+    return max(float(MIN_BURST_BYTES), rate_bytes_per_s * BURST_SECONDS)
 
 
 @dataclass
 class TokenBucket:
-    """A token bucket that lends: taking more than is there returns how long to wait to repay it."""
+    """A token bucket that lends: taking more than is there returns how long to wait to repay it. Its burst
+    is :func:`burst_bytes_for` its rate unless given."""
 
     rate_bytes_per_s: float
-    burst_bytes: float = DEFAULT_BURST_BYTES
+    burst_bytes: float | None = None
     clock: Callable[[], float] = time.monotonic
     _tokens: float = field(init=False)
     _stamp: float = field(init=False)
@@ -37,6 +49,8 @@ class TokenBucket:
     def __post_init__(self) -> None:
         if self.rate_bytes_per_s <= 0:
             raise ValueError(f"rate must be positive, got {self.rate_bytes_per_s}")
+        if self.burst_bytes is None:
+            self.burst_bytes = burst_bytes_for(self.rate_bytes_per_s)
         self._tokens = self.burst_bytes
         self._stamp = self.clock()
 

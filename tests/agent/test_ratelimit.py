@@ -11,7 +11,9 @@ from pipecast.agent.ratelimit import (
     HostRateLimits,
     LinkShareError,
     TokenBucket,
+    burst_bytes_for,
     data_plane_caps,
+    mbit_to_bytes_per_s,
 )
 from pipecast.agent.transport.tcp import TcpTransport
 from pipecast.core.settings import Settings, SettingsError, load_settings
@@ -105,6 +107,35 @@ def test_bytes_through_a_chain_wait_for_the_slowest_bucket():
     slow = TokenBucket(100, burst_bytes=0, clock=lambda: now[0])
     assert BucketChain((slow, fast)).take(50) == pytest.approx(0.5)  # both charged, the slow one decides
     assert fast.take(0) == pytest.approx(0.05)
+
+
+def _paced(bucket: TokenBucket, now: list[float], late_s: float, seconds: float) -> int:
+    """Bytes a sender moves in 64 KiB slices for ``seconds``, waking ``late_s`` after each pause it is given."""
+    sent = 0
+    while now[0] < seconds:
+        delay = bucket.take(64 << 10)
+        sent += 64 << 10
+        if delay > 0:
+            now[0] += delay + late_s
+    return sent
+
+
+@pytest.mark.parametrize("mbit", [400, 4000, 40000])
+def test_a_sender_that_wakes_a_millisecond_late_still_gets_its_rate_and_no_more(mbit):
+    rate = mbit_to_bytes_per_s(mbit)
+    now = [0.0]
+    sent = _paced(TokenBucket(rate, clock=lambda: now[0]), now, late_s=0.001, seconds=2.0)
+    assert 0.97 * rate * now[0] <= sent <= rate * now[0] + burst_bytes_for(rate) + (64 << 10)
+    # A burst of 256 KiB at every rate (as before) holds 0.5 ms of 4 Gbit/s: half the rate is lost.
+    now = [0.0]
+    fixed = _paced(TokenBucket(rate, burst_bytes=256 << 10, clock=lambda: now[0]), now, late_s=0.001, seconds=2.0)
+    assert (fixed >= 0.97 * rate * now[0]) == (mbit == 400)
+
+
+def test_the_burst_is_five_milliseconds_at_the_rate_and_at_least_256_kib():
+    assert burst_bytes_for(mbit_to_bytes_per_s(400)) == 256 << 10
+    assert burst_bytes_for(mbit_to_bytes_per_s(4000)) == pytest.approx(2.5e6)
+    assert TokenBucket(mbit_to_bytes_per_s(4000)).burst_bytes == pytest.approx(2.5e6)
 
 
 def test_priority_shares_come_from_the_environment_and_bad_ones_are_named():

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from control_plane.client import ControlPlaneClient
 from control_plane.command import cp_group
 from packager.digest import digest_bytes
-from pipecast.agent.ratelimit import DEFAULT_BURST_BYTES
+from pipecast.agent.ratelimit import burst_bytes_for, mbit_to_bytes_per_s
 from pipecast.core.credentials import data_plane_key, serving_key
 from pipecast.router.discovery import ControlPlaneDiscovery, DiscoveredWorker
 from pipecast.v1.manifest_pb2 import Manifest
@@ -246,7 +246,8 @@ def test_one_scale_up_multicasts_the_package_onto_every_agent(cluster, package):
     assert len([e for e in cluster.events("store", "peer_request") if e["block"] is not None]) == planned
     seconds = max(c["t"] for c in completes) - started
     sent = cluster.stop("store")["bytes_sent"]
-    store_s = (manifest.total_bytes - DEFAULT_BURST_BYTES) * 8 / float(STORE_MBIT) / 1e6
+    store_rate = mbit_to_bytes_per_s(float(STORE_MBIT))
+    store_s = (manifest.total_bytes - burst_bytes_for(store_rate)) / store_rate
     print(f"\n4 agents got {manifest.total_bytes / 1e6:.1f} MB through the control plane in {seconds:.2f} s from the "
           f"scale-up call (the store's rate alone needs {store_s:.2f} s after its burst); the store sent "
           f"{sent / manifest.total_bytes:.2f}x the package")
@@ -302,7 +303,8 @@ def test_a_low_priority_deployment_multicasts_at_its_share_of_the_stores_link(cl
     assert cluster.wait_event("store", "assignment")["priority"] == "low"
     assert cluster.wait_event("a1", "assignment")["priority"] == "low"
     seconds = cluster.wait_event("a1", "complete")["t"] - started
-    floor = (manifest.total_bytes - DEFAULT_BURST_BYTES) * 8 / 4e6  # the low share's bucket after its burst
+    share = mbit_to_bytes_per_s(4)
+    floor = (manifest.total_bytes - burst_bytes_for(share)) / share  # the low share's bucket after its burst
     print(f"\na low-priority package of {manifest.total_bytes / 1e6:.1f} MB took {seconds:.2f} s at a 4 Mbit/s share "
           f"(floor {floor:.2f} s)")
     assert seconds >= floor * 0.9
