@@ -1,4 +1,4 @@
-"""The GPU path's check: one prepared run for a machine with CUDA (README "On a GPU").
+"""The GPU path's check: one prepared run for a machine with CUDA (README "On a GPU node").
 
 1. **Exactness**: random tiny Llama, Qwen2 and Mistral models in fp32 and bf16, each packed here: the greedy
    tokens of ``pipecast.load(package, device=...)`` against transformers' ``generate`` on the same device,

@@ -46,8 +46,8 @@ from control_plane.planner.replan import repair
 
 SERVE_POLICIES = ("fair", "earliest")
 # Fitted to this project's emulated cluster (netns, TCP, 1 MiB chunks), checked against its measured runs at
-# N = 4, 8 and 16 (README): each hop's first block starts ~16 ms after its parent's (the manifest and small
-# files come first, each hop fetching them from its parent), and a transfer takes 2.5% more than S/B
+# N = 4, 8 and 16 (docs/benchmarks.md): each hop's first block starts ~16 ms after its parent's (the manifest
+# and small files come first, each hop fetching them from its parent), and a transfer takes 2.5% more than S/B
 # (TCP/IP headers on the shaped link: the payload gets 97.5% of it).
 CALIBRATED_START_DELAY_S = 0.016
 CALIBRATED_GOODPUT = 0.975

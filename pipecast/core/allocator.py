@@ -6,8 +6,8 @@ the kernel as soon as it is freed (heap trimmed above 128 KiB free, or a mapping
 so the next growth faults fresh zeroed pages in: measured here, a store sending 8 copies of a 257 MiB model
 faulted in about 640 MB of new pages beyond its start-up (180,000 faults; 24,000 with the policy below).
 Where memory is backed lazily (a VM whose host takes freed memory back: 10-45 us a page on the machine of
-the README) that is seconds of CPU per surge; elsewhere a few hundred milliseconds. Keeping freed memory for
-reuse, up to a bound, stops it.
+docs/benchmarks.md) that is seconds of CPU per surge; elsewhere a few hundred milliseconds. Keeping freed
+memory for reuse, up to a bound, stops it.
 """
 
 import ctypes

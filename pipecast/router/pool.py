@@ -25,7 +25,7 @@ Which worker gets a request (:meth:`WorkerPool.choose`):
   fewest requests of *other* tenants in flight from this router, then the most of its own tenant, so
   that a bursting tenant's admitted requests batch with each other on some workers and the other
   tenants' requests find the rest free (a shared batch or core slows each of its requests; measured
-  under "Tenants" in the README). A worker then takes one batch at most, so a tenant's requests spill
+  under "Tenants" in docs/benchmarks.md). A worker then takes one batch at most, so a tenant's requests spill
   over to the next worker once a batch is full. With one tenant active this rule does not apply.
 - Then least loaded. Load is the requests this router has in flight there plus the worker's reported
   queue depth (this router's requests still queued there count twice, which only steers harder away
@@ -39,7 +39,7 @@ Which worker gets a request (:meth:`WorkerPool.choose`):
 - Then the worker used most recently (busy now, or idle for the shortest time), so that light traffic
   keeps as few replicas busy as it needs and the others stay idle: an autoscaler releases a replica
   only after a keep-alive of idleness (``idle_s`` in ``/stats``), which requests spread evenly over every
-  replica would never leave it (measured in the README's long surge run). Pipelines: the one given fewer
+  replica would never leave it (measured in docs/benchmarks.md's long surge run). Pipelines: the one given fewer
   requests so far.
 - A retried request names the workers that failed it (``avoid``): they come last, not never, so a
   request can still go back to a worker that has recovered when it is the only one left.

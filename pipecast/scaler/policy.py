@@ -166,9 +166,9 @@ def cold_start_demand(rate: float, ready: int, throughput: float, policy: Scalin
     requests have waited about a cold start already, and a request arriving once the replicas serve waits
     at most the drain, so a drain within the cold start keeps every later request's wait below theirs
     (the p99 a cold start sets), while a faster one buys replicas that idle for the rest of the surge
-    (measured in the README's long surge run). 0 when the ready replicas keep up, or without a cold start. A
-    partial replica (serving layer by layer while its blocks arrive) is still in its cold start: it counts
-    among the replicas this sizes, not among those that keep up."""
+    (measured in docs/benchmarks.md's long surge run). 0 when the ready replicas keep up, or without a cold
+    start. A partial replica (serving layer by layer while its blocks arrive) is still in its cold start: it
+    counts among the replicas this sizes, not among those that keep up."""
     excess = rate - ready * throughput
     if cold_start_s <= 0 or rate <= 0 or excess <= 0:
         return 0
