@@ -94,7 +94,7 @@ def cold_start(device: str, work: Path, layers: int, repeat: int, prompt_tokens:
     import transformers
 
     import pipecast
-    from benchmarks.tiny_checkpoints import make_checkpoint
+    from benchmarks.tiny_checkpoints import make_checkpoint, write_byte_tokenizer
     from packager.pack import pack
 
     ckpt, pkg = work / "cold-ckpt", work / "cold"
@@ -102,6 +102,7 @@ def cold_start(device: str, work: Path, layers: int, repeat: int, prompt_tokens:
     make_checkpoint("llama", ckpt, dtype="bfloat16", initializer_range=0.02, vocab_size=32000, hidden_size=2048,
                     intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
                     max_position_embeddings=4096)
+    write_byte_tokenizer(ckpt)  # so that `pipecast serve` and `bench coldstart` can run the kept package too
     manifest = pack(ckpt, pkg, layers_per_block=1, model_name="cold-llama")
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     click.echo(f"cold start: random Llama, {layers} layers at hidden 2048, {size / 2**30:.2f} GiB bf16, "
@@ -169,8 +170,14 @@ def cold_start(device: str, work: Path, layers: int, repeat: int, prompt_tokens:
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the figures as JSON.")
-def main(device: str, cold_layers: int, repeat: int, prompt_tokens: int, json_path: Path | None) -> None:
+@click.option("--keep", "keep_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep the checkpoints and packages in this new folder (default: a temp dir, removed); the "
+                   "cold-start model's package is DIR/cold, for `pipecast bench coldstart --device cuda --package`.")
+def main(device: str, cold_layers: int, repeat: int, prompt_tokens: int, json_path: Path | None,
+         keep_dir: Path | None) -> None:
     """Check pipecast's GPU path: exactness against transformers, then a cold start's first token."""
+    if keep_dir is not None and keep_dir.exists() and any(keep_dir.iterdir()):
+        raise click.BadParameter(f"{keep_dir} is not empty", param_hint="--keep")
     import torch
     import transformers
 
@@ -181,9 +188,11 @@ def main(device: str, cold_layers: int, repeat: int, prompt_tokens: int, json_pa
     if device.startswith("cuda"):
         torch.ones(1, device=device).matmul(torch.ones(1, device=device))  # the CUDA context, outside the timings
     with tempfile.TemporaryDirectory(prefix="pipecast-gpu-") as tmp:
+        work = keep_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         result = {"device": device, "device_name": name, "torch": torch.__version__,
-                  "transformers": transformers.__version__, "exactness": exactness(device, Path(tmp))}
-        result["cold_start"] = cold_start(device, Path(tmp), cold_layers, repeat, prompt_tokens)
+                  "transformers": transformers.__version__, "exactness": exactness(device, work)}
+        result["cold_start"] = cold_start(device, work, cold_layers, repeat, prompt_tokens)
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))
 
