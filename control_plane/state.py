@@ -163,12 +163,14 @@ class ScaleUpDraft:
     block_bytes: tuple[int, ...] = ()
     chunk_counts: tuple[int, ...] = ()
     held: Mapping[str, frozenset[int]] = field(default_factory=dict)  # only when a receiver holds some
+    # The blocks each receiver of the package in flight under other plans still waits for, in its order.
+    in_flight: tuple[tuple[int, ...], ...] = ()
 
     def build(self) -> Plan:
         """The plan (pure; nothing a receiver already verified is fetched again)."""
         plan = make_plan(self.strategy, self.sources, self.receivers, self.num_blocks, fanout=self.fanout,
                          labels=self.labels, block_bytes=self.block_bytes, source_links=self.links,
-                         chunk_counts=self.chunk_counts or None)
+                         chunk_counts=self.chunk_counts or None, in_flight=self.in_flight)
         if self.held:
             plan = replan(plan, dead=(), held=self.held, sources=self.sources, labels=self.labels, fanout=self.fanout)
         return plan
@@ -462,7 +464,10 @@ class ControlState:
         progress sends from it (:attr:`store_beside_holders`), else its store alone; several sources, or a
         store of :attr:`store_links` > 1 links feeding two receivers or more, give a plan rotated by bytes
         (see :mod:`control_plane.placement`). While a chain from the store is still in progress, a
-        new chain hangs behind its last node instead (one copy leaves the store, not two).
+        new chain hangs behind its last node instead (one copy leaves the store, not two), unless the store
+        has a link to spare: then the new receivers get a plan rotated to start where the receivers in
+        flight lack most (:func:`~control_plane.planner.schedules.complement_starts`), so that together
+        they soon hold every layer and serve as a pipeline.
 
         The same as :meth:`draft_scale_up`, :meth:`ScaleUpDraft.build` and :meth:`install_scale_up`, which
         the service calls apart to plan off its event loop."""
@@ -500,14 +505,21 @@ class ControlState:
             return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged))
         availability = self.availability[package_id]
         sources, strategy = self._plan_sources(package, strategy, exclude=set(receivers))
-        links = self._source_links(package, sources, len(receivers))
+        # Only a rotated plan uses them: one from several sources, or from a store of several links.
+        in_flight = self._in_flight(package_id) if strategy in ("", "rotated") and (
+            self.store_links > 1 or len(sources) > 1) else ()
+        links = self._source_links(package, sources, len(receivers), bool(in_flight))
         slots = sum(links.get(s, 1) for s in sources)
+        if not strategy:
+            # Beside receivers in flight, a store with a link to spare sends rotated even to one receiver:
+            # it starts where the others lack most (``make_plan``'s in_flight), and a pipeline forms sooner.
+            strategy = "rotated" if in_flight and links else default_strategy(slots, len(receivers))
         held = {n: frozenset(b) for n, b in availability.by_worker.items()} \
             if any(n in availability.by_worker for n in receivers) else {}
-        return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged), tuple(sources),
-                            strategy or default_strategy(slots, len(receivers)), fanout or DEFAULT_FANOUT,
-                            self._labels({*held, *sources, *receivers}), links, package.num_blocks,
-                            package.block_bytes, package.chunk_counts, held)
+        return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged), tuple(sources), strategy,
+                            fanout or DEFAULT_FANOUT, self._labels({*held, *sources, *receivers}), links,
+                            package.num_blocks, package.block_bytes, package.chunk_counts, held,
+                            in_flight if strategy == "rotated" else ())
 
     def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float) -> ScaleUpResult:
         """Start ``plan``, built from ``draft``, and tell its nodes. If the cluster changed since the draft
@@ -724,7 +736,7 @@ class ControlState:
 
     def _plan_sources(self, package: Package, strategy: str, exclude: Collection[str]) -> tuple[list[str], str]:
         """The sources of a new plan of ``package`` (none of ``exclude``) and its strategy (``strategy``, or
-        "chain" where it hangs behind a chain in progress).
+        "chain" where it hangs behind a chain in progress from a store with no link to spare).
 
         Beside complete holders, a rotated plan (or one whose strategy is left to the state) also sends from
         the store while no plan in progress does: its egress is a source like theirs."""
@@ -734,24 +746,52 @@ class ControlState:
                 and strategy in ("", "rotated") and not self._store_busy(store):
             sources.append(store)
         from_store = sources == [store]
-        tail = self._chain_tail(package.package_id) if strategy in ("", "chain") and from_store else None
+        spare_link = self.store_links > 1 and self._store_links_free(store) > 0
+        tail = self._chain_tail(package.package_id) if strategy in ("", "chain") and from_store and not spare_link \
+            else None
         if tail is not None:
-            # A chain is still bringing the package from the store: hang the new receivers behind its last
-            # node (it forwards each chunk as it lands) instead of splitting the store's egress between two
-            # plans, which would slow the first one down.
+            # A chain is still bringing the package from the store, whose links are all taken: hang the new
+            # receivers behind its last node (it forwards each chunk as it lands) instead of splitting the
+            # store's egress between two plans, which would slow the first one down.
             return [tail], "chain"
         return sources, strategy
 
-    def _source_links(self, package: Package, sources: Sequence[str], receivers: int) -> dict[str, int]:
-        """Links per source of a new plan: the store's :attr:`store_links` when it sends to two receivers or
-        more (alone, or beside holders while it is idle: :meth:`_plan_sources`)."""
-        if self.store_links > 1 and receivers > 1 and package.store.node_id in sources:
-            return {package.store.node_id: self.store_links}
+    def _source_links(self, package: Package, sources: Sequence[str], receivers: int,
+                      in_flight: bool) -> dict[str, int]:
+        """Links per source of a new plan: the store's links not taken by plans in progress
+        (:meth:`_store_links_free`) when it has :attr:`store_links` > 1 and sends to two receivers or more,
+        or to one beside receivers ``in_flight`` (alone, or beside holders while it is idle:
+        :meth:`_plan_sources`)."""
+        store = package.store.node_id
+        if self.store_links > 1 and (receivers > 1 or in_flight) and store in sources:
+            free = self._store_links_free(store)
+            return {store: free} if free else {}
         return {}
 
     def _store_busy(self, store: str) -> bool:
         """Whether a plan in progress sends from ``store`` (the state does not track its links one by one)."""
         return any(store in a.plan.sources for a in self.plans.values() if a.pending)
+
+    def _store_links_free(self, store: str) -> int:
+        """``store``'s links not taken by plans in progress: one per receiver still fetching from it."""
+        taking = {n for a in self.plans.values() for n in a.pending
+                  if n in a.parts and any(f.parent == store for f in a.parts[n].fetch)}
+        return max(0, self.store_links - len(taking))
+
+    def _in_flight(self, package_id: str) -> tuple[tuple[int, ...], ...]:
+        """Per receiver of ``package_id`` that an active plan still feeds, the blocks it lacks in its fetch
+        order (what ``make_plan``'s ``in_flight`` takes)."""
+        availability = self.availability[package_id]
+        out = []
+        for active in self.plans.values():
+            if active.package_id != package_id:
+                continue
+            for node in sorted(active.pending):
+                have = availability.held(node)
+                part = active.parts.get(node)
+                if part is not None:
+                    out.append(tuple(dict.fromkeys(f.block for f in part.fetch if f.block not in have)))
+        return tuple(out)
 
     def _rack(self, node: str) -> str | None:
         """The ``rack`` label of ``node``, None where it has none or is no worker (a store)."""

@@ -60,7 +60,8 @@ Unit = tuple[int, Chunks]  # (block, chunk range or None for the whole block)
 def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], num_blocks: int, *,
               fanout: int = 2, labels: Mapping[str, Mapping[str, str]] | None = None,
               block_bytes: Sequence[int] | None = None, source_links: Mapping[str, int] | None = None,
-              chunk_counts: Sequence[int] | None = None, units: int | None = None) -> Plan:
+              chunk_counts: Sequence[int] | None = None, units: int | None = None,
+              in_flight: Sequence[Sequence[int]] = ()) -> Plan:
     """Plan how ``receivers`` get blocks ``0..num_blocks-1`` from ``sources`` (nodes holding everything).
 
     Strategies: ``unicast`` (every block from a source, spread over the sources), ``chain``
@@ -75,6 +76,12 @@ def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], n
     ``block_bytes`` are the blocks' sizes (default: all equal, so the rotation is by g*num_blocks/K).
     ``source_links`` gives a source's egress in links (default 1): ``rotated`` gives a source with L links
     L groups (a store at 8x the link rate is 8 sources); the other strategies ignore it.
+
+    ``in_flight``: per receiver of the package still in progress under other plans, the blocks it still
+    waits for, in its fetch order. ``rotated`` then starts its groups where they best complement those
+    (:func:`complement_starts`): a receiver added one second after another starts halfway into what the
+    other still lacks, so that the two soon hold every layer between them (a pipeline), where rotating
+    as if alone would send it the same blocks first. The other strategies ignore it.
 
     ``chunk_counts`` are the blocks' chunk counts (the manifest's ceil(block bytes / chunk bytes)). With
     them a binomial pipeline (``binomial``, and the binomial groups of ``rotated``) runs over units instead
@@ -128,7 +135,7 @@ def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], n
     split = _Splitter(chunk_counts, units)
     if strategy == "rotated":
         slots = [s for s in sources for _ in range((source_links or {}).get(s, 1))]
-        return Plan(strategy, sources, _rotated(slots, receivers, num_blocks, rack, block_bytes, split))
+        return Plan(strategy, sources, _rotated(slots, receivers, num_blocks, rack, block_bytes, split, in_flight))
     if strategy == "binomial":
         out: dict[str, list[Fetch[str]]] = {}
         ordered = rack_order(receivers, rack, rack(sources[0]))
@@ -173,10 +180,11 @@ def _tree(sources, receivers, num_blocks, fanout, rack) -> dict[str, list[Fetch[
     return out
 
 
-def _rotated(slots, receivers, num_blocks, rack, block_bytes, split) -> dict[str, list[Fetch[str]]]:
+def _rotated(slots, receivers, num_blocks, rack, block_bytes, split, in_flight) -> dict[str, list[Fetch[str]]]:
     k = max(1, min(len(slots), len(receivers)))  # groups that get receivers: the first k ones
     out: dict[str, list[Fetch[str]]] = {}
-    starts = _rotation_starts(k, num_blocks, block_bytes)
+    starts = (complement_starts(k, num_blocks, block_bytes, in_flight) if in_flight
+              else _rotation_starts(k, num_blocks, block_bytes))
     for source, group, start in zip(slots, _split_groups(slots, receivers, rack), starts):
         order = [(start + i) % num_blocks for i in range(num_blocks)]
         group = rack_order(group, rack, rack(source))
@@ -211,6 +219,43 @@ def _rotation_starts(k: int, num_blocks: int, block_bytes: Sequence[int] | None)
         if k <= num_blocks:
             start = min(max(start, starts[-1] + 1), num_blocks - k + g)
         starts.append(start)
+    return starts
+
+
+def complement_starts(k: int, num_blocks: int, block_bytes: Sequence[int] | None,
+                      in_flight: Sequence[Sequence[int]]) -> list[int]:
+    """The first block of each of ``k`` new groups, given receivers in flight that still wait for the
+    blocks of ``in_flight`` (each list in its fetch order; a receiver holds the blocks its list lacks).
+
+    Every receiver is taken to get its blocks in order at one link's rate, so block b lands when the bytes
+    before it in the receiver's order have arrived. Group by group, each start is the one that makes every
+    block land somewhere soonest (then the most bytes soonest, then the lowest block): the union of the
+    receivers, in flight and new, then holds every layer, which is what a pipeline across them needs.
+    Sizes as :func:`_rotation_starts` takes them.
+    """
+    if block_bytes is None or not any(block_bytes):
+        block_bytes = [1] * num_blocks
+    lands = [math.inf] * num_blocks  # when each block is first held by one of the receivers (0: now)
+    for waiting in in_flight:
+        arrived, at = 0, {}
+        for block in waiting:
+            arrived += block_bytes[block]
+            at[block] = arrived
+        lands = [min(land, at.get(block, 0)) for block, land in enumerate(lands)]
+    starts: list[int] = []
+    for _ in range(k):
+        best = None
+        for start in range(num_blocks):
+            trial, arrived = list(lands), 0
+            for i in range(num_blocks):
+                block = (start + i) % num_blocks
+                arrived += block_bytes[block]
+                trial[block] = min(trial[block], arrived)
+            score = (max(trial), sum(t * block_bytes[b] for b, t in enumerate(trial)), start)
+            if best is None or score < best[0]:
+                best = (score, start, trial)
+        starts.append(best[1])
+        lands = best[2]
     return starts
 
 

@@ -719,6 +719,28 @@ def test_rotated_plans_rotate_by_bytes():
     assert sorted(parts[n].fetch[0].block for n in result.receivers) == [0, 3]
 
 
+def test_a_store_with_a_link_to_spare_sends_a_later_receiver_what_the_first_lacks_most():
+    state = store_cluster(4, store_links=4)
+    first = state.scale_up("pkg", node_ids=["w0"], now=1)
+    assert first.strategy == "chain"
+    state.report("w0", {"pkg": [0]}, {}, now=2)
+    # Not behind w0 (the store has links to spare) and not the same order: from the block where w0's
+    # remaining seven split into equal halves, so that the two soon hold every layer between them.
+    second = state.scale_up("pkg", node_ids=["w1"], now=2)
+    assert second.strategy == "rotated" and second.sources == ("store",)
+    fetches = state.plans[second.plan_id].parts["w1"].fetch
+    assert {f.parent for f in fetches} == {"store"} and [f.block for f in fetches][:2] == [4, 5]
+    # The third starts in the largest part the two lack between them.
+    third = state.scale_up("pkg", node_ids=["w2"], now=2)
+    assert state.plans[third.plan_id].parts["w2"].fetch[0].block in (2, 6)
+    # Every link taken (w0, w1, w2, w3 fetch from the store): the next hangs behind the chain in progress,
+    # as with a store of one link.
+    assert state.scale_up("pkg", node_ids=["w3"], now=2).sources == ("store",)
+    state.register(spec("w4"), {}, now=2)
+    fifth = state.scale_up("pkg", node_ids=["w4"], now=2)
+    assert fifth.strategy == "chain" and fifth.sources == ("w0",)
+
+
 def test_store_links_come_from_the_settings_and_the_command_line():
     from click.testing import CliRunner
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from control_plane.planner.plan import STRATEGIES, Fetch, Plan, PlanError
-from control_plane.planner.schedules import GROUP_CHAIN_MAX, make_plan, split_blocks, unit_chunks
+from control_plane.planner.schedules import GROUP_CHAIN_MAX, complement_starts, make_plan, split_blocks, unit_chunks
 from control_plane.planner.simulate import SERVE_POLICIES, lower_bound, simulate
 from pipecast.core.errors import PipecastError
 
@@ -391,6 +391,49 @@ def test_rotated_starts_each_group_at_the_block_boundary_nearest_its_share_of_th
     # K = 4: 64.25 -> 81 (block 1), 128.5 -> 131 (block 3), 192.75 -> 181 (block 5)
     four = make_plan("rotated", ["a", "b", "c", "d"], ["w", "x", "y", "z"], 8, block_bytes=EMBEDDINGS_FIRST)
     assert [four.assignments[rx][0].block for rx in "wxyz"] == [0, 1, 3, 5]
+
+
+def test_a_group_beside_receivers_in_flight_starts_where_they_lack_most():
+    # One receiver in flight, 1 s into block 0: the new one starts at block 3, so that the first holds
+    # blocks 0-2 (131) when the new one holds 3-7 (126); from block 0 it would duplicate the first.
+    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [list(range(8))]) == [3]
+    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [list(range(1, 8))]) == [5]  # block 0 is in: 1-4 | 5-7
+    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [[]]) == [0]  # the one in flight holds all: as if alone
+    plan = make_plan("rotated", ["store"], ["y"], 8, block_bytes=EMBEDDINGS_FIRST, in_flight=[list(range(8))])
+    assert [a.block for a in plan.assignments["y"]] == [3, 4, 5, 6, 7, 0, 1, 2]
+    plan.validate()
+    # Ignored without in-flight receivers and by the strategies that do not rotate.
+    assert make_plan("rotated", ["a", "b"], ["x", "y"], 8, in_flight=[]) == make_plan("rotated", ["a", "b"],
+                                                                                       ["x", "y"], 8)
+    assert make_plan("chain", ["a"], ["x"], 8, in_flight=[[0, 1]]) == make_plan("chain", ["a"], ["x"], 8)
+
+
+def _all_held_at(sizes: list[int], orders: list[list[int]]) -> int:
+    """Bytes into the transfer when every block is held by one receiver, each getting its order at one rate
+    (a block a receiver's order lacks, it holds from the start)."""
+    worst = 0
+    for block in range(len(sizes)):
+        lands = [0 if block not in order else sum(sizes[b] for b in order[:order.index(block) + 1])
+                 for order in orders]
+        worst = max(worst, min(lands))
+    return worst
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=12), st.data())
+def test_a_complementing_start_gets_every_block_held_soonest(sizes, data):
+    n = len(sizes)
+    in_flight = [data.draw(st.permutations(range(n)).map(lambda p: p[:data.draw(st.integers(0, n))]))
+                 for _ in range(data.draw(st.integers(1, 3)))]
+    weights = sizes if any(sizes) else [1] * n
+    start = complement_starts(1, n, sizes, in_flight)[0]
+    rotation = lambda s: [(s + i) % n for i in range(n)]  # noqa: E731
+    best = min(_all_held_at(weights, [*in_flight, rotation(s)]) for s in range(n))
+    assert _all_held_at(weights, [*in_flight, rotation(start)]) == best
+    plan = make_plan("rotated", ["s"], ["x", "y"], n, block_bytes=sizes, source_links={"s": 2}, in_flight=in_flight)
+    for fetches in plan.assignments.values():
+        assert sorted(a.block for a in fetches) == list(range(n))
+    plan.validate()
 
 
 @settings(max_examples=60, deadline=None)
