@@ -26,7 +26,7 @@ from control_plane.planner.pipelines import ModelLayout, Pipeline, form_pipeline
 from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
 from control_plane.planner.replan import INLINE_REPLAN_MAX_RECEIVERS, parts_of, repair, replan
-from control_plane.planner.schedules import make_plan
+from control_plane.planner.schedules import GROUP_CHAIN_MAX, make_plan
 from control_plane.planner.stragglers import Sample, StragglerPolicy, demote, find_stragglers, receive_rate
 from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.v1.manifest_pb2 import Manifest
@@ -465,9 +465,9 @@ class ControlState:
         store of :attr:`store_links` > 1 links feeding two receivers or more, give a plan rotated by bytes
         (see :mod:`control_plane.placement`). While a chain from the store is still in progress, a
         new chain hangs behind its last node instead (one copy leaves the store, not two), unless the store
-        has a link to spare: then the new receivers get a plan rotated to start where the receivers in
-        flight lack most (:func:`~control_plane.planner.schedules.complement_starts`), so that together
-        they soon hold every layer and serve as a pipeline.
+        has a link to spare. Otherwise a few receivers added beside others in flight get a plan rotated to
+        start where those lack most (:func:`~control_plane.planner.schedules.complement_starts`), so that
+        together they soon hold every layer and serve as a pipeline.
 
         The same as :meth:`draft_scale_up`, :meth:`ScaleUpDraft.build` and :meth:`install_scale_up`, which
         the service calls apart to plan off its event loop."""
@@ -505,15 +505,17 @@ class ControlState:
             return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged))
         availability = self.availability[package_id]
         sources, strategy = self._plan_sources(package, strategy, exclude=set(receivers))
-        # Only a rotated plan uses them: one from several sources, or from a store of several links.
-        in_flight = self._in_flight(package_id) if strategy in ("", "rotated") and (
-            self.store_links > 1 or len(sources) > 1) else ()
+        # Only a rotated plan uses them (not a chain behind a chain in progress: it gets what that gets).
+        in_flight = self._in_flight(package_id) if strategy in ("", "rotated") else ()
         links = self._source_links(package, sources, len(receivers), bool(in_flight))
         slots = sum(links.get(s, 1) for s in sources)
         if not strategy:
-            # Beside receivers in flight, a store with a link to spare sends rotated even to one receiver:
-            # it starts where the others lack most (``make_plan``'s in_flight), and a pipeline forms sooner.
-            strategy = "rotated" if in_flight and links else default_strategy(slots, len(receivers))
+            strategy = default_strategy(slots, len(receivers))
+            if in_flight and len(receivers) <= GROUP_CHAIN_MAX:
+                # Beside receivers in flight a few more (the daemon's scale-ups) get a rotated plan, a chain
+                # still, but starting where the others lack most (``make_plan``'s in_flight): a pipeline
+                # across them forms sooner than if all got the blocks in the same order.
+                strategy = "rotated"
         held = {n: frozenset(b) for n, b in availability.by_worker.items()} \
             if any(n in availability.by_worker for n in receivers) else {}
         return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged), tuple(sources), strategy,
@@ -780,11 +782,13 @@ class ControlState:
 
     def _in_flight(self, package_id: str) -> tuple[tuple[int, ...], ...]:
         """Per receiver of ``package_id`` that an active plan still feeds, the blocks it lacks in its fetch
-        order (what ``make_plan``'s ``in_flight`` takes)."""
+        order (what ``make_plan``'s ``in_flight`` takes). Plans of more than
+        :data:`INLINE_REPLAN_MAX_RECEIVERS` are left out: listing theirs would hold the event loop (the
+        complement is for the small scale-ups a scaling daemon makes as the load grows)."""
         availability = self.availability[package_id]
         out = []
         for active in self.plans.values():
-            if active.package_id != package_id:
+            if active.package_id != package_id or len(active.plan.assignments) > INLINE_REPLAN_MAX_RECEIVERS:
                 continue
             for node in sorted(active.pending):
                 have = availability.held(node)

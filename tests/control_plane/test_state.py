@@ -741,6 +741,18 @@ def test_a_store_with_a_link_to_spare_sends_a_later_receiver_what_the_first_lack
     assert fifth.strategy == "chain" and fifth.sources == ("w0",)
 
 
+def test_a_receiver_added_beside_others_in_flight_starts_where_they_lack_most():
+    state = cluster(4)
+    state.report("w3", {"pkg": range(BLOCKS)}, {}, now=1)  # a warm holder, the store beside it
+    first = state.scale_up("pkg", node_ids=["w0"], now=1)
+    assert state.plans[first.plan_id].parts["w0"].fetch[0].block == 0
+    second = state.scale_up("pkg", node_ids=["w1"], now=2)  # the store is busy: the holder alone sends
+    assert second.sources == ("w3",) and second.strategy == "rotated"
+    assert [f.block for f in state.plans[second.plan_id].parts["w1"].fetch] == [4, 5, 6, 7, 0, 1, 2, 3]
+    # Named a strategy, the plan is made as if alone.
+    assert state.scale_up("pkg", node_ids=["w2"], strategy="chain", now=2).strategy == "chain"
+
+
 def test_store_links_come_from_the_settings_and_the_command_line():
     from click.testing import CliRunner
 
