@@ -53,6 +53,7 @@ from packager.manifest import read_manifest
 from pipecast.core.errors import PipecastError
 from pipecast.core.progress import NO_PROGRESS, Progress
 from pipecast.core.units import format_bytes
+from pipecast.router.discovery import PIPELINE_KEY_PREFIX
 
 PIPELINES, PIPELINES_MOVE, PIPELINES_FINISH, WHOLE = "pipelines", "pipelines-move", "pipelines-finish", "whole-model"
 STRATEGIES = (PIPELINES, PIPELINES_MOVE, PIPELINES_FINISH, WHOLE)
@@ -154,7 +155,7 @@ class PipelinesReport(RunsReport[RunResult]):
 
 def stages_of(served_by: str) -> int:
     """Stages of the pipeline named by the router's ``x-pipecast-worker`` (``pipeline:a+b``), 0 otherwise."""
-    return served_by.count("+") + 1 if served_by.startswith("pipeline:") else 0
+    return served_by.count("+") + 1 if served_by.startswith(PIPELINE_KEY_PREFIX) else 0
 
 
 def verdicts(results: Sequence[RunResult]) -> list[str]:
@@ -292,7 +293,8 @@ async def _drive(spec: DriverSpec) -> dict:
                 await watcher
         finally:
             watcher.cancel()
-        head = served_by.removeprefix("pipeline:").split("+")[0] if served_by.startswith("pipeline:") else None
+        piped = served_by.startswith(PIPELINE_KEY_PREFIX)
+        head = served_by.removeprefix(PIPELINE_KEY_PREFIX).split("+")[0] if piped else None
         moved = bool(head and ((await _probe(http, f"{spec.receivers[head]}/health")) or {}).get("pipeline_moved"))
     events.emit("done")
     between = (last - ttft) / (len(tokens) - 1) if len(tokens) > 1 else None

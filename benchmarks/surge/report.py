@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from benchmarks.surge.strategies import BASELINE, FIXED, ORACLE_SUFFIX, PIPECAST, PIPECAST_PIPELINES, WARM_POOL
+from pipecast.router.discovery import PIPELINE_KEY_PREFIX
 from pipecast.router.signals import percentile as sorted_percentile
 
 STATUSES = ("ok", "rejected", "failed")
@@ -146,6 +147,9 @@ class RunMetrics:
     send_lag_p99_seconds: float | None  # how late the load generator sent (should be ~0)
     cpu_mean_percent: float
     cpu_saturated: bool
+    # Answered by a cross-node pipeline (the router's ``pipeline:`` units), and the first of their first tokens.
+    pipelined_requests: int = 0
+    first_pipelined_token_seconds: float | None = None
 
 
 # Numeric figures, medians over repeats in the JSON (the saturation flag is "any run" instead).
@@ -187,6 +191,7 @@ def run_metrics(run: RunRecord, first_n: int = FIRST_N) -> RunMetrics:
     end = run.end_s
     tokens = sum(r.output_tokens for r in answered)
     cost = worker_seconds(run.workers, end)
+    pipelined = [r.arrival_s + r.ttft_s for r in answered if (r.worker or "").startswith(PIPELINE_KEY_PREFIX)]
     return RunMetrics(
         requests=len(ordered), answered=len(answered),
         rejected=sum(r.status == "rejected" for r in ordered), failed=sum(r.status == "failed" for r in ordered),
@@ -199,7 +204,8 @@ def run_metrics(run: RunRecord, first_n: int = FIRST_N) -> RunMetrics:
         output_tokens=tokens, tokens_per_s=tokens / end if end > 0 else 0.0, duration_seconds=end,
         worker_seconds=cost, cost_per_1k_output_tokens=cost / (tokens / 1000) if tokens else None,
         send_lag_p99_seconds=percentile([r.sent_s - r.arrival_s for r in ordered], 99),
-        cpu_mean_percent=run.cpu_mean_percent, cpu_saturated=run.cpu_saturated)
+        cpu_mean_percent=run.cpu_mean_percent, cpu_saturated=run.cpu_saturated,
+        pipelined_requests=len(pipelined), first_pipelined_token_seconds=min(pipelined, default=None))
 
 
 # -- strategies and ratios -----------------------------------------------------------------------------
@@ -423,6 +429,12 @@ def format_report(meta: Mapping[str, object], summaries: Sequence[StrategySummar
             shown = "; ".join(f"{'+' if e['action'] == 'scale_up' else '-'}{e['count']} at {e['t']:.1f} s"
                               for e in events)
             lines.append(f"{s.strategy} scale events (repeat {s.runs[0].repeat}): {shown}")
+    for s in summaries:
+        if any(m.pipelined_requests for m in s.metrics):
+            shown = "; ".join(f"{m.pipelined_requests} of {m.answered}" + (
+                f", the first token at {m.first_pipelined_token_seconds:.1f} s" if m.pipelined_requests else "")
+                for m in s.metrics)
+            lines.append(f"{s.strategy} requests answered by pipelines across nodes (per repeat): {shown}")
     lines += ["", "ratios (median over repeats of per-repeat ratios; TTFT a/b = how many times lower b is):"]
     for pair, values in pair_ratios.items():
         if not pair.startswith(f"{BASELINE}/") and f"/{PIPECAST}" not in pair:

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: How a pipeline's key (the router's name for it, and the worker a request's answer names) begins.
+PIPELINE_KEY_PREFIX = "pipeline:"
+
 
 @dataclass(frozen=True)
 class DiscoveredWorker:
@@ -49,7 +52,7 @@ class DiscoveredPipeline:
     """A cross-node pipeline: its stages' workers in order (the first, the head, receives the request
     with the route in ``header``, the value of :data:`pipecast.serve.pipeline.PIPELINE_HEADER`)."""
 
-    key: str  # "pipeline:" and the stages' node ids, joined by "+"
+    key: str  # PIPELINE_KEY_PREFIX and the stages' node ids, joined by "+"
     head_url: str
     member_urls: tuple[str, ...]
     header: str
@@ -178,7 +181,7 @@ class ControlPlaneDiscovery:
             except WorkerUrlError as exc:
                 log.warning("skipping a pipeline: %s", exc)
                 continue
-            found.append(DiscoveredPipeline("pipeline:" + "+".join(s.node_id for s in info.stages), hops[0].url,
+            found.append(DiscoveredPipeline(PIPELINE_KEY_PREFIX + "+".join(s.node_id for s in info.stages), hops[0].url,
                                             tuple(h.url for h in hops), route_header(hops), info.waiting_blocks,
                                             info.package_id))
         return found

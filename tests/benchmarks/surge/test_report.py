@@ -97,6 +97,19 @@ def test_first_n_covers_the_earliest_arrivals_and_failures_are_counted_apart():
     assert m.send_lag_p99_seconds == pytest.approx(0.2 * 0.91)  # one request of ten sent 0.2 s late
 
 
+def test_requests_answered_by_pipelines_are_counted_and_reported():
+    requests = (ok(0, 0.0, 4.0, worker="pipeline:w1+w2"), ok(1, 0.5, 3.0, worker="pipeline:w1+w2"),
+                ok(2, 1.0, 5.0, worker="w1"))
+    run = RunRecord("pipecast-pipelines:0", 1, requests, (cold("w1", 5.0), cold("w2", 6.0)), 40.0, 60.0, False)
+    m = run_metrics(run)
+    assert m.pipelined_requests == 2 and m.first_pipelined_token_seconds == 3.5
+    text = format_report({}, [summarize("pipecast-pipelines:0", "test", 0, [run])])
+    assert "pipecast-pipelines:0 requests answered by pipelines across nodes (per repeat): 2 of 3, the first " \
+           "token at 3.5 s" in text
+    alone = run_metrics(replace(run, requests=requests[2:]))
+    assert alone.pipelined_requests == 0 and alone.first_pipelined_token_seconds is None
+
+
 def test_a_worker_that_never_became_ready_leaves_all_ready_undefined():
     never = WorkerTimeline("c2", False, 0.0, 4, block_times=(1.0,), partial_s=0.5)
     run = RunRecord("pipecast", 1, (ok(0, 0.0, 1.0),), (cold("c1", 3.0), never), 10.0, 10.0, False)
