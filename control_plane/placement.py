@@ -9,6 +9,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from control_plane.errors import InsufficientWorkers
+from control_plane.planner.schedules import GROUP_CHAIN_MAX
 from pipecast.core.units import format_bytes
 
 DEFAULT_FANOUT = 2
@@ -96,10 +97,13 @@ def pick_sources(complete_holders: Sequence[str], store: str, exclude: Collectio
     return [] if store in exclude else [store]
 
 
-def default_strategy(sources: int, receivers: int) -> str:
+def default_strategy(sources: int, receivers: int, beside_in_flight: bool = False) -> str:
     """The plan strategy when the operator names none: ``rotated`` for several source slots (``sources``
-    counts a source's links: a store with 4 links is 4), else ``chain`` up to :data:`CHAIN_MAX_RECEIVERS`
-    receivers and ``binomial`` beyond."""
-    if sources > 1:
+    counts a source's links: a store with 4 links is 4), or for a few receivers (at most a rotated group's
+    chain, :data:`~control_plane.planner.schedules.GROUP_CHAIN_MAX`) added ``beside_in_flight`` receivers of
+    the package (the scaling daemon's scale-ups: a chain still, starting where those lack most, so that a
+    pipeline across them forms sooner than if all got the blocks in the same order); else ``chain`` up to
+    :data:`CHAIN_MAX_RECEIVERS` receivers and ``binomial`` beyond."""
+    if sources > 1 or (beside_in_flight and receivers <= GROUP_CHAIN_MAX):
         return "rotated"
     return "chain" if receivers <= CHAIN_MAX_RECEIVERS else "binomial"

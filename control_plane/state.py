@@ -26,7 +26,7 @@ from control_plane.planner.pipelines import ModelLayout, Pipeline, form_pipeline
 from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
 from control_plane.planner.replan import INLINE_REPLAN_MAX_RECEIVERS, parts_of, repair, replan
-from control_plane.planner.schedules import GROUP_CHAIN_MAX, make_plan
+from control_plane.planner.schedules import make_plan
 from control_plane.planner.stragglers import Sample, StragglerPolicy, demote, find_stragglers, receive_rate
 from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.v1.manifest_pb2 import Manifest
@@ -509,13 +509,7 @@ class ControlState:
         in_flight = self._in_flight(package_id) if strategy in ("", "rotated") else ()
         links = self._source_links(package, sources, len(receivers), bool(in_flight))
         slots = sum(links.get(s, 1) for s in sources)
-        if not strategy:
-            strategy = default_strategy(slots, len(receivers))
-            if in_flight and len(receivers) <= GROUP_CHAIN_MAX:
-                # Beside receivers in flight a few more (the daemon's scale-ups) get a rotated plan, a chain
-                # still, but starting where the others lack most (``make_plan``'s in_flight): a pipeline
-                # across them forms sooner than if all got the blocks in the same order.
-                strategy = "rotated"
+        strategy = strategy or default_strategy(slots, len(receivers), beside_in_flight=bool(in_flight))
         held = {n: frozenset(b) for n, b in availability.by_worker.items()} \
             if any(n in availability.by_worker for n in receivers) else {}
         return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged), tuple(sources), strategy,

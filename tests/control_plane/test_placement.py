@@ -6,6 +6,7 @@ import pytest
 from control_plane.errors import InsufficientWorkers
 from control_plane.placement import (
     CHAIN_MAX_RECEIVERS, Candidate, Targets, counted_targets, default_strategy, named_targets, pick_sources)
+from control_plane.planner.schedules import GROUP_CHAIN_MAX
 
 PACKAGE_BYTES = 100
 
@@ -82,3 +83,6 @@ def test_the_default_strategy_is_a_chain_for_few_receivers_of_one_source():
     assert default_strategy(1, CHAIN_MAX_RECEIVERS) == "chain"
     assert default_strategy(1, CHAIN_MAX_RECEIVERS + 1) == "binomial"
     assert default_strategy(2, 1) == "rotated"
+    # Beside receivers in flight, a few more start where those lack most; many are planned as if alone.
+    assert default_strategy(1, 1, beside_in_flight=True) == "rotated"
+    assert default_strategy(1, GROUP_CHAIN_MAX + 1, beside_in_flight=True) == "chain"
