@@ -415,9 +415,11 @@ def _follow_driver(run: _RunProcesses, end_by: float, label: str, progress: Prog
 # -- calibration and meta ------------------------------------------------------------------------------
 
 
-def measure_prefill_seconds(package: Path, prompt_tokens: int, threads: int = WORKER_THREADS) -> float:
-    """Median time of a prefill of ``prompt_tokens`` tokens (and its first token) on ``threads`` threads,
-    the model loaded from the package folder: what one request costs a worker here."""
+def measure_request_seconds(package: Path, prompt_tokens: int, output_tokens: int,
+                            threads: int = WORKER_THREADS) -> tuple[float, float]:
+    """Median times of a prefill of ``prompt_tokens`` tokens (and its first token) and of a whole request
+    (the prefill and ``output_tokens`` tokens in all) on ``threads`` threads, the model loaded from the
+    package folder: what one request costs a worker here."""
     import torch
 
     previous = torch.get_num_threads()
@@ -425,20 +427,21 @@ def measure_prefill_seconds(package: Path, prompt_tokens: int, threads: int = WO
     try:
         with Engine(PackageFolderProvider(package, verify=False)).start() as engine:
             engine.wait_loaded(timeout=600)
-            times = []
+            times: dict[int, list[float]] = {1: [], output_tokens: []}
             for i in range(PREFILL_REPEATS + 1):  # the first is a warm-up
                 prompt = prompt_token_ids(ScheduledRequest(i, 0.0, prompt_tokens, 1, prompt_tokens, 1),
                                           engine.model.vocab_size, seed=99)
-                start = time.perf_counter()
-                engine.generate(prompt, SamplingParams(max_tokens=1), timeout=600)
-                times.append(time.perf_counter() - start)
+                for tokens, measured in times.items():
+                    start = time.perf_counter()
+                    engine.generate(prompt, SamplingParams(max_tokens=tokens), timeout=600)
+                    measured.append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(previous)
-    return statistics.median(times[1:])
+    return statistics.median(times[1][1:]), statistics.median(times[output_tokens][1:])
 
 
 def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, prefill_s: float | None,
-          quota: str) -> dict:
+          request_s: float | None, quota: str) -> dict:
     facts = schedule_facts(config.schedule)
     floor = floor_seconds(package.total_bytes, config.link_mbit, config.store_rate_mbit)
     one_copy = package.total_bytes / mbit_to_bytes_per_s(config.link_mbit)
@@ -462,7 +465,9 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
         ("transfer/compute: one model copy over a link takes "
          f"{one_copy:.2f} s, a {config.caps.prompt_tokens}-token prefill {prefill_s * 1000:.0f} ms on "
          f"{WORKER_THREADS} thread ({worker_prefill_s * 1000:.0f} ms at a worker's CPU share): ratio {ratio:.0f} "
-         "(a GPU cluster: seconds against tens of ms, ~20-200)")
+         "(a GPU cluster: seconds against tens of ms, ~20-200); a whole request of "
+         f"{config.caps.output_tokens} tokens {request_s * 1000:.0f} ms; the daemon's replica_rps "
+         f"{config.policy.replica_rps:g} (a prefill's) until it measures one")
         if ratio else "transfer/compute ratio not calibrated (--no-calibrate)",
         f"cost: worker-seconds from provisioning (warm: {config.pre_surge_s:g} s before the surge) to the run's end; "
         f"TTFT from each request's scheduled arrival; first{config.first_n} = the first {config.first_n} requests",
@@ -481,7 +486,8 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
         "pre_surge_seconds": config.pre_surge_s,
         "first_n": config.first_n, "floor_seconds": floor, "policy": asdict(config.policy),
         "model_copy_seconds": one_copy,
-        "prefill_seconds": prefill_s, "worker_prefill_seconds": worker_prefill_s, "transfer_to_prefill_ratio": ratio,
+        "prefill_seconds": prefill_s, "request_seconds": request_s, "worker_prefill_seconds": worker_prefill_s,
+        "transfer_to_prefill_ratio": ratio,
         "worker_threads": WORKER_THREADS, "worker_cpus": config.worker_cpus, "worker_cpu_quota": quota,
         "agent_reserve_bytes": config.agent_reserve_bytes or 0, "auth": config.auth,
         "worker_max_batch": config.worker_max_batch, "worker_max_queue": config.worker_max_queue,
@@ -493,12 +499,15 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
 def run(config: SurgeConfig, workdir: Path, progress: Progress = NO_PROGRESS) -> SurgeReport:
     """Measure every strategy ``repeat`` times in one emulated cluster; logs and events go under ``workdir``."""
     package = PackageFacts.of(config.package)
-    prefill_s = None
+    prefill_s = request_s = None
     if config.calibrate:
-        progress(f"calibrating: a {config.caps.prompt_tokens}-token prefill on {WORKER_THREADS} thread")
-        prefill_s = measure_prefill_seconds(package.path, config.caps.prompt_tokens)
+        progress(f"calibrating: a {config.caps.prompt_tokens}-token prefill and a request of "
+                 f"{config.caps.output_tokens} tokens on {WORKER_THREADS} thread")
+        prefill_s, request_s = measure_request_seconds(package.path, config.caps.prompt_tokens,
+                                                       config.caps.output_tokens)
         # The daemon's per-replica throughput until it measures one: a request per prefill at the worker's
-        # CPU share (no batching gain: it errs towards more replicas).
+        # CPU share. Not per whole request: a worker batches the decode steps of its requests, and sized on
+        # the whole request's time the daemon added 5-7 replicas a surge for the same p99 (docs/benchmarks.md).
         cpus = min(config.worker_cpus or 1.0, 1.0)
         config = replace(config, policy=replace(config.policy, replica_rps=round(cpus / prefill_s, 3)))
     quota = open_quotas(config.worker_cpus).description
@@ -506,7 +515,7 @@ def run(config: SurgeConfig, workdir: Path, progress: Progress = NO_PROGRESS) ->
     hosts = [STORE, CONTROL, ROUTER, LOAD, *worker_names(config.workers)]
     with EmulatedCluster(hosts, config.link_mbit, store_mbit=config.store_mbit, store_host=STORE,
                          mode=config.mode) as cluster:
-        meta = _meta(config, package, cluster, prefill_s, quota)
+        meta = _meta(config, package, cluster, prefill_s, request_s, quota)
         for line in meta["headline"]:
             progress(line)
         meta["retried_runs"] = []

@@ -17,16 +17,15 @@ Endpoints:
   other models its workers serve or load (as their health polls name them), each with its package id and
   workers;
   ``GET /metrics``: Prometheus.
-- ``GET /stats``: the scaling signals (:mod:`pipecast.router.signals`) as JSON, for autoscalers polling
-  every second or so: ``format`` (1), ``now_unix``, ``started_unix``, ``queue_depth`` (waiting here for
-  a worker), ``in_flight`` (at workers), ``workers`` (each ``url``, ``node_id``, ``status``,
-  ``in_flight`` and ``idle_s``: seconds since its in-flight count last dropped to 0 or it joined, null
-  while busy), cumulative ``counters`` (``arrived``, ``prompt_tokens``, ``answered``, ``rejected``,
-  ``failed``: take rates by differencing two answers), ``ttft`` (``window_s``, ``count``, ``p50``, ``p95``,
-  ``p99`` over the last 60 s), ``tenants`` (each ``arrived``, ``admitted``, ``rejected`` and ``queued``:
-  waiting here now) and ``versions`` (by package id, for requests of routed names: ``queue_depth`` and
-  ``in_flight`` now, ``counters`` with ``arrived``, ``answered``, ``failed``, ``completion_tokens``, and
-  ``ttft`` as above).
+- ``GET /stats``: the scaling signals (:mod:`pipecast.router.signals`) as JSON, for autoscalers polling every second
+  or so: ``format`` (1), ``now_unix``, ``started_unix``, ``queue_depth`` (waiting here for a worker), ``in_flight``
+  (at workers), ``workers`` (each ``url``, ``node_id``, ``status``, ``in_flight``, ``queue_depth``: requests waiting
+  in its own queue as its last health poll said, and ``idle_s``: seconds since its in-flight count last dropped to 0
+  or it joined, null while busy), cumulative ``counters`` (``arrived``, ``prompt_tokens``, ``answered``, ``rejected``,
+  ``failed``: take rates by differencing two answers), ``ttft`` (``window_s``, ``count``, ``p50``, ``p95``, ``p99``
+  over the last 60 s), ``tenants`` (each ``arrived``, ``admitted``, ``rejected`` and ``queued``: waiting here now) and
+  ``versions`` (by package id, for requests of routed names: ``queue_depth`` and ``in_flight`` now, ``counters`` with
+  ``arrived``, ``answered``, ``failed``, ``completion_tokens``, and ``ttft`` as above).
 
 A request whose ``model`` is a served name with a route (:mod:`control_plane.routes`: ``pipecast cp route``,
 ``canary``, ``promote``, ``rollback``) goes to one of its versions by the route's weights

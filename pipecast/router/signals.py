@@ -241,7 +241,9 @@ class Signals:
             "format": STATS_FORMAT, "now_unix": self.wall_clock(), "started_unix": self.started_unix,
             "queue_depth": queue_depth, "in_flight": in_flight,
             "workers": [{"url": worker.url, "node_id": worker.node_id, "status": worker.status,
-                         "in_flight": worker.in_flight, "idle_s": worker.idle_s(now)} for worker in workers],
+                         "in_flight": worker.in_flight,
+                         "queue_depth": worker.health.queue_depth if worker.health else 0,
+                         "idle_s": worker.idle_s(now)} for worker in workers],
             "counters": asdict(self.counters),
             "ttft": self.ttft.summary(now),
             "tenants": {name: {**asdict(counts), "queued": waiting[name]}

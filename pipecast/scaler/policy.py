@@ -5,21 +5,20 @@ How it decides, in this order:
 
 1. **No data, no change.** Without a recent answer from any router the pool is held as it is: missing
    signals never scale to zero. With some routers silent it may add replicas but releases none.
-2. **Demand** (leading signals first): replicas needed for the requests present now (router queue + in
-   flight, at ``replica_concurrency`` each) and for the arrival rate over the last ``SHORT_WINDOW_S``
-   (or ``SURGE_WINDOW_S`` where higher, while no replica holds the model), at the per-replica throughput
-   (measured over the last ``SHORT_WINDOW_S`` in which requests queued at replicas all holding the model,
-   even before a quiet spell, else the policy's ``replica_rps``); with a cold start (how long a new replica
-   takes to serve: the policy's ``cold_start_s``, or with ``cold_start_measured`` the daemon's measure once
-   it has one, :mod:`pipecast.scaler.coldstart`), the replicas that also drain, within the SLO or the cold
-   start (the longer) once they serve, what arrives meanwhile beyond the ready replicas' throughput
-   (:func:`cold_start_demand`: with multicast, several replicas load in about the time of one), and the
-   requests present add no replica while the ready replicas finish them within that drain
-   (:func:`drained_by_the_ready`: a replica added for them would serve once they are gone); then the
-   lagging one: a p99 TTFT over the SLO with requests still queued and no replica on its way adds one more.
-   ``desired`` = demand + the warm pool, within ``min..max``: the policy's ``warm``, or with
-   ``warm_auto_factor`` the replicas that absorb that many times the *baseline* demand
-   (:func:`baseline_demand`, the median over the history) beyond what the demand needs now.
+2. **Demand** (leading signals first): replicas needed for the requests present now (router queue + in flight, at
+   ``replica_concurrency`` each) and for the arrival rate over the last ``SHORT_WINDOW_S`` (or ``SURGE_WINDOW_S``
+   where higher, while no replica holds the model), at the per-replica throughput (measured over the last
+   ``SHORT_WINDOW_S`` in which requests queued, in a router or in a worker's own queue, at replicas all holding the
+   model, even before a quiet spell, else the policy's ``replica_rps``); with a cold start (how long a new replica
+   takes to serve: the policy's ``cold_start_s``, or with ``cold_start_measured`` the daemon's measure once it has
+   one, :mod:`pipecast.scaler.coldstart`), the replicas that also drain, within the SLO or the cold start (the longer)
+   once they serve, what arrives meanwhile beyond the ready replicas' throughput (:func:`cold_start_demand`: with
+   multicast, several replicas load in about the time of one), and the requests present add no replica while the ready
+   replicas finish them within that drain (:func:`drained_by_the_ready`: a replica added for them would serve once
+   they are gone); then the lagging one: a p99 TTFT over the SLO with requests still queued and no replica on its way
+   adds one more. ``desired`` = demand + the warm pool, within ``min..max``: the policy's ``warm``, or with
+   ``warm_auto_factor`` the replicas that absorb that many times the *baseline* demand (:func:`baseline_demand`, the
+   median over the history) beyond what the demand needs now.
 3. **Scale up** by the whole gap at once (not one at a time), at most the free workers. Within
    ``scale_up_cooldown_s`` of the last scale-up only while requests queue or the SLO is missed.
 4. **Scale down** with hysteresis: only replicas idle for ``keep_alive_s`` (every router agreeing), only
@@ -59,6 +58,9 @@ class Signals:
     routers_answered: int
     queue_depth: int = 0
     in_flight: int = 0
+    #: Of ``in_flight``, those waiting in serving workers' own queues (not yet running): workers take up to
+    #: their ``max_queue``, so in a surge the backlog waits there while the routers' queues stay empty.
+    queued_at_workers: int = 0
     arrived: int = 0  # cumulative, all routers
     answered: int = 0  # cumulative
     serving: int = 0  # workers the routers route to now (ready or partial), each counted once
@@ -121,11 +123,13 @@ def arrival_rate(history: Sequence[Signals]) -> float:
 
 
 def replica_throughput(history: Sequence[Signals], policy: ScalingPolicy) -> float:
-    """Requests/s one replica holding the model serves: measured while requests queued (replicas were busy)
-    and every replica served whole (a partial one answers at the pace its blocks arrive, not its own), over
-    the ``SHORT_WINDOW_S`` up to the last time they did in ``history`` (so a surge after a quiet spell is
-    sized at what the replicas did in the one before), else the policy's ``replica_rps``."""
-    queued = [s for s in history if s.queue_depth > 0 and s.serving > 0 and s.ready == s.serving]
+    """Requests/s one replica holding the model serves: measured while requests queued, in a router or in
+    a serving worker's own queue (replicas were busy), and every replica served whole (a partial one answers
+    at the pace its blocks arrive, not its own), over the ``SHORT_WINDOW_S`` up to the last time they did in
+    ``history`` (so a surge after a quiet spell is sized at what the replicas did in the one before), else
+    the policy's ``replica_rps``."""
+    queued = [s for s in history
+              if s.queue_depth + s.queued_at_workers > 0 and s.serving > 0 and s.ready == s.serving]
     busy = [s for s in queued if s.at >= queued[-1].at - SHORT_WINDOW_S] if queued else []
     if len(busy) < 2 or busy[-1].at - busy[0].at <= 0:
         return policy.replica_rps

@@ -4,7 +4,7 @@ A router's ``GET /stats`` (see :mod:`pipecast.router.app`) is read strictly: an 
 the policy needs is that router's fault and counts as silent (:class:`StatsFormatError`). Several routers
 add up: counters and gauges are summed, the TTFT p99 is the worst router's, a worker's idle time the
 shortest any router saw (it is idle only if idle everywhere), and a worker serving (or ready) at any router
-counts once: every router lists every worker.
+counts once, its own queue too: every router lists every worker.
 """
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,6 +45,8 @@ def parse_stats(router: str, data: Any) -> dict[str, Any]:
             raise StatsFormatError(f"router {router}: /stats has a worker without a url")
         parsed_workers.append({"url": worker["url"], "node_id": str(worker.get("node_id", "")),
                                "status": str(worker.get("status", "")),
+                               # routers before it send none
+                               "queue_depth": int(_number(worker, "queue_depth", router, nullable=True) or 0),
                                "idle_s": _number(worker, "idle_s", router, nullable=True)})
     versions = data.get("versions", {})  # routers before versions send none
     if not isinstance(versions, dict):
@@ -85,11 +87,13 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
     idle: dict[str, float | None] = {}
     serving: set[str] = set()  # every router lists every worker: each counts once
     ready: set[str] = set()
+    queued: dict[str, int] = {}  # serving node -> requests waiting in its own queue (every router sees the same)
     for answer in got:
         for worker in answer["workers"]:
             node = node_of_url.get(worker["url"].rstrip("/"), worker["node_id"] or worker["url"])
             if worker["status"] in SERVING_STATUSES:
                 serving.add(node)
+                queued[node] = max(queued.get(node, 0), worker["queue_depth"])
             if worker["status"] == READY:
                 ready.add(node)
             seen = worker["idle_s"]
@@ -100,7 +104,8 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
     p99s = [a["ttft_p99_s"] for a in got if a["ttft_p99_s"] is not None]
     return Signals(at=at, routers_total=len(answers), routers_answered=len(got),
                    queue_depth=sum(a["queue_depth"] for a in got), in_flight=sum(a["in_flight"] for a in got),
-                   arrived=sum(a["arrived"] for a in got), answered=sum(a["answered"] for a in got),
+                   queued_at_workers=sum(queued.values()), arrived=sum(a["arrived"] for a in got),
+                   answered=sum(a["answered"] for a in got),
                    serving=len(serving), ready=len(ready), ttft_p99_s=max(p99s, default=None), idle_s=idle)
 
 

@@ -131,7 +131,7 @@ async def test_the_snapshot_pins_the_stats_contract():
     pool = WorkerPool(clock)
     dispatcher = Dispatcher(pool, max_queue=8, queue_timeout_s=10.0, clock=clock)
     pool.sync({A: "node-a", B: "node-b"})
-    pool.record_health(A, READY, polled_at=1000.0)
+    pool.record_health(A, replace(READY, queue_depth=3), polled_at=1000.0)
     worker = await dispatcher.acquire(arrival=1000.0)
     clock.now = 1002.5
     signals = Signals(clock, wall_clock=lambda: 1.7e9)
@@ -149,8 +149,8 @@ async def test_the_snapshot_pins_the_stats_contract():
         "ttft": {"window_s": 60.0, "count": 1, "p50": 1.0, "p95": 1.0, "p99": 1.0}}}
     assert stats["format"] == 1
     assert stats["workers"] == [
-        {"url": A, "node_id": "node-a", "status": "ready", "in_flight": 1, "idle_s": None},
-        {"url": B, "node_id": "node-b", "status": "unknown", "in_flight": 0, "idle_s": 2.5},
+        {"url": A, "node_id": "node-a", "status": "ready", "in_flight": 1, "queue_depth": 3, "idle_s": None},
+        {"url": B, "node_id": "node-b", "status": "unknown", "in_flight": 0, "queue_depth": 0, "idle_s": 2.5},
     ]
     assert list(stats["counters"]) == ["arrived", "prompt_tokens", "answered", "rejected", "failed"]
     assert list(stats["ttft"]) == ["window_s", "count", "p50", "p95", "p99"]

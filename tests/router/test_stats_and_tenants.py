@@ -56,7 +56,7 @@ async def test_stats_count_requests_and_show_each_worker(session):
     assert during["in_flight"] == 1 and during["queue_depth"] == 0
     workers_during = {worker["url"]: worker for worker in during["workers"]}
     assert workers_during[ready.url] == {"url": ready.url, "node_id": ready.url, "status": "ready", "in_flight": 1,
-                                         "idle_s": None}
+                                         "queue_depth": 0, "idle_s": None}
     assert workers_during[loading.url]["status"] == "loading" and workers_during[loading.url]["idle_s"] > 0
     assert during["counters"] == {"arrived": 3, "prompt_tokens": 9, "answered": 2, "rejected": 0, "failed": 0}
     assert during["ttft"]["count"] == 3  # the stream's first event has reached the client

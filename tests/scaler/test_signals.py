@@ -29,6 +29,22 @@ def test_two_routers_add_up_and_each_worker_counts_once():
     assert signals.idle_s == {"w1": 1.0, "w2": None, "w3": 1.0}
 
 
+def test_requests_waiting_in_serving_workers_own_queues_count_once_per_worker():
+    """Workers take requests up to their own queue bound, so in a surge the backlog waits there: each serving
+    worker's queue counts once (every router polls the same worker), a loading worker's not at all, and a
+    router that sends no per-worker queue (one before the field) counts as 0."""
+    nodes = {"http://10.0.0.1:8000": "w1", "http://10.0.0.2:8000": "w2", "http://10.0.0.3:8000": "w3"}
+    answer = stats(0, 10, 7, 0.5, [("http://10.0.0.1:8000", "ready", None), ("http://10.0.0.2:8000", "partial", None),
+                                   ("http://10.0.0.3:8000", "loading", None)])
+    for worker, queued in zip(answer["workers"], (5, 2, 4)):
+        worker["queue_depth"] = queued
+    old = stats(0, 0, 0, None, [("http://10.0.0.1:8000", "ready", None)])
+    signals = add_up(100.0, [parse_stats("r1", answer), parse_stats("r2", answer), parse_stats("r3", old)], nodes)
+    assert signals.queued_at_workers == 7
+    with pytest.raises(StatsFormatError, match="router r1: /stats field 'queue_depth' is -1, not a number >= 0"):
+        parse_stats("r1", {**answer, "workers": [{**answer["workers"][0], "queue_depth": -1}]})
+
+
 def test_an_answer_without_what_the_policy_reads_is_the_routers_fault():
     with pytest.raises(StatsFormatError, match="router r1: /stats lacks counters, ttft or workers"):
         parse_stats("r1", {"format": 1, "counters": {}})
