@@ -67,13 +67,18 @@ class PipelineCluster(Cluster):
         self._start("router", "router", "--port", self.router_url.rsplit(":", 1)[1], "--control-plane",
                     self.cp_address, "--health-interval", "0.1", "--discovery-interval", "0.2", env={})
         self.wait_for(lambda: self.alive() >= {*SOURCES, *WORKERS}, "every agent to register")
-        self.wait_for(lambda: asyncio.run(self.served()) == 2, "both workers to answer their health")
+        self.wait_for(lambda: asyncio.run(self.served(self.serve_urls.values())) == 2,
+                      "both workers to answer their health")
+        # The router starts last and nothing else waits for it: a request sent before it listens is refused.
+        self.wait_for(lambda: asyncio.run(self.served([self.router_url])) == 1, "the router to answer its health")
         return package_id
 
-    async def served(self) -> int:
+    @staticmethod
+    async def served(urls) -> int:
+        """How many of ``urls`` answer ``GET /health`` with 200."""
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
             count = 0
-            for url in self.serve_urls.values():
+            for url in urls:
                 try:
                     async with http.get(f"{url}/health") as answer:
                         count += answer.status == 200
