@@ -218,7 +218,8 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     slo_missed = (now.ttft_p99_s is not None and now.ttft_p99_s > policy.slo_ttft_p99_s and now.queue_depth > 0
                   and loading == 0)
     needed = max(by_requests, by_rate, by_cold, have + 1 if slo_missed else 0)
-    inputs = {"queue_depth": now.queue_depth, "in_flight": now.in_flight, "arrival_rps": round(rate, 3),
+    inputs = {"queue_depth": now.queue_depth, "in_flight": now.in_flight, "queued_at_workers": now.queued_at_workers,
+              "arrival_rps": round(rate, 3),
               "replica_rps": round(throughput, 3), "ttft_p99_s": now.ttft_p99_s, "serving": now.serving,
               "ready": now.ready,
               "replicas": have, "loading": loading, "free": pool.free,
@@ -235,7 +236,9 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     cold_why = f"; {by_cold} to drain what arrives in a {round(cold_start, 1):g}s cold start" + (
         " (measured)" if cold_from == "measured" else "")
     drained_why = f" (the {now.ready} ready drain them before a new one serves)" if drained else ""
-    why = (f"queue {now.queue_depth} + in flight {now.in_flight} need {by_requests} at {policy.replica_concurrency} "
+    at_workers = f" ({now.queued_at_workers} waiting in workers' queues)" if now.queued_at_workers else ""
+    why = (f"queue {now.queue_depth} + in flight {now.in_flight}{at_workers} need {by_requests} at "
+           f"{policy.replica_concurrency} "
            f"each{drained_why}; {rate:.2f} req/s needs {by_rate} at {throughput:.2f} req/s each"
            f"{cold_why if by_cold else ''}"
            f"{'; p99 TTFT %.2f s over the SLO %.2f s' % (now.ttft_p99_s, policy.slo_ttft_p99_s) if slo_missed else ''}"

@@ -352,6 +352,8 @@ def test_throughput_is_measured_while_the_backlog_waits_in_the_workers_own_queue
     pool = Pool(now=1005.0, replicas=(Replica("w1", False), Replica("w2", False)), free=6)
     decision = decide(history, pool, fast)
     assert (decision.inputs["replica_rps"], decision.add) == (1.0, 1)
+    assert "queue 0 + in flight 8 (6 waiting in workers' queues) need 2 at 4 each" in decision.reason
+    assert decision.inputs["queued_at_workers"] == 6
     # Nothing waiting anywhere (each replica runs what it has): no measure, the policy's.
     idle = decide([Signals(**{**h.__dict__, "queued_at_workers": 0}) for h in history], pool, fast)
     assert (idle.inputs["replica_rps"], idle.add) == (3.0, 0)
