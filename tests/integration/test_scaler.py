@@ -60,6 +60,12 @@ class ScaledCluster(Cluster):
                     *(a for w in WORKERS for a in ("--worker", self.serve_urls[w])), "--health-interval", "0.2",
                     env={})
 
+        async def answers() -> bool:
+            async with aiohttp.ClientSession() as session:
+                return bool(await health(session, self.router_url))
+        # A request sent before the router listens is refused: nothing else here waits for it.
+        self.wait_until(lambda: asyncio.run(answers()), "the router to answer its health")
+
     def start_scaler(self) -> subprocess.Popen:
         return self._start("scaler", "scaler", "run", "--control-plane", self.cp_address, "--tick", "0.5", env={})
 
