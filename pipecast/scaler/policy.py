@@ -8,11 +8,11 @@ How it decides, in this order:
 2. **Demand** (leading signals first): replicas needed for the requests present now (router queue + in flight, at
    ``replica_concurrency`` each) and for the arrival rate over the last ``SHORT_WINDOW_S`` (or ``SURGE_WINDOW_S``
    where higher, while no replica holds the model), at the per-replica throughput (measured over the last
-   ``SHORT_WINDOW_S`` in which requests queued, in a router or in a worker's own queue, at replicas all holding the
-   model, even before a quiet spell, else the policy's ``replica_rps``); with a cold start (how long a new replica
-   takes to serve: the policy's ``cold_start_s``, or with ``cold_start_measured`` the daemon's measure once it has
-   one, :mod:`pipecast.scaler.coldstart`), the replicas that also drain, within the SLO or the cold start (the longer)
-   once they serve, what arrives meanwhile beyond the ready replicas' throughput (:func:`cold_start_demand`: with
+   ``SHORT_WINDOW_S`` in which requests queued in a router at replicas all holding the model, even before a quiet
+   spell, else the policy's ``replica_rps``); with a cold start (how long a new replica takes to serve: the policy's
+   ``cold_start_s``, or with ``cold_start_measured`` the daemon's measure once it has one,
+   :mod:`pipecast.scaler.coldstart`), the replicas that also drain, within the SLO or the cold start (the longer) once
+   they serve, what arrives meanwhile beyond the ready replicas' throughput (:func:`cold_start_demand`: with
    multicast, several replicas load in about the time of one), and the requests present add no replica while the ready
    replicas finish them within that drain (:func:`drained_by_the_ready`: a replica added for them would serve once
    they are gone); then the lagging one: a p99 TTFT over the SLO with requests still queued and no replica on its way
@@ -123,13 +123,14 @@ def arrival_rate(history: Sequence[Signals]) -> float:
 
 
 def replica_throughput(history: Sequence[Signals], policy: ScalingPolicy) -> float:
-    """Requests/s one replica holding the model serves: measured while requests queued, in a router or in
-    a serving worker's own queue (replicas were busy), and every replica served whole (a partial one answers
-    at the pace its blocks arrive, not its own), over the ``SHORT_WINDOW_S`` up to the last time they did in
-    ``history`` (so a surge after a quiet spell is sized at what the replicas did in the one before), else
-    the policy's ``replica_rps``."""
-    queued = [s for s in history
-              if s.queue_depth + s.queued_at_workers > 0 and s.serving > 0 and s.ready == s.serving]
+    """Requests/s one replica holding the model serves: measured while requests queued in a router (replicas
+    were busy) and every replica served whole (a partial one answers at the pace its blocks arrive, not its
+    own), over the ``SHORT_WINDOW_S`` up to the last time they did in ``history`` (so a surge after a quiet
+    spell is sized at what the replicas did in the one before), else the policy's ``replica_rps``. Requests
+    waiting in the workers' own queues do not start a measure: tried, it sized surges at the quarter-core
+    replicas' 0.83 req/s, 7-8 replicas at once, for twice the worker-seconds and no lower p99
+    (docs/benchmarks.md, "The backlog in the workers' own queues")."""
+    queued = [s for s in history if s.queue_depth > 0 and s.serving > 0 and s.ready == s.serving]
     busy = [s for s in queued if s.at >= queued[-1].at - SHORT_WINDOW_S] if queued else []
     if len(busy) < 2 or busy[-1].at - busy[0].at <= 0:
         return policy.replica_rps

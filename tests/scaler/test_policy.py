@@ -341,19 +341,19 @@ def test_a_surge_after_a_quiet_spell_is_sized_at_the_throughput_measured_in_the_
     assert decide(quiet + surge, pool, POLICY).add == 6  # never measured: the policy's 1 req/s
 
 
-def test_throughput_is_measured_while_the_backlog_waits_in_the_workers_own_queues():
-    # Workers take requests up to their own queue bound, so the routers' queues stay empty in a surge: the
-    # requests waiting in the workers' queues show the replicas busy. 2 replicas answer 2 req/s between them
-    # (the policy says 3 each) while 3 req/s arrive: 3 replicas at the 1 measured, where the policy's 3 needs 1
-    # (and the 8 requests present 2, at 4 each).
+def test_requests_waiting_in_the_workers_own_queues_are_named_but_start_no_measure():
+    # Workers take requests up to their own queue bound, so the routers' queues stay empty in a surge. A
+    # decision names the requests waiting there; they do not start a throughput measure (the policy docstring
+    # of replica_throughput says why): 2 replicas answering 2 req/s between them while 3 req/s arrive are
+    # sized at the policy's 3 req/s each, not the 1 they answer.
     fast = ScalingPolicy(**{**POLICY.__dict__, "replica_rps": 3.0})
     history = [Signals(at=1000.0 + t, routers_total=1, routers_answered=1, in_flight=8, queued_at_workers=6,
                        arrived=3 * t, answered=2 * t, serving=2, ready=2) for t in range(6)]
     pool = Pool(now=1005.0, replicas=(Replica("w1", False), Replica("w2", False)), free=6)
     decision = decide(history, pool, fast)
-    assert (decision.inputs["replica_rps"], decision.add) == (1.0, 1)
+    assert (decision.inputs["replica_rps"], decision.add) == (3.0, 0)
     assert "queue 0 + in flight 8 (6 waiting in workers' queues) need 2 at 4 each" in decision.reason
     assert decision.inputs["queued_at_workers"] == 6
-    # Nothing waiting anywhere (each replica runs what it has): no measure, the policy's.
-    idle = decide([Signals(**{**h.__dict__, "queued_at_workers": 0}) for h in history], pool, fast)
-    assert (idle.inputs["replica_rps"], idle.add) == (3.0, 0)
+    # The same with the backlog in a router: measured, 1 req/s each (and the 14 requests present need 4).
+    routed = decide([Signals(**{**h.__dict__, "queue_depth": 6, "queued_at_workers": 0}) for h in history], pool, fast)
+    assert (routed.inputs["replica_rps"], routed.add) == (1.0, 2)
