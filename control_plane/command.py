@@ -565,6 +565,15 @@ def routes_command(ctx: click.Context) -> None:
     _emit(ctx, [r.to_json() for r in routes], lines)
 
 
+@cp_group.command("serving-key")
+@click.pass_context
+def serving_key_command(ctx: click.Context) -> None:
+    """Print the cluster's serving key (hex; empty with auth off), which the router's /stats and /v1/workers ask
+    for in the X-Pipecast-Serving-Key header: e.g. curl -H "X-Pipecast-Serving-Key: $(pipecast cp serving-key)"."""
+    key = _run(ctx, lambda c: c.list_workers_keyed())[1]
+    _emit(ctx, {"serving_key": key.hex()}, [key.hex()])
+
+
 @cp_group.command("issue-token")
 @click.argument("node_id")
 @click.pass_context

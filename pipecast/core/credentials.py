@@ -138,6 +138,12 @@ def serving_headers(key: bytes) -> dict[str, str]:
     return {SERVING_KEY_HEADER: key.hex()} if key else {}
 
 
+def presents_key(presented: str | None, key: bytes) -> bool:
+    """Whether ``presented`` (a :data:`SERVING_KEY_HEADER` value, hex, or None when absent) is ``key``;
+    constant-time in the value."""
+    return presented is not None and hmac.compare_digest(presented.encode(), key.hex().encode())
+
+
 def warn_if_auth_off(master: str, component: str) -> bool:
     """True (and a warning, once per component and process) when ``master`` is empty: auth is off."""
     if master:

@@ -27,6 +27,13 @@ Endpoints:
   ``versions`` (by package id, for requests of routed names: ``queue_depth`` and ``in_flight`` now, ``counters`` with
   ``arrived``, ``answered``, ``failed``, ``completion_tokens``, and ``ttft`` as above).
 
+``/stats`` and ``/v1/workers`` show the pool's insides (tenants, worker URLs and loads): with credentials
+(``RouterConfig.views_need_key``, a router given an ``auth_token``) they answer only a request presenting the
+cluster's serving key (header ``X-Pipecast-Serving-Key``, as the scaling daemon does): 401
+(``invalid_serving_key``) without it or with another, 503 (``credentials_pending``) while the router has not
+learned the key. ``/health``, ``/metrics`` and ``/v1/models`` answer anyone; ``/v1/models`` names its workers'
+URLs only to the callers ``/stats`` answers.
+
 A request whose ``model`` is a served name with a route (:mod:`control_plane.routes`: ``pipecast cp route``,
 ``canary``, ``promote``, ``rollback``) goes to one of its versions by the route's weights
 (:mod:`pipecast.router.versions`) and waits for a worker of that package only; a request for a model that
@@ -53,7 +60,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from pipecast.core.credentials import serving_headers
+from pipecast.core.credentials import SERVING_KEY_HEADER, presents_key, serving_headers
 from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_body
 from pipecast.core.settings import Settings
 from pipecast.core.strictjson import JSONInputError, loads
@@ -67,6 +74,8 @@ from pipecast.router.errors import (
     RouterError,
     TenantAuthError,
     TenantOverLimitError,
+    ViewKeyError,
+    ViewKeyPendingError,
     WorkerBusyError,
     WorkerFailedError,
     WorkerStreamError,
@@ -125,6 +134,9 @@ class RouterConfig:
     pipelines: bool = True
     #: Requests of this router at once on one pipeline.
     pipeline_max_in_flight: int = PIPELINE_MAX_IN_FLIGHT
+    #: ``/stats`` and ``/v1/workers`` answer only requests presenting the cluster's serving key (set where
+    #: the router has credentials; the key comes from its discovery sources).
+    views_need_key: bool = False
 
     def tenant_rate(self, tenant: str) -> float | None:
         """``tenant``'s admitted rate (requests/s), its weight in fair dispatch; None when unlimited."""
@@ -549,9 +561,9 @@ class Router:
                          at_workers.get(package, 0)) for package in self.signals.versions}
         return self.signals.snapshot(self.waiting, self.pool.in_flight, self.pool.workers(), queued, now)
 
-    def models(self) -> dict:
+    def models(self, with_workers: bool = True) -> dict:
         """The ``GET /v1/models`` answer: each routed name with its versions, then each other model the
-        workers' last health answers name (serving or loading)."""
+        workers' last health answers name (serving or loading); their workers' URLs only ``with_workers``."""
         of_package: dict[str, list[str]] = {}
         served: dict[tuple[str, str], list[str]] = {}
         for worker in self.pool.workers():
@@ -566,9 +578,31 @@ class Router:
                    "versions": [{"package_id": p, "weight": w, "workers": sorted(of_package.get(p, ()))}
                                 for p, w in versions]}
                   for name, versions in sorted(self.routes.items())]
-        return {"object": "list", "data": routed + [
-            {"id": name, "object": "model", "created": created, "owned_by": "pipecast",
-             "root": package_id, "workers": sorted(urls)} for (name, package_id), urls in sorted(served.items())]}
+        data = routed + [{"id": name, "object": "model", "created": created, "owned_by": "pipecast",
+                          "root": package_id, "workers": sorted(urls)}
+                         for (name, package_id), urls in sorted(served.items())]
+        if not with_workers:
+            for model in data:
+                del model["workers"]
+                for version in model.get("versions", ()):
+                    del version["workers"]
+        return {"object": "list", "data": data}
+
+    def refuse_view(self, request: web.Request) -> web.Response | None:
+        """The answer refusing ``request`` a view of the pool (``/stats``, ``/v1/workers``), or None when it
+        may read it: always without ``views_need_key``, else when it presents a serving key its sources know."""
+        if not self.config.views_need_key:
+            return None
+        keys = {source.serving_key for source in self._sources if source.serving_key}
+        if not keys:
+            return web.json_response(error_body(str(ViewKeyPendingError(request.path)), "server_error",
+                                                code="credentials_pending"),
+                                     status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        presented = request.headers.get(SERVING_KEY_HEADER)
+        if any(presents_key(presented, key) for key in keys):
+            return None
+        return web.json_response(error_body(str(ViewKeyError(request.path, presented is not None)),
+                                            "authentication_error", code="invalid_serving_key"), status=401)
 
     def describe_workers(self) -> dict:
         """The ``GET /v1/workers`` answer."""
@@ -605,13 +639,13 @@ def build_app(router: Router) -> web.Application:
         return web.json_response(router.health())
 
     async def workers(request: web.Request) -> web.Response:
-        return web.json_response(router.describe_workers())
+        return router.refuse_view(request) or web.json_response(router.describe_workers())
 
     async def stats(request: web.Request) -> web.Response:
-        return web.json_response(router.stats())
+        return router.refuse_view(request) or web.json_response(router.stats())
 
     async def models(request: web.Request) -> web.Response:
-        return web.json_response(router.models())
+        return web.json_response(router.models(with_workers=router.refuse_view(request) is None))
 
     async def metrics(request: web.Request) -> web.Response:
         data, content_type = router.metrics.render()

@@ -109,6 +109,9 @@ def router_command(host, port, workers, vllm_workers, control_plane, max_queue, 
     PIPECAST_ROUTER_API_KEYS, never from the command line, where other users of the host could read
     them; without keys a request's tenant is its router_tenant_header header. Limits per tenant:
     router_tenant_limits, router_default_tenant_limit and --tenant-limit.
+
+    With an auth_token, /stats and /v1/workers answer only requests presenting the cluster's serving key
+    (X-Pipecast-Serving-Key), as the scaling daemon does.
     """
     if not workers and not vllm_workers and not control_plane:
         raise click.UsageError("give at least one --worker URL or --control-plane")
@@ -125,7 +128,8 @@ def router_command(host, port, workers, vllm_workers, control_plane, max_queue, 
                           max_retries=max_retries, forward_auth=settings.router_forward_auth,
                           admission=admission_config(settings, tenant_limits),
                           tenant_pacing=settings.router_tenant_pacing, discovery_interval_s=discovery_interval,
-                          pipelines=pipelines, pipeline_max_in_flight=pipeline_max_in_flight)
+                          pipelines=pipelines, pipeline_max_in_flight=pipeline_max_in_flight,
+                          views_need_key=bool(settings.auth_token))
     asyncio.run(_serve(config, static, settings if control_plane else None, host, port, drain_timeout))
 
 

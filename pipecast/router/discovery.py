@@ -77,6 +77,8 @@ class Discovery(Protocol):
 
     #: Names the source in logs and errors.
     name: str
+    #: The cluster's serving key as this source last knew it (b"": none known, or auth off).
+    serving_key: bytes
 
     async def list_workers(self) -> list[DiscoveredWorker]:
         """The workers of this source now; raises when the source cannot answer."""
@@ -97,6 +99,7 @@ class StaticDiscovery:
 
     def __init__(self, urls: list[str], engine: str = DEFAULT_ENGINE, serving_key: bytes = b"") -> None:
         self.name = "--worker" if engine == DEFAULT_ENGINE else f"--{engine}-worker"
+        self.serving_key = serving_key
         key = serving_key if engine == DEFAULT_ENGINE else b""
         self._workers = [DiscoveredWorker(node_id=url, url=url, engine=engine, serving_key=key)
                          for url in dict.fromkeys(normalize_url(url, self.name) for url in urls)]
@@ -151,12 +154,14 @@ class ControlPlaneDiscovery:
     def __init__(self, client: WorkerLister, address: str) -> None:
         self._client = client
         self.name = f"control plane {address}"
+        self.serving_key = b""
         self._model_names: dict[str, str] = {}  # deployed package id -> its manifest's model name
 
     async def list_workers(self) -> list[DiscoveredWorker]:
         """Alive serving workers; a malformed serve URL is logged and skipped (that worker's fault)."""
         found = []
         states, serving_key = await self._client.list_workers_keyed()
+        self.serving_key = serving_key
         for state in states:
             worker = state.worker
             node_id, serve_url = worker.peer.node_id, worker.serve_url or worker.labels.get(SERVE_URL_LABEL, "")

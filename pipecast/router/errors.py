@@ -1,5 +1,6 @@
 """Typed failures of the request router; each message says whose fault the failure was."""
 
+from pipecast.core.credentials import SERVING_KEY_HEADER
 from pipecast.core.errors import PipecastError
 
 
@@ -36,6 +37,27 @@ class TenantAuthError(RouterError):
 
     def __init__(self, problem: str) -> None:
         super().__init__(f"{problem}: send `Authorization: Bearer <key>` with a key the router knows")
+
+
+class ViewKeyError(RouterError):
+    """A request for the router's views of its pool (``/stats``, ``/v1/workers``) without the cluster's
+    serving key, or with another one (the caller's fault: only the cluster's own components hold it)."""
+
+    def __init__(self, path: str, presented: bool) -> None:
+        what = "holds another key" if presented else "is missing"
+        super().__init__(f"{path} answers only the cluster's own components (the scaling daemon, operators "
+                         f"holding the serving key): the {SERVING_KEY_HEADER} header {what}")
+        self.path, self.presented = path, presented
+
+
+class ViewKeyPendingError(RouterError):
+    """The router has credentials but has not learned its cluster's serving key yet (its control plane has
+    not answered), so it cannot tell who may read its views of the pool."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"{path}: the router has not learned its cluster's serving key yet (from its control "
+                         "plane, or derived from a master auth_token); retry shortly")
+        self.path = path
 
 
 class TenantOverLimitError(RouterError):

@@ -38,6 +38,7 @@ from control_plane.deployments import Deployment, ScaleEvent
 from control_plane.errors import ControlPlaneError
 from control_plane.routes import RouteChange
 from pipecast.core import strictjson
+from pipecast.core.credentials import serving_headers
 from pipecast.scaler.coldstart import ColdStarts
 from pipecast.scaler.gate import add_up_versions, judge
 from pipecast.scaler.metrics import ScalerMetrics
@@ -97,6 +98,7 @@ class Scaler:
         self._session: aiohttp.ClientSession | None = None
         self._blocks: dict[str, int] = {}
         self._answers: dict[str, dict | None] = {}  # this tick's /stats, by router URL
+        self._serving_key = b""  # what the routers' /stats ask of a caller (with credentials), from ListWorkers
 
     async def __aenter__(self) -> "Scaler":
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -145,7 +147,7 @@ class Scaler:
             del self.tracked[gone]
         if not deployments:
             return []
-        workers = await self.client.list_workers()
+        workers, self._serving_key = await self.client.list_workers_keyed()
         plans = await self.client.list_plans()
         urls = serve_urls(workers)
         decisions = []
@@ -253,7 +255,7 @@ class Scaler:
         """One router's checked /stats, or None (logged unless ``quiet``: the ticks log it) when it is silent
         or its answer unusable."""
         try:
-            async with self._session.get(f"{url}/stats",
+            async with self._session.get(f"{url}/stats", headers=serving_headers(self._serving_key),
                                          timeout=aiohttp.ClientTimeout(total=self.config.router_timeout_s)) as answer:
                 if answer.status != 200:
                     raise StatsFormatError(f"router {url}: /stats answered HTTP {answer.status}")

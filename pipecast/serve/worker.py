@@ -31,7 +31,6 @@ it: token ids by their count, text by a lower bound on its tokens (:meth:`TextCo
 """
 
 import asyncio
-import hmac
 import importlib
 import logging
 import math
@@ -44,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipecast.core.cpulimit import cpu_limit
-from pipecast.core.credentials import serving_headers
+from pipecast.core.credentials import presents_key, serving_headers
 from pipecast.core.errors import PipecastError
 from pipecast.engine.architectures import modeling_modules
 from pipecast.engine.errors import (
@@ -324,7 +323,7 @@ class ServingWorker:
 
     def _key_matches(self, presented: str | None) -> bool:
         key = self._serving_key
-        return not key or (presented is not None and hmac.compare_digest(presented.encode(), key.hex().encode()))
+        return not key or presents_key(presented, key)
 
     async def _relearn_serving_key(self) -> bool:
         """Ask the agent for the key again (rate-limited); whether it changed."""

@@ -34,7 +34,7 @@ from control_plane.server import GC_YOUNG_THRESHOLD, ControlPlaneServer, ServerC
 from control_plane.worker_session import WorkerSession
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.manifest import MANIFEST_FORMAT_VERSION, manifest_to_json, seal_manifest
-from pipecast.core.credentials import verify_node_token
+from pipecast.core.credentials import data_plane_key, serving_key, verify_node_token
 from pipecast.v1.control_pb2 import ReportBlocksRequest
 from pipecast.v1.control_pb2_grpc import ControlPlaneStub
 from pipecast.v1.manifest_pb2 import Block, Manifest
@@ -606,6 +606,9 @@ def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
             "node_id": "w9", "token": token}
         as_node = runner.invoke(cp_group, ["--token", token, "scale-up", pid, "--count", "1"])
         assert isinstance(as_node.exception, PermissionDenied)
+        key = serving_key(data_plane_key(TOKEN)).hex()  # what the routers' /stats ask for, to any token
+        assert runner.invoke(cp_group, ["--token", token, "serving-key"]).output == f"{key}\n"
+        assert json.loads(runner.invoke(cp_group, ["--json", "serving-key"]).output) == {"serving_key": key}
     finally:
         server.terminate()
         _, stderr = server.communicate(timeout=10)

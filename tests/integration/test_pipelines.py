@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 
 import pipecast
+from pipecast.core.credentials import data_plane_key, serving_headers, serving_key
 from pipecast.v1.manifest_pb2 import Manifest
 from control_plane.client import ControlPlaneClient
 from tests.integration.test_cluster import TOKEN, Cluster
@@ -29,6 +30,8 @@ SOURCES = ("s1", "s2")
 SOURCE_MBIT = "8"  # 1 MB/s each: a 4 MB block takes about 4 s
 PROMPT = [5, 6, 7, 8, 9]
 WAIT_S = 90.0
+#: What the cluster's own components present to read the router's view of the pool.
+KEYED = serving_headers(serving_key(data_plane_key(TOKEN)))
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +135,9 @@ def test_pipelines_serve_before_any_worker_holds_the_model_survive_a_killed_stag
                 async with http.post(f"{url}{path}", data=b"{}") as answer:
                     assert answer.status == 401, (path, await answer.text())
                     assert (await answer.json())["error"]["message"].endswith("Serving-Key header is missing")
+            # nor reads the router's view of the pool (worker URLs and loads)
+            async with http.get(f"{cluster.router_url}/v1/workers") as answer:
+                assert answer.status == 401, await answer.text()
 
             # 2. the tail stage's worker dies mid-request: the request is served elsewhere, not lost
             long = asyncio.create_task(complete(http, cluster.router_url, 100))
@@ -149,7 +155,7 @@ def test_pipelines_serve_before_any_worker_holds_the_model_survive_a_killed_stag
 
             # 3. once the workers hold the model the pipeline dissolves: the router routes to none
             async def pipelines() -> list:
-                async with http.get(f"{cluster.router_url}/v1/workers") as answer:
+                async with http.get(f"{cluster.router_url}/v1/workers", headers=KEYED) as answer:
                     return (await answer.json())["pipelines"]
             while (await cluster.held(package_id)).get("w2", 0) < blocks or await pipelines():
                 assert time.monotonic() < deadline, (await cluster.held(package_id), await pipelines())

@@ -442,6 +442,57 @@ async def test_the_router_presents_the_serving_key_and_a_refusal_is_the_workers_
                 f"X-Pipecast-Serving-Key header {words}")
 
 
+async def test_the_pools_views_answer_only_the_serving_key_where_the_router_has_credentials(client):
+    """/stats and /v1/workers show tenants, worker URLs and loads: with credentials only a caller holding the
+    cluster's serving key (the scaling daemon) reads them, and while the router has not learned the key
+    nobody does; /health, /v1/models and /metrics answer anyone, /v1/models with its workers' URLs only to
+    the key's holders."""
+    key = serving_key(data_plane_key("master"))
+    async with workers(FakeWorker(serving_key=key, model="chat")) as (worker,):
+        async with router([worker.url], serving_key=key, views_need_key=True) as (url, instance):
+            await eventually(lambda: all(w.health is not None for w in instance.pool.workers()))
+            for headers, listed in (({}, {}), ({SERVING_KEY_HEADER: key.hex()}, {"workers": [worker.url]})):
+                async with client.get(f"{url}/v1/models", headers=headers) as response:
+                    assert [(m["id"], m["root"]) for m in (await response.json())["data"]] == [("chat", "p" * 64)]
+                    assert {k: v for k, v in (await response.json())["data"][0].items() if k == "workers"} == listed
+            for path in ("/stats", "/v1/workers"):
+                for presented, words in ((None, "is missing"), (bytes(32).hex(), "holds another key")):
+                    async with client.get(f"{url}{path}", headers={SERVING_KEY_HEADER: presented} if presented
+                                          else {}) as response:
+                        assert response.status == 401 and (await response.json())["error"] == {
+                            "message": f"{path} answers only the cluster's own components (the scaling daemon, "
+                                       f"operators holding the serving key): the X-Pipecast-Serving-Key header "
+                                       f"{words}", "type": "authentication_error", "code": "invalid_serving_key"}
+                async with client.get(f"{url}{path}", headers={SERVING_KEY_HEADER: key.hex()}) as response:
+                    assert response.status == 200 and worker.url in await response.text()
+            for path in ("/health", "/v1/models", "/metrics"):
+                async with client.get(f"{url}{path}") as response:
+                    assert response.status == 200, path
+        async with router([worker.url], serving_key=key) as (url, _):  # no credentials: open, as before
+            async with client.get(f"{url}/stats") as response:
+                assert response.status == 200
+
+    learned = b""
+
+    class Lister:  # a control plane that has not answered with the key yet
+        async def list_workers_keyed(self):
+            return [], learned
+
+        async def list_routes(self):
+            return []
+
+    source = ControlPlaneDiscovery(Lister(), "cp:1")
+    instance = Router(RouterConfig(**(FAST | {"views_need_key": True})), [source])
+    async with serving(build_app(instance)) as url:
+        async with client.get(f"{url}/stats", headers={SERVING_KEY_HEADER: key.hex()}) as response:
+            assert (response.status, response.headers["Retry-After"]) == (503, "1")
+            assert (await response.json())["error"]["code"] == "credentials_pending"
+        learned = key
+        await eventually(lambda: source.serving_key == key)
+        async with client.get(f"{url}/stats", headers={SERVING_KEY_HEADER: key.hex()}) as response:
+            assert response.status == 200
+
+
 async def test_retries_are_bounded_and_end_in_502_naming_the_workers(client):
     async with workers(FakeWorker(behaviour="die_before"), FakeWorker(behaviour="die_before")) as fakes:
         urls = sorted(fake.url for fake in fakes)

@@ -13,6 +13,7 @@ from aiohttp import web
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.errors import InsufficientWorkers
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
+from pipecast.core.credentials import SERVING_KEY_HEADER
 from pipecast.scaler.daemon import Scaler, ScalerConfig
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1.manifest_pb2 import Block, Manifest
@@ -35,6 +36,7 @@ class RecordingClient:
 
     def __init__(self, workers: list[pb.WorkerState], routers: tuple[str, ...], events: list[ScaleEvent] = ()):
         self.workers, self.events, self.calls = workers, list(events), []
+        self.serving_key = b""
         self.deployment = Deployment(PKG, POLICY, routers)
         self.refuse: Exception | None = None
         self.routes: list[ModelRoute] = []
@@ -42,8 +44,8 @@ class RecordingClient:
     async def list_deployments(self):
         return [self.deployment]
 
-    async def list_workers(self):
-        return self.workers
+    async def list_workers_keyed(self):
+        return self.workers, self.serving_key
 
     async def list_plans(self, package_id: str = ""):
         return []
@@ -86,10 +88,12 @@ def stats(queue: int = 0, idle: dict[str, float | None] | None = None, arrived: 
 
 @asynccontextmanager
 async def stub_router(answer: dict) -> AsyncIterator[tuple[str, dict]]:
-    """A router whose /stats answers ``state["answer"]`` (changeable while it runs)."""
-    state = {"answer": answer}
+    """A router whose /stats answers ``state["answer"]`` (changeable while it runs); ``state["keys"]`` lists
+    the serving key header of each request (None where absent)."""
+    state = {"answer": answer, "keys": []}
 
     async def handler(request: web.Request) -> web.Response:
+        state["keys"].append(request.headers.get(SERVING_KEY_HEADER))
         return web.json_response(state["answer"])
 
     app = web.Application()
@@ -114,6 +118,16 @@ async def test_a_queue_at_the_router_scales_up_once_recorded_before_acting():
     assert client.calls == [("event", "scale_up"), ("scale_up", 3, "unicast")]
     event = client.events[0]
     assert (event.desired, event.actual) == (3, 0) and json.loads(event.inputs_json)["queue_depth"] == 5
+
+
+async def test_the_routers_are_asked_with_the_serving_key_the_control_plane_lists_with_its_workers():
+    async with stub_router(stats(queue=5, arrived=5)) as (url, state):
+        client = RecordingClient([worker("w1")], (url,))
+        async with Scaler(client) as scaler:
+            await scaler.tick()  # auth off: no key, no header
+            client.serving_key = bytes(range(32))
+            await scaler.tick()
+    assert state["keys"] == [None, bytes(range(32)).hex()]
 
 
 async def test_a_silent_router_holds_the_pool_recording_the_hold_once():
