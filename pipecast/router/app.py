@@ -54,7 +54,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -638,11 +638,11 @@ def build_app(router: Router) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.json_response(router.health())
 
-    async def workers(request: web.Request) -> web.Response:
-        return router.refuse_view(request) or web.json_response(router.describe_workers())
-
-    async def stats(request: web.Request) -> web.Response:
-        return router.refuse_view(request) or web.json_response(router.stats())
+    def view(answer: Callable[[], dict]) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            refusal = router.refuse_view(request)
+            return refusal if refusal is not None else web.json_response(answer())
+        return handler
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response(router.models(with_workers=router.refuse_view(request) is None))
@@ -655,5 +655,6 @@ def build_app(router: Router) -> web.Application:
     app.on_shutdown.append(on_shutdown)
     app.add_routes([web.post("/v1/completions", completions), web.post("/v1/chat/completions", completions),
                     web.get("/health", health), web.get("/v1/models", models),
-                    web.get("/v1/workers", workers), web.get("/metrics", metrics), web.get("/stats", stats)])
+                    web.get("/v1/workers", view(router.describe_workers)), web.get("/metrics", metrics),
+                    web.get("/stats", view(router.stats))])
     return app
