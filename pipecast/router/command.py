@@ -117,8 +117,12 @@ def router_command(host, port, workers, vllm_workers, control_plane, max_queue, 
         raise click.UsageError("give at least one --worker URL or --control-plane")
     # The token and TLS files of the control plane come from the settings (PIPECAST_* variables or config file).
     settings = load_settings(control_plane=control_plane, router_forward_auth=forward_auth)
+    key = static_serving_key(settings.auth_token)
+    if settings.auth_token and not key and not control_plane:
+        raise click.UsageError("the auth_token is a node token, from which no serving key derives: give the router "
+                               "the cluster's master token, or --control-plane to learn the key from (pipecast's "
+                               "workers take requests, and its /stats answers, only with the key)")
     try:
-        key = static_serving_key(settings.auth_token)
         static = [StaticDiscovery(list(urls), engine, key) for urls, engine in ((workers, "pipecast"),
                                                                                (vllm_workers, "vllm")) if urls]
     except WorkerUrlError as exc:

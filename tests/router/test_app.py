@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 from aiohttp import web
+from click.testing import CliRunner
 
 from control_plane.client import ControlPlaneClient
 from control_plane.deployments import Deployment, ScalingPolicy
@@ -28,7 +29,7 @@ from control_plane.server import ControlPlaneServer, ServerConfig
 from packager.manifest import seal_manifest
 from pipecast.core.credentials import SERVING_KEY_HEADER, data_plane_key, issue_node_token, serving_key
 from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER, Router, RouterConfig, build_app
-from pipecast.router.command import static_serving_key
+from pipecast.router.command import router_command, static_serving_key
 from pipecast.serve.app import error_response
 from pipecast.serve.errors import ServingKeyError
 from pipecast.router.discovery import SERVE_URL_LABEL, ControlPlaneDiscovery, StaticDiscovery
@@ -491,6 +492,16 @@ async def test_the_pools_views_answer_only_the_serving_key_where_the_router_has_
         await eventually(lambda: source.serving_key == key)
         async with client.get(f"{url}/stats", headers={SERVING_KEY_HEADER: key.hex()}) as response:
             assert response.status == 200
+
+
+def test_a_router_given_a_node_token_and_no_control_plane_is_a_usage_error():
+    """No serving key derives from a node token: such a router could neither call pipecast's workers nor
+    answer its own /stats, so it refuses to start, saying what to give it."""
+    result = CliRunner().invoke(router_command, ["--worker", "http://127.0.0.1:1"],
+                                env={"PIPECAST_AUTH_TOKEN": issue_node_token("master", "router")})
+    assert result.exit_code == 2 and ("the auth_token is a node token, from which no serving key derives: give the "
+                                      "router the cluster's master token, or --control-plane to learn the key from"
+                                      ) in " ".join(result.output.split())
 
 
 async def test_retries_are_bounded_and_end_in_502_naming_the_workers(client):
