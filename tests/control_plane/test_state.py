@@ -753,6 +753,18 @@ def test_a_receiver_added_beside_others_in_flight_starts_where_they_lack_most():
     assert state.scale_up("pkg", node_ids=["w2"], strategy="chain", now=2).strategy == "chain"
 
 
+def test_a_new_plan_counts_the_bytes_a_receiver_in_flight_reported_beyond_its_verified_blocks():
+    state = cluster(3)
+    state.report("w2", {"pkg": range(BLOCKS)}, {}, now=1)
+    state.scale_up("pkg", node_ids=["w0"], now=1)
+    assert state.draft_scale_up("pkg", node_ids=["w1"]).in_flight_bytes == (0,)  # no report yet
+    state.report("w0", {"pkg": [0, 1]}, {}, now=1.5, progress={"pkg": 250})
+    draft = state.draft_scale_up("pkg", node_ids=["w1"])
+    assert (draft.in_flight, draft.in_flight_bytes) == (((2, 3, 4, 5, 6, 7),), (50,))  # 250 less blocks 0-1
+    state.report("w0", {}, {}, now=1.6, progress={"pkg": 10_000})  # never more than what it still lacks
+    assert state.draft_scale_up("pkg", node_ids=["w1"]).in_flight_bytes == (600,)
+
+
 def test_store_links_come_from_the_settings_and_the_command_line():
     from click.testing import CliRunner
 

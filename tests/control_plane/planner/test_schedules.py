@@ -399,22 +399,35 @@ def test_a_group_beside_receivers_in_flight_starts_where_they_lack_most():
     assert complement_starts(1, 8, EMBEDDINGS_FIRST, [list(range(8))]) == [3]
     assert complement_starts(1, 8, EMBEDDINGS_FIRST, [list(range(1, 8))]) == [5]  # block 0 is in: 1-4 | 5-7
     assert complement_starts(1, 8, EMBEDDINGS_FIRST, [[]]) == [0]  # the one in flight holds all: as if alone
+    # 50 of block 0's 81 already in: the first holds 0-3 106 bytes from now, the new one 4-7 after 101;
+    # counted as not begun, the start would be 3, and every layer held only after 126 (the new one's 3-7).
+    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [list(range(8))], [50]) == [4]
+    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [list(range(8))], [20]) == [3]
+    assert complement_starts(1, 8, None, [list(range(8))], [50]) == [4]  # no sizes: blocks counted, not bytes
     plan = make_plan("rotated", ["store"], ["y"], 8, block_bytes=EMBEDDINGS_FIRST, in_flight=[list(range(8))])
     assert [a.block for a in plan.assignments["y"]] == [3, 4, 5, 6, 7, 0, 1, 2]
     plan.validate()
+    assert make_plan("rotated", ["store"], ["y"], 8, block_bytes=EMBEDDINGS_FIRST, in_flight=[list(range(8))],
+                     in_flight_bytes=[50]).assignments["y"][0].block == 4
+    for wrong in ([50, 0], [-1], [1.5]):
+        with pytest.raises(PlanError, match=r"^make_plan: in_flight_bytes must give a byte count >= 0 for each of "
+                                            r"the 1 receivers in flight, got "):
+            make_plan("rotated", ["store"], ["y"], 8, in_flight=[list(range(8))], in_flight_bytes=wrong)
     # Ignored without in-flight receivers and by the strategies that do not rotate.
     assert make_plan("rotated", ["a", "b"], ["x", "y"], 8, in_flight=[]) == make_plan("rotated", ["a", "b"],
                                                                                        ["x", "y"], 8)
     assert make_plan("chain", ["a"], ["x"], 8, in_flight=[[0, 1]]) == make_plan("chain", ["a"], ["x"], 8)
 
 
-def _all_held_at(sizes: list[int], orders: list[list[int]]) -> int:
-    """Bytes into the transfer when every block is held by one receiver, each getting its order at one rate
-    (a block a receiver's order lacks, it holds from the start)."""
+def _all_held_at(sizes: list[int], orders: list[list[int]], present: list[int] = ()) -> int:
+    """Bytes into the transfer when every block is held by one receiver, each getting its order at one rate,
+    ``present[i]`` bytes of the i-th order already in (a block a receiver's order lacks, it holds from the
+    start)."""
     worst = 0
     for block in range(len(sizes)):
-        lands = [0 if block not in order else sum(sizes[b] for b in order[:order.index(block) + 1])
-                 for order in orders]
+        lands = [0 if block not in order else max(0, sum(sizes[b] for b in order[:order.index(block) + 1])
+                                                  - (present[i] if i < len(present) else 0))
+                 for i, order in enumerate(orders)]
         worst = max(worst, min(lands))
     return worst
 
@@ -426,11 +439,14 @@ def test_a_complementing_start_gets_every_block_held_soonest(sizes, data):
     in_flight = [data.draw(st.permutations(range(n)).map(lambda p: p[:data.draw(st.integers(0, n))]))
                  for _ in range(data.draw(st.integers(1, 3)))]
     weights = sizes if any(sizes) else [1] * n
-    start = complement_starts(1, n, sizes, in_flight)[0]
+    present = [data.draw(st.integers(0, sum(weights[b] for b in order))) for order in in_flight] if any(sizes) \
+        else []
+    start = complement_starts(1, n, sizes, in_flight, present)[0]
     rotation = lambda s: [(s + i) % n for i in range(n)]  # noqa: E731
-    best = min(_all_held_at(weights, [*in_flight, rotation(s)]) for s in range(n))
-    assert _all_held_at(weights, [*in_flight, rotation(start)]) == best
-    plan = make_plan("rotated", ["s"], ["x", "y"], n, block_bytes=sizes, source_links={"s": 2}, in_flight=in_flight)
+    best = min(_all_held_at(weights, [*in_flight, rotation(s)], present) for s in range(n))
+    assert _all_held_at(weights, [*in_flight, rotation(start)], present) == best
+    plan = make_plan("rotated", ["s"], ["x", "y"], n, block_bytes=sizes, source_links={"s": 2}, in_flight=in_flight,
+                     in_flight_bytes=present or ())
     for fetches in plan.assignments.values():
         assert sorted(a.block for a in fetches) == list(range(n))
     plan.validate()
