@@ -588,21 +588,30 @@ class Router:
                     del version["workers"]
         return {"object": "list", "data": data}
 
-    def refuse_view(self, request: web.Request) -> web.Response | None:
-        """The answer refusing ``request`` a view of the pool (``/stats``, ``/v1/workers``), or None when it
-        may read it: always without ``views_need_key``, else when it presents a serving key its sources know."""
+    def view_refusal(self, request: web.Request) -> ViewKeyError | ViewKeyPendingError | None:
+        """Why ``request`` may not read the pool's views (``/stats``, ``/v1/workers``, ``/v1/models``' worker
+        URLs), or None when it may: always without ``views_need_key``, else when it presents a serving key its
+        sources know."""
         if not self.config.views_need_key:
             return None
         keys = {source.serving_key for source in self._sources if source.serving_key}
         if not keys:
-            return web.json_response(error_body(str(ViewKeyPendingError(request.path)), "server_error",
-                                                code="credentials_pending"),
-                                     status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+            return ViewKeyPendingError(request.path)
         presented = request.headers.get(SERVING_KEY_HEADER)
         if any(presents_key(presented, key) for key in keys):
             return None
-        return web.json_response(error_body(str(ViewKeyError(request.path, presented is not None)),
-                                            "authentication_error", code="invalid_serving_key"), status=401)
+        return ViewKeyError(request.path, presented is not None)
+
+    def refuse_view(self, request: web.Request) -> web.Response | None:
+        """The answer refusing ``request`` a view of the pool (:meth:`view_refusal`), or None when it may read it."""
+        refusal = self.view_refusal(request)
+        if isinstance(refusal, ViewKeyPendingError):
+            return web.json_response(error_body(str(refusal), "server_error", code="credentials_pending"),
+                                     status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        if refusal is not None:
+            return web.json_response(error_body(str(refusal), "authentication_error", code="invalid_serving_key"),
+                                     status=401)
+        return None
 
     def describe_workers(self) -> dict:
         """The ``GET /v1/workers`` answer."""
@@ -645,7 +654,7 @@ def build_app(router: Router) -> web.Application:
         return handler
 
     async def models(request: web.Request) -> web.Response:
-        return web.json_response(router.models(with_workers=router.refuse_view(request) is None))
+        return web.json_response(router.models(with_workers=router.view_refusal(request) is None))
 
     async def metrics(request: web.Request) -> web.Response:
         data, content_type = router.metrics.render()
