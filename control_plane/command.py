@@ -410,7 +410,7 @@ DEFAULT_POLICY = ScalingPolicy()
 @click.option("--cold-start", type=Duration(), default=DEFAULT_POLICY.cold_start_s, show_default=True,
               help="How long a new replica takes to serve (about S/B; 0: not counted): a scale-up then also drains "
                    "what arrives meanwhile within the SLO or the cold start, the longer, and adds none for requests "
-                   "the ready replicas finish within it.")
+                   "that wait no longer than it behind those at the ready replicas.")
 @click.option("--measure-cold-start", "cold_start_measured", is_flag=True, default=False,
               help="Size for the cold starts the scaler measures on this deployment's scale-ups once it has one "
                    "(--cold-start until then).")

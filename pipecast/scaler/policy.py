@@ -13,12 +13,15 @@ How it decides, in this order:
    ``cold_start_s``, or with ``cold_start_measured`` the daemon's measure once it has one,
    :mod:`pipecast.scaler.coldstart`), the replicas that also drain, within the SLO or the cold start (the longer) once
    they serve, what arrives meanwhile beyond the ready replicas' throughput (:func:`cold_start_demand`: with
-   multicast, several replicas load in about the time of one), and the requests present add no replica while the ready
-   replicas finish them within that drain (:func:`drained_by_the_ready`: a replica added for them would serve once
-   they are gone); then the lagging one: a p99 TTFT over the SLO with requests still queued and no replica on its way
-   adds one more. ``desired`` = demand + the warm pool, within ``min..max``: the policy's ``warm``, or with
-   ``warm_auto_factor`` the replicas that absorb that many times the *baseline* demand (:func:`baseline_demand`, the
-   median over the history) beyond what the demand needs now.
+   multicast, several replicas load in about the time of one), and the requests present add no replica while no
+   request waits behind them at the ready replicas for longer than that drain (:func:`drained_by_the_ready`: a
+   replica added for them would serve only after the cold start); then the lagging one: a p99 TTFT over the SLO
+   with requests still queued and no replica on its way adds one more. Neither the requests present nor the SLO
+   add a replica while the requests present fall fast enough to be gone within that drain at the pace measured
+   (:func:`backlog_draining`): the replicas in place are catching up, and a p99 over the SLO is then the requests
+   that waited for a cold start. ``desired`` = demand + the warm pool, within ``min..max``: the policy's
+   ``warm``, or with ``warm_auto_factor`` the replicas that absorb that many times the *baseline* demand
+   (:func:`baseline_demand`, the median over the history) beyond what the demand needs now.
 3. **Scale up** by the whole gap at once (not one at a time), at most the free workers. Within
    ``scale_up_cooldown_s`` of the last scale-up only while requests queue or the SLO is missed.
 4. **Scale down** with hysteresis: only replicas idle for ``keep_alive_s`` (every router agreeing), only
@@ -188,10 +191,29 @@ def drain_horizon(policy: ScalingPolicy, cold_start_s: float) -> float:
 
 
 def drained_by_the_ready(requests: int, ready: int, rate: float, throughput: float, horizon_s: float) -> bool:
-    """Whether the ``ready`` replicas, taking ``rate`` too, finish the ``requests`` present within
-    ``horizon_s``: then a replica added for them would serve only once they are gone."""
-    spare = ready * throughput - rate
-    return ready > 0 and spare > 0 and requests / spare <= horizon_s
+    """Whether no request waits longer than ``horizon_s`` behind the ``requests`` present at the ``ready``
+    replicas: one arriving now waits for those ahead of it, ``requests / (ready * throughput)``, and while
+    ``rate`` stays under that throughput the backlog shrinks, so each later one waits less. A replica added
+    for them would serve only after the cold start, and shorten no wait that is shorter. (Not the time until
+    the backlog is gone, ``requests / (ready * throughput - rate)``: that sized a replica for 21 requests at
+    two replicas, 6.4 s until the last of the backlog but 3.4 s of wait, docs/benchmarks.md.)"""
+    capacity = ready * throughput
+    return ready > 0 and rate < capacity and requests / capacity <= horizon_s
+
+
+def backlog_draining(history: Sequence[Signals], horizon_s: float) -> bool:
+    """Whether the requests present (router queues + in flight) fell over the last ``SHORT_WINDOW_S`` fast
+    enough that, at that measured pace, they are gone within ``horizon_s``: the pool in place is catching up,
+    whatever the throughput estimate says. A p99 over the SLO then is the past's (requests that waited for a
+    cold start), and a replica added for it would serve once the backlog is gone. Only between two polls that
+    the same number of routers answered: a router falling silent is not a backlog falling."""
+    last = history[-1]
+    first = next((s for s in history if s.at >= last.at - SHORT_WINDOW_S), last)
+    span = last.at - first.at
+    before, now = first.queue_depth + first.in_flight, last.queue_depth + last.in_flight
+    if span <= 0 or now >= before or first.routers_answered != last.routers_answered:
+        return False
+    return now / ((before - now) / span) <= horizon_s
 
 
 def _demand(signals: Signals, rate: float, throughput: float, policy: ScalingPolicy) -> tuple[int, int]:
@@ -211,13 +233,15 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     by_requests, by_rate = _demand(now, rate, throughput, policy)
     cold_start, cold_from = cold_start_of(policy, pool)
     by_cold = cold_start_demand(rate, now.ready, throughput, policy, cold_start)
-    drained = by_requests > have and cold_start > 0 and drained_by_the_ready(
-        now.queue_depth + now.in_flight, now.ready, rate, throughput, drain_horizon(policy, cold_start))
+    horizon = drain_horizon(policy, cold_start)
+    draining = backlog_draining(history, horizon)
+    drained = by_requests > have and (draining or cold_start > 0 and drained_by_the_ready(
+        now.queue_depth + now.in_flight, now.ready, rate, throughput, horizon))
     if drained:
         by_requests = have
     loading = sum(r.loading for r in pool.replicas)
-    slo_missed = (now.ttft_p99_s is not None and now.ttft_p99_s > policy.slo_ttft_p99_s and now.queue_depth > 0
-                  and loading == 0)
+    over_slo = now.ttft_p99_s is not None and now.ttft_p99_s > policy.slo_ttft_p99_s
+    slo_missed = over_slo and now.queue_depth > 0 and loading == 0 and not draining
     needed = max(by_requests, by_rate, by_cold, have + 1 if slo_missed else 0)
     inputs = {"queue_depth": now.queue_depth, "in_flight": now.in_flight, "queued_at_workers": now.queued_at_workers,
               "arrival_rps": round(rate, 3),
@@ -236,13 +260,18 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     desired = min(max(needed + warm, policy.min_replicas), policy.max_replicas)
     cold_why = f"; {by_cold} to drain what arrives in a {round(cold_start, 1):g}s cold start" + (
         " (measured)" if cold_from == "measured" else "")
-    drained_why = f" (the {now.ready} ready drain them before a new one serves)" if drained else ""
+    pace_why = f"falling, gone within {round(horizon, 1):g}s at the pace measured"
+    drained_why = "" if not drained else f" ({pace_why})" if draining else \
+        f" (the {now.ready} ready drain them before a new one serves)"
+    past_why = f"; p99 TTFT {now.ttft_p99_s:.2f} s over the SLO, but the backlog is {pace_why}" if (
+        over_slo and draining) else ""
     at_workers = f" ({now.queued_at_workers} waiting in workers' queues)" if now.queued_at_workers else ""
     why = (f"queue {now.queue_depth} + in flight {now.in_flight}{at_workers} need {by_requests} at "
            f"{policy.replica_concurrency} "
            f"each{drained_why}; {rate:.2f} req/s needs {by_rate} at {throughput:.2f} req/s each"
            f"{cold_why if by_cold else ''}"
            f"{'; p99 TTFT %.2f s over the SLO %.2f s' % (now.ttft_p99_s, policy.slo_ttft_p99_s) if slo_missed else ''}"
+           f"{past_why}"
            f"; {warm_why} -> desired {desired}, have {have}")
     if desired > have:
         cooling = pool.last_scale_up is not None and pool.now - pool.last_scale_up < policy.scale_up_cooldown_s
