@@ -26,7 +26,7 @@ from control_plane.planner.pipelines import ModelLayout, Pipeline, form_pipeline
 from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
 from control_plane.planner.replan import INLINE_REPLAN_MAX_RECEIVERS, parts_of, repair, replan
-from control_plane.planner.schedules import make_plan
+from control_plane.planner.schedules import InFlight, make_plan
 from control_plane.planner.stragglers import Sample, StragglerPolicy, demote, find_stragglers, receive_rate
 from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.v1.manifest_pb2 import Manifest
@@ -163,17 +163,13 @@ class ScaleUpDraft:
     block_bytes: tuple[int, ...] = ()
     chunk_counts: tuple[int, ...] = ()
     held: Mapping[str, frozenset[int]] = field(default_factory=dict)  # only when a receiver holds some
-    # The blocks each receiver of the package in flight under other plans still waits for, in its order, and
-    # the bytes it holds of them (all zero where no progress is reported).
-    in_flight: tuple[tuple[int, ...], ...] = ()
-    in_flight_bytes: tuple[int, ...] = ()
+    in_flight: tuple[InFlight, ...] = ()  # the receivers of the package in flight under other plans
 
     def build(self) -> Plan:
         """The plan (pure; nothing a receiver already verified is fetched again)."""
         plan = make_plan(self.strategy, self.sources, self.receivers, self.num_blocks, fanout=self.fanout,
                          labels=self.labels, block_bytes=self.block_bytes, source_links=self.links,
-                         chunk_counts=self.chunk_counts or None, in_flight=self.in_flight,
-                         in_flight_bytes=self.in_flight_bytes)
+                         chunk_counts=self.chunk_counts or None, in_flight=self.in_flight)
         if self.held:
             plan = replan(plan, dead=(), held=self.held, sources=self.sources, labels=self.labels, fanout=self.fanout)
         return plan
@@ -509,7 +505,7 @@ class ControlState:
         availability = self.availability[package_id]
         sources, strategy = self._plan_sources(package, strategy, exclude=set(receivers))
         # Only a rotated plan uses them (not a chain behind a chain in progress: it gets what that gets).
-        in_flight, in_flight_bytes = self._in_flight(package_id) if strategy in ("", "rotated") else ((), ())
+        in_flight = self._in_flight(package_id) if strategy in ("", "rotated") else ()
         links = self._source_links(package, sources, len(receivers), bool(in_flight))
         slots = sum(links.get(s, 1) for s in sources)
         strategy = strategy or default_strategy(slots, len(receivers), beside_in_flight=bool(in_flight))
@@ -518,8 +514,7 @@ class ControlState:
         return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged), tuple(sources), strategy,
                             fanout or DEFAULT_FANOUT, self._labels({*held, *sources, *receivers}), links,
                             package.num_blocks, package.block_bytes, package.chunk_counts, held,
-                            in_flight=in_flight if strategy == "rotated" else (),
-                            in_flight_bytes=in_flight_bytes if strategy == "rotated" else ())
+                            in_flight=in_flight if strategy == "rotated" else ())
 
     def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float) -> ScaleUpResult:
         """Start ``plan``, built from ``draft``, and tell its nodes. If the cluster changed since the draft
@@ -778,14 +773,14 @@ class ControlState:
                   if n in a.parts and any(f.parent == store for f in a.parts[n].fetch)}
         return max(0, self.store_links - len(taking))
 
-    def _in_flight(self, package_id: str) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
-        """Per receiver of ``package_id`` that an active plan still feeds, the blocks it lacks in its fetch
-        order, and the bytes it holds of them: its last progress report less its verified blocks, 0 without
-        a report (what ``make_plan``'s ``in_flight`` and ``in_flight_bytes`` take). Plans of more than
+    def _in_flight(self, package_id: str) -> tuple[InFlight, ...]:
+        """Each receiver of ``package_id`` that an active plan still feeds: the blocks it lacks in its fetch
+        order, and the bytes it holds of them, its last progress report less its verified blocks, 0 without
+        a report (what ``make_plan``'s ``in_flight`` takes). Plans of more than
         :data:`INLINE_REPLAN_MAX_RECEIVERS` are left out: listing theirs would hold the event loop (the
         complement is for the small scale-ups a scaling daemon makes as the load grows)."""
         availability, sizes = self.availability[package_id], self.packages[package_id].block_bytes
-        lacking, present = [], []
+        found = []
         for active in self.plans.values():
             if active.package_id != package_id or len(active.plan.assignments) > INLINE_REPLAN_MAX_RECEIVERS:
                 continue
@@ -793,11 +788,11 @@ class ControlState:
                 have = availability.held(node)
                 part = active.parts.get(node)
                 if part is not None:
-                    lacking.append(tuple(dict.fromkeys(f.block for f in part.fetch if f.block not in have)))
+                    lacking = tuple(dict.fromkeys(f.block for f in part.fetch if f.block not in have))
                     samples = self.progress.get((package_id, node))
                     held = samples[-1][1] - sum(sizes[b] for b in have) if samples else 0
-                    present.append(min(max(held, 0), sum(sizes[b] for b in lacking[-1])))
-        return tuple(lacking), tuple(present)
+                    found.append(InFlight(lacking, min(max(held, 0), sum(sizes[b] for b in lacking))))
+        return tuple(found)
 
     def _rack(self, node: str) -> str | None:
         """The ``rack`` label of ``node``, None where it has none or is no worker (a store)."""

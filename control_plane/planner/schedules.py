@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from control_plane.planner.plan import STRATEGIES, Chunks, Fetch, Plan, PlanError, check_ids, is_index
 from control_plane.planner.racks import ParentPool, Rack, rack_of, rack_order
@@ -57,11 +58,21 @@ MAX_FAIR_UNITS = 256
 Unit = tuple[int, Chunks]  # (block, chunk range or None for the whole block)
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """A receiver of the package still in progress under other plans: the blocks it still waits for, in its
+    fetch order, and the bytes it already holds of them (those in progress, at the front of its order: its
+    progress reports less its verified blocks; 0 where not known)."""
+
+    waiting: tuple[int, ...]
+    bytes_present: int = 0
+
+
 def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], num_blocks: int, *,
               fanout: int = 2, labels: Mapping[str, Mapping[str, str]] | None = None,
               block_bytes: Sequence[int] | None = None, source_links: Mapping[str, int] | None = None,
               chunk_counts: Sequence[int] | None = None, units: int | None = None,
-              in_flight: Sequence[Sequence[int]] = (), in_flight_bytes: Sequence[int] = ()) -> Plan:
+              in_flight: Sequence[InFlight] = ()) -> Plan:
     """Plan how ``receivers`` get blocks ``0..num_blocks-1`` from ``sources`` (nodes holding everything).
 
     Strategies: ``unicast`` (every block from a source, spread over the sources), ``chain``
@@ -77,13 +88,12 @@ def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], n
     ``source_links`` gives a source's egress in links (default 1): ``rotated`` gives a source with L links
     L groups (a store at 8x the link rate is 8 sources); the other strategies ignore it.
 
-    ``in_flight``: per receiver of the package still in progress under other plans, the blocks it still
-    waits for, in its fetch order. ``rotated`` then starts its groups where they best complement those
-    (:func:`complement_starts`): a receiver added one second after another starts halfway into what the
-    other still lacks, so that the two soon hold every layer between them (a pipeline), where rotating
-    as if alone would send it the same blocks first. The other strategies ignore it. ``in_flight_bytes``:
-    per receiver of ``in_flight`` (all or none), the bytes it already holds of the blocks it waits for (those
-    in progress, at the front of its order; its progress reports less its verified blocks).
+    ``in_flight``: the receivers of the package still in progress under other plans (:class:`InFlight`: the
+    blocks each still waits for, in its fetch order, and the bytes it holds of them). ``rotated`` then starts
+    its groups where they best complement those (:func:`complement_starts`): a receiver added one second after
+    another starts halfway into what the other still lacks, so that the two soon hold every layer between
+    them (a pipeline), where rotating as if alone would send it the same blocks first. The other strategies
+    ignore it.
 
     ``chunk_counts`` are the blocks' chunk counts (the manifest's ceil(block bytes / chunk bytes)). With
     them a binomial pipeline (``binomial``, and the binomial groups of ``rotated``) runs over units instead
@@ -128,10 +138,10 @@ def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], n
             raise PlanError(f"make_plan: units must be a positive integer, got {units!r}")
         if chunk_counts is None:
             raise PlanError("make_plan: units needs chunk_counts (the chunks of each block)")
-    in_flight_bytes = tuple(in_flight_bytes)
-    if in_flight_bytes and (len(in_flight_bytes) != len(in_flight) or not all(map(is_index, in_flight_bytes))):
-        raise PlanError(f"make_plan: in_flight_bytes must give a byte count >= 0 for each of the {len(in_flight)} "
-                        f"receivers in flight, got {list(in_flight_bytes)!r}")
+    bad = next((r for r in in_flight if not is_index(r.bytes_present)), None)
+    if bad is not None:
+        raise PlanError(f"make_plan: a receiver in flight holds {bad.bytes_present!r} bytes of the blocks it waits "
+                        "for; a byte count must be an integer >= 0")
     for source, links in (source_links or {}).items():
         if source not in sources:
             raise PlanError(f"make_plan: source_links names {source!r}, which is no source")
@@ -141,8 +151,7 @@ def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], n
     split = _Splitter(chunk_counts, units)
     if strategy == "rotated":
         slots = [s for s in sources for _ in range((source_links or {}).get(s, 1))]
-        return Plan(strategy, sources, _rotated(slots, receivers, num_blocks, rack, block_bytes, split, in_flight,
-                                                in_flight_bytes))
+        return Plan(strategy, sources, _rotated(slots, receivers, num_blocks, rack, block_bytes, split, in_flight))
     if strategy == "binomial":
         out: dict[str, list[Fetch[str]]] = {}
         ordered = rack_order(receivers, rack, rack(sources[0]))
@@ -187,11 +196,10 @@ def _tree(sources, receivers, num_blocks, fanout, rack) -> dict[str, list[Fetch[
     return out
 
 
-def _rotated(slots, receivers, num_blocks, rack, block_bytes, split, in_flight,
-             in_flight_bytes) -> dict[str, list[Fetch[str]]]:
+def _rotated(slots, receivers, num_blocks, rack, block_bytes, split, in_flight) -> dict[str, list[Fetch[str]]]:
     k = max(1, min(len(slots), len(receivers)))  # groups that get receivers: the first k ones
     out: dict[str, list[Fetch[str]]] = {}
-    starts = (complement_starts(k, num_blocks, block_bytes, in_flight, in_flight_bytes) if in_flight
+    starts = (complement_starts(k, num_blocks, block_bytes, in_flight) if in_flight
               else _rotation_starts(k, num_blocks, block_bytes))
     for source, group, start in zip(slots, _split_groups(slots, receivers, rack), starts):
         order = [(start + i) % num_blocks for i in range(num_blocks)]
@@ -231,10 +239,10 @@ def _rotation_starts(k: int, num_blocks: int, block_bytes: Sequence[int] | None)
 
 
 def complement_starts(k: int, num_blocks: int, block_bytes: Sequence[int] | None,
-                      in_flight: Sequence[Sequence[int]], present: Sequence[int] = ()) -> list[int]:
-    """The first block of each of ``k`` new groups, given receivers in flight that still wait for the
-    blocks of ``in_flight`` (each list in its fetch order; a receiver holds the blocks its list lacks) and
-    already hold ``present[i]`` bytes of them (none where not given).
+                      in_flight: Sequence[InFlight]) -> list[int]:
+    """The first block of each of ``k`` new groups, given the receivers ``in_flight`` (each waits for its
+    ``waiting`` blocks in that order and holds the blocks it does not wait for, and ``bytes_present`` bytes
+    of those it waits for).
 
     Every receiver is taken to get its blocks in order at one link's rate, so block b lands when the bytes
     before it in the receiver's order, less those present, have arrived: a receiver halfway into the
@@ -244,12 +252,13 @@ def complement_starts(k: int, num_blocks: int, block_bytes: Sequence[int] | None
     a pipeline across them needs. Sizes as :func:`_rotation_starts` takes them (without sizes, bytes present
     are not counted: the blocks are counted, not their bytes).
     """
-    if block_bytes is None or not any(block_bytes):
-        block_bytes, present = [1] * num_blocks, ()
+    counted = block_bytes is not None and any(block_bytes)
+    if not counted:
+        block_bytes = [1] * num_blocks
     lands = [math.inf] * num_blocks  # when each block is first held by one of the receivers (0: now)
-    for i, waiting in enumerate(in_flight):
-        arrived, at = -(present[i] if i < len(present) else 0), {}
-        for block in waiting:
+    for receiver in in_flight:
+        arrived, at = -(receiver.bytes_present if counted else 0), {}
+        for block in receiver.waiting:
             arrived += block_bytes[block]
             at[block] = max(arrived, 0)
         lands = [min(land, at.get(block, 0)) for block, land in enumerate(lands)]

@@ -6,6 +6,7 @@ import pytest
 from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.placement import CHAIN_MAX_RECEIVERS
+from control_plane.planner.schedules import InFlight
 from control_plane.state import ControlState, Notice
 from control_plane.store_sqlite import SqliteStore
 from pipecast.v1.manifest_pb2 import Block, Manifest
@@ -757,12 +758,12 @@ def test_a_new_plan_counts_the_bytes_a_receiver_in_flight_reported_beyond_its_ve
     state = cluster(3)
     state.report("w2", {"pkg": range(BLOCKS)}, {}, now=1)
     state.scale_up("pkg", node_ids=["w0"], now=1)
-    assert state.draft_scale_up("pkg", node_ids=["w1"]).in_flight_bytes == (0,)  # no report yet
+    assert state.draft_scale_up("pkg", node_ids=["w1"]).in_flight == (InFlight(tuple(range(BLOCKS)), 0),)  # no report
     state.report("w0", {"pkg": [0, 1]}, {}, now=1.5, progress={"pkg": 250})
     draft = state.draft_scale_up("pkg", node_ids=["w1"])
-    assert (draft.in_flight, draft.in_flight_bytes) == (((2, 3, 4, 5, 6, 7),), (50,))  # 250 less blocks 0-1
+    assert draft.in_flight == (InFlight((2, 3, 4, 5, 6, 7), 50),)  # 250 less blocks 0-1
     state.report("w0", {}, {}, now=1.6, progress={"pkg": 10_000})  # never more than what it still lacks
-    assert state.draft_scale_up("pkg", node_ids=["w1"]).in_flight_bytes == (600,)
+    assert state.draft_scale_up("pkg", node_ids=["w1"]).in_flight[0].bytes_present == 600
 
 
 def test_store_links_come_from_the_settings_and_the_command_line():

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from control_plane.planner.plan import STRATEGIES, Fetch, Plan, PlanError
-from control_plane.planner.schedules import GROUP_CHAIN_MAX, complement_starts, make_plan, split_blocks, unit_chunks
+from control_plane.planner.schedules import (
+    GROUP_CHAIN_MAX, InFlight, complement_starts, make_plan, split_blocks, unit_chunks)
 from control_plane.planner.simulate import SERVE_POLICIES, lower_bound, simulate
 from pipecast.core.errors import PipecastError
 
@@ -396,27 +397,28 @@ def test_rotated_starts_each_group_at_the_block_boundary_nearest_its_share_of_th
 def test_a_group_beside_receivers_in_flight_starts_where_they_lack_most():
     # One receiver in flight, 1 s into block 0: the new one starts at block 3, so that the first holds
     # blocks 0-2 (131) when the new one holds 3-7 (126); from block 0 it would duplicate the first.
-    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [list(range(8))]) == [3]
-    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [list(range(1, 8))]) == [5]  # block 0 is in: 1-4 | 5-7
-    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [[]]) == [0]  # the one in flight holds all: as if alone
+    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [InFlight(tuple(range(8)))]) == [3]
+    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [InFlight(tuple(range(1, 8)))]) == [5]  # 0 is in: 1-4 | 5-7
+    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [InFlight(())]) == [0]  # the one in flight holds all
     # 50 of block 0's 81 already in: the first holds 0-3 106 bytes from now, the new one 4-7 after 101;
     # counted as not begun, the start would be 3, and every layer held only after 126 (the new one's 3-7).
-    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [list(range(8))], [50]) == [4]
-    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [list(range(8))], [20]) == [3]
-    assert complement_starts(1, 8, None, [list(range(8))], [50]) == [4]  # no sizes: blocks counted, not bytes
-    plan = make_plan("rotated", ["store"], ["y"], 8, block_bytes=EMBEDDINGS_FIRST, in_flight=[list(range(8))])
+    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [InFlight(tuple(range(8)), 50)]) == [4]
+    assert complement_starts(1, 8, EMBEDDINGS_FIRST, [InFlight(tuple(range(8)), 20)]) == [3]
+    assert complement_starts(1, 8, None, [InFlight(tuple(range(8)), 50)]) == [4]  # no sizes: blocks counted
+    plan = make_plan("rotated", ["store"], ["y"], 8, block_bytes=EMBEDDINGS_FIRST,
+                     in_flight=[InFlight(tuple(range(8)))])
     assert [a.block for a in plan.assignments["y"]] == [3, 4, 5, 6, 7, 0, 1, 2]
     plan.validate()
-    assert make_plan("rotated", ["store"], ["y"], 8, block_bytes=EMBEDDINGS_FIRST, in_flight=[list(range(8))],
-                     in_flight_bytes=[50]).assignments["y"][0].block == 4
-    for wrong in ([50, 0], [-1], [1.5]):
-        with pytest.raises(PlanError, match=r"^make_plan: in_flight_bytes must give a byte count >= 0 for each of "
-                                            r"the 1 receivers in flight, got "):
-            make_plan("rotated", ["store"], ["y"], 8, in_flight=[list(range(8))], in_flight_bytes=wrong)
+    assert make_plan("rotated", ["store"], ["y"], 8, block_bytes=EMBEDDINGS_FIRST,
+                     in_flight=[InFlight(tuple(range(8)), 50)]).assignments["y"][0].block == 4
+    for wrong in (-1, 1.5):
+        with pytest.raises(PlanError, match=rf"^make_plan: a receiver in flight holds {wrong} bytes of the blocks "
+                                            r"it waits for; a byte count must be an integer >= 0$"):
+            make_plan("rotated", ["store"], ["y"], 8, in_flight=[InFlight(tuple(range(8)), wrong)])
     # Ignored without in-flight receivers and by the strategies that do not rotate.
     assert make_plan("rotated", ["a", "b"], ["x", "y"], 8, in_flight=[]) == make_plan("rotated", ["a", "b"],
                                                                                        ["x", "y"], 8)
-    assert make_plan("chain", ["a"], ["x"], 8, in_flight=[[0, 1]]) == make_plan("chain", ["a"], ["x"], 8)
+    assert make_plan("chain", ["a"], ["x"], 8, in_flight=[InFlight((0, 1))]) == make_plan("chain", ["a"], ["x"], 8)
 
 
 def _all_held_at(sizes: list[int], orders: list[list[int]], present: list[int] = ()) -> int:
@@ -441,12 +443,12 @@ def test_a_complementing_start_gets_every_block_held_soonest(sizes, data):
     weights = sizes if any(sizes) else [1] * n
     present = [data.draw(st.integers(0, sum(weights[b] for b in order))) for order in in_flight] if any(sizes) \
         else []
-    start = complement_starts(1, n, sizes, in_flight, present)[0]
+    receivers = [InFlight(tuple(order), present[i] if present else 0) for i, order in enumerate(in_flight)]
+    start = complement_starts(1, n, sizes, receivers)[0]
     rotation = lambda s: [(s + i) % n for i in range(n)]  # noqa: E731
     best = min(_all_held_at(weights, [*in_flight, rotation(s)], present) for s in range(n))
     assert _all_held_at(weights, [*in_flight, rotation(start)], present) == best
-    plan = make_plan("rotated", ["s"], ["x", "y"], n, block_bytes=sizes, source_links={"s": 2}, in_flight=in_flight,
-                     in_flight_bytes=present or ())
+    plan = make_plan("rotated", ["s"], ["x", "y"], n, block_bytes=sizes, source_links={"s": 2}, in_flight=receivers)
     for fetches in plan.assignments.values():
         assert sorted(a.block for a in fetches) == list(range(n))
     plan.validate()
