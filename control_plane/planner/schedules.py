@@ -138,10 +138,13 @@ def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], n
             raise PlanError(f"make_plan: units must be a positive integer, got {units!r}")
         if chunk_counts is None:
             raise PlanError("make_plan: units needs chunk_counts (the chunks of each block)")
-    bad = next((r for r in in_flight if not is_index(r.bytes_present)), None)
-    if bad is not None:
-        raise PlanError(f"make_plan: a receiver in flight holds {bad.bytes_present!r} bytes of the blocks it waits "
-                        "for; a byte count must be an integer >= 0")
+    for receiver in in_flight:
+        if not is_index(receiver.bytes_present):
+            raise PlanError(f"make_plan: a receiver in flight holds {receiver.bytes_present!r} bytes of the blocks it "
+                            "waits for; a byte count must be an integer >= 0")
+        wrong = next((b for b in receiver.waiting if not is_index(b) or b >= num_blocks), None)
+        if wrong is not None:
+            raise PlanError(f"make_plan: a receiver in flight waits for block {wrong!r}; blocks are 0-{num_blocks - 1}")
     for source, links in (source_links or {}).items():
         if source not in sources:
             raise PlanError(f"make_plan: source_links names {source!r}, which is no source")

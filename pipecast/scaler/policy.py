@@ -108,10 +108,15 @@ class Decision:
         return "scale_up" if self.add else "release" if self.release else "hold"
 
 
+def _window_start(history: Sequence[Signals], window_s: float) -> Signals:
+    """The oldest poll of ``history`` within the last ``window_s`` seconds (the last one at least)."""
+    last = history[-1]
+    return next((s for s in history if s.at >= last.at - window_s), last)
+
+
 def _rate(history: Sequence[Signals], attr: str, window_s: float) -> float:
     """Per-second growth of cumulative counter ``attr`` over the last ``window_s`` of ``history``."""
-    last = history[-1]
-    first = next((s for s in history if s.at >= last.at - window_s), last)
+    last, first = history[-1], _window_start(history, window_s)
     span = last.at - first.at
     if span <= 0:
         return 0.0
@@ -207,8 +212,7 @@ def backlog_draining(history: Sequence[Signals], horizon_s: float) -> bool:
     whatever the throughput estimate says. A p99 over the SLO then is the past's (requests that waited for a
     cold start), and a replica added for it would serve once the backlog is gone. Only between two polls that
     the same number of routers answered: a router falling silent is not a backlog falling."""
-    last = history[-1]
-    first = next((s for s in history if s.at >= last.at - SHORT_WINDOW_S), last)
+    last, first = history[-1], _window_start(history, SHORT_WINDOW_S)
     span = last.at - first.at
     before, now = first.queue_depth + first.in_flight, last.queue_depth + last.in_flight
     if span <= 0 or now >= before or first.routers_answered != last.routers_answered:
@@ -235,8 +239,8 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     by_cold = cold_start_demand(rate, now.ready, throughput, policy, cold_start)
     horizon = drain_horizon(policy, cold_start)
     draining = backlog_draining(history, horizon)
-    drained = by_requests > have and (draining or cold_start > 0 and drained_by_the_ready(
-        now.queue_depth + now.in_flight, now.ready, rate, throughput, horizon))
+    drained = by_requests > have and (draining or (cold_start > 0 and drained_by_the_ready(
+        now.queue_depth + now.in_flight, now.ready, rate, throughput, horizon)))
     if drained:
         by_requests = have
     loading = sum(r.loading for r in pool.replicas)

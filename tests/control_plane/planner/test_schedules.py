@@ -415,6 +415,8 @@ def test_a_group_beside_receivers_in_flight_starts_where_they_lack_most():
         with pytest.raises(PlanError, match=rf"^make_plan: a receiver in flight holds {wrong} bytes of the blocks "
                                             r"it waits for; a byte count must be an integer >= 0$"):
             make_plan("rotated", ["store"], ["y"], 8, in_flight=[InFlight(tuple(range(8)), wrong)])
+    with pytest.raises(PlanError, match=r"^make_plan: a receiver in flight waits for block 8; blocks are 0-7$"):
+        make_plan("rotated", ["store"], ["y"], 8, in_flight=[InFlight((7, 8))])
     # Ignored without in-flight receivers and by the strategies that do not rotate.
     assert make_plan("rotated", ["a", "b"], ["x", "y"], 8, in_flight=[]) == make_plan("rotated", ["a", "b"],
                                                                                        ["x", "y"], 8)
