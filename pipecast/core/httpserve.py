@@ -4,7 +4,8 @@
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from pipecast.core.errors import PipecastError
@@ -52,6 +53,35 @@ async def decode_json_body(body: bytes) -> Any:
     return await asyncio.to_thread(loads, body)
 
 
+class ListenError(PipecastError):
+    """A server could not listen where it was told (the address is in use, not this host's, or a port below
+    1024 without the right); the message names the address and the system's reason."""
+
+    def __init__(self, host: str, port: int, reason: str) -> None:
+        super().__init__(f"cannot listen on {host}:{port}: {reason}")
+        self.host, self.port, self.reason = host, port, reason
+
+
+@asynccontextmanager
+async def listening(app: "web.Application", host: str, port: int, **runner_options: Any) -> AsyncIterator[str]:
+    """Serve ``app`` on host:port (port 0: any free port) while the block runs; yield its bound base URL.
+    On exit it stops listening and cleans the app up; ``runner_options`` go to aiohttp's ``AppRunner``."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, **runner_options)
+    await runner.setup()
+    try:
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            # asyncio words a busy port "error while attempting to bind on address (...): address already in use".
+            raise ListenError(host, port, (exc.strerror or str(exc)).rpartition(": ")[2]) from None
+        bound_host, bound_port = runner.addresses[0][:2]
+        yield f"http://{bound_host}:{bound_port}"
+    finally:
+        await runner.cleanup()
+
+
 async def serve_until_signalled(app: "web.Application", host: str, port: int, drain_timeout_s: float,
                                 announce: Callable[[str], None], **runner_options: Any) -> None:
     """Serve ``app`` on host:port (port 0: any free port) until SIGTERM or SIGINT.
@@ -60,19 +90,11 @@ async def serve_until_signalled(app: "web.Application", host: str, port: int, dr
     shutdown hooks and gives requests in flight ``drain_timeout_s`` to finish before cleaning up.
     ``runner_options`` go to aiohttp's ``AppRunner``.
     """
-    from aiohttp import web
-
-    runner = web.AppRunner(app, shutdown_timeout=drain_timeout_s, **runner_options)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-        bound_host, bound_port = runner.addresses[0][:2]
-        announce(f"http://{bound_host}:{bound_port}")
+    async with listening(app, host, port, shutdown_timeout=drain_timeout_s, **runner_options) as url:
+        announce(url)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         await stop.wait()
         log.info("stopping: draining requests in flight for up to %g s", drain_timeout_s)
-    finally:
-        await runner.cleanup()

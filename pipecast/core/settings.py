@@ -145,6 +145,10 @@ class Settings(BaseSettings):
                                           "--tenant-limit NAME=RATE:BURST` adds or overrides one)")
     router_default_tenant_limit: TenantLimit | None = Field(
         None, description="the limit of every tenant not in router_tenant_limits (unset: those are unlimited)")
+    router_metrics_port: int | None = Field(None, ge=0, le=65535,
+                                            description="port serving the router's /metrics to anyone, for Prometheus "
+                                                        "(unset: none; with an auth_token the main port's /metrics "
+                                                        "needs the serving key)")
     router_tenant_pacing: float = Field(
         2.0, ge=0, description="while other tenants are active, a tenant with a limit is sent to the workers at most "
                                "this many times its rate, so its burst does not fill the others' batches (0: never "

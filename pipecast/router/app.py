@@ -16,7 +16,7 @@ Endpoints:
   names of the control plane's routes, each with its versions (package id, weight, workers), then the
   other models its workers serve or load (as their health polls name them), each with its package id and
   workers;
-  ``GET /metrics``: Prometheus.
+  ``GET /metrics``: Prometheus (also on the ``--metrics-port``: :func:`build_metrics_app`).
 - ``GET /stats``: the scaling signals (:mod:`pipecast.router.signals`) as JSON, for autoscalers polling every second
   or so: ``format`` (1), ``now_unix``, ``started_unix``, ``queue_depth`` (waiting here for a worker), ``in_flight``
   (at workers), ``workers`` (each ``url``, ``node_id``, ``status``, ``in_flight``, ``queue_depth``: requests waiting
@@ -27,12 +27,13 @@ Endpoints:
   ``versions`` (by package id, for requests of routed names: ``queue_depth`` and ``in_flight`` now, ``counters`` with
   ``arrived``, ``answered``, ``failed``, ``completion_tokens``, and ``ttft`` as above).
 
-``/stats`` and ``/v1/workers`` show the pool's insides (tenants, worker URLs and loads): with credentials
-(``RouterConfig.views_need_key``, a router given an ``auth_token``) they answer only a request presenting the
-cluster's serving key (header ``X-Pipecast-Serving-Key``, as the scaling daemon does): 401
+``/stats``, ``/v1/workers`` and ``/metrics`` show the pool's insides (tenants, worker URLs and loads): with
+credentials (``RouterConfig.views_need_key``, a router given an ``auth_token``) they answer only a request
+presenting the cluster's serving key (header ``X-Pipecast-Serving-Key``, as the scaling daemon does): 401
 (``invalid_serving_key``) without it or with another, 503 (``credentials_pending``) while the router has not
-learned the key. ``/health``, ``/metrics`` and ``/v1/models`` answer anyone; ``/v1/models`` names its workers'
-URLs only to the callers ``/stats`` answers.
+learned the key. Prometheus scrapes ``/metrics`` on a port of its own instead (:func:`build_metrics_app`, the
+``--metrics-port``), which the operator exposes only inside the cluster. ``/health`` and ``/v1/models`` answer
+anyone; ``/v1/models`` names its workers' URLs only to the callers ``/stats`` answers.
 
 A request whose ``model`` is a served name with a route (:mod:`control_plane.routes`: ``pipecast cp route``,
 ``canary``, ``promote``, ``rollback``) goes to one of its versions by the route's weights
@@ -56,6 +57,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -134,8 +136,8 @@ class RouterConfig:
     pipelines: bool = True
     #: Requests of this router at once on one pipeline.
     pipeline_max_in_flight: int = PIPELINE_MAX_IN_FLIGHT
-    #: ``/stats`` and ``/v1/workers`` answer only requests presenting the cluster's serving key (set where
-    #: the router has credentials; the key comes from its discovery sources).
+    #: ``/stats``, ``/v1/workers`` and ``/metrics`` answer only requests presenting the cluster's serving key
+    #: (set where the router has credentials; the key comes from its discovery sources).
     views_need_key: bool = False
 
     def tenant_rate(self, tenant: str) -> float | None:
@@ -589,8 +591,8 @@ class Router:
         return {"object": "list", "data": data}
 
     def view_refusal(self, request: web.Request) -> ViewKeyError | ViewKeyPendingError | None:
-        """Why ``request`` may not read the pool's views (``/stats``, ``/v1/workers``, ``/v1/models``' worker
-        URLs), or None when it may: always without ``views_need_key``, else when it presents a serving key its
+        """Why ``request`` may not read the pool's views (``/stats``, ``/v1/workers``, ``/metrics``, ``/v1/models``'
+        worker URLs), or None when it may: always without ``views_need_key``, else when it presents a serving key its
         sources know."""
         if not self.config.views_need_key:
             return None
@@ -647,23 +649,39 @@ def build_app(router: Router) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.json_response(router.health())
 
-    def view(answer: Callable[[], dict]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    def view(answer: Callable[[], Any], respond: Callable[[Any], web.Response] = web.json_response
+             ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
             refusal = router.refuse_view(request)
-            return refusal if refusal is not None else web.json_response(answer())
+            return refusal if refusal is not None else respond(answer())
         return handler
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response(router.models(with_workers=router.view_refusal(request) is None))
 
-    async def metrics(request: web.Request) -> web.Response:
-        data, content_type = router.metrics.render()
-        return web.Response(body=data, headers={"Content-Type": content_type})
-
     app.cleanup_ctx.append(lifetime)
     app.on_shutdown.append(on_shutdown)
     app.add_routes([web.post("/v1/completions", completions), web.post("/v1/chat/completions", completions),
                     web.get("/health", health), web.get("/v1/models", models),
-                    web.get("/v1/workers", view(router.describe_workers)), web.get("/metrics", metrics),
+                    web.get("/v1/workers", view(router.describe_workers)),
+                    web.get("/metrics", view(router.metrics.render, metrics_response)),
                     web.get("/stats", view(router.stats))])
     return app
+
+
+def build_metrics_app(router: Router) -> web.Application:
+    """An application serving only ``router``'s ``GET /metrics``, to anyone: the router's ``--metrics-port``,
+    for a port only the cluster's Prometheus reaches (the main port's ``/metrics`` needs the serving key
+    where the router has credentials)."""
+    async def metrics(request: web.Request) -> web.Response:
+        return metrics_response(router.metrics.render())
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics)])
+    return app
+
+
+def metrics_response(page: tuple[bytes, str]) -> web.Response:
+    """The answer carrying a Prometheus ``page`` (its text and content type)."""
+    data, content_type = page
+    return web.Response(body=data, headers={"Content-Type": content_type})

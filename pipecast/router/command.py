@@ -7,10 +7,10 @@ from contextlib import AsyncExitStack
 import click
 
 from pipecast.core.credentials import data_plane_key, parse_node_token, serving_key
-from pipecast.core.httpserve import serve_until_signalled
+from pipecast.core.httpserve import listening, serve_until_signalled
 from pipecast.core.settings import Settings, TenantLimit, load_settings
 from pipecast.router.admission import AdmissionConfig
-from pipecast.router.app import Router, RouterConfig, build_app
+from pipecast.router.app import Router, RouterConfig, build_app, build_metrics_app
 from pipecast.router.discovery import ControlPlaneDiscovery, Discovery, StaticDiscovery
 from pipecast.router.errors import WorkerUrlError
 
@@ -58,6 +58,10 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
               help="Port to listen on (0: any free port, printed at start).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Also serve /metrics alone on this port, to anyone (0: any free port; settings: "
+                   "router_metrics_port; off unless given). With an auth_token the main port's /metrics answers only "
+                   "the serving key: expose this port to Prometheus, inside the cluster only.")
 @click.option("--worker", "workers", multiple=True, metavar="URL",
               help="Base URL of a serving worker, e.g. http://10.0.0.5:8000 (repeatable).")
 @click.option("--vllm-worker", "vllm_workers", multiple=True, metavar="URL",
@@ -96,9 +100,9 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
               callback=parse_tenant_limits,
               help="Admit at most RATE requests/s of tenant NAME, BURST at once; beyond it 429 (repeatable; adds "
                    "to or overrides the settings' router_tenant_limits).")
-def router_command(host, port, workers, vllm_workers, control_plane, max_queue, queue_timeout, health_interval,
-                   health_timeout, upstream_timeout, max_retries, drain_timeout, forward_auth, discovery_interval,
-                   pipelines, pipeline_max_in_flight, tenant_limits):
+def router_command(host, port, metrics_port, workers, vllm_workers, control_plane, max_queue, queue_timeout,
+                   health_interval, health_timeout, upstream_timeout, max_retries, drain_timeout, forward_auth,
+                   discovery_interval, pipelines, pipeline_max_in_flight, tenant_limits):
     """Route OpenAI-style completion requests to the least-loaded serving worker.
 
     Workers come from --worker (and --vllm-worker) URLs and/or the control plane; a worker serves once its /health says
@@ -110,13 +114,14 @@ def router_command(host, port, workers, vllm_workers, control_plane, max_queue, 
     them; without keys a request's tenant is its router_tenant_header header. Limits per tenant:
     router_tenant_limits, router_default_tenant_limit and --tenant-limit.
 
-    With an auth_token, /stats and /v1/workers answer only requests presenting the cluster's serving key
-    (X-Pipecast-Serving-Key), as the scaling daemon does.
+    With an auth_token, /stats, /v1/workers and /metrics answer only requests presenting the cluster's serving
+    key (X-Pipecast-Serving-Key), as the scaling daemon does; Prometheus scrapes --metrics-port.
     """
     if not workers and not vllm_workers and not control_plane:
         raise click.UsageError("give at least one --worker URL or --control-plane")
     # The token and TLS files of the control plane come from the settings (PIPECAST_* variables or config file).
-    settings = load_settings(control_plane=control_plane, router_forward_auth=forward_auth)
+    settings = load_settings(control_plane=control_plane, router_forward_auth=forward_auth,
+                             router_metrics_port=metrics_port)
     key = static_serving_key(settings.auth_token)
     if settings.auth_token and not key and not control_plane:
         raise click.UsageError("the auth_token is a node token, from which no serving key derives: give the router "
@@ -134,7 +139,8 @@ def router_command(host, port, workers, vllm_workers, control_plane, max_queue, 
                           tenant_pacing=settings.router_tenant_pacing, discovery_interval_s=discovery_interval,
                           pipelines=pipelines, pipeline_max_in_flight=pipeline_max_in_flight,
                           views_need_key=bool(settings.auth_token))
-    asyncio.run(_serve(config, static, settings if control_plane else None, host, port, drain_timeout))
+    asyncio.run(_serve(config, static, settings if control_plane else None, host, port, drain_timeout,
+                       settings.router_metrics_port))
 
 
 def static_serving_key(token: str) -> bytes:
@@ -146,7 +152,7 @@ def static_serving_key(token: str) -> bytes:
 
 
 async def _serve(config: RouterConfig, static: list[StaticDiscovery], settings: Settings | None, host: str,
-                 port: int, drain_timeout_s: float) -> None:
+                 port: int, drain_timeout_s: float, metrics_port: int | None) -> None:
     async with AsyncExitStack() as stack:
         sources: list[Discovery] = list(static)
         if settings is not None:
@@ -156,5 +162,8 @@ async def _serve(config: RouterConfig, static: list[StaticDiscovery], settings: 
             client = ControlPlaneClient.from_settings(settings)
             await stack.enter_async_context(client)
             sources.append(ControlPlaneDiscovery(client, settings.control_plane))
-        await run_router(Router(config, sources), host, port, drain_timeout_s,
-                         lambda url: click.echo(f"router listening on {url}"))
+        router = Router(config, sources)
+        if metrics_port is not None:
+            url = await stack.enter_async_context(listening(build_metrics_app(router), host, metrics_port))
+            click.echo(f"router metrics on {url}/metrics")
+        await run_router(router, host, port, drain_timeout_s, lambda url: click.echo(f"router listening on {url}"))

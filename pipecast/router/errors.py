@@ -40,13 +40,14 @@ class TenantAuthError(RouterError):
 
 
 class ViewKeyError(RouterError):
-    """A request for the router's views of its pool (``/stats``, ``/v1/workers``) without the cluster's
-    serving key, or with another one (the caller's fault: only the cluster's own components hold it)."""
+    """A request for the router's views of its pool (``/stats``, ``/v1/workers``, ``/metrics``) without the
+    cluster's serving key, or with another one (the caller's fault: only the cluster's own components hold it)."""
 
     def __init__(self, path: str, presented: bool) -> None:
         what = "holds another key" if presented else "is missing"
+        scrape = "; Prometheus scrapes the router's --metrics-port" if path == "/metrics" else ""
         super().__init__(f"{path} answers only the cluster's own components (the scaling daemon, operators "
-                         f"holding the serving key): the {SERVING_KEY_HEADER} header {what}")
+                         f"holding the serving key): the {SERVING_KEY_HEADER} header {what}{scrape}")
         self.path, self.presented = path, presented
 
 

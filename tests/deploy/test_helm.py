@@ -184,11 +184,16 @@ def test_the_service_monitor_scrapes_every_metrics_endpoint():
     scraped = {}
     for service in (m for m in manifests if m["kind"] == "Service"):
         if wanted.items() <= service["metadata"]["labels"].items():
-            ports = [p for p in service["spec"]["ports"] if p["name"] in names]
-            scraped[service["metadata"]["name"]] = {p["port"] for p in ports}
-    # /metrics: the control plane's --metrics-port, the router's and the workers' HTTP ports, the scaler's port.
-    assert scraped == {"pipecast-control-plane": {9100}, "pipecast-router": {8080}, "pipecast-workers": {8000},
-                       "pipecast-scaler": {9102}}
+            if ports := [p for p in service["spec"]["ports"] if p["name"] in names]:
+                scraped[service["metadata"]["name"]] = {p["port"] for p in ports}
+    # /metrics: the --metrics-port of the control plane and of the routers, the workers' HTTP port, the scaler's
+    # port; never the routers' main Service, which may face clients (there /metrics needs the serving key).
+    assert scraped == {"pipecast-control-plane": {9100}, "pipecast-router-metrics": {9103},
+                       "pipecast-workers": {8000}, "pipecast-scaler": {9102}}
+    [router] = [m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == "pipecast-router"]
+    [container] = router["spec"]["template"]["spec"]["containers"]
+    assert "--metrics-port=9103" in container["args"]
+    assert {"name": "metrics", "containerPort": 9103} in container["ports"]
     assert "ServiceMonitor" not in {m["kind"] for m in render((), INSTALL)}
 
 

@@ -28,7 +28,8 @@ from control_plane.routes import RouteChange
 from control_plane.server import ControlPlaneServer, ServerConfig
 from packager.manifest import seal_manifest
 from pipecast.core.credentials import SERVING_KEY_HEADER, data_plane_key, issue_node_token, serving_key
-from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER, Router, RouterConfig, build_app
+from pipecast.router.app import (QUEUE_HEADER, WORKER_HEADER, Router, RouterConfig, build_app,
+                                 build_metrics_app)
 from pipecast.router.command import router_command, static_serving_key
 from pipecast.serve.app import error_response
 from pipecast.serve.errors import ServingKeyError
@@ -444,10 +445,10 @@ async def test_the_router_presents_the_serving_key_and_a_refusal_is_the_workers_
 
 
 async def test_the_pools_views_answer_only_the_serving_key_where_the_router_has_credentials(client):
-    """/stats and /v1/workers show tenants, worker URLs and loads: with credentials only a caller holding the
-    cluster's serving key (the scaling daemon) reads them, and while the router has not learned the key
-    nobody does; /health, /v1/models and /metrics answer anyone, /v1/models with its workers' URLs only to
-    the key's holders."""
+    """/stats, /v1/workers and /metrics show tenants, worker URLs and loads: with credentials only a caller
+    holding the cluster's serving key (the scaling daemon) reads them, and while the router has not learned the
+    key nobody does; the metrics port serves /metrics alone to anyone (Prometheus); /health and /v1/models
+    answer anyone, /v1/models with its workers' URLs only to the key's holders."""
     key = serving_key(data_plane_key("master"))
     async with workers(FakeWorker(serving_key=key, model="chat")) as (worker,):
         async with router([worker.url], serving_key=key, views_need_key=True) as (url, instance):
@@ -456,19 +457,29 @@ async def test_the_pools_views_answer_only_the_serving_key_where_the_router_has_
                 async with client.get(f"{url}/v1/models", headers=headers) as response:
                     assert [(m["id"], m["root"]) for m in (await response.json())["data"]] == [("chat", "p" * 64)]
                     assert {k: v for k, v in (await response.json())["data"][0].items() if k == "workers"} == listed
-            for path in ("/stats", "/v1/workers"):
+            assert (await post(client, url, model="chat"))[0] == 200
+            for path in ("/stats", "/v1/workers", "/metrics"):
+                scrape = "; Prometheus scrapes the router's --metrics-port" if path == "/metrics" else ""
                 for presented, words in ((None, "is missing"), (bytes(32).hex(), "holds another key")):
                     async with client.get(f"{url}{path}", headers={SERVING_KEY_HEADER: presented} if presented
                                           else {}) as response:
                         assert response.status == 401 and (await response.json())["error"] == {
                             "message": f"{path} answers only the cluster's own components (the scaling daemon, "
                                        f"operators holding the serving key): the X-Pipecast-Serving-Key header "
-                                       f"{words}", "type": "authentication_error", "code": "invalid_serving_key"}
+                                       f"{words}{scrape}", "type": "authentication_error",
+                            "code": "invalid_serving_key"}
                 async with client.get(f"{url}{path}", headers={SERVING_KEY_HEADER: key.hex()}) as response:
                     assert response.status == 200 and worker.url in await response.text()
-            for path in ("/health", "/v1/models", "/metrics"):
+            for path in ("/health", "/v1/models"):
                 async with client.get(f"{url}{path}") as response:
                     assert response.status == 200, path
+            async with serving(build_metrics_app(instance)) as metrics_url:
+                async with client.get(f"{metrics_url}/metrics") as response:
+                    assert response.status == 200 and response.content_type == "text/plain"
+                    routed = f'pipecast_router_requests_routed_total{{worker="{worker.url}"}} 1.0'
+                    assert routed in await response.text()
+                async with client.get(f"{metrics_url}/stats") as response:
+                    assert response.status == 404  # the metrics port serves nothing else
         async with router([worker.url], serving_key=key) as (url, _):  # no credentials: open, as before
             async with client.get(f"{url}/stats") as response:
                 assert response.status == 200
@@ -729,12 +740,16 @@ async def test_the_router_command_routes_to_static_and_control_plane_workers_unt
                                              labels={SERVE_URL_LABEL: worker.url}))
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-c", code, "--port", "0", "--worker", dead, "--control-plane", control.address,
-                "--health-interval", "0.05", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            line = (await asyncio.wait_for(process.stdout.readline(), timeout=20)).decode()
-            assert line.startswith("router listening on http://127.0.0.1:"), await process.stderr.read()
-            url = line.split()[-1]
+                "--health-interval", "0.05", "--metrics-port", "0", stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE)
+            lines = [(await asyncio.wait_for(process.stdout.readline(), timeout=20)).decode() for _ in range(2)]
+            assert lines[0].startswith("router metrics on http://127.0.0.1:"), await process.stderr.read()
+            assert lines[1].startswith("router listening on http://127.0.0.1:"), lines
+            metrics, url = (line.split()[-1] for line in lines)
             status, headers, _ = await post(client, url)
             assert (status, headers[WORKER_HEADER]) == (200, worker.url)
+            async with client.get(metrics) as response:
+                assert f'pipecast_router_requests_routed_total{{worker="{worker.url}"}} 1.0' in await response.text()
             async with client.get(f"{url}/v1/workers") as response:
                 pool = [(w["node_id"], w["url"]) for w in (await response.json())["workers"]]
             assert sorted(pool) == sorted([(dead, dead), ("n1", worker.url)])
