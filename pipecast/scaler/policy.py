@@ -265,8 +265,9 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     cold_why = f"; {by_cold} to drain what arrives in a {round(cold_start, 1):g}s cold start" + (
         " (measured)" if cold_from == "measured" else "")
     pace_why = f"falling, gone within {round(horizon, 1):g}s at the pace measured"
-    drained_why = "" if not drained else f" ({pace_why})" if draining else \
-        f" (the {now.ready} ready drain them before a new one serves)"
+    drained_why = "" if not drained else f" ({pace_why})" if draining else (
+        f" (one arriving now waits {round((now.queue_depth + now.in_flight) / (now.ready * throughput), 1):g}s"
+        f" for them at the {now.ready} ready, within the {round(horizon, 1):g}s a new one takes)")
     past_why = f"; p99 TTFT {now.ttft_p99_s:.2f} s over the SLO, but the backlog is {pace_why}" if (
         over_slo and draining) else ""
     at_workers = f" ({now.queued_at_workers} waiting in workers' queues)" if now.queued_at_workers else ""
@@ -305,9 +306,8 @@ def _scale_down(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy, w
     # above, not this window, keeps a release away from a scale-up.
     throughput = replica_throughput(history, policy)
     window_s = max(policy.keep_alive_s, SHORT_WINDOW_S)
-    start = next(i for i, s in enumerate(history) if s.at >= now.at - window_s)
-    peak = max(max(_demand(history[i], arrival_rate(history[:i + 1]), throughput, policy))
-               for i in range(start, len(history)))
+    peak = max(max(_demand(signals, arrival_rate(history[:i + 1]), throughput, policy))
+               for i, signals in enumerate(history) if signals.at >= now.at - window_s)
     keep = min(max(math.ceil(peak * DOWN_HEADROOM) + warm, policy.min_replicas, desired), policy.max_replicas)
     idle = sorted(((now.idle_s.get(r.node_id), r.node_id) for r in pool.replicas if not r.loading),
                   key=lambda pair: (-(pair[0] or 0.0), pair[1]))
