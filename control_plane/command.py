@@ -568,8 +568,9 @@ def routes_command(ctx: click.Context) -> None:
 @cp_group.command("serving-key")
 @click.pass_context
 def serving_key_command(ctx: click.Context) -> None:
-    """Print the cluster's serving key (hex; empty with auth off), which the router's /stats and /v1/workers ask
-    for in the X-Pipecast-Serving-Key header: e.g. curl -H "X-Pipecast-Serving-Key: $(pipecast cp serving-key)"."""
+    """Print the cluster's serving key (hex; empty with auth off), which the router's /stats, /v1/workers and
+    /metrics ask for in the X-Pipecast-Serving-Key header: e.g. curl -H "X-Pipecast-Serving-Key: $(pipecast cp
+    serving-key)"."""
     key = _run(ctx, lambda c: c.list_workers_keyed())[1]
     _emit(ctx, {"serving_key": key.hex()}, [key.hex()])
 
