@@ -7,7 +7,7 @@ t0``). A client on each worker host polls vLLM's ``/health`` from t0, sends one 
 it answers 200 and records its first streamed token. Three strategies, everything else identical:
 
 - ``pipecast``: the agents follow the plan the control plane would choose for N receivers of one store
-  (:func:`control_plane.placement.default_strategy`: a chain up to 32), each forwarding a chunk on as it
+  (:func:`control_plane.placement.default_strategy`: a chain up to 64), each forwarding a chunk on as it
   lands; vLLM loads with ``--load-format pipecast`` from its agent, block by block as each is verified,
   while it starts. Floor: max(vLLM's start-up, S/B).
 - ``store``: the baseline a fleet without pipecast runs: every worker fetches the whole package from the

@@ -17,9 +17,11 @@ DEFAULT_FANOUT = 2
 # chunk cut-through a chain runs every link at full rate and adds one chunk of latency per hop; that latency
 # grows with N, the binomial pipeline's with log N. Measured on this project's emulated cluster (netns, agents
 # asking four parents at once): N = 16 at 200 Mbit/s chain 1.11x S/B, unit binomial pipeline 1.19x; N = 32
-# at 100 Mbit/s chain 1.18x and 1.23x, binomial 1.33-1.37x (three runs); 32 is the largest N measured there.
-# Beyond it the chain's hops add up (simulated, calibrated, N = 64 at 400 Mbit/s: 1.28x).
-CHAIN_MAX_RECEIVERS = 32
+# at 100 Mbit/s chain 1.18x and 1.23x, binomial 1.33-1.37x; N = 64 at 25 Mbit/s (a 64 MiB package in 256 KiB
+# chunks, the demo model's chunk count) chain 1.16-1.21x, binomial 1.25-1.30x (three runs each); 64 is the
+# largest N measured there. Simulated one unit at a time the binomial pipeline is the faster there (1.09x at
+# N = 64); as the agents fetch, four at once, 1.33x against the chain's 1.28x (docs/benchmarks.md).
+CHAIN_MAX_RECEIVERS = 64
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,21 @@
 """The control-plane benchmark's short form against a real server subprocess."""
 
 from benchmarks import control_plane_bench as bench
+from control_plane.placement import CHAIN_MAX_RECEIVERS
 
 
 def test_bench_short_form_runs_against_a_server_subprocess():
-    # More receivers than a chain takes: the store's plan is a binomial pipeline.
-    result = bench.run(workers=40, blocks=4, duration_s=0.5, repeat=1)
+    # More receivers than a chain takes (CHAIN_MAX_RECEIVERS): the store's plan is a binomial pipeline.
+    workers = CHAIN_MAX_RECEIVERS + 6
+    result = bench.run(workers=workers, blocks=4, duration_s=0.5, repeat=1)
     load = result.load
     assert [p.strategy for p in result.planning] == ["binomial", "rotated"]
     for planning in result.planning:  # ten relays died one after another in the plan, each re-plan timed
         assert planning.replans == bench.DEATHS and 0 < planning.replan_ms <= planning.replan_p99_ms
         assert 0 < planning.scale_up_ms <= planning.scale_up_p99_ms
     assert load.blocks_reported == load.reports > 0
-    assert load.alive_at_end == 40 and load.heartbeat_failures == 0
-    assert load.plan_cancelled_streams == 40  # every worker reported the first package: its plan ended
+    assert load.alive_at_end == workers and load.heartbeat_failures == 0
+    assert load.plan_cancelled_streams == workers  # every worker reported the first package: its plan ended
     assert "block reports:" in bench.report(result)
     assert f"p99 of {bench.DEATHS} (target < 50 ms p99:" in bench.report(result)
 
