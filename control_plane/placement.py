@@ -18,7 +18,7 @@ DEFAULT_FANOUT = 2
 # grows with N, the binomial pipeline's with log N. Measured on this project's emulated cluster (netns, agents
 # asking four parents at once): N = 16 at 200 Mbit/s chain 1.11x S/B, unit binomial pipeline 1.19x; N = 32
 # at 100 Mbit/s chain 1.18x and 1.23x, binomial 1.33-1.37x; N = 64 at 25 Mbit/s (a 64 MiB package in 256 KiB
-# chunks, the demo model's chunk count) chain 1.16-1.21x, binomial 1.25-1.30x (three runs each); 64 is the
+# chunks, the demo model's chunk count) chain 1.14-1.21x, binomial 1.25-1.30x (three runs or more); 64 is the
 # largest N measured there. Simulated one unit at a time the binomial pipeline is the faster there (1.09x at
 # N = 64), which the agents, fetching four at once, do not reach (docs/benchmarks.md).
 CHAIN_MAX_RECEIVERS = 64
