@@ -9,8 +9,9 @@ database ``db`` names, PostgreSQL) and authentication on (every call carries the
 the server's token check): N simulated workers register, watch their assignment streams and heartbeat
 every ``heartbeat_s``; a scale-up onto all of them is timed until every stream has its ASSIGN; then for
 ``duration_s`` the workers report verified blocks, ``batch`` per report (1: each block as it is verified), each on its
-own report stream as agents do, ``in_flight`` reports outstanding at a time (the first package's plan
-completes on the way and every stream gets its CANCEL). Printed: blocks/s, report latency
+own report stream as agents do, ``in_flight`` reports outstanding at a time (the first package's blocks are
+reported in full whatever the duration: its plan completes on the way, and the driver waits, up to
+``CANCEL_TIMEOUT_S``, until every stream got its CANCEL before closing them). Printed: blocks/s, report latency
 percentiles, heartbeats kept, workers alive at the end, and the CPU of the server and of this driver
 (both on this machine: the driver's share is CPU the server did not get).
 """
@@ -51,6 +52,7 @@ DEATHS = 10  # relays that die one after another in each planning repeat
 STALL_TARGET_MS = 50.0
 REPORT_TARGET_PER_S = 5000.0
 STREAMS_TIMEOUT_S = 60.0  # for the next assignment stream to open, while the driver opens them all
+CANCEL_TIMEOUT_S = 30.0  # for every stream's CANCEL of the first package's plan, once all of its blocks are reported
 TOKEN = "bench-token"
 STORE = PeerInfo("store", "10.255.0.1:7070", ("tcp",))
 
@@ -273,6 +275,7 @@ class _Fleet:
         self.assigned: dict[str, float] = {}  # node -> when its ASSIGN of the first package came
         self.all_assigned = asyncio.Event()
         self.cancelled: set[str] = set()  # nodes told that the first package's plan ended
+        self.all_cancelled = asyncio.Event()
         self.heartbeats = self.heartbeat_failures = 0
         self.latencies: list[float] = []
         self.blocks_reported = self.reports = 0
@@ -300,6 +303,8 @@ class _Fleet:
                     self.all_assigned.set()
             elif update.package_id == self.packages[0] and update.kind is UpdateKind.CANCEL:
                 self.cancelled.add(node)
+                if len(self.cancelled) == len(self.specs):
+                    self.all_cancelled.set()
 
     async def heartbeat(self, node: str, interval_s: float) -> None:
         await asyncio.sleep(random.uniform(0, interval_s))
@@ -312,14 +317,15 @@ class _Fleet:
             await asyncio.sleep(interval_s)
 
     async def report(self, nodes: list[str], blocks: int, batch: int, deadline: float) -> None:
-        """Each of ``nodes`` reports on its own stream: its blocks in order, package after package."""
+        """Each of ``nodes`` reports on its own stream: its blocks in order, package after package, until
+        ``deadline``; the first package in full whatever the deadline (it ends the scale-up's plan)."""
         streams = {node: self.client_of[node].open_report_stream() for node in nodes}
         try:
             for package_id in self.packages:
                 for first in range(0, blocks, batch):
                     chunk = list(range(first, min(first + batch, blocks)))
                     for node in nodes:
-                        if time.monotonic() >= deadline:
+                        if package_id != self.packages[0] and time.monotonic() >= deadline:
                             return
                         start = time.perf_counter()
                         await streams[node].report(node, {package_id: chunk})
@@ -373,6 +379,11 @@ async def _drive(address: str, server: psutil.Process, workers: int, blocks: int
         server_cpu = _cpu(cpu_server, server.cpu_times()) / elapsed
         driver_cpu = _cpu(cpu_driver, psutil.Process().cpu_times()) / elapsed
         machine_busy = _busy(machine, psutil.cpu_times())
+        try:  # the CANCELs are on their way: counting them now would race their delivery
+            await asyncio.wait_for(fleet.all_cancelled.wait(), CANCEL_TIMEOUT_S)
+        except TimeoutError:
+            progress(f"only {len(fleet.cancelled)} of {workers} streams got the first plan's CANCEL within "
+                     f"{CANCEL_TIMEOUT_S:g} s")
         alive = sum(w.alive for w in await fleet.clients[0].list_workers())
     finally:
         for task in tasks:
