@@ -400,7 +400,7 @@ DEFAULT_POLICY = ScalingPolicy()
 @click.option("--keep-alive", type=Duration(), default=DEFAULT_POLICY.keep_alive_s, show_default=True,
               help="A replica idle this long may be released.")
 @click.option("--scale-up-cooldown", type=Duration(), default=DEFAULT_POLICY.scale_up_cooldown_s, show_default=True,
-              help="After a scale-up, none again this long unless the SLO is missed.")
+              help="After a scale-up, none again this long unless the rate grew or the SLO is missed.")
 @click.option("--scale-down-cooldown", type=Duration(), default=DEFAULT_POLICY.scale_down_cooldown_s,
               show_default=True, help="After a scale-up, no release this long.")
 @click.option("--replica-rps", type=float, default=DEFAULT_POLICY.replica_rps, show_default=True,

@@ -23,7 +23,9 @@ How it decides, in this order:
    ``warm``, or with ``warm_auto_factor`` the replicas that absorb that many times the *baseline* demand
    (:func:`baseline_demand`, the median over the history) beyond what the demand needs now.
 3. **Scale up** by the whole gap at once (not one at a time), at most the free workers. Within
-   ``scale_up_cooldown_s`` of the last scale-up only while requests queue or the SLO is missed.
+   ``scale_up_cooldown_s`` of the last scale-up only for a rate the pool in place does not cover (the arrival
+   rate's demand, or the cold start's, above the replicas there) or a missed SLO: not for the queue, which the
+   replicas still loading will take.
 4. **Scale down** with hysteresis: only replicas idle for ``keep_alive_s`` (every router agreeing), only
    above ``DOWN_HEADROOM`` times the *peak* demand of the last ``keep_alive_s`` (at least
    ``SHORT_WINDOW_S``), and never within ``scale_down_cooldown_s`` of a scale-up, so a replica is not
