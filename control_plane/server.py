@@ -62,6 +62,10 @@ GRPC_OPTIONS = [
     # calls for ~100 s (the surge benchmark's driver) had its next call fail UNAVAILABLE after the client's
     # keepalive and BDP pings counted as strikes.
     ("grpc.http2.max_ping_strikes", 0),
+    # The server pings too: a connection whose node vanished (host down, partitioned) ends within ~30 s, and the
+    # handlers of its streams with it, not after the 2 hours of gRPC's default.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
     # Calls the server has received but not yet taken up: grpcio's limits (1,000, hard 3,000) cancel the rest
     # of a burst, e.g. every agent of a large fleet opening its assignment stream at once after a restart
     # (measured: of 5,000 streams opened together ~2,000 came back CANCELLED; none with these).

@@ -7,6 +7,9 @@ Durability: ``synchronous_commit=on`` for the session, so a commit returns only 
 row ``FOR UPDATE``: the fencing check and the writes after it are one unit, and a replica taking the lease
 waits for them to commit. ``lock_timeout`` bounds that wait, and ``idle_in_transaction_session_timeout``
 ends the session of a process that froze inside a transaction, so its lock cannot outlive it for long.
+``statement_timeout`` and the connection's TCP settings (``tcp_user_timeout``, keepalives; a URL's own values
+win) bound a statement whose database host vanished or went silent, which would otherwise hold the server's
+event loop, or the flush it waits on, for the kernel's retransmissions (~15 min) or keepalive (~2 h).
 
 A connection the server dropped (a restart, a failover, an administrator) is opened again by the next
 transaction; the one that found it broken fails with :class:`StoreError`.
@@ -18,6 +21,7 @@ The URL's password (user part or ``password`` parameter) is replaced by ``***`` 
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from control_plane.errors import StoreError
 from control_plane.store import redact_url
@@ -32,6 +36,13 @@ CONNECT_TIMEOUT_S = 10
 # The statements run on the server's event loop: a lock held elsewhere must not stall it for long.
 LOCK_TIMEOUT_MS = 2000
 IDLE_IN_TRANSACTION_MS = 5000
+# Longer than any statement takes here (the largest, a plan of thousands of receivers, ~1 s), shorter than
+# a stalled leader may go unnoticed for.
+STATEMENT_TIMEOUT_MS = 15000
+# libpq connection parameters: data unacknowledged for 10 s, or an idle connection silent for 5 + 3 x 2 s,
+# and the connection is given up (a URL naming one of them keeps its own).
+TCP_PARAMETERS = {"tcp_user_timeout": "10000", "keepalives": "1", "keepalives_idle": "5",
+                  "keepalives_interval": "2", "keepalives_count": "3"}
 
 
 def _secrets(url: str) -> list[str]:
@@ -71,9 +82,12 @@ class PostgresStore(SqlStore):
         self._db.execute("SET synchronous_commit TO on")
         self._db.execute(f"SET lock_timeout TO {LOCK_TIMEOUT_MS}")
         self._db.execute(f"SET idle_in_transaction_session_timeout TO {IDLE_IN_TRANSACTION_MS}")
+        self._db.execute(f"SET statement_timeout TO {STATEMENT_TIMEOUT_MS}")
 
     def _connect(self) -> psycopg.Connection:
-        return psycopg.connect(self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+        named = conninfo_to_dict(self._url)
+        return psycopg.connect(self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
+                               **{key: value for key, value in TCP_PARAMETERS.items() if key not in named})
 
     def _transaction(self) -> psycopg.Transaction:
         if self._db.broken:

@@ -84,7 +84,8 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
                    "assignments) to this file.")
 @click.option("--exit-when-complete", is_flag=True,
               help="Exit once this node holds its assigned blocks and every child the plan gives it has come "
-                   "and gone (without --plan: once no peer has been connected for a moment).")
+                   "and gone (without --plan: once no peer has been connected for a moment); children that have "
+                   "not come when no peer has been connected for agent_idle_timeout_s are named and given up.")
 @click.option("--control-plane", "control_plane", metavar="HOST:PORT", callback=_address,
               help="Register with this control plane and fetch what its assignments say (token and TLS: settings "
                    "auth_token, tls_*).")

@@ -385,16 +385,23 @@ class AgentDaemon:
                          error=type(error).__name__, message=str(error))
 
     async def _wait_children_served(self, plan: StaticPlan | None) -> None:
-        """Return once every child the plan gives this node has come and no peer is connected."""
+        """Return once every child the plan gives this node has come and no peer is connected; or, with
+        children yet to come, once no peer has been connected for ``agent_idle_timeout_s`` (a child that died, or
+        fetched around this node, never comes: the warning names them)."""
         children = plan.children_of(self.node_id) if plan is not None else set()
-        idle_since = None
+        quiet_since = None
         while True:
             served = plan is None or self.peer_server.have_requested(plan.package_id, children)
-            idle = self.listener.open_connections == 0 and served
             now = time.monotonic()
-            idle_since = (idle_since or now) if idle else None
-            if idle_since is not None and now - idle_since >= EXIT_LINGER_S:
-                return
+            quiet_since = (quiet_since or now) if self.listener.open_connections == 0 else None
+            if quiet_since is not None and now - quiet_since >= EXIT_LINGER_S:
+                if served:
+                    return
+                if now - quiet_since >= self.settings.agent_idle_timeout_s:
+                    missing = sorted(c for c in children if not self.peer_server.have_requested(plan.package_id, [c]))
+                    log.warning("agent %s: no peer for %g s and children %s never came; exiting without them",
+                                self.node_id, self.settings.agent_idle_timeout_s, ", ".join(missing))
+                    return
             await asyncio.sleep(0.05)
 
     async def _report_progress(self) -> None:

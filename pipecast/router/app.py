@@ -48,14 +48,15 @@ Admitted requests wait for a worker in one queue per tenant and are dispatched f
 (:mod:`pipecast.router.fairness`): the next free slot goes to the tenant furthest below its share.
 
 Every wait on a worker has a deadline: ``connect_timeout_s`` to connect, ``upstream_timeout_s`` of
-silence before its response or between two chunks of it.
+silence before its response or between two chunks of it, and as long for each piece of the request's body
+that the worker must take (a worker that stops reading a large body holds no request for good).
 """
 
 import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,8 @@ log = logging.getLogger(__name__)
 
 WORKER_HEADER = "x-pipecast-worker"
 QUEUE_HEADER = "x-pipecast-queue-seconds"
+#: A request's body goes to the worker in pieces of this size, each within the upstream deadline.
+BODY_PIECE_BYTES = 256 << 10
 #: Client headers passed on to the worker; the rest (Host, Content-Length, ...) are per connection.
 FORWARDED_HEADERS = ("Content-Type", "Accept", "X-Request-Id")
 #: The client's credentials: passed on only with ``RouterConfig.forward_auth``, else any worker (whatever
@@ -421,11 +424,13 @@ class Router:
         :class:`WorkerBusyError` on the worker's 429.
         """
         try:
-            upstream = await self._session.post(f"{worker.endpoint}{request.path}", data=body,
-                                                 headers={**headers, **worker.headers,
-                                                          **serving_headers(self._serving_keys.get(worker.endpoint,
-                                                                                                   b""))},
-                                                 timeout=self._upstream_timeout)
+            # aiohttp's read deadline starts once the body is written: the writing gets one of its own.
+            async with asyncio.timeout(None) as writing:
+                upstream = await self._session.post(
+                    f"{worker.endpoint}{request.path}", data=self._body_pieces(body, writing),
+                    headers={**headers, **worker.headers, "Content-Length": str(len(body)),
+                             **serving_headers(self._serving_keys.get(worker.endpoint, b""))},
+                    timeout=self._upstream_timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:
             problem = f"no answer to POST {request.path}: {self._describe(exc)}"
             raise WorkerFailedError(worker.url, problem) from exc
@@ -454,6 +459,15 @@ class Router:
             content_type = upstream.headers.get("Content-Type", "application/json")
             return web.Response(status=upstream.status, body=answer,
                                 headers={"Content-Type": content_type, **timing})
+
+    async def _body_pieces(self, body: bytes, writing: asyncio.Timeout) -> AsyncIterator[bytes]:
+        """``body`` in pieces, each to be taken by the worker within ``upstream_timeout_s`` (``writing``'s
+        deadline, moved on as each piece is asked for and lifted once all are written)."""
+        loop = asyncio.get_running_loop()
+        for start in range(0, len(body), BODY_PIECE_BYTES):
+            writing.reschedule(loop.time() + self.config.upstream_timeout_s)
+            yield body[start:start + BODY_PIECE_BYTES]
+        writing.reschedule(None)
 
     async def _read_answer(self, upstream: aiohttp.ClientResponse, worker: Worker) -> bytes:
         """A worker's whole (non-streaming) answer, at most ``max_answer_bytes`` of it held:
@@ -517,9 +531,11 @@ class Router:
             self.signals.failed(version)
             await self._send(response, sse_event(error_body(str(failure), "worker_failed", worker=worker.url)))
         try:
-            await response.write_eof()
-        except ConnectionResetError:
-            log.info("client left before the end of its stream")
+            async with asyncio.timeout(self.config.upstream_timeout_s):  # a client that stopped reading
+                await response.write_eof()
+        except (ConnectionResetError, TimeoutError) as exc:
+            log.info("client left before the end of its stream: %s",
+                     describe_exception(exc, self.config.upstream_timeout_s))
         return response
 
     def _describe(self, exc: BaseException) -> str:

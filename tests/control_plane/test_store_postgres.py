@@ -7,6 +7,7 @@ import pytest
 
 from control_plane.errors import StoreError
 from control_plane.store import is_postgres_url, open_store, redact_url
+from control_plane.store_postgres import TCP_PARAMETERS
 from control_plane.store_sqlite import SqliteStore
 from tests.support.agent_processes import free_ports
 from tests.support.postgres import DB_PASSWORD
@@ -50,6 +51,21 @@ def test_every_commit_waits_for_its_wal_and_the_password_is_never_shown(postgres
         assert store._db.execute("SHOW synchronous_commit").fetchone() == ("on",)
     finally:
         store.close()
+
+
+def test_a_statement_or_a_silent_database_host_cannot_hold_the_control_plane_for_long(postgres_server):
+    url = postgres_server.database()
+    store = open_store(url)
+    try:
+        assert store._db.execute("SHOW statement_timeout").fetchone() == ("15s",)
+        assert store._db.info.get_parameters().items() >= TCP_PARAMETERS.items()
+    finally:
+        store.close()
+    own = open_store(url + ("&" if "?" in url else "?") + "keepalives_idle=30")  # the URL's own value wins
+    try:
+        assert own._db.info.get_parameters()["keepalives_idle"] == "30"
+    finally:
+        own.close()
 
 
 def test_a_wrong_password_or_no_server_is_a_store_error_without_the_password(postgres_server):

@@ -211,6 +211,17 @@ async def test_corrupting_relay_is_named_never_trusted_and_bypassed(agents, pack
     assert_identical_copy(agents, "r1", root, manifest)
 
 
+def test_a_parent_exiting_when_complete_gives_up_a_child_that_never_comes(agents, package, tmp_path):
+    root, manifest = package
+    nodes = {node: f"127.0.0.1:{port}" for node, port in zip(["seed", "r1"], free_ports(2))}
+    plan = write_plan(tmp_path / "plan.json", plan_file_data(
+        make_plan("chain", ["seed"], ["r1"], len(manifest.blocks)), manifest.package_id, nodes))
+    seed = agents.start("seed", "--seed", root, "--plan", plan, "--exit-when-complete",
+                        env={"PIPECAST_AGENT_IDLE_TIMEOUT_S": "1"})  # r1 is never started
+    assert seed.wait(30) == 0, agents.log("seed")
+    assert "no peer for 1 s and children r1 never came; exiting without them" in agents.log("seed")
+
+
 def test_agents_given_the_master_token_authenticate_and_one_with_another_token_gets_nothing(agents, package,
                                                                                             tmp_path):
     root, manifest = package

@@ -54,7 +54,8 @@ class FakeWorker:
     health_code: int = 200
     #: "answer", "busy" (429), "invalid" (400), "die_before" (abort without answering),
     #: "die_mid_stream" (after 2 events; its /health then answers 503, as a dead worker's would fail),
-    #: "endless_event" (a stream of bytes that never ends an event) or "huge_answer" (8 MiB of JSON)
+    #: "endless_event" (a stream of bytes that never ends an event), "huge_answer" (8 MiB of JSON) or
+    #: "no_read" (takes a request's headers and never reads its body)
     behaviour: str = "answer"
     tokens: int = 3
     #: When set, a stream pauses after its first event until the test sets it.
@@ -76,6 +77,9 @@ class FakeWorker:
                                   "max_queue": 8, **named}, status=self.health_code)
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
+        if self.behaviour == "no_read":
+            self.paths.append(request.path)
+            await asyncio.Event().wait()  # never reads the body: a stalled process
         body = await request.read()
         self.bodies.append(body)
         self.paths.append(request.path)
@@ -383,6 +387,20 @@ async def test_a_worker_silent_mid_stream_is_cut_off_at_the_deadline(client):
     assert json.loads(events[1])["error"]["message"] == (
         f"worker {stalled.url}: failed mid-stream: silent for more than 0.3 s")
     assert len(events) == 2
+
+
+async def test_a_worker_that_stops_reading_a_large_body_is_given_up_at_the_deadline(client):
+    async with workers(FakeWorker(behaviour="no_read"), FakeWorker(queue_depth=3)) as (stuck, other):
+        async with router([stuck.url, other.url], upstream_timeout_s=0.5) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 2)
+            # Far more than the socket buffers between router and worker hold: the write itself stalls.
+            status, headers, _ = await post(client, url, prompt="x" * (12 << 20))
+            async with client.get(f"{url}/metrics") as response:
+                metrics = await response.text()
+    assert status == 200 and headers[WORKER_HEADER] == other.url
+    assert stuck.paths == ["/v1/completions"]  # tried first (less loaded), given up, then other served
+    assert len(other.bodies[0]) > 12 << 20
+    assert f'pipecast_router_retries_total{{worker="{stuck.url}"}} 1.0' in metrics
 
 
 async def test_a_worker_dying_before_it_answers_is_retried_on_another(client):
