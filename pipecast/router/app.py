@@ -115,7 +115,8 @@ class RouterConfig:
     health_interval_s: float = 0.25
     health_timeout_s: float = 1.0
     connect_timeout_s: float = 5.0
-    #: Longest silence tolerated from a worker: before its response headers, and between two chunks.
+    #: Longest silence tolerated from a worker: before its response headers, and between two chunks; and
+    #: longest it may take to read each piece of a request's body (BODY_PIECE_BYTES).
     #: A partial worker may wait for blocks before its first token, hence minutes.
     upstream_timeout_s: float = 300.0
     max_retries: int = 2
