@@ -84,13 +84,18 @@ def part_to_proto(fetch: Sequence[Fetch[str]], serve: Sequence[tuple[int, str]],
 
 def update_from_proto(msg: pb.AssignmentUpdate) -> AssignmentUpdate:
     """The update's fetches keep their parents' addresses; a serve list needs only the children's ids.
-    Raises :class:`MalformedUpdate` for transfer columns that do not line up or name no peer."""
+    Raises :class:`MalformedUpdate` for a kind this worker does not know, transfer columns that do not line up,
+    name no peer or give a chunk range that is none."""
+    kind = _KIND_FROM_PROTO.get(msg.kind)
+    if kind is None:
+        raise MalformedUpdate(f"assignment update of plan {msg.plan_id!r} has kind {msg.kind}, which this worker "
+                              "does not know")
     peers = tuple(peer_from_proto(p) for p in msg.peers)
     fetch = tuple(Fetch(block, peers[i], (first, end) if end else None)
                   for block, i, first, end in _transfers(msg, "fetch", peers))
     serve = tuple((block, peers[i].node_id) for block, i, _, _ in _transfers(msg, "serve", peers))
     return AssignmentUpdate(
-        kind=_KIND_FROM_PROTO[msg.kind], plan_id=msg.plan_id, package_id=msg.package_id, version=msg.version,
+        kind=kind, plan_id=msg.plan_id, package_id=msg.package_id, version=msg.version,
         strategy=msg.strategy, fetch=fetch, serve=serve,
         plan_ids=tuple(msg.plan_ids), sources=tuple(peer_from_proto(p) for p in msg.sources),
         receivers=tuple(msg.receivers), priority=msg.priority or DEFAULT_PRIORITY,
@@ -113,6 +118,10 @@ def _transfers(msg: pb.AssignmentUpdate, field: str,
         raise MalformedUpdate(f"{where} names peer {bad}, but the update lists {len(peers)} peers")
     if chunks is None:
         return ((block, i, 0, 0) for block, i in zip(columns.block, columns.peer))
+    # (0, 0) is a whole block; a range has first < end
+    bad = next(((first, end) for first, end in zip(*chunks) if (first, end) != (0, 0) and not first < end), None)
+    if bad is not None:
+        raise MalformedUpdate(f"{where} gives chunks {bad[0]}..{bad[1]}, which is no range (first < end)")
     return zip(columns.block, columns.peer, chunks[0], chunks[1])
 
 

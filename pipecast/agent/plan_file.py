@@ -11,13 +11,14 @@ end - 1; each goes to the fetcher as it is. Without a control plane every reques
 child fetching a chunk range is admitted like one fetching a whole block.
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from control_plane.messages import PeerInfo
 from control_plane.planner.plan import Fetch, Plan, PlanError
 from pipecast.agent.errors import PlanFileError
+from pipecast.agent.transport.wire import PACKAGE_ID
+from pipecast.core.strictjson import JSONInputError, loads_object
 from pipecast.agent.transport.base import split_address
 
 
@@ -54,16 +55,14 @@ def plan_file_data(plan: Plan, package_id: str, nodes: dict[str, str]) -> dict:
 def read_plan_file(path: Path) -> StaticPlan:
     """Read and check a plan file; raise :class:`PlanFileError` naming the file and the problem."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = loads_object(Path(path).read_bytes())
     except OSError as exc:
         raise PlanFileError(f"{path}: cannot read the plan file ({exc.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PlanFileError(f"{path}: not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise PlanFileError(f"{path}: expected a JSON object")
+    except JSONInputError as exc:
+        raise PlanFileError(f"{path}: not a JSON object ({exc})") from None
     package_id, nodes = data.pop("package_id", None), data.pop("nodes", None)
-    if not isinstance(package_id, str) or not package_id:
-        raise PlanFileError(f"{path}: 'package_id' must be the package's id")
+    if not isinstance(package_id, str) or not PACKAGE_ID.fullmatch(package_id):
+        raise PlanFileError(f"{path}: 'package_id' must be the package's id (64 hex digits)")
     if not isinstance(nodes, dict) or not all(isinstance(v, str) for v in nodes.values()):
         raise PlanFileError(f"{path}: 'nodes' must map node ids to host:port addresses")
     for node, address in nodes.items():

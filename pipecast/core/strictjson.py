@@ -53,8 +53,12 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
     describe them with :func:`describe`, never ``repr``, in messages."""
     try:
         text = data if isinstance(data, str) else bytes(data).decode("utf-8")
+        if isinstance(data, str):  # text decoded with surrogateescape (e.g. an HTTP header) holds raw halves
+            data.encode("utf-8")
     except UnicodeDecodeError as exc:
         raise JSONInputError(f"not UTF-8 ({exc})") from None
+    except UnicodeEncodeError as exc:
+        raise JSONInputError(f"text holds a lone surrogate at {exc.start}") from None
     try:
         value = _DECODER.decode(text)
     except JSONInputError:

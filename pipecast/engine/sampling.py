@@ -4,6 +4,7 @@ Each sampled request owns its ``torch.Generator``, so its tokens depend on its s
 other requests share its batch.
 """
 
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,10 @@ from pipecast.engine.streams import FINISH_LENGTH, FINISH_STOP
 
 if TYPE_CHECKING:
     import torch
+
+
+#: The seeds a request may give: what the engine's generator takes (a signed or unsigned 64-bit integer).
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -32,10 +37,12 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidRequestError(f"temperature must be a number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise InvalidRequestError(f"seed must be an integer from -2^63 to 2^64-1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipecast.core.strictjson import JSONInputError, describe
+from pipecast.engine.sampling import MAX_SEED, MIN_SEED
 from pipecast.serve.errors import RequestFieldError, ServeError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_TEMPERATURE = 2.0
-#: The seeds a request may give: what the engine's generator takes (a signed or unsigned 64-bit integer).
-MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 #: Most stop strings per request (OpenAI allows 4); each is checked against the text after every token.
 MAX_STOPS = 16
 SSE_DONE = b"data: [DONE]\n\n"

@@ -69,6 +69,11 @@ MAX_DEADLINE_S = 3600
 #: Largest answer a stage call reads (a token and its header).
 MAX_ANSWER_BYTES = 1 << 16
 _DTYPES = ("float32", "bfloat16", "float16")
+#: A frame's tensor (hidden states: batch, positions, width) has at most this many sizes, each at most
+#: MAX_FRAME_DIM: a shape torch cannot allocate (a size past int64, or an empty tensor whose sizes multiply
+#: past it) is refused by name, not raised from torch.
+MAX_FRAME_DIMS = 4
+MAX_FRAME_DIM = (1 << 31) - 1
 
 
 class PipelineProtocolError(PipecastError):
@@ -148,9 +153,10 @@ def decode_frame(body: bytes) -> tuple[dict, "torch.Tensor | None"]:
     import torch
 
     dtype, shape = (meta.get("dtype"), meta.get("shape")) if isinstance(meta, dict) else (None, None)
-    if dtype not in _DTYPES or not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-        raise PipelineProtocolError(f"the frame's tensor must name a dtype of {', '.join(_DTYPES)} and a shape, "
-                                    f"got {str(meta)[:120]}")
+    if (dtype not in _DTYPES or not isinstance(shape, list) or len(shape) > MAX_FRAME_DIMS
+            or not all(type(n) is int and 0 <= n <= MAX_FRAME_DIM for n in shape)):
+        raise PipelineProtocolError(f"the frame's tensor must name a dtype of {', '.join(_DTYPES)} and a shape of "
+                                    f"at most {MAX_FRAME_DIMS} sizes from 0 to {MAX_FRAME_DIM}, got {str(meta)[:120]}")
     torch_dtype = getattr(torch, dtype)
     count = 1
     for n in shape:
@@ -174,10 +180,14 @@ def params_from_json(value: Any) -> SamplingParams:
     """The sampling parameters of a stage call (:func:`params_json`); :class:`PipelineProtocolError`."""
     if not isinstance(value, dict) or set(value) != {"temperature", "top_p", "seed"}:
         raise PipelineProtocolError("'params' must be an object with temperature, top_p and seed")
+    numbers = [value["temperature"], value["top_p"]]
+    if not all(type(n) in (int, float) for n in numbers) or type(value["seed"]) not in (int, type(None)):
+        raise PipelineProtocolError(f"bad 'params': temperature and top_p must be numbers, seed an integer or "
+                                    f"null, got {str(value)[:120]}")
     try:
-        return SamplingParams(max_tokens=1, temperature=float(value["temperature"]), top_p=float(value["top_p"]),
-                              seed=None if value["seed"] is None else int(value["seed"]))
-    except (TypeError, ValueError, PipecastError) as exc:
+        return SamplingParams(max_tokens=1, temperature=float(numbers[0]), top_p=float(numbers[1]),
+                              seed=value["seed"])
+    except PipecastError as exc:
         raise PipelineProtocolError(f"bad 'params': {exc}") from None
 
 

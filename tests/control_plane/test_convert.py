@@ -57,6 +57,12 @@ def test_whole_blocks_carry_no_chunk_columns():
      "per block, or no chunks at all)"),
     (lambda m: m.serve.peer.__setitem__(0, 7),
      "assignment update of plan 'p1': serve names peer 7, but the update lists 2 peers"),
+    (lambda m: m.fetch.end_chunk.__setitem__(1, 1),
+     "assignment update of plan 'p1': fetch gives chunks 2..1, which is no range (first < end)"),
+    (lambda m: setattr(m, "kind", 0),
+     "assignment update of plan 'p1' has kind 0, which this worker does not know"),
+    (lambda m: setattr(m, "kind", 99),
+     "assignment update of plan 'p1' has kind 99, which this worker does not know"),
 ])
 def test_columns_that_do_not_line_up_are_refused_by_name(change, message):
     msg = _assign([Fetch(0, "n1", (0, 2)), Fetch(0, "n1", (2, 4))], [(0, "n2")])

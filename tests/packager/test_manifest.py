@@ -272,6 +272,18 @@ def test_forgeries_pass_every_check_but_the_id(manifest, data):
     assert resealed.package_id != manifest.package_id
 
 
+def test_a_digest_with_a_trailing_newline_is_malformed_even_when_sealed():
+    # Found by fuzzing: "^...$" let "<64 hex>\n" pass; such a chunk or file could then never verify.
+    for which in ("chunk", "file"):
+        manifest = _manifest(1, 1, [1])
+        if which == "chunk":
+            manifest.blocks[0].chunk_digests[0] += "\n"
+        else:
+            manifest.files[0].digest += "\n"
+        with pytest.raises(ManifestError, match="has a malformed digest"):
+            validate_manifest(seal_manifest(manifest))
+
+
 def test_a_changed_package_id_is_refused():
     manifest = _manifest(2, 1, [2])
     manifest.package_id = "0" * 64

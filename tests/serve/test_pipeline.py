@@ -32,6 +32,7 @@ from pipecast.serve.pipeline import (
     dissolve_estimate,
     encode_frame,
     move_pays,
+    params_from_json,
     parse_route,
     route_header,
 )
@@ -103,10 +104,30 @@ def test_frames_carry_tensors_exactly():
     (encode_frame({}, torch.zeros(2))[:-1], r"the frame's tensor float32\[2\] needs 8 bytes, 7 follow the header"),
     (raw_frame({"tensor": {"dtype": "int64", "shape": [1]}}, b"\0" * 8),
      "must name a dtype of float32, bfloat16, float16"),
+    # empty tensors whose sizes torch cannot allocate (found by fuzzing: a TypeError and a RuntimeError before)
+    (raw_frame({"tensor": {"dtype": "float32", "shape": [0, 1 << 63]}}, b""),
+     "and a shape of at most 4 sizes from 0 to 2147483647, got"),
+    (raw_frame({"tensor": {"dtype": "float32", "shape": [1 << 62, 1 << 62, 0]}}, b""),
+     "and a shape of at most 4 sizes from 0 to 2147483647, got"),
+    (raw_frame({"tensor": {"dtype": "float32", "shape": [1, 1, 1, 1, 0]}}, b""), "at most 4 sizes"),
 ])
 def test_malformed_frames_are_refused_naming_what(frame, message):
     with pytest.raises(PipelineProtocolError, match=message):
         decode_frame(frame)
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"temperature": 1, "top_p": 1, "seed": 1e300}, "seed an integer or null"),
+    ({"temperature": 1, "top_p": 1, "seed": True}, "seed an integer or null"),
+    ({"temperature": "nan", "top_p": 1, "seed": 1}, "temperature and top_p must be numbers"),
+    ({"temperature": 1, "top_p": 1, "seed": 1 << 64}, "seed must be an integer from -2\\^63 to 2\\^64-1"),
+    ({"temperature": float("inf"), "top_p": 1, "seed": 1}, "temperature must be a number >= 0, got inf"),
+    ({"temperature": 1, "top_p": 1}, "'params' must be an object with temperature, top_p and seed"),
+])
+def test_bad_sampling_params_of_a_stage_call_are_refused_by_name(value, message):
+    with pytest.raises(PipelineProtocolError, match=message):
+        params_from_json(value)
+    assert params_from_json({"temperature": 0.7, "top_p": 0.9, "seed": -(1 << 63)}).seed == -(1 << 63)
 
 
 @pytest.mark.parametrize("value, message", [

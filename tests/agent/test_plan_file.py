@@ -1,0 +1,34 @@
+"""Static plan files: a bad one is a PlanFileError naming the file and what is wrong."""
+
+import json
+
+import pytest
+
+from control_plane.planner.schedules import make_plan
+from pipecast.agent.errors import PlanFileError
+from pipecast.agent.plan_file import plan_file_data, read_plan_file
+
+PACKAGE = "ab" * 32
+NODES = {"seed": "127.0.0.1:7070", "r1": "127.0.0.1:7071"}
+
+
+def test_a_plan_file_round_trips(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan_file_data(make_plan("chain", ["seed"], ["r1"], 2), PACKAGE, NODES)))
+    plan = read_plan_file(path)
+    assert plan.package_id == PACKAGE and plan.children_of("seed") == {"r1"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"package_id": "x", "package_id": "y"}', "not a JSON object \\(duplicate key 'package_id'\\)"),
+    ("[" * 2000, "not a JSON object \\(nested too deeply\\)"),
+    ("[1]", "not a JSON object \\(expected a JSON object, got"),
+    ('{"package_id": "x", "nodes": {}}', "'package_id' must be the package's id \\(64 hex digits\\)"),
+    (json.dumps({"package_id": PACKAGE, "nodes": {"seed": 7}}), "'nodes' must map node ids to host:port"),
+    (json.dumps({"package_id": PACKAGE, "nodes": {"seed": "nowhere"}}), "node 'seed': "),
+])
+def test_a_bad_plan_file_is_refused_naming_the_file_and_the_problem(tmp_path, text, message):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(PlanFileError, match=f"^{path}: {message}"):
+        read_plan_file(path)
