@@ -253,9 +253,12 @@ class ControlPlaneServer:
     async def _campaign(self) -> None:
         """Take or renew the lease: a standby that gets it takes over, a leader that does not steps down."""
         try:
-            lease = self.store.acquire_or_renew(self.holder, self.advertise, self.config.lease_s, self.clock())
+            # In a thread: the store may be busy with a flush's commit, or the database slow to answer, and the
+            # event loop serves meanwhile.
+            lease = await asyncio.to_thread(self.store.acquire_or_renew, self.holder, self.advertise,
+                                            self.config.lease_s, self.clock())
             if lease is None:
-                self.gate.leader = self.store.leader()
+                self.gate.leader = await asyncio.to_thread(self.store.leader)
         except StoreError as exc:
             if self.leading:
                 self._step_down(f"control plane {self.holder} cannot renew its lease: {exc}")

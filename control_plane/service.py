@@ -202,7 +202,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         if self.store is None:
             return
         async with self._flushing:  # the next one waits here, not on the store's lock in the loop's thread
-            pending = self.store.begin_flush(self.state, self.book)
+            # nor on a lease renewal in another thread: then the changes stay dirty for the next flush
+            pending = self.store.begin_flush(self.state, self.book, wait=False)
             if pending is None:
                 return
             try:

@@ -97,9 +97,10 @@ class Store(Protocol):
         """Write the book's changes in one durable transaction; returns how many (kept dirty on failure)."""
 
     def begin_flush(self, state: ControlState | None = None,
-                    book: DeploymentBook | None = None) -> PendingFlush | None:
+                    book: DeploymentBook | None = None, *, wait: bool = True) -> PendingFlush | None:
         """Take the dirty keys of ``state`` and ``book`` for one transaction that may be committed in another
-        thread; None if nothing is dirty. The store is held until the commit: flushes are written in the order
+        thread; None if nothing is dirty or, with ``wait`` False, another thread is using the store (the changes
+        stay dirty for the next flush). The store is held until the commit: flushes are written in the order
         they were taken."""
 
     def acquire_or_renew(self, holder: str, address: str, ttl_s: float, now: float) -> Lease | None:

@@ -419,11 +419,13 @@ class SqlStore(abc.ABC):
         return _flush_now(self.begin_flush(book=book))
 
     def begin_flush(self, state: ControlState | None = None,
-                    book: DeploymentBook | None = None) -> "_PendingFlush | None":
+                    book: DeploymentBook | None = None, *, wait: bool = True) -> "_PendingFlush | None":
         """Take the dirty keys of ``state`` and ``book`` and their rows, on the thread that changes them, for one
-        transaction that its ``commit`` makes, in any thread; None if nothing is dirty. Until then the store
-        is held: flushes are written in the order they were taken."""
-        self._lock.acquire()
+        transaction that its ``commit`` makes, in any thread; None if nothing is dirty or, with ``wait`` False,
+        another thread is using the store (the changes stay dirty). Until the commit the store is held: flushes
+        are written in the order they were taken."""
+        if not self._lock.acquire(blocking=wait):
+            return None
         changes: list[Change] = []
         undo: list[Callable[[], None]] = []
         count = 0

@@ -247,6 +247,32 @@ def test_a_flush_taken_on_one_thread_commits_on_another_in_the_order_taken(backe
     assert rows == [("[5,6]",)] and backend.execute("SELECT count(*) FROM scale_events") == [(4,)]
 
 
+def test_a_flush_that_may_not_wait_leaves_the_changes_dirty_while_another_thread_uses_the_store(backend, store):
+    state, book, _ = populated()
+    assert store.flush(state) and store.flush_book(book)
+    state.report("w2", {"pkg": [5]}, {}, now=3)
+    holding, release = threading.Event(), threading.Event()
+
+    def renew() -> None:  # as a lease renewal in a thread while the event loop flushes
+        with store._failing_as("cannot renew"):
+            holding.set()
+            release.wait(10)
+
+    renewal = threading.Thread(target=renew)
+    renewal.start()
+    try:
+        assert holding.wait(10)
+        assert store.begin_flush(state, book, wait=False) is None and state.dirty  # not taken: still dirty
+    finally:
+        release.set()
+        renewal.join(10)
+    pending = store.begin_flush(state, book, wait=False)
+    assert pending is not None and not state.dirty
+    pending.commit()
+    rows = backend.execute("SELECT blocks FROM availability WHERE package_id = %s AND node_id = %s", "pkg", "w2")
+    assert rows == [("[5]",)]
+
+
 def test_a_failed_pending_flush_is_restored_dirty(backend, store):
     state, book, _ = populated()
     store.acquire_or_renew("a", "a:7000", 10, now=0)
