@@ -299,8 +299,9 @@ class SqlStore(abc.ABC):
         return str(SCHEMA_VERSION)
 
     def close(self) -> None:
-        """Close the connection."""
-        self._db.close()
+        """Close the connection, once no other thread uses it (a lease renewal still in flight)."""
+        with self._lock:
+            self._db.close()
 
     @contextlib.contextmanager
     def _failing_as(self, action: str) -> Iterator[None]:
