@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 T = TypeVar("T")
+#: How soon a flush that must be written (a call answering once its change is durable) tries again while
+#: another thread holds the store (a lease renewal: one statement).
+STORE_BUSY_RETRY_S = 0.005
 Handler = Callable[["ControlPlaneService", Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 #: RPCs only the operator (the master token) may call.
@@ -190,29 +193,40 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.dispatch()
         return dead
 
-    async def flush_encoded(self) -> None:
+    async def flush_encoded(self, *, durable: bool = False) -> None:
         """:meth:`flush`, with the changed plans' stored form made in a thread first (a plan is a value: its
         JSON for thousands of receivers takes ~0.3 s, which the event loop then need not hold) and the
         transaction committed in a thread too (writing a plan of thousands of receivers, ~10 MB, takes tens of
-        ms); flushes are written in the order they were taken."""
+        ms); flushes are written in the order they were taken. The event loop never waits for the store's
+        lock: while another thread uses the store (a lease renewal) the changes stay dirty for the next flush,
+        or with ``durable`` (a call that answers only once its change is written) this one tries again."""
         for plan_id in list(self.state.dirty.plans):
             active = self.state.plans.get(plan_id)
             if active is not None:
                 await asyncio.to_thread(collector_off, active.plan.encoded)
         if self.store is None:
             return
-        async with self._flushing:  # the next one waits here, not on the store's lock in the loop's thread
-            # nor on a lease renewal in another thread: then the changes stay dirty for the next flush
-            pending = self.store.begin_flush(self.state, self.book, wait=False)
-            if pending is None:
+        while True:
+            async with self._flushing:  # the next flush waits here, not on the store's lock in the loop's thread
+                if not self._dirty():
+                    return
+                pending = self.store.begin_flush(self.state, self.book, wait=False)
+                if pending is not None:
+                    try:
+                        await asyncio.to_thread(pending.commit)
+                    except BaseException as exc:
+                        pending.restore()
+                        if isinstance(exc, FencedError) and self.on_fenced is not None:
+                            self.on_fenced(exc)
+                        raise
+                    return
+            if not durable:
                 return
-            try:
-                await asyncio.to_thread(pending.commit)
-            except BaseException as exc:
-                pending.restore()
-                if isinstance(exc, FencedError) and self.on_fenced is not None:
-                    self.on_fenced(exc)
-                raise
+            await asyncio.sleep(STORE_BUSY_RETRY_S)
+
+    def _dirty(self) -> bool:
+        book = self.book
+        return bool(self.state.dirty or book.dirty_deployments or book.new_events or book.dirty_routes)
 
     def flush(self) -> None:
         """Write the state's changes to the store (if any)."""
@@ -297,7 +311,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         store = peer_from_proto(request.store)
         check_publish(manifest, store)
         package_id = self.state.publish(manifest, store, self.clock())
-        self.flush()
+        await self.flush_encoded(durable=True)
         log.info("published package=%s model=%s blocks=%d store=%s", package_id, manifest.model_name,
                  len(manifest.blocks), request.store.address)
         return pb.PublishPackageResponse(package_id=package_id)
@@ -331,7 +345,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             raise Conflict(f"package {request.package_id!r} answers served model {names[0]!r}: roll it back or "
                            "route the name elsewhere first")
         self.state.remove_package(request.package_id, force=request.force)
-        self.flush()
+        await self.flush_encoded(durable=True)
         log.info("removed package=%s force=%s", request.package_id, request.force)
         return pb.RemovePackageResponse()
 
@@ -389,14 +403,14 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         result = self.state.install_scale_up(draft, plan, now=self.clock())
         # An acknowledged plan survives a crash (agents drop parts a restarted control plane lacks); its row
         # is written in a thread: thousands of receivers' plan is ~10 MB.
-        await self.flush_encoded()
+        await self.flush_encoded(durable=True)
         return pb.ScaleUpResponse(plan_id=result.plan_id, strategy=result.strategy, sources=result.sources,
                                   receivers=result.receivers, unchanged=result.unchanged)
 
     @_rpc
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         drop_at = self.state.release(request.package_id, list(request.node_ids), request.keep_alive_s, self.clock())
-        self.flush()
+        await self.flush_encoded(durable=True)
         log.info("release package=%s nodes=%s keep_alive_s=%.1f", request.package_id, list(request.node_ids),
                  request.keep_alive_s)
         return pb.ReleaseResponse(drop_at_unix=drop_at)
@@ -460,7 +474,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     async def PutDeployment(self, request: pb.PutDeploymentRequest,
                             context: grpc.aio.ServicerContext) -> pb.PutDeploymentResponse:
         stored = self.book.put(deployment_from_proto(request.deployment), self.state.packages, self.clock())
-        self.flush()
+        await self.flush_encoded(durable=True)
         log.info("deployment package=%s policy=%s routers=%s", stored.package_id, stored.policy, list(stored.routers))
         return pb.PutDeploymentResponse(deployment=deployment_to_proto(stored))
 
@@ -473,7 +487,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     async def RemoveDeployment(self, request: pb.RemoveDeploymentRequest,
                                context: grpc.aio.ServicerContext) -> pb.RemoveDeploymentResponse:
         self.book.remove(request.package_id)
-        self.flush()
+        await self.flush_encoded(durable=True)
         log.info("deployment removed package=%s", request.package_id)
         return pb.RemoveDeploymentResponse()
 
@@ -481,7 +495,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     async def AppendScaleEvent(self, request: pb.AppendScaleEventRequest,
                                context: grpc.aio.ServicerContext) -> pb.AppendScaleEventResponse:
         stored = self.book.append(scale_event_from_proto(request.event))
-        self.flush()  # the audit trail is durable before the daemon acts on the decision
+        await self.flush_encoded(durable=True)  # the audit trail is durable before the daemon acts on the decision
         return pb.AppendScaleEventResponse(seq=stored.seq)
 
     @_rpc
@@ -495,7 +509,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                           context: grpc.aio.ServicerContext) -> pb.ChangeRouteResponse:
         change = route_change_from_proto(request)
         route = self.book.change_route(change, self.state.packages, self.clock())
-        self.flush()  # routers see the change only once it is durable
+        self.flush()  # routers see the change only once it is durable: no await between the change and its write
         log.info("route %s: %s", change.action, describe_route(route, change.name))
         return pb.ChangeRouteResponse(route=route_to_proto(route) if route else None)
 

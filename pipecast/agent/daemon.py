@@ -374,8 +374,9 @@ class AgentDaemon:
 
     def _write_to_cache(self, store: BlockStore, block: int) -> None:
         # BlockCache logs and counts a failed write itself (ENOSPC, EIO): the block stays in memory only.
+        # A view of its own (a slice): the package may be dropped, its views released, while the write runs.
         task = asyncio.get_running_loop().create_task(
-            asyncio.to_thread(self.cache.write_block, store.manifest, block, store.block_view(block)))
+            asyncio.to_thread(self.cache.write_block, store.manifest, block, store.block_view(block)[:]))
         self._cache_writes.add(task)
         task.add_done_callback(self._cache_writes.discard)
 

@@ -104,11 +104,16 @@ class _BlockState:
     def close(self) -> None:
         for fut in [*self.block_waiters, *(f for fs in self.chunk_waiters.values() for f in fs)]:
             fut.cancel()
+        # Each step on its own: a view still held (an engine's tensors, a write to the disk cache in a thread)
+        # keeps the mapping, which goes with its last view, but the buffer's descriptor closes all the same
+        # (with one try, a held view left the memfd, and so its memory, open for good).
         try:
             self.readonly.release()
+        except BufferError:
+            log.debug("block %d is still read: its view goes when the reader is done", self.meta.index)
+        try:
             self.buffer.close()
         except BufferError:
-            # A view is still held (e.g. an engine's tensors): the mapping goes with its last view.
             log.debug("block %d is still in use; its memory goes when the last view does", self.meta.index)
 
     def reset(self) -> None:

@@ -3,6 +3,7 @@
 import asyncio
 import mmap
 import os
+import pickle
 
 import pytest
 
@@ -216,6 +217,24 @@ def test_received_block_is_shared_memory_another_mapping_sees(package):
             os.close(fd)
     finally:
         store.close()
+
+
+def test_a_store_closed_while_a_block_is_still_read_closes_its_memory_descriptor(package):
+    # Found in review: a view held elsewhere (a disk-cache write in a thread) made the close skip the memfd's
+    # close, so the package's memory stayed allocated after a drop.
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    store = receiving_store(manifest)
+    for chunk in range(store.chunk_count(0)):
+        put_chunk(store, 0, chunk, data)
+    path = store.block_path(0)
+    held = store.block_view(0)[:]  # as the agent hands a cache write its own view
+    exported = pickle.PickleBuffer(store.block_view(0))  # a buffer export of the store's view, as f.write takes
+    store.close()
+    assert not os.path.exists(path)  # the descriptor is closed: /proc/self/fd/N is gone
+    assert held.tobytes() == data  # the mapping lives on for the views still held
+    held.release()
+    exported.release()
 
 
 def test_cache_round_trip_reverifies_and_refetches_bad_blocks(package, tmp_path, caplog):
