@@ -108,14 +108,14 @@ def verify_node_token(master: str, token: str) -> str | None:
     if parsed is None:
         return None
     node_id, mac = parsed
-    return node_id if hmac.compare_digest(mac.encode(), _node_mac(master, node_id).encode()) else None
+    return node_id if hmac.compare_digest(_raw(mac), _node_mac(master, node_id).encode()) else None
 
 
 def principal_for(master: str, token: str) -> Principal | None:
     """Who ``token`` is in the cluster of ``master``: the operator, a node, or None (unknown or forged)."""
     if not master or not token:
         return None
-    if hmac.compare_digest(token.encode(), master.encode()):
+    if hmac.compare_digest(_raw(token), master.encode()):
         return Principal(OPERATOR, OPERATOR)
     node_id = verify_node_token(master, token)
     return Principal(node_id, NODE) if node_id is not None else None
@@ -141,7 +141,13 @@ def serving_headers(key: bytes) -> dict[str, str]:
 def presents_key(presented: str | None, key: bytes) -> bool:
     """Whether ``presented`` (a :data:`SERVING_KEY_HEADER` value, hex, or None when absent) is ``key``;
     constant-time in the value."""
-    return presented is not None and hmac.compare_digest(presented.encode(), key.hex().encode())
+    return presented is not None and hmac.compare_digest(_raw(presented), key.hex().encode())
+
+
+def _raw(presented: str) -> bytes:
+    """A presented secret's bytes: a header's non-UTF-8 bytes come as surrogates (aiohttp decodes with
+    surrogateescape), which a plain encode would raise on (a 500 instead of a refusal)."""
+    return presented.encode("utf-8", "surrogateescape")
 
 
 def warn_if_auth_off(master: str, component: str) -> bool:

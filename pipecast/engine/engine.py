@@ -95,7 +95,7 @@ class Engine:
         each = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
         if len(each) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(each)} sampling parameters")
-        checked = [(self._check_prompt(p, sp), sp) for p, sp in zip(prompts, each)]
+        checked = [(self.check_prompt(p, sp), sp) for p, sp in zip(prompts, each)]
         with self._cond:
             if self._closed:
                 raise EngineClosedError()
@@ -119,7 +119,9 @@ class Engine:
         """
         return self.model.forward_logits(input_ids, timeout)
 
-    def _check_prompt(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
+    def check_prompt(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list, if the model can take it with ``params``; else :class:`InvalidRequestError`
+        (empty, token ids outside the vocabulary, more positions than the model has)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise InvalidRequestError("the prompt is empty")

@@ -78,10 +78,18 @@ def sample_tokens(logits: "torch.Tensor", params: Sequence[SamplingParams],
 def _sample_row(logits: "torch.Tensor", params: SamplingParams, generator: "torch.Generator") -> int:
     import torch
 
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    scaled = logits / params.temperature
+    if not bool(torch.isfinite(scaled).all()):
+        # A temperature so small that logits / t overflows float32 (or t rounds to 0 in it): the distribution
+        # is the limit's, all on the top token.
+        return int(logits.argmax())
+    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
-        # keep a token if the tokens before it do not reach top_p yet (so the top token always stays)
-        sorted_probs[sorted_probs.cumsum(-1) - sorted_probs >= params.top_p] = 0
+        # keep a token if the tokens before it do not reach top_p yet, and the top token always (a top_p below
+        # float32's least would otherwise drop it: 0 >= 0)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop[0] = False
+        sorted_probs[drop] = 0
         return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -176,9 +176,9 @@ class StageRunner:
                 with torch.inference_mode():
                     if first:
                         self._wait(EMBED, deadline)
-                        ids = torch.tensor([list(tokens)], device=m.device)
-                        if int(ids.min()) < 0 or int(ids.max()) >= m.vocab_size:
+                        if not all(0 <= t < m.vocab_size for t in tokens):  # before torch: past int64 too
                             raise InvalidRequestError(f"token ids outside the vocabulary (0-{m.vocab_size - 1})")
+                        ids = torch.tensor([list(tokens)], device=m.device)
                         hidden = m.embed(ids)
                     else:
                         hidden = hidden.to(device=m.device, dtype=m.dtype)

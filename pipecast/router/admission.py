@@ -11,20 +11,25 @@ takes one, and a request that finds none is refused with the time until one is b
 before the router's queue, so a tenant over its limit never holds a queue slot another tenant could use.
 """
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pipecast.core.settings import Settings, TenantLimit
-from pipecast.router.errors import TenantAuthError
+from pipecast.router.errors import TenantAuthError, TenantNameError
 
 DEFAULT_TENANT = "default"
 TENANT_HEADER: str = Settings.model_fields["router_tenant_header"].default
 AUTHORIZATION = "Authorization"
 #: Buckets kept before the full ones are dropped (a full bucket is a fresh one): tenant names in a header
-#: are whatever clients send, so they must not grow the router's memory without bound.
+#: are whatever clients send, so they must not grow the router's memory without bound. Where too few are full
+#: again, the least recently used go too, down to three quarters, so that a scan comes only every
+#: MAX_BUCKETS / 4 new names (each name costs O(1) on average, however many clients send).
 MAX_BUCKETS = 4096
+#: A tenant header's value: printable text of at most this many characters (it names metrics' labels).
+MAX_TENANT_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,15 @@ class AdmissionConfig:
     def tenant_of(self, headers: Mapping[str, str]) -> str:
         """The tenant of a request with ``headers`` (case-insensitive, as aiohttp's are).
 
-        Raises :class:`TenantAuthError` when API keys are set and the request has none the router knows.
+        Raises :class:`TenantAuthError` when API keys are set and the request has none the router knows, and
+        :class:`TenantNameError` for a tenant header that is no printable text of at most MAX_TENANT_CHARS.
         """
         if not self.api_keys:
-            return headers.get(self.tenant_header) or DEFAULT_TENANT
+            tenant = headers.get(self.tenant_header) or DEFAULT_TENANT
+            # isprintable: no control characters, nor the surrogates a non-UTF-8 header decodes to
+            if len(tenant) > MAX_TENANT_CHARS or not tenant.isprintable():
+                raise TenantNameError(self.tenant_header, MAX_TENANT_CHARS)
+            return tenant
         scheme, _, key = headers.get(AUTHORIZATION, "").strip().partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
@@ -110,17 +120,20 @@ class AdmissionControl:
         if limit is None:
             return Admission(tenant, admitted=True)
         now = self.clock()
-        bucket = self._buckets.get(tenant)
+        bucket = self._buckets.pop(tenant, None)  # put back last: the dict runs from least recently used
         if bucket is None:
-            self._forget_full_buckets(now)
-            bucket = self._buckets[tenant] = TokenBucket(limit, float(limit.burst), now)
+            self._make_room(now)
+            bucket = TokenBucket(limit, float(limit.burst), now)
+        self._buckets[tenant] = bucket
         wait_s = bucket.take(now)
         return Admission(tenant, admitted=wait_s == 0.0, limit=limit, retry_after_s=wait_s)
 
-    def _forget_full_buckets(self, now: float) -> None:
+    def _make_room(self, now: float) -> None:
         if len(self._buckets) < MAX_BUCKETS:
             return
         for tenant, bucket in list(self._buckets.items()):
             bucket.refill(now)
             if bucket.tokens >= bucket.limit.burst:
                 del self._buckets[tenant]
+        for tenant in list(itertools.islice(self._buckets, max(0, len(self._buckets) - MAX_BUCKETS * 3 // 4))):
+            del self._buckets[tenant]

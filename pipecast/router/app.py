@@ -76,6 +76,7 @@ from pipecast.router.errors import (
     RouterClosedError,
     RouterError,
     TenantAuthError,
+    TenantNameError,
     TenantOverLimitError,
     ViewKeyError,
     ViewKeyPendingError,
@@ -339,6 +340,8 @@ class Router:
             tenant = self.config.admission.tenant_of(request.headers)
         except TenantAuthError as exc:
             return self._reject(exc, 401, "authentication_error", {"WWW-Authenticate": "Bearer"})
+        except TenantNameError as exc:
+            return self._reject(exc, 400, "invalid_request_error")
         try:
             body = await read_body(request, self.config.max_body_bytes)
         except BodyTooLargeError as exc:

@@ -39,6 +39,13 @@ class TenantAuthError(RouterError):
         super().__init__(f"{problem}: send `Authorization: Bearer <key>` with a key the router knows")
 
 
+class TenantNameError(RouterError):
+    """A tenant header that is no printable text of bounded length (the client's fault)."""
+
+    def __init__(self, header: str, max_chars: int) -> None:
+        super().__init__(f"the {header} header must be printable text of at most {max_chars} characters")
+
+
 class ViewKeyError(RouterError):
     """A request for the router's views of its pool (``/stats``, ``/v1/workers``, ``/metrics``) without the
     cluster's serving key, or with another one (the caller's fault: only the cluster's own components hold it)."""

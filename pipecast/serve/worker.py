@@ -613,6 +613,10 @@ class ServingWorker:
                                     stop_token_ids=self._model.stop_token_ids)
         except InvalidRequestError as exc:
             raise RequestFieldError(None, str(exc)) from None
+        try:  # as the engine checks a prompt it runs itself: the stages would fail on it (a 503 for the route)
+            self._model.engine.check_prompt(prompt, params)
+        except InvalidRequestError as exc:
+            raise RequestFieldError("prompt", str(exc)) from None
         return await self._head.start(route, prompt, params)
 
     def stage_runner(self) -> "StageRunner":

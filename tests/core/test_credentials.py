@@ -15,6 +15,7 @@ from pipecast.core.credentials import (
     data_plane_key,
     issue_node_token,
     parse_node_token,
+    presents_key,
     principal_for,
     serving_headers,
     serving_key,
@@ -47,6 +48,13 @@ def test_the_serving_key_is_the_specified_hmac_of_the_data_plane_key_and_travels
     assert len(key) == 32 and key not in (data_plane_key(MASTER), serving_key(data_plane_key("other")))
     assert serving_headers(key) == {"X-Pipecast-Serving-Key": key.hex()}
     assert serving_key(b"") == b"" and serving_headers(b"") == {}
+
+
+def test_presented_secrets_with_non_utf8_bytes_are_refused_not_raised():
+    # aiohttp decodes a header's bytes with surrogateescape: b"\xff" arrives as "\udcff" (fuzzed: a 500 before)
+    key = serving_key(data_plane_key(MASTER))
+    assert presents_key(key.hex(), key) and not presents_key("\udcff\udcfe", key) and not presents_key(None, key)
+    assert principal_for(MASTER, "\udcff") is None and verify_node_token(MASTER, "pcn1.w1.\udcff") is None
 
 
 @pytest.mark.parametrize("token", [

@@ -7,7 +7,7 @@ from multidict import CIMultiDict
 from pipecast.core.settings import Settings, SettingsError, TenantLimit, load_settings
 from pipecast.router.admission import MAX_BUCKETS, Admission, AdmissionConfig, AdmissionControl
 from pipecast.router.command import admission_config, parse_tenant_limits, router_command
-from pipecast.router.errors import TenantAuthError, TenantOverLimitError
+from pipecast.router.errors import TenantAuthError, TenantNameError, TenantOverLimitError
 
 
 class FakeClock:
@@ -76,6 +76,26 @@ def test_full_buckets_are_forgotten_once_there_are_many():
     assert admission.admit("new").admitted
     assert len(admission._buckets) == 2  # t0 (emptied just now) and new: the full ones were dropped
     assert not admission.admit("t0").admitted  # t0's state was kept
+
+
+def test_new_tenant_names_past_the_cap_drop_the_least_recently_used_and_keep_the_rest():
+    admission, clock = control({}, default=TenantLimit(rate=0.001, burst=1))  # no bucket is full again soon
+    admission.admit("kept")
+    for index in range(2 * MAX_BUCKETS):
+        admission.admit(f"t{index}")
+        if index % 1000 == 0:
+            admission.admit("kept")  # used now and then: never the least recently used
+    assert MAX_BUCKETS * 3 // 4 <= len(admission._buckets) <= MAX_BUCKETS
+    assert not admission.admit("kept").admitted  # its (empty) bucket was kept
+    assert f"t{2 * MAX_BUCKETS - 1}" in admission._buckets and "t0" not in admission._buckets
+
+
+@pytest.mark.parametrize("value", ["\udcff", "a\nb", "x" * 129])
+def test_a_tenant_header_that_is_no_printable_text_is_refused(value):
+    # Fuzzed: a non-UTF-8 tenant became a Prometheus label that broke /metrics for good.
+    with pytest.raises(TenantNameError, match="the x-pipecast-tenant header must be printable text of at most 128"):
+        AdmissionConfig().tenant_of(CIMultiDict({"X-Pipecast-Tenant": value}))
+    assert AdmissionConfig().tenant_of(CIMultiDict({"X-Pipecast-Tenant": "équipe bleue"})) == "équipe bleue"
 
 
 def test_the_tenant_is_the_header_without_api_keys():

@@ -177,6 +177,12 @@ async def test_a_dead_stage_fails_the_request_with_503_naming_it_and_a_bad_route
         assert "the route runs layers 0-4, the model has 6" in answer["error"]["message"]
         status, answer = await post(http, a, completion(4), {PIPELINE_HEADER: "[1"})
         assert status == 400 and answer["error"]["param"] == PIPELINE_HEADER
+        # a prompt the model cannot take is the client's 400, as without a route, not the route's 503 (fuzzed)
+        for prompt in ([-1], [1 << 63]):
+            status, answer = await post(http, a, completion(4) | {"prompt": prompt},
+                                        {PIPELINE_HEADER: route([(a, 0, 3), (dead, 3, 6)])})
+            assert status == 400 and answer["error"]["param"] == "prompt", answer
+            assert "are outside the vocabulary" in answer["error"]["message"]
         assert worker.stage_runner().sessions == 0
 
 
