@@ -1,5 +1,6 @@
 """Small filesystem and process helpers shared by the packager, the agent and the benchmarks."""
 
+import itertools
 import os
 import re
 import shutil
@@ -9,8 +10,10 @@ from pathlib import Path
 
 PARTIAL_MARK = ".partial-"
 TEMPORARY_MARK = ".tmp-"
-# What atomic_write names its temporary files: ".<name>.tmp-<pid>".
-_TEMPORARY = re.compile(r"^\..+" + re.escape(TEMPORARY_MARK) + r"(\d+)$")
+# What atomic_write names its temporary files: ".<name>.tmp-<pid>.<n>", n counting this process's writes
+# (two threads writing the same path at once must not share one temporary file).
+_TEMPORARY = re.compile(r"^\..+" + re.escape(TEMPORARY_MARK) + r"(\d+)(?:\.\d+)?$")
+_WRITES = itertools.count()
 
 
 def pid_alive(pid: int) -> bool:
@@ -28,7 +31,7 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder and a rename, so a crash never
     leaves a half file under ``path`` (no fsync: durability is not promised)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}")
+    tmp = path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}.{next(_WRITES)}")
     try:
         with tmp.open("wb") as f:
             f.write(data)
@@ -74,7 +77,9 @@ def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Build a folder in a hidden sibling and rename it to ``out`` only if the body succeeds.
 
     On any failure (Ctrl-C included) the partial folder is removed; folders left by killed processes
-    (their pid is in the name) are removed on the next use.
+    (their pid is in the name) are removed on the next use. With ``overwrite`` an existing ``out`` is
+    moved aside first and removed only once the new one is in place: an interruption never leaves a
+    half-removed folder under ``out``.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}{PARTIAL_MARK}*"):
@@ -86,14 +91,30 @@ def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        old = None
         if os.path.lexists(out):
             if not overwrite:
                 raise FileExistsError(f"{out} appeared while it was being built")
-            if out.is_dir() and not out.is_symlink():
-                shutil.rmtree(out)
-            else:  # a file or a symlink is replaced itself, never what a symlink points at
-                out.unlink()
-        os.rename(tmp, out)
+            # a file or a symlink is moved aside itself, never what a symlink points at
+            old = out.parent / f".{out.name}{PARTIAL_MARK}old-{os.getpid()}"
+            _remove(old)
+            os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            if old is not None:
+                os.rename(old, out)
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if old is not None:
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path`` if it is there: a folder with what it holds, a file or a symlink itself."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        path.unlink()

@@ -1,0 +1,64 @@
+"""Writing files and folders so that an interruption never leaves a half one under the final name."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipecast.core import fsutil
+from pipecast.core.fsutil import atomic_directory, atomic_write, sweep_stale_temporaries
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_overwriting_a_folder_keeps_the_old_one_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    out = tmp_path / "pkg"
+    with atomic_directory(out) as tmp:
+        (tmp / "a").write_text("old")
+    with pytest.raises(RuntimeError):  # the body fails: the old folder stays as it was
+        with atomic_directory(out, overwrite=True) as tmp:
+            (tmp / "a").write_text("new")
+            raise RuntimeError("interrupted")
+    assert (out / "a").read_text() == "old"
+    renames = []
+
+    def rename_failing_into_place(src, dst):
+        renames.append((os.path.basename(src), os.path.basename(dst)))
+        if len(renames) == 2:  # the new folder into place (after the old one moved aside)
+            raise OSError("disk gone")
+        os.replace(src, dst)
+
+    monkeypatch.setattr(fsutil.os, "rename", rename_failing_into_place)
+    with pytest.raises(OSError, match="disk gone"):
+        with atomic_directory(out, overwrite=True) as tmp:
+            (tmp / "a").write_text("new")
+    monkeypatch.undo()
+    assert renames[0] == ("pkg", f".pkg{fsutil.PARTIAL_MARK}old-{os.getpid()}")  # moved aside, not removed
+    assert (out / "a").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
+    with atomic_directory(out, overwrite=True) as tmp:
+        (tmp / "a").write_text("new")
+    assert (out / "a").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
+
+
+def test_each_write_has_a_temporary_file_of_its_own_and_stale_ones_are_swept(tmp_path, monkeypatch):
+    names = []
+    real_open = type(tmp_path).open
+
+    def spying_open(self, *args, **kwargs):
+        names.append(self.name)
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tmp_path), "open", spying_open)
+    atomic_write(tmp_path / "f", b"1")
+    atomic_write(tmp_path / "f", b"2")
+    monkeypatch.undo()
+    assert len(set(names)) == 2 and (tmp_path / "f").read_bytes() == b"2"
+    dead = _dead_pid()
+    (tmp_path / f".f{fsutil.TEMPORARY_MARK}{dead}.7").write_bytes(b"half")
+    (tmp_path / f".g{fsutil.TEMPORARY_MARK}{dead}").write_bytes(b"half")  # as older versions named them
+    assert sweep_stale_temporaries(tmp_path) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["f"]
