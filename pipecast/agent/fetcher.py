@@ -159,7 +159,8 @@ async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[Pee
             data = await channel.fetch_file(package_id, MANIFEST_FILE)
             pool.release(peer, channel)
             channel = None
-            return verified_manifest(data, package_id, peer), peer
+            # In a thread: a large model's manifest (~10 MB) takes ~0.6 s to parse and check
+            return await asyncio.to_thread(verified_manifest, data, package_id, peer), peer
         except Exception as exc:  # any failure on a peer's answer moves on to the next peer
             if channel is not None:
                 await pool.discard(peer, channel)

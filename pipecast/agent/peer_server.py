@@ -6,7 +6,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 
-from packager.manifest import MANIFEST_FILE, manifest_to_json
+from packager.manifest import MANIFEST_FILE
 from pipecast.agent.errors import PeerNotAllowedError, UnknownPackageError
 from pipecast.agent.store import BlockStore
 
@@ -124,8 +124,8 @@ class PeerServer:
 
     async def file_bytes(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
         store = await self._store(package_id)
-        if path == MANIFEST_FILE:
-            data = manifest_to_json(store.manifest).encode()
+        if path == MANIFEST_FILE:  # made once, in a thread: the event loop serves chunks meanwhile
+            data = await asyncio.to_thread(lambda: store.manifest_json)
             return data[offset:offset + length] if length else data
         if length:
             return await store.wait_file_range(path, offset, length)

@@ -13,6 +13,7 @@ The store is used from one asyncio event loop: marking is synchronous, waiting i
 """
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from packager.digest import digest_bytes
-from packager.manifest import validate_manifest
+from packager.manifest import manifest_to_json, validate_manifest
 from pipecast.agent.budget import MemoryBudget, Reservation
 from pipecast.agent.buffers import BlockBuffer, BufferAllocator
 from pipecast.agent.errors import (
@@ -141,6 +142,11 @@ class BlockStore:
         self._reservation: Reservation | None = None
         self._listeners: list[Callable[[StoreEvent], None]] = []
         self._file_waiters: dict[str, list[asyncio.Future]] = {}
+
+    @functools.cached_property
+    def manifest_json(self) -> bytes:
+        """The manifest as peers fetch it (its JSON), made once: ~0.1 s for a manifest of 10 MB."""
+        return manifest_to_json(self.manifest).encode()
 
     @classmethod
     def open(cls, manifest: Manifest, *, allocator: BufferAllocator, budget: MemoryBudget,
