@@ -26,6 +26,8 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_TEMPERATURE = 2.0
 #: Most stop strings per request (OpenAI allows 4); each is checked against the text after every token.
 MAX_STOPS = 16
+#: Longest stop string: the text held back while it may begin one is checked against it after every token.
+MAX_STOP_CHARS = 256
 SSE_DONE = b"data: [DONE]\n\n"
 
 # Accepted only at the value that means "off" (the engine has no such feature): field -> accepted values.
@@ -156,6 +158,8 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
         unknown = sorted(set(item) - {"role", "content", "name"})
         if unknown:
             raise RequestFieldError(f"{where}.{unknown[0]}", "is not supported (a message has role, content, name)")
+        if not isinstance(item.get("name", ""), str):  # accepted as OpenAI's API has it; the chat template drops it
+            raise RequestFieldError(f"{where}.name", f"must be a string, got {describe(item['name'])}")
         messages.append(ChatMessage(item["role"], _content(item.get("content"), f"{where}.content")))
     return tuple(messages)
 
@@ -194,6 +198,8 @@ def _stop(value: Any) -> tuple[str, ...]:
         raise RequestFieldError("stop", "must be a non-empty string or a list of non-empty strings")
     if len(stops) > MAX_STOPS:
         raise RequestFieldError("stop", f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise RequestFieldError("stop", f"a stop string has at most {MAX_STOP_CHARS} characters")
     return tuple(dict.fromkeys(stops))
 
 

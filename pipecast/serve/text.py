@@ -147,8 +147,9 @@ class StopMatcher:
     def _partial_stop_length(self) -> int:
         """Length of the longest end of the pending text that begins a stop string."""
         pending = self._pending
-        return max((k for stop in self._stops for k in range(min(len(stop) - 1, len(pending)), 0, -1)
-                    if pending.endswith(stop[:k])), default=0)
+        # per stop, the longest first: held-back text that keeps matching costs len(stop) checks, not their square
+        return max((next((k for k in range(min(len(stop) - 1, len(pending)), 0, -1) if pending.endswith(stop[:k])),
+                         0) for stop in self._stops), default=0)
 
     def flush(self) -> str:
         """The held-back text, once generation ended without a stop string."""

@@ -441,6 +441,7 @@ HOSTILE_REQUESTS = [
     ({"model": MODEL, "prompt": [1], "top_p": "0.5"}, "top_p", "top_p: must be a number, got '0.5'"),
     ({"model": MODEL, "prompt": [1], "stream": "yes"}, "stream", "stream: must be true or false"),
     ({"model": MODEL, "prompt": [1], "stop": ["x"] * 17}, "stop", "stop: at most 16 stop strings, got 17"),
+    ({"model": MODEL, "prompt": [1], "stop": ["x" * 257]}, "stop", "stop: a stop string has at most 256 characters"),
     ({"model": MODEL, "prompt": [1], "n": [[[[[[[[2]]]]]]]]}, "n", "n: [[[[...]]]] is not supported"),
     ({"model": MODEL, "prompt": [1], "user": 7}, "user", "user: must be a string"),
     ({"model": MODEL, "prompt": "x" * 2000}, "prompt",
@@ -589,6 +590,7 @@ def test_chat_requests_are_checked_field_by_field():
              "messages[0].content: must be a string or a list of"),
             ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
              "messages[0].tool_calls: is not supported"),
+            ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name: must be a string, got 5"),
             ({"n": 2}, "n: 2 is not supported"), ({"prompt": "x"}, "prompt: unknown field"),
             ({"max_completion_tokens": 0}, "max_completion_tokens: must be at least 1, got 0")):
         with pytest.raises(RequestFieldError, match=re.escape(message)):
@@ -621,6 +623,8 @@ def test_text_comes_out_whole_characters_and_stops_before_a_stop_string(codec):
     assert [stops.feed("abcS"), stops.feed("T"), stops.feed("x")] == ["abc", "", "STx"]
     assert stops.flush() == "" and not stops.stopped
     assert stops.feed("yEN") == "y" and stops.feed("D!") == "" and stops.stopped and stops.flush() == ""
+    overlapping = StopMatcher(["abcab!", "cabx"])  # the longest end that begins a stop is held back
+    assert overlapping.feed("zzabcab") == "zz" and overlapping.feed("c") == "abc" and overlapping.flush() == "abc"
 
 
 def test_a_package_without_tokenizer_files_is_refused(codec):
