@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from control_plane.deployments import Deployment, ScaleEvent
-from control_plane.errors import ControlPlaneError
+from control_plane.errors import ControlPlaneError, InsufficientWorkers
 from control_plane.routes import RouteChange
 from pipecast.core import strictjson
 from pipecast.core.credentials import serving_headers
@@ -44,6 +44,7 @@ from pipecast.scaler.gate import add_up_versions, judge
 from pipecast.scaler.metrics import ScalerMetrics
 from pipecast.scaler.policy import Decision, Signals, decide
 from pipecast.scaler.signals import StatsFormatError, add_up, parse_stats, pool_of, serve_urls
+from pipecast.v1 import control_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ MAX_STATS_BYTES = 1 << 20
 HISTORY_S = 600.0
 #: Holds recorded in the audit trail (when they begin): the pool cannot follow the load.
 NOTABLE_HOLDS = ("no_signals", "no_free_workers")
-#: A released worker is not counted as a replica this long, while its agent reports the drop (s).
+#: A released worker is not counted as a replica for the keep-alive it was released with (``source_keep_s``:
+#: the control plane lists its blocks until then) and this long more, while its agent reports the drop (s).
 RELEASE_GRACE_S = 30.0
 
 
@@ -184,12 +186,13 @@ class Scaler:
             await self._recover(package_id, tracked)
         answers = await asyncio.gather(*(self._stats(url) for url in deployment.routers))
         now = self.clock()
-        tracked.history.append(add_up(now, answers, urls, package_id))
-        while tracked.history and tracked.history[0].at < now - HISTORY_S:
-            tracked.history.popleft()
-        tracked.released = {n: at for n, at in tracked.released.items() if now - at < RELEASE_GRACE_S}
+        held_back = self.config.source_keep_s + RELEASE_GRACE_S
+        tracked.released = {n: at for n, at in tracked.released.items() if now - at < held_back}
         pool = pool_of(package_id, await self._num_blocks(package_id), workers, plans, now=now,
                        released=tracked.released, last_scale_up=tracked.last_scale_up)
+        tracked.history.append(add_up(now, answers, urls, package_id, nodes={r.node_id for r in pool.replicas}))
+        while tracked.history and tracked.history[0].at < now - HISTORY_S:
+            tracked.history.popleft()
         tracked.cold_starts.observe(pool.replicas, now, tracked.last_scale_up)
         signals = tracked.history[-1]
         tracked.idle_at_zero = not pool.replicas and not signals.queue_depth and not signals.in_flight
@@ -217,10 +220,12 @@ class Scaler:
         log.info("scaler %s: %s (%s)", package_id[:12], decision.action, decision.reason)
         try:
             if decision.add:
-                reply = await self.client.scale_up(package_id, count=decision.add, strategy=self.config.plan_strategy)
+                reply = await self._scale_up(package_id, decision.add)
                 log.info("scaler %s: plan %s to %s (already holding: %s)", package_id[:12], reply.plan_id or "-",
                          ",".join(reply.receivers) or "-", ",".join(reply.unchanged) or "-")
                 tracked.last_scale_up = now
+                for node in (*reply.receivers, *reply.unchanged):  # a released one taken back serves again
+                    tracked.released.pop(node, None)
             else:
                 await self.client.release(package_id, list(decision.release), keep_alive_s=self.config.source_keep_s)
                 tracked.released.update({node: now for node in decision.release})
@@ -232,11 +237,28 @@ class Scaler:
                 desired=decision.desired, actual=actual))
             return
 
+    async def _scale_up(self, package_id: str, count: int) -> pb.ScaleUpResponse:
+        """Scale up by ``count`` workers, or as many fewer as the control plane can place: the pool counts
+        every worker not serving the package as free, but placement also needs its memory budget, and refuses a
+        scale-up it cannot place whole (which, retried at the same count each tick, added none)."""
+        while True:
+            try:
+                return await self.client.scale_up(package_id, count=count, strategy=self.config.plan_strategy)
+            except InsufficientWorkers as exc:
+                if count == 1:
+                    raise
+                log.info("scaler %s: %d workers cannot be placed (%s): asking for %d", package_id[:12], count, exc,
+                         count - 1)
+                count -= 1
+
     async def _recover(self, package_id: str, tracked: _Tracked) -> None:
-        """Cooldowns from the audit trail's latest events (a restarted daemon goes on where it was)."""
+        """Cooldowns and recent releases from the audit trail's latest events (a restarted daemon goes on where
+        it was)."""
         for event in await self.client.list_scale_events(package_id, limit=200):
             if event.action == "scale_up":
                 tracked.last_scale_up = event.at
+            elif event.action == "release":
+                tracked.released.update({node: event.at for node in event.node_ids})
         tracked.recovered = True
 
     async def _num_blocks(self, package_id: str) -> int:

@@ -116,9 +116,20 @@ def _window_start(history: Sequence[Signals], window_s: float) -> Signals:
     return next((s for s in history if s.at >= last.at - window_s), last)
 
 
+def _counted_alike(history: Sequence[Signals], window_s: float) -> Signals:
+    """The oldest poll within the last ``window_s`` seconds that as many routers answered as the last: the
+    routers' cumulative counters are added up over those that answered, so between two polls of different
+    routers a difference is a router's whole count, not growth (one missed poll of two routers read as
+    thousands of requests/s and added replicas up to the maximum)."""
+    last = history[-1]
+    return next((s for s in history if s.at >= last.at - window_s and s.routers_answered == last.routers_answered),
+                last)
+
+
 def _rate(history: Sequence[Signals], attr: str, window_s: float) -> float:
-    """Per-second growth of cumulative counter ``attr`` over the last ``window_s`` of ``history``."""
-    last, first = history[-1], _window_start(history, window_s)
+    """Per-second growth of cumulative counter ``attr`` over the last ``window_s`` of ``history`` (between
+    polls that as many routers answered: :func:`_counted_alike`)."""
+    last, first = history[-1], _counted_alike(history, window_s)
     span = last.at - first.at
     if span <= 0:
         return 0.0
@@ -141,7 +152,8 @@ def replica_throughput(history: Sequence[Signals], policy: ScalingPolicy) -> flo
     replicas' 0.83 req/s, 7-8 replicas at once, for twice the worker-seconds and no lower p99
     (docs/benchmarks.md, "The backlog in the workers' own queues")."""
     queued = [s for s in history if s.queue_depth > 0 and s.serving > 0 and s.ready == s.serving]
-    busy = [s for s in queued if s.at >= queued[-1].at - SHORT_WINDOW_S] if queued else []
+    busy = [s for s in queued if s.at >= queued[-1].at - SHORT_WINDOW_S
+            and s.routers_answered == queued[-1].routers_answered] if queued else []
     if len(busy) < 2 or busy[-1].at - busy[0].at <= 0:
         return policy.replica_rps
     answered = (busy[-1].answered - busy[0].answered) / (busy[-1].at - busy[0].at)
@@ -159,8 +171,9 @@ def baseline_demand(history: Sequence[Signals], throughput: float, policy: Scali
     for s in answered:
         while answered[first].at < s.at - SHORT_WINDOW_S:
             first += 1
-        span = s.at - answered[first].at
-        rate = max(s.arrived - answered[first].arrived, 0) / span if span > 0 else 0.0
+        start = next(a for a in answered[first:] if a.routers_answered == s.routers_answered)  # s itself at least
+        span = s.at - start.at
+        rate = max(s.arrived - start.arrived, 0) / span if span > 0 else 0.0
         demands.append(max((s.queue_depth + s.in_flight) / policy.replica_concurrency, rate / throughput))
     return statistics.median(demands) if demands else 0.0
 

@@ -7,7 +7,7 @@ shortest any router saw (it is idle only if idle everywhere), and a worker servi
 counts once, its own queue too: every router lists every worker.
 """
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from pipecast.core.errors import PipecastError
@@ -72,14 +72,16 @@ def parse_stats(router: str, data: Any) -> dict[str, Any]:
 
 
 def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Mapping[str, str],
-           package_id: str = "") -> Signals:
+           package_id: str = "", nodes: Collection[str] | None = None) -> Signals:
     """One :class:`Signals` from the parsed answers of every router (None: that router was silent).
     Workers are named by their control-plane node id (``node_of_url`` maps serve URLs to it). A router that
     routes ``package_id`` as a version of a served name gives that version's queue, requests and TTFT,
     not its totals: a canary's deployment scales for its share of the traffic. Requests that wait there for
     no version (the router could not tell theirs: no deployment has their model's name, no worker names it,
     nor did one since the router started) count in every version's queue: they may be this deployment's,
-    and none may wait for a pool that no signal would ever grow."""
+    and none may wait for a pool that no signal would ever grow. ``nodes``: the deployment's pool (the nodes
+    holding or receiving ``package_id``); where given, only their workers count as serving, ready, queued at or
+    idle: a router in front of several packages (a canary beside its stable version) lists every one's."""
     got = [a if package_id not in a["versions"] else {**a, **a["versions"][package_id],
                                                       "queue_depth": a["versions"][package_id]["queue_depth"]
                                                       + _unattributed(a)}
@@ -91,6 +93,8 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
     for answer in got:
         for worker in answer["workers"]:
             node = node_of_url.get(worker["url"].rstrip("/"), worker["node_id"] or worker["url"])
+            if nodes is not None and node not in nodes:
+                continue
             if worker["status"] in SERVING_STATUSES:
                 serving.add(node)
                 queued[node] = max(queued.get(node, 0), worker["queue_depth"])

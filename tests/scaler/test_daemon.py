@@ -39,6 +39,7 @@ class RecordingClient:
         self.serving_key = b""
         self.deployment = Deployment(PKG, POLICY, routers)
         self.refuse: Exception | None = None
+        self.placeable: int | None = None  # scale-ups of more workers are refused (memory short)
         self.routes: list[ModelRoute] = []
 
     async def list_deployments(self):
@@ -65,6 +66,8 @@ class RecordingClient:
         self.calls.append(("scale_up", count, strategy))
         if self.refuse:
             raise self.refuse
+        if self.placeable is not None and count > self.placeable:
+            raise InsufficientWorkers(f"only {self.placeable} fit")
         return pb.ScaleUpResponse(plan_id="plan1", receivers=[f"w{i}" for i in range(count)])
 
     async def release(self, package_id, node_ids, *, keep_alive_s=0.0):
@@ -155,6 +158,35 @@ async def test_idle_replicas_are_released_after_keep_alive_and_the_refusal_of_a_
             assert decision.add == 1  # only w3 is free
     assert client.calls[-2:] == [("scale_up", 1, ""), ("event", "hold")]
     assert client.events[-1].reason == "scale_up refused: no memory"
+
+
+async def test_a_scale_up_that_cannot_be_placed_whole_asks_for_fewer():
+    # Found in review: the pool counts every worker not serving the package as free, placement also needs its
+    # memory budget; a scale-up refused whole was asked again at the same count each tick, adding none.
+    async with stub_router(stats(queue=9, arrived=9)) as (url, _):
+        client = RecordingClient([worker("w1"), worker("w2"), worker("w3")], (url,))
+        client.placeable = 1
+        async with Scaler(client) as scaler:
+            [(_, decision)] = await scaler.tick()
+    assert decision.add == 3
+    assert [c for c in client.calls if c[0] == "scale_up"] == [("scale_up", 3, ""), ("scale_up", 2, ""),
+                                                               ("scale_up", 1, "")]
+    assert client.events[-1].action == "scale_up"
+
+
+async def test_a_replica_released_with_a_keep_alive_is_not_counted_until_it_ends_nor_released_again():
+    now = [1000.0]
+    idle = {"w1": 30.0, "w2": 3.0}
+    async with stub_router(stats(idle=idle)) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,))
+        async with Scaler(client, ScalerConfig(source_keep_s=120.0), clock=lambda: now[0]) as scaler:
+            [(_, decision)] = await scaler.tick()
+            assert decision.release == ("w1",)
+            for later in (31.0, 100.0, 149.0):  # the control plane lists w1's blocks all along its keep-alive
+                now[0] = 1000.0 + later
+                [(_, decision)] = await scaler.tick()
+                assert decision.release == () and decision.inputs["replicas"] == 1, later
+    assert [c for c in client.calls if c[0] == "release"] == [("release", ("w1",), 120.0)]
 
 
 async def test_a_restarted_daemon_recovers_its_cooldowns_from_the_audit_trail():

@@ -398,3 +398,22 @@ def test_requests_waiting_in_the_workers_own_queues_are_named_but_start_no_measu
     # The same with the backlog in a router: measured, 1 req/s each (and the 14 requests present need 4).
     routed = decide([Signals(**{**h.__dict__, "queue_depth": 6, "queued_at_workers": 0}) for h in history], pool, fast)
     assert (routed.inputs["replica_rps"], routed.add) == (1.0, 2)
+
+
+def test_a_router_missing_one_poll_is_no_surge_of_arrivals():
+    # Found by a property search: the routers' cumulative counters are added up over those that answered, so a
+    # poll one of two routers missed read, 5 s later, as ~10,000 req/s and added replicas up to the maximum.
+    policy = ScalingPolicy()
+    idle = {"n0": None, "n1": None}
+    history, decisions = [], []
+    for k in range(12):  # two routers, 1 req/s each, the second silent at k = 3 only
+        arrived = 50_000 + k
+        silent = k == 3
+        history.append(Signals(at=1000.0 + k, routers_total=2, routers_answered=1 if silent else 2, in_flight=1,
+                               arrived=arrived if silent else 2 * arrived,
+                               answered=(arrived if silent else 2 * arrived) - 1, serving=2, ready=2,
+                               ttft_p99_s=0.3, idle_s=idle))
+        pool = Pool(now=1000.0 + k, replicas=(Replica("n0", False), Replica("n1", False)), free=6)
+        decisions.append(decide(history, pool, policy))
+    assert [d.action for d in decisions if d.action != "hold"] == []
+    assert "2.00 req/s" in decisions[-1].reason

@@ -29,6 +29,18 @@ def test_two_routers_add_up_and_each_worker_counts_once():
     assert signals.idle_s == {"w1": 1.0, "w2": None, "w3": 1.0}
 
 
+def test_only_the_deployments_own_workers_count_where_a_router_serves_other_packages_too():
+    # Found in review: a canary's deployment counted its stable version's ready workers as its own, and sized
+    # its scale-up for them.
+    nodes = {f"http://10.0.0.{i}:8000": f"w{i}" for i in range(1, 5)}
+    workers = [(f"http://10.0.0.{i}:8000", "ready", 1.0) for i in (1, 2, 3)]
+    workers.append(("http://10.0.0.4:8000", "loading", None))
+    answer = parse_stats("r1", stats(2, 10, 7, 0.5, workers))
+    assert (add_up(100.0, [answer], nodes).serving, add_up(100.0, [answer], nodes).ready) == (3, 3)
+    canary = add_up(100.0, [answer], nodes, nodes={"w4"})
+    assert (canary.serving, canary.ready, canary.idle_s) == (0, 0, {"w4": None})
+
+
 def test_requests_waiting_in_serving_workers_own_queues_count_once_per_worker():
     """Workers take requests up to their own queue bound, so in a surge the backlog waits there: each serving
     worker's queue counts once (every router polls the same worker), a loading worker's not at all, and a
