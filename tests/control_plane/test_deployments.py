@@ -2,7 +2,6 @@
 
 import asyncio
 import re
-import sqlite3
 
 import pytest
 from click.testing import CliRunner
@@ -164,28 +163,6 @@ async def test_deployments_and_events_over_grpc_survive_a_restart(tmp_path):
             assert await c.list_deployments() == []
     finally:
         await again.stop(grace_s=0)
-
-
-async def test_a_call_answering_once_durable_waits_for_a_busy_store_without_holding_the_event_loop(tmp_path):
-    server = ControlPlaneServer(config(tmp_path / "cp.sqlite3"))
-    await server.start()
-    try:
-        async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as c:
-            await c.publish_package(manifest(), STORE)
-            await c.put_deployment(Deployment(PKG, ScalingPolicy()))
-            server.store._lock.acquire()  # as a lease renewal in another thread would hold it
-            try:
-                append = asyncio.create_task(c.append_scale_event(ScaleEvent(at=1.0, package_id=PKG, action="hold")))
-                await asyncio.sleep(0.3)
-                assert not append.done()  # not answered before its event is written
-                assert [d.package_id for d in await c.list_deployments()] == [PKG]  # the loop serves meanwhile
-            finally:
-                server.store._lock.release()
-            assert await asyncio.wait_for(append, WAIT_S) == 1
-        with sqlite3.connect(tmp_path / "cp.sqlite3") as db:
-            assert db.execute("SELECT count(*) FROM scale_events").fetchone() == (1,)
-    finally:
-        await server.stop(grace_s=0)
 
 
 async def test_deploy_warm_auto_from_the_command_line_is_listed_with_its_factor(tmp_path):

@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import sqlite3
 import subprocess
 import time
 import urllib.request
@@ -19,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from control_plane import auth
 from control_plane.client import ControlPlaneClient
 from control_plane.command import cp_group
-from control_plane.deployments import Deployment, ScalingPolicy
+from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.errors import (
     ControlPlaneUnavailable,
     InvalidRequest,
@@ -637,3 +638,20 @@ def test_the_control_plane_collects_young_garbage_less_often_and_keeps_the_older
         assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *before[1:]) and GC_YOUNG_THRESHOLD > before[0]
     finally:
         gc.set_threshold(*before)
+
+
+async def test_a_call_answering_once_durable_waits_for_a_busy_store_without_holding_the_event_loop(server, client,
+                                                                                                     tmp_path):
+    await client.publish_package(manifest(), STORE)
+    await client.put_deployment(Deployment(PKG, ScalingPolicy()))
+    server.store._lock.acquire()  # as a lease renewal in another thread would hold it
+    try:
+        append = asyncio.create_task(client.append_scale_event(ScaleEvent(at=1.0, package_id=PKG, action="hold")))
+        await asyncio.sleep(0.3)
+        assert not append.done()  # not answered before its event is written
+        assert [d.package_id for d in await client.list_deployments()] == [PKG]  # the loop serves meanwhile
+    finally:
+        server.store._lock.release()
+    assert await asyncio.wait_for(append, WAIT_S) == 1
+    with sqlite3.connect(tmp_path / "cp.sqlite3") as db:
+        assert db.execute("SELECT count(*) FROM scale_events").fetchone() == (1,)
