@@ -153,6 +153,11 @@ class DeploymentBook:
     routes: dict[str, ModelRoute] = field(default_factory=dict)
     dirty_routes: set[str] = field(default_factory=set)
 
+    @property
+    def dirty(self) -> bool:
+        """Whether the book holds changes the store has not written yet."""
+        return bool(self.dirty_deployments or self.new_events or self.dirty_routes)
+
     def put(self, deployment: Deployment, published: Iterable[str], now: float) -> Deployment:
         """Create or replace the deployment of its package; raises :class:`InvalidRequest` naming every bad
         value, :class:`UnknownPackage` for a package that is not published."""

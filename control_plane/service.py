@@ -208,7 +208,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             return
         while True:
             async with self._flushing:  # the next flush waits here, not on the store's lock in the loop's thread
-                if not self._dirty():
+                if not (self.state.dirty or self.book.dirty):
                     return
                 pending = self.store.begin_flush(self.state, self.book, wait=False)
                 if pending is not None:
@@ -223,10 +223,6 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             if not durable:
                 return
             await asyncio.sleep(STORE_BUSY_RETRY_S)
-
-    def _dirty(self) -> bool:
-        book = self.book
-        return bool(self.state.dirty or book.dirty_deployments or book.new_events or book.dirty_routes)
 
     def flush(self) -> None:
         """Write the state's changes to the store (if any)."""

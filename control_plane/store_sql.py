@@ -436,7 +436,7 @@ class SqlStore(abc.ABC):
                 undo.append(lambda: state.dirty.merge(dirty))
                 changes += state_changes(state, dirty)
                 count += len(dirty)
-            if book is not None and (book.dirty_deployments or book.new_events or book.dirty_routes):
+            if book is not None and book.dirty:
                 deployments, events, routes = book.dirty_deployments, book.new_events, book.dirty_routes
                 book.dirty_deployments, book.new_events, book.dirty_routes = set(), [], set()
 
