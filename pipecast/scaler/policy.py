@@ -110,26 +110,21 @@ class Decision:
         return "scale_up" if self.add else "release" if self.release else "hold"
 
 
-def _window_start(history: Sequence[Signals], window_s: float) -> Signals:
-    """The oldest poll of ``history`` within the last ``window_s`` seconds (the last one at least)."""
+def _window_start(history: Sequence[Signals], window_s: float, *, alike: bool = False) -> Signals:
+    """The oldest poll of ``history`` within the last ``window_s`` seconds (the last one at least); with ``alike``,
+    the oldest of those that as many routers answered as the last: the routers' cumulative counters are added up
+    over those that answered, so between two polls of different routers a difference is a router's whole count,
+    not growth (one missed poll of two routers read as thousands of requests/s and added replicas up to the
+    maximum)."""
     last = history[-1]
-    return next((s for s in history if s.at >= last.at - window_s), last)
-
-
-def _counted_alike(history: Sequence[Signals], window_s: float) -> Signals:
-    """The oldest poll within the last ``window_s`` seconds that as many routers answered as the last: the
-    routers' cumulative counters are added up over those that answered, so between two polls of different
-    routers a difference is a router's whole count, not growth (one missed poll of two routers read as
-    thousands of requests/s and added replicas up to the maximum)."""
-    last = history[-1]
-    return next((s for s in history if s.at >= last.at - window_s and s.routers_answered == last.routers_answered),
-                last)
+    return next((s for s in history if s.at >= last.at - window_s
+                 and (not alike or s.routers_answered == last.routers_answered)), last)
 
 
 def _rate(history: Sequence[Signals], attr: str, window_s: float) -> float:
     """Per-second growth of cumulative counter ``attr`` over the last ``window_s`` of ``history`` (between
-    polls that as many routers answered: :func:`_counted_alike`)."""
-    last, first = history[-1], _counted_alike(history, window_s)
+    polls that as many routers answered: :func:`_window_start`)."""
+    last, first = history[-1], _window_start(history, window_s, alike=True)
     span = last.at - first.at
     if span <= 0:
         return 0.0
