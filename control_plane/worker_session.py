@@ -42,8 +42,9 @@ class WorkerSession:
     def __init__(self, client: ControlPlaneClient, spec: WorkerSpec, holdings: Holdings, *,
                  report_delay_s: float = 0.05, retry_s: float = 1.0, heartbeat_s: float = 2.0,
                  on_data_key: Callable[[bytes], None] | None = None, cached: Holdings | None = None):
-        """``holdings`` gives the blocks held in memory, ``cached`` those only in the disk cache, per package:
-        each registration carries both."""
+        """``holdings`` gives the blocks held in memory, ``cached`` those in the disk cache, per package: each
+        registration carries both (a package held in memory counts as held only). ``holdings`` runs on the
+        event loop; ``cached`` in a thread, as it may read the disk (a large package's manifest: ~0.6 s)."""
         self.client = client
         self.spec = spec
         self.node_id = spec.node_id
@@ -166,11 +167,7 @@ class WorkerSession:
                 if self.registered.is_set():
                     await self.client.heartbeat(self.node_id)
                 else:
-                    held = {package_id: set(blocks) for package_id, blocks in self._holdings().items()}
-                    cached = {p: set(b) for p, b in self._disk_holdings().items()} if self._disk_holdings \
-                        else {}
-                    # The registration carries every held (and cached) block: queued reports are part of it.
-                    self._verified, self._dropped, self._cached = {}, {}, {}
+                    held, cached = await self._registration_holdings()
                     registration = await self.client.register(self.spec, held, cached)
                     self.heartbeat_s = registration.heartbeat_s
                     self._set_data_key(registration.data_key)
@@ -200,6 +197,18 @@ class WorkerSession:
                 await self._nap(self.retry_s)
                 continue
             await self._nap(self.heartbeat_s)
+
+    async def _registration_holdings(self) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
+        """Every block held and cached, for a registration; the reports queued so far are part of it."""
+        disk = await asyncio.to_thread(self._disk_holdings) if self._disk_holdings else {}
+        # From here on no await: a report queued now is either in these sets or after the registration.
+        held = {package_id: set(blocks) for package_id, blocks in self._holdings().items()}
+        cached = {p: set(b) for p, b in disk.items() if p not in held and b}
+        for package_id, blocks in self._cached.items():
+            if package_id not in held and blocks:
+                cached.setdefault(package_id, set()).update(blocks)
+        self._verified, self._dropped, self._cached = {}, {}, {}
+        return held, cached
 
     def _set_data_key(self, key: bytes) -> None:
         if key == self._data_key:

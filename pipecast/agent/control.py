@@ -68,7 +68,7 @@ class AgentHost(Protocol):
         """Every block of ``store`` is verified (and written to the disk cache)."""
         ...
 
-    def drop_package(self, package_id: str) -> None:
+    async def drop_package(self, package_id: str) -> None:
         """Stop serving ``package_id`` and free its memory."""
         ...
 
@@ -329,7 +329,7 @@ class ControlLink:
         self.client = client
         # The data-plane key comes with each registration: the transport keys its hello with it from then on.
         self.session = WorkerSession(client, spec, holdings=self._held, on_data_key=host.transport.set_key,
-                                     cached=self._cached)
+                                     cached=host.disk_cached)
         self._policy = policy
         self._replan_wait_s = replan_wait_s
         self._progress_interval_s = progress_interval_s
@@ -337,11 +337,6 @@ class ControlLink:
 
     def _held(self) -> Mapping[str, Collection[int]]:
         return {pid: store.verified_blocks() for pid, store in self.host.peer_server.stores.items()}
-
-    def _cached(self) -> Mapping[str, Collection[int]]:
-        """The disk cache's packages this agent does not serve from memory (placement prefers such a node)."""
-        held = self.host.peer_server.stores
-        return {pid: blocks for pid, blocks in self.host.disk_cached().items() if pid not in held and blocks}
 
     async def run(self) -> None:
         """Follow the assignment stream until cancelled; raises ``Unauthenticated`` if the token is refused.
@@ -395,7 +390,7 @@ class ControlLink:
             if store is not None:
                 # Unqueues its verified reports, and follows any already sent: its holdings converge on this drop.
                 self.session.report_dropped(package_id, store.verified_blocks())
-            self.host.drop_package(package_id)
+            await self.host.drop_package(package_id)
             self.host.transport.limits.forget(package_id)
             cached = (await asyncio.to_thread(self.host.disk_cached, [package_id])).get(package_id)
             if cached:  # a later scale-up of it here is a local load

@@ -7,6 +7,7 @@ import gc
 import json
 import sqlite3
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -490,6 +491,42 @@ async def test_worker_session_registers_again_when_the_control_plane_forgets_it(
         finally:
             await session.close()
     assert await client.list_workers() == []
+
+
+async def test_worker_session_reads_the_disk_cache_in_a_thread(server, client):
+    other = manifest("other").package_id
+    for m in (manifest(), manifest("other")):
+        await client.publish_package(m, STORE)
+    loop_thread, readers = threading.current_thread(), []
+
+    def disk() -> dict[str, list[int]]:  # a large package's manifest takes a while to read
+        readers.append(threading.current_thread())
+        time.sleep(0.4)
+        return {PKG: [0, 1], other: [1]}
+
+    gaps, last = [], time.monotonic()
+
+    async def tick() -> None:
+        nonlocal last
+        while True:
+            await asyncio.sleep(0.01)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    ticker = asyncio.create_task(tick())
+    async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as own:
+        session = WorkerSession(own, spec("w1"), holdings=lambda: {PKG: {0}}, cached=disk, retry_s=0.05)
+        session.report_cached(other, [2])  # e.g. a drop's, queued before the registration
+        await session.start()
+        try:
+            await asyncio.wait_for(session.registered.wait(), WAIT_S)
+            # Held in memory counts as held only; the queued report is part of the registration.
+            assert server.state.cached == {other: {"w1": {1, 2}}}
+        finally:
+            await session.close()
+            ticker.cancel()
+    assert readers and loop_thread not in readers
+    assert max(gaps) < 0.3, f"the event loop stalled {max(gaps):.2f} s"
 
 
 async def test_worker_session_converges_across_a_control_plane_restart(tmp_path):
