@@ -311,13 +311,13 @@ class AgentDaemon:
         ids = self.cache.packages() if package_ids is None else package_ids
         return {pid: self.cache.cached_blocks(pid) for pid in ids}
 
-    def drop_package(self, package_id: str) -> None:
+    async def drop_package(self, package_id: str) -> None:
         """Stop serving ``package_id`` and free its memory (the disk cache keeps its blocks)."""
         self.peer_server.expected.discard(package_id)
         self.peer_server.end_package(package_id)
         store = self.peer_server.stores.pop(package_id, None)
         if store is not None:
-            store.close()
+            await asyncio.to_thread(store.detach())  # unmapping off the loop: it forwards other packages' chunks
             self._fill_reserve()  # from the pages the package freed, while they are still backed
         log.info("agent %s: dropped package %s", self.node_id, package_id[:12])
         self.events.emit("dropped", package=package_id)

@@ -172,6 +172,23 @@ def test_memory_budget_refuses_a_package_that_does_not_fit(package):
     assert budget.used_bytes == 0
 
 
+async def test_a_detached_store_knows_no_block_and_frees_its_memory_from_another_thread(package):
+    _, manifest = package
+    budget = MemoryBudget(manifest.total_bytes)
+    store = BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=budget)
+    path = store.block_path(0)
+    waiter = asyncio.ensure_future(store.wait_block(0))
+    await asyncio.sleep(0)
+    free = store.detach()
+    await asyncio.sleep(0)
+    assert waiter.cancelled()
+    with pytest.raises(UnknownPackageError):
+        store.chunk_buffer(0, 0)
+    assert os.path.exists(path) and budget.used_bytes == manifest.total_bytes  # nothing freed yet
+    await asyncio.to_thread(free)
+    assert not os.path.exists(path) and budget.used_bytes == 0
+
+
 def test_seed_is_mapped_verified_and_costs_no_budget(package):
     root, manifest = package
     budget = MemoryBudget(1)
