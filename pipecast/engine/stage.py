@@ -55,10 +55,10 @@ class StageCapacityError(EngineError):
 
 @dataclass(frozen=True)
 class StageOutput:
-    """What a stage call produced: the hidden states for the next stage, or, from the last stage, the
-    sampled token (and the last position's logits, float32, when asked for); ``seconds``: the call's time
-    less its waits for layers, ``cpu_seconds``: its thread's CPU time (what the computing took, for a
-    head's estimates)."""
+    """What a stage call produced: the hidden states for the next stage (in host memory), or, from the last
+    stage, the sampled token (and the last position's logits, float32, when asked for); ``seconds``: the
+    call's time less its waits for layers, ``cpu_seconds``: its thread's CPU time (what the computing took,
+    for a head's estimates)."""
 
     hidden: "torch.Tensor | None" = None
     token: int | None = None
@@ -305,10 +305,13 @@ class StageRunner:
             self._wait(layer, deadline)
             hidden = m.run_layer(layer, hidden, position_embeddings=rope, position_ids=positions,
                                  mask=masks[m.window(layer)], cache=state.cache)
+        # Hidden states go over the network next: copied to the host here, on the stage's thread, which on
+        # an accelerator also waits for the kernels (so the call's seconds are its compute, and the event
+        # loop that sends them never waits on the device).
         if not last:
-            return StageOutput(hidden=hidden)
+            return StageOutput(hidden=hidden.cpu())
         if norm_only:
             self._wait(FINAL_NORM, deadline)
-            return StageOutput(hidden=m.final_norm(hidden, last_only=True))
+            return StageOutput(hidden=m.final_norm(hidden, last_only=True).cpu())
         self._wait(HEAD, deadline)
         return self._sample(state, m.head(hidden, last_only=True), want_logits)
