@@ -143,7 +143,8 @@ def check_router_url(url: str, package_id: str) -> str:
 @dataclass
 class DeploymentBook:
     """Every deployment and route and the latest audit events; ``dirty_deployments``, ``dirty_routes`` and
-    ``new_events`` are what the store has not written yet."""
+    ``new_events`` are what the store has not written yet. ``written_routes`` are the routes as last written
+    (or restored): what routers are shown, so that none routes by a change a crash could lose."""
 
     deployments: dict[str, Deployment] = field(default_factory=dict)
     events: deque[ScaleEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_IN_MEMORY))
@@ -152,6 +153,7 @@ class DeploymentBook:
     new_events: list[ScaleEvent] = field(default_factory=list)
     routes: dict[str, ModelRoute] = field(default_factory=dict)
     dirty_routes: set[str] = field(default_factory=set)
+    written_routes: dict[str, ModelRoute] = field(default_factory=dict)
 
     @property
     def dirty(self) -> bool:
@@ -241,5 +243,6 @@ class DeploymentBook:
         """Fill an empty book from the store (events oldest first)."""
         self.deployments = {d.package_id: d for d in deployments}
         self.routes = {r.name: r for r in routes}
+        self.written_routes = dict(self.routes)
         self.events.extend(events)
         self.last_seq = max((e.seq for e in events), default=0)

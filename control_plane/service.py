@@ -205,12 +205,14 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             if active is not None:
                 await asyncio.to_thread(collector_off, active.plan.encoded)
         if self.store is None:
+            self.book.written_routes = dict(self.book.routes)  # nothing to write: shown as they are
             return
         while True:
             async with self._flushing:  # the next flush waits here, not on the store's lock in the loop's thread
                 if not (self.state.dirty or self.book.dirty):
                     return
                 pending = self.store.begin_flush(self.state, self.book, wait=False)
+                routes = dict(self.book.routes)  # as taken: shown once written
                 if pending is not None:
                     try:
                         await asyncio.to_thread(pending.commit)
@@ -219,6 +221,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                         if isinstance(exc, FencedError) and self.on_fenced is not None:
                             self.on_fenced(exc)
                         raise
+                    self.book.written_routes = routes
                     return
             if not durable:
                 return
@@ -505,14 +508,15 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                           context: grpc.aio.ServicerContext) -> pb.ChangeRouteResponse:
         change = route_change_from_proto(request)
         route = self.book.change_route(change, self.state.packages, self.clock())
-        self.flush()  # routers see the change only once it is durable: no await between the change and its write
+        await self.flush_encoded(durable=True)  # routers are shown it from then on (ListRoutes: written_routes)
         log.info("route %s: %s", change.action, describe_route(route, change.name))
         return pb.ChangeRouteResponse(route=route_to_proto(route) if route else None)
 
     @_rpc
     async def ListRoutes(self, request: pb.ListRoutesRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListRoutesResponse:
-        return pb.ListRoutesResponse(routes=[route_to_proto(self.book.routes[n]) for n in sorted(self.book.routes)])
+        routes = self.book.written_routes
+        return pb.ListRoutesResponse(routes=[route_to_proto(routes[n]) for n in sorted(routes)])
 
     def _render(self, notice: Notice) -> pb.AssignmentUpdate:
         kind = notice.kind

@@ -22,6 +22,7 @@ from control_plane import auth
 from control_plane.client import ControlPlaneClient
 from control_plane.command import cp_group
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
+from control_plane.routes import RouteChange
 from control_plane.errors import (
     ControlPlaneUnavailable,
     InvalidRequest,
@@ -692,3 +693,20 @@ async def test_a_call_answering_once_durable_waits_for_a_busy_store_without_hold
     assert await asyncio.wait_for(append, WAIT_S) == 1
     with sqlite3.connect(tmp_path / "cp.sqlite3") as db:
         assert db.execute("SELECT count(*) FROM scale_events").fetchone() == (1,)
+
+
+async def test_routers_are_shown_a_route_change_only_once_it_is_written(server, client, tmp_path):
+    await client.publish_package(manifest(), STORE)
+    server.store._lock.acquire()  # as a lease renewal in another thread would hold it
+    try:
+        change = asyncio.create_task(client.change_route(RouteChange("chat", "route", PKG)))
+        await asyncio.sleep(0.3)
+        assert not change.done()  # not answered before it is written
+        assert await client.list_routes() == []  # nor shown to routers; the loop serves meanwhile
+    finally:
+        server.store._lock.release()
+    route = await asyncio.wait_for(change, WAIT_S)
+    assert route.versions == ((PKG, 100),)
+    assert await client.list_routes() == [route]
+    with sqlite3.connect(tmp_path / "cp.sqlite3") as db:
+        assert db.execute("SELECT count(*) FROM routes").fetchone() == (1,)
