@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packager.manifest import manifest_to_json
 from pipecast.agent.errors import AgentError, LocalApiError, LocalApiTimeoutError
 from pipecast.agent.local_client import MAX_TIMEOUT_S
 from pipecast.agent.peer_server import PeerServer
@@ -188,14 +187,15 @@ class LocalApiServer:
                     answer = {"ok": False, "error": str(exc), "timeout": True}
                 except (AgentError, ValueError, KeyError, TypeError, IndexError) as exc:
                     answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "timeout": False}
-                writer.write(json.dumps(answer).encode() + b"\n")
+                writer.write((answer if isinstance(answer, bytes) else json.dumps(answer).encode()) + b"\n")
                 await writer.drain()
         except (ConnectionError, ValueError):
             pass  # the engine went away, or sent a line over the stream limit: drop it
         finally:
             writer.close()
 
-    async def _answer(self, request: LocalRequest) -> dict:
+    async def _answer(self, request: LocalRequest) -> dict | bytes:
+        """The answer to ``request``: a JSON object, or one already encoded (a large one, made in a thread)."""
         op, timeout = request.op, request.timeout
         if op == "status":
             return {"ok": True, "status": self._status()}
@@ -210,8 +210,8 @@ class LocalApiServer:
         except TimeoutError:
             raise LocalApiTimeoutError(f"no package {request.package or ''} here within "
                                        f"{timeout:g} s") from None
-        if op == "manifest":
-            return {"ok": True, "manifest": json.loads(manifest_to_json(store.manifest))}
+        if op == "manifest":  # 10 MB of JSON for a large model: encoded off the event loop, which forwards chunks
+            return await asyncio.to_thread(_manifest_answer, store)
         if op == "progress":
             return {"ok": True, "progress": dataclasses.asdict(store.progress())}
         if op == "file":
@@ -288,3 +288,8 @@ def _private_socket(path: Path) -> socket.socket:
         raise
     sock.setblocking(False)
     return sock
+
+
+def _manifest_answer(store: BlockStore) -> bytes:
+    """The ``manifest`` op's answer line (without its newline): the store's cached manifest JSON, compacted."""
+    return json.dumps({"ok": True, "manifest": json.loads(store.manifest_json)}, separators=(",", ":")).encode()
