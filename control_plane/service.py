@@ -56,8 +56,9 @@ from control_plane.errors import (
 from control_plane.mailbox import Mailbox
 from control_plane.metrics import ControlMetrics
 from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, WorkerSpec, serve_url_of
+from control_plane.planner.pipelines import Pipeline
 from control_plane.planner.plan import Plan
-from control_plane.state import ActivePlan, ControlState, Notice, ScaleUpDraft
+from control_plane.state import ActivePlan, ControlState, Notice, PipelineQuery, ScaleUpDraft
 from control_plane.store import FencedError, Store
 from packager.errors import ManifestError
 from packager.manifest import validate_manifest
@@ -130,6 +131,9 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.on_fenced = on_fenced
         self.mailboxes: dict[str, Mailbox] = {}
         self._flushing = asyncio.Lock()
+        # Per package: the last pipeline query and its answer, and the one being answered (in a thread).
+        self._pipelines: dict[str, tuple[PipelineQuery, list[tuple[Pipeline, int]]]] = {}
+        self._forming: dict[str, asyncio.Future[list[tuple[Pipeline, int]]]] = {}
         self.open_mailboxes()
 
     def open_mailboxes(self) -> None:
@@ -428,12 +432,39 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         found = []
         for package_id in packages:
             layout = self.state.package(package_id).layout
-            for pipeline, waiting in self.state.pipelines(package_id):  # none without a layout
-                stages = [pb.PipelineStage(node_id=s.node, serve_url=serve_url_of(self.state.workers[s.node].spec),
-                                           layer_start=s.start, layer_end=s.stop) for s in pipeline.stages]
+            for pipeline, waiting in await self._pipelines_of(package_id):  # none without a layout
+                workers = [self.state.workers.get(s.node) for s in pipeline.stages]
+                if not all(w is not None and w.alive for w in workers):
+                    continue  # formed a moment ago, and a member died since
+                stages = [pb.PipelineStage(node_id=s.node, serve_url=serve_url_of(w.spec), layer_start=s.start,
+                                           layer_end=s.stop) for s, w in zip(pipeline.stages, workers)]
                 found.append(pb.PipelineInfo(package_id=package_id, stages=stages, waiting_blocks=waiting,
                                              bottleneck_layers=max(pipeline.stage_costs(layout))))
         return pb.ListPipelinesResponse(pipelines=found)
+
+    async def _pipelines_of(self, package_id: str) -> list[tuple[Pipeline, int]]:
+        """The pipelines of ``package_id``, formed in a thread (about a second among a thousand receivers, which
+        the event loop, answering heartbeats, must not hold). One forming at a time per package: a call while
+        one runs takes its answer (as old as that forming); unchanged state is answered from the last one."""
+        forming = self._forming.get(package_id)
+        if forming is not None:
+            return await asyncio.shield(forming)
+        query = self.state.pipeline_query(package_id)
+        if query is None:
+            return []
+        for gone in self._pipelines.keys() - self.state.packages.keys():
+            del self._pipelines[gone]
+        last = self._pipelines.get(package_id)
+        if last is not None and last[0] == query:
+            return last[1]
+        forming = self._forming[package_id] = asyncio.ensure_future(asyncio.to_thread(query.run))
+
+        def formed(future: asyncio.Future) -> None:  # whether or not the caller that started it still waits
+            del self._forming[package_id]
+            if not future.cancelled() and future.exception() is None:
+                self._pipelines[package_id] = (query, future.result())
+        forming.add_done_callback(formed)
+        return await asyncio.shield(forming)
 
     async def WatchAssignments(self, request: pb.WatchAssignmentsRequest,
                                context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AssignmentUpdate]:

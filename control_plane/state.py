@@ -175,6 +175,37 @@ class ScaleUpDraft:
         return plan
 
 
+@dataclass(frozen=True)
+class PipelineQuery:
+    """The cross-node pipelines of one package, as a value (:meth:`ControlState.pipeline_query`): ``verified``
+    blocks of each candidate worker, and for those still receiving the package the blocks they hold and the
+    one they receive next (in each plan). :meth:`run` is pure, so it may run in a thread: forming pipelines among a thousand
+    receivers takes about a second."""
+
+    layout: ModelLayout
+    verified: Mapping[str, frozenset[int]]
+    following: Mapping[str, tuple[frozenset[int], frozenset[int]]]
+
+    def run(self) -> list[tuple[Pipeline, int]]:
+        """The pipelines (:func:`form_pipelines`), each with the number of blocks its stages still wait for.
+        Pipelines of verified blocks come first; the workers left then count with the block each receives
+        next too (a stage waits for its layers, so such a pipeline serves one block earlier, overlapping its
+        compute with the transfer)."""
+        ready = form_pipelines(self.layout, self.verified)
+        taken = {n for p in ready for n in p.nodes}
+        ahead = {n: set(b) for n, b in self.verified.items() if n not in taken}
+        for node, (have, blocks) in self.following.items():
+            if node not in taken:
+                ahead.setdefault(node, set(have)).update(blocks)
+        waiting = form_pipelines(self.layout, ahead)
+
+        def missing(pipeline: Pipeline) -> int:
+            held = {n: self.following[n][0] if n in self.following else self.verified.get(n, frozenset())
+                    for n in pipeline.nodes}
+            return sum(len(self.layout.blocks_for(s.start, s.stop) - held[s.node]) for s in pipeline.stages)
+        return [(p, 0) for p in ready] + [(p, missing(p)) for p in waiting]
+
+
 class ControlState:
     """Everything the control plane knows. Methods raise :mod:`control_plane.errors` on bad requests
     and change nothing then."""
@@ -606,38 +637,33 @@ class ControlState:
         return [plan_id for plan_id, active in self.plans.items() if node in active.parts]
 
     def pipelines(self, package_id: str) -> list[tuple[Pipeline, int]]:
-        """Cross-node pipelines of ``package_id`` now (:func:`form_pipelines`) among its alive serving
-        workers (those with a serve URL) that hold part of it, each with the number of blocks its stages
-        still wait for. Pipelines of verified blocks come first; the workers left then count with the block
-        each receives next too (a stage waits for its layers, so such a pipeline serves one block earlier,
-        overlapping its compute with the transfer)."""
+        """Cross-node pipelines of ``package_id`` now: :meth:`pipeline_query`, run."""
+        query = self.pipeline_query(package_id)
+        return query.run() if query is not None else []
+
+    def pipeline_query(self, package_id: str) -> "PipelineQuery | None":
+        """What :class:`PipelineQuery` needs of the state now, copied (None: the package has no layout).
+        Its alive serving workers (those with a serve URL) that hold part of the package are its candidates,
+        and those still receiving it count with the block each receives next too."""
         package = self.package(package_id)
         if package.layout is None:
-            return []
+            return None
         availability = self.availability[package_id]
         # Only pipecast's serving workers run stages (a vLLM worker serves the whole model alone).
         serving = {n for n, w in self.workers.items()
                    if w.alive and serve_url_of(w.spec) and w.spec.engine == DEFAULT_ENGINE}
-        verified = {n: set(b) for n, b in availability.by_worker.items() if n in serving and b}
-        ready = form_pipelines(package.layout, verified)
-        taken = {n for p in ready for n in p.nodes}
-        ahead = {n: set(b) for n, b in verified.items() if n not in taken}
+        verified = {n: frozenset(b) for n, b in availability.by_worker.items() if n in serving and b}
+        following: dict[str, tuple[frozenset[int], frozenset[int]]] = {}
         for active in self.plans.values():
             if active.package_id != package_id:
                 continue
-            for node in active.pending - taken:
-                if node not in serving:
-                    continue
+            for node in active.pending & serving:
                 have = availability.held(node)
-                following = next((f.block for f in active.parts[node].fetch if f.block not in have), None)
-                if following is not None:
-                    ahead.setdefault(node, set(have)).add(following)
-        waiting = form_pipelines(package.layout, ahead)
-
-        def missing(pipeline: Pipeline) -> int:
-            return sum(len(package.layout.blocks_for(s.start, s.stop) - availability.held(s.node))
-                       for s in pipeline.stages)
-        return [(p, 0) for p in ready] + [(p, missing(p)) for p in waiting]
+                block = next((f.block for f in active.parts[node].fetch if f.block not in have), None)
+                if block is not None:
+                    held, next_blocks = following.get(node, (frozenset(have), frozenset()))
+                    following[node] = (held, next_blocks | {block})
+        return PipelineQuery(package.layout, verified, following)
 
     # ----- restoring from the store (no dirty marks, no notices) -----
 

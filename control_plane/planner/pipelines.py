@@ -142,9 +142,15 @@ def form_pipelines(layout: ModelLayout, held: Mapping[str, Collection[int]], *,
     runs = {node: _Runs(layout, frozenset(blocks)) for node, blocks in sorted(held.items())
             if len(set(blocks)) < layout.num_blocks}
     runs = {node: r for node, r in runs.items() if r.spans}
+    # layer -> (node, its span holding it), made once: a node taken by a pipeline is skipped from then on
+    covering: dict[int, list[tuple[str, tuple[int, int]]]] = {}
+    for node, r in runs.items():
+        for span in r.spans:
+            for layer in range(*span):
+                covering.setdefault(layer, []).append((node, span))
     pipelines = []
     while True:
-        chain = _fewest_stages(layout, runs, max_stages)
+        chain = _fewest_stages(layout, runs, covering, max_stages)
         if chain is None:
             return pipelines
         pipelines.append(_balance(layout, chain))
@@ -170,6 +176,7 @@ class _Runs:
 
 
 def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
+                   covering: Mapping[int, Sequence[tuple[str, tuple[int, int]]]],
                    max_stages: int) -> list[tuple[str, tuple[int, int]]] | None:
     """A shortest chain of (node, its span) from layer 0 to the last, breadth first over stage ends.
 
@@ -180,11 +187,6 @@ def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
     order has two spans, and the chain through one may need it for the other).
     """
     last = layout.num_layers
-    covering: dict[int, list[tuple[str, tuple[int, int]]]] = {}  # layer -> (node, its span holding it)
-    for node, r in runs.items():
-        for span in r.spans:
-            for layer in range(*span):
-                covering.setdefault(layer, []).append((node, span))
     found: dict[int, list[frozenset[str]]] = {0: [frozenset()]}
     frontier: list[tuple[int, list[tuple[str, tuple[int, int]]]]] = [(0, [])]
     for _ in range(max_stages):
@@ -192,8 +194,8 @@ def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
         for p, path in frontier:
             used = {node for node, _ in path}
             for node, span in covering.get(p, ()):
-                r = runs[node]
-                if node in used or (p == 0 and not r.can_embed):
+                r = runs.get(node)
+                if r is None or node in used or (p == 0 and not r.can_embed):  # None: in a pipeline already
                     continue
                 ends = [span[1]] if span[1] < last or r.can_head else range(p + 1, last)
                 for q in ends:
@@ -201,9 +203,11 @@ def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
                         continue  # one node alone would hold everything: not a pipeline
                     if q == last:
                         return path + [(node, span)]
-                    members = frozenset(used | {node})
                     seen = found.setdefault(q, [])
-                    if len(seen) < _PATHS_PER_END and members not in seen:
+                    if len(seen) >= _PATHS_PER_END:
+                        continue
+                    members = frozenset(used | {node})
+                    if members not in seen:
                         seen.append(members)
                         following.append((q, path + [(node, span)]))
         frontier = following

@@ -33,6 +33,7 @@ from control_plane.errors import (
 )
 from benchmarks.certs import have_openssl, make_certs
 from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
+from control_plane.state import PipelineQuery
 from control_plane.server import GC_YOUNG_THRESHOLD, ControlPlaneServer, ServerConfig, tune_collector
 from control_plane.worker_session import WorkerSession
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
@@ -667,6 +668,38 @@ async def test_list_pipelines_names_each_stage_with_its_serve_url_and_layers(cli
         ("w1", "http://127.0.0.1:8001", 0, 2), ("w2", "http://127.0.0.1:8002", 2, 4)]
     with pytest.raises(UnknownPackage):
         await client.list_pipelines("f" * 64)
+
+
+async def test_pipelines_are_formed_in_a_thread_once_for_calls_at_once_and_again_only_after_a_change(
+        tmp_path, monkeypatch):
+    formed, run = [], PipelineQuery.run
+
+    def slow_run(query):  # as among a thousand receivers
+        formed.append(threading.current_thread())
+        time.sleep(0.5)
+        return run(query)
+    monkeypatch.setattr(PipelineQuery, "run", slow_run)
+    async with ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=60.0)) as server, \
+            ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as client:
+        await client.publish_package(manifest(), STORE)
+        for node, blocks in (("w1", [0, 1]), ("w2", [2, 3])):
+            worker = spec(node)
+            await client.register(WorkerSpec(worker.peer, worker.memory_bytes,
+                                             serve_url=f"http://127.0.0.1:{8000 + int(node[1:])}"))
+            await client.report_blocks(node, {PKG: blocks})
+        calls = [asyncio.create_task(client.list_pipelines()) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        await client.heartbeat("w1")  # answered meanwhile: the event loop is free
+        assert time.monotonic() - started < 0.3 and not any(call.done() for call in calls)
+        answers = await asyncio.gather(*calls)
+        assert len(formed) == 1 and threading.main_thread() not in formed
+        assert all([s.node_id for s in a[0].stages] == ["w1", "w2"] for a in answers)
+        await client.list_pipelines()  # nothing changed: the last answer
+        assert len(formed) == 1
+        await client.report_blocks("w1", {PKG: [2]})
+        [pipeline] = await client.list_pipelines()
+        assert len(formed) == 2 and [s.node_id for s in pipeline.stages] == ["w1", "w2"]
 
 
 def test_the_control_plane_collects_young_garbage_less_often_and_keeps_the_older_thresholds():
