@@ -179,8 +179,8 @@ class ScaleUpDraft:
 class PipelineQuery:
     """The cross-node pipelines of one package, as a value (:meth:`ControlState.pipeline_query`): ``verified``
     blocks of each candidate worker, and for those still receiving the package the blocks they hold and the
-    one they receive next (in each plan). :meth:`run` is pure, so it may run in a thread: forming pipelines among a thousand
-    receivers takes about a second."""
+    one they receive next (in each plan). :meth:`run` is pure, so it may run in a thread: forming pipelines
+    among a thousand receivers takes most of a second."""
 
     layout: ModelLayout
     verified: Mapping[str, frozenset[int]]

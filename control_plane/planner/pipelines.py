@@ -142,15 +142,18 @@ def form_pipelines(layout: ModelLayout, held: Mapping[str, Collection[int]], *,
     runs = {node: _Runs(layout, frozenset(blocks)) for node, blocks in sorted(held.items())
             if len(set(blocks)) < layout.num_blocks}
     runs = {node: r for node, r in runs.items() if r.spans}
-    # layer -> (node, its span holding it), made once: a node taken by a pipeline is skipped from then on
+    # Made once (a node taken by a pipeline is skipped from then on): layer -> (node, its span holding it), and
+    # layer -> every stage end a chain at that layer could reach.
     covering: dict[int, list[tuple[str, tuple[int, int]]]] = {}
+    reach: dict[int, set[int]] = {}
     for node, r in runs.items():
         for span in r.spans:
             for layer in range(*span):
                 covering.setdefault(layer, []).append((node, span))
+                reach.setdefault(layer, set()).update(_ends(layout, r, span, layer))
     pipelines = []
     while True:
-        chain = _fewest_stages(layout, runs, covering, max_stages)
+        chain = _fewest_stages(layout, runs, covering, reach, max_stages)
         if chain is None:
             return pipelines
         pipelines.append(_balance(layout, chain))
@@ -175,8 +178,15 @@ class _Runs:
                 self.spans.append((layers.start, layers.stop))
 
 
+def _ends(layout: ModelLayout, r: _Runs, span: tuple[int, int], p: int) -> Sequence[int]:
+    """Where a stage from layer ``p`` through ``span`` may end: where the span does, unless that is the last
+    layer and the node cannot apply the head (then anywhere short of it)."""
+    last = layout.num_layers
+    return [span[1]] if span[1] < last or r.can_head else range(p + 1, last)
+
+
 def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
-                   covering: Mapping[int, Sequence[tuple[str, tuple[int, int]]]],
+                   covering: Mapping[int, Sequence[tuple[str, tuple[int, int]]]], reach: Mapping[int, Collection[int]],
                    max_stages: int) -> list[tuple[str, tuple[int, int]]] | None:
     """A shortest chain of (node, its span) from layer 0 to the last, breadth first over stage ends.
 
@@ -192,13 +202,15 @@ def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
     for _ in range(max_stages):
         following = []
         for p, path in frontier:
+            # Every end this chain could reach is full (or is the last layer, from one node alone): nothing to try.
+            if all(not path if q == last else len(found.get(q, ())) >= _PATHS_PER_END for q in reach.get(p, ())):
+                continue
             used = {node for node, _ in path}
             for node, span in covering.get(p, ()):
                 r = runs.get(node)
                 if r is None or node in used or (p == 0 and not r.can_embed):  # None: in a pipeline already
                     continue
-                ends = [span[1]] if span[1] < last or r.can_head else range(p + 1, last)
-                for q in ends:
+                for q in _ends(layout, r, span, p):
                     if q == last and not path:
                         continue  # one node alone would hold everything: not a pipeline
                     if q == last:
