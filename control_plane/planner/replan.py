@@ -128,9 +128,10 @@ REPAIR_CANDIDATES = 16
 
 def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[int]],
                   labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
-                  parts: Mapping[str, Part] | None = None) -> tuple[Plan, set[str]] | None:
-    """The plan without the ``dead`` receivers, changed only where it must be; with the nodes whose parts
-    changed. None when a source died (then :func:`replan` plans again from the sources left).
+                  parts: Mapping[str, Part] | None = None,
+                  sources: Sequence[str] | None = None) -> tuple[Plan, set[str]] | None:
+    """The plan without the ``dead`` nodes, changed only where it must be; with the nodes whose parts
+    changed. ``sources``: the plan's from now on (default: its own less the dead); None when none is left.
 
     What :func:`replan` does in time proportional to the whole plan (every fetch re-levelled and
     re-parented) this does in a few passes over it, so a relay's death in a plan of thousands of workers
@@ -141,18 +142,22 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
     :data:`REPAIR_CANDIDATES` holders (or more, until one has a free slot); else to the least loaded source
     (same rack first). A holder never waits, so no cycle can form. A receiver's fetch of a block it already holds is
     dropped. Every other fetch keeps its parent: the dead nodes' children get new parents for their
-    units, their descendants keep theirs. ``parts`` (the plan's :meth:`Plan.parts`, made already) lets it
-    find the dead nodes' children without a pass over the plan; the result is the same.
+    units, their descendants keep theirs; a dead source's children likewise (a source holds every block, so
+    its units go to holders and the sources left: no pass over the plan, where :func:`replan` takes seconds
+    at thousands of receivers). ``parts`` (the plan's :meth:`Plan.parts`, made already) lets it find the
+    dead nodes' children without a pass over the plan; the result is the same.
     """
     dead = set(dead)
-    source_set = set(plan.sources)
-    if dead & source_set:
+    alive = [s for s in (plan.sources if sources is None else sources) if s not in dead]
+    if not alive:
         return None
+    source_set = set(alive)
     holds = {node: set(blocks) for node, blocks in held.items() if node not in dead}
-    changed = set(dead) & (plan.assignments.keys() | plan.held.keys())
+    # The dead nodes, and any source that leaves or joins (its part goes or comes).
+    changed = (dead & (plan.assignments.keys() | plan.held.keys())) | (source_set ^ set(plan.sources))
     orphans = _orphans(plan, dead, changed, parts)
     if not orphans:
-        return (plan, set()) if not changed else _without(plan, dead, {}, {}, changed)
+        return (plan, set()) if not changed else _without(plan, dead, {}, {}, changed, alive)
     wanted = {a.block for rx, a in orphans if a.block not in holds.get(rx, ())}  # the others are dropped
     candidates: dict[int, list[str]] = {b: [] for b in wanted}
     for node, blocks in holds.items():
@@ -161,7 +166,7 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
                 candidates[block].append(node)
     children = _children_of(plan, dead, candidates, parts)  # per (candidate, unit)
     rack = rack_of(labels)
-    source_load = dict.fromkeys(plan.sources, 0)
+    source_load = dict.fromkeys(alive, 0)
     moved: dict[tuple[str, int, Chunks], str | None] = {}  # (receiver, unit) -> new parent; None: drop it
     for rx, a in orphans:
         changed.add(rx)
@@ -182,7 +187,7 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
         if parent is not None:
             children[parent, a.block, a.chunks] = best[1] + 1
         else:
-            near = [s for s in plan.sources if mine is not None and rack(s) == mine] or plan.sources
+            near = [s for s in alive if mine is not None and rack(s) == mine] or alive
             parent = min(near, key=source_load.__getitem__)
             source_load[parent] += 1
         moved[rx, a.block, a.chunks] = parent
@@ -201,7 +206,7 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
         holder = rx if parent is None else parent
         if holder not in source_set and (parent is None or parent in holds):
             serving.setdefault(holder, set()).add(block)
-    return _without(plan, dead, moved, serving, changed)
+    return _without(plan, dead, moved, serving, changed, alive)
 
 
 class _Children(dict):
@@ -252,9 +257,9 @@ def _orphans(plan: Plan, dead: set[str], changed: set[str],
 
 
 def _without(plan: Plan, dead: set[str], moved: Mapping[tuple[str, int, Chunks], str | None],
-             serving: Mapping[str, set[int]], changed: set[str]) -> tuple[Plan, set[str]]:
-    """``plan`` without the ``dead``, with the ``moved`` fetches (receiver, block, chunks) re-parented
-    (None: dropped) and the ``serving`` holders' blocks listed as held."""
+             serving: Mapping[str, set[int]], changed: set[str], sources: Sequence[str]) -> tuple[Plan, set[str]]:
+    """``plan`` from ``sources`` without the ``dead``, with the ``moved`` fetches (receiver, block, chunks)
+    re-parented (None: dropped) and the ``serving`` holders' blocks listed as held."""
     assignments = {}
     for rx, fetches in plan.assignments.items():
         if rx in dead:
@@ -267,7 +272,7 @@ def _without(plan: Plan, dead: set[str], moved: Mapping[tuple[str, int, Chunks],
     kept = {node: set(blocks) for node, blocks in plan.held.items() if node not in dead}
     for node, blocks in serving.items():
         kept.setdefault(node, set()).update(blocks)
-    return Plan(plan.strategy, plan.sources, assignments,
+    return Plan(plan.strategy, tuple(sources), assignments,
                 {node: tuple(sorted(blocks)) for node, blocks in kept.items() if blocks}), changed
 
 
@@ -307,12 +312,14 @@ def repair(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     children take the slots they leave (:func:`splice`, their parents' for the units they fetched: no sender
     gets a second child); a larger one is repaired in place (:func:`repair_deaths`: their children go to holders
     of the block, or to a source; ``parts``, the plan's, make that faster); a dead source means a re-plan from
-    the ``sources`` left (:func:`replan`)."""
+    the ``sources`` left (:func:`replan`) in a plan of up to that size, a repair in place beyond."""
     dead = set(dead)
-    if not dead & set(plan.sources) and len(plan.assignments) <= INLINE_REPLAN_MAX_RECEIVERS:
+    if len(plan.assignments) <= INLINE_REPLAN_MAX_RECEIVERS:
+        if dead & set(plan.sources):
+            return replan(plan, dead=dead, held=held, sources=sources, labels=labels, fanout=fanout), None
         return replan(splice(plan, dead), dead=dead, held=held, sources=sources, labels=labels,
                       fanout=unit_fanout(plan)), None
-    repaired = repair_deaths(plan, dead=dead, held=held, labels=labels, fanout=fanout, parts=parts)
+    repaired = repair_deaths(plan, dead=dead, held=held, labels=labels, fanout=fanout, parts=parts, sources=sources)
     if repaired is not None:
         return repaired
     return replan(plan, dead=dead, held=held, sources=sources, labels=labels, fanout=fanout), None

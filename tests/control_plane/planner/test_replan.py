@@ -119,10 +119,13 @@ def test_repairing_deaths_changes_only_the_dead_nodes_neighbours_and_cannot_dead
             _progress(plan, held, rnd)
         elif kind in ("fail", "join") and live:  # deaths only: a join goes through replan
             dead.add(rnd.choice(live))
+        elif kind == "source-fails" and len(sources) > 1:
+            dead.add(sources.pop(0))
         for node in dead:
             held.pop(node, None)
         repaired = repair_deaths(plan, dead=dead, held=held, labels=labels, fanout=fanout)
-        assert repaired is not None  # no source died here
+        assert repaired is not None  # a source is left
+        assert list(repaired[0].sources) == sources
         # Found through the plan's parts instead of a pass over it: the same repair.
         assert repair_deaths(plan, dead=dead, held=held, labels=labels, fanout=fanout, parts=plan.parts()) == repaired
         new, changed = repaired
@@ -156,9 +159,18 @@ def test_repairing_deaths_changes_only_the_dead_nodes_neighbours_and_cannot_dead
         plan = new
 
 
-def test_a_dead_source_is_left_to_a_full_replan():
-    plan = make_plan("binomial", ["store"], ["a", "b", "c"], 2)
-    assert repair_deaths(plan, dead={"store"}, held={}) is None
+def test_a_dead_sources_children_go_to_holders_and_the_sources_left():
+    plan = make_plan("chain", ["s1", "s2"], ["a", "b", "c"], 2)  # two rotated chains, each fed by a source
+    fed = {rx for rx, fetches in plan.assignments.items() if any(a.parent == "s1" for a in fetches)}
+    new, changed = repair_deaths(plan, dead={"s1"}, held={"b": {0, 1}})
+    new.validate()
+    assert new.sources == ("s2",) and "s1" in changed and fed <= changed
+    was = {(rx, a.block, a.chunks): a.parent for rx, fetches in plan.assignments.items() for a in fetches}
+    assert {a.parent for rx in fed for a in new.assignments[rx] if was[rx, a.block, a.chunks] == "s1"} <= {"s2", "b"}
+    assert repair_deaths(plan, dead={"s1", "s2"}, held={}) is None  # none left: planned again from others
+    again, _ = repair_deaths(plan, dead={"s1", "s2"}, held={}, sources=["h"])  # one picked to take over
+    assert again.sources == ("h",) and all(a.parent != "s1" and a.parent != "s2"
+                                           for fetches in again.assignments.values() for a in fetches)
 
 
 @settings(max_examples=50, deadline=None)
