@@ -168,14 +168,16 @@ def _message_json(message: Any) -> dict:
 @cp_group.command("workers")
 @click.pass_context
 def workers_command(ctx: click.Context) -> None:
-    """List workers: liveness, lease left, address, labels, blocks held per package."""
+    """List workers: liveness, lease left, address, labels, blocks held in memory and cached on disk only, per
+    package (package:blocks)."""
     workers = _run(ctx, lambda c: c.list_workers())
-    lines = [f"{'NODE':<24} {'ALIVE':<5} {'LEASE':>7}  {'ADDRESS':<22} LABELS / HELD"]
+    lines = [f"{'NODE':<24} {'ALIVE':<5} {'LEASE':>7}  {'ADDRESS':<22} LABELS / HELD / CACHED"]
     for w in workers:
         labels = ",".join(f"{k}={v}" for k, v in sorted(w.worker.labels.items())) or "-"
-        held = " ".join(f"{h.package_id[:12]}:{len(h.blocks)}" for h in w.held) or "-"
+        held, cached = (" ".join(f"{h.package_id[:12]}:{len(h.blocks)}" for h in holdings) or "-"
+                        for holdings in (w.held, w.cached))
         lines.append(f"{w.worker.peer.node_id:<24} {'yes' if w.alive else 'DEAD':<5} {w.lease_remaining_s:>6.1f}s  "
-                     f"{w.worker.peer.address:<22} {labels} / {held}")
+                     f"{w.worker.peer.address:<22} {labels} / {held} / {cached}")
     _emit(ctx, [_message_json(w) for w in workers], lines)
 
 

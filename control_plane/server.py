@@ -55,7 +55,7 @@ SERVICE_NAME = control_pb2.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # Clients ping idle assignment streams (see client.KEEPALIVE_OPTIONS); allow it.
+    # Clients ping idle assignment streams (see client.CHANNEL_OPTIONS); allow it.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
     # And never answer a client's pings with GOAWAY "too_many_pings": measured, a client idle between unary

@@ -4,7 +4,7 @@ package (:mod:`control_plane.availability`), releases with keep-alive, and activ
 Pure and synchronous: no sockets, no files, no clock (every call that depends on time takes ``now``,
 in seconds). What agents must be told goes to :attr:`ControlState.notices` (the service drains it into
 the assignment streams); what changed goes to :attr:`ControlState.dirty` (the store drains it into
-SQLite). Which workers a scale-up takes and which nodes it sends from is decided by
+SQLite or PostgreSQL). Which workers a scale-up takes and which nodes it sends from is decided by
 :mod:`control_plane.placement`; plans come from the pure planner (:mod:`control_plane.planner`).
 """
 

@@ -49,7 +49,7 @@ def pack_command(src, out, layers_per_block, block_bytes, chunk_bytes, model_nam
     SRC may be in MLflow instead (extra: mlflow): models:/NAME/VERSION or models:/NAME@ALIAS (a registered
     model version, named NAME in the manifest unless --name says) or runs:/RUN_ID/PATH (a run's artifacts).
 
-    By default the model is cut into 8 blocks of equal layer count.
+    By default each block holds ceil(layers / 8) layers: at most 8 blocks, the last may hold fewer.
     """
     if layers_per_block and block_bytes:
         raise click.UsageError("give --layers-per-block or --block-bytes, not both")

@@ -104,7 +104,8 @@ def plan_blocks(sizes: dict[str, int], *, num_layers: int | None = None, layers_
 
     With ``layers_per_block`` each block holds that many layers; with ``block_bytes`` consecutive layers
     are grouped while the block stays within the target (at least one layer each); with neither, the
-    model is cut into ``default_blocks`` blocks of equal layer count (lambda-scale uses 8). ``where``
+    model is cut into blocks of ceil(layers / ``default_blocks``) layers, at most ``default_blocks`` of them (the
+    last may hold fewer; lambda-scale uses 8). ``where``
     names the checkpoint in errors.
     """
     if layers_per_block is not None and block_bytes is not None:

@@ -9,7 +9,7 @@ warning), and each call blocks only for the layers it needs::
     model.progress()                                  # LoadProgress(blocks_present=3, blocks_total=8, ...)
     model.fully_loaded.wait()
 
-This module is named ``hook`` and not ``load`` on purpose: a submodule ``pipecast.load`` would replace the
+This module is named ``loading`` and not ``load`` on purpose: a submodule ``pipecast.load`` would replace the
 function ``pipecast.load`` on the package as soon as anything imported it.
 """
 

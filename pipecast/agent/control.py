@@ -9,7 +9,8 @@ part replaces the fetches whose parent changed without refetching a verified blo
 
 Each registration brings the cluster's data-plane key, which the transport's hello uses from then on; and
 each part says whom this node serves: the peer server admits only the children the node's current parts
-name (any peer for a package it holds whole or whose plan names it a source: the fallback of every fetch).
+name, and where a plan names it a source, that plan's receivers (a source is the fallback of each of their
+fetches).
 
 A parent the fetcher gives up on (dead, silent, or sent a corrupt chunk) is reported to the control
 plane, which re-parents its children; only if the control plane cannot be told, or sends no new parts
@@ -369,7 +370,8 @@ class ControlLink:
             self.host.transport.limits.set_priority(package_id, update.priority)  # its share of the link
             if update.fetch and package_id not in self.host.peer_server.stores:
                 self.host.peer_server.expect(package_id)  # children may ask before this node has the manifest
-            # Whom this node serves the package: the part's children, anyone if it is a source (the fallback).
+            # Whom this node serves the package: the part's children, and every receiver if it is a source (the
+            # fallback of their fetches).
             self.host.peer_server.serve_part(update.plan_id, package_id,
                                              {*(child for _, child in update.serve), *update.receivers})
             follower = self._followers.get(package_id)

@@ -1,7 +1,8 @@
 """The one settings module: every tunable of pipecast, with precedence CLI > env > file > default.
 
 Environment variables use the ``PIPECAST_`` prefix (``PIPECAST_AGENT_PORT=7000``); a TOML config file
-is named by ``--config`` or ``PIPECAST_CONFIG``; command-line flags override both through
+is named by ``PIPECAST_CONFIG`` (or ``--config`` of the commands that take it: ``control-plane``, ``cp``,
+``scaler``); command-line flags override both through
 :func:`load_settings`'s ``overrides``.
 """
 

@@ -10,5 +10,5 @@ Modules, one concern each (import them directly; this package imports nothing so
 - ``kv_cache``, ``sampling``, ``batching``: the KV cache, token sampling, the step scheduler;
 - ``streams``: delivering tokens from the engine thread to sync or asyncio consumers;
 - ``engine``: the public :class:`~pipecast.engine.engine.Engine`;
-- ``memory`` and ``bench``: RSS measurement and the throughput benchmark.
+- ``memory``: RSS measurement (the throughput benchmark is ``benchmarks/engine_bench.py``).
 """

@@ -626,13 +626,14 @@ def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
 
         async def register():
             async with ControlPlaneClient(f"127.0.0.1:{port}", token=TOKEN, timeout_s=WAIT_S) as c:
-                await c.register(spec("w1"))
+                await c.register(spec("w1"), cached={pid: [0, 1]})  # in its disk cache
         asyncio.run(register())
         result = runner.invoke(cp_group, ["scale-up", pid, "--count", "1"])
         assert result.exit_code == 0 and "chain from store to 1 workers" in result.output
         plans = json.loads(runner.invoke(cp_group, ["--json", "plans"]).output)
         assert [(p["package_id"], p["receivers"]) for p in plans] == [(pid, ["w1"])]
-        assert "w1" in runner.invoke(cp_group, ["workers"]).output
+        [w1] = [line for line in runner.invoke(cp_group, ["workers"]).output.splitlines() if line.startswith("w1 ")]
+        assert w1.endswith(f"rack=r0 / - / {pid[:12]}:2")  # labels / held / cached
         status = runner.invoke(cp_group, ["status"]).output
         assert "workers: 1 alive of 1" in status and "plans in progress: 1" in status, status
         assert f"pkg                          {pid[:12]}  {BLOCKS} blocks" in status, status
