@@ -134,6 +134,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         # Per package: the last pipeline query and its answer, and the one being answered (in a thread).
         self._pipelines: dict[str, tuple[PipelineQuery, list[tuple[Pipeline, int]]]] = {}
         self._forming: dict[str, asyncio.Future[list[tuple[Pipeline, int]]]] = {}
+        self._spec_protos: dict[str, tuple[WorkerSpec, pb.WorkerSpec]] = {}
         self.open_mailboxes()
 
     def open_mailboxes(self) -> None:
@@ -291,6 +292,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     async def ListWorkers(self, request: pb.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
         now = self.clock()
+        if len(self._spec_protos) > len(self.state.workers):  # forget the workers gone since
+            self._spec_protos = {n: made for n, made in self._spec_protos.items() if n in self.state.workers}
         held: dict[str, dict[str, set[int]]] = {}
         for package_id, availability in self.state.availability.items():
             for node, blocks in availability.by_worker.items():
@@ -300,9 +303,17 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             for node, blocks in by_node.items():
                 cached.setdefault(node, {})[package_id] = blocks
         return pb.ListWorkersResponse(workers=[
-            pb.WorkerState(worker=spec_to_proto(w.spec), alive=w.alive, lease_remaining_s=w.lease_expires - now,
-                           held=blocks_to_proto(held.get(node, {})), cached=blocks_to_proto(cached.get(node, {})))
+            pb.WorkerState(worker=self._spec_proto(node, w.spec), alive=w.alive,
+                           lease_remaining_s=w.lease_expires - now, held=blocks_to_proto(held.get(node, {})),
+                           cached=blocks_to_proto(cached.get(node, {})))
             for node, w in sorted(self.state.workers.items())], serving_key=self.serving_key)
+
+    def _spec_proto(self, node: str, spec: WorkerSpec) -> pb.WorkerSpec:
+        """``spec`` as a message, made once per registration (every router lists thousands each poll)."""
+        made = self._spec_protos.get(node)
+        if made is None or made[0] is not spec:
+            made = self._spec_protos[node] = (spec, spec_to_proto(spec))
+        return made[1]
 
     # ----- packages -----
 

@@ -744,3 +744,15 @@ async def test_routers_are_shown_a_route_change_only_once_it_is_written(server, 
     assert await client.list_routes() == [route]
     with sqlite3.connect(tmp_path / "cp.sqlite3") as db:
         assert db.execute("SELECT count(*) FROM routes").fetchone() == (1,)
+
+
+async def test_list_workers_shows_a_worker_as_it_registered_last(client):
+    first = spec("w1")
+    await client.register(first)
+    assert [w.worker.peer.address for w in await client.list_workers()] == [first.peer.address]
+    moved = WorkerSpec(PeerInfo("w1", "127.0.0.1:9999", ("tcp",)), first.memory_bytes, labels={"rack": "r1"})
+    await client.register(moved)  # back at another address, in another rack: not the listing made before
+    [w1] = await client.list_workers()
+    assert w1.worker.peer.address == "127.0.0.1:9999" and dict(w1.worker.labels) == {"rack": "r1"}
+    await client.deregister("w1")
+    assert await client.list_workers() == []
