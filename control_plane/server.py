@@ -173,11 +173,16 @@ class ControlPlaneServer:
         return self.gate.leading
 
     def _load(self) -> None:
+        self._read_store()
+        self.service.open_mailboxes()
+
+    def _read_store(self) -> None:
+        """Fill the (empty) state and book from the store; a standby taking over does it in a thread (~3 s
+        with plans of thousands of receivers), which is safe: until it leads, no call touches them."""
         # Workers notice the restart (or the new leader) only when their reconnect backoff ends: a lease
         # shorter than that must not mark them dead before they are back.
         self.store.load(self.state, self.clock(), lease_grace_s=RESTART_LEASE_GRACE_S)
         self.store.load_book(self.book)
-        self.service.open_mailboxes()
 
     async def start(self) -> None:
         config, credentials = self.config, self._credentials
@@ -272,7 +277,8 @@ class ControlPlaneServer:
             log.warning("control plane %s took the lease (fencing number %d): loading the state from %s",
                         self.holder, lease.fencing, self.store.where)
             try:
-                self._load()
+                await asyncio.to_thread(self._read_store)
+                self.service.open_mailboxes()
             except StoreError as exc:
                 self._step_down(f"control plane {self.holder} took the lease but cannot load the state: {exc}")
                 return
