@@ -37,7 +37,7 @@ from control_plane.client import ControlPlaneClient
 from control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.planner.plan import Plan
-from control_plane.server import ControlPlaneServer, ServerConfig
+from control_plane.server import ControlPlaneServer, ServerConfig, tune_collector
 from control_plane.service import collector_off
 from control_plane.state import ControlState
 from control_plane.store import is_postgres_url, redact_url
@@ -104,7 +104,8 @@ class LoadResult:
 class StallResult:
     """The longest the real server's event loop went without running during a ScaleUp RPC, during routers'
     polls while the package moves (four routers listing the workers and the pipelines at once, each receiver
-    holding a quarter of its blocks, every worker with a serve URL) and during the re-plan after a relay's
+    holding a quarter of the blocks, a rotated quarter as from four sources, every worker with a serve URL:
+    pipelines of four stages form) and during the re-plan after a relay's
     lease lapses (its flush of the plan included): a 5 ms probe's worst lateness."""
 
     workers: int
@@ -232,9 +233,10 @@ def measure_stall(workers: int, blocks: int, chunks: int = 1) -> StallResult:
                 rpc_ms = (time.perf_counter() - start) * 1000
                 scale_up_stall = probe.take()
                 parts = state.plans[reply.plan_id].parts
-                for node in reply.receivers:
-                    order = list(dict.fromkeys(f.block for f in parts[node].fetch))
-                    state.report(node, {package_id: order[:max(1, len(order) // 4)]}, {}, now=time.time())
+                quarter = max(1, blocks // 4)
+                for k, node in enumerate(reply.receivers):  # as from four sources in rotated orders
+                    first = (k % 4) * quarter % blocks
+                    state.report(node, {package_id: range(first, min(first + quarter, blocks))}, {}, now=time.time())
                 await asyncio.sleep(0.05)
                 probe.take()
                 start = time.perf_counter()
@@ -254,8 +256,13 @@ def measure_stall(workers: int, blocks: int, chunks: int = 1) -> StallResult:
             task.cancel()
             await server.stop(grace_s=0)
 
-    with tempfile.TemporaryDirectory(prefix="pipecast-cp-stall-") as tmp:
-        return asyncio.run(main(tmp))
+    thresholds = gc.get_threshold()
+    tune_collector()  # as `pipecast control-plane` runs: its collector settings are part of its stalls
+    try:
+        with tempfile.TemporaryDirectory(prefix="pipecast-cp-stall-") as tmp:
+            return asyncio.run(main(tmp))
+    finally:
+        gc.set_threshold(*thresholds)
 
 
 def _free_port() -> int:

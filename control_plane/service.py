@@ -135,6 +135,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self._pipelines: dict[str, tuple[PipelineQuery, list[tuple[Pipeline, int]]]] = {}
         self._forming: dict[str, asyncio.Future[list[tuple[Pipeline, int]]]] = {}
         self._spec_protos: dict[str, tuple[WorkerSpec, pb.WorkerSpec]] = {}
+        self._listing: asyncio.Future[pb.ListWorkersResponse] | None = None
         self.open_mailboxes()
 
     def open_mailboxes(self) -> None:
@@ -291,11 +292,18 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     @_rpc
     async def ListWorkers(self, request: pb.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
+        # One listing at a time: the calls that come while one is made take its answer (routers poll together,
+        # and several threads making messages at once would keep the GIL from the loop's thread for longer).
+        if self._listing is None or self._listing.done():
+            self._listing = asyncio.ensure_future(self._list_workers())
+        return await asyncio.shield(self._listing)
+
+    async def _list_workers(self) -> pb.ListWorkersResponse:
         now = self.clock()
         if len(self._spec_protos) > len(self.state.workers):  # forget the workers gone since
             self._spec_protos = {n: made for n, made in self._spec_protos.items() if n in self.state.workers}
-        # Copied here, made into messages in a thread: at 5,000 workers the messages take ~80 ms, and every
-        # router lists them every 2 s.
+        # Copied here, made into messages in a thread: at 5,000 workers the messages take ~80 ms (the specs'
+        # ~40 ms more the first time), and every router lists them every 2 s.
         held: dict[str, dict[str, tuple[int, ...]]] = {}
         for package_id, availability in self.state.availability.items():
             for node, blocks in availability.by_worker.items():
@@ -304,16 +312,12 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         for package_id, by_node in self.state.cached.items():
             for node, blocks in by_node.items():
                 cached.setdefault(node, {})[package_id] = tuple(blocks)
-        rows = [(self._spec_proto(node, w.spec), w.alive, w.lease_expires - now, held.get(node, {}),
+        rows = [(node, w.spec, self._spec_protos.get(node), w.alive, w.lease_expires - now, held.get(node, {}),
                  cached.get(node, {})) for node, w in sorted(self.state.workers.items())]
-        return await asyncio.to_thread(_workers_response, rows, self.serving_key)
-
-    def _spec_proto(self, node: str, spec: WorkerSpec) -> pb.WorkerSpec:
-        """``spec`` as a message, made once per registration (every router lists thousands each poll)."""
-        made = self._spec_protos.get(node)
-        if made is None or made[0] is not spec:
-            made = self._spec_protos[node] = (spec, spec_to_proto(spec))
-        return made[1]
+        response, made = await asyncio.to_thread(
+            collector_off, functools.partial(_workers_response, rows, self.serving_key))
+        self._spec_protos.update(made)
+        return response
 
     # ----- packages -----
 
@@ -468,7 +472,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         last = self._pipelines.get(package_id)
         if last is not None and last[0] == query:
             return last[1]
-        forming = self._forming[package_id] = asyncio.ensure_future(asyncio.to_thread(query.run))
+        # The collector off meanwhile, as for plans: forming makes ~10^6 short-lived objects at 5,000 receivers.
+        forming = self._forming[package_id] = asyncio.ensure_future(asyncio.to_thread(collector_off, query.run))
 
         def formed(future: asyncio.Future) -> None:  # whether or not the caller that started it still waits
             del self._forming[package_id]
@@ -650,16 +655,20 @@ def check_serve_urls(spec: WorkerSpec) -> None:
                                  f"(its data-plane address {spec.peer.address!r})")
 
 
-def _workers_response(rows: list[tuple[pb.WorkerSpec, bool, float, Mapping[str, Sequence[int]],
-                                      Mapping[str, Sequence[int]]]], key: bytes) -> pb.ListWorkersResponse:
-    """The ListWorkers answer of rows (spec, alive, lease left, held, cached) copied from the state: a worker at
-    a time, each a short call that lets the event loop's thread have the GIL between (one call with every
-    worker held it ~50 ms at 5,000)."""
-    response = pb.ListWorkersResponse(serving_key=key)
-    for spec, alive, lease, held, cached in rows:
-        response.workers.add(worker=spec, alive=alive, lease_remaining_s=lease, held=blocks_to_proto(held),
+def _workers_response(rows: list[tuple[str, WorkerSpec, tuple[WorkerSpec, pb.WorkerSpec] | None, bool, float,
+                                      Mapping[str, Sequence[int]], Mapping[str, Sequence[int]]]],
+                      key: bytes) -> tuple[pb.ListWorkersResponse, dict[str, tuple[WorkerSpec, pb.WorkerSpec]]]:
+    """The ListWorkers answer of rows (node, spec, its message as made before, alive, lease left, held, cached)
+    copied from the state, and the spec messages made anew (a spec's message is made once per registration).
+    A worker at a time: each a short call that lets the event loop's thread have the GIL between (one call with
+    every worker held it ~50 ms at 5,000)."""
+    response, made = pb.ListWorkersResponse(serving_key=key), {}
+    for node, spec, before, alive, lease, held, cached in rows:
+        if before is None or before[0] is not spec:
+            before = made[node] = (spec, spec_to_proto(spec))
+        response.workers.add(worker=before[1], alive=alive, lease_remaining_s=lease, held=blocks_to_proto(held),
                              cached=blocks_to_proto(cached))
-    return response
+    return response, made
 
 
 def check_publish(manifest: Manifest, store: PeerInfo) -> None:
