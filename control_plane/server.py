@@ -213,6 +213,7 @@ class ControlPlaneServer:
         self.holder = f"{self.advertise}#{secrets.token_hex(4)}"
         self.gate.advertise = self.advertise
         if config.metrics_port is not None:
+            self.metrics.bind(asyncio.get_running_loop())
             try:
                 self._metrics_httpd, _ = start_http_server(config.metrics_port, config.host, self.metrics.registry)
             except OSError as exc:
