@@ -380,13 +380,12 @@ def add_serving(serving: dict[str, list[tuple[int, str]]], receiver: str, fetche
     """Append (block, ``receiver``) to ``serving[parent]`` for each of ``receiver``'s ``fetches``, each pair
     once, for every parent or those among ``parents``: what :attr:`Part.serve` lists."""
     # Several ranges of a block from one parent: one child of it (a receiver fetches a block once otherwise).
-    pairs = dict.fromkeys((f.parent, f.block) for f in fetches)
-    for parent, block in pairs:
-        if parents is None or parent in parents:
-            children = serving.get(parent)
-            if children is None:
-                children = serving[parent] = []
-            children.append((block, receiver))
+    wanted = fetches if parents is None else [f for f in fetches if f.parent in parents]
+    for parent, block in dict.fromkeys((f.parent, f.block) for f in wanted):
+        children = serving.get(parent)
+        if children is None:
+            children = serving[parent] = []
+        children.append((block, receiver))
 
 
 def _overlap(receiver: str, a: Fetch[str], b: Fetch[str]) -> None:

@@ -152,7 +152,7 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
     if not alive:
         return None
     source_set = set(alive)
-    holds = {node: set(blocks) for node, blocks in held.items() if node not in dead}
+    holds = held  # read only; the dead are left out where it is read
     # The dead nodes, and any source that leaves or joins (its part goes or comes).
     changed = (dead & (plan.assignments.keys() | plan.held.keys())) | (source_set ^ set(plan.sources))
     orphans = _orphans(plan, dead, changed, parts)
@@ -161,8 +161,8 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
     wanted = {a.block for rx, a in orphans if a.block not in holds.get(rx, ())}  # the others are dropped
     candidates: dict[int, list[str]] = {b: [] for b in wanted}
     for node, blocks in holds.items():
-        if node not in source_set:
-            for block in wanted & blocks:
+        if node not in source_set and node not in dead:
+            for block in wanted.intersection(blocks):
                 candidates[block].append(node)
     children = _children_of(plan, dead, candidates, parts)  # per (candidate, unit)
     rack = rack_of(labels)
@@ -210,20 +210,27 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
 
 
 class _Children(dict):
-    """Children per (node, block, chunks) in ``plan`` among the live receivers, counted on first use from the
-    node's part (its children, then their fetches): a repair looks at a few candidates of a few units."""
+    """Children per (node, block, chunks) in ``plan`` among the live receivers, counted for every unit of a node
+    on the first use of one, from the node's part (its children, then their fetches): a repair looks at a few
+    candidates, each for many units (counting a unit at a time went over the node's children once per unit:
+    ~35 ms of a relay's repair at 5,000 receivers)."""
 
     def __init__(self, plan: Plan, dead: set[str], parts: Mapping[str, Part]):
         super().__init__()
         self._plan, self._dead, self._parts = plan, dead, parts
+        self._counted: set[str] = set()
 
     def __missing__(self, key: tuple[str, int, Chunks]) -> int:
-        node, block, chunks = key
-        part = self._parts.get(node)
-        kids = {child for b, child in part.serve if b == block and child not in self._dead} if part else ()
-        count = self[key] = sum(1 for child in kids for a in self._plan.assignments[child]
-                                if a.parent == node and a.block == block and a.chunks == chunks)
-        return count
+        node = key[0]
+        if node not in self._counted:
+            self._counted.add(node)
+            part = self._parts.get(node)
+            for child in {child for _, child in part.serve if child not in self._dead} if part else ():
+                for a in self._plan.assignments[child]:
+                    if a.parent == node:
+                        unit = (node, a.block, a.chunks)
+                        self[unit] = self.get(unit, 0) + 1
+        return self.setdefault(key, 0)
 
 
 def _children_of(plan: Plan, dead: set[str], candidates: Mapping[int, list[str]],
