@@ -55,7 +55,7 @@ from control_plane.errors import (
 )
 from control_plane.mailbox import Mailbox
 from control_plane.metrics import ControlMetrics
-from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, WorkerSpec, serve_url_of
+from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.planner.pipelines import Pipeline
 from control_plane.planner.plan import Plan
 from control_plane.state import ActivePlan, ControlState, Notice, PipelineQuery, ScaleUpDraft
@@ -132,8 +132,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.mailboxes: dict[str, Mailbox] = {}
         self._flushing = asyncio.Lock()
         # Per package: the last pipeline query and its answer, and the one being answered (in a thread).
-        self._pipelines: dict[str, tuple[PipelineQuery, list[tuple[Pipeline, int]]]] = {}
-        self._forming: dict[str, asyncio.Future[list[tuple[Pipeline, int]]]] = {}
+        self._pipelines: dict[str, tuple[PipelineQuery, list[tuple[Pipeline, pb.PipelineInfo]]]] = {}
+        self._forming: dict[str, asyncio.Future[list[tuple[Pipeline, pb.PipelineInfo]]]] = {}
         self._spec_protos: dict[str, tuple[WorkerSpec, pb.WorkerSpec]] = {}
         self._listing: asyncio.Future[pb.ListWorkersResponse] | None = None
         self.open_mailboxes()
@@ -446,21 +446,16 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         packages = [request.package_id] if request.package_id else sorted(self.state.packages)
         found = []
         for package_id in packages:
-            layout = self.state.package(package_id).layout
-            for pipeline, waiting in await self._pipelines_of(package_id):  # none without a layout
-                workers = [self.state.workers.get(s.node) for s in pipeline.stages]
-                if not all(w is not None and w.alive for w in workers):
-                    continue  # formed a moment ago, and a member died since
-                stages = [pb.PipelineStage(node_id=s.node, serve_url=serve_url_of(w.spec), layer_start=s.start,
-                                           layer_end=s.stop) for s, w in zip(pipeline.stages, workers)]
-                found.append(pb.PipelineInfo(package_id=package_id, stages=stages, waiting_blocks=waiting,
-                                             bottleneck_layers=max(pipeline.stage_costs(layout))))
+            for pipeline, info in await self._pipelines_of(package_id):  # none without a layout
+                if all((w := self.state.workers.get(node)) is not None and w.alive for node in pipeline.nodes):
+                    found.append(info)  # else formed a moment ago, and a member died since
         return pb.ListPipelinesResponse(pipelines=found)
 
-    async def _pipelines_of(self, package_id: str) -> list[tuple[Pipeline, int]]:
-        """The pipelines of ``package_id``, formed in a thread (about a second among a thousand receivers, which
-        the event loop, answering heartbeats, must not hold). One forming at a time per package: a call while
-        one runs takes its answer (as old as that forming); unchanged state is answered from the last one."""
+    async def _pipelines_of(self, package_id: str) -> list[tuple[Pipeline, pb.PipelineInfo]]:
+        """The pipelines of ``package_id`` and their messages, made in a thread (about a second among a thousand
+        receivers, which the event loop, answering heartbeats, must not hold). One forming at a time per package:
+        a call while one runs takes its answer (as old as that forming); unchanged state is answered from the last
+        one."""
         forming = self._forming.get(package_id)
         if forming is not None:
             return await asyncio.shield(forming)
@@ -473,7 +468,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         if last is not None and last[0] == query:
             return last[1]
         # The collector off meanwhile, as for plans: forming makes ~10^6 short-lived objects at 5,000 receivers.
-        forming = self._forming[package_id] = asyncio.ensure_future(asyncio.to_thread(collector_off, query.run))
+        forming = self._forming[package_id] = asyncio.ensure_future(
+            asyncio.to_thread(collector_off, functools.partial(_pipeline_infos, package_id, query)))
 
         def formed(future: asyncio.Future) -> None:  # whether or not the caller that started it still waits
             del self._forming[package_id]
@@ -653,6 +649,14 @@ def check_serve_urls(spec: WorkerSpec) -> None:
         if url_host != host:
             raise InvalidRequest(f"worker {spec.node_id!r}: serve URL {url!r} is not on its own host {host!r} "
                                  f"(its data-plane address {spec.peer.address!r})")
+
+
+def _pipeline_infos(package_id: str, query: PipelineQuery) -> list[tuple[Pipeline, pb.PipelineInfo]]:
+    """The pipelines of ``query`` (:meth:`PipelineQuery.run`), each with its ListPipelines message."""
+    return [(pipeline, pb.PipelineInfo(
+        package_id=package_id, waiting_blocks=waiting, bottleneck_layers=max(pipeline.stage_costs(query.layout)),
+        stages=[pb.PipelineStage(node_id=s.node, serve_url=query.urls[s.node], layer_start=s.start, layer_end=s.stop)
+                for s in pipeline.stages])) for pipeline, waiting in query.run()]
 
 
 def _workers_response(rows: list[tuple[str, WorkerSpec, tuple[WorkerSpec, pb.WorkerSpec] | None, bool, float,

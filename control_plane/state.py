@@ -177,14 +177,15 @@ class ScaleUpDraft:
 
 @dataclass(frozen=True)
 class PipelineQuery:
-    """The cross-node pipelines of one package, as a value (:meth:`ControlState.pipeline_query`): ``verified``
-    blocks of each candidate worker, and for those still receiving the package the blocks they hold and the
-    one they receive next (in each plan). :meth:`run` is pure, so it may run in a thread: forming pipelines
-    among a thousand receivers takes most of a second."""
+    """The cross-node pipelines of one package, as a value (:meth:`ControlState.pipeline_query`): the serve
+    ``urls`` of the candidate workers, the ``verified`` blocks of those holding some, and for those still
+    receiving the package the blocks they hold and their fetches in each plan. :meth:`run` is pure, so it may
+    run in a thread: forming pipelines among a thousand receivers takes most of a second."""
 
     layout: ModelLayout
+    urls: Mapping[str, str]
     verified: Mapping[str, frozenset[int]]
-    following: Mapping[str, tuple[frozenset[int], frozenset[int]]]
+    receiving: Mapping[str, tuple[frozenset[int], tuple[tuple[Fetch[str], ...], ...]]]
 
     def run(self) -> list[tuple[Pipeline, int]]:
         """The pipelines (:func:`form_pipelines`), each with the number of blocks its stages still wait for.
@@ -194,13 +195,15 @@ class PipelineQuery:
         ready = form_pipelines(self.layout, self.verified)
         taken = {n for p in ready for n in p.nodes}
         ahead = {n: set(b) for n, b in self.verified.items() if n not in taken}
-        for node, (have, blocks) in self.following.items():
-            if node not in taken:
-                ahead.setdefault(node, set(have)).update(blocks)
+        for node, (have, fetches) in self.receiving.items():
+            following = {b for b in (next((f.block for f in fetch if f.block not in have), None) for fetch in fetches)
+                         if b is not None}
+            if node not in taken and following:
+                ahead.setdefault(node, set(have)).update(following)
         waiting = form_pipelines(self.layout, ahead)
 
         def missing(pipeline: Pipeline) -> int:
-            held = {n: self.following[n][0] if n in self.following else self.verified.get(n, frozenset())
+            held = {n: self.receiving[n][0] if n in self.receiving else self.verified.get(n, frozenset())
                     for n in pipeline.nodes}
             return sum(len(self.layout.blocks_for(s.start, s.stop) - held[s.node]) for s in pipeline.stages)
         return [(p, 0) for p in ready] + [(p, missing(p)) for p in waiting]
@@ -650,20 +653,16 @@ class ControlState:
             return None
         availability = self.availability[package_id]
         # Only pipecast's serving workers run stages (a vLLM worker serves the whole model alone).
-        serving = {n for n, w in self.workers.items()
-                   if w.alive and serve_url_of(w.spec) and w.spec.engine == DEFAULT_ENGINE}
-        verified = {n: frozenset(b) for n, b in availability.by_worker.items() if n in serving and b}
-        following: dict[str, tuple[frozenset[int], frozenset[int]]] = {}
+        urls = {n: url for n, w in self.workers.items()
+                if w.alive and w.spec.engine == DEFAULT_ENGINE and (url := serve_url_of(w.spec))}
+        verified = {n: frozenset(b) for n, b in availability.by_worker.items() if n in urls and b}
+        receiving: dict[str, tuple[frozenset[int], tuple[tuple[Fetch[str], ...], ...]]] = {}
         for active in self.plans.values():
-            if active.package_id != package_id:
-                continue
-            for node in active.pending & serving:
-                have = availability.held(node)
-                block = next((f.block for f in active.parts[node].fetch if f.block not in have), None)
-                if block is not None:
-                    held, next_blocks = following.get(node, (frozenset(have), frozenset()))
-                    following[node] = (held, next_blocks | {block})
-        return PipelineQuery(package.layout, verified, following)
+            if active.package_id == package_id:
+                for node in active.pending & urls.keys():  # where each goes next is found in the thread
+                    have, fetches = receiving.get(node, (frozenset(availability.held(node)), ()))
+                    receiving[node] = (have, (*fetches, active.parts[node].fetch))
+        return PipelineQuery(package.layout, urls, verified, receiving)
 
     # ----- restoring from the store (no dirty marks, no notices) -----
 
