@@ -153,7 +153,9 @@ Change = tuple[str, str, list[tuple] | Callable[[], list[tuple]]]
 
 def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
     """The rows to write and delete for ``dirty``'s keys of ``state`` (a key no longer in it: delete)."""
-    packages, workers, availability, releases, plans = ([], []), ([], []), ([], []), ([], []), ([], [])
+    packages, releases, plans = ([], []), ([], []), ([], [])
+    # Workers and holdings are copied here (a spec is a value; a holding is copied) and encoded in the commit.
+    specs, gone_workers, holdings, gone_holdings = [], [], [], []
     for package_id in dirty.packages:
         package = state.packages.get(package_id)
         if package is None:
@@ -163,11 +165,10 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
                      "transports": list(package.store.transports)}
             packages[0].append((package_id, package.manifest.SerializeToString(), _compact(store),
                                 package.published_at))
-    specs, holdings = [], []  # copied here (a spec is a value; a holding is copied), encoded in the commit
     for node in dirty.workers:
         worker = state.workers.get(node)
         if worker is None:
-            workers[1].append((node,))
+            gone_workers.append((node,))
         else:
             specs.append((node, worker.spec, int(worker.alive)))
     for package_id, node in dirty.availability:
@@ -175,7 +176,7 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
         if held:
             holdings.append((package_id, node, tuple(held)))
         else:
-            availability[1].append((package_id, node))
+            gone_holdings.append((package_id, node))
     for key in dirty.releases:
         drop_at = state.releases.get(key)
         if drop_at is None:
@@ -192,9 +193,9 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
     # Encoding thousands of these (a whole fleet registering again) takes ~0.1 s: in the commit's thread.
     tables: dict[str, tuple[list[tuple] | Callable[[], list[tuple]], list[tuple]]] = {
         "packages": packages,
-        "workers": (lambda: [(node, _compact(spec.to_json()), alive) for node, spec, alive in specs], workers[1]),
+        "workers": (lambda: [(node, _compact(spec.to_json()), alive) for node, spec, alive in specs], gone_workers),
         "availability": (lambda: [(package_id, node, _compact(sorted(held))) for package_id, node, held in holdings],
-                         availability[1]),
+                         gone_holdings),
         "releases": releases, "plans": plans}
     return [change for table, (upserts, deletes) in tables.items()
             for change in (("upsert", table, upserts), ("delete", table, deletes))]

@@ -152,15 +152,14 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
     if not alive:
         return None
     source_set = set(alive)
-    holds = held  # read only; the dead are left out where it is read
     # The dead nodes, and any source that leaves or joins (its part goes or comes).
     changed = (dead & (plan.assignments.keys() | plan.held.keys())) | (source_set ^ set(plan.sources))
     orphans = _orphans(plan, dead, changed, parts)
     if not orphans:
         return (plan, set()) if not changed else _without(plan, dead, {}, {}, changed, alive)
-    wanted = {a.block for rx, a in orphans if a.block not in holds.get(rx, ())}  # the others are dropped
+    wanted = {a.block for rx, a in orphans if a.block not in held.get(rx, ())}  # the others are dropped
     candidates: dict[int, list[str]] = {b: [] for b in wanted}
-    for node, blocks in holds.items():
+    for node, blocks in held.items():
         if node not in source_set and node not in dead:
             for block in wanted.intersection(blocks):
                 candidates[block].append(node)
@@ -170,7 +169,7 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
     moved: dict[tuple[str, int, Chunks], str | None] = {}  # (receiver, unit) -> new parent; None: drop it
     for rx, a in orphans:
         changed.add(rx)
-        if a.block in holds.get(rx, ()):
+        if a.block in held.get(rx, ()):
             moved[rx, a.block, a.chunks] = None
             continue
         mine = rack(rx)
@@ -204,7 +203,7 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
     serving: dict[str, set[int]] = {}
     for (rx, block, _), parent in moved.items():
         holder = rx if parent is None else parent
-        if holder not in source_set and (parent is None or parent in holds):
+        if holder not in source_set and (parent is None or parent in held):
             serving.setdefault(holder, set()).add(block)
     return _without(plan, dead, moved, serving, changed, alive)
 
