@@ -37,8 +37,8 @@ from control_plane.client import ControlPlaneClient
 from control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.planner.plan import Plan
-from control_plane.server import ControlPlaneServer, ServerConfig, tune_collector
-from control_plane.service import collector_off
+from control_plane.collector import collector_off, tune_collector
+from control_plane.server import ControlPlaneServer, ServerConfig
 from control_plane.state import ControlState
 from control_plane.store import is_postgres_url, redact_url
 from packager.digest import DIGEST_ALGORITHM, digest_bytes

@@ -4,36 +4,41 @@ from collections.abc import Iterable
 
 
 class Availability:
-    """Both maps of one package, kept in step: worker -> blocks held and block -> workers holding it."""
+    """Both maps of one package, kept in step: worker -> blocks held and block -> workers holding it.
+
+    A worker's blocks are a frozenset, replaced (never changed) when they change: what the event loop hands to a
+    thread or another process (the pipelines' query, the workers' listing) is then a copy of references, not of
+    every set (at 5,000 workers holding 16 blocks each, 15-25 ms of the event loop's time at every poll)."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.by_worker: dict[str, set[int]] = {}
+        self.by_worker: dict[str, frozenset[int]] = {}
         self.by_block: list[set[str]] = [set() for _ in range(num_blocks)]
 
     def add(self, node: str, blocks: Iterable[int]) -> bool:
         """Record verified ``blocks`` on ``node``; True if anything was new."""
-        held = self.by_worker.setdefault(node, set())
-        before = len(held)
-        for block in blocks:
-            if block not in held:
-                held.add(block)
-                self.by_block[block].add(node)
-        return len(held) != before
+        held = self.by_worker.setdefault(node, frozenset())
+        new = frozenset(blocks) - held
+        if not new:
+            return False
+        self.by_worker[node] = held | new
+        for block in new:
+            self.by_block[block].add(node)
+        return True
 
     def remove(self, node: str, blocks: Iterable[int]) -> bool:
         """Forget ``blocks`` on ``node``; True if it held any of them."""
         held = self.by_worker.get(node)
-        if not held:
+        gone = held.intersection(blocks) if held else None
+        if not gone:
             return False
-        before = len(held)
-        for block in blocks:
-            if block in held:
-                held.discard(block)
-                self.by_block[block].discard(node)
-        if not held:
+        if left := held - gone:
+            self.by_worker[node] = left
+        else:
             del self.by_worker[node]
-        return len(held) != before
+        for block in gone:
+            self.by_block[block].discard(node)
+        return True
 
     def remove_worker(self, node: str) -> bool:
         """Forget everything ``node`` holds; True if it held anything."""
@@ -44,7 +49,7 @@ class Availability:
 
     def held(self, node: str) -> frozenset[int]:
         """The blocks ``node`` holds."""
-        return frozenset(self.by_worker.get(node, ()))
+        return self.by_worker.get(node, frozenset())
 
     def count(self, node: str) -> int:
         """How many blocks ``node`` holds."""

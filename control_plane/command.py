@@ -61,7 +61,8 @@ def control_plane_command(config: Path | None, host: str | None, port: int | Non
                           straggler_factor: float | None) -> None:
     """Run the control plane until SIGINT/SIGTERM (a replica on a shared database: until then, or until it
     loses the lease, which exits 1 so that its supervisor restarts it as a standby)."""
-    from control_plane.server import ControlPlaneServer, ServerConfig, tune_collector  # grpc: not by `--help`
+    from control_plane.collector import tune_collector
+    from control_plane.server import ControlPlaneServer, ServerConfig  # grpc: not by `--help`
 
     settings = load_settings(config, control_host=host, control_port=port, control_db=db, lease_s=lease_s,
                              control_advertise=advertise, control_store_links=store_links,

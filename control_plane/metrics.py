@@ -29,7 +29,7 @@ class _Figures:
     dead: int
     packages: int
     # package id -> (verified (worker, block) pairs, complete holders, block sizes, blocks per worker)
-    held: dict[str, tuple[int, int, tuple[int, ...], dict[str, tuple[int, ...]]]]
+    held: dict[str, tuple[int, int, tuple[int, ...], dict[str, frozenset[int]]]]
     plans: int
     replans: int
 
@@ -37,7 +37,7 @@ class _Figures:
     def of(cls, state: ControlState) -> "_Figures":
         alive = sum(w.alive for w in state.workers.values())
         held = {package_id: (a.replicas(), len(a.complete_holders()), tuple(state.packages[package_id].block_bytes),
-                             {node: tuple(blocks) for node, blocks in a.by_worker.items()})
+                             dict(a.by_worker))
                 for package_id, a in state.availability.items()}
         return cls(alive, len(state.workers) - alive, len(state.packages), held, len(state.plans), state.replan_count)
 

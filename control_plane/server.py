@@ -11,7 +11,6 @@ lease, or whose write is refused as fenced, steps down at once: it stops serving
 """
 
 import asyncio
-import gc
 import inspect
 import logging
 import secrets
@@ -44,13 +43,6 @@ from pipecast.v1 import control_pb2, control_pb2_grpc
 log = logging.getLogger(__name__)
 
 MAX_PENDING_CALLS = 100_000
-#: The cyclic collector's young-generation threshold in the control plane's process (Python's default: 700).
-#: Each block report allocates calls, messages and futures, nearly all freed at once by reference counting, yet
-#: at 700, at 5,000 workers, the collector ran ~1,360 young and ~120 middle collections and 10-11 full ones over
-#: the whole state in a 30 s bench run (bench control-plane), 1.5 s in all, a full one ~70 ms (up to 136 ms)
-#: holding the event loop. At 20,000: ~45 collections, 0.5 s in all, no full one (the longest 74 ms), and block
-#: reports/s 5,425-5,675 against 4,971-5,405 (three runs each).
-GC_YOUNG_THRESHOLD = 20_000
 SERVICE_NAME = control_pb2.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -76,11 +68,6 @@ GRPC_OPTIONS = [
 
 # Twice the clients' longest reconnect backoff: room for its jitter and one heartbeat.
 RESTART_LEASE_GRACE_S = 2 * MAX_RECONNECT_BACKOFF_S
-
-
-def tune_collector() -> None:
-    """Set the process's collector for a control plane (see :data:`GC_YOUNG_THRESHOLD`); entry points call it."""
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 class ServerStartError(ControlPlaneError):
@@ -321,6 +308,7 @@ class ControlPlaneServer:
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
+        await self.service.former.close()
         if self._metrics_httpd is not None:
             await asyncio.to_thread(self._metrics_httpd.shutdown)  # waits for its poll (0.5 s)
             self._metrics_httpd.server_close()

@@ -15,11 +15,10 @@ manifest and its id, the store's address, a worker's serve URL (on its own data-
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -42,6 +41,7 @@ from control_plane.convert import (
     spec_to_proto,
 )
 from control_plane.auth import DENIED, current_principal
+from control_plane.collector import collector_off
 from control_plane.deployments import DeploymentBook
 from control_plane.routes import describe as describe_route
 from control_plane.errors import (
@@ -56,9 +56,9 @@ from control_plane.errors import (
 from control_plane.mailbox import Mailbox
 from control_plane.metrics import ControlMetrics
 from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, WorkerSpec
-from control_plane.planner.pipelines import Pipeline
 from control_plane.planner.plan import Plan
-from control_plane.state import ActivePlan, ControlState, Notice, PipelineQuery, ScaleUpDraft
+from control_plane.pipeline_forming import Formed, PipelineFormer, PipelineQuery
+from control_plane.state import ActivePlan, ControlState, Notice, ScaleUpDraft
 from control_plane.store import FencedError, Store
 from packager.errors import ManifestError
 from packager.manifest import validate_manifest
@@ -79,7 +79,6 @@ log = logging.getLogger(__name__)
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-T = TypeVar("T")
 #: How soon a flush that must be written (a call answering once its change is durable) tries again while
 #: another thread holds the store (a lease renewal: one statement).
 STORE_BUSY_RETRY_S = 0.005
@@ -114,11 +113,13 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     """The ControlPlane service over one :class:`ControlState`; ``store`` (if any) is flushed by the server
     periodically and here right away for the operator's changes (packages, scale-ups, releases).
     ``on_fenced`` hears of a flush refused because another control plane took the lease (the server steps
-    down); the call that flushed fails UNAVAILABLE, so its client retries at the new leader."""
+    down); the call that flushed fails UNAVAILABLE, so its client retries at the new leader. ``former`` forms
+    the pipelines ListPipelines answers with (its process, if it started one, stops at ``await former.close()``)."""
 
     def __init__(self, state: ControlState, metrics: ControlMetrics, *, heartbeat_s: float,
                  store: Store | None = None, clock: Callable[[], float] = time.time, master: str = "",
-                 book: DeploymentBook | None = None, on_fenced: Callable[[FencedError], None] | None = None):
+                 book: DeploymentBook | None = None, on_fenced: Callable[[FencedError], None] | None = None,
+                 former: PipelineFormer | None = None):
         self.state = state
         self.book = book if book is not None else DeploymentBook()
         self.master = master  # empty: auth off
@@ -131,9 +132,10 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.on_fenced = on_fenced
         self.mailboxes: dict[str, Mailbox] = {}
         self._flushing = asyncio.Lock()
-        # Per package: the last pipeline query and its answer, and the one being answered (in a thread).
-        self._pipelines: dict[str, tuple[PipelineQuery, list[tuple[Pipeline, pb.PipelineInfo]]]] = {}
-        self._forming: dict[str, asyncio.Future[list[tuple[Pipeline, pb.PipelineInfo]]]] = {}
+        # Per package: the last pipeline query and its answer, and the one being answered (off the loop).
+        self.former = former if former is not None else PipelineFormer()
+        self._pipelines: dict[str, tuple[PipelineQuery, Formed]] = {}
+        self._forming: dict[str, asyncio.Future[Formed]] = {}
         self._spec_protos: dict[str, tuple[WorkerSpec, pb.WorkerSpec]] = {}
         self._listing: asyncio.Future[pb.ListWorkersResponse] | None = None
         self.open_mailboxes()
@@ -304,10 +306,10 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             self._spec_protos = {n: made for n, made in self._spec_protos.items() if n in self.state.workers}
         # Copied here, made into messages in a thread: at 5,000 workers the messages take ~80 ms (the specs'
         # ~40 ms more the first time), and every router lists them every 2 s.
-        held: dict[str, dict[str, tuple[int, ...]]] = {}
+        held: dict[str, dict[str, frozenset[int]]] = {}  # the state's sets: never changed, replaced
         for package_id, availability in self.state.availability.items():
             for node, blocks in availability.by_worker.items():
-                held.setdefault(node, {})[package_id] = tuple(blocks)
+                held.setdefault(node, {})[package_id] = blocks
         cached: dict[str, dict[str, tuple[int, ...]]] = {}
         for package_id, by_node in self.state.cached.items():
             for node, blocks in by_node.items():
@@ -451,9 +453,9 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                     found.append(info)  # else formed a moment ago, and a member died since
         return pb.ListPipelinesResponse(pipelines=found)
 
-    async def _pipelines_of(self, package_id: str) -> list[tuple[Pipeline, pb.PipelineInfo]]:
-        """The pipelines of ``package_id`` and their messages, made in a thread (about a second among a thousand
-        receivers, which the event loop, answering heartbeats, must not hold). One forming at a time per package:
+    async def _pipelines_of(self, package_id: str) -> Formed:
+        """The pipelines of ``package_id`` and their messages, made by the former (a second among 5,000 receivers,
+        which the event loop, answering heartbeats, must not hold). One forming at a time per package:
         a call while one runs takes its answer (as old as that forming); unchanged state is answered from the last
         one."""
         forming = self._forming.get(package_id)
@@ -467,9 +469,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         last = self._pipelines.get(package_id)
         if last is not None and last[0] == query:
             return last[1]
-        # The collector off meanwhile, as for plans: forming makes ~10^6 short-lived objects at 5,000 receivers.
-        forming = self._forming[package_id] = asyncio.ensure_future(
-            asyncio.to_thread(collector_off, functools.partial(_pipeline_infos, package_id, query)))
+        forming = self._forming[package_id] = asyncio.ensure_future(self.former.form(package_id, query))
 
         def formed(future: asyncio.Future) -> None:  # whether or not the caller that started it still waits
             del self._forming[package_id]
@@ -619,21 +619,6 @@ def _build_plan(draft: ScaleUpDraft) -> Plan:
     return collector_off(build, freeze=True)
 
 
-def collector_off(make: Callable[[], T], *, freeze: bool = False) -> T:
-    """``make()`` with the cyclic garbage collector off meanwhile (for a thread that makes hundreds of thousands
-    of objects, which would otherwise set off full collections over the whole state, each holding the GIL,
-    so the event loop's thread with it, for tens of milliseconds), and what exists then frozen if ``freeze``."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return make()
-    finally:
-        if freeze:
-            gc.freeze()
-        if enabled:
-            gc.enable()
-
-
 def check_serve_urls(spec: WorkerSpec) -> None:
     """A worker's serve URL (and the legacy label the router also reads) must be on the worker's own
     data-plane host: else a worker could send the router's requests anywhere. Its engine must be known."""
@@ -651,16 +636,8 @@ def check_serve_urls(spec: WorkerSpec) -> None:
                                  f"(its data-plane address {spec.peer.address!r})")
 
 
-def _pipeline_infos(package_id: str, query: PipelineQuery) -> list[tuple[Pipeline, pb.PipelineInfo]]:
-    """The pipelines of ``query`` (:meth:`PipelineQuery.run`), each with its ListPipelines message."""
-    return [(pipeline, pb.PipelineInfo(
-        package_id=package_id, waiting_blocks=waiting, bottleneck_layers=max(pipeline.stage_costs(query.layout)),
-        stages=[pb.PipelineStage(node_id=s.node, serve_url=query.urls[s.node], layer_start=s.start, layer_end=s.stop)
-                for s in pipeline.stages])) for pipeline, waiting in query.run()]
-
-
 def _workers_response(rows: list[tuple[str, WorkerSpec, tuple[WorkerSpec, pb.WorkerSpec] | None, bool, float,
-                                      Mapping[str, Sequence[int]], Mapping[str, Sequence[int]]]],
+                                      Mapping[str, Collection[int]], Mapping[str, Collection[int]]]],
                       key: bytes) -> tuple[pb.ListWorkersResponse, dict[str, tuple[WorkerSpec, pb.WorkerSpec]]]:
     """The ListWorkers answer of rows (node, spec, its message as made before, alive, lease left, held, cached)
     copied from the state, and the spec messages made anew (a spec's message is made once per registration).

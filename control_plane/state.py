@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from control_plane.availability import Availability
 from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec, serve_url_of
+from control_plane.pipeline_forming import PipelineQuery
 from control_plane.placement import (
     DEFAULT_FANOUT, Candidate, counted_targets, default_strategy, named_targets, pick_sources)
-from control_plane.planner.pipelines import ModelLayout, Pipeline, form_pipelines
+from control_plane.planner.pipelines import ModelLayout, Pipeline
 from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
 from control_plane.planner.replan import INLINE_REPLAN_MAX_RECEIVERS, parts_of, repair, replan
@@ -173,40 +174,6 @@ class ScaleUpDraft:
         if self.held:
             plan = replan(plan, dead=(), held=self.held, sources=self.sources, labels=self.labels, fanout=self.fanout)
         return plan
-
-
-@dataclass(frozen=True)
-class PipelineQuery:
-    """The cross-node pipelines of one package, as a value (:meth:`ControlState.pipeline_query`): the serve
-    ``urls`` of the candidate workers, the ``verified`` blocks of those holding some, and for those still
-    receiving the package the blocks they hold and their fetches in each plan. :meth:`run` is pure, so it may
-    run in a thread: forming pipelines among a thousand receivers takes most of a second."""
-
-    layout: ModelLayout
-    urls: Mapping[str, str]
-    verified: Mapping[str, frozenset[int]]
-    receiving: Mapping[str, tuple[frozenset[int], tuple[tuple[Fetch[str], ...], ...]]]
-
-    def run(self) -> list[tuple[Pipeline, int]]:
-        """The pipelines (:func:`form_pipelines`), each with the number of blocks its stages still wait for.
-        Pipelines of verified blocks come first; the workers left then count with the block each receives
-        next too (a stage waits for its layers, so such a pipeline serves one block earlier, overlapping its
-        compute with the transfer)."""
-        ready = form_pipelines(self.layout, self.verified)
-        taken = {n for p in ready for n in p.nodes}
-        ahead = {n: set(b) for n, b in self.verified.items() if n not in taken}
-        for node, (have, fetches) in self.receiving.items():
-            following = {b for b in (next((f.block for f in fetch if f.block not in have), None) for fetch in fetches)
-                         if b is not None}
-            if node not in taken and following:
-                ahead.setdefault(node, set(have)).update(following)
-        waiting = form_pipelines(self.layout, ahead)
-
-        def missing(pipeline: Pipeline) -> int:
-            held = {n: self.receiving[n][0] if n in self.receiving else self.verified.get(n, frozenset())
-                    for n in pipeline.nodes}
-            return sum(len(self.layout.blocks_for(s.start, s.stop) - held[s.node]) for s in pipeline.stages)
-        return [(p, 0) for p in ready] + [(p, missing(p)) for p in waiting]
 
 
 class ControlState:
@@ -455,7 +422,7 @@ class ControlState:
         if not slow:
             return
         package = self.packages[package_id]
-        held = {n: blocks for n, blocks in self.availability[package_id].by_worker.items()}
+        held = dict(self.availability[package_id].by_worker)
         plan = demote(active.plan, slow, held=held, sources=active.plan.sources, num_blocks=package.num_blocks,
                       labels=self._labels(set(active.parts) | set(held)))
         for node in slow:
@@ -543,7 +510,7 @@ class ControlState:
         links = self._source_links(package, sources, len(receivers), bool(in_flight))
         slots = sum(links.get(s, 1) for s in sources)
         strategy = strategy or default_strategy(slots, len(receivers), beside_in_flight=bool(in_flight))
-        held = {n: frozenset(b) for n, b in availability.by_worker.items()} \
+        held = dict(availability.by_worker) \
             if any(n in availability.by_worker for n in receivers) else {}
         return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged), tuple(sources), strategy,
                             fanout or DEFAULT_FANOUT, self._labels({*held, *sources, *receivers}), links,
@@ -655,12 +622,12 @@ class ControlState:
         # Only pipecast's serving workers run stages (a vLLM worker serves the whole model alone).
         urls = {n: url for n, w in self.workers.items()
                 if w.alive and w.spec.engine == DEFAULT_ENGINE and (url := serve_url_of(w.spec))}
-        verified = {n: frozenset(b) for n, b in availability.by_worker.items() if n in urls and b}
+        verified = {n: b for n, b in availability.by_worker.items() if n in urls and b}
         receiving: dict[str, tuple[frozenset[int], tuple[tuple[Fetch[str], ...], ...]]] = {}
         for active in self.plans.values():
             if active.package_id == package_id:
                 for node in active.pending & urls.keys():  # where each goes next is found in the thread
-                    have, fetches = receiving.get(node, (frozenset(availability.held(node)), ()))
+                    have, fetches = receiving.get(node, (availability.held(node), ()))
                     receiving[node] = (have, (*fetches, active.parts[node].fetch))
         return PipelineQuery(package.layout, urls, verified, receiving)
 

@@ -33,8 +33,9 @@ from control_plane.errors import (
 )
 from benchmarks.certs import have_openssl, make_certs
 from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
-from control_plane.state import PipelineQuery
-from control_plane.server import GC_YOUNG_THRESHOLD, ControlPlaneServer, ServerConfig, tune_collector
+from control_plane.pipeline_forming import PipelineCandidates
+from control_plane.collector import GC_YOUNG_THRESHOLD, tune_collector
+from control_plane.server import ControlPlaneServer, ServerConfig
 from control_plane.worker_session import WorkerSession
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.manifest import MANIFEST_FORMAT_VERSION, manifest_to_json, seal_manifest
@@ -673,13 +674,13 @@ async def test_list_pipelines_names_each_stage_with_its_serve_url_and_layers(cli
 
 async def test_pipelines_are_formed_in_a_thread_once_for_calls_at_once_and_again_only_after_a_change(
         tmp_path, monkeypatch):
-    formed, run = [], PipelineQuery.run
+    formed, run = [], PipelineCandidates.run
 
     def slow_run(query):  # as among a thousand receivers
         formed.append(threading.current_thread())
         time.sleep(0.5)
         return run(query)
-    monkeypatch.setattr(PipelineQuery, "run", slow_run)
+    monkeypatch.setattr(PipelineCandidates, "run", slow_run)
     async with ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=60.0)) as server, \
             ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as client:
         await client.publish_package(manifest(), STORE)
