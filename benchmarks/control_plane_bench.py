@@ -1,9 +1,11 @@
 """``pipecast bench control-plane``: how fast the control plane plans, and how much load it takes.
 
-Two parts. Planning, in-process and pure: a scale-up of N workers x B blocks (source pick, schedule,
+Planning, in-process and pure: a scale-up of N workers x B blocks (source pick, schedule,
 every node's part), from the store (binomial) and from K holders (rotated), p50 and p99 of ``repeat``; and in
 each of those plans, a transfer under way (every receiver holding a quarter of the blocks, every other one
-half), 10 relays dying one after another, each re-plan timed (p50 and p99 of them all).
+half), 10 relays dying one after another, each re-plan timed (p50 and p99 of them all). At each of the
+``stall_workers`` counts: the event loop's stalls (:func:`measure_stall`) and a scale-up of 8 beside that many warm
+holders (:func:`measure_warm_fleet`: the notices it makes and their rendering).
 Load, against the real server (``pipecast control-plane``) in a subprocess with its SQLite file (or the
 database ``db`` names, PostgreSQL) and authentication on (every call carries the master token and passes
 the server's token check): N simulated workers register, watch their assignment streams and heartbeat
@@ -38,7 +40,9 @@ from control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.planner.plan import Plan
 from control_plane.collector import collector_off, tune_collector
+from control_plane.metrics import ControlMetrics
 from control_plane.server import ControlPlaneServer, ServerConfig
+from control_plane.service import ControlPlaneService
 from control_plane.state import ControlState
 from control_plane.store import is_postgres_url, redact_url
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
@@ -52,6 +56,8 @@ DEATHS = 10  # relays that die one after another in each planning repeat
 STALL_TARGET_MS = 50.0
 #: Routers polling the control plane at once in the stall measure (each lists the workers and the pipelines).
 POLLING_ROUTERS = 4
+#: Workers a scale-up adds beside a fleet of warm holders in the warm-fleet measure (the daemon's step).
+WARM_RECEIVERS = 8
 REPORT_TARGET_PER_S = 5000.0
 STREAMS_TIMEOUT_S = 60.0  # for the next assignment stream to open, while the driver opens them all
 CANCEL_TIMEOUT_S = 30.0  # for every stream's CANCEL of the first package's plan, once all of its blocks are reported
@@ -120,9 +126,25 @@ class StallResult:
 
 
 @dataclass
+class WarmFleetResult:
+    """A scale-up of a few workers beside many warm holders of the package (the scaling daemon adding replicas
+    to a large fleet): the sources the plan names, the assignment notices it makes and their messages, rendered
+    as the service renders them for the streams (on its event loop), in-process."""
+
+    holders: int
+    receivers: int
+    sources: int
+    notices: int
+    rendered_bytes: int
+    render_ms: float
+    plan_ms: float  # the whole scale-up in-process (source pick, schedule, parts, install)
+
+
+@dataclass
 class BenchResult:
     planning: list[PlanningResult] = field(default_factory=list)
     stalls: list[StallResult] = field(default_factory=list)
+    warm: list[WarmFleetResult] = field(default_factory=list)
     load: LoadResult | None = None
     database: str = "its SQLite file"  # where the server subprocess kept its state
 
@@ -183,6 +205,27 @@ def measure_planning(workers: int, blocks: int, sources: int, repeat: int, chunk
     return PlanningResult(workers, blocks, sources, strategy, statistics.median(plan_times),
                           statistics.median(replan_times), chunks, scale_up_p99_ms=_percentile(plan_times, 0.99),
                           replan_p99_ms=_percentile(replan_times, 0.99), replans=len(replan_times))
+
+
+def measure_warm_fleet(holders: int, blocks: int, chunks: int = 1, receivers: int = WARM_RECEIVERS) -> WarmFleetResult:
+    """A scale-up of ``receivers`` fresh workers beside ``holders`` workers holding the whole package, and
+    every assignment notice it makes rendered as the server renders it (:class:`WarmFleetResult`)."""
+    state = ControlState(lease_s=10.0)
+    package_id = state.publish(manifest("warm", blocks, chunks), STORE, now=0)
+    for i in range(holders):
+        state.register(worker_spec(i), {package_id: range(blocks)}, now=0)
+    for i in range(holders, holders + receivers):
+        state.register(worker_spec(i), {}, now=0)
+    service = ControlPlaneService(state, ControlMetrics(state), heartbeat_s=2.0)
+    state.notices.clear()
+    start = time.perf_counter()
+    result = state.scale_up(package_id, count=receivers, now=1)
+    plan_ms = (time.perf_counter() - start) * 1000
+    notices = [n for n in state.notices if n.plan_id == result.plan_id]
+    start = time.perf_counter()
+    rendered = sum(service._render(notice).ByteSize() for notice in notices)
+    render_ms = (time.perf_counter() - start) * 1000
+    return WarmFleetResult(holders, receivers, len(result.sources), len(notices), rendered, render_ms, plan_ms)
 
 
 def _with_parts(plan: Plan) -> Plan:
@@ -459,6 +502,11 @@ def run(workers: int = 1000, blocks: int = 64, duration_s: float = 10.0, batch: 
         stall = result.stalls[-1]
         progress(f"event loop at {count} workers: longest stall {stall.scale_up_stall_ms:.0f} ms during the "
                  f"ScaleUp RPC ({stall.scale_up_rpc_ms:.0f} ms), {stall.replan_stall_ms:.0f} ms during a re-plan")
+    for count in stall_workers:
+        result.warm.append(measure_warm_fleet(count, blocks, chunks))
+        warm = result.warm[-1]
+        progress(f"scale-up of {warm.receivers} beside {count} warm holders: {warm.notices} notices, "
+                 f"{warm.rendered_bytes / 1e6:.1f} MB rendered in {warm.render_ms:.0f} ms")
     with tempfile.TemporaryDirectory(prefix="pipecast-cp-bench-") as tmp:
         port, log_path = _free_port(), Path(tmp) / "server.log"
         env = {**os.environ, "PIPECAST_AUTH_TOKEN": TOKEN, "PIPECAST_HEARTBEAT_S": str(heartbeat_s),
@@ -509,6 +557,12 @@ def report(result: BenchResult) -> str:
                      f"{POLLING_ROUTERS} routers' polls of the workers and pipelines ({st.poll_ms:.0f} ms, "
                      f"{st.pipelines} pipelines), {st.replan_stall_ms:.0f} ms during a re-plan after a relay's death "
                      f"(target <= {STALL_TARGET_MS:.0f} ms: {verdict})")
+    for w in result.warm:
+        verdict = "ok" if w.render_ms <= STALL_TARGET_MS else "OVER"
+        lines.append(f"  scale-up of {w.receivers} beside {w.holders} warm holders: planned in {w.plan_ms:.1f} ms "
+                     f"in-process, {w.sources} sources, {w.notices} assignment notices, {w.rendered_bytes / 1e6:.2f} "
+                     f"MB rendered in {w.render_ms:.1f} ms on the event loop (target <= {STALL_TARGET_MS:.0f} ms: "
+                     f"{verdict})")
     load = result.load
     if load is not None:
         verdict = "ok" if load.blocks_per_s >= REPORT_TARGET_PER_S else "UNDER"

@@ -22,6 +22,12 @@ DEFAULT_FANOUT = 2
 # largest N measured there. Simulated one unit at a time the binomial pipeline is the faster there (1.09x at
 # N = 64), which the agents, fetching four at once, do not reach (docs/benchmarks.md).
 CHAIN_MAX_RECEIVERS = 64
+#: The most worker sources a plan names. A plan uses one per receiver at most (a rotated group each), and
+#: every source hears of the plan with every receiver listed while every receiver hears of every source (its
+#: fallbacks): naming each of 1,000 warm holders in a scale-up of 8 made 1,009 notices of 32 MB, 1.2 s of the
+#: control plane's event loop to render (5,000 holders: 804 MB, 41 s). So a plan takes one source per
+#: receiver, at most this many: beyond, rotated groups of several receivers (binomial pipelines) at ~1.1x S/B.
+MAX_PLAN_SOURCES = 64
 
 
 @dataclass(frozen=True)
@@ -90,12 +96,14 @@ def counted_targets(package_id: str, package_bytes: int, candidates: Iterable[Ca
     return Targets(tuple(c.node_id for c in chosen if not c.complete), tuple(c.node_id for c in chosen if c.complete))
 
 
-def pick_sources(complete_holders: Sequence[str], store: str, exclude: Collection[str]) -> list[str]:
-    """The nodes a plan sends from: the workers holding the whole package, else its ``store``; none of
-    ``exclude``."""
-    holders = [n for n in complete_holders if n not in exclude]
+def pick_sources(complete_holders: Sequence[str], store: str, exclude: Collection[str], *,
+                 limit: int = MAX_PLAN_SOURCES, busy: Collection[str] = (), near: Collection[str] = ()) -> list[str]:
+    """The nodes a plan sends from: at most ``limit`` of the workers holding the whole package, those not
+    ``busy`` serving another plan first (their uplinks are free: successive scale-ups spread over the holders),
+    then those ``near`` the receivers (in their racks), then by id; else its ``store``; none of ``exclude``."""
+    holders = sorted((n for n in complete_holders if n not in exclude), key=lambda n: (n in busy, n not in near, n))
     if holders:
-        return holders
+        return holders[:max(1, limit)]
     return [] if store in exclude else [store]
 
 

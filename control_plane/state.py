@@ -22,7 +22,7 @@ from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, 
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec, serve_url_of
 from control_plane.pipeline_forming import PipelineQuery
 from control_plane.placement import (
-    DEFAULT_FANOUT, Candidate, counted_targets, default_strategy, named_targets, pick_sources)
+    DEFAULT_FANOUT, MAX_PLAN_SOURCES, Candidate, counted_targets, default_strategy, named_targets, pick_sources)
 from control_plane.planner.pipelines import ModelLayout, Pipeline
 from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
@@ -460,8 +460,9 @@ class ControlState:
                  fanout: int = 0, now: float) -> ScaleUpResult:
         """Bring a package onto ``node_ids``, or onto ``count`` more workers picked here (workers in a
         keep-alive release of it first, then those holding most of it, then those in a source's rack, then
-        the least loaded). Sources are the alive workers holding all of it, and its store while no plan in
-        progress sends from it (:attr:`store_beside_holders`), else its store alone; several sources, or a
+        the least loaded). Sources are alive workers holding all of it, one per receiver at most
+        (:meth:`_pick_sources`), and its store while no plan in progress sends from it
+        (:attr:`store_beside_holders`), else its store alone; several sources, or a
         store of :attr:`store_links` > 1 links feeding two receivers or more, give a plan rotated by bytes
         (see :mod:`control_plane.placement`). While a chain from the store is still in progress, a
         new chain hangs behind its last node instead (one copy leaves the store, not two), unless the store
@@ -495,7 +496,7 @@ class ControlState:
             alive = [n for n, w in self.workers.items() if w.alive]
             # Receivers are never complete holders, so the sources picked after them are these (bar a store
             # that is also a target worker, which costs only the rack preference).
-            sources, _ = self._plan_sources(package, strategy, exclude=())
+            sources, _ = self._plan_sources(package, strategy, exclude=(), receivers=count)
             source_racks = {rack for n in sources if (rack := self._rack(n)) is not None}
             targets = counted_targets(package_id, package.total_bytes, self._candidates(package_id, alive), count,
                                       source_racks)
@@ -504,7 +505,7 @@ class ControlState:
         if not receivers:
             return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged))
         availability = self.availability[package_id]
-        sources, strategy = self._plan_sources(package, strategy, exclude=set(receivers))
+        sources, strategy = self._plan_sources(package, strategy, exclude=set(receivers), receivers=receivers)
         # Only a rotated plan uses them (not a chain behind a chain in progress: it gets what that gets).
         in_flight = self._in_flight(package_id) if strategy in ("", "rotated") else ()
         links = self._source_links(package, sources, len(receivers), bool(in_flight))
@@ -716,18 +717,26 @@ class ControlState:
                  and self.workers[n].alive]
         return tails[0] if len(tails) == 1 else None
 
-    def _pick_sources(self, package: Package, exclude: Collection[str]) -> list[str]:
+    def _pick_sources(self, package: Package, exclude: Collection[str], receivers: int | Collection[str]) -> list[str]:
+        """Sources for ``receivers`` (or that many, not picked yet): :func:`pick_sources`, one per receiver at
+        most, those serving no plan in progress first, then those in the receivers' racks."""
         # Availability lists alive workers only: a dead one's blocks leave it when it dies.
-        return pick_sources(self.availability[package.package_id].complete_holders(), package.store.node_id,
-                            exclude)
+        holders = self.availability[package.package_id].complete_holders()
+        count = receivers if isinstance(receivers, int) else len(receivers)
+        racks = set() if isinstance(receivers, int) else {r for n in receivers if (r := self._rack(n)) is not None}
+        busy = {n for a in self.plans.values() if a.pending for n, part in a.parts.items() if part.serve}
+        return pick_sources(holders, package.store.node_id, exclude, limit=min(count, MAX_PLAN_SOURCES), busy=busy,
+                            near={n for n in holders if self._rack(n) in racks} if racks else ())
 
-    def _plan_sources(self, package: Package, strategy: str, exclude: Collection[str]) -> tuple[list[str], str]:
-        """The sources of a new plan of ``package`` (none of ``exclude``) and its strategy (``strategy``, or
-        "chain" where it hangs behind a chain in progress from a store with no link to spare).
+    def _plan_sources(self, package: Package, strategy: str, exclude: Collection[str],
+                      receivers: int | Collection[str]) -> tuple[list[str], str]:
+        """The sources of a new plan of ``package`` to ``receivers`` (none of ``exclude``; :meth:`_pick_sources`)
+        and its strategy (``strategy``, or "chain" where it hangs behind a chain in progress from a store with no
+        link to spare).
 
         Beside complete holders, a rotated plan (or one whose strategy is left to the state) also sends from
         the store while no plan in progress does: its egress is a source like theirs."""
-        sources = self._pick_sources(package, exclude)
+        sources = self._pick_sources(package, exclude, receivers)
         store = package.store.node_id
         if self.store_beside_holders and sources and store not in sources and store not in exclude \
                 and strategy in ("", "rotated") and not self._store_busy(store):
@@ -827,7 +836,7 @@ class ControlState:
         package = self.packages[active.package_id]
         sources = [s for s in active.plan.sources if s not in gone]
         if not sources:
-            sources = self._pick_sources(package, exclude=gone)
+            sources = self._pick_sources(package, gone, active.pending)
         if not sources:
             log.warning("plan=%s package=%s cannot drop %s: no other source holds the package",
                         active.plan_id, active.package_id, sorted(gone))

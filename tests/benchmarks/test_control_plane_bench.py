@@ -36,3 +36,8 @@ def test_the_event_loop_stall_is_measured_beside_a_real_server():
     assert 0 <= stall.scale_up_stall_ms < 10_000 and 0 <= stall.replan_stall_ms < 10_000
     assert stall.poll_ms > 0 and 0 <= stall.poll_stall_ms < 10_000 and stall.pipelines > 0
     assert "event loop at 80 workers x 4 blocks: longest stall" in bench.report(result)
+    # And a scale-up of 8 beside 80 warm holders: 8 of them and the store are its sources, and only its 17 nodes
+    # hear of it (naming every holder told all 80 with every one of them listed).
+    [warm] = result.warm
+    assert (warm.holders, warm.receivers, warm.sources, warm.notices) == (80, bench.WARM_RECEIVERS, 9, 17)
+    assert warm.rendered_bytes > 0 and "scale-up of 8 beside 80 warm holders: planned in" in bench.report(result)

@@ -79,6 +79,14 @@ def test_sources_are_the_complete_holders_else_the_store():
     assert pick_sources([], "store", exclude={"store"}) == []
 
 
+def test_sources_are_at_most_the_limit_idle_ones_first_then_those_near_the_receivers():
+    holders = ["w1", "w2", "w3", "w4", "w5"]
+    assert pick_sources(holders, "store", exclude=(), limit=2) == ["w1", "w2"]
+    assert pick_sources(holders, "store", exclude=(), limit=3, busy={"w1", "w2"}, near={"w5"}) == ["w5", "w3", "w4"]
+    assert pick_sources(holders, "store", exclude={"w5"}, limit=2, busy={"w3"}, near={"w3", "w4"}) == ["w4", "w1"]
+    assert pick_sources(holders, "store", exclude=(), limit=0) == ["w1"]  # a plan always has a source
+
+
 def test_the_default_strategy_is_a_chain_for_few_receivers_of_one_source():
     assert default_strategy(1, CHAIN_MAX_RECEIVERS) == "chain"
     assert default_strategy(1, CHAIN_MAX_RECEIVERS + 1) == "binomial"

@@ -239,6 +239,21 @@ def test_a_store_of_several_links_beside_a_holder_heads_a_group_per_link():
     assert_complete_plan(state, result.plan_id, set(result.receivers))
 
 
+def test_a_scale_up_names_one_source_per_receiver_idle_holders_near_them_first_and_tells_only_its_nodes():
+    # Naming every one of many warm holders made every holder hear of the plan with every one of them listed.
+    state = cluster(30, racks=3, store_beside_holders=False)
+    for i in range(20):
+        state.report(f"w{i}", {"pkg": range(BLOCKS)}, {}, now=0)
+    state.notices.clear()
+    first = state.scale_up("pkg", node_ids=["w20", "w23"], now=1)  # both in r2, as w2, w5, .., w17
+    assert first.sources == ("w11", "w14") and first.strategy == "rotated"
+    assert {n.node_id for n in state.notices} == {"w11", "w14", "w20", "w23"}
+    second = state.scale_up("pkg", node_ids=["w26", "w29"], now=2)  # w11 and w14 serve the first plan
+    assert second.sources == ("w17", "w2")
+    third = state.scale_up("pkg", count=3, now=3)  # w21 (r0), w22 (r1), w24 (r0): the rack of none picked yet
+    assert third.receivers == ("w21", "w22", "w24") and third.sources == ("w0", "w1", "w10")
+
+
 def test_scale_up_keeps_parents_in_the_receivers_rack():
     # w0, w2, .. in r0; w1, w3, .. in r1; the holders alone send (the store has no rack)
     state = cluster(10, racks=2, store_beside_holders=False)

@@ -64,8 +64,10 @@ async def main(control_plane, root, token):
     transport = TcpTransport("faulty", Settings())
     listener = await transport.listen("127.0.0.1", 0, server)
     async with ControlPlaneClient(control_plane, token=token) as client:
-        # A member of the cluster: it keys its data-plane hello with the key its registration brings.
-        session = WorkerSession(client, WorkerSpec(PeerInfo("faulty", listener.address), 1 << 30),
+        # A member of the cluster: it keys its data-plane hello with the key its registration brings. In the
+        # receiver's rack, as the store is: of the holders near it, the scale-up's source is the first by id.
+        session = WorkerSession(client, WorkerSpec(PeerInfo("faulty", listener.address), 1 << 30,
+                                                   labels={"rack": "r0"}),
                                 holdings=lambda: {store.package_id: store.verified_blocks()},
                                 on_data_key=transport.set_key)
         await session.start()
