@@ -19,6 +19,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -136,7 +137,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.former = former if former is not None else PipelineFormer()
         self._pipelines: dict[str, tuple[PipelineQuery, Formed]] = {}
         self._forming: dict[str, asyncio.Future[Formed]] = {}
-        self._spec_protos: dict[str, tuple[WorkerSpec, pb.WorkerSpec]] = {}
+        self._listed: dict[str, _Listed] = {}  # per worker: its ListWorkers message as last made
         self._listing: asyncio.Future[pb.ListWorkersResponse] | None = None
         self.open_mailboxes()
 
@@ -302,10 +303,10 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 
     async def _list_workers(self) -> pb.ListWorkersResponse:
         now = self.clock()
-        if len(self._spec_protos) > len(self.state.workers):  # forget the workers gone since
-            self._spec_protos = {n: made for n, made in self._spec_protos.items() if n in self.state.workers}
-        # Copied here, made into messages in a thread: at 5,000 workers the messages take ~80 ms (the specs'
-        # ~40 ms more the first time), and every router lists them every 2 s.
+        if len(self._listed) > len(self.state.workers):  # forget the workers gone since
+            self._listed = {n: listed for n, listed in self._listed.items() if n in self.state.workers}
+        # Copied here, made into messages in a thread: every router lists them every 2 s; a worker's message is
+        # made again only when it changed (5,000 workers: 22 ms made anew, 6.5 ms copied, uncontended).
         held: dict[str, dict[str, frozenset[int]]] = {}  # the state's sets: never changed, replaced
         for package_id, availability in self.state.availability.items():
             for node, blocks in availability.by_worker.items():
@@ -314,11 +315,11 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         for package_id, by_node in self.state.cached.items():
             for node, blocks in by_node.items():
                 cached.setdefault(node, {})[package_id] = tuple(blocks)
-        rows = [(node, w.spec, self._spec_protos.get(node), w.alive, w.lease_expires - now, held.get(node, {}),
-                 cached.get(node, {})) for node, w in sorted(self.state.workers.items())]
+        rows = [(node, _Listed(w.spec, w.alive, held.get(node, {}), cached.get(node, {})), self._listed.get(node),
+                 w.lease_expires - now) for node, w in sorted(self.state.workers.items())]
         response, made = await asyncio.to_thread(
             collector_off, functools.partial(_workers_response, rows, self.serving_key))
-        self._spec_protos.update(made)
+        self._listed.update(made)
         return response
 
     # ----- packages -----
@@ -636,19 +637,36 @@ def check_serve_urls(spec: WorkerSpec) -> None:
                                  f"(its data-plane address {spec.peer.address!r})")
 
 
-def _workers_response(rows: list[tuple[str, WorkerSpec, tuple[WorkerSpec, pb.WorkerSpec] | None, bool, float,
-                                      Mapping[str, Collection[int]], Mapping[str, Collection[int]]]],
-                      key: bytes) -> tuple[pb.ListWorkersResponse, dict[str, tuple[WorkerSpec, pb.WorkerSpec]]]:
-    """The ListWorkers answer of rows (node, spec, its message as made before, alive, lease left, held, cached)
-    copied from the state, and the spec messages made anew (a spec's message is made once per registration).
-    A worker at a time: each a short call that lets the event loop's thread have the GIL between (one call with
-    every worker held it ~50 ms at 5,000)."""
+@dataclass(frozen=True)
+class _Listed:
+    """A worker as ListWorkers shows it, but for its lease, and the message made of it (not compared)."""
+
+    spec: WorkerSpec
+    alive: bool
+    held: Mapping[str, Collection[int]]
+    cached: Mapping[str, Collection[int]]
+    message: pb.WorkerState | None = field(default=None, compare=False)
+
+    def same(self, other: "_Listed | None") -> bool:
+        # The spec by identity (a registration makes a new one); held sets compare by identity first (replaced)
+        return other is not None and other.spec is self.spec and other == self
+
+
+def _workers_response(rows: list[tuple[str, _Listed, _Listed | None, float]],
+                      key: bytes) -> tuple[pb.ListWorkersResponse, dict[str, _Listed]]:
+    """The ListWorkers answer of rows (node, the worker now, as last listed, lease left) copied from the state,
+    and the workers whose messages were made anew (a worker's message is made again only when it changed; each
+    call then copies it and sets its lease). A worker at a time: each a short call that lets the event loop's
+    thread have the GIL between (one call with every worker held it ~50 ms at 5,000)."""
     response, made = pb.ListWorkersResponse(serving_key=key), {}
-    for node, spec, before, alive, lease, held, cached in rows:
-        if before is None or before[0] is not spec:
-            before = made[node] = (spec, spec_to_proto(spec))
-        response.workers.add(worker=before[1], alive=alive, lease_remaining_s=lease, held=blocks_to_proto(held),
-                             cached=blocks_to_proto(cached))
+    for node, now, before, lease in rows:
+        if not now.same(before):
+            spec = before.message.worker if before is not None and before.spec is now.spec else spec_to_proto(now.spec)
+            before = made[node] = replace(now, message=pb.WorkerState(
+                worker=spec, alive=now.alive, held=blocks_to_proto(now.held), cached=blocks_to_proto(now.cached)))
+        listed = response.workers.add()
+        listed.CopyFrom(before.message)
+        listed.lease_remaining_s = lease
     return response, made
 
 

@@ -755,5 +755,15 @@ async def test_list_workers_shows_a_worker_as_it_registered_last(client):
     await client.register(moved)  # back at another address, in another rack: not the listing made before
     [w1] = await client.list_workers()
     assert w1.worker.peer.address == "127.0.0.1:9999" and dict(w1.worker.labels) == {"rack": "r1"}
+    # A worker's message is made again only when it changed; its lease is set at every call.
+    await client.publish_package(manifest(), STORE)
+    await client.report_blocks("w1", {PKG: [0, 1]})
+    [held] = await client.list_workers()
+    assert [(h.package_id, list(h.blocks)) for h in held.held] == [(PKG, [0, 1])] and held.worker == w1.worker
+    [same] = await client.list_workers()
+    assert same.held == held.held and same.lease_remaining_s < held.lease_remaining_s  # the lease left now
+    await client.report_blocks("w1", {PKG: [2]})
+    [more] = await client.list_workers()
+    assert [list(h.blocks) for h in more.held] == [[0, 1, 2]]
     await client.deregister("w1")
     assert await client.list_workers() == []
