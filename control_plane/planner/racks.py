@@ -50,6 +50,18 @@ class ParentPool:
         if rack is not None:
             self._by_rack.setdefault(rack, deque()).append(entry)
 
+    def add_first(self, nodes: Sequence[tuple[str, int]], time: int = 0) -> None:
+        """Offer ``nodes`` (each with its spare slots), in order, before every node offered so far, as if they
+        had been added first (``time`` no later than any added so far)."""
+        for node, spare in reversed(nodes):
+            if spare > 0:
+                self._spare[node] = spare
+                entry = (time, node)
+                self._all.appendleft(entry)
+                rack = self._rack(node)
+                if rack is not None:
+                    self._by_rack.setdefault(rack, deque()).appendleft(entry)
+
     def take(self, rack: str | None, before: int | None = None) -> str | None:
         """Use up one slot of the earliest qualifying node (time < ``before``), preferring ``rack``."""
         for queue in (self._by_rack.get(rack) if rack is not None else None, self._all):

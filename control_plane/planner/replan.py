@@ -91,12 +91,11 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
             kept[parent, block, chunks] = kept.get((parent, block, chunks), 0) + 1
 
     rack = rack_of(labels)
-    holders: dict[int, list[str]] = {}
-    for node, blocks in holds.items():
-        if node not in source_set:
-            for block in blocks:
-                holders.setdefault(block, []).append(node)
+    holders: dict[int, list[str]] | None = None  # per block, made at the first need of them
     pools: dict[tuple[int, Chunks], ParentPool] = {}
+    # A unit's pool gets the block's holders (before its receivers) only when a parent is first taken from it:
+    # most fetches keep their parents, and thousands of complete holders may hold every block.
+    stocked: set[tuple[int, Chunks]] = set()
     source_load = dict.fromkeys(sources, 0)
     serving: dict[str, set[int]] = {}
     assignments: dict[str, list[Fetch[str]]] = {}
@@ -104,9 +103,20 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
         pool = pools.get((block, chunks))
         if pool is None:
             pool = pools[block, chunks] = ParentPool(rack)
-            for node in holders.get(block, ()):
-                pool.add(node, fanout - kept.get((node, block, chunks), 0), time=-1)
-        parent = old if kept_parent else pool.take(rack(rx), before=level)
+        if kept_parent:
+            parent = old
+        else:
+            if (block, chunks) not in stocked:
+                stocked.add((block, chunks))
+                if holders is None:
+                    holders = {}
+                    for node, blocks in holds.items():
+                        if node not in source_set:
+                            for held_block in blocks:
+                                holders.setdefault(held_block, []).append(node)
+                pool.add_first([(node, fanout - kept.get((node, block, chunks), 0)) for node in holders.get(block, ())],
+                               time=-1)
+            parent = pool.take(rack(rx), before=level)
         if parent is None:
             mine = rack(rx)
             near = [s for s in sources if mine is not None and rack(s) == mine] or sources
