@@ -40,4 +40,6 @@ def test_the_event_loop_stall_is_measured_beside_a_real_server():
     # hear of it (naming every holder told all 80 with every one of them listed).
     [warm] = result.warm
     assert (warm.holders, warm.receivers, warm.sources, warm.notices) == (80, bench.WARM_RECEIVERS, 9, 17)
-    assert warm.rendered_bytes > 0 and "scale-up of 8 beside 80 warm holders: planned in" in bench.report(result)
+    assert warm.rendered_bytes > 0 and warm.resume_ms > 0
+    assert "scale-up of 8 beside 80 warm holders: planned in" in bench.report(result)
+    assert "a receiver back after its lease lapsed re-planned in" in bench.report(result)
