@@ -24,7 +24,9 @@ from pipecast.core.urls import http_base_url
 EVENTS_IN_MEMORY = 10_000
 DEFAULT_EVENTS_LIMIT = 1000
 #: The scaling daemon's actions; a route's changes are logged under control_plane.routes.ROUTE_ACTIONS.
-ACTIONS = ("scale_up", "release", "hold")
+#: ``take_back``: the released workers a scale-up took back (known once it is placed; a restarted daemon
+#: counts them as replicas again, not as released).
+ACTIONS = ("scale_up", "release", "take_back", "hold")
 #: ``warm_auto_factor``'s usable range: from just the baseline to ten times it.
 WARM_AUTO_FACTORS = (1.0, 10.0)
 #: The factor ``pipecast cp deploy --warm auto`` asks for (the operator's rule: absorb 2-3x the baseline).

@@ -424,7 +424,8 @@ def format_report(meta: Mapping[str, object], summaries: Sequence[StrategySummar
                      f"{_s(m('tokens_per_s'), 1):>6} {_s(m('worker_seconds'), 0):>9} "
                      f"{_s(m('cost_per_1k_output_tokens'), 1):>10} {_s(m('cpu_mean_percent'), 0):>4}%{flag}")
     for s in summaries:
-        events = [e for e in (s.runs[0].notes.get("scale_events", []) if s.runs else []) if e["action"] != "hold"]
+        events = [e for e in (s.runs[0].notes.get("scale_events", []) if s.runs else [])
+                  if e["action"] in ("scale_up", "release")]
         if events:
             shown = "; ".join(f"{'+' if e['action'] == 'scale_up' else '-'}{e['count']} at {e['t']:.1f} s"
                               for e in events)

@@ -224,8 +224,14 @@ class Scaler:
                 log.info("scaler %s: plan %s to %s (already holding: %s)", package_id[:12], reply.plan_id or "-",
                          ",".join(reply.receivers) or "-", ",".join(reply.unchanged) or "-")
                 tracked.last_scale_up = now
-                for node in (*reply.receivers, *reply.unchanged):  # a released one taken back serves again
-                    tracked.released.pop(node, None)
+                # A released one taken back serves again; the trail says so, for a daemon restarted later.
+                taken = tuple(node for node in (*reply.receivers, *reply.unchanged)
+                              if tracked.released.pop(node, None) is not None)
+                if taken:
+                    await self.client.append_scale_event(ScaleEvent(
+                        at=self.clock(), package_id=package_id, action="take_back", count=len(taken), node_ids=taken,
+                        reason=f"the scale-up took back {len(taken)} released", desired=decision.desired,
+                        actual=actual))
             else:
                 await self.client.release(package_id, list(decision.release), keep_alive_s=self.config.source_keep_s)
                 tracked.released.update({node: now for node in decision.release})
@@ -259,6 +265,9 @@ class Scaler:
                 tracked.last_scale_up = event.at
             elif event.action == "release":
                 tracked.released.update({node: event.at for node in event.node_ids})
+            elif event.action == "take_back":
+                for node in event.node_ids:
+                    tracked.released.pop(node, None)
         tracked.recovered = True
 
     async def _num_blocks(self, package_id: str) -> int:

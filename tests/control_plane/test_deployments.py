@@ -117,7 +117,8 @@ def test_events_get_growing_sequence_numbers_and_filters():
     assert [e.seq for e in book.list_events()] == [1, 2, 3, 4, 5]
     assert [e.reason for e in book.list_events("a", after_seq=1)] == ["r2", "r4"]
     assert [e.seq for e in book.list_events(limit=2)] == [4, 5]
-    with pytest.raises(InvalidRequest, match="scale event action 'grow' is not one of scale_up, release, hold"):
+    with pytest.raises(InvalidRequest,
+                       match="scale event action 'grow' is not one of scale_up, release, take_back, hold"):
         book.append(ScaleEvent(at=0.0, package_id="a", action="grow"))
     with pytest.raises(UnknownDeployment, match="package 'zz' has no deployment"):
         book.append(ScaleEvent(at=0.0, package_id="zz", action="hold"))

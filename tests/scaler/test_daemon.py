@@ -41,6 +41,7 @@ class RecordingClient:
         self.refuse: Exception | None = None
         self.placeable: int | None = None  # scale-ups of more workers are refused (memory short)
         self.routes: list[ModelRoute] = []
+        self.unchanged: list[str] = []  # workers a scale-up takes that hold the package already
 
     async def list_deployments(self):
         return [self.deployment]
@@ -68,7 +69,8 @@ class RecordingClient:
             raise self.refuse
         if self.placeable is not None and count > self.placeable:
             raise InsufficientWorkers(f"only {self.placeable} fit")
-        return pb.ScaleUpResponse(plan_id="plan1", receivers=[f"w{i}" for i in range(count)])
+        return pb.ScaleUpResponse(plan_id="plan1", receivers=[f"w{i}" for i in range(count)],
+                                  unchanged=self.unchanged)
 
     async def release(self, package_id, node_ids, *, keep_alive_s=0.0):
         self.calls.append(("release", tuple(node_ids), keep_alive_s))
@@ -187,6 +189,32 @@ async def test_a_replica_released_with_a_keep_alive_is_not_counted_until_it_ends
                 [(_, decision)] = await scaler.tick()
                 assert decision.release == () and decision.inputs["replicas"] == 1, later
     assert [c for c in client.calls if c[0] == "release"] == [("release", ("w1",), 120.0)]
+
+
+async def test_a_released_worker_a_scale_up_takes_back_is_in_the_trail_and_a_restart_counts_it_as_a_replica():
+    # Found in review: the trail had the release but not the taking back (the scale-up's event is written before
+    # the control plane places it), so a daemon restarted within the keep-alive held a serving replica back.
+    now = [1000.0]
+    async with stub_router(stats(idle={"w1": 30.0, "w2": 3.0})) as (url, state):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS), worker("w3")], (url,))
+        config = ScalerConfig(source_keep_s=120.0)
+        async with Scaler(client, config, clock=lambda: now[0]) as scaler:
+            [(_, decision)] = await scaler.tick()
+            assert decision.release == ("w1",)
+            now[0] += 40.0
+            state["answer"] = stats(queue=9, arrived=9)
+            client.unchanged = ["w1"]  # placement takes the released holder first
+            [(_, decision)] = await scaler.tick()
+            assert decision.add and "w1" not in scaler.tracked[PKG].released
+        [taken] = [e for e in client.events if e.action == "take_back"]
+        assert (taken.node_ids, taken.count, taken.at) == (("w1",), 1, now[0])
+        async with Scaler(client, config, clock=lambda: now[0]) as restarted:
+            await restarted.tick()
+            assert "w1" not in restarted.tracked[PKG].released
+        client.events.remove(taken)  # as the trail was: the restarted daemon held w1 back as released
+        async with Scaler(client, config, clock=lambda: now[0]) as restarted:
+            await restarted.tick()
+            assert "w1" in restarted.tracked[PKG].released
 
 
 async def test_a_restarted_daemon_recovers_its_cooldowns_from_the_audit_trail():

@@ -270,6 +270,15 @@ def test_a_scale_up_soon_after_a_release_is_an_oscillation():
     assert oscillations(events, cooldown_s=5.0) == 0
 
 
+def test_the_report_lists_a_daemons_scale_ups_and_releases_not_its_holds_nor_take_backs():
+    events = [{"t": 1.0, "action": "scale_up", "count": 2}, {"t": 3.0, "action": "hold", "count": 0},
+              {"t": 30.0, "action": "release", "count": 1}, {"t": 40.0, "action": "scale_up", "count": 1},
+              {"t": 40.1, "action": "take_back", "count": 1}]
+    run = replace(run_of("pipecast", [1.0] * 10, 5.0), notes={"scaled_by": "daemon", "scale_events": events})
+    report = format_report({}, [summarize("pipecast", "", 0, [run])])
+    assert "pipecast scale events (repeat 1): +2 at 1.0 s; -1 at 30.0 s; +1 at 40.0 s" in report.splitlines()
+
+
 def test_the_long_run_verdicts_find_w_star_and_the_daemons_thrash():
     def daemon(run: RunRecord, events: list[dict]) -> RunRecord:
         return replace(run, notes={"scaled_by": "daemon", "scale_events": events,
