@@ -19,7 +19,6 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
-from dataclasses import dataclass, field, replace
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -137,7 +136,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.former = former if former is not None else PipelineFormer()
         self._pipelines: dict[str, tuple[PipelineQuery, Formed]] = {}
         self._forming: dict[str, asyncio.Future[Formed]] = {}
-        self._listed: dict[str, _Listed] = {}  # per worker: its ListWorkers message as last made
+        self._listed: dict[str, _Listed] = {}  # per worker: what its ListWorkers message was last made of, and it
         self._listing: asyncio.Future[pb.ListWorkersResponse] | None = None
         self.open_mailboxes()
 
@@ -315,7 +314,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         for package_id, by_node in self.state.cached.items():
             for node, blocks in by_node.items():
                 cached.setdefault(node, {})[package_id] = tuple(blocks)
-        rows = [(node, _Listed(w.spec, w.alive, held.get(node, {}), cached.get(node, {})), self._listed.get(node),
+        rows = [(node, (w.spec, w.alive, held.get(node, {}), cached.get(node, {})), self._listed.get(node),
                  w.lease_expires - now) for node, w in sorted(self.state.workers.items())]
         response, made = await asyncio.to_thread(
             collector_off, functools.partial(_workers_response, rows, self.serving_key))
@@ -637,35 +636,28 @@ def check_serve_urls(spec: WorkerSpec) -> None:
                                  f"(its data-plane address {spec.peer.address!r})")
 
 
-@dataclass(frozen=True)
-class _Listed:
-    """A worker as ListWorkers shows it, but for its lease, and the message made of it (not compared)."""
-
-    spec: WorkerSpec
-    alive: bool
-    held: Mapping[str, Collection[int]]
-    cached: Mapping[str, Collection[int]]
-    message: pb.WorkerState | None = field(default=None, compare=False)
-
-    def same(self, other: "_Listed | None") -> bool:
-        # The spec by identity (a registration makes a new one); held sets compare by identity first (replaced)
-        return other is not None and other.spec is self.spec and other == self
+#: A worker as ListWorkers shows it but for its lease: its spec, alive, held and cached blocks per package.
+_Shown = tuple[WorkerSpec, bool, Mapping[str, Collection[int]], Mapping[str, Collection[int]]]
+#: What a worker's message was made of, and the message (without its lease).
+_Listed = tuple[_Shown, pb.WorkerState]
 
 
-def _workers_response(rows: list[tuple[str, _Listed, _Listed | None, float]],
+def _workers_response(rows: list[tuple[str, _Shown, _Listed | None, float]],
                       key: bytes) -> tuple[pb.ListWorkersResponse, dict[str, _Listed]]:
     """The ListWorkers answer of rows (node, the worker now, as last listed, lease left) copied from the state,
-    and the workers whose messages were made anew (a worker's message is made again only when it changed; each
-    call then copies it and sets its lease). A worker at a time: each a short call that lets the event loop's
-    thread have the GIL between (one call with every worker held it ~50 ms at 5,000)."""
+    and the workers whose messages were made anew: a worker's message is made again only when what it shows
+    changed (the held sets compare by identity first: the state replaces them, never changes them); each call
+    copies it and sets the lease. A worker at a time: each a short call that lets the event loop's thread have
+    the GIL between (one call with every worker held it ~50 ms at 5,000)."""
     response, made = pb.ListWorkersResponse(serving_key=key), {}
-    for node, now, before, lease in rows:
-        if not now.same(before):
-            spec = before.message.worker if before is not None and before.spec is now.spec else spec_to_proto(now.spec)
-            before = made[node] = replace(now, message=pb.WorkerState(
-                worker=spec, alive=now.alive, held=blocks_to_proto(now.held), cached=blocks_to_proto(now.cached)))
+    for node, shown, before, lease in rows:
+        if before is None or before[0] != shown:
+            spec, alive, held, cached = shown
+            spec_message = before[1].worker if before is not None and before[0][0] is spec else spec_to_proto(spec)
+            before = made[node] = (shown, pb.WorkerState(worker=spec_message, alive=alive, held=blocks_to_proto(held),
+                                                         cached=blocks_to_proto(cached)))
         listed = response.workers.add()
-        listed.CopyFrom(before.message)
+        listed.CopyFrom(before[1])
         listed.lease_remaining_s = lease
     return response, made
 
