@@ -24,9 +24,10 @@ DEFAULT_FANOUT = 2
 CHAIN_MAX_RECEIVERS = 64
 #: The most worker sources a plan names. A plan uses one per receiver at most (a rotated group each), and
 #: every source hears of the plan with every receiver listed while every receiver hears of every source (its
-#: fallbacks): naming each of 1,000 warm holders in a scale-up of 8 made 1,009 notices of 32 MB, 1.2 s of the
-#: control plane's event loop to render (5,000 holders: 804 MB, 41 s). So a plan takes one source per
-#: receiver, at most this many: beyond, rotated groups of several receivers (binomial pipelines) at ~1.1x S/B.
+#: fallbacks): naming each of 1,000 warm holders in a scale-up of 8 made 1,009 notices of 32 MB, 1.4 s of the
+#: control plane's event loop to render (5,000 holders: 804 MB, 47-51 s; bench control-plane). So a plan takes
+#: one source per receiver, at most this many: beyond, rotated groups of several receivers (binomial
+#: pipelines) at ~1.1x S/B.
 MAX_PLAN_SOURCES = 64
 
 

@@ -494,8 +494,8 @@ class ControlState:
             targets = named_targets(package_id, package.total_bytes, self._candidates(package_id, node_ids))
         else:
             alive = [n for n, w in self.workers.items() if w.alive]
-            # Receivers are never complete holders, so the sources picked after them are these (bar a store
-            # that is also a target worker, which costs only the rack preference).
+            # Sources as for ``count`` receivers not picked yet: their racks are those receivers are picked from
+            # first. The plan's own are picked again for the receivers chosen (those in their racks first).
             sources, _ = self._plan_sources(package, strategy, exclude=(), receivers=count)
             source_racks = {rack for n in sources if (rack := self._rack(n)) is not None}
             targets = counted_targets(package_id, package.total_bytes, self._candidates(package_id, alive), count,

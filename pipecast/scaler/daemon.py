@@ -218,20 +218,16 @@ class Scaler:
         # The decision is durable before it is acted on: a crash in between leaves it in the trail.
         await self.client.append_scale_event(event)
         log.info("scaler %s: %s (%s)", package_id[:12], decision.action, decision.reason)
+        taken: tuple[str, ...] = ()
         try:
             if decision.add:
                 reply = await self._scale_up(package_id, decision.add)
                 log.info("scaler %s: plan %s to %s (already holding: %s)", package_id[:12], reply.plan_id or "-",
                          ",".join(reply.receivers) or "-", ",".join(reply.unchanged) or "-")
                 tracked.last_scale_up = now
-                # A released one taken back serves again; the trail says so, for a daemon restarted later.
+                # A released one taken back serves again; the trail says so (below), for a daemon restarted later.
                 taken = tuple(node for node in (*reply.receivers, *reply.unchanged)
                               if tracked.released.pop(node, None) is not None)
-                if taken:
-                    await self.client.append_scale_event(ScaleEvent(
-                        at=self.clock(), package_id=package_id, action="take_back", count=len(taken), node_ids=taken,
-                        reason=f"the scale-up took back {len(taken)} released", desired=decision.desired,
-                        actual=actual))
             else:
                 await self.client.release(package_id, list(decision.release), keep_alive_s=self.config.source_keep_s)
                 tracked.released.update({node: now for node in decision.release})
@@ -242,6 +238,10 @@ class Scaler:
                 at=self.clock(), package_id=package_id, action="hold", reason=f"{decision.action} refused: {exc}",
                 desired=decision.desired, actual=actual))
             return
+        if taken:
+            await self.client.append_scale_event(ScaleEvent(
+                at=self.clock(), package_id=package_id, action="take_back", count=len(taken), node_ids=taken,
+                reason=f"the scale-up took back {len(taken)} released", desired=decision.desired, actual=actual))
 
     async def _scale_up(self, package_id: str, count: int) -> pb.ScaleUpResponse:
         """Scale up by ``count`` workers, or as many fewer as the control plane can place: the pool counts
