@@ -858,13 +858,19 @@ class ControlState:
         return True
 
     def _readdressed(self, node: str) -> None:
-        """``node`` came back at another address: everyone in its plans gets parts that say so."""
+        """``node`` came back at another address: in each of its plans the nodes whose parts name it get parts
+        that say so (it, its parents and its children; every node where it is a source: each part lists the
+        sources), not every node of the plan (thousands, each part rendered on the event loop)."""
         for active in self.plans.values():
-            if node in active.parts:
-                active.version += 1
-                self.dirty.plans.add(active.plan_id)
-                for other in active.parts:
-                    self.notices.append(Notice(other, UpdateKind.ASSIGN, active.package_id, active.plan_id))
+            part = active.parts.get(node)
+            if part is None:
+                continue
+            active.version += 1
+            self.dirty.plans.add(active.plan_id)
+            told = active.parts.keys() if node in active.plan.sources else sorted(
+                {node, *(f.parent for f in part.fetch), *(child for _, child in part.serve)})
+            for other in told:
+                self.notices.append(Notice(other, UpdateKind.ASSIGN, active.package_id, active.plan_id))
 
     def _end_plan(self, active: ActivePlan) -> None:
         for node in active.parts:

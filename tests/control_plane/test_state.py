@@ -90,15 +90,24 @@ def test_register_replaces_what_the_worker_was_known_to_hold():
     assert state.availability["pkg"].by_block[0] == set()
 
 
-def test_a_worker_back_at_another_address_is_announced_to_its_plans():
-    state = cluster(3)
-    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], strategy="chain", now=1)
+def test_a_worker_back_at_another_address_is_announced_to_the_nodes_whose_parts_name_it():
+    state = cluster(5)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
     state.notices.clear()
     moved = WorkerSpec(PeerInfo("w1", "w1.local:7071", ("tcp",)), 10_000)
     state.register(moved, {}, now=2)
-    assert notices_of(state, UpdateKind.ASSIGN) == {"store", "w0", "w1", "w2"}
+    assert notices_of(state, UpdateKind.ASSIGN) == {"w0", "w1", "w2"}  # store -> w0 -> w1 -> w2 -> w3
     assert state.plans[result.plan_id].version == 2
     assert state.peer("w1").address == "w1.local:7071"
+    # A source is named in every part of its plan (each receiver's fallbacks): all of them are told.
+    for node in ("w0", "w1", "w2", "w3"):
+        state.report(node, {"pkg": range(BLOCKS)}, {}, now=3)
+    second = state.scale_up("pkg", node_ids=["w4"], now=4)
+    [source] = [s for s in second.sources if s != "store"]
+    state.notices.clear()
+    state.register(WorkerSpec(PeerInfo(source, f"{source}.local:7071", ("tcp",)), 10_000),
+                   {"pkg": range(BLOCKS)}, now=5)
+    assert notices_of(state, UpdateKind.ASSIGN) == set(state.plans[second.plan_id].parts)
 
 
 # ----- leases -----
