@@ -120,7 +120,7 @@ class PipelineFormer:
         if len(candidates.urls) >= self.process_from:
             try:
                 return await self._in_process(package_id, candidates)
-            except (OSError, EOFError, asyncio.IncompleteReadError, TimeoutError, pickle.UnpicklingError) as exc:
+            except (OSError, EOFError, TimeoutError, pickle.UnpicklingError) as exc:  # EOF: IncompleteReadError too
                 log.warning("pipeline forming process failed (%s: %s): forming package=%s in a thread",
                             type(exc).__name__, exc, package_id)
         return await asyncio.to_thread(collector_off, functools.partial(pipeline_infos, package_id, candidates))

@@ -5,6 +5,7 @@ to a decision; no state, no clock. Raises :class:`~control_plane.errors.Insuffic
 workers cannot take the package.
 """
 
+import heapq
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -102,9 +103,11 @@ def pick_sources(complete_holders: Sequence[str], store: str, exclude: Collectio
     """The nodes a plan sends from: at most ``limit`` of the workers holding the whole package, those not
     ``busy`` serving another plan first (their uplinks are free: successive scale-ups spread over the holders),
     then those ``near`` the receivers (in their racks), then by id; else its ``store``; none of ``exclude``."""
-    holders = sorted((n for n in complete_holders if n not in exclude), key=lambda n: (n in busy, n not in near, n))
+    # The first ``limit`` of thousands of holders in that order, without sorting them all.
+    holders = heapq.nsmallest(max(1, limit), (n for n in complete_holders if n not in exclude),
+                              key=lambda n: (n in busy, n not in near, n))
     if holders:
-        return holders[:max(1, limit)]
+        return holders
     return [] if store in exclude else [store]
 
 

@@ -39,28 +39,24 @@ class ParentPool:
         self._all: deque[tuple[int, str]] = deque()
         self._by_rack: dict[str, deque[tuple[int, str]]] = {}
 
-    def add(self, node: str, spare: int, time: int = 0) -> None:
-        """Offer ``node`` as a parent for up to ``spare`` more children that come after ``time``."""
+    def add(self, node: str, spare: int, time: int = 0, *, first: bool = False) -> None:
+        """Offer ``node`` as a parent for up to ``spare`` more children that come after ``time``; ``first``:
+        before every node offered so far (``time`` no later than theirs)."""
         if spare <= 0:
             return
         self._spare[node] = spare
         entry = (time, node)
-        self._all.append(entry)
+        (self._all.appendleft if first else self._all.append)(entry)
         rack = self._rack(node)
         if rack is not None:
-            self._by_rack.setdefault(rack, deque()).append(entry)
+            queue = self._by_rack.setdefault(rack, deque())
+            (queue.appendleft if first else queue.append)(entry)
 
     def add_first(self, nodes: Sequence[tuple[str, int]], time: int = 0) -> None:
         """Offer ``nodes`` (each with its spare slots), in order, before every node offered so far, as if they
         had been added first (``time`` no later than any added so far)."""
         for node, spare in reversed(nodes):
-            if spare > 0:
-                self._spare[node] = spare
-                entry = (time, node)
-                self._all.appendleft(entry)
-                rack = self._rack(node)
-                if rack is not None:
-                    self._by_rack.setdefault(rack, deque()).appendleft(entry)
+            self.add(node, spare, time, first=True)
 
     def take(self, rack: str | None, before: int | None = None) -> str | None:
         """Use up one slot of the earliest qualifying node (time < ``before``), preferring ``rack``."""
