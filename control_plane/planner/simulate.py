@@ -15,7 +15,9 @@ The model, kept simple on purpose:
   which a sender can do knowing only the plan;
 - a receiver forwards a chunk once the whole chunk has arrived (cut-through at chunk granularity): any
   chunk of a unit it holds, and those of the unit it is fetching that have arrived, to a child fetching
-  that unit or a range within it;
+  that unit or a range within it; with ``relay_bytes``, as the agents' TCP relays do, once the chunk's first
+  piece of that many bytes has arrived, the forward then ending no sooner than a piece after the chunk
+  itself has arrived (its last piece goes once the chunk is whole);
 - sources hold every block and the plan's holders their held blocks from time 0; a chunk arrives
   ``hop_latency_s`` after it left its sender's uplink (0 by default), which is free for the next chunk
   meanwhile; there is no per-message cost and no verification time.
@@ -52,8 +54,9 @@ SERVE_POLICIES = ("fair", "earliest")
 CALIBRATED_START_DELAY_S = 0.016
 CALIBRATED_GOODPUT = 0.975
 # Event kinds: a chunk left its sender's uplink; it reached its receiver; a receiver is ready to fetch its
-# first unit; a receiver dies; the control plane re-plans around the dead.
-SENT, ARRIVED, STARTED, DIED, REPLANNED = 0, 1, 2, 3, 4
+# first unit; a receiver dies; the control plane re-plans around the dead; a chunk's first piece reached its
+# receiver, which may begin to relay it.
+SENT, ARRIVED, STARTED, DIED, REPLANNED, RELAYABLE = 0, 1, 2, 3, 4, 5
 HOLDS = -1  # where a fetch's parent gets the unit: it holds it from the start (a source, a holder)
 
 
@@ -62,7 +65,7 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
              hop_latency_s: float = 0.0, start_delay_s: float = 0.0,
              rates: Mapping[str, float] | None = None, racks: Mapping[str, str] | None = None,
              rack_uplinks: int = 0, failures: Mapping[str, float] | None = None,
-             detect_s: float = 0.0, concurrency: int = 1) -> dict[str, float]:
+             detect_s: float = 0.0, concurrency: int = 1, relay_bytes: int = 0) -> dict[str, float]:
     """Seconds from the start until each receiver of ``plan`` holds all its units.
 
     ``block_bytes`` is one size for every block or a size per block index; chunk c of block b is its bytes
@@ -80,7 +83,10 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     (:func:`~control_plane.planner.replan.repair`, from the blocks each receiver holds then); the dead are
     left out of the result. ``concurrency``: fetches a receiver runs at once from different parents, as an
     agent does (``agent_fetch_concurrency``; one at a time per parent, in plan order, the first unfinished one
-    always), its downlink still carrying one chunk at a time. Raises
+    always), its downlink still carrying one chunk at a time. ``relay_bytes`` > 0: a receiver passes a chunk
+    on from its first piece of that many bytes (``agent_relay_bytes``; 0: once whole); a chunk a dying parent
+    was passing on still reaches the children it was passed to (the agents' children drop it and fetch it
+    again, which this model does not charge). Raises
     :class:`PlanError` if some receivers never finish (the plan deadlocks or names a parent that never gets
     the unit), ValueError for bad numbers or a chunk range past its block's end.
     """
@@ -92,6 +98,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
                          f"and {chunk_bytes!r}")
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"simulate: concurrency must be a positive integer, got {concurrency!r}")
+    if isinstance(relay_bytes, bool) or not isinstance(relay_bytes, int) or relay_bytes < 0:
+        raise ValueError(f"simulate: relay_bytes must be an integer >= 0, got {relay_bytes!r}")
     if serve not in SERVE_POLICIES:
         raise ValueError(f"simulate: serve must be one of {', '.join(SERVE_POLICIES)}, got {serve!r}")
     links = dict(links or {})
@@ -150,6 +158,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     pending: dict[str, dict[str, deque[int]]] = {}  # per parent, the fetches not started, in plan order
     whose: dict[int, tuple[str, int]] = {}  # fetch id -> (receiver, fetch index)
     got: dict[int, int] = {}  # chunks of its unit received so far, in order
+    relayable: dict[int, int] = {}  # chunks of its unit whose first piece arrived (>= got): the receiver may pass on
+    lands: dict[int, dict[int, float]] = {}  # when each chunk sent toward it arrives whole, by its place in the unit
     requested: dict[int, int] = {}  # chunks sent toward it (arrived or on the way)
     queues: dict[str, deque[int]] = {}  # per sender, the ids of the fetches from it
     sending: dict[str, int] = {}  # chunks each node has in flight, at most its links
@@ -184,7 +194,18 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
         if theirs is None:
             return 0
         # The parent is fetching the unit (or one containing it) now: its chunks arrive in order.
-        return max(0, units[parent][feed][1] + got[theirs] - units[child][k][1])
+        return max(0, units[parent][feed][1] + relayable[theirs] - units[child][k][1])
+
+    def upstream_landing(fetch: int) -> float:
+        """When the parent of ``fetch`` holds whole the chunk it is to send next (0: it does already)."""
+        child, k = whose[fetch]
+        feed = feeds[child][k]
+        parent = parents[child][k]
+        if feed == HOLDS or feed is None or done[parent][feed] or feed not in running[parent]:
+            return 0.0
+        theirs = running[parent][feed]
+        place = units[child][k][1] + requested[fetch] - units[parent][feed][1]
+        return 0.0 if place < got[theirs] else lands[theirs][place]
 
     def pick(parent: str) -> int | None:
         """The fetch ``parent`` sends its next chunk to, if any can take one now."""
@@ -233,13 +254,21 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             child, k = whose[fetch]
             block, first, _ = units[child][k]
             nbytes = min(chunk_bytes, size[block] - (first + requested[fetch]) * chunk_bytes)
+            rate = link_bytes_per_s * min(share.get(parent, 1.0), share.get(child, 1.0))
+            ends = now + nbytes / rate
+            if relay_bytes:  # a chunk the parent still receives: its last piece goes once it is whole
+                piece = min(relay_bytes, nbytes) / rate
+                ends = max(ends, upstream_landing(fetch) + piece)
+                if relay_bytes < nbytes:
+                    seq += 1
+                    heapq.heappush(events, (now + piece + hop_latency_s, seq, RELAYABLE, parent, child, fetch))
+            lands[fetch][requested[fetch]] = ends + hop_latency_s
             sending[parent] = sending.get(parent, 0) + 1
             receiving.add(child)
             requested[fetch] += 1
             take_crossing(parent, child, 1)
             seq += 1
-            rate = link_bytes_per_s * min(share.get(parent, 1.0), share.get(child, 1.0))
-            heapq.heappush(events, (now + nbytes / rate, seq, SENT, parent, child, fetch))
+            heapq.heappush(events, (ends, seq, SENT, parent, child, fetch))
 
     def begin(rx: str, k: int, now: float, progress: int = 0) -> None:
         """Fetch ``k`` of ``rx`` takes a slot, ``progress`` chunks of it already here."""
@@ -249,7 +278,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
         running[rx][k] = ids
         busy[rx].add(parent)
         whose[ids] = (rx, k)
-        got[ids] = requested[ids] = progress
+        got[ids] = requested[ids] = relayable[ids] = progress
+        lands[ids] = {}
         queues.setdefault(parent, deque()).append(ids)
         send(parent, now)
 
@@ -267,12 +297,13 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
 
     def end_fetch(fetch: int) -> None:
         child, k = whose.pop(fetch)
-        del running[child][k], got[fetch], requested[fetch]
+        del running[child][k], got[fetch], requested[fetch], relayable[fetch], lands[fetch]
         busy[child].discard(parents[child][k])
 
     def arrive(parent: str, fetch: int, now: float) -> None:
         child, k = whose[fetch]
         got[fetch] += 1
+        relayable[fetch] = max(relayable[fetch], got[fetch])
         _, first, end = units[child][k]
         if got[fetch] == end - first:
             done[child][k] = 1
@@ -331,7 +362,7 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             for _, fetch in was[rx].values():
                 if whose.pop(fetch, None) is not None:
                     receiving.discard(rx)
-                    del got[fetch], requested[fetch]
+                    del got[fetch], requested[fetch], relayable[fetch], lands[fetch]
         for rx in was:
             if rx not in units:  # it needs nothing more
                 finished.setdefault(rx, now)
@@ -368,6 +399,11 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             replan_around(now)
             continue
         stale = child in dead or whose.get(fetch, (None,))[0] != child
+        if kind == RELAYABLE:
+            if not stale:
+                relayable[fetch] += 1
+                send(child, now)
+            continue
         if kind == ARRIVED:
             if not stale:
                 arrive(parent, fetch, now)
@@ -406,7 +442,7 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
 
 def lower_bound(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: float, chunk_bytes: int, *,
                 links: Mapping[str, int] | None = None, hop_latency_s: float = 0.0,
-                start_delay_s: float = 0.0) -> float:
+                start_delay_s: float = 0.0, relay_bytes: int = 0) -> float:
     """Seconds before which no schedule of ``plan``'s fetches, in :func:`simulate`'s model with the same
     arguments, gets every receiver its units: the fluid bound.
 
@@ -414,7 +450,8 @@ def lower_bound(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: 
     earlier than S/B plus a hop's latency. Where one source with one uplink and no holders feeds two
     receivers or more, every receiver but the one the source serves first starts getting bytes only once
     the source's first chunk has left, no earlier than c/B for c the smallest first chunk of a unit fetched
-    from the source: the one of them fetching the most bytes, S, finishes no earlier than (S + c)/B plus a
+    from the source (or its first piece of ``relay_bytes``, where smaller: relays pass chunks on from their
+    first piece): the one of them fetching the most bytes, S, finishes no earlier than (S + c)/B plus a
     hop. Every receiver starts ``start_delay_s`` or later.
     """
     size = _block_sizes(plan, block_bytes)
@@ -433,6 +470,8 @@ def lower_bound(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: 
         starts = {(a.block, a.chunks[0] if a.chunks else 0) for items in plan.assignments.values()
                   for a in items if a.parent == source}
         first = min((unit_bytes(block, (c, c + 1)) for block, c in starts), default=0)
+        if relay_bytes:
+            first = min(first, relay_bytes)
         bound = max(bound, (fetched[1] + first) / link_bytes_per_s)
     return bound + hop_latency_s + start_delay_s
 

@@ -54,6 +54,23 @@ class ServeWaitTimeoutError(AgentError):
     """What a requester asked for did not arrive at this node within the serving deadline."""
 
 
+class RelayBrokenError(AgentError):
+    """This node passed on part of a chunk as it arrived, and that receive ended unverified: the peer being
+    served must drop the answer (this node's upstream failed, not the peer)."""
+
+    def __init__(self, block: int, chunk: int, why: str) -> None:
+        super().__init__(f"chunk {chunk} of block {block} was passed on as it arrived, and {why}: the bytes "
+                         "passed on are abandoned")
+        self.block = block
+        self.chunk = chunk
+
+
+class AnswerAbandonedError(PipecastError):
+    """An answer whose header and first bytes are sent cannot be finished (the chunk it passes on as it arrives
+    failed here): the connection is closed mid-answer, which the requester takes as a closed connection and
+    retries. Not an :class:`AgentError`: no ``ERROR`` answer can follow a header already sent."""
+
+
 class CorruptChunkError(PeerError):
     """A chunk whose digest does not match the manifest; it was not marked present."""
 

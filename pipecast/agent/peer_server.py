@@ -9,6 +9,7 @@ from collections.abc import Collection, Iterable
 from packager.manifest import MANIFEST_FILE
 from pipecast.agent.errors import PeerNotAllowedError, UnknownPackageError
 from pipecast.agent.store import BlockStore
+from pipecast.agent.transport.base import ChunkRelay
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,9 @@ class PeerServer:
 
     async def wait_chunk(self, package_id: str, block: int, chunk: int) -> memoryview:
         return await (await self._store(package_id)).wait_chunk(block, chunk)
+
+    async def relay_chunk(self, package_id: str, block: int, chunk: int) -> ChunkRelay:
+        return (await self._store(package_id)).relay_chunk(block, chunk)
 
     async def file_bytes(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
         store = await self._store(package_id)

@@ -2,8 +2,11 @@
 
 Each block has one buffer sized from the manifest. Transports receive straight into a chunk's slice of
 that buffer (:meth:`BlockStore.chunk_buffer`) and then report it (:meth:`BlockStore.chunk_landed`): the
-chunk is hashed against its manifest digest and only then counts as present, so a peer serving this
-store (cut-through) or a local engine can never read an unverified byte. A block is verified when all
+chunk is hashed against its manifest digest and only then counts as present, so a local engine can never
+read an unverified byte. A peer served from this store gets a chunk still arriving as its bytes land
+(:meth:`BlockStore.relay_chunk`, so that each hop of a chain adds a piece's time, not a chunk's) but its
+last byte only once the chunk is verified: a receiver never holds a whole chunk that its parent did not
+verify, and a relay whose receive ends unverified abandons what it relayed of it. A block is verified when all
 its chunks are, whichever fetches landed them (the whole block from one peer, or chunk ranges from
 several): the manifest is validated on open, and its package id is the digest of the whole manifest
 (every chunk digest, size and file name in it), so the chunk digests are as trustworthy as the package id
@@ -28,6 +31,7 @@ from pipecast.agent.errors import (
     CorruptChunkError,
     CorruptFileError,
     LocalPackageError,
+    RelayBrokenError,
     UnknownPackageError,
 )
 from pipecast.agent.local_package import LocalPackage
@@ -93,8 +97,10 @@ class _BlockState:
         self.n_present = 0
         self.bytes_present = 0
         self.prefix_chunks = 0  # chunks verified from the block's start without a gap
-        self.chunk_waiters: dict[int, list[asyncio.Future]] = {}
+        self.chunk_waiters: dict[int, list[asyncio.Future]] = {}  # woken as a chunk lands, and as its bytes do
         self.block_waiters: list[asyncio.Future] = []
+        self.arriving: dict[int, int] = {}  # chunk -> bytes of it landed so far (a receive in progress, unverified)
+        self.receives: dict[int, int] = {}  # chunk -> receives of it begun: a relay checks it still follows its own
         self.started_at: float | None = None
         self.verified_at: float | None = None
 
@@ -120,9 +126,53 @@ class _BlockState:
         except BufferError:
             log.debug("block %d is still in use; its memory goes when the last view does", self.meta.index)
 
-    def reset(self) -> None:
-        self.present = bytearray(self.count)
-        self.n_present = self.bytes_present = self.prefix_chunks = 0
+
+class LandingChunk:
+    """One chunk's bytes for a peer as they land here (from :meth:`BlockStore.relay_chunk`; a
+    :class:`~pipecast.agent.transport.base.ChunkRelay`).
+
+    :meth:`next` gives the bytes after those it gave before: of a chunk present, the rest of it; of one being
+    received, what has landed of it, all but its last byte, which waits for the chunk's verification. If the
+    receive it passed bytes of ends unverified (corrupt, or its sender failed mid-chunk), or another receive of
+    the chunk began meanwhile, those bytes are abandoned: :class:`RelayBrokenError`, and the peer's answer must
+    end there (the peer verifies the chunk itself, so it never keeps them).
+    """
+
+    def __init__(self, state: _BlockState, chunk: int) -> None:
+        self._state = state
+        self.chunk = chunk
+        self._start, self._end = state.bounds(chunk)
+        self.length = self._end - self._start
+        self.sent = 0
+        self._receive: int | None = None  # the receive whose bytes it passed on, while the chunk is unverified
+
+    @property
+    def done(self) -> bool:
+        """Whether every byte of the chunk was given."""
+        return self.sent == self.length
+
+    async def next(self) -> memoryview:
+        """The next bytes of the chunk (at least one), once here; no deadline: the caller's serving one."""
+        state, chunk = self._state, self.chunk
+        while True:
+            if self.sent and state.receives.get(chunk) != self._receive:
+                raise RelayBrokenError(state.meta.index, chunk, "another receive of it began")
+            if state.present[chunk]:
+                return self._give(self.length)
+            landed = state.arriving.get(chunk)
+            if landed is None and self.sent:
+                raise RelayBrokenError(state.meta.index, chunk, "its receive ended unverified")
+            if landed is not None and min(landed, self.length - 1) > self.sent:
+                self._receive = state.receives[chunk]
+                return self._give(min(landed, self.length - 1))  # the last byte waits for the verification
+            fut = asyncio.get_running_loop().create_future()
+            state.chunk_waiters.setdefault(chunk, []).append(fut)
+            await fut
+
+    def _give(self, upto: int) -> memoryview:
+        view = self._state.readonly[self._start + self.sent:self._start + upto]
+        self.sent = upto
+        return view
 
 
 def _wake(waiters: list[asyncio.Future]) -> None:
@@ -229,7 +279,25 @@ class BlockStore:
         if state.present[chunk]:
             raise ValueError(f"chunk {chunk} of block {block} is already present")
         start, end = state.bounds(chunk)
+        state.receives[chunk] = state.receives.get(chunk, 0) + 1
+        state.arriving[chunk] = 0
+        _wake(state.chunk_waiters.pop(chunk, []))  # a relay of an earlier receive of it must give up
         return state.buffer.view[start:end]
+
+    def chunk_progress(self, block: int, chunk: int, nbytes: int) -> None:
+        """The first ``nbytes`` of ``chunk`` (being received into :meth:`chunk_buffer`) have landed, not yet
+        verified: relays of the chunk may pass them on (all but its last byte)."""
+        state = self._blocks[block] if 0 <= block < len(self._blocks) else None  # none once closed
+        if state is not None and chunk in state.arriving:
+            state.arriving[chunk] = nbytes
+            _wake(state.chunk_waiters.pop(chunk, []))
+
+    def chunk_dropped(self, block: int, chunk: int) -> None:
+        """The receive of ``chunk`` in progress ended before the chunk was whole (the sender failed): what
+        relays passed on of it is abandoned, and they give up."""
+        state = self._blocks[block] if 0 <= block < len(self._blocks) else None  # none once closed
+        if state is not None and state.arriving.pop(chunk, None) is not None:
+            _wake(state.chunk_waiters.pop(chunk, []))
 
     def prefault(self, block: int) -> None:
         """Map ``block``'s memory ahead of receiving it (blocking, GIL-free: run it in a worker thread)."""
@@ -255,7 +323,9 @@ class BlockStore:
     def _land(self, state: _BlockState, chunk: int, peer: str) -> None:
         start, end = state.bounds(chunk)
         view = state.buffer.view
+        state.arriving.pop(chunk, None)
         if digest_bytes(view[start:end]) != state.meta.chunk_digests[chunk]:
+            _wake(state.chunk_waiters.pop(chunk, []))  # relays of the corrupt bytes give up
             raise CorruptChunkError(peer, state.meta.index, chunk)
         state.present[chunk] = 1
         state.n_present += 1
@@ -406,6 +476,13 @@ class BlockStore:
             state.chunk_waiters.setdefault(chunk, []).append(fut)
             await fut
         return state.readonly[slice(*state.bounds(chunk))]
+
+    def relay_chunk(self, block: int, chunk: int) -> "LandingChunk":
+        """``chunk``'s bytes for a peer, in order, as they land (see :class:`LandingChunk`)."""
+        state = self._state(block)
+        if not 0 <= chunk < state.count:
+            raise UnknownPackageError(f"block {block} has no chunk {chunk} (it has {state.count})")
+        return LandingChunk(state, chunk)
 
     async def wait_prefix(self, block: int, nbytes: int) -> None:
         """Return once the first ``nbytes`` bytes of ``block`` are verified (every chunk they touch)."""

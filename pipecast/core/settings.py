@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     connect_timeout_s: float = Field(5.0, gt=0, description="deadline of a connection to a peer")
     io_timeout_s: float = Field(10.0, gt=0, description="longest silence tolerated from a peer mid-transfer")
     agent_fetch_concurrency: int = Field(4, ge=1, description="parents a node fetches from at once")
+    agent_relay_bytes: int = Field(256 << 10, ge=0, description="over TCP a relay passes a chunk on in pieces this "
+                                                                "big as they arrive, its last byte once verified "
+                                                                "(0: whole verified chunks only)")
     agent_fetch_retries: int = Field(2, ge=0, description="retries of a failed parent before giving up on it")
     agent_fetch_backoff_s: float = Field(0.2, ge=0, description="first retry backoff (doubling per retry)")
     agent_replan_wait_s: float = Field(

@@ -24,7 +24,7 @@ from pipecast.agent.transport.base import Channel, Transport
 from pipecast.agent.transport.tcp import TcpTransport
 from pipecast.core.settings import Settings
 from pipecast.v1.manifest_pb2 import Manifest
-from tests.support.agent_fixtures import block_file_bytes, land_chunk, receiving_store, seed_store
+from tests.support.agent_fixtures import WholeChunkServer, block_file_bytes, land_chunk, receiving_store, seed_store
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -297,7 +297,7 @@ async def test_a_refusing_peer_is_not_blamed_for_corruption(package, peers, hone
 # -- chunk ranges (issue #16) ------------------------------------------------------------------------------
 
 
-class ChunkLog(PeerServer):
+class ChunkLog(WholeChunkServer):
     """Serves its stores and records every chunk it was asked for as (block, chunk)."""
 
     def __init__(self) -> None:

@@ -18,6 +18,7 @@ from pipecast.agent.errors import (
     CorruptFileError,
     LocalPackageError,
     MemoryBudgetError,
+    RelayBrokenError,
     UnknownPackageError,
 )
 from pipecast.agent.local_package import LocalPackageFolder
@@ -343,5 +344,86 @@ async def test_a_block_landed_in_ranges_from_two_peers_is_verified_once_as_a_who
         kinds = [(e.kind, e.peer) for e in events if e.kind != "prefix_verified"]
         assert kinds == [("block_started", "b"), ("block_verified", "a")]  # one each, whatever the ranges
         assert store.progress().blocks[1].chunks_present == count
+    finally:
+        store.close()
+
+
+# -- relaying a chunk as it lands ------------------------------------------------------------------------------
+
+
+def begin_chunk(store: BlockStore, data: bytes, block: int, chunk: int, upto: int) -> memoryview:
+    """Begin receiving ``chunk`` of ``block``: its first ``upto`` bytes land (from ``data``, the block's bytes) and
+    are told to the store as a streaming transport tells them; returns the chunk's buffer."""
+    buffer = store.chunk_buffer(block, chunk)
+    buffer[:upto] = data[chunk * CHUNK:chunk * CHUNK + upto]
+    store.chunk_progress(block, chunk, upto)
+    return buffer
+
+
+async def test_a_chunk_is_relayed_as_it_lands_and_its_last_byte_only_once_verified(package):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    store = receiving_store(manifest)
+    try:
+        buffer = begin_chunk(store, data, 0, 1, 20_000)
+        relay = store.relay_chunk(0, 1)
+        assert relay.length == CHUNK
+        assert bytes(await relay.next()) == data[CHUNK:CHUNK + 20_000]
+        buffer[20_000:] = data[CHUNK + 20_000:2 * CHUNK]
+        store.chunk_progress(0, 1, CHUNK)  # every byte landed, none verified: all but the last one go
+        assert bytes(await relay.next()) == data[CHUNK + 20_000:2 * CHUNK - 1]
+        last = asyncio.create_task(relay.next())
+        await asyncio.sleep(0)
+        assert not last.done() and not relay.done
+        store.chunk_landed(0, 1, "p1")
+        assert bytes(await asyncio.wait_for(last, 1)) == data[2 * CHUNK - 1:2 * CHUNK]
+        assert relay.done
+        whole = store.relay_chunk(0, 1)  # a chunk present goes whole at once
+        assert bytes(await whole.next()) == data[CHUNK:2 * CHUNK] and whole.done
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("ending", ["corrupt", "dropped", "received again"])
+async def test_a_relay_whose_receive_ends_unverified_abandons_what_it_gave(package, ending):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    store = receiving_store(manifest)
+    try:
+        buffer = begin_chunk(store, data, 0, 0, 10_000)
+        relay = store.relay_chunk(0, 0)
+        await relay.next()
+        waiting = asyncio.create_task(relay.next())
+        await asyncio.sleep(0)
+        if ending == "corrupt":
+            buffer[10_000:] = bytes(len(buffer) - 10_000)
+            with pytest.raises(CorruptChunkError):
+                store.chunk_landed(0, 0, "p1")
+        elif ending == "dropped":
+            store.chunk_dropped(0, 0)
+        else:  # the receive was replaced by another one (a retry), which then completes
+            begin_chunk(store, data, 0, 0, CHUNK)
+            store.chunk_landed(0, 0, "p2")
+        why = "another receive of it began" if ending == "received again" else "its receive ended unverified"
+        with pytest.raises(RelayBrokenError, match=f"^chunk 0 of block 0 was passed on as it arrived, and {why}: "
+                                                   "the bytes passed on are abandoned$"):
+            await asyncio.wait_for(waiting, 1)
+    finally:
+        store.close()
+
+
+async def test_a_relay_that_gave_nothing_yet_outlives_a_failed_receive(package):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    store = receiving_store(manifest)
+    try:
+        begin_chunk(store, data, 0, 0, 0)
+        relay = store.relay_chunk(0, 0)
+        waiting = asyncio.create_task(relay.next())
+        store.chunk_dropped(0, 0)  # nothing given of it: the relay waits for the next receive
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        begin_chunk(store, data, 0, 0, 30_000)
+        assert bytes(await asyncio.wait_for(waiting, 1)) == data[:30_000]
     finally:
         store.close()

@@ -50,9 +50,9 @@ from control_plane.worker_session import WorkerSession
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.transport.tcp import TcpTransport
 from pipecast.core.settings import Settings
-from tests.support.agent_fixtures import seed_store
+from tests.support.agent_fixtures import WholeChunkServer, seed_store
 
-class Corrupting(PeerServer):
+class Corrupting(WholeChunkServer):
     async def wait_chunk(self, package_id, block, chunk):
         bad = bytearray(await super().wait_chunk(package_id, block, chunk))
         bad[0] ^= 0xFF

@@ -12,7 +12,7 @@ from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.store import BlockStore
-from pipecast.agent.transport.base import PeerAuth
+from pipecast.agent.transport.base import PeerAuth, WholeChunk
 from pipecast.v1.manifest_pb2 import Manifest
 
 
@@ -69,7 +69,15 @@ def seed_store(root: Path) -> BlockStore:
                            local=seed, require_complete=True)
 
 
-class FlippingServer(PeerServer):
+class WholeChunkServer(PeerServer):
+    """Passes chunks on only whole and verified, through :meth:`wait_chunk`, over TCP too (which otherwise relays
+    a chunk as it lands): a test server that overrides ``wait_chunk`` sees, or alters, every chunk asked for."""
+
+    async def relay_chunk(self, package_id: str, block: int, chunk: int) -> WholeChunk:
+        return WholeChunk(await self.wait_chunk(package_id, block, chunk))
+
+
+class FlippingServer(WholeChunkServer):
     """A faulty relay: serves its stores but flips a byte of one chunk (block, chunk)."""
 
     def __init__(self, flip: tuple[int, int]) -> None:

@@ -4,7 +4,9 @@ A backend implements :class:`Transport` (listen, connect), :class:`Channel` (one
 one request at a time) and :class:`Listener`; the messages it carries are :mod:`.wire`'s. It knows
 nothing of stores or plans: the receive side writes each chunk into the buffer a :class:`ChunkSink` gives
 and then reports it, the serve side asks the :class:`ServedPackages` for each chunk and sends it as soon
-as it is there (cut-through: a node still receiving a block serves its verified chunks at once).
+as it is there (cut-through: a node still receiving a block serves its verified chunks at once; a backend
+that streams, TCP, passes a chunk on in pieces as they land, its last byte once the chunk is verified, see
+:class:`ChunkRelay`).
 
 Contract every backend keeps:
 - with a data-plane key (:class:`PeerAuth`) every connection starts with the authenticated hello of
@@ -120,6 +122,45 @@ class ChunkSink(Protocol):
         """``chunk`` is fully written into its buffer; may raise (a corrupt chunk) to abort the fetch."""
         ...
 
+    def chunk_progress(self, block: int, chunk: int, nbytes: int) -> None:
+        """The first ``nbytes`` of ``chunk`` are written into its buffer (a backend that streams says so every
+        ``agent_relay_bytes``), not yet whole: a relay may pass them on."""
+        ...
+
+    def chunk_dropped(self, block: int, chunk: int) -> None:
+        """The receive of ``chunk`` ended before it was whole (its sender failed): its bytes are not the chunk."""
+        ...
+
+
+class ChunkRelay(Protocol):
+    """One chunk's bytes for a peer, given in order as they come to be here (:meth:`ServedPackages.relay_chunk`).
+    ``next`` may raise :class:`~pipecast.agent.errors.RelayBrokenError`: bytes already given are abandoned, and
+    the answer carrying them must end unfinished."""
+
+    length: int
+
+    @property
+    def done(self) -> bool:
+        """Whether every byte was given."""
+        ...
+
+    async def next(self) -> memoryview:
+        """The next bytes (at least one), once here."""
+        ...
+
+
+class WholeChunk:
+    """A :class:`ChunkRelay` of a chunk that is whole and verified: all of it at once."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._data = data
+        self.length = data.nbytes
+        self.done = False
+
+    async def next(self) -> memoryview:
+        self.done = True
+        return self._data
+
 
 class ServedPackages(Protocol):
     """What a node serves to its peers: the packages its stores hold (the agent's peer server)."""
@@ -130,6 +171,11 @@ class ServedPackages(Protocol):
 
     async def wait_chunk(self, package_id: str, block: int, chunk: int) -> memoryview:
         """The verified bytes of ``chunk``, once this node has them."""
+        ...
+
+    async def relay_chunk(self, package_id: str, block: int, chunk: int) -> ChunkRelay:
+        """``chunk``'s bytes as they come to be here, for a backend that streams (a chunk still arriving: all but
+        its last byte before it is verified); a server holding only whole chunks gives a :class:`WholeChunk`."""
         ...
 
     async def file_bytes(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:

@@ -59,6 +59,7 @@ from typing import Any
 from packager.manifest import MANIFEST_FILE
 from pipecast.agent.errors import (
     AgentError,
+    AnswerAbandonedError,
     PeerAuthError,
     PeerError,
     PeerNotAllowedError,
@@ -296,6 +297,9 @@ def refused_by_peer(peer: str, reason: str, have_key: bool) -> PeerAuthError:
 ReceiveMessage = Callable[[], Awaitable[tuple[Header, bytes]]]
 # How a serving backend sends one message (header and payload) to the requester.
 SendMessage = Callable[[Header, memoryview], Awaitable[None]]
+# How a backend that streams sends a CHUNK answer whose bytes are still arriving: the header, the first bytes,
+# and what gives the next ones (awaited until the header's length is sent; it raises AnswerAbandonedError).
+SendStream = Callable[[Header, memoryview, Callable[[], Awaitable[memoryview]]], Awaitable[None]]
 
 
 async def accept_hello(auth: PeerAuth, fmt: HeaderFormat, receive: ReceiveMessage, send: SendMessage, peer: str,
@@ -424,16 +428,19 @@ async def _now(awaitable: Awaitable[Any]) -> Any:
 
 async def answer_request(served: ServedPackages, request: Request, send: SendMessage, peer: str,
                          waiting: Callable[[Awaitable[Any]], Awaitable[Any]] = _now, *,
-                         authenticated: str | None = None, wait_s: float | None = None) -> None:
+                         authenticated: str | None = None, wait_s: float | None = None,
+                         stream: SendStream | None = None) -> None:
     """Answer ``request`` from ``served`` through ``send``: the block's ``CHUNK`` messages of the chunk
     range asked for (to the block's end without an end chunk), each as soon as ``served`` has it, or the
-    ``FILE`` message.
+    ``FILE`` message. With ``stream`` each ``CHUNK`` goes as its bytes come (``served.relay_chunk``), from
+    the first: a chain's hop then adds a piece's time instead of a whole chunk's.
 
     The request is admitted first: its requester must be the node that ``authenticated`` (when the hello
     ran) and ``served`` must admit it; only then is it recorded (``served.peer_requested``). If anything
     refuses (an :class:`AgentError`: not allowed, not held here, nothing within ``wait_s``) the answer is
     one ``ERROR`` with its text, logged, and the connection serves on; a :class:`PeerError` (the requester
-    stopped reading or went away) is raised. ``waiting`` wraps every wait on ``served`` (UCX gives up on
+    stopped reading or went away) is raised, and so is :class:`AnswerAbandonedError` (a streamed chunk
+    failed here after its header went: the backend closes the connection). ``waiting`` wraps every wait on ``served`` (UCX gives up on
     a requester that leaves meanwhile); ``peer`` names the requester in the log."""
     block = request.block if request.kind == REQ_BLOCK else None
 
@@ -462,9 +469,23 @@ async def answer_request(served: ServedPackages, request: Request, send: SendMes
                 raise UnknownPackageError(f"block {block} has no chunk {request.chunk} (it has {count})")
             served.peer_requested(request.requester, request.package_id, block)
             for chunk in range(request.chunk, end):
-                data = byte_view(await provided(served.wait_chunk(request.package_id, request.block, chunk),
-                                                f"chunk {chunk} of block {block}"))
-                await send(Header(CHUNK, request.block, chunk, len(data)), data)
+                what = f"chunk {chunk} of block {block}"
+                if stream is None:
+                    data = byte_view(await provided(served.wait_chunk(request.package_id, request.block, chunk), what))
+                    await send(Header(CHUNK, request.block, chunk, len(data)), data)
+                    continue
+                relay = await provided(served.relay_chunk(request.package_id, request.block, chunk), what)
+                # Nothing goes before the chunk's first bytes are here: until then a failure is an ERROR answer.
+                first = byte_view(await provided(relay.next(), what))
+
+                async def more() -> memoryview:
+                    try:
+                        return byte_view(await provided(relay.next(), what))
+                    except AgentError as exc:  # the header is out: no ERROR answer can follow it
+                        raise AnswerAbandonedError(f"the answer of {what} to {peer} is abandoned mid-chunk: "
+                                                   f"{exc}") from exc
+
+                await stream(Header(CHUNK, request.block, chunk, relay.length), first, more)
         else:
             data = await provided(served.file_bytes(request.package_id, request.path, request.block, request.chunk),
                                   f"file {request.path}")

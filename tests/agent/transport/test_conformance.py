@@ -39,6 +39,7 @@ from pipecast.core.credentials import data_plane_key
 from pipecast.core.settings import Settings
 from tests.support.agent_fixtures import (
     FlippingServer,
+    WholeChunkServer,
     block_file_bytes,
     land_chunk,
     receiving_store,
@@ -373,7 +374,7 @@ async def test_an_idle_channel_closed_by_the_server_is_opened_again_for_the_next
 # -- issue #16: chunk ranges -------------------------------------------------------------------------------
 
 
-class ChunkLog(PeerServer):
+class ChunkLog(WholeChunkServer):
     """Serves its stores and records every chunk it was asked for as (block, chunk); with ``drop_at`` it drops
     the connection the first time that chunk is asked for (as a requester that went away would)."""
 

@@ -6,6 +6,7 @@ connection caps, lying lengths. What every transport must do is in test_conforma
 import asyncio
 import contextlib
 import importlib.util
+import logging
 import socket
 import time
 import tracemalloc
@@ -17,6 +18,7 @@ import pytest
 from control_plane.messages import PeerInfo
 from control_plane.planner.plan import Fetch
 from pipecast.agent.errors import (
+    CorruptChunkError,
     FetchFailedError,
     PeerClosedError,
     PeerConnectError,
@@ -42,7 +44,14 @@ from pipecast.core.credentials import data_plane_key
 from pipecast.core.settings import Settings
 from pipecast.v1.manifest_pb2 import Manifest
 from tests.agent.conftest import CHUNK
-from tests.support.agent_fixtures import FlippingServer, block_file_bytes, receiving_store, seed_store
+from tests.support.agent_fixtures import (
+    FlippingServer,
+    WholeChunkServer,
+    block_file_bytes,
+    land_chunk,
+    receiving_store,
+    seed_store,
+)
 
 TOKENIZER_BYTES = 600_000  # the package fixture (conftest) gives it a tokenizer file this big
 IO_TIMEOUT_S = 0.3
@@ -55,7 +64,7 @@ def settings(**overrides) -> Settings:
 
 
 
-class DyingServer(PeerServer):
+class DyingServer(WholeChunkServer):
     """A parent that goes away (all its connections reset) when asked for one chunk."""
 
     def __init__(self, die_at: tuple[int, int]) -> None:
@@ -69,7 +78,7 @@ class DyingServer(PeerServer):
         return await super().wait_chunk(package_id, block, chunk)
 
 
-class RecordingServer(PeerServer):
+class RecordingServer(WholeChunkServer):
     """Records every (block, chunk) it serves."""
 
     def __init__(self) -> None:
@@ -619,3 +628,88 @@ async def test_with_certificates_the_data_plane_is_mutual_tls(package, tmp_path)
     finally:
         await listener.close()
         seed.close()
+
+
+# -- a relay passes a chunk on as it lands ---------------------------------------------------------------------
+
+RELAY_BYTES = 16 << 10
+
+
+async def test_a_relay_passes_a_chunk_on_as_it_lands_and_its_end_once_verified(package):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    relay, child = receiving_store(manifest), receiving_store(manifest)
+    buffer = relay.chunk_buffer(0, 0)  # the relay's own parent begins to send it chunk 0
+    buffer[:40_000] = data[:40_000]
+    relay.chunk_progress(0, 0, 40_000)
+    _, listener = await serve(PeerServer(), relay, agent_relay_bytes=RELAY_BYTES)
+    try:
+        channel = await TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES)).connect(listener.address, "relay")
+        fetching = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child, 1))
+        # The child holds the relay's bytes (as far as its own pieces go) while the relay has not verified them.
+        passed_on = bytes(await asyncio.wait_for(child.relay_chunk(0, 0).next(), 5))
+        assert RELAY_BYTES <= len(passed_on) <= 40_000 and passed_on == data[:len(passed_on)]
+        assert not child.is_chunk_present(0, 0) and not fetching.done()
+        buffer[40_000:] = data[40_000:CHUNK]
+        relay.chunk_landed(0, 0, "upstream")
+        await asyncio.wait_for(fetching, 5)
+        assert child.is_chunk_present(0, 0)
+        await channel.close()
+    finally:
+        await listener.close()
+        relay.close()
+        child.close()
+
+
+async def test_a_relay_whose_upstream_sent_a_corrupt_chunk_closes_its_answer_and_is_not_blamed(package, caplog):
+    caplog.set_level(logging.INFO, logger="pipecast.agent.transport.wire")
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    relay, child = receiving_store(manifest), receiving_store(manifest)
+    buffer = relay.chunk_buffer(0, 0)
+    buffer[:] = bytes(CHUNK)  # what a faulty upstream sends: not the chunk
+    relay.chunk_progress(0, 0, 40_000)
+    _, listener = await serve(PeerServer(), relay, agent_relay_bytes=RELAY_BYTES)
+    try:
+        rx = TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES))
+        channel = await rx.connect(listener.address, "relay")
+        fetching = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child, 1))
+        await asyncio.wait_for(child.relay_chunk(0, 0).next(), 5)  # some of the bad bytes reached the child
+        with pytest.raises(CorruptChunkError):
+            relay.chunk_landed(0, 0, "upstream")  # as the relay's own fetch finds it
+        with pytest.raises(PeerClosedError, match=r"^peer relay: closed the connection while sending block 0 "):
+            await asyncio.wait_for(fetching, 5)
+        assert not child.is_chunk_present(0, 0)
+        assert "chunk 0 of block 0 was passed on as it arrived, and its receive ended unverified" in caplog.text
+        land_chunk(relay, data, 0, 0)  # the relay gets it right from another parent; the child asks again
+        channel = await rx.connect(listener.address, "relay")
+        await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, child, 1), 5)
+        assert child.is_chunk_present(0, 0)
+        await channel.close()
+    finally:
+        await listener.close()
+        relay.close()
+        child.close()
+
+
+@pytest.mark.parametrize("relay_bytes", [0, RELAY_BYTES])
+async def test_a_chain_of_relays_moves_the_package_exactly_with_or_without_pieces(package, relay_bytes):
+    root, manifest = package
+    seed, middle, last = seed_store(root), receiving_store(manifest), receiving_store(manifest)
+    _, seed_listener = await serve(PeerServer(), seed, agent_relay_bytes=relay_bytes)
+    _, middle_listener = await serve(PeerServer(), middle, agent_relay_bytes=relay_bytes)
+    pools = [ChannelPool(TcpTransport(name, settings(agent_relay_bytes=relay_bytes))) for name in ("middle", "last")]
+    try:
+        blocks = range(len(manifest.blocks))
+        await asyncio.wait_for(asyncio.gather(
+            Fetcher(middle, pools[0]).fetch([Fetch(b, PeerInfo("seed", seed_listener.address)) for b in blocks]),
+            Fetcher(last, pools[1]).fetch([Fetch(b, PeerInfo("middle", middle_listener.address)) for b in blocks])), 20)
+        for b in blocks:
+            assert bytes(last.block_view(b)) == block_file_bytes(root, manifest, b)
+    finally:
+        for pool in pools:
+            await pool.close()
+        await seed_listener.close()
+        await middle_listener.close()
+        for store in (seed, middle, last):
+            store.close()
