@@ -37,7 +37,7 @@ SIZE = SizeParam()
 @click.option("--layers-per-block", type=click.IntRange(min=1), help="Layers per block.")
 @click.option("--block-bytes", type=SIZE, help="Target block size, e.g. 64MB (whole layers per block).")
 @click.option("--chunk-bytes", type=SIZE, default="1MiB", show_default=True,
-              help="Chunk size of the per-chunk digests (the unit peers verify and forward).")
+              help="Chunk size of the per-chunk digests (the unit peers verify).")
 @click.option("--name", "model_name", help="Model name recorded in the manifest.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")

@@ -12,7 +12,7 @@ from pipecast.core.errors import PipecastError
 # name -> (module:attribute, one-line help shown by `pipecast --help` without importing the module)
 COMMANDS = {
     "pack": ("packager.command:pack_command", "Pack a safetensors checkpoint folder into a block package."),
-    "verify": ("packager.command:verify_command", "Re-hash every block and chunk of a package."),
+    "verify": ("packager.command:verify_command", "Re-hash every block, chunk and file of a package."),
     "inspect": ("packager.command:inspect_command", "Print a package's blocks, layers, sizes and digests."),
     "convert-gguf": ("packager.command:convert_gguf_command",
                      "Convert a GGUF model file to a safetensors checkpoint folder."),
@@ -21,7 +21,8 @@ COMMANDS = {
     "control-plane": ("control_plane.command:control_plane_command", "Run the control plane (gRPC)."),
     "cp": ("control_plane.command:cp_group", "Operate a running control plane: workers, packages, plans."),
     "status": ("control_plane.command:cluster_status_command",
-               "One screen of the cluster (`pipecast cp status`): workers, packages, plans, deployments."),
+               "One screen of the cluster (`pipecast cp status`): workers, packages, plans, pipelines, "
+               "deployments, routes."),
     "serve": ("pipecast.serve.command:serve_command",
               "Serve a model (OpenAI API) from the moment its blocks start arriving."),
     "router": ("pipecast.router.command:router_command",

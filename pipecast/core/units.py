@@ -2,7 +2,7 @@
 
 import re
 
-# Chunk size of a package's per-chunk digests: the unit peers verify and forward.
+# Chunk size of a package's per-chunk digests: the unit peers verify (relays pass it on in pieces as it arrives).
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 _UNITS = {
