@@ -13,6 +13,7 @@ import click
 from benchmarks.mlflow_log import with_mlflow_logging
 from packager.command import SIZE
 from pipecast.core.progress import Progress
+from pipecast.core.settings import Settings
 
 
 class _BenchGroup(click.Group):
@@ -130,7 +131,8 @@ def bench_distribution(workers, link_mbit, store_mbit, package, strategies, tran
         package = _demo(cache)
     config = distribution.DistributionConfig(package=package, workers=counts, link_mbit=link_mbit,
                                              store_mbit=store_mbit, strategies=names, transport=transport,
-                                             repeat=repeat, mode=mode, auth=not no_auth, tls=tls)
+                                             repeat=repeat, mode=mode, auth=not no_auth, tls=tls,
+                                             relay_bytes=Settings().agent_relay_bytes)  # as the agents read it
     report = _run_and_report(distribution.run, config, workdir, distribution.format_report, json_path)
     if plot_path:
         distribution.save_plot(report, plot_path)
@@ -604,10 +606,14 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
               help="Units a receiver fetches at once from different parents (the agents' agent_fetch_concurrency; "
                    "1: one at a time, the model the calibration uses).")
+@click.option("--relay-bytes", type=click.IntRange(min=0), show_default=True,
+              default=Settings.model_fields["agent_relay_bytes"].default,
+              help="A receiver passes a chunk on from its first piece of this many bytes, as the agents' TCP relay "
+                   "does (agent_relay_bytes); 0: once the whole chunk is in.")
 @JSON_OUT
 def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, chunk_bytes, hop_latency_ms, serve,
                    slow_position, slow_factor, racks, oversubscription, fail_position, fail_at, detect, calibrated,
-                   concurrency, json_path):
+                   concurrency, relay_bytes, json_path):
     """Multicast completion at any N in the chunk-level simulator, from the control plane's own plans."""
     from benchmarks import distribution, simulate
     from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S
@@ -633,7 +639,8 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
                     hop_latency_s=hop_latency_ms / 1e3, serve=serve, goodput=CALIBRATED_GOODPUT if calibrated else 1.0,
                     start_delay_s=CALIBRATED_START_DELAY_S if calibrated else 0.0, slow_position=slow_position,
                     slow_factor=slow_factor if slow_position else 1.0, racks=racks, oversubscription=oversubscription,
-                    fail_position=fail_position, fail_at_s=fail_at, detect_s=detect, concurrency=concurrency)
+                    fail_position=fail_position, fail_at_s=fail_at, detect_s=detect, concurrency=concurrency,
+                    relay_bytes=relay_bytes)
     with Progress.on_stderr(_echo_err) as progress:
         progress.start(len(counts) * len(names), "simulate")
         results = simulate.run(list(counts), list(names), **settings,

@@ -39,6 +39,7 @@ from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage
 from benchmarks.plots import Series, save_line_chart
 from benchmarks.processes import RunProcesses, cli, credentials_env, free_port
 from benchmarks.runinfo import parse_counts, versions
+from benchmarks.simulate import relay_modelled
 from control_plane.planner.plan import STRATEGIES
 from control_plane.planner.schedules import GROUP_CHAIN_MAX, make_plan
 from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S, simulate
@@ -48,6 +49,7 @@ from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.agent.transport.registry import resolve_transport_name
 from pipecast.core.errors import PipecastError
 from pipecast.core.progress import NO_PROGRESS, Progress
+from pipecast.core.settings import Settings
 from pipecast.core.units import format_bytes
 from pipecast.v1.manifest_pb2 import Manifest
 
@@ -115,6 +117,14 @@ class DistributionConfig:
     mode: RequestedMode = "auto"
     auth: bool = True  # every agent given the same master token: data-plane hello on every connection
     tls: bool = False  # every agent given a certificate of the run's CA: mutual TLS on every connection
+    # The agents' agent_relay_bytes (they inherit this process's settings): a TCP relay passes a chunk on from
+    # its first piece this big, which sets a hop's cost in the theory and the model.
+    relay_bytes: int = Settings.model_fields["agent_relay_bytes"].default
+
+    @property
+    def relay_piece(self) -> int:
+        """Bytes a relay passes on at a time (0: whole chunks, as UCX and ``agent_relay_bytes`` 0 do)."""
+        return self.relay_bytes if self.transport == "tcp" else 0
 
     def __post_init__(self) -> None:
         if not self.workers or any(n < 1 for n in self.workers):
@@ -178,9 +188,10 @@ def tree_levels(n: int, fanout: int) -> int:
 
 
 def theory_seconds(strategy: str, n: int, total_bytes: int, chunk_bytes: int, link_mbit: float,
-                   store_mbit: float, fanout: int = FANOUT) -> float:
+                   store_mbit: float, fanout: int = FANOUT, relay_bytes: int = 0) -> float:
     """The strategy's closed-form time for ``n`` receivers (DESIGN 4), with links of B and a store of B_store.
 
+    c is what a relay passes on at a time: the chunk, or its pieces of ``relay_bytes`` where smaller.
     unicast: every byte N times from the store, N*S/B_store; chain with cut-through: S/B + (N-1)*c/B; the
     planner's tree forwards chunk by chunk, so its busiest uplink carries ``fanout`` copies: fanout*S/B
     plus one chunk per level; binomial pipeline: S/B + (log2(N+1) - 1)*c/B, the figure of a pipeline whose
@@ -189,7 +200,7 @@ def theory_seconds(strategy: str, n: int, total_bytes: int, chunk_bytes: int, li
     pipeline.
     """
     size, link, store = float(total_bytes), mbit_to_bytes_per_s(link_mbit), mbit_to_bytes_per_s(store_mbit)
-    first, hop = min(link, store), chunk_bytes / link
+    first, hop = min(link, store), min(chunk_bytes, relay_bytes or chunk_bytes) / link
     if strategy == "unicast":
         return max(n * size / store, size / link)
     if strategy == "rotated":  # from the one source of this benchmark: a single group
@@ -204,12 +215,14 @@ def theory_seconds(strategy: str, n: int, total_bytes: int, chunk_bytes: int, li
     raise DistributionBenchError(f"no theory for strategy {strategy!r}")
 
 
-def model_seconds(strategy: str, n: int, facts: PackageFacts, link_mbit: float) -> float:
-    """The simulator's time for the plan this benchmark runs (links shared fairly, chunk cut-through), with
-    the start delay per hop and the payload's share of a link calibrated to this emulated cluster."""
+def model_seconds(strategy: str, n: int, facts: PackageFacts, link_mbit: float, relay_bytes: int) -> float:
+    """The simulator's time for the plan this benchmark runs (links shared fairly, chunks relayed from their first
+    piece of ``relay_bytes`` as the agents do, where :func:`~benchmarks.simulate.relay_modelled` says), with the
+    start delay per hop and the payload's share of a link calibrated to this emulated cluster."""
     plan = make_plan(strategy, [STORE], worker_names(n), len(facts.block_bytes), chunk_counts=facts.chunk_counts)
     finished = simulate(plan, list(facts.block_bytes), mbit_to_bytes_per_s(link_mbit) * CALIBRATED_GOODPUT,
-                        facts.chunk_bytes, start_delay_s=CALIBRATED_START_DELAY_S)
+                        facts.chunk_bytes, start_delay_s=CALIBRATED_START_DELAY_S,
+                        relay_bytes=relay_modelled(plan, relay_bytes))
     return max(finished.values())
 
 
@@ -338,8 +351,10 @@ def summarize(strategy: str, n: int, facts: PackageFacts, config: DistributionCo
     return StrategyResult(
         strategy=strategy, workers=n, bytes=facts.total_bytes, link_mbit=config.link_mbit, store_mbit=store,
         floor_seconds=floor_seconds(facts.total_bytes, config.link_mbit, store),
-        theory_seconds=theory_seconds(strategy, n, facts.total_bytes, facts.chunk_bytes, config.link_mbit, store),
-        model_seconds=model_seconds(strategy, n, facts, config.link_mbit) if store == config.link_mbit else None,
+        theory_seconds=theory_seconds(strategy, n, facts.total_bytes, facts.chunk_bytes, config.link_mbit, store,
+                                      relay_bytes=config.relay_piece),
+        model_seconds=(model_seconds(strategy, n, facts, config.link_mbit, config.relay_piece)
+                       if store == config.link_mbit else None),
         runs=tuple(runs))
 
 
@@ -521,7 +536,7 @@ def run_once(cluster: EmulatedCluster, folder: Path, facts: PackageFacts, strate
     # The agents' CPU from now until they exit: all of it once reaped, less what they had used by now.
     cpu_before = _reaped_children_cpu_seconds() + run.cpu_seconds()
     theory = theory_seconds(strategy, n, facts.total_bytes, facts.chunk_bytes, config.link_mbit,
-                            config.store_rate_mbit)
+                            config.store_rate_mbit, relay_bytes=config.relay_piece)
     with CpuSampler() as cpu:
         run.wait_event(workers, "complete", start_at + RUN_DEADLINE_FACTOR * theory + RUN_DEADLINE_SLACK_S,
                        f"{strategy} to {n} worker(s)")

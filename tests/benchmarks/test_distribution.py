@@ -75,6 +75,7 @@ def test_theory_follows_design_section_4():
     assert theory_seconds("tree", 8, S, C, 400, 400) == pytest.approx(2 * S / B + 2 * C / B)
     assert theory_seconds("tree", 3, S, C, 400, 400) == pytest.approx(2 * S / B + C / B)
     assert theory_seconds("binomial", 7, S, C, 400, 400) == pytest.approx(S / B + 2 * C / B)
+    assert theory_seconds("chain", 8, S, C, 400, 400, relay_bytes=C // 4) == pytest.approx(S / B + 7 * C / 4 / B)
     for strategy in ("unicast", "chain", "tree", "binomial"):
         assert theory_seconds(strategy, 1, S, C, 400, 400) == pytest.approx(S / B)
 
@@ -85,8 +86,11 @@ def test_model_prices_the_plan_that_runs():
     # Calibrated to the emulated cluster: links carry 97.5% payload, each hop starts 16 ms after its parent
     # (in a chain a hop waits for its parent's first chunk anyway, longer than that: only the head's counts).
     g, d = CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S
-    assert model_seconds("unicast", 4, facts, 400) == pytest.approx(4 * S / (g * B) + d)
-    assert model_seconds("chain", 4, facts, 400) == pytest.approx(S / (g * B) + 3 * C / (g * B) + d)
+    assert model_seconds("unicast", 4, facts, 400, 0) == pytest.approx(4 * S / (g * B) + d)
+    assert model_seconds("chain", 4, facts, 400, 0) == pytest.approx(S / (g * B) + 3 * C / (g * B) + d)
+    # Relayed from a chunk's first piece, as the agents' TCP relay does, a hop waits a piece (5 ms), less than its
+    # start delay: each receiver's start counts, the last one's 4 hops deep.
+    assert model_seconds("chain", 4, facts, 400, C // 4) == pytest.approx(S / (g * B) + 4 * d)
 
 
 def test_completion_is_the_last_block_verified_after_the_start():

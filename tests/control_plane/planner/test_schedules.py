@@ -808,15 +808,33 @@ def test_the_lower_bound_is_one_copy_and_the_first_chunk_plus_a_hop():
     assert lower_bound(ranged, [4, 3], 1, 2) == 7 + 1
 
 
+def test_a_relay_passes_a_chunk_on_from_its_first_piece_and_its_end_once_the_chunk_is_whole():
+    # A block of 4 bytes in chunks of 2 at 1 byte/s, s -> a -> b. Relayed whole, b gets each chunk a chunk after
+    # a: done at 6. Relayed from a's first piece of 1 byte, b's chunk 0 starts at 1 and its end waits for a's
+    # whole chunk (at 2) plus a piece: 3; chunk 1 from 3 to 5. The bound counts a piece, not a chunk, for b.
+    chain = make_plan("chain", ["s"], ["a", "b"], 1)
+    assert simulate(chain, 4, 1, 2) == {"a": 4, "b": 6}
+    assert simulate(chain, 4, 1, 2, relay_bytes=1) == {"a": 4, "b": 5}
+    assert lower_bound(chain, 4, 1, 2) == 6
+    assert lower_bound(chain, 4, 1, 2, relay_bytes=1) == 5
+    # A piece as big as the chunk relays as a whole chunk does.
+    assert simulate(chain, 4, 1, 2, relay_bytes=2) == simulate(chain, 4, 1, 2)
+    with pytest.raises(ValueError, match=r"^simulate: relay_bytes must be an integer >= 0, got -1$"):
+        simulate(chain, 4, 1, 2, relay_bytes=-1)
+
+
 @settings(max_examples=80, deadline=None)
 @given(plan_requests(), st.lists(st.integers(1, 9), min_size=24, max_size=24), st.integers(1, 4),
-       st.sampled_from([0.0, 0.3]), st.sampled_from(SERVE_POLICIES), st.sampled_from([1, 2, 4]))
-def test_no_simulated_plan_beats_the_lower_bound(case, sizes, chunk, hop, serve, concurrency):
+       st.sampled_from([0.0, 0.3]), st.sampled_from(SERVE_POLICIES), st.sampled_from([1, 2, 4]),
+       st.sampled_from([0, 1, 2]))
+def test_no_simulated_plan_beats_the_lower_bound(case, sizes, chunk, hop, serve, concurrency, relay):
     strategy, sources, receivers, num_blocks, fanout, labels = case
     counts = [-(-size // chunk) for size in sizes[:num_blocks]]
     plan = make_plan(strategy, sources, receivers, num_blocks, fanout=fanout, labels=labels, chunk_counts=counts)
-    done = simulate(plan, sizes[:num_blocks], 1, chunk, serve=serve, hop_latency_s=hop, concurrency=concurrency)
-    assert max(done.values(), default=0) >= lower_bound(plan, sizes[:num_blocks], 1, chunk, hop_latency_s=hop) - 1e-9
+    done = simulate(plan, sizes[:num_blocks], 1, chunk, serve=serve, hop_latency_s=hop, concurrency=concurrency,
+                    relay_bytes=relay)
+    bound = lower_bound(plan, sizes[:num_blocks], 1, chunk, hop_latency_s=hop, relay_bytes=relay)
+    assert max(done.values(), default=0) >= bound - 1e-9
 
 
 def test_the_ranged_binomial_stays_near_s_over_b_where_whole_blocks_do_not():
