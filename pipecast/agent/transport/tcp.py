@@ -14,8 +14,8 @@ block buffer: bytes go from the kernel into the block store with no extra copy, 
 half of ``sock_recv_into`` (DESIGN 5). It tells the sink every ``agent_relay_bytes`` of a chunk that land,
 and the serving side passes a chunk on in such pieces as they arrive (``answer_request``'s ``stream``), its
 last byte once the chunk is verified: a chain's hop then costs a piece's time instead of a chunk's (DESIGN 5:
-relaying every 256 KiB took a chain of 4 MiB chunks from 1.16 to 1.07-1.08x S/B). Socket buffer sizes are left to the kernel's autotuning (small
-fixed buffers slowed chains down, DESIGN 5).
+relaying every 256 KiB took a chain of 4 MiB chunks from 1.16 to 1.07-1.08x S/B). Socket buffer sizes are left
+to the kernel's autotuning (small fixed buffers slowed chains down, DESIGN 5).
 """
 
 import asyncio

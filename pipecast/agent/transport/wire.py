@@ -440,8 +440,8 @@ async def answer_request(served: ServedPackages, request: Request, send: SendMes
     refuses (an :class:`AgentError`: not allowed, not held here, nothing within ``wait_s``) the answer is
     one ``ERROR`` with its text, logged, and the connection serves on; a :class:`PeerError` (the requester
     stopped reading or went away) is raised, and so is :class:`AnswerAbandonedError` (a streamed chunk
-    failed here after its header went: the backend closes the connection). ``waiting`` wraps every wait on ``served`` (UCX gives up on
-    a requester that leaves meanwhile); ``peer`` names the requester in the log."""
+    failed here after its header went: the backend closes the connection). ``waiting`` wraps every wait on
+    ``served`` (UCX gives up on a requester that leaves meanwhile); ``peer`` names the requester in the log."""
     block = request.block if request.kind == REQ_BLOCK else None
 
     async def provided(awaitable: Awaitable[Any], what: str) -> Any:
