@@ -197,9 +197,12 @@ class DeploymentBook:
 
     def append(self, event: ScaleEvent) -> ScaleEvent:
         """Record ``event`` under the next sequence number; raises :class:`InvalidRequest` for an unknown
-        action or a deployment that does not exist."""
+        action or a time that is not finite, :class:`UnknownDeployment` for a deployment that does not exist."""
         if event.action not in ACTIONS:  # route changes are logged by change_route only
             raise InvalidRequest(f"scale event action {event.action!r} is not one of {', '.join(ACTIONS)}")
+        if not math.isfinite(event.at):  # it would be stored, and refused when the store is loaded again
+            raise InvalidRequest(f"scale event of package {event.package_id!r}: at must be a finite time, "
+                                 f"got {event.at}")
         if event.package_id not in self.deployments:
             raise UnknownDeployment.named(event.package_id)
         return self._record(event)

@@ -43,7 +43,7 @@ from control_plane.convert import (
 from control_plane.auth import DENIED, current_principal
 from control_plane.collector import collector_off
 from control_plane.deployments import DeploymentBook
-from control_plane.routes import describe as describe_route
+from control_plane.routes import ModelRoute, describe as describe_route
 from control_plane.errors import (
     ERROR_TRAILER,
     Conflict,
@@ -59,7 +59,7 @@ from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, Worker
 from control_plane.planner.plan import Plan
 from control_plane.pipeline_forming import Formed, PipelineFormer, PipelineQuery
 from control_plane.state import ActivePlan, ControlState, Notice, ScaleUpDraft
-from control_plane.store import FencedError, Store
+from control_plane.store import FencedError, PendingFlush, Store
 from packager.errors import ManifestError
 from packager.manifest import validate_manifest
 from pipecast.core.credentials import (
@@ -222,18 +222,40 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                 pending = self.store.begin_flush(self.state, self.book, wait=False)
                 routes = dict(self.book.routes)  # as taken: shown once written
                 if pending is not None:
+                    shown = self.book.written_routes
+                    commit = asyncio.ensure_future(asyncio.to_thread(pending.commit))
                     try:
-                        await asyncio.to_thread(pending.commit)
+                        await asyncio.shield(commit)
+                    except asyncio.CancelledError:
+                        # The caller is gone (its deadline, a stop), the commit's thread is not: restored now,
+                        # its keys would be written twice. They are dirty again only if it fails.
+                        commit.add_done_callback(functools.partial(self._committed, pending, routes, shown))
+                        raise
                     except BaseException as exc:
-                        pending.restore()
-                        if isinstance(exc, FencedError) and self.on_fenced is not None:
-                            self.on_fenced(exc)
+                        self._commit_failed(pending, exc)
                         raise
                     self.book.written_routes = routes
                     return
             if not durable:
                 return
             await asyncio.sleep(STORE_BUSY_RETRY_S)
+
+    def _committed(self, pending: PendingFlush, routes: dict[str, ModelRoute], shown: dict[str, ModelRoute],
+                   commit: asyncio.Future[None]) -> None:
+        """The end of a commit whose caller was cancelled meanwhile: what the caller would have done."""
+        if commit.cancelled():  # the loop stops: written or not, writing it again is harmless
+            pending.restore()
+        elif (error := commit.exception()) is not None:
+            log.warning("a flush whose caller was cancelled failed, its changes stay dirty: %s", error)
+            self._commit_failed(pending, error)
+        elif self.book.written_routes is shown:  # else a later flush, written after this one, showed its routes
+            self.book.written_routes = routes
+
+    def _commit_failed(self, pending: PendingFlush, error: BaseException) -> None:
+        """The keys of ``pending`` are dirty again; a deposed leader steps down."""
+        pending.restore()
+        if isinstance(error, FencedError) and self.on_fenced is not None:
+            self.on_fenced(error)
 
     def flush(self) -> None:
         """Write the state's changes to the store (if any)."""
@@ -445,12 +467,18 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     @_rpc
     async def ListPipelines(self, request: pb.ListPipelinesRequest,
                             context: grpc.aio.ServicerContext) -> pb.ListPipelinesResponse:
+        if request.package_id:
+            self.state.package(request.package_id)  # one asked for by id must be published
         packages = [request.package_id] if request.package_id else sorted(self.state.packages)
         found = []
         for package_id in packages:
+            # Routers poll the whole listing: a package removed while others were formed is left out, not an error.
+            if package_id not in self.state.packages:
+                continue
             for pipeline, info in await self._pipelines_of(package_id):  # none without a layout
-                if all((w := self.state.workers.get(node)) is not None and w.alive for node in pipeline.nodes):
-                    found.append(info)  # else formed a moment ago, and a member died since
+                if package_id in self.state.packages and all(
+                        (w := self.state.workers.get(node)) is not None and w.alive for node in pipeline.nodes):
+                    found.append(info)  # else formed a moment ago, and the package was removed or a member died since
         return pb.ListPipelinesResponse(pipelines=found)
 
     async def _pipelines_of(self, package_id: str) -> Formed:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import uuid
 from collections import deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -227,6 +228,10 @@ class ControlState:
         if spec.memory_bytes <= 0:
             raise InvalidRequest(f"worker {node!r} registered with memory budget {spec.memory_bytes}: "
                                  "it must be positive")
+        # Not finite, it would be stored and then refuse the next start-up; negative, it means nothing.
+        if not math.isfinite(spec.link_mbit) or spec.link_mbit < 0:
+            raise InvalidRequest(f"worker {node!r} registered with link rate {spec.link_mbit} Mbit/s: it must be a "
+                                 "finite number >= 0 (0: unknown)")
         blocks, unknown = self._parse_reports(node, held)
         on_disk, unknown_cached = self._parse_reports(node, cached or {})
         old = self.workers.get(node)
@@ -346,6 +351,7 @@ class ControlState:
             del self.releases[key]
             self.dirty.releases.add(key)
         self.dropping = {k for k in self.dropping if k[0] != package_id}
+        self.progress = {k: samples for k, samples in self.progress.items() if k[0] != package_id}
         self.cached.pop(package_id, None)
         self.dirty.availability.update((package_id, node) for node in availability.by_worker)
         del self.availability[package_id]
@@ -560,8 +566,10 @@ class ControlState:
         """Drop a package from workers: each stays a source for ``keep_alive_s`` (a later scale-up may
         take it back), then leaves the package's plans and is told to drop it. Returns the drop time."""
         self.package(package_id)
-        if keep_alive_s < 0:
-            raise InvalidRequest(f"release of package {package_id!r}: keep-alive must be >= 0, got {keep_alive_s}")
+        # NaN would never fall due, and neither it nor infinity could be stored and loaded again.
+        if not math.isfinite(keep_alive_s) or keep_alive_s < 0:
+            raise InvalidRequest(f"release of package {package_id!r}: keep-alive must be a finite number >= 0, "
+                                 f"got {keep_alive_s}")
         availability = self.availability[package_id]
         for node in node_ids:
             self.alive_worker(node)
@@ -848,6 +856,8 @@ class ControlState:
         plan, changed = repair(active.plan, dead=gone, held=held, sources=sources, labels=labels,
                                fanout=active.fanout, parts=active.parts)
         active.pending.difference_update(gone)
+        for node in gone:  # out of the plan: _install clears only the receivers left
+            self.progress.pop((active.package_id, node), None)
         self._install(active, plan, changed)
         active.replans += 1
         self.replan_count += 1
@@ -896,6 +906,8 @@ class ControlState:
         for key in [k for k in self.releases if k[1] in nodes]:
             del self.releases[key]
             self.dirty.releases.add(key)
+        # Of every package, also where _repair keeps them (no other source): node ids churn, samples would pile up.
+        self.progress = {k: samples for k, samples in self.progress.items() if k[1] not in nodes}
         for active in list(self.plans.values()):
             gone = nodes & active.parts.keys()
             if gone:

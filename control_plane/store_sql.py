@@ -97,6 +97,10 @@ class Statements:
             t.name: f"{self.insert[t.name]} ON CONFLICT ({', '.join(t.key)}) DO UPDATE SET "
                     + ", ".join(f"{name} = excluded.{name}" for name in t.names if name not in t.key)
             for t in TABLES.values()}
+        # A row written already stays: a flush restored after a commit whose outcome was unknown (a connection
+        # lost at COMMIT, the task awaiting it cancelled) writes its scale events again.
+        self.insert_once = {t.name: f"{self.insert[t.name]} ON CONFLICT ({', '.join(t.key)}) DO NOTHING"
+                            for t in TABLES.values()}
         self.delete = {t.name: f"DELETE FROM {t.name} WHERE " + " AND ".join(f"{k} = {p}" for k in t.key)
                        for t in TABLES.values()}
         self.schema_version = "SELECT value FROM meta WHERE key = 'schema_version'"
@@ -146,7 +150,7 @@ def _problem(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
 
 
-# A write: (statement kind: "upsert", "delete" or "insert", table, rows of parameters, or what makes them: the
+# A write: (statement kind: "upsert", "delete" or "insert_once", table, rows of parameters, or what makes them: the
 # commit's thread encodes what was copied from the state on the event loop).
 Change = tuple[str, str, list[tuple] | Callable[[], list[tuple]]]
 
@@ -209,7 +213,7 @@ def book_changes(book: DeploymentBook, deployments: set[str], events: list[Scale
     for table, keys, current in (("deployments", deployments, book.deployments), ("routes", routes, book.routes)):
         present = [(key, _compact(current[key].to_json())) for key in keys if key in current]
         changes += [("upsert", table, present), ("delete", table, [(key,) for key in keys if key not in current])]
-    changes.append(("insert", "scale_events", [(e.seq, e.package_id, _compact(e.to_json())) for e in events]))
+    changes.append(("insert_once", "scale_events", [(e.seq, e.package_id, _compact(e.to_json())) for e in events]))
     return changes
 
 

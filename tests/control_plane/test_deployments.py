@@ -124,6 +124,17 @@ def test_events_get_growing_sequence_numbers_and_filters():
         book.append(ScaleEvent(at=0.0, package_id="zz", action="hold"))
 
 
+@pytest.mark.parametrize("at", [float("inf"), float("-inf"), float("nan")])
+def test_an_event_whose_time_is_not_finite_is_refused_before_it_is_recorded(at):
+    """Stored, it would make the next start-up refuse the database."""
+    book = DeploymentBook()
+    book.put(Deployment("a", ScalingPolicy()), ["a"], 0.0)
+    with pytest.raises(InvalidRequest,
+                       match=re.escape(f"scale event of package 'a': at must be a finite time, got {at}")):
+        book.append(ScaleEvent(at=at, package_id="a", action="hold"))
+    assert book.last_seq == 0 and not book.new_events and not book.events
+
+
 async def test_deployments_and_events_over_grpc_survive_a_restart(tmp_path):
     db = tmp_path / "cp.sqlite3"
     server = ControlPlaneServer(config(db))

@@ -27,6 +27,7 @@ from control_plane.errors import (
     ControlPlaneUnavailable,
     InvalidRequest,
     PermissionDenied,
+    StoreError,
     Unauthenticated,
     UnknownPackage,
     UnknownWorker,
@@ -35,7 +36,11 @@ from benchmarks.certs import have_openssl, make_certs
 from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.pipeline_forming import PipelineCandidates
 from control_plane.collector import GC_YOUNG_THRESHOLD, tune_collector
+from control_plane.metrics import ControlMetrics
 from control_plane.server import ControlPlaneServer, ServerConfig
+from control_plane.service import ControlPlaneService
+from control_plane.state import ControlState
+from control_plane.store_sqlite import SqliteStore
 from control_plane.worker_session import WorkerSession
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.manifest import MANIFEST_FORMAT_VERSION, manifest_to_json, seal_manifest
@@ -704,6 +709,34 @@ async def test_pipelines_are_formed_in_a_thread_once_for_calls_at_once_and_again
         assert len(formed) == 2 and [s.node_id for s in pipeline.stages] == ["w1", "w2"]
 
 
+async def test_listing_every_packages_pipelines_leaves_out_a_package_removed_meanwhile(tmp_path, monkeypatch):
+    kept, removed = sorted((manifest("kept"), manifest("removed")), key=lambda m: m.package_id)
+    forming, go, run = threading.Event(), threading.Event(), PipelineCandidates.run
+
+    def held_run(query):
+        forming.set()
+        go.wait(WAIT_S)
+        return run(query)
+    async with ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=60.0)) as server, \
+            ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as client:
+        for published in (kept, removed):
+            await client.publish_package(published, STORE)
+        for node, blocks in (("w1", [0, 1]), ("w2", [2, 3])):
+            worker = spec(node)
+            await client.register(WorkerSpec(worker.peer, worker.memory_bytes,
+                                             serve_url=f"http://127.0.0.1:{8000 + int(node[1:])}"))
+            await client.report_blocks(node, {kept.package_id: blocks})
+        monkeypatch.setattr(PipelineCandidates, "run", held_run)
+        try:
+            listing = asyncio.create_task(client.list_pipelines())  # as a router polls it
+            assert await asyncio.to_thread(forming.wait, WAIT_S)  # the first package's pipelines are being formed
+            await client.remove_package(removed.package_id)
+        finally:
+            go.set()
+        [pipeline] = await listing
+    assert pipeline.package_id == kept.package_id and [s.node_id for s in pipeline.stages] == ["w1", "w2"]
+
+
 def test_the_control_plane_collects_young_garbage_less_often_and_keeps_the_older_thresholds():
     before = gc.get_threshold()
     try:
@@ -728,6 +761,56 @@ async def test_a_call_answering_once_durable_waits_for_a_busy_store_without_hold
     assert await asyncio.wait_for(append, WAIT_S) == 1
     with sqlite3.connect(tmp_path / "cp.sqlite3") as db:
         assert db.execute("SELECT count(*) FROM scale_events").fetchone() == (1,)
+
+
+class SlowStore(SqliteStore):
+    """A SQLite store whose commits wait for ``go`` (a slow disk), the first failing if ``fails``; it records the
+    scale events each commit wrote."""
+
+    def __init__(self, path: Path, fails: bool):
+        super().__init__(path)
+        self.committing, self.go, self.fails = threading.Event(), threading.Event(), fails
+        self.events_written: list[list[int]] = []
+
+    def _commit(self, changes) -> None:
+        self.committing.set()
+        self.go.wait(WAIT_S)
+        if self.fails:
+            self.fails = False
+            raise StoreError(f"control plane database {self.where}: cannot write: disk I/O error")
+        super()._commit(changes)
+        self.events_written.append([row[0] for _, table, rows in changes if table == "scale_events" for row in rows])
+
+
+@pytest.mark.parametrize("fails", [False, True])
+async def test_a_durable_flush_whose_caller_is_cancelled_is_written_again_only_if_its_commit_fails(tmp_path, fails):
+    store = SlowStore(tmp_path / "cp.sqlite3", fails)
+    state = ControlState(lease_s=LEASE_S)
+    service = ControlPlaneService(state, ControlMetrics(state), heartbeat_s=HEARTBEAT_S, store=store)
+    try:
+        state.publish(manifest(), STORE, now=0)
+        service.book.put(Deployment(PKG, ScalingPolicy()), state.packages, 0.0)
+        service.book.append(ScaleEvent(at=1.0, package_id=PKG, action="hold"))
+        call = asyncio.create_task(service.flush_encoded(durable=True))  # as AppendScaleEvent's
+        assert await asyncio.to_thread(store.committing.wait, WAIT_S)
+        call.cancel()  # the client's deadline passed, or the server stops
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert not state.dirty and not service.book.dirty  # not taken back while its commit may still go through
+        store.go.set()
+        if fails:
+            async def dirty_again() -> bool:
+                return bool(state.dirty) and service.book.dirty
+            await eventually(dirty_again, what="the failed commit's changes dirty again")
+        service.book.append(ScaleEvent(at=2.0, package_id=PKG, action="hold"))
+        await asyncio.wait_for(service.flush_encoded(durable=True), WAIT_S)  # waits for the store if still held
+        assert not state.dirty and not service.book.dirty
+        assert store.events_written == ([[1, 2]] if fails else [[1], [2]])
+    finally:
+        store.go.set()
+        store.close()
+    with sqlite3.connect(tmp_path / "cp.sqlite3") as db:
+        assert db.execute("SELECT seq FROM scale_events ORDER BY seq").fetchall() == [(1,), (2,)]
 
 
 async def test_routers_are_shown_a_route_change_only_once_it_is_written(server, client, tmp_path):

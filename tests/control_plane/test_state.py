@@ -1,6 +1,9 @@
 """The control plane's state model, without sockets: the availability maps, leases, scale-up plans,
 re-planning on death and bad peers, releases with keep-alive, and the SQLite round trip."""
 
+import dataclasses
+import re
+
 import pytest
 
 from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
@@ -80,6 +83,16 @@ def test_report_with_bad_block_index_changes_nothing():
     with pytest.raises(InvalidRequest, match=r"worker 'w0' reported block 8 of package 'pkg', which has blocks 0..7"):
         state.report("w0", {"pkg": [0, 8]}, {}, now=1)
     assert state.availability["pkg"].by_worker == {}
+
+
+@pytest.mark.parametrize("rate", [float("inf"), float("nan"), -1.0])
+def test_a_registration_whose_link_rate_is_not_a_finite_number_from_0_changes_nothing(rate):
+    """Stored, such a rate would make the next start-up refuse the database."""
+    state = cluster(0)
+    with pytest.raises(InvalidRequest, match=re.escape(f"worker 'w0' registered with link rate {rate} Mbit/s: it "
+                                                       "must be a finite number >= 0 (0: unknown)")):
+        state.register(dataclasses.replace(spec("w0"), link_mbit=rate), {}, now=1)
+    assert state.workers == {} and not state.dirty.workers
 
 
 def test_register_replaces_what_the_worker_was_known_to_hold():
@@ -466,6 +479,32 @@ def test_a_slow_chain_head_is_found_by_the_link_rate_it_declared():
     assert {a.parent for a in active.parts["w1"].fetch} == {"store"}
 
 
+def test_the_progress_of_a_receiver_that_left_its_plan_is_forgotten():
+    """Node ids churn: progress kept for receivers gone from every plan would pile up."""
+    state = cluster(4, block_bytes=BIG_BLOCK)
+    plan_id = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1).plan_id
+
+    def progress(now: float) -> None:
+        for node in sorted(state.plans[plan_id].pending):
+            state.report(node, {}, {}, now=now, progress={"pkg": BIG_BLOCK // 2})
+
+    progress(1)
+    assert set(state.progress) == {("pkg", node) for node in ("w0", "w1", "w2", "w3")}
+    state.deregister("w1")  # it stopped mid-plan
+    assert ("pkg", "w1") not in state.progress
+    progress(2)
+    for node in ("w0", "w3"):
+        state.heartbeat(node, now=LEASE + 1)
+    assert state.tick(now=LEASE + 2.5) == ["w2"]  # its lease lapsed mid-plan
+    assert ("pkg", "w2") not in state.progress
+    progress(LEASE + 3)
+    state.release("pkg", ["w3"], keep_alive_s=0, now=LEASE + 4)  # dropped mid-plan
+    assert ("pkg", "w3") not in state.progress
+    progress(LEASE + 5)
+    state.remove_package("pkg", force=True)
+    assert state.progress == {}
+
+
 # ----- release -----
 
 def test_a_worker_with_the_package_in_its_disk_cache_is_picked_first_until_it_forgets_it():
@@ -509,6 +548,17 @@ def test_scale_up_during_keep_alive_takes_the_worker_back():
     state.heartbeat("w0", now=35)
     state.tick(now=40)
     assert state.availability["pkg"].is_complete("w0")
+
+
+@pytest.mark.parametrize("keep_alive_s", [float("inf"), float("nan"), -1.0])
+def test_a_release_whose_keep_alive_is_not_a_finite_number_from_0_changes_nothing(keep_alive_s):
+    """NaN would never fall due; neither it nor infinity could be stored and loaded again."""
+    state = cluster(1)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    with pytest.raises(InvalidRequest, match=re.escape("release of package 'pkg': keep-alive must be a finite number "
+                                                       f">= 0, got {keep_alive_s}")):
+        state.release("pkg", ["w0"], keep_alive_s=keep_alive_s, now=2)
+    assert state.releases == {} and not state.dirty.releases and state.availability["pkg"].is_complete("w0")
 
 
 def test_release_without_keep_alive_drops_at_once_and_needs_a_holder():

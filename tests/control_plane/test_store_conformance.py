@@ -289,6 +289,23 @@ def test_a_failed_pending_flush_is_restored_dirty(backend, store):
             store.flush(state)
     finally:
         successor.close()
+
+
+def test_a_flush_restored_though_its_commit_went_through_writes_its_events_once(backend, store):
+    """The service restores a flush whose outcome it does not know (its commit's task cancelled): the events
+    written again must be neither stored twice nor refused, which would fail every later flush."""
+    state, book, _ = populated()
+    pending = store.begin_flush(state, book)
+    pending.commit()
+    pending.restore()
+    assert state.dirty and book.new_events
+    book.append(ScaleEvent(at=8.0, package_id="pkg", action="hold", reason="steady"))
+    assert store.flush(state) and store.flush_book(book)
+    assert backend.execute("SELECT seq FROM scale_events ORDER BY seq") == [(1,), (2,), (3,), (4,)]
+    _, again = loaded(backend)
+    assert again.list_events() == book.list_events()
+
+
 def test_a_deposed_holders_write_is_refused_and_nothing_of_it_is_written(backend, store):
     state, book, _ = populated()
     store.acquire_or_renew("a", "a:7000", 10, now=0)
