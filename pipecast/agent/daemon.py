@@ -15,7 +15,7 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from control_plane.messages import PeerInfo, WorkerSpec
 from pipecast.agent.budget import MemoryBudget
@@ -46,6 +46,7 @@ from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.core.errors import PipecastError
 from pipecast.core.settings import Settings
 from pipecast.core.units import format_bytes
+from pipecast.v1.manifest_pb2 import Manifest
 
 if TYPE_CHECKING:
     from pipecast.agent.control import ControlLink
@@ -122,6 +123,23 @@ class _AgentPeerServer(PeerServer):
         self._events.emit("peer_request", requester=requester, package=package_id, block=block)
 
 
+async def _open_in_thread(manifest: Manifest, **options: Any) -> BlockStore:
+    """:meth:`BlockStore.open` in a worker thread (re-hashing local blocks takes a while: not on the loop)."""
+    opening = asyncio.ensure_future(asyncio.to_thread(BlockStore.open, manifest, **options))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        # Cancelled (the package dropped meanwhile), the thread still opens the store, which holds its memory
+        # budget and buffers: whoever would have held it is gone, so it is closed as it comes.
+        opening.add_done_callback(_close_opened)
+        raise
+
+
+def _close_opened(opening: asyncio.Future) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
+
+
 class AgentDaemon:
     """One node agent. ``await run()`` until stopped."""
 
@@ -169,8 +187,8 @@ class AgentDaemon:
         try:
             if self.options.seed is not None:
                 seed = LocalPackageFolder(self.options.seed)
-                store = await asyncio.to_thread(BlockStore.open, seed.manifest, allocator=self.allocator,
-                                                budget=self.budget, local=seed, require_complete=True)
+                store = await _open_in_thread(seed.manifest, allocator=self.allocator, budget=self.budget,
+                                              local=seed, require_complete=True)
                 self._hold(store, cache=False)
                 if plan is not None and store.package_id != plan.package_id:
                     raise PlanFileError(f"{self.options.plan}: the plan is for package {plan.package_id[:12]} "
@@ -296,8 +314,8 @@ class AgentDaemon:
             origin = f"peer {peer}"
             if self.cache is not None:
                 await asyncio.to_thread(self.cache.write_manifest, manifest)
-        store = await asyncio.to_thread(BlockStore.open, manifest, allocator=self.allocator, budget=self.budget,
-                                        local=cached, manifest_origin=origin)
+        store = await _open_in_thread(manifest, allocator=self.allocator, budget=self.budget, local=cached,
+                                      manifest_origin=origin)
         if cached is not None:
             log.info("disk cache: %d of %d blocks of %s verified and served from %s",
                      len(store.verified_blocks()), len(manifest.blocks), package_id[:12], cached.root)

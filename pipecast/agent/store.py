@@ -103,14 +103,29 @@ class _BlockState:
         self.receives: dict[int, int] = {}  # chunk -> receives of it begun: a relay checks it still follows its own
         self.started_at: float | None = None
         self.verified_at: float | None = None
+        self.dropped: str | None = None  # why every wait on the block fails, once its package is dropped
 
     def bounds(self, chunk: int) -> tuple[int, int]:
         start = chunk * self.meta.chunk_bytes
         return start, min(start + self.meta.chunk_bytes, self.meta.bytes)
 
-    def cancel_waiters(self) -> None:
-        for fut in [*self.block_waiters, *(f for fs in self.chunk_waiters.values() for f in fs)]:
-            fut.cancel()
+    def wait_on(self, waiters: list[asyncio.Future]) -> asyncio.Future:
+        """A new future in ``waiters``, woken when what it waits for changes; :class:`UnknownPackageError`
+        once the package is dropped (a wait that begins after the drop too)."""
+        if self.dropped is not None:
+            raise UnknownPackageError(self.dropped)
+        fut = asyncio.get_running_loop().create_future()
+        waiters.append(fut)
+        return fut
+
+    def drop(self, reason: str) -> None:
+        """Fail every wait on the block with :class:`UnknownPackageError` (``reason``)."""
+        # Failed, not cancelled: a task serving a peer answers an ERROR (or ends the connection) and the peer
+        # learns at once; cancelled, it ended silently and left the peer to its I/O timeout.
+        self.dropped = reason
+        _fail([*self.block_waiters, *(f for fs in self.chunk_waiters.values() for f in fs)], reason)
+        self.block_waiters.clear()
+        self.chunk_waiters.clear()
 
     def free(self) -> None:
         """Release the memory; unmapping runs without the GIL, so a worker thread may do it."""
@@ -165,9 +180,7 @@ class LandingChunk:
             if landed is not None and min(landed, self.length - 1) > self.sent:
                 self._receive = state.receives[chunk]
                 return self._give(min(landed, self.length - 1))  # the last byte waits for the verification
-            fut = asyncio.get_running_loop().create_future()
-            state.chunk_waiters.setdefault(chunk, []).append(fut)
-            await fut
+            await state.wait_on(state.chunk_waiters.setdefault(chunk, []))
 
     def _give(self, upto: int) -> memoryview:
         view = self._state.readonly[self._start + self.sent:self._start + upto]
@@ -179,6 +192,12 @@ def _wake(waiters: list[asyncio.Future]) -> None:
     for fut in waiters:
         if not fut.done():
             fut.set_result(None)
+
+
+def _fail(waiters: list[asyncio.Future], reason: str) -> None:
+    for fut in waiters:
+        if not fut.done():
+            fut.set_exception(UnknownPackageError(reason))
 
 
 class BlockStore:
@@ -195,6 +214,7 @@ class BlockStore:
         self._reservation: Reservation | None = None
         self._listeners: list[Callable[[StoreEvent], None]] = []
         self._file_waiters: dict[str, list[asyncio.Future]] = {}
+        self._dropped: str | None = None  # why the store is closed, once it is
 
     @functools.cached_property
     def manifest_json(self) -> bytes:
@@ -334,17 +354,21 @@ class BlockStore:
             state.prefix_chunks += 1
         state.bytes_present += end - start
         now = time.time()
-        if state.started_at is None:
+        started, verified = state.started_at is None, state.n_present == state.count
+        if started:
             state.started_at = now
-            self._emit(StoreEvent("block_started", state.meta.index, peer, now))
-        if state.n_present == state.count:
+        # Waiters before listeners: the chunk is present, and its waiters woken, whatever a listener does.
+        _wake(state.chunk_waiters.pop(chunk, []))
+        if verified:
             state.verified_at = now
             _wake(state.block_waiters)
             state.block_waiters.clear()
+        if started:
+            self._emit(StoreEvent("block_started", state.meta.index, peer, now))
+        if verified:
             self._emit(StoreEvent("block_verified", state.meta.index, peer, now))
         elif state.prefix_chunks > prefix_chunks:
             self._emit(StoreEvent("prefix_verified", state.meta.index, peer, now))
-        _wake(state.chunk_waiters.pop(chunk, []))
 
     def add_file(self, path: str, data: bytes, peer: str) -> None:
         """Keep a small package file after checking it against the manifest; ``peer`` is who sent it."""
@@ -414,6 +438,8 @@ class BlockStore:
         return entry
 
     async def _file_progress(self, path: str) -> None:
+        if self._dropped is not None:
+            raise UnknownPackageError(self._dropped)
         fut = asyncio.get_running_loop().create_future()
         self._file_waiters.setdefault(path, []).append(fut)
         await fut
@@ -472,9 +498,7 @@ class BlockStore:
         if not 0 <= chunk < state.count:
             raise UnknownPackageError(f"block {block} has no chunk {chunk} (it has {state.count})")
         while not state.present[chunk]:
-            fut = asyncio.get_running_loop().create_future()
-            state.chunk_waiters.setdefault(chunk, []).append(fut)
-            await fut
+            await state.wait_on(state.chunk_waiters.setdefault(chunk, []))
         return state.readonly[slice(*state.bounds(chunk))]
 
     def relay_chunk(self, block: int, chunk: int) -> "LandingChunk":
@@ -503,9 +527,7 @@ class BlockStore:
         """Return once ``block`` is complete and verified."""
         state = self._state(block)
         while state.verified_at is None:
-            fut = asyncio.get_running_loop().create_future()
-            state.block_waiters.append(fut)
-            await fut
+            await state.wait_on(state.block_waiters)
 
     def block_view(self, block: int) -> memoryview:
         """Read-only view of a verified block's bytes (no copy)."""
@@ -537,9 +559,17 @@ class BlockStore:
 
     def _emit(self, event: StoreEvent) -> None:
         for listener in self._listeners:
-            listener(event)
+            # A listener's failure (e.g. the event log's disk full) is this node's: it must neither undo the
+            # chunk for the other listeners nor reach the transport, which would blame the peer that sent it.
+            try:
+                listener(event)
+            except Exception:
+                log.exception("a listener of package %s failed on %s of block %d", self.package_id[:12],
+                              event.kind, event.block)
 
     def _state(self, block: int) -> _BlockState:
+        if self._dropped is not None:
+            raise UnknownPackageError(self._dropped)
         if not 0 <= block < len(self._blocks):
             raise UnknownPackageError(f"package {self.package_id[:12]} has no block {block} "
                                       f"(it has {len(self._blocks)})")
@@ -550,14 +580,16 @@ class BlockStore:
         self.detach()()
 
     def detach(self) -> Callable[[], None]:
-        """Close the store but free nothing yet: waiters are cancelled and every later call finds no block
-        (the event loop's part). Returns what frees the buffers and gives the memory budget back, which a
-        worker thread may call (unmapping gigabytes takes a while: ~0.2 s for 2 GiB here)."""
+        """Close the store but free nothing yet: every wait on it, and every later call, fails with
+        :class:`UnknownPackageError` saying the package was dropped (the event loop's part). Returns what frees
+        the buffers and gives the memory budget back, which a worker thread may call (unmapping gigabytes takes
+        a while: ~0.2 s for 2 GiB here)."""
+        self._dropped = f"package {self.package_id[:12]} was dropped here"
         blocks, self._blocks = self._blocks, []
         for state in blocks:
-            state.cancel_waiters()
-        for fut in (f for fs in self._file_waiters.values() for f in fs):
-            fut.cancel()
+            state.drop(self._dropped)
+        _fail([f for fs in self._file_waiters.values() for f in fs], self._dropped)
+        self._file_waiters.clear()
         reservation, self._reservation = self._reservation, None
 
         def free() -> None:

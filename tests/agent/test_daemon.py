@@ -3,12 +3,16 @@ status and event log, and on stop closes its port and frees its blocks; without 
 data-plane key derives from the master token."""
 
 import asyncio
+import threading
 
 import pytest
 
+from pipecast.agent.cache import BlockCache
 from pipecast.agent.daemon import AgentDaemon, AgentOptions
 from pipecast.agent.errors import MemoryBudgetError, PeerAuthError, PeerConnectError, PlanFileError
 from pipecast.agent.events import read_events
+from pipecast.agent.fetcher import ChannelPool
+from pipecast.agent.store import BlockStore
 from pipecast.agent.transport.tcp import TcpTransport
 from pipecast.core.credentials import issue_node_token
 from pipecast.core.settings import Settings
@@ -97,3 +101,48 @@ def test_a_memory_reserve_larger_than_the_budget_is_refused_naming_both():
                                                 r"PIPECAST_AGENT_RESERVE_BYTES\) is larger than the memory budget "
                                                 r"\(1\.0 GiB, --memory\)"):
         AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
+
+
+async def test_a_store_whose_opening_is_cancelled_gives_its_memory_back(tiny_package, tmp_path, monkeypatch):
+    """A DROP while a cached package is re-hashed cancels the open, but the worker thread opens the store all the
+    same: it must be closed, or its budget would refuse every later assignment."""
+    package = tiny_package(layers=2, layer_bytes=100_000, chunk_bytes=64 << 10)
+    manifest = package.manifest
+    cache = BlockCache(tmp_path / "cache")
+    cache.write_manifest(manifest)  # and its files: neither needs a peer, no block is cached
+    for entry in manifest.files:
+        cache.write_file(manifest.package_id, entry.path, (package.path / entry.path).read_bytes())
+    settings = Settings(**{**SETTINGS, "agent_cache_dir": cache.root}, agent_memory_bytes=manifest.total_bytes)
+    daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
+    opening, go_on, opened = threading.Event(), threading.Event(), threading.Event()
+    open_store = BlockStore.open
+
+    def slow_open(*args, **kwargs) -> BlockStore:
+        opening.set()
+        go_on.wait(10)
+        try:
+            return open_store(*args, **kwargs)
+        finally:
+            opened.set()
+
+    monkeypatch.setattr(BlockStore, "open", slow_open)
+    transport = TcpTransport("rx", settings)
+    pool = ChannelPool(transport)
+    try:
+        assigned = asyncio.create_task(daemon.open_store(manifest.package_id, [], pool))
+        assert await asyncio.to_thread(opening.wait, 5)
+        assigned.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await assigned
+        go_on.set()
+        assert await asyncio.to_thread(opened.wait, 5)
+        async with asyncio.timeout(5):
+            while daemon.budget.used_bytes:
+                await asyncio.sleep(0.01)
+        store = await daemon.open_store(manifest.package_id, [], pool)  # assigned again: it fits
+        assert daemon.budget.used_bytes == manifest.total_bytes and store.missing_files() == []
+        store.close()
+    finally:
+        go_on.set()
+        await pool.close()
+        await transport.close()

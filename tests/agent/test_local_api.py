@@ -139,6 +139,18 @@ async def test_a_wait_ends_with_a_clear_error_as_soon_as_the_agent_goes_away(tmp
             await asyncio.wait_for(waiting, 10)
 
 
+async def test_a_wait_on_a_package_dropped_meanwhile_ends_saying_so(tmp_path):
+    """Not a connection closed with no reason (the wait was cancelled)."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, store, _, client):
+        reading = asyncio.ensure_future(asyncio.to_thread(client.package_file, "config.json", None, 30.0))
+        await asyncio.sleep(0.2)
+        assert not reading.done()  # the agent has no config.json yet
+        store.close()  # as the agent drops the package
+        with pytest.raises(LocalApiError, match=rf"agent.sock: UnknownPackageError: package "
+                                                rf"{manifest.package_id[:12]} was dropped here$"):
+            await asyncio.wait_for(reading, 5)
+
+
 async def test_a_subscriber_that_stops_reading_is_cut_off_not_kept_in_memory(tmp_path, monkeypatch):
     """An engine that subscribes and never reads must not grow the agent one event a chunk: past
     MAX_PENDING_EVENTS unread, its stream ends after what it was sent."""

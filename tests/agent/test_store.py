@@ -178,16 +178,60 @@ async def test_a_detached_store_knows_no_block_and_frees_its_memory_from_another
     budget = MemoryBudget(manifest.total_bytes)
     store = BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=budget)
     path = store.block_path(0)
-    waiter = asyncio.ensure_future(store.wait_block(0))
-    await asyncio.sleep(0)
     free = store.detach()
-    await asyncio.sleep(0)
-    assert waiter.cancelled()
-    with pytest.raises(UnknownPackageError):
+    dropped = rf"^package {manifest.package_id[:12]} was dropped here$"
+    with pytest.raises(UnknownPackageError, match=dropped):
         store.chunk_buffer(0, 0)
     assert os.path.exists(path) and budget.used_bytes == manifest.total_bytes  # nothing freed yet
     await asyncio.to_thread(free)
     assert not os.path.exists(path) and budget.used_bytes == 0
+
+
+async def test_every_wait_on_a_dropped_package_fails_saying_so(package):
+    """Failed, not cancelled: a task serving a peer from the store answers it at once (it would end silently)."""
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    store = receiving_store(manifest)
+    try:
+        begin_chunk(store, data, 0, 1, 10_000)
+        passing_on = store.relay_chunk(0, 1)
+        await passing_on.next()
+        waits = [store.wait_block(0), store.wait_chunk(0, 0), store.wait_prefix(1, 1), store.relay_chunk(0, 0).next(),
+                 passing_on.next(), store.wait_file("tokenizer.json"), store.wait_file_range("tokenizer.json", 0, 1)]
+        waiting = [asyncio.ensure_future(w) for w in waits]
+        await asyncio.sleep(0)
+        assert not any(w.done() for w in waiting)
+        store.close()
+        results = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 1)
+        dropped = f"package {manifest.package_id[:12]} was dropped here"
+        assert [(type(r), str(r)) for r in results] == [(UnknownPackageError, dropped)] * len(waits)
+        with pytest.raises(UnknownPackageError, match=f"^{dropped}$"):  # so does a wait that begins after the drop
+            await passing_on.next()
+    finally:
+        store.close()
+
+
+async def test_a_failing_listener_neither_undoes_a_chunk_nor_reaches_its_sender(package, caplog):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    store = receiving_store(manifest)
+    heard = []
+
+    def full_disk(event):
+        raise OSError(28, "No space left on device")
+
+    store.subscribe(full_disk)
+    store.subscribe(heard.append)
+    try:
+        waiter = asyncio.ensure_future(store.wait_chunk(0, 0))
+        await asyncio.sleep(0)
+        put_chunk(store, 0, 0, data)  # no error: the sender did nothing wrong
+        assert bytes(await asyncio.wait_for(waiter, 1)) == data[:CHUNK]
+        assert [(e.kind, e.block) for e in heard] == [("block_started", 0), ("prefix_verified", 0)]
+        assert (f"a listener of package {manifest.package_id[:12]} failed on block_started of block 0"
+                in caplog.text) and "No space left on device" in caplog.text
+    finally:
+        store.close()
 
 
 def test_seed_is_mapped_verified_and_costs_no_budget(package):

@@ -713,3 +713,64 @@ async def test_a_chain_of_relays_moves_the_package_exactly_with_or_without_piece
         await middle_listener.close()
         for store in (seed, middle, last):
             store.close()
+
+
+# -- a package dropped while a requester waits -----------------------------------------------------------------
+
+
+def drop(server: PeerServer, store: BlockStore) -> None:
+    """Drop ``store``'s package as the agent does (it serves it no more; its waits fail)."""
+    del server.stores[store.package_id]
+    store.close()
+
+
+@pytest.mark.parametrize("relay_bytes", [0, RELAY_BYTES])
+async def test_a_requester_waiting_for_a_chunk_of_a_dropped_package_is_refused_at_once(package, relay_bytes):
+    """Not left to its I/O timeout, which it would count against this node."""
+    _, manifest = package
+    relay, child = receiving_store(manifest), receiving_store(manifest)
+    server = PeerServer()
+    _, listener = await serve(server, relay, agent_relay_bytes=relay_bytes, io_timeout_s=30.0)
+    try:
+        rx = TcpTransport("rx", settings(agent_relay_bytes=relay_bytes, io_timeout_s=30.0))
+        channel = await rx.connect(listener.address, "relay")
+        fetching = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child, 1))
+        async with asyncio.timeout(5):
+            while not server.have_requested(manifest.package_id, ["rx"]):  # admitted: it waits for chunk 0
+                await asyncio.sleep(0.01)
+        drop(server, relay)
+        started = time.monotonic()
+        with pytest.raises(PeerRefusedError, match=rf"^peer relay: package {manifest.package_id[:12]} was dropped "
+                                                   "here$"):
+            await asyncio.wait_for(fetching, 5)
+        assert time.monotonic() - started < 1.0
+        await channel.close()
+    finally:
+        await listener.close()
+        relay.close()
+        child.close()
+
+
+async def test_a_chunk_passed_on_as_it_lands_of_a_dropped_package_ends_its_answer_at_once(package):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    relay, child = receiving_store(manifest), receiving_store(manifest)
+    buffer = relay.chunk_buffer(0, 0)  # the relay's own parent begins to send it chunk 0
+    buffer[:40_000] = data[:40_000]
+    relay.chunk_progress(0, 0, 40_000)
+    server = PeerServer()
+    _, listener = await serve(server, relay, agent_relay_bytes=RELAY_BYTES, io_timeout_s=30.0)
+    try:
+        rx = TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES, io_timeout_s=30.0))
+        channel = await rx.connect(listener.address, "relay")
+        fetching = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child, 1))
+        await asyncio.wait_for(child.relay_chunk(0, 0).next(), 5)  # part of chunk 0 reached the child
+        drop(server, relay)
+        started = time.monotonic()
+        with pytest.raises(PeerClosedError, match=r"^peer relay: closed the connection while sending block 0 "):
+            await asyncio.wait_for(fetching, 5)
+        assert time.monotonic() - started < 1.0 and not child.is_chunk_present(0, 0)
+    finally:
+        await listener.close()
+        relay.close()
+        child.close()
