@@ -9,7 +9,8 @@ Endpoints:
   and the request goes to another one (at most ``max_retries`` times, then 502 naming the workers). A
   worker's 429 sends the request back to the queue. Streaming answers (``text/event-stream``) are
   relayed event by event as they arrive; if the worker fails mid-stream, the client gets a final
-  ``data: {"error": {...}}`` event and the stream ends. Responses carry ``x-pipecast-worker`` and
+  ``data: {"error": {...}}`` event and the stream ends (a stream the worker ends with an error event of
+  its own, or without ``data: [DONE]``, counts as failed too). Responses carry ``x-pipecast-worker`` and
   ``x-pipecast-queue-seconds``; a streaming response's headers leave as soon as the worker answers
   with its own headers, before the first token.
 - ``GET /health``: the router's own state; ``GET /v1/workers``: the pool; ``GET /v1/models``: the served
@@ -105,6 +106,9 @@ FORWARDED_HEADERS = ("Content-Type", "Accept", "X-Request-Id")
 AUTH_HEADER = "Authorization"
 #: Retry-After of the router's own 429, and the back-off after a worker's 429 without a usable one.
 RETRY_AFTER_S = 1
+#: How a worker's stream ends when complete, and how the error event that ends a failed one begins.
+DONE_EVENT = b"data: [DONE]"
+ERROR_EVENT = b'data: {"error"'
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,17 @@ def complete_events_end(buffer: bytes | bytearray) -> int:
     ends = [buffer.rfind(separator) + len(separator) for separator in (b"\n\n", b"\r\n\r\n")
             if separator in buffer]
     return max(ends, default=0)
+
+
+def has_error_event(events: bytes | bytearray) -> bool:
+    """Whether whole Server-Sent Events ``events`` hold an error event (``data: {"error": ...}``, as a serving
+    worker ends a stream it failed). Token events cannot fake one: their text is JSON-escaped."""
+    return events.startswith(ERROR_EVENT) or b"\n" + ERROR_EVENT in events
+
+
+def ends_done(events: bytes | bytearray) -> bool:
+    """Whether the last of Server-Sent Events ``events`` is ``data: [DONE]`` (a JSON event ends with ``}``)."""
+    return events.rstrip(b"\r\n").endswith(DONE_EVENT)
 
 
 def sse_event(payload: dict) -> bytes:
@@ -492,7 +507,9 @@ class Router:
         """Relay a worker's event stream event by event; end it with an error event if the worker fails.
 
         Only whole events are passed on, so a worker dying mid-event never leaves the client a torn one
-        in front of the error event.
+        in front of the error event. A stream is answered only if it ends with ``data: [DONE]`` and holds no
+        error event: a worker that fails a request after its headers left (an engine error) ends the stream
+        with an error event of its own, which counts as failed and gives no TTFT sample if it came first.
         """
         response = web.StreamResponse(headers={"Content-Type": upstream.headers["Content-Type"],
                                                "Cache-Control": "no-cache", **timing})
@@ -500,6 +517,7 @@ class Router:
         pending = bytearray()
         first = True
         tokens = 0
+        refused = done = False  # an error event of the worker's seen; the last event [DONE]
         while True:
             try:
                 chunk = await upstream.content.readany()
@@ -509,15 +527,18 @@ class Router:
             if not chunk:
                 failure = None
                 break
-            if first:
-                self.metrics.ttft.observe(self.signals.answer_started(arrival, version))
-                first = False
             pending += chunk
             end = complete_events_end(pending)
-            if version is not None:  # per-version tokens/s: only routed requests pay for decoding events
-                tokens += stream_tokens(bytes(pending[:end]))
-            if end and not await self._send(response, bytes(pending[:end])):
-                return response
+            if end:
+                events = bytes(pending[:end])
+                refused, done = refused or has_error_event(events), ends_done(events)
+                if first and not events.startswith(ERROR_EVENT):  # the worker's error first is no first token
+                    self.metrics.ttft.observe(self.signals.answer_started(arrival, version))
+                first = False
+                if version is not None:  # per-version tokens/s: only routed requests pay for decoding events
+                    tokens += stream_tokens(events)
+                if not await self._send(response, events):
+                    return response
             del pending[:end]
             if len(pending) > self.config.max_event_bytes:  # buffered output stays bounded
                 failure = WorkerStreamError(worker.url, f"sent an event of more than {self.config.max_event_bytes} "
@@ -527,13 +548,21 @@ class Router:
         if failure is None:
             if pending:  # a last event without its blank line: the worker's stream, passed on as it is
                 await self._send(response, bytes(pending))
-            self.signals.answered(version, tokens)
-        else:
+                refused, done = refused or has_error_event(pending), ends_done(pending)
+            if not done and not refused:
+                failure = WorkerStreamError(worker.url, "ended its stream without data: [DONE]")
+        if failure is not None:
             log.warning("%s", failure)
             self.pool.record_failure(worker.url, str(failure), self.clock())
             self.metrics.failed.labels(worker.url, "mid_stream").inc()
             self.signals.failed(version)
             await self._send(response, sse_event(error_body(str(failure), "worker_failed", worker=worker.url)))
+        elif refused:  # the client has the worker's own error event: nothing to add
+            log.warning("worker %s ended a stream with an error event", worker.url)
+            self.metrics.failed.labels(worker.url, "error_event").inc()
+            self.signals.failed(version)
+        else:
+            self.signals.answered(version, tokens)
         try:
             async with asyncio.timeout(self.config.upstream_timeout_s):  # a client that stopped reading
                 await response.write_eof()

@@ -30,13 +30,15 @@ class RouterMetrics:
                                        ["tenant"], registry=self.registry)
         self.failed = Counter("pipecast_router_requests_failed",
                               "Requests that ended in an error because of a worker, by the stage it failed at "
-                              "(before_response: retries exhausted; mid_stream; error_status: a 5xx answer).",
+                              "(before_response: retries exhausted; mid_stream: lost, silent or without [DONE]; "
+                              "error_status: a 5xx answer; error_event: a stream the worker ended with an error).",
                               ["worker", "stage"], registry=self.registry)
         self.retried = Counter("pipecast_router_retries",
                                "Attempts that failed before reaching the client and went to another worker.",
                                ["worker"], registry=self.registry)
         self.ttft = Histogram("pipecast_router_ttft_seconds",
-                              "Streaming requests: arrival at the router to the first byte of the first chunk.",
+                              "Streaming requests: arrival at the router to the first whole event relayed "
+                              "(none for a stream that begins with the worker's error event).",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queued = Histogram("pipecast_router_queue_seconds",
                                 "Time requests that reached a worker had waited in the router for one.",

@@ -47,11 +47,12 @@ Which worker gets a request (:meth:`WorkerPool.choose`):
 Cross-node pipelines (:class:`PipelineUnit`, from the control plane through discovery) are candidates
 too, as one unit each: the request goes to the head stage's worker with the route in a header. A pipeline
 is a candidate only while no ready worker has room in its batch (a full worker serves each token without
-the hops), every member answers its health polls and none failed a request, and for at most
-``max_in_flight`` requests of this router. Among candidates it ranks after ready and partial workers of
-the same load, one whose stages hold their blocks before one still waiting for some: an idle pipeline
-beats a worker with a queue, which is how capacity appears before any node holds the whole model. A pipeline the control
-plane no longer lists (its members now hold the model) takes no new requests; those in flight finish on it.
+the hops), every member answers its health polls and none failed a request, its head's last 429 (the
+head's queue was full) is past its retry-after, and for at most ``max_in_flight`` requests of this router.
+Among candidates it ranks after ready and partial workers of the same load, one whose stages hold their
+blocks before one still waiting for some: an idle pipeline beats a worker with a queue, which is how
+capacity appears before any node holds the whole model. A pipeline the control plane no longer lists (its
+members now hold the model) takes no new requests; those in flight finish on it.
 
 A worker that failed a request stays unavailable until a health poll *started after* the failure says
 it can serve: an answer to a poll sent before the failure proves nothing about the worker now.
@@ -203,6 +204,9 @@ class PipelineUnit:
     routed: int = 0
     failed_at: float | None = None
     problem: str = ""
+    #: Until when (clock time) it is sent nothing after its head answered 429; no poll clears it early, as a
+    #: pipeline has no health of its own.
+    busy_until: float = 0.0
 
     @property
     def endpoint(self) -> str:
@@ -216,9 +220,10 @@ class PipelineUnit:
     def load(self) -> int:
         return self.in_flight
 
-    def can_take(self, members: Iterable["Worker | None"]) -> bool:
-        """Whether a new request may go through this pipeline, given its members' state in the pool."""
-        if self.failed_at is not None or self.in_flight >= self.max_in_flight:
+    def can_take(self, members: Iterable["Worker | None"], now: float) -> bool:
+        """Whether a new request may go through this pipeline at clock time ``now``, given its members' state
+        in the pool."""
+        if self.failed_at is not None or self.in_flight >= self.max_in_flight or now < self.busy_until:
             return False
         # A member's health is None unless its last poll was a 200 (failed or draining workers answer 503).
         return all(m is not None and m.health is not None and m.failed_at is None for m in members)
@@ -360,12 +365,15 @@ class WorkerPool:
             worker.problem = problem
 
     def record_busy(self, url: str, problem: str, at: float, retry_after_s: float) -> None:
-        """The worker answered 429 at ``at``: send it nothing for ``retry_after_s`` or until a newer poll shows room."""
+        """The worker at ``url``, or the head of the pipeline keyed ``url``, answered 429 at ``at``: send it
+        nothing for ``retry_after_s`` (a worker: or until a newer poll shows room)."""
         worker = self._workers.get(url)
         if worker is not None:
             worker.busy_at = at
             worker.busy_until = at + retry_after_s
             worker.problem = problem
+        elif (pipeline := self._pipelines.get(url)) is not None:
+            pipeline.busy_until = at + retry_after_s
 
     def _names(self) -> dict[str, set[str]]:
         if self._named is None:
@@ -408,7 +416,7 @@ class WorkerPool:
         if not any(w.health.status == "ready" and w.load < (w.health.max_batch or 1) for w in candidates):
             candidates += [p for p in self._pipelines.values()
                            if (package is None or p.package_id == package)
-                           and p.can_take(self._workers.get(url) for url in p.member_urls)]
+                           and p.can_take((self._workers.get(url) for url in p.member_urls), now)]
         if not candidates:
             return None
         def apart(unit: "Worker | PipelineUnit") -> tuple[int, int]:
@@ -421,8 +429,9 @@ class WorkerPool:
             (2, unit.waiting_blocks, unit.routed) if isinstance(unit, PipelineUnit) else
             (unit.health.status != "ready", -unit.health.fraction_present, _idle_order(unit))) + (unit.url,))
 
-    def begin(self, url: str, tenant: str = DEFAULT_TENANT) -> None:
-        """Count a request of ``tenant`` sent to ``url`` (a worker's, or a pipeline's key)."""
+    def begin(self, url: str, tenant: str = DEFAULT_TENANT) -> "Worker | PipelineUnit":
+        """Count a request of ``tenant`` sent to ``url`` (a worker's, or a pipeline's key); return the unit
+        counted, which :meth:`finish` takes when the request ends."""
         unit = self._workers.get(url) or self._pipelines[url]
         unit.in_flight += 1
         unit.tenants[tenant] = unit.tenants.get(tenant, 0) + 1
@@ -430,14 +439,13 @@ class WorkerPool:
         if isinstance(unit, Worker):
             unit.idle_since = None
         self._in_flight += 1
+        return unit
 
-    def finish(self, url: str, tenant: str = DEFAULT_TENANT) -> None:
-        """Count a request of ``tenant`` at ``url`` as done (a removed worker is ignored but for
-        :attr:`in_flight`)."""
+    def finish(self, unit: "Worker | PipelineUnit", tenant: str = DEFAULT_TENANT) -> None:
+        """Count a request of ``tenant`` that :meth:`begin` counted at ``unit`` as done. The very unit, not
+        the one at its URL now: a worker removed and listed again mid-request is a new one, which never
+        counted the request (its count would go negative and it would never turn idle)."""
         self._in_flight -= 1
-        unit = self._workers.get(url) or self._pipelines.get(url)
-        if unit is None:
-            return
         unit.in_flight -= 1
         left = unit.tenants.get(tenant, 0) - 1
         if left > 0:
@@ -576,7 +584,7 @@ class Dispatcher:
     def release(self, worker: Worker, tenant: str = DEFAULT_TENANT) -> None:
         """The request of ``tenant`` that :meth:`acquire` gave ``worker`` to has ended."""
         self._queue.finished(tenant, self.clock())
-        self.pool.finish(worker.url, tenant)  # calls _assign: the slot goes to whoever is next
+        self.pool.finish(worker, tenant)  # calls _assign: the slot goes to whoever is next
 
     def close(self) -> None:
         """Refuse new requests and fail every waiting one with :class:`RouterClosedError`."""

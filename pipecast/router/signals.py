@@ -4,10 +4,11 @@ Pure logic, no sockets; both clocks are injected (``clock``: monotonic, for dura
 time, for the answer's timestamps). Counters are cumulative since the router started, so a poller takes
 rates by differencing two answers and adds several routers' answers up; the rest (queue depth, requests in
 flight, each worker's idle time) is the state now. TTFT here is the router's: from a request's arrival at
-the router to the first body chunk relayed to the client (streaming) or to the whole answer (a
-non-streaming 200), over a sliding window of the last 60 s. The same counters (plus completion tokens) and
-TTFT window are kept per version of a served model (``versions``, by package id), which is what the
-canary gate (:mod:`pipecast.scaler.gate`) compares.
+the router to the first whole event relayed to the client (streaming; none when the worker's error event
+comes first: a stream it failed counts as failed) or to the whole answer (a non-streaming 200), over a
+sliding window of the last 60 s. The same counters (plus completion tokens) and TTFT window are kept per
+version of a served model (``versions``, by package id), which is what the canary gate
+(:mod:`pipecast.scaler.gate`) compares.
 """
 
 import json
@@ -200,7 +201,7 @@ class Signals:
             counts.rejected += 1
 
     def answer_started(self, arrival: float, version: str | None = None) -> float:
-        """The first chunk of an answer (or a whole non-streaming one) left for the client now; record and
+        """The first event of an answer (or a whole non-streaming one) left for the client now; record and
         return the TTFT of the request that arrived at clock time ``arrival``."""
         now = self.clock()
         self.ttft.add(now, now - arrival)
@@ -220,7 +221,7 @@ class Signals:
         self.counters.rejected += 1
 
     def failed(self, version: str | None = None) -> None:
-        """Count a 5xx answer or a stream ended by a worker's failure."""
+        """Count a 5xx answer or a stream ended by a worker's failure (its error event included)."""
         self.counters.failed += 1
         if of := self._version(version):
             of[0].failed += 1

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from pipecast.core.errors import PipecastError
 from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.core.urls import http_base_url
+from pipecast.engine.errors import EngineError
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.stage import SAMPLE_PARTS, StageOutput, StageRunner
 from pipecast.engine.streams import FINISH_CANCELLED, TokenStream, emit
@@ -561,6 +562,9 @@ class PipelineHead:
         except PipecastError as exc:
             log.warning("pipelined request failed after %d tokens: %s", len(history) - prompt_length, exc)
             stream.fail(exc)
+        except Exception as exc:  # torch's own errors, or a bug: the client's stream must still end, with an error
+            log.exception("pipelined request failed after %d tokens", len(history) - prompt_length)
+            stream.fail(EngineError(f"the engine failed while running this request: {exc}"))
         finally:
             if not closed:
                 self._close(route, session)

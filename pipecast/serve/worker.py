@@ -574,18 +574,27 @@ class ServingWorker:
             await self._wait_servable()
             if request.model not in (self.model_name, self.package_id):
                 raise ModelNotServedError(request.model, self.model_name)
+            codec = self._codec  # kept: released and back while the prompt is tokenized, the worker has none a while
             prompt = await self._prompt_ids(request)
+            # Released while the prompt was tokenized (the scaler took this replica as idle): 503, which the
+            # router retries elsewhere, not an AttributeError on the model gone meanwhile.
+            self._check_open()
             if request.max_tokens is None:  # a chat request without a limit: what the positions leave
                 request = replace(request, max_tokens=self._room(len(prompt)))
             if route is not None:
                 stream = await self._start_pipeline(route, prompt, request)
+                try:  # released while the prompt ran through the stages: the model its stream runs on closes
+                    self._check_open()
+                except ServeError:
+                    stream.cancel()
+                    raise
         finally:
             self._held -= 1
         if route is None:
             stream = self._submit(prompt, request)
         self._submitted += 1
         self.metrics.prompt_tokens.inc(len(prompt))
-        return Generation(self, stream, prompt, CompletionText(self._codec, prompt, request.stop), arrived)
+        return Generation(self, stream, prompt, CompletionText(codec, prompt, request.stop), arrived)
 
     def _submit(self, prompt: list[int], request: CompletionRequest) -> TokenStream:
         """Hand the prompt to this worker's engine."""

@@ -32,7 +32,8 @@ from pipecast.router.app import (QUEUE_HEADER, WORKER_HEADER, Router, RouterConf
                                  build_metrics_app)
 from pipecast.router.command import router_command, static_serving_key
 from pipecast.serve.app import error_response
-from pipecast.serve.errors import ServingKeyError
+from pipecast.serve.errors import ServeError, ServingKeyError
+from pipecast.serve.openai_api import error_body as worker_error_body, sse
 from pipecast.router.discovery import SERVE_URL_LABEL, ControlPlaneDiscovery, StaticDiscovery
 from pipecast.v1 import control_pb2 as pb
 from tests.control_plane.test_service import STORE, manifest
@@ -43,6 +44,8 @@ FAST = dict(health_interval_s=0.02, health_timeout_s=0.5, connect_timeout_s=1.0,
             discovery_interval_s=0.05)
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)
 BODY = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "stop": None}
+#: What a serving worker's engine says when a request fails in it (pipecast.engine.batching).
+ENGINE_FAILURE = "the engine failed while running this request: CUDA error: an illegal memory access"
 
 
 @dataclass
@@ -54,8 +57,10 @@ class FakeWorker:
     health_code: int = 200
     #: "answer", "busy" (429), "invalid" (400), "die_before" (abort without answering),
     #: "die_mid_stream" (after 2 events; its /health then answers 503, as a dead worker's would fail),
-    #: "endless_event" (a stream of bytes that never ends an event), "huge_answer" (8 MiB of JSON) or
-    #: "no_read" (takes a request's headers and never reads its body)
+    #: "endless_event" (a stream of bytes that never ends an event), "huge_answer" (8 MiB of JSON),
+    #: "no_read" (takes a request's headers and never reads its body), "engine_error" (a stream ended after
+    #: its tokens by the serving worker's error event, as when its engine fails) or "no_done" (a stream that
+    #: ends cleanly after its tokens without ``data: [DONE]``)
     behaviour: str = "answer"
     tokens: int = 3
     #: When set, a stream pauses after its first event until the test sets it.
@@ -123,7 +128,11 @@ class FakeWorker:
             await response.write(b"data: " + json.dumps({"choices": [{"text": f"t{index}"}]}).encode() + b"\n\n")
             if index == 0 and self.gate is not None:
                 await self.gate.wait()
-        await response.write(b"data: [DONE]\n\n")
+        if self.behaviour == "engine_error":
+            await response.write(sse(worker_error_body(ServeError(ENGINE_FAILURE))))
+            return response
+        if self.behaviour != "no_done":
+            await response.write(b"data: [DONE]\n\n")
         self.finished = True
         return response
 
@@ -327,6 +336,47 @@ async def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(cli
                 view = {worker["url"]: worker for worker in (await response.json())["workers"]}
             assert not view[dying.url]["available"]
             assert (await post(client, url))[1][WORKER_HEADER] == other.url
+
+
+@pytest.mark.parametrize("tokens", [0, 2])
+async def test_a_stream_the_worker_ends_with_its_error_event_counts_as_failed_not_answered(client, tokens):
+    """The worker's headers left before its engine failed the request: the failure arrives as the stream's
+    last event. The canary gate reads these counters: a failing version must not look answered (or fast)."""
+    async with workers(FakeWorker(behaviour="engine_error", tokens=tokens, model="m")) as (worker,):
+        async with router([worker.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
+                events = await read_events(response)
+            async with client.get(f"{url}/stats") as response:
+                stats = await response.json()
+            async with client.get(f"{url}/metrics") as response:
+                metrics = await response.text()
+    # the worker's own error event reaches the client once, and the router adds none
+    assert len(events) == tokens + 1 and json.loads(events[-1])["error"]["message"] == ENGINE_FAILURE
+    assert (stats["counters"]["answered"], stats["counters"]["failed"]) == (0, 1)
+    version = stats["versions"][worker.package_id]
+    assert (version["counters"]["answered"], version["counters"]["failed"]) == (0, 1)
+    # an error before any token is no first token: no TTFT sample (a broken version would look fast)
+    assert stats["ttft"]["count"] == version["ttft"]["count"] == (1 if tokens else 0)
+    assert f'pipecast_router_requests_failed_total{{stage="error_event",worker="{worker.url}"}} 1.0' in metrics
+    assert instance.pool.get(worker.url).failed_at is None  # the worker answered for itself: it stays available
+
+
+async def test_a_stream_that_ends_without_done_is_a_failure_of_the_worker(client):
+    async with workers(FakeWorker(behaviour="no_done", model="m")) as (worker,):
+        async with router([worker.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
+                events = await read_events(response)
+            async with client.get(f"{url}/stats") as response:
+                stats = await response.json()
+    assert events[:3] == ['{"choices": [{"text": "t0"}]}', '{"choices": [{"text": "t1"}]}',
+                          '{"choices": [{"text": "t2"}]}']
+    assert json.loads(events[3])["error"] == {"message": f"worker {worker.url}: ended its stream without data: [DONE]",
+                                              "type": "worker_failed", "worker": worker.url}
+    assert len(events) == 4
+    assert (stats["counters"]["answered"], stats["counters"]["failed"]) == (0, 1)
+    assert stats["versions"][worker.package_id]["counters"]["failed"] == 1
 
 
 # A worker process that streams one event and then stays silent; the test kills it with SIGKILL.

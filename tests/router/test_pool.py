@@ -4,7 +4,7 @@ import asyncio
 import json
 import pytest
 
-from pipecast.router.app import complete_events_end, retry_after_seconds
+from pipecast.router.app import complete_events_end, ends_done, has_error_event, retry_after_seconds
 from pipecast.router.discovery import (
     SERVE_URL_LABEL,
     ControlPlaneDiscovery,
@@ -84,8 +84,8 @@ def test_least_loaded_worker_is_chosen_counting_in_flight_and_reported_queue():
     pool.begin(B)
     pool.begin(B)  # b: 2 in flight -> c (1 queued) is now least loaded
     assert pool.choose(now=1.0).url == C
-    pool.finish(B)
-    pool.finish(B)
+    pool.finish(pool.get(B))
+    pool.finish(pool.get(B))
     assert pool.choose(now=1.0).url == B
 
 
@@ -134,8 +134,8 @@ def test_while_tenants_share_the_pool_a_request_goes_apart_from_the_others_and_b
     assert pool.choose(now=1.0, tenant="steady").url == C
     assert pool.choose(now=1.0, tenant="other").url == B  # fewest of other tenants' (1, then least loaded)
     assert pool.choose(now=1.0).url == B  # no tenant given (one active): least loaded only
-    pool.finish(A, "burst")
-    pool.finish(A, "burst")
+    pool.finish(pool.get(A), "burst")
+    pool.finish(pool.get(A), "burst")
     assert pool.workers()[0].tenants == {} and pool.choose(now=1.0, tenant="steady").url == C
     assert pool.choose(now=1.0, tenant="burst").url == A
 
@@ -151,8 +151,7 @@ def test_light_traffic_stays_on_the_worker_used_last_so_the_others_go_idle():
     for step in range(6):  # one request at a time: always the same worker, the others' idle time grows
         now[0] = 10.0 + step
         worker = pool.choose(now=now[0])
-        pool.begin(worker.url)
-        pool.finish(worker.url)
+        pool.finish(pool.begin(worker.url))
         chosen.append(worker.url)
     assert chosen == [C] * 6
     assert [round(w.idle_s(20.0), 1) for w in pool.workers()] == [20.0, 19.0, 5.0]
@@ -206,12 +205,33 @@ def test_avoided_workers_come_last_not_never():
 
 def test_sync_adds_and_removes_workers_and_ignores_late_finishes():
     pool = pool_of(a=health(), b=health())
-    pool.begin(A)
+    removed_worker = pool.begin(A)
     added, removed = pool.sync({B: "b", C: "c"})
     assert (added, removed) == ([C], [A])
-    pool.finish(A)  # a request that was in flight on a removed worker ends
+    pool.finish(removed_worker)  # a request that was in flight on a removed worker ends
     assert [worker.url for worker in pool.workers()] == [B, C]
     assert pool.get(C).status == "unknown"
+
+
+async def test_a_worker_removed_and_listed_again_mid_request_counts_only_its_own_requests():
+    now = [0.0]
+    pool = WorkerPool(clock=lambda: now[0])
+    pool.sync({A: "a"})
+    pool.record_health(A, health(), polled_at=0.0)
+    dispatcher = Dispatcher(pool, max_queue=4, queue_timeout_s=1.0, clock=lambda: now[0])
+    first = await dispatcher.acquire(arrival=0.0)
+    pool.sync({})  # discovery misses it once (a slow control plane answer)...
+    pool.sync({A: "a"})  # ...and lists it again while its request runs: a new Worker
+    pool.record_health(A, health(), polled_at=1.0)
+    second = await dispatcher.acquire(arrival=1.0)
+    assert second is pool.get(A) is not first
+    now[0] = 2.0
+    dispatcher.release(first)
+    assert (second.in_flight, second.load, second.idle_s(2.0)) == (1, 1, None)  # its own request still runs
+    now[0] = 3.0
+    dispatcher.release(second)
+    assert (second.in_flight, second.tenants, second.idle_s(5.0), pool.in_flight) == (0, {}, 2.0, 0)
+    assert first.in_flight == 0
 
 
 # --- the queue --------------------------------------------------------------------------------------
@@ -393,6 +413,18 @@ def test_only_whole_events_are_relayed(buffer, end):
     assert complete_events_end(buffer) == end
 
 
+@pytest.mark.parametrize("events, error, done", [
+    (b'data: {"choices": [{"text": "t"}]}\n\ndata: [DONE]\n\n', False, True),
+    (b'data: {"choices": [{"text": "t"}]}\n\ndata: {"error": {"message": "boom"}}\n\n', True, False),
+    (b'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n', True, True),  # as vLLM ends a failed stream
+    (b'data: {"choices": []}\r\n\r\ndata: [DONE]', False, True),
+    # a token's text can fake neither: JSON escapes its newlines and quotes
+    (b'data: {"choices": [{"text": "\\ndata: {\\"error\\": 1}\\ndata: [DONE]"}]}\n\n', False, False),
+])
+def test_a_streams_outcome_is_read_from_its_events(events, error, done):
+    assert (has_error_event(events), ends_done(events)) == (error, done)
+
+
 @pytest.mark.parametrize("value, seconds", [("3", 3.0), ("0.5", 0.5), (None, 1.0), ("-1", 1.0),
                                             ("Wed, 21 Oct 2015 07:28:00 GMT", 1.0)])
 def test_retry_after_of_a_worker(value, seconds):
@@ -455,7 +487,7 @@ def test_a_pipeline_serves_while_no_ready_worker_has_room_and_its_members_answer
     pool.begin(chosen.url)
     pool.begin(chosen.url)
     assert pool.choose(0.0) is None  # at its max in flight; c still lacks two blocks
-    pool.finish(chosen.url)
+    pool.finish(chosen)
     assert pool.choose(0.0).url == "pipeline:a+b"
     pool.record_unreachable("http://b:1", "connection refused")  # a member stops answering
     assert pool.choose(0.0) is None
@@ -474,14 +506,25 @@ def test_a_ready_worker_with_room_goes_first_and_a_full_one_after_an_idle_pipeli
 def test_a_dissolved_pipeline_takes_nothing_new_and_its_requests_finish():
     pool = pool_of(a=health("partial", present=4), b=health("partial", present=4))
     pool.sync_pipelines([pipeline("a", "b")])
-    pool.begin("pipeline:a+b")
+    dissolved = pool.begin("pipeline:a+b")
     assert pool.sync_pipelines([]) == ([], ["pipeline:a+b"])
     assert pool.choose(0.0) is None and pool.in_flight == 1
-    pool.finish("pipeline:a+b")
+    pool.finish(dissolved)
     assert pool.in_flight == 0
     pool.sync_pipelines([pipeline("a", "b")])
     pool.record_failure("pipeline:a+b", "answered 503", at=1.0)  # failed: out until discovery lists it anew
     assert pool.choose(2.0) is None
+
+
+def test_a_pipeline_whose_head_answered_429_waits_its_retry_after_instead_of_being_chosen_at_once():
+    pool = pool_of(a=health("partial", present=4), b=health("partial", present=4))
+    pool.sync_pipelines([pipeline("a", "b")])
+    pool.record_busy("pipeline:a+b", "worker pipeline:a+b: queue full (429), retry after 1 s", at=10.0,
+                     retry_after_s=1.0)
+    assert pool.choose(now=10.5) is None  # the router re-dispatching the request finds no candidate
+    pool.record_health(A, health("partial", present=4), polled_at=10.6)  # its members' polls do not clear it
+    assert pool.choose(now=10.9) is None
+    assert pool.choose(now=11.0).url == "pipeline:a+b"
 
 
 async def test_control_plane_discovery_turns_pipelines_into_routes():

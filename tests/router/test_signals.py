@@ -95,10 +95,10 @@ def test_a_workers_idle_time_runs_from_its_join_or_its_last_request():
     pool.begin(A)
     pool.begin(A)
     clock.now = 1020.0
-    pool.finish(A)
+    pool.finish(pool.get(A))
     assert pool.get(A).idle_s(1030.0) is None and pool.in_flight == 1  # still one in flight
     clock.now = 1025.0
-    pool.finish(A)
+    pool.finish(pool.get(A))
     assert pool.get(A).idle_s(1030.0) == 5.0 and pool.in_flight == 0
 
 
@@ -118,10 +118,10 @@ def test_a_worker_is_idle_from_when_it_began_to_serve_not_from_when_it_joined():
 def test_requests_at_a_removed_worker_stay_in_flight_until_they_end():
     pool = WorkerPool(FakeClock())
     pool.sync({A: "node-a"})
-    pool.begin(A)
+    worker = pool.begin(A)
     pool.sync({})
     assert pool.in_flight == 1
-    pool.finish(A)
+    pool.finish(worker)
     assert pool.in_flight == 0
 
 

@@ -246,6 +246,47 @@ async def test_a_released_package_finishes_the_requests_running_on_it_before_the
         await wait_until_async(lambda: model.engine._closed)
 
 
+async def test_a_model_released_while_a_prompt_is_tokenized_answers_503_not_500():
+    """The scaler's release races a request: the model goes while the request's prompt is tokenized on a
+    thread. It gets the 503 the router retries elsewhere, not an AttributeError (500) on the model gone."""
+    tokenizing, tokenized = threading.Event(), threading.Event()
+
+    class Codec:
+        def min_tokens(self, text):
+            return 1
+
+        def chat_ids(self, messages):
+            tokenizing.set()
+            assert tokenized.wait(5)
+            return [1, 2, 3]
+
+    class Model:  # what generate and _unload read of a LoadedModel
+        class engine:
+            class provider:
+                class manifest:
+                    package_id, model_name = "p" * 64, MODEL
+
+            class model:
+                config = None  # no max_position_embeddings: any prompt fits
+
+        def close(self):
+            pass
+
+    worker = ServingWorker(WorkerConfig("pkg"))
+    worker._load = lambda again=False: None  # the package does not come back here
+    worker._change = asyncio.Event()
+    worker._model, worker._codec = Model(), Codec()
+    request = asyncio.create_task(worker.generate(parse_chat_request({"model": MODEL, "messages": [
+        {"role": "user", "content": "hi"}]})))
+    assert await asyncio.to_thread(tokenizing.wait, 5)
+    await worker._unload()  # the agent dropped the package; nothing runs on the model, so it closes at once
+    tokenized.set()
+    with pytest.raises(ModelUnavailableError, match="^package pkg was released from this node; the worker waits "
+                                                    "for it to come back$"):
+        await request
+    assert worker.queue_depth == 0
+
+
 async def test_a_released_model_still_draining_closes_when_the_worker_stops_waiting_for_it(pkg):
     agent = GatedAgent(pkg)
     async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, worker, _, http):

@@ -40,6 +40,9 @@ from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.transport.base import PeerAuth
 from pipecast.core.credentials import data_plane_key, serving_headers, serving_key
+from pipecast.engine.errors import EngineError
+from pipecast.engine.sampling import SamplingParams
+from pipecast.engine.stage import StageOutput
 from pipecast.serve.errors import ServingKeyUnknownError, WorkerClosingError
 from pipecast.serve import worker as worker_module
 from pipecast.serve.worker import WorkerConfig
@@ -478,6 +481,42 @@ async def test_a_call_waiting_for_its_turn_when_the_stage_queue_closes_is_droppe
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert ran == ["a"]
+
+
+async def test_a_pipelined_decode_failing_outside_the_engine_fails_the_stream_instead_of_leaving_it_open(caplog):
+    class Runner:  # the head's own layers: the prompt runs, the first decode step hits a torch error
+        def __init__(self):
+            self.closed = []
+
+        def run(self, session, layers, position, *, tokens, params, timeout):
+            if position:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return StageOutput(token=7)
+
+        def parts(self, layers):
+            return []
+
+        def waiter(self, parts):
+            return None
+
+        def close(self, session):
+            self.closed.append(session)
+
+    runner, queue = Runner(), StageQueue()
+    head = PipelineHead(runner, None, queue)
+    got = []
+    try:
+        stream = await head.start((Hop("http://head:1", range(0, 6)),), [1, 2, 3], SamplingParams(max_tokens=8))
+        with pytest.raises(EngineError, match=r"^the engine failed while running this request: CUDA error: an "
+                                              r"illegal memory access was encountered$"):
+            async with asyncio.timeout(5):  # before, it stayed open and silent for good
+                async for token in stream:
+                    got.append(token)
+    finally:
+        queue.close()
+    assert got == [7] and len(runner.closed) == 1
+    [failure] = [r for r in caplog.records if r.getMessage() == "pipelined request failed after 1 tokens"]
+    assert failure.exc_info[0] is RuntimeError  # logged with its traceback: not an error of the engine's own
 
 
 # "auto": the tail's held call makes the route slow against the head's own estimate, so it moves
