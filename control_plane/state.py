@@ -526,8 +526,8 @@ class ControlState:
 
     def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float) -> ScaleUpResult:
         """Start ``plan``, built from ``draft``, and tell its nodes. If the cluster changed since the draft
-        (a receiver or source gone, a receiver taken by another plan of the package), the scale-up is drafted
-        and planned again here, synchronously."""
+        (a receiver or source gone, a receiver taken by another plan of the package, a source or unchanged
+        worker told to drop it), the scale-up is drafted and planned again here, synchronously."""
         package_id, receivers = draft.package_id, draft.receivers
         if not self._draft_holds(draft):
             node_ids, count, strategy, fanout = draft.request
@@ -551,16 +551,25 @@ class ControlState:
         return ScaleUpResult(active.plan_id, draft.strategy, draft.sources, receivers, draft.unchanged)
 
     def _draft_holds(self, draft: "ScaleUpDraft") -> bool:
-        """Whether ``draft``'s receivers and worker sources are still alive and no receiver has joined another
-        plan of the package meanwhile."""
-        if draft.package_id not in self.packages:
+        """Whether ``draft``'s receivers and worker sources are still alive, no receiver has joined another
+        plan of the package meanwhile, and its worker sources and unchanged workers still hold the package
+        (a keep-alive release may have fallen due meanwhile: told to drop it, one is neither)."""
+        package_id = draft.package_id
+        if package_id not in self.packages:
             return False
-        store = self.packages[draft.package_id].store.node_id
+        store = self.packages[package_id].store.node_id
         if not all(n == store or (n in self.workers and self.workers[n].alive) for n in (*draft.receivers,
                                                                                          *draft.sources)):
             return False
+        plans = [p for p in self.plans.values() if p.package_id == package_id]
         receivers = set(draft.receivers)
-        return not any(p.package_id == draft.package_id and receivers & p.parts.keys() for p in self.plans.values())
+        if any(receivers & p.parts.keys() for p in plans):
+            return False
+        # Receiving counts for a source too: the tail of a chain in progress that new receivers hang behind.
+        receiving = {n for p in plans for n in p.pending}
+        availability = self.availability[package_id]
+        return all((availability.is_complete(n) or n in receiving) and (package_id, n) not in self.dropping
+                   for n in (*draft.unchanged, *draft.sources) if n != store)
 
     def release(self, package_id: str, node_ids: Sequence[str], keep_alive_s: float, now: float) -> float:
         """Drop a package from workers: each stays a source for ``keep_alive_s`` (a later scale-up may

@@ -214,6 +214,26 @@ def test_a_scale_up_planned_while_the_cluster_changed_is_drafted_again_at_instal
     assert_complete_plan(state, result.plan_id, set(result.receivers))
 
 
+@pytest.mark.parametrize("request_, receivers", [({"count": 2}, ("w0", "w1")),
+                                                 ({"node_ids": ["w1", "w2"]}, ("w1", "w2")),
+                                                 ({"node_ids": ["w2"]}, ("w2",))])
+def test_a_scale_up_whose_holder_dropped_the_package_while_it_was_planned_is_drafted_again(request_, receivers):
+    state = cluster(3)
+    state.report("w1", {"pkg": range(BLOCKS)}, {}, now=1)
+    state.release("pkg", ["w1"], keep_alive_s=1, now=1)
+    draft = state.draft_scale_up("pkg", **request_)
+    assert draft.sources == ("w1", "store") and draft.unchanged == (("w1",) if "w1" in receivers else ())
+    plan = draft.build()  # in a thread: meanwhile the keep-alive falls due on the event loop
+    state.tick(now=2.5)
+    assert Notice("w1", UpdateKind.DROP, "pkg") in state.notices
+    result = state.install_scale_up(draft, plan, now=3)
+    # w1 neither sends nor counts as holding what it was told to drop: a named or picked w1 receives it again.
+    assert result.sources == ("store",) and result.unchanged == () and result.receivers == receivers
+    assert_complete_plan(state, result.plan_id, set(receivers))
+    # Its verified reports sent before the DROP still do not count, unless it was assigned the package again.
+    assert (("pkg", "w1") in state.dropping) == ("w1" not in receivers)
+
+
 def test_scale_up_prefers_workers_holding_the_package_as_sources_rotated_with_the_idle_store_beside():
     state = cluster(6)
     for node in ("w4", "w5"):
