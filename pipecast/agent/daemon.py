@@ -165,7 +165,7 @@ class AgentDaemon:
         self.listener: Listener | None = None
         self.transport: Transport | None = None
         self._stop = asyncio.Event()
-        self._cache_writes: set[asyncio.Task] = set()
+        self._cache_writes: dict[asyncio.Task, BlockStore] = {}  # each write under way, and whose block it is
         self._local_api: LocalApiServer | None = None
         self._from_cache = 0
 
@@ -277,8 +277,11 @@ class AgentDaemon:
 
     async def package_complete(self, store: BlockStore) -> None:
         """Log and record that every block of ``store`` is verified, once the disk cache has them too."""
-        if self._cache_writes:
-            await asyncio.gather(*self._cache_writes)
+        # This store's writes only, shielded: a cancelled wait (its package dropped) must cancel no write, least
+        # of all another package's, whose own wait would then end in a CancelledError of nobody's asking.
+        writes = [task for task, owner in self._cache_writes.items() if owner is store]
+        if writes:
+            await asyncio.shield(asyncio.gather(*writes))
         progress = store.progress()
         seconds = progress.elapsed_s or 0.0
         log.info("agent %s: package %s complete: %d blocks (%d from the disk cache), %s in %.3f s (%s)",
@@ -396,8 +399,8 @@ class AgentDaemon:
         # A view of its own (a slice): the package may be dropped, its views released, while the write runs.
         task = asyncio.get_running_loop().create_task(
             asyncio.to_thread(self.cache.write_block, store.manifest, block, store.block_view(block)[:]))
-        self._cache_writes.add(task)
-        task.add_done_callback(self._cache_writes.discard)
+        self._cache_writes[task] = store
+        task.add_done_callback(self._cache_writes.pop)
 
     def peer_failed(self, what: str, peer: PeerInfo, error: Exception) -> None:
         """Record a failed fetch from ``peer`` in the event log."""

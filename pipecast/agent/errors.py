@@ -16,7 +16,8 @@ class PeerError(AgentError):
 
 
 class PeerConnectError(PeerError):
-    """The peer could not be reached within the connect timeout (refused, unreachable, too slow)."""
+    """The peer could not be reached within the connect timeout (refused, unreachable, unresolvable, too slow,
+    or the TLS handshake with it failed)."""
 
 
 class PeerTimeoutError(PeerError):
@@ -86,6 +87,11 @@ class CorruptFileError(PeerError):
 
 class MemoryBudgetError(AgentError):
     """A package does not fit in the agent's memory budget; refused rather than swapped."""
+
+
+class LocalResourceError(AgentError):
+    """This node ran short of a resource of its own (file descriptors, socket buffers, memory, local ports)
+    while connecting to a peer: no peer's fault, so no peer is blamed for it."""
 
 
 class LocalPackageError(AgentError):

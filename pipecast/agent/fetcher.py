@@ -14,7 +14,9 @@ chain forwards them like blocks instead of each hop waiting for its parent's who
 Whatever goes wrong with a peer's answer is that peer's failure, logged, reported and followed by the next
 peer: a fetch never dies of a peer's bytes. A failure that is not a :class:`PeerError` already (a parser or
 transport bug provoked by odd bytes) becomes one naming the peer (:func:`peer_failure`); only this node's
-own errors (:class:`AgentError`, e.g. the store was dropped meanwhile) end a fetch.
+own errors (:class:`AgentError`, e.g. the store was dropped meanwhile) end a fetch. A unit's connection this node
+lacks the resources for (:class:`LocalResourceError`) is tried again like a failed parent, without blaming
+it, and ends the fetch only once the parent's retries are spent.
 """
 
 import asyncio
@@ -32,6 +34,7 @@ from pipecast.agent.errors import (
     CorruptChunkError,
     CorruptFileError,
     FetchFailedError,
+    LocalResourceError,
     PeerError,
     PeerProtocolError,
 )
@@ -350,6 +353,13 @@ class Fetcher:
                 try:
                     await self._fetch_from(fetch, peer, what)
                     return
+                except LocalResourceError as exc:
+                    # This node's shortage (e.g. of file descriptors) may pass as other transfers end: the same
+                    # peer again, unblamed, rather than ending the fetch and the units under way with it.
+                    if attempt == self.policy.retries:
+                        raise
+                    log.warning("%s from %s: %s; trying again", what, peer, exc)
+                    continue
                 except Exception as exc:  # any failure on a peer's answer: retry, or the next peer
                     if _own_failure(exc):
                         raise

@@ -16,7 +16,7 @@ from pipecast.agent.store import BlockStore
 from pipecast.agent.transport.tcp import TcpTransport
 from pipecast.core.credentials import issue_node_token
 from pipecast.core.settings import Settings
-from tests.support.agent_fixtures import block_file_bytes, receiving_store
+from tests.support.agent_fixtures import block_file_bytes, land_chunk, receiving_store
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -144,5 +144,58 @@ async def test_a_store_whose_opening_is_cancelled_gives_its_memory_back(tiny_pac
         store.close()
     finally:
         go_on.set()
+        await pool.close()
+        await transport.close()
+
+
+async def test_a_cancelled_wait_for_cache_writes_leaves_another_packages_wait_and_every_write_alone(
+        tiny_package, tmp_path, monkeypatch):
+    """A DROP cancels its follower's wait for the package's disk-cache writes: the other package's wait must still
+    end in its completion, and no write (the dropped package's included) be cancelled."""
+    packages = [tiny_package(name=f"pkg{n}", seed=n, layers=1, layer_bytes=100_000, chunk_bytes=64 << 10)
+                for n in range(2)]
+    cache = BlockCache(tmp_path / "cache")
+    for package in packages:  # the manifests and small files from the cache: no peer needed
+        cache.write_manifest(package.manifest)
+        for entry in package.manifest.files:
+            cache.write_file(package.manifest.package_id, entry.path, (package.path / entry.path).read_bytes())
+    settings = Settings(**{**SETTINGS, "agent_cache_dir": cache.root})
+    events = tmp_path / "rx.jsonl"
+    daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0", events=events), settings)
+    release = threading.Event()
+    write_block = BlockCache.write_block
+
+    def held_write(self, *args) -> bool:
+        release.wait(10)
+        return write_block(self, *args)
+
+    monkeypatch.setattr(BlockCache, "write_block", held_write)
+    transport = TcpTransport("rx", settings)
+    pool = ChannelPool(transport)
+    stores = []
+    try:
+        for package in packages:
+            store = await daemon.open_store(package.manifest.package_id, [], pool)
+            stores.append(store)
+            data = block_file_bytes(package.path, package.manifest, 0)
+            for chunk in range(store.chunk_count(0)):
+                land_chunk(store, data, 0, chunk)  # block 0 verified: its cache write starts, and is held
+        dropped, kept = (asyncio.create_task(daemon.package_complete(store)) for store in stores)
+        await asyncio.sleep(0.05)  # both wait on the held writes
+        dropped.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await dropped
+        release.set()
+        await asyncio.wait_for(kept, 5)
+        async with asyncio.timeout(5):  # the dropped package's write was not cancelled: it lands too
+            while [cache.cached_blocks(p.manifest.package_id) for p in packages] != [[0], [0]]:
+                await asyncio.sleep(0.01)
+        daemon.events.close()
+        assert [e["package"] for e in read_events(events) if e["event"] == "complete"] == \
+            [packages[1].manifest.package_id]
+    finally:
+        release.set()
+        for store in stores:
+            store.close()
         await pool.close()
         await transport.close()

@@ -19,8 +19,10 @@ to the kernel's autotuning (small fixed buffers slowed chains down, DESIGN 5).
 """
 
 import asyncio
+import errno
 import logging
 import os
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from pipecast.agent.errors import (
     AnswerAbandonedError,
+    LocalResourceError,
     PeerAuthError,
     PeerClosedError,
     PeerConnectError,
@@ -91,6 +94,8 @@ WRITE_LOW_WATER = 1 << 20
 # mark: a requester that reads nothing makes the server hold at most MAX_BUFFERED_OUTPUT bytes.
 WRITE_SLICE = 1 << 20
 MAX_BUFFERED_OUTPUT = WRITE_HIGH_WATER + WRITE_SLICE + TCP_HEADER.size
+# Connect failures that are this node's shortage, not the peer's: blaming the peer would report a good parent.
+LOCAL_CONNECT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
 
 
 @dataclass
@@ -675,8 +680,19 @@ class TcpTransport(Transport):
             protocol.abort(PeerConnectError(peer, "gave up connecting"))
             raise PeerConnectError(peer, f"no connection to {address} within {self.connect_timeout_s:g} s") \
                 from None
+        # TLS and resolver errors before other OSErrors: their errnos are OpenSSL's and getaddrinfo's, not the OS's.
+        except ssl.SSLCertVerificationError as exc:
+            raise PeerConnectError(peer, f"TLS handshake with {address} failed: its certificate is not trusted "
+                                         f"here ({exc.verify_message})") from None
+        except ssl.SSLError as exc:
+            raise PeerConnectError(peer, f"TLS handshake with {address} failed ({exc})") from None
+        except socket.gaierror as exc:
+            raise PeerConnectError(peer, f"cannot resolve {address} ({exc.strerror})") from None
         except OSError as exc:
-            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            # asyncio's own errors may have no errno, nor text (a connection lost mid-handshake): then their type
+            reason = os.strerror(exc.errno) if exc.errno else (str(exc) or type(exc).__name__)
+            if exc.errno in LOCAL_CONNECT_ERRNOS:
+                raise LocalResourceError(f"cannot connect to {address}: {reason} on this node") from None
             raise PeerConnectError(peer, f"cannot connect to {address} ({reason})") from None
         except BaseException as exc:
             protocol.abort(exc if isinstance(exc, PeerError) else PeerClosedError(peer, "connection abandoned"))

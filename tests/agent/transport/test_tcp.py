@@ -5,8 +5,10 @@ connection caps, lying lengths. What every transport must do is in test_conforma
 
 import asyncio
 import contextlib
+import errno
 import importlib.util
 import logging
+import re
 import socket
 import time
 import tracemalloc
@@ -20,6 +22,7 @@ from control_plane.planner.plan import Fetch
 from pipecast.agent.errors import (
     CorruptChunkError,
     FetchFailedError,
+    LocalResourceError,
     PeerClosedError,
     PeerConnectError,
     PeerError,
@@ -308,6 +311,69 @@ async def test_fetcher_without_fallback_fails_naming_the_parent(package):
     assert str(caught.value).startswith("block 0 could not be fetched from any peer (PeerClosedError: peer parent@")
     assert [peer for peer, _ in caught.value.attempts] == [str(caught.value.attempts[0][0])] * 2
     assert isinstance(caught.value.attempts[1][1], PeerConnectError)
+
+
+async def test_an_unresolvable_peer_address_fails_with_the_resolvers_reason():
+    with pytest.raises(socket.gaierror) as resolving:
+        socket.getaddrinfo("no-such-host.invalid", 1)
+    with pytest.raises(PeerConnectError) as caught:
+        await TcpTransport("rx", settings()).connect("no-such-host.invalid:1", "ghost")
+    assert str(caught.value) == f"peer ghost: cannot resolve no-such-host.invalid:1 ({resolving.value.strerror})"
+
+
+def connects_failing(monkeypatch, times: int) -> None:
+    """The loop's next ``times`` connections fail for want of file descriptors here (EMFILE); later ones connect."""
+    loop = asyncio.get_running_loop()
+    create_connection = loop.create_connection
+    left = [times]
+
+    async def short_of_files(*args, **kwargs):
+        if left[0]:
+            left[0] -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return await create_connection(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "create_connection", short_of_files)
+
+
+async def test_a_connect_failing_for_this_nodes_own_resources_blames_no_peer(monkeypatch):
+    connects_failing(monkeypatch, 1)
+    with pytest.raises(LocalResourceError) as caught:
+        await TcpTransport("rx", settings()).connect("127.0.0.1:1", "seed")
+    assert not isinstance(caught.value, PeerError)  # a fetcher ends, or retries, rather than giving up on the peer
+    assert str(caught.value) == "cannot connect to 127.0.0.1:1: Too many open files on this node"
+
+
+@pytest.mark.parametrize("shortage", [2, 3], ids=["passing", "lasting"])
+async def test_a_fetcher_retries_a_parent_it_had_no_resources_to_reach_without_blaming_it(package, monkeypatch,
+                                                                                          shortage):
+    """A shortage here that passes within the parent's retries loses nothing; one that lasts ends the fetch with
+    it, and no parent is reported or given up on either way."""
+    root, manifest = package
+    seed = seed_store(root)
+    _, listener = await serve(PeerServer(), seed)
+    store = receiving_store(manifest)
+    pool = ChannelPool(TcpTransport("rx", settings()))
+    failures = []
+    fetcher = Fetcher(store, pool, FetchPolicy(retries=2, backoff_s=0.01),
+                      on_peer_failure=lambda what, peer, exc: failures.append(exc))
+    connects_failing(monkeypatch, shortage)
+    try:
+        fetching = fetcher.fetch([Fetch(0, PeerInfo("seed", listener.address))])
+        if shortage == 2:
+            await fetching
+            assert store.verified_blocks() == [0]
+        else:
+            with pytest.raises(LocalResourceError,
+                               match=rf"^cannot connect to {listener.address}: Too many open files on this node$"):
+                await fetching
+            assert store.verified_blocks() == []
+        assert failures == [] and fetcher.failed_peers == set()
+    finally:
+        await pool.close()
+        await listener.close()
+        store.close()
+        seed.close()
 
 
 async def test_a_failed_channel_takes_its_peers_idle_channels_with_it(package):
@@ -625,6 +691,12 @@ async def test_with_certificates_the_data_plane_is_mutual_tls(package, tmp_path)
             with pytest.raises(PeerError):
                 channel = await TcpTransport("rx", outsider).connect(listener.address, "seed")
                 await channel.fetch_file(manifest.package_id, "manifest.json")
+        # A node that trusts another CA: the peer's certificate fails here, in the handshake, and the message says so.
+        distrustful = settings(**{**tls, "tls_ca": stranger["other-ca.pem"]})
+        with pytest.raises(PeerConnectError, match=rf"^peer seed: TLS handshake with {re.escape(listener.address)} "
+                                                   r"failed: its certificate is not trusted here \(self.signed "
+                                                   r"certificate in certificate chain\)$"):
+            await TcpTransport("rx", distrustful).connect(listener.address, "seed")
     finally:
         await listener.close()
         seed.close()
