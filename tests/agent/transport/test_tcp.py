@@ -707,13 +707,20 @@ async def test_with_certificates_the_data_plane_is_mutual_tls(package, tmp_path)
 RELAY_BYTES = 16 << 10
 
 
+def relay_mid_chunk(manifest: Manifest, payload: bytes) -> tuple[BlockStore, BlockStore, memoryview]:
+    """A relay receiving chunk 0 of block 0 (its buffer filled with ``payload``, its first 40,000 bytes told as
+    landed) and an empty child store; and the relay's buffer of the chunk, to land the rest in."""
+    relay, child = receiving_store(manifest), receiving_store(manifest)
+    buffer = relay.chunk_buffer(0, 0)  # the relay's own parent begins to send it chunk 0
+    buffer[:len(payload)] = payload
+    relay.chunk_progress(0, 0, 40_000)
+    return relay, child, buffer
+
+
 async def test_a_relay_passes_a_chunk_on_as_it_lands_and_its_end_once_verified(package):
     root, manifest = package
     data = block_file_bytes(root, manifest, 0)
-    relay, child = receiving_store(manifest), receiving_store(manifest)
-    buffer = relay.chunk_buffer(0, 0)  # the relay's own parent begins to send it chunk 0
-    buffer[:40_000] = data[:40_000]
-    relay.chunk_progress(0, 0, 40_000)
+    relay, child, buffer = relay_mid_chunk(manifest, data[:40_000])
     _, listener = await serve(PeerServer(), relay, agent_relay_bytes=RELAY_BYTES)
     try:
         channel = await TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES)).connect(listener.address, "relay")
@@ -737,10 +744,7 @@ async def test_a_relay_whose_upstream_sent_a_corrupt_chunk_closes_its_answer_and
     caplog.set_level(logging.INFO, logger="pipecast.agent.transport.wire")
     root, manifest = package
     data = block_file_bytes(root, manifest, 0)
-    relay, child = receiving_store(manifest), receiving_store(manifest)
-    buffer = relay.chunk_buffer(0, 0)
-    buffer[:] = bytes(CHUNK)  # what a faulty upstream sends: not the chunk
-    relay.chunk_progress(0, 0, 40_000)
+    relay, child, _ = relay_mid_chunk(manifest, bytes(CHUNK))  # what a faulty upstream sends: not the chunk
     _, listener = await serve(PeerServer(), relay, agent_relay_bytes=RELAY_BYTES)
     try:
         rx = TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES))
@@ -826,10 +830,7 @@ async def test_a_requester_waiting_for_a_chunk_of_a_dropped_package_is_refused_a
 async def test_a_chunk_passed_on_as_it_lands_of_a_dropped_package_ends_its_answer_at_once(package):
     root, manifest = package
     data = block_file_bytes(root, manifest, 0)
-    relay, child = receiving_store(manifest), receiving_store(manifest)
-    buffer = relay.chunk_buffer(0, 0)  # the relay's own parent begins to send it chunk 0
-    buffer[:40_000] = data[:40_000]
-    relay.chunk_progress(0, 0, 40_000)
+    relay, child, buffer = relay_mid_chunk(manifest, data[:40_000])
     server = PeerServer()
     _, listener = await serve(server, relay, agent_relay_bytes=RELAY_BYTES, io_timeout_s=30.0)
     try:
