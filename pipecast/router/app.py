@@ -5,8 +5,9 @@ Endpoints:
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: the body goes to a worker unchanged, at the
   same path. While no worker can take it, the
   request waits in the router's queue (beyond ``max_queue`` waiting: 429 with ``Retry-After``; past the
-  queue deadline: 503). A worker that fails before anything reached the client is marked unavailable
-  and the request goes to another one (at most ``max_retries`` times, then 502 naming the workers). A
+  queue deadline, ``queue_timeout_s`` after its arrival: 503). A worker that fails before anything reached
+  the client is marked unavailable and the request goes to another one (at most ``max_retries`` times, then
+  502 naming the workers; also 502 naming them when the retry finds no worker before the queue deadline). A
   worker's 429 sends the request back to the queue. Streaming answers (``text/event-stream``) are
   relayed event by event as they arrive; if the worker fails mid-stream, the client gets a final
   ``data: {"error": {...}}`` event and the stream ends (a stream the worker ends with an error event of
@@ -395,6 +396,8 @@ class Router:
             except QueueFullError as exc:
                 return self._reject(exc, 429, "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
             except QueueTimeoutError as exc:
+                if failures:  # the deadline counts from arrival: a worker that went silent may have spent it
+                    return self._failed_for_good(RetriesExhaustedError(failures, exc), version)
                 return self._reject(exc, 503, "queue_timeout", version=version)
             except RouterClosedError as exc:
                 return self._reject(exc, 503, "shutting_down", version=version)
@@ -413,17 +416,22 @@ class Router:
                 self.pool.record_failure(worker.url, str(exc), self.clock())
                 failures.append(exc)
                 if len(failures) > self.config.max_retries:
-                    log.warning("request failed for good: %s", exc)
-                    self.metrics.failed.labels(worker.url, "before_response").inc()
-                    self.signals.failed(version)
-                    return web.json_response(
-                        error_body(str(RetriesExhaustedError(failures)), "worker_failed", worker=worker.url,
-                                   attempts=[failure.worker for failure in failures]),
-                        status=502, headers={WORKER_HEADER: worker.url})
+                    return self._failed_for_good(RetriesExhaustedError(failures), version)
                 log.warning("retrying on another worker: %s", exc)
                 self.metrics.retried.labels(worker.url).inc()
             finally:
                 dispatcher.release(worker, tenant)
+
+    def _failed_for_good(self, error: RetriesExhaustedError, version: str | None) -> web.Response:
+        """The 502 of a request that failed on workers and is not retried, naming them (the last one in the
+        ``x-pipecast-worker`` header)."""
+        last = error.failures[-1].worker
+        log.warning("request failed for good: %s", error)
+        self.metrics.failed.labels(last, "before_response").inc()
+        self.signals.failed(version)
+        return web.json_response(error_body(str(error), "worker_failed", worker=last,
+                                            attempts=[failure.worker for failure in error.failures]),
+                                 status=502, headers={WORKER_HEADER: last})
 
     def _reject(self, error: RouterError, status: int, reason: str,
                 headers: dict[str, str] | None = None, version: str | None = None) -> web.Response:
@@ -673,10 +681,15 @@ class Router:
 
 
 ROUTER = web.AppKey("router", Router)
+#: aiohttp ``AppRunner`` options the router's app is served with: a client that disconnects cancels its handler,
+#: so a request waiting in the queue gives its place up at once, not at its deadline, and one at a worker is
+#: cancelled there too (the worker's connection closes).
+RUNNER_OPTIONS: dict[str, Any] = {"handler_cancellation": True}
 
 
 def build_app(router: Router) -> web.Application:
-    """The aiohttp application of ``router``; it starts the router with the app and closes it after.
+    """The aiohttp application of ``router``, to serve with :data:`RUNNER_OPTIONS`; it starts the router with
+    the app and closes it after.
 
     On shutdown the queue is failed at once (503 ``shutting_down``) while requests already at a worker
     finish within the runner's shutdown timeout.

@@ -10,7 +10,7 @@ from pipecast.core.credentials import data_plane_key, parse_node_token, serving_
 from pipecast.core.httpserve import listening, serve_until_signalled
 from pipecast.core.settings import Settings, TenantLimit, load_settings
 from pipecast.router.admission import AdmissionConfig
-from pipecast.router.app import Router, RouterConfig, build_app, build_metrics_app
+from pipecast.router.app import RUNNER_OPTIONS, Router, RouterConfig, build_app, build_metrics_app
 from pipecast.router.discovery import ControlPlaneDiscovery, Discovery, StaticDiscovery
 from pipecast.router.errors import WorkerUrlError
 
@@ -51,7 +51,7 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
     listening, fails its queued requests (503) and gives requests already at a worker ``drain_timeout_s``
     to finish before closing.
     """
-    await serve_until_signalled(build_app(router), host, port, drain_timeout_s, announce)
+    await serve_until_signalled(build_app(router), host, port, drain_timeout_s, announce, **RUNNER_OPTIONS)
 
 
 @click.command("router")
@@ -60,8 +60,9 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
               help="Port to listen on (0: any free port, printed at start).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Also serve /metrics alone on this port, to anyone (0: any free port; settings: "
-                   "router_metrics_port; off unless given). With an auth_token the main port's /metrics answers only "
-                   "the serving key: expose this port to Prometheus, inside the cluster only.")
+                   "router_metrics_port, also from PIPECAST_ROUTER_METRICS_PORT or the config file; unset: off). With "
+                   "an auth_token the main port's /metrics answers only the serving key: expose this port to "
+                   "Prometheus, inside the cluster only.")
 @click.option("--worker", "workers", multiple=True, metavar="URL",
               help="Base URL of a serving worker, e.g. http://10.0.0.5:8000 (repeatable).")
 @click.option("--vllm-worker", "vllm_workers", multiple=True, metavar="URL",

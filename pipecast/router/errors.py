@@ -114,12 +114,13 @@ class HealthAnswerError(WorkerError):
 
 
 class RetriesExhaustedError(RouterError):
-    """Every attempt to serve a request failed on a worker; ``failures`` holds each, in order."""
+    """Every attempt to serve a request failed on a worker; ``failures`` holds each, in order. ``then``: the
+    retry found no worker before the request's queue deadline (the workers' failures are still the cause)."""
 
-    def __init__(self, failures: list[WorkerFailedError]) -> None:
+    def __init__(self, failures: list[WorkerFailedError], then: QueueTimeoutError | None = None) -> None:
         super().__init__(f"request failed on {len(failures)} attempt(s): "
-                         + "; ".join(str(failure) for failure in failures))
-        self.failures = failures
+                         + "; ".join(str(failure) for failure in failures) + (f"; then {then}" if then else ""))
+        self.failures, self.then = failures, then
 
 
 def describe_exception(exc: BaseException, timeout_s: float) -> str:

@@ -75,17 +75,17 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
            package_id: str = "", nodes: Collection[str] | None = None) -> Signals:
     """One :class:`Signals` from the parsed answers of every router (None: that router was silent).
     Workers are named by their control-plane node id (``node_of_url`` maps serve URLs to it). A router that
-    routes ``package_id`` as a version of a served name gives that version's queue, requests and TTFT,
-    not its totals: a canary's deployment scales for its share of the traffic. Requests that wait there for
-    no version (the router could not tell theirs: no deployment has their model's name, no worker names it,
-    nor did one since the router started) count in every version's queue: they may be this deployment's,
-    and none may wait for a pool that no signal would ever grow. ``nodes``: the deployment's pool (the nodes
-    holding or receiving ``package_id``); where given, only their workers count as serving, ready, queued at or
-    idle: a router in front of several packages (a canary beside its stable version) lists every one's."""
-    got = [a if package_id not in a["versions"] else {**a, **a["versions"][package_id],
-                                                      "queue_depth": a["versions"][package_id]["queue_depth"]
-                                                      + _unattributed(a)}
-           for a in answers if a is not None]
+    counts requests by version (its ``versions``) gives ``package_id``'s queue, requests and TTFT, not its
+    totals: a canary's deployment scales for its share of the traffic, and a deployment no request went to
+    there yet (a canary never chosen, a package beside a busy one) for none of it. Only a router without
+    versions (older, or none of its requests went to a package by name yet) gives its totals. Requests that
+    wait there for no version (the router could not tell theirs: no deployment has their model's name, no
+    worker names it, nor did one since the router started) count in every version's queue: they may be this
+    deployment's, and none may wait for a pool that no signal would ever grow. ``nodes``: the deployment's pool
+    (the nodes holding or receiving ``package_id``); where given, only their workers count as serving, ready,
+    queued at or idle: a router in front of several packages (a canary beside its stable version) lists every
+    one's."""
+    got = [_own(a, package_id) for a in answers if a is not None]
     idle: dict[str, float | None] = {}
     serving: set[str] = set()  # every router lists every worker: each counts once
     ready: set[str] = set()
@@ -111,6 +111,19 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
                    queued_at_workers=sum(queued.values()), arrived=sum(a["arrived"] for a in got),
                    answered=sum(a["answered"] for a in got),
                    serving=len(serving), ready=len(ready), ttft_p99_s=max(p99s, default=None), idle_s=idle)
+
+
+#: A version that no request went to at a router yet: the figures it would have.
+_UNSEEN = {"arrived": 0, "answered": 0, "queue_depth": 0, "in_flight": 0, "ttft_p99_s": None}
+
+
+def _own(answer: dict[str, Any], package_id: str) -> dict[str, Any]:
+    """``answer`` as far as ``package_id`` goes (:func:`add_up`): its version's figures plus the requests waiting
+    for no version, or its totals where it counts no version (or no package is asked for)."""
+    if not package_id or not answer["versions"]:
+        return answer
+    mine = answer["versions"].get(package_id, _UNSEEN)
+    return {**answer, **mine, "queue_depth": mine["queue_depth"] + _unattributed(answer)}
 
 
 def _unattributed(answer: Mapping[str, Any]) -> int:

@@ -161,3 +161,19 @@ def test_api_keys_are_not_a_command_line_option():
     result = CliRunner().invoke(router_command, ["--help"])
     assert result.exit_code == 0 and "--api-key" not in result.output
     assert "never from the command line" in " ".join(result.output.split())
+
+
+def test_the_metrics_port_is_turned_on_by_the_settings_too_as_its_help_says(monkeypatch):
+    # Found in review: the help said "off unless given", but PIPECAST_ROUTER_METRICS_PORT (or the config file)
+    # turns it on without the flag.
+    served = []
+
+    async def serve(config, static, settings, host, port, drain_timeout_s, metrics_port):
+        served.append(metrics_port)
+
+    monkeypatch.setattr("pipecast.router.command._serve", serve)
+    result = CliRunner().invoke(router_command, ["--worker", "http://127.0.0.1:1"],
+                                env={"PIPECAST_ROUTER_METRICS_PORT": "9103"})
+    assert result.exit_code == 0 and served == [9103]
+    help_text = " ".join(CliRunner().invoke(router_command, ["--help"]).output.split())
+    assert "PIPECAST_ROUTER_METRICS_PORT or the config file; unset: off" in help_text

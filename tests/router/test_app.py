@@ -28,7 +28,7 @@ from control_plane.routes import RouteChange
 from control_plane.server import ControlPlaneServer, ServerConfig
 from packager.manifest import seal_manifest
 from pipecast.core.credentials import SERVING_KEY_HEADER, data_plane_key, issue_node_token, serving_key
-from pipecast.router.app import (QUEUE_HEADER, WORKER_HEADER, Router, RouterConfig, build_app,
+from pipecast.router.app import (QUEUE_HEADER, RUNNER_OPTIONS, WORKER_HEADER, Router, RouterConfig, build_app,
                                  build_metrics_app)
 from pipecast.router.command import router_command, static_serving_key
 from pipecast.serve.app import error_response
@@ -138,9 +138,10 @@ class FakeWorker:
 
 
 @asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    """Serve ``app`` on a free loopback port; yield its base URL; clean up after."""
-    runner = web.AppRunner(app, shutdown_timeout=0.25)  # a fake's stalled handler is cut after this
+async def serving(app: web.Application, **runner_options) -> AsyncIterator[str]:
+    """Serve ``app`` on a free loopback port (``runner_options`` go to aiohttp's ``AppRunner``); yield its base
+    URL; clean up after."""
+    runner = web.AppRunner(app, shutdown_timeout=0.25, **runner_options)  # a fake's stalled handler is cut after this
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -148,6 +149,13 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def serving_router(instance: Router) -> AsyncIterator[str]:
+    """:func:`serving` ``instance``'s app as the router command does (with :data:`RUNNER_OPTIONS`)."""
+    async with serving(build_app(instance), **RUNNER_OPTIONS) as url:
+        yield url
 
 
 @asynccontextmanager
@@ -166,7 +174,7 @@ async def workers(*fakes: FakeWorker) -> AsyncIterator[list[FakeWorker]]:
 async def router(urls: list[str], serving_key: bytes = b"", **config) -> AsyncIterator[tuple[str, Router]]:
     """A router over the workers at ``urls`` (fast polling), served on a free port."""
     instance = Router(RouterConfig(**(FAST | config)), [StaticDiscovery(urls, serving_key=serving_key)])
-    async with serving(build_app(instance)) as url:
+    async with serving_router(instance) as url:
         yield url, instance
 
 
@@ -563,7 +571,7 @@ async def test_the_pools_views_answer_only_the_serving_key_where_the_router_has_
 
     source = ControlPlaneDiscovery(Lister(), "cp:1")
     instance = Router(RouterConfig(**(FAST | {"views_need_key": True})), [source])
-    async with serving(build_app(instance)) as url:
+    async with serving_router(instance) as url:
         async with client.get(f"{url}/stats", headers={SERVING_KEY_HEADER: key.hex()}) as response:
             assert (response.status, response.headers["Retry-After"]) == (503, "1")
             assert (await response.json())["error"]["code"] == "credentials_pending"
@@ -599,6 +607,27 @@ async def test_retries_are_bounded_and_end_in_502_naming_the_workers(client):
     assert sum(len(fake.bodies) for fake in fakes) == 2
 
 
+async def test_a_retry_past_the_queue_deadline_is_a_502_naming_the_failed_worker_not_a_queue_timeout(client):
+    # Found in review: the queue deadline counts from arrival, so after a worker that stayed silent longer than
+    # the queue timeout (300 s of silence against 120 s by default) the retry's wait ended at once in a 503 "no
+    # worker could take the request", the worker's failure dropped.
+    async with workers(FakeWorker(behaviour="die_before", gate=asyncio.Event())) as (silent,):
+        async with router([silent.url], queue_timeout_s=0.2, upstream_timeout_s=0.5) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            pending = asyncio.create_task(post(client, url))
+            await eventually(lambda: silent.bodies)
+            silent.health_code = 503  # down from now on: the retry finds no worker
+            status, headers, answer = await pending
+            async with client.get(f"{url}/metrics") as response:
+                metrics = await response.text()
+    assert status == 502 and headers[WORKER_HEADER] == silent.url
+    assert answer == {"error": {"type": "worker_failed", "worker": silent.url, "attempts": [silent.url], "message": (
+        f"request failed on 1 attempt(s): worker {silent.url}: no answer to POST /v1/completions: silent for more "
+        "than 0.5 s; then no worker could take the request within 0.2 s (1 workers known, 0 able to serve)")}}
+    assert f'pipecast_router_requests_failed_total{{stage="before_response",worker="{silent.url}"}} 1.0' in metrics
+    assert 'reason="queue_timeout"' not in metrics
+
+
 async def test_a_busy_worker_sends_the_request_back_to_the_queue_not_to_an_error(client):
     async with workers(FakeWorker(behaviour="busy"), FakeWorker(queue_depth=3)) as (busy, other):
         async with router([busy.url, other.url]) as (url, instance):
@@ -625,7 +654,7 @@ async def test_client_and_worker_refusals_keep_their_status(client):
 async def test_shutdown_fails_queued_requests_at_once(client):
     async with workers(FakeWorker(status="loading")) as (worker,):
         instance = Router(RouterConfig(**FAST), [StaticDiscovery([worker.url])])
-        async with serving(build_app(instance)) as url:
+        async with serving_router(instance) as url:
             pending = asyncio.create_task(post(client, url))
             await eventually(lambda: instance.dispatcher.waiting == 1)
         status, _, answer = await pending
@@ -650,7 +679,7 @@ async def test_workers_are_learned_from_the_control_plane_and_kept_while_it_fail
 
     async with workers(FakeWorker()) as (worker,):
         instance = Router(RouterConfig(**FAST), [ControlPlaneDiscovery(Lister(), "cp:7000")])
-        async with serving(build_app(instance)) as url:
+        async with serving_router(instance) as url:
             pending = asyncio.create_task(post(client, url))
             await eventually(lambda: instance.dispatcher.waiting == 1)
             listed.append(pb.WorkerState(worker=pb.WorkerSpec(peer=pb.Peer(node_id="n1"),
@@ -676,7 +705,7 @@ async def test_workers_registered_at_the_real_control_plane_are_routed_to(client
             await cp.register(RegisteredSpec(PeerInfo("n1", "127.0.0.1:7071"), 1 << 30,
                                               labels={SERVE_URL_LABEL: worker.url}))
             instance = Router(RouterConfig(**FAST), [ControlPlaneDiscovery(cp, control.address)])
-            async with serving(build_app(instance)) as url:
+            async with serving_router(instance) as url:
                 status, headers, _ = await post(client, url)
                 assert (status, headers[WORKER_HEADER]) == (200, worker.url)
                 assert [(w.node_id, w.url) for w in instance.pool.workers()] == [("n1", worker.url)]
@@ -698,7 +727,7 @@ async def test_a_routed_name_is_split_by_the_control_planes_weights_and_follows_
             await cp.change_route(RouteChange("chat", "canary", b.package_id, 25))
             instance = Router(RouterConfig(**FAST), [ControlPlaneDiscovery(cp, control.address),
                                                      StaticDiscovery([wa.url, wb.url, wo.url])])
-            async with serving(build_app(instance)) as url:
+            async with serving_router(instance) as url:
                 await eventually(lambda: len(instance.pool.serving_packages()) == 3)
 
                 async def served_by(n: int) -> list[str]:
@@ -777,7 +806,7 @@ async def test_a_request_for_a_deployed_model_counts_for_its_deployment_before_a
                 await cp.put_deployment(Deployment(m.package_id, ScalingPolicy()))
             instance = Router(RouterConfig(**FAST), [ControlPlaneDiscovery(cp, control.address),
                                                      StaticDiscovery([worker.url])])
-            async with serving(build_app(instance)) as url:
+            async with serving_router(instance) as url:
                 await eventually(lambda: "chat" in instance.routes)
                 assert instance.routes == {"chat": ((chat.package_id, 100),)}  # "twin" is ambiguous
                 pending = [asyncio.create_task(post(client, url, model=name)) for name in ("chat", "twin", "none")]
@@ -828,6 +857,45 @@ async def test_the_router_command_routes_to_static_and_control_plane_workers_unt
             process.kill()
             await process.wait()
         await control.stop(grace_s=0)
+
+
+async def test_a_queued_request_whose_client_leaves_gives_its_place_up_at_once(client):
+    # Found in review: the router command served without handler cancellation, so a request whose client had
+    # disconnected held its place in the queue until its deadline (120 s by default), a full queue answering 429.
+    code = "import sys; from pipecast.router.command import router_command; sys.exit(router_command())"
+    async with workers(FakeWorker(status="loading")) as (worker,):
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, "--port", "0", "--worker", worker.url, "--health-interval", "0.05",
+            "--max-queue", "1", "--queue-timeout", "25", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            line = (await asyncio.wait_for(process.stdout.readline(), timeout=20)).decode()
+            assert line.startswith("router listening on http://127.0.0.1:"), await process.stderr.read()
+            url = line.split()[-1]
+
+            async def queue_depth_becomes(depth: int) -> None:
+                async with asyncio.timeout(5):  # well before the queue deadline
+                    while True:
+                        async with client.get(f"{url}/stats") as response:
+                            if (await response.json())["queue_depth"] == depth:
+                                return
+                        await asyncio.sleep(0.02)
+
+            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as leaving:
+                left = asyncio.create_task(post(leaving, url))
+                await queue_depth_becomes(1)
+                left.cancel()
+                await asyncio.gather(left, return_exceptions=True)
+            await queue_depth_becomes(0)
+            served = asyncio.create_task(post(client, url))  # the place is free: queued, not refused with 429
+            await queue_depth_becomes(1)
+            worker.status = "ready"
+            assert (await served)[0] == 200 and len(worker.bodies) == 1
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), timeout=10) == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
 
 
 # --- hostile input and output (issue #12, findings 3 and 8) ------------------------------------------

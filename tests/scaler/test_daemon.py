@@ -283,6 +283,17 @@ async def test_requests_waiting_for_no_version_count_for_every_version_so_a_pool
     assert decision.add == 3  # 6 waiting at 2 a replica
 
 
+async def test_a_deployment_beside_a_busy_one_at_its_router_is_released_not_sized_to_the_others_load():
+    # Found in review: no entry of its own in the router's versions read as the router's whole queue: an idle
+    # deployment was scaled up for its neighbour's backlog every tick and re-acquired after each release.
+    answer = {**stats(queue=8, idle={"w1": 30.0}, arrived=8), "versions": {"b" * 64: version(0, 0, None, queue=8)}}
+    async with stub_router(answer) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2"), worker("w3")], (url,))
+        async with Scaler(client) as scaler:
+            [(_, decision)] = await scaler.tick()
+    assert (decision.add, decision.release) == (0, ("w1",))
+
+
 async def test_the_daemon_measures_how_long_its_scale_ups_take_and_sizes_for_it_where_asked():
     clock = [100.0]
     async with stub_router(stats(queue=1, arrived=1)) as (url, state):

@@ -62,3 +62,42 @@ def test_an_answer_without_what_the_policy_reads_is_the_routers_fault():
         parse_stats("r1", {"format": 1, "counters": {}})
     with pytest.raises(StatsFormatError, match="router r1: /stats is not format 1"):
         parse_stats("r1", {"format": 2})
+
+
+def version(queue: int, in_flight: int, arrived: int, answered: int, p99: float | None) -> dict:
+    """One package's entry of a router's /stats ``versions``."""
+    return {"queue_depth": queue, "in_flight": in_flight,
+            "counters": {"arrived": arrived, "answered": answered, "failed": 0, "completion_tokens": 0},
+            "ttft": {"window_s": 60, "count": answered, "p50": p99, "p95": p99, "p99": p99}}
+
+
+def test_a_package_no_request_went_to_at_a_router_that_counts_versions_gets_none_of_its_load():
+    # Found in review: a router without an entry for the package gave its totals, so a deployment beside a busy
+    # one (or a canary never chosen) was sized to the other's whole load every tick, re-acquired after each release.
+    a, b = "a" * 64, "b" * 64
+    busy = {**stats(5, 40, 30, 0.9, []), "in_flight": 3, "versions": {b: version(5, 3, 40, 30, 0.9)}}
+    idle = add_up(100.0, [parse_stats("r1", busy)], {}, a)
+    assert (idle.queue_depth, idle.in_flight, idle.arrived, idle.answered, idle.ttft_p99_s) == (0, 0, 0, 0, None)
+    mine = add_up(100.0, [parse_stats("r1", busy)], {}, b)
+    assert (mine.queue_depth, mine.in_flight, mine.arrived, mine.answered, mine.ttft_p99_s) == (5, 3, 40, 30, 0.9)
+    # Requests waiting there for no version may be anyone's: they still count for the idle package.
+    unattributed = parse_stats("r1", {**busy, "queue_depth": 7})
+    assert add_up(100.0, [unattributed], {}, a).queue_depth == 2
+
+
+def test_a_canary_never_chosen_is_not_scaled_for_its_stable_versions_queue():
+    stable, canary = "s" * 64, "c" * 64
+    answer = parse_stats("r1", {**stats(6, 20, 14, 0.4, []), "versions": {stable: version(6, 1, 20, 14, 0.4)}})
+    signals = add_up(100.0, [answer], {}, canary)
+    assert (signals.queue_depth, signals.in_flight, signals.arrived) == (0, 0, 0)
+    assert add_up(100.0, [answer], {}, stable).queue_depth == 6
+
+
+def test_a_router_that_counts_no_version_gives_its_totals():
+    """Routers before versions, or one none of whose requests went to a package by name (no routes, no worker
+    naming the model): a router in front of one package, whose totals are that package's."""
+    old = parse_stats("r1", stats(4, 9, 5, 0.7, []))
+    new = parse_stats("r2", {**stats(2, 6, 6, 0.3, []), "versions": {"b" * 64: version(2, 1, 6, 6, 0.3)}})
+    signals = add_up(100.0, [old, new], {}, "a" * 64)
+    assert (signals.queue_depth, signals.in_flight, signals.arrived, signals.answered) == (4, 1, 9, 5)
+    assert signals.ttft_p99_s == 0.7

@@ -309,7 +309,7 @@ async def test_the_openai_client_streams_a_chat_through_the_router_from_a_cold_w
     import openai
 
     from pipecast.router.app import Router, RouterConfig
-    from pipecast.router.app import build_app as build_router
+    from pipecast.router.app import RUNNER_OPTIONS, build_app as build_router
     from pipecast.router.discovery import StaticDiscovery
 
     rendered = list(b"<|system|>Be brief.\n<|user|>Hi\n<|assistant|>")
@@ -317,7 +317,7 @@ async def test_the_openai_client_streams_a_chat_through_the_router_from_a_cold_w
     agent = GatedAgent(pkg)
     async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, _, _, http):
         router = Router(RouterConfig(health_interval_s=0.05), [StaticDiscovery([url])])
-        runner = web.AppRunner(build_router(router))
+        runner = web.AppRunner(build_router(router), **RUNNER_OPTIONS)
         await runner.setup()
         try:
             await web.TCPSite(runner, "127.0.0.1", 0).start()
