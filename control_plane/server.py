@@ -7,7 +7,9 @@ answers every call UNAVAILABLE naming the leader (:mod:`control_plane.leadership
 lease loads the state from the database, as a restarted control plane does (workers' leases and availability
 are rebuilt from the agents' registrations and reports), and starts serving. A leader that cannot renew its
 lease, or whose write is refused as fenced, steps down at once: it stops serving and sets :attr:`deposed`
-(``pipecast control-plane`` then exits with the reason, and its supervisor restarts it as a standby).
+(``pipecast control-plane`` then exits with the reason, and its supervisor restarts it as a standby). So does
+a leader whose lease is about to lapse while its renewal has not come back (stuck behind a slow commit or
+database): it does not serve past the expiry it last secured, when a standby may take the lease over.
 """
 
 import asyncio
@@ -35,7 +37,7 @@ from control_plane.metrics import ControlMetrics
 from control_plane.service import ControlPlaneService, host_port
 from control_plane.planner.stragglers import StragglerPolicy
 from control_plane.state import ControlState
-from control_plane.store import FencedError, open_store
+from control_plane.store import FencedError, Lease, open_store
 from pipecast.core.credentials import warn_if_auth_off
 from pipecast.core.settings import Settings
 from pipecast.v1 import control_pb2, control_pb2_grpc
@@ -138,6 +140,7 @@ class ControlPlaneServer:
         #: Set when this replica stepped down (lost the lease or was fenced); :attr:`deposed_reason` says why.
         self.deposed = asyncio.Event()
         self.deposed_reason = ""
+        self._lease: Lease | None = None  # the lease last taken or renewed (shared database)
         self.state = ControlState(lease_s=config.lease_s, store_links=config.store_links,
                                   store_beside_holders=config.store_beside_holders,
                                   stragglers=StragglerPolicy(config.straggler_factor, config.straggler_window_s))
@@ -233,7 +236,7 @@ class ControlPlaneServer:
         self.gate.leading = True
         await self._set_health(True)
         self._tasks += [
-            asyncio.create_task(self._every(self.config.scan_s, self.service.tick), name="lease-scan"),
+            asyncio.create_task(self._every(self.config.scan_s, self._scan), name="lease-scan"),
             asyncio.create_task(self._every(self.config.flush_interval_s, self.service.flush_encoded), name="flush")]
 
     # ----- leadership (shared database) -----
@@ -247,9 +250,10 @@ class ControlPlaneServer:
         """Take or renew the lease: a standby that gets it takes over, a leader that does not steps down."""
         try:
             # In a thread: the store may be busy with a flush's commit, or the database slow to answer, and the
-            # event loop serves meanwhile.
+            # event loop serves meanwhile (and steps down if that outlasts the lease: _scan). The clock, not its
+            # reading now: the lease is written for lease_s from when the store gets to it.
             lease = await asyncio.to_thread(self.store.acquire_or_renew, self.holder, self.advertise,
-                                            self.config.lease_s, self.clock())
+                                            self.config.lease_s, self.clock)
             if lease is None:
                 self.gate.leader = await asyncio.to_thread(self.store.leader)
         except StoreError as exc:
@@ -258,6 +262,7 @@ class ControlPlaneServer:
             else:
                 log.warning("standby %s cannot take the lease: %s", self.holder, exc)
             return
+        self._lease = lease
         if lease is None and self.leading:
             address, fencing = self.gate.leader
             self._step_down(f"control plane {self.holder} lost its lease to {address} (fencing number {fencing})")
@@ -273,6 +278,19 @@ class ControlPlaneServer:
             await self._lead()
             log.warning("control plane %s leads: packages=%d workers=%d deployments=%d", self.holder,
                         len(self.state.packages), len(self.state.workers), len(self.book.deployments))
+
+    def _scan(self) -> None:
+        """The lease scan, after checking that this replica's own lease runs on."""
+        lease = self._lease
+        # The margin is the scan's own period: the last check before the expiry comes before it, so the leader
+        # stops serving before a standby may take the lease (a renewal in flight may yet come back: too late).
+        # At most lease_s / 4: renewed every lease_s / 3, a healthy leader's lease never comes that close.
+        margin = min(self.config.scan_s, self.config.lease_s / 4)
+        if lease is not None and self.clock() >= lease.expires_at - margin:
+            self._step_down(f"control plane {self.holder} could not renew its lease (fencing number {lease.fencing}) "
+                            "before it lapses")
+            return
+        self.service.tick()
 
     def _fenced(self, error: FencedError) -> None:
         self._step_down(str(error))

@@ -499,11 +499,14 @@ class SqlStore(abc.ABC):
 
     # ----- leadership -----
 
-    def acquire_or_renew(self, holder: str, address: str, ttl_s: float, now: float) -> Lease | None:
-        """Take the lease for ``ttl_s`` from ``now`` if it is free, expired or ``holder``'s already (renewed,
+    def acquire_or_renew(self, holder: str, address: str, ttl_s: float, clock: Callable[[], float]) -> Lease | None:
+        """Take the lease for ``ttl_s`` from ``clock()`` if it is free, expired or ``holder``'s already (renewed,
         same fencing number; a new holder gets the next); None while another holder's lease runs."""
-        expires_at = now + ttl_s
         with self._failing_as("cannot take the lease"), self._transaction():
+            # Read here, not by the caller: a renewal that waited for the store (a flush's commit holds it) or
+            # for the database would otherwise write an expiry that may have passed already.
+            now = clock()
+            expires_at = now + ttl_s
             rows = self._db.execute(self._sql.acquire, (holder, holder, address, expires_at, holder, now)).fetchall()
         if not rows:
             return None  # the last lease stays: this store's writes are refused from now on

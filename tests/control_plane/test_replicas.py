@@ -1,6 +1,7 @@
 """Control plane replicas on one PostgreSQL database (issue #17): a standby answers UNAVAILABLE naming the
 leader, takes over when the leader stops or dies (kill -9, real `pipecast control-plane` processes) and
-serves what the leader had stored; a deposed leader's write is refused and it steps down."""
+serves what the leader had stored; a deposed leader's write is refused and it steps down, as does one whose
+renewal is stuck until its lease is about to lapse."""
 
 import asyncio
 import os
@@ -8,7 +9,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,10 +25,11 @@ from control_plane.errors import LEADER_TRAILER, ControlPlaneUnavailable
 from control_plane.routes import RouteChange
 from control_plane.server import ControlPlaneServer, ServerStartError
 from control_plane.state import ControlState
-from control_plane.store import open_store
+from control_plane.store import Lease, open_store
+from control_plane.store_sqlite import SqliteStore
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1 import control_pb2_grpc
-from tests.control_plane.test_service import PKG, STORE, TOKEN, WAIT_S, config, manifest
+from tests.control_plane.test_service import PKG, SCAN_S, STORE, TOKEN, WAIT_S, config, manifest
 from tests.support.agent_processes import free_ports
 from tests.support.postgres import DB_PASSWORD
 
@@ -57,6 +62,11 @@ def assert_standby_answer(error: object, standby: str, leader: str, fencing: int
     assert isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
     assert dict(error.trailing_metadata())[LEADER_TRAILER] == leader
     assert error.details() == f"control plane {standby} is a standby: the leader is {leader} (fencing number {fencing})"
+
+
+def lapsed() -> float:
+    """Another replica's clock, by which the leader's lease lapsed long ago (a frozen leader looks the same to it)."""
+    return time.time() + 10 * LEASE_S
 
 
 def stored_packages(url: str) -> set[str]:
@@ -108,8 +118,7 @@ async def test_a_deposed_leaders_write_is_refused_and_it_steps_down(url):
     await leader.start()
     thief = open_store(url)
     try:
-        # Another replica whose clock says the lease lapsed (a frozen leader looks the same to it).
-        assert thief.acquire_or_renew("thief", "10.9.9.9:7000", LEASE_S, now=time.time() + 10 * LEASE_S).fencing == 2
+        assert thief.acquire_or_renew("thief", "10.9.9.9:7000", LEASE_S, clock=lapsed).fencing == 2
         async with ControlPlaneClient(leader.address, token=TOKEN, timeout_s=WAIT_S) as c:
             with pytest.raises(ControlPlaneUnavailable, match="was deposed: fencing number 1 is no longer the "
                                                               r"leader's \(now 2\)"):
@@ -129,7 +138,7 @@ async def test_a_leader_that_loses_its_lease_steps_down_within_a_renewal(url):
     await leader.start()
     thief = open_store(url)
     try:
-        thief.acquire_or_renew("thief", "10.9.9.9:7000", LEASE_S, now=time.time() + 10 * LEASE_S)
+        thief.acquire_or_renew("thief", "10.9.9.9:7000", LEASE_S, clock=lapsed)
         await asyncio.wait_for(leader.deposed.wait(), LEASE_S / 3 + 2.0)
         assert leader.deposed_reason == (f"control plane {leader.holder} lost its lease to 10.9.9.9:7000 "
                                          "(fencing number 2)")
@@ -142,7 +151,7 @@ async def test_a_standby_that_knows_no_leader_says_so_without_a_trailer(url):
     holder = open_store(url)
     standby = ControlPlaneServer(config(url, lease_s=LEASE_S))
     try:
-        holder.acquire_or_renew("elsewhere", "", 60, now=time.time())  # a holder that gave no address
+        holder.acquire_or_renew("elsewhere", "", 60, clock=time.time)  # a holder that gave no address
         await standby.start()
         error = await list_packages(standby.address)
         assert error.code() == grpc.StatusCode.UNAVAILABLE and LEADER_TRAILER not in dict(error.trailing_metadata())
@@ -151,6 +160,77 @@ async def test_a_standby_that_knows_no_leader_says_so_without_a_trailer(url):
     finally:
         holder.close()
         await standby.stop(grace_s=0)
+
+
+class StuckRenewals(SqliteStore):
+    """A SQLite file campaigned for as a shared database is, whose lease renewals, once ``stuck`` is set, wait
+    for ``go`` before they run (as behind a slow commit or database); ``late`` gets the leases they return."""
+
+    shared = True
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.stuck, self.waiting, self.go = threading.Event(), threading.Event(), threading.Event()
+        self.late: list[Lease | None] = []
+
+    def acquire_or_renew(self, holder: str, address: str, ttl_s: float, clock: Callable[[], float]) -> Lease | None:
+        if not self.stuck.is_set():
+            return super().acquire_or_renew(holder, address, ttl_s, clock)
+        self.waiting.set()
+        self.go.wait(WAIT_S)
+        self.late.append(super().acquire_or_renew(holder, address, ttl_s, clock))
+        return self.late[-1]
+
+
+@pytest.fixture
+def stuck(tmp_path, monkeypatch) -> StuckRenewals:
+    store = StuckRenewals(tmp_path / "cp.sqlite3")
+    monkeypatch.setattr("control_plane.server.open_store", lambda target: store)
+    return store
+
+
+async def test_a_leader_whose_renewal_is_stuck_steps_down_before_its_lease_lapses(tmp_path, stuck):
+    now = [1000.0]  # stopped: every renewal before the stuck one leaves the lease lapsing at 1000 + LEASE_S
+    leader = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), clock=lambda: now[0])
+    await leader.start()
+    try:
+        assert leader.leading
+        stuck.stuck.set()
+        assert await asyncio.to_thread(stuck.waiting.wait, WAIT_S)
+        now[0] = 1000 + LEASE_S - 3 * SCAN_S  # close to the expiry, not yet within a scan of it: it serves on
+        await asyncio.sleep(3 * SCAN_S)
+        assert isinstance(await list_packages(leader.address), pb.ListPackagesResponse)
+        now[0] = 1000 + LEASE_S - SCAN_S / 2  # about to lapse, the renewal still stuck
+        await asyncio.wait_for(leader.deposed.wait(), WAIT_S)
+        assert leader.deposed_reason == (f"control plane {leader.holder} could not renew its lease (fencing number 1) "
+                                         "before it lapses")
+        assert not leader.leading and isinstance(await list_packages(leader.address), grpc.aio.AioRpcError)
+        stuck.go.set()  # the renewal comes back, too late: the replica stays deposed
+        await asyncio.sleep(3 * SCAN_S)
+        assert not leader.leading
+    finally:
+        stuck.go.set()
+        await leader.stop(grace_s=0)
+
+
+async def test_a_stuck_renewal_is_written_for_a_lease_from_when_it_ran(tmp_path, stuck):
+    now = [1000.0]
+    leader = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), clock=lambda: now[0])
+    await leader.start()
+    try:
+        stuck.stuck.set()
+        assert await asyncio.to_thread(stuck.waiting.wait, WAIT_S)  # asked for at 1000
+        now[0] = 1001.0
+        stuck.go.set()
+        deadline = time.monotonic() + WAIT_S
+        while not stuck.late:
+            assert time.monotonic() < deadline, "the stuck renewal did not come back"
+            await asyncio.sleep(0.02)
+        assert stuck.late[0] == Lease(leader.holder, leader.advertise, 1, 1001 + LEASE_S)
+        assert leader.leading
+    finally:
+        stuck.go.set()
+        await leader.stop(grace_s=0)
 
 
 async def test_an_advertised_address_must_be_a_host_and_port(tmp_path):
@@ -243,7 +323,7 @@ def test_a_replica_process_that_loses_the_lease_exits_with_the_reason(url, tmp_p
         asyncio.run(replica.wait_listening("leader"))
         thief = open_store(url)
         try:
-            thief.acquire_or_renew("thief", "10.9.9.9:7000", LEASE_S, now=time.time() + 10 * LEASE_S)
+            thief.acquire_or_renew("thief", "10.9.9.9:7000", LEASE_S, clock=lapsed)
         finally:
             thief.close()
         code = replica.proc.wait(LEASE_S / 3 + 10)

@@ -99,7 +99,7 @@ def test_a_connection_the_server_dropped_is_opened_again_by_the_next_call(postgr
     url = postgres_server.database()
     store = open_store(url)
     try:
-        assert store.acquire_or_renew("a", "a:7000", 10, now=0).fencing == 1
+        assert store.acquire_or_renew("a", "a:7000", 10, clock=lambda: 0).fencing == 1
         with psycopg.connect(url, autocommit=True) as admin:  # as a server restart or failover would
             admin.execute("SELECT pg_terminate_backend(%s)", (store._db.info.backend_pid,))
         with pytest.raises(StoreError, match="cannot read the lease: ") as info:
