@@ -299,9 +299,11 @@ class BlockStore:
         if state.present[chunk]:
             raise ValueError(f"chunk {chunk} of block {block} is already present")
         start, end = state.bounds(chunk)
-        state.receives[chunk] = state.receives.get(chunk, 0) + 1
+        earlier = state.receives.get(chunk, 0)
+        state.receives[chunk] = earlier + 1
         state.arriving[chunk] = 0
-        _wake(state.chunk_waiters.pop(chunk, []))  # a relay of an earlier receive of it must give up
+        if earlier:  # a relay of an earlier receive of it must give up (the first receive wakes no one: per chunk)
+            _wake(state.chunk_waiters.pop(chunk, []))
         return state.buffer.view[start:end]
 
     def chunk_progress(self, block: int, chunk: int, nbytes: int) -> None:
