@@ -341,6 +341,8 @@ class AgentDaemon:
         if store is not None:
             await asyncio.to_thread(store.detach())  # unmapping off the loop: it forwards other packages' chunks
             self._fill_reserve()  # from the pages the package freed, while they are still backed
+        if self._local_api is not None:
+            self._local_api.publish_dropped(package_id)
         log.info("agent %s: dropped package %s", self.node_id, package_id[:12])
         self.events.emit("dropped", package=package_id)
 
@@ -393,6 +395,8 @@ class AgentDaemon:
                     self._write_to_cache(store, event.block)
 
         store.subscribe(on_event)
+        if self._local_api is not None:  # held again after a drop: engines that heard of the drop learn its blocks
+            self._local_api.publish_held(store)
 
     def _write_to_cache(self, store: BlockStore, block: int) -> None:
         # BlockCache logs and counts a failed write itself (ENOSPC, EIO): the block stays in memory only.

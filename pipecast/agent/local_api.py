@@ -21,6 +21,8 @@ unix socket as JSON lines, one request and one answer at a time::
         {"event": "block_verified", "package": ID, "block": 3, "bytes": N, "at": T}   (N: the block's size)
         {"event": "prefix_verified", "package": ID, "block": 3, "bytes": N, "at": T}   (N: verified from
                                                    the block's start; one a chunk, while it is in flight)
+        {"event": "package_dropped", "package": ID}   (the agent freed it: waits for it fail; held again,
+                                                   its blocks are new memory, verified afresh)
 
 ``wait_prefix`` lets an engine use a block's first layers while the rest of it is in flight: every chunk
 is verified against its own digest as it lands, so a verified prefix is as safe to read as a verified
@@ -47,7 +49,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,7 +154,20 @@ class LocalApiServer:
         """Send a block's verification, or its longer verified prefix, to every subscriber."""
         if event.kind == "block_started":
             return
-        message = _event(store, event.block, event.at)
+        self._send(_event(store, event.block, event.at))
+
+    def publish_dropped(self, package_id: str) -> None:
+        """Tell every subscriber that the agent dropped ``package_id``: an engine waiting for its blocks fails at
+        once (not at its deadline) and maps the package afresh should the agent hold it again."""
+        self._send({"event": "package_dropped", "package": package_id})
+
+    def publish_held(self, store: BlockStore) -> None:
+        """Send what ``store`` holds verified already (a package the agent holds again, from its disk cache) to
+        every subscriber: one that heard the package dropped learns its blocks afresh."""
+        for message in _held(store):
+            self._send(message)
+
+    def _send(self, message: dict) -> None:
         for queue in list(self._subscribers):
             try:
                 queue.put_nowait(message)
@@ -249,14 +264,20 @@ class LocalApiServer:
         try:
             writer.write(b'{"ok": true}\n')
             for store in self._peer_server.stores.values():  # what happened before the subscription
-                for block in store.progress().blocks:
-                    if block.verified_at is not None or store.verified_prefix(block.index):
-                        queue.put_nowait(_event(store, block.index, block.verified_at or block.started_at))
+                for message in _held(store):
+                    queue.put_nowait(message)
             while (event := await queue.get()) is not None:
                 writer.write(json.dumps(event).encode() + b"\n")
                 await writer.drain()
         finally:
             self._subscribers.discard(queue)
+
+
+def _held(store: BlockStore) -> Iterator[dict]:
+    """A subscriber's lines for what ``store`` holds verified by now."""
+    for block in store.progress().blocks:
+        if block.verified_at is not None or store.verified_prefix(block.index):
+            yield _event(store, block.index, block.verified_at or block.started_at)
 
 
 def _event(store: BlockStore, block: int, at: float | None) -> dict:

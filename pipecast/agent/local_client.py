@@ -57,9 +57,10 @@ class LocalAgentClient:
         self._idle: list[tuple[socket.socket, BinaryIO]] = [self._open()]  # fails at once without an agent
         self._closed = False
         self._maps: dict[tuple[str, int], mmap.mmap] = {}
-        self._known = threading.Condition()  # guards the four below, filled by the event thread
+        self._known = threading.Condition()  # guards the five below, filled by the event thread
         self._verified: dict[tuple[str, int], int] = {}  # (package, block) -> bytes verified from its start
         self._complete: dict[str, set[int]] = {}  # package -> its verified blocks
+        self._dropped: set[str] = set()  # packages the agent dropped, none of their blocks verified since
         self._stream: socket.socket | None = None
         self._stream_error: str | None = None
 
@@ -184,6 +185,8 @@ class LocalAgentClient:
                 return _Mapped(package_id, mapped)
         answer = self._call({"op": "buffer", "block": index, "package": package_id,
                              "timeout": min(timeout, DEFAULT_REQUEST_TIMEOUT_S)}, timeout)
+        with self._known:
+            self._dropped.discard(answer["package"])  # the agent holds it (again)
         return _Mapped(answer["package"], self._map(answer))
 
     def _await(self, package: str, index: int, nbytes: int, timeout: float, what: str) -> int:
@@ -194,6 +197,9 @@ class LocalAgentClient:
             while (verified := self._verified.get((package, index), 0)) < nbytes:
                 if self._stream_error is not None:
                     raise LocalApiError(f"agent at {self.socket_path}: {self._stream_error}")
+                if package in self._dropped:
+                    raise LocalApiError(f"agent at {self.socket_path}: package {package[:12]} was dropped there "
+                                        f"({what})")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise LocalApiTimeoutError(f"agent at {self.socket_path}: {what} within {timeout:g} s")
@@ -236,8 +242,11 @@ class LocalAgentClient:
                 with self._known:
                     if event.get("event") in ("block_verified", "prefix_verified"):
                         self._verified[key] = max(self._verified.get(key, 0), event["bytes"])
+                        self._dropped.discard(key[0])
                     if event.get("event") == "block_verified":
                         self._complete.setdefault(key[0], set()).add(key[1])
+                    if event.get("event") == "package_dropped":
+                        self._forget(key[0])
                     self._known.notify_all()
         except (OSError, ValueError, KeyError, TypeError, LocalApiError) as exc:
             error = f"its event stream failed ({type(exc).__name__}: {exc})"
@@ -245,6 +254,17 @@ class LocalAgentClient:
             with self._known:
                 self._stream_error = error
                 self._known.notify_all()
+
+    def _forget(self, package: str) -> None:
+        """The agent dropped ``package``: its waits fail, and should it hold the package again, that is new memory
+        whose blocks are verified afresh (the old mappings stay alive while views of them do)."""
+        self._dropped.add(package)
+        self._complete.pop(package, None)
+        for key in [key for key in self._verified if key[0] == package]:
+            del self._verified[key]
+        with self._lock:
+            for key in [key for key in self._maps if key[0] == package]:
+                del self._maps[key]
 
     def _map(self, answer: dict) -> mmap.mmap:
         key = (answer["package"], answer["block"])

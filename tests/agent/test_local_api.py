@@ -151,6 +151,25 @@ async def test_a_wait_on_a_package_dropped_meanwhile_ends_saying_so(tmp_path):
             await asyncio.wait_for(reading, 5)
 
 
+async def test_an_engine_waiting_on_a_package_the_agent_drops_fails_at_once_and_forgets_its_blocks(tmp_path):
+    """The agent's drop event ends a block wait at once (not at its deadline), and what the client knew of the
+    package goes: held again, it is new memory whose blocks are verified afresh."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, store, server, client):
+        land(store, block_file_bytes(tmp_path / "pkg", manifest, 0), 0, range(store.chunk_count(0)))
+        await asyncio.to_thread(client.wait_block, 0, 5.0, manifest.package_id)
+        waiting = asyncio.ensure_future(asyncio.to_thread(client.wait_block, 1, 60.0, manifest.package_id))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        server.publish_dropped(manifest.package_id)
+        with pytest.raises(LocalApiError, match=rf"agent.sock: package {manifest.package_id[:12]} was dropped there "
+                                                r"\(block 1 not verified\)$"):
+            await asyncio.wait_for(waiting, 5)
+        assert client.verified_blocks(manifest.package_id) == set()
+        # The agent holds it again (here: the same store), and says what it holds: a wait maps the block afresh.
+        server.publish_held(store)
+        assert (await asyncio.to_thread(client.wait_block, 0, 5.0, manifest.package_id)).nbytes > 0
+
+
 async def test_a_subscriber_that_stops_reading_is_cut_off_not_kept_in_memory(tmp_path, monkeypatch):
     """An engine that subscribes and never reads must not grow the agent one event a chunk: past
     MAX_PENDING_EVENTS unread, its stream ends after what it was sent."""
