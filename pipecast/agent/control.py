@@ -241,7 +241,7 @@ class PackageFollower:
             store.subscribe(self._on_store_event)
             self._session.report_verified(self.package_id, store.verified_blocks())  # e.g. from the disk cache
         if store.missing_files():
-            await fetch_files(self._pool, store, peers, self._peer_failed)
+            await fetch_files(self._pool, store, peers, self._peer_failed, self._policy)
         return store
 
     def _on_store_event(self, event: StoreEvent) -> None:

@@ -300,7 +300,7 @@ class AgentDaemon:
         if store is None:
             store = await self._open_receiving_store(package_id, peers, pool, report)
         if store.missing_files():
-            await fetch_files(pool, store, peers, report)
+            await fetch_files(pool, store, peers, report, self.options.policy)
             if self.cache is not None:
                 for path, data in store.files.items():
                     await asyncio.to_thread(self.cache.write_file, store.package_id, path, data)
@@ -313,7 +313,7 @@ class AgentDaemon:
         if cached is not None:
             manifest, origin = cached.manifest, cached.description
         else:
-            manifest, peer = await fetch_manifest(pool, package_id, peers, report)
+            manifest, peer = await fetch_manifest(pool, package_id, peers, report, self.options.policy)
             origin = f"peer {peer}"
             if self.cache is not None:
                 await asyncio.to_thread(self.cache.write_manifest, manifest)

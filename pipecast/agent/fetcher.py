@@ -144,21 +144,39 @@ class ChannelPool:
             await channel.close()
 
 
+async def _reach(pool: ChannelPool, peer: PeerInfo, what: str, policy: FetchPolicy) -> Channel:
+    """A channel to ``peer`` for ``what``. A connection this node lacks the resources for (:class:`LocalResourceError`:
+    out of file descriptors) is tried again, unblamed, ``policy.retries`` times with doubling backoff, as a unit's
+    fetch tries it; the error is raised once they are spent."""
+    attempt = 0
+    while True:
+        try:
+            return await pool.acquire(peer)
+        except LocalResourceError as exc:
+            if attempt == policy.retries:
+                raise
+            log.warning("%s from %s: %s; trying again", what, peer, exc)
+            await asyncio.sleep(policy.backoff_s * 2 ** attempt)
+            attempt += 1
+
+
 async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[PeerInfo],
-                         on_failure: PeerFailureCallback | None = None) -> tuple[Manifest, PeerInfo]:
+                         on_failure: PeerFailureCallback | None = None,
+                         policy: FetchPolicy = FetchPolicy()) -> tuple[Manifest, PeerInfo]:
     """The manifest of ``package_id`` from the first of ``peers`` that gives a valid one.
 
     Valid means it parses, is consistent, and is the manifest whose digest is ``package_id`` (the id covers
     every field): a peer can neither substitute another package nor change one field of this one. Nothing
     else is kept of a peer's answer: an invalid one (:func:`verified_manifest`), or any other failure, is
     logged and reported (``on_failure``) and the next peer is asked; :class:`FetchFailedError` names every
-    peer tried once none is left.
+    peer tried once none is left. A connection this node lacks the resources for is tried again as
+    ``policy`` says (:func:`_reach`).
     """
     attempts: list[tuple[str, Exception]] = []
     for peer in dict.fromkeys(peers):
         channel = None
         try:
-            channel = await pool.acquire(peer)
+            channel = await _reach(pool, peer, MANIFEST_FILE, policy)
             data = await channel.fetch_file(package_id, MANIFEST_FILE)
             pool.release(peer, channel)
             channel = None
@@ -191,16 +209,17 @@ async def _fetch_file_ranges(channel: Channel, store: BlockStore, path: str, siz
 
 
 async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[PeerInfo],
-                      on_failure: PeerFailureCallback | None = None) -> None:
+                      on_failure: PeerFailureCallback | None = None, policy: FetchPolicy = FetchPolicy()) -> None:
     """Fetch the package's small files the store lacks, range by range, each file verified against the
-    manifest once whole. A peer that fails mid-file leaves nothing behind: the next one starts over."""
+    manifest once whole. A peer that fails mid-file leaves nothing behind: the next one starts over. A
+    connection this node lacks the resources for is tried again as ``policy`` says (:func:`_reach`)."""
     sizes = {f.path: f.bytes for f in store.manifest.files}
     for path in store.missing_files():
         attempts: list[tuple[str, Exception]] = []
         for peer in dict.fromkeys(peers):
             channel = None
             try:
-                channel = await pool.acquire(peer)
+                channel = await _reach(pool, peer, f"file {path}", policy)
                 await _fetch_file_ranges(channel, store, path, sizes[path], str(peer))
                 pool.release(peer, channel)
                 channel = None

@@ -32,7 +32,7 @@ from pipecast.agent.errors import (
     TransportUnavailableError,
 )
 from benchmarks.certs import have_openssl, make_certs
-from pipecast.agent.fetcher import FILE_RANGE_BYTES, ChannelPool, Fetcher, FetchPolicy, fetch_files
+from pipecast.agent.fetcher import FILE_RANGE_BYTES, ChannelPool, Fetcher, FetchPolicy, fetch_files, fetch_manifest
 from pipecast.agent.peer_server import MAX_REQUESTERS_PER_PACKAGE, PeerServer
 from pipecast.agent.ratelimit import TokenBucket
 from pipecast.agent.store import BlockStore
@@ -369,6 +369,46 @@ async def test_a_fetcher_retries_a_parent_it_had_no_resources_to_reach_without_b
                 await fetching
             assert store.verified_blocks() == []
         assert failures == [] and fetcher.failed_peers == set()
+    finally:
+        await pool.close()
+        await listener.close()
+        store.close()
+        seed.close()
+
+
+@pytest.mark.parametrize("shortage", [2, 3], ids=["passing", "lasting"])
+async def test_the_manifest_and_files_retry_a_peer_there_were_no_resources_to_reach_without_blaming_it(
+        package, monkeypatch, shortage):
+    """As a unit's fetch does: a shortage here that passes within the retries loses nothing; one that lasts ends
+    the fetch with it (not a FetchFailedError blaming the peer), and no peer is reported."""
+    root, manifest = package
+    seed = seed_store(root)
+    _, listener = await serve(PeerServer(), seed)
+    store = receiving_store(manifest)
+    pool = ChannelPool(TcpTransport("rx", settings()))
+    peer, policy, failures = PeerInfo("seed", listener.address), FetchPolicy(retries=2, backoff_s=0.01), []
+
+    def report(what, blamed, exc):
+        failures.append(exc)
+
+    lasting = rf"^cannot connect to {listener.address}: Too many open files on this node$"
+    try:
+        connects_failing(monkeypatch, shortage)
+        if shortage == 2:
+            assert await fetch_manifest(pool, manifest.package_id, [peer], report, policy) == (manifest, peer)
+        else:
+            with pytest.raises(LocalResourceError, match=lasting):
+                await fetch_manifest(pool, manifest.package_id, [peer], report, policy)
+        await pool.close()  # the files need a connection of their own
+        connects_failing(monkeypatch, shortage)
+        if shortage == 2:
+            await fetch_files(pool, store, [peer], report, policy)
+            assert store.missing_files() == []
+        else:
+            with pytest.raises(LocalResourceError, match=lasting):
+                await fetch_files(pool, store, [peer], report, policy)
+            assert store.missing_files()
+        assert failures == []
     finally:
         await pool.close()
         await listener.close()
