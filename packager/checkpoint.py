@@ -56,6 +56,13 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(t.info.nbytes for t in self.tensors.values())
 
+    @property
+    def files(self) -> list[Path]:
+        """Every file of the folder the checkpoint is made of: shards, shard index and small files."""
+        index = [self.root / INDEX_FILE] if checkpoint_file(self.root, INDEX_FILE) is not None else []
+        shards = sorted({t.path for t in self.tensors.values()})
+        return shards + index + [self.root / name for name in self.small_files]
+
 
 def open_checkpoint(src: Path) -> Checkpoint:
     """Validate a checkpoint folder and index its tensors (headers only; no tensor data is read)."""
@@ -72,6 +79,7 @@ def open_checkpoint(src: Path) -> Checkpoint:
         config = loads_object(read_checkpoint_file(src, "config.json"))
     except JSONInputError as exc:
         raise CheckpointError(f"{config_path}: not a valid JSON object ({exc})") from None
+    _check_architectures(config_path, config.get("architectures"))
     shards = _shard_files(src)
     tensors: dict[str, SourceTensor] = {}
     for shard in shards:
@@ -85,6 +93,15 @@ def open_checkpoint(src: Path) -> Checkpoint:
         raise CheckpointError(f"{src}: the checkpoint holds no tensors")
     small = tuple(name for name in SMALL_FILES if checkpoint_file(src, name) is not None)
     return Checkpoint(root=src, config=config, tensors=tensors, small_files=small)
+
+
+def _check_architectures(config_path: Path, archs: object) -> None:
+    """The manifest records the first of ``architectures``: absent (or null) or a list of class names."""
+    if archs is None or isinstance(archs, list) and all(isinstance(a, str) for a in archs):
+        return
+    got = (type(archs).__name__ if not isinstance(archs, list)
+           else "list holding " + type(next(a for a in archs if not isinstance(a, str))).__name__)
+    raise CheckpointError(f"{config_path}: architectures must be a list of strings, got {got}")
 
 
 def _allowed_roots(src: Path) -> tuple[Path, ...]:

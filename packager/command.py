@@ -8,7 +8,7 @@ import click
 from packager.gguf_convert import convert_gguf
 from packager.manifest import manifest_to_json, read_manifest
 from packager.mlflow_source import source_checkpoint
-from packager.pack import pack
+from packager.pack import check_pack_arguments, pack
 from packager.verify import verify_package
 from pipecast.core.progress import Progress
 from pipecast.core.units import format_bytes, parse_size
@@ -53,6 +53,8 @@ def pack_command(src, out, layers_per_block, block_bytes, chunk_bytes, model_nam
     """
     if layers_per_block and block_bytes:
         raise click.UsageError("give --layers-per-block or --block-bytes, not both")
+    # before an MLflow SRC is downloaded, which may take long
+    check_pack_arguments(out, chunk_bytes=chunk_bytes, overwrite=force)
     start = time.perf_counter()
     # An MLflow SRC is downloaded first, into a temporary folder beside OUT removed when the pack ends.
     with source_checkpoint(src, scratch=out.parent, mlflow_uri=mlflow_uri) as checkpoint:

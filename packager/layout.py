@@ -5,6 +5,7 @@ Decoder layers are found by name (``model.layers.N.``, ``h.N.``, ``gpt_neox.laye
 Pure functions of tensor names and sizes.
 """
 
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 from packager.errors import CheckpointError, UnplacedTensorsError
 from packager.safetensors_format import DTYPE_BITS, layout_order
 
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d+)\.")
+# At most 12 digits: a longer index is no layer of any model (and int() refuses 4,300 digits and more)
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks)\.(\d{1,12})\.")
 _FIRST = re.compile(r"(?:^|\.)(?:embed_tokens|embed_in|wte|wpe|word_embeddings|embed_positions|"
                     r"project_in|rotary_emb|embeddings)\.")
 _LAST = re.compile(r"^(?:lm_head|embed_out|output)\.|(?:^|\.)(?:model\.|transformer\.|gpt_neox\.|decoder\.)?"
@@ -20,6 +22,7 @@ _LAST = re.compile(r"^(?:lm_head|embed_out|output)\.|(?:^|\.)(?:model\.|transfor
 HEAD_NAMES = re.compile(r"^(?:lm_head|embed_out|output)\.")
 
 FIRST, LAST = -1, -2
+MISSING_LAYERS_SHOWN = 10  # missing layers named in the error
 
 
 def place_tensor(name: str) -> int | None:
@@ -129,9 +132,11 @@ def plan_blocks(sizes: dict[str, int], *, num_layers: int | None = None, layers_
     count = max(by_layer) + 1
     if num_layers is not None and num_layers != count:
         raise CheckpointError(f"{where}: config.json says {num_layers} layers but the tensors hold {count}")
-    missing = [i for i in range(count) if i not in by_layer]
-    if missing:
-        raise CheckpointError(f"{where}: layers {missing} have no tensors")
+    if len(by_layer) < count:
+        # named lazily and only the first few: one tensor of layer 10**12 would make the full list endless
+        missing = list(itertools.islice((i for i in range(count) if i not in by_layer), MISSING_LAYERS_SHOWN))
+        more = count - len(by_layer) - len(missing)
+        raise CheckpointError(f"{where}: layers {missing}{f' (and {more} more)' if more else ''} have no tensors")
     if layers_per_block is not None and layers_per_block < 1:
         raise ValueError("layers_per_block must be at least 1")
     layer_bytes = [sum(sizes[n] for n in by_layer[i]) for i in range(count)]

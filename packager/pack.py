@@ -6,12 +6,13 @@ and renamed into place only when complete: a failed or interrupted pack leaves n
 """
 
 import logging
+import os
 from pathlib import Path
 
 from packager.checkpoint import Checkpoint, SourceTensor, open_checkpoint, read_checkpoint_file
 from packager.chunks import ChunkHasher
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
-from packager.errors import PackageError
+from packager.errors import CheckpointFileError, PackageError
 from packager.layout import HEAD_NAMES, BlockLayout, plan_blocks, stream_order
 from packager.manifest import (
     MANIFEST_FILE,
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 COPY_BUFFER_BYTES = 8 << 20
 BLOCKS_DIR = "blocks"
+MAX_CHUNK_BYTES = 2**64 - 1  # Block.chunk_bytes is a uint64
 
 
 def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_bytes: int | None = None,
@@ -42,14 +44,64 @@ def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_byt
     (recorded in the manifest) says where ``src`` was fetched from, when it was (:mod:`packager.mlflow_source`).
     """
     src, out = Path(src), Path(out)
-    if chunk_bytes <= 0:
-        raise PackageError(f"chunk size must be positive, got {chunk_bytes}")
-    if out.exists() and not overwrite:
-        raise PackageError(f"{out}: already exists (pass --force to replace it)")
+    check_pack_arguments(out, chunk_bytes=chunk_bytes, overwrite=overwrite)
     ckpt = open_checkpoint(src)
+    _check_output_spares_checkpoint(out, ckpt)
     layouts = plan_blocks({n: t.info.nbytes for n, t in ckpt.tensors.items()},
                           num_layers=_config_layers(ckpt.config), layers_per_block=layers_per_block,
                           block_bytes=block_bytes, where=str(src))
+    try:
+        manifest = _build_package(src, out, ckpt, layouts, chunk_bytes, model_name, overwrite, progress, source)
+    except OSError as exc:  # reading the checkpoint raises typed errors: this is the output (full, read-only)
+        raise PackageError(f"{out}: cannot write the package ({exc})") from None
+    logger.info("packed %s into %s: %d blocks, %d bytes, package %s", src, out, len(manifest.blocks),
+                manifest.total_bytes, manifest.package_id)
+    return manifest
+
+
+def check_pack_arguments(out: Path, *, chunk_bytes: int, overwrite: bool) -> None:
+    """Refuse, before any work, a chunk size the manifest cannot record and an ``out`` that cannot be written
+    (its parent is not a folder) or that exists without ``overwrite``. The CLI calls it before it downloads
+    an MLflow source too."""
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise PackageError(f"chunk size must be between 1 and {MAX_CHUNK_BYTES} bytes (a uint64 in the "
+                           f"manifest), got {chunk_bytes}")
+    # lexists: a dangling symlink is there too, and atomic_directory would find it only at the end
+    if os.path.lexists(out) and not overwrite:
+        raise PackageError(f"{out}: already exists (pass --force to replace it)")
+    # atomic_directory creates the missing parents: the nearest one that is there must be a folder
+    for parent in (out.parent, *out.parent.parents):
+        if os.path.lexists(parent):
+            if not parent.is_dir():
+                raise PackageError(f"{out}: cannot be created: {parent} is not a folder")
+            break
+
+
+def _check_output_spares_checkpoint(out: Path, ckpt: Checkpoint) -> None:
+    """Refuse an ``out`` whose replacement (``--force``) would delete the checkpoint folder or a file of it:
+    ``out`` is the folder, holds it, is one of its files, or holds a file a symlink of it leads to (a Hugging
+    Face snapshot's blobs). A new ``out`` inside the folder is let be: the checkpoint is its top-level files,
+    found before ``out`` is created, so a package in a subfolder (or a repack of it) harms nothing."""
+    if not os.path.lexists(out):
+        return
+    try:
+        # atomic_directory moves ``out`` itself aside (a symlink too), but a symlink leading to the checkpoint
+        # is refused as well: whoever passed it meant the checkpoint
+        replaced = (out.parent.resolve() / out.name, out.resolve())
+        kept = {ckpt.root.resolve()}
+        for path in ckpt.files:
+            kept |= {path.parent.resolve() / path.name, path.resolve()}
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise PackageError(f"{out}: cannot resolve it ({exc})") from None
+    for path in sorted(kept):
+        if any(path.is_relative_to(r) for r in replaced):
+            raise PackageError(f"{out}: refused as the output: replacing it would delete the checkpoint being "
+                               f"packed ({path})")
+
+
+def _build_package(src: Path, out: Path, ckpt: Checkpoint, layouts: list[BlockLayout], chunk_bytes: int,
+                   model_name: str | None, overwrite: bool, progress: Progress,
+                   source: ModelSource | None) -> Manifest:
     with atomic_directory(out, overwrite=overwrite) as tmp:
         (tmp / BLOCKS_DIR).mkdir()
         blocks = []
@@ -67,8 +119,6 @@ def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_byt
             raise PackageError(f"{src}: the manifest would be {len(text)} bytes, more than a manifest may have "
                                f"({MAX_MANIFEST_BYTES} bytes); pack with larger chunks (--chunk-bytes)")
         (tmp / MANIFEST_FILE).write_text(text)
-    logger.info("packed %s into %s: %d blocks, %d bytes, package %s", src, out, len(blocks),
-                manifest.total_bytes, manifest.package_id)
     return manifest
 
 
@@ -96,13 +146,19 @@ class _ShardReader:
     def pieces(self, tensor: SourceTensor):
         """Yield memoryviews covering the tensor's bytes, in order (valid until the next piece)."""
         f = self._files.get(tensor.path)
-        if f is None:
-            f = self._files[tensor.path] = tensor.path.open("rb")
-        f.seek(tensor.file_offset)
+        try:
+            if f is None:
+                f = self._files[tensor.path] = tensor.path.open("rb")
+            f.seek(tensor.file_offset)
+        except OSError as exc:  # typed here so that pack() can take any other OSError for the output's
+            raise CheckpointFileError(tensor.path, f"cannot read it ({exc.strerror})") from None
         left = tensor.info.nbytes
         view = memoryview(self._buf)
         while left:
-            n = f.readinto(view[:min(left, len(view))])
+            try:
+                n = f.readinto(view[:min(left, len(view))])
+            except OSError as exc:
+                raise CheckpointFileError(tensor.path, f"cannot read it ({exc.strerror})") from None
             if not n:
                 raise PackageError(f"{tensor.path}: ended while reading tensor {tensor.info.name!r} "
                                    "(was the file changed during packing?)")

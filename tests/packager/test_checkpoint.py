@@ -148,3 +148,23 @@ def test_convert_gguf_refuses_an_existing_output_without_force(tmp_path, capsys)
     out.symlink_to(tmp_path / "elsewhere")  # a dangling symlink is there too
     with pytest.raises(PackageError, match="already exists"):
         convert_gguf(gguf, out)
+
+
+@pytest.mark.parametrize("archs, got", [({"LlamaForCausalLM": 1}, "dict"), (3, "int"), ("LlamaForCausalLM", "str"),
+                                        (["LlamaForCausalLM", 7], "list holding int")])
+def test_a_malformed_architectures_is_a_checkpoint_error_naming_its_type(ckpt, tmp_path, archs, got):
+    """Finding 3: a dict or an int raised a raw KeyError or TypeError after every block was written, and a
+    string recorded its first letter ("L") as the architecture."""
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "architectures": archs}))
+    with pytest.raises(CheckpointError) as caught:
+        pack(ckpt, tmp_path / "pkg")
+    assert str(caught.value) == f"{ckpt / 'config.json'}: architectures must be a list of strings, got {got}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("archs, recorded", [(None, ""), ([], ""), (["LlamaForCausalLM"], "LlamaForCausalLM")])
+def test_architectures_absent_null_or_a_list_of_strings_packs(ckpt, tmp_path, archs, recorded):
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "architectures": archs}))
+    assert pack(ckpt, tmp_path / "pkg").architecture == recorded

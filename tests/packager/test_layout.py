@@ -2,7 +2,7 @@
 
 import pytest
 
-from packager.errors import UnplacedTensorsError
+from packager.errors import CheckpointError, UnplacedTensorsError
 from packager.layout import FIRST, LAST, place_tensor, plan_blocks, stream_order
 
 NAMING = {
@@ -111,3 +111,19 @@ def test_a_layer_order_that_would_misalign_a_tensor_falls_back_to_wide_dtypes_fi
     # Layer 0 ends on a 2-byte offset, so layer 1's F32 tensor would start misaligned.
     tensors = [("model.layers.0.bias", "BF16", 2), ("model.layers.1.norm.weight", "F32", 4)]
     assert stream_order(tensors) == ["model.layers.1.norm.weight", "model.layers.0.bias"]
+
+
+@pytest.mark.timeout(10)
+def test_missing_layers_are_counted_and_only_the_first_few_named():
+    """One tensor of layer 10**7 used to build (and print) the list of every missing layer: 28 s, an 88 MB message;
+    of layer 10**12 it hung. An index of more than 12 digits is no layer at all (int() refuses 4,300 digits)."""
+    sizes = {"model.layers.0.a.weight": 4, "model.layers.2.a.weight": 4, "model.layers.999999999999.a.weight": 4}
+    with pytest.raises(CheckpointError) as info:
+        plan_blocks(sizes, where="ckpt")
+    assert str(info.value) == ("ckpt: layers [1, 3, 4, 5, 6, 7, 8, 9, 10, 11] (and 999999999987 more) have no "
+                               "tensors")
+    with pytest.raises(CheckpointError, match=r"^ckpt: layers \[1\] have no tensors$"):
+        plan_blocks({"model.layers.0.a.weight": 4, "model.layers.2.a.weight": 4}, where="ckpt")
+    for digits in (13, 5000):
+        with pytest.raises(UnplacedTensorsError):
+            plan_blocks({"model.layers.0.a.weight": 4, f"model.layers.{'9' * digits}.a.weight": 4}, where="ckpt")

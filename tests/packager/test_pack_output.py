@@ -1,0 +1,130 @@
+"""What ``pipecast pack`` does with its OUT: never replaces the checkpoint it reads, refuses an OUT it could not
+write before any work, and turns a failure to write it into a typed error naming it."""
+
+import json
+import os
+import re
+
+import pytest
+
+from packager.errors import PackageError
+from packager.pack import MAX_CHUNK_BYTES, pack
+from pipecast.cli import main
+from tests.packager.test_checkpoint import hf_snapshot, write_checkpoint
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    return write_checkpoint(tmp_path / "ckpt")
+
+
+def _contents(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("out", [".", "..", "link", "model.safetensors", "config.json"])
+def test_force_refuses_an_output_that_is_holds_or_leads_to_the_checkpoint(ckpt, tmp_path, capsys, out):
+    """Finding 1: ``pack SRC OUT --force`` with OUT the checkpoint (or a folder holding it) deleted it."""
+    (tmp_path / "link").symlink_to(ckpt)
+    out = tmp_path / "link" if out == "link" else ckpt / out
+    before = _contents(ckpt)
+    with pytest.raises(PackageError, match=re.escape(f"refused as the output: replacing it would delete the "
+                                                     f"checkpoint being packed ({ckpt.resolve()}")):
+        pack(ckpt, out, overwrite=True)
+    assert main(["pack", str(ckpt), str(out), "--force"]) == 2
+    assert "would delete the checkpoint being packed" in capsys.readouterr().err
+    assert _contents(ckpt) == before
+    assert (tmp_path / "link").is_symlink()
+
+
+def test_force_refuses_the_blob_store_of_a_hugging_face_snapshot(tmp_path):
+    """Finding 1: the snapshot's files are symlinks into ../../blobs, which --force would have deleted."""
+    snapshot = hf_snapshot(tmp_path / "hub", "org--model")
+    blobs = snapshot.parent.parent / "blobs"
+    blob = re.escape(f"would delete the checkpoint being packed ({blobs.resolve()}/blob")
+    with pytest.raises(PackageError, match=blob):
+        pack(snapshot, blobs, overwrite=True)
+    assert len(list(blobs.iterdir())) == 3
+
+
+def test_a_package_inside_the_checkpoint_folder_packs_and_repacks(ckpt):
+    """The checkpoint is its top-level files: a package in a subfolder of it harms nothing, --force too."""
+    first = pack(ckpt, ckpt / "pkg")
+    assert pack(ckpt, ckpt / "pkg", overwrite=True).package_id == first.package_id
+
+
+def test_a_dangling_symlink_output_needs_force(ckpt, tmp_path, capsys):
+    """Finding 4: a dangling symlink OUT was found only after every block was written (raw FileExistsError)."""
+    out = tmp_path / "pkg"
+    out.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(PackageError, match=re.escape(f"{out}: already exists (pass --force to replace it)")):
+        pack(ckpt, out)
+    assert main(["pack", str(ckpt), str(out)]) == 2
+    assert "already exists (pass --force to replace it)" in capsys.readouterr().err
+    pack(ckpt, out, overwrite=True)
+    assert not out.is_symlink() and (out / "manifest.json").is_file()
+    assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("under", ["afile", "afile/deeper", "dangling"])
+def test_an_output_under_something_that_is_not_a_folder_is_refused_up_front(ckpt, tmp_path, monkeypatch, under):
+    """Finding 4: OUT under a regular file raised a raw FileExistsError."""
+    (tmp_path / "afile").write_text("not a folder")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    monkeypatch.setattr("packager.pack.open_checkpoint", lambda src: pytest.fail("the checkpoint was opened"))
+    parent = tmp_path / under.split("/")[0]
+    with pytest.raises(PackageError, match=re.escape(f"{tmp_path / under / 'pkg'}: cannot be created: {parent} "
+                                                     "is not a folder")):
+        pack(ckpt, tmp_path / under / "pkg")
+
+
+def test_an_os_error_writing_the_output_is_a_package_error_naming_it(ckpt, tmp_path, monkeypatch):
+    """Finding 4: OSError from building OUT (here: OUT appearing meanwhile) escaped raw after the copy."""
+    import packager.pack as pack_module
+
+    out = tmp_path / "pkg"
+    real = pack_module._write_block
+
+    def appear(*args, **kwargs):
+        out.mkdir(exist_ok=True)  # another process creates OUT while this pack runs
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pack_module, "_write_block", appear)
+    with pytest.raises(PackageError, match=re.escape(f"{out}: cannot write the package ({out} appeared while it "
+                                                     "was being built)")):
+        pack(ckpt, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "pkg"]
+
+
+@pytest.mark.parametrize("chunk", [0, MAX_CHUNK_BYTES + 1, 20000000000000000000])
+def test_a_chunk_size_the_manifest_cannot_hold_is_refused_before_any_work(ckpt, tmp_path, monkeypatch, capsys,
+                                                                          chunk):
+    """Finding 4: --chunk-bytes 20000000000000000000 (over a uint64) failed in protobuf after the copy."""
+    monkeypatch.setattr("packager.pack.open_checkpoint", lambda src: pytest.fail("the checkpoint was opened"))
+    message = f"chunk size must be between 1 and {MAX_CHUNK_BYTES} bytes (a uint64 in the manifest), got {chunk}"
+    with pytest.raises(PackageError) as caught:
+        pack(ckpt, tmp_path / "pkg", chunk_bytes=chunk)
+    assert str(caught.value) == message
+    if chunk:  # the CLI's size parser refuses 0 itself
+        assert main(["pack", str(ckpt), str(tmp_path / "pkg"), "--chunk-bytes", str(chunk)]) == 2
+        assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_the_largest_chunk_size_packs(ckpt, tmp_path):
+    manifest = pack(ckpt, tmp_path / "pkg", chunk_bytes=MAX_CHUNK_BYTES)
+    assert json.loads((tmp_path / "pkg" / "manifest.json").read_text())["blocks"][0]["chunk_bytes"] == str(
+        MAX_CHUNK_BYTES)
+    assert all(len(b.chunk_digests) == 1 for b in manifest.blocks)
+
+
+def test_an_existing_output_is_refused_before_an_mlflow_source_is_downloaded(tmp_path, monkeypatch, capsys):
+    """Finding 8: ``pack models:/m/1 existing_out`` downloaded the whole model, then refused OUT."""
+    monkeypatch.setattr("packager.command.source_checkpoint",
+                        lambda *args, **kwargs: pytest.fail("the source was fetched"))
+    (tmp_path / "pkg").mkdir()
+    assert main(["pack", "models:/m/1", str(tmp_path / "pkg")]) == 2
+    assert f"{tmp_path / 'pkg'}: already exists (pass --force to replace it)" in capsys.readouterr().err
+    assert main(["pack", "models:/m/1", str(tmp_path / "pkg"), "--chunk-bytes", str(2**64)]) == 2
+    assert "chunk size must be between 1" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "pkg") == []
