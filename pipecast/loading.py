@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from pipecast.engine.engine import Engine, LoadProgress
     from pipecast.engine.providers import BlockProvider
+    from pipecast.engine.sampling import SamplingParams
     from pipecast.engine.streams import TokenStream
 
 logger = logging.getLogger(__name__)
@@ -67,21 +68,25 @@ class LoadedModel:
         """The generated token ids for one prompt (the prompt is not repeated).
 
         Greedy when ``temperature`` is 0; ends at a stop token (returned last; default: the model's EOS)
-        or after ``max_new_tokens``.
+        or after ``max_new_tokens``. A request that times out is cancelled.
         """
-        return self.submit(input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           seed=seed, stop_token_ids=stop_token_ids).result(timeout)
+        params = self._params(max_new_tokens, temperature, top_p, seed, stop_token_ids)
+        return self.engine.generate(_one_prompt(input_ids), params, timeout)
 
     def submit(self, input_ids: "Sequence[int] | torch.Tensor", *, max_new_tokens: int = 32,
                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                stop_token_ids: Sequence[int] | None = None) -> "TokenStream":
         """Like :meth:`generate` but returns the token stream at once (iterate it, or ``async for``)."""
+        params = self._params(max_new_tokens, temperature, top_p, seed, stop_token_ids)
+        return self.engine.submit(_one_prompt(input_ids), params)
+
+    def _params(self, max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
+                stop_token_ids: Sequence[int] | None) -> "SamplingParams":
         from pipecast.engine.sampling import SamplingParams
 
         stops = self.stop_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                stop_token_ids=stops)
-        return self.engine.submit(_one_prompt(input_ids), params)
+        return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                              stop_token_ids=stops)
 
     def logits(self, input_ids: "Sequence[int] | torch.Tensor", timeout: float | None = None) -> "torch.Tensor":
         """Logits of every position: [seq, vocab] for one prompt, [batch, seq, vocab] for a 2-D tensor.
@@ -91,7 +96,10 @@ class LoadedModel:
         """
         import torch
 
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        try:
+            ids = torch.as_tensor(input_ids, dtype=torch.long)
+        except (TypeError, ValueError) as exc:  # ragged rows, ids past int64, not numbers
+            raise InvalidRequestError(f"input_ids are not prompts of token ids of one length: {exc}") from None
         if ids.dim() == 1:
             return self.engine.logits(ids.unsqueeze(0), timeout)[0]
         return self.engine.logits(ids, timeout)
@@ -128,8 +136,13 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
     folder = _local_folder(package, settings.agent_cache_dir)
     provider, origin, on_close = _provider(package, folder, agent or settings.agent_local_socket,
                                            agent_timeout_s, verify)
-    engine = Engine(provider, device=device, dtype=dtype, max_batch=max_batch, max_queue=max_queue,
-                    stall_timeout_s=stall_timeout_s).start()
+    try:
+        engine = Engine(provider, device=device, dtype=dtype, max_batch=max_batch, max_queue=max_queue,
+                        stall_timeout_s=stall_timeout_s).start()
+    except BaseException:
+        if on_close is not None:  # the agent client opened here: nothing else would close it
+            on_close()
+        raise
     logger.info("loading package %s (%d blocks) from %s", provider.manifest.package_id[:12], provider.num_blocks,
                 provider.origin)
     return LoadedModel(engine, origin=origin, stop_token_ids=default_stop_token_ids(provider), on_close=on_close)

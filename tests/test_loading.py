@@ -13,6 +13,7 @@ import torch
 import pipecast
 from packager.pack import pack
 from pipecast.engine.engine import LoadProgress
+from pipecast.engine.errors import InvalidRequestError, PackageMismatchError
 from pipecast.engine.weights import ATTENTION, LAYER_STAGES, MLP_IN, stage_of
 from pipecast.loading import PackageUnavailableError
 from tests.support import packages
@@ -176,3 +177,41 @@ def test_generation_stops_at_the_packages_eos_by_default(tiny_files, tmp_path):
     with pipecast.load(tmp_path / "pkg") as model:
         assert model.stop_token_ids == {tokens[k], 255}
         assert model.generate(PROMPT, max_new_tokens=16, timeout=30) == tokens[: k + 1]
+
+
+def test_a_generate_that_times_out_cancels_its_request(tiny):
+    _, pkg = tiny
+    with pipecast.load(pkg, agent=GatedAgent(pkg)) as model:  # no block is ever released
+        with pytest.raises(TimeoutError):
+            model.generate(PROMPT, max_new_tokens=4, timeout=0.05)
+        wait_until(lambda: model.engine.scheduler.active == 0 and not model.engine._incoming)
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([[1, 2], [3]], "input_ids are not prompts of token ids of one length: .+"),  # then torch's own words
+    ([1, 2 ** 70], "input_ids are not prompts of token ids of one length: .+"),
+    ([1, 300], r"prompt token ids \[300\] are outside the vocabulary \(0-255\)"),
+    ([], r"input_ids must be a non-empty \[batch, seq\] tensor of int64 or int32 token ids, got torch.int64 of "
+         r"shape \[1, 0\]"),
+])
+def test_logits_refuses_ids_the_model_cannot_take(tiny, ids, message):
+    _, pkg = tiny
+    with pipecast.load(pkg) as model, pytest.raises(InvalidRequestError, match=f"^{message}$"):
+        model.logits(ids, timeout=30)
+
+
+def test_load_closes_the_agent_client_it_opened_when_the_engine_cannot_be_built(tiny, tmp_path, monkeypatch):
+    class ClosingAgent(GatedAgent):
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    pkg = shutil.copytree(tiny[1], tmp_path / "pkg")
+    config = json.loads((pkg / "config.json").read_text())
+    (pkg / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    client = ClosingAgent(pkg)
+    monkeypatch.setattr(pipecast.loading, "_connect", lambda socket: client)
+    with pytest.raises(PackageMismatchError, match=r"no block holds 1 of its parameters: \['lm_head.weight'\]$"):
+        pipecast.load(pkg, agent=tmp_path / "agent.sock")
+    assert client.closed

@@ -10,7 +10,7 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipecast.engine.errors import UnsupportedModelError
+from pipecast.engine.errors import ModelConfigError, UnsupportedModelError
 
 if TYPE_CHECKING:
     import torch
@@ -54,17 +54,31 @@ def hf_config(config: dict) -> "PretrainedConfig":
     if config.get("use_bidirectional_attention"):  # an encoder (EmbeddingGemma): causal masks would be wrong
         raise UnsupportedModelError(model_type, SUPPORTED_MODEL_TYPES, "with bidirectional attention")
     fields = {k: v for k, v in config.items() if k != "model_type"}
-    cfg = AutoConfig.for_model(model_type, **fields)
+    try:
+        cfg = AutoConfig.for_model(model_type, **fields)
+    except Exception as exc:  # transformers' validation raises whatever its checks hit: type it
+        raise ModelConfigError(model_type, exc) from exc
     cfg._attn_implementation = ATTN_IMPLEMENTATION
     return cfg
 
 
 def build_skeleton(config: dict, *, dtype: "torch.dtype", device: "torch.device") -> Skeleton:
-    """Build the model of ``config`` with every parameter on the meta device (no memory, no init)."""
+    """Build the model of ``config`` with every parameter on the meta device (no memory, no init).
+
+    Raises :class:`UnsupportedModelError` for a model type the engine does not run, :class:`ModelConfigError`
+    for a config.json transformers cannot build a model of.
+    """
+    cfg = hf_config(config)
+    try:
+        return _skeleton(cfg, dtype, device)
+    except Exception as exc:  # a config that passed validation can still fail in the modules (a zero head count)
+        raise ModelConfigError(cfg.model_type, exc) from exc
+
+
+def _skeleton(cfg: "PretrainedConfig", dtype: "torch.dtype", device: "torch.device") -> Skeleton:
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = hf_config(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.eval()

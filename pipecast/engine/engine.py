@@ -11,6 +11,7 @@ decoding). Callers on any thread or event loop submit prompts and read tokens fr
 """
 
 import itertools
+import logging
 import threading
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -18,7 +19,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipecast.engine.batching import Sequence, StepScheduler
-from pipecast.engine.errors import EngineClosedError, EngineOverloadedError, InvalidRequestError
+from pipecast.engine.errors import (
+    EngineClosedError,
+    EngineError,
+    EngineFailedError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
 from pipecast.engine.loader import BlockLoader
 from pipecast.engine.progressive import ProgressiveModel
 from pipecast.engine.providers import BlockProvider
@@ -28,6 +35,8 @@ from pipecast.engine.weights import package_dtype
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,7 +53,11 @@ class LoadProgress:
 
 
 class Engine:
-    """Execute-while-load inference over a :class:`BlockProvider`. Call :meth:`start`, then submit."""
+    """Execute-while-load inference over a :class:`BlockProvider`. Call :meth:`start`, then submit.
+
+    Raises :class:`UnsupportedModelError` or :class:`ModelConfigError` for a config.json it cannot run, and
+    :class:`PackageMismatchError` for a package whose blocks do not hold the model config.json describes.
+    """
 
     def __init__(self, provider: BlockProvider, *, device: "str | torch.device" = "cpu",
                  dtype: "torch.dtype | None" = None, max_batch: int = 16, max_queue: int = 64,
@@ -52,6 +65,7 @@ class Engine:
         self.provider = provider
         dtype = dtype or package_dtype(provider.manifest, provider.config)
         self.model = ProgressiveModel(provider.config, dtype=dtype, device=device)
+        self.model.check_package(provider.manifest, provider.origin)
         self.loader = BlockLoader(provider, self.model, stall_timeout_s=stall_timeout_s)
         self.scheduler = StepScheduler(self.model, max_batch=max_batch)
         self.max_queue = max_queue
@@ -61,6 +75,7 @@ class Engine:
         self._incoming: deque[Sequence] = deque()
         self._cancelled: set[TokenStream] = set()
         self._closed = False
+        self._thread_error: Exception | None = None  # what stopped the engine thread, if not close()
         self._ids = itertools.count()
         self._max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.model.add_listener(self._on_model_change)
@@ -99,6 +114,8 @@ class Engine:
         with self._cond:
             if self._closed:
                 raise EngineClosedError()
+            if self._thread_error is not None:
+                raise EngineFailedError(self._thread_error)
             self.model.check_failed()
             if len(self._incoming) + len(checked) > self.max_queue:
                 raise EngineOverloadedError(len(self._incoming))
@@ -109,29 +126,47 @@ class Engine:
 
     def generate(self, prompt_ids: Seq[int], params: SamplingParams | None = None,
                  timeout: float | None = None) -> list[int]:
-        """Submit and wait: the generated token ids (blocking; for scripts and tests)."""
-        return self.submit(prompt_ids, params).result(timeout)
+        """Submit and wait: the generated token ids (blocking; for scripts and tests). A request that times out
+        (or is interrupted) is cancelled."""
+        stream = self.submit(prompt_ids, params)
+        try:
+            return stream.result(timeout)
+        except BaseException:
+            stream.cancel()  # else it goes on running, and holding its place, for nobody
+            raise
 
     def logits(self, input_ids: "torch.Tensor", timeout: float | None = None) -> "torch.Tensor":
         """Logits of every position of ``input_ids`` [batch, seq], computed on the calling thread.
 
-        Waits for each part just before it is needed, each wait bounded by ``timeout`` seconds.
+        Waits for each part just before it is needed, each wait bounded by ``timeout`` seconds. Raises
+        :class:`InvalidRequestError` unless ``input_ids`` is a non-empty [batch, seq] tensor of int64 or int32
+        token ids of the vocabulary.
         """
+        import torch
+
+        if input_ids.dim() != 2 or not input_ids.numel() or input_ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidRequestError(f"input_ids must be a non-empty [batch, seq] tensor of int64 or int32 token "
+                                      f"ids, got {input_ids.dtype} of shape {list(input_ids.shape)}")
+        for row in input_ids.tolist():  # an id outside the vocabulary would index past the embeddings
+            self._check_tokens(row)
         return self.model.forward_logits(input_ids, timeout)
 
     def check_prompt(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
         """The prompt as a list, if the model can take it with ``params``; else :class:`InvalidRequestError`
         (empty, token ids outside the vocabulary, more positions than the model has)."""
-        prompt = [int(t) for t in prompt_ids]
+        prompt = self._check_tokens([int(t) for t in prompt_ids])
+        if self._max_positions and len(prompt) + params.max_tokens > self._max_positions:
+            raise InvalidRequestError(f"prompt of {len(prompt)} tokens plus max_tokens {params.max_tokens} "
+                                      f"exceeds the model's {self._max_positions} positions")
+        return prompt
+
+    def _check_tokens(self, prompt: list[int]) -> list[int]:
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
         bad = [t for t in prompt if not 0 <= t < self.model.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                                       f"(0-{self.model.vocab_size - 1})")
-        if self._max_positions and len(prompt) + params.max_tokens > self._max_positions:
-            raise InvalidRequestError(f"prompt of {len(prompt)} tokens plus max_tokens {params.max_tokens} "
-                                      f"exceeds the model's {self._max_positions} positions")
         return prompt
 
     def _cancel(self, stream: TokenStream) -> None:
@@ -169,8 +204,9 @@ class Engine:
         if not self._thread.is_alive():  # else the engine thread fails them as it exits
             self._fail_unfinished()
 
-    def _fail_unfinished(self) -> None:
-        error = EngineClosedError()
+    def _fail_unfinished(self, error: EngineError | None = None) -> None:
+        """End every request held with ``error`` (by default :class:`EngineClosedError`)."""
+        error = error or EngineClosedError()
         self.scheduler.fail_all(error)
         with self._cond:
             for seq in self._incoming:
@@ -188,10 +224,17 @@ class Engine:
     def _run(self) -> None:
         import torch
 
-        with torch.inference_mode():
-            while self._next_step():
-                self.scheduler.step()
-        self._fail_unfinished()
+        error = None
+        try:
+            with torch.inference_mode():
+                while self._next_step():
+                    self.scheduler.step()
+        except Exception as exc:  # a bug outside step()'s guards: fail the requests rather than leave them waiting
+            logger.exception("the engine thread failed")
+            with self._cond:
+                self._thread_error = exc  # refuse later requests: nothing would run them
+            error = EngineFailedError(exc)
+        self._fail_unfinished(error)
 
     def _next_step(self) -> bool:
         """Wait until a step can make progress and admit new sequences; False once closed."""

@@ -17,6 +17,26 @@ class UnsupportedModelError(EngineError):
         self.model_type = model_type
 
 
+class ModelConfigError(EngineError):
+    """config.json names a supported model type but describes no model transformers can build (the package's
+    fault): a zero head count, an unknown rotary type, a hidden size the heads do not divide, ..."""
+
+    def __init__(self, model_type: str, error: Exception):
+        # One line whatever transformers wrote (its validation errors span several).
+        super().__init__(f"config.json of model type {model_type!r} describes no model the engine can build: "
+                         f"{type(error).__name__}: {' '.join(str(error).split())}")
+        self.model_type = model_type
+
+
+class PackageMismatchError(EngineError):
+    """The package's blocks do not hold the model its config.json describes (the package's fault): loading it
+    could never complete."""
+
+    def __init__(self, origin: str, problem: str):
+        super().__init__(f"the package from {origin} does not fit its config.json: {problem}")
+        self.origin, self.problem = origin, problem
+
+
 class BlockBindError(EngineError):
     """A block's tensors do not fit the model built from config.json (the package's fault)."""
 
@@ -50,6 +70,13 @@ class EngineClosedError(EngineError):
 
     def __init__(self) -> None:
         super().__init__("the engine is closed")
+
+
+class EngineFailedError(EngineError):
+    """The engine thread stopped on an unexpected error: its requests fail and it takes no more (a bug)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(f"the engine stopped on an unexpected error: {type(error).__name__}: {error}")
 
 
 class EngineOverloadedError(EngineError):

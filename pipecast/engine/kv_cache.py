@@ -114,17 +114,27 @@ class SlotKVCache:
         self.capacity = capacity
 
     def write_prompt(self, row: int, prompt: PrefillCache, length: int) -> None:
-        """Store a prefilled prompt's ``length`` positions in ``row``."""
+        """Store a prefilled prompt's ``length`` positions in ``row`` (zeros after them)."""
         self.reserve(length)
         for layer in range(self.num_layers):
             self.keys[layer][row, :, :length] = prompt.keys[layer][0]
             self.values[layer][row, :, :length] = prompt.values[layer][0]
+        self._clear_tail(row, length)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of row ``src`` to row ``dst`` (to keep rows 0..n-1 dense)."""
+        """Copy the first ``length`` positions of row ``src`` to row ``dst`` (to keep rows 0..n-1 dense), zeros
+        after them."""
         for store in (self.keys, self.values):
             for layer in range(self.num_layers):
                 store[layer][dst, :, :length] = store[layer][src, :, :length]
+        self._clear_tail(dst, length)
+
+    def _clear_tail(self, row: int, length: int) -> None:
+        # The row's previous sequence left its keys and values there: masked, they still enter SDPA's products
+        # (an fp16 inf among them would make 0 * inf = NaN).
+        for store in (self.keys, self.values):
+            for layer in range(self.num_layers):
+                store[layer][row, :, length:].zero_()
 
     def step(self, positions: list[int]) -> "DecodeStep":
         """The cache view of one decode step: row ``s`` writes its new token at ``positions[s]``."""

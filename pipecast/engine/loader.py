@@ -7,7 +7,8 @@ the block in flight is bound part by part: each stage of each layer (its attenti
 projections, its output projection) as soon as its own bytes are verified, so the prefill runs a fraction
 of a layer behind the transfer rather than a block behind it. If nothing arrives for
 ``stall_timeout_s`` the origin is declared stalled and the model fails (requests that need the missing
-layers get the error).
+layers get the error); so does a model that every block bound leaves incomplete (a package that does not fit
+its config.json), rather than leave requests waiting for parts that will never come.
 """
 
 import logging
@@ -85,6 +86,8 @@ class BlockLoader:
             logger.debug("bound block %d (layers %d-%d) from %s", index, block.layer_start,
                          block.layer_end - 1, p.origin)
         if not missing:
+            # check_block saw each block's own layers only: the embeddings, the head or other layers may be missing.
+            self.model.check_complete(p.origin)
             logger.info("model fully loaded from %s in %.3f s: %d blocks", p.origin,
                         self._last_arrival - self.started_at, p.num_blocks)
 

@@ -9,15 +9,17 @@ each part just before it needs it.
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pipecast.engine.architectures import build_skeleton
-from pipecast.engine.errors import BlockBindError, ModelLoadError
+from pipecast.engine.errors import BlockBindError, ModelLoadError, PackageMismatchError
 from pipecast.engine.weights import ATTENTION, EMBED, FINAL_NORM, HEAD, LM_HEAD, MLP_IN, Part, WeightBinder
 
 if TYPE_CHECKING:
     import torch
+
+    from pipecast.v1.manifest_pb2 import Manifest
 
 
 class ProgressiveModel:
@@ -66,6 +68,21 @@ class ProgressiveModel:
         if incomplete:
             raise BlockBindError(index, origin, f"holds layers {layers.start}-{layers.stop - 1} but lacks "
                                                 f"tensors {incomplete[:8]}")
+
+    def check_package(self, manifest: "Manifest", origin: str) -> None:
+        """Raise :class:`PackageMismatchError` unless ``manifest``'s blocks hold exactly this model's layers and
+        every parameter it binds (loading would otherwise fail halfway, or never complete)."""
+        if manifest.num_layers != self.num_layers:
+            raise PackageMismatchError(origin, f"config.json has {self.num_layers} layers but the blocks hold "
+                                               f"{manifest.num_layers}")
+        self.check_complete(origin, held={name for block in manifest.blocks for name in block.tensor_names})
+
+    def check_complete(self, origin: str, held: Collection[str] = ()) -> None:
+        """Raise :class:`PackageMismatchError` if some parameter is neither bound nor among ``held`` (names of
+        tensors still to come): the model could never be wholly loaded."""
+        missing = self._binder.unbound(held)
+        if missing:
+            raise PackageMismatchError(origin, f"no block holds {len(missing)} of its parameters: {missing[:8]}")
 
     def fail(self, error: Exception) -> None:
         """Record that loading failed: waiters and later calls raise :class:`ModelLoadError`."""

@@ -79,9 +79,10 @@ def _sample_row(logits: "torch.Tensor", params: SamplingParams, generator: "torc
     import torch
 
     scaled = logits / params.temperature
-    if not bool(torch.isfinite(scaled).all()):
-        # A temperature so small that logits / t overflows float32 (or t rounds to 0 in it): the distribution
-        # is the limit's, all on the top token.
+    if not bool(torch.isfinite(scaled.max())):
+        # A temperature so small that logits / t overflows float32 to +inf (or t rounds to 0 in it): the
+        # distribution is the limit's, all on the top token. A -inf below a finite top (a masked token) is
+        # softmax's 0, but a NaN or a +inf top would make every probability NaN.
         return int(logits.argmax())
     probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1:

@@ -15,7 +15,7 @@ MLP weights are still arriving.
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from pipecast.engine.architectures import DERIVED_TENSOR_SUFFIXES
@@ -100,6 +100,11 @@ class WeightBinder:
     def missing(self, part: Part) -> set[str]:
         """Parameter names of ``part`` (a part or a stage) not bound yet."""
         return set(self._missing.get(part, ()))
+
+    def unbound(self, held: Collection[str] = ()) -> list[str]:
+        """Parameter names not bound yet, less those that tensors named ``held`` (still to come) would bind."""
+        names = set().union(*self._missing.values()) - set(held)
+        return sorted(n for n in names if self._tied.get(n) not in held)
 
     def bind(self, block: int, tensors: Mapping[str, "torch.Tensor"], origin: str) -> set[Part]:
         """Bind a block's tensors; return the parts and stages this completed. Raise BlockBindError if they

@@ -10,6 +10,7 @@ from pipecast.engine.engine import Engine, LoadProgress
 from pipecast.engine.errors import (
     EngineClosedError,
     EngineError,
+    EngineFailedError,
     EngineOverloadedError,
     InvalidRequestError,
     ModelLoadError,
@@ -213,6 +214,45 @@ def test_cancel_ends_the_stream_and_frees_the_engine(engine):
 def test_invalid_requests_are_refused(engine, prompt, max_tokens, message):
     with pytest.raises(InvalidRequestError, match=f"^{message}$"):
         engine.submit(prompt, SamplingParams(max_tokens=max_tokens))
+
+
+def test_a_generate_that_times_out_cancels_its_request(pkg, engine):
+    expected = solo(engine, PROMPT, max_tokens=4)
+    provider = DelayedProvider(PackageFolderProvider(pkg))
+    with Engine(provider, max_batch=1, max_queue=1).start() as delayed:
+        for _ in range(3):  # left running, the first two would fill the batch and the queue: the third refused
+            with pytest.raises(TimeoutError):
+                delayed.generate(PROMPT, SamplingParams(max_tokens=4), timeout=0.05)
+        wait_until(lambda: delayed.scheduler.active == 0 and not delayed._incoming)
+        provider.release_all()
+        assert delayed.generate(PROMPT, SamplingParams(max_tokens=4), timeout=30) == expected
+
+
+@pytest.mark.parametrize("ids, message", [
+    (torch.tensor([[1, 256, 3]]), r"prompt token ids \[256\] are outside the vocabulary \(0-255\)"),
+    (torch.tensor([[1, 2], [-1, 3]]), r"prompt token ids \[-1\] are outside the vocabulary \(0-255\)"),
+    (torch.zeros(1, 0, dtype=torch.long), r"input_ids must be a non-empty \[batch, seq\] tensor of int64 or int32 "
+                                          r"token ids, got torch.int64 of shape \[1, 0\]"),
+    (torch.tensor([1, 2]), r"input_ids must be .*, got torch.int64 of shape \[2\]"),
+    (torch.tensor([[1.0, 2.0]]), r"input_ids must be .*, got torch.float32 of shape \[1, 2\]"),
+])
+def test_logits_refuses_ids_the_model_cannot_take(engine, ids, message):
+    with pytest.raises(InvalidRequestError, match=f"^{message}$"):
+        engine.logits(ids, timeout=30)
+
+
+def test_an_error_escaping_a_step_fails_every_request_and_refuses_new_ones(pkg, monkeypatch):
+    def broken():
+        raise RuntimeError("scheduler bug")
+
+    with Engine(DelayedProvider(PackageFolderProvider(pkg))).start() as engine:
+        monkeypatch.setattr(engine.scheduler, "_drop_cancelled", broken)
+        stream = engine.submit(PROMPT)
+        message = "^the engine stopped on an unexpected error: RuntimeError: scheduler bug$"
+        with pytest.raises(EngineFailedError, match=message):
+            stream.result(timeout=10)
+        with pytest.raises(EngineFailedError, match=message):
+            engine.submit(PROMPT)
 
 
 def test_full_queue_refuses_and_close_fails_pending(pkg):

@@ -10,7 +10,14 @@ from packager.blockfile import buffer_header, map_file
 from packager.pack import pack
 from pipecast.engine.architectures import modeling_modules
 from pipecast.engine.engine import Engine
-from pipecast.engine.errors import BlockBindError, ModelLoadError, UnsupportedModelError
+from benchmarks.tiny_checkpoints import tiny_config
+from pipecast.engine.errors import (
+    BlockBindError,
+    ModelConfigError,
+    ModelLoadError,
+    PackageMismatchError,
+    UnsupportedModelError,
+)
 from pipecast.engine.progressive import ProgressiveModel
 from pipecast.engine.providers import AgentBlockProvider, PackageFolderProvider
 from pipecast.engine.sampling import SamplingParams
@@ -155,6 +162,36 @@ def test_unsupported_model_type_is_refused(tmp_path):
                                                     r"engine \(supported: llama, mistral, qwen2, qwen3, "
                                                     r"gemma3_text\)$"):
         ProgressiveModel(config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"num_attention_heads": 0}, "ZeroDivisionError: integer modulo by zero"),
+    ({"rope_scaling": {"rope_type": "bogus"}}, "KeyError: 'bogus'"),
+    ({"hidden_size": 65}, r"StrictDataclassClassValidationError: Class validation error for validator "
+                          r"'validate_architecture': ValueError: The hidden size \(65\) is not a multiple of the "
+                          r"number of attention heads \(4\)\."),
+])
+def test_a_config_transformers_cannot_build_is_refused_naming_its_error(change, error):
+    config = {**tiny_config("llama").to_dict(), **change}
+    with pytest.raises(ModelConfigError, match=f"^config.json of model type 'llama' describes no model the engine "
+                                               f"can build: {error}$"):
+        ProgressiveModel(config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("arch, change, problem", [
+    ("llama", {"num_hidden_layers": 6}, "config.json has 6 layers but the blocks hold 4"),
+    ("llama", {"num_hidden_layers": 3}, "config.json has 3 layers but the blocks hold 4"),
+    ("qwen2", {"tie_word_embeddings": False}, r"no block holds 1 of its parameters: \['lm_head.weight'\]"),
+])
+def test_a_package_whose_blocks_do_not_hold_its_configs_model_is_refused_before_loading(tiny_package, arch,
+                                                                                        change, problem):
+    """Else loading would never complete (parts no block holds) or fail halfway (layers the model lacks)."""
+    pkg = tiny_package(arch).path
+    config = json.loads((pkg / "config.json").read_text())
+    (pkg / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(PackageMismatchError, match=f"^the package from package folder {pkg} does not fit its "
+                                                   f"config.json: {problem}$"):
+        Engine(PackageFolderProvider(pkg))
 
 
 def test_the_modeling_module_of_every_supported_type_imports():

@@ -96,3 +96,16 @@ def test_a_step_makes_room_for_its_furthest_position(positions):
     slots = cache(rows=1)
     slots.step(positions)
     assert slots.capacity > max(positions)
+
+
+def test_a_reused_row_holds_zeros_after_its_new_sequence():
+    """Masked positions still enter SDPA's products: a previous sequence's keys left there (an fp16 inf among
+    them) would turn into NaN."""
+    slots = cache(rows=2)
+    slots.write_prompt(0, prompt_cache(6, 1), 6)
+    slots.write_prompt(1, prompt_cache(5, 2), 5)
+    slots.write_prompt(0, prompt_cache(3, 3), 3)  # row 0 taken by a shorter prompt
+    slots.move_row(0, 1, 3)  # row 1 refilled from row 0
+    for store in (slots.keys, slots.values):
+        for layer in range(LAYERS):
+            assert store[layer][:, :, :3].all() and not store[layer][:, :, 3:].any()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from packager.blockfile import buffer_header, map_file
-from pipecast.engine.errors import BlockStalledError, ModelLoadError
+from pipecast.engine.errors import BlockStalledError, ModelLoadError, PackageMismatchError
 from pipecast.engine.loader import BlockLoader
 from pipecast.engine.progressive import ProgressiveModel
 from pipecast.engine.providers import AgentBlockProvider, DelayedProvider, PackageFolderProvider
@@ -61,6 +61,29 @@ def test_a_source_silent_past_the_stall_timeout_fails_the_model_naming_the_missi
         stalled = info.value.__cause__
         assert isinstance(stalled, BlockStalledError) and stalled.blocks == [1, 2, 3]
         assert model.is_ready(0) and loader.blocks_bound == 1  # what arrived stays bound
+    finally:
+        loader.stop(timeout=WAIT_S)
+
+
+def test_a_model_the_blocks_leave_incomplete_fails_once_every_block_is_bound(pkg):
+    """Each block holds its own layers whole, but config.json asks for two layers no block holds: the model
+    fails rather than leave requests waiting for layers that will never come."""
+    provider = PackageFolderProvider(pkg)
+    model = ProgressiveModel({**provider.config, "num_hidden_layers": 6}, dtype=torch.float32)
+    loader = BlockLoader(provider, model)
+    loader.start()
+    try:
+        wait_until(lambda: model.failed)
+        with pytest.raises(ModelLoadError) as info:
+            model.check_failed()
+        assert isinstance(info.value.__cause__, PackageMismatchError)
+        assert str(info.value.__cause__) == (
+            f"the package from package folder {pkg} does not fit its config.json: no block holds 18 of its "
+            "parameters: ['model.layers.4.input_layernorm.weight', 'model.layers.4.mlp.down_proj.weight', "
+            "'model.layers.4.mlp.gate_proj.weight', 'model.layers.4.mlp.up_proj.weight', "
+            "'model.layers.4.post_attention_layernorm.weight', 'model.layers.4.self_attn.k_proj.weight', "
+            "'model.layers.4.self_attn.o_proj.weight', 'model.layers.4.self_attn.q_proj.weight']")
+        assert loader.blocks_bound == 4 and model.is_ready(HEAD) and not model.fully_loaded
     finally:
         loader.stop(timeout=WAIT_S)
 

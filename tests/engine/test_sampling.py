@@ -27,3 +27,9 @@ def test_parameters_the_arithmetic_cannot_take_are_refused(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(**kwargs)
     assert new_generator(SamplingParams(temperature=1.0, seed=MIN_SEED)) is not None
+
+
+def test_a_masked_token_is_never_sampled_and_the_others_still_are():
+    logits = torch.tensor([[0.0, float("-inf"), 0.0, 0.0]])
+    params = [SamplingParams(temperature=1.0, seed=seed) for seed in range(32)]
+    assert {sample_tokens(logits, [p], [new_generator(p)])[0] for p in params} == {0, 2, 3}
