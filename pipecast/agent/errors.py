@@ -126,5 +126,10 @@ class LocalApiError(AgentError):
     """The local agent API refused a request or could not be reached."""
 
 
+class PackageDroppedError(LocalApiError):
+    """The agent dropped the package an engine waits for (the node was released): not a failed load; should the
+    agent hold the package again, it is loaded afresh."""
+
+
 class LocalApiTimeoutError(LocalApiError, TimeoutError):
     """What a local client waited for did not happen within its timeout (also a ``TimeoutError``)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from packager.manifest import manifest_from_json
-from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError
+from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError, PackageDroppedError
 from pipecast.agent.store import BlockProgress, StoreProgress
 from pipecast.core.strictjson import JSONInputError, loads_object
 from pipecast.v1.manifest_pb2 import Manifest
@@ -128,7 +128,8 @@ class LocalAgentClient:
     def wait_block(self, index: int, timeout: float, package_id: str | None = None) -> memoryview:
         """Block ``index``'s bytes once verified: a read-only view of the agent's own memory (no copy).
 
-        Raises :class:`LocalApiTimeoutError` (a ``TimeoutError``) if not verified within ``timeout``.
+        Raises :class:`LocalApiTimeoutError` (a ``TimeoutError``) if not verified within ``timeout``,
+        :class:`PackageDroppedError` once the agent drops the package.
         """
         mapped = self._buffer(index, package_id, timeout)
         self._await(mapped.package, index, len(mapped.memory), timeout, f"block {index} not verified")
@@ -139,7 +140,8 @@ class LocalAgentClient:
         the block may still be arriving: a read-only view (no copy) of every byte verified from the block's
         start by then, so at least ``nbytes``.
 
-        Raises :class:`LocalApiTimeoutError` (a ``TimeoutError``) if not verified within ``timeout``.
+        Raises :class:`LocalApiTimeoutError` (a ``TimeoutError``) if not verified within ``timeout``,
+        :class:`PackageDroppedError` once the agent drops the package.
         """
         mapped = self._buffer(index, package_id, timeout)
         size = len(mapped.memory)
@@ -198,7 +200,7 @@ class LocalAgentClient:
                 if self._stream_error is not None:
                     raise LocalApiError(f"agent at {self.socket_path}: {self._stream_error}")
                 if package in self._dropped:
-                    raise LocalApiError(f"agent at {self.socket_path}: package {package[:12]} was dropped there "
+                    raise PackageDroppedError(f"agent at {self.socket_path}: package {package[:12]} was dropped there "
                                         f"({what})")
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -271,12 +273,20 @@ class LocalAgentClient:
         with self._lock:
             mapped = self._maps.get(key)
         if mapped is None:
-            fd = os.open(answer["path"], os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fd = os.open(answer["path"], os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:  # the agent's memfd is /proc/<its pid>/fd/<n>
+                raise LocalApiError(f"agent at {self.socket_path}: cannot open block {key[1]}'s memory at "
+                                    f"{answer['path']} ({exc.strerror or exc}): an engine must run as the agent's "
+                                    "user and see its processes (the same pid namespace)") from None
             try:
                 # MAP_POPULATE: every page table entry now (mmap runs without the GIL), none faulted in
                 # during the prefill that first reads the block (measured ~0.6 ms/MB of first touches).
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                 mapped = mmap.mmap(fd, answer["bytes"], flags=flags, prot=mmap.PROT_READ)
+            except (OSError, ValueError) as exc:
+                raise LocalApiError(f"agent at {self.socket_path}: cannot map block {key[1]}'s memory at "
+                                    f"{answer['path']} ({exc})") from None
             finally:
                 os.close(fd)
             with self._lock:

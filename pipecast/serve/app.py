@@ -213,6 +213,10 @@ async def stage_close(request: web.Request) -> web.Response:
         hops = parse_route(body["next"], first=None) if body.get("next") else ()
     except (RequestFieldError, PipelineProtocolError) as exc:
         return _stage_error(str(exc), 400)
+    except RequestTooLargeError as exc:
+        response = _stage_error(str(exc), exc.status)
+        response.force_close()  # the rest of the body is never read
+        return response
     worker.forget_stage_session(session)
     await worker.stage_client.close_sessions(hops, session)
     return web.json_response({"closed": session})

@@ -6,8 +6,8 @@ response bodies (pure).
 ``seed``, ``stream`` and ``stream_options.include_usage``; ``return_token_ids`` (as vLLM) adds the
 generated token ids to each choice. ``POST /v1/chat/completions`` takes ``messages`` (each a ``role`` and
 its ``content``: a string, or a list of text parts) instead of ``prompt``, and ``max_completion_tokens``
-as well as ``max_tokens`` (default: as many as the model's positions leave); the worker renders the
-messages with the package's chat template. Parameters the engine cannot honour (``n`` > 1, ``logprobs``,
+as well as ``max_tokens`` (default: as many as the model's positions leave, at most 4,096); the worker
+renders the messages with the package's chat template. Parameters the engine cannot honour (``n`` > 1, ``logprobs``,
 ``echo``, penalties, ``logit_bias``, ``suffix``, tools) are refused with a 400 naming the field rather
 than silently ignored, as are unknown fields. Every malformed value (a wrong type, a number out of range,
 a body that is not strict JSON) is a 400 naming the field, never a 500.
@@ -61,7 +61,8 @@ class ChatMessage:
 @dataclass(frozen=True)
 class CompletionRequest:
     """A checked completion request; a chat request's prompt is its messages (``chat``), rendered by the
-    worker with the model's chat template. ``max_tokens`` None: as many as the model's positions leave."""
+    worker with the model's chat template. ``max_tokens`` None: as many as the model's positions leave, at most
+    4,096 (the worker's ``UNBOUNDED_MAX_TOKENS``)."""
 
     model: str
     prompt: str | tuple[int, ...] | tuple[ChatMessage, ...]

@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipecast.agent.errors import PackageDroppedError
 from pipecast.core.cpulimit import cpu_limit
 from pipecast.core.credentials import presents_key, serving_headers
 from pipecast.core.errors import PipecastError
@@ -56,7 +57,7 @@ from pipecast.engine.errors import (
 from pipecast.engine.providers import StreamingBlockProvider
 from pipecast.engine.streams import TokenStream
 from pipecast.engine.weights import EMBED
-from pipecast.loading import LoadedModel, load
+from pipecast.loading import SOURCE_AGENT, LoadedModel, load
 from pipecast.serve.errors import (
     ModelNotServedError,
     ModelUnavailableError,
@@ -185,6 +186,7 @@ class ServingWorker:
         self._change: asyncio.Event | None = None
         self._released = False
         self._follower: asyncio.Task | None = None
+        self._unloading: asyncio.Future | None = None  # an unload begun by a drop seen while loading
         self.stage_client = StageClient()
         self.stage_queue = StageQueue()
         self._head: PipelineHead | None = None
@@ -367,7 +369,7 @@ class ServingWorker:
         try:
             while not self._closing:
                 await asyncio.sleep(FOLLOW_AGENT_S)
-                if self._model is None:
+                if self._model is None or self._model.origin != SOURCE_AGENT:  # the disk cache's stays
                     continue
                 try:
                     client = client or LocalAgentClient(self.config.agent)
@@ -427,7 +429,7 @@ class ServingWorker:
                                   step_timeout_s=self.config.pipeline_step_timeout_s,
                                   local=model.engine.submit, dissolve=self.config.pipeline_dissolve,
                                   cpus=cpu_limit())
-        self._released = False
+        self._released, self._error = False, None  # a failure was the model's before, released since
         self._stage = STAGE_LOADING
         model.engine.model.add_listener(lambda: self._post(self._on_model_change))
         self._on_model_change()
@@ -453,6 +455,9 @@ class ServingWorker:
             try:
                 engine.model.check_failed()
             except EngineError as exc:
+                if _dropped(exc):  # released while loading: as the follower unloads a released model
+                    self._unloading = asyncio.ensure_future(self._unload())
+                    return
                 self._set_error(str(exc))
         if engine.model.fully_loaded and self._stage == STAGE_LOADING:
             self._stage = STAGE_LOADED
@@ -472,9 +477,10 @@ class ServingWorker:
     async def close(self) -> None:
         """Stop the engine (requests still running fail) and release the agent's blocks."""
         self.drain()
-        if self._follower is not None:
-            self._follower.cancel()
-            await asyncio.gather(self._follower, return_exceptions=True)
+        for task in (self._follower, self._unloading):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._model is not None:
             await asyncio.to_thread(self._model.close)
         self.stage_queue.close()
@@ -700,6 +706,15 @@ def _ask_serving_key(agent: Path | str, timeout_s: float) -> bytes:
 
     with LocalAgentClient(agent) as client:
         return client.serving_key(timeout=timeout_s)
+
+
+def _dropped(exc: BaseException) -> bool:
+    """Whether ``exc`` comes of the agent dropping the package (the loader's wait ended so), along its causes."""
+    while exc is not None:
+        if isinstance(exc, PackageDroppedError):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def _served_error(exc: EngineError) -> ServeError:

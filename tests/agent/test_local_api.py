@@ -170,6 +170,16 @@ async def test_an_engine_waiting_on_a_package_the_agent_drops_fails_at_once_and_
         assert (await asyncio.to_thread(client.wait_block, 0, 5.0, manifest.package_id)).nbytes > 0
 
 
+async def test_block_memory_the_engine_cannot_open_is_a_local_api_error_saying_why(tmp_path, monkeypatch):
+    """An engine that does not see the agent's processes (another pid namespace, another user) cannot open the
+    memfd path the agent answers: a typed error naming the block, the path and what the engine needs."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, store, _, client):
+        monkeypatch.setattr(store, "block_path", lambda block: "/proc/999999999/fd/7")
+        with pytest.raises(LocalApiError, match=r"cannot open block 0's memory at /proc/999999999/fd/7 \(No such "
+                                                r"file or directory\): an engine must run as the agent's user"):
+            await asyncio.to_thread(client.wait_block, 0, 1.0, manifest.package_id)
+
+
 async def test_a_subscriber_that_stops_reading_is_cut_off_not_kept_in_memory(tmp_path, monkeypatch):
     """An engine that subscribes and never reads must not grow the agent one event a chunk: past
     MAX_PENDING_EVENTS unread, its stream ends after what it was sent."""

@@ -24,6 +24,7 @@ import pytest
 from aiohttp import web
 
 import pipecast
+from pipecast.agent.errors import PackageDroppedError
 from pipecast.engine.errors import EngineClosedError
 from pipecast.serve.app import build_app
 from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
@@ -244,6 +245,83 @@ async def test_a_released_package_finishes_the_requests_running_on_it_before_the
         assert [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]] == reference(PROMPT, 12)
         await asyncio.wait_for(unloading, 10)
         await wait_until_async(lambda: model.engine._closed)
+
+
+class DroppingAgent(GatedAgent):
+    """Waits end with PackageDroppedError while the package is dropped, as the agent's local client's do."""
+
+    dropped = False
+
+    def wait_prefix(self, index, nbytes, timeout, package_id=None):
+        with self._cond:
+            self._cond.wait_for(lambda: self.dropped or self._verified[index] >= nbytes, timeout)
+            if self.dropped:
+                raise PackageDroppedError(f"agent: package {package_id} was dropped there")
+        return super().wait_prefix(index, nbytes, timeout, package_id)
+
+    def drop(self, dropped: bool = True) -> None:
+        with self._cond:
+            self.dropped = dropped
+            self._cond.notify_all()
+
+
+async def test_a_package_dropped_while_its_model_loads_is_a_release_and_the_model_loads_again(pkg, reference):
+    """The loader's wait ends at once with the agent's drop (not at its deadline): the worker waits for the package,
+    as for any release, instead of failing for good; back, the model loads again and serves."""
+    agent, back = DroppingAgent(pkg), threading.Event()
+    async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, worker, _, http):
+        worker._wait_for_package_again = lambda: back.wait(30)
+        agent.release(0, 1)
+        await wait_until_async(lambda: worker._model is not None)
+        agent.drop()
+        state = await wait_health(http, url, lambda h: h["stage"] == "waiting_for_package")
+        assert state["status"] == "loading"
+        agent.drop(False)
+        agent.release()
+        back.set()
+        await wait_health(http, url, lambda h: h["status"] == "ready")
+        status, _, answer = await post(http, url, body())
+        assert status == 200 and answer["choices"][0]["token_ids"] == reference(PROMPT, 12)
+
+
+async def test_only_a_model_the_agent_feeds_is_unloaded_when_the_agent_holds_no_package(monkeypatch):
+    """A model loaded from the agent's disk cache (the unicast fallback, as the agent did not hold the package)
+    stays: the agent holding none is no release of it."""
+    from pipecast.agent import local_client
+    from pipecast.serve import worker as worker_module
+
+    class Agent:  # holds no package
+        def __init__(self, path):
+            pass
+
+        def status(self):
+            return {"packages": {}}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(local_client, "LocalAgentClient", Agent)
+    monkeypatch.setattr(worker_module, "FOLLOW_AGENT_S", 0.01)
+    for origin, unloaded in (("local", False), ("agent", True)):
+        worker = ServingWorker(WorkerConfig("pkg", agent="/no/agent.sock"))
+        manifest = type("Manifest", (), {"package_id": "p" * 64})
+        engine = type("Engine", (), {"provider": type("Provider", (), {"manifest": manifest})})
+        worker._model = type("Model", (), {"origin": origin, "engine": engine})()
+        released = asyncio.Event()
+
+        async def unload(worker=worker, released=released):
+            worker._model = None
+            released.set()
+
+        worker._unload = unload
+        follower = asyncio.create_task(worker._follow_agent())
+        try:
+            await asyncio.wait_for(released.wait(), 0.3)
+        except TimeoutError:
+            pass
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+        assert released.is_set() is unloaded, origin
 
 
 async def test_a_model_released_while_a_prompt_is_tokenized_answers_503_not_500():
@@ -501,6 +579,22 @@ async def test_hostile_requests_get_400_never_500(pkg):
             assert answer["error"]["message"].startswith(message), answer
         status, _, answer = await post(http, url, body(seed=(1 << 64) - 1, temperature=1.0, max_tokens=2))
         assert status == 200, answer  # the largest seed still runs
+
+
+async def test_a_stage_close_over_the_body_limit_is_a_413_not_a_500(pkg):
+    worker = ServingWorker(WorkerConfig(str(pkg)))
+    runner = web.AppRunner(build_app(worker, max_body_bytes=100))
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+            data = json.dumps({"session": "s" * 200}).encode()
+            async with http.post(f"http://{host}:{port}/v1/stage/close", data=data) as response:
+                assert response.status == 413
+                assert "over this server's limit of 100 bytes" in (await response.json())["error"]["message"]
+    finally:
+        await runner.cleanup()
 
 
 async def test_health_answers_within_a_second_while_huge_prompts_are_refused_or_tokenized(pkg, monkeypatch):
