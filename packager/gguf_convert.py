@@ -34,13 +34,19 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
         folder, name = str(gguf.parent), gguf.name
         logger.info("dequantizing %s to %s", gguf, dtype)
         progress.start(3, f"convert {name}", unit="step")
-        progress.status("tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        progress.advance()
-        progress.status(f"dequantize to {dtype}")
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=getattr(torch, dtype),
-            quantization_config=GgufConfig(gguf_file=name, dequantize=True))
+        try:
+            progress.status("tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            progress.advance()
+            progress.status(f"dequantize to {dtype}")
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, dtype=getattr(torch, dtype),
+                quantization_config=GgufConfig(gguf_file=name, dequantize=True))
+        except ImportError as exc:  # transformers reads GGUF with the gguf package
+            raise PackageError(f"convert-gguf needs the extra 'convert' (pip install 'pipecast[convert]'): "
+                               f"{exc}") from None
+        except (ValueError, KeyError, OSError) as exc:  # not GGUF, or an architecture transformers cannot read
+            raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
         progress.advance()
         progress.status("save")
         model.save_pretrained(tmp)

@@ -1,5 +1,7 @@
 """``pipecast verify``: re-hash every block, chunk and small file of a package against its manifest."""
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,9 +60,21 @@ def _block_problems(root: Path, block: Block) -> list[Problem]:
 
 def _file_problems(root: Path, entry: PackageFile) -> list[Problem]:
     try:
-        data = (root / entry.path).read_bytes()
+        # O_NONBLOCK: a FIFO under the name does not hang the open; its kind and size are checked before any read,
+        # so a special file (a FIFO, /dev/zero behind a symlink) is never read at all
+        fd = os.open(root / entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         return [Problem(entry.path, f"cannot read ({exc.strerror})")]
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return [Problem(entry.path, "not a regular file")]
+        if st.st_size != entry.bytes:
+            return [Problem(entry.path, f"size is {st.st_size} bytes, the manifest says {entry.bytes}")]
+        try:
+            data = f.read(entry.bytes + 1)
+        except OSError as exc:
+            return [Problem(entry.path, f"cannot read ({exc.strerror})")]
     if len(data) != entry.bytes or digest_bytes(data) != entry.digest:
         return [Problem(entry.path, "size or digest differs from the manifest")]
     return []

@@ -135,6 +135,27 @@ def test_verify_names_each_bad_block_and_chunk(checkpoints, tmp_path, capsys):
     assert "chunk 3 digest mismatch" in capsys.readouterr().err
 
 
+def test_verify_names_a_small_file_that_is_not_what_the_manifest_says_without_reading_a_special_one(checkpoints,
+                                                                                                   tmp_path):
+    """A FIFO hung verify and a symlink to /dev/zero exhausted its memory: the file's kind and size are checked
+    before it is read."""
+    pack(checkpoints["llama"], tmp_path / "pkg", layers_per_block=2)
+    config = tmp_path / "pkg" / "config.json"
+    size = config.stat().st_size
+    config.write_bytes(config.read_bytes() + b" ")
+    assert [str(p) for p in verify_package(tmp_path / "pkg")] == [
+        f"config.json: size is {size + 1} bytes, the manifest says {size}"]
+    config.write_bytes(config.read_bytes()[:-2] + b"}")  # the same size, another digest
+    assert [str(p) for p in verify_package(tmp_path / "pkg")] == [
+        "config.json: size or digest differs from the manifest"]
+    config.unlink()
+    os.mkfifo(config)
+    assert [str(p) for p in verify_package(tmp_path / "pkg")] == ["config.json: not a regular file"]
+    config.unlink()
+    config.symlink_to("/dev/zero")
+    assert [str(p) for p in verify_package(tmp_path / "pkg")] == ["config.json: not a regular file"]
+
+
 def test_inspect_table_and_json(checkpoints, tmp_path, capsys):
     manifest = pack(checkpoints["qwen2"], tmp_path / "pkg", layers_per_block=2)
     assert main(["inspect", str(tmp_path / "pkg")]) == 0

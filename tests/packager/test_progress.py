@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks.tiny_checkpoints import make_checkpoint
+from packager.errors import CheckpointError
 from packager.gguf_convert import convert_gguf
 from packager.manifest import read_manifest
 from packager.verify import verify_package
@@ -87,3 +88,11 @@ def test_convert_gguf_shows_its_steps_on_a_terminal_only(tmp_path, monkeypatch):
         convert_gguf(gguf, tmp_path / "shown", progress=progress)
     assert lines == [] and "convert model.gguf" in terminal.getvalue() and "3/3" in terminal.getvalue()
     assert sorted(p.name for p in (tmp_path / "shown").iterdir()) == ["Model.json", "Tokenizer.json"]
+
+
+def test_a_file_that_is_not_gguf_is_a_checkpoint_error_and_leaves_no_output(tmp_path):
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    with pytest.raises(CheckpointError, match=rf"^{text}: cannot convert it \(ValueError: .*GGUF"):
+        convert_gguf(text, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
