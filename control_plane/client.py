@@ -36,6 +36,7 @@ from control_plane.deployments import Deployment, ScaleEvent
 from control_plane.routes import ModelRoute, RouteChange
 from control_plane.errors import LEADER_TRAILER, ControlPlaneUnavailable, error_from_rpc
 from control_plane.messages import AssignmentUpdate, PeerInfo, WorkerSpec
+from pipecast.core.credentials import warn_if_cleartext
 from pipecast.core.settings import Settings
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1 import control_pb2_grpc
@@ -101,6 +102,7 @@ class ControlPlaneClient:
         self.timeout_s = timeout_s
         self._metadata = auth_metadata(token)
         self._credentials = credentials
+        warn_if_cleartext(token, credentials is not None, "control plane client")
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, control_pb2_grpc.ControlPlaneStub] = {}
         self.current = self.addresses[0]

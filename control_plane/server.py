@@ -38,7 +38,7 @@ from control_plane.service import ControlPlaneService, host_port
 from control_plane.planner.stragglers import StragglerPolicy
 from control_plane.state import ControlState
 from control_plane.store import FencedError, Lease, open_store
-from pipecast.core.credentials import warn_if_auth_off
+from pipecast.core.credentials import warn_if_auth_off, warn_if_cleartext
 from pipecast.core.settings import Settings
 from pipecast.v1 import control_pb2, control_pb2_grpc
 
@@ -177,6 +177,7 @@ class ControlPlaneServer:
     async def start(self) -> None:
         config, credentials = self.config, self._credentials
         auth_off = warn_if_auth_off(config.token, "control plane")
+        warn_if_cleartext(config.token, credentials is not None, "control plane")
         # Auth first: a standby names the leader only to callers with a valid token.
         interceptors = ([] if auth_off else [TokenAuthInterceptor(config.token)]) + [self.gate]
         server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)

@@ -229,8 +229,8 @@ class AgentDaemon:
         """This node's data-plane credentials: under a control plane the key comes with the registration
         (unknown until then); in static-plan mode it derives from the cluster's master token (the
         ``auth_token`` setting; empty: auth off)."""
-        if self.options.control_plane is not None:
-            return PeerAuth(self.node_id, None)
+        if self.options.control_plane is not None:  # given a token, it will not take "auth off" from the control plane
+            return PeerAuth(self.node_id, None, require_key=bool(self.settings.auth_token))
         token = self.settings.auth_token
         if token and parse_node_token(token) is not None:
             raise PlanFileError("auth_token holds a node token: without a control plane an agent derives the "

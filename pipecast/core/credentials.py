@@ -36,6 +36,7 @@ _SERVING_LABEL = b"pipecast serving v1"
 #: The HTTP header that carries the serving key (hex) to a serving worker.
 SERVING_KEY_HEADER = "X-Pipecast-Serving-Key"
 _warned_auth_off: set[str] = set()
+_warned_cleartext: set[str] = set()
 
 
 class CredentialError(PipecastError, ValueError):
@@ -148,6 +149,19 @@ def _raw(presented: str) -> bytes:
     """A presented secret's bytes: a header's non-UTF-8 bytes come as surrogates (aiohttp decodes with
     surrogateescape), which a plain encode would raise on (a 500 instead of a refusal)."""
     return presented.encode("utf-8", "surrogateescape")
+
+
+def warn_if_cleartext(token: str, tls: bool, component: str) -> bool:
+    """True (and a warning, once per component and process) when ``token`` is set but ``tls`` is off: the control
+    plane's calls carry tokens, and its answers the data-plane and serving keys, in the clear."""
+    if not token or tls:
+        return False
+    if component not in _warned_cleartext:
+        _warned_cleartext.add(component)
+        log.warning("%s: authentication is on but TLS is off: tokens, the data-plane key and the serving key cross "
+                    "the network in the clear (set tls_cert and tls_key on the control plane, tls_ca on its "
+                    "clients)", component)
+    return True
 
 
 def warn_if_auth_off(master: str, component: str) -> bool:

@@ -95,6 +95,20 @@ async def test_a_static_daemon_given_a_node_token_says_it_needs_the_master_token
         await asyncio.wait_for(daemon.run(), 10)
 
 
+def test_an_agent_given_a_token_refuses_the_empty_key_of_a_control_plane_without_auth(caplog):
+    """A control plane without auth_token (a misconfigured standby, a spoofed endpoint) answers a registration
+    with an empty data-plane key: an agent holding a token keeps authenticating (no key yet: it serves no one)
+    rather than open its data plane; one without a token follows the control plane."""
+    token = issue_node_token("master", "rx")
+    for auth_token, kept in ((token, None), ("", b"")):
+        daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0", control_plane="127.0.0.1:1"),
+                             Settings(**SETTINGS, auth_token=auth_token))
+        auth = daemon._peer_auth()
+        auth.set_key(b"")
+        assert auth.key == kept
+    assert "rx holds credentials of its own but was sent an empty data-plane key" in caplog.text
+
+
 def test_a_memory_reserve_larger_than_the_budget_is_refused_naming_both():
     settings = Settings(**SETTINGS, agent_memory_bytes=1 << 30, agent_reserve_bytes=2 << 30)
     with pytest.raises(MemoryBudgetError, match=r"^the memory reserve \(2\.0 GiB, --reserve / "

@@ -22,6 +22,7 @@ from pipecast.core.credentials import (
     validate_node_id,
     verify_node_token,
     warn_if_auth_off,
+    warn_if_cleartext,
 )
 
 MASTER = "master-secret"
@@ -110,6 +111,15 @@ def test_auth_off_is_warned_once_per_component(caplog):
         assert warn_if_auth_off("", "test component") and warn_if_auth_off("", "test component")
         assert not warn_if_auth_off(MASTER, "test component")
     assert [r.message.count("authentication is OFF") for r in caplog.records] == [1]
+
+
+def test_auth_without_tls_is_warned_once_per_component(caplog):
+    with caplog.at_level(logging.WARNING, logger="pipecast.core.credentials"):
+        assert warn_if_cleartext(MASTER, False, "cleartext component")
+        assert warn_if_cleartext(MASTER, False, "cleartext component")
+        assert not warn_if_cleartext(MASTER, True, "cleartext component")
+        assert not warn_if_cleartext("", False, "cleartext component")  # auth off: warned as such
+    assert [r.message.count("authentication is on but TLS is off") for r in caplog.records] == [1]
 
 
 def test_a_node_id_with_dots_gets_a_token_that_verifies_to_it():

@@ -48,10 +48,12 @@ class PeerAuth:
     later (:meth:`set_key`) applies from then on.
     """
 
-    def __init__(self, node_id: str, key: bytes | None = b"") -> None:
+    def __init__(self, node_id: str, key: bytes | None = b"", *, require_key: bool = False) -> None:
         self.node_id = node_id
         self._key = key
         self._known: asyncio.Event | None = None
+        # A node given credentials of its own never turns auth off: an empty key sent to it is refused
+        self._require_key = require_key
 
     @classmethod
     def from_token(cls, node_id: str, token: str) -> "PeerAuth":
@@ -71,7 +73,12 @@ class PeerAuth:
         return hmac.new(self._key or b"", _KEY_ID_CONTEXT, hashlib.sha256).digest()[:8]
 
     def set_key(self, key: bytes) -> None:
-        """The data-plane key from now on (b"": auth off)."""
+        """The data-plane key from now on (b"": auth off, unless the node was made with ``require_key``: then an
+        empty key is refused, logged, and the key stays what it was, so that connections keep failing closed)."""
+        if not key and self._require_key:
+            log.error("node %s holds credentials of its own but was sent an empty data-plane key (a control plane "
+                      "without auth_token?): data-plane authentication stays on", self.node_id)
+            return
         self._key = bytes(key)
         if self._known is not None:
             self._known.set()
