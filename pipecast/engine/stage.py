@@ -243,10 +243,12 @@ class StageRunner:
             return self._sessions.pop(session, None) is not None
 
     def expire(self) -> int:
-        """Drop sessions idle for longer than ``idle_s``; the number dropped."""
+        """Drop sessions idle for longer than ``idle_s``, none with a call running (one waiting long for its
+        layers is not idle); the number dropped."""
         now = self._clock()
         with self._lock:
-            stale = [s for s, state in self._sessions.items() if now - state.used_at > self.idle_s]
+            stale = [s for s, state in self._sessions.items()
+                     if now - state.used_at > self.idle_s and not state.lock.locked()]
             for s in stale:
                 del self._sessions[s]
         return len(stale)

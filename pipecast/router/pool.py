@@ -185,6 +185,9 @@ class Worker:
 #: Requests of this router at once on one pipeline: each runs token by token through every stage, and a
 #: stage serves its pipelined sessions one call at a time.
 PIPELINE_MAX_IN_FLIGHT = 4
+#: A pipeline a request failed on is sent nothing until discovery lists it with new stages, or this long (s):
+#: a pipeline has no health of its own to say it works again (a stage still waiting for a slow block timed out).
+PIPELINE_RETRY_S = 30.0
 
 
 @dataclass
@@ -225,8 +228,11 @@ class PipelineUnit:
         in the pool."""
         if self.failed_at is not None or self.in_flight >= self.max_in_flight or now < self.busy_until:
             return False
-        # A member's health is None unless its last poll was a 200 (failed or draining workers answer 503).
-        return all(m is not None and m.health is not None and m.failed_at is None for m in members)
+        # A member's health is None unless its last poll was a 200 (failed or draining workers answer 503). A member
+        # serving another package (a version rollout: its agent still holds this one's blocks) would run its own
+        # weights for this pipeline's layers.
+        return all(m is not None and m.health is not None and m.failed_at is None and
+                   (not self.package_id or m.health.package_id == self.package_id) for m in members)
 
     def describe(self) -> dict:
         """A JSON-ready view for ``GET /v1/workers``."""
@@ -281,8 +287,9 @@ class WorkerPool:
 
     def sync_pipelines(self, found: Iterable[DiscoveredPipeline],
                        max_in_flight: int = PIPELINE_MAX_IN_FLIGHT) -> tuple[list[str], list[str]]:
-        """Make the pool route to exactly the pipelines ``found``; return the keys added and removed. A
-        removed pipeline's requests in flight finish undisturbed (its stages keep their sessions)."""
+        """Make the pool route to exactly the pipelines ``found``, each as listed now (its stages' layer cuts
+        change as they hold more blocks); return the keys added and removed. A removed pipeline's requests in
+        flight finish undisturbed (its stages keep their sessions)."""
         found = {p.key: p for p in found}
         added = sorted(set(found) - set(self._pipelines))
         removed = sorted(set(self._pipelines) - set(found))
@@ -292,11 +299,21 @@ class WorkerPool:
             p = found[key]
             self._pipelines[key] = PipelineUnit(key, p.head_url, p.member_urls, p.header,
                                                 max_in_flight=max_in_flight, package_id=p.package_id)
+        freed = relaid = False
         for key, p in found.items():
-            self._pipelines[key].waiting_blocks = p.waiting_blocks
-        if added or removed:
+            unit = self._pipelines[key]
+            unit.waiting_blocks = p.waiting_blocks
+            layout = (p.head_url, p.member_urls, p.header, p.package_id)
+            changed = (unit.head_url, unit.member_urls, unit.header, unit.package_id) != layout
+            if changed:  # the same nodes with new layer cuts (one holds more blocks now), or moved: as listed
+                unit.head_url, unit.member_urls, unit.header, unit.package_id = layout
+                relaid = True
+            if unit.failed_at is not None and (changed or self.clock() - unit.failed_at >= PIPELINE_RETRY_S):
+                unit.failed_at, unit.problem = None, ""
+                freed = True
+        if added or removed or relaid:
             self._named = None
-        if added:
+        if added or freed:
             self._changed()
         return added, removed
 
@@ -358,7 +375,7 @@ class WorkerPool:
 
     def record_failure(self, url: str, problem: str, at: float) -> None:
         """A request failed on the worker (or pipeline) at clock time ``at``: unavailable until a newer poll
-        says it serves (a pipeline: until discovery lists it anew)."""
+        says it serves (a pipeline: until discovery lists it with new stages, or :data:`PIPELINE_RETRY_S`)."""
         worker = self._workers.get(url) or self._pipelines.get(url)
         if worker is not None:
             worker.failed_at = at

@@ -67,8 +67,9 @@ CLOSE_TIMEOUT_S = 2.0
 MAX_ROUTE_STAGES = 64
 #: Longest deadline a stage call may carry (s): a hostile caller cannot hold a stage's waits for longer.
 MAX_DEADLINE_S = 3600
-#: Largest answer a stage call reads (a token and its header).
-MAX_ANSWER_BYTES = 1 << 16
+#: Largest answer a stage call reads: a token and its header, or a last position's final norm (a float32 row
+#: of a hidden size up to 64 Ki is 256 KiB).
+MAX_ANSWER_BYTES = 1 << 20
 _DTYPES = ("float32", "bfloat16", "float16")
 #: A frame's tensor (hidden states: batch, positions, width) has at most this many sizes, each at most
 #: MAX_FRAME_DIM: a shape torch cannot allocate (a size past int64, or an empty tensor whose sizes multiply
@@ -425,7 +426,7 @@ class StageClient:
             async with self._http().post(hop.url + STAGE_PATH, data=encode_frame(call.header(), hidden),
                                          headers={**self.headers, "Content-Type": "application/octet-stream"},
                                          timeout=aiohttp.ClientTimeout(total=left)) as answer:
-                body = await answer.content.read(MAX_ANSWER_BYTES + 1)
+                body = await _read_body(answer.content, MAX_ANSWER_BYTES)
                 status = answer.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             problem = "no answer within the step's deadline" if isinstance(exc, TimeoutError) else str(exc)
@@ -462,6 +463,16 @@ class StageClient:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+async def _read_body(content: "aiohttp.StreamReader", cap: int) -> bytes:
+    """The answer's body to its end, or its first ``cap`` + 1 bytes (too long: refused as malformed). One
+    ``read(n)`` returns only what has arrived: a norm's frame of several TCP segments would come cut."""
+    parts, size = [], 0
+    while size <= cap and (part := await content.read(cap + 1 - size)):
+        parts.append(part)
+        size += len(part)
+    return b"".join(parts)
 
 
 def _answered_error(url: str, status: int, body: bytes) -> StageFailedError:

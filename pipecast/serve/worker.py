@@ -55,6 +55,7 @@ from pipecast.engine.errors import (
     ModelLoadError,
 )
 from pipecast.engine.providers import StreamingBlockProvider
+from pipecast.engine.stage import SESSION_IDLE_S
 from pipecast.engine.streams import TokenStream
 from pipecast.engine.weights import EMBED
 from pipecast.loading import SOURCE_AGENT, LoadedModel, load
@@ -98,6 +99,8 @@ FINISH_STOP, FINISH_LENGTH = "stop", "length"
 AGENT_SOCKET_POLL_S = 0.05
 #: How often a worker fed by its agent checks that the agent still holds the package (s).
 FOLLOW_AGENT_S = 1.0
+#: How often idle pipelined sessions are dropped (s): a quarter of their idle time.
+EXPIRE_SESSIONS_S = SESSION_IDLE_S / 4
 #: Each wait for a released package to come back asks the agent for this long, then again (s).
 REWAIT_S = 30.0
 #: A released package's model is closed once the requests running on it end, or after this long (s): the
@@ -187,6 +190,7 @@ class ServingWorker:
         self._released = False
         self._follower: asyncio.Task | None = None
         self._unloading: asyncio.Future | None = None  # an unload begun by a drop seen while loading
+        self._expirer: asyncio.Task | None = None
         self.stage_client = StageClient()
         self.stage_queue = StageQueue()
         self._head: PipelineHead | None = None
@@ -209,6 +213,7 @@ class ServingWorker:
             threading.Thread(target=self._learn_serving_key, name="pipecast-serve-key", daemon=True).start()
         if isinstance(self.config.agent, (str, Path)) and not Path(self.config.package).is_dir():
             self._follower = asyncio.create_task(self._follow_agent(), name="pipecast-serve-follow-agent")
+        self._expirer = asyncio.create_task(self._expire_stage_sessions(), name="pipecast-serve-expire-sessions")
 
     def _load(self, again: bool = False) -> None:
         try:
@@ -361,6 +366,17 @@ class ServingWorker:
                 log.warning("waiting for package %s to come back: %s", self.config.package, exc)
                 time.sleep(FOLLOW_AGENT_S)
 
+    async def _expire_stage_sessions(self) -> None:
+        """Drop idle pipelined sessions every :data:`EXPIRE_SESSIONS_S`: those a head that died (or a close
+        lost on the way) left behind would otherwise wait for the next stage call, which a dissolved pipeline
+        never makes, holding their keys and values."""
+        while True:
+            await asyncio.sleep(EXPIRE_SESSIONS_S)
+            if self._head is not None:
+                dropped = self._head.runner.expire()
+                if dropped:
+                    log.info("dropped %d idle pipelined session(s)", dropped)
+
     async def _follow_agent(self) -> None:
         """Unload the model once the agent no longer holds its package (module docstring)."""
         from pipecast.agent.local_client import LocalAgentClient
@@ -477,7 +493,7 @@ class ServingWorker:
     async def close(self) -> None:
         """Stop the engine (requests still running fail) and release the agent's blocks."""
         self.drain()
-        for task in (self._follower, self._unloading):
+        for task in (self._follower, self._unloading, self._expirer):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

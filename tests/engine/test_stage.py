@@ -203,3 +203,16 @@ def test_idle_sessions_expire():
     runner._session("b", range(0, 1), 0, None)
     clock[0] = 12
     assert runner.expire() == 1 and runner.sessions == 1
+
+
+def test_a_session_whose_call_runs_long_is_not_expired_under_it():
+    """A call waiting for its layers (a step timeout above the idle time) holds its session: expiring it
+    then would fail the request's next token with "not held"."""
+    clock = [0.0]
+    model = SimpleNamespace(skeleton=SimpleNamespace(windows=(None,)))
+    runner = StageRunner(model=model, idle_s=10, clock=lambda: clock[0])
+    state = runner._session("a", range(0, 1), 0, None)
+    clock[0] = 60
+    with state.lock:  # as run() holds it for the call
+        assert runner.expire() == 0 and runner.sessions == 1
+    assert runner.expire() == 1 and runner.sessions == 0

@@ -1,6 +1,7 @@
 """The router's pure logic: health parsing, worker choice, availability, the bounded queue, discovery."""
 
 import asyncio
+import dataclasses
 import json
 import pytest
 
@@ -23,6 +24,7 @@ from pipecast.router.health import parse_health
 from pipecast.router.pool import (
     LOADING_STALL_S,
     MAX_REMEMBERED_NAMES,
+    PIPELINE_RETRY_S,
     UNANSWERED_GRACE_S,
     Dispatcher,
     WorkerPool,
@@ -512,8 +514,39 @@ def test_a_dissolved_pipeline_takes_nothing_new_and_its_requests_finish():
     pool.finish(dissolved)
     assert pool.in_flight == 0
     pool.sync_pipelines([pipeline("a", "b")])
-    pool.record_failure("pipeline:a+b", "answered 503", at=1.0)  # failed: out until discovery lists it anew
+    pool.record_failure("pipeline:a+b", "answered 503", at=1.0)  # failed: out for a while
     assert pool.choose(2.0) is None
+
+
+def test_a_pipeline_listed_with_new_cuts_is_routed_so_at_once_and_a_failed_one_is_tried_again_later():
+    """Its key is its nodes: listed again with new layer cuts (a stage holds more blocks now) it is routed with
+    the new route (it kept the first one, and a failure shut it out for as long as it was listed)."""
+    pool = pool_of(a=health("partial", present=4), b=health("partial", present=4))
+    now = [0.0]
+    pool.clock = lambda: now[0]
+    first = pipeline("a", "b")
+    pool.sync_pipelines([first])
+    pool.record_failure("pipeline:a+b", "stage http://b:1 failed: no answer within the step's deadline", at=0.0)
+    now[0] = 10.0
+    pool.sync_pipelines([first])  # listed as before, soon after: still out
+    assert pool.choose(10.0) is None
+    now[0] = PIPELINE_RETRY_S
+    pool.sync_pipelines([first])
+    assert pool.choose(now[0]).url == "pipeline:a+b"
+    pool.record_failure("pipeline:a+b", "answered 503", at=now[0])
+    pool.sync_pipelines([dataclasses.replace(first, header="[new route]")])
+    chosen = pool.choose(now[0])
+    assert chosen.url == "pipeline:a+b" and chosen.headers == {"x-pipecast-pipeline": "[new route]"}
+
+
+def test_a_pipeline_is_not_chosen_while_a_member_serves_another_package():
+    """A version rollout: b's worker serves v2 while its agent still holds v1's blocks, so the control plane may
+    list b in a v1 pipeline; b would run v2's weights for v1's layers and answer wrong tokens."""
+    pool = pool_of(a=health("partial", present=4, package_id="v1"), b=health("partial", present=4, package_id="v2"))
+    pool.sync_pipelines([dataclasses.replace(pipeline("a", "b"), package_id="v1")])
+    assert pool.choose(0.0) is None
+    pool.record_health("http://b:1", health("partial", present=4, package_id="v1"), polled_at=0.0)
+    assert pool.choose(0.0).url == "pipeline:a+b"
 
 
 def test_a_pipeline_whose_head_answered_429_waits_its_retry_after_instead_of_being_chosen_at_once():

@@ -31,6 +31,7 @@ from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
 from pipecast.serve.metrics import RateMeter
 from pipecast.serve.openai_api import ChatMessage, CompletionRequest, parse_chat_request, parse_completion_request
 from pipecast.serve.text import CompletionText, IncrementalDetokenizer, StopMatcher, TextCodec
+from pipecast.serve import worker as worker_module
 from pipecast.serve.worker import CODEC_BLOCKS_LEFT, CODEC_POLL_S, ServingWorker, WorkerConfig, codec_blocks_left
 from tests.support import packages
 from tests.support.engine_fixtures import GatedAgent, random_prompt
@@ -288,7 +289,6 @@ async def test_only_a_model_the_agent_feeds_is_unloaded_when_the_agent_holds_no_
     """A model loaded from the agent's disk cache (the unicast fallback, as the agent did not hold the package)
     stays: the agent holding none is no release of it."""
     from pipecast.agent import local_client
-    from pipecast.serve import worker as worker_module
 
     class Agent:  # holds no package
         def __init__(self, path):
@@ -322,6 +322,19 @@ async def test_only_a_model_the_agent_feeds_is_unloaded_when_the_agent_holds_no_
         follower.cancel()
         await asyncio.gather(follower, return_exceptions=True)
         assert released.is_set() is unloaded, origin
+
+
+async def test_idle_pipelined_sessions_are_dropped_with_no_stage_call_to_notice_them(pkg, monkeypatch):
+    """A head that died leaves its sessions on the stages after it: they go after their idle time, not only when
+    another stage call comes (a dissolved pipeline makes none), with their keys and values."""
+    monkeypatch.setattr(worker_module, "EXPIRE_SESSIONS_S", 0.02)
+    async with serving(WorkerConfig(str(pkg))) as (url, worker, _, http):
+        await wait_health(http, url, lambda h: h["status"] == "ready")
+        runner = worker._head.runner
+        runner._session("left-behind", range(2, 4), 0, None)  # as a stage call from a head opens it
+        assert runner.sessions == 1
+        runner.idle_s = 0.0
+        await wait_until_async(lambda: runner.sessions == 0, timeout=5)
 
 
 async def test_a_model_released_while_a_prompt_is_tokenized_answers_503_not_500():

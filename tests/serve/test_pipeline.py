@@ -18,15 +18,18 @@ import time
 import aiohttp
 import pytest
 import torch
+from aiohttp import web
 
 import pipecast
 from pipecast.serve.pipeline import (
     PIPELINE_HEADER,
+    STAGE_PATH,
     DissolveEstimate,
     Hop,
     PipelineHead,
     PipelineProtocolError,
     RequestTiming,
+    StageClient,
     StageQueue,
     decode_frame,
     dissolve_estimate,
@@ -563,3 +566,35 @@ async def test_a_request_whose_pipeline_dissolves_moves_to_the_head_or_finishes_
         status, answer = await request
         assert status == 200 and answer["choices"][0]["token_ids"] == sampled and len(calls) == 24
         assert (await wait_health(http, a, lambda h: h["pipeline_sessions"] == 0))["pipeline_moved"] == 0
+
+
+async def test_a_stage_answer_arriving_in_pieces_is_read_whole():
+    """A final norm's frame spans several TCP segments: one read took only what had arrived (4 KiB of bf16
+    norm read as 1,394 bytes: a malformed answer, the request failed)."""
+    norm = torch.randn(1, 1, 2048, dtype=torch.bfloat16)
+    frame = encode_frame({}, norm)
+
+    async def stage(request):
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await response.prepare(request)
+        await response.write(frame[:1000])
+        await asyncio.sleep(0.05)
+        await response.write(frame[1000:])
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post(STAGE_PATH, stage)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    client = StageClient()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        answer = await client.forward((Hop(f"http://{host}:{port}", range(3, 6)),), "s", 0, torch.zeros(1, 1, 2048),
+                                      params=None, norm_only=True, deadline=time.monotonic() + 10)
+        assert torch.equal(answer, norm)
+    finally:
+        await client.aclose()
+        await runner.cleanup()
