@@ -403,6 +403,8 @@ class ServingWorker:
     async def _unload(self) -> None:
         """Take no more requests for the released package, let those running finish (RELEASE_DRAIN_S at most;
         the agent's memory under the model stays mapped until it is closed), then close the model."""
+        if self._model is None:  # unloaded already: the follower and a drop seen while loading may both start one
+            return
         model, self._model, self._codec, self._head = self._model, None, None, None
         self._released, self._stage = True, STAGE_WAITING
         log.info("package %s released from this node: model unloaded once its %d running request(s) end, "

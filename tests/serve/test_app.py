@@ -277,6 +277,7 @@ async def test_a_package_dropped_while_its_model_loads_is_a_release_and_the_mode
         agent.drop()
         state = await wait_health(http, url, lambda h: h["stage"] == "waiting_for_package")
         assert state["status"] == "loading"
+        await worker._unload()  # the follower seeing the drop too: nothing more to unload
         agent.drop(False)
         agent.release()
         back.set()
