@@ -245,12 +245,15 @@ class StageRunner:
     def expire(self) -> int:
         """Drop sessions idle for longer than ``idle_s``, none with a call running (one waiting long for its
         layers is not idle); the number dropped."""
-        now = self._clock()
         with self._lock:
-            stale = [s for s, state in self._sessions.items()
-                     if now - state.used_at > self.idle_s and not state.lock.locked()]
-            for s in stale:
-                del self._sessions[s]
+            return self._expire_locked()
+
+    def _expire_locked(self) -> int:
+        now = self._clock()
+        stale = [s for s, state in self._sessions.items()
+                 if now - state.used_at > self.idle_s and not state.lock.locked()]
+        for s in stale:
+            del self._sessions[s]
         return len(stale)
 
     def _session(self, session: str, layers: range, position: int, params: SamplingParams | None) -> _Session:
@@ -259,7 +262,8 @@ class StageRunner:
             if position == 0:
                 if state is not None:
                     raise StageSessionError(f"session {session!r} is open already")
-                if len(self._sessions) >= self.max_sessions:
+                # full: idle ones go first (the worker's timer drops them too, but only every so often)
+                if len(self._sessions) >= self.max_sessions and not self._expire_locked():
                     raise StageCapacityError(len(self._sessions))
                 params = params or SamplingParams()
                 state = _Session(layers, params, new_generator(params), _AppendCache(self.model.skeleton.windows),

@@ -166,7 +166,6 @@ async def stage_call(request: web.Request) -> web.Response:
         call = StageCall.from_header(header)
         session, deadline = call.session, received + call.deadline_s
         runner = await worker.wait_stage_runner(deadline - time.monotonic())
-        runner.expire()
         last = not call.following
         norm_only = call.norm_only and last
         out = await worker.stage_queue.call(runner.run, session, call.layers, call.position, hidden=hidden,

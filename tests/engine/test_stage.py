@@ -216,3 +216,15 @@ def test_a_session_whose_call_runs_long_is_not_expired_under_it():
     with state.lock:  # as run() holds it for the call
         assert runner.expire() == 0 and runner.sessions == 1
     assert runner.expire() == 1 and runner.sessions == 0
+
+
+def test_a_full_runner_makes_room_by_dropping_its_idle_sessions_first():
+    clock = [0.0]
+    model = SimpleNamespace(skeleton=SimpleNamespace(windows=(None,)))
+    runner = StageRunner(model=model, idle_s=10, max_sessions=1, clock=lambda: clock[0])
+    runner._session("a", range(0, 1), 0, None)
+    with pytest.raises(StageCapacityError):
+        runner._session("b", range(0, 1), 0, None)  # a is not idle yet
+    clock[0] = 11
+    runner._session("b", range(0, 1), 0, None)
+    assert runner.sessions == 1
