@@ -61,7 +61,7 @@ WARM_RECEIVERS = 8
 REPORT_TARGET_PER_S = 5000.0
 STREAMS_TIMEOUT_S = 60.0  # for the next assignment stream to open, while the driver opens them all
 CANCEL_TIMEOUT_S = 30.0  # for every stream's CANCEL of the first package's plan, once all of its blocks are reported
-TOKEN = "bench-token"
+TOKEN = "bench-token-of-the-control-plane"
 STORE = PeerInfo("store", "10.255.0.1:7070", ("tcp",))
 
 

@@ -38,7 +38,7 @@ from control_plane.service import ControlPlaneService, host_port
 from control_plane.planner.stragglers import StragglerPolicy
 from control_plane.state import ControlState
 from control_plane.store import FencedError, Lease, open_store
-from pipecast.core.credentials import warn_if_auth_off, warn_if_cleartext
+from pipecast.core.credentials import check_master_token, warn_if_auth_off, warn_if_cleartext
 from pipecast.core.settings import Settings
 from pipecast.v1 import control_pb2, control_pb2_grpc
 
@@ -124,6 +124,7 @@ class ControlPlaneServer:
     (with a shared database: once it leads; see the module docstring)."""
 
     def __init__(self, config: ServerConfig, *, clock: Callable[[], float] = time.time):
+        check_master_token(config.token)
         self.config = config
         self.clock = clock
         self.port = 0

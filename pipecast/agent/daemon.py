@@ -41,7 +41,7 @@ from pipecast.agent.reserve import MemoryReserve
 from pipecast.agent.store import BlockStore, StoreEvent
 from pipecast.agent.transport.base import Listener, PeerAuth, Transport, split_address
 from pipecast.agent.transport.registry import select_transport
-from pipecast.core.credentials import parse_node_token
+from pipecast.core.credentials import check_master_token, parse_node_token
 from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.core.errors import PipecastError
 from pipecast.core.settings import Settings
@@ -236,7 +236,7 @@ class AgentDaemon:
             raise PlanFileError("auth_token holds a node token: without a control plane an agent derives the "
                                 "data-plane key from the cluster's master token, so every agent of a static plan is "
                                 "given the master token")
-        return PeerAuth.from_token(self.node_id, token)
+        return PeerAuth.from_token(self.node_id, check_master_token(token))
 
     def _listen_address(self, plan: StaticPlan | None) -> tuple[str, int]:
         if self.options.listen is not None:

@@ -33,6 +33,10 @@ NODE_TOKEN_PREFIX = "pcn1"
 _NODE_LABEL = b"pipecast node token v1\x00"
 _DATA_LABEL = b"pipecast data plane v1"
 _SERVING_LABEL = b"pipecast serving v1"
+# Every credential is an HMAC of the master and the key id and the hello's MACs are public: a guessable master
+# is found offline. These bounds refuse the guessable ones (a random 16-character token holds ~95 bits).
+MIN_MASTER_CHARS = 16
+MIN_MASTER_DISTINCT = 8
 #: The HTTP header that carries the serving key (hex) to a serving worker.
 SERVING_KEY_HEADER = "X-Pipecast-Serving-Key"
 _warned_auth_off: set[str] = set()
@@ -149,6 +153,21 @@ def _raw(presented: str) -> bytes:
     """A presented secret's bytes: a header's non-UTF-8 bytes come as surrogates (aiohttp decodes with
     surrogateescape), which a plain encode would raise on (a 500 instead of a refusal)."""
     return presented.encode("utf-8", "surrogateescape")
+
+
+def check_master_token(master: str) -> str:
+    """``master`` unchanged if it is empty (auth off) or long and varied enough to resist offline guessing;
+    :class:`CredentialError` naming what is wrong otherwise. The data-plane key's id and the hello's MACs, which
+    any caller may see, are HMACs of it: a short or patterned master is recovered from them by guessing."""
+    if not master:
+        return master
+    if len(master) < MIN_MASTER_CHARS or len(set(master)) < MIN_MASTER_DISTINCT:
+        raise CredentialError(
+            f"auth_token: the master token has {len(master)} characters, {len(set(master))} of them different; "
+            f"it needs at least {MIN_MASTER_CHARS}, {MIN_MASTER_DISTINCT} different (every credential derives "
+            f"from it and can be guessed offline from what the cluster shows anyone): make one with `openssl rand "
+            f"-hex 32`")
+    return master
 
 
 def warn_if_cleartext(token: str, tls: bool, component: str) -> bool:

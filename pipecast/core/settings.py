@@ -101,7 +101,8 @@ class Settings(BaseSettings):
                                                    "to them by standbys (empty: control_host:control_port)")
     auth_token: str = Field("", description="the cluster's master secret on the control plane, and the token a client "
                                            "sends: the master (operator) or a node token from `pipecast cp "
-                                           "issue-token` (empty: auth off)")
+                                           "issue-token` (empty: auth off; a master needs 16 characters, 8 different: "
+                                           "`openssl rand -hex 32`)")
     tls_cert: Path | None = Field(None, description="PEM certificate (TLS on when set with tls_key)")
     tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
     tls_ca: Path | None = Field(None, description="CA for verifying peers; set on the server for mTLS")

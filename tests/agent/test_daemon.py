@@ -14,7 +14,7 @@ from pipecast.agent.events import read_events
 from pipecast.agent.fetcher import ChannelPool
 from pipecast.agent.store import BlockStore
 from pipecast.agent.transport.tcp import TcpTransport
-from pipecast.core.credentials import issue_node_token
+from pipecast.core.credentials import CredentialError, issue_node_token
 from pipecast.core.settings import Settings
 from tests.support.agent_fixtures import block_file_bytes, land_chunk, receiving_store
 
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(30)
 
 SETTINGS = dict(agent_transport="tcp", agent_cache_dir=None, agent_local_socket=None, connect_timeout_s=1.0,
                 egress_mbit=0, ingress_mbit=0)
+MASTER = "the-cluster-master-token"
 
 
 async def test_a_seeded_daemon_serves_a_block_reports_it_and_frees_everything_on_stop(tiny_package, tmp_path):
@@ -68,12 +69,12 @@ async def test_a_static_daemon_keys_its_hello_with_the_master_token_and_refuses_
     package = tiny_package(layers=2, layer_bytes=100_000, chunk_bytes=64 << 10)
     manifest = package.manifest
     daemon = AgentDaemon(AgentOptions(node_id="seed", listen="127.0.0.1:0", seed=package.path),
-                         Settings(**SETTINGS, auth_token="master"))
+                         Settings(**SETTINGS, auth_token=MASTER))
     running = asyncio.create_task(daemon.run())
     while daemon.listener is None:
         assert not running.done(), running.exception()
         await asyncio.sleep(0.01)
-    member, stranger = (TcpTransport("rx", Settings(**SETTINGS, auth_token=t)) for t in ("master", "guess"))
+    member, stranger = (TcpTransport("rx", Settings(**SETTINGS, auth_token=t)) for t in (MASTER, "guess"))
     try:
         channel = await member.connect(daemon.listener.address, "seed")
         config = (package.path / "config.json").read_bytes()
@@ -86,6 +87,13 @@ async def test_a_static_daemon_keys_its_hello_with_the_master_token_and_refuses_
         await asyncio.wait_for(running, 10)
         await member.close()
         await stranger.close()
+
+
+async def test_a_static_daemon_refuses_a_guessable_master_token_before_it_listens(tiny_package):
+    daemon = AgentDaemon(AgentOptions(node_id="seed", listen="127.0.0.1:0"), Settings(**SETTINGS, auth_token="master"))
+    with pytest.raises(CredentialError, match="the master token has 6 characters"):
+        await asyncio.wait_for(daemon.run(), 10)
+    assert daemon.listener is None
 
 
 async def test_a_static_daemon_given_a_node_token_says_it_needs_the_master_token(tiny_package):

@@ -16,7 +16,7 @@ from control_plane.errors import Conflict, InvalidRequest, PermissionDenied, Una
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.server import ControlPlaneServer
 from control_plane.worker_session import WorkerSession
-from pipecast.core.credentials import data_plane_key, issue_node_token, serving_key, verify_node_token
+from pipecast.core.credentials import CredentialError, data_plane_key, issue_node_token, serving_key, verify_node_token
 from tests.control_plane.test_service import PKG, STORE, TOKEN, WAIT_S, Watcher, config, manifest, spec
 
 
@@ -160,6 +160,12 @@ async def test_without_auth_everything_is_allowed_and_there_is_no_data_key(tmp_p
             await anyone.scale_up(PKG, count=1)
             with pytest.raises(Conflict, match="auth is off"):
                 await anyone.issue_token("w1")
+
+
+def test_a_control_plane_with_a_guessable_master_token_is_refused_before_it_listens(tmp_path):
+    with pytest.raises(CredentialError, match="the master token has 6 characters"):
+        ControlPlaneServer(config(tmp_path / "cp.sqlite3", token="s3cret"))
+    assert not (tmp_path / "cp.sqlite3").exists()
 
 
 @pytest.mark.parametrize(("problem", "edit"), [

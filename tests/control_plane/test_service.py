@@ -50,7 +50,7 @@ from pipecast.v1.control_pb2_grpc import ControlPlaneStub
 from pipecast.v1.manifest_pb2 import Block, Manifest
 from tests.support.agent_processes import free_ports
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-for-tests"
 LEASE_S, HEARTBEAT_S, SCAN_S = 0.6, 0.15, 0.1
 BLOCKS = 4
 STORE = PeerInfo("store", "10.0.0.1:7070", ("tcp",))

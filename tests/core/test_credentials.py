@@ -12,6 +12,7 @@ from pipecast.core.credentials import (
     OPERATOR,
     CredentialError,
     Principal,
+    check_master_token,
     data_plane_key,
     issue_node_token,
     parse_node_token,
@@ -128,3 +129,18 @@ def test_a_node_id_with_dots_gets_a_token_that_verifies_to_it():
         token = issue_node_token("master", node)
         assert verify_node_token("master", token) == node
         assert verify_node_token("other", token) is None
+
+
+@pytest.mark.parametrize("master, problem", [
+    ("s3cret", "has 6 characters, 6 of them different"),
+    ("aaaaaaaabbbbbbbbcccc", "has 20 characters, 3 of them different"),
+])
+def test_a_guessable_master_token_is_refused_with_what_it_lacks(master, problem):
+    with pytest.raises(CredentialError) as caught:
+        check_master_token(master)
+    assert str(caught.value).startswith(f"auth_token: the master token {problem}; it needs at least 16, 8 different")
+
+
+def test_no_master_token_and_a_random_one_pass():
+    assert check_master_token("") == ""
+    assert check_master_token("9f86d081884c7d65") == "9f86d081884c7d65"

@@ -32,7 +32,7 @@ from tests.support import REPO
 from tests.support.agent_processes import Agents, free_ports
 from tests.support.packages import tiny_package
 
-TOKEN = "e2e-token"
+TOKEN = "e2e-token-of-the-cluster"
 LEASE_S, HEARTBEAT_S, SCAN_S = 2.0, 0.4, 0.1
 STORE_MBIT = "8"  # 1 MB/s: the 2 MB package leaves the store in about 2 s
 AGENTS = ["a1", "a2", "a3", "a4"]
