@@ -79,8 +79,9 @@ class Settings(BaseSettings):
                                                                     "(the control plane finds stragglers from them)")
     agent_idle_timeout_s: float = Field(60.0, gt=0, description="a served peer connection with no request this long "
                                                                 "is closed")
-    agent_max_connections: int = Field(256, ge=1, description="peer connections an agent serves at once; more are "
-                                                              "closed at once")
+    agent_max_connections: int = Field(256, ge=1, description="peer connections an agent serves at once; past it a "
+                                                              "new one closes the one longest in its hello, or is "
+                                                              "closed at once if none is")
     agent_max_connections_per_address: int = Field(32, ge=1, description="peer connections an agent serves at once "
                                                                          "from one address")
     agent_labels: dict[str, str] = Field(default_factory=dict,

@@ -294,28 +294,51 @@ class Transport(ABC):
         agent calls it on shutdown. This default, for backends that hold nothing, does nothing."""
 
 
+class Evictable(Protocol):
+    """A served connection :class:`ConnectionLimits` may close to make room for a newer one."""
+
+    def evicted(self) -> None:
+        """Close at once; the limits no longer count this connection (its own release must not count it again)."""
+
+
 class ConnectionLimits:
-    """The connections a listener holds: at most ``total``, at most ``per_address`` from one address."""
+    """The connections a listener holds: at most ``total``, at most ``per_address`` from one address.
+
+    A connection still in its hello (:meth:`greeted` not yet called) yields its slot to a newer one when every slot
+    is taken, the longest waiting first: connections that never prove membership cannot keep members out by holding
+    every slot until their deadline."""
 
     def __init__(self, total: int, per_address: int) -> None:
         self.total = total
         self.per_address = per_address
         self.by_address: dict[str, int] = {}
         self.count = 0
+        self._in_hello: dict[Evictable, str] = {}  # oldest first
 
-    def admit(self, address: str) -> str | None:
-        """Count a new connection from ``address``; or say why it is refused (then nothing is counted)."""
-        if self.count >= self.total:
-            return f"{self.count} connections are open (limit {self.total})"
+    def admit(self, address: str, connection: Evictable) -> str | None:
+        """Count a new connection from ``address`` (in its hello until :meth:`greeted`), closing the oldest one
+        still in its hello where every slot is taken; or say why it is refused (then nothing is counted)."""
         held = self.by_address.get(address, 0)
         if held >= self.per_address:
             return f"{held} connections from {address} are open (limit {self.per_address} per address)"
-        self.by_address[address] = held + 1
+        if self.count >= self.total:
+            if not self._in_hello:
+                return f"{self.count} connections are open (limit {self.total})"
+            oldest, its_address = next(iter(self._in_hello.items()))
+            self.release(its_address, oldest)
+            oldest.evicted()
+        self.by_address[address] = self.by_address.get(address, 0) + 1
         self.count += 1
+        self._in_hello[connection] = address
         return None
 
-    def release(self, address: str) -> None:
+    def greeted(self, connection: Evictable) -> None:
+        """``connection`` passed its hello (or, with auth off, sent its first message): no longer evicted."""
+        self._in_hello.pop(connection, None)
+
+    def release(self, address: str, connection: Evictable) -> None:
         """A connection :meth:`admit` counted has ended."""
+        self._in_hello.pop(connection, None)
         held = self.by_address.get(address, 0)
         if held <= 1:
             self.by_address.pop(address, None)

@@ -409,7 +409,7 @@ class _ServerProtocol(asyncio.Protocol):
         self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
         host, port = transport.get_extra_info("peername")[:2]
         self._host, self.peer = host, f"{host}:{port}"
-        refused = self._listener.limits.admit(host)
+        refused = self._listener.limits.admit(host, self)
         if refused is not None:
             SERVE_LOG.log(logging.WARNING, "refusing a connection from %s: %s", self.peer, refused)
             self._transport.abort()
@@ -423,13 +423,21 @@ class _ServerProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._counted:
             self._counted = False
-            self._listener.limits.release(self._host)
+            self._listener.limits.release(self._host, self)
         self._listener.connections.discard(self)
         self._can_write.set()
         if self._timer is not None:
             self._timer.cancel()
         if self._worker:
             self._worker.cancel()
+
+    def evicted(self) -> None:
+        """Every slot is taken and this connection has waited longest in its hello: it makes room (see
+        :class:`~.base.ConnectionLimits`)."""
+        self._counted = False
+        SERVE_LOG.log(logging.WARNING, "closing %s, still in its hello, to make room for a newer connection",
+                      self.peer)
+        self._transport.abort()
 
     def pause_writing(self) -> None:
         self._can_write.clear()
@@ -515,6 +523,7 @@ class _ServerProtocol(asyncio.Protocol):
             node, first = await accept_hello(listener.auth, TCP_HEADER, self._receive, self._send, self.peer,
                                              listener.io_timeout_s)
             self._greeted = True
+            listener.limits.greeted(self)
             message = first or await self._receive()
             while True:
                 request = parse_request(*message, self.peer)

@@ -557,6 +557,16 @@ class _ServerConnection:
         self._closing = True
         self._link.abort()
 
+    def evicted(self) -> None:
+        """Every slot is taken and this connection has waited longest in its hello: it makes room (see
+        :class:`~.base.ConnectionLimits`)."""
+        self._counted = None
+        SERVE_LOG.log(logging.WARNING, "closing %s, still in its hello, to make room for a newer connection",
+                      self.peer)
+        self.abort()
+        if self._task is not None:
+            self._task.cancel()
+
     def _admit(self) -> str | None:
         """Why this connection is refused before anything is read from it (None: it is not)."""
         local, remote = endpoint_hosts(self._link.endpoint)
@@ -564,7 +574,7 @@ class _ServerConnection:
         bound = self._listener.bound_hosts
         if bound and local is not None and local not in bound:
             return f"it connected to {local}, not to the address this agent listens on ({self._listener.host})"
-        refused = self._listener.connection_limits.admit(remote or "?")
+        refused = self._listener.connection_limits.admit(remote or "?", self)
         if refused is None:
             self._counted = remote or "?"
         return refused
@@ -580,6 +590,7 @@ class _ServerConnection:
                 return
             node, first = await accept_hello(listener.auth, UCX_HEADER, self._receive_first, self._send_plain,
                                              self.peer, listener.io_timeout_s)
+            listener.connection_limits.greeted(self)
             message = first or await self._receive_next()
             while await self._serve_one(message, node):
                 message = await self._receive_next()
@@ -598,7 +609,7 @@ class _ServerConnection:
             log.exception("serving %s failed", self.peer)
         finally:
             if self._counted is not None:
-                listener.connection_limits.release(self._counted)
+                listener.connection_limits.release(self._counted, self)
                 self._counted = None
             self.abort()
 

@@ -331,6 +331,30 @@ async def test_connections_over_the_per_address_cap_are_closed_at_once(package, 
         seed.close()
 
 
+async def test_connections_still_in_their_hello_make_room_for_members_and_members_keep_theirs(package, transports):
+    root, manifest = package
+    seed = seed_store(root)
+    server = PeerServer()
+    server.add(seed)
+    listener = await transports("seed", agent_max_connections=2, io_timeout_s=30).listen("127.0.0.1", 0, server)
+    squatter, member = transports("squatter", key=b"", io_timeout_s=30), transports("rx")  # squatters send nothing
+    config = (root / "config.json").read_bytes()
+    try:
+        for _ in range(2):
+            await squatter.connect(listener.address, "seed")
+        while listener.open_connections < 2:
+            await asyncio.sleep(0.01)
+        first, second = await member.connect(listener.address, "seed"), await member.connect(listener.address, "seed")
+        assert [await c.fetch_file(manifest.package_id, "config.json") for c in (first, second)] == [config] * 2
+        assert listener.open_connections == 2  # both squatters made room
+        with pytest.raises(PeerError):  # members' slots are theirs: a third is closed at once
+            third = await member.connect(listener.address, "seed")
+            await third.fetch_file(manifest.package_id, "config.json")
+        assert await first.fetch_file(manifest.package_id, "config.json") == config
+    finally:
+        seed.close()
+
+
 async def test_a_connection_that_sends_nothing_is_closed_after_the_deadline(package, transports):
     root, _ = package
     seed = seed_store(root)

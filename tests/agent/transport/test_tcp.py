@@ -664,14 +664,16 @@ async def test_half_a_header_or_silence_is_closed_after_the_io_timeout_and_an_id
         seed.close()
 
 
-async def test_connections_over_the_total_cap_are_closed_at_once(package):
+async def test_over_the_total_cap_the_connection_longest_in_its_hello_is_closed_at_once(package):
     root, _ = package
     seed = seed_store(root)
     _, listener = await serve(PeerServer(), seed, agent_max_connections=3, io_timeout_s=5.0)
     try:
         held = [await asyncio.open_connection(*split_address(listener.address)) for _ in range(3)]
+        while listener.open_connections < 3:
+            await asyncio.sleep(0.01)
         extra = await asyncio.open_connection(*split_address(listener.address))
-        assert await read_all(extra[0]) == b""
+        assert await read_all(held[0][0]) == b""
         assert listener.open_connections == 3
         for _, writer in [*held, extra]:
             writer.close()
