@@ -229,7 +229,7 @@ def test_agents_given_the_master_token_authenticate_and_one_with_another_token_g
     nodes = {node: f"127.0.0.1:{port}" for node, port in zip(names, free_ports(len(names)))}
     plan = write_plan(tmp_path / "plan.json", plan_file_data(
         make_plan("tree", ["seed"], ["r1", "intruder"], len(manifest.blocks)), manifest.package_id, nodes))
-    cluster, other = {"PIPECAST_AUTH_TOKEN": "the-cluster-master"}, {"PIPECAST_AUTH_TOKEN": "another-master"}
+    cluster, other = {"PIPECAST_AUTH_TOKEN": "the-cluster-master"}, {"PIPECAST_AUTH_TOKEN": "the-other-master"}
     agents.start("seed", "--seed", root, "--plan", plan, env=cluster)
     agents.wait("seed", "listening")
     rx = agents.start("r1", "--plan", plan, "--cache-dir", tmp_path / "cache-r1", "--exit-when-complete", env=cluster)
