@@ -140,13 +140,16 @@ class Engine:
 
         Waits for each part just before it is needed, each wait bounded by ``timeout`` seconds. Raises
         :class:`InvalidRequestError` unless ``input_ids`` is a non-empty [batch, seq] tensor of int64 or int32
-        token ids of the vocabulary.
+        token ids of the vocabulary, at most the model's positions long.
         """
         import torch
 
         if input_ids.dim() != 2 or not input_ids.numel() or input_ids.dtype not in (torch.int64, torch.int32):
             raise InvalidRequestError(f"input_ids must be a non-empty [batch, seq] tensor of int64 or int32 token "
                                       f"ids, got {input_ids.dtype} of shape {list(input_ids.shape)}")
+        if self._max_positions and input_ids.shape[1] > self._max_positions:
+            raise InvalidRequestError(f"input_ids of {input_ids.shape[1]} positions exceed the model's "
+                                      f"{self._max_positions}")
         for row in input_ids.tolist():  # an id outside the vocabulary would index past the embeddings
             self._check_tokens(row)
         return self.model.forward_logits(input_ids, timeout)

@@ -235,6 +235,7 @@ def test_a_generate_that_times_out_cancels_its_request(pkg, engine):
                                           r"token ids, got torch.int64 of shape \[1, 0\]"),
     (torch.tensor([1, 2]), r"input_ids must be .*, got torch.int64 of shape \[2\]"),
     (torch.tensor([[1.0, 2.0]]), r"input_ids must be .*, got torch.float32 of shape \[1, 2\]"),
+    (torch.ones(1, 129, dtype=torch.long), r"input_ids of 129 positions exceed the model's 128"),
 ])
 def test_logits_refuses_ids_the_model_cannot_take(engine, ids, message):
     with pytest.raises(InvalidRequestError, match=f"^{message}$"):
