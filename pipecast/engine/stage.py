@@ -108,6 +108,7 @@ class _Session:
     cache: _AppendCache
     length: int = 0  # positions cached
     used_at: float = 0.0
+    busy_until: float = 0.0  # the deadline of its last step: later stages may compute it until then
     lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time
 
 
@@ -172,6 +173,7 @@ class StageRunner:
             if state.length != position:
                 raise StageSessionError(f"session {session!r} is at position {state.length}, the call is at "
                                         f"{position}")
+            state.busy_until = max(state.busy_until, self._clock() + timeout)
             try:
                 with torch.inference_mode():
                     if first:
@@ -211,6 +213,7 @@ class StageRunner:
         with state.lock, torch.inference_mode():
             self._wait(LM_HEAD, deadline)
             out = self._sample(state, m.lm_head(normed.to(device=m.device, dtype=m.dtype)), want_logits)
+            state.used_at = self._clock()
         return replace(out, seconds=max(time.monotonic() - started - deadline.waited, 0.0),
                        cpu_seconds=time.thread_time() - cpu)
 
@@ -244,14 +247,16 @@ class StageRunner:
 
     def expire(self) -> int:
         """Drop sessions idle for longer than ``idle_s``, none with a call running (one waiting long for its
-        layers is not idle); the number dropped."""
+        layers is not idle) and none before its last step's deadline (the step goes on in later stages while
+        this one waits for their answer); the number dropped."""
         with self._lock:
             return self._expire_locked()
 
     def _expire_locked(self) -> int:
         now = self._clock()
         stale = [s for s, state in self._sessions.items()
-                 if now - state.used_at > self.idle_s and not state.lock.locked()]
+                 if now - max(state.used_at, state.busy_until - self.idle_s) > self.idle_s
+                 and not state.lock.locked()]
         for s in stale:
             del self._sessions[s]
         return len(stale)

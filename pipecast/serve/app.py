@@ -31,7 +31,7 @@ from aiohttp import web
 from pipecast.core.credentials import SERVING_KEY_HEADER
 from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_body, serve_until_signalled
 from pipecast.core.strictjson import JSONInputError, loads
-from pipecast.engine.errors import InvalidRequestError
+from pipecast.engine.errors import EngineError, InvalidRequestError
 from pipecast.engine.stage import StageCapacityError, StageSessionError
 from pipecast.serve.errors import (
     RequestFieldError,
@@ -195,6 +195,9 @@ async def stage_call(request: web.Request) -> web.Response:
         return _stage_error(str(exc), 504)
     except ServeError as exc:
         return _stage_error(str(exc), exc.status)
+    except EngineError as exc:  # the model failed to load or was unloaded under the call: not the caller's fault
+        worker.forget_stage_session(session)
+        return _stage_error(str(exc), 503)
 
 
 def _stage_error(message: str, status: int) -> web.Response:

@@ -8,7 +8,7 @@ import click
 
 from pipecast.core.settings import load_settings
 from pipecast.serve.app import run_worker
-from pipecast.serve.pipeline import DISSOLVE_AUTO, DISSOLVE_CHOICES, STEP_TIMEOUT_S
+from pipecast.serve.pipeline import DISSOLVE_AUTO, DISSOLVE_CHOICES, MAX_DEADLINE_S, STEP_TIMEOUT_S
 from pipecast.serve.worker import ServingWorker, WorkerConfig
 
 SWITCH_INTERVAL_S = 0.0005
@@ -39,7 +39,8 @@ SWITCH_INTERVAL_S = 0.0005
               help="Loading fails after this many seconds without a new block.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM: seconds running requests may take to finish before they are cut.")
-@click.option("--pipeline-step-timeout", type=click.FloatRange(min=0, min_open=True), default=STEP_TIMEOUT_S,
+@click.option("--pipeline-step-timeout", type=click.FloatRange(min=0, max=MAX_DEADLINE_S, min_open=True),
+              default=STEP_TIMEOUT_S,
               show_default=True, help="As the head stage of a cross-node pipeline: seconds one token may take "
                                       "through every stage, waits for arriving layers included.")
 @click.option("--pipeline-dissolve", type=click.Choice(DISSOLVE_CHOICES), default=DISSOLVE_AUTO,

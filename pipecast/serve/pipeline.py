@@ -67,6 +67,8 @@ CLOSE_TIMEOUT_S = 2.0
 MAX_ROUTE_STAGES = 64
 #: Longest deadline a stage call may carry (s): a hostile caller cannot hold a stage's waits for longer.
 MAX_DEADLINE_S = 3600
+#: Stage calls of a worker that wait for arriving layers at once; more queue for a thread.
+MAX_LAYER_WAITS = 64
 #: Largest answer a stage call reads: a token and its header, or a last position's final norm (a float32 row
 #: of a hidden size up to 64 Ki is 256 KiB).
 MAX_ANSWER_BYTES = 1 << 20
@@ -326,6 +328,9 @@ class StageQueue:
 
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipecast-stage")
+        # Waits for arriving layers get threads of their own: in the loop's default pool a burst of them held
+        # every thread (tokenizing, the agent's status, other calls' waits) until their deadlines.
+        self._waits = ThreadPoolExecutor(max_workers=MAX_LAYER_WAITS, thread_name_prefix="pipecast-stage-wait")
         self._waiting: list[tuple[float, int, asyncio.Future]] = []  # a heap: (deadline, arrival, turn)
         self._arrivals = itertools.count()
         self._busy = False
@@ -338,7 +343,12 @@ class StageQueue:
         :meth:`~pipecast.engine.stage.StageRunner.waiter`), if given, runs first, off the queue: a call whose
         layers are still arriving holds up no other call while it waits for them."""
         if wait is not None:
-            await asyncio.to_thread(wait, max(deadline - time.monotonic(), 0.0))
+            try:
+                waited = asyncio.get_running_loop().run_in_executor(
+                    self._waits, lambda: wait(max(deadline - time.monotonic(), 0.0)))  # its time left when it starts
+            except RuntimeError:  # closed: the worker is shutting down
+                raise WorkerClosingError() from None
+            await waited
 
         def turn() -> StageOutput:
             left = deadline - time.monotonic()
@@ -390,6 +400,7 @@ class StageQueue:
             granted.cancel()
         self._waiting.clear()
         self._thread.shutdown(wait=False, cancel_futures=True)
+        self._waits.shutdown(wait=False, cancel_futures=True)
 
 
 class StageClient:

@@ -218,6 +218,19 @@ def test_a_session_whose_call_runs_long_is_not_expired_under_it():
     assert runner.expire() == 1 and runner.sessions == 0
 
 
+def test_a_session_is_held_until_its_step_deadline_while_later_stages_compute_the_step(case):
+    """The head (or a middle stage) waits for the later stages' answer within the step's deadline: its session
+    is not idle then, even with a step timeout above the idle time."""
+    _, engine = case
+    clock = [0.0]
+    runner = StageRunner(engine.model, idle_s=10, clock=lambda: clock[0])
+    runner.run("s", range(0, 4), 0, tokens=[1, 2, 3], timeout=60)
+    clock[0] = 30
+    assert runner.expire() == 0 and runner.sessions == 1
+    clock[0] = 71
+    assert runner.expire() == 1 and runner.sessions == 0
+
+
 def test_a_full_runner_makes_room_by_dropping_its_idle_sessions_first():
     clock = [0.0]
     model = SimpleNamespace(skeleton=SimpleNamespace(windows=(None,)))

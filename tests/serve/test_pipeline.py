@@ -312,6 +312,18 @@ async def test_stage_calls_with_bad_frames_are_answered_400(pkg):
                 assert response.status == 200
 
 
+async def test_a_stage_call_whose_model_fails_to_load_under_it_is_answered_503_naming_why(pkg):
+    agent = GatedAgent(pkg)
+    agent.release(0, 1)  # the other blocks never come: loading stalls and fails under the waiting call
+    async with serving(WorkerConfig(str(pkg), agent=agent, stall_timeout_s=1.0)) as (a, _, _, http):
+        frame = encode_frame({"session": "s", "layers": [2, 6], "position": 0, "params": None, "next": [],
+                              "deadline_s": 20}, torch.zeros(1, 3, 64))
+        async with http.post(f"{a}/v1/stage", data=frame) as response:
+            answer = await response.json()  # before: aiohttp's text/plain 500, the cause lost
+        assert response.status == 503
+        assert answer["error"]["message"].startswith("loading the model failed: ") and answer["error"]["node"] is None
+
+
 async def test_a_tied_model_samples_at_the_head_stage_and_answers_the_single_node_tokens(tmp_path):
     qwen = packages.tiny_package(tmp_path / "qwen", "qwen2", seed=2, layers=4, tokenizer=True).path
     with pipecast.load(qwen) as model:
@@ -447,6 +459,24 @@ async def test_the_stage_queue_computes_one_call_at_a_time_earliest_deadline_fir
         queue.close()
     with pytest.raises(WorkerClosingError, match="the worker is shutting down"):
         await queue.call(compute, "closed", deadline=time.monotonic() + 60)
+
+
+async def test_calls_waiting_for_their_layers_leave_the_event_loops_own_threads_free():
+    """Before, each wait held a thread of the loop's default pool (min(32, CPUs + 4)) until its deadline: a burst
+    of them stalled tokenizing, the agent's status and every other to_thread of the worker."""
+    queue = StageQueue()
+    arrived = threading.Event()
+    try:
+        deadline = time.monotonic() + 60
+        waiting = [asyncio.create_task(queue.call(lambda *, timeout: "done", deadline=deadline,
+                                                  wait=lambda timeout: arrived.wait(timeout))) for _ in range(40)]
+        await asyncio.sleep(0.1)
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 2) == "free"
+        arrived.set()
+        assert await asyncio.gather(*waiting) == ["done"] * 40
+    finally:
+        arrived.set()
+        queue.close()
 
 
 async def test_a_stage_calls_own_error_reaches_its_caller_and_the_next_call_runs():
