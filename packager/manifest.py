@@ -37,7 +37,7 @@ MANIFEST_FORMAT_VERSION = 2  # 2: the package id covers the whole manifest
 # Larger manifests are refused unread. 64 MiB holds ~870k chunk digests: ~0.85 TiB of blocks in 1 MiB chunks
 # (pack a larger model with larger chunks). Parsing and validating one that large takes ~5 s and ~300 MB.
 MAX_MANIFEST_BYTES = 64 << 20
-_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")  # fullmatch: "$" would let a trailing newline in
+HEX_DIGEST = re.compile(r"[0-9a-f]{64}")  # fullmatch: "$" would let a trailing newline in
 
 
 def _manifest_dict(manifest: Manifest) -> dict:
@@ -171,7 +171,7 @@ def validate_manifest(m: Manifest, where: Path | str = MANIFEST_FILE) -> None:
             fail(f"{name} has {len(b.chunk_digests)} chunk digests; {b.bytes} bytes in chunks of "
                  f"{b.chunk_bytes} need {expected_chunks}")
         for d in (b.digest, *b.chunk_digests):
-            if not _HEX_DIGEST.fullmatch(d):
+            if not HEX_DIGEST.fullmatch(d):
                 fail(f"{name} has a malformed digest {_show(d)}")
         if not b.tensor_names:
             fail(f"{name} holds no tensors")
@@ -190,7 +190,7 @@ def validate_manifest(m: Manifest, where: Path | str = MANIFEST_FILE) -> None:
         if f.path in seen_paths:
             fail(f"file {_show(f.path)} is listed twice")
         seen_paths.add(f.path)
-        if not _HEX_DIGEST.fullmatch(f.digest):
+        if not HEX_DIGEST.fullmatch(f.digest):
             fail(f"file {_show(f.path)} has a malformed digest {_show(f.digest)}")
     if m.HasField("source") and not m.source.uri:
         fail("source has no uri")

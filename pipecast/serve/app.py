@@ -166,6 +166,9 @@ async def stage_call(request: web.Request) -> web.Response:
         call = StageCall.from_header(header)
         session, deadline = call.session, received + call.deadline_s
         runner = await worker.wait_stage_runner(deadline - time.monotonic())
+        if call.package and call.package != worker.package_id:
+            return _stage_error(f"this worker serves package {str(worker.package_id)[:12]}, the call is for "
+                                f"{call.package[:12]} (a route listed before a rollout)", 409)
         last = not call.following
         norm_only = call.norm_only and last
         out = await worker.stage_queue.call(runner.run, session, call.layers, call.position, hidden=hidden,
@@ -176,7 +179,7 @@ async def stage_call(request: web.Request) -> web.Response:
         else:
             answer = await worker.stage_client.forward(call.following, session, call.position, out.hidden,
                                                        params=call.params, norm_only=call.norm_only,
-                                                       deadline=deadline)
+                                                       deadline=deadline, package=call.package)
         frame = encode_frame({}, answer) if call.norm_only else encode_frame({"token": answer})
         return web.Response(body=frame, content_type="application/octet-stream")
     except StageFailedError as exc:  # a stage after this one

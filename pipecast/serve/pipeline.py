@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from packager.manifest import HEX_DIGEST
 from pipecast.core.errors import PipecastError
 from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.core.urls import http_base_url
@@ -198,8 +199,9 @@ def params_from_json(value: Any) -> SamplingParams:
 @dataclass(frozen=True)
 class StageCall:
     """One ``POST /v1/stage``: the session, this stage's layers, the position, the time left of the token's
-    deadline, the stages after this one, how the last stage samples (position 0 only) and whether it
-    answers its final norm instead of a token."""
+    deadline, the stages after this one, how the last stage samples (position 0 only), whether it
+    answers its final norm instead of a token, and the package the head serves ("": not said, from a head that
+    predates it): a stage serving another package (a route listed before a rollout) refuses the call."""
 
     session: str
     layers: range
@@ -208,6 +210,7 @@ class StageCall:
     following: tuple[Hop, ...] = ()
     params: SamplingParams | None = None
     norm_only: bool = False
+    package: str = ""
 
     def header(self) -> dict:
         """The frame header of this call."""
@@ -215,14 +218,14 @@ class StageCall:
                 "position": self.position, "deadline_s": self.deadline_s,
                 "next": [h.to_json() for h in self.following],
                 "params": params_json(self.params) if self.params is not None else None,
-                "norm_only": self.norm_only}
+                "norm_only": self.norm_only, "package": self.package}
 
     @classmethod
     def from_header(cls, header: dict) -> "StageCall":
         """The call a frame header describes; :class:`PipelineProtocolError` names the bad field."""
         session, layers, position = header.get("session"), header.get("layers"), header.get("position")
         deadline_s, params = header.get("deadline_s"), header.get("params")
-        norm_only = header.get("norm_only", False)
+        norm_only, package = header.get("norm_only", False), header.get("package", "")
         if not isinstance(session, str) or not 0 < len(session) <= 64:
             raise PipelineProtocolError("'session' must be a string of 1 to 64 characters")
         if type(position) is not int or position < 0:
@@ -234,9 +237,12 @@ class StageCall:
             raise PipelineProtocolError("'layers' must be [start, stop]")
         if not isinstance(norm_only, bool):
             raise PipelineProtocolError("'norm_only' must be true or false")
+        if not isinstance(package, str) or not (package == "" or HEX_DIGEST.fullmatch(package)):
+            raise PipelineProtocolError(f"'package' must be a package id (64 lower-case hex digits), got "
+                                        f"{str(package)[:70]}")
         following = parse_route(header["next"], first=layers[1]) if header.get("next") else ()
         return cls(session, range(*layers), position, float(deadline_s), following,
-                   None if params is None else params_from_json(params), norm_only)
+                   None if params is None else params_from_json(params), norm_only, package)
 
 
 @dataclass
@@ -419,9 +425,11 @@ class StageClient:
         return self._session
 
     async def forward(self, hops: Sequence[Hop], session: str, position: int, hidden: "torch.Tensor", *,
-                      params: SamplingParams | None, norm_only: bool, deadline: float) -> "int | torch.Tensor":
+                      params: SamplingParams | None, norm_only: bool, deadline: float,
+                      package: str = "") -> "int | torch.Tensor":
         """Send ``hidden`` to ``hops[0]`` (which calls the rest) and return the token the last stage sampled,
-        or with ``norm_only`` its final norm of the last position (for the first stage's tied LM head).
+        or with ``norm_only`` its final norm of the last position (for the first stage's tied LM head); every
+        stage must serve ``package`` (the head's package id; "": not checked).
 
         ``deadline`` is a ``time.monotonic()`` instant. Raises :class:`StageFailedError` naming the stage
         that failed (the one called, or the one it reports).
@@ -432,7 +440,7 @@ class StageClient:
         left = deadline - time.monotonic()
         if left <= 0:
             raise StageFailedError(hop.url, "the step's deadline passed before the call")
-        call = StageCall(session, hop.layers, position, left, tuple(hops[1:]), params, norm_only)
+        call = StageCall(session, hop.layers, position, left, tuple(hops[1:]), params, norm_only, package)
         try:
             async with self._http().post(hop.url + STAGE_PATH, data=encode_frame(call.header(), hidden),
                                          headers={**self.headers, "Content-Type": "application/octet-stream"},
@@ -505,8 +513,9 @@ class PipelineHead:
     def __init__(self, runner: StageRunner, client: StageClient, queue: StageQueue, *,
                  step_timeout_s: float = STEP_TIMEOUT_S,
                  local: "Callable[[list[int], SamplingParams], TokenStream] | None" = None,
-                 dissolve: str = DISSOLVE_AUTO, cpus: float | None = None):
-        """``queue`` runs this worker's stage computations (the head's own and the stage calls it is sent);
+                 dissolve: str = DISSOLVE_AUTO, cpus: float | None = None, package_id: str = ""):
+        """``package_id``: the package this worker serves, which every later stage must serve too; ``queue``
+        runs this worker's stage computations (the head's own and the stage calls it is sent);
         ``local`` submits a prompt to this worker's own engine: given, a request whose pipeline dissolves
         under it (this worker came to hold the whole model after the request started) may move here with its
         tokens so far, re-prefilled, instead of finishing through the stages (:meth:`start`): always with
@@ -517,6 +526,7 @@ class PipelineHead:
         self.runner = runner
         self.client = client
         self.queue = queue
+        self.package_id = package_id
         self.step_timeout_s = step_timeout_s
         self.local = local if dissolve != DISSOLVE_FINISH else None
         self.dissolve = dissolve
@@ -653,7 +663,7 @@ class PipelineHead:
             return out.token
         answer = await self.client.forward(route[1:], session, position, out.hidden, norm_only=here,
                                            params=params if position == 0 and not here else None,
-                                           deadline=deadline)
+                                           deadline=deadline, package=self.package_id)
         if not here:
             return answer
         try:

@@ -446,7 +446,7 @@ class ServingWorker:
         self._head = PipelineHead(StageRunner(model.engine.model), self.stage_client, self.stage_queue,
                                   step_timeout_s=self.config.pipeline_step_timeout_s,
                                   local=model.engine.submit, dissolve=self.config.pipeline_dissolve,
-                                  cpus=cpu_limit())
+                                  cpus=cpu_limit(), package_id=model.engine.provider.manifest.package_id)
         self._released, self._error = False, None  # a failure was the model's before, released since
         self._stage = STAGE_LOADING
         model.engine.model.add_listener(lambda: self._post(self._on_model_change))

@@ -312,6 +312,24 @@ async def test_stage_calls_with_bad_frames_are_answered_400(pkg):
                 assert response.status == 200
 
 
+async def test_a_stage_serving_another_package_refuses_the_call_and_a_bad_package_id_is_a_400(pkg):
+    """A route listed before a rollout names a worker that now serves other weights: its layers must not run."""
+    async with serving(WorkerConfig(str(pkg))) as (a, worker, _, http):
+        await worker.wait_stage_runner(10)
+        header = {"session": "s", "layers": [2, 6], "position": 0, "params": None, "next": [], "deadline_s": 5}
+        for package, status, message in [
+                ("ab" * 32, 409, f"this worker serves package {worker.package_id[:12]}, the call is for abababababab "
+                                 f"(a route listed before a rollout)"),
+                ("AB" * 32, 400, "'package' must be a package id (64 lower-case hex digits), got " + "AB" * 32)]:
+            frame = encode_frame({**header, "package": package}, torch.zeros(1, 3, 64))
+            async with http.post(f"{a}/v1/stage", data=frame) as response:
+                assert (response.status, (await response.json())["error"]["message"]) == (status, message)
+        frame = encode_frame({**header, "package": worker.package_id}, torch.zeros(1, 3, 64))
+        async with http.post(f"{a}/v1/stage", data=frame) as response:
+            assert response.status == 200
+        assert worker.stage_runner().sessions == 1
+
+
 async def test_a_stage_call_whose_model_fails_to_load_under_it_is_answered_503_naming_why(pkg):
     agent = GatedAgent(pkg)
     agent.release(0, 1)  # the other blocks never come: loading stalls and fails under the waiting call

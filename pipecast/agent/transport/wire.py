@@ -56,7 +56,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from packager.manifest import MANIFEST_FILE
+from packager.manifest import HEX_DIGEST, MANIFEST_FILE
 from pipecast.agent.errors import (
     AgentError,
     AnswerAbandonedError,
@@ -94,7 +94,7 @@ KEY_ID_BYTES = 8
 MAX_NODE_ID_BYTES = 256
 MAX_HELLO_BYTES = KEY_ID_BYTES + NONCE_BYTES + MAC_BYTES + MAX_NODE_ID_BYTES
 _HELLO_CONTEXT = b"pipecast data-plane hello v3\0"
-PACKAGE_ID = re.compile(r"[0-9a-f]{64}")
+PACKAGE_ID = HEX_DIGEST
 MAX_PATH_CHARS = 1024
 # A REQ_BLOCK's end chunk: plain ASCII decimal, no sign, no padding; at most the header's chunk field + 1.
 END_CHUNK = re.compile(r"0|[1-9][0-9]{0,9}")
