@@ -206,6 +206,7 @@ class Engine:
             self._thread.join(timeout)
         if not self._thread.is_alive():  # else the engine thread fails them as it exits
             self._fail_unfinished()
+        self.model.clear_listeners()  # the weights go with the last reference, not at the next cyclic collection
 
     def _fail_unfinished(self, error: EngineError | None = None) -> None:
         """End every request held with ``error`` (by default :class:`EngineClosedError`)."""

@@ -95,6 +95,11 @@ class ProgressiveModel:
         """Call ``callback`` (from the loader thread) whenever parts become ready or loading fails."""
         self._listeners.append(callback)
 
+    def clear_listeners(self) -> None:
+        """Call no listener any more: a closed engine's (its bound method made a cycle that kept every weight in
+        memory until the cyclic garbage collector ran) and those of whoever served it."""
+        self._listeners = []
+
     def _notify(self) -> None:
         for callback in self._listeners:
             callback()

@@ -1,6 +1,8 @@
 """Execute-while-load, continuous batching, sampling and request lifecycle of the engine."""
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -267,6 +269,21 @@ def test_full_queue_refuses_and_close_fails_pending(pkg):
             stream.result(timeout=1)
     with pytest.raises(EngineClosedError, match="^the engine is closed$"):
         engine.submit(PROMPT)
+
+
+def test_a_closed_engines_weights_are_freed_with_its_last_reference_not_at_a_later_gc(pkg):
+    """A worker unloading a released model and loading the next held both until the cyclic collector ran (the
+    engine's listener on its model made a cycle), which tensor memory does not prompt."""
+    engine = Engine(PackageFolderProvider(pkg)).start()
+    assert engine.generate(PROMPT, SamplingParams(max_tokens=2), timeout=30)
+    weight = weakref.ref(next(engine.model.skeleton.model.parameters()))
+    gc.disable()
+    try:
+        engine.close()
+        del engine
+        assert weight() is None
+    finally:
+        gc.enable()
 
 
 def test_stalled_block_source_fails_waiting_requests(pkg):
