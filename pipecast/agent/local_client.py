@@ -179,14 +179,24 @@ class LocalAgentClient:
         return package_id if package_id is not None else self.manifest(None).package_id
 
     def _buffer(self, index: int, package_id: str | None, timeout: float) -> "_Mapped":
-        """Block ``index``'s buffer, mapped (one request the first time; the agent checks the block)."""
+        """Block ``index``'s buffer, mapped (one request the first time; the agent checks the block).
+
+        :class:`PackageDroppedError` at once for a package the agent dropped: the agent would wait for it
+        until the request's timeout.
+        """
         if package_id is not None:
+            self._raise_if_dropped(package_id, f"block {index} not verified")
             with self._lock:
                 mapped = self._maps.get((package_id, index))
             if mapped is not None:
                 return _Mapped(package_id, mapped)
-        answer = self._call({"op": "buffer", "block": index, "package": package_id,
-                             "timeout": min(timeout, DEFAULT_REQUEST_TIMEOUT_S)}, timeout)
+        try:
+            answer = self._call({"op": "buffer", "block": index, "package": package_id,
+                                 "timeout": min(timeout, DEFAULT_REQUEST_TIMEOUT_S)}, timeout)
+        except LocalApiTimeoutError:
+            if package_id is not None:  # dropped while the agent waited for it: say so, not "timed out"
+                self._raise_if_dropped(package_id, f"block {index} not verified")
+            raise
         with self._known:
             self._dropped.discard(answer["package"])  # the agent holds it (again)
         return _Mapped(answer["package"], self._map(answer))
@@ -199,14 +209,19 @@ class LocalAgentClient:
             while (verified := self._verified.get((package, index), 0)) < nbytes:
                 if self._stream_error is not None:
                     raise LocalApiError(f"agent at {self.socket_path}: {self._stream_error}")
-                if package in self._dropped:
-                    raise PackageDroppedError(f"agent at {self.socket_path}: package {package[:12]} was dropped there "
-                                        f"({what})")
+                self._raise_if_dropped(package, what)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise LocalApiTimeoutError(f"agent at {self.socket_path}: {what} within {timeout:g} s")
                 self._known.wait(left)
         return verified
+
+    def _raise_if_dropped(self, package: str, what: str) -> None:
+        """:class:`PackageDroppedError` if the agent dropped ``package`` and has verified none of its blocks since."""
+        with self._known:  # reentrant: _await holds it already
+            if package in self._dropped:
+                raise PackageDroppedError(f"agent at {self.socket_path}: package {package[:12]} was dropped there "
+                                          f"({what})")
 
     def _watch(self) -> None:
         """Start following the agent's event stream (once; the first events are what it holds already)."""

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError
+from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError, PackageDroppedError
 from pipecast.agent import local_api
 from pipecast.agent.local_api import MAX_TIMEOUT_S, OPS, LocalApiServer, parse_request
 from pipecast.agent.local_client import LocalAgentClient
@@ -165,9 +165,35 @@ async def test_an_engine_waiting_on_a_package_the_agent_drops_fails_at_once_and_
                                                 r"\(block 1 not verified\)$"):
             await asyncio.wait_for(waiting, 5)
         assert client.verified_blocks(manifest.package_id) == set()
-        # The agent holds it again (here: the same store), and says what it holds: a wait maps the block afresh.
+        # Known dropped, a wait fails at once, with no request the agent would hold until its timeout.
+        with pytest.raises(PackageDroppedError, match=r"was dropped there \(block 1 not verified\)$"):
+            await asyncio.wait_for(asyncio.to_thread(client.wait_block, 1, 60.0, manifest.package_id), 1.0)
+        # The agent holds it again (here: the same store), and says what it holds: once the client has heard it,
+        # a wait maps the block afresh.
         server.publish_held(store)
+        await until(lambda: client.verified_blocks(manifest.package_id) == {0})
         assert (await asyncio.to_thread(client.wait_block, 0, 5.0, manifest.package_id)).nbytes > 0
+
+
+async def until(condition, timeout: float = 5.0) -> None:
+    """Wait until ``condition()`` holds (what the client's event thread learns, it learns a moment later)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_buffer_request_the_agent_holds_for_a_package_dropped_meanwhile_says_dropped(tmp_path):
+    """A block's first wait asks the agent for its buffer; the agent, no longer holding the package, holds the
+    request until its timeout: the client, told of the drop meanwhile, says "dropped", not "timed out"."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, store, server, client):
+        await asyncio.to_thread(client.verified_blocks, manifest.package_id)  # follows its events from now on
+        server._peer_server.stores.pop(manifest.package_id)  # as AgentDaemon.drop_package does, before its event
+        waiting = asyncio.ensure_future(asyncio.to_thread(client.wait_block, 1, 0.5, manifest.package_id))
+        await asyncio.sleep(0.1)
+        server.publish_dropped(manifest.package_id)
+        with pytest.raises(PackageDroppedError, match=r"was dropped there \(block 1 not verified\)$"):
+            await asyncio.wait_for(waiting, 5)
 
 
 async def test_block_memory_the_engine_cannot_open_is_a_local_api_error_saying_why(tmp_path, monkeypatch):

@@ -4,8 +4,13 @@ unicast fallback, logged); a corrupt block is refused before any of its tensors 
 missing parameters and a folder that is not a package fail with their exact messages."""
 
 import asyncio
+import errno
+import json
 import logging
+import os
 import shutil
+import struct
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -170,7 +175,142 @@ async def test_a_block_the_agent_does_not_verify_in_time_is_named(fake_vllm, pac
         store.close()
     chunks = len(package.manifest.blocks[0].chunk_digests)
     assert str(caught.value) == (f"pipecast loader: block 0 of package {package.manifest.package_id[:12]} from agent "
-                                 f"at {socket}: not verified within 0.2 s (the agent holds 1 of its {chunks} chunks)")
+                                 f"at {socket}: not verified, and no new byte of the package verified for 0.2 s (the "
+                                 f"agent holds 1 of its {chunks} chunks)")
+
+
+async def test_a_block_waits_as_long_as_the_agent_verifies_other_bytes_of_the_package(fake_vllm, package, tmp_path):
+    """block_timeout_s bounds a stall, not a block's wait: vLLM's own limit (VLLM_ENGINE_READY_TIMEOUT_S) is on
+    its whole start-up, so a per-block wait as long as it could never end with the loader's own error."""
+    from vllm_plugin.pipecast_vllm.weights import LoaderOptions
+
+    manifest, socket = package.manifest, tmp_path / "agent.sock"
+    store = receiving_store(manifest)
+    model = FakeModel(every_name(manifest))
+    try:
+        async with local_api_serving(store, socket):
+            loader = make_loader(fake_vllm, agent_socket=str(socket), block_timeout_s=0.5)
+            loading = asyncio.ensure_future(asyncio.to_thread(loader.load_weights, model, model_config(package.path)))
+            # Block 1 comes last, 0.9 s after block 0 (nearly twice block_timeout_s), the others' chunks meanwhile.
+            for block in (0, 3, 2, 1):
+                data = block_file_bytes(package.path, manifest, block)
+                for chunk in range(store.chunk_count(block)):
+                    land_chunk(store, data, block, chunk)
+                    await asyncio.sleep(0.1)
+            await asyncio.wait_for(loading, 10)
+    finally:
+        store.close()
+    assert_loaded_in_block_order(model, package)
+    assert LoaderOptions().block_timeout_s < 600  # by default a stall ends with this loader's error, not vLLM's
+
+
+async def test_a_package_the_agent_drops_between_blocks_fails_at_once_saying_so(fake_vllm, package, tmp_path):
+    """Dropped while the model copies block 0: the wait for block 1 fails at once, not after the agent held its
+    buffer request (30 s), and not as a block "not verified"."""
+    manifest, socket = package.manifest, tmp_path / "agent.sock"
+    store = receiving_store(manifest)
+    for block in manifest.blocks:
+        data = block_file_bytes(package.path, manifest, block.index)
+        for chunk in range(store.chunk_count(block.index)):
+            land_chunk(store, data, block.index, chunk)
+    first, go_on = threading.Event(), threading.Event()
+
+    class SlowModel(FakeModel):
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                self.loaded[name] = tensor.clone()
+                if not self.order:
+                    first.set()
+                    go_on.wait(10)
+                self.order.append(name)
+            return set(self.loaded)
+
+    from vllm_plugin.pipecast_vllm.errors import BlockLoadError
+
+    try:
+        async with local_api_serving(store, socket) as server:
+            loader = make_loader(fake_vllm, agent_socket=str(socket))
+            loading = asyncio.ensure_future(asyncio.to_thread(loader.load_weights, SlowModel(every_name(manifest)),
+                                                              model_config(package.path)))
+            assert await asyncio.to_thread(first.wait, 10)
+            server._peer_server.stores.pop(manifest.package_id)  # as AgentDaemon.drop_package does
+            server.publish_dropped(manifest.package_id)
+            await asyncio.sleep(0.3)  # the loader's client hears of it
+            go_on.set()
+            with pytest.raises(BlockLoadError) as caught:
+                await asyncio.wait_for(loading, 5)
+    finally:
+        go_on.set()
+        store.close()
+    assert str(caught.value) == (f"pipecast loader: block 1 of package {manifest.package_id[:12]} from agent at "
+                                 f"{socket}: package {manifest.package_id[:12]} was dropped there (block 1 not "
+                                 "verified)")
+
+
+def f4_package(tmp_path):
+    """A package whose block holds a tensor of dtype F4 (packed fp4), which torch cannot view."""
+    from packager.pack import pack
+
+    checkpoint = tmp_path / "f4-checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                        "num_hidden_layers": 1}))
+    header = json.dumps({"model.layers.0.mlp.weight": {"dtype": "F4", "shape": [4, 8], "data_offsets": [0, 16]},
+                         "model.embed_tokens.weight": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [16, 48]}})
+    header += " " * (-len(header) % 8)
+    (checkpoint / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(48))
+    pack(checkpoint, tmp_path / "f4")
+    return tmp_path / "f4"
+
+
+F4_PROBLEM = "tensor 'model.layers.0.mlp.weight' has dtype F4, which torch cannot view"
+
+
+def test_a_block_torch_cannot_view_is_a_block_load_error(fake_vllm, tmp_path, no_configured_agent):
+    from vllm_plugin.pipecast_vllm.errors import BlockLoadError
+
+    folder = f4_package(tmp_path)
+    manifest = read_manifest(folder)
+    path = folder / manifest.blocks[0].file
+    with pytest.raises(BlockLoadError) as caught:
+        make_loader(fake_vllm).load_weights(FakeModel([]), model_config(folder))
+    assert str(caught.value) == (f"pipecast loader: block 0 of package {manifest.package_id[:12]} from {path}: "
+                                 f"{F4_PROBLEM}")
+
+
+async def test_a_block_torch_cannot_view_from_the_agent_is_a_block_load_error(fake_vllm, tmp_path):
+    from vllm_plugin.pipecast_vllm.errors import BlockLoadError
+
+    folder = f4_package(tmp_path)
+    manifest, socket = read_manifest(folder), tmp_path / "agent.sock"
+    store = receiving_store(manifest)
+    land_chunk(store, (folder / manifest.blocks[0].file).read_bytes(), 0, 0)
+    try:
+        async with local_api_serving(store, socket):
+            loader = make_loader(fake_vllm, agent_socket=str(socket))
+            with pytest.raises(BlockLoadError) as caught:
+                await asyncio.to_thread(loader.load_weights, FakeModel([]), model_config(folder))
+    finally:
+        store.close()
+    assert str(caught.value) == (f"pipecast loader: block 0 of package {manifest.package_id[:12]} from agent at "
+                                 f"{socket}: {F4_PROBLEM}")
+
+
+def test_a_block_file_that_cannot_be_read_is_a_block_load_error(fake_vllm, package, monkeypatch, no_configured_agent):
+    """Its size is right, opening it is refused (a file of another user: this test may run as root, which
+    reads any file, so the refusal is the mapping's)."""
+    from packager import package as package_module
+    from vllm_plugin.pipecast_vllm.errors import BlockLoadError
+
+    def refuse(path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(package_module, "map_file", refuse)
+    path = package.path / package.manifest.blocks[0].file
+    with pytest.raises(BlockLoadError) as caught:
+        make_loader(fake_vllm).load_weights(FakeModel([]), model_config(package.path))
+    assert str(caught.value) == (f"pipecast loader: block 0 of package {package.manifest.package_id[:12]} from "
+                                 f"{path}: cannot read (Permission denied)")
 
 
 def test_neither_an_agent_nor_blocks_in_the_folder(fake_vllm, package, tmp_path, no_configured_agent):
@@ -211,6 +351,11 @@ def test_get_all_weights_reads_the_folder_vllm_names(fake_vllm, package, tmp_pat
     ({"block_timeout_s": 0}, "block_timeout_s must be a positive number of seconds, got 0"),
     ({"agent_timeout_s": True}, "agent_timeout_s must be a positive number of seconds, got True"),
     ({"agent_timeout_s": float("inf")}, "agent_timeout_s must be a positive number of seconds, got inf"),
+    # Longer than the agent's local API waits: every block request, or the manifest's, would be refused.
+    ({"block_timeout_s": 86_401}, "block_timeout_s must be at most 86400 s (the longest wait the agent's local API "
+                                  "takes), got 86401"),
+    ({"agent_timeout_s": 1e5}, "agent_timeout_s must be at most 86400 s (the longest wait the agent's local API "
+                               "takes), got 100000.0"),
 ])
 def test_options_are_checked_when_vllm_makes_the_loader(fake_vllm, extra, message):
     from vllm_plugin.pipecast_vllm.errors import LoaderConfigError

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.pipecast")
 
 LOAD_FORMAT = "pipecast"
+#: How often a wait for a block looks whether the agent verified other bytes of the package meanwhile.
+STALL_POLL_S = 5.0
+#: What making a block's tensors may raise besides PackageError: an unreadable block file (OSError), a dtype
+#: torch cannot view (TypeError), a view torch refuses (ValueError); each becomes a BlockLoadError.
+BLOCK_ERRORS = (PackageError, OSError, TypeError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -44,9 +49,11 @@ class LoaderOptions:
     (``PIPECAST_AGENT_LOCAL_SOCKET``)."""
     agent_timeout_s: float = 30.0
     """How long the agent may take to hold the package's manifest before the package folder is read instead."""
-    block_timeout_s: float = 600.0
-    """How long to wait for each block to be verified by the agent (vLLM's own start-up limit,
-    VLLM_ENGINE_READY_TIMEOUT_S, is 600 s by default)."""
+    block_timeout_s: float = 120.0
+    """How long the loader waits for the next block while the agent verifies no new byte of the package: a
+    stall, not a load's length, so a large package loads for as long as it keeps arriving. Well under vLLM's
+    own limit on its whole start-up (VLLM_ENGINE_READY_TIMEOUT_S, 600 s by default), so that a stalled load
+    ends with this loader's error rather than vLLM's bare timeout."""
 
     @classmethod
     def from_extra_config(cls, extra: Any) -> "LoaderOptions":
@@ -62,11 +69,16 @@ class LoaderOptions:
         socket = extra.get("agent_socket")
         if socket is not None and (not isinstance(socket, str) or not socket):
             raise LoaderConfigError(f"agent_socket must be the path of the agent's local socket, got {socket!r}")
+        from pipecast.agent.local_client import MAX_TIMEOUT_S
+
         for name in ("agent_timeout_s", "block_timeout_s"):
             value = extra.get(name, 1.0)
             if isinstance(value, bool) or not isinstance(value, int | float) or not (
                     math.isfinite(value) and value > 0):
                 raise LoaderConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+            if value > MAX_TIMEOUT_S:  # the local API refuses a longer wait: every request would fail
+                raise LoaderConfigError(f"{name} must be at most {MAX_TIMEOUT_S:g} s (the longest wait the agent's "
+                                        f"local API takes), got {value!r}")
         return cls(**extra)
 
 
@@ -124,17 +136,42 @@ class AgentBlocks:
     def tensors(self, block: Block) -> dict[str, "torch.Tensor"]:
         package_id = self._manifest.package_id
         try:
-            buf = self._client.wait_block(block.index, self._timeout_s, package_id)
-        except TimeoutError:
-            raise BlockLoadError(package_id, block.index, self._origin,
-                                 f"not verified within {self._timeout_s:g} s{self._held(block.index)}") from None
-        except PipecastError as exc:
+            buf = self._wait(block.index)
+        except PipecastError as exc:  # the agent dropped the package, its event stream ended, ...
             raise BlockLoadError(package_id, block.index, self._origin,
                                  str(exc).removeprefix(f"{self._origin}: ")) from None
+        if buf is None:
+            raise BlockLoadError(package_id, block.index, self._origin,
+                                 f"not verified, and no new byte of the package verified for {self._timeout_s:g} s"
+                                 f"{self._held(block.index)}")
+        where = f"{self._origin}, block {block.index}"
         try:
-            return block_tensors_of(block, buf, f"{self._origin}, block {block.index}")
-        except PackageError as exc:
-            raise BlockLoadError(package_id, block.index, self._origin, getattr(exc, "problem", str(exc))) from None
+            return block_tensors_of(block, buf, where)
+        except BLOCK_ERRORS as exc:
+            raise BlockLoadError(package_id, block.index, self._origin, _problem(exc, where)) from None
+
+    def _wait(self, index: int) -> memoryview | None:
+        """Block ``index``'s bytes once the agent has verified them; None once the agent has verified no new byte
+        of the package (from any block's start, as its events tell) for ``block_timeout_s``."""
+        package_id = self._manifest.package_id
+        seen, progressed = self._verified_bytes(), time.monotonic()
+        while True:
+            left = progressed + self._timeout_s - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                # Mapped once, with the request's own timeout (the agent populates the block's memory before
+                # it answers); the waits after it are on the agent's events and need no request.
+                self._client.map_ahead(index, package_id, left)
+                return self._client.wait_block(index, min(left, STALL_POLL_S), package_id)
+            except TimeoutError:
+                if (verified := self._verified_bytes()) != seen:  # != : a package held again counts afresh
+                    seen, progressed = verified, time.monotonic()
+
+    def _verified_bytes(self) -> int:
+        """Bytes of the package the agent has verified by now, from each block's start (no request)."""
+        package_id = self._manifest.package_id
+        return sum(self._client.verified_bytes(b.index, package_id) for b in self._manifest.blocks)
 
     def _held(self, index: int) -> str:
         """What the agent holds of block ``index``, for a timeout's message ("" if it cannot say): its peers
@@ -165,14 +202,23 @@ class FolderBlocks:
         return f"package folder {self._package.root}"
 
     def tensors(self, block: Block) -> dict[str, "torch.Tensor"]:
+        path = str(self._package.block_path(block.index))
         try:
             return self._package.block_tensors(block.index)
-        except PackageError as exc:
-            raise BlockLoadError(self._package.package_id, block.index, str(self._package.block_path(block.index)),
-                                 getattr(exc, "problem", str(exc))) from None
+        except BLOCK_ERRORS as exc:
+            raise BlockLoadError(self._package.package_id, block.index, path, _problem(exc, path)) from None
 
     def close(self) -> None:
         """Nothing to do: each block's mapping goes with the last view of it."""
+
+
+def _problem(exc: Exception, where: str) -> str:
+    """What went wrong with a block, for :class:`BlockLoadError` (which names the block and its source)."""
+    if isinstance(exc, PackageError):
+        return getattr(exc, "problem", str(exc))
+    if isinstance(exc, OSError):
+        return f"cannot read ({exc.strerror or exc})"
+    return str(exc).removeprefix(f"{where}: ")
 
 
 def open_package(folder: Path | str) -> Package:
