@@ -4,7 +4,7 @@ from collections.abc import Iterable
 
 
 class Availability:
-    """Both maps of one package, kept in step: worker -> blocks held and block -> workers holding it.
+    """Both maps of one package, kept in step: worker -> blocks held (never empty) and block -> workers holding it.
 
     A worker's blocks are a frozenset, replaced (never changed) when they change: what the event loop hands to a
     thread or another process (the pipelines' query, the workers' listing) is then a copy of references, not of
@@ -17,7 +17,8 @@ class Availability:
 
     def add(self, node: str, blocks: Iterable[int]) -> bool:
         """Record verified ``blocks`` on ``node``; True if anything was new."""
-        held = self.by_worker.setdefault(node, frozenset())
+        # No entry for a node holding nothing: it would count as a holder (remove_package, memory, listings).
+        held = self.by_worker.get(node, frozenset())
         new = frozenset(blocks) - held
         if not new:
             return False

@@ -30,6 +30,12 @@ class UnknownWorker(ControlPlaneError):
     def named(cls, node_id: str) -> "UnknownWorker":
         return cls(f"worker {node_id!r} is not registered (or its lease lapsed): register it again")
 
+    @classmethod
+    def restored(cls, node_id: str) -> "UnknownWorker":
+        """A worker known from the database only: its last reports may not have been written there."""
+        return cls(f"worker {node_id!r} registered before the control plane restarted (or another replica took "
+                   "over): register it again with every block it holds")
+
 
 class UnknownPackage(ControlPlaneError):
     """The caller named a package that was never published or was removed."""

@@ -39,7 +39,7 @@ from control_plane.planner.stragglers import StragglerPolicy
 from control_plane.state import ControlState
 from control_plane.store import FencedError, Lease, open_store
 from pipecast.core.credentials import check_master_token, warn_if_auth_off, warn_if_cleartext
-from pipecast.core.settings import Settings
+from pipecast.core.settings import Settings, SettingsError
 from pipecast.v1 import control_pb2, control_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,15 @@ class ServerConfig:
     def scan_s(self) -> float:
         return self.scan_interval_s or min(self.heartbeat_s, self.lease_s / 4)
 
+    def check(self) -> None:
+        """Refuse (:class:`SettingsError`) settings that cannot work together: a lease shorter than two
+        heartbeats lapses whenever one heartbeat is late (or between any two), and every worker re-registers
+        again and again."""
+        if self.heartbeat_s > self.lease_s / 2:
+            raise SettingsError(f"heartbeat_s {self.heartbeat_s:g} is more than half of lease_s {self.lease_s:g}: "
+                                "workers' leases would lapse between heartbeats; make lease_s at least twice "
+                                "heartbeat_s")
+
 
 class ControlPlaneServer:
     """One control plane: ``async with ControlPlaneServer(config) as server:`` serves on ``server.port``
@@ -125,6 +134,7 @@ class ControlPlaneServer:
 
     def __init__(self, config: ServerConfig, *, clock: Callable[[], float] = time.time):
         check_master_token(config.token)
+        config.check()
         self.config = config
         self.clock = clock
         self.port = 0
@@ -277,6 +287,18 @@ class ControlPlaneServer:
             except StoreError as exc:
                 self._step_down(f"control plane {self.holder} took the lease but cannot load the state: {exc}")
                 return
+            # The load takes seconds with thousands of plans: by now the lease taken before it may be so near its
+            # end that the scan would step down at once. Renewed first, it runs a full term from here.
+            try:
+                lease = await asyncio.to_thread(self.store.acquire_or_renew, self.holder, self.advertise,
+                                                self.config.lease_s, self.clock)
+            except StoreError as exc:
+                self._step_down(f"control plane {self.holder} loaded the state but cannot renew its lease: {exc}")
+                return
+            if lease is None:
+                self._step_down(f"control plane {self.holder} lost its lease while loading the state")
+                return
+            self._lease = lease
             await self._lead()
             log.warning("control plane %s leads: packages=%d workers=%d deployments=%d", self.holder,
                         len(self.state.packages), len(self.state.workers), len(self.book.deployments))

@@ -132,6 +132,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.on_fenced = on_fenced
         self.mailboxes: dict[str, Mailbox] = {}
         self._flushing = asyncio.Lock()
+        self._last_commit: asyncio.Future[None] | None = None  # its thread may outlive the call that started it
         # Per package: the last pipeline query and its answer, and the one being answered (off the loop).
         self.former = former if former is not None else PipelineFormer()
         self._pipelines: dict[str, tuple[PipelineQuery, Formed]] = {}
@@ -217,13 +218,18 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             return
         while True:
             async with self._flushing:  # the next flush waits here, not on the store's lock in the loop's thread
+                if self._last_commit is not None and not self._last_commit.done():
+                    # A commit whose caller was cancelled (its thread runs on) may carry this call's changes, taken
+                    # with its own: answered only once it ended; if it failed they are dirty again (checked next).
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(self._last_commit)
                 if not (self.state.dirty or self.book.dirty):
                     return
                 pending = self.store.begin_flush(self.state, self.book, wait=False)
                 routes = dict(self.book.routes)  # as taken: shown once written
                 if pending is not None:
                     shown = self.book.written_routes
-                    commit = asyncio.ensure_future(asyncio.to_thread(pending.commit))
+                    commit = self._last_commit = asyncio.ensure_future(asyncio.to_thread(pending.commit))
                     try:
                         await asyncio.shield(commit)
                     except asyncio.CancelledError:

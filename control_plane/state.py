@@ -41,11 +41,14 @@ PROGRESS_SAMPLES = 32
 
 @dataclass
 class Worker:
-    """A registered worker; ``alive`` turns False when its lease lapses (the record stays a while)."""
+    """A registered worker; ``alive`` turns False when its lease lapses (the record stays a while). ``restored``:
+    known from the store only, since a restart or a takeover; it must register again before its heartbeats and
+    reports count (the reports the last control plane acknowledged may not have been written)."""
 
     spec: WorkerSpec
     lease_expires: float
     alive: bool = True
+    restored: bool = False
 
 
 @dataclass
@@ -123,9 +126,10 @@ class Dirty:
     availability: set[tuple[str, str]] = field(default_factory=set)  # (package id, node id)
     plans: set[str] = field(default_factory=set)
     releases: set[tuple[str, str]] = field(default_factory=set)  # (package id, node id)
+    drops: set[tuple[str, str]] = field(default_factory=set)  # (package id, node id): ControlState.dropping
 
     def _sets(self) -> tuple[set, ...]:
-        return self.packages, self.workers, self.availability, self.plans, self.releases
+        return self.packages, self.workers, self.availability, self.plans, self.releases, self.drops
 
     def __len__(self) -> int:
         return sum(map(len, self._sets()))
@@ -201,7 +205,8 @@ class ControlState:
         # again it gets a plan for the blocks it still lacks (kept in memory only: a restart forgets it).
         self.lapsed: dict[str, set[str]] = {}
         # (package id, node id) told to DROP and not assigned the package since: verified reports the node sent
-        # before it dropped may still arrive (batched, on another stream than the DROP) and must not count.
+        # before it dropped may still arrive (batched, on another stream than the DROP) and must not count, and a
+        # registration that still holds the package is told again (the DROP may never have reached it). Stored.
         self.dropping: set[tuple[str, str]] = set()
         # Blocks in a worker's disk cache that it does not hold in memory: package id -> node id -> blocks.
         # Soft state from registrations and reports (placement prefers such a worker: a local load).
@@ -219,7 +224,8 @@ class ControlState:
     def register(self, spec: WorkerSpec, held: Mapping[str, Iterable[int]], now: float, *,
                  cached: Mapping[str, Iterable[int]] | None = None) -> list[str]:
         """Add or replace a worker; ``held`` replaces all it was known to hold, ``cached`` all it was known to
-        have in its disk cache. A worker whose lease lapsed while a plan fed it gets a plan for the rest.
+        have in its disk cache. A worker whose lease lapsed while a plan fed it gets a plan for the rest; one
+        still holding a package it was told to drop is told again (and does not hold it here).
         Returns unknown package ids (of either)."""
         node = spec.node_id
         if not node or not spec.peer.address:
@@ -237,7 +243,14 @@ class ControlState:
         old = self.workers.get(node)
         self.workers[node] = Worker(spec, now + self.lease_s)
         self.dirty.workers.add(node)
-        self._clear_dropping(node)  # ``held`` is what it holds now
+        # ``held`` is what it holds now; a package it was told to drop and still holds, it never heard of that
+        # (its lease lapsed, its mailbox went with the DROP): told again, not a holder.
+        undropped = sorted(p for p, n in self.dropping if n == node and blocks.get(p))
+        self._clear_dropping(node, keep=undropped)
+        for package_id in undropped:
+            del blocks[package_id]
+            self.notices.append(Notice(node, UpdateKind.DROP, package_id))
+            log.info("worker %s registered holding package=%s it was told to drop: told again", node, package_id)
         self._forget_cached(node)
         for package_id, cached_blocks in on_disk.items():
             self.cached.setdefault(package_id, {})[node] = cached_blocks
@@ -268,8 +281,8 @@ class ControlState:
                 log.info("worker %s is back: plan=%s resumes package=%s", node, result.plan_id, package_id)
 
     def heartbeat(self, node: str, now: float) -> None:
-        """Renew ``node``'s lease."""
-        self.alive_worker(node).lease_expires = now + self.lease_s
+        """Renew ``node``'s lease (:class:`UnknownWorker` if it must register again: :meth:`registered_worker`)."""
+        self.registered_worker(node).lease_expires = now + self.lease_s
 
     def deregister(self, node: str) -> None:
         """Remove a worker that shuts down: it leaves every plan and its blocks leave availability."""
@@ -350,7 +363,9 @@ class ControlState:
         for key in [k for k in self.releases if k[0] == package_id]:
             del self.releases[key]
             self.dirty.releases.add(key)
-        self.dropping = {k for k in self.dropping if k[0] != package_id}
+        gone = {k for k in self.dropping if k[0] == package_id}
+        self.dropping -= gone
+        self.dirty.drops |= gone
         self.progress = {k: samples for k, samples in self.progress.items() if k[0] != package_id}
         self.cached.pop(package_id, None)
         self.dirty.availability.update((package_id, node) for node in availability.by_worker)
@@ -366,7 +381,7 @@ class ControlState:
         """Apply a worker's batched report (it also renews the lease); ``cached`` blocks are now in its disk
         cache (e.g. kept there after a drop); ``progress``: bytes it holds of packages it receives (a plan
         whose receiver straggles is changed around it). Returns unknown package ids."""
-        worker = self.alive_worker(node)
+        worker = self.registered_worker(node)
         gained, unknown = self._parse_reports(node, verified)
         lost, unknown_dropped = self._parse_reports(node, dropped)
         on_disk, unknown_cached = self._parse_reports(node, cached or {})
@@ -446,7 +461,7 @@ class ControlState:
         """A child says ``peer`` served it bad data (or failed) for ``block``: the peer loses that block's
         availability and leaves every plan of the package where it is the child's parent for the block;
         those plans are repaired. Returns whether any plan was re-planned."""
-        worker = self.alive_worker(node)
+        worker = self.registered_worker(node)
         self._check_blocks(node, self.package(package_id), [block])
         worker.lease_expires = now + self.lease_s
         plans = [p for p in self.plans.values() if p.package_id == package_id and node in p.parts
@@ -552,12 +567,14 @@ class ControlState:
 
     def _draft_holds(self, draft: "ScaleUpDraft") -> bool:
         """Whether ``draft``'s receivers and worker sources are still alive, no receiver has joined another
-        plan of the package meanwhile, and its worker sources and unchanged workers still hold the package
-        (a keep-alive release may have fallen due meanwhile: told to drop it, one is neither)."""
+        plan of the package meanwhile, every receiver still has the memory for it (another scale-up, of another
+        package, may have taken it meanwhile), and its worker sources and unchanged workers still hold the
+        package (a keep-alive release may have fallen due meanwhile: told to drop it, one is neither)."""
         package_id = draft.package_id
         if package_id not in self.packages:
             return False
-        store = self.packages[package_id].store.node_id
+        package = self.packages[package_id]
+        store = package.store.node_id
         if not all(n == store or (n in self.workers and self.workers[n].alive) for n in (*draft.receivers,
                                                                                          *draft.sources)):
             return False
@@ -565,6 +582,10 @@ class ControlState:
         receivers = set(draft.receivers)
         if any(receivers & p.parts.keys() for p in plans):
             return False
+        if receivers:
+            committed = self._committed_bytes(excluding=package_id)
+            if any(committed.get(n, 0) + package.total_bytes > self.workers[n].spec.memory_bytes for n in receivers):
+                return False
         # Receiving counts for a source too: the tail of a chain in progress that new receivers hang behind.
         receiving = {n for p in plans for n in p.pending}
         availability = self.availability[package_id]
@@ -601,6 +622,15 @@ class ControlState:
         worker = self.workers.get(node)
         if worker is None or not worker.alive:
             raise UnknownWorker.named(node)
+        return worker
+
+    def registered_worker(self, node: str) -> Worker:
+        """:meth:`alive_worker`, and registered with this control plane: one restored from the store is
+        :class:`UnknownWorker` until it registers again, with all it holds (the reports a crashed control plane
+        acknowledged but had not written are in that registration, and only there)."""
+        worker = self.alive_worker(node)
+        if worker.restored:
+            raise UnknownWorker.restored(node)
         return worker
 
     def package(self, package_id: str) -> Package:
@@ -656,14 +686,19 @@ class ControlState:
         self.availability[manifest.package_id] = Availability(len(manifest.blocks))
 
     def restore_worker(self, spec: WorkerSpec, alive: bool, now: float, grace_s: float = 0.0) -> None:
-        """A worker from before a restart; an alive one gets a fresh lease, plus ``grace_s``, to show up in."""
-        self.workers[spec.node_id] = Worker(spec, now + self.lease_s + grace_s, alive)
+        """A worker from before a restart; an alive one gets a fresh lease, plus ``grace_s``, to register again in
+        (:meth:`registered_worker`)."""
+        self.workers[spec.node_id] = Worker(spec, now + self.lease_s + grace_s, alive, restored=True)
 
     def restore_availability(self, package_id: str, node: str, blocks: Iterable[int]) -> None:
         self.availability[package_id].add(node, blocks)
 
     def restore_release(self, package_id: str, node: str, drop_at: float) -> None:
         self.releases[package_id, node] = drop_at
+
+    def restore_dropping(self, package_id: str, node: str) -> None:
+        """``node`` was told to drop ``package_id`` before the restart (its registration says if it did)."""
+        self.dropping.add((package_id, node))
 
     def restore_plan(self, plan_id: str, package_id: str, plan: Plan, *, fanout: int, created_at: float,
                      version: int, replans: int) -> None:
@@ -840,7 +875,9 @@ class ControlState:
             elif node in parts:
                 if old.get(node) != parts[node]:
                     self.notices.append(Notice(node, UpdateKind.ASSIGN, active.package_id, active.plan_id))
-                self.dropping.discard((active.package_id, node))
+                if (active.package_id, node) in self.dropping:
+                    self.dropping.discard((active.package_id, node))
+                    self.dirty.drops.add((active.package_id, node))
         active.plan, active.parts = plan, parts
         active.version += 1
         active.pending.intersection_update(plan.assignments)
@@ -922,8 +959,12 @@ class ControlState:
             if gone:
                 self._repair(active, gone)
 
-    def _clear_dropping(self, node: str) -> None:
-        self.dropping = {k for k in self.dropping if k[1] != node}
+    def _clear_dropping(self, node: str, keep: Collection[str] = ()) -> None:
+        """``node`` is no longer being dropped from any package but those of ``keep``."""
+        gone = {k for k in self.dropping if k[1] == node and k[0] not in keep}
+        if gone:
+            self.dropping -= gone
+            self.dirty.drops |= gone
 
     def _drop(self, package_id: str, node: str) -> None:
         """``node`` no longer holds ``package_id``: out of its availability and plans, and told to drop it."""
@@ -934,5 +975,6 @@ class ControlState:
         for active in [p for p in self.plans.values() if p.package_id == package_id and node in p.parts]:
             self._repair(active, {node})
         self.dropping.add((package_id, node))
+        self.dirty.drops.add((package_id, node))
         self.notices.append(Notice(node, UpdateKind.DROP, package_id))
         log.info("dropped package=%s node=%s", package_id, node)

@@ -59,6 +59,9 @@ TABLES = {table.name: table for table in (
     Table("workers", (("node_id", "text"), ("spec", "text"), ("alive", "integer")), ("node_id",)),
     Table("availability", (("package_id", "text"), ("node_id", "text"), ("blocks", "text")), ("package_id", "node_id")),
     Table("releases", (("package_id", "text"), ("node_id", "text"), ("drop_at", "real")), ("package_id", "node_id")),
+    # Workers told to drop a package and not given it again since (ControlState.dropping): a DROP that never
+    # reached its agent before a restart is sent again when the agent registers still holding the package.
+    Table("drops", (("package_id", "text"), ("node_id", "text")), ("package_id", "node_id")),
     Table("plans", (("plan_id", "text"), ("package_id", "text"), ("plan", "text"), ("fanout", "integer"),
                     ("created_at", "real"), ("version", "integer"), ("replans", "integer")), ("plan_id",)),
     Table("deployments", (("package_id", "text"), ("deployment", "text")), ("package_id",)),
@@ -93,10 +96,7 @@ class Statements:
         self.select = {t.name: f"SELECT {', '.join(t.names)} FROM {t.name}" for t in TABLES.values()}
         self.insert = {t.name: f"INSERT INTO {t.name} ({', '.join(t.names)}) VALUES ({', '.join([p] * len(t.names))})"
                        for t in TABLES.values()}
-        self.upsert = {
-            t.name: f"{self.insert[t.name]} ON CONFLICT ({', '.join(t.key)}) DO UPDATE SET "
-                    + ", ".join(f"{name} = excluded.{name}" for name in t.names if name not in t.key)
-            for t in TABLES.values()}
+        self.upsert = {t.name: _upsert(self.insert[t.name], t) for t in TABLES.values()}
         # A row written already stays: a flush restored after a commit whose outcome was unknown (a connection
         # lost at COMMIT, the task awaiting it cancelled) writes its scale events again.
         self.insert_once = {t.name: f"{self.insert[t.name]} ON CONFLICT ({', '.join(t.key)}) DO NOTHING"
@@ -115,6 +115,14 @@ class Statements:
         self.release = f"UPDATE leader SET expires_at = 0 WHERE id = 1 AND holder = {p} AND fencing = {p}"
         self.leader = "SELECT address, fencing FROM leader WHERE id = 1"
         self.fencing = f"SELECT fencing FROM leader WHERE id = 1{dialect.lock_row}"
+
+
+def _upsert(insert: str, table: Table) -> str:
+    """``insert`` (of ``table``) replacing the row of the same key."""
+    values = [name for name in table.names if name not in table.key]
+    # A table of keys only (drops): the row is all there is.
+    action = f"DO UPDATE SET {', '.join(f'{name} = excluded.{name}' for name in values)}" if values else "DO NOTHING"
+    return f"{insert} ON CONFLICT ({', '.join(table.key)}) {action}"
 
 
 def _compact(data: object) -> str:
@@ -157,7 +165,7 @@ Change = tuple[str, str, list[tuple] | Callable[[], list[tuple]]]
 
 def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
     """The rows to write and delete for ``dirty``'s keys of ``state`` (a key no longer in it: delete)."""
-    packages, releases, plans = ([], []), ([], []), ([], [])
+    packages, releases, plans, drops = ([], []), ([], []), ([], []), ([], [])
     # Workers and holdings are copied here (a spec is a value; a holding is copied) and encoded in the commit.
     specs, gone_workers, holdings, gone_holdings = [], [], [], []
     for package_id in dirty.packages:
@@ -187,6 +195,8 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
             releases[1].append(key)
         else:
             releases[0].append((*key, drop_at))
+    for key in dirty.drops:
+        drops[0 if key in state.dropping else 1].append(key)
     for plan_id in dirty.plans:
         active = state.plans.get(plan_id)
         if active is None:
@@ -200,7 +210,7 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
         "workers": (lambda: [(node, _compact(spec.to_json()), alive) for node, spec, alive in specs], gone_workers),
         "availability": (lambda: [(package_id, node, _compact(sorted(held))) for package_id, node, held in holdings],
                          gone_holdings),
-        "releases": releases, "plans": plans}
+        "releases": releases, "drops": drops, "plans": plans}
     return [change for table, (upserts, deletes) in tables.items()
             for change in (("upsert", table, upserts), ("delete", table, deletes))]
 
@@ -381,6 +391,9 @@ class SqlStore(abc.ABC):
                 except ValueError as exc:
                     raise self._corrupt("releases", (package_id, node), exc) from None
                 state.restore_release(package_id, node, drop_at)
+        for package_id, node in self._rows("drops"):
+            if package_id in state.packages and node in state.workers:
+                state.restore_dropping(package_id, node)
         for plan_id, package_id, plan, fanout, created_at, version, replans in self._rows("plans"):
             if package_id not in state.packages:
                 continue

@@ -135,8 +135,10 @@ class WorkerSession:
             except REFUSED:
                 raise
             except ControlPlaneError as exc:
-                log.warning("assignment stream failed node=%s: %s; retrying in %.1f s", self.node_id, exc,
-                            self.retry_s)
+                log.warning("assignment stream failed node=%s: %s; registering again, reconnecting in %.1f s",
+                            self.node_id, exc, self.retry_s)
+                # The control plane may have restarted, having acknowledged reports it never stored.
+                self._need_registration()
             await asyncio.sleep(self.retry_s)
 
     async def _until_registered(self) -> None:
@@ -244,8 +246,12 @@ class WorkerSession:
             except UnknownWorker:
                 self._need_registration()  # the registration will carry these blocks
             except ControlPlaneError as exc:
-                log.warning("block report failed node=%s: %s; retrying in %.1f s", self.node_id, exc, self.retry_s)
+                log.warning("block report failed node=%s: %s; registering again, reporting in %.1f s", self.node_id,
+                            exc, self.retry_s)
                 self._requeue(verified, dropped, cached)
+                # The control plane may have restarted, having acknowledged earlier reports it never stored: the
+                # registration carries every block held (and these).
+                self._need_registration()
                 await asyncio.sleep(self.retry_s)
                 self._report_wake.set()
 

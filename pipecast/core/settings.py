@@ -108,8 +108,10 @@ class Settings(BaseSettings):
     tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
     tls_ca: Path | None = Field(None, description="CA for verifying peers; set on the server for mTLS")
     lease_s: float = Field(10.0, gt=0, description="worker lease; a worker silent this long is dead. Also the "
-                                                   "lease of the leading control plane replica")
-    heartbeat_s: float = Field(2.0, gt=0, description="worker heartbeat interval")
+                                                   "lease of the leading control plane replica. At least twice "
+                                                   "heartbeat_s (the control plane refuses to start otherwise)")
+    heartbeat_s: float = Field(2.0, gt=0, description="worker heartbeat interval, as the control plane tells its "
+                                                      "workers; at most half of lease_s")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of one control-plane call")
     control_scan_s: float | None = Field(None, gt=0, description="lease scan interval (unset: min(heartbeat, lease/4))")
     control_flush_s: float = Field(0.5, gt=0,

@@ -213,6 +213,35 @@ async def test_a_leader_whose_renewal_is_stuck_steps_down_before_its_lease_lapse
         await leader.stop(grace_s=0)
 
 
+class SlowLoad(SqliteStore):
+    """A SQLite file campaigned for as a shared database is, whose state takes most of a lease to load (thousands
+    of plans): ``now`` (the replica's clock) moves on meanwhile."""
+
+    shared = True
+
+    def __init__(self, path: Path, now: list[float]):
+        super().__init__(path)
+        self.now = now
+
+    def load(self, state: ControlState, now: float, *, lease_grace_s: float = 0.0) -> None:
+        self.now[0] += LEASE_S - SCAN_S / 2
+        super().load(state, now, lease_grace_s=lease_grace_s)
+
+
+async def test_a_standby_whose_state_loads_slowly_renews_its_lease_before_it_leads(tmp_path, monkeypatch):
+    now = [1000.0]
+    store = SlowLoad(tmp_path / "cp.sqlite3", now)
+    monkeypatch.setattr("control_plane.server.open_store", lambda target: store)
+    replica = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), clock=lambda: now[0])
+    await replica.start()
+    try:
+        assert replica.leading and replica._lease == Lease(replica.holder, replica.advertise, 1, now[0] + LEASE_S)
+        await asyncio.sleep(3 * SCAN_S)  # scans, before the next renewal (LEASE_S / 3)
+        assert replica.leading and not replica.deposed.is_set()
+    finally:
+        await replica.stop(grace_s=0)
+
+
 async def test_a_stuck_renewal_is_written_for_a_lease_from_when_it_ran(tmp_path, stuck):
     now = [1000.0]
     leader = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), clock=lambda: now[0])
@@ -246,7 +275,8 @@ class Replica:
     def __init__(self, url: str, port: int, log_path) -> None:
         self.address = f"127.0.0.1:{port}"
         self.log_path = log_path
-        env = {**os.environ, "PIPECAST_AUTH_TOKEN": TOKEN}
+        # Workers heartbeat 4 times a lease (a lease shorter than two heartbeats is refused).
+        env = {**os.environ, "PIPECAST_AUTH_TOKEN": TOKEN, "PIPECAST_HEARTBEAT_S": str(LEASE_S / 4)}
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipecast.cli", "-vv", "control-plane", "--host", "127.0.0.1", "--port",

@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import re
 import sqlite3
 import subprocess
 import threading
@@ -45,6 +46,7 @@ from control_plane.worker_session import WorkerSession
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.manifest import MANIFEST_FORMAT_VERSION, manifest_to_json, seal_manifest
 from pipecast.core.credentials import data_plane_key, serving_key, verify_node_token
+from pipecast.core.settings import Settings, SettingsError
 from pipecast.v1.control_pb2 import ReportBlocksRequest
 from pipecast.v1.control_pb2_grpc import ControlPlaneStub
 from pipecast.v1.manifest_pb2 import Block, Manifest
@@ -469,7 +471,14 @@ async def test_a_restart_with_the_same_database_reloads_the_state(tmp_path):
             assert [p.package_id for p in await c.list_packages()] == [PKG]
             assert (await c.get_package(PKG))[0] == manifest()
             assert (await c.availability(PKG)).by_worker == {"w1": {0, 2}}
-            await c.heartbeat("w1")  # the worker carries on without registering again
+            # It registers again, with all it holds: reports the last control plane took may not have been written.
+            with pytest.raises(UnknownWorker, match=re.escape(
+                    "worker 'w1' registered before the control plane restarted (or another replica took over): "
+                    "register it again with every block it holds")):
+                await c.heartbeat("w1")
+            await c.register(spec("w1"), {PKG: [0, 1, 2]})
+            await c.heartbeat("w1")
+            assert (await c.availability(PKG)).by_worker == {"w1": {0, 1, 2}}
 
 
 async def test_worker_session_registers_again_when_the_control_plane_forgets_it(server, client):
@@ -499,6 +508,59 @@ async def test_worker_session_registers_again_when_the_control_plane_forgets_it(
         finally:
             await session.close()
     assert await client.list_workers() == []
+
+
+async def test_worker_session_registers_again_after_a_failed_report_or_assignment_stream(server, client):
+    await client.publish_package(manifest(), STORE)
+    held = {PKG: {0}}
+    async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as own:
+        registrations, failures = [], {"report": 1, "stream": 1}  # each fails once, as a control plane that restarts
+        register, open_report_stream, watch = own.register, own.open_report_stream, own.watch_assignments
+
+        async def counted_register(*args, **kwargs):
+            registrations.append({p: set(b) for p, b in args[1].items()})
+            return await register(*args, **kwargs)
+
+        def failing_report_stream():
+            stream = open_report_stream()
+            report = stream.report
+
+            async def once(*args, **kwargs):
+                if failures["report"]:
+                    failures["report"] -= 1
+                    raise ControlPlaneUnavailable("control plane at test did not answer StreamReports: UNAVAILABLE")
+                return await report(*args, **kwargs)
+            stream.report = once
+            return stream
+
+        async def failing_watch(node_id):
+            if failures["stream"]:
+                failures["stream"] -= 1
+                raise ControlPlaneUnavailable("control plane at test did not answer WatchAssignments: UNAVAILABLE")
+            async for update in watch(node_id):
+                yield update
+
+        own.register, own.open_report_stream, own.watch_assignments = (counted_register, failing_report_stream,
+                                                                       failing_watch)
+        session = WorkerSession(own, spec("w1"), holdings=lambda: held, report_delay_s=0.01, retry_s=0.05)
+        await session.start()
+        try:
+            await asyncio.wait_for(session.registered.wait(), WAIT_S)
+            held[PKG].add(1)
+            session.report_verified(PKG, [1])
+            await eventually(lambda: _true(len(registrations) == 2), what="a registration after the failed report")
+            assert registrations[1] == {PKG: {0, 1}}
+            stream = session.assignments()
+            assert (await asyncio.wait_for(anext(stream), WAIT_S)).kind is UpdateKind.SYNC
+            await stream.aclose()
+            assert len(registrations) == 3  # and after the failed stream
+            assert server.state.availability[PKG].held("w1") == {0, 1}
+        finally:
+            await session.close()
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def test_worker_session_reads_the_disk_cache_in_a_thread(server, client):
@@ -813,6 +875,33 @@ async def test_a_durable_flush_whose_caller_is_cancelled_is_written_again_only_i
         assert db.execute("SELECT seq FROM scale_events ORDER BY seq").fetchall() == [(1,), (2,)]
 
 
+@pytest.mark.parametrize("fails", [False, True])
+async def test_a_durable_call_is_answered_only_once_a_commit_carrying_its_change_whose_caller_left_ended(tmp_path,
+                                                                                                       fails):
+    store = SlowStore(tmp_path / "cp.sqlite3", fails)
+    state = ControlState(lease_s=LEASE_S)
+    service = ControlPlaneService(state, ControlMetrics(state), heartbeat_s=HEARTBEAT_S, store=store)
+    try:
+        state.publish(manifest(), STORE, now=0)
+        service.book.put(Deployment(PKG, ScalingPolicy()), state.packages, 0.0)
+        service.book.append(ScaleEvent(at=1.0, package_id=PKG, action="hold"))
+        left = asyncio.create_task(service.flush_encoded(durable=True))  # a call whose client's deadline passes
+        service.book.append(ScaleEvent(at=2.0, package_id=PKG, action="scale_up"))  # before that call takes it
+        waiting = asyncio.create_task(service.flush_encoded(durable=True))  # as AppendScaleEvent's
+        assert await asyncio.to_thread(store.committing.wait, WAIT_S)
+        left.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # its event is in the commit still running
+        store.go.set()
+        await asyncio.wait_for(waiting, WAIT_S)  # written by that commit, or by its own once that one failed
+        assert store.events_written == [[1, 2]] and not state.dirty and not service.book.dirty
+    finally:
+        store.go.set()
+        store.close()
+
+
 async def test_routers_are_shown_a_route_change_only_once_it_is_written(server, client, tmp_path):
     await client.publish_package(manifest(), STORE)
     server.store._lock.acquire()  # as a lease renewal in another thread would hold it
@@ -828,6 +917,17 @@ async def test_routers_are_shown_a_route_change_only_once_it_is_written(server, 
     assert await client.list_routes() == [route]
     with sqlite3.connect(tmp_path / "cp.sqlite3") as db:
         assert db.execute("SELECT count(*) FROM routes").fetchone() == (1,)
+
+
+def test_a_lease_shorter_than_two_heartbeats_is_refused_at_start(tmp_path):
+    with pytest.raises(SettingsError, match=re.escape(
+            "heartbeat_s 2 is more than half of lease_s 3.5: workers' leases would lapse between heartbeats; make "
+            "lease_s at least twice heartbeat_s")):
+        ControlPlaneServer(ServerConfig.from_settings(Settings(lease_s=3.5, heartbeat_s=2.0),
+                                                      db_path=tmp_path / "cp.sqlite3"))
+    with pytest.raises(SettingsError, match="heartbeat_s 0.15 is more than half of lease_s 0.25"):
+        ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=0.25))
+    ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=2 * HEARTBEAT_S)).store.close()  # two: enough
 
 
 async def test_list_workers_shows_a_worker_as_it_registered_last(client):

@@ -95,6 +95,19 @@ def test_a_registration_whose_link_rate_is_not_a_finite_number_from_0_changes_no
     assert state.workers == {} and not state.dirty.workers
 
 
+def test_a_worker_holding_nothing_of_a_package_is_no_holder_of_it():
+    state = cluster(2)
+    state.register(spec("w0"), {"pkg": range(BLOCKS)}, now=1)
+    state.register(spec("w0"), {}, now=2)  # its agent restarted with nothing
+    state.report("w1", {"pkg": []}, {}, now=2)
+    state.register(spec("w1"), {"pkg": []}, now=2)
+    assert state.availability["pkg"].by_worker == {}
+    # Its memory is free for another package, and the package may be removed.
+    state.publish(manifest("big", blocks=1, block_bytes=9_500), STORE, now=3)
+    assert state.scale_up("big", node_ids=["w0"], now=3).receivers == ("w0",)
+    state.remove_package("pkg")
+
+
 def test_register_replaces_what_the_worker_was_known_to_hold():
     state = cluster(1)
     state.report("w0", {"pkg": [0, 1, 2]}, {}, now=1)
@@ -167,6 +180,30 @@ def test_a_worker_that_was_not_receiving_or_left_on_purpose_is_not_resumed():
     state.register(spec("w2"), {}, now=LEASE + 2)
     state.register(spec("w1"), {}, now=LEASE + 2)
     assert set(state.plans) == plans and state.lapsed == {}
+
+
+def test_a_worker_restored_from_the_store_must_register_again_before_its_heartbeats_and_reports_count():
+    state = cluster(1)
+    state.report("w0", {"pkg": [0, 1]}, {}, now=1)
+    store = SqliteStore(":memory:")
+    store.flush(state)
+    state.report("w0", {"pkg": [2]}, {}, now=2)  # acknowledged, then the control plane crashed before writing it
+    loaded = ControlState(lease_s=LEASE)
+    store.load(loaded, now=3)
+    refused = re.escape("worker 'w0' registered before the control plane restarted (or another replica took over): "
+                        "register it again with every block it holds")
+    with pytest.raises(UnknownWorker, match=refused):
+        loaded.heartbeat("w0", now=4)
+    with pytest.raises(UnknownWorker, match=refused):
+        loaded.report("w0", {"pkg": [3]}, {}, now=4)
+    with pytest.raises(UnknownWorker, match=refused):
+        loaded.report_bad_peer("w0", "store", "pkg", 3, "bad digest", now=4)
+    # Still a worker, with what was written, until it registers with all it holds.
+    assert loaded.workers["w0"].alive and loaded.availability["pkg"].held("w0") == {0, 1}
+    loaded.register(spec("w0"), {"pkg": [0, 1, 2]}, now=5)
+    loaded.heartbeat("w0", now=6)
+    loaded.report("w0", {"pkg": [3]}, {}, now=6)
+    assert loaded.availability["pkg"].held("w0") == {0, 1, 2, 3}
 
 
 def test_dead_worker_record_is_forgotten_after_a_while():
@@ -352,6 +389,30 @@ def test_scale_up_respects_the_memory_budget():
     with pytest.raises(InsufficientWorkers, match=r"worker 'w0' has 500 B of its 8.3 KiB memory budget free; "
                                                   r"package 'pkg' needs 800 B"):
         state.scale_up("pkg", node_ids=["w0"], now=1)
+
+
+def test_scale_ups_of_two_packages_planned_at_once_never_give_a_worker_more_than_its_memory():
+    def two_packages(*nodes: str) -> ControlState:
+        state = ControlState(lease_s=LEASE)
+        for package_id in ("a", "b"):
+            state.publish(manifest(package_id, blocks=2, block_bytes=3_000), STORE, now=0)
+        for node in nodes:
+            state.register(spec(node, memory=10_000), {}, now=0)  # room for one of them
+        return state
+
+    # As the service plans them: both drafted, then built (in threads) and installed one after the other.
+    state = two_packages("w0", "w1")
+    first, second = state.draft_scale_up("a", count=1), state.draft_scale_up("b", count=1)
+    assert first.receivers == second.receivers == ("w0",)
+    assert state.install_scale_up(first, first.build(), now=1).receivers == ("w0",)
+    assert state.install_scale_up(second, second.build(), now=1).receivers == ("w1",)  # drafted again
+    state = two_packages("w0")
+    first, second = state.draft_scale_up("a", node_ids=["w0"]), state.draft_scale_up("b", node_ids=["w0"])
+    state.install_scale_up(first, first.build(), now=1)
+    with pytest.raises(InsufficientWorkers, match=re.escape(
+            "worker 'w0' has 3.9 KiB of its 9.8 KiB memory budget free; package 'b' needs 5.9 KiB")):
+        state.install_scale_up(second, second.build(), now=1)
+    assert [active.package_id for active in state.plans.values()] == ["a"]
 
 
 def test_a_plan_ends_when_every_receiver_holds_every_block():
@@ -615,9 +676,43 @@ def test_a_registration_after_a_drop_says_what_the_worker_holds():
     state = cluster(1)
     state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
     state.release("pkg", ["w0"], keep_alive_s=0, now=2)
-    state.register(spec("w0"), {"pkg": [0, 1]}, now=3)  # e.g. it restarted with blocks in its disk cache
+    state.register(spec("w0"), {}, now=3)  # it dropped the package (e.g. it restarted)
+    assert state.dropping == set()
     state.report("w0", {"pkg": [2]}, {}, now=4)
-    assert state.availability["pkg"].held("w0") == {0, 1, 2}
+    assert state.availability["pkg"].held("w0") == {2}
+
+
+def test_a_worker_back_still_holding_a_package_it_was_told_to_drop_is_told_again():
+    state = cluster(1)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    state.release("pkg", ["w0"], keep_alive_s=0, now=2)
+    assert state.tick(now=2 + LEASE + 1) == ["w0"]  # its mailbox, with the DROP, is closed
+    state.notices.clear()
+    state.register(spec("w0"), {"pkg": range(BLOCKS)}, now=20)  # it never heard of the drop
+    assert state.notices == [Notice("w0", UpdateKind.DROP, "pkg")]
+    assert state.availability["pkg"].by_worker == {} and state.dropping == {("pkg", "w0")}
+    state.report("w0", {"pkg": [0]}, {}, now=21)  # sent before the DROP reached it: does not count
+    assert state.availability["pkg"].by_worker == {}
+    state.register(spec("w0"), {}, now=22)  # dropped now
+    assert state.dropping == set() and ("pkg", "w0") in state.dirty.drops
+
+
+def test_a_drop_its_worker_may_not_have_heard_of_survives_a_restart():
+    state = cluster(1)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    state.release("pkg", ["w0"], keep_alive_s=0, now=2)
+    store = SqliteStore(":memory:")
+    store.flush(state)
+    loaded = ControlState(lease_s=LEASE)
+    store.load(loaded, now=3)
+    assert loaded.dropping == {("pkg", "w0")}
+    loaded.register(spec("w0"), {"pkg": range(BLOCKS)}, now=4)
+    assert loaded.notices == [Notice("w0", UpdateKind.DROP, "pkg")] and loaded.availability["pkg"].by_worker == {}
+    loaded.register(spec("w0"), {}, now=5)
+    store.flush(loaded)
+    again = ControlState(lease_s=LEASE)
+    store.load(again, now=6)
+    assert again.dropping == set()
 
 
 # ----- packages -----

@@ -17,7 +17,7 @@ from control_plane.errors import StoreError
 from control_plane.routes import RouteChange
 from control_plane.state import ControlState
 from control_plane.store import CorruptStateError, FencedError, Lease, Store, open_store
-from tests.control_plane.test_state import LEASE, STORE, cluster, manifest
+from tests.control_plane.test_state import LEASE, STORE, cluster, manifest, spec
 
 OTHER = "other"
 
@@ -120,6 +120,21 @@ def test_every_kind_of_state_round_trips(backend, store):
         state.plans[plan_id].fanout, state.plans[plan_id].version, state.plans[plan_id].replans)
     assert again_book.deployments == book.deployments and again_book.routes == book.routes
     assert again_book.list_events() == book.list_events() and again_book.last_seq == 3
+
+
+def test_a_drop_not_yet_confirmed_is_stored_until_the_worker_registers_without_the_package(backend, store):
+    state = cluster(2)
+    for node in ("w0", "w1"):
+        state.report(node, {"pkg": range(8)}, {}, now=1)
+    state.release("pkg", ["w0", "w1"], keep_alive_s=0, now=2)
+    store.flush(state)
+    store.flush(state)  # nothing new: written once
+    again, _ = loaded(backend)
+    assert again.dropping == {("pkg", "w0"), ("pkg", "w1")} and again.availability["pkg"].by_worker == {}
+    state.register(spec("w0"), {}, now=3)  # it dropped the package
+    store.flush(state)
+    again, _ = loaded(backend)
+    assert again.dropping == {("pkg", "w1")}
 
 
 def test_a_dead_worker_is_stored_dead_and_deletions_reach_the_database(backend, store):

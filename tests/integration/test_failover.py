@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from tests.integration.test_cluster import AGENTS, LEASE_S, Cluster, initial_fetches, package  # noqa: F401 (fixture)
+from tests.integration.test_cluster import (  # noqa: F401 (package: a fixture)
+    AGENTS, HEARTBEAT_S, LEASE_S, Cluster, initial_fetches, package)
 from tests.support.agent_processes import free_ports
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,7 +30,8 @@ class ReplicatedCluster(Cluster):
         for index, role in enumerate(("leader", "standby")):
             host, port = self.replicas[index].split(":")
             self._start(f"cp{index}", "control-plane", "--host", host, "--port", port, "--db", self.db_url,
-                        "--advertise", self.replicas[index], "--lease-s", LEASE_S, env={})
+                        "--advertise", self.replicas[index], "--lease-s", LEASE_S,
+                        env={"PIPECAST_HEARTBEAT_S": str(HEARTBEAT_S)})
             self.wait_for(lambda: f"listening on {self.replicas[index]}" in self.log(f"cp{index}")
                           and f", {role})" in self.log(f"cp{index}"), f"replica {index} to listen as the {role}",
                           logs=(f"cp{index}",))
