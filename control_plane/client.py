@@ -86,6 +86,11 @@ def control_plane_addresses(target: str) -> tuple[str, ...]:
     addresses = tuple(dict.fromkeys(a.strip() for a in target.split(",") if a.strip()))
     if not addresses:
         raise ControlPlaneUnavailable(f"no control plane address in {target!r}")
+    for address in addresses:  # gRPC would take port 70000 as 4464 (mod 65536) and reach another service
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ControlPlaneUnavailable(f"control plane address {address!r} is not a host:port address (port "
+                                          f"1-65535)")
     return addresses
 
 

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 MAX_PENDING_CALLS = 100_000
 SERVICE_NAME = control_pb2.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 GRPC_OPTIONS = [
+    # gRPC binds with SO_REUSEPORT by default: a second control plane on the same port started too, and the kernel
+    # split the clients between the two.
+    ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # Clients ping idle assignment streams (see client.CHANNEL_OPTIONS); allow it.

@@ -185,6 +185,9 @@ class AgentDaemon:
         reporter = loop.create_task(self._report_progress())
         self._fill_reserve()
         try:
+            # Built before the seed is verified (minutes for a large one): a bad TLS file fails at once.
+            self.transport = select_transport(self.settings.agent_transport, self.node_id, self.settings,
+                                              self._peer_auth())
             if self.options.seed is not None:
                 seed = LocalPackageFolder(self.options.seed)
                 store = await _open_in_thread(seed.manifest, allocator=self.allocator, budget=self.budget,
@@ -195,8 +198,6 @@ class AgentDaemon:
                                         f"but --seed {self.options.seed} holds {store.package_id[:12]}")
                 log.info("seeding package %s (%d blocks, %s) from %s", store.package_id[:12],
                          len(store.manifest.blocks), format_bytes(store.manifest.total_bytes), self.options.seed)
-            self.transport = select_transport(self.settings.agent_transport, self.node_id, self.settings,
-                                              self._peer_auth())
             host, port = self._listen_address(plan)
             self.listener = await self.transport.listen(host, port, self.peer_server)
             log.info("agent %s listening on %s (%s)", self.node_id, self.listener.address, self.transport.name)

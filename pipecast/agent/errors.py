@@ -94,6 +94,21 @@ class LocalResourceError(AgentError):
     while connecting to a peer: no peer's fault, so no peer is blamed for it."""
 
 
+class ListenError(AgentError):
+    """The data plane cannot listen where it was told (the port in use, an address not this host's, a port
+    below 1024 without the right): the message names host:port and the system's reason."""
+
+    def __init__(self, host: str, port: int, reason: str) -> None:
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        super().__init__(f"cannot listen on {where}: {reason}")
+        self.host, self.port, self.reason = host, port, reason
+
+
+class DataPlaneTlsError(AgentError):
+    """The data plane's TLS files (``tls_cert``, ``tls_key``, ``tls_ca``) cannot be used: missing, unreadable,
+    not PEM, or a key that is not the certificate's; the message names the file."""
+
+
 class LocalPackageError(AgentError):
     """A package folder (seed or cache) that cannot be served: missing, unreadable or corrupt."""
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import pydantic_settings
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pipecast.core.engines import SERVING_ENGINES
@@ -204,3 +205,6 @@ def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise SettingsError(f"invalid settings: {problems}") from None
+    except pydantic_settings.SettingsError as exc:  # a PIPECAST_* variable of a dict setting that is not JSON
+        raise SettingsError(f"invalid settings: {exc}: a setting of several entries takes JSON, e.g. "
+                            f"PIPECAST_AGENT_LABELS='{{\"rack\": \"r1\"}}'") from None

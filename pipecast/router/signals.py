@@ -2,8 +2,10 @@
 
 Pure logic, no sockets; both clocks are injected (``clock``: monotonic, for durations; ``wall_clock``: Unix
 time, for the answer's timestamps). Counters are cumulative since the router started, so a poller takes
-rates by differencing two answers and adds several routers' answers up; the rest (queue depth, requests in
-flight, each worker's idle time) is the state now. TTFT here is the router's: from a request's arrival at
+rates by differencing two answers of the same router process (``instance``, a random id of each process: a
+poller that reaches several routers at one address, or one restarted, tells their answers apart by it) and
+adds several routers' answers up; the rest (queue depth, requests in flight, each worker's idle time) is the
+state now. TTFT here is the router's: from a request's arrival at
 the router to the first whole event relayed to the client (streaming; none when the worker's error event
 comes first: a stream it failed counts as failed) or to the whole answer (a non-streaming 200), over a
 sliding window of the last 60 s. The same counters (plus completion tokens) and TTFT window are kept per
@@ -14,6 +16,7 @@ version of a served model (``versions``, by package id), which is what the canar
 import json
 import math
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -169,6 +172,9 @@ class Signals:
         self.clock = clock
         self.wall_clock = wall_clock
         self.started_unix = wall_clock()
+        #: This process's counters (``/stats`` ``instance``): random, unlike ``started_unix``, which two
+        #: routers started in the same second share.
+        self.instance = uuid.uuid4().hex
         self.counters = RequestCounters()
         self.tenants: dict[str, TenantCounters] = {}
         self.ttft = TtftWindow(window_s, max_samples)
@@ -239,7 +245,8 @@ class Signals:
             name = tenant if tenant in self.tenants else OTHER_TENANTS
             waiting[name] = waiting.get(name, 0) + count
         return {
-            "format": STATS_FORMAT, "now_unix": self.wall_clock(), "started_unix": self.started_unix,
+            "format": STATS_FORMAT, "instance": self.instance, "now_unix": self.wall_clock(),
+            "started_unix": self.started_unix,
             "queue_depth": queue_depth, "in_flight": in_flight,
             "workers": [{"url": worker.url, "node_id": worker.node_id, "status": worker.status,
                          "in_flight": worker.in_flight,

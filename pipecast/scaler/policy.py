@@ -72,6 +72,9 @@ class Signals:
     ready: int = 0  # of those, the ones holding the whole model (a partial one is still in its cold start)
     ttft_p99_s: float | None = None  # the worst router's p99 over its window
     idle_s: Mapping[str, float | None] = field(default_factory=dict)  # node id -> idle seconds (None: busy)
+    #: The instance ids of the routers that answered, sorted (a router's id changes when it restarts): the
+    #: cumulative counters of two polls are comparable only when they add up the same router processes.
+    instances: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,21 +113,45 @@ class Decision:
         return "scale_up" if self.add else "release" if self.release else "hold"
 
 
-def _window_start(history: Sequence[Signals], window_s: float, *, alike: bool = False) -> Signals:
-    """The oldest poll of ``history`` within the last ``window_s`` seconds (the last one at least); with ``alike``,
-    the oldest of those that as many routers answered as the last: the routers' cumulative counters are added up
-    over those that answered, so between two polls of different routers a difference is a router's whole count,
-    not growth (one missed poll of two routers read as thousands of requests/s and added replicas up to the
-    maximum)."""
+def _window_start(history: Sequence[Signals], window_s: float) -> Signals:
+    """The oldest poll of ``history`` within the last ``window_s`` seconds (the last one at least)."""
     last = history[-1]
-    return next((s for s in history if s.at >= last.at - window_s
-                 and (not alike or s.routers_answered == last.routers_answered)), last)
+    return next((s for s in history if s.at >= last.at - window_s), last)
+
+
+def comparable(a: Signals, b: Signals) -> bool:
+    """Whether two polls add up the same routers: as many answered, the same router processes where they say
+    which (``instances``). The routers' cumulative counters are added up over those that answered, so between
+    polls of different routers a difference is a router's whole count, not growth: one missed poll of two
+    routers, or a router Service whose polls land on another router, read as hundreds of requests/s."""
+    return a.routers_answered == b.routers_answered and a.instances == b.instances
+
+
+def _run(history: Sequence[Signals], window_s: float, end: int | None = None) -> list[Signals]:
+    """The polls of ``history`` within ``window_s`` seconds up to the one at index ``end`` (default: the last)
+    whose cumulative counters it continues, oldest first, that one at least: those :func:`comparable` with it,
+    back to the last time a counter went back (a router restarted: its counts begin again)."""
+    end = len(history) - 1 if end is None else end
+    last = history[end]
+    run = [last]
+    for i in range(end - 1, -1, -1):
+        s = history[i]
+        if s.at < last.at - window_s:
+            break
+        if not comparable(s, last):
+            continue
+        if s.arrived > run[-1].arrived or s.answered > run[-1].answered:
+            break
+        run.append(s)
+    run.reverse()
+    return run
 
 
 def _rate(history: Sequence[Signals], attr: str, window_s: float) -> float:
     """Per-second growth of cumulative counter ``attr`` over the last ``window_s`` of ``history`` (between
-    polls that as many routers answered: :func:`_window_start`)."""
-    last, first = history[-1], _window_start(history, window_s, alike=True)
+    polls whose counters continue each other: :func:`_run`)."""
+    run = _run(history, window_s)
+    first, last = run[0], run[-1]
     span = last.at - first.at
     if span <= 0:
         return 0.0
@@ -147,8 +174,7 @@ def replica_throughput(history: Sequence[Signals], policy: ScalingPolicy) -> flo
     replicas' 0.83 req/s, 7-8 replicas at once, for twice the worker-seconds and no lower p99
     (docs/benchmarks.md, "The backlog in the workers' own queues")."""
     queued = [s for s in history if s.queue_depth > 0 and s.serving > 0 and s.ready == s.serving]
-    busy = [s for s in queued if s.at >= queued[-1].at - SHORT_WINDOW_S
-            and s.routers_answered == queued[-1].routers_answered] if queued else []
+    busy = _run(queued, SHORT_WINDOW_S) if queued else []
     if len(busy) < 2 or busy[-1].at - busy[0].at <= 0:
         return policy.replica_rps
     answered = (busy[-1].answered - busy[0].answered) / (busy[-1].at - busy[0].at)
@@ -162,11 +188,8 @@ def baseline_demand(history: Sequence[Signals], throughput: float, policy: Scali
     ``throughput``. The median: a spike shorter than half the history barely moves it."""
     answered = [s for s in history if s.routers_answered > 0]
     demands = []
-    first = 0
-    for s in answered:
-        while answered[first].at < s.at - SHORT_WINDOW_S:
-            first += 1
-        start = next(a for a in answered[first:] if a.routers_answered == s.routers_answered)  # s itself at least
+    for i, s in enumerate(answered):
+        start = _run(answered, SHORT_WINDOW_S, i)[0]  # s itself at least
         span = s.at - start.at
         rate = max(s.arrived - start.arrived, 0) / span if span > 0 else 0.0
         demands.append(max((s.queue_depth + s.in_flight) / policy.replica_concurrency, rate / throughput))
@@ -220,12 +243,12 @@ def backlog_draining(history: Sequence[Signals], horizon_s: float) -> bool:
     """Whether the requests present (router queues + in flight) fell over the last ``SHORT_WINDOW_S`` fast
     enough that, at that measured pace, they are gone within ``horizon_s``: the pool in place is catching up,
     whatever the throughput estimate says. A p99 over the SLO then is the past's (requests that waited for a
-    cold start), and a replica added for it would serve once the backlog is gone. Only between two polls that
-    the same number of routers answered: a router falling silent is not a backlog falling."""
+    cold start), and a replica added for it would serve once the backlog is gone. Only between two polls of the
+    same routers (:func:`comparable`): a router falling silent is not a backlog falling."""
     last, first = history[-1], _window_start(history, SHORT_WINDOW_S)
     span = last.at - first.at
     before, now = first.queue_depth + first.in_flight, last.queue_depth + last.in_flight
-    if span <= 0 or now >= before or first.routers_answered != last.routers_answered:
+    if span <= 0 or now >= before or not comparable(first, last):
         return False
     return now / ((before - now) / span) <= horizon_s
 

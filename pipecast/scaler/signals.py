@@ -4,7 +4,10 @@ A router's ``GET /stats`` (see :mod:`pipecast.router.app`) is read strictly: an 
 the policy needs is that router's fault and counts as silent (:class:`StatsFormatError`). Several routers
 add up: counters and gauges are summed, the TTFT p99 is the worst router's, a worker's idle time the
 shortest any router saw (it is idle only if idle everywhere), and a worker serving (or ready) at any router
-counts once, its own queue too: every router lists every worker.
+counts once, its own queue too: every router lists every worker. Each answer's ``instance`` (the router
+process's id; routers before it send none, and stand for themselves by their URL) goes into the sum's
+``instances``, so that the policy never takes a rate between the counts of two different router processes
+(one restarted, or another behind the same Service answered).
 """
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -63,7 +66,10 @@ def parse_stats(router: str, data: Any) -> dict[str, Any]:
                                     "in_flight": int(_number(figures, "in_flight", router)),
                                     "ttft_p95_s": _number(window, "p95", router, nullable=True),
                                     "ttft_p99_s": _number(window, "p99", router, nullable=True)}
-    return {"queue_depth": int(_number(data, "queue_depth", router)),
+    instance = data.get("instance", router)  # routers before it send none: the URL stands for the router
+    if not isinstance(instance, str) or not instance:
+        raise StatsFormatError(f"router {router}: /stats instance is {instance!r}, not a non-empty string")
+    return {"instance": instance, "queue_depth": int(_number(data, "queue_depth", router)),
             "in_flight": int(_number(data, "in_flight", router)),
             "arrived": int(_number(counters, "arrived", router)),
             "answered": int(_number(counters, "answered", router)),
@@ -110,7 +116,8 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
                    queue_depth=sum(a["queue_depth"] for a in got), in_flight=sum(a["in_flight"] for a in got),
                    queued_at_workers=sum(queued.values()), arrived=sum(a["arrived"] for a in got),
                    answered=sum(a["answered"] for a in got),
-                   serving=len(serving), ready=len(ready), ttft_p99_s=max(p99s, default=None), idle_s=idle)
+                   serving=len(serving), ready=len(ready), ttft_p99_s=max(p99s, default=None), idle_s=idle,
+                   instances=tuple(sorted(a["instance"] for a in got)))
 
 
 #: A version that no request went to at a router yet: the figures it would have.

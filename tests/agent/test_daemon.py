@@ -3,13 +3,21 @@ status and event log, and on stop closes its port and frees its blocks; without 
 data-plane key derives from the master token."""
 
 import asyncio
+import socket
 import threading
 
 import pytest
 
 from pipecast.agent.cache import BlockCache
 from pipecast.agent.daemon import AgentDaemon, AgentOptions
-from pipecast.agent.errors import MemoryBudgetError, PeerAuthError, PeerConnectError, PlanFileError
+from pipecast.agent.errors import (
+    DataPlaneTlsError,
+    ListenError,
+    MemoryBudgetError,
+    PeerAuthError,
+    PeerConnectError,
+    PlanFileError,
+)
 from pipecast.agent.events import read_events
 from pipecast.agent.fetcher import ChannelPool
 from pipecast.agent.store import BlockStore
@@ -101,6 +109,35 @@ async def test_a_static_daemon_given_a_node_token_says_it_needs_the_master_token
     daemon = AgentDaemon(AgentOptions(node_id="seed", listen="127.0.0.1:0"), Settings(**SETTINGS, auth_token=token))
     with pytest.raises(PlanFileError, match="auth_token holds a node token"):
         await asyncio.wait_for(daemon.run(), 10)
+
+
+async def test_a_bad_tls_file_is_refused_before_the_seed_is_verified(tiny_package, tmp_path, monkeypatch):
+    """Verifying a large seed takes minutes: a TLS file that cannot be used must not wait for it."""
+    package = tiny_package(layers=2, layer_bytes=100_000, chunk_bytes=64 << 10)
+    def never(*args, **kwargs):
+        raise AssertionError("the seed was opened before the TLS files were checked")
+
+    monkeypatch.setattr(BlockStore, "open", never)
+    daemon = AgentDaemon(AgentOptions(node_id="seed", listen="127.0.0.1:0", seed=package.path),
+                         Settings(**SETTINGS, tls_cert=tmp_path / "node.pem", tls_key=tmp_path / "node.key",
+                                  tls_ca=tmp_path / "ca.pem"))
+    with pytest.raises(DataPlaneTlsError, match=r"^cannot read the data plane's TLS file .*node\.pem \(tls_cert\)"):
+        await asyncio.wait_for(daemon.run(), 10)
+    assert daemon.listener is None
+
+
+@pytest.mark.parametrize("transport, why", [("tcp", ""), ("ucx", r" \(UCX\)")], ids=["tcp", "ucx"])
+async def test_a_daemon_whose_port_is_in_use_says_so(transport, why):
+    if transport == "ucx":
+        pytest.importorskip("ucxx", reason="the ucx extra (ucxx-cu12) is not installed")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        daemon = AgentDaemon(AgentOptions(node_id="seed", listen=f"127.0.0.1:{port}"),
+                             Settings(**{**SETTINGS, "agent_transport": transport}))
+        with pytest.raises(ListenError, match=rf"^cannot listen on 127\.0\.0\.1:{port}: address already in use{why}$"):
+            await asyncio.wait_for(daemon.run(), 10)
 
 
 def test_an_agent_given_a_token_refuses_the_empty_key_of_a_control_plane_without_auth(caplog):

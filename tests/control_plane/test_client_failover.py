@@ -31,6 +31,9 @@ def test_addresses_are_split_on_commas_once_each():
     assert control_plane_addresses(" a:1, b:2 ,a:1,") == ("a:1", "b:2")
     with pytest.raises(ControlPlaneUnavailable, match="no control plane address in ' , '"):
         control_plane_addresses(" , ")
+    for bad in ("127.0.0.1:70000", "cp", "cp:", "a:1,b:0"):  # gRPC took 70000 as port 4464
+        with pytest.raises(ControlPlaneUnavailable, match=r"is not a host:port address \(port 1-65535\)"):
+            control_plane_addresses(bad)
 
 
 def test_calls_follow_the_leader_a_standby_names_and_skip_a_replica_that_is_down(tmp_path):

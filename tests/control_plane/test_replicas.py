@@ -269,6 +269,14 @@ async def test_an_advertised_address_must_be_a_host_and_port(tmp_path):
         await server.start()
 
 
+async def test_a_second_control_plane_on_a_port_in_use_refuses_to_start(tmp_path):
+    """gRPC's default SO_REUSEPORT let both listen, and clients reached one or the other at random."""
+    async with ControlPlaneServer(config(tmp_path / "a.sqlite3")) as first:
+        second = ControlPlaneServer(config(tmp_path / "b.sqlite3", port=first.port))
+        with pytest.raises(ServerStartError, match=re.escape(f"control plane cannot listen on 127.0.0.1:{first.port}")):
+            await second.start()
+
+
 class Replica:
     """A `pipecast control-plane` process on ``url``; its stderr in ``log``."""
 

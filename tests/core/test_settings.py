@@ -29,3 +29,12 @@ def test_bad_file_and_unknown_key_are_errors(tmp_path, monkeypatch):
     unknown.write_text("agent_prot = 1\n")
     with pytest.raises(SettingsError, match="invalid settings: agent_prot: Extra inputs are not permitted"):
         load_settings(unknown)
+
+
+def test_a_dict_setting_from_the_environment_that_is_not_json_is_a_settings_error(monkeypatch):
+    monkeypatch.setenv("PIPECAST_AGENT_LABELS", "rack=r1")
+    with pytest.raises(SettingsError, match=r"^invalid settings: error parsing value for field \"agent_labels\" .*: a "
+                                            r"setting of several entries takes JSON, e.g. PIPECAST_AGENT_LABELS="):
+        load_settings()
+    monkeypatch.setenv("PIPECAST_AGENT_LABELS", '{"rack": "r1"}')
+    assert load_settings().agent_labels == {"rack": "r1"}

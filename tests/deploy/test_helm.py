@@ -88,6 +88,22 @@ def test_every_container_has_probes_and_resources(case):
         assert container["resources"]["limits"], f"{manifest['metadata']['name']}/{container['name']}"
 
 
+def test_an_agent_verifying_a_large_seed_is_not_killed_by_its_liveness_probe(case):
+    """Found in review: the agent opens its local socket (which its probes ask) only once its --seed is verified,
+    about 64 s for 16 GB, and the liveness probe (3 misses, 10 s apart) killed the store in a loop. A startup probe
+    asking the same gives it an hour first."""
+    name, manifests = case
+    agents = [(m, c) for m, c in containers(manifests, init=False) if c.get("args", [""])[0] == "agent"]
+    assert {m["metadata"]["name"] for m, _ in agents} >= {"pipecast-agent"}
+    if name in ("values-single-node.yaml", "everything"):
+        assert "pipecast-store" in {m["metadata"]["name"] for m, _ in agents}
+    for manifest, container in agents:
+        where = f"{manifest['metadata']['name']}/{container['name']}"
+        startup, liveness = container.get("startupProbe"), container["livenessProbe"]
+        assert startup and startup["exec"] == liveness["exec"], where
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600, where
+
+
 def test_pods_run_unprivileged_without_kubernetes_api_access(case):
     """No RBAC object: no process calls the Kubernetes API, so no pod gets a service account token. Every
     container runs as the image's user, without privilege escalation; the one exception is the init container

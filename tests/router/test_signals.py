@@ -1,5 +1,6 @@
 """The router's scaling signals, pure (fake clocks): counters, the TTFT window, idle time, the /stats shape."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -141,8 +142,8 @@ async def test_the_snapshot_pins_the_stats_contract():
     signals.answered(version="pkg-b", tokens=7)
     signals.failed(version="pkg-b")
     stats = signals.snapshot(dispatcher.waiting, pool.in_flight, pool.workers())
-    assert list(stats) == ["format", "now_unix", "started_unix", "queue_depth", "in_flight", "workers", "counters",
-                           "ttft", "tenants", "versions"]
+    assert list(stats) == ["format", "instance", "now_unix", "started_unix", "queue_depth", "in_flight", "workers",
+                           "counters", "ttft", "tenants", "versions"]
     assert stats["versions"] == {"pkg-b": {
         "queue_depth": 0, "in_flight": 0,
         "counters": {"arrived": 1, "answered": 1, "failed": 1, "completion_tokens": 7},
@@ -157,3 +158,12 @@ async def test_the_snapshot_pins_the_stats_contract():
     assert stats["tenants"] == {"default": {"arrived": 2, "admitted": 0, "rejected": 0, "queued": 0}}
     assert (stats["queue_depth"], stats["in_flight"]) == (0, 1)
     dispatcher.release(worker)
+
+
+def test_each_router_process_answers_an_instance_id_of_its_own():
+    """A poller reaching several routers at one address (a Service), or one restarted, tells their cumulative
+    counters apart by it: started_unix alone, shared by two routers started in the same second, cannot."""
+    first, second = Signals(FakeClock(), wall_clock=lambda: 1.7e9), Signals(FakeClock(), wall_clock=lambda: 1.7e9)
+    instance = first.snapshot(0, 0, [])["instance"]
+    assert re.fullmatch(r"[0-9a-f]{32}", instance) and first.snapshot(0, 0, [])["instance"] == instance
+    assert second.snapshot(0, 0, [])["instance"] != instance

@@ -7,7 +7,7 @@ import pytest
 
 from control_plane.deployments import ScalingPolicy
 from pipecast.scaler.policy import (
-    Decision, Pool, Replica, Signals, baseline_demand, cold_start_demand, cold_start_of, decide)
+    Decision, Pool, Replica, Signals, arrival_rate, baseline_demand, cold_start_demand, cold_start_of, decide)
 
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=8, slo_ttft_p99_s=2.0, warm=0, keep_alive_s=10.0,
                        scale_up_cooldown_s=5.0, scale_down_cooldown_s=20.0, replica_rps=1.0, replica_concurrency=4)
@@ -417,3 +417,14 @@ def test_a_router_missing_one_poll_is_no_surge_of_arrivals():
         decisions.append(decide(history, pool, policy))
     assert [d.action for d in decisions if d.action != "hold"] == []
     assert "2.00 req/s" in decisions[-1].reason
+
+
+def test_a_counter_that_goes_back_is_a_restarted_router_and_the_rate_is_taken_since():
+    """A router that sends no instance id (one before it) and restarted: its counters begin again. The rate
+    is its own since the restart, not 0 (nor a difference across the restart)."""
+    history = [Signals(at=1000.0 + t, routers_total=1, routers_answered=1, ready=1,
+                       arrived=50_000 + 10 * t if t < 16 else 10 * (t - 16), answered=0) for t in range(20)]
+    assert arrival_rate(history) == 10.0
+    busy = [replace(s, queue_depth=4, serving=1, answered=s.arrived) for s in history]
+    assert decide(busy, Pool(now=1019.0, replicas=(Replica("w1", False),), free=7), POLICY).inputs[
+        "replica_rps"] == 10.0

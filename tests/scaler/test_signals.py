@@ -1,7 +1,11 @@
 """What the routers answer, read and added up for the policy (pure)."""
 
+from dataclasses import replace
+
 import pytest
 
+from control_plane.deployments import ScalingPolicy
+from pipecast.scaler.policy import Pool, Replica, decide
 from pipecast.scaler.signals import StatsFormatError, add_up, parse_stats
 
 
@@ -101,3 +105,33 @@ def test_a_router_that_counts_no_version_gives_its_totals():
     signals = add_up(100.0, [old, new], {}, "a" * 64)
     assert (signals.queue_depth, signals.in_flight, signals.arrived, signals.answered) == (4, 1, 9, 5)
     assert signals.ttft_p99_s == 0.7
+
+
+def test_each_router_process_is_told_apart_by_its_instance_an_older_router_by_its_url():
+    answer = stats(0, 10, 7, 0.5, [])
+    a, b = parse_stats("r1", {**answer, "instance": "f" * 32}), parse_stats("r2", answer)
+    assert (a["instance"], b["instance"]) == ("f" * 32, "r2")
+    assert add_up(100.0, [b, None, a], {}).instances == ("f" * 32, "r2")
+    with pytest.raises(StatsFormatError, match=r"^router r1: /stats instance is 7, not a non-empty string$"):
+        parse_stats("r1", {**answer, "instance": 7})
+
+
+def test_polls_of_a_service_that_land_on_another_router_are_no_burst_of_arrivals():
+    """Found in review: two routers behind one Service (values-ha.yaml), the daemon's keep-alive connection moving
+    from one (1,000 requests so far, 1 req/s) to the other (5,000 so far, 1 req/s): the counters jumped by the
+    difference, read as 801 req/s, and 14 replicas were added. A poll of another router process is like a missed
+    one: no rate between the two; polls of the same router again give its rate."""
+    url = "http://pipecast-router.default.svc:8080"
+    nodes = {"http://10.0.0.1:8000": "w1", "http://10.0.0.2:8000": "w2"}
+    workers = [(worker, "ready", None) for worker in nodes]
+    pool = Pool(now=0.0, replicas=(Replica("w1", False), Replica("w2", False)), free=14)
+    policy = ScalingPolicy(min_replicas=1, max_replicas=16)
+    history, rates = [], []
+    for t in range(22):  # on router B, on router A at t = 19 only, then on B again
+        instance, total = ("a" * 32, 5000 + t) if t == 19 else ("b" * 32, 1000 + t)
+        answer = {**stats(0, total, total, 0.3, workers), "instance": instance}
+        history.append(add_up(1000.0 + t, [parse_stats(url, answer)], nodes))
+        decision = decide(history, replace(pool, now=1000.0 + t), policy)
+        assert decision.add == 0, decision.reason
+        rates.append(decision.inputs["arrival_rps"])
+    assert rates[-4:] == [1.0, 0.0, 1.0, 1.0]

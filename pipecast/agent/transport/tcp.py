@@ -31,6 +31,8 @@ from pathlib import Path
 
 from pipecast.agent.errors import (
     AnswerAbandonedError,
+    DataPlaneTlsError,
+    ListenError,
     LocalResourceError,
     PeerAuthError,
     PeerClosedError,
@@ -614,8 +616,13 @@ class TcpListener(Listener):
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.get_running_loop().create_server(lambda: _ServerProtocol(self), host,
-                                                                      port, ssl=self.tls.server)
+        """Listen on host:port (port 0: any free one); :class:`ListenError` where it cannot."""
+        try:
+            self._server = await asyncio.get_running_loop().create_server(lambda: _ServerProtocol(self), host,
+                                                                          port, ssl=self.tls.server)
+        except OSError as exc:
+            # asyncio words a busy port "error while attempting to bind on address (...): address already in use".
+            raise ListenError(host, port, (exc.strerror or str(exc)).rpartition(": ")[2]) from None
         bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
         self.address = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
 
@@ -640,20 +647,44 @@ class DataPlaneTls:
 
     @classmethod
     def from_files(cls, cert: Path | None, key: Path | None, ca: Path | None) -> "DataPlaneTls":
+        """The contexts from the node's files; :class:`DataPlaneTlsError` naming the file that cannot be used."""
         if not (cert and key and ca):
             if cert or key or ca:
                 log.warning("data plane without TLS: mutual TLS needs tls_cert, tls_key and tls_ca all set")
             return cls()
-        server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(ca))
+        # OpenSSL's errors name no file: each is read first, so a missing or unreadable one is named.
+        for path, setting in ((cert, "tls_cert"), (key, "tls_key"), (ca, "tls_ca")):
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as exc:
+                raise DataPlaneTlsError(f"cannot read the data plane's TLS file {path} ({setting}): "
+                                        f"{exc.strerror or exc}") from None
+        try:
+            server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(ca))
+            client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca))
+        except ssl.SSLError as exc:
+            raise DataPlaneTlsError(f"the data plane's TLS CA {ca} (tls_ca) holds no usable PEM certificate "
+                                    f"({_ssl_reason(exc)})") from None
         server.verify_mode = ssl.CERT_REQUIRED  # only nodes whose certificate the cluster's CA signed
-        client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca))
         # Peers are addressed by whatever address they advertise; membership is the CA's signature, and
         # the node identity the hello's (a certificate per node address would tie certificates to IPs).
         client.check_hostname = False
         for context in (server, client):
             context.minimum_version = ssl.TLSVersion.TLSv1_3
-            context.load_cert_chain(str(cert), str(key))
+            try:
+                context.load_cert_chain(str(cert), str(key))
+            except ssl.SSLError as exc:
+                raise DataPlaneTlsError(f"the data plane's TLS certificate {cert} (tls_cert) and key {key} "
+                                        f"(tls_key) cannot be used: not PEM, or the key is not the certificate's "
+                                        f"({_ssl_reason(exc)})") from None
         return cls(server, client)
+
+
+def _ssl_reason(exc: ssl.SSLError) -> str:
+    """OpenSSL's words for ``exc``, without the source line of CPython's ``_ssl.c`` that ends them."""
+    text = exc.strerror if isinstance(exc.strerror, str) else str(exc)
+    return text.split(" (_ssl.c:")[0]
 
 
 class TcpTransport(Transport):

@@ -22,7 +22,6 @@ inside the functions that use it, so the registry can name this module on nodes 
 
 import asyncio
 import ctypes
-import errno
 import functools
 import glob
 import ipaddress
@@ -37,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipecast.agent.errors import (
+    ListenError,
     PeerAuthError,
     PeerClosedError,
     PeerConnectError,
@@ -714,8 +714,7 @@ class UcxListener(Listener):
             self._listener = self._context.create_listener(self._handle, port=port,
                                                            connect_timeout=self._connect_timeout_s)
         except UCXBusyError:
-            raise OSError(errno.EADDRINUSE, f"cannot listen on port {port} with UCX: address already in use") \
-                from None
+            raise ListenError(host, port, "address already in use (UCX)") from None
         if self.bound_hosts and not _load_ep_query():
             log.warning("UCX listener on port %d: cannot query endpoint addresses (ucp_ep_query missing); it "
                         "serves every interface, not only %s", self._listener.port, host)

@@ -21,7 +21,9 @@ from control_plane.messages import PeerInfo
 from control_plane.planner.plan import Fetch
 from pipecast.agent.errors import (
     CorruptChunkError,
+    DataPlaneTlsError,
     FetchFailedError,
+    ListenError,
     LocalResourceError,
     PeerClosedError,
     PeerConnectError,
@@ -742,6 +744,43 @@ async def test_with_certificates_the_data_plane_is_mutual_tls(package, tmp_path)
     finally:
         await listener.close()
         seed.close()
+
+
+async def test_a_port_in_use_or_an_address_not_this_hosts_is_refused_naming_the_address_and_why():
+    """A listener that cannot bind says where and why (the CLI prints it as "error: ..."), not an OSError."""
+    transport = TcpTransport("server", settings())
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(ListenError, match=rf"^cannot listen on 127\.0\.0\.1:{port}: address already in use$"):
+            await transport.listen("127.0.0.1", port, PeerServer())
+    # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never an address of this host.
+    with pytest.raises(ListenError, match=r"^cannot listen on 192\.0\.2\.1:7070: cannot assign requested address$"):
+        await transport.listen("192.0.2.1", 7070, PeerServer())
+    await transport.close()
+
+
+def test_a_missing_tls_file_is_refused_naming_it_and_its_setting(tmp_path):
+    missing = tmp_path / "node.pem"
+    with pytest.raises(DataPlaneTlsError, match=rf"^cannot read the data plane's TLS file {re.escape(str(missing))} "
+                                                r"\(tls_cert\): No such file or directory$"):
+        TcpTransport("n1", settings(tls_cert=missing, tls_key=tmp_path / "node.key", tls_ca=tmp_path / "ca.pem"))
+
+
+@pytest.mark.skipif(not have_openssl(), reason="needs the openssl command to make test certificates")
+def test_a_key_not_the_certificates_or_a_ca_file_without_a_certificate_is_refused_naming_the_files(tmp_path):
+    certs = make_certs(tmp_path)
+    (tmp_path / "other").mkdir()
+    other = make_certs(tmp_path / "other")
+    cert, key, ca = certs["server.pem"], other["server.key"], certs["ca.pem"]
+    with pytest.raises(DataPlaneTlsError, match=rf"^the data plane's TLS certificate {re.escape(str(cert))} "
+                                                rf"\(tls_cert\) and key {re.escape(str(key))} \(tls_key\) cannot "
+                                                r"be used: not PEM, or the key is not the certificate's \(.*mismatch"):
+        TcpTransport("n1", settings(tls_cert=cert, tls_key=key, tls_ca=ca))
+    with pytest.raises(DataPlaneTlsError, match=rf"^the data plane's TLS CA {re.escape(str(certs['server.key']))} "
+                                                r"\(tls_ca\) holds no usable PEM certificate \(.+\)$"):
+        TcpTransport("n1", settings(tls_cert=cert, tls_key=certs["server.key"], tls_ca=certs["server.key"]))
 
 
 # -- a relay passes a chunk on as it lands ---------------------------------------------------------------------

@@ -143,6 +143,14 @@ periodSeconds: 10
 timeoutSeconds: 5
 {{- end -}}
 
+{{/* The agent's startup probe: its local socket opens only once a --seed is verified (every block re-hashed,
+about a minute for 16 GB, longer on slow disks), and the liveness probe alone (3 misses, 10 s apart) would
+kill it in a loop: up to an hour before liveness takes over. */}}
+{{- define "pipecast.agentStartupProbe" -}}
+{{ include "pipecast.agentProbe" . }}
+failureThreshold: 360
+{{- end -}}
+
 {{/* The control plane's probe: its gRPC health service answers (no token needed), SERVING from the leader,
 NOT_SERVING from a standby: both are alive, and ready to point callers at the leader (a standby never Ready
 would stall every rolling update). kubelet's own gRPC probe fails on NOT_SERVING and speaks plaintext only,

@@ -1,0 +1,42 @@
+"""The simulator with receivers that die (control_plane/planner/simulate.py): the dead are left out, those not
+started yet start as planned, and no figure beats the lower bound of the receivers left."""
+
+import pytest
+
+from control_plane.planner.schedules import make_plan
+from control_plane.planner.simulate import lower_bound, simulate
+
+RATE = 1e6  # bytes/s
+CHUNK = 1000
+BLOCKS = [20_000] * 4
+S_OVER_B = sum(BLOCKS) / RATE
+
+
+def _chain(n: int):
+    return make_plan("chain", ["store"], [f"w{i}" for i in range(n)], len(BLOCKS))
+
+
+def test_a_receiver_that_dies_before_its_start_is_left_out():
+    # w3 (depth 4) would start at 0.064 s: the repair at 0.01 s drops it from the plan before then.
+    finished = simulate(_chain(4), BLOCKS, RATE, CHUNK, start_delay_s=0.016, failures={"w3": 0.0}, detect_s=0.01)
+    assert sorted(finished) == ["w0", "w1", "w2"]
+    bound = lower_bound(_chain(4), BLOCKS, RATE, CHUNK, start_delay_s=0.016, dead={"w3"})
+    assert max(finished.values()) >= bound
+
+
+def test_a_repair_starts_no_receiver_before_its_start_delay():
+    # w0 dies at 0.02 s, after its start; the repair at once hands w1 to the store. w2, at depth 3, still asks
+    # for its first unit at 0.048 s, as planned, not at the repair.
+    finished = simulate(_chain(3), BLOCKS, RATE, CHUNK, start_delay_s=0.016, failures={"w0": 0.02})
+    assert sorted(finished) == ["w1", "w2"]
+    assert finished["w2"] >= 3 * 0.016 + S_OVER_B
+
+
+def test_the_lower_bound_of_a_plan_with_a_dead_receiver_is_the_others():
+    # Two receivers: one of them waits for the store's first chunk, unless the other one is dead.
+    plan = _chain(2)
+    assert lower_bound(plan, BLOCKS, RATE, CHUNK, hop_latency_s=0.001) == pytest.approx(S_OVER_B + CHUNK / RATE + 0.001)
+    alone = lower_bound(plan, BLOCKS, RATE, CHUNK, hop_latency_s=0.001, dead={"w1"})
+    assert alone == pytest.approx(S_OVER_B + 0.001)
+    finished = simulate(plan, BLOCKS, RATE, CHUNK, failures={"w1": 0.0})
+    assert finished == {"w0": pytest.approx(lower_bound(plan, BLOCKS, RATE, CHUNK, dead={"w1"}))}  # met exactly
