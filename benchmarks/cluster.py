@@ -82,6 +82,20 @@ class _Interrupted(BaseException):
         self.signum = signum
 
 
+def _redeliver(signum: int) -> None:
+    """Act on ``signum``, which arrived while a cluster was up, now that it is torn down and the handlers
+    are restored: ignored, handled by its Python handler (SIGINT's raises KeyboardInterrupt), or, under the
+    default disposition, SystemExit(128 + signum): the status a shell reports for a process that signal
+    killed, while the caller's with and finally blocks (temporary folders, CPU quota cgroups) still run,
+    which killing the process here would skip."""
+    handler = signal.getsignal(signum)
+    if handler == signal.SIG_IGN:
+        return
+    if handler in (signal.SIG_DFL, None):
+        raise SystemExit(128 + signum)
+    signal.raise_signal(signum)
+
+
 @dataclass(frozen=True)
 class HostPlan:
     """One emulated host: its name, position, address and link rates (Mbit/s) in each direction."""
@@ -461,22 +475,24 @@ class EmulatedCluster:
         self._close(exc)
 
     def _close(self, exc: BaseException | None) -> None:
-        """Tear down, restore signal handlers, then deliver any signal that arrived meanwhile."""
+        """Tear down, restore signal handlers, then deliver any signal that arrived meanwhile (see
+        :func:`_redeliver`: one whose disposition is the default exits by SystemExit(128 + signum))."""
         self._deferring_signals = True
         try:
             left = self._teardown()
         finally:
             self._running = False
             self._restore_signal_handlers()
-        if isinstance(exc, _Interrupted):
-            signal.raise_signal(exc.signum)
-        for signum in self._pending_signals:
-            signal.raise_signal(signum)
+        signums = [exc.signum] if isinstance(exc, _Interrupted) else []
+        signums += self._pending_signals
+        self._pending_signals = []
         if left:
             message = f"emulated cluster {self._prefix}: namespaces left behind: {', '.join(left)}"
-            if exc is None:
+            if exc is None and not signums:
                 raise ClusterError(message)
             logger.error("%s", message)
+        for signum in signums:
+            _redeliver(signum)
 
     def _teardown(self) -> list[str]:
         """Stop every spawned process group, then delete this cluster's namespaces; return leftovers."""
@@ -564,7 +580,7 @@ class EmulatedCluster:
         if callable(previous):
             previous(signum, frame)  # e.g. KeyboardInterrupt: unwinds through __exit__, which cleans up
         elif previous != signal.SIG_IGN:
-            raise _Interrupted(signum)  # default disposition: clean up first, then let it kill us
+            raise _Interrupted(signum)  # default disposition: clean up first, then exit as it would have
 
     # -- names ----------------------------------------------------------------------------------------
 

@@ -70,6 +70,32 @@ def _reserve_size(ctx: click.Context, param: click.Parameter, value: str) -> int
         raise click.BadParameter(f"{exc} (a size such as 512MiB, package or 0)") from None
 
 
+def _cpus_option(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """--worker-cpus: 0 (no quota) or at least the smallest CPU quota the kernel takes."""
+    from benchmarks.cpuquota import MIN_CORES, MIN_QUOTA_US, PERIOD_US
+
+    if value is not None and 0 < value < MIN_CORES:
+        raise click.BadParameter(f"{value:g} is below the smallest CPU quota the kernel takes, {MIN_CORES:g} CPU "
+                                 f"({MIN_QUOTA_US} us per {PERIOD_US} us period); 0: no quota")
+    return value
+
+
+def _worker_cpus(value: float | None, workers: int, what: str) -> float | None:
+    """The CPU quota per serving worker: --worker-cpus (0: None, no quota), by default this machine's cores
+    over ``workers``, refused where that falls below the kernel's smallest quota (the workers named by
+    ``what``, e.g. "--workers 300")."""
+    from benchmarks.cpuquota import MIN_CORES
+
+    if value is not None:
+        return value or None
+    cores = os.cpu_count() or 1
+    if cores / workers < MIN_CORES:
+        raise click.BadParameter(f"the default, {cores} cores / {what} = {cores / workers:g} CPU per worker, is "
+                                 f"below the smallest CPU quota the kernel takes ({MIN_CORES:g} CPU): give "
+                                 "--worker-cpus 0 (no quota) or fewer workers", param_hint="'--worker-cpus'")
+    return cores / workers
+
+
 def _demo(cache: Path) -> Path:
     """The demo model's package, packed on first use."""
     from benchmarks.demo_model import demo_package
@@ -242,9 +268,10 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
               help="Sequences a worker runs together.")
 @click.option("--queue-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds a request may wait in the router for a worker.")
-@click.option("--worker-cpus", type=click.FloatRange(min=0),
-              help="CPUs each serving worker may use (a cgroup CFS quota): each emulated node's own compute, as a "
-                   "GPU node has. Default: the machine's cores / --workers; 0: no quota (workers share every core).")
+@click.option("--worker-cpus", type=click.FloatRange(min=0), callback=_cpus_option,
+              help="CPUs each serving worker may use (a cgroup CFS quota, at least 0.01): each emulated node's own "
+                   "compute, as a GPU node has. Default: the machine's cores / --workers; 0: no quota (workers share "
+                   "every core).")
 @click.option("--agent-reserve", metavar="SIZE|package|0", default="package", show_default=True,
               callback=_reserve_size,
               help="Host memory each cold worker's agent populates at start and receives blocks into (agent "
@@ -277,6 +304,7 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
     from benchmarks.surge.strategies import parse_strategies
     from pipecast.core.errors import PipecastError
 
+    worker_cpus = _worker_cpus(worker_cpus, workers, f"--workers {workers}")
     try:
         caps = traces.TokenCaps(prompt_cap, output_cap)
         if synthetic:
@@ -297,7 +325,7 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
             strategies=parse_strategies(strategies), workers=workers, min_workers=min_workers, link_mbit=link_mbit,
             store_mbit=store_mbit, repeat=repeat, pre_surge_s=pre_surge_seconds, first_n=first_n, mode=mode,
             worker_max_batch=worker_max_batch, queue_timeout_s=queue_timeout, calibrate=not no_calibrate,
-            worker_cpus=(os.cpu_count() or 1) / workers if worker_cpus is None else (worker_cpus or None),
+            worker_cpus=worker_cpus,
             policy=replace(surge.DEFAULT_POLICY, slo_ttft_p99_s=slo_ttft_p99, keep_alive_s=keep_alive,
                            scale_down_cooldown_s=scale_down_cooldown, cold_start_s=cold_start,
                            cold_start_measured=measure_cold_start, warm=daemon_warm),
@@ -410,9 +438,9 @@ def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoi
               help="Block package (default: the demo model's, packed on first use).")
 @DEMO_CACHE
 @EMULATION
-@click.option("--worker-cpus", type=click.FloatRange(min=0),
-              help="CPUs each serving worker may use (a CFS quota, each emulated node its own capacity; default: "
-                   "this machine's cores / receivers; 0: no quota).")
+@click.option("--worker-cpus", type=click.FloatRange(min=0), callback=_cpus_option,
+              help="CPUs each serving worker may use (a CFS quota of at least 0.01, each emulated node its own "
+                   "capacity; default: this machine's cores / receivers; 0: no quota).")
 @JSON_OUT
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Draw the first token against K (a share of S/B) as a PNG.")
@@ -424,13 +452,14 @@ def bench_pipelines(sources, source_kinds, strategies, receivers, link_mbit, pro
     """First token after a scale-up from K sources: cross-node pipelines vs waiting for a whole model."""
     from benchmarks import pipelines
 
+    worker_cpus = _worker_cpus(worker_cpus, receivers, f"--receivers {receivers}")
     try:
         config = pipelines.PipelinesConfig(
             package=package or _demo(cache), sources=pipelines.parse_sources(sources),
             source_kinds=pipelines.parse_choice(source_kinds, pipelines.SOURCE_KINDS, "--source-kind"),
             strategies=pipelines.parse_choice(strategies, pipelines.STRATEGIES, "--strategy"),
             receivers=receivers, link_mbit=link_mbit, prompt_tokens=prompt_tokens, max_tokens=max_tokens, mode=mode,
-            worker_cpus=(os.cpu_count() or 1) / receivers if worker_cpus is None else (worker_cpus or None),
+            worker_cpus=worker_cpus,
             auth=not no_auth)
     except pipelines.PipelinesBenchError as exc:
         raise click.UsageError(str(exc)) from None
@@ -624,6 +653,9 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
         names = distribution.parse_strategies(strategies)
     except distribution.DistributionBenchError as exc:
         raise click.BadParameter(str(exc)) from None
+    if fail_position == 1 and 1 in counts:  # no receiver would be left to time
+        raise click.BadParameter("1 is the only receiver at --nodes 1: nothing would be left to time",
+                                 param_hint="'--fail-position'")
     source = ""
     if package is not None:
         from packager.manifest import read_manifest
@@ -633,6 +665,9 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
         block_bytes = [b.bytes for b in manifest.blocks]
         chunk_bytes = max(b.chunk_bytes for b in manifest.blocks)
         source = f"{manifest.model_name} ({format_bytes(manifest.total_bytes)})"
+    elif model_bytes < blocks:  # a block of no bytes has no chunk to simulate
+        raise click.BadParameter(f"{model_bytes} bytes cannot be cut into --blocks {blocks}: every block needs a "
+                                 "byte at least", param_hint="'--model-bytes'")
     else:
         block_bytes = simulate.equal_blocks(model_bytes, blocks)
     settings = dict(block_bytes=block_bytes, link_mbit=link_mbit, chunk_bytes=chunk_bytes,

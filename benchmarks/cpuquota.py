@@ -14,9 +14,19 @@ import os
 import uuid
 from pathlib import Path
 
+from pipecast.core.errors import PipecastError
+
 log = logging.getLogger(__name__)
 
 PERIOD_US = 100_000
+#: The smallest CFS quota the kernel takes (a smaller one is refused with EINVAL), and so the fewest CPUs a
+#: worker can be given at PERIOD_US.
+MIN_QUOTA_US = 1_000
+MIN_CORES = MIN_QUOTA_US / PERIOD_US
+
+
+class CpuQuotaError(PipecastError):
+    """A CPU quota the kernel cannot take, or a process that cannot be put under one."""
 V1_ROOT = Path("/sys/fs/cgroup/cpu")
 V2_ROOT = Path("/sys/fs/cgroup/unified")
 
@@ -35,19 +45,24 @@ class CpuQuotas:
         return self.root is not None
 
     def limit(self, pid: int) -> None:
-        """Move process ``pid`` (and the threads and children it starts after) under a quota of its own."""
+        """Move process ``pid`` (and the threads and children it starts after) under a quota of its own;
+        CpuQuotaError, naming the quota, where the cgroup cannot be made or written."""
         if self.root is None:
             return
         group = self.root / f"pipecast-{uuid.uuid4().hex[:10]}"
-        group.mkdir()
-        self._groups.append(group)
         quota = int(self.cores * PERIOD_US)
-        if (group / "cpu.max").exists():  # cgroup v2
-            (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-        else:
-            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-            (group / "cpu.cfs_quota_us").write_text(str(quota))
-        (group / "cgroup.procs").write_text(str(pid))
+        try:
+            group.mkdir()
+            self._groups.append(group)
+            if (group / "cpu.max").exists():  # cgroup v2
+                (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+            else:
+                (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (group / "cpu.cfs_quota_us").write_text(str(quota))
+            (group / "cgroup.procs").write_text(str(pid))
+        except OSError as exc:
+            raise CpuQuotaError(f"cannot put process {pid} under a CPU quota of {quota} us per {PERIOD_US} us "
+                                f"({self.cores:g} CPU) in {group}: {exc.strerror or exc}") from exc
 
     def close(self) -> None:
         """Remove the groups (their processes must have exited; a group still in use is left, logged)."""
@@ -76,9 +91,13 @@ def _writable(root: Path) -> str:
 
 
 def open_quotas(cores: float | None) -> CpuQuotas:
-    """Quotas of ``cores`` CPUs per limited process (None: none asked), on the first writable hierarchy."""
+    """Quotas of ``cores`` CPUs per limited process (None: none asked), on the first writable hierarchy;
+    CpuQuotaError for fewer cores than the kernel's smallest quota (MIN_CORES), before any process starts."""
     if cores is None:
         return CpuQuotas(None, 0.0, "not asked")
+    if cores < MIN_CORES:
+        raise CpuQuotaError(f"a CPU quota of {cores:g} CPU is below the smallest the kernel takes: {MIN_CORES:g} "
+                            f"CPU ({MIN_QUOTA_US} us per {PERIOD_US} us)")
     reasons = []
     for root in (V1_ROOT, V2_ROOT):
         reason = _writable(root)

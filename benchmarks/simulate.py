@@ -25,6 +25,9 @@ from pipecast.core.units import format_bytes
 STRATEGIES = ("chain", "binomial", "tree", "unicast")
 
 WHOLE_BLOCKS = "binomial-blocks"  # the label of the binomial pipeline over whole blocks
+#: Relative slack of the lower-bound check: a figure that meets its bound exactly may differ from it in the last
+#: bits (the simulator sums per chunk what the bound computes at once).
+BOUND_TOLERANCE = 1e-9
 
 
 @dataclass(frozen=True)
@@ -110,9 +113,10 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
                                     concurrency=concurrency, relay_bytes=relay)
                 seconds = max(finished.values())
                 others = max((t for rx, t in finished.items() if rx != slow), default=None) if slow else None
+                # The bound of the receivers in the figure: the dead one is left out of both.
                 bound = lower_bound(plan, block_bytes, rate, chunk_bytes, hop_latency_s=hop_latency_s,
-                                    start_delay_s=start_delay_s, relay_bytes=relay)
-                if seconds < bound:
+                                    start_delay_s=start_delay_s, relay_bytes=relay, dead=failures or ())
+                if seconds < bound * (1 - BOUND_TOLERANCE):
                     raise RuntimeError(f"N={n} {label}: simulated {seconds:.4f} s, below the lower bound {bound:.4f} s")
                 units = max(map(len, plan.assignments.values()), default=0)
                 figure = SimulatedRun(n, label, label == default_strategy(1, n), units, seconds, floor,

@@ -278,15 +278,15 @@ def ratios(summaries: Sequence[StrategySummary]) -> dict[str, dict[str, float | 
 
 def verdicts(summaries: Sequence[StrategySummary], pair_ratios: Mapping[str, Mapping[str, float | None]]
              ) -> list[str]:
-    """The issue's targets, each met or not, for every pipecast variant (``pipecast``, ``pipecast-*``), and
-    what saturated the machine."""
+    """The issue's targets, each met or not, for every pipecast variant (``pipecast``, ``pipecast-*``, either
+    with a warm count ``:W``), and what saturated the machine."""
     first_n = summaries[0].first_n if summaries else FIRST_N
-    variants = [s for s in summaries if s.strategy == PIPECAST or s.strategy.startswith(f"{PIPECAST}-")]
+    variants = [s for s in summaries if _base(s.strategy).partition("-")[0] == PIPECAST]
     lines = []
     for pipecast in variants:
         value = pair_ratios.get(f"{BASELINE}/{pipecast.strategy}", {}).get("first100_ttft_p99_seconds")
         if f"{BASELINE}/{pipecast.strategy}" in pair_ratios:
-            target = TARGET_FIRST_P99_RATIO_OF.get(pipecast.strategy.partition(":")[0], TARGET_FIRST_P99_RATIO)
+            target = TARGET_FIRST_P99_RATIO_OF.get(_base(pipecast.strategy), TARGET_FIRST_P99_RATIO)
             met = "met" if value is not None and value >= target else "NOT met"
             shown = "n/a" if value is None else f"{value:.1f}x"
             lines.append(f"first-{first_n} p99 TTFT, unicast / {pipecast.strategy} = {shown} "
@@ -310,7 +310,10 @@ def verdicts(summaries: Sequence[StrategySummary], pair_ratios: Mapping[str, Map
                 lines.append(f"{pipecast.strategy} ({pipecast.warm_workers} warm) against {s.strategy}: first-"
                              f"{first_n} p99 at or below it with fewer worker-seconds ({'met' if met else 'NOT met'})")
     by_name = {s.strategy: s for s in summaries}
-    for daemon, oracle in ((PIPECAST, PIPECAST + ORACLE_SUFFIX), (BASELINE, BASELINE + ORACLE_SUFFIX)):
+    # Each daemon-scaled strategy against its oracle with the same warm count (pipecast:2, pipecast-oracle:2).
+    pairs = [(s.strategy, f"{base}{ORACLE_SUFFIX}{s.strategy[len(base):]}") for base in (PIPECAST, BASELINE)
+             for s in summaries if _base(s.strategy) == base]
+    for daemon, oracle in pairs:
         value = pair_ratios.get(f"{daemon}/{oracle}", {}).get("first100_ttft_p99_seconds")
         if daemon in by_name and oracle in by_name:
             shown = "n/a" if value is None else f"{value:.2f}x"
@@ -324,6 +327,11 @@ def verdicts(summaries: Sequence[StrategySummary], pair_ratios: Mapping[str, Map
     return lines
 
 
+def _base(strategy: str) -> str:
+    """A strategy's registered name, without its warm count (``pipecast:2`` is ``pipecast``)."""
+    return strategy.partition(":")[0]
+
+
 def oscillations(events: Sequence[Mapping], cooldown_s: float) -> int:
     """Scale-ups that came within ``cooldown_s`` of a release: the thrash a policy must not do."""
     releases = [e["t"] for e in events if e["action"] == "release"]
@@ -333,35 +341,43 @@ def oscillations(events: Sequence[Mapping], cooldown_s: float) -> int:
 def _long_run_verdicts(by_name: Mapping[str, StrategySummary],
                        pair_ratios: Mapping[str, Mapping[str, float | None]]) -> list[str]:
     """The long run's targets: the daemon's thrash, W* (the smallest fixed pool as good as pipecast) and its
-    cost, and pipecast's p99 against the daemon with unicast loading."""
+    cost, and pipecast's p99 against the daemon with unicast loading; for each ``pipecast`` measured (any warm
+    count)."""
     lines = []
-    pipecast = by_name.get(PIPECAST)
     for s in by_name.values():
         if s.runs and s.runs[0].notes.get("scaled_by") == "daemon":
             cooldown = s.runs[0].notes.get("policy", {}).get("scale_down_cooldown_s", 0.0)
             count = sum(oscillations(run.notes.get("scale_events", []), cooldown) for run in s.runs)
             lines.append(f"{s.strategy}: {count} scale-up(s) within the {cooldown:g} s cooldown of a release "
                          f"(target 0: {'met' if count == 0 else 'NOT met'})")
-    if pipecast is None:
-        return lines
+    for pipecast in (s for name, s in by_name.items() if _base(name) == PIPECAST):
+        lines += _w_star_verdicts(pipecast, by_name, pair_ratios)
+    return lines
+
+
+def _w_star_verdicts(pipecast: StrategySummary, by_name: Mapping[str, StrategySummary],
+                     pair_ratios: Mapping[str, Mapping[str, float | None]]) -> list[str]:
+    """W* and its cost against ``pipecast`` (``pipecast`` or ``pipecast:W``), and its p99 against unicast's
+    with the daemon."""
+    lines, label = [], pipecast.strategy
     p99, cost = pipecast.median("ttft_p99_seconds"), pipecast.median("worker_seconds")
     fixed = sorted((s for name, s in by_name.items() if name.startswith(f"{FIXED}:")), key=lambda s: s.warm_workers)
     if fixed and p99 is not None and cost:
         w_star = next((s for s in fixed if (s.median("ttft_p99_seconds") or math.inf) <= p99), None)
         if w_star is None:
-            lines.append(f"W*: no fixed pool measured ({', '.join(s.strategy for s in fixed)}) reached pipecast's "
+            lines.append(f"W*: no fixed pool measured ({', '.join(s.strategy for s in fixed)}) reached {label}'s "
                          f"overall p99 TTFT {p99:.2f} s")
         else:
             saving = 1 - cost / w_star.median("worker_seconds")
             met = "met" if saving >= TARGET_SAVING_VS_W_STAR else "NOT met"
             lines.append(f"W* = {w_star.warm_workers} ({w_star.strategy}: overall p99 "
-                         f"{w_star.median('ttft_p99_seconds'):.2f} s <= pipecast's {p99:.2f} s); pipecast uses "
+                         f"{w_star.median('ttft_p99_seconds'):.2f} s <= {label}'s {p99:.2f} s); {label} uses "
                          f"{abs(saving):.0%} {'fewer' if saving >= 0 else 'more'} worker-seconds ({cost:.0f} vs "
                          f"{w_star.median('worker_seconds'):.0f}; "
                          f"target >= {TARGET_SAVING_VS_W_STAR:.0%}: {met})")
-    value = pair_ratios.get(f"{BASELINE}/{PIPECAST}", {}).get("ttft_p99_seconds")
+    value = pair_ratios.get(f"{BASELINE}/{label}", {}).get("ttft_p99_seconds")
     if value is not None and BASELINE in by_name and by_name[BASELINE].runs[0].notes.get("scaled_by") == "daemon":
-        lines.append(f"overall p99 TTFT, unicast (daemon) / pipecast (daemon) = {value:.1f}x (target >= "
+        lines.append(f"overall p99 TTFT, unicast (daemon) / {label} (daemon) = {value:.1f}x (target >= "
                      f"{TARGET_FIRST_P99_RATIO:g}x: {'met' if value >= TARGET_FIRST_P99_RATIO else 'NOT met'})")
     return lines
 

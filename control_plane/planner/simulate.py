@@ -40,7 +40,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from control_plane.planner.plan import Plan, PlanError, UnitIndex, unit_name
 from control_plane.planner.replan import repair
@@ -168,6 +168,7 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     events: list[tuple[float, int, int, str, str, int]] = []
     finished: dict[str, float] = {}
     dead: set[str] = set()
+    started: set[str] = set()  # receivers past their start delay: they ask for units
     seq = ids = 0
 
     def lay_out(rx: str, finished_units: set[tuple[int, int, int]]) -> None:
@@ -369,7 +370,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
                 continue
             for k, progress in restart.get(rx, ()):
                 begin(rx, k, now, progress)
-            fill(rx, now)
+            if rx in started:  # one not started yet asks for its first unit at its start, as planned
+                fill(rx, now)
         for node in list(queues):
             send(node, now)
 
@@ -384,11 +386,14 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             seq += 1
             heapq.heappush(events, (start_delay_s * depth_of(rx), seq, STARTED, "", rx, 0))
         else:
+            started.add(rx)
             fill(rx, 0.0)
     while events:
         now, _, kind, parent, child, fetch = heapq.heappop(events)
         if kind == STARTED:
-            fill(child, now)
+            if child in units and child not in dead:  # a repair before its start may have dropped it (dead)
+                started.add(child)
+                fill(child, now)
             continue
         if kind == DIED:
             dead.add(child)
@@ -442,7 +447,7 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
 
 def lower_bound(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: float, chunk_bytes: int, *,
                 links: Mapping[str, int] | None = None, hop_latency_s: float = 0.0,
-                start_delay_s: float = 0.0, relay_bytes: int = 0) -> float:
+                start_delay_s: float = 0.0, relay_bytes: int = 0, dead: Collection[str] = ()) -> float:
     """Seconds before which no schedule of ``plan``'s fetches, in :func:`simulate`'s model with the same
     arguments, gets every receiver its units: the fluid bound.
 
@@ -453,6 +458,10 @@ def lower_bound(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: 
     from the source (or its first piece of ``relay_bytes``, where smaller: relays pass chunks on from their
     first piece): the one of them fetching the most bytes, S, finishes no earlier than (S + c)/B plus a
     hop. Every receiver starts ``start_delay_s`` or later.
+
+    ``dead``: receivers that die (:func:`simulate`'s ``failures``), which it leaves out of its result: the
+    bound is then the others'. Since the source's first chunk may then go to a dead receiver, or be one of a
+    repaired plan's units, c is then the smallest chunk of any block.
     """
     size = _block_sizes(plan, block_bytes)
 
@@ -461,7 +470,7 @@ def lower_bound(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: 
         return min(end * chunk_bytes, size[block]) - first * chunk_bytes
 
     fetched = sorted((sum(unit_bytes(a.block, a.chunks) for a in items)
-                      for items in plan.assignments.values() if items), reverse=True)
+                      for rx, items in plan.assignments.items() if items and rx not in dead), reverse=True)
     if not fetched:
         return 0.0
     bound = fetched[0] / link_bytes_per_s
@@ -470,6 +479,9 @@ def lower_bound(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: 
         starts = {(a.block, a.chunks[0] if a.chunks else 0) for items in plan.assignments.values()
                   for a in items if a.parent == source}
         first = min((unit_bytes(block, (c, c + 1)) for block, c in starts), default=0)
+        if set(dead) & plan.assignments.keys():
+            first = min(unit_bytes(block, (c - 1, c)) for block in size
+                        for c in [math.ceil(size[block] / chunk_bytes)])  # each block's last chunk, the smallest
         if relay_bytes:
             first = min(first, relay_bytes)
         bound = max(bound, (fetched[1] + first) / link_bytes_per_s)

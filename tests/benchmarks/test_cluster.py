@@ -81,6 +81,24 @@ with EmulatedCluster(["a", "b"], 10, mode="netns", name_prefix=sys.argv[1]) as c
 """
 
 
+# Enters a loopback cluster inside an outer finally, and SIGTERMs itself in the with block (body) or while the
+# cluster tears down (teardown: the signal is deferred, then delivered).
+TERM_CHILD = r"""
+import signal, sys
+from benchmarks.cluster import EmulatedCluster
+try:
+    with EmulatedCluster(["a"], 10, mode="loopback") as c:
+        if sys.argv[1] == "teardown":
+            teardown = c._teardown
+            c._teardown = lambda: (signal.raise_signal(signal.SIGTERM), teardown())[1]
+        else:
+            signal.raise_signal(signal.SIGTERM)
+            print("the body went on", flush=True)
+finally:
+    print("outer finally ran", flush=True)
+"""
+
+
 def _netns_of(prefix: str) -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.startswith(f"{prefix}-")]
@@ -226,6 +244,15 @@ def test_loopback_exit_kills_spawned_process_groups() -> None:
     assert _gone(grandchild)
 
 
+@pytest.mark.parametrize("when", ["body", "teardown"])
+def test_sigterm_unwinds_the_callers_blocks_then_exits_128_plus_the_signal(when: str) -> None:
+    # Killing the process at the cluster's exit would skip the caller's clean-up (temp dirs, cgroups).
+    child = subprocess.run([sys.executable, "-c", TERM_CHILD, when], capture_output=True, text=True, cwd=REPO,
+                           timeout=60)
+    assert child.returncode == 128 + signal.SIGTERM, child.stderr
+    assert child.stdout == "outer finally ran\n"
+
+
 # -- netns mode ----------------------------------------------------------------------------------------
 
 
@@ -316,7 +343,7 @@ def test_sigterm_cleans_up_then_terminates(netns_cluster: EmulatedCluster) -> No
     child, prefix, sleeper = _start_child("pcterm")
     assert len(_netns_of(prefix)) == 3
     child.send_signal(signal.SIGTERM)
-    assert child.wait(timeout=10) == -signal.SIGTERM
+    assert child.wait(timeout=10) == 128 + signal.SIGTERM  # exits as a shell reports a SIGTERM death
     assert _netns_of(prefix) == []
     assert _gone(sleeper)
 

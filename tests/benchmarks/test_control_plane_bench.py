@@ -43,3 +43,18 @@ def test_the_event_loop_stall_is_measured_beside_a_real_server():
     assert warm.rendered_bytes > 0 and warm.resume_ms > 0
     assert "scale-up of 8 beside 80 warm holders: planned in" in bench.report(result)
     assert "a receiver back after its lease lapsed re-planned in" in bench.report(result)
+
+
+def test_a_plan_with_no_relay_has_no_re_plan_to_time_and_says_so():
+    # Four receivers beside four holders: a rotated plan whose receivers serve nobody, so no relay dies.
+    planning = bench.measure_planning(workers=4, blocks=2, sources=4, repeat=1)
+    assert planning.replans == 0 and planning.replan_ms is planning.replan_p99_ms is None
+    assert "no receiver serves others: no relay's death to re-plan around" in bench.report(
+        bench.BenchResult(planning=[planning]))
+
+
+def test_the_stall_measure_skips_the_re_plan_where_no_receiver_serves_others():
+    stall = bench.measure_stall(workers=1, blocks=2)
+    assert stall.replan_stall_ms is None and stall.scale_up_rpc_ms > 0
+    assert "no re-plan (no receiver serves others) (target <= 50 ms: " in bench.report(
+        bench.BenchResult(stalls=[stall]))

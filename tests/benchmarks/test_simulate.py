@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from benchmarks.command import bench_group
@@ -121,3 +122,32 @@ def test_receivers_fetch_as_many_units_at_once_as_asked(tmp_path):
     seconds = {(r["strategy"], k): r["seconds"] for k, d in (("one", one), ("four", data)) for r in d["results"]}
     assert seconds["chain", "one"] == seconds["chain", "four"]  # one parent: one unit at a time whatever the setting
     assert all(r["lower_bound_seconds"] <= r["seconds"] for r in data["results"])
+
+
+@pytest.mark.parametrize("args", [
+    # The dead one is out of the figure and of its bound.
+    ["--nodes", "2", "--fail-position", "2", "--fail-at", "0", "--model-bytes", "16MiB"],
+    # A figure equal to its bound but for the last bits (the demo model's size: 5.3897 s both).
+    ["--nodes", "1", "--hop-latency-ms", "0", "--model-bytes", "257MiB"],
+    # The dead one had not started yet: the repair drops it before its start.
+    ["--nodes", "4", "--fail-position", "4", "--fail-at", "0", "--detect", "0.01", "--calibrated", "--model-bytes",
+     "16MiB"],
+])
+def test_figures_that_meet_the_lower_bound_of_the_receivers_left_pass_its_check(args, tmp_path):
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(bench_group, ["simulate", *args, "--strategy", "chain,binomial,tree,unicast",
+                                              "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    results = json.loads(out.read_text())["results"]
+    assert results and all(r["seconds"] >= r["lower_bound_seconds"] * (1 - 1e-9) for r in results)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model-bytes", "4", "--blocks", "8"],
+     "Invalid value for '--model-bytes': 4 bytes cannot be cut into --blocks 8: every block needs a byte at least"),
+    (["--nodes", "1,4", "--fail-position", "1"],
+     "Invalid value for '--fail-position': 1 is the only receiver at --nodes 1: nothing would be left to time"),
+])
+def test_settings_that_leave_nothing_to_simulate_are_refused(args, message):
+    result = CliRunner().invoke(bench_group, ["simulate", *args])
+    assert result.exit_code == 2 and message in result.output, result.output

@@ -302,6 +302,26 @@ def test_the_long_run_verdicts_find_w_star_and_the_daemons_thrash():
     assert w_star.endswith("pipecast uses 396% more worker-seconds (401 vs 81; target >= 30%: NOT met)"), w_star
 
 
+def test_pipecast_with_a_warm_count_gets_every_verdict_pipecast_gets():
+    # pipecast:W (a warm pool of W under the daemon) is pipecast: its targets apply, named as it is.
+    def daemon(run: RunRecord) -> RunRecord:
+        return replace(run, notes={"scaled_by": "daemon", "scale_events": [],
+                                   "policy": {"scale_down_cooldown_s": 30.0}})
+
+    runs = [daemon(run_of("pipecast:1", [1.0] * 10, 5.0, warm=1)), daemon(run_of("unicast", [9.0] * 10, 40.0)),
+            run_of("pipecast-oracle:1", [1.0] * 10, 5.0, warm=1), run_of("warm-pool:2", [1.05] * 10, 40.0, warm=2),
+            run_of("fixed:2", [0.5] * 10, 1.0, warm=2)]
+    summaries = [summarize(r.strategy, "", int(r.strategy[-1]) if ":" in r.strategy else 0, [r]) for r in runs]
+    lines = verdicts(summaries, ratios(summaries))
+    assert "first-100 p99 TTFT, unicast / pipecast:1 = 9.0x (target >= 5x: met)" in lines
+    assert any(line.startswith("warm-pool:2 (2 warm): first-100 p99 1.05 s vs pipecast:1 1.00 s") for line in lines)
+    assert "first-100 p99 TTFT, pipecast:1 (scaled by the daemon) / pipecast-oracle:1 = 1.00x (target <= 1.3x: " \
+           "met)" in lines
+    [w_star] = [line for line in lines if line.startswith("W* = ")]
+    assert w_star.startswith("W* = 2 (fixed:2: overall p99 0.50 s <= pipecast:1's 1.00 s); pipecast:1 uses ")
+    assert "overall p99 TTFT, unicast (daemon) / pipecast:1 (daemon) = 9.0x (target >= 5x: met)" in lines
+
+
 def test_the_timeline_drops_a_released_worker_to_nothing_and_loads_it_again():
     worker = WorkerTimeline("w1", False, 1.0, 2, block_times=(2.0, 3.0, 12.0, 13.0), billed=((1.0, 8.0), (11.0, None)))
     assert held_steps(worker, 20.0) == ([0.0, 2.0, 3.0, 8.0, 12.0, 13.0, 20.0], [0.0, 0.5, 1.0, 0.0, 0.5, 1.0, 1.0])
