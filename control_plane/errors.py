@@ -119,10 +119,18 @@ class StoreError(ControlPlaneError):
     """The control plane's database cannot be opened, read or written (the path is the operator's)."""
 
 
+class ChangeNotStored(ControlPlaneError):
+    """A call's change was made (agents may have been told of it) but the database refused to store it: it is
+    written by the next flush that succeeds, and lost if the control plane stops first. Not a refusal: a caller
+    must not make the change again."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 _BY_NAME: dict[str, type[ControlPlaneError]] = {
     cls.__name__: cls for cls in (UnknownWorker, UnknownPackage, UnknownDeployment, UnknownRoute, InvalidRequest,
                                   Conflict, InsufficientWorkers, Unauthenticated, PermissionDenied,
-                                  ControlPlaneUnavailable)
+                                  ControlPlaneUnavailable, ChangeNotStored)
 }
 
 

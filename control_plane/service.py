@@ -46,10 +46,12 @@ from control_plane.deployments import DeploymentBook
 from control_plane.routes import ModelRoute, describe as describe_route
 from control_plane.errors import (
     ERROR_TRAILER,
+    ChangeNotStored,
     Conflict,
     ControlPlaneError,
     InvalidRequest,
     PermissionDenied,
+    StoreError,
     Unauthenticated,
     UnknownWorker,
 )
@@ -239,6 +241,10 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                         raise
                     except BaseException as exc:
                         self._commit_failed(pending, exc)
+                        if durable and isinstance(exc, StoreError):  # the change stays made: not a refusal
+                            raise ChangeNotStored(f"the change was made but not stored yet ({exc}); it is written "
+                                                  f"with the next flush that succeeds, and lost if the control "
+                                                  f"plane stops first") from exc
                         raise
                     self.book.written_routes = routes
                     return

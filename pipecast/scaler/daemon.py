@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from control_plane.deployments import Deployment, ScaleEvent
-from control_plane.errors import ControlPlaneError, InsufficientWorkers
+from control_plane.errors import ChangeNotStored, ControlPlaneError, InsufficientWorkers
 from control_plane.routes import RouteChange
 from pipecast.core import strictjson
 from pipecast.core.credentials import serving_headers
@@ -231,6 +231,13 @@ class Scaler:
             else:
                 await self.client.release(package_id, list(decision.release), keep_alive_s=self.config.source_keep_s)
                 tracked.released.update({node: now for node in decision.release})
+        except ChangeNotStored as exc:  # made all the same (agents told): never made again, nor logged as a hold
+            log.warning("scaler %s: %s made but not stored: %s", package_id[:12], decision.action, exc)
+            if decision.add:
+                tracked.last_scale_up = now
+            else:
+                tracked.released.update({node: now for node in decision.release})
+            return
         except ControlPlaneError as exc:
             # The placement may differ from the pool the policy saw (a worker died, memory is short): hold.
             log.warning("scaler %s: %s refused: %s", package_id[:12], decision.action, exc)

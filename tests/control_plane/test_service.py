@@ -25,6 +25,7 @@ from control_plane.command import cp_group
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.routes import RouteChange
 from control_plane.errors import (
+    ChangeNotStored,
     ControlPlaneUnavailable,
     InvalidRequest,
     PermissionDenied,
@@ -900,6 +901,30 @@ async def test_a_durable_call_is_answered_only_once_a_commit_carrying_its_change
     finally:
         store.go.set()
         store.close()
+
+
+async def test_a_scale_up_made_but_not_stored_says_so_and_is_written_by_a_later_flush(server, client, tmp_path,
+                                                                                     monkeypatch):
+    """The database refused the durable write: the plan stands (its agents are told), so the answer is no
+    refusal (a caller retrying a refused scale-up would add workers twice)."""
+    await client.publish_package(manifest(), STORE)
+    await client.register(spec("w1"))
+    store, commit = server.store, server.store._commit
+
+    def fails_once(changes):
+        monkeypatch.setattr(store, "_commit", commit)
+        raise StoreError(f"control plane database {store.where}: cannot write: disk I/O error")
+
+    monkeypatch.setattr(store, "_commit", fails_once)
+    with pytest.raises(ChangeNotStored, match=r"^the change was made but not stored yet \(control plane database .*: "
+                                              r"cannot write: disk I/O error\); it is written with the next flush"):
+        await client.scale_up(PKG, count=1)
+    assert [list(plan.receivers) for plan in await client.list_plans(PKG)] == [["w1"]]
+
+    async def stored():
+        with sqlite3.connect(tmp_path / "cp.sqlite3") as db:
+            return db.execute("SELECT count(*) FROM plans").fetchone() == (1,)
+    await eventually(stored, what="the plan written by a later flush")
 
 
 async def test_routers_are_shown_a_route_change_only_once_it_is_written(server, client, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
-from control_plane.errors import InsufficientWorkers
+from control_plane.errors import ChangeNotStored, InsufficientWorkers
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
 from pipecast.core.credentials import SERVING_KEY_HEADER
 from pipecast.scaler.daemon import Scaler, ScalerConfig
@@ -160,6 +160,21 @@ async def test_idle_replicas_are_released_after_keep_alive_and_the_refusal_of_a_
             assert decision.add == 1  # only w3 is free
     assert client.calls[-2:] == [("scale_up", 1, ""), ("event", "hold")]
     assert client.events[-1].reason == "scale_up refused: no memory"
+
+
+async def test_a_scale_up_made_but_not_stored_is_no_refusal_and_starts_the_cooldown():
+    """The database refused to store it, the control plane made it all the same (agents told): recorded as
+    refused, it was asked again the next tick."""
+    async with stub_router(stats(queue=9, arrived=9)) as (url, _):
+        client = RecordingClient([worker("w1"), worker("w2"), worker("w3")], (url,))
+        client.refuse = ChangeNotStored("the change was made but not stored yet (disk I/O error)")
+        async with Scaler(client, ScalerConfig()) as scaler:
+            [(_, decision)] = await scaler.tick()
+            assert decision.add >= 1
+            client.refuse = None
+            await scaler.tick()
+    assert [c for c in client.calls if c[0] == "scale_up"] == [("scale_up", decision.add, "")]  # once, in cooldown
+    assert all(e.action != "hold" or "refused" not in e.reason for e in client.events)
 
 
 async def test_a_scale_up_that_cannot_be_placed_whole_asks_for_fewer():
