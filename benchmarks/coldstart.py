@@ -194,7 +194,9 @@ class StrategyResult:
 
     @property
     def floor_seconds(self) -> float:
-        """DESIGN 4: S/B + compute(last block) while loading; S/B + compute(all blocks) after loading."""
+        """DESIGN 4: S/B + compute(last block) while loading; S/B + compute(all blocks) after loading. Not strict
+        while loading: layers run as their own chunks land, so part of the last block's compute may come before
+        the transfer's end (docs/benchmarks.md, "Cold start of one worker")."""
         return transfer_floor_seconds(self.package_bytes, self.link_mbit) + self.compute_bound_seconds
 
     @property

@@ -303,8 +303,9 @@ class ControlPlaneServer:
                 return
             self._lease = lease
             await self._lead()
-            log.warning("control plane %s leads: packages=%d workers=%d deployments=%d", self.holder,
-                        len(self.state.packages), len(self.state.workers), len(self.book.deployments))
+            log.warning("control plane %s leads: packages=%d workers=%d plans=%d deployments=%d", self.holder,
+                        len(self.state.packages), len(self.state.workers), len(self.state.plans),
+                        len(self.book.deployments))
 
     def _scan(self) -> None:
         """The lease scan, after checking that this replica's own lease runs on."""

@@ -21,12 +21,12 @@ from benchmarks.cluster import (
     INGRESS_ENV,
     ClusterError,
     EmulatedCluster,
-    detect_mode,
     htb_commands,
     plan_hosts,
 )
 from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage, busy_fraction, summarize
 from tests.support import REPO
+from tests.support.netns import require_netns
 
 LINK_MBIT = 80.0
 
@@ -258,9 +258,7 @@ def test_sigterm_unwinds_the_callers_blocks_then_exits_128_plus_the_signal(when:
 
 @pytest.fixture(scope="module")
 def netns_cluster() -> Iterator[EmulatedCluster]:
-    choice = detect_mode()
-    if choice.mode != "netns":
-        pytest.skip(f"netns mode unavailable: {choice.reason}")
+    require_netns()
     with EmulatedCluster(["a", "b", "c"], LINK_MBIT, mode="netns") as cluster:
         yield cluster
 

@@ -48,7 +48,7 @@ def test_the_multicast_completes_when_the_leader_is_killed_mid_transfer(postgres
         package_id = cluster.up(store_mbit="4")  # ~4 s of transfer: the takeover happens while blocks move
         cluster.cp("scale-up", package_id, "--count", "4")
         initial_fetches(cluster)
-        [plan] = cluster.cp("plans")
+        assert len(cluster.cp("plans")) == 1
         cluster.wait_for(lambda: any(cluster.events(n, "block_verified") for n in AGENTS), "a first block")
         cluster.procs["cp0"].kill()
         cluster.procs["cp0"].wait()
@@ -63,7 +63,7 @@ def test_the_multicast_completes_when_the_leader_is_killed_mid_transfer(postgres
         late = [e for n in AGENTS for e in cluster.events(n, "block_verified") if e["t"] > killed_at]
         assert late, "the transfer ended before the leader died: the takeover was not tested"
         # The new leader restored the plan from the database and ended it once every agent reported.
-        assert [p["plan_id"] for p in cluster.try_cp("plans") or []] in ([plan["plan_id"]], [])
+        assert " plans=1 " in cluster.log("cp1")
         cluster.wait_for(lambda: cluster.in_plans(package_id) == set(), "the restored plan to end")
         truth = {node: list(range(len(manifest.blocks))) for node in AGENTS} | {
             "store": list(range(len(manifest.blocks)))}

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.chaos_package import random_package
-from benchmarks.cluster import detect_mode
 from benchmarks.distribution import worker_names
 from benchmarks.stragglers import HANDLED, StragglersConfig, format_report, run
+from tests.support.netns import require_netns
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(600)]
 
@@ -35,9 +35,7 @@ def package(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", autouse=True)
 def netns() -> None:
-    choice = detect_mode()
-    if choice.mode != "netns":
-        pytest.skip(f"netns mode unavailable: {choice.reason}")
+    require_netns()
 
 
 def test_the_slow_receiver_alone_is_demoted_and_the_others_finish_well_before_it(package, tmp_path):

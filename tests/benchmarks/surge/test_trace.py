@@ -1,9 +1,9 @@
 """Trace files, windows, time scaling, caps and synthetic loads of ``pipecast bench surge`` (pure)."""
 
-from pathlib import Path
 
 import pytest
 
+from benchmarks.command import SURGE_TRACE
 from benchmarks.surge.trace import (
     PEAK_WINDOW_S,
     ScheduledRequest,
@@ -23,7 +23,7 @@ from benchmarks.surge.trace import (
     synthetic_schedule,
 )
 
-AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_conv.csv"
+AZURE = SURGE_TRACE  # ../shared beside the repository (parents[2] was the tests folder: always skipped)
 CAPS = TokenCaps(prompt_tokens=64, output_tokens=8)
 
 
