@@ -241,7 +241,9 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                         raise
                     except BaseException as exc:
                         self._commit_failed(pending, exc)
-                        if durable and isinstance(exc, StoreError):  # the change stays made: not a refusal
+                        # The change stays made: not a refusal; unless this replica was deposed (nothing of it
+                        # will be written here: the caller retries with the new leader).
+                        if durable and isinstance(exc, StoreError) and not isinstance(exc, FencedError):
                             raise ChangeNotStored(f"the change was made but not stored yet ({exc}); it is written "
                                                   f"with the next flush that succeeds, and lost if the control "
                                                   f"plane stops first") from exc
