@@ -3,9 +3,11 @@
 Each package is a package folder ``<root>/<package_id>/`` in the packager's layout (``manifest.json``,
 small files, ``blocks/``), so a cache folder can also be served with ``--seed``. Every file is written
 to a temporary name and renamed into place, so a crash never leaves a half file under a real name.
-There is no fsync and no trusted "verified" marker: on restart each cached block is re-hashed against
-the manifest when the store opens it (BLAKE3 runs at several GB/s per core, far above disk and network
-rates), and a torn or rotten file is dropped and fetched again.
+Blocks and small files are not fsynced and have no trusted "verified" marker: on restart each is
+re-hashed against the manifest when the store opens it (BLAKE3 runs at several GB/s per core, far above
+disk and network rates), and a torn or rotten one is dropped and fetched again. The manifest, which every
+other file is checked against, is fsynced before its rename; one that is torn all the same, invalid or
+another package's is ignored on restart and written again.
 
 The cache is an optimisation, never a reason to stop: a write that fails (disk full, I/O error, a
 read-only mount) is logged and counted in :attr:`BlockCache.write_errors`, the block stays served from
@@ -13,13 +15,14 @@ memory, and the agent goes on. Temporary files left by a crash mid-write are rem
 """
 
 import logging
+import os
 import threading
 from pathlib import Path
 
 from packager.errors import PackageError
 from packager.manifest import MANIFEST_FILE, manifest_to_json, read_manifest
 from pipecast.agent.local_package import LocalPackageFolder
-from pipecast.core.fsutil import atomic_write, sweep_stale_temporaries
+from pipecast.core.fsutil import TEMPORARY_MARK, atomic_write, sweep_stale_temporaries
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
@@ -74,14 +77,17 @@ class BlockCache:
             return []
 
     def write_manifest(self, manifest: Manifest) -> bool:
-        """Persist the manifest (once per package); False if it could not be written."""
-        path = self.package_dir(manifest.package_id) / MANIFEST_FILE
+        """Persist the manifest, durably, unless the cache holds it already (a valid manifest of this package:
+        its digest is the package id); False if it could not be written."""
+        # Not merely "manifest.json exists": a torn, invalid or foreign one would keep the folder useless for good.
+        if self.local_package(manifest.package_id) is not None:
+            return True
+        what = f"the manifest of {manifest.package_id[:12]}"
         try:
-            if path.exists():
-                return True
+            _write_durably(self.package_dir(manifest.package_id) / MANIFEST_FILE, manifest_to_json(manifest).encode())
         except OSError as exc:
-            return self._failed(f"the manifest of {manifest.package_id[:12]}", exc)
-        return self._write(path, manifest_to_json(manifest).encode(), f"the manifest of {manifest.package_id[:12]}")
+            return self._failed(what, exc)
+        return True
 
     def write_file(self, package_id: str, path: str, data: bytes) -> bool:
         """Persist a verified small file; False if it could not be written."""
@@ -110,3 +116,25 @@ class BlockCache:
         log.warning("disk cache: could not write %s (%s); it stays in memory only (%d failed write(s) so far)",
                     what, exc.strerror or exc, count)
         return False
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file that is fsynced before its rename, then fsync the
+    folder: after a crash, even of the host, ``path`` holds either its old bytes or all of ``data``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Named as atomic_write names its temporaries (one per thread here), so a crash's leftover is swept alike.
+    tmp = path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}.{threading.get_ident()}")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(folder)  # the rename itself
+    finally:
+        os.close(folder)

@@ -32,9 +32,15 @@ from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind, Worke
 from control_plane.planner.plan import Fetch
 from control_plane.worker_session import WorkerSession
 from packager.manifest import MANIFEST_FILE
-from pipecast.agent.errors import AgentError, CorruptChunkError, CorruptFileError, FetchFailedError
+from pipecast.agent.errors import (
+    AgentError,
+    CorruptChunkError,
+    CorruptFileError,
+    FetchFailedError,
+    LocalResourceError,
+)
 from pipecast.agent.events import EventLog
-from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, PeerFailureCallback, fetch_files
+from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, PeerFailureCallback
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.store import BlockStore, StoreEvent
 from pipecast.agent.transport.base import Transport
@@ -57,8 +63,9 @@ class AgentHost(Protocol):
 
     async def open_store(self, package_id: str, peers: Sequence[PeerInfo], pool: ChannelPool,
                          on_failure: PeerFailureCallback | None = None) -> BlockStore:
-        """The store of ``package_id``: the one held, else a new one (disk cache first, manifest from ``peers``);
-        a failing peer is reported to ``on_failure``."""
+        """The store of ``package_id``: the one held, else a new one (disk cache first, manifest from ``peers``),
+        with the small files it lacks fetched from ``peers`` and written to the disk cache; a failing peer is
+        reported to ``on_failure``."""
         ...
 
     def peer_failed(self, what: str, peer: PeerInfo, error: Exception) -> None:
@@ -136,6 +143,7 @@ class PackageFollower:
         self._changed = asyncio.Event()
         self._errors: dict[PeerInfo, Exception] = {}
         self._untrusted: set[PeerInfo] = set()  # sent corrupt data of their own: never asked again
+        self._watched: BlockStore | None = None  # the store whose verified blocks this follower reports
         held = self._store()
         self._completed = held is not None and held.progress().complete  # a seed: nothing to announce
         self._task = asyncio.get_running_loop().create_task(self._follow(), name=f"follow-{package_id[:12]}")
@@ -184,15 +192,24 @@ class PackageFollower:
             try:
                 await self._follow_parts()
             except Exception as exc:  # anything at all but cancellation (close)
-                pause = max(self._replan_wait_s, 1.0)
+                pause = self._pause_s
                 log.exception("package %s: unexpected %s: %s; starting again on new parts or in %.1f s",
                               self.package_id[:12], type(exc).__name__, exc, pause)
                 self._host.events.emit("transfer_failed", package=self.package_id, error=type(exc).__name__,
                                        message=str(exc)[:1000])
-                try:
-                    await asyncio.wait_for(self._changed.wait(), pause)
-                except TimeoutError:
-                    pass
+                await self._changed_within(pause)
+
+    @property
+    def _pause_s(self) -> float:
+        """How long to wait for new parts before trying again after a failure that new parts need not cure."""
+        return max(self._replan_wait_s, 1.0)
+
+    async def _changed_within(self, seconds: float) -> None:
+        """Return once the parts change, or after ``seconds``."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), seconds)
+        except TimeoutError:
+            pass
 
     async def _follow_parts(self) -> None:
         avoid: set[PeerInfo] = set()  # parents the control plane did not replace in time: fetched around
@@ -219,6 +236,16 @@ class PackageFollower:
                 failed = set(fetcher.failed_peers if fetcher is not None else self._errors)
                 avoid = await self._after_failure(exc, failed, wanted)
                 continue
+            except LocalResourceError as exc:
+                # This node's own shortage (e.g. of file descriptors) passes as other transfers end: new parts
+                # need not come (nor would they cure it), so it is tried again after a pause.
+                pause = self._pause_s
+                log.warning("package %s: %s; trying again in %.1f s or on new parts", self.package_id[:12], exc,
+                            pause)
+                self._host.events.emit("transfer_failed", package=self.package_id, error=type(exc).__name__,
+                                       message=str(exc))
+                await self._changed_within(pause)
+                continue
             except AgentError as exc:  # e.g. the package does not fit the memory budget: wait for new parts
                 log.error("package %s: %s; waiting for new instructions", self.package_id[:12], exc)
                 self._host.events.emit("transfer_failed", package=self.package_id, error=type(exc).__name__,
@@ -234,15 +261,21 @@ class PackageFollower:
     async def _open(self, wanted: list[Fetch[PeerInfo]]) -> BlockStore:
         # The manifest and the small files: not from a peer that sent corrupt data of its own.
         peers = [p for p in dict.fromkeys([*(f.parent for f in wanted), *self._sources()]) if p not in self._untrusted]
-        store = self._store()
-        if store is None:
-            # The follower's own callback: a peer that sent an invalid manifest is never asked again.
-            store = await self._host.open_store(self.package_id, peers, self._pool, self._peer_failed)
-            store.subscribe(self._on_store_event)
-            self._session.report_verified(self.package_id, store.verified_blocks())  # e.g. from the disk cache
-        if store.missing_files():
-            await fetch_files(self._pool, store, peers, self._peer_failed, self._policy)
-        return store
+        try:
+            # The host's own path for a held store too: the small files it fetches go to the disk cache. The
+            # follower's own callback: a peer that sent an invalid manifest is never asked again.
+            return await self._host.open_store(self.package_id, peers, self._pool, self._peer_failed)
+        finally:
+            self._watch(self._store())  # a store held before its files failed is watched too
+
+    def _watch(self, store: BlockStore | None) -> None:
+        """Report the blocks ``store`` holds (e.g. from the disk cache) and each it verifies from now on; once
+        per store."""
+        if store is None or store is self._watched:
+            return
+        self._watched = store
+        store.subscribe(self._on_store_event)
+        self._session.report_verified(self.package_id, store.verified_blocks())
 
     def _on_store_event(self, event: StoreEvent) -> None:
         if event.kind == "block_verified":

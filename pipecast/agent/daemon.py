@@ -295,16 +295,19 @@ class AgentDaemon:
                          on_failure: PeerFailureCallback | None = None) -> BlockStore:
         """The store of ``package_id`` with all its small files: the one held, else a new one (its verified
         blocks from the disk cache, its manifest from the cache or the first of ``peers`` that has it).
-        A peer that fails is reported to ``on_failure`` (default :meth:`peer_failed`)."""
+        The small files it lacks are fetched from ``peers`` and written to the disk cache (a held store's too:
+        an earlier call may have failed on them). A peer that fails is reported to ``on_failure`` (default
+        :meth:`peer_failed`)."""
         report = on_failure or self.peer_failed
         store = self.peer_server.stores.get(package_id)
         if store is None:
             store = await self._open_receiving_store(package_id, peers, pool, report)
-        if store.missing_files():
+        missing = store.missing_files()
+        if missing:
             await fetch_files(pool, store, peers, report, self.options.policy)
             if self.cache is not None:
-                for path, data in store.files.items():
-                    await asyncio.to_thread(self.cache.write_file, store.package_id, path, data)
+                for path in missing:
+                    await asyncio.to_thread(self.cache.write_file, store.package_id, path, store.files[path])
         return store
 
     async def _open_receiving_store(self, package_id: str, peers: Sequence[PeerInfo], pool: ChannelPool,
@@ -336,7 +339,7 @@ class AgentDaemon:
 
     async def drop_package(self, package_id: str) -> None:
         """Stop serving ``package_id`` and free its memory (the disk cache keeps its blocks)."""
-        self.peer_server.expected.discard(package_id)
+        self.peer_server.forget(package_id)  # a child's request waiting for it is refused now, not at its timeout
         self.peer_server.end_package(package_id)
         store = self.peer_server.stores.pop(package_id, None)
         if store is not None:

@@ -42,7 +42,7 @@ class PeerServer:
         self.plan_gated = plan_gated
         self.grace_s = grace_s
         self._parts: dict[str, tuple[str, frozenset[str]]] = {}  # plan -> (package, the peers it may serve)
-        self._added = asyncio.Event()
+        self._added = asyncio.Event()  # set as a store is added or an expected package forgotten
         self._parts_changed = asyncio.Event()
 
     def add(self, store: BlockStore) -> None:
@@ -53,6 +53,12 @@ class PeerServer:
     def expect(self, package_id: str) -> None:
         """This agent will hold ``package_id`` soon: hold requests for it until then."""
         self.expected.add(package_id)
+
+    def forget(self, package_id: str) -> None:
+        """This agent will not hold ``package_id`` after all (it was dropped): the peers' requests waiting for it
+        are refused now, not left to their I/O timeout (which blames this node)."""
+        self.expected.discard(package_id)
+        self._added.set()
 
     # -- whom to serve (plan_gated) ----------------------------------------------------------------------
 
@@ -113,9 +119,14 @@ class PeerServer:
             await self._added.wait()
 
     async def _store(self, package_id: str) -> BlockStore:
-        if package_id not in self.stores and package_id not in self.expected:
-            raise UnknownPackageError(f"package {package_id[:12]} is not held here")
-        return await self.wait_store(package_id)
+        """The store of ``package_id`` for a peer's request: waited for while it is expected; refused
+        (:class:`UnknownPackageError`) once it is neither held nor expected, before or during the wait."""
+        while package_id not in self.stores:
+            if package_id not in self.expected:
+                raise UnknownPackageError(f"package {package_id[:12]} is not held here")
+            self._added.clear()
+            await self._added.wait()
+        return self.stores[package_id]
 
     async def chunk_count(self, package_id: str, block: int) -> int:
         return (await self._store(package_id)).chunk_count(block)

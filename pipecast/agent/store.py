@@ -194,6 +194,11 @@ def _wake(waiters: list[asyncio.Future]) -> None:
             fut.set_result(None)
 
 
+def _reason(error: Exception) -> str:
+    """The system's words for ``error`` (an ``OSError``'s strerror), else its text."""
+    return (error.strerror if isinstance(error, OSError) else None) or str(error)
+
+
 def _fail(waiters: list[asyncio.Future], reason: str) -> None:
     for fut in waiters:
         if not fut.done():
@@ -256,14 +261,24 @@ class BlockStore:
         return store
 
     def _load_local(self, local: LocalPackage, require_complete: bool) -> None:
-        """Map and verify every block and file ``local`` has; keep the good ones."""
+        """Map and verify every block and file ``local`` has; keep the good ones. One that is there but cannot be
+        read (no permission, an I/O error, a folder under its name) counts as missing: fetched again, or, with
+        ``require_complete``, a :class:`LocalPackageError`."""
         for meta in self.manifest.blocks:
             if not local.has_block(meta.index):
                 if require_complete:
                     raise LocalPackageError(f"{local.description}: block {meta.index} ({meta.file}) is "
                                              "missing or has the wrong size")
                 continue
-            state = _BlockState(meta, local.open_block(meta.index))
+            try:
+                buffer = local.open_block(meta.index)
+            except (OSError, ValueError) as exc:  # ValueError: mmap of a file that shrank since it was sized
+                problem = f"{local.description}: block {meta.index} ({meta.file}) cannot be read: {_reason(exc)}"
+                if require_complete:
+                    raise LocalPackageError(problem) from exc
+                log.warning("%s; fetching it again", problem)
+                continue
+            state = _BlockState(meta, buffer)
             try:
                 for chunk in range(state.count):
                     self._land(state, chunk, local.description)
@@ -277,7 +292,14 @@ class BlockStore:
                 continue
             self._blocks.append(state)
         for entry in self.manifest.files:
-            data = local.read_file(entry.path)
+            try:
+                data = local.read_file(entry.path)
+            except OSError as exc:
+                problem = f"{local.description}: file {entry.path} cannot be read: {_reason(exc)}"
+                if require_complete:
+                    raise LocalPackageError(problem) from exc
+                log.warning("%s; fetching it again", problem)
+                continue
             try:
                 if data is None:
                     raise LocalPackageError(f"{local.description}: file {entry.path} is missing")

@@ -10,8 +10,10 @@ import time
 
 import pytest
 
+from packager.manifest import MANIFEST_FILE
 from pipecast.agent.cache import BlockCache
 from tests.support.agent_fixtures import receiving_store
+from tests.support.packages import tiny_package
 
 
 def verified_store(package):
@@ -113,3 +115,41 @@ def test_stale_temporary_files_are_swept_when_the_cache_opens(package, tmp_path)
     BlockCache(tmp_path / "cache")
     assert sorted(p.name for p in folder.iterdir()) == sorted([live.name, keep.name])
     assert not cache_manifest.exists()
+
+
+@pytest.mark.parametrize("found", ["torn", "invalid", "foreign"])
+def test_a_manifest_that_is_not_this_packages_valid_one_is_written_again(package, tmp_path, found):
+    """Review E, finding 3: a manifest.json already there kept the write from happening, whatever it held: a
+    zero-length one (a host crash before the rename's data reached the disk), an invalid one, or another
+    package's left the cache folder useless for good."""
+    root, manifest = package
+    cache = BlockCache(tmp_path / "cache")
+    path = cache.package_dir(manifest.package_id) / MANIFEST_FILE
+    path.parent.mkdir(parents=True)
+    if found == "foreign":
+        other = tiny_package(tmp_path / "other", layers=1, layer_bytes=1_000)
+        path.write_bytes((other.path / MANIFEST_FILE).read_bytes())
+    else:
+        path.write_bytes({"torn": b"", "invalid": b"{"}[found])
+    assert cache.local_package(manifest.package_id) is None
+    assert cache.write_manifest(manifest)
+    assert path.read_bytes() == (root / MANIFEST_FILE).read_bytes()
+    assert cache.local_package(manifest.package_id).manifest == manifest
+    assert cache.write_manifest(manifest) and cache.write_errors == 0  # a valid one is kept as it is
+
+
+def test_the_manifest_reaches_the_disk_before_its_rename(package, tmp_path, monkeypatch):
+    """Review E, finding 3: without an fsync before the rename a host crash could leave manifest.json empty."""
+    _, manifest = package
+    done = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (done.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda src, dst: (done.append(("replace", str(src), str(dst))),
+                                                         real_replace(src, dst))[1])
+    cache = BlockCache(tmp_path / "cache")
+    assert cache.write_manifest(manifest)
+    folder = cache.package_dir(manifest.package_id)
+    [(_, synced), (_, renamed, final), (_, folder_synced)] = done
+    assert synced == renamed and os.path.basename(renamed).startswith(f".{MANIFEST_FILE}.tmp-")
+    assert (final, folder_synced) == (str(folder / MANIFEST_FILE), str(folder))

@@ -2,6 +2,7 @@
 prove a peer itself sent corrupt data), and a package follower that never dies of what a peer sends."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -10,7 +11,13 @@ from control_plane.planner.plan import Fetch
 from packager.manifest import MANIFEST_FILE
 from pipecast.agent.control import PackageFollower, merged_fetches, sender_at_fault
 from pipecast.agent.daemon import AgentDaemon, AgentOptions
-from pipecast.agent.errors import CorruptChunkError, CorruptFileError, PeerClosedError
+from pipecast.agent.errors import (
+    CorruptChunkError,
+    CorruptFileError,
+    LocalResourceError,
+    PeerClosedError,
+    UnknownPackageError,
+)
 from pipecast.agent.events import read_events
 from pipecast.agent.fetcher import FetchPolicy
 from pipecast.agent.peer_server import PeerServer
@@ -98,8 +105,9 @@ async def two_peers(package):
 
 
 async def _follow_until_complete(daemon: AgentDaemon, fetch: tuple[Fetch[PeerInfo], ...], sources: tuple[PeerInfo, ...],
-                                 package_id: str, report_progress: bool = False) -> tuple[PackageFollower, FakeSession]:
-    daemon.transport = TcpTransport("rx", Settings(**SETTINGS))
+                                 package_id: str, report_progress: bool = False,
+                                 transport: TcpTransport | None = None) -> tuple[PackageFollower, FakeSession]:
+    daemon.transport = transport or TcpTransport("rx", Settings(**SETTINGS))
     session = FakeSession()
     follower = PackageFollower(package_id, daemon, session, FetchPolicy(retries=0, backoff_s=0.01), replan_wait_s=0.2,
                                progress_interval_s=0.001)
@@ -182,6 +190,98 @@ async def test_a_follower_reports_its_progress_only_for_a_watched_plan(package, 
             assert session.progress[-1] <= sum(b.bytes for b in manifest.blocks)
         else:
             assert session.progress == []
+    finally:
+        await follower.close()
+        await daemon.transport.close()
+        daemon.peer_server.stores[manifest.package_id].close()
+
+
+class ShortOfFds(TcpTransport):
+    """A transport that cannot connect to the peers named ``short_of`` until ``until`` (time.monotonic()): this
+    node out of file descriptors for a while."""
+
+    until = 0.0
+    short_of: tuple[str, ...] = ()
+
+    async def connect(self, address, peer):
+        if time.monotonic() < self.until and peer.split("@")[0] in self.short_of:
+            raise LocalResourceError(f"cannot connect to {address}: Too many open files on this node")
+        return await super().connect(address, peer)
+
+
+class FirstFileRefused(PeerServer):
+    """An honest peer that refuses the first request for a small file other than the manifest."""
+
+    refused = False
+
+    async def file_bytes(self, package_id, path, offset=0, length=0):
+        if path != MANIFEST_FILE and not self.refused:
+            self.refused = True
+            raise UnknownPackageError(f"no file {path} here just now")
+        return await super().file_bytes(package_id, path, offset, length)
+
+
+@pytest.fixture
+async def serving():
+    """Starts PeerServers serving a package on loopback: ``await serving(name, server, root)`` gives its peer."""
+    transport = TcpTransport("peers", Settings(**SETTINGS))
+    listeners, stores = [], []
+
+    async def start(name: str, server: PeerServer, root) -> PeerInfo:
+        stores.append(seed_store(root))
+        server.add(stores[-1])
+        listeners.append(await transport.listen("127.0.0.1", 0, server))
+        return PeerInfo(name, listeners[-1].address)
+
+    yield start
+    for listener in listeners:
+        await listener.close()
+    await transport.close()
+    for store in stores:
+        store.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_follower_short_of_file_descriptors_for_a_moment_tries_again_after_a_pause(package, serving, tmp_path):
+    """Review E, finding 1: a LocalResourceError that outlasted a unit's retries ended the fetch and the follower
+    then waited for new parts with no deadline: the package stalled, unreported, until a re-plan."""
+    _, manifest = package
+    a, b = await serving("a", PeerServer(), package[0]), await serving("b", PeerServer(), package[0])
+    transport = ShortOfFds("rx", Settings(**SETTINGS))
+    transport.until, transport.short_of = time.monotonic() + 0.3, ("b",)
+    daemon = _daemon(tmp_path)
+    started = time.monotonic()
+    fetch = (Fetch(0, a), Fetch(1, b), Fetch(2, a))
+    follower, session = await _follow_until_complete(daemon, fetch, (a,), manifest.package_id, transport=transport)
+    try:
+        # Tried again after max(replan_wait_s, 1 s), not when new parts came (none did)
+        assert time.monotonic() - started < 5
+        assert session.bad == []  # no peer blamed for this node's shortage
+        [failure] = [e for e in read_events(tmp_path / "rx.jsonl") if e["event"] == "transfer_failed"]
+        assert failure["error"] == "LocalResourceError" and "Too many open files" in failure["message"]
+    finally:
+        await follower.close()
+        await daemon.transport.close()
+        daemon.peer_server.stores[manifest.package_id].close()
+
+
+@pytest.mark.timeout(60)
+async def test_small_files_a_follower_fetches_on_a_retry_reach_the_disk_cache(package, serving, tmp_path):
+    """Review E, finding 4: files that failed in the first open were fetched again by the follower itself, past
+    the disk cache: the cache held the manifest and blocks but no config.json, so it could not be a seed. Nor
+    did the follower report the blocks of a store it did not open whole."""
+    root, manifest = package
+    flaky = await serving("flaky", FirstFileRefused(), root)
+    daemon = _daemon(tmp_path)
+    fetch = tuple(Fetch(b.index, flaky) for b in manifest.blocks)
+    follower, session = await _follow_until_complete(daemon, fetch, (flaky,), manifest.package_id)
+    try:
+        folder = daemon.cache.package_dir(manifest.package_id)
+        for entry in manifest.files:
+            assert (folder / entry.path).read_bytes() == (root / entry.path).read_bytes()
+        cached = seed_store(folder)  # a complete package folder: it can be served with --seed
+        cached.close()
+        assert sorted(session.verified) == [b.index for b in manifest.blocks]
     finally:
         await follower.close()
         await daemon.transport.close()

@@ -17,6 +17,7 @@ from pipecast.agent.errors import (
     PeerAuthError,
     PeerConnectError,
     PlanFileError,
+    UnknownPackageError,
 )
 from pipecast.agent.events import read_events
 from pipecast.agent.fetcher import ChannelPool
@@ -258,3 +259,21 @@ async def test_a_cancelled_wait_for_cache_writes_leaves_another_packages_wait_an
             store.close()
         await pool.close()
         await transport.close()
+
+
+@pytest.mark.parametrize("under_control", [True, False])
+async def test_a_request_waiting_for_an_expected_package_is_refused_once_it_is_dropped(under_control):
+    """Review E, finding 5: a child's request held for a package this node expected was never refused after a
+    DROP: it waited out its I/O timeout, which blamed this node."""
+    daemon = AgentDaemon(AgentOptions(node_id="p", listen="127.0.0.1:0",
+                                      control_plane="127.0.0.1:1" if under_control else None), Settings(**SETTINGS))
+    package_id = "ab" * 32
+    daemon.peer_server.expect(package_id)
+    waiting = [asyncio.create_task(daemon.peer_server.file_bytes(package_id, "config.json")),
+               asyncio.create_task(daemon.peer_server.chunk_count(package_id, 0))]
+    await asyncio.sleep(0.05)
+    assert not any(task.done() for task in waiting)  # held while it is expected
+    await daemon.drop_package(package_id)
+    for task in waiting:
+        with pytest.raises(UnknownPackageError, match=rf"^package {package_id[:12]} is not held here$"):
+            await asyncio.wait_for(task, 1)

@@ -334,6 +334,59 @@ def test_cache_round_trip_reverifies_and_refetches_bad_blocks(package, tmp_path,
     assert BlockCache(tmp_path / "empty").local_package(manifest.package_id) is None
 
 
+def _cached_copy(package, cache_root):
+    """The disk cache of ``package`` holding every block and file, as an agent that fetched it leaves it."""
+    root, manifest = package
+    cache = BlockCache(cache_root)
+    cache.write_manifest(manifest)
+    for block in manifest.blocks:
+        cache.write_block(manifest, block.index, memoryview(block_file_bytes(root, manifest, block.index)))
+    for entry in manifest.files:
+        cache.write_file(manifest.package_id, entry.path, (root / entry.path).read_bytes())
+    return cache.local_package(manifest.package_id)
+
+
+def test_an_unreadable_cached_block_or_file_is_fetched_again_and_fails_a_seed(package, tmp_path, monkeypatch,
+                                                                                caplog):
+    """Review E, finding 2: a cached block that could not be opened (EACCES: another uid's 0600 file) raised a
+    raw PermissionError out of BlockStore.open, and a follower retried that same failure for ever; a cached
+    file that is a folder raised IsADirectoryError. Each is missing now: fetched again, or refuses a seed."""
+    _, manifest = package
+    cached = _cached_copy(package, tmp_path / "cache")
+    private = str(cached.root / manifest.blocks[1].file)
+    real_open = os.open
+
+    def open_as_another_uid(path, flags, *args, **kwargs):  # tests run as root, which chmod does not stop
+        if str(path) == private:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_as_another_uid)
+    (cached.root / "config.json").unlink()
+    (cached.root / "config.json").mkdir()
+    budget = MemoryBudget(1 << 30)
+    store = BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=budget, local=cached)
+    try:
+        assert store.verified_blocks() == [0, 2]
+        assert budget.used_bytes == manifest.blocks[1].bytes  # block 1 is received instead
+        assert store.missing_files() == ["config.json"]
+        assert (f"block 1 ({manifest.blocks[1].file}) cannot be read: Permission denied; fetching it again"
+                in caplog.text)
+        assert "file config.json cannot be read: Is a directory; fetching it again" in caplog.text
+    finally:
+        store.close()
+    with pytest.raises(LocalPackageError, match=rf"^package folder {cached.root}: block 1 \(blocks/block-0001"
+                                                 r"\.safetensors\) cannot be read: Permission denied$"):
+        BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=budget, local=cached,
+                        require_complete=True)
+    monkeypatch.undo()  # block 1 readable again: the seed fails on the file
+    with pytest.raises(LocalPackageError, match=rf"^package folder {cached.root}: file config.json cannot be read: "
+                                                 r"Is a directory$"):
+        BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=budget, local=cached,
+                        require_complete=True)
+    assert budget.used_bytes == 0  # every failed open gave its memory back
+
+
 # -- chunk ranges (issue #16) ------------------------------------------------------------------------------
 
 
