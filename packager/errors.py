@@ -81,3 +81,12 @@ class BlockMismatchError(PackageError):
     def __init__(self, path: Path | str, problem: str):
         super().__init__(f"{path}: block disagrees with the manifest: {problem}")
         self.path, self.problem = path, problem
+
+
+class PackageFileError(PackageError):
+    """A small file of a package (config.json, generation_config.json, a tokenizer file) that cannot be read,
+    disagrees with its manifest entry (size or digest), or does not hold what the runtime reads from it."""
+
+    def __init__(self, path: Path | str, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path, self.problem = path, problem

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from packager.errors import CheckpointError, PackageError
+from packager.pack import check_output_spares_source
 from pipecast.core.fsutil import atomic_directory
 from pipecast.core.progress import NO_PROGRESS, Progress
 
@@ -19,7 +20,8 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
                  progress: Progress = NO_PROGRESS) -> Path:
     """Dequantize ``gguf`` into the checkpoint folder ``out`` (written atomically); return ``out``.
 
-    An existing ``out`` is replaced only with ``overwrite`` (``--force``): otherwise :class:`PackageError`.
+    An existing ``out`` is replaced only with ``overwrite`` (``--force``): otherwise :class:`PackageError`, as
+    for an ``out`` whose replacement would delete ``gguf`` (its folder, or the file itself).
     ``progress`` gets a bar over the three steps: tokenizer, dequantize, save.
     """
     gguf, out = Path(gguf), Path(out)
@@ -27,6 +29,8 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
         raise CheckpointError(f"{gguf}: no such GGUF file")
     if os.path.lexists(out) and not overwrite:
         raise PackageError(f"{out}: already exists (pass --force to replace it)")
+    # --force moves OUT aside and deletes it: OUT the GGUF's own folder would take the GGUF with it
+    check_output_spares_source(out, gguf, [gguf], "the GGUF file being converted")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 

@@ -7,6 +7,7 @@ and renamed into place only when complete: a failed or interrupted pack leaves n
 
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from packager.checkpoint import Checkpoint, SourceTensor, open_checkpoint, read_checkpoint_file
@@ -46,7 +47,7 @@ def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_byt
     src, out = Path(src), Path(out)
     check_pack_arguments(out, chunk_bytes=chunk_bytes, overwrite=overwrite)
     ckpt = open_checkpoint(src)
-    _check_output_spares_checkpoint(out, ckpt)
+    check_output_spares_source(out, ckpt.root, ckpt.files, "the checkpoint being packed")
     layouts = plan_blocks({n: t.info.nbytes for n, t in ckpt.tensors.items()},
                           num_layers=_config_layers(ckpt.config), layers_per_block=layers_per_block,
                           block_bytes=block_bytes, where=str(src))
@@ -77,26 +78,26 @@ def check_pack_arguments(out: Path, *, chunk_bytes: int, overwrite: bool) -> Non
             break
 
 
-def _check_output_spares_checkpoint(out: Path, ckpt: Checkpoint) -> None:
-    """Refuse an ``out`` whose replacement (``--force``) would delete the checkpoint folder or a file of it:
-    ``out`` is the folder, holds it, is one of its files, or holds a file a symlink of it leads to (a Hugging
-    Face snapshot's blobs). A new ``out`` inside the folder is let be: the checkpoint is its top-level files,
-    found before ``out`` is created, so a package in a subfolder (or a repack of it) harms nothing."""
+def check_output_spares_source(out: Path, root: Path, files: Iterable[Path], what: str) -> None:
+    """Refuse an ``out`` whose replacement (``--force``) would delete the source ``root`` (a checkpoint folder,
+    a GGUF file) or one of its ``files`` (``what`` names the source in the message): ``out`` is the source,
+    holds it, is one of its files, or holds a file a symlink of it leads to (a Hugging Face snapshot's blobs).
+    A new ``out`` inside a source folder is let be: a checkpoint is its top-level files, found before ``out``
+    is created, so a package in a subfolder (or a repack of it) harms nothing."""
     if not os.path.lexists(out):
         return
     try:
-        # atomic_directory moves ``out`` itself aside (a symlink too), but a symlink leading to the checkpoint
-        # is refused as well: whoever passed it meant the checkpoint
+        # atomic_directory moves ``out`` itself aside (a symlink too), but a symlink leading to the source
+        # is refused as well: whoever passed it meant the source
         replaced = (out.parent.resolve() / out.name, out.resolve())
-        kept = {ckpt.root.resolve()}
-        for path in ckpt.files:
+        kept = {root.resolve()}
+        for path in files:
             kept |= {path.parent.resolve() / path.name, path.resolve()}
     except (OSError, RuntimeError) as exc:  # a symlink loop
         raise PackageError(f"{out}: cannot resolve it ({exc})") from None
     for path in sorted(kept):
         if any(path.is_relative_to(r) for r in replaced):
-            raise PackageError(f"{out}: refused as the output: replacing it would delete the checkpoint being "
-                               f"packed ({path})")
+            raise PackageError(f"{out}: refused as the output: replacing it would delete {what} ({path})")
 
 
 def _build_package(src: Path, out: Path, ckpt: Checkpoint, layouts: list[BlockLayout], chunk_bytes: int,

@@ -1,20 +1,24 @@
 """A block package on disk, as the runtime uses it: validated manifest, layer ranges, zero-copy blocks."""
 
-import json
 import mmap
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from packager.blockfile import buffer_header, map_file, tensors_from_buffer
 from packager.chunks import ChunkHasher
-from packager.digest import whole_digest
-from packager.errors import BlockMismatchError, PackageError
+from packager.digest import digest_bytes, whole_digest
+from packager.errors import BlockMismatchError, PackageError, PackageFileError
 from packager.manifest import read_manifest
+from pipecast.core.strictjson import JSONInputError, loads_object
 from pipecast.v1.manifest_pb2 import Block, Manifest
 
 if TYPE_CHECKING:
     import torch
+
+
+CONFIG_FILE = "config.json"
 
 
 @dataclass
@@ -44,8 +48,21 @@ class Package:
 
     @property
     def config(self) -> dict:
-        """The model's config.json."""
-        return json.loads((self.root / "config.json").read_text())
+        """The model's config.json, checked against the manifest (see :meth:`read_config`)."""
+        return self.read_config()
+
+    def read_config(self, *, verify: bool = True) -> dict:
+        """The model's config.json; :class:`PackageFileError` if it cannot be read, is not a JSON object, or
+        (with ``verify``) differs from its manifest entry: an edited config.json (say its rope_theta) would
+        load the right weights into the wrong model, wrong logits and no error."""
+        path = self.root / CONFIG_FILE
+        try:
+            data = self.small_file(CONFIG_FILE, verify=verify)
+        except OSError as exc:
+            raise PackageFileError(path, f"cannot read it ({exc.strerror})") from None
+        if data is None:
+            raise PackageFileError(path, "the manifest lists no config.json")
+        return parse_config(data, path)
 
     def block(self, index: int) -> Block:
         if not 0 <= index < self.num_blocks:
@@ -62,12 +79,31 @@ class Package:
         except OSError:
             return False
 
-    def small_file(self, path: str) -> bytes | None:
-        """The bytes of ``path``, a small file the manifest lists, as they are on disk (not checked against
-        their digest); None if the manifest lists no such file. ``FileNotFoundError`` if it is not there."""
-        if path not in {f.path for f in self.manifest.files}:
+    def small_file(self, path: str, *, verify: bool = False) -> bytes | None:
+        """The bytes of ``path``, a small file the manifest lists; None if the manifest lists no such file.
+
+        Without ``verify``, as they are on disk (``FileNotFoundError`` if it is not there). With ``verify``,
+        checked against the manifest entry's size and digest: :class:`PackageFileError` if they differ or
+        the file cannot be read.
+        """
+        entry = next((f for f in self.manifest.files if f.path == path), None)
+        if entry is None:
             return None
-        return (self.root / path).read_bytes()
+        if not verify:
+            return (self.root / path).read_bytes()
+        try:
+            with open(self.root / path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                # at most the manifest's size plus one byte: a file that grew meanwhile is told apart, not read whole
+                data = f.read(entry.bytes + 1) if size == entry.bytes else b""
+        except OSError as exc:
+            raise PackageFileError(self.root / path, f"cannot read it ({exc.strerror})") from None
+        if size != entry.bytes:
+            raise PackageFileError(self.root / path, f"disagrees with the manifest: size is {size} bytes, the "
+                                                     f"manifest says {entry.bytes}")
+        if len(data) != entry.bytes or digest_bytes(data) != entry.digest:
+            raise PackageFileError(self.root / path, "disagrees with the manifest: digest mismatch")
+        return data
 
     def layer_range(self, index: int) -> range:
         """Layers held by block ``index``."""
@@ -104,6 +140,15 @@ class Package:
     def block_tensors(self, index: int, *, verify: bool = True) -> dict[str, "torch.Tensor"]:
         """The block's tensors as zero-copy views of the mapped file."""
         return block_tensors_of(self.block(index), self.block_buffer(index, verify=verify), self.block_path(index))
+
+
+def parse_config(data: bytes, where: Path | str) -> dict:
+    """config.json's bytes as a dict; :class:`PackageFileError` naming ``where`` unless they are one JSON
+    object (strict: no duplicate keys, no NaN)."""
+    try:
+        return loads_object(data)
+    except JSONInputError as exc:
+        raise PackageFileError(where, f"not a valid JSON object ({exc})") from None
 
 
 def block_tensors_of(block: Block, buf: bytes | bytearray | memoryview | mmap.mmap,

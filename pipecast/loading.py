@@ -7,20 +7,21 @@ warning), and each call blocks only for the layers it needs::
     model = pipecast.load("/models/smollm2-pkg")
     model.generate([1, 2, 3], max_new_tokens=16)      # first layers run while later blocks arrive
     model.progress()                                  # LoadProgress(blocks_present=3, blocks_total=8, ...)
-    model.fully_loaded.wait()
+    model.wait_loaded(600)                            # raises ModelLoadError at once if loading failed
 
 This module is named ``loading`` and not ``load`` on purpose: a submodule ``pipecast.load`` would replace the
 function ``pipecast.load`` on the package as soon as anything imported it.
 """
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipecast.engine.errors import InvalidRequestError
+from packager.errors import PackageFileError
 from pipecast.core.errors import PipecastError
+from pipecast.core.strictjson import JSONInputError, describe, loads_object
+from pipecast.engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +51,8 @@ class LoadedModel:
         self.origin = origin
         """Where blocks come from: ``agent`` (multicast delivery) or ``local`` (the package folder)."""
         self.fully_loaded = engine.fully_loaded
-        """A ``threading.Event`` set once every block is bound."""
+        """A ``threading.Event`` set once every block is bound, never if loading fails: to wait, call
+        :meth:`wait_loaded`, which raises the failure at once."""
         self.stop_token_ids = stop_token_ids
         """Tokens that end generation by default (the model's EOS ids)."""
 
@@ -96,9 +98,10 @@ class LoadedModel:
         """
         import torch
 
+        rows = _token_rows(input_ids)  # checked first: converting to torch.long would turn 5.9 into 5 silently
         try:
-            ids = torch.as_tensor(input_ids, dtype=torch.long)
-        except (TypeError, ValueError) as exc:  # ragged rows, ids past int64, not numbers
+            ids = torch.as_tensor(rows).to(torch.long)
+        except (TypeError, ValueError) as exc:  # ragged rows, ids past int64
             raise InvalidRequestError(f"input_ids are not prompts of token ids of one length: {exc}") from None
         if ids.dim() == 1:
             return self.engine.logits(ids.unsqueeze(0), timeout)[0]
@@ -128,6 +131,9 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
     for a package id: the unicast fallback, logged as a warning. ``dtype`` defaults to the weights' dtype
     (then CPU parameters are views of the block buffers: no copy). ``stall_timeout_s`` bounds how long
     loading may go without a new block before it fails; ``agent_timeout_s`` bounds each agent request.
+    ``verify`` checks a package folder's blocks and small files (config.json too) against its manifest.
+    ``device`` and ``dtype`` are checked first (:class:`DeviceError`), and the package's EOS ids read,
+    before any thread starts.
     """
     from pipecast.engine.engine import Engine
     from pipecast.core.settings import load_settings
@@ -137,6 +143,8 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
     provider, origin, on_close = _provider(package, folder, agent or settings.agent_local_socket,
                                            agent_timeout_s, verify)
     try:
+        # Before the engine starts: a package whose files are bad must not leave its threads running.
+        stop_token_ids = default_stop_token_ids(provider)
         engine = Engine(provider, device=device, dtype=dtype, max_batch=max_batch, max_queue=max_queue,
                         stall_timeout_s=stall_timeout_s).start()
     except BaseException:
@@ -145,7 +153,7 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
         raise
     logger.info("loading package %s (%d blocks) from %s", provider.manifest.package_id[:12], provider.num_blocks,
                 provider.origin)
-    return LoadedModel(engine, origin=origin, stop_token_ids=default_stop_token_ids(provider), on_close=on_close)
+    return LoadedModel(engine, origin=origin, stop_token_ids=stop_token_ids, on_close=on_close)
 
 
 def _local_folder(package: str | Path, cache_dir: Path | None) -> Path | None:
@@ -195,21 +203,56 @@ def _read_package_id(folder: Path) -> str:
 
 
 def default_stop_token_ids(provider: "BlockProvider") -> frozenset[int]:
-    """The model's EOS ids: generation_config.json's if the package has one, else config.json's."""
+    """The model's EOS ids: generation_config.json's if the package has one, else config.json's.
+
+    :class:`PackageFileError` naming the file if generation_config.json is not a JSON object, or the
+    ``eos_token_id`` used is neither a token id nor a list of them.
+    """
+    eos, where = None, "config.json"
     gen = provider.small_file("generation_config.json")
-    eos = json.loads(gen).get("eos_token_id") if gen else None
+    if gen is not None:
+        try:
+            eos = loads_object(gen).get("eos_token_id")
+        except JSONInputError as exc:
+            raise PackageFileError(f"generation_config.json of the package from {provider.origin}",
+                                   f"not a valid JSON object ({exc})") from None
+        where = "generation_config.json"
     if eos is None:
-        eos = provider.config.get("eos_token_id")
+        eos, where = provider.config.get("eos_token_id"), "config.json"
     if eos is None:
         return frozenset()
-    return frozenset(eos if isinstance(eos, list) else [eos])
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise PackageFileError(f"{where} of the package from {provider.origin}",
+                               f"eos_token_id must be a token id or a list of token ids, got {describe(eos)}")
+    return frozenset(ids)
 
 
 def _one_prompt(input_ids: "Sequence[int] | torch.Tensor") -> list[int]:
-    """A prompt as a list of ids, from a list, a 1-D tensor or a [1, seq] tensor."""
+    """A prompt as a list of ids, from a list, a 1-D tensor or a [1, seq] tensor; :class:`InvalidRequestError`
+    for ids that are not integers."""
+    from pipecast.engine.engine import token_ids
+
     shape = getattr(input_ids, "shape", None)
     if shape is not None and len(shape) == 2:
         if shape[0] != 1:
             raise InvalidRequestError(f"generate takes one prompt, got a batch of {shape[0]} (submit each)")
         input_ids = input_ids[0]
-    return [int(t) for t in input_ids]
+    return token_ids(input_ids)
+
+
+def _token_rows(input_ids: Any) -> Any:
+    """``input_ids`` of :meth:`LoadedModel.logits` once every id is known to be an integer: a tensor or an
+    array of an integer dtype as it is, else one prompt or a list of prompts as lists of ints."""
+    from pipecast.engine.engine import check_integer_dtype, token_ids
+
+    if hasattr(input_ids, "dtype"):  # a tensor or an array: its dtype says whether it holds integers
+        check_integer_dtype(input_ids)
+        return input_ids
+    try:
+        items = list(input_ids)
+    except TypeError:
+        raise InvalidRequestError(f"input_ids must be token ids, got {type(input_ids).__name__}") from None
+    if any(isinstance(item, (list, tuple)) or getattr(item, "ndim", 0) >= 1 for item in items):
+        return [token_ids(row) for row in items]
+    return token_ids(items)

@@ -2,26 +2,31 @@
 
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 import pipecast
+from packager.errors import PackageFileError
 from packager.pack import pack
 from pipecast.engine.engine import LoadProgress
-from pipecast.engine.errors import InvalidRequestError, PackageMismatchError
+from pipecast.engine.errors import InvalidRequestError, ModelLoadError, PackageMismatchError
 from pipecast.engine.weights import ATTENTION, LAYER_STAGES, MLP_IN, stage_of
 from pipecast.loading import PackageUnavailableError
-from tests.support import packages
+from tests.support import REPO, packages
 from tests.support.engine_fixtures import GatedAgent, random_prompt, reference_generate, reference_model, wait_until
 
 pytestmark = pytest.mark.usefixtures("no_configured_agent")
 
 PROMPT = random_prompt(10, 11)
+README = (REPO / "README.md").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +220,101 @@ def test_load_closes_the_agent_client_it_opened_when_the_engine_cannot_be_built(
     with pytest.raises(PackageMismatchError, match=r"no block holds 1 of its parameters: \['lm_head.weight'\]$"):
         pipecast.load(pkg, agent=tmp_path / "agent.sock")
     assert client.closed
+
+
+def _pipecast_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("pipecast-")]
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"eos_token_id": 2,}', r"not a valid JSON object \(Expecting property name enclosed in double quotes: .*\)"),
+    ("[1]", r"not a valid JSON object \(expected a JSON object, got an array\)"),
+    ('{"eos_token_id": "2"}', r"eos_token_id must be a token id or a list of token ids, got '2'"),
+    ('{"eos_token_id": [2, 2.5]}', r"eos_token_id must be a token id or a list of token ids, got \[2, 2.5\]"),
+])
+def test_a_bad_generation_config_is_a_typed_error_that_leaves_nothing_running(tiny_files, tmp_path, monkeypatch,
+                                                                               text, problem):
+    """Finding 1: a generation_config.json that is not JSON (packed as it was) was a raw JSONDecodeError raised
+    after the engine started: its threads ran on, the agent client stayed open, the process aborted at exit."""
+    class ClosingAgent(GatedAgent):
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    ckpt = shutil.copytree(tiny_files[0], tmp_path / "ckpt")
+    (ckpt / "generation_config.json").write_text(text)
+    pack(ckpt, tmp_path / "pkg")
+    before = _pipecast_threads()
+    message = f"^generation_config.json of the package from package folder {tmp_path / 'pkg'}: {problem}$"
+    with pytest.raises(PackageFileError, match=message):
+        pipecast.load(tmp_path / "pkg")
+    client = ClosingAgent(tmp_path / "pkg")
+    monkeypatch.setattr(pipecast.loading, "_connect", lambda socket: client)
+    with pytest.raises(PackageFileError, match=r"^generation_config.json of the package from agent at "):
+        pipecast.load(tmp_path / "pkg", agent=tmp_path / "agent.sock")
+    assert client.closed and _pipecast_threads() == before
+
+
+def test_verify_checks_config_json_against_the_manifest(tiny, tmp_path):
+    """Finding 3: an edited config.json (rope_theta) loaded silently with verify=True, with wrong logits."""
+    pkg = shutil.copytree(tiny[1], tmp_path / "pkg")
+    config = pkg / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "rope_theta": 1.0}))
+    with pytest.raises(PackageFileError, match=rf"^{re.escape(str(config))}: disagrees with the manifest: size "):
+        pipecast.load(pkg)
+    with pipecast.load(pkg, verify=False) as model:  # asked for: loads as it is
+        assert model.engine.provider.config["rope_theta"] == 1.0
+    config.write_text("{not json")
+    with pytest.raises(PackageFileError, match=rf"^{re.escape(str(config))}: not a valid JSON object \(.*\)$"):
+        pipecast.load(pkg, verify=False)
+    config.unlink()
+    with pytest.raises(PackageFileError, match=rf"^{re.escape(str(config))}: cannot read it \(No such file "):
+        pipecast.load(pkg, verify=False)
+
+
+def test_a_failed_load_shows_in_progress_and_wait_loaded_raises_at_once(tiny, tmp_path):
+    """Finding 4: the documented ``fully_loaded.wait()`` hung forever when loading failed, and progress() had
+    no failed state: wait_loaded raises at once, and progress says failed."""
+    pkg = shutil.copytree(tiny[1], tmp_path / "pkg")
+    (pkg / "blocks" / "block-0002.safetensors").write_bytes(b"corrupt")
+    with pipecast.load(pkg) as model:
+        start = time.monotonic()
+        with pytest.raises(ModelLoadError, match=r"block-0002.safetensors: block disagrees with the manifest"):
+            model.wait_loaded(30)
+        assert time.monotonic() - start < 10
+        progress = model.progress()
+        assert progress.failed and not progress.fully_loaded and not model.fully_loaded.is_set()
+    assert LoadProgress(1, 2, False) == LoadProgress(blocks_present=1, blocks_total=2, fully_loaded=False,
+                                                     failed=False)
+
+
+def test_the_readme_waits_for_the_model_with_wait_loaded():
+    """Finding 4: the README's library hook showed ``model.fully_loaded.wait()``, which never returns if
+    loading fails."""
+    hook = README.split("## Library hook", 1)[1].split("```", 2)[1]
+    assert "model.wait_loaded(" in hook and "fully_loaded.wait()" not in hook
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([5.9, 6.9], r"token ids must be integers, got 5.9 \(float\) at position 0"),
+    (["5"], r"token ids must be integers, got '5' \(str\) at position 0"),
+    ([[1, 2, 3]], r"token ids must be integers, got \[1, 2, 3\] \(list\) at position 0"),  # logits: a batch
+    ([1, True], r"token ids must be integers, got True \(bool\) at position 1"),
+    (torch.tensor([5.5, 6.5]), r"token ids must be integers, got a Tensor of torch.float32"),
+    (np.array([[1.0, 2.0]]), r"token ids must be integers, got a ndarray of float64"),
+])
+def test_ids_that_are_not_integers_are_refused_not_truncated(tiny, ids, message):
+    """Finding 7: generate([5.9, ...]) ran generate([5, ...]), logits() of a float tensor truncated it, and a
+    nested list was a raw TypeError."""
+    _, pkg = tiny
+    with pipecast.load(pkg) as model:
+        with pytest.raises(InvalidRequestError, match=f"^{message}$"):
+            model.generate(ids, max_new_tokens=2, timeout=30)
+        batch = isinstance(ids, list) and isinstance(ids[0], list)
+        for each in ([] if batch else [ids, [ids] if isinstance(ids, list) else ids.reshape(1, -1)]):
+            with pytest.raises(InvalidRequestError, match=f"^{message}$"):
+                model.logits(each, timeout=30)
+        expected = model.generate(PROMPT[:3], max_new_tokens=2, timeout=30)
+        assert model.generate(np.array(PROMPT[:3]), max_new_tokens=2, timeout=30) == expected
+        assert model.generate([np.int64(t) for t in PROMPT[:3]], max_new_tokens=2, timeout=30) == expected

@@ -77,7 +77,8 @@ async def listening(app: "web.Application", host: str, port: int, **runner_optio
             # asyncio words a busy port "error while attempting to bind on address (...): address already in use".
             raise ListenError(host, port, (exc.strerror or str(exc)).rpartition(": ")[2]) from None
         bound_host, bound_port = runner.addresses[0][:2]
-        yield f"http://{bound_host}:{bound_port}"
+        # An IPv6 address goes in brackets (RFC 3986): http://::1:8000 would read as host "::1:8000"
+        yield f"http://[{bound_host}]:{bound_port}" if ":" in bound_host else f"http://{bound_host}:{bound_port}"
     finally:
         await runner.cleanup()
 

@@ -74,13 +74,17 @@ def tracking_uri(given: str | None) -> str:
 def check_reachable(uri: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
     """Raise :class:`MlflowUnreachableError` unless the http(s) tracking server ``uri`` answers ``GET /health``
     within ``timeout_s``. Any HTTP answer counts (an authentication error is reported by the call that meets
-    it). Other URIs (a local folder or database, ``databricks``) are not checked."""
+    it), so credentials in ``uri`` (``user:password@``, which MLflow sends as Basic auth) are left out of the
+    check. Other URIs (a local folder or database, ``databricks``) are not checked."""
     import urllib.error  # here: urllib.request loads http.client and ssl, which a command's start need not wait for
     import urllib.request
 
     base = http_base_url(uri)
     if base is None:
         return
+    # urllib takes "user:password@" for part of the host name: without it, the health check asks the host
+    parts = urlsplit(base)
+    base = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
     try:
         with urllib.request.urlopen(f"{base}/health", timeout=timeout_s):
             pass

@@ -1,5 +1,6 @@
 """Parsing and printing byte sizes, rates and durations, and the package chunk size."""
 
+import math
 import re
 
 # Chunk size of a package's per-chunk digests: the unit peers verify (relays pass it on in pieces as it arrives).
@@ -19,7 +20,10 @@ def parse_size(text: str) -> int:
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
         raise ValueError(f"not a size: {text!r} (use e.g. 4MiB, 64MB, 1GB or a byte count)")
-    value = int(float(match.group(1)) * _UNITS[unit])
+    number = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(number):  # hundreds of digits: float() says inf, and int(inf) an OverflowError
+        raise ValueError(f"size is too large: {text!r}")
+    value = int(number)
     if value <= 0:
         raise ValueError(f"size must be positive: {text!r}")
     return value
@@ -34,7 +38,10 @@ def parse_duration(text: str) -> float:
     match = _DURATION.match(str(text))
     if not match:
         raise ValueError(f"not a duration: {text!r} (use e.g. 500ms, 2s, 5m, 1h or a number of seconds)")
-    return float(match.group(1)) * _SECONDS[match.group(2)]
+    seconds = float(match.group(1)) * _SECONDS[match.group(2)]
+    if not math.isfinite(seconds):  # hundreds of digits: float() says inf, a timeout that never ends
+        raise ValueError(f"duration is too long: {text!r}")
+    return seconds
 
 
 def format_bytes(n: float) -> str:

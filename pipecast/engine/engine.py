@@ -12,12 +12,14 @@ decoding). Callers on any thread or event loop submit prompts and read tokens fr
 
 import itertools
 import logging
+import numbers
 import threading
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from pipecast.core.strictjson import describe
 from pipecast.engine.batching import Sequence, StepScheduler
 from pipecast.engine.errors import (
     EngineClosedError,
@@ -41,11 +43,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoadProgress:
-    """How much of the model is in: blocks bound out of the package's, and whether it is complete."""
+    """How much of the model is in: blocks bound out of the package's, whether it is complete, and whether
+    loading failed (then it never completes: :meth:`Engine.wait_loaded` raises the error)."""
 
     blocks_present: int
     blocks_total: int
     fully_loaded: bool
+    failed: bool = False  # last, with a default: positional and keyword construction as before still work
 
     @property
     def fraction(self) -> float:
@@ -156,8 +160,8 @@ class Engine:
 
     def check_prompt(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
         """The prompt as a list, if the model can take it with ``params``; else :class:`InvalidRequestError`
-        (empty, token ids outside the vocabulary, more positions than the model has)."""
-        prompt = self._check_tokens([int(t) for t in prompt_ids])
+        (not integers, empty, token ids outside the vocabulary, more positions than the model has)."""
+        prompt = self._check_tokens(token_ids(prompt_ids))
         if self._max_positions and len(prompt) + params.max_tokens > self._max_positions:
             raise InvalidRequestError(f"prompt of {len(prompt)} tokens plus max_tokens {params.max_tokens} "
                                       f"exceeds the model's {self._max_positions} positions")
@@ -184,7 +188,7 @@ class Engine:
         loaded = self.model.fully_loaded
         # The loader stamps a block just after its last tensor is bound: a loaded model has them all.
         bound = self.provider.num_blocks if loaded else self.loader.blocks_bound
-        return LoadProgress(bound, self.provider.num_blocks, loaded)
+        return LoadProgress(bound, self.provider.num_blocks, loaded, failed=self.model.failed)
 
     def wait_loaded(self, timeout: float | None = None) -> None:
         """Block until every block is bound; raise ModelLoadError if loading failed, TimeoutError."""
@@ -255,3 +259,42 @@ class Engine:
             while self._incoming and self.scheduler.free_slots > 0:
                 self.scheduler.add(self._incoming.popleft())
             return True
+
+
+def token_ids(ids: Any) -> list[int]:
+    """``ids`` (a sequence of ints or numpy integers, or a 1-D integer tensor or array) as a list of ints.
+
+    :class:`InvalidRequestError` naming what is not a token id (a float, a bool, a string, a nested list, a
+    float tensor): ``int()`` would silently turn 5.9 into 5 and "5" into 5, another prompt than the one sent.
+    """
+    if hasattr(ids, "dtype"):  # a tensor or an array: its dtype says whether it holds integers
+        check_integer_dtype(ids)
+        ids = ids.tolist()
+    try:
+        items = list(ids)
+    except TypeError:
+        raise InvalidRequestError(f"token ids must be a sequence of integers, got {type(ids).__name__}") from None
+    for position, t in enumerate(items):
+        if isinstance(t, bool) or not (isinstance(t, numbers.Integral) or _integer_scalar(t)):
+            raise InvalidRequestError(f"token ids must be integers, got {describe(t)} ({type(t).__name__}) "
+                                      f"at position {position}")
+    return [int(t) for t in items]
+
+
+def check_integer_dtype(ids: Any) -> None:
+    """:class:`InvalidRequestError` unless ``ids``, a tensor or an array, is of integers."""
+    if not _integer_dtype(ids.dtype):
+        raise InvalidRequestError(f"token ids must be integers, got a {type(ids).__name__} of {ids.dtype}")
+
+
+def _integer_dtype(dtype: Any) -> bool:
+    """Whether a numpy or torch dtype is of integers (bool is not: True is no token id)."""
+    kind = getattr(dtype, "kind", None)  # numpy's: "i" or "u" for integers
+    if kind is not None:
+        return kind in ("i", "u")
+    return not (dtype.is_floating_point or dtype.is_complex) and str(dtype) != "torch.bool"
+
+
+def _integer_scalar(value: Any) -> bool:
+    """A 0-d integer tensor or array (what indexing one yields)."""
+    return getattr(value, "ndim", None) == 0 and _integer_dtype(value.dtype)

@@ -89,3 +89,12 @@ class EngineOverloadedError(EngineError):
 
 class InvalidRequestError(EngineError):
     """A request the engine cannot run as given (the caller's fault): empty prompt, unknown token, ..."""
+
+
+class DeviceError(EngineError):
+    """The ``device`` or ``dtype`` the engine was asked to run in cannot be had here (the caller's fault): not a
+    device, a CUDA device on a host without it, a dtype that is not a floating-point ``torch.dtype``."""
+
+    def __init__(self, argument: str, value: object, problem: str):
+        super().__init__(f"{argument}={value!r}: {problem}")
+        self.argument, self.value, self.problem = argument, value, problem

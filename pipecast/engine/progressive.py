@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pipecast.engine.architectures import build_skeleton
-from pipecast.engine.errors import BlockBindError, ModelLoadError, PackageMismatchError
+from pipecast.engine.errors import BlockBindError, DeviceError, ModelLoadError, PackageMismatchError
 from pipecast.engine.weights import ATTENTION, EMBED, FINAL_NORM, HEAD, LM_HEAD, MLP_IN, Part, WeightBinder
 
 if TYPE_CHECKING:
@@ -22,14 +22,47 @@ if TYPE_CHECKING:
     from pipecast.v1.manifest_pb2 import Manifest
 
 
+ENGINE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def engine_device(device: "torch.device | str") -> "torch.device":
+    """``device`` as a ``torch.device`` the engine can run on here (the CPU, or a CUDA device this host has);
+    :class:`DeviceError` otherwise."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise DeviceError("device", device, "not a torch device (use cpu, cuda or cuda:N)") from None
+    if parsed.type not in ("cpu", "cuda"):  # the weight binder copies to CUDA devices only
+        raise DeviceError("device", device, "the engine runs on cpu or cuda devices only")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError("device", device, "CUDA is not available on this host")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise DeviceError("device", device, f"this host has {count} CUDA device(s)")
+    return parsed
+
+
+def check_dtype(dtype: "torch.dtype") -> "torch.dtype":
+    """``dtype`` if the engine can run in it (a floating-point ``torch.dtype``, not a string); else
+    :class:`DeviceError`."""
+    import torch
+
+    if not isinstance(dtype, torch.dtype) or str(dtype).removeprefix("torch.") not in ENGINE_DTYPES:
+        raise DeviceError("dtype", dtype, f"not a dtype the engine runs in (torch.{', torch.'.join(ENGINE_DTYPES)})")
+    return dtype
+
+
 class ProgressiveModel:
     """A decoder-only causal LM whose parameters are bound block by block while it already runs."""
 
     def __init__(self, config: dict, *, dtype: "torch.dtype", device: "torch.device | str" = "cpu"):
-        import torch
-
-        self.device = torch.device(device)
-        self.dtype = dtype
+        """Raises :class:`DeviceError` for a ``device`` or ``dtype`` the engine cannot run in here (checked
+        first: building the skeleton would blame config.json for them, or fail only when a block binds)."""
+        self.device = engine_device(device)
+        self.dtype = check_dtype(dtype)
         self.skeleton = build_skeleton(config, dtype=dtype, device=self.device)
         self.config = self.skeleton.model.config
         self.num_layers = self.config.num_hidden_layers

@@ -8,7 +8,6 @@
   schedule (tests, and benchmarks that emulate blocks arriving over a link).
 """
 
-import json
 import struct
 import threading
 import time
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from packager.blockfile import tensors_from_buffer
 from packager.errors import PackageError
-from packager.package import Package
+from packager.package import CONFIG_FILE, Package, parse_config
 from packager.safetensors_format import Header, parse_header
 from pipecast.engine.errors import BlockBindError, BlockWaitTimeout
 from pipecast.v1.manifest_pb2 import Manifest
@@ -76,11 +75,15 @@ class StreamingBlockProvider(BlockProvider, Protocol):
 
 
 class PackageFolderProvider:
-    """Blocks of a package folder on this node, mapped copy-on-write and checked against the manifest."""
+    """Blocks of a package folder on this node, mapped copy-on-write and checked against the manifest.
+
+    With ``verify`` (the default) config.json and the small files are checked against the manifest too, as
+    blocks are: :class:`~packager.errors.PackageFileError` naming the file otherwise.
+    """
 
     def __init__(self, root: Path | str, *, verify: bool = True):
         self.package = Package.open(root)
-        self._config = self.package.config
+        self._config = self.package.read_config(verify=verify)
         self._verify = verify
 
     @property
@@ -100,7 +103,7 @@ class PackageFolderProvider:
         return f"package folder {self.package.root}"
 
     def small_file(self, path: str) -> bytes | None:
-        return self.package.small_file(path)
+        return self.package.small_file(path, verify=self._verify)
 
     def present_blocks(self) -> set[int]:
         return {i for i in range(self.num_blocks) if self.package.has_block(i)}
@@ -127,10 +130,10 @@ class AgentBlockProvider:
         self._manifest = client.manifest(package_id, timeout=timeout_s)
         self._package_id = self._manifest.package_id
         self._timeout_s = timeout_s
-        config = self.small_file("config.json")
+        config = self.small_file(CONFIG_FILE)
         if config is None:
             raise PackageError(f"package {self._package_id[:12]} held by {self.origin} has no config.json")
-        self._config = json.loads(config)
+        self._config = parse_config(config, f"config.json of package {self._package_id[:12]} held by {self.origin}")
         self._mapped: set[int] = set()
         self._prefixes: dict[int, memoryview] = {}  # per block in flight: its longest verified prefix seen
         self._headers: dict[int, Header] = {}

@@ -73,3 +73,30 @@ def test_local_uris_are_not_checked_and_passwords_are_not_shown():
     check_reachable("databricks")
     assert shown_uri("https://user:s3cret@mlflow.example:443/x") == "https://user:***@mlflow.example:443/x"
     assert shown_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+
+
+def test_a_server_whose_uri_holds_credentials_is_reachable():
+    """Finding 5: urllib took ``user:secret@`` for part of the host, so a URI MLflow accepts was refused as
+    unreachable. The check asks /health without the credentials (any HTTP answer counts)."""
+    import http.server
+    import threading
+
+    seen = []
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        check_reachable(f"http://user:secret@127.0.0.1:{server.server_address[1]}/prefix", timeout_s=5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == [("/prefix/health", None)]

@@ -1,0 +1,56 @@
+"""``pipecast convert-gguf GGUF OUT --force`` never replaces the GGUF file it converts."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from packager.errors import PackageError
+from packager.gguf_convert import convert_gguf
+from pipecast.cli import main
+
+
+@pytest.fixture
+def fake_transformers(monkeypatch):
+    """transformers' GGUF reading replaced by objects that save one file each (no gguf package needed)."""
+    import transformers
+
+    class Saved:
+        def save_pretrained(self, folder):
+            (Path(folder) / f"{type(self).__name__}.json").write_text("{}")
+
+    class Tokenizer(Saved):
+        pass
+
+    class Model(Saved):
+        pass
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Model())
+
+
+@pytest.mark.parametrize("out", [".", "..", "model.gguf", "link"])
+def test_force_refuses_an_output_that_is_holds_or_leads_to_the_gguf(fake_transformers, tmp_path, capsys, out):
+    """Finding 2: ``convert-gguf ck/model.gguf ck --force`` moved ck aside and deleted it, the GGUF with it."""
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    gguf = folder / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    (tmp_path / "link").symlink_to(folder)
+    out = tmp_path / "link" if out == "link" else folder / out
+    with pytest.raises(PackageError, match=re.escape(f"{out}: refused as the output: replacing it would delete "
+                                                     f"the GGUF file being converted ({gguf}")):
+        convert_gguf(gguf, out, overwrite=True)
+    assert main(["convert-gguf", str(gguf), str(out), "--force"]) == 2
+    assert "would delete the GGUF file being converted" in capsys.readouterr().err
+    assert gguf.read_bytes() == b"GGUF" and sorted(p.name for p in folder.iterdir()) == ["model.gguf"]
+
+
+def test_force_replaces_another_output(fake_transformers, tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("old")
+    convert_gguf(gguf, tmp_path / "out", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["Model.json", "Tokenizer.json"]
+    assert gguf.read_bytes() == b"GGUF"
