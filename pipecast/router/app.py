@@ -376,7 +376,7 @@ class Router:
         version = self.choose_version(payload.get("model"))
         counted_as = self.signals.arrived(tenant, request_prompt_tokens(payload), version)
         admission = self.admission.admit(tenant)
-        self.signals.admission(counted_as, admission.admitted)
+        self.signals.admission(counted_as, admission.admitted, version)
         if not admission.admitted:
             self.metrics.tenant_rejected.labels(counted_as).inc()
             retry_after = admission.retry_after_header
@@ -612,13 +612,17 @@ class Router:
             for tenant, count in dispatcher.waiting_by_tenant().items():
                 queued[tenant] = queued.get(tenant, 0) + count
         at_workers: dict[str, int] = {}
+        ready_since: dict[str, float] = {}  # package -> since when its longest-ready worker is ready
         for unit in [*self.pool.workers(), *self.pool.pipelines()]:
             package = unit.package_id if isinstance(unit, PipelineUnit) else unit.health and unit.health.package_id
             if package:
                 at_workers[package] = at_workers.get(package, 0) + unit.in_flight
+            if package and isinstance(unit, Worker) and unit.ready_since is not None:
+                ready_since[package] = min(ready_since.get(package, unit.ready_since), unit.ready_since)
         now = {package: (self.version_dispatchers[package].waiting if package in self.version_dispatchers else 0,
                          at_workers.get(package, 0)) for package in self.signals.versions}
-        return self.signals.snapshot(self.waiting, self.pool.in_flight, self.pool.workers(), queued, now)
+        return self.signals.snapshot(self.waiting, self.pool.in_flight, self.pool.workers(), queued, now,
+                                     ready_since)
 
     def models(self, with_workers: bool = True) -> dict:
         """The ``GET /v1/models`` answer: each routed name with its versions, then each other model the

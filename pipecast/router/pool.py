@@ -112,8 +112,14 @@ class Worker:
     busy_at: float | None = None
     busy_until: float = 0.0
     #: Clock time the worker joined the pool, began to serve (ready or partial) or its in-flight count last
-    #: dropped to 0, whichever is latest; None while it has requests in flight.
+    #: dropped to 0, whichever is latest; None while it has requests in flight (``pipelined`` ones too).
     idle_since: float | None = None
+    #: Requests of this router in flight through pipelines this worker is a stage of: it serves them as much
+    #: as its own (a pipeline's head prefills and decodes), so it is not idle while any runs.
+    pipelined: int = 0
+    #: Clock time its health last turned ``ready`` (None while it is not): how long its package has had a
+    #: whole worker, so the canary gate does not judge a version's TTFT on requests that waited for its cold start.
+    ready_since: float | None = None
     #: The (package id, blocks present) of its furthest health answer, and the clock time it was reached:
     #: more blocks of the package, or another package begun (see LOADING_STALL_S). Kept across failed polls,
     #: so a loader that hangs is not taken for a new one each time its health answers again.
@@ -203,6 +209,9 @@ class PipelineUnit:
     max_in_flight: int = PIPELINE_MAX_IN_FLIGHT
     package_id: str = ""
     in_flight: int = 0
+    #: The member workers each request in flight was counted at (``Worker.pipelined``), oldest first: the
+    #: very ones, which stay busy with it even after the pipeline is relaid or dissolved.
+    counted: list[tuple[Worker, ...]] = field(default_factory=list, repr=False)
     tenants: dict[str, int] = field(default_factory=dict)
     routed: int = 0
     failed_at: float | None = None
@@ -342,6 +351,7 @@ class WorkerPool:
         if worker is None:
             return
         was_serving = worker.health is not None and worker.health.status in SERVING
+        was_ready = worker.health is not None and worker.health.status == "ready"
         if worker.progress is None or worker.progress[0] != health.package_id or \
                 health.blocks_present > worker.progress[1]:
             worker.progress, worker.progressed_at = (health.package_id, health.blocks_present), self.clock()
@@ -353,9 +363,13 @@ class WorkerPool:
             self._named = None
             if health.package_id:
                 self._names()  # remembered at once, even if the worker goes before the next request
-        if health.status in SERVING and not was_serving and worker.in_flight == 0:
+        if health.status in SERVING and not was_serving and worker.in_flight == 0 and worker.pipelined == 0:
             # Idle counts from when it could serve: a replica just loaded is not "idle" since it joined.
             worker.idle_since = self.clock()
+        if health.status != "ready":
+            worker.ready_since = None
+        elif not was_ready:
+            worker.ready_since = self.clock()
         if worker.failed_at is not None and polled_at >= worker.failed_at and health.status in SERVING:
             worker.failed_at = None
         if worker.busy_at is not None and polled_at >= worker.busy_at and health.can_serve:
@@ -371,6 +385,7 @@ class WorkerPool:
             if worker.health is not None:
                 self._named = None
             worker.health = None
+            worker.ready_since = None
             worker.problem = problem
 
     def record_failure(self, url: str, problem: str, at: float) -> None:
@@ -455,6 +470,12 @@ class WorkerPool:
         unit.routed += 1
         if isinstance(unit, Worker):
             unit.idle_since = None
+        else:
+            members = tuple(w for member in unit.member_urls if (w := self._workers.get(member)) is not None)
+            unit.counted.append(members)
+            for worker in members:
+                worker.pipelined += 1
+                worker.idle_since = None
         self._in_flight += 1
         return unit
 
@@ -469,8 +490,14 @@ class WorkerPool:
             unit.tenants[tenant] = left
         else:
             unit.tenants.pop(tenant, None)
-        if isinstance(unit, Worker) and unit.in_flight == 0:
-            unit.idle_since = self.clock()
+        # Which of a pipeline's requests ended is not known: each frees the oldest's members (the same ones unless
+        # it was relaid meanwhile).
+        members = (unit,) if isinstance(unit, Worker) else unit.counted.pop(0) if unit.counted else ()
+        for worker in members:
+            if worker is not unit:
+                worker.pipelined -= 1
+            if worker.in_flight == 0 and worker.pipelined == 0:
+                worker.idle_since = self.clock()
         self._changed()
 
     @property

@@ -109,6 +109,9 @@ class RequestCounters:
     arrived: int = 0
     #: Prompt tokens of the arrived requests (see :func:`prompt_tokens`).
     prompt_tokens: int = 0
+    #: Of the arrived requests, those their tenant's limit admitted: the demand a scaler sizes the pool for
+    #: (a tenant over its limit is refused at once, whatever the pool's size).
+    admitted: int = 0
     #: Answers completed with status 200.
     answered: int = 0
     #: The router's own 429s (its queue full, or a tenant over its limit).
@@ -151,10 +154,11 @@ def stream_tokens(events: bytes) -> int:
 
 @dataclass
 class VersionCounters:
-    """Cumulative counts of one version's requests (``/stats`` ``versions``): arrived, answered with 200,
-    failed (5xx or a broken stream) and the completion tokens answered."""
+    """Cumulative counts of one version's requests (``/stats`` ``versions``): arrived, admitted (by their
+    tenant's limit), answered with 200, failed (5xx or a broken stream) and the completion tokens answered."""
 
     arrived: int = 0
+    admitted: int = 0
     answered: int = 0
     failed: int = 0
     completion_tokens: int = 0
@@ -198,11 +202,15 @@ class Signals:
             of[0].arrived += 1
         return name
 
-    def admission(self, name: str, admitted: bool) -> None:
-        """Count the admission decision for a request counted under tenant ``name``."""
+    def admission(self, name: str, admitted: bool, version: str | None = None) -> None:
+        """Count the admission decision for a request counted under tenant ``name`` (an admitted one also in
+        the totals' and its version's ``admitted``)."""
         counts = self.tenants[name]
         if admitted:
             counts.admitted += 1
+            self.counters.admitted += 1
+            if of := self._version(version):
+                of[0].admitted += 1
         else:
             counts.rejected += 1
 
@@ -234,11 +242,13 @@ class Signals:
 
     def snapshot(self, queue_depth: int, in_flight: int, workers: Iterable[Worker],
                  queued: Mapping[str, int] | None = None,
-                 versions_now: Mapping[str, tuple[int, int]] | None = None) -> dict:
+                 versions_now: Mapping[str, tuple[int, int]] | None = None,
+                 ready_since: Mapping[str, float] | None = None) -> dict:
         """The ``GET /stats`` answer (format :data:`STATS_FORMAT`; the README's Router section lists it);
         ``queued``: tenant -> requests waiting in the router now, each tenant's ``queued`` (a tenant counted
         under :data:`OTHER_TENANTS` adds to that one's); ``versions_now``: package id -> (requests waiting
-        for a worker of it, requests at its workers) now."""
+        for a worker of it, requests at its workers) now; ``ready_since``: package id -> clock time since which
+        it has had a ``ready`` worker (packages without one now left out)."""
         now = self.clock()
         waiting = dict.fromkeys(self.tenants, 0)
         for tenant, count in (queued or {}).items():
@@ -256,14 +266,18 @@ class Signals:
             "ttft": self.ttft.summary(now),
             "tenants": {name: {**asdict(counts), "queued": waiting[name]}
                         for name, counts in sorted(self.tenants.items())},
-            "versions": self.snapshot_versions(versions_now),
+            "versions": self.snapshot_versions(versions_now, ready_since),
         }
 
-    def snapshot_versions(self, versions_now: Mapping[str, tuple[int, int]] | None = None) -> dict:
+    def snapshot_versions(self, versions_now: Mapping[str, tuple[int, int]] | None = None,
+                          ready_since: Mapping[str, float] | None = None) -> dict:
         """The ``/stats`` answer's ``versions``: per package id, its ``queue_depth`` and ``in_flight`` now
-        (``versions_now``; 0 when not given), ``counters`` and ``ttft`` window."""
+        (``versions_now``; 0 when not given), ``ready_s`` (seconds since ``ready_since``; None without a ready
+        worker), ``counters`` and ``ttft`` window."""
         now = self.clock()
+        since = ready_since or {}
         return {package: {"queue_depth": (versions_now or {}).get(package, (0, 0))[0],
                           "in_flight": (versions_now or {}).get(package, (0, 0))[1],
+                          "ready_s": now - since[package] if package in since else None,
                           "counters": asdict(counts), "ttft": window.summary(now)}
                 for package, (counts, window) in sorted(self.versions.items())}

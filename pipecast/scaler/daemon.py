@@ -21,7 +21,7 @@ until a tick sees its demand, so a cold start costs one early tick, however many
 Stateless across restarts: the deployments and the audit trail are the control plane's, and the
 cooldowns are recovered from the trail's last events. The signal history and the measured cold starts
 restart empty, so a restarted daemon decides from fresh data (a worker's idle time comes from the
-routers, which keep it).
+routers, which keep it), and releases nothing until it has a keep-alive of signals (the peak it keeps).
 """
 
 import asyncio
@@ -40,21 +40,20 @@ from control_plane.routes import RouteChange
 from pipecast.core import strictjson
 from pipecast.core.credentials import serving_headers
 from pipecast.scaler.coldstart import ColdStarts
-from pipecast.scaler.gate import add_up_versions, judge
+from pipecast.scaler.gate import Gate, add_up_versions
 from pipecast.scaler.metrics import ScalerMetrics
-from pipecast.scaler.policy import Decision, Signals, decide
+from pipecast.scaler.policy import HISTORY_S, Decision, Signals, decide
 from pipecast.scaler.signals import StatsFormatError, add_up, parse_stats, pool_of, serve_urls
 from pipecast.v1 import control_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 MAX_STATS_BYTES = 1 << 20
-#: Signals kept per deployment (s): the policy looks back a keep-alive at most (longer ones see this much).
-HISTORY_S = 600.0
 #: Holds recorded in the audit trail (when they begin): the pool cannot follow the load.
 NOTABLE_HOLDS = ("no_signals", "no_free_workers")
-#: A released worker is not counted as a replica for the keep-alive it was released with (``source_keep_s``:
-#: the control plane lists its blocks until then) and this long more, while its agent reports the drop (s).
+#: A released worker is not counted as a replica (but as free: a scale-up may take it back) for the keep-alive it
+#: was released with (``source_keep_s``: the control plane lists its blocks until then) and this long more, while
+#: its agent reports the drop (s).
 RELEASE_GRACE_S = 30.0
 
 
@@ -101,6 +100,7 @@ class Scaler:
         self._blocks: dict[str, int] = {}
         self._answers: dict[str, dict | None] = {}  # this tick's /stats, by router URL
         self._serving_key = b""  # what the routers' /stats ask of a caller (with credentials), from ListWorkers
+        self.gate = Gate()
 
     async def __aenter__(self) -> "Scaler":
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -117,11 +117,19 @@ class Scaler:
                 await self.tick()
             except ControlPlaneError as exc:
                 log.warning("scaler tick failed, holding every pool: %s", exc)
+                self._gap()
             try:
                 left = max(self.config.tick_s - (time.monotonic() - started), 0.0)
                 await asyncio.wait_for(self._watch(stop), left)
             except TimeoutError:
                 pass
+
+    def _gap(self) -> None:
+        """Mark a failed tick in every deployment's history as a poll no router answered: the signals it
+        missed are unknown, and the policy releases nothing until a keep-alive of them follows."""
+        now = self.clock()
+        for tracked in self.tracked.values():
+            tracked.history.append(Signals(at=now, routers_total=len(tracked.routers), routers_answered=0))
 
     async def _watch(self, stop: asyncio.Event) -> None:
         """Until ``stop`` is set or a request waits for a deployment left idle at zero replicas (module
@@ -147,6 +155,7 @@ class Scaler:
         deployments = await self.client.list_deployments()
         for gone in set(self.tracked) - {d.package_id for d in deployments}:
             del self.tracked[gone]
+            self.metrics.forget(gone)  # an undeployed package's gauges would show its last figures for good
         if not deployments:
             return []
         workers, self._serving_key = await self.client.list_workers_keyed()
@@ -163,12 +172,15 @@ class Scaler:
     async def _gate(self, deployments: Sequence[Deployment]) -> None:
         """Roll back the canaries that the gates of their routes fail (module docstring)."""
         routers_of = {d.package_id: d.routers for d in deployments}
-        for route in await self.client.list_routes():
+        routes = await self.client.list_routes()
+        self.gate.forget(route.name for route in routes)
+        for route in routes:
             urls = sorted({url for package, _ in route.versions for url in routers_of.get(package, ())})
             if route.gate is None or not route.canaries or not urls:
+                self.gate.saw(route)  # a canary added (again) later is then told apart
                 continue
             answers = await asyncio.gather(*(self._stats(url) for url in urls))
-            for verdict in judge(route, add_up_versions(a["versions"] if a else None for a in answers)):
+            for verdict in self.gate.judge(route, add_up_versions(a["versions"] if a else None for a in answers)):
                 log.warning("scaler: rolling back canary %s of %s: %s", verdict.package_id[:12], route.name,
                             verdict.reason)
                 try:
@@ -191,7 +203,8 @@ class Scaler:
         pool = pool_of(package_id, await self._num_blocks(package_id), workers, plans, now=now,
                        released=tracked.released, last_scale_up=tracked.last_scale_up)
         tracked.history.append(add_up(now, answers, urls, package_id, nodes={r.node_id for r in pool.replicas}))
-        while tracked.history and tracked.history[0].at < now - HISTORY_S:
+        # The policy's HISTORY_S, the poll just before included: a keep-alive that long is then spanned whole.
+        while len(tracked.history) > 1 and tracked.history[1].at <= now - HISTORY_S:
             tracked.history.popleft()
         tracked.cold_starts.observe(pool.replicas, now, tracked.last_scale_up)
         signals = tracked.history[-1]

@@ -3,21 +3,26 @@
 A route with a :class:`~control_plane.routes.CanaryGate` is judged every tick of the scaling daemon from
 the per-version figures of its routers' ``/stats`` (``versions``: cumulative counters and a 60 s TTFT
 window per package id; several routers add up: counts are summed, the p95 is the worst router's). A canary
-is rolled back when, with both it and the stable version measured on at least ``min_requests`` requests,
+is rolled back when
 
-- its error rate (failed over answered plus failed) exceeds the stable version's by more than
-  ``error_rate_margin``, or
-- its p95 TTFT exceeds the stable version's times ``1 + ttft_p95_margin``.
+- with both it and the stable version measured on at least ``min_requests`` requests since the canary was
+  added (:class:`Gate` remembers the counts then, so a canary added again after a rollback is not judged on
+  its last run's), its error rate (failed over answered plus failed) exceeds the stable version's by more
+  than ``error_rate_margin``, or
+- with both versions' TTFT windows holding at least ``min_requests`` answers, and the canary ready (a worker
+  holding it whole: ``ready_s``) for a whole window, its p95 TTFT exceeds the stable version's times
+  ``1 + ttft_p95_margin``. Before that its window holds requests that waited for its cold start (its first
+  replica loading): a wait a new version pays once, no sign of a slower one.
 
 Too few requests on either version: no verdict yet (the canary keeps its weight).
 """
 
+import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from control_plane.routes import ModelRoute
-
 
 @dataclass(frozen=True)
 class VersionFigures:
@@ -26,10 +31,23 @@ class VersionFigures:
     requests: int = 0  # answered + failed
     failed: int = 0
     ttft_p95_s: float | None = None
+    ttft_count: int = 0  # answers in the p95's window
+    #: Seconds the version has had a ready worker, the shortest any router says; None: none now (at some
+    #: router); inf: the routers do not say (before ``ready_s``), judged as before.
+    ready_s: float | None = None
+    #: How far back the p95 looks (s; ``/stats`` ``ttft.window_s``, the longest of the routers'): a version
+    #: ready this long has no request that waited for its cold start left in it.
+    ttft_window_s: float = math.inf
 
     @property
     def error_rate(self) -> float:
         return self.failed / self.requests if self.requests else 0.0
+
+    def since(self, base: "VersionFigures | None") -> "VersionFigures":
+        """The counts since ``base`` (the TTFT window as it is: it spans the last minute only)."""
+        if base is None:
+            return self
+        return replace(self, requests=self.requests - base.requests, failed=self.failed - base.failed)
 
     def describe(self) -> str:
         p95 = "-" if self.ttft_p95_s is None else f"{self.ttft_p95_s:.3f} s"
@@ -41,10 +59,17 @@ def add_up_versions(answers: Iterable[Mapping[str, Mapping[str, Any]] | None]) -
     out: dict[str, VersionFigures] = {}
     for versions in answers:
         for package, figures in (versions or {}).items():
-            seen = out.get(package, VersionFigures())
+            ready, window = figures.get("ready_s", math.inf), figures.get("ttft_window_s", math.inf)
+            seen = out.get(package)
+            if seen is None:
+                out[package] = VersionFigures(figures["requests"], figures["failed"], figures["ttft_p95_s"],
+                                              figures["ttft_count"], ready, window)
+                continue
             p95s = [p for p in (seen.ttft_p95_s, figures["ttft_p95_s"]) if p is not None]
             out[package] = VersionFigures(seen.requests + figures["requests"], seen.failed + figures["failed"],
-                                          max(p95s, default=None))
+                                          max(p95s, default=None), seen.ttft_count + figures["ttft_count"],
+                                          None if seen.ready_s is None or ready is None else min(seen.ready_s, ready),
+                                          max(seen.ttft_window_s, window))
     return out
 
 
@@ -56,23 +81,74 @@ class Verdict:
     reason: str
 
 
-def judge(route: ModelRoute, figures: Mapping[str, VersionFigures]) -> list[Verdict]:
-    """The canaries of ``route`` its gate rolls back now (none without a gate or without enough requests)."""
+def judge(route: ModelRoute, figures: Mapping[str, VersionFigures],
+          added: Mapping[str, Mapping[str, VersionFigures]] | None = None) -> list[Verdict]:
+    """The canaries of ``route`` its gate rolls back now (none without a gate or without enough requests);
+    ``added``: canary -> the route's versions' figures when it was added (counts are judged since then)."""
     gate = route.gate
     if gate is None:
         return []
-    stable = figures.get(route.stable, VersionFigures())
     verdicts = []
     for canary in route.canaries:
-        mine = figures.get(canary, VersionFigures())
-        if min(mine.requests, stable.requests) < gate.min_requests:
-            continue
+        base = (added or {}).get(canary, {})
+        stable = figures.get(route.stable, VersionFigures()).since(base.get(route.stable))
+        mine = figures.get(canary, VersionFigures()).since(base.get(canary))
         seen = f" (canary: {mine.describe()}; stable: {stable.describe()})"
-        if mine.error_rate > stable.error_rate + gate.error_rate_margin:
+        if (min(mine.requests, stable.requests) >= gate.min_requests
+                and mine.error_rate > stable.error_rate + gate.error_rate_margin):
             verdicts.append(Verdict(canary, f"gate: canary error rate {mine.error_rate:.1%} > stable's "
                                             f"{stable.error_rate:.1%} + {gate.error_rate_margin:.1%}" + seen))
-        elif (mine.ttft_p95_s is not None and stable.ttft_p95_s is not None
+        elif (min(mine.ttft_count, stable.ttft_count) >= gate.min_requests
+              and mine.ready_s is not None and mine.ready_s >= mine.ttft_window_s
+              and mine.ttft_p95_s is not None and stable.ttft_p95_s is not None
               and mine.ttft_p95_s > stable.ttft_p95_s * (1 + gate.ttft_p95_margin)):
             verdicts.append(Verdict(canary, f"gate: canary p95 TTFT {mine.ttft_p95_s:.3f} s > stable's "
                                             f"{stable.ttft_p95_s:.3f} s x {1 + gate.ttft_p95_margin:g}" + seen))
     return verdicts
+
+
+@dataclass
+class Gate:
+    """The gate over the daemon's ticks: :func:`judge` with the figures of each canary's routes when it was
+    added. A canary that appears in a route seen before without it (added, or added again after a rollback)
+    is judged on the counts since; one in a route seen first (the daemon just started) on the routers' whole
+    counts, as nothing tells when it was added. Counts that fall below those remembered (a router restarted,
+    counting from 0, or fell silent) are remembered as they are then."""
+
+    #: Route name -> the versions it had when last seen.
+    versions: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: (route name, canary) -> the route's versions' figures when the canary was added.
+    added: dict[tuple[str, str], dict[str, VersionFigures]] = field(default_factory=dict)
+
+    def saw(self, route: ModelRoute, figures: Mapping[str, VersionFigures] | None = None) -> None:
+        """Note ``route`` as it is now (every tick, judged or not, so a canary added again is told apart);
+        ``figures``: the versions' figures now (None: not polled, the route has no canary to judge)."""
+        before = self.versions.get(route.name)
+        names = frozenset(package for package, _ in route.versions)
+        self.versions[route.name] = names
+        for key in [key for key in self.added if key[0] == route.name and key[1] not in route.canaries]:
+            del self.added[key]
+        if figures is None:
+            return
+        for canary in route.canaries:
+            if before is not None and canary not in before:
+                self.added[(route.name, canary)] = {p: figures.get(p, VersionFigures()) for p in names}
+            elif (base := self.added.get((route.name, canary))) is not None:
+                self.added[(route.name, canary)] = {p: _lowest(b, figures.get(p, VersionFigures()))
+                                                    for p, b in base.items()}
+
+    def judge(self, route: ModelRoute, figures: Mapping[str, VersionFigures]) -> list[Verdict]:
+        """:meth:`saw` ``route`` with ``figures``, then :func:`judge` it on the counts since each canary was added."""
+        self.saw(route, figures)
+        return judge(route, figures, {canary: self.added[(route.name, canary)] for canary in route.canaries
+                                      if (route.name, canary) in self.added})
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Keep only the routes named ``names`` (the others were deleted)."""
+        keep = set(names)
+        self.versions = {name: v for name, v in self.versions.items() if name in keep}
+        self.added = {key: base for key, base in self.added.items() if key[0] in keep}
+
+
+def _lowest(base: VersionFigures, now: VersionFigures) -> VersionFigures:
+    return replace(base, requests=min(base.requests, now.requests), failed=min(base.failed, now.failed))

@@ -16,13 +16,15 @@ class ScalerMetrics:
         self.actual = Gauge("pipecast_scaler_replicas", "Replicas loaded or loading, per deployment.", ["package"],
                             registry=self.registry)
         self.decisions = Counter("pipecast_scaler_decisions", "Decisions by action (scale_up, release, hold) and "
-                                 "kind (demand, slo, idle, steady, cooldown, no_signals, no_free_workers).",
+                                 "kind (demand, slo, idle, steady, cooldown, no_signals, min_replicas, "
+                                 "no_free_workers).",
                                  ["package", "action", "kind"], registry=self.registry)
         self.cold_start = Gauge("pipecast_scaler_cold_start_seconds", "Median seconds the deployment's last new "
                                 "replicas took from the scale-up to holding the package (the daemon's measure).",
                                 ["package"], registry=self.registry)
         self.gate_rollbacks = Counter("pipecast_scaler_canary_rollbacks", "Canaries the automatic gate rolled "
                                       "back, per served model name.", ["route"], registry=self.registry)
+        self._kinds: dict[str, set[tuple[str, str]]] = {}  # package -> the (action, kind) of its decisions
 
     def observe(self, package_id: str, decision: Decision, replicas: int, cold_start_s: float | None = None) -> None:
         self.desired.labels(package_id).set(decision.desired)
@@ -30,6 +32,17 @@ class ScalerMetrics:
         if cold_start_s is not None:
             self.cold_start.labels(package_id).set(cold_start_s)
         self.decisions.labels(package_id, decision.action, decision.kind).inc()
+        self._kinds.setdefault(package_id, set()).add((decision.action, decision.kind))
+
+    def forget(self, package_id: str) -> None:
+        """Drop every series of ``package_id`` (undeployed): its gauges would show its last figures for good."""
+        for gauge in (self.desired, self.actual, self.cold_start):
+            try:
+                gauge.remove(package_id)
+            except KeyError:  # never set (no cold start measured)
+                pass
+        for action, kind in self._kinds.pop(package_id, ()):
+            self.decisions.remove(package_id, action, kind)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

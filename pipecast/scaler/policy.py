@@ -3,8 +3,9 @@
 :func:`decide` is a function of its arguments only (no clock, no I/O), so every load shape is a unit test.
 How it decides, in this order:
 
-1. **No data, no change.** Without a recent answer from any router the pool is held as it is: missing
-   signals never scale to zero. With some routers silent it may add replicas but releases none.
+1. **No data, no change.** Without a recent answer from any router the pool is held as it is (raised to
+   ``min_replicas`` only, which needs no signal): missing signals never scale to zero. With some routers
+   silent it may add replicas but releases none.
 2. **Demand** (leading signals first): replicas needed for the requests present now (router queue + in flight, at
    ``replica_concurrency`` each) and for the arrival rate over the last ``SHORT_WINDOW_S`` (or ``SURGE_WINDOW_S``
    where higher, while no replica holds the model), at the per-replica throughput (measured over the last
@@ -29,7 +30,9 @@ How it decides, in this order:
 4. **Scale down** with hysteresis: only replicas idle for ``keep_alive_s`` (every router agreeing), only
    above ``DOWN_HEADROOM`` times the *peak* demand of the last ``keep_alive_s`` (at least
    ``SHORT_WINDOW_S``), and never within ``scale_down_cooldown_s`` of a scale-up, so a replica is not
-   acquired and released again within the cooldown.
+   acquired and released again within the cooldown. The peak needs signals for that whole window: while
+   the history holds less since its start or its last poll no router answered (the daemon restarted, the
+   routers or the control plane were out of reach), nothing is released.
 """
 
 import math
@@ -50,6 +53,9 @@ SURGE_WINDOW_S = 2.0
 DOWN_HEADROOM = 1.25
 #: Signals older than this (s) are no signals.
 STALE_S = 5.0
+#: The longest history the policy looks back on (s): the daemon keeps this much (and the poll just before),
+#: so a longer keep-alive's peak is this window's.
+HISTORY_S = 600.0
 #: Demand fractions this close below a whole replica round down (float noise does not add a replica).
 EPSILON = 1e-9
 
@@ -104,7 +110,7 @@ class Decision:
     add: int
     release: tuple[str, ...]
     reason: str
-    kind: str  # a short label for metrics: no_signals, demand, slo, idle, steady, cooldown, no_free_workers
+    kind: str  # for metrics: no_signals, min_replicas, demand, slo, idle, steady, cooldown, no_free_workers
     desired: int
     inputs: dict
 
@@ -263,7 +269,7 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     """The decision for now (module docstring); ``history`` is oldest first."""
     have = len(pool.replicas)
     if not history or history[-1].routers_answered == 0 or pool.now - history[-1].at > STALE_S:
-        return Decision(0, (), f"no signals from any router: holding {have} replicas", "no_signals", have, {})
+        return _no_signals(pool, policy)
     now = history[-1]
     rate = arrival_rate(history)
     throughput = replica_throughput(history, policy)
@@ -323,6 +329,32 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
     return _scale_down(history, pool, policy, warm, desired, why, inputs)
 
 
+def _no_signals(pool: Pool, policy: ScalingPolicy) -> Decision:
+    """Without signals: hold the pool, but raise it to ``min_replicas``, which needs none (a deployment without
+    routers, or with all of them down, would else stay below its minimum for good)."""
+    have = len(pool.replicas)
+    why = f"no signals from any router: holding {have} replicas"
+    if have >= policy.min_replicas:
+        return Decision(0, (), why, "no_signals", have, {})
+    inputs = {"replicas": have, "free": pool.free, "min_replicas": policy.min_replicas}
+    if pool.last_scale_up is not None and pool.now - pool.last_scale_up < policy.scale_up_cooldown_s:
+        return Decision(0, (), f"{why}, below the minimum {policy.min_replicas}: in the scale-up cooldown", "cooldown",
+                        policy.min_replicas, inputs)
+    add = min(policy.min_replicas - have, pool.free)
+    if add == 0:
+        return Decision(0, (), f"{why}, below the minimum {policy.min_replicas}: no free worker to add",
+                        "no_free_workers", policy.min_replicas, inputs)
+    return Decision(add, (), f"no signals from any router: raising {have} replicas to the minimum "
+                             f"{policy.min_replicas}: add {add}", "min_replicas", policy.min_replicas, inputs)
+
+
+def signals_span(history: Sequence[Signals]) -> float:
+    """Seconds of signals without a gap up to the last poll: since the history's first poll, or the last one
+    that no router answered (the daemon appends one for a tick that failed)."""
+    start = next((i + 1 for i in range(len(history) - 1, -1, -1) if history[i].routers_answered == 0), 0)
+    return history[-1].at - history[min(start, len(history) - 1)].at
+
+
 def _scale_down(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy, warm: int, desired: int, why: str,
                 inputs: dict) -> Decision:
     now = history[-1]
@@ -337,8 +369,13 @@ def _scale_down(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy, w
         return Decision(0, (), f"{why}: in the scale-down cooldown", "cooldown", desired, inputs)
     # Hysteresis: keep what the keep-alive's peak needed (at the throughput measured now); the cooldown
     # above, not this window, keeps a release away from a scale-up.
-    throughput = replica_throughput(history, policy)
     window_s = max(policy.keep_alive_s, SHORT_WINDOW_S)
+    span = signals_span(history)
+    if span < min(window_s, HISTORY_S):  # the peak of a part of the window is no peak: the rest is unknown
+        return Decision(0, (), f"{why}: not releasing on {round(span, 1):g} s of signals, less than the {window_s:g} s "
+                               "whose peak it keeps (the daemon restarted or signals were missing)", "steady",
+                        desired, inputs)
+    throughput = replica_throughput(history, policy)
     peak = max(max(_demand(signals, arrival_rate(history[:i + 1]), throughput, policy))
                for i, signals in enumerate(history) if signals.at >= now.at - window_s)
     keep = min(max(math.ceil(peak * DOWN_HEADROOM) + warm, policy.min_replicas, desired), policy.max_replicas)

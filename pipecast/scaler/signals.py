@@ -10,6 +10,7 @@ process's id; routers before it send none, and stand for themselves by their URL
 (one restarted, or another behind the same Service answered).
 """
 
+import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,8 +36,16 @@ def _number(data: Mapping[str, Any], key: str, router: str, *, nullable: bool = 
     return value
 
 
+def _admitted(counters: Mapping[str, Any], router: str) -> int:
+    """The requests that arrived and that their tenant's limit admitted (``admitted``): a request refused for
+    its tenant's rate is refused however many replicas serve, so it is no demand. Routers before that counter
+    send only ``arrived``."""
+    return int(_number(counters, "admitted" if "admitted" in counters else "arrived", router))
+
+
 def parse_stats(router: str, data: Any) -> dict[str, Any]:
-    """The fields of one router's /stats answer the scaler reads, checked."""
+    """The fields of one router's /stats answer the scaler reads, checked. Its ``arrived`` (the totals' and each
+    version's) are the admitted arrivals (:func:`_admitted`)."""
     if not isinstance(data, dict) or data.get("format") != STATS_FORMAT:
         raise StatsFormatError(f"router {router}: /stats is not format {STATS_FORMAT}")
     counters, ttft, workers = data.get("counters"), data.get("ttft"), data.get("workers")
@@ -56,14 +65,23 @@ def parse_stats(router: str, data: Any) -> dict[str, Any]:
         raise StatsFormatError(f"router {router}: /stats versions is not an object")
     parsed_versions = {}
     for package, figures in versions.items():
-        counters, window = (figures.get("counters"), figures.get("ttft")) if isinstance(figures, dict) else (None, None)
-        if not isinstance(counters, dict) or not isinstance(window, dict):
+        # Not ``counters``/``ttft``: those are the router's totals, returned below.
+        of_version, window = (figures.get("counters"), figures.get("ttft")) if isinstance(figures, dict) \
+            else (None, None)
+        if not isinstance(of_version, dict) or not isinstance(window, dict):
             raise StatsFormatError(f"router {router}: /stats version {package!r} lacks counters or ttft")
-        answered, failed = int(_number(counters, "answered", router)), int(_number(counters, "failed", router))
+        answered, failed = int(_number(of_version, "answered", router)), int(_number(of_version, "failed", router))
+        # Routers before ``ready_s`` send none: as long ready as can be (their canaries judged as before).
+        ready_s = _number(figures, "ready_s", router, nullable=True) if "ready_s" in figures else math.inf
         parsed_versions[package] = {"requests": answered + failed, "failed": failed, "answered": answered,
-                                    "arrived": int(_number(counters, "arrived", router)),
+                                    "arrived": _admitted(of_version, router),
                                     "queue_depth": int(_number(figures, "queue_depth", router)),
                                     "in_flight": int(_number(figures, "in_flight", router)),
+                                    "ready_s": ready_s,
+                                    "ttft_count": int(_number(window, "count", router)),
+                                    # how far back its p95 looks; routers that do not say: judged as before
+                                    "ttft_window_s": _number(window, "window_s", router) if "window_s" in window
+                                    else math.inf,
                                     "ttft_p95_s": _number(window, "p95", router, nullable=True),
                                     "ttft_p99_s": _number(window, "p99", router, nullable=True)}
     instance = data.get("instance", router)  # routers before it send none: the URL stands for the router
@@ -71,8 +89,7 @@ def parse_stats(router: str, data: Any) -> dict[str, Any]:
         raise StatsFormatError(f"router {router}: /stats instance is {instance!r}, not a non-empty string")
     return {"instance": instance, "queue_depth": int(_number(data, "queue_depth", router)),
             "in_flight": int(_number(data, "in_flight", router)),
-            "arrived": int(_number(counters, "arrived", router)),
-            "answered": int(_number(counters, "answered", router)),
+            "arrived": _admitted(counters, router), "answered": int(_number(counters, "answered", router)),
             "ttft_p99_s": _number(ttft, "p99", router, nullable=True), "workers": parsed_workers,
             "versions": parsed_versions}
 
@@ -147,16 +164,20 @@ def pool_of(package_id: str, num_blocks: int, workers: Iterable[pb.WorkerState],
             *, now: float, released: Iterable[str] = (), last_scale_up: float | None = None) -> Pool:
     """The deployment's pool: replicas are alive serving workers that hold blocks of the package or are
     receiving it (loading until they hold every block); free ones hold and receive nothing of it.
-    ``released`` nodes (released moments ago, their drop not reported yet) are neither."""
+    ``released`` nodes (released moments ago, their drop not reported yet) are free, not replicas: a
+    scale-up may take them back (placed on holders first), and a surge whose only spare workers they are
+    would else wait for their keep-alive to end."""
     pending = {node for plan in plans if plan.package_id == package_id for node in plan.pending}
     released = set(released)
     replicas, free = [], 0
     for state in workers:
         node = state.worker.peer.node_id
-        if not state.alive or not state.worker.serve_url or node in released:
+        if not state.alive or not state.worker.serve_url:
             continue
         held = sum(len(h.blocks) for h in state.held if h.package_id == package_id)
-        if held or node in pending:
+        if node in released:
+            free += 1
+        elif held or node in pending:
             replicas.append(Replica(node, loading=held < num_blocks or node in pending))
         else:
             free += 1

@@ -18,12 +18,13 @@ import pytest
 from click.testing import CliRunner
 
 from pipecast.router.app import WORKER_HEADER
+from pipecast.router.signals import TTFT_WINDOW_S
 from pipecast.scaler.command import scaler_group
 from tests.integration.test_cluster import TOKEN, Cluster
 from tests.support.agent_processes import free_ports
 from tests.support.packages import tiny_package
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(400)
 WAIT_S = 90.0
 SHAPE = {"hidden_size": 128, "intermediate_size": 256}
 
@@ -60,8 +61,8 @@ class CanaryCluster(Cluster):
     def id(self, name: str) -> str:
         return self.packages[name].manifest.package_id
 
-    def wait_until(self, check, what: str):
-        deadline = time.monotonic() + WAIT_S
+    def wait_until(self, check, what: str, wait_s: float = WAIT_S):
+        deadline = time.monotonic() + wait_s
         while not (result := check()):
             assert time.monotonic() < deadline, f"timed out waiting for {what}\n" + "\n".join(
                 f"--- {n}\n{self.log(n)[-3000:]}" for n in ("scaler", "router", "canary-serve"))
@@ -131,7 +132,8 @@ def test_the_gate_rolls_a_slow_canary_back_and_promote_and_rollback_move_the_rou
         routes = cluster.try_cp("routes")
         return routes if routes and len(routes[0]["versions"]) == 1 else None
 
-    [route] = cluster.wait_until(rolled_back, "the gate to roll the canary back")
+    # The gate judges TTFT once the canary was ready for a whole TTFT window (60 s): none of its cold start left.
+    [route] = cluster.wait_until(rolled_back, "the gate to roll the canary back", wait_s=TTFT_WINDOW_S + WAIT_S)
     assert route["versions"] == [[stable, 100]]
     [event] = [e for e in audit(cluster) if e["action"] == "rollback"]
     assert event["package_id"] == canary and event["reason"].startswith("gate: canary p95 TTFT "), event

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 
+from pipecast.router.discovery import DiscoveredPipeline
 from pipecast.router.pool import Dispatcher, WorkerPool
 from pipecast.router.signals import MAX_TENANTS, OTHER_TENANTS, Signals, TtftWindow, percentile, prompt_tokens
 from pipecast.serve.health import WorkerHealth
@@ -70,7 +71,8 @@ def test_counters_and_tenants_accumulate():
     signals.answered()
     signals.failed()
     stats = signals.snapshot(queue_depth=4, in_flight=2, workers=[])
-    assert stats["counters"] == {"arrived": 3, "prompt_tokens": 16, "answered": 1, "rejected": 1, "failed": 1}
+    assert stats["counters"] == {"arrived": 3, "prompt_tokens": 16, "admitted": 2, "answered": 1, "rejected": 1,
+                                 "failed": 1}
     assert stats["tenants"] == {"a": {"arrived": 2, "admitted": 1, "rejected": 1, "queued": 0},
                                 "b": {"arrived": 1, "admitted": 1, "rejected": 0, "queued": 0}}
     assert stats["ttft"] == {"window_s": 60.0, "count": 1, "p50": 2.0, "p95": 2.0, "p99": 2.0}
@@ -116,6 +118,33 @@ def test_a_worker_is_idle_from_when_it_began_to_serve_not_from_when_it_joined():
     assert pool.get(A).idle_s(1052.0) == 2.0
 
 
+def test_the_stages_of_a_pipeline_are_busy_while_its_requests_run_even_after_it_dissolves():
+    """Found in review: only a Worker's own requests counted, so /stats showed a pipeline's head idle while it served
+    pipelined requests (and those moved onto it when the pipeline dissolved), and the scaler released it first."""
+    clock = FakeClock(1000.0)
+    pool = WorkerPool(clock)
+    pool.sync({A: "node-a", B: "node-b"})
+    pool.record_health(A, replace(READY, status="partial", blocks_total=2), 1000.0)
+    pool.record_health(B, replace(READY, status="loading", blocks_total=2), 1000.0)
+    pool.sync_pipelines([DiscoveredPipeline("pipeline:a+b", A, (A, B), "[route]")])
+    clock.now = 1005.0
+    first, second = pool.begin("pipeline:a+b"), pool.begin("pipeline:a+b")
+    clock.now = 1080.0
+    assert [(w.url, w.in_flight, w.idle_s(clock.now)) for w in pool.workers()] == [(A, 0, None), (B, 0, None)]
+    # A and B now hold the model: the pipeline dissolves, its requests run on; B turning ready is no idle spell.
+    pool.record_health(A, READY, 1080.0)
+    pool.record_health(B, READY, 1080.0)
+    pool.sync_pipelines([])
+    pool.finish(first)
+    assert [w.idle_s(1090.0) for w in pool.workers()] == [None, None]  # one still runs
+    clock.now = 1085.0
+    pool.finish(second)
+    assert [w.idle_s(1090.0) for w in pool.workers()] == [5.0, 5.0] and pool.in_flight == 0
+    pool.begin(A)
+    pool.finish(pool.get(A))  # a worker's own requests as before
+    assert pool.get(A).idle_s(1090.0) == 5.0 and pool.get(A).pipelined == 0
+
+
 def test_requests_at_a_removed_worker_stay_in_flight_until_they_end():
     pool = WorkerPool(FakeClock())
     pool.sync({A: "node-a"})
@@ -138,24 +167,25 @@ async def test_the_snapshot_pins_the_stats_contract():
     signals = Signals(clock, wall_clock=lambda: 1.7e9)
     signals.arrived("default", 3)
     signals.arrived("default", 3, version="pkg-b")
+    signals.admission("default", True, version="pkg-b")
     signals.answer_started(1001.5, version="pkg-b")
     signals.answered(version="pkg-b", tokens=7)
     signals.failed(version="pkg-b")
-    stats = signals.snapshot(dispatcher.waiting, pool.in_flight, pool.workers())
+    stats = signals.snapshot(dispatcher.waiting, pool.in_flight, pool.workers(), ready_since={"pkg-b": 1000.0})
     assert list(stats) == ["format", "instance", "now_unix", "started_unix", "queue_depth", "in_flight", "workers",
                            "counters", "ttft", "tenants", "versions"]
     assert stats["versions"] == {"pkg-b": {
-        "queue_depth": 0, "in_flight": 0,
-        "counters": {"arrived": 1, "answered": 1, "failed": 1, "completion_tokens": 7},
+        "queue_depth": 0, "in_flight": 0, "ready_s": 2.5,
+        "counters": {"arrived": 1, "admitted": 1, "answered": 1, "failed": 1, "completion_tokens": 7},
         "ttft": {"window_s": 60.0, "count": 1, "p50": 1.0, "p95": 1.0, "p99": 1.0}}}
     assert stats["format"] == 1
     assert stats["workers"] == [
         {"url": A, "node_id": "node-a", "status": "ready", "in_flight": 1, "queue_depth": 3, "idle_s": None},
         {"url": B, "node_id": "node-b", "status": "unknown", "in_flight": 0, "queue_depth": 0, "idle_s": 2.5},
     ]
-    assert list(stats["counters"]) == ["arrived", "prompt_tokens", "answered", "rejected", "failed"]
+    assert list(stats["counters"]) == ["arrived", "prompt_tokens", "admitted", "answered", "rejected", "failed"]
     assert list(stats["ttft"]) == ["window_s", "count", "p50", "p95", "p99"]
-    assert stats["tenants"] == {"default": {"arrived": 2, "admitted": 0, "rejected": 0, "queued": 0}}
+    assert stats["tenants"] == {"default": {"arrived": 2, "admitted": 1, "rejected": 0, "queued": 0}}
     assert (stats["queue_depth"], stats["in_flight"]) == (0, 1)
     dispatcher.release(worker)
 

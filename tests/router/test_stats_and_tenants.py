@@ -8,6 +8,7 @@ import pytest
 
 from pipecast.core.settings import TenantLimit
 from pipecast.router.admission import AdmissionConfig
+from pipecast.scaler.signals import add_up, parse_stats
 from tests.router.test_app import BODY, CLIENT_TIMEOUT, FakeWorker, eventually, post, router, workers
 
 pytestmark = pytest.mark.timeout(30)
@@ -58,9 +59,11 @@ async def test_stats_count_requests_and_show_each_worker(session):
     assert workers_during[ready.url] == {"url": ready.url, "node_id": ready.url, "status": "ready", "in_flight": 1,
                                          "queue_depth": 0, "idle_s": None}
     assert workers_during[loading.url]["status"] == "loading" and workers_during[loading.url]["idle_s"] > 0
-    assert during["counters"] == {"arrived": 3, "prompt_tokens": 9, "answered": 2, "rejected": 0, "failed": 0}
+    assert during["counters"] == {"arrived": 3, "prompt_tokens": 9, "admitted": 3, "answered": 2, "rejected": 0,
+                                  "failed": 0}
     assert during["ttft"]["count"] == 3  # the stream's first event has reached the client
-    assert after["counters"] == {"arrived": 3, "prompt_tokens": 9, "answered": 3, "rejected": 0, "failed": 0}
+    assert after["counters"] == {"arrived": 3, "prompt_tokens": 9, "admitted": 3, "answered": 3, "rejected": 0,
+                                 "failed": 0}
     assert after["in_flight"] == 0
     assert after["tenants"] == {"default": {"arrived": 3, "admitted": 3, "rejected": 0, "queued": 0}}
     ttft = after["ttft"]
@@ -78,9 +81,50 @@ async def test_stats_count_the_routers_429s_and_5xx(session):
             assert (await post(session, url))[0] == 429  # queue full
             assert (await queued)[0] == 503  # its deadline
             stats = await stats_of(session, url)
-    assert stats["counters"] == {"arrived": 2, "prompt_tokens": 6, "answered": 0, "rejected": 1, "failed": 1}
+    # The queue's 429 was admitted (by its tenant's limit): demand the pool did not meet.
+    assert stats["counters"] == {"arrived": 2, "prompt_tokens": 6, "admitted": 2, "answered": 0, "rejected": 1,
+                                 "failed": 1}
     assert stats["ttft"] == {"window_s": 60.0, "count": 0, "p50": None, "p95": None, "p99": None}
     assert stats["queue_depth"] == 0
+
+
+async def test_a_request_refused_for_its_tenants_rate_arrived_but_was_not_admitted(session):
+    """Found in review: the scaler took its arrival rate from ``arrived``, refusals included (1 admitted, 93
+    refused for the tenant's rate: 7 replicas added for requests no replica would serve). ``admitted`` counts
+    those the tenant's limit let through, in the totals and per version, and the scaler reads it."""
+    package = "p" * 64
+    admission = AdmissionConfig(limits={"a": TenantLimit(rate=0.01, burst=1)})
+    async with workers(FakeWorker(model="m", package_id=package)) as (worker,):
+        async with router([worker.url], admission=admission) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            statuses = [await post_tenant(session, url, "a") for _ in range(4)]
+            stats = await stats_of(session, url)
+    assert statuses == [200, 429, 429, 429]
+    assert (stats["counters"]["arrived"], stats["counters"]["admitted"]) == (4, 1)
+    assert {k: stats["versions"][package]["counters"][k] for k in ("arrived", "admitted")} == {"arrived": 4,
+                                                                                                "admitted": 1}
+    assert add_up(0.0, [parse_stats(url, stats)], {}).arrived == 1
+    assert add_up(0.0, [parse_stats(url, stats)], {}, package).arrived == 1
+
+
+async def test_a_versions_ready_s_runs_from_when_a_worker_of_it_turned_ready(session):
+    """So that the canary gate does not judge a version's TTFT on the requests that waited for its cold start
+    (``pipecast.scaler.gate``)."""
+    package = "p" * 64
+    async with workers(FakeWorker(model="m", package_id=package, status="loading")) as (worker,):
+        async with router([worker.url]) as (url, instance):
+            await eventually(lambda: package in instance.pool.serving_packages())
+            waiting = asyncio.create_task(post(session, url))  # counted for the version; waits for its worker
+            await eventually(lambda: instance.waiting == 1)
+            loading = await stats_of(session, url)
+            worker.status = "ready"
+            assert (await waiting)[0] == 200
+            ready = await stats_of(session, url)
+            instance.pool.record_unreachable(worker.url, "connection refused")
+            down = await stats_of(session, url)
+    assert loading["versions"][package]["ready_s"] is None
+    assert 0 <= ready["versions"][package]["ready_s"] < 5
+    assert down["versions"][package]["ready_s"] is None
 
 
 async def test_a_tenant_over_its_limit_gets_429_while_another_passes(session):

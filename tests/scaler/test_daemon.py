@@ -6,12 +6,13 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import pytest
 from aiohttp import web
 
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
-from control_plane.errors import ChangeNotStored, InsufficientWorkers
+from control_plane.errors import ChangeNotStored, ControlPlaneError, InsufficientWorkers
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
 from pipecast.core.credentials import SERVING_KEY_HEADER
 from pipecast.scaler.daemon import Scaler, ScalerConfig
@@ -91,6 +92,13 @@ def stats(queue: int = 0, idle: dict[str, float | None] | None = None, arrived: 
             "ttft": {"window_s": 60.0, "count": 0, "p50": None, "p95": None, "p99": None}, "tenants": {}}
 
 
+async def a_keep_alive_on(scaler: Scaler, now: list[float]) -> None:
+    """A first tick, then the clock a keep-alive on: the policy releases nothing before its signals span one."""
+    [(_, first)] = await scaler.tick()
+    assert not first.release and "not releasing on 0 s of signals" in first.reason, first.reason
+    now[0] += POLICY.keep_alive_s
+
+
 @asynccontextmanager
 async def stub_router(answer: dict) -> AsyncIterator[tuple[str, dict]]:
     """A router whose /stats answers ``state["answer"]`` (changeable while it runs); ``state["keys"]`` lists
@@ -146,18 +154,20 @@ async def test_a_silent_router_holds_the_pool_recording_the_hold_once():
 
 
 async def test_idle_replicas_are_released_after_keep_alive_and_the_refusal_of_a_scale_up_is_recorded():
-    idle = {"w1": 30.0, "w2": 3.0}
+    idle, now = {"w1": 30.0, "w2": 3.0}, [1000.0]
     async with stub_router(stats(idle=idle)) as (url, state):
         client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS), worker("w3")], (url,))
-        async with Scaler(client, ScalerConfig(source_keep_s=7.0)) as scaler:
+        async with Scaler(client, ScalerConfig(source_keep_s=7.0), clock=lambda: now[0]) as scaler:
+            await a_keep_alive_on(scaler, now)
             [(_, decision)] = await scaler.tick()
             assert decision.release == ("w1",)
             assert client.calls[-1] == ("release", ("w1",), 7.0)
-            # w1 is released: not a replica while its drop is reported, however the control plane lists it.
+            # w1 is released: not a replica while its drop is reported, however the control plane lists it, but
+            # free (a scale-up may take it back).
             state["answer"] = stats(queue=9, arrived=9)
             client.refuse = InsufficientWorkers("no memory")
             [(_, decision)] = await scaler.tick()
-            assert decision.add == 1  # only w3 is free
+            assert (decision.add, decision.inputs["replicas"]) == (2, 1)  # w1 and w3 are free
     assert client.calls[-2:] == [("scale_up", 1, ""), ("event", "hold")]
     assert client.events[-1].reason == "scale_up refused: no memory"
 
@@ -197,9 +207,10 @@ async def test_a_replica_released_with_a_keep_alive_is_not_counted_until_it_ends
     async with stub_router(stats(idle=idle)) as (url, _):
         client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,))
         async with Scaler(client, ScalerConfig(source_keep_s=120.0), clock=lambda: now[0]) as scaler:
+            await a_keep_alive_on(scaler, now)
             [(_, decision)] = await scaler.tick()
             assert decision.release == ("w1",)
-            for later in (31.0, 100.0, 149.0):  # the control plane lists w1's blocks all along its keep-alive
+            for later in (41.0, 110.0, 159.0):  # the control plane lists w1's blocks all along its keep-alive
                 now[0] = 1000.0 + later
                 [(_, decision)] = await scaler.tick()
                 assert decision.release == () and decision.inputs["replicas"] == 1, later
@@ -214,6 +225,7 @@ async def test_a_released_worker_a_scale_up_takes_back_is_in_the_trail_and_a_res
         client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS), worker("w3")], (url,))
         config = ScalerConfig(source_keep_s=120.0)
         async with Scaler(client, config, clock=lambda: now[0]) as scaler:
+            await a_keep_alive_on(scaler, now)
             [(_, decision)] = await scaler.tick()
             assert decision.release == ("w1",)
             now[0] += 40.0
@@ -302,9 +314,11 @@ async def test_a_deployment_beside_a_busy_one_at_its_router_is_released_not_size
     # Found in review: no entry of its own in the router's versions read as the router's whole queue: an idle
     # deployment was scaled up for its neighbour's backlog every tick and re-acquired after each release.
     answer = {**stats(queue=8, idle={"w1": 30.0}, arrived=8), "versions": {"b" * 64: version(0, 0, None, queue=8)}}
+    now = [1000.0]
     async with stub_router(answer) as (url, _):
         client = RecordingClient([worker("w1", held=BLOCKS), worker("w2"), worker("w3")], (url,))
-        async with Scaler(client) as scaler:
+        async with Scaler(client, clock=lambda: now[0]) as scaler:
+            await a_keep_alive_on(scaler, now)
             [(_, decision)] = await scaler.tick()
     assert (decision.add, decision.release) == (0, ("w1",))
 
@@ -366,3 +380,110 @@ async def test_a_daemon_without_the_watch_waits_for_its_tick():
             assert client.calls == [] and len(scaler.tracked[PKG].history) == 1
             stop.set()
             await task
+
+
+async def test_a_surge_right_after_a_release_takes_the_released_workers_back():
+    """Found in review: a released worker counted as neither replica nor free for its keep-alive and grace, so a
+    surge whose only spare workers were those just released held at no_free_workers though they held every block."""
+    now = [10_000.0]
+    async with stub_router(stats(idle={"w1": 100.0, "w2": 100.0})) as (url, state):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,))
+        async with Scaler(client, ScalerConfig(source_keep_s=300.0), clock=lambda: now[0]) as scaler:
+            await a_keep_alive_on(scaler, now)
+            [(_, released)] = await scaler.tick()
+            assert released.release == ("w1", "w2")
+            now[0] += 10.0
+            state["answer"] = stats(queue=20, arrived=20)
+            client.unchanged = ["w1", "w2"]  # placement takes the released holders first
+            [(_, decision)] = await scaler.tick()
+            assert (decision.add, decision.kind) == (2, "demand") and not scaler.tracked[PKG].released
+    assert [e.action for e in client.events] == ["release", "scale_up", "take_back"]
+
+
+async def test_an_undeployed_package_leaves_no_series_in_the_metrics():
+    """Found in review: its gauges kept their last desired and actual replicas (and cold start) for good."""
+    async with stub_router(stats(queue=1, arrived=1)) as (url, _):
+        client = RecordingClient([worker("w1")], (url,))
+        async with Scaler(client) as scaler:
+            await scaler.tick()
+            scaler.metrics.cold_start.labels(PKG).set(6.0)
+            assert scaler.metrics.render()[0].count(PKG.encode()) >= 4
+            client.list_deployments = lambda: asyncio.sleep(0, [])  # `pipecast cp undeploy`
+            await scaler.tick()
+            assert PKG.encode() not in scaler.metrics.render()[0]
+
+
+async def test_a_deployment_without_routers_is_still_raised_to_its_minimum():
+    """Found in review: without signals the pool was held as it was, so --min 2 without routers (or with all of
+    them down) stayed at 0 replicas for good, desired 0."""
+    client = RecordingClient([worker("w1"), worker("w2"), worker("w3")], ())
+    client.deployment = Deployment(PKG, ScalingPolicy(min_replicas=2, max_replicas=4), ())
+    async with Scaler(client) as scaler:
+        [(_, decision)] = await scaler.tick()
+    assert (decision.add, decision.kind, decision.desired) == (2, "min_replicas", 2)
+    assert client.calls == [("event", "scale_up"), ("scale_up", 2, "")]
+
+
+async def test_a_failed_tick_is_a_gap_in_the_signals_and_nothing_is_released_for_a_keep_alive_after():
+    now = [1000.0]
+    async with stub_router(stats(idle={"w1": 30.0, "w2": 30.0})) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,))
+        async with Scaler(client, ScalerConfig(watch_s=0.0), clock=lambda: now[0]) as scaler:
+            await a_keep_alive_on(scaler, now)
+            stop = asyncio.Event()
+
+            async def unreachable():
+                stop.set()
+                raise ControlPlaneError("control plane unreachable")
+
+            client.list_deployments = unreachable
+            await scaler.run(stop)  # one failed tick
+            del client.list_deployments
+            now[0] += 1.0
+            [(_, decision)] = await scaler.tick()
+            assert not decision.release and "not releasing on 0 s of signals" in decision.reason
+            now[0] += POLICY.keep_alive_s
+            [(_, decision)] = await scaler.tick()
+            assert decision.release == ("w1", "w2")
+
+
+async def test_a_canary_added_again_after_a_rollback_is_judged_on_its_requests_since():
+    """Found in review: the routers' counts are cumulative, so a canary added again was judged at once on the
+    failures of its rolled-back run, and rolled back again before any request of the new one."""
+    canary = "c" * 64
+    gated = ModelRoute("chat", PKG, ((PKG, 90), (canary, 10)), CanaryGate(min_requests=10))
+    answer = {**stats(), "versions": {PKG: version(90, 0, 0.5), canary: version(6, 4, 0.5)}}
+    async with stub_router(answer) as (url, state):
+        client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
+        client.routes = [gated]
+        async with Scaler(client) as scaler:
+            await scaler.tick()
+            assert [c[2] for c in client.calls if c[0] == "change_route"] == ["rollback"]
+            client.routes = [ModelRoute("chat", PKG, ((PKG, 100),), gated.gate)]  # rolled back
+            await scaler.tick()
+            client.routes = [gated]  # added again: its 40% failed are the last run's
+            client.calls.clear()
+            await scaler.tick()
+            state["answer"] = {**stats(), "versions": {PKG: version(180, 0, 0.5), canary: version(16, 4, 0.5)}}
+            await scaler.tick()
+            assert not [c for c in client.calls if c[0] == "change_route"]
+            state["answer"] = {**stats(), "versions": {PKG: version(180, 0, 0.5), canary: version(16, 10, 0.5)}}
+            await scaler.tick()  # 6 of 16 since failed
+            [(_, _, _, _, reason)] = [c for c in client.calls if c[0] == "change_route"]
+    assert reason.startswith("gate: canary error rate 37.5% > stable's 0.0% + 5.0% (canary: 16 requests, 6 failed")
+
+
+async def test_the_daemon_keeps_a_history_that_spans_the_longest_the_policy_looks_back_on():
+    now = [1000.0]
+    long_keep_alive = replace(POLICY, keep_alive_s=900.0)
+    async with stub_router(stats(idle={"w1": 1000.0})) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
+        client.deployment = Deployment(PKG, long_keep_alive, (url,))
+        async with Scaler(client, clock=lambda: now[0]) as scaler:
+            for at in (1000.0, 1300.0, 1601.0):  # the oldest poll stays while the next is within HISTORY_S
+                now[0] = at
+                [(_, decision)] = await scaler.tick()
+                assert bool(decision.release) == (at == 1601.0), (at, decision.reason)
+            now[0] = 1902.0
+            await scaler.tick()
+            assert [s.at for s in scaler.tracked[PKG].history] == [1300.0, 1601.0, 1902.0]

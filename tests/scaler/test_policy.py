@@ -139,6 +139,50 @@ def test_no_signals_hold_the_pool_and_never_scale_to_zero():
     assert stale.kind == "no_signals" and stale.desired == 1
 
 
+def test_without_signals_the_pool_is_still_raised_to_its_minimum_never_lowered():
+    """Found in review: without signals the pool was held as it was, so --min 2 with no router (or all down)
+    stayed at 0 replicas, reporting desired 0."""
+    two = replace(POLICY, min_replicas=2)
+    none = decide([], Pool(now=0.0, replicas=(), free=3), two)
+    assert (none.add, none.kind, none.desired) == (2, "min_replicas", 2)
+    assert none.reason == "no signals from any router: raising 0 replicas to the minimum 2: add 2"
+    assert decide([], Pool(now=0.0, replicas=(Replica("w0", True),), free=0), two).kind == "no_free_workers"
+    cooling = decide([], Pool(now=0.0, replicas=(Replica("w0", True),), free=3, last_scale_up=-1.0), two)
+    assert (cooling.add, cooling.kind) == (0, "cooldown")
+    over = decide([], Pool(now=0.0, replicas=tuple(Replica(f"w{i}", False) for i in range(3)), free=3), two)
+    assert (over.action, over.kind, over.desired) == ("hold", "no_signals", 3)
+
+
+def test_a_restarted_daemon_releases_nothing_until_its_signals_span_the_keep_alive():
+    """Found in review: after a restart (one poll, no rate yet) or a gap in the signals the peak covered only the
+    polls present, so replicas the load of the keep-alive needed were released at once (4 req/s on 5 replicas:
+    one released on the first tick after a restart, re-acquired soon after)."""
+    policy = replace(POLICY, keep_alive_s=60.0, scale_down_cooldown_s=60.0, replica_concurrency=8)
+    sim = Sim(policy=policy, replicas=5)
+    sim.run([4] * 100)
+    assert len(sim.replicas) == 5 and sim.decisions == []
+    sim.history.clear()  # the daemon restarts: its signal history starts empty
+    first = sim.step(4)
+    assert first.action == "hold" and "not releasing on 0 s of signals, less than the 60 s" in first.reason
+    sim.run([4] * 100)
+    assert len(sim.replicas) == 5 and sim.decisions == []
+    # A gap (a poll no router answered: silent routers, a failed tick) starts the span again.
+    sim.step(4, routers_answered=0)
+    assert "not releasing on 0 s of signals" in sim.step(4).reason
+    # Idle for good: released once a keep-alive of signals shows it.
+    sim.run([0] * 200)
+    assert len(sim.replicas) == 0
+
+
+def test_a_keep_alive_longer_than_the_history_kept_needs_the_whole_history():
+    policy = replace(POLICY, keep_alive_s=900.0)  # the daemon keeps HISTORY_S (600 s) of polls
+    history = [Signals(at=float(t), routers_total=1, routers_answered=1, idle_s={"w0": 1000.0})
+               for t in range(0, 601, 10)]
+    pool = Pool(now=600.0, replicas=(Replica("w0", False),), free=0)
+    assert decide(history, pool, policy).release == ("w0",)
+    assert "not releasing on 590 s of signals" in decide(history[1:], pool, policy).reason
+
+
 def test_a_silent_router_blocks_releases_not_scale_ups():
     history = [Signals(at=float(t), routers_total=2, routers_answered=1, idle_s={"w0": 100.0}) for t in range(30)]
     pool = Pool(now=29.0, replicas=(Replica("w0", False),), free=3)

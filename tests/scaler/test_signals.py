@@ -6,7 +6,8 @@ import pytest
 
 from control_plane.deployments import ScalingPolicy
 from pipecast.scaler.policy import Pool, Replica, decide
-from pipecast.scaler.signals import StatsFormatError, add_up, parse_stats
+from pipecast.scaler.signals import StatsFormatError, add_up, parse_stats, pool_of
+from pipecast.v1 import control_pb2 as pb
 
 
 def stats(queue: int, arrived: int, answered: int, p99: float | None, workers: list[tuple[str, str, float | None]]):
@@ -135,3 +136,47 @@ def test_polls_of_a_service_that_land_on_another_router_are_no_burst_of_arrivals
         assert decision.add == 0, decision.reason
         rates.append(decision.inputs["arrival_rps"])
     assert rates[-4:] == [1.0, 0.0, 1.0, 1.0]
+
+
+def test_the_arrival_rate_is_of_the_admitted_requests_an_older_routers_arrived():
+    """Found in review: a tenant over its limit is refused at once, however many replicas serve, yet its requests
+    counted as arrivals: 1 admitted and 93 refused in 2 s scaled a pool of one up to its max of 8."""
+    package = "p" * 64
+    answer = stats(0, 94, 1, None, [])
+    answer["counters"]["admitted"] = 1
+    answer["versions"] = {package: version(0, 0, 94, 1, None)}
+    answer["versions"][package]["counters"]["admitted"] = 1
+    parsed = parse_stats("r1", answer)
+    assert (parsed["arrived"], parsed["versions"][package]["arrived"]) == (1, 1)
+    before = add_up(100.0, [parse_stats("r1", {**answer, "counters": {**answer["counters"], "admitted": 0},
+                                                "versions": {}})], {})
+    history = [before, add_up(102.0, [parse_stats("r1", {**answer, "versions": {}})], {})]
+    decision = decide(history, Pool(now=102.0, replicas=(Replica("w1", False),), free=7),
+                      ScalingPolicy(min_replicas=0, max_replicas=8, replica_rps=1.0))
+    assert decision.add == 0 and decision.inputs["arrival_rps"] == 0.5, decision.reason
+    older = parse_stats("r1", stats(0, 94, 1, None, []))  # a router before ``admitted``: its arrivals
+    assert older["arrived"] == 94
+
+
+def test_the_totals_are_the_routers_not_its_last_versions():
+    """Found in review: the versions' loop took the names of the totals' counters, so a router's totals were read
+    as its last version's (hidden where a deployment reads its own version's figures)."""
+    answer = {**stats(0, 100, 90, None, []), "versions": {"v" * 64: version(0, 0, 3, 2, None)}}
+    signals = add_up(100.0, [parse_stats("r1", answer)], {}, package_id="")
+    assert (signals.arrived, signals.answered) == (100, 90)
+
+
+def state(node: str, held: int, package: str = "p" * 64) -> pb.WorkerState:
+    spec = pb.WorkerSpec(peer=pb.Peer(node_id=node), serve_url=f"http://{node}:8000")
+    return pb.WorkerState(worker=spec, alive=True, held=[pb.PackageBlocks(package_id=package,
+                                                                          blocks=list(range(held)))])
+
+
+def test_a_worker_released_moments_ago_is_free_not_a_replica():
+    """Found in review: a released worker (its drop not reported yet) was neither, so a surge whose only spare
+    workers were those just released held at no_free_workers for the keep-alive, though they hold every block.
+    Free, a scale-up takes them back (the control plane places it on holders first)."""
+    workers = [state("w1", 4), state("w2", 4), state("w3", 0)]
+    pool = pool_of("p" * 64, 4, workers, [], now=0.0, released={"w1", "w2"})
+    assert (pool.replicas, pool.free) == ((), 3)
+    assert pool_of("p" * 64, 4, workers, [], now=0.0).replicas == (Replica("w1", False), Replica("w2", False))
