@@ -243,7 +243,7 @@ async def serving():
 
 @pytest.mark.timeout(60)
 async def test_a_follower_short_of_file_descriptors_for_a_moment_tries_again_after_a_pause(package, serving, tmp_path):
-    """Review E, finding 1: a LocalResourceError that outlasted a unit's retries ended the fetch and the follower
+    """Found in review: a LocalResourceError that outlasted a unit's retries ended the fetch and the follower
     then waited for new parts with no deadline: the package stalled, unreported, until a re-plan."""
     _, manifest = package
     a, b = await serving("a", PeerServer(), package[0]), await serving("b", PeerServer(), package[0])
@@ -267,7 +267,7 @@ async def test_a_follower_short_of_file_descriptors_for_a_moment_tries_again_aft
 
 @pytest.mark.timeout(60)
 async def test_small_files_a_follower_fetches_on_a_retry_reach_the_disk_cache(package, serving, tmp_path):
-    """Review E, finding 4: files that failed in the first open were fetched again by the follower itself, past
+    """Found in review: files that failed in the first open were fetched again by the follower itself, past
     the disk cache: the cache held the manifest and blocks but no config.json, so it could not be a seed. Nor
     did the follower report the blocks of a store it did not open whole."""
     root, manifest = package

@@ -263,7 +263,7 @@ async def test_a_cancelled_wait_for_cache_writes_leaves_another_packages_wait_an
 
 @pytest.mark.parametrize("under_control", [True, False])
 async def test_a_request_waiting_for_an_expected_package_is_refused_once_it_is_dropped(under_control):
-    """Review E, finding 5: a child's request held for a package this node expected was never refused after a
+    """Found in review: a child's request held for a package this node expected was never refused after a
     DROP: it waited out its I/O timeout, which blamed this node."""
     daemon = AgentDaemon(AgentOptions(node_id="p", listen="127.0.0.1:0",
                                       control_plane="127.0.0.1:1" if under_control else None), Settings(**SETTINGS))

@@ -348,7 +348,7 @@ def _cached_copy(package, cache_root):
 
 def test_an_unreadable_cached_block_or_file_is_fetched_again_and_fails_a_seed(package, tmp_path, monkeypatch,
                                                                                 caplog):
-    """Review E, finding 2: a cached block that could not be opened (EACCES: another uid's 0600 file) raised a
+    """Found in review: a cached block that could not be opened (EACCES: another uid's 0600 file) raised a
     raw PermissionError out of BlockStore.open, and a follower retried that same failure for ever; a cached
     file that is a folder raised IsADirectoryError. Each is missing now: fetched again, or refuses a seed."""
     _, manifest = package

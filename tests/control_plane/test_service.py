@@ -845,15 +845,21 @@ class SlowStore(SqliteStore):
         self.events_written.append([row[0] for _, table, rows in changes if table == "scale_events" for row in rows])
 
 
-@pytest.mark.parametrize("fails", [False, True])
-async def test_a_durable_flush_whose_caller_is_cancelled_is_written_again_only_if_its_commit_fails(tmp_path, fails):
+def slow_service(tmp_path: Path, fails: bool) -> tuple[SlowStore, ControlState, ControlPlaneService]:
+    """A service on a :class:`SlowStore` with a published package, its deployment and one scale event to write."""
     store = SlowStore(tmp_path / "cp.sqlite3", fails)
     state = ControlState(lease_s=LEASE_S)
     service = ControlPlaneService(state, ControlMetrics(state), heartbeat_s=HEARTBEAT_S, store=store)
+    state.publish(manifest(), STORE, now=0)
+    service.book.put(Deployment(PKG, ScalingPolicy()), state.packages, 0.0)
+    service.book.append(ScaleEvent(at=1.0, package_id=PKG, action="hold"))
+    return store, state, service
+
+
+@pytest.mark.parametrize("fails", [False, True])
+async def test_a_durable_flush_whose_caller_is_cancelled_is_written_again_only_if_its_commit_fails(tmp_path, fails):
+    store, state, service = slow_service(tmp_path, fails)
     try:
-        state.publish(manifest(), STORE, now=0)
-        service.book.put(Deployment(PKG, ScalingPolicy()), state.packages, 0.0)
-        service.book.append(ScaleEvent(at=1.0, package_id=PKG, action="hold"))
         call = asyncio.create_task(service.flush_encoded(durable=True))  # as AppendScaleEvent's
         assert await asyncio.to_thread(store.committing.wait, WAIT_S)
         call.cancel()  # the client's deadline passed, or the server stops
@@ -879,13 +885,8 @@ async def test_a_durable_flush_whose_caller_is_cancelled_is_written_again_only_i
 @pytest.mark.parametrize("fails", [False, True])
 async def test_a_durable_call_is_answered_only_once_a_commit_carrying_its_change_whose_caller_left_ended(tmp_path,
                                                                                                        fails):
-    store = SlowStore(tmp_path / "cp.sqlite3", fails)
-    state = ControlState(lease_s=LEASE_S)
-    service = ControlPlaneService(state, ControlMetrics(state), heartbeat_s=HEARTBEAT_S, store=store)
+    store, state, service = slow_service(tmp_path, fails)
     try:
-        state.publish(manifest(), STORE, now=0)
-        service.book.put(Deployment(PKG, ScalingPolicy()), state.packages, 0.0)
-        service.book.append(ScaleEvent(at=1.0, package_id=PKG, action="hold"))
         left = asyncio.create_task(service.flush_encoded(durable=True))  # a call whose client's deadline passes
         service.book.append(ScaleEvent(at=2.0, package_id=PKG, action="scale_up"))  # before that call takes it
         waiting = asyncio.create_task(service.flush_encoded(durable=True))  # as AppendScaleEvent's

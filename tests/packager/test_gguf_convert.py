@@ -1,32 +1,12 @@
 """``pipecast convert-gguf GGUF OUT --force`` never replaces the GGUF file it converts."""
 
 import re
-from pathlib import Path
 
 import pytest
 
 from packager.errors import PackageError
 from packager.gguf_convert import convert_gguf
 from pipecast.cli import main
-
-
-@pytest.fixture
-def fake_transformers(monkeypatch):
-    """transformers' GGUF reading replaced by objects that save one file each (no gguf package needed)."""
-    import transformers
-
-    class Saved:
-        def save_pretrained(self, folder):
-            (Path(folder) / f"{type(self).__name__}.json").write_text("{}")
-
-    class Tokenizer(Saved):
-        pass
-
-    class Model(Saved):
-        pass
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Model())
 
 
 @pytest.mark.parametrize("out", [".", "..", "model.gguf", "link"])

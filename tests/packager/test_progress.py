@@ -62,21 +62,7 @@ def test_verify_moves_the_bar_over_every_byte(checkpoint, tmp_path):
         assert progress._bar.n == total == progress._bar.total
 
 
-def test_convert_gguf_shows_its_steps_on_a_terminal_only(tmp_path, monkeypatch):
-    import transformers
-
-    class Saved:
-        def save_pretrained(self, folder):
-            (Path(folder) / f"{type(self).__name__}.json").write_text("{}")
-
-    class Tokenizer(Saved):
-        pass
-
-    class Model(Saved):
-        pass
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Model())
+def test_convert_gguf_shows_its_steps_on_a_terminal_only(tmp_path, fake_transformers):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     lines: list[str] = []

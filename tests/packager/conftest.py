@@ -1,0 +1,24 @@
+"""Fixtures of the packager's tests."""
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def fake_transformers(monkeypatch):
+    """transformers' GGUF reading replaced by objects that save one file each (no gguf package needed)."""
+    import transformers
+
+    class Saved:
+        def save_pretrained(self, folder):
+            (Path(folder) / f"{type(self).__name__}.json").write_text("{}")
+
+    class Tokenizer(Saved):
+        pass
+
+    class Model(Saved):
+        pass
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Model())
