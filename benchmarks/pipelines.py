@@ -200,6 +200,8 @@ def format_report(report: PipelinesReport) -> str:
              f"{m['floor_seconds']:.2f} s; one request of {m['prompt_tokens']} tokens at the scale-up; "
              f"{m['worker_cpus']}",
              credentials_line(m.get("auth", True)),
+             *(f"RETRIED: K={r['sources']} {r['source_kind']} {r['strategy']} failed once: "
+               f"{str(r['error']).splitlines()[0]}" for r in m.get("retried_runs", ())),
              f"{'sources':>7} {'kind':<5} {'strategy':<16} {'plan':<8} {'TTFT s':>7} {'/ S/B':>6} {'stages':>6} "
              f"{'ms/token':>8} {'1st whole s':>11} {'all whole s':>11} {'end s':>6} {'after s':>7} {'CPU':>5}"]
     for r in report.results:
@@ -486,6 +488,7 @@ def run(config: PipelinesConfig, workdir: Path, progress: Progress = NO_PROGRESS
     sockets = Path(tempfile.mkdtemp(prefix="pcp-"))  # short: a unix socket path has at most 107 bytes
     quotas = open_quotas(config.worker_cpus)
     report.meta["worker_cpus"] = quotas.description
+    report.meta["retried_runs"] = []
     progress(f"serving workers: {quotas.description}")
     progress.start(len(config.source_kinds) * len(config.sources) * len(config.strategies), "scale-ups", unit="run")
     try:
@@ -503,7 +506,11 @@ def run(config: PipelinesConfig, workdir: Path, progress: Progress = NO_PROGRESS
                             result = run_once(cluster, folder, config, manifest, k, kind, strategy, sockets,
                                               quotas)
                         except PipelinesBenchError as exc:
+                            # A shared machine may kill a run for reasons outside the benchmark: retry once, and
+                            # say so in the report, not only on stderr.
                             progress(f"{label} FAILED, retrying once: {exc}")
+                            report.meta["retried_runs"].append({"sources": k, "source_kind": kind,
+                                                                "strategy": strategy, "error": str(exc)})
                             result = run_once(cluster, folder.with_name(strategy + "-retry"), config, manifest,
                                               k, kind, strategy, sockets, quotas)
                         report.results.append(result)

@@ -15,8 +15,10 @@ file at the end. ``python -m benchmarks.surge.loadgen SPEC.json``; one run:
    with "oracle" the driver asks the control plane, at t0, to bring the package onto every cold worker
    (the whole pool at the first request: a baseline no deployment has); with "none" nobody does;
 4. once every request has its answer (and, for the oracle, every worker is ready or ``ready_grace_s``
-   later), write the results: each request, each worker's health transitions, the oracle's scale-up or
-   the daemon's decisions (``scale_events``, from the control plane's audit trail).
+   later; for the daemon, it has released every cold worker above the pool's minimum or ``tail_s`` passed
+   since the last answer: the keep-alive it pays after a surge is part of its cost), write the results: each
+   request, each worker's health transitions, the scale events (the daemon's decisions from the control
+   plane's audit trail, or the oracle's scale-up as one event).
 
 A failure (a deadline passed, a service refused) is written to the results file as ``error`` and the
 process exits with code 2.
@@ -93,6 +95,8 @@ class DriverSpec:
     transports: tuple[str, ...] = field(default=("tcp",))
     scaled_by: str = "oracle"  # see benchmarks.surge.strategies.SCALERS
     deployment: dict | None = None  # Deployment.to_json() declared after publishing, for the daemon
+    #: For the daemon: after the last answer, watch the pool at most this long for its releases.
+    tail_s: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -180,6 +184,21 @@ async def send(http: aiohttp.ClientSession, spec: DriverSpec, request: Scheduled
 # -- the run -------------------------------------------------------------------------------------------
 
 
+def oracle_scale_event(scale_up: dict, workers: int, warm: int) -> dict:
+    """The oracle's scale-up (``_scale_up``'s record) as a scale event, as the daemon's audit trail has them:
+    at the surge's first instant, every cold worker."""
+    receivers = list(scale_up["receivers"])
+    return {"t": 0.0, "action": "scale_up", "count": len(receivers), "node_ids": receivers,
+            "reason": f"oracle: every cold worker at the surge's first instant (plan {scale_up['strategy']}, "
+                      f"answered in {scale_up['answered_s']:.2f} s)", "desired": workers, "actual": warm}
+
+
+def holding(states: Sequence, nodes: set[str], package_id: str) -> int:
+    """Of ``nodes``, how many hold blocks of ``package_id`` (the control plane's ``list_workers`` states)."""
+    return sum(1 for state in states if state.worker.peer.node_id in nodes
+               and any(h.package_id == package_id and h.blocks for h in state.held))
+
+
 class Driver:
     """One run's driver; :meth:`run` does steps 1-4 of the module docstring."""
 
@@ -213,6 +232,9 @@ class Driver:
                 await self._replay(http, t0)
                 if scale is not None:
                     await self._wait_all_ready()
+                elif self.spec.deployment is not None:
+                    await self._watch_releases(cp, t0)
+                observed = time.time() - t0
             finally:
                 for task in (poller, progress):
                     task.cancel()
@@ -220,8 +242,27 @@ class Driver:
             events = await cp.list_scale_events(self.spec.package_id, limit=100_000) if self.spec.deployment else []
         self.events.emit("done", answered=sum(r.status == "ok" for r in self.results))
         requests = [asdict(r) for r in sorted(self.results, key=lambda r: r.index)]
+        warm = sum(w.warm for w in self.spec.workers)
+        scale_events = [oracle_scale_event(scale, len(self.spec.workers), warm)] if scale is not None else \
+            [{**e.to_json(), "t": e.at - t0} for e in events]
         return {"t0": t0, "scale_up": scale, "requests": requests, "health": self.health,
-                "scale_events": [{**e.to_json(), "t": e.at - t0} for e in events]}
+                "scale_events": scale_events, "observed_until_s": observed}
+
+    async def _watch_releases(self, cp, t0: float) -> None:
+        """Wait until the daemon holds no cold worker above the pool's minimum, or ``tail_s`` after the last
+        answer: the workers it keeps meanwhile are billed (their agents' drops end their cost)."""
+        last = max((r.finished_s for r in self.results), default=0.0)
+        deadline = t0 + last + self.spec.tail_s
+        cold = {w.name for w in self.spec.workers if not w.warm}
+        # The pool's minimum counts the warm workers first (benchmarks.surge.run.deployment_policy).
+        spare = max(self.spec.deployment["policy"]["min_replicas"] - (len(self.spec.workers) - len(cold)), 0)
+        while time.time() < deadline:
+            try:
+                if holding(await cp.list_workers(), cold, self.spec.package_id) <= spare:
+                    return
+            except ControlPlaneUnavailable:
+                pass  # a moment's outage: ask again
+            await asyncio.sleep(POLL_S * 5)
 
     async def _publish(self, cp, deadline: float) -> None:
         manifest = read_manifest(Path(self.spec.package))

@@ -15,8 +15,11 @@ deployment the driver declared: it notices the surge through the router's ``/sta
 surge's first instant (``*-oracle`` and ``warm-pool``: a baseline no deployment has), or nobody (``fixed``).
 A cold worker costs from the moment the control plane assigned it the package (its agent's first
 ``assignment`` event; the oracle's decision for the oracle strategies) until its agent dropped the
-package (a release) or the run ended: its processes were started (and torch imported) before, so process
-start-up, a container's own cold start, is outside every strategy's figures alike.
+package (a release) or the cost horizon: the run's end plus the daemon's keep-alive and scale-down cooldown
+(:func:`cost_tail_seconds`), for every strategy alike; after the last answer the driver watches a
+daemon-scaled pool until the daemon has released it to its minimum or that horizon, so the replicas a daemon
+keeps after a surge are billed as a fixed pool's idle is. Its processes were started (and torch imported)
+before, so process start-up, a container's own cold start, is outside every strategy's figures alike.
 
 Repeats interleave the strategies (unicast, warm-pool, pipecast, unicast, ...) so a slow phase of this
 shared machine hits them alike; the CPU is sampled during every run and a saturated run is flagged.
@@ -81,6 +84,14 @@ ProgressCallback = Callable[[str], None]
 # minutes.
 DEFAULT_POLICY = ScalingPolicy(max_replicas=8, slo_ttft_p99_s=2.0, keep_alive_s=20.0, scale_up_cooldown_s=5.0,
                                scale_down_cooldown_s=30.0, replica_rps=0.5, replica_concurrency=8)
+# Past the keep-alive and cooldown, a few of the daemon's ticks and the agents' drop reports.
+COST_TAIL_MARGIN_S = 5.0
+
+
+def cost_tail_seconds(policy: ScalingPolicy) -> float:
+    """How long past a run's end every strategy is billed: by then the daemon has released what it keeps
+    after the last request (idle for the keep-alive, no release within the scale-down cooldown of a scale-up)."""
+    return policy.keep_alive_s + policy.scale_down_cooldown_s + COST_TAIL_MARGIN_S
 
 
 class SurgeBenchError(PipecastError):
@@ -359,7 +370,8 @@ def run_once(cluster: EmulatedCluster, folder: Path, package: PackageFacts, stra
         plan_strategy=strategy.plan_strategy, schedule=config.schedule, vocab_size=package.vocab_size,
         package_id=package.package_id, events=str(run.events_path(LOAD)), results=str(folder / "results.json"),
         startup_timeout_s=START_TIMEOUT_S, request_timeout_s=config.request_timeout_s,
-        scaled_by=strategy.scaled_by, deployment=_deployment(strategy, config, package, layout, len(warm)))
+        scaled_by=strategy.scaled_by, deployment=_deployment(strategy, config, package, layout, len(warm)),
+        tail_s=cost_tail_seconds(config.policy) if strategy.scaled_by == "daemon" else 0.0)
     (folder / "spec.json").write_text(json.dumps(spec.to_json()))
     label = f"[{strategy.name} {repeat}/{config.repeat}]"
     sockets = Path(tempfile.mkdtemp(prefix="pcs-"))  # short: a unix socket path has at most 107 bytes
@@ -371,7 +383,8 @@ def run_once(cluster: EmulatedCluster, folder: Path, package: PackageFacts, stra
         run.wait_event([LOAD], "surge", deadline, f"{label} arming (every worker up, cold ones waiting)")
         progress(f"{label} surge: {len(config.schedule)} requests to {len(warm)} warm + {len(workers) - len(warm)} "
                  f"cold workers")
-        end_by = time.time() + config.schedule[-1].at_s + config.request_timeout_s + spec.ready_grace_s + 60
+        end_by = (time.time() + config.schedule[-1].at_s + config.request_timeout_s + spec.ready_grace_s + spec.tail_s
+                  + 60)
         with CpuSampler() as cpu:
             _follow_driver(run, end_by, label, progress)
         if run.procs[LOAD].returncode != 0:
@@ -390,7 +403,10 @@ def run_once(cluster: EmulatedCluster, folder: Path, package: PackageFacts, stra
                      cpu_saturated=usage.saturated(),
                      notes={"scale_up": results["scale_up"], "scaled_by": strategy.scaled_by,
                             "scale_events": results.get("scale_events", []),
-                            "policy": spec.deployment["policy"] if spec.deployment else {}})
+                            "observed_until_s": results.get("observed_until_s"),
+                            "policy": spec.deployment["policy"] if spec.deployment else {}},
+                     cost_tail_s=cost_tail_seconds(config.policy),
+                     floor_s=floor_seconds(package.total_bytes, config.link_mbit, config.store_rate_mbit))
 
 
 def _follow_driver(run: _RunProcesses, end_by: float, label: str, progress: ProgressCallback) -> None:
@@ -469,8 +485,12 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
          f"{config.caps.output_tokens} tokens {request_s * 1000:.0f} ms; the daemon's replica_rps "
          f"{config.policy.replica_rps:g} (a prefill's) until it measures one")
         if ratio else "transfer/compute ratio not calibrated (--no-calibrate)",
-        f"cost: worker-seconds from provisioning (warm: {config.pre_surge_s:g} s before the surge) to the run's end; "
-        f"TTFT from each request's scheduled arrival; first{config.first_n} = the first {config.first_n} requests",
+        f"cost: worker-seconds while holding a replica, from provisioning (warm: {config.pre_surge_s:g} s before the "
+        f"surge) to the cost horizon, every strategy alike: each run's end (last answer, or last ready) + "
+        f"{cost_tail_seconds(config.policy):g} s (keep-alive {config.policy.keep_alive_s:g} + scale-down cooldown "
+        f"{config.policy.scale_down_cooldown_s:g} + {COST_TAIL_MARGIN_S:g}; the daemon's pool watched until back at "
+        f"its minimum or then); TTFT from each request's scheduled arrival, percentiles over the answered requests; "
+        f"first{config.first_n} = the first {config.first_n} requests",
     ]
     return {
         "benchmark": "surge", "versions": versions("torch", "transformers", "aiohttp", "grpcio"),
@@ -483,7 +503,7 @@ def _meta(config: SurgeConfig, package: PackageFacts, cluster: EmulatedCluster, 
         "requests": facts.requests, "schedule_seconds": facts.duration_s, "mean_rate_per_s": facts.mean_rate_per_s,
         "peak_rate_per_s": facts.peak_rate_per_s, "prompt_cap_tokens": config.caps.prompt_tokens,
         "output_cap_tokens": config.caps.output_tokens, "repeat": config.repeat,
-        "pre_surge_seconds": config.pre_surge_s,
+        "pre_surge_seconds": config.pre_surge_s, "cost_tail_seconds": cost_tail_seconds(config.policy),
         "first_n": config.first_n, "floor_seconds": floor, "policy": asdict(config.policy),
         "model_copy_seconds": one_copy,
         "prefill_seconds": prefill_s, "request_seconds": request_s, "worker_prefill_seconds": worker_prefill_s,

@@ -94,3 +94,36 @@ def test_a_pipeline_of_two_receivers_answers_first_with_the_whole_models_tokens(
     # ... with credentials, by default: stage calls carried the serving key (a worker refuses them without)
     assert data["meta"]["auth"] is True and "credentials: on" in run.output
     assert_auth_was_on(tmp_path / "work")
+
+
+def test_a_run_retried_after_a_failure_is_recorded_in_the_report_and_printed(monkeypatch, tmp_path):
+    # The run itself is faked: what matters is that the failure reaches the report, not only stderr.
+    import contextlib
+    from types import SimpleNamespace
+
+    import benchmarks.pipelines as bench
+
+    block = SimpleNamespace(bytes=1 << 20)
+    monkeypatch.setattr(bench, "read_manifest", lambda _: SimpleNamespace(blocks=[block], model_name="m",
+                                                                          package_id="p"))
+    cluster = SimpleNamespace(mode="loopback")
+    monkeypatch.setattr(bench, "EmulatedCluster", lambda *a, **k: contextlib.nullcontext(cluster))
+    monkeypatch.setattr(bench, "open_quotas", lambda _: SimpleNamespace(description="no CPU quota", close=lambda: None))
+    calls = []
+
+    def run_once(cluster, folder, config, manifest, k, kind, strategy, sockets, quotas):
+        calls.append(folder.name)
+        if len(calls) == 1:
+            raise PipelinesBenchError("store failed during the run: exited with code 2\nlast lines ...")
+        return result(k, strategy, 5.0, stages=2)
+
+    monkeypatch.setattr(bench, "run_once", run_once)
+    config = bench.PipelinesConfig(package=tmp_path, sources=(2,), source_kinds=("warm",), strategies=(PIPELINES,),
+                                   receivers=2)
+    report = bench.run(config, tmp_path / "work")
+    assert calls == [PIPELINES, f"{PIPELINES}-retry"]
+    assert report.meta["retried_runs"] == [{"sources": 2, "source_kind": "warm", "strategy": PIPELINES,
+                                            "error": "store failed during the run: exited with code 2\nlast lines ..."}]
+    report.meta.update(link_mbit=400.0, floor_seconds=10.0, prompt_tokens=16)
+    assert "RETRIED: K=2 warm pipelines failed once: store failed during the run: exited with code 2" in \
+        format_report(report).splitlines()

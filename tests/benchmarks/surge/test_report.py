@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from benchmarks.surge.plots import held_steps, save_timeline, save_ttft_cdf
-from benchmarks.surge.run import DEFAULT_POLICY, billed_intervals, deployment_policy
+from benchmarks.surge.loadgen import holding, oracle_scale_event
+from benchmarks.surge.run import DEFAULT_POLICY, billed_intervals, cost_tail_seconds, deployment_policy
 from benchmarks.surge.report import (
     CSV_COLUMNS,
     RequestResult,
@@ -17,6 +18,7 @@ from benchmarks.surge.report import (
     oscillations,
     percentile,
     ratios,
+    ready_ratios,
     run_metrics,
     summarize,
     to_json,
@@ -33,7 +35,10 @@ from benchmarks.surge.strategies import (
     register,
     resolve,
 )
+from pipecast.v1 import control_pb2 as pb
 
+# The issue-14 conditions under which pipelines' 2x target against unicast applies.
+STORE_8_LINKS = {"link_mbit": 400.0, "store_mbit": 3200.0}
 JSON_FIELDS = {"first100_ttft_p50_seconds", "first100_ttft_p99_seconds", "ttft_p99_seconds", "all_ready_seconds",
                "worker_seconds", "requests", "rejected", "failed"}
 
@@ -146,7 +151,8 @@ def test_verdicts_say_whether_each_target_is_met():
     assert ("warm-pool:1 (1 warm): first-100 p99 5.20 s vs pipecast 5.00 s (as good or better: tolerance 10%)"
             in lines[1])
     assert "costs more" in lines[1]
-    assert lines[2] == "CPU-bound run(s), compute saturated this machine: warm-pool:1"
+    assert lines[2] == "failed requests: none in any run (target 0: met)"
+    assert lines[3] == "CPU-bound run(s), compute saturated this machine: warm-pool:1"
     slow = summarize("pipecast", "", 0, [run_of("pipecast", [20.0] * 5, 5.0)])
     assert "(target >= 5x: NOT met)" in verdicts([uni, slow], ratios([uni, slow]))[0]
 
@@ -155,7 +161,7 @@ def test_pipelines_have_their_own_targets_against_unicast_and_the_warm_pool_of_o
     uni = summarize("unicast", "", 0, [run_of("unicast", [20.0] * 5, 20.0)])
     piped = summarize("pipecast-pipelines", "", 1, [run_of("pipecast-pipelines", [8.0] * 5, 5.0, warm=1)])
     warm2 = summarize("warm-pool:2", "", 2, [run_of("warm-pool:2", [9.0] * 5, 40.0, warm=2)])
-    lines = verdicts([uni, piped, warm2], ratios([uni, piped, warm2]))
+    lines = verdicts([uni, piped, warm2], ratios([uni, piped, warm2]), STORE_8_LINKS)
     assert lines[0] == "first-100 p99 TTFT, unicast / pipecast-pipelines = 2.5x (target >= 2x: met)"
     assert lines[2] == ("pipecast-pipelines (1 warm) against warm-pool:2: first-100 p99 at or below it with fewer "
                         "worker-seconds (met)")
@@ -325,3 +331,133 @@ def test_pipecast_with_a_warm_count_gets_every_verdict_pipecast_gets():
 def test_the_timeline_drops_a_released_worker_to_nothing_and_loads_it_again():
     worker = WorkerTimeline("w1", False, 1.0, 2, block_times=(2.0, 3.0, 12.0, 13.0), billed=((1.0, 8.0), (11.0, None)))
     assert held_steps(worker, 20.0) == ([0.0, 2.0, 3.0, 8.0, 12.0, 13.0, 20.0], [0.0, 0.5, 1.0, 0.0, 0.5, 1.0, 1.0])
+
+
+# -- review findings: cost horizon, like-for-like baselines, failures, loads against S/B, scale events ------------
+
+
+def failing(index: int, arrival: float) -> RequestResult:
+    return RequestResult(index, arrival, arrival, 16, 4, "failed", http_status=504, latency_s=600.0, error="timeout")
+
+
+def test_every_strategy_is_billed_to_the_same_tail_past_the_run_the_daemons_keep_alive_included():
+    # The daemon kept w1 after its last answer (still held when the driver stopped watching): billed to the
+    # horizon, as the fixed pool's warm worker is, not cut off at the last answer.
+    daemon = RunRecord("pipecast", 1, (ok(0, 0.0, 9.5),), (WorkerTimeline("w1", False, 0.0, 4, billed=((0.0, None),)),
+                                                           WorkerTimeline("w2", False, 0.0, 4, billed=((0.0, 30.0),))),
+                       10.0, 10.0, False, cost_tail_s=55.0)
+    fixed = RunRecord("fixed:1", 1, (ok(0, 0.0, 9.5),), (WorkerTimeline("h0", True, -60.0, 4, ready_s=-60.0),),
+                      10.0, 10.0, False, cost_tail_s=55.0)
+    assert daemon.end_s == 10.0 and daemon.cost_horizon_s == 65.0
+    assert run_metrics(daemon).worker_seconds == 65.0 + 30.0  # w2 released at 30 s, within the horizon
+    assert run_metrics(fixed).worker_seconds == 60.0 + 65.0
+    assert run_metrics(daemon).duration_seconds == 10.0  # throughput is still over the run itself
+    doc = to_json({}, [summarize("pipecast", "", 0, [daemon])])
+    assert doc["strategies"]["pipecast"]["cost_horizon_seconds"] == 65.0
+    assert cost_tail_seconds(DEFAULT_POLICY) == DEFAULT_POLICY.keep_alive_s + DEFAULT_POLICY.scale_down_cooldown_s + 5
+
+
+def test_the_driver_counts_the_cold_workers_still_holding_the_package():
+    def state(node: str, *held: tuple[str, list[int]]) -> pb.WorkerState:
+        return pb.WorkerState(worker=pb.WorkerSpec(peer=pb.Peer(node_id=node)), alive=True,
+                              held=[pb.PackageBlocks(package_id=p, blocks=b) for p, b in held])
+
+    states = [state("w1", ("p", [0, 1])), state("w2", ("p", [])), state("w3", ("q", [0])), state("h1", ("p", [0]))]
+    assert holding(states, {"w1", "w2", "w3"}, "p") == 1
+
+
+def test_an_oracle_variant_is_judged_against_the_oracle_unicast_only():
+    uni = summarize("unicast", "", 0, [run_of("unicast", [40.0] * 5, 40.0)])
+    oracle = summarize("pipecast-oracle", "", 0, [run_of("pipecast-oracle", [5.0] * 5, 5.0)])
+    lines = verdicts([uni, oracle], ratios([uni, oracle]))
+    assert lines[0] == "first-100 p99 TTFT, unicast-oracle / pipecast-oracle = n/a (unicast-oracle not run)"
+    assert not any("unicast / pipecast-oracle" in line for line in lines)
+    uni_oracle = summarize("unicast-oracle", "", 0, [run_of("unicast-oracle", [10.0] * 5, 10.0)])
+    lines = verdicts([uni, uni_oracle, oracle], ratios([uni, uni_oracle, oracle]))
+    assert lines[0] == "first-100 p99 TTFT, unicast-oracle / pipecast-oracle = 2.0x (target >= 5x: NOT met)"
+
+
+def test_failed_requests_leave_a_strategy_out_of_w_star_and_fail_its_ratio_targets():
+    def daemon(run: RunRecord) -> RunRecord:
+        return replace(run, notes={"scaled_by": "daemon", "scale_events": [],
+                                   "policy": {"scale_down_cooldown_s": 30.0}})
+
+    fast_but_failing = run_of("fixed:1", [1.0] * 100, 1.0, warm=1)
+    fast_but_failing = replace(fast_but_failing, requests=fast_but_failing.requests
+                               + tuple(failing(100 + j, 5.0) for j in range(30)))
+    fixed2 = run_of("fixed:2", [4.0] * 100, 1.0, warm=2)
+    pipecast = daemon(run_of("pipecast", [6.0] * 100, 5.0))
+    unicast = daemon(run_of("unicast", [40.0] * 100, 40.0))
+    summaries = [summarize(r.strategy, "", int(r.strategy[-1]) if ":" in r.strategy else 0, [r])
+                 for r in (unicast, pipecast, fast_but_failing, fixed2)]
+    lines = verdicts(summaries, ratios(summaries))
+    assert "W* leaves out fixed:1 (30 failed request(s), in no percentile)" in lines
+    [w_star] = [line for line in lines if line.startswith("W* = ")]
+    assert w_star.startswith("W* = 2 (fixed:2: ")
+    assert "failed requests, in no percentile: fixed:1 30 of 130 (target 0: NOT met)" in lines
+    # The judged strategy's own failures: NOT met however good its (survivors') p99, and said why.
+    pipecast_failing = replace(pipecast, requests=pipecast.requests + (failing(100, 5.0),))
+    summaries = [summarize(r.strategy, "", 0, [r]) for r in (unicast, pipecast_failing)]
+    assert verdicts(summaries, ratios(summaries))[0] == (
+        "first-100 p99 TTFT, unicast / pipecast = 6.7x (target >= 5x: NOT met: pipecast had 1 failed request(s), "
+        "left out of its percentiles)")
+    # ... and the table and the JSON say which requests the percentiles cover.
+    summary = summarize("fixed:1", "", 1, [fast_but_failing], first_n=120)
+    text = format_report({}, [summary])
+    assert "fixed:1: TTFT percentiles over answered requests only: first-120 90 of 120, all 100 of 130 " \
+           "(0 rejected, 30 failed left out)" in text
+    row = next(line for line in text.splitlines() if line.startswith("fixed:1 "))
+    assert " 100/130 " in row
+    entry = to_json({}, [summary])["strategies"]["fixed:1"]
+    assert (entry["first100_answered"], entry["first100_requests"], entry["answered"], entry["requests"]) == \
+        (90, 120, 100, 130)
+
+
+def test_each_load_is_measured_against_the_floor_and_judged_for_the_daemon_scaled_pipecast():
+    # w1 loaded twice (released at 20 s, taken back at 30 s): 4 s, then 6 s after its second scale-up.
+    twice = WorkerTimeline("w1", False, 1.0, 2, block_times=(3.0, 5.0, 33.0, 36.0), billed=((1.0, 20.0), (30.0, None)))
+    assert ready_ratios(twice, floor_s=5.0) == [0.8, 1.2]
+    never = WorkerTimeline("w2", False, 0.0, 2, block_times=(1.0,), billed=((0.0, None),))
+    assert ready_ratios(never, 5.0) == [None]
+    released_while_loading = WorkerTimeline("w3", False, 0.0, 2, block_times=(1.0,), billed=((0.0, 2.0),))
+    assert ready_ratios(released_while_loading, 5.0) == []
+    assert ready_ratios(WorkerTimeline("h1", True, -60.0, 2), 5.0) == []
+
+    run = RunRecord("pipecast", 1, (ok(0, 0.0, 7.0),), (twice,), 10.0, 10.0, False,
+                    notes={"scaled_by": "daemon", "scale_events": []}, floor_s=5.0)
+    assert run_metrics(run).ready_ratio_to_floor_max == 1.2
+    summary = summarize("pipecast", "", 0, [run])
+    assert to_json({}, [summary])["strategies"]["pipecast"]["ready_ratio_to_floor_max"] == 1.2
+    assert "pipecast: every worker scaled up holding the model within 1.15x S/B of its scale-up: the slowest " \
+           "1.20x, of 2 load(s) in 1 repeat(s) (NOT met)" in verdicts([summary], {})
+    row = next(line for line in format_report({}, [summary]).splitlines() if line.startswith("pipecast "))
+    assert " 1.20 " in row
+    stuck = summarize("pipecast", "", 0, [replace(run, workers=(twice, never))])
+    assert run_metrics(stuck.runs[0]).ready_ratio_to_floor_max is None
+    assert "pipecast: every worker scaled up holding the model within 1.15x S/B: NOT met (a worker scaled up " \
+           "never held the whole model)" in verdicts([stuck], {})
+
+
+def test_the_pipelines_2x_target_is_judged_only_with_the_store_at_8_links():
+    uni = summarize("unicast", "", 0, [run_of("unicast", [20.0] * 5, 20.0)])
+    piped = summarize("pipecast-pipelines", "", 1, [run_of("pipecast-pipelines", [8.0] * 5, 5.0, warm=1)])
+    pair = ratios([uni, piped])
+    assert verdicts([uni, piped], pair, {"link_mbit": 400.0, "store_mbit": 400.0})[0] == (
+        "first-100 p99 TTFT, unicast / pipecast-pipelines = 2.5x (target >= 2x with the store at 3200 Mbit/s; "
+        "this run's store 400 Mbit/s: n/a)")
+    assert "(target >= 2x: met)" in verdicts([uni, piped], pair, STORE_8_LINKS)[0]
+    assert "this run's store not given: n/a" in verdicts([uni, piped], pair)[0]
+    assert "this run's store 400 Mbit/s: n/a" in format_report({"link_mbit": 400.0, "store_mbit": 400.0},
+                                                               [uni, piped])
+
+
+def test_the_oracle_scale_up_is_a_scale_event():
+    scale = {"plan_id": "p1", "strategy": "chain", "sources": ["store"], "receivers": ["w2", "w3"], "answered_s": 0.02}
+    event = oracle_scale_event(scale, workers=3, warm=1)
+    assert event == {"t": 0.0, "action": "scale_up", "count": 2, "node_ids": ["w2", "w3"],
+                     "reason": "oracle: every cold worker at the surge's first instant (plan chain, answered in "
+                               "0.02 s)", "desired": 3, "actual": 1}
+    run = replace(run_of("pipecast-oracle", [1.0] * 3, 5.0), notes={"scaled_by": "oracle", "scale_events": [event]})
+    summary = summarize("pipecast-oracle", "", 0, [run])
+    assert to_json({}, [summary])["strategies"]["pipecast-oracle"]["scale_events"] == [event]
+    assert "pipecast-oracle scale events (repeat 1): +2 at 0.0 s" in format_report({}, [summary])

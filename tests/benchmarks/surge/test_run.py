@@ -32,9 +32,10 @@ from tests.support.packages import tiny_package
 
 STRATEGIES = ("unicast", "warm-pool:1", "pipecast-oracle", "pipecast")
 FIELDS = {"first100_ttft_p50_seconds", "first100_ttft_p99_seconds", "ttft_p99_seconds", "all_ready_seconds",
-          "worker_seconds", "requests", "rejected", "failed", "tokens_per_s", "cost_per_1k_output_tokens", "repeats"}
+          "worker_seconds", "requests", "rejected", "failed", "tokens_per_s", "cost_per_1k_output_tokens", "repeats",
+          "cost_horizon_seconds", "first100_answered", "ready_ratio_to_floor_max", "ttft_percentiles_over"}
 META = {"versions", "mode", "link_mbit", "store_mbit", "model_name", "package_id", "floor_seconds",
-        "transfer_to_prefill_ratio", "cpu_cores", "pre_surge_seconds", "load", "headline"}
+        "transfer_to_prefill_ratio", "cpu_cores", "pre_surge_seconds", "load", "headline", "cost_tail_seconds"}
 # A small trace in the Azure format: 7 requests over 3 s of trace time, replayed twice as fast.
 TRACE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
@@ -163,12 +164,19 @@ def test_short_surge_writes_complete_outputs_and_answers_every_request(package, 
         cold = [w for w in workers if not w["warm"] and w["provisioned_s"] is not None]
         assert cold and all(len(w["block_times"]) >= w["blocks_total"] for w in cold), name
         assert entry["oracle"] == (name in ("warm-pool:1", "pipecast-oracle")), name
+        # Every strategy billed past its end alike; the oracle's scale-up listed as the daemon's are.
+        assert entry["cost_horizon_seconds"] == pytest.approx(entry["duration_seconds"]
+                                                              + data["meta"]["cost_tail_seconds"]), name
+        if entry["oracle"]:
+            assert [e["reason"].split(":")[0] for e in entry["scale_events"]] == ["oracle"], name
     assert data["strategies"]["pipecast-oracle"]["repeats"][0]["notes"]["scale_up"]["sources"] == ["store"]
     for name in ("unicast", "pipecast"):  # scaled by the daemon, from the router's signals alone
         entry = data["strategies"][name]
         assert entry["repeats"][0]["notes"]["scale_up"] is None
         ups = [e for e in entry["scale_events"] if e["action"] == "scale_up"]
         assert ups and ups[0]["t"] >= 0 and "queue" in ups[0]["reason"], entry["scale_events"]
+        # The driver watched the idle pool after the last answer until the daemon released it.
+        assert any(e["action"] == "release" for e in entry["scale_events"]), entry["scale_events"]
     assert set(data["ratios"]) >= {"unicast/pipecast", "warm-pool:1/pipecast"}
 
     with (out / "requests.csv").open() as f:
