@@ -27,7 +27,7 @@ from control_plane.placement import (
 from control_plane.planner.pipelines import ModelLayout, Pipeline
 from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
-from control_plane.planner.replan import INLINE_REPLAN_MAX_RECEIVERS, parts_of, repair, replan
+from control_plane.planner.replan import INLINE_REPLAN_MAX_RECEIVERS, drop_held, parts_of, repair, reroute
 from control_plane.planner.schedules import InFlight, make_plan
 from control_plane.planner.stragglers import Sample, StragglerPolicy, demote, find_stragglers, receive_rate
 from pipecast.core.engines import DEFAULT_ENGINE
@@ -176,9 +176,8 @@ class ScaleUpDraft:
         plan = make_plan(self.strategy, self.sources, self.receivers, self.num_blocks, fanout=self.fanout,
                          labels=self.labels, block_bytes=self.block_bytes, source_links=self.links,
                          chunk_counts=self.chunk_counts or None, in_flight=self.in_flight)
-        if self.held:
-            plan = replan(plan, dead=(), held=self.held, sources=self.sources, labels=self.labels, fanout=self.fanout)
-        return plan
+        # One pass over the receivers that hold blocks, not a re-plan of the whole plan (~0.5 s at 1,000).
+        return drop_held(plan, self.held) if self.held else plan
 
 
 class ControlState:
@@ -445,7 +444,7 @@ class ControlState:
         package = self.packages[package_id]
         held = dict(self.availability[package_id].by_worker)
         plan = demote(active.plan, slow, held=held, sources=active.plan.sources, num_blocks=package.num_blocks,
-                      labels=self._labels(set(active.parts) | set(held)))
+                      labels=self._labels(set(active.parts) | set(held)), demoted=active.demoted)
         for node in slow:
             log.warning("straggler node=%s plan=%s package=%s: receiving %.1f Mbit/s; its children move to "
                         "faster parents and it becomes a leaf", node, active.plan_id, package_id,
@@ -459,13 +458,16 @@ class ControlState:
 
     def report_bad_peer(self, node: str, peer: str, package_id: str, block: int, reason: str, now: float) -> bool:
         """A child says ``peer`` served it bad data (or failed) for ``block``: the peer loses that block's
-        availability and leaves every plan of the package where it is the child's parent for the block;
-        those plans are repaired. Returns whether any plan was re-planned."""
+        availability, and in every plan of the package where it is the child's parent for the block (for any
+        unit of it) the child fetches the block from elsewhere. A peer still receiving the plan stays in it and
+        fetches what it lacks now (:func:`~control_plane.planner.replan.reroute`); one that is not (a source, a
+        holder, a receiver done) leaves it, as a dead node would. Returns whether any plan was re-planned."""
         worker = self.registered_worker(node)
         self._check_blocks(node, self.package(package_id), [block])
         worker.lease_expires = now + self.lease_s
+        # By block and parent alone: a fetch of a chunk range of the block names its range too.
         plans = [p for p in self.plans.values() if p.package_id == package_id and node in p.parts
-                 and Fetch(block, peer) in p.parts[node].fetch]
+                 and any(f.block == block and f.parent == peer for f in p.parts[node].fetch)]
         if not plans:
             log.warning("bad-peer report ignored node=%s peer=%s package=%s block=%d: not its parent for "
                         "that block in any active plan", node, peer, package_id, block)
@@ -473,7 +475,21 @@ class ControlState:
         log.warning("bad peer node=%s peer=%s package=%s block=%d reason=%s", node, peer, package_id, block, reason)
         if self.availability[package_id].remove(peer, [block]):
             self.dirty.availability.add((package_id, peer))
-        return any([self._repair(active, {peer}) for active in plans])
+        return any([self._reroute(active, node, peer, block) if peer in active.pending else self._repair(active, {peer})
+                    for active in plans])
+
+    def _reroute(self, active: ActivePlan, child: str, peer: str, block: int) -> bool:
+        """Move ``child``'s fetches of ``block`` off ``peer``, a receiver of ``active`` that keeps receiving."""
+        held = self.availability[active.package_id].by_worker
+        plan, changed = reroute(active.plan, child=child, peer=peer, block=block, held=held,
+                                labels=self._labels(set(active.parts) | set(held)), fanout=active.fanout,
+                                parts=active.parts)
+        self._install(active, plan, changed)
+        active.replans += 1
+        self.replan_count += 1
+        log.info("re-planned plan=%s package=%s: node=%s fetches block=%d from others than peer=%s, which "
+                 "keeps receiving; version=%d", active.plan_id, active.package_id, child, block, peer, active.version)
+        return True
 
     # ----- scaling -----
 
@@ -758,7 +774,8 @@ class ControlState:
                           len(on_disk.get(n, set()) - availability.held(n))) for n in nodes]
 
     def _chain_tail(self, package_id: str) -> str | None:
-        """The last node of the newest active chain plan of ``package_id`` still receiving it (None if none)."""
+        """The last node of the newest active chain plan of ``package_id`` still receiving it (None if none, or if
+        it is a demoted straggler)."""
         chains = [a for a in self.plans.values() if a.package_id == package_id and a.plan.strategy == "chain"
                   and a.pending]
         if not chains:
@@ -767,7 +784,8 @@ class ControlState:
         parents = {f.parent for part in newest.parts.values() for f in part.fetch}
         tails = [n for n in newest.plan.assignments if n not in parents and self.workers.get(n) is not None
                  and self.workers[n].alive]
-        return tails[0] if len(tails) == 1 else None
+        # A demoted straggler is last in its chain, but receivers behind it would crawl at its rate.
+        return tails[0] if len(tails) == 1 and tails[0] not in newest.demoted else None
 
     def _pick_sources(self, package: Package, exclude: Collection[str], receivers: int | Collection[str]) -> list[str]:
         """Sources for ``receivers`` (or that many, not picked yet): :func:`pick_sources`, one per receiver at
@@ -900,7 +918,7 @@ class ControlState:
         nodes = set(active.parts) | set(held) | set(sources)
         labels = self._labels(nodes)
         plan, changed = repair(active.plan, dead=gone, held=held, sources=sources, labels=labels,
-                               fanout=active.fanout, parts=active.parts)
+                               fanout=active.fanout, parts=active.parts, leaves=active.demoted - gone)
         active.pending.difference_update(gone)
         for node in gone:  # out of the plan: _install clears only the receivers left
             self.progress.pop((active.package_id, node), None)

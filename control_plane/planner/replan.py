@@ -19,7 +19,7 @@ from control_plane.planner.racks import ParentPool, rack_of
 def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[int]], sources: Sequence[str],
            labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
            joined: Sequence[str] = (), num_blocks: int | None = None,
-           units: Mapping[int, Sequence[Chunks]] | None = None) -> Plan:
+           units: Mapping[int, Sequence[Chunks]] | None = None, leaves: Collection[str] = ()) -> Plan:
     """A plan for exactly the units each live receiver still misses.
 
     A receiver of ``plan`` still needs its planned units minus those of blocks in ``held`` (verified
@@ -32,7 +32,7 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     the block or fetches the same unit earlier in the new plan, one in the receiver's rack first, else the
     least loaded source (same rack first). Never a dead parent, never a cycle, never a unit fetched of a
     block that is already held. Non-source nodes serving blocks they hold are listed in the new plan's
-    ``held``.
+    ``held``. ``leaves`` (demoted stragglers) are nobody's parent: neither kept nor taken as one.
     """
     dead, sources = set(dead), tuple(sources)
     source_set = set(sources)
@@ -50,6 +50,7 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     if joined and (not isinstance(num_blocks, int) or num_blocks < 1):
         raise PlanError(f"replan: joined receivers need num_blocks (a positive integer), got {num_blocks!r}")
     holds = {node: set(blocks) for node, blocks in held.items() if node not in dead}
+    leaves = set(leaves)
 
     # Each remaining fetch keeps its old level (a topological order of the old plan), so kept parents
     # stay earlier than their children; joined receivers come after everything, interleaved so that one
@@ -77,7 +78,7 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     def keeps(parent: str | None, block: int, chunks: Chunks, level: int) -> bool:
         # Dead nodes are no source (checked above), hold nothing and fetch nothing here. A parent that
         # fetches the unit must do so earlier: an old source that rejoined fetches after everyone.
-        if parent is None:
+        if parent is None or parent in leaves:
             return False
         if parent in source_set or block in holds.get(parent, ()):
             return True
@@ -111,7 +112,7 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
                 if holders is None:
                     holders = {}
                     for node, blocks in holds.items():
-                        if node not in source_set:
+                        if node not in source_set and node not in leaves:
                             for held_block in blocks:
                                 holders.setdefault(held_block, []).append(node)
                 pool.add_first([(node, fanout - kept.get((node, block, chunks), 0)) for node in holders.get(block, ())],
@@ -126,7 +127,8 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
         elif block in holds.get(parent, ()):
             serving.setdefault(parent, set()).add(block)
         assignments.setdefault(rx, []).append(Fetch(block, parent, chunks))
-        pool.add(rx, fanout - kept.get((rx, block, chunks), 0), time=level)
+        # A leaf gets no spare slot: a straggler would slow down whoever fetched from it.
+        pool.add(rx, 0 if rx in leaves else fanout - kept.get((rx, block, chunks), 0), time=level)
     return Plan(plan.strategy, sources, assignments,
                 {node: tuple(sorted(blocks)) for node, blocks in serving.items()})
 
@@ -151,7 +153,8 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
     first, with fewer than ``fanout`` children for that unit, the fewest among the first
     :data:`REPAIR_CANDIDATES` holders (or more, until one has a free slot); else to the least loaded source
     (same rack first). A holder never waits, so no cycle can form. A receiver's fetch of a block it already holds is
-    dropped. Every other fetch keeps its parent: the dead nodes' children get new parents for their
+    dropped, and so is every fetch of a receiver now among the sources (it holds the package). Every other
+    fetch keeps its parent: the dead nodes' children get new parents for their
     units, their descendants keep theirs; a dead source's children likewise (a source holds every block, so
     its units go to holders and the sources left: no pass over the plan, where :func:`replan` takes seconds
     at thousands of receivers). ``parts`` (the plan's :meth:`Plan.parts`, made already) lets it find the
@@ -164,9 +167,26 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
     source_set = set(alive)
     # The dead nodes, and any source that leaves or joins (its part goes or comes).
     changed = (dead & (plan.assignments.keys() | plan.held.keys())) | (source_set ^ set(plan.sources))
-    orphans = _orphans(plan, dead, changed, parts)
+    # A receiver that becomes a source holds the package (it is a source no other way): it stops fetching, and
+    # its parents no longer serve it. Else the plan would not validate, nor load back from the store.
+    for node in source_set & plan.assignments.keys():
+        changed.update(a.parent for a in plan.assignments[node])
+    orphans = [(rx, a) for rx, a in _orphans(plan, dead, changed, parts) if rx not in source_set]
     if not orphans:
         return (plan, set()) if not changed else _without(plan, dead, {}, {}, changed, alive)
+    moved, serving = _rehome(plan, orphans, dead=dead, held=held, sources=alive, labels=labels, fanout=fanout,
+                             parts=parts, changed=changed)
+    return _without(plan, dead, moved, serving, changed, alive)
+
+
+def _rehome(plan: Plan, orphans: Sequence[tuple[str, Fetch[str]]], *, dead: set[str],
+            held: Mapping[str, Collection[int]], sources: Sequence[str],
+            labels: Mapping[str, Mapping[str, str]] | None, fanout: int, parts: Mapping[str, Part] | None,
+            changed: set[str]) -> tuple[dict[tuple[str, int, Chunks], str | None], dict[str, set[int]]]:
+    """New parents for the ``orphans`` (receiver, fetch), as :func:`repair_deaths` places them: the fetches moved
+    ((receiver, block, chunks) -> new parent; None: dropped) and the holders' blocks to list as held. Adds the
+    nodes whose parts change to ``changed``."""
+    source_set = set(sources)
     wanted = {a.block for rx, a in orphans if a.block not in held.get(rx, ())}  # the others are dropped
     candidates: dict[int, list[str]] = {b: [] for b in wanted}
     for node, blocks in held.items():
@@ -175,7 +195,7 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
                 candidates[block].append(node)
     children = _children_of(plan, dead, candidates, parts)  # per (candidate, unit)
     rack = rack_of(labels)
-    source_load = dict.fromkeys(alive, 0)
+    source_load = dict.fromkeys(sources, 0)
     moved: dict[tuple[str, int, Chunks], str | None] = {}  # (receiver, unit) -> new parent; None: drop it
     for rx, a in orphans:
         changed.add(rx)
@@ -196,7 +216,7 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
         if parent is not None:
             children[parent, a.block, a.chunks] = best[1] + 1
         else:
-            near = [s for s in alive if mine is not None and rack(s) == mine] or alive
+            near = [s for s in sources if mine is not None and rack(s) == mine] or sources
             parent = min(near, key=source_load.__getitem__)
             source_load[parent] += 1
         moved[rx, a.block, a.chunks] = parent
@@ -215,7 +235,49 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
         holder = rx if parent is None else parent
         if holder not in source_set and (parent is None or parent in held):
             serving.setdefault(holder, set()).add(block)
-    return _without(plan, dead, moved, serving, changed, alive)
+    return moved, serving
+
+
+def reroute(plan: Plan, *, child: str, peer: str, block: int, held: Mapping[str, Collection[int]],
+            labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
+            parts: Mapping[str, Part] | None = None) -> tuple[Plan, set[str]]:
+    """``plan`` after ``child`` reported ``peer``, a receiver of the plan, bad for ``block`` (it served data that
+    failed verification, or failed): changed only where it must be; with the nodes whose parts changed.
+
+    The peer no longer counts as holding the block (``held``, verified blocks per node, is taken without it).
+    The child's fetches of the block from the peer go to a holder of the block or a source, as
+    :func:`repair_deaths` places a dead parent's. A peer that no longer fetches the block (it served it as a
+    holder) fetches it again, last, in the child's units, likewise from a holder or a source, and all its
+    children for the block move so (they would wait on that last fetch). Every other fetch stays: a peer
+    that still fetches the block keeps relaying it to its other children. Holders and sources never wait,
+    so no cycle can form. ``parts`` (the plan's) spares a pass over the plan; the result is the same.
+    """
+    if peer not in plan.assignments:
+        raise PlanError(f"reroute: {peer!r} is no receiver of the plan")
+    mine = [a for a in plan.assignments.get(child, ()) if a.block == block]
+    if not any(a.parent == peer for a in mine):
+        raise PlanError(f"reroute: {child!r} fetches no unit of block {block} from {peer!r}")
+    held = {**held, peer: set(held.get(peer, ())) - {block}}
+    refetch = not any(a.block == block for a in plan.assignments[peer])
+    if refetch:
+        kids: Collection[str] = (dict.fromkeys(c for b, c in parts[peer].serve if b == block)
+                                 if parts is not None and peer in parts else plan.assignments.keys())
+    else:
+        kids = (child,)
+    orphans = [(rx, a) for rx in kids for a in plan.assignments[rx] if a.block == block and a.parent == peer]
+    # The peer's new fetches are placed as orphans are; nothing fetches them, so they go last in its list.
+    orphans += [(peer, Fetch(block, peer, a.chunks)) for a in mine] if refetch else []
+    changed = {peer}
+    moved, serving = _rehome(plan, orphans, dead=set(), held=held, sources=plan.sources, labels=labels,
+                             fanout=fanout, parts=parts, changed=changed)
+    new, changed = _without(plan, set(), moved, serving, changed, plan.sources)
+    assignments, kept = new.assignments, dict(new.held)
+    if refetch:
+        assignments[peer] = [*assignments[peer], *(Fetch(block, moved[peer, block, a.chunks], a.chunks) for a in mine)]
+        rest = tuple(b for b in kept.pop(peer, ()) if b != block)
+        if rest:
+            kept[peer] = rest
+    return Plan(plan.strategy, plan.sources, assignments, kept), changed
 
 
 class _Children(dict):
@@ -275,21 +337,48 @@ def _orphans(plan: Plan, dead: set[str], changed: set[str],
 def _without(plan: Plan, dead: set[str], moved: Mapping[tuple[str, int, Chunks], str | None],
              serving: Mapping[str, set[int]], changed: set[str], sources: Sequence[str]) -> tuple[Plan, set[str]]:
     """``plan`` from ``sources`` without the ``dead``, with the ``moved`` fetches (receiver, block, chunks)
-    re-parented (None: dropped) and the ``serving`` holders' blocks listed as held."""
+    re-parented (None: dropped) and the ``serving`` holders' blocks listed as held. A receiver or holder among
+    ``sources`` is neither any more (a source holds every block)."""
     assignments = {}
+    source_set = set(sources)
     for rx, fetches in plan.assignments.items():
-        if rx in dead:
+        if rx in dead or rx in source_set:
             continue
         if rx in changed:
             fetches = [Fetch(a.block, moved[key], a.chunks) if (key := (rx, a.block, a.chunks)) in moved else a
                        for a in fetches]
             fetches = [a for a in fetches if a.parent is not None]
         assignments[rx] = fetches
-    kept = {node: set(blocks) for node, blocks in plan.held.items() if node not in dead}
+    kept = {node: set(blocks) for node, blocks in plan.held.items() if node not in dead and node not in source_set}
     for node, blocks in serving.items():
         kept.setdefault(node, set()).update(blocks)
     return Plan(plan.strategy, tuple(sources), assignments,
                 {node: tuple(sorted(blocks)) for node, blocks in kept.items() if blocks}), changed
+
+
+def drop_held(plan: Plan, held: Mapping[str, Collection[int]]) -> Plan:
+    """``plan``, just made, without its receivers' fetches of the blocks they hold already (``held``: verified
+    blocks per node), each listed as holding the blocks it no longer fetches (its children fetch them from
+    it at once); a receiver left with nothing to fetch leaves the plan. What :func:`replan` makes of such a
+    plan, since it keeps every parent there (each is a source, holds the block, or fetches the unit
+    earlier), in one pass over the receivers that hold blocks instead of a re-plan of every fetch."""
+    sources = set(plan.sources)
+    assignments = dict(plan.assignments)
+    kept = {node: set(blocks) for node, blocks in plan.held.items()}
+    for rx, have in held.items():
+        fetches = assignments.get(rx)
+        if not have or fetches is None or rx in sources:
+            continue
+        rest = [a for a in fetches if a.block not in have]
+        if len(rest) == len(fetches):
+            continue
+        kept.setdefault(rx, set()).update(a.block for a in fetches if a.block in have)
+        if rest:
+            assignments[rx] = rest
+        else:
+            del assignments[rx]
+    return Plan(plan.strategy, plan.sources, assignments,
+                {node: tuple(sorted(blocks)) for node, blocks in kept.items() if blocks})
 
 
 def splice(plan: Plan, gone: Collection[str]) -> Plan:
@@ -322,23 +411,25 @@ INLINE_REPLAN_MAX_RECEIVERS = 64
 
 def repair(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[int]], sources: Sequence[str],
            labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
-           parts: Mapping[str, Part] | None = None) -> tuple[Plan, set[str] | None]:
+           parts: Mapping[str, Part] | None = None, leaves: Collection[str] = ()) -> tuple[Plan, set[str] | None]:
     """``plan`` without the ``dead``, as the control plane repairs it; with the nodes whose parts changed
     (None: any may have). In a plan of up to :data:`INLINE_REPLAN_MAX_RECEIVERS` receivers the dead nodes'
     children take the slots they leave (:func:`splice`, their parents' for the units they fetched: no sender
     gets a second child); a larger one is repaired in place (:func:`repair_deaths`: their children go to holders
     of the block, or to a source; ``parts``, the plan's, make that faster); a dead source means a re-plan from
-    the ``sources`` left (:func:`replan`) in a plan of up to that size, a repair in place beyond."""
+    the ``sources`` left (:func:`replan`) in a plan of up to that size, a repair in place beyond. ``leaves``
+    (demoted stragglers) get no children in a re-plan (:func:`replan`)."""
     dead = set(dead)
     if len(plan.assignments) <= INLINE_REPLAN_MAX_RECEIVERS:
         if dead & set(plan.sources):
-            return replan(plan, dead=dead, held=held, sources=sources, labels=labels, fanout=fanout), None
+            return replan(plan, dead=dead, held=held, sources=sources, labels=labels, fanout=fanout,
+                          leaves=leaves), None
         return replan(splice(plan, dead), dead=dead, held=held, sources=sources, labels=labels,
-                      fanout=unit_fanout(plan)), None
+                      fanout=unit_fanout(plan), leaves=leaves), None
     repaired = repair_deaths(plan, dead=dead, held=held, labels=labels, fanout=fanout, parts=parts, sources=sources)
     if repaired is not None:
         return repaired
-    return replan(plan, dead=dead, held=held, sources=sources, labels=labels, fanout=fanout), None
+    return replan(plan, dead=dead, held=held, sources=sources, labels=labels, fanout=fanout, leaves=leaves), None
 
 
 def unit_fanout(plan: Plan) -> int:

@@ -105,18 +105,24 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
 
 
 def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[int]], sources: Sequence[str],
-           num_blocks: int, labels: Mapping[str, Mapping[str, str]] | None = None) -> Plan:
+           num_blocks: int, labels: Mapping[str, Mapping[str, str]] | None = None,
+           demoted: Collection[str] = ()) -> Plan:
     """``plan`` with the ``slow`` receivers out of the middle: their children fetch what they still miss from
     the nodes the slow ones fetched it from (:func:`splice`), else from other nodes with a free slot for the
     unit (no sender gets more children for a unit than the plan gives any: :func:`unit_fanout`), and the slow
     ones fetch what they miss (in the plan's own units) last, each from a node with a free slot for the unit
-    (or a source), so that none of them is anyone's parent. ``held``: verified blocks per node."""
+    (or a source), so that none of them, nor any of the plan's receivers ``demoted`` earlier, is anyone's
+    parent. ``held``: verified blocks per node."""
     slow = set(slow)
     others = {node: blocks for node, blocks in held.items() if node not in slow}
     fanout = unit_fanout(plan)
-    without = replan(splice(plan, slow), dead=slow, held=others, sources=sources, labels=labels, fanout=fanout)
+    # Stragglers are leaves, this round's and earlier ones': no slot for another straggler's fetch either.
+    leaves = slow | set(demoted)
+    without = replan(splice(plan, slow), dead=slow, held=others, sources=sources, labels=labels, fanout=fanout,
+                     leaves=leaves)
     return replan(without, dead=(), held=held, sources=sources, labels=labels, fanout=fanout,
-                  joined=sorted(slow & plan.assignments.keys()), num_blocks=num_blocks, units=unit_layout(plan))
+                  joined=sorted(slow & plan.assignments.keys()), num_blocks=num_blocks, units=unit_layout(plan),
+                  leaves=leaves)
 
 
 def unit_layout(plan: Plan) -> dict[int, tuple]:

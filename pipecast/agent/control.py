@@ -149,8 +149,14 @@ class PackageFollower:
         self._task = asyncio.get_running_loop().create_task(self._follow(), name=f"follow-{package_id[:12]}")
 
     def assign(self, part: AssignmentUpdate) -> None:
-        """``part`` is this node's whole part in its plan now."""
+        """``part`` is this node's whole part in its plan now. A fetch of a block this node holds verified is
+        announced again instead: the control plane took the block from this node's availability (a child
+        reported this node for it) and plans on until it is reported, which a verified block never is again."""
         self.parts[part.plan_id] = part
+        store = self._store()
+        held = {f.block for f in part.fetch} & set(store.verified_blocks()) if store is not None else set()
+        if held:
+            self._session.report_verified(self.package_id, held)
         self._changed.set()
 
     def cancel(self, plan_id: str) -> None:

@@ -196,6 +196,26 @@ async def test_a_follower_reports_its_progress_only_for_a_watched_plan(package, 
         daemon.peer_server.stores[manifest.package_id].close()
 
 
+@pytest.mark.timeout(60)
+async def test_a_fetch_of_a_block_held_verified_is_announced_again_not_left_unreported(package, two_peers, tmp_path):
+    """A child reported this node bad for a block it holds: the control plane took the block from its
+    availability and asked it to fetch it again, which a verified block never was: the plan stayed open."""
+    _, manifest = package
+    _, honest = two_peers
+    daemon = _daemon(tmp_path)
+    fetch = tuple(Fetch(b.index, honest) for b in manifest.blocks)
+    follower, session = await _follow_until_complete(daemon, fetch, (honest,), manifest.package_id)
+    try:
+        session.verified.clear()
+        follower.assign(AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p1", package_id=manifest.package_id,
+                                         fetch=(Fetch(1, honest, (0, 1)),), sources=(honest,)))
+        assert session.verified == [1]
+    finally:
+        await follower.close()
+        await daemon.transport.close()
+        daemon.peer_server.stores[manifest.package_id].close()
+
+
 class ShortOfFds(TcpTransport):
     """A transport that cannot connect to the peers named ``short_of`` until ``until`` (time.monotonic()): this
     node out of file descriptors for a while."""

@@ -2,6 +2,7 @@
 re-planning on death and bad peers, releases with keep-alive, and the SQLite round trip."""
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.placement import CHAIN_MAX_RECEIVERS
+from control_plane.planner.plan import Fetch, Plan
 from control_plane.planner.schedules import InFlight
 from control_plane.state import ControlState, Notice
 from control_plane.store_sqlite import SqliteStore
@@ -471,17 +473,91 @@ def test_death_of_the_only_worker_source_falls_back_to_the_store():
     assert_complete_plan(state, result.plan_id, {"w1", "w2"})
 
 
-def test_bad_peer_report_gives_the_child_another_parent():
+def test_bad_peer_report_gives_the_child_another_parent_and_a_peer_not_receiving_leaves():
+    state = cluster(5)
+    state.report("w4", {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
+    assert result.sources == ("w4",)
+    parts = state.plans[result.plan_id].parts
+    assert not state.report_bad_peer("w0", "w-unrelated", "pkg", 0, "digest mismatch", now=2)
+    child = next(n for n in result.receivers if parts[n].fetch[0].parent == "w4")
+    assert state.report_bad_peer(child, "w4", "pkg", 0, "digest mismatch in chunk 0", now=2)
+    active = state.plans[result.plan_id]
+    assert "w4" not in active.parts and state.availability["pkg"].held("w4") == set(range(1, BLOCKS))
+    assert all(a.parent != "w4" for a in active.parts[child].fetch)
+    assert_complete_plan(state, result.plan_id, set(result.receivers))
+
+
+def _chunked(state: ControlState, workers: int, chunks: int = 10) -> None:
+    """``pkg`` in blocks of ``chunks`` chunks, and ``workers`` workers: binomial plans fetch chunk ranges."""
+    state.publish(Manifest(package_id="pkg", model_name="tiny", blocks=[
+        Block(index=i, bytes=100 * chunks, chunk_bytes=100, chunk_digests=["x"] * chunks) for i in range(BLOCKS)]),
+        STORE, now=0)
+    for i in range(workers):
+        state.register(spec(f"w{i}", memory=10**6), {}, now=0)
+
+
+@pytest.mark.parametrize("receivers", [20, 70])  # a small plan, and one too large to re-plan inline
+def test_a_bad_peer_report_of_a_chunk_range_moves_the_childs_fetches_of_the_block(receivers):
+    state = ControlState(lease_s=LEASE)
+    _chunked(state, receivers)
+    result = state.scale_up("pkg", count=receivers, strategy="binomial", now=1)
+    active = state.plans[result.plan_id]
+    child, fetch = next((n, f) for n, part in active.parts.items() for f in part.fetch
+                        if f.parent != "store" and f.chunks is not None)
+    assert state.report_bad_peer(child, fetch.parent, "pkg", fetch.block, "digest mismatch", now=2)
+    assert not any(f.block == fetch.block and f.parent == fetch.parent for f in active.parts[child].fetch)
+    assert fetch.parent in active.pending and fetch.parent in active.parts  # still receiving
+    active.plan.validate()
+
+
+def test_a_bad_peer_still_receiving_stays_in_its_plan_and_fetches_what_it_lacks():
     state = cluster(4)
     result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
-    parts = state.plans[result.plan_id].parts
-    child = next(n for n in result.receivers if parts[n].fetch[0].parent != "store")
-    parent = parts[child].fetch[0].parent
-    assert not state.report_bad_peer(child, "w-unrelated", "pkg", 0, "digest mismatch", now=2)
-    assert state.report_bad_peer(child, parent, "pkg", 0, "digest mismatch in chunk 0", now=2)
     active = state.plans[result.plan_id]
-    assert parent not in active.parts
-    assert all(a.parent != parent for a in active.parts[child].fetch)
+    assert {a.parent for a in active.parts["w2"].fetch} == {"w1"}
+    state.report("w1", {"pkg": [0]}, {}, now=1.5)  # mid-load: it holds block 0 only
+    state.notices.clear()
+    assert state.report_bad_peer("w2", "w1", "pkg", 0, "connection reset", now=2)
+    assert "w1" in active.pending and Notice("w1", UpdateKind.CANCEL, "pkg", result.plan_id) not in state.notices
+    assert [a.block for a in active.parts["w1"].fetch] == list(range(BLOCKS))  # block 0 again
+    assert active.parts["w2"].fetch[0].parent != "w1" and active.parts["w2"].fetch[1:] == (
+        tuple(Fetch(b, "w1") for b in range(1, BLOCKS)))  # only the block reported moved
+    assert_complete_plan(state, result.plan_id, set(result.receivers))
+    for node in ("w0", "w2", "w3"):
+        state.report(node, {"pkg": range(BLOCKS)}, {}, now=3)
+    assert state.plans[result.plan_id].pending == {"w1"}  # the plan goes on until w1 has it all
+    state.report("w1", {"pkg": range(BLOCKS)}, {}, now=4)
+    assert result.plan_id not in state.plans
+
+
+def test_a_bad_peer_that_served_a_block_it_held_fetches_it_again_last():
+    state = cluster(4)
+    state.report("w1", {"pkg": [0]}, {}, now=0)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
+    active = state.plans[result.plan_id]
+    assert active.plan.held == {"w1": (0,)} and active.parts["w2"].fetch[0] == Fetch(0, "w1")
+    assert state.report_bad_peer("w2", "w1", "pkg", 0, "digest mismatch", now=2)
+    assert active.parts["w1"].fetch[-1].block == 0 and "w1" not in active.plan.held
+    assert all(a.parent != "w1" for a in active.parts["w2"].fetch if a.block == 0)
+    assert_complete_plan(state, result.plan_id, set(result.receivers))
+    assert Plan.from_json(json.loads(active.plan.encoded())) == active.plan
+
+
+def test_a_large_plan_whose_sources_died_is_sent_from_a_receiver_done_which_stops_receiving():
+    state = ControlState(lease_s=LEASE)
+    _chunked(state, 70)
+    state.register(spec("H", memory=10**6), {"pkg": range(BLOCKS)}, now=0)
+    result = state.scale_up("pkg", count=70, strategy="binomial", now=1)
+    assert result.sources == ("H",)
+    active = state.plans[result.plan_id]
+    done = next(iter(active.plan.assignments))
+    state.report(done, {"pkg": range(BLOCKS)}, {}, now=2)
+    state.deregister("H")
+    assert active.plan.sources == (done,) and done not in active.plan.assignments
+    active.plan.validate()
+    assert Plan.from_json(json.loads(active.plan.encoded())) == active.plan  # the store's copy loads back
+    assert not active.parts[done].fetch
 
 
 def _progress(state: ControlState, rates: dict[str, float], start: float, end: float, step: float = 0.125,
@@ -516,6 +592,21 @@ def test_a_straggling_relay_is_demoted_to_a_leaf_and_the_nodes_behind_it_are_not
     _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 50e6, "w4": 50e6, "w5": 50e6}, t + 0.125, t + 1.5,
               held=held)
     assert active.demoted == {"w2"} and active.replans == 1
+
+
+def test_a_later_straggler_is_no_earlier_ones_child():
+    state = cluster(6, block_bytes=BIG_BLOCK)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3", "w4", "w5"], strategy="chain", now=1)
+    active = state.plans[result.plan_id]
+    held, t = _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 10e6, "w4": 10e6, "w5": 10e6}, 1.0, 3.0,
+                        until=lambda: bool(active.demoted))
+    assert active.demoted == {"w2"} and {a.parent for a in active.parts["w2"].fetch} == {"w5"}  # the tail
+    # Behind w1, w3 runs at its rate; w4 does not: it is demoted too, and the leaf w2 is not its parent.
+    _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 50e6, "w4": 10e6, "w5": 10e6}, t + 0.125, t + 3.0,
+              held=held, until=lambda: len(active.demoted) > 1)
+    assert active.demoted == {"w2", "w4"}
+    assert not {a.parent for part in active.parts.values() for a in part.fetch} & active.demoted
+    active.plan.validate()
 
 
 def test_stragglers_are_found_only_when_enabled_and_never_on_equal_rates():
@@ -810,6 +901,18 @@ def test_a_second_scale_up_during_a_chain_from_the_store_hangs_behind_its_last_n
     fresh = cluster(4)
     fresh.scale_up("pkg", node_ids=["w0", "w1"], now=1)
     assert fresh.scale_up("pkg", node_ids=["w2", "w3"], strategy="unicast", now=2).sources == ("store",)
+
+
+def test_a_scale_up_does_not_hang_behind_a_demoted_straggler_at_a_chains_tail():
+    state = cluster(8, block_bytes=BIG_BLOCK)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3", "w4", "w5"], strategy="chain", now=1)
+    active = state.plans[result.plan_id]
+    _, t = _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 10e6, "w4": 10e6, "w5": 10e6}, 1.0, 3.0,
+                     until=lambda: bool(active.demoted))
+    assert active.demoted == {"w2"} and not any(child for _, child in active.parts["w2"].serve)  # the tail now
+    later = state.scale_up("pkg", node_ids=["w6", "w7"], now=t + 0.1)
+    assert later.sources == ("store",)
+    assert not any(a.parent == "w2" for part in state.plans[later.plan_id].parts.values() for a in part.fetch)
 
 
 # ----- cross-node pipelines -----

@@ -1,11 +1,13 @@
 """Replanning after failures, departures and joins: exactly the missing blocks, from live parents,
 without cycles or deadlocks, keeping what still works."""
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.planner.replan import parts_of, repair_deaths, replan
+from control_plane.planner.replan import drop_held, parts_of, repair, repair_deaths, replan, reroute
 from control_plane.planner.plan import STRATEGIES, Fetch, Plan, PlanError
 from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import simulate
@@ -317,3 +319,131 @@ def test_splice_hands_a_gone_nodes_children_to_its_own_parents_unit_by_unit():
     held = Plan("chain", ("s",), {"b": [Fetch(1, "s")], "c": [Fetch(0, "b"), Fetch(1, "b")]}, {"b": (0,)})
     assert [(f.block, f.parent) for f in splice(held, {"b"}).assignments["c"]] == [(0, "b"), (1, "s")]
     assert unit_fanout(chain) == 1 and unit_fanout(make_plan("tree", ["s"], list("abcdefg"), 2, fanout=2)) == 2
+
+
+def test_a_receiver_picked_as_a_source_stops_fetching_and_the_repaired_plan_loads_back():
+    # All sources of a large plan died and a receiver that completed takes over: it is a source, not a receiver
+    # too (the plan would not validate, and the store's copy would not load after a restart).
+    plan = make_plan("binomial", ["s"], [f"w{i}" for i in range(70)], 3, chunk_counts=[6, 6, 6])
+    parts = plan.parts()
+    for given_parts in (None, parts):
+        new, changed = repair_deaths(plan, dead={"s"}, held={"w0": {0, 1, 2}}, sources=["w0"], parts=given_parts)
+        new.validate()
+        assert Plan.from_json(json.loads(new.encoded())) == new
+        assert new.sources == ("w0",) and "w0" not in new.assignments and "w0" not in new.held
+        assert {a.parent for a in plan.assignments["w0"]} - {"s"} <= changed  # they serve it no more
+    held = Plan("chain", ("s",), {"a": [Fetch(0, "s")], "b": [Fetch(0, "a"), Fetch(1, "h")]}, {"h": (1,)})
+    new, _ = repair_deaths(held, dead={"s"}, held={"h": {0, 1}}, sources=["h"])  # a holder takes over: not one
+    new.validate()
+    assert new.held == {}
+
+
+@st.composite
+def bad_peer_reports(draw):
+    strategy = draw(st.sampled_from(STRATEGIES))
+    num_blocks = draw(st.integers(1, 5))
+    receivers = [f"w{i}" for i in range(draw(st.integers(2, 20)))]
+    counts = draw(st.none() | st.lists(st.integers(1, 6), min_size=num_blocks, max_size=num_blocks))
+    plan = make_plan(strategy, ["store"], receivers, num_blocks, chunk_counts=counts)
+    rnd = draw(st.randoms(use_true_random=False))
+    held: dict[str, set[int]] = {}
+    _progress(plan, held, rnd)
+    if draw(st.booleans()):  # receivers that hold blocks serve them as holders, fetching them no more
+        plan = drop_held(plan, held)
+    held["h"] = set(range(num_blocks)) if draw(st.booleans()) else set()  # a holder outside the plan
+    reports = [(rx, a) for rx, fetches in plan.assignments.items() for a in fetches if a.parent in plan.assignments]
+    if not reports:
+        return None
+    child, fetch = draw(st.sampled_from(reports))
+    return plan, held, child, fetch.parent, fetch.block, counts
+
+
+@settings(max_examples=150, deadline=None)
+@given(bad_peer_reports())
+def test_a_bad_peer_report_moves_the_childs_fetches_only_and_the_peer_keeps_receiving(report):
+    if report is None:
+        return
+    plan, held, child, peer, block, counts = report
+    new, changed = reroute(plan, child=child, peer=peer, block=block, held=held)
+    assert reroute(plan, child=child, peer=peer, block=block, held=held, parts=plan.parts()) == (new, changed)
+    new.validate()
+    simulate(new, _sizes(counts), 1, 1)  # fetching in order terminates: no deadlock
+    assert not any(a.block == block and a.parent == peer for a in new.assignments[child])
+    assert block not in new.held.get(peer, ())
+    refetch = not any(a.block == block for a in plan.assignments[peer])
+    child_units = {(a.block, a.chunks) for a in plan.assignments[child] if a.block == block}
+    old_parent = {(rx, a.block, a.chunks): a.parent for rx, fetches in plan.assignments.items() for a in fetches}
+    for rx, fetches in new.assignments.items():
+        units = _units(fetches)
+        before = {(a.block, a.chunks) for a in plan.assignments[rx]}
+        if rx == peer and refetch:  # it fetches the block again, last, in the child's units
+            assert units == before | child_units and _units(fetches[-len(child_units):]) == child_units
+        else:  # nothing else fetched; only blocks it holds (it serves them now) no longer
+            assert units <= before and {b for b, _ in before - units} <= held.get(rx, set())
+        for a in fetches:
+            was = old_parent.get((rx, a.block, a.chunks))
+            if was != a.parent:
+                # Only the child's fetches of the block from the peer moved (all the peer's children for it when
+                # the peer fetches it anew), each to a source or a holder of the block (never one that waits).
+                assert a.block == block and (was == peer or rx == peer)
+                assert rx in changed and a.parent in changed and a.parent != peer
+                assert a.parent in new.sources or a.block in held.get(a.parent, ())
+                assert refetch or rx == child
+    assert set(new.assignments) == set(plan.assignments)  # the peer and everyone else are still receivers
+    parts = {n: p for n, p in plan.parts().items() if n not in changed}
+    parts.update(parts_of(new, changed))
+    assert parts == new.parts()
+
+
+def test_a_bad_peer_that_served_a_block_it_held_fetches_it_again_and_its_children_move():
+    plan = Plan("chain", ("s",), {"a": [Fetch(1, "s")], "b": [Fetch(0, "a"), Fetch(1, "a")],
+                                  "c": [Fetch(0, "a"), Fetch(1, "b")]}, {"a": (0,)})
+    new, changed = reroute(plan, child="b", peer="a", block=0, held={"a": {0}, "h": {0}})
+    new.validate()
+    assert new.assignments == {"a": [Fetch(1, "s"), Fetch(0, "s")], "b": [Fetch(0, "h"), Fetch(1, "a")],
+                               "c": [Fetch(0, "h"), Fetch(1, "b")]}
+    assert new.held == {"h": (0,)} and changed == {"a", "b", "c", "h", "s"}
+    # A peer that fetches the block itself keeps relaying it to its other children: only the reporter moves.
+    relay = Plan("chain", ("s",), {"a": [Fetch(0, "s")], "b": [Fetch(0, "a")], "c": [Fetch(0, "a")]})
+    new, changed = reroute(relay, child="b", peer="a", block=0, held={})
+    assert new.assignments == {"a": [Fetch(0, "s")], "b": [Fetch(0, "s")], "c": [Fetch(0, "a")]}
+    with pytest.raises(PlanError, match="reroute: 's' is no receiver of the plan"):
+        reroute(relay, child="a", peer="s", block=0, held={})
+    with pytest.raises(PlanError, match="reroute: 'c' fetches no unit of block 0 from 'b'"):
+        reroute(relay, child="c", peer="b", block=0, held={})
+
+
+def test_a_leaf_is_neither_kept_nor_taken_as_a_parent():
+    # a dies; it held block 0, which b fetched from it. x, a demoted straggler at the tail, holds block 0 too.
+    plan = Plan("chain", ("s",), {"a": [Fetch(1, "s")], "b": [Fetch(0, "a"), Fetch(1, "a")],
+                                  "x": [Fetch(1, "b")]}, {"a": (0,)})
+    held = {"x": {0}}
+    assert repair(plan, dead={"a"}, held=held, sources=["s"])[0].assignments["b"][0] == Fetch(0, "x")
+    new, _ = repair(plan, dead={"a"}, held=held, sources=["s"], leaves={"x"})
+    new.validate()
+    assert new.assignments["b"][0] == Fetch(0, "s") and not new.held
+    kept = Plan("chain", ("s",), {"a": [Fetch(0, "s")], "x": [Fetch(0, "a")], "b": [Fetch(0, "x")]})
+    assert replan(kept, dead=(), held={}, sources=["s"], leaves={"x"}).assignments["b"] == [Fetch(0, "a")]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(STRATEGIES), st.integers(0, 40), st.integers(1, 6), st.booleans(), st.data())
+def test_dropping_held_blocks_from_a_new_plan_is_what_a_replan_makes_of_it(strategy, n, blocks, ranged, data):
+    receivers = [f"w{i}" for i in range(n)]
+    counts = [data.draw(st.integers(1, 6)) for _ in range(blocks)] if ranged else None
+    sources = ["store"] if strategy != "rotated" else ["store", "p"]
+    plan = make_plan(strategy, sources, receivers, blocks, chunk_counts=counts)
+    held = {rx: set(data.draw(st.lists(st.integers(0, blocks - 1), max_size=blocks))) for rx in receivers}
+    held.update({"store": set(range(blocks)), "h": {0}})  # sources and holders outside the plan change nothing
+    new = drop_held(plan, held)
+    new.validate()
+    simulate(new, _sizes(counts), 1, 1)  # every receiver gets every unit it lacks, in order: no deadlock
+    for rx in receivers:  # every unit of every block it does not hold, once; nothing of one it holds
+        needs = {(a.block, a.chunks) for a in plan.assignments[rx] if a.block not in held[rx]}
+        fetched = new.assignments.get(rx, [])
+        assert _units(fetched) == needs and len(fetched) == len(needs)
+        assert [a for a in fetched] == [a for a in plan.assignments[rx] if a.block not in held[rx]]
+    # The same fetches as a re-plan of the whole plan, each receiver's in its order.
+    again = replan(plan, dead=(), held=held, sources=sources)
+    assert new.assignments == again.assignments
+    assert all(set(blocks) <= set(new.held.get(node, ())) for node, blocks in again.held.items())

@@ -102,6 +102,19 @@ def test_demoting_a_chain_relay_puts_its_child_behind_its_parent_and_it_at_the_t
     assert [a.block for a in new.assignments["w1"]] == [1, 2, 3]
 
 
+def test_stragglers_demoted_together_or_one_after_another_are_nobodys_parents():
+    plan = chain(6, blocks=3)
+    held = {"store": {0, 1, 2}}
+    together = demote(plan, {"w2", "w4"}, held=held, sources=["store"], num_blocks=3)
+    once = demote(plan, {"w2"}, held=held, sources=["store"], num_blocks=3)
+    after = demote(once, {"w4"}, held=held, sources=["store"], num_blocks=3, demoted={"w2"})
+    for new in (together, after):
+        new.validate()
+        assert not {a.parent for fetches in new.assignments.values() for a in fetches} & {"w2", "w4"}
+        assert {a.parent for a in new.assignments["w2"]} | {a.parent for a in new.assignments["w4"]} <= {
+            "w6", "store"}  # the tail's one free slot, else the store
+
+
 def test_unit_layout_is_the_plans_own_chunk_ranges():
     plan = make_plan("binomial", ["store"], [f"w{i}" for i in range(1, 16)], 2, chunk_counts=[6, 4])
     layout = unit_layout(plan)
@@ -131,5 +144,5 @@ def test_demote_keeps_every_unit_and_no_straggler_serves_anyone(strategy, n, blo
         needs = {(b, c) for b in range(blocks) if b not in held[rx] for c in layout[b]}
         got = [(a.block, a.chunks) for a in new.assignments.get(rx, ())]
         assert sorted(got, key=str) == sorted(needs, key=str), rx  # every missing unit once, nothing else
-    for rx, fetches in new.assignments.items():  # a straggler may feed another one, nobody else
-        assert rx in slow or not any(a.parent in slow for a in fetches), rx
+    for rx, fetches in new.assignments.items():  # not even another straggler
+        assert not any(a.parent in slow for a in fetches), rx
