@@ -32,7 +32,7 @@ from pipecast.engine.loader import BlockLoader
 from pipecast.engine.progressive import ProgressiveModel
 from pipecast.engine.providers import BlockProvider
 from pipecast.engine.sampling import SamplingParams
-from pipecast.engine.streams import TokenStream
+from pipecast.engine.streams import FINISH_CANCELLED, TokenStream
 from pipecast.engine.weights import package_dtype
 
 if TYPE_CHECKING:
@@ -178,6 +178,13 @@ class Engine:
 
     def _cancel(self, stream: TokenStream) -> None:
         with self._cond:
+            # One still queued leaves at once: left for the engine thread, it would hold its place in the
+            # queue (and count against max_queue) until a batch slot frees.
+            queued = next((seq for seq in self._incoming if seq.stream is stream), None)
+            if queued is not None:
+                self._incoming.remove(queued)
+                stream.finish(FINISH_CANCELLED)
+                return
             self._cancelled.add(stream)
             self._cond.notify_all()
 
@@ -252,7 +259,7 @@ class Engine:
                                 or self.scheduler.can_progress())
             if self._closed:
                 return False
-            for seq in self.scheduler.prefilling + self.scheduler.decoding + list(self._incoming):
+            for seq in self.scheduler.prefilling + self.scheduler.decoding:  # queued ones left in _cancel
                 if seq.stream in self._cancelled:
                     seq.cancelled = True
             self._cancelled.clear()

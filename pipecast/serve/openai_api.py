@@ -127,7 +127,7 @@ def _common_fields(body: Any, known: set[str], off_only: dict[str, tuple[Any, ..
             raise RequestFieldError("stream_options", "only allowed with stream: true")
         if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
             raise RequestFieldError("stream_options", 'must be an object like {"include_usage": true}')
-    if not isinstance(body.get("user", ""), str):
+    if body.get("user") is not None and not isinstance(body["user"], str):  # null: as for the other optional fields
         raise RequestFieldError("user", "must be a string")
     temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= MAX_TEMPERATURE:

@@ -98,6 +98,7 @@ class IncrementalDetokenizer:
         self._ids = list(prompt[-PROMPT_CONTEXT_TOKENS:])
         self._prefix = 0                 # the window decoded starts here
         self._read = len(self._ids)      # tokens before this are already emitted
+        self._held = ""                  # see held()
 
     def add(self, token: int) -> str:
         """Text that ``token`` completes ("" while a character is split across tokens)."""
@@ -108,14 +109,20 @@ class IncrementalDetokenizer:
         """What is left at the end (an incomplete character comes out as the replacement character)."""
         return self._advance(final=True)
 
+    def held(self) -> str:
+        """The settled text held back, not yet returned: what the tokens since the last delta decode to, less
+        the replacement characters at its end (the character a token left incomplete, e.g. a token "x" plus
+        the first byte of "中"). It comes out, whole, once that character completes."""
+        return self._held
+
     def _advance(self, final: bool) -> str:
+        self._held = ""
         if self._read == len(self._ids):
             return ""
         before = self._codec.decode(self._ids[self._prefix:self._read])
         text = self._codec.decode(self._ids[self._prefix:])
-        if len(text) <= len(before) and not final:
-            return ""
-        if text.endswith(_INCOMPLETE) and not final:
+        if not final and (len(text) <= len(before) or text.endswith(_INCOMPLETE)):
+            self._held = text[len(before):].rstrip(_INCOMPLETE)
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return text[len(before):]
@@ -130,15 +137,19 @@ class StopMatcher:
         self.stopped = False
         """True once a stop string was found (the text before it has been returned)."""
 
-    def feed(self, text: str) -> str:
-        """The part of ``text`` (after what is held back) that is sure to be output."""
+    def feed(self, text: str, ahead: str = "") -> str:
+        """The part of ``text`` (after what is held back) that is sure to be output. ``ahead`` is text known
+        to follow ``text`` but not handed over yet (the detokenizer's :meth:`~IncrementalDetokenizer.held`):
+        a stop string ending in it stops now, and its text before the stop is output; else it is left for a
+        later ``feed``."""
         if self.stopped:
             return ""
         self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
+        seen = self._pending + ahead
+        cut = min((i for i in (seen.find(s) for s in self._stops) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
-            out, self._pending = self._pending[:cut], ""
+            out, self._pending = seen[:cut], ""
             return out
         keep = self._partial_stop_length()
         out, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
@@ -171,7 +182,10 @@ class CompletionText:
 
     def add(self, token: int) -> str:
         """The new output text after ``token``."""
-        return self._stops.feed(self._detokenizer.add(token))
+        text = self._detokenizer.add(token)
+        # The stops are checked against the settled text too: a token completing a stop string may also
+        # begin a character the next tokens complete, and generation must end at that token, not later.
+        return self._stops.feed(text, self._detokenizer.held())
 
     def finish(self) -> str:
         """The rest of the output once generation has ended."""

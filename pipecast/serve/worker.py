@@ -216,6 +216,7 @@ class ServingWorker:
         self._expirer = asyncio.create_task(self._expire_stage_sessions(), name="pipecast-serve-expire-sessions")
 
     def _load(self, again: bool = False) -> None:
+        model = None
         try:
             if again:
                 self._wait_for_package_again()
@@ -231,7 +232,10 @@ class ServingWorker:
                          agent_timeout_s=c.agent_timeout_s)
             self._post(self._set_model, model)
             self._wait_codec_needed(model)
-            if self._closing:
+            # A failed model reports itself (_on_model_change): dropped while loading, its package may be
+            # gone from the agent, and reading the tokenizer from it would wait out the agent's timeout
+            # and fail the worker that now waits for the package to come back.
+            if self._closing or model.engine.model.failed:
                 return
             provider = model.engine.provider
             started, cpu = time.monotonic(), time.thread_time()
@@ -239,13 +243,13 @@ class ServingWorker:
                                          f"package {provider.manifest.package_id[:12]} ({provider.origin})")
             log.info("tokenizer loaded in %.3f s (%.3f s of CPU)", time.monotonic() - started,
                      time.thread_time() - cpu)
-            self._post(self._set_codec, codec)
+            self._post(self._set_codec, codec, model)
         except PipecastError as exc:  # the package, the agent or the block source failed us
             log.error("cannot serve %s: %s", self.config.package, exc)
-            self._post(self._set_error, f"cannot load {self.config.package}: {exc}")
+            self._post(self._set_error, f"cannot load {self.config.package}: {exc}", model)
         except Exception as exc:  # anything else (the device, a bug) must still reach the waiting requests
             log.exception("loading %s failed", self.config.package)
-            self._post(self._set_error, f"cannot load {self.config.package}: {type(exc).__name__}: {exc}")
+            self._post(self._set_error, f"cannot load {self.config.package}: {type(exc).__name__}: {exc}", model)
 
     def _wait_codec_needed(self, model: LoadedModel) -> None:
         """Until the tokenizer is needed: a request waits for it, the embeddings (block 0) are the first
@@ -456,11 +460,19 @@ class ServingWorker:
                  p.num_blocks, p.origin, "waiting for the full model before each request" if
                  self.config.wait_full_load else "requests run while blocks arrive")
 
-    def _set_codec(self, codec: TextCodec) -> None:
+    def _set_codec(self, codec: TextCodec, model: LoadedModel) -> None:
+        if model is not self._model:  # read for a model unloaded since (released meanwhile)
+            return
         self._codec = codec
         self._notify()
 
-    def _set_error(self, message: str) -> None:
+    def _set_error(self, message: str, model: "LoadedModel | None" = None) -> None:
+        """Fail the worker; ``model``: the loading thread's (None before it had one). A model unloaded since
+        (released) is no failure of the worker's, and a model that failed reports its own error (or its
+        release) in _on_model_change."""
+        if model is not None and (model is not self._model or model.engine.model.failed):
+            log.info("ignored, for a model failed or unloaded since: %s", message)
+            return
         self._error = message
         self._stage = STAGE_FAILED
         self._notify()
@@ -790,5 +802,6 @@ class Generation:
                 yield Piece(text, (token,))
         except EngineError as exc:
             raise _served_error(exc) from None
-        reason = FINISH_STOP if self._stream.finish_reason == FINISH_STOP else FINISH_LENGTH
-        yield Piece(self._text.finish(), (), reason)
+        rest = self._text.finish()  # first: its last characters may hold a stop string
+        reason = FINISH_STOP if self._stream.finish_reason == FINISH_STOP or self._text.stopped else FINISH_LENGTH
+        yield Piece(rest, (), reason)

@@ -230,6 +230,24 @@ def test_a_generate_that_times_out_cancels_its_request(pkg, engine):
         assert delayed.generate(PROMPT, SamplingParams(max_tokens=4), timeout=30) == expected
 
 
+def test_a_request_cancelled_while_queued_leaves_the_queue_at_once(pkg, engine):
+    """Before, a queued request cancelled (its client gone) stayed queued until a batch slot freed: it counted
+    against max_queue, so the next ones were refused while the worker above counted room for them."""
+    expected = solo(engine, PROMPT, max_tokens=4)
+    provider = DelayedProvider(PackageFolderProvider(pkg))  # no block: the first request holds the one slot
+    with Engine(provider, max_batch=1, max_queue=2).start() as delayed:
+        first = delayed.submit(PROMPT, SamplingParams(max_tokens=4))
+        wait_until(lambda: delayed.scheduler.active == 1)
+        leaving = delayed.submit_many([PROMPT, PROMPT], SamplingParams(max_tokens=4))
+        for stream in leaving:
+            stream.cancel()
+            assert stream.result(timeout=1) == [] and stream.finish_reason == FINISH_CANCELLED
+        assert not delayed._incoming
+        later = delayed.submit_many([PROMPT, PROMPT], SamplingParams(max_tokens=4))  # the queue's room again
+        provider.release_all()
+        assert [s.result(timeout=30) for s in [first, *later]] == [expected] * 3
+
+
 @pytest.mark.parametrize("ids, message", [
     (torch.tensor([[1, 256, 3]]), r"prompt token ids \[256\] are outside the vocabulary \(0-255\)"),
     (torch.tensor([[1, 2], [-1, 3]]), r"prompt token ids \[-1\] are outside the vocabulary \(0-255\)"),

@@ -24,7 +24,7 @@ import pytest
 from aiohttp import web
 
 import pipecast
-from pipecast.agent.errors import PackageDroppedError
+from pipecast.agent.errors import LocalApiTimeoutError, PackageDroppedError
 from pipecast.engine.errors import EngineClosedError
 from pipecast.serve.app import build_app
 from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
@@ -284,6 +284,65 @@ async def test_a_package_dropped_while_its_model_loads_is_a_release_and_the_mode
         await wait_health(http, url, lambda h: h["status"] == "ready")
         status, _, answer = await post(http, url, body())
         assert status == 200 and answer["choices"][0]["token_ids"] == reference(PROMPT, 12)
+
+
+class UnreadableWhenDroppedAgent(DroppingAgent):
+    """As the agent: a dropped package's files cannot be read (the real one waits out its timeout for the
+    package, then fails). ``gate``, while clear, holds reads begun (``reading`` set) until the test opens it."""
+
+    def __init__(self, pkg: Path) -> None:
+        super().__init__(pkg)
+        self.gate, self.reading = threading.Event(), threading.Event()
+        self.gate.set()
+        self.read_dropped = 0
+
+    def package_file(self, path, package_id=None, timeout=30.0):
+        self.reading.set()
+        self.gate.wait(30)
+        if self.dropped:
+            self.read_dropped += 1
+            raise LocalApiTimeoutError(f"no package {package_id} here within {timeout:g} s")
+        return super().package_file(path, package_id, timeout)
+
+
+async def _dropped_before_its_tokenizer(pkg, reference, reading: bool) -> None:
+    """The package is dropped while the worker's model loads, before its tokenizer is read (``reading``: while
+    it is read): the worker waits for the package, never fails, and serves once it is back."""
+    agent, back = UnreadableWhenDroppedAgent(pkg), threading.Event()
+    earlier = set(threading.enumerate())
+    async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, worker, _, http):
+        worker._wait_for_package_again = lambda: back.wait(30)
+        await wait_until_async(lambda: worker._model is not None)  # no block, no request: no tokenizer read yet
+        loader, = [t for t in threading.enumerate() if t.name == "pipecast-serve-load" and t not in earlier]
+        if reading:
+            agent.gate.clear()
+            agent.reading.clear()  # load() read config.json from it
+            agent.release_prefix(0, 1 << 10)  # the embeddings arriving first: the tokenizer is read now
+            assert await asyncio.to_thread(agent.reading.wait, 10)
+        agent.drop()
+        await wait_health(http, url, lambda h: h["stage"] == "waiting_for_package")
+        agent.gate.set()
+        await asyncio.to_thread(loader.join, 10)
+        assert not loader.is_alive() and agent.read_dropped == (1 if reading else 0)
+        state = await health(http, url)  # after what the loader posted on its way out
+        assert (state["status"], state["stage"], state.get("error")) == ("loading", "waiting_for_package", None)
+        agent.drop(False)
+        agent.release()
+        back.set()
+        await wait_health(http, url, lambda h: h["status"] == "ready")
+        status, _, answer = await post(http, url, body())
+        assert status == 200 and answer["choices"][0]["token_ids"] == reference(PROMPT, 12)
+
+
+async def test_a_package_dropped_before_its_tokenizer_is_read_is_not_read_and_the_worker_waits_not_fails(
+        pkg, reference):
+    """Before, the loader read the tokenizer from the dropped package anyway; its failure (after the agent's
+    timeout) failed the worker, released and waiting for the package: /health 503 "failed" until it came back."""
+    await _dropped_before_its_tokenizer(pkg, reference, reading=False)
+
+
+async def test_a_tokenizer_read_failing_as_its_package_is_dropped_does_not_fail_the_waiting_worker(pkg, reference):
+    await _dropped_before_its_tokenizer(pkg, reference, reading=True)
 
 
 async def test_only_a_model_the_agent_feeds_is_unloaded_when_the_agent_holds_no_package(monkeypatch):
@@ -774,6 +833,56 @@ def test_text_comes_out_whole_characters_and_stops_before_a_stop_string(codec):
     assert stops.feed("yEN") == "y" and stops.feed("D!") == "" and stops.stopped and stops.flush() == ""
     overlapping = StopMatcher(["abcab!", "cabx"])  # the longest end that begins a stop is held back
     assert overlapping.feed("zzabcab") == "zz" and overlapping.feed("c") == "abc" and overlapping.flush() == "abc"
+
+
+class SplitCharacterCodec:
+    """Byte tokens, and token 256: "x" with the first byte of "中" (e4 b8 ad), as a byte-level BPE may merge a
+    letter with the lead byte of the character after it."""
+
+    def decode(self, ids) -> str:
+        return b"".join(b"x\xe4" if t == 256 else bytes([t]) for t in ids).decode("utf-8", errors="replace")
+
+
+SPLIT_X = [ord("a"), 256, 0xB8, 0xAD, ord("b")]  # "ax中b", "x" in the token that begins "中"
+
+
+def test_a_stop_string_ends_the_text_at_the_token_completing_it_though_that_token_splits_a_character():
+    """Before, the stop was seen only once the character was whole, tokens later: generation went on."""
+    codec = SplitCharacterCodec()
+    for stop in ("x", "ax"):
+        text = CompletionText(codec, [], [stop])
+        assert [text.add(SPLIT_X[0]), text.stopped] == ["a" if stop == "x" else "", False]
+        assert [text.add(SPLIT_X[1]), text.stopped, text.finish()] == ["", True, ""], stop
+    text = CompletionText(codec, [], ["y"])  # no stop: the settled "x" held with the split character, once
+    assert "".join(text.add(t) for t in SPLIT_X) + text.finish() == "ax中b" and not text.stopped
+
+
+async def test_a_generation_stops_at_the_token_completing_a_stop_string_and_says_stop():
+    """Before, the generation below went on to its fourth token (usage counted them) and a stop found in the
+    text's last characters, as the generation ended at max_tokens, said "length"."""
+    from pipecast.engine.streams import TokenStream
+    from pipecast.serve.worker import Generation
+
+    async def run(tokens: list[int], stop: str) -> tuple[str, str, int]:
+        worker = ServingWorker(WorkerConfig("pkg"))
+        worker._submitted = 1
+        stream = TokenStream(0, lambda _: None)
+        for token in tokens:
+            stream.push(token)
+        stream.finish("length")
+        generation = Generation(worker, stream, [], CompletionText(SplitCharacterCodec(), [], [stop]), 0.0)
+        pieces = [piece async for piece in generation]
+        return "".join(p.text for p in pieces), pieces[-1].finish_reason, generation.completion_tokens
+
+    assert await run(SPLIT_X, "x") == ("a", "stop", 2)
+    assert await run([ord("a"), 0xE4], "\ufffd") == ("a", "stop", 2)  # the last character left incomplete
+
+
+def test_a_null_user_is_accepted_as_any_other_optional_field():
+    for parse, fields in ((parse_completion_request, {"prompt": "hi"}), (parse_chat_request, {"messages": CHAT})):
+        assert parse({"model": "m", "user": None, **fields}) == parse({"model": "m", **fields})
+        with pytest.raises(RequestFieldError, match="^user: must be a string$"):
+            parse({"model": "m", "user": 5, **fields})
 
 
 def test_a_package_without_tokenizer_files_is_refused(codec):
