@@ -194,7 +194,10 @@ def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
     hurts, except that the stage reaching the last layer must be able to apply the head, so a node that
     cannot stops anywhere short of it. A node runs one stage per pipeline, so each position keeps up to
     :data:`_PATHS_PER_END` chains with different nodes (a node holding blocks 6, 7, 0 and 1 of a rotated
-    order has two spans, and the chain through one may need it for the other).
+    order has two spans, and the chain through one may need it for the other). Chains differ only in the
+    nodes they used that hold a layer at or after the position: the others can never serve the rest. Told
+    apart by every node used, many nodes holding the same blocks filled a position's chains, and the one
+    chain that left a node free for its second span could be dropped (no pipeline, though one existed).
     """
     last = layout.num_layers
     found: dict[int, list[frozenset[str]]] = {0: [frozenset()]}
@@ -218,7 +221,7 @@ def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
                     seen = found.setdefault(q, [])
                     if len(seen) >= _PATHS_PER_END:
                         continue
-                    members = frozenset(used | {node})
+                    members = frozenset(n for n in used | {node} if runs[n].spans[-1][1] > q)
                     if members not in seen:
                         seen.append(members)
                         following.append((q, path + [(node, span)]))

@@ -46,9 +46,10 @@ Which worker gets a request (:meth:`WorkerPool.choose`):
 
 Cross-node pipelines (:class:`PipelineUnit`, from the control plane through discovery) are candidates
 too, as one unit each: the request goes to the head stage's worker with the route in a header. A pipeline
-is a candidate only while no ready worker has room in its batch (a full worker serves each token without
-the hops), every member answers its health polls and none failed a request, its head's last 429 (the
-head's queue was full) is past its retry-after, and for at most ``max_in_flight`` requests of this router.
+is a candidate only while no ready worker has room in its batch, even one held at its share of a surge (a
+full worker serves each token without the hops), every member answers its health polls and none failed a
+request, its head's last 429 (the head's queue was full) is past its retry-after, and for at most
+``max_in_flight`` requests of this router.
 Among candidates it ranks after ready and partial workers of the same load, one whose stages hold their
 blocks before one still waiting for some: an idle pipeline beats a worker with a queue, which is how
 capacity appears before any node holds the whole model. A pipeline the control plane no longer lists (its
@@ -443,9 +444,12 @@ class WorkerPool:
         several tenants are active (it then goes apart from the others' requests); ``package``: only
         workers and pipelines of this version."""
         avoid = frozenset(avoid)
-        candidates = [worker for worker in self._workers.values() if worker.can_take(now, one_batch, share)
-                      and (package is None or worker.health.package_id == package)]
-        if not any(w.health.status == "ready" and w.load < (w.health.max_batch or 1) for w in candidates):
+        able = [worker for worker in self._workers.values() if worker.can_take(now)
+                and (package is None or worker.health.package_id == package)]
+        candidates = [worker for worker in able if worker.can_take(now, one_batch, share)]
+        # Room in a ready worker's batch is judged before its share: a worker held at its share while others
+        # load still serves each token without the hops, so the request waits for it (or them) instead.
+        if not any(w.health.status == "ready" and w.load < (w.health.max_batch or 1) for w in able):
             candidates += [p for p in self._pipelines.values()
                            if (package is None or p.package_id == package)
                            and p.can_take((self._workers.get(url) for url in p.member_urls), now)]
@@ -512,7 +516,8 @@ class WorkerPool:
         workers that serve it or soon will (``ready``, ``partial``, or ``loading`` with at least
         :data:`SOON_FRACTION` of its blocks). None while none is loading: no cap. A loading worker whose
         blocks have not grown for :data:`LOADING_STALL_S` counts for neither; one whose health polls fail
-        counts by its last answer for :data:`UNANSWERED_GRACE_S`."""
+        counts by its last answer for :data:`UNANSWERED_GRACE_S`. Requests in flight through the package's
+        pipelines count among those in flight: the pipelines' members are among the workers counted."""
         now = self.clock()
         mine = []
         for w in self._workers.values():
@@ -526,7 +531,8 @@ class WorkerPool:
             return None
         soon = sum(health.status in SERVING or (health.status == "loading" and health.fraction_present >= SOON_FRACTION)
                    for _, health in mine)
-        return max(1, math.ceil((waiting + sum(w.in_flight for w, _ in mine)) / max(1, soon)))
+        pipelined = sum(p.in_flight for p in self._pipelines.values() if package is None or p.package_id == package)
+        return max(1, math.ceil((waiting + pipelined + sum(w.in_flight for w, _ in mine)) / max(1, soon)))
 
     def serving(self, now: float) -> int:
         """How many workers can take a request now."""

@@ -22,6 +22,7 @@ Endpoints:
 lets running ones finish for up to ``drain_timeout_s`` and closes the engine.
 """
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -58,13 +59,16 @@ from pipecast.serve.openai_api import (
 from pipecast.serve.pipeline import (
     PIPELINE_HEADER,
     STAGE_CLOSE_PATH,
+    STAGE_HEADER_BYTES,
     STAGE_PATH,
     Hop,
     PipelineProtocolError,
     StageCall,
     decode_frame,
+    decode_frame_header,
     encode_frame,
     parse_route,
+    stage_body_limit,
 )
 from pipecast.serve.worker import Generation, ServingWorker
 
@@ -73,7 +77,8 @@ log = logging.getLogger(__name__)
 WORKER = web.AppKey("worker", ServingWorker)
 MAX_BODY = web.AppKey("max_body_bytes", int)
 #: Largest request body accepted. A prompt of a million token ids is ~8 MB of JSON; decoding that many
-#: numbers holds the GIL ~0.15 s per 8 MB, so the bound also bounds how long /health can wait.
+#: numbers holds the GIL ~0.15 s per 8 MB, so the bound also bounds how long /health can wait. A stage
+#: call may be larger: a prompt's hidden states, up to what the model's positions need (``stage_body_limit``).
 MAX_BODY_BYTES = 16 << 20
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 #: How long a request waits for the worker to learn the cluster's serving key from its agent (s).
@@ -162,7 +167,7 @@ async def stage_call(request: web.Request) -> web.Response:
     received = time.monotonic()
     session = None
     try:
-        header, hidden = decode_frame(await read_body(request, request.app[MAX_BODY]))
+        header, hidden = decode_frame(await _read_stage_frame(request, worker, received))
         call = StageCall.from_header(header)
         session, deadline = call.session, received + call.deadline_s
         runner = await worker.wait_stage_runner(deadline - time.monotonic())
@@ -191,16 +196,57 @@ async def stage_call(request: web.Request) -> web.Response:
         response.force_close()  # the rest of the body is never read
         return response
     except (PipelineProtocolError, InvalidRequestError, StageSessionError) as exc:
-        return _stage_error(str(exc), 400)
+        return _unread_closes(request, _stage_error(str(exc), 400))
     except StageCapacityError as exc:
         return _stage_error(str(exc), 503)
     except TimeoutError as exc:
-        return _stage_error(str(exc), 504)
+        return _unread_closes(request, _stage_error(str(exc), 504))
     except ServeError as exc:
-        return _stage_error(str(exc), exc.status)
+        return _unread_closes(request, _stage_error(str(exc), exc.status))
     except EngineError as exc:  # the model failed to load or was unloaded under the call: not the caller's fault
         worker.forget_stage_session(session)
         return _stage_error(str(exc), 503)
+
+
+async def _read_stage_frame(request: web.Request, worker: ServingWorker, received: float) -> bytes:
+    """A stage call's body. One within the worker's body limit is read as any body. A larger one (a long
+    prompt's hidden states: Llama-3-8B's 2,048 float32 positions are 32 MiB) may be as large as the model's
+    positions need (:func:`~pipecast.serve.pipeline.stage_body_limit`), which is known once the model is:
+    the frame's header, at its front, is read first, and the call's deadline bounds that wait."""
+    floor = request.app[MAX_BODY]
+    declared = request.content_length
+    if declared is not None and declared <= floor:
+        return await read_body(request, floor)
+    prefix = b""
+    try:
+        prefix = await request.content.readexactly(4)
+        size = int.from_bytes(prefix, "big")
+        if size > STAGE_HEADER_BYTES:
+            raise PipelineProtocolError(f"a frame's header of {size} bytes is over a stage call's "
+                                        f"{STAGE_HEADER_BYTES}")
+        prefix += await request.content.readexactly(size)
+    except asyncio.IncompleteReadError as exc:
+        raise PipelineProtocolError(f"a frame of {len(prefix) + len(exc.partial)} bytes is shorter than its "
+                                    f"header says") from None
+    call = StageCall.from_header(decode_frame_header(prefix[4:]))
+    runner = await worker.wait_stage_runner(received + call.deadline_s - time.monotonic())
+    limit = stage_body_limit(runner.model.config, floor)
+    if declared is not None and declared > limit:
+        raise BodyTooLargeError(limit, declared)
+    body = bytearray(prefix)
+    async for chunk in request.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLargeError(limit)
+    return bytes(body)
+
+
+def _unread_closes(request: web.Request, response: web.Response) -> web.Response:
+    """``response``, closing the connection if the call was answered before its body was read (a large
+    frame's header was bad, or the model it waited for did not come): the rest is never read."""
+    if not request.content.is_eof():
+        response.force_close()
+    return response
 
 
 def _stage_error(message: str, status: int) -> web.Response:

@@ -79,6 +79,14 @@ _DTYPES = ("float32", "bfloat16", "float16")
 #: past it) is refused by name, not raised from torch.
 MAX_FRAME_DIMS = 4
 MAX_FRAME_DIM = (1 << 31) - 1
+#: Room a stage call's frame takes beyond its tensor: the length prefix and the JSON header (the route after
+#: the stage came in an HTTP header, which aiohttp caps at 8 KiB; the session, layers and sampling are small).
+STAGE_HEADER_BYTES = 64 << 10
+#: Positions assumed of a model whose config names none, for its stage calls' body limit (a bound, not its
+#: context: without one a stage would take a body of any size).
+STAGE_POSITIONS_UNKNOWN = 8192
+#: Bytes of one element of the widest dtype a frame carries (float32).
+_WIDEST_ITEMSIZE = 4
 
 
 class PipelineProtocolError(PipecastError):
@@ -139,17 +147,23 @@ def encode_frame(header: dict, tensor: "torch.Tensor | None" = None) -> bytes:
     return len(head).to_bytes(4, "big") + head + data
 
 
+def decode_frame_header(head: bytes) -> dict:
+    """A frame's header (the JSON object after the length prefix); :class:`PipelineProtocolError`."""
+    try:
+        header = loads(head)
+    except JSONInputError as exc:
+        raise PipelineProtocolError(f"the frame's header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise PipelineProtocolError("the frame's header is not a JSON object")
+    return header
+
+
 def decode_frame(body: bytes) -> tuple[dict, "torch.Tensor | None"]:
     """The header and tensor of a frame; :class:`PipelineProtocolError` names what is malformed."""
     if len(body) < 4 or len(body) < 4 + int.from_bytes(body[:4], "big"):
         raise PipelineProtocolError(f"a frame of {len(body)} bytes is shorter than its header says")
     end = 4 + int.from_bytes(body[:4], "big")
-    try:
-        header = loads(body[4:end])
-    except JSONInputError as exc:
-        raise PipelineProtocolError(f"the frame's header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise PipelineProtocolError("the frame's header is not a JSON object")
+    header = decode_frame_header(body[4:end])
     meta = header.pop("tensor", None)
     if meta is None:
         if end != len(body):
@@ -174,6 +188,21 @@ def decode_frame(body: bytes) -> tuple[dict, "torch.Tensor | None"]:
         return header, torch.empty(shape, dtype=torch_dtype)
     flat = torch.frombuffer(bytearray(memoryview(body)[end:]), dtype=torch.uint8)  # one (writable) copy
     return header, flat.view(torch_dtype).reshape(shape)
+
+
+def stage_body_limit(config: Any, floor: int) -> int:
+    """The largest stage call body a worker of a model of ``config`` (a transformers config) takes: a whole
+    prompt's hidden states at the model's longest (``max_position_embeddings`` x ``hidden_size`` x 4 bytes,
+    float32 being the widest dtype a frame carries) plus :data:`STAGE_HEADER_BYTES`, never below ``floor``
+    (the worker's limit on other bodies). A config naming no positions counts
+    :data:`STAGE_POSITIONS_UNKNOWN`; one naming no width gets ``floor``."""
+    positions = getattr(config, "max_position_embeddings", None)
+    width = getattr(config, "hidden_size", None)
+    if type(width) is not int or width < 1:
+        return floor
+    if type(positions) is not int or positions < 1:
+        positions = STAGE_POSITIONS_UNKNOWN
+    return max(floor, positions * width * _WIDEST_ITEMSIZE + STAGE_HEADER_BYTES)
 
 
 def params_json(params: SamplingParams) -> dict:

@@ -505,6 +505,36 @@ def test_a_ready_worker_with_room_goes_first_and_a_full_one_after_an_idle_pipeli
     assert pool.choose(0.0).url == "pipeline:a+b"
 
 
+def test_a_ready_worker_held_at_its_share_with_room_in_its_batch_keeps_requests_off_the_pipelines():
+    """While b and c load, a ready at its share of the surge took none, yet the rule was judged only over
+    workers within their share: the requests went through the b+c pipeline (each token over the hops) while a's
+    batch had room. Now they wait in the router (for a's share to grow, or for b and c) until a's batch is full."""
+    loading = health("loading", present=5, max_batch=8, package_id="p")
+    pool = pool_of(a=health("ready", max_batch=8, package_id="p"), b=loading, c=loading)
+    pool.sync_pipelines([dataclasses.replace(pipeline("b", "c"), package_id="p")])
+    assert pool.share(1, "p") == 1
+    assert pool.choose(0.0, one_batch=True, package="p", share=1).url == A
+    pool.begin(A)
+    share = pool.share(1, "p")
+    assert share == 1 and pool.choose(0.0, one_batch=True, package="p", share=share) is None
+    assert pool.choose(0.0, package="p").url == A  # not held at a share, a takes it
+    pool.record_health(A, health("ready", queue_depth=7, max_batch=8, package_id="p"), polled_at=0.0)
+    assert pool.choose(0.0, one_batch=True, package="p", share=share).url == "pipeline:b+c"  # a's batch is full
+
+
+def test_the_share_of_a_surge_counts_the_requests_in_flight_through_pipelines():
+    """The share counted the pipelines' members among the workers that serve soon, but none of the requests
+    in flight through them: each ready worker was held to a share of too few."""
+    loading = health("loading", present=5, max_batch=8, package_id="p")
+    pool = pool_of(a=health("ready", max_batch=8, package_id="p"), b=loading, c=loading)
+    pool.sync_pipelines([dataclasses.replace(pipeline("b", "c"), package_id="p")])
+    for _ in range(3):
+        pool.begin("pipeline:b+c")
+    assert pool.share(3, "p") == 2  # (3 waiting + 3 through b+c) over a, b and c
+    assert pool.share(3) == 2
+    assert pool.share(3, "q") is None
+
+
 def test_a_dissolved_pipeline_takes_nothing_new_and_its_requests_finish():
     pool = pool_of(a=health("partial", present=4), b=health("partial", present=4))
     pool.sync_pipelines([pipeline("a", "b")])

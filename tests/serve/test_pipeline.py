@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -23,7 +25,9 @@ from aiohttp import web
 import pipecast
 from pipecast.serve.pipeline import (
     PIPELINE_HEADER,
+    STAGE_HEADER_BYTES,
     STAGE_PATH,
+    STAGE_POSITIONS_UNKNOWN,
     DissolveEstimate,
     Hop,
     PipelineHead,
@@ -38,6 +42,7 @@ from pipecast.serve.pipeline import (
     params_from_json,
     parse_route,
     route_header,
+    stage_body_limit,
 )
 from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.peer_server import PeerServer
@@ -48,9 +53,10 @@ from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.stage import StageOutput
 from pipecast.serve.errors import ServingKeyUnknownError, WorkerClosingError
 from pipecast.serve import worker as worker_module
-from pipecast.serve.worker import WorkerConfig
+from pipecast.serve.app import build_app
+from pipecast.serve.worker import ServingWorker, WorkerConfig
 from tests.router.test_app import eventually
-from tests.serve.test_app import serving, wait_health
+from tests.serve.test_app import CLIENT_TIMEOUT, serving, wait_health
 from tests.support import packages
 from tests.support.engine_fixtures import GatedAgent, random_prompt
 from tests.support.agent_processes import free_ports
@@ -310,6 +316,104 @@ async def test_stage_calls_with_bad_frames_are_answered_400(pkg):
         async with aiohttp.ClientSession() as other:
             async with other.post(f"{a}/v1/stage/close", json={"session": "nope"}) as response:
                 assert response.status == 200
+
+
+def test_a_stage_call_may_carry_the_hidden_states_of_the_models_longest_prompt():
+    """Llama-3-8B's float32 hidden states of 2,048 positions are 32 MiB: a stage took 16 MiB at most."""
+    llama3 = SimpleNamespace(max_position_embeddings=8192, hidden_size=4096)
+    assert stage_body_limit(llama3, 16 << 20) == 8192 * 4096 * 4 + STAGE_HEADER_BYTES
+    assert len(encode_frame({"session": "s" * 64}, torch.zeros(1, 2048, 4096))) < stage_body_limit(llama3, 16 << 20)
+    # bounded all the same where the config names no positions; no width (not a decoder): the floor
+    assert stage_body_limit(SimpleNamespace(hidden_size=4096), 1) == \
+        STAGE_POSITIONS_UNKNOWN * 4096 * 4 + STAGE_HEADER_BYTES
+    assert stage_body_limit(SimpleNamespace(max_position_embeddings=None, hidden_size=8), 1) == \
+        STAGE_POSITIONS_UNKNOWN * 8 * 4 + STAGE_HEADER_BYTES
+    assert stage_body_limit(SimpleNamespace(max_position_embeddings=8192), 100) == 100
+    assert stage_body_limit(SimpleNamespace(max_position_embeddings=128, hidden_size=64), 16 << 20) == 16 << 20
+
+
+@asynccontextmanager
+async def serving_within(config: WorkerConfig, max_body_bytes: int):
+    """A worker served as :func:`serving` serves it, with a lower limit on bodies: (base URL, worker, client)."""
+    worker = ServingWorker(config)
+    runner = web.AppRunner(build_app(worker, max_body_bytes=max_body_bytes), handler_cancellation=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+            yield f"http://{host}:{port}", worker, http
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_prompt_whose_hidden_states_pass_the_body_limit_runs_through_the_stages(pkg, reference):
+    """A prompt's hidden states travel in one frame, and a stage took no more than a completion body (16
+    MiB: Llama-3-8B's float32 prompts of 2,048 tokens failed through every pipeline, the stage a 413, the
+    head a 503). Here the limit is lowered under a tiny model's prompt: the stage takes what the model's
+    positions need (with a body of any length or none), and refuses more naming that limit."""
+    prompt = random_prompt(40, 9)  # 40 x 64 x 4 = 10 KiB of float32 hidden states, over the 4 KiB limit
+    expected = reference(prompt, 4)
+
+    async def chunks(data: bytes):
+        for start in range(0, len(data), 3000):
+            yield data[start:start + 3000]
+
+    async def stage_call(url, data) -> tuple[int, bytes]:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as own:  # a refused body closes the connection
+            async with own.post(f"{url}{STAGE_PATH}", data=data) as response:
+                return response.status, await response.read()
+
+    async with serving_within(WorkerConfig(str(pkg)), 4096) as (a, _, http), \
+            serving_within(WorkerConfig(str(pkg)), 4096) as (b, wb, _):
+        status, answer = await post(http, a, {**completion(4), "prompt": prompt},
+                                    {PIPELINE_HEADER: route([(a, 0, 3), (b, 3, 6)])})
+        assert status == 200, answer
+        assert answer["choices"][0]["token_ids"] == expected
+        limit = 128 * 64 * 4 + STAGE_HEADER_BYTES
+        assert stage_body_limit(wb.stage_runner().model.config, 4096) == limit
+        header = {"session": "chunked", "layers": [3, 6], "position": 0, "params": None, "next": [], "deadline_s": 5}
+        status, _ = await stage_call(b, chunks(encode_frame(header, torch.zeros(1, 40, 64))))
+        assert status == 200
+        over = encode_frame({**header, "session": "over"}, torch.zeros(1, 400, 64))
+        for data, size in ((over, f"of {len(over)} bytes "), (chunks(over), "")):
+            status, answer = await stage_call(b, data)
+            assert (status, json.loads(answer)["error"]["message"]) == \
+                (413, f"the request body {size}is over this server's limit of {limit} bytes")
+        for data, message in ((b"\x00\x10\x00\x00" + b"{" * 5000, "a frame's header of 1048576 bytes is over a "
+                                                                  f"stage call's {STAGE_HEADER_BYTES}"),
+                              (b"\x00\x00\x10\x00{", "a frame of 5 bytes is shorter than its header says")):
+            status, answer = await stage_call(b, chunks(data))
+            assert (status, json.loads(answer)["error"]["message"]) == (400, message)
+
+
+class LateManifest(GatedAgent):
+    """Every block verified, the manifest only once ``arrived`` is set: the worker has no model until then."""
+
+    def __init__(self, pkg) -> None:
+        super().__init__(pkg)
+        self.arrived = threading.Event()
+        self.release()
+
+    def manifest(self, package_id=None, timeout=30.0):
+        self.arrived.wait(timeout)
+        return super().manifest(package_id, timeout)
+
+
+async def test_a_large_stage_call_arriving_before_the_model_waits_for_it_within_its_deadline(pkg):
+    """The limit on a large frame is the model's: its header is read first, and its deadline bounds the wait."""
+    agent = LateManifest(pkg)
+    async with serving_within(WorkerConfig(str(pkg), agent=agent), 4096) as (a, _, http):
+        header = {"session": "early", "layers": [3, 6], "position": 0, "params": None, "next": [], "deadline_s": 0.3}
+        frame = encode_frame(header, torch.zeros(1, 40, 64))
+        async with http.post(f"{a}{STAGE_PATH}", data=frame) as response:
+            answer = await response.json()
+        assert response.status == 504 and re.fullmatch(r"this worker's model did not start loading within 0\.\d+ s",
+                                                        answer["error"]["message"]), answer
+        agent.arrived.set()
+        frame = encode_frame({**header, "deadline_s": 20}, torch.zeros(1, 40, 64))
+        async with http.post(f"{a}{STAGE_PATH}", data=frame) as response:
+            assert response.status == 200, await response.text()
 
 
 async def test_a_stage_serving_another_package_refuses_the_call_and_a_bad_package_id_is_a_400(pkg):
