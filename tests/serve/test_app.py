@@ -278,12 +278,17 @@ async def test_a_package_dropped_while_its_model_loads_is_a_release_and_the_mode
         state = await wait_health(http, url, lambda h: h["stage"] == "waiting_for_package")
         assert state["status"] == "loading"
         await worker._unload()  # the follower seeing the drop too: nothing more to unload
-        agent.drop(False)
-        agent.release()
-        back.set()
-        await wait_health(http, url, lambda h: h["status"] == "ready")
-        status, _, answer = await post(http, url, body())
-        assert status == 200 and answer["choices"][0]["token_ids"] == reference(PROMPT, 12)
+        await _comes_back(agent, back, http, url, reference)
+
+
+async def _comes_back(agent: DroppingAgent, back: threading.Event, http, url: str, reference) -> None:
+    """The dropped package held again and every block there: the worker loads it again and serves."""
+    agent.drop(False)
+    agent.release()
+    back.set()
+    await wait_health(http, url, lambda h: h["status"] == "ready")
+    status, _, answer = await post(http, url, body())
+    assert status == 200 and answer["choices"][0]["token_ids"] == reference(PROMPT, 12)
 
 
 class UnreadableWhenDroppedAgent(DroppingAgent):
@@ -326,12 +331,7 @@ async def _dropped_before_its_tokenizer(pkg, reference, reading: bool) -> None:
         assert not loader.is_alive() and agent.read_dropped == (1 if reading else 0)
         state = await health(http, url)  # after what the loader posted on its way out
         assert (state["status"], state["stage"], state.get("error")) == ("loading", "waiting_for_package", None)
-        agent.drop(False)
-        agent.release()
-        back.set()
-        await wait_health(http, url, lambda h: h["status"] == "ready")
-        status, _, answer = await post(http, url, body())
-        assert status == 200 and answer["choices"][0]["token_ids"] == reference(PROMPT, 12)
+        await _comes_back(agent, back, http, url, reference)
 
 
 async def test_a_package_dropped_before_its_tokenizer_is_read_is_not_read_and_the_worker_waits_not_fails(
