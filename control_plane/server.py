@@ -292,13 +292,14 @@ class ControlPlaneServer:
                 return
             # The load takes seconds with thousands of plans: by now the lease taken before it may be so near its
             # end that the scan would step down at once. Renewed first, it runs a full term from here.
+            taken = lease.fencing
             try:
                 lease = await asyncio.to_thread(self.store.acquire_or_renew, self.holder, self.advertise,
                                                 self.config.lease_s, self.clock)
             except StoreError as exc:
                 self._step_down(f"control plane {self.holder} loaded the state but cannot renew its lease: {exc}")
                 return
-            if lease is None:
+            if lease is None or lease.fencing != taken:  # another replica led (and wrote) meanwhile: stale state
                 self._step_down(f"control plane {self.holder} lost its lease while loading the state")
                 return
             self._lease = lease

@@ -483,7 +483,7 @@ class ControlState:
         held = self.availability[active.package_id].by_worker
         plan, changed = reroute(active.plan, child=child, peer=peer, block=block, held=held,
                                 labels=self._labels(set(active.parts) | set(held)), fanout=active.fanout,
-                                parts=active.parts)
+                                parts=active.parts, leaves=active.demoted)
         self._install(active, plan, changed)
         active.replans += 1
         self.replan_count += 1

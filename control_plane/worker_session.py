@@ -117,7 +117,11 @@ class WorkerSession:
 
     async def report_bad_peer(self, peer_id: str, package_id: str, block: int, reason: str) -> bool:
         """Report a parent that served bad data or failed; True if the control plane gave new parents."""
-        return await self.client.report_bad_peer(self.node_id, peer_id, package_id, block, reason)
+        try:
+            return await self.client.report_bad_peer(self.node_id, peer_id, package_id, block, reason)
+        except UnknownWorker:
+            self._need_registration()  # e.g. a control plane restarted since: register before the next report
+            raise
 
     async def assignments(self) -> AsyncIterator[AssignmentUpdate]:
         """The assignment stream, for as long as the caller iterates: each (re)connection starts with a

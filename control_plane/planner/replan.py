@@ -182,15 +182,16 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
 def _rehome(plan: Plan, orphans: Sequence[tuple[str, Fetch[str]]], *, dead: set[str],
             held: Mapping[str, Collection[int]], sources: Sequence[str],
             labels: Mapping[str, Mapping[str, str]] | None, fanout: int, parts: Mapping[str, Part] | None,
-            changed: set[str]) -> tuple[dict[tuple[str, int, Chunks], str | None], dict[str, set[int]]]:
-    """New parents for the ``orphans`` (receiver, fetch), as :func:`repair_deaths` places them: the fetches moved
-    ((receiver, block, chunks) -> new parent; None: dropped) and the holders' blocks to list as held. Adds the
-    nodes whose parts change to ``changed``."""
+            changed: set[str], leaves: Collection[str] = ()) -> tuple[dict[tuple[str, int, Chunks], str | None],
+                                                                      dict[str, set[int]]]:
+    """New parents for the ``orphans`` (receiver, fetch), as :func:`repair_deaths` places them, never one of
+    ``leaves`` (stragglers): the fetches moved ((receiver, block, chunks) -> new parent; None: dropped) and the
+    holders' blocks to list as held. Adds the nodes whose parts change to ``changed``."""
     source_set = set(sources)
     wanted = {a.block for rx, a in orphans if a.block not in held.get(rx, ())}  # the others are dropped
     candidates: dict[int, list[str]] = {b: [] for b in wanted}
     for node, blocks in held.items():
-        if node not in source_set and node not in dead:
+        if node not in source_set and node not in dead and node not in leaves:
             for block in wanted.intersection(blocks):
                 candidates[block].append(node)
     children = _children_of(plan, dead, candidates, parts)  # per (candidate, unit)
@@ -240,7 +241,7 @@ def _rehome(plan: Plan, orphans: Sequence[tuple[str, Fetch[str]]], *, dead: set[
 
 def reroute(plan: Plan, *, child: str, peer: str, block: int, held: Mapping[str, Collection[int]],
             labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
-            parts: Mapping[str, Part] | None = None) -> tuple[Plan, set[str]]:
+            parts: Mapping[str, Part] | None = None, leaves: Collection[str] = ()) -> tuple[Plan, set[str]]:
     """``plan`` after ``child`` reported ``peer``, a receiver of the plan, bad for ``block`` (it served data that
     failed verification, or failed): changed only where it must be; with the nodes whose parts changed.
 
@@ -250,7 +251,8 @@ def reroute(plan: Plan, *, child: str, peer: str, block: int, held: Mapping[str,
     holder) fetches it again, last, in the child's units, likewise from a holder or a source, and all its
     children for the block move so (they would wait on that last fetch). Every other fetch stays: a peer
     that still fetches the block keeps relaying it to its other children. Holders and sources never wait,
-    so no cycle can form. ``parts`` (the plan's) spares a pass over the plan; the result is the same.
+    so no cycle can form. ``parts`` (the plan's) spares a pass over the plan; the result is the same. No fetch
+    moves to one of ``leaves`` (demoted stragglers).
     """
     if peer not in plan.assignments:
         raise PlanError(f"reroute: {peer!r} is no receiver of the plan")
@@ -269,7 +271,7 @@ def reroute(plan: Plan, *, child: str, peer: str, block: int, held: Mapping[str,
     orphans += [(peer, Fetch(block, peer, a.chunks)) for a in mine] if refetch else []
     changed = {peer}
     moved, serving = _rehome(plan, orphans, dead=set(), held=held, sources=plan.sources, labels=labels,
-                             fanout=fanout, parts=parts, changed=changed)
+                             fanout=fanout, parts=parts, changed=changed, leaves=leaves)
     new, changed = _without(plan, set(), moved, serving, changed, plan.sources)
     assignments, kept = new.assignments, dict(new.held)
     if refetch:

@@ -242,6 +242,32 @@ async def test_a_standby_whose_state_loads_slowly_renews_its_lease_before_it_lea
         await replica.stop(grace_s=0)
 
 
+class LedMeanwhile(SlowLoad):
+    """A load during which another replica takes the lease (and may write), and its lease lapses again."""
+
+    def load(self, state: ControlState, now: float, *, lease_grace_s: float = 0.0) -> None:
+        other = SqliteStore(self.where)
+        try:
+            assert other.acquire_or_renew("other", "10.9.9.9:7000", LEASE_S, clock=lambda: self.now[0] + LEASE_S)
+        finally:
+            other.close()
+        self.now[0] += 3 * LEASE_S  # its lease lapses too: the replica that loaded takes it again
+        super().load(state, now, lease_grace_s=lease_grace_s)
+
+
+async def test_a_standby_that_another_replica_led_during_its_load_does_not_lead_on_that_state(tmp_path, monkeypatch):
+    now = [1000.0]
+    store = LedMeanwhile(tmp_path / "cp.sqlite3", now)
+    monkeypatch.setattr("control_plane.server.open_store", lambda target: store)
+    replica = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), clock=lambda: now[0])
+    try:
+        await replica.start()
+        assert not replica.leading
+        assert replica.deposed_reason == f"control plane {replica.holder} lost its lease while loading the state"
+    finally:
+        await replica.stop(grace_s=0)
+
+
 async def test_a_stuck_renewal_is_written_for_a_lease_from_when_it_ran(tmp_path, stuck):
     now = [1000.0]
     leader = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), clock=lambda: now[0])

@@ -976,3 +976,17 @@ async def test_list_workers_shows_a_worker_as_it_registered_last(client):
     assert [list(h.blocks) for h in more.held] == [[0, 1, 2]]
     await client.deregister("w1")
     assert await client.list_workers() == []
+
+
+async def test_a_bad_peer_report_refused_for_an_unregistered_worker_makes_the_session_register_again():
+    """After a control plane restart a worker's report is refused until it registers again: a refused bad-peer
+    report now says so to the session too (before, nothing did until the next heartbeat)."""
+    class Refusing:
+        async def report_bad_peer(self, *args):
+            raise UnknownWorker.restored("w1")
+
+    session = WorkerSession(Refusing(), spec("w1"), holdings=dict)
+    session.registered.set()
+    with pytest.raises(UnknownWorker):
+        await session.report_bad_peer("w2", PKG, 0, "connection reset")
+    assert not session.registered.is_set()

@@ -447,3 +447,15 @@ def test_dropping_held_blocks_from_a_new_plan_is_what_a_replan_makes_of_it(strat
     again = replan(plan, dead=(), held=held, sources=sources)
     assert new.assignments == again.assignments
     assert all(set(blocks) <= set(new.held.get(node, ())) for node, blocks in again.held.items())
+
+
+def test_a_reroute_never_gives_the_child_a_demoted_straggler_as_its_parent():
+    """Found in review: a bad peer's child went to any holder of the block, a straggler demoted earlier
+    included, and then received at its rate (the repairs already kept stragglers leaves)."""
+    plan = Plan("chain", ("s",), {"p": [Fetch(0, "s"), Fetch(1, "s")], "c": [Fetch(0, "p"), Fetch(1, "p")],
+                                  "x": [Fetch(1, "s")]}, {"x": (0,)})
+    held = {"p": {0}, "x": {0}}
+    assert reroute(plan, child="c", peer="p", block=0, held=held)[0].assignments["c"][0] == Fetch(0, "x")
+    new, _ = reroute(plan, child="c", peer="p", block=0, held=held, leaves={"x"})
+    assert new.assignments["c"] == [Fetch(0, "s"), Fetch(1, "p")]
+    new.validate()
