@@ -202,6 +202,12 @@ def retry_after_seconds(value: str | None) -> float:
     return seconds if seconds >= 0 else RETRY_AFTER_S
 
 
+def _was_ready(unit: object, arrival: float) -> bool:
+    """Whether ``unit`` (a worker; a pipeline never is) was ready when a request arrived at ``arrival``."""
+    since = getattr(unit, "ready_since", None)
+    return since is not None and since <= arrival
+
+
 def _serving_key_refusal(answer: bytes) -> str | None:
     """The message of a serving worker's refusal of the router's serving key (a 401 with its code), else None:
     a worker's other 401s (a vLLM worker's API key, with forward_auth) are the client's to read."""
@@ -478,7 +484,7 @@ class Router:
             if upstream.status == 401 and (refused := _serving_key_refusal(answer)):
                 raise WorkerFailedError(worker.url, f"refused the router's credentials: {refused}")
             if upstream.status == 200:
-                self.signals.answer_started(arrival, version)
+                self.signals.answer_started(arrival, version, warm=_was_ready(worker, arrival))
                 self.signals.answered(version, answer_tokens(answer) if version else 0)
             elif upstream.status >= 500:
                 self.metrics.failed.labels(worker.url, "error_status").inc()
@@ -541,7 +547,8 @@ class Router:
                 events = bytes(pending[:end])
                 refused, done = refused or has_error_event(events), ends_done(events)
                 if first and not events.startswith(ERROR_EVENT):  # the worker's error first is no first token
-                    self.metrics.ttft.observe(self.signals.answer_started(arrival, version))
+                    self.metrics.ttft.observe(self.signals.answer_started(arrival, version,
+                                                                          warm=_was_ready(worker, arrival)))
                 first = False
                 if version is not None:  # per-version tokens/s: only routed requests pay for decoding events
                     tokens += stream_tokens(events)

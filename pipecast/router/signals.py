@@ -214,12 +214,15 @@ class Signals:
         else:
             counts.rejected += 1
 
-    def answer_started(self, arrival: float, version: str | None = None) -> float:
+    def answer_started(self, arrival: float, version: str | None = None, *, warm: bool = True) -> float:
         """The first event of an answer (or a whole non-streaming one) left for the client now; record and
-        return the TTFT of the request that arrived at clock time ``arrival``."""
+        return the TTFT of the request that arrived at clock time ``arrival``. ``warm``: the worker that
+        answered was ready when the request arrived; a request that waited for a cold start counts in the
+        router's window only, not its version's (the canary gate compares versions' serving, not a new
+        version's first load)."""
         now = self.clock()
         self.ttft.add(now, now - arrival)
-        if of := self._version(version):
+        if warm and (of := self._version(version)):
             of[1].add(now, now - arrival)
         return now - arrival
 

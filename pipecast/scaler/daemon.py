@@ -248,6 +248,9 @@ class Scaler:
             log.warning("scaler %s: %s made but not stored: %s", package_id[:12], decision.action, exc)
             if decision.add:
                 tracked.last_scale_up = now
+                # Its reply is lost: the released workers it took back (placement takes them first) would count
+                # as free, not as replicas, and be added again.
+                tracked.released.clear()
             else:
                 tracked.released.update({node: now for node in decision.release})
             return

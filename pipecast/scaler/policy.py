@@ -349,10 +349,21 @@ def _no_signals(pool: Pool, policy: ScalingPolicy) -> Decision:
 
 
 def signals_span(history: Sequence[Signals]) -> float:
-    """Seconds of signals without a gap up to the last poll: since the history's first poll, or the last one
-    that no router answered (the daemon appends one for a tick that failed)."""
-    start = next((i + 1 for i in range(len(history) - 1, -1, -1) if history[i].routers_answered == 0), 0)
-    return history[-1].at - history[min(start, len(history) - 1)].at
+    """Seconds of signals without a gap up to the last answered poll: since the history's first answered poll,
+    or the first after a gap, polls no router answered (the daemon appends one for a tick that failed) over more
+    than :data:`STALE_S` since the last answered one. A missed poll or two is no gap: the counters are
+    cumulative, so a rate taken across them counts every arrival (a gap at every missed poll held idle replicas
+    for good where polls failed now and then)."""
+    start = last = None
+    silent = False
+    for signals in history:
+        if signals.routers_answered == 0:
+            silent = True
+            continue
+        if last is None or (silent and signals.at - last > STALE_S):
+            start = signals.at
+        last, silent = signals.at, False
+    return 0.0 if last is None else last - start
 
 
 def _scale_down(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy, warm: int, desired: int, why: str,

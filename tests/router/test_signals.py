@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 
 from pipecast.router.discovery import DiscoveredPipeline
-from pipecast.router.pool import Dispatcher, WorkerPool
+from pipecast.router.app import _was_ready
+from pipecast.router.pool import Dispatcher, Worker, WorkerPool
 from pipecast.router.signals import MAX_TENANTS, OTHER_TENANTS, Signals, TtftWindow, percentile, prompt_tokens
 from pipecast.serve.health import WorkerHealth
 
@@ -188,6 +189,27 @@ async def test_the_snapshot_pins_the_stats_contract():
     assert stats["tenants"] == {"default": {"arrived": 2, "admitted": 1, "rejected": 0, "queued": 0}}
     assert (stats["queue_depth"], stats["in_flight"]) == (0, 1)
     dispatcher.release(worker)
+
+
+def test_a_request_that_waited_for_a_cold_start_counts_in_the_routers_ttft_not_its_versions():
+    """Found in review: samples are stamped when the first token leaves, so a canary's cold-start backlog,
+    answered just after it turned ready, filled its window however long it had been ready: the gate rolled it
+    back for its first load."""
+    clock = FakeClock(1000.0)
+    signals = Signals(clock)
+    signals.arrived("default", 3, version="pkg-b")
+    clock.now = 1030.0
+    signals.answer_started(1001.0, version="pkg-b", warm=False)  # arrived before its worker was ready
+    signals.answer_started(1029.5, version="pkg-b")
+    stats = signals.snapshot(0, 0, [], ready_since={"pkg-b": 1020.0})
+    assert stats["ttft"]["count"] == 2 and stats["versions"]["pkg-b"]["ttft"]["count"] == 1
+    assert stats["versions"]["pkg-b"]["ttft"]["p99"] == 0.5
+
+
+def test_a_worker_was_ready_for_a_request_only_if_ready_when_it_arrived():
+    ready = Worker(url=A, node_id="node-a", ready_since=1020.0)
+    assert _was_ready(ready, 1020.0) and _was_ready(ready, 1025.0) and not _was_ready(ready, 1019.9)
+    assert not _was_ready(Worker(url=A, node_id="node-a"), 1025.0)  # not ready (a pipeline has no ready_since at all)
 
 
 def test_each_router_process_answers_an_instance_id_of_its_own():

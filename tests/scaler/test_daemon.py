@@ -176,11 +176,15 @@ async def test_a_scale_up_made_but_not_stored_is_no_refusal_and_starts_the_coold
     """The database refused to store it, the control plane made it all the same (agents told): recorded as
     refused, it was asked again the next tick."""
     async with stub_router(stats(queue=9, arrived=9)) as (url, _):
-        client = RecordingClient([worker("w1"), worker("w2"), worker("w3")], (url,))
+        released = ScaleEvent(at=time.time() - 1.0, package_id=PKG, action="release", count=1, node_ids=("w3",),
+                              seq=1)
+        client = RecordingClient([worker("w1"), worker("w2"), worker("w3", held=BLOCKS)], (url,), [released])
         client.refuse = ChangeNotStored("the change was made but not stored yet (disk I/O error)")
-        async with Scaler(client, ScalerConfig()) as scaler:
+        async with Scaler(client, ScalerConfig(source_keep_s=300.0)) as scaler:
             [(_, decision)] = await scaler.tick()
             assert decision.add >= 1
+            # Its reply lost, the released w3 it took back first counts as a replica, not as free.
+            assert scaler.tracked[PKG].released == {}
             client.refuse = None
             await scaler.tick()
     assert [c for c in client.calls if c[0] == "scale_up"] == [("scale_up", decision.add, "")]  # once, in cooldown

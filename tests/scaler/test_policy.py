@@ -7,7 +7,8 @@ import pytest
 
 from control_plane.deployments import ScalingPolicy
 from pipecast.scaler.policy import (
-    Decision, Pool, Replica, Signals, arrival_rate, baseline_demand, cold_start_demand, cold_start_of, decide)
+    STALE_S, Decision, Pool, Replica, Signals, arrival_rate, baseline_demand, cold_start_demand, cold_start_of,
+    decide)
 
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=8, slo_ttft_p99_s=2.0, warm=0, keep_alive_s=10.0,
                        scale_up_cooldown_s=5.0, scale_down_cooldown_s=20.0, replica_rps=1.0, replica_concurrency=4)
@@ -166,8 +167,12 @@ def test_a_restarted_daemon_releases_nothing_until_its_signals_span_the_keep_ali
     assert first.action == "hold" and "not releasing on 0 s of signals, less than the 60 s" in first.reason
     sim.run([4] * 100)
     assert len(sim.replicas) == 5 and sim.decisions == []
-    # A gap (a poll no router answered: silent routers, a failed tick) starts the span again.
+    # A missed poll is no gap (the counters are cumulative); polls no router answered (silent routers, failed
+    # ticks) over more than STALE_S are one, and start the span again.
     sim.step(4, routers_answered=0)
+    assert "not releasing on" not in sim.step(4).reason
+    for _ in range(int(STALE_S) + 1):
+        sim.step(4, routers_answered=0)
     assert "not releasing on 0 s of signals" in sim.step(4).reason
     # Idle for good: released once a keep-alive of signals shows it.
     sim.run([0] * 200)
