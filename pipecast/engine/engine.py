@@ -281,6 +281,8 @@ def token_ids(ids: Any) -> list[int]:
         items = list(ids)
     except TypeError:
         raise InvalidRequestError(f"token ids must be a sequence of integers, got {type(ids).__name__}") from None
+    if all(type(t) is int for t in items):  # the common case, checked ~10x faster (a long prompt, on the loop)
+        return items
     for position, t in enumerate(items):
         if isinstance(t, bool) or not (isinstance(t, numbers.Integral) or _integer_scalar(t)):
             raise InvalidRequestError(f"token ids must be integers, got {describe(t)} ({type(t).__name__}) "

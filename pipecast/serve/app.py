@@ -69,6 +69,7 @@ from pipecast.serve.pipeline import (
     encode_frame,
     parse_route,
     stage_body_limit,
+    tensor_bytes,
 )
 from pipecast.serve.worker import Generation, ServingWorker
 
@@ -228,16 +229,21 @@ async def _read_stage_frame(request: web.Request, worker: ServingWorker, receive
     except asyncio.IncompleteReadError as exc:
         raise PipelineProtocolError(f"a frame of {len(prefix) + len(exc.partial)} bytes is shorter than its "
                                     f"header says") from None
-    call = StageCall.from_header(decode_frame_header(prefix[4:]))
+    header = decode_frame_header(prefix[4:])
+    call = StageCall.from_header(header)
+    # The frame's own size, from its tensor's dtype and shape: no more is read, whatever the model allows.
+    size = len(prefix) + (tensor_bytes(header["tensor"]) if "tensor" in header else 0)
     runner = await worker.wait_stage_runner(received + call.deadline_s - time.monotonic())
     limit = stage_body_limit(runner.model.config, floor)
-    if declared is not None and declared > limit:
-        raise BodyTooLargeError(limit, declared)
+    if size > limit or (declared is not None and declared > limit):
+        raise BodyTooLargeError(limit, max(size, declared or 0))
+    if declared is not None and declared != size:
+        raise PipelineProtocolError(f"a frame of {size} bytes by its header came in a body of {declared}")
     body = bytearray(prefix)
     async for chunk in request.content.iter_any():
         body += chunk
-        if len(body) > limit:
-            raise BodyTooLargeError(limit)
+        if len(body) > size:
+            raise PipelineProtocolError(f"more than the {size} bytes its header says follow a frame's header")
     return bytes(body)
 
 

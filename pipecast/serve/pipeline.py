@@ -73,7 +73,8 @@ MAX_LAYER_WAITS = 64
 #: Largest answer a stage call reads: a token and its header, or a last position's final norm (a float32 row
 #: of a hidden size up to 64 Ki is 256 KiB).
 MAX_ANSWER_BYTES = 1 << 20
-_DTYPES = ("float32", "bfloat16", "float16")
+_ITEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the dtypes a frame's tensor may have
+_DTYPES = tuple(_ITEM_BYTES)
 #: A frame's tensor (hidden states: batch, positions, width) has at most this many sizes, each at most
 #: MAX_FRAME_DIM: a shape torch cannot allocate (a size past int64, or an empty tensor whose sizes multiply
 #: past it) is refused by name, not raised from torch.
@@ -158,6 +159,20 @@ def decode_frame_header(head: bytes) -> dict:
     return header
 
 
+def tensor_bytes(meta: object) -> int:
+    """The bytes after a frame's header that its tensor ``meta`` (the header's ``tensor``: dtype and shape)
+    takes; :class:`PipelineProtocolError` unless it names a dtype of :data:`_DTYPES` and a bounded shape."""
+    dtype, shape = (meta.get("dtype"), meta.get("shape")) if isinstance(meta, dict) else (None, None)
+    if (dtype not in _DTYPES or not isinstance(shape, list) or len(shape) > MAX_FRAME_DIMS
+            or not all(type(n) is int and 0 <= n <= MAX_FRAME_DIM for n in shape)):
+        raise PipelineProtocolError(f"the frame's tensor must name a dtype of {', '.join(_DTYPES)} and a shape of "
+                                    f"at most {MAX_FRAME_DIMS} sizes from 0 to {MAX_FRAME_DIM}, got {str(meta)[:120]}")
+    count = 1
+    for n in shape:
+        count *= n
+    return count * _ITEM_BYTES[dtype]
+
+
 def decode_frame(body: bytes) -> tuple[dict, "torch.Tensor | None"]:
     """The header and tensor of a frame; :class:`PipelineProtocolError` names what is malformed."""
     if len(body) < 4 or len(body) < 4 + int.from_bytes(body[:4], "big"):
@@ -171,20 +186,13 @@ def decode_frame(body: bytes) -> tuple[dict, "torch.Tensor | None"]:
         return header, None
     import torch
 
-    dtype, shape = (meta.get("dtype"), meta.get("shape")) if isinstance(meta, dict) else (None, None)
-    if (dtype not in _DTYPES or not isinstance(shape, list) or len(shape) > MAX_FRAME_DIMS
-            or not all(type(n) is int and 0 <= n <= MAX_FRAME_DIM for n in shape)):
-        raise PipelineProtocolError(f"the frame's tensor must name a dtype of {', '.join(_DTYPES)} and a shape of "
-                                    f"at most {MAX_FRAME_DIMS} sizes from 0 to {MAX_FRAME_DIM}, got {str(meta)[:120]}")
+    expected = tensor_bytes(meta)
+    dtype, shape = meta["dtype"], meta["shape"]
     torch_dtype = getattr(torch, dtype)
-    count = 1
-    for n in shape:
-        count *= n
-    expected = count * torch_dtype.itemsize
     if len(body) - end != expected:
         raise PipelineProtocolError(f"the frame's tensor {dtype}{shape} needs {expected} bytes, "
                                     f"{len(body) - end} follow the header")
-    if count == 0:
+    if expected == 0:
         return header, torch.empty(shape, dtype=torch_dtype)
     flat = torch.frombuffer(bytearray(memoryview(body)[end:]), dtype=torch.uint8)  # one (writable) copy
     return header, flat.view(torch_dtype).reshape(shape)

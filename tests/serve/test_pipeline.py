@@ -376,10 +376,18 @@ async def test_a_prompt_whose_hidden_states_pass_the_body_limit_runs_through_the
         status, _ = await stage_call(b, chunks(encode_frame(header, torch.zeros(1, 40, 64))))
         assert status == 200
         over = encode_frame({**header, "session": "over"}, torch.zeros(1, 400, 64))
-        for data, size in ((over, f"of {len(over)} bytes "), (chunks(over), "")):
+        for data in (over, chunks(over)):  # its size from its header, with or without a Content-Length
             status, answer = await stage_call(b, data)
             assert (status, json.loads(answer)["error"]["message"]) == \
-                (413, f"the request body {size}is over this server's limit of {limit} bytes")
+                (413, f"the request body of {len(over)} bytes is over this server's limit of {limit} bytes")
+        # A header naming a small tensor bounds what is read: a longer body is refused, however large the limit.
+        padded = encode_frame({**header, "session": "padded"}, torch.zeros(1, 4, 64)) + b"\0" * 4096
+        for data, message in ((padded, f"a frame of {len(padded) - 4096} bytes by its header came in a body of "
+                                       f"{len(padded)}"),
+                              (chunks(padded), f"more than the {len(padded) - 4096} bytes its header says follow a "
+                                               "frame's header")):
+            status, answer = await stage_call(b, data)
+            assert (status, json.loads(answer)["error"]["message"]) == (400, message)
         for data, message in ((b"\x00\x10\x00\x00" + b"{" * 5000, "a frame's header of 1048576 bytes is over a "
                                                                   f"stage call's {STAGE_HEADER_BYTES}"),
                               (b"\x00\x00\x10\x00{", "a frame of 5 bytes is shorter than its header says")):
