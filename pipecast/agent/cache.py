@@ -15,14 +15,13 @@ memory, and the agent goes on. Temporary files left by a crash mid-write are rem
 """
 
 import logging
-import os
 import threading
 from pathlib import Path
 
 from packager.errors import PackageError
 from packager.manifest import MANIFEST_FILE, manifest_to_json, read_manifest
 from pipecast.agent.local_package import LocalPackageFolder
-from pipecast.core.fsutil import TEMPORARY_MARK, atomic_write, sweep_stale_temporaries
+from pipecast.core.fsutil import atomic_write, sweep_stale_temporaries
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
@@ -84,7 +83,8 @@ class BlockCache:
             return True
         what = f"the manifest of {manifest.package_id[:12]}"
         try:
-            _write_durably(self.package_dir(manifest.package_id) / MANIFEST_FILE, manifest_to_json(manifest).encode())
+            atomic_write(self.package_dir(manifest.package_id) / MANIFEST_FILE, manifest_to_json(manifest).encode(),
+                         durable=True)
         except OSError as exc:
             return self._failed(what, exc)
         return True
@@ -117,24 +117,3 @@ class BlockCache:
                     what, exc.strerror or exc, count)
         return False
 
-
-def _write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file that is fsynced before its rename, then fsync the
-    folder: after a crash, even of the host, ``path`` holds either its old bytes or all of ``data``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Named as atomic_write names its temporaries (one per thread here), so a crash's leftover is swept alike.
-    tmp = path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}.{threading.get_ident()}")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(folder)  # the rename itself
-    finally:
-        os.close(folder)

@@ -27,18 +27,29 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def atomic_write(path: Path, data: bytes | memoryview) -> None:
+def atomic_write(path: Path, data: bytes | memoryview, *, durable: bool = False) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder and a rename, so a crash never
-    leaves a half file under ``path`` (no fsync: durability is not promised)."""
+    leaves a half file under ``path``. ``durable``: the temporary file is fsynced before the rename and the
+    folder after it, so that after a crash of the host too ``path`` holds its old bytes or all of ``data``
+    (without it durability is not promised)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}.{next(_WRITES)}")
     try:
         with tmp.open("wb") as f:
             f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if durable:
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(folder)  # the rename itself
+        finally:
+            os.close(folder)
 
 
 def sweep_stale_temporaries(root: Path) -> int:

@@ -119,7 +119,7 @@ def test_stale_temporary_files_are_swept_when_the_cache_opens(package, tmp_path)
 
 @pytest.mark.parametrize("found", ["torn", "invalid", "foreign"])
 def test_a_manifest_that_is_not_this_packages_valid_one_is_written_again(package, tmp_path, found):
-    """Review E, finding 3: a manifest.json already there kept the write from happening, whatever it held: a
+    """Found in review: a manifest.json already there kept the write from happening, whatever it held: a
     zero-length one (a host crash before the rename's data reached the disk), an invalid one, or another
     package's left the cache folder useless for good."""
     root, manifest = package
@@ -139,7 +139,7 @@ def test_a_manifest_that_is_not_this_packages_valid_one_is_written_again(package
 
 
 def test_the_manifest_reaches_the_disk_before_its_rename(package, tmp_path, monkeypatch):
-    """Review E, finding 3: without an fsync before the rename a host crash could leave manifest.json empty."""
+    """Found in review: without an fsync before the rename a host crash could leave manifest.json empty."""
     _, manifest = package
     done = []
     real_fsync, real_replace = os.fsync, os.replace

@@ -228,11 +228,15 @@ class SlowLoad(SqliteStore):
         super().load(state, now, lease_grace_s=lease_grace_s)
 
 
+def replica_on(store: SlowLoad, monkeypatch) -> ControlPlaneServer:
+    """A replica campaigning on ``store`` (its clock the store's ``now``)."""
+    monkeypatch.setattr("control_plane.server.open_store", lambda target: store)
+    return ControlPlaneServer(config(store.where, lease_s=LEASE_S), clock=lambda: store.now[0])
+
+
 async def test_a_standby_whose_state_loads_slowly_renews_its_lease_before_it_leads(tmp_path, monkeypatch):
     now = [1000.0]
-    store = SlowLoad(tmp_path / "cp.sqlite3", now)
-    monkeypatch.setattr("control_plane.server.open_store", lambda target: store)
-    replica = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), clock=lambda: now[0])
+    replica = replica_on(SlowLoad(tmp_path / "cp.sqlite3", now), monkeypatch)
     await replica.start()
     try:
         assert replica.leading and replica._lease == Lease(replica.holder, replica.advertise, 1, now[0] + LEASE_S)
@@ -256,10 +260,7 @@ class LedMeanwhile(SlowLoad):
 
 
 async def test_a_standby_that_another_replica_led_during_its_load_does_not_lead_on_that_state(tmp_path, monkeypatch):
-    now = [1000.0]
-    store = LedMeanwhile(tmp_path / "cp.sqlite3", now)
-    monkeypatch.setattr("control_plane.server.open_store", lambda target: store)
-    replica = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), clock=lambda: now[0])
+    replica = replica_on(LedMeanwhile(tmp_path / "cp.sqlite3", [1000.0]), monkeypatch)
     try:
         await replica.start()
         assert not replica.leading
