@@ -231,10 +231,12 @@ class ControlPlaneClient:
         """A long-lived report stream (cheaper per report than :meth:`report_blocks`); see ReportStream."""
         return ReportStream(self, self._stub.StreamReports(metadata=self._metadata))
 
-    async def report_bad_peer(self, node_id: str, peer_id: str, package_id: str, block: int, reason: str) -> bool:
-        """Report a parent that served bad data or failed; True if a plan was repaired without it."""
+    async def report_bad_peer(self, node_id: str, peer_id: str, package_id: str, block: int, reason: str, *,
+                              gone: bool = False) -> bool:
+        """Report a parent that served bad data or failed (``gone``: nothing listens where it was); True if a
+        plan was repaired without it."""
         request = pb.ReportBadPeerRequest(node_id=node_id, peer_id=peer_id, package_id=package_id, block=block,
-                                          reason=reason)
+                                          reason=reason, gone=gone)
         return (await self._call("ReportBadPeer", request)).replanned
 
     async def availability(self, package_id: str) -> Availability:

@@ -434,7 +434,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                             context: grpc.aio.ServicerContext) -> pb.ReportBadPeerResponse:
         self.act_for(request.node_id)
         replanned = self.state.report_bad_peer(request.node_id, request.peer_id, request.package_id, request.block,
-                                               request.reason, self.clock())
+                                               request.reason, self.clock(), gone=request.gone)
         return pb.ReportBadPeerResponse(replanned=replanned)
 
     @_rpc

@@ -456,12 +456,16 @@ class ControlState:
         self.replan_count += 1
         self._install(active, plan)
 
-    def report_bad_peer(self, node: str, peer: str, package_id: str, block: int, reason: str, now: float) -> bool:
+    def report_bad_peer(self, node: str, peer: str, package_id: str, block: int, reason: str, now: float, *,
+                        gone: bool = False) -> bool:
         """A child says ``peer`` served it bad data (or failed) for ``block``: the peer loses that block's
         availability, and in every plan of the package where it is the child's parent for the block (for any
         unit of it) the child fetches the block from elsewhere. A peer still receiving the plan stays in it and
         fetches what it lacks now (:func:`~control_plane.planner.replan.reroute`); one that is not (a source, a
-        holder, a receiver done) leaves it, as a dead node would. Returns whether any plan was re-planned."""
+        holder, a receiver done) leaves it, as a dead node would. A peer ``gone`` (its host refused the
+        connection: nothing listens there) loses all its availability of the package and leaves those plans as
+        a dead node does, its children taking its slots, not at its lease's end. Returns whether any plan was
+        re-planned."""
         worker = self.registered_worker(node)
         self._check_blocks(node, self.package(package_id), [block])
         worker.lease_expires = now + self.lease_s
@@ -472,11 +476,13 @@ class ControlState:
             log.warning("bad-peer report ignored node=%s peer=%s package=%s block=%d: not its parent for "
                         "that block in any active plan", node, peer, package_id, block)
             return False
-        log.warning("bad peer node=%s peer=%s package=%s block=%d reason=%s", node, peer, package_id, block, reason)
-        if self.availability[package_id].remove(peer, [block]):
+        log.warning("bad peer node=%s peer=%s package=%s block=%d gone=%s reason=%s", node, peer, package_id, block,
+                    gone, reason)
+        availability = self.availability[package_id]
+        if availability.remove_worker(peer) if gone else availability.remove(peer, [block]):
             self.dirty.availability.add((package_id, peer))
-        return any([self._reroute(active, node, peer, block) if peer in active.pending else self._repair(active, {peer})
-                    for active in plans])
+        return any([self._reroute(active, node, peer, block) if peer in active.pending and not gone
+                    else self._repair(active, {peer}) for active in plans])
 
     def _reroute(self, active: ActivePlan, child: str, peer: str, block: int) -> bool:
         """Move ``child``'s fetches of ``block`` off ``peer``, a receiver of ``active`` that keeps receiving."""

@@ -115,10 +115,12 @@ class WorkerSession:
         self._progress[package_id] = bytes_present
         self._report_wake.set()
 
-    async def report_bad_peer(self, peer_id: str, package_id: str, block: int, reason: str) -> bool:
-        """Report a parent that served bad data or failed; True if the control plane gave new parents."""
+    async def report_bad_peer(self, peer_id: str, package_id: str, block: int, reason: str, *,
+                              gone: bool = False) -> bool:
+        """Report a parent that served bad data or failed (``gone``: nothing listens where it was); True if the
+        control plane gave new parents."""
         try:
-            return await self.client.report_bad_peer(self.node_id, peer_id, package_id, block, reason)
+            return await self.client.report_bad_peer(self.node_id, peer_id, package_id, block, reason, gone=gone)
         except UnknownWorker:
             self._need_registration()  # e.g. a control plane restarted since: register before the next report
             raise

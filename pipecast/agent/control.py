@@ -38,6 +38,7 @@ from pipecast.agent.errors import (
     CorruptFileError,
     FetchFailedError,
     LocalResourceError,
+    PeerNotListeningError,
 )
 from pipecast.agent.events import EventLog
 from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, PeerFailureCallback
@@ -355,7 +356,8 @@ class PackageFollower:
                 continue
             error = self._errors.get(peer)
             reason = f"{type(error).__name__}: {error}" if error is not None else "gave up on it"
-            replanned |= await self._session.report_bad_peer(peer.node_id, self.package_id, block, reason)
+            replanned |= await self._session.report_bad_peer(peer.node_id, self.package_id, block, reason,
+                                                             gone=isinstance(error, PeerNotListeningError))
             log.info("package %s: reported parent %s (block %d): %s", self.package_id[:12], peer, block, reason)
         return replanned
 

@@ -20,6 +20,12 @@ class PeerConnectError(PeerError):
     or the TLS handshake with it failed)."""
 
 
+class PeerNotListeningError(PeerConnectError):
+    """The peer's host refused the connection: nothing listens at its data-plane address (its agent is not
+    running there). A fetch gives up on such a peer at once instead of retrying it, so that its children are
+    re-planned in a round trip rather than after the retries' backoff."""
+
+
 class PeerTimeoutError(PeerError):
     """The peer stayed silent longer than the I/O timeout in the middle of a transfer."""
 

@@ -4,9 +4,10 @@ Assignments are fetched in the plan's order with a bounded number in flight. Eac
 block, or a range of its chunks (:attr:`Fetch.chunks`), so that a block can come in parts from several
 parents; it is verified once its last chunk is here, whichever unit brought it. A failed fetch resumes
 from the first chunk of its unit still missing. A parent that fails is retried a bounded number of times
-with backoff, except one that sent a corrupt chunk (never retried); then the fetch falls back to the
-given fallback peers (the sources of a static plan), or fails with a typed error naming every peer tried
-so that a control plane can re-parent. A peer given up on is not asked for later units either.
+with backoff (the first retry after a closed connection at once), except one that sent a corrupt chunk or
+where nothing listens (never retried); then the fetch falls back to the given fallback peers (the sources
+of a static plan), or fails with a typed error naming every peer tried so that a control plane can
+re-parent. A peer given up on is not asked for later units either.
 
 Small files (tokenizer, config) are fetched in ranges that each hop serves as soon as it has them, so a
 chain forwards them like blocks instead of each hop waiting for its parent's whole copy.
@@ -35,7 +36,9 @@ from pipecast.agent.errors import (
     CorruptFileError,
     FetchFailedError,
     LocalResourceError,
+    PeerClosedError,
     PeerError,
+    PeerNotListeningError,
     PeerProtocolError,
 )
 from pipecast.agent.ratelimit import format_rate
@@ -366,8 +369,11 @@ class Fetcher:
                 continue
             if n:
                 log.warning("%s: parent %s failed; falling back to source %s", what, parent, peer)
+            error: PeerError | None = None
             for attempt in range(1 + self.policy.retries):
-                if attempt:
+                # After a connection the peer closed, the first retry goes at once: a live peer answers it, a
+                # dead one's host refuses it (given up on below) in a round trip, not after the backoff.
+                if attempt and not (attempt == 1 and isinstance(error, PeerClosedError)):
                     await asyncio.sleep(self.policy.backoff_s * 2 ** (attempt - 1))
                 try:
                     await self._fetch_from(fetch, peer, what)
@@ -387,8 +393,8 @@ class Fetcher:
                 log.warning("%s: %s", what, error)
                 if self.on_peer_failure:
                     self.on_peer_failure(what, peer, error)
-                if isinstance(error, CorruptChunkError):
-                    break  # a peer that sent bad bytes is not asked again
+                if isinstance(error, (CorruptChunkError, PeerNotListeningError)):
+                    break  # a peer that sent bad bytes, or where nothing listens, is not asked again
             # Given up on this peer: later units go straight to the next one instead of waiting again.
             self.failed_peers.add(peer)
         given_up = tuple(str(p) for p in peers if p in self.failed_peers and str(p) not in dict(attempts))

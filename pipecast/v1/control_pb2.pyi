@@ -232,18 +232,20 @@ class ReportBlocksResponse(_message.Message):
     def __init__(self, unknown_packages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReportBadPeerRequest(_message.Message):
-    __slots__ = ("node_id", "peer_id", "package_id", "block", "reason")
+    __slots__ = ("node_id", "peer_id", "package_id", "block", "reason", "gone")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    GONE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     peer_id: str
     package_id: str
     block: int
     reason: str
-    def __init__(self, node_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., package_id: _Optional[str] = ..., block: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    gone: bool
+    def __init__(self, node_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., package_id: _Optional[str] = ..., block: _Optional[int] = ..., reason: _Optional[str] = ..., gone: _Optional[bool] = ...) -> None: ...
 
 class ReportBadPeerResponse(_message.Message):
     __slots__ = ("replanned",)

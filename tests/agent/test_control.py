@@ -2,6 +2,7 @@
 prove a peer itself sent corrupt data), and a package follower that never dies of what a peer sends."""
 
 import asyncio
+import socket
 import time
 
 import pytest
@@ -62,7 +63,7 @@ class FakeSession:
 
     def __init__(self) -> None:
         self.verified: list[int] = []
-        self.bad: list[tuple[str, int, str]] = []
+        self.bad: list[tuple[str, int, str, bool]] = []
         self.progress: list[int] = []
 
     def report_verified(self, package_id: str, blocks) -> None:
@@ -71,8 +72,9 @@ class FakeSession:
     def report_progress(self, package_id: str, bytes_present: int) -> None:
         self.progress.append(bytes_present)
 
-    async def report_bad_peer(self, peer_id: str, package_id: str, block: int, reason: str) -> bool:
-        self.bad.append((peer_id, block, reason))
+    async def report_bad_peer(self, peer_id: str, package_id: str, block: int, reason: str, *,
+                              gone: bool = False) -> bool:
+        self.bad.append((peer_id, block, reason, gone))
         return False  # no re-plan: the follower fetches around the peer after replan_wait_s
 
 
@@ -150,6 +152,28 @@ async def test_a_follower_whose_first_peer_sends_a_manifest_nested_100000_deep_g
         assert all(e["peer"] == "forger" for e in failed)
         cached = tmp_path / "cache" / manifest.package_id / MANIFEST_FILE
         assert cached.read_bytes() == (root / MANIFEST_FILE).read_bytes()
+    finally:
+        await follower.close()
+        await daemon.transport.close()
+        daemon.peer_server.stores[manifest.package_id].close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_parent_where_nothing_listens_is_reported_gone_so_that_it_leaves_the_plan(package, two_peers, tmp_path):
+    """A dead relay's child says so: the control plane then takes it out of the plan at once, as a dead node,
+    instead of moving one block at a time off a node it believes is still receiving."""
+    _, manifest = package
+    _, honest = two_peers
+    with socket.socket() as closed:  # a port nothing listens on: the host refuses connections to it
+        closed.bind(("127.0.0.1", 0))
+        gone = PeerInfo("gone", "127.0.0.1:%d" % closed.getsockname()[1])
+    daemon = _daemon(tmp_path)
+    fetch = (*(Fetch(b.index, honest) for b in manifest.blocks[:-1]), Fetch(manifest.blocks[-1].index, gone))
+    follower, session = await _follow_until_complete(daemon, fetch, (honest,), manifest.package_id)
+    try:
+        [(peer, block, reason, reported_gone)] = session.bad
+        assert (peer, block, reported_gone) == ("gone", manifest.blocks[-1].index, True)
+        assert reason.startswith("PeerNotListeningError: peer gone@127.0.0.1:")
     finally:
         await follower.close()
         await daemon.transport.close()

@@ -982,7 +982,7 @@ async def test_a_bad_peer_report_refused_for_an_unregistered_worker_makes_the_se
     """After a control plane restart a worker's report is refused until it registers again: a refused bad-peer
     report now says so to the session too (before, nothing did until the next heartbeat)."""
     class Refusing:
-        async def report_bad_peer(self, *args):
+        async def report_bad_peer(self, *args, **kwargs):
             raise UnknownWorker.restored("w1")
 
     session = WorkerSession(Refusing(), spec("w1"), holdings=dict)

@@ -531,6 +531,22 @@ def test_a_bad_peer_still_receiving_stays_in_its_plan_and_fetches_what_it_lacks(
     assert result.plan_id not in state.plans
 
 
+def test_a_bad_peer_gone_leaves_its_plan_at_once_and_its_child_takes_its_slot():
+    """Nothing listens where it was (its agent died mid-load): it leaves the plan as a dead node does, now,
+    not at its lease's end with its children moved one block at a time, and it is no holder of anything."""
+    state = cluster(4)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
+    active = state.plans[result.plan_id]
+    state.report("w1", {"pkg": [0]}, {}, now=1.5)
+    assert state.report_bad_peer("w2", "w1", "pkg", 1, "PeerNotListeningError: nothing listens there", now=2,
+                                 gone=True)
+    assert "w1" not in active.pending and "w1" not in active.parts
+    assert all(a.parent != "w1" for part in active.parts.values() for a in part.fetch)
+    assert {a.parent for a in active.parts["w2"].fetch} == {"w0"}  # its slot in the chain
+    assert state.availability["pkg"].held("w1") == frozenset()
+    assert_complete_plan(state, result.plan_id, {"w0", "w2", "w3"})
+
+
 def test_a_bad_peer_that_served_a_block_it_held_fetches_it_again_last():
     state = cluster(4)
     state.report("w1", {"pkg": [0]}, {}, now=0)

@@ -38,6 +38,7 @@ from pipecast.agent.errors import (
     PeerClosedError,
     PeerConnectError,
     PeerError,
+    PeerNotListeningError,
     PeerProtocolError,
     PeerRefusedError,
     PeerTimeoutError,
@@ -733,6 +734,9 @@ class TcpTransport(Transport):
             reason = os.strerror(exc.errno) if exc.errno else (str(exc) or type(exc).__name__)
             if exc.errno in LOCAL_CONNECT_ERRNOS:
                 raise LocalResourceError(f"cannot connect to {address}: {reason} on this node") from None
+            if exc.errno == errno.ECONNREFUSED:
+                raise PeerNotListeningError(peer, f"cannot connect to {address} ({reason}: nothing listens "
+                                                  "there)") from None
             raise PeerConnectError(peer, f"cannot connect to {address} ({reason})") from None
         except BaseException as exc:
             protocol.abort(exc if isinstance(exc, PeerError) else PeerClosedError(peer, "connection abandoned"))

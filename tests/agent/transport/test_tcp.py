@@ -26,6 +26,7 @@ from pipecast.agent.errors import (
     LocalResourceError,
     PeerClosedError,
     PeerConnectError,
+    PeerNotListeningError,
     PeerError,
     PeerProtocolError,
     PeerRefusedError,
@@ -155,7 +156,8 @@ async def test_refused_connection_and_unknown_package_are_typed(package):
     server, address = await raw_server(lambda r, w: None)
     server.close()
     await server.wait_closed()
-    with pytest.raises(PeerConnectError, match=rf"^peer gone: cannot connect to {address} \(Connection refused\)$"):
+    with pytest.raises(PeerNotListeningError,
+                       match=rf"^peer gone: cannot connect to {address} \(Connection refused: nothing listens there\)$"):
         await TcpTransport("rx", settings()).connect(address, "gone")
 
     seed = seed_store(root)
@@ -252,7 +254,8 @@ def test_transport_selection(monkeypatch):
         resolve_transport_name("carrier-pigeon")
 
 
-async def fetch_with(parent_server: PeerServer, manifest: Manifest, root: Path, *, fallback: bool):
+async def fetch_with(parent_server: PeerServer, manifest: Manifest, root: Path, *, fallback: bool, retries: int = 1,
+                     backoff_s: float = 0.01):
     """Fetch every block from ``parent_server`` with a recording good source as fallback."""
     parent_seed, source_seed = seed_store(root), seed_store(root)
     _, parent_listener = await serve(parent_server, parent_seed)
@@ -264,7 +267,7 @@ async def fetch_with(parent_server: PeerServer, manifest: Manifest, root: Path, 
     store = receiving_store(manifest)
     failures = []
     pool = ChannelPool(TcpTransport("rx", settings()))
-    policy = FetchPolicy(concurrency=1, retries=1, backoff_s=0.01, fallbacks=(source,) if fallback else ())
+    policy = FetchPolicy(concurrency=1, retries=retries, backoff_s=backoff_s, fallbacks=(source,) if fallback else ())
     fetcher = Fetcher(store, pool, policy, on_peer_failure=lambda what, peer, exc: failures.append((what, peer, exc)))
     try:
         await fetcher.fetch([Fetch(b, parent) for b in range(len(manifest.blocks))])
@@ -287,7 +290,7 @@ async def test_fetcher_resumes_from_the_first_missing_chunk_at_the_source(packag
         assert [bytes(store.block_view(b)) for b in range(3)] == [block_file_bytes(root, manifest, b) for b in range(3)]
         # Block 2 goes straight to the source: the parent was given up on.
         assert [(what, p.node_id, type(exc)) for what, p, exc in failures] == [
-            ("block 1", "parent", PeerClosedError), ("block 1", "parent", PeerConnectError)]
+            ("block 1", "parent", PeerClosedError), ("block 1", "parent", PeerNotListeningError)]
         assert served[0] == (1, 2)  # block 1 resumed where the parent stopped
         assert {b for b, _ in served} == {1, 2}
     finally:
@@ -312,7 +315,26 @@ async def test_fetcher_without_fallback_fails_naming_the_parent(package):
         await fetch_with(DyingServer(die_at=(0, 1)), manifest, root, fallback=False)
     assert str(caught.value).startswith("block 0 could not be fetched from any peer (PeerClosedError: peer parent@")
     assert [peer for peer, _ in caught.value.attempts] == [str(caught.value.attempts[0][0])] * 2
-    assert isinstance(caught.value.attempts[1][1], PeerConnectError)
+    assert isinstance(caught.value.attempts[1][1], PeerNotListeningError)
+
+
+async def test_a_parent_that_died_is_given_up_on_in_a_round_trip_not_after_the_backoff(package, monkeypatch):
+    """Its connection closed mid-block, the parent is asked again at once; its host refuses (nothing listens):
+    no retry waits the backoff, so a control plane hears of it and re-plans its children at once."""
+    root, manifest = package
+    backoff_s = 0.37  # a value nothing else in the fetch sleeps
+    sleep, slept = asyncio.sleep, []
+
+    async def recording_sleep(delay, *args, **kwargs):
+        if delay >= backoff_s:
+            slept.append(delay)
+        return await sleep(delay, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "sleep", recording_sleep)
+    with pytest.raises(FetchFailedError) as caught:
+        await fetch_with(DyingServer(die_at=(0, 1)), manifest, root, fallback=False, retries=2, backoff_s=backoff_s)
+    assert [type(error) for _, error in caught.value.attempts] == [PeerClosedError, PeerNotListeningError]
+    assert slept == []
 
 
 async def test_an_unresolvable_peer_address_fails_with_the_resolvers_reason():
