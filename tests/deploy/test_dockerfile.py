@@ -11,7 +11,9 @@ from pathlib import Path
 
 import dockerfile
 import pytest
+from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from tests.support import REPO
 from tests.support.helm import containers, pod_spec, render
@@ -72,9 +74,11 @@ def test_it_runs_pipecast_as_the_user_the_chart_runs_as(steps):
     assert {pod_spec(m)["securityContext"]["runAsUser"] for m in manifests if pod_spec(m)} == {int(uid)}
     [entrypoint] = of(steps, "ENTRYPOINT")
     assert entrypoint.json and entrypoint.value == ("pipecast",) and "pipecast" in PYPROJECT["project"]["scripts"]
-    # The chart's default image is this version's.
+    # The chart's default images are this version's builds: the CUDA one for the agents' pods, which serve on cuda.
     version = PYPROJECT["project"]["version"]
-    assert {c["image"] for _, c in containers(manifests)} == {f"pipecast:{version}"}
+    for manifest, container in containers(manifests):
+        cuda = "-cuda" if manifest["metadata"]["name"] == "pipecast-agent" else ""
+        assert container["image"] == f"pipecast:{version}{cuda}", container["name"]
 
 
 def test_the_readme_builds_it_as_the_dockerfile_says():
@@ -85,3 +89,11 @@ def test_the_readme_builds_it_as_the_dockerfile_says():
 
     commands = builds(DOCKERFILE.read_text())
     assert len(commands) == 2 and commands <= builds(README)  # the CPU image and the CUDA one
+
+
+def test_the_build_backend_reads_the_license_as_pyproject_writes_it():
+    """Found in review: `license = "Apache-2.0"` (an SPDX string) needs setuptools 77, but the build asked for 68."""
+    assert isinstance(PYPROJECT["project"]["license"], str)
+    [setuptools] = [Requirement(r) for r in PYPROJECT["build-system"]["requires"] if r.startswith("setuptools")]
+    floors = [Version(s.version) for s in setuptools.specifier if s.operator in (">=", "==", "~=")]
+    assert floors and max(floors) >= Version("77")

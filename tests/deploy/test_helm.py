@@ -224,3 +224,64 @@ def test_the_service_monitor_scrapes_every_metrics_endpoint():
 def test_incomplete_values_are_refused_with_what_to_set(files, values, message):
     with pytest.raises(HelmError, match=re.escape(message)):
         render(files, merged(INSTALL, values))
+
+
+def test_the_single_node_agent_runs_on_a_node_without_gpu_labels():
+    """Found in review: `nodeSelector: {}` in values-single-node.yaml was merged into the default's GPU label
+    selector, so on a k3s box without GPU Feature Discovery no agent pod was scheduled."""
+    def selector(files: tuple[str, ...]) -> dict | None:
+        return pod_spec(workload(render(files, INSTALL), "DaemonSet", "pipecast-agent")).get("nodeSelector")
+
+    assert selector(()) == {"nvidia.com/gpu.present": "true"}
+    assert selector(("values-single-node.yaml",)) is None
+
+
+def test_under_tls_every_agent_runs_the_encrypted_tcp_data_plane():
+    """Found in review: with values-mtls.yaml agents took `auto`, UCX on GPU/RDMA nodes, which does not encrypt."""
+    def transports(files: tuple[str, ...]) -> dict[str, list[str]]:
+        return {m["metadata"]["name"]: [a for a in c["args"] if a.startswith("--transport")]
+                for m, c in containers(render(files, INSTALL), init=False) if c["args"][0] == "agent"}
+
+    assert transports(("values-single-node.yaml", "values-mtls.yaml")) == {
+        "pipecast-agent": ["--transport=tcp"], "pipecast-store": ["--transport=tcp"]}
+    assert transports(("values-single-node.yaml",)) == {"pipecast-agent": [], "pipecast-store": []}
+
+
+def test_agents_reading_their_token_from_the_host_need_no_node_token_secret():
+    """Found in review: with auth.nodeTokensHostPath the chart still demanded auth.nodeTokens or
+    auth.nodeTokensSecret, though without the store nothing mounts that Secret."""
+    values = merged(INSTALL, {"auth": {"existingSecret": "o", "nodeTokensHostPath": "/etc/tok", "nodeTokens": None}})
+    manifests = render((), values)
+    assert not [m for m in manifests if m["kind"] == "Secret"]
+    volumes = {v["name"]: v for v in pod_spec(workload(manifests, "DaemonSet", "pipecast-agent"))["volumes"]}
+    assert volumes["node-tokens"] == {"name": "node-tokens", "hostPath": {"path": "/etc/tok", "type": "Directory"}}
+    # The store reads its own token from the Secret still.
+    with pytest.raises(HelmError, match=re.escape("set auth.nodeTokens (node id -> `pipecast cp issue-token NODE`) "
+                                                  "or auth.nodeTokensSecret: the store, and agents without "
+                                                  "auth.nodeTokensHostPath, read their token there")):
+        render(("values-single-node.yaml",), values)
+
+
+def test_gpu_nodes_run_the_cuda_build_of_the_image_by_default():
+    """Found in review: the default image (the appVersion, the README's CPU build) went to GPU nodes with
+    --device=cuda. Without image.tag, the agent pod, whose worker runs on cuda, takes the CUDA build the README
+    tags `<appVersion>-cuda`; every other pod the CPU build."""
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    readme = (CHART.parents[2] / "README.md").read_text()
+    assert re.search(rf"docker build -f deploy/docker/Dockerfile --build-arg TORCH_INDEX=\S+/cu\d+ "
+                     rf"-t pipecast:{re.escape(version)}-cuda \.", readme)
+
+    def images(values: dict) -> dict[str, set[str]]:
+        found: dict[str, set[str]] = {}
+        for manifest, container in containers(render((), merged(INSTALL, values))):
+            found.setdefault(manifest["metadata"]["name"], set()).add(container["image"])
+        return found
+
+    def every(found: dict[str, set[str]]) -> set[str]:
+        return set().union(*found.values())
+
+    default = images({})
+    assert default.pop("pipecast-agent") == {f"pipecast:{version}-cuda"}
+    assert every(default) == {f"pipecast:{version}"}
+    assert images({"serve": {"device": "cpu"}})["pipecast-agent"] == {f"pipecast:{version}"}
+    assert every(images({"image": {"tag": "mine"}})) == {"pipecast:mine"}

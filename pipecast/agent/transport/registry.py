@@ -1,8 +1,10 @@
 """Which transport an agent uses: a small registry with auto-detection.
 
 ``auto`` takes the first accelerated backend (UCX) that can be imported and whose hardware is present
-(a GPU or an RDMA device), else TCP. Each backend is an entry of ``_REGISTRY`` naming its class as
-``module:attribute``, imported only when chosen, so a heavy backend (ucxx) costs nothing otherwise.
+(a GPU or an RDMA device), else TCP. A node whose settings name the data plane's TLS files gets only a
+backend that encrypts (TCP): ``auto`` skips the others and naming one is refused. Each backend is an entry
+of ``_REGISTRY`` naming its class as ``module:attribute``, imported only when chosen, so a heavy backend
+(ucxx) costs nothing otherwise.
 """
 
 import importlib
@@ -27,7 +29,8 @@ def accelerated_fabric_present() -> bool:
 
 @dataclass(frozen=True)
 class TransportEntry:
-    """A backend: its name, its class (``module:attribute``), the modules it needs, when auto picks it.
+    """A backend: its name, its class (``module:attribute``), the modules it needs, when auto picks it,
+    whether it runs the data plane's mutual TLS.
 
     The class is built as ``cls(node_id, settings, auth)``.
     """
@@ -36,13 +39,14 @@ class TransportEntry:
     target: str
     requires: tuple[str, ...] = ()
     preferred: Callable[[], bool] = lambda: False
+    encrypts: bool = False
 
     def importable(self) -> bool:
         return all(importlib.util.find_spec(module) is not None for module in self.requires)
 
 
 _REGISTRY: dict[str, TransportEntry] = {
-    "tcp": TransportEntry("tcp", "pipecast.agent.transport.tcp:TcpTransport"),
+    "tcp": TransportEntry("tcp", "pipecast.agent.transport.tcp:TcpTransport", encrypts=True),
     # The UCX backend (RDMA, GPU memory) lives in its own module; it is usable once that module and the
     # ucx extra (pip install 'pipecast[ucx]') are both there.
     "ucx": TransportEntry("ucx", "pipecast.agent.transport.ucx:UcxTransport",
@@ -55,17 +59,28 @@ def transport_names() -> list[str]:
     return ["auto", *_REGISTRY]
 
 
-def resolve_transport_name(name: str) -> str:
-    """The backend ``name`` means on this node (``auto`` resolved); raise if it cannot be used here."""
+def data_plane_tls(settings: Settings) -> bool:
+    """Whether ``settings`` name the files of the data plane's mutual TLS (all three, as TCP needs them)."""
+    return bool(settings.tls_cert and settings.tls_key and settings.tls_ca)
+
+
+def resolve_transport_name(name: str, tls: bool = False) -> str:
+    """The backend ``name`` means on this node (``auto`` resolved), with the data plane's TLS files named
+    (``tls``) or not; raise if it cannot be used here."""
     if name == "auto":
         for entry in _REGISTRY.values():
-            if entry.name != "tcp" and entry.importable() and entry.preferred():
+            if entry.name != "tcp" and (entry.encrypts or not tls) and entry.importable() and entry.preferred():
                 return entry.name
         return "tcp"
     entry = _REGISTRY.get(name)
     if entry is None:
         raise TransportUnavailableError(f"transport {name!r} is not registered (known: "
                                         f"{', '.join(transport_names())})")
+    if tls and not entry.encrypts:
+        # Running it would send blocks in the clear on a node whose operator asked for TLS.
+        raise TransportUnavailableError(f"transport {name!r} does not encrypt its traffic, but this node's settings "
+                                        f"name TLS files (tls_cert, tls_key, tls_ca): use transport 'tcp' (mutual "
+                                        f"TLS) or drop the tls_* settings")
     if not entry.importable():
         missing = [m for m in entry.requires if importlib.util.find_spec(m) is None]
         raise TransportUnavailableError(f"transport {name!r} cannot be used on this node: "
@@ -76,7 +91,7 @@ def resolve_transport_name(name: str) -> str:
 def select_transport(name: str, node_id: str, settings: Settings, auth: PeerAuth | None = None) -> Transport:
     """Build the transport ``name`` (``auto``, ``tcp``, ...) for the agent ``node_id`` with its data-plane
     credentials ``auth`` (None: those the settings' ``auth_token`` gives)."""
-    resolved = resolve_transport_name(name)
+    resolved = resolve_transport_name(name, data_plane_tls(settings))
     module, attribute = _REGISTRY[resolved].target.split(":")
     log.info("transport: %s%s", resolved, " (auto)" if name == "auto" else "")
     return getattr(importlib.import_module(module), attribute)(node_id, settings, auth)

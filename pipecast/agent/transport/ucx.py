@@ -3,7 +3,8 @@
 Same semantics as the TCP backend (``tcp.py``): a listener serves "chunks k .. e - 1 of block b" (to the
 block's end without e) as each chunk becomes present (cut-through), a channel receives every chunk
 straight into the store's buffer, every wait has a deadline, and a failing peer is a typed
-:class:`~pipecast.agent.errors.PeerError` naming it.
+:class:`~pipecast.agent.errors.PeerError` naming it. Unlike TCP it has no TLS (the hello authenticates,
+nothing encrypts): the registry never gives it to a node whose settings name the data plane's TLS files.
 
 Messages are :mod:`.wire`'s: a 24-byte header (:data:`~.wire.UCX_HEADER`) on tag ``TAG_HEADER`` announces
 each payload, which follows on ``TAG_PAYLOAD`` in frames. With a data-plane key a connection starts with

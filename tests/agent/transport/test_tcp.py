@@ -156,8 +156,8 @@ async def test_refused_connection_and_unknown_package_are_typed(package):
     server, address = await raw_server(lambda r, w: None)
     server.close()
     await server.wait_closed()
-    with pytest.raises(PeerNotListeningError,
-                       match=rf"^peer gone: cannot connect to {address} \(Connection refused: nothing listens there\)$"):
+    refused = rf"^peer gone: cannot connect to {address} \(Connection refused: nothing listens there\)$"
+    with pytest.raises(PeerNotListeningError, match=refused):
         await TcpTransport("rx", settings()).connect(address, "gone")
 
     seed = seed_store(root)
@@ -252,6 +252,33 @@ def test_transport_selection(monkeypatch):
         resolve_transport_name("ucx")
     with pytest.raises(TransportUnavailableError, match="transport 'carrier-pigeon' is not registered"):
         resolve_transport_name("carrier-pigeon")
+
+
+UCX_UNENCRYPTED = ("^transport 'ucx' does not encrypt its traffic, but this node's settings name TLS files "
+                   r"\(tls_cert, tls_key, tls_ca\): use transport 'tcp' \(mutual TLS\) or drop the tls_\* settings$")
+
+
+@pytest.mark.skipif(not have_openssl(), reason="needs the openssl command to make test certificates")
+def test_a_node_with_tls_files_keeps_its_data_plane_on_tcp(monkeypatch, tmp_path):
+    """Found in review: under values-mtls.yaml an agent on a GPU or RDMA node took UCX by `auto` and sent
+    blocks in the clear, UCX ignoring tls_*. Only TCP encrypts: `auto` takes it there, and UCX named is refused."""
+    # A node where auto picks UCX (its hardware present, the backend importable)
+    monkeypatch.setitem(registry._REGISTRY, "ucx", replace(registry._REGISTRY["ucx"], requires=(),
+                                                           preferred=lambda: True))
+    assert resolve_transport_name("auto") == "ucx"
+    assert resolve_transport_name("auto", tls=True) == "tcp"
+    assert resolve_transport_name("tcp", tls=True) == "tcp"
+    with pytest.raises(TransportUnavailableError, match=UCX_UNENCRYPTED):
+        resolve_transport_name("ucx", tls=True)
+    certs = make_certs(tmp_path)
+    tls = settings(tls_cert=certs["server.pem"], tls_key=certs["server.key"], tls_ca=certs["ca.pem"])
+    assert registry.data_plane_tls(tls)
+    transport = registry.select_transport("auto", "n1", tls)
+    assert isinstance(transport, TcpTransport) and transport.tls.server is not None
+    with pytest.raises(TransportUnavailableError, match=UCX_UNENCRYPTED):
+        registry.select_transport("ucx", "n1", tls)
+    # A CA alone (a client of a TLS control plane) makes no data-plane TLS, on TCP either: UCX stays allowed.
+    assert not registry.data_plane_tls(settings(tls_ca=certs["ca.pem"]))
 
 
 async def fetch_with(parent_server: PeerServer, manifest: Manifest, root: Path, *, fallback: bool, retries: int = 1,

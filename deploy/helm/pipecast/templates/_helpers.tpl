@@ -34,6 +34,13 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
+{{/* The agent's pod runs the serving worker on the GPU: without image.tag, with serve.device cuda, it takes the
+CUDA build of the appVersion ("<appVersion>-cuda", README): the CPU build's torch has no CUDA. */}}
+{{- define "pipecast.agentImage" -}}
+{{- $cuda := and .Values.serve.enabled (hasPrefix "cuda" (toString .Values.serve.device)) -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default (printf "%s%s" .Chart.AppVersion (ternary "-cuda" "" $cuda)) }}
+{{- end -}}
+
 {{- define "pipecast.operatorSecret" -}}
 {{ .Values.auth.existingSecret | default (printf "%s-operator" (include "pipecast.fullname" .)) }}
 {{- end -}}
