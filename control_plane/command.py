@@ -18,6 +18,7 @@ from click.core import ParameterSource
 from google.protobuf import json_format
 
 from control_plane.deployments import DEFAULT_WARM_AUTO_FACTOR, Deployment, ScalingPolicy
+from control_plane.errors import InvalidRequest
 from control_plane.messages import PeerInfo
 from control_plane.routes import CanaryGate, RouteChange
 from control_plane.routes import describe as describe_route
@@ -368,7 +369,8 @@ WARM_AUTO = "auto"
 
 
 class WarmCount(click.ParamType):
-    """A number of warm replicas (>= 0), or ``auto``: sized from the traffic."""
+    """A number of warm replicas, or ``auto``: sized from the traffic (a negative number is refused with the
+    policy's other values, all named at once)."""
 
     name = "count|auto"
 
@@ -379,19 +381,23 @@ class WarmCount(click.ParamType):
             count = int(value)
         except ValueError:
             self.fail(f"{value!r} is neither a number of replicas nor {WARM_AUTO!r}", param, ctx)
-        if count < 0:
-            self.fail(f"{count} is not >= 0", param, ctx)
         return count
 
 
 DEFAULT_POLICY = ScalingPolicy()
+#: The flag of ``cp deploy`` that sets each ScalingPolicy field: a refusal names what the operator typed.
+DEPLOY_FLAGS = {"min_replicas": "--min", "max_replicas": "--max", "slo_ttft_p99_s": "--slo-ttft-p99", "warm": "--warm",
+                "warm_auto_factor": "--warm-factor", "keep_alive_s": "--keep-alive",
+                "scale_up_cooldown_s": "--scale-up-cooldown", "scale_down_cooldown_s": "--scale-down-cooldown",
+                "replica_rps": "--replica-rps", "replica_concurrency": "--replica-concurrency",
+                "cold_start_s": "--cold-start", "cold_start_measured": "--measure-cold-start"}
 
 
 @cp_group.command("deploy")
 @click.argument("package_id")
-@click.option("--min", "min_replicas", type=click.IntRange(min=0), default=DEFAULT_POLICY.min_replicas,
+@click.option("--min", "min_replicas", type=int, default=DEFAULT_POLICY.min_replicas,
               show_default=True, help="Replicas kept loaded with no traffic (0: scale to zero).")
-@click.option("--max", "max_replicas", type=click.IntRange(min=1), default=DEFAULT_POLICY.max_replicas,
+@click.option("--max", "max_replicas", type=int, default=DEFAULT_POLICY.max_replicas,
               show_default=True, help="Most replicas.")
 @click.option("--slo-ttft-p99", type=Duration(), default=DEFAULT_POLICY.slo_ttft_p99_s, show_default=True,
               help="p99 time to first token to hold, e.g. 2s.")
@@ -408,7 +414,7 @@ DEFAULT_POLICY = ScalingPolicy()
               show_default=True, help="After a scale-up, no release this long.")
 @click.option("--replica-rps", type=float, default=DEFAULT_POLICY.replica_rps, show_default=True,
               help="Requests/s one replica serves, until the scaler has measured it.")
-@click.option("--replica-concurrency", type=click.IntRange(min=1), default=DEFAULT_POLICY.replica_concurrency,
+@click.option("--replica-concurrency", type=int, default=DEFAULT_POLICY.replica_concurrency,
               show_default=True, help="Requests one replica runs at once (its batch).")
 @click.option("--cold-start", type=Duration(), default=DEFAULT_POLICY.cold_start_s, show_default=True,
               help="How long a new replica takes to serve (about S/B; 0: not counted): a scale-up then also drains "
@@ -439,6 +445,12 @@ def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...]
     else:
         policy["warm"] = warm
     wanted = Deployment(package_id, ScalingPolicy(**policy), routers, priority=priority)
+    # Checked here too, as the control plane would, to name the flags typed (it names the fields) and every bad
+    # value at once (click stops at its first).
+    problems = [f"{'/'.join(DEPLOY_FLAGS[f] for f in fields)}: {message}"
+                for fields, message in wanted.policy.problems_by_field()]
+    if problems:
+        raise InvalidRequest(f"deployment of package {package_id!r} refused: {'; '.join(problems)}")
     stored = _run(ctx, lambda c: c.put_deployment(wanted))
     _emit(ctx, stored.to_json(), [f"deployed {package_id}: {_describe_policy(stored.policy)}; priority "
                                   f"{stored.priority}; routers {', '.join(stored.routers) or '-'}"])

@@ -31,6 +31,9 @@ ACTIONS = ("scale_up", "release", "take_back", "hold")
 WARM_AUTO_FACTORS = (1.0, 10.0)
 #: The factor ``pipecast cp deploy --warm auto`` asks for (the operator's rule: absorb 2-3x the baseline).
 DEFAULT_WARM_AUTO_FACTOR = 2.0
+#: The lower bound of each ScalingPolicy number that is not merely >= 0: (comparison, bound).
+POLICY_BOUNDS = {"max_replicas": (">=", 1), "replica_concurrency": (">=", 1), "slo_ttft_p99_s": (">", 0),
+                 "replica_rps": (">", 0)}
 
 
 @dataclass(frozen=True)
@@ -57,33 +60,37 @@ class ScalingPolicy:
 
     def problems(self) -> list[str]:
         """What is wrong with these values (empty when they are usable)."""
-        found = []
-        numbers = {name: value for name, value in asdict(self).items() if name != "cold_start_measured"}
+        return [message for _, message in self.problems_by_field()]
+
+    def problems_by_field(self) -> list[tuple[tuple[str, ...], str]]:
+        """What is wrong with these values, each with the fields it is about (a command line names their flags);
+        empty when they are usable."""
+        found: list[tuple[tuple[str, ...], str]] = []
         if not isinstance(self.cold_start_measured, bool):
-            found.append(f"cold_start_measured must be true or false, got {self.cold_start_measured!r}")
-        for name, value in numbers.items():
-            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-                found.append(f"{name} must be a finite number >= 0, got {value!r}")
-        if found:
+            found.append((("cold_start_measured",), f"cold_start_measured must be true or false, got "
+                                                    f"{self.cold_start_measured!r}"))
+        for name, value in asdict(self).items():
+            if name == "cold_start_measured":
+                continue
+            op, low = POLICY_BOUNDS.get(name, (">=", 0))
+            number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            # One wording per field whatever the value (0, -1, nan): its bound.
+            if not number or value < low or (op == ">" and value == low):
+                found.append(((name,), f"{name} must be a finite number {op} {low}, got {value!r}"))
+        if found:  # the comparisons below hold only between values within their bounds
             return found
-        if self.max_replicas < 1:
-            found.append(f"max_replicas must be >= 1, got {self.max_replicas}")
         if self.min_replicas > self.max_replicas:
-            found.append(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
+            found.append((("min_replicas", "max_replicas"),
+                          f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})"))
         if self.warm > self.max_replicas:
-            found.append(f"warm ({self.warm}) must be <= max_replicas ({self.max_replicas})")
-        if self.slo_ttft_p99_s <= 0:
-            found.append(f"slo_ttft_p99_s must be > 0, got {self.slo_ttft_p99_s}")
-        if self.replica_rps <= 0:
-            found.append(f"replica_rps must be > 0, got {self.replica_rps}")
-        if self.replica_concurrency < 1:
-            found.append(f"replica_concurrency must be >= 1, got {self.replica_concurrency}")
+            found.append((("warm", "max_replicas"),
+                          f"warm ({self.warm}) must be <= max_replicas ({self.max_replicas})"))
         if self.warm_auto_factor and not WARM_AUTO_FACTORS[0] <= self.warm_auto_factor <= WARM_AUTO_FACTORS[1]:
-            found.append(f"warm_auto_factor must be 0 (warm fixed) or within {WARM_AUTO_FACTORS[0]:g}.."
-                         f"{WARM_AUTO_FACTORS[1]:g}, got {self.warm_auto_factor}")
+            found.append((("warm_auto_factor",), f"warm_auto_factor must be 0 (warm fixed) or within "
+                          f"{WARM_AUTO_FACTORS[0]:g}..{WARM_AUTO_FACTORS[1]:g}, got {self.warm_auto_factor}"))
         if self.warm_auto_factor and self.warm:
-            found.append(f"warm ({self.warm}) must be 0 when warm_auto_factor ({self.warm_auto_factor}) sizes "
-                         "the warm pool")
+            found.append((("warm", "warm_auto_factor"), f"warm ({self.warm}) must be 0 when warm_auto_factor "
+                                                        f"({self.warm_auto_factor}) sizes the warm pool"))
         return found
 
 

@@ -79,6 +79,10 @@ class Conflict(ControlPlaneError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class NoSource(Conflict):
+    """A scale-up has no node to send the package from: no worker holds all of it and its store is a receiver."""
+
+
 class InsufficientWorkers(ControlPlaneError):
     """A scale-up asked for more workers than are alive, eligible and have memory for the package."""
 
@@ -129,7 +133,7 @@ class ChangeNotStored(ControlPlaneError):
 
 _BY_NAME: dict[str, type[ControlPlaneError]] = {
     cls.__name__: cls for cls in (UnknownWorker, UnknownPackage, UnknownDeployment, UnknownRoute, InvalidRequest,
-                                  Conflict, InsufficientWorkers, Unauthenticated, PermissionDenied,
+                                  Conflict, NoSource, InsufficientWorkers, Unauthenticated, PermissionDenied,
                                   ControlPlaneUnavailable, ChangeNotStored)
 }
 

@@ -79,13 +79,15 @@ def named_targets(package_id: str, package_bytes: int, candidates: Sequence[Cand
 
 
 def counted_targets(package_id: str, package_bytes: int, candidates: Iterable[Candidate], count: int,
-                    source_racks: Collection[str] = ()) -> Targets:
+                    source_racks: Collection[str] = (), *, store: str = "") -> Targets:
     """``count`` workers picked among the alive ``candidates``: those in a keep-alive release of the package
     that hold all of it first (they are ready at once), then those holding most of it in memory or in their
     disk cache (a local load; memory first among equals), then those in one of ``source_racks`` (the racks
-    of the plan's sources: no cross-rack traffic), then the least committed; raises
-    :class:`InsufficientWorkers` if fewer than ``count`` can take it."""
-    eligible = [c for c in candidates if not c.receiving and (
+    of the plan's sources: no cross-rack traffic), then the least committed; never the package's ``store``
+    node; raises :class:`InsufficientWorkers` if fewer than ``count`` can take it."""
+    # The store is the package's origin, not a replica: picked as a receiver (its blocks not counted yet, e.g.
+    # seeded before the publish) it would leave its plan with no source.
+    eligible = [c for c in candidates if c.node_id != store and not c.receiving and (
         (c.releasing and c.complete) or (not c.complete and c.fits(package_bytes)))]
     if len(eligible) < count:
         raise InsufficientWorkers(

@@ -19,7 +19,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from control_plane.availability import Availability
-from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
+from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, NoSource, UnknownPackage, UnknownWorker
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec, serve_url_of
 from control_plane.pipeline_forming import PipelineQuery
 from control_plane.placement import (
@@ -273,7 +273,7 @@ class ControlState:
                 continue
             try:
                 result = self.scale_up(package_id, node_ids=[node], now=now)
-            except InsufficientWorkers as exc:
+            except (InsufficientWorkers, NoSource) as exc:
                 log.warning("worker %s is back but cannot resume package=%s: %s", node, package_id, exc)
                 continue
             if result.receivers:
@@ -464,8 +464,8 @@ class ControlState:
         fetches what it lacks now (:func:`~control_plane.planner.replan.reroute`); one that is not (a source, a
         holder, a receiver done) leaves it, as a dead node would. A peer ``gone`` (its host refused the
         connection: nothing listens there) loses all its availability of the package and leaves those plans as
-        a dead node does, its children taking its slots, not at its lease's end. Returns whether any plan was
-        re-planned."""
+        a dead node does, its children taking its slots, not at its lease's end; registered again, it gets a
+        plan for the rest. Returns whether any plan was re-planned."""
         worker = self.registered_worker(node)
         self._check_blocks(node, self.package(package_id), [block])
         worker.lease_expires = now + self.lease_s
@@ -478,6 +478,10 @@ class ControlState:
             return False
         log.warning("bad peer node=%s peer=%s package=%s block=%d gone=%s reason=%s", node, peer, package_id, block,
                     gone, reason)
+        if gone:  # like a lapsed lease: back, it gets a plan for the rest
+            receiving = {active.package_id for active in plans if peer in active.pending}
+            if receiving:
+                self.lapsed.setdefault(peer, set()).update(receiving)
         availability = self.availability[package_id]
         if availability.remove_worker(peer) if gone else availability.remove(peer, [block]):
             self.dirty.availability.add((package_id, peer))
@@ -542,13 +546,17 @@ class ControlState:
             sources, _ = self._plan_sources(package, strategy, exclude=(), receivers=count)
             source_racks = {rack for n in sources if (rack := self._rack(n)) is not None}
             targets = counted_targets(package_id, package.total_bytes, self._candidates(package_id, alive), count,
-                                      source_racks)
+                                      source_racks, store=package.store.node_id)
         receivers = tuple(targets.receivers)
         request = (tuple(node_ids), count, strategy, fanout)
         if not receivers:
             return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged))
         availability = self.availability[package_id]
         sources, strategy = self._plan_sources(package, strategy, exclude=set(receivers), receivers=receivers)
+        if not sources:  # only the store holds it, and it is named a receiver: nothing to send from
+            raise NoSource(f"scale-up of package {package_id!r}: no node holds the whole package to send it from "
+                           f"(its store {package.store.node_id!r} is among the receivers and no worker holds all "
+                           "of it)")
         # Only a rotated plan uses them (not a chain behind a chain in progress: it gets what that gets).
         in_flight = self._in_flight(package_id) if strategy in ("", "rotated") else ()
         links = self._source_links(package, sources, len(receivers), bool(in_flight))

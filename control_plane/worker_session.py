@@ -3,8 +3,10 @@
 The agent gives its spec and a function returning every verified block it holds; the session registers
 (again whenever the control plane says it does not know the worker), heartbeats at the interval the
 server asks for, batches block reports (one RPC per ``report_delay_s`` window at most, retried until
-delivered), and yields the assignment stream, reconnecting after failures. The control plane being
-down never stops the agent: calls fail with typed errors that are logged, and the session retries.
+delivered), and yields the assignment stream, reconnecting after failures. Packages it holds that the control
+plane answered as unknown (e.g. a store seeded before the package was published) are reported again with each
+heartbeat until the control plane knows them, so that either order of start-up and publish works. The control
+plane being down never stops the agent: calls fail with typed errors that are logged, and the session retries.
 After any failed call the next contact is a full registration, so reports a crashed control plane had
 acknowledged but not yet written to its database are restored. A refused token is the one fatal error:
 it ends :meth:`WorkerSession.assignments` with :class:`Unauthenticated`, or :class:`PermissionDenied` for
@@ -58,6 +60,7 @@ class WorkerSession:
         self._dropped: dict[str, set[int]] = {}
         self._cached: dict[str, set[int]] = {}
         self._progress: dict[str, int] = {}  # the latest bytes held per package being received
+        self._unknown: set[str] = set()  # package ids the control plane answered as unknown: reported again
         self._report_wake = asyncio.Event()
         self._kick = asyncio.Event()  # set: re-register now
         self._refused: ControlPlaneError | None = None
@@ -174,14 +177,17 @@ class WorkerSession:
             try:
                 if self.registered.is_set():
                     await self.client.heartbeat(self.node_id)
+                    self._report_unknown_again()
                 else:
                     held, cached = await self._registration_holdings()
                     registration = await self.client.register(self.spec, held, cached)
                     self.heartbeat_s = registration.heartbeat_s
                     self._set_data_key(registration.data_key)
+                    self._unknown = set(registration.unknown_packages)
                     self.registered.set()
-                    log.info("registered node=%s with control plane %s packages=%d unknown=%s", self.node_id,
-                             self.client.target, len(held), list(registration.unknown_packages))
+                    log.info("registered node=%s with control plane %s packages=%d unknown=%s (reported again until "
+                             "published)", self.node_id, self.client.target, len(held),
+                             list(registration.unknown_packages))
                 if failing:
                     log.info("control plane %s reachable again node=%s", self.client.target, self.node_id)
                 failing = False
@@ -218,6 +224,14 @@ class WorkerSession:
         self._verified, self._dropped, self._cached = {}, {}, {}
         return held, cached
 
+    def _report_unknown_again(self) -> None:
+        """Queue every block held of the packages the control plane did not know: published since, they count.
+        Only packages still held in memory are kept (a cached-only one comes with the next registration)."""
+        held = self._holdings()
+        self._unknown = {package_id for package_id in self._unknown if held.get(package_id)}
+        for package_id in sorted(self._unknown):
+            self.report_verified(package_id, held[package_id])
+
     def _set_data_key(self, key: bytes) -> None:
         if key == self._data_key:
             return
@@ -248,7 +262,8 @@ class WorkerSession:
         if verified or dropped or cached or progress:
             self._verified, self._dropped, self._cached = {}, {}, {}
             try:
-                await stream.report(self.node_id, verified, dropped, cached, progress)
+                unknown = await stream.report(self.node_id, verified, dropped, cached, progress)
+                self._unknown = (self._unknown - {*verified, *dropped, *cached}) | set(unknown)
             except UnknownWorker:
                 self._need_registration()  # the registration will carry these blocks
             except ControlPlaneError as exc:

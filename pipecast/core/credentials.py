@@ -158,9 +158,16 @@ def _raw(presented: str) -> bytes:
 def check_master_token(master: str) -> str:
     """``master`` unchanged if it is empty (auth off) or long and varied enough to resist offline guessing;
     :class:`CredentialError` naming what is wrong otherwise. The data-plane key's id and the hello's MACs, which
-    any caller may see, are HMACs of it: a short or patterned master is recovered from them by guessing."""
+    any caller may see, are HMACs of it: a short or patterned master is recovered from them by guessing. A node
+    token is refused too: it is a credential of the cluster, not the secret it derives from."""
     if not master:
         return master
+    parsed = parse_node_token(master)
+    if parsed is not None:
+        raise CredentialError(
+            f"auth_token: the master token is a node token (of node {parsed[0]!r}, from `pipecast cp issue-token`); "
+            "the control plane needs the cluster's master secret, from which node tokens derive: make one with "
+            "`openssl rand -hex 32`")
     if len(master) < MIN_MASTER_CHARS or len(set(master)) < MIN_MASTER_DISTINCT:
         raise CredentialError(
             f"auth_token: the master token has {len(master)} characters, {len(set(master))} of them different; "

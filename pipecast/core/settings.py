@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 import pydantic_settings
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -45,7 +45,8 @@ class Settings(BaseSettings):
     agent_port: int = Field(7070, ge=0, le=65535, description="data-plane listen port (0: any free port)")
     agent_node_id: str = Field("", description="node id; default: hostname:port")
     agent_transport: Literal["auto", "tcp", "ucx"] = Field(
-        "auto", description="data transport; auto: UCX on GPU/RDMA nodes with ucxx installed, else TCP")
+        "auto", description="data transport; auto: UCX on GPU/RDMA nodes with ucxx installed, else TCP (TCP when "
+                            "tls_cert, tls_key and tls_ca are all set: UCX does not encrypt)")
     agent_memory_bytes: int = Field(8 << 30, gt=0, description="host memory budget for block buffers")
     agent_reserve_bytes: int = Field(
         0, ge=0, description="host memory the agent populates at start and hands over to the blocks it receives "
@@ -162,6 +163,12 @@ class Settings(BaseSettings):
         2.0, ge=0, description="while other tenants are active, a tenant with a limit is sent to the workers at most "
                                "this many times its rate, so its burst does not fill the others' batches (0: never "
                                "paced)")
+
+    @field_validator("config", "agent_cache_dir", "agent_local_socket", "tls_cert", "tls_key", "tls_ca", mode="before")
+    @classmethod
+    def _empty_path_is_unset(cls, value: Any) -> Any:
+        # ``PIPECAST_TLS_CA=`` means unset; as a Path, "" would be "." (the working directory).
+        return None if value == "" else value
 
     @classmethod
     def settings_customise_sources(

@@ -26,10 +26,37 @@ def test_a_usable_policy_has_no_problems():
 def test_every_bad_value_is_named():
     bad = ScalingPolicy(min_replicas=5, max_replicas=3, warm=4, slo_ttft_p99_s=0, replica_rps=0,
                         replica_concurrency=0)
-    assert bad.problems() == ["min_replicas (5) must be <= max_replicas (3)", "warm (4) must be <= max_replicas (3)",
-                              "slo_ttft_p99_s must be > 0, got 0", "replica_rps must be > 0, got 0",
-                              "replica_concurrency must be >= 1, got 0"]
+    assert bad.problems() == ["slo_ttft_p99_s must be a finite number > 0, got 0",
+                              "replica_rps must be a finite number > 0, got 0",
+                              "replica_concurrency must be a finite number >= 1, got 0"]
+    assert ScalingPolicy(min_replicas=5, max_replicas=3, warm=4).problems() == [
+        "min_replicas (5) must be <= max_replicas (3)", "warm (4) must be <= max_replicas (3)"]
     assert ScalingPolicy(keep_alive_s=float("nan")).problems() == ["keep_alive_s must be a finite number >= 0, got nan"]
+
+
+def test_a_fields_bound_is_worded_the_same_whatever_the_bad_value():
+    for value in (0, -1, float("nan")):
+        assert ScalingPolicy(replica_rps=value).problems() == [
+            f"replica_rps must be a finite number > 0, got {value!r}"]
+        assert ScalingPolicy(max_replicas=value).problems() == [
+            f"max_replicas must be a finite number >= 1, got {value!r}"]
+
+
+def test_the_deploy_command_names_every_bad_value_by_its_flag_before_calling():
+    # 127.0.0.1:1 answers nothing: the refusal comes before any call.
+    result = CliRunner().invoke(cp_group, ["--control-plane", "127.0.0.1:1", "deploy", "pkg", "--max", "0",
+                                           "--replica-rps", "-1", "--replica-concurrency", "0", "--min", "-2",
+                                           "--slo-ttft-p99", "0", "--warm", "-1"])
+    assert isinstance(result.exception, InvalidRequest), result.output
+    assert str(result.exception) == (
+        "deployment of package 'pkg' refused: --min: min_replicas must be a finite number >= 0, got -2; --max: "
+        "max_replicas must be a finite number >= 1, got 0; --slo-ttft-p99: slo_ttft_p99_s must be a finite number "
+        "> 0, got 0.0; --warm: warm must be a finite number >= 0, got -1; --replica-rps: replica_rps must be a "
+        "finite number > 0, got -1.0; --replica-concurrency: replica_concurrency must be a finite number >= 1, got 0")
+    result = CliRunner().invoke(cp_group, ["--control-plane", "127.0.0.1:1", "deploy", "pkg", "--min", "3", "--max",
+                                           "2"])
+    assert str(result.exception) == ("deployment of package 'pkg' refused: --min/--max: min_replicas (3) must be "
+                                     "<= max_replicas (2)")
 
 
 def test_an_auto_warm_factor_is_within_1_to_10_and_excludes_a_fixed_warm():
@@ -85,7 +112,6 @@ def test_the_auto_warm_factor_survives_the_proto_and_json_and_old_rows_read_as_f
 @pytest.mark.parametrize("args, error", [
     (["--warm", "1", "--warm-factor", "3"], "Invalid value for '--warm-factor': is used only with --warm auto"),
     (["--warm", "some"], "Invalid value for '--warm': 'some' is neither a number of replicas nor 'auto'"),
-    (["--warm", "-1"], "Invalid value for '--warm': -1 is not >= 0"),
 ])
 def test_the_deploy_command_refuses_a_factor_without_auto_and_a_bad_warm(args, error):
     result = CliRunner().invoke(cp_group, ["--control-plane", "127.0.0.1:1", "deploy", "pkg", *args])
@@ -94,7 +120,8 @@ def test_the_deploy_command_refuses_a_factor_without_auto_and_a_bad_warm(args, e
 
 def test_the_book_refuses_bad_deployments_and_keeps_created_time():
     book = DeploymentBook()
-    with pytest.raises(InvalidRequest, match=r"deployment of package 'p' refused: max_replicas must be >= 1, got 0"):
+    with pytest.raises(InvalidRequest, match=r"deployment of package 'p' refused: max_replicas must be a finite "
+                                             r"number >= 1, got 0"):
         book.put(Deployment("p", ScalingPolicy(max_replicas=0)), ["p"], 1.0)
     with pytest.raises(UnknownPackage, match="package 'q' is not published"):
         book.put(Deployment("q", ScalingPolicy()), ["p"], 1.0)

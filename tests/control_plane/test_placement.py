@@ -43,6 +43,13 @@ def test_counted_workers_come_releasing_holders_first_then_most_held_then_least_
     assert counted_targets("pkg", PACKAGE_BYTES, candidates, 4) == Targets(("half", "a", "b"), ("kept",))
 
 
+def test_the_package_store_is_never_a_counted_target():
+    candidates = [candidate("store"), candidate("w0", committed=100)]
+    assert counted_targets("pkg", PACKAGE_BYTES, candidates, 1, store="store") == Targets(("w0",), ())
+    with pytest.raises(InsufficientWorkers, match="asked for 2 more workers; only 1 are alive"):
+        counted_targets("pkg", PACKAGE_BYTES, candidates, 2, store="store")
+
+
 def test_blocks_in_a_disk_cache_count_as_local_and_memory_wins_among_equals():
     candidates = [candidate("near", rack="r0"), candidate("disk", cached=3, committed=500),
                   candidate("memory", held=3, committed=500), candidate("both", held=1, cached=3, committed=900)]

@@ -27,7 +27,9 @@ from control_plane.routes import RouteChange
 from control_plane.errors import (
     ChangeNotStored,
     ControlPlaneUnavailable,
+    InsufficientWorkers,
     InvalidRequest,
+    NoSource,
     PermissionDenied,
     StoreError,
     Unauthenticated,
@@ -630,6 +632,37 @@ async def test_worker_session_converges_across_a_control_plane_restart(tmp_path)
 
 async def _equals(query, expected) -> bool:
     return await query() == expected
+
+
+async def test_a_scale_up_with_no_source_is_refused_typed_not_internal(server, client):
+    await client.register(WorkerSpec(STORE, 1 << 30), {PKG: range(BLOCKS)})  # the store, before the publish
+    await client.publish_package(manifest(), STORE)
+    with pytest.raises(NoSource, match=re.escape(
+            f"scale-up of package {PKG!r}: no node holds the whole package to send it from (its store 'store' is "
+            "among the receivers and no worker holds all of it)")):
+        await client.scale_up(PKG, node_ids=["store"])
+    with pytest.raises(InsufficientWorkers, match="asked for 1 more workers; only 0 are alive"):
+        await client.scale_up(PKG, count=1)  # the store is no counted receiver
+
+
+async def test_worker_session_counts_a_package_published_after_it_registered(server, client):
+    # The README's order: the store agent starts seeded, then the package is published. Its holdings count
+    # within a heartbeat of the publish, with no restart of the agent.
+    held = {PKG: set(range(BLOCKS))}
+    async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as own:
+        session = WorkerSession(own, spec("w1"), holdings=lambda: held, report_delay_s=0.01, retry_s=0.05)
+        await session.start()
+        try:
+            await asyncio.wait_for(session.registered.wait(), WAIT_S)
+            await asyncio.sleep(3 * HEARTBEAT_S)  # heartbeats before the publish: nothing to count yet
+            await client.publish_package(manifest(), STORE)
+
+            async def availability():
+                return (await client.availability(PKG)).by_worker
+            await eventually(lambda: _equals(availability, {"w1": set(range(BLOCKS))}), timeout_s=10 * HEARTBEAT_S,
+                             what="the holdings of a package published after the registration")
+        finally:
+            await session.close()
 
 
 async def test_calls_to_a_dead_control_plane_fail_typed_within_the_deadline():

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, UnknownPackage, UnknownWorker
+from control_plane.errors import (
+    Conflict, InsufficientWorkers, InvalidRequest, NoSource, UnknownPackage, UnknownWorker)
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.placement import CHAIN_MAX_RECEIVERS
 from control_plane.planner.plan import Fetch, Plan
@@ -384,6 +385,22 @@ def test_scale_up_skips_holders_and_refuses_what_cannot_work():
     assert state.plans == {}
 
 
+def test_the_store_node_is_never_a_counted_receiver_and_a_plan_with_no_source_is_refused_typed():
+    # The store's agent registered before the publish: its blocks are not counted, it looks like a free worker.
+    state = ControlState(lease_s=LEASE)
+    state.register(WorkerSpec(STORE, 10_000), {"pkg": range(BLOCKS)}, now=0)
+    state.publish(manifest(), STORE, now=0)
+    state.register(spec("w0"), {}, now=0)
+    result = state.scale_up("pkg", count=1, now=1)
+    assert result.sources == ("store",) and result.receivers == ("w0",)
+    with pytest.raises(InsufficientWorkers, match=r"asked for 1 more workers; only 0 are alive"):
+        state.scale_up("pkg", count=1, now=1)
+    with pytest.raises(NoSource, match=re.escape(
+            "scale-up of package 'pkg': no node holds the whole package to send it from (its store 'store' is "
+            "among the receivers and no worker holds all of it)")):
+        state.scale_up("pkg", node_ids=["store"], now=1)
+
+
 def test_scale_up_respects_the_memory_budget():
     state = cluster(0)
     state.publish(manifest("big", block_bytes=1000), STORE, now=0)
@@ -545,6 +562,9 @@ def test_a_bad_peer_gone_leaves_its_plan_at_once_and_its_child_takes_its_slot():
     assert {a.parent for a in active.parts["w2"].fetch} == {"w0"}  # its slot in the chain
     assert state.availability["pkg"].held("w1") == frozenset()
     assert_complete_plan(state, result.plan_id, {"w0", "w2", "w3"})
+    state.register(spec("w1"), {"pkg": [0]}, now=3)  # its agent restarted: the rest of the package comes
+    [resumed] = [a for a in state.plans.values() if a.plan_id != result.plan_id]
+    assert resumed.pending == {"w1"} and {a.block for a in resumed.parts["w1"].fetch} == set(range(1, BLOCKS))
 
 
 def test_a_bad_peer_that_served_a_block_it_held_fetches_it_again_last():
@@ -623,6 +643,23 @@ def test_a_later_straggler_is_no_earlier_ones_child():
     assert active.demoted == {"w2", "w4"}
     assert not {a.parent for part in active.parts.values() for a in part.fetch} & active.demoted
     active.plan.validate()
+
+
+def test_a_bad_peer_reports_child_does_not_move_behind_a_demoted_straggler():
+    state = cluster(6, block_bytes=BIG_BLOCK)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3", "w4", "w5"], strategy="chain", now=1)
+    active = state.plans[result.plan_id]
+    _, t = _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 10e6, "w4": 10e6, "w5": 10e6}, 1.0, 3.0,
+                     until=lambda: bool(active.demoted))
+    assert active.demoted == {"w2"}
+    state.report("w2", {"pkg": [0]}, {}, now=t + 0.1)  # the straggler is the only holder of block 0
+    assert state.availability["pkg"].by_worker == {"w2": {0}}
+    # w3, still receiving, failed w4 on block 0: w4 fetches it elsewhere, not from the leaf w2.
+    assert state.report_bad_peer("w4", "w3", "pkg", 0, "connection reset", now=t + 0.2)
+    assert "w3" in active.pending
+    assert {a.parent for a in active.parts["w4"].fetch if a.block == 0} == {"store"}
+    assert not {a.parent for part in active.parts.values() for a in part.fetch} & active.demoted
+    assert_complete_plan(state, result.plan_id, set(result.receivers))
 
 
 def test_stragglers_are_found_only_when_enabled_and_never_on_equal_rates():

@@ -141,6 +141,15 @@ def test_a_guessable_master_token_is_refused_with_what_it_lacks(master, problem)
     assert str(caught.value).startswith(f"auth_token: the master token {problem}; it needs at least 16, 8 different")
 
 
+def test_a_node_token_is_refused_as_the_master_token():
+    with pytest.raises(CredentialError) as caught:
+        check_master_token("pcn1.w1.abcdefghijklmnopqrst")
+    assert str(caught.value) == (
+        "auth_token: the master token is a node token (of node 'w1', from `pipecast cp issue-token`); the control "
+        "plane needs the cluster's master secret, from which node tokens derive: make one with `openssl rand -hex "
+        "32`")
+
+
 def test_no_master_token_and_a_random_one_pass():
     assert check_master_token("") == ""
     assert check_master_token("9f86d081884c7d65") == "9f86d081884c7d65"

@@ -38,3 +38,13 @@ def test_a_dict_setting_from_the_environment_that_is_not_json_is_a_settings_erro
         load_settings()
     monkeypatch.setenv("PIPECAST_AGENT_LABELS", '{"rack": "r1"}')
     assert load_settings().agent_labels == {"rack": "r1"}
+
+
+def test_an_empty_variable_of_an_optional_path_leaves_it_unset(tmp_path, monkeypatch):
+    paths = ("config", "agent_cache_dir", "agent_local_socket", "tls_cert", "tls_key", "tls_ca")
+    for name in paths:
+        monkeypatch.setenv(f"PIPECAST_{name.upper()}", "")
+    settings = load_settings()
+    assert [getattr(settings, name) for name in paths] == [None] * len(paths)  # not Path("."): the working dir
+    monkeypatch.setenv("PIPECAST_TLS_CA", str(tmp_path / "ca.pem"))
+    assert load_settings().tls_ca == tmp_path / "ca.pem"

@@ -59,6 +59,10 @@ def test_nodes_behind_a_stalled_relay_are_not_judged():
     receiving = {"w1", "w2", "w3", "w4", "w5"}
     assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5) == []
     assert find_stragglers(plan.parts(), rates, receiving, dict.fromkeys(receiving, 50 * MB), factor=0.5) == []
+    # w2 crawls but sends (demoted already): w3 gets what w2 gives it, far below what it could get, so no
+    # one behind w2 is judged, though w3 receives at a quarter of w2's rate.
+    rates = {"w1": 50 * MB, "w2": 2 * MB, "w3": 0.5 * MB, "w4": 0.5 * MB, "w5": 0.5 * MB}
+    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5, skip={"w2"}) == []
 
 
 def test_a_node_whose_receiving_parent_has_no_rate_yet_is_not_judged():
@@ -89,6 +93,16 @@ def test_a_holder_feeding_several_children_shares_the_declared_rate():
     # The store feeds two children at once: each at half the link is no straggler.
     rates = {rx: 25 * MB for rx in plan.assignments}
     assert find_stragglers(parts, rates, set(rates), dict.fromkeys(rates, 50 * MB), factor=0.5) == []
+
+
+def test_a_receiving_relay_feeding_several_children_shares_its_own_rate():
+    plan = make_plan("tree", ["store"], [f"w{i}" for i in range(1, 15)], 2, fanout=2)
+    assert {a.parent for a in plan.assignments["w3"]} == {a.parent for a in plan.assignments["w4"]} == {"w1"}
+    # w1 and w2 relay at 40 MB/s to two children each, which get a little under half that and pass on half
+    # of theirs to their two leaves: each runs at its share of its parent, so no one is a straggler.
+    rates = {"w1": 40 * MB, "w2": 40 * MB} | dict.fromkeys(["w3", "w4", "w5", "w6"], 19 * MB)
+    rates |= {f"w{i}": 9.5 * MB for i in range(7, 15)}
+    assert find_stragglers(plan.parts(), rates, set(rates), {}, factor=0.5) == []
 
 
 def test_demoting_a_chain_relay_puts_its_child_behind_its_parent_and_it_at_the_tail():
