@@ -1,5 +1,6 @@
 """Running an aiohttp application as a long-lived server: the shared life cycle of ``pipecast serve`` and
-``pipecast router``, and reading request bodies within a size limit."""
+``pipecast router``, reading request bodies within a size limit and a deadline, and reading an answer's body
+whole within a size limit (:func:`read_capped`)."""
 
 import asyncio
 import logging
@@ -12,7 +13,7 @@ from pipecast.core.errors import PipecastError
 from pipecast.core.strictjson import loads
 
 if TYPE_CHECKING:
-    from aiohttp import web
+    from aiohttp import StreamReader, web
 
 log = logging.getLogger(__name__)
 
@@ -30,19 +31,45 @@ class BodyTooLargeError(PipecastError):
         self.limit, self.declared = limit, declared
 
 
-async def read_body(request: "web.Request", limit: int) -> bytes:
+class BodyTimeoutError(PipecastError):
+    """A request body that did not arrive whole within the server's deadline (answered 408): a client that
+    stalls mid-body would else hold its handler and the bytes read so far for good."""
+
+    def __init__(self, timeout_s: float, received: int, declared: int | None = None) -> None:
+        of = f" of {declared}" if declared is not None else ""
+        super().__init__(f"the request body did not arrive within this server's deadline of {timeout_s:g} s "
+                         f"({received}{of} bytes received)")
+        self.timeout_s, self.received, self.declared = timeout_s, received, declared
+
+
+async def read_body(request: "web.Request", limit: int, timeout_s: float | None = None) -> bytes:
     """The body of ``request``, never holding more than ``limit`` bytes of it: :class:`BodyTooLargeError`
     at once when its Content-Length says more, else once the bytes streamed in pass the limit (a chunked
-    body). Answer a refusal with ``force_close()`` on the response, so the rest is never read."""
+    body); :class:`BodyTimeoutError` when it is not whole ``timeout_s`` after the read began (None: no
+    deadline). Answer a refusal with ``force_close()`` on the response, so the rest is never read."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise BodyTooLargeError(limit, declared)
     body = bytearray()
-    async for chunk in request.content.iter_any():
-        body += chunk
-        if len(body) > limit:
-            raise BodyTooLargeError(limit)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_any():
+                body += chunk
+                if len(body) > limit:
+                    raise BodyTooLargeError(limit)
+    except TimeoutError:
+        raise BodyTimeoutError(timeout_s, len(body), declared) from None
     return bytes(body)
+
+
+async def read_capped(content: "StreamReader", cap: int) -> bytes:
+    """An answer's body to its end, or its first ``cap`` + 1 bytes (the caller refuses an answer that long).
+    One ``read(n)`` returns only what has arrived: an answer of several TCP segments would come cut."""
+    parts, size = [], 0
+    while size <= cap and (part := await content.read(cap + 1 - size)):
+        parts.append(part)
+        size += len(part)
+    return b"".join(parts)
 
 
 async def decode_json_body(body: bytes) -> Any:

@@ -51,7 +51,9 @@ Admitted requests wait for a worker in one queue per tenant and are dispatched f
 
 Every wait on a worker has a deadline: ``connect_timeout_s`` to connect, ``upstream_timeout_s`` of
 silence before its response or between two chunks of it, and as long for each piece of the request's body
-that the worker must take (a worker that stops reading a large body holds no request for good).
+that the worker must take (a worker that stops reading a large body holds no request for good). A client
+has ``upstream_timeout_s`` too to send its whole request body: a body not in by then is answered 408
+(``request_timeout``), naming the deadline, and its connection closed.
 """
 
 import asyncio
@@ -66,7 +68,7 @@ import aiohttp
 from aiohttp import web
 
 from pipecast.core.credentials import SERVING_KEY_HEADER, presents_key, serving_headers
-from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_body
+from pipecast.core.httpserve import BodyTimeoutError, BodyTooLargeError, decode_json_body, read_body
 from pipecast.core.settings import Settings
 from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.router.admission import AdmissionConfig, AdmissionControl
@@ -124,6 +126,8 @@ class RouterConfig:
     #: Longest silence tolerated from a worker: before its response headers, and between two chunks; and
     #: longest it may take to read each piece of a request's body (BODY_PIECE_BYTES).
     #: A partial worker may wait for blocks before its first token, hence minutes.
+    #: Also the longest a client may take to send its whole request body (else 408, ``request_timeout``): a
+    #: client stalled mid-body would else hold its handler and up to ``max_body_bytes`` for good.
     upstream_timeout_s: float = 300.0
     max_retries: int = 2
     discovery_interval_s: float = 2.0
@@ -191,6 +195,14 @@ def sse_event(payload: dict) -> bytes:
 def error_body(message: str, kind: str, **extra: object) -> dict:
     """An OpenAI-style error object."""
     return {"error": {"message": message, "type": kind, **extra}}
+
+
+def _unread_body(error: Exception, status: int, code: str) -> web.Response:
+    """The answer refusing a request's body (too large, too slow), closing the connection: the rest of the body
+    is never read."""
+    response = web.json_response(error_body(str(error), "invalid_request_error", code=code), status=status)
+    response.force_close()
+    return response
 
 
 def retry_after_seconds(value: str | None) -> float:
@@ -365,12 +377,12 @@ class Router:
         except TenantNameError as exc:
             return self._reject(exc, 400, "invalid_request_error")
         try:
-            body = await read_body(request, self.config.max_body_bytes)
+            body = await read_body(request, self.config.max_body_bytes, self.config.upstream_timeout_s)
         except BodyTooLargeError as exc:
-            response = web.json_response(error_body(str(exc), "invalid_request_error", code="request_too_large"),
-                                         status=413)
-            response.force_close()  # the rest of the body is never read
-            return response
+            return _unread_body(exc, 413, "request_too_large")
+        except BodyTimeoutError as exc:
+            log.info("client's request body refused: %s", exc)
+            return _unread_body(exc, 408, "request_timeout")
         try:
             payload = await decode_json_body(body)
         except JSONInputError as exc:

@@ -17,6 +17,7 @@ import aiohttp
 
 from pipecast.core import strictjson
 from pipecast.core.engines import DEFAULT_ENGINE
+from pipecast.core.httpserve import read_capped
 from pipecast.router.errors import HealthAnswerError, describe_exception
 from pipecast.router.pool import WorkerPool
 from pipecast.serve.health import HealthFormatError, WorkerHealth
@@ -97,7 +98,7 @@ class HealthMonitor:
         async with self._session.get(f"{url}{path}", timeout=self._timeout) as response:
             if response.status != 200:
                 raise HealthAnswerError(url, f"{path} answered HTTP {response.status}")
-            body = await response.content.read(limit + 1)
+            body = await read_capped(response.content, limit)
         if len(body) > limit:
             raise HealthAnswerError(url, f"{path} answered more than {limit} bytes")
         return body

@@ -1,7 +1,9 @@
 """The scaling daemon's loop: every tick, for every deployment, read signals, decide, record, act.
 
 One :class:`Scaler` per cluster. Each tick it lists the deployments from the control plane, polls each
-deployment's routers (``GET /stats``, each within ``router_timeout_s``), reads the workers and plans, and
+deployment's routers (``GET /stats``, each within ``router_timeout_s``; a router URL whose host resolves to
+several addresses, such as a headless Service in front of several routers, is polled at each of them, with
+its Host header, and stands for that many routers), reads the workers and plans, and
 asks :func:`pipecast.scaler.policy.decide`. A decision that changes something (and the start of a hold
 that leaves the pool behind the load: routers silent, no free worker) is appended to the control plane's
 audit trail *before* the daemon acts on it: a scale-up (``ScaleUp`` with a count: the control plane places
@@ -27,18 +29,21 @@ routers, which keep it), and releases nothing until it has a keep-alive of signa
 import asyncio
 import json
 import logging
+import socket
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import aiohttp
+from yarl import URL
 
 from control_plane.deployments import Deployment, ScaleEvent
 from control_plane.errors import ChangeNotStored, ControlPlaneError, InsufficientWorkers
 from control_plane.routes import RouteChange
 from pipecast.core import strictjson
 from pipecast.core.credentials import serving_headers
+from pipecast.core.httpserve import read_capped
 from pipecast.scaler.coldstart import ColdStarts
 from pipecast.scaler.gate import Gate, add_up_versions
 from pipecast.scaler.metrics import ScalerMetrics
@@ -55,6 +60,13 @@ NOTABLE_HOLDS = ("no_signals", "no_free_workers")
 #: was released with (``source_keep_s``: the control plane lists its blocks until then) and this long more, while
 #: its agent reports the drop (s).
 RELEASE_GRACE_S = 30.0
+
+
+async def resolve_addresses(host: str, port: int | None) -> list[str]:
+    """Every address ``host`` resolves to for TCP now, in the resolver's order, of the first one's family only:
+    a dual-stack name lists each host once per family, and must not count as twice the routers."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(sockaddr[0] for family, *_, sockaddr in infos if family == infos[0][0]))
 
 
 @dataclass(frozen=True)
@@ -90,15 +102,18 @@ class Scaler:
     """The daemon over one control plane ``client`` (a :class:`control_plane.client.ControlPlaneClient`)."""
 
     def __init__(self, client, config: ScalerConfig = ScalerConfig(), *, metrics: ScalerMetrics | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 resolve: Callable[[str, int | None], Awaitable[list[str]]] = resolve_addresses) -> None:
+        """``resolve``: a router URL's host and port -> the addresses to poll it at (:func:`resolve_addresses`)."""
         self.client = client
         self.config = config
         self.metrics = metrics or ScalerMetrics()
         self.clock = clock
+        self.resolve = resolve
         self.tracked: dict[str, _Tracked] = {}
         self._session: aiohttp.ClientSession | None = None
         self._blocks: dict[str, int] = {}
-        self._answers: dict[str, dict | None] = {}  # this tick's /stats, by router URL
+        self._answers: dict[str, list[dict | None]] = {}  # this tick's /stats, by router URL (one per address)
         self._serving_key = b""  # what the routers' /stats ask of a caller (with credentials), from ListWorkers
         self.gate = Gate()
 
@@ -136,13 +151,16 @@ class Scaler:
         docstring): then the caller ticks at once."""
         watched = {p: t.routers for p, t in self.tracked.items() if t.idle_at_zero and t.routers} \
             if self.config.watch_s > 0 else {}
+        urls = sorted({url for routers in watched.values() for url in routers})
+        # Resolved once a tick, as the tick's own polls are: the watch polls many times a second.
+        addresses = await asyncio.gather(*(self._addresses(url) for url in urls))
         while not stop.is_set():
             if watched:
-                urls = sorted({url for routers in watched.values() for url in routers})
-                answers = dict(zip(urls, await asyncio.gather(*(self._poll(url, quiet=True) for url in urls))))
+                polls = (self._poll_each(url, at, quiet=True) for url, at in zip(urls, addresses))
+                answers = dict(zip(urls, await asyncio.gather(*polls)))
                 now = self.clock()
                 for package_id, routers in watched.items():
-                    if add_up(now, [answers[url] for url in routers], {}, package_id).queue_depth > 0:
+                    if add_up(now, [a for url in routers for a in answers[url]], {}, package_id).queue_depth > 0:
                         log.info("scaler %s: a request waits with no replica: looking now", package_id[:12])
                         return
             try:
@@ -179,7 +197,7 @@ class Scaler:
             if route.gate is None or not route.canaries or not urls:
                 self.gate.saw(route)  # a canary added (again) later is then told apart
                 continue
-            answers = await asyncio.gather(*(self._stats(url) for url in urls))
+            answers = await self._stats_of(urls)
             for verdict in self.gate.judge(route, add_up_versions(a["versions"] if a else None for a in answers)):
                 log.warning("scaler: rolling back canary %s of %s: %s", verdict.package_id[:12], route.name,
                             verdict.reason)
@@ -196,7 +214,7 @@ class Scaler:
         tracked = self.tracked.setdefault(package_id, _Tracked())
         if not tracked.recovered:
             await self._recover(package_id, tracked)
-        answers = await asyncio.gather(*(self._stats(url) for url in deployment.routers))
+        answers = await self._stats_of(deployment.routers)
         now = self.clock()
         held_back = self.config.source_keep_s + RELEASE_GRACE_S
         tracked.released = {n: at for n, at in tracked.released.items() if now - at < held_back}
@@ -299,25 +317,51 @@ class Scaler:
             self._blocks[package_id] = len(manifest.blocks)
         return self._blocks[package_id]
 
-    async def _stats(self, url: str) -> dict | None:
-        """A router's /stats of this tick: polled once however many deployments and routes read it."""
+    async def _stats_of(self, urls: Sequence[str]) -> list[dict | None]:
+        """This tick's /stats of the routers at ``urls``: one answer (None: silent) per router, a URL of several
+        addresses giving one per address."""
+        return [answer for answers in await asyncio.gather(*(self._stats(url) for url in urls)) for answer in answers]
+
+    async def _stats(self, url: str) -> list[dict | None]:
+        """The /stats of this tick of the routers at ``url``: polled once however many deployments and routes
+        read it."""
         if url not in self._answers:
-            self._answers[url] = await self._poll(url)
+            self._answers[url] = await self._poll_each(url, await self._addresses(url))
         return self._answers[url]
 
-    async def _poll(self, url: str, quiet: bool = False) -> dict | None:
-        """One router's checked /stats, or None (logged unless ``quiet``: the ticks log it) when it is silent
-        or its answer unusable."""
+    async def _addresses(self, url: str) -> list[str | None]:
+        """Where to poll the router URL ``url``: each address its host resolves to now, where several (routers
+        behind a headless Service: each keeps its own queue and counts, and a poll of the name reaches one of
+        them); else ``[None]``, the URL itself (one router, or a failed resolution that its poll reports)."""
+        parsed = URL(url)
         try:
-            async with self._session.get(f"{url}/stats", headers=serving_headers(self._serving_key),
+            async with asyncio.timeout(self.config.router_timeout_s):
+                addresses = await self.resolve(parsed.host or "", parsed.port)
+        except (OSError, TimeoutError):
+            return [None]
+        return list(addresses) if len(addresses) > 1 else [None]
+
+    async def _poll_each(self, url: str, addresses: Sequence[str | None], quiet: bool = False) -> list[dict | None]:
+        return list(await asyncio.gather(*(self._poll(url, address, quiet) for address in addresses)))
+
+    async def _poll(self, url: str, address: str | None = None, quiet: bool = False) -> dict | None:
+        """One router's checked /stats (at ``address``, with ``url``'s Host, where given), or None (logged unless
+        ``quiet``: the ticks log it) when it is silent or its answer unusable."""
+        parsed = URL(url)
+        target, router, headers = url, url, serving_headers(self._serving_key)
+        if address is not None:
+            target, router = str(parsed.with_host(address)), f"{url} at {address}"
+            headers["Host"] = parsed.host_port_subcomponent
+        try:
+            async with self._session.get(f"{target}/stats", headers=headers, server_hostname=parsed.host,
                                          timeout=aiohttp.ClientTimeout(total=self.config.router_timeout_s)) as answer:
                 if answer.status != 200:
-                    raise StatsFormatError(f"router {url}: /stats answered HTTP {answer.status}")
-                body = await answer.content.read(MAX_STATS_BYTES + 1)
+                    raise StatsFormatError(f"router {router}: /stats answered HTTP {answer.status}")
+                body = await read_capped(answer.content, MAX_STATS_BYTES)
                 if len(body) > MAX_STATS_BYTES:
-                    raise StatsFormatError(f"router {url}: /stats answered more than {MAX_STATS_BYTES} bytes")
-                return parse_stats(url, strictjson.loads(body))
+                    raise StatsFormatError(f"router {router}: /stats answered more than {MAX_STATS_BYTES} bytes")
+                return parse_stats(router, strictjson.loads(body))
         except (aiohttp.ClientError, TimeoutError, StatsFormatError, strictjson.JSONInputError) as exc:
             if not quiet:
-                log.warning("router %s gave no signals: %s", url, exc or type(exc).__name__)
+                log.warning("router %s gave no signals: %s", router, exc or type(exc).__name__)
             return None

@@ -6,7 +6,8 @@ Endpoints:
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the messages rendered with the package's
   chat template): JSON, or Server-Sent Events with ``"stream": true`` (``data: {...}`` per generated
   token, ``data: [DONE]`` at the end). 400 names the bad field; 413 a body over
-  ``max_body_bytes`` (refused from its Content-Length, unread); 404 an unknown model; 429 with
+  ``max_body_bytes`` (refused from its Content-Length, unread); 408 a body not whole within
+  ``body_timeout_s`` of the start of its read (:data:`BODY_TIMEOUT_S`); 404 an unknown model; 429 with
   ``Retry-After`` when the queue is full; 503 while the worker cannot serve (model failed, shutting down).
   A request that arrives before the model is there waits for it. A client that goes away (even
   mid-answer) cancels its request in the engine.
@@ -30,7 +31,13 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from pipecast.core.credentials import SERVING_KEY_HEADER
-from pipecast.core.httpserve import BodyTooLargeError, decode_json_body, read_body, serve_until_signalled
+from pipecast.core.httpserve import (
+    BodyTimeoutError,
+    BodyTooLargeError,
+    decode_json_body,
+    read_body,
+    serve_until_signalled,
+)
 from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.engine.errors import EngineError, InvalidRequestError
 from pipecast.engine.stage import StageCapacityError, StageSessionError
@@ -77,13 +84,25 @@ log = logging.getLogger(__name__)
 
 WORKER = web.AppKey("worker", ServingWorker)
 MAX_BODY = web.AppKey("max_body_bytes", int)
+BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
 #: Largest request body accepted. A prompt of a million token ids is ~8 MB of JSON; decoding that many
 #: numbers holds the GIL ~0.15 s per 8 MB, so the bound also bounds how long /health can wait. A stage
 #: call may be larger: a prompt's hidden states, up to what the model's positions need (``stage_body_limit``).
 MAX_BODY_BYTES = 16 << 20
+#: Longest a client may take to send a completion request's (or a session close's) whole body, as the router's
+#: default ``upstream_timeout_s``: a client stalled mid-body would else hold its handler and the bytes so far.
+BODY_TIMEOUT_S = 300.0
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 #: How long a request waits for the worker to learn the cluster's serving key from its agent (s).
 SERVING_KEY_WAIT_S = 30.0
+
+
+class RequestBodyTimeoutError(ServeError):
+    """A request body not whole within the worker's deadline (the client's fault), refused unread."""
+
+    status = 408
+    kind = "invalid_request_error"
+    code = "request_timeout"
 
 
 def _outcome(error: ServeError) -> str:
@@ -138,7 +157,7 @@ async def _generate(request: web.Request, parse: Callable[[object], CompletionRe
         except ServeError as exc:
             outcome = _outcome(exc)
             response = error_response(exc)
-            if isinstance(exc, RequestTooLargeError):
+            if isinstance(exc, RequestTooLargeError | RequestBodyTimeoutError):
                 response.force_close()  # the rest of the body is never read
             return response
         async with generation:
@@ -270,7 +289,7 @@ async def stage_close(request: web.Request) -> web.Response:
         hops = parse_route(body["next"], first=None) if body.get("next") else ()
     except (RequestFieldError, PipelineProtocolError) as exc:
         return _stage_error(str(exc), 400)
-    except RequestTooLargeError as exc:
+    except (RequestTooLargeError, RequestBodyTimeoutError) as exc:
         response = _stage_error(str(exc), exc.status)
         response.force_close()  # the rest of the body is never read
         return response
@@ -280,11 +299,14 @@ async def stage_close(request: web.Request) -> web.Response:
 
 
 async def _decode(request: web.Request) -> object:
-    """The request's JSON body, read within the size limit and decoded strictly (large ones off the loop)."""
+    """The request's JSON body, read within the size limit and the body deadline and decoded strictly (large ones
+    off the loop)."""
     try:
-        raw = await read_body(request, request.app[MAX_BODY])
+        raw = await read_body(request, request.app[MAX_BODY], request.app[BODY_TIMEOUT])
     except BodyTooLargeError as exc:
         raise RequestTooLargeError(str(exc)) from None
+    except BodyTimeoutError as exc:
+        raise RequestBodyTimeoutError(str(exc)) from None
     try:
         return await decode_json_body(raw)
     except JSONInputError as exc:
@@ -352,11 +374,14 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=payload, headers={"Content-Type": content_type})
 
 
-def build_app(worker: ServingWorker, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
-    """The aiohttp application of ``worker``; the worker starts loading when the application starts."""
+def build_app(worker: ServingWorker, max_body_bytes: int = MAX_BODY_BYTES,
+              body_timeout_s: float = BODY_TIMEOUT_S) -> web.Application:
+    """The aiohttp application of ``worker``; the worker starts loading when the application starts.
+    ``body_timeout_s``: the longest a completion request's body may take to arrive (:data:`BODY_TIMEOUT_S`)."""
     app = web.Application(client_max_size=max_body_bytes, middlewares=[check_serving_key])
     app[WORKER] = worker
     app[MAX_BODY] = max_body_bytes
+    app[BODY_TIMEOUT] = body_timeout_s
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post(STAGE_PATH, stage_call)

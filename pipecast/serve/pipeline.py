@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from packager.manifest import HEX_DIGEST
 from pipecast.core.errors import PipecastError
+from pipecast.core.httpserve import read_capped
 from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.core.urls import http_base_url
 from pipecast.engine.errors import EngineError
@@ -482,7 +483,7 @@ class StageClient:
             async with self._http().post(hop.url + STAGE_PATH, data=encode_frame(call.header(), hidden),
                                          headers={**self.headers, "Content-Type": "application/octet-stream"},
                                          timeout=aiohttp.ClientTimeout(total=left)) as answer:
-                body = await _read_body(answer.content, MAX_ANSWER_BYTES)
+                body = await read_capped(answer.content, MAX_ANSWER_BYTES)
                 status = answer.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             problem = "no answer within the step's deadline" if isinstance(exc, TimeoutError) else str(exc)
@@ -519,16 +520,6 @@ class StageClient:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
-
-
-async def _read_body(content: "aiohttp.StreamReader", cap: int) -> bytes:
-    """The answer's body to its end, or its first ``cap`` + 1 bytes (too long: refused as malformed). One
-    ``read(n)`` returns only what has arrived: a norm's frame of several TCP segments would come cut."""
-    parts, size = [], 0
-    while size <= cap and (part := await content.read(cap + 1 - size)):
-        parts.append(part)
-        size += len(part)
-    return b"".join(parts)
 
 
 def _answered_error(url: str, status: int, body: bytes) -> StageFailedError:

@@ -29,6 +29,7 @@ from benchmarks.distribution import (
 from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S
 from pipecast.agent.transport import registry
 from tests.support.agent_fixtures import corrupt_copy
+from tests.support.netns import require_netns
 from tests.support.packages import tiny_package
 
 MIB = 1 << 20
@@ -174,7 +175,9 @@ def test_an_unusable_transport_is_refused_before_anything_starts(package, tmp_pa
 
 @pytest.mark.slow
 def test_every_strategy_delivers_to_six_workers(tmp_path):
-    """Six workers make the binomial plan pair receivers in slots; each strategy must still deliver."""
+    """Six workers make the binomial plan pair receivers in slots; each strategy must still deliver (in the
+    netns mode, as CI runs it, not quietly over loopback)."""
+    require_netns()
     root = tmp_path / "pkg"
     tiny_package(root, layers=8, layer_bytes=4 * MIB, chunk_bytes=MIB)
     json_path = tmp_path / "out.json"

@@ -191,6 +191,18 @@ def test_the_serving_worker_shares_the_agents_socket_memory_and_cache(case):
     assert arg(agent, "serve-url") == f"http://$(NODE_IP):{serve['ports'][0]['containerPort']}"
 
 
+def test_every_router_is_listed_by_a_headless_service_for_the_scaler(case):
+    """Review E, finding 4: with two routers, a poll of the router Service reaches one of them (each keeps its
+    own queue and counts); the scaler polls every address of the headless Service's name."""
+    _, manifests = case
+    services = {m["metadata"]["name"]: m["spec"] for m in manifests if m["kind"] == "Service"}
+    front, headless = services["pipecast-router"], services["pipecast-router-headless"]
+    assert headless["clusterIP"] == "None" and "type" not in headless
+    assert headless["selector"] == front["selector"] and headless["ports"] == front["ports"]
+    router = workload(manifests, "Deployment", "pipecast-router")
+    assert headless["selector"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
+
+
 def test_the_service_monitor_scrapes_every_metrics_endpoint():
     manifests = render((), merged(INSTALL, CASES["everything"][1]))
     [monitor] = [m for m in manifests if m["kind"] == "ServiceMonitor"]

@@ -37,6 +37,7 @@ from pipecast.serve.openai_api import error_body as worker_error_body, sse
 from pipecast.router.discovery import SERVE_URL_LABEL, ControlPlaneDiscovery, StaticDiscovery
 from pipecast.v1 import control_pb2 as pb
 from tests.control_plane.test_service import STORE, manifest
+from tests.core.test_httpserve import stalled_body_answer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -368,6 +369,32 @@ async def test_a_stream_the_worker_ends_with_its_error_event_counts_as_failed_no
     assert stats["ttft"]["count"] == version["ttft"]["count"] == (1 if tokens else 0)
     assert f'pipecast_router_requests_failed_total{{stage="error_event",worker="{worker.url}"}} 1.0' in metrics
     assert instance.pool.get(worker.url).failed_at is None  # the worker answered for itself: it stays available
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_that_waited_for_its_worker_to_load_counts_in_the_routers_ttft_not_its_versions(
+        client, stream):
+    """The canary gate compares versions' serving, not a new version's first load: a request that arrived
+    while the worker loaded and was answered once it was ready is no TTFT sample of the version."""
+    async with workers(FakeWorker(status="loading", model="m")) as (worker,):
+        async with router([worker.url]) as (url, instance):
+            await eventually(lambda: instance.pool.packages_named("m") == {worker.package_id})
+
+            async def answered() -> int:
+                async with client.post(f"{url}/v1/completions", json=BODY | {"stream": stream}) as response:
+                    await response.read()
+                    return response.status
+
+            pending = asyncio.create_task(answered())
+            await eventually(lambda: instance.waiting == 1)
+            worker.status = "ready"
+            assert await pending == 200
+            assert await answered() == 200  # one that arrived once it was ready counts in both
+            async with client.get(f"{url}/stats") as response:
+                stats = await response.json()
+    version = stats["versions"][worker.package_id]
+    assert (stats["counters"]["answered"], version["counters"]["answered"]) == (2, 2)
+    assert (stats["ttft"]["count"], version["ttft"]["count"]) == (2, 1)
 
 
 async def test_a_stream_that_ends_without_done_is_a_failure_of_the_worker(client):
@@ -935,6 +962,19 @@ async def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(clien
                         assert response.status == 413
                         error = (await response.json())["error"]
                 assert error["code"] == "request_too_large" and "limit of 1048576 bytes" in error["message"]
+            status, _, _ = await post(client, url)  # the router goes on
+            assert status == 200 and len(worker.bodies) == 1
+
+
+async def test_a_client_that_stalls_mid_body_is_answered_408_at_the_upstream_deadline(client):
+    """Review E, finding 3: the body was read with no deadline, so a client that declared 16 MiB and stalled
+    held its handler and the bytes read so far for good; now it has ``upstream_timeout_s`` for the whole body."""
+    async with workers(FakeWorker()) as (worker,):
+        async with router([worker.url], upstream_timeout_s=0.3) as (url, _):
+            status, answer = await stalled_body_answer(url, "/v1/completions")
+            assert status == 408 and answer["error"]["code"] == "request_timeout", answer
+            assert answer["error"]["message"] == ("the request body did not arrive within this server's deadline "
+                                                  "of 0.3 s (500 of 1000 bytes received)")
             status, _, _ = await post(client, url)  # the router goes on
             assert status == 200 and len(worker.bodies) == 1
 

@@ -11,6 +11,7 @@ from aiohttp import web
 from pipecast.router.errors import HealthAnswerError
 from pipecast.router.health import MAX_HEALTH_BYTES, HealthMonitor, vllm_health
 from pipecast.router.pool import WorkerPool
+from tests.core.test_httpserve import answer_in_pieces
 
 
 @asynccontextmanager
@@ -92,3 +93,24 @@ async def test_a_vllm_worker_is_polled_at_health_models_and_metrics():
     health = pool.get(url).health
     assert (health.status, health.queue_depth, health.model) == ("ready", 3, "chat")
     assert seen[:3] == ["/health", "/v1/models", "/metrics"] and seen.count("/v1/models") == 1  # asked once
+
+
+async def test_a_vllm_metrics_page_of_many_tcp_segments_is_read_whole():
+    """Review E, finding 2: one ``read(n)`` returned the first segment that arrived, so across hosts a vLLM
+    page (tens of kB, its gauges after the process collectors) lacked num_requests_waiting: worker down."""
+    page = "".join(f'python_gc_objects_collected_total{{generation="{i}"}} 1.0\n' for i in range(400)) + VLLM_METRICS
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "chat", "object": "model"}]})
+        return await answer_in_pieces(request, page.encode() if request.path == "/metrics" else b"", "text/plain")
+
+    async with worker_app(dict.fromkeys(("/health", "/v1/models", "/metrics"), answer)) as (url, pool):
+        async with aiohttp.ClientSession() as session:
+            monitor = HealthMonitor(pool, session, interval_s=10.0, timeout_s=5.0)
+            monitor.sync([url], {url: "vllm"})
+            await monitor.poll(url)
+            await monitor.close()
+    worker = pool.get(url)
+    assert (worker.status, worker.problem) == ("ready", ""), worker.problem
+    assert (worker.health.queue_depth, worker.health.running) == (3, 2)

@@ -192,6 +192,8 @@ def test_a_busy_worker_is_skipped_until_retry_after_or_a_newer_poll_with_room():
     assert pool.choose(now=11.0).url == B
     assert pool.choose(now=12.0).url == A  # retry-after elapsed
     pool.record_busy(A, "busy", at=20.0, retry_after_s=5.0)
+    pool.record_health(A, health(queue_depth=1, max_queue=16), polled_at=19.9)  # room, but sent before the 429
+    assert pool.choose(now=21.0).url == B
     pool.record_health(A, health(queue_depth=16, max_queue=16), polled_at=20.5)  # newer, but still full
     assert pool.choose(now=21.0).url == B
     pool.record_health(A, health(queue_depth=1, max_queue=16), polled_at=21.0)

@@ -3,11 +3,13 @@ this is the daemon's unit test; tests/integration/test_scaler.py runs it against
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -15,9 +17,14 @@ from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.errors import ChangeNotStored, ControlPlaneError, InsufficientWorkers
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
 from pipecast.core.credentials import SERVING_KEY_HEADER
-from pipecast.scaler.daemon import Scaler, ScalerConfig
+from pipecast.core.httpserve import listening
+from pipecast.router.app import RUNNER_OPTIONS, Router, RouterConfig, build_app
+from pipecast.router.discovery import StaticDiscovery
+from pipecast.scaler.daemon import Scaler, ScalerConfig, resolve_addresses
+from pipecast.scaler.signals import add_up
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1.manifest_pb2 import Block, Manifest
+from tests.core.test_httpserve import answer_in_pieces
 
 pytestmark = pytest.mark.timeout(30)
 PKG = "p" * 64
@@ -100,20 +107,25 @@ async def a_keep_alive_on(scaler: Scaler, now: list[float]) -> None:
 
 
 @asynccontextmanager
-async def stub_router(answer: dict) -> AsyncIterator[tuple[str, dict]]:
-    """A router whose /stats answers ``state["answer"]`` (changeable while it runs); ``state["keys"]`` lists
-    the serving key header of each request (None where absent)."""
-    state = {"answer": answer, "keys": []}
+async def stub_router(answer: dict, host: str = "127.0.0.1", port: int = 0,
+                      in_pieces: bool = False) -> AsyncIterator[tuple[str, dict]]:
+    """A router on ``host``:``port`` whose /stats answers ``state["answer"]`` (changeable while it runs; with
+    ``in_pieces``, as a path between hosts delivers it); ``state["keys"]`` lists the serving key header of each
+    request (None where absent), ``state["hosts"]`` its Host header."""
+    state = {"answer": answer, "keys": [], "hosts": []}
 
-    async def handler(request: web.Request) -> web.Response:
+    async def handler(request: web.Request) -> web.StreamResponse:
         state["keys"].append(request.headers.get(SERVING_KEY_HEADER))
+        state["hosts"].append(request.host)
+        if in_pieces:
+            return await answer_in_pieces(request, json.dumps(state["answer"]).encode())
         return web.json_response(state["answer"])
 
     app = web.Application()
     app.add_routes([web.get("/stats", handler)])
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, host, port)
     await site.start()
     host, port = runner.addresses[0][:2]
     try:
@@ -347,11 +359,11 @@ async def test_the_daemon_measures_how_long_its_scale_ups_take_and_sizes_for_it_
 
 
 async def test_a_deployment_idle_at_zero_scales_up_when_a_request_waits_not_at_the_next_tick():
-    """With a tick of 30 s the first tick sees nothing and the next is far off; the watch between ticks
+    """With a tick of an hour the first tick sees nothing and the next is far off; the watch between ticks
     notices the first waiting request and ticks at once (one early tick: then the demand is seen)."""
     async with stub_router(stats()) as (url, state):
         client = RecordingClient([worker("w1"), worker("w2")], (url,))
-        async with Scaler(client, ScalerConfig(tick_s=30.0, watch_s=0.05)) as scaler:
+        async with Scaler(client, ScalerConfig(tick_s=3600.0, watch_s=0.05)) as scaler:
             stop = asyncio.Event()
             task = asyncio.create_task(scaler.run(stop))
             while not scaler.tracked.get(PKG) or not scaler.tracked[PKG].history:
@@ -360,10 +372,9 @@ async def test_a_deployment_idle_at_zero_scales_up_when_a_request_waits_not_at_t
             await asyncio.sleep(0.2)  # several watches: nothing waits, no tick
             assert len(scaler.tracked[PKG].history) == 1
             state["answer"] = stats(queue=1, arrived=1)
-            asked = time.monotonic()
-            while not any(call[0] == "scale_up" for call in client.calls) and time.monotonic() - asked < 5:
-                await asyncio.sleep(0.01)
-            assert time.monotonic() - asked < 2.0  # a watch interval and a tick, not the 30 s tick
+            async with asyncio.timeout(10):  # only the watch can tick before the hour is up
+                while not any(call[0] == "scale_up" for call in client.calls):
+                    await asyncio.sleep(0.01)
             assert [call[0] for call in client.calls] == ["event", "scale_up"]
             assert len(scaler.tracked[PKG].history) == 2
             assert not scaler.tracked[PKG].idle_at_zero  # the demand is seen: no more early ticks
@@ -491,3 +502,108 @@ async def test_the_daemon_keeps_a_history_that_spans_the_longest_the_policy_look
             now[0] = 1902.0
             await scaler.tick()
             assert [s.at for s in scaler.tracked[PKG].history] == [1300.0, 1601.0, 1902.0]
+
+
+async def test_a_stats_answer_of_many_tcp_segments_is_read_whole():
+    """Review E, finding 1: one ``read(n)`` returned the first segment that arrived, so across hosts a /stats
+    bigger than a segment was cut ("Unterminated string") and every pool held at no_signals."""
+    idle = {f"w{i}": float(i) for i in range(1, 40)}  # some 4 kB of JSON: 3 segments
+    async with stub_router(stats(queue=5, arrived=5, idle=idle), in_pieces=True) as (url, _):
+        client = RecordingClient([worker("w1"), worker("w2"), worker("w3")], (url,))
+        async with Scaler(client) as scaler:
+            [(_, decision)] = await scaler.tick()
+    assert decision.kind != "no_signals" and decision.add == 3, decision
+
+
+def resolving(table: dict[str, list[str]], asked: list[tuple[str, int | None]] | None = None):
+    """A resolver of the names in ``table`` (any other: no such name), recording each question in ``asked``."""
+    async def resolve(host: str, port: int | None) -> list[str]:
+        if asked is not None:
+            asked.append((host, port))
+        if host not in table:
+            raise OSError(f"no such name: {host}")
+        return table[host]
+    return resolve
+
+
+async def test_a_router_url_is_polled_at_every_address_its_name_has_a_single_one_as_it_is():
+    """Review E, finding 4: two routers behind one Service name: each poll reached one of them, so the
+    demand was half counted and flapped. A name with several addresses (a headless Service) is now polled at
+    each of them, resolved each tick; one address or none: the URL as it is."""
+    asked: list[tuple[str, int | None]] = []
+    async with Scaler(None, resolve=resolving({"routers.test": ["10.1.0.1", "10.1.0.2"],
+                                               "router.test": ["10.1.0.3"]}, asked)) as scaler:
+        assert await scaler._addresses("http://routers.test:8080") == ["10.1.0.1", "10.1.0.2"]
+        assert await scaler._addresses("http://router.test:8080") == [None]
+        assert await scaler._addresses("http://unknown.test:8080") == [None]
+    assert asked == [("routers.test", 8080), ("router.test", 8080), ("unknown.test", 8080)]
+
+
+async def test_a_name_resolves_to_its_addresses_of_one_family_once_each(monkeypatch):
+    """A dual-stack name lists each router once per family (and per socket type): counted once each."""
+    v4, v6 = socket.AF_INET, socket.AF_INET6
+    infos = [(v4, socket.SOCK_STREAM, 6, "", ("10.1.0.1", 80)), (v6, socket.SOCK_STREAM, 6, "", ("fd00::1", 80, 0, 0)),
+             (v4, socket.SOCK_STREAM, 6, "", ("10.1.0.2", 80)), (v4, socket.SOCK_STREAM, 6, "", ("10.1.0.1", 80))]
+
+    async def getaddrinfo(host, port, **kwargs):
+        assert (host, port, kwargs) == ("routers.test", 80, {"type": socket.SOCK_STREAM})
+        return infos
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+    assert await resolve_addresses("routers.test", 80) == ["10.1.0.1", "10.1.0.2"]
+
+
+async def test_two_stub_routers_behind_one_name_add_up_with_the_names_host_header_resolved_each_tick():
+    async with stub_router(stats(queue=2, arrived=2)) as (first, one):
+        port = int(first.rpartition(":")[2])
+        async with stub_router(stats(queue=3, arrived=3), host="127.0.0.2", port=port) as (_, two):
+            asked: list[tuple[str, int | None]] = []
+            resolve = resolving({"routers.test": ["127.0.0.1", "127.0.0.2"]}, asked)
+            client = RecordingClient([worker("w1"), worker("w2"), worker("w3")], (f"http://routers.test:{port}",))
+            async with Scaler(client, ScalerConfig(watch_s=0.0), resolve=resolve) as scaler:
+                [(_, decision)] = await scaler.tick()
+                await scaler.tick()
+    assert json.loads(client.events[0].inputs_json)["queue_depth"] == 5 and decision.add == 3  # both queues
+    assert one["hosts"] == two["hosts"] == [f"routers.test:{port}"] * 2
+    assert asked == [("routers.test", port)] * 2
+
+
+async def test_two_real_routers_behind_one_name_are_both_counted():
+    """Two routers (their own queues and counts, as in values-ha) on 127.0.0.1 and 127.0.0.2 behind one name."""
+    nowhere = ["http://127.0.0.1:9"]  # no worker: requests wait, then time out in each router's queue
+    routers = [Router(RouterConfig(queue_timeout_s=0.05, health_interval_s=5), [StaticDiscovery(nowhere)])
+               for _ in range(2)]
+    async with listening(build_app(routers[0]), "127.0.0.1", 0, **RUNNER_OPTIONS) as first:
+        port = int(first.rpartition(":")[2])
+        async with listening(build_app(routers[1]), "127.0.0.2", port, **RUNNER_OPTIONS) as second:
+            async with aiohttp.ClientSession() as http:
+                for url, count in ((first, 2), (second, 3)):
+                    for _ in range(count):
+                        async with http.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi"}) as answer:
+                            assert answer.status == 503
+            resolve = resolving({"routers.test": ["127.0.0.1", "127.0.0.2"]})
+            async with Scaler(None, resolve=resolve) as scaler:
+                answers = await scaler._stats_of([f"http://routers.test:{port}"])
+    signals = add_up(0.0, answers, {})
+    assert (signals.routers_total, signals.routers_answered, signals.arrived) == (2, 2, 5)
+    assert len(set(signals.instances)) == 2
+
+
+async def test_the_watch_between_ticks_polls_every_router_behind_a_name():
+    """A request waiting at the second router behind a name, idle at zero replicas: the watch sees it."""
+    async with stub_router(stats()) as (first, _):
+        port = int(first.rpartition(":")[2])
+        async with stub_router(stats(), host="127.0.0.2", port=port) as (_, two):
+            resolve = resolving({"routers.test": ["127.0.0.1", "127.0.0.2"]})
+            client = RecordingClient([worker("w1")], (f"http://routers.test:{port}",))
+            async with Scaler(client, ScalerConfig(tick_s=30.0, watch_s=0.05), resolve=resolve) as scaler:
+                stop = asyncio.Event()
+                task = asyncio.create_task(scaler.run(stop))
+                while not scaler.tracked.get(PKG) or not scaler.tracked[PKG].history:
+                    await asyncio.sleep(0.01)
+                two["answer"] = stats(queue=1, arrived=1)
+                async with asyncio.timeout(2):  # a watch interval and a tick, not the 30 s tick
+                    while not any(call[0] == "scale_up" for call in client.calls):
+                        await asyncio.sleep(0.01)
+                stop.set()
+                await task

@@ -204,6 +204,14 @@ def test_slo_miss_with_a_queue_adds_one_more_than_demand():
     decision = decide(history, pool, POLICY)
     assert decision.kind == "slo" and decision.add == 1
     assert "p99 TTFT 5.00 s over the SLO 2.00 s" in decision.reason
+    # With a replica on its way, it takes the queue: no SLO replica on top of it.
+    loading = replace(pool, replicas=pool.replicas + (Replica("w2", True),))
+    decision = decide(history, loading, POLICY)
+    assert decision.kind != "slo" and decision.add == 0
+    # Within the scale-up cooldown (that replica came up fast) a missed SLO adds one all the same.
+    cooling = replace(pool, last_scale_up=7.0)
+    decision = decide(history, cooling, POLICY)
+    assert decision.kind == "slo" and decision.add == 1
 
 
 def test_a_p99_over_the_slo_while_the_backlog_falls_fast_enough_adds_nothing():
@@ -325,6 +333,15 @@ def test_auto_warm_with_no_traffic_is_zero_but_min_holds():
     silent = decide(history[:-1] + [Signals(at=59.0, routers_total=1, routers_answered=0)],
                     Pool(now=59.0, replicas=(Replica("w0", False),), free=4), AUTO)
     assert silent.kind == "no_signals" and silent.desired == 1
+
+
+def test_polls_no_router_answered_are_no_part_of_the_auto_warm_baseline():
+    # The routers were down for longer than they answered: no signal, not a spell of no load.
+    gap = [Signals(at=float(t), routers_total=1, routers_answered=0) for t in range(60, 200)]
+    history = steady(60) + gap + steady(60, start=200)
+    assert baseline_demand(history, 1.0, AUTO) == pytest.approx(0.8)
+    decision = decide(history, Pool(now=259.0, replicas=(Replica("w0", False),), free=4), AUTO)
+    assert decision.inputs["baseline_replicas"] == 0.8 and decision.desired == 2
 
 
 def test_partial_replicas_are_still_in_their_cold_start_and_a_rising_rate_adds_to_them():

@@ -34,6 +34,7 @@ from pipecast.serve.text import CompletionText, IncrementalDetokenizer, StopMatc
 from pipecast.serve import worker as worker_module
 from pipecast.serve.worker import CODEC_BLOCKS_LEFT, CODEC_POLL_S, ServingWorker, WorkerConfig, codec_blocks_left
 from tests.support import packages
+from tests.core.test_httpserve import stalled_body_answer
 from tests.support.engine_fixtures import GatedAgent, random_prompt
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_configured_agent")]
@@ -666,6 +667,28 @@ async def test_a_stage_close_over_the_body_limit_is_a_413_not_a_500(pkg):
             async with http.post(f"http://{host}:{port}/v1/stage/close", data=data) as response:
                 assert response.status == 413
                 assert "over this server's limit of 100 bytes" in (await response.json())["error"]["message"]
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_client_that_stalls_mid_body_is_answered_408_at_the_body_deadline(pkg):
+    """Review E, finding 3: a completion's (or a session close's) body was read with no deadline, so a client
+    that stalled mid-body held its handler and the bytes so far for good."""
+    worker = ServingWorker(WorkerConfig(str(pkg)))
+    runner = web.AppRunner(build_app(worker, body_timeout_s=0.3), handler_cancellation=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        answers = []
+        for path in ("/v1/completions", "/v1/stage/close"):
+            status, answer = await stalled_body_answer(f"http://{host}:{port}", path)
+            assert status == 408, answer
+            assert answer["error"]["message"] == ("the request body did not arrive within this server's deadline "
+                                                  "of 0.3 s (500 of 1000 bytes received)"), answer
+            answers.append(answer["error"])
+        assert answers[0]["code"] == "request_timeout" and answers[0]["type"] == "invalid_request_error"
+        assert answers[1]["node"] is None  # a stage's error names the stage that failed: none after it
     finally:
         await runner.cleanup()
 

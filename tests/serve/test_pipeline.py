@@ -174,8 +174,8 @@ async def test_a_request_through_three_stages_answers_the_single_node_tokens(pkg
         # two stages, and a route headed by the only stage (a worker alone)
         status, answer = await post(http, a, completion(12), {PIPELINE_HEADER: route([(a, 0, 3), (c, 3, 6)])})
         assert answer["choices"][0]["token_ids"] == expected
-        await asyncio.sleep(0.2)  # closing the sessions along the route is asynchronous
-        assert [w.stage_runner().sessions for w in (wa, wb, wc)] == [0, 0, 0]
+        # closing the sessions along the route is asynchronous
+        await eventually(lambda: [w.stage_runner().sessions for w in (wa, wb, wc)] == [0, 0, 0])
 
 
 async def test_a_dead_stage_fails_the_request_with_503_naming_it_and_a_bad_route_is_a_400(pkg):
