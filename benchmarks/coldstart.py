@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import TimeoutExpired
 
+from benchmarks.checkout import module_argv
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler, CpuUsage
-from benchmarks.processes import POLL_S, RunProcesses, cli, credentials_env, credentials_line, free_port
+from benchmarks.processes import POLL_S, Processes, RunProcesses, cli, credentials_env, credentials_line, free_port
 from benchmarks.runinfo import parse_counts, versions
 from control_plane.planner.schedules import make_plan
 from packager.manifest import read_manifest
@@ -482,10 +483,10 @@ def client_argv(url: str, model: str, ready_file: Path, start_file: Path, prompt
                 agent_socket: Path | None = None) -> list[str]:
     """The command line of a client (see :func:`client_main`) to start on a worker host; with
     ``agent_socket`` (the worker's agent, running already) its request presents the cluster's serving key."""
-    return [sys.executable, "-m", "benchmarks.coldstart", "--url", url, "--model", model, "--ready-file",
-            str(ready_file), "--start-file", str(start_file), "--prompt", str(prompt_file), "--max-tokens",
-            str(max_tokens), "--timeout", f"{timeout_s:g}", "--ready-timeout", f"{ready_timeout_s:g}", "--out",
-            str(out)] + (["--agent-socket", str(agent_socket)] if agent_socket is not None else [])
+    return module_argv("benchmarks.coldstart", "--url", url, "--model", model, "--ready-file", ready_file,
+                       "--start-file", start_file, "--prompt", prompt_file, "--max-tokens", max_tokens, "--timeout",
+                       f"{timeout_s:g}", "--ready-timeout", f"{ready_timeout_s:g}", "--out", out,
+                       *(["--agent-socket", agent_socket] if agent_socket is not None else []))
 
 
 def write_start_file(path: Path, start_at: float) -> None:
@@ -573,10 +574,15 @@ def start_seed(cluster: EmulatedCluster, package: Path, folder: Path,
     return seed, address
 
 
-def _wait_file(path: Path, run: RunProcesses, deadline: float, what: str, log: str) -> None:
-    """Until ``path`` exists; ColdStartBenchError (with ``log``'s tail) if a process exits or time runs out."""
+def _wait_file(path: Path, run: Processes, deadline: float, what: str, log: str) -> None:
+    """Until ``path`` exists; ColdStartBenchError with the log tail of a process that exited (the client's
+    own when it is the one that died), or with ``log``'s when time runs out."""
     while not path.exists():
-        if any(p.poll() is not None for p in run.procs.values()) or time.monotonic() > deadline:
+        try:
+            run.check_alive(list(run.procs))
+        except ColdStartBenchError as exc:
+            raise ColdStartBenchError(f"{what}: {exc}") from None
+        if time.monotonic() > deadline:
             raise ColdStartBenchError(f"{what}:\n--- last lines of {run.log_path(log)}:\n{run.log_tail(log)}")
         time.sleep(POLL_S)
 

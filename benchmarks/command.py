@@ -105,7 +105,8 @@ def _demo(cache: Path) -> Path:
 
 @bench_group.command("pack")
 @click.option("--size", type=SIZE, default="2GB", show_default=True, help="Synthetic checkpoint size.")
-@click.option("--workdir", type=click.Path(path_type=Path), help="Scratch folder (default: a temp dir).")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Scratch folder (default: a temp dir).")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the figures as JSON.")
 def bench_pack(size, workdir, repeat, json_path):

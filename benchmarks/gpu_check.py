@@ -181,11 +181,18 @@ def main(device: str, cold_layers: int, repeat: int, prompt_tokens: int, json_pa
     import torch
     import transformers
 
+    from pipecast.engine.errors import DeviceError
+    from pipecast.engine.progressive import engine_device
+
+    try:  # the engine's own check, before torch.cuda is asked about a device this host lacks
+        parsed = engine_device(device)
+    except DeviceError as exc:
+        raise click.BadParameter(exc.problem, param_hint="--device") from None
     logging.basicConfig(level=logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
-    name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    name = torch.cuda.get_device_name(parsed) if parsed.type == "cuda" else "cpu"
     click.echo(f"device {device} ({name}); torch {torch.__version__}, transformers {transformers.__version__}")
-    if device.startswith("cuda"):
+    if parsed.type == "cuda":
         torch.ones(1, device=device).matmul(torch.ones(1, device=device))  # the CUDA context, outside the timings
     with tempfile.TemporaryDirectory(prefix="pipecast-gpu-") as tmp:
         work = keep_dir or Path(tmp)

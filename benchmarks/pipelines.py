@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.checkout import module_argv
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler
 from benchmarks.cpuquota import CpuQuotas, open_quotas
@@ -414,7 +415,7 @@ def run_once(cluster: EmulatedCluster, folder: Path, config: PipelinesConfig, ma
         links = ["--store-links", str(k)] if kind == STORE_KIND else ["--no-store-beside-holders"]
         run.spawn(CONTROL, CONTROL, cli("control-plane", "--host", host, "--port", port, "--db",
                                          folder / "control.sqlite3", *links), env=operator)
-        run.spawn(DRIVER, DRIVER, [sys.executable, "-m", "benchmarks.pipelines", folder / "spec.json"], env=operator)
+        run.spawn(DRIVER, DRIVER, module_argv("benchmarks.pipelines", folder / "spec.json"), env=operator)
         deadline = time.time() + START_TIMEOUT_S
         run.wait_event([DRIVER], "published", deadline, "publishing the package")
         agent = ("agent", "--transport", "tcp")

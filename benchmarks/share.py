@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.chaos_package import random_package
+from benchmarks.checkout import module_argv
 from benchmarks.cluster import EmulatedCluster, LinkQueue, RequestedMode
 from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage
 from benchmarks.distribution import STORE, DistributionConfig, PackageFacts, run_once, worker_names
@@ -58,7 +59,6 @@ START_TIMEOUT_S = 60.0  # the actors import aiohttp on a busy machine
 AGENT_START_DELAY_S = 4.0  # run_once starts the workers together this long after spawning them
 WARMUP_S = 1.0  # the client's first connections are not part of the idle phase
 PAUSE_S = 2.0  # between phases: the agents have exited, the links drain
-CHECKOUT = Path(__file__).resolve().parent.parent
 LINK_ENV = "PIPECAST_AGENT_LINK_MBIT"
 SHARE_ENV = "PIPECAST_MULTICAST_SHARE"
 
@@ -252,7 +252,7 @@ def share_package(cache: Path, mib: int) -> Path:
 
 
 def _actor_argv(role: str, *args: str | Path) -> list[str]:
-    return [sys.executable, "-m", "benchmarks.share", role, *map(str, args)]
+    return module_argv("benchmarks.share", role, *args)
 
 
 @contextmanager
@@ -293,14 +293,13 @@ def run(config: ShareConfig, workdir: Path, progress: Progress = NO_PROGRESS) ->
         address = cluster.address(SERVER_HOST)
         port = SERVER_PORT if cluster.mode == "netns" else free_port(address)
         actors = RunProcesses(cluster, Path(workdir) / "serving", ShareBenchError)
-        env = {"PYTHONPATH": str(CHECKOUT)}  # the actors import this module from the checkout
         try:
             actors.spawn("server", SERVER_HOST, _actor_argv("serve", "--host", address, "--port", str(port),
-                                                            "--events", actors.events_path("server")), env)
+                                                            "--events", actors.events_path("server")))
             actors.wait_event(["server"], "listening", time.time() + START_TIMEOUT_S, "serving stand-in")
             actors.spawn(CLIENT, CLIENT, _actor_argv(
                 "load", "--url", f"http://{address}:{port}/", "--rate", f"{config.rate_per_s:g}", "--deadline",
-                f"{config.deadline_s:g}", "--events", actors.events_path(CLIENT)), env)
+                f"{config.deadline_s:g}", "--events", actors.events_path(CLIENT)))
             actors.wait_event([CLIENT], "started", time.time() + START_TIMEOUT_S, "client")
             idle_start = time.time() + WARMUP_S
             progress.start(3, "phases", unit="phase")

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.checkout import module_argv
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler, CpuUsage
 from benchmarks.distribution import floor_seconds, worker_names
@@ -385,7 +386,7 @@ def run_once(cluster: EmulatedCluster, folder: Path, config: StragglersConfig, m
         for w in receivers:
             run.spawn(w, w, cli(*agent, "--node-id", w, "--listen", endpoint(cluster, w, "agent"), "--control-plane",
                                 control, "--link-mbit", config.link_mbit, "--events", run.events_path(w)))
-        run.spawn(DRIVER, DRIVER, [sys.executable, "-m", "benchmarks.stragglers", folder / "spec.json"])
+        run.spawn(DRIVER, DRIVER, module_argv("benchmarks.stragglers", folder / "spec.json"))
         run.wait_event([DRIVER], "scaled_up", start_deadline, "every receiver registered and the scale-up",
                        late=StragglersTimeout)
         kill_at = time.time() + config.kill_after_s

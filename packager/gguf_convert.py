@@ -6,6 +6,8 @@ to a dense model, which is saved once as a Hugging Face safetensors checkpoint t
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from packager.errors import CheckpointError, PackageError
@@ -14,6 +16,21 @@ from pipecast.core.fsutil import atomic_directory
 from pipecast.core.progress import NO_PROGRESS, Progress
 
 logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def _without_transformers_bars() -> Iterator[None]:
+    """transformers' own tqdm bars off meanwhile ("Writing model shards": ``progress`` is the one bar, and it
+    draws none in pipes and logs), then as they were."""
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
 
 
 def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: bool = False,
@@ -34,7 +51,7 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with _without_transformers_bars(), atomic_directory(out, overwrite=overwrite) as tmp:
         folder, name = str(gguf.parent), gguf.name
         logger.info("dequantizing %s to %s", gguf, dtype)
         progress.start(3, f"convert {name}", unit="step")

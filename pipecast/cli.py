@@ -2,7 +2,11 @@
 
 import importlib
 import logging
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -72,17 +76,45 @@ def cli(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived (``timeout``, systemd, Kubernetes): unwinds like Ctrl-C's KeyboardInterrupt."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises :class:`_Terminated` meanwhile instead of killing the process at once, so that with and
+    finally blocks run: an interrupted pack leaves no partial folder and no MLflow download, as on Ctrl-C.
+    Installed only over the default disposition; the servers' own handlers (agent, serve, router, control
+    plane, scaler: a graceful drain) replace it while their event loop runs."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: a PipecastError becomes a one-line message and exit code 2."""
     try:
         # Without standalone mode click returns a command's Exit code instead of raising it.
-        code = cli.main(args=argv, standalone_mode=False)
+        with _sigterm_unwinds():
+            code = cli.main(args=argv, standalone_mode=False)
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
+    except _Terminated:
+        click.echo("terminated", err=True)
+        return 128 + signal.SIGTERM
     except PipecastError as exc:
         click.echo(f"error: {exc}", err=True)
         return 2

@@ -30,13 +30,13 @@ import os
 import secrets
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from benchmarks.checkout import module_argv
 from benchmarks.cluster import EmulatedCluster, RequestedMode, store_egress_mbit
 from benchmarks.cpu import CpuSampler
 from benchmarks.cpuquota import CpuQuotas, open_quotas
@@ -293,7 +293,7 @@ def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strat
     run.spawn(CONTROL, CONTROL, cli("control-plane", "--host", host, "--port", port,
                                      "--db", run.folder / "control.sqlite3", "--store-links", config.store_links),
               env=operator)
-    run.spawn(LOAD, LOAD, [sys.executable, "-m", "benchmarks.surge.loadgen", run.folder / "spec.json"], env=operator)
+    run.spawn(LOAD, LOAD, module_argv("benchmarks.surge.loadgen", run.folder / "spec.json"), env=operator)
     run.wait_event([LOAD], "published", deadline, "publishing the package")
     if strategy.scaled_by == "daemon":
         run.spawn(SCALER, CONTROL, cli("scaler", "run", "--control-plane", layout.control, "--tick",

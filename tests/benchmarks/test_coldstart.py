@@ -3,6 +3,10 @@ the real demo model in the slow test)."""
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -18,7 +22,9 @@ from benchmarks.coldstart import (
     ComputeProfile,
     RunResult,
     StrategyResult,
+    _wait_file,
     check_device,
+    client_argv,
     format_report,
     make_prompts,
     parse_prompt_tokens,
@@ -26,6 +32,7 @@ from benchmarks.coldstart import (
     transfer_times,
 )
 from benchmarks.cpu import CpuUsage
+from benchmarks.processes import Processes
 from tests.support import REPO
 from tests.support.agent_processes import assert_auth_was_on
 
@@ -147,3 +154,27 @@ def test_the_demo_model_cold_starts_with_identical_tokens_both_ways(tmp_path):
     assert [r["strategy"] for r in results] == [EXECUTE_WHILE_LOAD, LOAD_THEN_SERVE]
     assert results[0]["tokens"] == results[1]["tokens"] and len(results[0]["tokens"]) >= 1
     assert "verdict 512 tokens" in result.output
+
+
+def test_the_client_starts_from_any_folder(tmp_path):
+    """Finding 1: run from another folder (`pipecast bench` adds the checkout to its own sys.path only), the
+    client died of "No module named 'benchmarks'"."""
+    argv = client_argv("http://127.0.0.1:1", "m", tmp_path / "ready", tmp_path / "t0", tmp_path / "prompt.json", 4,
+                       10.0, tmp_path / "out.json")
+    bare = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a shell outside the checkout has it
+    done = subprocess.run([*argv, "--help"], cwd=tmp_path, env=bare, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m benchmarks.coldstart")
+
+
+def test_a_process_that_dies_while_the_worker_starts_is_named_with_its_own_log(tmp_path):
+    """Finding 1: a client that died said only "the worker did not start" with the (empty) worker's log."""
+    run = Processes(tmp_path, ColdStartBenchError)
+    try:
+        run.launch("serve", ["sleep", "60"])
+        run.launch("client", [sys.executable, "-c", "import sys; sys.exit(\"No module named 'benchmarks'\")"])
+        with pytest.raises(ColdStartBenchError, match=r"(?s)^the worker did not start: client failed during the "
+                                                      r"run: exited with code 1\n.*client\.log:\n.*No module named"):
+            _wait_file(tmp_path / "serve.ready", run, time.monotonic() + 60, "the worker did not start", "serve")
+    finally:
+        run.stop()

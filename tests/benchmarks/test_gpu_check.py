@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from benchmarks.gpu_check import main
@@ -22,3 +23,15 @@ def test_the_gpu_check_runs_on_a_cpu_and_finds_pipecast_exact(tmp_path):
     assert "tokenizer.json" in files
     again = CliRunner().invoke(main, ["--device", "cpu", "--keep", str(tmp_path / "kept")])
     assert again.exit_code == 2 and "is not empty" in again.output
+
+
+@pytest.mark.parametrize("device, problem", [("cuda", "CUDA is not available on this host"),
+                                             ("bogus", "not a torch device (use cpu, cuda or cuda:N)")])
+def test_a_device_this_host_lacks_is_a_usage_error_with_the_engines_message(monkeypatch, device, problem):
+    """Finding 2: `--device cuda` with a CPU-only torch was an AssertionError traceback from torch.cuda."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # whatever this host has
+    result = CliRunner().invoke(main, ["--device", device])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for --device: {problem}" in result.output

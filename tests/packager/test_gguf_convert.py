@@ -34,3 +34,22 @@ def test_force_replaces_another_output(fake_transformers, tmp_path):
     convert_gguf(gguf, tmp_path / "out", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["Model.json", "Tokenizer.json"]
     assert gguf.read_bytes() == b"GGUF"
+
+
+def test_transformers_draws_no_bar_of_its_own_in_a_pipe(fake_transformers, tmp_path, monkeypatch, capfd):
+    """Finding 5: `convert-gguf GGUF OUT > log 2>&1` wrote transformers' "Writing model shards" tqdm bar."""
+    import transformers
+    from transformers.utils import logging as transformers_logging
+
+    from benchmarks.tiny_checkpoints import tiny_config
+
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))  # its save draws the bar
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert transformers_logging.is_progress_bar_enabled()
+    assert main(["convert-gguf", str(gguf), str(tmp_path / "out")]) == 0
+    out, err = capfd.readouterr()
+    assert "converted" in out and "Writing model shards" not in out + err
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert transformers_logging.is_progress_bar_enabled()  # library code leaves the switch as it found it
