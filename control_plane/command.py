@@ -298,11 +298,23 @@ def cluster_status_command(ctx: click.Context, **options: Any) -> None:
 @click.pass_context
 def publish_command(ctx: click.Context, package_dir: Path, store_node: str, store_address: str,
                     transports: tuple[str, ...]) -> None:
-    """Publish the package in PACKAGE_DIR (its manifest.json), served by a store node."""
+    """Publish the package in PACKAGE_DIR (its manifest.json), served by a store node. Published before its store
+    registers (a supported order), it says so: its scale-ups have no source until then."""
     manifest = read_manifest(package_dir)
     store = PeerInfo(store_node, store_address, transports)
-    package_id = _run(ctx, lambda c: c.publish_package(manifest, store))
-    _emit(ctx, {"package_id": package_id}, [f"published {package_id} ({len(manifest.blocks)} blocks)"])
+
+    async def publish(client: Any) -> tuple[str, bool]:
+        package_id = await client.publish_package(manifest, store)
+        return package_id, any(w.alive and w.worker.peer.node_id == store_node for w in await client.list_workers())
+
+    package_id, store_alive = _run(ctx, publish)
+    warning = "" if store_alive else (
+        f"store node {store_node!r} is not a registered, alive worker: scale-ups of {package_id[:12]} that need it "
+        f"as their source stay pending until an agent serving it registers as {store_node!r} at {store_address}")
+    if warning and not ctx.obj[1]:  # with --json it is in the answer
+        click.echo(f"warning: {warning}", err=True)
+    _emit(ctx, {"package_id": package_id, **({"warning": warning} if warning else {})},
+          [f"published {package_id} ({len(manifest.blocks)} blocks)"])
 
 
 @cp_group.command("remove")

@@ -79,6 +79,17 @@ class Conflict(ControlPlaneError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class NodeIdInUse(Conflict):
+    """A worker registered under the node id of a live worker at another address: two agents were given one id.
+    Retrying cannot fix it while the other one renews its lease."""
+
+    @classmethod
+    def by(cls, node_id: str, live_address: str, address: str, lease_left_s: float) -> "NodeIdInUse":
+        return cls(f"node id {node_id!r} is in use by a live worker at {live_address}: registration from {address} "
+                   f"refused (that worker's lease ends in {lease_left_s:.1f} s unless it renews it; give this agent "
+                   "another --node-id, or stop the other one; an agent restarted at the same address is accepted)")
+
+
 class NoSource(Conflict):
     """A scale-up has no node to send the package from: no worker holds all of it and its store is a receiver."""
 
@@ -133,8 +144,8 @@ class ChangeNotStored(ControlPlaneError):
 
 _BY_NAME: dict[str, type[ControlPlaneError]] = {
     cls.__name__: cls for cls in (UnknownWorker, UnknownPackage, UnknownDeployment, UnknownRoute, InvalidRequest,
-                                  Conflict, NoSource, InsufficientWorkers, Unauthenticated, PermissionDenied,
-                                  ControlPlaneUnavailable, ChangeNotStored)
+                                  Conflict, NodeIdInUse, NoSource, InsufficientWorkers, Unauthenticated,
+                                  PermissionDenied, ControlPlaneUnavailable, ChangeNotStored)
 }
 
 

@@ -353,6 +353,7 @@ class ControlPlaneServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         if self._server is not None:
+            await self.service.end_streams(grace_s)
             await self._server.stop(grace_s)
             self._server = None
         await self.service.former.close()

@@ -18,7 +18,7 @@ import functools
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -141,6 +141,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self._forming: dict[str, asyncio.Future[Formed]] = {}
         self._listed: dict[str, _Listed] = {}  # per worker: what its ListWorkers message was last made of, and it
         self._listing: asyncio.Future[pb.ListWorkersResponse] | None = None
+        self._streams: set[asyncio.Task] = set()  # the tasks of the open streams' handlers
+        self._ending_streams = False
         self.open_mailboxes()
 
     def open_mailboxes(self) -> None:
@@ -292,6 +294,30 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             if mailbox is not None:
                 mailbox.put(notice)
 
+    async def end_streams(self, timeout_s: float) -> None:
+        """End every open stream, and those opened from now on, with status OK (the control plane stops): a
+        stream still open when grpc's server stops is cancelled there, and grpc logs that as an ERROR."""
+        self._ending_streams = True
+        for task in self._streams:
+            task.cancel()
+        if self._streams:
+            await asyncio.wait(set(self._streams), timeout=timeout_s)
+
+    @contextlib.contextmanager
+    def _open_stream(self) -> Iterator[None]:
+        """Around a stream handler's waits: :meth:`end_streams` cancels it there, and it returns."""
+        task = asyncio.current_task()
+        if self._ending_streams:
+            task.cancel()  # opened while the control plane stops: it ends at its first wait
+        self._streams.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not self._ending_streams:
+                raise
+        finally:
+            self._streams.discard(task)
+
     def _close_mailbox(self, node: str) -> None:
         mailbox = self.mailboxes.pop(node, None)
         if mailbox is not None:
@@ -415,10 +441,11 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 
     async def StreamReports(self, requests: AsyncIterator[pb.ReportBlocksRequest],
                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReportBlocksResponse]:
-        async for request in requests:
-            async with self.handling("StreamReports", context):
-                response = self._report(request)
-            yield response
+        with self._open_stream():
+            async for request in requests:
+                async with self.handling("StreamReports", context):
+                    response = self._report(request)
+                yield response
 
     def _report(self, request: pb.ReportBlocksRequest) -> pb.ReportBlocksResponse:
         self.act_for(request.node_id)
@@ -532,8 +559,9 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         owner = mailbox.attach((plan_id, self.state.plans[plan_id].package_id) for plan_id in self.state.plans_of(node))
         log.info("assignment stream opened node=%s", node)
         try:
-            while (notice := await mailbox.next(owner)) is not None:
-                yield self._render(notice)
+            with self._open_stream():
+                while (notice := await mailbox.next(owner)) is not None:
+                    yield self._render(notice)
         finally:
             log.info("assignment stream closed node=%s", node)
         if mailbox.closed:  # the worker died or deregistered: it must register again

@@ -19,7 +19,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from control_plane.availability import Availability
-from control_plane.errors import Conflict, InsufficientWorkers, InvalidRequest, NoSource, UnknownPackage, UnknownWorker
+from control_plane.errors import (
+    Conflict, InsufficientWorkers, InvalidRequest, NodeIdInUse, NoSource, UnknownPackage, UnknownWorker)
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec, serve_url_of
 from control_plane.pipeline_forming import PipelineQuery
 from control_plane.placement import (
@@ -223,8 +224,9 @@ class ControlState:
     def register(self, spec: WorkerSpec, held: Mapping[str, Iterable[int]], now: float, *,
                  cached: Mapping[str, Iterable[int]] | None = None) -> list[str]:
         """Add or replace a worker; ``held`` replaces all it was known to hold, ``cached`` all it was known to
-        have in its disk cache. A worker whose lease lapsed while a plan fed it gets a plan for the rest; one
-        still holding a package it was told to drop is told again (and does not hold it here).
+        have in its disk cache; refused (:class:`NodeIdInUse`) from another address while the worker's lease
+        runs: a second agent given its id. A worker whose lease lapsed while a plan fed it gets a plan for the
+        rest; one still holding a package it was told to drop is told again (and does not hold it here).
         Returns unknown package ids (of either)."""
         node = spec.node_id
         if not node or not spec.peer.address:
@@ -240,6 +242,10 @@ class ControlState:
         blocks, unknown = self._parse_reports(node, held)
         on_disk, unknown_cached = self._parse_reports(node, cached or {})
         old = self.workers.get(node)
+        # A live lease at another address is another agent's (a restored one is unproven: it may have moved).
+        if (old is not None and old.alive and not old.restored and old.lease_expires > now
+                and old.spec.peer.address != spec.peer.address):
+            raise NodeIdInUse.by(node, old.spec.peer.address, spec.peer.address, old.lease_expires - now)
         self.workers[node] = Worker(spec, now + self.lease_s)
         self.dirty.workers.add(node)
         # ``held`` is what it holds now; a package it was told to drop and still holds, it never heard of that

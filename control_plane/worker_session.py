@@ -8,9 +8,10 @@ plane answered as unknown (e.g. a store seeded before the package was published)
 heartbeat until the control plane knows them, so that either order of start-up and publish works. The control
 plane being down never stops the agent: calls fail with typed errors that are logged, and the session retries.
 After any failed call the next contact is a full registration, so reports a crashed control plane had
-acknowledged but not yet written to its database are restored. A refused token is the one fatal error:
-it ends :meth:`WorkerSession.assignments` with :class:`Unauthenticated`, or :class:`PermissionDenied` for
-a node token of another node (retrying cannot fix either).
+acknowledged but not yet written to its database are restored. A refused token is fatal: it ends
+:meth:`WorkerSession.assignments` with :class:`Unauthenticated`, or :class:`PermissionDenied` for a node token
+of another node; so is a refused registration: :class:`InvalidRequest` (the agent's configuration) or
+:class:`NodeIdInUse` (another live agent has its node id). Retrying can fix none of them.
 
 Each registration brings the data-plane key (:attr:`WorkerSession.data_key`; b"" with auth off): the
 agent keys its data-plane hello with it, and ``on_data_key`` is called whenever it changes (the first
@@ -28,7 +29,8 @@ import logging
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 
 from control_plane.client import ControlPlaneClient, ReportStream
-from control_plane.errors import ControlPlaneError, PermissionDenied, Unauthenticated, UnknownWorker
+from control_plane.errors import (
+    ControlPlaneError, InvalidRequest, NodeIdInUse, PermissionDenied, Unauthenticated, UnknownWorker)
 from control_plane.messages import AssignmentUpdate, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 Holdings = Callable[[], Mapping[str, Collection[int]]]
 #: Errors no retry can fix: the token is refused, or it is not this node's.
 REFUSED = (Unauthenticated, PermissionDenied)
+#: A registration refused for what the agent was given (a serve URL on another host, a node id in use): as fatal.
+REGISTRATION_REFUSED = (*REFUSED, InvalidRequest, NodeIdInUse)
 
 
 class WorkerSession:
@@ -131,7 +135,8 @@ class WorkerSession:
     async def assignments(self) -> AsyncIterator[AssignmentUpdate]:
         """The assignment stream, for as long as the caller iterates: each (re)connection starts with a
         SYNC naming the plans the worker is in, then an ASSIGN for each. Raises :class:`Unauthenticated`
-        once the control plane refuses the token, :class:`PermissionDenied` if it is another node's."""
+        once the control plane refuses the token, :class:`PermissionDenied` if it is another node's, and
+        :class:`InvalidRequest` or :class:`NodeIdInUse` if it refuses the registration."""
         while True:
             await self._until_registered()
             try:
@@ -174,6 +179,7 @@ class WorkerSession:
         failing = False
         while True:
             self._kick.clear()
+            fatal = REFUSED if self.registered.is_set() else REGISTRATION_REFUSED
             try:
                 if self.registered.is_set():
                     await self.client.heartbeat(self.node_id)
@@ -196,7 +202,7 @@ class WorkerSession:
                             self.node_id)
                 self.registered.clear()
                 continue
-            except REFUSED as exc:
+            except fatal as exc:
                 log.error("control plane %s refused node=%s: %s", self.client.target, self.node_id, exc)
                 self._refused = exc
                 self._refused_event.set()

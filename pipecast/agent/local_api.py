@@ -128,6 +128,7 @@ class LocalApiServer:
         self._auth = auth
         self._server: asyncio.AbstractServer | None = None
         self._subscribers: set[asyncio.Queue] = set()
+        self._connections: set[asyncio.Task] = set()
         self.path: Path | None = None
 
     async def start(self, path: Path) -> None:
@@ -177,8 +178,8 @@ class LocalApiServer:
                 queue.put_nowait(None)
 
     async def close(self) -> None:
-        """Stop serving, end every event stream (an engine waiting on one learns the agent is gone at
-        once, not at its deadline) and remove the socket file."""
+        """Stop serving, end every event stream and request (an engine waiting on one learns the agent is gone
+        at once, not at its deadline) and remove the socket file."""
         for queue in self._subscribers:
             if queue.full():
                 queue.get_nowait()
@@ -186,10 +187,15 @@ class LocalApiServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        for connection in self._connections:
+            connection.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
         if self.path is not None:
             self.path.unlink(missing_ok=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connection = asyncio.current_task()
+        self._connections.add(connection)
         try:
             while line := await reader.readline():
                 try:
@@ -206,7 +212,10 @@ class LocalApiServer:
                 await writer.drain()
         except (ConnectionError, ValueError):
             pass  # the engine went away, or sent a line over the stream limit: drop it
+        except asyncio.CancelledError:
+            pass  # the agent stops: asyncio logs a connection's task that ends cancelled as an ERROR
         finally:
+            self._connections.discard(connection)
             writer.close()
 
     async def _answer(self, request: LocalRequest) -> dict | bytes:

@@ -391,3 +391,24 @@ def test_fuzz_the_request_parser_with_bytes(line):
         parse_request(line)
     except LocalApiError:
         pass
+
+
+def test_an_agent_stopping_with_an_engine_waiting_ends_its_request_and_logs_no_error(tmp_path, caplog):
+    """Finding 3 (walk B): an agent stopped by SIGTERM with a serving worker attached logged an ERROR
+    traceback per connection (asyncio cancelled its handler at the end of the run, and logs a connection's
+    task that ends cancelled); now closing the local API ends each request quietly, and the engine sees EOF."""
+    async def agent() -> bytes:
+        server = LocalApiServer(PeerServer(), status=dict, auth=PeerAuth("n1"))
+        await server.start(tmp_path / "agent.sock")
+        reader, writer = await asyncio.open_unix_connection(tmp_path / "agent.sock")
+        try:
+            writer.write(b'{"op": "wait_block", "block": 0, "timeout": 60}\n')  # a package that never comes
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            await server.close()
+            return await asyncio.wait_for(reader.read(), 5)
+        finally:
+            writer.close()
+
+    assert asyncio.run(agent()) == b""  # asyncio.run then cancels what is left, as when the agent exits
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []

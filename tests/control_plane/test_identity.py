@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from control_plane.client import ControlPlaneClient
-from control_plane.errors import Conflict, InvalidRequest, PermissionDenied, Unauthenticated, UnknownWorker
+from control_plane.errors import (
+    Conflict, InvalidRequest, NodeIdInUse, PermissionDenied, Unauthenticated, UnknownWorker)
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.server import ControlPlaneServer
 from control_plane.worker_session import WorkerSession
@@ -230,3 +231,46 @@ async def test_worker_session_hands_over_the_data_key_and_stops_on_another_nodes
                 await asyncio.wait_for(anext(wrong.assignments()), WAIT_S)
         finally:
             await wrong.close()
+
+
+async def test_a_second_agent_with_a_live_workers_node_id_is_refused_and_the_first_keeps_its_place(operator, server):
+    """Finding 1 (walk B): an agent started with the node id of a live worker at another address replaced it
+    silently (the router lost the real one's serving worker); now refused while the real one's lease runs, and
+    a restart at the same address, or a registration after the lease lapsed, is still accepted."""
+    await operator.register(spec("w1"))
+    impostor = WorkerSpec(PeerInfo("w1", "127.0.0.9:27070", ("tcp",)), 1 << 30)
+    with pytest.raises(NodeIdInUse, match=r"node id 'w1' is in use by a live worker at 127.0.0.1:9001: "
+                                          r"registration from 127.0.0.9:27070 refused \(that worker's lease ends in "
+                                          r"\d+\.\d s unless it renews it; .*an agent restarted at the same address "
+                                          r"is accepted\)"):
+        await operator.register(impostor)
+    [worker] = await operator.list_workers()
+    assert worker.worker.peer.address == spec("w1").peer.address and worker.alive
+    await operator.heartbeat("w1")
+    await operator.register(spec("w1"))  # the agent restarted where it was
+    server.state.workers["w1"].lease_expires = server.clock()  # its lease lapsed: the id is free
+    await operator.register(impostor)
+    [worker] = await operator.list_workers()
+    assert worker.worker.peer.address == "127.0.0.9:27070"
+
+
+@pytest.mark.parametrize("refusal", ["serve_url", "node_id"])
+async def test_worker_session_stops_on_a_refused_registration(operator, server, refusal):
+    """Findings 1 and 2 (walk B): a registration refused for the agent's configuration (a serve URL on another
+    host, a node id a live worker has) was retried every second forever; now it ends the session (the agent
+    exits 2 with the message)."""
+    await operator.register(spec("w1"))
+    if refusal == "serve_url":
+        wrong = WorkerSpec(spec("w2").peer, 1 << 30, serve_url="http://127.0.0.8:27800")
+        error, message = InvalidRequest, "serve URL .* is not on its own host"
+    else:
+        wrong = WorkerSpec(PeerInfo("w1", "127.0.0.9:27070", ("tcp",)), 1 << 30)
+        error, message = NodeIdInUse, "node id 'w1' is in use by a live worker at 127.0.0.1:9001"
+    session = WorkerSession(operator, wrong, holdings=dict, retry_s=0.05)
+    await session.start()
+    try:
+        with pytest.raises(error, match=message):
+            await asyncio.wait_for(anext(session.assignments()), WAIT_S)
+    finally:
+        await session.close()
+    assert server.state.workers["w1"].spec.peer.address == spec("w1").peer.address

@@ -724,7 +724,13 @@ def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
         pid = _valid_package(tmp_path / "pkg")
         result = runner.invoke(cp_group, ["publish", str(tmp_path / "pkg"), "--store-node", "store",
                                           "--store-address", "10.0.0.1:7070"])
-        assert result.output == f"published {pid} ({BLOCKS} blocks)\n"
+        # Finding 4 (walk B): a store that never registered was accepted silently, its scale-ups pending forever.
+        assert result.output == (f"warning: store node 'store' is not a registered, alive worker: scale-ups of "
+                                 f"{pid[:12]} that need it as their source stay pending until an agent serving it "
+                                 f"registers as 'store' at 10.0.0.1:7070\npublished {pid} ({BLOCKS} blocks)\n")
+        publish = ["publish", str(tmp_path / "pkg"), "--store-node", "store", "--store-address", "10.0.0.1:7070"]
+        assert "is not a registered, alive worker" in json.loads(
+            runner.invoke(cp_group, ["--json", *publish]).output)["warning"]
 
         async def register():
             async with ControlPlaneClient(f"127.0.0.1:{port}", token=TOKEN, timeout_s=WAIT_S) as c:
@@ -752,6 +758,12 @@ def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
         key = serving_key(data_plane_key(TOKEN)).hex()  # what the routers' /stats ask for, to any token
         assert runner.invoke(cp_group, ["--token", token, "serving-key"]).output == f"{key}\n"
         assert json.loads(runner.invoke(cp_group, ["--json", "serving-key"]).output) == {"serving_key": key}
+
+        async def register_store():
+            async with ControlPlaneClient(f"127.0.0.1:{port}", token=TOKEN, timeout_s=WAIT_S) as c:
+                await c.register(WorkerSpec(STORE, 1 << 30), {pid: range(BLOCKS)})
+        asyncio.run(register_store())
+        assert runner.invoke(cp_group, publish).output == f"published {pid} ({BLOCKS} blocks)\n"  # a worker now
     finally:
         server.terminate()
         _, stderr = server.communicate(timeout=10)
@@ -993,10 +1005,10 @@ async def test_list_workers_shows_a_worker_as_it_registered_last(client):
     first = spec("w1")
     await client.register(first)
     assert [w.worker.peer.address for w in await client.list_workers()] == [first.peer.address]
-    moved = WorkerSpec(PeerInfo("w1", "127.0.0.1:9999", ("tcp",)), first.memory_bytes, labels={"rack": "r1"})
-    await client.register(moved)  # back at another address, in another rack: not the listing made before
+    moved = WorkerSpec(PeerInfo("w1", first.peer.address, ("tcp", "rdma")), first.memory_bytes, labels={"rack": "r1"})
+    await client.register(moved)  # back with another transport, in another rack: not the listing made before
     [w1] = await client.list_workers()
-    assert w1.worker.peer.address == "127.0.0.1:9999" and dict(w1.worker.labels) == {"rack": "r1"}
+    assert list(w1.worker.peer.transports) == ["tcp", "rdma"] and dict(w1.worker.labels) == {"rack": "r1"}
     # A worker's message is made again only when it changed; its lease is set at every call.
     await client.publish_package(manifest(), STORE)
     await client.report_blocks("w1", {PKG: [0, 1]})
@@ -1023,3 +1035,23 @@ async def test_a_bad_peer_report_refused_for_an_unregistered_worker_makes_the_se
     with pytest.raises(UnknownWorker):
         await session.report_bad_peer("w2", PKG, 0, "connection reset")
     assert not session.registered.is_set()
+
+
+def test_a_control_plane_stopping_with_open_streams_ends_them_and_logs_no_error(tmp_path, caplog):
+    """Finding 3 (walk B): a control plane stopped (SIGTERM) while agents held their assignment and report
+    streams open logged an ERROR traceback per stream (grpc cancelled their handlers when its server stopped,
+    and asyncio's run cancelled what grpc left); now each stream ends with status OK before the server stops."""
+    async def control_plane() -> list:
+        server = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=60.0))
+        await server.start()
+        client = ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S)
+        await client.register(spec("w1"))
+        watcher = Watcher(client, "w1")
+        assert (await watcher.next()).kind is UpdateKind.SYNC
+        reports = client.open_report_stream()
+        assert await reports.report("w1", {}) == ()
+        await server.stop(grace_s=1.0)
+        return await asyncio.gather(watcher.task, return_exceptions=True)
+
+    assert asyncio.run(control_plane()) == [None]  # ended, not cancelled: the client is left open, as agents are
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from control_plane.errors import (
-    Conflict, InsufficientWorkers, InvalidRequest, NoSource, UnknownPackage, UnknownWorker)
+    Conflict, InsufficientWorkers, InvalidRequest, NodeIdInUse, NoSource, UnknownPackage, UnknownWorker)
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.placement import CHAIN_MAX_RECEIVERS
 from control_plane.planner.plan import Fetch, Plan
@@ -124,6 +124,9 @@ def test_a_worker_back_at_another_address_is_announced_to_the_nodes_whose_parts_
     result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
     state.notices.clear()
     moved = WorkerSpec(PeerInfo("w1", "w1.local:7071", ("tcp",)), 10_000)
+    with pytest.raises(NodeIdInUse, match="node id 'w1' is in use by a live worker at w1.local:7070"):
+        state.register(moved, {}, now=2)  # its lease runs: another agent given its id
+    state.workers["w1"].restored = True  # as after a control plane restart: then it may have moved
     state.register(moved, {}, now=2)
     assert notices_of(state, UpdateKind.ASSIGN) == {"w0", "w1", "w2"}  # store -> w0 -> w1 -> w2 -> w3
     assert state.plans[result.plan_id].version == 2
@@ -134,6 +137,7 @@ def test_a_worker_back_at_another_address_is_announced_to_the_nodes_whose_parts_
     second = state.scale_up("pkg", node_ids=["w4"], now=4)
     [source] = [s for s in second.sources if s != "store"]
     state.notices.clear()
+    state.workers[source].restored = True
     state.register(WorkerSpec(PeerInfo(source, f"{source}.local:7071", ("tcp",)), 10_000),
                    {"pkg": range(BLOCKS)}, now=5)
     assert notices_of(state, UpdateKind.ASSIGN) == set(state.plans[second.plan_id].parts)
