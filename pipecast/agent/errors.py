@@ -23,7 +23,8 @@ class PeerConnectError(PeerError):
 class PeerNotListeningError(PeerConnectError):
     """The peer's host refused the connection: nothing listens at its data-plane address (its agent is not
     running there). A fetch gives up on such a peer at once instead of retrying it, so that its children are
-    re-planned in a round trip rather than after the retries' backoff."""
+    re-planned in a round trip rather than after the retries' backoff. TCP only: UCX names a refused endpoint
+    in several ways (not connected, canceled, truncated), no one of them sure to mean that."""
 
 
 class PeerTimeoutError(PeerError):
