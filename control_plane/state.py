@@ -300,15 +300,7 @@ class ControlState:
         """Mark workers whose lease lapsed dead (they leave every plan), drop releases that are due,
         forget long-dead workers. Returns the newly dead."""
         dead = sorted(node for node, w in self.workers.items() if w.alive and w.lease_expires <= now)
-        for node in dead:
-            self.workers[node].alive = False
-            self.dirty.workers.add(node)
-        for node in dead:
-            receiving = {p.package_id for p in self.plans.values() if node in p.pending}
-            if receiving:
-                self.lapsed.setdefault(node, set()).update(receiving)
-        if dead:
-            self._remove_nodes(set(dead))
+        self._lapse(dead)
         for (package_id, node), drop_at in sorted(self.releases.items()):
             if drop_at <= now:
                 self._drop(package_id, node)
@@ -316,6 +308,19 @@ class ControlState:
         for node in forget:
             self._forget(node)
         return dead
+
+    def _lapse(self, nodes: Collection[str]) -> None:
+        """``nodes`` are dead as if their lease lapsed: they leave every plan and availability, must register
+        again, and then get a plan for the rest of what they were receiving."""
+        for node in nodes:
+            self.workers[node].alive = False
+            self.dirty.workers.add(node)
+        for node in nodes:
+            receiving = {p.package_id for p in self.plans.values() if node in p.pending}
+            if receiving:
+                self.lapsed.setdefault(node, set()).update(receiving)
+        if nodes:
+            self._remove_nodes(set(nodes))
 
     def _forget(self, node: str) -> None:
         """Remove every trace of ``node`` (it left every plan and availability already)."""
@@ -469,9 +474,10 @@ class ControlState:
         unit of it) the child fetches the block from elsewhere. A peer still receiving the plan stays in it and
         fetches what it lacks now (:func:`~control_plane.planner.replan.reroute`); one that is not (a source, a
         holder, a receiver done) leaves it, as a dead node would. A peer ``gone`` (its host refused the
-        connection: nothing listens there) loses all its availability of the package and leaves those plans as
-        a dead node does, its children taking its slots, not at its lease's end; registered again, it gets a
-        plan for the rest. Returns whether any plan was re-planned."""
+        connection: nothing listens there) is taken for dead at once, as if its lease had lapsed: it leaves
+        every plan, its children taking its slots, and all availability; an agent that is in fact alive (it
+        restarted, or refused only this child) is told to register again at its next heartbeat, with all it
+        holds, and gets a plan for the rest. Returns whether any plan was re-planned."""
         worker = self.registered_worker(node)
         self._check_blocks(node, self.package(package_id), [block])
         worker.lease_expires = now + self.lease_s
@@ -484,15 +490,16 @@ class ControlState:
             return False
         log.warning("bad peer node=%s peer=%s package=%s block=%d gone=%s reason=%s", node, peer, package_id, block,
                     gone, reason)
-        if gone:  # like a lapsed lease: back, it gets a plan for the rest
-            receiving = {active.package_id for active in plans if peer in active.pending}
-            if receiving:
-                self.lapsed.setdefault(peer, set()).update(receiving)
-        availability = self.availability[package_id]
-        if availability.remove_worker(peer) if gone else availability.remove(peer, [block]):
+        if gone:
+            worker = self.workers.get(peer)
+            if worker is not None and worker.alive:
+                self._lapse([peer])
+                return True
+            return any(self._repair(active, {peer}) for active in plans)  # e.g. a store that never registered
+        if self.availability[package_id].remove(peer, [block]):
             self.dirty.availability.add((package_id, peer))
-        return any([self._reroute(active, node, peer, block) if peer in active.pending and not gone
-                    else self._repair(active, {peer}) for active in plans])
+        return any([self._reroute(active, node, peer, block) if peer in active.pending else self._repair(active, {peer})
+                    for active in plans])
 
     def _reroute(self, active: ActivePlan, child: str, peer: str, block: int) -> bool:
         """Move ``child``'s fetches of ``block`` off ``peer``, a receiver of ``active`` that keeps receiving."""

@@ -566,9 +566,30 @@ def test_a_bad_peer_gone_leaves_its_plan_at_once_and_its_child_takes_its_slot():
     assert {a.parent for a in active.parts["w2"].fetch} == {"w0"}  # its slot in the chain
     assert state.availability["pkg"].held("w1") == frozenset()
     assert_complete_plan(state, result.plan_id, {"w0", "w2", "w3"})
+    with pytest.raises(UnknownWorker):  # taken for dead: were it alive, it must register again
+        state.heartbeat("w1", now=2.5)
     state.register(spec("w1"), {"pkg": [0]}, now=3)  # its agent restarted: the rest of the package comes
     [resumed] = [a for a in state.plans.values() if a.plan_id != result.plan_id]
     assert resumed.pending == {"w1"} and {a.block for a in resumed.parts["w1"].fetch} == set(range(1, BLOCKS))
+
+
+def test_a_live_source_reported_gone_by_one_child_registers_again_and_is_a_holder_again():
+    """Connection refused only means nothing listened where that child looked: an agent alive after all is
+    told at its next heartbeat to register again, and holds what it says it holds, not nothing for good."""
+    state = cluster(5)
+    state.report("w4", {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0", "w1"], strategy="chain", now=1)
+    assert result.sources == ("w4",)
+    child = next(n for n in result.receivers if state.plans[result.plan_id].parts[n].fetch[0].parent == "w4")
+    assert state.report_bad_peer(child, "w4", "pkg", 0, "PeerNotListeningError: nothing listens there", now=2,
+                                 gone=True)
+    assert state.availability["pkg"].held("w4") == frozenset()
+    assert "w4" not in state.plans[result.plan_id].parts
+    with pytest.raises(UnknownWorker):
+        state.heartbeat("w4", now=2.5)
+    state.register(spec("w4"), {"pkg": range(BLOCKS)}, now=3)
+    assert state.availability["pkg"].held("w4") == frozenset(range(BLOCKS))
+    state.heartbeat("w4", now=3.5)
 
 
 def test_a_bad_peer_that_served_a_block_it_held_fetches_it_again_last():
