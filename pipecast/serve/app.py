@@ -211,8 +211,8 @@ async def stage_call(request: web.Request) -> web.Response:
         worker.forget_stage_session(session)
         return web.json_response({"error": {"message": str(exc), "problem": exc.problem, "node": exc.node}},
                                  status=502)
-    except BodyTooLargeError as exc:
-        response = _stage_error(str(exc), 413)
+    except (BodyTooLargeError, BodyTimeoutError) as exc:
+        response = _stage_error(str(exc), 413 if isinstance(exc, BodyTooLargeError) else 408)
         response.force_close()  # the rest of the body is never read
         return response
     except (PipelineProtocolError, InvalidRequestError, StageSessionError) as exc:
@@ -232,23 +232,34 @@ async def _read_stage_frame(request: web.Request, worker: ServingWorker, receive
     """A stage call's body. One within the worker's body limit is read as any body. A larger one (a long
     prompt's hidden states: Llama-3-8B's 2,048 float32 positions are 32 MiB) may be as large as the model's
     positions need (:func:`~pipecast.serve.pipeline.stage_body_limit`), which is known once the model is:
-    the frame's header, at its front, is read first, and the call's deadline bounds that wait."""
-    floor = request.app[MAX_BODY]
+    the frame's header, at its front, is read first, and the call's deadline bounds that wait. The header and
+    the rest of the body each have the body deadline (:class:`BodyTimeoutError`), as any body has."""
+    floor, timeout_s = request.app[MAX_BODY], request.app[BODY_TIMEOUT]
     declared = request.content_length
     if declared is not None and declared <= floor:
-        return await read_body(request, floor)
-    prefix = b""
+        return await read_body(request, floor, timeout_s)
+    prefix = bytearray()
+
+    async def take(count: int) -> None:
+        """``count`` more bytes of the body onto ``prefix`` (so that a timeout can say how many came)."""
+        end = len(prefix) + count
+        while len(prefix) < end:
+            chunk = await request.content.read(end - len(prefix))
+            if not chunk:
+                raise PipelineProtocolError(f"a frame of {len(prefix)} bytes is shorter than its header says")
+            prefix.extend(chunk)
+
     try:
-        prefix = await request.content.readexactly(4)
-        size = int.from_bytes(prefix, "big")
-        if size > STAGE_HEADER_BYTES:
-            raise PipelineProtocolError(f"a frame's header of {size} bytes is over a stage call's "
-                                        f"{STAGE_HEADER_BYTES}")
-        prefix += await request.content.readexactly(size)
-    except asyncio.IncompleteReadError as exc:
-        raise PipelineProtocolError(f"a frame of {len(prefix) + len(exc.partial)} bytes is shorter than its "
-                                    f"header says") from None
-    header = decode_frame_header(prefix[4:])
+        async with asyncio.timeout(timeout_s):
+            await take(4)
+            size = int.from_bytes(prefix, "big")
+            if size > STAGE_HEADER_BYTES:
+                raise PipelineProtocolError(f"a frame's header of {size} bytes is over a stage call's "
+                                            f"{STAGE_HEADER_BYTES}")
+            await take(size)
+    except TimeoutError:
+        raise BodyTimeoutError(timeout_s, len(prefix), declared) from None
+    header = decode_frame_header(bytes(prefix[4:]))
     call = StageCall.from_header(header)
     # The frame's own size, from its tensor's dtype and shape: no more is read, whatever the model allows.
     size = len(prefix) + (tensor_bytes(header["tensor"]) if "tensor" in header else 0)
@@ -259,10 +270,15 @@ async def _read_stage_frame(request: web.Request, worker: ServingWorker, receive
     if declared is not None and declared != size:
         raise PipelineProtocolError(f"a frame of {size} bytes by its header came in a body of {declared}")
     body = bytearray(prefix)
-    async for chunk in request.content.iter_any():
-        body += chunk
-        if len(body) > size:
-            raise PipelineProtocolError(f"more than the {size} bytes its header says follow a frame's header")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_any():
+                body += chunk
+                if len(body) > size:
+                    raise PipelineProtocolError(f"more than the {size} bytes its header says follow a frame's "
+                                                "header")
+    except TimeoutError:
+        raise BodyTimeoutError(timeout_s, len(body), declared or size) from None
     return bytes(body)
 
 

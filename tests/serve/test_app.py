@@ -672,8 +672,8 @@ async def test_a_stage_close_over_the_body_limit_is_a_413_not_a_500(pkg):
 
 
 async def test_a_client_that_stalls_mid_body_is_answered_408_at_the_body_deadline(pkg):
-    """Review E, finding 3: a completion's (or a session close's) body was read with no deadline, so a client
-    that stalled mid-body held its handler and the bytes so far for good."""
+    """Review E, finding 3: a completion's (or a stage call's, or a session close's) body was read with no
+    deadline, so a client that stalled mid-body held its handler and the bytes so far for good."""
     worker = ServingWorker(WorkerConfig(str(pkg)))
     runner = web.AppRunner(build_app(worker, body_timeout_s=0.3), handler_cancellation=True)
     await runner.setup()
@@ -681,14 +681,16 @@ async def test_a_client_that_stalls_mid_body_is_answered_408_at_the_body_deadlin
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         host, port = runner.addresses[0][:2]
         answers = []
-        for path in ("/v1/completions", "/v1/stage/close"):
-            status, answer = await stalled_body_answer(f"http://{host}:{port}", path)
+        # A stage call's body too, within the body limit and (a large frame: its header read first) beyond it.
+        for path, declared, sent in (("/v1/completions", 1000, 500), ("/v1/stage/close", 1000, 500),
+                                     ("/v1/stage", 1000, 500), ("/v1/stage", (16 << 20) + 1000, 2)):
+            status, answer = await stalled_body_answer(f"http://{host}:{port}", path, declared, sent)
             assert status == 408, answer
             assert answer["error"]["message"] == ("the request body did not arrive within this server's deadline "
-                                                  "of 0.3 s (500 of 1000 bytes received)"), answer
+                                                  f"of 0.3 s ({sent} of {declared} bytes received)"), answer
             answers.append(answer["error"])
         assert answers[0]["code"] == "request_timeout" and answers[0]["type"] == "invalid_request_error"
-        assert answers[1]["node"] is None  # a stage's error names the stage that failed: none after it
+        assert all(answer["node"] is None for answer in answers[1:])  # a stage's error names the stage that failed
     finally:
         await runner.cleanup()
 
