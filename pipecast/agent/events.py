@@ -7,16 +7,23 @@ The record is bounded whatever peers do: each event kind has a token bucket (:da
 refilled at :data:`EVENT_RATE_PER_S` a second). Lines over it are dropped and counted, and an
 ``events_dropped`` line (``kind``, ``dropped``, ``since``) says how many, before the next line of that
 kind that is written and when the log closes. An agent's own events (blocks, assignments) stay far
-below the bucket; a flood of peers' requests or failures does not.
+below the bucket; a flood of peers' requests or failures does not. The file is bounded too: past
+:data:`EVENTS_MAX_BYTES` it moves to ``FILE.1`` (replacing the one before) and a new ``FILE`` begins, so a
+seeding agent's lines (one per block served) take at most twice that on disk.
 """
 
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import IO, Any
 
 EVENT_RATE_PER_S = 200.0
 EVENT_BURST = 5000.0
+#: Bytes of the events file before it is rotated: far more than a benchmark's run writes (benchmarks and
+#: tests read the whole file at its end), bounded for an agent that runs for months.
+EVENTS_MAX_BYTES = 64 << 20
 
 
 class _Bucket:
@@ -32,12 +39,15 @@ class EventLog:
     """Appends events to a file, flushed per line, at a bounded rate per kind; does nothing without a path."""
 
     def __init__(self, path: Path | None, node_id: str, rate_per_s: float = EVENT_RATE_PER_S,
-                 burst: float = EVENT_BURST) -> None:
+                 burst: float = EVENT_BURST, max_bytes: int = EVENTS_MAX_BYTES) -> None:
         self.node_id = node_id
         self.rate_per_s = rate_per_s
         self.burst = burst
+        self.max_bytes = max_bytes
         self._buckets: dict[str, _Bucket] = {}
-        self._file: IO[str] | None = Path(path).open("a", buffering=1) if path else None
+        self._path = Path(path) if path else None
+        self._file: IO[str] | None = self._path.open("a", buffering=1) if self._path else None
+        self._size = self._file.tell() if self._file else 0  # appended to: what earlier runs wrote counts
 
     def emit(self, event: str, at: float | None = None, **fields: Any) -> None:
         """Record ``event`` (at ``at``, default now) with ``fields``, unless its kind is over its rate."""
@@ -65,7 +75,14 @@ class EventLog:
         bucket.dropped = 0
 
     def _write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"  # ASCII (json.dumps escapes the rest): as many bytes as characters
+        if self._size and self._size + len(line) > self.max_bytes:
+            self._file.close()
+            with contextlib.suppress(FileNotFoundError):  # removed by hand meanwhile: a new one begins all the same
+                os.replace(self._path, rotated(self._path))
+            self._file, self._size = self._path.open("a", buffering=1), 0
+        self._file.write(line)
+        self._size += len(line)
 
     def close(self) -> None:
         if self._file is not None:
@@ -76,6 +93,13 @@ class EventLog:
             self._file = None
 
 
+def rotated(path: Path) -> Path:
+    """Where the events file ``path`` moves when full (:data:`EVENTS_MAX_BYTES`)."""
+    return path.with_name(path.name + ".1")
+
+
 def read_events(path: Path) -> list[dict]:
-    """Every event recorded in ``path``, in order."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """Every event still recorded for ``path``, in order: those of its rotated file (:func:`rotated`) first."""
+    path, before = Path(path), rotated(Path(path))
+    text = (before.read_text() if before.exists() else "") + path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

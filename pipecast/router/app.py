@@ -303,6 +303,8 @@ class Router:
         routed = {package for versions in routes.values() for package, _ in versions}
         for package in [p for p, d in self.version_dispatchers.items() if p not in routed and not d.waiting]:
             self.version_dispatchers.pop(package).detach()
+        for package in self.signals.forget_versions(routed | self.pool.serving_packages()):
+            log.info("version %s: neither routed nor served for a while, its counters dropped", package[:12])
 
     async def start(self) -> None:
         """Open the upstream session, learn the workers once, then keep polling and rediscovering."""
@@ -360,6 +362,8 @@ class Router:
             log.info("pipeline %s added", key)
         for key in removed:
             log.info("pipeline %s dissolved: it takes no new requests", key)
+        # Also those of a unit gone since its last request ended after its removal.
+        self.metrics.forget_workers({unit.url for unit in [*self.pool.workers(), *self.pool.pipelines()]})
         self._sync_routes()
 
     async def _rediscover(self) -> None:

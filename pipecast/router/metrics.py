@@ -1,6 +1,6 @@
 """The router's Prometheus metrics, in a registry of its own (several routers may share a process)."""
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -44,6 +44,15 @@ class RouterMetrics:
         self.queued = Histogram("pipecast_router_queue_seconds",
                                 "Time requests that reached a worker had waited in the router for one.",
                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def forget_workers(self, current: Collection[str]) -> None:
+        """Drop the series labelled with a worker (or pipeline) not in ``current``, the pool's units now:
+        workers come and go under new URLs (pod addresses, pipelines of other nodes), and theirs would stay."""
+        for counter in (self.routed, self.retried, self.failed):
+            stale = {tuple(sample.labels.values()) for family in counter.collect() for sample in family.samples
+                     if sample.labels["worker"] not in current}
+            for labels in stale:
+                counter.remove(*labels)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition of every metric and its content type."""

@@ -18,7 +18,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from pipecast.router.pool import Worker
@@ -36,6 +36,10 @@ OTHER_TENANTS = "(other)"
 CHARS_PER_TOKEN = 4
 #: Versions counted at most (they come from the control plane's routes; this bounds the answer regardless).
 MAX_VERSIONS = 256
+#: Seconds a version neither routed nor served, and counted for no request, keeps its counters (then forgotten,
+#: :meth:`Signals.forget_versions`): longer than the scaling daemon's longest window (its 600 s history), so its
+#: counts drop to 0 only after every poll the daemon still holds saw them unchanged (a fall reads as a restart).
+VERSION_IDLE_S = 900.0
 
 
 def _single_prompt_tokens(prompt: object) -> int | None:
@@ -184,11 +188,30 @@ class Signals:
         self.ttft = TtftWindow(window_s, max_samples)
         self._window = (window_s, max_samples)
         self.versions: dict[str, tuple[VersionCounters, TtftWindow]] = {}
+        self._version_seen: dict[str, float] = {}  # package id -> clock time it was last counted, routed or served
 
     def _version(self, version: str | None) -> tuple[VersionCounters, TtftWindow] | None:
         if version is None or (version not in self.versions and len(self.versions) >= MAX_VERSIONS):
             return None
+        self._version_seen[version] = self.clock()
         return self.versions.setdefault(version, (VersionCounters(), TtftWindow(*self._window)))
+
+    def forget_versions(self, current: Collection[str]) -> list[str]:
+        """Drop the counters of the versions that were not in ``current`` (the packages routed or served now)
+        nor counted for :data:`VERSION_IDLE_S`, but the one seen last; return the package ids dropped. Without
+        it, every package a long-lived router ever routed would be counted (and exported) for good, and new
+        ones not at all beyond :data:`MAX_VERSIONS`. A version seen again counts from 0."""
+        now = self.clock()
+        for package in current:
+            if package in self.versions:
+                self._version_seen[package] = now
+        # Never every version: a scaler reads a router's totals while it counts none, and a version's count
+        # turning into the totals would read as that many arrivals at once.
+        last = max(self._version_seen, key=self._version_seen.__getitem__, default=None)
+        gone = [p for p, seen in self._version_seen.items() if now - seen > VERSION_IDLE_S and p != last]
+        for package in gone:
+            del self.versions[package], self._version_seen[package]
+        return gone
 
     def arrived(self, tenant: str, tokens: int, version: str | None = None) -> str:
         """Count a request of ``tenant`` with ``tokens`` prompt tokens; return the name it is counted

@@ -98,6 +98,13 @@ class _Tracked:
     routers: tuple[str, ...] = ()
 
 
+def _trim(history: deque[Signals], now: float) -> None:
+    """Keep the policy's HISTORY_S of ``history``, the poll just before included: a keep-alive that long is
+    then spanned whole."""
+    while len(history) > 1 and history[1].at <= now - HISTORY_S:
+        history.popleft()
+
+
 class Scaler:
     """The daemon over one control plane ``client`` (a :class:`control_plane.client.ControlPlaneClient`)."""
 
@@ -145,6 +152,7 @@ class Scaler:
         now = self.clock()
         for tracked in self.tracked.values():
             tracked.history.append(Signals(at=now, routers_total=len(tracked.routers), routers_answered=0))
+            _trim(tracked.history, now)  # the control plane may stay unreachable for hours
 
     async def _watch(self, stop: asyncio.Event) -> None:
         """Until ``stop`` is set or a request waits for a deployment left idle at zero replicas (module
@@ -221,22 +229,24 @@ class Scaler:
         pool = pool_of(package_id, await self._num_blocks(package_id), workers, plans, now=now,
                        released=tracked.released, last_scale_up=tracked.last_scale_up)
         tracked.history.append(add_up(now, answers, urls, package_id, nodes={r.node_id for r in pool.replicas}))
-        # The policy's HISTORY_S, the poll just before included: a keep-alive that long is then spanned whole.
-        while len(tracked.history) > 1 and tracked.history[1].at <= now - HISTORY_S:
-            tracked.history.popleft()
+        _trim(tracked.history, now)
         tracked.cold_starts.observe(pool.replicas, now, tracked.last_scale_up)
         signals = tracked.history[-1]
         tracked.idle_at_zero = not pool.replicas and not signals.queue_depth and not signals.in_flight
         tracked.routers = deployment.routers
         pool = replace(pool, cold_start_s=tracked.cold_starts.seconds)
         decision = decide(list(tracked.history), pool, deployment.policy)
-        self.metrics.observe(package_id, decision, len(pool.replicas), pool.cold_start_s)
+        taken = decision
         if decision.action != "hold" or (decision.kind != tracked.last_kind and decision.kind in NOTABLE_HOLDS):
-            await self._act(package_id, decision, len(pool.replicas), tracked, now)
+            taken = await self._act(package_id, decision, len(pool.replicas), tracked, now)
+        self.metrics.observe(package_id, taken, len(pool.replicas), pool.cold_start_s)
         tracked.last_kind = decision.kind
         return decision
 
-    async def _act(self, package_id: str, decision: Decision, actual: int, tracked: _Tracked, now: float) -> None:
+    async def _act(self, package_id: str, decision: Decision, actual: int, tracked: _Tracked,
+                   now: float) -> Decision:
+        """Record ``decision`` in the audit trail and make it; return what was done: ``decision``, or a hold of
+        kind ``refused`` where the control plane refused it."""
         nodes: Sequence[str] = decision.release
         event = ScaleEvent(at=now, package_id=package_id, action=decision.action,
                            count=decision.add or len(decision.release), node_ids=tuple(nodes), reason=decision.reason,
@@ -245,7 +255,7 @@ class Scaler:
         if decision.action == "hold":
             await self.client.append_scale_event(event)
             log.info("scaler %s: %s", package_id[:12], decision.reason)
-            return
+            return decision
         # The decision is durable before it is acted on: a crash in between leaves it in the trail.
         await self.client.append_scale_event(event)
         log.info("scaler %s: %s (%s)", package_id[:12], decision.action, decision.reason)
@@ -271,18 +281,19 @@ class Scaler:
                 tracked.released.clear()
             else:
                 tracked.released.update({node: now for node in decision.release})
-            return
+            return decision
         except ControlPlaneError as exc:
             # The placement may differ from the pool the policy saw (a worker died, memory is short): hold.
             log.warning("scaler %s: %s refused: %s", package_id[:12], decision.action, exc)
             await self.client.append_scale_event(ScaleEvent(
                 at=self.clock(), package_id=package_id, action="hold", reason=f"{decision.action} refused: {exc}",
                 desired=decision.desired, actual=actual))
-            return
+            return replace(decision, add=0, release=(), kind="refused")
         if taken:
             await self.client.append_scale_event(ScaleEvent(
                 at=self.clock(), package_id=package_id, action="take_back", count=len(taken), node_ids=taken,
                 reason=f"the scale-up took back {len(taken)} released", desired=decision.desired, actual=actual))
+        return decision
 
     async def _scale_up(self, package_id: str, count: int) -> pb.ScaleUpResponse:
         """Scale up by ``count`` workers, or as many fewer as the control plane can place: the pool counts

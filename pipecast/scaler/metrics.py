@@ -17,7 +17,8 @@ class ScalerMetrics:
                             registry=self.registry)
         self.decisions = Counter("pipecast_scaler_decisions", "Decisions by action (scale_up, release, hold) and "
                                  "kind (demand, slo, idle, steady, cooldown, no_signals, min_replicas, "
-                                 "no_free_workers).",
+                                 "no_free_workers; refused: a hold where the control plane refused the scale-up "
+                                 "or release decided).",
                                  ["package", "action", "kind"], registry=self.registry)
         self.cold_start = Gauge("pipecast_scaler_cold_start_seconds", "Median seconds the deployment's last new "
                                 "replicas took from the scale-up to holding the package (the daemon's measure).",

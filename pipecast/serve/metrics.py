@@ -24,16 +24,22 @@ class RateMeter:
 
     def add(self, count: int = 1) -> None:
         """Record ``count`` events now."""
+        now = self._clock()
         with self._lock:
-            self._events.append((self._clock(), count))
+            # Here too, not only when read: a worker nobody scrapes would keep every token it generated.
+            self._trim(now)
+            self._events.append((now, count))
 
     def rate(self) -> float:
         """Events per second within the window ending now."""
         now = self._clock()
         with self._lock:
-            while self._events and self._events[0][0] <= now - self.window_s:
-                self._events.popleft()
+            self._trim(now)
             return sum(n for _, n in self._events) / self.window_s
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] <= now - self.window_s:
+            self._events.popleft()
 
 
 class ServeMetrics:
@@ -69,7 +75,8 @@ class ServeMetrics:
                  blocks_total)):
             Gauge(name, help_text, registry=r).set_function(read)
         self.load_seconds = Gauge("pipecast_serve_model_load_seconds",
-                                  "Seconds from the worker's start to the model fully loaded (0 until then).",
+                                  "Seconds from the worker's start (after a release: from the package's return) "
+                                  "to the model fully loaded (0 until then, and while released).",
                                   registry=r)
 
     def token(self) -> None:

@@ -177,6 +177,7 @@ class ServingWorker:
                                     blocks_present=lambda: self.health().blocks_present,
                                     blocks_total=lambda: self.health().blocks_total)
         self.started_at = time.monotonic()
+        self._load_started = self.started_at  # the model load timed by pipecast_serve_model_load_seconds
         self._stage = STAGE_STARTING
         self._model: LoadedModel | None = None
         self._codec: TextCodec | None = None
@@ -220,6 +221,7 @@ class ServingWorker:
         try:
             if again:
                 self._wait_for_package_again()
+                self._load_started = time.monotonic()
             else:
                 _warm_imports()
                 self._post(self._set_stage, STAGE_WAITING)
@@ -411,6 +413,7 @@ class ServingWorker:
             return
         model, self._model, self._codec, self._head = self._model, None, None, None
         self._released, self._stage = True, STAGE_WAITING
+        self.metrics.load_seconds.set(0)
         log.info("package %s released from this node: model unloaded once its %d running request(s) end, "
                  "waiting for the package to come back", model.engine.provider.manifest.package_id[:12],
                  self._submitted)
@@ -491,9 +494,10 @@ class ServingWorker:
                 self._set_error(str(exc))
         if engine.model.fully_loaded and self._stage == STAGE_LOADING:
             self._stage = STAGE_LOADED
-            seconds = time.monotonic() - self.started_at
+            seconds = time.monotonic() - self._load_started
             self.metrics.load_seconds.set(seconds)
-            log.info("model fully loaded %.3f s after the worker started", seconds)
+            log.info("model fully loaded %.3f s after %s", seconds,
+                     "the package came back" if self._load_started > self.started_at else "the worker started")
         self._notify()
 
     def drain(self) -> None:

@@ -138,3 +138,17 @@ def test_events_are_rate_limited_per_kind_and_the_dropped_ones_counted(tmp_path)
     assert sum(e["dropped"] for e in dropped) == 10_000 - len(requests)
     assert {e["kind"] for e in dropped} == {"peer_request"}
     assert path.stat().st_size < 100 * len(json.dumps(log[0])) * 2
+
+
+def test_the_events_file_moves_aside_once_when_full_so_it_takes_at_most_twice_its_cap(tmp_path):
+    """Found in review: the file grew without bound (a seeding agent writes a line per block it serves)."""
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"event": "earlier_run"}\n')  # appended to, and counted
+    events = EventLog(path, "n1", max_bytes=4096)
+    for i in range(1000):
+        events.emit("peer_request", block=i)
+    events.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl", "events.jsonl.1"]
+    assert path.stat().st_size <= 4096 and 3900 < (tmp_path / "events.jsonl.1").stat().st_size <= 4096
+    blocks = [e["block"] for e in read_events(path)]  # the rotated file's first
+    assert blocks == list(range(blocks[0], 1000))

@@ -8,7 +8,8 @@ import pytest
 from pipecast.router.discovery import DiscoveredPipeline
 from pipecast.router.app import _was_ready
 from pipecast.router.pool import Dispatcher, Worker, WorkerPool
-from pipecast.router.signals import MAX_TENANTS, OTHER_TENANTS, Signals, TtftWindow, percentile, prompt_tokens
+from pipecast.router.signals import (MAX_TENANTS, OTHER_TENANTS, VERSION_IDLE_S, Signals, TtftWindow, percentile,
+                                     prompt_tokens)
 from pipecast.serve.health import WorkerHealth
 
 A, B = "http://a:1", "http://b:1"
@@ -219,3 +220,22 @@ def test_each_router_process_answers_an_instance_id_of_its_own():
     instance = first.snapshot(0, 0, [])["instance"]
     assert re.fullmatch(r"[0-9a-f]{32}", instance) and first.snapshot(0, 0, [])["instance"] == instance
     assert second.snapshot(0, 0, [])["instance"] != instance
+
+
+def test_versions_idle_and_not_current_are_forgotten_but_never_the_last_one_seen():
+    clock = FakeClock()
+    signals = Signals(clock, wall_clock=lambda: 1.7e9)
+    signals.arrived("t", 1, "old")
+    clock.now += 1.0
+    signals.arrived("t", 1, "routed")
+    clock.now += VERSION_IDLE_S - 1.5
+    assert signals.forget_versions({"routed"}) == []  # "old" was counted less than VERSION_IDLE_S ago
+    clock.now += 1.0
+    assert signals.forget_versions({"routed"}) == ["old"]
+    clock.now += 2 * VERSION_IDLE_S
+    # No longer routed and idle, but the last one seen: without any version, a scaler reads the router's totals.
+    assert signals.forget_versions(set()) == [] and list(signals.versions) == ["routed"]
+    signals.arrived("t", 1, "old")  # seen again: counted from 0
+    assert signals.snapshot_versions()["old"]["counters"]["arrived"] == 1
+    clock.now += VERSION_IDLE_S + 1.0
+    assert signals.forget_versions(set()) == ["routed"]

@@ -21,6 +21,7 @@ from pipecast.core.httpserve import listening
 from pipecast.router.app import RUNNER_OPTIONS, Router, RouterConfig, build_app
 from pipecast.router.discovery import StaticDiscovery
 from pipecast.scaler.daemon import Scaler, ScalerConfig, resolve_addresses
+from pipecast.scaler.policy import HISTORY_S
 from pipecast.scaler.signals import add_up
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1.manifest_pb2 import Block, Manifest
@@ -182,6 +183,20 @@ async def test_idle_replicas_are_released_after_keep_alive_and_the_refusal_of_a_
             assert (decision.add, decision.inputs["replicas"]) == (2, 1)  # w1 and w3 are free
     assert client.calls[-2:] == [("scale_up", 1, ""), ("event", "hold")]
     assert client.events[-1].reason == "scale_up refused: no memory"
+
+
+async def test_a_refused_scale_up_counts_as_a_refused_hold_in_the_metrics_not_as_a_scale_up():
+    """Found in review: the decision was counted before it was made, so a refused scale-up read as one."""
+    async with stub_router(stats(queue=5, arrived=5)) as (url, _):
+        client = RecordingClient([worker("w1")], (url,))
+        client.refuse = InsufficientWorkers("no memory")
+        async with Scaler(client) as scaler:
+            [(_, decision)] = await scaler.tick()
+            decisions = scaler.metrics.registry.get_sample_value
+    assert decision.action == "scale_up"
+    assert decisions("pipecast_scaler_decisions_total", {"package": PKG, "action": "hold", "kind": "refused"}) == 1
+    assert decisions("pipecast_scaler_decisions_total",
+                     {"package": PKG, "action": "scale_up", "kind": decision.kind}) is None
 
 
 async def test_a_scale_up_made_but_not_stored_is_no_refusal_and_starts_the_cooldown():
@@ -460,6 +475,20 @@ async def test_a_failed_tick_is_a_gap_in_the_signals_and_nothing_is_released_for
             now[0] += POLICY.keep_alive_s
             [(_, decision)] = await scaler.tick()
             assert decision.release == ("w1", "w2")
+
+
+async def test_failed_ticks_keep_no_more_history_than_the_policy_looks_back_on():
+    """Found in review: each failed tick added a poll to every deployment's history, trimmed only by a tick that
+    succeeded: an outage of the control plane grew it without bound."""
+    now = [1000.0]
+    async with stub_router(stats()) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
+        async with Scaler(client, clock=lambda: now[0]) as scaler:
+            await scaler.tick()
+            for _ in range(1000):  # an outage of 2,000 s, a tick every 2 s
+                now[0] += 2.0
+                scaler._gap()
+            assert len(scaler.tracked[PKG].history) == HISTORY_S / 2.0 + 1
 
 
 async def test_a_canary_added_again_after_a_rollback_is_judged_on_its_requests_since():

@@ -282,6 +282,28 @@ async def test_a_package_dropped_while_its_model_loads_is_a_release_and_the_mode
         await _comes_back(agent, back, http, url, reference)
 
 
+async def test_the_load_seconds_are_those_of_the_last_load_and_0_while_released(pkg, reference):
+    """Found in review: a load after a release was timed from the worker's start (a reload of 0.02 s read 5.4 s
+    after 5 s at zero replicas), and the gauge kept the last load's figure while no model was loaded."""
+    agent, back = DroppingAgent(pkg), threading.Event()
+    async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, worker, _, http):
+
+        def load_seconds() -> float:
+            return worker.metrics.registry.get_sample_value("pipecast_serve_model_load_seconds")
+
+        worker._wait_for_package_again = lambda: back.wait(30)
+        agent.release()
+        await wait_health(http, url, lambda h: h["status"] == "ready")
+        assert load_seconds() > 0
+        agent.drop()
+        await worker._unload()
+        assert load_seconds() == 0
+        await asyncio.sleep(1.0)  # at zero replicas a while
+        started = time.monotonic()
+        await _comes_back(agent, back, http, url, reference)
+        assert 0 < load_seconds() < time.monotonic() - started
+
+
 async def _comes_back(agent: DroppingAgent, back: threading.Event, http, url: str, reference) -> None:
     """The dropped package held again and every block there: the worker loads it again and serves."""
     agent.drop(False)
@@ -925,6 +947,18 @@ def test_the_token_rate_counts_the_last_window_only():
     assert meter.rate() == 5.0
     now[0] += 6  # the first 30 are out of the window
     assert meter.rate() == 2.0
+
+
+def test_the_token_rate_keeps_only_its_window_even_when_never_read():
+    """Found in review: events were trimmed only when the rate was read (a scrape), so a worker nobody
+    scraped kept one entry per token it ever generated."""
+    now = [0.0]
+    meter = RateMeter(window_s=10.0, clock=lambda: now[0])
+    for _ in range(1000):
+        meter.add()
+        now[0] += 0.125
+    assert len(meter._events) == 80  # ten seconds of them, at eight a second
+    assert meter.rate() == 7.9  # 0.125 s later
 
 
 # --- a worker process, with the openai client and raw HTTP -------------------------------------------
