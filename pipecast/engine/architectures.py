@@ -1,15 +1,18 @@
 """Which Hugging Face model types the engine runs layer by layer, and how their skeleton is built.
 
-The engine drives transformers' own decoder layers one at a time (so numerics are transformers'), which relies on three
+The engine drives transformers' own decoder layers one at a time (so numerics are transformers'), which relies on four
 facts of the pinned transformers version (DESIGN 6): ``config._attn_implementation`` must be set (left None the causal
-mask is silently dropped), the rotary embedding (and Gemma's embedding scale) is computed from the config, and each
-layer reads the KV cache at its own ``layer_idx``. A model type is listed here only when the exactness tests cover it.
+mask is silently dropped), the rotary embedding (and Gemma's embedding scale) is computed from the config, each
+layer reads the KV cache at its own ``layer_idx``, and decoder layers pass their keyword arguments on to the
+attention function (the engine's, :mod:`pipecast.engine.attention`, takes each row's keys there). A model type is
+listed here only when the exactness tests cover it.
 """
 
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pipecast.engine import attention
 from pipecast.engine.errors import ModelConfigError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -17,7 +20,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-ATTN_IMPLEMENTATION = "sdpa"
+# Rotary variants whose frequencies follow the longest position of the batch (transformers' dynamic_rope_update):
+# a row batched with a longer one would get the other's rotary.
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # Tensors some checkpoints carry that are derived from the config, not learned: never bound.
 DERIVED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -58,8 +63,20 @@ def hf_config(config: dict) -> "PretrainedConfig":
         cfg = AutoConfig.for_model(model_type, **fields)
     except Exception as exc:  # transformers' validation raises whatever its checks hit: type it
         raise ModelConfigError(model_type, exc) from exc
-    cfg._attn_implementation = ATTN_IMPLEMENTATION
+    for rope_type in _rope_types(cfg):
+        if rope_type in BATCH_DEPENDENT_ROPE:
+            raise UnsupportedModelError(model_type, SUPPORTED_MODEL_TYPES,
+                                        f"with rope type {rope_type!r} (its frequencies follow a batch's longest row)")
+    attention.register()
+    cfg._attn_implementation = attention.ATTN_IMPLEMENTATION
     return cfg
+
+
+def _rope_types(cfg: "PretrainedConfig") -> set[str]:
+    # One rotary's parameters, or (Gemma 3) one per layer type.
+    params = getattr(cfg, "rope_parameters", None) or {}
+    per_type = [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]
+    return {p.get("rope_type", "default") for p in per_type}
 
 
 def build_skeleton(config: dict, *, dtype: "torch.dtype", device: "torch.device") -> Skeleton:

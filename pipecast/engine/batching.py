@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipecast.engine.errors import EngineError
-from pipecast.engine.kv_cache import PrefillCache, SlotKVCache, decode_mask, prefill_mask
+from pipecast.engine.kv_cache import PrefillCache, SlotKVCache, decode_attention, prefill_mask
 from pipecast.engine.sampling import SamplingParams, new_generator, sample_tokens
 from pipecast.engine.streams import FINISH_CANCELLED, TokenStream, emit
 from pipecast.engine.weights import EMBED, HEAD, LAYER_STAGES, Part
@@ -84,7 +84,8 @@ class StepScheduler:
         self.decoding: list[Sequence] = []  # decoding[i].row == i
         sk = model.skeleton
         self.kv = SlotKVCache(windows=sk.windows, num_kv_heads=sk.num_kv_heads, head_dim=sk.head_dim,
-                              rows=max_batch, dtype=model.dtype, device=model.device)
+                              rows=max_batch, dtype=model.dtype, device=model.device,
+                              max_positions=getattr(model.config, "max_position_embeddings", None))
         self.steps = 0
         """Decode steps run (each a forward pass shared by every decoding sequence)."""
 
@@ -212,11 +213,13 @@ class StepScheduler:
         position_ids = torch.tensor(positions, device=m.device).unsqueeze(1)
         hidden = m.embed(ids)
         rope = m.position_embeddings(hidden, position_ids)
-        masks = {w: decode_mask(positions, w, m.device) for w in set(m.skeleton.windows)}
+        # By sliding-window size: (mask, None) when the rows are at one position, else (None, each row's keys)
+        attends = {w: decode_attention(positions, w, m.device) for w in set(m.skeleton.windows)}
         cache = self.kv.step(positions)
         for layer in range(m.num_layers):
+            mask, spans = attends[m.window(layer)]
             hidden = m.run_layer(layer, hidden, position_embeddings=rope, position_ids=position_ids,
-                                 mask=masks[m.window(layer)], cache=cache)
+                                 mask=mask, cache=cache, row_spans=spans)
         logits = m.head(hidden, last_only=True)[:, -1].float().cpu()
         tokens = sample_tokens(logits, [s.params for s in self.decoding], [s.generator for s in self.decoding])
         self.steps += 1
@@ -244,3 +247,5 @@ class StepScheduler:
                 self.kv.move_row(last.row, row, last.length)
                 last.row = row
                 self.decoding[row] = last
+        if not self.decoding:
+            self.kv.shrink()

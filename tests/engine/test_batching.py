@@ -314,3 +314,19 @@ def test_stalled_block_source_fails_waiting_requests(pkg):
             stream.result(timeout=30)
         with pytest.raises(ModelLoadError):
             engine.submit(PROMPT)
+
+
+def test_the_cache_grows_no_further_than_the_models_positions_and_is_freed_when_the_engine_is_idle(tiny_package,
+                                                                                                   monkeypatch):
+    """Grown for one long request, the room (for every batch slot) was kept ever after, and doubling took it past
+    the positions any request may reach."""
+    pkg = tiny_package("llama", max_position_embeddings=600).path
+    with Engine(PackageFolderProvider(pkg), max_batch=4).start() as engine:
+        engine.wait_loaded(timeout=30)
+        kv, capacities = engine.scheduler.kv, []
+        reserve = kv.reserve
+        monkeypatch.setattr(kv, "reserve", lambda tokens: (reserve(tokens), capacities.append(kv.capacity)))
+        assert len(engine.generate(random_prompt(280, 1), SamplingParams(max_tokens=300), timeout=60)) == 300
+        assert max(capacities) == 600  # 512 doubled would be 1024
+        wait_until(lambda: kv.nbytes == 0)
+        assert engine.generate(PROMPT, SamplingParams(max_tokens=3), timeout=30)

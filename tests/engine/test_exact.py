@@ -36,6 +36,8 @@ CASES = [  # (arch, dtype, config overrides): llama and mistral untied, qwen2 ti
     # rotary bases, softcapped logits (benchmarks.tiny_checkpoints)
     ("gemma3_text", "float32", {}),
     ("gemma3_text", "bfloat16", {}),
+    ("qwen2", "bfloat16", {}),
+    ("mistral", "bfloat16", {"sliding_window": 6}),
 ]
 
 
@@ -66,6 +68,18 @@ def test_greedy_generation_equals_transformers(case):
     assert len(set(expected)) > 5  # the model is not degenerate: the comparison means something
     stops = [ref.generation_config.eos_token_id]
     assert engine.generate(prompt, SamplingParams(max_tokens=20, stop_token_ids=stops), timeout=30) == expected
+
+
+def test_prompts_of_different_lengths_decoded_together_get_transformers_greedy_tokens(case):
+    """Their rows attend over key spans of different lengths: padding the shorter ones with masked keys changes
+    SDPA's arithmetic (bf16 tokens differed from transformers' after a few steps)."""
+    ref, engine, _ = case
+    prompts = [random_prompt(n, 100 + n) for n in (3, 7, 12, 20, 31, 5)]
+    expected = [reference_generate(ref, p, 30) for p in prompts]
+    params = SamplingParams(max_tokens=30, stop_token_ids=[ref.generation_config.eos_token_id])
+    start = engine.scheduler.steps
+    assert [s.result(timeout=60) for s in engine.submit_many(prompts, params)] == expected
+    assert engine.scheduler.steps - start < sum(map(len, expected))  # the rows did share decode steps
 
 
 def test_qwen2_sliding_window_layers_equal_transformers(tmp_path):
@@ -200,6 +214,24 @@ def test_the_modeling_module_of_every_supported_type_imports():
     assert "transformers.models.gemma3.modeling_gemma3" in modeling_modules()
     for module in modeling_modules():
         importlib.import_module(module)
+
+
+@pytest.mark.parametrize("rope, layers", [
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+      "original_max_position_embeddings": 16}, None),
+    ({"rope_type": "dynamic", "factor": 2.0}, None),
+    ({"rope_type": "dynamic", "factor": 2.0}, "full_attention"),  # Gemma 3: one rotary per layer type
+])
+def test_rotary_variants_following_the_batchs_longest_row_are_refused(rope, layers):
+    """transformers picks their frequencies from the batch's largest position: a short request decoded beside one
+    past the original context would get the long one's rotary (wrong tokens)."""
+    arch = "gemma3_text" if layers else "llama"
+    config = tiny_config(arch).to_dict()
+    (config["rope_parameters"][layers] if layers else config["rope_parameters"]).update(rope)
+    with pytest.raises(UnsupportedModelError, match=f"^model type '{arch}' with rope type '{rope['rope_type']}' "
+                                                    f"\\(its frequencies follow a batch's longest row\\) is not "
+                                                    f"supported by the pipecast engine"):
+        ProgressiveModel(config, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("config, refused", [

@@ -5,16 +5,16 @@ batched decode step attends over."""
 import pytest
 import torch
 
-from pipecast.engine.kv_cache import (CAPACITY_STEP, PrefillCache, SlotKVCache, decode_mask, prefill_mask,
-                                      window_start)
+from pipecast.engine.kv_cache import (CAPACITY_STEP, PrefillCache, RowSpan, SlotKVCache, decode_attention,
+                                      decode_mask, prefill_mask, window_start)
 
 CPU = torch.device("cpu")
 LAYERS, HEADS, DIM = 2, 2, 4
 
 
-def cache(rows: int = 3, windows=(None,) * LAYERS) -> SlotKVCache:
+def cache(rows: int = 3, windows=(None,) * LAYERS, max_positions: int | None = None) -> SlotKVCache:
     return SlotKVCache(windows=windows, num_kv_heads=HEADS, head_dim=DIM, rows=rows, dtype=torch.float32,
-                       device=CPU)
+                       device=CPU, max_positions=max_positions)
 
 
 def prompt_cache(length: int, seed: int) -> PrefillCache:
@@ -36,15 +36,25 @@ def test_a_prompt_needs_a_mask_only_once_it_reaches_the_sliding_window():
                                          [0, 0, 1, 1, 1]]
 
 
-def test_a_decode_step_needs_a_mask_only_for_rows_of_different_lengths_or_past_the_window():
-    assert decode_mask([4, 4], None, CPU) is None and decode_mask([4, 4], 6, CPU) is None
-    mask = decode_mask([1, 3], None, CPU)
-    assert mask.shape == (2, 1, 1, 4)
-    assert mask[:, 0, 0].int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
-    # Past the window, over the keys from the first any row's window holds (those before are left out)
-    assert decode_mask([3, 3], 2, CPU)[:, 0, 0].int().tolist() == [[1, 1], [1, 1]]
-    assert decode_mask([2, 4], 2, CPU)[:, 0, 0].int().tolist() == [[1, 1, 0, 0], [0, 0, 1, 1]]
+def test_a_decode_step_needs_a_mask_only_past_the_window():
+    assert decode_mask(5, None, 2, CPU) is None and decode_mask(5, 6, 2, CPU) is None
+    # Past the window: every key of the view (it starts where the window does) is allowed
+    assert decode_mask(6, 6, 2, CPU).shape == (2, 1, 1, 6) and decode_mask(9, 6, 2, CPU).all()
     assert window_start([2, 4], 2) == 1 and window_start([0, 4], 2) == 0 and window_start([9], None) == 0
+
+
+def test_rows_at_one_position_attend_together_and_rows_of_different_lengths_each_over_their_own_keys():
+    """Padding a row's keys with masked ones changes SDPA's arithmetic (bf16): each row gets exactly its keys."""
+    assert decode_attention([4, 4], None, CPU) == (None, None)
+    mask, spans = decode_attention([4, 4], 2, CPU)
+    assert spans is None and mask.shape == (2, 1, 1, 2)
+    assert decode_attention([1, 3], None, CPU) == (None, [RowSpan(0, 2, None), RowSpan(0, 4, None)])
+    # Sliding window 2: the step's view starts at row 0's window (position 1); row 1's starts at 3
+    mask, spans = decode_attention([2, 4], 2, CPU)
+    assert mask is None and [(s.start, s.stop) for s in spans] == [(0, 2), (2, 4)]
+    mask, spans = decode_attention([2, 4, 0], 2, CPU)  # row 2's window starts at 0, and so does the view
+    assert [(s.start, s.stop) for s in spans] == [(1, 3), (3, 5), (0, 1)]
+    assert spans[0].mask.shape == (1, 1, 1, 2) and spans[2].mask is None  # row 2 has not reached its window
 
 
 def test_capacity_grows_in_steps_at_least_doubling_and_keeps_what_is_stored():
@@ -76,7 +86,7 @@ def test_a_decode_step_writes_each_rows_token_and_attends_over_a_view_of_the_use
     assert keys.data_ptr() == slots.keys[1].data_ptr()  # a view of the cache, not a gather
     assert torch.equal(keys[0, :, :2], short.keys[1][0]) and torch.equal(keys[1, :, :4], long.keys[1][0])
     assert torch.equal(keys[0, :, 2], new_keys[0, :, 0]) and torch.equal(values[1, :, 4], new_values[1, :, 0])
-    assert not keys[0, :, 3:].any()  # row 0's future positions stay empty (masked by decode_mask)
+    assert not keys[0, :, 3:].any()  # row 0's future positions stay empty (outside its span)
 
 
 def test_a_sliding_window_layer_attends_over_the_keys_from_the_first_window_position_only():
@@ -89,6 +99,49 @@ def test_a_sliding_window_layer_attends_over_the_keys_from_the_first_window_posi
     keys, _ = step.update(new, new, layer_idx=1)
     assert keys.shape[2] == 4  # positions 1-4: row 1's window (1-2) starts there
     assert torch.equal(keys[1, :, 0], prompt.keys[1][0, :, 1]) and torch.equal(keys[1, :, 1], new[1, :, 0])
+
+
+def test_capacity_never_grows_past_the_models_positions():
+    slots = cache(max_positions=CAPACITY_STEP + 100)
+    slots.reserve(CAPACITY_STEP)
+    slots.reserve(CAPACITY_STEP + 1)  # doubling would give 2 * CAPACITY_STEP for every row
+    assert slots.capacity == CAPACITY_STEP + 100
+
+
+def test_shrinking_frees_what_grew_past_one_step_and_the_next_use_allocates_what_it_needs():
+    slots = cache()
+    slots.reserve(CAPACITY_STEP)
+    slots.shrink()
+    assert slots.capacity == CAPACITY_STEP  # one step is kept: no allocation for every short request
+    slots.reserve(3 * CAPACITY_STEP)
+    slots.shrink()
+    assert slots.capacity == 0 and slots.nbytes == 0
+    slots.write_prompt(0, prompt := prompt_cache(5, seed=1), 5)
+    assert slots.capacity == CAPACITY_STEP and torch.equal(slots.keys[1][0, :, :5], prompt.keys[1][0])
+
+
+def test_running_out_of_memory_while_growing_leaves_the_cache_as_it_was(monkeypatch):
+    """Layers grown one at a time left some at the new capacity, the rest at the old, and the capacity unset:
+    every later request that needed the room failed."""
+    slots = cache()
+    slots.write_prompt(0, prompt := prompt_cache(5, seed=1), 5)
+    zeros, calls = torch.zeros, []
+
+    def out_of_memory_on_the_third(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", out_of_memory_on_the_third)
+    with pytest.raises(torch.OutOfMemoryError):
+        slots.reserve(2 * CAPACITY_STEP)
+    monkeypatch.undo()
+    assert slots.capacity == CAPACITY_STEP
+    assert [t.shape[2] for t in slots.keys + slots.values] == [CAPACITY_STEP] * 2 * LAYERS
+    slots.reserve(2 * CAPACITY_STEP)
+    assert [t.shape[2] for t in slots.keys + slots.values] == [2 * CAPACITY_STEP] * 2 * LAYERS
+    assert torch.equal(slots.values[1][0, :, :5], prompt.values[1][0])
 
 
 @pytest.mark.parametrize("positions", [[0], [CAPACITY_STEP]])
