@@ -545,6 +545,14 @@ def impersonation(h: Harness, ctx: Context) -> bool:
                    f"w1 is registered at {address}")
 
 
+def last_line(text: str, limit: int = 160) -> str:
+    """The last line of ``text`` (a process's one-line error, after any warnings), cut to ``limit`` characters
+    with "..." where longer: it reads from its start."""
+    lines = text.strip().splitlines()
+    line = lines[-1] if lines else ""
+    return line if len(line) <= limit else f"{line[:limit]}..."
+
+
 def symlinked_checkpoint(h: Harness, ctx: Context) -> bool:
     """Finding 6: a checkpoint whose tokenizer.json is a symlink to a secret outside it: `pipecast pack`
     refuses it by name and leaves no package behind."""
@@ -558,7 +566,7 @@ def symlinked_checkpoint(h: Harness, ctx: Context) -> bool:
     h.fault("pack a checkpoint whose tokenizer.json is a symlink to a file outside it")
     done = subprocess.run(cli("pack", checkpoint, out, verbose=False), capture_output=True, text=True,
                           timeout=120)
-    h.note(f"pipecast pack: exit {done.returncode}: {done.stderr.strip()[-160:]}")
+    h.note(f"pipecast pack: exit {done.returncode}: {last_line(done.stderr)}")
     return h.check(done.returncode == 2 and "tokenizer.json" in done.stderr and not out.exists(),
                    "the packager read a file outside the checkpoint or left a package behind")
 

@@ -6,9 +6,11 @@ Each command imports its benchmark only when it runs, so that ``pipecast bench -
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from benchmarks.mlflow_log import with_mlflow_logging
 from packager.command import SIZE
@@ -33,8 +35,29 @@ CREDENTIALS = click.option(
     "--no-auth", is_flag=True,
     help="Run without credentials (no data-plane hello, no serving key), to compare with the default: a master "
          "token per run and a node token for each agent that registers, as in a cluster that has them.")
-JSON_OUT = click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-                        help="Write the figures as JSON.")
+
+
+def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """A file the run writes at its end (--json, --plot, --csv): its folder made and checked writable now, so
+    that a path it cannot write fails before the run instead of losing the run's figures after it."""
+    if value is None:
+        return None
+    try:
+        value.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot make its folder {value.parent}: {exc.strerror}") from None
+    target = value if value.exists() else value.parent
+    if not os.access(target, os.W_OK):
+        raise click.BadParameter(f"{target} is not writable")
+    return value
+
+
+def output_file(*names: str, help: str) -> Callable:
+    """An option naming a file the run writes at its end (:func:`_output_file`)."""
+    return click.option(*names, type=click.Path(dir_okay=False, path_type=Path), callback=_output_file, help=help)
+
+
+JSON_OUT = output_file("--json", "json_path", help="Write the figures as JSON.")
 
 
 @click.group("bench", cls=_BenchGroup)
@@ -108,7 +131,7 @@ def _demo(cache: Path) -> Path:
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Scratch folder (default: a temp dir).")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the figures as JSON.")
+@JSON_OUT
 def bench_pack(size, workdir, repeat, json_path):
     """Pack throughput vs cp, peak RSS, and block-open throughput vs safetensors."""
     from benchmarks import pack_bench
@@ -135,8 +158,7 @@ def bench_pack(size, workdir, repeat, json_path):
               help="Runs per strategy and N; the medians are reported.")
 @EMULATION
 @JSON_OUT
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write a PNG of completion time vs N per strategy, with the floor.")
+@output_file("--plot", "plot_path", help="Write a PNG of completion time vs N per strategy, with the floor.")
 @DEMO_CACHE
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep the agents' plans, events and logs here (default: a temp dir, removed).")
@@ -284,8 +306,7 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
 @EMULATION
 @click.option("--no-calibrate", is_flag=True, help="Skip measuring one prefill (the transfer/compute ratio).")
 @JSON_OUT
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write every request (arrival, worker, TTFT, tokens) as CSV.")
+@output_file("--csv", "csv_path", help="Write every request (arrival, worker, TTFT, tokens) as CSV.")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write ttft_cdf.png and timeline.png into this folder.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
@@ -397,6 +418,12 @@ def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoi
                 raise coldstart.ColdStartBenchError("--device is for --engine pipecast (vLLM runs its workers "
                                                     "where its build targets)")
         else:
+            # Typed ones only: PIPECAST_VLLM_VENV may be set for every run.
+            given = [f"--{name.replace('_', '-')}" for name in ("workers", "checkpoint", "vllm_venv")
+                     if click.get_current_context().get_parameter_source(name) is ParameterSource.COMMANDLINE]
+            if given:
+                raise coldstart.ColdStartBenchError(f"{', '.join(given)}: for --engine vllm only (the pipecast "
+                                                    "engine starts one worker from --package)")
             coldstart.check_device(device)
     except coldstart.ColdStartBenchError as exc:
         raise click.BadParameter(str(exc)) from None
@@ -443,8 +470,7 @@ def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoi
               help="CPUs each serving worker may use (a CFS quota of at least 0.01, each emulated node its own "
                    "capacity; default: this machine's cores / receivers; 0: no quota).")
 @JSON_OUT
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Draw the first token against K (a share of S/B) as a PNG.")
+@output_file("--plot", "plot_path", help="Draw the first token against K (a share of S/B) as a PNG.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep logs and events here (default: a temp dir).")
 @CREDENTIALS
@@ -574,7 +600,7 @@ def bench_engine(package, concurrency, prompt_tokens, max_tokens, device, thread
 @bench_group.command("chaos")
 @click.option("--short", is_flag=True, help="Smaller counts: the whole suite in under 3 minutes on 2 cores.")
 @click.option("--only", metavar="NAME,...", help="Run only these scenarios, comma-separated (default: all).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results as JSON.")
+@output_file("--json", "json_path", help="Write the results as JSON.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep every process's log and events here (default: a temp dir, removed).")
 def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: Path | None) -> None:
@@ -701,7 +727,7 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
               help="Seconds between a simulated worker's heartbeats (the agents' default: 2; the lease is 5 of them).")
 @click.option("--stall-workers", default="1000,5000", show_default=True,
               help="Worker counts at which the server's event-loop stalls are measured (comma-separated; '' for none).")
-@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the figures as JSON.")
+@JSON_OUT
 def bench_control_plane(workers: int, blocks: int, chunks: int, duration_s: float, batch: int, repeat: int,
                         db: str | None, heartbeat_s: float, stall_workers: str, json_path: Path | None) -> None:
     """Plan time of a scale-up and block reports/s of the real server under simulated workers."""

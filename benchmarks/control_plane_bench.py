@@ -25,7 +25,6 @@ import random
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +34,7 @@ from pathlib import Path
 import grpc
 import psutil
 
+from benchmarks.processes import cli
 from control_plane.client import ControlPlaneClient
 from control_plane.errors import ControlPlaneError, ControlPlaneUnavailable
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
@@ -44,7 +44,7 @@ from control_plane.metrics import ControlMetrics
 from control_plane.server import ControlPlaneServer, ServerConfig
 from control_plane.service import ControlPlaneService
 from control_plane.state import ControlState
-from control_plane.store import is_postgres_url, redact_url
+from control_plane.store import is_postgres_url, open_store, redact_url
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.manifest import MANIFEST_FORMAT_VERSION, seal_manifest
 from pipecast.core.errors import PipecastError
@@ -518,6 +518,7 @@ def run(workers: int = 1000, blocks: int = 64, duration_s: float = 10.0, batch: 
     measured in this process (:func:`measure_stall`). ``chunks``: chunks a block in the planned packages."""
     result = BenchResult()
     if db is not None:
+        open_store(db).close()  # a database the server cannot open fails now, not after the in-process phases
         result.database = f"PostgreSQL {redact_url(db)}" if is_postgres_url(db) else f"SQLite {db}"
     for sources in (0, 4):
         result.planning.append(measure_planning(workers, blocks, sources, repeat, chunks))
@@ -539,9 +540,8 @@ def run(workers: int = 1000, blocks: int = 64, duration_s: float = 10.0, batch: 
         port, log_path = _free_port(), Path(tmp) / "server.log"
         env = {**os.environ, "PIPECAST_AUTH_TOKEN": TOKEN, "PIPECAST_HEARTBEAT_S": str(heartbeat_s),
                "PIPECAST_LEASE_S": str(5 * heartbeat_s)}
-        cmd = [sys.executable, "-c", "import sys; from control_plane.command import control_plane_command as c; "
-               "c(sys.argv[1:])", "--host", "127.0.0.1", "--port", str(port),
-               "--db", db or str(Path(tmp) / "cp.sqlite3")]
+        cmd = cli("control-plane", "--host", "127.0.0.1", "--port", port, "--db", db or Path(tmp) / "cp.sqlite3",
+                  verbose=False)
         with open(log_path, "wb") as log_file:
             proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         try:

@@ -28,6 +28,8 @@ WHOLE_BLOCKS = "binomial-blocks"  # the label of the binomial pipeline over whol
 #: Relative slack of the lower-bound check: a figure that meets its bound exactly may differ from it in the last
 #: bits (the simulator sums per chunk what the bound computes at once).
 BOUND_TOLERANCE = 1e-9
+#: Issue #16's target: the default plan gets the model to every receiver within this many times S/B.
+TARGET_RATIO = 1.15
 
 
 @dataclass(frozen=True)
@@ -166,8 +168,27 @@ def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: fl
         others = f" {ratio:>8}" if slow else ""
         lines.append(f"{r.nodes:>6}  {r.strategy:<23} {r.units:>5} {r.seconds:>9.2f} {r.ratio_to_floor:>7.2f}"
                      f"{others}  {r.lower_bound_seconds:.2f} s{mark}")
+    for v in verdicts(results):
+        if v["met"] is None:
+            lines.append(f"verdict N={v['nodes']}: the default plan, {v['strategy']}, was not simulated (--strategy)")
+        else:
+            lines.append(f"verdict N={v['nodes']}: default plan {v['strategy']} {v['ratio_to_floor']:.2f}x S/B "
+                         f"(target <= {TARGET_RATIO:.2f}x: {'met' if v['met'] else 'NOT met'})")
     return "\n".join(lines)
 
 
+def verdicts(results: list[SimulatedRun]) -> list[dict]:
+    """Per N, the default plan's completion over S/B against :data:`TARGET_RATIO`: ``nodes``, ``strategy``,
+    ``ratio_to_floor`` and ``met`` (both None where the default strategy was not among those simulated)."""
+    out = []
+    for n in dict.fromkeys(r.nodes for r in results):
+        default = next((r for r in results if r.nodes == n and r.default), None)
+        ratio = None if default is None else default.ratio_to_floor
+        out.append({"nodes": n, "strategy": default_strategy(1, n), "ratio_to_floor": ratio,
+                    "met": None if ratio is None else ratio <= TARGET_RATIO})
+    return out
+
+
 def to_json(results: list[SimulatedRun], **settings) -> dict:
-    return {"settings": settings, "results": [asdict(r) for r in results]}
+    return {"settings": settings, "target_ratio": TARGET_RATIO, "verdicts": verdicts(results),
+            "results": [asdict(r) for r in results]}

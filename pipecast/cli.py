@@ -76,18 +76,34 @@ def cli(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-class _Terminated(BaseException):
-    """SIGTERM arrived (``timeout``, systemd, Kubernetes): unwinds like Ctrl-C's KeyboardInterrupt."""
+class _Terminated(SystemExit):
+    """SIGTERM arrived (``timeout``, systemd, Kubernetes): unwinds like Ctrl-C's KeyboardInterrupt. A SystemExit
+    because asyncio re-raises only that and KeyboardInterrupt out of a callback: it logs any other
+    BaseException and runs on."""
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated()
+    import asyncio  # here: `pipecast --help` starts without it
+
+    terminated = _Terminated(128 + signum)  # as a shell reports a SIGTERM death
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no event loop: unwind from here
+        raise terminated from None
+    # From a callback of the loop's own: raised inside a task, it would stay that task's unretrieved exception,
+    # logged with its traceback when the task is collected.
+    loop.call_soon_threadsafe(_throw, terminated)
+
+
+def _throw(exc: BaseException) -> None:
+    raise exc
 
 
 @contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM raises :class:`_Terminated` meanwhile instead of killing the process at once, so that with and
-    finally blocks run: an interrupted pack leaves no partial folder and no MLflow download, as on Ctrl-C.
+    """SIGTERM raises :class:`_Terminated` meanwhile (from the next callback of an event loop that runs) instead
+    of killing the process at once, so that with and finally blocks run: an interrupted pack leaves no partial
+    folder and no MLflow download, as on Ctrl-C.
     Installed only over the default disposition; the servers' own handlers (agent, serve, router, control
     plane, scaler: a graceful drain) replace it while their event loop runs."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
@@ -112,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
-    except _Terminated:
+    except _Terminated as exc:
         click.echo("terminated", err=True)
-        return 128 + signal.SIGTERM
+        return exc.code
     except PipecastError as exc:
         click.echo(f"error: {exc}", err=True)
         return 2

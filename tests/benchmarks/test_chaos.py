@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from benchmarks.chaos import SCENARIOS, ChaosReport, format_report, parse_only
 from benchmarks.chaos_harness import Bounds, ChaosError, ScenarioResult
+from benchmarks.chaos_scenarios import last_line
 from benchmarks.command import bench_group
 
 SCENARIO_FIELDS = {"name", "faults", "survived", "corrupt_served", "blocks_rehashed", "hangs", "passed",
@@ -85,3 +86,11 @@ def test_the_full_suite_runs_every_scenario(tmp_path):
     assert [s["name"] for s in data["scenarios"]] == list(SCENARIOS)
     assert data["leftovers"] == {"processes": [], "mounts": [], "shm": []}
     assert not _ours(workdir)
+
+
+def test_a_process_error_is_noted_by_its_last_line_from_its_start():
+    """Finding: the note kept the last 160 characters of stderr, which began mid-word ("exit 2: efused: ...")."""
+    error = "error: refused: " + "x" * 150
+    assert last_line(f"WARNING a warning first\n{error}\n") == f"{error[:160]}..."
+    assert last_line("warning\nerror: refused: tokenizer.json\n") == "error: refused: tokenizer.json"
+    assert last_line("") == ""

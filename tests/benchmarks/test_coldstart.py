@@ -178,3 +178,15 @@ def test_a_process_that_dies_while_the_worker_starts_is_named_with_its_own_log(t
             _wait_file(tmp_path / "serve.ready", run, time.monotonic() + 60, "the worker did not start", "serve")
     finally:
         run.stop()
+
+
+def test_the_vllm_only_options_are_refused_with_the_pipecast_engine(tmp_path, monkeypatch):
+    """Finding: `bench coldstart --workers 4` (default engine) ran one pipecast worker, --workers ignored."""
+    from benchmarks.command import bench_group
+
+    monkeypatch.setenv("PIPECAST_VLLM_VENV", str(tmp_path))  # set for every run: not the user's choice here
+    result = CliRunner().invoke(bench_group, ["coldstart", "--package", str(tmp_path), "--workers", "4",
+                                              "--checkpoint", str(tmp_path), "--workdir", str(tmp_path / "work")])
+    assert result.exit_code == 2
+    assert "--workers, --checkpoint: for --engine vllm only" in result.output
+    assert not (tmp_path / "work").exists()  # nothing started

@@ -1,6 +1,11 @@
 """The control-plane benchmark's short form against a real server subprocess."""
 
+import socket
+
+import pytest
+
 from benchmarks import control_plane_bench as bench
+from control_plane.errors import ControlPlaneUnavailable
 from control_plane.placement import CHAIN_MAX_RECEIVERS
 
 
@@ -58,3 +63,24 @@ def test_the_stall_measure_skips_the_re_plan_where_no_receiver_serves_others():
     assert stall.replan_stall_ms is None and stall.scale_up_rpc_ms > 0
     assert "no re-plan (no receiver serves others) (target <= 50 ms: " in bench.report(
         bench.BenchResult(stalls=[stall]))
+
+
+def test_a_database_the_server_cannot_open_is_refused_before_any_phase(tmp_path, capsys):
+    """Finding: `--db /nonexist/dir/x.db` ran the in-process phases (~10 s), then the server died with a traceback."""
+    from pipecast.cli import main
+
+    db = tmp_path / "missing" / "cp.db"
+    assert main(["bench", "control-plane", "--db", str(db), "--workers", "2", "--blocks", "2", "--repeat", "1",
+                 "--duration", "0.5", "--stall-workers", ""]) == 2
+    assert capsys.readouterr().err == f"error: control plane database {db}: unable to open database file\n"
+
+
+def test_the_server_subprocess_fails_with_its_one_line_error_not_a_traceback(monkeypatch):
+    """The server runs as `pipecast control-plane` does: its errors are one line (here its port is taken)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(bench, "_free_port", lambda: taken.getsockname()[1])
+        with pytest.raises(ControlPlaneUnavailable, match="error: control plane cannot listen on 127.0.0.1") as exc:
+            bench.run(workers=2, blocks=2, duration_s=0.5, repeat=1)
+    assert "Traceback" not in str(exc.value)

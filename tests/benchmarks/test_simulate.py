@@ -151,3 +151,25 @@ def test_figures_that_meet_the_lower_bound_of_the_receivers_left_pass_its_check(
 def test_settings_that_leave_nothing_to_simulate_are_refused(args, message):
     result = CliRunner().invoke(bench_group, ["simulate", *args])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_each_node_count_gets_a_verdict_on_the_default_plan_against_the_target(tmp_path):
+    """Finding: the README's Target column claimed a verdict (<= 1.15x S/B) that the bench never printed."""
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(bench_group, ["simulate", "--nodes", "16,100", "--model-bytes", "32MiB",
+                                              "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    default = {r["nodes"]: r for r in data["results"] if r["default"]}
+    assert data["target_ratio"] == 1.15
+    assert [(v["nodes"], v["strategy"]) for v in data["verdicts"]] == [(16, "chain"), (100, "binomial")]
+    for v in data["verdicts"]:
+        ratio = default[v["nodes"]]["ratio_to_floor"]
+        assert v["ratio_to_floor"] == ratio and v["met"] == (ratio <= 1.15)
+        met = "met" if v["met"] else "NOT met"
+        assert (f"verdict N={v['nodes']}: default plan {v['strategy']} {ratio:.2f}x S/B (target <= 1.15x: {met})"
+                in result.output)
+    assert [v["met"] for v in data["verdicts"]] == [True, False]  # 32 MiB: 1.12x at 16, 1.54x at 100 (a pair)
+    unjudged = CliRunner().invoke(bench_group, ["simulate", "--nodes", "16", "--strategy", "unicast",
+                                                "--model-bytes", "32MiB"])
+    assert "verdict N=16: the default plan, chain, was not simulated (--strategy)" in unjudged.output
