@@ -9,7 +9,9 @@ refilled at :data:`EVENT_RATE_PER_S` a second). Lines over it are dropped and co
 kind that is written and when the log closes. An agent's own events (blocks, assignments) stay far
 below the bucket; a flood of peers' requests or failures does not. The file is bounded too: past
 :data:`EVENTS_MAX_BYTES` it moves to ``FILE.1`` (replacing the one before) and a new ``FILE`` begins, so a
-seeding agent's lines (one per block served) take at most twice that on disk.
+seeding agent's lines (one per block served) take at most twice that on disk. Processes writing one file (an
+agent restarted while the old one still ends) share it: each measures the file on disk and follows the path to
+the new ``FILE`` once another moved it aside.
 """
 
 import contextlib
@@ -47,7 +49,6 @@ class EventLog:
         self._buckets: dict[str, _Bucket] = {}
         self._path = Path(path) if path else None
         self._file: IO[str] | None = self._path.open("a", buffering=1) if self._path else None
-        self._size = self._file.tell() if self._file else 0  # appended to: what earlier runs wrote counts
 
     def emit(self, event: str, at: float | None = None, **fields: Any) -> None:
         """Record ``event`` (at ``at``, default now) with ``fields``, unless its kind is over its rate."""
@@ -76,13 +77,28 @@ class EventLog:
 
     def _write(self, record: dict) -> None:
         line = json.dumps(record) + "\n"  # ASCII (json.dumps escapes the rest): as many bytes as characters
-        if self._size and self._size + len(line) > self.max_bytes:
+        # The file on disk decides, not what this process wrote: another process (an agent restarted while the old
+        # one still ends) may append to it or move it aside.
+        size = self._follow_path()
+        if size and size + len(line) > self.max_bytes:
             self._file.close()
             with contextlib.suppress(FileNotFoundError):  # removed by hand meanwhile: a new one begins all the same
                 os.replace(self._path, rotated(self._path))
-            self._file, self._size = self._path.open("a", buffering=1), 0
+            self._file = self._path.open("a", buffering=1)
         self._file.write(line)
-        self._size += len(line)
+
+    def _follow_path(self) -> int:
+        # Reopens the path where it no longer names the open file (moved aside or removed); returns its size.
+        try:
+            on_disk = os.stat(self._path)
+        except FileNotFoundError:
+            on_disk = None
+        held = os.fstat(self._file.fileno())
+        if on_disk is None or (on_disk.st_dev, on_disk.st_ino) != (held.st_dev, held.st_ino):
+            self._file.close()
+            self._file = self._path.open("a", buffering=1)
+            on_disk = os.fstat(self._file.fileno())
+        return on_disk.st_size
 
     def close(self) -> None:
         if self._file is not None:

@@ -1,18 +1,15 @@
 """Which Hugging Face model types the engine runs layer by layer, and how their skeleton is built.
 
-The engine drives transformers' own decoder layers one at a time (so numerics are transformers'), which relies on four
+The engine drives transformers' own decoder layers one at a time (so numerics are transformers'), which relies on three
 facts of the pinned transformers version (DESIGN 6): ``config._attn_implementation`` must be set (left None the causal
-mask is silently dropped), the rotary embedding (and Gemma's embedding scale) is computed from the config, each
-layer reads the KV cache at its own ``layer_idx``, and decoder layers pass their keyword arguments on to the
-attention function (the engine's, :mod:`pipecast.engine.attention`, takes each row's keys there). A model type is
-listed here only when the exactness tests cover it.
+mask is silently dropped), the rotary embedding (and Gemma's embedding scale) is computed from the config, and each
+layer reads the KV cache at its own ``layer_idx``. A model type is listed here only when the exactness tests cover it.
 """
 
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipecast.engine import attention
 from pipecast.engine.errors import ModelConfigError, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -20,6 +17,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+ATTN_IMPLEMENTATION = "sdpa"
 # Rotary variants whose frequencies follow the longest position of the batch (transformers' dynamic_rope_update):
 # a row batched with a longer one would get the other's rotary.
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -67,8 +65,7 @@ def hf_config(config: dict) -> "PretrainedConfig":
         if rope_type in BATCH_DEPENDENT_ROPE:
             raise UnsupportedModelError(model_type, SUPPORTED_MODEL_TYPES,
                                         f"with rope type {rope_type!r} (its frequencies follow a batch's longest row)")
-    attention.register()
-    cfg._attn_implementation = attention.ATTN_IMPLEMENTATION
+    cfg._attn_implementation = ATTN_IMPLEMENTATION
     return cfg
 
 

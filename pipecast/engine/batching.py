@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipecast.engine.errors import EngineError
-from pipecast.engine.kv_cache import PrefillCache, SlotKVCache, decode_attention, prefill_mask
+from pipecast.engine.kv_cache import PrefillCache, SlotKVCache, decode_mask, prefill_mask
 from pipecast.engine.sampling import SamplingParams, new_generator, sample_tokens
 from pipecast.engine.streams import FINISH_CANCELLED, TokenStream, emit
 from pipecast.engine.weights import EMBED, HEAD, LAYER_STAGES, Part
@@ -213,13 +213,11 @@ class StepScheduler:
         position_ids = torch.tensor(positions, device=m.device).unsqueeze(1)
         hidden = m.embed(ids)
         rope = m.position_embeddings(hidden, position_ids)
-        # By sliding-window size: (mask, None) when the rows are at one position, else (None, each row's keys)
-        attends = {w: decode_attention(positions, w, m.device) for w in set(m.skeleton.windows)}
+        masks = {w: decode_mask(positions, w, m.device) for w in set(m.skeleton.windows)}
         cache = self.kv.step(positions)
         for layer in range(m.num_layers):
-            mask, spans = attends[m.window(layer)]
             hidden = m.run_layer(layer, hidden, position_embeddings=rope, position_ids=position_ids,
-                                 mask=mask, cache=cache, row_spans=spans)
+                                 mask=masks[m.window(layer)], cache=cache)
         logits = m.head(hidden, last_only=True)[:, -1].float().cpu()
         tokens = sample_tokens(logits, [s.params for s in self.decoding], [s.generator for s in self.decoding])
         self.steps += 1

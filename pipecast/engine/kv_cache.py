@@ -1,4 +1,4 @@
-"""Keys and values of running sequences, and how a decode step attends over them.
+"""Keys and values of running sequences, and the attention masks that go with them.
 
 A prompt's keys/values are kept per sequence while it is prefilled layer by layer (:class:`PrefillCache`);
 when its first token is out, they move into the shared :class:`SlotKVCache`, where every decoding sequence
@@ -7,16 +7,14 @@ owns one row and rows ``0..n-1`` are in use, so a batched decode step attends ov
 layers use it: ``update(keys, values, layer_idx) -> (all_keys, all_values)``.
 
 Masks follow transformers' sdpa rule so single sequences match it bit for bit: no mask where SDPA's own
-``is_causal`` (prefill) or full attention (one new token) is exact; an explicit boolean mask where a sliding
-window is reached. A decode step of a sliding-window layer attends over the keys from :func:`window_start` on,
-as transformers' sliding-window cache, which drops older keys, does: masking them instead is the same attention
-but not the same arithmetic (bf16 tokens differ). For the same reason rows of different lengths are never padded
-to a shared key span: :func:`decode_attention` gives each row its own span, attended over alone
-(:mod:`pipecast.engine.attention`).
+``is_causal`` (prefill) or full attention (one new token) is exact; an explicit boolean mask where rows
+have different lengths or a sliding window is reached. A decode step of a sliding-window layer attends over
+the keys from :func:`window_start` on, as transformers' sliding-window cache, which drops older keys, does:
+masking them instead is the same attention but not the same arithmetic (bf16 tokens differ).
 """
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -41,36 +39,23 @@ def window_start(positions: Sequence[int], window: int | None) -> int:
     return 0 if window is None else max(min(positions) - window + 1, 0)
 
 
-class RowSpan(NamedTuple):
-    """The keys one row of a decode step attends over: ``start:stop`` of the step's view, with the row's mask."""
+def decode_mask(positions: list[int], window: int | None, device: "torch.device") -> "torch.Tensor | None":
+    """Mask for one new token per row, row ``s`` at ``positions[s]`` attending to its keys ``0..positions[s]``
+    (within its window), over the keys from :func:`window_start` to the furthest position.
 
-    start: int
-    stop: int
-    mask: "torch.Tensor | None"
-
-
-def decode_mask(length: int, window: int | None, rows: int, device: "torch.device") -> "torch.Tensor | None":
-    """Mask of ``rows`` new tokens each attending over ``length`` keys (its own included): None, or once a
-    sliding ``window`` is reached, one allowing each of the window's keys (transformers passes one there, and
-    SDPA's arithmetic follows whether there is a mask)."""
+    None when every row has the same length and no window is reached (the view then holds no padding).
+    """
     import torch
 
-    if window is None or length < window:
+    span = max(positions) + 1
+    if len(set(positions)) == 1 and (window is None or span < window):
         return None
-    return torch.ones(rows, 1, 1, window, dtype=torch.bool, device=device)
-
-
-def decode_attention(positions: list[int], window: int | None,
-                     device: "torch.device") -> tuple["torch.Tensor | None", list[RowSpan] | None]:
-    """How the new tokens of rows at ``positions`` attend in a layer of sliding ``window`` (None: full attention):
-    ``(mask, None)`` when every row is at the same position (the step's view then holds exactly each row's keys:
-    one SDPA call over the batch), else ``(None, spans)``: per row, the keys of the view it holds, with its mask.
-    """
-    if len(set(positions)) == 1:
-        return decode_mask(positions[0] + 1, window, len(positions), device), None
-    first = window_start(positions, window)
-    return None, [RowSpan(window_start([p], window) - first, p + 1 - first, decode_mask(p + 1, window, 1, device))
-                  for p in positions]
+    keys = torch.arange(window_start(positions, window), span, device=device)[None, :]
+    pos = torch.tensor(positions, device=device)[:, None]
+    allowed = keys <= pos
+    if window is not None:
+        allowed &= keys > pos - window
+    return allowed[:, None, None, :]
 
 
 class PrefillCache:
@@ -112,31 +97,40 @@ class SlotKVCache:
     def reserve(self, tokens: int) -> None:
         """Make room for ``tokens`` positions per row (keeping what is stored).
 
-        Every grown tensor is allocated before any replaces its layer's, so an allocation that fails (out of
-        memory) leaves the cache as it was rather than its layers of mixed capacities.
+        Layers grow one at a time, each old tensor freed as its grown one replaces it: the peak is what is held
+        plus one grown tensor, not a second copy of every layer. ``capacity`` is set once all have grown, so an
+        allocation that fails (out of memory) leaves every layer usable at the old capacity at least (some at the
+        new), and a later call grows only the rest.
         """
         if tokens <= self.capacity:
             return
         capacity = max(2 * self.capacity, -(-tokens // CAPACITY_STEP) * CAPACITY_STEP)
         if self.max_positions:  # requests are refused past the model's positions: room beyond them is waste
             capacity = min(capacity, self.max_positions)
-        keys, values = ([self._grown(layer, capacity) for layer in store or [None] * self.num_layers]
-                        for store in (self.keys, self.values))
-        self.keys, self.values, self.capacity = keys, values, capacity
+        for layer in range(self.num_layers):
+            for store in (self.keys, self.values):
+                self._grow(store, layer, capacity)
+        self.capacity = capacity
 
-    def _grown(self, layer: "torch.Tensor | None", capacity: int) -> "torch.Tensor":
+    def _grow(self, store: list["torch.Tensor"], layer: int, capacity: int) -> None:
         import torch
 
+        old = store[layer] if layer < len(store) else None
+        if old is not None and old.shape[2] >= capacity:  # grown by an earlier call that failed on a later layer
+            return
         grown = torch.zeros((self.rows, self.num_kv_heads, capacity, self.head_dim), dtype=self.dtype,
                             device=self.device)
-        if layer is not None:
-            grown[:, :, :self.capacity] = layer
-        return grown
+        if old is None:
+            store.append(grown)
+        else:
+            grown[:, :, :old.shape[2]] = old
+            store[layer] = grown
 
     def shrink(self) -> None:
-        """Free the keys and values once grown past CAPACITY_STEP (call it when no row is in use): a long
+        """Free the keys and values once any grew past CAPACITY_STEP (call it when no row is in use): a long
         request's room, allocated for every row, is not kept after it; the next use allocates what it needs."""
-        if self.capacity > CAPACITY_STEP:
+        # The tensors, not ``capacity``: a growth that failed part way left some layers larger than it.
+        if any(t.shape[2] > CAPACITY_STEP for t in self.keys + self.values):
             self.keys, self.values, self.capacity = [], [], 0
 
     def write_prompt(self, row: int, prompt: PrefillCache, length: int) -> None:

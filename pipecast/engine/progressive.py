@@ -9,7 +9,7 @@ each part just before it needs it.
 
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pipecast.engine.architectures import build_skeleton
@@ -183,17 +183,12 @@ class ProgressiveModel:
                 for t in set(self.skeleton.rope_types)}
 
     def run_layer(self, layer: int, hidden: "torch.Tensor", *, position_embeddings: Mapping[str | None, tuple],
-                  position_ids: "torch.Tensor", mask: "torch.Tensor | None", cache: Any,
-                  row_spans: Sequence | None = None) -> "torch.Tensor":
-        """Run decoder layer ``layer``; ``cache`` has ``update(k, v, layer_idx) -> (k, v)`` or is None.
-
-        ``row_spans``: for a decode step whose rows differ, each row's keys, attended over per row
-        (:func:`pipecast.engine.kv_cache.decode_attention`); None attends over the whole batch at once.
-        """
+                  position_ids: "torch.Tensor", mask: "torch.Tensor | None", cache: Any) -> "torch.Tensor":
+        """Run decoder layer ``layer``; ``cache`` has ``update(k, v, layer_idx) -> (k, v)`` or is None."""
         self._mark_run(layer)
         return self._inner.layers[layer](hidden, attention_mask=mask, position_ids=position_ids,
                                          position_embeddings=self._layer_rope(position_embeddings, layer),
-                                         past_key_values=cache, use_cache=cache is not None, row_spans=row_spans)
+                                         past_key_values=cache, use_cache=cache is not None)
 
     def run_stage(self, layer: int, stage: int, hidden: "torch.Tensor", carry: "torch.Tensor | None", *,
                   position_embeddings: Mapping[str | None, tuple], position_ids: "torch.Tensor",

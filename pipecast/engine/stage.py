@@ -311,7 +311,7 @@ class StageRunner:
         rope = m.position_embeddings(hidden, positions)
         windows = set(m.skeleton.windows)
         masks = ({w: prefill_mask(n, w, m.device) for w in windows} if position == 0
-                 else {w: decode_mask(position + 1, w, 1, m.device) for w in windows})
+                 else {w: decode_mask([position], w, m.device) for w in windows})
         for layer in state.layers:
             self._wait(layer, deadline)
             hidden = m.run_layer(layer, hidden, position_embeddings=rope, position_ids=positions,

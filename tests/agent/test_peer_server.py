@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pipecast.agent.errors import PeerNotAllowedError
-from pipecast.agent.events import EventLog, read_events
+from pipecast.agent.events import EventLog, read_events, rotated
 from pipecast.agent.peer_server import MAX_REQUESTERS_PER_PACKAGE, PeerServer
 from pipecast.agent.transport.wire import CHUNK, REQ_BLOCK, Header, answer_request, parse_request, request_payload
 from tests.agent.conftest import CHUNK as CHUNK_BYTES
@@ -152,3 +152,17 @@ def test_the_events_file_moves_aside_once_when_full_so_it_takes_at_most_twice_it
     assert path.stat().st_size <= 4096 and 3900 < (tmp_path / "events.jsonl.1").stat().st_size <= 4096
     blocks = [e["block"] for e in read_events(path)]  # the rotated file's first
     assert blocks == list(range(blocks[0], 1000))
+
+
+def test_two_processes_writing_one_events_file_share_its_rotation_and_keep_their_lines_in_order(tmp_path):
+    """Found in review: each counted only its own lines, and once one had moved the file aside the other wrote on
+    into FILE.1 and, rotating in its turn, replaced what the first had written (a run kept 40 of 120 lines)."""
+    path = tmp_path / "events.jsonl"
+    old, new = EventLog(path, "old", max_bytes=2000), EventLog(path, "new", max_bytes=2000)
+    for seq in range(240):
+        (old, new)[seq % 2].emit("peer_request", seq=seq)
+    old.close()
+    new.close()
+    assert path.stat().st_size <= 2000 and 1900 < rotated(path).stat().st_size <= 2000
+    seqs = [e["seq"] for e in read_events(path)]
+    assert seqs == list(range(seqs[0], 240))

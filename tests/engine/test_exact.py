@@ -70,10 +70,12 @@ def test_greedy_generation_equals_transformers(case):
     assert engine.generate(prompt, SamplingParams(max_tokens=20, stop_token_ids=stops), timeout=30) == expected
 
 
-def test_prompts_of_different_lengths_decoded_together_get_transformers_greedy_tokens(case):
-    """Their rows attend over key spans of different lengths: padding the shorter ones with masked keys changes
-    SDPA's arithmetic (bf16 tokens differed from transformers' after a few steps)."""
+def test_fp32_prompts_of_different_lengths_decoded_together_get_transformers_greedy_tokens(case):
+    """In fp32 a row's tokens do not depend on the rows beside it: shorter rows' keys padded with masked ones, the
+    batch's shared matrix products. Not in bf16: there a batch's products round otherwise than one row's (README)."""
     ref, engine, _ = case
+    if ref.dtype != torch.float32:
+        pytest.skip("bf16 batched decoding is not batch invariant: it may differ from transformers after some tokens")
     prompts = [random_prompt(n, 100 + n) for n in (3, 7, 12, 20, 31, 5)]
     expected = [reference_generate(ref, p, 30) for p in prompts]
     params = SamplingParams(max_tokens=30, stop_token_ids=[ref.generation_config.eos_token_id])

@@ -2,11 +2,13 @@
 the shared cache, rows kept dense, capacity that grows without losing what is stored, and the view one
 batched decode step attends over."""
 
+import weakref
+
 import pytest
 import torch
 
-from pipecast.engine.kv_cache import (CAPACITY_STEP, PrefillCache, RowSpan, SlotKVCache, decode_attention,
-                                      decode_mask, prefill_mask, window_start)
+from pipecast.engine.kv_cache import (CAPACITY_STEP, PrefillCache, SlotKVCache, decode_mask, prefill_mask,
+                                      window_start)
 
 CPU = torch.device("cpu")
 LAYERS, HEADS, DIM = 2, 2, 4
@@ -36,25 +38,15 @@ def test_a_prompt_needs_a_mask_only_once_it_reaches_the_sliding_window():
                                          [0, 0, 1, 1, 1]]
 
 
-def test_a_decode_step_needs_a_mask_only_past_the_window():
-    assert decode_mask(5, None, 2, CPU) is None and decode_mask(5, 6, 2, CPU) is None
-    # Past the window: every key of the view (it starts where the window does) is allowed
-    assert decode_mask(6, 6, 2, CPU).shape == (2, 1, 1, 6) and decode_mask(9, 6, 2, CPU).all()
+def test_a_decode_step_needs_a_mask_only_for_rows_of_different_lengths_or_past_the_window():
+    assert decode_mask([4, 4], None, CPU) is None and decode_mask([4, 4], 6, CPU) is None
+    mask = decode_mask([1, 3], None, CPU)
+    assert mask.shape == (2, 1, 1, 4)
+    assert mask[:, 0, 0].int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    # Past the window, over the keys from the first any row's window holds (those before are left out)
+    assert decode_mask([3, 3], 2, CPU)[:, 0, 0].int().tolist() == [[1, 1], [1, 1]]
+    assert decode_mask([2, 4], 2, CPU)[:, 0, 0].int().tolist() == [[1, 1, 0, 0], [0, 0, 1, 1]]
     assert window_start([2, 4], 2) == 1 and window_start([0, 4], 2) == 0 and window_start([9], None) == 0
-
-
-def test_rows_at_one_position_attend_together_and_rows_of_different_lengths_each_over_their_own_keys():
-    """Padding a row's keys with masked ones changes SDPA's arithmetic (bf16): each row gets exactly its keys."""
-    assert decode_attention([4, 4], None, CPU) == (None, None)
-    mask, spans = decode_attention([4, 4], 2, CPU)
-    assert spans is None and mask.shape == (2, 1, 1, 2)
-    assert decode_attention([1, 3], None, CPU) == (None, [RowSpan(0, 2, None), RowSpan(0, 4, None)])
-    # Sliding window 2: the step's view starts at row 0's window (position 1); row 1's starts at 3
-    mask, spans = decode_attention([2, 4], 2, CPU)
-    assert mask is None and [(s.start, s.stop) for s in spans] == [(0, 2), (2, 4)]
-    mask, spans = decode_attention([2, 4, 0], 2, CPU)  # row 2's window starts at 0, and so does the view
-    assert [(s.start, s.stop) for s in spans] == [(1, 3), (3, 5), (0, 1)]
-    assert spans[0].mask.shape == (1, 1, 1, 2) and spans[2].mask is None  # row 2 has not reached its window
 
 
 def test_capacity_grows_in_steps_at_least_doubling_and_keeps_what_is_stored():
@@ -86,7 +78,7 @@ def test_a_decode_step_writes_each_rows_token_and_attends_over_a_view_of_the_use
     assert keys.data_ptr() == slots.keys[1].data_ptr()  # a view of the cache, not a gather
     assert torch.equal(keys[0, :, :2], short.keys[1][0]) and torch.equal(keys[1, :, :4], long.keys[1][0])
     assert torch.equal(keys[0, :, 2], new_keys[0, :, 0]) and torch.equal(values[1, :, 4], new_values[1, :, 0])
-    assert not keys[0, :, 3:].any()  # row 0's future positions stay empty (outside its span)
+    assert not keys[0, :, 3:].any()  # row 0's future positions stay empty (masked by decode_mask)
 
 
 def test_a_sliding_window_layer_attends_over_the_keys_from_the_first_window_position_only():
@@ -120,28 +112,79 @@ def test_shrinking_frees_what_grew_past_one_step_and_the_next_use_allocates_what
     assert slots.capacity == CAPACITY_STEP and torch.equal(slots.keys[1][0, :, :5], prompt.keys[1][0])
 
 
-def test_running_out_of_memory_while_growing_leaves_the_cache_as_it_was(monkeypatch):
-    """Layers grown one at a time left some at the new capacity, the rest at the old, and the capacity unset:
-    every later request that needed the room failed."""
-    slots = cache()
-    slots.write_prompt(0, prompt := prompt_cache(5, seed=1), 5)
-    zeros, calls = torch.zeros, []
+def patch_zeros(monkeypatch, fail_at: int | None = None) -> list[weakref.ref]:
+    """Patch ``torch.zeros`` (how the cache allocates) to raise out of memory on call ``fail_at`` (from 1); the
+    list returned holds a weak reference to each tensor allocated."""
+    zeros, made = torch.zeros, []
 
-    def out_of_memory_on_the_third(*args, **kwargs):
-        calls.append(args)
-        if len(calls) == 3:
+    def allocate(*args, **kwargs):
+        if len(made) + 1 == fail_at:
             raise torch.OutOfMemoryError("out of memory (simulated)")
-        return zeros(*args, **kwargs)
+        tensor = zeros(*args, **kwargs)
+        made.append(weakref.ref(tensor))
+        return tensor
 
-    monkeypatch.setattr(torch, "zeros", out_of_memory_on_the_third)
+    monkeypatch.setattr(torch, "zeros", allocate)
+    return made
+
+
+def test_running_out_of_memory_while_growing_leaves_every_layer_usable_and_a_retry_grows_the_rest(monkeypatch):
+    """One OOM once left the capacity unset over layers of mixed sizes (every later request that needed the room
+    failed); the layers a failed growth did grow are kept, larger than the capacity, and not allocated again."""
+    slots = cache(rows=2)
+    slots.write_prompt(0, prompt := prompt_cache(5, seed=1), 5)
+    patch_zeros(monkeypatch, fail_at=3)  # layer 0's keys and values grow, layer 1's keys do not
     with pytest.raises(torch.OutOfMemoryError):
         slots.reserve(2 * CAPACITY_STEP)
     monkeypatch.undo()
     assert slots.capacity == CAPACITY_STEP
-    assert [t.shape[2] for t in slots.keys + slots.values] == [CAPACITY_STEP] * 2 * LAYERS
-    slots.reserve(2 * CAPACITY_STEP)
+    assert [t.shape[2] for t in slots.keys + slots.values] == [2 * CAPACITY_STEP, CAPACITY_STEP] * 2
+    assert torch.equal(slots.keys[0][0, :, :5], prompt.keys[0][0])  # the grown layer kept what was stored
+    # Usable at the old capacity: a prompt moves in and a step attends over both rows
+    slots.write_prompt(1, other := prompt_cache(3, seed=2), 3)
+    keys, _ = slots.step([5, 3]).update(torch.zeros(2, HEADS, 1, DIM), torch.zeros(2, HEADS, 1, DIM), 0)
+    assert keys.shape[2] == 6 and torch.equal(keys[0, :, :5], prompt.keys[0][0])
+    assert torch.equal(keys[1, :, :3], other.keys[0][0])
+    # A longer prompt then grows only the layers the failed growth left
+    made = patch_zeros(monkeypatch)
+    slots.write_prompt(0, longer := prompt_cache(CAPACITY_STEP + 9, seed=3), CAPACITY_STEP + 9)
+    assert len(made) == 2 and slots.capacity == 2 * CAPACITY_STEP
     assert [t.shape[2] for t in slots.keys + slots.values] == [2 * CAPACITY_STEP] * 2 * LAYERS
-    assert torch.equal(slots.values[1][0, :, :5], prompt.values[1][0])
+    assert torch.equal(slots.values[1][0, :, :CAPACITY_STEP + 9], longer.values[1][0])
+    assert torch.equal(slots.values[1][1, :, :3], other.values[1][0])
+
+
+def test_shrinking_frees_the_layers_a_failed_growth_left_larger_than_the_capacity(monkeypatch):
+    """Judged by ``capacity`` alone, they were kept while the engine was idle."""
+    slots = cache()
+    slots.reserve(CAPACITY_STEP)
+    patch_zeros(monkeypatch, fail_at=2)
+    with pytest.raises(torch.OutOfMemoryError):
+        slots.reserve(2 * CAPACITY_STEP)
+    monkeypatch.undo()
+    slots.shrink()
+    assert slots.capacity == 0 and slots.nbytes == 0
+
+
+def test_growing_holds_no_more_than_the_grown_cache_and_the_one_tensor_being_replaced(monkeypatch):
+    """Every layer's grown tensors allocated before the old ones were freed held both caches at once: 6 GiB at
+    the peak for a 32-layer model growing from 2 to 4 GiB."""
+    slots = cache(rows=2)
+    slots.reserve(CAPACITY_STEP)
+    old = [weakref.ref(t) for t in slots.keys + slots.values]
+    made = patch_zeros(monkeypatch)
+    zeros, peak = torch.zeros, 0
+
+    def allocate(*args, **kwargs):
+        nonlocal peak
+        tensor = zeros(*args, **kwargs)
+        peak = max(peak, sum(t.nbytes for t in (ref() for ref in old + made) if t is not None))
+        return tensor
+
+    monkeypatch.setattr(torch, "zeros", allocate)
+    slots.reserve(4 * CAPACITY_STEP)
+    assert len(made) == 2 * LAYERS and slots.capacity == 4 * CAPACITY_STEP
+    assert peak == slots.nbytes + slots.nbytes // (2 * LAYERS) // 4  # + one tensor of the old capacity
 
 
 @pytest.mark.parametrize("positions", [[0], [CAPACITY_STEP]])
