@@ -13,7 +13,7 @@ from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.placement import CHAIN_MAX_RECEIVERS
 from control_plane.planner.plan import Fetch, Plan
 from control_plane.planner.schedules import InFlight
-from control_plane.state import ControlState, Notice
+from control_plane.state import ActivePlan, ControlState, Notice, ScaleUpResult
 from control_plane.store_sqlite import SqliteStore
 from pipecast.v1.manifest_pb2 import Block, Manifest
 
@@ -655,12 +655,19 @@ def test_a_straggling_relay_is_demoted_to_a_leaf_and_the_nodes_behind_it_are_not
     assert active.demoted == {"w2"} and active.replans == 1
 
 
-def test_a_later_straggler_is_no_earlier_ones_child():
+def _w2_demoted_in_a_chain_of_six() -> tuple[ControlState, ScaleUpResult, ActivePlan, dict, float]:
+    """Six receivers in a chain, w2 at a fifth of its parent's rate and w3..w5 behind it, until w2 is demoted:
+    the state, the scale-up, its plan, the bytes held and the time then."""
     state = cluster(6, block_bytes=BIG_BLOCK)
     result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3", "w4", "w5"], strategy="chain", now=1)
     active = state.plans[result.plan_id]
     held, t = _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 10e6, "w4": 10e6, "w5": 10e6}, 1.0, 3.0,
                         until=lambda: bool(active.demoted))
+    return state, result, active, held, t
+
+
+def test_a_later_straggler_is_no_earlier_ones_child():
+    state, _, active, held, t = _w2_demoted_in_a_chain_of_six()
     assert active.demoted == {"w2"} and {a.parent for a in active.parts["w2"].fetch} == {"w5"}  # the tail
     # Behind w1, w3 runs at its rate; w4 does not: it is demoted too, and the leaf w2 is not its parent.
     _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 50e6, "w4": 10e6, "w5": 10e6}, t + 0.125, t + 3.0,
@@ -671,11 +678,7 @@ def test_a_later_straggler_is_no_earlier_ones_child():
 
 
 def test_a_bad_peer_reports_child_does_not_move_behind_a_demoted_straggler():
-    state = cluster(6, block_bytes=BIG_BLOCK)
-    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3", "w4", "w5"], strategy="chain", now=1)
-    active = state.plans[result.plan_id]
-    _, t = _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 10e6, "w4": 10e6, "w5": 10e6}, 1.0, 3.0,
-                     until=lambda: bool(active.demoted))
+    state, result, active, _, t = _w2_demoted_in_a_chain_of_six()
     assert active.demoted == {"w2"}
     state.report("w2", {"pkg": [0]}, {}, now=t + 0.1)  # the straggler is the only holder of block 0
     assert state.availability["pkg"].by_worker == {"w2": {0}}
