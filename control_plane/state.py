@@ -309,9 +309,10 @@ class ControlState:
             self._forget(node)
         return dead
 
-    def _lapse(self, nodes: Collection[str]) -> None:
+    def _lapse(self, nodes: Collection[str], *, keep_releases: bool = False) -> None:
         """``nodes`` are dead as if their lease lapsed: they leave every plan and availability, must register
-        again, and then get a plan for the rest of what they were receiving."""
+        again, and then get a plan for the rest of what they were receiving. ``keep_releases``: their keep-alive
+        releases still end as planned (a node only reported gone may be alive: it registers again holding them)."""
         for node in nodes:
             self.workers[node].alive = False
             self.dirty.workers.add(node)
@@ -320,7 +321,7 @@ class ControlState:
             if receiving:
                 self.lapsed.setdefault(node, set()).update(receiving)
         if nodes:
-            self._remove_nodes(set(nodes))
+            self._remove_nodes(set(nodes), keep_releases=keep_releases)
 
     def _forget(self, node: str) -> None:
         """Remove every trace of ``node`` (it left every plan and availability already)."""
@@ -493,7 +494,7 @@ class ControlState:
         if gone:
             worker = self.workers.get(peer)
             if worker is not None and worker.alive:
-                self._lapse([peer])
+                self._lapse([peer], keep_releases=True)
                 return True
             return any(self._repair(active, {peer}) for active in plans)  # e.g. a store that never registered
         if self.availability[package_id].remove(peer, [block]):
@@ -988,13 +989,14 @@ class ControlState:
             if not active.pending:
                 self._end_plan(active)
 
-    def _remove_nodes(self, nodes: set[str]) -> None:
-        """``nodes`` are gone (dead or deregistered): out of availability, releases and every plan."""
+    def _remove_nodes(self, nodes: set[str], *, keep_releases: bool = False) -> None:
+        """``nodes`` are gone (dead or deregistered): out of availability, releases (unless ``keep_releases``)
+        and every plan."""
         for package_id, availability in self.availability.items():
             for node in nodes:
                 if availability.remove_worker(node):
                     self.dirty.availability.add((package_id, node))
-        for key in [k for k in self.releases if k[1] in nodes]:
+        for key in [] if keep_releases else [k for k in self.releases if k[1] in nodes]:
             del self.releases[key]
             self.dirty.releases.add(key)
         # Of every package, also where _repair keeps them (no other source): node ids churn, samples would pile up.

@@ -38,8 +38,11 @@ log = logging.getLogger(__name__)
 Holdings = Callable[[], Mapping[str, Collection[int]]]
 #: Errors no retry can fix: the token is refused, or it is not this node's.
 REFUSED = (Unauthenticated, PermissionDenied)
-#: A registration refused for what the agent was given (a serve URL on another host, a node id in use): as fatal.
-REGISTRATION_REFUSED = (*REFUSED, InvalidRequest, NodeIdInUse)
+#: A registration refused for what the agent was given (a serve URL on another host): as fatal.
+REGISTRATION_REFUSED = (*REFUSED, InvalidRequest)
+#: How long a registration refused as :class:`NodeIdInUse` is retried before it is as fatal: the live worker may be
+#: this agent's own former process at its old address (a reboot, a new pod IP), whose lease (10 s by default) ends.
+NODE_ID_WAIT_S = 60.0
 
 
 class WorkerSession:
@@ -47,7 +50,8 @@ class WorkerSession:
 
     def __init__(self, client: ControlPlaneClient, spec: WorkerSpec, holdings: Holdings, *,
                  report_delay_s: float = 0.05, retry_s: float = 1.0, heartbeat_s: float = 2.0,
-                 on_data_key: Callable[[bytes], None] | None = None, cached: Holdings | None = None):
+                 on_data_key: Callable[[bytes], None] | None = None, cached: Holdings | None = None,
+                 node_id_wait_s: float = NODE_ID_WAIT_S):
         """``holdings`` gives the blocks held in memory, ``cached`` those in the disk cache, per package: each
         registration carries both (a package held in memory counts as held only). ``holdings`` runs on the
         event loop; ``cached`` in a thread, as it may read the disk (a large package's manifest: ~0.6 s)."""
@@ -56,6 +60,7 @@ class WorkerSession:
         self.node_id = spec.node_id
         self.report_delay_s = report_delay_s
         self.retry_s = retry_s
+        self.node_id_wait_s = node_id_wait_s
         self.heartbeat_s = heartbeat_s  # replaced by the server's at registration
         self.registered = asyncio.Event()
         self._holdings = holdings
@@ -177,6 +182,7 @@ class WorkerSession:
 
     async def _keep_registered(self) -> None:
         failing = False
+        in_use_since: float | None = None  # when a registration was first refused as NodeIdInUse
         while True:
             self._kick.clear()
             fatal = REFUSED if self.registered.is_set() else REGISTRATION_REFUSED
@@ -196,7 +202,20 @@ class WorkerSession:
                              list(registration.unknown_packages))
                 if failing:
                     log.info("control plane %s reachable again node=%s", self.client.target, self.node_id)
-                failing = False
+                failing, in_use_since = False, None
+            except NodeIdInUse as exc:
+                now = asyncio.get_running_loop().time()
+                in_use_since = now if in_use_since is None else in_use_since
+                if now - in_use_since >= self.node_id_wait_s:
+                    log.error("control plane %s refused node=%s for %.0f s: %s", self.client.target, self.node_id,
+                              now - in_use_since, exc)
+                    self._refused = exc
+                    self._refused_event.set()
+                    return
+                if now == in_use_since:
+                    log.warning("%s; retrying every %.1f s for up to %.0f s", exc, self.retry_s, self.node_id_wait_s)
+                await self._nap(self.retry_s)
+                continue
             except UnknownWorker:
                 log.warning("control plane %s no longer knows node=%s: registering again", self.client.target,
                             self.node_id)

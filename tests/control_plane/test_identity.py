@@ -258,7 +258,7 @@ async def test_a_second_agent_with_a_live_workers_node_id_is_refused_and_the_fir
 async def test_worker_session_stops_on_a_refused_registration(operator, server, refusal):
     """Findings 1 and 2 (walk B): a registration refused for the agent's configuration (a serve URL on another
     host, a node id a live worker has) was retried every second forever; now it ends the session (the agent
-    exits 2 with the message)."""
+    exits 2 with the message): at once, or for a node id in use once it was refused for node_id_wait_s."""
     await operator.register(spec("w1"))
     if refusal == "serve_url":
         wrong = WorkerSpec(spec("w2").peer, 1 << 30, serve_url="http://127.0.0.8:27800")
@@ -266,7 +266,7 @@ async def test_worker_session_stops_on_a_refused_registration(operator, server, 
     else:
         wrong = WorkerSpec(PeerInfo("w1", "127.0.0.9:27070", ("tcp",)), 1 << 30)
         error, message = NodeIdInUse, "node id 'w1' is in use by a live worker at 127.0.0.1:9001"
-    session = WorkerSession(operator, wrong, holdings=dict, retry_s=0.05)
+    session = WorkerSession(operator, wrong, holdings=dict, retry_s=0.05, node_id_wait_s=0.3)
     await session.start()
     try:
         with pytest.raises(error, match=message):
@@ -274,3 +274,21 @@ async def test_worker_session_stops_on_a_refused_registration(operator, server, 
     finally:
         await session.close()
     assert server.state.workers["w1"].spec.peer.address == spec("w1").peer.address
+
+
+async def test_an_agent_back_at_a_new_address_registers_once_its_old_lease_ends(operator, server):
+    """Review P: an agent restarted at another address (a reboot, a new pod IP) while its old process's lease
+    still ran exited 2; its registration is retried until that lease ends."""
+    await operator.register(spec("w1"))
+    server.state.workers["w1"].lease_expires = server.clock() + 60  # the old process's lease runs meanwhile
+    moved = WorkerSpec(PeerInfo("w1", "127.0.0.9:27070", ("tcp",)), 1 << 30)
+    session = WorkerSession(operator, moved, holdings=dict, retry_s=0.05)
+    await session.start()
+    try:
+        await asyncio.sleep(0.2)  # refused a few times meanwhile
+        assert not session.registered.is_set() and not session._refused_event.is_set()
+        server.state.workers["w1"].lease_expires = server.clock()  # the old process's lease ends
+        await asyncio.wait_for(session.registered.wait(), WAIT_S)
+        assert server.state.workers["w1"].spec.peer.address == "127.0.0.9:27070"
+    finally:
+        await session.close()

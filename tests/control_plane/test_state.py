@@ -575,11 +575,13 @@ def test_a_bad_peer_gone_leaves_its_plan_at_once_and_its_child_takes_its_slot():
 
 def test_a_live_source_reported_gone_by_one_child_registers_again_and_is_a_holder_again():
     """Connection refused only means nothing listened where that child looked: an agent alive after all is
-    told at its next heartbeat to register again, and holds what it says it holds, not nothing for good."""
+    told at its next heartbeat to register again, and holds what it says it holds, not nothing for good; its
+    keep-alive release still ends as planned (review P: it was lost, the package never dropped)."""
     state = cluster(5)
     state.report("w4", {"pkg": range(BLOCKS)}, {}, now=1)
     result = state.scale_up("pkg", node_ids=["w0", "w1"], strategy="chain", now=1)
     assert result.sources == ("w4",)
+    drop_at = state.release("pkg", ["w4"], keep_alive_s=30, now=1.5)  # a source until then
     child = next(n for n in result.receivers if state.plans[result.plan_id].parts[n].fetch[0].parent == "w4")
     assert state.report_bad_peer(child, "w4", "pkg", 0, "PeerNotListeningError: nothing listens there", now=2,
                                  gone=True)
@@ -590,6 +592,11 @@ def test_a_live_source_reported_gone_by_one_child_registers_again_and_is_a_holde
     state.register(spec("w4"), {"pkg": range(BLOCKS)}, now=3)
     assert state.availability["pkg"].held("w4") == frozenset(range(BLOCKS))
     state.heartbeat("w4", now=3.5)
+    assert state.releases == {("pkg", "w4"): drop_at}
+    state.notices.clear()
+    state.heartbeat("w4", now=drop_at)
+    state.tick(now=drop_at)
+    assert Notice("w4", UpdateKind.DROP, "pkg") in state.notices
 
 
 def test_a_bad_peer_that_served_a_block_it_held_fetches_it_again_last():
