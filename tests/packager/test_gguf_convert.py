@@ -47,9 +47,14 @@ def test_transformers_draws_no_bar_of_its_own_in_a_pipe(fake_transformers, tmp_p
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    assert transformers_logging.is_progress_bar_enabled()
-    assert main(["convert-gguf", str(gguf), str(tmp_path / "out")]) == 0
-    out, err = capfd.readouterr()
-    assert "converted" in out and "Writing model shards" not in out + err
-    assert (tmp_path / "out" / "model.safetensors").is_file()
-    assert transformers_logging.is_progress_bar_enabled()  # library code leaves the switch as it found it
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.enable_progress_bar()  # as in a fresh process (a test before may have turned it off)
+    try:
+        assert main(["convert-gguf", str(gguf), str(tmp_path / "out")]) == 0
+        out, err = capfd.readouterr()
+        assert "converted" in out and "Writing model shards" not in out + err
+        assert (tmp_path / "out" / "model.safetensors").is_file()
+        assert transformers_logging.is_progress_bar_enabled()  # library code leaves the switch as it found it
+    finally:
+        if not was_enabled:
+            transformers_logging.disable_progress_bar()
