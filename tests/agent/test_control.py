@@ -124,6 +124,13 @@ async def _follow_until_complete(daemon: AgentDaemon, fetch: tuple[Fetch[PeerInf
     raise AssertionError(f"the package was not fetched; events: {read_events(daemon.options.events)}")
 
 
+async def _stop(follower: PackageFollower, daemon: AgentDaemon, package_id: str) -> None:
+    """Close what a test's follower opened: the follower, the daemon's transport, the store it filled."""
+    await follower.close()
+    await daemon.transport.close()
+    daemon.peer_server.stores[package_id].close()
+
+
 def _daemon(tmp_path, cls=AgentDaemon) -> AgentDaemon:
     return cls(AgentOptions(node_id="rx", listen="127.0.0.1:0", events=tmp_path / "rx.jsonl"),
                Settings(**{**SETTINGS, "agent_cache_dir": tmp_path / "cache"}))
@@ -153,9 +160,7 @@ async def test_a_follower_whose_first_peer_sends_a_manifest_nested_100000_deep_g
         cached = tmp_path / "cache" / manifest.package_id / MANIFEST_FILE
         assert cached.read_bytes() == (root / MANIFEST_FILE).read_bytes()
     finally:
-        await follower.close()
-        await daemon.transport.close()
-        daemon.peer_server.stores[manifest.package_id].close()
+        await _stop(follower, daemon, manifest.package_id)
 
 
 @pytest.mark.timeout(60)
@@ -175,9 +180,7 @@ async def test_a_parent_where_nothing_listens_is_reported_gone_so_that_it_leaves
         assert (peer, block, reported_gone) == ("gone", manifest.blocks[-1].index, True)
         assert reason.startswith("PeerNotListeningError: peer gone@127.0.0.1:")
     finally:
-        await follower.close()
-        await daemon.transport.close()
-        daemon.peer_server.stores[manifest.package_id].close()
+        await _stop(follower, daemon, manifest.package_id)
 
 
 @pytest.mark.timeout(60)
@@ -194,9 +197,7 @@ async def test_a_follower_survives_an_exception_no_peer_is_blamed_for_and_starts
         assert (failure["error"], failure["message"]) == ("RuntimeError", "a bug, or a full disk")
         assert [e["event"] for e in events].count("complete") == 1
     finally:
-        await follower.close()
-        await daemon.transport.close()
-        daemon.peer_server.stores[manifest.package_id].close()
+        await _stop(follower, daemon, manifest.package_id)
 
 
 @pytest.mark.timeout(60)
@@ -215,9 +216,7 @@ async def test_a_follower_reports_its_progress_only_for_a_watched_plan(package, 
         else:
             assert session.progress == []
     finally:
-        await follower.close()
-        await daemon.transport.close()
-        daemon.peer_server.stores[manifest.package_id].close()
+        await _stop(follower, daemon, manifest.package_id)
 
 
 @pytest.mark.timeout(60)
@@ -235,9 +234,7 @@ async def test_a_fetch_of_a_block_held_verified_is_announced_again_not_left_unre
                                          fetch=(Fetch(1, honest, (0, 1)),), sources=(honest,)))
         assert session.verified == [1]
     finally:
-        await follower.close()
-        await daemon.transport.close()
-        daemon.peer_server.stores[manifest.package_id].close()
+        await _stop(follower, daemon, manifest.package_id)
 
 
 class ShortOfFds(TcpTransport):
@@ -304,9 +301,7 @@ async def test_a_follower_short_of_file_descriptors_for_a_moment_tries_again_aft
         [failure] = [e for e in read_events(tmp_path / "rx.jsonl") if e["event"] == "transfer_failed"]
         assert failure["error"] == "LocalResourceError" and "Too many open files" in failure["message"]
     finally:
-        await follower.close()
-        await daemon.transport.close()
-        daemon.peer_server.stores[manifest.package_id].close()
+        await _stop(follower, daemon, manifest.package_id)
 
 
 @pytest.mark.timeout(60)
@@ -327,6 +322,4 @@ async def test_small_files_a_follower_fetches_on_a_retry_reach_the_disk_cache(pa
         cached.close()
         assert sorted(session.verified) == [b.index for b in manifest.blocks]
     finally:
-        await follower.close()
-        await daemon.transport.close()
-        daemon.peer_server.stores[manifest.package_id].close()
+        await _stop(follower, daemon, manifest.package_id)
