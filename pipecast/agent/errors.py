@@ -22,8 +22,9 @@ class PeerConnectError(PeerError):
 
 class PeerNotListeningError(PeerConnectError):
     """The peer's host refused the connection: nothing listens at its data-plane address (its agent is not
-    running there). A fetch gives up on such a peer at once instead of retrying it, so that its children are
-    re-planned in a round trip rather than after the retries' backoff. TCP only: UCX names a refused endpoint
+    running there). A fetch gives up at once on such a peer it was connected to before (a parent it had not
+    reached yet may be starting up: retried as any), so that its children are re-planned in a round trip
+    rather than after the retries' backoff. TCP only: UCX names a refused endpoint
     in several ways (not connected, canceled, truncated), no one of them sure to mean that."""
 
 

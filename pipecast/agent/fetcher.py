@@ -5,9 +5,10 @@ block, or a range of its chunks (:attr:`Fetch.chunks`), so that a block can come
 parents; it is verified once its last chunk is here, whichever unit brought it. A failed fetch resumes
 from the first chunk of its unit still missing. A parent that fails is retried a bounded number of times
 with backoff (the first retry after a closed connection at once), except one that sent a corrupt chunk or
-where nothing listens (never retried); then the fetch falls back to the given fallback peers (the sources
-of a static plan), or fails with a typed error naming every peer tried so that a control plane can
-re-parent. A peer given up on is not asked for later units either.
+where nothing listens any more (reached, then refusing a connection; one refusing before it was ever reached
+may be starting up, as a static plan's agents started together): never retried; then the fetch falls back
+to the given fallback peers (the sources of a static plan), or fails with a typed error naming every peer
+tried so that a control plane can re-parent. A peer given up on is not asked for later units either.
 
 Small files (tokenizer, config) are fetched in ranges that each hop serves as soon as it has them, so a
 chain forwards them like blocks instead of each hop waiting for its parent's whole copy.
@@ -307,6 +308,8 @@ class Fetcher:
         self.policy = policy
         self.on_peer_failure = on_peer_failure
         self.failed_peers: set[PeerInfo] = set()
+        # Peers this fetch was connected to: one of them refusing a connection now is gone, not starting up.
+        self.reached: set[PeerInfo] = set()
 
     async def fetch(self, fetches: Sequence[Fetch[PeerInfo]]) -> None:
         """Fetch every unit (a block, or a chunk range of one) from its parent, in order: one unit at a time
@@ -393,8 +396,9 @@ class Fetcher:
                 log.warning("%s: %s", what, error)
                 if self.on_peer_failure:
                     self.on_peer_failure(what, peer, error)
-                if isinstance(error, (CorruptChunkError, PeerNotListeningError)):
-                    break  # a peer that sent bad bytes, or where nothing listens, is not asked again
+                if isinstance(error, CorruptChunkError) or (isinstance(error, PeerNotListeningError)
+                                                             and peer in self.reached):
+                    break  # a peer that sent bad bytes, or where nothing listens any more, is not asked again
             # Given up on this peer: later units go straight to the next one instead of waiting again.
             self.failed_peers.add(peer)
         given_up = tuple(str(p) for p in peers if p in self.failed_peers and str(p) not in dict(attempts))
@@ -410,6 +414,7 @@ class Fetcher:
             return
         resumed_at = run[0] if run[0] > first else None
         channel = await self.pool.acquire(peer)
+        self.reached.add(peer)
         start = time.perf_counter()
         meta = self.store.manifest.blocks[block]
         nbytes = 0
