@@ -252,6 +252,8 @@ class WorkerSession:
     def _report_unknown_again(self) -> None:
         """Queue every block held of the packages the control plane did not know: published since, they count.
         Only packages still held in memory are kept (a cached-only one comes with the next registration)."""
+        if not self._unknown:  # the usual case: no need to list what is held at every heartbeat
+            return
         held = self._holdings()
         self._unknown = {package_id for package_id in self._unknown if held.get(package_id)}
         for package_id in sorted(self._unknown):
