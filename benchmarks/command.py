@@ -38,18 +38,23 @@ CREDENTIALS = click.option(
 
 
 def _output_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
-    """A file the run writes at its end (--json, --plot, --csv): its folder made and checked writable now, so
-    that a path it cannot write fails before the run instead of losing the run's figures after it."""
+    """A file the run writes at its end (--json, --plot, --csv): checked now that it can be written, so that a
+    path it cannot write fails before the run instead of losing the run's figures after it. Missing folders are
+    made when the file is written (:func:`write_json`), so a run refused later leaves nothing behind."""
     if value is None:
         return None
-    try:
-        value.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise click.BadParameter(f"cannot make its folder {value.parent}: {exc.strerror}") from None
-    target = value if value.exists() else value.parent
-    if not os.access(target, os.W_OK):
-        raise click.BadParameter(f"{target} is not writable")
+    existing = next(path for path in (value, *value.absolute().parents) if path.exists())
+    if existing != value and not existing.is_dir():
+        raise click.BadParameter(f"cannot make its folder {value.parent}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK):
+        raise click.BadParameter(f"{existing} is not writable")
     return value
+
+
+def write_json(path: Path, figures: object) -> None:
+    """Write a run's ``figures`` as JSON to ``path`` (an --json option's value), its folder made if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures, indent=2))
 
 
 def output_file(*names: str, help: str) -> Callable:
@@ -77,7 +82,7 @@ def _run_and_report(run, config, workdir: Path | None, format_report, json_path:
         report = run(config, Path(workdir or tmp), progress=progress)
     click.echo(format_report(report))
     if json_path:
-        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+        write_json(json_path, report.to_json())
     return report
 
 
@@ -140,7 +145,7 @@ def bench_pack(size, workdir, repeat, json_path):
         result = pack_bench.run(Path(workdir or tmp), size, repeat, progress=lambda m: click.echo(m, err=True))
     click.echo(pack_bench.report(result))
     if json_path:
-        Path(json_path).write_text(json.dumps(pack_bench.to_json(result), indent=2))
+        write_json(json_path, pack_bench.to_json(result))
 
 
 @bench_group.command("distribution")
@@ -226,7 +231,7 @@ def bench_share(link_mbit, share, rate, deadline, idle_seconds, package_mib, pac
         report = share_bench.run(config, Path(workdir or tmp), progress=progress)
     click.echo(share_bench.format_report(report))
     if json_path:
-        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+        write_json(json_path, report.to_json())
 
 
 # The Azure LLM inference trace 2023 (conversation), beside the repository (DESIGN 5).
@@ -594,7 +599,7 @@ def bench_engine(package, concurrency, prompt_tokens, max_tokens, device, thread
                               max_tokens=max_tokens, device=device, threads=threads, repeat=repeat)
     click.echo(engine_bench.format_report(report))
     if json_path:
-        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+        write_json(json_path, report.to_json())
 
 
 @bench_group.command("chaos")
@@ -617,7 +622,7 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
         report = chaos.run(names, short, Path(workdir or tmp), progress=progress)
     click.echo(chaos.format_report(report))
     if json_path:
-        Path(json_path).write_text(json.dumps(report.to_json(), indent=2))
+        write_json(json_path, report.to_json())
     if not report.passed:
         raise SystemExit(1)
 
@@ -709,7 +714,7 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
                                progress=lambda line: (progress.status(line), progress.advance()))
     click.echo(simulate.report(results, **settings, source=source))
     if json_path:
-        json_path.write_text(json.dumps(simulate.to_json(results, **settings, package=str(package or "")), indent=2))
+        write_json(json_path, simulate.to_json(results, **settings, package=str(package or "")))
 
 
 @bench_group.command("control-plane")
@@ -744,7 +749,7 @@ def bench_control_plane(workers: int, blocks: int, chunks: int, duration_s: floa
         raise click.ClickException(str(exc)) from None
     click.echo(bench.report(result))
     if json_path:
-        json_path.write_text(json.dumps(bench.to_json(result), indent=2))
+        write_json(json_path, bench.to_json(result))
 
 
 @bench_group.command("tenants")

@@ -14,7 +14,7 @@ agent restarted while the old one still ends) share it: each measures the file o
 the new ``FILE`` once another moved it aside.
 """
 
-import contextlib
+import fcntl
 import json
 import os
 import time
@@ -81,24 +81,33 @@ class EventLog:
         # one still ends) may append to it or move it aside.
         size = self._follow_path()
         if size and size + len(line) > self.max_bytes:
-            self._file.close()
-            with contextlib.suppress(FileNotFoundError):  # removed by hand meanwhile: a new one begins all the same
-                os.replace(self._path, rotated(self._path))
-            self._file = self._path.open("a", buffering=1)
+            self._rotate()
         self._file.write(line)
+
+    def _rotate(self) -> None:
+        # Under an exclusive lock of the full file (released as it closes): another process crossing the limit at
+        # the same time waits, then finds the path moved and follows it, instead of moving the new file over the
+        # lines just moved aside.
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+        if self._names_open_file():
+            os.replace(self._path, rotated(self._path))
+        self._file.close()
+        self._file = self._path.open("a", buffering=1)
 
     def _follow_path(self) -> int:
         # Reopens the path where it no longer names the open file (moved aside or removed); returns its size.
+        if not self._names_open_file():
+            self._file.close()
+            self._file = self._path.open("a", buffering=1)
+        return os.fstat(self._file.fileno()).st_size
+
+    def _names_open_file(self) -> bool:
         try:
             on_disk = os.stat(self._path)
         except FileNotFoundError:
-            on_disk = None
+            return False
         held = os.fstat(self._file.fileno())
-        if on_disk is None or (on_disk.st_dev, on_disk.st_ino) != (held.st_dev, held.st_ino):
-            self._file.close()
-            self._file = self._path.open("a", buffering=1)
-            on_disk = os.fstat(self._file.fileno())
-        return on_disk.st_size
+        return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
 
     def close(self) -> None:
         if self._file is not None:

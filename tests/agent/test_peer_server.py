@@ -166,3 +166,26 @@ def test_two_processes_writing_one_events_file_share_its_rotation_and_keep_their
     assert path.stat().st_size <= 2000 and 1900 < rotated(path).stat().st_size <= 2000
     seqs = [e["seq"] for e in read_events(path)]
     assert seqs == list(range(seqs[0], 240))
+
+
+def test_two_writers_crossing_the_limit_at_once_move_the_full_file_aside_once(tmp_path):
+    """Found in review: both saw the file full, the first moved it aside, the second then moved the new, nearly empty
+    file over it: the full file's lines were lost."""
+    path = tmp_path / "events.jsonl"
+    first, second = EventLog(path, "first", max_bytes=2000), EventLog(path, "second", max_bytes=2000)
+    seq = 0
+    while path.stat().st_size < 1900:
+        first.emit("peer_request", seq=seq)
+        seq += 1
+    measure = second._follow_path
+
+    def full_then_the_first_moves_it(seq=seq):
+        size = measure()  # the second sees the file full ...
+        first.emit("peer_request", seq=seq)  # ... and the first moves it aside before the second can
+        return size
+
+    second._follow_path = full_then_the_first_moves_it
+    second.emit("peer_request", seq=seq + 1)
+    first.close()
+    second.close()
+    assert [e["seq"] for e in read_events(path)] == list(range(seq + 2))
