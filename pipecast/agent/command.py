@@ -1,7 +1,9 @@
 """``pipecast agent``: run the node agent (data plane) in the foreground until SIGTERM/SIGINT."""
 
 import asyncio
+import math
 import socket
+import time
 from pathlib import Path
 
 import click
@@ -46,6 +48,19 @@ def _labels(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
             raise click.BadParameter(f"expected KEY=VALUE, got {value!r}")
         labels[key.strip()] = label.strip()
     return labels
+
+
+#: Furthest ahead a --start-at may lie (s): a later one is a mistake (milliseconds given for seconds), not a wait.
+MAX_START_AHEAD_S = 86400.0
+
+
+def _start_at(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if not math.isfinite(value) or value - time.time() > MAX_START_AHEAD_S:
+        raise click.BadParameter(f"{value!r} is no time within a day from now in seconds since the epoch (now: "
+                                 f"{time.time():.0f})")
+    return value
 
 
 def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, float]:
@@ -109,7 +124,7 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
               help="A share of the link for the packages of one priority (high, normal, low; a deployment's "
                    "--priority), e.g. low=0.25 (repeat; given, replaces settings priority_shares; below 1 needs "
                    "--link-mbit).")
-@click.option("--start-at", type=float, metavar="EPOCH_SECONDS",
+@click.option("--start-at", type=float, metavar="EPOCH_SECONDS", callback=_start_at,
               help="Listen at once but begin fetching at this wall-clock time (seconds since the epoch), so "
                    "that agents started one after another fetch together (benchmarks).")
 def agent_command(listen: str | None, node_id: str | None, seed: Path | None, plan: Path | None,

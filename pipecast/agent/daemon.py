@@ -250,7 +250,9 @@ class AgentDaemon:
         if plan is not None:
             if self.options.start_at is not None:
                 # Listening already, so peers can connect; the fetching waits for the common start.
-                await asyncio.sleep(max(self.options.start_at - time.time(), 0.0))
+                wait_s = max(self.options.start_at - time.time(), 0.0)
+                log.info("agent %s: begins fetching in %.1f s (--start-at)", self.node_id, wait_s)
+                await asyncio.sleep(wait_s)
             await self._follow_plan(plan)
         if self.options.exit_when_complete:
             await self._wait_children_served(plan)

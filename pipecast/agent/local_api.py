@@ -186,10 +186,13 @@ class LocalApiServer:
             queue.put_nowait(None)
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
+        # Before waiting for the server: from Python 3.12.1 that waits for every open connection, and a worker's
+        # pooled idle connection would hold the agent's shutdown until that worker exits.
         for connection in self._connections:
             connection.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
         if self.path is not None:
             self.path.unlink(missing_ok=True)
 

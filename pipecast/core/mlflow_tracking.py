@@ -3,7 +3,10 @@ and checking with a deadline that it answers.
 
 MLflow is imported only by the functions that use it, so the commands start fast and run without it. Its
 HTTP client retries a server that does not answer for minutes; :func:`check_reachable` asks once, with a
-deadline, before the first call.
+deadline, before the first call, and every later call of a server that answers its health check but not the
+call ends after :data:`REQUEST_TIMEOUT_S` x (1 + :data:`REQUEST_RETRIES`) and the backoff between (MLflow's own
+defaults: 120 s and 7 retries, ~17 min), unless ``MLFLOW_HTTP_REQUEST_TIMEOUT`` or
+``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` say otherwise.
 """
 
 import importlib.util
@@ -17,6 +20,9 @@ from pipecast.core.urls import http_base_url
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 REACH_TIMEOUT_S = 10.0
+#: A call's deadline (s) without a byte from the server, and how often a call is retried; see the docstring.
+REQUEST_TIMEOUT_S = 30
+REQUEST_RETRIES = 2
 
 
 class MlflowError(PipecastError):
@@ -56,6 +62,8 @@ def require_mlflow() -> None:
 def import_mlflow():
     """The ``mlflow`` module; :class:`MlflowNotInstalledError` when the extra is not installed."""
     require_mlflow()
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(REQUEST_TIMEOUT_S))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(REQUEST_RETRIES))
     import mlflow
 
     return mlflow

@@ -10,7 +10,7 @@ Endpoints:
   ``body_timeout_s`` of the start of its read (:data:`BODY_TIMEOUT_S`); 404 an unknown model; 429 with
   ``Retry-After`` when the queue is full; 503 while the worker cannot serve (model failed, shutting down).
   A request that arrives before the model is there waits for it. A client that goes away (even
-  mid-answer) cancels its request in the engine.
+  mid-answer), or reads nothing of its stream for ``body_timeout_s``, cancels its request in the engine.
 - With the cluster's serving key (:mod:`pipecast.serve.worker`, "Credentials"), the completion and stage
   endpoints answer 401 to a request without it in :data:`~pipecast.core.credentials.SERVING_KEY_HEADER`
   (before its body is read), and 503 while the worker has not learned the key yet (after a wait);
@@ -344,11 +344,26 @@ async def _whole(body: CompletionRequest, generation: Generation) -> tuple[web.R
         token_ids if body.return_token_ids else None, generation.prompt_tokens, generation.completion_tokens)), "ok"
 
 
+class _ClientStalled(Exception):
+    """A streaming client stopped reading: a write did not complete within the deadline."""
+
+
 async def _stream(request: web.Request, body: CompletionRequest,
                   generation: Generation) -> tuple[web.StreamResponse, str]:
     g = generation
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
+    deadline_s = request.app[BODY_TIMEOUT]
+
+    async def send(data: bytes) -> None:
+        # A client that stays connected but stops reading would else hold the request (and its place in the
+        # worker's queue counts) for good once the socket's buffers fill.
+        try:
+            async with asyncio.timeout(deadline_s):
+                await response.write(data)
+        except TimeoutError:
+            raise _ClientStalled() from None
+
     try:
         try:
             first = True
@@ -357,19 +372,25 @@ async def _stream(request: web.Request, body: CompletionRequest,
                 chunk = (chat_chunk_body(g.request_id, g.created, g.model, piece.text, piece.finish_reason, ids,
                                          first=first) if body.chat else
                          chunk_body(g.request_id, g.created, g.model, piece.text, piece.finish_reason, ids))
-                await response.write(sse(chunk))
+                await send(sse(chunk))
                 first = False
             if body.include_usage:
-                await response.write(sse(usage_chunk_body(g.request_id, g.created, g.model, g.prompt_tokens,
-                                                          g.completion_tokens, chat=body.chat)))
-            await response.write(SSE_DONE)
+                await send(sse(usage_chunk_body(g.request_id, g.created, g.model, g.prompt_tokens,
+                                                g.completion_tokens, chat=body.chat)))
+            await send(SSE_DONE)
             outcome = "ok"
         except ServeError as exc:  # the headers are gone: the error is the stream's last event
             log.warning("request %s failed mid-stream: %s", g.request_id, exc)
-            await response.write(sse(error_body(exc)))
+            await send(sse(error_body(exc)))
             outcome = "failed"
-        await response.write_eof()
+        async with asyncio.timeout(deadline_s):
+            await response.write_eof()
     except ConnectionResetError:  # the client went away mid-answer; closing the generation cancels it
+        return response, "cancelled"
+    except (_ClientStalled, TimeoutError):
+        log.info("request %s: the client read nothing of its stream for %g s; cancelled", g.request_id, deadline_s)
+        if request.transport is not None:  # so that aiohttp's own end of the response does not wait on it too
+            request.transport.abort()
         return response, "cancelled"
     return response, outcome
 

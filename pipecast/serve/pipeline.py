@@ -459,7 +459,9 @@ class StageClient:
         import aiohttp
 
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            # No connection limit: aiohttp's default (100) queued the 101st call for a connection, which then
+            # failed at its deadline naming a next stage it never reached; the sessions bound the calls instead.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
     async def forward(self, hops: Sequence[Hop], session: str, position: int, hidden: "torch.Tensor", *,

@@ -139,6 +139,18 @@ async def test_a_wait_ends_with_a_clear_error_as_soon_as_the_agent_goes_away(tmp
             await asyncio.wait_for(waiting, 10)
 
 
+async def test_an_idle_connection_does_not_hold_up_the_agents_close(tmp_path):
+    """Found in review: close() cancelled its connections only after the server's wait_closed(), which from
+    Python 3.12.1 waits for every connection: a worker's pooled idle connection held the agent's shutdown."""
+    async with local_api_server(tmp_path, layers=2) as (_, _, server, _):
+        reader, writer = await asyncio.open_unix_connection(str(tmp_path / "agent.sock"))
+        writer.write(b'{"op": "status"}\n')
+        assert json.loads(await asyncio.wait_for(reader.readline(), 5))["ok"]
+        await asyncio.wait_for(server.close(), 5)  # the connection stays open and idle
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # ended by the agent
+        writer.close()
+
+
 async def test_a_wait_on_a_package_dropped_meanwhile_ends_saying_so(tmp_path):
     """Not a connection closed with no reason (the wait was cancelled)."""
     async with local_api_server(tmp_path, layers=2) as (manifest, store, _, client):

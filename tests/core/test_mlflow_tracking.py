@@ -100,3 +100,44 @@ def test_a_server_whose_uri_holds_credentials_is_reachable():
         server.shutdown()
         server.server_close()
     assert seen == [("/prefix/health", None)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="needs the mlflow extra")
+def test_a_server_that_answers_its_health_check_but_not_a_call_fails_the_pack_at_the_call_deadline(
+        tmp_path, capsys, monkeypatch):
+    """Found in review: after the health check every call ran on MLflow's defaults (120 s, 7 retries, backoff):
+    a server that answered /health but hung on the API held `pipecast pack` for ~17 minutes."""
+    import http.server
+    import threading
+
+    from pipecast.core import mlflow_tracking
+
+    monkeypatch.setattr(mlflow_tracking, "REQUEST_TIMEOUT_S", 1)
+    monkeypatch.setattr(mlflow_tracking, "REQUEST_RETRIES", 0)
+    for name in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES"):
+        monkeypatch.delenv(name, raising=False)  # and restored (unset) after the test
+    release = threading.Event()
+
+    class HealthOnly(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path != "/health":
+                release.wait(30)  # a call: never answered while the test runs
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HealthOnly)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        start = time.monotonic()
+        assert main(["pack", "models:/tiny/1", str(tmp_path / "pkg"), "--mlflow-uri", uri]) == 2
+        assert time.monotonic() - start < 20
+    finally:
+        release.set()
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: MLflow tracking server {uri}: ") and "read timeout=1" in err, err
+    assert list(tmp_path.iterdir()) == []

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from aiohttp import web
 import pipecast
 from pipecast.agent.errors import LocalApiTimeoutError, PackageDroppedError
 from pipecast.engine.errors import EngineClosedError
+from pipecast.serve import app as app_module
 from pipecast.serve.app import build_app
 from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
 from pipecast.serve.metrics import RateMeter
@@ -713,6 +715,37 @@ async def test_a_client_that_stalls_mid_body_is_answered_408_at_the_body_deadlin
             answers.append(answer["error"])
         assert answers[0]["code"] == "request_timeout" and answers[0]["type"] == "invalid_request_error"
         assert all(answer["node"] is None for answer in answers[1:])  # a stage's error names the stage that failed
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_streaming_client_that_stops_reading_is_cancelled_at_the_deadline(pkg, monkeypatch):
+    """Found in review: a stream's writes had no deadline, so a client that stayed connected but read nothing held
+    its request (counted running, and toward the 429 bound) for good once the socket's buffers filled."""
+    monkeypatch.setattr(app_module, "sse", lambda chunk: b"data: " + b"x" * (256 << 10) + b"\n\n")  # fills fast
+    worker = ServingWorker(WorkerConfig(str(pkg)))
+    runner = web.AppRunner(build_app(worker, body_timeout_s=0.3), handler_cancellation=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+            url = f"http://{host}:{port}"
+            await wait_health(http, url, lambda h: h["status"] == "ready")
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, port))
+            request = json.dumps(body(stream=True, max_tokens=40)).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(request), request))  # and reads nothing
+            try:
+                await wait_health(http, url, lambda h: h["running"] == 1)
+                await wait_health(http, url, lambda h: h["running"] == 0, timeout=10)
+                async with http.get(f"{url}/metrics") as response:
+                    page = await response.text()
+                assert metric(page, 'pipecast_serve_requests_total{outcome="cancelled"}') == 1
+            finally:
+                sock.close()
     finally:
         await runner.cleanup()
 
