@@ -28,7 +28,7 @@ AUTH_KEY = "authorization"
 BEARER = "Bearer "
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 DENIED_READ_S = 5.0  # how long a refused streaming call may take to send its first message
-DENIED_HELD_MAX = 64  # refused streams waiting for that at once; beyond, refused at once (a flood holds no more)
+DENIED_HELD_MAX = 8  # refused streams waiting for that (of up to 64 MiB each) at once; beyond, refused at once
 DENIED = ("missing or wrong token: send metadata 'authorization: Bearer <token>' with the control plane's "
           "token or a node token it issued")
 
@@ -74,8 +74,16 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         principal = self._principal(handler_call_details.invocation_metadata)
         if principal is None:
             log.warning("refused unauthenticated call method=%s", method)
+            if not handler.request_streaming:
+                # Refused unread: a unary handler has gRPC receive and parse the whole request (up to the
+                # server's message limit, 64 MiB) before it runs, which a caller without a token could repeat
+                # at will to fill the control plane's memory. A request-streaming handler reads none of it.
+                return _unread(handler, self._refuse)
             return rebuilt(handler, self._denied, self._denied)  # a coroutine may answer a stream
         return rebuilt(handler, *_as_principal(principal, handler))
+
+    async def _refuse(self, requests: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
 
     async def _denied(self, request: object, context: grpc.aio.ServicerContext) -> None:
         if hasattr(request, "__anext__") and self._held < DENIED_HELD_MAX:
@@ -124,6 +132,20 @@ def rebuilt(handler: grpc.RpcMethodHandler, unary: Callable, streaming: Callable
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
     return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+
+
+def _unread(handler: grpc.RpcMethodHandler, refuse: Callable) -> grpc.RpcMethodHandler:
+    """A request-streaming handler in place of the unary-request ``handler``, answering with ``refuse`` (which
+    reads nothing); on the wire a unary request is a stream of one message, so its caller sees the refusal."""
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.response_streaming:
+        async def streaming(requests: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+            await refuse(requests, context)
+            yield  # never reached: makes this an async generator, as a streaming response's behavior must be
+
+        return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
+    return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
 
 
 def _read(path: Path, what: str) -> bytes:

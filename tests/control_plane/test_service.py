@@ -191,6 +191,21 @@ async def test_bad_or_missing_token_is_unauthenticated_and_changes_nothing(serve
     assert await client.list_packages() == []
 
 
+async def test_a_refused_unary_call_is_refused_unread(server):
+    """Found in review: a call without a token was received and parsed whole (up to 64 MiB) before it was refused,
+    so that anyone who reached the port could fill the control plane's memory. Unread, a body that is no message
+    at all is refused as any other."""
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        for method in ("PublishPackage", "WatchAssignments"):
+            call = getattr(channel, "unary_stream" if method == "WatchAssignments" else "unary_unary")(
+                f"/pipecast.v1.ControlPlane/{method}", request_serializer=bytes, response_deserializer=bytes)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                answer = call(b"\xff" * 100_000, timeout=WAIT_S)  # not a protobuf message
+                await (answer.read() if method == "WatchAssignments" else answer)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, caught.value
+            assert caught.value.details() == auth.DENIED
+
+
 async def test_a_refused_stream_says_unauthenticated_even_when_its_write_races_the_refusal(server):
     """A stream refused at once could fail the client's first write with gRPC's local "Internal error from
     Core" instead of the refusal (10 of 1,500 on a loaded machine, seen in CI): the refusal takes the first

@@ -619,8 +619,11 @@ class TcpListener(Listener):
     async def start(self, host: str, port: int) -> None:
         """Listen on host:port (port 0: any free one); :class:`ListenError` where it cannot."""
         try:
-            self._server = await asyncio.get_running_loop().create_server(lambda: _ServerProtocol(self), host,
-                                                                          port, ssl=self.tls.server)
+            # The handshake within io_timeout_s, as any message: the connection's protocol (its deadlines, the
+            # connection limits) sees it only once the handshake is done, and asyncio's own default is 60 s.
+            handshake_s = self.io_timeout_s if self.tls.server else None
+            self._server = await asyncio.get_running_loop().create_server(
+                lambda: _ServerProtocol(self), host, port, ssl=self.tls.server, ssl_handshake_timeout=handshake_s)
         except OSError as exc:
             # asyncio words a busy port "error while attempting to bind on address (...): address already in use".
             raise ListenError(host, port, (exc.strerror or str(exc)).rpartition(": ")[2]) from None

@@ -795,6 +795,27 @@ async def test_with_certificates_the_data_plane_is_mutual_tls(package, tmp_path)
         seed.close()
 
 
+@pytest.mark.skipif(not have_openssl(), reason="needs the openssl command to make test certificates")
+async def test_a_connection_that_never_starts_its_tls_handshake_is_closed_within_the_io_deadline(package, tmp_path):
+    """Found in review: with TLS on, a connection counts (limits, deadlines) only once its handshake is done, and
+    asyncio waits 60 s for that: silent connections from anyone held a file descriptor each that long."""
+    root, _ = package
+    certs = make_certs(tmp_path)
+    seed = seed_store(root)
+    _, listener = await serve(PeerServer(), seed, tls_cert=certs["server.pem"], tls_key=certs["server.key"],
+                              tls_ca=certs["ca.pem"], io_timeout_s=0.5)
+    try:
+        host, port = listener.address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))  # sends no ClientHello
+        try:
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the listener
+        finally:
+            writer.close()
+    finally:
+        await listener.close()
+        seed.close()
+
+
 async def test_a_port_in_use_or_an_address_not_this_hosts_is_refused_naming_the_address_and_why():
     """A listener that cannot bind says where and why (the CLI prints it as "error: ..."), not an OSError."""
     transport = TcpTransport("server", settings())
