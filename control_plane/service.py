@@ -59,6 +59,7 @@ from control_plane.mailbox import Mailbox
 from control_plane.metrics import ControlMetrics
 from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.planner.plan import Plan
+from control_plane.probe import listens
 from control_plane.pipeline_forming import Formed, PipelineFormer, PipelineQuery
 from control_plane.state import ActivePlan, ControlState, Notice, ScaleUpDraft
 from control_plane.store import FencedError, PendingFlush, Store
@@ -116,13 +117,16 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     periodically and here right away for the operator's changes (packages, scale-ups, releases).
     ``on_fenced`` hears of a flush refused because another control plane took the lease (the server steps
     down); the call that flushed fails UNAVAILABLE, so its client retries at the new leader. ``former`` forms
-    the pipelines ListPipelines answers with (its process, if it started one, stops at ``await former.close()``)."""
+    the pipelines ListPipelines answers with (its process, if it started one, stops at ``await former.close()``).
+    ``probe`` tells whether something listens at a worker's address, before one reported gone is taken for dead."""
 
     def __init__(self, state: ControlState, metrics: ControlMetrics, *, heartbeat_s: float,
                  store: Store | None = None, clock: Callable[[], float] = time.time, master: str = "",
                  book: DeploymentBook | None = None, on_fenced: Callable[[FencedError], None] | None = None,
-                 former: PipelineFormer | None = None):
+                 former: PipelineFormer | None = None,
+                 probe: Callable[[str, int], Awaitable[bool | None]] = listens):
         self.state = state
+        self.probe = probe  # whether something listens at host, port (:func:`~control_plane.probe.listens`)
         self.book = book if book is not None else DeploymentBook()
         self.master = master  # empty: auth off
         self.data_key = data_plane_key(master)
@@ -460,9 +464,26 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     async def ReportBadPeer(self, request: pb.ReportBadPeerRequest,
                             context: grpc.aio.ServicerContext) -> pb.ReportBadPeerResponse:
         self.act_for(request.node_id)
+        gone = request.gone and not await self._still_listens(request.peer_id)
         replanned = self.state.report_bad_peer(request.node_id, request.peer_id, request.package_id, request.block,
-                                               request.reason, self.clock(), gone=request.gone)
+                                               request.reason, self.clock(), gone=gone)
         return pb.ReportBadPeerResponse(replanned=replanned)
+
+    async def _still_listens(self, peer: str) -> bool:
+        """Whether the registered worker ``peer``, reported gone, still listens at its data-plane address: then
+        it is not taken for dead (the report is one of a failed fetch), whoever reported it."""
+        worker = self.state.workers.get(peer)
+        if worker is None or not worker.alive:
+            return False
+        try:
+            host, port = host_port(worker.spec.peer.address, f"worker {peer!r} address")
+        except InvalidRequest:
+            return False
+        if await self.probe(host, port) is not True:
+            return False
+        log.warning("peer %s was reported gone but listens at %s: not taken for dead", peer,
+                    worker.spec.peer.address)
+        return True
 
     @_rpc
     async def GetAvailability(self, request: pb.GetAvailabilityRequest,

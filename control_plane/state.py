@@ -475,7 +475,8 @@ class ControlState:
         unit of it) the child fetches the block from elsewhere. A peer still receiving the plan stays in it and
         fetches what it lacks now (:func:`~control_plane.planner.replan.reroute`); one that is not (a source, a
         holder, a receiver done) leaves it, as a dead node would. A peer ``gone`` (its host refused the
-        connection: nothing listens there) is taken for dead at once, as if its lease had lapsed: it leaves
+        connection: nothing listens there; the service checks that first, :mod:`control_plane.probe`) is taken
+        for dead at once, as if its lease had lapsed: it leaves
         every plan, its children taking its slots, and all availability; an agent that is in fact alive (it
         restarted, or refused only this child) is told to register again at its next heartbeat, with all it
         holds, and gets a plan for the rest. Returns whether any plan was re-planned."""

@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import json
 import re
+import socket
 import sqlite3
 import subprocess
 import threading
@@ -128,6 +129,27 @@ class Watcher:
     async def close(self):
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
+
+
+@pytest.mark.parametrize("listening", [True, False])
+async def test_a_parent_reported_gone_is_taken_for_dead_only_where_nothing_listens_at_its_address(client, listening):
+    """Found in review: a child's word that its parent was gone made the control plane take the parent for dead
+    (out of every plan and availability, until its next registration), so any member could drop its parent, and a
+    parent restarted meanwhile was dropped wrongly. The control plane now looks at the address itself."""
+    with socket.socket() as parent_socket:
+        parent_socket.bind(("127.0.0.1", 0))
+        if listening:
+            parent_socket.listen()
+        address = f"127.0.0.1:{parent_socket.getsockname()[1]}"  # bound only: refused
+        await client.publish_package(manifest(), STORE)
+        await client.register(WorkerSpec(PeerInfo("w1", address, ("tcp",)), 1 << 30, labels={"rack": "r0"}))
+        await client.register(spec("w2"))
+        await client.scale_up(PKG, node_ids=["w1", "w2"], strategy="chain")  # store -> w1 -> w2
+        assert await client.report_bad_peer("w2", "w1", PKG, 0, "connection refused", gone=True)
+        alive = {w.worker.peer.node_id: w.alive for w in await client.list_workers()}
+    assert alive == {"w1": listening, "w2": True}
+    plan = (await client.list_plans(PKG))[0]
+    assert ("w1" in plan.receivers) is listening
 
 
 async def test_lease_expiry_removes_a_silent_worker_from_plans_within_lease_plus_one_scan(client):
