@@ -4,7 +4,6 @@ cluster, and a parent restarted meanwhile would be dropped wrongly)."""
 
 import asyncio
 import logging
-import socket
 
 log = logging.getLogger(__name__)
 

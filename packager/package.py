@@ -137,6 +137,11 @@ class Package:
         self._maps[index] = buf
         return buf
 
+    def forget_block(self, index: int) -> None:
+        """Drop this package's hold on block ``index``'s mapping (:meth:`block_buffer`): it goes with the last
+        view of it (tensors made from it keep it)."""
+        self._maps.pop(index, None)
+
     def block_tensors(self, index: int, *, verify: bool = True) -> dict[str, "torch.Tensor"]:
         """The block's tensors as zero-copy views of the mapped file."""
         return block_tensors_of(self.block(index), self.block_buffer(index, verify=verify), self.block_path(index))

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import struct
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -63,6 +64,14 @@ def test_register_adds_the_load_format(fake_vllm):
     from vllm_plugin.pipecast_vllm.loader import PipecastModelLoader
 
     assert fake_vllm.registry == {"pipecast": PipecastModelLoader}
+
+
+def test_register_without_pipecast_in_vllms_environment_says_what_to_install(fake_vllm, monkeypatch):
+    """Found in review: vLLM died at start-up with a bare ModuleNotFoundError when the --no-deps step was skipped."""
+    monkeypatch.setitem(sys.modules, "packager", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"^pipecast-vllm: pipecast is not installed in vLLM's environment \("):
+        fake_vllm.plugin.register()
+    assert fake_vllm.registry == {}
 
 
 def test_without_an_agent_the_folder_is_loaded_in_block_order_and_the_fallback_logged(
@@ -324,6 +333,49 @@ def test_neither_an_agent_nor_blocks_in_the_folder(fake_vllm, package, tmp_path,
                                  f"{package.path} holds none of its blocks")
 
 
+def test_a_config_that_is_not_the_packages_is_refused_before_any_block(fake_vllm, package, no_configured_agent):
+    """Found in review: vLLM builds the model from the folder's config.json, which nothing checked: an edited one
+    (its rope_theta) loaded every block into the wrong model, wrong logits and no error."""
+    from vllm_plugin.pipecast_vllm.errors import LoaderConfigError
+
+    config = package.path / "config.json"
+    config.write_text(config.read_text().replace("}", ', "rope_theta": 1.0}', 1))
+    model = FakeModel(every_name(package.manifest))
+    with pytest.raises(LoaderConfigError) as caught:
+        make_loader(fake_vllm).load_weights(model, model_config(package.path))
+    assert str(caught.value).startswith(f"package {package.manifest.package_id[:12]} at {package.path}: {config}: "
+                                        "disagrees with the manifest: size is ")
+    assert model.order == []
+
+
+def test_the_folder_fallback_holds_no_block_mapping_past_its_tensors(fake_vllm, package, no_configured_agent):
+    """Found in review: each block file's mapping stayed cached until the load ended: a whole model mapped and read
+    in each tensor-parallel worker."""
+    from vllm_plugin.pipecast_vllm.weights import LoaderOptions, open_blocks
+
+    source = open_blocks(package.path, LoaderOptions())
+    for block in package.manifest.blocks:
+        assert source.tensors(block)
+        assert source._package._maps == {}
+
+
+def test_an_error_of_the_models_own_loading_names_the_tensor_and_block(fake_vllm, package, no_configured_agent):
+    """Found in review: a tensor vLLM's model class does not take failed with its bare KeyError."""
+    unknown = package.manifest.blocks[1].tensor_names[0]
+
+    class Strict(FakeModel):
+        def load_weights(self, weights):
+            for name, _ in weights:
+                if name == unknown:
+                    raise KeyError(name)
+            return set()
+
+    with pytest.raises(KeyError) as caught:
+        make_loader(fake_vllm).load_weights(Strict([]), model_config(package.path))
+    assert caught.value.__notes__ == [f"pipecast loader: while loading tensor {unknown} of block 1 of package "
+                                      f"{package.path}"]
+
+
 def test_a_parameter_no_block_filled_fails_as_vllms_default_loader_does(fake_vllm, package, no_configured_agent):
     from vllm_plugin.pipecast_vllm.errors import MissingWeightsError
 
@@ -365,6 +417,17 @@ def test_options_are_checked_when_vllm_makes_the_loader(fake_vllm, extra, messag
     assert str(caught.value) == message and isinstance(caught.value, ValueError)
 
 
+def test_the_folder_command_on_a_folder_it_wrote_before_for_the_package_is_done(package, capsys):
+    """Found in review: the README's scale-up runs the command at every scale-up, and the second one of a package
+    on a node failed (exit 2: already exists)."""
+    from vllm_plugin.pipecast_vllm.folder import main
+
+    package_id = package.manifest.package_id
+    assert main([package_id, str(package.path), "--agent", "/nonexistent.sock"]) == 0
+    assert capsys.readouterr().out == (f"{package.path}: already holds package {package_id[:12]} (vllm serve "
+                                       f"{package.path} --load-format pipecast)\n")
+
+
 def test_a_model_path_that_is_not_a_package(fake_vllm, package, tmp_path):
     from vllm_plugin.pipecast_vllm.errors import LoaderConfigError
 
@@ -382,6 +445,11 @@ def test_the_folder_command_refuses_an_existing_folder_and_a_missing_agent(tmp_p
 
     assert main(["0" * 64, str(tmp_path), "--agent", str(tmp_path / "a.sock")]) == 2
     assert capsys.readouterr().err == f"pipecast-vllm-folder: {tmp_path}: already exists\n"
+    # One holding another package says which.
+    other = tiny_package(tmp_path / "other", layers=1, layer_bytes=1000)
+    assert main(["0" * 64, str(other.path), "--agent", str(tmp_path / "a.sock")]) == 2
+    assert capsys.readouterr().err == (f"pipecast-vllm-folder: {other.path}: already exists (package "
+                                       f"{other.manifest.package_id[:12]})\n")
     assert main(["0" * 64, str(tmp_path / "new")]) == 2
     assert capsys.readouterr().err == ("pipecast-vllm-folder: no agent socket: pass --agent or set "
                                        "PIPECAST_AGENT_LOCAL_SOCKET\n")

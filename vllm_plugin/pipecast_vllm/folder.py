@@ -30,6 +30,20 @@ def write_package_folder(client: Any, package_id: str, dest: Path, timeout_s: fl
     return manifest
 
 
+def _held_package(folder: Path) -> str | None:
+    """The id of the package whose manifest and small files ``folder`` holds, all verified; None otherwise."""
+    from packager.errors import PackageError
+    from packager.package import Package
+
+    try:
+        package = Package.open(folder)
+        for entry in package.manifest.files:
+            package.small_file(entry.path, verify=True)
+    except (PackageError, OSError):
+        return None
+    return package.package_id
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line; exit status 2 with a one-line message on an expected failure."""
     parser = argparse.ArgumentParser(prog="pipecast-vllm-folder", description=__doc__.split("\n\n")[0])
@@ -46,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         if socket is None:
             raise PipecastError("no agent socket: pass --agent or set PIPECAST_AGENT_LOCAL_SOCKET")
         if args.dest.exists():
-            raise PipecastError(f"{args.dest}: already exists")
+            held = _held_package(args.dest)
+            if held != args.package_id:
+                raise PipecastError(f"{args.dest}: already exists" + (f" (package {held[:12]})" if held else ""))
+            # The folder of an earlier scale-up of the package, whole: a scale-up may run this every time.
+            print(f"{args.dest}: already holds package {held[:12]} (vllm serve {args.dest} --load-format pipecast)")
+            return 0
         with LocalAgentClient(socket) as client:
             manifest = write_package_folder(client, args.package_id, args.dest, args.timeout)
     except (PipecastError, OSError) as exc:

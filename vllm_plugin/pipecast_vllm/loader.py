@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 from vllm.model_executor.model_loader import BaseModelLoader
 
+from pipecast.core.errors import PipecastError
+
 from .errors import MissingWeightsError
 from .weights import LoaderOptions, iter_weights, log, open_blocks
 
@@ -40,7 +42,14 @@ class PipecastModelLoader(BaseModelLoader):
     def load_weights(self, model: "nn.Module", model_config: "ModelConfig") -> None:
         """Load every tensor of the package into ``model``; :class:`MissingWeightsError` (a ``ValueError``) if
         parameters are left that DefaultModelLoader would refuse to leave unloaded."""
-        loaded = model.load_weights(self.get_all_weights(model_config, model))
+        last: list[str] = []
+        try:
+            loaded = model.load_weights(iter_weights(open_blocks(model_config.model, self.options), last))
+        except Exception as exc:
+            # vLLM's own errors (a tensor name or shape its model class does not take) name no package or block.
+            if last and not isinstance(exc, PipecastError):
+                exc.add_note(f"pipecast loader: while loading {last[0]} of package {model_config.model}")
+            raise
         # DefaultModelLoader's own check, on the models it checks by default (unquantized, reporting what they
         # loaded): the same parameters are exempt (those a quantization method fills after loading).
         if model_config.quantization is None and loaded is not None:

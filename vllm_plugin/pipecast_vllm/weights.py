@@ -207,6 +207,10 @@ class FolderBlocks:
             return self._package.block_tensors(block.index)
         except BLOCK_ERRORS as exc:
             raise BlockLoadError(self._package.package_id, block.index, path, _problem(exc, path)) from None
+        finally:
+            # The tensors hold the mapping while the model needs them; the package's cache of it would hold every
+            # block's until the load ends (a whole model mapped and read, per tensor-parallel worker).
+            self._package.forget_block(block.index)
 
     def close(self) -> None:
         """Nothing to do: each block's mapping goes with the last view of it."""
@@ -237,6 +241,11 @@ def open_blocks(folder: Path | str, options: LoaderOptions) -> BlockSource:
     (the unicast fallback, logged as a warning)."""
     package = open_package(folder)
     package_id = package.package_id
+    for entry in package.manifest.files:  # what vLLM builds the model from (config.json) must be the package's
+        try:
+            package.small_file(entry.path, verify=True)
+        except PackageError as exc:
+            raise LoaderConfigError(f"package {package_id[:12]} at {folder}: {exc}") from None
     socket = options.agent_socket or _configured_socket()
     if socket is None:
         reason = "no pipecast agent configured (agent_socket, PIPECAST_AGENT_LOCAL_SOCKET unset)"
@@ -263,9 +272,10 @@ def _configured_socket() -> str | None:
     return None if socket is None else str(socket)
 
 
-def iter_weights(source: BlockSource) -> Iterator[tuple[str, "torch.Tensor"]]:
+def iter_weights(source: BlockSource, last: list[str] | None = None) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Every tensor of the package as (checkpoint name, tensor), block after block, each block once verified;
-    closes ``source`` at the end."""
+    closes ``source`` at the end. ``last``, if given, holds what was handed over last ("tensor NAME of block
+    I"), for an error of the model's loading to name it."""
     manifest = source.manifest
     started = time.monotonic()
     log.info("loading package %s (%s, %d blocks) from %s", manifest.package_id[:12], manifest.model_name,
@@ -274,9 +284,13 @@ def iter_weights(source: BlockSource) -> Iterator[tuple[str, "torch.Tensor"]]:
         for block in manifest.blocks:
             asked = time.monotonic()
             tensors = source.tensors(block)
-            log.info("block %d/%d verified (%d tensors, %.1f MB) after waiting %.2f s", block.index + 1,
-                     len(manifest.blocks), len(tensors), block.bytes / 1e6, time.monotonic() - asked)
-            yield from tensors.items()
+            # Blocks by index, from 0, as the loader's errors name them.
+            log.info("block %d verified (%d of %d, %d tensors, %.1f MB) after waiting %.2f s", block.index,
+                     block.index + 1, len(manifest.blocks), len(tensors), block.bytes / 1e6, time.monotonic() - asked)
+            for name, tensor in tensors.items():
+                if last is not None:
+                    last[:] = [f"tensor {name} of block {block.index}"]
+                yield name, tensor
     finally:
         source.close()
     log.info("package %s: every block handed over in %.2f s", manifest.package_id[:12], time.monotonic() - started)
