@@ -153,10 +153,10 @@ def _run(history: Sequence[Signals], window_s: float, end: int | None = None) ->
     return run
 
 
-def _rate(history: Sequence[Signals], attr: str, window_s: float) -> float:
-    """Per-second growth of cumulative counter ``attr`` over the last ``window_s`` of ``history`` (between
-    polls whose counters continue each other: :func:`_run`)."""
-    run = _run(history, window_s)
+def _rate(history: Sequence[Signals], attr: str, window_s: float, end: int | None = None) -> float:
+    """Per-second growth of cumulative counter ``attr`` over the ``window_s`` of ``history`` up to the poll at
+    index ``end`` (default: the last), between polls whose counters continue each other (:func:`_run`)."""
+    run = _run(history, window_s, end)
     first, last = run[0], run[-1]
     span = last.at - first.at
     if span <= 0:
@@ -195,9 +195,7 @@ def baseline_demand(history: Sequence[Signals], throughput: float, policy: Scali
     answered = [s for s in history if s.routers_answered > 0]
     demands = []
     for i, s in enumerate(answered):
-        start = _run(answered, SHORT_WINDOW_S, i)[0]  # s itself at least
-        span = s.at - start.at
-        rate = max(s.arrived - start.arrived, 0) / span if span > 0 else 0.0
+        rate = _rate(answered, "arrived", SHORT_WINDOW_S, i)
         demands.append(max((s.queue_depth + s.in_flight) / policy.replica_concurrency, rate / throughput))
     return statistics.median(demands) if demands else 0.0
 
