@@ -56,6 +56,15 @@ class LoadProgress:
         return self.blocks_present / self.blocks_total
 
 
+def model_config(provider: BlockProvider) -> dict:
+    """The config the model is built from: the package's config.json, its head untied where the blocks carry
+    their own ``lm_head.weight`` (the manifest's ``tied_embeddings`` false) though the config ties it, as
+    transformers unties such a checkpoint's head where it differs from the embeddings (a fine-tune that untied
+    or resized them); where the two are equal the logits are the same either way."""
+    config = provider.config
+    return config if provider.manifest.tied_embeddings else {**config, "tie_word_embeddings": False}
+
+
 class Engine:
     """Execute-while-load inference over a :class:`BlockProvider`. Call :meth:`start`, then submit.
 
@@ -68,7 +77,7 @@ class Engine:
                  stall_timeout_s: float = 600.0):
         self.provider = provider
         dtype = dtype or package_dtype(provider.manifest, provider.config)
-        self.model = ProgressiveModel(provider.config, dtype=dtype, device=device)
+        self.model = ProgressiveModel(model_config(provider), dtype=dtype, device=device)
         self.model.check_package(provider.manifest, provider.origin)
         self.loader = BlockLoader(provider, self.model, stall_timeout_s=stall_timeout_s)
         self.scheduler = StepScheduler(self.model, max_batch=max_batch)

@@ -105,6 +105,25 @@ def test_qwen2_sliding_window_layers_equal_transformers(tmp_path):
         assert engine.generate(ids[0].tolist(), params, timeout=30) == reference_generate(ref, ids[0].tolist(), 16)
 
 
+def test_a_config_tying_the_head_to_a_checkpoint_with_its_own_head_equals_transformers(tmp_path):
+    """Found in review: a config with tie_word_embeddings over a checkpoint carrying its own lm_head.weight (as
+    fine-tunes that untie or resize the vocabulary leave them) bound the embeddings as the head, while transformers
+    keeps the checkpoint's head where the two differ: other logits, other tokens, no error."""
+    from benchmarks.tiny_checkpoints import make_checkpoint
+
+    ckpt = make_checkpoint("llama", tmp_path / "ckpt", seed=7)  # untied: its own, random lm_head
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    pack(ckpt, tmp_path / "pkg")
+    ref = reference_model(ckpt)
+    with Engine(PackageFolderProvider(tmp_path / "pkg")).start() as engine:
+        ids = torch.tensor([random_prompt(10, 5)])
+        with torch.no_grad():
+            expected = ref(ids).logits
+        assert not torch.equal(ref.lm_head.weight, ref.model.embed_tokens.weight)  # transformers kept them apart
+        assert torch.equal(engine.logits(ids, timeout=30), expected)
+
+
 def test_cpu_parameters_are_views_of_the_block_buffers(case):
     _, engine, _ = case
     engine.wait_loaded(timeout=30)
