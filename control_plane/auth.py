@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from control_plane.errors import TlsConfigError
+from control_plane.errors import NO_TOKEN, TlsConfigError
 from pipecast.core.credentials import Principal, principal_for
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,8 @@ BEARER = "Bearer "
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 DENIED_READ_S = 5.0  # how long a refused streaming call may take to send its first message
 DENIED_HELD_MAX = 8  # refused streams waiting for that (of up to 64 MiB each) at once; beyond, refused at once
-DENIED = ("missing or wrong token: send metadata 'authorization: Bearer <token>' with the control plane's "
-          "token or a node token it issued")
+DENIED = (f"{NO_TOKEN}: send metadata 'authorization: Bearer <token>' with the control plane's token or a node "
+          "token it issued")
 
 # The principal of the call being handled (set by the interceptor's wrapper in the call's own task).
 _principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("pipecast_principal", default=None)

@@ -142,6 +142,9 @@ class ChangeNotStored(ControlPlaneError):
     code = grpc.StatusCode.ABORTED
 
 
+#: How the control plane's refusal of a call without a valid token begins (control_plane.auth.DENIED).
+NO_TOKEN = "missing or wrong token"
+
 _BY_NAME: dict[str, type[ControlPlaneError]] = {
     cls.__name__: cls for cls in (UnknownWorker, UnknownPackage, UnknownDeployment, UnknownRoute, InvalidRequest,
                                   Conflict, NodeIdInUse, NoSource, InsufficientWorkers, Unauthenticated,
@@ -156,7 +159,11 @@ def error_from_rpc(error: grpc.aio.AioRpcError, *, target: str, method: str) -> 
         return ControlPlaneUnavailable(f"control plane at {target} did not answer {method}: "
                                        f"{code.name}: {error.details()}")
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        return Unauthenticated(f"control plane at {target} refused {method}: {error.details()}")
+        details = error.details() or ""
+        if details.startswith(NO_TOKEN):  # the server's words are for any gRPC client: say what a pipecast user sets
+            details = (f"{NO_TOKEN}: give the control plane's master token, or a node token from `pipecast cp "
+                       "issue-token NODE`, as --token or PIPECAST_AUTH_TOKEN (settings: auth_token)")
+        return Unauthenticated(f"control plane at {target} refused {method}: {details}")
     trailer = dict(error.trailing_metadata() or ()).get(ERROR_TRAILER, "")
     cls = _BY_NAME.get(trailer, ControlPlaneError)
     return cls(error.details() or f"{method} failed: {code.name}")

@@ -200,8 +200,12 @@ async def test_lease_expiry_removes_a_silent_worker_from_plans_within_lease_plus
 @pytest.mark.parametrize("token", ["wrong-token", ""])
 async def test_bad_or_missing_token_is_unauthenticated_and_changes_nothing(server, client, token):
     async with ControlPlaneClient(server.address, token=token, timeout_s=WAIT_S) as intruder:
-        with pytest.raises(Unauthenticated, match="missing or wrong token"):
+        with pytest.raises(Unauthenticated) as caught:
             await intruder.register(spec("w0"))
+        # Found in review: a CLI user was told to send gRPC metadata; the client says what to set.
+        assert str(caught.value) == (f"control plane at {server.address} refused Register: missing or wrong token: "
+                                     "give the control plane's master token, or a node token from `pipecast cp "
+                                     "issue-token NODE`, as --token or PIPECAST_AUTH_TOKEN (settings: auth_token)")
         with pytest.raises(Unauthenticated):
             await intruder.publish_package(manifest(), STORE)
         with pytest.raises(Unauthenticated):
