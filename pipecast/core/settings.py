@@ -11,13 +11,14 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 import pydantic_settings
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pipecast.core.engines import SERVING_ENGINES
 from pipecast.core.errors import PipecastError
 from pipecast.core.priorities import PRIORITIES
+from pipecast.core.units import parse_size
 
 
 class SettingsError(PipecastError):
@@ -31,6 +32,17 @@ class TenantLimit(BaseModel):
 
     rate: float = Field(gt=0, allow_inf_nan=False, description="requests per second, sustained")
     burst: int = Field(ge=1, description="requests admitted at once after a quiet spell")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, value: Any) -> Any:
+        # "RATE:BURST", as `pipecast router --tenant-limit NAME=RATE:BURST` takes it, besides {rate, burst}.
+        if isinstance(value, str):
+            rate, colon, burst = value.partition(":")
+            if not colon:
+                raise ValueError(f"{value!r} is not RATE:BURST (e.g. 5:10) nor {{\"rate\": 5, \"burst\": 10}}")
+            return {"rate": rate.strip(), "burst": burst.strip()}
+        return value
 
 
 class Settings(BaseSettings):
@@ -164,6 +176,14 @@ class Settings(BaseSettings):
                                "this many times its rate, so its burst does not fill the others' batches (0: never "
                                "paced)")
 
+    @field_validator("agent_memory_bytes", "agent_reserve_bytes", "agent_relay_bytes", mode="before")
+    @classmethod
+    def _size_text(cls, value: Any) -> Any:
+        # "16GiB" as the agent's --memory and the Helm chart's values take it; a plain count as it is (0 included).
+        if isinstance(value, str) and not value.strip().isdigit():
+            return parse_size(value)
+        return value
+
     @field_validator("config", "agent_cache_dir", "agent_local_socket", "tls_cert", "tls_key", "tls_ca", mode="before")
     @classmethod
     def _empty_path_is_unset(cls, value: Any) -> Any:
@@ -205,6 +225,15 @@ class _TomlFileSource(PydanticBaseSettingsSource):
         return data.get("pipecast", data)
 
 
+#: An example value of each setting of several entries, as its PIPECAST_* variable takes it (JSON).
+JSON_EXAMPLES = {
+    "agent_labels": '{"rack": "r1"}',
+    "priority_shares": '{"low": 0.25}',
+    "router_api_keys": '{"KEY": "team-a"}',
+    "router_tenant_limits": '{"team-a": "5:10"}',
+}
+
+
 def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
     """Build settings; ``overrides`` (CLI flags) whose value is None are ignored."""
     try:
@@ -213,5 +242,6 @@ def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise SettingsError(f"invalid settings: {problems}") from None
     except pydantic_settings.SettingsError as exc:  # a PIPECAST_* variable of a dict setting that is not JSON
+        field = next((name for name in JSON_EXAMPLES if f'"{name}"' in str(exc)), "agent_labels")
         raise SettingsError(f"invalid settings: {exc}: a setting of several entries takes JSON, e.g. "
-                            f"PIPECAST_AGENT_LABELS='{{\"rack\": \"r1\"}}'") from None
+                            f"PIPECAST_{field.upper()}='{JSON_EXAMPLES[field]}'") from None

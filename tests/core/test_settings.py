@@ -48,3 +48,31 @@ def test_an_empty_variable_of_an_optional_path_leaves_it_unset(tmp_path, monkeyp
     assert [getattr(settings, name) for name in paths] == [None] * len(paths)  # not Path("."): the working dir
     monkeypatch.setenv("PIPECAST_TLS_CA", str(tmp_path / "ca.pem"))
     assert load_settings().tls_ca == tmp_path / "ca.pem"
+
+
+def test_a_dict_setting_that_is_not_json_gets_an_example_of_its_own(monkeypatch):
+    """Found in review: a bad PIPECAST_ROUTER_API_KEYS was answered with an example for PIPECAST_AGENT_LABELS."""
+    monkeypatch.setenv("PIPECAST_ROUTER_API_KEYS", "key=team-a")
+    with pytest.raises(SettingsError, match=r"takes JSON, e.g. PIPECAST_ROUTER_API_KEYS='\{\"KEY\": \"team-a\"\}'$"):
+        load_settings()
+
+
+def test_sizes_take_units_and_tenant_limits_rate_burst_as_the_command_line_does(monkeypatch):
+    """Found in review: PIPECAST_AGENT_MEMORY_BYTES=16GiB (as --memory and the Helm chart take it) and
+    PIPECAST_ROUTER_DEFAULT_TENANT_LIMIT=2:4 (as --tenant-limit takes it) were refused."""
+    monkeypatch.setenv("PIPECAST_AGENT_MEMORY_BYTES", "16GiB")
+    monkeypatch.setenv("PIPECAST_AGENT_RESERVE_BYTES", "0")
+    monkeypatch.setenv("PIPECAST_ROUTER_DEFAULT_TENANT_LIMIT", "2:4")
+    monkeypatch.setenv("PIPECAST_ROUTER_TENANT_LIMITS", '{"team-a": "5:10", "team-b": {"rate": 1, "burst": 2}}')
+    settings = load_settings()
+    assert (settings.agent_memory_bytes, settings.agent_reserve_bytes) == (16 << 30, 0)
+    assert (settings.router_default_tenant_limit.rate, settings.router_default_tenant_limit.burst) == (2.0, 4)
+    assert {name: (limit.rate, limit.burst) for name, limit in settings.router_tenant_limits.items()} == {
+        "team-a": (5.0, 10), "team-b": (1.0, 2)}
+    monkeypatch.setenv("PIPECAST_AGENT_MEMORY_BYTES", "lots")
+    with pytest.raises(SettingsError, match=r"^invalid settings: agent_memory_bytes: Value error, not a size: 'lots'"):
+        load_settings()
+    monkeypatch.setenv("PIPECAST_AGENT_MEMORY_BYTES", "1GiB")
+    monkeypatch.setenv("PIPECAST_ROUTER_DEFAULT_TENANT_LIMIT", "fast")
+    with pytest.raises(SettingsError, match=r"router_default_tenant_limit: Value error, 'fast' is not RATE:BURST"):
+        load_settings()
