@@ -16,7 +16,7 @@ from pipecast.agent.transport.base import split_address
 from pipecast.agent.transport.registry import transport_names
 from pipecast.core.allocator import keep_freed_memory
 from pipecast.core.engines import SERVING_ENGINES
-from pipecast.core.settings import load_settings
+from pipecast.core.settings import configured_control_plane, load_settings
 from pipecast.core.units import parse_size
 
 
@@ -102,8 +102,8 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
                    "and gone (without --plan: once no peer has been connected for a moment); children that have "
                    "not come when no peer has been connected for agent_idle_timeout_s are named and given up.")
 @click.option("--control-plane", "control_plane", metavar="HOST:PORT", callback=_address,
-              help="Register with this control plane and fetch what its assignments say (token and TLS: settings "
-                   "auth_token, tls_*).")
+              help="Register with this control plane and fetch what its assignments say (settings: control_plane, "
+                   "where set, unless --plan or --exit-when-complete; token and TLS: auth_token, tls_*).")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", callback=_labels,
               help="Topology label to register with, e.g. rack=r1 (repeat; added to settings agent_labels).")
 @click.option("--serve-url", metavar="URL",
@@ -148,6 +148,8 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
                              agent_engine=engine,
                              agent_link_mbit=link_mbit, multicast_share=multicast_share,
                              priority_shares=priority_shares or None)
+    if control_plane is None and plan is None and not exit_when_complete:
+        control_plane = configured_control_plane(settings)  # PIPECAST_CONTROL_PLANE or the config file
     DataPlaneCaps.of(settings)  # refuse a share without the link rate now, not after verifying a seed
     if plan is not None and not settings.agent_node_id:
         raise PlanFileError(f"{plan}: --node-id is needed to know which of the plan's nodes this agent is")

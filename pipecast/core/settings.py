@@ -225,6 +225,12 @@ class _TomlFileSource(PydanticBaseSettingsSource):
         return data.get("pipecast", data)
 
 
+def configured_control_plane(settings: Settings) -> str | None:
+    """The control plane ``settings`` name by choice (``PIPECAST_CONTROL_PLANE``, the config file, an override),
+    not by default: what the agent and the router, which also run without one, register with or learn from."""
+    return settings.control_plane if "control_plane" in settings.model_fields_set else None
+
+
 #: An example value of each setting of several entries, as its PIPECAST_* variable takes it (JSON).
 JSON_EXAMPLES = {
     "agent_labels": '{"rack": "r1"}',

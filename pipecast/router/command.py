@@ -8,7 +8,7 @@ import click
 
 from pipecast.core.credentials import data_plane_key, parse_node_token, serving_key
 from pipecast.core.httpserve import listening, serve_until_signalled
-from pipecast.core.settings import Settings, TenantLimit, load_settings
+from pipecast.core.settings import Settings, TenantLimit, configured_control_plane, load_settings
 from pipecast.router.admission import AdmissionConfig
 from pipecast.router.app import RUNNER_OPTIONS, Router, RouterConfig, build_app, build_metrics_app
 from pipecast.router.discovery import ControlPlaneDiscovery, Discovery, StaticDiscovery
@@ -68,7 +68,7 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
 @click.option("--vllm-worker", "vllm_workers", multiple=True, metavar="URL",
               help="Base URL of a vLLM worker (`vllm serve PACKAGE --load-format pipecast`): its /health, "
                    "/metrics and /v1/models are polled (repeatable).")
-@click.option("--control-plane", metavar="HOST:PORT", help="Also learn workers from this control plane.")
+@click.option("--control-plane", metavar="HOST:PORT", help="Also learn workers from this control plane (settings: control_plane, where set).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=DEFAULTS.max_queue, show_default=True,
               help="Requests that may wait for a worker; beyond it the router answers 429.")
 @click.option("--queue-timeout", type=click.FloatRange(min=0, min_open=True),
@@ -120,11 +120,12 @@ def router_command(host, port, metrics_port, workers, vllm_workers, control_plan
     With an auth_token, /stats, /v1/workers and /metrics answer only requests presenting the cluster's serving
     key (X-Pipecast-Serving-Key), as the scaling daemon does; Prometheus scrapes --metrics-port.
     """
-    if not workers and not vllm_workers and not control_plane:
-        raise click.UsageError("give at least one --worker URL or --control-plane")
     # The token and TLS files of the control plane come from the settings (PIPECAST_* variables or config file).
     settings = load_settings(control_plane=control_plane, router_forward_auth=forward_auth,
                              router_metrics_port=metrics_port)
+    control_plane = configured_control_plane(settings)  # --control-plane, else PIPECAST_CONTROL_PLANE or the file
+    if not workers and not vllm_workers and not control_plane:
+        raise click.UsageError("give at least one --worker URL or --control-plane (settings: control_plane)")
     key = static_serving_key(settings.auth_token)
     if settings.auth_token and not key and not control_plane:
         raise click.UsageError("the auth_token is a node token, from which no serving key derives: give the router "

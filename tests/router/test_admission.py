@@ -177,3 +177,20 @@ def test_the_metrics_port_is_turned_on_by_the_settings_too_as_its_help_says(monk
     assert result.exit_code == 0 and served == [9103]
     help_text = " ".join(CliRunner().invoke(router_command, ["--help"]).output.split())
     assert "PIPECAST_ROUTER_METRICS_PORT or the config file; unset: off" in help_text
+
+
+def test_the_control_plane_setting_is_learned_from_where_no_flag_names_one(monkeypatch):
+    """Found in review: with PIPECAST_CONTROL_PLANE set and no --control-plane the router refused to start ("give at
+    least one --worker URL or --control-plane")."""
+    served = []
+
+    async def serve(config, static, settings, host, port, drain_timeout_s, metrics_port):
+        served.append(settings and settings.control_plane)
+
+    monkeypatch.setattr("pipecast.router.command._serve", serve)
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    result = CliRunner().invoke(router_command, [], env={"PIPECAST_CONTROL_PLANE": "10.0.0.9:7000"})
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(router_command, [], env={"PIPECAST_CONTROL_PLANE": None})
+    assert result.exit_code == 2 and "give at least one --worker URL or --control-plane" in result.output
+    assert served == ["10.0.0.9:7000"]
