@@ -68,7 +68,8 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
 @click.option("--vllm-worker", "vllm_workers", multiple=True, metavar="URL",
               help="Base URL of a vLLM worker (`vllm serve PACKAGE --load-format pipecast`): its /health, "
                    "/metrics and /v1/models are polled (repeatable).")
-@click.option("--control-plane", metavar="HOST:PORT", help="Also learn workers from this control plane (settings: control_plane, where set).")
+@click.option("--control-plane", metavar="HOST:PORT",
+              help="Also learn workers from this control plane (settings: control_plane, where set).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=DEFAULTS.max_queue, show_default=True,
               help="Requests that may wait for a worker; beyond it the router answers 429.")
 @click.option("--queue-timeout", type=click.FloatRange(min=0, min_open=True),
