@@ -11,7 +11,8 @@ Released and back: a worker serving a package from its node agent asks the agent
 ``FOLLOW_AGENT_S`` whether it still holds it. Once the agent dropped it (the scaling daemon released this
 replica), the worker takes no more requests, answers 503 (the router sends the request elsewhere), closes
 the model once the requests running on it end (``RELEASE_DRAIN_S`` at most) and waits, ``loading`` in stage
-``waiting_for_package``, for the package to come back with the next scale-up.
+``waiting_for_package``, for the package to come back with the next scale-up. A worker started before the
+scale-up that brings its package to the agent (a sidecar, or the README's recipe) waits so from the start.
 
 Credentials: a worker fed by its node agent asks it for the cluster's serving key
 (:func:`pipecast.core.credentials.serving_key`; the agent answers once it has registered with its control
@@ -212,9 +213,14 @@ class ServingWorker:
             self._set_serving_key(self.config.serving_key)
         else:
             threading.Thread(target=self._learn_serving_key, name="pipecast-serve-key", daemon=True).start()
-        if isinstance(self.config.agent, (str, Path)) and not Path(self.config.package).is_dir():
+        if self._follows_agent():
             self._follower = asyncio.create_task(self._follow_agent(), name="pipecast-serve-follow-agent")
         self._expirer = asyncio.create_task(self._expire_stage_sessions(), name="pipecast-serve-expire-sessions")
+
+    def _follows_agent(self) -> bool:
+        """Whether the package comes from an agent named by its socket, with no package folder to fall back to:
+        the worker then waits for the agent to hold it, and follows whether it still does."""
+        return isinstance(self.config.agent, (str, Path)) and not Path(self.config.package).is_dir()
 
     def _load(self, again: bool = False) -> None:
         model = None
@@ -226,6 +232,12 @@ class ServingWorker:
                 _warm_imports()
                 self._post(self._set_stage, STAGE_WAITING)
                 self._wait_for_agent_socket()
+                if self._follows_agent():
+                    # Started before the scale-up that brings the package here (as a sidecar is): wait for it as
+                    # for a package released and back, however long, instead of failing after agent_timeout_s.
+                    log.info("waiting for the agent to hold package %s (a scale-up assigns it to this node)",
+                             self.config.package)
+                    self._wait_for_package_again()
             c = self.config
             # The engine's own bound is above the worker's: the worker admits max_queue waiting requests
             # plus max_batch running ones, and hands them to the engine all at once when the model is in.
@@ -357,7 +369,8 @@ class ServingWorker:
         return True
 
     def _wait_for_package_again(self) -> None:
-        """After a release: ask the agent for the package's manifest until it holds the package again."""
+        """Before the first scale-up, and after a release: ask the agent for the package's manifest until it holds
+        the package (again)."""
         from pipecast.agent.errors import LocalApiTimeoutError
         from pipecast.agent.local_client import LocalAgentClient
 

@@ -284,6 +284,36 @@ async def test_a_package_dropped_while_its_model_loads_is_a_release_and_the_mode
         await _comes_back(agent, back, http, url, reference)
 
 
+async def test_a_worker_started_before_its_scale_up_waits_for_the_package_beyond_the_agent_timeout(
+        pkg, reference, tmp_path):
+    """Found in review: a worker started (as the README's recipe starts it) more than --agent-timeout before the
+    scale-up failed for good (503 "failed") though the package came. It waits, as for a package released and back."""
+    from pipecast.agent.local_api import LocalApiServer
+    from pipecast.agent.peer_server import PeerServer
+    from pipecast.agent.transport.base import PeerAuth
+    from tests.support.agent_fixtures import seed_store
+
+    peers, socket_path = PeerServer(), tmp_path / "agent.sock"
+    api = LocalApiServer(peers, status=lambda: {"packages": {}}, auth=PeerAuth("test"))
+    await api.start(socket_path)
+    store = seed_store(pkg)
+    package_id = store.package_id
+    try:
+        config = WorkerConfig(package_id, agent=str(socket_path), agent_timeout_s=0.3)
+        async with serving(config) as (url, worker, _, http):
+            await wait_health(http, url, lambda h: h["stage"] == "waiting_for_package")
+            await asyncio.sleep(1.0)  # over three agent timeouts
+            state = await health(http, url)
+            assert (state["status"], state["stage"], state.get("error")) == ("loading", "waiting_for_package", None)
+            peers.add(store)  # the scale-up: the agent holds the package
+            await wait_health(http, url, lambda h: h["status"] == "ready")  # the agent's answer, not REWAIT_S
+            status, _, whole = await post(http, url, body())
+            assert status == 200 and whole["choices"][0]["token_ids"] == reference(PROMPT, 12)
+    finally:
+        await api.close()
+        store.close()
+
+
 async def test_the_load_seconds_are_those_of_the_last_load_and_0_while_released(pkg, reference):
     """Found in review: a load after a release was timed from the worker's start (a reload of 0.02 s read 5.4 s
     after 5 s at zero replicas), and the gauge kept the last load's figure while no model was loaded."""
