@@ -139,7 +139,7 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
     from pipecast.core.settings import load_settings
 
     settings = load_settings()
-    folder = _local_folder(package, settings.agent_cache_dir)
+    folder = local_folder(package, settings.agent_cache_dir)
     provider, origin, on_close = _provider(package, folder, agent or settings.agent_local_socket,
                                            agent_timeout_s, verify)
     try:
@@ -156,7 +156,7 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
     return LoadedModel(engine, origin=origin, stop_token_ids=stop_token_ids, on_close=on_close)
 
 
-def _local_folder(package: str | Path, cache_dir: Path | None) -> Path | None:
+def local_folder(package: str | Path, cache_dir: Path | None) -> Path | None:
     """The package's folder on this node: ``package`` itself, or its package id in the agent's cache."""
     if Path(package).is_dir():
         return Path(package)

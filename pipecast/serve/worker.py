@@ -59,7 +59,7 @@ from pipecast.engine.providers import StreamingBlockProvider
 from pipecast.engine.stage import SESSION_IDLE_S
 from pipecast.engine.streams import TokenStream
 from pipecast.engine.weights import EMBED
-from pipecast.loading import SOURCE_AGENT, LoadedModel, load
+from pipecast.loading import SOURCE_AGENT, LoadedModel, load, local_folder
 from pipecast.serve.errors import (
     ModelNotServedError,
     ModelUnavailableError,
@@ -222,6 +222,13 @@ class ServingWorker:
         the worker then waits for the agent to hold it, and follows whether it still does."""
         return isinstance(self.config.agent, (str, Path)) and not Path(self.config.package).is_dir()
 
+    def _waits_for_package(self) -> bool:
+        """Whether the first load waits for the agent to hold the package: it follows the agent, and the agent's
+        disk cache holds no copy to fall back to (read once the agent does not answer)."""
+        from pipecast.core.settings import load_settings
+
+        return self._follows_agent() and local_folder(self.config.package, load_settings().agent_cache_dir) is None
+
     def _load(self, again: bool = False) -> None:
         model = None
         try:
@@ -232,7 +239,7 @@ class ServingWorker:
                 _warm_imports()
                 self._post(self._set_stage, STAGE_WAITING)
                 self._wait_for_agent_socket()
-                if self._follows_agent():
+                if self._waits_for_package():
                     # Started before the scale-up that brings the package here (as a sidecar is): wait for it as
                     # for a package released and back, however long, instead of failing after agent_timeout_s.
                     log.info("waiting for the agent to hold package %s (a scale-up assigns it to this node)",
