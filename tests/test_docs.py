@@ -149,3 +149,13 @@ def test_the_command_line_check_finds_what_does_not_exist():
     assert _commands("x | pipecast pack SRC OUT [--a N | --b 1] # note", False) == [
         ["pack", "SRC", "OUT", "[--a", "N", "|", "--b", "1]"]]
     assert _commands('curl -H "K: $(pipecast cp serving-key)" url', False) == [["cp", "serving-key"]]
+
+
+def test_the_readmes_static_plan_example_is_a_plan_file_the_agent_reads(tmp_path):
+    from pipecast.agent.plan_file import read_plan_file
+
+    example = re.search(r"```json\n(\{\"package_id\".*?)```", README, re.S).group(1)
+    path = tmp_path / "plan.json"
+    path.write_text(example.replace("<64 hex>", "0" * 64))
+    plan = read_plan_file(path)
+    assert set(plan.nodes) == {"seed", *plan.plan.assignments} and plan.plan.sources == ("seed",)
