@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+HUB_REPOSITORY_PREFIX = "models--"  # <cache>/models--org--name/snapshots/<rev>/
 # Files copied verbatim into the package: what a serving engine needs besides the weights.
 SMALL_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -59,7 +60,7 @@ class Checkpoint:
     @property
     def files(self) -> list[Path]:
         """Every file of the folder the checkpoint is made of: shards, shard index and small files."""
-        index = [self.root / INDEX_FILE] if checkpoint_file(self.root, INDEX_FILE) is not None else []
+        index = [self.root / INDEX_FILE] if _uses_index(self.root) else []
         shards = sorted({t.path for t in self.tensors.values()})
         return shards + index + [self.root / name for name in self.small_files]
 
@@ -110,10 +111,24 @@ def _allowed_roots(src: Path) -> tuple[Path, ...]:
         root = src.resolve(strict=True)
     except (OSError, RuntimeError) as exc:
         raise CheckpointError(f"{src}: cannot resolve the checkpoint folder ({exc})") from None
-    roots = [root]
-    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
-        roots.append((root.parent.parent / "blobs").resolve())
-    return tuple(roots)
+    repository = _hub_repository(root)
+    return (root,) if repository is None else (root, (repository / "blobs").resolve())
+
+
+def _hub_repository(root: Path) -> Path | None:
+    """The ``models--org--name`` folder of ``root`` (resolved) if it is a snapshot of the Hugging Face cache."""
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(HUB_REPOSITORY_PREFIX):
+        return root.parent.parent
+    return None
+
+
+def hub_repo_id(src: Path) -> str | None:
+    """The repository id ("org/name", or "name") of the checkpoint folder ``src`` if it is a snapshot of the
+    Hugging Face cache, None otherwise: the cache names the folder of "org/name" ``models--org--name``."""
+    repository = _hub_repository(src.resolve())
+    if repository is None:
+        return None
+    return repository.name.removeprefix(HUB_REPOSITORY_PREFIX).replace("--", "/") or None
 
 
 def checkpoint_file(src: Path, name: str) -> Path | None:
@@ -163,8 +178,19 @@ def read_checkpoint_file(src: Path, name: str) -> bytes:
             raise CheckpointFileError(path, f"cannot read it ({exc.strerror})") from None
 
 
+def _uses_index(src: Path) -> bool:
+    """Whether the shard index says where the tensors are: it is there, and model.safetensors is not (which
+    transformers reads first when both are: an index left behind by an earlier sharded save is stale)."""
+    return checkpoint_file(src, INDEX_FILE) is not None and checkpoint_file(src, SINGLE_FILE) is None
+
+
 def _shard_files(src: Path) -> list[Path]:
     index = src / INDEX_FILE
+    single = checkpoint_file(src, SINGLE_FILE)
+    if single is not None:
+        if checkpoint_file(src, INDEX_FILE) is not None:
+            logger.info("%s: ignored, as transformers ignores it: %s is there", index, SINGLE_FILE)
+        return [single]
     if checkpoint_file(src, INDEX_FILE) is not None:
         weight_map = _read_weight_map(src)
         shards = []
@@ -176,9 +202,6 @@ def _shard_files(src: Path) -> list[Path]:
                 raise MissingShardError(index, shard)
             shards.append(path)
         return shards
-    single = checkpoint_file(src, SINGLE_FILE)
-    if single is not None:
-        return [single]
     loose = sorted(src.glob("*.safetensors"))
     if len(loose) == 1:
         checked = checkpoint_file(src, loose[0].name)
@@ -208,7 +231,7 @@ def _read_weight_map(src: Path) -> dict[str, str]:
 def _check_index_names(src: Path, shards: list[Path], tensors: dict[str, SourceTensor]) -> None:
     """Every tensor the index names must be in the shard it names."""
     index = src / INDEX_FILE
-    if checkpoint_file(src, INDEX_FILE) is None:
+    if not _uses_index(src):
         return
     for name, shard in _read_weight_map(src).items():
         found = tensors.get(name)

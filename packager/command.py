@@ -38,8 +38,10 @@ SIZE = SizeParam()
 @click.option("--block-bytes", type=SIZE, help="Target block size, e.g. 64MB (whole layers per block).")
 @click.option("--chunk-bytes", type=SIZE, default="1MiB", show_default=True,
               help="Chunk size of the per-chunk digests (the unit peers verify).")
-@click.option("--name", "model_name", help="Model name recorded in the manifest.")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--name", "model_name", help="Model name recorded in the manifest (default: config.json's "
+              "_name_or_path, else the repository of a Hugging Face cache snapshot, else SRC's folder name).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (a package or an empty folder: another "
+              "folder is refused).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @click.option("--mlflow-uri", metavar="URI",
               help="MLflow tracking server of a models:/ or runs:/ SRC (default: $MLFLOW_TRACKING_URI).")
@@ -125,7 +127,8 @@ def format_table(manifest) -> str:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
               show_default=True)
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (a checkpoint folder, holding config.json, "
+              "or an empty folder: another folder is refused).")
 def convert_gguf_command(gguf, out, dtype, force):
     """Dequantize the GGUF model file GGUF into a safetensors checkpoint folder OUT (extra: convert)."""
     with Progress.on_stderr() as progress:

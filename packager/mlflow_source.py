@@ -42,7 +42,7 @@ class SourceCheckpoint:
 
     folder: Path
     source: ModelSource | None  # None: a local folder
-    name: str | None            # None: pack's default (config.json's _name_or_path, else the folder's name)
+    name: str | None            # None: pack's default (packager.pack: config.json's _name_or_path, else ...)
 
 
 @dataclass(frozen=True)

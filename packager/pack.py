@@ -7,10 +7,10 @@ and renamed into place only when complete: a failed or interrupted pack leaves n
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from packager.checkpoint import Checkpoint, SourceTensor, open_checkpoint, read_checkpoint_file
+from packager.checkpoint import Checkpoint, SourceTensor, hub_repo_id, open_checkpoint, read_checkpoint_file
 from packager.chunks import ChunkHasher
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.errors import CheckpointFileError, PackageError
@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 COPY_BUFFER_BYTES = 8 << 20
 BLOCKS_DIR = "blocks"
 MAX_CHUNK_BYTES = 2**64 - 1  # Block.chunk_bytes is a uint64
+_PLACEHOLDER = "0" * 64  # as long as a digest: it measures the manifest before any digest is known
 
 
 def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_bytes: int | None = None,
@@ -51,8 +52,16 @@ def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_byt
     layouts = plan_blocks({n: t.info.nbytes for n, t in ckpt.tensors.items()},
                           num_layers=_config_layers(ckpt.config), layers_per_block=layers_per_block,
                           block_bytes=block_bytes, where=str(src))
+    # before any block is written: an unreadable small file, or a manifest too large, fails at once
+    small = {name: read_checkpoint_file(ckpt.root, name) for name in ckpt.small_files}
+    files = [PackageFile(path=name, bytes=len(data), digest=digest_bytes(data)) for name, data in small.items()]
+
+    def manifest_of(blocks: list[Block]) -> Manifest:
+        return _build_manifest(ckpt, src, model_name, blocks, files, source)
+
+    _check_manifest_size(src, ckpt, layouts, chunk_bytes, manifest_of)
     try:
-        manifest = _build_package(src, out, ckpt, layouts, chunk_bytes, model_name, overwrite, progress, source)
+        manifest = _build_package(src, out, ckpt, layouts, small, chunk_bytes, manifest_of, overwrite, progress)
     except OSError as exc:  # reading the checkpoint raises typed errors: this is the output (full, read-only)
         raise PackageError(f"{out}: cannot write the package ({exc})") from None
     logger.info("packed %s into %s: %d blocks, %d bytes, package %s", src, out, len(manifest.blocks),
@@ -62,20 +71,39 @@ def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_byt
 
 def check_pack_arguments(out: Path, *, chunk_bytes: int, overwrite: bool) -> None:
     """Refuse, before any work, a chunk size the manifest cannot record and an ``out`` that cannot be written
-    (its parent is not a folder) or that exists without ``overwrite``. The CLI calls it before it downloads
-    an MLflow source too."""
+    (its parent is not a folder) or that may not be replaced (:func:`check_replaceable`). The CLI calls it
+    before it downloads an MLflow source too."""
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise PackageError(f"chunk size must be between 1 and {MAX_CHUNK_BYTES} bytes (a uint64 in the "
                            f"manifest), got {chunk_bytes}")
-    # lexists: a dangling symlink is there too, and atomic_directory would find it only at the end
-    if os.path.lexists(out) and not overwrite:
-        raise PackageError(f"{out}: already exists (pass --force to replace it)")
+    check_replaceable(out, overwrite=overwrite, marker=MANIFEST_FILE, what="a package")
     # atomic_directory creates the missing parents: the nearest one that is there must be a folder
     for parent in (out.parent, *out.parent.parents):
         if os.path.lexists(parent):
             if not parent.is_dir():
                 raise PackageError(f"{out}: cannot be created: {parent} is not a folder")
             break
+
+
+def check_replaceable(out: Path, *, overwrite: bool, marker: str, what: str) -> None:
+    """Refuse an existing ``out`` without ``overwrite`` (``--force``), and with it a non-empty folder that does
+    not hold ``marker``, the file that makes it ``what`` the command writes: ``--force`` deletes the ``out``
+    it replaces, which must not be a folder of something else (other models, say)."""
+    # lexists: a dangling symlink is there too, and atomic_directory would find it only at the end
+    if not os.path.lexists(out):
+        return
+    if not overwrite:
+        raise PackageError(f"{out}: already exists (pass --force to replace it)")
+    if out.is_symlink() or not out.is_dir():  # a file, or a symlink: replaced itself, nothing it leads to
+        return
+    try:
+        with os.scandir(out) as entries:
+            empty = next(entries, None) is None
+    except OSError as exc:
+        raise PackageError(f"{out}: cannot read it ({exc.strerror})") from None
+    if not empty and not (out / marker).is_file():
+        raise PackageError(f"{out}: refused as the output: a non-empty folder without {marker} is not {what}, "
+                           "and --force would delete it with all it holds")
 
 
 def check_output_spares_source(out: Path, root: Path, files: Iterable[Path], what: str) -> None:
@@ -100,9 +128,33 @@ def check_output_spares_source(out: Path, root: Path, files: Iterable[Path], wha
             raise PackageError(f"{out}: refused as the output: replacing it would delete {what} ({path})")
 
 
-def _build_package(src: Path, out: Path, ckpt: Checkpoint, layouts: list[BlockLayout], chunk_bytes: int,
-                   model_name: str | None, overwrite: bool, progress: Progress,
-                   source: ModelSource | None) -> Manifest:
+def _check_manifest_size(src: Path, ckpt: Checkpoint, layouts: list[BlockLayout], chunk_bytes: int,
+                         manifest_of: Callable[[list[Block]], Manifest]) -> None:
+    """Refuse, before any block is written, a package whose manifest would be larger than a manifest may be.
+
+    Its length is known exactly in advance: every digest in it is as long as a placeholder one, and each chunk
+    digest adds the same length (measured as one and two digests a block), so the chunk counts give it."""
+    sizes = [len(header) + sum(t.info.nbytes for t in ordered)
+             for header, ordered in (_block_contents(layout, ckpt) for layout in layouts)]
+
+    def length(digests: int) -> int:
+        blocks = [Block(index=layout.index, file=_block_file(layout), bytes=size, layer_start=layout.layer_start,
+                        layer_end=layout.layer_end, tensor_names=list(layout.tensor_names), digest=_PLACEHOLDER,
+                        chunk_bytes=chunk_bytes, chunk_digests=[_PLACEHOLDER] * digests)
+                  for layout, size in zip(layouts, sizes)]
+        return len(manifest_to_json(manifest_of(blocks)))
+
+    one = length(1)
+    per_digest = (length(2) - one) // len(layouts)
+    total = one + per_digest * sum(-(-size // chunk_bytes) - 1 for size in sizes)
+    if total > MAX_MANIFEST_BYTES:
+        raise PackageError(f"{src}: the manifest would be {total} bytes, more than a manifest may have "
+                           f"({MAX_MANIFEST_BYTES} bytes); pack with larger chunks (--chunk-bytes)")
+
+
+def _build_package(src: Path, out: Path, ckpt: Checkpoint, layouts: list[BlockLayout], small: dict[str, bytes],
+                   chunk_bytes: int, manifest_of: Callable[[list[Block]], Manifest], overwrite: bool,
+                   progress: Progress) -> Manifest:
     with atomic_directory(out, overwrite=overwrite) as tmp:
         (tmp / BLOCKS_DIR).mkdir()
         blocks = []
@@ -112,14 +164,11 @@ def _build_package(src: Path, out: Path, ckpt: Checkpoint, layouts: list[BlockLa
                 blocks.append(_write_block(tmp, layout, ckpt, reader, chunk_bytes, progress))
                 progress.status(f"block {layout.index + 1}/{len(layouts)}: layers {layout.layer_start}-"
                                 f"{layout.layer_end - 1}, {blocks[-1].bytes} bytes")
-        files = [_copy_small_file(ckpt.root, tmp, name) for name in ckpt.small_files]
-        manifest = _build_manifest(ckpt, src, model_name, blocks, files, source)
+        for name, data in small.items():
+            (tmp / name).write_bytes(data)
+        manifest = manifest_of(blocks)
         validate_manifest(manifest, tmp / MANIFEST_FILE)
-        text = manifest_to_json(manifest)
-        if len(text) > MAX_MANIFEST_BYTES:
-            raise PackageError(f"{src}: the manifest would be {len(text)} bytes, more than a manifest may have "
-                               f"({MAX_MANIFEST_BYTES} bytes); pack with larger chunks (--chunk-bytes)")
-        (tmp / MANIFEST_FILE).write_text(text)
+        (tmp / MANIFEST_FILE).write_text(manifest_to_json(manifest))
     return manifest
 
 
@@ -167,15 +216,25 @@ class _ShardReader:
             yield view[:n]
 
 
-def _write_block(root: Path, layout: BlockLayout, ckpt: Checkpoint, reader: _ShardReader,
-                 chunk_bytes: int, progress: Progress) -> Block:
+def _block_file(layout: BlockLayout) -> str:
+    return f"{BLOCKS_DIR}/block-{layout.index:04d}.safetensors"
+
+
+def _block_contents(layout: BlockLayout, ckpt: Checkpoint) -> tuple[bytes, list[SourceTensor]]:
+    """The safetensors header of a block and its tensors, in the order they are written after it."""
     infos = [ckpt.tensors[n].info for n in layout.tensor_names]
     ordered = [ckpt.tensors[n] for n in stream_order([(i.name, i.dtype, i.nbytes) for i in infos])]
     metadata = {"format": "pt", "pipecast.block": str(layout.index),
                 "pipecast.layers": f"{layout.layer_start}-{layout.layer_end - 1}"}
     header, _ = build_header([(t.info.name, t.info.dtype, t.info.shape, t.info.nbytes) for t in ordered],
                              metadata)
-    rel = f"{BLOCKS_DIR}/block-{layout.index:04d}.safetensors"
+    return header, ordered
+
+
+def _write_block(root: Path, layout: BlockLayout, ckpt: Checkpoint, reader: _ShardReader,
+                 chunk_bytes: int, progress: Progress) -> Block:
+    header, ordered = _block_contents(layout, ckpt)
+    rel = _block_file(layout)
     hasher = ChunkHasher(chunk_bytes)
     with (root / rel).open("wb") as f:
         hasher.update(header)
@@ -191,17 +250,12 @@ def _write_block(root: Path, layout: BlockLayout, ckpt: Checkpoint, reader: _Sha
                  chunk_bytes=chunk_bytes, chunk_digests=hasher.chunk_digests)
 
 
-def _copy_small_file(src: Path, dst: Path, name: str) -> PackageFile:
-    data = read_checkpoint_file(src, name)  # a regular file of the folder, checked again as it is opened
-    (dst / name).write_bytes(data)
-    return PackageFile(path=name, bytes=len(data), digest=digest_bytes(data))
-
-
 def _build_manifest(ckpt: Checkpoint, src: Path, model_name: str | None, blocks: list[Block],
                     files: list[PackageFile], source: ModelSource | None) -> Manifest:
     config = ckpt.config
     archs = config.get("architectures") or [""]
-    name = model_name or config.get("_name_or_path") or src.resolve().name
+    # a cache snapshot's folder is named by its revision hash: the repository names the model
+    name = model_name or config.get("_name_or_path") or hub_repo_id(src) or src.resolve().name
     # The id is sealed last: it is the digest of every other field (packager.manifest).
     return seal_manifest(Manifest(
         format_version=MANIFEST_FORMAT_VERSION,

@@ -1,6 +1,7 @@
 """Small filesystem and process helpers shared by the packager, the agent and the benchmarks."""
 
 import itertools
+import logging
 import os
 import re
 import shutil
@@ -14,6 +15,8 @@ TEMPORARY_MARK = ".tmp-"
 # (two threads writing the same path at once must not share one temporary file).
 _TEMPORARY = re.compile(r"^\..+" + re.escape(TEMPORARY_MARK) + r"(\d+)(?:\.\d+)?$")
 _WRITES = itertools.count()
+
+logger = logging.getLogger(__name__)
 
 
 def pid_alive(pid: int) -> bool:
@@ -96,7 +99,7 @@ def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     for stale in out.parent.glob(f".{out.name}{PARTIAL_MARK}*"):
         pid = stale.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
+            _remove(stale)
     tmp = out.parent / f".{out.name}{PARTIAL_MARK}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -124,8 +127,14 @@ def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
 
 
 def _remove(path: Path) -> None:
-    """Remove ``path`` if it is there: a folder with what it holds, a file or a symlink itself."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        path.unlink()
+    """Remove ``path`` if it is there: a folder with what it holds, a file or a symlink itself. What cannot be
+    removed is left there with a warning naming it: unnoticed, it would hold its disk space for good."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)  # as much of it as can go; what is left then says why
+            if os.path.lexists(path):
+                shutil.rmtree(path)
+        elif os.path.lexists(path):
+            path.unlink()
+    except OSError as exc:
+        logger.warning("%s: cannot remove it (%s); it is left there, remove it by hand", path, exc)

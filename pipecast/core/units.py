@@ -2,6 +2,9 @@
 
 import math
 import re
+import sys
+from decimal import Decimal
+from fractions import Fraction
 
 # Chunk size of a package's per-chunk digests: the unit peers verify (relays pass it on in pieces as it arrives).
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -20,8 +23,9 @@ def parse_size(text: str) -> int:
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
         raise ValueError(f"not a size: {text!r} (use e.g. 4MiB, 64MB, 1GB or a byte count)")
-    number = float(match.group(1)) * _UNITS[unit]
-    if not math.isfinite(number):  # hundreds of digits: float() says inf, and int(inf) an OverflowError
+    # exact (a float rounds 18446744073709551615, a uint64's maximum, up to 2**64); Decimal parses any length
+    number = Fraction(Decimal(match.group(1))) * _UNITS[unit]
+    if number > sys.float_info.max:  # hundreds of digits: no size anything holds
         raise ValueError(f"size is too large: {text!r}")
     value = int(number)
     if value <= 0:

@@ -62,3 +62,32 @@ def test_each_write_has_a_temporary_file_of_its_own_and_stale_ones_are_swept(tmp
     (tmp_path / f".f{fsutil.TEMPORARY_MARK}{dead}.7").write_bytes(b"half")
     (tmp_path / f".g{fsutil.TEMPORARY_MARK}{dead}").write_bytes(b"half")  # as older versions named them
     assert sweep_stale_temporaries(tmp_path) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_a_folder_that_cannot_be_removed_is_named_in_a_warning(tmp_path, monkeypatch, caplog):
+    """Found in review: the old folder ``--force`` replaced (and a killed run's partial folder, in the later
+    sweep) was removed ignoring errors: one that could not be removed stayed there, unnoticed, for good."""
+    real_rmtree = fsutil.shutil.rmtree
+
+    def rmtree_failing_in(path, ignore_errors=False):
+        if not os.path.isdir(path) or "stuck" not in os.listdir(path):
+            return real_rmtree(path, ignore_errors=ignore_errors)
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", os.path.join(path, "stuck"))
+
+    out = tmp_path / "pkg"
+    with atomic_directory(out) as tmp:
+        (tmp / "stuck").write_text("old")
+    monkeypatch.setattr(fsutil.shutil, "rmtree", rmtree_failing_in)
+    old = tmp_path / f".pkg{fsutil.PARTIAL_MARK}old-{os.getpid()}"
+    stale = tmp_path / f".pkg{fsutil.PARTIAL_MARK}{_dead_pid()}"
+    (stale / "stuck").mkdir(parents=True)
+    with caplog.at_level("WARNING", logger="pipecast.core.fsutil"):
+        with atomic_directory(out, overwrite=True) as tmp:
+            (tmp / "a").write_text("new")
+    assert os.listdir(out) == ["a"]
+    assert caplog.messages == [
+        f"{stale}: cannot remove it ([Errno 13] Permission denied: '{stale / 'stuck'}'); it is left there, remove "
+        "it by hand",
+        f"{old}: cannot remove it ([Errno 13] Permission denied: '{old / 'stuck'}'); it is left there, remove it "
+        "by hand"]

@@ -20,3 +20,13 @@ def test_a_number_too_large_for_a_float_is_refused_with_a_value_error():
         parse_size(f"{huge}KiB")
     with pytest.raises(ValueError, match=f"^duration is too long: '{huge}h'$"):
         parse_duration(f"{huge}h")
+
+
+def test_sizes_parse_exactly():
+    """Found in review: parse_size went through a float: '18446744073709551615' (a uint64's maximum, the largest
+    chunk size) became 2**64 and was refused, and 9007199254740993 became 9007199254740992."""
+    assert parse_size("18446744073709551615") == 2**64 - 1 and parse_size("9007199254740993") == 2**53 + 1
+    assert parse_size("4611686018427387905KiB") == (2**62 + 1) * 1024
+    assert parse_size("1.0000000000000000001KiB") == 1024 and parse_size("0.0009765625KiB") == 1
+    with pytest.raises(ValueError, match="^size must be positive: '0.0{5000}1GiB'$"):
+        parse_size(f"0.{'0' * 5000}1GiB")  # thousands of digits: no int() limit, no rounding up

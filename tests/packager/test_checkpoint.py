@@ -104,6 +104,26 @@ def test_a_hugging_face_cache_snapshot_packs_through_its_blob_symlinks(tmp_path)
     assert Package.open(tmp_path / "pkg").manifest.package_id == manifest.package_id
 
 
+@pytest.mark.parametrize("repo, name_or_path, flag, recorded", [
+    ("org--tiny", None, None, "org/tiny"), ("tiny", None, None, "tiny"),
+    ("org--tiny", "org/from-config", None, "org/from-config"), ("org--tiny", "org/from-config", "mine", "mine")])
+def test_a_hugging_face_cache_snapshot_is_named_by_its_repository(tmp_path, capsys, repo, name_or_path, flag,
+                                                                  recorded):
+    """Found in review: a snapshot (models--org--tiny/snapshots/<hash>/) recorded its revision hash as the
+    model name; --name and config.json's _name_or_path still come first."""
+    snapshot = hf_snapshot(tmp_path / "hub", repo)
+    if name_or_path:
+        config = snapshot / "config.json"
+        text = json.dumps({**json.loads(config.read_text()), "_name_or_path": name_or_path})
+        config.unlink()  # a symlink into blobs/: the snapshot's own copy changes, as a new revision would
+        config.write_text(text)
+    assert pack(snapshot, tmp_path / "pkg", model_name=flag).model_name == recorded
+    assert main(["pack", str(snapshot), str(tmp_path / "cli"), *(["--name", flag] if flag else [])]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "cli")]) == 0
+    assert f"model     {recorded} (" in capsys.readouterr().out
+
+
 def test_a_snapshot_symlink_into_another_repositorys_blobs_is_refused(tmp_path):
     """Finding 6: the blob store allowed is the snapshot's own repository's, not any models--*/blobs."""
     snapshot = hf_snapshot(tmp_path / "hub", "org--model")
@@ -112,6 +132,25 @@ def test_a_snapshot_symlink_into_another_repositorys_blobs_is_refused(tmp_path):
     (snapshot / "tokenizer.json").symlink_to((other / "tokenizer.json").resolve())
     with pytest.raises(CheckpointFileError, match="tokenizer.json: refused: it is a symlink to .*models--org--other"):
         open_checkpoint(snapshot)
+
+
+def test_model_safetensors_wins_over_a_stale_shard_index(ckpt, tmp_path, caplog):
+    """Found in review: with model.safetensors and a model.safetensors.index.json both there (a sharded save,
+    then an unsharded one), the index and its stale shards were packed; transformers reads model.safetensors."""
+    from safetensors.numpy import load_file
+
+    current = load_file(str(ckpt / "model.safetensors"))
+    save_file({name: value + 1 for name, value in current.items()}, str(ckpt / "model-00001-of-00001.safetensors"))
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "model-00001-of-00001.safetensors" for name in current}}))
+    with caplog.at_level("INFO", logger="packager.checkpoint"):
+        pack(ckpt, tmp_path / "pkg")
+    assert f"{ckpt / 'model.safetensors.index.json'}: ignored, as transformers ignores it: model.safetensors is " \
+           "there" in caplog.messages
+    package = Package.open(tmp_path / "pkg")
+    packed = {name: tensor.numpy() for block in range(package.num_blocks)
+              for name, tensor in package.block_tensors(block).items()}
+    assert sorted(packed) == sorted(current) and all((packed[n] == current[n]).all() for n in current)
 
 
 @pytest.mark.parametrize("text, problem", [
@@ -126,6 +165,7 @@ def test_hostile_json_in_config_or_index_is_a_checkpoint_error(ckpt, text, probl
     with pytest.raises(CheckpointError, match=problem):
         open_checkpoint(ckpt)
     (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001.safetensors")  # else the index is ignored
     (ckpt / "model.safetensors.index.json").write_text(text)
     with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
         open_checkpoint(ckpt)

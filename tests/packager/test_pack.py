@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -10,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from packager.errors import (BlockMismatchError, CheckpointError, ManifestError, MissingShardError,
-                             PackageError, PickleCheckpointError, SafetensorsFormatError,
+from packager.errors import (BlockMismatchError, CheckpointError, CheckpointFileError, ManifestError,
+                             MissingShardError, PackageError, PickleCheckpointError, SafetensorsFormatError,
                              UnplacedTensorsError)
 from packager.manifest import compute_package_id, manifest_to_json, read_manifest
 from packager.pack import pack
@@ -376,3 +377,49 @@ def test_partial_folder_of_a_killed_pack_is_removed_by_the_next(checkpoints, tmp
     (stale / "blocks").mkdir(parents=True)
     pack(checkpoints["gpt2"], tmp_path / "pkg")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
+
+
+def test_a_manifest_too_large_is_refused_before_any_block_is_written(checkpoints, tmp_path, monkeypatch, capsys):
+    """Found in review: the manifest's size was checked only once every block was written and hashed
+    (``pack big out --chunk-bytes 64``: 19 s and 1.6 GB of blocks, then the refusal)."""
+    import packager.pack as pack_module
+
+    src = checkpoints["sharded"]
+    pack(src, tmp_path / "ref", layers_per_block=3, chunk_bytes=64, model_name="m")
+    length = len((tmp_path / "ref" / "manifest.json").read_bytes())
+    monkeypatch.setattr(pack_module, "_write_block", lambda *args, **kwargs: pytest.fail("a block was written"))
+    monkeypatch.setattr(pack_module, "MAX_MANIFEST_BYTES", length - 1)  # the size known in advance is exact
+    message = (f"{src}: the manifest would be {length} bytes, more than a manifest may have ({length - 1} "
+               "bytes); pack with larger chunks (--chunk-bytes)")
+    with pytest.raises(PackageError) as caught:
+        pack(src, tmp_path / "pkg", layers_per_block=3, chunk_bytes=64, model_name="m")
+    assert str(caught.value) == message
+    assert main(["pack", str(src), str(tmp_path / "pkg"), "--layers-per-block", "3", "--chunk-bytes", "64",
+                 "--name", "m"]) == 2
+    assert f"error: {message}\n" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref"]
+    monkeypatch.undo()
+    monkeypatch.setattr(pack_module, "MAX_MANIFEST_BYTES", length)
+    pack(src, tmp_path / "pkg", layers_per_block=3, chunk_bytes=64, model_name="m")
+
+
+def test_a_small_file_that_cannot_be_read_fails_before_any_block_is_written(checkpoints, tmp_path, monkeypatch):
+    """Found in review: config and tokenizer files were read only after every block was written."""
+    import packager.pack as pack_module
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["llama"], src)
+    real = pack_module.open_checkpoint
+
+    def swapped_after_opening(folder):
+        ckpt = real(folder)
+        (src / "generation_config.json").unlink()
+        os.mkfifo(src / "generation_config.json")  # a FIFO now: refused as it is read
+        return ckpt
+
+    monkeypatch.setattr(pack_module, "open_checkpoint", swapped_after_opening)
+    monkeypatch.setattr(pack_module, "_write_block", lambda *args, **kwargs: pytest.fail("a block was written"))
+    with pytest.raises(CheckpointFileError) as caught:
+        pack(src, tmp_path / "pkg")
+    assert str(caught.value) == f"{src / 'generation_config.json'}: refused: not a regular file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -22,28 +22,60 @@ def _contents(folder):
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("out", [".", "..", "link", "model.safetensors", "config.json"])
-def test_force_refuses_an_output_that_is_holds_or_leads_to_the_checkpoint(ckpt, tmp_path, capsys, out):
+SPARE = "replacing it would delete the checkpoint being packed"
+NOT_A_PACKAGE = "a non-empty folder without manifest.json is not a package"  # (test_force_..._not_a_package)
+
+
+@pytest.mark.parametrize("out, why", [(".", NOT_A_PACKAGE), ("..", NOT_A_PACKAGE), ("package", SPARE),
+                                      ("link", SPARE), ("model.safetensors", SPARE), ("config.json", SPARE)])
+def test_force_refuses_an_output_that_is_holds_or_leads_to_the_checkpoint(ckpt, tmp_path, capsys, out, why):
     """Finding 1: ``pack SRC OUT --force`` with OUT the checkpoint (or a folder holding it) deleted it."""
     (tmp_path / "link").symlink_to(ckpt)
-    out = tmp_path / "link" if out == "link" else ckpt / out
+    if out == "package":  # a folder holding the checkpoint, and a manifest.json: it looks like a package
+        (tmp_path / "manifest.json").write_text("{}")
+    out = tmp_path / "link" if out == "link" else tmp_path if out == "package" else ckpt / out
     before = _contents(ckpt)
-    with pytest.raises(PackageError, match=re.escape(f"refused as the output: replacing it would delete the "
-                                                     f"checkpoint being packed ({ckpt.resolve()}")):
+    detail = f" ({ckpt.resolve()}" if why == SPARE else ""
+    with pytest.raises(PackageError, match=re.escape(f"{out}: refused as the output: ") + ".*" +
+                       re.escape(why + detail)):
         pack(ckpt, out, overwrite=True)
     assert main(["pack", str(ckpt), str(out), "--force"]) == 2
-    assert "would delete the checkpoint being packed" in capsys.readouterr().err
+    assert why in capsys.readouterr().err
     assert _contents(ckpt) == before
     assert (tmp_path / "link").is_symlink()
+
+
+def test_force_refuses_a_folder_that_is_not_a_package(ckpt, tmp_path, monkeypatch, capsys):
+    """Found in review: ``pack SRC OUT --force`` deleted any existing OUT, a folder of other models too."""
+    out = tmp_path / "models"
+    (out / "other-model").mkdir(parents=True)
+    (out / "other-model" / "model.safetensors").write_bytes(b"weights")
+    before = _contents(out)
+    message = (f"{out}: refused as the output: {NOT_A_PACKAGE}, and --force would delete it with all it holds")
+    monkeypatch.setattr("packager.pack.open_checkpoint", lambda src: pytest.fail("the checkpoint was opened"))
+    with pytest.raises(PackageError) as caught:
+        pack(ckpt, out, overwrite=True)
+    assert str(caught.value) == message
+    monkeypatch.setattr("packager.command.source_checkpoint",
+                        lambda *args, **kwargs: pytest.fail("the source was fetched"))
+    assert main(["pack", str(ckpt), str(out), "--force"]) == 2
+    assert f"error: {message}\n" in capsys.readouterr().err
+    assert _contents(out) == before
+    monkeypatch.undo()
+    (out / "other-model").rename(tmp_path / "elsewhere")  # an empty folder, a package: replaced
+    assert pack(ckpt, out, overwrite=True).package_id == pack(ckpt, out, overwrite=True).package_id
 
 
 def test_force_refuses_the_blob_store_of_a_hugging_face_snapshot(tmp_path):
     """Finding 1: the snapshot's files are symlinks into ../../blobs, which --force would have deleted."""
     snapshot = hf_snapshot(tmp_path / "hub", "org--model")
     blobs = snapshot.parent.parent / "blobs"
+    with pytest.raises(PackageError, match=re.escape(f"{blobs}: refused as the output: {NOT_A_PACKAGE}")):
+        pack(snapshot, blobs, overwrite=True)
+    (tmp_path / "link").symlink_to(blobs)  # a symlink is replaced itself, but one leading to the blobs is refused
     blob = re.escape(f"would delete the checkpoint being packed ({blobs.resolve()}/blob")
     with pytest.raises(PackageError, match=blob):
-        pack(snapshot, blobs, overwrite=True)
+        pack(snapshot, tmp_path / "link", overwrite=True)
     assert len(list(blobs.iterdir())) == 3
 
 
