@@ -8,6 +8,8 @@ from pipecast.core.units import parse_duration, parse_size
 def test_sizes_and_durations_parse():
     assert parse_size("4MiB") == 4 << 20 and parse_size("1.5GB") == 1_500_000_000 and parse_size("7") == 7
     assert parse_duration("500ms") == 0.5 and parse_duration("5m") == 300.0 and parse_duration("2") == 2.0
+    # Found in review: a large GPU host's --memory 1TiB was "not a size" (1024GiB was one).
+    assert parse_size("1TiB") == 1 << 40 and parse_size("2TB") == 2 * 1000**4
 
 
 def test_a_number_too_large_for_a_float_is_refused_with_a_value_error():
