@@ -66,10 +66,11 @@ def codec(pkg) -> TextCodec:
 
 
 @asynccontextmanager
-async def serving(config: WorkerConfig):
-    """A worker served on loopback as `pipecast serve` serves it: (base URL, worker, runner)."""
+async def serving(config: WorkerConfig, **app_options):
+    """A worker served on loopback as `pipecast serve` serves it (``app_options``: build_app's): (base URL, worker,
+    runner, a client session)."""
     worker = ServingWorker(config)
-    runner = web.AppRunner(build_app(worker), handler_cancellation=True, shutdown_timeout=10)
+    runner = web.AppRunner(build_app(worker, **app_options), handler_cancellation=True, shutdown_timeout=10)
     await runner.setup()
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -728,56 +729,40 @@ async def test_a_stage_close_over_the_body_limit_is_a_413_not_a_500(pkg):
 async def test_a_client_that_stalls_mid_body_is_answered_408_at_the_body_deadline(pkg):
     """Review E, finding 3: a completion's (or a stage call's, or a session close's) body was read with no
     deadline, so a client that stalled mid-body held its handler and the bytes so far for good."""
-    worker = ServingWorker(WorkerConfig(str(pkg)))
-    runner = web.AppRunner(build_app(worker, body_timeout_s=0.3), handler_cancellation=True)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        host, port = runner.addresses[0][:2]
+    async with serving(WorkerConfig(str(pkg)), body_timeout_s=0.3) as (url, _, _, _):
         answers = []
         # A stage call's body too, within the body limit and (a large frame: its header read first) beyond it.
         for path, declared, sent in (("/v1/completions", 1000, 500), ("/v1/stage/close", 1000, 500),
                                      ("/v1/stage", 1000, 500), ("/v1/stage", (16 << 20) + 1000, 2)):
-            status, answer = await stalled_body_answer(f"http://{host}:{port}", path, declared, sent)
+            status, answer = await stalled_body_answer(url, path, declared, sent)
             assert status == 408, answer
             assert answer["error"]["message"] == ("the request body did not arrive within this server's deadline "
                                                   f"of 0.3 s ({sent} of {declared} bytes received)"), answer
             answers.append(answer["error"])
         assert answers[0]["code"] == "request_timeout" and answers[0]["type"] == "invalid_request_error"
         assert all(answer["node"] is None for answer in answers[1:])  # a stage's error names the stage that failed
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_streaming_client_that_stops_reading_is_cancelled_at_the_deadline(pkg, monkeypatch):
     """Found in review: a stream's writes had no deadline, so a client that stayed connected but read nothing held
     its request (counted running, and toward the 429 bound) for good once the socket's buffers filled."""
     monkeypatch.setattr(app_module, "sse", lambda chunk: b"data: " + b"x" * (256 << 10) + b"\n\n")  # fills fast
-    worker = ServingWorker(WorkerConfig(str(pkg)))
-    runner = web.AppRunner(build_app(worker, body_timeout_s=0.3), handler_cancellation=True)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        host, port = runner.addresses[0][:2]
-        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
-            url = f"http://{host}:{port}"
-            await wait_health(http, url, lambda h: h["status"] == "ready")
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect((host, port))
-            request = json.dumps(body(stream=True, max_tokens=40)).encode()
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(request), request))  # and reads nothing
-            try:
-                await wait_health(http, url, lambda h: h["running"] == 1)
-                await wait_health(http, url, lambda h: h["running"] == 0, timeout=10)
-                async with http.get(f"{url}/metrics") as response:
-                    page = await response.text()
-                assert metric(page, 'pipecast_serve_requests_total{outcome="cancelled"}') == 1
-            finally:
-                sock.close()
-    finally:
-        await runner.cleanup()
+    async with serving(WorkerConfig(str(pkg)), body_timeout_s=0.3) as (url, _, _, http):
+        await wait_health(http, url, lambda h: h["status"] == "ready")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((urlsplit(url).hostname, urlsplit(url).port))
+        request = json.dumps(body(stream=True, max_tokens=40)).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(request), request))  # and reads nothing
+        try:
+            await wait_health(http, url, lambda h: h["running"] == 1)
+            await wait_health(http, url, lambda h: h["running"] == 0, timeout=10)
+            async with http.get(f"{url}/metrics") as response:
+                page = await response.text()
+            assert metric(page, 'pipecast_serve_requests_total{outcome="cancelled"}') == 1
+        finally:
+            sock.close()
 
 
 async def test_health_answers_within_a_second_while_huge_prompts_are_refused_or_tokenized(pkg, monkeypatch):
