@@ -6,19 +6,21 @@ Settings come from pipecast's settings (env ``PIPECAST_*``, ``--config`` TOML); 
 """
 
 import asyncio
+import dataclasses
 import json
+import re
 import signal
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import click
 from click.core import ParameterSource
 from google.protobuf import json_format
 
 from control_plane.deployments import DEFAULT_WARM_AUTO_FACTOR, Deployment, ScalingPolicy
-from control_plane.errors import InvalidRequest
+from control_plane.errors import InvalidRequest, UnknownPackage
 from control_plane.messages import PeerInfo
 from control_plane.routes import CanaryGate, RouteChange
 from control_plane.routes import describe as describe_route
@@ -29,6 +31,26 @@ from pipecast.core.units import format_bytes, parse_duration
 
 CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, dir_okay=False),
                       help="TOML config file (also PIPECAST_CONFIG).")
+TOKEN = click.option("--token", help="The control plane's master token, or a node token for reads (settings: "
+                                     "auth_token; env PIPECAST_AUTH_TOKEN).")
+
+
+class Duration(click.ParamType):
+    """Seconds, written as 2s, 500ms, 5m or a plain number; ``positive``: more than 0."""
+
+    name = "duration"
+
+    def __init__(self, *, positive: bool = False) -> None:
+        self.positive = positive
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = value if isinstance(value, float) else parse_duration(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        if self.positive and seconds <= 0:
+            self.fail(f"must be longer than 0, got {value!r}", param, ctx)
+        return seconds
 
 
 @click.command("control-plane")
@@ -122,12 +144,12 @@ class GroupOptionsAnywhere(click.Group):
 @click.group("cp", cls=GroupOptionsAnywhere)
 @CONFIG
 @click.option("--control-plane", "target", help="host:port of the control plane (settings: control_plane).")
-@click.option("--token", help="The control plane's master token, or a node token for reads (settings: auth_token; "
-                               "env PIPECAST_AUTH_TOKEN).")
+@TOKEN
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.pass_context
 def cp_group(ctx: click.Context, config: Path | None, target: str | None, token: str | None, as_json: bool) -> None:
-    """Operate a running control plane."""
+    """Operate a running control plane. A PACKAGE_ID (or --package) may be the start of a published package's id,
+    8 hex digits or more, as the listings print it."""
     ctx.obj = (load_settings(config, control_plane=target, auth_token=token), as_json)
 
 
@@ -142,6 +164,35 @@ def _run(ctx: click.Context, call: Callable[[Any], Awaitable[Any]]) -> Any:
             return await call(client)
 
     return asyncio.run(go())
+
+
+#: A package id the cp commands take as the start of one: 8 hex digits or more, fewer than a whole id's 64 (the
+#: listings print 12 or 20).
+PACKAGE_ID_PREFIX = re.compile(r"[0-9a-f]{8,63}")
+
+
+async def full_package_id(client: Any, package_id: str) -> str:
+    """The one published package id starting with ``package_id`` (:data:`PACKAGE_ID_PREFIX`; anything else
+    is passed on as given). Raises :class:`UnknownPackage` when none does, :class:`InvalidRequest` when several do."""
+    if not PACKAGE_ID_PREFIX.fullmatch(package_id):
+        return package_id
+    found = sorted(p.package_id for p in await client.list_packages() if p.package_id.startswith(package_id))
+    if not found:
+        raise UnknownPackage(f"no published package id starts with {package_id!r}")
+    if len(found) > 1:
+        raise InvalidRequest(f"package id {package_id!r} is ambiguous: {len(found)} published package ids start "
+                             f"with it ({', '.join(found)}); give more of it")
+    return found[0]
+
+
+def _run_for(ctx: click.Context, package_id: str, call: Callable[[Any, str], Awaitable[Any]]) -> tuple[str, Any]:
+    """:func:`_run` of ``call(client, id)``, ``id`` the whole package id ``package_id`` may be the start of
+    (:func:`full_package_id`); returns ``id`` and what ``call`` returned."""
+    async def resolved(client: Any) -> tuple[str, Any]:
+        full = await full_package_id(client, package_id)
+        return full, await call(client, full)
+
+    return _run(ctx, resolved)
 
 
 def _emit(ctx: click.Context, data: Any, lines: list[str]) -> None:
@@ -188,10 +239,10 @@ def workers_command(ctx: click.Context) -> None:
 def packages_command(ctx: click.Context) -> None:
     """List published packages with their holders."""
     packages = _run(ctx, lambda c: c.list_packages())
-    lines = [f"{'PACKAGE':<20} {'MODEL':<28} {'BLOCKS':>6} {'SIZE':>10} {'COMPLETE':>8} {'REPLICAS':>8}  STORE"]
+    lines = [f"{'PACKAGE':<20} {'MODEL':<28} {'BLOCKS':>6} {'SIZE':>10} {'COMPLETE':>8} {'BLOCK COPIES':>12}  STORE"]
     for p in packages:
         lines.append(f"{p.package_id[:20]:<20} {p.model_name[:28]:<28} {p.num_blocks:>6} "
-                     f"{format_bytes(p.total_bytes):>10} {p.complete_holders:>8} {p.block_replicas:>8}  "
+                     f"{format_bytes(p.total_bytes):>10} {p.complete_holders:>8} {p.block_replicas:>12}  "
                      f"{p.store.node_id}@{p.store.address}")
     _emit(ctx, [_message_json(p) for p in packages], lines)
 
@@ -201,7 +252,7 @@ def packages_command(ctx: click.Context) -> None:
 @click.pass_context
 def availability_command(ctx: click.Context, package_id: str) -> None:
     """Both maps of a package: blocks per worker and workers per block."""
-    view = _run(ctx, lambda c: c.availability(package_id))
+    _, view = _run_for(ctx, package_id, lambda c, full: c.availability(full))
     lines = [f"package {view.package_id}: {view.num_blocks} blocks", "by worker:"]
     lines += [f"  {node:<24} {len(blocks):>4}/{view.num_blocks}  {_ranges(blocks)}"
               for node, blocks in sorted(view.by_worker.items())]
@@ -219,7 +270,7 @@ def availability_command(ctx: click.Context, package_id: str) -> None:
 @click.pass_context
 def plans_command(ctx: click.Context, package_id: str) -> None:
     """List active scale-up plans."""
-    plans = _run(ctx, lambda c: c.list_plans(package_id))
+    _, plans = _run_for(ctx, package_id, lambda c, full: c.list_plans(full))
     lines = [f"{'PLAN':<12} {'PACKAGE':<20} {'STRATEGY':<9} {'SOURCES':>7} {'RECEIVERS':>9} {'PENDING':>7} "
              f"{'REPLANS':>7}  {'CREATED':<19}  DEMOTED"]
     for p in plans:
@@ -235,7 +286,7 @@ def plans_command(ctx: click.Context, package_id: str) -> None:
 @click.pass_context
 def pipelines_command(ctx: click.Context, package_id: str) -> None:
     """List cross-node pipelines: serving workers that together hold every layer while none holds all."""
-    pipelines = _run(ctx, lambda c: c.list_pipelines(package_id))
+    _, pipelines = _run_for(ctx, package_id, lambda c, full: c.list_pipelines(full))
     lines = [f"{'PACKAGE':<20} {'STAGES':>6} {'SLOWEST':>8}  NODE[LAYERS] ..."]
     for p in pipelines:
         stages = " -> ".join(f"{s.node_id}[{s.layer_start}-{s.layer_end - 1}]" for s in p.stages)
@@ -290,11 +341,18 @@ def cluster_status_command(ctx: click.Context, **options: Any) -> None:
     ctx.invoke(status_command.callback)
 
 
+#: The data-plane transports a store may serve over: the agents' ``agent_transport`` less ``auto`` (which an agent
+#: resolves to one of them).
+TRANSPORTS = tuple(name for name in get_args(Settings.model_fields["agent_transport"].annotation) if name != "auto")
+
+
 @cp_group.command("publish")
 @click.argument("package_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--store-node", required=True, help="Node id of the store that serves the package.")
 @click.option("--store-address", required=True, help="host:port of that store's data plane.")
-@click.option("--transport", "transports", multiple=True, default=("tcp",), show_default=True)
+@click.option("--transport", "transports", type=click.Choice(TRANSPORTS), multiple=True, default=("tcp",),
+              show_default=True, help="A data-plane transport the store serves the package over (repeat for "
+                                      "several, in order of preference).")
 @click.pass_context
 def publish_command(ctx: click.Context, package_dir: Path, store_node: str, store_address: str,
                     transports: tuple[str, ...]) -> None:
@@ -323,7 +381,7 @@ def publish_command(ctx: click.Context, package_dir: Path, store_node: str, stor
 @click.pass_context
 def remove_command(ctx: click.Context, package_id: str, force: bool) -> None:
     """Remove a published package."""
-    _run(ctx, lambda c: c.remove_package(package_id, force=force))
+    package_id, _ = _run_for(ctx, package_id, lambda c, full: c.remove_package(full, force=force))
     _emit(ctx, {"removed": package_id}, [f"removed {package_id}"])
 
 
@@ -339,8 +397,8 @@ def scale_up_command(ctx: click.Context, package_id: str, workers: tuple[str, ..
     """Bring a package onto workers with a multicast plan."""
     if bool(workers) == bool(count):
         raise click.UsageError("give either --worker (one or more) or --count")
-    reply = _run(ctx, lambda c: c.scale_up(package_id, node_ids=workers, count=count or 0, strategy=strategy,
-                                            fanout=fanout or 0))
+    _, reply = _run_for(ctx, package_id, lambda c, full: c.scale_up(full, node_ids=workers, count=count or 0,
+                                                                   strategy=strategy, fanout=fanout or 0))
     lines = [f"plan {reply.plan_id or '(none needed)'}: {reply.strategy or '-'} from {', '.join(reply.sources) or '-'} "
              f"to {len(reply.receivers)} workers"]
     if reply.unchanged:
@@ -351,29 +409,16 @@ def scale_up_command(ctx: click.Context, package_id: str, workers: tuple[str, ..
 @cp_group.command("release")
 @click.argument("package_id")
 @click.argument("workers", nargs=-1, required=True)
-@click.option("--keep-alive", "keep_alive_s", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Seconds the workers stay sources before they drop the package.")
+@click.option("--keep-alive", "keep_alive_s", type=Duration(), default=0.0, show_default=True,
+              help="How long the workers stay sources before they drop the package, e.g. 5m (0: they drop it at "
+                   "once).")
 @click.pass_context
 def release_command(ctx: click.Context, package_id: str, workers: tuple[str, ...], keep_alive_s: float) -> None:
     """Release a package from workers (scale-down)."""
-    drop_at = _run(ctx, lambda c: c.release(package_id, workers, keep_alive_s=keep_alive_s))
+    package_id, drop_at = _run_for(ctx, package_id, lambda c, full: c.release(full, workers, keep_alive_s=keep_alive_s))
     when = datetime.fromtimestamp(drop_at).isoformat(timespec="seconds")
     _emit(ctx, {"drop_at_unix": drop_at},
           [f"released {package_id} from {len(workers)} workers; they drop it at {when}"])
-
-
-class Duration(click.ParamType):
-    """Seconds, written as 2s, 500ms, 5m or a plain number."""
-
-    name = "duration"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        if isinstance(value, float):
-            return value
-        try:
-            return parse_duration(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
 
 
 #: ``--warm auto``: the warm pool is sized from the traffic.
@@ -463,8 +508,9 @@ def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...]
                 for fields, message in wanted.policy.problems_by_field()]
     if problems:
         raise InvalidRequest(f"deployment of package {package_id!r} refused: {'; '.join(problems)}")
-    stored = _run(ctx, lambda c: c.put_deployment(wanted))
-    _emit(ctx, stored.to_json(), [f"deployed {package_id}: {_describe_policy(stored.policy)}; priority "
+    _, stored = _run_for(ctx, package_id,
+                         lambda c, full: c.put_deployment(dataclasses.replace(wanted, package_id=full)))
+    _emit(ctx, stored.to_json(), [f"deployed {stored.package_id}: {_describe_policy(stored.policy)}; priority "
                                   f"{stored.priority}; routers {', '.join(stored.routers) or '-'}"])
 
 
@@ -492,7 +538,7 @@ def deployments_command(ctx: click.Context) -> None:
 @click.pass_context
 def undeploy_command(ctx: click.Context, package_id: str) -> None:
     """Remove a package's deployment (its replicas stay until released; the scaler stops scaling it)."""
-    _run(ctx, lambda c: c.remove_deployment(package_id))
+    package_id, _ = _run_for(ctx, package_id, lambda c, full: c.remove_deployment(full))
     _emit(ctx, {"undeployed": package_id}, [f"undeployed {package_id}"])
 
 
@@ -525,7 +571,8 @@ def _gate(gate: bool | None, ttft_margin: float, error_margin: float, min_reques
 
 
 def _change_route(ctx: click.Context, change: RouteChange) -> None:
-    route = _run(ctx, lambda c: c.change_route(change))
+    _, route = _run_for(ctx, change.package_id,
+                        lambda c, full: c.change_route(dataclasses.replace(change, package_id=full)))
     _emit(ctx, route.to_json() if route else {"unrouted": change.name}, [describe_route(route, change.name)])
 
 

@@ -639,14 +639,19 @@ class ControlState:
 
     def release(self, package_id: str, node_ids: Sequence[str], keep_alive_s: float, now: float) -> float:
         """Drop a package from workers: each stays a source for ``keep_alive_s`` (a later scale-up may
-        take it back), then leaves the package's plans and is told to drop it. Returns the drop time."""
-        self.package(package_id)
+        take it back), then leaves the package's plans and is told to drop it. Returns the drop time. The
+        package's store is refused: it is the source of the scale-ups no worker can send from."""
+        store = self.package(package_id).store.node_id
         # NaN would never fall due, and neither it nor infinity could be stored and loaded again.
         if not math.isfinite(keep_alive_s) or keep_alive_s < 0:
             raise InvalidRequest(f"release of package {package_id!r}: keep-alive must be a finite number >= 0, "
                                  f"got {keep_alive_s}")
         availability = self.availability[package_id]
         for node in node_ids:
+            if node == store:
+                raise InvalidRequest(f"release of package {package_id!r} from {node!r} refused: {node!r} is its "
+                                     "store node, which keeps it to send to scale-ups (removing the package with "
+                                     "force drops it there)")
             self.alive_worker(node)
             in_plan = any(p.package_id == package_id and node in p.parts for p in self.plans.values())
             if node not in availability.by_worker and not in_plan:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from control_plane.command import CONFIG, Duration
+from control_plane.command import CONFIG, TOKEN, Duration
+from control_plane.planner.plan import STRATEGIES
 from pipecast.core.settings import Settings, load_settings
 from pipecast.scaler.daemon import ScalerConfig
 
@@ -24,15 +25,17 @@ def scaler_group() -> None:
 @scaler_group.command("run")
 @CONFIG
 @click.option("--control-plane", help="host:port of the control plane (settings: control_plane).")
-@click.option("--tick", "tick_s", type=Duration(), default=DEFAULTS.tick_s, show_default=True,
-              help="How often every deployment is looked at.")
+@click.option("--tick", "tick_s", type=Duration(positive=True), default=DEFAULTS.tick_s, show_default=True,
+              help="How often every deployment is looked at (more than 0).")
 @click.option("--watch", "watch_s", type=Duration(), default=DEFAULTS.watch_s, show_default=True,
               help="Between ticks, how often the routers of deployments idle at zero replicas are polled, "
                    "to scale from zero at a request's arrival (0: only at ticks).")
-@click.option("--router-timeout", "router_timeout_s", type=Duration(), default=DEFAULTS.router_timeout_s,
-              show_default=True, help="Deadline of one router's /stats.")
-@click.option("--plan-strategy", default=DEFAULTS.plan_strategy,
-              help="Plan strategy of the scale-ups (default: the control plane picks; unicast: each from the store).")
+@click.option("--router-timeout", "router_timeout_s", type=Duration(positive=True),
+              default=DEFAULTS.router_timeout_s, show_default=True,
+              help="Deadline of one router's /stats (more than 0).")
+@click.option("--plan-strategy", type=click.Choice(("", *STRATEGIES)), default=DEFAULTS.plan_strategy,
+              metavar="STRATEGY", help=f"Plan strategy of the scale-ups, one of {', '.join(STRATEGIES)} (unicast: each "
+                                       "from the store); unset or '': the control plane picks.")
 @click.option("--source-keep", "source_keep_s", type=Duration(), default=DEFAULTS.source_keep_s, show_default=True,
               help="A released replica stays a multicast source this long before it drops the package.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address of /metrics and /health.")
@@ -95,15 +98,16 @@ async def _until_signalled(scaler, stop: asyncio.Event) -> None:
 @scaler_group.command("events")
 @CONFIG
 @click.option("--control-plane", help="host:port of the control plane (settings: control_plane).")
+@TOKEN
 @click.option("--package", "package_id", default="", help="Only this deployment's events.")
 @click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True, help="The latest this many.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
-def events_command(config: Path | None, control_plane: str | None, package_id: str, limit: int,
+def events_command(config: Path | None, control_plane: str | None, token: str | None, package_id: str, limit: int,
                    as_json: bool) -> None:
     """Print the scaling daemon's decisions (kept by the control plane), oldest first."""
     from control_plane.client import ControlPlaneClient
 
-    settings = load_settings(config, control_plane=control_plane)
+    settings = load_settings(config, control_plane=control_plane, auth_token=token)
 
     async def fetch():
         async with ControlPlaneClient.from_settings(settings) as client:

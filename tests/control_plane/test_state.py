@@ -832,6 +832,21 @@ def test_release_without_keep_alive_drops_at_once_and_needs_a_holder():
 
 
 @pytest.mark.parametrize("keep_alive_s", [0, 5])
+def test_releasing_a_package_from_its_store_node_is_refused_and_changes_nothing(keep_alive_s):
+    """Found in review: `cp release PKG store` was accepted, the store dropped its seeded copy, and later
+    scale-ups, sent from the store, hung for good with nothing serving the package."""
+    state = cluster(2)
+    state.register(spec("store"), {"pkg": range(BLOCKS)}, now=1)  # the agent seeded with the package
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    with pytest.raises(InvalidRequest, match=re.escape(
+            "release of package 'pkg' from 'store' refused: 'store' is its store node, which keeps it to send to "
+            "scale-ups (removing the package with force drops it there)")):
+        state.release("pkg", ["w0", "store"], keep_alive_s=keep_alive_s, now=2)
+    assert state.releases == {} and state.dropping == set() and not state.notices
+    assert state.availability["pkg"].complete_holders() == ["store", "w0"]
+
+
+@pytest.mark.parametrize("keep_alive_s", [0, 5])
 def test_verified_reports_sent_before_a_drop_do_not_make_the_worker_a_holder_again(keep_alive_s):
     state = cluster(2)
     first = state.scale_up("pkg", node_ids=["w0", "w1"], now=1)

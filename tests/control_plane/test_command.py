@@ -1,0 +1,129 @@
+"""`pipecast cp`'s commands against a real control plane on loopback (port 0): what they take and print."""
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from click.testing import CliRunner, Result
+
+from control_plane.client import ControlPlaneClient
+from control_plane.command import TRANSPORTS, cp_group, full_package_id
+from control_plane.errors import InvalidRequest, UnknownPackage
+from control_plane.messages import WorkerSpec
+from control_plane.server import ControlPlaneServer
+from packager.manifest import manifest_to_json
+from pipecast.agent.transport.registry import transport_names
+from pipecast.v1 import control_pb2 as pb
+from tests.control_plane.test_service import BLOCKS, PKG, STORE, TOKEN, WAIT_S, config, manifest, spec
+
+
+@pytest.fixture
+async def cp(tmp_path) -> AsyncIterator[tuple[ControlPlaneServer, ControlPlaneClient]]:
+    """A control plane with the package PKG published and worker w1 holding all of it."""
+    server = ControlPlaneServer(config(tmp_path / "cp.sqlite3"))
+    await server.start()
+    try:
+        async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as client:
+            await client.publish_package(manifest(), STORE)
+            await client.register(spec("w1"), {PKG: range(BLOCKS)})
+            yield server, client
+    finally:
+        await server.stop(grace_s=0)
+
+
+async def invoke(server: ControlPlaneServer, *args: str) -> Result:
+    """``pipecast cp ARGS`` against ``server``, off this test's event loop (the commands run their own)."""
+    return await asyncio.to_thread(CliRunner().invoke, cp_group,
+                                   ["--control-plane", server.address, "--token", TOKEN, *args])
+
+
+async def test_release_takes_its_keep_alive_as_a_duration(cp):
+    """Found in review: `cp release PKG w1 --keep-alive 5m` failed ("'5m' is not a valid float range") while
+    `cp deploy --keep-alive 5m` and `scaler run --source-keep 5m` take durations."""
+    server, _ = cp
+    before = time.time()
+    result = await invoke(server, "--json", "release", PKG, "w1", "--keep-alive", "5m")
+    assert result.exit_code == 0, result.output
+    assert before + 300 <= json.loads(result.output)["drop_at_unix"] <= time.time() + 300
+    assert server.state.releases.keys() == {(PKG, "w1")}
+
+
+async def test_packages_counts_block_copies_under_a_column_saying_so(cp):
+    """Found in review: the REPLICAS column counted (worker, block) pairs, 4 for the one worker holding the
+    package, where a replica is a serving worker."""
+    server, _ = cp
+    result = await invoke(server, "packages")
+    assert result.exit_code == 0, result.output
+    header, row = result.output.splitlines()
+    assert header == "PACKAGE              MODEL                        BLOCKS       SIZE COMPLETE BLOCK COPIES  STORE"
+    assert row.split()[-3:] == ["1", str(BLOCKS), f"{STORE.node_id}@{STORE.address}"]
+
+
+def test_publish_takes_only_the_known_transports(tmp_path):
+    """Found in review: `cp publish --transport foo` was accepted (and the option had no help): receivers were
+    then sent to a store over a transport none of them has."""
+    (tmp_path / "manifest.json").write_text(manifest_to_json(manifest()))
+    result = CliRunner().invoke(cp_group, ["--control-plane", "127.0.0.1:1", "publish", str(tmp_path), "--store-node",
+                                           "store", "--store-address", "10.0.0.1:7070", "--transport", "foo"])
+    assert result.exit_code == 2
+    assert "Error: Invalid value for '--transport': 'foo' is not one of 'tcp', 'ucx'." in result.output
+    assert TRANSPORTS == tuple(name for name in transport_names() if name != "auto")  # the agents' backends
+    assert "A data-plane transport the store serves" in CliRunner().invoke(cp_group, ["publish", "--help"]).output
+
+
+async def test_package_id_arguments_take_the_start_of_an_id_as_the_listings_print_it(cp):
+    """Found in review: `cp status` and `cp routes` print 12 characters of a package id, `cp packages` 20, but every
+    PACKAGE_ID argument needed all 64."""
+    server, client = cp
+    result = await invoke(server, "availability", PKG[:12])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"package {PKG}: {BLOCKS} blocks\n"), result.output
+    result = await invoke(server, "release", PKG[:8], "w1", "--keep-alive", "1m")
+    assert result.exit_code == 0 and result.output.startswith(f"released {PKG} from 1 workers"), result.output
+    assert (await invoke(server, "deploy", PKG[:20])).exit_code == 0
+    assert [d.package_id for d in await client.list_deployments()] == [PKG]
+    result = await invoke(server, "route", "tiny", PKG[:12])
+    assert result.exit_code == 0 and [r.stable for r in await client.list_routes()] == [PKG], result.output
+    other = ("0" if PKG[0] != "0" else "1") + PKG[1:12]
+    result = await invoke(server, "undeploy", other)
+    assert isinstance(result.exception, UnknownPackage)
+    assert str(result.exception) == f"no published package id starts with {other!r}"
+    result = await invoke(server, "undeploy", PKG[:7])  # too short to be taken for an id's start: sent as typed
+    assert str(result.exception) == f"package {PKG[:7]!r} has no deployment"
+
+
+class Listing:
+    """A client whose ListPackages answers these ids."""
+
+    def __init__(self, *ids: str):
+        self.ids = ids
+
+    async def list_packages(self) -> list[pb.PackageSummary]:
+        return [pb.PackageSummary(package_id=i) for i in self.ids]
+
+
+async def test_the_start_of_a_package_id_that_several_ids_share_is_refused_naming_them():
+    """Found in review (with the short ids above): a prefix is resolved only where it names one package."""
+    a, b = "abcdef01" + "1" * 56, "abcdef01" + "2" * 56
+    with pytest.raises(InvalidRequest) as refused:
+        await full_package_id(Listing(b, a), "abcdef01")
+    assert str(refused.value) == (f"package id 'abcdef01' is ambiguous: 2 published package ids start with it ({a}, "
+                                  f"{b}); give more of it")
+    assert await full_package_id(Listing(a, b), "abcdef012") == b
+    for whole_or_not_hex in (a, "tiny-model", "ABCDEF01"):  # passed on as given, not looked up
+        assert await full_package_id(Listing(), whole_or_not_hex) == whole_or_not_hex
+
+
+async def test_release_from_the_packages_store_node_is_refused_by_the_control_plane(cp):
+    """Found in review: `cp release PKG store` was accepted, the store dropped its seeded copy and later scale-ups
+    hung with no holder; the control plane refuses it, to every client."""
+    server, client = cp
+    await client.register(WorkerSpec(STORE, 1 << 30), {PKG: range(BLOCKS)})
+    result = await invoke(server, "release", PKG, "store")
+    assert isinstance(result.exception, InvalidRequest)
+    assert str(result.exception) == (f"release of package {PKG!r} from 'store' refused: 'store' is its store node, "
+                                     "which keeps it to send to scale-ups (removing the package with force drops it "
+                                     "there)")
+    assert server.state.releases == {} and server.state.availability[PKG].is_complete("store")
