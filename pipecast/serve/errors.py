@@ -117,3 +117,16 @@ class StageFailedError(ServeError):
     def __init__(self, node: str, problem: str) -> None:
         super().__init__(f"pipeline stage {node} failed: {problem}")
         self.node, self.problem = node, problem
+
+
+class StageQueueFullError(ServeError):
+    """This worker holds as many stage calls (waiting for their layers, for their turn, or computing) as it holds
+    pipelined sessions at most: another is refused at once (503), before its hidden states wait in memory."""
+
+    status = 503
+    kind = "server_error"
+    code = "stage_queue_full"
+
+    def __init__(self, calls: int) -> None:
+        super().__init__(f"this worker already holds {calls} stage calls; retry elsewhere or later")
+        self.calls = calls

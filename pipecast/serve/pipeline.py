@@ -40,9 +40,9 @@ from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.core.urls import http_base_url
 from pipecast.engine.errors import EngineError
 from pipecast.engine.sampling import SamplingParams
-from pipecast.engine.stage import SAMPLE_PARTS, StageOutput, StageRunner
+from pipecast.engine.stage import MAX_SESSIONS, SAMPLE_PARTS, StageOutput, StageRunner
 from pipecast.engine.streams import FINISH_CANCELLED, TokenStream, emit
-from pipecast.serve.errors import StageFailedError, WorkerClosingError
+from pipecast.serve.errors import StageFailedError, StageQueueFullError, WorkerClosingError
 
 if TYPE_CHECKING:
     import aiohttp
@@ -71,6 +71,9 @@ MAX_ROUTE_STAGES = 64
 MAX_DEADLINE_S = 3600
 #: Stage calls of a worker that wait for arriving layers at once; more queue for a thread.
 MAX_LAYER_WAITS = 64
+#: Stage calls a worker holds at once (waiting or computing), each with its hidden states: as many as the
+#: pipelined sessions a node keeps (one call in flight each); a caller beyond it gets 503 at once.
+MAX_STAGE_CALLS = MAX_SESSIONS
 #: Largest answer a stage call reads: a token and its header, or a last position's final norm (a float32 row
 #: of a hidden size up to 64 Ki is 256 KiB).
 MAX_ANSWER_BYTES = 1 << 20
@@ -370,7 +373,9 @@ class StageQueue:
     forms).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int = MAX_STAGE_CALLS) -> None:
+        self.max_calls = max_calls
+        self._calls = 0  # in this queue: waiting for layers, for the turn, or computing
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipecast-stage")
         # Waits for arriving layers get threads of their own: in the loop's default pool a burst of them held
         # every thread (tokenizing, the agent's status, other calls' waits) until their deadlines.
@@ -385,7 +390,18 @@ class StageQueue:
         """``function(*args, timeout=..., **kwargs)`` in its turn, ``timeout`` what is left until
         ``deadline`` (a ``time.monotonic()`` instant) when the turn comes. ``wait(timeout)`` (a
         :meth:`~pipecast.engine.stage.StageRunner.waiter`), if given, runs first, off the queue: a call whose
-        layers are still arriving holds up no other call while it waits for them."""
+        layers are still arriving holds up no other call while it waits for them. Beyond ``max_calls`` calls
+        at once: :class:`StageQueueFullError`."""
+        if self._calls >= self.max_calls:
+            raise StageQueueFullError(self._calls)
+        self._calls += 1
+        try:
+            return await self._call(function, *args, deadline=deadline, wait=wait, **kwargs)
+        finally:
+            self._calls -= 1
+
+    async def _call(self, function: Callable[..., StageOutput], *args: Any, deadline: float,
+                    wait: Callable[[float], None] | None, **kwargs: Any) -> StageOutput:
         if wait is not None:
             try:
                 waited = asyncio.get_running_loop().run_in_executor(

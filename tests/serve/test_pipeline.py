@@ -51,7 +51,7 @@ from pipecast.core.credentials import data_plane_key, serving_headers, serving_k
 from pipecast.engine.errors import EngineError
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.stage import StageOutput
-from pipecast.serve.errors import ServingKeyUnknownError, WorkerClosingError
+from pipecast.serve.errors import ServingKeyUnknownError, StageQueueFullError, WorkerClosingError
 from pipecast.serve import worker as worker_module
 from pipecast.serve.app import build_app
 from pipecast.serve.worker import ServingWorker, WorkerConfig
@@ -604,6 +604,28 @@ async def test_calls_waiting_for_their_layers_leave_the_event_loops_own_threads_
         assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 2) == "free"
         arrived.set()
         assert await asyncio.gather(*waiting) == ["done"] * 40
+    finally:
+        arrived.set()
+        queue.close()
+
+
+async def test_stage_calls_beyond_the_queues_bound_are_refused_at_once_and_the_bound_frees_as_calls_end():
+    """Found in review: calls waiting for their layers queued without bound, each holding its hidden states (up to
+    16 MiB and more) until its deadline."""
+    queue = StageQueue(max_calls=3)
+    arrived = threading.Event()
+    try:
+        deadline = time.monotonic() + 60
+        waiting = [asyncio.create_task(queue.call(lambda *, timeout: "done", deadline=deadline,
+                                                  wait=lambda timeout: arrived.wait(timeout))) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(StageQueueFullError, match="^this worker already holds 3 stage calls; retry elsewhere or "
+                                                      "later$") as caught:
+            await queue.call(lambda *, timeout: "refused", deadline=deadline)
+        assert caught.value.status == 503
+        arrived.set()
+        assert await asyncio.gather(*waiting) == ["done"] * 3
+        assert await queue.call(lambda *, timeout: "next", deadline=deadline) == "next"
     finally:
         arrived.set()
         queue.close()
