@@ -183,6 +183,8 @@ class LandingChunk:
             await state.wait_on(state.chunk_waiters.setdefault(chunk, []))
 
     def _give(self, upto: int) -> memoryview:
+        if self._state.dropped is not None:  # its buffer may be freed already (a worker thread frees it)
+            raise UnknownPackageError(self._state.dropped)
         view = self._state.readonly[self._start + self.sent:self._start + upto]
         self.sent = upto
         return view
@@ -523,6 +525,8 @@ class BlockStore:
             raise UnknownPackageError(f"block {block} has no chunk {chunk} (it has {state.count})")
         while not state.present[chunk]:
             await state.wait_on(state.chunk_waiters.setdefault(chunk, []))
+        if state.dropped is not None:  # dropped as this waiter woke: its buffer may be freed already
+            raise UnknownPackageError(state.dropped)
         return state.readonly[slice(*state.bounds(chunk))]
 
     def relay_chunk(self, block: int, chunk: int) -> "LandingChunk":

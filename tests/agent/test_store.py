@@ -211,6 +211,30 @@ async def test_every_wait_on_a_dropped_package_fails_saying_so(package):
         store.close()
 
 
+async def test_a_relay_or_a_woken_wait_on_a_package_dropped_meanwhile_fails_saying_so(package):
+    """Found in review: a relay mid-chunk, or a wait woken by the chunk's landing, that went on after the drop sliced
+    the freed buffer: ValueError ("released memoryview") logged as a serving failure, not the drop's refusal."""
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    store = receiving_store(manifest)
+    relay = store.relay_chunk(0, 0)
+    landing = begin_chunk(store, data, 0, 0, CHUNK // 2)
+    await relay.next()  # the first half passed on
+    landing[:] = data[:CHUNK]
+    store.chunk_landed(0, 0, "up")
+    waiter = asyncio.ensure_future(store.wait_chunk(0, 1))
+    await asyncio.sleep(0)
+    store.chunk_buffer(0, 1)[:] = data[CHUNK:2 * CHUNK]
+    store.chunk_landed(0, 1, "up")  # wakes the waiter, which runs only after the drop below
+    free = store.detach()
+    await asyncio.to_thread(free)
+    dropped = f"^package {manifest.package_id[:12]} was dropped here$"
+    with pytest.raises(UnknownPackageError, match=dropped):
+        await relay.next()
+    with pytest.raises(UnknownPackageError, match=dropped):
+        await waiter
+
+
 async def test_a_failing_listener_neither_undoes_a_chunk_nor_reaches_its_sender(package, caplog):
     root, manifest = package
     data = block_file_bytes(root, manifest, 0)
