@@ -360,7 +360,10 @@ class AgentDaemon:
 
     async def _fill(self, reserve: MemoryReserve) -> None:
         started, before = time.monotonic(), reserve.held_bytes
-        held = await asyncio.to_thread(reserve.fill)
+        # What the budget has free: the reserve holds memory for the blocks the budget admits, so while packages
+        # are held it holds no more than the rest (filled whole, it took as much again as they hold).
+        free = self.budget.limit_bytes - self.budget.used_bytes
+        held = await asyncio.to_thread(reserve.fill, free)
         seconds = time.monotonic() - started
         log.info("agent %s: memory reserve holds %s of %s (%s populated in %.2f s)", self.node_id,
                  format_bytes(held), format_bytes(reserve.size), format_bytes(held - before), seconds)

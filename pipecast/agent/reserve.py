@@ -69,15 +69,17 @@ class MemoryReserve:
         """Bytes populated and held now."""
         return self._held
 
-    def fill(self) -> int:
-        """Populate what the reserve lacks now, a step at a time; the bytes it holds then.
+    def fill(self, limit: int | None = None) -> int:
+        """Populate what the reserve lacks now, up to ``limit`` bytes held (default: its size), a step at a time;
+        the bytes it holds then.
 
         Blocking and GIL-free: run it in a worker thread. A hand-over waits for at most one step, and what it
         frees meanwhile stays free: blocks being received while the reserve fills take its pages instead of
         the reserve taking new ones for them.
         """
+        target = self.size if limit is None else max(0, min(self.size, limit))
         with self._lock:
-            missing = self.size - self._held
+            missing = target - self._held
         while missing > 0:
             with self._lock:
                 start = self._held

@@ -31,6 +31,15 @@ def test_a_reserve_holds_nothing_until_filled_then_its_whole_size(reserve):
     assert reserve.fill() == 8 * MIB  # full: nothing more to do
 
 
+def test_a_fill_stops_at_its_limit_what_the_budget_has_free(reserve):
+    """Found in review: after a drop the reserve filled to its whole size while other packages were held, which
+    took memory as large as the budget again (up to twice --memory resident)."""
+    assert reserve.fill(3 * MIB) == 3 * MIB == allocated(reserve._fd)
+    assert reserve.fill(2 * MIB) == 3 * MIB  # holds what it has: a fill frees nothing
+    assert reserve.fill(0) == 3 * MIB and reserve.fill(-5) == 3 * MIB
+    assert reserve.fill(64 * MIB) == 8 * MIB  # at most its size
+
+
 def test_a_hand_over_frees_whole_pages_of_the_reserve_up_to_what_it_holds(reserve):
     reserve.fill()
     assert reserve.hand_over(3 * MIB + 1) == 3 * MIB + mmap.PAGESIZE  # whole pages
