@@ -344,11 +344,12 @@ class AgentDaemon:
         self.peer_server.forget(package_id)  # a child's request waiting for it is refused now, not at its timeout
         self.peer_server.end_package(package_id)
         store = self.peer_server.stores.pop(package_id, None)
-        if store is not None:
-            await asyncio.to_thread(store.detach())  # unmapping off the loop: it forwards other packages' chunks
-            self._fill_reserve()  # from the pages the package freed, while they are still backed
-        if self._local_api is not None:
+        free = store.detach() if store is not None else None
+        if self._local_api is not None:  # engines learn it at once, not once gigabytes are unmapped
             self._local_api.publish_dropped(package_id)
+        if free is not None:
+            await asyncio.to_thread(free)  # unmapping off the loop: it forwards other packages' chunks
+            self._fill_reserve()  # from the pages the package freed, while they are still backed
         log.info("agent %s: dropped package %s", self.node_id, package_id[:12])
         self.events.emit("dropped", package=package_id)
 

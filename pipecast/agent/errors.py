@@ -125,6 +125,10 @@ class UnknownPackageError(AgentError):
     """A request names a package or block this agent does not hold."""
 
 
+class DroppedHereError(UnknownPackageError):
+    """The package a wait or a request is on was dropped here meanwhile (the node was released)."""
+
+
 class TransportUnavailableError(AgentError):
     """The configured transport cannot be used on this node (not registered or not importable)."""
 

@@ -33,7 +33,8 @@ is verified (mapping costs ~0.15 ms per MB of page-table set-up, which then stay
 last block to the first token). An engine that subscribes learns what is verified without asking: its waits
 and its view of the blocks held cost no request (:class:`pipecast.agent.local_client.LocalAgentClient`).
 Every request may name ``"package"`` (a package id); without it the agent's only package is meant.
-Failures answer ``{"ok": false, "error": "...", "timeout": bool}``: a line that is not a JSON object, an
+Failures answer ``{"ok": false, "error": "...", "timeout": bool}`` (and ``"dropped": true`` where the package was
+dropped while the request was answered): a line that is not a JSON object, an
 unknown op, a field of the wrong type or range (``timeout`` must be a finite number from 0 to
 ``MAX_TIMEOUT_S``; ``block`` and ``bytes`` non-negative integers) included. A received block's path is
 ``/proc/<agent pid>/fd/<n>`` (its memfd): the engine must run as the agent's user and see its pid
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipecast.agent.errors import AgentError, LocalApiError, LocalApiTimeoutError
+from pipecast.agent.errors import AgentError, DroppedHereError, LocalApiError, LocalApiTimeoutError
 from pipecast.agent.local_client import MAX_TIMEOUT_S
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.store import BlockStore, StoreEvent
@@ -211,6 +212,8 @@ class LocalApiServer:
                     answer = {"ok": False, "error": str(exc), "timeout": True}
                 except (AgentError, ValueError, KeyError, TypeError, IndexError) as exc:
                     answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "timeout": False}
+                    if isinstance(exc, DroppedHereError):  # the engine's load waits for it again, not fails
+                        answer["dropped"] = True
                 writer.write((answer if isinstance(answer, bytes) else json.dumps(answer).encode()) + b"\n")
                 await writer.drain()
         except (ConnectionError, ValueError):

@@ -109,7 +109,8 @@ class LocalAgentClient:
             raise LocalApiError(f"agent at {self.socket_path} closed the connection")
         answer = self._decode(line)
         if not answer.get("ok"):
-            error = LocalApiTimeoutError if answer.get("timeout") else LocalApiError
+            error = (PackageDroppedError if answer.get("dropped") else
+                     LocalApiTimeoutError if answer.get("timeout") else LocalApiError)
             raise error(f"agent at {self.socket_path}: {answer.get('error')}")
         return answer
 

@@ -30,6 +30,7 @@ from pipecast.agent.buffers import BlockBuffer, BufferAllocator
 from pipecast.agent.errors import (
     CorruptChunkError,
     CorruptFileError,
+    DroppedHereError,
     LocalPackageError,
     RelayBrokenError,
     UnknownPackageError,
@@ -113,7 +114,7 @@ class _BlockState:
         """A new future in ``waiters``, woken when what it waits for changes; :class:`UnknownPackageError`
         once the package is dropped (a wait that begins after the drop too)."""
         if self.dropped is not None:
-            raise UnknownPackageError(self.dropped)
+            raise DroppedHereError(self.dropped)
         fut = asyncio.get_running_loop().create_future()
         waiters.append(fut)
         return fut
@@ -184,7 +185,7 @@ class LandingChunk:
 
     def _give(self, upto: int) -> memoryview:
         if self._state.dropped is not None:  # its buffer may be freed already (a worker thread frees it)
-            raise UnknownPackageError(self._state.dropped)
+            raise DroppedHereError(self._state.dropped)
         view = self._state.readonly[self._start + self.sent:self._start + upto]
         self.sent = upto
         return view
@@ -204,7 +205,7 @@ def _reason(error: Exception) -> str:
 def _fail(waiters: list[asyncio.Future], reason: str) -> None:
     for fut in waiters:
         if not fut.done():
-            fut.set_exception(UnknownPackageError(reason))
+            fut.set_exception(DroppedHereError(reason))
 
 
 class BlockStore:
@@ -465,7 +466,7 @@ class BlockStore:
 
     async def _file_progress(self, path: str) -> None:
         if self._dropped is not None:
-            raise UnknownPackageError(self._dropped)
+            raise DroppedHereError(self._dropped)
         fut = asyncio.get_running_loop().create_future()
         self._file_waiters.setdefault(path, []).append(fut)
         await fut
@@ -526,7 +527,7 @@ class BlockStore:
         while not state.present[chunk]:
             await state.wait_on(state.chunk_waiters.setdefault(chunk, []))
         if state.dropped is not None:  # dropped as this waiter woke: its buffer may be freed already
-            raise UnknownPackageError(state.dropped)
+            raise DroppedHereError(state.dropped)
         return state.readonly[slice(*state.bounds(chunk))]
 
     def relay_chunk(self, block: int, chunk: int) -> "LandingChunk":
@@ -597,7 +598,7 @@ class BlockStore:
 
     def _state(self, block: int) -> _BlockState:
         if self._dropped is not None:
-            raise UnknownPackageError(self._dropped)
+            raise DroppedHereError(self._dropped)
         if not 0 <= block < len(self._blocks):
             raise UnknownPackageError(f"package {self.package_id[:12]} has no block {block} "
                                       f"(it has {len(self._blocks)})")

@@ -152,14 +152,15 @@ async def test_an_idle_connection_does_not_hold_up_the_agents_close(tmp_path):
 
 
 async def test_a_wait_on_a_package_dropped_meanwhile_ends_saying_so(tmp_path):
-    """Not a connection closed with no reason (the wait was cancelled)."""
+    """Not a connection closed with no reason (the wait was cancelled); and a PackageDroppedError, the release the
+    serving worker waits out (found in review: a generic LocalApiError, which failed the worker for good)."""
     async with local_api_server(tmp_path, layers=2) as (manifest, store, _, client):
         reading = asyncio.ensure_future(asyncio.to_thread(client.package_file, "config.json", None, 30.0))
         await asyncio.sleep(0.2)
         assert not reading.done()  # the agent has no config.json yet
         store.close()  # as the agent drops the package
-        with pytest.raises(LocalApiError, match=rf"agent.sock: UnknownPackageError: package "
-                                                rf"{manifest.package_id[:12]} was dropped here$"):
+        with pytest.raises(PackageDroppedError, match=rf"agent.sock: DroppedHereError: package "
+                                                      rf"{manifest.package_id[:12]} was dropped here$"):
             await asyncio.wait_for(reading, 5)
 
 

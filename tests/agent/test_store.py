@@ -16,6 +16,7 @@ from pipecast.agent.cache import BlockCache
 from pipecast.agent.errors import (
     CorruptChunkError,
     CorruptFileError,
+    DroppedHereError,
     LocalPackageError,
     MemoryBudgetError,
     RelayBrokenError,
@@ -204,7 +205,7 @@ async def test_every_wait_on_a_dropped_package_fails_saying_so(package):
         store.close()
         results = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), 1)
         dropped = f"package {manifest.package_id[:12]} was dropped here"
-        assert [(type(r), str(r)) for r in results] == [(UnknownPackageError, dropped)] * len(waits)
+        assert [(type(r), str(r)) for r in results] == [(DroppedHereError, dropped)] * len(waits)
         with pytest.raises(UnknownPackageError, match=f"^{dropped}$"):  # so does a wait that begins after the drop
             await passing_on.next()
     finally:
