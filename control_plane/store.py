@@ -149,4 +149,4 @@ def open_store(target: str | Path) -> Store:
         return PostgresStore(str(target))
     from control_plane.store_sqlite import SqliteStore
 
-    return SqliteStore(target)
+    return SqliteStore(target, exclusive=True)

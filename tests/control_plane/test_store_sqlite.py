@@ -9,7 +9,7 @@ import pytest
 from control_plane.errors import StoreError
 from control_plane.messages import PeerInfo, WorkerSpec
 from control_plane.state import ControlState
-from control_plane.store import CorruptStateError
+from control_plane.store import CorruptStateError, open_store
 from control_plane.store_sqlite import SqliteStore
 from pipecast.v1.manifest_pb2 import Block, Manifest
 
@@ -105,3 +105,19 @@ def test_a_file_from_before_the_lease_opens_and_gains_its_table(saved):
     store = SqliteStore(saved)
     assert store.leader() == ("", 0) and store.acquire_or_renew("cp", "cp:7000", 10, clock=lambda: 0).fencing == 1
     store.close()
+
+
+def test_a_second_control_plane_on_one_sqlite_file_is_refused_while_the_first_runs(tmp_path):
+    """Found in review: two processes on one file both led from the start, each serving a state of its own and
+    writing into the same tables."""
+
+    path = tmp_path / "cp.sqlite3"
+    first = open_store(path)
+    try:
+        with pytest.raises(StoreError, match=rf"^control plane database {path} is in use by another control plane "
+                                             rf"process \(it holds {path}.lock\): one SQLite file serves one "
+                                             "process; use another path, or PostgreSQL for replicas$"):
+            open_store(path)
+    finally:
+        first.close()
+    open_store(path).close()  # free again once the first one is closed
