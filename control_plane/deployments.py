@@ -17,6 +17,7 @@ from typing import Any
 
 from control_plane.errors import InvalidRequest, UnknownDeployment, UnknownPackage
 from control_plane.routes import ModelRoute, RouteChange, change_route, describe
+from control_plane.rows import known_fields
 from pipecast.core.priorities import DEFAULT_PRIORITY, PRIORITIES
 from pipecast.core.urls import http_base_url
 
@@ -111,8 +112,8 @@ class Deployment:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Deployment":
-        return cls(str(data["package_id"]), ScalingPolicy(**data["policy"]), tuple(str(r) for r in data["routers"]),
-                   float(data["created_at"]), float(data["updated_at"]),
+        return cls(str(data["package_id"]), ScalingPolicy(**known_fields(ScalingPolicy, data["policy"])),
+                   tuple(str(r) for r in data["routers"]), float(data["created_at"]), float(data["updated_at"]),
                    str(data.get("priority", DEFAULT_PRIORITY)))  # rows written before priorities: normal
 
 
@@ -138,7 +139,7 @@ class ScaleEvent:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ScaleEvent":
-        return cls(**{**data, "node_ids": tuple(data["node_ids"])})
+        return cls(**{**known_fields(cls, data), "node_ids": tuple(data["node_ids"])})
 
 
 def check_router_url(url: str, package_id: str) -> str:

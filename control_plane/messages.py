@@ -11,6 +11,7 @@ from enum import Enum
 from typing import Any
 
 from control_plane.planner.plan import Fetch
+from control_plane.rows import known_fields
 from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.core.priorities import DEFAULT_PRIORITY
 
@@ -67,7 +68,7 @@ class WorkerSpec:
     def from_json(cls, data: Mapping[str, Any]) -> "WorkerSpec":
         return cls(peer=PeerInfo(data["node_id"], data["address"], tuple(data["transports"])),
                    memory_bytes=int(data["memory_bytes"]),
-                   accelerator=AcceleratorInfo(**data["accelerator"]),
+                   accelerator=AcceleratorInfo(**known_fields(AcceleratorInfo, data["accelerator"])),
                    labels=dict(data["labels"]), serve_url=data.get("serve_url", ""),  # absent before field 5
                    engine=data.get("engine", DEFAULT_ENGINE),  # absent before field 6
                    link_mbit=float(data.get("link_mbit", 0.0)))  # absent before field 7

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from control_plane.errors import Conflict, InvalidRequest, UnknownPackage, UnknownRoute
+from control_plane.rows import known_fields
 
 #: What :func:`change_route` does, by action (also the audit trail's action names).
 ROUTE_ACTIONS = ("route", "canary", "promote", "rollback", "unroute")
@@ -71,7 +72,7 @@ class ModelRoute:
     def from_json(cls, data: dict[str, Any]) -> "ModelRoute":
         gate = data.get("gate")
         return cls(str(data["name"]), str(data["stable"]), tuple((str(p), int(w)) for p, w in data["versions"]),
-                   CanaryGate(**gate) if gate else None, float(data["updated_at"]))
+                   CanaryGate(**known_fields(CanaryGate, gate)) if gate else None, float(data["updated_at"]))
 
 
 @dataclass(frozen=True)

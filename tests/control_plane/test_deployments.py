@@ -2,6 +2,7 @@
 
 import asyncio
 import re
+from dataclasses import asdict
 
 import pytest
 from click.testing import CliRunner
@@ -86,6 +87,28 @@ def test_a_deployments_priority_is_checked_kept_over_proto_and_json_and_old_rows
     old = stored.to_json()
     del old["priority"]  # a row written before priorities
     assert Deployment.from_json(old).priority == "normal"
+
+
+def test_rows_a_newer_version_wrote_load_with_their_new_fields_ignored(caplog):
+    """Found in review: a field added to a stored dataclass (cold_start_measured) made the version before refuse the
+    whole database as corrupt: a rollback, or an older replica taking over in a rolling upgrade, crash-looped."""
+    from control_plane.messages import PeerInfo, WorkerSpec
+    from control_plane.routes import CanaryGate, ModelRoute
+
+    deployment = Deployment("p", ScalingPolicy(cold_start_s=4.0), (), 1.0, 2.0)
+    newer = deployment.to_json()
+    newer["policy"]["a_later_field"] = 7
+    assert Deployment.from_json(newer) == deployment
+    assert "stored ScalingPolicy has a field 'a_later_field' this version does not know" in caplog.text
+    event = ScaleEvent(at=1.0, package_id="p", action="hold", reason="quiet")
+    assert ScaleEvent.from_json({**event.to_json(), "a_later_field": 1}) == event
+    route = ModelRoute.from_json({"name": "m", "stable": "p", "versions": [["p", 100]],
+                                  "gate": {**asdict(CanaryGate()), "a_later_field": 1}, "updated_at": 1.0})
+    assert route.gate == CanaryGate()
+    spec = WorkerSpec(PeerInfo("w1", "10.0.0.1:7070"), 1 << 30)
+    stored = spec.to_json()
+    stored["accelerator"]["a_later_field"] = 1
+    assert WorkerSpec.from_json(stored) == spec
 
 
 def test_a_measured_cold_start_survives_the_proto_and_json_old_rows_read_as_unmeasured_and_a_non_bool_is_refused():

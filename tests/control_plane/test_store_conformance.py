@@ -17,6 +17,7 @@ from control_plane.errors import StoreError
 from control_plane.routes import RouteChange
 from control_plane.state import ControlState
 from control_plane.store import CorruptStateError, FencedError, Lease, Store, open_store
+from control_plane.store_sqlite import SqliteStore
 from tests.control_plane.test_state import LEASE, STORE, cluster, manifest, spec
 
 OTHER = "other"
@@ -30,7 +31,9 @@ class Backend:
     target: str
 
     def open(self) -> Store:
-        return open_store(self.target)
+        # Two stores of one SQLite file play two processes here (a restart, a successor, another replica): the
+        # file lock that refuses a second control plane process (open_store's) would refuse them.
+        return SqliteStore(self.target) if self.kind == "sqlite" else open_store(self.target)
 
     def execute(self, sql: str, *args: object) -> list[tuple]:
         """Run ``sql`` (``%s`` placeholders) on a connection of its own, as an operator's hand edit would."""
