@@ -12,12 +12,15 @@ win) bound a statement whose database host vanished or went silent, which would 
 event loop, or the flush it waits on, for the kernel's retransmissions (~15 min) or keepalive (~2 h).
 
 A connection the server dropped (a restart, a failover, an administrator) is opened again by the next
-transaction; the one that found it broken fails with :class:`StoreError`.
+transaction, which begins on the new one (nothing of it ran on the old).
 
 The URL's password (user part or ``password`` parameter) is replaced by ``***`` in every message; libpq's
 ``PGPASSWORD`` and ``~/.pgpass`` keep it off the command line altogether.
 """
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import psycopg
@@ -26,6 +29,8 @@ from psycopg.conninfo import conninfo_to_dict
 from control_plane.errors import StoreError
 from control_plane.store import redact_url
 from control_plane.store_sql import Dialect, SqlStore
+
+log = logging.getLogger(__name__)
 
 # Any constant: the advisory lock that keeps replicas starting together from creating the tables at once.
 SCHEMA_LOCK_KEY = 0x70697065
@@ -89,8 +94,32 @@ class PostgresStore(SqlStore):
         return psycopg.connect(self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
                                **{key: value for key, value in TCP_PARAMETERS.items() if key not in named})
 
-    def _transaction(self) -> psycopg.Transaction:
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.push(self._begin().__exit__)
+            yield
+
+    def _begin(self) -> psycopg.Transaction:
+        """A transaction begun (BEGIN sent), on a new session where the server closed this one while it idled (a
+        database restart or failover, a pooler's recycling, pg_terminate_backend): nothing of the transaction ran
+        then, so it begins again once. Without that retry the first statement after each such close failed, and
+        when it was a lease renewal the leader stepped down with its lease and the database both healthy."""
         if self._db.broken:
-            self._db = self._connect()
-            self._configure()
-        return self._db.transaction()
+            self._reconnect()
+        transaction = self._db.transaction()
+        try:
+            transaction.__enter__()
+        except psycopg.OperationalError as exc:
+            if not self._db.broken:
+                raise
+            log.warning("control plane database %s: the server closed the session (%s); opening another",
+                        self.where, self._describe(exc))
+            self._reconnect()
+            transaction = self._db.transaction()
+            transaction.__enter__()
+        return transaction
+
+    def _reconnect(self) -> None:
+        self._db = self._connect()
+        self._configure()
