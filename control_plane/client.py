@@ -45,6 +45,8 @@ from pipecast.v1.manifest_pb2 import Manifest
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 10.0
+#: Between two passes over the replicas, when every one was down or a standby (a takeover under way), s.
+REPLICA_PASS_PAUSE_S = 0.5
 # The longest a client waits between attempts to reconnect after an outage (gRPC adds +-20% jitter).
 MAX_RECONNECT_BACKOFF_S = 5.0
 CHANNEL_OPTIONS = [
@@ -154,6 +156,15 @@ class ControlPlaneClient:
             except grpc.aio.AioRpcError as exc:
                 tried.append(address)
                 address = self._next_replica(exc, tried)
+                if (address is None and len(self.addresses) > 1 and exc.code() == grpc.StatusCode.UNAVAILABLE
+                        and loop.time() + REPLICA_PASS_PAUSE_S < deadline):
+                    # Every replica was down or a standby: during a takeover (a lease's length at most) one of
+                    # them leads soon. Another pass within the deadline, rather than failing at once.
+                    log.info("control plane %s: no replica leads (a takeover?); another pass in %g s", method,
+                             REPLICA_PASS_PAUSE_S)
+                    await asyncio.sleep(REPLICA_PASS_PAUSE_S)
+                    address, tried = self.addresses[0], []
+                    continue
                 if address is None or loop.time() >= deadline:
                     raise error_from_rpc(exc, target=self.target, method=method) from None
                 log.info("control plane %s: %s unavailable, trying %s", method, tried[-1], address)
