@@ -277,6 +277,13 @@ class ControlPlaneServer:
             else:
                 log.warning("standby %s cannot take the lease: %s", self.holder, exc)
             return
+        if self.leading and lease is not None and self._lease is not None and lease.fencing != self._lease.fencing:
+            # The lease lapsed and another replica held it (and may have written) before this one took it back:
+            # its state is stale.
+            self._step_down(f"control plane {self.holder} held the lease again under fencing number "
+                            f"{lease.fencing}, not {self._lease.fencing}: another replica led meanwhile")
+            await asyncio.to_thread(self._release_lease)
+            return
         self._lease = lease
         if lease is None and self.leading:
             address, fencing = self.gate.leader
@@ -321,6 +328,12 @@ class ControlPlaneServer:
             return
         self.service.tick()
 
+    def _release_lease(self) -> None:
+        try:
+            self.store.release(self.holder)
+        except StoreError as exc:
+            log.warning("control plane %s cannot give up its lease (it lapses in lease_s): %s", self.holder, exc)
+
     def _fenced(self, error: FencedError) -> None:
         self._step_down(str(error))
 
@@ -364,7 +377,10 @@ class ControlPlaneServer:
         try:
             if self.leading:  # a deposed or standby replica writes nothing
                 self.service.flush()
-                self.store.release(self.holder)  # a standby takes over at once, not when the lease lapses
+            # A standby takes over at once, not when the lease lapses; also the lease a renewal still under way at
+            # a step-down took again (its thread outlived the campaign: the release waits for it). The store gives
+            # up only a lease this replica holds.
+            self._release_lease()
         finally:
             self.gate.leading = False
             self.store.close()

@@ -211,6 +211,12 @@ async def test_a_leader_whose_renewal_is_stuck_steps_down_before_its_lease_lapse
     finally:
         stuck.go.set()
         await leader.stop(grace_s=0)
+    # Found in review: the late renewal held the lease again, for the next standby to wait out a whole lease_s.
+    other = SqliteStore(tmp_path / "cp.sqlite3")
+    try:
+        assert other.acquire_or_renew("other", "10.9.9.9:7000", LEASE_S, clock=lambda: now[0]) is not None
+    finally:
+        other.close()
 
 
 class SlowLoad(SqliteStore):
