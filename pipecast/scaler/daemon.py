@@ -56,6 +56,11 @@ log = logging.getLogger(__name__)
 MAX_STATS_BYTES = 1 << 20
 #: Holds recorded in the audit trail (when they begin): the pool cannot follow the load.
 NOTABLE_HOLDS = ("no_signals", "no_free_workers")
+#: After the control plane refused an action, the same action is asked again no sooner than this (s), twice as
+#: long after each refusal in a row, up to REFUSED_RETRY_MAX_S: each tick's attempt wrote two rows to the audit
+#: trail (the decision and its refusal), 170,000 a day per deployment.
+REFUSED_RETRY_S = 2.0
+REFUSED_RETRY_MAX_S = 16.0
 #: A released worker is not counted as a replica (but as free: a scale-up may take it back) for the keep-alive it
 #: was released with (``source_keep_s``: the control plane lists its blocks until then) and this long more, while
 #: its agent reports the drop (s).
@@ -91,6 +96,7 @@ class _Tracked:
     released: dict[str, float] = field(default_factory=dict)  # node -> when
     last_scale_up: float | None = None
     last_kind: str = ""
+    refused: tuple[str, float, float] | None = None  # the last action refused, when, and the wait before the next
     recovered: bool = False
     cold_starts: ColdStarts = field(default_factory=ColdStarts)
     #: At the last tick: no replica and nothing waiting or in flight (watched between ticks), and its routers.
@@ -237,7 +243,10 @@ class Scaler:
         pool = replace(pool, cold_start_s=tracked.cold_starts.seconds)
         decision = decide(list(tracked.history), pool, deployment.policy)
         taken = decision
-        if decision.action != "hold" or (decision.kind != tracked.last_kind and decision.kind in NOTABLE_HOLDS):
+        if tracked.refused is not None and tracked.refused[0] == decision.action and \
+                now - tracked.refused[1] < tracked.refused[2]:
+            taken = replace(decision, add=0, release=(), kind="refused")  # refused a moment ago: not asked again yet
+        elif decision.action != "hold" or (decision.kind != tracked.last_kind and decision.kind in NOTABLE_HOLDS):
             taken = await self._act(package_id, decision, len(pool.replicas), tracked, now)
         self.metrics.observe(package_id, taken, len(pool.replicas), pool.cold_start_s)
         tracked.last_kind = decision.kind
@@ -285,10 +294,14 @@ class Scaler:
         except ControlPlaneError as exc:
             # The placement may differ from the pool the policy saw (a worker died, memory is short): hold.
             log.warning("scaler %s: %s refused: %s", package_id[:12], decision.action, exc)
+            again = tracked.refused is not None and tracked.refused[0] == decision.action
+            wait = min(2 * tracked.refused[2], REFUSED_RETRY_MAX_S) if again else REFUSED_RETRY_S
+            tracked.refused = (decision.action, now, wait)
             await self.client.append_scale_event(ScaleEvent(
                 at=self.clock(), package_id=package_id, action="hold", reason=f"{decision.action} refused: {exc}",
                 desired=decision.desired, actual=actual))
             return replace(decision, add=0, release=(), kind="refused")
+        tracked.refused = None
         if taken:
             await self.client.append_scale_event(ScaleEvent(
                 at=self.clock(), package_id=package_id, action="take_back", count=len(taken), node_ids=taken,

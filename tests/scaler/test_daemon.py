@@ -20,6 +20,7 @@ from pipecast.core.credentials import SERVING_KEY_HEADER
 from pipecast.core.httpserve import listening
 from pipecast.router.app import RUNNER_OPTIONS, Router, RouterConfig, build_app
 from pipecast.router.discovery import StaticDiscovery
+from pipecast.scaler import daemon as daemon_module
 from pipecast.scaler.daemon import Scaler, ScalerConfig, resolve_addresses
 from pipecast.scaler.policy import HISTORY_S
 from pipecast.scaler.signals import add_up
@@ -183,6 +184,25 @@ async def test_idle_replicas_are_released_after_keep_alive_and_the_refusal_of_a_
             assert (decision.add, decision.inputs["replicas"]) == (2, 1)  # w1 and w3 are free
     assert client.calls[-2:] == [("scale_up", 1, ""), ("event", "hold")]
     assert client.events[-1].reason == "scale_up refused: no memory"
+
+
+async def test_a_refused_scale_up_is_asked_again_only_after_a_while_so_the_trail_does_not_grow_each_tick():
+    """Found in review: a scale-up placement kept refusing was asked again every tick, two rows in the audit trail
+    each time (the decision and its refusal): 170,000 a day per deployment."""
+    now = [1000.0]
+    async with stub_router(stats(queue=5, arrived=5)) as (url, _):
+        client = RecordingClient([worker("w1")], (url,))
+        client.refuse = InsufficientWorkers("no memory")
+        async with Scaler(client, clock=lambda: now[0]) as scaler:
+            asked = []
+            for _ in range(40):  # ticks of 1 s
+                [(_, decision)] = await scaler.tick()
+                asked.append(len([c for c in client.calls if c[0] == "scale_up"]))
+                now[0] += 1.0
+            assert decision.action == "scale_up"
+    # Asked at once, then 2, 4, 8 and 16 s after each refusal in a row.
+    assert [i for i in range(1, 40) if asked[i] > asked[i - 1]] == [2, 6, 14, 30]
+    assert len([e for e in client.events if "refused" in e.reason]) == asked[-1] == 5
 
 
 async def test_a_refused_scale_up_counts_as_a_refused_hold_in_the_metrics_not_as_a_scale_up():
