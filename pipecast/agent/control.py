@@ -38,6 +38,7 @@ from pipecast.agent.errors import (
     CorruptFileError,
     FetchFailedError,
     LocalResourceError,
+    MemoryBudgetError,
     PeerNotListeningError,
 )
 from pipecast.agent.events import EventLog
@@ -243,9 +244,13 @@ class PackageFollower:
                 failed = set(fetcher.failed_peers if fetcher is not None else self._errors)
                 avoid = await self._after_failure(exc, failed, wanted)
                 continue
-            except LocalResourceError as exc:
-                # This node's own shortage (e.g. of file descriptors) passes as other transfers end: new parts
-                # need not come (nor would they cure it), so it is tried again after a pause.
+            except (LocalResourceError, MemoryBudgetError) as exc:
+                # This node's own shortage (e.g. of file descriptors, or of memory while a dropped package's is
+                # freed) passes as other transfers end or packages go: new parts need not come (nor would they cure
+                # it), so it is tried again after a pause; meanwhile a child asking for the package is told at once
+                # that it is not here, not held until its own timeout.
+                if isinstance(exc, MemoryBudgetError) and self._store() is None:
+                    self._host.peer_server.forget(self.package_id)
                 pause = self._pause_s
                 log.warning("package %s: %s; trying again in %.1f s or on new parts", self.package_id[:12], exc,
                             pause)
@@ -253,7 +258,7 @@ class PackageFollower:
                                        message=str(exc))
                 await self._changed_within(pause)
                 continue
-            except AgentError as exc:  # e.g. the package does not fit the memory budget: wait for new parts
+            except AgentError as exc:  # anything else of this node's: wait for new parts
                 log.error("package %s: %s; waiting for new instructions", self.package_id[:12], exc)
                 self._host.events.emit("transfer_failed", package=self.package_id, error=type(exc).__name__,
                                        message=str(exc))

@@ -323,3 +323,53 @@ async def test_small_files_a_follower_fetches_on_a_retry_reach_the_disk_cache(pa
         assert sorted(session.verified) == [b.index for b in manifest.blocks]
     finally:
         await _stop(follower, daemon, manifest.package_id)
+
+
+class _SilentSession:
+    """A worker session that takes every report and says nothing."""
+
+    def __getattr__(self, name):
+        async def bad_peer(*args, **kwargs):
+            return False
+        return bad_peer if name == "report_bad_peer" else (lambda *args, **kwargs: None)
+
+
+class _ShortOfMemory:
+    """An agent whose memory budget holds another package until ``free()``: opening this one is refused."""
+
+    def __init__(self) -> None:
+        from pipecast.agent.budget import MemoryBudget
+        from pipecast.agent.events import EventLog
+
+        self.peer_server, self.events, self.transport = PeerServer(), EventLog(None, "n"), None
+        self.budget = MemoryBudget(100)
+        self.other = self.budget.reserve(60, "package A (held)")
+        self.opens = 0
+
+    async def open_store(self, package_id, peers, pool, on_failure=None):
+        self.opens += 1
+        self.budget.reserve(80, f"package {package_id[:12]}")  # MemoryBudgetError while A is held
+        await asyncio.Event().wait()  # admitted: the test has seen what it looks for (the follower's close ends it)
+
+    def peer_failed(self, *args):
+        pass
+
+
+async def test_a_package_refused_for_memory_a_moment_is_tried_again_and_not_expected_meanwhile():
+    """Found in review: a package that did not fit the budget (another's memory not yet freed after its drop) waited
+    for new parts only, however soon the memory freed, and its children waited for it until their own timeouts."""
+    host, source = _ShortOfMemory(), PeerInfo("src", "127.0.0.1:1")
+    follower = PackageFollower("b" * 64, host, _SilentSession(), FetchPolicy(), replan_wait_s=0.1)
+    host.peer_server.expect("b" * 64)  # as the part's arrival does
+    follower.assign(AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p1", package_id="b" * 64, fetch=(Fetch(0, source),),
+                                     sources=(source,)))
+    try:
+        await asyncio.sleep(0.3)
+        assert host.opens == 1 and "b" * 64 not in host.peer_server.expected  # children are told at once
+        host.other.release()  # package A's memory freed
+        deadline = time.monotonic() + 5
+        while host.opens < 2:
+            assert time.monotonic() < deadline, "not tried again once the memory was free"
+            await asyncio.sleep(0.05)
+    finally:
+        await follower.close()
