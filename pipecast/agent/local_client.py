@@ -57,6 +57,7 @@ class LocalAgentClient:
         self._idle: list[tuple[socket.socket, BinaryIO]] = [self._open()]  # fails at once without an agent
         self._closed = False
         self._maps: dict[tuple[str, int], mmap.mmap] = {}
+        self._drops = 0  # drops seen so far (under _lock): an answer given before a drop maps the memory dropped
         self._known = threading.Condition()  # guards the five below, filled by the event thread
         self._verified: dict[tuple[str, int], int] = {}  # (package, block) -> bytes verified from its start
         self._complete: dict[str, set[int]] = {}  # package -> its verified blocks
@@ -191,6 +192,8 @@ class LocalAgentClient:
                 mapped = self._maps.get((package_id, index))
             if mapped is not None:
                 return _Mapped(package_id, mapped)
+        with self._lock:
+            drops = self._drops
         try:
             answer = self._call({"op": "buffer", "block": index, "package": package_id,
                                  "timeout": min(timeout, DEFAULT_REQUEST_TIMEOUT_S)}, timeout)
@@ -199,8 +202,15 @@ class LocalAgentClient:
                 self._raise_if_dropped(package_id, f"block {index} not verified")
             raise
         with self._known:
-            self._dropped.discard(answer["package"])  # the agent holds it (again)
-        return _Mapped(answer["package"], self._map(answer))
+            if not self._dropped_since(drops, answer["package"]):
+                self._dropped.discard(answer["package"])  # the agent holds it (again)
+        return _Mapped(answer["package"], self._map(answer, drops))
+
+    def _dropped_since(self, drops: int, package: str) -> bool:
+        """Whether ``package`` was dropped after the client had seen ``drops`` drops (an answer about it given
+        before then names memory the agent has let go of)."""
+        with self._known, self._lock:
+            return self._drops != drops and package in self._dropped
 
     def _await(self, package: str, index: int, nbytes: int, timeout: float, what: str) -> int:
         """Wait until the first ``nbytes`` of block ``index`` are verified; the bytes verified by then."""
@@ -281,10 +291,14 @@ class LocalAgentClient:
         for key in [key for key in self._verified if key[0] == package]:
             del self._verified[key]
         with self._lock:
+            self._drops += 1
             for key in [key for key in self._maps if key[0] == package]:
                 del self._maps[key]
 
-    def _map(self, answer: dict) -> mmap.mmap:
+    def _map(self, answer: dict, drops: int) -> mmap.mmap:
+        """The block ``answer`` names, mapped (once per block); :class:`PackageDroppedError` where its package was
+        dropped after the client had seen ``drops`` drops (before the answer): the memory is the dropped one's,
+        a block of which may have been still arriving (its unwritten pages read as zeros)."""
         key = (answer["package"], answer["block"])
         with self._lock:
             mapped = self._maps.get(key)
@@ -305,10 +319,15 @@ class LocalAgentClient:
                                     f"{answer['path']} ({exc})") from None
             finally:
                 os.close(fd)
-            with self._lock:
-                if self._maps.setdefault(key, mapped) is not mapped:
-                    mapped.close()  # another thread mapped it meanwhile: use that one
-                    mapped = self._maps[key]
+            with self._known, self._lock:  # as _forget takes them: a drop is seen whole, before or after
+                stale = self._drops != drops and key[0] in self._dropped
+                kept = None if stale else self._maps.setdefault(key, mapped)
+            if kept is not mapped:
+                mapped.close()  # the dropped memory, or another thread mapped the block meanwhile: use that one
+            if stale:
+                raise PackageDroppedError(f"agent at {self.socket_path}: package {key[0][:12]} was dropped there "
+                                          f"(block {key[1]} not verified)")
+            mapped = kept
         return mapped
 
     def package_file(self, path: str, package_id: str | None = None, timeout: float = 30.0) -> bytes:
