@@ -141,7 +141,8 @@ def plan_blocks(sizes: dict[str, int], *, num_layers: int | None = None, layers_
         raise ValueError("layers_per_block must be at least 1")
     layer_bytes = [sum(sizes[n] for n in by_layer[i]) for i in range(count)]
     if block_bytes is not None:
-        ranges = _ranges_by_bytes(layer_bytes, block_bytes, sum(sizes[n] for n in first))
+        ranges = _ranges_by_bytes(layer_bytes, block_bytes, sum(sizes[n] for n in first),
+                                  sum(sizes[n] for n in last))
     else:
         per = layers_per_block or -(-count // default_blocks)
         ranges = [(s, min(s + per, count)) for s in range(0, count, per)]
@@ -156,12 +157,24 @@ def plan_blocks(sizes: dict[str, int], *, num_layers: int | None = None, layers_
     return blocks
 
 
-def _ranges_by_bytes(layer_bytes: list[int], target: int, first_extra: int) -> list[tuple[int, int]]:
+def _ranges_by_bytes(layer_bytes: list[int], target: int, first_extra: int,
+                     last_extra: int) -> list[tuple[int, int]]:
+    """Whole layers grouped up to ``target`` bytes a block, the first block's embeddings (``first_extra``) and the
+    last one's final norm and head (``last_extra``) counted in theirs."""
     ranges, start, used = [], 0, first_extra
     for i, size in enumerate(layer_bytes):
         if i > start and used + size > target:
             ranges.append((start, i))
             start, used = i, 0
         used += size
-    ranges.append((start, len(layer_bytes)))
+    end = len(layer_bytes)
+    if used + last_extra > target and end - start > 1:
+        # The head does not fit beside the last layers: as many of them as fit with it (one at least) go apart.
+        cut, tail = end - 1, layer_bytes[end - 1] + last_extra
+        while cut - 1 > start and tail + layer_bytes[cut - 1] <= target:
+            cut -= 1
+            tail += layer_bytes[cut]
+        ranges.append((start, cut))
+        start = cut
+    ranges.append((start, end))
     return ranges

@@ -127,3 +127,15 @@ def test_missing_layers_are_counted_and_only_the_first_few_named():
     for digits in (13, 5000):
         with pytest.raises(UnplacedTensorsError):
             plan_blocks({"model.layers.0.a.weight": 4, f"model.layers.{'9' * digits}.a.weight": 4}, where="ckpt")
+
+
+def test_block_bytes_budget_the_head_into_the_last_block_as_the_embeddings_into_the_first():
+    """Found in review: a 4 GB target gave Llama-3-8B blocks of 3.93, 3.93 and 4.54 GB: the final norm and head
+    were added to the last block after its layers had filled it."""
+    sizes = {"model.embed_tokens.weight": 30, "model.norm.weight": 1, "lm_head.weight": 30,
+             **{f"model.layers.{i}.mlp.weight": 10 for i in range(8)}}
+    blocks = plan_blocks(sizes, block_bytes=60)
+    layers = [(b.layer_start, b.layer_end) for b in blocks]
+    assert layers == [(0, 3), (3, 6), (6, 8)]
+    per_block = [sum(sizes[name] for name in b.tensor_names) for b in blocks]
+    assert max(per_block) <= 60 and per_block == [60, 30, 51]
