@@ -12,10 +12,18 @@ another package's is ignored on restart and written again.
 The cache is an optimisation, never a reason to stop: a write that fails (disk full, I/O error, a
 read-only mount) is logged and counted in :attr:`BlockCache.write_errors`, the block stays served from
 memory, and the agent goes on. Temporary files left by a crash mid-write are removed when the cache opens.
+
+Bounded by ``max_bytes`` (``agent_cache_max_bytes``; 0: no bound): to make room for a write, the packages
+used least recently (a package folder's time is its last write or open) that the agent does not hold in
+memory now are removed whole; a write that still does not fit is skipped (counted in
+:attr:`BlockCache.skipped_writes`). A block is written only into a folder that holds its package's manifest.
 """
 
 import logging
+import os
+import shutil
 import threading
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from packager.errors import PackageError
@@ -31,10 +39,17 @@ class BlockCache:
     """A folder of cached packages, one package folder per package id. Every method is safe to call
     whatever the disk does: reads that fail find nothing, writes that fail return False."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, max_bytes: int = 0,
+                 in_use: Callable[[], Collection[str]] = frozenset) -> None:
+        """``max_bytes``: the most the cache holds (0: no bound); ``in_use``: the package ids the agent holds in
+        memory now, never removed to make room."""
         self.root = Path(root)
+        self.max_bytes = max_bytes
+        self._in_use = in_use
         #: Writes that failed since the cache opened (each is logged; the data stayed in memory).
         self.write_errors = 0
+        #: Writes skipped for want of room under ``max_bytes`` (the data stayed in memory).
+        self.skipped_writes = 0
         self._lock = threading.Lock()  # writes run on worker threads
         removed = sweep_stale_temporaries(self.root)
         if removed:
@@ -55,6 +70,7 @@ class BlockCache:
                 log.warning("%s holds the manifest of package %s; ignoring it", folder,
                             manifest.package_id[:12])
                 return None
+            os.utime(folder)  # used now: the last to be removed for room
             return LocalPackageFolder(folder, manifest)
         except (PackageError, OSError) as exc:
             log.warning("disk cache: ignoring %s: %s", folder, exc)
@@ -95,19 +111,50 @@ class BlockCache:
 
     def write_block(self, manifest: Manifest, block: int, data: memoryview) -> bool:
         """Persist a verified block (the caller keeps ``data`` unchanged meanwhile); False if it could not
-        be written."""
+        be written, or its package's manifest is not in the cache (the block would be of no use there)."""
         what = f"block {block} of {manifest.package_id[:12]}"
+        if not (self.package_dir(manifest.package_id) / MANIFEST_FILE).is_file():
+            return False
         if self._write(self.package_dir(manifest.package_id) / manifest.blocks[block].file, data, what):
             log.debug("cached %s", what)
             return True
         return False
 
     def _write(self, path: Path, data: bytes | memoryview, what: str) -> bool:
+        package_id = path.relative_to(self.root).parts[0]
+        if not self._make_room(package_id, len(data), what):
+            return False
         try:
             atomic_write(path, data)
+            os.utime(self.package_dir(package_id))  # used now: the last to be removed for room
         except OSError as exc:
             return self._failed(what, exc)
         return True
+
+    def _make_room(self, package_id: str, nbytes: int, what: str) -> bool:
+        """Whether ``nbytes`` more fit under ``max_bytes``, once the least recently used packages not held in
+        memory (nor ``package_id``) are removed as needed (module docstring)."""
+        if not self.max_bytes:
+            return True
+        with self._lock:
+            sizes = {pid: _folder_bytes(self.package_dir(pid)) for pid in self.packages()}
+            over = sum(sizes.values()) + nbytes - self.max_bytes
+            kept = {package_id, *self._in_use()}
+            for pid in sorted((p for p in sizes if p not in kept), key=lambda p: _mtime(self.package_dir(p))):
+                if over <= 0:
+                    break
+                log.info("disk cache %s: removing package %s (%d bytes, the least recently used) to make room "
+                         "for %s", self.root, pid[:12], sizes[pid], what)
+                shutil.rmtree(self.package_dir(pid), ignore_errors=True)
+                over -= sizes[pid]
+            if over <= 0:
+                return True
+            self.skipped_writes += 1
+            count = self.skipped_writes
+        log.warning("disk cache %s: no room for %s under its %d bytes (agent_cache_max_bytes) beside the packages "
+                    "held in memory; it stays in memory only (%d write(s) skipped so far)", self.root, what,
+                    self.max_bytes, count)
+        return False
 
     def _failed(self, what: str, exc: OSError) -> bool:
         with self._lock:
@@ -117,3 +164,20 @@ class BlockCache:
                     what, exc.strerror or exc, count)
         return False
 
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass  # removed meanwhile
+    return total
+
+
+def _mtime(folder: Path) -> float:
+    try:
+        return folder.stat().st_mtime
+    except OSError:
+        return 0.0

@@ -161,7 +161,8 @@ class AgentDaemon:
         self.reserve = MemoryReserve(settings.agent_reserve_bytes) if settings.agent_reserve_bytes else None
         self.allocator = SharedMemoryAllocator(self.reserve)
         self._filling: asyncio.Task | None = None
-        self.cache = BlockCache(settings.agent_cache_dir) if settings.agent_cache_dir else None
+        self.cache = (BlockCache(settings.agent_cache_dir, settings.agent_cache_max_bytes,
+                                 in_use=lambda: list(self.peer_server.stores)) if settings.agent_cache_dir else None)
         self.listener: Listener | None = None
         self.transport: Transport | None = None
         self._stop = asyncio.Event()
@@ -467,6 +468,7 @@ class AgentDaemon:
             "bytes_received": stats.bytes_received if stats else 0,
             "bytes_sent": stats.bytes_sent if stats else 0,
             "cache_write_errors": self.cache.write_errors if self.cache is not None else 0,
+            "cache_skipped_writes": self.cache.skipped_writes if self.cache is not None else 0,
             "reserve": None if self.reserve is None else {
                 "bytes": self.reserve.size, "held_bytes": self.reserve.held_bytes,
                 "handed_over_bytes": self.reserve.handed_over_bytes},

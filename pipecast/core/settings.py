@@ -64,6 +64,8 @@ class Settings(BaseSettings):
         0, ge=0, description="host memory the agent populates at start and hands over to the blocks it receives "
                              "(VMs that back memory lazily; 0: none)")
     agent_cache_dir: Path | None = Field(None, description="disk cache of verified blocks (off if unset)")
+    agent_cache_max_bytes: int = Field(0, ge=0, description="the most the disk cache holds: the packages used least "
+                                                            "recently and not held in memory make room (0: no bound)")
     agent_local_socket: Path | None = Field(None, description="local API socket for engines on this node")
     egress_mbit: float = Field(0.0, ge=0, description="application-level egress cap (0: none)")
     ingress_mbit: float = Field(0.0, ge=0, description="application-level ingress cap (0: none)")
@@ -176,7 +178,8 @@ class Settings(BaseSettings):
                                "this many times its rate, so its burst does not fill the others' batches (0: never "
                                "paced)")
 
-    @field_validator("agent_memory_bytes", "agent_reserve_bytes", "agent_relay_bytes", mode="before")
+    @field_validator("agent_memory_bytes", "agent_reserve_bytes", "agent_relay_bytes", "agent_cache_max_bytes",
+                     mode="before")
     @classmethod
     def _size_text(cls, value: Any) -> Any:
         # "16GiB" as the agent's --memory and the Helm chart's values take it; a plain count as it is (0 included).

@@ -47,7 +47,7 @@ def test_writes_on_a_broken_disk_are_logged_and_counted_not_raised(package, tmp_
     try:
         results = write_everything(cache, package, store)
         assert results == [False] * len(results)
-        assert cache.write_errors == len(results)
+        assert cache.write_errors == 1 + len(manifest.files)  # the blocks not tried: no manifest in the cache
         assert "it stays in memory only" in caplog.text
         assert bytes(store.block_view(0)) == (package[0] / manifest.blocks[0].file).read_bytes()  # still served
         assert cache.local_package(manifest.package_id) is None
@@ -76,7 +76,7 @@ def test_a_full_disk_mid_write_leaves_no_temporary_file(package, tmp_path, monke
     finally:
         monkeypatch.undo()
         store.close()
-    assert not any(results) and cache.write_errors == len(results)
+    assert not any(results) and cache.write_errors == 1 + len(package[1].files)  # blocks: no manifest, not tried
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
 
 
@@ -153,3 +153,45 @@ def test_the_manifest_reaches_the_disk_before_its_rename(package, tmp_path, monk
     [(_, synced), (_, renamed, final), (_, folder_synced)] = done
     assert synced == renamed and os.path.basename(renamed).startswith(f".{MANIFEST_FILE}.tmp-")
     assert (final, folder_synced) == (str(folder / MANIFEST_FILE), str(folder))
+
+
+def test_a_block_is_not_written_where_its_manifest_is_not(package, tmp_path):
+    """Found in review: with the manifest's write failed, the blocks were written all the same into a folder no
+    store could ever use (and that nothing removed)."""
+    _, manifest = package
+    cache = BlockCache(tmp_path / "cache")
+    store = verified_store(package)
+    try:
+        assert not cache.write_block(manifest, 0, store.block_view(0))
+        assert not (tmp_path / "cache" / manifest.package_id).exists() and cache.write_errors == 0
+    finally:
+        store.close()
+
+
+def test_a_bounded_cache_removes_the_packages_used_least_recently_and_not_held_to_make_room(tmp_path):
+    """Found in review: nothing ever left the cache (dropped and removed packages included): a node's disk filled
+    and every later write failed."""
+    packages = [tiny_package(tmp_path / name, layers=2, layer_bytes=50_000, seed=seed)
+                for seed, name in enumerate(("a", "b", "c"))]
+    size = max(p.manifest.total_bytes for p in packages) + 20_000  # one package and its files, not two
+    held: set[str] = set()
+    cache = BlockCache(tmp_path / "cache", max_bytes=size * 2, in_use=lambda: held)
+    stores = [verified_store((p.path, p.manifest)) for p in packages]
+    try:
+        assert all(write_everything(cache, (packages[0].path, packages[0].manifest), stores[0]))
+        time.sleep(0.01)
+        assert all(write_everything(cache, (packages[1].path, packages[1].manifest), stores[1]))
+        held.add(packages[1].manifest.package_id)  # b is in memory: never removed for room
+        time.sleep(0.01)
+        assert all(write_everything(cache, (packages[2].path, packages[2].manifest), stores[2]))
+        assert cache.packages() == sorted([packages[1].manifest.package_id, packages[2].manifest.package_id])
+        # Too large beside what is held: skipped, counted, not written.
+        held.add(packages[2].manifest.package_id)
+        other = tiny_package(tmp_path / "d", layers=2, layer_bytes=50_000, seed=9)
+        assert cache.write_manifest(other.manifest)
+        stores.append(verified_store((other.path, other.manifest)))
+        assert not cache.write_block(other.manifest, 0, stores[-1].block_view(0))
+        assert cache.skipped_writes == 1 and cache.write_errors == 0
+    finally:
+        for store in stores:
+            store.close()

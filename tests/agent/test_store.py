@@ -328,12 +328,12 @@ def test_cache_round_trip_reverifies_and_refetches_bad_blocks(package, tmp_path,
     root, manifest = package
     cache = BlockCache(tmp_path / "cache")
     store = receiving_store(manifest)
+    cache.write_manifest(manifest)  # first, as the agent writes it (a block is cached only beside its manifest)
     for block in (0, 1):
         data = block_file_bytes(root, manifest, block)
         for chunk in range(store.chunk_count(block)):
             put_chunk(store, block, chunk, data)
         cache.write_block(manifest, block, store.block_view(block))
-    cache.write_manifest(manifest)
     for entry in manifest.files:
         cache.write_file(manifest.package_id, entry.path, (root / entry.path).read_bytes())
     store.close()
