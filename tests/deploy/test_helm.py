@@ -186,6 +186,8 @@ def test_the_serving_worker_shares_the_agents_socket_memory_and_cache(case):
     assert volume_at(serve, cache) == volume_at(agent, cache)
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert "hostPath" in volumes[volume_at(agent, cache)]
+    # Bounded (found in review: nothing ever left it, the node's disk filled).
+    assert {e["name"]: e.get("value") for e in agent["env"]}["PIPECAST_AGENT_CACHE_MAX_BYTES"] == "200GiB"
     assert volumes[volume_at(agent, "/dev/shm")]["emptyDir"]["medium"] == "Memory"
     assert volume_at(serve, "/dev/shm") == volume_at(agent, "/dev/shm")
     assert arg(agent, "serve-url") == f"http://$(NODE_IP):{serve['ports'][0]['containerPort']}"
