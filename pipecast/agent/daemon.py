@@ -12,7 +12,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +60,9 @@ EXIT_LINGER_S = 0.5
 # Under a control plane, how long a request for a package this node has not heard of waits for the
 # node's own assignment before it is refused (the control plane tells a parent and its child at once).
 UNASSIGNED_GRACE_S = 2.0
+#: After a drop, the longest the package's memory stays counted in the budget while an engine still maps it (s): a
+#: released serving worker drains its running requests for up to 30 s, then closes its model.
+DROP_UNMAP_WAIT_S = 35.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,7 @@ class AgentDaemon:
         self.transport: Transport | None = None
         self._stop = asyncio.Event()
         self._cache_writes: dict[asyncio.Task, BlockStore] = {}  # each write under way, and whose block it is
+        self._freeing: set[asyncio.Task] = set()  # dropped packages' memory, freed once no engine maps it
         self._local_api: LocalApiServer | None = None
         self._from_cache = 0
 
@@ -346,13 +350,31 @@ class AgentDaemon:
         self.peer_server.end_package(package_id)
         store = self.peer_server.stores.pop(package_id, None)
         free = store.detach() if store is not None else None
+        mappers = set()
         if self._local_api is not None:  # engines learn it at once, not once gigabytes are unmapped
             self._local_api.publish_dropped(package_id)
-        if free is not None:
+            mappers = self._local_api.mapped_by(package_id)
+        if free is not None and mappers:
+            # An engine still maps the memory (a released worker drains its requests first): it stays counted in
+            # the budget, and out of the reserve's refill, until the engine lets go (its client closes with its
+            # model) or DROP_UNMAP_WAIT_S passes.
+            task = asyncio.get_running_loop().create_task(self._free_once_unmapped(package_id, mappers, free))
+            self._freeing.add(task)
+            task.add_done_callback(self._freeing.discard)
+        elif free is not None:
             await asyncio.to_thread(free)  # unmapping off the loop: it forwards other packages' chunks
             self._fill_reserve()  # from the pages the package freed, while they are still backed
         log.info("agent %s: dropped package %s", self.node_id, package_id[:12])
         self.events.emit("dropped", package=package_id)
+
+    async def _free_once_unmapped(self, package_id: str, mappers: set[asyncio.Task],
+                                  free: Callable[[], None]) -> None:
+        _, left = await asyncio.wait(mappers, timeout=DROP_UNMAP_WAIT_S)
+        if left:
+            log.warning("agent %s: package %s dropped, but an engine still maps its memory after %.0f s: freed "
+                        "(counted out of the budget) all the same", self.node_id, package_id[:12], DROP_UNMAP_WAIT_S)
+        await asyncio.to_thread(free)
+        self._fill_reserve()
 
     def _fill_reserve(self) -> None:
         """Fill the memory reserve, if any, in the background (a fill under way goes on to the end)."""
@@ -483,7 +505,9 @@ class AgentDaemon:
 
     async def _shutdown(self) -> None:
         if self._local_api is not None:
-            await self._local_api.close()
+            await self._local_api.close()  # its connections end: drops waiting for engines to unmap go on
+        if self._freeing:
+            await asyncio.gather(*self._freeing, return_exceptions=True)
         if self.listener is not None:
             await self.listener.close()
         if self.transport is not None:

@@ -130,6 +130,9 @@ class LocalApiServer:
         self._server: asyncio.AbstractServer | None = None
         self._subscribers: set[asyncio.Queue] = set()
         self._connections: set[asyncio.Task] = set()
+        # Per package: the connections given a path to its blocks' memory (an engine maps it; its client closes
+        # with its model, after which the memory is no longer mapped there).
+        self._mappers: dict[str, set[asyncio.Task]] = {}
         self.path: Path | None = None
 
     async def start(self, path: Path) -> None:
@@ -270,8 +273,15 @@ class LocalApiServer:
             # The engine maps the whole block at once (MAP_POPULATE): pages missing then would be allocated and
             # zeroed in the engine's process, on its CPU, and not from the agent's memory reserve.
             await asyncio.to_thread(store.prefault, block)
-        return {"ok": True, "package": store.package_id, "block": block, "path": store.block_path(block),
+        path = store.block_path(block)
+        self._mappers.setdefault(store.package_id, set()).add(asyncio.current_task())
+        return {"ok": True, "package": store.package_id, "block": block, "path": path,
                 "bytes": store.manifest.blocks[block].bytes, **verified}
+
+    def mapped_by(self, package_id: str) -> set[asyncio.Task]:
+        """The connections still open that were given a path to ``package_id``'s memory (forgotten here: a
+        package held again has mappers of its own)."""
+        return {task for task in self._mappers.pop(package_id, ()) if not task.done()}
 
     async def _stream_events(self, writer: asyncio.StreamWriter) -> None:
         queue: asyncio.Queue = asyncio.Queue(MAX_PENDING_EVENTS)

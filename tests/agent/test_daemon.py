@@ -277,3 +277,40 @@ async def test_a_request_waiting_for_an_expected_package_is_refused_once_it_is_d
     for task in waiting:
         with pytest.raises(UnknownPackageError, match=rf"^package {package_id[:12]} is not held here$"):
             await asyncio.wait_for(task, 1)
+
+
+async def test_a_dropped_packages_memory_stays_counted_while_an_engine_still_maps_it(tmp_path):
+    """Found in review: a drop gave the memory budget back at once while the released serving worker still mapped
+    the package's memory (it drains its requests for up to 30 s): a scale-up admitted meanwhile took as much again,
+    resident memory well above --memory."""
+    from pipecast.agent.local_api import LocalApiServer
+    from pipecast.agent.local_client import LocalAgentClient
+    from pipecast.agent.transport.base import PeerAuth
+    from tests.support.packages import tiny_package
+
+    package = tiny_package(tmp_path / "pkg", layers=2, layer_bytes=100_000, chunk_bytes=64 << 10)
+    manifest = package.manifest
+    daemon = AgentDaemon(AgentOptions(node_id="p", listen="127.0.0.1:0"), Settings(**SETTINGS))
+    daemon._local_api = server = LocalApiServer(daemon.peer_server, status=dict, auth=PeerAuth("p"))
+    await server.start(tmp_path / "agent.sock")
+    store = receiving_store(manifest)
+    budget = store._reservation.budget
+    for block in range(len(manifest.blocks)):
+        data = block_file_bytes(package.path, manifest, block)
+        for chunk in range(store.chunk_count(block)):
+            land_chunk(store, data, block, chunk)
+    daemon.peer_server.add(store)
+    client = await asyncio.to_thread(LocalAgentClient, tmp_path / "agent.sock")
+    try:
+        view = await asyncio.to_thread(client.wait_block, 0, 5.0, manifest.package_id)  # the engine maps block 0
+        await daemon.drop_package(manifest.package_id)
+        await asyncio.sleep(0.2)
+        assert budget.used_bytes == manifest.total_bytes  # still counted: the engine maps it
+        del view
+        await asyncio.to_thread(client.close)  # the engine lets go (its model closes, and its client)
+        async with asyncio.timeout(5):
+            while budget.used_bytes:
+                await asyncio.sleep(0.02)
+    finally:
+        await server.close()
+        daemon.events.close()
