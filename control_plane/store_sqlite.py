@@ -35,18 +35,20 @@ class SqliteStore(SqlStore):
         from the start without a lease; a second one on the file would serve from a state of its own and write
         into the same tables."""
         where = str(path)
-        self._held = self._lock_file(where) if exclusive and where != ":memory:" else None
         try:
             # Autocommit: transactions are explicit (_transaction), so that reads can be inside them.
             # Used by one thread at a time (the store's lock), not always the one that opened it: a large flush
             # commits in a worker thread.
             db = sqlite3.connect(where, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
-            self._unlock()
             raise StoreError(f"control plane database {where}: {exc}") from exc
-        try:
+        self._held: int | None = None
+        try:  # before anything is read or written: the schema is made by the one process the file serves
+            if exclusive and where != ":memory:":
+                self._held = self._lock_file(where)
             super().__init__(where, db, sqlite3.Error)
         except BaseException:
+            db.close()
             self._unlock()
             raise
 
