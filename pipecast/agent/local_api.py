@@ -225,6 +225,8 @@ class LocalApiServer:
             pass  # the agent stops: asyncio logs a connection's task that ends cancelled as an ERROR
         finally:
             self._connections.discard(connection)
+            for mappers in self._mappers.values():  # an ended connection maps nothing more
+                mappers.discard(connection)
             writer.close()
 
     async def _answer(self, request: LocalRequest) -> dict | bytes:
