@@ -59,8 +59,9 @@ class BlockCache:
     def package_dir(self, package_id: str) -> Path:
         return self.root / package_id
 
-    def local_package(self, package_id: str) -> LocalPackageFolder | None:
-        """The cached folder of ``package_id`` if its manifest is there and valid, else None."""
+    def local_package(self, package_id: str, *, use: bool = False) -> LocalPackageFolder | None:
+        """The cached folder of ``package_id`` if its manifest is there and valid, else None; ``use``: a store
+        opens from it, which makes it the last to be removed for room (a look, as at a registration, does not)."""
         folder = self.package_dir(package_id)
         try:
             if not (folder / MANIFEST_FILE).exists():
@@ -70,7 +71,8 @@ class BlockCache:
                 log.warning("%s holds the manifest of package %s; ignoring it", folder,
                             manifest.package_id[:12])
                 return None
-            os.utime(folder)  # used now: the last to be removed for room
+            if use:
+                os.utime(folder)
             return LocalPackageFolder(folder, manifest)
         except (PackageError, OSError) as exc:
             log.warning("disk cache: ignoring %s: %s", folder, exc)

@@ -320,7 +320,8 @@ class AgentDaemon:
     async def _open_receiving_store(self, package_id: str, peers: Sequence[PeerInfo], pool: ChannelPool,
                                     report: PeerFailureCallback) -> BlockStore:
         # Reading a cached manifest (10 MB for a large model) takes ~0.6 s: not on the loop, which forwards chunks.
-        cached = await asyncio.to_thread(self.cache.local_package, package_id) if self.cache is not None else None
+        cached = (await asyncio.to_thread(self.cache.local_package, package_id, use=True) if self.cache is not None
+                  else None)
         if cached is not None:
             manifest, origin = cached.manifest, cached.description
         else:

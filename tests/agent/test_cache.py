@@ -195,3 +195,23 @@ def test_a_bounded_cache_removes_the_packages_used_least_recently_and_not_held_t
     finally:
         for store in stores:
             store.close()
+
+
+def test_a_look_at_what_the_cache_holds_is_no_use_of_it(tmp_path):
+    """Found in review of the bound: each registration lists the cached blocks, which made every package "used now",
+    and the one removed for room was then any, not the least recently used."""
+    packages = [tiny_package(tmp_path / name, layers=2, layer_bytes=50_000, seed=seed)
+                for seed, name in enumerate(("a", "b", "c"))]
+    size = max(p.manifest.total_bytes for p in packages) + 20_000
+    cache = BlockCache(tmp_path / "cache", max_bytes=size * 2)
+    stores = [verified_store((p.path, p.manifest)) for p in packages]
+    try:
+        for package, store in zip(packages[:2], stores):
+            assert all(write_everything(cache, (package.path, package.manifest), store))
+            time.sleep(0.01)
+        assert cache.cached_blocks(packages[0].manifest.package_id) == [0, 1]  # a look, as a registration's
+        assert all(write_everything(cache, (packages[2].path, packages[2].manifest), stores[2]))
+        assert cache.packages() == sorted(p.manifest.package_id for p in packages[1:])  # a went: the oldest use
+    finally:
+        for store in stores:
+            store.close()
