@@ -389,7 +389,7 @@ class ServingWorker:
             except LocalApiTimeoutError:
                 continue
             except (OSError, PipecastError) as exc:  # the agent restarts: ask again
-                log.warning("waiting for package %s to come back: %s", self.config.package, exc)
+                log.warning("waiting for the agent to hold package %s: %s", self.config.package, exc)
                 time.sleep(FOLLOW_AGENT_S)
 
     async def _expire_stage_sessions(self) -> None:

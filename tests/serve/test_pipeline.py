@@ -591,6 +591,13 @@ async def test_the_stage_queue_computes_one_call_at_a_time_earliest_deadline_fir
         await queue.call(compute, "closed", deadline=time.monotonic() + 60)
 
 
+def calls_waiting_for_layers(queue: StageQueue, count: int, arrived: threading.Event,
+                             deadline: float) -> list[asyncio.Task]:
+    """``count`` calls of ``queue`` that wait for their layers until ``arrived``, then answer "done"."""
+    return [asyncio.create_task(queue.call(lambda *, timeout: "done", deadline=deadline,
+                                           wait=lambda timeout: arrived.wait(timeout))) for _ in range(count)]
+
+
 async def test_calls_waiting_for_their_layers_leave_the_event_loops_own_threads_free():
     """Before, each wait held a thread of the loop's default pool (min(32, CPUs + 4)) until its deadline: a burst
     of them stalled tokenizing, the agent's status and every other to_thread of the worker."""
@@ -598,8 +605,7 @@ async def test_calls_waiting_for_their_layers_leave_the_event_loops_own_threads_
     arrived = threading.Event()
     try:
         deadline = time.monotonic() + 60
-        waiting = [asyncio.create_task(queue.call(lambda *, timeout: "done", deadline=deadline,
-                                                  wait=lambda timeout: arrived.wait(timeout))) for _ in range(40)]
+        waiting = calls_waiting_for_layers(queue, 40, arrived, deadline)
         await asyncio.sleep(0.1)
         assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 2) == "free"
         arrived.set()
@@ -616,8 +622,7 @@ async def test_stage_calls_beyond_the_queues_bound_are_refused_at_once_and_the_b
     arrived = threading.Event()
     try:
         deadline = time.monotonic() + 60
-        waiting = [asyncio.create_task(queue.call(lambda *, timeout: "done", deadline=deadline,
-                                                  wait=lambda timeout: arrived.wait(timeout))) for _ in range(3)]
+        waiting = calls_waiting_for_layers(queue, 3, arrived, deadline)
         await asyncio.sleep(0.05)
         with pytest.raises(StageQueueFullError, match="^this worker already holds 3 stage calls; retry elsewhere or "
                                                       "later$") as caught:
