@@ -15,7 +15,7 @@ from one store (``default_strategy``).
 import math
 from dataclasses import asdict, dataclass
 
-from control_plane.placement import default_strategy
+from control_plane.placement import default_strategy, relay_piece
 from control_plane.planner.plan import Plan
 from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import lower_bound, simulate
@@ -121,8 +121,9 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
                 if seconds < bound * (1 - BOUND_TOLERANCE):
                     raise RuntimeError(f"N={n} {label}: simulated {seconds:.4f} s, below the lower bound {bound:.4f} s")
                 units = max(map(len, plan.assignments.values()), default=0)
-                figure = SimulatedRun(n, label, label == default_strategy(1, n), units, seconds, floor,
-                                      seconds / floor, bound, others, None if others is None else others / floor)
+                default = label == default_for(n, block_bytes, chunk_bytes)
+                figure = SimulatedRun(n, label, default, units, seconds, floor, seconds / floor, bound, others,
+                                      None if others is None else others / floor)
                 progress(f"N={n} {label}: {seconds:.2f} s = {figure.ratio_to_floor:.2f} x S/B")
                 out.append(figure)
     return out
@@ -168,7 +169,7 @@ def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: fl
         others = f" {ratio:>8}" if slow else ""
         lines.append(f"{r.nodes:>6}  {r.strategy:<23} {r.units:>5} {r.seconds:>9.2f} {r.ratio_to_floor:>7.2f}"
                      f"{others}  {r.lower_bound_seconds:.2f} s{mark}")
-    for v in verdicts(results):
+    for v in verdicts(results, block_bytes, chunk_bytes):
         if v["met"] is None:
             lines.append(f"verdict N={v['nodes']}: the default plan, {v['strategy']}, was not simulated (--strategy)")
         else:
@@ -177,18 +178,26 @@ def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: fl
     return "\n".join(lines)
 
 
-def verdicts(results: list[SimulatedRun]) -> list[dict]:
-    """Per N, the default plan's completion over S/B against :data:`TARGET_RATIO`: ``nodes``, ``strategy``,
-    ``ratio_to_floor`` and ``met`` (both None where the default strategy was not among those simulated)."""
+def default_for(n: int, block_bytes: list[int], chunk_bytes: int) -> str:
+    """The strategy the control plane picks for ``n`` receivers of one store, blocks of ``block_bytes`` in
+    chunks of ``chunk_bytes``, relayed in the agents' default pieces (whatever relay the simulation models)."""
+    return default_strategy(1, n, package_bytes=sum(block_bytes), piece_bytes=relay_piece(chunk_bytes))
+
+
+def verdicts(results: list[SimulatedRun], block_bytes: list[int], chunk_bytes: int) -> list[dict]:
+    """Per N, the default plan's completion over S/B against :data:`TARGET_RATIO`: ``nodes``, ``strategy``
+    (:func:`default_for` the blocks and chunks simulated), ``ratio_to_floor`` and ``met`` (both None where the
+    default strategy was not among those simulated)."""
     out = []
     for n in dict.fromkeys(r.nodes for r in results):
         default = next((r for r in results if r.nodes == n and r.default), None)
         ratio = None if default is None else default.ratio_to_floor
-        out.append({"nodes": n, "strategy": default_strategy(1, n), "ratio_to_floor": ratio,
+        out.append({"nodes": n, "strategy": default_for(n, block_bytes, chunk_bytes), "ratio_to_floor": ratio,
                     "met": None if ratio is None else ratio <= TARGET_RATIO})
     return out
 
 
 def to_json(results: list[SimulatedRun], **settings) -> dict:
-    return {"settings": settings, "target_ratio": TARGET_RATIO, "verdicts": verdicts(results),
+    return {"settings": settings, "target_ratio": TARGET_RATIO,
+            "verdicts": verdicts(results, settings["block_bytes"], settings["chunk_bytes"]),
             "results": [asdict(r) for r in results]}

@@ -10,19 +10,31 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from control_plane.errors import InsufficientWorkers
-from control_plane.planner.schedules import GROUP_CHAIN_MAX
+from control_plane.planner.schedules import GROUP_CHAIN_MAX, binomial_pairs
 from pipecast.core.units import format_bytes
 
 DEFAULT_FANOUT = 2
-# One source and at most this many receivers: a chain, else a binomial pipeline of chunk-range units. With
-# chunk cut-through a chain runs every link at full rate and adds one chunk of latency per hop; that latency
-# grows with N, the binomial pipeline's with log N. Measured on this project's emulated cluster (netns, agents
-# asking four parents at once): N = 16 at 200 Mbit/s chain 1.11x S/B, unit binomial pipeline 1.19x; N = 32
-# at 100 Mbit/s chain 1.18x and 1.23x, binomial 1.33-1.37x; N = 64 at 25 Mbit/s (a 64 MiB package in 256 KiB
-# chunks, the demo model's chunk count) chain 1.14-1.21x, binomial 1.25-1.30x (three runs or more); 64 is the
-# largest N measured there. Simulated one unit at a time the binomial pipeline is the faster there (1.09x at
-# N = 64), which the agents, fetching four at once, do not reach (docs/benchmarks.md).
-CHAIN_MAX_RECEIVERS = 64
+# One source: a chain or a binomial pipeline of chunk-range units. With chunk cut-through a chain runs every link
+# at full rate and adds one relay piece (and a hop's fixed costs) of latency per hop, which grows with N; the
+# binomial pipeline's grows with log N, but it keeps its rounds only on a full hypercube (N = 2^d - 1 or 2^d):
+# between, the surplus receivers share slots in pairs and the rounds lose their rhythm. Measured on this
+# project's emulated cluster (netns, agents asking four parents at once): N = 16 at 200 Mbit/s chain 1.11x S/B,
+# unit binomial pipeline 1.19x; N = 32 at 100 Mbit/s chain 1.18x and 1.23x, binomial 1.33-1.37x; N = 64 at 25
+# Mbit/s (a 64 MiB package in 256 KiB chunks) chain 1.14-1.21x, binomial 1.25-1.30x; N = 100 at 16 Mbit/s (32
+# MiB in 128 KiB chunks, CPU-bound) chain 1.33x twice, binomial 1.38x and 1.47x. So a chain up to 64 receivers
+# whatever the package; beyond, up to CHAIN_MAX_RECEIVERS and off the full hypercubes, a chain while (N - 1)
+# relay pieces stay within CHAIN_EXCESS of the package. The simulator fitted to the agents (`bench simulate
+# --calibrated --concurrency 4`, demo model, 400 Mbit/s) agrees at every count it was run: the chain ahead at N =
+# 65, 100, 150, 200 and 206 (1.22 / 1.32 / 1.47 / 1.62 / 1.64x against 1.38 / 1.81 / 1.79 / 1.85 / 1.83x), the
+# binomial pipeline at 127, 256 and 300 (1.35 / 1.42 / 1.83x against 1.40 / 1.79 / 1.92x), where the chain's
+# fixed cost per hop (the manifest and small files, fetched hop by hop) has added up (docs/benchmarks.md).
+CHAIN_MIN_RECEIVERS = 64
+# Whatever the package: a hop's fixed cost, which the plan does not know (fitted at 16 ms on this machine's
+# emulated cluster), over 256 hops is 4 s.
+CHAIN_MAX_RECEIVERS = 256
+CHAIN_EXCESS = 0.20
+#: The agents' relay piece (the default ``agent_relay_bytes``): a chain's hop passes a chunk on from its first.
+RELAY_PIECE_BYTES = 256 << 10
 #: The most worker sources a plan names. A plan uses one per receiver at most (a rotated group each), and
 #: every source hears of the plan with every receiver listed while every receiver hears of every source (its
 #: fallbacks): naming each of 1,000 warm holders in a scale-up of 8 made 1,009 notices of 32 MB, 1.4 s of the
@@ -113,13 +125,32 @@ def pick_sources(complete_holders: Sequence[str], store: str, exclude: Collectio
     return [] if store in exclude else [store]
 
 
-def default_strategy(sources: int, receivers: int, beside_in_flight: bool = False) -> str:
+def relay_piece(chunk_bytes: int, relay_bytes: int = RELAY_PIECE_BYTES) -> int:
+    """What a chain's hop waits for before it passes a chunk of ``chunk_bytes`` on: a piece of ``relay_bytes``
+    (0: the whole chunk)."""
+    return min(relay_bytes, chunk_bytes) if relay_bytes else chunk_bytes
+
+
+def chain_suits(receivers: int, package_bytes: int, piece_bytes: int) -> bool:
+    """Whether one source's default plan to ``receivers`` is a chain, for a package of ``package_bytes`` whose
+    hops pass chunks on in pieces of ``piece_bytes`` (see :data:`CHAIN_EXCESS`; without a size, 0 or less, only
+    up to :data:`CHAIN_MIN_RECEIVERS`)."""
+    if receivers <= CHAIN_MIN_RECEIVERS:
+        return True
+    if receivers > CHAIN_MAX_RECEIVERS or binomial_pairs(receivers) <= 1 or package_bytes <= 0 or piece_bytes <= 0:
+        return False
+    return (receivers - 1) * piece_bytes <= CHAIN_EXCESS * package_bytes
+
+
+def default_strategy(sources: int, receivers: int, beside_in_flight: bool = False, *, package_bytes: int = 0,
+                     piece_bytes: int = RELAY_PIECE_BYTES) -> str:
     """The plan strategy when the operator names none: ``rotated`` for several source slots (``sources``
     counts a source's links: a store with 4 links is 4), or for a few receivers (at most a rotated group's
     chain, :data:`~control_plane.planner.schedules.GROUP_CHAIN_MAX`) added ``beside_in_flight`` receivers of
     the package (the scaling daemon's scale-ups: a chain still, starting where those lack most, so that a
-    pipeline across them forms sooner than if all got the blocks in the same order); else ``chain`` up to
-    :data:`CHAIN_MAX_RECEIVERS` receivers and ``binomial`` beyond."""
+    pipeline across them forms sooner than if all got the blocks in the same order); else ``chain`` where
+    :func:`chain_suits` the package of ``package_bytes`` in relay pieces of ``piece_bytes``, ``binomial``
+    elsewhere."""
     if sources > 1 or (beside_in_flight and receivers <= GROUP_CHAIN_MAX):
         return "rotated"
-    return "chain" if receivers <= CHAIN_MAX_RECEIVERS else "binomial"
+    return "chain" if chain_suits(receivers, package_bytes, piece_bytes) else "binomial"

@@ -24,7 +24,8 @@ from control_plane.errors import (
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec, serve_url_of
 from control_plane.pipeline_forming import PipelineQuery
 from control_plane.placement import (
-    DEFAULT_FANOUT, MAX_PLAN_SOURCES, Candidate, counted_targets, default_strategy, named_targets, pick_sources)
+    DEFAULT_FANOUT, MAX_PLAN_SOURCES, Candidate, counted_targets, default_strategy, named_targets, pick_sources,
+    relay_piece)
 from control_plane.planner.pipelines import ModelLayout, Pipeline
 from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
@@ -81,6 +82,12 @@ class Package:
     def chunk_counts(self) -> tuple[int, ...]:
         """Each block's chunks, by index: a binomial plan's units are ranges of them."""
         return tuple(len(block.chunk_digests) for block in self.manifest.blocks)
+
+    @functools.cached_property
+    def relay_piece(self) -> int:
+        """What a chain's hop waits for of its largest chunk before passing it on, with the agents' default
+        relay (:func:`~control_plane.placement.relay_piece`)."""
+        return relay_piece(max((block.chunk_bytes for block in self.manifest.blocks), default=0))
 
     @functools.cached_property
     def layout(self) -> ModelLayout | None:
@@ -576,7 +583,8 @@ class ControlState:
         in_flight = self._in_flight(package_id) if strategy in ("", "rotated") else ()
         links = self._source_links(package, sources, len(receivers), bool(in_flight))
         slots = sum(links.get(s, 1) for s in sources)
-        strategy = strategy or default_strategy(slots, len(receivers), beside_in_flight=bool(in_flight))
+        strategy = strategy or default_strategy(slots, len(receivers), bool(in_flight),
+                                               package_bytes=package.total_bytes, piece_bytes=package.relay_piece)
         held = dict(availability.by_worker) \
             if any(n in availability.by_worker for n in receivers) else {}
         return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged), tuple(sources), strategy,

@@ -40,7 +40,8 @@ class Strategy:
     name: str
     description: str
     #: The control plane's scale-up strategy for the cold workers; "" lets it choose (from one source a
-    #: chain up to CHAIN_MAX_RECEIVERS receivers, else a binomial pipeline; rotated pipelines from several).
+    #: chain up to 64 receivers or further for a large package, else a binomial pipeline (`default_strategy`);
+    #: rotated pipelines from several).
     plan_strategy: str
     #: Serve while blocks arrive (the worker's health goes ``partial``); else only once all are in.
     execute_while_load: bool

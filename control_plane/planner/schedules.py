@@ -302,6 +302,12 @@ def _split_groups(sources, receivers, rack) -> list[list[str]]:
     return groups
 
 
+def binomial_pairs(n: int) -> int:
+    """The shared slots (pairs of receivers) of a binomial pipeline from one source to ``n`` receivers: 0 for a
+    full hypercube (n = 2^d - 1), 1 for n = 2^d, up to about n / 2 between."""
+    return n - ((1 << ((n + 1).bit_length() - 1)) - 1)
+
+
 def _binomial_group(source: str, receivers: list[str], order: Sequence[Unit], rack: Rack,
                     out: dict[str, list[Fetch[str]]]) -> None:
     """Binomial pipeline of ``source`` to ``receivers``, units (block, chunks) entering in ``order``; writes

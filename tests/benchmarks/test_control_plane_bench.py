@@ -10,7 +10,7 @@ from control_plane.placement import CHAIN_MAX_RECEIVERS
 
 
 def test_bench_short_form_runs_against_a_server_subprocess():
-    # More receivers than a chain takes (CHAIN_MAX_RECEIVERS): the store's plan is a binomial pipeline.
+    # More receivers than any chain takes (CHAIN_MAX_RECEIVERS): the store's plan is a binomial pipeline.
     workers = CHAIN_MAX_RECEIVERS + 6
     result = bench.run(workers=workers, blocks=4, duration_s=0.5, repeat=1)
     load = result.load

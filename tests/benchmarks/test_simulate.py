@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks.command import bench_group
-from control_plane.placement import CHAIN_MAX_RECEIVERS
+from control_plane.placement import CHAIN_MIN_RECEIVERS
 
 
 def test_simulated_figures_follow_the_contract_and_never_beat_the_lower_bound(tmp_path):
@@ -23,7 +23,7 @@ def test_simulated_figures_follow_the_contract_and_never_beat_the_lower_bound(tm
                           "lower_bound_seconds", "others_seconds", "others_ratio_to_floor"}
         assert r["others_seconds"] is r["others_ratio_to_floor"] is None  # no slow receiver
         assert r["floor_seconds"] < r["lower_bound_seconds"] <= r["seconds"]
-        assert r["default"] == ((r["strategy"] == "chain") if r["nodes"] <= CHAIN_MAX_RECEIVERS
+        assert r["default"] == ((r["strategy"] == "chain") if r["nodes"] <= CHAIN_MIN_RECEIVERS
                                 else (r["strategy"] == "binomial"))
         # 8 blocks of 4 chunks: a plan of whole blocks has 8 units, the binomial ranges of 2 chunks or more.
         assert r["units"] == (16 if r["strategy"] == "binomial" else 8)

@@ -5,8 +5,10 @@ import pytest
 
 from control_plane.errors import InsufficientWorkers
 from control_plane.placement import (
-    CHAIN_MAX_RECEIVERS, Candidate, Targets, counted_targets, default_strategy, named_targets, pick_sources)
-from control_plane.planner.schedules import GROUP_CHAIN_MAX
+    CHAIN_MAX_RECEIVERS, CHAIN_MIN_RECEIVERS, RELAY_PIECE_BYTES, Candidate, Targets, chain_suits, counted_targets,
+    default_strategy, named_targets, pick_sources, relay_piece)
+from control_plane.planner.schedules import GROUP_CHAIN_MAX, binomial_pairs
+from pipecast.core.settings import Settings
 
 PACKAGE_BYTES = 100
 
@@ -95,9 +97,33 @@ def test_sources_are_at_most_the_limit_idle_ones_first_then_those_near_the_recei
 
 
 def test_the_default_strategy_is_a_chain_for_few_receivers_of_one_source():
-    assert default_strategy(1, CHAIN_MAX_RECEIVERS) == "chain"
-    assert default_strategy(1, CHAIN_MAX_RECEIVERS + 1) == "binomial"
+    assert default_strategy(1, CHAIN_MIN_RECEIVERS) == "chain"
+    assert default_strategy(1, CHAIN_MIN_RECEIVERS + 1) == "binomial"  # no package size given
     assert default_strategy(2, 1) == "rotated"
     # Beside receivers in flight, a few more start where those lack most; many are planned as if alone.
     assert default_strategy(1, 1, beside_in_flight=True) == "rotated"
     assert default_strategy(1, GROUP_CHAIN_MAX + 1, beside_in_flight=True) == "chain"
+
+
+def test_a_chain_goes_as_far_as_its_relay_pieces_stay_within_a_fifth_of_the_package_off_the_hypercubes():
+    demo, piece = 269_000_000, relay_piece(1 << 20)  # the demo model, 1 MiB chunks relayed in 256 KiB pieces
+    # 205 pieces are a fifth of it: a chain up to 206 receivers, but for the binomial pipeline's full hypercubes.
+    assert [n for n in range(1, 300) if chain_suits(n, demo, piece)] == [
+        n for n in range(1, 207) if n <= CHAIN_MIN_RECEIVERS or n not in (127, 128)]
+    assert default_strategy(1, 100, package_bytes=demo, piece_bytes=piece) == "chain"
+    assert default_strategy(1, 127, package_bytes=demo, piece_bytes=piece) == "binomial"
+    assert default_strategy(1, 207, package_bytes=demo, piece_bytes=piece) == "binomial"
+    # A small package keeps the chain to CHAIN_MIN_RECEIVERS, as measured; a large one stops at the cap.
+    assert not chain_suits(CHAIN_MIN_RECEIVERS + 1, 32 << 20, piece)
+    assert chain_suits(CHAIN_MAX_RECEIVERS - 2, 14 << 30, piece)  # 255 is a full hypercube
+    assert not chain_suits(CHAIN_MAX_RECEIVERS + 1, 14 << 30, piece)
+    assert not chain_suits(CHAIN_MIN_RECEIVERS + 1, 14 << 30, 0)  # no chunk size known
+    assert relay_piece(128 << 10) == 128 << 10 and relay_piece(1 << 20, relay_bytes=0) == 1 << 20
+
+
+def test_binomial_pairs_are_the_receivers_beyond_a_full_hypercube():
+    assert [binomial_pairs(n) for n in (1, 2, 3, 7, 8, 9, 14, 127, 128, 254)] == [0, 1, 0, 0, 1, 2, 7, 0, 1, 127]
+
+
+def test_the_relay_piece_planned_with_is_the_agents_default():
+    assert RELAY_PIECE_BYTES == Settings.model_fields["agent_relay_bytes"].default

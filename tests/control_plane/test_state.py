@@ -10,7 +10,7 @@ import pytest
 from control_plane.errors import (
     Conflict, InsufficientWorkers, InvalidRequest, NodeIdInUse, NoSource, UnknownPackage, UnknownWorker)
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
-from control_plane.placement import CHAIN_MAX_RECEIVERS
+from control_plane.placement import CHAIN_MIN_RECEIVERS
 from control_plane.planner.plan import Fetch, Plan
 from control_plane.planner.schedules import InFlight
 from control_plane.state import ActivePlan, ControlState, Notice, ScaleUpResult
@@ -225,13 +225,26 @@ def test_dead_worker_record_is_forgotten_after_a_while():
 # ----- scale-up -----
 
 def test_one_source_plans_a_chain_for_few_receivers_and_a_binomial_pipeline_for_many():
-    state = cluster(CHAIN_MAX_RECEIVERS + 1)
-    few = state.scale_up("pkg", count=CHAIN_MAX_RECEIVERS, now=1)
+    state = cluster(CHAIN_MIN_RECEIVERS + 1)
+    few = state.scale_up("pkg", count=CHAIN_MIN_RECEIVERS, now=1)
     assert few.strategy == "chain"
-    state = cluster(CHAIN_MAX_RECEIVERS + 1)
-    many = state.scale_up("pkg", count=CHAIN_MAX_RECEIVERS + 1, now=1)
+    state = cluster(CHAIN_MIN_RECEIVERS + 1)
+    many = state.scale_up("pkg", count=CHAIN_MIN_RECEIVERS + 1, now=1)
     assert many.strategy == "binomial"
     assert_complete_plan(state, many.plan_id, set(many.receivers))
+
+
+def test_a_larger_package_is_chained_to_more_receivers():
+    # 8 blocks of 10 MiB in 1 MiB chunks, relayed in 256 KiB pieces: 64 pieces are a fifth of 80 MiB, so a chain
+    # up to 65 receivers; 66 take a binomial pipeline (as any count beyond 64 of a package of unknown chunks).
+    state = ControlState(lease_s=LEASE)
+    blocks = [Block(index=i, bytes=10 << 20, chunk_bytes=1 << 20) for i in range(BLOCKS)]
+    state.publish(Manifest(package_id="pkg", model_name="tiny", blocks=blocks), STORE, now=0)
+    for i in range(CHAIN_MIN_RECEIVERS + 2):
+        state.register(spec(f"w{i}", memory=1 << 30), {}, now=0)
+    assert state.package("pkg").relay_piece == 256 << 10
+    assert state.draft_scale_up("pkg", count=CHAIN_MIN_RECEIVERS + 1).strategy == "chain"
+    assert state.draft_scale_up("pkg", count=CHAIN_MIN_RECEIVERS + 2).strategy == "binomial"
 
 
 def test_scale_up_from_the_store_plans_every_block_for_every_receiver():
