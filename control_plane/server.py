@@ -129,6 +129,10 @@ class ServerConfig:
             raise SettingsError(f"heartbeat_s {self.heartbeat_s:g} is more than half of lease_s {self.lease_s:g}: "
                                 "workers' leases would lapse between heartbeats; make lease_s at least twice "
                                 "heartbeat_s")
+        if self.scan_s > self.lease_s / 4:
+            raise SettingsError(f"control_scan_s {self.scan_s:g} is more than a quarter of lease_s {self.lease_s:g}: "
+                                "lapsed leases would be found late, and a gap of half a lease between scans is taken "
+                                "for time the control plane did not watch")
 
 
 class ControlPlaneServer:
@@ -178,7 +182,7 @@ class ControlPlaneServer:
 
     def _load(self) -> None:
         self._read_store()
-        self.service.open_mailboxes()
+        self.service.state_loaded()
 
     def _read_store(self) -> None:
         """Fill the (empty) state and book from the store; a standby taking over does it in a thread (~3 s
@@ -293,7 +297,7 @@ class ControlPlaneServer:
                         self.holder, lease.fencing, self.store.where)
             try:
                 await asyncio.to_thread(self._read_store)
-                self.service.open_mailboxes()
+                self.service.state_loaded()
             except StoreError as exc:
                 self._step_down(f"control plane {self.holder} took the lease but cannot load the state: {exc}")
                 return

@@ -85,6 +85,9 @@ Resp = TypeVar("Resp")
 #: How soon a flush that must be written (a call answering once its change is durable) tries again while
 #: another thread holds the store (a lease renewal: one statement).
 STORE_BUSY_RETRY_S = 0.005
+#: Time between two lease scans that the clock shows and this process did not watch pass, from which on leases
+#: and releases are moved by it (see ControlPlaneService.tick): below, the clocks' drift and the scan's jitter.
+CLOCK_STEP_S = 1.0
 Handler = Callable[["ControlPlaneService", Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 #: RPCs only the operator (the master token) may call.
@@ -121,7 +124,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     ``probe`` tells whether something listens at a worker's address, before one reported gone is taken for dead."""
 
     def __init__(self, state: ControlState, metrics: ControlMetrics, *, heartbeat_s: float,
-                 store: Store | None = None, clock: Callable[[], float] = time.time, master: str = "",
+                 store: Store | None = None, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic, master: str = "",
                  book: DeploymentBook | None = None, on_fenced: Callable[[FencedError], None] | None = None,
                  former: PipelineFormer | None = None,
                  probe: Callable[[str, int], Awaitable[bool | None]] = listens):
@@ -135,6 +139,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.heartbeat_s = heartbeat_s
         self.store = store
         self.clock = clock
+        self.monotonic = monotonic  # beside the clock: tells its steps from time passing (tick)
+        self._ticked: tuple[float, float] | None = None  # the last tick's clock and monotonic readings
         self.on_fenced = on_fenced
         self.mailboxes: dict[str, Mailbox] = {}
         self._flushing = asyncio.Lock()
@@ -147,11 +153,13 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self._listing: asyncio.Future[pb.ListWorkersResponse] | None = None
         self._streams: set[asyncio.Task] = set()  # the tasks of the open streams' handlers
         self._ending_streams = False
-        self.open_mailboxes()
+        self.state_loaded()
 
-    def open_mailboxes(self) -> None:
-        """A mailbox for every alive worker of the state (call it again after loading the state from the
-        store): notices for them queue until their assignment streams attach."""
+    def state_loaded(self) -> None:
+        """Call after loading the state from the store (and at the start): a mailbox for every alive worker of
+        the state, where notices for it queue until its assignment stream attaches; the leases loaded count
+        from the load, not from this process's last tick (:meth:`tick`), however long ago that was."""
+        self._ticked = None
         for node, worker in self.state.workers.items():
             if worker.alive:
                 self.mailboxes.setdefault(node, Mailbox(node))
@@ -202,8 +210,19 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     # ----- driven by the server -----
 
     def tick(self) -> list[str]:
-        """Expire leases and due releases now; returns the workers that died."""
-        dead = self.state.tick(self.clock())
+        """Expire leases and due releases now; returns the workers that died. Time this process did not watch
+        pass since the last tick (the wall clock stepped, or the process or its host was suspended: more than
+        half a lease between ticks, which come every scan period) does not count against leases and releases."""
+        now, watch = self.clock(), self.monotonic()
+        if self._ticked is not None:
+            unseen = (now - self._ticked[0]) - min(watch - self._ticked[1], self.state.lease_s / 2)
+            if abs(unseen) >= CLOCK_STEP_S:
+                log.warning("%.1f s passed by the clock that this control plane did not watch (its wall clock "
+                            "stepped, or it was suspended): leases and keep-alive releases keep the time they had "
+                            "left", unseen)
+                self.state.shift_deadlines(unseen)
+        self._ticked = (now, watch)
+        dead = self.state.tick(now)
         for node in dead:
             log.warning("worker lease lapsed node=%s: marked dead, left its plans", node)
             self._close_mailbox(node)

@@ -316,6 +316,18 @@ class ControlState:
             self._forget(node)
         return dead
 
+    def shift_deadlines(self, seconds: float) -> None:
+        """Move every lease's and keep-alive release's end ``seconds`` later (earlier if negative): the clock
+        ``now`` comes from moved that much while this control plane did not watch it (a step of the wall clock, a
+        suspended host or process), so each keeps the time it had left. Straggler measurements restart (their
+        rates would span the step)."""
+        for worker in self.workers.values():
+            worker.lease_expires += seconds
+        for key in self.releases:
+            self.releases[key] += seconds
+            self.dirty.releases.add(key)
+        self.progress.clear()
+
     def _lapse(self, nodes: Collection[str], *, keep_releases: bool = False) -> None:
         """``nodes`` are dead as if their lease lapsed: they leave every plan and availability, must register
         again, and then get a plan for the rest of what they were receiving. ``keep_releases``: their keep-alive

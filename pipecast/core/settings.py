@@ -129,7 +129,8 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(2.0, gt=0, description="worker heartbeat interval, as the control plane tells its "
                                                       "workers; at most half of lease_s")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of one control-plane call")
-    control_scan_s: float | None = Field(None, gt=0, description="lease scan interval (unset: min(heartbeat, lease/4))")
+    control_scan_s: float | None = Field(
+        None, gt=0, description="lease scan interval (unset: min(heartbeat, lease/4)); at most lease/4")
     control_flush_s: float = Field(0.5, gt=0,
                                    description="how often the control plane writes its state to its database")
     control_metrics_port: int | None = Field(None, ge=0, le=65535,

@@ -931,6 +931,27 @@ class SlowStore(SqliteStore):
         self.events_written.append([row[0] for _, table, rows in changes if table == "scale_events" for row in rows])
 
 
+def test_time_the_control_plane_did_not_watch_pass_lapses_no_lease():
+    wall, watch = [1000.0], [0.0]
+    state = ControlState(lease_s=10.0)
+    service = ControlPlaneService(state, ControlMetrics(state), heartbeat_s=2.0, clock=lambda: wall[0],
+                                  monotonic=lambda: watch[0])
+    state.register(spec("w1"), {}, now=wall[0])  # silent from now on: its lease ends at 1010 as the scans see it
+
+    def scan(by_clock: float, watched: float) -> list[str]:
+        wall[0] += by_clock
+        watch[0] += watched
+        return service.tick()
+
+    assert scan(0, 0) == []
+    assert scan(3600, 1) == []  # the wall clock stepped an hour ahead: 1 s of the lease gone, not an hour
+    assert scan(100, 100) == []  # suspended 100 s: at most half a lease of it counts (5 s)
+    assert scan(-7200, 1) == []  # stepped two hours back: 1 s more gone, not two hours given
+    assert [scan(1, 1) for _ in range(3)] == [[], [], ["w1"]]  # 1 + 5 + 1 + 3 s: its lease, counted
+    service.state_loaded()  # a state loaded from the store: its leases count from the load, not the last scan
+    assert scan(3600, 1) == [] and service._ticked == (wall[0], watch[0])
+
+
 def slow_service(tmp_path: Path, fails: bool) -> tuple[SlowStore, ControlState, ControlPlaneService]:
     """A service on a :class:`SlowStore` with a published package, its deployment and one scale event to write."""
     store = SlowStore(tmp_path / "cp.sqlite3", fails)
@@ -1031,7 +1052,7 @@ async def test_routers_are_shown_a_route_change_only_once_it_is_written(server, 
         assert db.execute("SELECT count(*) FROM routes").fetchone() == (1,)
 
 
-def test_a_lease_shorter_than_two_heartbeats_is_refused_at_start(tmp_path):
+def test_a_lease_shorter_than_two_heartbeats_or_four_scans_is_refused_at_start(tmp_path):
     with pytest.raises(SettingsError, match=re.escape(
             "heartbeat_s 2 is more than half of lease_s 3.5: workers' leases would lapse between heartbeats; make "
             "lease_s at least twice heartbeat_s")):
@@ -1039,7 +1060,11 @@ def test_a_lease_shorter_than_two_heartbeats_is_refused_at_start(tmp_path):
                                                       db_path=tmp_path / "cp.sqlite3"))
     with pytest.raises(SettingsError, match="heartbeat_s 0.15 is more than half of lease_s 0.25"):
         ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=0.25))
-    ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=2 * HEARTBEAT_S)).store.close()  # two: enough
+    ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=2 * HEARTBEAT_S, scan_interval_s=None)).store.close()
+    with pytest.raises(SettingsError, match=re.escape(
+            "control_scan_s 1 is more than a quarter of lease_s 3: lapsed leases would be found late, and a gap of "
+            "half a lease between scans is taken for time the control plane did not watch")):
+        ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=3.0, scan_interval_s=1.0))
 
 
 async def test_list_workers_shows_a_worker_as_it_registered_last(client):

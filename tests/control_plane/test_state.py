@@ -13,7 +13,7 @@ from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.placement import CHAIN_MIN_RECEIVERS
 from control_plane.planner.plan import Fetch, Plan
 from control_plane.planner.schedules import InFlight
-from control_plane.state import ActivePlan, ControlState, Notice, ScaleUpResult
+from control_plane.state import ActivePlan, ControlState, Dirty, Notice, ScaleUpResult
 from control_plane.store_sqlite import SqliteStore
 from pipecast.v1.manifest_pb2 import Block, Manifest
 
@@ -809,6 +809,21 @@ def test_release_with_keep_alive_stays_a_source_until_it_drops():
     assert "w0" not in state.availability["pkg"].by_worker
     assert Notice("w0", UpdateKind.DROP, "pkg") in state.notices
     assert state.plans[result.plan_id].plan.sources == ("store",)  # re-planned without w0
+
+
+def test_shifted_deadlines_keep_the_time_they_had_left():
+    state = cluster(2)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)  # w0's lease: to 1 + LEASE; w1's: to LEASE
+    state.release("pkg", ["w0"], keep_alive_s=5, now=2)  # drops at 7
+    state.dirty = Dirty()
+    state.shift_deadlines(3600.0)  # the clock stepped an hour ahead, unwatched
+    assert state.dirty.releases == {("pkg", "w0")}  # stored again
+    assert state.tick(now=3600 + 6) == [] and ("pkg", "w0") in state.releases
+    assert state.tick(now=3600 + 7) == [] and ("pkg", "w0") not in state.releases
+    assert state.tick(now=3600 + LEASE) == ["w1"]
+    state.shift_deadlines(-7200.0)  # and two hours back: w0's lease still ends a second later
+    assert state.tick(now=-3600 + LEASE + 0.5) == []
+    assert state.tick(now=-3600 + LEASE + 1) == ["w0"]
 
 
 def test_scale_up_during_keep_alive_takes_the_worker_back():
