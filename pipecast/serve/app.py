@@ -195,6 +195,10 @@ async def stage_call(request: web.Request) -> web.Response:
             return _stage_error(f"this worker serves package {str(worker.package_id)[:12]}, the call is for "
                                 f"{call.package[:12]} (a route listed before a rollout)", 409)
         last = not call.following
+        if last != (call.layers.stop == runner.model.num_layers):  # a route's stages must end at the model's end
+            raise PipelineProtocolError(
+                f"layers {call.layers.start}-{call.layers.stop - 1} of the model's {runner.model.num_layers} with "
+                f"{len(call.following)} stage(s) after them: only the stage whose layers end the model's is the last")
         norm_only = call.norm_only and last
         out = await worker.stage_queue.call(runner.run, session, call.layers, call.position, hidden=hidden,
                                             params=call.params, norm_only=norm_only, deadline=deadline,

@@ -65,6 +65,9 @@ DISSOLVE_CHOICES = (DISSOLVE_AUTO, DISSOLVE_MOVE, DISSOLVE_FINISH)
 STEPS_KEPT = 8
 #: Closing sessions along the route is best effort within this (s): stages drop idle sessions anyway.
 CLOSE_TIMEOUT_S = 2.0
+#: A stage passes the next one the step's time left less this (at most a tenth of it), so that a stage that
+#: never answers is timed out by the one before it, which names it, before that one's caller gives up on it.
+HOP_MARGIN_S = 0.2
 #: Most stages a route may name.
 MAX_ROUTE_STAGES = 64
 #: Longest deadline a stage call may carry (s): a hostile caller cannot hold a stage's waits for longer.
@@ -496,7 +499,8 @@ class StageClient:
         left = deadline - time.monotonic()
         if left <= 0:
             raise StageFailedError(hop.url, "the step's deadline passed before the call")
-        call = StageCall(session, hop.layers, position, left, tuple(hops[1:]), params, norm_only, package)
+        call = StageCall(session, hop.layers, position, left - min(HOP_MARGIN_S, left / 10), tuple(hops[1:]), params,
+                         norm_only, package)
         try:
             async with self._http().post(hop.url + STAGE_PATH, data=encode_frame(call.header(), hidden),
                                          headers={**self.headers, "Content-Type": "application/octet-stream"},

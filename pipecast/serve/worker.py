@@ -605,13 +605,14 @@ class ServingWorker:
         if self._error is not None:
             raise ModelUnavailableError(self._error)
 
-    async def _wait_servable(self) -> None:
-        """Until the model (the whole model with ``wait_full_load``) and its tokenizer are in."""
+    async def _wait_servable(self, whole: bool) -> None:
+        """Until the model (with ``whole`` and ``wait_full_load``, the whole model) and its tokenizer are in."""
         while True:
             self._check_open()
             if self._codec is None:
                 self._codec_wanted.set()
-            if self._codec is not None and (not self.config.wait_full_load or self._model.fully_loaded.is_set()):
+            if self._codec is not None and (not (whole and self.config.wait_full_load)
+                                            or self._model.fully_loaded.is_set()):
                 return
             await self._change.wait()
 
@@ -631,7 +632,9 @@ class ServingWorker:
             raise WorkerBusyError(self.queue_depth, self.config.retry_after_s)
         self._held += 1
         try:
-            await self._wait_servable()
+            # A request through a pipeline needs of this worker only the stage it heads, which waits for its own
+            # layers: waiting for the whole model here (wait_full_load) would give the pipeline nothing to do.
+            await self._wait_servable(whole=route is None)
             if request.model not in (self.model_name, self.package_id):
                 raise ModelNotServedError(request.model, self.model_name)
             codec = self._codec  # kept: released and back while the prompt is tokenized, the worker has none a while

@@ -56,7 +56,7 @@ from pipecast.serve import worker as worker_module
 from pipecast.serve.app import build_app
 from pipecast.serve.worker import ServingWorker, WorkerConfig
 from tests.router.test_app import eventually
-from tests.serve.test_app import CLIENT_TIMEOUT, serving, wait_health
+from tests.serve.test_app import CLIENT_TIMEOUT, health, serving, wait_health
 from tests.support import packages
 from tests.support.engine_fixtures import GatedAgent, random_prompt
 from tests.support.agent_processes import free_ports
@@ -302,6 +302,39 @@ async def test_a_worker_learns_the_serving_key_from_its_agent_waits_for_it_and_f
         await server.close()
 
 
+async def test_a_stage_that_never_answers_is_named_by_the_stage_before_it(pkg):
+    """Each stage passes the next a little less time than it has: the stage before a hung one times it out
+    first and names it, before its own caller gives up on it."""
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # accepts, reads, never answers
+        writer.close()
+
+    hung_server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    hung = f"http://127.0.0.1:{hung_server.sockets[0].getsockname()[1]}"
+    config = WorkerConfig(str(pkg), pipeline_step_timeout_s=2.0)
+    try:
+        async with serving(config) as (a, _, _, http), serving(config) as (b, _, _, _):
+            status, answer = await post(http, a, completion(4),
+                                        {PIPELINE_HEADER: route([(a, 0, 2), (b, 2, 4), (hung, 4, 6)])})
+    finally:
+        hung_server.close()
+    assert status == 503 and answer["error"]["message"].startswith(f"pipeline stage {hung} failed: "), answer
+
+
+async def test_a_head_that_waits_for_the_whole_model_serves_its_pipelines_at_once(pkg, reference):
+    """``wait_full_load`` holds the worker's own requests until it holds the whole model; a request through a
+    pipeline it heads needs only its stage's layers."""
+    agent = GatedAgent(pkg)
+    agent.release(*range(len(agent.buffers) - 1))  # all but the last layer's block
+    async with serving(WorkerConfig(str(pkg), agent=agent, wait_full_load=True)) as (a, _, _, http), \
+            serving(WorkerConfig(str(pkg))) as (b, _, _, _):
+        async with asyncio.timeout(20):
+            status, answer = await post(http, a, completion(6), {PIPELINE_HEADER: route([(a, 0, 3), (b, 3, 6)])})
+        assert status == 200 and answer["choices"][0]["token_ids"] == reference(PROMPT, 6), answer
+        assert (await health(http, a))["status"] == "loading"  # served through the pipeline, loading its own copy
+        agent.release()
+
+
 async def test_stage_calls_with_bad_frames_are_answered_400(pkg):
     async with serving(WorkerConfig(str(pkg))) as (a, _, _, http):
         async with http.post(f"{a}/v1/stage", data=raw_frame({"a": 1}, b"")) as response:
@@ -313,6 +346,15 @@ async def test_stage_calls_with_bad_frames_are_answered_400(pkg):
             answer = await response.json()
         assert response.status == 400 and "hidden states must be [1, positions, 64], got [1, 3, 7]" in \
             answer["error"]["message"]
+        # only the stage whose layers end the model's is the last: the others name a stage after them
+        for layers, following in (([2, 4], []), ([2, 6], [{"url": a, "layers": [6, 7]}])):
+            frame = encode_frame({"session": "s", "layers": layers, "position": 0, "params": None,
+                                  "next": following, "deadline_s": 5}, torch.zeros(1, 3, 64))
+            async with http.post(f"{a}/v1/stage", data=frame) as response:
+                answer = await response.json()
+            assert response.status == 400 and answer["error"]["message"] == (
+                f"layers {layers[0]}-{layers[1] - 1} of the model's 6 with {len(following)} stage(s) after them: only "
+                "the stage whose layers end the model's is the last"), answer
         async with aiohttp.ClientSession() as other:
             async with other.post(f"{a}/v1/stage/close", json={"session": "nope"}) as response:
                 assert response.status == 200
