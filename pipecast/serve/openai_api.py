@@ -30,10 +30,11 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 SSE_DONE = b"data: [DONE]\n\n"
 
-# Accepted only at the value that means "off" (the engine has no such feature): field -> accepted values.
+# Accepted only at the value that means "off" (the engine has no such feature): field -> accepted values (the
+# penalties are numbers: clients typed with floats send 0.0).
 _OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,), "suffix": (None, ""),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
 }
 _KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options",
           "return_token_ids", "user", *_OFF_ONLY}

@@ -886,6 +886,8 @@ def test_chat_requests_are_checked_field_by_field():
     assert parse_chat_request({"model": "m", "messages": CHAT, "max_tokens": 5,
                                "max_completion_tokens": 7}).max_tokens == 7  # the newer name wins
     assert parse_chat_request({"model": "m", "messages": CHAT}).max_tokens is None
+    # "off" as clients typed with floats send it
+    assert parse_chat_request({"model": "m", "messages": CHAT, "presence_penalty": 0.0, "frequency_penalty": 0.0})
     for fields, message in (
             ({"messages": []}, "messages: required: a non-empty list of {role, content} objects"),
             ({"messages": [{"role": "user"}]}, "messages[0].content: must be a string or a list of"),
@@ -895,6 +897,7 @@ def test_chat_requests_are_checked_field_by_field():
              "messages[0].tool_calls: is not supported"),
             ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name: must be a string, got 5"),
             ({"n": 2}, "n: 2 is not supported"), ({"prompt": "x"}, "prompt: unknown field"),
+            ({"presence_penalty": 0.5}, "presence_penalty: 0.5 is not supported (accepted: null or 0 or 0.0)"),
             ({"max_completion_tokens": 0}, "max_completion_tokens: must be at least 1, got 0")):
         with pytest.raises(RequestFieldError, match=re.escape(message)):
             parse_chat_request({"model": "m", "messages": CHAT, **fields})
