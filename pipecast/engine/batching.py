@@ -214,7 +214,15 @@ class StepScheduler:
         hidden = m.embed(ids)
         rope = m.position_embeddings(hidden, position_ids)
         masks = {w: decode_mask(positions, w, m.device) for w in set(m.skeleton.windows)}
-        cache = self.kv.step(positions)
+        try:
+            cache = self.kv.step(positions)
+        except RuntimeError as exc:  # out of memory growing the cache (torch's OOM errors are RuntimeErrors)
+            # Only the sequences past the room held needed more: they fail, the others go on in the next step.
+            needing = [s for s in self.decoding if s.length >= self.kv.capacity]
+            if len(needing) == len(self.decoding):
+                raise
+            self._abort(needing, exc)
+            return
         for layer in range(m.num_layers):
             hidden = m.run_layer(layer, hidden, position_embeddings=rope, position_ids=position_ids,
                                  mask=masks[m.window(layer)], cache=cache)
@@ -247,3 +255,8 @@ class StepScheduler:
                 self.decoding[row] = last
         if not self.decoding:
             self.kv.shrink()
+        elif rows:  # a long request ended beside short ones: its room is not kept for them
+            try:
+                self.kv.fit(max(s.length for s in self.decoding) + 1, len(self.decoding))
+            except RuntimeError as exc:  # no memory for the smaller copy: the cache stays as it was, usable
+                logger.warning("engine: could not give back KV cache room: %s", exc)

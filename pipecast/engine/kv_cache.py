@@ -74,18 +74,23 @@ class PrefillCache:
 class SlotKVCache:
     """Per layer, keys and values of shape [rows, kv_heads, capacity, head_dim]; one row per sequence.
 
-    ``windows``: each layer's sliding-window size, or None for full attention (one per layer).
-    Memory is allocated on first use and grows in steps of CAPACITY_STEP tokens (at least doubling), never past
-    ``max_positions`` (the model's, when it has a limit); :meth:`shrink` frees it when no row is in use.
+    ``windows``: each layer's sliding-window size, or None for full attention (one per layer); ``rows``: the
+    most rows (sequences decoding at once).
+    Memory is allocated on first use, for the rows in use (a power of two of them, at most ``rows``), and grows in
+    steps of CAPACITY_STEP tokens (at least doubling), never past ``max_positions`` (the model's, when it has a
+    limit); :meth:`fit` gives back what the rows in use no longer need, :meth:`shrink` what grew once none is.
+    Every row has the longest row's capacity (a batched step attends over one view of them): held, a long
+    request's room is paid for by each row held beside it, not by every row the batch could have.
     Unused positions hold zeros, never garbage: masked positions still enter SDPA's products.
     """
 
     def __init__(self, *, windows: Sequence[int | None], num_kv_heads: int, head_dim: int, rows: int,
                  dtype: "torch.dtype", device: "torch.device", max_positions: int | None = None):
         self.windows = tuple(windows)
-        self.num_layers, self.num_kv_heads, self.head_dim, self.rows = len(windows), num_kv_heads, head_dim, rows
+        self.num_layers, self.num_kv_heads, self.head_dim, self.max_rows = len(windows), num_kv_heads, head_dim, rows
         self.dtype, self.device, self.max_positions = dtype, device, max_positions
         self.capacity = 0
+        self.rows = 0  # rows allocated
         self.keys: list["torch.Tensor"] = []
         self.values: list["torch.Tensor"] = []
 
@@ -94,48 +99,79 @@ class SlotKVCache:
         """Bytes allocated for keys and values."""
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def reserve(self, tokens: int) -> None:
-        """Make room for ``tokens`` positions per row (keeping what is stored).
+    def reserve(self, tokens: int, rows: int = 1) -> None:
+        """Make room for ``tokens`` positions in each of ``rows`` rows (keeping what is stored).
 
         Layers grow one at a time, each old tensor freed as its grown one replaces it: the peak is what is held
-        plus one grown tensor, not a second copy of every layer. ``capacity`` is set once all have grown, so an
-        allocation that fails (out of memory) leaves every layer usable at the old capacity at least (some at the
-        new), and a later call grows only the rest.
+        plus one grown tensor, not a second copy of every layer. ``capacity`` and ``rows`` are set once all have
+        grown, so an allocation that fails (out of memory) leaves every layer usable at the old size at least
+        (some at the new), and a later call grows only the rest.
         """
-        if tokens <= self.capacity:
+        if tokens <= self.capacity and rows <= self.rows:
             return
-        capacity = max(2 * self.capacity, -(-tokens // CAPACITY_STEP) * CAPACITY_STEP)
-        if self.max_positions:  # requests are refused past the model's positions: room beyond them is waste
-            capacity = min(capacity, self.max_positions)
-        for layer in range(self.num_layers):
-            for store in (self.keys, self.values):
-                self._grow(store, layer, capacity)
-        self.capacity = capacity
+        capacity = self.capacity
+        if tokens > capacity:
+            capacity = max(2 * capacity, -(-tokens // CAPACITY_STEP) * CAPACITY_STEP)
+            if self.max_positions:  # requests are refused past the model's positions: room beyond them is waste
+                capacity = min(capacity, self.max_positions)
+        held = max(self.rows, self._rows_for(rows))
+        self._resize(capacity, held, grow=True)
 
-    def _grow(self, store: list["torch.Tensor"], layer: int, capacity: int) -> None:
+    def fit(self, tokens: int, rows: int) -> None:
+        """Give back what ``rows`` rows in use of at most ``tokens`` positions do not need: the capacity once it is
+        twice theirs or more (a long request ended beside short ones), the rows once they are twice or more."""
+        capacity = max(-(-tokens // CAPACITY_STEP) * CAPACITY_STEP, CAPACITY_STEP)
+        held = self._rows_for(rows)
+        if self.capacity >= 2 * capacity or self.rows >= 2 * held:
+            self._resize(min(capacity, self.capacity), min(held, self.rows), grow=False)
+
+    def _rows_for(self, rows: int) -> int:
+        """The rows allocated for ``rows`` in use: the power of two at or above (so that a batch filling up
+        reallocates log2 times, not once per sequence), at most ``max_rows``."""
+        return min(1 << max(rows - 1, 0).bit_length(), self.max_rows)
+
+    def _resize(self, capacity: int, rows: int, *, grow: bool) -> None:
+        try:
+            for layer in range(self.num_layers):
+                for store in (self.keys, self.values):
+                    self._replace(store, layer, capacity, rows, grow)
+        except BaseException:
+            # Failed part way (out of memory): what every layer holds at least is what may be used.
+            if len(self.values) == self.num_layers:
+                held = self.keys + self.values
+                self.capacity, self.rows = min(t.shape[2] for t in held), min(t.shape[0] for t in held)
+            raise
+        self.capacity, self.rows = capacity, rows
+
+    def _replace(self, store: list["torch.Tensor"], layer: int, capacity: int, rows: int, grow: bool) -> None:
         import torch
 
         old = store[layer] if layer < len(store) else None
-        if old is not None and old.shape[2] >= capacity:  # grown by an earlier call that failed on a later layer
-            return
-        grown = torch.zeros((self.rows, self.num_kv_heads, capacity, self.head_dim), dtype=self.dtype,
-                            device=self.device)
+        if old is not None and (old.shape[0], old.shape[2]) == (rows, capacity):
+            return  # done by an earlier call that failed on a later layer
+        if grow and old is not None:
+            if old.shape[0] >= rows and old.shape[2] >= capacity:
+                return
+            # Grown further by a failed call already (capacity): what it holds is kept.
+            rows, capacity = max(rows, old.shape[0]), max(capacity, old.shape[2])
+        new = torch.zeros((rows, self.num_kv_heads, capacity, self.head_dim), dtype=self.dtype, device=self.device)
         if old is None:
-            store.append(grown)
-        else:
-            grown[:, :, :old.shape[2]] = old
-            store[layer] = grown
+            store.append(new)
+            return
+        kept_rows, kept = min(rows, old.shape[0]), min(capacity, old.shape[2])
+        new[:kept_rows, :, :kept] = old[:kept_rows, :, :kept]
+        store[layer] = new
 
     def shrink(self) -> None:
         """Free the keys and values once any grew past CAPACITY_STEP (call it when no row is in use): a long
-        request's room, allocated for every row, is not kept after it; the next use allocates what it needs."""
+        request's room is not kept after it; the next use allocates what it needs."""
         # The tensors, not ``capacity``: a growth that failed part way left some layers larger than it.
         if any(t.shape[2] > CAPACITY_STEP for t in self.keys + self.values):
-            self.keys, self.values, self.capacity = [], [], 0
+            self.keys, self.values, self.capacity, self.rows = [], [], 0, 0
 
     def write_prompt(self, row: int, prompt: PrefillCache, length: int) -> None:
         """Store a prefilled prompt's ``length`` positions in ``row`` (zeros after them)."""
-        self.reserve(length)
+        self.reserve(length, row + 1)
         for layer in range(self.num_layers):
             self.keys[layer][row, :, :length] = prompt.keys[layer][0]
             self.values[layer][row, :, :length] = prompt.values[layer][0]
@@ -158,7 +194,7 @@ class SlotKVCache:
 
     def step(self, positions: list[int]) -> "DecodeStep":
         """The cache view of one decode step: row ``s`` writes its new token at ``positions[s]``."""
-        self.reserve(max(positions) + 1)
+        self.reserve(max(positions) + 1, len(positions))
         return DecodeStep(self, positions)
 
 

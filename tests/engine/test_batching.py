@@ -17,6 +17,7 @@ from pipecast.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
+from pipecast.engine.kv_cache import CAPACITY_STEP
 from pipecast.engine.providers import DelayedProvider, PackageFolderProvider
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.streams import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
@@ -325,8 +326,40 @@ def test_the_cache_grows_no_further_than_the_models_positions_and_is_freed_when_
         engine.wait_loaded(timeout=30)
         kv, capacities = engine.scheduler.kv, []
         reserve = kv.reserve
-        monkeypatch.setattr(kv, "reserve", lambda tokens: (reserve(tokens), capacities.append(kv.capacity)))
+        monkeypatch.setattr(kv, "reserve",
+                            lambda tokens, rows=1: (reserve(tokens, rows), capacities.append(kv.capacity)))
         assert len(engine.generate(random_prompt(280, 1), SamplingParams(max_tokens=300), timeout=60)) == 300
         assert max(capacities) == 600  # 512 doubled would be 1024
         wait_until(lambda: kv.nbytes == 0)
         assert engine.generate(PROMPT, SamplingParams(max_tokens=3), timeout=30)
+
+
+def test_a_decode_step_out_of_memory_for_a_long_request_fails_it_alone(tiny_package, monkeypatch):
+    """The cache grows for the furthest row; when that fails, the rows within the room held go on (every request of
+    the batch failed with it)."""
+    pkg = tiny_package("llama", max_position_embeddings=600).path
+    with Engine(PackageFolderProvider(pkg), max_batch=4).start() as engine:
+        engine.wait_loaded(timeout=30)
+        long_prompt, short_prompt = random_prompt(CAPACITY_STEP - 6, 1), random_prompt(9, 2)
+        short_alone = solo(engine, short_prompt, max_tokens=30)
+        kv, scheduler = engine.scheduler.kv, engine.scheduler
+        reserve, decode, gate = kv.reserve, scheduler._decode, threading.Event()
+
+        def scarce(tokens, rows=1):
+            if tokens > CAPACITY_STEP:
+                raise torch.OutOfMemoryError("out of memory (simulated)")
+            reserve(tokens, rows)
+
+        def gated():  # the first decode step waits for the short request: it joins the batch
+            gate.wait(10)
+            decode()
+
+        monkeypatch.setattr(kv, "reserve", scarce)
+        monkeypatch.setattr(scheduler, "_decode", gated)
+        long = engine.submit(long_prompt, SamplingParams(max_tokens=20))
+        wait_until(lambda: len(long.tokens) == 1)
+        short = engine.submit(short_prompt, SamplingParams(max_tokens=30))
+        gate.set()
+        with pytest.raises(EngineError, match=r"^the engine failed while running this request: out of memory"):
+            long.result(timeout=30)
+        assert short.result(timeout=30) == short_alone

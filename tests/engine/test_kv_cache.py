@@ -53,8 +53,8 @@ def test_capacity_grows_in_steps_at_least_doubling_and_keeps_what_is_stored():
     slots = cache()
     assert slots.capacity == 0 and slots.nbytes == 0  # nothing allocated before first use
     slots.write_prompt(1, prompt := prompt_cache(5, seed=1), 5)
-    assert slots.capacity == CAPACITY_STEP
-    assert slots.nbytes == 2 * LAYERS * 3 * HEADS * CAPACITY_STEP * DIM * 4
+    assert slots.capacity == CAPACITY_STEP and slots.rows == 2  # rows 0 and 1, not the 3 the cache may have
+    assert slots.nbytes == 2 * LAYERS * 2 * HEADS * CAPACITY_STEP * DIM * 4
     slots.reserve(CAPACITY_STEP + 1)
     assert slots.capacity == 2 * CAPACITY_STEP
     slots.reserve(5 * CAPACITY_STEP - 10)
@@ -110,6 +110,44 @@ def test_shrinking_frees_what_grew_past_one_step_and_the_next_use_allocates_what
     assert slots.capacity == 0 and slots.nbytes == 0
     slots.write_prompt(0, prompt := prompt_cache(5, seed=1), 5)
     assert slots.capacity == CAPACITY_STEP and torch.equal(slots.keys[1][0, :, :5], prompt.keys[1][0])
+
+
+def test_rows_are_allocated_for_the_rows_in_use_a_power_of_two_of_them_at_most_the_caches():
+    """Every row the batch could have was allocated at the longest row's capacity: one long request alone held
+    max_batch times its room."""
+    slots = cache(rows=6)
+    slots.step([5])
+    assert slots.rows == 1 and slots.nbytes == 2 * LAYERS * 1 * HEADS * CAPACITY_STEP * DIM * 4
+    slots.write_prompt(2, prompt := prompt_cache(5, seed=1), 5)  # a third row in use
+    assert slots.rows == 4 and torch.equal(slots.keys[1][2, :, :5], prompt.keys[1][0])
+    slots.step([1] * 5)
+    assert slots.rows == 6
+
+
+def test_fitting_gives_back_the_room_the_rows_in_use_no_longer_need_and_keeps_what_they_hold():
+    slots = cache(rows=8)
+    slots.reserve(3 * CAPACITY_STEP, rows=8)
+    slots.write_prompt(1, prompt := prompt_cache(5, seed=1), 5)
+    slots.fit(CAPACITY_STEP + 1, 5)  # half the capacity or more, and more than half the rows, still needed
+    assert (slots.capacity, slots.rows) == (3 * CAPACITY_STEP, 8)
+    slots.fit(6, 2)  # the long request ended: two short rows left
+    assert (slots.capacity, slots.rows) == (CAPACITY_STEP, 2)
+    assert [tuple(t.shape) for t in slots.keys] == [(2, HEADS, CAPACITY_STEP, DIM)] * LAYERS
+    assert torch.equal(slots.keys[1][1, :, :5], prompt.keys[1][0]) and torch.equal(
+        slots.values[0][1, :, :5], prompt.values[0][0])
+
+
+def test_fitting_that_runs_out_of_memory_part_way_leaves_what_every_layer_holds_usable(monkeypatch):
+    slots = cache(rows=4)
+    slots.reserve(3 * CAPACITY_STEP, rows=4)
+    slots.write_prompt(0, prompt := prompt_cache(5, seed=1), 5)
+    patch_zeros(monkeypatch, fail_at=2)  # layer 0's keys fit, its values do not
+    with pytest.raises(torch.OutOfMemoryError):
+        slots.fit(6, 1)
+    monkeypatch.undo()
+    assert (slots.capacity, slots.rows) == (CAPACITY_STEP, 1)  # the smallest a layer holds now
+    keys, _ = slots.step([5]).update(torch.zeros(1, HEADS, 1, DIM), torch.zeros(1, HEADS, 1, DIM), 0)
+    assert torch.equal(keys[0, :, :5], prompt.keys[0][0])
 
 
 def patch_zeros(monkeypatch, fail_at: int | None = None) -> list[weakref.ref]:
