@@ -16,6 +16,10 @@ from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
 
 # Tokens of the prompt decoded with the first generated ones, so a leading space comes out right.
 PROMPT_CONTEXT_TOKENS = 5
+#: Tokens held back at most while their text is incomplete or has not grown: no character takes more (a byte-level
+#: tokenizer spends one token a byte, 4 at most); beyond, they come out as they decode (replacement characters, or
+#: nothing for skipped special tokens) instead of being decoded again with every token after them.
+MAX_HELD_TOKENS = 16
 _INCOMPLETE = "\ufffd"  # what a decoder gives for bytes that are not a whole UTF-8 character (yet)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 NORMALIZER_SLACK = 4
@@ -121,7 +125,8 @@ class IncrementalDetokenizer:
             return ""
         before = self._codec.decode(self._ids[self._prefix:self._read])
         text = self._codec.decode(self._ids[self._prefix:])
-        if not final and (len(text) <= len(before) or text.endswith(_INCOMPLETE)):
+        settling = len(self._ids) - self._read <= MAX_HELD_TOKENS
+        if not final and settling and (len(text) <= len(before) or text.endswith(_INCOMPLETE)):
             self._held = text[len(before):].rstrip(_INCOMPLETE)
             return ""
         self._prefix, self._read = self._read, len(self._ids)

@@ -32,7 +32,7 @@ from pipecast.serve.app import build_app
 from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
 from pipecast.serve.metrics import RateMeter
 from pipecast.serve.openai_api import ChatMessage, CompletionRequest, parse_chat_request, parse_completion_request
-from pipecast.serve.text import CompletionText, IncrementalDetokenizer, StopMatcher, TextCodec
+from pipecast.serve.text import MAX_HELD_TOKENS, CompletionText, IncrementalDetokenizer, StopMatcher, TextCodec
 from pipecast.serve import worker as worker_module
 from pipecast.serve.worker import CODEC_BLOCKS_LEFT, CODEC_POLL_S, ServingWorker, WorkerConfig, codec_blocks_left
 from tests.support import packages
@@ -942,6 +942,22 @@ class SplitCharacterCodec:
 
 
 SPLIT_X = [ord("a"), 256, 0xB8, 0xAD, ord("b")]  # "ax中b", "x" in the token that begins "中"
+
+
+def test_tokens_that_never_settle_into_text_are_held_back_only_a_few_at_a_time():
+    """Bytes that are no UTF-8 (or special tokens, decoded to nothing) were held, and the whole run decoded again
+    with every token after it: quadratic in a degenerate generation's length, on the event loop."""
+    decoded = []
+
+    class Counting(SplitCharacterCodec):
+        def decode(self, ids) -> str:
+            decoded.append(len(ids))
+            return super().decode(ids)
+
+    detokenizer = IncrementalDetokenizer(Counting(), [])
+    deltas = [detokenizer.add(0x80) for _ in range(1000)]  # a continuation byte, again and again
+    assert max(decoded) <= 2 * (MAX_HELD_TOKENS + 1)
+    assert "".join(deltas) + detokenizer.flush() == "\ufffd" * 1000
 
 
 def test_a_stop_string_ends_the_text_at_the_token_completing_it_though_that_token_splits_a_character():
