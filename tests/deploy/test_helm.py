@@ -5,6 +5,9 @@ Secrets, the agent and its serving worker sharing what the zero-copy path needs,
 tests/integration/test_chart.py runs the rendered commands."""
 
 import re
+import tempfile
+import tomllib
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -12,7 +15,8 @@ import yaml
 from kubernetes_validate.utils import all_versions
 from packaging.version import Version
 
-from tests.support.helm import CHART, NAMESPACE, SETUPS, HelmError, containers, lint, pod_spec, render, workload
+from tests.support.helm import (CHART, NAMESPACE, SETUPS, HelmError, containers, helm, lint, pod_spec, render,
+                                 value_args, workload)
 
 # What an operator passes at install time (README), with tokens no template could produce by itself.
 MASTER, ROUTER, NODE_TOKEN, STORE_TOKEN = "master-3f9c", "router-77ab", "node-c0d1", "store-e5f6"
@@ -38,6 +42,11 @@ def merged(*layers: dict) -> dict:
         for key, value in layer.items():
             out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+def containers_named(manifests: list[dict], name: str) -> dict[str, dict]:
+    """The containers of the workload ``name``, by their names."""
+    return {c["name"]: c for m, c in containers(manifests) if m["metadata"]["name"] == name}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -299,3 +308,96 @@ def test_gpu_nodes_run_the_cuda_build_of_the_image_by_default():
     assert every(default) == {f"pipecast:{version}"}
     assert images({"serve": {"device": "cpu"}})["pipecast-agent"] == {f"pipecast:{version}"}
     assert every(images({"image": {"tag": "mine"}})) == {"pipecast:mine"}
+
+
+def test_a_dotted_node_name_given_with_set_is_refused_naming_how_to_escape_it():
+    """Found in review: `--set auth.nodeTokens.ip-10-0-0-1.ec2.internal=...` (a node name as EKS gives them) nests
+    at the dots, and the chart wrote the token file ip-10-0-0-1.toml holding a map (no TOML) while that node's
+    agent looked for ip-10-0-0-1.ec2.internal.toml: it never started. The chart refuses it, saying how to escape
+    the dots; escaped, or from a values file, the node's file holds its token."""
+    files = ("values-single-node.yaml",)
+    with pytest.raises(HelmError, match=re.escape(
+            "auth.nodeTokens.ip-10-0-0-1 is a map, not a token: --set splits a node name at its dots "
+            "(ip-10-0-0-1.ec2.internal). Escape them (--set 'auth.nodeTokens.ip-10-0-0-1\\.ec2\\.internal=...') "
+            "or set auth.nodeTokens in a values file")):
+        render(files, INSTALL, "--set", "auth.nodeTokens.ip-10-0-0-1.ec2.internal=node-9a1b")
+    with pytest.raises(HelmError, match=re.escape("auth.nodeTokens.gpu-2 is not a string")):
+        render(files, INSTALL, "--set", "auth.nodeTokens.gpu-2=12345")
+    escaped = render(files, INSTALL, "--set", r"auth.nodeTokens.ip-10-0-0-1\.ec2\.internal=node-9a1b")
+    in_file = render(files, merged(INSTALL, {"auth": {"nodeTokens": {"ip-10-0-0-1.ec2.internal": "node-9a1b"}}}))
+    for manifests in (escaped, in_file):
+        files_of = workload(manifests, "Secret", "pipecast-node-tokens")["stringData"]
+        assert {k: tomllib.loads(v) for k, v in files_of.items()} == {
+            "gpu-1.toml": {"auth_token": NODE_TOKEN}, "store.toml": {"auth_token": STORE_TOKEN},
+            "ip-10-0-0-1.ec2.internal.toml": {"auth_token": "node-9a1b"}}
+    assert r"'auth.nodeTokens.ip-10-0-0-1\.ec2\.internal=...'" in (CHART / "values-single-node.yaml").read_text()
+
+
+@pytest.mark.parametrize("release", ["team-inference-staging-eu-west", "pipecast-inference-staging-eu-west-1a-2",
+                                     "a" * 53, "pipecast-" + "b" * 44])
+def test_a_long_release_name_still_gets_control_plane_pods(release):
+    """Found in review: fullname was cut to 40 characters, so the StatefulSet <fullname>-control-plane reached 54;
+    above 52 its pods' controller-revision-hash label (<name>-<10-character hash>) passes 63 characters and the
+    StatefulSet never makes a pod (kubernetes#64023). Up to helm's longest release name (53), every name fits,
+    and the clients still name the StatefulSet's pods through its Service."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = helm("template", release, CHART, "--namespace", NAMESPACE,
+                   *value_args((), merged(INSTALL, CASES["everything"][1]), Path(folder)))
+    manifests = [doc for doc in yaml.safe_load_all(out) if doc]
+    [statefulset] = [m for m in manifests if m["kind"] == "StatefulSet"]
+    name = statefulset["metadata"]["name"]
+    assert len(f"{name}-5d8f7c9b6f") <= 63, name
+    assert all(len(m["metadata"]["name"]) <= 63 for m in manifests)
+    service = statefulset["spec"]["serviceName"]
+    replica = f"{name}-0.{service}.{NAMESPACE}.svc:7000"
+    for manifest, container in containers(manifests):
+        if container.get("args", [""])[0] in ("agent", "router", "scaler"):
+            assert {e["name"]: e.get("value") for e in container["env"]}["PIPECAST_CONTROL_PLANE"] == replica
+
+
+def test_byte_counts_from_a_values_file_reach_the_processes_as_integers():
+    """Found in review: helm reads a plain number of a values file as a float, and the agent got
+    --memory=1.7179869184e+10 and PIPECAST_AGENT_CACHE_MAX_BYTES=2.147483648e+11, which it refuses. (render's
+    values go through a file, as an operator's would.)"""
+    sizes = {"agent": {"memory": 17179869184, "reserve": 2147483648, "cacheMaxBytes": 214748364800,
+                       "shmSize": 1073741824},
+             "controlPlane": {"persistence": {"size": 1073741824}}}
+    manifests = render((), merged(INSTALL, sizes))
+    daemonset = workload(manifests, "DaemonSet", "pipecast-agent")
+    agent = {c["name"]: c for c in pod_spec(daemonset)["containers"]}["agent"]
+    assert {"--memory=17179869184", "--reserve=2147483648"} <= set(agent["args"])
+    assert {e["name"]: e.get("value") for e in agent["env"]}["PIPECAST_AGENT_CACHE_MAX_BYTES"] == "214748364800"
+    volumes = {v["name"]: v for v in pod_spec(daemonset)["volumes"]}
+    assert str(volumes["shm"]["emptyDir"]["sizeLimit"]) == "1073741824"
+    [claim] = workload(manifests, "StatefulSet", "pipecast-control-plane")["spec"]["volumeClaimTemplates"]
+    assert str(claim["spec"]["resources"]["requests"]["storage"]) == "1073741824"
+    # Sizes in words stay as written.
+    assert "--memory=16GiB" in containers_named(render((), INSTALL), "pipecast-agent")["agent"]["args"]
+
+
+def test_the_values_say_the_chart_is_for_ipv4():
+    """Found in review: on IPv6 the chart's addresses ($(NODE_IP):port, http://$(NODE_IP):port, the probe's
+    POD_IP:port) lack brackets, which Kubernetes' $(VAR) expansion cannot add, and the servers listen on
+    0.0.0.0. The values say so: IPv4, and dual-stack with IPv4 as the primary family."""
+    text = (CHART / "values.yaml").read_text()
+    assert "IPv4 only" in text and "IPv4 must be its primary family" in text
+
+
+def test_a_worker_on_the_cpu_asks_for_no_gpu():
+    """Found in review: with serve.device=cpu the agent's pod still asked for nvidia.com/gpu: 1 and for a node
+    labelled with a GPU, so it waited for a GPU it never used (or took one). Only the chart's GPU defaults go:
+    other selectors stay; with any cuda device everything stays."""
+    def agent_pod(values: dict) -> tuple[dict, dict]:
+        spec = pod_spec(workload(render((), merged(INSTALL, values)), "DaemonSet", "pipecast-agent"))
+        return spec, {c["name"]: c for c in spec["containers"]}["serve"]
+
+    spec, serve = agent_pod({"serve": {"device": "cpu"}})
+    assert "nvidia.com/gpu" not in serve["resources"]["limits"] and serve["resources"]["limits"]["memory"] == "16Gi"
+    assert "nodeSelector" not in spec and "tolerations" not in spec
+    spec, _ = agent_pod({"serve": {"device": "cpu"}, "agent": {"nodeSelector": {"pool": "cpu"}}})
+    assert spec["nodeSelector"] == {"pool": "cpu"}
+    for device in ("cuda", "cuda:1"):
+        spec, serve = agent_pod({"serve": {"device": device}})
+        assert serve["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]

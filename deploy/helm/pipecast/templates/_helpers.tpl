@@ -1,10 +1,19 @@
-{{/* Names: the release's, or <release>-pipecast when the release name does not say pipecast. */}}
+{{/* Names: the release's, or <release>-pipecast when the release name does not say pipecast. At most 38
+characters: the control plane's StatefulSet, <fullname>-control-plane, must stay within 52, or its pods'
+controller-revision-hash label (<StatefulSet>-<10-character hash>) passes 63 and no pod is ever made
+(kubernetes#64023). */}}
 {{- define "pipecast.fullname" -}}
 {{- if contains .Chart.Name .Release.Name -}}
-{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- .Release.Name | trunc 38 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 38 | trimSuffix "-" -}}
 {{- end -}}
+{{- end -}}
+
+{{/* A byte count as the processes parse it: helm reads a plain number in a values file as a float, which
+would print as 1.7179869184e+10; a size in words ("16GiB") as given. */}}
+{{- define "pipecast.bytes" -}}
+{{- if kindIs "float64" . -}}{{ int64 . }}{{- else -}}{{ . }}{{- end -}}
 {{- end -}}
 
 {{- define "pipecast.labels" -}}
@@ -187,4 +196,19 @@ exec:
           health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
 periodSeconds: 10
 timeoutSeconds: 10
+{{- end -}}
+
+{{/* The dotted names of a map's leaves, comma-separated: what `--set` split at the dots into nested maps. Call
+with (list "ip-10-0-0-1" (dict "ec2" (dict "internal" "t"))): ip-10-0-0-1.ec2.internal. */}}
+{{- define "pipecast.dottedKeys" -}}
+{{- $value := index . 1 -}}
+{{- if kindIs "map" $value -}}
+{{- $names := list -}}
+{{- range $key, $inner := $value -}}
+{{- $names = append $names (include "pipecast.dottedKeys" (list (printf "%s.%s" (index $ 0) $key) $inner)) -}}
+{{- end -}}
+{{ join ", " $names }}
+{{- else -}}
+{{ index . 0 }}
+{{- end -}}
 {{- end -}}
