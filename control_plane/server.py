@@ -165,6 +165,7 @@ class ControlPlaneServer:
         self.store = open_store(config.db_path)
         self.book = DeploymentBook()
         self.metrics = ControlMetrics(self.state)
+        self.metrics.watch_leadership(lambda: self.gate.leading)
         self.service = ControlPlaneService(self.state, self.metrics, heartbeat_s=config.heartbeat_s,
                                            store=self.store, clock=clock, master=config.token, book=self.book,
                                            on_fenced=self._fenced)

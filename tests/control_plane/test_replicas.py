@@ -96,6 +96,9 @@ async def test_a_standby_names_the_leader_and_takes_over_at_once_when_it_stops(u
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert await health(standby.address) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert await health(leader.address) == health_pb2.HealthCheckResponse.SERVING
+        # a standby's gauges show an empty state: its leader gauge tells the leader's apart
+        assert [server.metrics.registry.get_sample_value("pipecast_control_leader")
+                for server in (leader, standby)] == [1.0, 0.0]
 
         async with ControlPlaneClient(f"{standby.address},{leader.address}", token=TOKEN, timeout_s=WAIT_S) as c:
             await c.publish_package(manifest(), STORE)  # followed to the leader

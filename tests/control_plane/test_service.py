@@ -457,7 +457,7 @@ async def _report_and_scrape(server, client):
 
     url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     metrics = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=WAIT_S).read().decode())
-    assert "pipecast_control_workers_alive 2.0" in metrics
+    assert "pipecast_control_workers_alive 2.0" in metrics and "pipecast_control_leader 1.0" in metrics
     assert f'pipecast_control_package_blocks{{package="{PKG}"}} 4.0' in metrics
     assert "pipecast_control_block_reports_total 3.0" in metrics
     assert 'pipecast_control_rpc_seconds_count{method="ReportBlocks"} 4.0' in metrics
