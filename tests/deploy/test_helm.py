@@ -401,3 +401,17 @@ def test_a_worker_on_the_cpu_asks_for_no_gpu():
         assert serve["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
         assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def test_replicated_control_planes_and_routers_are_drained_one_at_a_time(case):
+    """Without a disruption budget a node drain could evict every control-plane replica (anti-affinity is only
+    preferred) or every router at once."""
+    name, manifests = case
+    budgets = {m["metadata"]["name"]: m["spec"] for m in manifests if m["kind"] == "PodDisruptionBudget"}
+    replicated = {m["metadata"]["name"]: m for m in manifests if m["kind"] in ("StatefulSet", "Deployment")
+                  and m["spec"].get("replicas", 1) > 1}
+    assert budgets.keys() == replicated.keys(), name
+    for workload_name, budget in budgets.items():
+        assert budget["maxUnavailable"] == 1
+        labels = replicated[workload_name]["spec"]["template"]["metadata"]["labels"]
+        assert budget["selector"]["matchLabels"].items() <= labels.items()
