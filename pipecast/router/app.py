@@ -4,16 +4,17 @@ Endpoints:
 
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: the body goes to a worker unchanged, at the
   same path. While no worker can take it, the
-  request waits in the router's queue (beyond ``max_queue`` waiting: 429 with ``Retry-After``; past the
-  queue deadline, ``queue_timeout_s`` after its arrival: 503). A worker that fails before anything reached
-  the client is marked unavailable and the request goes to another one (at most ``max_retries`` times, then
+  request waits in the router's queue (beyond ``max_queue`` waiting in the router, every version's queue
+  counted: 429 with ``Retry-After``; past the queue deadline, ``queue_timeout_s`` after its arrival: 503). A
+  worker that fails before anything reached the client (a streaming one: before its first whole event)
+  is marked unavailable and the request goes to another one (at most ``max_retries`` times, then
   502 naming the workers; also 502 naming them when the retry finds no worker before the queue deadline). A
   worker's 429 sends the request back to the queue. Streaming answers (``text/event-stream``) are
   relayed event by event as they arrive; if the worker fails mid-stream, the client gets a final
   ``data: {"error": {...}}`` event and the stream ends (a stream the worker ends with an error event of
-  its own, or without ``data: [DONE]``, counts as failed too). Responses carry ``x-pipecast-worker`` and
-  ``x-pipecast-queue-seconds``; a streaming response's headers leave as soon as the worker answers
-  with its own headers, before the first token.
+  its own, or without ``data: [DONE]``, counts as failed too; a torn last event is dropped, never passed
+  on). Responses carry ``x-pipecast-worker`` and ``x-pipecast-queue-seconds``; a streaming response's
+  headers leave with the worker's first whole event, not before.
 - ``GET /health``: the router's own state; ``GET /v1/workers``: the pool; ``GET /v1/models``: the served
   names of the control plane's routes, each with its versions (package id, weight, workers), then the
   other models its workers serve or load (as their health polls name them), each with its package id and
@@ -45,7 +46,8 @@ any worker, which refuses a model it does not serve (404).
 
 Before its queue, the router admits each request for its tenant (:mod:`pipecast.router.admission`): with
 API keys configured, a request without a known ``Authorization: Bearer`` key gets 401
-(``authentication_error``); a tenant over its rate limit gets 429 (``rate_limited``) with ``Retry-After``.
+(``authentication_error``); a tenant over its rate limit gets 429 (``rate_limited``) with ``Retry-After``, its
+body unread (the connection closes where the body is not all in).
 Admitted requests wait for a worker in one queue per tenant and are dispatched fairly across tenants
 (:mod:`pipecast.router.fairness`): the next free slot goes to the tenant furthest below its share.
 
@@ -57,6 +59,7 @@ has ``upstream_timeout_s`` too to send its whole request body: a body not in by 
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -71,7 +74,7 @@ from pipecast.core.credentials import SERVING_KEY_HEADER, presents_key, serving_
 from pipecast.core.httpserve import BodyTimeoutError, BodyTooLargeError, decode_json_body, read_body
 from pipecast.core.settings import Settings
 from pipecast.core.strictjson import JSONInputError, loads
-from pipecast.router.admission import AdmissionConfig, AdmissionControl
+from pipecast.router.admission import Admission, AdmissionConfig, AdmissionControl
 from pipecast.router.discovery import DiscoveredPipeline, DiscoveredWorker, Discovery, RouteTable
 from pipecast.router.errors import (
     QueueFullError,
@@ -85,10 +88,12 @@ from pipecast.router.errors import (
     ViewKeyError,
     ViewKeyPendingError,
     WorkerBusyError,
+    WorkerError,
     WorkerFailedError,
     WorkerStreamError,
     describe_exception,
 )
+from pipecast.router.fairness import QueueBound
 from pipecast.router.health import HealthMonitor
 from pipecast.router.metrics import RouterMetrics
 from pipecast.router.pool import PIPELINE_MAX_IN_FLIGHT, Dispatcher, PipelineUnit, Worker, WorkerPool
@@ -187,6 +192,21 @@ def ends_done(events: bytes | bytearray) -> bool:
     return events.rstrip(b"\r\n").endswith(DONE_EVENT)
 
 
+def whole_last_event(tail: bytes | bytearray) -> bool:
+    """Whether ``tail``, what a worker's stream ended with after its last blank line, is a whole event all the
+    same: ``data: [DONE]``, or an error event whose JSON is whole (anything else is the torn start of one)."""
+    line = bytes(tail).rstrip(b"\r\n")
+    if line == DONE_EVENT:
+        return True
+    if not line.startswith(ERROR_EVENT):
+        return False
+    try:
+        loads(line[len(b"data: "):])
+    except JSONInputError:
+        return False
+    return True
+
+
 def sse_event(payload: dict) -> bytes:
     """One Server-Sent Event carrying ``payload`` as JSON."""
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
@@ -243,6 +263,9 @@ class Router:
         self.pool = WorkerPool(clock)
         self.admission = AdmissionControl(config.admission, clock)
         self.signals = Signals(clock, wall_clock)
+        #: ``max_queue`` bounds the requests waiting in the router, all its queues together.
+        self._bound = QueueBound(config.max_queue)
+        self._closed = False  # stop_accepting() was called: queues made from now on are closed too
         self.dispatcher = self._new_dispatcher(None)
         #: Package id -> the queue of requests for that version of a routed name.
         self.version_dispatchers: dict[str, Dispatcher] = {}
@@ -263,8 +286,11 @@ class Router:
 
     def _new_dispatcher(self, package: str | None) -> Dispatcher:
         config = self.config
-        return Dispatcher(self.pool, config.max_queue, config.queue_timeout_s, self.clock, rate_of=config.tenant_rate,
-                          default_weight=config.unlimited_weight, pacing=config.tenant_pacing, package=package)
+        dispatcher = Dispatcher(self.pool, self._bound, config.queue_timeout_s, self.clock, rate_of=config.tenant_rate,
+                                default_weight=config.unlimited_weight, pacing=config.tenant_pacing, package=package)
+        if self._closed:
+            dispatcher.close()
+        return dispatcher
 
     def _dispatchers(self) -> list[Dispatcher]:
         return [self.dispatcher, *self.version_dispatchers.values()]
@@ -301,7 +327,9 @@ class Router:
         self.routes = routes
         self.versions.forget(routes)
         routed = {package for versions in routes.values() for package, _ in versions}
-        for package in [p for p, d in self.version_dispatchers.items() if p not in routed and not d.waiting]:
+        # Only idle queues go: one with requests in flight or tenants active recently holds the records that
+        # dispatch its next requests fairly (a new queue would take a bursting tenant for one alone).
+        for package in [p for p, d in self.version_dispatchers.items() if p not in routed and d.idle()]:
             self.version_dispatchers.pop(package).detach()
         for package in self.signals.forget_versions(routed | self.pool.serving_packages()):
             log.info("version %s: neither routed nor served for a while, its counters dropped", package[:12])
@@ -316,7 +344,8 @@ class Router:
         self._discovery_task = asyncio.create_task(self._rediscover(), name="router discovery")
 
     def stop_accepting(self) -> None:
-        """Fail every queued request and refuse new ones; requests already at a worker go on."""
+        """Fail every queued request and refuse new ones (retries too); requests already at a worker go on."""
+        self._closed = True
         for dispatcher in self._dispatchers():
             dispatcher.close()
 
@@ -380,6 +409,9 @@ class Router:
             return self._reject(exc, 401, "authentication_error", {"WWW-Authenticate": "Bearer"})
         except TenantNameError as exc:
             return self._reject(exc, 400, "invalid_request_error")
+        admission = self.admission.admit(tenant)
+        if not admission.admitted:  # before the body too: a tenant over its limit costs the router its headers only
+            return self._over_limit(request, admission)
         try:
             body = await read_body(request, self.config.max_body_bytes, self.config.upstream_timeout_s)
         except BodyTooLargeError as exc:
@@ -397,21 +429,14 @@ class Router:
                                      status=400)
         version = self.choose_version(payload.get("model"))
         counted_as = self.signals.arrived(tenant, request_prompt_tokens(payload), version)
-        admission = self.admission.admit(tenant)
-        self.signals.admission(counted_as, admission.admitted, version)
-        if not admission.admitted:
-            self.metrics.tenant_rejected.labels(counted_as).inc()
-            retry_after = admission.retry_after_header
-            error = TenantOverLimitError(tenant, admission.limit.rate, admission.limit.burst, retry_after)
-            return self._reject(error, 429, "rate_limited", {"Retry-After": str(retry_after)})
+        self.signals.admission(counted_as, True, version)
         headers = {name: request.headers[name] for name in self._forwarded if name in request.headers}
         failures: list[WorkerFailedError] = []
         queued_s = 0.0
+        # Kept for every attempt: a queue with this request in flight is not detached (_sync_routes).
+        dispatcher = self._dispatcher_for(version)
         while True:
             waiting_since = self.clock()
-            # Taken again on each attempt: an unrouted package's idle queue is detached (closed) at the next
-            # route sync, also while this request was at a worker, and made again on demand.
-            dispatcher = self._dispatcher_for(version)
             try:
                 worker = await dispatcher.acquire(arrival, avoid={failure.worker for failure in failures},
                                                   tenant=tenant)
@@ -443,6 +468,19 @@ class Router:
                 self.metrics.retried.labels(worker.url).inc()
             finally:
                 dispatcher.release(worker, tenant)
+
+    def _over_limit(self, request: web.Request, admission: Admission) -> web.Response:
+        """The 429 of a request its tenant's limit refused, counted as arrived (for no version: its body, which
+        names the model, is not read); the connection closes where the body is not all in, as it is never read."""
+        counted_as = self.signals.arrived(admission.tenant, 0)
+        self.signals.admission(counted_as, False)
+        self.metrics.tenant_rejected.labels(counted_as).inc()
+        retry_after = admission.retry_after_header
+        error = TenantOverLimitError(admission.tenant, admission.limit.rate, admission.limit.burst, retry_after)
+        response = self._reject(error, 429, "rate_limited", {"Retry-After": str(retry_after)})
+        if not request.content.is_eof():
+            response.force_close()
+        return response
 
     def _failed_for_good(self, error: RetriesExhaustedError, version: str | None) -> web.Response:
         """The 502 of a request that failed on workers and is not retried, naming them (the last one in the
@@ -532,56 +570,75 @@ class Router:
                 raise WorkerFailedError(worker.url, f"answered more than the router's limit of {limit} bytes")
         return bytes(answer)
 
-    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, worker: Worker,
-                            arrival: float, timing: dict[str, str], version: str | None = None) -> web.StreamResponse:
-        """Relay a worker's event stream event by event; end it with an error event if the worker fails.
+    async def _stream_events(self, upstream: aiohttp.ClientResponse, worker: Worker) -> AsyncIterator[bytes]:
+        """A worker's event stream as it arrives, in whole events (one or more at a time); at its clean end, what
+        follows its last blank line too if that is a whole event all the same (:func:`whole_last_event`), else
+        it is dropped: the torn start of an event, which must not swallow the error event sent after it.
 
-        Only whole events are passed on, so a worker dying mid-event never leaves the client a torn one
-        in front of the error event. A stream is answered only if it ends with ``data: [DONE]`` and holds no
-        error event: a worker that fails a request after its headers left (an engine error) ends the stream
-        with an error event of its own, which counts as failed and gives no TTFT sample if it came first.
+        Raises :class:`WorkerFailedError` when the worker fails before its first whole event (nothing reached the
+        client: retryable) and :class:`WorkerStreamError` after it.
         """
-        response = web.StreamResponse(headers={"Content-Type": upstream.headers["Content-Type"],
-                                               "Cache-Control": "no-cache", **timing})
-        await response.prepare(request)
         pending = bytearray()
-        first = True
-        tokens = 0
-        refused = done = False  # an error event of the worker's seen; the last event [DONE]
+        started = False
+
+        def failure(problem: str) -> WorkerError:
+            return (WorkerStreamError if started else WorkerFailedError)(worker.url, problem)
+
         while True:
             try:
                 chunk = await upstream.content.readany()
             except (aiohttp.ClientError, TimeoutError) as exc:
-                failure = WorkerStreamError(worker.url, f"failed mid-stream: {self._describe(exc)}")
-                break
+                where = "mid-stream" if started else "before its first event"
+                raise failure(f"failed {where}: {self._describe(exc)}") from exc
             if not chunk:
-                failure = None
                 break
             pending += chunk
             end = complete_events_end(pending)
             if end:
-                events = bytes(pending[:end])
-                refused, done = refused or has_error_event(events), ends_done(events)
-                if first and not events.startswith(ERROR_EVENT):  # the worker's error first is no first token
-                    self.metrics.ttft.observe(self.signals.answer_started(arrival, version,
-                                                                          warm=_was_ready(worker, arrival)))
-                first = False
-                if version is not None:  # per-version tokens/s: only routed requests pay for decoding events
-                    tokens += stream_tokens(events)
-                if not await self._send(response, events):
-                    return response
-            del pending[:end]
+                started = True
+                yield bytes(pending[:end])
+                del pending[:end]
             if len(pending) > self.config.max_event_bytes:  # buffered output stays bounded
-                failure = WorkerStreamError(worker.url, f"sent an event of more than {self.config.max_event_bytes} "
-                                                        "bytes")
-                pending.clear()
-                break
-        if failure is None:
-            if pending:  # a last event without its blank line: the worker's stream, passed on as it is
-                await self._send(response, bytes(pending))
-                refused, done = refused or has_error_event(pending), ends_done(pending)
-            if not done and not refused:
-                failure = WorkerStreamError(worker.url, "ended its stream without data: [DONE]")
+                raise failure(f"sent an event of more than {self.config.max_event_bytes} bytes")
+        if whole_last_event(pending):
+            yield bytes(pending)
+        elif not started:
+            raise failure("ended its stream before its first event")
+
+    async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, worker: Worker,
+                            arrival: float, timing: dict[str, str], version: str | None = None) -> web.StreamResponse:
+        """Relay a worker's event stream event by event; end it with an error event if the worker fails.
+
+        The client's response begins with the worker's first whole event: a worker that fails before it (killed
+        in its prefill) has sent the client nothing, and raises :class:`WorkerFailedError` to be retried
+        elsewhere. Only whole events are passed on, so a worker dying mid-event never leaves the client a torn
+        one in front of the error event. A stream is answered only if it ends with ``data: [DONE]`` and holds no
+        error event: a worker that fails a request after its headers left (an engine error) ends the stream
+        with an error event of its own, which counts as failed and gives no TTFT sample if it came first.
+        """
+        tokens = 0
+        refused = done = False  # an error event of the worker's seen; the last event [DONE]
+        failure = None
+        async with contextlib.aclosing(self._stream_events(upstream, worker)) as stream:
+            events: bytes | None = await anext(stream)
+            response = web.StreamResponse(headers={"Content-Type": upstream.headers["Content-Type"],
+                                                   "Cache-Control": "no-cache", **timing})
+            await response.prepare(request)
+            if not events.startswith(ERROR_EVENT):  # the worker's error first is no first token
+                self.metrics.ttft.observe(self.signals.answer_started(arrival, version,
+                                                                      warm=_was_ready(worker, arrival)))
+            try:
+                while events is not None:
+                    refused, done = refused or has_error_event(events), ends_done(events)
+                    if version is not None:  # per-version tokens/s: only routed requests pay for decoding events
+                        tokens += stream_tokens(events)
+                    if not await self._send(response, events):
+                        return response
+                    events = await anext(stream, None)
+            except WorkerStreamError as exc:
+                failure = exc
+        if failure is None and not done and not refused:
+            failure = WorkerStreamError(worker.url, "ended its stream without data: [DONE]")
         if failure is not None:
             log.warning("%s", failure)
             self.pool.record_failure(worker.url, str(failure), self.clock())
@@ -718,8 +775,8 @@ def build_app(router: Router) -> web.Application:
     """The aiohttp application of ``router``, to serve with :data:`RUNNER_OPTIONS`; it starts the router with
     the app and closes it after.
 
-    On shutdown the queue is failed at once (503 ``shutting_down``) while requests already at a worker
-    finish within the runner's shutdown timeout.
+    On shutdown the queue is failed at once (503 ``shutting_down``), and so is a request that must wait again
+    (a retry), while requests already at a worker finish within the runner's shutdown timeout.
     """
     app = web.Application(client_max_size=router.config.max_body_bytes)
     app[ROUTER] = router

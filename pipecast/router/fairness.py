@@ -20,10 +20,12 @@ is the head of the tenant that is furthest below its share:
   price of keeping its burst out of their batches, paid only by the tenant that bursts.
 - **Active**: a tenant with requests waiting or in flight, or one that sent a request within
   :data:`ACTIVE_S`: a tenant with a steady stream of short requests often has none in flight between two.
-- **Bound**: at most ``max_queue`` requests wait in all. When full, a request of a tenant with fewer
-  waiting (per unit of weight) than the tenant with the most pushes out that tenant's newest request;
-  otherwise the newcomer is refused. Either way the one refused gets :class:`QueueFullError`, so one
-  tenant's backlog cannot lock the others out of the queue.
+- **Bound**: at most ``max_queue`` requests wait in all, in all the queues that share a :class:`QueueBound`
+  (a router's: one queue per version, and ``--max-queue`` bounds the router). When full, a request of a
+  tenant with fewer waiting (per unit of weight, in all those queues) than the tenant with the most pushes
+  out that tenant's newest request (of the queue where it waits most); otherwise the newcomer is refused.
+  Either way the one refused gets :class:`QueueFullError`, so one tenant's backlog cannot lock the others
+  out of the queue, whichever version it waits for.
 
 The clock is the caller's: every method that depends on time takes ``now``.
 """
@@ -71,6 +73,37 @@ class _Tenant(Generic[Item]):
             self.pace_updated = now
 
 
+class QueueBound:
+    """At most ``max_queue`` requests waiting in all the queues made with it (:class:`FairQueue`) together."""
+
+    def __init__(self, max_queue: int) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.max_queue = max_queue
+        self.queues: list[FairQueue] = []
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting now, in all the queues."""
+        return sum(queue.waiting for queue in self.queues)
+
+    def push_out(self, tenant: str, weight: float) -> object:
+        """Make room for a request of ``tenant`` (of ``weight``) while full: take out and return the newest request
+        of the tenant with the most waiting per unit of weight, if ``tenant`` has fewer; else
+        :class:`QueueFullError`."""
+        waiting: dict[str, int] = {}
+        weights: dict[str, float] = {}
+        for queue in self.queues:
+            for name, count in queue.waiting_by_tenant().items():
+                waiting[name] = waiting.get(name, 0) + count
+                weights[name] = queue.weight_of(name)
+        heaviest = max(waiting, key=lambda name: (waiting[name] / weights[name], waiting[name]))
+        if heaviest == tenant or (waiting.get(tenant, 0) + 1) / weight >= waiting[heaviest] / weights[heaviest]:
+            raise QueueFullError(self.max_queue)
+        # Its newest in the queue where it waits most: the oldest have waited longest.
+        return max(self.queues, key=lambda queue: queue.waiting_of(heaviest)).pop_newest(heaviest)
+
+
 class FairQueue(Generic[Item]):
     """Admitted requests waiting per tenant, picked fairly (module docstring).
 
@@ -79,13 +112,14 @@ class FairQueue(Generic[Item]):
     a request that gives up while waiting is taken out with :meth:`remove`.
     """
 
-    def __init__(self, max_queue: int, rate_of: Callable[[str], float | None] = lambda tenant: None,
+    def __init__(self, max_queue: int | QueueBound, rate_of: Callable[[str], float | None] = lambda tenant: None,
                  default_weight: float = 1.0, pacing: float = 0.0) -> None:
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if default_weight <= 0 or pacing < 0:
             raise ValueError(f"default_weight must be > 0 and pacing >= 0, got {default_weight:g}, {pacing:g}")
-        self.max_queue = max_queue
+        #: ``max_queue`` a bound of this queue's own, or the bound it shares with other queues.
+        self.bound = max_queue if isinstance(max_queue, QueueBound) else QueueBound(max_queue)
+        self.bound.queues.append(self)
+        self.max_queue = self.bound.max_queue
         self.rate_of = rate_of
         self.default_weight = default_weight
         self.pacing = pacing
@@ -110,6 +144,15 @@ class FairQueue(Generic[Item]):
         """Tenant -> requests waiting now, for the tenants with any."""
         return {name: len(record.waiting) for name, record in self._tenants.items() if record.waiting}
 
+    def weight_of(self, tenant: str) -> float:
+        """The weight (module docstring) of ``tenant``, which has requests waiting."""
+        return self._tenants[tenant].weight
+
+    @property
+    def full(self) -> bool:
+        """Whether its bound holds ``max_queue`` requests waiting (this queue's and those sharing the bound)."""
+        return self.bound.waiting >= self.max_queue
+
     def in_flight_of(self, tenant: str) -> int:
         """Requests of ``tenant`` at workers now."""
         record = self._tenants.get(tenant)
@@ -125,21 +168,22 @@ class FairQueue(Generic[Item]):
         Raises :class:`QueueFullError` when ``max_queue`` requests wait and ``item`` may not push one out.
         """
         record = self._record(tenant)
-        evicted = None
-        if self._waiting >= self.max_queue:
-            heaviest = max((r for r in self._tenants.values() if r.waiting),
-                           key=lambda r: (len(r.waiting) / r.weight, len(r.waiting)))
-            lighter = (len(record.waiting) + 1) / record.weight < len(heaviest.waiting) / heaviest.weight
-            if heaviest is record or not lighter:
-                raise QueueFullError(self.max_queue)
-            evicted = heaviest.waiting.pop()  # its newest: the oldest have waited longest
-            self._waiting -= 1
+        evicted = self.bound.push_out(tenant, record.weight) if self.full else None
         if not record.waiting:
             record.vtime = max(record.vtime, self._vclock)
         record.waiting.append(item)
         record.last_seen = now
         self._waiting += 1
         return evicted
+
+    def pop_newest(self, tenant: str) -> Item:
+        """Take out the request of ``tenant`` that came last (it has one waiting)."""
+        self._waiting -= 1
+        return self._tenants[tenant].waiting.pop()
+
+    def leave(self) -> None:
+        """Stop sharing the bound (this queue is no longer used)."""
+        self.bound.queues.remove(self)
 
     def remove(self, tenant: str, item: Item) -> bool:
         """Take a waiting ``item`` of ``tenant`` out (it gave up); False when it was not waiting."""

@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 from pipecast.router.admission import DEFAULT_TENANT
 from pipecast.router.discovery import DiscoveredPipeline
 from pipecast.router.errors import QueueFullError, QueueTimeoutError, RouterClosedError
-from pipecast.router.fairness import FairQueue
+from pipecast.router.fairness import FairQueue, QueueBound
 from pipecast.serve.health import SERVING, WorkerHealth
 from pipecast.serve.pipeline import PIPELINE_HEADER
 
@@ -572,18 +572,21 @@ class Dispatcher:
     share of the requests waiting and in flight (:meth:`WorkerPool.share`): a surge's backlog goes to the
     workers as they come to serve, not all into the first one's queue. Otherwise ready workers queue more
     themselves (their batches never wait for a round trip to the router).
+
+    ``max_queue`` bounds the requests waiting here, or all those waiting in the queues sharing it (a
+    :class:`~pipecast.router.fairness.QueueBound`: a router's, one queue per version).
     """
 
-    def __init__(self, pool: WorkerPool, max_queue: int, queue_timeout_s: float,
+    def __init__(self, pool: WorkerPool, max_queue: int | QueueBound, queue_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic,
                  rate_of: Callable[[str], float | None] = lambda tenant: None,
                  default_weight: float = 1.0, pacing: float = 0.0, package: str | None = None) -> None:
         self.pool = pool
         self.package = package
-        self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.clock = clock
         self._queue: FairQueue[_Waiter] = FairQueue(max_queue, rate_of, default_weight, pacing)
+        self.max_queue = self._queue.max_queue
         self._closed = False
         self._wake: asyncio.TimerHandle | None = None
         pool.subscribe(self._assign)
@@ -597,6 +600,11 @@ class Dispatcher:
         """Tenant -> requests waiting for a worker now (tenants with none left out)."""
         return self._queue.waiting_by_tenant()
 
+    def idle(self) -> bool:
+        """Whether no tenant is active here now (none waiting, none in flight, none recently): a queue made
+        afresh would dispatch as this one does (but for a slowly paced tenant, whose pacing starts afresh)."""
+        return self._queue.active_tenants(self.clock()) == 0
+
     async def acquire(self, arrival: float, avoid: Iterable[str] = (), tenant: str = DEFAULT_TENANT) -> Worker:
         """Wait for a worker for a request of ``tenant`` that arrived at clock time ``arrival``; count it
         as busy there.
@@ -609,6 +617,9 @@ class Dispatcher:
         if self._closed:
             raise RouterClosedError()
         self._assign()  # those already waiting go first, if they may
+        if self._queue.full and self.clock() >= arrival + self.queue_timeout_s:
+            # A request past its deadline (a retry) would push another out only to give up at once.
+            raise self._timeout()
         waiter = _Waiter(frozenset(avoid), asyncio.get_running_loop().create_future())
         evicted = self._queue.push(tenant, waiter, self.clock())
         if evicted is not None and not evicted.future.done():
@@ -621,8 +632,7 @@ class Dispatcher:
             # A worker assigned in the same loop turn as the deadline still counts.
             if _assigned(waiter.future):
                 return waiter.future.result()
-            raise QueueTimeoutError(self.queue_timeout_s, len(self.pool.workers()),
-                                    self.pool.serving(self.clock())) from None
+            raise self._timeout() from None
         except asyncio.CancelledError:
             if _assigned(waiter.future):
                 self.release(waiter.future.result(), tenant)
@@ -630,6 +640,9 @@ class Dispatcher:
         finally:
             self._queue.remove(tenant, waiter)
             waiter.future.cancel()
+
+    def _timeout(self) -> QueueTimeoutError:
+        return QueueTimeoutError(self.queue_timeout_s, len(self.pool.workers()), self.pool.serving(self.clock()))
 
     def release(self, worker: Worker, tenant: str = DEFAULT_TENANT) -> None:
         """The request of ``tenant`` that :meth:`acquire` gave ``worker`` to has ended."""
@@ -646,9 +659,11 @@ class Dispatcher:
                 waiter.future.set_exception(RouterClosedError())
 
     def detach(self) -> None:
-        """Close this queue and stop following the pool (a version no longer routed)."""
+        """Close this queue, stop following the pool and leave the bound it shares (a version no longer
+        routed)."""
         self.close()
         self.pool.unsubscribe(self._assign)
+        self._queue.leave()
 
     def _assign(self) -> None:
         if not self._queue.waiting:

@@ -13,7 +13,6 @@ version of a served model (``versions``, by package id), which is what the canar
 (:mod:`pipecast.scaler.gate`) compares.
 """
 
-import json
 import math
 import time
 import uuid
@@ -21,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.router.pool import Worker
 
 #: Version of the ``/stats`` answer; a change of its meaning bumps it.
@@ -109,9 +109,10 @@ class TtftWindow:
 class RequestCounters:
     """Cumulative counts of completion requests since the router started (``/stats`` ``counters``)."""
 
-    #: Requests with a valid JSON body, from an identified tenant.
+    #: Requests from an identified tenant: those its limit refused (before their body is read) and the admitted
+    #: ones with a valid JSON body.
     arrived: int = 0
-    #: Prompt tokens of the arrived requests (see :func:`prompt_tokens`).
+    #: Prompt tokens of the arrived requests (see :func:`prompt_tokens`; 0 for a refused one).
     prompt_tokens: int = 0
     #: Of the arrived requests, those their tenant's limit admitted: the demand a scaler sizes the pool for
     #: (a tenant over its limit is refused at once, whatever the pool's size).
@@ -136,8 +137,8 @@ class TenantCounters:
 def answer_tokens(answer: bytes) -> int:
     """Completion tokens of a non-streaming answer (its ``usage``; 0 when it has none)."""
     try:
-        tokens = json.loads(answer)["usage"]["completion_tokens"]
-    except (ValueError, KeyError, TypeError):
+        tokens = loads(answer)["usage"]["completion_tokens"]
+    except (JSONInputError, KeyError, TypeError):  # a worker's answer nested however deep counts 0, never raises
         return 0
     return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
 
@@ -150,8 +151,8 @@ def stream_tokens(events: bytes) -> int:
         if not event.startswith(b"data: {"):
             continue  # [DONE], comments, the empty tail
         try:
-            count += bool(json.loads(event[6:]).get("choices"))
-        except (ValueError, AttributeError):
+            count += bool(loads(event[6:]).get("choices"))
+        except (JSONInputError, AttributeError):
             continue
     return count
 
@@ -159,7 +160,8 @@ def stream_tokens(events: bytes) -> int:
 @dataclass
 class VersionCounters:
     """Cumulative counts of one version's requests (``/stats`` ``versions``): arrived, admitted (by their
-    tenant's limit), answered with 200, failed (5xx or a broken stream) and the completion tokens answered."""
+    tenant's limit), answered with 200, failed (5xx or a broken stream) and the completion tokens answered. A
+    request its tenant's limit refused counts for no version (its body, which names the model, is not read)."""
 
     arrived: int = 0
     admitted: int = 0

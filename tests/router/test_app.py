@@ -60,8 +60,9 @@ class FakeWorker:
     #: "die_mid_stream" (after 2 events; its /health then answers 503, as a dead worker's would fail),
     #: "endless_event" (a stream of bytes that never ends an event), "huge_answer" (8 MiB of JSON),
     #: "no_read" (takes a request's headers and never reads its body), "engine_error" (a stream ended after
-    #: its tokens by the serving worker's error event, as when its engine fails) or "no_done" (a stream that
-    #: ends cleanly after its tokens without ``data: [DONE]``)
+    #: its tokens by the serving worker's error event, as when its engine fails), "no_done" (a stream that
+    #: ends cleanly after its tokens without ``data: [DONE]``), "torn_end" (one that ends cleanly in the middle
+    #: of an event after its tokens) or "die_after_headers" (a stream's headers, then the connection aborted)
     behaviour: str = "answer"
     tokens: int = 3
     #: When set, a stream pauses after its first event until the test sets it.
@@ -70,6 +71,7 @@ class FakeWorker:
     paths: list[str] = field(default_factory=list)
     url: str = ""
     model: str = ""  # named in its /health when set
+    max_batch: int = 0  # its /health's
     package_id: str = "p" * 64  # named with the model
     finished: bool = False
     serving_key: bytes = b""  # required of requests when set, as a serving worker of a cluster does
@@ -80,7 +82,7 @@ class FakeWorker:
         named = {"model": self.model, "package_id": self.package_id} if self.model else {}
         return web.json_response({"status": self.status, "blocks_present": present,
                                   "blocks_total": 4, "queue_depth": self.queue_depth, "running": 0,
-                                  "max_queue": 8, **named}, status=self.health_code)
+                                  "max_queue": 8, "max_batch": self.max_batch, **named}, status=self.health_code)
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         if self.behaviour == "no_read":
@@ -106,6 +108,12 @@ class FakeWorker:
             return web.Response()
         if self.behaviour == "huge_answer":
             return web.json_response({"choices": [{"text": "t" * (8 << 20)}]})
+        if self.behaviour == "die_after_headers":  # killed in its prefill
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await asyncio.sleep(0.05)
+            request.transport.abort()
+            return response
         if self.behaviour == "endless_event":
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
@@ -132,7 +140,9 @@ class FakeWorker:
         if self.behaviour == "engine_error":
             await response.write(sse(worker_error_body(ServeError(ENGINE_FAILURE))))
             return response
-        if self.behaviour != "no_done":
+        if self.behaviour == "torn_end":
+            await response.write(b'data: {"choices": [{"te')
+        elif self.behaviour != "no_done":
             await response.write(b"data: [DONE]\n\n")
         self.finished = True
         return response
@@ -414,6 +424,20 @@ async def test_a_stream_that_ends_without_done_is_a_failure_of_the_worker(client
     assert stats["versions"][worker.package_id]["counters"]["failed"] == 1
 
 
+async def test_a_stream_that_ends_cleanly_mid_event_drops_the_torn_event_before_the_error_event(client):
+    """Found in review: a worker's stream ending cleanly (a close-delimited body, or a chunked one ended) in the
+    middle of an event had its torn half passed on with the router's error event glued to it: one garbled
+    event, the error lost to the client's parser."""
+    async with workers(FakeWorker(behaviour="torn_end", tokens=1)) as (worker,):
+        async with router([worker.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
+                raw = await response.read()
+    error = {"error": {"message": f"worker {worker.url}: ended its stream without data: [DONE]",
+                       "type": "worker_failed", "worker": worker.url}}
+    assert raw == b'data: {"choices": [{"text": "t0"}]}\n\ndata: ' + json.dumps(error).encode() + b"\n\n"
+
+
 # A worker process that streams one event and then stays silent; the test kills it with SIGKILL.
 STREAM_ONE_AND_WAIT = r"""
 import asyncio, sys
@@ -505,10 +529,31 @@ async def test_a_worker_dying_before_it_answers_is_retried_on_another(client):
             assert f'pipecast_router_retries_total{{worker="{dying.url}"}} 2.0' in metrics
 
 
-async def test_a_retry_is_served_after_its_packages_idle_queue_was_detached(client):
+async def test_a_streaming_worker_dying_before_its_first_event_is_retried_on_another(client):
+    """Found in review: the router's own response began with the worker's headers, so a worker killed after them
+    (in a cold start's prefill) ended the stream with an error event, though nothing but headers had reached
+    the client. Now the response begins with the first whole event, and a worker failing before it is retried."""
+    async with workers(FakeWorker(behaviour="die_after_headers"), FakeWorker(queue_depth=3)) as (dying, other):
+        async with router([dying.url, other.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 2)
+            async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
+                assert response.status == 200 and response.headers[WORKER_HEADER] == other.url
+                events = await read_events(response)
+            async with client.get(f"{url}/stats") as response:
+                counters = (await response.json())["counters"]
+            async with client.get(f"{url}/metrics") as response:
+                metrics = await response.text()
+    assert events == ['{"choices": [{"text": "t0"}]}', '{"choices": [{"text": "t1"}]}',
+                      '{"choices": [{"text": "t2"}]}', "[DONE]"]
+    assert len(dying.bodies) == 1  # tried first (less loaded), then other served
+    assert f'pipecast_router_retries_total{{worker="{dying.url}"}} 1.0' in metrics
+    assert (counters["answered"], counters["failed"]) == (1, 0)
+
+
+async def test_a_retry_is_served_by_its_packages_queue_kept_while_the_request_was_at_a_worker(client):
     """A request for a model one package serves (no route) queues in that package's dispatcher, which a
-    route sync detaches once nobody waits in it: also while the request is at a worker. Its retry takes the
-    package's queue made again, not the closed one (it got 503 "shutting down" before)."""
+    route sync detaches only once no tenant is active in it. It was detached while the request was at a
+    worker (its retry then got 503 "shutting down" from the closed queue); now it is kept for the retry."""
     gate = asyncio.Event()
     async with workers(FakeWorker(behaviour="die_before", gate=gate, model="m"),
                        FakeWorker(queue_depth=3, model="m")) as (dying, other):
@@ -516,11 +561,35 @@ async def test_a_retry_is_served_after_its_packages_idle_queue_was_detached(clie
             await eventually(lambda: instance.pool.serving(instance.clock()) == 2)
             request = asyncio.create_task(client.post(f"{url}/v1/completions", json=BODY))
             await eventually(lambda: len(dying.bodies) == 1)
+            queue = instance.version_dispatchers[dying.package_id]
             instance._sync_routes()
-            assert instance.version_dispatchers == {}
+            assert instance.version_dispatchers == {dying.package_id: queue}
             gate.set()
             async with await request as response:
                 assert response.status == 200 and response.headers[WORKER_HEADER] == other.url
+
+
+async def test_a_tenants_request_at_a_worker_keeps_its_share_across_discovery_syncs(client):
+    """Found in review: a package's queue with nobody waiting was detached at every discovery sync, its tenants'
+    records with it, so another tenant's burst was taken for a tenant alone and queued at the worker, ahead of
+    the first tenant's next request. With a tenant at the worker, the burst now waits in the router."""
+    gate = asyncio.Event()
+    async with workers(FakeWorker(model="m", gate=gate, max_batch=1)) as (worker,):
+        async with router([worker.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True},
+                                   headers={"x-pipecast-tenant": "interactive"}) as stream:
+                await stream.content.readuntil(b"\n\n")  # at the worker, held at its gate
+                await asyncio.sleep(0.2)  # discovery syncs every 0.05 s
+                burst = [asyncio.create_task(client.post(f"{url}/v1/completions", json=BODY,
+                                                         headers={"x-pipecast-tenant": "bulk"})) for _ in range(3)]
+                await eventually(lambda: instance.waiting == 3, timeout_s=2)
+                assert len(worker.bodies) == 1  # the worker holds one batch: the rest wait where slots go fairly
+                gate.set()
+                await stream.read()
+            for response in await asyncio.gather(*burst):
+                assert response.status == 200
+                response.release()
 
 
 async def test_the_router_presents_the_serving_key_and_a_refusal_is_the_workers_failure(client):
@@ -678,6 +747,21 @@ async def test_client_and_worker_refusals_keep_their_status(client):
             assert instance.pool.get(worker.url).can_take(instance.clock())  # the client's fault, not its
 
 
+async def test_max_queue_bounds_the_requests_waiting_in_the_router_whatever_they_wait_for(client):
+    """Found in review: each version's queue had a bound of its own, so a router whose workers serve N models
+    held N + 1 times --max-queue requests."""
+    fakes = [FakeWorker(status="loading", model=f"model-{i}", package_id=f"{i}" * 64) for i in range(2)]
+    async with workers(*fakes):
+        async with router([fake.url for fake in fakes], max_queue=1, queue_timeout_s=0.5) as (url, instance):
+            await eventually(lambda: len(instance.pool.serving_packages()) == 2)
+            queued = asyncio.create_task(post(client, url, model="model-0"))
+            await eventually(lambda: instance.waiting == 1)
+            for model in ("model-1", "other"):
+                status, _, answer = await post(client, url, model=model)
+                assert status == 429 and answer["error"]["type"] == "queue_full"
+            assert (await queued)[0] == 503  # its deadline: nobody serves model-0
+
+
 async def test_shutdown_fails_queued_requests_at_once(client):
     async with workers(FakeWorker(status="loading")) as (worker,):
         instance = Router(RouterConfig(**FAST), [StaticDiscovery([worker.url])])
@@ -686,6 +770,19 @@ async def test_shutdown_fails_queued_requests_at_once(client):
             await eventually(lambda: instance.dispatcher.waiting == 1)
         status, _, answer = await pending
     assert (status, answer) == (503, {"error": {"message": "router is shutting down", "type": "shutting_down"}})
+
+
+async def test_once_shutting_down_a_request_waiting_for_a_new_versions_queue_gets_503(client):
+    """Found in review: stopping closed the queues there were; one made afterwards (the first request for a
+    model, or a retry of one whose idle queue was detached) was open, and its request waited for a worker."""
+    async with workers(FakeWorker(model="m")) as (worker,):
+        async with router([worker.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            assert instance.version_dispatchers == {}
+            instance.stop_accepting()
+            status, _, answer = await post(client, url)
+    assert (status, answer) == (503, {"error": {"message": "router is shutting down", "type": "shutting_down"}})
+    assert worker.bodies == []
 
 
 async def test_workers_are_learned_from_the_control_plane_and_kept_while_it_fails(client):
@@ -787,7 +884,8 @@ async def test_a_routed_name_is_split_by_the_control_planes_weights_and_follows_
                 await cp.change_route(RouteChange("chat", "rollback"))
                 await eventually(lambda: len(instance.routes["chat"]) == 1)
                 assert set(await served_by(4)) == {wb.url}
-                assert list(instance.version_dispatchers) == [b.package_id]  # a's queue went with its version
+                # a's queue went with its version (and the unrouted other's) once no tenant was active in it
+                await eventually(lambda: list(instance.version_dispatchers) == [b.package_id])
     finally:
         await control.stop(grace_s=0)
 

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from pipecast.router.errors import QueueFullError
-from pipecast.router.fairness import ACTIVE_S, SWEEP_AT, FairQueue
+from pipecast.router.errors import QueueFullError, QueueTimeoutError
+from pipecast.router.fairness import ACTIVE_S, SWEEP_AT, FairQueue, QueueBound
 from pipecast.router.pool import Dispatcher, WorkerPool
 from pipecast.serve.health import WorkerHealth
 
@@ -115,6 +115,21 @@ def test_the_queue_is_bounded_and_a_lighter_tenant_pushes_out_the_heaviest_ones_
     fill(lone, "a", 2)
     with pytest.raises(QueueFullError):
         lone.push("a", "a2", 0.0)
+
+
+def test_queues_sharing_a_bound_hold_max_queue_in_all_and_a_lighter_tenant_pushes_out_the_heaviest_anywhere():
+    """Found in review: --max-queue bounded each version's queue, so a router with N versions held N times it."""
+    bound = QueueBound(3)
+    first, second = FairQueue(bound), FairQueue(bound)
+    fill(first, "a", 2)
+    second.push("a", "a2", 0.0)
+    assert first.full and second.full and bound.waiting == 3
+    with pytest.raises(QueueFullError, match=r"^router queue is full \(3 requests waiting\); retry later$"):
+        second.push("a", "a3", 0.0)  # the heaviest itself, in all the queues: refused
+    assert second.push("b", "b0", 0.0) == "a1"  # a's newest of the queue where it waits most
+    assert first.waiting_by_tenant() == {"a": 1} and second.waiting_by_tenant() == {"a": 1, "b": 1}
+    first.leave()
+    assert not second.full and bound.queues == [second]
 
 
 def test_push_returns_what_it_pushed_out():
@@ -240,6 +255,22 @@ async def test_a_waiting_request_pushed_out_of_a_full_queue_gets_queue_full():
     dispatcher.release(held, "a")
     dispatcher.release(await b, "b")
     dispatcher.release(await waiting[0], "a")
+
+
+async def test_a_retry_past_its_deadline_pushes_nobody_out_of_a_full_queue():
+    """Found in review: a retry whose deadline had passed was pushed into the full queue, pushing out another
+    tenant's waiting request (429), and then gave up at once itself."""
+    pool = pool_with(A, max_batch=1)
+    pool.record_unreachable(A, "down")
+    dispatcher = Dispatcher(pool, max_queue=2, queue_timeout_s=5.0)
+    waiting = [asyncio.create_task(dispatcher.acquire(dispatcher.clock(), tenant="b")) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(QueueTimeoutError):
+        await dispatcher.acquire(dispatcher.clock() - 60.0, avoid={A}, tenant="a")
+    await asyncio.sleep(0.01)
+    assert not any(task.done() for task in waiting) and dispatcher.waiting_by_tenant() == {"b": 2}
+    dispatcher.close()
+    await asyncio.gather(*waiting, return_exceptions=True)
 
 
 async def test_a_paced_tenant_is_dispatched_when_its_turn_is_due_without_any_other_event():

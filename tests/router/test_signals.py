@@ -8,8 +8,8 @@ import pytest
 from pipecast.router.discovery import DiscoveredPipeline
 from pipecast.router.app import _was_ready
 from pipecast.router.pool import Dispatcher, Worker, WorkerPool
-from pipecast.router.signals import (MAX_TENANTS, OTHER_TENANTS, VERSION_IDLE_S, Signals, TtftWindow, percentile,
-                                     prompt_tokens)
+from pipecast.router.signals import (MAX_TENANTS, OTHER_TENANTS, VERSION_IDLE_S, Signals, TtftWindow, answer_tokens,
+                                     percentile, prompt_tokens, stream_tokens)
 from pipecast.serve.health import WorkerHealth
 
 A, B = "http://a:1", "http://b:1"
@@ -58,6 +58,15 @@ def test_the_ttft_window_is_bounded():
 ])
 def test_prompt_tokens_count_ids_and_estimate_text(prompt, tokens):
     assert prompt_tokens(prompt) == tokens
+
+
+def test_a_worker_answer_nested_too_deeply_counts_no_tokens_instead_of_raising():
+    """Found in review: stdlib json raised RecursionError on an answer nested 200000 deep, which the router did
+    not catch: a bare 500 for a non-streaming answer, a stream cut without its error event."""
+    deep = b"[" * 200_000 + b"]" * 200_000
+    assert answer_tokens(b'{"usage": {"completion_tokens": ' + deep + b"}}") == 0
+    assert stream_tokens(b'data: {"choices": ' + deep + b'}\n\ndata: {"choices": [{"text": "t"}]}\n\n') == 1
+    assert answer_tokens(b'{"usage": {"completion_tokens": 7}}') == 7
 
 
 def test_counters_and_tenants_accumulate():

@@ -91,7 +91,8 @@ async def test_stats_count_the_routers_429s_and_5xx(session):
 async def test_a_request_refused_for_its_tenants_rate_arrived_but_was_not_admitted(session):
     """Found in review: the scaler took its arrival rate from ``arrived``, refusals included (1 admitted, 93
     refused for the tenant's rate: 7 replicas added for requests no replica would serve). ``admitted`` counts
-    those the tenant's limit let through, in the totals and per version, and the scaler reads it."""
+    those the tenant's limit let through, in the totals and per version, and the scaler reads it. A refused
+    request counts for no version: it is refused before its body, which names the model, is read."""
     package = "p" * 64
     admission = AdmissionConfig(limits={"a": TenantLimit(rate=0.01, burst=1)})
     async with workers(FakeWorker(model="m", package_id=package)) as (worker,):
@@ -101,10 +102,34 @@ async def test_a_request_refused_for_its_tenants_rate_arrived_but_was_not_admitt
             stats = await stats_of(session, url)
     assert statuses == [200, 429, 429, 429]
     assert (stats["counters"]["arrived"], stats["counters"]["admitted"]) == (4, 1)
-    assert {k: stats["versions"][package]["counters"][k] for k in ("arrived", "admitted")} == {"arrived": 4,
+    assert {k: stats["versions"][package]["counters"][k] for k in ("arrived", "admitted")} == {"arrived": 1,
                                                                                                 "admitted": 1}
     assert add_up(0.0, [parse_stats(url, stats)], {}).arrived == 1
     assert add_up(0.0, [parse_stats(url, stats)], {}, package).arrived == 1
+
+
+async def test_a_tenant_over_its_limit_is_refused_before_its_body_is_read(session):
+    """Found in review: the limit was checked once the whole body was read (up to 16 MiB, for up to the upstream
+    deadline) and decoded, so a tenant over it cost the router as much as an admitted one. Now its 429 leaves
+    at its headers, closing the connection (the body is never read), and it counts no prompt tokens."""
+    admission = AdmissionConfig(limits={"a": TenantLimit(rate=0.01, burst=1)})
+    async with workers(FakeWorker()) as (worker,):
+        async with router([worker.url], admission=admission) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            assert await post_tenant(session, url, "a") == 200
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nx-pipecast-tenant: a\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{")
+                async with asyncio.timeout(2):
+                    head = await reader.readuntil(b"\r\n\r\n")
+            finally:
+                writer.close()
+            stats = await stats_of(session, url)
+    assert head.startswith(b"HTTP/1.1 429 ") and b"\r\nConnection: close\r\n" in head
+    assert stats["counters"] | {"answered": 0} == {"arrived": 2, "prompt_tokens": 3, "admitted": 1, "answered": 0,
+                                                   "rejected": 1, "failed": 0}
 
 
 async def test_a_versions_ready_s_runs_from_when_a_worker_of_it_turned_ready(session):
