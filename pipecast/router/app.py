@@ -526,10 +526,9 @@ class Router:
                 raise WorkerBusyError(worker.url, retry_after_seconds(upstream.headers.get("Retry-After")))
             if upstream.status == 503:
                 raise WorkerFailedError(worker.url, "answered 503 (not serving)")
-            self.metrics.queued.observe(queued_s)
             timing = {WORKER_HEADER: worker.url, QUEUE_HEADER: f"{queued_s:.6f}"}
             if upstream.status == 200 and upstream.content_type == "text/event-stream":
-                return await self._relay_stream(request, upstream, worker, arrival, timing, version)
+                return await self._relay_stream(request, upstream, worker, arrival, queued_s, timing, version)
             try:
                 answer = await self._read_answer(upstream, worker)
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -537,8 +536,10 @@ class Router:
                 raise WorkerFailedError(worker.url, problem) from exc
             if upstream.status == 401 and (refused := _serving_key_refusal(answer)):
                 raise WorkerFailedError(worker.url, f"refused the router's credentials: {refused}")
+            self.metrics.queued.observe(queued_s)  # once per request: this answer is the one the client gets
             if upstream.status == 200:
-                self.signals.answer_started(arrival, version, warm=_was_ready(worker, arrival))
+                self.metrics.ttft.observe(self.signals.answer_started(arrival, version,
+                                                                      warm=_was_ready(worker, arrival)))
                 self.signals.answered(version, answer_tokens(answer) if version else 0)
             elif upstream.status >= 500:
                 self.metrics.failed.labels(worker.url, "error_status").inc()
@@ -606,7 +607,8 @@ class Router:
             raise failure("ended its stream before its first event")
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, worker: Worker,
-                            arrival: float, timing: dict[str, str], version: str | None = None) -> web.StreamResponse:
+                            arrival: float, queued_s: float, timing: dict[str, str],
+                            version: str | None = None) -> web.StreamResponse:
         """Relay a worker's event stream event by event; end it with an error event if the worker fails.
 
         The client's response begins with the worker's first whole event: a worker that fails before it (killed
@@ -624,6 +626,7 @@ class Router:
             response = web.StreamResponse(headers={"Content-Type": upstream.headers["Content-Type"],
                                                    "Cache-Control": "no-cache", **timing})
             await response.prepare(request)
+            self.metrics.queued.observe(queued_s)  # once per request: attempts that failed before are not answers
             if not events.startswith(ERROR_EVENT):  # the worker's error first is no first token
                 self.metrics.ttft.observe(self.signals.answer_started(arrival, version,
                                                                       warm=_was_ready(worker, arrival)))

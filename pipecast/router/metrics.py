@@ -38,11 +38,13 @@ class RouterMetrics:
                                "Attempts that failed before reaching the client and went to another worker.",
                                ["worker"], registry=self.registry)
         self.ttft = Histogram("pipecast_router_ttft_seconds",
-                              "Streaming requests: arrival at the router to the first whole event relayed "
-                              "(none for a stream that begins with the worker's error event).",
+                              "Arrival at the router to the first whole event relayed (streaming requests; none "
+                              "for a stream that begins with the worker's error event) or to a 200 answer whole "
+                              "(the others), as /stats counts it.",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queued = Histogram("pipecast_router_queue_seconds",
-                                "Time requests that reached a worker had waited in the router for one.",
+                                "Time requests answered by a worker had waited in the router for one, once per "
+                                "request (retries' waits included).",
                                 buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def forget_workers(self, current: Collection[str]) -> None:

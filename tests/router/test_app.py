@@ -331,6 +331,10 @@ async def test_streaming_relays_each_event_as_it_arrives(client):
             assert "pipecast_router_ttft_seconds_count 1.0" in metrics
             assert 'pipecast_router_ttft_seconds_bucket{le="600.0"} 1.0' in metrics
             assert f'pipecast_router_requests_routed_total{{worker="{worker.url}"}} 1.0' in metrics
+            # a whole answer's time counts too, as /stats counts it (the histogram left it out)
+            assert (await post(client, url))[0] == 200
+            async with client.get(f"{url}/metrics") as response:
+                assert "pipecast_router_ttft_seconds_count 2.0" in await response.text()
 
 
 async def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(client):
@@ -548,6 +552,8 @@ async def test_a_streaming_worker_dying_before_its_first_event_is_retried_on_ano
     assert len(dying.bodies) == 1  # tried first (less loaded), then other served
     assert f'pipecast_router_retries_total{{worker="{dying.url}"}} 1.0' in metrics
     assert (counters["answered"], counters["failed"]) == (1, 0)
+    # its wait counted once, for the answer it got, not once per attempt
+    assert "pipecast_router_queue_seconds_count 1.0" in metrics
 
 
 async def test_a_retry_is_served_by_its_packages_queue_kept_while_the_request_was_at_a_worker(client):

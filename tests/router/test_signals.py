@@ -8,8 +8,9 @@ import pytest
 from pipecast.router.discovery import DiscoveredPipeline
 from pipecast.router.app import _was_ready
 from pipecast.router.pool import Dispatcher, Worker, WorkerPool
-from pipecast.router.signals import (MAX_TENANTS, OTHER_TENANTS, VERSION_IDLE_S, Signals, TtftWindow, answer_tokens,
-                                     percentile, prompt_tokens, stream_tokens)
+from pipecast.router import signals as signals_module
+from pipecast.router.signals import (MAX_TENANTS, OTHER_TENANTS, SUMMARY_SORT_MAX, VERSION_IDLE_S, Signals,
+                                     TtftWindow, answer_tokens, percentile, prompt_tokens, stream_tokens)
 from pipecast.serve.health import WorkerHealth
 
 A, B = "http://a:1", "http://b:1"
@@ -43,6 +44,25 @@ def test_the_ttft_window_forgets_samples_older_than_its_length():
                                     "p99": pytest.approx(8.88)}
     assert window.summary(60.5)["count"] == 2 and window.summary(60.5)["p50"] == 2.0  # the 9 s sample left
     assert window.summary(111.0)["count"] == 0 and window.summary(111.0)["p99"] is None
+
+
+def test_a_large_ttft_window_is_sorted_at_most_once_a_second(monkeypatch):
+    """Every /stats poll and /metrics scrape sorted every version's whole window on the event loop: 40 ms a poll
+    with four full windows. A large window's summary is now kept for a second; a small one's is not kept."""
+    window = TtftWindow(window_s=60.0)
+    for i in range(SUMMARY_SORT_MAX + 1):
+        window.add(0.0, float(i))
+    sorts = []
+    monkeypatch.setattr(signals_module, "sorted", lambda values: sorts.append(1) or sorted(values), raising=False)
+    first = window.summary(1.0)
+    window.add(1.2, 1e6)
+    assert window.summary(1.5) == first and len(sorts) == 1  # within the second: the summary kept
+    assert window.summary(2.0)["count"] == SUMMARY_SORT_MAX + 2 and len(sorts) == 2
+    small = TtftWindow(window_s=60.0)
+    small.add(0.0, 1.0)
+    assert small.summary(1.0)["count"] == 1
+    small.add(1.1, 2.0)
+    assert small.summary(1.2)["count"] == 2  # a small window is summarized afresh at every call
 
 
 def test_the_ttft_window_is_bounded():
