@@ -32,9 +32,20 @@ ACTIONS = ("scale_up", "release", "take_back", "hold")
 WARM_AUTO_FACTORS = (1.0, 10.0)
 #: The factor ``pipecast cp deploy --warm auto`` asks for (the operator's rule: absorb 2-3x the baseline).
 DEFAULT_WARM_AUTO_FACTOR = 2.0
-#: The lower bound of each ScalingPolicy number that is not merely >= 0: (comparison, bound).
-POLICY_BOUNDS = {"max_replicas": (">=", 1), "replica_concurrency": (">=", 1), "slo_ttft_p99_s": (">", 0),
-                 "replica_rps": (">", 0)}
+#: The longest duration of a policy (s): a longer SLO, keep-alive, cooldown or cold start is a mistake, and one of
+#: 1e308 s overflowed the daemon's math.
+MAX_DURATION_S = 86_400.0
+#: The most of a policy's counts (replicas, a replica's concurrency): beyond any cluster's, and far within the
+#: uint32 that control.proto carries them in (a value above it was refused only by protobuf, with a ValueError).
+MAX_COUNT = 100_000
+#: The bounds of each ScalingPolicy number: (comparison with the lower bound, lower bound, upper bound or None).
+#: ``replica_rps`` at least a request in 11.6 days: the daemon divides by it.
+POLICY_BOUNDS = {"min_replicas": (">=", 0, MAX_COUNT), "max_replicas": (">=", 1, MAX_COUNT),
+                 "slo_ttft_p99_s": (">", 0, MAX_DURATION_S), "warm": (">=", 0, MAX_COUNT),
+                 "keep_alive_s": (">=", 0, MAX_DURATION_S), "scale_up_cooldown_s": (">=", 0, MAX_DURATION_S),
+                 "scale_down_cooldown_s": (">=", 0, MAX_DURATION_S), "replica_rps": (">=", 1e-6, None),
+                 "replica_concurrency": (">=", 1, MAX_COUNT), "warm_auto_factor": (">=", 0, None),
+                 "cold_start_s": (">=", 0, MAX_DURATION_S)}
 
 
 @dataclass(frozen=True)
@@ -73,11 +84,12 @@ class ScalingPolicy:
         for name, value in asdict(self).items():
             if name == "cold_start_measured":
                 continue
-            op, low = POLICY_BOUNDS.get(name, (">=", 0))
+            op, low, high = POLICY_BOUNDS[name]
             number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            # One wording per field whatever the value (0, -1, nan): its bound.
-            if not number or value < low or (op == ">" and value == low):
-                found.append(((name,), f"{name} must be a finite number {op} {low}, got {value!r}"))
+            # One wording per field whatever the value (0, -1, nan, 1e308): its bounds.
+            if not number or value < low or (op == ">" and value == low) or (high is not None and value > high):
+                most = "" if high is None else f" and <= {high:g}"
+                found.append(((name,), f"{name} must be a finite number {op} {low:g}{most}, got {value!r}"))
         if found:  # the comparisons below hold only between values within their bounds
             return found
         if self.min_replicas > self.max_replicas:

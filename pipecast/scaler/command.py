@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from control_plane.command import CONFIG, TOKEN, Duration
+from control_plane.command import CONFIG, TOKEN, Duration, full_package_id
 from control_plane.planner.plan import STRATEGIES
 from pipecast.core.settings import Settings, load_settings
 from pipecast.scaler.daemon import ScalerConfig
@@ -52,54 +52,60 @@ def run_command(config: Path | None, control_plane: str | None, tick_s: float, w
 
 
 async def _run(settings: Settings, config: ScalerConfig, host: str, port: int | None) -> None:
-    from aiohttp import web
+    """Run the daemon until SIGTERM or SIGINT, serving /metrics and /health on ``port`` (None: none). An error
+    that ends its loop ends it too, raised: the process exits non-zero (its supervisor restarts it), not on with
+    /health ok and no pool scaled."""
+    import signal
 
     from control_plane.client import ControlPlaneClient
-    from pipecast.core.httpserve import serve_until_signalled
+    from pipecast.core.httpserve import listening
     from pipecast.scaler.daemon import Scaler
 
     async with ControlPlaneClient.from_settings(settings) as client, Scaler(client, config) as scaler:
         stop = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(signum, stop.set)
         log.info("scaler: control plane %s, tick %g s, plan strategy %s", settings.control_plane, config.tick_s,
                  config.plan_strategy or "(control plane's choice)")
-        app = web.Application()
-
-        async def metrics(request: web.Request) -> web.Response:
-            body, content_type = scaler.metrics.render()
-            return web.Response(body=body, headers={"Content-Type": content_type})
-
-        async def health(request: web.Request) -> web.Response:
-            return web.json_response({"status": "ok", "deployments": sorted(scaler.tracked)})
-
-        async def loop(app: web.Application):
-            task = asyncio.create_task(scaler.run(stop), name="scaler")
-            yield
-            stop.set()
+        task = asyncio.create_task(scaler.run(stop), name="scaler")
+        if port is None:
+            await task
+            return
+        async with listening(_app(scaler, task), host, port, shutdown_timeout=0.0) as url:
+            click.echo(f"scaler metrics on {url}", err=True)
             await task
 
-        app.add_routes([web.get("/metrics", metrics), web.get("/health", health)])
-        app.cleanup_ctx.append(loop)
-        if port is None:
-            await _until_signalled(scaler, stop)
-        else:
-            await serve_until_signalled(app, host, port, 0.0, lambda url: click.echo(f"scaler metrics on {url}",
-                                                                                     err=True))
 
+def _app(scaler, task: asyncio.Task):
+    """The daemon's /metrics, and its /health: 503 once the ``task`` of its loop has ended (stopped, or
+    failed)."""
+    from aiohttp import web
 
-async def _until_signalled(scaler, stop: asyncio.Event) -> None:
-    import signal
+    async def metrics(request: web.Request) -> web.Response:
+        body, content_type = scaler.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await scaler.run(stop)
+    async def health(request: web.Request) -> web.Response:
+        if task.done():
+            error = None if task.cancelled() else task.exception()
+            return web.json_response({"status": "failed" if error else "stopped",
+                                      "error": f"{type(error).__name__}: {error}" if error else None}, status=503)
+        # Still 200: a restart mends no control-plane outage; the status and the metrics say it, for alerts.
+        status = "degraded" if scaler.failed_ticks else "ok"
+        return web.json_response({"status": status, "failed_ticks": scaler.failed_ticks,
+                                  "deployments": sorted(scaler.tracked)})
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics), web.get("/health", health)])
+    return app
 
 
 @scaler_group.command("events")
 @CONFIG
 @click.option("--control-plane", help="host:port of the control plane (settings: control_plane).")
 @TOKEN
-@click.option("--package", "package_id", default="", help="Only this deployment's events.")
+@click.option("--package", "package_id", default="",
+              help="Only this deployment's events (its id, or the start of it as the listings print it).")
 @click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True, help="The latest this many.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 def events_command(config: Path | None, control_plane: str | None, token: str | None, package_id: str, limit: int,
@@ -111,7 +117,7 @@ def events_command(config: Path | None, control_plane: str | None, token: str | 
 
     async def fetch():
         async with ControlPlaneClient.from_settings(settings) as client:
-            return await client.list_scale_events(package_id, limit=limit)
+            return await client.list_scale_events(await full_package_id(client, package_id), limit=limit)
 
     for event in asyncio.run(fetch()):
         if as_json:

@@ -1,14 +1,15 @@
 """The scaling daemon's loop: every tick, for every deployment, read signals, decide, record, act.
 
 One :class:`Scaler` per cluster. Each tick it lists the deployments from the control plane, polls each
-deployment's routers (``GET /stats``, each within ``router_timeout_s``; a router URL whose host resolves to
-several addresses, such as a headless Service in front of several routers, is polled at each of them, with
-its Host header, and stands for that many routers), reads the workers and plans, and
-asks :func:`pipecast.scaler.policy.decide`. A decision that changes something (and the start of a hold
-that leaves the pool behind the load: routers silent, no free worker) is appended to the control plane's
-audit trail *before* the daemon acts on it: a scale-up (``ScaleUp`` with a count: the control plane places
-it, holders first) or a release (``Release``; ``source_keep_s`` keeps the blocks as a multicast source that
-long before the drop).
+deployment's routers (``GET /stats``, each within ``router_timeout_s``, redirects not followed; a router URL
+whose host resolves to several addresses, such as a headless Service in front of several routers, is polled at
+each of them, with its Host header, and stands for that many routers, still when a resolution fails), reads the
+workers and plans, and asks :func:`pipecast.scaler.policy.decide`. A decision that changes something (and the
+start of a hold that leaves the pool behind the load: routers silent, no free worker) is appended to the control
+plane's audit trail *before* the daemon acts on it: a scale-up (``ScaleUp`` with a count: the control plane
+places it, holders first, and a hold follows it where it placed fewer) or a release (``Release``;
+``source_keep_s`` keeps the blocks as a multicast source that long before the drop). A deployment whose step
+fails with an error that is not the control plane's holds for that tick; the others go on.
 
 Each tick also judges every served model route with a gate and canaries (:mod:`pipecast.scaler.gate`)
 from the per-version figures of its deployments' routers, and rolls back (``ChangeRoute``, recorded in the
@@ -104,6 +105,19 @@ class _Tracked:
     routers: tuple[str, ...] = ()
 
 
+def _refused(action: str) -> str:
+    """How the reason of the hold recorded when the control plane refused ``action`` begins (a restarted daemon
+    reads it: :meth:`Scaler._recover`)."""
+    return f"{action} refused: "
+
+
+def _mark_gap(tracked: _Tracked, now: float) -> None:
+    """Add to ``tracked``'s history a poll no router answered: the signals of a tick that failed are unknown, and
+    the policy releases nothing until a keep-alive of them follows."""
+    tracked.history.append(Signals(at=now, routers_total=len(tracked.routers), routers_answered=0))
+    _trim(tracked.history, now)  # the control plane may stay unreachable for hours
+
+
 def _trim(history: deque[Signals], now: float) -> None:
     """Keep the policy's HISTORY_S of ``history``, the poll just before included: a keep-alive that long is
     then spanned whole."""
@@ -127,8 +141,10 @@ class Scaler:
         self._session: aiohttp.ClientSession | None = None
         self._blocks: dict[str, int] = {}
         self._answers: dict[str, list[dict | None]] = {}  # this tick's /stats, by router URL (one per address)
+        self._routers_at: dict[str, int] = {}  # router URL -> the addresses its name had when it last resolved
         self._serving_key = b""  # what the routers' /stats ask of a caller (with credentials), from ListWorkers
         self.gate = Gate()
+        self.failed_ticks = 0  # failed in a row, up to now
 
     async def __aenter__(self) -> "Scaler":
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -145,7 +161,12 @@ class Scaler:
                 await self.tick()
             except ControlPlaneError as exc:
                 log.warning("scaler tick failed, holding every pool: %s", exc)
+                self.metrics.tick_failures.inc()
+                self.failed_ticks += 1
                 self._gap()
+            else:
+                self.metrics.last_tick.set(self.clock())
+                self.failed_ticks = 0
             try:
                 left = max(self.config.tick_s - (time.monotonic() - started), 0.0)
                 await asyncio.wait_for(self._watch(stop), left)
@@ -153,12 +174,10 @@ class Scaler:
                 pass
 
     def _gap(self) -> None:
-        """Mark a failed tick in every deployment's history as a poll no router answered: the signals it
-        missed are unknown, and the policy releases nothing until a keep-alive of them follows."""
+        """Mark a failed tick in every deployment's history (:func:`_mark_gap`)."""
         now = self.clock()
         for tracked in self.tracked.values():
-            tracked.history.append(Signals(at=now, routers_total=len(tracked.routers), routers_answered=0))
-            _trim(tracked.history, now)  # the control plane may stay unreachable for hours
+            _mark_gap(tracked, now)
 
     async def _watch(self, stop: asyncio.Event) -> None:
         """Until ``stop`` is set or a request waits for a deployment left idle at zero replicas (module
@@ -170,7 +189,7 @@ class Scaler:
         addresses = await asyncio.gather(*(self._addresses(url) for url in urls))
         while not stop.is_set():
             if watched:
-                polls = (self._poll_each(url, at, quiet=True) for url, at in zip(urls, addresses))
+                polls = (self._poll_each(url, *at, quiet=True) for url, at in zip(urls, addresses))
                 answers = dict(zip(urls, await asyncio.gather(*polls)))
                 now = self.clock()
                 for package_id, routers in watched.items():
@@ -183,7 +202,10 @@ class Scaler:
                 pass
 
     async def tick(self) -> list[tuple[str, Decision]]:
-        """One pass over every deployment; returns the decisions made."""
+        """One pass over every deployment; returns what was done for each (:meth:`_act`; none for a deployment
+        whose step failed). A step that fails with an error of the control plane's fails the tick (``run`` then
+        holds every pool); with any other (a bug, an answer nothing checked), that deployment's tick is a gap in
+        its signals, and the others go on."""
         deployments = await self.client.list_deployments()
         for gone in set(self.tracked) - {d.package_id for d in deployments}:
             del self.tracked[gone]
@@ -196,7 +218,14 @@ class Scaler:
         decisions = []
         self._answers = {}
         for deployment in deployments:
-            decision = await self._step(deployment, workers, plans, urls)
+            try:
+                decision = await self._step(deployment, workers, plans, urls)
+            except ControlPlaneError:
+                raise
+            except Exception:
+                log.exception("scaler %s: its step failed: holding its pool this tick", deployment.package_id[:12])
+                _mark_gap(self.tracked[deployment.package_id], self.clock())
+                continue
             decisions.append((deployment.package_id, decision))
         await self._gate(deployments)
         return decisions
@@ -250,12 +279,13 @@ class Scaler:
             taken = await self._act(package_id, decision, len(pool.replicas), tracked, now)
         self.metrics.observe(package_id, taken, len(pool.replicas), pool.cold_start_s)
         tracked.last_kind = decision.kind
-        return decision
+        return taken
 
     async def _act(self, package_id: str, decision: Decision, actual: int, tracked: _Tracked,
                    now: float) -> Decision:
-        """Record ``decision`` in the audit trail and make it; return what was done: ``decision``, or a hold of
-        kind ``refused`` where the control plane refused it."""
+        """Record ``decision`` in the audit trail and make it; return what was done: ``decision`` (a scale-up at
+        the count placed: the trail then says so after it), or a hold of kind ``refused`` where the control plane
+        refused it."""
         nodes: Sequence[str] = decision.release
         event = ScaleEvent(at=now, package_id=package_id, action=decision.action,
                            count=decision.add or len(decision.release), node_ids=tuple(nodes), reason=decision.reason,
@@ -271,7 +301,7 @@ class Scaler:
         taken: tuple[str, ...] = ()
         try:
             if decision.add:
-                reply = await self._scale_up(package_id, decision.add)
+                reply, placed, short = await self._scale_up(package_id, decision.add)
                 log.info("scaler %s: plan %s to %s (already holding: %s)", package_id[:12], reply.plan_id or "-",
                          ",".join(reply.receivers) or "-", ",".join(reply.unchanged) or "-")
                 tracked.last_scale_up = now
@@ -298,40 +328,55 @@ class Scaler:
             wait = min(2 * tracked.refused[2], REFUSED_RETRY_MAX_S) if again else REFUSED_RETRY_S
             tracked.refused = (decision.action, now, wait)
             await self.client.append_scale_event(ScaleEvent(
-                at=self.clock(), package_id=package_id, action="hold", reason=f"{decision.action} refused: {exc}",
+                at=self.clock(), package_id=package_id, action="hold", reason=f"{_refused(decision.action)}{exc}",
                 desired=decision.desired, actual=actual))
             return replace(decision, add=0, release=(), kind="refused")
         tracked.refused = None
+        if decision.add and placed < decision.add:  # the trail has the count decided: the count made follows
+            await self.client.append_scale_event(ScaleEvent(
+                at=self.clock(), package_id=package_id, action="hold", count=placed,
+                reason=f"scale_up placed {placed} of {decision.add}: {short}", desired=decision.desired,
+                actual=actual))
+            decision = replace(decision, add=placed)
         if taken:
             await self.client.append_scale_event(ScaleEvent(
                 at=self.clock(), package_id=package_id, action="take_back", count=len(taken), node_ids=taken,
                 reason=f"the scale-up took back {len(taken)} released", desired=decision.desired, actual=actual))
         return decision
 
-    async def _scale_up(self, package_id: str, count: int) -> pb.ScaleUpResponse:
+    async def _scale_up(self, package_id: str, count: int) -> tuple[pb.ScaleUpResponse, int, str]:
         """Scale up by ``count`` workers, or as many fewer as the control plane can place: the pool counts
         every worker not serving the package as free, but placement also needs its memory budget, and refuses a
-        scale-up it cannot place whole (which, retried at the same count each tick, added none)."""
+        scale-up it cannot place whole (which, retried at the same count each tick, added none). Returns the
+        control plane's reply, the count placed and why no more were ("" when all were)."""
+        short = ""
         while True:
             try:
-                return await self.client.scale_up(package_id, count=count, strategy=self.config.plan_strategy)
+                reply = await self.client.scale_up(package_id, count=count, strategy=self.config.plan_strategy)
+                return reply, count, short
             except InsufficientWorkers as exc:
                 if count == 1:
                     raise
                 log.info("scaler %s: %d workers cannot be placed (%s): asking for %d", package_id[:12], count, exc,
                          count - 1)
-                count -= 1
+                count, short = count - 1, str(exc)
 
     async def _recover(self, package_id: str, tracked: _Tracked) -> None:
         """Cooldowns and recent releases from the audit trail's latest events (a restarted daemon goes on where
         it was)."""
+        last_release: tuple[str, ...] = ()
         for event in await self.client.list_scale_events(package_id, limit=200):
             if event.action == "scale_up":
                 tracked.last_scale_up = event.at
             elif event.action == "release":
                 tracked.released.update({node: event.at for node in event.node_ids})
+                last_release = event.node_ids
             elif event.action == "take_back":
                 for node in event.node_ids:
+                    tracked.released.pop(node, None)
+            elif event.action == "hold" and event.reason.startswith(_refused("release")):
+                # Recorded right after the release it refused (_act): its workers still serve.
+                for node in last_release:
                     tracked.released.pop(node, None)
         tracked.recovered = True
 
@@ -350,23 +395,34 @@ class Scaler:
         """The /stats of this tick of the routers at ``url``: polled once however many deployments and routes
         read it."""
         if url not in self._answers:
-            self._answers[url] = await self._poll_each(url, await self._addresses(url))
+            self._answers[url] = await self._poll_each(url, *await self._addresses(url))
         return self._answers[url]
 
-    async def _addresses(self, url: str) -> list[str | None]:
-        """Where to poll the router URL ``url``: each address its host resolves to now, where several (routers
-        behind a headless Service: each keeps its own queue and counts, and a poll of the name reaches one of
-        them); else ``[None]``, the URL itself (one router, or a failed resolution that its poll reports)."""
+    async def _addresses(self, url: str) -> tuple[list[str | None], int]:
+        """Where to poll the router URL ``url``, and how many routers it stands for: each address its host
+        resolves to now, where several (routers behind a headless Service: each keeps its own queue and counts,
+        and a poll of the name reaches one of them); else ``[None]``, the URL itself (one router, or a failed
+        resolution that its poll reports). A failed resolution of a name that had several addresses when it last
+        resolved stands for that many routers all the same: the one a poll of the name reaches is not all of them,
+        and their view must not read as complete (it released a replica busy at another router)."""
         parsed = URL(url)
         try:
             async with asyncio.timeout(self.config.router_timeout_s):
                 addresses = await self.resolve(parsed.host or "", parsed.port)
         except (OSError, TimeoutError):
-            return [None]
-        return list(addresses) if len(addresses) > 1 else [None]
+            return [None], self._routers_at.get(url, 1)
+        self._routers_at[url] = max(len(addresses), 1)
+        return (list(addresses), len(addresses)) if len(addresses) > 1 else ([None], 1)
 
-    async def _poll_each(self, url: str, addresses: Sequence[str | None], quiet: bool = False) -> list[dict | None]:
-        return list(await asyncio.gather(*(self._poll(url, address, quiet) for address in addresses)))
+    async def _poll_each(self, url: str, addresses: Sequence[str | None], routers: int,
+                         quiet: bool = False) -> list[dict | None]:
+        """The /stats of the ``routers`` at ``url`` (:meth:`_addresses`): one answer per router, those beyond
+        ``addresses`` silent."""
+        if routers > len(addresses) and not quiet:
+            log.warning("router %s: its name did not resolve: %d of the %d routers it stood for count as silent",
+                        url, routers - len(addresses), routers)
+        answers = await asyncio.gather(*(self._poll(url, address, quiet) for address in addresses))
+        return [*answers, *[None] * (routers - len(addresses))]
 
     async def _poll(self, url: str, address: str | None = None, quiet: bool = False) -> dict | None:
         """One router's checked /stats (at ``address``, with ``url``'s Host, where given), or None (logged unless
@@ -377,8 +433,13 @@ class Scaler:
             target, router = str(parsed.with_host(address)), f"{url} at {address}"
             headers["Host"] = parsed.host_port_subcomponent
         try:
+            # Not redirected: the serving key in the headers is for the router only.
             async with self._session.get(f"{target}/stats", headers=headers, server_hostname=parsed.host,
+                                         allow_redirects=False,
                                          timeout=aiohttp.ClientTimeout(total=self.config.router_timeout_s)) as answer:
+                if 300 <= answer.status < 400:
+                    raise StatsFormatError(f"router {router}: /stats answered HTTP {answer.status}, a redirect to "
+                                           f"{strictjson.describe(answer.headers.get('Location'))}, not followed")
                 if answer.status != 200:
                     raise StatsFormatError(f"router {router}: /stats answered HTTP {answer.status}")
                 body = await read_capped(answer.content, MAX_STATS_BYTES)
@@ -387,5 +448,5 @@ class Scaler:
                 return parse_stats(router, strictjson.loads(body))
         except (aiohttp.ClientError, TimeoutError, StatsFormatError, strictjson.JSONInputError) as exc:
             if not quiet:
-                log.warning("router %s gave no signals: %s", router, exc or type(exc).__name__)
+                log.warning("router %s gave no signals: %s", router, str(exc) or type(exc).__name__)
             return None

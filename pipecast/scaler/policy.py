@@ -19,10 +19,10 @@ How it decides, in this order:
    replica added for them would serve only after the cold start); then the lagging one: a p99 TTFT over the SLO
    with requests still queued and no replica on its way adds one more. Neither the requests present nor the SLO
    add a replica while the requests present fall fast enough to be gone within that drain at the pace measured
-   (:func:`backlog_draining`): the replicas in place are catching up, and a p99 over the SLO is then the requests
-   that waited for a cold start. ``desired`` = demand + the warm pool, within ``min..max``: the policy's
-   ``warm``, or with ``warm_auto_factor`` the replicas that absorb that many times the *baseline* demand
-   (:func:`baseline_demand`, the median over the history) beyond what the demand needs now.
+   at ready replicas (:func:`backlog_draining`): the replicas in place are catching up, and a p99 over the SLO
+   is then the requests that waited for a cold start. ``desired`` = demand + the warm pool, within
+   ``min..max``: the policy's ``warm``, or with ``warm_auto_factor`` the replicas that absorb that many times the
+   *baseline* demand (:func:`baseline_demand`, the median over the history) beyond what the demand needs now.
 3. **Scale up** by the whole gap at once (not one at a time), at most the free workers. Within
    ``scale_up_cooldown_s`` of the last scale-up only for a rate the pool in place does not cover (the arrival
    rate's demand, or the cold start's, above the replicas there) or a missed SLO: not for the queue, which the
@@ -31,8 +31,8 @@ How it decides, in this order:
    above ``DOWN_HEADROOM`` times the *peak* demand of the last ``keep_alive_s`` (at least
    ``SHORT_WINDOW_S``), and never within ``scale_down_cooldown_s`` of a scale-up, so a replica is not
    acquired and released again within the cooldown. The peak needs signals for that whole window: while
-   the history holds less since its start or its last poll no router answered (the daemon restarted, the
-   routers or the control plane were out of reach), nothing is released.
+   the history holds less since its start or since polls some router did not answer (the daemon restarted, a
+   router or the control plane was out of reach), nothing is released.
 """
 
 import math
@@ -40,7 +40,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from control_plane.deployments import ScalingPolicy
+from control_plane.deployments import MAX_COUNT, ScalingPolicy
 
 #: Arrival rates are measured over this window (s) ...
 SHORT_WINDOW_S = 5.0
@@ -164,11 +164,12 @@ def _rate(history: Sequence[Signals], attr: str, window_s: float, end: int | Non
     return max(getattr(last, attr) - getattr(first, attr), 0) / span
 
 
-def arrival_rate(history: Sequence[Signals]) -> float:
-    """Requests/s arriving now: the short window's rate, or the surge window's where higher while no replica
-    holds the whole model (:data:`SURGE_WINDOW_S`)."""
-    short = _rate(history, "arrived", SHORT_WINDOW_S)
-    return short if history[-1].ready else max(_rate(history, "arrived", SURGE_WINDOW_S), short)
+def arrival_rate(history: Sequence[Signals], end: int | None = None) -> float:
+    """Requests/s arriving at the poll of ``history`` at index ``end`` (default: the last): the short window's
+    rate, or the surge window's where higher while no replica holds the whole model (:data:`SURGE_WINDOW_S`)."""
+    end = len(history) - 1 if end is None else end
+    short = _rate(history, "arrived", SHORT_WINDOW_S, end)
+    return short if history[end].ready else max(_rate(history, "arrived", SURGE_WINDOW_S, end), short)
 
 
 def replica_throughput(history: Sequence[Signals], policy: ScalingPolicy) -> float:
@@ -200,6 +201,16 @@ def baseline_demand(history: Sequence[Signals], throughput: float, policy: Scali
     return statistics.median(demands) if demands else 0.0
 
 
+def whole_replicas(demand: float) -> int:
+    """Replicas (whole) for a fractional ``demand``: rounded up, but down from within :data:`EPSILON` above a
+    whole one (float noise adds no replica); at most :data:`MAX_COUNT` (a policy's most), which also stands for a
+    demand that is not finite (a ``replica_rps`` next to 0 or a cold start of 1e308 s, in a policy stored before
+    their bounds), so that no figure makes :func:`decide` raise."""
+    if not demand <= MAX_COUNT:  # inf and nan included
+        return MAX_COUNT
+    return math.ceil(demand - EPSILON)
+
+
 def cold_start_of(policy: ScalingPolicy, pool: Pool) -> tuple[float, str]:
     """The cold start a scale-up is sized for (seconds; 0: not counted) and where it comes from: the daemon's
     measure with ``cold_start_measured`` once there is one, else the policy's ``cold_start_s``."""
@@ -223,7 +234,7 @@ def cold_start_demand(rate: float, ready: int, throughput: float, policy: Scalin
     if cold_start_s <= 0 or rate <= 0 or excess <= 0:
         return 0
     backlog = excess * cold_start_s
-    return math.ceil((rate + backlog / drain_horizon(policy, cold_start_s)) / throughput - EPSILON)
+    return whole_replicas((rate + backlog / drain_horizon(policy, cold_start_s)) / throughput)
 
 
 def drain_horizon(policy: ScalingPolicy, cold_start_s: float) -> float:
@@ -248,18 +259,19 @@ def backlog_draining(history: Sequence[Signals], horizon_s: float) -> bool:
     enough that, at that measured pace, they are gone within ``horizon_s``: the pool in place is catching up,
     whatever the throughput estimate says. A p99 over the SLO then is the past's (requests that waited for a
     cold start), and a replica added for it would serve once the backlog is gone. Only between two polls of the
-    same routers (:func:`comparable`): a router falling silent is not a backlog falling."""
+    same routers (:func:`comparable`): a router falling silent is not a backlog falling; and only while a replica
+    is ready: at none, the requests that leave are given up (clients, queue timeouts), not served."""
     last, first = history[-1], _window_start(history, SHORT_WINDOW_S)
     span = last.at - first.at
     before, now = first.queue_depth + first.in_flight, last.queue_depth + last.in_flight
-    if span <= 0 or now >= before or not comparable(first, last):
+    if span <= 0 or now >= before or not last.ready or not comparable(first, last):
         return False
     return now / ((before - now) / span) <= horizon_s
 
 
 def _demand(signals: Signals, rate: float, throughput: float, policy: ScalingPolicy) -> tuple[int, int]:
-    by_requests = math.ceil((signals.queue_depth + signals.in_flight) / policy.replica_concurrency)
-    by_rate = math.ceil(rate / throughput - EPSILON) if rate > 0 else 0
+    by_requests = whole_replicas((signals.queue_depth + signals.in_flight) / policy.replica_concurrency)
+    by_rate = whole_replicas(rate / throughput) if rate > 0 else 0
     return by_requests, by_rate
 
 
@@ -293,7 +305,7 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
               "cold_start_s": round(cold_start, 3), "cold_start_from": cold_from}
     if policy.warm_auto_factor:
         baseline = baseline_demand(history, throughput, policy)
-        warm = max(math.ceil(policy.warm_auto_factor * baseline - EPSILON) - needed, 0)
+        warm = max(whole_replicas(policy.warm_auto_factor * baseline) - needed, 0)
         warm_why = f"+warm auto {warm} ({policy.warm_auto_factor}x baseline {round(baseline, 2):g} replicas)"
         inputs["baseline_replicas"] = round(baseline, 3)
     else:
@@ -347,15 +359,16 @@ def _no_signals(pool: Pool, policy: ScalingPolicy) -> Decision:
 
 
 def signals_span(history: Sequence[Signals]) -> float:
-    """Seconds of signals without a gap up to the last answered poll: since the history's first answered poll,
-    or the first after a gap, polls no router answered (the daemon appends one for a tick that failed) over more
-    than :data:`STALE_S` since the last answered one. A missed poll or two is no gap: the counters are
-    cumulative, so a rate taken across them counts every arrival (a gap at every missed poll held idle replicas
-    for good where polls failed now and then)."""
+    """Seconds of signals without a gap up to the last complete poll (every router answered): since the history's
+    first complete poll, or the first after a gap, polls some router did not answer (the daemon appends one no
+    router answered for a tick that failed) over more than :data:`STALE_S` since the last complete one. A router's
+    load while it is silent is unknown, not 0: its peak may be in the gap. A missed poll or two is no gap: the
+    counters are cumulative, so a rate taken across them counts every arrival (a gap at every missed poll held idle
+    replicas for good where polls failed now and then)."""
     start = last = None
     silent = False
     for signals in history:
-        if signals.routers_answered == 0:
+        if signals.routers_answered < signals.routers_total or not signals.routers_answered:
             silent = True
             continue
         if last is None or (silent and signals.at - last > STALE_S):
@@ -385,7 +398,7 @@ def _scale_down(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy, w
                                "whose peak it keeps (the daemon restarted or signals were missing)", "steady",
                         desired, inputs)
     throughput = replica_throughput(history, policy)
-    peak = max(max(_demand(signals, arrival_rate(history[:i + 1]), throughput, policy))
+    peak = max(max(_demand(signals, arrival_rate(history, i), throughput, policy))
                for i, signals in enumerate(history) if signals.at >= now.at - window_s)
     keep = min(max(math.ceil(peak * DOWN_HEADROOM) + warm, policy.min_replicas, desired), policy.max_replicas)
     idle = sorted(((now.idle_s.get(r.node_id), r.node_id) for r in pool.replicas if not r.loading),

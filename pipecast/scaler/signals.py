@@ -15,12 +15,16 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from pipecast.core.errors import PipecastError
+from pipecast.core.strictjson import describe
 from pipecast.scaler.policy import Pool, Replica, Signals
 from pipecast.v1 import control_pb2 as pb
 
 STATS_FORMAT = 1
 READY = "ready"
 SERVING_STATUSES = (READY, "partial")
+#: The largest figure a /stats field may hold: up to it a float holds every integer, and the policy's float math
+#: stays finite. Beyond it the answer is the router's fault: an integer of 400 digits (valid JSON) overflowed it.
+MAX_FIGURE = 2 ** 53
 
 
 class StatsFormatError(PipecastError):
@@ -31,8 +35,9 @@ def _number(data: Mapping[str, Any], key: str, router: str, *, nullable: bool = 
     value = data.get(key)
     if value is None and nullable:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise StatsFormatError(f"router {router}: /stats field {key!r} is {value!r}, not a number >= 0")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_FIGURE:
+        raise StatsFormatError(f"router {router}: /stats field {key!r} is {describe(value)}, not a number within "
+                               "0..2**53")
     return value
 
 

@@ -27,20 +27,21 @@ def test_a_usable_policy_has_no_problems():
 def test_every_bad_value_is_named():
     bad = ScalingPolicy(min_replicas=5, max_replicas=3, warm=4, slo_ttft_p99_s=0, replica_rps=0,
                         replica_concurrency=0)
-    assert bad.problems() == ["slo_ttft_p99_s must be a finite number > 0, got 0",
-                              "replica_rps must be a finite number > 0, got 0",
-                              "replica_concurrency must be a finite number >= 1, got 0"]
+    assert bad.problems() == ["slo_ttft_p99_s must be a finite number > 0 and <= 86400, got 0",
+                              "replica_rps must be a finite number >= 1e-06, got 0",
+                              "replica_concurrency must be a finite number >= 1 and <= 100000, got 0"]
     assert ScalingPolicy(min_replicas=5, max_replicas=3, warm=4).problems() == [
         "min_replicas (5) must be <= max_replicas (3)", "warm (4) must be <= max_replicas (3)"]
-    assert ScalingPolicy(keep_alive_s=float("nan")).problems() == ["keep_alive_s must be a finite number >= 0, got nan"]
+    assert ScalingPolicy(keep_alive_s=float("nan")).problems() == [
+        "keep_alive_s must be a finite number >= 0 and <= 86400, got nan"]
 
 
 def test_a_fields_bound_is_worded_the_same_whatever_the_bad_value():
     for value in (0, -1, float("nan")):
         assert ScalingPolicy(replica_rps=value).problems() == [
-            f"replica_rps must be a finite number > 0, got {value!r}"]
+            f"replica_rps must be a finite number >= 1e-06, got {value!r}"]
         assert ScalingPolicy(max_replicas=value).problems() == [
-            f"max_replicas must be a finite number >= 1, got {value!r}"]
+            f"max_replicas must be a finite number >= 1 and <= 100000, got {value!r}"]
 
 
 def test_the_deploy_command_names_every_bad_value_by_its_flag_before_calling():
@@ -50,14 +51,38 @@ def test_the_deploy_command_names_every_bad_value_by_its_flag_before_calling():
                                            "--slo-ttft-p99", "0", "--warm", "-1"])
     assert isinstance(result.exception, InvalidRequest), result.output
     assert str(result.exception) == (
-        "deployment of package 'pkg' refused: --min: min_replicas must be a finite number >= 0, got -2; --max: "
-        "max_replicas must be a finite number >= 1, got 0; --slo-ttft-p99: slo_ttft_p99_s must be a finite number "
-        "> 0, got 0.0; --warm: warm must be a finite number >= 0, got -1; --replica-rps: replica_rps must be a "
-        "finite number > 0, got -1.0; --replica-concurrency: replica_concurrency must be a finite number >= 1, got 0")
+        "deployment of package 'pkg' refused: --min: min_replicas must be a finite number >= 0 and <= 100000, got "
+        "-2; --max: max_replicas must be a finite number >= 1 and <= 100000, got 0; --slo-ttft-p99: slo_ttft_p99_s "
+        "must be a finite number > 0 and <= 86400, got 0.0; --warm: warm must be a finite number >= 0 and <= "
+        "100000, got -1; --replica-rps: replica_rps must be a finite number >= 1e-06, got -1.0; "
+        "--replica-concurrency: replica_concurrency must be a finite number >= 1 and <= 100000, got 0")
     result = CliRunner().invoke(cp_group, ["--control-plane", "127.0.0.1:1", "deploy", "pkg", "--min", "3", "--max",
                                            "2"])
     assert str(result.exception) == ("deployment of package 'pkg' refused: --min/--max: min_replicas (3) must be "
                                      "<= max_replicas (2)")
+
+
+def test_counts_durations_and_a_replicas_throughput_are_bounded_above_and_below():
+    """Review of the scaler, finding 2: a replica_rps of 1e-320 or a cold start of 1e308 s was accepted and made the
+    daemon's math overflow; `cp deploy --max 4294967296` ended in protobuf's ValueError, not a refusal."""
+    assert ScalingPolicy(min_replicas=100_000, max_replicas=100_000, warm=100_000, replica_concurrency=100_000,
+                         replica_rps=1e-6, slo_ttft_p99_s=86_400, keep_alive_s=86_400, scale_up_cooldown_s=86_400,
+                         scale_down_cooldown_s=86_400, cold_start_s=86_400).problems() == []
+    assert ScalingPolicy(max_replicas=2 ** 32, replica_concurrency=100_001, replica_rps=1e-320, cold_start_s=1e308,
+                         keep_alive_s=86_401).problems() == [
+        "max_replicas must be a finite number >= 1 and <= 100000, got 4294967296",
+        "keep_alive_s must be a finite number >= 0 and <= 86400, got 86401",
+        "replica_rps must be a finite number >= 1e-06, got 1e-320",
+        "replica_concurrency must be a finite number >= 1 and <= 100000, got 100001",
+        "cold_start_s must be a finite number >= 0 and <= 86400, got 1e+308"]
+    # 127.0.0.1:1 answers nothing: the refusal comes before any call (and before protobuf's uint32).
+    result = CliRunner().invoke(cp_group, ["--control-plane", "127.0.0.1:1", "deploy", "pkg", "--min", "1", "--max",
+                                           "4294967297", "--replica-concurrency", "4294967296"])
+    assert isinstance(result.exception, InvalidRequest), result.output
+    assert str(result.exception) == (
+        "deployment of package 'pkg' refused: --max: max_replicas must be a finite number >= 1 and <= 100000, got "
+        "4294967297; --replica-concurrency: replica_concurrency must be a finite number >= 1 and <= 100000, got "
+        "4294967296")
 
 
 def test_an_auto_warm_factor_is_within_1_to_10_and_excludes_a_fixed_warm():
@@ -144,7 +169,7 @@ def test_the_deploy_command_refuses_a_factor_without_auto_and_a_bad_warm(args, e
 def test_the_book_refuses_bad_deployments_and_keeps_created_time():
     book = DeploymentBook()
     with pytest.raises(InvalidRequest, match=r"deployment of package 'p' refused: max_replicas must be a finite "
-                                             r"number >= 1, got 0"):
+                                             r"number >= 1 and <= 100000, got 0"):
         book.put(Deployment("p", ScalingPolicy(max_replicas=0)), ["p"], 1.0)
     with pytest.raises(UnknownPackage, match="package 'q' is not published"):
         book.put(Deployment("q", ScalingPolicy()), ["p"], 1.0)

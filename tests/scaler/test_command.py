@@ -1,15 +1,20 @@
-"""`pipecast scaler`'s command line: what `run` takes (the daemon itself is not started) and `events` against a
-real control plane on loopback (port 0)."""
+"""`pipecast scaler`'s command line: what `run` takes (the daemon itself is not started), how the daemon it runs
+ends and answers /health (over a fake control plane), and `events` against a real control plane on loopback
+(port 0)."""
 
 import asyncio
+from types import SimpleNamespace
 
+import aiohttp
 import pytest
 from click.testing import CliRunner
 
 from control_plane.client import ControlPlaneClient
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
-from control_plane.errors import Unauthenticated
+from control_plane.errors import Unauthenticated, UnknownPackage
 from control_plane.server import ControlPlaneServer
+from pipecast.core.httpserve import listening
+from pipecast.core.settings import load_settings
 from pipecast.scaler import command
 from pipecast.scaler.daemon import ScalerConfig
 from tests.control_plane.test_service import PKG, STORE, TOKEN, WAIT_S, config, manifest
@@ -69,3 +74,90 @@ async def test_events_takes_the_token_as_cp_does(tmp_path):
         assert isinstance((await asyncio.to_thread(events, "wrong")).exception, Unauthenticated)
     finally:
         await server.stop(grace_s=0)
+
+
+async def test_events_takes_the_start_of_a_package_id_as_the_listings_print_it(tmp_path):
+    """Review of the scaler, finding 7: `scaler events --package` with the 12 characters it prints printed nothing
+    and exited 0."""
+    server = ControlPlaneServer(config(tmp_path / "cp.sqlite3"))
+    await server.start()
+    try:
+        async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as client:
+            await client.publish_package(manifest(), STORE)
+            await client.put_deployment(Deployment(PKG, ScalingPolicy()))
+            await client.append_scale_event(ScaleEvent(at=1.0, package_id=PKG, action="hold", reason="quiet"))
+
+        def events(package: str):
+            return CliRunner().invoke(command.scaler_group, ["events", "--control-plane", server.address, "--token",
+                                                             TOKEN, "--package", package])
+        result = await asyncio.to_thread(events, PKG[:12])
+        assert result.exit_code == 0 and result.output.endswith(f" {PKG[:12]} hold      0 desired 0 actual 0: quiet\n")
+        unknown = (await asyncio.to_thread(events, "0123456789ab")).exception
+        assert isinstance(unknown, UnknownPackage)
+        assert str(unknown) == "no published package id starts with '0123456789ab'"
+    finally:
+        await server.stop(grace_s=0)
+
+
+class FailingClient:
+    """A control plane's client whose deployment listing fails with a bug once ``failing`` is set."""
+
+    def __init__(self) -> None:
+        self.failing = asyncio.Event()
+
+    async def __aenter__(self) -> "FailingClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+    async def list_deployments(self):
+        if self.failing.is_set():
+            raise RuntimeError("a bug")
+        return []
+
+
+async def test_the_daemon_exits_with_the_error_that_ends_its_loop_not_on_with_health_ok(monkeypatch, capsys):
+    """Review of the scaler, finding 1: the loop died and `scaler run --port` went on answering /health ok, scaling
+    nothing, until a SIGTERM brought its error up."""
+    client = FailingClient()
+    monkeypatch.setattr(ControlPlaneClient, "from_settings", lambda settings: client)
+    settings = load_settings(None, control_plane="127.0.0.1:1")
+    run = asyncio.create_task(command._run(settings, ScalerConfig(tick_s=0.05), "127.0.0.1", 0))
+    while "scaler metrics on " not in (err := capsys.readouterr().err):
+        await asyncio.sleep(0.01)
+    url = err.split("scaler metrics on ")[1].split()[0]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/health") as answer:
+            assert (answer.status, await answer.json()) == (200, {"status": "ok", "failed_ticks": 0,
+                                                                  "deployments": []})
+    client.failing.set()
+    await asyncio.wait([run], timeout=5)
+    assert run.done(), "the daemon went on after its loop failed"
+    with pytest.raises(RuntimeError, match="a bug"):
+        run.result()
+
+
+async def test_health_answers_503_once_the_loop_has_failed():
+    async def fail():
+        raise RuntimeError("a bug")
+
+    task = asyncio.create_task(fail())
+    await asyncio.wait([task])
+    async with listening(command._app(None, task), "127.0.0.1", 0) as url, aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/health") as answer:
+            assert (answer.status, await answer.json()) == (503, {"status": "failed", "error": "RuntimeError: a bug"})
+
+
+async def test_health_says_degraded_while_ticks_fail_to_reach_the_control_plane():
+    """It answered ok while every tick failed (the control plane down, or refusing the daemon's token): nothing was
+    scaled and nothing showed it but a log line a second. Still 200: a restart would mend no outage."""
+    scaler = SimpleNamespace(failed_ticks=3, tracked={})
+    task = asyncio.create_task(asyncio.Event().wait())
+    try:
+        async with listening(command._app(scaler, task), "127.0.0.1", 0) as url, aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/health") as answer:
+                assert (answer.status, await answer.json()) == (200, {"status": "degraded", "failed_ticks": 3,
+                                                                      "deployments": []})
+    finally:
+        task.cancel()

@@ -48,7 +48,8 @@ class RecordingClient:
         self.workers, self.events, self.calls = workers, list(events), []
         self.serving_key = b""
         self.deployment = Deployment(PKG, POLICY, routers)
-        self.refuse: Exception | None = None
+        self.refuse: Exception | None = None  # scale-ups are refused
+        self.refuse_release: Exception | None = None
         self.placeable: int | None = None  # scale-ups of more workers are refused (memory short)
         self.routes: list[ModelRoute] = []
         self.unchanged: list[str] = []  # workers a scale-up takes that hold the package already
@@ -84,6 +85,8 @@ class RecordingClient:
 
     async def release(self, package_id, node_ids, *, keep_alive_s=0.0):
         self.calls.append(("release", tuple(node_ids), keep_alive_s))
+        if self.refuse_release:
+            raise self.refuse_release
         return 0.0
 
     async def list_routes(self):
@@ -109,16 +112,20 @@ async def a_keep_alive_on(scaler: Scaler, now: list[float]) -> None:
 
 
 @asynccontextmanager
-async def stub_router(answer: dict, host: str = "127.0.0.1", port: int = 0,
-                      in_pieces: bool = False) -> AsyncIterator[tuple[str, dict]]:
+async def stub_router(answer: dict, host: str = "127.0.0.1", port: int = 0, in_pieces: bool = False,
+                      redirect: str = "", delay_s: float = 0.0) -> AsyncIterator[tuple[str, dict]]:
     """A router on ``host``:``port`` whose /stats answers ``state["answer"]`` (changeable while it runs; with
-    ``in_pieces``, as a path between hosts delivers it); ``state["keys"]`` lists the serving key header of each
-    request (None where absent), ``state["hosts"]`` its Host header."""
+    ``in_pieces``, as a path between hosts delivers it; with ``redirect``, a 302 to that URL instead; after
+    ``delay_s``); ``state["keys"]`` lists the serving key header of each request (None where absent),
+    ``state["hosts"]`` its Host header."""
     state = {"answer": answer, "keys": [], "hosts": []}
 
     async def handler(request: web.Request) -> web.StreamResponse:
         state["keys"].append(request.headers.get(SERVING_KEY_HEADER))
         state["hosts"].append(request.host)
+        await asyncio.sleep(delay_s)
+        if redirect:
+            raise web.HTTPFound(redirect)
         if in_pieces:
             return await answer_in_pieces(request, json.dumps(state["answer"]).encode())
         return web.json_response(state["answer"])
@@ -167,6 +174,31 @@ async def test_a_silent_router_holds_the_pool_recording_the_hold_once():
     assert client.events[0].reason == "no signals from any router: holding 1 replicas"
 
 
+async def test_a_router_redirecting_its_stats_is_silent_and_its_target_never_gets_the_serving_key(caplog):
+    """Found in review: a /stats redirect was followed, the serving key's header with it, to wherever it led."""
+    async with stub_router(stats(queue=5, arrived=5)) as (target, elsewhere):
+        async with stub_router(stats(), redirect=f"{target}/stats") as (url, state):
+            client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
+            client.serving_key = bytes(range(32))
+            async with Scaler(client) as scaler:
+                [(_, decision)] = await scaler.tick()
+    assert decision.kind == "no_signals"  # its only router silent
+    assert state["keys"] == [bytes(range(32)).hex()] and elsewhere["keys"] == []
+    [warning] = [r.getMessage() for r in caplog.records if "gave no signals" in r.getMessage()]
+    assert "HTTP 302, a redirect to" in warning and f"{target}/stats" in warning and "not followed" in warning
+
+
+async def test_a_router_that_times_out_is_logged_with_a_reason(caplog):
+    """Found in review: a timeout's message is empty, and the warning ended with "gave no signals: "."""
+    async with stub_router(stats(), delay_s=1.0) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
+        async with Scaler(client, ScalerConfig(router_timeout_s=0.1)) as scaler:
+            [(_, decision)] = await scaler.tick()
+    assert decision.kind == "no_signals"
+    [warning] = [r.getMessage() for r in caplog.records if "gave no signals" in r.getMessage()]
+    assert warning == f"router {url} gave no signals: TimeoutError"
+
+
 async def test_idle_replicas_are_released_after_keep_alive_and_the_refusal_of_a_scale_up_is_recorded():
     idle, now = {"w1": 30.0, "w2": 3.0}, [1000.0]
     async with stub_router(stats(idle=idle)) as (url, state):
@@ -181,7 +213,9 @@ async def test_idle_replicas_are_released_after_keep_alive_and_the_refusal_of_a_
             state["answer"] = stats(queue=9, arrived=9)
             client.refuse = InsufficientWorkers("no memory")
             [(_, decision)] = await scaler.tick()
-            assert (decision.add, decision.inputs["replicas"]) == (2, 1)  # w1 and w3 are free
+            # What was done: a refused hold, the scale-up of 2 it was decided as in the trail (w1 and w3 are free).
+            assert (decision.action, decision.kind, decision.inputs["replicas"]) == ("hold", "refused", 1)
+    assert (client.events[-2].action, client.events[-2].count) == ("scale_up", 2)
     assert client.calls[-2:] == [("scale_up", 1, ""), ("event", "hold")]
     assert client.events[-1].reason == "scale_up refused: no memory"
 
@@ -199,7 +233,7 @@ async def test_a_refused_scale_up_is_asked_again_only_after_a_while_so_the_trail
                 [(_, decision)] = await scaler.tick()
                 asked.append(len([c for c in client.calls if c[0] == "scale_up"]))
                 now[0] += 1.0
-            assert decision.action == "scale_up"
+            assert (decision.action, decision.kind) == ("hold", "refused")  # asked or not, nothing was added
     # Asked at once, then 2, 4, 8 and 16 s after each refusal in a row.
     assert [i for i in range(1, 40) if asked[i] > asked[i - 1]] == [2, 6, 14, 30]
     assert len([e for e in client.events if "refused" in e.reason]) == asked[-1] == 5
@@ -213,10 +247,37 @@ async def test_a_refused_scale_up_counts_as_a_refused_hold_in_the_metrics_not_as
         async with Scaler(client) as scaler:
             [(_, decision)] = await scaler.tick()
             decisions = scaler.metrics.registry.get_sample_value
-    assert decision.action == "scale_up"
+    assert (decision.action, decision.kind) == ("hold", "refused") and client.events[0].action == "scale_up"
     assert decisions("pipecast_scaler_decisions_total", {"package": PKG, "action": "hold", "kind": "refused"}) == 1
     assert decisions("pipecast_scaler_decisions_total",
-                     {"package": PKG, "action": "scale_up", "kind": decision.kind}) is None
+                     {"package": PKG, "action": "scale_up", "kind": "demand"}) is None
+    assert decisions("pipecast_scaler_replicas_changed_total", {"package": PKG, "action": "scale_up"}) is None
+
+
+async def test_a_release_the_control_plane_refused_is_no_release_to_a_restarted_daemon():
+    """Found in review: a restarted daemon read the release in the trail as made, not the refusal recorded after
+    it, and counted the serving replica as released (free, not a replica) for the keep-alive and grace."""
+    now = [1000.0]
+    async with stub_router(stats(idle={"w1": 30.0, "w2": 3.0})) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,))
+        config = ScalerConfig(source_keep_s=120.0)
+        async with Scaler(client, config, clock=lambda: now[0]) as scaler:
+            await a_keep_alive_on(scaler, now)
+            client.refuse_release = ControlPlaneError("w1 is a source of a plan")
+            await scaler.tick()
+            assert client.calls[-3:-1] == [("event", "release"), ("release", ("w1",), 120.0)]
+            assert not scaler.tracked[PKG].released
+        assert [(e.action, e.node_ids, e.reason) for e in client.events[-2:]] == [
+            ("release", ("w1",), client.events[-2].reason), ("hold", (), "release refused: w1 is a source of a plan")]
+        now[0] += 1.0
+        async with Scaler(client, config, clock=lambda: now[0]) as restarted:
+            [(_, decision)] = await restarted.tick()
+            assert "w1" not in restarted.tracked[PKG].released and decision.inputs["replicas"] == 2
+        refusal = client.events.pop()  # without it, the release was made: w1 is held back as released
+        async with Scaler(client, config, clock=lambda: now[0]) as restarted:
+            [(_, decision)] = await restarted.tick()
+            assert "w1" in restarted.tracked[PKG].released and decision.inputs["replicas"] == 1
+    assert refusal.action == "hold"
 
 
 async def test_a_scale_up_made_but_not_stored_is_no_refusal_and_starts_the_cooldown():
@@ -238,18 +299,23 @@ async def test_a_scale_up_made_but_not_stored_is_no_refusal_and_starts_the_coold
     assert all(e.action != "hold" or "refused" not in e.reason for e in client.events)
 
 
-async def test_a_scale_up_that_cannot_be_placed_whole_asks_for_fewer():
+async def test_a_scale_up_that_cannot_be_placed_whole_asks_for_fewer_and_records_the_count_placed():
     # Found in review: the pool counts every worker not serving the package as free, placement also needs its
-    # memory budget; a scale-up refused whole was asked again at the same count each tick, adding none.
+    # memory budget; a scale-up refused whole was asked again at the same count each tick, adding none. Then:
+    # the trail, the metrics and the decision returned said the 3 decided where 1 was placed.
     async with stub_router(stats(queue=9, arrived=9)) as (url, _):
         client = RecordingClient([worker("w1"), worker("w2"), worker("w3")], (url,))
         client.placeable = 1
         async with Scaler(client) as scaler:
             [(_, decision)] = await scaler.tick()
-    assert decision.add == 3
+            changed = scaler.metrics.registry.get_sample_value(
+                "pipecast_scaler_replicas_changed_total", {"package": PKG, "action": "scale_up"})
+    assert (decision.action, decision.add, changed) == ("scale_up", 1, 1)
     assert [c for c in client.calls if c[0] == "scale_up"] == [("scale_up", 3, ""), ("scale_up", 2, ""),
                                                                ("scale_up", 1, "")]
-    assert client.events[-1].action == "scale_up"
+    decided, placed = client.events[-2:]
+    assert (decided.action, decided.count) == ("scale_up", 3)
+    assert (placed.action, placed.count, placed.reason) == ("hold", 1, "scale_up placed 1 of 3: only 1 fit")
 
 
 async def test_a_replica_released_with_a_keep_alive_is_not_counted_until_it_ends_nor_released_again():
@@ -474,6 +540,34 @@ async def test_a_deployment_without_routers_is_still_raised_to_its_minimum():
     assert client.calls == [("event", "scale_up"), ("scale_up", 2, "")]
 
 
+async def test_a_step_that_fails_holds_its_deployment_for_the_tick_and_the_others_go_on(monkeypatch, caplog):
+    """Found in review: an error that is not the control plane's (here the policy's, as a router's figure of 400
+    digits overflowed its float math) ended ``tick``, and with it ``run``: no pool was scaled again."""
+    broken = Deployment("b" * 64, replace(POLICY, max_replicas=3), ())
+    decide = daemon_module.decide
+
+    def failing(history, pool, policy):
+        if policy is broken.policy:
+            raise OverflowError("int too large to convert to float")
+        return decide(history, pool, policy)
+
+    monkeypatch.setattr(daemon_module, "decide", failing)
+    now = [1000.0]
+    async with stub_router(stats(queue=5, arrived=5)) as (url, _):
+        client = RecordingClient([worker("w1"), worker("w2"), worker("w3")], (url,))
+        broken = replace(broken, routers=(url,))
+        client.list_deployments = lambda: asyncio.sleep(0, [broken, client.deployment])
+        async with Scaler(client, clock=lambda: now[0]) as scaler:
+            [(package, decision)] = await scaler.tick()
+            gap = scaler.tracked[broken.package_id].history[-1]
+    assert (package, decision.action, decision.add) == (PKG, "scale_up", 3)
+    assert client.calls == [("event", "scale_up"), ("scale_up", 3, "")]
+    assert (gap.at, gap.routers_total, gap.routers_answered) == (now[0], 1, 0)
+    [failed] = [r for r in caplog.records if "its step failed" in r.getMessage()]
+    assert failed.levelname == "ERROR" and failed.exc_info[0] is OverflowError
+    assert failed.getMessage().startswith("scaler bbbbbbbbbbbb:")
+
+
 async def test_a_failed_tick_is_a_gap_in_the_signals_and_nothing_is_released_for_a_keep_alive_after():
     now = [1000.0]
     async with stub_router(stats(idle={"w1": 30.0, "w2": 30.0})) as (url, _):
@@ -509,6 +603,38 @@ async def test_failed_ticks_keep_no_more_history_than_the_policy_looks_back_on()
                 now[0] += 2.0
                 scaler._gap()
             assert len(scaler.tracked[PKG].history) == HISTORY_S / 2.0 + 1
+
+
+async def test_failed_ticks_are_counted_and_shown_until_a_tick_reaches_the_control_plane():
+    """Found in review: a daemon whose every tick failed (the control plane out of reach, its token refused)
+    showed nothing of it but a log line: /health said ok and no metric told."""
+    now = [1000.0]
+    async with stub_router(stats()) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
+        async with Scaler(client, ScalerConfig(watch_s=0.0), clock=lambda: now[0]) as scaler:
+            metric = scaler.metrics.registry.get_sample_value
+            stop = asyncio.Event()
+            listed = client.list_deployments
+
+            async def unreachable():
+                stop.set()
+                raise ControlPlaneError("control plane unreachable")
+
+            client.list_deployments = unreachable
+            await scaler.run(stop)  # one failed tick
+            assert scaler.failed_ticks == 1 and metric("pipecast_scaler_tick_failures_total") == 1
+            assert metric("pipecast_scaler_last_tick_timestamp_seconds") == 0  # never set
+
+            async def reachable():
+                stop.set()
+                return await listed()
+
+            client.list_deployments = reachable
+            stop.clear()
+            now[0] += 1.0
+            await scaler.run(stop)  # one tick that reaches it
+            assert scaler.failed_ticks == 0 and metric("pipecast_scaler_tick_failures_total") == 1
+            assert metric("pipecast_scaler_last_tick_timestamp_seconds") == now[0] and scaler.tracked[PKG].history
 
 
 async def test_a_canary_added_again_after_a_rollback_is_judged_on_its_requests_since():
@@ -582,10 +708,33 @@ async def test_a_router_url_is_polled_at_every_address_its_name_has_a_single_one
     asked: list[tuple[str, int | None]] = []
     async with Scaler(None, resolve=resolving({"routers.test": ["10.1.0.1", "10.1.0.2"],
                                                "router.test": ["10.1.0.3"]}, asked)) as scaler:
-        assert await scaler._addresses("http://routers.test:8080") == ["10.1.0.1", "10.1.0.2"]
-        assert await scaler._addresses("http://router.test:8080") == [None]
-        assert await scaler._addresses("http://unknown.test:8080") == [None]
+        # Where to poll, and how many routers the URL stands for.
+        assert await scaler._addresses("http://routers.test:8080") == (["10.1.0.1", "10.1.0.2"], 2)
+        assert await scaler._addresses("http://router.test:8080") == ([None], 1)
+        assert await scaler._addresses("http://unknown.test:8080") == ([None], 1)
     assert asked == [("routers.test", 8080), ("router.test", 8080), ("unknown.test", 8080)]
+
+
+async def test_a_name_that_stood_for_several_routers_is_as_many_when_it_fails_to_resolve(caplog):
+    """Found in review: a tick whose resolution of a headless Service's name failed polled the name as one
+    router: the one it reached read as every router answering, and the replica busy at the other was released."""
+    busy = {**stats(idle={"w1": 100.0, "w2": 100.0, "w3": None}), "in_flight": 1}  # w3 serves a request at B
+    async with stub_router(stats(idle={"w1": 100.0, "w2": 100.0, "w3": 500.0})) as (first, _):
+        port = int(first.rpartition(":")[2])
+        async with stub_router(busy, host="127.0.0.2", port=port):
+            table = {"localhost": ["127.0.0.1", "127.0.0.2"]}
+            client = RecordingClient([worker("w1", BLOCKS), worker("w2", BLOCKS), worker("w3", BLOCKS)],
+                                     (f"http://localhost:{port}",))  # the name itself reaches one router (A)
+            now = [1000.0]
+            async with Scaler(client, ScalerConfig(watch_s=0.0), clock=lambda: now[0],
+                              resolve=resolving(table)) as scaler:
+                await a_keep_alive_on(scaler, now)
+                del table["localhost"]  # the resolver fails this tick
+                [(_, decision)] = await scaler.tick()
+    assert (decision.release, decision.inputs["routers"]) == ((), "1/2")
+    assert [c for c in client.calls if c[0] == "release"] == []
+    assert f"router http://localhost:{port}: its name did not resolve: 1 of the 2 routers it stood for count as " \
+        "silent" in caplog.messages
 
 
 async def test_a_name_resolves_to_its_addresses_of_one_family_once_each(monkeypatch):

@@ -58,8 +58,23 @@ def test_requests_waiting_in_serving_workers_own_queues_count_once_per_worker():
     old = stats(0, 0, 0, None, [("http://10.0.0.1:8000", "ready", None)])
     signals = add_up(100.0, [parse_stats("r1", answer), parse_stats("r2", answer), parse_stats("r3", old)], nodes)
     assert signals.queued_at_workers == 7
-    with pytest.raises(StatsFormatError, match="router r1: /stats field 'queue_depth' is -1, not a number >= 0"):
+    with pytest.raises(StatsFormatError, match=r"router r1: /stats field 'queue_depth' is -1, not a number within "
+                                               r"0\.\.2\*\*53"):
         parse_stats("r1", {**answer, "workers": [{**answer["workers"][0], "queue_depth": -1}]})
+
+
+def test_a_figure_beyond_2_53_is_the_routers_fault():
+    """Review of the scaler, finding 1: a 400-digit integer (valid JSON) was read, and the policy's float math
+    overflowed on it: the daemon's loop died."""
+    answer = stats(2 ** 53, 10, 7, 0.5, [])
+    assert parse_stats("r1", answer)["queue_depth"] == 2 ** 53
+    for key, value in (("queue_depth", 10 ** 400), ("queue_depth", 2 ** 53 + 1), ("in_flight", 1e300)):
+        with pytest.raises(StatsFormatError, match=rf"router r1: /stats field '{key}' is \S+, not a number within "
+                                                   r"0\.\.2\*\*53$") as caught:
+            parse_stats("r1", {**answer, key: value})
+        assert len(str(caught.value)) < 120  # 400 digits are not repeated in the log
+    with pytest.raises(StatsFormatError, match=r"field 'arrived' is 1e\+300, "):
+        parse_stats("r1", {**answer, "counters": {**answer["counters"], "arrived": 1e300}})
 
 
 def test_an_answer_without_what_the_policy_reads_is_the_routers_fault():
