@@ -20,15 +20,17 @@ actors run in the cluster as ``python -m benchmarks.share serve|load``.
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from benchmarks.chaos_package import random_package
 from benchmarks.checkout import module_argv
@@ -49,6 +51,7 @@ from pipecast.core.units import DEFAULT_CHUNK_BYTES, format_bytes
 WORKERS = tuple(worker_names(2))
 SERVER_HOST = "w1"  # in the middle of the chain: its link carries the package both ways
 CLIENT = "client"
+REQUESTS = "client-requests"  # the client's file of requests, a line each: never rate-limited as its events are
 HOSTS = (STORE, *WORKERS, CLIENT)
 STRATEGY = "chain"
 SERVER_PORT = 8000  # netns mode: every host has its own network stack
@@ -110,8 +113,8 @@ class RequestRecord:
     seconds: float | None
 
 
-def request_records(events: Sequence[Mapping]) -> list[RequestRecord]:
-    """The client's ``request`` events as records."""
+def request_records(events: Iterable[Mapping]) -> list[RequestRecord]:
+    """The client's ``request`` lines (its requests file, :func:`load`) as records."""
     return [RequestRecord(e["sent"], e["seconds"]) for e in events if e.get("event") == "request"]
 
 
@@ -299,7 +302,8 @@ def run(config: ShareConfig, workdir: Path, progress: Progress = NO_PROGRESS) ->
             actors.wait_event(["server"], "listening", time.time() + START_TIMEOUT_S, "serving stand-in")
             actors.spawn(CLIENT, CLIENT, _actor_argv(
                 "load", "--url", f"http://{address}:{port}/", "--rate", f"{config.rate_per_s:g}", "--deadline",
-                f"{config.deadline_s:g}", "--events", actors.events_path(CLIENT)))
+                f"{config.deadline_s:g}", "--events", actors.events_path(CLIENT), "--requests",
+                actors.events_path(REQUESTS)))
             actors.wait_event([CLIENT], "started", time.time() + START_TIMEOUT_S, "client")
             idle_start = time.time() + WARMUP_S
             progress.start(3, "phases", unit="phase")
@@ -327,7 +331,7 @@ def run(config: ShareConfig, workdir: Path, progress: Progress = NO_PROGRESS) ->
                 time.sleep(PAUSE_S)
         finally:
             actors.stop()
-        records = request_records(actors.events(CLIENT))
+        records = request_records(actors.events(REQUESTS))
     results = [summarize_phase(IDLE, None, records, windows[IDLE], config.deadline_s, cpu[IDLE])]
     results += [summarize_phase(phase, share, records, windows[phase], config.deadline_s, cpu[phase],
                                 seconds[phase], floor_seconds(facts.total_bytes, config.link_mbit, share))
@@ -357,10 +361,15 @@ async def serve(host: str, port: int, events: EventLog) -> None:
     await asyncio.Event().wait()
 
 
-async def load(url: str, rate_per_s: float, deadline_s: float, events: EventLog) -> None:
+async def load(url: str, rate_per_s: float, deadline_s: float, events: EventLog, requests: TextIO) -> None:
     """POST to ``url`` at ``rate_per_s``, open loop (each on schedule, whatever the others do), until killed;
-    each request's send time and latency (None: failed or past ``deadline_s``) go to ``events``."""
+    each request's send time and latency (None: failed or past ``deadline_s``) go to ``requests``, a line each:
+    not to ``events``, whose rate limit per kind would drop them above 200/s, the slow ones first (they end
+    together after a stall)."""
     import aiohttp
+
+    def record(sent: float, **fields) -> None:
+        requests.write(json.dumps({"t": time.time(), "event": "request", "sent": sent, **fields}) + "\n")
 
     async def one(session: aiohttp.ClientSession) -> None:
         sent, started = time.time(), time.monotonic()
@@ -368,9 +377,9 @@ async def load(url: str, rate_per_s: float, deadline_s: float, events: EventLog)
             async with session.post(url, data=REQUEST_BODY, timeout=aiohttp.ClientTimeout(total=deadline_s)) as resp:
                 await resp.read()
                 resp.raise_for_status()
-            events.emit("request", sent=sent, seconds=time.monotonic() - started)
+            record(sent, seconds=time.monotonic() - started)
         except (TimeoutError, aiohttp.ClientError) as exc:
-            events.emit("request", sent=sent, seconds=None, error=type(exc).__name__)
+            record(sent, seconds=None, error=type(exc).__name__)
 
     async with aiohttp.ClientSession() as session:
         events.emit("started", url=url, rate_per_s=rate_per_s)
@@ -394,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     client.add_argument("--url", required=True)
     client.add_argument("--rate", type=float, required=True)
     client.add_argument("--deadline", type=float, required=True)
+    client.add_argument("--requests", type=Path, required=True, help="a JSON line per request, none dropped")
     for role in (server, client):
         role.add_argument("--events", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -402,7 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.role == "serve":
         asyncio.run(serve(args.host, args.port, events))
     else:
-        asyncio.run(load(args.url, args.rate, args.deadline, events))
+        with args.requests.open("a", buffering=1) as requests:  # line-buffered: each record on disk as it ends
+            asyncio.run(load(args.url, args.rate, args.deadline, events, requests))
     return 0
 
 

@@ -195,22 +195,26 @@ def _median_ratio(runs: Sequence[RunResult]) -> float | None:
 
 
 def verdicts(results: Sequence[RunResult]) -> list[str]:
-    """The issue's target met or not (the median over repeats), each mode's figure beside it, and whether
-    each mode demoted what it should: the slow receiver alone when handled, nobody otherwise."""
+    """The issue's target met or not (the median over repeats; never met where a run failed: its driver gave up,
+    a receiver late), each mode's figure beside it, and whether each mode demoted what it should: the slow
+    receiver alone when handled, nobody otherwise."""
     by_mode = {m: [r for r in results if r.mode == m] for m in MODES if any(r.mode == m for r in results)}
     if not by_mode:
         return []
     parts = []
     for mode, runs in by_mode.items():
         ratio = _median_ratio(runs)
+        errors = sum(bool(r.error) for r in runs)
+        failed = f", {errors} of {len(runs)} run(s) failed" if errors else ""
         if mode == HANDLED:
-            met = ratio is not None and ratio <= TARGET_RATIO
+            met = ratio is not None and ratio <= TARGET_RATIO and not errors
             got = "not every other receiver completed" if ratio is None else \
                 f"every other receiver within {ratio:.2f}x S/B"
-            parts.append(f"handled: {got} (target <= {TARGET_RATIO:g}x: {'met' if met else 'NOT met'})")
+            parts.append(f"handled: {got}{failed} (target <= {TARGET_RATIO:g}x: {'met' if met else 'NOT met'})")
         else:
             label = "none (no slow receiver)" if mode == NONE else mode
-            parts.append(f"{label}: {'not every other receiver completed' if ratio is None else f'{ratio:.2f}x'}")
+            got = "not every other receiver completed" if ratio is None else f"{ratio:.2f}x"
+            parts.append(f"{label}: {got}{failed}")
     lines = ["; ".join(parts)]
     for mode, runs in by_mode.items():
         slow = runs[0].slow_node

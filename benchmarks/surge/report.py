@@ -7,20 +7,26 @@ provisioning is negative. Definitions, also printed with the report:
   queueing) to the first token received; percentiles over the answered requests only, linear interpolation
   (the report says how many of how many: ``first100_answered`` of ``first100_requests``, ``answered`` of
   ``requests``). ``first100`` is over the first ``first_n`` requests of the replay (100 unless set). A
-  strategy with a failed request passes no ratio target and is never W*: its percentiles leave those out.
+  strategy with a failed or refused request passes no ratio target and is never W* nor "as good": its
+  percentiles leave those out.
 - A request is answered (HTTP 200 and a complete stream), rejected (HTTP 429) or failed (anything else:
   another status, a stream error, no answer in time).
-- all ready: when the last worker could serve at full speed (health ``ready``); None if one never did.
-- Cost: worker-seconds, each worker from its provisioning (the scale-up decision, or ``pre_surge_s``
-  before the surge for a warm worker) while it holds a replica, up to the cost horizon: the run's end (the
-  last answer, or the last worker ready if later) plus ``cost_tail_s`` (the daemon's keep-alive and
-  scale-down cooldown and a margin), the same rule for every strategy, fixed pools included, so the replicas a
-  daemon keeps after its last surge are billed as a fixed pool's idle time is (before this, the cost ended
-  at the run's end); cost per 1k output tokens = worker-seconds / (output tokens / 1000).
+- all ready: when the last cold worker scaled up could serve at full speed (health ``ready``); None if one
+  never did, or none was scaled up (a warm worker was ready before the surge).
+- Cost: worker-seconds, each worker from its provisioning (the scale-up decision, its agent's assignment
+  where none is known, or ``pre_surge_s`` before the surge for a warm worker) while it holds a replica, up
+  to the cost horizon: the run's end (the last answer, or the last worker ready if later) plus
+  ``cost_tail_s`` (the daemon's keep-alive and scale-down cooldown and a margin), the same rule for every
+  strategy, fixed pools included, so the replicas a daemon keeps after its last surge are billed as a fixed
+  pool's idle time is (before this, the cost ended at the run's end); cost per 1k output tokens =
+  worker-seconds / (output tokens / 1000).
 - Ready ratio: for each interval a cold worker held a replica, (its last block verified in it - the interval's
-  start) / the floor S/B; ``ready_ratio_to_floor_max`` is the run's largest.
+  start, its scale-up decision as for the cost) / the floor S/B; ``ready_ratio_to_floor_max`` is the run's
+  largest.
 - Ratios compare strategies within one repeat (the same machine state), then take the median over the
-  repeats: ``a/b`` of a metric is a's value over b's (for TTFT, how many times lower b is).
+  repeats: ``a/b`` of a metric is a's value over b's (for TTFT, how many times lower b is). A pipecast
+  variant with W warm workers is judged against unicast with W (n/a where none ran); pipelines against
+  plain unicast, as their target is set, each side's warm workers named.
 """
 
 import csv
@@ -52,6 +58,9 @@ TARGET_SAVING_VS_W_STAR = 0.30
 TARGET_DAEMON_TO_ORACLE = 1.3
 # A warm pool "matches" pipecast when its first-requests p99 TTFT is at most this much above pipecast's.
 MATCH_TOLERANCE = 1.10
+# The variants whose target is set against plain unicast whatever the warm workers (issue 14: pipelines, one warm
+# source by default, "at least 2x lower than unicast"): judged against it, each side's warm count named.
+AGAINST_PLAIN_BASELINE = frozenset({PIPECAST_PIPELINES})
 # Metrics compared between strategies (RunMetrics field names).
 RATIO_METRICS = ("first100_ttft_p50_seconds", "first100_ttft_p99_seconds", "ttft_p99_seconds", "all_ready_seconds",
                  "worker_seconds")
@@ -239,7 +248,8 @@ def run_metrics(run: RunRecord, first_n: int = FIRST_N) -> RunMetrics:
     every = [r.ttft_s for r in answered]
     cold = [w for w in run.workers if not w.warm]
     serving = [w.serving_s for w in cold if w.serving_s is not None]
-    ready = [w.ready_s for w in run.workers if w.provisioned_s is not None]  # never scaled up: never expected
+    # Scaled up: a warm worker was ready before the surge, one never scaled up was never expected.
+    ready = [w.ready_s for w in cold if w.provisioned_s is not None]
     end = run.end_s
     tokens = sum(r.output_tokens for r in answered)
     cost = worker_seconds(run.workers, run.cost_horizon_s)
@@ -284,6 +294,15 @@ class StrategySummary:
         """Failed requests over every repeat (their TTFT is in no percentile)."""
         return sum(m.failed for m in self.metrics)
 
+    def rejected(self) -> int:
+        """Refused (429) requests over every repeat (their TTFT is in no percentile either)."""
+        return sum(m.rejected for m in self.metrics)
+
+    def left_out(self) -> str:
+        """Its failed and refused requests over every repeat ("2 failed, 60 refused"); "" for none. Refusing
+        requests speeds up the answered ones, so a strategy with any passes no target and is never W*."""
+        return ", ".join(f"{n} {what}" for n, what in ((self.failed(), "failed"), (self.rejected(), "refused")) if n)
+
     def population(self) -> str:
         """Which requests its TTFT percentiles cover: the answered ones, of how many (every repeat)."""
         def total(name: str) -> int:
@@ -291,7 +310,7 @@ class StrategySummary:
 
         return (f"answered requests only: first-{self.first_n} {total('first100_answered')} of "
                 f"{total('first100_requests')}, all {total('answered')} of {total('requests')} "
-                f"({total('rejected')} rejected, {self.failed()} failed left out)")
+                f"({self.rejected()} rejected, {self.failed()} failed left out)")
 
     def to_json(self) -> dict:
         out: dict = {"description": self.description, "warm_workers": self.warm_workers, "runs": len(self.runs),
@@ -363,9 +382,9 @@ def verdicts(summaries: Sequence[StrategySummary], pair_ratios: Mapping[str, Map
             if p99 is None or reference is None or cost is None or ref_cost is None:
                 lines.append(f"{s.strategy}: not comparable with {pipecast.strategy} (a run answered no request)")
                 continue
-            # A pool whose p99 leaves failed requests out is not "as good".
-            matches = p99 <= reference * MATCH_TOLERANCE and not s.failed()
-            failed = f", {s.failed()} failed left out of its p99" if s.failed() else ""
+            # A pool whose p99 leaves failed or refused requests out is not "as good".
+            matches = p99 <= reference * MATCH_TOLERANCE and not s.left_out()
+            failed = f", {s.left_out()} left out of its p99" if s.left_out() else ""
             lines.append(f"{s.strategy} ({s.warm_workers} warm): first-{first_n} p99 {p99:.2f} s{failed} vs "
                          f"{pipecast.strategy} {reference:.2f} s ({'as good or better' if matches else 'worse'}: "
                          f"tolerance {MATCH_TOLERANCE - 1:.0%}); {cost:.0f} vs {ref_cost:.0f} worker-seconds "
@@ -388,9 +407,10 @@ def verdicts(summaries: Sequence[StrategySummary], pair_ratios: Mapping[str, Map
             lines.append(f"first-{first_n} p99 TTFT, {daemon} (scaled by the daemon) / {oracle} = {shown} "
                          f"(target <= {TARGET_DAEMON_TO_ORACLE:g}x: {met})")
     lines += _long_run_verdicts(by_name, pair_ratios)
-    failing = [f"{s.strategy} {s.failed()} of {sum(m.requests for m in s.metrics)}" for s in summaries if s.failed()]
-    lines.append(f"failed requests, in no percentile: {'; '.join(failing)} (target 0: NOT met)" if failing
-                 else "failed requests: none in any run (target 0: met)")
+    failing = [f"{s.strategy} {s.left_out()} of {sum(m.requests for m in s.metrics)}" for s in summaries
+               if s.left_out()]
+    lines.append(f"failed or refused requests, in no percentile: {'; '.join(failing)} (target 0: NOT met)" if failing
+                 else "failed or refused requests: none in any run (target 0: met)")
     saturated = [s.strategy for s in summaries if any(m.cpu_saturated for m in s.metrics)]
     lines.append(f"CPU-bound run(s), compute saturated this machine: {', '.join(saturated)}" if saturated
                  else "CPU not saturated in any run")
@@ -398,25 +418,29 @@ def verdicts(summaries: Sequence[StrategySummary], pair_ratios: Mapping[str, Map
 
 
 def _judged(met: bool, *judged: StrategySummary) -> str:
-    """A target's outcome: NOT met, whatever the figures, where a judged strategy had failed requests (its
-    percentiles leave them out, so its figures look better than its service was); else met or NOT met."""
-    failed = [f"{s.strategy} had {s.failed()} failed request(s), left out of its percentiles" for s in judged
-              if s.failed()]
+    """A target's outcome: NOT met, whatever the figures, where a judged strategy had failed or refused
+    requests (its percentiles leave them out, so its figures look better than its service was); else met or NOT
+    met."""
+    failed = [f"{s.strategy} had {s.left_out()} request(s), left out of its percentiles" for s in judged
+              if s.left_out()]
     return f"NOT met: {'; '.join(failed)}" if failed else "met" if met else "NOT met"
 
 
 def _baseline_verdict(pipecast: StrategySummary, by_name: Mapping[str, StrategySummary],
                       pair_ratios: Mapping[str, Mapping[str, float | None]], conditions: Mapping[str, object],
                       first_n: int) -> list[str]:
-    """``pipecast``'s first-requests p99 against unicast scaled the same way: an ``-oracle`` variant against
-    ``unicast-oracle`` (n/a when that was not run), a daemon-scaled one against ``unicast`` (the daemon's)."""
-    family = _base(pipecast.strategy).removesuffix(ORACLE_SUFFIX)
+    """``pipecast``'s first-requests p99 against unicast scaled the same way (:func:`_baseline_of`): an
+    ``-oracle`` variant against ``unicast-oracle`` (n/a when that was not run), a daemon-scaled one against
+    ``unicast`` (the daemon's)."""
+    family = _family(pipecast)
     oracle = _base(pipecast.strategy).endswith(ORACLE_SUFFIX)
-    baseline = BASELINE + ORACLE_SUFFIX if oracle else BASELINE
-    label = f"first-{first_n} p99 TTFT, {baseline} / {pipecast.strategy}"
-    if baseline not in by_name:
-        return [f"{label} = n/a ({baseline} not run)"] if oracle else []
-    value = pair_ratios.get(f"{baseline}/{pipecast.strategy}", {}).get("first100_ttft_p99_seconds")
+    name = BASELINE + ORACLE_SUFFIX if oracle else BASELINE
+    baseline, why = _baseline_of(pipecast, by_name, name)
+    if baseline is None:
+        why = why or (f"{name} not run" if oracle else "")
+        return [f"first-{first_n} p99 TTFT, {name} / {pipecast.strategy} = n/a ({why})"] if why else []
+    label = f"first-{first_n} p99 TTFT, {_pair(baseline, pipecast)}"
+    value = pair_ratios.get(f"{baseline.strategy}/{pipecast.strategy}", {}).get("first100_ttft_p99_seconds")
     shown = "n/a" if value is None else f"{value:.1f}x"
     target = TARGET_FIRST_P99_RATIO_OF.get(family, TARGET_FIRST_P99_RATIO)
     links = TARGET_STORE_LINKS_OF.get(family)
@@ -428,6 +452,30 @@ def _baseline_verdict(pipecast: StrategySummary, by_name: Mapping[str, StrategyS
             return [f"{label} = {shown} (target >= {target:g}x with the store at {needed}; this run's store "
                     f"{this}: n/a)"]
     return [f"{label} = {shown} (target >= {target:g}x: {_judged(value is not None and value >= target, pipecast)})"]
+
+
+def _baseline_of(pipecast: StrategySummary, by_name: Mapping[str, StrategySummary],
+                 baseline: str) -> tuple[StrategySummary | None, str]:
+    """The ``baseline`` run (``unicast`` or ``unicast-oracle``, any warm count ``:W``) ``pipecast`` is judged
+    against: the one with as many warm workers (a warm worker answers the first requests at once, however the
+    cold ones load), or plain ``baseline`` for a variant whose target is set against it
+    (:data:`AGAINST_PLAIN_BASELINE`); else None and why ("" where no ``baseline`` was run)."""
+    if _family(pipecast) in AGAINST_PLAIN_BASELINE:
+        return by_name.get(baseline), ""
+    runs = [s for name, s in by_name.items() if _base(name) == baseline]
+    same = next((s for s in runs if s.warm_workers == pipecast.warm_workers), None)
+    if same is not None or not runs:
+        return same, ""
+    return None, (f"no {baseline} with {pipecast.warm_workers} warm was run, only "
+                  + ", ".join(f"{s.strategy} with {s.warm_workers}" for s in runs))
+
+
+def _pair(baseline: StrategySummary, pipecast: StrategySummary) -> str:
+    """``baseline / pipecast``, with each one's warm workers where they differ."""
+    if baseline.warm_workers == pipecast.warm_workers:
+        return f"{baseline.strategy} / {pipecast.strategy}"
+    return (f"{baseline.strategy} ({baseline.warm_workers} warm) / {pipecast.strategy} ({pipecast.warm_workers} "
+            f"warm)")
 
 
 def _ready_verdict(pipecast: StrategySummary) -> list[str]:
@@ -450,6 +498,11 @@ def _ready_verdict(pipecast: StrategySummary) -> list[str]:
 def _base(strategy: str) -> str:
     """A strategy's registered name, without its warm count (``pipecast:2`` is ``pipecast``)."""
     return strategy.partition(":")[0]
+
+
+def _family(summary: StrategySummary) -> str:
+    """A strategy's registered name without its warm count nor ``-oracle`` (``pipecast-oracle:2`` is ``pipecast``)."""
+    return _base(summary.strategy).removesuffix(ORACLE_SUFFIX)
 
 
 def oscillations(events: Sequence[Mapping], cooldown_s: float) -> int:
@@ -478,16 +531,16 @@ def _long_run_verdicts(by_name: Mapping[str, StrategySummary],
 def _w_star_verdicts(pipecast: StrategySummary, by_name: Mapping[str, StrategySummary],
                      pair_ratios: Mapping[str, Mapping[str, float | None]]) -> list[str]:
     """W* and its cost against ``pipecast`` (``pipecast`` or ``pipecast:W``), and its p99 against unicast's
-    with the daemon."""
+    with the daemon and as many warm workers (:func:`_baseline_of`)."""
     lines, label = [], pipecast.strategy
     p99, cost = pipecast.median("ttft_p99_seconds"), pipecast.median("worker_seconds")
     fixed = sorted((s for name, s in by_name.items() if name.startswith(f"{FIXED}:")), key=lambda s: s.warm_workers)
-    # A pool that failed requests has a p99 over the ones it answered: it is no W*, however low that p99.
-    failing = [s for s in fixed if s.failed()]
+    # A pool that failed or refused requests has a p99 over the ones it answered: it is no W*, however low that p99.
+    failing = [s for s in fixed if s.left_out()]
     if failing and p99 is not None and cost:
-        lines.append("W* leaves out " + "; ".join(f"{s.strategy} ({s.failed()} failed request(s), in no percentile)"
+        lines.append("W* leaves out " + "; ".join(f"{s.strategy} ({s.left_out()} request(s), in no percentile)"
                                                   for s in failing))
-    fixed = [s for s in fixed if not s.failed()]
+    fixed = [s for s in fixed if not s.left_out()]
     if fixed and p99 is not None and cost:
         w_star = next((s for s in fixed if (s.median("ttft_p99_seconds") or math.inf) <= p99), None)
         if w_star is None:
@@ -501,10 +554,14 @@ def _w_star_verdicts(pipecast: StrategySummary, by_name: Mapping[str, StrategySu
                          f"{abs(saving):.0%} {'fewer' if saving >= 0 else 'more'} worker-seconds ({cost:.0f} vs "
                          f"{w_star.median('worker_seconds'):.0f}; "
                          f"target >= {TARGET_SAVING_VS_W_STAR:.0%}: {met})")
-    value = pair_ratios.get(f"{BASELINE}/{label}", {}).get("ttft_p99_seconds")
-    if value is not None and BASELINE in by_name and by_name[BASELINE].runs[0].notes.get("scaled_by") == "daemon":
-        lines.append(f"overall p99 TTFT, unicast (daemon) / {label} (daemon) = {value:.1f}x (target >= "
-                     f"{TARGET_FIRST_P99_RATIO:g}x: {_judged(value >= TARGET_FIRST_P99_RATIO, pipecast)})")
+    baseline, why = _baseline_of(pipecast, by_name, BASELINE)
+    if why:
+        lines.append(f"overall p99 TTFT, {BASELINE} (daemon) / {label} (daemon) = n/a ({why})")
+    elif baseline is not None and baseline.runs[0].notes.get("scaled_by") == "daemon":
+        value = pair_ratios.get(f"{baseline.strategy}/{label}", {}).get("ttft_p99_seconds")
+        if value is not None:
+            lines.append(f"overall p99 TTFT, {baseline.strategy} (daemon) / {label} (daemon) = {value:.1f}x (target >= "
+                         f"{TARGET_FIRST_P99_RATIO:g}x: {_judged(value >= TARGET_FIRST_P99_RATIO, pipecast)})")
     return lines
 
 

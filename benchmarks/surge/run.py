@@ -13,19 +13,22 @@ the surge and replays the schedule through the router. Who scales the cold worke
 strategy: the scaling daemon (``pipecast scaler``, started on the control plane's host, with the
 deployment the driver declared: it notices the surge through the router's ``/stats``), the driver at the
 surge's first instant (``*-oracle`` and ``warm-pool``: a baseline no deployment has), or nobody (``fixed``).
-A cold worker costs from the moment the control plane assigned it the package (its agent's first
-``assignment`` event; the oracle's decision for the oracle strategies) until its agent dropped the
-package (a release) or the cost horizon: the run's end plus the daemon's keep-alive and scale-down cooldown
-(:func:`cost_tail_seconds`), for every strategy alike; after the last answer the driver watches a
-daemon-scaled pool until the daemon has released it to its minimum or that horizon, so the replicas a daemon
-keeps after a surge are billed as a fixed pool's idle is. Its processes were started (and torch imported)
-before, so process start-up, a container's own cold start, is outside every strategy's figures alike.
+A cold worker costs from the scale-up decision that brought it the package (the daemon's latest
+``scale_up`` at or before its agent's first ``assignment`` event, and after its previous drop; that
+assignment where the daemon's trail has none; the oracle's decision for the oracle strategies), where its
+load against S/B is timed from too, until its agent dropped the package (a release) or the cost horizon: the
+run's end plus the daemon's keep-alive and scale-down cooldown (:func:`cost_tail_seconds`), for every
+strategy alike; after the last answer the driver watches a daemon-scaled pool until the daemon has released
+it to its minimum or that horizon, so the replicas a daemon keeps after a surge are billed as a fixed pool's
+idle is. Its processes were started (and torch imported) before, so process start-up, a container's own cold
+start, is outside every strategy's figures alike.
 
 Repeats interleave the strategies (unicast, warm-pool, pipecast, unicast, ...) so a slow phase of this
 shared machine hits them alike; the CPU is sampled during every run and a saturated run is flagged.
 """
 
 import json
+import math
 import os
 import secrets
 import shutil
@@ -219,16 +222,20 @@ class _RunProcesses(RunProcesses):
 # -- one run -------------------------------------------------------------------------------------------
 
 
-def billed_intervals(events: Sequence[dict], package_id: str, t0: float) -> tuple[tuple[float, float | None], ...]:
+def billed_intervals(events: Sequence[dict], package_id: str, t0: float,
+                     decisions: Sequence[float] = ()) -> tuple[tuple[float, float | None], ...]:
     """When a worker held a replica: from each first ``assignment`` of the package (after the start or a
-    drop) to the ``dropped`` that ended it (None: still held at the end), in seconds from ``t0``."""
+    drop) to the ``dropped`` that ended it (None: still held at the end), in seconds from ``t0``. Each starts
+    at the scale-up decision that brought it instead, where ``decisions`` (scale-up times from ``t0``) has one
+    after the previous drop and at or before the assignment: the latest such."""
     intervals: list[tuple[float, float | None]] = []
     start = None
     for event in events:
         if event.get("package") != package_id:
             continue
         if event["event"] == "assignment" and start is None:
-            start = event["t"] - t0
+            assigned, dropped = event["t"] - t0, intervals[-1][1] if intervals else -math.inf
+            start = max((t for t in decisions if dropped < t <= assigned), default=assigned)
         elif event["event"] == "dropped" and start is not None:
             intervals.append((start, event["t"] - t0))
             start = None
@@ -242,8 +249,9 @@ def _timelines(spec: DriverSpec, results: dict, events: dict[str, list[dict]], p
     """Each worker's provisioning, block arrivals (from its agent's events) and health changes (from the
     driver's polls), in seconds from the surge's start. A warm worker was provisioned and ready
     ``pre_surge_s`` before the surge and received nothing; a cold one scaled by the daemon is billed for
-    each interval it held a replica (:func:`billed_intervals`)."""
+    each interval it held a replica, from the scale-up decision (:func:`billed_intervals`)."""
     t0 = results["t0"]
+    decisions = [e["t"] for e in results.get("scale_events", []) if e["action"] == "scale_up"]
     out = []
     for worker in spec.workers:
         history = results["health"].get(worker.name, [])
@@ -258,7 +266,7 @@ def _timelines(spec: DriverSpec, results: dict, events: dict[str, list[dict]], p
         if spec.scaled_by == "oracle":
             billed = ((0.0, None),)
         else:
-            billed = billed_intervals(events[worker.name], package.package_id, t0)
+            billed = billed_intervals(events[worker.name], package.package_id, t0, decisions)
         provisioned = billed[0][0] if billed else None
         out.append(WorkerTimeline(worker.name, False, provisioned, package.blocks, tuple(verified), partial, ready,
                                   billed=billed))

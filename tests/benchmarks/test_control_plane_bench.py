@@ -1,6 +1,7 @@
 """The control-plane benchmark's short form against a real server subprocess."""
 
 import socket
+from dataclasses import replace
 
 import pytest
 
@@ -84,3 +85,13 @@ def test_the_server_subprocess_fails_with_its_one_line_error_not_a_traceback(mon
         with pytest.raises(ControlPlaneUnavailable, match="error: control plane cannot listen on 127.0.0.1") as exc:
             bench.run(workers=2, blocks=2, duration_s=0.5, repeat=1)
     assert "Traceback" not in str(exc.value)
+
+
+def test_the_plan_target_is_judged_on_the_p99_it_is_printed_beside():
+    """Finding: judged on the p50 (80 ms: ok) beside a p99 of 180 ms; and an empty list's percentile was NaN."""
+    planning = bench.PlanningResult(workers=1000, blocks=64, sources=0, strategy="binomial", scale_up_ms=80.0,
+                                    replan_ms=8.0, scale_up_p99_ms=180.0, replan_p99_ms=9.0, replans=30)
+    slow, fast = planning, replace(planning, scale_up_p99_ms=90.0)
+    assert "80.0 ms p50, 180.0 ms p99 (target < 100 ms p99: OVER)" in bench.report(bench.BenchResult(planning=[slow]))
+    assert "80.0 ms p50, 90.0 ms p99 (target < 100 ms p99: ok)" in bench.report(bench.BenchResult(planning=[fast]))
+    assert bench._percentile([], 0.99) is None and bench._percentile([3.0, 1.0, 2.0], 0.5) == 2.0

@@ -1,9 +1,11 @@
 """``pipecast bench share``: the phases' figures, the report, the CLI's refusals and (slow) a short real run."""
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from click.testing import CliRunner
 
 from benchmarks.command import bench_group
@@ -19,10 +21,12 @@ from benchmarks.share import (
     ShareReport,
     floor_seconds,
     format_report,
+    load,
     multicast_window,
     request_records,
     summarize_phase,
 )
+from pipecast.agent.events import EventLog
 from tests.support.packages import tiny_package
 
 MIB = 1 << 20
@@ -144,3 +148,31 @@ def test_a_short_run_measures_three_phases_and_writes_json(tmp_path):
     # The share slows the multicast to about its own floor, S/(0.8 x B): it is enforced.
     assert shared["floor_seconds"] == pytest.approx(full["floor_seconds"] / 0.8)
     assert shared["multicast_seconds"] > full["multicast_seconds"]
+
+
+async def test_the_client_records_every_request_in_a_file_of_its_own_whatever_the_event_logs_rate(tmp_path):
+    """Finding: the requests went through the client's EventLog, whose bucket (200/s) dropped them above that rate,
+    the slow ones first (they end together after a stall)."""
+    served = []
+
+    async def answer(request: web.Request) -> web.Response:
+        served.append(await request.read())
+        return web.Response(body=b"x")
+
+    app = web.Application()
+    app.router.add_post("/", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    events = EventLog(tmp_path / "client.events.jsonl", "client", rate_per_s=1e-9, burst=2)  # 2 lines, then none
+    try:
+        host, port = runner.addresses[0][:2]
+        with (tmp_path / "requests.jsonl").open("w", buffering=1) as requests:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(load(f"http://{host}:{port}/", 100.0, 2.0, events, requests), 0.5)
+    finally:
+        await runner.cleanup()
+        events.close()
+    records = request_records(json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines())
+    assert len(served) >= 20 and len(records) >= len(served) - 3  # those under way at the end record nothing
+    assert all(r.seconds is not None for r in records)

@@ -173,3 +173,21 @@ def test_each_node_count_gets_a_verdict_on_the_default_plan_against_the_target(t
     unjudged = CliRunner().invoke(bench_group, ["simulate", "--nodes", "16", "--strategy", "unicast",
                                                 "--model-bytes", "32MiB"])
     assert "verdict N=16: the default plan, chain, was not simulated (--strategy)" in unjudged.output
+
+
+def test_with_a_slow_receiver_the_verdict_judges_the_others(tmp_path):
+    """Finding: the verdict judged the whole plan, the slow receiver (which cannot beat S/(f B)) included, while
+    the straggler target is about the other receivers."""
+    out = tmp_path / "slow.json"
+    result = CliRunner().invoke(bench_group, ["simulate", "--nodes", "6", "--strategy", "chain", "--model-bytes",
+                                              "32MiB", "--slow-position", "6", "--slow-factor", "0.25",
+                                              "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    chain = next(r for r in data["results"] if r["strategy"] == "chain")
+    assert chain["ratio_to_floor"] > 3.5 and chain["others_ratio_to_floor"] < 1.15  # the last one slow: nobody behind
+    [v] = data["verdicts"]
+    assert (v["ratio_to_floor"], v["met"]) == (chain["others_ratio_to_floor"], True)
+    assert v["receivers"] == "every receiver but the slow one"
+    assert (f"verdict N=6: default plan chain {chain['others_ratio_to_floor']:.2f}x S/B, every receiver but the slow "
+            "one (target <= 1.15x: met)") in result.output

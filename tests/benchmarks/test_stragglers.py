@@ -181,8 +181,17 @@ def test_verdicts_judge_the_target_and_what_each_mode_demoted():
         "handled (run 1): demoted w3 (as expected)", "handled (run 2): demoted w3, w4 (expected w3 alone)",
         "handled (run 3): demoted w3 (as expected)"]
     assert verdicts([result(HANDLED, None, error="late")])[0] == \
-        "handled: not every other receiver completed (target <= 1.25x: NOT met)"
+        "handled: not every other receiver completed, 1 of 1 run(s) failed (target <= 1.25x: NOT met)"
     assert verdicts([]) == []
+
+
+def test_a_mode_with_a_failed_run_is_not_met_and_says_how_many_failed():
+    """Finding: a run whose driver gave up (the slow receiver late) still fed the median, and "met" was said of it."""
+    late = "StragglersTimeout: w3 did not hold the package within 103 s"
+    assert verdicts([result(HANDLED, 11.0, slow=None, error=late), result(HANDLED, 11.0, repeat=2),
+                     result(UNHANDLED, 40.5, slow=None, demoted=(), error=late)])[0] == (
+        "handled: every other receiver within 1.10x S/B, 1 of 2 run(s) failed (target <= 1.25x: NOT met); unhandled: "
+        "4.05x, 1 of 1 run(s) failed")
 
 
 def test_the_report_has_a_line_per_run_and_reads_back_from_its_json():

@@ -26,6 +26,7 @@ from benchmarks.tenants import (
     phase_schedule,
     schedule,
     summarize,
+    verdict,
 )
 from tests.support.packages import tiny_package
 
@@ -143,9 +144,9 @@ def test_the_report_shows_rates_each_tenant_in_each_phase_and_a_verdict():
     assert ("CPU by process, % of one core (router / workers / load generator): b-alone 2 / 30 / 3; "
             "burst-limited 25 / 40 / 30; burst-unlimited 30 / 190 / 35") in text
     assert text.splitlines()[-1] == (
-        "verdict: b's p99 200 ms while a bursts 10x under the limits, 100 ms alone: 2.00x (target <= 1.2x: NOT met); "
-        "without limits 10000 ms (100.00x), 30 of b's requests failed, 0 refused; CPU saturated in burst-limited: "
-        "latencies there measure the machine's contention")
+        "verdict: b's p99 200 ms while a bursts 10x under the limits (0 of b's requests failed, 0 refused), 100 ms "
+        "alone: 2.00x (target <= 1.2x: NOT met); without limits 10000 ms (100.00x), 30 of b's requests failed, 0 "
+        "refused; CPU saturated in burst-limited: latencies there measure the machine's contention")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -177,3 +178,18 @@ def test_a_short_run_measures_every_phase(tmp_path):
     assert results[(UNLIMITED, "a")]["rejected"] == 0  # no limit: every request goes to the workers
     assert set(data["process_cpu_percent"]) == set(PHASES)
     assert data["ratio"] == pytest.approx(results[(LIMITED, "b")]["p99_s"] / results[(ALONE, "b")]["p99_s"])
+
+
+def test_a_refusal_of_b_while_a_bursts_fails_the_target_and_the_verdict_counts_it():
+    """Finding: b's 429s under a's burst were in no percentile: half of b refused and its p99 "met" the target."""
+    results = (_result(ALONE, "b", 0.1), _result(LIMITED, "b", 0.1, rejected=40, failed=2),
+               _result(LIMITED, "a", 0.3, rejected=360), _result(UNLIMITED, "b", 0.5))
+    report = TenantsReport(meta={"burst_factor": 10.0}, results=results, cpu={phase: QUIET for phase in PHASES},
+                           process_cpu={})
+    assert report.ratio == pytest.approx(1.0) and report.to_json()["met"] is False
+    assert verdict(report) == (
+        "verdict: b's p99 100 ms while a bursts 10x under the limits (2 of b's requests failed, 40 refused), 100 ms "
+        "alone: 1.00x (target <= 1.2x: NOT met: b refused while a bursts, in no percentile); without limits 500 ms "
+        "(5.00x), 0 of b's requests failed, 0 refused; CPU not saturated")
+    assert "under the limits (0 of b's requests failed, 0 refused), " in verdict(_report(limited_p99=0.115))
+    assert "(target <= 1.2x: met)" in verdict(_report(limited_p99=0.115))

@@ -3,7 +3,10 @@ ends and answers /health (over a fake control plane), and `events` against a rea
 (port 0)."""
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
+from typing import Any
 
 import aiohttp
 import pytest
@@ -55,8 +58,10 @@ def test_run_refuses_a_tick_or_router_timeout_of_0(started, flag):
     assert (started[0].tick_s if flag == "--tick" else started[0].router_timeout_s, started[0].watch_s) == (0.5, 0)
 
 
-async def test_events_takes_the_token_as_cp_does(tmp_path):
-    """Found in review: `scaler events --token X` said no such option, while `cp` and `status` take --token."""
+@contextlib.asynccontextmanager
+async def one_event(tmp_path) -> AsyncIterator[Callable[..., Any]]:
+    """A control plane with a deployment and one event in its trail; yields `scaler events` run against it with
+    the arguments given (in a thread: the command runs its own event loop)."""
     server = ControlPlaneServer(config(tmp_path / "cp.sqlite3"))
     await server.start()
     try:
@@ -65,38 +70,32 @@ async def test_events_takes_the_token_as_cp_does(tmp_path):
             await client.put_deployment(Deployment(PKG, ScalingPolicy()))
             await client.append_scale_event(ScaleEvent(at=1.0, package_id=PKG, action="hold", reason="quiet"))
 
-        def events(token: str):
-            return CliRunner().invoke(command.scaler_group, ["events", "--control-plane", server.address, "--token",
-                                                             token, "--json"])
-        result = await asyncio.to_thread(events, TOKEN)
-        assert result.exit_code == 0, result.output
-        assert '"reason": "quiet"' in result.output
-        assert isinstance((await asyncio.to_thread(events, "wrong")).exception, Unauthenticated)
+        async def events(*args: str):
+            return await asyncio.to_thread(CliRunner().invoke, command.scaler_group,
+                                           ["events", "--control-plane", server.address, *args])
+        yield events
     finally:
         await server.stop(grace_s=0)
+
+
+async def test_events_takes_the_token_as_cp_does(tmp_path):
+    """Found in review: `scaler events --token X` said no such option, while `cp` and `status` take --token."""
+    async with one_event(tmp_path) as events:
+        result = await events("--token", TOKEN, "--json")
+        assert result.exit_code == 0, result.output
+        assert '"reason": "quiet"' in result.output
+        assert isinstance((await events("--token", "wrong", "--json")).exception, Unauthenticated)
 
 
 async def test_events_takes_the_start_of_a_package_id_as_the_listings_print_it(tmp_path):
     """Review of the scaler, finding 7: `scaler events --package` with the 12 characters it prints printed nothing
     and exited 0."""
-    server = ControlPlaneServer(config(tmp_path / "cp.sqlite3"))
-    await server.start()
-    try:
-        async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as client:
-            await client.publish_package(manifest(), STORE)
-            await client.put_deployment(Deployment(PKG, ScalingPolicy()))
-            await client.append_scale_event(ScaleEvent(at=1.0, package_id=PKG, action="hold", reason="quiet"))
-
-        def events(package: str):
-            return CliRunner().invoke(command.scaler_group, ["events", "--control-plane", server.address, "--token",
-                                                             TOKEN, "--package", package])
-        result = await asyncio.to_thread(events, PKG[:12])
+    async with one_event(tmp_path) as events:
+        result = await events("--token", TOKEN, "--package", PKG[:12])
         assert result.exit_code == 0 and result.output.endswith(f" {PKG[:12]} hold      0 desired 0 actual 0: quiet\n")
-        unknown = (await asyncio.to_thread(events, "0123456789ab")).exception
+        unknown = (await events("--token", TOKEN, "--package", "0123456789ab")).exception
         assert isinstance(unknown, UnknownPackage)
         assert str(unknown) == "no published package id starts with '0123456789ab'"
-    finally:
-        await server.stop(grace_s=0)
 
 
 class FailingClient:

@@ -3,12 +3,13 @@
 import csv
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks.surge.plots import held_steps, save_timeline, save_ttft_cdf
 from benchmarks.surge.loadgen import holding, oracle_scale_event
-from benchmarks.surge.run import DEFAULT_POLICY, billed_intervals, cost_tail_seconds, deployment_policy
+from benchmarks.surge.run import DEFAULT_POLICY, _timelines, billed_intervals, cost_tail_seconds, deployment_policy
 from benchmarks.surge.report import (
     CSV_COLUMNS,
     RequestResult,
@@ -151,7 +152,7 @@ def test_verdicts_say_whether_each_target_is_met():
     assert ("warm-pool:1 (1 warm): first-100 p99 5.20 s vs pipecast 5.00 s (as good or better: tolerance 10%)"
             in lines[1])
     assert "costs more" in lines[1]
-    assert lines[2] == "failed requests: none in any run (target 0: met)"
+    assert lines[2] == "failed or refused requests: none in any run (target 0: met)"
     assert lines[3] == "CPU-bound run(s), compute saturated this machine: warm-pool:1"
     slow = summarize("pipecast", "", 0, [run_of("pipecast", [20.0] * 5, 5.0)])
     assert "(target >= 5x: NOT met)" in verdicts([uni, slow], ratios([uni, slow]))[0]
@@ -162,7 +163,7 @@ def test_pipelines_have_their_own_targets_against_unicast_and_the_warm_pool_of_o
     piped = summarize("pipecast-pipelines", "", 1, [run_of("pipecast-pipelines", [8.0] * 5, 5.0, warm=1)])
     warm2 = summarize("warm-pool:2", "", 2, [run_of("warm-pool:2", [9.0] * 5, 40.0, warm=2)])
     lines = verdicts([uni, piped, warm2], ratios([uni, piped, warm2]), STORE_8_LINKS)
-    assert lines[0] == "first-100 p99 TTFT, unicast / pipecast-pipelines = 2.5x (target >= 2x: met)"
+    assert lines[0] == "first-100 p99 TTFT, unicast (0 warm) / pipecast-pipelines (1 warm) = 2.5x (target >= 2x: met)"
     assert lines[2] == ("pipecast-pipelines (1 warm) against warm-pool:2: first-100 p99 at or below it with fewer "
                         "worker-seconds (met)")
     faster = summarize("warm-pool:2", "", 2, [run_of("warm-pool:2", [7.0] * 5, 40.0, warm=2)])
@@ -309,23 +310,25 @@ def test_the_long_run_verdicts_find_w_star_and_the_daemons_thrash():
 
 
 def test_pipecast_with_a_warm_count_gets_every_verdict_pipecast_gets():
-    # pipecast:W (a warm pool of W under the daemon) is pipecast: its targets apply, named as it is.
+    # pipecast:W (a warm pool of W under the daemon) is pipecast: its targets apply, named as it is, against
+    # unicast:W (test_pipecast_with_warm_workers_is_judged_against_unicast_with_as_many).
     def daemon(run: RunRecord) -> RunRecord:
         return replace(run, notes={"scaled_by": "daemon", "scale_events": [],
                                    "policy": {"scale_down_cooldown_s": 30.0}})
 
-    runs = [daemon(run_of("pipecast:1", [1.0] * 10, 5.0, warm=1)), daemon(run_of("unicast", [9.0] * 10, 40.0)),
+    runs = [daemon(run_of("pipecast:1", [1.0] * 10, 5.0, warm=1)),
+            daemon(run_of("unicast:1", [9.0] * 10, 40.0, warm=1)),
             run_of("pipecast-oracle:1", [1.0] * 10, 5.0, warm=1), run_of("warm-pool:2", [1.05] * 10, 40.0, warm=2),
             run_of("fixed:2", [0.5] * 10, 1.0, warm=2)]
     summaries = [summarize(r.strategy, "", int(r.strategy[-1]) if ":" in r.strategy else 0, [r]) for r in runs]
     lines = verdicts(summaries, ratios(summaries))
-    assert "first-100 p99 TTFT, unicast / pipecast:1 = 9.0x (target >= 5x: met)" in lines
+    assert "first-100 p99 TTFT, unicast:1 / pipecast:1 = 9.0x (target >= 5x: met)" in lines
     assert any(line.startswith("warm-pool:2 (2 warm): first-100 p99 1.05 s vs pipecast:1 1.00 s") for line in lines)
     assert "first-100 p99 TTFT, pipecast:1 (scaled by the daemon) / pipecast-oracle:1 = 1.00x (target <= 1.3x: " \
            "met)" in lines
     [w_star] = [line for line in lines if line.startswith("W* = ")]
     assert w_star.startswith("W* = 2 (fixed:2: overall p99 0.50 s <= pipecast:1's 1.00 s); pipecast:1 uses ")
-    assert "overall p99 TTFT, unicast (daemon) / pipecast:1 (daemon) = 9.0x (target >= 5x: met)" in lines
+    assert "overall p99 TTFT, unicast:1 (daemon) / pipecast:1 (daemon) = 9.0x (target >= 5x: met)" in lines
 
 
 def test_the_timeline_drops_a_released_worker_to_nothing_and_loads_it_again():
@@ -394,7 +397,7 @@ def test_failed_requests_leave_a_strategy_out_of_w_star_and_fail_its_ratio_targe
     assert "W* leaves out fixed:1 (30 failed request(s), in no percentile)" in lines
     [w_star] = [line for line in lines if line.startswith("W* = ")]
     assert w_star.startswith("W* = 2 (fixed:2: ")
-    assert "failed requests, in no percentile: fixed:1 30 of 130 (target 0: NOT met)" in lines
+    assert "failed or refused requests, in no percentile: fixed:1 30 failed of 130 (target 0: NOT met)" in lines
     # The judged strategy's own failures: NOT met however good its (survivors') p99, and said why.
     pipecast_failing = replace(pipecast, requests=pipecast.requests + (failing(100, 5.0),))
     summaries = [summarize(r.strategy, "", 0, [r]) for r in (unicast, pipecast_failing)]
@@ -443,8 +446,8 @@ def test_the_pipelines_2x_target_is_judged_only_with_the_store_at_8_links():
     piped = summarize("pipecast-pipelines", "", 1, [run_of("pipecast-pipelines", [8.0] * 5, 5.0, warm=1)])
     pair = ratios([uni, piped])
     assert verdicts([uni, piped], pair, {"link_mbit": 400.0, "store_mbit": 400.0})[0] == (
-        "first-100 p99 TTFT, unicast / pipecast-pipelines = 2.5x (target >= 2x with the store at 3200 Mbit/s; "
-        "this run's store 400 Mbit/s: n/a)")
+        "first-100 p99 TTFT, unicast (0 warm) / pipecast-pipelines (1 warm) = 2.5x (target >= 2x with the store at "
+        "3200 Mbit/s; this run's store 400 Mbit/s: n/a)")
     assert "(target >= 2x: met)" in verdicts([uni, piped], pair, STORE_8_LINKS)[0]
     assert "this run's store not given: n/a" in verdicts([uni, piped], pair)[0]
     assert "this run's store 400 Mbit/s: n/a" in format_report({"link_mbit": 400.0, "store_mbit": 400.0},
@@ -461,3 +464,95 @@ def test_the_oracle_scale_up_is_a_scale_event():
     summary = summarize("pipecast-oracle", "", 0, [run])
     assert to_json({}, [summary])["strategies"]["pipecast-oracle"]["scale_events"] == [event]
     assert "pipecast-oracle scale events (repeat 1): +2 at 0.0 s" in format_report({}, [summary])
+
+
+# -- review findings: refusals, warm counts of the baseline, all ready, loads from the decision ------------------
+
+
+def daemon_scaled(run: RunRecord) -> RunRecord:
+    return replace(run, notes={"scaled_by": "daemon", "scale_events": [], "policy": {"scale_down_cooldown_s": 30.0}})
+
+
+def refusing(run: RunRecord, refused: int) -> RunRecord:
+    """``run`` with ``refused`` more requests, each refused (429) among its first ones."""
+    extra = tuple(RequestResult(1000 + j, 0.5, 0.5, 16, 4, "rejected", http_status=429, latency_s=0.01)
+                  for j in range(refused))
+    return replace(run, requests=run.requests + extra)
+
+
+def test_refused_requests_fail_the_ratio_targets_and_keep_a_pool_from_w_star_or_as_good():
+    # Finding: a refused (429) request is in no percentile, as a failed one is: a strategy refusing most of its
+    # load passed the 5x ratios, and a fixed pool refusing almost everything was W*.
+    unicast = daemon_scaled(run_of("unicast", [40.0] * 100, 40.0))
+    pipecast = daemon_scaled(refusing(run_of("pipecast", [1.0] * 40, 5.0), 60))
+    fixed = refusing(run_of("fixed:1", [0.2] * 5, 1.0, warm=1), 95)
+    pool = refusing(run_of("warm-pool:1", [0.5] * 50, 40.0, warm=1), 50)
+    summaries = [summarize(r.strategy, "", 1 if ":" in r.strategy else 0, [r])
+                 for r in (unicast, pipecast, fixed, pool)]
+    lines = verdicts(summaries, ratios(summaries))
+    assert lines[0] == ("first-100 p99 TTFT, unicast / pipecast = 40.0x (target >= 5x: NOT met: pipecast had 60 "
+                        "refused request(s), left out of its percentiles)")
+    assert lines[1].startswith("warm-pool:1 (1 warm): first-100 p99 0.50 s, 50 refused left out of its p99 vs "
+                               "pipecast 1.00 s (worse: ")
+    assert "W* leaves out fixed:1 (95 refused request(s), in no percentile)" in lines
+    assert not any(line.startswith("W* = ") for line in lines)
+    assert ("overall p99 TTFT, unicast (daemon) / pipecast (daemon) = 40.0x (target >= 5x: NOT met: pipecast had 60 "
+            "refused request(s), left out of its percentiles)") in lines
+    assert ("failed or refused requests, in no percentile: pipecast 60 refused of 100; fixed:1 95 refused of 100; "
+            "warm-pool:1 50 refused of 100 (target 0: NOT met)") in lines
+
+
+def test_pipecast_with_warm_workers_is_judged_against_unicast_with_as_many():
+    # Finding: pipecast:2's two warm workers answered its first requests against unicast's none, and the 5x was
+    # judged met; the pools compared must have as many warm workers (a warm one answers at once, however loaded).
+    unicast = daemon_scaled(run_of("unicast", [10.0] * 10, 40.0))
+    pipecast = daemon_scaled(run_of("pipecast:1", [1.0] * 10, 5.0, warm=1))
+    summaries = [summarize("unicast", "", 0, [unicast]), summarize("pipecast:1", "", 1, [pipecast])]
+    lines = verdicts(summaries, ratios(summaries))
+    assert "first-100 p99 TTFT, unicast / pipecast:1 = n/a (no unicast with 1 warm was run, only unicast with 0)" \
+        in lines
+    assert "overall p99 TTFT, unicast (daemon) / pipecast:1 (daemon) = n/a (no unicast with 1 warm was run, only " \
+           "unicast with 0)" in lines
+    unicast1 = daemon_scaled(run_of("unicast:1", [2.0] * 10, 40.0, warm=1))
+    summaries.append(summarize("unicast:1", "", 1, [unicast1]))
+    lines = verdicts(summaries, ratios(summaries))
+    assert "first-100 p99 TTFT, unicast:1 / pipecast:1 = 2.0x (target >= 5x: NOT met)" in lines
+    assert "overall p99 TTFT, unicast:1 (daemon) / pipecast:1 (daemon) = 2.0x (target >= 5x: NOT met)" in lines
+    assert not any("unicast / pipecast:1" in line or "unicast (daemon) / pipecast:1" in line for line in lines)
+    # The pipelines' 2x is set against plain unicast (issue 14): kept, each side's warm workers named.
+    piped = summarize("pipecast-pipelines", "", 1, [run_of("pipecast-pipelines", [4.0] * 10, 5.0, warm=1)])
+    lines = verdicts([*summaries, piped], ratios([*summaries, piped]), STORE_8_LINKS)
+    assert "first-100 p99 TTFT, unicast (0 warm) / pipecast-pipelines (1 warm) = 2.5x (target >= 2x: met)" in lines
+
+
+def test_all_ready_is_the_last_cold_worker_scaled_up_and_none_without_one():
+    # Finding: warm workers counted, ready at -pre_surge_s: a run that scaled nothing up was "all ready" at -60 s
+    # and its ratios negative.
+    unicast = run_of("unicast", [10.0] * 10, 20.0)
+    warm_only = run_of("pipecast:2", [0.5] * 10, 5.0, warm=2)
+    warm_only = replace(warm_only, workers=warm_only.workers + (WorkerTimeline("c9", False, None, 4, billed=()),))
+    assert run_metrics(warm_only).all_ready_seconds is None
+    assert run_metrics(run_of("pipecast:1", [0.5] * 10, 5.0, warm=1)).all_ready_seconds == 5.0
+    summaries = [summarize("unicast", "", 0, [unicast]), summarize("pipecast:2", "", 2, [warm_only])]
+    assert ratios(summaries)["unicast/pipecast:2"]["all_ready_seconds"] is None
+    row = next(line for line in format_report({}, summaries).splitlines() if line.startswith("pipecast:2 "))
+    assert row.split()[4] == "-"
+
+
+def test_a_load_and_its_cost_start_at_the_scale_up_decision_not_the_assignment():
+    # Finding: both started at the agent's assignment, 0.5 s after the daemon's decision here, leaving the control
+    # plane's and the ASSIGN's part of the scale-up out of load/SB and of the worker-seconds.
+    events = [{"event": "assignment", "package": "p", "t": 101.5},
+              *({"event": "block_verified", "package": "p", "t": 101.5 + k * 1.5} for k in (1, 2, 3, 4)),
+              {"event": "dropped", "package": "p", "t": 150.0}, {"event": "assignment", "package": "p", "t": 170.0}]
+    # 40 s: a scale-up while it held the package (of another worker); 69.5 s: its second one.
+    decisions = [{"t": t, "action": a} for t, a in ((1.0, "scale_up"), (40.0, "scale_up"), (60.0, "release"),
+                                                    (69.5, "scale_up"))]
+    assert billed_intervals(events, "p", 100.0, [e["t"] for e in decisions if e["action"] == "scale_up"]) == \
+        ((1.0, 50.0), (69.5, None))
+    assert billed_intervals(events, "p", 100.0) == ((1.5, 50.0), (70.0, None))  # no decision known: the assignment
+    spec = SimpleNamespace(workers=(SimpleNamespace(name="w1", warm=False),), scaled_by="daemon")
+    results = {"t0": 100.0, "health": {"w1": [(9.0, "ready", "")]}, "scale_events": decisions}
+    [worker] = _timelines(spec, results, {"w1": events}, SimpleNamespace(blocks=4, package_id="p"), 60.0)
+    assert worker.billed == ((1.0, 50.0), (69.5, None)) and worker.provisioned_s == 1.0
+    assert ready_ratios(worker, floor_s=5.0) == [pytest.approx(1.3), None]  # (7.5 - 1.0) / 5; never again

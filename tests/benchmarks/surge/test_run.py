@@ -217,7 +217,8 @@ def test_demo_model_surge_at_full_size_answers_every_request_and_judges_its_figu
         "--json", str(out), "--workdir", str(tmp_path / "work")])
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
     data = json.loads(out.read_text())
-    assert all(s["failed"] == 0 and s["requests"] > 0 and FIELDS <= set(s) for s in data["strategies"].values())
+    assert all(s["failed"] == s["rejected"] == 0 and s["requests"] > 0 and FIELDS <= set(s)
+               for s in data["strategies"].values())
     ratio = data["ratios"]["unicast/pipecast"]["first100_ttft_p99_seconds"]
     met = "met" if ratio >= TARGET_FIRST_P99_RATIO else "NOT met"
     assert f"first-100 p99 TTFT, unicast / pipecast = {ratio:.1f}x (target >= {TARGET_FIRST_P99_RATIO:g}x: {met})" \
