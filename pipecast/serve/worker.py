@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipecast.agent.errors import PackageDroppedError
+from pipecast.agent.errors import LocalApiError, PackageDroppedError
 from pipecast.core.cpulimit import cpu_limit
 from pipecast.core.credentials import presents_key, serving_headers
 from pipecast.core.errors import PipecastError
@@ -100,6 +100,9 @@ FINISH_STOP, FINISH_LENGTH = "stop", "length"
 AGENT_SOCKET_POLL_S = 0.05
 #: How often a worker fed by its agent checks that the agent still holds the package (s).
 FOLLOW_AGENT_S = 1.0
+#: A model its agent failed (the agent died or restarted: its client cannot follow it again) is loaded afresh
+#: once the agent answers again, at most this often (s), so that a failure that comes back is no busy loop.
+AGENT_RELOAD_MIN_S = 10.0
 #: How often idle pipelined sessions are dropped (s): a quarter of their idle time.
 EXPIRE_SESSIONS_S = SESSION_IDLE_S / 4
 #: Each wait for a released package to come back asks the agent for this long, then again (s).
@@ -190,6 +193,8 @@ class ServingWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._change: asyncio.Event | None = None
         self._released = False
+        self._unloaded_why = ""  # why the package's model was unloaded (the 503 of the requests meanwhile)
+        self._reloaded_at = -math.inf  # when a model the agent failed was last loaded afresh (monotonic)
         self._follower: asyncio.Task | None = None
         self._unloading: asyncio.Future | None = None  # an unload begun by a drop seen while loading
         self._expirer: asyncio.Task | None = None
@@ -404,7 +409,9 @@ class ServingWorker:
                     log.info("dropped %d idle pipelined session(s)", dropped)
 
     async def _follow_agent(self) -> None:
-        """Unload the model once the agent no longer holds its package (module docstring)."""
+        """Unload the model once the agent no longer holds its package (module docstring), or once the agent
+        answers again after failing the model (it died or restarted under it), and wait for the package to load
+        it afresh."""
         from pipecast.agent.local_client import LocalAgentClient
 
         client = None
@@ -421,22 +428,29 @@ class ServingWorker:
                     client = None
                     continue
                 if self._model is not None and self.package_id not in status.get("packages", {}):
-                    await self._unload()
+                    await self._unload("is no longer held by this node's agent (released, or the agent restarted)")
+                elif (self._model is not None and _failed_by_agent(self._model)
+                      and time.monotonic() - self._reloaded_at >= AGENT_RELOAD_MIN_S):
+                    self._reloaded_at = time.monotonic()
+                    log.warning("the agent answers again after failing the model (it restarted?): loading the "
+                                "package afresh from it")
+                    await self._unload("failed with its agent, which answers again: loading it afresh")
         finally:
             if client is not None:
                 client.close()
 
-    async def _unload(self) -> None:
-        """Take no more requests for the released package, let those running finish (RELEASE_DRAIN_S at most;
-        the agent's memory under the model stays mapped until it is closed), then close the model."""
+    async def _unload(self, why: str = "was released from this node") -> None:
+        """Take no more requests for the package (``why``: what the requests meanwhile are told), let those running
+        finish (RELEASE_DRAIN_S at most; the agent's memory under the model stays mapped until it is closed), then
+        close the model and wait for the package to load it again."""
         if self._model is None:  # unloaded already: the follower and a drop seen while loading may both start one
             return
         model, self._model, self._codec, self._head = self._model, None, None, None
-        self._released, self._stage = True, STAGE_WAITING
+        # The model's failure (its agent's) is not the worker's now: it waits for the package, as health says.
+        self._released, self._unloaded_why, self._error, self._stage = True, why, None, STAGE_WAITING
         self.metrics.load_seconds.set(0)
-        log.info("package %s released from this node: model unloaded once its %d running request(s) end, "
-                 "waiting for the package to come back", model.engine.provider.manifest.package_id[:12],
-                 self._submitted)
+        log.info("package %s %s: model unloaded once its %d running request(s) end, waiting for the package to "
+                 "come back", model.engine.provider.manifest.package_id[:12], why, self._submitted)
         self._notify()
         threading.Thread(target=self._load, args=(True,), name="pipecast-serve-load", daemon=True).start()
         deadline = time.monotonic() + RELEASE_DRAIN_S
@@ -600,8 +614,8 @@ class ServingWorker:
         if self._closing:
             raise WorkerClosingError()
         if self._released:
-            raise ModelUnavailableError(f"package {self.config.package} was released from this node; the worker "
-                                        "waits for it to come back")
+            raise ModelUnavailableError(f"package {self.config.package} {self._unloaded_why}; the worker waits for "
+                                        "it to come back")
         if self._error is not None:
             raise ModelUnavailableError(self._error)
 
@@ -767,8 +781,22 @@ def _ask_serving_key(agent: Path | str, timeout_s: float) -> bytes:
 
 def _dropped(exc: BaseException) -> bool:
     """Whether ``exc`` comes of the agent dropping the package (the loader's wait ended so), along its causes."""
+    return _caused_by(exc, PackageDroppedError)
+
+
+def _failed_by_agent(model: LoadedModel) -> bool:
+    """Whether ``model`` failed through its agent's local API (its connection or its answers), not by itself."""
+    try:
+        model.engine.model.check_failed()
+    except EngineError as exc:
+        return _caused_by(exc, LocalApiError)
+    return False
+
+
+def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
+    """Whether ``exc`` or one of its causes is a ``kind``."""
     while exc is not None:
-        if isinstance(exc, PackageDroppedError):
+        if isinstance(exc, kind):
             return True
         exc = exc.__cause__
     return False

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from contextlib import asynccontextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -25,8 +26,8 @@ import pytest
 from aiohttp import web
 
 import pipecast
-from pipecast.agent.errors import LocalApiTimeoutError, PackageDroppedError
-from pipecast.engine.errors import EngineClosedError
+from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError, PackageDroppedError
+from pipecast.engine.errors import BlockBindError, EngineClosedError, ModelLoadError
 from pipecast.serve import app as app_module
 from pipecast.serve.app import build_app
 from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
@@ -425,7 +426,7 @@ async def test_only_a_model_the_agent_feeds_is_unloaded_when_the_agent_holds_no_
         worker._model = type("Model", (), {"origin": origin, "engine": engine})()
         released = asyncio.Event()
 
-        async def unload(worker=worker, released=released):
+        async def unload(why="", worker=worker, released=released):
             worker._model = None
             released.set()
 
@@ -438,6 +439,55 @@ async def test_only_a_model_the_agent_feeds_is_unloaded_when_the_agent_holds_no_
         follower.cancel()
         await asyncio.gather(follower, return_exceptions=True)
         assert released.is_set() is unloaded, origin
+
+
+async def test_a_model_its_agent_failed_loads_afresh_once_the_agent_answers_again(monkeypatch):
+    """Found in review: the agent killed and restarted while the worker loaded left the worker failed for good (its
+    client cannot follow a new agent's events), while the new agent held the package and the control plane counted
+    the node as a replica. A model failed by its agent now loads afresh once the agent answers, at most every
+    AGENT_RELOAD_MIN_S; one failed by itself (a corrupt block) stays failed; health says what the worker waits for."""
+    from pipecast.agent import local_client
+
+    class Agent:  # restarted: answers, holding the package again
+        def __init__(self, path):
+            pass
+
+        def status(self):
+            return {"packages": {"p" * 64: {}}}
+
+        def close(self):
+            pass
+
+    class FailedModel:
+        origin = "agent"
+
+        def __init__(self, cause: Exception):
+            def check_failed():
+                raise ModelLoadError("loading the model failed") from cause
+            self.engine = SimpleNamespace(provider=SimpleNamespace(manifest=SimpleNamespace(package_id="p" * 64)),
+                                          model=SimpleNamespace(check_failed=check_failed))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(local_client, "LocalAgentClient", Agent)
+    monkeypatch.setattr(worker_module, "FOLLOW_AGENT_S", 0.01)
+    for cause, reloads in ((LocalApiError("agent at w1.sock: closed its event stream"), 1),
+                           (BlockBindError(2, "agent", "a tensor of the wrong shape"), 0)):
+        worker = ServingWorker(WorkerConfig("pkg", agent="/no/agent.sock"))
+        worker._loop, worker._change = asyncio.get_running_loop(), asyncio.Event()
+        loads = []
+        worker._load = lambda again=False: loads.append(again)
+        worker._model, worker._error = FailedModel(cause), "loading the model failed"
+        follower = asyncio.create_task(worker._follow_agent())
+        await asyncio.sleep(0.3)
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+        assert loads == [True] * reloads, cause  # once: the next waits AGENT_RELOAD_MIN_S
+        if reloads:
+            assert worker.health().status == "loading" and worker.health().stage == "waiting_for_package"
+            with pytest.raises(ModelUnavailableError, match="failed with its agent, which answers again"):
+                worker._check_open()
 
 
 async def test_idle_pipelined_sessions_are_dropped_with_no_stage_call_to_notice_them(pkg, monkeypatch):
