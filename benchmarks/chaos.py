@@ -52,6 +52,10 @@ from pipecast.v1.manifest_pb2 import Manifest
 log = logging.getLogger(__name__)
 
 Scenario = Callable[[Harness, Context], bool]
+#: /dev/shm entries of other programs, which come and go while the suite runs: a PostgreSQL server beside it (the
+#: test suite's own, or any) makes a dynamic shared-memory segment whenever a query needs one. The suite's own
+#: processes share memory through memfd and UCX's names, never these.
+OTHERS_SHM = ("PostgreSQL.",)
 
 # name -> the scenario, in the order they run (the cheap and independent ones first).
 SCENARIOS: dict[str, Scenario] = {
@@ -136,8 +140,12 @@ def _leftovers(workdir: Path, shm_before: set[str]) -> dict[str, list[str]]:
             procs.append(f"{proc.info['pid']}: {' '.join(proc.info['cmdline'])[:120]}")
     mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
               if str(workdir) in line.split()[1]]
-    shm = sorted({p.name for p in Path("/dev/shm").iterdir()} - shm_before) if Path("/dev/shm").is_dir() else []
+    shm = sorted(name for name in _shm_names() - shm_before if not name.startswith(OTHERS_SHM))
     return {"processes": procs, "mounts": mounts, "shm": shm}
+
+
+def _shm_names() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir()} if Path("/dev/shm").is_dir() else set()
 
 
 def run(names: Sequence[str], short: bool, workdir: Path, progress: Progress = NO_PROGRESS) -> ChaosReport:
@@ -145,7 +153,7 @@ def run(names: Sequence[str], short: bool, workdir: Path, progress: Progress = N
     workdir = Path(workdir).resolve()
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     sizes = SHORT if short else FULL
-    shm_before = {p.name for p in Path("/dev/shm").iterdir()} if Path("/dev/shm").is_dir() else set()
+    shm_before = _shm_names()
     package = workdir / "package"
     manifest = random_package(package, sizes.layers, sizes.layer_bytes, sizes.chunk_bytes)
     models: list[tuple[Path, Manifest]] = []

@@ -4,12 +4,14 @@ what it writes must have the documented shape, and nothing may be left behind.
 """
 
 import json
+import os
 from pathlib import Path
 
 import psutil
 import pytest
 from click.testing import CliRunner
 
+from benchmarks import chaos
 from benchmarks.chaos import SCENARIOS, ChaosReport, format_report, parse_only
 from benchmarks.chaos_harness import Bounds, ChaosError, ScenarioResult
 from benchmarks.chaos_scenarios import last_line
@@ -94,3 +96,17 @@ def test_a_process_error_is_noted_by_its_last_line_from_its_start():
     assert last_line(f"WARNING a warning first\n{error}\n") == f"{error[:160]}..."
     assert last_line("warning\nerror: refused: tokenizer.json\n") == "error: refused: tokenizer.json"
     assert last_line("") == ""
+
+
+def test_shared_memory_left_behind_is_the_suites_not_a_postgresql_servers_beside_it(tmp_path):
+    """A PostgreSQL server running beside the suite (the test suite's own, another run's) made segments meanwhile,
+    which were reported as the suite's leftovers."""
+    before = chaos._shm_names()
+    made = [Path("/dev/shm") / f"{prefix}{os.getpid()}-chaos-test" for prefix in ("PostgreSQL.", "ucx_")]
+    try:
+        for path in made:
+            path.write_bytes(b"x")
+        assert chaos._leftovers(tmp_path, before)["shm"] == [made[1].name]
+    finally:
+        for path in made:
+            path.unlink(missing_ok=True)
