@@ -45,6 +45,7 @@ from pipecast.serve.errors import (
     RequestFieldError,
     RequestTooLargeError,
     ServeError,
+    StageBusyError,
     StageFailedError,
     WorkerBusyError,
 )
@@ -106,14 +107,15 @@ class RequestBodyTimeoutError(ServeError):
 
 
 def _outcome(error: ServeError) -> str:
-    if isinstance(error, WorkerBusyError):
+    if isinstance(error, (WorkerBusyError, StageBusyError)):
         return "rejected"
     return "invalid" if error.status < 500 else "failed"
 
 
 def error_response(error: ServeError) -> web.Response:
     """The JSON error answer of ``error`` (with Retry-After on a 429)."""
-    headers = {"Retry-After": str(error.retry_after_s)} if isinstance(error, WorkerBusyError) else None
+    headers = {"Retry-After": str(error.retry_after_s)} if isinstance(error, (WorkerBusyError, StageBusyError)) \
+        else None
     return web.json_response(error_body(error), status=error.status, headers=headers)
 
 
@@ -211,18 +213,18 @@ async def stage_call(request: web.Request) -> web.Response:
                                                        deadline=deadline, package=call.package)
         frame = encode_frame({}, answer) if call.norm_only else encode_frame({"token": answer})
         return web.Response(body=frame, content_type="application/octet-stream")
-    except StageFailedError as exc:  # a stage after this one
+    except (StageFailedError, StageBusyError) as exc:  # a stage after this one (failed: 502; no room: 429)
         worker.forget_stage_session(session)
         return web.json_response({"error": {"message": str(exc), "problem": exc.problem, "node": exc.node}},
-                                 status=502)
+                                 status=exc.status if isinstance(exc, StageBusyError) else 502)
     except (BodyTooLargeError, BodyTimeoutError) as exc:
         response = _stage_error(str(exc), 413 if isinstance(exc, BodyTooLargeError) else 408)
         response.force_close()  # the rest of the body is never read
         return response
     except (PipelineProtocolError, InvalidRequestError, StageSessionError) as exc:
         return _unread_closes(request, _stage_error(str(exc), 400))
-    except StageCapacityError as exc:
-        return _stage_error(str(exc), 503)
+    except StageCapacityError as exc:  # load, not a failure: the caller answers its own caller 429 (StageBusyError)
+        return _stage_error(str(exc), 429)
     except TimeoutError as exc:
         return _unread_closes(request, _stage_error(str(exc), 504))
     except ServeError as exc:

@@ -119,12 +119,27 @@ class StageFailedError(ServeError):
         self.node, self.problem = node, problem
 
 
+class StageBusyError(ServeError):
+    """A stage of a cross-node pipeline has no room for the request now (its stage calls or its sessions are at
+    their bound): load, not a failure. Answered 429 with Retry-After, so the router sends the request elsewhere
+    and the pipeline nothing for a while, instead of taking it out as failed."""
+
+    status = 429
+    kind = "rate_limit_error"
+    code = "pipeline_busy"
+    retry_after_s = 1
+
+    def __init__(self, node: str, problem: str) -> None:
+        super().__init__(f"pipeline stage {node} is busy: {problem}")
+        self.node, self.problem = node, problem
+
+
 class StageQueueFullError(ServeError):
     """This worker holds as many stage calls (waiting for their layers, for their turn, or computing) as it holds
-    pipelined sessions at most: another is refused at once (503), before its hidden states wait in memory."""
+    pipelined sessions at most: another is refused at once (429), before its hidden states wait in memory."""
 
-    status = 503
-    kind = "server_error"
+    status = 429
+    kind = "rate_limit_error"
     code = "stage_queue_full"
 
     def __init__(self, calls: int) -> None:

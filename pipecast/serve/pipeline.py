@@ -17,7 +17,8 @@ tensor's raw bytes (dtype and shape in the header), so bf16 activations travel e
 a deadline that travels with it (``deadline_s``: the time left), bounding each stage's waits for its
 layers and the calls after it. A stage that fails or does not answer in time fails the request with
 :class:`~pipecast.serve.errors.StageFailedError` naming that stage, answered 503 before any token left,
-so the router retries the request on another worker.
+so the router retries the request on another worker; a stage without room for it (its stage calls or sessions at
+their bound) with :class:`~pipecast.serve.errors.StageBusyError`, 429, which the router takes as load.
 """
 
 import asyncio
@@ -40,9 +41,9 @@ from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.core.urls import http_base_url
 from pipecast.engine.errors import EngineError
 from pipecast.engine.sampling import SamplingParams
-from pipecast.engine.stage import MAX_SESSIONS, SAMPLE_PARTS, StageOutput, StageRunner
+from pipecast.engine.stage import MAX_SESSIONS, SAMPLE_PARTS, StageCapacityError, StageOutput, StageRunner
 from pipecast.engine.streams import FINISH_CANCELLED, TokenStream, emit
-from pipecast.serve.errors import StageFailedError, StageQueueFullError, WorkerClosingError
+from pipecast.serve.errors import StageBusyError, StageFailedError, StageQueueFullError, WorkerClosingError
 
 if TYPE_CHECKING:
     import aiohttp
@@ -510,6 +511,8 @@ class StageClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             problem = "no answer within the step's deadline" if isinstance(exc, TimeoutError) else str(exc)
             raise StageFailedError(hop.url, problem or type(exc).__name__) from None
+        if status == 429:  # the stage, or one after it, has no room now: load, not a failure
+            raise _answered_busy(hop.url, body)
         if status != 200:
             raise _answered_error(hop.url, status, body)
         try:
@@ -542,6 +545,15 @@ class StageClient:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _answered_busy(url: str, body: bytes) -> StageBusyError:
+    """The error of a stage's 429: busy, the stage it names (downstream) or ``url``."""
+    try:
+        error = loads(body).get("error", {})
+        return StageBusyError(error.get("node") or url, str(error.get("problem") or error.get("message")))
+    except (JSONInputError, AttributeError):
+        return StageBusyError(url, f"answered 429: {body[:120]!r}")
 
 
 def _answered_error(url: str, status: int, body: bytes) -> StageFailedError:
@@ -703,6 +715,8 @@ class PipelineHead:
             out = await self.queue.call(self.runner.run, session, own.layers, position, tokens=tokens,
                                         params=params, deadline=deadline,
                                         wait=self.runner.waiter(self.runner.parts(own.layers)))
+        except (StageQueueFullError, StageCapacityError) as exc:  # load here: the router sends it elsewhere
+            raise StageBusyError(own.url, str(exc)) from None
         except (TimeoutError, PipecastError) as exc:
             raise StageFailedError(own.url, str(exc)) from None
         if position == 0:

@@ -637,7 +637,8 @@ class ServingWorker:
 
         Raises :class:`WorkerBusyError` (queue full), :class:`ModelNotServedError`,
         :class:`RequestFieldError` (a prompt the model cannot take, a route it cannot head),
-        :class:`ModelUnavailableError`, :class:`StageFailedError` or :class:`WorkerClosingError`. The
+        :class:`ModelUnavailableError`, :class:`StageFailedError`, :class:`StageBusyError` (a stage without room)
+        or :class:`WorkerClosingError`. The
         returned generation must be closed (``async with``).
         """
         arrived = time.monotonic()

@@ -321,6 +321,24 @@ async def test_a_stage_that_never_answers_is_named_by_the_stage_before_it(pkg):
     assert status == 503 and answer["error"]["message"].startswith(f"pipeline stage {hung} failed: "), answer
 
 
+async def test_a_stage_without_room_answers_busy_and_the_head_429_naming_it(pkg):
+    """A stage at its bound of stage calls (or sessions) is load, not a failure: the head answered 503
+    pipeline_stage_failed, and the router took the pipeline out as failed for 30 s. Now 429 with Retry-After, which
+    the router takes as busy."""
+    async with serving(WorkerConfig(str(pkg))) as (a, _, _, http), serving(WorkerConfig(str(pkg))) as (b, wb, _, _):
+        async def full(*args, **kwargs):
+            raise StageQueueFullError(3)
+
+        wb.stage_queue.call = full
+        async with http.post(f"{a}/v1/completions", json=completion(4),
+                             headers={PIPELINE_HEADER: route([(a, 0, 3), (b, 3, 6)])}) as response:
+            answer = await response.json()
+        assert (response.status, response.headers.get("Retry-After")) == (429, "1"), answer
+        assert answer["error"]["code"] == "pipeline_busy"
+        assert answer["error"]["message"] == (f"pipeline stage {b} is busy: this worker already holds 3 stage calls; "
+                                              "retry elsewhere or later")
+
+
 async def test_a_head_that_waits_for_the_whole_model_serves_its_pipelines_at_once(pkg, reference):
     """``wait_full_load`` holds the worker's own requests until it holds the whole model; a request through a
     pipeline it heads needs only its stage's layers."""
@@ -669,7 +687,7 @@ async def test_stage_calls_beyond_the_queues_bound_are_refused_at_once_and_the_b
         with pytest.raises(StageQueueFullError, match="^this worker already holds 3 stage calls; retry elsewhere or "
                                                       "later$") as caught:
             await queue.call(lambda *, timeout: "refused", deadline=deadline)
-        assert caught.value.status == 503
+        assert caught.value.status == 429  # load, not a failure
         arrived.set()
         assert await asyncio.gather(*waiting) == ["done"] * 3
         assert await queue.call(lambda *, timeout: "next", deadline=deadline) == "next"
