@@ -538,8 +538,7 @@ class Router:
                 raise WorkerFailedError(worker.url, f"refused the router's credentials: {refused}")
             self.metrics.queued.observe(queued_s)  # once per request: this answer is the one the client gets
             if upstream.status == 200:
-                self.metrics.ttft.observe(self.signals.answer_started(arrival, version,
-                                                                      warm=_was_ready(worker, arrival)))
+                self._answer_started(arrival, version, worker)
                 self.signals.answered(version, answer_tokens(answer) if version else 0)
             elif upstream.status >= 500:
                 self.metrics.failed.labels(worker.url, "error_status").inc()
@@ -547,6 +546,10 @@ class Router:
             content_type = upstream.headers.get("Content-Type", "application/json")
             return web.Response(status=upstream.status, body=answer,
                                 headers={"Content-Type": content_type, **timing})
+
+    def _answer_started(self, arrival: float, version: str | None, worker: Worker | PipelineUnit) -> None:
+        """The answer to a request that arrived at ``arrival`` begins now: its TTFT, in /stats and /metrics."""
+        self.metrics.ttft.observe(self.signals.answer_started(arrival, version, warm=_was_ready(worker, arrival)))
 
     async def _body_pieces(self, body: bytes, writing: asyncio.Timeout) -> AsyncIterator[bytes]:
         """``body`` in pieces, each to be taken by the worker within ``upstream_timeout_s`` (``writing``'s
@@ -628,8 +631,7 @@ class Router:
             await response.prepare(request)
             self.metrics.queued.observe(queued_s)  # once per request: attempts that failed before are not answers
             if not events.startswith(ERROR_EVENT):  # the worker's error first is no first token
-                self.metrics.ttft.observe(self.signals.answer_started(arrival, version,
-                                                                      warm=_was_ready(worker, arrival)))
+                self._answer_started(arrival, version, worker)
             try:
                 while events is not None:
                     refused, done = refused or has_error_event(events), ends_done(events)

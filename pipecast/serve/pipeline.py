@@ -511,8 +511,6 @@ class StageClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             problem = "no answer within the step's deadline" if isinstance(exc, TimeoutError) else str(exc)
             raise StageFailedError(hop.url, problem or type(exc).__name__) from None
-        if status == 429:  # the stage, or one after it, has no room now: load, not a failure
-            raise _answered_busy(hop.url, body)
         if status != 200:
             raise _answered_error(hop.url, status, body)
         try:
@@ -547,25 +545,19 @@ class StageClient:
             await self._session.close()
 
 
-def _answered_busy(url: str, body: bytes) -> StageBusyError:
-    """The error of a stage's 429: busy, the stage it names (downstream) or ``url``."""
+def _answered_error(url: str, status: int, body: bytes) -> "StageFailedError | StageBusyError":
+    """The error of a stage's non-200 answer: the stage it names (downstream), else ``url``; busy on a 429 (no
+    room there: load, not a failure), failed otherwise."""
     try:
         error = loads(body).get("error", {})
-        return StageBusyError(error.get("node") or url, str(error.get("problem") or error.get("message")))
-    except (JSONInputError, AttributeError):
-        return StageBusyError(url, f"answered 429: {body[:120]!r}")
-
-
-def _answered_error(url: str, status: int, body: bytes) -> StageFailedError:
-    """The error of a stage's non-200 answer: the stage it names as failed (downstream), else ``url``."""
-    try:
-        error = loads(body).get("error", {})
-        node = error.get("node") or url
+        node, problem = error.get("node") or url, error.get("problem")
         message = str(error.get("message") or f"answered {status}")
     except (JSONInputError, AttributeError):
-        node, message = url, f"answered {status}: {body[:120]!r}"
+        node, problem, message = url, None, f"answered {status}: {body[:120]!r}"
+    if status == 429:
+        return StageBusyError(node, problem or message)
     if node != url:  # already "pipeline stage X failed: ..." from downstream: keep its words
-        return StageFailedError(node, error.get("problem") or message)
+        return StageFailedError(node, problem or message)
     return StageFailedError(url, f"answered {status}: {message}")
 
 
