@@ -19,7 +19,7 @@ import click
 from click.core import ParameterSource
 from google.protobuf import json_format
 
-from control_plane.deployments import DEFAULT_WARM_AUTO_FACTOR, Deployment, ScalingPolicy
+from control_plane.deployments import DEFAULT_WARM_AUTO_FACTOR, WARM_AUTO_FACTORS, Deployment, ScalingPolicy
 from control_plane.errors import InvalidRequest, UnknownPackage
 from control_plane.messages import PeerInfo
 from control_plane.routes import CanaryGate, RouteChange
@@ -149,7 +149,7 @@ class GroupOptionsAnywhere(click.Group):
 @click.pass_context
 def cp_group(ctx: click.Context, config: Path | None, target: str | None, token: str | None, as_json: bool) -> None:
     """Operate a running control plane. A PACKAGE_ID (or --package) may be the start of a published package's id,
-    8 hex digits or more, as the listings print it."""
+    8 hex digits or more, as the listings print it (in either case)."""
     ctx.obj = (load_settings(config, control_plane=target, auth_token=token), as_json)
 
 
@@ -166,21 +166,28 @@ def _run(ctx: click.Context, call: Callable[[Any], Awaitable[Any]]) -> Any:
     return asyncio.run(go())
 
 
-#: A package id the cp commands take as the start of one: 8 hex digits or more, fewer than a whole id's 64 (the
-#: listings print 12 or 20).
+#: A package id as the cp commands take it (in either case): a whole one, or the start of one, 8 hex digits or more
+#: (the listings print 12 or 20).
+WHOLE_PACKAGE_ID = re.compile(r"[0-9a-f]{64}")
 PACKAGE_ID_PREFIX = re.compile(r"[0-9a-f]{8,63}")
 
 
 async def full_package_id(client: Any, package_id: str) -> str:
-    """The one published package id starting with ``package_id`` (:data:`PACKAGE_ID_PREFIX`; anything else
-    is passed on as given). Raises :class:`UnknownPackage` when none does, :class:`InvalidRequest` when several do."""
-    if not PACKAGE_ID_PREFIX.fullmatch(package_id):
-        return package_id
-    found = sorted(p.package_id for p in await client.list_packages() if p.package_id.startswith(package_id))
+    """The whole package id ``package_id`` names, in lower case: itself if whole, else the one published id it is
+    the start of (:data:`PACKAGE_ID_PREFIX`); "" (none given: every package, or a route's one canary) as is.
+    Raises :class:`InvalidRequest` for anything else (a package is named by its id only: a name, a prefix too short
+    or not hex would match nothing) and when several ids start with it, :class:`UnknownPackage` when none does."""
+    wanted = package_id.lower()
+    if not wanted or WHOLE_PACKAGE_ID.fullmatch(wanted):
+        return wanted
+    if not PACKAGE_ID_PREFIX.fullmatch(wanted):
+        raise InvalidRequest(f"package id {package_id!r} is neither a whole package id (64 hex digits) nor the start "
+                             "of one (8 hex digits or more)")
+    found = sorted(p.package_id for p in await client.list_packages() if p.package_id.startswith(wanted))
     if not found:
-        raise UnknownPackage(f"no published package id starts with {package_id!r}")
+        raise UnknownPackage(f"no published package id starts with {wanted!r}")
     if len(found) > 1:
-        raise InvalidRequest(f"package id {package_id!r} is ambiguous: {len(found)} published package ids start "
+        raise InvalidRequest(f"package id {wanted!r} is ambiguous: {len(found)} published package ids start "
                              f"with it ({', '.join(found)}); give more of it")
     return found[0]
 
@@ -506,6 +513,10 @@ def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...]
     # value at once (click stops at its first).
     problems = [f"{'/'.join(DEPLOY_FLAGS[f] for f in fields)}: {message}"
                 for fields, message in wanted.policy.problems_by_field()]
+    if warm == WARM_AUTO and factor == 0:  # the policy takes 0 as "warm fixed": a fixed warm pool of 0, not auto
+        low, high = WARM_AUTO_FACTORS
+        problems.append(f"--warm-factor: warm_auto_factor must be within {low:g}..{high:g} with --warm auto, "
+                        f"got {factor}")
     if problems:
         raise InvalidRequest(f"deployment of package {package_id!r} refused: {'; '.join(problems)}")
     _, stored = _run_for(ctx, package_id,

@@ -448,8 +448,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             raise Conflict(f"package {request.package_id!r} is deployed: remove its deployment first "
                            "(pipecast cp undeploy)")
         if names := self.book.routes_of(request.package_id):
-            raise Conflict(f"package {request.package_id!r} answers served model {names[0]!r}: roll it back or "
-                           "route the name elsewhere first")
+            raise Conflict(f"package {request.package_id!r} answers served model {names[0]!r}: roll it back, route "
+                           f"the name elsewhere or remove the route (pipecast cp unroute {names[0]}) first")
         self.state.remove_package(request.package_id, force=request.force)
         await self.flush_encoded(durable=True)
         log.info("removed package=%s force=%s", request.package_id, request.force)
@@ -483,6 +483,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     async def ReportBadPeer(self, request: pb.ReportBadPeerRequest,
                             context: grpc.aio.ServicerContext) -> pb.ReportBadPeerResponse:
         self.act_for(request.node_id)
+        # Before the probe, which may take a second: a report of nothing is refused at once.
+        self.state.check_bad_peer_report(request.node_id, request.peer_id, request.package_id, request.block)
         gone = request.gone and not await self._still_listens(request.peer_id)
         replanned = self.state.report_bad_peer(request.node_id, request.peer_id, request.package_id, request.block,
                                                request.reason, self.clock(), gone=gone)
@@ -541,6 +543,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 
     @_rpc
     async def ListPlans(self, request: pb.ListPlansRequest, context: grpc.aio.ServicerContext) -> pb.ListPlansResponse:
+        if request.package_id:
+            self.state.package(request.package_id)  # one asked for by id must be published
         return pb.ListPlansResponse(plans=[
             _plan_summary(active) for _, active in sorted(self.state.plans.items())
             if not request.package_id or active.package_id == request.package_id])

@@ -32,6 +32,7 @@ from control_plane.planner.racks import RACK_LABEL
 from control_plane.planner.replan import INLINE_REPLAN_MAX_RECEIVERS, drop_held, parts_of, repair, reroute
 from control_plane.planner.schedules import InFlight, make_plan
 from control_plane.planner.stragglers import Sample, StragglerPolicy, demote, find_stragglers, receive_rate
+from pipecast.core.credentials import CredentialError, validate_node_id
 from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.v1.manifest_pb2 import Manifest
 
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 # Progress samples kept per receiver: at the agents' default 0.1 s, several windows' worth.
 PROGRESS_SAMPLES = 32
+#: The most of a bad-peer report's reason kept (logged): the rest of a long one is cut off.
+MAX_REASON_CHARS = 1024
 
 
 @dataclass
@@ -236,9 +239,13 @@ class ControlState:
         rest; one still holding a package it was told to drop is told again (and does not hold it here).
         Returns unknown package ids (of either)."""
         node = spec.node_id
-        if not node or not spec.peer.address:
-            raise InvalidRequest(f"worker registration needs a node id and an address, got "
-                                 f"{node!r} at {spec.peer.address!r}")
+        # An id no node token can name (IssueToken refuses it) would also garble every listing it is shown in.
+        try:
+            validate_node_id(node)
+        except CredentialError as exc:
+            raise InvalidRequest(f"worker registration refused: {exc}") from None
+        if not spec.peer.address:
+            raise InvalidRequest(f"worker {node!r} registered without an address")
         if spec.memory_bytes <= 0:
             raise InvalidRequest(f"worker {node!r} registered with memory budget {spec.memory_bytes}: "
                                  "it must be positive")
@@ -276,8 +283,26 @@ class ControlState:
                 self.dirty.availability.add((package_id, node))
             if availability.is_complete(node):
                 self._receiver_done(package_id, node)
+        self._leave_plans_too_large(node)
         self._resume(node, now)
         return sorted(set(unknown) | set(unknown_cached))
+
+    def _leave_plans_too_large(self, node: str) -> None:
+        """``node`` registered again with a memory budget that no longer fits a package it is receiving beside what
+        else it is committed to (as a scale-up checks it): it leaves that package's plans, as a dead receiver would.
+        Its agent cannot take the package in: it would stay a receiver for good (the plan never ending), and a
+        chain's tail that later scale-ups hang behind."""
+        budget = self.workers[node].spec.memory_bytes
+        for package_id in sorted({p.package_id for p in self.plans.values() if node in p.pending}):
+            need = self.packages[package_id].total_bytes
+            committed = self._committed_bytes(excluding=package_id).get(node, 0)
+            if committed + need <= budget:
+                continue
+            log.warning("worker %s registered with a memory budget of %d bytes, %d of them committed to other "
+                        "packages: package=%s (%d bytes) no longer fits; it leaves the package's plans", node, budget,
+                        committed, package_id, need)
+            for active in [p for p in self.plans.values() if p.package_id == package_id and node in p.pending]:
+                self._repair(active, {node})
 
     def _resume(self, node: str, now: float) -> None:
         """Plan the rest of every package ``node`` was receiving when its lease lapsed."""
@@ -353,7 +378,10 @@ class ControlState:
     # ----- packages -----
 
     def publish(self, manifest: Manifest, store: PeerInfo, now: float) -> str:
-        """Publish (or re-point the store of) a package; returns its id."""
+        """Publish (or re-point the store of) a package; returns its id. Plans in progress that send from a store
+        node re-pointed away are repaired without it (:meth:`_repair`: the new store, or a holder, sends in its
+        place): it no longer serves the package as its store, and a store that is no worker has no address left
+        to give the receivers."""
         package_id = manifest.package_id
         if not package_id:
             raise InvalidRequest("published manifest has no package_id")
@@ -373,6 +401,11 @@ class ControlState:
         self.packages[package_id] = Package(manifest, store, old.published_at if old else now)
         self.availability.setdefault(package_id, Availability(len(manifest.blocks)))
         self.dirty.packages.add(package_id)
+        if old is not None and old.store.node_id != store.node_id:
+            moved = old.store.node_id
+            # _repair cannot fail here: the new store, never excluded, is left to send from.
+            for active in [a for a in self.plans.values() if a.package_id == package_id and moved in a.plan.sources]:
+                self._repair(active, {moved})
         return package_id
 
     def remove_package(self, package_id: str, *, force: bool = False) -> None:
@@ -500,8 +533,9 @@ class ControlState:
         restarted, or refused only this child) is told to register again at its next heartbeat, with all it
         holds, and gets a plan for the rest. Returns whether any plan was re-planned."""
         worker = self.registered_worker(node)
-        self._check_blocks(node, self.package(package_id), [block])
+        self.check_bad_peer_report(node, peer, package_id, block)
         worker.lease_expires = now + self.lease_s
+        reason = reason[:MAX_REASON_CHARS]  # logged: a member may not fill the control plane's log
         # By block and parent alone: a fetch of a chunk range of the block names its range too.
         plans = [p for p in self.plans.values() if p.package_id == package_id and node in p.parts
                  and any(f.block == block and f.parent == peer for f in p.parts[node].fetch)]
@@ -509,7 +543,7 @@ class ControlState:
             log.warning("bad-peer report ignored node=%s peer=%s package=%s block=%d: not its parent for "
                         "that block in any active plan", node, peer, package_id, block)
             return False
-        log.warning("bad peer node=%s peer=%s package=%s block=%d gone=%s reason=%s", node, peer, package_id, block,
+        log.warning("bad peer node=%s peer=%s package=%s block=%d gone=%s reason=%r", node, peer, package_id, block,
                     gone, reason)
         if gone:
             worker = self.workers.get(peer)
@@ -521,6 +555,16 @@ class ControlState:
             self.dirty.availability.add((package_id, peer))
         return any([self._reroute(active, node, peer, block) if peer in active.pending else self._repair(active, {peer})
                     for active in plans])
+
+    def check_bad_peer_report(self, node: str, peer: str, package_id: str, block: int) -> None:
+        """Raise unless a report by ``node`` of ``peer`` for ``block`` of ``package_id`` names a published
+        package's block and a peer id a node could have (:class:`InvalidRequest` for one no token can name: it
+        would be logged as sent, new lines and all)."""
+        try:
+            validate_node_id(peer)
+        except CredentialError as exc:
+            raise InvalidRequest(f"bad-peer report refused: {exc}") from None
+        self._check_blocks(node, self.package(package_id), [block])
 
     def _reroute(self, active: ActivePlan, child: str, peer: str, block: int) -> bool:
         """Move ``child``'s fetches of ``block`` off ``peer``, a receiver of ``active`` that keeps receiving."""
@@ -606,8 +650,9 @@ class ControlState:
 
     def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float) -> ScaleUpResult:
         """Start ``plan``, built from ``draft``, and tell its nodes. If the cluster changed since the draft
-        (a receiver or source gone, a receiver taken by another plan of the package, a source or unchanged
-        worker told to drop it), the scale-up is drafted and planned again here, synchronously."""
+        (a receiver or source gone, a receiver taken by another plan of the package or holding other blocks of
+        it, a source or unchanged worker told to drop it), the scale-up is drafted and planned again here,
+        synchronously."""
         package_id, receivers = draft.package_id, draft.receivers
         if not self._draft_holds(draft):
             node_ids, count, strategy, fanout = draft.request
@@ -632,9 +677,11 @@ class ControlState:
 
     def _draft_holds(self, draft: "ScaleUpDraft") -> bool:
         """Whether ``draft``'s receivers and worker sources are still alive, no receiver has joined another
-        plan of the package meanwhile, every receiver still has the memory for it (another scale-up, of another
-        package, may have taken it meanwhile), and its worker sources and unchanged workers still hold the
-        package (a keep-alive release may have fallen due meanwhile: told to drop it, one is neither)."""
+        plan of the package meanwhile, every receiver still holds the blocks the draft took it to hold (a release
+        or a report of dropped blocks may have taken some: its plan would never fetch them) and has the memory
+        for the package (another scale-up, of another package, may have taken it meanwhile), and its worker
+        sources and unchanged workers still hold the package (a keep-alive release may have fallen due
+        meanwhile: told to drop it, one is neither)."""
         package_id = draft.package_id
         if package_id not in self.packages:
             return False
@@ -647,13 +694,15 @@ class ControlState:
         receivers = set(draft.receivers)
         if any(receivers & p.parts.keys() for p in plans):
             return False
+        availability = self.availability[package_id]
+        if any(availability.held(n) != draft.held.get(n, frozenset()) for n in receivers):
+            return False
         if receivers:
             committed = self._committed_bytes(excluding=package_id)
             if any(committed.get(n, 0) + package.total_bytes > self.workers[n].spec.memory_bytes for n in receivers):
                 return False
         # Receiving counts for a source too: the tail of a chain in progress that new receivers hang behind.
         receiving = {n for p in plans for n in p.pending}
-        availability = self.availability[package_id]
         return all((availability.is_complete(n) or n in receiving) and (package_id, n) not in self.dropping
                    for n in (*draft.unchanged, *draft.sources) if n != store)
 
@@ -666,6 +715,10 @@ class ControlState:
         if not math.isfinite(keep_alive_s) or keep_alive_s < 0:
             raise InvalidRequest(f"release of package {package_id!r}: keep-alive must be a finite number >= 0, "
                                  f"got {keep_alive_s}")
+        if not node_ids:
+            raise InvalidRequest(f"release of package {package_id!r}: no worker named")
+        if len(set(node_ids)) != len(node_ids):
+            raise InvalidRequest(f"release of package {package_id!r}: a worker is listed twice")
         availability = self.availability[package_id]
         for node in node_ids:
             if node == store:

@@ -90,8 +90,8 @@ async def test_package_id_arguments_take_the_start_of_an_id_as_the_listings_prin
     result = await invoke(server, "undeploy", other)
     assert isinstance(result.exception, UnknownPackage)
     assert str(result.exception) == f"no published package id starts with {other!r}"
-    result = await invoke(server, "undeploy", PKG[:7])  # too short to be taken for an id's start: sent as typed
-    assert str(result.exception) == f"package {PKG[:7]!r} has no deployment"
+    result = await invoke(server, "undeploy", PKG.upper())  # in either case
+    assert result.exit_code == 0 and result.output == f"undeployed {PKG}\n", result.output
 
 
 class Listing:
@@ -112,8 +112,47 @@ async def test_the_start_of_a_package_id_that_several_ids_share_is_refused_namin
     assert str(refused.value) == (f"package id 'abcdef01' is ambiguous: 2 published package ids start with it ({a}, "
                                   f"{b}); give more of it")
     assert await full_package_id(Listing(a, b), "abcdef012") == b
-    for whole_or_not_hex in (a, "tiny-model", "ABCDEF01"):  # passed on as given, not looked up
-        assert await full_package_id(Listing(), whole_or_not_hex) == whole_or_not_hex
+    for whole_or_none in (a, ""):  # passed on, not looked up ("": every package, or a route's one canary)
+        assert await full_package_id(Listing(), whole_or_none) == whole_or_none
+
+
+NOT_AN_ID = "is neither a whole package id (64 hex digits) nor the start of one (8 hex digits or more)"
+
+
+async def test_a_package_id_is_taken_in_either_case_and_anything_but_an_id_or_its_start_is_refused():
+    """Walkthrough finding 5: `cp plans --package 77609d` and `scaler events --package 77609D...` were passed on as
+    typed, matched nothing and printed an empty list, exit 0."""
+    a = "abcdef01" + "1" * 56
+    assert await full_package_id(Listing(a), "ABCDEF01") == a
+    assert await full_package_id(Listing(), a.upper()) == a
+    for refused in ("abcdef", "abcdef0", "tiny-model", "abcdef01g", a + "1", " " + a):
+        with pytest.raises(InvalidRequest) as caught:
+            await full_package_id(Listing(a), refused)
+        assert str(caught.value) == f"package id {refused!r} {NOT_AN_ID}"
+
+
+async def test_package_id_options_refuse_a_short_start_and_take_capitals(cp):
+    server, _ = cp
+    result = await invoke(server, "plans", "--package", PKG[:6])
+    assert isinstance(result.exception, InvalidRequest) and result.exit_code != 0, result.output
+    assert str(result.exception) == f"package id {PKG[:6]!r} {NOT_AN_ID}"
+    result = await invoke(server, "availability", PKG[:12].upper())
+    assert result.exit_code == 0 and result.output.startswith(f"package {PKG}: {BLOCKS} blocks\n"), result.output
+
+
+async def test_deploy_refuses_a_warm_factor_of_0_with_warm_auto(cp):
+    """Walkthrough finding 4: `cp deploy --warm auto --warm-factor 0` deployed a fixed warm pool of 0 (the policy's
+    factor 0 means "warm fixed"), where --warm-factor takes 1..10 and 0.5 is refused."""
+    server, client = cp
+    result = await invoke(server, "deploy", PKG, "--warm", "auto", "--warm-factor", "0")
+    assert isinstance(result.exception, InvalidRequest), result.output
+    assert str(result.exception) == (f"deployment of package {PKG!r} refused: --warm-factor: warm_auto_factor must "
+                                     "be within 1..10 with --warm auto, got 0.0")
+    assert await client.list_deployments() == []
+    result = await invoke(server, "deploy", PKG, "--warm", "0")  # a fixed warm pool of 0 is asked for so
+    assert result.exit_code == 0, result.output
+    [deployment] = await client.list_deployments()
+    assert (deployment.policy.warm, deployment.policy.warm_auto_factor) == (0, 0.0)
 
 
 async def test_release_from_the_packages_store_node_is_refused_by_the_control_plane(cp):
@@ -127,3 +166,17 @@ async def test_release_from_the_packages_store_node_is_refused_by_the_control_pl
                                      "which keeps it to send to scale-ups (removing the package with force drops it "
                                      "there)")
     assert server.state.releases == {} and server.state.availability[PKG].is_complete("store")
+
+
+async def test_plans_of_an_unpublished_package_and_a_release_naming_a_worker_twice_fail(cp):
+    """Found in review: `cp plans --package nope` printed an empty listing and `cp release PKG w1 w1` said it
+    released the package from 2 workers, both exiting 0."""
+    server, _ = cp
+    unpublished = "0" * 64  # a name, or a prefix too short, is refused before it is sent
+    result = await invoke(server, "plans", "--package", unpublished)
+    assert isinstance(result.exception, UnknownPackage) and result.exit_code != 0
+    assert str(result.exception) == f"package {unpublished!r} is not published"
+    result = await invoke(server, "release", PKG, "w1", "w1", "--keep-alive", "1m")
+    assert isinstance(result.exception, InvalidRequest) and result.exit_code != 0
+    assert str(result.exception) == f"release of package {PKG!r}: a worker is listed twice"
+    assert server.state.releases == {}

@@ -156,13 +156,15 @@ def test_the_route_commands_over_grpc_need_the_operator_and_guard_the_packages(t
             assert str(refused.exception) == "route 'chat' has no canary to promote"
             removal = await cp("remove", PKG)
             assert isinstance(removal.exception, Conflict) and str(removal.exception) == (
-                f"package {PKG!r} answers served model 'chat': roll it back or route the name elsewhere first")
+                f"package {PKG!r} answers served model 'chat': roll it back, route the name elsewhere or remove the "
+                "route (pipecast cp unroute chat) first")  # walkthrough finding 6a: the stable version has no rollback
             node = issue_node_token(TOKEN, "w1")
             async with ControlPlaneClient(address, token=node, timeout_s=WAIT_S) as client:
                 assert [r.name for r in await client.list_routes()] == ["chat"]  # a node reads routes
                 with pytest.raises(PermissionDenied):
                     await client.change_route(RouteChange("chat", "unroute"))
             assert (await cp("unroute", "chat")).output == "chat: no route\n"
+            assert (await cp("remove", PKG)).output == f"removed {PKG}\n"  # as the refusal said
         finally:
             await server.stop()
 

@@ -416,6 +416,32 @@ async def test_a_reconnecting_stream_gets_its_current_part(client):
     assert assign.report_progress  # a plan small enough to re-plan is watched for stragglers
 
 
+async def test_a_store_re_pointed_during_a_plan_is_what_its_receivers_are_told_to_fetch_from(client):
+    """Found in review: re-publishing a package with another store node left its plan naming the old one, which a
+    receiver's stream, reconnected, then named with no address."""
+    await client.publish_package(manifest(), STORE)
+    await client.register(spec("w1"))
+    reply = await client.scale_up(PKG, node_ids=["w1"])
+    moved = PeerInfo("store2", "10.0.0.2:7070", ("tcp",))
+    await client.publish_package(manifest(), moved)
+    watcher = Watcher(client, "w1")  # as its agent reconnects
+    try:
+        sync, assign = await watcher.next(), await watcher.next()
+    finally:
+        await watcher.close()
+    assert sync.plan_ids == (reply.plan_id,) and assign.kind is UpdateKind.ASSIGN
+    assert [f.parent for f in assign.fetch] == [moved] * BLOCKS and assign.sources == (moved,)
+    [plan] = await client.list_plans(PKG)
+    assert list(plan.sources) == ["store2"]
+
+
+async def test_the_plans_of_an_unpublished_package_are_refused_typed(client):
+    """Found in review: `cp plans --package nope` listed no plans and exited 0, where ListPipelines refuses it."""
+    with pytest.raises(UnknownPackage, match="package 'nope' is not published"):
+        await client.list_plans("nope")
+    assert await client.list_plans() == []
+
+
 async def test_an_assignment_names_its_packages_priority_from_the_deployment(client):
     await client.publish_package(manifest(), STORE)
     for node in ("w1", "w2"):

@@ -98,6 +98,25 @@ def test_a_registration_whose_link_rate_is_not_a_finite_number_from_0_changes_no
     assert state.workers == {} and not state.dirty.workers
 
 
+@pytest.mark.parametrize("node_id, problem", [
+    ("", "a node id must not be empty"),
+    ("x" * 100_000, f"node id {'x' * 32!r}... has 100000 characters; at most 128"),
+    ("w1\x00", "node id 'w1\\x00' has unprintable characters"),
+    ("w1\nstore  yes", "node id 'w1\\nstore  yes' has unprintable characters"),
+    ("w 1", "node id 'w 1' has white space"),
+], ids=["empty", "long", "nul", "newline", "space"])
+def test_a_registration_under_a_node_id_no_token_can_name_changes_nothing(node_id, problem):
+    """Found in review: Register took ids that IssueToken refuses (100,000 characters, NUL, newlines that forged
+    rows of `cp workers`)."""
+    state = cluster(0)
+    with pytest.raises(InvalidRequest) as refused:
+        state.register(spec(node_id), {}, now=1)
+    assert str(refused.value) == f"worker registration refused: {problem}"
+    assert state.workers == {} and not state.dirty.workers
+    state.register(spec("w1.rack-2"), {}, now=1)  # a dot is fine: a node token's MAC has none
+    assert set(state.workers) == {"w1.rack-2"}
+
+
 def test_a_worker_holding_nothing_of_a_package_is_no_holder_of_it():
     state = cluster(2)
     state.register(spec("w0"), {"pkg": range(BLOCKS)}, now=1)
@@ -188,6 +207,26 @@ def test_a_worker_that_was_not_receiving_or_left_on_purpose_is_not_resumed():
     state.register(spec("w1"), {}, now=LEASE + 2)
     assert set(state.plans) == plans and state.lapsed == {}
 
+
+@pytest.mark.parametrize("memory, holds_other", [(BLOCKS * 100 - 1, False), (BLOCKS * 100, True)],
+                         ids=["smaller-than-the-package", "full-beside-another-package"])
+def test_a_receiver_back_with_a_budget_the_package_no_longer_fits_leaves_its_plan(memory, holds_other):
+    """Found in review: an agent restarted (same id) with a smaller --memory than its package stayed a receiver,
+    which its agent refused for good: the plan never ended, and a later scale-up hung behind it as a chain's tail."""
+    state = cluster(4)
+    state.publish(manifest("other", blocks=1), STORE, now=0)
+    first = state.scale_up("pkg", node_ids=["w0", "w1"], strategy="chain", now=1)
+    state.register(spec("w1"), {}, now=2)  # back with the same budget: still a receiver
+    assert state.plans[first.plan_id].pending == {"w0", "w1"}
+    state.notices.clear()
+    state.register(spec("w0", memory=memory), {"other": [0]} if holds_other else {}, now=2)
+    active = state.plans[first.plan_id]
+    assert "w0" not in active.parts and active.pending == {"w1"}
+    assert notices_of(state, UpdateKind.CANCEL) == {"w0"} and "w1" in notices_of(state, UpdateKind.ASSIGN)
+    assert_complete_plan(state, first.plan_id, {"w1"})
+    # A later scale-up hangs behind the chain's receiver still in it, not behind w0.
+    assert state.scale_up("pkg", node_ids=["w2"], now=3).sources == ("w1",)
+    assert state.scale_up("pkg", count=1, now=3).receivers == ("w3",)  # nor is w0 picked: the package does not fit
 
 def test_a_worker_restored_from_the_store_must_register_again_before_its_heartbeats_and_reports_count():
     state = cluster(1)
@@ -289,6 +328,26 @@ def test_a_scale_up_whose_holder_dropped_the_package_while_it_was_planned_is_dra
     assert_complete_plan(state, result.plan_id, set(receivers))
     # Its verified reports sent before the DROP still do not count, unless it was assigned the package again.
     assert (("pkg", "w1") in state.dropping) == ("w1" not in receivers)
+
+
+@pytest.mark.parametrize("lose", ["release", "report"])
+def test_a_scale_up_whose_receiver_lost_blocks_while_it_was_planned_fetches_every_block_it_lacks_now(lose):
+    """Found in review: a receiver released (keep-alive 0) or reporting dropped blocks while its plan was made in a
+    thread was installed a plan that skipped the blocks it no longer held: it never completed, and a scale-up
+    of it again changed nothing (it was receiving)."""
+    state = cluster(2)
+    state.report("w0", {"pkg": [0, 1, 2]}, {}, now=1)
+    draft = state.draft_scale_up("pkg", node_ids=["w0"])
+    plan = draft.build()  # in a thread: meanwhile w0 loses blocks on the event loop
+    assert sorted(f.block for f in plan.assignments["w0"]) == list(range(3, BLOCKS))
+    if lose == "release":
+        state.release("pkg", ["w0"], keep_alive_s=0, now=2)
+    else:
+        state.report("w0", {}, {"pkg": [1, 2]}, now=2)
+    result = state.install_scale_up(draft, plan, now=3)
+    assert_complete_plan(state, result.plan_id, {"w0"})  # every block it lacks now, 1 and 2 (and 0 if released)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=4)
+    assert result.plan_id not in state.plans
 
 
 def test_scale_up_prefers_workers_holding_the_package_as_sources_rotated_with_the_idle_store_beside():
@@ -505,6 +564,29 @@ def test_death_of_the_only_worker_source_falls_back_to_the_store():
     state.tick(now=LEASE + 1)
     assert state.plans[result.plan_id].plan.sources == ("store",)
     assert_complete_plan(state, result.plan_id, {"w1", "w2"})
+
+
+@pytest.mark.parametrize("peer", ["w4\nWARNING control_plane.service: issued a node token node=attacker", "", "a b",
+                                  "x" * 200])
+def test_a_bad_peer_report_naming_no_possible_node_is_refused_and_changes_nothing(peer):
+    state = cluster(5)
+    state.report("w4", {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0", "w1"], strategy="chain", now=1)
+    before = {n: list(p.fetch) for n, p in state.plans[result.plan_id].parts.items()}
+    with pytest.raises(InvalidRequest, match="^bad-peer report refused: (a )?node id"):
+        state.report_bad_peer("w0", peer, "pkg", 0, "digest mismatch", now=2)
+    assert {n: list(p.fetch) for n, p in state.plans[result.plan_id].parts.items()} == before
+
+
+def test_a_bad_peer_reports_reason_is_logged_on_one_line_and_cut_short(caplog):
+    state = cluster(5)
+    state.report("w4", {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0", "w1"], strategy="chain", now=1)
+    child = next(n for n in result.receivers if state.plans[result.plan_id].parts[n].fetch[0].parent == "w4")
+    with caplog.at_level("WARNING", logger="control_plane.state"):
+        state.report_bad_peer(child, "w4", "pkg", 0, "forged\nINFO line" + "A" * 100_000, now=2)
+    [record] = [r for r in caplog.records if r.getMessage().startswith("bad peer ")]
+    assert "\n" not in record.getMessage() and len(record.getMessage()) < 1_300
 
 
 def test_bad_peer_report_gives_the_child_another_parent_and_a_peer_not_receiving_leaves():
@@ -859,6 +941,18 @@ def test_release_without_keep_alive_drops_at_once_and_needs_a_holder():
         state.release("pkg", ["w1"], keep_alive_s=5, now=2)
 
 
+@pytest.mark.parametrize("node_ids, problem", [([], "no worker named"), (["w0", "w0"], "a worker is listed twice")])
+def test_a_release_naming_no_worker_or_one_twice_is_refused_and_changes_nothing(node_ids, problem):
+    """Found in review: a release from no worker was answered a drop time, and `cp release PKG w1 w1` said it
+    released the package from 2 workers."""
+    state = cluster(1)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    with pytest.raises(InvalidRequest) as refused:
+        state.release("pkg", node_ids, keep_alive_s=5, now=2)
+    assert str(refused.value) == f"release of package 'pkg': {problem}"
+    assert state.releases == {} and not state.dirty.releases and state.availability["pkg"].is_complete("w0")
+
+
 @pytest.mark.parametrize("keep_alive_s", [0, 5])
 def test_releasing_a_package_from_its_store_node_is_refused_and_changes_nothing(keep_alive_s):
     """Found in review: `cp release PKG store` was accepted, the store dropped its seeded copy, and later
@@ -950,6 +1044,30 @@ def test_remove_package_is_refused_while_held_unless_forced():
     assert "pkg" not in state.packages and state.plans == {}
     assert {Notice("w0", UpdateKind.DROP, "pkg"), Notice("w1", UpdateKind.DROP, "pkg"),
             Notice("w1", UpdateKind.CANCEL, "pkg", result.plan_id)} <= set(state.notices)
+
+
+@pytest.mark.parametrize("holder, sources", [(False, ("store2",)), (True, ("w2",))])
+def test_a_store_re_pointed_while_plans_send_from_it_leaves_them_for_the_new_store(holder, sources):
+    """Found in review: re-publishing a package with another store node left its plans sending from the old one,
+    whose address was no longer known: receivers were told to fetch from it at '' and never completed. Without
+    the old store they send from the holders left, else from the new store."""
+    state = cluster(3)
+    if holder:
+        state.report("w2", {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0", "w1"], now=1)
+    assert state.plans[result.plan_id].plan.sources == (("w2", "store") if holder else ("store",))
+    state.publish(manifest(), STORE, now=2)  # the same store again: nothing to change
+    assert state.plans[result.plan_id].version == 1
+    state.notices.clear()
+    state.dirty = Dirty()
+    state.publish(manifest(), PeerInfo("store2", "10.0.0.2:7070", ("tcp",)), now=3)
+    active = state.plans[result.plan_id]
+    assert active.plan.sources == sources and "store" not in active.parts
+    assert_complete_plan(state, result.plan_id, {"w0", "w1"})
+    assert all(f.parent != "store" for node in ("w0", "w1") for f in active.parts[node].fetch)
+    assert Notice("w0", UpdateKind.ASSIGN, "pkg", result.plan_id) in state.notices  # it fetched from the store
+    assert result.plan_id in state.dirty.plans and active.replans == 1
+    assert state.peer(sources[0]).address  # what the receivers are told to fetch from
 
 
 def test_publish_rejects_a_manifest_with_misnumbered_blocks():

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from control_plane.client import ControlPlaneClient
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
-from control_plane.errors import Unauthenticated, UnknownPackage
+from control_plane.errors import InvalidRequest, Unauthenticated, UnknownPackage
 from control_plane.server import ControlPlaneServer
 from pipecast.core.httpserve import listening
 from pipecast.core.settings import load_settings
@@ -160,3 +160,15 @@ async def test_health_says_degraded_while_ticks_fail_to_reach_the_control_plane(
                                                                       "deployments": []})
     finally:
         task.cancel()
+
+
+async def test_events_takes_a_package_id_in_either_case_and_refuses_a_start_too_short(tmp_path):
+    """Walkthrough finding 5: `scaler events --package` with 6 hex digits, or in capitals, printed nothing and
+    exited 0."""
+    async with one_event(tmp_path) as events:
+        result = await events("--token", TOKEN, "--package", PKG[:12].upper())
+        assert result.exit_code == 0 and result.output.endswith(f" {PKG[:12]} hold      0 desired 0 actual 0: quiet\n")
+        refused = (await events("--token", TOKEN, "--package", PKG[:6])).exception
+        assert isinstance(refused, InvalidRequest)
+        assert str(refused) == (f"package id {PKG[:6]!r} is neither a whole package id (64 hex digits) nor the start "
+                                "of one (8 hex digits or more)")
