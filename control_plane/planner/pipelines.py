@@ -32,9 +32,9 @@ _PATHS_PER_END = 32
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """What the former needs of a package: the layers each block holds (``block_layers[i]``, in order,
-    together ``0..num_layers-1``), whether the head is tied to the embeddings, and the head's compute in
-    units of one decoder layer."""
+    """What the former needs of a package: the layers each block holds (``block_layers[i]``, in order, at
+    least one each, together ``0..num_layers-1``), whether the head is tied to the embeddings, and the head's
+    compute in units of one decoder layer."""
 
     block_layers: tuple[range, ...]
     tied_embeddings: bool = False
@@ -45,12 +45,14 @@ class ModelLayout:
             raise PlanError("ModelLayout: a package has at least one block")
         expected = 0
         for index, layers in enumerate(self.block_layers):
-            if layers.step != 1 or layers.start != expected or layers.stop < layers.start:
+            if layers.step != 1 or layers.start != expected:
                 raise PlanError(f"ModelLayout: block {index} holds layers {layers.start}-{layers.stop - 1}, "
                                 f"expected a range starting at layer {expected}")
+            # A block of no layer (the manifest has none) is needed by no stage: a node missing only it would
+            # hold every layer yet be in no pipeline.
+            if not layers:
+                raise PlanError(f"ModelLayout: block {index} holds no layer")
             expected = layers.stop
-        if expected < 1:
-            raise PlanError("ModelLayout: the blocks hold no decoder layer")
         if not self.head_cost >= 0:
             raise PlanError(f"ModelLayout: head_cost must be >= 0, got {self.head_cost!r}")
 

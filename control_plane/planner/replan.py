@@ -12,7 +12,7 @@ import collections
 from collections.abc import Collection, Mapping, Sequence
 from operator import itemgetter
 
-from control_plane.planner.plan import Chunks, Fetch, Part, Plan, PlanError, UnitIndex, add_serving
+from control_plane.planner.plan import Chunks, Fetch, Part, Plan, PlanError, UnitIndex, add_serving, check_ids
 from control_plane.planner.racks import ParentPool, rack_of
 
 
@@ -38,6 +38,7 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     source_set = set(sources)
     if not sources:
         raise PlanError("replan: no sources to plan from")
+    check_ids("replan", sources, "source")
     if source_set & dead:
         raise PlanError(f"replan: source {min(source_set & dead)!r} is listed as dead")
     if not isinstance(fanout, int) or fanout < 1:
@@ -160,6 +161,8 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
     at thousands of receivers). ``parts`` (the plan's :meth:`Plan.parts`, made already) lets it find the
     dead nodes' children without a pass over the plan; the result is the same.
     """
+    if sources is not None:  # the plan's own are checked where it is made
+        check_ids("repair_deaths", sources, "source")
     dead = set(dead)
     alive = [s for s in (plan.sources if sources is None else sources) if s not in dead]
     if not alive:
@@ -384,23 +387,30 @@ def drop_held(plan: Plan, held: Mapping[str, Collection[int]]) -> Plan:
 
 
 def splice(plan: Plan, gone: Collection[str]) -> Plan:
-    """``plan`` with each fetch from a ``gone`` receiver going instead to the node that receiver fetched the
-    same unit from (further up while that one is gone too): the slot it leaves. In a chain its child then
-    follows its parent. A fetch of a unit the gone node held, or got in other units, keeps its gone parent
-    (for :func:`replan` to place)."""
+    """``plan`` with the slot each ``gone`` receiver leaves, per unit, taken by its first child for the unit: that
+    child fetches the unit instead from the node the gone one fetched it from (further up while that one is gone
+    too and the gone one was its first child). In a chain its child then follows its parent. The gone node's other
+    children, and a fetch of a unit it held or got in other units, keep their gone parent (for :func:`replan` to
+    place where a sender has a free slot): no sender gets more children for a unit than it had."""
     gone = set(gone)
     up = {node: {(a.block, a.chunks): a.parent for a in plan.assignments[node]}
           for node in gone if node in plan.assignments}
+    heirs: dict[tuple[str, tuple[int, Chunks]], str] = {}  # (gone node, unit) -> its first child for the unit
+    for rx, fetches in plan.assignments.items():
+        for a in fetches:
+            if a.parent in gone:
+                heirs.setdefault((a.parent, (a.block, a.chunks)), rx)
 
-    def above(parent: str, unit: tuple[int, Chunks]) -> str:
-        seen = set()
-        while parent in up and parent not in seen and unit in up[parent]:
+    def slot(rx: str, a: Fetch[str]) -> str:
+        # Up through gone parents only while each was its own parent's first child: one heir per slot.
+        node, parent, unit, seen = rx, a.parent, (a.block, a.chunks), set()
+        while parent in up and parent not in seen and unit in up[parent] and heirs[parent, unit] == node:
             seen.add(parent)
-            parent = up[parent][unit]
+            node, parent = parent, up[parent][unit]
         return parent
 
-    assignments = {rx: [a if a.parent not in gone else Fetch(a.block, above(a.parent, (a.block, a.chunks)), a.chunks)
-                        for a in fetches] if rx not in gone else list(fetches)
+    assignments = {rx: [a if a.parent not in gone else Fetch(a.block, slot(rx, a), a.chunks) for a in fetches]
+                   if rx not in gone else list(fetches)
                    for rx, fetches in plan.assignments.items()}
     return Plan(plan.strategy, plan.sources, assignments, dict(plan.held))
 
@@ -415,12 +425,14 @@ def repair(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
            labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
            parts: Mapping[str, Part] | None = None, leaves: Collection[str] = ()) -> tuple[Plan, set[str] | None]:
     """``plan`` without the ``dead``, as the control plane repairs it; with the nodes whose parts changed
-    (None: any may have). In a plan of up to :data:`INLINE_REPLAN_MAX_RECEIVERS` receivers the dead nodes'
-    children take the slots they leave (:func:`splice`, their parents' for the units they fetched: no sender
-    gets a second child); a larger one is repaired in place (:func:`repair_deaths`: their children go to holders
-    of the block, or to a source; ``parts``, the plan's, make that faster); a dead source means a re-plan from
-    the ``sources`` left (:func:`replan`) in a plan of up to that size, a repair in place beyond. ``leaves``
-    (demoted stragglers) get no children in a re-plan (:func:`replan`)."""
+    (None: any may have). In a plan of up to :data:`INLINE_REPLAN_MAX_RECEIVERS` receivers each dead node's
+    first child per unit takes the slot it leaves (:func:`splice`, its parent's for the unit), its other children
+    go to senders with a free slot for the unit (no sender gets more children for a unit than the plan gives
+    any: :func:`unit_fanout`; in a chain, no sender gets a second child); a larger one is repaired in place
+    (:func:`repair_deaths`: their children go to holders of the block, or to a source; ``parts``, the plan's,
+    make that faster); a dead source means a re-plan from the ``sources`` left (:func:`replan`) in a plan of up
+    to that size, a repair in place beyond. ``leaves`` (demoted stragglers) get no children in a re-plan
+    (:func:`replan`)."""
     dead = set(dead)
     if len(plan.assignments) <= INLINE_REPLAN_MAX_RECEIVERS:
         if dead & set(plan.sources):
@@ -435,8 +447,9 @@ def repair(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
 
 
 def unit_fanout(plan: Plan) -> int:
-    """The most children a receiver of ``plan`` sends one unit to (1 in a chain or a binomial pipeline, the
-    tree's fanout in a tree; at least 1): the slots a re-plan may give a parent that lost a child."""
+    """The most children a receiver of ``plan`` sends one unit to (1 in a chain, the tree's fanout in a tree,
+    d - 1 in a binomial pipeline of a d-cube: a slot forwards a unit across several dimensions; at least 1): the
+    slots a re-plan may give a parent that lost a child."""
     counts: dict[tuple[str, int, Chunks], int] = {}
     sources = set(plan.sources)
     for fetches in plan.assignments.values():

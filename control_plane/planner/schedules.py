@@ -153,7 +153,9 @@ def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], n
     rack = rack_of(labels)
     split = _Splitter(chunk_counts, units)
     if strategy == "rotated":
-        slots = [s for s in sources for _ in range((source_links or {}).get(s, 1))]
+        # Only the first len(receivers) groups get anyone: a slot per link past them would cost time and memory.
+        slots = list(itertools.islice((s for s in sources for _ in range((source_links or {}).get(s, 1))),
+                                      max(1, len(receivers))))
         return Plan(strategy, sources, _rotated(slots, receivers, num_blocks, rack, block_bytes, split, in_flight))
     if strategy == "binomial":
         out: dict[str, list[Fetch[str]]] = {}

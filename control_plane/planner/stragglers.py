@@ -8,9 +8,9 @@ children of a straggler are not stragglers); for a parent that holds the package
 receiver's declared link rate, or with no declared rate the fastest receiver's. It is judged only while that
 reference is at least ``factor`` x what it could get (its declared rate, else the fastest receiver's): behind
 a stalled or dead relay everyone is slow, and the repair, not a demotion, is the cure. Only a receiver that
-serves others is demoted (a slow leaf slows no one): its children take the slots it leaves and it fetches
-what it misses last, from nodes whose uplinks have room (in a chain the tail), so everyone but the
-straggler runs at the link rate.
+serves others is demoted (a slow leaf slows no one): its first child per unit takes the slot it leaves, the
+others go to nodes with a free slot, and it fetches what it misses last, from nodes whose uplinks have room (in
+a chain the tail), so everyone but the straggler runs at the link rate.
 
 A straggler at the head of a plan whose nodes declare no link rate is not found: every node behind it is as
 slow, so nothing tells its rate from the link's.
@@ -18,6 +18,7 @@ slow, so nothing tells its rate from the link's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -40,8 +41,8 @@ class StragglerPolicy:
     def __post_init__(self) -> None:
         if not 0 <= self.factor < 1:
             raise ValueError(f"straggler factor must be within [0, 1), got {self.factor!r}")
-        if self.window_s <= 0:
-            raise ValueError(f"straggler window must be positive, got {self.window_s!r}")
+        if not 0 < self.window_s < math.inf:  # an infinite window (or NaN) would never measure a rate
+            raise ValueError(f"straggler window must be positive and finite, got {self.window_s!r}")
 
     @property
     def enabled(self) -> bool:
@@ -107,12 +108,12 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
 def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[int]], sources: Sequence[str],
            num_blocks: int, labels: Mapping[str, Mapping[str, str]] | None = None,
            demoted: Collection[str] = ()) -> Plan:
-    """``plan`` with the ``slow`` receivers out of the middle: their children fetch what they still miss from
-    the nodes the slow ones fetched it from (:func:`splice`), else from other nodes with a free slot for the
-    unit (no sender gets more children for a unit than the plan gives any: :func:`unit_fanout`), and the slow
-    ones fetch what they miss (in the plan's own units) last, each from a node with a free slot for the unit
-    (or a source), so that none of them, nor any of the plan's receivers ``demoted`` earlier, is anyone's
-    parent. ``held``: verified blocks per node."""
+    """``plan`` with the ``slow`` receivers out of the middle: their first children per unit fetch it from the
+    nodes the slow ones fetched it from (:func:`splice`), their other children from other nodes with a free
+    slot for the unit (no sender gets more children for a unit than the plan gives any: :func:`unit_fanout`),
+    and the slow ones fetch what they miss (in the plan's own units) last, each from a node with a free slot
+    for the unit (or a source), so that none of them, nor any of the plan's receivers ``demoted`` earlier, is
+    anyone's parent. ``held``: verified blocks per node."""
     slow = set(slow)
     others = {node: blocks for node, blocks in held.items() if node not in slow}
     fanout = unit_fanout(plan)

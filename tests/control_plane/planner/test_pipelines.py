@@ -216,3 +216,8 @@ def test_bad_inputs_are_refused_naming_them():
         form_pipelines(layout, {}, max_stages=1)
     with pytest.raises(PlanError, match="block 1 holds layers 3-3, expected a range starting at layer 1"):
         ModelLayout((range(0, 1), range(3, 4)))
+    # Found in review: an empty block was taken, and a node missing only it was in no pipeline.
+    for blocks, index in (((range(0, 3), range(3, 3), range(3, 6)), 1), ((range(0, 0),), 0)):
+        with pytest.raises(PlanError) as err:
+            ModelLayout(blocks)
+        assert str(err.value) == f"ModelLayout: block {index} holds no layer"

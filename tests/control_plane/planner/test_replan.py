@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.planner.replan import drop_held, parts_of, repair, repair_deaths, replan, reroute
+from control_plane.planner.replan import (
+    INLINE_REPLAN_MAX_RECEIVERS, drop_held, parts_of, repair, repair_deaths, replan, reroute)
 from control_plane.planner.plan import STRATEGIES, Fetch, Plan, PlanError
 from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import simulate
@@ -240,6 +241,9 @@ def test_a_receiver_that_became_a_source_leaves_the_plan():
     ({"joined": ["a"], "num_blocks": 2}, "replan: joined node 'a' is already a receiver, a source or dead"),
     ({"joined": ["j", "j"], "num_blocks": 2}, "replan: a joined node is listed twice"),
     ({"joined": ["j"]}, "replan: joined receivers need num_blocks (a positive integer), got None"),
+    # Found in review: these came back as plans that do not validate.
+    ({"sources": ["store", "store"]}, "replan: source 'store' is listed twice"),
+    ({"sources": [""]}, "replan: source id must be a non-empty string, got ''"),
 ])
 def test_replan_rejects_bad_requests(kwargs, message):
     plan = make_plan("chain", ["store"], ["a", "b"], 2)
@@ -247,6 +251,20 @@ def test_replan_rejects_bad_requests(kwargs, message):
     with pytest.raises(PlanError) as err:
         replan(plan, **args)
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("receivers, where", [(3, "replan"), (INLINE_REPLAN_MAX_RECEIVERS + 1, "repair_deaths")])
+def test_a_repair_refuses_sources_listed_twice_or_empty(receivers, where):
+    """Found in review: the repairs took their sources unchecked and returned plans that do not validate."""
+    receivers = [f"w{i}" for i in range(receivers)]
+    plan = make_plan("chain", ["store"], receivers, 3)
+    for sources, message in ((["store", "store"], "source 'store' is listed twice"),
+                             (["store", ""], "source id must be a non-empty string, got ''")):
+        with pytest.raises(PlanError) as err:
+            repair(plan, dead={receivers[1]}, held={}, sources=sources)
+        assert str(err.value) == f"{where}: {message}"
+    with pytest.raises(PlanError, match="repair_deaths: source 'store' is listed twice"):
+        repair_deaths(plan, dead=(), held={}, sources=["store", "store"])
 
 
 def test_a_store_rotated_over_its_links_is_repaired_when_a_receiver_dies():
@@ -319,6 +337,22 @@ def test_splice_hands_a_gone_nodes_children_to_its_own_parents_unit_by_unit():
     held = Plan("chain", ("s",), {"b": [Fetch(1, "s")], "c": [Fetch(0, "b"), Fetch(1, "b")]}, {"b": (0,)})
     assert [(f.block, f.parent) for f in splice(held, {"b"}).assignments["c"]] == [(0, "b"), (1, "s")]
     assert unit_fanout(chain) == 1 and unit_fanout(make_plan("tree", ["s"], list("abcdefg"), 2, fanout=2)) == 2
+
+
+def test_a_dead_relays_first_child_takes_its_slot_and_no_sender_gains_children_repair_after_repair():
+    """Found in review: every child of a dead relay moved to its parent, and each later repair allowed the grown
+    plan's fanout, so a tree of fanout 2 got a node serving 3, then 4 children per unit."""
+    from control_plane.planner.replan import unit_fanout
+
+    plan = make_plan("tree", ["s"], [f"r{i}" for i in range(14)], 2, fanout=2)
+    assert plan.children("r0", 0) == ["r2", "r3"] and plan.children("r2", 0) == ["r6", "r7"]
+    once, _ = repair(plan, dead={"r2"}, held={}, sources=["s"])
+    assert once.children("r0", 0) == ["r3", "r6"]  # r6 takes r2's slot; r7 goes to a node with a free one
+    twice, _ = repair(once, dead={"r3"}, held={}, sources=["s"])
+    for new in (once, twice):
+        new.validate()
+        assert unit_fanout(new) <= unit_fanout(plan) == 2
+        assert set(simulate(new, 2, 1, 1)) == set(new.assignments)  # every receiver finishes
 
 
 def test_a_receiver_picked_as_a_source_stops_fetching_and_the_repaired_plan_loads_back():

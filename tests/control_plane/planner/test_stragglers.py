@@ -6,7 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from control_plane.planner.plan import Plan
+from control_plane.planner.replan import unit_fanout
 from control_plane.planner.schedules import make_plan
+from control_plane.planner.simulate import simulate
 from control_plane.planner.stragglers import (
     StragglerPolicy, demote, find_stragglers, receive_rate, unit_layout)
 
@@ -30,8 +32,12 @@ def test_receive_rate_needs_a_full_window_of_recent_samples():
 def test_policy_rejects_bad_values():
     with pytest.raises(ValueError, match="straggler factor must be within"):
         StragglerPolicy(factor=1.0)
-    with pytest.raises(ValueError, match="straggler window must be positive"):
+    with pytest.raises(ValueError, match="straggler window must be positive and finite, got 0"):
         StragglerPolicy(window_s=0)
+    # Found in review: these passed and silently turned detection off (no rate is ever measured over them).
+    for window in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"straggler window must be positive and finite, got {window}"):
+            StragglerPolicy(window_s=window)
     assert not StragglerPolicy(factor=0).enabled
 
 
@@ -114,6 +120,17 @@ def test_demoting_a_chain_relay_puts_its_child_behind_its_parent_and_it_at_the_t
     assert parents["w3"] == {"w6"}  # the tail, whose uplink was idle
     assert not any(a.parent == "w3" for fetches in new.assignments.values() for a in fetches)
     assert [a.block for a in new.assignments["w1"]] == [1, 2, 3]
+
+
+def test_demoting_a_tree_relay_gives_no_sender_more_children_than_the_plans_fanout():
+    """Found in review: every child of the straggler moved to its parent, which then served 3 per unit in a
+    tree of fanout 2 (demote promises unit_fanout)."""
+    plan = make_plan("tree", ["store"], [f"r{i}" for i in range(14)], 2, fanout=2)
+    new = demote(plan, {"r2"}, held={}, sources=["store"], num_blocks=2)
+    new.validate()
+    assert new.children("r0", 0) == ["r3", "r6"]  # r6 takes r2's slot; r7 goes to a node with a free one
+    assert unit_fanout(new) <= unit_fanout(plan) == 2
+    assert set(simulate(new, 2, 1, 1)) == set(new.assignments)  # every receiver finishes
 
 
 def test_stragglers_demoted_together_or_one_after_another_are_nobodys_parents():
