@@ -30,11 +30,12 @@ from subprocess import PIPE, Popen, TimeoutExpired
 from benchmarks.cluster import EmulatedCluster
 from benchmarks.coldstart import client_argv, write_start_file
 from benchmarks.cpu import CpuSampler
-from benchmarks.demo_model import MODEL_NAME, demo_checkpoint, demo_gguf
+from benchmarks.demo_model import MODEL_NAME, check_demo_output, demo_checkpoint, demo_gguf
 from benchmarks.processes import POLL_S, RunProcesses, cli, credentials_env, endpoint, stop_processes
 from packager.command import format_table
-from packager.manifest import read_manifest
-from packager.pack import pack
+from packager.errors import PackageError
+from packager.manifest import MANIFEST_FILE, read_manifest
+from packager.pack import check_output_parent, pack
 from packager.verify import verify_package
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
 from pipecast.core.errors import PipecastError
@@ -75,10 +76,11 @@ def _step(message: str) -> None:
 
 def prepare_package(cache: Path) -> Path:
     """Convert (once), pack and verify the demo model; print the package's table; return the package."""
+    out = cache / "packages" / MODEL_NAME
+    check_demo_output(out, MANIFEST_FILE)  # before the conversion
     _step(f"demo model: {demo_gguf()}")
     ckpt = demo_checkpoint(cache)
     _step(f"safetensors checkpoint: {ckpt}")
-    out = cache / "packages" / MODEL_NAME
     start = time.perf_counter()
     manifest = pack(ckpt, out, model_name=MODEL_NAME, overwrite=True,
                     progress=Progress(lambda line: print(f"    {line}", flush=True)))
@@ -332,9 +334,20 @@ def cold_start(package: Path, logs: Path, mode: str) -> None:
               f"longer)", flush=True)
 
 
+def _cache_folder(value: str) -> Path:
+    """``--cache``: a folder, or a path one can be made at; refused at once otherwise (a file there failed deep in
+    the conversion, NotADirectoryError)."""
+    cache = Path(value)
+    try:
+        check_output_parent(cache / "demo")  # every output of the demo is in a subfolder of the cache
+    except PackageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return cache
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cache", type=Path, default=Path(".cache/pipecast"),
+    parser.add_argument("--cache", type=_cache_folder, default=".cache/pipecast",
                         help="where the converted model, the package and the demo's logs are kept")
     parser.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto",
                         help="emulated cluster: network namespaces with tc, or loopback with app-level rate limits")

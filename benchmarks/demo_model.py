@@ -10,7 +10,7 @@ from pathlib import Path
 
 from packager.errors import PackageError
 from packager.gguf_convert import convert_gguf
-from packager.manifest import read_manifest
+from packager.manifest import MANIFEST_FILE, read_manifest
 from packager.pack import pack
 from pipecast.core.units import DEFAULT_CHUNK_BYTES
 
@@ -33,12 +33,22 @@ def demo_gguf() -> Path:
     raise PackageError(f"{DISTRIBUTION} is installed but holds no .gguf file")
 
 
+def check_demo_output(out: Path, marker: str) -> None:
+    """Refuse a non-empty folder ``out`` without ``marker``: not one the demo made (it writes atomically), so not
+    one it may replace. The demo writes with overwrite and has no --force: the refusal names the folder to delete
+    (check_replaceable's would name --force)."""
+    if out.is_dir() and not out.is_symlink() and not (out / marker).is_file() and any(out.iterdir()):
+        raise PackageError(f"{out}: holds files but no {marker}, so the demo did not make it and will not replace "
+                           "it: delete that folder, or use another cache folder")
+
+
 def demo_checkpoint(cache: Path) -> Path:
     """The safetensors checkpoint of the demo model, converted on first use."""
     out = Path(cache) / "checkpoints" / MODEL_NAME
     if not (out / "config.json").is_file():
+        check_demo_output(out, "config.json")
         logger.warning("converting %s to safetensors once (about 20 s); cached in %s", MODEL_NAME, out)
-        convert_gguf(demo_gguf(), out, overwrite=True)  # a folder without config.json is a failed conversion
+        convert_gguf(demo_gguf(), out, overwrite=True)  # overwrite: a file or an empty folder there goes
     return out
 
 
@@ -49,7 +59,7 @@ def demo_package(cache: Path, *, chunk_bytes: int | None = None) -> Path:
         read_manifest(out)
         return out
     except PackageError:
-        pass
+        check_demo_output(out, MANIFEST_FILE)
     pack(demo_checkpoint(cache), out, model_name=MODEL_NAME, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
          overwrite=True)
     return out

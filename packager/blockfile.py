@@ -6,17 +6,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from packager.safetensors_format import Header, parse_header
+from packager.errors import SafetensorsFormatError
+from packager.safetensors_format import TORCH_DTYPES, Header, parse_header, torch_view_problem
 
 if TYPE_CHECKING:
     import torch
-
-_TORCH_DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
-    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64",
-    "U64": "uint64", "F64": "float64", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn",
-    "F8_E8M0": "float8_e8m0fnu",
-}
 
 
 def buffer_header(buf: bytes | bytearray | memoryview | mmap.mmap, where: Path | str = "buffer") -> Header:
@@ -41,9 +35,10 @@ def tensors_from_buffer(buf: bytes | bytearray | memoryview | mmap.mmap, where: 
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         for name in header.tensors if names is None else names:
             info = header.tensors[name]
-            if info.dtype not in _TORCH_DTYPES:
-                raise TypeError(f"{where}: tensor {name!r} has dtype {info.dtype}, which torch cannot view")
-            dtype = getattr(torch, _TORCH_DTYPES[info.dtype])
+            problem = torch_view_problem(name, info.dtype)
+            if problem:  # a block of another packer, or of a pack before it refused such tensors
+                raise SafetensorsFormatError(where, problem)
+            dtype = getattr(torch, TORCH_DTYPES[info.dtype])
             if info.nbytes == 0:
                 out[name] = torch.empty(info.shape, dtype=dtype)
                 continue

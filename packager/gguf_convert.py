@@ -7,12 +7,13 @@ to a dense model, which is saved once as a Hugging Face safetensors checkpoint t
 import functools
 import logging
 import struct
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from packager.errors import CheckpointError, PackageError
-from packager.pack import check_output_spares_source, check_replaceable
+from packager.pack import check_output_parent, check_output_spares_source, check_replaceable
 from pipecast.core.fsutil import atomic_directory
 from pipecast.core.progress import NO_PROGRESS, Progress
 
@@ -39,26 +40,50 @@ def _without_transformers_bars() -> Iterator[None]:
             transformers_logging.enable_progress_bar()
 
 
+@contextmanager
+def _gguf_alone(gguf: Path) -> Iterator[str]:
+    """A private folder holding only a symlink to ``gguf``, to load from: loaded from the GGUF's own folder,
+    transformers takes a tokenizer.json lying beside it over the GGUF's own vocabulary."""
+    with tempfile.TemporaryDirectory(prefix="pipecast-gguf-") as folder:
+        (Path(folder) / gguf.name).symlink_to(gguf.resolve())
+        yield folder
+
+
+def _check_loaded(gguf: Path, info: dict) -> None:
+    """Refuse a model transformers completed itself: a weight the GGUF lacks, or one whose shape its metadata
+    contradicts, is filled with random values and only warned about. (A tied weight, lm_head with
+    tie_word_embeddings, is not listed as missing: it is the embedding.)"""
+    if info["missing_keys"]:
+        raise CheckpointError(f"{gguf}: lacks tensors the model needs: {', '.join(sorted(info['missing_keys']))}")
+    if info["mismatched_keys"]:
+        shapes = ", ".join(f"{name} is {tuple(got)}, its metadata makes it {tuple(want)}"
+                           for name, got, want in sorted(info["mismatched_keys"]))
+        raise CheckpointError(f"{gguf}: tensor shapes do not match its metadata: {shapes}")
+
+
 def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: bool = False,
                  progress: Progress = NO_PROGRESS) -> Path:
     """Dequantize ``gguf`` into the checkpoint folder ``out`` (written atomically); return ``out``.
 
     An existing ``out`` is replaced only with ``overwrite`` (``--force``), and only if it is a checkpoint folder
     (it holds config.json), an empty folder, a file or a symlink: otherwise :class:`PackageError`, as for an
-    ``out`` whose replacement would delete ``gguf`` (its folder, or the file itself).
+    ``out`` whose replacement would delete ``gguf`` (its folder, or the file itself), or one under a file.
+    A GGUF the model cannot be whole from (a tensor missing, a shape its metadata contradicts, a quantization type
+    gguf cannot dequantize) is a :class:`CheckpointError`, and leaves no ``out``.
     ``progress`` gets a bar over the three steps: tokenizer, dequantize, save.
     """
     gguf, out = Path(gguf), Path(out)
     if not gguf.is_file():
         raise CheckpointError(f"{gguf}: no such GGUF file")
     check_replaceable(out, overwrite=overwrite, marker="config.json", what="a checkpoint folder")
+    check_output_parent(out)
     # --force moves OUT aside and deletes it: OUT the GGUF's own folder would take the GGUF with it
     check_output_spares_source(out, gguf, [gguf], "the GGUF file being converted")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    with _without_transformers_bars(), atomic_directory(out, overwrite=overwrite) as tmp:
-        folder, name = str(gguf.parent), gguf.name
+    with _without_transformers_bars(), _gguf_alone(gguf) as folder, atomic_directory(out, overwrite=overwrite) as tmp:
+        name = gguf.name
         logger.info("dequantizing %s to %s", gguf, dtype)
         progress.start(3, f"convert {name}", unit="step")
         try:
@@ -66,16 +91,22 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             progress.advance()
             progress.status(f"dequantize to {dtype}")
-            model = AutoModelForCausalLM.from_pretrained(
+            # ignore_mismatched_sizes: a shape mismatch comes back in the loading info (checked below), where
+            # it is named, instead of a RuntimeError pointing at transformers' log
+            model, info = AutoModelForCausalLM.from_pretrained(
                 folder, gguf_file=name, dtype=getattr(torch, dtype),
-                quantization_config=GgufConfig(gguf_file=name, dequantize=True))
+                quantization_config=GgufConfig(gguf_file=name, dequantize=True), ignore_mismatched_sizes=True,
+                output_loading_info=True)
         except ImportError as exc:  # transformers reads GGUF with the gguf package
             raise PackageError(f"convert-gguf needs the extra 'convert' (pip install 'pipecast[convert]'): "
                                f"{exc}") from None
+        except NotImplementedError as exc:  # gguf has no dequantizer for some types (Q8_1, Q8_K, ...)
+            raise CheckpointError(f"{gguf}: uses a quantization type gguf cannot dequantize ({exc})") from None
         except (ValueError, KeyError, OSError) as exc:  # not GGUF, or an architecture transformers cannot read
             raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
         except (struct.error, IndexError, EOFError) as exc:  # gguf's reader ran past the end of the file
             raise CheckpointError(f"{gguf}: truncated or not a GGUF file ({exc})") from None
+        _check_loaded(gguf, info)
         progress.advance()
         progress.status("save")
         model.save_pretrained(tmp)

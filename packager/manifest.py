@@ -23,12 +23,15 @@ deeply nested, duplicate keys, numbers out of range, not an object: :mod:`pipeca
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
+from typing import NoReturn
 
 from google.protobuf import json_format
 
 from packager.digest import DIGEST_ALGORITHM, package_id_of_canonical
 from packager.errors import ManifestError
+from packager.safetensors_format import open_regular_file
 from pipecast.core.strictjson import JSONInputError, loads_object
 from pipecast.v1.manifest_pb2 import Manifest
 
@@ -113,7 +116,7 @@ def read_manifest(package_dir: Path) -> Manifest:
     """Read and validate ``package_dir/manifest.json``."""
     path = Path(package_dir) / MANIFEST_FILE
     try:
-        with path.open("rb") as f:
+        with open_regular_file(path, ManifestError) as (f, _):
             text = f.read(MAX_MANIFEST_BYTES + 1)  # no more: a larger one is refused unread
     except OSError as exc:
         raise ManifestError(path, f"cannot read ({exc.strerror})") from None
@@ -133,10 +136,23 @@ def safe_relative_path(path: str) -> bool:
     return not pure.is_absolute() and all(p not in ("..", ".", "") for p in path.split("/"))
 
 
+def _check_entry_path(what: str, path: str, seen: dict[str, str], fail: Callable[[str], NoReturn]) -> None:
+    """Refuse the path of a block or small file (``what`` says which) that escapes the package folder, is the
+    manifest's own (a receiver writing the entry would overwrite its manifest) or is another entry's; add it to
+    ``seen``."""
+    if not safe_relative_path(path):
+        fail(f"{what} escapes the package folder or is not a relative path")
+    if path == MANIFEST_FILE:
+        fail(f"{what} has the manifest's own path")
+    if path in seen:
+        fail(f"{what} is listed twice")
+    seen[path] = what
+
+
 def validate_manifest(m: Manifest, where: Path | str = MANIFEST_FILE) -> None:
     """Check a manifest's internal consistency and that its package id is the digest of the whole manifest;
     raise ManifestError on the first problem."""
-    def fail(problem: str) -> None:
+    def fail(problem: str) -> NoReturn:
         raise ManifestError(where, problem)
 
     if m.format_version == 1:
@@ -148,18 +164,14 @@ def validate_manifest(m: Manifest, where: Path | str = MANIFEST_FILE) -> None:
         fail(f"digest_algorithm {_show(m.digest_algorithm)} is not supported (expected {DIGEST_ALGORITHM!r})")
     if not m.blocks:
         fail("no blocks")
-    seen_paths: set[str] = set()
+    seen_paths: dict[str, str] = {}  # each entry's path: what it is, for a message
     seen_tensors: set[str] = set()
     next_layer = 0
     for i, b in enumerate(m.blocks):
         name = f"block {i}"
         if b.index != i:
             fail(f"{name} has index {b.index}; blocks must be numbered 0..{len(m.blocks) - 1} in order")
-        if not safe_relative_path(b.file):
-            fail(f"{name} file {_show(b.file)} escapes the package folder or is not a relative path")
-        if b.file in seen_paths:
-            fail(f"{name} file {_show(b.file)} is listed twice")
-        seen_paths.add(b.file)
+        _check_entry_path(f"{name} file {_show(b.file)}", b.file, seen_paths, fail)
         if b.layer_start != next_layer or b.layer_end <= b.layer_start:
             fail(f"{name} layer range [{b.layer_start}, {b.layer_end}) does not continue from layer "
                  f"{next_layer}")
@@ -185,13 +197,17 @@ def validate_manifest(m: Manifest, where: Path | str = MANIFEST_FILE) -> None:
     if m.total_bytes != sum(b.bytes for b in m.blocks):
         fail(f"total_bytes {m.total_bytes} is not the sum of the block sizes")
     for f in m.files:
-        if not safe_relative_path(f.path) or f.path == MANIFEST_FILE:
-            fail(f"file {_show(f.path)} escapes the package folder or is not a relative path")
-        if f.path in seen_paths:
-            fail(f"file {_show(f.path)} is listed twice")
-        seen_paths.add(f.path)
+        _check_entry_path(f"file {_show(f.path)}", f.path, seen_paths, fail)
         if not HEX_DIGEST.fullmatch(f.digest):
             fail(f"file {_show(f.path)} has a malformed digest {_show(f.digest)}")
+    # A path under another entry's ('tokenizer.json/x' beside 'tokenizer.json') names a folder that is a file:
+    # no folder can hold both, and a receiver writing one would overwrite or fail on the other.
+    for path, what in seen_paths.items():
+        parts = path.split("/")
+        for end in range(1, len(parts)):
+            folder = seen_paths.get("/".join(parts[:end]))
+            if folder is not None:
+                fail(f"{what} is inside {folder}")
     if m.HasField("source") and not m.source.uri:
         fail("source has no uri")
     if m.package_id != compute_package_id(m):

@@ -13,7 +13,7 @@ from pathlib import Path
 from packager.checkpoint import Checkpoint, SourceTensor, hub_repo_id, open_checkpoint, read_checkpoint_file
 from packager.chunks import ChunkHasher
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
-from packager.errors import CheckpointFileError, PackageError
+from packager.errors import CheckpointError, CheckpointFileError, PackageError
 from packager.layout import HEAD_NAMES, BlockLayout, plan_blocks, stream_order
 from packager.manifest import (
     MANIFEST_FILE,
@@ -23,7 +23,7 @@ from packager.manifest import (
     seal_manifest,
     validate_manifest,
 )
-from packager.safetensors_format import build_header
+from packager.safetensors_format import build_header, torch_view_problem
 from pipecast.core.fsutil import atomic_directory
 from pipecast.core.progress import NO_PROGRESS, Progress
 from pipecast.core.units import DEFAULT_CHUNK_BYTES
@@ -49,6 +49,7 @@ def pack(src: Path, out: Path, *, layers_per_block: int | None = None, block_byt
     check_pack_arguments(out, chunk_bytes=chunk_bytes, overwrite=overwrite)
     ckpt = open_checkpoint(src)
     check_output_spares_source(out, ckpt.root, ckpt.files, "the checkpoint being packed")
+    _check_loadable(ckpt)
     layouts = plan_blocks({n: t.info.nbytes for n, t in ckpt.tensors.items()},
                           num_layers=_config_layers(ckpt.config), layers_per_block=layers_per_block,
                           block_bytes=block_bytes, where=str(src))
@@ -77,7 +78,12 @@ def check_pack_arguments(out: Path, *, chunk_bytes: int, overwrite: bool) -> Non
         raise PackageError(f"chunk size must be between 1 and {MAX_CHUNK_BYTES} bytes (a uint64 in the "
                            f"manifest), got {chunk_bytes}")
     check_replaceable(out, overwrite=overwrite, marker=MANIFEST_FILE, what="a package")
-    # atomic_directory creates the missing parents: the nearest one that is there must be a folder
+    check_output_parent(out)
+
+
+def check_output_parent(out: Path) -> None:
+    """Refuse an ``out`` under something that is not a folder: atomic_directory creates the missing parents, so
+    the nearest one that is there must be a folder (else a raw FileExistsError or NotADirectoryError)."""
     for parent in (out.parent, *out.parent.parents):
         if os.path.lexists(parent):
             if not parent.is_dir():
@@ -86,9 +92,14 @@ def check_pack_arguments(out: Path, *, chunk_bytes: int, overwrite: bool) -> Non
 
 
 def check_replaceable(out: Path, *, overwrite: bool, marker: str, what: str) -> None:
-    """Refuse an existing ``out`` without ``overwrite`` (``--force``), and with it a non-empty folder that does
-    not hold ``marker``, the file that makes it ``what`` the command writes: ``--force`` deletes the ``out``
-    it replaces, which must not be a folder of something else (other models, say)."""
+    """Refuse an ``out`` that is the current folder or one holding it (``.``, ``..``, their paths) or whose path
+    ends in ``..``: it cannot be renamed into place (EBUSY, once all the work is done). Refuse an existing ``out``
+    without ``overwrite`` (``--force``), and with it a non-empty folder that does not hold ``marker``, the file
+    that makes it ``what`` the command writes: ``--force`` deletes the ``out`` it replaces, which must not be a
+    folder of something else (other models, say)."""
+    if out.name == ".." or _holds_current_folder(out):
+        raise PackageError(f"{out}: refused as the output: the current folder, a folder holding it and a path "
+                           "ending in '..' cannot be replaced; name the output by a path of its own (such as ../NAME)")
     # lexists: a dangling symlink is there too, and atomic_directory would find it only at the end
     if not os.path.lexists(out):
         return
@@ -114,10 +125,8 @@ def check_output_spares_source(out: Path, root: Path, files: Iterable[Path], wha
     is created, so a package in a subfolder (or a repack of it) harms nothing."""
     if not os.path.lexists(out):
         return
+    replaced = _replaced(out)
     try:
-        # atomic_directory moves ``out`` itself aside (a symlink too), but a symlink leading to the source
-        # is refused as well: whoever passed it meant the source
-        replaced = (out.parent.resolve() / out.name, out.resolve())
         kept = {root.resolve()}
         for path in files:
             kept |= {path.parent.resolve() / path.name, path.resolve()}
@@ -126,6 +135,33 @@ def check_output_spares_source(out: Path, root: Path, files: Iterable[Path], wha
     for path in sorted(kept):
         if any(path.is_relative_to(r) for r in replaced):
             raise PackageError(f"{out}: refused as the output: replacing it would delete {what} ({path})")
+
+
+def _replaced(out: Path) -> tuple[Path, Path]:
+    """The paths replacing ``out`` takes away: ``out`` itself, which atomic_directory moves aside (a symlink too),
+    and where it leads, which is refused as well: whoever passed a symlink meant its target."""
+    try:
+        return out.parent.resolve() / out.name, out.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise PackageError(f"{out}: cannot resolve it ({exc})") from None
+
+
+def _holds_current_folder(out: Path) -> bool:
+    """Whether replacing ``out`` would take away the current folder (``out`` is it or holds it)."""
+    try:
+        cwd = Path.cwd()
+    except FileNotFoundError:  # the current folder was removed: there is none to take away
+        return False
+    return any(cwd.is_relative_to(path) for path in _replaced(out))
+
+
+def _check_loadable(ckpt: Checkpoint) -> None:
+    """Refuse, before any block is written, a tensor whose dtype no reader can load (torch cannot view it): the
+    package would pack and verify, then fail on every node that loads it."""
+    for name, tensor in ckpt.tensors.items():
+        problem = torch_view_problem(name, tensor.info.dtype)
+        if problem:
+            raise CheckpointError(f"{tensor.path}: {problem}, so pipecast cannot load it")
 
 
 def _check_manifest_size(src: Path, ckpt: Checkpoint, layouts: list[BlockLayout], chunk_bytes: int,

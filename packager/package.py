@@ -1,16 +1,15 @@
 """A block package on disk, as the runtime uses it: validated manifest, layer ranges, zero-copy blocks."""
 
 import mmap
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from packager.blockfile import buffer_header, map_file, tensors_from_buffer
-from packager.chunks import ChunkHasher
 from packager.digest import digest_bytes, whole_digest
 from packager.errors import BlockMismatchError, PackageError, PackageFileError
 from packager.manifest import read_manifest
+from packager.safetensors_format import Header, open_regular_file
 from pipecast.core.strictjson import JSONInputError, loads_object
 from pipecast.v1.manifest_pb2 import Block, Manifest
 
@@ -53,8 +52,9 @@ class Package:
 
     def read_config(self, *, verify: bool = True) -> dict:
         """The model's config.json; :class:`PackageFileError` if it cannot be read, is not a JSON object, or
-        (with ``verify``) differs from its manifest entry: an edited config.json (say its rope_theta) would
-        load the right weights into the wrong model, wrong logits and no error."""
+        differs from its manifest entry (:meth:`small_file`: its size, and with ``verify`` its digest): an edited
+        config.json (say its rope_theta) would load the right weights into the wrong model, wrong logits and no
+        error."""
         path = self.root / CONFIG_FILE
         try:
             data = self.small_file(CONFIG_FILE, verify=verify)
@@ -82,27 +82,30 @@ class Package:
     def small_file(self, path: str, *, verify: bool = False) -> bytes | None:
         """The bytes of ``path``, a small file the manifest lists; None if the manifest lists no such file.
 
-        Without ``verify``, as they are on disk (``FileNotFoundError`` if it is not there). With ``verify``,
-        checked against the manifest entry's size and digest: :class:`PackageFileError` if they differ or
-        the file cannot be read.
+        Either way it must be a regular file of the manifest entry's size (:class:`PackageFileError`), of which
+        no more is read: a FIFO would hang the read, /dev/zero behind a symlink would fill the memory. Without
+        ``verify`` an OSError goes to the caller (``FileNotFoundError``: it is not there). With ``verify``, its
+        digest is checked against the entry's too, and a file that cannot be read is a PackageFileError.
         """
         entry = next((f for f in self.manifest.files if f.path == path), None)
         if entry is None:
             return None
-        if not verify:
-            return (self.root / path).read_bytes()
+        file = self.root / path
         try:
-            with open(self.root / path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                # at most the manifest's size plus one byte: a file that grew meanwhile is told apart, not read whole
-                data = f.read(entry.bytes + 1) if size == entry.bytes else b""
+            with open_regular_file(file, PackageFileError) as (f, size):
+                if size != entry.bytes:
+                    raise PackageFileError(file, f"disagrees with the manifest: size is {size} bytes, the manifest "
+                                                 f"says {entry.bytes}")
+                # one byte more than the manifest's size: a file that grew meanwhile is told apart, not read whole
+                data = f.read(entry.bytes + 1)
         except OSError as exc:
-            raise PackageFileError(self.root / path, f"cannot read it ({exc.strerror})") from None
-        if size != entry.bytes:
-            raise PackageFileError(self.root / path, f"disagrees with the manifest: size is {size} bytes, the "
-                                                     f"manifest says {entry.bytes}")
-        if len(data) != entry.bytes or digest_bytes(data) != entry.digest:
-            raise PackageFileError(self.root / path, "disagrees with the manifest: digest mismatch")
+            if not verify:
+                raise
+            raise PackageFileError(file, f"cannot read it ({exc.strerror})") from None
+        if len(data) != entry.bytes:
+            raise PackageFileError(file, "changed while it was read")
+        if verify and digest_bytes(data) != entry.digest:
+            raise PackageFileError(file, "disagrees with the manifest: digest mismatch")
         return data
 
     def layer_range(self, index: int) -> range:
@@ -159,31 +162,40 @@ def parse_config(data: bytes, where: Path | str) -> dict:
 def block_tensors_of(block: Block, buf: bytes | bytearray | memoryview | mmap.mmap,
                      where: Path | str) -> dict[str, "torch.Tensor"]:
     """The tensors of ``block`` held in ``buf`` (its bytes, verified by the caller) as zero-copy views, once
-    the header's tensor names are checked against the manifest's (:class:`BlockMismatchError` naming
-    ``where`` otherwise)."""
+    its header is checked (:func:`block_header`)."""
+    return tensors_from_buffer(buf, where, block_header(block, buf, where))
+
+
+def block_header(block: Block, buf: bytes | bytearray | memoryview | mmap.mmap, where: Path | str) -> Header:
+    """The safetensors header of ``block``'s bytes in ``buf``, once its tensor names are checked against the
+    manifest's: :class:`BlockMismatchError` naming ``where`` otherwise (SafetensorsFormatError for a header that
+    is not one)."""
     header = buffer_header(buf, where)
     expected = set(block.tensor_names)
     if set(header.tensors) != expected:
         raise BlockMismatchError(where, f"holds tensors {sorted(set(header.tensors) ^ expected)} "
                                         "that differ from the manifest")
-    return tensors_from_buffer(buf, where, header)
+    return header
 
 
-def check_block_bytes(block: Block, data: bytes | bytearray | memoryview | mmap.mmap) -> list[str]:
-    """Problems of a block's bytes against its manifest entry (empty if it matches exactly)."""
+def check_block_bytes(block: Block, data: bytes | bytearray | memoryview | mmap.mmap, *,
+                      every_chunk: bool = False) -> list[str]:
+    """Problems of a block's bytes against its manifest entry (empty if it matches exactly).
+
+    A load checks the block digest alone, in one pass on every core (a GPU node reads blocks faster than one core
+    hashes them), and the chunk digests only to name what is wrong in a bad block. ``every_chunk`` (``pipecast
+    verify``) checks every chunk digest too: a manifest may hold a block digest that matches and a chunk digest
+    that does not, which agents, verifying chunk by chunk, refuse.
+    """
     view = memoryview(data)
     if len(view) != block.bytes:
         return [f"size is {len(view)} bytes, the manifest says {block.bytes}"]
-    # One pass on every core for a good block (a GPU node reads blocks faster than one core hashes them);
-    # the chunk digests, a second pass, only name what is wrong in a bad one.
-    if whole_digest(view) == block.digest:
+    whole_matches = whole_digest(view) == block.digest
+    if whole_matches and not every_chunk:
         return []
-    hasher = ChunkHasher(block.chunk_bytes)
-    hasher.update(view)
-    digest = hasher.finish()  # first: it closes the last, partial chunk, which is then checked too
-    problems = [f"chunk {i} digest mismatch (bytes {i * block.chunk_bytes}-"
-                f"{min((i + 1) * block.chunk_bytes, block.bytes) - 1})"
-                for i, (got, want) in enumerate(zip(hasher.chunk_digests, block.chunk_digests)) if got != want]
-    if digest != block.digest:
+    size = block.chunk_bytes
+    problems = [f"chunk {i} digest mismatch (bytes {i * size}-{min((i + 1) * size, block.bytes) - 1})"
+                for i, want in enumerate(block.chunk_digests) if digest_bytes(view[i * size:(i + 1) * size]) != want]
+    if not whole_matches:
         problems.append("block digest mismatch")
     return problems

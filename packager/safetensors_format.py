@@ -12,21 +12,29 @@ import math
 import os
 import stat
 import struct
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from packager.errors import SafetensorsFormatError
+from packager.errors import PackageError, SafetensorsFormatError
 from pipecast.core.strictjson import JSONInputError, describe
 from pipecast.core.strictjson import loads as strict_loads
 
 MAX_HEADER_BYTES = 100_000_000
-# itemsize in bits: sub-byte float formats exist, so sizes are computed in bits.
-DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64,
+# Every safetensors dtype: its itemsize in bits (sub-byte float formats exist, so sizes are computed in bits) and
+# the torch dtype a reader views it as, None where torch has none (no reader loads such a tensor: pack refuses it).
+# Names, not torch objects: importing torch takes seconds, and the packager reads headers without it.
+_DTYPES: dict[str, tuple[int, str | None]] = {
+    "BOOL": (8, "bool"), "U8": (8, "uint8"), "I8": (8, "int8"), "F8_E5M2": (8, "float8_e5m2"),
+    "F8_E4M3": (8, "float8_e4m3fn"), "F8_E8M0": (8, "float8_e8m0fnu"), "F4": (4, None),
+    "I16": (16, "int16"), "U16": (16, "uint16"), "F16": (16, "float16"), "BF16": (16, "bfloat16"),
+    "I32": (32, "int32"), "U32": (32, "uint32"), "F32": (32, "float32"),
+    "I64": (64, "int64"), "U64": (64, "uint64"), "F64": (64, "float64"),
 }
+DTYPE_BITS = {dtype: bits for dtype, (bits, _) in _DTYPES.items()}
+TORCH_DTYPES = {dtype: torch_name for dtype, (_, torch_name) in _DTYPES.items() if torch_name is not None}
 METADATA_KEY = "__metadata__"
 
 
@@ -133,15 +141,27 @@ def _parse_entry(name: str, entry: Any, where: Path | str) -> TensorInfo:
     return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
 
 
+def torch_view_problem(name: str, dtype: str) -> str | None:
+    """Why no reader can load tensor ``name`` of ``dtype`` (torch has no such dtype to view it as); None if one can."""
+    return None if dtype in TORCH_DTYPES else f"tensor {name!r} has dtype {dtype}, which torch cannot view"
+
+
+@contextmanager
+def open_regular_file(path: Path, refuse: Callable[[Path, str], PackageError]) -> Iterator[tuple[BinaryIO, int]]:
+    """``path`` open for reading, with its size, if it is a regular file; else ``refuse(path, "not a regular
+    file")`` is raised before any read. O_NONBLOCK: a FIFO under the name does not hang the open, and neither a
+    FIFO nor a device (/dev/zero behind a symlink, which never ends) is read. An OSError goes to the caller."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise refuse(path, "not a regular file")
+        yield f, st.st_size
+
+
 def read_header(path: Path) -> Header:
     """Read and validate the header of the safetensors file at ``path``."""
     try:
-        # O_NONBLOCK: a FIFO under the name does not hang the open (it is refused just below).
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise SafetensorsFormatError(path, "not a regular file")
-            size = st.st_size
+        with open_regular_file(path, SafetensorsFormatError) as (f, size):
             head = f.read(8)
             if len(head) == 8:
                 (n,) = struct.unpack("<Q", head)

@@ -1,16 +1,14 @@
 """``pipecast verify``: re-hash every block, chunk and small file of a package against its manifest."""
 
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from packager.blockfile import map_file
-from packager.digest import digest_bytes
+from packager.errors import BlockMismatchError, PackageFileError, SafetensorsFormatError
 from packager.manifest import read_manifest
-from packager.package import check_block_bytes
+from packager.package import Package, block_header, check_block_bytes
 from pipecast.core.progress import NO_PROGRESS, Progress
-from pipecast.v1.manifest_pb2 import Block, PackageFile
+from pipecast.v1.manifest_pb2 import Block
 
 
 @dataclass(frozen=True)
@@ -32,6 +30,7 @@ def verify_package(root: Path, progress: Progress = NO_PROGRESS) -> list[Problem
     """
     root = Path(root)
     manifest = read_manifest(root)
+    package = Package(root, manifest)
     progress.start(manifest.total_bytes + sum(f.bytes for f in manifest.files), f"verify {root.name}",
                    byte_units=True)
     problems = []
@@ -39,12 +38,17 @@ def verify_package(root: Path, progress: Progress = NO_PROGRESS) -> list[Problem
         problems += _block_problems(root, block)
         progress.advance(block.bytes)
     for entry in manifest.files:
-        problems += _file_problems(root, entry)
+        try:
+            package.small_file(entry.path, verify=True)
+        except PackageFileError as exc:
+            problems.append(Problem(entry.path, exc.problem))
         progress.advance(entry.bytes)
     return problems
 
 
 def _block_problems(root: Path, block: Block) -> list[Problem]:
+    """What an agent or a load would refuse in ``block``: its size, every chunk digest and the block's, and, once
+    its bytes are the manifest's, its header and tensor names."""
     path = root / block.file
     try:
         size = path.stat().st_size
@@ -54,27 +58,12 @@ def _block_problems(root: Path, block: Block) -> list[Problem]:
         return [Problem(block.file, f"block {block.index}: cannot read ({exc.strerror})")]
     if size != block.bytes:
         return [Problem(block.file, f"block {block.index}: size is {size} bytes, the manifest says {block.bytes}")]
+    where = f"block {block.index}"
     with data:
-        return [Problem(block.file, f"block {block.index}: {m}") for m in check_block_bytes(block, data)]
-
-
-def _file_problems(root: Path, entry: PackageFile) -> list[Problem]:
-    try:
-        # O_NONBLOCK: a FIFO under the name does not hang the open; its kind and size are checked before any read,
-        # so a special file (a FIFO, /dev/zero behind a symlink) is never read at all
-        fd = os.open(root / entry.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        return [Problem(entry.path, f"cannot read ({exc.strerror})")]
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return [Problem(entry.path, "not a regular file")]
-        if st.st_size != entry.bytes:
-            return [Problem(entry.path, f"size is {st.st_size} bytes, the manifest says {entry.bytes}")]
-        try:
-            data = f.read(entry.bytes + 1)
-        except OSError as exc:
-            return [Problem(entry.path, f"cannot read ({exc.strerror})")]
-    if len(data) != entry.bytes or digest_bytes(data) != entry.digest:
-        return [Problem(entry.path, "size or digest differs from the manifest")]
-    return []
+        problems = [f"{where}: {m}" for m in check_block_bytes(block, data, every_chunk=True)]
+        if not problems:  # the bytes are the manifest's; a corrupt block's header would only repeat that
+            try:
+                block_header(block, data, where)
+            except (BlockMismatchError, SafetensorsFormatError) as exc:
+                problems.append(str(exc))
+    return [Problem(block.file, problem) for problem in problems]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from packager.digest import digest_bytes
+from packager.errors import PackageFileError
 from packager.manifest import manifest_to_json, validate_manifest
 from pipecast.agent.budget import MemoryBudget, Reservation
 from pipecast.agent.buffers import BlockBuffer, BufferAllocator
@@ -297,7 +298,7 @@ class BlockStore:
         for entry in self.manifest.files:
             try:
                 data = local.read_file(entry.path)
-            except OSError as exc:
+            except (OSError, PackageFileError) as exc:  # the latter: not a regular file, or of another size
                 problem = f"{local.description}: file {entry.path} cannot be read: {_reason(exc)}"
                 if require_complete:
                     raise LocalPackageError(problem) from exc

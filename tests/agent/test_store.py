@@ -412,6 +412,27 @@ def test_an_unreadable_cached_block_or_file_is_fetched_again_and_fails_a_seed(pa
     assert budget.used_bytes == 0  # every failed open gave its memory back
 
 
+
+def test_a_cached_file_of_another_size_is_fetched_again_and_fails_a_seed(package, tmp_path, caplog):
+    """Found in review: since a package file's reader refuses a file of another size than the manifest's (unread),
+    that typed error escaped BlockStore.open: a cached file one byte too long (a crash mid-write, an edit) kept
+    the package from opening instead of being fetched again."""
+    _, manifest = package
+    cached = _cached_copy(package, tmp_path / "cache")
+    config = cached.root / "config.json"
+    config.write_bytes(config.read_bytes() + b" ")
+    budget = MemoryBudget(1 << 30)
+    store = BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=budget, local=cached)
+    try:
+        assert store.missing_files() == ["config.json"] and store.verified_blocks() == [0, 1, 2]
+        assert "file config.json cannot be read: " in caplog.text and "fetching it again" in caplog.text
+    finally:
+        store.close()
+    with pytest.raises(LocalPackageError, match=rf"^package folder {cached.root}: file config.json cannot be read: "):
+        BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=budget, local=cached,
+                        require_complete=True)
+    assert budget.used_bytes == 0
+
 # -- chunk ranges (issue #16) ------------------------------------------------------------------------------
 
 

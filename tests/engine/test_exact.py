@@ -23,6 +23,7 @@ from pipecast.engine.providers import AgentBlockProvider, PackageFolderProvider
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.weights import EMBED, HEAD, LAYER_STAGES, stage_of
 from tests.support import packages
+from tests.support.packages import rewrite_unsealed
 from tests.support.engine_fixtures import GatedAgent, random_prompt, reference_generate, reference_model, wait_until
 
 CASES = [  # (arch, dtype, config overrides): llama and mistral untied, qwen2 tied with q/k/v biases
@@ -223,7 +224,7 @@ def test_a_package_whose_blocks_do_not_hold_its_configs_model_is_refused_before_
     """Else loading would never complete (parts no block holds) or fail halfway (layers the model lacks)."""
     pkg = tiny_package(arch).path
     config = json.loads((pkg / "config.json").read_text())
-    (pkg / "config.json").write_text(json.dumps({**config, **change}))
+    rewrite_unsealed(pkg / "config.json", json.dumps({**config, **change}))
     with pytest.raises(PackageMismatchError, match=f"^the package from package folder {pkg} does not fit its "
                                                    f"config.json: {problem}$"):
         # verify=False: the edit stands for a package packed so; verified, it is a digest mismatch first

@@ -21,4 +21,6 @@ def fake_transformers(monkeypatch):
         pass
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Model())
+    # as convert_gguf loads it (output_loading_info): with its loading info, no tensor missing or mismatched
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: (Model(), {"missing_keys": set(), "mismatched_keys": set()}))

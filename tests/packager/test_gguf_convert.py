@@ -1,5 +1,7 @@
 """``pipecast convert-gguf GGUF OUT``: ``--force`` never replaces the GGUF file it converts, nor a folder that is
-not a checkpoint; a truncated GGUF file is a typed error; transformers draws no bar of its own."""
+not a checkpoint; a truncated GGUF file, or one the model cannot be whole from, is a typed error; the tokenizer is
+the GGUF's own; transformers draws no bar of its own. And the demo's conversion: its cache, and a folder in it that
+the demo did not make."""
 
 import re
 from pathlib import Path
@@ -12,15 +14,17 @@ from packager.gguf_convert import convert_gguf
 from pipecast.cli import main
 
 
-def tiny_gguf(path: Path) -> Path:
-    """A one-layer Llama GGUF file (hidden 16, byte tokens) of random float32 weights."""
+def tiny_gguf(path: Path, *, without: str = "", metadata_ffn: int = 32, q8_1: str = "") -> Path:
+    """A one-layer Llama GGUF file (hidden 16, byte tokens) of random float32 weights; ``without`` that tensor,
+    ``metadata_ffn`` the feed-forward size its metadata gives (its tensors' is 32), ``q8_1`` that tensor in Q8_1
+    (which gguf cannot dequantize)."""
     gguf = pytest.importorskip("gguf")
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
     writer.add_context_length(32)
     writer.add_embedding_length(16)
-    writer.add_feed_forward_length(32)
+    writer.add_feed_forward_length(metadata_ffn)
     writer.add_head_count(2)
     writer.add_head_count_kv(2)
     writer.add_layer_norm_rms_eps(1e-6)
@@ -35,8 +39,14 @@ def tiny_gguf(path: Path) -> Path:
               "blk.0.attn_norm.weight": (16,), "blk.0.ffn_norm.weight": (16,),
               **{f"blk.0.{name}.weight": (16, 16) for name in ("attn_q", "attn_k", "attn_v", "attn_output")},
               "blk.0.ffn_gate.weight": (32, 16), "blk.0.ffn_up.weight": (32, 16), "blk.0.ffn_down.weight": (16, 32)}
+    shapes.pop(without, None)
     for name, shape in shapes.items():
-        writer.add_tensor(name, rng.standard_normal(shape, dtype=np.float32))
+        if name == q8_1:  # each row as Q8_1 blocks of zeros: gguf reads them, but cannot dequantize them
+            values, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+            writer.add_tensor(name, np.zeros((shape[0], shape[1] // values * block_bytes), dtype=np.uint8),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+        else:
+            writer.add_tensor(name, rng.standard_normal(shape, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -44,7 +54,7 @@ def tiny_gguf(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("out", [".", "..", "model.gguf", "link"])
+@pytest.mark.parametrize("out", [".", "model.gguf", "link"])
 def test_force_refuses_an_output_that_is_holds_or_leads_to_the_gguf(fake_transformers, tmp_path, capsys, out):
     """Finding 2: ``convert-gguf ck/model.gguf ck --force`` moved ck aside and deleted it, the GGUF with it."""
     folder = tmp_path / "ck"
@@ -62,6 +72,28 @@ def test_force_refuses_an_output_that_is_holds_or_leads_to_the_gguf(fake_transfo
     assert "would delete the GGUF file being converted" in capsys.readouterr().err
     assert gguf.read_bytes() == b"GGUF" and sorted(p.name for p in folder.iterdir()) == ["config.json",
                                                                                          "model.gguf"]
+
+
+@pytest.mark.parametrize("out", [".", "..", "here"])
+def test_an_output_that_is_or_holds_the_current_folder_is_refused(fake_transformers, tmp_path, monkeypatch, capsys,
+                                                                  out):
+    """Review finding 6: ``convert-gguf GGUF . --force`` in a checkpoint folder converted the whole model, then
+    failed to move '.' aside (EBUSY)."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    here = tmp_path / "ck"
+    here.mkdir()
+    (here / "config.json").write_text("{}")
+    monkeypatch.chdir(here)
+    out = here if out == "here" else Path(out)
+    message = (f"{out}: refused as the output: the current folder, a folder holding it and a path ending in '..' "
+               "cannot be replaced; name the output by a path of its own (such as ../NAME)")
+    with pytest.raises(PackageError) as refused:
+        convert_gguf(gguf, out, overwrite=True)
+    assert str(refused.value) == message
+    assert main(["convert-gguf", str(gguf), str(out), "--force"]) == 2
+    assert f"error: {message}\n" in capsys.readouterr().err
+    assert sorted(p.name for p in here.iterdir()) == ["config.json"]
 
 
 @pytest.mark.parametrize("old", [["config.json", "old.txt"], []])
@@ -103,7 +135,8 @@ def test_transformers_draws_no_bar_of_its_own_in_a_pipe(fake_transformers, tmp_p
     from benchmarks.tiny_checkpoints import tiny_config
 
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))  # its save draws the bar
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
+    _, loaded = transformers.AutoModelForCausalLM.from_pretrained()  # the fake's loading info: nothing missing
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: (model, loaded))
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     was_enabled = transformers_logging.is_progress_bar_enabled()
@@ -144,3 +177,90 @@ def test_the_dequantizing_bar_of_transformers_is_not_drawn(tmp_path, capfd):
     assert out == f"converted {tmp_path / 'out'}\n" and "de-quantizing" not in err
     assert modeling_gguf_pytorch_utils.tqdm is bar  # as it was
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("written, message", [
+    ({"without": "blk.0.ffn_down.weight"}, "lacks tensors the model needs: model.layers.0.mlp.down_proj.weight"),
+    ({"metadata_ffn": 64}, "tensor shapes do not match its metadata: model.layers.0.mlp.down_proj.weight is "
+                           "(16, 32), its metadata makes it (16, 64), model.layers.0.mlp.gate_proj.weight is (32, 16), "
+                           "its metadata makes it (64, 16), model.layers.0.mlp.up_proj.weight is (32, 16), its "
+                           "metadata makes it (64, 16)"),
+    ({"q8_1": "blk.0.ffn_down.weight"}, "uses a quantization type gguf cannot dequantize (Dequantization for Q8_1 "
+                                        "is not yet implemented)"),
+])
+def test_a_gguf_the_model_cannot_be_whole_from_is_a_checkpoint_error(tmp_path, capsys, written, message):
+    """Review findings 1 and 5: a tensor missing converted with random weights (transformers fills them in and
+    warns) and exit 0; a shape the metadata contradicts (RuntimeError) or a quantization type gguf cannot
+    dequantize (NotImplementedError) ended in a traceback, exit 1."""
+    gguf = tiny_gguf(tmp_path / "model.gguf", **written)
+    with pytest.raises(CheckpointError) as refused:
+        convert_gguf(gguf, tmp_path / "out")
+    assert str(refused.value) == f"{gguf}: {message}"
+    assert main(["convert-gguf", str(gguf), str(tmp_path / "out")]) == 2
+    assert f"error: {gguf}: {message}\n" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+def test_a_tied_output_weight_is_not_missing(tmp_path):
+    """The missing-tensor check leaves out tied weights: a GGUF without output.weight ties lm_head to the
+    embedding."""
+    from transformers import AutoConfig
+
+    assert main(["convert-gguf", str(tiny_gguf(tmp_path / "model.gguf", without="output.weight")),
+                 str(tmp_path / "out")]) == 0
+    assert AutoConfig.from_pretrained(tmp_path / "out").tie_word_embeddings
+
+
+def test_the_tokenizer_is_the_ggufs_own_not_a_tokenizer_json_beside_it(tmp_path):
+    """Review finding 2: a tokenizer.json lying beside the GGUF (another model's) was converted instead of the
+    GGUF's own vocabulary."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer
+
+    Tokenizer(models.WordLevel({"[UNK]": 0, "other": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    assert main(["convert-gguf", str(tiny_gguf(tmp_path / "model.gguf")), str(tmp_path / "out")]) == 0
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "out")) == 259
+
+
+def test_an_output_under_a_file_is_refused_up_front(fake_transformers, tmp_path, capsys):
+    """Review finding 6: OUT under a regular file raised a raw FileExistsError (pack refused it clearly)."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    (tmp_path / "afile").write_text("not a folder")
+    out = tmp_path / "afile" / "out"
+    message = f"{out}: cannot be created: {tmp_path / 'afile'} is not a folder"
+    with pytest.raises(PackageError) as refused:
+        convert_gguf(gguf, out)
+    assert str(refused.value) == message
+    assert main(["convert-gguf", str(gguf), str(out)]) == 2
+    assert f"error: {message}\n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cache", ["afile", "afile/deeper"])
+def test_the_demo_refuses_a_cache_under_a_file_up_front(tmp_path, capsys, cache):
+    """Review finding 6: ``make demo`` with --cache a file failed midway, a NotADirectoryError traceback."""
+    from benchmarks import demo
+
+    (tmp_path / "afile").write_text("not a folder")
+    cache = tmp_path / cache
+    with pytest.raises(SystemExit) as exited:
+        demo.main(["--cache", str(cache), "--skip-cold-start"])
+    assert exited.value.code == 2
+    assert (f"argument --cache: {cache / 'demo'}: cannot be created: {tmp_path / 'afile'} is not a folder"
+            in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("step, folder, marker", [("demo_checkpoint", "checkpoints", "config.json"),
+                                                  ("demo_package", "packages", "manifest.json"),
+                                                  ("prepare_package", "packages", "manifest.json")])
+def test_the_demo_names_a_folder_it_did_not_make_as_the_one_to_delete(tmp_path, step, folder, marker):
+    """Review finding 7: such a folder was refused pointing at --force, which the demo does not have."""
+    from benchmarks import demo, demo_model
+
+    out = tmp_path / folder / demo_model.MODEL_NAME
+    (out / "notes").mkdir(parents=True)
+    with pytest.raises(PackageError) as refused:
+        getattr(demo if step == "prepare_package" else demo_model, step)(tmp_path)
+    assert str(refused.value) == (f"{out}: holds files but no {marker}, so the demo did not make it and will not "
+                                  "replace it: delete that folder, or use another cache folder")
+    assert sorted(p.name for p in out.iterdir()) == ["notes"]

@@ -7,6 +7,7 @@ ManifestError, never another exception.
 """
 
 import json
+import os
 import string
 from collections.abc import Callable
 
@@ -435,3 +436,45 @@ def test_paths_that_escape_are_always_refused(manifest, name, which):
         return
     assert not escapes, f"accepted escaping path {name!r}"
     assert ".." not in name.split("/") and not name.startswith("/")
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda m: setattr(m.blocks[0], "file", "manifest.json"),
+     "block 0 file 'manifest.json' has the manifest's own path"),
+    (lambda m: setattr(m.files[0], "path", "manifest.json"), "file 'manifest.json' has the manifest's own path"),
+    (lambda m: setattr(m.blocks[1], "file", "config.json/x"), "block 1 file 'config.json/x' is inside file "
+                                                              "'config.json'"),
+    (lambda m: setattr(m.files[1], "path", "blocks/block-0000.safetensors/t.json"),
+     "file 'blocks/block-0000.safetensors/t.json' is inside block 0 file 'blocks/block-0000.safetensors'"),
+    (lambda m: setattr(m.files[1], "path", "blocks"),
+     "block 0 file 'blocks/block-0000.safetensors' is inside file 'blocks'"),
+])
+def test_a_path_that_is_the_manifests_or_inside_another_entrys_is_refused(edit, problem):
+    """Review finding 4: a block file named manifest.json, or under another entry's path (a folder that is a file),
+    passed: an agent caching the package overwrote its own cached manifest with the block's bytes."""
+    manifest = _manifest(2, 1, [1], files=2)
+    edit(manifest)
+    with pytest.raises(ManifestError) as refused:
+        validate_manifest(seal_manifest(manifest))  # a consistent id: the path check alone must refuse it
+    assert refused.value.problem == problem
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_manifest_that_is_not_a_regular_file_is_refused_unread(tmp_path, capsys, kind):
+    """Review finding 1: a FIFO named manifest.json hung `pipecast verify`, `inspect` and every load for good; a
+    symlink to /dev/zero was read (64 MiB of it) before it was refused as too large."""
+    from packager.manifest import read_manifest
+    from pipecast.cli import main
+
+    path = tmp_path / "manifest.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    with pytest.raises(ManifestError) as refused:
+        read_manifest(tmp_path)
+    assert str(refused.value) == f"{path}: invalid manifest: not a regular file"
+    for command in ("verify", "inspect"):
+        assert main([command, str(tmp_path)]) == 2
+        assert f"{path}: invalid manifest: not a regular file" in capsys.readouterr().err

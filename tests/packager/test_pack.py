@@ -14,9 +14,11 @@ from safetensors.torch import load_file
 from packager.errors import (BlockMismatchError, CheckpointError, CheckpointFileError, ManifestError,
                              MissingShardError, PackageError, PickleCheckpointError, SafetensorsFormatError,
                              UnplacedTensorsError)
-from packager.manifest import compute_package_id, manifest_to_json, read_manifest
+from packager.chunks import ChunkHasher
+from packager.manifest import compute_package_id, manifest_to_json, read_manifest, seal_manifest
 from packager.pack import pack
 from packager.package import Package
+from packager.safetensors_format import MAX_HEADER_BYTES, build_header
 from packager.verify import verify_package
 from pipecast.cli import main
 from benchmarks.tiny_checkpoints import make_checkpoint
@@ -136,6 +138,57 @@ def test_verify_names_each_bad_block_and_chunk(checkpoints, tmp_path, capsys):
     assert "chunk 3 digest mismatch" in capsys.readouterr().err
 
 
+def _reseal(pkg: Path, edit) -> None:
+    """Edit the manifest of ``pkg`` and seal it again: consistent, its id the digest of it, as a packer writes it."""
+    manifest = read_manifest(pkg)
+    edit(manifest)
+    (pkg / "manifest.json").write_text(manifest_to_json(seal_manifest(manifest)))
+
+
+def test_verify_checks_every_chunk_digest_of_a_block_whose_digest_matches(checkpoints, tmp_path, capsys):
+    """Review finding 3: verify compared the chunk digests only when the block digest differed, so it said OK for
+    a package with a wrong chunk digest, which every agent (verifying chunk by chunk) refuses."""
+    pack(checkpoints["llama"], tmp_path / "pkg", layers_per_block=2, chunk_bytes=4096)
+    _reseal(tmp_path / "pkg", lambda m: m.blocks[1].chunk_digests.__setitem__(2, "0" * 64))
+    assert [str(p) for p in verify_package(tmp_path / "pkg")] == [
+        "blocks/block-0001.safetensors: block 1: chunk 2 digest mismatch (bytes 8192-12287)"]
+    assert main(["verify", str(tmp_path / "pkg")]) == 1
+    assert "BAD blocks/block-0001.safetensors: block 1: chunk 2 digest mismatch" in capsys.readouterr().err
+
+
+def _rename_first_tensor(pkg: Path, manifest) -> str:
+    names = list(manifest.blocks[1].tensor_names)
+    manifest.blocks[1].tensor_names[0] += "X"
+    return (f"block disagrees with the manifest: holds tensors {sorted([names[0], names[0] + 'X'])} that differ "
+            "from the manifest")
+
+
+def _replace_block_bytes(pkg: Path, manifest) -> str:
+    """Block 1's file all 0xff bytes, its digests the manifest's: not a safetensors file at all."""
+    block = manifest.blocks[1]
+    data = b"\xff" * block.bytes
+    (pkg / block.file).write_bytes(data)
+    hasher = ChunkHasher(block.chunk_bytes)
+    hasher.update(data)
+    block.digest = hasher.finish()
+    block.chunk_digests[:] = hasher.chunk_digests
+    return f"invalid safetensors file: header length {2**64 - 1} exceeds {MAX_HEADER_BYTES}"
+
+
+@pytest.mark.parametrize("edit", [_rename_first_tensor, _replace_block_bytes])
+def test_verify_checks_each_blocks_header_against_the_manifest(checkpoints, tmp_path, edit):
+    """Review finding 3: verify never parsed a block's header, so it said OK for a package whose manifest names
+    tensors the block does not hold (or whose block is no safetensors file), which every load refuses."""
+    pkg = _good_package(checkpoints, tmp_path)
+    problems = []
+    _reseal(pkg, lambda m: problems.append(edit(pkg, m)))
+    assert [str(p) for p in verify_package(pkg)] == [f"blocks/block-0001.safetensors: block 1: {problems[0]}"]
+    with pytest.raises(PackageError) as refused:
+        Package.open(pkg).block_tensors(1)
+    assert str(refused.value) == f"{pkg / 'blocks' / 'block-0001.safetensors'}: {problems[0]}"  # as a load says
+    assert main(["verify", str(pkg)]) == 1
+
+
 def test_verify_names_a_small_file_that_is_not_what_the_manifest_says_without_reading_a_special_one(checkpoints,
                                                                                                    tmp_path):
     """A FIFO hung verify and a symlink to /dev/zero exhausted its memory: the file's kind and size are checked
@@ -145,10 +198,10 @@ def test_verify_names_a_small_file_that_is_not_what_the_manifest_says_without_re
     size = config.stat().st_size
     config.write_bytes(config.read_bytes() + b" ")
     assert [str(p) for p in verify_package(tmp_path / "pkg")] == [
-        f"config.json: size is {size + 1} bytes, the manifest says {size}"]
+        f"config.json: disagrees with the manifest: size is {size + 1} bytes, the manifest says {size}"]
     config.write_bytes(config.read_bytes()[:-2] + b"}")  # the same size, another digest
     assert [str(p) for p in verify_package(tmp_path / "pkg")] == [
-        "config.json: size or digest differs from the manifest"]
+        "config.json: disagrees with the manifest: digest mismatch"]
     config.unlink()
     os.mkfifo(config)
     assert [str(p) for p in verify_package(tmp_path / "pkg")] == ["config.json: not a regular file"]
@@ -401,6 +454,27 @@ def test_a_manifest_too_large_is_refused_before_any_block_is_written(checkpoints
     monkeypatch.undo()
     monkeypatch.setattr(pack_module, "MAX_MANIFEST_BYTES", length)
     pack(src, tmp_path / "pkg", layers_per_block=3, chunk_bytes=64, model_name="m")
+
+
+def test_a_tensor_torch_cannot_view_is_refused_before_any_block_is_written(tmp_path, monkeypatch, capsys):
+    """Review finding 5: a checkpoint with an F4 tensor packed (and verified), then every load of it failed."""
+    import packager.pack as pack_module
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}))
+    header, _ = build_header([("model.embed_tokens.weight", "U8", (8,), 8),
+                              ("model.layers.0.mlp.weight", "F4", (4, 4), 8)], {})
+    (src / "model.safetensors").write_bytes(header + bytes(16))
+    monkeypatch.setattr(pack_module, "_write_block", lambda *args, **kwargs: pytest.fail("a block was written"))
+    message = (f"{src / 'model.safetensors'}: tensor 'model.layers.0.mlp.weight' has dtype F4, which torch cannot "
+               "view, so pipecast cannot load it")
+    with pytest.raises(CheckpointError) as refused:
+        pack(src, tmp_path / "pkg")
+    assert str(refused.value) == message
+    assert main(["pack", str(src), str(tmp_path / "pkg")]) == 2
+    assert f"error: {message}\n" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_a_small_file_that_cannot_be_read_fails_before_any_block_is_written(checkpoints, tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ write before any work, and turns a failure to write it into a typed error naming
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -24,9 +25,11 @@ def _contents(folder):
 
 SPARE = "replacing it would delete the checkpoint being packed"
 NOT_A_PACKAGE = "a non-empty folder without manifest.json is not a package"  # (test_force_..._not_a_package)
+CURRENT = ("refused as the output: the current folder, a folder holding it and a path ending in '..' cannot be "
+           "replaced; name the output by a path of its own (such as ../NAME)")
 
 
-@pytest.mark.parametrize("out, why", [(".", NOT_A_PACKAGE), ("..", NOT_A_PACKAGE), ("package", SPARE),
+@pytest.mark.parametrize("out, why", [(".", NOT_A_PACKAGE), ("package", SPARE),
                                       ("link", SPARE), ("model.safetensors", SPARE), ("config.json", SPARE)])
 def test_force_refuses_an_output_that_is_holds_or_leads_to_the_checkpoint(ckpt, tmp_path, capsys, out, why):
     """Finding 1: ``pack SRC OUT --force`` with OUT the checkpoint (or a folder holding it) deleted it."""
@@ -160,3 +163,21 @@ def test_an_existing_output_is_refused_before_an_mlflow_source_is_downloaded(tmp
     assert main(["pack", "models:/m/1", str(tmp_path / "pkg"), "--chunk-bytes", str(2**64)]) == 2
     assert "chunk size must be between 1" in capsys.readouterr().err
     assert os.listdir(tmp_path / "pkg") == []
+
+
+@pytest.mark.parametrize("out", [".", "..", "here", "above", "ckpt/pkg/.."])
+def test_an_output_that_is_or_holds_the_current_folder_is_refused_before_any_work(ckpt, tmp_path, monkeypatch,
+                                                                                  capsys, out):
+    """Review finding 6: ``pack SRC . --force`` in a package folder built the whole package, then failed to move
+    '.' aside (EBUSY); a path ending in '..' cannot be moved either."""
+    here = tmp_path / "old-pkg"
+    pack(ckpt, here)
+    monkeypatch.chdir(here)
+    out = {"here": here, "above": tmp_path, "ckpt/pkg/..": ckpt / "pkg" / ".."}.get(out, Path(out))
+    monkeypatch.setattr("packager.pack.open_checkpoint", lambda src: pytest.fail("the checkpoint was opened"))
+    with pytest.raises(PackageError) as refused:
+        pack(ckpt, out, overwrite=True)
+    assert str(refused.value) == f"{out}: {CURRENT}"
+    assert main(["pack", str(ckpt), str(out), "--force"]) == 2
+    assert f"error: {out}: {CURRENT}\n" in capsys.readouterr().err
+    assert (here / "manifest.json").is_file()

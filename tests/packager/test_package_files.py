@@ -2,6 +2,7 @@
 (size and digest) when asked, and a typed error naming the file for one that is missing, edited or not JSON."""
 
 import json
+import os
 import re
 import shutil
 
@@ -10,6 +11,7 @@ import pytest
 from packager.errors import PackageError, PackageFileError
 from packager.package import Package
 from tests.support import packages
+from tests.support.packages import rewrite_unsealed
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,36 @@ def test_a_file_of_another_size_or_missing_is_refused_by_name(copy):
 ])
 def test_an_unverified_config_that_is_not_a_json_object_is_a_typed_error(copy, text, problem):
     """Finding 3: a corrupt config.json was a raw JSONDecodeError (AttributeError for a list, later)."""
-    (copy / "config.json").write_text(text)
-    with pytest.raises(PackageFileError, match=f"^{re.escape(str(copy / 'config.json'))}: {problem}$"):
+    config = copy / "config.json"
+    rewrite_unsealed(config, text)
+    with pytest.raises(PackageFileError, match=f"^{re.escape(str(config))}: {problem}$"):
         Package.open(copy).read_config(verify=False)
     assert issubclass(PackageFileError, PackageError)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_small_file_that_is_not_a_regular_file_is_refused_unread(copy, verify, kind):
+    """Review findings 1 and 2: a FIFO named config.json hung every load, and the agent seeding the folder, for
+    good; unverified, a symlink to /dev/zero was read until the memory ran out."""
+    config = copy / "config.json"
+    config.unlink()
+    if kind == "fifo":
+        os.mkfifo(config)
+    else:
+        config.symlink_to("/dev/zero")
+    with pytest.raises(PackageFileError) as refused:
+        Package.open(copy).small_file("config.json", verify=verify)
+    assert str(refused.value) == f"{config}: not a regular file"
+
+
+def test_an_unverified_small_file_of_another_size_is_refused(copy):
+    """Review finding 2: unverified, a small file was read whole, whatever its size."""
+    tokenizer = copy / "tokenizer.json"
+    size = tokenizer.stat().st_size
+    tokenizer.write_bytes(tokenizer.read_bytes() + b" ")
+    with pytest.raises(PackageFileError) as refused:
+        Package.open(copy).small_file("tokenizer.json")
+    assert str(refused.value) == (f"{tokenizer}: disagrees with the manifest: size is {size + 1} bytes, the manifest "
+                                  f"says {size}")

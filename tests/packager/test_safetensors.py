@@ -129,3 +129,26 @@ ENTRY = st.fixed_dictionaries({}, optional={
        st.integers(min_value=0, max_value=64))
 def test_fuzz_structured_headers(header, data_bytes):
     _check(container(json.dumps(header), bytes(data_bytes)))
+
+
+def test_a_tensor_torch_cannot_view_is_a_typed_error():
+    """Review finding 5: a block holding an F4 tensor (from another packer: pack refuses one) raised a bare
+    TypeError from every reader."""
+    from packager.blockfile import tensors_from_buffer
+
+    header, _ = build_header([("w", "F4", (4, 8), 16)], {})
+    with pytest.raises(SafetensorsFormatError) as refused:
+        tensors_from_buffer(header + bytes(16), "block.safetensors")
+    assert str(refused.value) == ("block.safetensors: invalid safetensors file: tensor 'w' has dtype F4, which torch "
+                                  "cannot view")
+
+
+def test_each_dtype_a_reader_views_is_a_torch_dtype_of_its_size():
+    """One table says how large each dtype is and what torch views it as (review finding 5)."""
+    import torch
+
+    from packager.safetensors_format import DTYPE_BITS, TORCH_DTYPES
+
+    assert set(DTYPE_BITS) - set(TORCH_DTYPES) == {"F4"}
+    for dtype, name in TORCH_DTYPES.items():
+        assert getattr(torch, name).itemsize * 8 == DTYPE_BITS[dtype], dtype
