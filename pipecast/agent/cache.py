@@ -51,6 +51,8 @@ class BlockCache:
         #: Writes skipped for want of room under ``max_bytes`` (the data stayed in memory).
         self.skipped_writes = 0
         self._lock = threading.Lock()  # writes run on worker threads
+        # Bytes of writes let in under max_bytes but not yet on disk: writes running at once all count.
+        self._pending_bytes = 0
         removed = sweep_stale_temporaries(self.root)
         if removed:
             log.info("disk cache %s: removed %d temporary file(s) left by an interrupted write", self.root,
@@ -124,23 +126,28 @@ class BlockCache:
 
     def _write(self, path: Path, data: bytes | memoryview, what: str) -> bool:
         package_id = path.relative_to(self.root).parts[0]
-        if not self._make_room(package_id, len(data), what):
+        if not self._make_room(package_id, path, len(data), what):
             return False
         try:
             atomic_write(path, data)
             os.utime(self.package_dir(package_id))  # used now: the last to be removed for room
         except OSError as exc:
             return self._failed(what, exc)
+        finally:
+            if self.max_bytes:
+                with self._lock:
+                    self._pending_bytes -= len(data)
         return True
 
-    def _make_room(self, package_id: str, nbytes: int, what: str) -> bool:
-        """Whether ``nbytes`` more fit under ``max_bytes``, once the least recently used packages not held in
-        memory (nor ``package_id``) are removed as needed (module docstring)."""
+    def _make_room(self, package_id: str, path: Path, nbytes: int, what: str) -> bool:
+        """Whether ``nbytes`` written to ``path`` (replacing what is there) fit under ``max_bytes`` beside the
+        writes pending, once the least recently used packages not held in memory (nor ``package_id``) are
+        removed as needed (module docstring). If they fit they count as pending until the caller's write ends."""
         if not self.max_bytes:
             return True
         with self._lock:
             sizes = {pid: _folder_bytes(self.package_dir(pid)) for pid in self.packages()}
-            over = sum(sizes.values()) + nbytes - self.max_bytes
+            over = sum(sizes.values()) + self._pending_bytes + nbytes - _file_bytes(path) - self.max_bytes
             kept = {package_id, *self._in_use()}
             for pid in sorted((p for p in sizes if p not in kept), key=lambda p: _mtime(self.package_dir(p))):
                 if over <= 0:
@@ -150,6 +157,7 @@ class BlockCache:
                 shutil.rmtree(self.package_dir(pid), ignore_errors=True)
                 over -= sizes[pid]
             if over <= 0:
+                self._pending_bytes += nbytes
                 return True
             self.skipped_writes += 1
             count = self.skipped_writes
@@ -165,6 +173,14 @@ class BlockCache:
         log.warning("disk cache: could not write %s (%s); it stays in memory only (%d failed write(s) so far)",
                     what, exc.strerror or exc, count)
         return False
+
+
+def _file_bytes(path: Path) -> int:
+    """The size of the file at ``path`` (0: none there)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _folder_bytes(folder: Path) -> int:

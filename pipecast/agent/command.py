@@ -40,6 +40,13 @@ def _address(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     return value
 
 
+def _listen_address(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    # One address: split_address alone would take "a:1,b" for the host of "a:1,b:2".
+    if value is not None and "," in value:
+        raise click.BadParameter(f"one host:port address to listen on, not a list: {value!r}")
+    return _address(ctx, param, value)
+
+
 def _labels(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
     labels = {}
     for value in values:
@@ -75,10 +82,11 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
 
 
 @click.command("agent")
-@click.option("--listen", metavar="HOST:PORT", callback=_address,
-              help="Where peers connect. Default: this node's address in --plan, else "
-                   "PIPECAST_AGENT_HOST:PIPECAST_AGENT_PORT.")
-@click.option("--node-id", help="This node's id (as named in --plan). Default: hostname:port.")
+@click.option("--listen", metavar="HOST:PORT", callback=_listen_address,
+              help="Where peers connect (port 0: any free port, which needs --node-id under a control plane). "
+                   "Default: this node's address in --plan, else PIPECAST_AGENT_HOST:PIPECAST_AGENT_PORT.")
+@click.option("--node-id", help="This node's id (as named in --plan). Default: hostname:port (under a control "
+                                "plane, given where --listen's port is 0).")
 @click.option("--seed", "seed", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Serve this package folder (verified on start).")
 @click.option("--plan", "plan", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -156,6 +164,10 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
     policy = FetchPolicy(concurrency=settings.agent_fetch_concurrency, retries=settings.agent_fetch_retries,
                          backoff_s=settings.agent_fetch_backoff_s)
     port = split_address(listen)[1] if listen else settings.agent_port
+    if control_plane is not None and port == 0 and not settings.agent_node_id:
+        # The port is picked only once listening: every such agent on this host would register as hostname:0.
+        raise click.UsageError("--listen HOST:0 (any free port) under a control plane needs --node-id: the default "
+                               "node id, hostname:port, would be hostname:0 for every such agent on this host")
     options = AgentOptions(node_id=settings.agent_node_id or f"{socket.gethostname()}:{port}", listen=listen,
                            seed=seed, plan=plan, events=events, exit_when_complete=exit_when_complete,
                            start_at=start_at, policy=policy, control_plane=control_plane,

@@ -32,6 +32,7 @@ from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind, Worke
 from control_plane.planner.plan import Fetch
 from control_plane.worker_session import WorkerSession
 from packager.manifest import MANIFEST_FILE
+from pipecast.agent.budget import MemoryBudget
 from pipecast.agent.errors import (
     AgentError,
     CorruptChunkError,
@@ -57,6 +58,7 @@ class AgentHost(Protocol):
 
     peer_server: PeerServer
     events: EventLog
+    budget: MemoryBudget
 
     @property
     def transport(self) -> Transport:
@@ -146,6 +148,7 @@ class PackageFollower:
         self._errors: dict[PeerInfo, Exception] = {}
         self._untrusted: set[PeerInfo] = set()  # sent corrupt data of their own: never asked again
         self._watched: BlockStore | None = None  # the store whose verified blocks this follower reports
+        self._unreported = False  # the control plane could not be told of the last failed parents: it is away
         held = self._store()
         self._completed = held is not None and held.progress().complete  # a seed: nothing to announce
         self._task = asyncio.get_running_loop().create_task(self._follow(), name=f"follow-{package_id[:12]}")
@@ -242,7 +245,7 @@ class PackageFollower:
                 await self._fetch(fetcher, store, self._wanted())
             except FetchFailedError as exc:
                 failed = set(fetcher.failed_peers if fetcher is not None else self._errors)
-                avoid = await self._after_failure(exc, failed, wanted)
+                avoid = await self._after_failure(exc, failed, wanted, avoid)
                 continue
             except (LocalResourceError, MemoryBudgetError) as exc:
                 # This node's own shortage (e.g. of file descriptors, or of memory while a dropped package's is
@@ -251,6 +254,11 @@ class PackageFollower:
                 # that it is not here, not held until its own timeout.
                 if isinstance(exc, MemoryBudgetError) and self._store() is None:
                     self._host.peer_server.forget(self.package_id)
+                if isinstance(exc, MemoryBudgetError) and not self._host.budget.used_bytes:
+                    # Refused with nothing else held: the package is larger than the whole budget, which nothing
+                    # ending or going cures. The control plane, which knows the budget, takes this node out.
+                    await self._wait_for_new_parts(exc)
+                    continue
                 pause = self._pause_s
                 log.warning("package %s: %s; trying again in %.1f s or on new parts", self.package_id[:12], exc,
                             pause)
@@ -259,12 +267,16 @@ class PackageFollower:
                 await self._changed_within(pause)
                 continue
             except AgentError as exc:  # anything else of this node's: wait for new parts
-                log.error("package %s: %s; waiting for new instructions", self.package_id[:12], exc)
-                self._host.events.emit("transfer_failed", package=self.package_id, error=type(exc).__name__,
-                                       message=str(exc))
-                await self._changed.wait()
+                await self._wait_for_new_parts(exc)
                 continue
             avoid = set()
+
+    async def _wait_for_new_parts(self, error: AgentError) -> None:
+        """Log and record ``error``, which only new parts cure, and wait for them: nothing is tried meanwhile."""
+        log.error("package %s: %s; waiting for new instructions", self.package_id[:12], error)
+        self._host.events.emit("transfer_failed", package=self.package_id, error=type(error).__name__,
+                               message=str(error))
+        await self._changed.wait()
 
     def _policy_around(self, skipped: set[PeerInfo]) -> FetchPolicy:
         """Exactly the parents given, unless some are skipped: then the plan's sources are the fallback."""
@@ -328,9 +340,10 @@ class PackageFollower:
             self._session.report_progress(self.package_id, store.progress().bytes_present)
             await asyncio.sleep(self._progress_interval_s)
 
-    async def _after_failure(self, error: FetchFailedError, failed: set[PeerInfo],
-                             wanted: list[Fetch[PeerInfo]]) -> set[PeerInfo]:
-        """Report the parents given up on; returns the peers to fetch around next (none: new parts came)."""
+    async def _after_failure(self, error: FetchFailedError, failed: set[PeerInfo], wanted: list[Fetch[PeerInfo]],
+                             avoided: set[PeerInfo]) -> set[PeerInfo]:
+        """Report the parents given up on; returns the peers to fetch around next (none: new parts came).
+        ``avoided``: the peers the failed round fetched around."""
         log.warning("package %s: %s", self.package_id[:12], error)
         if self._changed.is_set():
             return set()
@@ -339,9 +352,17 @@ class PackageFollower:
         try:
             replanned = await self._report(failed, wanted)
         except ControlPlaneError as exc:
-            log.warning("package %s: cannot report failed parents %s (%s); fetching around them from the sources",
-                        self.package_id[:12], ", ".join(map(str, failed)), exc)
+            if not self._unreported:  # once per outage, not once per round
+                log.warning("package %s: cannot report failed parents %s (%s); fetching around them from the "
+                            "sources until the control plane is back", self.package_id[:12],
+                            ", ".join(map(str, failed)), exc)
+                self._unreported = True
+            if around <= avoided:
+                # Nothing new to fetch around (only sources failed, or the round fetched around these already): the
+                # next round after a pause, not at once, against the same peers.
+                await self._changed_within(self._pause_s)
             return around
+        self._unreported = False
         try:
             await asyncio.wait_for(self._changed.wait(), self._replan_wait_s)
             return set()

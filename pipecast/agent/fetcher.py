@@ -10,8 +10,10 @@ may be starting up, as a static plan's agents started together): never retried; 
 to the given fallback peers (the sources of a static plan), or fails with a typed error naming every peer
 tried so that a control plane can re-parent. A peer given up on is not asked for later units either.
 
-Small files (tokenizer, config) are fetched in ranges that each hop serves as soon as it has them, so a
-chain forwards them like blocks instead of each hop waiting for its parent's whole copy.
+The manifest and small files (tokenizer, config) come from the first peer that gives them; a failed connection
+to a peer is retried as a parent's is (a static plan's seed may not listen yet), a bad answer is not. Small files
+are fetched in ranges that each hop serves as soon as it has them, so a chain forwards them like blocks instead of
+each hop waiting for its parent's whole copy.
 
 Whatever goes wrong with a peer's answer is that peer's failure, logged, reported and followed by the next
 peer: a fetch never dies of a peer's bytes. A failure that is not a :class:`PeerError` already (a parser or
@@ -24,8 +26,10 @@ it, and ends the fetch only once the parent's retries are spent.
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 from control_plane.messages import PeerInfo
 from control_plane.planner.plan import Fetch
@@ -38,9 +42,11 @@ from pipecast.agent.errors import (
     FetchFailedError,
     LocalResourceError,
     PeerClosedError,
+    PeerConnectError,
     PeerError,
     PeerNotListeningError,
     PeerProtocolError,
+    PeerTimeoutError,
 )
 from pipecast.agent.ratelimit import format_rate
 from pipecast.agent.store import BlockStore
@@ -50,6 +56,7 @@ from pipecast.core.units import format_bytes
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Parents fetched from at once. A unit binomial pipeline asks a different parent for each 2-chunk unit, and a
 # request waits for its unit's first chunk to land at that parent: with requests out for the next units
@@ -148,20 +155,80 @@ class ChannelPool:
             await channel.close()
 
 
-async def _reach(pool: ChannelPool, peer: PeerInfo, what: str, policy: FetchPolicy) -> Channel:
-    """A channel to ``peer`` for ``what``. A connection this node lacks the resources for (:class:`LocalResourceError`:
-    out of file descriptors) is tried again, unblamed, ``policy.retries`` times with doubling backoff, as a unit's
-    fetch tries it; the error is raised once they are spent."""
-    attempt = 0
-    while True:
-        try:
-            return await pool.acquire(peer)
-        except LocalResourceError as exc:
-            if attempt == policy.retries:
-                raise
-            log.warning("%s from %s: %s; trying again", what, peer, exc)
-            await asyncio.sleep(policy.backoff_s * 2 ** attempt)
+@dataclass
+class _Tries:
+    """One fetch's tries of its peers: how hard (``policy``), which failures are worth another try
+    (``retryable``), whom to tell of each (``on_failure``), the peers connected to (``reached``: one of them
+    refusing a connection now is gone, not starting up) and every failure so far (``attempts``)."""
+
+    policy: FetchPolicy
+    retryable: Callable[[PeerError], bool]
+    on_failure: PeerFailureCallback | None
+    reached: set[PeerInfo] = field(default_factory=set)
+    attempts: list[tuple[str, Exception]] = field(default_factory=list)
+
+    async def ask(self, peer: PeerInfo, what: str, request: Callable[[], Awaitable[T]],
+                  reported: str | None = None) -> T:
+        """What ``request`` (one try at ``what`` from ``peer``) returns, tried ``1 + policy.retries`` times with
+        doubling backoff (the first retry after a closed connection at once: a live peer answers it, a dead one's
+        host refuses it in a round trip, not after the backoff). Each failure is logged, kept in ``attempts`` and
+        reported (as ``reported``, default ``what``); the last one is raised once the retries are spent, or the
+        failure is not ``retryable``, or ``peer`` was reached and nothing listens there any more.
+
+        A connection this node lacks the resources for (:class:`LocalResourceError`: out of file descriptors) is
+        tried again the same way, unblamed, and raised once the retries are spent; this node's own failures are
+        raised at once."""
+        attempt = 0
+        error: PeerError | None = None
+        while True:
+            if attempt and not (attempt == 1 and isinstance(error, PeerClosedError)):
+                await asyncio.sleep(self.policy.backoff_s * 2 ** (attempt - 1))
+            try:
+                return await request()
+            except LocalResourceError as exc:
+                # This node's shortage may pass as other transfers end: the same peer again, unblamed, rather
+                # than ending the fetch and the units under way with it.
+                if attempt == self.policy.retries:
+                    raise
+                log.warning("%s from %s: %s; trying again", what, peer, exc)
+            except Exception as exc:  # any failure on a peer's answer: retry, or the caller's next peer
+                if _own_failure(exc):
+                    raise
+                error = peer_failure(peer, what, exc)
+                self.attempts.append((str(peer), error))
+                log.warning("%s: %s", what, error)
+                if self.on_failure:
+                    self.on_failure(reported or what, peer, error)
+                if (attempt == self.policy.retries or not self.retryable(error)
+                        or (isinstance(error, PeerNotListeningError) and peer in self.reached)):
+                    raise error
             attempt += 1
+
+
+def _failed_connection(error: PeerError) -> bool:
+    """Whether ``error`` is worth asking the same peer for a manifest or file again: a connection that failed
+    (the peer may be starting up, or was cut off), not a bad or refused answer, which would come again."""
+    return isinstance(error, (PeerConnectError, PeerClosedError, PeerTimeoutError))
+
+
+async def _over_channel(pool: ChannelPool, peer: PeerInfo, reached: set[PeerInfo],
+                        ask: Callable[[Channel], Awaitable[T]]) -> T:
+    """``ask`` on a pooled channel to ``peer`` (noted in ``reached``): released after, discarded if it fails."""
+    channel = await pool.acquire(peer)
+    reached.add(peer)
+    try:
+        answer = await ask(channel)
+    except BaseException:
+        await pool.discard(peer, channel)
+        raise
+    pool.release(peer, channel)
+    return answer
+
+
+async def _manifest_from(pool: ChannelPool, package_id: str, peer: PeerInfo, reached: set[PeerInfo]) -> Manifest:
+    data = await _over_channel(pool, peer, reached, lambda channel: channel.fetch_file(package_id, MANIFEST_FILE))
+    # In a thread: a large model's manifest (~10 MB) takes ~0.6 s to parse and check
+    return await asyncio.to_thread(verified_manifest, data, package_id, peer)
 
 
 async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[PeerInfo],
@@ -173,30 +240,29 @@ async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[Pee
     every field): a peer can neither substitute another package nor change one field of this one. Nothing
     else is kept of a peer's answer: an invalid one (:func:`verified_manifest`), or any other failure, is
     logged and reported (``on_failure``) and the next peer is asked; :class:`FetchFailedError` names every
-    peer tried once none is left. A connection this node lacks the resources for is tried again as
-    ``policy`` says (:func:`_reach`).
+    peer tried once none is left. A failed connection, or one this node lacks the resources for, is tried
+    again as ``policy`` says (:meth:`_Tries.ask`).
     """
-    attempts: list[tuple[str, Exception]] = []
+    tries = _Tries(policy, _failed_connection, on_failure)
     for peer in dict.fromkeys(peers):
-        channel = None
         try:
-            channel = await _reach(pool, peer, MANIFEST_FILE, policy)
-            data = await channel.fetch_file(package_id, MANIFEST_FILE)
-            pool.release(peer, channel)
-            channel = None
-            # In a thread: a large model's manifest (~10 MB) takes ~0.6 s to parse and check
-            return await asyncio.to_thread(verified_manifest, data, package_id, peer), peer
-        except Exception as exc:  # any failure on a peer's answer moves on to the next peer
-            if channel is not None:
-                await pool.discard(peer, channel)
-            if _own_failure(exc):
-                raise
-            error = peer_failure(peer, MANIFEST_FILE, exc)
-        log.warning("manifest of %s: %s", package_id[:12], error)
-        attempts.append((str(peer), error))
-        if on_failure:
-            on_failure(MANIFEST_FILE, peer, error)
-    raise FetchFailedError(f"the manifest of package {package_id[:12]}", attempts)
+            manifest = await tries.ask(peer, f"manifest of {package_id[:12]}",
+                                       partial(_manifest_from, pool, package_id, peer, tries.reached),
+                                       reported=MANIFEST_FILE)
+            return manifest, peer
+        except PeerError:  # logged, reported and kept in tries.attempts: the next peer
+            continue
+    raise FetchFailedError(f"the manifest of package {package_id[:12]}", tries.attempts)
+
+
+async def _file_from(pool: ChannelPool, store: BlockStore, path: str, size: int, peer: PeerInfo,
+                     reached: set[PeerInfo]) -> None:
+    try:
+        await _over_channel(pool, peer, reached, partial(_fetch_file_ranges, store=store, path=path, size=size,
+                                                         peer=str(peer)))
+    except Exception:  # a peer that fails mid-file leaves nothing behind (a cancelled fetch keeps its bytes)
+        store.discard_partial_file(path)
+        raise
 
 
 async def _fetch_file_ranges(channel: Channel, store: BlockStore, path: str, size: int, peer: str) -> None:
@@ -215,32 +281,22 @@ async def _fetch_file_ranges(channel: Channel, store: BlockStore, path: str, siz
 async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[PeerInfo],
                       on_failure: PeerFailureCallback | None = None, policy: FetchPolicy = FetchPolicy()) -> None:
     """Fetch the package's small files the store lacks, range by range, each file verified against the
-    manifest once whole. A peer that fails mid-file leaves nothing behind: the next one starts over. A
-    connection this node lacks the resources for is tried again as ``policy`` says (:func:`_reach`)."""
+    manifest once whole. A peer that fails mid-file leaves nothing behind: the next try starts over. A failed
+    connection, or one this node lacks the resources for, is tried again as ``policy`` says
+    (:meth:`_Tries.ask`); any other failure moves on to the next peer."""
     sizes = {f.path: f.bytes for f in store.manifest.files}
+    reached: set[PeerInfo] = set()
     for path in store.missing_files():
-        attempts: list[tuple[str, Exception]] = []
+        tries = _Tries(policy, _failed_connection, on_failure, reached)
         for peer in dict.fromkeys(peers):
-            channel = None
             try:
-                channel = await _reach(pool, peer, f"file {path}", policy)
-                await _fetch_file_ranges(channel, store, path, sizes[path], str(peer))
-                pool.release(peer, channel)
-                channel = None
+                request = partial(_file_from, pool, store, path, sizes[path], peer, reached)
+                await tries.ask(peer, f"file {path}", request, reported=path)
                 break
-            except Exception as exc:  # any failure on a peer's answer moves on to the next peer
-                store.discard_partial_file(path)
-                if channel is not None:
-                    await pool.discard(peer, channel)
-                if _own_failure(exc):
-                    raise
-                error = peer_failure(peer, f"file {path}", exc)
-            log.warning("file %s: %s", path, error)
-            attempts.append((str(peer), error))
-            if on_failure:
-                on_failure(path, peer, error)
+            except PeerError:  # logged, reported and kept in tries.attempts: the next peer
+                continue
         else:
-            raise FetchFailedError(f"file {path}", attempts)
+            raise FetchFailedError(f"file {path}", tries.attempts)
 
 
 def describe_fetch(fetch: Fetch) -> str:
@@ -296,6 +352,11 @@ class _Slots:
                 return
             self.running += 1
             self._waiting.pop(index).set_result(None)
+
+
+def _not_corrupt(error: PeerError) -> bool:
+    """Whether a unit's parent that failed with ``error`` is worth another try: any but one that sent bad bytes."""
+    return not isinstance(error, CorruptChunkError)
 
 
 class Fetcher:
@@ -364,7 +425,7 @@ class Fetcher:
 
     async def _fetch_unit(self, fetch: Fetch[PeerInfo]) -> None:
         what = describe_fetch(fetch)
-        attempts: list[tuple[str, Exception]] = []
+        tries = _Tries(self.policy, _not_corrupt, self.on_peer_failure, self.reached)
         parent = fetch.parent
         peers = [parent, *(p for p in self.policy.fallbacks if p != parent)]
         for n, peer in enumerate(peers):
@@ -372,35 +433,12 @@ class Fetcher:
                 continue
             if n:
                 log.warning("%s: parent %s failed; falling back to source %s", what, parent, peer)
-            error: PeerError | None = None
-            for attempt in range(1 + self.policy.retries):
-                # After a connection the peer closed, the first retry goes at once: a live peer answers it, a
-                # dead one's host refuses it (given up on below) in a round trip, not after the backoff.
-                if attempt and not (attempt == 1 and isinstance(error, PeerClosedError)):
-                    await asyncio.sleep(self.policy.backoff_s * 2 ** (attempt - 1))
-                try:
-                    await self._fetch_from(fetch, peer, what)
-                    return
-                except LocalResourceError as exc:
-                    # This node's shortage (e.g. of file descriptors) may pass as other transfers end: the same
-                    # peer again, unblamed, rather than ending the fetch and the units under way with it.
-                    if attempt == self.policy.retries:
-                        raise
-                    log.warning("%s from %s: %s; trying again", what, peer, exc)
-                    continue
-                except Exception as exc:  # any failure on a peer's answer: retry, or the next peer
-                    if _own_failure(exc):
-                        raise
-                    error = peer_failure(peer, what, exc)
-                attempts.append((str(peer), error))
-                log.warning("%s: %s", what, error)
-                if self.on_peer_failure:
-                    self.on_peer_failure(what, peer, error)
-                if isinstance(error, CorruptChunkError) or (isinstance(error, PeerNotListeningError)
-                                                             and peer in self.reached):
-                    break  # a peer that sent bad bytes, or where nothing listens any more, is not asked again
-            # Given up on this peer: later units go straight to the next one instead of waiting again.
-            self.failed_peers.add(peer)
+            try:
+                return await tries.ask(peer, what, partial(self._fetch_from, fetch, peer, what))
+            except PeerError:  # logged, reported and kept in tries.attempts
+                # Given up on this peer: later units go straight to the next one instead of waiting again.
+                self.failed_peers.add(peer)
+        attempts = tries.attempts
         given_up = tuple(str(p) for p in peers if p in self.failed_peers and str(p) not in dict(attempts))
         raise FetchFailedError(what, attempts, given_up)
 

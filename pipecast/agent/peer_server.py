@@ -141,7 +141,13 @@ class PeerServer:
         store = await self._store(package_id)
         if path == MANIFEST_FILE:  # made once, in a thread: the event loop serves chunks meanwhile
             data = await asyncio.to_thread(lambda: store.manifest_json)
-            return data[offset:offset + length] if length else data
+            if not length:
+                return data
+            # Refused as a small file's range is (store.wait_file_range), not answered short.
+            if offset < 0 or length < 0 or offset + length > len(data):
+                raise UnknownPackageError(f"file {path!r} of package {package_id[:12]} has {len(data)} bytes: "
+                                          f"no range of {length} at {offset}")
+            return data[offset:offset + length]
         if length:
             return await store.wait_file_range(path, offset, length)
         return await store.wait_file(path)

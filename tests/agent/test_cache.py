@@ -6,11 +6,14 @@ import errno
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from packager.manifest import MANIFEST_FILE
+import pipecast.agent.cache as cache_module
+from packager.manifest import MANIFEST_FILE, manifest_to_json
 from pipecast.agent.cache import BlockCache
 from tests.support.agent_fixtures import receiving_store
 from tests.support.packages import tiny_package
@@ -215,3 +218,58 @@ def test_a_look_at_what_the_cache_holds_is_no_use_of_it(tmp_path):
     finally:
         for store in stores:
             store.close()
+
+
+def cached_bytes(root) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_writes_running_at_once_stay_under_the_bound_together(package, tmp_path, monkeypatch):
+    """Found in review: room was checked per write but the bytes of writes still under way were not counted, so
+    blocks written at once (a worker thread each) all passed the check and the cache grew past its bound."""
+    _, manifest = package
+    store = verified_store(package)
+    manifest_bytes = len(manifest_to_json(manifest).encode())
+    bound = manifest_bytes + max(manifest.blocks[0].bytes, manifest.blocks[1].bytes) * 3 // 2  # one block, not two
+    cache = BlockCache(tmp_path / "cache", max_bytes=bound, in_use=lambda: {manifest.package_id})
+    assert cache.write_manifest(manifest)
+    writing, finish = threading.Event(), threading.Event()
+    real_write = cache_module.atomic_write
+
+    def slow_write(path, data, **kwargs):
+        if not writing.is_set():  # the first write is under way while the second asks for room
+            writing.set()
+            finish.wait(5)
+        real_write(path, data, **kwargs)
+
+    monkeypatch.setattr(cache_module, "atomic_write", slow_write)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(cache.write_block, manifest, 0, store.block_view(0))
+            assert writing.wait(5)
+            assert not cache.write_block(manifest, 1, store.block_view(1))
+            finish.set()
+            assert first.result(5)
+        assert cache.skipped_writes == 1 and cached_bytes(tmp_path / "cache") <= bound
+        assert cache.write_block(manifest, 0, store.block_view(0))  # what block 0 was counted for is counted no more
+    finally:
+        store.close()
+
+
+def test_a_rotten_block_is_written_again_in_a_cache_at_its_bound(package, tmp_path):
+    """Found in review: the room asked for counted the file being replaced beside its new bytes, so in a full
+    cache a block that rotted on disk was never written again (and stayed rotten for every restart)."""
+    _, manifest = package
+    store = verified_store(package)
+    try:
+        assert all(write_everything(BlockCache(tmp_path / "cache"), package, store))
+        bound = cached_bytes(tmp_path / "cache")
+        rotten = tmp_path / "cache" / manifest.package_id / manifest.blocks[0].file
+        data = bytearray(rotten.read_bytes())
+        data[0] ^= 0xFF  # bit rot: same size
+        rotten.write_bytes(data)
+        cache = BlockCache(tmp_path / "cache", max_bytes=bound, in_use=lambda: {manifest.package_id})
+        assert cache.write_block(manifest, 0, store.block_view(0)) and cache.skipped_writes == 0
+        assert rotten.read_bytes() == bytes(store.block_view(0))
+    finally:
+        store.close()

@@ -1,5 +1,6 @@
 """``pipecast agent``'s options, checked before the agent starts."""
 
+import socket
 import time
 
 import pytest
@@ -17,26 +18,60 @@ def test_a_start_time_that_is_no_time_soon_is_refused_before_the_agent_starts(va
     assert "is no time within a day from now in seconds since the epoch" in result.output
 
 
-def test_the_control_plane_setting_is_registered_with_where_no_flag_names_one(monkeypatch):
-    """Found in review: with PIPECAST_CONTROL_PLANE set (the README's setting of the control plane's address) and no
-    --control-plane, the agent ran standalone, silently, never registering."""
+@pytest.fixture
+def started(monkeypatch) -> list:
+    """The options of each agent the command starts (a stand-in that returns at once); no settings file, control
+    plane or node id set in the environment."""
     import pipecast.agent.command as command
 
-    started = []
+    options = []
 
     class Daemon:
-        def __init__(self, options, settings):
-            started.append(options)
+        def __init__(self, agent_options, settings):
+            options.append(agent_options)
 
         async def run(self):
             return None
 
     monkeypatch.setattr(command, "AgentDaemon", Daemon)
-    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    for variable in ("PIPECAST_CONFIG", "PIPECAST_CONTROL_PLANE", "PIPECAST_AGENT_NODE_ID"):
+        monkeypatch.delenv(variable, raising=False)
+    return options
+
+
+def test_the_control_plane_setting_is_registered_with_where_no_flag_names_one(monkeypatch, started):
+    """Found in review: with PIPECAST_CONTROL_PLANE set (the README's setting of the control plane's address) and no
+    --control-plane, the agent ran standalone, silently, never registering."""
     monkeypatch.setenv("PIPECAST_CONTROL_PLANE", "10.0.0.9:7000")
-    assert CliRunner().invoke(agent_command, ["--listen", "127.0.0.1:0"]).exit_code == 0
-    assert CliRunner().invoke(agent_command, ["--listen", "127.0.0.1:0", "--control-plane", "10.0.0.8:7000"]
-                              ).exit_code == 0
+    listen = ["--listen", "127.0.0.1:0", "--node-id", "n1"]
+    assert CliRunner().invoke(agent_command, listen).exit_code == 0
+    assert CliRunner().invoke(agent_command, [*listen, "--control-plane", "10.0.0.8:7000"]).exit_code == 0
     monkeypatch.delenv("PIPECAST_CONTROL_PLANE")
-    assert CliRunner().invoke(agent_command, ["--listen", "127.0.0.1:0"]).exit_code == 0  # the default: none
+    assert CliRunner().invoke(agent_command, listen).exit_code == 0  # the default: none
     assert [options.control_plane for options in started] == ["10.0.0.9:7000", "10.0.0.8:7000", None]
+
+
+def test_any_free_port_under_a_control_plane_needs_a_node_id(monkeypatch, started):
+    """Found in review: the default node id, hostname:port, was taken before listening: every agent on a host given
+    --listen HOST:0 registered as hostname:0, and the second was refused (NodeIdInUse) after a minute."""
+    refused = CliRunner().invoke(agent_command, ["--listen", "127.0.0.1:0", "--control-plane", "127.0.0.1:43700"])
+    assert refused.exit_code == 2 and started == []
+    assert ("Error: --listen HOST:0 (any free port) under a control plane needs --node-id: the default node id, "
+            "hostname:port, would be hostname:0 for every such agent on this host") in refused.output
+    assert CliRunner().invoke(agent_command, ["--listen", "127.0.0.1:0", "--control-plane", "127.0.0.1:43700",
+                                              "--node-id", "n1"]).exit_code == 0
+    monkeypatch.setenv("PIPECAST_AGENT_NODE_ID", "n2")  # the setting names it as well
+    assert CliRunner().invoke(agent_command, ["--listen", "127.0.0.1:0", "--control-plane", "127.0.0.1:43700"]
+                              ).exit_code == 0
+    monkeypatch.delenv("PIPECAST_AGENT_NODE_ID")
+    assert CliRunner().invoke(agent_command, ["--listen", "127.0.0.1:0"]).exit_code == 0  # no control plane: no need
+    assert [options.node_id for options in started] == ["n1", "n2", f"{socket.gethostname()}:0"]
+
+
+def test_listen_takes_one_address_not_a_list(started):
+    """Found in review: --listen took the control plane's comma-separated replica list, and a:1,b:2 failed late, when
+    listening, with a misleading message."""
+    result = CliRunner().invoke(agent_command, ["--listen", "127.0.0.1:43701,10.0.0.1:43702"])
+    assert result.exit_code == 2 and started == []
+    assert ("Invalid value for '--listen': one host:port address to listen on, not a list: "
+            "'127.0.0.1:43701,10.0.0.1:43702'") in result.output

@@ -7,16 +7,20 @@ import time
 
 import pytest
 
+from control_plane.errors import ControlPlaneUnavailable
 from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind
 from control_plane.planner.plan import Fetch
 from packager.manifest import MANIFEST_FILE
+from pipecast.agent.budget import MemoryBudget
 from pipecast.agent.control import PackageFollower, merged_fetches, sender_at_fault
 from pipecast.agent.daemon import AgentDaemon, AgentOptions
 from pipecast.agent.errors import (
     CorruptChunkError,
     CorruptFileError,
+    FetchFailedError,
     LocalResourceError,
     PeerClosedError,
+    PeerRefusedError,
     UnknownPackageError,
 )
 from pipecast.agent.events import read_events
@@ -325,6 +329,14 @@ async def test_small_files_a_follower_fetches_on_a_retry_reach_the_disk_cache(pa
         await _stop(follower, daemon, manifest.package_id)
 
 
+def _assign(follower: PackageFollower, parent: PeerInfo, source: PeerInfo) -> AssignmentUpdate:
+    """Give ``follower`` a part: block 0 from ``parent``, ``source`` the plan's source."""
+    part = AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p1", package_id=follower.package_id, fetch=(Fetch(0, parent),),
+                            sources=(source,))
+    follower.assign(part)
+    return part
+
+
 class _SilentSession:
     """A worker session that takes every report and says nothing."""
 
@@ -334,16 +346,24 @@ class _SilentSession:
         return bad_peer if name == "report_bad_peer" else (lambda *args, **kwargs: None)
 
 
-class _ShortOfMemory:
-    """An agent whose memory budget holds another package until ``free()``: opening this one is refused."""
+class _Events:
+    """An agent's event log that keeps the kinds emitted."""
 
     def __init__(self) -> None:
-        from pipecast.agent.budget import MemoryBudget
-        from pipecast.agent.events import EventLog
+        self.emitted: list[str] = []
 
-        self.peer_server, self.events, self.transport = PeerServer(), EventLog(None, "n"), None
-        self.budget = MemoryBudget(100)
-        self.other = self.budget.reserve(60, "package A (held)")
+    def emit(self, event: str, **fields) -> None:
+        self.emitted.append(event)
+
+
+class _ShortOfMemory:
+    """An agent whose memory budget of ``limit`` bytes holds another package of ``held`` until ``other.release()``:
+    opening this one (80 bytes) is refused."""
+
+    def __init__(self, limit: int = 100, held: int = 60) -> None:
+        self.peer_server, self.events, self.transport = PeerServer(), _Events(), None
+        self.budget = MemoryBudget(limit)
+        self.other = self.budget.reserve(held, "package A (held)")
         self.opens = 0
 
     async def open_store(self, package_id, peers, pool, on_failure=None):
@@ -361,8 +381,7 @@ async def test_a_package_refused_for_memory_a_moment_is_tried_again_and_not_expe
     host, source = _ShortOfMemory(), PeerInfo("src", "127.0.0.1:1")
     follower = PackageFollower("b" * 64, host, _SilentSession(), FetchPolicy(), replan_wait_s=0.1)
     host.peer_server.expect("b" * 64)  # as the part's arrival does
-    follower.assign(AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p1", package_id="b" * 64, fetch=(Fetch(0, source),),
-                                     sources=(source,)))
+    _assign(follower, source, source)
     try:
         await asyncio.sleep(0.3)
         assert host.opens == 1 and "b" * 64 not in host.peer_server.expected  # children are told at once
@@ -371,5 +390,73 @@ async def test_a_package_refused_for_memory_a_moment_is_tried_again_and_not_expe
         while host.opens < 2:
             assert time.monotonic() < deadline, "not tried again once the memory was free"
             await asyncio.sleep(0.05)
+    finally:
+        await follower.close()
+
+
+async def test_a_package_larger_than_the_whole_memory_budget_is_reported_once_and_waits_for_new_parts(caplog):
+    """Found in review: an agent whose budget (--memory 1MiB) was smaller than the package (1.9 MiB) tried it again
+    every 5 s for good, a warning and a transfer_failed event each time, as if the memory would free."""
+    host, source = _ShortOfMemory(limit=50, held=0), PeerInfo("src", "127.0.0.1:1")
+    follower = PackageFollower("b" * 64, host, _SilentSession(), FetchPolicy(), replan_wait_s=0.1)
+    part = _assign(follower, source, source)
+    try:
+        await asyncio.sleep(1.5)  # past the pause (1 s) after which a shortage that passes is tried again
+        assert host.opens == 1 and host.events.emitted == ["transfer_failed"]
+        assert [r.levelname for r in caplog.records if "needs 80 B" in r.getMessage()] == ["ERROR"]
+        follower.assign(part)  # new parts: tried again
+        deadline = time.monotonic() + 5
+        while host.opens < 2:
+            assert time.monotonic() < deadline, "not tried again on new parts"
+            await asyncio.sleep(0.05)
+    finally:
+        await follower.close()
+
+
+class _Refusing:
+    """An agent whose peers all refuse the package: each fetch round's open fails on every one of them."""
+
+    def __init__(self) -> None:
+        self.peer_server, self.events, self.transport = PeerServer(), _Events(), None
+        self.budget = MemoryBudget(100)
+        self.opens = 0
+
+    async def open_store(self, package_id, peers, pool, on_failure=None):
+        self.opens += 1
+        await asyncio.sleep(0)  # as a peer's answer: other tasks run meanwhile
+        attempts = []
+        for peer in peers:
+            attempts.append((str(peer), PeerRefusedError(str(peer), f"package {package_id[:12]} is not here")))
+            on_failure(MANIFEST_FILE, peer, attempts[-1][1])
+        raise FetchFailedError(f"the manifest of package {package_id[:12]}", attempts)
+
+    def peer_failed(self, *args):
+        pass
+
+
+class _ControlPlaneAway(_SilentSession):
+    """A worker session whose control plane does not answer: a bad-peer report cannot be sent."""
+
+    def __getattr__(self, name):
+        if name != "report_bad_peer":
+            return super().__getattr__(name)
+
+        async def unavailable(*args, **kwargs):
+            raise ControlPlaneUnavailable("the control plane did not answer")
+        return unavailable
+
+
+@pytest.mark.parametrize("parent", ["the source", "a relay"])
+async def test_failed_parents_the_control_plane_cannot_be_told_of_are_tried_again_after_a_pause(caplog, parent):
+    """Found in review: with the control plane away and the failed parent a source (nothing to fetch around), the
+    next round started at once: ~9 log lines and ~5 events a second, reconnecting to the dead peer each time."""
+    host, source = _Refusing(), PeerInfo("src", "127.0.0.1:1")
+    follower = PackageFollower("b" * 64, host, _ControlPlaneAway(), FetchPolicy(), replan_wait_s=0.1)
+    _assign(follower, source if parent == "the source" else PeerInfo("relay", "127.0.0.1:2"), source)
+    try:
+        await asyncio.sleep(0.9)  # within the pause (1 s) after a round with nothing new to fetch around
+        # A relay is fetched around from the sources once, at once; then, as with the source, the pause.
+        assert host.opens == (1 if parent == "the source" else 2)
+        assert len([r for r in caplog.records if "cannot report failed parents" in r.getMessage()]) == 1
     finally:
         await follower.close()

@@ -4,6 +4,7 @@ provokes, whatever its type, moves a fetch on to its next peer instead of ending
 
 import asyncio
 import json
+import socket
 
 import pytest
 
@@ -14,6 +15,7 @@ from pipecast.agent.daemon import AgentDaemon, AgentOptions
 from pipecast.agent.errors import (
     CorruptFileError,
     FetchFailedError,
+    PeerNotListeningError,
     PeerProtocolError,
     PeerRefusedError,
     UnknownPackageError,
@@ -57,8 +59,8 @@ class Peers:
         self.transport = TcpTransport("peers", Settings(**SETTINGS))
         self.listeners = []
 
-    async def start(self, name: str, served: PeerServer) -> PeerInfo:
-        listener = await self.transport.listen("127.0.0.1", 0, served)
+    async def start(self, name: str, served: PeerServer, port: int = 0) -> PeerInfo:
+        listener = await self.transport.listen("127.0.0.1", port, served)
         self.listeners.append(listener)
         return PeerInfo(name, listener.address)
 
@@ -292,6 +294,52 @@ async def test_a_refusing_peer_is_not_blamed_for_corruption(package, peers, hone
         store.close()
     assert failures == [(f.path, PeerRefusedError) for f in manifest.files]
 
+
+def _free_port() -> int:
+    """A loopback port nothing listens on, in the range these tests may use."""
+    for port in range(42900, 43000):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 42900-42999")
+
+
+@pytest.mark.parametrize("fetched", ["manifest", "files"])
+async def test_a_peer_not_listening_yet_is_tried_again_as_a_parent_is(package, peers, pool, fetched):
+    """A static plan's agents start together: the seed may listen a moment after a receiver asks it for the
+    manifest (or a relay for the small files). Its refused connections are retried with the blocks' policy
+    (each reported), instead of failing the agent at once."""
+    root, manifest = package
+    seed = seed_store(root)
+    served = PeerServer()
+    served.add(seed)
+    port = _free_port()
+    late = PeerInfo("seed", f"127.0.0.1:{port}")
+    store = receiving_store(manifest)
+    failures = []
+
+    async def listen_later() -> None:
+        await asyncio.sleep(0.3)
+        await peers.start("seed", served, port)
+
+    starting = asyncio.create_task(listen_later())
+    try:
+        if fetched == "manifest":
+            assert await fetch_manifest(pool, manifest.package_id, [late],
+                                        lambda what, p, e: failures.append((what, type(e)))) == (manifest, late)
+        else:
+            await fetch_files(pool, store, [late], lambda what, p, e: failures.append((what, type(e))))
+            assert store.missing_files() == []
+        await starting
+    finally:
+        starting.cancel()
+        store.close()
+        seed.close()
+    first = MANIFEST_FILE if fetched == "manifest" else manifest.files[0].path
+    assert failures and set(failures) == {(first, PeerNotListeningError)}
 
 
 # -- chunk ranges (issue #16) ------------------------------------------------------------------------------

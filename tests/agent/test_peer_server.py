@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from pipecast.agent.errors import PeerNotAllowedError
+from packager.manifest import MANIFEST_FILE
+from pipecast.agent.errors import PeerNotAllowedError, UnknownPackageError
 from pipecast.agent.events import EventLog, read_events, rotated
 from pipecast.agent.peer_server import MAX_REQUESTERS_PER_PACKAGE, PeerServer
 from pipecast.agent.transport.wire import CHUNK, REQ_BLOCK, Header, answer_request, parse_request, request_payload
@@ -108,6 +109,26 @@ async def test_a_source_serves_the_receivers_of_its_plans_and_no_one_else(packag
         server.retain_parts([])
         with pytest.raises(PeerNotAllowedError):
             await server.admit("w1", pid)
+    finally:
+        seed.close()
+
+
+async def test_a_manifest_range_past_its_end_is_refused_as_any_files_is(package):
+    """Found in review: a range of the manifest past its end was answered short (or empty) where a range of any
+    other file is refused, so a requester took a truncated manifest for what it asked for."""
+    root, manifest = package
+    pid = manifest.package_id
+    server = PeerServer()
+    seed = seed_store(root)
+    try:
+        server.add(seed)
+        whole = await server.file_bytes(pid, MANIFEST_FILE)
+        size = len(whole)
+        assert await server.file_bytes(pid, MANIFEST_FILE, size - 10, 10) == whole[-10:]  # up to its end: served
+        for offset, length in ((size + 1000, 500), (size - 10, 11)):
+            with pytest.raises(UnknownPackageError, match=rf"^file 'manifest.json' of package {pid[:12]} has {size} "
+                                                          rf"bytes: no range of {length} at {offset}$"):
+                await server.file_bytes(pid, MANIFEST_FILE, offset, length)
     finally:
         seed.close()
 

@@ -280,8 +280,9 @@ class _ClientProtocol(asyncio.BufferedProtocol):
             self._expect(memoryview(bytearray(header.length)), self._auth_failed)
         elif header.kind == CHUNK:
             buffer = request.sink.chunk_buffer(request.block, request.next_chunk)
-            check_chunk(header, request.block, request.next_chunk, len(buffer), self.peer)
+            # The sink counts a receive from here: a refused header must end it too (_fail drops it).
             self._in_chunk = True
+            check_chunk(header, request.block, request.next_chunk, len(buffer), self.peer)
             self._expect(buffer, self._chunk_complete)
         elif isinstance(request, _HelloStep):
             self._expect(memoryview(bytearray(header.length)), self._hello_complete)

@@ -56,7 +56,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from packager.manifest import HEX_DIGEST, MANIFEST_FILE
+from packager.manifest import HEX_DIGEST, MANIFEST_FILE, MAX_MANIFEST_BYTES
 from pipecast.agent.errors import (
     AgentError,
     AnswerAbandonedError,
@@ -79,7 +79,6 @@ REQUESTS = (REQ_BLOCK, REQ_FILE)
 MAX_REQUEST_BYTES = 4096
 MAX_ERROR_BYTES = 64 << 10
 MAX_FILE_BYTES = 256 << 20  # a whole small file (ranges are bounded by what was asked for)
-MAX_MANIFEST_BYTES = 32 << 20  # manifests of very large models with 1 MiB chunks are a few MB
 # A frame below this is a peer making us post a receive per few bytes.
 MIN_FRAME_BYTES = 4096
 # Rate-limited sends go in slices this big so a limited link carries a smooth stream, not chunk bursts.
@@ -510,6 +509,7 @@ def file_answer_limit(path: str, length: int) -> int:
     """The longest ``FILE`` answer a request for ``length`` bytes of ``path`` may get (0: the whole file)."""
     if length:
         return length
+    # The packager's own limit: a manifest it packs and a seed serves must be one every receiver takes.
     return MAX_MANIFEST_BYTES if path == MANIFEST_FILE else MAX_FILE_BYTES
 
 

@@ -756,6 +756,62 @@ async def test_an_announced_length_beyond_the_range_is_refused_before_allocation
         server.close()
 
 
+class ReceivesSink:
+    """The store as a chunk sink, keeping the receives it was told of: begun (a buffer taken), ended (landed or
+    dropped)."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self.begun: list[tuple[int, int]] = []
+        self.ended: list[tuple[int, int]] = []
+
+    def chunk_count(self, block: int) -> int:
+        return self.store.chunk_count(block)
+
+    def chunk_buffer(self, block: int, chunk: int) -> memoryview:
+        self.begun.append((block, chunk))
+        return self.store.chunk_buffer(block, chunk)
+
+    def chunk_progress(self, block: int, chunk: int, nbytes: int) -> None:
+        self.store.chunk_progress(block, chunk, nbytes)
+
+    def chunk_landed(self, block: int, chunk: int, peer: str) -> None:
+        self.ended.append((block, chunk))
+        self.store.chunk_landed(block, chunk, peer)
+
+    def chunk_dropped(self, block: int, chunk: int) -> None:
+        self.ended.append((block, chunk))
+        self.store.chunk_dropped(block, chunk)
+
+
+@pytest.mark.parametrize(("header", "problem"), [
+    (Header(CHUNK_MESSAGE, 0, 0, CHUNK + 1),
+     f"sent {CHUNK + 1} bytes for chunk 0 of block 0; the manifest says {CHUNK}"),
+    (Header(CHUNK_MESSAGE, 0, 1, CHUNK), "sent chunk 1 of block 0; expected chunk 0 of block 0"),
+])
+async def test_a_chunk_header_refused_ends_the_receive_it_began(package, header, problem):
+    """Found in review: the chunk's buffer (a receive begun, for the store) was taken before its header was checked,
+    and a refused header left the store a receive that never ended."""
+    _, manifest = package
+
+    async def liar(reader, writer):
+        await reader.read(1 << 16)
+        writer.write(TCP_HEADER.pack(header))
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    server, address = await raw_server(liar)
+    sink = ReceivesSink(receiving_store(manifest))
+    try:
+        channel = await TcpTransport("rx", settings()).connect(address, "liar")
+        with pytest.raises(PeerProtocolError, match=f"^peer liar: {problem}$"):
+            await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, sink, 1), 5)
+        assert sink.begun == sink.ended == [(0, 0)]
+    finally:
+        server.close()
+        sink.store.close()
+
+
 @pytest.mark.skipif(not have_openssl(), reason="needs the openssl command to make test certificates")
 async def test_with_certificates_the_data_plane_is_mutual_tls(package, tmp_path):
     """Issue #12: mTLS on the data plane when tls_* are set; a peer without a certificate from the cluster's

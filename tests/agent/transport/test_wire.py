@@ -5,6 +5,7 @@ views. Transfers are tested per backend (test_tcp.py, test_ucx.py) and for all o
 import numpy as np
 import pytest
 
+from packager.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES
 from pipecast.agent.errors import PeerAuthError, PeerProtocolError
 from pipecast.agent.transport.base import PeerAuth
 from pipecast.agent.transport.wire import (
@@ -145,11 +146,19 @@ def test_an_answer_longer_than_asked_for_is_refused_before_allocation():
     check_answer(Header(FILE, length=1000), FILE, "file a", "p", file_answer_limit("a", 1000))
     with pytest.raises(PeerProtocolError, match=r"announced file a of 1001 bytes \(at most 1000 asked for\)"):
         check_answer(Header(FILE, length=1001), FILE, "file a", "p", file_answer_limit("a", 1000))
-    with pytest.raises(PeerProtocolError, match="at most 33554432"):  # the manifest's cap: 32 MiB
-        check_answer(Header(FILE, length=(32 << 20) + 1), FILE, "file manifest.json", "p",
-                     file_answer_limit("manifest.json", 0))
+    with pytest.raises(PeerProtocolError, match=f"at most {MAX_MANIFEST_BYTES}"):  # the manifest's cap
+        check_answer(Header(FILE, length=MAX_MANIFEST_BYTES + 1), FILE, "file manifest.json", "p",
+                     file_answer_limit(MANIFEST_FILE, 0))
     with pytest.raises(PeerProtocolError, match="error message of"):
         check_answer(Header(AUTH_FAIL, length=1 << 20), FILE, "file a", "p")
+
+
+def test_every_manifest_the_packager_allows_is_taken_whole_from_a_peer():
+    """Found in review: the wire took manifests of at most 32 MiB while the packager packs them up to 64 MiB, so
+    every receiver refused a 450-870 GB model's manifest and blamed the seed that served it."""
+    assert file_answer_limit(MANIFEST_FILE, 0) == MAX_MANIFEST_BYTES
+    check_answer(Header(FILE, length=MAX_MANIFEST_BYTES), FILE, "file manifest.json", "p",
+                 file_answer_limit(MANIFEST_FILE, 0))
 
 
 # -- chunk ranges (issue #16) ------------------------------------------------------------------------------
