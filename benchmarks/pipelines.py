@@ -275,13 +275,17 @@ async def _drive(spec: DriverSpec) -> dict:
 
     from control_plane.client import ControlPlaneClient
     from pipecast.agent.events import EventLog
+    from pipecast.core.credentials import data_plane_key, serving_headers, serving_key
 
     events = EventLog(Path(spec.events), DRIVER)
     manifest = read_manifest(Path(spec.package))
     package_id, blocks = manifest.package_id, len(manifest.blocks)
     deadline = time.monotonic() + START_TIMEOUT_S
+    # The serving key (none with auth off): a router with credentials names the worker or pipeline that served a
+    # request (x-pipecast-worker) only to its holders.
+    keyed = serving_headers(serving_key(data_plane_key(driver_token())))
     async with ControlPlaneClient(spec.control_plane, token=driver_token()) as cp, aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as http:
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), headers=keyed) as http:
         await publish_when_up(cp, manifest, STORE, spec.store_address, deadline, POLL_S)
         events.emit("published", package=package_id)
         await _arm(spec, cp, http, package_id, deadline)

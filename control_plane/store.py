@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import grpc
 
@@ -129,13 +128,37 @@ def is_postgres_url(target: str | Path) -> bool:
 
 def redact_url(url: str) -> str:
     """``url`` with its password, in the user part or a ``password`` parameter, replaced by ``***``."""
-    parts = urlsplit(url)
-    user, at, host = parts.netloc.rpartition("@")
-    if ":" in user:
-        user = user.split(":", 1)[0] + ":***"
-    query = urlencode([(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)],
-                      safe="*")
-    return urlunsplit(parts._replace(netloc=f"{user}{at}{host}", query=query))
+    return _redacted(url)[0]
+
+
+def url_passwords(url: str) -> list[str]:
+    """The passwords ``url`` holds (user part, ``password`` parameters), as written: percent-encoded."""
+    return _redacted(url)[1]
+
+
+def _redacted(url: str) -> tuple[str, list[str]]:
+    """``url`` with its passwords replaced by ``***``, and those passwords as written. Split as libpq reads it,
+    not as urllib does: the user part ends at an '@' before the first '/', whatever it holds ('?' and '#'
+    included), and the parameters run from the first '?' after it to the end ('#' included)."""
+    from urllib.parse import unquote
+
+    scheme, sep, rest = url.partition("://")
+    slash = rest.find("/")
+    head = rest if slash < 0 else rest[:slash]
+    # The last such '@', where libpq takes the first: an unencoded '@' in a password is not shown either.
+    user, at, host = head.rpartition("@")
+    name, colon, password = user.partition(":")
+    passwords = [password] if colon else []
+    user = f"{name}:***" if colon else user
+    where, question, query = (host + rest[len(head):]).partition("?")
+    params = []
+    for param in query.split("&"):
+        key, equals, value = param.partition("=")
+        if equals and unquote(key) == "password":
+            passwords.append(value)
+            param = f"{key}=***"
+        params.append(param)
+    return f"{scheme}{sep}{user}{at}{where}{question}{'&'.join(params)}", passwords
 
 
 def open_store(target: str | Path) -> Store:

@@ -21,13 +21,13 @@ The URL's password (user part or ``password`` parameter) is replaced by ``***`` 
 import contextlib
 import logging
 from collections.abc import Iterator
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import unquote
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from control_plane.errors import StoreError
-from control_plane.store import redact_url
+from control_plane.store import redact_url, url_passwords
 from control_plane.store_sql import Dialect, SqlStore
 
 log = logging.getLogger(__name__)
@@ -51,9 +51,8 @@ TCP_PARAMETERS = {"tcp_user_timeout": "10000", "keepalives": "1", "keepalives_id
 
 
 def _secrets(url: str) -> list[str]:
-    """The password of ``url`` as written and decoded (what must never be shown)."""
-    parts = urlsplit(url)
-    written = [parts.password or ""] + [v for k, v in parse_qsl(parts.query) if k == "password"]
+    """The passwords of ``url`` as written and decoded (what must never be shown), longest first."""
+    written = url_passwords(url)
     return sorted({form for secret in written if secret for form in (secret, unquote(secret))}, key=len,
                   reverse=True)
 

@@ -45,6 +45,7 @@ from control_plane.errors import ControlPlaneUnavailable
 from control_plane.messages import PeerInfo
 from packager.manifest import read_manifest
 from pipecast.agent.events import EventLog
+from pipecast.core.credentials import data_plane_key, serving_headers, serving_key
 from pipecast.core.errors import PipecastError
 from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER
 
@@ -212,7 +213,11 @@ class Driver:
     async def run(self) -> dict:
         """Arm, surge, replay; return the results object."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http, \
+        # The serving key (none with auth off): a router with credentials names the worker that served a request
+        # (x-pipecast-worker, each request's row) only to its holders.
+        keyed = serving_headers(serving_key(data_plane_key(driver_token())))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout,
+                                         headers=keyed) as http, \
                 ControlPlaneClient(self.spec.control_plane, token=driver_token()) as cp:
             deadline = time.monotonic() + self.spec.startup_timeout_s
             await self._publish(cp, deadline)

@@ -50,6 +50,7 @@ import logging
 import math
 import os
 import socket
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +137,8 @@ class LocalApiServer:
         self.path: Path | None = None
 
     async def start(self, path: Path) -> None:
-        """Listen on ``path``; a stale socket file left by a dead agent is replaced.
+        """Listen on ``path``; a stale socket file left by a dead agent is replaced, anything else there is
+        :class:`LocalApiError`.
 
         The socket is bound under a temporary name, made 0600, and only then listens and is renamed to
         ``path``: no other user can connect at any moment, and a client that sees ``path`` can connect.
@@ -148,8 +150,16 @@ class LocalApiServer:
             try:
                 probe.connect(str(path))
                 raise LocalApiError(f"{path}: another agent is listening on this socket")
-            except (ConnectionRefusedError, FileNotFoundError):
+            except FileNotFoundError:  # gone since: nothing to replace
+                pass
+            except ConnectionRefusedError:
+                # A regular file or a folder refuses too: a mistyped socket path must not delete the user's file.
+                if not stat.S_ISSOCK(path.lstat().st_mode):
+                    raise LocalApiError(f"{path} exists and is not a socket: the agent replaces only a stale "
+                                        "socket of its own there") from None
                 path.unlink(missing_ok=True)
+            except OSError as exc:
+                raise LocalApiError(f"{path}: cannot tell whether an agent listens on this socket: {exc}") from None
             finally:
                 probe.close()
         self._server = await asyncio.start_unix_server(self._serve, sock=_private_socket(path))

@@ -4,7 +4,6 @@
 - A **node token** ``pcn1.<node_id>.<mac>``, mac = base64url-nopad(HMAC-SHA256(master,
   ``b"pipecast node token v1\\0" + node_id``)), names its node and proves the master's holder issued it:
   the control plane checks it without storing anything, and it lets its holder act for that node only.
-  Node ids therefore cannot contain ``.``.
 - The **data-plane key** HMAC-SHA256(master, ``b"pipecast data plane v1"``) keys the agents' mutual hello
   before block transfers; the control plane hands it to registered workers.
 - The **serving key** HMAC-SHA256(data-plane key, ``b"pipecast serving v1"``) is what the router and the
@@ -65,7 +64,7 @@ class Principal:
 
 
 def validate_node_id(node_id: str) -> str:
-    """``node_id`` if usable (non-empty, printable, no white space, at most 128 characters; dots are fine: a
+    """``node_id`` if usable (non-empty, printable ASCII, no white space, at most 128 characters; dots are fine: a
     token's node id is what lies between its first and its last '.', and the MAC has none); else
     :class:`CredentialError` saying what is wrong."""
     if not node_id:
@@ -76,7 +75,16 @@ def validate_node_id(node_id: str) -> str:
         raise CredentialError(f"node id {node_id!r} has unprintable characters")
     if any(c.isspace() for c in node_id):
         raise CredentialError(f"node id {node_id!r} has white space")
+    if _outside_ascii_at(node_id) is not None:  # its token could be issued, yet no client could present it
+        raise CredentialError(f"node id {node_id!r} has characters other than ASCII: a node token names it, and "
+                              "gRPC metadata, which carries tokens, takes printable ASCII only")
     return node_id
+
+
+def _outside_ascii_at(text: str) -> int | None:
+    """Where ``text`` first holds a character other than printable ASCII without spaces (0x21-0x7e, what a token in
+    gRPC metadata may hold); None if nowhere."""
+    return next((i for i, c in enumerate(text) if not "!" <= c <= "~"), None)
 
 
 def _hmac(master: str, message: bytes) -> bytes:
@@ -162,6 +170,11 @@ def check_master_token(master: str) -> str:
     token is refused too: it is a credential of the cluster, not the secret it derives from."""
     if not master:
         return master
+    if (first := _outside_ascii_at(master)) is not None:  # where, not what: the message must not show the secret
+        raise CredentialError(
+            f"auth_token: the master token has a character other than printable ASCII (white space, a control "
+            f"character or a non-ASCII one) at position {first + 1}; gRPC metadata, which carries it, takes printable "
+            "ASCII only: make one with `openssl rand -hex 32`")
     parsed = parse_node_token(master)
     if parsed is not None:
         raise CredentialError(

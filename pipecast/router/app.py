@@ -13,8 +13,9 @@ Endpoints:
   relayed event by event as they arrive; if the worker fails mid-stream, the client gets a final
   ``data: {"error": {...}}`` event and the stream ends (a stream the worker ends with an error event of
   its own, or without ``data: [DONE]``, counts as failed too; a torn last event is dropped, never passed
-  on). Responses carry ``x-pipecast-worker`` and ``x-pipecast-queue-seconds``; a streaming response's
-  headers leave with the worker's first whole event, not before.
+  on). Responses carry ``x-pipecast-queue-seconds`` and ``x-pipecast-worker`` (the worker's URL; like the
+  workers named by a 502 or a stream's error event, only to the callers that may read the pool's views, below);
+  a streaming response's headers leave with the worker's first whole event, not before.
 - ``GET /health``: the router's own state; ``GET /v1/workers``: the pool; ``GET /v1/models``: the served
   names of the control plane's routes, each with its versions (package id, weight, workers), then the
   other models its workers serve or load (as their health polls name them), each with its package id and
@@ -36,7 +37,8 @@ presenting the cluster's serving key (header ``X-Pipecast-Serving-Key``, as the 
 (``invalid_serving_key``) without it or with another, 503 (``credentials_pending``) while the router has not
 learned the key. Prometheus scrapes ``/metrics`` on a port of its own instead (:func:`build_metrics_app`, the
 ``--metrics-port``), which the operator exposes only inside the cluster. ``/health`` and ``/v1/models`` answer
-anyone; ``/v1/models`` names its workers' URLs only to the callers ``/stats`` answers.
+anyone; ``/v1/models`` names its workers' URLs only to the callers ``/stats`` answers, and so do completions
+(:meth:`Router.shows_workers`): to anyone else a 502 says only how many attempts failed.
 
 A request whose ``model`` is a served name with a route (:mod:`control_plane.routes`: ``pipecast cp route``,
 ``canary``, ``promote``, ``rollback``) goes to one of its versions by the route's weights
@@ -444,7 +446,7 @@ class Router:
                 return self._reject(exc, 429, "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
             except QueueTimeoutError as exc:
                 if failures:  # the deadline counts from arrival: a worker that went silent may have spent it
-                    return self._failed_for_good(RetriesExhaustedError(failures, exc), version)
+                    return self._failed_for_good(request, RetriesExhaustedError(failures, exc), version)
                 return self._reject(exc, 503, "queue_timeout", version=version)
             except RouterClosedError as exc:
                 return self._reject(exc, 503, "shutting_down", version=version)
@@ -463,7 +465,7 @@ class Router:
                 self.pool.record_failure(worker.url, str(exc), self.clock())
                 failures.append(exc)
                 if len(failures) > self.config.max_retries:
-                    return self._failed_for_good(RetriesExhaustedError(failures), version)
+                    return self._failed_for_good(request, RetriesExhaustedError(failures), version)
                 log.warning("retrying on another worker: %s", exc)
                 self.metrics.retried.labels(worker.url).inc()
             finally:
@@ -482,13 +484,19 @@ class Router:
             response.force_close()
         return response
 
-    def _failed_for_good(self, error: RetriesExhaustedError, version: str | None) -> web.Response:
+    def _failed_for_good(self, request: web.Request, error: RetriesExhaustedError,
+                         version: str | None) -> web.Response:
         """The 502 of a request that failed on workers and is not retried, naming them (the last one in the
-        ``x-pipecast-worker`` header)."""
+        ``x-pipecast-worker`` header) to a caller that may see them (:meth:`shows_workers`), else saying only
+        how many attempts failed: the failures name the workers' URLs, and their errors may too."""
         last = error.failures[-1].worker
         log.warning("request failed for good: %s", error)
         self.metrics.failed.labels(last, "before_response").inc()
         self.signals.failed(version)
+        if not self.shows_workers(request):
+            then = f"; then {error.then}" if error.then else ""
+            return web.json_response(error_body(f"request failed on {len(error.failures)} attempt(s) at the router's "
+                                                f"workers{then}", "worker_failed"), status=502)
         return web.json_response(error_body(str(error), "worker_failed", worker=last,
                                             attempts=[failure.worker for failure in error.failures]),
                                  status=502, headers={WORKER_HEADER: last})
@@ -526,7 +534,9 @@ class Router:
                 raise WorkerBusyError(worker.url, retry_after_seconds(upstream.headers.get("Retry-After")))
             if upstream.status == 503:
                 raise WorkerFailedError(worker.url, "answered 503 (not serving)")
-            timing = {WORKER_HEADER: worker.url, QUEUE_HEADER: f"{queued_s:.6f}"}
+            timing = {QUEUE_HEADER: f"{queued_s:.6f}"}
+            if self.shows_workers(request):
+                timing[WORKER_HEADER] = worker.url
             if upstream.status == 200 and upstream.content_type == "text/event-stream":
                 return await self._relay_stream(request, upstream, worker, arrival, queued_s, timing, version)
             try:
@@ -649,7 +659,9 @@ class Router:
             self.pool.record_failure(worker.url, str(failure), self.clock())
             self.metrics.failed.labels(worker.url, "mid_stream").inc()
             self.signals.failed(version)
-            await self._send(response, sse_event(error_body(str(failure), "worker_failed", worker=worker.url)))
+            named = {"worker": worker.url} if self.shows_workers(request) else {}
+            message = str(failure) if named else "the worker serving this request failed mid-stream"
+            await self._send(response, sse_event(error_body(message, "worker_failed", **named)))
         elif refused:  # the client has the worker's own error event: nothing to add
             log.warning("worker %s ended a stream with an error event", worker.url)
             self.metrics.failed.labels(worker.url, "error_event").inc()
@@ -749,6 +761,11 @@ class Router:
         if any(presents_key(presented, key) for key in keys):
             return None
         return ViewKeyError(request.path, presented is not None)
+
+    def shows_workers(self, request: web.Request) -> bool:
+        """Whether the answer to ``request`` may name the workers that served or failed it: their URLs are the
+        pool's insides, shown only to the callers that may read its views (:meth:`view_refusal`)."""
+        return self.view_refusal(request) is None
 
     def refuse_view(self, request: web.Request) -> web.Response | None:
         """The answer refusing ``request`` a view of the pool (:meth:`view_refusal`), or None when it may read it."""

@@ -372,6 +372,38 @@ async def test_the_socket_is_private_before_it_accepts_anyone(tmp_path, monkeypa
     assert not (tmp_path / "agent.sock").exists()
 
 
+async def test_only_a_stale_socket_is_replaced_never_a_file_or_a_folder(tmp_path, monkeypatch):
+    """Found in review: whatever refused a connection was unlinked, so a mistyped socket path deleted a regular
+    file there; a folder raised a bare IsADirectoryError."""
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as dead:  # a dead agent's socket: refused, replaced
+        dead.bind(str(stale))
+    server = LocalApiServer(PeerServer(), status=dict, auth=PeerAuth("n1"))
+    await server.start(stale)
+    try:
+        with pytest.raises(LocalApiError, match="another agent is listening on this socket"):
+            await LocalApiServer(PeerServer(), status=dict, auth=PeerAuth("n1")).start(stale)
+    finally:
+        await server.close()
+    mistyped, folder = tmp_path / "agent.toml", tmp_path / "folder"
+    mistyped.write_text("auth_token = 'precious'\n")
+    folder.mkdir()
+    for path in (mistyped, folder):
+        with pytest.raises(LocalApiError) as refused:
+            await LocalApiServer(PeerServer(), status=dict, auth=PeerAuth("n1")).start(path)
+        assert str(refused.value) == (f"{path} exists and is not a socket: the agent replaces only a stale socket "
+                                      "of its own there")
+    assert mistyped.read_text() == "auth_token = 'precious'\n" and folder.is_dir()
+
+    def stuck(sock, address):  # a listener whose backlog is full, say
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket.socket, "connect", stuck)
+    with pytest.raises(LocalApiError) as refused:
+        await LocalApiServer(PeerServer(), status=dict, auth=PeerAuth("n1")).start(mistyped)
+    assert str(refused.value) == f"{mistyped}: cannot tell whether an agent listens on this socket: timed out"
+
+
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=5),

@@ -30,9 +30,39 @@ def test_a_path_opens_sqlite(tmp_path):
     ("postgresql://cp:s3cret@db:5432/control", "postgresql://cp:***@db:5432/control"),
     ("postgresql://cp@db/control", "postgresql://cp@db/control"),
     ("postgres://db/control?sslmode=require&password=s3cret", "postgres://db/control?sslmode=require&password=***"),
+    ("postgresql://cp:s3c?ret@db:5432/control", "postgresql://cp:***@db:5432/control"),
+    ("postgresql://cp:s3c#ret@db/control?sslmode=require", "postgresql://cp:***@db/control?sslmode=require"),
+    ("postgresql://cp:s3c@ret@db/control", "postgresql://cp:***@db/control"),
+    ("postgresql://cp:s3cret@db?password=x", "postgresql://cp:***@db?password=***"),
+    ("postgres://db/control?password=s3c#ret&sslmode=require", "postgres://db/control?password=***&sslmode=require"),
 ])
 def test_a_urls_password_is_redacted(url, shown):
     assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://cp:Tops?Tail@db:5432/control", "postgresql://cp:Tops#Tail@db:5432/control?sslmode=require",
+    "postgresql://cp:Tops%3FTail@db/control", "postgres://db/control?password=Tops#Tail&sslmode=require"])
+def test_a_password_holding_what_urllib_splits_at_is_never_shown(monkeypatch, url):
+    """libpq reads the user part up to an '@' before the first '/' and the parameters to the end, '?' and '#'
+    included: split as urllib splits, such a password was shown in the startup line and every StoreError."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    from control_plane import store_postgres
+
+    password = conninfo_to_dict(url)["password"]
+    assert password in ("Tops?Tail", "Tops#Tail")  # what libpq sends
+
+    def refuse(conninfo, **options):  # as a driver echoing the password would
+        raise psycopg.OperationalError(f"connection refused for {conninfo} (password {password})")
+
+    monkeypatch.setattr(store_postgres.psycopg, "connect", refuse)
+    with pytest.raises(StoreError) as info:
+        open_store(url)
+    message = str(info.value)
+    assert "Tops" not in message and "Tail" not in message
+    assert message.startswith(f"control plane database {redact_url(url)}: ")
 
 
 def test_without_psycopg_a_postgres_url_is_a_store_error(monkeypatch):

@@ -94,6 +94,7 @@ def test_principals_of_the_master_and_of_node_tokens():
 
 @pytest.mark.parametrize(("node_id", "problem"), [
     ("", "must not be empty"), ("a b", "white space"), ("x" * 129, "at most 128"), ("a\nb", "unprintable"),
+    ("a\tb", "unprintable"), ("gpü-1", "'gpü-1' has characters other than ASCII"), ("ノード", "other than ASCII"),
 ])
 def test_unusable_node_ids_are_refused(node_id, problem):
     with pytest.raises(CredentialError, match=problem):
@@ -103,7 +104,7 @@ def test_unusable_node_ids_are_refused(node_id, problem):
 
 
 def test_usable_node_ids_round_trip():
-    for node_id in ("w1", "gpu-node-07:7070", "x" * 128, "ノード"):
+    for node_id in ("w1", "gpu-node-07:7070", "x" * 128, "!~"):
         assert verify_node_token(MASTER, issue_node_token(MASTER, node_id)) == node_id
 
 
@@ -148,6 +149,18 @@ def test_a_node_token_is_refused_as_the_master_token():
         "auth_token: the master token is a node token (of node 'w1', from `pipecast cp issue-token`); the control "
         "plane needs the cluster's master secret, from which node tokens derive: make one with `openssl rand -hex "
         "32`")
+
+
+@pytest.mark.parametrize("master, position", [("pässwörd-Geheimnis-2026", 2), ("tab\tseparated-secret-0123", 4),
+                                              ("with space-secret-0123", 5), ("0123456789abcdef\x7f", 17)])
+def test_a_master_token_grpc_metadata_cannot_carry_is_refused_without_showing_it(master, position):
+    """Found in review: such a master passed, and every call presenting it failed with a raw gRPC error."""
+    with pytest.raises(CredentialError) as caught:
+        check_master_token(master)
+    assert str(caught.value) == (
+        f"auth_token: the master token has a character other than printable ASCII (white space, a control character "
+        f"or a non-ASCII one) at position {position}; gRPC metadata, which carries it, takes printable ASCII only: "
+        "make one with `openssl rand -hex 32`")
 
 
 def test_no_master_token_and_a_random_one_pass():

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from click.testing import CliRunner
 
+from pipecast.core.credentials import data_plane_key, serving_headers, serving_key
 from pipecast.router.app import WORKER_HEADER
 from pipecast.router.signals import TTFT_WINDOW_S
 from pipecast.scaler.command import scaler_group
@@ -86,7 +87,8 @@ def burst(url: str, count: int, at_once: int = 4) -> list[str]:
     """``count`` non-streaming greedy completions of ``chat`` through the router, ``at_once`` at a time; the
     worker that served each."""
     async def go() -> list[str]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT_S)) as session:
+        keyed = serving_headers(serving_key(data_plane_key(TOKEN)))  # the router names its workers to its holders
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT_S), headers=keyed) as session:
             async def one(i: int) -> str:
                 body = {"model": "chat", "prompt": [5 + i % 50, 6, 7], "max_tokens": 16, "temperature": 0}
                 async with session.post(f"{url}/v1/completions", json=body) as answer:

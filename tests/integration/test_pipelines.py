@@ -109,7 +109,7 @@ def cluster(tmp_path, package):
 async def complete(http: aiohttp.ClientSession, url: str, max_tokens: int) -> tuple[int, str, list[int]]:
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
             "return_token_ids": True}
-    async with http.post(f"{url}/v1/completions", json=body) as answer:
+    async with http.post(f"{url}/v1/completions", json=body, headers=KEYED) as answer:  # it names its workers
         data = await answer.json()
         tokens = data["choices"][0]["token_ids"] if answer.status == 200 else data
         return answer.status, answer.headers.get("x-pipecast-worker", ""), tokens

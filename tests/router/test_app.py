@@ -683,6 +683,40 @@ async def test_the_pools_views_answer_only_the_serving_key_where_the_router_has_
             assert response.status == 200
 
 
+async def test_answers_name_their_workers_only_to_the_callers_the_views_answer(client):
+    """Where /v1/workers refuses a caller, its completions named the worker URLs all the same: the
+    x-pipecast-worker header of every answer, a 502's worker and attempts, a stream's error event. Now only
+    a caller presenting the serving key sees them (or anyone, without credentials)."""
+    key = serving_key(data_plane_key("master"))
+    mine = {SERVING_KEY_HEADER: key.hex()}
+    async with workers(FakeWorker(serving_key=key), FakeWorker(serving_key=key, behaviour="die_before"),
+                       FakeWorker(serving_key=key, behaviour="die_mid_stream")) as (good, dying, torn):
+        for urls, check in (([good.url], "answer"), ([dying.url], "502"), ([torn.url], "stream")):
+            async with router(urls, serving_key=key, views_need_key=True, max_retries=0) as (url, instance):
+                for headers in ({}, {SERVING_KEY_HEADER: bytes(32).hex()}, mine):
+                    torn.health_code = 200  # back up after its last death
+                    await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+                    shown = headers is mine
+                    async with client.post(f"{url}/v1/completions", json=BODY | {"stream": check == "stream"},
+                                           headers=headers) as response:
+                        assert (WORKER_HEADER in response.headers) is shown
+                        text = (await response.read()).decode()
+                    assert (urls[0] in text) is shown or check == "answer", text  # a fake names itself in its answer
+                    if check == "502":
+                        error = json.loads(text)["error"]
+                        assert response.status == 502 and ("attempts" in error and "worker" in error) is shown
+                        if not shown:
+                            assert error == {"type": "worker_failed",
+                                             "message": "request failed on 1 attempt(s) at the router's workers"}
+                    if check == "stream":
+                        error = json.loads(text.split("data: ")[-1])["error"]
+                        assert error == ({"type": "worker_failed", "worker": torn.url, "message": error["message"]}
+                                         if shown else {"type": "worker_failed", "message": "the worker serving "
+                                                        "this request failed mid-stream"})
+        async with router([good.url], serving_key=key) as (url, _):  # no credentials: shown to anyone, as before
+            assert (await post(client, url))[1][WORKER_HEADER] == good.url
+
+
 def test_a_router_given_a_node_token_and_no_control_plane_is_a_usage_error():
     """No serving key derives from a node token: such a router could neither call pipecast's workers nor
     answer its own /stats, so it refuses to start, saying what to give it."""
