@@ -86,7 +86,7 @@ class LoadedModel:
                 stop_token_ids: Sequence[int] | None) -> "SamplingParams":
         from pipecast.engine.sampling import SamplingParams
 
-        stops = self.stop_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
+        stops = self.stop_token_ids if stop_token_ids is None else stop_token_ids  # SamplingParams checks them
         return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                               stop_token_ids=stops)
 
@@ -108,7 +108,8 @@ class LoadedModel:
         return self.engine.logits(ids, timeout)
 
     def close(self) -> None:
-        """Stop the engine (requests still running fail with EngineClosedError) and its agent client."""
+        """Stop the engine (requests still running, later ones and :meth:`logits` fail with EngineClosedError; its
+        weights are dropped first, so that the agent client can unmap the blocks) and its agent client."""
         self.engine.close()
         if self._on_close is not None:
             self._on_close()
@@ -128,20 +129,34 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
     ``agent`` is the node agent's local socket (or a connected client); by default the socket set in
     pipecast's settings (``PIPECAST_AGENT_LOCAL_SOCKET``). Without a reachable agent holding the package,
     blocks are read from the package folder, or from the agent's disk cache (``PIPECAST_AGENT_CACHE_DIR``)
-    for a package id: the unicast fallback, logged as a warning. ``dtype`` defaults to the weights' dtype
-    (then CPU parameters are views of the block buffers: no copy). ``stall_timeout_s`` bounds how long
-    loading may go without a new block before it fails; ``agent_timeout_s`` bounds each agent request.
+    for a package id: the unicast fallback, logged as a warning; a folder that lacks blocks is refused
+    (:class:`PackageUnavailableError` naming them). ``dtype`` defaults to the weights' dtype (then CPU parameters
+    are views of the block buffers: no copy). ``stall_timeout_s`` bounds how long loading may go without a new
+    block before it fails. ``agent_timeout_s`` (0 to 86400 s) is how long the agent may take over each request
+    (to hold the package's manifest, to map a block); an agent that does not answer is given up on 5 s
+    (``CLIENT_SLACK_S``) later, so a mute agent delays the fallback by ``agent_timeout_s`` + 5 s.
     ``verify`` checks a package folder's blocks and small files (config.json too) against its manifest.
-    ``device`` and ``dtype`` are checked first (:class:`DeviceError`), and the package's EOS ids read,
-    before any thread starts.
+    The arguments are checked first, before the agent is asked (:class:`DeviceError` for ``device`` and
+    ``dtype``, :class:`InvalidRequestError` for the others), and the package's EOS ids read before any
+    thread starts.
     """
-    from pipecast.engine.engine import Engine
+    from pipecast.agent.local_client import MAX_TIMEOUT_S
     from pipecast.core.settings import load_settings
+    from pipecast.engine.engine import Engine, check_engine_arguments
 
+    check_engine_arguments(device, dtype, max_batch=max_batch, max_queue=max_queue, stall_timeout_s=stall_timeout_s)
+    # The agent client refuses these too, but its error would read as "the agent cannot serve": a silent fallback.
+    if isinstance(agent_timeout_s, bool) or not isinstance(agent_timeout_s, int | float) or not (
+            0 <= agent_timeout_s <= MAX_TIMEOUT_S):
+        raise InvalidRequestError(f"agent_timeout_s must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, "
+                                  f"got {describe(agent_timeout_s)}")
     settings = load_settings()
+    agent = agent or settings.agent_local_socket
+    if agent is not None and not isinstance(agent, (str, Path)) and not callable(getattr(agent, "manifest", None)):
+        raise InvalidRequestError(f"agent must be the path of the agent's local socket or a connected client, got "
+                                  f"{describe(agent)} ({type(agent).__name__})")
     folder = local_folder(package, settings.agent_cache_dir)
-    provider, origin, on_close = _provider(package, folder, agent or settings.agent_local_socket,
-                                           agent_timeout_s, verify)
+    provider, origin, on_close = _provider(package, folder, agent, agent_timeout_s, verify)
     try:
         # Before the engine starts: a package whose files are bad must not leave its threads running.
         stop_token_ids = default_stop_token_ids(provider)
@@ -186,8 +201,14 @@ def _provider(package: str | Path, folder: Path | None, agent: Any, timeout_s: f
     if folder is None:
         raise PackageUnavailableError(f"package {package}: {reason}, and it is neither a package folder nor "
                                       "in the agent's disk cache")
+    provider = PackageFolderProvider(folder, verify=verify)
+    # A folder lacking blocks (an agent's disk cache it stopped filling) would fail only once loading reached them.
+    missing = sorted(set(range(provider.num_blocks)) - provider.present_blocks())
+    if missing:
+        raise PackageUnavailableError(f"package {package}: {reason}, and the package folder {folder} lacks "
+                                      f"{len(missing)} of its {provider.num_blocks} blocks: {missing[:8]}")
     logger.warning("%s: loading %s from the package folder (unicast fallback)", reason, folder)
-    return PackageFolderProvider(folder, verify=verify), SOURCE_LOCAL, None
+    return provider, SOURCE_LOCAL, None
 
 
 def _connect(socket: str | Path) -> Any:

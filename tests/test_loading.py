@@ -1,5 +1,6 @@
 """``pipecast.load``: returns at once, serves while loading, uses the agent or falls back to the folder."""
 
+import asyncio
 import json
 import logging
 import re
@@ -17,10 +18,19 @@ import pipecast
 from packager.errors import PackageFileError
 from packager.pack import pack
 from pipecast.engine.engine import LoadProgress
-from pipecast.engine.errors import InvalidRequestError, ModelLoadError, PackageMismatchError
-from pipecast.engine.weights import ATTENTION, LAYER_STAGES, MLP_IN, stage_of
+from pipecast.agent.local_client import CLIENT_SLACK_S
+from pipecast.engine.errors import (
+    DeviceError,
+    EngineClosedError,
+    InvalidRequestError,
+    ModelLoadError,
+    PackageMismatchError,
+)
+from pipecast.engine.weights import ATTENTION, EMBED, LAYER_STAGES, MLP_IN, stage_of
 from pipecast.loading import PackageUnavailableError
 from tests.support import REPO, packages
+from tests.support.agent_fixtures import block_file_bytes, land_chunk, local_api_serving, receiving_store
+from tests.support.packages import rewrite_unsealed
 from tests.support.engine_fixtures import GatedAgent, random_prompt, reference_generate, reference_model, wait_until
 
 pytestmark = pytest.mark.usefixtures("no_configured_agent")
@@ -260,12 +270,12 @@ def test_verify_checks_config_json_against_the_manifest(tiny, tmp_path):
     """Finding 3: an edited config.json (rope_theta) loaded silently with verify=True, with wrong logits."""
     pkg = shutil.copytree(tiny[1], tmp_path / "pkg")
     config = pkg / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "rope_theta": 1.0}))
-    with pytest.raises(PackageFileError, match=rf"^{re.escape(str(config))}: disagrees with the manifest: size "):
+    rewrite_unsealed(config, json.dumps({**json.loads(config.read_text()), "rope_theta": 1.0}))
+    with pytest.raises(PackageFileError, match=rf"^{re.escape(str(config))}: disagrees with the manifest: digest "):
         pipecast.load(pkg)
     with pipecast.load(pkg, verify=False) as model:  # asked for: loads as it is
         assert model.engine.provider.config["rope_theta"] == 1.0
-    config.write_text("{not json")
+    rewrite_unsealed(config, "{not json")
     with pytest.raises(PackageFileError, match=rf"^{re.escape(str(config))}: not a valid JSON object \(.*\)$"):
         pipecast.load(pkg, verify=False)
     config.unlink()
@@ -277,7 +287,10 @@ def test_a_failed_load_shows_in_progress_and_wait_loaded_raises_at_once(tiny, tm
     """Finding 4: the documented ``fully_loaded.wait()`` hung forever when loading failed, and progress() had
     no failed state: wait_loaded raises at once, and progress says failed."""
     pkg = shutil.copytree(tiny[1], tmp_path / "pkg")
-    (pkg / "blocks" / "block-0002.safetensors").write_bytes(b"corrupt")
+    block = pkg / "blocks" / "block-0002.safetensors"
+    data = bytearray(block.read_bytes())
+    data[-1] ^= 0xFF  # of the manifest's size: a shorter file is refused by load() as a missing block
+    block.write_bytes(bytes(data))
     with pipecast.load(pkg) as model:
         start = time.monotonic()
         with pytest.raises(ModelLoadError, match=r"block-0002.safetensors: block disagrees with the manifest"):
@@ -318,3 +331,141 @@ def test_ids_that_are_not_integers_are_refused_not_truncated(tiny, ids, message)
         expected = model.generate(PROMPT[:3], max_new_tokens=2, timeout=30)
         assert model.generate(np.array(PROMPT[:3]), max_new_tokens=2, timeout=30) == expected
         assert model.generate([np.int64(t) for t in PROMPT[:3]], max_new_tokens=2, timeout=30) == expected
+
+
+def test_close_drops_the_weights_so_that_the_agent_memory_can_be_unmapped(tiny):
+    """Finding 1: after close() the parameters were still views of the agent's memory, so its client could not
+    unmap it (a BufferError it swallows) while the agent counted the package freed; logits() still computed."""
+    _, pkg = tiny
+    client = GatedAgent(pkg)
+    client.release()
+    model = pipecast.load(pkg, agent=client)
+    model.wait_loaded(30)
+    assert model.generate(PROMPT, max_new_tokens=2, timeout=30) and model.logits(PROMPT, timeout=30).numel()
+    model.close()
+    with pytest.raises(EngineClosedError, match="^the engine is closed$"):
+        model.logits(PROMPT, timeout=30)
+    for buffer in client.buffers:
+        buffer.close()  # as the agent client does on close: a BufferError while a tensor is a view of it
+
+
+def _memfd_maps(package_id: str) -> int:
+    """This process's mappings of the package's agent memory: the store's own, and the agent client's."""
+    with open("/proc/self/maps") as maps:
+        return sum(f"memfd:pipecast-{package_id[:12]}-block-" in line for line in maps)
+
+
+@pytest.mark.parametrize("loaded", [True, False], ids=["loaded", "closed-mid-block"])
+async def test_close_lets_the_agent_client_unmap_a_block_bound_part_by_part(tiny_package, tmp_path, loaded):
+    """A block bound part by part as its chunks were verified: the provider kept a view of its verified prefix for
+    good, so the agent client could not unmap it on close (a BufferError it swallows) while the model was held."""
+    package = tiny_package(seed=5, chunk_bytes=16 << 10)
+    manifest, socket = package.manifest, tmp_path / "agent.sock"
+    store = receiving_store(manifest)
+    for file in manifest.files:
+        store.add_file(file.path, (package.path / file.path).read_bytes(), "test")
+    blocks = [block_file_bytes(package.path, manifest, block.index) for block in manifest.blocks]
+    try:
+        async with local_api_serving(store, socket):
+            before = _memfd_maps(manifest.package_id)
+            model = await asyncio.to_thread(pipecast.load, manifest.package_id, agent=socket)
+            chunks = [(block, chunk) for block in range(len(blocks)) for chunk in range(store.chunk_count(block))]
+            last = store.chunk_count(0) - 1
+            for block, chunk in chunks[:last]:  # all but block 0's last chunk: its first parts bind
+                land_chunk(store, blocks[block], block, chunk)
+            await asyncio.to_thread(wait_until, lambda: model.engine.model.is_ready(EMBED))
+            if loaded:
+                for block, chunk in chunks[last:]:
+                    land_chunk(store, blocks[block], block, chunk)
+                await asyncio.to_thread(model.wait_loaded, 30)
+            await asyncio.to_thread(model.close)
+            assert _memfd_maps(manifest.package_id) == before, "a mapping of the agent's memory outlived close()"
+            assert model.origin == "agent"  # still referenced
+    finally:
+        store.close()
+
+
+class _MuteAgent:
+    """An agent client that must not be asked anything: the arguments are wrong."""
+
+    def manifest(self, package_id=None, timeout=30.0):
+        raise AssertionError("the agent was asked before the arguments were checked")
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(device="tpu"), DeviceError, "device='tpu': not a torch device (use cpu, cuda or cuda:N)"),
+    (dict(dtype="float16"), DeviceError, "dtype='float16': not a dtype the engine runs in (torch.float16, "
+                                         "torch.bfloat16, torch.float32, torch.float64)"),
+    (dict(max_batch="4"), InvalidRequestError, "max_batch must be an integer >= 1, got '4'"),
+    (dict(max_queue=0), InvalidRequestError, "max_queue must be an integer >= 1, got 0"),
+    (dict(stall_timeout_s=float("nan")), InvalidRequestError,
+     "stall_timeout_s must be a positive number of seconds, got nan"),
+    (dict(stall_timeout_s="10"), InvalidRequestError, "stall_timeout_s must be a positive number of seconds, got '10'"),
+    (dict(agent_timeout_s=float("nan")), InvalidRequestError,
+     "agent_timeout_s must be a number of seconds from 0 to 86400, got nan"),
+    (dict(agent_timeout_s=-1), InvalidRequestError, "agent_timeout_s must be a number of seconds from 0 to 86400, "
+                                                    "got -1"),
+    (dict(agent_timeout_s=100_000.0), InvalidRequestError,
+     "agent_timeout_s must be a number of seconds from 0 to 86400, got 100000.0"),
+])
+def test_arguments_are_checked_before_the_agent_is_asked(tiny, kwargs, error, message):
+    """Findings 2, 3 and 6: device and dtype were checked in Engine(), after the agent's answer (15 s with a mute
+    agent), and a bad stall_timeout_s, max_batch or max_queue was taken (see tests/engine/test_arguments.py)."""
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        pipecast.load(tiny[1], agent=_MuteAgent(), **kwargs)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, 100_000.0, True])
+def test_a_bad_agent_timeout_is_refused_not_taken_for_an_agent_that_cannot_serve(tiny, tmp_path, timeout):
+    """Finding 4: the agent client's refusal of the timeout read as "the agent cannot serve": load() fell back to
+    the package folder silently."""
+    message = f"agent_timeout_s must be a number of seconds from 0 to 86400, got {timeout!r}"
+    with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
+        pipecast.load(tiny[1], agent=tmp_path / "agent.sock", agent_timeout_s=timeout)
+
+
+def test_the_docstring_says_what_is_checked_first_and_what_agent_timeout_s_bounds():
+    """Finding 6: it said device and dtype were checked first (they were checked after the agent's answer), and
+    that agent_timeout_s bounds each agent request (the client waits CLIENT_SLACK_S longer for an answer)."""
+    doc = " ".join(pipecast.load.__doc__.split())
+    assert "The arguments are checked first, before the agent is asked" in doc
+    assert "bounds each agent request" not in doc
+    assert CLIENT_SLACK_S == 5 and "given up on 5 s (``CLIENT_SLACK_S``) later" in doc
+
+
+@pytest.mark.parametrize("agent", [5, ["/run/agent.sock"]])
+def test_an_agent_that_is_neither_a_socket_nor_a_client_is_refused(tiny, agent):
+    """Finding 8: agent=5 was a raw AttributeError ('int' object has no attribute 'manifest')."""
+    message = (f"agent must be the path of the agent's local socket or a connected client, got {agent!r} "
+               f"({type(agent).__name__})")
+    with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
+        pipecast.load(tiny[1], agent=agent)
+
+
+def test_a_package_folder_that_lacks_blocks_is_refused_naming_them(tiny, tmp_path, monkeypatch):
+    """Finding 5: the agent's disk cache missing blocks (the agent stopped mid-transfer) was taken as the
+    fallback: load() returned, and every request failed once loading reached the first missing block."""
+    _, pkg = tiny
+    package_id = json.loads((pkg / "manifest.json").read_text())["package_id"]
+    cached = shutil.copytree(pkg, tmp_path / package_id)
+    blocks = sorted((cached / "blocks").iterdir())
+    blocks[1].unlink()
+    blocks[3].write_bytes(blocks[3].read_bytes()[:100])  # cut short: the rest never arrived
+    monkeypatch.setenv("PIPECAST_AGENT_CACHE_DIR", str(tmp_path))
+    message = (f"package {package_id}: no pipecast agent configured (PIPECAST_AGENT_LOCAL_SOCKET unset), and the "
+               f"package folder {cached} lacks 2 of its 4 blocks: [1, 3]")
+    with pytest.raises(PackageUnavailableError, match=f"^{re.escape(message)}$"):
+        pipecast.load(package_id)
+    assert _pipecast_threads() == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=2.5), r"max_tokens must be an integer, got 2.5 \(float\)"),
+    (dict(stop_token_ids=5), r"stop_token_ids must be a collection of token ids, got 5 \(int\)"),
+    (dict(temperature=0.7, seed=1.5), r"seed must be an integer from -2\^63 to 2\^64-1, got 1.5 \(float\)"),
+])
+def test_generate_refuses_sampling_arguments_of_the_wrong_type(tiny, kwargs, message):
+    """Finding 7: max_new_tokens=2.5 generated 3 tokens, stop_token_ids=5 was a raw TypeError and seed=1.5 a
+    RuntimeError (see tests/engine/test_sampling.py)."""
+    with pipecast.load(tiny[1]) as model, pytest.raises(InvalidRequestError, match=f"^{message}$"):
+        model.generate(PROMPT, timeout=30, **kwargs)

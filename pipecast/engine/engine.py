@@ -15,9 +15,10 @@ import logging
 import numbers
 import threading
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipecast.core.strictjson import describe
 from pipecast.engine.batching import Sequence, StepScheduler
@@ -28,8 +29,8 @@ from pipecast.engine.errors import (
     EngineOverloadedError,
     InvalidRequestError,
 )
-from pipecast.engine.loader import BlockLoader
-from pipecast.engine.progressive import ProgressiveModel
+from pipecast.engine.loader import BlockLoader, check_stall_timeout
+from pipecast.engine.progressive import ProgressiveModel, check_dtype, engine_device
 from pipecast.engine.providers import BlockProvider
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.streams import FINISH_CANCELLED, TokenStream
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,15 @@ class Engine:
     """Execute-while-load inference over a :class:`BlockProvider`. Call :meth:`start`, then submit.
 
     Raises :class:`UnsupportedModelError` or :class:`ModelConfigError` for a config.json it cannot run, and
-    :class:`PackageMismatchError` for a package whose blocks do not hold the model config.json describes.
+    :class:`PackageMismatchError` for a package whose blocks do not hold the model config.json describes; first,
+    before anything is built, what :func:`check_engine_arguments` raises.
     """
 
     def __init__(self, provider: BlockProvider, *, device: "str | torch.device" = "cpu",
                  dtype: "torch.dtype | None" = None, max_batch: int = 16, max_queue: int = 64,
                  stall_timeout_s: float = 600.0):
+        check_engine_arguments(device, dtype, max_batch=max_batch, max_queue=max_queue,
+                               stall_timeout_s=stall_timeout_s)
         self.provider = provider
         dtype = dtype or package_dtype(provider.manifest, provider.config)
         self.model = ProgressiveModel(model_config(provider), dtype=dtype, device=device)
@@ -157,6 +163,8 @@ class Engine:
         """
         import torch
 
+        if self._closed:  # its weights are gone (close() drops them)
+            raise EngineClosedError()
         if input_ids.dim() != 2 or not input_ids.numel() or input_ids.dtype not in (torch.int64, torch.int32):
             raise InvalidRequestError(f"input_ids must be a non-empty [batch, seq] tensor of int64 or int32 token "
                                       f"ids, got {input_ids.dtype} of shape {list(input_ids.shape)}")
@@ -165,7 +173,28 @@ class Engine:
                                       f"{self._max_positions}")
         for row in input_ids.tolist():  # an id outside the vocabulary would index past the embeddings
             self._check_tokens(row)
-        return self.model.forward_logits(input_ids, timeout)
+        return self.while_open(self.model.forward_logits, input_ids, timeout)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (the weights are dropped, or about to be)."""
+        return self._closed
+
+    def while_open(self, compute: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``compute(*args, **kwargs)`` on this model's weights (a forward pass run outside the engine thread, as
+        :meth:`logits` and pipeline stage calls are); :class:`EngineClosedError` instead once the engine is closed,
+        also when it closed during the call."""
+        if self._closed:  # its weights are gone (close() drops them)
+            raise EngineClosedError()
+        try:
+            result = compute(*args, **kwargs)
+        except Exception:
+            if self._closed:  # close() dropped the weights this pass was using: whatever failed, that is why
+                raise EngineClosedError() from None
+            raise
+        if self._closed:  # computed in part from the meta tensors close() left: not a result
+            raise EngineClosedError()
+        return result
 
     def check_prompt(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
         """The prompt as a list, if the model can take it with ``params``; else :class:`InvalidRequestError`
@@ -215,18 +244,27 @@ class Engine:
         self.model.check_failed()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop serving: pending and running requests fail with EngineClosedError; threads are joined."""
+        """Stop serving: pending and running requests, and :meth:`logits` (any :meth:`while_open`), fail with
+        EngineClosedError; threads are joined, then the weights are dropped."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self.loader.stop(timeout)
+        loader_stopped = self.loader.stop(timeout)
         if not self.model.fully_loaded:
             self.model.fail(EngineClosedError())
         if self._thread.is_alive():
             self._thread.join(timeout)
         if not self._thread.is_alive():  # else the engine thread fails them as it exits
             self._fail_unfinished()
+            if loader_stopped:  # else a thread still running could bind or use a weight after they are dropped
+                self._drop_weights()
         self.model.clear_listeners()  # the weights go with the last reference, not at the next cyclic collection
+
+    def _drop_weights(self) -> None:
+        """Put every parameter back on the meta device. On CPU they are views of the provider's buffers (the
+        agent's shared memory): held on, they would keep the agent client from unmapping it when it closes
+        (a BufferError it swallows) while the agent counts the package freed; on a GPU they are copies."""
+        self.model.skeleton.model.to_empty(device="meta")
 
     def _fail_unfinished(self, error: EngineError | None = None) -> None:
         """End every request held with ``error`` (by default :class:`EngineClosedError`)."""
@@ -275,6 +313,21 @@ class Engine:
             while self._incoming and self.scheduler.free_slots > 0:
                 self.scheduler.add(self._incoming.popleft())
             return True
+
+
+def check_engine_arguments(device: "str | torch.device", dtype: "torch.dtype | None", *, max_batch: int,
+                           max_queue: int, stall_timeout_s: float) -> None:
+    """Raise :class:`DeviceError` for a ``device`` or ``dtype`` (None: the package's) the engine cannot run in here,
+    :class:`InvalidRequestError` for ``max_batch`` or ``max_queue`` that is not an integer >= 1 (0 slots would
+    leave every request waiting, a string stop the engine thread) or a ``stall_timeout_s`` that is not a positive
+    number of seconds; for callers that must know before they do other work (``pipecast.load`` asks the agent)."""
+    engine_device(device)
+    if dtype is not None:
+        check_dtype(dtype)
+    for name, value in (("max_batch", max_batch), ("max_queue", max_queue)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidRequestError(f"{name} must be an integer >= 1, got {describe(value)}")
+    check_stall_timeout(stall_timeout_s)
 
 
 def token_ids(ids: Any) -> list[int]:

@@ -12,10 +12,13 @@ its config.json), rather than leave requests waiting for parts that will never c
 """
 
 import logging
+import math
+import numbers
 import threading
 import time
 
-from pipecast.engine.errors import BlockStalledError, BlockWaitTimeout
+from pipecast.core.strictjson import describe
+from pipecast.engine.errors import BlockStalledError, BlockWaitTimeout, InvalidRequestError
 from pipecast.engine.progressive import ProgressiveModel
 from pipecast.engine.providers import BlockProvider, StreamingBlockProvider
 from pipecast.engine.weights import stage_of
@@ -31,7 +34,7 @@ class BlockLoader:
     def __init__(self, provider: BlockProvider, model: ProgressiveModel, *, stall_timeout_s: float = 600.0):
         self.provider = provider
         self.model = model
-        self.stall_timeout_s = stall_timeout_s
+        self.stall_timeout_s = check_stall_timeout(stall_timeout_s)
         self.started_at: float | None = None
         self.block_bound_at: dict[int, float] = {}
         """``time.monotonic()`` at which each block was bound."""
@@ -48,11 +51,13 @@ class BlockLoader:
         self.started_at = time.monotonic()
         self._thread.start()
 
-    def stop(self, timeout: float) -> None:
-        """Stop waiting for blocks (within one poll slice) and join the thread."""
+    def stop(self, timeout: float) -> bool:
+        """Stop waiting for blocks (within one poll slice) and join the thread; True once it has ended (or never
+        started)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         try:
@@ -106,6 +111,19 @@ class BlockLoader:
     def _bind(self, index: int, tensors) -> None:
         self.model.bind_tensors(index, tensors, self.provider.origin)
         self._last_arrival = time.monotonic()
+
+
+def check_stall_timeout(value: float) -> float:
+    """``value`` as a float if it is a positive, finite number of seconds; else :class:`InvalidRequestError` (NaN
+    would never declare a stall, a negative value at the first poll, a string fail the loader thread)."""
+    if not isinstance(value, bool) and isinstance(value, numbers.Real):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            seconds = math.inf
+        if 0 < seconds < math.inf:
+            return seconds
+    raise InvalidRequestError(f"stall_timeout_s must be a positive number of seconds, got {describe(value)}")
 
 
 def _part_runs(header, sandwich_norms: bool) -> list[list[str]]:

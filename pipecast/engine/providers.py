@@ -135,7 +135,6 @@ class AgentBlockProvider:
             raise PackageError(f"package {self._package_id[:12]} held by {self.origin} has no config.json")
         self._config = parse_config(config, f"config.json of package {self._package_id[:12]} held by {self.origin}")
         self._mapped: set[int] = set()
-        self._prefixes: dict[int, memoryview] = {}  # per block in flight: its longest verified prefix seen
         self._headers: dict[int, Header] = {}
 
     @property
@@ -193,10 +192,9 @@ class AgentBlockProvider:
                 self._mapped.add(index)
             if nbytes is None:
                 return self.client.wait_block(index, timeout, self._package_id)
-            known = self._prefixes.get(index)
-            if known is None or len(known) < nbytes:  # else verified already: no round trip to the agent
-                known = self._prefixes[index] = self.client.wait_prefix(index, nbytes, timeout, self._package_id)
-            return known[:nbytes]
+            # Asked each time (the client answers from its own mapping, in microseconds), not kept: a view held
+            # here would keep the client from unmapping the block when the model closes (a BufferError it swallows).
+            return self.client.wait_prefix(index, nbytes, timeout, self._package_id)[:nbytes]
         except TimeoutError:
             raise BlockWaitTimeout(index, self.origin, timeout) from None
 

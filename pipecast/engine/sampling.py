@@ -5,11 +5,13 @@ other requests share its batch.
 """
 
 import math
+import numbers
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pipecast.core.strictjson import describe
 from pipecast.engine.errors import InvalidRequestError
 from pipecast.engine.streams import FINISH_LENGTH, FINISH_STOP
 
@@ -34,15 +36,33 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        # Each value is checked for its type first: int() or a comparison would take 2.5 tokens as 3 and True
+        # as 1, or fail on "5" with a raw TypeError; each is then stored as a plain int or float.
+        if not _integer(self.max_tokens):
+            raise InvalidRequestError(f"max_tokens must be an integer, got {_described(self.max_tokens)}")
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise InvalidRequestError(f"temperature must be a number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
-            raise InvalidRequestError(f"seed must be an integer from -2^63 to 2^64-1, got {self.seed}")
+        temperature = _real(self.temperature)
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise InvalidRequestError(f"temperature must be a number >= 0, got {_described(self.temperature)}")
+        top_p = _real(self.top_p)
+        if not 0 < top_p <= 1:
+            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {_described(self.top_p)}")
+        if self.seed is not None and not (_integer(self.seed) and MIN_SEED <= self.seed <= MAX_SEED):
+            raise InvalidRequestError(f"seed must be an integer from -2^63 to 2^64-1, got {_described(self.seed)}")
+        if isinstance(self.stop_token_ids, str | bytes) or not isinstance(self.stop_token_ids, Iterable):
+            raise InvalidRequestError(f"stop_token_ids must be a collection of token ids, got "
+                                      f"{_described(self.stop_token_ids)}")
+        # None is no token: what transformers' eos_token_id is for a model without one.
+        stops = [t for t in self.stop_token_ids if t is not None]
+        for token in stops:
+            if not _integer(token):
+                raise InvalidRequestError(f"stop_token_ids must be integers, got {_described(token)}")
+        object.__setattr__(self, "max_tokens", int(self.max_tokens))
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "seed", None if self.seed is None else int(self.seed))
+        object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in stops))
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +73,25 @@ class SamplingParams:
         if token in self.stop_token_ids:
             return FINISH_STOP
         return FINISH_LENGTH if generated >= self.max_tokens else None
+
+
+def _integer(value: object) -> bool:
+    """An integer (numpy's too), not a bool: Python counts True as 1."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value: object) -> float:
+    """``value`` as a float if it is a real number (not a bool); NaN otherwise, which every range check refuses."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        return math.inf
+
+
+def _described(value: object) -> str:
+    return f"{describe(value)} ({type(value).__name__})"
 
 
 def new_generator(params: SamplingParams) -> "torch.Generator | None":

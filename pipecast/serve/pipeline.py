@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     import aiohttp
     import torch
 
+    from pipecast.engine.engine import Engine
+
 
 log = logging.getLogger(__name__)
 
@@ -559,6 +561,22 @@ def _answered_error(url: str, status: int, body: bytes) -> "StageFailedError | S
     if node != url:  # already "pipeline stage X failed: ..." from downstream: keep its words
         return StageFailedError(node, problem or message)
     return StageFailedError(url, f"answered {status}: {message}")
+
+
+class EngineStageRunner(StageRunner):
+    """The stages of ``engine``'s model, whose calls fail with :class:`EngineClosedError` (a 503) once the engine
+    is closed: a call queued or running when the worker closes its model (released, or shutting down) would
+    otherwise run on the meta tensors :meth:`Engine.close` leaves, and fail with torch's error (a 500)."""
+
+    def __init__(self, engine: "Engine", **options: Any):
+        super().__init__(engine.model, **options)
+        self.engine = engine
+
+    def run(self, *args: Any, **kwargs: Any) -> StageOutput:
+        return self.engine.while_open(super().run, *args, **kwargs)
+
+    def sample(self, *args: Any, **kwargs: Any) -> StageOutput:
+        return self.engine.while_open(super().sample, *args, **kwargs)
 
 
 class PipelineHead:

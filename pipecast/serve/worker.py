@@ -20,7 +20,8 @@ plane) and from then on takes completion requests and pipeline stage calls only 
 (:meth:`ServingWorker.check_serving_key`, which the HTTP layer calls; a key it does not hold sends it to
 the agent again, rate-limited, as the cluster's credentials may have changed), and presents it to the
 stages it calls. A worker without an agent, or serving its package folder while no agent answers, takes
-them without one, and says so in its log: as an agent with auth off.
+them without one, and says so in its log: as an agent with auth off. Serving its folder so, it asks the agent
+again every ``KEY_RECHECK_S`` and takes them only with the key once the agent answers.
 
 Admission: requests admitted but not in the engine's batch (waiting for the model, or for one of
 ``max_batch`` slots, or being tokenized) form the queue; beyond ``max_queue`` of them a request is refused
@@ -77,6 +78,7 @@ from pipecast.serve.pipeline import (
     DISSOLVE_AUTO,
     PIPELINE_HEADER,
     STEP_TIMEOUT_S,
+    EngineStageRunner,
     Hop,
     PipelineHead,
     StageClient,
@@ -137,7 +139,7 @@ class WorkerConfig:
     max_batch: int = 16
     model_name: str | None = None      # default: the manifest's model name
     wait_full_load: bool = False       # the load-then-serve baseline
-    agent_timeout_s: float = 60.0      # how long the agent may take to appear, and to hold the manifest
+    agent_timeout_s: float = 60.0      # for the agent's socket to appear, and each agent request (pipecast.load)
     stall_timeout_s: float = 600.0     # loading fails after this long without a new block
     retry_after_s: int = 1
     pipeline_step_timeout_s: float = STEP_TIMEOUT_S  # a token through a cross-node pipeline, waits included
@@ -318,22 +320,34 @@ class ServingWorker:
             self._post(self._set_serving_key, b"")
             return
         self._wait_for_agent_socket(agent)
+        keyless = False  # serving the package folder without a key until the agent answers
+        refused = False  # said so once: a worker waiting for its agent would say it every FOLLOW_AGENT_S
         while not self._closing:
             try:
                 key = _ask_serving_key(agent, REWAIT_S)
                 self._key_source = agent
+                if keyless:
+                    log.warning("the agent at %s answers again: requests must present the cluster's serving key",
+                                agent)
                 self._post(self._set_serving_key, key)
                 return
             except LocalApiTimeoutError as exc:
                 log.warning("waiting for the cluster's serving key: %s", exc)
             except (OSError, PipecastError) as exc:
-                if Path(self.config.package).is_dir():  # the unicast fallback: serves without its agent
+                if keyless:  # said so once; an agent that restarts may refuse for a while
+                    log.debug("the agent at %s still does not answer: %s", agent, exc)
+                elif Path(self.config.package).is_dir():
+                    # The unicast fallback serves without its agent, but only while the agent does not answer:
+                    # one refused only while it restarts must not leave the worker open for its whole life.
                     log.warning("cannot ask the agent at %s for the cluster's serving key (%s): serving the "
-                                "package folder without one", agent, exc)
+                                "package folder without one until it answers", agent, exc)
+                    keyless = True
                     self._post(self._set_serving_key, b"")
-                    return
-                log.warning("cannot ask the agent at %s for the cluster's serving key: %s", agent, exc)
-                time.sleep(FOLLOW_AGENT_S)
+                else:
+                    log.log(logging.DEBUG if refused else logging.WARNING,
+                            "cannot ask the agent at %s for the cluster's serving key: %s", agent, exc)
+                    refused = True
+                time.sleep(KEY_RECHECK_S if keyless else FOLLOW_AGENT_S)
 
     def _set_serving_key(self, key: bytes) -> None:
         self._serving_key = key
@@ -386,6 +400,7 @@ class ServingWorker:
         from pipecast.agent.errors import LocalApiTimeoutError
         from pipecast.agent.local_client import LocalAgentClient
 
+        refused = False  # said so once: an agent not there for hours would fill the log every FOLLOW_AGENT_S
         while not self._closing:
             try:
                 with LocalAgentClient(self.config.agent) as client:
@@ -393,8 +408,10 @@ class ServingWorker:
                 return
             except LocalApiTimeoutError:
                 continue
-            except (OSError, PipecastError) as exc:  # the agent restarts: ask again
-                log.warning("waiting for the agent to hold package %s: %s", self.config.package, exc)
+            except (OSError, PipecastError) as exc:  # the agent restarts, or is not there yet: ask again
+                log.log(logging.DEBUG if refused else logging.WARNING, "waiting for the agent to hold package %s: %s",
+                        self.config.package, exc)
+                refused = True
                 time.sleep(FOLLOW_AGENT_S)
 
     async def _expire_stage_sessions(self) -> None:
@@ -414,7 +431,7 @@ class ServingWorker:
         it afresh."""
         from pipecast.agent.local_client import LocalAgentClient
 
-        client = None
+        client, refused = None, False  # said so once an outage: an agent gone for hours would fill the log
         try:
             while not self._closing:
                 await asyncio.sleep(FOLLOW_AGENT_S)
@@ -424,9 +441,11 @@ class ServingWorker:
                     client = client or LocalAgentClient(self.config.agent)
                     status = await asyncio.to_thread(client.status)
                 except (OSError, PipecastError) as exc:
-                    log.warning("cannot ask the agent whether it still holds the package: %s", exc)
-                    client = None
+                    log.log(logging.DEBUG if refused else logging.WARNING,
+                            "cannot ask the agent whether it still holds the package: %s", exc)
+                    client, refused = None, True
                     continue
+                refused = False
                 if self._model is not None and self.package_id not in status.get("packages", {}):
                     await self._unload("is no longer held by this node's agent (released, or the agent restarted)")
                 elif (self._model is not None and _failed_by_agent(self._model)
@@ -481,10 +500,8 @@ class ServingWorker:
         if self._closing:  # shut down while loading: nobody will serve this model
             threading.Thread(target=model.close, daemon=True).start()
             return
-        from pipecast.engine.stage import StageRunner
-
         self._model = model
-        self._head = PipelineHead(StageRunner(model.engine.model), self.stage_client, self.stage_queue,
+        self._head = PipelineHead(EngineStageRunner(model.engine), self.stage_client, self.stage_queue,
                                   step_timeout_s=self.config.pipeline_step_timeout_s,
                                   local=model.engine.submit, dissolve=self.config.pipeline_dissolve,
                                   cpus=cpu_limit(), package_id=model.engine.provider.manifest.package_id)

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from pipecast.core.strictjson import describe
 from pipecast.engine.engine import Engine, token_ids
-from pipecast.engine.errors import DeviceError, InvalidRequestError
+from pipecast.engine.errors import DeviceError, EngineClosedError, InvalidRequestError
+from pipecast.engine.loader import BlockLoader
 from pipecast.engine.providers import PackageFolderProvider
 from tests.support import packages
 
@@ -78,3 +80,39 @@ def test_ids_that_are_not_integers_are_refused(provider, ids, message):
     engine = Engine(provider)
     with pytest.raises(InvalidRequestError, match=f"^{message}$"):
         engine.submit(ids)
+
+
+@pytest.mark.parametrize("name, value", [("max_batch", 0), ("max_batch", -1), ("max_batch", "4"), ("max_batch", 2.0),
+                                         ("max_batch", True), ("max_queue", 0), ("max_queue", -5), ("max_queue", None)])
+def test_batch_and_queue_bounds_must_be_integers_of_at_least_one(provider, name, value):
+    """Finding 3: max_batch 0 left every request waiting forever, "4" stopped the engine thread at the first
+    request (TypeError), and max_queue 0 refused every request as an overload."""
+    with pytest.raises(InvalidRequestError, match=f"^{re.escape(f'{name} must be an integer >= 1, got {value!r}')}$"):
+        Engine(provider, **{name: value})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0, -1.0, "10", True, None, 10 ** 400],
+                         ids=["nan", "inf", "0", "-1.0", "'10'", "True", "None", "10**400"])
+def test_the_stall_timeout_must_be_a_positive_number_of_seconds(provider, value):
+    """Finding 2: NaN never declared a stall, a string failed the loader thread with a raw TypeError and a
+    negative value at its first poll."""
+    message = f"stall_timeout_s must be a positive number of seconds, got {describe(value)}"
+    with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
+        Engine(provider, stall_timeout_s=value)
+    with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
+        BlockLoader(provider, Engine(provider).model, stall_timeout_s=value)
+
+
+def test_integer_bounds_and_seconds_are_taken(provider):
+    engine = Engine(provider, max_batch=1, max_queue=1, stall_timeout_s=2)
+    assert (engine.scheduler.max_batch, engine.max_queue, engine.loader.stall_timeout_s) == (1, 1, 2.0)
+
+
+def test_logits_of_a_closed_engine_is_refused(provider):
+    """Finding 1: logits() still computed after close(), from weights close() should have let go of."""
+    with Engine(provider).start() as engine:
+        ids = torch.tensor([[1, 2, 3]])
+        assert engine.logits(ids, timeout=30).shape == (1, 3, engine.model.vocab_size)
+    with pytest.raises(EngineClosedError, match="^the engine is closed$"):
+        engine.logits(ids, timeout=30)
+    assert {p.device.type for p in engine.model.skeleton.model.parameters()} == {"meta"}  # dropped, not held

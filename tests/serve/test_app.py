@@ -8,6 +8,7 @@ Servers run in-process on loopback (one torch import for the module) except the 
 import asyncio
 import http.client
 import json
+import logging
 import os
 import re
 import signal
@@ -36,6 +37,7 @@ from pipecast.serve.openai_api import ChatMessage, CompletionRequest, parse_chat
 from pipecast.serve.text import MAX_HELD_TOKENS, CompletionText, IncrementalDetokenizer, StopMatcher, TextCodec
 from pipecast.serve import worker as worker_module
 from pipecast.serve.worker import CODEC_BLOCKS_LEFT, CODEC_POLL_S, ServingWorker, WorkerConfig, codec_blocks_left
+from tests.router.test_app import eventually
 from tests.support import packages
 from tests.core.test_httpserve import stalled_body_answer
 from tests.support.engine_fixtures import GatedAgent, random_prompt
@@ -316,6 +318,30 @@ async def test_a_worker_started_before_its_scale_up_waits_for_the_package_beyond
         store.close()
 
 
+async def test_a_worker_waiting_for_an_agent_that_is_not_there_says_so_once_not_every_second(tmp_path, monkeypatch,
+                                                                                              caplog):
+    """Found in review: a worker waiting (as designed, however long) for an agent whose socket does not exist logged
+    two warnings every FOLLOW_AGENT_S (33 in 20 s): the package's wait and the serving key's. Each warns once now,
+    then says it at debug level."""
+    monkeypatch.setattr(worker_module, "FOLLOW_AGENT_S", 0.02)  # many seconds' worth of asking in a moment
+    socket_path = tmp_path / "none.sock"
+    said = ("waiting for the agent to hold package deadbeefdeadbeef",
+            f"cannot ask the agent at {socket_path} for the cluster's serving key")
+
+    def records(message: str, level: int = logging.DEBUG) -> int:
+        return sum(r.getMessage().startswith(f"{message}: ") and r.levelno >= level for r in caplog.records)
+
+    worker = ServingWorker(WorkerConfig("deadbeefdeadbeef", agent=socket_path, agent_timeout_s=0.05))
+    with caplog.at_level(logging.DEBUG, logger=worker_module.__name__):
+        worker.start()
+        try:
+            await eventually(lambda: all(records(message) >= 10 for message in said), timeout_s=30)
+            assert worker.health().stage == "waiting_for_package"
+        finally:
+            await worker.close()
+    assert [records(message, logging.WARNING) for message in said] == [1, 1]
+
+
 async def test_the_load_seconds_are_those_of_the_last_load_and_0_while_released(pkg, reference):
     """Found in review: a load after a release was timed from the worker's start (a reload of 0.02 s read 5.4 s
     after 5 s at zero replicas), and the gauge kept the last load's figure while no model was loaded."""
@@ -488,6 +514,41 @@ async def test_a_model_its_agent_failed_loads_afresh_once_the_agent_answers_agai
             assert worker.health().status == "loading" and worker.health().stage == "waiting_for_package"
             with pytest.raises(ModelUnavailableError, match="failed with its agent, which answers again"):
                 worker._check_open()
+
+
+async def test_a_served_models_agent_that_stops_answering_is_warned_of_once_an_outage(monkeypatch, caplog):
+    """Found in review: a worker serving from its agent warned every FOLLOW_AGENT_S while the agent did not answer
+    (a flood over an outage of hours): once an outage now, then at debug level."""
+    from pipecast.agent import local_client
+
+    answers = iter([False] * 20 + [True] * 5 + [False] * 20)
+
+    class Agent:  # down, up a moment, down again
+        def __init__(self, path):
+            pass
+
+        def status(self):
+            if not next(answers, False):
+                raise ConnectionRefusedError(111, "Connection refused")
+            return {"packages": {"p" * 64: {}}}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(local_client, "LocalAgentClient", Agent)
+    monkeypatch.setattr(worker_module, "FOLLOW_AGENT_S", 0.005)
+    worker = ServingWorker(WorkerConfig("pkg", agent="/no/agent.sock"))
+    worker._model = SimpleNamespace(origin="agent", engine=SimpleNamespace(
+        model=SimpleNamespace(check_failed=lambda: None),
+        provider=SimpleNamespace(manifest=SimpleNamespace(package_id="p" * 64))))
+    with caplog.at_level(logging.DEBUG, logger=worker_module.__name__):
+        follower = asyncio.create_task(worker._follow_agent())
+        await wait_until_async(lambda: sum("still holds the package" in r.getMessage() for r in caplog.records) >= 40,
+                               timeout=10)
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+    warned = [r for r in caplog.records if "still holds the package" in r.getMessage() and r.levelno >= logging.WARNING]
+    assert len(warned) == 2
 
 
 async def test_idle_pipelined_sessions_are_dropped_with_no_stage_call_to_notice_them(pkg, monkeypatch):

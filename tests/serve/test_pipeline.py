@@ -51,7 +51,7 @@ from pipecast.core.credentials import data_plane_key, serving_headers, serving_k
 from pipecast.engine.errors import EngineError
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.stage import StageOutput
-from pipecast.serve.errors import ServingKeyUnknownError, StageQueueFullError, WorkerClosingError
+from pipecast.serve.errors import ServingKeyError, ServingKeyUnknownError, StageQueueFullError, WorkerClosingError
 from pipecast.serve import worker as worker_module
 from pipecast.serve.app import build_app
 from pipecast.serve.worker import ServingWorker, WorkerConfig
@@ -302,6 +302,40 @@ async def test_a_worker_learns_the_serving_key_from_its_agent_waits_for_it_and_f
         await server.close()
 
 
+async def test_a_worker_serving_its_folder_while_the_agent_refuses_asks_again_until_it_answers(tmp_path,
+                                                                                                monkeypatch):
+    """An agent that refuses (it restarts) when a worker with a package folder asks for the key leaves the worker
+    keyless only until it answers: the worker took every request for its whole life and never asked again."""
+    import socket
+
+    monkeypatch.setattr(worker_module, "KEY_RECHECK_S", 0.05)
+    path = tmp_path / "agent.sock"
+    with socket.socket(socket.AF_UNIX) as stale:  # a restarting agent's socket: connection refused
+        stale.bind(str(path))
+    worker = ServingWorker(WorkerConfig(str(tmp_path), agent=path, agent_timeout_s=0.5))
+    worker._loop, worker._key_known = asyncio.get_running_loop(), asyncio.Event()
+    learner = threading.Thread(target=worker._learn_serving_key, daemon=True)
+    learner.start()
+    try:
+        await eventually(lambda: worker._serving_key == b"")
+        await worker.check_serving_key(None, 0.1)  # served keyless while the agent does not answer
+        path.unlink()
+        server = LocalApiServer(PeerServer(), status=dict, auth=PeerAuth("n1", data_plane_key("master")))
+        await server.start(path)
+        try:
+            await eventually(lambda: bool(worker._serving_key))
+        finally:
+            await server.close()
+        key = serving_key(data_plane_key("master"))
+        assert worker._serving_key == key and worker.stage_client.headers == serving_headers(key)
+        with pytest.raises(ServingKeyError, match="header is missing"):
+            await worker.check_serving_key(None, 0.1)
+    finally:
+        worker._closing = True
+        await asyncio.to_thread(learner.join, 5)
+    assert not learner.is_alive()
+
+
 async def test_a_stage_that_never_answers_is_named_by_the_stage_before_it(pkg):
     """Each stage passes the next a little less time than it has: the stage before a hung one times it out
     first and names it, before its own caller gives up on it."""
@@ -512,6 +546,29 @@ async def test_a_stage_call_whose_model_fails_to_load_under_it_is_answered_503_n
             answer = await response.json()  # before: aiohttp's text/plain 500, the cause lost
         assert response.status == 503
         assert answer["error"]["message"].startswith("loading the model failed: ") and answer["error"]["node"] is None
+
+
+async def test_a_stage_call_running_when_its_model_is_released_is_answered_503_the_engine_is_closed(pkg):
+    """Stage calls do not hold a released model open (only completions do): one running when the model closed ran
+    on the meta tensors Engine.close leaves, and was answered aiohttp's text/plain 500 with torch's error."""
+    agent = GatedAgent(pkg)
+    agent.release()
+    async with serving(WorkerConfig(str(pkg), agent=agent)) as (a, worker, _, http):
+        worker._wait_for_package_again = threading.Event().wait  # the package does not come back here
+        await wait_health(http, a, lambda h: h["status"] == "ready")
+        model = worker._model
+        opened, made = gate_after(worker.stage_runner(), 0)
+        frame = encode_frame({"session": "s", "layers": [3, 6], "position": 0, "params": None, "next": [],
+                              "deadline_s": 20}, torch.zeros(1, 3, 64))
+        call = asyncio.ensure_future(http.post(f"{a}/v1/stage", data=frame))
+        await eventually(lambda: made)
+        await worker._unload()  # what the agent dropping the package starts: no completion runs, it closes at once
+        await eventually(lambda: model.engine.closed)
+        opened.set()
+        async with await call as response:
+            answer = await response.json()
+        assert response.status == 503
+        assert answer["error"] == {"message": "the engine is closed", "node": None}
 
 
 async def test_a_tied_model_samples_at_the_head_stage_and_answers_the_single_node_tokens(tmp_path):

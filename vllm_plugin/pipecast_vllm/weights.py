@@ -73,8 +73,8 @@ class LoaderOptions:
 
         for name in ("agent_timeout_s", "block_timeout_s"):
             value = extra.get(name, 1.0)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                    math.isfinite(value) and value > 0):
+            # Compared, not passed to math.isfinite, which overflows on an integer of hundreds of digits.
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
                 raise LoaderConfigError(f"{name} must be a positive number of seconds, got {value!r}")
             if value > MAX_TIMEOUT_S:  # the local API refuses a longer wait: every request would fail
                 raise LoaderConfigError(f"{name} must be at most {MAX_TIMEOUT_S:g} s (the longest wait the agent's "
