@@ -688,6 +688,10 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
     if fail_position == 1 and 1 in counts:  # no receiver would be left to time
         raise click.BadParameter("1 is the only receiver at --nodes 1: nothing would be left to time",
                                  param_hint="'--fail-position'")
+    for position, name in ((slow_position, "--slow-position"), (fail_position, "--fail-position")):
+        if position > min(counts):  # that N would run without it, while the report says it is in effect
+            raise click.BadParameter(f"{position} is past the last receiver at --nodes {min(counts)}",
+                                     param_hint=f"'{name}'")
     source = ""
     if package is not None:
         from packager.manifest import read_manifest

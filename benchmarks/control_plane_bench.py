@@ -61,6 +61,7 @@ WARM_RECEIVERS = 8
 REPORT_TARGET_PER_S = 5000.0
 STREAMS_TIMEOUT_S = 60.0  # for the next assignment stream to open, while the driver opens them all
 CANCEL_TIMEOUT_S = 30.0  # for every stream's CANCEL of the first package's plan, once all of its blocks are reported
+REPLAN_TIMEOUT_S = 30.0  # in the stall measure, for the re-plan after the relay's lease lapses (scans: every 50 ms)
 TOKEN = "bench-token-of-the-control-plane"
 STORE = PeerInfo("store", "10.255.0.1:7070", ("tcp",))
 
@@ -291,7 +292,9 @@ def measure_stall(workers: int, blocks: int, chunks: int = 1) -> StallResult:
                 rpc_ms = (time.perf_counter() - start) * 1000
                 scale_up_stall = probe.take()
                 parts = state.plans[reply.plan_id].parts
-                quarter = max(1, blocks // 4)
+                # fewer blocks than the package (none of 1): a receiver with them all is done and the plan could
+                # end, leaving no relay whose death is re-planned
+                quarter = min(max(1, blocks // 4), blocks - 1)
                 for k, node in enumerate(reply.receivers):  # as from four sources in rotated orders
                     first = (k % 4) * quarter % blocks
                     state.report(node, {package_id: range(first, min(first + quarter, blocks))}, {}, now=time.time())
@@ -307,7 +310,12 @@ def measure_stall(workers: int, blocks: int, chunks: int = 1) -> StallResult:
             replan_stall = None
             if victim is not None:
                 state.workers[victim].lease_expires = 0  # the next scan finds it lapsed
+                deadline = time.monotonic() + REPLAN_TIMEOUT_S
                 while state.replan_count == 0:
+                    if time.monotonic() > deadline:
+                        raise ControlPlaneBenchError(
+                            f"stall measure at {workers} workers x {blocks} blocks: no re-plan within "
+                            f"{REPLAN_TIMEOUT_S:g} s after relay {victim}'s lease lapsed")
                     await asyncio.sleep(0.01)
                 await asyncio.sleep(0.6)  # the periodic flush (every 0.5 s) of the repaired plan
                 replan_stall = probe.take()

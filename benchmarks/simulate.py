@@ -84,10 +84,11 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
     the first), plans them rack-aware, and gives each rack's uplink its nodes' links over ``oversubscription``
     (at least one); ``fail_position`` (1-based, 0: none) names a receiver that dies ``fail_at_s`` after the
     start, the plan repaired ``detect_s`` later as the control plane repairs it (the dead one left out of the
-    figures); ``concurrency``: units a receiver fetches at once from different parents, as agents do;
-    ``relay_bytes``: a receiver passes a chunk on from its first piece this big (the agents' TCP relay; 0: once
-    whole), in the plans :func:`relay_modelled` says; ``progress`` gets a line per figure. Raises RuntimeError if a
-    figure beats its lower bound (a simulator fault)."""
+    figures); both positions are at most the smallest N (the CLI refuses others); ``concurrency``: units a
+    receiver fetches at once from different parents, as agents do; ``relay_bytes``: a receiver passes a chunk on
+    from its first piece this big (the agents' TCP relay; 0: once whole), in the plans :func:`relay_modelled` says;
+    ``progress`` gets a line per figure. Raises RuntimeError if a figure beats its lower bound (a simulator
+    fault)."""
     floor_rate = link_mbit * 1e6 / 8
     rate = floor_rate * goodput
     blocks = len(block_bytes)
@@ -96,9 +97,9 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
     out = []
     for n in nodes:
         receivers = [f"w{i}" for i in range(n)]
-        slow = receivers[slow_position - 1] if 0 < slow_position <= n else None
+        slow = receivers[slow_position - 1] if slow_position else None
         rack_of, uplinks = rack_layout(receivers, racks, oversubscription)
-        failures = {receivers[fail_position - 1]: fail_at_s} if 0 < fail_position <= n else None
+        failures = {receivers[fail_position - 1]: fail_at_s} if fail_position else None
         labels = {node: {"rack": rack} for node, rack in rack_of.items()}
         for strategy in strategies:
             plans = [(strategy, make_plan(strategy, ["store"], receivers, blocks, chunk_counts=chunk_counts,

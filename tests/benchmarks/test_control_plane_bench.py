@@ -66,6 +66,26 @@ def test_the_stall_measure_skips_the_re_plan_where_no_receiver_serves_others():
         bench.BenchResult(stalls=[stall]))
 
 
+@pytest.mark.timeout(60)
+def test_the_stall_measure_re_plans_around_a_relay_of_a_one_block_package():
+    """Review finding 3: with one block every receiver was given the whole package, so the plan ended before the
+    relay's lease lapsed and the wait for a re-plan never did."""
+    stall = bench.measure_stall(workers=16, blocks=1)
+    assert stall.replan_stall_ms is not None and stall.scale_up_rpc_ms > 0
+
+
+@pytest.mark.timeout(60)
+def test_a_re_plan_that_does_not_come_ends_the_stall_measure_with_an_error(monkeypatch):
+    """Review finding 3: the wait for the re-plan had no deadline: a re-plan that never came hung the bench."""
+    config = bench.ServerConfig
+    # scans 150 s apart (the most a lease of 600 s allows): none in the measure's time finds the lapsed lease
+    monkeypatch.setattr(bench, "ServerConfig", lambda **kwargs: config(**{**kwargs, "scan_interval_s": 150.0}))
+    monkeypatch.setattr(bench, "REPLAN_TIMEOUT_S", 0.2)
+    with pytest.raises(bench.ControlPlaneBenchError, match=r"^stall measure at 16 workers x 4 blocks: no re-plan "
+                                                           r"within 0\.2 s after relay w\d+'s lease lapsed$"):
+        bench.measure_stall(workers=16, blocks=4)
+
+
 def test_a_database_the_server_cannot_open_is_refused_before_any_phase(tmp_path, capsys):
     """Finding: `--db /nonexist/dir/x.db` ran the in-process phases (~10 s), then the server died with a traceback."""
     from pipecast.cli import main

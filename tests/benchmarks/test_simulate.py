@@ -147,6 +147,11 @@ def test_figures_that_meet_the_lower_bound_of_the_receivers_left_pass_its_check(
      "Invalid value for '--model-bytes': 4 bytes cannot be cut into --blocks 8: every block needs a byte at least"),
     (["--nodes", "1,4", "--fail-position", "1"],
      "Invalid value for '--fail-position': 1 is the only receiver at --nodes 1: nothing would be left to time"),
+    # Review finding 4: a position past N was left out of that N's runs, yet printed as in effect (verdict met).
+    (["--nodes", "16,4", "--strategy", "chain", "--model-bytes", "16MiB", "--slow-position", "5"],
+     "Invalid value for '--slow-position': 5 is past the last receiver at --nodes 4"),
+    (["--nodes", "4", "--strategy", "chain", "--model-bytes", "16MiB", "--fail-position", "5"],
+     "Invalid value for '--fail-position': 5 is past the last receiver at --nodes 4"),
 ])
 def test_settings_that_leave_nothing_to_simulate_are_refused(args, message):
     result = CliRunner().invoke(bench_group, ["simulate", *args])
