@@ -6,6 +6,8 @@ is named by ``PIPECAST_CONFIG`` (or ``--config`` of the commands that take it: `
 :func:`load_settings`'s ``overrides``.
 """
 
+import difflib
+import logging
 import os
 import tomllib
 from pathlib import Path
@@ -19,6 +21,8 @@ from pipecast.core.engines import SERVING_ENGINES
 from pipecast.core.errors import PipecastError
 from pipecast.core.priorities import PRIORITIES
 from pipecast.core.units import parse_size
+
+log = logging.getLogger(__name__)
 
 
 class SettingsError(PipecastError):
@@ -36,9 +40,10 @@ class TenantLimit(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _from_text(cls, value: Any) -> Any:
-        # "RATE:BURST", as `pipecast router --tenant-limit NAME=RATE:BURST` takes it, besides {rate, burst}.
-        if isinstance(value, str):
-            rate, colon, burst = value.partition(":")
+        # "RATE:BURST", as `pipecast router --tenant-limit NAME=RATE:BURST` takes it, besides {rate, burst}. A number
+        # too gets this message: an environment variable is read as JSON first, so ..._TENANT_LIMIT=5 comes as 5.
+        if isinstance(value, str | int | float):
+            rate, colon, burst = str(value).partition(":")
             if not colon:
                 raise ValueError(f"{value!r} is not RATE:BURST (e.g. 5:10) nor {{\"rate\": 5, \"burst\": 10}}")
             return {"rate": rate.strip(), "burst": burst.strip()}
@@ -135,14 +140,16 @@ class Settings(BaseSettings):
                                    description="how often the control plane writes its state to its database")
     control_metrics_port: int | None = Field(None, ge=0, le=65535,
                                              description="Prometheus port of the control plane (unset: off)")
-    control_store_links: int = Field(1, ge=1, description="a store's egress in worker links: a scale-up gives the "
-                                                     "store this many rotated groups (8: a store at 8x the link "
-                                                     "rate is 8 sources)")
+    # Bounded: no store's egress is thousands of worker links, and a typo (1e9) should not pass for one.
+    control_store_links: int = Field(1, ge=1, le=4096, description="a store's egress in worker links: a scale-up "
+                                                                   "gives the store this many rotated groups (8: a "
+                                                                   "store at 8x the link rate is 8 sources)")
     control_straggler_factor: float = Field(0.5, ge=0, lt=1, description="a receiver slower than this share of "
                                             "what its parents deliver (or of its declared link) is a straggler: "
                                             "its children move to faster parents and it becomes a leaf (0: off)")
-    control_straggler_window_s: float = Field(0.4, gt=0, description="how long a receiver's progress is measured "
-                                                                      "before it may be called a straggler")
+    control_straggler_window_s: float = Field(0.4, gt=0, allow_inf_nan=False,
+                                              description="how long a receiver's progress is measured before it may "
+                                                          "be called a straggler")
     control_store_beside_holders: bool = Field(True, description="a rotated scale-up also sends from an idle store "
                                                                  "beside the workers holding the package (off: "
                                                                  "the store sends only when nobody else can)")
@@ -244,8 +251,31 @@ JSON_EXAMPLES = {
 }
 
 
+#: PIPECAST_* variables that are no setting: the config file's name, and the test suite's and Makefile's own.
+OTHER_VARIABLES = frozenset({"PIPECAST_CONFIG", "PIPECAST_VLLM_VENV", "PIPECAST_REQUIRE_POSTGRES",
+                             "PIPECAST_REQUIRE_NETNS"})
+_warned: set[str] = set()  # unknown variables warned of in this process
+
+
+def warn_unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """Warn once per process of each ``PIPECAST_*`` variable of ``environ`` (default: this process's) that names
+    no setting, with the setting's it likely misspells: the environment, unlike the config file, would ignore it
+    without a word (``PIPECAST_AUTH_TOKN`` would leave auth off). Returns those warned of now."""
+    known = {f"PIPECAST_{name.upper()}" for name in Settings.model_fields} | OTHER_VARIABLES
+    unknown = sorted(name for name in (os.environ if environ is None else environ)
+                     if name.startswith("PIPECAST_") and name not in known and name not in _warned)
+    for name in unknown:
+        _warned.add(name)
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        log.warning("environment variable %s is no pipecast setting: ignored%s", name,
+                    f" (did you mean {close[0]}?)" if close else "")
+    return unknown
+
+
 def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
-    """Build settings; ``overrides`` (CLI flags) whose value is None are ignored."""
+    """Build settings; ``overrides`` (CLI flags) whose value is None are ignored. ``PIPECAST_*`` variables that
+    name no setting are warned of (:func:`warn_unknown_variables`)."""
+    warn_unknown_variables()
     try:
         return Settings(config=config, **{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:

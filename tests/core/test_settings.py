@@ -1,8 +1,10 @@
 """Settings precedence: CLI overrides > PIPECAST_* environment > TOML file > defaults."""
 
+import re
+
 import pytest
 
-from pipecast.core.settings import SettingsError, load_settings
+from pipecast.core.settings import SettingsError, load_settings, warn_unknown_variables
 
 
 def test_precedence(tmp_path, monkeypatch):
@@ -75,4 +77,46 @@ def test_sizes_take_units_and_tenant_limits_rate_burst_as_the_command_line_does(
     monkeypatch.setenv("PIPECAST_AGENT_MEMORY_BYTES", "1GiB")
     monkeypatch.setenv("PIPECAST_ROUTER_DEFAULT_TENANT_LIMIT", "fast")
     with pytest.raises(SettingsError, match=r"router_default_tenant_limit: Value error, 'fast' is not RATE:BURST"):
+        load_settings()
+
+
+@pytest.mark.parametrize("number", ["5", "2.5"])
+def test_a_tenant_limit_given_as_a_bare_number_is_refused_as_text_without_a_burst_is(monkeypatch, number):
+    """Walkthrough finding 6b: PIPECAST_ROUTER_DEFAULT_TENANT_LIMIT=5 (read as the JSON number 5) got pydantic's
+    "Input should be a valid dictionary or instance of TenantLimit", where `abc` is told the RATE:BURST form."""
+    monkeypatch.setenv("PIPECAST_ROUTER_DEFAULT_TENANT_LIMIT", number)
+    with pytest.raises(SettingsError, match=re.escape(f"router_default_tenant_limit: Value error, {number} is not "
+                                                      'RATE:BURST (e.g. 5:10) nor {"rate": 5, "burst": 10}')):
+        load_settings()
+    monkeypatch.delenv("PIPECAST_ROUTER_DEFAULT_TENANT_LIMIT")
+    monkeypatch.setenv("PIPECAST_ROUTER_TENANT_LIMITS", f'{{"team-a": {number}}}')
+    with pytest.raises(SettingsError, match=re.escape(f"router_tenant_limits.team-a: Value error, {number} is not "
+                                                      "RATE:BURST")):
+        load_settings()
+
+
+def test_a_variable_that_names_no_setting_is_warned_of_once_with_the_setting_it_likely_misspells(monkeypatch, caplog):
+    """Found in review: a misspelt PIPECAST_AUTH_TOKN was ignored without a word (auth stayed off), where a
+    config file's unknown key is refused."""
+    monkeypatch.setenv("PIPECAST_AUTH_TOKN", "secret")
+    monkeypatch.setenv("PIPECAST_CONFIG", "")
+    with caplog.at_level("WARNING", logger="pipecast.core.settings"):
+        load_settings()
+        load_settings()
+    assert [r.getMessage() for r in caplog.records] == [
+        "environment variable PIPECAST_AUTH_TOKN is no pipecast setting: ignored (did you mean PIPECAST_AUTH_TOKEN?)"]
+    assert warn_unknown_variables({"PIPECAST_ZZZ_QQQ": "1", "PIPECAST_CONTROL_PORT": "1", "HOME": "/"}) == [
+        "PIPECAST_ZZZ_QQQ"]
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("PIPECAST_CONTROL_STRAGGLER_WINDOW_S", "inf", "control_straggler_window_s: Input should be a finite number"),
+    ("PIPECAST_CONTROL_STRAGGLER_WINDOW_S", "nan", "control_straggler_window_s: Input should be a finite number"),
+    ("PIPECAST_CONTROL_STORE_LINKS", "4097", "control_store_links: Input should be less than or equal to 4096"),
+])
+def test_an_infinite_straggler_window_and_a_store_of_countless_links_are_refused(monkeypatch, variable, value, message):
+    """Found in review: an infinite window turned straggler detection off without a word, and a store of 10**7
+    links had every scale-up build 10**7 groups (seconds, a gigabyte)."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError, match=re.escape(message)):
         load_settings()
