@@ -14,6 +14,7 @@ from click.core import ParameterSource
 
 from benchmarks.mlflow_log import with_mlflow_logging
 from packager.command import SIZE
+from pipecast.core.clitypes import Number
 from pipecast.core.progress import Progress
 from pipecast.core.settings import Settings
 
@@ -150,9 +151,9 @@ def bench_pack(size, workdir, repeat, json_path):
 
 @bench_group.command("distribution")
 @click.option("--workers", default="1,2,4,8", show_default=True, help="Worker counts N, comma-separated.")
-@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+@click.option("--link-mbit", type=Number(min=0, min_open=True), default=400.0, show_default=True,
               help="Every host's link rate per direction, Mbit/s.")
-@click.option("--store-mbit", type=click.FloatRange(min=0, min_open=True),
+@click.option("--store-mbit", type=Number(min=0, min_open=True),
               help="The store's egress rate, Mbit/s (default: the link rate).")
 @click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Block package to distribute (default: the demo model's, packed on first use).")
@@ -193,15 +194,15 @@ def bench_distribution(workers, link_mbit, store_mbit, package, strategies, tran
 
 
 @bench_group.command("share")
-@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+@click.option("--link-mbit", type=Number(min=0, min_open=True), default=400.0, show_default=True,
               help="Every host's link rate per direction, Mbit/s (the agents' agent_link_mbit).")
-@click.option("--share", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=0.8,
+@click.option("--share", type=Number(min=0, max=1, min_open=True, max_open=True), default=0.8,
               show_default=True, help="The multicast share measured against share 1 (the whole link).")
-@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=50.0, show_default=True,
+@click.option("--rate", type=Number(min=0, min_open=True), default=50.0, show_default=True,
               help="Serving requests per second, open loop (enough that each multicast phase has a p99).")
-@click.option("--deadline", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+@click.option("--deadline", type=Number(min=0, min_open=True), default=2.0, show_default=True,
               help="Seconds a serving request may take; a later one counts as failed, at the deadline.")
-@click.option("--idle-seconds", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+@click.option("--idle-seconds", type=Number(min=0, min_open=True), default=10.0, show_default=True,
               help="Length of the idle-link phase.")
 @click.option("--package-mib", type=click.IntRange(min=8), default=160, show_default=True,
               help="Size of the random package built (and cached) when --package is not given.")
@@ -247,14 +248,14 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
               help="Strategies, comma-separated; NAME:W gives one W warm workers (e.g. warm-pool:4).")
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path), default=SURGE_TRACE, show_default=True,
               help="Trace CSV with columns TIMESTAMP, ContextTokens, GeneratedTokens.")
-@click.option("--window-start", type=click.FloatRange(min=0), default=120.0, show_default=True,
+@click.option("--window-start", type=Number(min=0), default=120.0, show_default=True,
               help="Replay the trace from this many seconds after its first request (its first two minutes ramp "
                    "up; from 120 s the service runs at its full rate, so the surge arrives at once).")
-@click.option("--window-seconds", type=click.FloatRange(min=0, min_open=True),
+@click.option("--window-seconds", type=Number(min=0, min_open=True),
               help="Replay this many seconds of the trace (and/or --window-requests).")
 @click.option("--window-requests", type=click.IntRange(min=1), default=200, show_default=True,
               help="Replay at most this many requests.")
-@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+@click.option("--time-scale", type=Number(min=0, min_open=True), default=2.0, show_default=True,
               help="Replay seconds per trace second (0.5: twice as fast; 2, the default, keeps this 2-core machine "
                    "out of saturation).")
 @click.option("--synthetic", metavar="step:rate=R,duration=D | burst:requests=K,spread=S",
@@ -262,15 +263,15 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
 @click.option("--surges", type=click.IntRange(min=1), default=1, show_default=True,
               help="Play the load this many times, each after --quiet-seconds without a request (the long run: "
                    "scale-down in the quiet, a cold start at each surge).")
-@click.option("--quiet-seconds", type=click.FloatRange(min=0), default=90.0, show_default=True,
+@click.option("--quiet-seconds", type=Number(min=0), default=90.0, show_default=True,
               help="The quiet period between two surges (longer than the keep-alive plus the scale-down cooldown).")
-@click.option("--slo-ttft-p99", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+@click.option("--slo-ttft-p99", type=Number(min=0, min_open=True), default=2.0, show_default=True,
               help="The daemon's p99 TTFT SLO, seconds (strategies scaled by the daemon).")
-@click.option("--keep-alive", type=click.FloatRange(min=0), default=20.0, show_default=True,
+@click.option("--keep-alive", type=Number(min=0), default=20.0, show_default=True,
               help="The daemon releases a replica idle this long, seconds.")
-@click.option("--scale-down-cooldown", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--scale-down-cooldown", type=Number(min=0), default=30.0, show_default=True,
               help="The daemon releases nothing this long after a scale event, seconds.")
-@click.option("--cold-start", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--cold-start", type=Number(min=0), default=0.0, show_default=True,
               help="The daemon's cold_start_s: seconds a new replica takes to serve (0: not counted; S/B is about "
                    "it here).")
 @click.option("--measure-cold-start", is_flag=True,
@@ -282,21 +283,21 @@ SURGE_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces
               help="Largest prompt sent, in tokens (this machine computes on CPU).")
 @click.option("--output-cap", type=click.IntRange(min=1), default=4, show_default=True,
               help="Largest output asked for, in tokens.")
-@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+@click.option("--link-mbit", type=Number(min=0, min_open=True), default=400.0, show_default=True,
               help="Every host's link rate per direction, Mbit/s.")
-@click.option("--store-mbit", type=click.FloatRange(min=0, min_open=True),
+@click.option("--store-mbit", type=Number(min=0, min_open=True),
               help="The store's egress rate, Mbit/s (default: the link rate).")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
               help="Runs per strategy, interleaved; the medians are reported.")
-@click.option("--pre-surge-seconds", type=click.FloatRange(min=0), default=60.0, show_default=True,
+@click.option("--pre-surge-seconds", type=Number(min=0), default=60.0, show_default=True,
               help="Idle time before the surge charged to each warm worker (cost).")
 @click.option("--first-n", type=click.IntRange(min=1), default=100, show_default=True,
               help="The first requests of the surge whose TTFT is reported apart.")
 @click.option("--worker-max-batch", type=click.IntRange(min=1), default=8, show_default=True,
               help="Sequences a worker runs together.")
-@click.option("--queue-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+@click.option("--queue-timeout", type=Number(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds a request may wait in the router for a worker.")
-@click.option("--worker-cpus", type=click.FloatRange(min=0), callback=_cpus_option,
+@click.option("--worker-cpus", type=Number(min=0), callback=_cpus_option,
               help="CPUs each serving worker may use (a cgroup CFS quota, at least 0.01): each emulated node's own "
                    "compute, as a GPU node has. Default: the machine's cores / --workers; 0: no quota (workers share "
                    "every core).")
@@ -375,7 +376,7 @@ def bench_surge(workers, min_workers, strategies, trace, window_start, window_se
 @click.option("--prompt-tokens", help="Prompt lengths in tokens, comma-separated [default: 128,512,1024; with "
                                       "--engine vllm one length, 128].")
 @click.option("--workers", default="1,4", show_default=True, help="--engine vllm: worker counts N, comma-separated.")
-@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True),
+@click.option("--link-mbit", type=Number(min=0, min_open=True),
               help="Every host's link rate per direction, Mbit/s [default: 400; with --engine vllm 50, where the "
                    "transfer dominates vLLM's start-up].")
 @click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -463,7 +464,7 @@ def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoi
                    "always moving such requests to their engine, or never) and/or whole-model (--no-pipelines).")
 @click.option("--receivers", type=click.IntRange(min=2), default=8, show_default=True,
               help="Workers scaled up (N), each an agent and a serving worker.")
-@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+@click.option("--link-mbit", type=Number(min=0, min_open=True), default=400.0, show_default=True,
               help="Every host's link rate (B).")
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True)
@@ -471,7 +472,7 @@ def bench_coldstart(engine, prompt_tokens, workers, link_mbit, package, checkpoi
               help="Block package (default: the demo model's, packed on first use).")
 @DEMO_CACHE
 @EMULATION
-@click.option("--worker-cpus", type=click.FloatRange(min=0), callback=_cpus_option,
+@click.option("--worker-cpus", type=Number(min=0), callback=_cpus_option,
               help="CPUs each serving worker may use (a CFS quota of at least 0.01, each emulated node its own "
                    "capacity; default: this machine's cores / receivers; 0: no quota).")
 @JSON_OUT
@@ -503,18 +504,18 @@ def bench_pipelines(sources, source_kinds, strategies, receivers, link_mbit, pro
 @bench_group.command("stragglers")
 @click.option("--workers", type=click.IntRange(min=2), default=8, show_default=True,
               help="Receivers scaled up (N), each an agent.")
-@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+@click.option("--link-mbit", type=Number(min=0, min_open=True), default=400.0, show_default=True,
               help="Every host's link rate (B), which every agent declares, the slow one's too.")
 @click.option("--slow-position", type=click.IntRange(min=1), default=3, show_default=True,
               help="The slow receiver's position in the scale-up's order (1-based).")
-@click.option("--slow-factor", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=0.25,
+@click.option("--slow-factor", type=Number(min=0, max=1, min_open=True, max_open=True), default=0.25,
               show_default=True, help="The slow receiver's link rate, as a share of the link rate.")
 @click.option("--modes", default="handled,unhandled", show_default=True,
               help="handled (the control plane's straggler handling), unhandled (--straggler-factor 0) and/or "
                    "none (no slow receiver: the reference), comma-separated.")
 @click.option("--kill-position", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also kill (SIGKILL) the agent of the receiver at this position during the transfer; 0: none.")
-@click.option("--kill-after", type=click.FloatRange(min=0), default=1.5, show_default=True,
+@click.option("--kill-after", type=Number(min=0), default=1.5, show_default=True,
               help="Seconds after the scale-up that --kill-position is killed.")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs per mode, interleaved; the verdict takes the medians.")
@@ -636,10 +637,10 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
                    "--blocks and --chunk-bytes).")
 @click.option("--model-bytes", type=SIZE, default="257MiB", show_default=True, help="Model size S (the demo model's).")
 @click.option("--blocks", type=click.IntRange(min=1), default=8, show_default=True, help="Blocks of equal size.")
-@click.option("--link-mbit", type=click.FloatRange(min=0, min_open=True), default=400.0, show_default=True,
+@click.option("--link-mbit", type=Number(min=0, min_open=True), default=400.0, show_default=True,
               help="Every node's link rate B, Mbit/s.")
 @click.option("--chunk-bytes", type=SIZE, default="1MiB", show_default=True, help="The cut-through unit.")
-@click.option("--hop-latency-ms", type=click.FloatRange(min=0), default=0.2, show_default=True,
+@click.option("--hop-latency-ms", type=Number(min=0), default=0.2, show_default=True,
               help="Latency of each hop, ms.")
 @click.option("--serve", type=click.Choice(["fair", "earliest"]), default="fair", show_default=True,
               help="How an uplink picks among its waiting children: fair (as agents serve them) or the child "
@@ -647,19 +648,19 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
 @click.option("--slow-position", type=click.IntRange(min=0), default=0, show_default=True,
               help="A receiver (1-based, in plan order; 0: none) whose link runs at --slow-factor x B; each plan is "
                    "also simulated with it demoted from the start (the straggler handling's best).")
-@click.option("--slow-factor", type=click.FloatRange(min=0, max=1, min_open=True), default=0.25, show_default=True,
+@click.option("--slow-factor", type=Number(min=0, max=1, min_open=True), default=0.25, show_default=True,
               help="The slow receiver's link rate as a share of B.")
 @click.option("--racks", type=click.IntRange(min=0), default=0, show_default=True,
               help="Put the receivers in this many racks (consecutive; the store in the first) and plan rack-aware; "
                    "0: one flat network.")
-@click.option("--oversubscription", type=click.FloatRange(min=1), default=1.0, show_default=True,
+@click.option("--oversubscription", type=Number(min=1), default=1.0, show_default=True,
               help="A rack's uplink is its nodes' links over this (4: 4:1), each way (with --racks).")
 @click.option("--fail-position", type=click.IntRange(min=0), default=0, show_default=True,
               help="A receiver (1-based, in plan order; 0: none) that dies --fail-at seconds after the start; the "
                    "plan is repaired --detect seconds later, as the control plane repairs it.")
-@click.option("--fail-at", type=click.FloatRange(min=0), default=1.0, show_default=True,
+@click.option("--fail-at", type=Number(min=0), default=1.0, show_default=True,
               help="When --fail-position dies, seconds after the start.")
-@click.option("--detect", type=click.FloatRange(min=0), default=0.7, show_default=True,
+@click.option("--detect", type=Number(min=0), default=0.7, show_default=True,
               help="Seconds from a death to the repair (a child reports its parent gone, or a lease lapses).")
 @click.option("--calibrated", is_flag=True,
               help="The start delay per hop and the payload's share of a link fitted to this project's emulated "
@@ -726,13 +727,13 @@ def bench_simulate(nodes, strategies, package, model_bytes, blocks, link_mbit, c
 @click.option("--blocks", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--chunks", type=click.IntRange(min=1), default=1, show_default=True,
               help="Chunks a block in the planned packages: with several, binomial plans fetch chunk ranges.")
-@click.option("--duration", "duration_s", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
+@click.option("--duration", "duration_s", type=Number(min=0.5), default=10.0, show_default=True,
               help="Seconds of block reporting.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Blocks per report.")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Planning repeats.")
 @click.option("--db", help="The server's database: a postgresql:// URL (an empty database: the bench's state stays "
                            "in it) or a SQLite path; default: a SQLite file in a temp dir.")
-@click.option("--heartbeat", "heartbeat_s", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+@click.option("--heartbeat", "heartbeat_s", type=Number(min=0.1), default=2.0, show_default=True,
               help="Seconds between a simulated worker's heartbeats (the agents' default: 2; the lease is 5 of them).")
 @click.option("--stall-workers", default="1000,5000", show_default=True,
               help="Worker counts at which the server's event-loop stalls are measured (comma-separated; '' for none).")
@@ -758,15 +759,15 @@ def bench_control_plane(workers: int, blocks: int, chunks: int, duration_s: floa
 
 @bench_group.command("tenants")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True, help="Serving workers.")
-@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=20.0,
+@click.option("--duration", "duration_s", type=Number(min=0, min_open=True), default=20.0,
               show_default=True, help="Seconds of load per phase.")
-@click.option("--rate-b", type=click.FloatRange(min=0, min_open=True),
+@click.option("--rate-b", type=Number(min=0, min_open=True),
               help="Tenant b's requests/s (default: 20% of the calibrated capacity).")
-@click.option("--rate-a", type=click.FloatRange(min=0, min_open=True),
+@click.option("--rate-a", type=Number(min=0, min_open=True),
               help="Tenant a's limit, requests/s (default: 20% of the calibrated capacity).")
-@click.option("--burst-factor", type=click.FloatRange(min=1, min_open=True), default=10.0, show_default=True,
+@click.option("--burst-factor", type=Number(min=1, min_open=True), default=10.0, show_default=True,
               help="Tenant a sends this many times its limit in the burst phases.")
-@click.option("--deadline", "deadline_s", type=click.FloatRange(min=0, min_open=True), default=10.0,
+@click.option("--deadline", "deadline_s", type=Number(min=0, min_open=True), default=10.0,
               show_default=True, help="Seconds a request may take; a later one counts as failed, at the deadline.")
 @click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Block package to serve (default: a random tiny Llama with a byte-level tokenizer, built on "

@@ -25,6 +25,7 @@ from control_plane.messages import PeerInfo
 from control_plane.routes import CanaryGate, RouteChange
 from control_plane.routes import describe as describe_route
 from packager.manifest import read_manifest
+from pipecast.core.clitypes import Number
 from pipecast.core.priorities import DEFAULT_PRIORITY, PRIORITIES
 from pipecast.core.settings import Settings, load_settings
 from pipecast.core.units import format_bytes, parse_duration
@@ -62,7 +63,7 @@ class Duration(click.ParamType):
 @click.option("--advertise", metavar="HOST:PORT",
               help="Where clients reach this replica; standbys name the leader's (settings: control_advertise; "
                    "default: --host:--port).")
-@click.option("--lease-s", type=click.FloatRange(min=0, min_open=True),
+@click.option("--lease-s", type=Number(min=0, min_open=True),
               help="Worker lease, and the lease of the leading replica (settings: lease_s).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Serve Prometheus metrics on this port, 0 for any (settings: control_metrics_port; off unless "
@@ -74,7 +75,7 @@ class Duration(click.ParamType):
               help="Whether a rotated scale-up also sends from the store, while it is idle, beside the workers "
                    "holding the package (settings: control_store_beside_holders; on by default). Off saves the "
                    "store's egress where peers can send.")
-@click.option("--straggler-factor", type=click.FloatRange(min=0, max=1, max_open=True),
+@click.option("--straggler-factor", type=Number(min=0, max=1, max_open=True),
               help="A receiver slower than this share of what its parents deliver (or of its declared link "
                    "rate) is a straggler: its children move to faster parents and it becomes a leaf; 0 turns "
                    "this off (settings: control_straggler_factor, 0.5).")
@@ -562,10 +563,10 @@ def _gate_options(command: Callable) -> Callable:
             click.option("--gate/--no-gate", "gate", default=None,
                          help="Let `pipecast scaler` roll canaries back on their own (default: keep the route's "
                               "setting; a new route has none)."),
-            click.option("--gate-ttft-margin", type=click.FloatRange(min=0), default=DEFAULT_GATE.ttft_p95_margin,
+            click.option("--gate-ttft-margin", type=Number(min=0), default=DEFAULT_GATE.ttft_p95_margin,
                          show_default=True, help="Roll back when the canary's p95 TTFT exceeds the stable "
                                                  "version's by this fraction (0.5: 50%)."),
-            click.option("--gate-error-margin", type=click.FloatRange(min=0), default=DEFAULT_GATE.error_rate_margin,
+            click.option("--gate-error-margin", type=Number(min=0), default=DEFAULT_GATE.error_rate_margin,
                          show_default=True, help="Roll back when the canary's error rate exceeds the stable "
                                                  "version's by this much (0.05: 5 points)."),
             click.option("--gate-min-requests", type=click.IntRange(min=1), default=DEFAULT_GATE.min_requests,

@@ -15,6 +15,7 @@ from pipecast.agent.ratelimit import DataPlaneCaps
 from pipecast.agent.transport.base import split_address
 from pipecast.agent.transport.registry import transport_names
 from pipecast.core.allocator import keep_freed_memory
+from pipecast.core.clitypes import Number
 from pipecast.core.engines import SERVING_ENGINES
 from pipecast.core.settings import configured_control_plane, load_settings
 from pipecast.core.units import parse_size
@@ -120,10 +121,10 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
 @click.option("--engine", type=click.Choice(SERVING_ENGINES),
               help="What answers at --serve-url: pipecast's serving worker, or vLLM with pipecast's loader "
                    "(settings: agent_engine).")
-@click.option("--link-mbit", type=click.FloatRange(min=0), metavar="MBIT",
+@click.option("--link-mbit", type=Number(min=0), metavar="MBIT",
               help="This node's link rate, Mbit/s, that --multicast-share is a share of and the control plane judges "
                    "stragglers by (settings: agent_link_mbit).")
-@click.option("--multicast-share", type=click.FloatRange(min=0, max=1, min_open=True), metavar="SHARE",
+@click.option("--multicast-share", type=Number(min=0, max=1, min_open=True), metavar="SHARE",
               help="Largest share of the link, in (0, 1], the data plane takes each direction, so that serving "
                    "traffic on the same link keeps its latency; below 1 needs --link-mbit (settings: "
                    "multicast_share).")

@@ -29,13 +29,25 @@ class SettingsError(PipecastError):
     """A config file or value that cannot be used."""
 
 
+#: The slowest tenant rate accepted (requests/s): one request a day. A rate near 0 is no limit anyone means,
+#: and the wait it gives a refused request runs to years, or overflows (1e-320).
+MIN_TENANT_RATE = 1 / 86400
+
+
 class TenantLimit(BaseModel):
     """One tenant's admission limit at the router: a token bucket of ``burst`` requests refilled at ``rate``/s."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    rate: float = Field(gt=0, allow_inf_nan=False, description="requests per second, sustained")
+    rate: float = Field(allow_inf_nan=False, description="requests per second, sustained (at least one a day)")
     burst: int = Field(ge=1, description="requests admitted at once after a quiet spell")
+
+    @field_validator("rate")
+    @classmethod
+    def _at_least_one_a_day(cls, rate: float) -> float:
+        if rate < MIN_TENANT_RATE:
+            raise ValueError(f"must be at least {MIN_TENANT_RATE:.3g} requests/s (one a day), got {rate!r}")
+        return rate
 
     @model_validator(mode="before")
     @classmethod

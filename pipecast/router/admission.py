@@ -30,6 +30,9 @@ AUTHORIZATION = "Authorization"
 MAX_BUCKETS = 4096
 #: A tenant header's value: printable text of at most this many characters (it names metrics' labels).
 MAX_TENANT_CHARS = 128
+#: The longest ``Retry-After`` told to a refused client: a slow tenant rate would tell it to come back in a day,
+#: and a client holding back that long is better off asking again (a request refused costs the router little).
+MAX_RETRY_AFTER_S = 3600
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,10 @@ class Admission:
 
     @property
     def retry_after_header(self) -> int:
-        """The ``Retry-After`` value of a refusal: whole seconds, rounded up, at least 1."""
-        return max(1, math.ceil(self.retry_after_s))
+        """The ``Retry-After`` value of a refusal: whole seconds, rounded up, at least 1 and at most
+        MAX_RETRY_AFTER_S."""
+        # capped before the rounding: math.ceil of an infinite wait raises OverflowError
+        return max(1, math.ceil(min(self.retry_after_s, MAX_RETRY_AFTER_S)))
 
 
 @dataclass

@@ -64,6 +64,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -160,6 +161,14 @@ class RouterConfig:
     #: ``/stats``, ``/v1/workers`` and ``/metrics`` answer only requests presenting the cluster's serving key
     #: (set where the router has credentials; the key comes from its discovery sources).
     views_need_key: bool = False
+
+    def __post_init__(self) -> None:
+        # A nan or infinite deadline is none: a queued request never answered, a stalled worker holding its slot.
+        for name in ("queue_timeout_s", "health_interval_s", "health_timeout_s", "connect_timeout_s",
+                     "upstream_timeout_s", "discovery_interval_s", "discovery_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"RouterConfig.{name} must be a finite number of seconds > 0, got {value!r}")
 
     def tenant_rate(self, tenant: str) -> float | None:
         """``tenant``'s admitted rate (requests/s), its weight in fair dispatch; None when unlimited."""

@@ -6,9 +6,11 @@ from contextlib import AsyncExitStack
 
 import click
 
+from pipecast.core.clitypes import Number
 from pipecast.core.credentials import data_plane_key, parse_node_token, serving_key
 from pipecast.core.httpserve import listening, serve_until_signalled
-from pipecast.core.settings import Settings, TenantLimit, configured_control_plane, load_settings
+from pipecast.core.settings import (MIN_TENANT_RATE, Settings, TenantLimit, configured_control_plane,
+                                    load_settings)
 from pipecast.router.admission import AdmissionConfig
 from pipecast.router.app import RUNNER_OPTIONS, Router, RouterConfig, build_app, build_metrics_app
 from pipecast.router.discovery import ControlPlaneDiscovery, Discovery, StaticDiscovery
@@ -30,8 +32,8 @@ def parse_tenant_limits(ctx: click.Context, param: click.Parameter,
                 raise ValueError(value)
             limits[name] = TenantLimit(rate=float(rate), burst=int(burst))
         except ValueError:  # pydantic's ValidationError is one
-            raise click.BadParameter(f"{value!r} is not {TENANT_LIMIT_FORM} with RATE > 0 requests/s and "
-                                     "BURST >= 1 requests, e.g. team-a=5:10") from None
+            raise click.BadParameter(f"{value!r} is not {TENANT_LIMIT_FORM} with RATE >= {MIN_TENANT_RATE:.3g} "
+                                     "requests/s (one a day) and BURST >= 1 requests, e.g. team-a=5:10") from None
     return limits
 
 
@@ -72,27 +74,27 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
               help="Also learn workers from this control plane (settings: control_plane, where set).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=DEFAULTS.max_queue, show_default=True,
               help="Requests that may wait for a worker; beyond it the router answers 429.")
-@click.option("--queue-timeout", type=click.FloatRange(min=0, min_open=True),
+@click.option("--queue-timeout", type=Number(min=0, min_open=True),
               default=DEFAULTS.queue_timeout_s, show_default=True,
               help="Seconds a request may wait for a worker before a 503.")
-@click.option("--health-interval", type=click.FloatRange(min=0.01), default=DEFAULTS.health_interval_s,
+@click.option("--health-interval", type=Number(min=0.01), default=DEFAULTS.health_interval_s,
               show_default=True, help="Seconds between two health polls of a worker.")
-@click.option("--health-timeout", type=click.FloatRange(min=0, min_open=True),
+@click.option("--health-timeout", type=Number(min=0, min_open=True),
               default=DEFAULTS.health_timeout_s, show_default=True,
               help="Seconds a health poll may take; a slower worker counts as down.")
-@click.option("--upstream-timeout", type=click.FloatRange(min=0, min_open=True),
+@click.option("--upstream-timeout", type=Number(min=0, min_open=True),
               default=DEFAULTS.upstream_timeout_s, show_default=True,
               help="Longest silence from a worker before its answer or between two chunks of it, longest it may "
                    "take to read each 256 KiB of a request's body, and longest a client may take to send its "
                    "whole request body (else 408).")
 @click.option("--max-retries", type=click.IntRange(min=0), default=DEFAULTS.max_retries, show_default=True,
               help="Other workers tried when one fails before answering.")
-@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--drain-timeout", type=Number(min=0), default=30.0, show_default=True,
               help="On SIGTERM/SIGINT, seconds given to requests at workers to finish.")
 @click.option("--forward-auth/--no-forward-auth", default=None,
               help="Pass clients' Authorization header on to the workers (settings: router_forward_auth; off "
                    "by default).")
-@click.option("--discovery-interval", type=click.FloatRange(min=0.05), default=DEFAULTS.discovery_interval_s,
+@click.option("--discovery-interval", type=Number(min=0.05), default=DEFAULTS.discovery_interval_s,
               show_default=True, help="Seconds between two questions to the control plane for workers and "
                                       "pipelines.")
 @click.option("--pipelines/--no-pipelines", default=True, show_default=True,

@@ -1,15 +1,14 @@
 """``pipecast serve``: run the serving worker in the foreground until SIGTERM/SIGINT."""
 
 import asyncio
-import math
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
 from pipecast.agent.local_client import MAX_TIMEOUT_S
+from pipecast.core.clitypes import Number
 from pipecast.core.settings import load_settings
 from pipecast.loading import local_folder
 from pipecast.serve.app import run_worker
@@ -21,17 +20,6 @@ SWITCH_INTERVAL_S = 0.0005
 #: this host has that CUDA device, once torch is imported): checked before the worker listens, as a typo would
 #: leave it answering 503 until killed.
 DEVICE = re.compile(r"(cpu|cuda)(:(0|[1-9][0-9]*))?")
-
-
-class Seconds(click.FloatRange):
-    """A :class:`click.FloatRange` of seconds that also refuses nan, which passes every bound (each comparison
-    with it is false) and which the worker's own checks would refuse only after it listens."""
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        seconds = super().convert(value, param, ctx)
-        if math.isnan(seconds):
-            self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        return seconds
 
 
 @click.command("serve")
@@ -52,17 +40,17 @@ class Seconds(click.FloatRange):
 @click.option("--wait-full-load", is_flag=True,
               help="Load-then-serve: hold every request until the whole model is in (the baseline of "
                    "`pipecast bench coldstart`). By default prompts run layer by layer as blocks arrive.")
-@click.option("--agent-timeout", type=Seconds(min=0, max=MAX_TIMEOUT_S, min_open=True), default=60.0,
+@click.option("--agent-timeout", type=Number(min=0, max=MAX_TIMEOUT_S, min_open=True), default=60.0,
               show_default=True,
               help="Seconds the agent's socket may take to appear (an agent started after the worker), and each "
                    "request to the agent may take (for the package's manifest: then a PACKAGE folder, or its copy "
                    "in the disk cache, is read instead; for a block's memory). A package id with neither is waited "
                    "for however long it takes, until a scale-up places the package on this node.")
-@click.option("--stall-timeout", type=Seconds(min=0, max=math.inf, min_open=True, max_open=True), default=600.0,
+@click.option("--stall-timeout", type=Number(min=0, min_open=True), default=600.0,
               show_default=True, help="Loading fails after this many seconds without a new block.")
-@click.option("--drain-timeout", type=Seconds(min=0), default=30.0, show_default=True,
+@click.option("--drain-timeout", type=Number(min=0), default=30.0, show_default=True,
               help="On SIGTERM: seconds running requests may take to finish before they are cut.")
-@click.option("--pipeline-step-timeout", type=Seconds(min=0, max=MAX_DEADLINE_S, min_open=True),
+@click.option("--pipeline-step-timeout", type=Number(min=0, max=MAX_DEADLINE_S, min_open=True),
               default=STEP_TIMEOUT_S,
               show_default=True, help="As the head stage of a cross-node pipeline: seconds one token may take "
                                       "through every stage, waits for arriving layers included.")

@@ -95,6 +95,20 @@ def test_a_tenant_limit_given_as_a_bare_number_is_refused_as_text_without_a_burs
         load_settings()
 
 
+@pytest.mark.parametrize("rate", ["1e-320", "1e-9", "0.00001"])
+def test_a_tenant_rate_slower_than_one_request_a_day_is_refused(monkeypatch, rate):
+    """Found in review: such a rate was taken, and its refusals said Retry-After of 31 years (1e-9) or were
+    a 500 (1e-320: an infinite wait)."""
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    monkeypatch.setenv("PIPECAST_ROUTER_DEFAULT_TENANT_LIMIT", f"{rate}:1")
+    with pytest.raises(SettingsError, match=re.escape(f"router_default_tenant_limit.rate: Value error, must be at "
+                                                      "least 1.16e-05 requests/s (one a day), got "
+                                                      f"{float(rate)!r}")):
+        load_settings()
+    monkeypatch.setenv("PIPECAST_ROUTER_DEFAULT_TENANT_LIMIT", f"{1 / 86400!r}:1")
+    assert load_settings().router_default_tenant_limit.rate == 1 / 86400
+
+
 def test_a_variable_that_names_no_setting_is_warned_of_once_with_the_setting_it_likely_misspells(monkeypatch, caplog):
     """Found in review: a misspelt PIPECAST_AUTH_TOKN was ignored without a word (auth stayed off), where a
     config file's unknown key is refused."""

@@ -4,8 +4,9 @@ import pytest
 from click.testing import CliRunner
 from multidict import CIMultiDict
 
-from pipecast.core.settings import Settings, SettingsError, TenantLimit, load_settings
-from pipecast.router.admission import MAX_BUCKETS, Admission, AdmissionConfig, AdmissionControl
+from pipecast.core.settings import MIN_TENANT_RATE, Settings, SettingsError, TenantLimit, load_settings
+from pipecast.router.admission import (MAX_BUCKETS, MAX_RETRY_AFTER_S, Admission, AdmissionConfig,
+                                       AdmissionControl)
 from pipecast.router.command import admission_config, parse_tenant_limits, router_command
 from pipecast.router.errors import TenantAuthError, TenantNameError, TenantOverLimitError
 
@@ -60,6 +61,17 @@ def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one():
     slow, _ = control({"a": TenantLimit(rate=0.1, burst=1)})
     slow.admit("a")
     assert slow.admit("a").retry_after_header == 10
+
+
+@pytest.mark.parametrize("rate", [1e-320, 1e-9, MIN_TENANT_RATE])
+def test_retry_after_is_at_most_an_hour_however_slow_the_rate(rate):
+    """Found in review: at 1e-320/s the wait was infinite and its rounding raised (a 500 for every refusal), and
+    1e-9/s told clients to come back in 31 years. The settings refuse such rates now (model_construct skips
+    that); a day, at the slowest rate they take, is still too long for a client to hold back."""
+    slow, _ = control({"a": TenantLimit.model_construct(rate=rate, burst=1)})
+    slow.admit("a")
+    refused = slow.admit("a")
+    assert not refused.admitted and refused.retry_after_header == MAX_RETRY_AFTER_S == 3600
 
 
 def test_the_refusal_message():
@@ -144,17 +156,18 @@ def test_bad_tenant_limits_in_the_settings_are_named(tmp_path, monkeypatch):
                       "[pipecast.router_default_tenant_limit]\nrate = 1\n")
     with pytest.raises(SettingsError) as info:
         load_settings(config)
-    assert str(info.value) == ("invalid settings: router_tenant_limits.a.rate: Input should be greater than 0; "
-                               "router_default_tenant_limit.burst: Field required")
+    assert str(info.value) == ("invalid settings: router_tenant_limits.a.rate: Value error, must be at least "
+                               "1.16e-05 requests/s (one a day), got 0.0; router_default_tenant_limit.burst: Field "
+                               "required")
 
 
 @pytest.mark.parametrize("value", ["a", "a=5", "=5:10", "a=x:10", "a=5:x", "a=0:10", "a=-1:10", "a=5:0",
-                                   "a=nan:1", "a=5:1.5"])
+                                   "a=nan:1", "a=5:1.5", "a=1e-9:1"])
 def test_a_malformed_tenant_limit_is_a_usage_error(value):
     result = CliRunner().invoke(router_command, ["--worker", "http://127.0.0.1:1", "--tenant-limit", value])
     assert result.exit_code == 2
-    assert (f"Invalid value for '--tenant-limit': {value!r} is not NAME=RATE:BURST with RATE > 0 requests/s and "
-            "BURST >= 1 requests, e.g. team-a=5:10") in " ".join(result.output.split())
+    assert (f"Invalid value for '--tenant-limit': {value!r} is not NAME=RATE:BURST with RATE >= 1.16e-05 "
+            "requests/s (one a day) and BURST >= 1 requests, e.g. team-a=5:10") in " ".join(result.output.split())
 
 
 def test_api_keys_are_not_a_command_line_option():

@@ -727,6 +727,18 @@ def test_a_router_given_a_node_token_and_no_control_plane_is_a_usage_error():
                                       ) in " ".join(result.output.split())
 
 
+@pytest.mark.parametrize(("name", "value"), [("queue_timeout_s", float("nan")), ("upstream_timeout_s", float("inf")),
+                                             ("health_interval_s", float("nan")), ("health_timeout_s", 0.0),
+                                             ("connect_timeout_s", -1.0), ("discovery_interval_s", float("inf")),
+                                             ("discovery_timeout_s", float("nan"))])
+def test_a_router_config_without_a_finite_positive_deadline_is_refused_naming_it(name, value):
+    """Found in review: nan and inf were taken, and the router ran without the deadline (a queued request never
+    answered, a stalled worker holding its slot for good, health polls practically stopped)."""
+    with pytest.raises(ValueError) as info:
+        RouterConfig(**{name: value})
+    assert str(info.value) == f"RouterConfig.{name} must be a finite number of seconds > 0, got {value!r}"
+
+
 async def test_retries_are_bounded_and_end_in_502_naming_the_workers(client):
     async with workers(FakeWorker(behaviour="die_before"), FakeWorker(behaviour="die_before")) as fakes:
         urls = sorted(fake.url for fake in fakes)

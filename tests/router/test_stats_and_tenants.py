@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from pipecast.core.settings import TenantLimit
+from pipecast.core.settings import MIN_TENANT_RATE, TenantLimit
 from pipecast.router.admission import AdmissionConfig
 from pipecast.scaler.signals import add_up, parse_stats
 from tests.router.test_app import BODY, CLIENT_TIMEOUT, FakeWorker, eventually, post, router, workers
@@ -176,6 +176,25 @@ async def test_a_tenant_over_its_limit_gets_429_while_another_passes(session):
     assert stats["counters"]["rejected"] == 1 and stats["counters"]["answered"] == 5
     assert 'pipecast_router_tenant_rejected_total{tenant="a"} 1.0' in metrics
     assert 'pipecast_router_requests_rejected_total{reason="rate_limited"} 1.0' in metrics
+
+
+async def test_a_tenant_at_the_slowest_rate_is_told_to_retry_within_an_hour_not_a_day(session):
+    """Found in review: a rate of 1e-320/s made every refusal a 500 (after /stats counted it), and 1e-9/s a
+    Retry-After of 31 years. The settings take one request a day at the slowest, and Retry-After is capped."""
+    admission = AdmissionConfig(limits={"a": TenantLimit(rate=MIN_TENANT_RATE, burst=1)})
+    async with workers(FakeWorker()) as (worker,):
+        async with router([worker.url], admission=admission) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            answers = []
+            for _ in range(2):
+                async with session.post(f"{url}/v1/completions", json=BODY,
+                                        headers={"x-pipecast-tenant": "a"}) as response:
+                    answers.append((response.status, response.headers.get("Retry-After"), await response.json()))
+            stats = await stats_of(session, url)
+    assert [status for status, _, _ in answers] == [200, 429]
+    assert answers[1][1:] == ("3600", {"error": {"message": "tenant 'a' is over its rate of 1.15741e-05 requests/s "
+                                                            "(burst 1); retry after 3600 s", "type": "rate_limited"}})
+    assert stats["tenants"] == {"a": {"arrived": 2, "admitted": 1, "rejected": 1, "queued": 0}}
 
 
 async def test_with_api_keys_a_request_needs_a_known_key_which_names_its_tenant(session):
