@@ -14,6 +14,8 @@ worker list; for a fixed list, the one the router's master token derives (a node
 """
 
 import logging
+import urllib.parse
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,6 +36,17 @@ log = logging.getLogger(__name__)
 
 #: How a pipeline's key (the router's name for it, and the worker a request's answer names) begins.
 PIPELINE_KEY_PREFIX = "pipeline:"
+#: Characters of its package id a pipeline's key ends with (a content hash: 64 bits tell deployed packages apart).
+PIPELINE_KEY_PACKAGE_CHARS = 16
+
+
+def pipeline_key(package_id: str, node_ids: Iterable[str]) -> str:
+    """The key of the pipeline of package ``package_id`` through ``node_ids``: :data:`PIPELINE_KEY_PREFIX`, the
+    node ids URL-quoted (a node id may hold '+' or '@') joined by '+', then '@' and the package id's first
+    :data:`PIPELINE_KEY_PACKAGE_CHARS` characters (during a rollout the same nodes serve two packages' pipelines).
+    Readers count its '+' for its stages (two or more) and take its head's quoted node id before the first '+'."""
+    nodes = "+".join(urllib.parse.quote(n, safe="") for n in node_ids)
+    return f"{PIPELINE_KEY_PREFIX}{nodes}@{package_id[:PIPELINE_KEY_PACKAGE_CHARS]}"
 
 
 @dataclass(frozen=True)
@@ -52,7 +65,7 @@ class DiscoveredPipeline:
     """A cross-node pipeline: its stages' workers in order (the first, the head, receives the request
     with the route in ``header``, the value of :data:`pipecast.serve.pipeline.PIPELINE_HEADER`)."""
 
-    key: str  # PIPELINE_KEY_PREFIX and the stages' node ids, joined by "+"
+    key: str  # pipeline_key(package_id, its stages' node ids)
     head_url: str
     member_urls: tuple[str, ...]
     header: str
@@ -186,9 +199,9 @@ class ControlPlaneDiscovery:
             except WorkerUrlError as exc:
                 log.warning("skipping a pipeline: %s", exc)
                 continue
-            found.append(DiscoveredPipeline(PIPELINE_KEY_PREFIX + "+".join(s.node_id for s in info.stages), hops[0].url,
-                                            tuple(h.url for h in hops), route_header(hops), info.waiting_blocks,
-                                            info.package_id))
+            found.append(DiscoveredPipeline(pipeline_key(info.package_id, (s.node_id for s in info.stages)),
+                                            hops[0].url, tuple(h.url for h in hops), route_header(hops),
+                                            info.waiting_blocks, info.package_id))
         return found
 
     async def list_routes(self) -> RouteTable:

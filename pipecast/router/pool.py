@@ -199,8 +199,8 @@ PIPELINE_RETRY_S = 30.0
 
 @dataclass
 class PipelineUnit:
-    """A cross-node pipeline as the router routes to it: keyed by ``url`` (``pipeline:n1+n2...``), sent to
-    its head stage's worker with the route header."""
+    """A cross-node pipeline as the router routes to it: keyed by ``url`` (``pipeline:n1+n2@<package>``, see
+    :func:`pipecast.router.discovery.pipeline_key`), sent to its head stage's worker with the route header."""
 
     url: str
     head_url: str

@@ -75,7 +75,9 @@ from pipecast.serve.pipeline import (
     decode_frame,
     decode_frame_header,
     encode_frame,
+    parse_next,
     parse_route,
+    parse_session,
     stage_body_limit,
     tensor_bytes,
 )
@@ -305,10 +307,8 @@ async def stage_close(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
     try:
         body = await _decode(request)
-        session = body.get("session") if isinstance(body, dict) else None
-        if not isinstance(session, str):
-            raise PipelineProtocolError("'session' must be a string")
-        hops = parse_route(body["next"], first=None) if body.get("next") else ()
+        session = parse_session(body.get("session") if isinstance(body, dict) else None)  # it is echoed: bounded
+        hops = parse_next(body.get("next"), first=None)
     except (RequestFieldError, PipelineProtocolError) as exc:
         return _stage_error(str(exc), 400)
     except (RequestTooLargeError, RequestBodyTimeoutError) as exc:

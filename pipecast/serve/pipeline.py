@@ -73,6 +73,8 @@ CLOSE_TIMEOUT_S = 2.0
 HOP_MARGIN_S = 0.2
 #: Most stages a route may name.
 MAX_ROUTE_STAGES = 64
+#: Most characters of a pipelined session's id (a head names its sessions with 32 hex digits).
+MAX_SESSION_CHARS = 64
 #: Longest deadline a stage call may carry (s): a hostile caller cannot hold a stage's waits for longer.
 MAX_DEADLINE_S = 3600
 #: Stage calls of a worker that wait for arriving layers at once; more queue for a thread.
@@ -115,6 +117,15 @@ class Hop:
         return {"url": self.url, "layers": [self.layers.start, self.layers.stop]}
 
 
+def parse_next(value: Any, *, first: int | None) -> tuple[Hop, ...]:
+    """The stages after this one of a stage call or close (its ``next``): none for None or [], else
+    :func:`parse_route`'s. Raises :class:`PipelineProtocolError` for anything but a list ({} or 0 must not read as
+    "the last stage")."""
+    if value is not None and not isinstance(value, list):
+        raise PipelineProtocolError(f"'next' must be a list of the stages after this one, got {str(value)[:40]}")
+    return parse_route(value, first=first) if value else ()
+
+
 def parse_route(value: Any, *, first: int | None = 0) -> tuple[Hop, ...]:
     """The hops of a decoded route (a list of ``{"url", "layers"}``), checked: consecutive non-empty layer
     ranges starting at ``first`` (None: anywhere), http(s) URLs. Raises :class:`PipelineProtocolError`."""
@@ -137,6 +148,14 @@ def parse_route(value: Any, *, first: int | None = 0) -> tuple[Hop, ...]:
         hops.append(Hop(base, range(layers[0], layers[1])))
         position = layers[1]
     return tuple(hops)
+
+
+def parse_session(value: Any) -> str:
+    """The session id a stage call or close names; :class:`PipelineProtocolError` unless 1 to
+    :data:`MAX_SESSION_CHARS` characters (each stage keeps it, and a close answers it)."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_SESSION_CHARS:
+        raise PipelineProtocolError(f"'session' must be a string of 1 to {MAX_SESSION_CHARS} characters")
+    return value
 
 
 def route_header(hops: Sequence[Hop]) -> str:
@@ -270,14 +289,12 @@ class StageCall:
     @classmethod
     def from_header(cls, header: dict) -> "StageCall":
         """The call a frame header describes; :class:`PipelineProtocolError` names the bad field."""
-        session, layers, position = header.get("session"), header.get("layers"), header.get("position")
+        session, layers, position = parse_session(header.get("session")), header.get("layers"), header.get("position")
         deadline_s, params = header.get("deadline_s"), header.get("params")
         norm_only, package = header.get("norm_only", False), header.get("package", "")
-        if not isinstance(session, str) or not 0 < len(session) <= 64:
-            raise PipelineProtocolError("'session' must be a string of 1 to 64 characters")
         if type(position) is not int or position < 0:
             raise PipelineProtocolError(f"'position' must be an integer >= 0, got {str(position)[:40]}")
-        if not isinstance(deadline_s, (int, float)) or not 0 < deadline_s <= MAX_DEADLINE_S:
+        if type(deadline_s) not in (int, float) or not 0 < deadline_s <= MAX_DEADLINE_S:  # true is no 1 s (bool is int)
             raise PipelineProtocolError(f"'deadline_s' must be a number of seconds in (0, {MAX_DEADLINE_S}], got "
                                         f"{str(deadline_s)[:40]}")
         if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
@@ -287,7 +304,7 @@ class StageCall:
         if not isinstance(package, str) or not (package == "" or HEX_DIGEST.fullmatch(package)):
             raise PipelineProtocolError(f"'package' must be a package id (64 lower-case hex digits), got "
                                         f"{str(package)[:70]}")
-        following = parse_route(header["next"], first=layers[1]) if header.get("next") else ()
+        following = parse_next(header.get("next"), first=layers[1])
         return cls(session, range(*layers), position, float(deadline_s), following,
                    None if params is None else params_from_json(params), norm_only, package)
 

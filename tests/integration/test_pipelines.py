@@ -18,6 +18,7 @@ import pytest
 
 import pipecast
 from pipecast.core.credentials import data_plane_key, serving_headers, serving_key
+from pipecast.router.discovery import pipeline_key
 from pipecast.v1.manifest_pb2 import Manifest
 from control_plane.client import ControlPlaneClient
 from tests.integration.test_cluster import TOKEN, Cluster
@@ -127,7 +128,7 @@ def test_pipelines_serve_before_any_worker_holds_the_model_survive_a_killed_stag
             # 1. the first request, sent at the scale-up, is answered by the pipeline w1 -> w2
             status, served_by, tokens = await complete(http, cluster.router_url, 8)
             held = await cluster.held(package_id)
-            assert status == 200 and served_by == "pipeline:w1+w2", (status, served_by, tokens)
+            assert status == 200 and served_by == pipeline_key(package_id, ["w1", "w2"]), (status, served_by, tokens)
             assert tokens == reference(8)
             assert all(held.get(w, 0) < blocks for w in WORKERS), held  # nobody holds the whole model yet
             # an outsider (without the serving key the workers learned from their agents) runs nothing
@@ -164,5 +165,6 @@ def test_pipelines_serve_before_any_worker_holds_the_model_survive_a_killed_stag
 
     asyncio.run(scenario())
     log = cluster.log("router")
-    assert "pipeline pipeline:w1+w2 added" in log and "pipeline pipeline:w1+w2 dissolved" in log
+    key = pipeline_key(package_id, ["w1", "w2"])
+    assert f"pipeline {key} added" in log and f"pipeline {key} dissolved" in log
     assert "retrying on another worker" in log and "pipeline stage" in cluster.log("w1-serve")

@@ -604,11 +604,34 @@ async def test_control_plane_discovery_turns_pipelines_into_routes():
                     PipelineStage(node_id="n3", serve_url="10.0.0.3:8000", layer_start=0, layer_end=8)])]
 
     [found] = await ControlPlaneDiscovery(Client(), "cp:7000").list_pipelines()
-    assert found.key == "pipeline:n1+n2" and found.head_url == "http://10.0.0.1:8000"
+    assert found.key == "pipeline:n1+n2@p" and found.head_url == "http://10.0.0.1:8000"
     assert found.member_urls == ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
     assert json.loads(found.header) == [{"url": "http://10.0.0.1:8000", "layers": [0, 3]},
                                         {"url": "http://10.0.0.2:8000", "layers": [3, 8]}]
     assert await StaticDiscovery([A]).list_pipelines() == []
+
+
+async def test_pipelines_whose_node_ids_join_alike_or_of_two_packages_on_the_same_nodes_are_all_routed_to():
+    from pipecast.v1.control_pb2 import PipelineInfo, PipelineStage
+
+    def info(package: str, *stages: tuple[str, int]) -> PipelineInfo:
+        return PipelineInfo(package_id=package * 64, stages=[
+            PipelineStage(node_id=n, serve_url=f"http://10.0.0.{host}:8000", layer_start=i * 3, layer_end=i * 3 + 3)
+            for i, (n, host) in enumerate(stages)])
+
+    class Client:
+        async def list_pipelines(self):
+            # disjoint pipelines whose node ids joined by '+' read alike; the same nodes for two packages (a rollout)
+            return [info("a", ("a+b", 1), ("c", 2)), info("a", ("a", 3), ("b+c", 4)),
+                    info("b", ("n1", 5), ("n2", 6)), info("c", ("n1", 5), ("n2", 6))]
+
+    pool = WorkerPool()
+    pool.sync_pipelines(await ControlPlaneDiscovery(Client(), "cp:7000").list_pipelines())
+    assert {u.url: (u.member_urls, u.package_id[0]) for u in pool.pipelines()} == {
+        f"pipeline:a%2Bb+c@{'a' * 16}": (("http://10.0.0.1:8000", "http://10.0.0.2:8000"), "a"),
+        f"pipeline:a+b%2Bc@{'a' * 16}": (("http://10.0.0.3:8000", "http://10.0.0.4:8000"), "a"),
+        f"pipeline:n1+n2@{'b' * 16}": (("http://10.0.0.5:8000", "http://10.0.0.6:8000"), "b"),
+        f"pipeline:n1+n2@{'c' * 16}": (("http://10.0.0.5:8000", "http://10.0.0.6:8000"), "c")}
 
 
 def test_the_names_a_pool_remembers_are_the_most_recently_named_and_bounded():

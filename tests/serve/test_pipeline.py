@@ -33,6 +33,7 @@ from pipecast.serve.pipeline import (
     PipelineHead,
     PipelineProtocolError,
     RequestTiming,
+    StageCall,
     StageClient,
     StageQueue,
     decode_frame,
@@ -153,6 +154,25 @@ def test_bad_sampling_params_of_a_stage_call_are_refused_by_name(value, message)
 def test_bad_routes_are_refused_naming_the_stage(value, message):
     with pytest.raises(PipelineProtocolError, match=message):
         parse_route(value)
+
+
+CALL = {"session": "s", "layers": [0, 3], "position": 0, "deadline_s": 5, "params": None}
+
+
+@pytest.mark.parametrize("fields, message", [
+    # a stage call's stages after it: a list (none: absent, null or []), never what reads as false
+    ({"next": {}}, "'next' must be a list of the stages after this one, got {}"),
+    ({"next": 0}, "'next' must be a list of the stages after this one, got 0"),
+    ({"next": ""}, "'next' must be a list of the stages after this one, got $"),
+    ({"next": [{"url": "http://a:1", "layers": [4, 6]}]}, r"stage 0 of the route must run layers \[3, stop\)"),
+    ({"deadline_s": True}, r"'deadline_s' must be a number of seconds in \(0, 3600\], got True"),
+    ({"session": "s" * 65}, "'session' must be a string of 1 to 64 characters"),
+])
+def test_bad_fields_of_a_stage_call_are_refused_naming_them(fields, message):
+    with pytest.raises(PipelineProtocolError, match=message):
+        StageCall.from_header(CALL | fields)
+    assert [StageCall.from_header(CALL | {"next": none}).following for none in (None, [])] == [(), ()]
+    assert StageCall.from_header(CALL | {"session": "s" * 64}).session == "s" * 64
 
 
 # --- requests through stages -------------------------------------------------------------------------
@@ -407,9 +427,25 @@ async def test_stage_calls_with_bad_frames_are_answered_400(pkg):
             assert response.status == 400 and answer["error"]["message"] == (
                 f"layers {layers[0]}-{layers[1] - 1} of the model's 6 with {len(following)} stage(s) after them: only "
                 "the stage whose layers end the model's is the last"), answer
+        # "next" that reads as false is no last stage; a bool is no deadline
+        for fields, message in (({"layers": [2, 6], "next": {}}, "'next' must be a list"),
+                                ({"deadline_s": True}, "'deadline_s' must be a number of seconds")):
+            frame = encode_frame({"session": "s", "layers": [3, 6], "position": 0, "params": None, "next": [],
+                                  "deadline_s": 5} | fields, torch.zeros(1, 3, 64))
+            async with http.post(f"{a}/v1/stage", data=frame) as response:
+                answer = await response.json()
+            assert response.status == 400 and answer["error"]["message"].startswith(message), answer
         async with aiohttp.ClientSession() as other:
             async with other.post(f"{a}/v1/stage/close", json={"session": "nope"}) as response:
                 assert response.status == 200
+            # a close names a session as a call does (it is echoed back)
+            async with other.post(f"{a}/v1/stage/close", json={"session": "x" * 100_000}) as response:
+                assert response.status == 400
+                assert (await response.json())["error"]["message"] == "'session' must be a string of 1 to 64 characters"
+            # and its next stages as a call does ({} is not "none after me")
+            async with other.post(f"{a}/v1/stage/close", json={"session": "s", "next": {}}) as response:
+                assert response.status == 400
+                assert (await response.json())["error"]["message"].startswith("'next' must be a list of the stages")
 
 
 def test_a_stage_call_may_carry_the_hidden_states_of_the_models_longest_prompt():
