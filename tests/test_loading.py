@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -454,9 +455,10 @@ def test_a_package_folder_that_lacks_blocks_is_refused_naming_them(tiny, tmp_pat
     monkeypatch.setenv("PIPECAST_AGENT_CACHE_DIR", str(tmp_path))
     message = (f"package {package_id}: no pipecast agent configured (PIPECAST_AGENT_LOCAL_SOCKET unset), and the "
                f"package folder {cached} lacks 2 of its 4 blocks: [1, 3]")
+    before = _pipecast_threads()  # other tests' daemon threads may still be ending
     with pytest.raises(PackageUnavailableError, match=f"^{re.escape(message)}$"):
         pipecast.load(package_id)
-    assert _pipecast_threads() == []
+    assert not Counter(_pipecast_threads()) - Counter(before)  # none started here stays
 
 
 @pytest.mark.parametrize("kwargs, message", [
