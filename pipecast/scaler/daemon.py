@@ -25,6 +25,12 @@ Stateless across restarts: the deployments and the audit trail are the control p
 cooldowns are recovered from the trail's last events. The signal history and the measured cold starts
 restart empty, so a restarted daemon decides from fresh data (a worker's idle time comes from the
 routers, which keep it), and releases nothing until it has a keep-alive of signals (the peak it keeps).
+
+Time: the history, the cooldowns, the releases held back and the waits after a refusal are timed by the
+monotonic clock, so a step of the wall clock (NTP) is no time passing (an hour back froze releases, queue-driven
+scale-ups and retries for that hour); the wall clock stamps the audit trail and the last tick's metric only. A
+restart reads the trail's rows by their age on the wall clock, a row from its future (stepped back since) as
+written now: a cooldown at most its length.
 """
 
 import asyncio
@@ -129,13 +135,15 @@ class Scaler:
     """The daemon over one control plane ``client`` (a :class:`control_plane.client.ControlPlaneClient`)."""
 
     def __init__(self, client, config: ScalerConfig = ScalerConfig(), *, metrics: ScalerMetrics | None = None,
-                 clock: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
                  resolve: Callable[[str, int | None], Awaitable[list[str]]] = resolve_addresses) -> None:
-        """``resolve``: a router URL's host and port -> the addresses to poll it at (:func:`resolve_addresses`)."""
+        """``clock``: the wall clock (the audit trail's times), ``monotonic``: what times the rest (module docstring);
+        ``resolve``: a router URL's host and port -> the addresses to poll it at (:func:`resolve_addresses`)."""
         self.client = client
         self.config = config
         self.metrics = metrics or ScalerMetrics()
         self.clock = clock
+        self.monotonic = monotonic
         self.resolve = resolve
         self.tracked: dict[str, _Tracked] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -175,7 +183,7 @@ class Scaler:
 
     def _gap(self) -> None:
         """Mark a failed tick in every deployment's history (:func:`_mark_gap`)."""
-        now = self.clock()
+        now = self.monotonic()
         for tracked in self.tracked.values():
             _mark_gap(tracked, now)
 
@@ -191,7 +199,7 @@ class Scaler:
             if watched:
                 polls = (self._poll_each(url, *at, quiet=True) for url, at in zip(urls, addresses))
                 answers = dict(zip(urls, await asyncio.gather(*polls)))
-                now = self.clock()
+                now = self.monotonic()
                 for package_id, routers in watched.items():
                     if add_up(now, [a for url in routers for a in answers[url]], {}, package_id).queue_depth > 0:
                         log.info("scaler %s: a request waits with no replica: looking now", package_id[:12])
@@ -224,7 +232,7 @@ class Scaler:
                 raise
             except Exception:
                 log.exception("scaler %s: its step failed: holding its pool this tick", deployment.package_id[:12])
-                _mark_gap(self.tracked[deployment.package_id], self.clock())
+                _mark_gap(self.tracked[deployment.package_id], self.monotonic())
                 continue
             decisions.append((deployment.package_id, decision))
         await self._gate(deployments)
@@ -258,7 +266,7 @@ class Scaler:
         if not tracked.recovered:
             await self._recover(package_id, tracked)
         answers = await self._stats_of(deployment.routers)
-        now = self.clock()
+        now = self.monotonic()
         held_back = self.config.source_keep_s + RELEASE_GRACE_S
         tracked.released = {n: at for n, at in tracked.released.items() if now - at < held_back}
         pool = pool_of(package_id, await self._num_blocks(package_id), workers, plans, now=now,
@@ -283,11 +291,11 @@ class Scaler:
 
     async def _act(self, package_id: str, decision: Decision, actual: int, tracked: _Tracked,
                    now: float) -> Decision:
-        """Record ``decision`` in the audit trail and make it; return what was done: ``decision`` (a scale-up at
-        the count placed: the trail then says so after it), or a hold of kind ``refused`` where the control plane
-        refused it."""
+        """Record ``decision`` in the audit trail and make it (at ``now``, the monotonic clock); return what was
+        done: ``decision`` (a scale-up at the count placed: the trail then says so after it), or a hold of kind
+        ``refused`` where the control plane refused it."""
         nodes: Sequence[str] = decision.release
-        event = ScaleEvent(at=now, package_id=package_id, action=decision.action,
+        event = ScaleEvent(at=self.clock(), package_id=package_id, action=decision.action,
                            count=decision.add or len(decision.release), node_ids=tuple(nodes), reason=decision.reason,
                            inputs_json=json.dumps(decision.inputs, sort_keys=True), desired=decision.desired,
                            actual=actual)
@@ -345,35 +353,44 @@ class Scaler:
         return decision
 
     async def _scale_up(self, package_id: str, count: int) -> tuple[pb.ScaleUpResponse, int, str]:
-        """Scale up by ``count`` workers, or as many fewer as the control plane can place: the pool counts
+        """Scale up by ``count`` workers, or fewer where the control plane cannot place them: the pool counts
         every worker not serving the package as free, but placement also needs its memory budget, and refuses a
-        scale-up it cannot place whole (which, retried at the same count each tick, added none). Returns the
-        control plane's reply, the count placed and why no more were ("" when all were)."""
-        short = ""
+        scale-up it cannot place whole (which, retried at the same count each tick, added none). Half as many are
+        asked each time, down to one: one fewer at a time took up to ``count`` calls (100 with 100 workers short of
+        memory, each within its deadline). Returns the control plane's reply, the count placed and why no more
+        were ("" when all were)."""
+        asked, short = count, ""
         while True:
             try:
                 reply = await self.client.scale_up(package_id, count=count, strategy=self.config.plan_strategy)
-                return reply, count, short
+                break
             except InsufficientWorkers as exc:
                 if count == 1:
                     raise
-                log.info("scaler %s: %d workers cannot be placed (%s): asking for %d", package_id[:12], count, exc,
-                         count - 1)
-                count, short = count - 1, str(exc)
+                count, short = count // 2, str(exc)
+        if short:
+            log.info("scaler %s: placed %d of the %d workers asked: %s", package_id[:12], count, asked, short)
+        return reply, count, short
 
     async def _recover(self, package_id: str, tracked: _Tracked) -> None:
         """Cooldowns and recent releases from the audit trail's latest events (a restarted daemon goes on where
-        it was)."""
+        it was), each at its age on the wall clock (module docstring)."""
+        wall, now = self.clock(), self.monotonic()
         last_release: tuple[str, ...] = ()
+        before_scale_up = None
         for event in await self.client.list_scale_events(package_id, limit=200):
+            at = now - max(wall - event.at, 0.0)
             if event.action == "scale_up":
-                tracked.last_scale_up = event.at
+                before_scale_up, tracked.last_scale_up = tracked.last_scale_up, at
             elif event.action == "release":
-                tracked.released.update({node: event.at for node in event.node_ids})
+                tracked.released.update({node: at for node in event.node_ids})
                 last_release = event.node_ids
             elif event.action == "take_back":
                 for node in event.node_ids:
                     tracked.released.pop(node, None)
+            elif event.action == "hold" and event.reason.startswith(_refused("scale_up")):
+                # Recorded right after the scale-up it refused (_act): none was made, no cooldown began.
+                tracked.last_scale_up = before_scale_up
             elif event.action == "hold" and event.reason.startswith(_refused("release")):
                 # Recorded right after the release it refused (_act): its workers still serve.
                 for node in last_release:

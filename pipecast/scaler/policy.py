@@ -10,7 +10,8 @@ How it decides, in this order:
    ``replica_concurrency`` each) and for the arrival rate over the last ``SHORT_WINDOW_S`` (or ``SURGE_WINDOW_S``
    where higher, while no replica holds the model), at the per-replica throughput (measured over the last
    ``SHORT_WINDOW_S`` in which requests queued in a router at replicas all holding the model, even before a quiet
-   spell, else the policy's ``replica_rps``); with a cold start (how long a new replica takes to serve: the policy's
+   spell, over ``MEASURE_MIN_S`` at least, else the policy's ``replica_rps``; never less than the replicas answer
+   now); with a cold start (how long a new replica takes to serve: the policy's
    ``cold_start_s``, or with ``cold_start_measured`` the daemon's measure once it has one,
    :mod:`pipecast.scaler.coldstart`), the replicas that also drain, within the SLO or the cold start (the longer) once
    they serve, what arrives meanwhile beyond the ready replicas' throughput (:func:`cold_start_demand`: with
@@ -48,6 +49,10 @@ SHORT_WINDOW_S = 5.0
 #: its first seconds, not diluted by five. Once replicas serve, a burst this short is over before a replica
 #: added for it could serve (a cold start is longer); the queue and the serving replicas take it.
 SURGE_WINDOW_S = 2.0
+#: A replica's throughput is measured over no less than this (s) of polls with a queue: answers finish in bursts,
+#: so one second of a queue read 0.25 req/s where 1.0 was real, and sized 12 replicas too many for the 10 minutes
+#: of history. Not the whole SHORT_WINDOW_S: polls a 1 s tick apart (a little more each) span 4 s of it.
+MEASURE_MIN_S = 3.0
 #: Scale-down keeps this much above the window's peak demand: a level the load reaches again in noise is
 #: not released (the hysteresis band between scaling up and down).
 DOWN_HEADROOM = 1.25
@@ -64,7 +69,7 @@ EPSILON = 1e-9
 class Signals:
     """One poll of a deployment's routers, added up (cumulative counters, gauges now)."""
 
-    at: float  # unix seconds
+    at: float  # the daemon's monotonic clock (s): a step of the wall clock is no time passing
     routers_total: int
     routers_answered: int
     queue_depth: int = 0
@@ -93,7 +98,7 @@ class Replica:
 
 @dataclass(frozen=True)
 class Pool:
-    """The deployment's workers now, and when it last scaled up (unix seconds, None: never)."""
+    """The deployment's workers now, and when it last scaled up (on the clock of :attr:`Signals.at`, None: never)."""
 
     now: float
     replicas: tuple[Replica, ...]
@@ -176,17 +181,27 @@ def replica_throughput(history: Sequence[Signals], policy: ScalingPolicy) -> flo
     """Requests/s one replica holding the model serves: measured while requests queued in a router (replicas
     were busy) and every replica served whole (a partial one answers at the pace its blocks arrive, not its
     own), over the ``SHORT_WINDOW_S`` up to the last time they did in ``history`` (so a surge after a quiet
-    spell is sized at what the replicas did in the one before), else the policy's ``replica_rps``. Requests
-    waiting in the workers' own queues do not start a measure: tried, it sized surges at the quarter-core
+    spell is sized at what the replicas did in the one before) where those polls span :data:`MEASURE_MIN_S`,
+    else the policy's ``replica_rps``; and never less than the replicas answer now (:func:`answered_per_replica`).
+    Requests waiting in the workers' own queues do not start a measure: tried, it sized surges at the quarter-core
     replicas' 0.83 req/s, 7-8 replicas at once, for twice the worker-seconds and no lower p99
     (docs/benchmarks.md, "The backlog in the workers' own queues")."""
     queued = [s for s in history if s.queue_depth > 0 and s.serving > 0 and s.ready == s.serving]
     busy = _run(queued, SHORT_WINDOW_S) if queued else []
-    if len(busy) < 2 or busy[-1].at - busy[0].at <= 0:
-        return policy.replica_rps
-    answered = (busy[-1].answered - busy[0].answered) / (busy[-1].at - busy[0].at)
-    serving = sum(s.serving for s in busy) / len(busy)
-    return answered / serving if answered > 0 else policy.replica_rps
+    measured = policy.replica_rps
+    if busy and busy[-1].at - busy[0].at >= MEASURE_MIN_S and busy[-1].answered > busy[0].answered:
+        answered = (busy[-1].answered - busy[0].answered) / (busy[-1].at - busy[0].at)
+        measured = answered / (sum(s.serving for s in busy) / len(busy))
+    return max(measured, answered_per_replica(history))
+
+
+def answered_per_replica(history: Sequence[Signals]) -> float:
+    """Requests/s each replica serving answers over the last ``SHORT_WINDOW_S``, a throughput they have shown
+    whatever the load: per the most that served in the window (one released meanwhile answered too) and counting
+    the partial ones (slower than one holding the model), so never more than a replica holding the model serves."""
+    run = _run(history, SHORT_WINDOW_S)
+    span, serving = run[-1].at - run[0].at, max(s.serving for s in run)
+    return (run[-1].answered - run[0].answered) / span / serving if span > 0 and serving else 0.0
 
 
 def baseline_demand(history: Sequence[Signals], throughput: float, policy: ScalingPolicy) -> float:

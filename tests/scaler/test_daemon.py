@@ -3,6 +3,7 @@ this is the daemon's unit test; tests/integration/test_scaler.py runs it against
 
 import asyncio
 import json
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -104,6 +105,12 @@ def stats(queue: int = 0, idle: dict[str, float | None] | None = None, arrived: 
             "ttft": {"window_s": 60.0, "count": 0, "p50": None, "p95": None, "p99": None}, "tenants": {}}
 
 
+def clocks(now: list[float]) -> dict:
+    """Both of the daemon's clocks at ``now[0]``: the wall clock of its audit trail and the monotonic one of its
+    timing."""
+    return {"clock": lambda: now[0], "monotonic": lambda: now[0]}
+
+
 async def a_keep_alive_on(scaler: Scaler, now: list[float]) -> None:
     """A first tick, then the clock a keep-alive on: the policy releases nothing before its signals span one."""
     [(_, first)] = await scaler.tick()
@@ -203,7 +210,7 @@ async def test_idle_replicas_are_released_after_keep_alive_and_the_refusal_of_a_
     idle, now = {"w1": 30.0, "w2": 3.0}, [1000.0]
     async with stub_router(stats(idle=idle)) as (url, state):
         client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS), worker("w3")], (url,))
-        async with Scaler(client, ScalerConfig(source_keep_s=7.0), clock=lambda: now[0]) as scaler:
+        async with Scaler(client, ScalerConfig(source_keep_s=7.0), **clocks(now)) as scaler:
             await a_keep_alive_on(scaler, now)
             [(_, decision)] = await scaler.tick()
             assert decision.release == ("w1",)
@@ -227,7 +234,7 @@ async def test_a_refused_scale_up_is_asked_again_only_after_a_while_so_the_trail
     async with stub_router(stats(queue=5, arrived=5)) as (url, _):
         client = RecordingClient([worker("w1")], (url,))
         client.refuse = InsufficientWorkers("no memory")
-        async with Scaler(client, clock=lambda: now[0]) as scaler:
+        async with Scaler(client, **clocks(now)) as scaler:
             asked = []
             for _ in range(40):  # ticks of 1 s
                 [(_, decision)] = await scaler.tick()
@@ -237,6 +244,32 @@ async def test_a_refused_scale_up_is_asked_again_only_after_a_while_so_the_trail
     # Asked at once, then 2, 4, 8 and 16 s after each refusal in a row.
     assert [i for i in range(1, 40) if asked[i] > asked[i - 1]] == [2, 6, 14, 30]
     assert len([e for e in client.events if "refused" in e.reason]) == asked[-1] == 5
+
+
+async def test_a_scale_up_that_cannot_be_placed_asks_half_as_many_each_time_and_logs_once(caplog):
+    """Review of the scaler (7), finding 3: each count placement refused was asked again for one fewer, down to 1:
+    with 100 free workers short of memory, 100 ScaleUp calls an attempt (each within its deadline), a log line
+    each."""
+    now = [1000.0]
+    async with stub_router(stats(queue=400, arrived=400)) as (url, _):
+        client = RecordingClient([worker(f"w{i}") for i in range(1, 101)], (url,))
+        client.deployment = Deployment(PKG, replace(POLICY, max_replicas=100), (url,))
+        client.refuse = InsufficientWorkers("no worker has the memory")
+        caplog.set_level(logging.INFO, logger=daemon_module.__name__)
+        async with Scaler(client, **clocks(now)) as scaler:
+            [(_, decision)] = await scaler.tick()
+            assert decision.kind == "refused"
+            assert [c[1] for c in client.calls if c[0] == "scale_up"] == [100, 50, 25, 12, 6, 3, 1]
+            logged = [r.getMessage() for r in caplog.records if r.name == daemon_module.__name__]
+            assert len(logged) == 2 and logged[1].endswith("scale_up refused: no worker has the memory"), logged
+            client.refuse, client.placeable = None, 30
+            client.calls.clear()
+            caplog.clear()
+            now[0] += 2.0  # the refusal's wait
+            [(_, decision)] = await scaler.tick()
+    assert decision.add == 25 and [c[1] for c in client.calls if c[0] == "scale_up"] == [100, 50, 25]
+    [placed] = [r.getMessage() for r in caplog.records if "placed" in r.getMessage()]
+    assert placed == "scaler pppppppppppp: placed 25 of the 100 workers asked: only 30 fit"
 
 
 async def test_a_refused_scale_up_counts_as_a_refused_hold_in_the_metrics_not_as_a_scale_up():
@@ -261,7 +294,7 @@ async def test_a_release_the_control_plane_refused_is_no_release_to_a_restarted_
     async with stub_router(stats(idle={"w1": 30.0, "w2": 3.0})) as (url, _):
         client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,))
         config = ScalerConfig(source_keep_s=120.0)
-        async with Scaler(client, config, clock=lambda: now[0]) as scaler:
+        async with Scaler(client, config, **clocks(now)) as scaler:
             await a_keep_alive_on(scaler, now)
             client.refuse_release = ControlPlaneError("w1 is a source of a plan")
             await scaler.tick()
@@ -270,11 +303,11 @@ async def test_a_release_the_control_plane_refused_is_no_release_to_a_restarted_
         assert [(e.action, e.node_ids, e.reason) for e in client.events[-2:]] == [
             ("release", ("w1",), client.events[-2].reason), ("hold", (), "release refused: w1 is a source of a plan")]
         now[0] += 1.0
-        async with Scaler(client, config, clock=lambda: now[0]) as restarted:
+        async with Scaler(client, config, **clocks(now)) as restarted:
             [(_, decision)] = await restarted.tick()
             assert "w1" not in restarted.tracked[PKG].released and decision.inputs["replicas"] == 2
         refusal = client.events.pop()  # without it, the release was made: w1 is held back as released
-        async with Scaler(client, config, clock=lambda: now[0]) as restarted:
+        async with Scaler(client, config, **clocks(now)) as restarted:
             [(_, decision)] = await restarted.tick()
             assert "w1" in restarted.tracked[PKG].released and decision.inputs["replicas"] == 1
     assert refusal.action == "hold"
@@ -311,8 +344,7 @@ async def test_a_scale_up_that_cannot_be_placed_whole_asks_for_fewer_and_records
             changed = scaler.metrics.registry.get_sample_value(
                 "pipecast_scaler_replicas_changed_total", {"package": PKG, "action": "scale_up"})
     assert (decision.action, decision.add, changed) == ("scale_up", 1, 1)
-    assert [c for c in client.calls if c[0] == "scale_up"] == [("scale_up", 3, ""), ("scale_up", 2, ""),
-                                                               ("scale_up", 1, "")]
+    assert [c for c in client.calls if c[0] == "scale_up"] == [("scale_up", 3, ""), ("scale_up", 1, "")]  # halved
     decided, placed = client.events[-2:]
     assert (decided.action, decided.count) == ("scale_up", 3)
     assert (placed.action, placed.count, placed.reason) == ("hold", 1, "scale_up placed 1 of 3: only 1 fit")
@@ -323,7 +355,7 @@ async def test_a_replica_released_with_a_keep_alive_is_not_counted_until_it_ends
     idle = {"w1": 30.0, "w2": 3.0}
     async with stub_router(stats(idle=idle)) as (url, _):
         client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,))
-        async with Scaler(client, ScalerConfig(source_keep_s=120.0), clock=lambda: now[0]) as scaler:
+        async with Scaler(client, ScalerConfig(source_keep_s=120.0), **clocks(now)) as scaler:
             await a_keep_alive_on(scaler, now)
             [(_, decision)] = await scaler.tick()
             assert decision.release == ("w1",)
@@ -341,7 +373,7 @@ async def test_a_released_worker_a_scale_up_takes_back_is_in_the_trail_and_a_res
     async with stub_router(stats(idle={"w1": 30.0, "w2": 3.0})) as (url, state):
         client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS), worker("w3")], (url,))
         config = ScalerConfig(source_keep_s=120.0)
-        async with Scaler(client, config, clock=lambda: now[0]) as scaler:
+        async with Scaler(client, config, **clocks(now)) as scaler:
             await a_keep_alive_on(scaler, now)
             [(_, decision)] = await scaler.tick()
             assert decision.release == ("w1",)
@@ -352,25 +384,80 @@ async def test_a_released_worker_a_scale_up_takes_back_is_in_the_trail_and_a_res
             assert decision.add and "w1" not in scaler.tracked[PKG].released
         [taken] = [e for e in client.events if e.action == "take_back"]
         assert (taken.node_ids, taken.count, taken.at) == (("w1",), 1, now[0])
-        async with Scaler(client, config, clock=lambda: now[0]) as restarted:
+        async with Scaler(client, config, **clocks(now)) as restarted:
             await restarted.tick()
             assert "w1" not in restarted.tracked[PKG].released
         client.events.remove(taken)  # as the trail was: the restarted daemon held w1 back as released
-        async with Scaler(client, config, clock=lambda: now[0]) as restarted:
+        async with Scaler(client, config, **clocks(now)) as restarted:
             await restarted.tick()
             assert "w1" in restarted.tracked[PKG].released
 
 
 async def test_a_restarted_daemon_recovers_its_cooldowns_from_the_audit_trail():
-    import time
-
-    recent = ScaleEvent(at=time.time() - 1.0, package_id=PKG, action="scale_up", count=1, seq=1)
+    now = [1000.0]
+    recent = ScaleEvent(at=now[0] - 1.0, package_id=PKG, action="scale_up", count=1, seq=1)
     async with stub_router(stats(idle={"w1": 60.0, "w2": 60.0})) as (url, _):
         client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,), [recent])
-        async with Scaler(client) as scaler:
+        async with Scaler(client, **clocks(now)) as scaler:
             [(_, decision)] = await scaler.tick()
-    assert decision.kind == "cooldown" and not decision.release  # 1 s after a scale event: no release
-    assert scaler.tracked[PKG].last_scale_up == recent.at
+        assert decision.kind == "cooldown" and not decision.release  # 1 s after a scale event: no release
+        assert scaler.tracked[PKG].last_scale_up == recent.at
+        # The trail's times are the wall clock's, the daemon's cooldowns the monotonic clock's: a row is as old
+        # on the one as on the other; one from the wall clock's future (stepped back since) is as old as none.
+        for at, recovered in ((recent.at, 49.0), (now[0] + 3600.0, 50.0)):
+            client.events = [replace(recent, at=at)]
+            async with Scaler(client, clock=lambda: now[0], monotonic=lambda: 50.0) as restarted:
+                await restarted.tick()
+            assert restarted.tracked[PKG].last_scale_up == recovered
+
+
+async def test_a_scale_up_the_control_plane_refused_starts_no_cooldown_for_a_restarted_daemon():
+    """Review of the scaler (7), finding 4: a restarted daemon read every scale_up row of the trail as a scale-up
+    made, not the refusal recorded right after it (as it did for a release), and held its releases for the
+    scale-down cooldown."""
+    now = [1000.0]
+    events = [ScaleEvent(at=900.0, package_id=PKG, action="scale_up", count=1, reason="queue", seq=1),
+              ScaleEvent(at=999.0, package_id=PKG, action="scale_up", count=1, reason="queue", seq=2),
+              ScaleEvent(at=999.0, package_id=PKG, action="hold", reason="scale_up refused: no memory", seq=3)]
+    async with stub_router(stats(idle={"w1": None, "w2": 300.0})) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,), events)
+        client.deployment = replace(client.deployment, policy=replace(POLICY, scale_down_cooldown_s=60.0))
+        async with Scaler(client, **clocks(now)) as scaler:
+            await a_keep_alive_on(scaler, now)
+            assert scaler.tracked[PKG].last_scale_up == 900.0  # the scale-up made before it
+            [(_, decision)] = await scaler.tick()
+    assert decision.release == ("w2",)
+
+
+async def test_a_wall_clock_stepped_back_holds_no_release_nor_retry():
+    """Review of the scaler (7), finding 2: the history, the cooldowns and the waits after a refusal were timed
+    by the wall clock, so NTP stepping it back an hour froze releases (the polls from its future filled every
+    window), queue-driven scale-ups and the retries of a refused action for that hour."""
+    wall, watch = [100_000.0], [50.0]
+
+    def later(seconds: float) -> None:
+        wall[0] += seconds
+        watch[0] += seconds
+
+    async with stub_router(stats(idle={"w1": 300.0, "w2": 300.0})) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,))
+        async with Scaler(client, clock=lambda: wall[0], monotonic=lambda: watch[0]) as scaler:
+            await scaler.tick()
+            wall[0] -= 3600.0
+            later(POLICY.keep_alive_s)
+            client.refuse_release = ControlPlaneError("w1 is a source of a plan")
+            [(_, decision)] = await scaler.tick()  # a keep-alive of signals since the first tick: released
+            assert decision.kind == "refused"
+            assert client.calls[-2:] == [("release", ("w1", "w2"), 0.0), ("event", "hold")]
+            client.refuse_release = None
+            later(1.0)
+            [(_, decision)] = await scaler.tick()
+            assert decision.kind == "refused" and client.calls[-1] == ("event", "hold")  # not asked again yet
+            later(1.0)
+            [(_, decision)] = await scaler.tick()
+            assert decision.release == ("w1", "w2") and client.calls[-1] == ("release", ("w1", "w2"), 0.0)
+    # The audit trail has the wall clock's times, stepped back.
+    assert [e.at for e in client.events] == [wall[0] - 2.0, wall[0] - 2.0, wall[0]]
 
 
 def version(answered: int, failed: int, p95: float | None, queue: int = 0) -> dict:
@@ -434,7 +521,7 @@ async def test_a_deployment_beside_a_busy_one_at_its_router_is_released_not_size
     now = [1000.0]
     async with stub_router(answer) as (url, _):
         client = RecordingClient([worker("w1", held=BLOCKS), worker("w2"), worker("w3")], (url,))
-        async with Scaler(client, clock=lambda: now[0]) as scaler:
+        async with Scaler(client, **clocks(now)) as scaler:
             await a_keep_alive_on(scaler, now)
             [(_, decision)] = await scaler.tick()
     assert (decision.add, decision.release) == (0, ("w1",))
@@ -445,7 +532,7 @@ async def test_the_daemon_measures_how_long_its_scale_ups_take_and_sizes_for_it_
     async with stub_router(stats(queue=1, arrived=1)) as (url, state):
         client = RecordingClient([worker("w1"), worker("w2")], (url,))
         client.deployment = Deployment(PKG, ScalingPolicy(**{**POLICY.__dict__, "cold_start_measured": True}), (url,))
-        async with Scaler(client, clock=lambda: clock[0]) as scaler:
+        async with Scaler(client, **clocks(clock)) as scaler:
             [(_, first)] = await scaler.tick()  # t = 100: one queued, nothing measured yet
             assert first.add == 1 and first.inputs["cold_start_from"] == "policy"
             client.workers = [worker("w1", held=1), worker("w2")]  # the new replica loads
@@ -504,7 +591,7 @@ async def test_a_surge_right_after_a_release_takes_the_released_workers_back():
     now = [10_000.0]
     async with stub_router(stats(idle={"w1": 100.0, "w2": 100.0})) as (url, state):
         client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,))
-        async with Scaler(client, ScalerConfig(source_keep_s=300.0), clock=lambda: now[0]) as scaler:
+        async with Scaler(client, ScalerConfig(source_keep_s=300.0), **clocks(now)) as scaler:
             await a_keep_alive_on(scaler, now)
             [(_, released)] = await scaler.tick()
             assert released.release == ("w1", "w2")
@@ -557,7 +644,7 @@ async def test_a_step_that_fails_holds_its_deployment_for_the_tick_and_the_other
         client = RecordingClient([worker("w1"), worker("w2"), worker("w3")], (url,))
         broken = replace(broken, routers=(url,))
         client.list_deployments = lambda: asyncio.sleep(0, [broken, client.deployment])
-        async with Scaler(client, clock=lambda: now[0]) as scaler:
+        async with Scaler(client, **clocks(now)) as scaler:
             [(package, decision)] = await scaler.tick()
             gap = scaler.tracked[broken.package_id].history[-1]
     assert (package, decision.action, decision.add) == (PKG, "scale_up", 3)
@@ -572,7 +659,7 @@ async def test_a_failed_tick_is_a_gap_in_the_signals_and_nothing_is_released_for
     now = [1000.0]
     async with stub_router(stats(idle={"w1": 30.0, "w2": 30.0})) as (url, _):
         client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,))
-        async with Scaler(client, ScalerConfig(watch_s=0.0), clock=lambda: now[0]) as scaler:
+        async with Scaler(client, ScalerConfig(watch_s=0.0), **clocks(now)) as scaler:
             await a_keep_alive_on(scaler, now)
             stop = asyncio.Event()
 
@@ -597,7 +684,7 @@ async def test_failed_ticks_keep_no_more_history_than_the_policy_looks_back_on()
     now = [1000.0]
     async with stub_router(stats()) as (url, _):
         client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
-        async with Scaler(client, clock=lambda: now[0]) as scaler:
+        async with Scaler(client, **clocks(now)) as scaler:
             await scaler.tick()
             for _ in range(1000):  # an outage of 2,000 s, a tick every 2 s
                 now[0] += 2.0
@@ -611,7 +698,7 @@ async def test_failed_ticks_are_counted_and_shown_until_a_tick_reaches_the_contr
     now = [1000.0]
     async with stub_router(stats()) as (url, _):
         client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
-        async with Scaler(client, ScalerConfig(watch_s=0.0), clock=lambda: now[0]) as scaler:
+        async with Scaler(client, ScalerConfig(watch_s=0.0), **clocks(now)) as scaler:
             metric = scaler.metrics.registry.get_sample_value
             stop = asyncio.Event()
             listed = client.list_deployments
@@ -669,7 +756,7 @@ async def test_the_daemon_keeps_a_history_that_spans_the_longest_the_policy_look
     async with stub_router(stats(idle={"w1": 1000.0})) as (url, _):
         client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
         client.deployment = Deployment(PKG, long_keep_alive, (url,))
-        async with Scaler(client, clock=lambda: now[0]) as scaler:
+        async with Scaler(client, **clocks(now)) as scaler:
             for at in (1000.0, 1300.0, 1601.0):  # the oldest poll stays while the next is within HISTORY_S
                 now[0] = at
                 [(_, decision)] = await scaler.tick()
@@ -726,7 +813,7 @@ async def test_a_name_that_stood_for_several_routers_is_as_many_when_it_fails_to
             client = RecordingClient([worker("w1", BLOCKS), worker("w2", BLOCKS), worker("w3", BLOCKS)],
                                      (f"http://localhost:{port}",))  # the name itself reaches one router (A)
             now = [1000.0]
-            async with Scaler(client, ScalerConfig(watch_s=0.0), clock=lambda: now[0],
+            async with Scaler(client, ScalerConfig(watch_s=0.0), **clocks(now),
                               resolve=resolving(table)) as scaler:
                 await a_keep_alive_on(scaler, now)
                 del table["localhost"]  # the resolver fails this tick

@@ -8,7 +8,7 @@ import pytest
 from control_plane.deployments import ScalingPolicy
 from pipecast.scaler.policy import (
     SHORT_WINDOW_S, STALE_S, Decision, Pool, Replica, Signals, arrival_rate, baseline_demand, cold_start_demand,
-    cold_start_of, decide)
+    cold_start_of, decide, replica_throughput)
 
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=8, slo_ttft_p99_s=2.0, warm=0, keep_alive_s=10.0,
                        scale_up_cooldown_s=5.0, scale_down_cooldown_s=20.0, replica_rps=1.0, replica_concurrency=4)
@@ -446,6 +446,34 @@ def test_a_surge_after_a_quiet_spell_is_sized_at_the_throughput_measured_in_the_
     assert decision.inputs["replica_rps"] == 3.0 and decision.add == 2
     assert decide(partial + quiet + surge, pool, POLICY).inputs["replica_rps"] == POLICY.replica_rps
     assert decide(quiet + surge, pool, POLICY).add == 6  # never measured: the policy's 1 req/s
+
+
+def test_a_steady_load_with_a_one_poll_queue_blip_adds_nothing():
+    """Review of the scaler (7), finding 1: two polls a second apart with a queue were a throughput measure, and
+    answers finish in bursts: 1 answered in that second read 0.25 req/s a replica where 1.0 was real, kept for
+    the 10 minutes of history, so 4 replicas carrying 4 req/s with no queue got 12 more."""
+    policy = replace(POLICY, max_replicas=32, replica_concurrency=8)
+    replicas = tuple(Replica(f"w{i}", False) for i in range(4))
+
+    def steady(queued: range, answers: dict[int, int]) -> list[Signals]:
+        """4 req/s at 4 replicas, 28 in flight, 4 answered a second but as ``answers`` says; a queue at ``queued``."""
+        history, answered = [], 0
+        for t in range(120):
+            answered += answers.get(t, 4)
+            history.append(Signals(at=1000.0 + t, routers_total=1, routers_answered=1,
+                                   queue_depth=3 if t in queued else 0, in_flight=28, arrived=4 * (t + 1),
+                                   answered=answered, serving=4, ready=4, instances=("r",)))
+        return history
+
+    blip = steady(range(30, 32), {31: 1, 32: 7})  # the second with the queue: 1 answered, then the rest
+    for end in range(1, len(blip) + 1):
+        decision = decide(blip[:end], Pool(now=blip[end - 1].at, replicas=replicas, free=28), policy)
+        assert decision.add == 0 and decision.inputs["replica_rps"] >= 1.0, (end, decision.reason)
+    # A queue that lasts is a measure (1 req/s a replica, the same long requests), but what the replicas answer
+    # later is no less than that: 4 req/s at 4 replicas, 1 each.
+    slow = steady(range(30, 36), {t: 1 for t in range(31, 36)})
+    assert replica_throughput(slow[:36], policy) == 0.25 and replica_throughput(slow, policy) == 1.0
+    assert decide(slow, Pool(now=slow[-1].at, replicas=replicas, free=28), policy).add == 0
 
 
 def test_requests_waiting_in_the_workers_own_queues_are_named_but_start_no_measure():
