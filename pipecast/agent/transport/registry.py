@@ -1,7 +1,7 @@
 """Which transport an agent uses: a small registry with auto-detection.
 
-``auto`` takes the first accelerated backend (UCX) that can be imported and whose hardware is present
-(a GPU or an RDMA device), else TCP. A node whose settings name the data plane's TLS files gets only a
+``auto`` takes the first accelerated backend (UCX) that imports and whose hardware is present (a GPU or
+an RDMA device), else TCP. A node whose settings name the data plane's TLS files gets only a
 backend that encrypts (TCP): ``auto`` skips the others and naming one is refused. Each backend is an entry
 of ``_REGISTRY`` naming its class as ``module:attribute``, imported only when chosen, so a heavy backend
 (ucxx) costs nothing otherwise.
@@ -44,6 +44,15 @@ class TransportEntry:
     def importable(self) -> bool:
         return all(importlib.util.find_spec(module) is not None for module in self.requires)
 
+    def import_failure(self) -> str | None:
+        """Why the modules it needs, installed, do not import (a broken native library), or None: they do."""
+        for module in self.requires:
+            try:
+                importlib.import_module(module)
+            except (ImportError, OSError) as exc:
+                return f"{module}: {exc}"
+        return None
+
 
 _REGISTRY: dict[str, TransportEntry] = {
     "tcp": TransportEntry("tcp", "pipecast.agent.transport.tcp:TcpTransport", encrypts=True),
@@ -70,7 +79,12 @@ def resolve_transport_name(name: str, tls: bool = False) -> str:
     if name == "auto":
         for entry in _REGISTRY.values():
             if entry.name != "tcp" and (entry.encrypts or not tls) and entry.importable() and entry.preferred():
-                return entry.name
+                # Imported here, not only found: an installed backend whose native library does not load would
+                # otherwise fail the agent at listen instead of leaving it TCP.
+                failure = entry.import_failure()
+                if failure is None:
+                    return entry.name
+                log.warning("%s unusable (%s); using tcp", entry.name, failure)
         return "tcp"
     entry = _REGISTRY.get(name)
     if entry is None:

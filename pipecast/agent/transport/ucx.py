@@ -16,9 +16,10 @@ new endpoint came in on (``ucp_ep_query``) and closes, before reading anything, 
 did not come to the configured host, as well as those over the connection caps.
 
 ucxx pitfalls measured on this project's machines (DESIGN 6), each handled where marked "pitfall":
-notifier-thread mode, stopping that thread, integer tags, UCX_TLS with tcp, a header before each
-payload, byte views, ack before close, refused connections, UCX_NET_DEVICES. ucxx is imported only
-inside the functions that use it, so the registry can name this module on nodes without the extra.
+notifier-thread mode, stopping that thread and the progress thread, integer tags, UCX_TLS with tcp, a
+header before each payload, a payload's length, byte views, ack before close, refused connections, close
+callbacks held weakly, UCX_NET_DEVICES. ucxx is imported only inside the functions that use it, so the
+registry can name this module on nodes without the extra.
 """
 
 import asyncio
@@ -31,8 +32,9 @@ import os
 import socket
 import struct
 import threading
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -110,6 +112,10 @@ TAG_HEADER, TAG_PAYLOAD = 1, 2
 CONNECT_POLL_S = 0.005
 # Bound on waiting for ucxx to retire the connection handlers of a closed listener.
 LISTENER_DRAIN_S = 1.0
+# A payload's receive probes for its message until it has come (see _Link._recv_exact): at every turn of the
+# event loop for this long first (a payload is mostly right behind its header; a timer would wait a whole
+# millisecond, the event loop's resolution), then at this interval (a paced sender's pauses).
+PROBE_SPIN_S, PROBE_INTERVAL_S = 0.0002, 0.001
 # Bound on a channel's goodbye (CLOSE, CLOSE_ACK, the endpoint closing): shutdown never waits on a silent peer.
 GOODBYE_S = 1.0
 
@@ -198,6 +204,10 @@ class _UcxRuntime:
         context.worker.stop_request_notifier_thread()
         context.stop_notifier_thread()
         context.worker.stop_request_notifier_thread()
+        # Pitfall: stop the progress thread here, on the loop's thread. Else ucxx stops it only once its
+        # progress task, which the event loop keeps, is collected: never while the loop lives, and then on
+        # whichever thread collects it (on the progress thread itself the join fails; elsewhere it can hang).
+        context.worker.stop_progress_thread()
         # ucxx keys progress threads by event loop: clearing them lets a later context on the same loop
         # start its own instead of finding this one's.
         context.clear_progress_tasks()
@@ -216,6 +226,28 @@ async def _with_deadline(awaitable: Awaitable[_T], timeout_s: float, on_timeout:
         return await asyncio.wait_for(awaitable, timeout_s)
     except TimeoutError:
         raise on_timeout() from None
+
+
+def _call_on_close(endpoint: "Endpoint", method: Callable[..., None], *args: Any) -> None:
+    """Have the bound ``method(*args)`` run on this event loop once ``endpoint`` closes (the peer went away,
+    it was aborted or collected); RuntimeError if it is closing already.
+
+    Pitfall: ucxx keeps a close callback natively, beside the endpoint's finalizer, which keeps the
+    endpoint: a callback that reached the endpoint (through its owner, or ``args``) would keep both alive
+    for good, and a served one its listener listening. So the method is held weakly."""
+    loop = asyncio.get_running_loop()
+    weak = weakref.WeakMethod(method)
+
+    def closed() -> None:  # ucxx calls it from its progress thread, or the thread aborting the endpoint
+        bound = weak()
+        if bound is None:
+            return
+        try:
+            loop.call_soon_threadsafe(bound, *args)
+        except RuntimeError:  # the loop closed before the endpoint was collected: nothing is left to tell
+            pass
+
+    endpoint.set_close_callback(closed)
 
 
 class _Link:
@@ -266,12 +298,36 @@ class _Link:
         """Receive a payload in frames of ``frame`` into ``target`` (bytes) in place: when that is the
         store's buffer, UCX writes there directly, with no copy; paced through ``ingress``."""
         for start, end in frames(len(target), frame):
-            await _with_deadline(self.endpoint.recv(target[start:end], tag=TAG_PAYLOAD), self.io_timeout_s,
-                                 on_timeout)
+            await _with_deadline(self._recv_exact(target[start:end]), self.io_timeout_s, on_timeout)
             if ingress is not None:
                 delay = ingress.take(end - start)
                 if delay > 0:
                     await asyncio.sleep(delay)  # before the next receive is posted: the sender waits for it
+
+    async def _recv_exact(self, target: memoryview) -> None:
+        """Receive the next payload message into ``target``, which it must fill exactly:
+        :class:`PeerProtocolError` for a message of another length.
+
+        Pitfall: a tag receive completes on a shorter message too, and ucxx does not say how much came. So
+        a probe finds the message first and tells its length; ucxx cannot wait for a message to come, so
+        the probe is repeated until it has or the endpoint closed."""
+        from ucxx.exceptions import UCXError
+
+        endpoint, loop = self.endpoint, asyncio.get_running_loop()
+        spin_until = loop.time() + PROBE_SPIN_S
+        while True:
+            closed = endpoint.closed  # read before the probe: what the peer sent before closing is queued by then
+            probe = endpoint.tag_probe(TAG_PAYLOAD)
+            if probe.matched or closed:
+                break
+            await asyncio.sleep(0 if loop.time() < spin_until else PROBE_INTERVAL_S)
+        if probe.matched and probe.length != target.nbytes:
+            with suppress(UCXError):  # taken off the queue all the same, not kept by UCX for good (a longer one is cut)
+                await endpoint.recv(target, tag=TAG_PAYLOAD)
+            raise PeerProtocolError(self.peer, f"sent a message of {probe.length} bytes where {target.nbytes} "
+                                               f"were announced")
+        # It takes the message probed (the first of its tag) or, with none, raises why the endpoint closed.
+        await endpoint.recv(target, tag=TAG_PAYLOAD)
 
     def abort(self) -> None:
         """Close at once; receives still posted are cancelled, so no late byte lands in a buffer."""
@@ -309,22 +365,14 @@ class UcxChannel(Channel):
         self._watch(link)
 
     def _watch(self, link: _Link) -> None:
-        loop = asyncio.get_running_loop()
-
-        def closed() -> None:  # ucxx calls it from its progress thread
-            try:
-                loop.call_soon_threadsafe(self._peer_closed, link)
-            except RuntimeError:
-                pass
-
         try:
-            link.endpoint.set_close_callback(closed)
+            _call_on_close(link.endpoint, self._peer_closed, weakref.ref(link))
         except RuntimeError:  # the peer closed it already ("Endpoint is closing or has already closed")
             link.closed_idle = True
 
-    def _peer_closed(self, link: _Link) -> None:
-        if link is self._link and self._progress is None:
-            link.closed_idle = True
+    def _peer_closed(self, link: "weakref.ref[_Link]") -> None:
+        if link() is self._link and self._progress is None:
+            self._link.closed_idle = True
 
     @asynccontextmanager
     async def _request(self, progress: _Progress) -> AsyncIterator[None]:
@@ -404,8 +452,12 @@ class UcxChannel(Channel):
                 header = await self._answer(CHUNK, progress)
                 # Pitfall: byte views only: lengths and frame offsets are in bytes, as is what ucxx receives.
                 buffer = byte_view(sink.chunk_buffer(block, chunk))
-                check_chunk(header, block, chunk, len(buffer), self.peer)
-                await self._link.recv_payload(buffer, header.frame, self._silent, ingress)
+                try:  # the sink counts a receive from its buffer on: one that fails must end too, dropped
+                    check_chunk(header, block, chunk, len(buffer), self.peer)
+                    await self._link.recv_payload(buffer, header.frame, self._silent, ingress)
+                except BaseException:
+                    sink.chunk_dropped(block, chunk)
+                    raise
                 sink.chunk_landed(block, chunk, self.peer)
                 self._link.stats.bytes_received += header.length
 
@@ -530,7 +582,6 @@ class _ServerConnection:
 
     def __init__(self, listener: "UcxListener", endpoint: "Endpoint") -> None:
         self._listener = listener
-        self._loop = asyncio.get_running_loop()
         self.peer = "a requester"
         self._link = _Link(endpoint, self.peer, listener.io_timeout_s, listener.limits, listener.stats)
         self._task = asyncio.current_task()
@@ -538,15 +589,7 @@ class _ServerConnection:
         self._waiting_on_served = False
         self._closing = False
         self._counted: str | None = None
-        endpoint.set_close_callback(self._endpoint_closed)
-
-    def _endpoint_closed(self) -> None:
-        # Called by ucxx from its progress thread when the peer goes away (or when the endpoint is
-        # collected, possibly after the loop closed: nothing is left to tell then).
-        try:
-            self._loop.call_soon_threadsafe(self._peer_closed)
-        except RuntimeError:
-            pass
+        _call_on_close(endpoint, self._peer_closed)
 
     def _peer_closed(self) -> None:
         self._peer_gone.set()
@@ -710,7 +753,7 @@ class UcxListener(Listener):
     def start(self, host: str, port: int) -> None:
         from ucxx.exceptions import UCXBusyError
 
-        self.host, self.bound_hosts = host, _addresses_of(host)
+        self.host, self.bound_hosts = host, _addresses_of(host, port)
         try:
             self._listener = self._context.create_listener(self._handle, port=port,
                                                            connect_timeout=self._connect_timeout_s)
@@ -783,17 +826,24 @@ async def _open_endpoint(context: "ApplicationContext", host: str, port: int, ti
     return Endpoint(endpoint=raw, ctx=context, tags={"msg_send": info["msg_tag"], "msg_recv": msg_tag})
 
 
-def _addresses_of(host: str) -> frozenset[str]:
-    """The IP addresses ``host`` names (empty for a wildcard: every interface)."""
+def _addresses_of(host: str, port: int) -> frozenset[str]:
+    """The IP addresses ``host`` names (empty for a wildcard: every interface); :class:`ListenError` unless
+    ``host`` resolves and each is this host's. UCX binds every interface, so it would listen anyway and then
+    refuse every peer: this says so at once, as TCP's bind does."""
     if host in ("", "0.0.0.0", "::", "*"):
         return frozenset()
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return frozenset({host})
+    except socket.gaierror as exc:
+        raise ListenError(host, port, exc.strerror or str(exc)) from None
     found = set()
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0].split("%")[0])
+    for family, kind, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind) as probe:
+                probe.bind((sockaddr[0], 0, *sockaddr[2:]))
+        except OSError as exc:  # EADDRNOTAVAIL: not an address of this host
+            raise ListenError(host, port, (exc.strerror or str(exc)).lower()) from None
+        address = ipaddress.ip_address(sockaddr[0].split("%")[0])
         mapped = getattr(address, "ipv4_mapped", None)
         found.add(str(mapped or address))
     return frozenset(found)

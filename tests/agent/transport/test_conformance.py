@@ -7,7 +7,8 @@ requester not named in a plan is refused; an answer longer than asked for is ref
 received; a wait on what is served has a deadline; connections over the caps are closed; silent
 connections are closed. Issue #16: a chunk range mid-block or to the block's end moves exactly its
 chunks, a range resumes within itself after a dropped connection, a range the block lacks is refused
-with the server's reason, a request without an end chunk is served to the block's end.
+with the server's reason, a request without an end chunk is served to the block's end. Found in review: a
+host not this node's is refused at listen; a chunk whose sender dies mid-way is dropped, not left begun.
 Transport-specific behaviour (faults on the wire, rate limits, process exit) is in test_tcp.py and
 test_ucx.py."""
 
@@ -22,6 +23,7 @@ from packager.manifest import manifest_from_json
 from control_plane.planner.plan import Fetch
 from pipecast.agent.errors import (
     CorruptChunkError,
+    ListenError,
     PeerAuthError,
     PeerClosedError,
     PeerError,
@@ -74,6 +76,16 @@ async def transports(request):
     for transport in made:
         await transport.close()
     assert UCX_NOTIFIER_THREAD not in {t.name for t in threading.enumerate()}
+
+
+async def test_a_host_not_this_nodes_or_that_does_not_resolve_is_refused_at_listen(transports):
+    """Found in review: UCX (which binds every interface) listened on such a host, then refused every peer."""
+    serving = transports("seed")
+    # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never an address of this host.
+    with pytest.raises(ListenError, match=r"^cannot listen on 192\.0\.2\.1:0: cannot assign requested address$"):
+        await serving.listen("192.0.2.1", 0, PeerServer())
+    with pytest.raises(ListenError, match=r"^cannot listen on no-such-host\.invalid:0: \S"):
+        await serving.listen("no-such-host.invalid", 0, PeerServer())
 
 
 async def test_blocks_and_files_arrive_byte_identical(package, transports):
@@ -172,6 +184,62 @@ async def test_relay_serves_a_file_range_before_it_has_the_whole_file(package, t
     finally:
         await channel.close()
         relay.close()
+
+
+class ReceiveLog:
+    """The store as a chunk sink, logging each chunk's receive: ("begun", block, chunk) as its buffer is taken,
+    then ("landed", ...) or ("dropped", ...)."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self.events: list[tuple[str, int, int]] = []
+
+    def chunk_count(self, block: int) -> int:
+        return self.store.chunk_count(block)
+
+    def chunk_buffer(self, block: int, chunk: int) -> memoryview:
+        self.events.append(("begun", block, chunk))
+        return self.store.chunk_buffer(block, chunk)
+
+    def chunk_progress(self, block: int, chunk: int, nbytes: int) -> None:
+        self.store.chunk_progress(block, chunk, nbytes)
+
+    def chunk_landed(self, block: int, chunk: int, peer: str) -> None:
+        self.events.append(("landed", block, chunk))
+        self.store.chunk_landed(block, chunk, peer)
+
+    def chunk_dropped(self, block: int, chunk: int) -> None:
+        self.events.append(("dropped", block, chunk))
+        self.store.chunk_dropped(block, chunk)
+
+
+async def test_a_chunk_whose_sender_dies_mid_way_is_dropped(package, transports):
+    """Found in review: UCX never told the sink that a chunk's receive failed, so relays of it waited on."""
+    root, manifest = package
+    seed = seed_store(root)
+    server = PeerServer()
+    server.add(seed)
+    # 0.5 Mbit/s past a 256 KiB burst: block 0 goes at once, then block 1's chunk 1 a second after its header.
+    listener = await transports("seed", egress_mbit=0.5).listen("127.0.0.1", 0, server)
+    store = receiving_store(manifest)
+    sink = ReceiveLog(store)
+    channel = await transports("rx", io_timeout_s=5).connect(listener.address, "seed")
+    try:
+        await channel.fetch_block(manifest.package_id, 0, 0, store)
+        fetch = asyncio.create_task(channel.fetch_block(manifest.package_id, 1, 0, sink))
+        started = time.monotonic()
+        while ("begun", 1, 1) not in sink.events:
+            assert time.monotonic() - started < 2.0 and not fetch.done()
+            await asyncio.sleep(0.01)
+        await listener.close()  # the sender dies between chunk 1's header and its bytes
+        with pytest.raises(PeerClosedError):
+            await asyncio.wait_for(fetch, 2)
+        assert sink.events == [("begun", 1, 0), ("landed", 1, 0), ("begun", 1, 1), ("dropped", 1, 1)]
+        assert not store.is_chunk_present(1, 1)
+    finally:
+        await channel.close()
+        store.close()
+        seed.close()
 
 
 # -- issue #12: who gets in, and bounds ----------------------------------------------------------------

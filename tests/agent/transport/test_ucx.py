@@ -4,12 +4,16 @@ hanging, a listener that serves only the address it was given, and a pair of rea
 is in test_transport_conformance.py."""
 
 import asyncio
+import gc
+import logging
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import weakref
+from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import psutil
@@ -22,6 +26,7 @@ from pipecast.agent.errors import (  # noqa: E402
     PeerClosedError,
     PeerError,
     PeerConnectError,
+    PeerProtocolError,
     PeerRefusedError,
     PeerTimeoutError,
 )
@@ -29,7 +34,14 @@ from pipecast.agent.peer_server import PeerServer  # noqa: E402
 from pipecast.agent.plan_file import plan_file_data  # noqa: E402
 from pipecast.agent.transport import registry  # noqa: E402
 from pipecast.agent.transport.registry import resolve_transport_name  # noqa: E402
-from pipecast.agent.transport.ucx import UcxListener, UcxTransport, _tls_allows_tcp  # noqa: E402
+from pipecast.agent.transport.ucx import (  # noqa: E402
+    TAG_HEADER,
+    TAG_PAYLOAD,
+    UcxListener,
+    UcxTransport,
+    _tls_allows_tcp,
+)
+from pipecast.agent.transport.wire import CHUNK as CHUNK_MESSAGE, FILE, UCX_HEADER, Header  # noqa: E402
 from pipecast.core.settings import Settings  # noqa: E402
 from tests.support import REPO  # noqa: E402
 from tests.support.agent_fixtures import (  # noqa: E402
@@ -39,6 +51,7 @@ from tests.support.agent_fixtures import (  # noqa: E402
     seed_store,
 )
 from tests.support.agent_processes import assert_identical_copy, free_ports, write_plan  # noqa: E402
+from tests.agent.conftest import CHUNK  # noqa: E402
 
 pytestmark = [pytest.mark.ucx, pytest.mark.timeout(60)]
 
@@ -201,6 +214,18 @@ def test_transport_selection_keeps_ucx_for_accelerated_nodes(monkeypatch):
     assert resolve_transport_name("auto") == "ucx"
 
 
+def test_auto_leaves_an_installed_ucx_that_does_not_import_for_tcp(monkeypatch, tmp_path, caplog):
+    """Found in review: auto took UCX when ucxx was installed (found) but its libucx did not load, and the agent
+    then failed at listen instead of running on TCP."""
+    (tmp_path / "broken_ucxx.py").write_text('raise OSError("libucp.so.0: cannot open shared object file")\n')
+    monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.setitem(registry._REGISTRY, "ucx", replace(registry._REGISTRY["ucx"], requires=("broken_ucxx",),
+                                                           preferred=lambda: True))  # as on a GPU node
+    with caplog.at_level(logging.WARNING, logger=registry.__name__):
+        assert resolve_transport_name("auto") == "tcp"
+    assert caplog.messages == ["ucx unusable (broken_ucxx: libucp.so.0: cannot open shared object file); using tcp"]
+
+
 FORGETFUL = """
 import asyncio
 from pipecast.agent.peer_server import PeerServer
@@ -295,3 +320,113 @@ async def test_a_listener_on_127_0_0_1_serves_nobody_who_comes_in_on_another_add
         await channel.close()
     finally:
         seed.close()
+
+
+async def test_channels_and_connections_served_and_closed_are_freed(package, transports):
+    """Found in review: ucxx keeps an endpoint's close callback natively, beside the endpoint itself; a callback
+    holding its channel or served connection kept both, and their endpoint, alive for good."""
+    root, manifest = package
+    seed = seed_store(root)
+    server = PeerServer()
+    server.add(seed)
+    listener = await transports("seed").listen("127.0.0.1", 0, server)
+    client = transports("rx")
+    kept = []
+    try:
+        for _ in range(3):
+            channel = await client.connect(listener.address, "seed")
+            assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
+            kept += [weakref.ref(channel), *map(weakref.ref, listener.connections)]
+            await channel.close()
+            while listener.open_connections:  # the server's side ends after the goodbye
+                await asyncio.sleep(0.01)
+        del channel
+        gc.collect()
+        assert len(kept) == 6 and [ref() for ref in kept] == [None] * 6
+    finally:
+        seed.close()
+
+
+async def test_a_listener_closed_after_serving_lets_its_port_be_listened_on_again(package, transports):
+    """Found in review: the served endpoints leaked (above) kept ucxx's listener listening after it was closed:
+    new connections hung, and listening on the port again failed."""
+    root, manifest = package
+    seed = seed_store(root)
+    server = PeerServer()
+    server.add(seed)
+    serving, client = transports("seed"), transports("rx")
+    port = 0
+    try:
+        for _ in range(2):  # on a free port, then on the same one again
+            listener = await serving.listen("127.0.0.1", port, server)
+            port = int(listener.address.rpartition(":")[2])
+            channel = await client.connect(listener.address, "seed")
+            assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
+            await channel.close()
+            await listener.close()
+    finally:
+        seed.close()
+
+
+async def test_a_closed_transport_leaves_no_ucx_thread_behind(transports):
+    """Found with the leak above fixed: ucxx's progress thread outlived its transport (one more thread per
+    transport closed), stopped, if ever, by whichever thread collected its event loop, which could hang."""
+    threads = []
+    for node in ("first", "second", "third"):  # the first may start UCX's own thread, kept for the process
+        transport = transports(node)
+        await transport.listen("127.0.0.1", 0, PeerServer())
+        await transport.close()
+        threads.append(psutil.Process().num_threads())
+    assert threads[1] == threads[2]
+
+
+@asynccontextmanager
+async def raw_ucx_server(transport: UcxTransport, answer):
+    """A bare ucxx listener on ``transport``'s context; yields its address. It reads each requester's request
+    (no hello), then calls ``answer(endpoint)`` and keeps the endpoint open until the end."""
+    done = asyncio.Event()
+
+    async def handler(endpoint) -> None:
+        raw = bytearray(UCX_HEADER.size)
+        await endpoint.recv(raw, tag=TAG_HEADER)
+        await endpoint.recv(bytearray(UCX_HEADER.parse(raw, "rx").length), tag=TAG_PAYLOAD)
+        await answer(endpoint)
+        await done.wait()
+
+    listener = transport._runtime().create_listener(handler, port=0)
+    try:
+        yield f"127.0.0.1:{listener.port}"
+    finally:
+        done.set()
+        listener.close()
+        while listener.active_clients:
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize(("kind", "announced", "sent"), [(FILE, 1000, 10), (CHUNK_MESSAGE, CHUNK, CHUNK // 2)],
+                         ids=["file", "chunk"])
+async def test_a_payload_shorter_than_its_header_announced_is_a_protocol_error(package, transports, kind, announced,
+                                                                               sent):
+    """Found in review: a tag receive completes on a shorter message too, so a short file answer came back padded
+    with zeros and a short chunk was verified on stale bytes (its sender blamed for a corrupt chunk, not for
+    breaking the protocol)."""
+    _, manifest = package
+
+    async def short(endpoint) -> None:
+        await endpoint.send(UCX_HEADER.pack(Header(kind, 0, 0, announced)), tag=TAG_HEADER)
+        await endpoint.send(bytearray(b"x" * sent), tag=TAG_PAYLOAD)
+
+    client = transports("rx", io_timeout_s=5)
+    store = receiving_store(manifest)
+    try:
+        async with raw_ucx_server(client, short) as address:
+            channel = await client.connect(address, "liar")
+            fetch = (channel.fetch_file(manifest.package_id, "config.json") if kind == FILE
+                     else channel.fetch_block(manifest.package_id, 0, 0, store, 1))
+            with pytest.raises(PeerProtocolError, match=rf"^peer liar: sent a message of {sent} bytes where "
+                                                        rf"{announced} were announced$"):
+                await asyncio.wait_for(fetch, 5)
+            await channel.close()
+        assert not store.is_chunk_present(0, 0)
+    finally:
+        store.close()
