@@ -48,6 +48,17 @@ def _listen_address(ctx: click.Context, param: click.Parameter, value: str | Non
     return _address(ctx, param, value)
 
 
+def _events_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    # Opened as the agent will, now: a file it cannot append to (its folder missing, say) is a mistake to name here,
+    # not a traceback once the agent starts.
+    if value is not None:
+        try:
+            value.open("a").close()
+        except OSError as exc:
+            raise click.BadParameter(f"cannot append to {value}: {exc.strerror}") from None
+    return value
+
+
 def _labels(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
     labels = {}
     for value in values:
@@ -103,7 +114,7 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
 @click.option("--transport", type=click.Choice(transport_names()), help="Data transport (default: auto).")
 @click.option("--local-socket", type=click.Path(dir_okay=False, path_type=Path),
               help="Unix socket of the local API for engines on this node.")
-@click.option("--events", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--events", type=click.Path(dir_okay=False, path_type=Path), callback=_events_file,
               help="Append a JSON line per event (block started/verified, peer requests and failures, "
                    "assignments) to this file.")
 @click.option("--exit-when-complete", is_flag=True,

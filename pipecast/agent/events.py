@@ -12,14 +12,21 @@ below the bucket; a flood of peers' requests or failures does not. The file is b
 seeding agent's lines (one per block served) take at most twice that on disk. Processes writing one file (an
 agent restarted while the old one still ends) share it: each measures the file on disk and follows the path to
 the new ``FILE`` once another moved it aside.
+
+The record never fails the agent: a line the disk does not take (full, failing) is lost and counted, and said
+once in the log, while the agent goes on serving its peers.
 """
 
+import contextlib
 import fcntl
 import json
+import logging
 import os
 import time
 from pathlib import Path
 from typing import IO, Any
+
+log = logging.getLogger(__name__)
 
 EVENT_RATE_PER_S = 200.0
 EVENT_BURST = 5000.0
@@ -47,6 +54,7 @@ class EventLog:
         self.burst = burst
         self.max_bytes = max_bytes
         self._buckets: dict[str, _Bucket] = {}
+        self.lost = 0  # lines the disk did not take
         self._path = Path(path) if path else None
         self._file: IO[str] | None = self._path.open("a", buffering=1) if self._path else None
 
@@ -79,10 +87,17 @@ class EventLog:
         line = json.dumps(record) + "\n"  # ASCII (json.dumps escapes the rest): as many bytes as characters
         # The file on disk decides, not what this process wrote: another process (an agent restarted while the old
         # one still ends) may append to it or move it aside.
-        size = self._follow_path()
-        if size and size + len(line) > self.max_bytes:
-            self._rotate()
-        self._file.write(line)
+        try:
+            size = self._follow_path()
+            if size and size + len(line) > self.max_bytes:
+                self._rotate()
+            self._file.write(line)
+        except OSError as exc:
+            # A full or failing disk costs lines, not the caller's work (a peer's request is answered after its line).
+            if not self.lost:
+                log.warning("events file %s: a line is lost (%s); the lines lost are counted, and said at close",
+                            self._path, exc)
+            self.lost += 1
 
     def _rotate(self) -> None:
         # Under an exclusive lock of the full file (released as it closes): another process crossing the limit at
@@ -91,15 +106,19 @@ class EventLog:
         fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
         if self._names_open_file():
             os.replace(self._path, rotated(self._path))
-        self._file.close()
-        self._file = self._path.open("a", buffering=1)
+        self._reopen()
 
     def _follow_path(self) -> int:
         # Reopens the path where it no longer names the open file (moved aside or removed); returns its size.
         if not self._names_open_file():
-            self._file.close()
-            self._file = self._path.open("a", buffering=1)
+            self._reopen()
         return os.fstat(self._file.fileno()).st_size
+
+    def _reopen(self) -> None:
+        # The path is opened first: where that fails the file held stays open, for the next line to try again.
+        opened = self._path.open("a", buffering=1)
+        held, self._file = self._file, opened
+        _close(held)
 
     def _names_open_file(self) -> bool:
         try:
@@ -114,8 +133,17 @@ class EventLog:
             for kind, bucket in self._buckets.items():
                 if bucket.dropped:
                     self._summary(kind, bucket)
-            self._file.close()
-            self._file = None
+            held, self._file = self._file, None
+            _close(held)
+            if self.lost:
+                log.warning("events file %s: %d lines were lost", self._path, self.lost)
+
+
+def _close(file: IO[str]) -> None:
+    # Closing flushes a line whose write failed (still buffered, already counted lost): that fails again, and the
+    # file is closed all the same.
+    with contextlib.suppress(OSError):
+        file.close()
 
 
 def rotated(path: Path) -> Path:

@@ -10,6 +10,7 @@ name comes from ``GET /v1/models``.
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -20,7 +21,7 @@ from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.core.httpserve import read_capped
 from pipecast.router.errors import HealthAnswerError, describe_exception
 from pipecast.router.pool import WorkerPool
-from pipecast.serve.health import HealthFormatError, WorkerHealth
+from pipecast.serve.health import MAX_COUNT, HealthFormatError, WorkerHealth
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +30,15 @@ MAX_HEALTH_BYTES = 64 << 10  # a /health answer is a few hundred bytes; more is 
 MAX_METRICS_BYTES = 4 << 20
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_RUNNING = "vllm:num_requests_running"
+#: The longest model name read of a vLLM worker: without --served-model-name it is the path it serves (PATH_MAX).
+MAX_MODEL_CHARS = 4096
 
 
 def parse_health(worker: str, answer: object) -> WorkerHealth:
     """Check a decoded ``/health`` JSON answer of ``worker`` and return it typed.
 
     Raises :class:`HealthAnswerError` when the answer is not an object with a known status and
-    non-negative integer counts.
+    integer counts within 0..:data:`MAX_COUNT`.
     """
     try:
         return WorkerHealth.from_json(answer)
@@ -55,6 +58,9 @@ def _gauge(worker: str, metrics: str, name: str) -> int:
             found = True
     if not found:
         raise HealthAnswerError(worker, f"/metrics has no {name} (not a vLLM worker?)")
+    # NaN and inf parse as floats but are no count (int() raises on them); a huge one would reach the scaler.
+    if not math.isfinite(total) or total > MAX_COUNT:
+        raise HealthAnswerError(worker, f"/metrics {name} adds up to {total!r}, not a count of at most {MAX_COUNT}")
     return max(0, int(total))
 
 
@@ -91,7 +97,8 @@ class HealthMonitor:
         for url in set(self._tasks) - urls:
             self._tasks.pop(url).cancel()
             self._vllm_models.pop(url, None)
-        for url in urls - set(self._tasks):
+        # A poller that ended (it should not) is started again: its worker would otherwise keep its last answer.
+        for url in urls - {polled for polled, task in self._tasks.items() if not task.done()}:
             self._tasks[url] = asyncio.create_task(self._watch(url), name=f"health {url}")
 
     async def _get(self, url: str, path: str, limit: int) -> bytes:
@@ -108,9 +115,13 @@ class HealthMonitor:
         if url not in self._vllm_models:  # its served name does not change while it runs
             models = strictjson.loads(await self._get(url, "/v1/models", MAX_HEALTH_BYTES))
             try:
-                self._vllm_models[url] = models["data"][0]["id"]
+                model = models["data"][0]["id"]
             except (KeyError, IndexError, TypeError):
-                raise HealthAnswerError(url, "/v1/models names no model") from None
+                model = None  # refused below, with any other id that names no model
+            # The name is a route's key and goes out in the router's own /v1/models: text, one line, bounded.
+            if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_CHARS or not model.isprintable():
+                raise HealthAnswerError(url, "/v1/models names no model")
+            self._vllm_models[url] = model
         metrics = await self._get(url, "/metrics", MAX_METRICS_BYTES)
         return vllm_health(url, metrics.decode("utf-8", "replace"), self._vllm_models[url])
 
@@ -145,7 +156,15 @@ class HealthMonitor:
 
     async def _watch(self, url: str) -> None:
         while True:
-            await self.poll(url)
+            try:
+                await self.poll(url)
+            # An answer no check foresaw (a bug) must not end the polling: the worker would stay as last seen.
+            except Exception as exc:
+                problem = f"worker {url}: health poll failed: {describe_exception(exc, self._timeout.total)}"
+                worker = self._pool.get(url)
+                if worker is not None and worker.problem != problem:  # once, not every interval
+                    log.error("%s", problem, exc_info=exc)
+                self._pool.record_unreachable(url, problem)
             await asyncio.sleep(self._interval_s)
 
     async def close(self) -> None:

@@ -20,6 +20,9 @@ _COUNTS = ("blocks_present", "blocks_total", "queue_depth", "running", "max_queu
 # 0 when a worker does not report them: no per-batch cap; no pipelined sessions
 _OPTIONAL_COUNTS = ("max_batch", "pipeline_sessions", "pipeline_moved", "pipeline_kept")
 _TEXTS = ("stage", "model", "package_id", "error")  # optional text fields (None when not reported)
+#: The largest count a worker may report (the router's reading of a vLLM worker's gauges too): far above any real
+#: queue or block count, and far below the 2**53 the scaler reads of a router's /stats, summed over its workers.
+MAX_COUNT = 2 ** 31
 
 
 class HealthFormatError(PipecastError):
@@ -69,7 +72,7 @@ class WorkerHealth:
         """Check a decoded 200 answer and return it typed.
 
         Raises :class:`HealthFormatError` when the answer is not an object with a known status and
-        non-negative integer counts; a descriptive field that is not text is read as absent.
+        integer counts within 0..:data:`MAX_COUNT`; a descriptive field that is not text is read as absent.
         """
         if not isinstance(answer, dict):
             raise HealthFormatError(f"/health answered {type(answer).__name__}, not a JSON object")
@@ -82,6 +85,8 @@ class WorkerHealth:
             # bool is an int in Python; a JSON true is still not a count.
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise HealthFormatError(f"/health field {name!r} is {describe(value)}, not a count")
+            if value > MAX_COUNT:
+                raise HealthFormatError(f"/health field {name!r} is {describe(value)}, more than {MAX_COUNT}")
             counts[name] = value
         texts = {name: answer[name] for name in _TEXTS if isinstance(answer.get(name), str)}
         return cls(status=status, **counts, **texts)

@@ -75,3 +75,11 @@ def test_listen_takes_one_address_not_a_list(started):
     assert result.exit_code == 2 and started == []
     assert ("Invalid value for '--listen': one host:port address to listen on, not a list: "
             "'127.0.0.1:43701,10.0.0.1:43702'") in result.output
+
+
+def test_an_events_file_in_a_missing_folder_is_refused_before_the_agent_starts(tmp_path, started):
+    """Found in review: the agent failed with a traceback as it opened the events file."""
+    missing = tmp_path / "missing" / "events.jsonl"
+    result = CliRunner().invoke(agent_command, ["--events", str(missing), "--listen", "127.0.0.1:0"])
+    assert result.exit_code == 2 and started == []
+    assert f"Invalid value for '--events': cannot append to {missing}: No such file or directory" in result.output

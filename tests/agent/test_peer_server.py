@@ -5,10 +5,12 @@ the event log is rate-limited per kind. Over the wire: tests/agent/transport/.""
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from packager.manifest import MANIFEST_FILE
+from pipecast.agent.daemon import _AgentPeerServer
 from pipecast.agent.errors import PeerNotAllowedError, UnknownPackageError
 from pipecast.agent.events import EventLog, read_events, rotated
 from pipecast.agent.peer_server import MAX_REQUESTERS_PER_PACKAGE, PeerServer
@@ -210,3 +212,31 @@ def test_two_writers_crossing_the_limit_at_once_move_the_full_file_aside_once(tm
     first.close()
     second.close()
     assert [e["seq"] for e in read_events(path)] == list(range(seq + 2))
+
+
+async def test_a_full_events_disk_loses_lines_but_no_peer_is_refused_a_block(package, caplog):
+    """Found in review: the line of each peer request was written before the block was served, and a full disk's
+    OSError went up through the request: once the events disk filled, the agent served no block to any child."""
+    root, manifest = package
+    events = EventLog(Path("/dev/full"), "seed")  # takes no byte: ENOSPC
+    server = _AgentPeerServer(events, grace_s=0.0, plan_gated=False)
+    seed = seed_store(root)
+    server.add(seed)
+    sent = []
+
+    async def send(header: Header, payload: memoryview) -> None:
+        sent.append(header.kind)
+
+    payload = request_payload(manifest.package_id, "child")
+    try:
+        for _ in range(2):
+            await answer_request(server, parse_request(Header(REQ_BLOCK, 0, 0, len(payload)), payload, "child"), send,
+                                 "child")
+    finally:
+        seed.close()
+    assert sent and set(sent) == {CHUNK}
+    events.close()  # flushing the lost lines again fails, silently
+    assert events.lost == 2
+    assert [record.getMessage() for record in caplog.records if record.name == "pipecast.agent.events"] == [
+        "events file /dev/full: a line is lost ([Errno 28] No space left on device); the lines lost are counted, "
+        "and said at close", "events file /dev/full: 2 lines were lost"]

@@ -9,6 +9,7 @@ import pytest
 from pipecast.core.settings import MIN_TENANT_RATE, TenantLimit
 from pipecast.router.admission import AdmissionConfig
 from pipecast.scaler.signals import add_up, parse_stats
+from pipecast.serve.health import MAX_COUNT
 from tests.router.test_app import BODY, CLIENT_TIMEOUT, FakeWorker, eventually, post, router, workers
 
 pytestmark = pytest.mark.timeout(30)
@@ -86,6 +87,19 @@ async def test_stats_count_the_routers_429s_and_5xx(session):
                                  "failed": 1}
     assert stats["ttft"] == {"window_s": 60.0, "count": 0, "p50": None, "p95": None, "p99": None}
     assert stats["queue_depth"] == 0
+
+
+async def test_a_worker_reporting_a_queue_beyond_any_real_one_is_down_and_the_stats_stay_readable(session):
+    """Found in review: the router copied a worker's queue_depth of 2**60 into its /stats, which the scaler then
+    refused whole: every deployment behind the router lost its signals."""
+    async with workers(FakeWorker(queue_depth=2 ** 60), FakeWorker()) as (huge, fine):
+        async with router([huge.url, fine.url]) as (url, instance):
+            await eventually(lambda: instance.pool.get(huge.url).problem and instance.pool.serving(instance.clock()))
+            stats = await stats_of(session, url)
+    assert instance.pool.get(huge.url).problem == (f"worker {huge.url}: /health field 'queue_depth' is {2 ** 60}, "
+                                                   f"more than {MAX_COUNT}")
+    assert {worker["url"]: worker["status"] for worker in stats["workers"]} == {huge.url: "down", fine.url: "ready"}
+    assert parse_stats(url, stats)["workers"]
 
 
 async def test_a_request_refused_for_its_tenants_rate_arrived_but_was_not_admitted(session):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipecast.serve.health import HealthFormatError, WorkerHealth
+from pipecast.serve.health import MAX_COUNT, HealthFormatError, WorkerHealth
 
 PARTIAL = WorkerHealth(status="partial", blocks_present=3, blocks_total=8, queue_depth=2, running=1, max_queue=64,
                        max_batch=16, stage="loading_weights", model="tiny-llama", package_id="ab" * 32)
@@ -35,6 +35,17 @@ def test_descriptive_fields_that_are_not_text_are_ignored_but_bad_counts_are_ref
     assert WorkerHealth.from_json(answer) == WorkerHealth("partial", 3, 8, 2, 1, 64, 16, package_id="ab" * 32)
     with pytest.raises(HealthFormatError, match="field 'running' is 1.5, not a count"):
         WorkerHealth.from_json({**answer, "running": 1.5})
+
+
+@pytest.mark.parametrize("name", ["queue_depth", "pipeline_moved"])
+def test_a_count_beyond_any_real_one_is_refused(name):
+    """Found in review: a queue_depth of 2**60 was stored and copied into the router's /stats, which the scaler then
+    refused whole (its figures stop at 2**53): every deployment behind that router lost its signals."""
+    answer = PARTIAL.to_json()
+    assert getattr(WorkerHealth.from_json({**answer, name: MAX_COUNT}), name) == MAX_COUNT
+    with pytest.raises(HealthFormatError) as info:
+        WorkerHealth.from_json({**answer, name: 2 ** 60})
+    assert str(info.value) == f"/health field {name!r} is {2 ** 60}, more than {MAX_COUNT}"
 
 
 def test_serving_and_room():
