@@ -26,7 +26,7 @@ class ColdStarts:
         self._seen_at: float | None = None
 
     def observe(self, replicas: Iterable[Replica], now: float, last_scale_up: float | None) -> None:
-        """Take one tick's replicas at ``now`` (the daemon's monotonic clock); ``last_scale_up`` is its last scale-up."""
+        """Take one tick's replicas at ``now`` (the daemon's monotonic clock); ``last_scale_up``: its last one."""
         ours = last_scale_up is not None and self._seen_at is not None and self._seen_at <= last_scale_up <= now
         present = set()
         for replica in replicas:
