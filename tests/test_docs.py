@@ -4,6 +4,8 @@ the command lines it shows name commands and options that exist."""
 
 import re
 
+import yaml
+
 from pipecast.cli import COMMANDS
 from pipecast.core.settings import Settings
 from tests.support import REPO
@@ -36,6 +38,35 @@ def test_the_settings_table_gives_each_default_and_names_only_settings():
         if not right:
             wrong.append(f"{name}: README says {shown}, the default is {default!r}")
     assert not wrong, "the README's settings table is out of date:\n" + "\n".join(wrong)
+
+
+def _leaves(values: dict, prefix: str = "") -> list[str]:
+    """The dotted names of the leaves of a values map (a map it holds, such as a nodeSelector, by its keys too)."""
+    return [leaf for key, value in values.items()
+            for leaf in (_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [prefix + key])]
+
+
+def _values_table_names() -> list[str]:
+    """The values the README's table of the Helm chart's values names in its first column: `.x` is a sibling of
+    the name before it, `*` any one key."""
+    table = README[README.index("| value | default | what the operator sets |"):].split("\n\n", 1)[0]
+    names: list[str] = []
+    for row in table.splitlines()[2:]:
+        for name in re.findall(r"`([^`]+)`", row.split("|")[1]):
+            names.append(names[-1].rsplit(".", 1)[0] + name if name.startswith(".") else name)
+    return names
+
+
+def test_every_chart_value_is_in_the_readme_values_table():
+    """Found in review: about 20 values of values.yaml were in no row (router.apiKeysKey, the ports, ...). A row
+    naming a map covers its keys (`agent.nodeSelector`, `*.resources`)."""
+    leaves = _leaves(yaml.safe_load((REPO / "deploy/helm/pipecast/values.yaml").read_text()))
+    patterns = {name: re.compile(re.escape(name).replace(r"\*", r"[^.]+") + r"(\..+)?")
+                for name in _values_table_names()}
+    missing = [leaf for leaf in leaves if not any(p.fullmatch(leaf) for p in patterns.values())]
+    assert not missing, f"values missing from the README's table of the chart's values: {missing}"
+    unknown = [name for name, p in patterns.items() if not any(p.fullmatch(leaf) for leaf in leaves)]
+    assert not unknown, f"the README's table of the chart's values names values values.yaml lacks: {unknown}"
 
 
 def test_every_command_is_mentioned():

@@ -4,6 +4,7 @@ no unknown field), and the rules of a pipecast pod hold (probes, resources, no R
 Secrets, the agent and its serving worker sharing what the zero-copy path needs, TLS for every client).
 tests/integration/test_chart.py runs the rendered commands."""
 
+import json
 import re
 import tempfile
 import tomllib
@@ -32,6 +33,8 @@ CASES["everything"] = ((), {"store": {"enabled": True, "packagesClaim": "package
                             "router": {"apiKeysSecret": "pipecast-api-keys"}, "agent": {"labels": {"rack": "r1"}},
                             "serve": {"servedModelName": "smollm2-chat"}})
 SECRET_ENV = ("PIPECAST_AUTH_TOKEN", "PIPECAST_CONTROL_DB", "PIPECAST_ROUTER_API_KEYS")
+# What the API server parses a quantity with (k8s.io/apimachinery/pkg/api/resource): "1GiB" is none.
+QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 RBAC = {"ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}
 
 
@@ -243,6 +246,15 @@ def test_the_service_monitor_scrapes_every_metrics_endpoint():
     (("values-single-node.yaml",), {"store": {"seed": ""}}, "store.enabled needs store.seed"),
     ((), {"controlPlane": {"replicas": 3}}, "controlPlane.replicas > 1 needs controlPlane.database.existingSecret"),
     (("values-mtls.yaml",), {"tls": {"existingSecret": ""}}, "tls.enabled needs tls.existingSecret"),
+    # Found in review: these rendered; the API server refused the pod or the claim.
+    ((), {"agent": {"shmSize": "1GiB"}}, 'agent.shmSize is "1GiB": not a Kubernetes quantity'),
+    ((), {"controlPlane": {"persistence": {"size": "2GiB"}}},
+     'controlPlane.persistence.size is "2GiB": not a Kubernetes quantity'),
+    # Found in review: these rendered; the agent was OOM-killed loading a package, or refused to start.
+    ((), {"agent": {"memory": "32GiB"}}, "agent.memory (32GiB) must be below agent.resources.limits.memory (18Gi)"),
+    ((), {"agent": {"memory": "18Gi"}}, "agent.memory (18Gi) must be below agent.resources.limits.memory (18Gi)"),
+    ((), {"agent": {"reserve": "24GiB"}}, "agent.reserve (24GiB) must be at most agent.memory (16GiB)"),
+    ((), {"agent": {"memory": "16 lots"}}, 'agent.memory is "16 lots": not a size'),
 ])
 def test_incomplete_values_are_refused_with_what_to_set(files, values, message):
     with pytest.raises(HelmError, match=re.escape(message)):
@@ -415,3 +427,64 @@ def test_replicated_control_planes_and_routers_are_drained_one_at_a_time(case):
         assert budget["maxUnavailable"] == 1
         labels = replicated[workload_name]["spec"]["template"]["metadata"]["labels"]
         assert budget["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_no_pod_gets_the_link_variables_of_the_namespaces_services(case):
+    """Found in review: the kubelet gives every container Docker-link variables named after each Service of the
+    namespace, upper-cased: under a release named pipecast, PIPECAST_ROUTER_PORT=tcp://... (warned as unknown
+    settings) and, with values-ha.yaml's ServiceMonitor, PIPECAST_ROUTER_METRICS_PORT=tcp://10.96.0.11:9103, the
+    setting router_metrics_port (an int): every process but the router refused its settings at start."""
+    name, manifests = case
+    specs = {m["metadata"]["name"]: pod_spec(m) for m in manifests if pod_spec(m) is not None}
+    if name == "everything":
+        assert specs.keys() == {f"pipecast-{c}" for c in ("agent", "control-plane", "router", "scaler", "store")}
+    assert {n: spec.get("enableServiceLinks") for n, spec in specs.items()} == dict.fromkeys(specs, False), name
+
+
+def test_every_size_kubernetes_reads_is_a_kubernetes_quantity(case):
+    """Every resource, /dev/shm's sizeLimit and the claim's storage as the API server parses them (words such as
+    "1GiB", which pipecast's own sizes take, are refused: see test_incomplete_values_are_refused_with_what_to_set)."""
+    name, manifests = case
+    found = [str(claim["spec"]["resources"]["requests"]["storage"])
+             for m in manifests for claim in m.get("spec", {}).get("volumeClaimTemplates", [])]
+    for manifest in manifests:
+        spec = pod_spec(manifest) or {}
+        found += [str(v["emptyDir"]["sizeLimit"]) for v in spec.get("volumes", [])
+                  if "sizeLimit" in v.get("emptyDir", {})]
+    for _, container in containers(manifests):
+        found += [str(q) for part in container["resources"].values() for q in part.values()]
+    assert len(found) > 10 and not [q for q in found if not QUANTITY.match(q)], (name, found)
+
+
+def test_the_agent_registers_the_serving_workers_device():
+    """Found in review: only the serving worker was told serve.device (--device); the agent, without
+    PIPECAST_DEVICE, took the setting's default, cpu, and GPU nodes registered as CPU nodes."""
+    for device in ("cuda", "cuda:1", "cpu"):
+        manifests = render((), merged(INSTALL, {"serve": {"device": device}}))
+        agent = containers_named(manifests, "pipecast-agent")["agent"]
+        assert {e["name"]: e.get("value") for e in agent["env"]}["PIPECAST_DEVICE"] == device
+
+
+def test_the_control_plane_name_a_certificate_must_hold_is_the_one_documented_and_printed():
+    """Found in review: values-mtls.yaml said the certificate names *.<release>-control-plane.<namespace>.svc,
+    but the Service is <fullname>-control-plane, <release>-pipecast for a release named prod: a certificate made
+    as told failed every client's TLS check. What the values file says, what the install prints and what the
+    clients and the probe dial agree."""
+    release, namespace = "prod", "ml"
+    with tempfile.TemporaryDirectory() as folder:
+        out = helm("install", release, CHART, "--dry-run=client", "--namespace", namespace, "--output", "json",
+                   *value_args(("values-mtls.yaml",), INSTALL, Path(folder)))
+    installed = json.loads(out)
+    manifests = [doc for doc in yaml.safe_load_all(installed["manifest"]) if doc]
+    documented = "*.<fullname>-control-plane.<namespace>.svc"
+    assert documented in (CHART / "values-mtls.yaml").read_text()
+    wildcard = documented.replace("<fullname>", f"{release}-pipecast").replace("<namespace>", namespace)
+    assert f"must name {wildcard}\n" in installed["info"]["notes"]
+    domain = wildcard.removeprefix("*.")
+    hosts = [address.rsplit(":", 1)[0] for _, c in containers(manifests) if c.get("args", [""])[0] != "serve"
+             for e in c.get("env", []) if e["name"] == "PIPECAST_CONTROL_PLANE" for address in e["value"].split(",")]
+    statefulset = workload(manifests, "StatefulSet", f"{release}-pipecast-control-plane")
+    [control_plane] = pod_spec(statefulset)["containers"]
+    hosts += [a.split("=", 1)[1].rsplit(":", 1)[0] for a in control_plane["args"] if a.startswith("--advertise=")]
+    assert len(hosts) >= 4 and {host.split(".", 1)[1] for host in hosts} == {domain}, hosts
+    assert f'+ ".{domain}"' in control_plane["livenessProbe"]["exec"]["command"][-1]

@@ -16,6 +16,32 @@ would print as 1.7179869184e+10; a size in words ("16GiB") as given. */}}
 {{- if kindIs "float64" . -}}{{ int64 . }}{{- else -}}{{ . }}{{- end -}}
 {{- end -}}
 
+{{/* A size as a number of bytes, for comparing sizes: a size word of pipecast's ("16GiB", "1.5GB", a byte count)
+or a Kubernetes quantity in the same units ("18Gi", "18G"). Call with (list "agent.memory" $value). */}}
+{{- define "pipecast.sizeBytes" -}}
+{{- $text := include "pipecast.bytes" (index . 1) -}}
+{{- $pattern := "^([0-9]+(?:\\.[0-9]+)?)\\s*([a-zA-Z]*)$" -}}
+{{- $units := dict "" 1 "b" 1 "k" 1e3 "kb" 1e3 "m" 1e6 "mb" 1e6 "g" 1e9 "gb" 1e9 "t" 1e12 "tb" 1e12
+  "ki" 1024 "kib" 1024 "mi" 1048576 "mib" 1048576 "gi" 1073741824 "gib" 1073741824
+  "ti" 1099511627776 "tib" 1099511627776 -}}
+{{- $unit := regexReplaceAll $pattern $text "${2}" | lower -}}
+{{- if not (and (regexMatch $pattern $text) (hasKey $units $unit)) -}}
+{{- fail (printf "%s is %q: not a size (e.g. 16GiB, 18Gi or a byte count)" (index . 0) $text) -}}
+{{- end -}}
+{{ mulf (regexReplaceAll $pattern $text "${1}") (get $units $unit) | printf "%.0f" }}
+{{- end -}}
+
+{{/* A Kubernetes quantity from the values (emptyDir.sizeLimit, a claim's storage), refused here rather than by
+the API server: pipecast's size words ("1GiB") are not quantities ("1Gi"). Call with
+(list "agent.shmSize" $value). */}}
+{{- define "pipecast.quantity" -}}
+{{- $text := include "pipecast.bytes" (index . 1) -}}
+{{- if not (regexMatch "^([0-9]+(\\.[0-9]*)?|\\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][-+]?[0-9]+)?$" $text) -}}
+{{- fail (printf "%s is %q: not a Kubernetes quantity, which the API server refuses; write e.g. 1Gi, 512Mi or a byte count" (index . 0) $text) -}}
+{{- end -}}
+{{ $text }}
+{{- end -}}
+
 {{- define "pipecast.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
@@ -62,24 +88,41 @@ CUDA build of the appVersion ("<appVersion>-cuda", README): the CPU build's torc
 {{ include "pipecast.fullname" . }}-control-plane
 {{- end -}}
 
+{{/* The domain of the control plane replicas' names, <replica>.<this>: what a TLS certificate must name,
+*.<this>. */}}
+{{- define "pipecast.controlPlaneDomain" -}}
+{{ include "pipecast.controlPlaneService" . }}.{{ .Release.Namespace }}.svc
+{{- end -}}
+
 {{/* The control plane as its clients name it: every replica's stable address, comma-separated (a call
 follows the leader a standby names, else goes on to the next replica). */}}
 {{- define "pipecast.controlPlaneAddress" -}}
 {{- $service := include "pipecast.controlPlaneService" . -}}
+{{- $domain := include "pipecast.controlPlaneDomain" . -}}
 {{- $addresses := list -}}
 {{- range $i := until (int .Values.controlPlane.replicas) -}}
-{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc:%d" $service $i $service $.Release.Namespace (int $.Values.controlPlane.port)) -}}
+{{- $addresses = append $addresses (printf "%s-%d.%s:%d" $service $i $domain (int $.Values.controlPlane.port)) -}}
 {{- end -}}
 {{ join "," $addresses }}
 {{- end -}}
 
-{{/* Every pod runs as the image's user; the agent's and the serving worker's must be the same. */}}
-{{- define "pipecast.podSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 10001
-runAsGroup: 10001
-fsGroup: 10001
-seccompProfile: {type: RuntimeDefault}
+{{/* What every pod spec of the chart holds. */}}
+{{- define "pipecast.podSpec" -}}
+# No process of pipecast calls the Kubernetes API.
+automountServiceAccountToken: false
+# No Docker-link variables: named after the namespace's Services, under a release named pipecast they
+# are read as settings (PIPECAST_ROUTER_METRICS_PORT=tcp://..., not the int router_metrics_port).
+enableServiceLinks: false
+# Every pod runs as the image's user; the agent's and the serving worker's must be the same.
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 10001
+  runAsGroup: 10001
+  fsGroup: 10001
+  seccompProfile: {type: RuntimeDefault}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets: {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{- define "pipecast.securityContext" -}}
@@ -173,7 +216,6 @@ would stall every rolling update). kubelet's own gRPC probe fails on NOT_SERVING
 so the check runs in the container; under TLS with the replica's own certificate (mTLS) and the name that
 certificate holds for it. */}}
 {{- define "pipecast.controlPlaneProbe" -}}
-{{- $name := include "pipecast.controlPlaneService" . -}}
 exec:
   command:
     - python
@@ -187,7 +229,7 @@ exec:
           with open(os.environ[variable], "rb") as f:
               return f.read()
       credentials = grpc.ssl_channel_credentials(read("PIPECAST_TLS_CA"), read("PIPECAST_TLS_KEY"), read("PIPECAST_TLS_CERT"))
-      name = os.environ["POD_NAME"] + ".{{ $name }}.{{ .Release.Namespace }}.svc"
+      name = os.environ["POD_NAME"] + ".{{ include "pipecast.controlPlaneDomain" . }}"
       channel = grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", name)])
       {{- else }}
       channel = grpc.insecure_channel(address)
