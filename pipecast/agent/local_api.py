@@ -51,7 +51,7 @@ import math
 import os
 import socket
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,16 +188,13 @@ class LocalApiServer:
                 queue.put_nowait(message)
             except asyncio.QueueFull:  # it stopped reading: end its stream after what it has
                 self._subscribers.discard(queue)
-                queue.get_nowait()
-                queue.put_nowait(None)
+                _end_stream(queue)
 
     async def close(self) -> None:
         """Stop serving, end every event stream and request (an engine waiting on one learns the agent is gone
         at once, not at its deadline) and remove the socket file."""
         for queue in self._subscribers:
-            if queue.full():
-                queue.get_nowait()
-            queue.put_nowait(None)
+            _end_stream(queue)
         if self._server is not None:
             self._server.close()
         # Before waiting for the server: from Python 3.12.1 that waits for every open connection, and a worker's
@@ -213,14 +210,22 @@ class LocalApiServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = asyncio.current_task()
         self._connections.add(connection)
+        next_line = asyncio.ensure_future(_next_line(reader))
         try:
-            while line := await reader.readline():
+            while line := await next_line:
+                # Read on while answering: an engine that goes away ends a wait it no longer needs at once, not at
+                # the wait's timeout (up to a day), and a line it sent meanwhile is its next request.
+                next_line = asyncio.ensure_future(_next_line(reader))
                 try:
                     request = parse_request(line)
                     if request.op == "subscribe":
-                        await self._stream_events(writer)
+                        await self._stream_events(next_line, reader, writer)
                         return
-                    answer = await self._answer(request)
+                    answer = await self._answer_while_connected(request, next_line)
+                    if answer is None:
+                        return
+                    if isinstance(answer, dict) and "path" in answer:  # an engine maps that package's memory
+                        self._mappers.setdefault(answer["package"], set()).add(connection)
                 except LocalApiTimeoutError as exc:
                     answer = {"ok": False, "error": str(exc), "timeout": True}
                 except (AgentError, ValueError, KeyError, TypeError, IndexError) as exc:
@@ -229,15 +234,28 @@ class LocalApiServer:
                         answer["dropped"] = True
                 writer.write((answer if isinstance(answer, bytes) else json.dumps(answer).encode()) + b"\n")
                 await writer.drain()
-        except (ConnectionError, ValueError):
-            pass  # the engine went away, or sent a line over the stream limit: drop it
+        except ConnectionError:
+            pass  # the engine went away
         except asyncio.CancelledError:
             pass  # the agent stops: asyncio logs a connection's task that ends cancelled as an ERROR
         finally:
+            next_line.cancel()
             self._connections.discard(connection)
             for mappers in self._mappers.values():  # an ended connection maps nothing more
                 mappers.discard(connection)
             writer.close()
+
+    async def _answer_while_connected(self, request: LocalRequest, next_line: asyncio.Future) -> dict | bytes | None:
+        """The answer to ``request``, or None once the engine's connection ends first (``next_line``, its next
+        line, comes empty): the answer is then cancelled."""
+        answering = asyncio.ensure_future(self._answer(request))
+        try:
+            await asyncio.wait((answering, next_line), return_when=asyncio.FIRST_COMPLETED)
+            if not answering.done() and not next_line.result():
+                return None
+            return await answering
+        finally:
+            answering.cancel()  # the engine went away, or the agent stops
 
     async def _answer(self, request: LocalRequest) -> dict | bytes:
         """The answer to ``request``: a JSON object, or one already encoded (a large one, made in a thread)."""
@@ -250,44 +268,30 @@ class LocalApiServer:
                 raise LocalApiTimeoutError(f"no cluster credentials here within {timeout:g} s (the agent has not "
                                            f"registered with its control plane yet)")
             return {"ok": True, "serving_key": serving_key(key).hex()}
-        try:
-            store = await asyncio.wait_for(self._peer_server.wait_store(request.package), timeout)
-        except TimeoutError:
-            raise LocalApiTimeoutError(f"no package {request.package or ''} here within "
-                                       f"{timeout:g} s") from None
+        package = f"package {request.package}" if request.package else "package"
+        store = await _within(timeout, self._peer_server.wait_store(request.package), f"no {package} here")
         if op == "manifest":  # 10 MB of JSON for a large model: encoded off the event loop, which forwards chunks
             return await asyncio.to_thread(_manifest_answer, store)
         if op == "progress":
             return {"ok": True, "progress": dataclasses.asdict(store.progress())}
         if op == "file":
-            try:
-                data = await asyncio.wait_for(store.wait_file(request.path), timeout)
-            except TimeoutError:
-                raise LocalApiTimeoutError(f"file {request.path!r} not here within {timeout:g} s") from None
+            data = await _within(timeout, store.wait_file(request.path), f"file {request.path!r} not here")
             return {"ok": True, "data": base64.b64encode(data).decode()}
         block = request.block
         verified = {}
         if op == "wait_block":
-            try:
-                await asyncio.wait_for(store.wait_block(block), timeout)
-            except TimeoutError:
-                raise LocalApiTimeoutError(f"block {block} not verified within {timeout:g} s") from None
+            await _within(timeout, store.wait_block(block), f"block {block} not verified")
         elif op == "wait_prefix":
             nbytes = request.nbytes
-            try:
-                await asyncio.wait_for(store.wait_prefix(block, nbytes), timeout)
-            except TimeoutError:
-                raise LocalApiTimeoutError(f"the first {nbytes} bytes of block {block} not verified within "
-                                           f"{timeout:g} s") from None
+            await _within(timeout, store.wait_prefix(block, nbytes),
+                          f"the first {nbytes} bytes of block {block} not verified")
             # All that is verified: the engine's next parts may need no request.
             verified = {"verified": store.verified_prefix(block)}
         if not store.populated(block):
             # The engine maps the whole block at once (MAP_POPULATE): pages missing then would be allocated and
             # zeroed in the engine's process, on its CPU, and not from the agent's memory reserve.
             await asyncio.to_thread(store.prefault, block)
-        path = store.block_path(block)
-        self._mappers.setdefault(store.package_id, set()).add(asyncio.current_task())
-        return {"ok": True, "package": store.package_id, "block": block, "path": path,
+        return {"ok": True, "package": store.package_id, "block": block, "path": store.block_path(block),
                 "bytes": store.manifest.blocks[block].bytes, **verified}
 
     def mapped_by(self, package_id: str) -> set[asyncio.Task]:
@@ -295,9 +299,13 @@ class LocalApiServer:
         package held again has mappers of its own)."""
         return {task for task in self._mappers.pop(package_id, ()) if not task.done()}
 
-    async def _stream_events(self, writer: asyncio.StreamWriter) -> None:
+    async def _stream_events(self, next_line: Awaitable[bytes], reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
         queue: asyncio.Queue = asyncio.Queue(MAX_PENDING_EVENTS)
         self._subscribers.add(queue)
+        # What a subscriber sends is ignored, and its connection's end ends the stream at once: waiting for the next
+        # event (maybe never) would keep the connection, its task and its queue of an engine long gone.
+        watching = asyncio.ensure_future(_end_when_gone(next_line, reader, queue))
         try:
             writer.write(b'{"ok": true}\n')
             for store in self._peer_server.stores.values():  # what happened before the subscription
@@ -307,7 +315,42 @@ class LocalApiServer:
                 writer.write(json.dumps(event).encode() + b"\n")
                 await writer.drain()
         finally:
+            watching.cancel()
             self._subscribers.discard(queue)
+
+
+async def _next_line(reader: asyncio.StreamReader) -> bytes:
+    """The engine's next line; b"" once it went away, or sent a line over the stream limit (it is dropped)."""
+    try:
+        return await reader.readline()
+    except (ConnectionError, ValueError):
+        return b""
+
+
+async def _end_when_gone(next_line: Awaitable[bytes], reader: asyncio.StreamReader, queue: asyncio.Queue) -> None:
+    """End the event stream to ``queue`` once the subscriber's connection ends (its lines are ignored)."""
+    while await next_line:
+        next_line = _next_line(reader)
+    _end_stream(queue)
+
+
+def _end_stream(queue: asyncio.Queue) -> None:
+    """End a subscriber's event stream after what ``queue`` holds (less its oldest event, if full)."""
+    if queue.full():
+        queue.get_nowait()
+    queue.put_nowait(None)
+
+
+async def _within(timeout: float, waiting: Awaitable, what: str) -> Any:
+    """What ``waiting`` returns, or :class:`LocalApiTimeoutError` saying ``what`` "within ``timeout`` s".
+
+    Not asyncio.wait_for: on Python 3.11 it cancels before the first step with a timeout of 0, so an answer ready
+    at once timed out."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await waiting
+    except TimeoutError:
+        raise LocalApiTimeoutError(f"{what} within {timeout:g} s") from None
 
 
 def _held(store: BlockStore) -> Iterator[dict]:

@@ -36,6 +36,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 30.0
 class _Mapped:
     package: str
     memory: mmap.mmap
+    size: int  # len(memory), known without it: close() may unmap it under a wait
 
 
 class LocalAgentClient:
@@ -53,8 +54,9 @@ class LocalAgentClient:
     def __init__(self, socket_path: Path | str, connect_timeout_s: float = 5.0) -> None:
         self.socket_path = str(socket_path)
         self._connect_timeout_s = connect_timeout_s
-        self._lock = threading.Lock()  # guards the idle connections, the mappings and closed
+        self._lock = threading.Lock()  # guards the idle connections, those in use, the mappings and closed
         self._idle: list[tuple[socket.socket, BinaryIO]] = [self._open()]  # fails at once without an agent
+        self._busy: set[socket.socket] = set()  # connections a request is using: close() shuts them down
         self._closed = False
         self._maps: dict[tuple[str, int], mmap.mmap] = {}
         self._drops = 0  # drops seen so far (under _lock): an answer given before a drop maps the memory dropped
@@ -80,33 +82,25 @@ class LocalAgentClient:
         return sock, sock.makefile("rb")
 
     def _call(self, request: dict, timeout: float) -> dict:
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
-                math.isfinite(timeout) and 0 <= timeout <= MAX_TIMEOUT_S):
-            raise LocalApiError(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, got {timeout!r}")
-        with self._lock:
-            if self._closed:
-                raise LocalApiError(f"agent at {self.socket_path}: the client is closed")
-            connection = self._idle.pop() if self._idle else None
-        sock, lines = connection or self._open()
-        line = b""
+        _check_timeout(timeout)
+        sock, lines = self._checkout()
+        line, failure = b"", None
         try:
             sock.settimeout(timeout + CLIENT_SLACK_S)
             sock.sendall(json.dumps(request).encode() + b"\n")
             line = lines.readline()
-        except TimeoutError:
-            raise LocalApiTimeoutError(f"agent at {self.socket_path} did not answer {request['op']} "
-                                       f"within {timeout + CLIENT_SLACK_S:g} s") from None
         except OSError as exc:
-            raise LocalApiError(f"agent at {self.socket_path}: {exc.strerror or exc}") from None
+            failure = exc
         finally:
-            with self._lock:
-                keep = bool(line) and not self._closed  # else the connection is out of step or gone
-                if keep:
-                    self._idle.append((sock, lines))
-            if not keep:
-                lines.close()
-                sock.close()
+            closed = self._checkin(sock, lines, answered=bool(line))
         if not line:
+            if closed:  # close() shut the connection down under the request
+                raise self._closed_error()
+            if isinstance(failure, TimeoutError):
+                raise LocalApiTimeoutError(f"agent at {self.socket_path} did not answer {request['op']} "
+                                           f"within {timeout + CLIENT_SLACK_S:g} s")
+            if failure is not None:
+                raise LocalApiError(f"agent at {self.socket_path}: {failure.strerror or failure}")
             raise LocalApiError(f"agent at {self.socket_path} closed the connection")
         answer = self._decode(line)
         if not answer.get("ok"):
@@ -114,6 +108,38 @@ class LocalAgentClient:
                      LocalApiTimeoutError if answer.get("timeout") else LocalApiError)
             raise error(f"agent at {self.socket_path}: {answer.get('error')}")
         return answer
+
+    def _checkout(self) -> tuple[socket.socket, BinaryIO]:
+        """A connection for one request, in use until :meth:`_checkin`: :meth:`close` meanwhile shuts it down."""
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            connection = self._idle.pop() if self._idle else None
+        sock, lines = connection or self._open()
+        with self._lock:
+            if not self._closed:  # else closed while it connected: close() has not seen it
+                self._busy.add(sock)
+                return sock, lines
+        lines.close()
+        sock.close()
+        raise self._closed_error()
+
+    def _checkin(self, sock: socket.socket, lines: BinaryIO, answered: bool) -> bool:
+        """Done with a connection: kept for the next request if it ``answered`` (else it is out of step or gone)
+        and the client is open; whether the client is closed."""
+        with self._lock:
+            self._busy.discard(sock)
+            closed = self._closed
+            keep = answered and not closed
+            if keep:
+                self._idle.append((sock, lines))
+        if not keep:
+            lines.close()
+            sock.close()
+        return closed
+
+    def _closed_error(self) -> LocalApiError:
+        return LocalApiError(f"agent at {self.socket_path}: the client is closed")
 
     def _decode(self, line: bytes) -> dict:
         try:
@@ -133,9 +159,11 @@ class LocalAgentClient:
         Raises :class:`LocalApiTimeoutError` (a ``TimeoutError``) if not verified within ``timeout``,
         :class:`PackageDroppedError` once the agent drops the package.
         """
+        _check_timeout(timeout)
+        started = time.monotonic()
         mapped = self._buffer(index, package_id, timeout)
-        self._await(mapped.package, index, len(mapped.memory), timeout, f"block {index} not verified")
-        return memoryview(mapped.memory)
+        self._await(mapped.package, index, mapped.size, timeout, started, f"block {index} not verified")
+        return self._view(mapped)
 
     def wait_prefix(self, index: int, nbytes: int, timeout: float, package_id: str | None = None) -> memoryview:
         """The first ``nbytes`` bytes of block ``index`` once verified (chunk by chunk), while the rest of
@@ -145,14 +173,22 @@ class LocalAgentClient:
         Raises :class:`LocalApiTimeoutError` (a ``TimeoutError``) if not verified within ``timeout``,
         :class:`PackageDroppedError` once the agent drops the package.
         """
+        _check_timeout(timeout)
+        started = time.monotonic()
         mapped = self._buffer(index, package_id, timeout)
-        size = len(mapped.memory)
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes <= size:
-            raise LocalApiError(f"agent at {self.socket_path}: block {index} has {size} bytes: no prefix of "
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 < nbytes <= mapped.size:
+            raise LocalApiError(f"agent at {self.socket_path}: block {index} has {mapped.size} bytes: no prefix of "
                                 f"{nbytes!r}")
-        verified = self._await(mapped.package, index, nbytes, timeout,
+        verified = self._await(mapped.package, index, nbytes, timeout, started,
                                f"the first {nbytes} bytes of block {index} not verified")
-        return memoryview(mapped.memory)[:verified]
+        return self._view(mapped)[:verified]
+
+    def _view(self, mapped: "_Mapped") -> memoryview:
+        """A view of ``mapped``'s memory (under the lock :meth:`close` unmaps under: taken before, or never)."""
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            return memoryview(mapped.memory)
 
     def verified_bytes(self, index: int, package_id: str | None = None) -> int:
         """Bytes of block ``index`` verified from its start by now, as the agent's events told (no wait)."""
@@ -175,6 +211,7 @@ class LocalAgentClient:
         Call it while the block is in flight: the page-table set-up then happens during the transfer
         instead of between the block's verification and its first use. Nothing is read from it here.
         """
+        _check_timeout(timeout)  # a block mapped already asks the agent nothing, which checks it too
         self._buffer(index, package_id, timeout)
 
     def _package(self, package_id: str | None) -> str:
@@ -188,10 +225,10 @@ class LocalAgentClient:
         """
         if package_id is not None:
             self._raise_if_dropped(package_id, f"block {index} not verified")
-            with self._lock:
+            with self._lock:  # as close() unmaps: a mapping it closed is not found here
                 mapped = self._maps.get((package_id, index))
-            if mapped is not None:
-                return _Mapped(package_id, mapped)
+                if mapped is not None:
+                    return _Mapped(package_id, mapped, len(mapped))
         with self._lock:
             drops = self._drops
         try:
@@ -204,7 +241,7 @@ class LocalAgentClient:
         with self._known:
             if not self._dropped_since(drops, answer["package"]):
                 self._dropped.discard(answer["package"])  # the agent holds it (again)
-        return _Mapped(answer["package"], self._map(answer, drops))
+        return _Mapped(answer["package"], self._map(answer, drops), answer["bytes"])
 
     def _dropped_since(self, drops: int, package: str) -> bool:
         """Whether ``package`` was dropped after the client had seen ``drops`` drops (an answer about it given
@@ -212,12 +249,15 @@ class LocalAgentClient:
         with self._known, self._lock:
             return self._drops != drops and package in self._dropped
 
-    def _await(self, package: str, index: int, nbytes: int, timeout: float, what: str) -> int:
-        """Wait until the first ``nbytes`` of block ``index`` are verified; the bytes verified by then."""
+    def _await(self, package: str, index: int, nbytes: int, timeout: float, started: float, what: str) -> int:
+        """Wait until the first ``nbytes`` of block ``index`` are verified, at most ``timeout`` from ``started``
+        (the wait's start: its buffer request took part of it); the bytes verified by then."""
         self._watch()
-        deadline = time.monotonic() + timeout
+        deadline = started + timeout
         with self._known:
             while (verified := self._verified.get((package, index), 0)) < nbytes:
+                if self._closed:  # close() ended the event stream
+                    raise self._closed_error()
                 if self._stream_error is not None:
                     raise LocalApiError(f"agent at {self.socket_path}: {self._stream_error}")
                 self._raise_if_dropped(package, what)
@@ -237,6 +277,8 @@ class LocalAgentClient:
     def _watch(self) -> None:
         """Start following the agent's event stream (once; the first events are what it holds already)."""
         with self._known:
+            if self._closed:  # close() sets it before it ends the stream: none starts after it
+                raise self._closed_error()
             if self._stream is not None:
                 return
             sock, lines = self._subscribe(self._connect_timeout_s)
@@ -360,6 +402,8 @@ class LocalAgentClient:
 
         ``timeout`` bounds the wait for each event (:class:`LocalApiTimeoutError`); None waits forever.
         """
+        if timeout is not None:
+            _check_timeout(timeout)
         sock, lines = self._subscribe(timeout)
         try:
             while True:
@@ -377,29 +421,46 @@ class LocalAgentClient:
             sock.close()
 
     def close(self) -> None:
-        """Close the connections and unmap the blocks (views still held keep their mapping alive)."""
+        """Close the connections and unmap the blocks (views still held keep their mapping alive); a request or
+        wait in flight ends with :class:`LocalApiError` (the client is closed)."""
+        with self._lock:
+            self._closed = True  # first: no request, wait or event stream starts from now on
         with self._known:
             if self._stream is not None:
-                try:
-                    self._stream.shutdown(socket.SHUT_RDWR)  # ends the event thread's read
-                except OSError:
-                    pass
+                _shut_down(self._stream)  # ends the event thread's read
                 self._stream.close()
         with self._lock:
-            self._closed = True
             for mapped in self._maps.values():
                 try:
                     mapped.close()
                 except BufferError:
                     pass  # a caller still holds a view (a tensor): the mapping goes when that view does
             self._maps.clear()
-            for sock, lines in self._idle:  # a connection in use is closed when its request returns
+            for sock, lines in self._idle:
                 lines.close()
                 sock.close()
             self._idle.clear()
+            for sock in self._busy:  # its request's thread closes it, once its read or write ends
+                _shut_down(sock)
 
     def __enter__(self) -> "LocalAgentClient":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_timeout(timeout: object) -> None:
+    """:class:`LocalApiError` unless ``timeout`` is a number of seconds from 0 to ``MAX_TIMEOUT_S`` (NaN spun a wait on
+    the events for ever, an infinite or huge one overflowed the timers)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
+            math.isfinite(timeout) and 0 <= timeout <= MAX_TIMEOUT_S):
+        raise LocalApiError(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, got {timeout!r}")
+
+
+def _shut_down(sock: socket.socket) -> None:
+    """End every read and write on ``sock`` now, another thread's included (closing it would not wake that one)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected any more

@@ -140,6 +140,82 @@ async def test_a_wait_ends_with_a_clear_error_as_soon_as_the_agent_goes_away(tmp
             await asyncio.wait_for(waiting, 10)
 
 
+async def test_a_wait_gives_up_at_its_timeout_however_long_its_buffer_request_took(tmp_path):
+    """Found in review: a block's first wait spent up to its timeout on the buffer request (the agent did not hold
+    the package yet), then a fresh full timeout on the events: ~2x what it was given, saying "within T s"."""
+    manifest = tiny_package(tmp_path / "pkg", layers=2, layer_bytes=200_000, chunk_bytes=64 << 10).manifest
+    peers, store = PeerServer(), receiving_store(manifest)
+    server = LocalApiServer(peers, status=dict, auth=PeerAuth("n1"))
+    await server.start(tmp_path / "agent.sock")
+    client = await asyncio.to_thread(LocalAgentClient, tmp_path / "agent.sock")
+    try:
+        asyncio.get_running_loop().call_later(1.0, peers.add, store)  # block 0 never comes
+        started = time.monotonic()
+        with pytest.raises(LocalApiTimeoutError, match="block 0 not verified within 1.5 s$"):
+            await asyncio.to_thread(client.wait_block, 0, 1.5, manifest.package_id)
+        assert time.monotonic() - started < 2.1  # 2.5 s before
+    finally:
+        client.close()
+        await server.close()
+        store.close()
+
+
+async def test_close_ends_the_requests_and_waits_of_other_threads_at_once(tmp_path):
+    """Found in review: close() closed only idle connections, so a thread's request (a file, a block's first
+    buffer) went on until the agent's timeout and then said it timed out; a wait on events said the event stream
+    closed. Each now ends at once with "the client is closed"."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, _, _, client):
+        await asyncio.to_thread(client.map_ahead, 1, manifest.package_id)
+        waits = [asyncio.ensure_future(asyncio.to_thread(*call)) for call in (
+            (client.package_file, "config.json", None, 30.0),  # the agent has no config.json
+            (client.wait_block, 0, 30.0, "f" * 64),  # nor this package: its buffer request waits
+            (client.wait_block, 1, 30.0, manifest.package_id))]  # block 1 mapped, waited for on the events
+        await asyncio.sleep(0.2)
+        assert not any(wait.done() for wait in waits)
+        await asyncio.to_thread(client.close)
+        for wait in waits:
+            with pytest.raises(LocalApiError, match="agent.sock: the client is closed$"):
+                await asyncio.wait_for(wait, 2)
+
+
+async def test_a_closed_client_follows_no_events_and_answers_none_from_those_it_had(tmp_path):
+    """Found in review: after close(), verified_blocks() opened a new event stream (a socket, a thread, a subscriber
+    in the agent), and answered from stale events where one ran."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, store, server, client):
+        land(store, block_file_bytes(tmp_path / "pkg", manifest, 0), 0, range(store.chunk_count(0)))
+        following = await asyncio.to_thread(LocalAgentClient, tmp_path / "agent.sock")
+        await asyncio.to_thread(following.verified_blocks, manifest.package_id)  # its event stream runs
+        await until(lambda: following.verified_blocks(manifest.package_id) == {0})
+        for closed in (client, following):  # its event stream never started, or ran
+            closed.close()
+            for ask in (closed.verified_blocks, lambda package: closed.verified_bytes(0, package)):
+                with pytest.raises(LocalApiError, match="agent.sock: the client is closed$"):
+                    await asyncio.to_thread(ask, manifest.package_id)
+        await until(lambda: not server._subscribers, 1.0)
+
+
+async def test_close_racing_a_wait_ends_it_saying_the_client_is_closed(tmp_path):
+    """Found in review: close() unmapping a block between a wait's end and its view ended the wait with a bare
+    ValueError (mmap closed or invalid)."""
+    def wait_as_it_closes(wait: str, *args) -> memoryview:
+        engine = LocalAgentClient(tmp_path / "agent.sock")
+        waited = engine._await
+
+        def await_then_close(*await_args):
+            verified = waited(*await_args)
+            engine.close()  # in the engine another thread's, at this moment
+            return verified
+
+        engine._await = await_then_close
+        return getattr(engine, wait)(*args)
+
+    async with local_api_server(tmp_path, layers=2) as (manifest, store, _, _):
+        land(store, block_file_bytes(tmp_path / "pkg", manifest, 0), 0, range(store.chunk_count(0)))
+        for wait, args in (("wait_block", (0, 5.0)), ("wait_prefix", (0, 1, 5.0))):
+            with pytest.raises(LocalApiError, match="agent.sock: the client is closed$"):
+                await asyncio.to_thread(wait_as_it_closes, wait, *args, manifest.package_id)
+
+
 async def test_an_idle_connection_does_not_hold_up_the_agents_close(tmp_path):
     """Found in review: close() cancelled its connections only after the server's wait_closed(), which from
     Python 3.12.1 waits for every connection: a worker's pooled idle connection held the agent's shutdown."""
@@ -150,6 +226,27 @@ async def test_an_idle_connection_does_not_hold_up_the_agents_close(tmp_path):
         await asyncio.wait_for(server.close(), 5)  # the connection stays open and idle
         assert await asyncio.wait_for(reader.read(), 5) == b""  # ended by the agent
         writer.close()
+
+
+async def test_engines_that_go_away_leave_no_connection_or_subscriber_in_the_agent(tmp_path):
+    """Found in review: the agent noticed a subscriber gone only at its next event, and a request whose engine had
+    gone only at the request's timeout (up to a day): every engine that loaded and exited left a connection, its task
+    and its queue in the agent. Both end once the engine's connection does, with no event since."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, store, server, client):
+        land(store, block_file_bytes(tmp_path / "pkg", manifest, 0), 0, range(store.chunk_count(0)))
+        client.close()  # the fixture's: every engine goes away
+
+        def engine() -> None:
+            with LocalAgentClient(tmp_path / "agent.sock") as engine_client:
+                engine_client.wait_block(0, 5.0, manifest.package_id).release()  # follows the events
+
+        for _ in range(5):
+            await asyncio.to_thread(engine)
+            _, writer = await asyncio.open_unix_connection(str(tmp_path / "agent.sock"))
+            writer.write(b'{"op": "wait_block", "block": 1, "timeout": 86400}\n')  # block 1 never comes
+            await writer.drain()
+            writer.close()
+        await until(lambda: not server._connections and not server._subscribers, 1.0)
 
 
 async def test_a_wait_on_a_package_dropped_meanwhile_ends_saying_so(tmp_path):
@@ -314,6 +411,50 @@ async def test_the_client_refuses_a_timeout_that_is_not_a_finite_number(tmp_path
         assert await asyncio.to_thread(client.status) == {}
     finally:
         client.close()
+        await server.close()
+
+
+async def test_the_client_refuses_a_bad_timeout_before_it_waits_on_a_mapped_block(tmp_path):
+    """Found in review: a block mapped already asks the agent nothing, so its wait's timeout went unchecked: NaN spun
+    at 100% CPU for ever, an infinite or huge one raised OverflowError, None or a string TypeError; events() raised
+    ValueError for NaN or a negative one."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, _, _, client):
+        package = manifest.package_id
+        await asyncio.to_thread(client.map_ahead, 1, package)  # block 1 is still arriving
+        for timeout in (math.inf, 1e300, -1.0, None, "x", True, math.nan):  # NaN last: it hung the old client
+            with pytest.raises(LocalApiError, match="timeout must be a number of seconds from 0 to 86400"):
+                await asyncio.to_thread(client.wait_block, 1, timeout, package)
+            with pytest.raises(LocalApiError, match="timeout must be a number of seconds from 0 to 86400"):
+                await asyncio.to_thread(client.wait_prefix, 1, 1, timeout, package)
+            with pytest.raises(LocalApiError, match="timeout must be a number of seconds from 0 to 86400"):
+                await asyncio.to_thread(client.map_ahead, 1, package, timeout)
+            if timeout is not None:  # events(): None waits for ever
+                with pytest.raises(LocalApiError, match="timeout must be a number of seconds from 0 to 86400"):
+                    await asyncio.to_thread(next, client.events(timeout))
+
+
+async def test_a_timeout_of_zero_gets_an_answer_ready_at_once(tmp_path):
+    """Found in review: on Python 3.11 asyncio.wait_for(..., 0) cancels before the first step, so a timeout of 0
+    failed even where the answer was ready, saying "no package  here" (two spaces) where no package was named."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, store, _, client):
+        land(store, block_file_bytes(tmp_path / "pkg", manifest, 0), 0, range(store.chunk_count(0)))
+        await asyncio.to_thread(client.verified_blocks, manifest.package_id)  # what the client knows, from events
+        await until(lambda: client.verified_blocks(manifest.package_id) == {0})
+        view = await asyncio.to_thread(client.wait_block, 0, 0.0, manifest.package_id)  # its buffer request too
+        assert view.nbytes == manifest.blocks[0].bytes
+        view.release()
+        assert (await asyncio.to_thread(client.progress, None, 0.0)).package_id == manifest.package_id
+        answers = await exchange(tmp_path / "agent.sock",
+                                 b'{"op": "wait_prefix", "block": 0, "bytes": 1, "timeout": 0}',
+                                 b'{"op": "wait_block", "block": 1, "timeout": 0}')
+        assert answers[0]["ok"] and answers[0]["verified"] == manifest.blocks[0].bytes
+        assert answers[1] == {"ok": False, "error": "block 1 not verified within 0 s", "timeout": True}
+    server = LocalApiServer(PeerServer(), status=dict, auth=PeerAuth("n1"))
+    await server.start(tmp_path / "empty.sock")
+    try:
+        assert await exchange(tmp_path / "empty.sock", b'{"op": "progress", "timeout": 0}') == [
+            {"ok": False, "error": "no package here within 0 s", "timeout": True}]
+    finally:
         await server.close()
 
 
