@@ -167,13 +167,14 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
 
 
 def _content(value: Any, where: str) -> str:
-    """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts joined."""
+    """A message's text: a string, or a list of ``{"type": "text", "text": ...}`` parts joined by newlines (as
+    vLLM joins them)."""
     if isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                        and isinstance(p.get("text"), str) and set(p) == {"type", "text"}
                                        for p in value):
-        return "".join(p["text"] for p in value)
+        return "\n".join(p["text"] for p in value)
     raise RequestFieldError(where, 'must be a string or a list of {"type": "text", "text": ...} parts (this model '
                                    "reads text only)")
 

@@ -8,7 +8,7 @@ take a :class:`TextCodec`-like object with ``decode``.
 """
 
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -174,11 +174,14 @@ class StopMatcher:
 
 
 class CompletionText:
-    """The text of one completion as tokens arrive: detokenized, then cut at a stop string."""
+    """The text of one completion as tokens arrive: detokenized, then cut at a stop string; the stop token
+    (``stop_token_ids``) that ends a generation adds no text."""
 
-    def __init__(self, codec: Decoder, prompt: Sequence[int], stops: Sequence[str]) -> None:
+    def __init__(self, codec: Decoder, prompt: Sequence[int], stops: Sequence[str],
+                 stop_token_ids: Collection[int] = ()) -> None:
         self._detokenizer = IncrementalDetokenizer(codec, prompt)
         self._stops = StopMatcher(stops)
+        self._stop_token_ids = stop_token_ids
 
     @property
     def stopped(self) -> bool:
@@ -187,6 +190,10 @@ class CompletionText:
 
     def add(self, token: int) -> str:
         """The new output text after ``token``."""
+        # The engine ends a generation at a stop token (finish_reason "stop"); as vLLM does, its text (an EOS
+        # the tokenizer does not mark special, e.g. a fine-tune's turn end) is no part of the answer.
+        if token in self._stop_token_ids:
+            return ""
         text = self._detokenizer.add(token)
         # The stops are checked against the settled text too: a token completing a stop string may also
         # begin a character the next tokens complete, and generation must end at that token, not later.

@@ -676,8 +676,9 @@ class ServingWorker:
             self._check_open()
             if request.max_tokens is None:  # a chat request without a limit: what the positions leave
                 request = replace(request, max_tokens=self._room(len(prompt)))
+            stop_ids = self._stop_token_ids(codec)
             if route is not None:
-                stream = await self._start_pipeline(route, prompt, request)
+                stream = await self._start_pipeline(route, prompt, request, stop_ids)
                 try:  # released while the prompt ran through the stages: the model its stream runs on closes
                     self._check_open()
                 except ServeError:
@@ -686,16 +687,22 @@ class ServingWorker:
         finally:
             self._held -= 1
         if route is None:
-            stream = self._submit(prompt, request)
+            stream = self._submit(prompt, request, stop_ids)
         self._submitted += 1
         self.metrics.prompt_tokens.inc(len(prompt))
-        return Generation(self, stream, prompt, CompletionText(codec, prompt, request.stop), arrived)
+        return Generation(self, stream, prompt, CompletionText(codec, prompt, request.stop, stop_ids), arrived)
 
-    def _submit(self, prompt: list[int], request: CompletionRequest) -> TokenStream:
+    def _stop_token_ids(self, codec: TextCodec) -> frozenset[int]:
+        """The tokens that end a generation: the model's EOS ids and its tokenizer's eos_token, which a
+        package may set apart from them (vLLM stops at both)."""
+        eos = codec.tokenizer.eos_token_id
+        return self._model.stop_token_ids | ({eos} if eos is not None else set())
+
+    def _submit(self, prompt: list[int], request: CompletionRequest, stop_ids: frozenset[int]) -> TokenStream:
         """Hand the prompt to this worker's engine."""
         try:
             return self._model.submit(prompt, max_new_tokens=request.max_tokens, temperature=request.temperature,
-                                      top_p=request.top_p, seed=request.seed)
+                                      top_p=request.top_p, seed=request.seed, stop_token_ids=stop_ids)
         except InvalidRequestError as exc:
             raise RequestFieldError("prompt", str(exc)) from None
         except EngineOverloadedError as exc:
@@ -703,8 +710,8 @@ class ServingWorker:
         except EngineError as exc:
             raise _served_error(exc) from None
 
-    async def _start_pipeline(self, route: "tuple[Hop, ...]", prompt: list[int],
-                              request: CompletionRequest) -> TokenStream:
+    async def _start_pipeline(self, route: "tuple[Hop, ...]", prompt: list[int], request: CompletionRequest,
+                              stop_ids: frozenset[int]) -> TokenStream:
         from pipecast.engine.sampling import SamplingParams
 
         layers = self._model.engine.model.num_layers
@@ -714,7 +721,7 @@ class ServingWorker:
         try:
             params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
                                     top_p=request.top_p, seed=request.seed,
-                                    stop_token_ids=self._model.stop_token_ids)
+                                    stop_token_ids=stop_ids)
         except InvalidRequestError as exc:
             raise RequestFieldError(None, str(exc)) from None
         try:  # as the engine checks a prompt it runs itself: the stages would fail on it (a 503 for the route)

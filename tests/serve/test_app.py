@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from packager.pack import pack
 import pipecast
 from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError, PackageDroppedError
 from pipecast.engine.errors import BlockBindError, EngineClosedError, ModelLoadError
@@ -34,6 +36,7 @@ from pipecast.serve.app import build_app
 from pipecast.serve.errors import ModelUnavailableError, RequestFieldError
 from pipecast.serve.metrics import RateMeter
 from pipecast.serve.openai_api import ChatMessage, CompletionRequest, parse_chat_request, parse_completion_request
+from pipecast.serve.pipeline import PIPELINE_HEADER, Hop, route_header
 from pipecast.serve.text import MAX_HELD_TOKENS, CompletionText, IncrementalDetokenizer, StopMatcher, TextCodec
 from pipecast.serve import worker as worker_module
 from pipecast.serve.worker import CODEC_BLOCKS_LEFT, CODEC_POLL_S, ServingWorker, WorkerConfig, codec_blocks_left
@@ -105,15 +108,17 @@ async def wait_until_async(predicate, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def post(http: aiohttp.ClientSession, url: str, body, path: str = "/v1/completions") -> tuple[int, dict, dict]:
+async def post(http: aiohttp.ClientSession, url: str, body, path: str = "/v1/completions",
+               headers: dict | None = None) -> tuple[int, dict, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with http.post(f"{url}{path}", data=data) as response:
+    async with http.post(f"{url}{path}", data=data, headers=headers) as response:
         return response.status, dict(response.headers), await response.json()
 
 
-async def sse_events(http: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/completions") -> list[str]:
+async def sse_events(http: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/completions",
+                     headers: dict | None = None) -> list[str]:
     """The ``data:`` payloads of a streamed completion, in order."""
-    async with http.post(f"{url}{path}", json=body) as response:
+    async with http.post(f"{url}{path}", json=body, headers=headers) as response:
         assert response.status == 200 and response.headers["Content-Type"] == "text/event-stream"
         text = (await response.read()).decode()
     assert text.endswith("\n\n")
@@ -205,6 +210,48 @@ async def test_chat_completions_render_the_packages_template_and_give_the_engine
                            ({"tools": [{"type": "function"}]}, "tools")):
             status, _, error = await post(http, url, {**chat, **bad}, "/v1/chat/completions")
             assert status == 400 and error["error"]["param"] == field, error
+
+
+def here_and_heading_a_pipeline(url: str) -> tuple[dict, dict]:
+    """Request headers for a worker's own engine, and for a pipeline of one stage it heads (the tiny 4 layers)."""
+    return {}, {PIPELINE_HEADER: route_header([Hop(url, range(4))])}
+
+
+async def test_the_stop_token_ending_a_generation_is_counted_but_its_text_left_out(pkg, codec):
+    """The tiny package's EOS (generation_config.json's 2) is no special token of its byte-level tokenizer: its
+    text, "\\x02", ended the answer, whole and streamed. vLLM leaves it out, its id kept in token_ids and usage."""
+    eos = json.loads((pkg / "generation_config.json").read_text())["eos_token_id"]
+    sampled = body(prompt="Hello world", max_tokens=100, temperature=1.0, seed=8)  # this seed's tokens end at EOS
+    async with serving(WorkerConfig(str(pkg))) as (url, _, _, http):
+        for headers in here_and_heading_a_pipeline(url):
+            status, _, whole = await post(http, url, sampled, headers=headers)
+            choice = whole["choices"][0]
+            assert status == 200 and choice["finish_reason"] == "stop" and choice["token_ids"][-1] == eos, whole
+            assert whole["usage"]["completion_tokens"] == len(choice["token_ids"])
+            assert choice["text"] == codec.decode(choice["token_ids"][:-1]) and chr(eos) not in choice["text"]
+            events = await sse_events(http, url, {**sampled, "stream": True}, headers=headers)
+            pieces = [json.loads(e)["choices"][0] for e in events[:-1]]
+            assert [t for p in pieces for t in p["token_ids"]] == choice["token_ids"]
+            assert "".join(p["text"] for p in pieces) == choice["text"]
+
+
+async def test_the_tokenizers_eos_token_ends_a_generation_too(pkg, reference, codec, tmp_path):
+    """A package whose tokenizer_config.json names an eos_token apart from generation_config.json's
+    eos_token_id: generation went on past it. vLLM stops at both."""
+    first = reference(list(b"Hello"), 1)[0]  # made the tokenizer's EOS: greedy decoding stops at once
+    assert first != json.loads((pkg / "generation_config.json").read_text())["eos_token_id"]
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(pkg.parent / f"{pkg.name}-checkpoint", checkpoint)
+    config = checkpoint / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()),
+                                  "eos_token": codec.tokenizer.convert_ids_to_tokens(first)}))
+    pack(checkpoint, tmp_path / "pkg", model_name=MODEL)
+    async with serving(WorkerConfig(str(tmp_path / "pkg"))) as (url, _, _, http):
+        for headers in here_and_heading_a_pipeline(url):
+            status, _, whole = await post(http, url, body(prompt="Hello", max_tokens=8), headers=headers)
+            choice = whole["choices"][0]
+            assert status == 200 and choice["token_ids"] == [first] and choice["finish_reason"] == "stop", whole
+            assert choice["text"] == "" and whole["usage"]["completion_tokens"] == 1
 
 
 async def test_health_goes_loading_partial_ready_as_blocks_arrive_and_the_prompt_runs_meanwhile(pkg, reference):
@@ -997,6 +1044,8 @@ def test_chat_requests_are_checked_field_by_field():
     assert parse_chat_request({"model": "m", "messages": CHAT, "max_tokens": 5,
                                "max_completion_tokens": 7}).max_tokens == 7  # the newer name wins
     assert parse_chat_request({"model": "m", "messages": CHAT}).max_tokens is None
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert parse_chat_request({"model": "m", "messages": parts}).prompt == (ChatMessage("user", "a\nb"),)  # as vLLM
     # "off" as clients typed with floats send it
     assert parse_chat_request({"model": "m", "messages": CHAT, "presence_penalty": 0.0, "frequency_penalty": 0.0})
     for fields, message in (
