@@ -229,7 +229,7 @@ async def test_a_chunk_whose_sender_dies_mid_way_is_dropped(package, transports)
         fetch = asyncio.create_task(channel.fetch_block(manifest.package_id, 1, 0, sink))
         started = time.monotonic()
         while ("begun", 1, 1) not in sink.events:
-            assert time.monotonic() - started < 2.0 and not fetch.done()
+            assert time.monotonic() - started < 10 and not fetch.done()
             await asyncio.sleep(0.01)
         await listener.close()  # the sender dies between chunk 1's header and its bytes
         with pytest.raises(PeerClosedError):
