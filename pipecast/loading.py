@@ -140,14 +140,13 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
     ``dtype``, :class:`InvalidRequestError` for the others), and the package's EOS ids read before any
     thread starts.
     """
-    from pipecast.agent.local_client import MAX_TIMEOUT_S
+    from pipecast.agent.local_client import MAX_TIMEOUT_S, is_timeout
     from pipecast.core.settings import load_settings
     from pipecast.engine.engine import Engine, check_engine_arguments
 
     check_engine_arguments(device, dtype, max_batch=max_batch, max_queue=max_queue, stall_timeout_s=stall_timeout_s)
     # The agent client refuses these too, but its error would read as "the agent cannot serve": a silent fallback.
-    if isinstance(agent_timeout_s, bool) or not isinstance(agent_timeout_s, int | float) or not (
-            0 <= agent_timeout_s <= MAX_TIMEOUT_S):
+    if not is_timeout(agent_timeout_s):
         raise InvalidRequestError(f"agent_timeout_s must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, "
                                   f"got {describe(agent_timeout_s)}")
     settings = load_settings()

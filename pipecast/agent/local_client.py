@@ -6,7 +6,6 @@ in :mod:`pipecast.agent.local_api`.
 
 import base64
 import json
-import math
 import mmap
 import os
 import socket
@@ -450,11 +449,16 @@ class LocalAgentClient:
         self.close()
 
 
+def is_timeout(value: object) -> bool:
+    """Whether ``value`` is a number of seconds from 0 to ``MAX_TIMEOUT_S``, what the agent's waits take (NaN spun a
+    wait on the events for ever, an infinite or huge one overflowed the timers). Compared, not passed to
+    math.isfinite, which overflows on an integer of hundreds of digits; NaN fails the comparison."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 <= value <= MAX_TIMEOUT_S
+
+
 def _check_timeout(timeout: object) -> None:
-    """:class:`LocalApiError` unless ``timeout`` is a number of seconds from 0 to ``MAX_TIMEOUT_S`` (NaN spun a wait on
-    the events for ever, an infinite or huge one overflowed the timers)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
-            math.isfinite(timeout) and 0 <= timeout <= MAX_TIMEOUT_S):
+    """:class:`LocalApiError` unless :func:`is_timeout`."""
+    if not is_timeout(timeout):
         raise LocalApiError(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, got {timeout!r}")
 
 

@@ -375,6 +375,14 @@ class _ShortOfMemory:
         pass
 
 
+async def _opened_again(host, what: str) -> None:
+    """Wait up to 5 s for ``host``'s second open of the package (``what`` fails the test otherwise)."""
+    deadline = time.monotonic() + 5
+    while host.opens < 2:
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
 async def test_a_package_refused_for_memory_a_moment_is_tried_again_and_not_expected_meanwhile():
     """Found in review: a package that did not fit the budget (another's memory not yet freed after its drop) waited
     for new parts only, however soon the memory freed, and its children waited for it until their own timeouts."""
@@ -386,10 +394,7 @@ async def test_a_package_refused_for_memory_a_moment_is_tried_again_and_not_expe
         await asyncio.sleep(0.3)
         assert host.opens == 1 and "b" * 64 not in host.peer_server.expected  # children are told at once
         host.other.release()  # package A's memory freed
-        deadline = time.monotonic() + 5
-        while host.opens < 2:
-            assert time.monotonic() < deadline, "not tried again once the memory was free"
-            await asyncio.sleep(0.05)
+        await _opened_again(host, "not tried again once the memory was free")
     finally:
         await follower.close()
 
@@ -405,10 +410,7 @@ async def test_a_package_larger_than_the_whole_memory_budget_is_reported_once_an
         assert host.opens == 1 and host.events.emitted == ["transfer_failed"]
         assert [r.levelname for r in caplog.records if "needs 80 B" in r.getMessage()] == ["ERROR"]
         follower.assign(part)  # new parts: tried again
-        deadline = time.monotonic() + 5
-        while host.opens < 2:
-            assert time.monotonic() < deadline, "not tried again on new parts"
-            await asyncio.sleep(0.05)
+        await _opened_again(host, "not tried again on new parts")
     finally:
         await follower.close()
 
