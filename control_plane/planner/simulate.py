@@ -48,8 +48,8 @@ from control_plane.planner.replan import repair
 
 SERVE_POLICIES = ("fair", "earliest")
 # Fitted to this project's emulated cluster (netns, TCP, 1 MiB chunks), checked against its measured runs at
-# N = 4, 8 and 16 (docs/benchmarks.md): each hop's first block starts ~16 ms after its parent's (the manifest
-# and small files come first, each hop fetching them from its parent), and a transfer takes 2.5% more than S/B
+# N = 4, 8 and 16 (docs/benchmarks.md): each hop's first block starts ~16 ms after its parent's (its requests,
+# the manifest and small files, the shaped link's queue), and a transfer takes 2.5% more than S/B
 # (TCP/IP headers on the shaped link: the payload gets 97.5% of it).
 CALIBRATED_START_DELAY_S = 0.016
 CALIBRATED_GOODPUT = 0.975
@@ -73,7 +73,7 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     picks among waiting children (see the module docstring); ``links`` gives a node's uplinks at
     ``link_bytes_per_s`` each (default 1); ``hop_latency_s`` delays each chunk's arrival; a receiver asks for
     its first unit ``start_delay_s`` x its depth after the start (depth: hops from a source or holder along
-    each first fetch's parent, what agents spend on the manifest and small files hop by hop); ``rates`` gives
+    each first fetch's parent, what each hop of the agents adds before its first block); ``rates`` gives
     a node's link, both ways, as a share of ``link_bytes_per_s`` (default 1: mixed links, e.g. a straggler at
     0.25), and a chunk moves at the slower end's rate; with ``racks`` (a node's rack; nodes not named are
     outside every rack) and ``rack_uplinks`` > 0, a rack's uplink carries that many chunks at once each way
