@@ -546,18 +546,22 @@ class StageClient:
         return token
 
     async def close_sessions(self, hops: Sequence[Hop], session: str) -> None:
-        """Ask ``hops[0]`` to forget ``session`` and to pass it on; best effort (stages expire sessions)."""
+        """Ask ``hops[0]`` to forget ``session`` and to pass it on; best effort (stages expire sessions). A stage
+        that does not take it (dead, or not answering within :data:`CLOSE_TIMEOUT_S`) is passed over: the next
+        one is asked, so that the stages after a dead one free their sessions now, not once they are idle."""
         import aiohttp
 
-        if not hops:
-            return
-        body = {"session": session, "next": [h.to_json() for h in hops[1:]]}
-        try:
-            async with self._http().post(hops[0].url + STAGE_CLOSE_PATH, json=body, headers=self.headers,
-                                         timeout=aiohttp.ClientTimeout(total=CLOSE_TIMEOUT_S)) as answer:
-                await answer.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.debug("closing session %s at %s: %s", session, hops[0].url, exc)
+        for n, hop in enumerate(hops):
+            body = {"session": session, "next": [h.to_json() for h in hops[n + 1:]]}
+            try:
+                async with self._http().post(hop.url + STAGE_CLOSE_PATH, json=body, headers=self.headers,
+                                             timeout=aiohttp.ClientTimeout(total=CLOSE_TIMEOUT_S)) as answer:
+                    await answer.read()
+                    if answer.status == 200:
+                        return
+                    log.debug("closing session %s at %s: answered %d", session, hop.url, answer.status)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.debug("closing session %s at %s: %s", session, hop.url, exc)
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -938,3 +938,39 @@ async def test_a_stage_answer_arriving_in_pieces_is_read_whole():
     finally:
         await client.aclose()
         await runner.cleanup()
+
+
+async def test_closing_a_session_passes_over_a_dead_stage_to_the_stages_after_it():
+    """Found in review: the close went along the route from stage to stage, so a dead middle stage left the stages
+    after it holding the session's keys and values until they expired it as idle."""
+    closes = []
+
+    async def stage_close(request):
+        closes.append(await request.json())
+        return web.json_response({"closed": closes[-1]["session"]})
+
+    app = web.Application()
+    app.router.add_post("/v1/stage/close", stage_close)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    client = StageClient()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        dead, tail = Hop(f"http://127.0.0.1:{_closed_port()}", range(3, 6)), Hop(f"http://{host}:{port}", range(6, 9))
+        await client.close_sessions((dead, tail), "s")
+        assert closes == [{"session": "s", "next": []}]
+        await client.close_sessions((tail, dead), "t")  # taken by the first: it passes the close on itself
+        assert closes[1:] == [{"session": "t", "next": [dead.to_json()]}]
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
