@@ -99,6 +99,9 @@ def resolve_transport_name(name: str, tls: bool = False) -> str:
         missing = [m for m in entry.requires if importlib.util.find_spec(m) is None]
         raise TransportUnavailableError(f"transport {name!r} cannot be used on this node: "
                                         f"{', '.join(missing)} not installed")
+    failure = entry.import_failure()
+    if failure is not None:  # installed, but its native library does not load: said here, not as a traceback
+        raise TransportUnavailableError(f"transport {name!r} cannot be used on this node: {failure}")
     return name
 
 

@@ -166,7 +166,7 @@ class _UcxRuntime:
         try:
             import ucxx  # noqa: F401  (loads libucx and sets ucxx's environment defaults)
             from ucxx._lib_async import ApplicationContext
-        except ImportError as exc:
+        except (ImportError, OSError) as exc:  # OSError: its native library does not load
             raise TransportUnavailableError(f"transport 'ucx' cannot be used on this node: ucxx does not "
                                             f"import ({exc})") from None
         options = {}

@@ -29,6 +29,7 @@ from pipecast.agent.errors import (  # noqa: E402
     PeerProtocolError,
     PeerRefusedError,
     PeerTimeoutError,
+    TransportUnavailableError,
 )
 from pipecast.agent.peer_server import PeerServer  # noqa: E402
 from pipecast.agent.plan_file import plan_file_data  # noqa: E402
@@ -225,6 +226,18 @@ def test_auto_leaves_an_installed_ucx_that_does_not_import_for_tcp(monkeypatch, 
         assert resolve_transport_name("auto") == "tcp"
     assert caplog.messages == ["ucx unusable (broken_ucxx: libucp.so.0: cannot open shared object file); using tcp"]
 
+
+
+def test_ucx_named_whose_library_does_not_load_is_refused_by_name(monkeypatch, tmp_path):
+    """Found in review: `--transport ucx` with ucxx installed but its libucx failing to load ended the agent in
+    an OSError traceback at listen, not the typed error a missing ucxx gets."""
+    (tmp_path / "broken_ucxx.py").write_text('raise OSError("libucp.so.0: cannot open shared object file")\n')
+    monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.setitem(registry._REGISTRY, "ucx", replace(registry._REGISTRY["ucx"], requires=("broken_ucxx",)))
+    with pytest.raises(TransportUnavailableError) as refused:
+        resolve_transport_name("ucx")
+    assert str(refused.value) == ("transport 'ucx' cannot be used on this node: broken_ucxx: libucp.so.0: cannot "
+                                  "open shared object file")
 
 FORGETFUL = """
 import asyncio
