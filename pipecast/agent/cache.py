@@ -29,7 +29,7 @@ from pathlib import Path
 from packager.errors import PackageError
 from packager.manifest import MANIFEST_FILE, manifest_to_json, read_manifest
 from pipecast.agent.local_package import LocalPackageFolder
-from pipecast.core.fsutil import atomic_write, sweep_stale_temporaries
+from pipecast.core.fsutil import atomic_write, is_temporary, sweep_stale_temporaries
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
@@ -184,9 +184,14 @@ def _file_bytes(path: Path) -> int:
 
 
 def _folder_bytes(folder: Path) -> int:
+    """The bytes of the files in ``folder`` but writes' temporary files: a write under way is counted as pending
+    until it ends (counted twice, it got a write beside it near the bound refused); a crashed one's temporary
+    files are swept when the cache opens."""
     total = 0
     for dirpath, _, names in os.walk(folder):
         for name in names:
+            if is_temporary(name):
+                continue
             try:
                 total += os.stat(os.path.join(dirpath, name)).st_size
             except OSError:

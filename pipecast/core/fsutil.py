@@ -55,6 +55,11 @@ def atomic_write(path: Path, data: bytes | memoryview, *, durable: bool = False)
             os.close(folder)
 
 
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` is that of a temporary file :func:`atomic_write` writes before its rename."""
+    return _TEMPORARY.match(name) is not None
+
+
 def sweep_stale_temporaries(root: Path) -> int:
     """Remove the temporary files that :func:`atomic_write` calls left under ``root`` (at any depth) by
     processes that are gone; return how many were removed. A file named with this process's own pid is

@@ -15,6 +15,7 @@ import pytest
 import pipecast.agent.cache as cache_module
 from packager.manifest import MANIFEST_FILE, manifest_to_json
 from pipecast.agent.cache import BlockCache
+from pipecast.core.fsutil import TEMPORARY_MARK
 from tests.support.agent_fixtures import receiving_store
 from tests.support.packages import tiny_package
 
@@ -255,6 +256,40 @@ def test_writes_running_at_once_stay_under_the_bound_together(package, tmp_path,
     finally:
         store.close()
 
+
+def test_a_write_under_way_is_counted_once_not_also_as_its_temporary_file(package, tmp_path, monkeypatch):
+    """Found in review: the bytes of a write under way counted as pending and again as its temporary file on disk,
+    so near the bound a write beside it that fit was refused."""
+    _, manifest = package
+    store = verified_store(package)
+    manifest_bytes = len(manifest_to_json(manifest).encode())
+    bound = manifest_bytes + manifest.blocks[0].bytes + manifest.blocks[1].bytes  # both blocks, exactly
+    cache = BlockCache(tmp_path / "cache", max_bytes=bound, in_use=lambda: {manifest.package_id})
+    assert cache.write_manifest(manifest)
+    writing, finish = threading.Event(), threading.Event()
+    real_write = cache_module.atomic_write
+
+    def slow_write(path, data, **kwargs):
+        if not writing.is_set():  # the first write's temporary file is on disk, whole, while the second asks
+            temporary = path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}.99")
+            temporary.parent.mkdir(parents=True, exist_ok=True)
+            temporary.write_bytes(data)
+            writing.set()
+            finish.wait(5)
+            temporary.unlink()
+        real_write(path, data, **kwargs)
+
+    monkeypatch.setattr(cache_module, "atomic_write", slow_write)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(cache.write_block, manifest, 0, store.block_view(0))
+            assert writing.wait(5)
+            assert cache.write_block(manifest, 1, store.block_view(1))
+            finish.set()
+            assert first.result(5)
+        assert cache.skipped_writes == 0 and cached_bytes(tmp_path / "cache") == bound
+    finally:
+        store.close()
 
 def test_a_rotten_block_is_written_again_in_a_cache_at_its_bound(package, tmp_path):
     """Found in review: the room asked for counted the file being replaced beside its new bytes, so in a full
