@@ -12,7 +12,7 @@ from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.store import BlockStore
-from pipecast.agent.transport.base import PeerAuth, WholeChunk
+from pipecast.agent.transport.base import Channel, Listener, PeerAuth, Transport, WholeChunk
 from pipecast.v1.manifest_pb2 import Manifest
 
 
@@ -91,3 +91,35 @@ class FlippingServer(WholeChunkServer):
             bad[7] ^= 0xFF
             return memoryview(bad)
         return data
+
+
+@asynccontextmanager
+async def serving_store(transport: Transport, store: BlockStore,
+                        server: PeerServer | None = None) -> AsyncIterator[Listener]:
+    """``store`` served by ``server`` (or a plain one) on loopback; the store closed at the end, the listener not."""
+    server = PeerServer() if server is None else server
+    server.add(store)
+    try:
+        yield await transport.listen("127.0.0.1", 0, server)
+    finally:
+        store.close()
+
+
+@asynccontextmanager
+async def receiving(manifest: Manifest) -> AsyncIterator[BlockStore]:
+    """A :func:`receiving_store` closed at the end (async, to sit in one ``async with`` with listener and channel)."""
+    store = receiving_store(manifest)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+@asynccontextmanager
+async def connected(transport: Transport, address: str, peer: str) -> AsyncIterator[Channel]:
+    """A channel of ``transport`` to ``peer`` at ``address``, closed at the end (closing again is harmless)."""
+    channel = await transport.connect(address, peer)
+    try:
+        yield channel
+    finally:
+        await channel.close()

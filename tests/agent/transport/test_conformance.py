@@ -43,9 +43,12 @@ from tests.support.agent_fixtures import (
     FlippingServer,
     WholeChunkServer,
     block_file_bytes,
+    connected,
     land_chunk,
+    receiving,
     receiving_store,
     seed_store,
+    serving_store,
 )
 from tests.agent.conftest import CHUNK
 
@@ -90,15 +93,9 @@ async def test_a_host_not_this_nodes_or_that_does_not_resolve_is_refused_at_list
 
 async def test_blocks_and_files_arrive_byte_identical(package, transports):
     root, manifest = package
-    seed = seed_store(root)
-    server = PeerServer()
-    server.add(seed)
-    serving = transports("seed")
-    listener = await serving.listen("127.0.0.1", 0, server)
-    client = transports("rx")
-    store = receiving_store(manifest)
-    try:
-        channel = await client.connect(listener.address, "seed")
+    serving, client = transports("seed"), transports("rx")
+    async with (serving_store(serving, seed_store(root)) as listener, receiving(manifest) as store,
+                connected(client, listener.address, "seed") as channel):
         fetched = manifest_from_json(await channel.fetch_file(manifest.package_id, "manifest.json"))
         assert fetched == manifest
         assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
@@ -110,21 +107,14 @@ async def test_blocks_and_files_arrive_byte_identical(package, transports):
         await channel.close()
         await asyncio.sleep(0.1)
         assert listener.open_connections == 0  # the goodbye ended the server's side too
-    finally:
-        store.close()
-        seed.close()
 
 
 async def test_relay_serves_chunks_before_its_block_is_complete(package, transports):
     root, manifest = package
     data = block_file_bytes(root, manifest, 0)
     relay = receiving_store(manifest)
-    server = PeerServer()
-    server.add(relay)
-    listener = await transports("relay").listen("127.0.0.1", 0, server)
-    child = receiving_store(manifest)
-    channel = await transports("child", io_timeout_s=5).connect(listener.address, "relay")
-    try:
+    async with (serving_store(transports("relay"), relay) as listener, receiving(manifest) as child,
+                connected(transports("child", io_timeout_s=5), listener.address, "relay") as channel):
         fetch = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child))
         land_chunk(relay, data, 0, 0)
         assert bytes(await asyncio.wait_for(child.wait_chunk(0, 0), 2)) == data[:CHUNK]
@@ -133,45 +123,31 @@ async def test_relay_serves_chunks_before_its_block_is_complete(package, transpo
             land_chunk(relay, data, 0, chunk)
         await asyncio.wait_for(fetch, 2)
         assert bytes(child.block_view(0)) == data
-    finally:
-        await channel.close()
-        child.close()
-        relay.close()
 
 
 async def test_corrupt_chunk_from_a_relay_is_never_present_and_names_it(package, transports):
     root, manifest = package
-    seed = seed_store(root)
     faulty = FlippingServer(flip=(1, 1))
-    faulty.add(seed)
-    listener = await transports("faulty").listen("127.0.0.1", 0, faulty)
-    store = receiving_store(manifest)
-    peer = PeerInfo("faulty", listener.address)
-    channel = await transports("rx").connect(peer.address, str(peer))
-    try:
-        with pytest.raises(CorruptChunkError) as caught:
-            await channel.fetch_block(manifest.package_id, 1, 0, store)
-        assert str(caught.value) == (f"peer faulty@{listener.address}: sent a corrupt chunk 1 of block 1 "
-                                     "(digest mismatch)")
-        assert store.is_chunk_present(1, 0) and not store.is_chunk_present(1, 1)
-        assert store.first_missing_chunk(1) == 1
-        with pytest.raises(CorruptChunkError):  # the channel is done with: it says so again
-            await channel.fetch_block(manifest.package_id, 2, 0, store)
-    finally:
-        await channel.close()
-        store.close()
-        seed.close()
+    async with (serving_store(transports("faulty"), seed_store(root), faulty) as listener,
+                receiving(manifest) as store):
+        peer = PeerInfo("faulty", listener.address)
+        async with connected(transports("rx"), peer.address, str(peer)) as channel:
+            with pytest.raises(CorruptChunkError) as caught:
+                await channel.fetch_block(manifest.package_id, 1, 0, store)
+            assert str(caught.value) == (f"peer faulty@{listener.address}: sent a corrupt chunk 1 of block 1 "
+                                         "(digest mismatch)")
+            assert store.is_chunk_present(1, 0) and not store.is_chunk_present(1, 1)
+            assert store.first_missing_chunk(1) == 1
+            with pytest.raises(CorruptChunkError):  # the channel is done with: it says so again
+                await channel.fetch_block(manifest.package_id, 2, 0, store)
 
 
 async def test_relay_serves_a_file_range_before_it_has_the_whole_file(package, transports):
     root, manifest = package
     data = (root / "tokenizer.json").read_bytes()
     relay = receiving_store(manifest)
-    server = PeerServer()
-    server.add(relay)
-    listener = await transports("relay").listen("127.0.0.1", 0, server)
-    channel = await transports("child", io_timeout_s=5).connect(listener.address, "relay")
-    try:
+    async with (serving_store(transports("relay"), relay) as listener,
+                connected(transports("child", io_timeout_s=5), listener.address, "relay") as channel):
         fetch = asyncio.create_task(channel.fetch_file(manifest.package_id, "tokenizer.json", 1000, 5000))
         await asyncio.sleep(0.1)
         assert not fetch.done()  # the relay has none of it yet
@@ -181,9 +157,6 @@ async def test_relay_serves_a_file_range_before_it_has_the_whole_file(package, t
         whole = asyncio.create_task(channel.fetch_file(manifest.package_id, "tokenizer.json"))
         relay.file_range_landed("tokenizer.json", 6000, data[6000:], "upstream")
         assert await asyncio.wait_for(whole, 2) == data  # a whole-file request waits for the verified file
-    finally:
-        await channel.close()
-        relay.close()
 
 
 class ReceiveLog:
@@ -216,15 +189,11 @@ class ReceiveLog:
 async def test_a_chunk_whose_sender_dies_mid_way_is_dropped(package, transports):
     """Found in review: UCX never told the sink that a chunk's receive failed, so relays of it waited on."""
     root, manifest = package
-    seed = seed_store(root)
-    server = PeerServer()
-    server.add(seed)
     # 0.5 Mbit/s past a 256 KiB burst: block 0 goes at once, then block 1's chunk 1 a second after its header.
-    listener = await transports("seed", egress_mbit=0.5).listen("127.0.0.1", 0, server)
-    store = receiving_store(manifest)
-    sink = ReceiveLog(store)
-    channel = await transports("rx", io_timeout_s=5).connect(listener.address, "seed")
-    try:
+    async with (serving_store(transports("seed", egress_mbit=0.5), seed_store(root)) as listener,
+                receiving(manifest) as store,
+                connected(transports("rx", io_timeout_s=5), listener.address, "seed") as channel):
+        sink = ReceiveLog(store)
         await channel.fetch_block(manifest.package_id, 0, 0, store)
         fetch = asyncio.create_task(channel.fetch_block(manifest.package_id, 1, 0, sink))
         started = time.monotonic()
@@ -236,10 +205,6 @@ async def test_a_chunk_whose_sender_dies_mid_way_is_dropped(package, transports)
             await asyncio.wait_for(fetch, 2)
         assert sink.events == [("begun", 1, 0), ("landed", 1, 0), ("begun", 1, 1), ("dropped", 1, 1)]
         assert not store.is_chunk_present(1, 1)
-    finally:
-        await channel.close()
-        store.close()
-        seed.close()
 
 
 # -- issue #12: who gets in, and bounds ----------------------------------------------------------------
@@ -259,31 +224,23 @@ class RecordingServer(PeerServer):
 
 async def test_a_peer_without_the_key_gets_nothing_and_is_told_it_lacks_one(package, transports):
     root, manifest = package
-    seed = seed_store(root)
     server = RecordingServer()
-    server.add(seed)
-    listener = await transports("seed").listen("127.0.0.1", 0, server)
-    keyless = transports("rx", key=b"")
-    try:
-        channel = await keyless.connect(listener.address, "seed")
+    serving, keyless = transports("seed"), transports("rx", key=b"")
+    async with (serving_store(serving, seed_store(root), server) as listener,
+                connected(keyless, listener.address, "seed") as channel):
         with pytest.raises(PeerAuthError, match=r"^peer seed: authentication failed: the peer requires the "
                                                 r"data-plane hello and this node has no data-plane key") as caught:
             await channel.fetch_file(manifest.package_id, "manifest.json")
         assert caught.value.fault == "here"
         await channel.close()
         assert keyless.stats.bytes_received == 0 and server.admitted == []
-    finally:
-        seed.close()
 
 
 async def test_a_peer_with_another_key_is_refused_before_anything_is_served(package, transports):
     root, manifest = package
-    seed = seed_store(root)
     server = RecordingServer()
-    server.add(seed)
-    listener = await transports("seed").listen("127.0.0.1", 0, server)
-    stranger = transports("rx", key=data_plane_key("another cluster"))
-    try:
+    async with serving_store(transports("seed"), seed_store(root), server) as listener:
+        stranger = transports("rx", key=data_plane_key("another cluster"))
         with pytest.raises(PeerAuthError, match=r"^peer seed: authentication failed: the peer holds another "
                                                 r"data-plane key: data-plane keys differ \(requester's key id "
                                                 r"[0-9a-f]{16}, server's key id [0-9a-f]{16}\); one of the two was "
@@ -296,34 +253,23 @@ async def test_a_peer_with_another_key_is_refused_before_anything_is_served(pack
             await transports("rx2").connect(open_server.address, "open")
         assert caught.value.fault == "peer"
         assert stranger.stats.bytes_received == 0 and server.admitted == []
-    finally:
-        seed.close()
 
 
 async def test_without_keys_on_either_side_the_data_plane_is_open_and_says_so(package, transports, caplog):
     root, manifest = package
-    seed = seed_store(root)
-    server = PeerServer()
-    server.add(seed)
     base.warn_open_data_plane.__globals__["_warned_open"] = False
-    listener = await transports("seed", key=b"").listen("127.0.0.1", 0, server)
-    assert "data-plane authentication is off" in caplog.text
-    try:
-        channel = await transports("rx", key=b"").connect(listener.address, "seed")
-        assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
-        await channel.close()
-    finally:
-        seed.close()
+    async with serving_store(transports("seed", key=b""), seed_store(root)) as listener:
+        assert "data-plane authentication is off" in caplog.text
+        async with connected(transports("rx", key=b""), listener.address, "seed") as channel:
+            assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
 
 
 async def test_a_requester_no_plan_names_is_refused_and_not_recorded(package, transports):
     _, manifest = package
     relay = receiving_store(manifest)  # still receiving: it serves only its children
     server = RecordingServer(plan_gated=True, grace_s=0.1)
-    server.add(relay)
     server.serve_part("plan-1", manifest.package_id, ["child"])
-    listener = await transports("relay").listen("127.0.0.1", 0, server)
-    try:
+    async with serving_store(transports("relay"), relay, server) as listener:
         stranger = await transports("stranger").connect(listener.address, "relay")
         with pytest.raises(PeerRefusedError, match=r"^peer relay: node stranger is not named to this node in any "
                                                    r"current plan of package"):
@@ -333,8 +279,6 @@ async def test_a_requester_no_plan_names_is_refused_and_not_recorded(package, tr
         assert server.admitted == ["child"]
         await stranger.close()
         await child.close()
-    finally:
-        relay.close()
 
 
 class LongAnswers(PeerServer):
@@ -346,20 +290,13 @@ class LongAnswers(PeerServer):
 
 async def test_an_answer_longer_than_the_range_asked_for_is_a_protocol_error(package, transports):
     root, manifest = package
-    seed = seed_store(root)
-    server = LongAnswers()
-    server.add(seed)
-    listener = await transports("liar").listen("127.0.0.1", 0, server)
-    client = transports("rx")
-    try:
-        channel = await client.connect(listener.address, "liar")
+    serving, client = transports("liar"), transports("rx")
+    async with (serving_store(serving, seed_store(root), LongAnswers()) as listener,
+                connected(client, listener.address, "liar") as channel):
         with pytest.raises(PeerProtocolError, match=r"^peer liar: announced file tokenizer.json of 5096 bytes "
                                                     r"\(at most 1000 asked for\)"):
             await channel.fetch_file(manifest.package_id, "tokenizer.json", 0, 1000)
         assert client.stats.bytes_received == 0  # refused on its header: nothing of it was received
-        await channel.close()
-    finally:
-        seed.close()
 
 
 async def test_a_wait_on_what_is_served_has_a_deadline(package, transports):
@@ -367,26 +304,18 @@ async def test_a_wait_on_what_is_served_has_a_deadline(package, transports):
     server = PeerServer()
     server.expect(manifest.package_id)  # it will "soon" hold it: a request waits, but not forever
     listener = await transports("slow", io_timeout_s=0.2).listen("127.0.0.1", 0, server)
-    store = receiving_store(manifest)
-    try:
-        channel = await transports("rx", io_timeout_s=5).connect(listener.address, "slow")
+    async with (receiving(manifest) as store,
+                connected(transports("rx", io_timeout_s=5), listener.address, "slow") as channel):
         started = time.monotonic()
         with pytest.raises(PeerRefusedError, match=r"block 0 of package [0-9a-f]{12} is not here after 0.4 s"):
             await channel.fetch_block(manifest.package_id, 0, 0, store)
         assert time.monotonic() - started < 2.0
-        await channel.close()
-    finally:
-        store.close()
 
 
 async def test_connections_over_the_per_address_cap_are_closed_at_once(package, transports):
     root, manifest = package
-    seed = seed_store(root)
-    server = PeerServer()
-    server.add(seed)
-    listener = await transports("seed", agent_max_connections_per_address=2).listen("127.0.0.1", 0, server)
-    client = transports("rx")
-    try:
+    async with serving_store(transports("seed", agent_max_connections_per_address=2), seed_store(root)) as listener:
+        client = transports("rx")
         first, second = await client.connect(listener.address, "seed"), await client.connect(listener.address, "seed")
         with pytest.raises(PeerError):
             third = await client.connect(listener.address, "seed")  # the hello fails: the server closed it
@@ -395,19 +324,14 @@ async def test_connections_over_the_per_address_cap_are_closed_at_once(package, 
         assert listener.open_connections == 2
         await first.close()
         await second.close()
-    finally:
-        seed.close()
 
 
 async def test_connections_still_in_their_hello_make_room_for_members_and_members_keep_theirs(package, transports):
     root, manifest = package
-    seed = seed_store(root)
-    server = PeerServer()
-    server.add(seed)
-    listener = await transports("seed", agent_max_connections=2, io_timeout_s=30).listen("127.0.0.1", 0, server)
-    squatter, member = transports("squatter", key=b"", io_timeout_s=30), transports("rx")  # squatters send nothing
     config = (root / "config.json").read_bytes()
-    try:
+    serving = transports("seed", agent_max_connections=2, io_timeout_s=30)
+    async with serving_store(serving, seed_store(root)) as listener:
+        squatter, member = transports("squatter", key=b"", io_timeout_s=30), transports("rx")  # squatters send nothing
         for _ in range(2):
             await squatter.connect(listener.address, "seed")
         while listener.open_connections < 2:
@@ -419,38 +343,26 @@ async def test_connections_still_in_their_hello_make_room_for_members_and_member
             third = await member.connect(listener.address, "seed")
             await third.fetch_file(manifest.package_id, "config.json")
         assert await first.fetch_file(manifest.package_id, "config.json") == config
-    finally:
-        seed.close()
 
 
 async def test_a_connection_that_sends_nothing_is_closed_after_the_deadline(package, transports):
     root, _ = package
-    seed = seed_store(root)
-    server = PeerServer()
-    server.add(seed)
-    listener = await transports("seed", io_timeout_s=0.3).listen("127.0.0.1", 0, server)
+    serving = transports("seed", io_timeout_s=0.3)
     keyless = transports("rx", key=b"")  # no hello: it connects and says nothing
-    try:
-        channel = await keyless.connect(listener.address, "seed")
+    async with (serving_store(serving, seed_store(root)) as listener,
+                connected(keyless, listener.address, "seed")):
         await asyncio.sleep(0.1)
         assert listener.open_connections == 1
         started = time.monotonic()
         while listener.open_connections:
             assert time.monotonic() - started < 2.0, "a silent connection was kept open"
             await asyncio.sleep(0.02)
-        await channel.close()
-    finally:
-        seed.close()
 
 
 async def test_an_idle_channel_closed_by_the_server_is_opened_again_for_the_next_request(package, transports):
     root, manifest = package
-    seed = seed_store(root)
-    server = PeerServer()
-    server.add(seed)
-    listener = await transports("seed", agent_idle_timeout_s=0.2).listen("127.0.0.1", 0, server)
-    try:
-        channel = await transports("rx").connect(listener.address, "seed")
+    async with (serving_store(transports("seed", agent_idle_timeout_s=0.2), seed_store(root)) as listener,
+                connected(transports("rx"), listener.address, "seed") as channel):
         assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
         started = time.monotonic()
         while listener.open_connections:  # the idle deadline closes it
@@ -458,9 +370,6 @@ async def test_an_idle_channel_closed_by_the_server_is_opened_again_for_the_next
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.1)
         assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
-        await channel.close()
-    finally:
-        seed.close()
 
 
 # -- issue #16: chunk ranges -------------------------------------------------------------------------------
@@ -494,16 +403,12 @@ def present(store: BlockStore, block: int) -> list[int]:
 
 async def test_a_chunk_range_mid_block_and_one_to_its_end_move_exactly_their_chunks(package, transports):
     root, manifest = package
-    seed = seed_store(root)
     server = ChunkLog()
-    server.add(seed)
-    listener = await transports("seed").listen("127.0.0.1", 0, server)
-    client = transports("rx")
-    store = receiving_store(manifest)
-    count = store.chunk_count(0)
+    serving, client = transports("seed"), transports("rx")
     data = block_file_bytes(root, manifest, 0)
-    try:
-        channel = await client.connect(listener.address, "seed")
+    async with (serving_store(serving, seed_store(root), server) as listener, receiving(manifest) as store,
+                connected(client, listener.address, "seed") as channel):
+        count = store.chunk_count(0)
         await channel.fetch_block(manifest.package_id, 0, 1, store, 3)
         assert present(store, 0) == [1, 2]
         assert bytes(await store.wait_chunk(0, 1)) + bytes(await store.wait_chunk(0, 2)) == data[CHUNK:3 * CHUNK]
@@ -513,59 +418,43 @@ async def test_a_chunk_range_mid_block_and_one_to_its_end_move_exactly_their_chu
         assert store.is_block_verified(0) and bytes(store.block_view(0)) == data
         assert server.asked == [(0, 1), (0, 2), *((0, c) for c in range(3, count)), (0, 0)]
         assert client.stats.bytes_received == len(data)
-        await channel.close()
-    finally:
-        store.close()
-        seed.close()
 
 
 async def test_a_request_without_an_end_chunk_is_served_to_the_blocks_end(package, transports):
     """What requesters sent before chunk ranges (and what a whole-block or to-the-end range sends now)."""
     root, manifest = package
-    seed = seed_store(root)
     server = ChunkLog()
-    server.add(seed)
-    listener = await transports("seed").listen("127.0.0.1", 0, server)
-    store = receiving_store(manifest)
-    count = store.chunk_count(2)
-    try:
-        channel = await transports("rx").connect(listener.address, "seed")
+    async with (serving_store(transports("seed"), seed_store(root), server) as listener, receiving(manifest) as store,
+                connected(transports("rx"), listener.address, "seed") as channel):
+        count = store.chunk_count(2)
         await channel.fetch_block(manifest.package_id, 2, 2, store)
         assert present(store, 2) == list(range(2, count))
         assert server.asked == [(2, c) for c in range(2, count)]
         await channel.fetch_block(manifest.package_id, 2, 1, store, 1)  # an empty range: nothing is asked
         assert server.asked == [(2, c) for c in range(2, count)]
-        await channel.close()
-    finally:
-        store.close()
-        seed.close()
 
 
 async def test_a_range_resumes_within_itself_after_a_dropped_connection(package, transports):
     root, manifest = package
-    seed = seed_store(root)
     server = ChunkLog(drop_at=(1, 2))
-    server.add(seed)
-    listener = await transports("seed").listen("127.0.0.1", 0, server)
-    peer = PeerInfo("seed", listener.address)
-    store = receiving_store(manifest)
-    count = store.chunk_count(1)
-    pool = ChannelPool(transports("rx"))
-    failures = []
-    try:
-        fetcher = Fetcher(store, pool, FetchPolicy(retries=1, backoff_s=0.01),
-                          lambda what, p, e: failures.append((what, p, type(e))))
-        await fetcher.fetch([Fetch(1, peer, (1, 3))])
-        assert present(store, 1) == [1, 2] and not store.is_block_verified(1)
-        assert failures == [("block 1 chunks 1-3", peer, PeerClosedError)]
-        # The first request stopped at the dropped chunk; the second began there and ended with the range.
-        assert server.asked == [(1, 1), (1, 2), (1, 2)]
-        await fetcher.fetch([Fetch(1, peer, (0, 1)), Fetch(1, peer, (3, count))])
-        assert bytes(store.block_view(1)) == block_file_bytes(root, manifest, 1)
-    finally:
-        await pool.close()
-        store.close()
-        seed.close()
+    async with (serving_store(transports("seed"), seed_store(root), server) as listener,
+                receiving(manifest) as store):
+        peer = PeerInfo("seed", listener.address)
+        count = store.chunk_count(1)
+        pool = ChannelPool(transports("rx"))
+        failures = []
+        try:
+            fetcher = Fetcher(store, pool, FetchPolicy(retries=1, backoff_s=0.01),
+                              lambda what, p, e: failures.append((what, p, type(e))))
+            await fetcher.fetch([Fetch(1, peer, (1, 3))])
+            assert present(store, 1) == [1, 2] and not store.is_block_verified(1)
+            assert failures == [("block 1 chunks 1-3", peer, PeerClosedError)]
+            # The first request stopped at the dropped chunk; the second began there and ended with the range.
+            assert server.asked == [(1, 1), (1, 2), (1, 2)]
+            await fetcher.fetch([Fetch(1, peer, (0, 1)), Fetch(1, peer, (3, count))])
+            assert bytes(store.block_view(1)) == block_file_bytes(root, manifest, 1)
+        finally:
+            await pool.close()
 
 
 class MoreChunks:
@@ -587,21 +476,13 @@ class MoreChunks:
 
 async def test_a_range_the_block_lacks_is_refused_with_the_servers_reason(package, transports):
     root, manifest = package
-    seed = seed_store(root)
     server = RecordingServer()
-    server.add(seed)
-    listener = await transports("seed").listen("127.0.0.1", 0, server)
-    store = receiving_store(manifest)
-    count = store.chunk_count(0)
-    try:
-        channel = await transports("rx").connect(listener.address, "seed")
+    async with (serving_store(transports("seed"), seed_store(root), server) as listener, receiving(manifest) as store,
+                connected(transports("rx"), listener.address, "seed") as channel):
+        count = store.chunk_count(0)
         with pytest.raises(ValueError, match=f"^block 0 has {count} chunks: no chunk range 1-{count + 1}$"):
             await channel.fetch_block(manifest.package_id, 0, 1, store, count + 1)  # caught before it is sent
         with pytest.raises(PeerRefusedError) as caught:
             await channel.fetch_block(manifest.package_id, 0, 1, MoreChunks(store, 5), count + 3)
         assert str(caught.value) == f"peer seed: block 0 has no chunk range 1-{count + 3} (it has {count} chunks)"
         assert present(store, 0) == [] and server.admitted == []
-        await channel.close()
-    finally:
-        store.close()
-        seed.close()

@@ -11,6 +11,7 @@ import re
 import socket
 import time
 import tracemalloc
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -53,7 +54,9 @@ from tests.support.agent_fixtures import (
     FlippingServer,
     WholeChunkServer,
     block_file_bytes,
+    connected,
     land_chunk,
+    receiving,
     receiving_store,
     seed_store,
 )
@@ -99,6 +102,17 @@ async def serve(server: PeerServer, store: BlockStore, **overrides) -> tuple[Tcp
     server.add(store)
     transport = TcpTransport("server", settings(**overrides))
     return transport, await transport.listen("127.0.0.1", 0, server)
+
+
+@contextlib.asynccontextmanager
+async def tcp_serving(server: PeerServer, store: BlockStore, **overrides) -> AsyncIterator[TcpListener]:
+    """``store`` served as :func:`serve` serves it; the listener closed, then the store, at the end."""
+    _, listener = await serve(server, store, **overrides)
+    try:
+        yield listener
+    finally:
+        await listener.close()
+        store.close()
 
 
 async def raw_server(handler) -> tuple[asyncio.Server, str]:
@@ -160,17 +174,10 @@ async def test_refused_connection_and_unknown_package_are_typed(package):
     with pytest.raises(PeerNotListeningError, match=refused):
         await TcpTransport("rx", settings()).connect(address, "gone")
 
-    seed = seed_store(root)
-    _, listener = await serve(PeerServer(), seed)
-    store = receiving_store(manifest)
-    try:
+    async with tcp_serving(PeerServer(), seed_store(root)) as listener, receiving(manifest) as store:
         channel = await TcpTransport("rx", settings()).connect(listener.address, "seed")
         with pytest.raises(PeerRefusedError, match=r"^peer seed: package 000000000000 is not held here$"):
             await channel.fetch_block("0" * 64, 0, 0, store)
-    finally:
-        await listener.close()
-        store.close()
-        seed.close()
 
 
 async def fetch_all_timed(channel, manifest, store) -> float:
@@ -191,17 +198,11 @@ def paced_floor(manifest, mbit: float) -> float:
 
 async def test_egress_limit_paces_the_sender(package):
     root, manifest = package
-    seed = seed_store(root)
     mbit = 4.0
-    _, listener = await serve(PeerServer(), seed, egress_mbit=mbit)
-    store = receiving_store(manifest)
-    try:
+    async with (tcp_serving(PeerServer(), seed_store(root), egress_mbit=mbit) as listener,
+                receiving(manifest) as store):
         channel = await TcpTransport("rx", settings()).connect(listener.address, "seed")
         assert await fetch_all_timed(channel, manifest, store) >= paced_floor(manifest, mbit)
-    finally:
-        await listener.close()
-        store.close()
-        seed.close()
 
 
 @pytest.mark.parametrize("side", ["sender", "receiver"])
@@ -401,30 +402,25 @@ async def test_a_fetcher_retries_a_parent_it_had_no_resources_to_reach_without_b
     """A shortage here that passes within the parent's retries loses nothing; one that lasts ends the fetch with
     it, and no parent is reported or given up on either way."""
     root, manifest = package
-    seed = seed_store(root)
-    _, listener = await serve(PeerServer(), seed)
-    store = receiving_store(manifest)
-    pool = ChannelPool(TcpTransport("rx", settings()))
-    failures = []
-    fetcher = Fetcher(store, pool, FetchPolicy(retries=2, backoff_s=0.01),
-                      on_peer_failure=lambda what, peer, exc: failures.append(exc))
-    connects_failing(monkeypatch, shortage)
-    try:
-        fetching = fetcher.fetch([Fetch(0, PeerInfo("seed", listener.address))])
-        if shortage == 2:
-            await fetching
-            assert store.verified_blocks() == [0]
-        else:
-            with pytest.raises(LocalResourceError,
-                               match=rf"^cannot connect to {listener.address}: Too many open files on this node$"):
+    async with tcp_serving(PeerServer(), seed_store(root)) as listener, receiving(manifest) as store:
+        pool = ChannelPool(TcpTransport("rx", settings()))
+        failures = []
+        fetcher = Fetcher(store, pool, FetchPolicy(retries=2, backoff_s=0.01),
+                          on_peer_failure=lambda what, peer, exc: failures.append(exc))
+        connects_failing(monkeypatch, shortage)
+        try:
+            fetching = fetcher.fetch([Fetch(0, PeerInfo("seed", listener.address))])
+            if shortage == 2:
                 await fetching
-            assert store.verified_blocks() == []
-        assert failures == [] and fetcher.failed_peers == set()
-    finally:
-        await pool.close()
-        await listener.close()
-        store.close()
-        seed.close()
+                assert store.verified_blocks() == [0]
+            else:
+                with pytest.raises(LocalResourceError,
+                                   match=rf"^cannot connect to {listener.address}: Too many open files on this node$"):
+                    await fetching
+                assert store.verified_blocks() == []
+            assert failures == [] and fetcher.failed_peers == set()
+        finally:
+            await pool.close()
 
 
 @pytest.mark.parametrize("shortage", [2, 3], ids=["passing", "lasting"])
@@ -433,57 +429,50 @@ async def test_the_manifest_and_files_retry_a_peer_there_were_no_resources_to_re
     """As a unit's fetch does: a shortage here that passes within the retries loses nothing; one that lasts ends
     the fetch with it (not a FetchFailedError blaming the peer), and no peer is reported."""
     root, manifest = package
-    seed = seed_store(root)
-    _, listener = await serve(PeerServer(), seed)
-    store = receiving_store(manifest)
-    pool = ChannelPool(TcpTransport("rx", settings()))
-    peer, policy, failures = PeerInfo("seed", listener.address), FetchPolicy(retries=2, backoff_s=0.01), []
+    failures = []
 
     def report(what, blamed, exc):
         failures.append(exc)
 
-    lasting = rf"^cannot connect to {listener.address}: Too many open files on this node$"
-    try:
-        connects_failing(monkeypatch, shortage)
-        if shortage == 2:
-            assert await fetch_manifest(pool, manifest.package_id, [peer], report, policy) == (manifest, peer)
-        else:
-            with pytest.raises(LocalResourceError, match=lasting):
-                await fetch_manifest(pool, manifest.package_id, [peer], report, policy)
-        await pool.close()  # the files need a connection of their own
-        connects_failing(monkeypatch, shortage)
-        if shortage == 2:
-            await fetch_files(pool, store, [peer], report, policy)
-            assert store.missing_files() == []
-        else:
-            with pytest.raises(LocalResourceError, match=lasting):
+    async with tcp_serving(PeerServer(), seed_store(root)) as listener, receiving(manifest) as store:
+        pool = ChannelPool(TcpTransport("rx", settings()))
+        peer, policy = PeerInfo("seed", listener.address), FetchPolicy(retries=2, backoff_s=0.01)
+        lasting = rf"^cannot connect to {listener.address}: Too many open files on this node$"
+        try:
+            connects_failing(monkeypatch, shortage)
+            if shortage == 2:
+                assert await fetch_manifest(pool, manifest.package_id, [peer], report, policy) == (manifest, peer)
+            else:
+                with pytest.raises(LocalResourceError, match=lasting):
+                    await fetch_manifest(pool, manifest.package_id, [peer], report, policy)
+            await pool.close()  # the files need a connection of their own
+            connects_failing(monkeypatch, shortage)
+            if shortage == 2:
                 await fetch_files(pool, store, [peer], report, policy)
-            assert store.missing_files()
-        assert failures == []
-    finally:
-        await pool.close()
-        await listener.close()
-        store.close()
-        seed.close()
+                assert store.missing_files() == []
+            else:
+                with pytest.raises(LocalResourceError, match=lasting):
+                    await fetch_files(pool, store, [peer], report, policy)
+                assert store.missing_files()
+            assert failures == []
+        finally:
+            await pool.close()
 
 
 async def test_a_failed_channel_takes_its_peers_idle_channels_with_it(package):
     root, manifest = package
-    seed = seed_store(root)
-    _, listener = await serve(PeerServer(), seed)
-    pool = ChannelPool(TcpTransport("rx", settings()))
-    peer = PeerInfo("seed", listener.address)
-    try:
-        first, second = await pool.acquire(peer), await pool.acquire(peer)
-        pool.release(peer, first)   # e.g. the small files' channel, done
-        await pool.discard(peer, second)  # the blocks' channel saw the peer fail
-        third = await pool.acquire(peer)
-        assert third is not first  # a fresh connection, not the one that may be just as broken
-        assert await third.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
-    finally:
-        await pool.close()
-        await listener.close()
-        seed.close()
+    async with tcp_serving(PeerServer(), seed_store(root)) as listener:
+        pool = ChannelPool(TcpTransport("rx", settings()))
+        peer = PeerInfo("seed", listener.address)
+        try:
+            first, second = await pool.acquire(peer), await pool.acquire(peer)
+            pool.release(peer, first)   # e.g. the small files' channel, done
+            await pool.discard(peer, second)  # the blocks' channel saw the peer fail
+            third = await pool.acquire(peer)
+            assert third is not first  # a fresh connection, not the one that may be just as broken
+            assert await third.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
+        finally:
+            await pool.close()
 
 
 class FileFlippingServer(PeerServer):
@@ -500,25 +489,19 @@ class FileFlippingServer(PeerServer):
 async def test_files_come_in_ranges_each_checked_whole_and_a_corrupting_peer_is_left_for_the_next(package):
     root, manifest = package
     assert manifest.files and max(f.bytes for f in manifest.files) > 2 * FILE_RANGE_BYTES
-    bad_seed, good_seed = seed_store(root), seed_store(root)
-    _, bad_listener = await serve(FileFlippingServer(), bad_seed)
-    _, good_listener = await serve(PeerServer(), good_seed)
-    bad, good = PeerInfo("bad", bad_listener.address), PeerInfo("good", good_listener.address)
-    store = receiving_store(manifest)
-    failures = []
-    pool = ChannelPool(TcpTransport("rx", settings()))
-    try:
-        await fetch_files(pool, store, [bad, good], lambda what, peer, exc: failures.append((what, peer)))
-        assert store.missing_files() == []
-        for entry in manifest.files:
-            assert store.files[entry.path] == (root / entry.path).read_bytes()
-        assert sorted(failures) == sorted((f.path, bad) for f in manifest.files)
-    finally:
-        await pool.close()
-        await bad_listener.close()
-        await good_listener.close()
-        for s in (store, bad_seed, good_seed):
-            s.close()
+    async with (tcp_serving(FileFlippingServer(), seed_store(root)) as bad_listener,
+                tcp_serving(PeerServer(), seed_store(root)) as good_listener, receiving(manifest) as store):
+        bad, good = PeerInfo("bad", bad_listener.address), PeerInfo("good", good_listener.address)
+        failures = []
+        pool = ChannelPool(TcpTransport("rx", settings()))
+        try:
+            await fetch_files(pool, store, [bad, good], lambda what, peer, exc: failures.append((what, peer)))
+            assert store.missing_files() == []
+            for entry in manifest.files:
+                assert store.files[entry.path] == (root / entry.path).read_bytes()
+            assert sorted(failures) == sorted((f.path, bad) for f in manifest.files)
+        finally:
+            await pool.close()
 
 
 
@@ -551,18 +534,25 @@ def request(kind: int, package_id: str, requester: str, path: str | None = None,
     return TCP_HEADER.pack(Header(kind, block, chunk, len(payload))) + payload
 
 
-async def keyed_seed(root: Path, server: PeerServer | None = None, **overrides):
+@contextlib.asynccontextmanager
+async def keyed_seed(root: Path, server: PeerServer | None = None,
+                     **overrides) -> AsyncIterator[tuple[PeerServer, TcpListener]]:
+    """A seed of ``root`` served with the data-plane key; yields (server, listener); listener, then seed, closed."""
     server = server or PeerServer()
     seed = seed_store(root)
     server.add(seed)
     transport = TcpTransport("seed", settings(**overrides), PeerAuth("seed", KEY))
-    return seed, server, await transport.listen("127.0.0.1", 0, server)
+    listener = await transport.listen("127.0.0.1", 0, server)
+    try:
+        yield server, listener
+    finally:
+        await listener.close()
+        seed.close()
 
 
 async def test_a_raw_client_without_the_hello_gets_no_manifest_byte(package):
     root, manifest = package
-    seed, _, listener = await keyed_seed(root)
-    try:
+    async with keyed_seed(root) as (_, listener):
         reader, writer = await asyncio.open_connection(*split_address(listener.address))
         writer.write(request(REQ_FILE, manifest.package_id, "thief", "manifest.json"))
         got = await read_all(reader)  # the server closes the connection
@@ -570,15 +560,11 @@ async def test_a_raw_client_without_the_hello_gets_no_manifest_byte(package):
         assert header.kind == AUTH_FAIL and b"requires the data-plane hello" in reason
         assert manifest.package_id.encode() not in got and b"blocks" not in got
         writer.close()
-    finally:
-        await listener.close()
-        seed.close()
 
 
 async def test_a_forged_proof_is_refused_and_the_connection_closed(package):
     root, manifest = package
-    seed, server, listener = await keyed_seed(root)
-    try:
+    async with keyed_seed(root) as (server, listener):
         reader, writer = await asyncio.open_connection(*split_address(listener.address))
         hello = ClientHello(PeerAuth("thief", KEY), TCP_HEADER, "seed")
         hello.key = b"a guess"  # it knows the key id (it travels) but not the key
@@ -594,15 +580,11 @@ async def test_a_forged_proof_is_refused_and_the_connection_closed(package):
         assert reason == b"the requester's proof does not match (a forged or replayed hello)"
         assert server.requesters == {}
         writer.close()
-    finally:
-        await listener.close()
-        seed.close()
 
 
 async def test_an_authenticated_peer_cannot_ask_in_another_nodes_name(package):
     root, manifest = package
-    seed, server, listener = await keyed_seed(root)
-    try:
+    async with keyed_seed(root) as (server, listener):
         transport = TcpTransport("a", settings(), PeerAuth("a", KEY))
         protocol = await transport.open_protocol(listener.address, "seed")
         channel = TcpChannel("seed", protocol, "b", listener.address, transport)  # requests name "b"
@@ -611,17 +593,12 @@ async def test_an_authenticated_peer_cannot_ask_in_another_nodes_name(package):
             await channel.fetch_file(manifest.package_id, "config.json")
         assert server.requesters == {}
         await channel.close()
-    finally:
-        await listener.close()
-        seed.close()
 
 
 async def test_a_flood_of_made_up_requesters_is_checked_before_it_is_recorded_and_stays_bounded(package):
     root, manifest = package
-    seed = seed_store(root)
     server = PeerServer()
-    _, listener = await serve(server, seed)
-    try:
+    async with tcp_serving(server, seed_store(root)) as listener:
         reader, writer = await asyncio.open_connection(*split_address(listener.address))
         for i in range(MAX_REQUESTERS_PER_PACKAGE + 500):
             for package_id in ("0" * 64, manifest.package_id):  # one not held here, one held
@@ -632,9 +609,6 @@ async def test_a_flood_of_made_up_requesters_is_checked_before_it_is_recorded_an
         assert list(server.requesters) == [manifest.package_id]
         assert len(server.requesters[manifest.package_id]) == MAX_REQUESTERS_PER_PACKAGE
         writer.close()
-    finally:
-        await listener.close()
-        seed.close()
 
 
 class HugeFile(PeerServer):
@@ -649,9 +623,7 @@ HUGE = bytes(48 << 20)
 
 async def test_a_requester_that_never_reads_holds_at_most_the_output_cap_then_is_dropped(package):
     root, manifest = package
-    seed = seed_store(root)
-    _, listener = await serve(HugeFile(), seed)
-    try:
+    async with tcp_serving(HugeFile(), seed_store(root)) as listener:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # it reads nothing and buffers little
         sock.connect(split_address(listener.address))
@@ -664,16 +636,11 @@ async def test_a_requester_that_never_reads_holds_at_most_the_output_cap_then_is
             await asyncio.sleep(0.005)
         assert 0 < peak <= MAX_BUFFERED_OUTPUT < len(HUGE) // 4
         sock.close()
-    finally:
-        await listener.close()
-        seed.close()
 
 
 async def test_error_answers_wait_for_the_socket_too(package):
     root, _ = package
-    seed = seed_store(root)
-    _, listener = await serve(PeerServer(), seed)
-    try:
+    async with tcp_serving(PeerServer(), seed_store(root)) as listener:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(split_address(listener.address))
@@ -688,16 +655,11 @@ async def test_error_answers_wait_for_the_socket_too(package):
         await asyncio.sleep(IO_TIMEOUT_S + 0.5)
         assert not listener.connections  # closed: too many requests queued behind unread answers
         sock.close()
-    finally:
-        await listener.close()
-        seed.close()
 
 
 async def test_half_a_header_or_silence_is_closed_after_the_io_timeout_and_an_idle_connection_after_its_own(package):
     root, manifest = package
-    seed = seed_store(root)
-    _, listener = await serve(PeerServer(), seed, agent_idle_timeout_s=1.0)
-    try:
+    async with tcp_serving(PeerServer(), seed_store(root), agent_idle_timeout_s=1.0) as listener:
         silent = await asyncio.open_connection(*split_address(listener.address))
         half = await asyncio.open_connection(*split_address(listener.address))
         half[1].write(request(REQ_FILE, manifest.package_id, "rx", "config.json")[:7])
@@ -710,16 +672,11 @@ async def test_half_a_header_or_silence_is_closed_after_the_io_timeout_and_an_id
         assert answer.kind == FILE and time.monotonic() - started >= 0.9
         for _, writer in (silent, half, idle):
             writer.close()
-    finally:
-        await listener.close()
-        seed.close()
 
 
 async def test_over_the_total_cap_the_connection_longest_in_its_hello_is_closed_at_once(package):
     root, _ = package
-    seed = seed_store(root)
-    _, listener = await serve(PeerServer(), seed, agent_max_connections=3, io_timeout_s=5.0)
-    try:
+    async with tcp_serving(PeerServer(), seed_store(root), agent_max_connections=3, io_timeout_s=5.0) as listener:
         held = [await asyncio.open_connection(*split_address(listener.address)) for _ in range(3)]
         while listener.open_connections < 3:
             await asyncio.sleep(0.01)
@@ -728,9 +685,6 @@ async def test_over_the_total_cap_the_connection_longest_in_its_hello_is_closed_
         assert listener.open_connections == 3
         for _, writer in [*held, extra]:
             writer.close()
-    finally:
-        await listener.close()
-        seed.close()
 
 
 async def test_an_announced_length_beyond_the_range_is_refused_before_allocation(package):
@@ -822,17 +776,11 @@ async def test_with_certificates_the_data_plane_is_mutual_tls(package, tmp_path)
     stranger = make_certs(tmp_path / "other", ca="other-ca")
     tls = {"tls_cert": certs["server.pem"], "tls_key": certs["server.key"], "tls_ca": certs["ca.pem"],
            "auth_token": "master"}
-    seed = seed_store(root)
-    _, listener = await serve(PeerServer(), seed, **tls)
-    try:
-        store = receiving_store(manifest)
-        try:
-            channel = await TcpTransport("rx", settings(**tls)).connect(listener.address, "seed")
+    async with tcp_serving(PeerServer(), seed_store(root), **tls) as listener:
+        async with (receiving(manifest) as store,
+                    connected(TcpTransport("rx", settings(**tls)), listener.address, "seed") as channel):
             await channel.fetch_block(manifest.package_id, 0, 0, store)
             assert bytes(store.block_view(0)) == block_file_bytes(root, manifest, 0)
-            await channel.close()
-        finally:
-            store.close()
         outsiders = [settings(auth_token="master"),  # the key but no certificate
                      settings(auth_token="master", tls_cert=stranger["server.pem"], tls_key=stranger["server.key"],
                               tls_ca=certs["ca.pem"])]  # a certificate from another CA
@@ -846,9 +794,6 @@ async def test_with_certificates_the_data_plane_is_mutual_tls(package, tmp_path)
                                                    r"failed: its certificate is not trusted here \(self.signed "
                                                    r"certificate in certificate chain\)$"):
             await TcpTransport("rx", distrustful).connect(listener.address, "seed")
-    finally:
-        await listener.close()
-        seed.close()
 
 
 @pytest.mark.skipif(not have_openssl(), reason="needs the openssl command to make test certificates")
@@ -857,19 +802,14 @@ async def test_a_connection_that_never_starts_its_tls_handshake_is_closed_within
     asyncio waits 60 s for that: silent connections from anyone held a file descriptor each that long."""
     root, _ = package
     certs = make_certs(tmp_path)
-    seed = seed_store(root)
-    _, listener = await serve(PeerServer(), seed, tls_cert=certs["server.pem"], tls_key=certs["server.key"],
-                              tls_ca=certs["ca.pem"], io_timeout_s=0.5)
-    try:
+    async with tcp_serving(PeerServer(), seed_store(root), tls_cert=certs["server.pem"], tls_key=certs["server.key"],
+                           tls_ca=certs["ca.pem"], io_timeout_s=0.5) as listener:
         host, port = listener.address.rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))  # sends no ClientHello
         try:
             assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the listener
         finally:
             writer.close()
-    finally:
-        await listener.close()
-        seed.close()
 
 
 async def test_a_port_in_use_or_an_address_not_this_hosts_is_refused_naming_the_address_and_why():
@@ -914,23 +854,23 @@ def test_a_key_not_the_certificates_or_a_ca_file_without_a_certificate_is_refuse
 RELAY_BYTES = 16 << 10
 
 
-def relay_mid_chunk(manifest: Manifest, payload: bytes) -> tuple[BlockStore, BlockStore, memoryview]:
+def relay_mid_chunk(manifest: Manifest, payload: bytes) -> tuple[BlockStore, memoryview]:
     """A relay receiving chunk 0 of block 0 (its buffer filled with ``payload``, its first 40,000 bytes told as
-    landed) and an empty child store; and the relay's buffer of the chunk, to land the rest in."""
-    relay, child = receiving_store(manifest), receiving_store(manifest)
+    landed); and the relay's buffer of the chunk, to land the rest in."""
+    relay = receiving_store(manifest)
     buffer = relay.chunk_buffer(0, 0)  # the relay's own parent begins to send it chunk 0
     buffer[:len(payload)] = payload
     relay.chunk_progress(0, 0, 40_000)
-    return relay, child, buffer
+    return relay, buffer
 
 
 async def test_a_relay_passes_a_chunk_on_as_it_lands_and_its_end_once_verified(package):
     root, manifest = package
     data = block_file_bytes(root, manifest, 0)
-    relay, child, buffer = relay_mid_chunk(manifest, data[:40_000])
-    _, listener = await serve(PeerServer(), relay, agent_relay_bytes=RELAY_BYTES)
-    try:
-        channel = await TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES)).connect(listener.address, "relay")
+    relay, buffer = relay_mid_chunk(manifest, data[:40_000])
+    rx = TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES))
+    async with (tcp_serving(PeerServer(), relay, agent_relay_bytes=RELAY_BYTES) as listener,
+                receiving(manifest) as child, connected(rx, listener.address, "relay") as channel):
         fetching = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child, 1))
         # The child holds the relay's bytes (as far as its own pieces go) while the relay has not verified them.
         passed_on = bytes(await asyncio.wait_for(child.relay_chunk(0, 0).next(), 5))
@@ -940,20 +880,15 @@ async def test_a_relay_passes_a_chunk_on_as_it_lands_and_its_end_once_verified(p
         relay.chunk_landed(0, 0, "upstream")
         await asyncio.wait_for(fetching, 5)
         assert child.is_chunk_present(0, 0)
-        await channel.close()
-    finally:
-        await listener.close()
-        relay.close()
-        child.close()
 
 
 async def test_a_relay_whose_upstream_sent_a_corrupt_chunk_closes_its_answer_and_is_not_blamed(package, caplog):
     caplog.set_level(logging.INFO, logger="pipecast.agent.transport.wire")
     root, manifest = package
     data = block_file_bytes(root, manifest, 0)
-    relay, child, _ = relay_mid_chunk(manifest, bytes(CHUNK))  # what a faulty upstream sends: not the chunk
-    _, listener = await serve(PeerServer(), relay, agent_relay_bytes=RELAY_BYTES)
-    try:
+    relay, _ = relay_mid_chunk(manifest, bytes(CHUNK))  # what a faulty upstream sends: not the chunk
+    async with (tcp_serving(PeerServer(), relay, agent_relay_bytes=RELAY_BYTES) as listener,
+                receiving(manifest) as child):
         rx = TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES))
         channel = await rx.connect(listener.address, "relay")
         fetching = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child, 1))
@@ -969,10 +904,6 @@ async def test_a_relay_whose_upstream_sent_a_corrupt_chunk_closes_its_answer_and
         await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, child, 1), 5)
         assert child.is_chunk_present(0, 0)
         await channel.close()
-    finally:
-        await listener.close()
-        relay.close()
-        child.close()
 
 
 @pytest.mark.parametrize("relay_bytes", [0, RELAY_BYTES])
@@ -1011,10 +942,9 @@ def drop(server: PeerServer, store: BlockStore) -> None:
 async def test_a_requester_waiting_for_a_chunk_of_a_dropped_package_is_refused_at_once(package, relay_bytes):
     """Not left to its I/O timeout, which it would count against this node."""
     _, manifest = package
-    relay, child = receiving_store(manifest), receiving_store(manifest)
-    server = PeerServer()
-    _, listener = await serve(server, relay, agent_relay_bytes=relay_bytes, io_timeout_s=30.0)
-    try:
+    relay, server = receiving_store(manifest), PeerServer()
+    async with (tcp_serving(server, relay, agent_relay_bytes=relay_bytes, io_timeout_s=30.0) as listener,
+                receiving(manifest) as child):
         rx = TcpTransport("rx", settings(agent_relay_bytes=relay_bytes, io_timeout_s=30.0))
         channel = await rx.connect(listener.address, "relay")
         fetching = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child, 1))
@@ -1028,19 +958,15 @@ async def test_a_requester_waiting_for_a_chunk_of_a_dropped_package_is_refused_a
             await asyncio.wait_for(fetching, 5)
         assert time.monotonic() - started < 1.0
         await channel.close()
-    finally:
-        await listener.close()
-        relay.close()
-        child.close()
 
 
 async def test_a_chunk_passed_on_as_it_lands_of_a_dropped_package_ends_its_answer_at_once(package):
     root, manifest = package
     data = block_file_bytes(root, manifest, 0)
-    relay, child, buffer = relay_mid_chunk(manifest, data[:40_000])
+    relay, _ = relay_mid_chunk(manifest, data[:40_000])
     server = PeerServer()
-    _, listener = await serve(server, relay, agent_relay_bytes=RELAY_BYTES, io_timeout_s=30.0)
-    try:
+    async with (tcp_serving(server, relay, agent_relay_bytes=RELAY_BYTES, io_timeout_s=30.0) as listener,
+                receiving(manifest) as child):
         rx = TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES, io_timeout_s=30.0))
         channel = await rx.connect(listener.address, "relay")
         fetching = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child, 1))
@@ -1050,7 +976,3 @@ async def test_a_chunk_passed_on_as_it_lands_of_a_dropped_package_ends_its_answe
         with pytest.raises(PeerClosedError, match=r"^peer relay: closed the connection while sending block 0 "):
             await asyncio.wait_for(fetching, 5)
         assert time.monotonic() - started < 1.0 and not child.is_chunk_present(0, 0)
-    finally:
-        await listener.close()
-        relay.close()
-        child.close()

@@ -38,7 +38,6 @@ from pipecast.agent.transport.registry import resolve_transport_name  # noqa: E4
 from pipecast.agent.transport.ucx import (  # noqa: E402
     TAG_HEADER,
     TAG_PAYLOAD,
-    UcxListener,
     UcxTransport,
     _tls_allows_tcp,
 )
@@ -47,9 +46,12 @@ from pipecast.core.settings import Settings  # noqa: E402
 from tests.support import REPO  # noqa: E402
 from tests.support.agent_fixtures import (  # noqa: E402
     block_file_bytes,
+    connected,
     land_chunk,
+    receiving,
     receiving_store,
     seed_store,
+    serving_store,
 )
 from tests.support.agent_processes import assert_identical_copy, free_ports, write_plan  # noqa: E402
 from tests.agent.conftest import CHUNK  # noqa: E402
@@ -92,13 +94,9 @@ async def test_parent_going_away_mid_block_is_a_closed_error_naming_it_at_once(p
     root, manifest = package
     data = block_file_bytes(root, manifest, 0)
     relay = receiving_store(manifest)
-    server = PeerServer()
-    server.add(relay)
-    listener: UcxListener = await transports("relay").listen("127.0.0.1", 0, server)
-    child = receiving_store(manifest)
     # A long silence deadline: the error must come from the broken connection, not from a timeout.
-    channel = await transports("child", io_timeout_s=10).connect(listener.address, "relay")
-    try:
+    async with (serving_store(transports("relay"), relay) as listener, receiving(manifest) as child,
+                connected(transports("child", io_timeout_s=10), listener.address, "relay") as channel):
         fetch = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child))
         land_chunk(relay, data, 0, 0)
         await asyncio.wait_for(child.wait_chunk(0, 0), 2)
@@ -110,10 +108,6 @@ async def test_parent_going_away_mid_block_is_a_closed_error_naming_it_at_once(p
         assert str(caught.value).startswith(f"peer relay: closed the connection while sending block 0 (chunk 1 "
                                             f"of {child.chunk_count(0)}) (")
         assert child.is_chunk_present(0, 0) and child.first_missing_chunk(0) == 1
-    finally:
-        await channel.close()
-        child.close()
-        relay.close()
 
 
 async def test_silent_peer_raises_a_timeout_naming_it_within_the_deadline(package, transports):
@@ -121,18 +115,13 @@ async def test_silent_peer_raises_a_timeout_naming_it_within_the_deadline(packag
     mute = PeerServer()
     mute.expect(manifest.package_id)  # it will "soon" hold the package: requests wait, forever
     listener = await transports("mute").listen("127.0.0.1", 0, mute)
-    store = receiving_store(manifest)
-    channel = await transports("rx").connect(listener.address, "mute")
-    try:
+    async with receiving(manifest) as store, connected(transports("rx"), listener.address, "mute") as channel:
         started = time.monotonic()
         with pytest.raises(PeerTimeoutError) as caught:
             await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 5)
         assert time.monotonic() - started < IO_TIMEOUT_S + 1.0
         assert str(caught.value) == (f"peer mute: silent for {IO_TIMEOUT_S:g} s while sending block 0 "
                                      f"(chunk 0 of {store.chunk_count(0)})")
-    finally:
-        await channel.close()
-        store.close()
 
 
 async def test_refused_connection_is_a_connect_error_long_before_the_deadline(transports):
@@ -147,13 +136,8 @@ async def test_refused_connection_is_a_connect_error_long_before_the_deadline(tr
 
 async def test_unknown_package_and_file_are_refused_naming_the_peer(package, transports):
     root, manifest = package
-    seed = seed_store(root)
-    server = PeerServer()
-    server.add(seed)
-    listener = await transports("seed").listen("127.0.0.1", 0, server)
-    store = receiving_store(manifest)
-    client = transports("rx")
-    try:
+    async with serving_store(transports("seed"), seed_store(root)) as listener, receiving(manifest) as store:
+        client = transports("rx")
         # As with TCP, a refusal ends its channel; the fetcher opens another for the next request.
         channel = await client.connect(listener.address, "seed")
         with pytest.raises(PeerRefusedError, match=r"^peer seed: package 000000000000 is not held here$"):
@@ -164,29 +148,21 @@ async def test_unknown_package_and_file_are_refused_naming_the_peer(package, tra
         channel = await client.connect(listener.address, "seed")
         await channel.fetch_block(manifest.package_id, 0, 0, store)
         assert bytes(store.block_view(0)) == block_file_bytes(root, manifest, 0)
-    finally:
-        store.close()
-        seed.close()
 
 
 # A plain cap each way, and a low-priority package's share (a quarter of a 16 Mbit/s link) each way.
 @pytest.mark.parametrize("side", ["egress_mbit", "ingress_mbit", "low-sender", "low-receiver"])
 async def test_rate_limit_paces_the_transfer(package, transports, side):
     root, manifest = package
-    seed = seed_store(root)
-    server = PeerServer()
-    server.add(seed)
     mbit = 4.0
     limited = {side: mbit} if side.endswith("_mbit") else {"agent_link_mbit": 16.0, "priority_shares": {"low": 0.25}}
     sender, receiver = side in ("egress_mbit", "low-sender"), side in ("ingress_mbit", "low-receiver")
     serving = transports("seed", **(limited if sender else {}))
-    listener = await serving.listen("127.0.0.1", 0, server)
     client = transports("rx", io_timeout_s=5, **(limited if receiver else {}))
     for transport in (serving, client):
         transport.limits.set_priority(manifest.package_id, "low")
-    store = receiving_store(manifest)
-    channel = await client.connect(listener.address, "seed")
-    try:
+    async with (serving_store(serving, seed_store(root)) as listener, receiving(manifest) as store,
+                connected(client, listener.address, "seed") as channel):
         started = time.monotonic()
         for block in range(len(manifest.blocks)):
             await channel.fetch_block(manifest.package_id, block, 0, store)
@@ -194,10 +170,6 @@ async def test_rate_limit_paces_the_transfer(package, transports, side):
         # Lower bound only: the bucket may start full (its 256 KiB burst), the rest must wait for tokens.
         assert elapsed >= (manifest.total_bytes - (256 << 10)) / (mbit * 1e6 / 8) * 0.9
         assert bytes(store.block_view(2)) == block_file_bytes(root, manifest, 2)
-    finally:
-        await channel.close()
-        store.close()
-        seed.close()
 
 
 @pytest.mark.parametrize(("tls", "listens"), [("tcp,sm,self", True), ("all", True), ("^ib", True),
@@ -318,34 +290,24 @@ async def test_a_listener_on_127_0_0_1_serves_nobody_who_comes_in_on_another_add
     if other is None:
         pytest.skip("this host has no non-loopback IPv4 address to come in on")
     root, manifest = package
-    seed = seed_store(root)
     server = PeerServer()
-    server.add(seed)
-    listener = await transports("seed").listen("127.0.0.1", 0, server)
-    port = listener.address.rpartition(":")[2]
-    try:
+    async with serving_store(transports("seed"), seed_store(root), server) as listener:
+        port = listener.address.rpartition(":")[2]
         with pytest.raises(PeerError):  # UCX's listener takes the connection; the agent closes it unread
             channel = await transports("outsider").connect(f"{other}:{port}", "seed")
             await channel.fetch_file(manifest.package_id, "config.json")
         assert server.requesters == {}
-        channel = await transports("rx").connect(listener.address, "seed")
-        assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
-        await channel.close()
-    finally:
-        seed.close()
+        async with connected(transports("rx"), listener.address, "seed") as channel:
+            assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
 
 
 async def test_channels_and_connections_served_and_closed_are_freed(package, transports):
     """Found in review: ucxx keeps an endpoint's close callback natively, beside the endpoint itself; a callback
     holding its channel or served connection kept both, and their endpoint, alive for good."""
     root, manifest = package
-    seed = seed_store(root)
-    server = PeerServer()
-    server.add(seed)
-    listener = await transports("seed").listen("127.0.0.1", 0, server)
-    client = transports("rx")
-    kept = []
-    try:
+    async with serving_store(transports("seed"), seed_store(root)) as listener:
+        client = transports("rx")
+        kept = []
         for _ in range(3):
             channel = await client.connect(listener.address, "seed")
             assert await channel.fetch_file(manifest.package_id, "config.json") == (root / "config.json").read_bytes()
@@ -356,8 +318,6 @@ async def test_channels_and_connections_served_and_closed_are_freed(package, tra
         del channel
         gc.collect()
         assert len(kept) == 6 and [ref() for ref in kept] == [None] * 6
-    finally:
-        seed.close()
 
 
 async def test_a_listener_closed_after_serving_lets_its_port_be_listened_on_again(package, transports):
