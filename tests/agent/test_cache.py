@@ -225,6 +225,34 @@ def cached_bytes(root) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
+def _write_beside_one_under_way(cache: BlockCache, manifest, store, monkeypatch, temporary_on_disk: bool) -> bool:
+    """Write block 1 while block 0's write is under way (with its temporary file on disk, whole, if
+    ``temporary_on_disk``); whether block 1 was written (block 0's write must be)."""
+    writing, finish = threading.Event(), threading.Event()
+    real_write = cache_module.atomic_write
+
+    def slow_write(path, data, **kwargs):
+        if not writing.is_set():  # the first write is under way while the second asks for room
+            temporary = path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}.99")
+            if temporary_on_disk:
+                temporary.parent.mkdir(parents=True, exist_ok=True)
+                temporary.write_bytes(data)
+            writing.set()
+            finish.wait(5)
+            temporary.unlink(missing_ok=True)
+        real_write(path, data, **kwargs)
+
+    monkeypatch.setattr(cache_module, "atomic_write", slow_write)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(cache.write_block, manifest, 0, store.block_view(0))
+        assert writing.wait(5)
+        second = cache.write_block(manifest, 1, store.block_view(1))
+        finish.set()
+        assert first.result(5)
+    monkeypatch.setattr(cache_module, "atomic_write", real_write)
+    return second
+
+
 def test_writes_running_at_once_stay_under_the_bound_together(package, tmp_path, monkeypatch):
     """Found in review: room was checked per write but the bytes of writes still under way were not counted, so
     blocks written at once (a worker thread each) all passed the check and the cache grew past its bound."""
@@ -233,24 +261,9 @@ def test_writes_running_at_once_stay_under_the_bound_together(package, tmp_path,
     manifest_bytes = len(manifest_to_json(manifest).encode())
     bound = manifest_bytes + max(manifest.blocks[0].bytes, manifest.blocks[1].bytes) * 3 // 2  # one block, not two
     cache = BlockCache(tmp_path / "cache", max_bytes=bound, in_use=lambda: {manifest.package_id})
-    assert cache.write_manifest(manifest)
-    writing, finish = threading.Event(), threading.Event()
-    real_write = cache_module.atomic_write
-
-    def slow_write(path, data, **kwargs):
-        if not writing.is_set():  # the first write is under way while the second asks for room
-            writing.set()
-            finish.wait(5)
-        real_write(path, data, **kwargs)
-
-    monkeypatch.setattr(cache_module, "atomic_write", slow_write)
     try:
-        with ThreadPoolExecutor(1) as pool:
-            first = pool.submit(cache.write_block, manifest, 0, store.block_view(0))
-            assert writing.wait(5)
-            assert not cache.write_block(manifest, 1, store.block_view(1))
-            finish.set()
-            assert first.result(5)
+        assert cache.write_manifest(manifest)
+        assert not _write_beside_one_under_way(cache, manifest, store, monkeypatch, temporary_on_disk=False)
         assert cache.skipped_writes == 1 and cached_bytes(tmp_path / "cache") <= bound
         assert cache.write_block(manifest, 0, store.block_view(0))  # what block 0 was counted for is counted no more
     finally:
@@ -265,31 +278,13 @@ def test_a_write_under_way_is_counted_once_not_also_as_its_temporary_file(packag
     manifest_bytes = len(manifest_to_json(manifest).encode())
     bound = manifest_bytes + manifest.blocks[0].bytes + manifest.blocks[1].bytes  # both blocks, exactly
     cache = BlockCache(tmp_path / "cache", max_bytes=bound, in_use=lambda: {manifest.package_id})
-    assert cache.write_manifest(manifest)
-    writing, finish = threading.Event(), threading.Event()
-    real_write = cache_module.atomic_write
-
-    def slow_write(path, data, **kwargs):
-        if not writing.is_set():  # the first write's temporary file is on disk, whole, while the second asks
-            temporary = path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}.99")
-            temporary.parent.mkdir(parents=True, exist_ok=True)
-            temporary.write_bytes(data)
-            writing.set()
-            finish.wait(5)
-            temporary.unlink()
-        real_write(path, data, **kwargs)
-
-    monkeypatch.setattr(cache_module, "atomic_write", slow_write)
     try:
-        with ThreadPoolExecutor(1) as pool:
-            first = pool.submit(cache.write_block, manifest, 0, store.block_view(0))
-            assert writing.wait(5)
-            assert cache.write_block(manifest, 1, store.block_view(1))
-            finish.set()
-            assert first.result(5)
+        assert cache.write_manifest(manifest)
+        assert _write_beside_one_under_way(cache, manifest, store, monkeypatch, temporary_on_disk=True)
         assert cache.skipped_writes == 0 and cached_bytes(tmp_path / "cache") == bound
     finally:
         store.close()
+
 
 def test_a_rotten_block_is_written_again_in_a_cache_at_its_bound(package, tmp_path):
     """Found in review: the room asked for counted the file being replaced beside its new bytes, so in a full

@@ -924,17 +924,24 @@ async def test_a_stage_answer_arriving_in_pieces_is_read_whole():
         await response.write_eof()
         return response
 
+    async with _stage_server(STAGE_PATH, stage) as (url, client):
+        answer = await client.forward((Hop(url, range(3, 6)),), "s", 0, torch.zeros(1, 1, 2048),
+                                      params=None, norm_only=True, deadline=time.monotonic() + 10)
+        assert torch.equal(answer, norm)
+
+
+@asynccontextmanager
+async def _stage_server(path: str, handler):
+    """A stand-in stage answering ``path`` with ``handler`` on loopback: its base URL and a :class:`StageClient`."""
     app = web.Application()
-    app.router.add_post(STAGE_PATH, stage)
+    app.router.add_post(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
     client = StageClient()
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         host, port = runner.addresses[0][:2]
-        answer = await client.forward((Hop(f"http://{host}:{port}", range(3, 6)),), "s", 0, torch.zeros(1, 1, 2048),
-                                      params=None, norm_only=True, deadline=time.monotonic() + 10)
-        assert torch.equal(answer, norm)
+        yield f"http://{host}:{port}", client
     finally:
         await client.aclose()
         await runner.cleanup()
@@ -949,22 +956,12 @@ async def test_closing_a_session_passes_over_a_dead_stage_to_the_stages_after_it
         closes.append(await request.json())
         return web.json_response({"closed": closes[-1]["session"]})
 
-    app = web.Application()
-    app.router.add_post("/v1/stage/close", stage_close)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    client = StageClient()
-    try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        host, port = runner.addresses[0][:2]
-        dead, tail = Hop(f"http://127.0.0.1:{_closed_port()}", range(3, 6)), Hop(f"http://{host}:{port}", range(6, 9))
+    async with _stage_server("/v1/stage/close", stage_close) as (url, client):
+        dead, tail = Hop(f"http://127.0.0.1:{_closed_port()}", range(3, 6)), Hop(url, range(6, 9))
         await client.close_sessions((dead, tail), "s")
         assert closes == [{"session": "s", "next": []}]
         await client.close_sessions((tail, dead), "t")  # taken by the first: it passes the close on itself
         assert closes[1:] == [{"session": "t", "next": [dead.to_json()]}]
-    finally:
-        await client.aclose()
-        await runner.cleanup()
 
 
 def _closed_port() -> int:
