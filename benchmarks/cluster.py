@@ -127,11 +127,13 @@ def plan_hosts(
     store_host: str,
     subnet: str,
     host_mbit: Mapping[str, float] | None = None,
+    host_egress_mbit: Mapping[str, float] | None = None,
 ) -> tuple[HostPlan, ...]:
     """Give each host an address in ``subnet`` (``"a.b.c."``) and its link rates; reject a bad layout.
 
     A host named in ``host_mbit`` has that rate in both directions instead of ``link_mbit`` (a node below
-    its spec); ``store_mbit``, when given, still sets the store's egress.
+    its spec), one named in ``host_egress_mbit`` that rate out (an egress cap); ``store_mbit``, when given,
+    still sets the store's egress.
     """
     if not hosts:
         raise ClusterError("an emulated cluster needs at least one host")
@@ -147,19 +149,21 @@ def plan_hosts(
             raise ClusterError(f"store_mbit must be > 0, got {store_mbit}")
         if store_host not in hosts:
             raise ClusterError(f"store_mbit is set but the store host {store_host!r} is not among the hosts")
-    own = dict(host_mbit or {})
-    for name, rate in own.items():
-        if name not in hosts:
-            raise ClusterError(f"host_mbit names {name!r}, which is not among the hosts")
-        if rate <= 0:
-            raise ClusterError(f"host_mbit of {name!r} must be > 0, got {rate}")
+    own, out = dict(host_mbit or {}), dict(host_egress_mbit or {})
+    for what, given in (("host_mbit", own), ("host_egress_mbit", out)):
+        for name, rate in given.items():
+            if name not in hosts:
+                raise ClusterError(f"{what} names {name!r}, which is not among the hosts")
+            if rate <= 0:
+                raise ClusterError(f"{what} of {name!r} must be > 0, got {rate}")
     rates = {name: float(own.get(name, link_mbit)) for name in hosts}
     return tuple(
         HostPlan(
             name=name,
             index=i,
             address=f"{subnet}{i + 2}",
-            egress_mbit=store_egress_mbit(rates[name], store_mbit) if name == store_host else rates[name],
+            egress_mbit=float(out[name]) if name in out else
+            store_egress_mbit(rates[name], store_mbit) if name == store_host else rates[name],
             ingress_mbit=rates[name],
         )
         for i, name in enumerate(hosts)
@@ -307,10 +311,10 @@ class EmulatedCluster:
     """Hosts with shaped links on one machine; use as ``with EmulatedCluster([...], 400) as c:``.
 
     ``link_mbit`` is every host's rate in each direction but those named in ``host_mbit``, which get their
-    own; the store host (``store_host``, if among the hosts) sends at ``store_mbit`` (default: its link
-    rate). ``mode="auto"`` uses namespaces where they work and loopback otherwise (logged, and in
-    :attr:`mode_reason`). ``mtu`` and ``link_queue`` (one class per peer, or one FIFO per link direction:
-    see the module docstring) apply to netns mode.
+    own (and those in ``host_egress_mbit``, their own out); the store host (``store_host``, if among the
+    hosts) sends at ``store_mbit`` (default: its link rate). ``mode="auto"`` uses namespaces where they work
+    and loopback otherwise (logged, and in :attr:`mode_reason`). ``mtu`` and ``link_queue`` (one class per
+    peer, or one FIFO per link direction: see the module docstring) apply to netns mode.
     """
 
     def __init__(
@@ -324,6 +328,7 @@ class EmulatedCluster:
         name_prefix: str = "pc",
         link_queue: LinkQueue = "per-peer",
         host_mbit: Mapping[str, float] | None = None,
+        host_egress_mbit: Mapping[str, float] | None = None,
     ) -> None:
         if mode not in ("auto", "netns", "loopback"):
             raise ClusterError(f"mode must be 'auto', 'netns' or 'loopback', got {mode!r}")
@@ -342,8 +347,10 @@ class EmulatedCluster:
         self._name_prefix = name_prefix
         self._link_queue: LinkQueue = link_queue
         self._host_mbit = dict(host_mbit or {})
+        self._host_egress_mbit = dict(host_egress_mbit or {})
         # Validate now, so a bad layout fails before anything is built.
-        plan_hosts(self._hosts, self._link_mbit, store_mbit, store_host, NETNS_SUBNET, self._host_mbit)
+        plan_hosts(self._hosts, self._link_mbit, store_mbit, store_host, NETNS_SUBNET, self._host_mbit,
+                   self._host_egress_mbit)
         self._mode: ClusterMode | None = None
         self._mode_reason = ""
         self._prefix = ""
@@ -405,6 +412,7 @@ class EmulatedCluster:
         store = (f", store {self._store_host!r} egress {self.store_mbit:g} Mbit/s"
                  if self._store_host in self._hosts else "")
         own = "".join(f", {host} at {rate:g}" for host, rate in self._host_mbit.items())
+        own += "".join(f", {host} sending at {rate:g}" for host, rate in self._host_egress_mbit.items())
         return (f"emulated cluster {self._prefix}: {self.mode} mode ({self._mode_reason}); "
                 f"{len(self._hosts)} hosts at {self._link_mbit:g} Mbit/s per direction{own}{store}; {shaping}")
 
@@ -448,7 +456,8 @@ class EmulatedCluster:
             self._prefix = _instance_tag(self._name_prefix)
             subnet = NETNS_SUBNET if choice.mode == "netns" else LOOPBACK_SUBNET
             self._plans = {p.name: p for p in plan_hosts(self._hosts, self._link_mbit, self._store_mbit,
-                                                          self._store_host, subnet, self._host_mbit)}
+                                                          self._store_host, subnet, self._host_mbit,
+                                                          self._host_egress_mbit)}
             self._running = True
             if choice.mode == "netns":
                 _live_tags.add(self._prefix)

@@ -510,6 +510,9 @@ def bench_pipelines(sources, source_kinds, strategies, receivers, link_mbit, pro
               help="The slow receiver's position in the scale-up's order (1-based).")
 @click.option("--slow-factor", type=Number(min=0, max=1, min_open=True, max_open=True), default=0.25,
               show_default=True, help="The slow receiver's link rate, as a share of the link rate.")
+@click.option("--slow-direction", type=click.Choice(["both", "up"]), default="both", show_default=True,
+              help="Which of its link's directions is slow: both (a node below its spec) or up only (an egress "
+                   "cap: it receives at the link rate and relays slowly).")
 @click.option("--modes", default="handled,unhandled", show_default=True,
               help="handled (the control plane's straggler handling), unhandled (--straggler-factor 0) and/or "
                    "none (no slow receiver: the reference), comma-separated.")
@@ -526,16 +529,16 @@ def bench_pipelines(sources, source_kinds, strategies, receivers, link_mbit, pro
 @JSON_OUT
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
               help="Keep logs and events here (default: a temp dir).")
-def bench_stragglers(workers, link_mbit, slow_position, slow_factor, modes, kill_position, kill_after, repeat,
-                     package, cache, mode, json_path, workdir):
+def bench_stragglers(workers, link_mbit, slow_position, slow_factor, slow_direction, modes, kill_position, kill_after,
+                     repeat, package, cache, mode, json_path, workdir):
     """A scale-up with one receiver below its link's spec: the others' time vs S/B, handled and not."""
     from benchmarks import stragglers
 
     try:
         config = stragglers.StragglersConfig(
             package=package or _demo(cache), workers=workers, link_mbit=link_mbit, slow_position=slow_position,
-            slow_factor=slow_factor, modes=stragglers.parse_modes(modes), kill_position=kill_position,
-            kill_after_s=kill_after, repeat=repeat, mode=mode)
+            slow_factor=slow_factor, slow_direction=slow_direction, modes=stragglers.parse_modes(modes),
+            kill_position=kill_position, kill_after_s=kill_after, repeat=repeat, mode=mode)
     except stragglers.StragglersBenchError as exc:
         raise click.UsageError(str(exc)) from None
     _run_and_report(stragglers.run, config, workdir, stragglers.format_report, json_path)

@@ -3,7 +3,8 @@
 One emulated cluster (DESIGN 5): a control plane, a store agent seeding the package, N receivers each with
 an agent, and a driver, every link at B but the link of the receiver at ``slow_position`` (1-based, in the
 scale-up's order), which runs at ``slow_factor`` x B while its agent, like every other, declares B
-(``--link-mbit``): a node below its spec. The driver publishes the package, waits until every receiver is
+(``--link-mbit``): a node below its spec; with ``slow_direction`` "up" only its uplink does (an egress cap: it
+receives at B and relays slowly). The driver publishes the package, waits until every receiver is
 registered, scales the package up onto the N receivers in order (the control plane's default plan from one
 store: a chain, so the slow receiver relays to every receiver after it) and records when each holds the
 whole package, and which receivers the control plane demoted as stragglers. Modes, one run each:
@@ -50,6 +51,8 @@ from pipecast.core.units import format_bytes
 logger = logging.getLogger(__name__)
 
 HANDLED, UNHANDLED, NONE = "handled", "unhandled", "none"
+#: Which of the slow receiver's link directions run at its factor: both, or its uplink only.
+SLOW_DIRECTIONS = ("both", "up")
 MODES = (HANDLED, UNHANDLED, NONE)
 DEFAULT_MODES = (HANDLED, UNHANDLED)
 STORE, CONTROL, DRIVER = "store", "cp", "driver"
@@ -89,6 +92,7 @@ class StragglersConfig:
     link_mbit: float = 400.0
     slow_position: int = 3  # 1-based, in the scale-up's order
     slow_factor: float = 0.25
+    slow_direction: str = "both"
     modes: tuple[str, ...] = DEFAULT_MODES
     kill_position: int = 0  # 0: nobody is killed
     kill_after_s: float = 1.5
@@ -104,6 +108,9 @@ class StragglersConfig:
             raise StragglersBenchError(f"--slow-position must be within 1..{self.workers}, got {self.slow_position}")
         if not 0 < self.slow_factor < 1:
             raise StragglersBenchError(f"--slow-factor must be within (0, 1), got {self.slow_factor}")
+        if self.slow_direction not in SLOW_DIRECTIONS:
+            raise StragglersBenchError(f"--slow-direction must be one of {', '.join(SLOW_DIRECTIONS)}, got "
+                                       f"{self.slow_direction!r}")
         if not 0 <= self.kill_position <= self.workers:
             raise StragglersBenchError(f"--kill-position must be within 0..{self.workers}, got {self.kill_position}")
         if self.kill_position == self.slow_position:
@@ -169,7 +176,7 @@ def summarize(config: StragglersConfig, mode: str, repeat: int, package_bytes: i
     floor = floor_seconds(package_bytes, config.link_mbit, config.link_mbit)
     others_max = max(complete[w] for w in others) if all(w in complete for w in others) else None
     factor = 1.0 if mode == NONE else config.slow_factor
-    slow_mbit = config.link_mbit * factor
+    slow_mbit = config.link_mbit * (factor if config.slow_direction == "both" else 1)  # it receives at this
     return RunResult(mode=mode, repeat=repeat, workers=config.workers, link_mbit=config.link_mbit,
                      slow_position=config.slow_position, slow_factor=factor, kill_position=config.kill_position,
                      floor_seconds=floor, slow_floor_seconds=floor_seconds(package_bytes, slow_mbit, slow_mbit),
@@ -239,7 +246,8 @@ def format_report(report: StragglersReport) -> str:
     lines = [f"stragglers: {m['model_name']} ({format_bytes(m['package_bytes'])}, {m['blocks']} blocks), "
              f"{m['workers']} receivers at {m['link_mbit']:g} Mbit/s ({m['mode']}), floor S/B "
              f"{m['floor_seconds']:.2f} s; {m['slow_node']} (position {m['slow_position']}) at "
-             f"{m['slow_factor']:g} x the link, its floor {m['slow_floor_seconds']:.2f} s{kill}",
+             f"{m['slow_factor']:g} x the link{' (its uplink only)' if m.get('slow_direction') == 'up' else ''}, "
+             f"its floor {m['slow_floor_seconds']:.2f} s{kill}",
              f"{'mode':<9} {'run':>3} {'plan':<9} {'others s':>8} {'/ S/B':>6} {'slow s':>7} {'/ its':>6} "
              f"{'demoted':<12} {'CPU':>5}"]
     for r in report.results:
@@ -309,7 +317,8 @@ async def _drive(spec: DriverSpec, seen: Observed) -> None:
 
 
 async def _watch(cp, package_id: str, blocks: int, spec: DriverSpec, t0: float, seen: Observed) -> None:
-    """Until every receiver but the killed one holds every block: when each did, and who was demoted."""
+    """Until every receiver but the killed one holds every block: when each did, and who was demoted (as the plan
+    last had it)."""
     required = set(spec.receivers) - {spec.killed}
     polls = 0
     while True:
@@ -319,9 +328,11 @@ async def _watch(cp, package_id: str, blocks: int, spec: DriverSpec, t0: float, 
             if len(view.by_worker.get(node, ())) == blocks:
                 seen.complete[node] = now
         if polls % PLAN_POLL_EVERY == 0 or required <= set(seen.complete):
-            # a plan is gone once every receiver holds the package: poll it while it runs
-            for plan in await cp.list_plans(package_id):
-                seen.demoted.update(plan.demoted)
+            # a plan is gone once every receiver holds the package: poll it while it runs. Its demoted as it last
+            # had them: a child demoted behind a relay found to be the limit after it is no longer (an uplink cap)
+            plans = await cp.list_plans(package_id)
+            if plans:
+                seen.demoted = {node for plan in plans for node in plan.demoted}
         if required <= set(seen.complete):
             return
         if now > spec.deadline_s:
@@ -416,9 +427,11 @@ def run(config: StragglersConfig, workdir: Path, progress: Progress = NO_PROGRES
         "load_average_at_start": os.getloadavg()[0], "model_name": manifest.model_name,
         "package_id": manifest.package_id, "package_bytes": total, "blocks": len(manifest.blocks),
         "workers": config.workers, "link_mbit": config.link_mbit, "slow_position": config.slow_position,
-        "slow_node": config.slow_node, "slow_factor": config.slow_factor, "killed_node": config.killed_node,
-        "kill_after_s": config.kill_after_s, "floor_seconds": floor,
-        "slow_floor_seconds": floor / config.slow_factor, "target_ratio": TARGET_RATIO,
+        "slow_node": config.slow_node, "slow_factor": config.slow_factor, "slow_direction": config.slow_direction,
+        "killed_node": config.killed_node, "kill_after_s": config.kill_after_s, "floor_seconds": floor,
+        # Slowed only out, it receives at B: its own floor is everyone's.
+        "slow_floor_seconds": floor / (config.slow_factor if config.slow_direction == "both" else 1),
+        "target_ratio": TARGET_RATIO,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     hosts = [STORE, CONTROL, DRIVER, *worker_names(config.workers)]
     # mode none runs in a cluster of its own: the slow link is the cluster's, set when it is built
@@ -427,7 +440,9 @@ def run(config: StragglersConfig, workdir: Path, progress: Progress = NO_PROGRES
         ([m for m in config.modes if m == NONE], {})) if modes]
     progress.start(len(config.modes) * config.repeat, "runs", unit="run")
     for modes, rates in clusters:
-        with EmulatedCluster(hosts, config.link_mbit, mode=config.mode, host_mbit=rates) as cluster:
+        both = config.slow_direction == "both"
+        with EmulatedCluster(hosts, config.link_mbit, mode=config.mode, host_mbit=rates if both else None,
+                             host_egress_mbit=None if both else rates) as cluster:
             report.meta["mode"] = cluster.mode
             progress(cluster.describe())
             for repeat in range(1, config.repeat + 1):

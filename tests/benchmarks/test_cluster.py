@@ -155,6 +155,14 @@ def test_a_host_given_its_own_rate_has_it_both_ways() -> None:
         ["a"], 400, None, "store", "10.77.0.")
 
 
+def test_a_host_given_its_own_egress_rate_has_it_out_only() -> None:
+    plans = plan_hosts(["store", "w1", "w2"], 400, 800, "store", "10.77.0.", host_mbit={"w1": 200},
+                       host_egress_mbit={"w1": 50, "w2": 100})
+    assert [(p.egress_mbit, p.ingress_mbit) for p in plans] == [(800, 400), (50, 200), (100, 400)]
+    with pytest.raises(ClusterError, match="^host_egress_mbit of 'w1' must be > 0, got 0$"):
+        EmulatedCluster(["store", "w1"], 400, host_egress_mbit={"w1": 0})
+
+
 def test_a_store_with_its_own_rate_still_sends_at_store_mbit_when_given() -> None:
     slow = {"store": 50}
     plans = plan_hosts(["store", "w1"], 400, None, "store", "10.77.0.", host_mbit=slow)

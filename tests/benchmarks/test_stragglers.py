@@ -66,6 +66,7 @@ def test_modes_are_parsed_naming_the_option():
      "--workers: 2 leaves no receiver besides the slow and the killed one"),
     ({"slow_position": 5}, "--slow-position must be within 1..4, got 5"),
     ({"slow_factor": 1.0}, r"--slow-factor must be within \(0, 1\), got 1.0"),
+    ({"slow_direction": "down"}, "--slow-direction must be one of both, up, got 'down'"),
     ({"kill_position": 9}, "--kill-position must be within 0..4, got 9"),
     ({"kill_position": 3}, "--kill-position 3 is the slow receiver's position: kill another one"),
     ({"kill_after_s": -1.0}, "--kill-after must be >= 0 s, got -1.0"),
@@ -114,6 +115,9 @@ def test_a_result_leaves_the_slow_and_the_killed_receivers_out_of_the_others():
 
     reference = summarize(c, NONE, 1, 20 * MB, seen, CPU)  # nobody is slowed in mode none
     assert (reference.slow_factor, reference.slow_floor_seconds) == (1.0, pytest.approx(2.0))
+    # Slowed out only, the slow receiver receives at the link rate: its floor is everyone's.
+    uplink = summarize(config(kill_position=4, slow_direction="up"), HANDLED, 1, 20 * MB, seen, CPU)
+    assert (uplink.slow_factor, uplink.slow_floor_seconds) == (0.25, pytest.approx(2.0))
 
 
 class FakeControlPlane:
