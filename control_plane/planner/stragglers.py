@@ -94,7 +94,10 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
         # No reference exceeds the fastest receiver or the node's declared rate: most nodes stop here.
         if node in skip or rate >= factor * max(fastest, expected.get(node, 0.0)):
             continue
-        parents = {f.parent for f in parts[node].fetch}
+        part = parts.get(node)
+        if part is None:  # not in the plan (any more): nothing to judge it by
+            continue
+        parents = {f.parent for f in part.fetch}
         relay = next(iter(parents)) if len(parents) == 1 else None
         limit = relay in limits and relay in receiving and relay not in skip  # a child demoted under it already
         if not children(node) and not limit:  # a slow leaf slows no one
