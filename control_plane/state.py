@@ -114,13 +114,8 @@ class ActivePlan:
     pending: set[str] = field(default_factory=set)
     parts: dict[str, Part] = field(default_factory=dict)
     demoted: set[str] = field(default_factory=set)  # receivers found straggling and moved aside (judged once)
-    # Senders a straggler was demoted under, each with the stragglers (see find_stragglers)
-    limits: dict[str, set[str]] = field(default_factory=dict)
+    limits: set[str] = field(default_factory=set)  # senders a straggler was demoted under (see find_stragglers)
     checked_at: float = float("-inf")  # when it was last looked at for stragglers
-    # Re-planned since it was last looked at, and until when its receivers' rates are not judged: the first window
-    # after a change is a transition (relays re-connect and resume), not a rate.
-    changed: bool = False
-    settle_until: float | None = None
 
 
 @dataclass(frozen=True)
@@ -494,19 +489,8 @@ class ControlState:
                 self._find_stragglers(active, now)
 
     def _find_stragglers(self, active: ActivePlan, now: float) -> None:
-        """Demote the receivers of ``active`` that straggle (:mod:`control_plane.planner.stragglers`); after a
-        re-plan, only on the rates of a window that starts a window later."""
+        """Demote the receivers of ``active`` that straggle (:mod:`control_plane.planner.stragglers`)."""
         policy, package_id = self.stragglers, active.package_id
-        if active.changed:
-            active.changed, active.settle_until = False, now + policy.window_s
-            return
-        if active.settle_until is not None:
-            if now < active.settle_until:
-                return
-            active.settle_until = None
-            for node in active.pending:
-                self.progress.pop((package_id, node), None)
-            return
         rates = {}
         for node in active.pending:
             samples = self.progress.get((package_id, node))
@@ -523,23 +507,15 @@ class ControlState:
             return
         package = self.packages[package_id]
         held = dict(self.availability[package_id].by_worker)
-        # A relay demoted as the limit of its children: those demoted under it before were not stragglers, only
-        # behind its uplink; they may serve again (one can feed the relay, now a leaf, from its free uplink).
-        cleared = {child for node in slow for child in active.limits.get(node, ())} - set(slow)
         plan = demote(active.plan, slow, held=held, sources=active.plan.sources, num_blocks=package.num_blocks,
-                      labels=self._labels(set(active.parts) | set(held)), demoted=active.demoted - cleared)
+                      labels=self._labels(set(active.parts) | set(held)), demoted=active.demoted)
         for node in slow:
-            why = ("its children get a fraction of its own %.1f Mbit/s: its uplink is the limit"
-                   if node in active.limits else "receiving %.1f Mbit/s")
-            log.warning("straggler node=%s plan=%s package=%s: " + why + "; its children move to faster parents and "
-                        "it becomes a leaf", node, active.plan_id, package_id, rates[node] * 8 / 1e6)
-        active.demoted = (active.demoted - cleared) | set(slow)
-        # The senders a straggler was demoted under; not those of a relay demoted as one itself (its uplink, not
-        # theirs, was the limit).
-        for node in slow:
-            if node not in active.limits:
-                for parent in {f.parent for f in active.parts[node].fetch}:
-                    active.limits.setdefault(parent, set()).add(node)
+            log.warning("straggler node=%s plan=%s package=%s: receiving %.1f Mbit/s; its children move to "
+                        "faster parents and it becomes a leaf", node, active.plan_id, package_id,
+                        rates[node] * 8 / 1e6)
+        active.demoted.update(slow)
+        active.limits.update(f.parent for node in slow for f in active.parts[node].fetch
+                             if f.parent not in active.pending)
         active.replans += 1
         self.replan_count += 1
         self._install(active, plan)
@@ -692,7 +668,6 @@ class ControlState:
         active = ActivePlan(uuid.uuid4().hex[:12], package_id, plan, draft.fanout, now, version=0)
         active.pending = {n for n in plan.assignments if not availability.is_complete(n)}
         self._install(active, plan)
-        active.changed = False  # a new plan: nothing to settle from
         log.info("scale-up plan=%s package=%s strategy=%s sources=%d source_slots=%d receivers=%d", active.plan_id,
                  package_id, draft.strategy, len(draft.sources), sum(draft.links.get(s, 1) for s in draft.sources),
                  len(receivers))
@@ -1016,10 +991,9 @@ class ControlState:
             parts = {node: part for node, part in old.items() if node not in changed}
             parts.update(parts_of(plan, changed, old))
         # Every receiver's rate so far was under the old plan (its parents', or its parents' parents', now
-        # differ): measured afresh once the change settled.
+        # differ): measured afresh from now on.
         for node in active.pending:
             self.progress.pop((active.package_id, node), None)
-        active.changed = True
         for node in changed:
             if node in old and node not in parts:
                 self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))

@@ -12,12 +12,6 @@ serves others is demoted (a slow leaf slows no one): its first child per unit ta
 others go to nodes with a free slot, and it fetches what it misses last, from nodes whose uplinks have room (in
 a chain the tail), so everyone but the straggler runs at the link rate.
 
-A relay whose uplink, not its downlink, is slow (an egress cap, a send queue in trouble) receives at full rate
-and its child does not: the child is judged first, as a slow child cannot be told from a slow parent's uplink.
-Once a child was demoted under a receiving relay, the relay is one of the ``limits``: when its next child (the
-one that took the demoted child's slot) is as slow, the relay is demoted instead, and its children move to
-faster parents.
-
 A straggler at the head of a plan whose nodes declare no link rate is not found: every node behind it is as
 slow, so nothing tells its rate from the link's.
 """
@@ -73,10 +67,9 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
     ``parts``: each node's part in the plan; ``rates``: measured receive rates (bytes/s) of the receivers
     still receiving that have one; ``receiving``: every receiver still missing blocks; ``expected``: declared
     link rates (bytes/s) per node, where known; ``skip``: nodes never demoted again (demoted already);
-    ``limits``: senders that a child of theirs was demoted under already: if the next child is as slow, the
-    sender is the limit, not the child. A source or holder cannot be moved out of the way, so its children are
-    not judged again; a receiving relay is demoted in its child's place (a slow leaf's too), where it is the
-    child's only parent. A receiver whose receiving parent has no rate yet is not judged.
+    ``limits``: sources and holders that a child of theirs was demoted under already: if the next child is
+    as slow, the sender is the limit, not the child, so their children are not judged again. A receiver
+    whose receiving parent has no rate yet is not judged.
     """
     if factor <= 0 or not rates:
         return []
@@ -89,21 +82,13 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
             counted[node] = len({child for _, child in part.serve if child in receiving}) if part else 0
         return counted[node]
 
-    slow = set()
+    slow = []
     for node, rate in rates.items():
         # No reference exceeds the fastest receiver or the node's declared rate: most nodes stop here.
-        if node in skip or rate >= factor * max(fastest, expected.get(node, 0.0)):
-            continue
-        part = parts.get(node)
-        if part is None:  # not in the plan (any more): nothing to judge it by
-            continue
-        parents = {f.parent for f in part.fetch}
-        relay = next(iter(parents)) if len(parents) == 1 else None
-        limit = relay in limits and relay in receiving and relay not in skip  # a child demoted under it already
-        if not children(node) and not limit:  # a slow leaf slows no one
+        if node in skip or rate >= factor * max(fastest, expected.get(node, 0.0)) or not children(node):
             continue
         reference, judged = 0.0, True
-        for parent in parents:
+        for parent in {f.parent for f in parts[node].fetch}:
             if parent in receiving:
                 if parent not in rates:
                     judged = False
@@ -116,7 +101,7 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
                 reference = max(reference, (expected.get(node) or fastest) / max(children(parent), 1))
         healthy = reference >= factor * (expected.get(node) or fastest)
         if judged and healthy and rate < factor * reference:
-            slow.add(relay if limit else node)
+            slow.append(node)
     return sorted(slow)
 
 

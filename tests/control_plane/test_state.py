@@ -3,7 +3,6 @@ re-planning on death and bad peers, releases with keep-alive, and the SQLite rou
 
 import dataclasses
 import json
-import logging
 import re
 
 import pytest
@@ -780,26 +779,16 @@ def test_a_later_straggler_is_no_earlier_ones_child():
     active.plan.validate()
 
 
-def test_a_relay_whose_uplink_is_slow_is_demoted_after_its_child_and_the_rest_move_past_it(caplog):
-    """Found in review: w1 received at full rate but sent at a fifth of it; its child w2 was demoted, then w3,
-    which took w2's slot behind w1, was as slow and would have been next, and so on down the chain."""
+def test_two_slow_receivers_side_by_side_are_both_demoted_not_the_relay_above_them():
+    """What a rule blaming a relay whose children are demoted one after another (a slow uplink) got wrong, tried
+    and not kept (docs/benchmarks.md, Stragglers): w2 and w3 slow side by side are stragglers, not w1."""
     state, _, active, held, t = _w2_demoted_in_a_chain_of_six()
-    assert active.demoted == {"w2"} and {a.parent for a in active.parts["w3"].fetch} == {"w1"}
-    with caplog.at_level(logging.WARNING, logger="control_plane.state"):
-        _, later = _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 10e6, "w4": 10e6, "w5": 10e6},
-                             t + 0.125, t + 3.0, held=held, until=lambda: "w1" in active.demoted)
-    # Judged on a window that starts a window after the re-plan: its first is the relays' transition (found in a
-    # netns run: receivers behind a relay that re-connected were demoted on it, one after another).
-    assert later - t >= 2 * 0.4
-    # w1 is the straggler; w2, demoted behind its uplink, is not: it may serve again, and feeds w1 from its free
-    # uplink (the tail's one slot went to it when it was demoted).
-    assert active.demoted == {"w1"}
-    assert {a.parent for a in active.parts["w3"].fetch} == {"w0"}  # past w1
-    assert {a.parent for a in active.parts["w1"].fetch} == {"w2"}
-    assert not {a.parent for part in active.parts.values() for a in part.fetch} & active.demoted
-    assert "w0" not in active.limits  # w1's own uplink was the limit, not w0's
-    assert any("straggler node=w1" in m and "its uplink is the limit" in m for m in caplog.messages)
-    active.plan.validate()
+    rates = {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 10e6, "w4": 50e6, "w5": 50e6}
+    held, later = _progress(state, rates, t + 0.125, t + 3.0, held=held, until=lambda: len(active.demoted) > 1)
+    assert active.demoted == {"w2", "w3"} and {a.parent for a in active.parts["w4"].fetch} == {"w1"}
+    _progress(state, rates, later + 0.125, later + 2.0, held=held)  # w4 behind w1 at full rate: w1 stays
+    assert active.demoted == {"w2", "w3"}
+
 
 def test_a_bad_peer_reports_child_does_not_move_behind_a_demoted_straggler():
     state, result, active, _, t = _w2_demoted_in_a_chain_of_six()

@@ -93,29 +93,6 @@ def test_after_one_demotion_under_a_source_its_next_child_is_not_judged_again():
     assert find_stragglers(plan.parts(), rates, set(rates), declared, factor=0.5, limits={"store"}) == []
 
 
-def test_a_relay_whose_uplink_is_slow_is_demoted_once_its_next_child_is_as_slow():
-    """Found in review: a relay that received at full rate but sent slowly (an egress cap) got its child demoted,
-    then the next child that took the slot, one after another, each as slow behind it, and never itself."""
-    plan = chain(6)
-    fast, slow = 50 * MB, 12 * MB
-    rates = {"w1": fast, "w2": fast, "w3": slow, "w4": slow, "w5": slow, "w6": slow}  # w2 sends at a quarter
-    receiving = set(rates)
-    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5) == ["w3"]  # child or uplink: unknown
-    after = demote(plan, {"w3"}, held={}, sources=["store"], num_blocks=4)
-    assert {a.parent for a in after.assignments["w4"]} == {"w2"}
-    rates["w3"] = fast  # now fed by the tail... which w2's uplink still slows; the next child is as slow
-    assert find_stragglers(after.parts(), rates, receiving, {}, factor=0.5, skip={"w3"}, limits={"w2"}) == ["w2"]
-    # Behind a relay that lost a child for its own slowness, a healthy next child keeps it in place, and a slow
-    # leaf under it points at the relay too.
-    rates |= dict.fromkeys(["w4", "w5", "w6"], fast)
-    assert find_stragglers(after.parts(), rates, receiving, {}, factor=0.5, skip={"w3"}, limits={"w2"}) == []
-    # A rate reported for a node with no part (left the plan meanwhile) is nothing to judge by.
-    assert find_stragglers(after.parts(), {"w1": fast, "w9": slow}, {"w1", "w9"}, {}, factor=0.5, limits={"w2"}) == []
-    leaf = chain(3)
-    rates = {"w1": fast, "w2": fast, "w3": slow}
-    assert find_stragglers(leaf.parts(), rates, set(rates), {}, factor=0.5) == []
-    assert find_stragglers(leaf.parts(), rates, set(rates), {}, factor=0.5, limits={"w2"}) == ["w2"]
-
 def test_a_holder_feeding_several_children_shares_the_declared_rate():
     plan = make_plan("tree", ["store"], ["w1", "w2", "w3", "w4", "w5", "w6"], 2, fanout=2)
     parts = plan.parts()
