@@ -317,8 +317,7 @@ async def _drive(spec: DriverSpec, seen: Observed) -> None:
 
 
 async def _watch(cp, package_id: str, blocks: int, spec: DriverSpec, t0: float, seen: Observed) -> None:
-    """Until every receiver but the killed one holds every block: when each did, and who was demoted (as the plan
-    last had it)."""
+    """Until every receiver but the killed one holds every block: when each did, and who was demoted."""
     required = set(spec.receivers) - {spec.killed}
     polls = 0
     while True:
@@ -328,11 +327,9 @@ async def _watch(cp, package_id: str, blocks: int, spec: DriverSpec, t0: float, 
             if len(view.by_worker.get(node, ())) == blocks:
                 seen.complete[node] = now
         if polls % PLAN_POLL_EVERY == 0 or required <= set(seen.complete):
-            # a plan is gone once every receiver holds the package: poll it while it runs. Its demoted as it last
-            # had them: a child demoted behind a relay found to be the limit after it is no longer (an uplink cap)
-            plans = await cp.list_plans(package_id)
-            if plans:
-                seen.demoted = {node for plan in plans for node in plan.demoted}
+            # a plan is gone once every receiver holds the package: poll it while it runs
+            for plan in await cp.list_plans(package_id):
+                seen.demoted.update(plan.demoted)
         if required <= set(seen.complete):
             return
         if now > spec.deadline_s:
