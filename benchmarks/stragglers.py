@@ -133,6 +133,11 @@ class StragglersConfig:
     def killed_node(self) -> str | None:
         return worker_names(self.workers)[self.kill_position - 1] if self.kill_position else None
 
+    @property
+    def receive_factor(self) -> float:
+        """The slow receiver's downlink as a share of the link: slowed only out, it receives at B."""
+        return self.slow_factor if self.slow_direction == "both" else 1.0
+
     def deadline_s(self, package_bytes: int) -> float:
         """How long a run's transfer may take before it is declared stuck."""
         slow = self.link_mbit * self.slow_factor
@@ -176,7 +181,7 @@ def summarize(config: StragglersConfig, mode: str, repeat: int, package_bytes: i
     floor = floor_seconds(package_bytes, config.link_mbit, config.link_mbit)
     others_max = max(complete[w] for w in others) if all(w in complete for w in others) else None
     factor = 1.0 if mode == NONE else config.slow_factor
-    slow_mbit = config.link_mbit * (factor if config.slow_direction == "both" else 1)  # it receives at this
+    slow_mbit = config.link_mbit * (1.0 if mode == NONE else config.receive_factor)  # what it receives at
     return RunResult(mode=mode, repeat=repeat, workers=config.workers, link_mbit=config.link_mbit,
                      slow_position=config.slow_position, slow_factor=factor, kill_position=config.kill_position,
                      floor_seconds=floor, slow_floor_seconds=floor_seconds(package_bytes, slow_mbit, slow_mbit),
@@ -426,8 +431,7 @@ def run(config: StragglersConfig, workdir: Path, progress: Progress = NO_PROGRES
         "workers": config.workers, "link_mbit": config.link_mbit, "slow_position": config.slow_position,
         "slow_node": config.slow_node, "slow_factor": config.slow_factor, "slow_direction": config.slow_direction,
         "killed_node": config.killed_node, "kill_after_s": config.kill_after_s, "floor_seconds": floor,
-        # Slowed only out, it receives at B: its own floor is everyone's.
-        "slow_floor_seconds": floor / (config.slow_factor if config.slow_direction == "both" else 1),
+        "slow_floor_seconds": floor / config.receive_factor,
         "target_ratio": TARGET_RATIO,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     hosts = [STORE, CONTROL, DRIVER, *worker_names(config.workers)]

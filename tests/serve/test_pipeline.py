@@ -957,17 +957,9 @@ async def test_closing_a_session_passes_over_a_dead_stage_to_the_stages_after_it
         return web.json_response({"closed": closes[-1]["session"]})
 
     async with _stage_server("/v1/stage/close", stage_close) as (url, client):
-        dead, tail = Hop(f"http://127.0.0.1:{_closed_port()}", range(3, 6)), Hop(url, range(6, 9))
+        dead, tail = Hop(f"http://127.0.0.1:{free_ports(1)[0]}", range(3, 6)), Hop(url, range(6, 9))
         await client.close_sessions((dead, tail), "s")
         assert closes == [{"session": "s", "next": []}]
         await client.close_sessions((tail, dead), "t")  # taken by the first: it passes the close on itself
         assert closes[1:] == [{"session": "t", "next": [dead.to_json()]}]
 
-
-def _closed_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
