@@ -98,6 +98,9 @@ class Settings(BaseSettings):
                                           "packages together take at most the largest share")
     connect_timeout_s: float = Field(5.0, gt=0, description="deadline of a connection to a peer")
     io_timeout_s: float = Field(10.0, gt=0, description="longest silence tolerated from a peer mid-transfer")
+    io_min_rate_mbit: float = Field(0.1, ge=0, description="over TCP, a peer mid-transfer that sends less than this "
+                                                            "over an io_timeout_s is dropped as stale, as a silent "
+                                                            "one is (0: silence only)")
     agent_fetch_concurrency: int = Field(4, ge=1, description="parents a node fetches from at once")
     agent_relay_bytes: int = Field(256 << 10, ge=0, description="over TCP a relay passes a chunk on in pieces this "
                                                                 "big as they arrive, its last byte once verified "

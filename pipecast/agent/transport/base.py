@@ -259,6 +259,7 @@ class Transport(ABC):
         self.auth = auth if auth is not None else PeerAuth.from_token(node_id, settings.auth_token)
         self.connect_timeout_s = settings.connect_timeout_s
         self.io_timeout_s = settings.io_timeout_s
+        self.io_min_rate_mbit = settings.io_min_rate_mbit
         self.idle_timeout_s = settings.agent_idle_timeout_s
         self.max_connections = settings.agent_max_connections
         self.max_connections_per_address = settings.agent_max_connections_per_address

@@ -140,13 +140,18 @@ class _ClientProtocol(asyncio.BufferedProtocol):
     """Receive side of a channel: parses headers, lands chunks in the sink's buffers, keeps deadlines."""
 
     def __init__(self, peer: str, io_timeout_s: float, stats: TransportStats, have_key: bool,
-                 relay_bytes: int = 0) -> None:
+                 relay_bytes: int = 0, min_rate: float = 0.0) -> None:
         self.peer = peer
         self._have_key = have_key
         self._relay_bytes = relay_bytes  # the sink hears of a chunk's progress every this many bytes (0: never)
         self._in_chunk = False  # the target is a chunk's buffer
         self.closed_idle = False  # the peer closed the connection while no request was outstanding
         self._io_timeout_s = io_timeout_s
+        # A request's answer must bring this many bytes in each io_timeout_s window (our own pauses left out):
+        # a peer trickling a byte now and then is never silent, yet would hold the fetch for hours.
+        self._window_min_bytes = min_rate * io_timeout_s
+        self._window_start = 0.0
+        self._window_bytes = 0
         self._stats = stats
         self._ingress: Pacer | None = None  # the request's (its package's priority and the host's)
         self._loop = asyncio.get_running_loop()
@@ -170,6 +175,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._filled += nbytes
+        self._window_bytes += nbytes
         self._last_rx = self._loop.time()
         if (self._in_chunk and self._relay_bytes and self._filled < len(self._target)
                 and self._filled // self._relay_bytes > (self._filled - nbytes) // self._relay_bytes):
@@ -179,7 +185,8 @@ class _ClientProtocol(asyncio.BufferedProtocol):
             delay = self._ingress.take(nbytes)
             if delay > 0:
                 self.transport.pause_reading()
-                self._last_rx += delay  # our own pause is not the peer's silence
+                self._last_rx += delay  # our own pause is not the peer's silence, nor its slowness
+                self._window_start += delay
                 self._loop.call_later(delay, self._resume_reading)
         if self._filled == len(self._target):
             try:
@@ -209,7 +216,8 @@ class _ClientProtocol(asyncio.BufferedProtocol):
             raise RuntimeError(f"channel to {self.peer} already has a request in flight")
         self.request = request
         self._ingress = ingress
-        self._last_rx = self._loop.time()
+        self._last_rx = self._window_start = self._loop.time()
+        self._window_bytes = 0
         self._arm_watchdog()
         self.transport.write(message)
 
@@ -243,16 +251,27 @@ class _ClientProtocol(asyncio.BufferedProtocol):
     def _arm_watchdog(self) -> None:
         if self._watchdog:
             self._watchdog.cancel()
-        self._watchdog = self._loop.call_at(self._last_rx + self._io_timeout_s, self._check_silence)
+        due = self._last_rx
+        if self._window_min_bytes > 0:
+            due = min(due, self._window_start)
+        self._watchdog = self._loop.call_at(due + self._io_timeout_s, self._check_deadlines)
 
-    def _check_silence(self) -> None:
+    def _check_deadlines(self) -> None:
         if self.request is None:
             return
-        if self._loop.time() - self._last_rx >= self._io_timeout_s:
-            self._fail(PeerTimeoutError(self.peer, f"silent for {self._io_timeout_s:g} s while sending "
+        now, timeout = self._loop.time(), self._io_timeout_s
+        if now - self._last_rx >= timeout:
+            self._fail(PeerTimeoutError(self.peer, f"silent for {timeout:g} s while sending "
                                                    f"{self.request.describe()}"))
-        else:
-            self._arm_watchdog()
+            return
+        if self._window_min_bytes > 0 and now - self._window_start >= timeout:
+            if self._window_bytes < self._window_min_bytes:
+                self._fail(PeerTimeoutError(self.peer, f"sent {self._window_bytes} bytes in {timeout:g} s while "
+                                                       f"sending {self.request.describe()}, fewer than the "
+                                                       f"{self._window_min_bytes:.0f} its minimum rate asks for"))
+                return
+            self._window_start, self._window_bytes = now, 0
+        self._arm_watchdog()
 
     # parsing
 
@@ -713,7 +732,8 @@ class TcpTransport(Transport):
         """A new connection to ``address``, through the hello when this node has a data-plane key."""
         host, port = split_address(address)
         key = self.auth.key
-        protocol = _ClientProtocol(peer, self.io_timeout_s, self.stats, bool(key), self.relay_bytes)
+        protocol = _ClientProtocol(peer, self.io_timeout_s, self.stats, bool(key), self.relay_bytes,
+                                   self.io_min_rate_mbit * 1e6 / 8)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):

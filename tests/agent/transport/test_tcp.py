@@ -142,6 +142,55 @@ async def test_silent_peer_raises_a_timeout_naming_it_within_the_deadline(packag
         store.close()
 
 
+async def trickle_first_chunk(manifest: Manifest, data: bytes, *, piece: int, every_s: float,
+                              **overrides) -> tuple[PeerError, float, bool]:
+    """Fetch block 0 from a raw peer that sends its first chunk (``data``: its bytes) ``piece`` bytes every
+    ``every_s``, then nothing: what the fetch raised, how long it took, whether the first chunk landed."""
+
+    async def trickle(reader, writer):
+        await reader.read(1 << 16)
+        writer.write(TCP_HEADER.pack(Header(CHUNK_MESSAGE, 0, 0, CHUNK)))
+        for start in range(0, CHUNK, piece):
+            writer.write(data[start:start + piece])
+            await writer.drain()
+            await asyncio.sleep(every_s)
+        await asyncio.sleep(30)  # the next chunk never comes: the fetch ends on the silence deadline
+
+    server, address = await raw_server(trickle)
+    store = receiving_store(manifest)
+    started = time.monotonic()
+    try:
+        channel = await TcpTransport("rx", settings(**overrides)).connect(address, "trickle")
+        with pytest.raises(PeerError) as caught:
+            await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 10)
+        return caught.value, time.monotonic() - started, store.is_chunk_present(0, 0)
+    finally:
+        server.close()
+        store.close()
+
+
+async def test_a_peer_trickling_bytes_is_dropped_once_below_the_minimum_rate(package):
+    """Found in review: a peer sending a byte now and then was never silent for io_timeout_s, so a fetch from it
+    went on for hours; a window of io_timeout_s that brings fewer bytes than io_min_rate_mbit asks for ends it."""
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)[:CHUNK]
+    # 0.03 Mbit/s asks for 1,125 bytes in each 0.3 s window; 16 bytes every 20 ms bring about 240.
+    caught, took, landed = await trickle_first_chunk(manifest, data, piece=16, every_s=0.02, io_min_rate_mbit=0.03)
+    assert isinstance(caught, PeerTimeoutError) and took < 2 * IO_TIMEOUT_S + 1.0 and not landed
+    assert re.fullmatch(rf"peer trickle: sent \d+ bytes in {IO_TIMEOUT_S:g} s while sending block 0 \(chunk 0 of "
+                        rf"\d+\), fewer than the 1125 its minimum rate asks for", str(caught)), str(caught)
+
+
+async def test_a_slow_peer_above_the_minimum_rate_and_one_with_no_minimum_are_kept(package):
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)[:CHUNK]
+    for rate, piece in ((0.03, 8 << 10), (0, 4 << 10)):  # 8 KiB / 20 ms: ~120 KiB per window; no minimum
+        caught, _, landed = await trickle_first_chunk(manifest, data, piece=piece, every_s=0.02,
+                                                      io_min_rate_mbit=rate)
+        # The first chunk lands; the fetch ends only on the silence after it.
+        assert landed and str(caught).startswith("peer trickle: silent for"), (rate, caught)
+
+
 async def test_peer_closing_mid_block_raises_closed_naming_it(package):
     _, manifest = package
 
