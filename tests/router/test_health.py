@@ -108,14 +108,19 @@ async def test_a_vllm_metrics_page_of_many_tcp_segments_is_read_whole():
         return await answer_in_pieces(request, page.encode() if request.path == "/metrics" else b"", "text/plain")
 
     async with worker_app(dict.fromkeys(("/health", "/v1/models", "/metrics"), answer)) as (url, pool):
-        async with aiohttp.ClientSession() as session:
-            monitor = HealthMonitor(pool, session, interval_s=10.0, timeout_s=5.0)
-            monitor.sync([url], {url: "vllm"})
-            await monitor.poll(url)
-            await monitor.close()
+        await poll_vllm_once(url, pool, timeout_s=5.0)
     worker = pool.get(url)
     assert (worker.status, worker.problem) == ("ready", ""), worker.problem
     assert (worker.health.queue_depth, worker.health.running) == (3, 2)
+
+
+async def poll_vllm_once(url: str, pool: WorkerPool, *, timeout_s: float) -> None:
+    """One health poll of the vLLM worker at ``url`` (the monitor's own timer far off), its result in ``pool``."""
+    async with aiohttp.ClientSession() as session:
+        monitor = HealthMonitor(pool, session, interval_s=10.0, timeout_s=timeout_s)
+        monitor.sync([url], {url: "vllm"})
+        await monitor.poll(url)
+        await monitor.close()
 
 
 def metrics_with(waiting: str) -> str:
@@ -232,10 +237,6 @@ async def test_a_vllm_worker_naming_no_usable_model_is_down(model_id):
     """Found in review: a model id that was not text was stored, and the router's GET /v1/models failed (500) for
     every client."""
     async with vllm_worker([VLLM_METRICS], model_id) as (url, pool):
-        async with aiohttp.ClientSession() as session:
-            monitor = HealthMonitor(pool, session, interval_s=10.0, timeout_s=2.0)
-            monitor.sync([url], {url: "vllm"})
-            await monitor.poll(url)
-            await monitor.close()
+        await poll_vllm_once(url, pool, timeout_s=2.0)
     worker = pool.get(url)
     assert (worker.status, worker.problem) == ("down", f"worker {url}: /v1/models names no model")
