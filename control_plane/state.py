@@ -116,6 +116,10 @@ class ActivePlan:
     demoted: set[str] = field(default_factory=set)  # receivers found straggling and moved aside (judged once)
     limits: set[str] = field(default_factory=set)  # senders a straggler was demoted under (see find_stragglers)
     checked_at: float = float("-inf")  # when it was last looked at for stragglers
+    # Re-planned since it was last looked at, and until when its receivers' rates are not judged: the first window
+    # after a change is a transition (relays re-connect and resume), not a rate.
+    changed: bool = False
+    settle_until: float | None = None
 
 
 @dataclass(frozen=True)
@@ -489,8 +493,19 @@ class ControlState:
                 self._find_stragglers(active, now)
 
     def _find_stragglers(self, active: ActivePlan, now: float) -> None:
-        """Demote the receivers of ``active`` that straggle (:mod:`control_plane.planner.stragglers`)."""
+        """Demote the receivers of ``active`` that straggle (:mod:`control_plane.planner.stragglers`); after a
+        re-plan, only on the rates of a window that starts a window later."""
         policy, package_id = self.stragglers, active.package_id
+        if active.changed:
+            active.changed, active.settle_until = False, now + policy.window_s
+            return
+        if active.settle_until is not None:
+            if now < active.settle_until:
+                return
+            active.settle_until = None
+            for node in active.pending:
+                self.progress.pop((package_id, node), None)
+            return
         rates = {}
         for node in active.pending:
             samples = self.progress.get((package_id, node))
@@ -507,15 +522,19 @@ class ControlState:
             return
         package = self.packages[package_id]
         held = dict(self.availability[package_id].by_worker)
+        parents = {node: {f.parent for f in active.parts[node].fetch} for node in slow}
+        # Relays demoted as the limit of their children: their uplink, not their parents', was slow (the last leaves).
+        relays = {parent for node in slow for parent in parents[node] if parent in slow and parent in active.limits}
         plan = demote(active.plan, slow, held=held, sources=active.plan.sources, num_blocks=package.num_blocks,
-                      labels=self._labels(set(active.parts) | set(held)), demoted=active.demoted)
+                      labels=self._labels(set(active.parts) | set(held)), demoted=active.demoted, last=relays)
         for node in slow:
-            log.warning("straggler node=%s plan=%s package=%s: receiving %.1f Mbit/s; its children move to "
-                        "faster parents and it becomes a leaf", node, active.plan_id, package_id,
-                        rates[node] * 8 / 1e6)
+            why = ("its children got a fraction of its own %.1f Mbit/s one after another: its uplink is the limit"
+                   if node in relays else "receiving %.1f Mbit/s")
+            log.warning("straggler node=%s plan=%s package=%s: " + why + "; its children move to faster parents and "
+                        "it becomes a leaf", node, active.plan_id, package_id, rates[node] * 8 / 1e6)
         active.demoted.update(slow)
-        active.limits.update(f.parent for node in slow for f in active.parts[node].fetch
-                             if f.parent not in active.pending)
+        active.limits.update(parent for node in slow if node not in relays and not parents[node] & relays
+                             for parent in parents[node])
         active.replans += 1
         self.replan_count += 1
         self._install(active, plan)
@@ -668,6 +687,7 @@ class ControlState:
         active = ActivePlan(uuid.uuid4().hex[:12], package_id, plan, draft.fanout, now, version=0)
         active.pending = {n for n in plan.assignments if not availability.is_complete(n)}
         self._install(active, plan)
+        active.changed = False  # a new plan: nothing to settle from
         log.info("scale-up plan=%s package=%s strategy=%s sources=%d source_slots=%d receivers=%d", active.plan_id,
                  package_id, draft.strategy, len(draft.sources), sum(draft.links.get(s, 1) for s in draft.sources),
                  len(receivers))
@@ -991,9 +1011,10 @@ class ControlState:
             parts = {node: part for node, part in old.items() if node not in changed}
             parts.update(parts_of(plan, changed, old))
         # Every receiver's rate so far was under the old plan (its parents', or its parents' parents', now
-        # differ): measured afresh from now on.
+        # differ): measured afresh once the change settled.
         for node in active.pending:
             self.progress.pop((active.package_id, node), None)
+        active.changed = True
         for node in changed:
             if node in old and node not in parts:
                 self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))

@@ -32,7 +32,9 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     the block or fetches the same unit earlier in the new plan, one in the receiver's rack first, else the
     least loaded source (same rack first). Never a dead parent, never a cycle, never a unit fetched of a
     block that is already held. Non-source nodes serving blocks they hold are listed in the new plan's
-    ``held``. ``leaves`` (demoted stragglers) are nobody's parent: neither kept nor taken as one.
+    ``held``. ``leaves`` (demoted stragglers) are no one's parent but a later leaf's: never kept as one nor
+    given a slot; a leaf that finds no free slot fetches the unit from the receiver that fetches it latest
+    before it (in a chain the tail, then the leaves one behind the other), not from a source.
     """
     dead, sources = set(dead), tuple(sources)
     source_set = set(sources)
@@ -69,8 +71,10 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     layout = [(b, chunks) for b in range(num_blocks or 0) for chunks in (units or {}).get(b, (None,))]
     for q, rx in enumerate(joined):
         have = holds.get(rx, ())
-        missing = [(b, chunks) for b, chunks in layout if b not in have]
-        needs.extend((after + i * len(joined) + q, rx, b, chunks, None) for i, (b, chunks) in enumerate(missing))
+        # By the unit's place in the layout, not in what the receiver misses: each unit's joined fetches in
+        # ``joined`` order, however many blocks each holds already.
+        needs.extend((after + i * len(joined) + q, rx, b, chunks, None) for i, (b, chunks) in enumerate(layout)
+                     if b not in have)
     needs.sort(key=itemgetter(0, 1))
     scheduled: UnitIndex[int] = UnitIndex()
     for level, rx, block, chunks, _ in needs:
@@ -99,6 +103,10 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     # most fetches keep their parents, and thousands of complete holders may hold every block.
     stocked: set[tuple[int, Chunks]] = set()
     source_load = dict.fromkeys(sources, 0)
+    # Per unit, the receivers that fetch it, in order: a leaf finding no free slot fetches it from the latest one
+    # before it (in a chain the tail, whose uplink is idle, then the leaves one behind the other), not from a source,
+    # whose link feeds the plan's head (leaves spilling onto the store's one link ran the whole chain at a third).
+    fetchers: dict[tuple[int, Chunks], list[tuple[int, str]]] = {}
     serving: dict[str, set[int]] = {}
     assignments: dict[str, list[Fetch[str]]] = {}
     for kept_parent, (level, rx, block, chunks, old) in zip(keep, needs):
@@ -119,6 +127,8 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
                 pool.add_first([(node, fanout - kept.get((node, block, chunks), 0)) for node in holders.get(block, ())],
                                time=-1)
             parent = pool.take(rack(rx), before=level)
+        if parent is None and rx in leaves:
+            parent = next((node for then, node in reversed(fetchers.get((block, chunks), ())) if then < level), None)
         if parent is None:
             mine = rack(rx)
             near = [s for s in sources if mine is not None and rack(s) == mine] or sources
@@ -128,8 +138,9 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
         elif block in holds.get(parent, ()):
             serving.setdefault(parent, set()).add(block)
         assignments.setdefault(rx, []).append(Fetch(block, parent, chunks))
-        # A leaf gets no spare slot: a straggler would slow down whoever fetched from it.
+        # A leaf gets no spare slot: a straggler would slow down whoever fetched from it (but a later leaf).
         pool.add(rx, 0 if rx in leaves else fanout - kept.get((rx, block, chunks), 0), time=level)
+        fetchers.setdefault((block, chunks), []).append((level, rx))
     return Plan(plan.strategy, sources, assignments,
                 {node: tuple(sorted(blocks)) for node, blocks in serving.items()})
 
@@ -432,7 +443,7 @@ def repair(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     (:func:`repair_deaths`: their children go to holders of the block, or to a source; ``parts``, the plan's,
     make that faster); a dead source means a re-plan from the ``sources`` left (:func:`replan`) in a plan of up
     to that size, a repair in place beyond. ``leaves`` (demoted stragglers) get no children in a re-plan
-    (:func:`replan`)."""
+    but later leaves (:func:`replan`)."""
     dead = set(dead)
     if len(plan.assignments) <= INLINE_REPLAN_MAX_RECEIVERS:
         if dead & set(plan.sources):

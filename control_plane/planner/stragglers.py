@@ -12,6 +12,15 @@ serves others is demoted (a slow leaf slows no one): its first child per unit ta
 others go to nodes with a free slot, and it fetches what it misses last, from nodes whose uplinks have room (in
 a chain the tail), so everyone but the straggler runs at the link rate.
 
+A relay whose uplink, not its downlink, is slow (an egress cap, a send queue in trouble) receives at full rate
+and its child does not: the child is judged first, as in a chain nothing tells a slow child from a slow parent's
+uplink. Once a child was demoted under a receiving relay, the relay is one of the ``limits``: when its next child
+(the one that took the demoted child's slot) is as slow, both are demoted. Whichever of them was slow, it is out
+of the middle, where demoting the relay alone would leave a slow child there. Leaves that find no free slot
+fetch behind the tail one after another (not from a source, whose link feeds the head), the blamed relay last:
+behind a slow uplink's children (healthy) the leaves run at the link rate; two slow receivers side by side cost
+the healthy relay above them their rate, as the last leaf, and no one else.
+
 A straggler at the head of a plan whose nodes declare no link rate is not found: every node behind it is as
 slow, so nothing tells its rate from the link's.
 """
@@ -67,9 +76,10 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
     ``parts``: each node's part in the plan; ``rates``: measured receive rates (bytes/s) of the receivers
     still receiving that have one; ``receiving``: every receiver still missing blocks; ``expected``: declared
     link rates (bytes/s) per node, where known; ``skip``: nodes never demoted again (demoted already);
-    ``limits``: sources and holders that a child of theirs was demoted under already: if the next child is
-    as slow, the sender is the limit, not the child, so their children are not judged again. A receiver
-    whose receiving parent has no rate yet is not judged.
+    ``limits``: senders that a child of theirs was demoted under already: if the next child is as slow, the
+    sender may be the limit, not the child. A source or holder cannot be moved out of the way, so its children
+    are not judged again; a receiving relay is demoted with its slow child (a slow leaf's too), where it is the
+    child's only parent. A receiver whose receiving parent has no rate yet is not judged.
     """
     if factor <= 0 or not rates:
         return []
@@ -82,13 +92,18 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
             counted[node] = len({child for _, child in part.serve if child in receiving}) if part else 0
         return counted[node]
 
-    slow = []
+    slow = set()
     for node, rate in rates.items():
         # No reference exceeds the fastest receiver or the node's declared rate: most nodes stop here.
-        if node in skip or rate >= factor * max(fastest, expected.get(node, 0.0)) or not children(node):
+        if node in skip or rate >= factor * max(fastest, expected.get(node, 0.0)):
+            continue
+        parents = {f.parent for f in parts[node].fetch}
+        relay = next(iter(parents)) if len(parents) == 1 else None
+        limit = relay in limits and relay in receiving and relay not in skip  # a child demoted under it already
+        if not children(node) and not limit:  # a slow leaf slows no one
             continue
         reference, judged = 0.0, True
-        for parent in {f.parent for f in parts[node].fetch}:
+        for parent in parents:
             if parent in receiving:
                 if parent not in rates:
                     judged = False
@@ -101,19 +116,20 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
                 reference = max(reference, (expected.get(node) or fastest) / max(children(parent), 1))
         healthy = reference >= factor * (expected.get(node) or fastest)
         if judged and healthy and rate < factor * reference:
-            slow.append(node)
+            slow.update((node, relay) if limit else (node,))
     return sorted(slow)
 
 
 def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[int]], sources: Sequence[str],
            num_blocks: int, labels: Mapping[str, Mapping[str, str]] | None = None,
-           demoted: Collection[str] = ()) -> Plan:
+           demoted: Collection[str] = (), last: Collection[str] = ()) -> Plan:
     """``plan`` with the ``slow`` receivers out of the middle: their first children per unit fetch it from the
     nodes the slow ones fetched it from (:func:`splice`), their other children from other nodes with a free
     slot for the unit (no sender gets more children for a unit than the plan gives any: :func:`unit_fanout`),
     and the slow ones fetch what they miss (in the plan's own units) last, each from a node with a free slot
-    for the unit (or a source), so that none of them, nor any of the plan's receivers ``demoted`` earlier, is
-    anyone's parent. ``held``: verified blocks per node."""
+    for the unit, else from the leaf before it (in a chain: the tail, then one behind the other; ``last`` join
+    the end), so that none of them, nor any of the plan's receivers ``demoted`` earlier, is the parent of
+    anyone but a leaf. ``held``: verified blocks per node."""
     slow = set(slow)
     others = {node: blocks for node, blocks in held.items() if node not in slow}
     fanout = unit_fanout(plan)
@@ -121,9 +137,9 @@ def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[i
     leaves = slow | set(demoted)
     without = replan(splice(plan, slow), dead=slow, held=others, sources=sources, labels=labels, fanout=fanout,
                      leaves=leaves)
-    return replan(without, dead=(), held=held, sources=sources, labels=labels, fanout=fanout,
-                  joined=sorted(slow & plan.assignments.keys()), num_blocks=num_blocks, units=unit_layout(plan),
-                  leaves=leaves)
+    joined = sorted(slow & plan.assignments.keys(), key=lambda node: (node in last, node))
+    return replan(without, dead=(), held=held, sources=sources, labels=labels, fanout=fanout, joined=joined,
+                  num_blocks=num_blocks, units=unit_layout(plan), leaves=leaves)
 
 
 def unit_layout(plan: Plan) -> dict[int, tuple]:

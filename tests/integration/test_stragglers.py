@@ -52,3 +52,18 @@ def test_the_slow_receiver_alone_is_demoted_and_the_others_finish_well_before_it
     assert r.demoted == [slow], f"demoted {r.demoted}: only {slow} is slow"
     # behind the slow receiver in a plan that kept it a relay, the others would finish with it
     assert r.others_max_seconds < 0.7 * r.slow_seconds, format_report(report)
+
+
+def test_a_relay_whose_uplink_alone_is_slow_leaves_the_middle(package, tmp_path):
+    """The third receiver receives at the link rate but sends at a quarter of it (an egress cap). Its child is the
+    first found slow, as in a chain a slow child cannot be told from a slow parent's uplink; the next child behind
+    it is as slow, so the relay is demoted with it, and the leaves fetch behind the tail, the relay last."""
+    config = StragglersConfig(package=package, workers=8, link_mbit=LINK_MBIT, slow_position=SLOW_POSITION,
+                              slow_factor=0.25, slow_direction="up", modes=(HANDLED,), mode="netns")
+    report = run(config, tmp_path / "work")
+    print(format_report(report))
+    [r] = report.results
+    assert r.error == "" and set(worker_names(8)) <= set(r.complete)
+    assert config.slow_node in r.demoted, f"demoted {r.demoted}: {config.slow_node}'s uplink is slow"
+    # behind its uplink the others would take 4x S/B
+    assert r.others_ratio_to_floor < 2.5, format_report(report)

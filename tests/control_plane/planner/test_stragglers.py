@@ -93,6 +93,27 @@ def test_after_one_demotion_under_a_source_its_next_child_is_not_judged_again():
     assert find_stragglers(plan.parts(), rates, set(rates), declared, factor=0.5, limits={"store"}) == []
 
 
+def test_the_next_slow_child_of_a_relay_that_lost_one_is_demoted_with_the_relay():
+    """Found in review: a relay that received at full rate but sent slowly (an egress cap) got its child demoted,
+    then the next child that took the slot, one after another, each as slow behind it, and never itself."""
+    plan = chain(6)
+    fast, slow = 50 * MB, 12 * MB
+    rates = {"w1": fast, "w2": fast, "w3": slow, "w4": slow, "w5": slow, "w6": slow}  # w2 sends at a quarter
+    receiving = set(rates)
+    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5) == ["w3"]  # child or uplink: unknown
+    after = demote(plan, {"w3"}, held={}, sources=["store"], num_blocks=4)
+    assert {a.parent for a in after.assignments["w4"]} == {"w2"}
+    parts = after.parts()
+    assert find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}, limits={"w2"}) == ["w2", "w4"]
+    # A healthy next child keeps the relay in place; a slow leaf under it points at the relay too.
+    rates |= dict.fromkeys(["w4", "w5", "w6"], fast)
+    assert find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}, limits={"w2"}) == []
+    leaf = chain(3)
+    rates = {"w1": fast, "w2": fast, "w3": slow}
+    assert find_stragglers(leaf.parts(), rates, set(rates), {}, factor=0.5) == []
+    assert find_stragglers(leaf.parts(), rates, set(rates), {}, factor=0.5, limits={"w2"}) == ["w2", "w3"]
+
+
 def test_a_holder_feeding_several_children_shares_the_declared_rate():
     plan = make_plan("tree", ["store"], ["w1", "w2", "w3", "w4", "w5", "w6"], 2, fanout=2)
     parts = plan.parts()
@@ -133,7 +154,10 @@ def test_demoting_a_tree_relay_gives_no_sender_more_children_than_the_plans_fano
     assert set(simulate(new, 2, 1, 1)) == set(new.assignments)  # every receiver finishes
 
 
-def test_stragglers_demoted_together_or_one_after_another_are_nobodys_parents():
+def test_stragglers_demoted_together_or_one_after_another_feed_no_one_but_the_leaf_after_them():
+    """Found measuring a relay with a slow uplink (docs/benchmarks.md, Stragglers): leaves past the tail's one free
+    slot fetched from the store, whose one link feeds the chain's head, and the whole chain ran at a third of it.
+    They fetch behind the tail one after another now, ``last`` at the end."""
     plan = chain(6, blocks=3)
     held = {"store": {0, 1, 2}}
     together = demote(plan, {"w2", "w4"}, held=held, sources=["store"], num_blocks=3)
@@ -141,9 +165,12 @@ def test_stragglers_demoted_together_or_one_after_another_are_nobodys_parents():
     after = demote(once, {"w4"}, held=held, sources=["store"], num_blocks=3, demoted={"w2"})
     for new in (together, after):
         new.validate()
-        assert not {a.parent for fetches in new.assignments.values() for a in fetches} & {"w2", "w4"}
-        assert {a.parent for a in new.assignments["w2"]} | {a.parent for a in new.assignments["w4"]} <= {
-            "w6", "store"}  # the tail's one free slot, else the store
+        assert not {a.parent for rx in ("w1", "w3", "w5", "w6") for a in new.assignments[rx]} & {"w2", "w4"}
+        assert {a.parent for a in new.assignments["w2"]} == {"w6"}  # the tail's one free slot
+        assert {a.parent for a in new.assignments["w4"]} == {"w2"}  # then the leaf before it, not the store
+    relay_last = demote(plan, {"w2", "w4"}, held=held, sources=["store"], num_blocks=3, last={"w2"})
+    assert {a.parent for a in relay_last.assignments["w4"]} == {"w6"}
+    assert {a.parent for a in relay_last.assignments["w2"]} == {"w4"}
 
 
 def test_unit_layout_is_the_plans_own_chunk_ranges():
@@ -160,7 +187,7 @@ def test_unit_layout_is_the_plans_own_chunk_ranges():
 @settings(max_examples=60, deadline=None)
 @given(strategy=st.sampled_from(["chain", "tree", "binomial", "binomial-units"]), n=st.integers(2, 20),
        blocks=st.integers(1, 5), data=st.data())
-def test_demote_keeps_every_unit_and_no_straggler_serves_anyone(strategy, n, blocks, data):
+def test_demote_keeps_every_unit_and_no_straggler_serves_anyone_but_a_later_one(strategy, n, blocks, data):
     receivers = [f"w{i}" for i in range(1, n + 1)]
     if strategy == "binomial-units":
         plan = make_plan("binomial", ["store"], receivers, blocks, chunk_counts=[4] * blocks)
@@ -175,5 +202,5 @@ def test_demote_keeps_every_unit_and_no_straggler_serves_anyone(strategy, n, blo
         needs = {(b, c) for b in range(blocks) if b not in held[rx] for c in layout[b]}
         got = [(a.block, a.chunks) for a in new.assignments.get(rx, ())]
         assert sorted(got, key=str) == sorted(needs, key=str), rx  # every missing unit once, nothing else
-    for rx, fetches in new.assignments.items():  # not even another straggler
-        assert not any(a.parent in slow for a in fetches), rx
+    for rx, fetches in new.assignments.items():
+        assert rx in slow or not any(a.parent in slow for a in fetches), rx
