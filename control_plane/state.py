@@ -114,7 +114,8 @@ class ActivePlan:
     pending: set[str] = field(default_factory=set)
     parts: dict[str, Part] = field(default_factory=dict)
     demoted: set[str] = field(default_factory=set)  # receivers found straggling and moved aside (judged once)
-    limits: set[str] = field(default_factory=set)  # senders a straggler was demoted under (see find_stragglers)
+    limits: set[str] = field(default_factory=set)  # sources, holders a straggler was demoted under (find_stragglers)
+    suspects: set[str] = field(default_factory=set)  # receiving relays a straggler was demoted under (likewise)
     checked_at: float = float("-inf")  # when it was last looked at for stragglers
     # Re-planned since it was last looked at, and until when its receivers' rates are not judged: the first window
     # after a change is a transition (relays re-connect and resume), not a rate.
@@ -517,24 +518,27 @@ class ControlState:
         expected = {node: w.spec.link_mbit * 1e6 / 8 for node in active.parts
                     if (w := self.workers.get(node)) is not None and w.spec.link_mbit > 0}
         slow = find_stragglers(active.parts, rates, active.pending, expected, factor=policy.factor,
-                               skip=active.demoted, limits=active.limits)
+                               skip=active.demoted, limits=active.limits, suspects=active.suspects)
         if not slow:
             return
         package = self.packages[package_id]
         held = dict(self.availability[package_id].by_worker)
         parents = {node: {f.parent for f in active.parts[node].fetch} for node in slow}
         # Relays demoted as the limit of their children: their uplink, not their parents', was slow (the last leaves).
-        relays = {parent for node in slow for parent in parents[node] if parent in slow and parent in active.limits}
+        relays = {parent for node in slow for parent in parents[node] if parent in slow and parent in active.suspects}
         plan = demote(active.plan, slow, held=held, sources=active.plan.sources, num_blocks=package.num_blocks,
-                      labels=self._labels(set(active.parts) | set(held)), demoted=active.demoted, last=relays)
+                      labels=self._labels(set(active.parts) | set(held)), demoted=active.demoted, last=relays,
+                      rates=rates, factor=policy.factor)
         for node in slow:
             why = ("its children got a fraction of its own %.1f Mbit/s one after another: its uplink is the limit"
                    if node in relays else "receiving %.1f Mbit/s")
             log.warning("straggler node=%s plan=%s package=%s: " + why + "; its children move to faster parents and "
                         "it becomes a leaf", node, active.plan_id, package_id, rates[node] * 8 / 1e6)
         active.demoted.update(slow)
-        active.limits.update(parent for node in slow if node not in relays and not parents[node] & relays
-                             for parent in parents[node])
+        for node in slow:
+            if node not in relays and not parents[node] & relays:
+                active.limits.update(parents[node] - active.pending)
+                active.suspects.update(parents[node] & active.pending)
         active.replans += 1
         self.replan_count += 1
         self._install(active, plan)

@@ -9,7 +9,7 @@ fetches every unit of a block it has not verified, and fetches none of one it ha
 from __future__ import annotations
 
 import collections
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from operator import itemgetter
 
 from control_plane.planner.plan import Chunks, Fetch, Part, Plan, PlanError, UnitIndex, add_serving, check_ids
@@ -19,7 +19,8 @@ from control_plane.planner.racks import ParentPool, rack_of
 def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[int]], sources: Sequence[str],
            labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
            joined: Sequence[str] = (), num_blocks: int | None = None,
-           units: Mapping[int, Sequence[Chunks]] | None = None, leaves: Collection[str] = ()) -> Plan:
+           units: Mapping[int, Sequence[Chunks]] | None = None, leaves: Collection[str] = (),
+           behind: Callable[[str, str], bool] | None = None) -> Plan:
     """A plan for exactly the units each live receiver still misses.
 
     A receiver of ``plan`` still needs its planned units minus those of blocks in ``held`` (verified
@@ -33,8 +34,9 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     least loaded source (same rack first). Never a dead parent, never a cycle, never a unit fetched of a
     block that is already held. Non-source nodes serving blocks they hold are listed in the new plan's
     ``held``. ``leaves`` (demoted stragglers) are no one's parent but a later leaf's: never kept as one nor
-    given a slot; a leaf that finds no free slot fetches the unit from the receiver that fetches it latest
-    before it (in a chain the tail, then the leaves one behind the other), not from a source.
+    given a slot; a leaf that finds no free slot fetches the unit from the latest leaf fetching it before it
+    that ``behind(leaf, that_leaf)`` allows (in a chain the leaves then run one behind the other past the
+    tail, whose one slot the first took), else from a source.
     """
     dead, sources = set(dead), tuple(sources)
     source_set = set(sources)
@@ -103,9 +105,9 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     # most fetches keep their parents, and thousands of complete holders may hold every block.
     stocked: set[tuple[int, Chunks]] = set()
     source_load = dict.fromkeys(sources, 0)
-    # Per unit, the receivers that fetch it, in order: a leaf finding no free slot fetches it from the latest one
-    # before it (in a chain the tail, whose uplink is idle, then the leaves one behind the other), not from a source,
-    # whose link feeds the plan's head (leaves spilling onto the store's one link ran the whole chain at a third).
+    # Per unit, the leaves that fetch it, in order: a leaf finding no free slot fetches it from the latest one before
+    # it, not from a source, whose link feeds the plan's head (leaves spilling onto the store's one link ran the
+    # whole chain at a third of it); never from a receiver that is no leaf (its slots are its children's).
     fetchers: dict[tuple[int, Chunks], list[tuple[int, str]]] = {}
     serving: dict[str, set[int]] = {}
     assignments: dict[str, list[Fetch[str]]] = {}
@@ -127,8 +129,9 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
                 pool.add_first([(node, fanout - kept.get((node, block, chunks), 0)) for node in holders.get(block, ())],
                                time=-1)
             parent = pool.take(rack(rx), before=level)
-        if parent is None and rx in leaves:
-            parent = next((node for then, node in reversed(fetchers.get((block, chunks), ())) if then < level), None)
+        if parent is None and rx in leaves and behind is not None:
+            parent = next((node for then, node in reversed(fetchers.get((block, chunks), ()))
+                           if then < level and behind(rx, node)), None)
         if parent is None:
             mine = rack(rx)
             near = [s for s in sources if mine is not None and rack(s) == mine] or sources
@@ -140,7 +143,8 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
         assignments.setdefault(rx, []).append(Fetch(block, parent, chunks))
         # A leaf gets no spare slot: a straggler would slow down whoever fetched from it (but a later leaf).
         pool.add(rx, 0 if rx in leaves else fanout - kept.get((rx, block, chunks), 0), time=level)
-        fetchers.setdefault((block, chunks), []).append((level, rx))
+        if rx in leaves:
+            fetchers.setdefault((block, chunks), []).append((level, rx))
     return Plan(plan.strategy, sources, assignments,
                 {node: tuple(sorted(blocks)) for node, blocks in serving.items()})
 

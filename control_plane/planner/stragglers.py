@@ -14,12 +14,13 @@ a chain the tail), so everyone but the straggler runs at the link rate.
 
 A relay whose uplink, not its downlink, is slow (an egress cap, a send queue in trouble) receives at full rate
 and its child does not: the child is judged first, as in a chain nothing tells a slow child from a slow parent's
-uplink. Once a child was demoted under a receiving relay, the relay is one of the ``limits``: when its next child
-(the one that took the demoted child's slot) is as slow, both are demoted. Whichever of them was slow, it is out
-of the middle, where demoting the relay alone would leave a slow child there. Leaves that find no free slot
-fetch behind the tail one after another (not from a source, whose link feeds the head), the blamed relay last:
-behind a slow uplink's children (healthy) the leaves run at the link rate; two slow receivers side by side cost
-the healthy relay above them their rate, as the last leaf, and no one else.
+uplink. Once a child was demoted under a receiving relay, the relay is a suspect: when its next child (the one
+that took the demoted child's slot) is as slow, and so is every child it feeds, both are demoted. Whichever of
+them was slow, it is out of the middle, where demoting the relay alone would leave a slow child there. Leaves
+that find no free slot fetch behind the tail one after another (not from a source, whose link feeds the head;
+not behind a leaf at less than ``factor`` x their own rate), the blamed relay last: behind a slow uplink's
+children (healthy) the leaves run at the link rate; two slow receivers side by side cost the healthy relay
+above them their rate, as the last leaf, and no one else.
 
 A straggler at the head of a plan whose nodes declare no link rate is not found: every node behind it is as
 slow, so nothing tells its rate from the link's.
@@ -70,27 +71,40 @@ def receive_rate(samples: Sequence[Sample], *, now: float, window_s: float) -> f
 
 def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], receiving: Collection[str],
                     expected: Mapping[str, float], *, factor: float, skip: Collection[str] = (),
-                    limits: Collection[str] = ()) -> list[str]:
+                    limits: Collection[str] = (), suspects: Collection[str] = ()) -> list[str]:
     """The receivers to demote (sorted), by the module's rule.
 
     ``parts``: each node's part in the plan; ``rates``: measured receive rates (bytes/s) of the receivers
     still receiving that have one; ``receiving``: every receiver still missing blocks; ``expected``: declared
     link rates (bytes/s) per node, where known; ``skip``: nodes never demoted again (demoted already);
-    ``limits``: senders that a child of theirs was demoted under already: if the next child is as slow, the
-    sender may be the limit, not the child. A source or holder cannot be moved out of the way, so its children
-    are not judged again; a receiving relay is demoted with its slow child (a slow leaf's too), where it is the
-    child's only parent. A receiver whose receiving parent has no rate yet is not judged.
+    ``limits``: sources and holders that a child of theirs was demoted under already: if the next child is
+    as slow, the sender is the limit, not the child, so their children are not judged again. ``suspects``:
+    receiving relays a child was demoted under: a relay still receiving whose every receiving child is slow
+    (in a chain, its one child) is demoted with the child, where it is the child's only parent (a slow leaf's
+    too); one with a child at the rate it gives is not the limit. A receiver whose receiving parent has no
+    rate yet is not judged.
     """
     if factor <= 0 or not rates:
         return []
     fastest = max(rates.values())
-    counted: dict[str, int] = {}
+    counted: dict[str, set[str]] = {}
 
-    def children(node: str) -> int:  # receiving children, counted only for the few nodes judged
+    def receivers_of(node: str) -> set[str]:  # receiving children, found only for the few nodes judged
         if node not in counted:
             part = parts.get(node)
-            counted[node] = len({child for _, child in part.serve if child in receiving}) if part else 0
+            counted[node] = {child for _, child in part.serve if child in receiving} if part else set()
         return counted[node]
+
+    def children(node: str) -> int:
+        return len(receivers_of(node))
+
+    def uplink_suspect(relay: str | None) -> bool:
+        """A relay a child was demoted under, still receiving, whose every receiving child gets less than
+        ``factor`` x its share of the relay's own rate."""
+        if relay not in suspects or relay not in receiving or relay in skip or relay not in rates:
+            return False
+        share = rates[relay] / max(children(relay), 1)
+        return all(rates.get(child, 0.0) < factor * share for child in receivers_of(relay))
 
     slow = set()
     for node, rate in rates.items():
@@ -99,7 +113,7 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
             continue
         parents = {f.parent for f in parts[node].fetch}
         relay = next(iter(parents)) if len(parents) == 1 else None
-        limit = relay in limits and relay in receiving and relay not in skip  # a child demoted under it already
+        limit = uplink_suspect(relay)
         if not children(node) and not limit:  # a slow leaf slows no one
             continue
         reference, judged = 0.0, True
@@ -122,14 +136,16 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
 
 def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[int]], sources: Sequence[str],
            num_blocks: int, labels: Mapping[str, Mapping[str, str]] | None = None,
-           demoted: Collection[str] = (), last: Collection[str] = ()) -> Plan:
+           demoted: Collection[str] = (), last: Collection[str] = (), rates: Mapping[str, float] | None = None,
+           factor: float = StragglerPolicy.factor) -> Plan:
     """``plan`` with the ``slow`` receivers out of the middle: their first children per unit fetch it from the
     nodes the slow ones fetched it from (:func:`splice`), their other children from other nodes with a free
     slot for the unit (no sender gets more children for a unit than the plan gives any: :func:`unit_fanout`),
     and the slow ones fetch what they miss (in the plan's own units) last, each from a node with a free slot
-    for the unit, else from the leaf before it (in a chain: the tail, then one behind the other; ``last`` join
-    the end), so that none of them, nor any of the plan's receivers ``demoted`` earlier, is the parent of
-    anyone but a leaf. ``held``: verified blocks per node."""
+    for the unit, else from the leaf before it (in a chain: past the tail, one behind the other, ``last`` at the
+    end) unless that leaf receives at less than ``factor`` x its own rate (``rates``, measured; ``last`` follow
+    any), else from a source; so that none of them, nor any of the plan's receivers ``demoted`` earlier, is the
+    parent of anyone but a leaf. ``held``: verified blocks per node."""
     slow = set(slow)
     others = {node: blocks for node, blocks in held.items() if node not in slow}
     fanout = unit_fanout(plan)
@@ -138,8 +154,13 @@ def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[i
     without = replan(splice(plan, slow), dead=slow, held=others, sources=sources, labels=labels, fanout=fanout,
                      leaves=leaves)
     joined = sorted(slow & plan.assignments.keys(), key=lambda node: (node in last, node))
+    rates = rates or {}
+
+    def behind(leaf: str, before: str) -> bool:  # a mildly slow leaf does not wait on a slower one
+        return leaf in last or before not in rates or rates[before] >= factor * rates.get(leaf, 0.0)
+
     return replan(without, dead=(), held=held, sources=sources, labels=labels, fanout=fanout, joined=joined,
-                  num_blocks=num_blocks, units=unit_layout(plan), leaves=leaves)
+                  num_blocks=num_blocks, units=unit_layout(plan), leaves=leaves, behind=behind)
 
 
 def unit_layout(plan: Plan) -> dict[int, tuple]:

@@ -104,14 +104,52 @@ def test_the_next_slow_child_of_a_relay_that_lost_one_is_demoted_with_the_relay(
     after = demote(plan, {"w3"}, held={}, sources=["store"], num_blocks=4)
     assert {a.parent for a in after.assignments["w4"]} == {"w2"}
     parts = after.parts()
-    assert find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}, limits={"w2"}) == ["w2", "w4"]
+    assert find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}, suspects={"w2"}) == ["w2", "w4"]
     # A healthy next child keeps the relay in place; a slow leaf under it points at the relay too.
     rates |= dict.fromkeys(["w4", "w5", "w6"], fast)
-    assert find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}, limits={"w2"}) == []
+    assert find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}, suspects={"w2"}) == []
     leaf = chain(3)
     rates = {"w1": fast, "w2": fast, "w3": slow}
     assert find_stragglers(leaf.parts(), rates, set(rates), {}, factor=0.5) == []
-    assert find_stragglers(leaf.parts(), rates, set(rates), {}, factor=0.5, limits={"w2"}) == ["w2", "w3"]
+    assert find_stragglers(leaf.parts(), rates, set(rates), {}, factor=0.5, suspects={"w2"}) == ["w2", "w3"]
+
+
+def test_a_suspect_relay_with_a_child_at_full_rate_or_done_receiving_is_not_the_limit():
+    """Review findings: in a tree a relay a child was demoted under kept others at full rate, yet its next slow child
+    blamed it (a subtree moved for one slow leaf); and a suspect relay that finished shielded its children for
+    good (a holder in ``limits`` is never judged past)."""
+    plan = make_plan("tree", ["store"], [f"w{i}" for i in range(1, 15)], 2, fanout=2)
+    parts = plan.parts()
+    assert {c for _, c in parts["w1"].serve} == {"w3", "w4"} and parts["w3"].serve  # w3 relays too
+    rates = dict.fromkeys(plan.assignments, 50 * MB) | {"w3": 5 * MB}
+    # w4 gets its share of w1's rate: w1's uplink is no limit, w3 alone is slow
+    assert find_stragglers(parts, rates, set(rates), {}, factor=0.5, suspects={"w1"}) == ["w3"]
+    rates["w4"] = 5 * MB
+    assert find_stragglers(parts, rates, set(rates), {}, factor=0.5, suspects={"w1"}) == ["w1", "w3", "w4"]
+    chain3 = chain(3)
+    rates = {"w1": 50 * MB, "w3": 5 * MB}  # w2 (the suspect) holds the package now
+    receiving = {"w1", "w3"}
+    assert find_stragglers(chain3.parts(), rates, receiving, {}, factor=0.5, suspects={"w2"}) == []  # a leaf
+    longer = chain(4)
+    rates = {"w1": 50 * MB, "w3": 5 * MB, "w4": 5 * MB}
+    assert find_stragglers(longer.parts(), rates, {"w1", "w3", "w4"}, {}, factor=0.5, suspects={"w2"}) == ["w3"]
+
+
+def test_a_leaf_falls_back_only_on_leaves_and_not_behind_a_slower_one():
+    """Review findings: a leaf with no free slot took a full healthy relay (a third child where the plan gives
+    two); and a mildly slow leaf behind a very slow one finished with it (664 vs 103 in a simulation)."""
+    plan = make_plan("binomial", ["store"], [f"w{i}" for i in range(1, 9)], 1)
+    once = demote(plan, {"w6"}, held={}, sources=["store"], num_blocks=1)
+    twice = demote(once, {"w1"}, held={}, sources=["store"], num_blocks=1, demoted={"w6"})
+    assert unit_fanout(twice) <= unit_fanout(plan)
+    six = chain(6, blocks=8)
+    first = demote(six, {"w2"}, held={}, sources=["store"], num_blocks=8)
+    rates = {"w2": 0.05 * MB, "w4": 0.45 * MB}
+    second = demote(first, {"w4"}, held={}, sources=["store"], num_blocks=8, demoted={"w2"}, rates=rates)
+    assert "w2" not in {a.parent for a in second.assignments["w4"]}
+    rates["w2"] = 0.3 * MB  # as fast as half of it: behind it, not on the store's link
+    second = demote(first, {"w4"}, held={}, sources=["store"], num_blocks=8, demoted={"w2"}, rates=rates)
+    assert {a.parent for a in second.assignments["w4"]} == {"w2"}
 
 
 def test_a_holder_feeding_several_children_shares_the_declared_rate():
