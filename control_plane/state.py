@@ -527,8 +527,7 @@ class ControlState:
         # Relays demoted as the limit of their children: their uplink, not their parents', was slow (the last leaves).
         relays = {parent for node in slow for parent in parents[node] if parent in slow and parent in active.suspects}
         plan = demote(active.plan, slow, held=held, sources=active.plan.sources, num_blocks=package.num_blocks,
-                      labels=self._labels(set(active.parts) | set(held)), demoted=active.demoted, last=relays,
-                      rates=rates, factor=policy.factor)
+                      labels=self._labels(set(active.parts) | set(held)), demoted=active.demoted, last=relays)
         for node in slow:
             why = ("its children got a fraction of its own %.1f Mbit/s one after another: its uplink is the limit"
                    if node in relays else "receiving %.1f Mbit/s")

@@ -9,7 +9,7 @@ fetches every unit of a block it has not verified, and fetches none of one it ha
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from operator import itemgetter
 
 from control_plane.planner.plan import Chunks, Fetch, Part, Plan, PlanError, UnitIndex, add_serving, check_ids
@@ -19,8 +19,7 @@ from control_plane.planner.racks import ParentPool, rack_of
 def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[int]], sources: Sequence[str],
            labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
            joined: Sequence[str] = (), num_blocks: int | None = None,
-           units: Mapping[int, Sequence[Chunks]] | None = None, leaves: Collection[str] = (),
-           behind: Callable[[str, str], bool] | None = None) -> Plan:
+           units: Mapping[int, Sequence[Chunks]] | None = None, leaves: Collection[str] = ()) -> Plan:
     """A plan for exactly the units each live receiver still misses.
 
     A receiver of ``plan`` still needs its planned units minus those of blocks in ``held`` (verified
@@ -35,8 +34,8 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     block that is already held. Non-source nodes serving blocks they hold are listed in the new plan's
     ``held``. ``leaves`` (demoted stragglers) are no one's parent but a later leaf's: never kept as one nor
     given a slot; a leaf that finds no free slot fetches the unit from the latest leaf fetching it before it
-    that ``behind(leaf, that_leaf)`` allows (in a chain the leaves then run one behind the other past the
-    tail, whose one slot the first took), else from a source.
+    (in a chain the leaves then run one behind the other past the tail, whose one slot the first took), else
+    from a source.
     """
     dead, sources = set(dead), tuple(sources)
     source_set = set(sources)
@@ -129,9 +128,8 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
                 pool.add_first([(node, fanout - kept.get((node, block, chunks), 0)) for node in holders.get(block, ())],
                                time=-1)
             parent = pool.take(rack(rx), before=level)
-        if parent is None and rx in leaves and behind is not None:
-            parent = next((node for then, node in reversed(fetchers.get((block, chunks), ()))
-                           if then < level and behind(rx, node)), None)
+        if parent is None and rx in leaves:
+            parent = next((node for then, node in reversed(fetchers.get((block, chunks), ())) if then < level), None)
         if parent is None:
             mine = rack(rx)
             near = [s for s in sources if mine is not None and rack(s) == mine] or sources
@@ -461,15 +459,16 @@ def repair(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     return replan(plan, dead=dead, held=held, sources=sources, labels=labels, fanout=fanout, leaves=leaves), None
 
 
-def unit_fanout(plan: Plan) -> int:
+def unit_fanout(plan: Plan, leaves: Collection[str] = ()) -> int:
     """The most children a receiver of ``plan`` sends one unit to (1 in a chain, the tree's fanout in a tree,
     d - 1 in a binomial pipeline of a d-cube: a slot forwards a unit across several dimensions; at least 1): the
-    slots a re-plan may give a parent that lost a child."""
+    slots a re-plan may give a parent that lost a child. ``leaves`` (demoted stragglers, feeding other leaves
+    only) are not counted."""
     counts: dict[tuple[str, int, Chunks], int] = {}
-    sources = set(plan.sources)
+    skip = set(plan.sources) | set(leaves)
     for fetches in plan.assignments.values():
         for a in fetches:
-            if a.parent not in sources:
+            if a.parent not in skip:
                 key = (a.parent, a.block, a.chunks)
                 counts[key] = counts.get(key, 0) + 1
     return max(counts.values(), default=1)

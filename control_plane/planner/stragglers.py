@@ -18,7 +18,7 @@ uplink. Once a child was demoted under a receiving relay, the relay is a suspect
 that took the demoted child's slot) is as slow, and so is every child it feeds, both are demoted. Whichever of
 them was slow, it is out of the middle, where demoting the relay alone would leave a slow child there. Leaves
 that find no free slot fetch behind the tail one after another (not from a source, whose link feeds the head;
-not behind a leaf at less than ``factor`` x their own rate), the blamed relay last: behind a slow uplink's
+a slow leaf behind a slower one costs no one else), the blamed relay last: behind a slow uplink's
 children (healthy) the leaves run at the link rate; two slow receivers side by side cost the healthy relay
 above them their rate, as the last leaf, and no one else.
 
@@ -104,7 +104,8 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
         if relay not in suspects or relay not in receiving or relay in skip or relay not in rates:
             return False
         share = rates[relay] / max(children(relay), 1)
-        return all(rates.get(child, 0.0) < factor * share for child in receivers_of(relay))
+        # A child with no rate yet is not judged, nor is its parent on it.
+        return all(child in rates and rates[child] < factor * share for child in receivers_of(relay))
 
     slow = set()
     for node, rate in rates.items():
@@ -136,31 +137,25 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
 
 def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[int]], sources: Sequence[str],
            num_blocks: int, labels: Mapping[str, Mapping[str, str]] | None = None,
-           demoted: Collection[str] = (), last: Collection[str] = (), rates: Mapping[str, float] | None = None,
-           factor: float = StragglerPolicy.factor) -> Plan:
+           demoted: Collection[str] = (), last: Collection[str] = ()) -> Plan:
     """``plan`` with the ``slow`` receivers out of the middle: their first children per unit fetch it from the
     nodes the slow ones fetched it from (:func:`splice`), their other children from other nodes with a free
     slot for the unit (no sender gets more children for a unit than the plan gives any: :func:`unit_fanout`),
     and the slow ones fetch what they miss (in the plan's own units) last, each from a node with a free slot
     for the unit, else from the leaf before it (in a chain: past the tail, one behind the other, ``last`` at the
-    end) unless that leaf receives at less than ``factor`` x its own rate (``rates``, measured; ``last`` follow
-    any), else from a source; so that none of them, nor any of the plan's receivers ``demoted`` earlier, is the
-    parent of anyone but a leaf. ``held``: verified blocks per node."""
+    end; a leaf is slow already, a source's link feeds the plan's head), else from a source; so that none of
+    them, nor any of the plan's receivers ``demoted`` earlier, is the parent of anyone but a leaf. ``held``:
+    verified blocks per node."""
     slow = set(slow)
     others = {node: blocks for node, blocks in held.items() if node not in slow}
-    fanout = unit_fanout(plan)
+    fanout = unit_fanout(plan, leaves=demoted)  # leaves feeding leaves are no slot to give a healthy relay
     # Stragglers are leaves, this round's and earlier ones': no slot for another straggler's fetch either.
     leaves = slow | set(demoted)
     without = replan(splice(plan, slow), dead=slow, held=others, sources=sources, labels=labels, fanout=fanout,
                      leaves=leaves)
     joined = sorted(slow & plan.assignments.keys(), key=lambda node: (node in last, node))
-    rates = rates or {}
-
-    def behind(leaf: str, before: str) -> bool:  # a mildly slow leaf does not wait on a slower one
-        return leaf in last or before not in rates or rates[before] >= factor * rates.get(leaf, 0.0)
-
     return replan(without, dead=(), held=held, sources=sources, labels=labels, fanout=fanout, joined=joined,
-                  num_blocks=num_blocks, units=unit_layout(plan), leaves=leaves, behind=behind)
+                  num_blocks=num_blocks, units=unit_layout(plan), leaves=leaves)
 
 
 def unit_layout(plan: Plan) -> dict[int, tuple]:
