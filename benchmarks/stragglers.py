@@ -197,7 +197,7 @@ class StragglersReport(RunsReport[RunResult]):
     result_type = RunResult
 
     def verdicts(self) -> list[str]:
-        return verdicts(self.results)
+        return verdicts(self.results, uplink=self.meta.get("slow_direction") == "up")
 
 
 def _median_ratio(runs: Sequence[RunResult]) -> float | None:
@@ -206,10 +206,11 @@ def _median_ratio(runs: Sequence[RunResult]) -> float | None:
     return None if not ratios or None in ratios else statistics.median(ratios)
 
 
-def verdicts(results: Sequence[RunResult]) -> list[str]:
+def verdicts(results: Sequence[RunResult], uplink: bool = False) -> list[str]:
     """The issue's target met or not (the median over repeats; never met where a run failed: its driver gave up,
     a receiver late), each mode's figure beside it, and whether each mode demoted what it should: the slow
-    receiver alone when handled, nobody otherwise."""
+    receiver alone when handled, nobody otherwise; with a slow ``uplink`` only, the slow relay among others (the
+    children demoted under it before it was found: in a chain nothing tells them apart first)."""
     by_mode = {m: [r for r in results if r.mode == m] for m in MODES if any(r.mode == m for r in results)}
     if not by_mode:
         return []
@@ -233,8 +234,11 @@ def verdicts(results: Sequence[RunResult]) -> list[str]:
         expected = [slow] if mode == HANDLED else []
         for r in runs:
             names = ", ".join(r.demoted) or "nothing"
-            judged = "as expected" if r.demoted == expected else \
-                f"expected {slow} alone" if expected else "expected nothing"
+            if uplink and expected:
+                judged = "the slow relay among them" if slow in r.demoted else f"expected {slow} among them"
+            else:
+                judged = "as expected" if r.demoted == expected else \
+                    f"expected {slow} alone" if expected else "expected nothing"
             run = f" (run {r.repeat})" if len(runs) > 1 else ""
             lines.append(f"{mode}{run}: demoted {names} ({judged})")
     return lines

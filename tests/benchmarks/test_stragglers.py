@@ -184,6 +184,11 @@ def test_verdicts_judge_the_target_and_what_each_mode_demoted():
         "handled: every other receiver within 1.20x S/B (target <= 1.25x: met)",
         "handled (run 1): demoted w3 (as expected)", "handled (run 2): demoted w3, w4 (expected w3 alone)",
         "handled (run 3): demoted w3 (as expected)"]
+    # a slow uplink only: its children are demoted before it, as nothing tells them apart in a chain
+    assert verdicts([result(HANDLED, 7.5, demoted=("w3", "w4", "w5")), result(HANDLED, 20.0, demoted=("w4",),
+                     repeat=2)], uplink=True)[1:] == [
+        "handled (run 1): demoted w3, w4, w5 (the slow relay among them)",
+        "handled (run 2): demoted w4 (expected w3 among them)"]
     assert verdicts([result(HANDLED, None, error="late")])[0] == \
         "handled: not every other receiver completed, 1 of 1 run(s) failed (target <= 1.25x: NOT met)"
     assert verdicts([]) == []
