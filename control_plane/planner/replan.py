@@ -452,7 +452,7 @@ def repair(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
             return replan(plan, dead=dead, held=held, sources=sources, labels=labels, fanout=fanout,
                           leaves=leaves), None
         return replan(splice(plan, dead), dead=dead, held=held, sources=sources, labels=labels,
-                      fanout=unit_fanout(plan), leaves=leaves), None
+                      fanout=unit_fanout(plan, leaves=leaves), leaves=leaves), None
     repaired = repair_deaths(plan, dead=dead, held=held, labels=labels, fanout=fanout, parts=parts, sources=sources)
     if repaired is not None:
         return repaired

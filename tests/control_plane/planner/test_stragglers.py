@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from control_plane.planner.plan import Plan
-from control_plane.planner.replan import unit_fanout
+from control_plane.planner.replan import repair, unit_fanout
 from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import simulate
 from control_plane.planner.stragglers import (
@@ -151,6 +151,24 @@ def test_a_leaf_falls_back_only_on_leaves_and_leaves_feeding_leaves_are_no_slots
     for slow, before in (({"w2"}, set()), ({"w3", "w4"}, {"w2"}), ({"w5"}, {"w2", "w3", "w4"})):
         plans.append(demote(plans[-1], slow, held={}, sources=["store"], num_blocks=2, demoted=before))
     assert unit_fanout(plans[-1], leaves={"w2", "w3", "w4", "w5"}) == 1
+
+
+def test_a_dead_relay_in_a_plan_with_leaves_feeding_leaves_gives_no_healthy_relay_a_second_child():
+    """Found reviewing the change: a repair counted leaves feeding leaves in the plan's fanout (as demote did
+    before it stopped), so a dead relay's children went two to a healthy relay in a chain."""
+    plan = make_plan("chain", ["store"], [f"w{i}" for i in range(1, 10)], 2)
+    held = {"w1": {0, 1}, "w2": {1}, "w3": {0}, "w6": {0}, "w7": {0, 1}, "w8": {0, 1}}
+    demoted: set[str] = set()
+    rounds = (({"w4", "w5", "w8"}, {"w4", "w8"}, {"w1": {0}, "w2": {1}}),
+              ({"w2", "w9"}, set(), {"w1": {0, 1}, "w2": {1}, "w6": {0}, "w7": {1}, "w8": {0}}),
+              ({"w6", "w7"}, set(), held))
+    for slow, last, had in rounds:
+        plan = demote(plan, slow, held=had, sources=["store"], num_blocks=2, demoted=demoted, last=last)
+        demoted |= slow
+    assert unit_fanout(plan) > 1  # a leaf feeds two leaves
+    repaired, _ = repair(plan, dead={"w3"}, held=held, sources=["store"], fanout=1, leaves=demoted)
+    repaired.validate()
+    assert unit_fanout(repaired, leaves=demoted) == 1
 
 
 def test_a_holder_feeding_several_children_shares_the_declared_rate():
