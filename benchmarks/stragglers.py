@@ -266,7 +266,7 @@ def format_report(report: StragglersReport) -> str:
         lines.append(f"{r.mode:<9} {r.repeat:>3} {r.plan_strategy:<9} {_seconds(r.others_max_seconds):>8} "
                      f"{ratio:>6} {_seconds(r.slow_seconds):>7} {slow_ratio:>6} {','.join(r.demoted) or '-':<12} "
                      f"{cpu:>5}" + (f"  error: {r.error}" if r.error else ""))
-    lines += [f"verdict: {line}" for line in verdicts(report.results)]
+    lines += [f"verdict: {line}" for line in report.verdicts()]
     lines.append("others: the last receiver but the slow (and the killed) one to hold the package, seconds after "
                  "the scale-up; slow: the slow receiver, and / its: against its own floor (in mode none it is "
                  "not slowed)")

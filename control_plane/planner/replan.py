@@ -29,7 +29,8 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     keeps its old fetch order, and its old parent wherever that parent is alive and holds the block, is a
     source, or still fetches the unit or one containing it (earlier). Otherwise the new parent
     is the earliest node with fewer than ``fanout`` children for that unit (kept children count) that holds
-    the block or fetches the same unit earlier in the new plan, one in the receiver's rack first, else the
+    the block (and sends fewer than ``fanout`` children other units: it holds the block, so it sends them later
+    ones now) or fetches the same unit earlier in the new plan, one in the receiver's rack first, else the
     least loaded source (same rack first). Never a dead parent, never a cycle, never a unit fetched of a
     block that is already held. Non-source nodes serving blocks they hold are listed in the new plan's
     ``held``. ``leaves`` (demoted stragglers) are no one's parent but a later leaf's: never kept as one nor
@@ -93,9 +94,12 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
 
     keep = [keeps(parent, block, chunks, level) for level, _, block, chunks, parent in needs]
     kept: dict[tuple[str, int, Chunks], int] = {}
-    for kept_parent, (_, _, block, chunks, parent) in zip(keep, needs):
+    # A holder's uplink serves the children it keeps, whatever their units: it sends them later units now.
+    uplink: dict[str, set[str]] = {}
+    for kept_parent, (_, rx, block, chunks, parent) in zip(keep, needs):
         if kept_parent and parent not in source_set:
             kept[parent, block, chunks] = kept.get((parent, block, chunks), 0) + 1
+            uplink.setdefault(parent, set()).add(rx)
 
     rack = rack_of(labels)
     holders: dict[int, list[str]] | None = None  # per block, made at the first need of them
@@ -125,8 +129,8 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
                         if node not in source_set and node not in leaves:
                             for held_block in blocks:
                                 holders.setdefault(held_block, []).append(node)
-                pool.add_first([(node, fanout - kept.get((node, block, chunks), 0)) for node in holders.get(block, ())],
-                               time=-1)
+                pool.add_first([(node, fanout - max(kept.get((node, block, chunks), 0), len(uplink.get(node, ()))))
+                                for node in holders.get(block, ())], time=-1)
             parent = pool.take(rack(rx), before=level)
         if parent is None and rx in leaves:
             parent = next((node for then, node in reversed(fetchers.get((block, chunks), ())) if then < level), None)

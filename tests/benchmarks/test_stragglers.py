@@ -220,3 +220,12 @@ def test_the_report_has_a_line_per_run_and_reads_back_from_its_json():
     again = StragglersReport.from_json(json.loads(json.dumps(report.to_json())))
     assert again.results == report.results and format_report(again) == text
     assert report.to_json()["verdicts"] == verdicts(report.results)
+
+
+def test_the_printed_verdicts_of_a_slow_uplink_are_the_json_ones():
+    """Finding: the printed report judged a slow uplink's demotions as one slow receiver's ("expected w3 alone")."""
+    meta = {"model_name": "m", "package_bytes": 20 * MB, "blocks": 8, "workers": 8, "link_mbit": 80.0,
+            "mode": "netns", "floor_seconds": 10.0, "slow_node": "w3", "slow_position": 3, "slow_factor": 0.25,
+            "slow_direction": "up", "slow_floor_seconds": 10.0, "killed_node": None, "kill_after_s": 1.5}
+    report = StragglersReport(meta, [result(HANDLED, 13.0, demoted=("w3", "w4", "w5"))])
+    assert "verdict: handled: demoted w3, w4, w5 (the slow relay among them)" in format_report(report)

@@ -221,6 +221,18 @@ def test_joined_receivers_fetch_from_holders_and_from_each_other():
     assert new.held == {"a": (0, 1)}
 
 
+def test_a_holder_sending_its_children_later_units_has_no_free_slot_for_a_joined_leaf():
+    """Finding (bench stragglers --slow-direction up): a demoted leaf took block 0 from the chain's first relay,
+    which held it and whose child did too, so no one fetched block 0 from it; its uplink was sending the child
+    the later blocks, and the two shared it: the whole chain behind at half the rate for 2.6 s."""
+    plan = make_plan("chain", ["store"], ["a", "b", "c", "d"], 2)
+    held = {"a": {0}, "b": {0}}
+    new = replan(plan, dead=(), held=held, sources=["store"], joined=["e"], num_blocks=2, fanout=1, leaves={"e"})
+    new.validate()
+    # a sends b block 1 and b sends c both: neither has room; d, the tail, feeds no one
+    assert new.assignments["e"] == [Fetch(0, "d"), Fetch(1, "d")]
+
+
 def test_a_source_that_lost_its_blocks_and_rejoined_is_no_longer_a_parent():
     plan = make_plan("chain", ["p0", "store"], ["a"], 2)
     new = replan(plan, dead=(), held={}, sources=["store"], joined=["p0"], num_blocks=2)
