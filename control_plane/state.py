@@ -517,15 +517,14 @@ class ControlState:
             return
         expected = {node: w.spec.link_mbit * 1e6 / 8 for node in active.parts
                     if (w := self.workers.get(node)) is not None and w.spec.link_mbit > 0}
-        slow = find_stragglers(active.parts, rates, active.pending, expected, factor=policy.factor,
-                               skip=active.demoted, limits=active.limits, suspects=active.suspects)
+        found = find_stragglers(active.parts, rates, active.pending, expected, factor=policy.factor,
+                                skip=active.demoted, limits=active.limits, suspects=active.suspects)
+        slow, relays = found.slow, found.relays
         if not slow:
             return
         package = self.packages[package_id]
         held = dict(self.availability[package_id].by_worker)
         parents = {node: {f.parent for f in active.parts[node].fetch} for node in slow}
-        # Relays demoted as the limit of their children: their uplink, not their parents', was slow (the last leaves).
-        relays = {parent for node in slow for parent in parents[node] if parent in slow and parent in active.suspects}
         plan = demote(active.plan, slow, held=held, sources=active.plan.sources, num_blocks=package.num_blocks,
                       labels=self._labels(set(active.parts) | set(held)), demoted=active.demoted, last=relays)
         for node in slow:

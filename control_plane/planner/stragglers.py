@@ -69,10 +69,19 @@ def receive_rate(samples: Sequence[Sample], *, now: float, window_s: float) -> f
     return max(b1 - b0, 0) / (t1 - t0)
 
 
+@dataclass(frozen=True)
+class Found:
+    """What :func:`find_stragglers` found: the receivers to demote (sorted) and, of them, the ``relays`` blamed for
+    their children's rate (their uplink was slow, not what they receive: the last leaves)."""
+
+    slow: list[str]
+    relays: frozenset[str] = frozenset()
+
+
 def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], receiving: Collection[str],
                     expected: Mapping[str, float], *, factor: float, skip: Collection[str] = (),
-                    limits: Collection[str] = (), suspects: Collection[str] = ()) -> list[str]:
-    """The receivers to demote (sorted), by the module's rule.
+                    limits: Collection[str] = (), suspects: Collection[str] = ()) -> Found:
+    """The receivers to demote, by the module's rule.
 
     ``parts``: each node's part in the plan; ``rates``: measured receive rates (bytes/s) of the receivers
     still receiving that have one; ``receiving``: every receiver still missing blocks; ``expected``: declared
@@ -85,7 +94,7 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
     rate yet is not judged.
     """
     if factor <= 0 or not rates:
-        return []
+        return Found([])
     fastest = max(rates.values())
     counted: dict[str, set[str]] = {}
 
@@ -107,7 +116,7 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
         # A child with no rate yet is not judged, nor is its parent on it.
         return all(child in rates and rates[child] < factor * share for child in receivers_of(relay))
 
-    slow = set()
+    slow, relays = set(), set()
     for node, rate in rates.items():
         # No reference exceeds the fastest receiver or the node's declared rate: most nodes stop here.
         if node in skip or rate >= factor * max(fastest, expected.get(node, 0.0)):
@@ -131,8 +140,11 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
                 reference = max(reference, (expected.get(node) or fastest) / max(children(parent), 1))
         healthy = reference >= factor * (expected.get(node) or fastest)
         if judged and healthy and rate < factor * reference:
-            slow.update((node, relay) if limit else (node,))
-    return sorted(slow)
+            slow.add(node)
+            if limit:
+                slow.add(relay)
+                relays.add(relay)
+    return Found(sorted(slow), frozenset(relays))
 
 
 def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[int]], sources: Sequence[str],

@@ -47,15 +47,15 @@ def test_only_the_slow_relay_is_a_straggler_not_the_nodes_behind_it():
     fast, slow = 50 * MB, 12 * MB
     rates = {f"w{i}": fast if i < 3 else slow for i in range(1, 9)}  # w3 is slow; w4..w8 follow it
     receiving = set(rates)
-    assert find_stragglers(parts, rates, receiving, {}, factor=0.5) == ["w3"]
-    assert find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}) == []
-    assert find_stragglers(parts, rates, receiving, {}, factor=0) == []
+    assert find_stragglers(parts, rates, receiving, {}, factor=0.5).slow == ["w3"]
+    assert find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}).slow == []
+    assert find_stragglers(parts, rates, receiving, {}, factor=0).slow == []
 
 
 def test_a_slow_leaf_is_left_alone_it_slows_no_one():
     plan = chain(4)
     rates = {"w1": 50 * MB, "w2": 50 * MB, "w3": 50 * MB, "w4": 5 * MB}
-    assert find_stragglers(plan.parts(), rates, set(rates), {}, factor=0.5) == []
+    assert find_stragglers(plan.parts(), rates, set(rates), {}, factor=0.5).slow == []
 
 
 def test_nodes_behind_a_stalled_relay_are_not_judged():
@@ -63,34 +63,34 @@ def test_nodes_behind_a_stalled_relay_are_not_judged():
     # w2 died (no rate): w3 gets nothing; w4 got a chunk from w3 before the stall, w5 none.
     rates = {"w1": 50 * MB, "w3": 0.0, "w4": 0.3 * MB, "w5": 0.0}
     receiving = {"w1", "w2", "w3", "w4", "w5"}
-    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5) == []
-    assert find_stragglers(plan.parts(), rates, receiving, dict.fromkeys(receiving, 50 * MB), factor=0.5) == []
+    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5).slow == []
+    assert find_stragglers(plan.parts(), rates, receiving, dict.fromkeys(receiving, 50 * MB), factor=0.5).slow == []
     # w2 crawls but sends (demoted already): w3 gets what w2 gives it, far below what it could get, so no
     # one behind w2 is judged, though w3 receives at a quarter of w2's rate.
     rates = {"w1": 50 * MB, "w2": 2 * MB, "w3": 0.5 * MB, "w4": 0.5 * MB, "w5": 0.5 * MB}
-    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5, skip={"w2"}) == []
+    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5, skip={"w2"}).slow == []
 
 
 def test_a_node_whose_receiving_parent_has_no_rate_yet_is_not_judged():
     plan = chain(4)
     rates = {"w1": 50 * MB, "w3": 5 * MB, "w4": 5 * MB}  # w2 just had its part changed: no rate
-    assert find_stragglers(plan.parts(), rates, {"w1", "w2", "w3", "w4"}, {}, factor=0.5) == []
+    assert find_stragglers(plan.parts(), rates, {"w1", "w2", "w3", "w4"}, {}, factor=0.5).slow == []
 
 
 def test_a_slow_head_is_found_by_its_declared_link_rate_only():
     plan = chain(4)
     rates = dict.fromkeys(["w1", "w2", "w3", "w4"], 12 * MB)  # everyone as slow as the head
     receiving = set(rates)
-    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5) == []
+    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5).slow == []
     declared = dict.fromkeys(receiving, 50 * MB)
-    assert find_stragglers(plan.parts(), rates, receiving, declared, factor=0.5) == ["w1"]
+    assert find_stragglers(plan.parts(), rates, receiving, declared, factor=0.5).slow == ["w1"]
 
 
 def test_after_one_demotion_under_a_source_its_next_child_is_not_judged_again():
     plan = chain(3)
     rates = dict.fromkeys(["w1", "w2", "w3"], 12 * MB)
     declared = dict.fromkeys(rates, 50 * MB)
-    assert find_stragglers(plan.parts(), rates, set(rates), declared, factor=0.5, limits={"store"}) == []
+    assert find_stragglers(plan.parts(), rates, set(rates), declared, factor=0.5, limits={"store"}).slow == []
 
 
 def test_the_next_slow_child_of_a_relay_that_lost_one_is_demoted_with_the_relay():
@@ -100,18 +100,19 @@ def test_the_next_slow_child_of_a_relay_that_lost_one_is_demoted_with_the_relay(
     fast, slow = 50 * MB, 12 * MB
     rates = {"w1": fast, "w2": fast, "w3": slow, "w4": slow, "w5": slow, "w6": slow}  # w2 sends at a quarter
     receiving = set(rates)
-    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5) == ["w3"]  # child or uplink: unknown
+    assert find_stragglers(plan.parts(), rates, receiving, {}, factor=0.5).slow == ["w3"]  # child or uplink: unknown
     after = demote(plan, {"w3"}, held={}, sources=["store"], num_blocks=4)
     assert {a.parent for a in after.assignments["w4"]} == {"w2"}
     parts = after.parts()
-    assert find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}, suspects={"w2"}) == ["w2", "w4"]
+    found = find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}, suspects={"w2"})
+    assert (found.slow, found.relays) == (["w2", "w4"], {"w2"})  # w2 blamed for w4's rate, w4 slow as it is
     # A healthy next child keeps the relay in place; a slow leaf under it points at the relay too.
     rates |= dict.fromkeys(["w4", "w5", "w6"], fast)
-    assert find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}, suspects={"w2"}) == []
+    assert find_stragglers(parts, rates, receiving, {}, factor=0.5, skip={"w3"}, suspects={"w2"}).slow == []
     leaf = chain(3)
     rates = {"w1": fast, "w2": fast, "w3": slow}
-    assert find_stragglers(leaf.parts(), rates, set(rates), {}, factor=0.5) == []
-    assert find_stragglers(leaf.parts(), rates, set(rates), {}, factor=0.5, suspects={"w2"}) == ["w2", "w3"]
+    assert find_stragglers(leaf.parts(), rates, set(rates), {}, factor=0.5).slow == []
+    assert find_stragglers(leaf.parts(), rates, set(rates), {}, factor=0.5, suspects={"w2"}).slow == ["w2", "w3"]
 
 
 def test_a_suspect_relay_with_a_child_at_full_rate_or_done_receiving_is_not_the_limit():
@@ -123,18 +124,19 @@ def test_a_suspect_relay_with_a_child_at_full_rate_or_done_receiving_is_not_the_
     assert {c for _, c in parts["w1"].serve} == {"w3", "w4"} and parts["w3"].serve  # w3 relays too
     rates = dict.fromkeys(plan.assignments, 50 * MB) | {"w3": 5 * MB}
     # w4 gets its share of w1's rate: w1's uplink is no limit, w3 alone is slow
-    assert find_stragglers(parts, rates, set(rates), {}, factor=0.5, suspects={"w1"}) == ["w3"]
+    found = find_stragglers(parts, rates, set(rates), {}, factor=0.5, suspects={"w1"})
+    assert (found.slow, found.relays) == (["w3"], set())
     rates["w4"] = 5 * MB
-    assert find_stragglers(parts, rates, set(rates), {}, factor=0.5, suspects={"w1"}) == ["w1", "w3", "w4"]
+    assert find_stragglers(parts, rates, set(rates), {}, factor=0.5, suspects={"w1"}).slow == ["w1", "w3", "w4"]
     del rates["w4"]  # not measured yet: not taken for slow, so w1 is not blamed on it
-    assert find_stragglers(parts, rates, set(parts) - {"store"}, {}, factor=0.5, suspects={"w1"}) == ["w3"]
+    assert find_stragglers(parts, rates, set(parts) - {"store"}, {}, factor=0.5, suspects={"w1"}).slow == ["w3"]
     chain3 = chain(3)
     rates = {"w1": 50 * MB, "w3": 5 * MB}  # w2 (the suspect) holds the package now
     receiving = {"w1", "w3"}
-    assert find_stragglers(chain3.parts(), rates, receiving, {}, factor=0.5, suspects={"w2"}) == []  # a leaf
+    assert find_stragglers(chain3.parts(), rates, receiving, {}, factor=0.5, suspects={"w2"}).slow == []  # a leaf
     longer = chain(4)
     rates = {"w1": 50 * MB, "w3": 5 * MB, "w4": 5 * MB}
-    assert find_stragglers(longer.parts(), rates, {"w1", "w3", "w4"}, {}, factor=0.5, suspects={"w2"}) == ["w3"]
+    assert find_stragglers(longer.parts(), rates, {"w1", "w3", "w4"}, {}, factor=0.5, suspects={"w2"}).slow == ["w3"]
 
 
 def test_a_leaf_falls_back_only_on_leaves_and_leaves_feeding_leaves_are_no_slots():
@@ -176,7 +178,7 @@ def test_a_holder_feeding_several_children_shares_the_declared_rate():
     parts = plan.parts()
     # The store feeds two children at once: each at half the link is no straggler.
     rates = {rx: 25 * MB for rx in plan.assignments}
-    assert find_stragglers(parts, rates, set(rates), dict.fromkeys(rates, 50 * MB), factor=0.5) == []
+    assert find_stragglers(parts, rates, set(rates), dict.fromkeys(rates, 50 * MB), factor=0.5).slow == []
 
 
 def test_a_receiving_relay_feeding_several_children_shares_its_own_rate():
@@ -186,7 +188,7 @@ def test_a_receiving_relay_feeding_several_children_shares_its_own_rate():
     # of theirs to their two leaves: each runs at its share of its parent, so no one is a straggler.
     rates = {"w1": 40 * MB, "w2": 40 * MB} | dict.fromkeys(["w3", "w4", "w5", "w6"], 19 * MB)
     rates |= {f"w{i}": 9.5 * MB for i in range(7, 15)}
-    assert find_stragglers(plan.parts(), rates, set(rates), {}, factor=0.5) == []
+    assert find_stragglers(plan.parts(), rates, set(rates), {}, factor=0.5).slow == []
 
 
 def test_demoting_a_chain_relay_puts_its_child_behind_its_parent_and_it_at_the_tail():
