@@ -10,7 +10,8 @@ store: a chain, so the slow receiver relays to every receiver after it) and reco
 whole package, and which receivers the control plane demoted as stragglers. Modes, one run each:
 
 - ``handled``: the control plane's default straggler handling: it finds the slow receiver from the agents'
-  progress reports, moves its children to faster parents and makes it a leaf.
+  progress reports, moves its children to faster parents and makes it a leaf (in the chain, with the relay
+  feeding it, until past the tail one of the two is found the slow one).
 - ``unhandled``: ``--straggler-factor 0``, what a user gets without it: every receiver behind the slow one
   receives at its rate.
 - ``none``: no slow receiver (a cluster of its own, every link at B), the reference; the receiver at
@@ -171,6 +172,14 @@ class RunResult:
     def slow_node(self) -> str:
         return worker_names(self.workers)[self.slow_position - 1]
 
+    @property
+    def expected_demoted(self) -> list[str]:
+        """What handling demotes: the slow receiver and, in a chain where a relay feeds it, that relay (nothing tells
+        a slow child from a slow uplink there: both leave the middle, ``chain_pairs``)."""
+        relay = worker_names(self.workers)[self.slow_position - 2] if (
+            self.plan_strategy == "chain" and self.slow_position > 1) else None
+        return sorted({self.slow_node, relay} - {None})
+
 
 def summarize(config: StragglersConfig, mode: str, repeat: int, package_bytes: int, observed: dict,
               cpu: CpuUsage) -> RunResult:
@@ -209,8 +218,9 @@ def _median_ratio(runs: Sequence[RunResult]) -> float | None:
 def verdicts(results: Sequence[RunResult], uplink: bool = False) -> list[str]:
     """The issue's target met or not (the median over repeats; never met where a run failed: its driver gave up,
     a receiver late), each mode's figure beside it, and whether each mode demoted what it should: the slow
-    receiver alone when handled, nobody otherwise; with a slow ``uplink`` only, the slow relay among others (the
-    children demoted under it before it was found: in a chain nothing tells them apart first)."""
+    receiver when handled (in a chain with the relay feeding it: :attr:`RunResult.expected_demoted`), nobody
+    otherwise; with a slow ``uplink`` only, the slow relay among others (in a chain nothing tells it from its child
+    first)."""
     by_mode = {m: [r for r in results if r.mode == m] for m in MODES if any(r.mode == m for r in results)}
     if not by_mode:
         return []
@@ -231,14 +241,14 @@ def verdicts(results: Sequence[RunResult], uplink: bool = False) -> list[str]:
     lines = ["; ".join(parts)]
     for mode, runs in by_mode.items():
         slow = runs[0].slow_node
-        expected = [slow] if mode == HANDLED else []
         for r in runs:
+            expected = r.expected_demoted if mode == HANDLED else []
             names = ", ".join(r.demoted) or "nothing"
             if uplink and expected:
                 judged = "the slow relay among them" if slow in r.demoted else f"expected {slow} among them"
             else:
                 judged = "as expected" if r.demoted == expected else \
-                    f"expected {slow} alone" if expected else "expected nothing"
+                    f"expected {', '.join(expected)}" if expected else "expected nothing"
             run = f" (run {r.repeat})" if len(runs) > 1 else ""
             lines.append(f"{mode}{run}: demoted {names} ({judged})")
     return lines

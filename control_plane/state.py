@@ -31,7 +31,8 @@ from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
 from control_plane.planner.racks import RACK_LABEL
 from control_plane.planner.replan import INLINE_REPLAN_MAX_RECEIVERS, drop_held, parts_of, repair, reroute
 from control_plane.planner.schedules import InFlight, make_plan
-from control_plane.planner.stragglers import Sample, StragglerPolicy, demote, find_stragglers, receive_rate
+from control_plane.planner.stragglers import (
+    Sample, StragglerPolicy, chain_pairs, demote, find_stragglers, follow, pair_verdict, receive_rate)
 from pipecast.core.credentials import CredentialError, validate_node_id
 from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.v1.manifest_pb2 import Manifest
@@ -116,6 +117,9 @@ class ActivePlan:
     demoted: set[str] = field(default_factory=set)  # receivers found straggling and moved aside (judged once)
     limits: set[str] = field(default_factory=set)  # sources, holders a straggler was demoted under (find_stragglers)
     suspects: set[str] = field(default_factory=set)  # receiving relays a straggler was demoted under (likewise)
+    # A slow child -> the chain relay demoted beside it, until one of them is found the slow one (chain_pairs).
+    pairs: dict[str, str] = field(default_factory=dict)
+    healthy: set[str] = field(default_factory=set)  # of the demoted, those a pair's verdict cleared
     checked_at: float = float("-inf")  # when it was last looked at for stragglers
     # Re-planned since it was last looked at, and until when its receivers' rates are not judged: the first window
     # after a change is a transition (relays re-connect and resume), not a rate.
@@ -517,6 +521,8 @@ class ControlState:
             return
         expected = {node: w.spec.link_mbit * 1e6 / 8 for node in active.parts
                     if (w := self.workers.get(node)) is not None and w.spec.link_mbit > 0}
+        if active.pairs and self._settle_pairs(active, rates, expected):
+            return
         found = find_stragglers(active.parts, rates, active.pending, expected, factor=policy.factor,
                                 skip=active.demoted, limits=active.limits, suspects=active.suspects)
         slow, relays = found.slow, found.relays
@@ -525,21 +531,62 @@ class ControlState:
         package = self.packages[package_id]
         held = dict(self.availability[package_id].by_worker)
         parents = {node: {f.parent for f in active.parts[node].fetch} for node in slow}
-        plan = demote(active.plan, slow, held=held, sources=active.plan.sources, num_blocks=package.num_blocks,
-                      labels=self._labels(set(active.parts) | set(held)), demoted=active.demoted, last=relays)
+        pairs = chain_pairs([node for node in slow if node not in relays], active.parts, active.pending,
+                            skip=active.demoted)
+        beside = set(pairs.values())
+        plan = demote(active.plan, {*slow, *beside}, held=held, sources=active.plan.sources,
+                      num_blocks=package.num_blocks, labels=self._labels(set(active.parts) | set(held)),
+                      demoted=active.demoted, last=relays | beside, beside=beside, healthy=active.healthy)
         for node in slow:
             why = ("its children got a fraction of its own %.1f Mbit/s one after another: its uplink is the limit"
                    if node in relays else "receiving %.1f Mbit/s")
             log.warning("straggler node=%s plan=%s package=%s: " + why + "; its children move to faster parents and "
                         "it becomes a leaf", node, active.plan_id, package_id, rates[node] * 8 / 1e6)
-        active.demoted.update(slow)
+        for node, relay in pairs.items():
+            log.warning("straggler node=%s plan=%s package=%s: its one child %s gets %.1f Mbit/s of its %.1f, and in "
+                        "a chain nothing tells a slow child from a slow uplink: it leaves the middle too, beside "
+                        "that child, until one of them keeps up past the tail", relay, active.plan_id, package_id,
+                        node, rates[node] * 8 / 1e6, rates.get(relay, 0.0) * 8 / 1e6)
+        active.demoted.update(slow, beside)
+        active.pairs.update(pairs)
         for node in slow:
-            if node not in relays and not parents[node] & relays:
+            if node not in relays and node not in pairs and not parents[node] & relays:
                 active.limits.update(parents[node] - active.pending)
                 active.suspects.update(parents[node] & active.pending)
         active.replans += 1
         self.replan_count += 1
         self._install(active, plan)
+
+    def _settle_pairs(self, active: ActivePlan, rates: Mapping[str, float], expected: Mapping[str, float]) -> bool:
+        """The pairs of ``active`` whose verdict is in (:func:`~control_plane.planner.stragglers.pair_verdict`): the
+        slow one fetches behind the other from now on. Returns whether the plan changed."""
+        plan = active.plan
+        held = self.availability[active.package_id].by_worker
+        for child, relay in sorted(active.pairs.items()):
+            if child not in active.pending or relay not in active.pending:
+                del active.pairs[child]  # one of them is done: the other goes on past the tail alone
+                continue
+            verdict = pair_verdict(child, active.parts, rates, active.pending, expected, factor=self.stragglers.factor)
+            if verdict is None:
+                continue
+            del active.pairs[child]
+            active.healthy.add(relay if verdict == "child" else child)
+            if verdict == "child":
+                plan = follow(plan, child, relay, held.get(relay, ()))
+                log.warning("straggler node=%s plan=%s package=%s: past the tail it still gets %.1f Mbit/s: the slow "
+                            "one; %s, demoted beside it, fetches ahead of it", child, active.plan_id,
+                            active.package_id, rates[child] * 8 / 1e6, relay)
+            else:
+                plan = follow(plan, relay, child, held.get(child, ()))
+                log.warning("straggler node=%s plan=%s package=%s: its child %s, demoted beside it, keeps up past the "
+                            "tail at %.1f Mbit/s: its uplink was the limit; it fetches behind that child", relay,
+                            active.plan_id, active.package_id, child, rates[child] * 8 / 1e6)
+        if plan is active.plan:
+            return False
+        active.replans += 1
+        self.replan_count += 1
+        self._install(active, plan)
+        return True
 
     def report_bad_peer(self, node: str, peer: str, package_id: str, block: int, reason: str, now: float, *,
                         gone: bool = False) -> bool:

@@ -19,7 +19,8 @@ from control_plane.planner.racks import ParentPool, rack_of
 def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[int]], sources: Sequence[str],
            labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
            joined: Sequence[str] = (), num_blocks: int | None = None,
-           units: Mapping[int, Sequence[Chunks]] | None = None, leaves: Collection[str] = ()) -> Plan:
+           units: Mapping[int, Sequence[Chunks]] | None = None, leaves: Collection[str] = (),
+           beside: Collection[str] = (), healthy: Collection[str] = ()) -> Plan:
     """A plan for exactly the units each live receiver still misses.
 
     A receiver of ``plan`` still needs its planned units minus those of blocks in ``held`` (verified
@@ -36,7 +37,9 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     ``held``. ``leaves`` (demoted stragglers) are no one's parent but a later leaf's: never kept as one nor
     given a slot; a leaf that finds no free slot fetches the unit from the latest leaf fetching it before it
     (in a chain the leaves then run one behind the other past the tail, whose one slot the first took), else
-    from a source.
+    from a source; the latest of the ``healthy`` leaves (found to receive at the link rate) first, where one
+    fetches it before; a leaf ``beside`` the one just before it fetches the unit from that one's parent instead
+    (not behind a leaf that may be slow).
     """
     dead, sources = set(dead), tuple(sources)
     source_set = set(sources)
@@ -111,7 +114,7 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     # Per unit, the leaves that fetch it, in order: a leaf finding no free slot fetches it from the latest one before
     # it, not from a source, whose link feeds the plan's head (leaves spilling onto the store's one link ran the
     # whole chain at a third of it); never from a receiver that is no leaf (its slots are its children's).
-    fetchers: dict[tuple[int, Chunks], list[tuple[int, str]]] = {}
+    fetchers: dict[tuple[int, Chunks], list[tuple[int, str, str]]] = {}  # (level, leaf, its parent)
     serving: dict[str, set[int]] = {}
     assignments: dict[str, list[Fetch[str]]] = {}
     for kept_parent, (level, rx, block, chunks, old) in zip(keep, needs):
@@ -133,7 +136,11 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
                                 for node in holders.get(block, ())], time=-1)
             parent = pool.take(rack(rx), before=level)
         if parent is None and rx in leaves:
-            parent = next((node for then, node in reversed(fetchers.get((block, chunks), ())) if then < level), None)
+            earlier = [(node, its_parent) for then, node, its_parent in fetchers.get((block, chunks), ())
+                       if then < level]
+            if earlier:
+                parent = earlier[-1][1] if rx in beside else next(
+                    (node for node, _ in reversed(earlier) if node in healthy), earlier[-1][0])
         if parent is None:
             mine = rack(rx)
             near = [s for s in sources if mine is not None and rack(s) == mine] or sources
@@ -146,7 +153,7 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
         # A leaf gets no spare slot: a straggler would slow down whoever fetched from it (but a later leaf).
         pool.add(rx, 0 if rx in leaves else fanout - kept.get((rx, block, chunks), 0), time=level)
         if rx in leaves:
-            fetchers.setdefault((block, chunks), []).append((level, rx))
+            fetchers.setdefault((block, chunks), []).append((level, rx, parent))
     return Plan(plan.strategy, sources, assignments,
                 {node: tuple(sorted(blocks)) for node, blocks in serving.items()})
 

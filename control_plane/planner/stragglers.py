@@ -13,14 +13,17 @@ others go to nodes with a free slot, and it fetches what it misses last, from no
 a chain the tail), so everyone but the straggler runs at the link rate.
 
 A relay whose uplink, not its downlink, is slow (an egress cap, a send queue in trouble) receives at full rate
-and its child does not: the child is judged first, as in a chain nothing tells a slow child from a slow parent's
-uplink. Once a child was demoted under a receiving relay, the relay is a suspect: when its next child (the one
-that took the demoted child's slot) is as slow, and so is every child it feeds, both are demoted. Whichever of
-them was slow, it is out of the middle, where demoting the relay alone would leave a slow child there. Leaves
-that find no free slot fetch behind the tail one after another (not from a source, whose link feeds the head;
-a slow leaf behind a slower one costs no one else), the blamed relay last: behind a slow uplink's
-children (healthy) the leaves run at the link rate; two slow receivers side by side cost the healthy relay
-above them their rate, as the last leaf, and no one else.
+and its child does not, and in a chain (a relay feeding one child) nothing tells a slow child from a slow
+parent's uplink. So a slow child of a chain relay leaves the middle with that relay (:func:`chain_pairs`), side
+by side past the tail (the relay fetching from the child's parent, not from the child); there the child either
+keeps up, and the relay's uplink was the limit, or is still slow behind a parent at full rate, and the child was
+(:func:`pair_verdict`); the slow one then fetches behind the other (:func:`follow`). Both moves are made at the
+first finding: a healthy node behind a slow uplink gets a quarter of its rate until then and never catches up
+(one re-plan per suspect, demoting the relay only when its next child was as slow, took ~2 s, 1.3-1.5x S/B
+at N = 8). In a tree, where a relay feeds several children, a child is demoted alone and its relay becomes a
+suspect: when its next child is as slow, and so is every child it feeds, both are demoted. Leaves that find
+no free slot fetch behind the tail one after another (not from a source, whose link feeds the head; a slow leaf
+behind a slower one costs no one else), behind a leaf a verdict found healthy first, blamed relays last.
 
 A straggler at the head of a plan whose nodes declare no link rate is not found: every node behind it is as
 slow, so nothing tells its rate from the link's.
@@ -32,7 +35,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from control_plane.planner.plan import Part, Plan
+from control_plane.planner.plan import Fetch, Part, Plan, PlanError
 from control_plane.planner.replan import replan, splice, unit_fanout
 
 #: Progress samples kept per receiver: (seconds, bytes held).
@@ -149,15 +152,17 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
 
 def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[int]], sources: Sequence[str],
            num_blocks: int, labels: Mapping[str, Mapping[str, str]] | None = None,
-           demoted: Collection[str] = (), last: Collection[str] = ()) -> Plan:
+           demoted: Collection[str] = (), last: Collection[str] = (), beside: Collection[str] = (),
+           healthy: Collection[str] = ()) -> Plan:
     """``plan`` with the ``slow`` receivers out of the middle: their first children per unit fetch it from the
     nodes the slow ones fetched it from (:func:`splice`), their other children from other nodes with a free
     slot for the unit (no sender gets more children for a unit than the plan gives any: :func:`unit_fanout`),
     and the slow ones fetch what they miss (in the plan's own units) last, each from a node with a free slot
     for the unit, else from the leaf before it (in a chain: past the tail, one behind the other, ``last`` at the
     end; a leaf is slow already, a source's link feeds the plan's head), else from a source; so that none of
-    them, nor any of the plan's receivers ``demoted`` earlier, is the parent of anyone but a leaf. ``held``:
-    verified blocks per node."""
+    them, nor any of the plan's receivers ``demoted`` earlier, is the parent of anyone but a leaf; those of them
+    ``beside`` the leaf before them fetch from its parent, not from it (:func:`chain_pairs`); leaves behind the
+    ``healthy`` ones first (leaves found to receive at the link rate). ``held``: verified blocks per node."""
     slow = set(slow)
     others = {node: blocks for node, blocks in held.items() if node not in slow}
     fanout = unit_fanout(plan, leaves=demoted)  # leaves feeding leaves are no slot to give a healthy relay
@@ -167,7 +172,66 @@ def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[i
                      leaves=leaves)
     joined = sorted(slow & plan.assignments.keys(), key=lambda node: (node in last, node))
     return replan(without, dead=(), held=held, sources=sources, labels=labels, fanout=fanout, joined=joined,
-                  num_blocks=num_blocks, units=unit_layout(plan), leaves=leaves)
+                  num_blocks=num_blocks, units=unit_layout(plan), leaves=leaves, beside=beside, healthy=healthy)
+
+
+def chain_pairs(slow: Collection[str], parts: Mapping[str, Part], receiving: Collection[str],
+                skip: Collection[str] = ()) -> dict[str, str]:
+    """For each ``slow`` receiver whose one parent is a relay still receiving that feeds it alone (a chain's), not
+    ``slow`` nor in ``skip`` (demoted already): that relay. Nothing tells the child's slow downlink from the
+    relay's slow uplink there, so both leave the middle (:func:`demote`), side by side past the tail, until
+    :func:`pair_verdict` says which it was."""
+    slow = set(slow)
+    pairs = {}
+    for node in sorted(slow):
+        parents = {f.parent for f in parts[node].fetch}
+        relay = next(iter(parents)) if len(parents) == 1 else None
+        part = parts.get(relay) if relay is not None else None
+        if (part is None or relay not in receiving or relay in slow or relay in skip
+                or {child for _, child in part.serve} != {node}):
+            continue
+        pairs[node] = relay
+    return pairs
+
+
+def pair_verdict(child: str, parts: Mapping[str, Part], rates: Mapping[str, float], receiving: Collection[str],
+                 expected: Mapping[str, float], *, factor: float) -> str | None:
+    """Which of a pair (:func:`chain_pairs`) was slow, now that ``child`` fetches past the tail: ``"child"`` when it
+    gets less than ``factor`` x its parents' rate (the best of: a parent still receiving, its own rate; else the
+    child's declared rate, or the fastest receiver's) while they deliver at least ``factor`` x that declared rate;
+    ``"relay"`` when it gets ``factor`` x its declared rate or more (it keeps up: the relay's uplink was the limit);
+    None while neither is known."""
+    rate = rates.get(child)
+    if rate is None:
+        return None
+    declared = expected.get(child) or max(rates.values())
+    if rate >= factor * declared:
+        return "relay"
+    reference = 0.0
+    for parent in {f.parent for f in parts[child].fetch}:
+        if parent in receiving:
+            if parent not in rates:
+                return None
+            reference = max(reference, rates[parent])
+        else:
+            reference = max(reference, declared)
+    return "child" if reference >= factor * declared and rate < factor * reference else None
+
+
+def follow(plan: Plan, leaf: str, ahead: str, held: Collection[int] = ()) -> Plan:
+    """``plan`` with ``leaf`` fetching each unit from ``ahead``, wherever ``ahead`` fetches the unit too or holds its
+    block (``held``: its verified blocks), its old parent elsewhere. ``ahead`` must fetch nothing from ``leaf``."""
+    if any(a.parent == leaf for a in plan.assignments.get(ahead, ())):
+        raise PlanError(f"follow: {ahead!r} fetches from {leaf!r}")
+    fetched = {(a.block, a.chunks) for a in plan.assignments.get(ahead, ())}
+    held = set(held)
+    fetches = [Fetch(a.block, ahead, a.chunks) if (a.block, a.chunks) in fetched or a.block in held else a
+               for a in plan.assignments[leaf]]
+    serving = dict(plan.held)
+    served = {a.block for a in fetches if a.parent == ahead and a.block in held}
+    if served:
+        serving[ahead] = tuple(sorted(set(serving.get(ahead, ())) | served))
+    return Plan(plan.strategy, plan.sources, {**plan.assignments, leaf: fetches}, serving)
 
 
 def unit_layout(plan: Plan) -> dict[int, tuple]:

@@ -2,6 +2,7 @@
 observations make, the driver's watch of a transfer (against a fake control plane), verdicts and report. The
 real run, in network namespaces, is tests/integration/test_stragglers.py."""
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ def config(**options) -> StragglersConfig:
     return StragglersConfig(package=Path("pkg"), **{"workers": 4, "link_mbit": 80.0, **options})
 
 
-def result(mode: str, others: float | None, slow: float | None = 41.0, demoted=("w3",), repeat: int = 1,
+def result(mode: str, others: float | None, slow: float | None = 41.0, demoted=("w2", "w3"), repeat: int = 1,
            error: str = "") -> RunResult:
     return RunResult(mode=mode, repeat=repeat, workers=4, link_mbit=80.0, slow_position=3,
                      slow_factor=1.0 if mode == NONE else 0.25, kill_position=0, floor_seconds=10.0,
@@ -172,18 +173,18 @@ def test_verdicts_judge_the_target_and_what_each_mode_demoted():
     assert verdicts([result(HANDLED, 11.5), result(UNHANDLED, 40.5, demoted=()), result(NONE, 10.2, demoted=())]) \
         == ["handled: every other receiver within 1.15x S/B (target <= 1.25x: met); unhandled: 4.05x; "
             "none (no slow receiver): 1.02x",
-            "handled: demoted w3 (as expected)", "unhandled: demoted nothing (as expected)",
+            "handled: demoted w2, w3 (as expected)", "unhandled: demoted nothing (as expected)",
             "none: demoted nothing (as expected)"]
     assert verdicts([result(HANDLED, 13.0, demoted=()), result(UNHANDLED, None, demoted=("w3",))]) == [
         "handled: every other receiver within 1.30x S/B (target <= 1.25x: NOT met); unhandled: not every other "
         "receiver completed",
-        "handled: demoted nothing (expected w3 alone)", "unhandled: demoted w3 (expected nothing)"]
+        "handled: demoted nothing (expected w2, w3)", "unhandled: demoted w3 (expected nothing)"]
     # repeats: the median of the runs; each run's demotions apart
     assert verdicts([result(HANDLED, 11.0), result(HANDLED, 14.0, demoted=("w3", "w4"), repeat=2),
                      result(HANDLED, 12.0, repeat=3)]) == [
         "handled: every other receiver within 1.20x S/B (target <= 1.25x: met)",
-        "handled (run 1): demoted w3 (as expected)", "handled (run 2): demoted w3, w4 (expected w3 alone)",
-        "handled (run 3): demoted w3 (as expected)"]
+        "handled (run 1): demoted w2, w3 (as expected)", "handled (run 2): demoted w3, w4 (expected w2, w3)",
+        "handled (run 3): demoted w2, w3 (as expected)"]
     # a slow uplink only: its children are demoted before it, as nothing tells them apart in a chain
     assert verdicts([result(HANDLED, 7.5, demoted=("w3", "w4", "w5")), result(HANDLED, 20.0, demoted=("w4",),
                      repeat=2)], uplink=True)[1:] == [
@@ -213,7 +214,7 @@ def test_the_report_has_a_line_per_run_and_reads_back_from_its_json():
     assert text.splitlines()[0] == ("stragglers: m (19.1 MiB, 8 blocks), 4 receivers at 80 Mbit/s (netns), floor "
                                     "S/B 10.00 s; w3 (position 3) at 0.25 x the link, its floor 40.00 s; w4 killed "
                                     "1.5 s after the scale-up")
-    assert "handled     1 chain        11.50   1.15   41.00   1.02 w3             40%" in text
+    assert "handled     1 chain        11.50   1.15   41.00   1.02 w2,w3          40%" in text
     assert "unhandled   1 chain            -      -       -      - -             40%!  error: StragglersTimeout: " \
            "w2 late" in text
     assert "verdict: handled: every other receiver within 1.15x S/B (target <= 1.25x: met)" in text
@@ -229,3 +230,11 @@ def test_the_printed_verdicts_of_a_slow_uplink_are_the_json_ones():
             "slow_direction": "up", "slow_floor_seconds": 10.0, "killed_node": None, "kill_after_s": 1.5}
     report = StragglersReport(meta, [result(HANDLED, 13.0, demoted=("w3", "w4", "w5"))])
     assert "verdict: handled: demoted w3, w4, w5 (the slow relay among them)" in format_report(report)
+
+
+def test_handling_is_expected_to_demote_the_chain_relay_feeding_the_slow_receiver_too():
+    assert result(HANDLED, 11.0).expected_demoted == ["w2", "w3"]
+    head = dataclasses.replace(result(HANDLED, 11.0), slow_position=1)  # fed by the store: alone
+    assert head.expected_demoted == ["w1"]
+    tree = dataclasses.replace(result(HANDLED, 11.0), plan_strategy="binomial")  # siblings tell them apart
+    assert tree.expected_demoted == ["w3"]

@@ -5,12 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.planner.plan import Plan
+from control_plane.planner.plan import Fetch, Plan, PlanError
 from control_plane.planner.replan import repair, unit_fanout
 from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import simulate
 from control_plane.planner.stragglers import (
-    StragglerPolicy, demote, find_stragglers, receive_rate, unit_layout)
+    StragglerPolicy, chain_pairs, demote, find_stragglers, follow, pair_verdict, receive_rate, unit_layout)
 
 MB = 1_000_000
 
@@ -253,9 +253,13 @@ def test_demote_keeps_every_unit_and_no_straggler_serves_anyone_but_a_later_one(
     else:
         plan = make_plan(strategy, ["store"], receivers, blocks)
     slow = set(data.draw(st.lists(st.sampled_from(receivers), min_size=1, max_size=3)))
+    beside = set(data.draw(st.lists(st.sampled_from(sorted(slow)), max_size=2)))  # a pair's relays
+    healthy = set(data.draw(st.lists(st.sampled_from(sorted(slow)), max_size=2)))
     held = {rx: set(data.draw(st.lists(st.integers(0, blocks - 1), max_size=blocks))) for rx in receivers}
-    new = demote(plan, slow, held=held, sources=["store"], num_blocks=blocks)
+    new = demote(plan, slow, held=held, sources=["store"], num_blocks=blocks, last=beside, beside=beside,
+                 healthy=healthy)
     new.validate()
+    simulate(new, [4 if strategy == "binomial-units" else 1] * blocks, 1, 1)  # no deadlock
     layout = unit_layout(plan)
     for rx in receivers:
         needs = {(b, c) for b in range(blocks) if b not in held[rx] for c in layout[b]}
@@ -263,3 +267,51 @@ def test_demote_keeps_every_unit_and_no_straggler_serves_anyone_but_a_later_one(
         assert sorted(got, key=str) == sorted(needs, key=str), rx  # every missing unit once, nothing else
     for rx, fetches in new.assignments.items():
         assert rx in slow or not any(a.parent in slow for a in fetches), rx
+
+
+def test_a_chain_relay_feeding_a_slow_child_alone_is_paired_with_it():
+    plan = chain(6)
+    parts, receiving = plan.parts(), set(plan.assignments)
+    assert chain_pairs(["w3"], parts, receiving) == {"w3": "w2"}
+    assert chain_pairs(["w1"], parts, receiving) == {}  # its parent is the store: the slow head is its own
+    assert chain_pairs(["w3"], parts, receiving - {"w2"}) == {}  # w2 holds the package: a source now
+    assert chain_pairs(["w3"], parts, receiving, skip={"w2"}) == {}  # demoted already
+    assert chain_pairs(["w2", "w3"], parts, receiving) == {"w2": "w1"}  # w2 slow itself: no pair of its own
+    tree = make_plan("tree", ["store"], [f"w{i}" for i in range(1, 8)], 2, fanout=2)
+    assert chain_pairs(["w3"], tree.parts(), set(tree.assignments)) == {}  # w1 feeds w4 too: its siblings tell
+
+
+def test_a_pair_side_by_side_past_the_tail_and_the_verdict_that_orders_it():
+    plan = chain(6)
+    pair = demote(plan, {"w3", "w2"}, held={}, sources=["store"], num_blocks=4, last={"w2"}, beside={"w2"})
+    pair.validate()
+    # w4 behind w1; w3 on the tail's free slot, w2 beside it (the tail's too), not behind it
+    assert {a.parent for a in pair.assignments["w4"]} == {"w1"}
+    assert {a.parent for a in pair.assignments["w3"]} == {a.parent for a in pair.assignments["w2"]} == {"w6"}
+    parts = pair.parts()
+    fast, slow = 50 * MB, 12 * MB
+    receiving = set(pair.assignments)
+    rates = dict.fromkeys(receiving, fast)
+    assert pair_verdict("w3", parts, rates, receiving, {}, factor=0.5) == "relay"  # w3 keeps up: w2's uplink
+    rates["w3"] = slow
+    assert pair_verdict("w3", parts, rates, receiving, {}, factor=0.5) == "child"
+    assert pair_verdict("w3", parts, rates, receiving, dict.fromkeys(receiving, 200 * MB), factor=0.5) is None
+    del rates["w6"]  # its parent not measured yet
+    assert pair_verdict("w3", parts, rates, receiving, {}, factor=0.5) is None
+    assert pair_verdict("w3", parts, rates, receiving - {"w6"}, {}, factor=0.5) == "child"  # behind a holder
+    assert pair_verdict("w5", parts, {"w1": fast}, receiving, {}, factor=0.5) is None
+    child_slow = follow(pair, "w3", "w2")
+    child_slow.validate()
+    assert {a.parent for a in child_slow.assignments["w3"]} == {"w2"}
+    relay_slow = follow(pair, "w2", "w3")
+    relay_slow.validate()
+    assert {a.parent for a in relay_slow.assignments["w2"]} == {"w3"}
+    with pytest.raises(PlanError, match="follow: 'w3' fetches from 'w2'"):
+        follow(child_slow, "w2", "w3")
+
+
+def test_follow_serves_a_held_block_from_the_one_ahead_and_keeps_the_old_parent_where_it_has_nothing():
+    plan = Plan("chain", ("s",), {"a": [Fetch(1, "s")], "b": [Fetch(0, "s"), Fetch(1, "s"), Fetch(2, "s")]})
+    new = follow(plan, "b", "a", held={0})
+    new.validate()
+    assert new.assignments["b"] == [Fetch(0, "a"), Fetch(1, "a"), Fetch(2, "s")] and new.held == {"a": (0,)}
