@@ -27,7 +27,7 @@ from control_plane.placement import (
     DEFAULT_FANOUT, MAX_PLAN_SOURCES, Candidate, counted_targets, default_strategy, named_targets, pick_sources,
     relay_piece)
 from control_plane.planner.pipelines import ModelLayout, Pipeline
-from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan
+from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan, PlanError
 from control_plane.planner.racks import RACK_LABEL
 from control_plane.planner.replan import INLINE_REPLAN_MAX_RECEIVERS, drop_held, parts_of, repair, reroute
 from control_plane.planner.schedules import InFlight, make_plan
@@ -531,12 +531,15 @@ class ControlState:
         package = self.packages[package_id]
         held = dict(self.availability[package_id].by_worker)
         parents = {node: {f.parent for f in active.parts[node].fetch} for node in slow}
-        pairs = chain_pairs([node for node in slow if node not in relays], active.parts, active.pending,
-                            skip=active.demoted)
+        # Pairs at a plan's first demotion only: past a slow leaf (the tail's one slot taken) a pair would wait
+        # behind it, where no verdict can be made, its healthy member at that leaf's rate for good.
+        pairs = {} if active.demoted else chain_pairs([node for node in slow if node not in relays], active.parts,
+                                                      active.pending)
         beside = set(pairs.values())
         plan = demote(active.plan, {*slow, *beside}, held=held, sources=active.plan.sources,
                       num_blocks=package.num_blocks, labels=self._labels(set(active.parts) | set(held)),
-                      demoted=active.demoted, last=relays | beside, beside=beside, healthy=active.healthy)
+                      demoted=active.demoted, last=relays | beside,
+                      beside={relay: child for child, relay in pairs.items()}, healthy=active.healthy)
         for node in slow:
             why = ("its children got a fraction of its own %.1f Mbit/s one after another: its uplink is the limit"
                    if node in relays else "receiving %.1f Mbit/s")
@@ -561,23 +564,23 @@ class ControlState:
         """The pairs of ``active`` whose verdict is in (:func:`~control_plane.planner.stragglers.pair_verdict`): the
         slow one fetches behind the other from now on. Returns whether the plan changed."""
         plan = active.plan
-        held = self.availability[active.package_id].by_worker
         for child, relay in sorted(active.pairs.items()):
             if child not in active.pending or relay not in active.pending:
                 del active.pairs[child]  # one of them is done: the other goes on past the tail alone
                 continue
-            verdict = pair_verdict(child, active.parts, rates, active.pending, expected, factor=self.stragglers.factor)
+            verdict = pair_verdict(child, relay, active.parts, rates, active.pending, expected,
+                                   factor=self.stragglers.factor)
             if verdict is None:
                 continue
             del active.pairs[child]
-            active.healthy.add(relay if verdict == "child" else child)
+            slow, fine = (child, relay) if verdict == "child" else (relay, child)
+            active.healthy.add(fine)
+            plan = self._behind(active, plan, slow, fine)
             if verdict == "child":
-                plan = follow(plan, child, relay, held.get(relay, ()))
                 log.warning("straggler node=%s plan=%s package=%s: past the tail it still gets %.1f Mbit/s: the slow "
                             "one; %s, demoted beside it, fetches ahead of it", child, active.plan_id,
                             active.package_id, rates[child] * 8 / 1e6, relay)
             else:
-                plan = follow(plan, relay, child, held.get(child, ()))
                 log.warning("straggler node=%s plan=%s package=%s: its child %s, demoted beside it, keeps up past the "
                             "tail at %.1f Mbit/s: its uplink was the limit; it fetches behind that child", relay,
                             active.plan_id, active.package_id, child, rates[child] * 8 / 1e6)
@@ -587,6 +590,28 @@ class ControlState:
         self.replan_count += 1
         self._install(active, plan)
         return True
+
+    def _behind(self, active: ActivePlan, plan: Plan, slow: str, fine: str) -> Plan:
+        """``plan`` with the leaf ``slow`` fetching behind the leaf ``fine`` (:func:`follow`); where a re-plan since
+        the pair's (a death, a later straggler) made ``fine`` depend on ``slow``, both joined again past the tail,
+        ``slow`` last (:func:`demote`); where neither makes a valid plan, ``plan`` as it is."""
+        held = self.availability[active.package_id].by_worker
+        try:
+            moved = follow(plan, slow, fine, held.get(fine, ()))
+            moved.validate()
+            return moved
+        except PlanError:
+            pass
+        try:
+            moved = demote(plan, {slow, fine}, held=dict(held), sources=plan.sources,
+                           num_blocks=self.packages[active.package_id].num_blocks,
+                           labels=self._labels(set(active.parts) | set(held)), demoted=active.demoted - {slow, fine},
+                           last={slow}, healthy=active.healthy)
+            moved.validate()
+            return moved
+        except PlanError as exc:
+            log.warning("plan=%s: %s stays where it is, not behind %s: %s", active.plan_id, slow, fine, exc)
+            return plan
 
     def report_bad_peer(self, node: str, peer: str, package_id: str, block: int, reason: str, now: float, *,
                         gone: bool = False) -> bool:

@@ -20,7 +20,7 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
            labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
            joined: Sequence[str] = (), num_blocks: int | None = None,
            units: Mapping[int, Sequence[Chunks]] | None = None, leaves: Collection[str] = (),
-           beside: Collection[str] = (), healthy: Collection[str] = ()) -> Plan:
+           beside: Mapping[str, str] | None = None, healthy: Collection[str] = ()) -> Plan:
     """A plan for exactly the units each live receiver still misses.
 
     A receiver of ``plan`` still needs its planned units minus those of blocks in ``held`` (verified
@@ -38,8 +38,8 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
     given a slot; a leaf that finds no free slot fetches the unit from the latest leaf fetching it before it
     (in a chain the leaves then run one behind the other past the tail, whose one slot the first took), else
     from a source; the latest of the ``healthy`` leaves (found to receive at the link rate) first, where one
-    fetches it before; a leaf ``beside`` the one just before it fetches the unit from that one's parent instead
-    (not behind a leaf that may be slow).
+    fetches it before; a leaf ``beside`` another (``beside[leaf]``, placed before it) fetches each unit from that
+    one's parent for it instead, not behind a leaf that may be slow.
     """
     dead, sources = set(dead), tuple(sources)
     source_set = set(sources)
@@ -59,6 +59,7 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
         raise PlanError(f"replan: joined receivers need num_blocks (a positive integer), got {num_blocks!r}")
     holds = {node: set(blocks) for node, blocks in held.items() if node not in dead}
     leaves = set(leaves)
+    beside = beside or {}
 
     # Each remaining fetch keeps its old level (a topological order of the old plan), so kept parents
     # stay earlier than their children; joined receivers come after everything, interleaved so that one
@@ -136,11 +137,12 @@ def replan(plan: Plan, *, dead: Collection[str], held: Mapping[str, Collection[i
                                 for node in holders.get(block, ())], time=-1)
             parent = pool.take(rack(rx), before=level)
         if parent is None and rx in leaves:
-            earlier = [(node, its_parent) for then, node, its_parent in fetchers.get((block, chunks), ())
-                       if then < level]
-            if earlier:
-                parent = earlier[-1][1] if rx in beside else next(
-                    (node for node, _ in reversed(earlier) if node in healthy), earlier[-1][0])
+            earlier = fetchers.get((block, chunks), ())
+            partner = beside.get(rx)
+            parent = next((its_parent for then, node, its_parent in earlier if node == partner and then < level), None)
+            if parent is None:
+                ahead = [node for then, node, _ in earlier if then < level]
+                parent = next((node for node in reversed(ahead) if node in healthy), ahead[-1] if ahead else None)
         if parent is None:
             mine = rack(rx)
             near = [s for s in sources if mine is not None and rack(s) == mine] or sources

@@ -20,8 +20,10 @@ keeps up, and the relay's uplink was the limit, or is still slow behind a parent
 (:func:`pair_verdict`); the slow one then fetches behind the other (:func:`follow`). Both moves are made at the
 first finding: a healthy node behind a slow uplink gets a quarter of its rate until then and never catches up
 (one re-plan per suspect, demoting the relay only when its next child was as slow, took ~2 s, 1.3-1.5x S/B
-at N = 8). In a tree, where a relay feeds several children, a child is demoted alone and its relay becomes a
-suspect: when its next child is as slow, and so is every child it feeds, both are demoted. Leaves that find
+at N = 8). Pairs are made at a plan's first demotion only: past a slow leaf (the tail's one slot taken) a pair
+would wait behind it, where no verdict can be made. In a tree, where a relay feeds several children, and for a
+later straggler, a child is demoted alone and its relay becomes a suspect: when its next child is as slow, and
+so is every child it feeds, both are demoted. Leaves that find
 no free slot fetch behind the tail one after another (not from a source, whose link feeds the head; a slow leaf
 behind a slower one costs no one else), behind a leaf a verdict found healthy first, blamed relays last.
 
@@ -152,7 +154,7 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
 
 def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[int]], sources: Sequence[str],
            num_blocks: int, labels: Mapping[str, Mapping[str, str]] | None = None,
-           demoted: Collection[str] = (), last: Collection[str] = (), beside: Collection[str] = (),
+           demoted: Collection[str] = (), last: Collection[str] = (), beside: Mapping[str, str] | None = None,
            healthy: Collection[str] = ()) -> Plan:
     """``plan`` with the ``slow`` receivers out of the middle: their first children per unit fetch it from the
     nodes the slow ones fetched it from (:func:`splice`), their other children from other nodes with a free
@@ -160,9 +162,10 @@ def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[i
     and the slow ones fetch what they miss (in the plan's own units) last, each from a node with a free slot
     for the unit, else from the leaf before it (in a chain: past the tail, one behind the other, ``last`` at the
     end; a leaf is slow already, a source's link feeds the plan's head), else from a source; so that none of
-    them, nor any of the plan's receivers ``demoted`` earlier, is the parent of anyone but a leaf; those of them
-    ``beside`` the leaf before them fetch from its parent, not from it (:func:`chain_pairs`); leaves behind the
-    ``healthy`` ones first (leaves found to receive at the link rate). ``held``: verified blocks per node."""
+    them, nor any of the plan's receivers ``demoted`` earlier, is the parent of anyone but a leaf; one ``beside``
+    another (a pair's relay: ``beside[relay]`` is its child, joined before it) fetches each unit from that one's
+    parent, not from it (:func:`chain_pairs`); leaves go behind the ``healthy`` ones first (leaves found to
+    receive at the link rate). ``held``: verified blocks per node."""
     slow = set(slow)
     others = {node: blocks for node, blocks in held.items() if node not in slow}
     fanout = unit_fanout(plan, leaves=demoted)  # leaves feeding leaves are no slot to give a healthy relay
@@ -175,38 +178,36 @@ def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[i
                   num_blocks=num_blocks, units=unit_layout(plan), leaves=leaves, beside=beside, healthy=healthy)
 
 
-def chain_pairs(slow: Collection[str], parts: Mapping[str, Part], receiving: Collection[str],
-                skip: Collection[str] = ()) -> dict[str, str]:
+def chain_pairs(slow: Collection[str], parts: Mapping[str, Part], receiving: Collection[str]) -> dict[str, str]:
     """For each ``slow`` receiver whose one parent is a relay still receiving that feeds it alone (a chain's), not
-    ``slow`` nor in ``skip`` (demoted already): that relay. Nothing tells the child's slow downlink from the
-    relay's slow uplink there, so both leave the middle (:func:`demote`), side by side past the tail, until
-    :func:`pair_verdict` says which it was."""
+    ``slow`` itself: that relay. Nothing tells the child's slow downlink from the relay's slow uplink there, so
+    both leave the middle (:func:`demote`), side by side past the tail, until :func:`pair_verdict` says which it
+    was."""
     slow = set(slow)
     pairs = {}
     for node in sorted(slow):
         parents = {f.parent for f in parts[node].fetch}
         relay = next(iter(parents)) if len(parents) == 1 else None
         part = parts.get(relay) if relay is not None else None
-        if (part is None or relay not in receiving or relay in slow or relay in skip
-                or {child for _, child in part.serve} != {node}):
+        if part is None or relay not in receiving or relay in slow or {child for _, child in part.serve} != {node}:
             continue
         pairs[node] = relay
     return pairs
 
 
-def pair_verdict(child: str, parts: Mapping[str, Part], rates: Mapping[str, float], receiving: Collection[str],
-                 expected: Mapping[str, float], *, factor: float) -> str | None:
-    """Which of a pair (:func:`chain_pairs`) was slow, now that ``child`` fetches past the tail: ``"child"`` when it
-    gets less than ``factor`` x its parents' rate (the best of: a parent still receiving, its own rate; else the
-    child's declared rate, or the fastest receiver's) while they deliver at least ``factor`` x that declared rate;
-    ``"relay"`` when it gets ``factor`` x its declared rate or more (it keeps up: the relay's uplink was the limit);
-    None while neither is known."""
-    rate = rates.get(child)
-    if rate is None:
+def pair_verdict(child: str, relay: str, parts: Mapping[str, Part], rates: Mapping[str, float],
+                 receiving: Collection[str], expected: Mapping[str, float], *, factor: float) -> str | None:
+    """Which of a pair (:func:`chain_pairs`) was slow, now that ``child`` and ``relay`` fetch side by side past the
+    tail, once the child's parents deliver at least ``factor`` x its declared rate (else the fastest receiver's;
+    their rate: the best of, for a parent still receiving, its own rate, else that declared one): ``"child"`` when
+    it gets less than ``factor`` x its due, ``"relay"`` when it keeps up (the relay's uplink was the limit); None
+    until both have a rate and the parents are that fast (behind a slow parent nothing tells). Its due: the larger
+    of what the relay takes and what the parents' rate leaves beside it (they share the parents' uplink once the
+    relay, ahead, needs what the tail has: two healthy ones get half each, a slow child a part of what is left)."""
+    rate, beside = rates.get(child), rates.get(relay)
+    if rate is None or beside is None:
         return None
     declared = expected.get(child) or max(rates.values())
-    if rate >= factor * declared:
-        return "relay"
     reference = 0.0
     for parent in {f.parent for f in parts[child].fetch}:
         if parent in receiving:
@@ -215,7 +216,9 @@ def pair_verdict(child: str, parts: Mapping[str, Part], rates: Mapping[str, floa
             reference = max(reference, rates[parent])
         else:
             reference = max(reference, declared)
-    return "child" if reference >= factor * declared and rate < factor * reference else None
+    if reference < factor * declared:
+        return None
+    return "child" if rate < factor * max(beside, reference - beside) else "relay"
 
 
 def follow(plan: Plan, leaf: str, ahead: str, held: Collection[int] = ()) -> Plan:
@@ -224,7 +227,8 @@ def follow(plan: Plan, leaf: str, ahead: str, held: Collection[int] = ()) -> Pla
     if any(a.parent == leaf for a in plan.assignments.get(ahead, ())):
         raise PlanError(f"follow: {ahead!r} fetches from {leaf!r}")
     fetched = {(a.block, a.chunks) for a in plan.assignments.get(ahead, ())}
-    held = set(held)
+    # A block it verified since the plan was made is still among its fetches there: served as one, not as held.
+    held = set(held) - {block for block, _ in fetched}
     fetches = [Fetch(a.block, ahead, a.chunks) if (a.block, a.chunks) in fetched or a.block in held else a
                for a in plan.assignments[leaf]]
     serving = dict(plan.held)

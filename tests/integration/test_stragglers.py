@@ -67,4 +67,4 @@ def test_a_relay_whose_uplink_alone_is_slow_leaves_the_middle(package, tmp_path)
     assert r.error == "" and set(worker_names(8)) <= set(r.complete)
     assert r.demoted == [config.slow_node, "w4"], f"demoted {r.demoted}: {config.slow_node}'s uplink is slow"
     # behind its uplink the others would take 4x S/B
-    assert r.others_ratio_to_floor < 2.5, format_report(report)
+    assert r.others_ratio_to_floor < 2.0, format_report(report)
