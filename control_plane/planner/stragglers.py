@@ -23,9 +23,9 @@ first finding: a healthy node behind a slow uplink gets a quarter of its rate un
 at N = 8). Pairs are made at a plan's first demotion only: past a slow leaf (the tail's one slot taken) a pair
 would wait behind it, where no verdict can be made. In a tree, where a relay feeds several children, and for a
 later straggler, a child is demoted alone and its relay becomes a suspect: when its next child is as slow, and
-so is every child it feeds, both are demoted. Leaves that find
-no free slot fetch behind the tail one after another (not from a source, whose link feeds the head; a slow leaf
-behind a slower one costs no one else), behind a leaf a verdict found healthy first, blamed relays last.
+so is every child it feeds, both are demoted. Leaves that find no free slot fetch behind the tail one after
+another (not from a source, whose link feeds the head; a slow leaf behind a slower one costs no one else),
+behind a leaf a verdict found healthy first, blamed relays last.
 
 A straggler at the head of a plan whose nodes declare no link rate is not found: every node behind it is as
 slow, so nothing tells its rate from the link's.
