@@ -34,7 +34,7 @@ slow, so nothing tells its rate from the link's.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from control_plane.planner.plan import Fetch, Part, Plan, PlanError
@@ -131,25 +131,35 @@ def find_stragglers(parts: Mapping[str, Part], rates: Mapping[str, float], recei
         limit = uplink_suspect(relay)
         if not children(node) and not limit:  # a slow leaf slows no one
             continue
-        reference, judged = 0.0, True
-        for parent in parents:
-            if parent in receiving:
-                if parent not in rates:
-                    judged = False
-                    break
-                reference = max(reference, rates[parent] / max(children(parent), 1))
-            elif parent in limits:
-                judged = False
-                break
-            else:
-                reference = max(reference, (expected.get(node) or fastest) / max(children(parent), 1))
-        healthy = reference >= factor * (expected.get(node) or fastest)
-        if judged and healthy and rate < factor * reference:
+        declared = expected.get(node) or fastest
+        reference = parents_rate(parents, rates, receiving, declared=declared,
+                                 share=lambda parent: max(children(parent), 1), limits=limits)
+        if reference is not None and reference >= factor * declared and rate < factor * reference:
             slow.add(node)
             if limit:
                 slow.add(relay)
                 relays.add(relay)
     return Found(sorted(slow), frozenset(relays))
+
+
+def parents_rate(parents: Collection[str], rates: Mapping[str, float], receiving: Collection[str], *,
+                 declared: float, share: Callable[[str], int] = lambda parent: 1,
+                 limits: Collection[str] = ()) -> float | None:
+    """The best rate the ``parents`` of a receiver give it, each parent's divided among ``share(parent)`` children: a
+    parent still receiving gives its own rate (a child cannot outrun a relay), one that holds the package (a
+    source, a holder) the receiver's ``declared`` rate. None where a receiving parent has no rate yet, or a parent
+    is among the ``limits`` (its uplink is the limit: nothing to judge the child by)."""
+    best = 0.0
+    for parent in parents:
+        if parent in receiving:
+            if parent not in rates:
+                return None
+            best = max(best, rates[parent] / share(parent))
+        elif parent in limits:
+            return None
+        else:
+            best = max(best, declared / share(parent))
+    return best
 
 
 def demote(plan: Plan, slow: Collection[str], *, held: Mapping[str, Collection[int]], sources: Sequence[str],
@@ -208,15 +218,8 @@ def pair_verdict(child: str, relay: str, parts: Mapping[str, Part], rates: Mappi
     if rate is None or beside is None:
         return None
     declared = expected.get(child) or max(rates.values())
-    reference = 0.0
-    for parent in {f.parent for f in parts[child].fetch}:
-        if parent in receiving:
-            if parent not in rates:
-                return None
-            reference = max(reference, rates[parent])
-        else:
-            reference = max(reference, declared)
-    if reference < factor * declared:
+    reference = parents_rate({f.parent for f in parts[child].fetch}, rates, receiving, declared=declared)
+    if reference is None or reference < factor * declared:
         return None
     return "child" if rate < factor * max(beside, reference - beside) else "relay"
 
