@@ -90,8 +90,11 @@ def test_chain_of_four_copies_the_package_exactly_with_cut_through(agents, packa
         assert all(b.verified_at is not None for b in progress.blocks)
         status = client.status()
         assert status["node"] == "r4" and status["bytes_received"] >= manifest.total_bytes
-        # The package (1.2 MB) took the whole reserve, a step before populating each block buffer.
-        assert status["reserve"] == {"bytes": 1 << 20, "held_bytes": 0, "handed_over_bytes": 1 << 20}
+        # The block buffers took the reserve's pages, a step before populating each; the package (1.2 MB) takes
+        # all of it unless a block's bytes outran its prefault (a loaded machine), which then skips the block.
+        reserve = status["reserve"]
+        assert reserve["bytes"] == 1 << 20 and reserve["held_bytes"] + reserve["handed_over_bytes"] == 1 << 20
+        assert reserve["handed_over_bytes"] > 0
         assert status["packages"][manifest.package_id]["goodput_bytes_per_s"] > 0
         stream = client.events(timeout=5)  # past events first: every block was verified already
         assert sorted(next(stream)["block"] for _ in blocks) == list(blocks)
