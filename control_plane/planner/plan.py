@@ -289,7 +289,8 @@ class Plan:
                     raise PlanError(f"malformed plan: {rx!r} fetches {unit_name(a.block, a.chunks)} from "
                                     f"{a.parent!r}, which is no source, does not hold {it}")
         level = [0] * total
-        ready = [f for f in first.values() if f < total and waiting[f] == 0]
+        # A receiver with no fetch has its first index at the next one's first fetch: counted once, from that one.
+        ready = [first[rx] for rx, fetches in self.assignments.items() if fetches and waiting[first[rx]] == 0]
 
         def wait_less(g: int, step: int) -> None:
             if level[g] < step:

@@ -260,6 +260,18 @@ def test_from_json_rejects_malformed_plans(change, message):
     assert str(err.value) == message
 
 
+def test_a_receiver_with_no_fetch_hides_no_cycle_and_shifts_no_level():
+    # An emptied receiver (a re-plan keeps one whose fetches all went) shared its first index with the next
+    # receiver's first fetch, which was then counted ready twice: a cycle passed, a child levelled before its parent.
+    cycle = {"r1": [Fetch(1, "s0"), Fetch(0, "r2")], "r2": [Fetch(0, "r1")]}
+    for assignments in ({"r0": [], **cycle}, {**cycle, "r0": []}):
+        with pytest.raises(PlanError, match="block 0: 'r1' is its own ancestor"):
+            Plan("chain", ("s0",), assignments).validate()
+    chain = {"r2": [Fetch(0, "s0"), Fetch(1, "s0"), Fetch(2, "s0")], "r0": [], "r1": [Fetch(5, "s0"), Fetch(2, "r2")],
+             "r3": [Fetch(2, "r1")]}
+    assert Plan("chain", ("s0",), chain).fetch_levels() == {"r2": [0, 1, 2], "r0": [], "r1": [0, 3], "r3": [4]}
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=3),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
