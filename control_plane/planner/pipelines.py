@@ -18,6 +18,7 @@ the head's (``head_cost``, in decoder layers) for the stage applying it.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -28,6 +29,9 @@ from control_plane.planner.plan import PlanError, check_ids
 DEFAULT_MAX_STAGES = 8
 #: Partial chains kept per stage end while searching (see :func:`_fewest_stages`).
 _PATHS_PER_END = 32
+#: What a chain ending at a position needs of the nodes left: how many of each kind (:attr:`_Runs.kind`) it used
+#: that hold a layer past the position.
+_Needs = frozenset[tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,10 @@ class ModelLayout:
             if not layers:
                 raise PlanError(f"ModelLayout: block {index} holds no layer")
             expected = layers.stop
-        if not self.head_cost >= 0:
-            raise PlanError(f"ModelLayout: head_cost must be >= 0, got {self.head_cost!r}")
+        # inf passed >= 0, and no cut then balanced a stage with the head (KeyError).
+        if isinstance(self.head_cost, bool) or not isinstance(self.head_cost, int | float) or not (
+                math.isfinite(self.head_cost) and self.head_cost >= 0):
+            raise PlanError(f"ModelLayout: head_cost must be a finite number >= 0, got {self.head_cost!r}")
 
     @classmethod
     def from_manifest(cls, manifest) -> ModelLayout:
@@ -137,13 +143,17 @@ def form_pipelines(layout: ModelLayout, held: Mapping[str, Collection[int]], *,
         raise PlanError(f"form_pipelines: max_stages must be an integer >= 2, got {max_stages!r}")
     check_ids("form_pipelines", list(held), "node")
     for node, blocks in held.items():
-        bad = sorted(b for b in blocks if not (isinstance(b, int) and 0 <= b < layout.num_blocks))
+        bad = sorted((b for b in blocks if type(b) is not int or not 0 <= b < layout.num_blocks),  # True is no block
+                     key=lambda b: (0, b) if type(b) is int else (1, repr(b)))
         if bad:
             raise PlanError(f"form_pipelines: node {node!r} holds blocks {bad[:5]} outside the package's "
                             f"0-{layout.num_blocks - 1}")
     runs = {node: _Runs(layout, frozenset(blocks)) for node, blocks in sorted(held.items())
             if len(set(blocks)) < layout.num_blocks}
     runs = {node: r for node, r in runs.items() if r.spans}
+    kinds: dict[tuple | int, int] = {}
+    for r in runs.values():
+        r.kind = kinds.setdefault(r.kind, len(kinds))  # an int hashes faster, and needs are hashed a lot
     # Made once (a node taken by a pipeline is skipped from then on): layer -> (node, its span holding it), and
     # layer -> every stage end a chain at that layer could reach.
     covering: dict[int, list[tuple[str, tuple[int, int]]]] = {}
@@ -178,6 +188,8 @@ class _Runs:
                 self.spans[-1] = (self.spans[-1][0], layers.stop)
             else:
                 self.spans.append((layers.start, layers.stop))
+        #: Nodes of one kind can stand in for each other in any chain (numbered by :func:`form_pipelines`).
+        self.kind: tuple | int = (self.can_embed, self.can_head, tuple(self.spans))
 
 
 def _ends(layout: ModelLayout, r: _Runs, span: tuple[int, int], p: int) -> Sequence[int]:
@@ -197,20 +209,25 @@ def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
     cannot stops anywhere short of it. A node runs one stage per pipeline, so each position keeps up to
     :data:`_PATHS_PER_END` chains with different nodes (a node holding blocks 6, 7, 0 and 1 of a rotated
     order has two spans, and the chain through one may need it for the other). Chains differ only in the
-    nodes they used that hold a layer at or after the position: the others can never serve the rest. Told
-    apart by every node used, many nodes holding the same blocks filled a position's chains, and the one
-    chain that left a node free for its second span could be dropped (no pipeline, though one existed).
+    nodes they used that hold a layer at or after the position, counted by kind (nodes holding the same spans
+    stand in for each other): the others can never serve the rest. A chain whose such nodes include all of
+    another's at the same position can do no more than that one (:func:`_admit`): it is not kept, and gives up
+    its place to one that needs fewer, however full the position. Told apart by every node used, many nodes
+    holding the same blocks filled a position's chains, and the one chain that left a node free for its second
+    span was dropped (no pipeline, though one existed).
     """
     last = layout.num_layers
-    found: dict[int, list[frozenset[str]]] = {0: [frozenset()]}
+    found: dict[int, list[_Needs]] = {0: [frozenset()]}
     frontier: list[tuple[int, list[tuple[str, tuple[int, int]]]]] = [(0, [])]
     for _ in range(max_stages):
         following = []
         for p, path in frontier:
-            # Every end this chain could reach is full (or is the last layer, from one node alone): nothing to try.
-            if all(not path if q == last else len(found.get(q, ())) >= _PATHS_PER_END for q in reach.get(p, ())):
-                continue
             used = {node for node, _ in path}
+            needed: dict[int, dict] = {}  # stage end -> what the chain's nodes so far need there
+            # Every end this chain could reach is full of chains that need no more of its nodes (or is the last
+            # layer, from one node alone): nothing to try.
+            if all(not path if q == last else _full(found.get(q, ()), runs, used, q) for q in reach.get(p, ())):
+                continue
             for node, span in covering.get(p, ()):
                 r = runs.get(node)
                 if r is None or node in used or (p == 0 and not r.can_embed):  # None: in a pipeline already
@@ -220,15 +237,53 @@ def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
                         continue  # one node alone would hold everything: not a pipeline
                     if q == last:
                         return path + [(node, span)]
-                    seen = found.setdefault(q, [])
-                    if len(seen) >= _PATHS_PER_END:
-                        continue
-                    members = frozenset(n for n in used | {node} if runs[n].spans[-1][1] > q)
-                    if members not in seen:
-                        seen.append(members)
+                    if q not in needed:
+                        needed[q] = _count(runs, used, q)
+                    needs = needed[q]
+                    if r.spans[-1][1] > q:
+                        needs = {**needs, r.kind: needs.get(r.kind, 0) + 1}
+                    if _admit(found.setdefault(q, []), frozenset(needs.items())):
                         following.append((q, path + [(node, span)]))
         frontier = following
     return None
+
+
+def _count(runs: Mapping[str, _Runs], used: Collection[str], q: int) -> dict:
+    """How many of each kind the ``used`` nodes holding a layer past ``q`` are."""
+    counts: dict = {}
+    for n in used:
+        r = runs[n]
+        if r.spans[-1][1] > q:
+            counts[r.kind] = counts.get(r.kind, 0) + 1
+    return counts
+
+
+def _within(a: _Needs, b: _Needs) -> bool:
+    """Whether ``a`` needs no more of any kind than ``b``."""
+    counts = dict(b)
+    return len(a) <= len(b) and all(n <= counts.get(kind, 0) for kind, n in a)
+
+
+def _admit(kept: list[_Needs], needs: _Needs) -> bool:
+    """Whether a chain that ``needs`` so much is kept among those ending at its position (``kept``, updated): not
+    where one of them needs no more (it can do all this one can), else in place of those needing more than it
+    does, or in a free place."""
+    if any(_within(other, needs) for other in kept):
+        return False
+    fewer = [other for other in kept if not _within(needs, other)]
+    if len(fewer) == len(kept) and len(kept) >= _PATHS_PER_END:
+        return False
+    kept[:] = fewer + [needs]
+    return True
+
+
+def _full(kept: Sequence[_Needs], runs: Mapping[str, _Runs], used: Collection[str], q: int) -> bool:
+    """Whether no chain extending one that used ``used`` would be kept at stage end ``q``: the places are taken
+    and one of them needs no more than such a chain would (at least its ``used`` nodes holding a layer past q)."""
+    if len(kept) < _PATHS_PER_END:
+        return False
+    least = frozenset(_count(runs, used, q).items())
+    return any(_within(other, least) for other in kept)
 
 
 def _balance(layout: ModelLayout, chain: Sequence[tuple[str, tuple[int, int]]]) -> Pipeline:

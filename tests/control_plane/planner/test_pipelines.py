@@ -135,6 +135,27 @@ def test_forty_holders_of_the_middle_block_still_leave_the_two_span_node_for_the
     assert pipeline.stages == (Stage("w", 0, 1), Stage("m00", 1, 2), Stage("b", 2, 3), Stage("a_z", 3, 4))
 
 
+@pytest.mark.parametrize("copies", [1, 31, 40])
+def test_many_two_span_holders_do_not_crowd_out_the_chain_that_leaves_the_critical_node_free(copies):
+    # Chains through ``a``'s first span and a ``z``'s second were told apart by the z each used: from 31 copies
+    # they filled the 32 places at layer 4, and z00 -> b, which leaves ``a`` for the last layers, was dropped.
+    layout = layout_of([1] * 6)
+    held = {"a": {0, 1, 2, 4, 5}, "b": {1, 2, 3}, **{f"z{i:02d}": {0, 2, 3, 5} for i in range(copies)}}
+    [pipeline] = form_pipelines(layout, held)
+    assert pipeline.nodes == ("z00", "b", "a")
+
+
+def test_many_distinct_holders_do_not_crowd_out_a_longer_chain():
+    # 40 holders of blocks 1 and 3, each with later blocks of its own (so none stands in for another), made the
+    # chains through c's first span that filled the places; the one pipeline leaves c for block 4.
+    layout = layout_of([1] * 13)
+    extra = [set(s) for r in range(1, 7) for s in itertools.combinations(range(6, 12), r)][:40]
+    held = {"c": {0, 4}, "z": {0}, "m": {2}, "w": set(range(5, 13)),
+            **{f"b{i:02d}": {1, 3} | extra[i] for i in range(40)}}
+    [pipeline] = form_pipelines(layout, held)
+    assert pipeline.nodes == ("z", "b00", "m", "b01", "c", "w")
+
+
 def test_each_receiver_is_formed_once_on_what_it_holds_and_gets_next_counting_the_blocks_waited_for():
     """:meth:`PipelineCandidates.run` on random candidates (a bounded number, seeded): pipelines of verified
     blocks first, waiting for none; then pipelines of what the receivers left hold and get next, each stage
@@ -221,3 +242,9 @@ def test_bad_inputs_are_refused_naming_them():
         with pytest.raises(PlanError) as err:
             ModelLayout(blocks)
         assert str(err.value) == f"ModelLayout: block {index} holds no layer"
+    # Found in review: an infinite head cost passed and then raised KeyError; True was taken for block 1.
+    for cost in (float("inf"), float("nan"), -1.0, "1", None):
+        with pytest.raises(PlanError, match="head_cost must be a finite number >= 0, got"):
+            ModelLayout((range(0, 1),), head_cost=cost)
+    with pytest.raises(PlanError, match=r"node 'a' holds blocks \[True\] outside the package's 0-1"):
+        form_pipelines(layout, {"a": {True}})
