@@ -145,6 +145,8 @@ def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], n
         wrong = next((b for b in receiver.waiting if not is_index(b) or b >= num_blocks), None)
         if wrong is not None:
             raise PlanError(f"make_plan: a receiver in flight waits for block {wrong!r}; blocks are 0-{num_blocks - 1}")
+        if len(set(receiver.waiting)) < len(receiver.waiting):  # its order would put a block in two places
+            raise PlanError(f"make_plan: a receiver in flight waits for a block twice: {list(receiver.waiting)}")
     for source, links in (source_links or {}).items():
         if source not in sources:
             raise PlanError(f"make_plan: source_links names {source!r}, which is no source")

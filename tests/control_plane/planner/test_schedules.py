@@ -429,6 +429,8 @@ def test_a_group_beside_receivers_in_flight_starts_where_they_lack_most():
             make_plan("rotated", ["store"], ["y"], 8, in_flight=[InFlight(tuple(range(8)), wrong)])
     with pytest.raises(PlanError, match=r"^make_plan: a receiver in flight waits for block 8; blocks are 0-7$"):
         make_plan("rotated", ["store"], ["y"], 8, in_flight=[InFlight((7, 8))])
+    with pytest.raises(PlanError, match=r"^make_plan: a receiver in flight waits for a block twice: \[0, 0, 1\]$"):
+        make_plan("rotated", ["store"], ["y"], 8, in_flight=[InFlight((0, 0, 1))])
     # Ignored without in-flight receivers and by the strategies that do not rotate.
     assert make_plan("rotated", ["a", "b"], ["x", "y"], 8, in_flight=[]) == make_plan("rotated", ["a", "b"],
                                                                                        ["x", "y"], 8)
