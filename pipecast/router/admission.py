@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pipecast.core.settings import Settings, TenantLimit
 from pipecast.router.errors import TenantAuthError, TenantNameError
+from pipecast.router.fairness import TOKEN_TOLERANCE
 
 DEFAULT_TENANT = "default"
 TENANT_HEADER: str = Settings.model_fields["router_tenant_header"].default
@@ -105,8 +106,8 @@ class TokenBucket:
     def take(self, now: float) -> float:
         """Take one token at ``now``: 0.0 when there was one, else the seconds until one is back."""
         self.refill(now)
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
+        if self.tokens >= 1.0 - TOKEN_TOLERANCE:  # a client back when told is not refused over float rounding
+            self.tokens = max(self.tokens - 1.0, 0.0)
             return 0.0
         return (1.0 - self.tokens) / self.limit.rate
 

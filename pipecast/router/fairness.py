@@ -38,6 +38,10 @@ from typing import Generic, TypeVar
 
 from pipecast.router.errors import QueueFullError
 
+#: A token this close to whole is one: a token due "now" must not wait for one more timer turn (or be refused) over
+#: float rounding (the time until one is back, added back, can leave 0.9999999999999992).
+TOKEN_TOLERANCE = 1e-9
+
 #: Seconds after its last request that a tenant still counts as active (for pacing the others, and for
 #: capping workers at one batch): about the gap between two requests of a steady low-rate tenant.
 ACTIVE_S = 1.0
@@ -255,8 +259,7 @@ class FairQueue(Generic[Item]):
         if record.pace_rate is None or not (active - {name}):
             return True
         record.refill(now)
-        # A hair of tolerance: a token due "now" must not wait for one more timer turn over float rounding.
-        return record.pace_tokens >= 1.0 - 1e-9
+        return record.pace_tokens >= 1.0 - TOKEN_TOLERANCE
 
     def _record(self, tenant: str) -> _Tenant:
         record = self._tenants.get(tenant)

@@ -342,7 +342,7 @@ class WorkerPool:
             self._workers[url] = Worker(url=url, node_id=members[url], idle_since=self.clock())
         for url, node_id in members.items():
             self._workers[url].node_id = node_id
-        if added:
+        if added or removed:  # a loader gone can lift the share the ready workers were held to
             self._changed()
         return added, removed
 
@@ -353,8 +353,9 @@ class WorkerPool:
             return
         was_serving = worker.health is not None and worker.health.status in SERVING
         was_ready = worker.health is not None and worker.health.status == "ready"
-        if worker.progress is None or worker.progress[0] != health.package_id or \
-                health.blocks_present > worker.progress[1]:
+        # Any change is progress: fewer blocks than before is a new load (a worker restarted at the same URL),
+        # whose count then grows from there (kept as the most ever, its reload looked stalled for good).
+        if worker.progress is None or worker.progress != (health.package_id, health.blocks_present):
             worker.progress, worker.progressed_at = (health.package_id, health.blocks_present), self.clock()
         renamed = worker.health is None or (worker.health.model, worker.health.package_id) != (health.model,
                                                                                                 health.package_id)
@@ -396,6 +397,7 @@ class WorkerPool:
         if worker is not None:
             worker.failed_at = at
             worker.problem = problem
+            self._changed()  # a failed loader no longer holds the ready workers to a share
 
     def record_busy(self, url: str, problem: str, at: float, retry_after_s: float) -> None:
         """The worker at ``url``, or the head of the pipeline keyed ``url``, answered 429 at ``at``: send it

@@ -37,6 +37,17 @@ def test_a_tenant_gets_its_burst_at_once_then_its_rate():
     assert not admission.admit("a").admitted
 
 
+def test_a_client_back_when_told_is_admitted_whatever_the_float_rounding():
+    # Found in review: at 1/7 per second the wait, added back, left 0.9999999999999992 tokens: refused again.
+    admission, clock = control({"a": TenantLimit(rate=1 / 7, burst=1)})
+    assert admission.admit("a").admitted
+    clock.now += 2.0
+    refused = admission.admit("a")
+    assert not refused.admitted and refused.retry_after_s == pytest.approx(5.0)
+    clock.now += refused.retry_after_s
+    assert admission.admit("a").admitted
+
+
 def test_the_bucket_refills_only_up_to_the_burst():
     admission, clock = control({"a": TenantLimit(rate=10.0, burst=2)})
     clock.now += 3600.0  # an hour idle earns 2 tokens, not 36,000

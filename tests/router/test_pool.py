@@ -325,6 +325,35 @@ def test_a_loading_worker_whose_blocks_stop_growing_no_longer_holds_the_others_a
     assert pool.share(7, "p") == 4  # a block came: loading again
 
 
+def test_a_worker_loading_its_package_again_is_loading_not_stalled():
+    # Found in review: the most blocks ever seen was kept, so a worker restarted at the same URL, loading the
+    # package it had held, never grew past it and counted as stalled: the ready ones took the backlog uncapped.
+    now = [0.0]
+    pool = WorkerPool(clock=lambda: now[0])
+    pool.sync({A: "a", B: "b"})
+    pool.record_health(A, health("ready", package_id="p"), polled_at=0.0)
+    pool.record_health(B, health("ready", package_id="p"), polled_at=0.0)
+    now[0] = 100.0
+    pool.record_unreachable(B, "connection refused")
+    for present in (1, 3, 6):
+        now[0] += 1.0
+        pool.record_health(B, health("loading", present=present, package_id="p"), polled_at=now[0])
+    assert pool.share(8, "p") == 4
+
+
+@pytest.mark.parametrize("lifted", ["removed", "failed"])
+def test_a_loader_gone_or_failed_wakes_the_listeners(lifted):
+    # Found in review: the ready workers' share was lifted but no one was told until the next health answer.
+    pool = pool_of(a=health("ready", package_id="p"), b=health("loading", present=6, package_id="p"))
+    calls = []
+    pool.subscribe(lambda: calls.append(pool.share(8, "p")))
+    if lifted == "removed":
+        pool.sync({A: "a"})
+    else:
+        pool.record_failure(B, "500", at=0.0)
+    assert calls == [None]
+
+
 async def test_a_surge_backlog_goes_to_the_workers_as_they_come_to_serve_not_all_to_the_first():
     loading = health("loading", present=5, max_batch=8, package_id="p")
     pool = pool_of(a=health("partial", present=7, max_batch=8, package_id="p"), b=loading, c=loading)
