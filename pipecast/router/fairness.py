@@ -7,9 +7,11 @@ is the head of the tenant that is furthest below its share:
 - **Share**: a tenant's weight is its configured rate (``rate_of``); a tenant without a rate weighs
   ``default_weight``. The pick is the eligible tenant with the fewest requests in flight per unit of
   weight, then the lowest virtual time (requests dispatched per unit of weight, start-time fair queueing),
-  then the one served least recently. Two backlogged tenants so alternate by weight, and a tenant that
-  just arrived (nothing in flight, its virtual time brought up to the current one so that idleness is
-  not banked as credit) goes before a backlogged tenant's next request. No tenant starves: its requests
+  then the one served least recently. Backlogged tenants so hold the slots in proportion to their weights as
+  far as whole slots allow, each holding one before any holds two (with two slots, tenants weighing 2 and 1
+  hold one each; with twelve, eight and four), and a tenant that just arrived (nothing in flight, its virtual
+  time brought up to the current one so that idleness is not banked as credit) goes before a backlogged
+  tenant's next request. No tenant starves: its requests
   in flight finish, and the others' virtual times grow with every request they get.
 - **Work conserving**: a tenant alone is never held back; whoever waits gets a free slot.
 - **Pacing** (``pacing`` > 0): while another tenant is active, a tenant with a rate is dispatched at most
