@@ -351,7 +351,10 @@ class WorkerPool:
         worker = self._workers.get(url)
         if worker is None:
             return
-        was_serving = worker.health is not None and worker.health.status in SERVING
+        # A poll missed within the grace is no break in serving: an idle spell goes on (restarted at each missed
+        # poll, a replica on a lossy network might never stay idle for a scaler's keep-alive).
+        last = worker.health or (worker.answered if self.clock() - worker.answered_at <= UNANSWERED_GRACE_S else None)
+        was_serving = last is not None and last.status in SERVING
         was_ready = worker.health is not None and worker.health.status == "ready"
         # Any change is progress: fewer blocks than before is a new load (a worker restarted at the same URL),
         # whose count then grows from there (kept as the most ever, its reload looked stalled for good).

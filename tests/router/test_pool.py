@@ -341,6 +341,25 @@ def test_a_worker_loading_its_package_again_is_loading_not_stalled():
     assert pool.share(8, "p") == 4
 
 
+def test_a_missed_poll_within_the_grace_does_not_restart_an_idle_spell():
+    # Found in review: any failed poll made the next answer "began to serve", and the idle spell began again.
+    now = [0.0]
+    pool = WorkerPool(clock=lambda: now[0])
+    pool.sync({A: "a"})
+    pool.record_health(A, health("ready"), polled_at=0.0)
+    now[0] = 600.0
+    pool.record_health(A, health("ready"), polled_at=now[0])
+    now[0] += 1.0
+    pool.record_unreachable(A, "no answer within 1 s")
+    now[0] += 1.0  # the next answer within the grace of the last
+    pool.record_health(A, health("ready"), polled_at=now[0])
+    assert pool.get(A).idle_s(now[0]) == now[0]
+    pool.record_unreachable(A, "connection refused")
+    now[0] += UNANSWERED_GRACE_S * 2  # silent for longer: it may have restarted, idle from when it serves again
+    pool.record_health(A, health("ready"), polled_at=now[0])
+    assert pool.get(A).idle_s(now[0]) == 0.0
+
+
 @pytest.mark.parametrize("lifted", ["removed", "failed"])
 def test_a_loader_gone_or_failed_wakes_the_listeners(lifted):
     # Found in review: the ready workers' share was lifted but no one was told until the next health answer.
