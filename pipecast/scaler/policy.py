@@ -26,8 +26,8 @@ How it decides, in this order:
    *baseline* demand (:func:`baseline_demand`, the median over the history) beyond what the demand needs now.
 3. **Scale up** by the whole gap at once (not one at a time), at most the free workers. Within
    ``scale_up_cooldown_s`` of the last scale-up only for a rate the pool in place does not cover (the arrival
-   rate's demand, or the cold start's, above the replicas there) or a missed SLO: not for the queue, which the
-   replicas still loading will take.
+   rate's demand, or the cold start's, above the replicas there), and as many as that rate needs (with the warm
+   pool), or a missed SLO: not for the queue, which the replicas still loading will take.
 4. **Scale down** with hysteresis: only replicas idle for ``keep_alive_s`` (every router agreeing), only
    above ``DOWN_HEADROOM`` times the *peak* demand of the last ``keep_alive_s`` (at least
    ``SHORT_WINDOW_S``), and never within ``scale_down_cooldown_s`` of a scale-up, so a replica is not
@@ -181,13 +181,21 @@ def replica_throughput(history: Sequence[Signals], policy: ScalingPolicy) -> flo
     """Requests/s one replica holding the model serves: measured while requests queued in a router (replicas
     were busy) and every replica served whole (a partial one answers at the pace its blocks arrive, not its
     own), over the ``SHORT_WINDOW_S`` up to the last time they did in ``history`` (so a surge after a quiet
-    spell is sized at what the replicas did in the one before) where those polls span :data:`MEASURE_MIN_S`,
+    spell is sized at what the replicas did in the one before) where those polls, one after another with no poll
+    between them that saw no queue, span :data:`MEASURE_MIN_S`,
     else the policy's ``replica_rps``; and never less than the replicas answer now (:func:`answered_per_replica`).
     Requests waiting in the workers' own queues do not start a measure: tried, it sized surges at the quarter-core
     replicas' 0.83 req/s, 7-8 replicas at once, for twice the worker-seconds and no lower p99
     (docs/benchmarks.md, "The backlog in the workers' own queues")."""
-    queued = [s for s in history if s.queue_depth > 0 and s.serving > 0 and s.ready == s.serving]
-    busy = _run(queued, SHORT_WINDOW_S) if queued else []
+    def saturated(s: Signals) -> bool:
+        return s.queue_depth > 0 and s.serving > 0 and s.ready == s.serving
+
+    # The last spell of consecutive such polls: blips of a queue with none between them are no busy replicas.
+    end = next((i for i in range(len(history) - 1, -1, -1) if saturated(history[i])), None)
+    start = end
+    while start and saturated(history[start - 1]):
+        start -= 1
+    busy = _run(history[start:end + 1], SHORT_WINDOW_S) if end is not None else []
     measured = policy.replica_rps
     if busy and busy[-1].at - busy[0].at >= MEASURE_MIN_S and busy[-1].answered > busy[0].answered:
         answered = (busy[-1].answered - busy[0].answered) / (busy[-1].at - busy[0].at)
@@ -344,9 +352,13 @@ def decide(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy) -> Dec
            f"; {warm_why} -> desired {desired}, have {have}")
     if desired > have:
         cooling = pool.last_scale_up is not None and pool.now - pool.last_scale_up < policy.scale_up_cooldown_s
-        # Replicas still loading will take the queue: within the cooldown only a higher rate or a missed SLO adds.
+        # Replicas still loading will take the queue: within the cooldown only a higher rate or a missed SLO adds,
+        # and a rate adds what it needs, not the queue's demand besides.
         if cooling and max(by_rate, by_cold) <= have and not slo_missed:
             return Decision(0, (), f"{why}: in the scale-up cooldown", "cooldown", desired, inputs)
+        if cooling and not slo_missed:
+            desired = min(max(max(by_rate, by_cold) + warm, policy.min_replicas), desired)
+            why += f"; in the scale-up cooldown: for the rate, {desired}"
         add = min(desired - have, pool.free)
         if add == 0:
             return Decision(0, (), f"{why}: no free worker to add", "no_free_workers", desired, inputs)

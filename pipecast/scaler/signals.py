@@ -60,7 +60,8 @@ def parse_stats(router: str, data: Any) -> dict[str, Any]:
     for worker in workers:
         if not isinstance(worker, dict) or not isinstance(worker.get("url"), str):
             raise StatsFormatError(f"router {router}: /stats has a worker without a url")
-        parsed_workers.append({"url": worker["url"], "node_id": str(worker.get("node_id", "")),
+        node_id = worker.get("node_id")  # null, as none: the worker goes by its URL
+        parsed_workers.append({"url": worker["url"], "node_id": "" if node_id is None else str(node_id),
                                "status": str(worker.get("status", "")),
                                # routers before it send none
                                "queue_depth": int(_number(worker, "queue_depth", router, nullable=True) or 0),
@@ -74,7 +75,7 @@ def parse_stats(router: str, data: Any) -> dict[str, Any]:
         of_version, window = (figures.get("counters"), figures.get("ttft")) if isinstance(figures, dict) \
             else (None, None)
         if not isinstance(of_version, dict) or not isinstance(window, dict):
-            raise StatsFormatError(f"router {router}: /stats version {package!r} lacks counters or ttft")
+            raise StatsFormatError(f"router {router}: /stats version {describe(package)} lacks counters or ttft")
         answered, failed = int(_number(of_version, "answered", router)), int(_number(of_version, "failed", router))
         # Routers before ``ready_s`` send none: as long ready as can be (their canaries judged as before).
         ready_s = _number(figures, "ready_s", router, nullable=True) if "ready_s" in figures else math.inf
@@ -91,7 +92,7 @@ def parse_stats(router: str, data: Any) -> dict[str, Any]:
                                     "ttft_p99_s": _number(window, "p99", router, nullable=True)}
     instance = data.get("instance", router)  # routers before it send none: the URL stands for the router
     if not isinstance(instance, str) or not instance:
-        raise StatsFormatError(f"router {router}: /stats instance is {instance!r}, not a non-empty string")
+        raise StatsFormatError(f"router {router}: /stats instance is {describe(instance)}, not a non-empty string")
     return {"instance": instance, "queue_depth": int(_number(data, "queue_depth", router)),
             "in_flight": int(_number(data, "in_flight", router)),
             "arrived": _admitted(counters, router), "answered": int(_number(counters, "answered", router)),

@@ -256,6 +256,12 @@ def test_within_the_scale_up_cooldown_a_queue_waits_for_the_replicas_loading_but
     assert decision.kind == "cooldown" and decision.add == 0
     faster = [Signals(at=float(t), routers_total=1, routers_answered=1, arrived=3 * t) for t in range(10)]
     assert decide(faster, pool, POLICY).add == 2
+    # Found in review: a rate above the pool let the queue's demand in too (40 waiting at 4 each: 8 more).
+    queued = [Signals(at=float(t), routers_total=1, routers_answered=1, arrived=3 * t, queue_depth=40)
+              for t in range(10)]
+    decision = decide(queued, pool, POLICY)
+    assert decision.add == 2 and decision.desired == 3
+    assert decision.reason.endswith("in the scale-up cooldown: for the rate, 3: add 2")
 
 
 def test_idle_replicas_go_in_one_release_not_one_per_cooldown():
@@ -474,6 +480,16 @@ def test_a_steady_load_with_a_one_poll_queue_blip_adds_nothing():
     slow = steady(range(30, 36), {t: 1 for t in range(31, 36)})
     assert replica_throughput(slow[:36], policy) == 0.25 and replica_throughput(slow, policy) == 1.0
     assert decide(slow, Pool(now=slow[-1].at, replicas=replicas, free=28), policy).add == 0
+
+
+def test_two_queue_blips_with_none_between_them_are_no_measure():
+    # Found in review: two one-poll blips 3 s apart spanned MEASURE_MIN_S and measured the unsaturated replicas'
+    # 1 req/s, so a surge after them was sized at a third of what a replica serves.
+    policy = replace(POLICY, max_replicas=32, replica_concurrency=8, replica_rps=3.0)
+    history = [Signals(at=1000.0 + t, routers_total=1, routers_answered=1, queue_depth=1 if t in (30, 33) else 0,
+                       in_flight=8, arrived=4 * (t + 1), answered=4 * t, serving=4, ready=4, instances=("r",))
+               for t in range(60)]
+    assert replica_throughput(history, policy) == 3.0
 
 
 def test_requests_waiting_in_the_workers_own_queues_are_named_but_start_no_measure():

@@ -130,6 +130,21 @@ def test_each_router_process_is_told_apart_by_its_instance_an_older_router_by_it
     assert add_up(100.0, [b, None, a], {}).instances == ("f" * 32, "r2")
     with pytest.raises(StatsFormatError, match=r"^router r1: /stats instance is 7, not a non-empty string$"):
         parse_stats("r1", {**answer, "instance": 7})
+    # Found in review: the whole value went into the message, which the daemon logs every tick (1.5 MB a line).
+    with pytest.raises(StatsFormatError) as err:
+        parse_stats("r1", {**answer, "instance": list(range(200_000))})
+    assert len(str(err.value)) < 200
+    with pytest.raises(StatsFormatError) as err:
+        parse_stats("r1", {**answer, "versions": {"p" * 1_000_000: None}})
+    assert len(str(err.value)) < 200
+
+
+def test_a_worker_whose_node_id_is_null_goes_by_its_url():
+    answer = stats(0, 10, 7, 0.5, [("http://w1:1", "ready", 3.0), ("http://w2:1", "ready", 4.0)])
+    for worker in answer["workers"]:
+        worker["node_id"] = None  # found in review: taken for a node named "None", both workers one
+    signals = add_up(100.0, [parse_stats("r1", answer)], {})
+    assert signals.serving == 2 and set(signals.idle_s) == {"http://w1:1", "http://w2:1"}
 
 
 def test_polls_of_a_service_that_land_on_another_router_are_no_burst_of_arrivals():
