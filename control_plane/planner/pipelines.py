@@ -148,12 +148,10 @@ def form_pipelines(layout: ModelLayout, held: Mapping[str, Collection[int]], *,
         if bad:
             raise PlanError(f"form_pipelines: node {node!r} holds blocks {bad[:5]} outside the package's "
                             f"0-{layout.num_blocks - 1}")
-    runs = {node: _Runs(layout, frozenset(blocks)) for node, blocks in sorted(held.items())
+    kinds: dict[tuple, int] = {}
+    runs = {node: _Runs(layout, frozenset(blocks), kinds) for node, blocks in sorted(held.items())
             if len(set(blocks)) < layout.num_blocks}
     runs = {node: r for node, r in runs.items() if r.spans}
-    kinds: dict[tuple | int, int] = {}
-    for r in runs.values():
-        r.kind = kinds.setdefault(r.kind, len(kinds))  # an int hashes faster, and needs are hashed a lot
     # Made once (a node taken by a pipeline is skipped from then on): layer -> (node, its span holding it), and
     # layer -> every stage end a chain at that layer could reach.
     covering: dict[int, list[tuple[str, tuple[int, int]]]] = {}
@@ -176,7 +174,7 @@ def form_pipelines(layout: ModelLayout, held: Mapping[str, Collection[int]], *,
 class _Runs:
     """A node's maximal runs of consecutive layers it holds, and whether it can embed and apply the head."""
 
-    def __init__(self, layout: ModelLayout, blocks: frozenset[int]):
+    def __init__(self, layout: ModelLayout, blocks: frozenset[int], kinds: dict[tuple, int]):
         self.can_embed = 0 in blocks
         self.can_head = layout.num_blocks - 1 in blocks
         self.spans: list[tuple[int, int]] = []
@@ -188,8 +186,9 @@ class _Runs:
                 self.spans[-1] = (self.spans[-1][0], layers.stop)
             else:
                 self.spans.append((layers.start, layers.stop))
-        #: Nodes of one kind can stand in for each other in any chain (numbered by :func:`form_pipelines`).
-        self.kind: tuple | int = (self.can_embed, self.can_head, tuple(self.spans))
+        #: Nodes of one kind can stand in for each other in any chain; numbered in ``kinds`` (an int hashes faster,
+        #: and what chains need is hashed a lot).
+        self.kind = kinds.setdefault((self.can_embed, self.can_head, tuple(self.spans)), len(kinds))
 
 
 def _ends(layout: ModelLayout, r: _Runs, span: tuple[int, int], p: int) -> Sequence[int]:

@@ -11,8 +11,8 @@ is the head of the tenant that is furthest below its share:
   far as whole slots allow, each holding one before any holds two (with two slots, tenants weighing 2 and 1
   hold one each; with twelve, eight and four), and a tenant that just arrived (nothing in flight, its virtual
   time brought up to the current one so that idleness is not banked as credit) goes before a backlogged
-  tenant's next request. No tenant starves: its requests
-  in flight finish, and the others' virtual times grow with every request they get.
+  tenant's next request. No tenant starves: its requests in flight finish, and the others' virtual times grow
+  with every request they get.
 - **Work conserving**: a tenant alone is never held back; whoever waits gets a free slot.
 - **Pacing** (``pacing`` > 0): while another tenant is active, a tenant with a rate is dispatched at most
   ``pacing`` times that rate (a bucket of one request). Its admission bucket lets a burst of BURST
