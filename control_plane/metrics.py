@@ -83,7 +83,8 @@ class _StateCollector(Collector):
         yield complete
         yield held
         yield GaugeMetricFamily("pipecast_control_plans_active", "Scale-up plans in progress.", value=figures.plans)
-        yield CounterMetricFamily("pipecast_control_replans", "Plans repaired after a death, release or bad peer.",
+        yield CounterMetricFamily("pipecast_control_replans",
+                                  "Plans repaired after a death, release, bad peer or straggler.",
                                   value=figures.replans)
 
 

@@ -556,9 +556,7 @@ class ControlState:
             if node not in relays and node not in pairs and not parents[node] & relays:
                 active.limits.update(parents[node] - active.pending)
                 active.suspects.update(parents[node] & active.pending)
-        active.replans += 1
-        self.replan_count += 1
-        self._install(active, plan)
+        self._replanned(active, plan)
 
     def _settle_pairs(self, active: ActivePlan, rates: Mapping[str, float], expected: Mapping[str, float]) -> bool:
         """The pairs of ``active`` whose verdict is in (:func:`~control_plane.planner.stragglers.pair_verdict`): the
@@ -586,9 +584,7 @@ class ControlState:
                             active.plan_id, active.package_id, child, rates[child] * 8 / 1e6)
         if plan is active.plan:
             return False
-        active.replans += 1
-        self.replan_count += 1
-        self._install(active, plan)
+        self._replanned(active, plan)
         return True
 
     def _behind(self, active: ActivePlan, plan: Plan, slow: str, fine: str) -> Plan:
@@ -665,9 +661,7 @@ class ControlState:
         plan, changed = reroute(active.plan, child=child, peer=peer, block=block, held=held,
                                 labels=self._labels(set(active.parts) | set(held)), fanout=active.fanout,
                                 parts=active.parts, leaves=active.demoted)
-        self._install(active, plan, changed)
-        active.replans += 1
-        self.replan_count += 1
+        self._replanned(active, plan, changed)
         log.info("re-planned plan=%s package=%s: node=%s fetches block=%d from others than peer=%s, which "
                  "keeps receiving; version=%d", active.plan_id, active.package_id, child, block, peer, active.version)
         return True
@@ -1074,6 +1068,12 @@ class ControlState:
     def _labels(self, nodes: Iterable[str]) -> dict[str, Mapping[str, str]]:
         return {n: self.workers[n].spec.labels for n in nodes if n in self.workers}
 
+    def _replanned(self, active: ActivePlan, plan: Plan, changed: set[str] | None = None) -> None:
+        """Install ``plan`` in place of the one ``active`` runs (:meth:`_install`), counted as a re-plan."""
+        self._install(active, plan, changed)
+        active.replans += 1
+        self.replan_count += 1
+
     def _install(self, active: ActivePlan, plan: Plan, changed: set[str] | None = None) -> None:
         """Make ``plan`` the plan of ``active`` and tell every node whose part changed; ``changed``: the only
         nodes whose parts may differ from the old plan's (a repair), None: any node's."""
@@ -1124,9 +1124,7 @@ class ControlState:
         active.pending.difference_update(gone)
         for node in gone:  # out of the plan: _install clears only the receivers left
             self.progress.pop((active.package_id, node), None)
-        self._install(active, plan, changed)
-        active.replans += 1
-        self.replan_count += 1
+        self._replanned(active, plan, changed)
         log.info("re-planned plan=%s package=%s without=%s version=%d pending=%d", active.plan_id,
                  active.package_id, sorted(gone), active.version, len(active.pending))
         if not active.pending:
