@@ -70,7 +70,7 @@ class _Tenant(Generic[Item]):
     pace_updated: float = -math.inf
 
     def active(self, now: float) -> bool:
-        return bool(self.waiting) or self.in_flight > 0 or now - self.last_seen < ACTIVE_S
+        return bool(self.waiting) or self.in_flight > 0 or now < self.last_seen + ACTIVE_S
 
     def refill(self, now: float) -> None:
         if self.pace_rate is not None:
@@ -249,12 +249,16 @@ class FairQueue(Generic[Item]):
         return items
 
     def wake_at(self, now: float) -> float | None:
-        """The earliest time after ``now`` when a tenant held back by pacing may go; None when none is."""
+        """The earliest time after ``now`` when a tenant held back by pacing may go, or, while requests wait,
+        when a tenant active only by its last request turns inactive (which can lift the others' pacing and a
+        caller's cap for several tenants); None when neither comes."""
         active = {name for name, record in self._tenants.items() if record.active(now)}
         times = []
         for name, record in self._tenants.items():
             if record.waiting and not self._may_go(name, record, active, now):
                 times.append(now + (1.0 - record.pace_tokens) / record.pace_rate)
+            elif self._waiting and not record.waiting and not record.in_flight and name in active:
+                times.append(record.last_seen + ACTIVE_S)
         return min(times, default=None)
 
     def _may_go(self, name: str, record: _Tenant, active: set[str], now: float) -> bool:

@@ -568,7 +568,7 @@ class Dispatcher:
     paced while others are active). A request that can go at once gets a worker at once; otherwise it
     waits, at most ``queue_timeout_s`` after its arrival. Waiters are served whenever the pool reports a
     change (health answers arrive every poll interval, so the end of a worker's 429 back-off is noticed
-    within one interval), a request ends, or a paced tenant's next dispatch is due.
+    within one interval), a request ends, a paced tenant's next dispatch is due, or a tenant turns inactive.
 
     While more than one tenant is active, a ready worker takes at most one batch (its ``max_batch``) of
     this router's requests, as a partial one always does: the rest wait here, where the next free slot
@@ -696,7 +696,8 @@ class Dispatcher:
         self._schedule_wake(now)
 
     def _schedule_wake(self, now: float) -> None:
-        """Come back when a paced tenant's next dispatch is due (nothing else would call :meth:`_assign`)."""
+        """Come back when a paced tenant's next dispatch is due, or a tenant turns inactive (nothing else would
+        call :meth:`_assign`)."""
         if self._wake is not None:
             self._wake.cancel()
             self._wake = None

@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 
+from pipecast.router import fairness
 from pipecast.router.errors import QueueFullError, QueueTimeoutError
 from pipecast.router.fairness import ACTIVE_S, SWEEP_AT, FairQueue, QueueBound
 from pipecast.router.pool import Dispatcher, WorkerPool
@@ -172,6 +173,20 @@ def test_a_tenant_with_a_rate_is_paced_only_while_another_is_active():
     assert queue.wake_at(2.0) is None
 
 
+def test_while_requests_wait_the_queue_wakes_when_a_tenant_turns_inactive():
+    """Found in review: nothing called back when a tenant's ACTIVE_S ran out, so the others stayed paced (and a
+    dispatcher's workers capped at one batch) until some other event, up to a health poll later."""
+    queue = FairQueue(max_queue=8)
+    queue.push("b", "b0", 0.0)
+    assert queue.pick(0.0) == ("b", "b0")
+    queue.started("b", 0.0)
+    queue.finished("b", 0.5)
+    assert queue.wake_at(0.6) is None  # nothing waits: nobody needs waking
+    queue.push("a", "a0", 0.6)
+    assert queue.wake_at(0.6) == 0.5 + ACTIVE_S
+    assert queue.active_tenants(0.5 + ACTIVE_S) == 1  # a alone, at the very time it wakes
+
+
 def test_pacing_off_or_without_a_rate_never_holds_back():
     for queue in (FairQueue(max_queue=64, rate_of={"a": 10.0}.get, pacing=0.0), FairQueue(max_queue=64, pacing=2.0)):
         fill(queue, "a", 3)
@@ -229,6 +244,21 @@ async def test_one_tenant_fills_ready_workers_beyond_their_batch_as_before():
 async def b_was_just_here(dispatcher: Dispatcher) -> None:
     """A request of tenant b that came and went: b is active for ACTIVE_S more."""
     dispatcher.release(await dispatcher.acquire(dispatcher.clock(), tenant="b"), "b")
+
+
+async def test_the_one_batch_cap_lifts_when_the_other_tenant_turns_inactive(monkeypatch):
+    monkeypatch.setattr(fairness, "ACTIVE_S", 0.05)
+    pool = pool_with(A, max_batch=1)
+    dispatcher = Dispatcher(pool, max_queue=8, queue_timeout_s=5.0)
+    await b_was_just_here(dispatcher)
+    held = await dispatcher.acquire(dispatcher.clock(), tenant="a")
+    waiting = asyncio.create_task(dispatcher.acquire(dispatcher.clock(), tenant="a"))
+    await asyncio.sleep(0.01)
+    assert dispatcher.waiting == 1  # b still counts: the worker takes one batch
+    worker = await asyncio.wait_for(waiting, 1.0)  # b's spell ends: no poll, no release needed
+    assert worker.url == A and pool.get(A).in_flight == 2
+    dispatcher.release(held, "a")
+    dispatcher.release(worker, "a")
 
 
 async def test_with_several_tenants_a_freed_slot_goes_to_the_tenant_below_its_share():
