@@ -262,6 +262,9 @@ class WorkerPool:
         self.clock = clock
         self._workers: dict[str, Worker] = {}
         self._pipelines: dict[str, PipelineUnit] = {}
+        #: Pipelines no longer listed with requests still in flight through them: one listed again is the same
+        #: unit (its stages still run those requests, which count against its max_in_flight).
+        self._retired: dict[str, PipelineUnit] = {}
         self._listeners: list[Callable[[], None]] = []
         self._in_flight = 0
         # Served name or package id -> packages that answer it, derived from the workers' health and the
@@ -299,16 +302,21 @@ class WorkerPool:
                        max_in_flight: int = PIPELINE_MAX_IN_FLIGHT) -> tuple[list[str], list[str]]:
         """Make the pool route to exactly the pipelines ``found``, each as listed now (its stages' layer cuts
         change as they hold more blocks); return the keys added and removed. A removed pipeline's requests in
-        flight finish undisturbed (its stages keep their sessions)."""
+        flight finish undisturbed (its stages keep their sessions), and count if it is listed again."""
         found = {p.key: p for p in found}
         added = sorted(set(found) - set(self._pipelines))
         removed = sorted(set(self._pipelines) - set(found))
         for key in removed:
-            del self._pipelines[key]
+            unit = self._pipelines.pop(key)
+            if unit.in_flight:
+                self._retired[key] = unit
         for key in added:
             p = found[key]
-            self._pipelines[key] = PipelineUnit(key, p.head_url, p.member_urls, p.header,
-                                                max_in_flight=max_in_flight, package_id=p.package_id)
+            unit = self._retired.pop(key, None)
+            if unit is None:
+                unit = PipelineUnit(key, p.head_url, p.member_urls, p.header, package_id=p.package_id)
+            unit.max_in_flight = max_in_flight
+            self._pipelines[key] = unit
         freed = relaid = False
         for key, p in found.items():
             unit = self._pipelines[key]
@@ -502,6 +510,8 @@ class WorkerPool:
         # Which of a pipeline's requests ended is not known: each frees the oldest's members (the same ones unless
         # it was relaid meanwhile).
         members = (unit,) if isinstance(unit, Worker) else unit.counted.pop(0) if unit.counted else ()
+        if not unit.in_flight and self._retired.get(unit.url) is unit:
+            del self._retired[unit.url]
         for worker in members:
             if worker is not unit:
                 worker.pipelined -= 1

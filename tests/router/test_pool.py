@@ -598,6 +598,23 @@ def test_a_dissolved_pipeline_takes_nothing_new_and_its_requests_finish():
     assert pool.choose(2.0) is None
 
 
+def test_a_pipeline_unlisted_and_listed_again_still_counts_its_requests_in_flight():
+    """Found in review: listed again it was a new unit with none in flight while its stages still ran the old
+    unit's requests, so the router sent it max_in_flight more."""
+    pool = pool_of(a=health("partial", present=4), b=health("partial", present=4))
+    pool.sync_pipelines([pipeline("a", "b")], max_in_flight=2)
+    first, second = pool.begin("pipeline:a+b"), pool.begin("pipeline:a+b")
+    pool.sync_pipelines([])  # discovery misses it once...
+    pool.sync_pipelines([pipeline("a", "b")], max_in_flight=2)  # ...and lists it again
+    assert pool.choose(0.0) is None  # still two in flight through it
+    pool.finish(first)
+    assert pool.choose(0.0).url == "pipeline:a+b"
+    pool.sync_pipelines([])
+    pool.finish(second)  # the last one ends while it is not listed: nothing kept for it
+    assert pool.sync_pipelines([pipeline("a", "b")]) == (["pipeline:a+b"], [])
+    assert pool.choose(0.0).in_flight == 0 and pool.in_flight == 0 and not pool._retired
+
+
 def test_a_pipeline_listed_with_new_cuts_is_routed_so_at_once_and_a_failed_one_is_tried_again_later():
     """Its key is its nodes: listed again with new layer cuts (a stage holds more blocks now) it is routed with
     the new route (it kept the first one, and a failure shut it out for as long as it was listed)."""
