@@ -98,9 +98,18 @@ ANONYMOUS = Principal("anonymous", OPERATOR)
 _PACKAGE_ID = re.compile(r"[0-9a-f]{64}")
 
 
+#: The longest error message sent back (characters): gRPC carries it in a trailer of at most 16 KiB, and one
+#: echoing a client's long field whole would reach the client as RESOURCE_EXHAUSTED instead of its error.
+MAX_ERROR_CHARS = 2000
+
+
 async def _abort(context: grpc.aio.ServicerContext, error: ControlPlaneError) -> None:
-    """End the call with ``error``'s status code, message and class name (the client rebuilds it)."""
-    await context.abort(error.code, str(error), trailing_metadata=((ERROR_TRAILER, type(error).__name__),))
+    """End the call with ``error``'s status code, message (cut at :data:`MAX_ERROR_CHARS`) and class name (the
+    client rebuilds it)."""
+    message = str(error)
+    if len(message) > MAX_ERROR_CHARS:
+        message = f"{message[:MAX_ERROR_CHARS]}... ({len(message)} characters)"
+    await context.abort(error.code, message, trailing_metadata=((ERROR_TRAILER, type(error).__name__),))
 
 
 def _rpc(handler: Handler) -> Handler:

@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 PROGRESS_SAMPLES = 32
 #: The most of a bad-peer report's reason kept (logged): the rest of a long one is cut off.
 MAX_REASON_CHARS = 1024
+#: The most characters a registration may describe its worker in (address, transports, labels, accelerator, serve
+#: URL, engine) and the most labels: every listing of the workers carries them, and a few nodes registering
+#: megabytes would push ListWorkers past gRPC's message limit for every router and scaler.
+MAX_SPEC_CHARS = 4096
+MAX_LABELS = 64
 
 
 @dataclass
@@ -255,6 +260,12 @@ class ControlState:
             raise InvalidRequest(f"worker registration refused: {exc}") from None
         if not spec.peer.address:
             raise InvalidRequest(f"worker {node!r} registered without an address")
+        described = sum(map(len, (spec.peer.address, spec.accelerator.kind, spec.accelerator.name, spec.serve_url,
+                                  spec.engine, *spec.peer.transports, *spec.labels, *spec.labels.values())))
+        if described > MAX_SPEC_CHARS or len(spec.labels) > MAX_LABELS:
+            raise InvalidRequest(f"worker {node!r} registered with {len(spec.labels)} labels and {described} "
+                                 f"characters of address, transports, labels, accelerator, serve URL and engine: "
+                                 f"at most {MAX_LABELS} labels and {MAX_SPEC_CHARS} characters")
         if spec.memory_bytes <= 0:
             raise InvalidRequest(f"worker {node!r} registered with memory budget {spec.memory_bytes}: "
                                  "it must be positive")

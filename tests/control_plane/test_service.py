@@ -315,6 +315,13 @@ async def test_publish_get_list_remove(client):
         await client.get_package(a.package_id)
 
 
+async def test_an_error_echoing_a_long_field_reaches_the_client_typed_and_cut(client):
+    """Found in review: gRPC carries the message in a trailer of at most 16 KiB, so an error echoing a 20,000
+    character id reached the client as RESOURCE_EXHAUSTED, not as the typed error."""
+    with pytest.raises(UnknownPackage, match=r"^package 'x{1991}\.\.\. \(20027 characters\)$"):
+        await client.get_package("x" * 20_000)
+
+
 async def test_scale_up_streams_assignments_to_each_watching_worker(client):
     await client.publish_package(manifest(), STORE)
     nodes = ["w1", "w2", "w3"]

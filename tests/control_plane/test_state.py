@@ -15,7 +15,7 @@ from control_plane.placement import CHAIN_MIN_RECEIVERS
 from control_plane.planner.plan import Fetch, Plan
 from control_plane.planner.schedules import InFlight
 from control_plane.planner.stragglers import follow
-from control_plane.state import ActivePlan, ControlState, Dirty, Notice, ScaleUpResult
+from control_plane.state import MAX_LABELS, MAX_SPEC_CHARS, ActivePlan, ControlState, Dirty, Notice, ScaleUpResult
 from control_plane.store_sqlite import SqliteStore
 from pipecast.v1.manifest_pb2 import Block, Manifest
 
@@ -97,6 +97,22 @@ def test_a_registration_whose_link_rate_is_not_a_finite_number_from_0_changes_no
     with pytest.raises(InvalidRequest, match=re.escape(f"worker 'w0' registered with link rate {rate} Mbit/s: it "
                                                        "must be a finite number >= 0 (0: unknown)")):
         state.register(dataclasses.replace(spec("w0"), link_mbit=rate), {}, now=1)
+    assert state.workers == {} and not state.dirty.workers
+
+
+@pytest.mark.parametrize("change, counts", [
+    ({"labels": {"big": "x" * MAX_SPEC_CHARS}}, "1 labels and 4126"),
+    ({"labels": {f"k{i}": "" for i in range(MAX_LABELS + 1)}}, f"{MAX_LABELS + 1} labels and 212"),
+    ({"serve_url": "http://10.0.0.1:8000/" + "x" * MAX_SPEC_CHARS}, "0 labels and 4144"),
+])
+def test_a_registration_describing_its_worker_at_length_changes_nothing(change, counts):
+    """Found in review: two nodes registering 60 and 5 MiB labels with their own tokens pushed every ListWorkers
+    past gRPC's 64 MiB message limit (routers and scalers list the workers)."""
+    state = cluster(0)
+    with pytest.raises(InvalidRequest, match=re.escape(
+            f"worker 'w0' registered with {counts} characters of address, transports, labels, accelerator, serve URL "
+            f"and engine: at most {MAX_LABELS} labels and {MAX_SPEC_CHARS} characters")):
+        state.register(dataclasses.replace(spec("w0"), **change), {}, now=1)
     assert state.workers == {} and not state.dirty.workers
 
 
