@@ -124,7 +124,11 @@ class Deployment:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Deployment":
-        return cls(str(data["package_id"]), ScalingPolicy(**known_fields(ScalingPolicy, data["policy"])),
+        """The deployment a stored row holds; ValueError if its policy's values are not usable ones."""
+        policy = ScalingPolicy(**known_fields(ScalingPolicy, data["policy"]))
+        if problems := policy.problems():
+            raise ValueError(f"policy: {'; '.join(problems)}")
+        return cls(str(data["package_id"]), policy,
                    tuple(str(r) for r in data["routers"]), float(data["created_at"]), float(data["updated_at"]),
                    str(data.get("priority", DEFAULT_PRIORITY)))  # rows written before priorities: normal
 
@@ -151,7 +155,23 @@ class ScaleEvent:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ScaleEvent":
-        return cls(**{**known_fields(cls, data), "node_ids": tuple(data["node_ids"])})
+        """The event a stored row holds; ValueError naming a field of the wrong type."""
+        event = cls(**{**known_fields(cls, data), "node_ids": tuple(data["node_ids"])})
+        for name, kind in _EVENT_FIELD_TYPES.items():
+            value = getattr(event, name)
+            if (isinstance(value, bool) or not isinstance(value, kind)
+                    or (isinstance(value, float) and not math.isfinite(value))):
+                raise ValueError(f"{name} {value!r:.80} is not {_KIND_NAMES[kind]}")
+        if not all(isinstance(node, str) for node in event.node_ids):
+            raise ValueError(f"node_ids {event.node_ids!r:.80} are not all text")
+        return event
+
+
+#: What each field of a stored ScaleEvent must hold (bool is refused where a number is due).
+_EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "at": (int, float), "package_id": str, "action": str, "count": int, "reason": str, "inputs_json": str,
+    "desired": int, "actual": int, "seq": int}
+_KIND_NAMES = {(int, float): "a finite number", str: "text", int: "an integer"}
 
 
 def check_router_url(url: str, package_id: str) -> str:

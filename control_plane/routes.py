@@ -70,9 +70,12 @@ class ModelRoute:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ModelRoute":
-        gate = data.get("gate")
+        """The route a stored row holds; ValueError if its gate's values are not usable ones."""
+        gate = CanaryGate(**known_fields(CanaryGate, data["gate"])) if data.get("gate") else None
+        if gate is not None and (problems := gate.problems()):
+            raise ValueError("; ".join(problems))
         return cls(str(data["name"]), str(data["stable"]), tuple((str(p), int(w)) for p, w in data["versions"]),
-                   CanaryGate(**known_fields(CanaryGate, gate)) if gate else None, float(data["updated_at"]))
+                   gate, float(data["updated_at"]))
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,16 @@ def test_the_audit_trail_loads_its_latest_events_in_order(backend, store, monkey
      "'pkg'"),
     ("UPDATE scale_events SET event = %s WHERE seq = 2", '{"at": 1, "at": 2}', "scale_events", "2"),
     ("UPDATE routes SET route = %s WHERE name = 'chat'", "[]", "routes", "'chat'"),
+    # Found in review: rows of the right shape with a value of the wrong type loaded, then failed every listing
+    # (INTERNAL), or the start-up with a bare TypeError.
+    ("UPDATE scale_events SET event = %s WHERE seq = 2", '{"at": "yesterday", "package_id": "pkg", "action": '
+     '"hold", "node_ids": []}', "scale_events", "2"),
+    ("UPDATE scale_events SET event = %s WHERE seq = 2", '{"at": 1, "package_id": "pkg", "action": "hold", '
+     '"node_ids": [], "seq": "7"}', "scale_events", "2"),
+    ("UPDATE deployments SET deployment = %s WHERE package_id = 'pkg'", '{"package_id": "pkg", "policy": '
+     '{"min_replicas": "x"}, "routers": [], "created_at": 0, "updated_at": 0}', "deployments", "'pkg'"),
+    ("UPDATE routes SET route = %s WHERE name = 'chat'", '{"name": "chat", "stable": "pkg", "versions": '
+     '[["pkg", 100]], "gate": {"min_requests": "x"}, "updated_at": 0}', "routes", "'chat'"),
 ])
 def test_a_corrupt_row_is_a_typed_error_naming_table_and_key(backend, store, sql, args, table, key):
     state, book, _ = populated()
