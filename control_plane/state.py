@@ -19,6 +19,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from control_plane.availability import Availability
+from control_plane.deployments import MAX_DURATION_S
 from control_plane.errors import (
     Conflict, InsufficientWorkers, InvalidRequest, NodeIdInUse, NoSource, UnknownPackage, UnknownWorker)
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec, serve_url_of
@@ -810,10 +811,11 @@ class ControlState:
         take it back), then leaves the package's plans and is told to drop it. Returns the drop time. The
         package's store is refused: it is the source of the scale-ups no worker can send from."""
         store = self.package(package_id).store.node_id
-        # NaN would never fall due, and neither it nor infinity could be stored and loaded again.
-        if not math.isfinite(keep_alive_s) or keep_alive_s < 0:
-            raise InvalidRequest(f"release of package {package_id!r}: keep-alive must be a finite number >= 0, "
-                                 f"got {keep_alive_s}")
+        # NaN would never fall due, and neither it nor infinity could be stored and loaded again; years would be
+        # a mistake (a deployment's keep-alive has the same bound) whose drop time no clock can show.
+        if not math.isfinite(keep_alive_s) or not 0 <= keep_alive_s <= MAX_DURATION_S:
+            raise InvalidRequest(f"release of package {package_id!r}: keep-alive must be a finite number >= 0 and "
+                                 f"<= {MAX_DURATION_S:g} s, got {keep_alive_s}")
         if not node_ids:
             raise InvalidRequest(f"release of package {package_id!r}: no worker named")
         if len(set(node_ids)) != len(node_ids):
