@@ -19,7 +19,13 @@ import click
 from click.core import ParameterSource
 from google.protobuf import json_format
 
-from control_plane.deployments import DEFAULT_WARM_AUTO_FACTOR, WARM_AUTO_FACTORS, Deployment, ScalingPolicy
+from control_plane.deployments import (
+    DEFAULT_WARM_AUTO_FACTOR,
+    MAX_COUNT,
+    WARM_AUTO_FACTORS,
+    Deployment,
+    ScalingPolicy,
+)
 from control_plane.errors import InvalidRequest, UnknownPackage
 from control_plane.messages import PeerInfo
 from control_plane.routes import CanaryGate, RouteChange
@@ -396,9 +402,9 @@ def remove_command(ctx: click.Context, package_id: str, force: bool) -> None:
 @cp_group.command("scale-up")
 @click.argument("package_id")
 @click.option("--worker", "workers", multiple=True, help="Target worker (repeat); or use --count.")
-@click.option("--count", type=click.IntRange(min=1), help="Bring the package onto this many more workers.")
+@click.option("--count", type=click.IntRange(1, MAX_COUNT), help="Bring the package onto this many more workers.")
 @click.option("--strategy", default="", help="unicast, chain, tree, binomial or rotated (default: picked).")
-@click.option("--fanout", type=click.IntRange(min=1), default=None, help="Children per parent for tree.")
+@click.option("--fanout", type=click.IntRange(1, MAX_COUNT), default=None, help="Children per parent for tree.")
 @click.pass_context
 def scale_up_command(ctx: click.Context, package_id: str, workers: tuple[str, ...], count: int | None,
                      strategy: str, fanout: int | None) -> None:
@@ -555,6 +561,8 @@ def undeploy_command(ctx: click.Context, package_id: str) -> None:
 
 
 DEFAULT_GATE = CanaryGate()
+#: The most control.proto carries in a count (uint32).
+UINT32_MAX = 2**32 - 1
 
 
 def _gate_options(command: Callable) -> Callable:
@@ -569,7 +577,7 @@ def _gate_options(command: Callable) -> Callable:
             click.option("--gate-error-margin", type=Number(min=0), default=DEFAULT_GATE.error_rate_margin,
                          show_default=True, help="Roll back when the canary's error rate exceeds the stable "
                                                  "version's by this much (0.05: 5 points)."),
-            click.option("--gate-min-requests", type=click.IntRange(min=1), default=DEFAULT_GATE.min_requests,
+            click.option("--gate-min-requests", type=click.IntRange(1, UINT32_MAX), default=DEFAULT_GATE.min_requests,
                          show_default=True, help="Judge only once each version served this many requests."))):
         command = decorator(command)
     return command

@@ -72,6 +72,7 @@ from pipecast.core.credentials import (
     data_plane_key,
     issue_node_token,
     serving_key,
+    validate_node_id,
 )
 from pipecast.core.engines import SERVING_ENGINES
 from pipecast.v1 import control_pb2 as pb
@@ -795,4 +796,8 @@ def check_publish(manifest: Manifest, store: PeerInfo) -> None:
         raise InvalidRequest(str(exc)) from None
     if not store.node_id:
         raise InvalidRequest(f"package {manifest.package_id} published without a store node id")
+    try:  # one no token can name could never register, and would garble every listing it is shown in
+        validate_node_id(store.node_id)
+    except CredentialError as exc:
+        raise InvalidRequest(f"package {manifest.package_id} published with store {exc}") from None
     host_port(store.address, f"store {store.node_id!r} address")

@@ -1,7 +1,9 @@
 """`pipecast cp`'s commands against a real control plane on loopback (port 0): what they take and print."""
 
 import asyncio
+import dataclasses
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -71,6 +73,25 @@ def test_publish_takes_only_the_known_transports(tmp_path):
     assert "Error: Invalid value for '--transport': 'foo' is not one of 'tcp', 'ucx'." in result.output
     assert TRANSPORTS == tuple(name for name in transport_names() if name != "auto")  # the agents' backends
     assert "A data-plane transport the store serves" in CliRunner().invoke(cp_group, ["publish", "--help"]).output
+
+
+@pytest.mark.parametrize("args, option", [
+    (["scale-up", PKG, "--count", "4294967296"], "--count"),
+    (["scale-up", PKG, "--worker", "w1", "--fanout", "4294967296"], "--fanout"),
+    (["route", "chat", PKG, "--gate", "--gate-min-requests", "4294967296"], "--gate-min-requests"),
+])
+def test_a_count_beyond_what_the_control_plane_takes_is_refused_by_the_option(args, option):
+    """Found in review: protobuf's uint32 refused these with a ValueError, a traceback."""
+    result = CliRunner().invoke(cp_group, ["--control-plane", "127.0.0.1:1", *args])
+    assert result.exit_code == 2 and f"Invalid value for '{option}': 4294967296 is not in the range" in result.output
+
+
+async def test_a_store_node_id_no_token_can_name_is_refused_at_publish(cp):
+    """Found in review: a store id with a new line (or 100,000 characters) was published; it could never register."""
+    _, client = cp
+    problem = "published with store node id 's\\nx' has unprintable characters"
+    with pytest.raises(InvalidRequest, match=re.escape(problem)):
+        await client.publish_package(manifest("other"), dataclasses.replace(STORE, node_id="s\nx"))
 
 
 async def test_package_id_arguments_take_the_start_of_an_id_as_the_listings_print_it(cp):
