@@ -28,6 +28,7 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
 from control_plane.auth import TokenAuthInterceptor, server_credentials
+from control_plane.decoding import DecodeGuard
 from control_plane.client import MAX_RECONNECT_BACKOFF_S
 from control_plane.convert import MAX_MESSAGE_BYTES
 from control_plane.deployments import DeploymentBook
@@ -197,8 +198,9 @@ class ControlPlaneServer:
         config, credentials = self.config, self._credentials
         auth_off = warn_if_auth_off(config.token, "control plane")
         warn_if_cleartext(config.token, credentials is not None, "control plane")
-        # Auth first: a standby names the leader only to callers with a valid token.
-        interceptors = ([] if auth_off else [TokenAuthInterceptor(config.token)]) + [self.gate]
+        # Auth first: a standby names the leader only to callers with a valid token; a request is parsed (and
+        # refused if it does not) only for a caller let through.
+        interceptors = ([] if auth_off else [TokenAuthInterceptor(config.token)]) + [self.gate, DecodeGuard()]
         server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         control_pb2_grpc.add_ControlPlaneServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -232,6 +232,30 @@ async def test_a_refused_unary_call_is_refused_unread(server):
             assert caught.value.details() == auth.DENIED
 
 
+async def test_a_request_that_does_not_parse_is_invalid_argument_naming_the_call(server):
+    """Found in review: bytes that are no message of the call's type (a string field not UTF-8, a truncated one)
+    were answered UNKNOWN, naming a Python exception class, with a traceback in the log."""
+    metadata = auth.auth_metadata(TOKEN)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        unary = channel.unary_unary("/pipecast.v1.ControlPlane/Heartbeat", request_serializer=bytes,
+                                    response_deserializer=bytes)
+        streamed = channel.stream_stream("/pipecast.v1.ControlPlane/StreamReports", request_serializer=bytes,
+                                         response_deserializer=bytes)
+        watch = channel.unary_stream("/pipecast.v1.ControlPlane/WatchAssignments", request_serializer=bytes,
+                                     response_deserializer=bytes)
+        calls = {"Heartbeat": lambda raw: unary(raw, metadata=metadata, timeout=WAIT_S),
+                 "StreamReports": lambda raw: streamed(iter([raw]), metadata=metadata, timeout=WAIT_S).read(),
+                 "WatchAssignments": lambda raw: watch(raw, metadata=metadata, timeout=WAIT_S).read()}
+        for method, call in calls.items():
+            for raw, problem in ((b"\x0a\x02\xff\xfe", "String field had bad UTF-8"),
+                                 (b"\x0a\x05ab", "Wire format was corrupt")):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await call(raw)
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+                assert caught.value.details().startswith(f"the {method} request does not parse: ")
+                assert caught.value.details().endswith(problem)
+
+
 async def test_a_refused_stream_says_unauthenticated_even_when_its_write_races_the_refusal(server):
     """A stream refused at once could fail the client's first write with gRPC's local "Internal error from
     Core" instead of the refusal (10 of 1,500 on a loaded machine, seen in CI): the refusal takes the first
