@@ -171,7 +171,10 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._target[self._filled:]
+        # Rate-limited, a read takes a slice at most: while reading is paused the kernel's buffer fills, and one
+        # read into the whole rest of a target would take it all at once, past the bucket's burst.
+        end = len(self._target) if self._ingress is None else self._filled + LIMITED_SEND_SLICE
+        return self._target[self._filled:end]
 
     def buffer_updated(self, nbytes: int) -> None:
         self._filled += nbytes

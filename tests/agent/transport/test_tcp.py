@@ -43,7 +43,16 @@ from pipecast.agent.transport import registry
 from pipecast.agent.transport.base import PeerAuth, split_address
 from pipecast.agent.transport.registry import resolve_transport_name
 from pipecast.agent.transport.tcp import MAX_BUFFERED_OUTPUT, TcpChannel, TcpListener, TcpTransport
-from pipecast.agent.transport.wire import AUTH_CHALLENGE, AUTH_FAIL, AUTH_HELLO, AUTH_PROOF, ERROR, FILE, REQ_FILE
+from pipecast.agent.transport.wire import (
+    AUTH_CHALLENGE,
+    AUTH_FAIL,
+    AUTH_HELLO,
+    AUTH_PROOF,
+    ERROR,
+    FILE,
+    LIMITED_SEND_SLICE,
+    REQ_FILE,
+)
 from pipecast.agent.transport.wire import CHUNK as CHUNK_MESSAGE
 from pipecast.agent.transport.wire import TCP_HEADER, ClientHello, Header, request_payload
 from pipecast.core.credentials import data_plane_key
@@ -252,6 +261,24 @@ async def test_egress_limit_paces_the_sender(package):
                 receiving(manifest) as store):
         channel = await TcpTransport("rx", settings()).connect(listener.address, "seed")
         assert await fetch_all_timed(channel, manifest, store) >= paced_floor(manifest, mbit)
+
+
+async def test_a_rate_limited_receiver_reads_a_slice_at_a_time(package):
+    """Found in review: paced, the receiver let the kernel's buffer fill and then read the rest of a target (a
+    chunk, a file) at once, past the bucket's burst: three children at 1 MB/s each took 5.65 MB/s."""
+    root, manifest = package
+    async with tcp_serving(PeerServer(), seed_store(root)) as listener:
+        rx = TcpTransport("rx", settings(ingress_mbit=8.0))  # 1 MB/s
+        reads, take = [], rx.limits.ingress.take
+        rx.limits.ingress.take = lambda nbytes: (reads.append(nbytes), take(nbytes))[1]
+        channel = await rx.connect(listener.address, "seed")
+        started = time.monotonic()
+        assert len(await channel.fetch_file(manifest.package_id, "tokenizer.json")) == TOKENIZER_BYTES
+        elapsed = time.monotonic() - started
+        await channel.close()
+    assert max(reads) <= LIMITED_SEND_SLICE, reads
+    # The bucket may start full (its burst) and the last slice is paid for after it landed.
+    assert elapsed >= (TOKENIZER_BYTES - (256 << 10) - LIMITED_SEND_SLICE) / 1e6 * 0.9
 
 
 @pytest.mark.parametrize("side", ["sender", "receiver"])
