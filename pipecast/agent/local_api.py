@@ -47,7 +47,6 @@ import base64
 import dataclasses
 import json
 import logging
-import math
 import os
 import socket
 import stat
@@ -57,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from pipecast.agent.errors import AgentError, DroppedHereError, LocalApiError, LocalApiTimeoutError
-from pipecast.agent.local_client import MAX_TIMEOUT_S
+from pipecast.agent.local_client import MAX_TIMEOUT_S, is_timeout
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.store import BlockStore, StoreEvent
 from pipecast.agent.transport.base import PeerAuth
@@ -98,8 +97,7 @@ def parse_request(line: bytes | str) -> LocalRequest:
     if package is not None and not isinstance(package, str):
         raise LocalApiError(f"package must be a package id (a string), got {describe(package)}")
     timeout = request.get("timeout", DEFAULT_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
-            math.isfinite(timeout) and 0 <= timeout <= MAX_TIMEOUT_S):
+    if not is_timeout(timeout):
         raise LocalApiError(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, "
                             f"got {describe(timeout)}")
     block = nbytes = path = None

@@ -362,6 +362,8 @@ BAD_REQUESTS = [
     (b'{"op": "wait_block", "block": 0, "timeout": Infinity}', "Infinity is not a JSON number"),
     (b'{"op": "wait_block", "block": 0, "timeout": -1}', "timeout must be a number of seconds"),
     (b'{"op": "wait_block", "block": 0, "timeout": 1e300}', "timeout must be a number of seconds"),
+    # Found in review: math.isfinite overflowed on it, and the connection closed unanswered.
+    (b'{"op": "status", "timeout": 1' + b"0" * 400 + b"}", "timeout must be a number of seconds"),
     (b'{"op": "wait_block", "block": 0, "timeout": "30"}', "timeout must be a number of seconds"),
     (b'{"op": "wait_block", "block": 0, "timeout": true}', "timeout must be a number of seconds"),
     (b'{"op": "wait_block", "block": -1}', "block must be a non-negative integer"),
