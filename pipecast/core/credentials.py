@@ -159,8 +159,9 @@ def presents_key(presented: str | None, key: bytes) -> bool:
 
 def _raw(presented: str) -> bytes:
     """A presented secret's bytes: a header's non-UTF-8 bytes come as surrogates (aiohttp decodes with
-    surrogateescape), which a plain encode would raise on (a 500 instead of a refusal)."""
-    return presented.encode("utf-8", "surrogateescape")
+    surrogateescape), which a plain encode would raise on (a 500 instead of a refusal); any other lone surrogate
+    is encoded as it stands (no secret holds one)."""
+    return presented.encode("utf-8", "surrogatepass")
 
 
 def check_master_token(master: str) -> str:
