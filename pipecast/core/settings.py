@@ -65,7 +65,9 @@ class TenantLimit(BaseModel):
 class Settings(BaseSettings):
     """All of pipecast's settings; see the README's configuration table."""
 
-    model_config = SettingsConfigDict(env_prefix="PIPECAST_", extra="forbid")
+    # No setting takes inf or NaN: an infinite timeout is a network wait without a deadline, an infinite link rate
+    # a share of it that caps nothing.
+    model_config = SettingsConfigDict(env_prefix="PIPECAST_", extra="forbid", allow_inf_nan=False)
 
     config: Path | None = Field(None, description="TOML file of settings (flat keys, optionally under [pipecast])")
 

@@ -127,6 +127,11 @@ def test_a_variable_that_names_no_setting_is_warned_of_once_with_the_setting_it_
     ("PIPECAST_CONTROL_STRAGGLER_WINDOW_S", "inf", "control_straggler_window_s: Input should be a finite number"),
     ("PIPECAST_CONTROL_STRAGGLER_WINDOW_S", "nan", "control_straggler_window_s: Input should be a finite number"),
     ("PIPECAST_CONTROL_STORE_LINKS", "4097", "control_store_links: Input should be less than or equal to 4096"),
+    # Found in review: every other float setting took inf, so a timeout could be turned into a wait without deadline.
+    ("PIPECAST_IO_TIMEOUT_S", "inf", "io_timeout_s: Input should be a finite number"),
+    ("PIPECAST_CONNECT_TIMEOUT_S", "inf", "connect_timeout_s: Input should be a finite number"),
+    ("PIPECAST_AGENT_IDLE_TIMEOUT_S", "inf", "agent_idle_timeout_s: Input should be a finite number"),
+    ("PIPECAST_AGENT_LINK_MBIT", "inf", "agent_link_mbit: Input should be a finite number"),
 ])
 def test_an_infinite_straggler_window_and_a_store_of_countless_links_are_refused(monkeypatch, variable, value, message):
     """Found in review: an infinite window turned straggler detection off without a word, and a store of 10**7
