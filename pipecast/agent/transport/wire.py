@@ -212,8 +212,17 @@ def _keys_differ(detail: str) -> str:
     return f"the peer holds another data-plane key: {detail}; one of the two was given other cluster credentials"
 
 
+#: What a serving node that has not registered yet answers a hello with (its requester then knows whose it is).
+NO_KEY_YET = "this node has no data-plane key yet"
+
+
 class HelloRefused(Exception):
-    """The serving side refuses a requester's hello; the text goes to it in an ``AUTH_FAIL``."""
+    """The serving side refuses a requester's hello; the text goes to it in an ``AUTH_FAIL``. ``fault``: whose it
+    is as the serving side sees it (``"peer"``: the requester's; ``"here"``: this node lacks a key yet)."""
+
+    def __init__(self, message: str, fault: str = "peer") -> None:
+        super().__init__(message)
+        self.fault = fault
 
 
 class ClientHello:
@@ -286,6 +295,8 @@ def refused_by_peer(peer: str, reason: str, have_key: bool) -> PeerAuthError:
                                    f"(authentication is off here): {reason}", fault="here")
     if "authentication is off" in reason:
         return PeerAuthError(peer, f"the peer runs without data-plane authentication: {reason}", fault="peer")
+    if NO_KEY_YET in reason:
+        return PeerAuthError(peer, f"the peer cannot check this node's hello yet: {reason}", fault="peer")
     if reason.startswith("data-plane keys differ"):
         return PeerAuthError(peer, _keys_differ(reason), fault="keys differ")
     return PeerAuthError(peer, f"the peer refused this node's hello: {reason}", fault="here")
@@ -310,15 +321,14 @@ async def accept_hello(auth: PeerAuth, fmt: HeaderFormat, receive: ReceiveMessag
     header, payload = await receive()
     try:
         if key is None:
-            raise HelloRefused("this node has no data-plane key yet (it has not registered with its control "
-                               "plane); try again")
+            raise HelloRefused(f"{NO_KEY_YET} (it has not registered with its control plane); try again", "here")
         if header.kind != AUTH_HELLO:
             if key:
                 raise HelloRefused("this node requires the data-plane hello (authentication is on here); the "
                                    "requester sent none")
             return None, (header, payload)
         if not key:
-            raise HelloRefused("this node has no data-plane key (authentication is off here)")
+            raise HelloRefused("this node has no data-plane key (authentication is off here)", "here")
         server = ServerHello(auth, fmt)
         challenge = server.challenge(payload)
         await send(Header(AUTH_CHALLENGE, length=len(challenge)), memoryview(challenge))
@@ -329,7 +339,7 @@ async def accept_hello(auth: PeerAuth, fmt: HeaderFormat, receive: ReceiveMessag
     except HelloRefused as exc:
         reason = str(exc).encode()
         await send(Header(AUTH_FAIL, length=len(reason)), memoryview(reason))
-        raise PeerAuthError(peer, str(exc), fault="peer") from None
+        raise PeerAuthError(peer, str(exc), fault=exc.fault) from None
     await send(Header(AUTH_OK), memoryview(b""))
     return node, None
 

@@ -255,6 +255,17 @@ async def test_a_peer_with_another_key_is_refused_before_anything_is_served(pack
         assert stranger.stats.bytes_received == 0 and server.admitted == []
 
 
+async def test_a_peer_not_yet_registered_refuses_a_hello_and_the_requester_knows_it_is_the_peers(package,
+                                                                                              transports):
+    """Found in review: the requester took a server still without its key (not registered) for its own fault."""
+    root, _ = package
+    async with serving_store(transports("seed", key=None), seed_store(root)) as listener:
+        with pytest.raises(PeerAuthError, match=r"^peer seed: authentication failed: the peer cannot check this "
+                                                r"node's hello yet: this node has no data-plane key yet") as caught:
+            await transports("rx", io_timeout_s=2.0).connect(listener.address, "seed")  # past the seed's wait
+        assert caught.value.fault == "peer"
+
+
 async def test_without_keys_on_either_side_the_data_plane_is_open_and_says_so(package, transports, caplog):
     root, manifest = package
     base.warn_open_data_plane.__globals__["_warned_open"] = False
