@@ -149,6 +149,10 @@ def _check_entry_path(what: str, path: str, seen: dict[str, str], fail: Callable
     seen[path] = what
 
 
+#: The key of a path tree's node that marks an entry there ("": no path component is empty).
+_ENTRY = ""
+
+
 def validate_manifest(m: Manifest, where: Path | str = MANIFEST_FILE) -> None:
     """Check a manifest's internal consistency and that its package id is the digest of the whole manifest;
     raise ManifestError on the first problem."""
@@ -201,13 +205,17 @@ def validate_manifest(m: Manifest, where: Path | str = MANIFEST_FILE) -> None:
         if not HEX_DIGEST.fullmatch(f.digest):
             fail(f"file {_show(f.path)} has a malformed digest {_show(f.digest)}")
     # A path under another entry's ('tokenizer.json/x' beside 'tokenizer.json') names a folder that is a file:
-    # no folder can hold both, and a receiver writing one would overwrite or fail on the other.
-    for path, what in seen_paths.items():
-        parts = path.split("/")
-        for end in range(1, len(parts)):
-            folder = seen_paths.get("/".join(parts[:end]))
-            if folder is not None:
-                fail(f"{what} is inside {folder}")
+    # no folder can hold both, and a receiver writing one would overwrite or fail on the other. Walked as a tree
+    # of path components, shallowest first: time linear in the paths' length (rebuilding each prefix took
+    # minutes for a peer's 200 kB path of 100,000 components).
+    tree: dict[str, dict] = {}
+    for path in sorted(seen_paths, key=lambda p: p.count("/")):
+        node = tree
+        for part in path.split("/"):
+            node = node.setdefault(part, {})
+            if _ENTRY in node:
+                fail(f"{seen_paths[path]} is inside {node[_ENTRY]}")
+        node[_ENTRY] = seen_paths[path]
     if m.HasField("source") and not m.source.uri:
         fail("source has no uri")
     if m.package_id != compute_package_id(m):

@@ -460,6 +460,20 @@ def test_a_path_that_is_the_manifests_or_inside_another_entrys_is_refused(edit, 
 
 
 @pytest.mark.timeout(10)
+def test_a_path_of_a_hundred_thousand_components_is_checked_at_once():
+    """Found in review: each of a path's prefixes was rebuilt to look it up, so a peer's 200 kB manifest held a core
+    for 30 s before it was refused (a 64 MiB one for days)."""
+    manifest = _manifest(2, 1, [1], files=2)
+    manifest.files[1].path = "/".join(["d"] * 100_000)
+    validate_manifest(seal_manifest(manifest))  # no entry is inside another: accepted
+    manifest.files[0].path = "d/d"
+    with pytest.raises(ManifestError) as refused:
+        validate_manifest(seal_manifest(manifest))
+    assert refused.value.problem.startswith("file 'd/d/d/d/") and refused.value.problem.endswith(
+        "is inside file 'd/d'")
+
+
+@pytest.mark.timeout(10)
 @pytest.mark.parametrize("kind", ["fifo", "device"])
 def test_a_manifest_that_is_not_a_regular_file_is_refused_unread(tmp_path, capsys, kind):
     """Review finding 1: a FIFO named manifest.json hung `pipecast verify`, `inspect` and every load for good; a
