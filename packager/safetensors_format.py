@@ -8,7 +8,6 @@ the file. Whatever the bytes, :func:`parse_header` returns a header or raises
 """
 
 import json
-import math
 import os
 import stat
 import struct
@@ -67,9 +66,21 @@ class Header:
         return self.data_start + self.data_bytes
 
 
-def _expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    bits = DTYPE_BITS[dtype] * math.prod(shape)
-    return (bits + 7) // 8
+#: The largest dimension a tensor may have: an int64, what torch and numpy take (huggingface/safetensors refuses a
+#: shape whose element count overflows too).
+MAX_DIM = 2**63 - 1
+#: More elements than this no file holds (offsets are uint64): the product stops there, whatever the shape's length.
+_MAX_ELEMENTS = 2**64
+
+
+def _expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int | None:
+    """The bytes a tensor of ``dtype`` and ``shape`` takes; None if it has more elements than any file holds."""
+    count = 0 if 0 in shape else 1
+    for dim in shape if count else ():
+        count *= dim
+        if count > _MAX_ELEMENTS:
+            return None
+    return (DTYPE_BITS[dtype] * count + 7) // 8
 
 
 def parse_header(prefix: bytes | memoryview, file_bytes: int, where: Path | str) -> Header:
@@ -124,7 +135,7 @@ def _parse_entry(name: str, entry: Any, where: Path | str) -> TensorInfo:
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise SafetensorsFormatError(where, f"tensor {describe(name)} has unknown dtype {describe(dtype)}")
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)):
         raise SafetensorsFormatError(where, f"tensor {describe(name)} has an invalid shape {describe(shape)}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0
                                                                       for o in offsets)):
@@ -135,9 +146,12 @@ def _parse_entry(name: str, entry: Any, where: Path | str) -> TensorInfo:
         raise SafetensorsFormatError(where, f"tensor {describe(name)} has data_offsets {offsets} that end "
                                             "before they begin")
     expected = _expected_nbytes(dtype, tuple(shape))
+    if expected is None:
+        raise SafetensorsFormatError(where, f"tensor {describe(name)} of shape {describe(shape)} has more "
+                                            f"elements than any file holds")
     if end - begin != expected:
         raise SafetensorsFormatError(where, f"tensor {describe(name)}: data_offsets span {end - begin} "
-                                            f"bytes but {dtype}{shape} needs {expected}")
+                                            f"bytes but {dtype}{describe(shape)} needs {expected}")
     return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
 
 

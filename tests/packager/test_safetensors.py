@@ -48,6 +48,12 @@ def test_a_valid_file_parses():
     ('"text"', "not a JSON object"),
     ('{"__metadata__": [], "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}', "__metadata__"),
     ('{"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}, "a\\ud800": 1}', "lone surrogate"),
+    # Found in review: a product of 400 dimensions of 10**12 went whole into the message (ValueError past 4300
+    # digits), and a zero-size tensor with a dimension past int64 was taken, then no reader could build it.
+    ('{"a": {"dtype": "F32", "shape": [' + ", ".join(["1000000000000"] * 400) + '], "data_offsets": [0, 4]}}',
+     "has more elements than any file holds"),
+    ('{"a": {"dtype": "F32", "shape": [0, 9223372036854775808], "data_offsets": [0, 0]}, '
+     '"b": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}', "invalid shape"),
 ])
 def test_hostile_json_in_a_header_is_a_typed_error(header, problem):
     """Finding 3: RecursionError, ValueError and TypeError while parsing a header became
