@@ -286,16 +286,26 @@ def _write_block(root: Path, layout: BlockLayout, ckpt: Checkpoint, reader: _Sha
                  chunk_bytes=chunk_bytes, chunk_digests=hasher.chunk_digests)
 
 
+def _as_utf8(name: str) -> str:
+    """``name`` as a manifest's UTF-8 can hold it: the bytes of a folder name or argument that were not UTF-8 (held
+    as surrogates) become U+FFFD."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate no undecodable byte makes
+        return name.encode("utf-8", "backslashreplace").decode()
+
+
 def _build_manifest(ckpt: Checkpoint, src: Path, model_name: str | None, blocks: list[Block],
                     files: list[PackageFile], source: ModelSource | None) -> Manifest:
     config = ckpt.config
     archs = config.get("architectures") or [""]
     # a cache snapshot's folder is named by its revision hash: the repository names the model
-    name = model_name or config.get("_name_or_path") or hub_repo_id(src) or src.resolve().name
+    named = config.get("_name_or_path")
+    name = model_name or (named if isinstance(named, str) else "") or hub_repo_id(src) or src.resolve().name
     # The id is sealed last: it is the digest of every other field (packager.manifest).
     return seal_manifest(Manifest(
         format_version=MANIFEST_FORMAT_VERSION,
-        model_name=str(name), architecture=str(archs[0]), model_type=str(config.get("model_type", "")),
+        model_name=_as_utf8(name), architecture=str(archs[0]), model_type=str(config.get("model_type", "")),
         dtypes=sorted({t.info.dtype for t in ckpt.tensors.values()}),
         num_layers=blocks[-1].layer_end,
         tied_embeddings=not any(HEAD_NAMES.match(n) for n in ckpt.tensors),

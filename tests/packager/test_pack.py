@@ -68,6 +68,17 @@ def test_round_trip_every_tensor_exactly_once(checkpoints, tmp_path, name):
     assert manifest.tied_embeddings == ("lm_head.weight" not in original)
 
 
+def test_a_model_name_that_is_not_utf8_or_not_text_is_recorded_readably(checkpoints, tmp_path):
+    """Found in review: a checkpoint folder named in Latin-1 crashed pack (UnicodeEncodeError) and a config's
+    non-text _name_or_path was recorded as its Python repr."""
+    src = tmp_path / os.fsdecode(b"caf\xe9-model")
+    shutil.copytree(checkpoints["llama"], src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "_name_or_path": {"a": [1, 2]}}))
+    assert pack(src, tmp_path / "pkg").model_name == "caf\ufffd-model"
+    assert pack(src, tmp_path / "pkg2", model_name=os.fsdecode(b"x\xff")).model_name == "x\ufffd"
+
+
 def test_block_tensors_are_zero_copy_views_of_the_mapped_file(checkpoints, tmp_path):
     pack(checkpoints["llama"], tmp_path / "pkg")
     pkg = Package.open(tmp_path / "pkg")
