@@ -13,7 +13,9 @@ PARTIAL_MARK = ".partial-"
 TEMPORARY_MARK = ".tmp-"
 # What atomic_write names its temporary files: ".<name>.tmp-<pid>.<n>", n counting this process's writes
 # (two threads writing the same path at once must not share one temporary file).
-_TEMPORARY = re.compile(r"^\..+" + re.escape(TEMPORARY_MARK) + r"(\d+)(?:\.\d+)?$")
+_TEMPORARY = re.compile(r"^\..+" + re.escape(TEMPORARY_MARK) + r"([0-9]{1,10})(?:\.[0-9]+)?$")
+#: A pid as this module writes it into a name: ASCII digits ("²" is a digit to str.isdigit, not to int), bounded.
+_PID = re.compile(r"[0-9]{1,10}")
 _WRITES = itertools.count()
 
 logger = logging.getLogger(__name__)
@@ -23,7 +25,7 @@ def pid_alive(pid: int) -> bool:
     """True if a process with this pid exists (even one we may not signal)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # too large for a pid_t: no process has it
         return False
     except PermissionError:
         return True
@@ -103,7 +105,7 @@ def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}{PARTIAL_MARK}*"):
         pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not pid_alive(int(pid)):
+        if _PID.fullmatch(pid) and not pid_alive(int(pid)):
             _remove(stale)
     tmp = out.parent / f".{out.name}{PARTIAL_MARK}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -64,6 +64,19 @@ def test_each_write_has_a_temporary_file_of_its_own_and_stale_ones_are_swept(tmp
     assert sweep_stale_temporaries(tmp_path) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["f"]
 
 
+def test_leftovers_named_with_a_pid_no_process_can_have_are_no_crash(tmp_path):
+    """Found in review: a pid past pid_t overflowed os.kill, and "²" (a digit to str.isdigit) failed int()."""
+    for pid in ("99999999999999999999", "\u00b2"):
+        (tmp_path / f".out{fsutil.PARTIAL_MARK}{pid}").mkdir()
+    with atomic_directory(tmp_path / "out") as building:
+        (building / "x").write_bytes(b"1")
+    assert (tmp_path / "out" / "x").read_bytes() == b"1"
+    (tmp_path / f".f{fsutil.TEMPORARY_MARK}99999999999").write_bytes(b"half")  # 11 digits: never a pid written
+    (tmp_path / f".g{fsutil.TEMPORARY_MARK}9999999999").write_bytes(b"half")
+    assert sweep_stale_temporaries(tmp_path) == 1
+    assert not fsutil.pid_alive(10**20)
+
+
 def test_a_folder_that_cannot_be_removed_is_named_in_a_warning(tmp_path, monkeypatch, caplog):
     """Found in review: the old folder ``--force`` replaced (and a killed run's partial folder, in the later
     sweep) was removed ignoring errors: one that could not be removed stayed there, unnoticed, for good."""
