@@ -127,11 +127,11 @@ class Package:
         b, path = self.block(index), self.block_path(index)
         try:
             size = path.stat().st_size
+            if size != b.bytes:
+                raise BlockMismatchError(path, f"size is {size} bytes, the manifest says {b.bytes}")
+            buf = map_file(path)  # a folder of the right st_size fails here
         except OSError as exc:
             raise BlockMismatchError(path, f"cannot read ({exc.strerror})") from None
-        if size != b.bytes:
-            raise BlockMismatchError(path, f"size is {size} bytes, the manifest says {b.bytes}")
-        buf = map_file(path)
         if verify:
             bad = check_block_bytes(b, buf)
             if bad:

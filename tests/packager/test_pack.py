@@ -134,6 +134,25 @@ def test_failed_pack_leaves_nothing_behind(checkpoints, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_block_path_that_is_a_folder_of_the_blocks_size_is_a_typed_mismatch(checkpoints, tmp_path):
+    """Found in review: its size checked out (a folder's st_size can be anything) and mapping it raised
+    IsADirectoryError, where a block that cannot be read is a BlockMismatchError."""
+    manifest = pack(checkpoints["llama"], tmp_path / "pkg")
+    path = tmp_path / "pkg" / manifest.blocks[0].file
+    path.unlink()
+    path.mkdir()
+    real_stat = Path.stat
+
+    def stat(self, **kwargs):  # the folder's st_size, the block's (as some file systems may give)
+        found = real_stat(self, **kwargs)
+        return os.stat_result((*found[:6], manifest.blocks[0].bytes, *found[7:])) if self == path else found
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "stat", stat)
+        with pytest.raises(BlockMismatchError, match=r"cannot read \(Is a directory\)$"):
+            Package.open(tmp_path / "pkg").block_buffer(0)
+
+
 def test_verify_names_each_bad_block_and_chunk(checkpoints, tmp_path, capsys):
     pack(checkpoints["llama"], tmp_path / "pkg", layers_per_block=2, chunk_bytes=4096)
     assert verify_package(tmp_path / "pkg") == []
