@@ -104,8 +104,11 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
             raise CheckpointError(f"{gguf}: uses a quantization type gguf cannot dequantize ({exc})") from None
         except (ValueError, KeyError, OSError) as exc:  # not GGUF, or an architecture transformers cannot read
             raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
-        except (struct.error, IndexError, EOFError) as exc:  # gguf's reader ran past the end of the file
+        except (struct.error, IndexError, EOFError, OverflowError) as exc:  # gguf's reader ran past the end, or a
+            # length field too large for a count
             raise CheckpointError(f"{gguf}: truncated or not a GGUF file ({exc})") from None
+        except Exception as exc:  # e.g. the config's own checks on metadata a damaged file holds (heads, sizes)
+            raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
         _check_loaded(gguf, info)
         progress.advance()
         progress.status("save")

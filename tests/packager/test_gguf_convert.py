@@ -166,6 +166,18 @@ def test_a_truncated_gguf_file_is_a_checkpoint_error(tmp_path, capsys, cut):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full.gguf", "model.gguf"]
 
 
+def test_a_gguf_whose_metadata_the_config_refuses_is_a_checkpoint_error(tmp_path):
+    """Found in review: a damaged key (head_count renamed: transformers then takes 32 heads for a hidden size of 16)
+    raised huggingface_hub's StrictDataclassClassValidationError, a traceback."""
+    data = tiny_gguf(tmp_path / "full.gguf").read_bytes()
+    assert data.count(b"attention.head_count") == 2  # the heads, then head_count_kv
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(data.replace(b"attention.head_count", b"attention.head_Kount", 1))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(gguf))}: cannot convert it \(\w+: "):
+        convert_gguf(gguf, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.gguf", "model.gguf"]
+
+
 def test_the_dequantizing_bar_of_transformers_is_not_drawn(tmp_path, capfd):
     """Found in review: `convert-gguf GGUF OUT 2> log` wrote transformers' "Converting and de-quantizing GGUF
     tensors..." tqdm bar: that loop calls tqdm itself, past transformers' progress bar switch."""
