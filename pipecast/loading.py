@@ -269,10 +269,9 @@ def _token_rows(input_ids: Any) -> Any:
     if hasattr(input_ids, "dtype"):  # a tensor or an array: its dtype says whether it holds integers
         check_integer_dtype(input_ids)
         return input_ids
-    try:
-        items = list(input_ids)
-    except TypeError:
-        raise InvalidRequestError(f"input_ids must be token ids, got {type(input_ids).__name__}") from None
+    if not isinstance(input_ids, Sequence) or isinstance(input_ids, str | bytes | bytearray):
+        raise InvalidRequestError(f"input_ids must be token ids, got {type(input_ids).__name__}")
+    items = list(input_ids)
     if any(isinstance(item, (list, tuple)) or getattr(item, "ndim", 0) >= 1 for item in items):
         return [token_ids(row) for row in items]
     return token_ids(items)

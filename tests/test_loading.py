@@ -209,6 +209,7 @@ def test_a_generate_that_times_out_cancels_its_request(tiny):
     ([1, 300], r"prompt token ids \[300\] are outside the vocabulary \(0-255\)"),
     ([], r"input_ids must be a non-empty \[batch, seq\] tensor of int64 or int32 token ids, got torch.int64 of "
          r"shape \[1, 0\]"),
+    ({1, 2}, "input_ids must be token ids, got set"),  # its order is not the prompt's
 ])
 def test_logits_refuses_ids_the_model_cannot_take(tiny, ids, message):
     _, pkg = tiny

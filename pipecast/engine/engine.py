@@ -117,18 +117,23 @@ class Engine:
     def submit(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> TokenStream:
         """Queue a prompt (token ids); return the stream of its generated token ids.
 
-        Raises InvalidRequestError (bad prompt), EngineOverloadedError (queue full), ModelLoadError
-        (loading failed) or EngineClosedError.
+        Raises InvalidRequestError (bad prompt or parameters), EngineOverloadedError (queue full), ModelLoadError
+        (loading failed), EngineFailedError (the engine thread died) or EngineClosedError.
         """
         return self.submit_many([prompt_ids], params)[0]
 
     def submit_many(self, prompts: Seq[Seq[int]],
                     params: SamplingParams | Seq[SamplingParams] | None = None) -> list[TokenStream]:
-        """Queue several prompts at once (``params``: one for all or one each): they are admitted in the
-        same step, or none is queued."""
+        """Queue several prompts at once (``params``: one for all or one each): all are queued, or none is
+        (those the batch has no room for yet are admitted as rows free, in order). Raises as :meth:`submit`."""
+        if not isinstance(prompts, Seq) or isinstance(prompts, str | bytes | bytearray):
+            raise InvalidRequestError(f"prompts must be a sequence of prompts, got {type(prompts).__name__}")
         each = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
         if len(each) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(each)} sampling parameters")
+        for sp in each:
+            if not isinstance(sp, SamplingParams):
+                raise InvalidRequestError(f"sampling parameters must be SamplingParams, got {type(sp).__name__}")
         checked = [(self.check_prompt(p, sp), sp) for p, sp in zip(prompts, each)]
         with self._cond:
             if self._closed:
@@ -165,6 +170,8 @@ class Engine:
 
         if self._closed:  # its weights are gone (close() drops them)
             raise EngineClosedError()
+        if not isinstance(input_ids, torch.Tensor):
+            raise InvalidRequestError(f"input_ids must be a torch tensor, got {type(input_ids).__name__}")
         if input_ids.dim() != 2 or not input_ids.numel() or input_ids.dtype not in (torch.int64, torch.int32):
             raise InvalidRequestError(f"input_ids must be a non-empty [batch, seq] tensor of int64 or int32 token "
                                       f"ids, got {input_ids.dtype} of shape {list(input_ids.shape)}")
@@ -339,10 +346,10 @@ def token_ids(ids: Any) -> list[int]:
     if hasattr(ids, "dtype"):  # a tensor or an array: its dtype says whether it holds integers
         check_integer_dtype(ids)
         ids = ids.tolist()
-    try:
-        items = list(ids)
-    except TypeError:
-        raise InvalidRequestError(f"token ids must be a sequence of integers, got {type(ids).__name__}") from None
+    # Not a set or a dict (its order is not the prompt's), nor bytes (bytes are no token ids).
+    if not isinstance(ids, Seq) or isinstance(ids, str | bytes | bytearray):
+        raise InvalidRequestError(f"token ids must be a sequence of integers, got {type(ids).__name__}")
+    items = list(ids)
     if all(type(t) is int for t in items):  # the common case, checked ~10x faster (a long prompt, on the loop)
         return items
     for position, t in enumerate(items):

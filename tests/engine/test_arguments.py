@@ -72,6 +72,10 @@ def test_integer_token_ids_are_taken(ids):
     (torch.tensor([True]), r"token ids must be integers, got a Tensor of torch.bool"),
     (np.array([1.0]), r"token ids must be integers, got a ndarray of float64"),
     (5, r"token ids must be a sequence of integers, got int"),
+    # Found in review: a set ran in its iteration order, a dict its keys, bytes as byte ids.
+    ({3, 1, 2}, r"token ids must be a sequence of integers, got set"),
+    ({5: "x"}, r"token ids must be a sequence of integers, got dict"),
+    (b"\x01\x02", r"token ids must be a sequence of integers, got bytes"),
 ])
 def test_ids_that_are_not_integers_are_refused(provider, ids, message):
     """Finding 7: ``int()`` turned 5.9 into 5 and "5" into 5: another prompt than the one sent, silently."""
@@ -80,6 +84,21 @@ def test_ids_that_are_not_integers_are_refused(provider, ids, message):
     engine = Engine(provider)
     with pytest.raises(InvalidRequestError, match=f"^{message}$"):
         engine.submit(ids)
+
+
+def test_arguments_of_the_wrong_kind_are_refused_typed(provider):
+    """Found in review: a list to logits, a dict or None as sampling parameters and a generator of prompts raised
+    AttributeError or TypeError."""
+    engine = Engine(provider)
+    with pytest.raises(InvalidRequestError, match=r"^input_ids must be a torch tensor, got list$"):
+        engine.logits([[1, 2]])
+    with pytest.raises(InvalidRequestError, match=r"^sampling parameters must be SamplingParams, got dict$"):
+        engine.submit([1], {"max_tokens": 2})
+    with pytest.raises(InvalidRequestError, match=r"^sampling parameters must be SamplingParams, got NoneType$"):
+        engine.submit_many([[1]], [None])
+    with pytest.raises(InvalidRequestError, match=r"^prompts must be a sequence of prompts, got generator$"):
+        engine.submit_many(p for p in [[1]])
+    engine.close()
 
 
 @pytest.mark.parametrize("name, value", [("max_batch", 0), ("max_batch", -1), ("max_batch", "4"), ("max_batch", 2.0),
