@@ -143,7 +143,7 @@ def _common_fields(body: Any, known: set[str], off_only: dict[str, tuple[Any, ..
             raise RequestFieldError("seed", f"must be an integer from -2^63 to 2^64-1, got {_short(seed)}")
     return {"model": model, "temperature": temperature, "top_p": top_p, "stop": _stop(body.get("stop")),
             "seed": seed, "stream": stream,
-            "include_usage": bool(stream_options and _boolean(stream_options, "include_usage")),
+            "include_usage": bool(stream_options and _boolean(stream_options, "include_usage", "stream_options.")),
             "return_token_ids": _boolean(body, "return_token_ids")}
 
 
@@ -160,7 +160,8 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
         unknown = sorted(set(item) - {"role", "content", "name"})
         if unknown:
             raise RequestFieldError(f"{where}.{unknown[0]}", "is not supported (a message has role, content, name)")
-        if not isinstance(item.get("name", ""), str):  # accepted as OpenAI's API has it; the chat template drops it
+        if item.get("name") is not None and not isinstance(item["name"], str):  # as OpenAI's API has it (null:
+            # none); the chat template drops it
             raise RequestFieldError(f"{where}.name", f"must be a string, got {describe(item['name'])}")
         messages.append(ChatMessage(item["role"], _content(item.get("content"), f"{where}.content")))
     return tuple(messages)
@@ -206,12 +207,13 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
-def _boolean(body: dict, name: str) -> bool:
+def _boolean(body: dict, name: str, where: str = "") -> bool:
+    """``body[name]`` (absent or null: false); ``where``: the object holding it, for the error's field name."""
     value = body.get(name, False)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise RequestFieldError(name, f"must be true or false, got {describe(value)}")
+        raise RequestFieldError(f"{where}{name}", f"must be true or false, got {describe(value)}")
     return value
 
 

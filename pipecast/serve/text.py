@@ -50,7 +50,8 @@ class TextCodec:
     def from_files(cls, read: Callable[[str], bytes | None], names: Sequence[str], where: str) -> "TextCodec":
         """Load the tokenizer from a package's small files ``names``, each read with ``read(name)``.
 
-        Raises :class:`ModelUnavailableError` when the package has no tokenizer (the package's fault).
+        Raises :class:`ModelUnavailableError` when the package has no tokenizer, or files transformers cannot
+        load one from (the package's fault either way).
         """
         from transformers import AutoTokenizer
 
@@ -66,8 +67,9 @@ class TextCodec:
                     path.write_bytes(data)
             try:
                 return cls(AutoTokenizer.from_pretrained(folder))
-            except (OSError, ValueError) as exc:
-                raise ModelUnavailableError(f"{where}: its tokenizer files cannot be loaded ({exc})") from None
+            except Exception as exc:  # the package's files: JSON of the wrong shape raises KeyError, TypeError, ...
+                raise ModelUnavailableError(f"{where}: its tokenizer files cannot be loaded "
+                                            f"({type(exc).__name__}: {exc})") from None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt (with the special tokens the tokenizer adds, e.g. BOS)."""

@@ -1056,11 +1056,20 @@ def test_chat_requests_are_checked_field_by_field():
             ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
              "messages[0].tool_calls: is not supported"),
             ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name: must be a string, got 5"),
+            ({"messages": [{"role": "user", "content": "x", "name": False}]},
+             "messages[0].name: must be a string, got False"),
             ({"n": 2}, "n: 2 is not supported"), ({"prompt": "x"}, "prompt: unknown field"),
             ({"presence_penalty": 0.5}, "presence_penalty: 0.5 is not supported (accepted: null or 0 or 0.0)"),
             ({"max_completion_tokens": 0}, "max_completion_tokens: must be at least 1, got 0")):
         with pytest.raises(RequestFieldError, match=re.escape(message)):
             parse_chat_request({"model": "m", "messages": CHAT, **fields})
+
+
+def test_a_null_message_name_is_none_as_other_optional_fields():
+    """Found in review: `"name": null` was refused (every other optional field takes null for absent)."""
+    named = {"role": "user", "content": "hi", "name": None}
+    assert parse_chat_request({"model": "m", "messages": [named]}) == \
+        parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
 
 
 def test_requests_are_checked_field_by_field():
@@ -1071,6 +1080,8 @@ def test_requests_are_checked_field_by_field():
     for fields, param in [({"n": True}, "n"), ({"stream": 1}, "stream"), ({"echo": True}, "echo"),
                           ({"prompt": [1, True]}, "prompt"), ({"temperature": True}, "temperature"),
                           ({"stream_options": {"include_usage": True}}, "stream_options"),
+                          # Found in review: named "include_usage", a top-level field there is not.
+                          ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
                           ({"seed": 1.5}, "seed"), ({"temperature": float("nan")}, "temperature")]:
         with pytest.raises(RequestFieldError) as caught:
             parse_completion_request({"model": "m", "prompt": [1], **fields})
@@ -1163,6 +1174,15 @@ def test_a_package_without_tokenizer_files_is_refused(codec):
     with pytest.raises(ModelUnavailableError, match=r"^pkg has no tokenizer \(tokenizer.json or tokenizer.model or "
                                                     r"vocab.json\): the serving worker needs one"):
         TextCodec.from_files(lambda name: b"{}", ["config.json"], "pkg")
+
+
+@pytest.mark.parametrize("files", [{"tokenizer.json": b"{}"}, {"tokenizer.json": b"[]"},
+                                   {"tokenizer.json": b"{}", "tokenizer_config.json": b"[]"}])
+def test_tokenizer_files_of_the_wrong_shape_are_the_packages_fault(files):
+    """Found in review: JSON of the wrong shape raised KeyError, TypeError or AttributeError out of the load (logged
+    with a traceback as if pipecast had a bug), where files that cannot be loaded are ModelUnavailableError."""
+    with pytest.raises(ModelUnavailableError, match=r"^pkg: its tokenizer files cannot be loaded \(\w+: "):
+        TextCodec.from_files(files.get, list(files), "pkg")
 
 
 def test_the_token_rate_counts_the_last_window_only():
