@@ -101,13 +101,8 @@ class BlockCache:
         # Not merely "manifest.json exists": a torn, invalid or foreign one would keep the folder useless for good.
         if self.local_package(manifest.package_id) is not None:
             return True
-        what = f"the manifest of {manifest.package_id[:12]}"
-        try:
-            atomic_write(self.package_dir(manifest.package_id) / MANIFEST_FILE, manifest_to_json(manifest).encode(),
-                         durable=True)
-        except OSError as exc:
-            return self._failed(what, exc)
-        return True
+        return self._write(self.package_dir(manifest.package_id) / MANIFEST_FILE, manifest_to_json(manifest).encode(),
+                           f"the manifest of {manifest.package_id[:12]}", durable=True)
 
     def write_file(self, package_id: str, path: str, data: bytes) -> bool:
         """Persist a verified small file; False if it could not be written."""
@@ -124,12 +119,13 @@ class BlockCache:
             return True
         return False
 
-    def _write(self, path: Path, data: bytes | memoryview, what: str) -> bool:
+    def _write(self, path: Path, data: bytes | memoryview, what: str, durable: bool = False) -> bool:
+        """Write ``data`` to ``path`` within the cache's bound (every file counts, the manifest too)."""
         package_id = path.relative_to(self.root).parts[0]
         if not self._make_room(package_id, path, len(data), what):
             return False
         try:
-            atomic_write(path, data)
+            atomic_write(path, data, durable=durable)
             os.utime(self.package_dir(package_id))  # used now: the last to be removed for room
         except OSError as exc:
             return self._failed(what, exc)

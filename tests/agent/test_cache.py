@@ -201,6 +201,14 @@ def test_a_bounded_cache_removes_the_packages_used_least_recently_and_not_held_t
             store.close()
 
 
+def test_a_manifest_counts_against_the_bound_too(package, tmp_path):
+    """Found in review: manifests were written past agent_cache_max_bytes (only blocks and small files counted)."""
+    _, manifest = package
+    cache = BlockCache(tmp_path / "cache", max_bytes=100)  # less than any manifest
+    assert not cache.write_manifest(manifest)
+    assert cache.skipped_writes == 1 and cache.packages() == []
+
+
 def test_a_look_at_what_the_cache_holds_is_no_use_of_it(tmp_path):
     """Found in review of the bound: each registration lists the cached blocks, which made every package "used now",
     and the one removed for room was then any, not the least recently used."""
