@@ -109,6 +109,9 @@ def change_route(route: ModelRoute | None, change: RouteChange, published: Colle
         raise InvalidRequest(f"route {name!r}: {'; '.join(problems)}")
     if change.gate is not None and change.no_gate:
         raise InvalidRequest(f"route {name!r}: a change sets a gate or removes it, not both")
+    if (change.gate is not None or change.no_gate) and action not in ("route", "canary"):
+        raise InvalidRequest(f"route {name!r}: {action} keeps the route's gate; set or remove it with route or "
+                             "canary")
     if action in ("route", "canary") and package not in published:
         raise UnknownPackage.named(package)
     if action == "route":

@@ -63,6 +63,11 @@ def test_a_route_takes_canaries_by_weight_then_promotes_or_rolls_them_back():
      "route 'chat': gate min_requests must be an integer >= 1, got 0"),
     (RouteChange("chat", "canary", B, 10, CanaryGate(), no_gate=True), InvalidRequest,
      "route 'chat': a change sets a gate or removes it, not both"),
+    # Found in review: a gate (or its removal) sent with promote or rollback was dropped without a word.
+    (RouteChange("chat", "promote", gate=CanaryGate()), InvalidRequest,
+     "route 'chat': promote keeps the route's gate; set or remove it with route or canary"),
+    (RouteChange("chat", "rollback", no_gate=True), InvalidRequest,
+     "route 'chat': rollback keeps the route's gate; set or remove it with route or canary"),
 ])
 def test_every_bad_change_is_refused_with_what_is_wrong(change, error, message):
     with pytest.raises(error, match=re.escape(message)):
