@@ -491,7 +491,9 @@ async def test_static_discovery_normalizes_and_deduplicates_urls():
                                               DiscoveredWorker("https://b:2/api", "https://b:2/api")]
 
 
-@pytest.mark.parametrize("url", ["a:1", "ftp://a:1", "http://", "http://a:1/?x=1", "http://a:port"])
+# The last three found in review: kept as base URLs with the space, the NUL or the empty port.
+@pytest.mark.parametrize("url", ["a:1", "ftp://a:1", "http://", "http://a:1/?x=1", "http://a:port", "http://ho st/",
+                                 "http://h\x00/", "http://h:"])
 def test_static_discovery_refuses_urls_that_are_not_http_base_urls(url):
     with pytest.raises(WorkerUrlError) as info:
         StaticDiscovery([url])
