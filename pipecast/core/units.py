@@ -19,7 +19,8 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str) -> int:
-    """Parse "64MB", "4MiB", "1.5GB" or "1048576" into bytes; raise ValueError naming the text."""
+    """Parse "64MB", "4MiB", "1.5GB" or "1048576" into bytes (a fraction of a unit above a byte rounds down); raise
+    ValueError naming the text."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
@@ -28,6 +29,8 @@ def parse_size(text: str) -> int:
     number = Fraction(Decimal(match.group(1))) * _UNITS[unit]
     if number > sys.float_info.max:  # hundreds of digits: no size anything holds
         raise ValueError(f"size is too large: {text!r}")
+    if _UNITS[unit] == 1 and number.denominator != 1:  # "1.5" bytes: no size; a fraction of a KiB rounds down
+        raise ValueError(f"not a whole number of bytes: {text!r}")
     value = int(number)
     if value <= 0:
         raise ValueError(f"size must be positive: {text!r}")

@@ -32,3 +32,10 @@ def test_sizes_parse_exactly():
     assert parse_size("1.0000000000000000001KiB") == 1024 and parse_size("0.0009765625KiB") == 1
     with pytest.raises(ValueError, match="^size must be positive: '0.0{5000}1GiB'$"):
         parse_size(f"0.{'0' * 5000}1GiB")  # thousands of digits: no int() limit, no rounding up
+
+
+@pytest.mark.parametrize("text", ["1.5b", "1.9", "0.5"])
+def test_a_fraction_of_a_byte_is_no_size(text):
+    """Found in review: '1.5b' and '1.9' were taken as 1 byte, and '0.5' refused as not positive."""
+    with pytest.raises(ValueError, match=f"^not a whole number of bytes: {text!r}$"):
+        parse_size(text)
