@@ -210,7 +210,7 @@ def _build_package(src: Path, out: Path, ckpt: Checkpoint, layouts: list[BlockLa
 
 def _config_layers(config: dict) -> int | None:
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if isinstance(config.get(key), int):
+        if isinstance(config.get(key), int) and not isinstance(config[key], bool):  # true is no count of layers
             return config[key]
     return None
 

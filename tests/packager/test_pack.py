@@ -79,6 +79,15 @@ def test_a_model_name_that_is_not_utf8_or_not_text_is_recorded_readably(checkpoi
     assert pack(src, tmp_path / "pkg2", model_name=os.fsdecode(b"x\xff")).model_name == "x\ufffd"
 
 
+def test_a_layer_count_of_true_is_no_count(checkpoints, tmp_path):
+    """Found in review: `num_hidden_layers: true` was read as 1 layer (a bool is an int to isinstance)."""
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints["llama"], src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_hidden_layers": True}))
+    assert pack(src, tmp_path / "pkg").num_layers == config["num_hidden_layers"]  # counted from the tensors
+
+
 def test_block_tensors_are_zero_copy_views_of_the_mapped_file(checkpoints, tmp_path):
     pack(checkpoints["llama"], tmp_path / "pkg")
     pkg = Package.open(tmp_path / "pkg")
