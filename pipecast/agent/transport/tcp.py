@@ -299,6 +299,9 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         if header.kind == ERROR:
             self._expect(memoryview(bytearray(header.length)), self._error_complete)
         elif header.kind == AUTH_FAIL:
+            if self._have_key and not isinstance(request, _HelloStep):  # keyed, the hello is behind us
+                raise PeerProtocolError(self.peer, f"answered {request.describe()} with an authentication failure "
+                                                   "after its hello had succeeded")
             self._expect(memoryview(bytearray(header.length)), self._auth_failed)
         elif header.kind == CHUNK:
             buffer = request.sink.chunk_buffer(request.block, request.next_chunk)

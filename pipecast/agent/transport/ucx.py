@@ -424,7 +424,8 @@ class UcxChannel(Channel):
 
     async def _answer(self, expected: int, progress: _Progress, limit: int = 0) -> Header:
         """The next answer header, its length checked against ``limit`` (a ``FILE``'s); an ERROR answer is
-        raised as :class:`PeerRefusedError`, an AUTH_FAIL as :class:`PeerAuthError`."""
+        raised as :class:`PeerRefusedError`, an AUTH_FAIL as :class:`PeerAuthError` (by a peer this node, holding
+        a key, has greeted: :class:`PeerProtocolError`)."""
         header = await self._link.recv_header(self._silent)
         check_answer(header, expected, progress.describe(), self.peer, limit)
         if header.kind in (ERROR, AUTH_FAIL):
@@ -432,7 +433,10 @@ class UcxChannel(Channel):
             await self._link.recv_payload(memoryview(text), header.frame, self._silent)
             reason = text.decode("utf-8", "replace")
             if header.kind == AUTH_FAIL:
-                raise refused_by_peer(self.peer, reason, bool(self._transport.auth.key))
+                if self._transport.auth.key:  # keyed, the hello is behind us
+                    raise PeerProtocolError(self.peer, f"answered {progress.describe()} with an authentication "
+                                                       "failure after its hello had succeeded")
+                raise refused_by_peer(self.peer, reason, False)
             raise PeerRefusedError(self.peer, reason)
         return header
 

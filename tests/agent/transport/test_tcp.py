@@ -47,6 +47,7 @@ from pipecast.agent.transport.wire import (
     AUTH_CHALLENGE,
     AUTH_FAIL,
     AUTH_HELLO,
+    AUTH_OK,
     AUTH_PROOF,
     ERROR,
     FILE,
@@ -54,7 +55,7 @@ from pipecast.agent.transport.wire import (
     REQ_FILE,
 )
 from pipecast.agent.transport.wire import CHUNK as CHUNK_MESSAGE
-from pipecast.agent.transport.wire import TCP_HEADER, ClientHello, Header, request_payload
+from pipecast.agent.transport.wire import TCP_HEADER, ClientHello, Header, ServerHello, request_payload
 from pipecast.core.credentials import data_plane_key
 from pipecast.core.settings import Settings
 from pipecast.v1.manifest_pb2 import Manifest
@@ -656,6 +657,37 @@ async def test_a_forged_proof_is_refused_and_the_connection_closed(package):
         assert reason == b"the requester's proof does not match (a forged or replayed hello)"
         assert server.requesters == {}
         writer.close()
+
+
+async def test_an_authentication_failure_after_the_hello_is_the_peers_protocol_violation(package):
+    """Found in review: a peer that greeted this node and then answered a request with AUTH_FAIL was reported as
+    "the peer refused this node's hello", this node's fault."""
+    _, manifest = package
+
+    async def greet_then_refuse(reader, writer):
+        async def next_message() -> bytes:
+            header = TCP_HEADER.parse(await reader.readexactly(TCP_HEADER.size), "rx")
+            return await reader.readexactly(header.length)
+
+        server = ServerHello(PeerAuth("seed", KEY), TCP_HEADER)
+        challenge = server.challenge(await next_message())
+        writer.write(TCP_HEADER.pack(Header(AUTH_CHALLENGE, length=len(challenge))) + challenge)
+        server.check(await next_message())
+        writer.write(TCP_HEADER.pack(Header(AUTH_OK)))
+        await next_message()  # the request
+        writer.write(TCP_HEADER.pack(Header(AUTH_FAIL, length=7)) + b"go away")
+        await asyncio.sleep(1)
+        writer.close()
+
+    server, address = await raw_server(greet_then_refuse)
+    try:
+        channel = await TcpTransport("rx", settings(), PeerAuth("rx", KEY)).connect(address, "seed")
+        with pytest.raises(PeerProtocolError, match=r"^peer seed: answered file config.json .*with an authentication "
+                                                    r"failure after its hello had succeeded$"):
+            await channel.fetch_file(manifest.package_id, "config.json")
+        await channel.close()
+    finally:
+        server.close()
 
 
 async def test_an_authenticated_peer_cannot_ask_in_another_nodes_name(package):
