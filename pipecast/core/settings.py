@@ -229,7 +229,25 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # init (CLI overrides) > env > config file > defaults
         config = init_settings.init_kwargs.get("config") or os.environ.get("PIPECAST_CONFIG")
-        return init_settings, env_settings, _TomlFileSource(settings_cls, config)
+        return (_FirstThatSets(settings_cls, (init_settings, env_settings, _TomlFileSource(settings_cls, config))),)
+
+
+class _FirstThatSets(PydanticBaseSettingsSource):
+    """Each setting whole from the first of ``sources`` that sets it. pydantic-settings would merge a setting of
+    several entries across them: a key revoked by ``PIPECAST_ROUTER_API_KEYS`` would stay valid from the file."""
+
+    def __init__(self, settings_cls: type[BaseSettings], sources: tuple[PydanticBaseSettingsSource, ...]):
+        super().__init__(settings_cls)
+        self.sources = sources
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for source in reversed(self.sources):  # the last wins: the first source's
+            values.update(source())
+        return values
 
 
 class _TomlFileSource(PydanticBaseSettingsSource):
@@ -247,10 +265,18 @@ class _TomlFileSource(PydanticBaseSettingsSource):
         if not path:
             return {}
         try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise SettingsError(f"config file {path}: {exc}") from exc
-        return data.get("pipecast", data)
+        if "pipecast" not in data:
+            return data
+        table, outside = data["pipecast"], sorted(set(data) - {"pipecast"})
+        if not isinstance(table, dict):
+            raise SettingsError(f"config file {path}: pipecast must be a table of settings ([pipecast])")
+        if outside:  # read, they would be settings ignored without a word (a typo, or auth_token)
+            raise SettingsError(f"config file {path}: {', '.join(outside)} outside the [pipecast] table (put every "
+                                "setting in it, or none)")
+        return table
 
 
 def configured_control_plane(settings: Settings) -> str | None:

@@ -33,6 +33,37 @@ def test_bad_file_and_unknown_key_are_errors(tmp_path, monkeypatch):
         load_settings(unknown)
 
 
+@pytest.mark.parametrize("text, problem", [
+    (b"\xff\xfeagent_port = 1\n", "codec can't decode byte 0xff"),
+    (b"pipecast = 5\n", r"pipecast must be a table of settings \(\[pipecast\]\)$"),
+    (b"pipecast = [1]\n", r"pipecast must be a table of settings \(\[pipecast\]\)$"),
+    (b'auth_token = "0123456789abcdef0123"\nagent_prot = 1\n[pipecast]\nagent_port = 7071\n',
+     r"agent_prot, auth_token outside the \[pipecast\] table \(put every setting in it, or none\)$"),
+])
+def test_a_config_file_of_the_wrong_shape_is_a_settings_error(tmp_path, monkeypatch, text, problem):
+    """Found in review: a file not UTF-8 or a pipecast key that is no table crashed every command (a traceback), and
+    keys beside a [pipecast] table were ignored without a word (auth_token among them: auth off)."""
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    config = tmp_path / "pipecast.toml"
+    config.write_bytes(text)
+    with pytest.raises(SettingsError, match=f"^config file {re.escape(str(config))}: .*{problem}"):
+        load_settings(config)
+
+
+def test_a_setting_of_several_entries_comes_whole_from_the_first_source_that_sets_it(tmp_path, monkeypatch):
+    """Found in review: pydantic-settings merged them across sources, so a key revoked in the environment stayed
+    valid from the file, and --priority-share added to the variable's shares instead of replacing them."""
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    config = tmp_path / "pipecast.toml"
+    config.write_text('router_api_keys = {OLD-REVOKED-KEY = "team-a"}\n')
+    monkeypatch.setenv("PIPECAST_ROUTER_API_KEYS", '{"NEW-KEY": "team-a"}')
+    assert load_settings(config).router_api_keys == {"NEW-KEY": "team-a"}
+    monkeypatch.setenv("PIPECAST_PRIORITY_SHARES", '{"low": 0.25}')
+    assert load_settings(priority_shares={"high": 0.5}).priority_shares == {"high": 0.5}
+    monkeypatch.delenv("PIPECAST_ROUTER_API_KEYS")
+    assert load_settings(config).router_api_keys == {"OLD-REVOKED-KEY": "team-a"}
+
+
 def test_a_dict_setting_from_the_environment_that_is_not_json_is_a_settings_error(monkeypatch):
     monkeypatch.setenv("PIPECAST_AGENT_LABELS", "rack=r1")
     with pytest.raises(SettingsError, match=r"^invalid settings: error parsing value for field \"agent_labels\" .*: a "
