@@ -69,6 +69,8 @@ DEFAULT_RETRIES = Settings.model_fields["agent_fetch_retries"].default
 DEFAULT_BACKOFF_S = Settings.model_fields["agent_fetch_backoff_s"].default
 # A small file moves in ranges this big: what a relay must hold before it passes the file on.
 FILE_RANGE_BYTES = 256 << 10
+#: The longest wait before a retry (s): the doubling backoff stops there (retries of 40 waited thousands of years).
+MAX_RETRY_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ class _Tries:
     async def ask(self, peer: PeerInfo, what: str, request: Callable[[], Awaitable[T]],
                   reported: str | None = None) -> T:
         """What ``request`` (one try at ``what`` from ``peer``) returns, tried ``1 + policy.retries`` times with
-        doubling backoff (the first retry after a closed connection at once: a live peer answers it, a dead one's
+        doubling backoff, at most :data:`MAX_RETRY_WAIT_S` a wait (the first retry after a closed connection at once: a live peer answers it, a dead one's
         host refuses it in a round trip, not after the backoff). Each failure is logged, kept in ``attempts`` and
         reported (as ``reported``, default ``what``); the last one is raised once the retries are spent, or the
         failure is not ``retryable``, or ``peer`` was reached and nothing listens there any more.
@@ -182,7 +184,7 @@ class _Tries:
         error: PeerError | None = None
         while True:
             if attempt and not (attempt == 1 and isinstance(error, PeerClosedError)):
-                await asyncio.sleep(self.policy.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(min(self.policy.backoff_s * 2.0 ** min(attempt - 1, 30), MAX_RETRY_WAIT_S))
             try:
                 return await request()
             except LocalResourceError as exc:

@@ -107,8 +107,9 @@ class Settings(BaseSettings):
     agent_relay_bytes: int = Field(256 << 10, ge=0, description="over TCP a relay passes a chunk on in pieces this "
                                                                 "big as they arrive, its last byte once verified "
                                                                 "(0: whole verified chunks only)")
-    agent_fetch_retries: int = Field(2, ge=0, description="retries of a failed parent before giving up on it")
-    agent_fetch_backoff_s: float = Field(0.2, ge=0, description="first retry backoff (doubling per retry)")
+    agent_fetch_retries: int = Field(2, ge=0, le=100, description="retries of a failed parent before giving up on it")
+    agent_fetch_backoff_s: float = Field(0.2, ge=0, le=30, description="first retry backoff (doubling per retry, "
+                                                                       "30 s a wait at most)")
     agent_replan_wait_s: float = Field(
         5.0, gt=0, description="after reporting a failed parent, how long to wait for the control plane's new "
                                "parents before fetching around it from the plan's sources")

@@ -490,3 +490,23 @@ async def test_units_waiting_on_this_nodes_earlier_unit_never_keep_it_from_runni
     finally:
         await pool.close()
         store.close()
+
+
+async def test_the_retry_backoff_stops_doubling_at_its_cap(monkeypatch):
+    """Found in review: with 40 retries the last waits were 10^11 s (a parent given up on after millennia)."""
+    from pipecast.agent import fetcher
+    from pipecast.agent.errors import PeerTimeoutError
+
+    waits = []
+
+    async def no_sleep(seconds):
+        waits.append(seconds)
+
+    async def silent():
+        raise PeerTimeoutError("p", "silent")
+
+    monkeypatch.setattr(fetcher.asyncio, "sleep", no_sleep)
+    tries = fetcher._Tries(FetchPolicy(retries=100, backoff_s=0.2), lambda error: True, None)
+    with pytest.raises(PeerTimeoutError):
+        await tries.ask(PeerInfo("p", "127.0.0.1:1"), "block 0", silent)
+    assert len(waits) == 100 and waits[:3] == [0.2, 0.4, 0.8] and max(waits) == fetcher.MAX_RETRY_WAIT_S
