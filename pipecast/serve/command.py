@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from packager.manifest import MANIFEST_FILE
 from pipecast.agent.local_client import MAX_TIMEOUT_S
 from pipecast.core.clitypes import Number
 from pipecast.core.settings import load_settings
@@ -77,10 +78,11 @@ def serve_command(package: str, agent_socket: Path | None, host: str | None, por
                                  param_hint="'--device'" if device is not None else "setting 'device'")
     # Without an agent the worker can only read a folder: one that is not there would fail it for good, after it
     # listens. With an agent, a package id is waited for (the scale-up that brings it may come later).
-    if settings.agent_local_socket is None and local_folder(package, settings.agent_cache_dir) is None:
-        raise click.BadParameter(f"{package!r} is neither a package folder nor in the agent's disk cache, and no agent "
-                                 "is configured to hold it (--agent-socket; settings: agent_local_socket)",
-                                 param_hint="'PACKAGE'")
+    folder = local_folder(package, settings.agent_cache_dir)
+    if settings.agent_local_socket is None and (folder is None or not (folder / MANIFEST_FILE).is_file()):
+        raise click.BadParameter(f"{package!r} is neither a package folder (a folder with a {MANIFEST_FILE}) nor in "
+                                 "the agent's disk cache, and no agent is configured to hold it (--agent-socket; "
+                                 "settings: agent_local_socket)", param_hint="'PACKAGE'")
     config = WorkerConfig(package=package, agent=settings.agent_local_socket, device=settings.device,
                           max_queue=settings.max_queue, max_batch=settings.max_batch, model_name=model_name,
                           wait_full_load=wait_full_load, agent_timeout_s=agent_timeout,

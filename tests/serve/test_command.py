@@ -20,8 +20,10 @@ def test_a_pipeline_step_timeout_past_what_a_stage_accepts_is_refused_up_front()
 
 
 @pytest.fixture
-def started(monkeypatch) -> list:
-    """The configs of the workers the command would run (none is): what it took, once its checks passed."""
+def started(monkeypatch, tmp_path) -> list:
+    """The configs of the workers the command would run (none is): what it took, once its checks passed.
+    ``tmp_path`` is a package folder (a manifest.json, as the command checks)."""
+    (tmp_path / "manifest.json").write_text("{}")
     configs = []
 
     async def run_worker(worker, *args):
@@ -79,14 +81,22 @@ def test_without_an_agent_a_package_that_is_not_here_is_refused_before_the_worke
     missing = str(tmp_path / "nope")
     result = CliRunner().invoke(serve_command, [missing])
     assert result.exit_code == 2 and started == []
-    assert (f"Invalid value for 'PACKAGE': {missing!r} is neither a package folder nor in the agent's disk cache, "
-            "and no agent is configured to hold it (--agent-socket; settings: agent_local_socket)") in result.output
+    message = (f"Invalid value for 'PACKAGE': {missing!r} is neither a package folder (a folder with a manifest.json) "
+               "nor in the agent's disk cache, and no agent is configured to hold it (--agent-socket; settings: "
+               "agent_local_socket)")
+    assert message in " ".join(result.output.split())
+    # Found in review: a folder without a manifest passed, and the worker listened, failed for good.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = CliRunner().invoke(serve_command, [str(empty)])
+    assert result.exit_code == 2 and started == [] and "is neither a package folder" in result.output
 
 
 def test_a_package_id_is_taken_from_the_disk_cache_or_waited_for_at_the_agent(tmp_path, started, monkeypatch):
     package_id = "ab" * 32
     monkeypatch.setenv("PIPECAST_AGENT_CACHE_DIR", str(tmp_path))
     (tmp_path / package_id).mkdir()
+    (tmp_path / package_id / "manifest.json").write_text("{}")
     assert CliRunner().invoke(serve_command, [package_id]).exit_code == 0  # its copy in the disk cache
     monkeypatch.delenv("PIPECAST_AGENT_CACHE_DIR")
     socket = tmp_path / "agent.sock"  # not there yet: a scale-up may bring the package to it later
