@@ -7,7 +7,7 @@ from contextlib import AsyncExitStack
 import click
 
 from pipecast.core.clitypes import Number
-from pipecast.core.credentials import data_plane_key, parse_node_token, serving_key
+from pipecast.core.credentials import check_master_token, data_plane_key, parse_node_token, serving_key
 from pipecast.core.httpserve import listening, serve_until_signalled
 from pipecast.core.settings import (MIN_TENANT_RATE, Settings, TenantLimit, configured_control_plane,
                                     load_settings)
@@ -152,10 +152,11 @@ def router_command(host, port, metrics_port, workers, vllm_workers, control_plan
 
 def static_serving_key(token: str) -> bytes:
     """The serving key a router presents to its ``--worker`` URLs: the one the cluster's master token derives
-    (b"" with none: auth off). A node token derives none: such a router learns the key from its control plane."""
+    (b"" with none: auth off). A node token derives none: such a router learns the key from its control plane.
+    A master token too short or too plain to resist guessing is refused (CredentialError), as by the agents."""
     if not token or parse_node_token(token) is not None:
         return b""
-    return serving_key(data_plane_key(token))
+    return serving_key(data_plane_key(check_master_token(token)))
 
 
 async def _serve(config: RouterConfig, static: list[StaticDiscovery], settings: Settings | None, host: str,

@@ -602,9 +602,10 @@ async def test_the_router_presents_the_serving_key_and_a_refusal_is_the_workers_
     """Workers of a cluster take requests only with its serving key: the router presents its key to each;
     a worker that refuses it (another cluster's credentials, or none) fails the attempt (retried elsewhere
     like any failed attempt) and the client never sees the worker's 401."""
-    key = serving_key(data_plane_key("master"))
-    assert static_serving_key("master") == key
-    assert static_serving_key(issue_node_token("master", "router")) == b"" and static_serving_key("") == b""
+    master = "router-test-master-token"
+    key = serving_key(data_plane_key(master))
+    assert static_serving_key(master) == key
+    assert static_serving_key(issue_node_token(master, "router")) == b"" and static_serving_key("") == b""
     mine, other = FakeWorker(serving_key=key), FakeWorker(serving_key=serving_key(data_plane_key("another")))
     async with workers(mine, other):
         async with router([mine.url], serving_key=key) as (url, instance):
@@ -715,6 +716,16 @@ async def test_answers_name_their_workers_only_to_the_callers_the_views_answer(c
                                                         "this request failed mid-stream"})
         async with router([good.url], serving_key=key) as (url, _):  # no credentials: shown to anyone, as before
             assert (await post(client, url))[1][WORKER_HEADER] == good.url
+
+
+def test_a_router_given_a_guessable_master_token_refuses_to_start_as_the_agents_do(monkeypatch, capsys):
+    """Found in review: the agents and the control plane refused `PIPECAST_AUTH_TOKEN=short`, the router served with
+    it (its serving key as guessable as the token)."""
+    from pipecast.cli import main
+
+    monkeypatch.setenv("PIPECAST_AUTH_TOKEN", "short")
+    assert main(["router", "--worker", "http://127.0.0.1:1", "--port", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: auth_token: the master token has 5 characters")
 
 
 def test_a_router_given_a_node_token_and_no_control_plane_is_a_usage_error():
