@@ -719,15 +719,15 @@ def _plan_summary(active: ActivePlan) -> pb.PlanSummary:
 
 
 def host_port(address: str, what: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"[v6]:port"``) as (lower-case host, port); :class:`InvalidRequest` naming
-    ``what`` otherwise."""
+    """``"host:port"`` (or ``"[v6]:port"``) as (lower-case host, port 1-65535: one a peer connects to);
+    :class:`InvalidRequest` naming ``what`` otherwise."""
     try:
         parts = urlsplit(f"//{address}")
         host, port = parts.hostname, parts.port
     except ValueError:
         host = port = None
-    if not host or port is None or parts.username is not None or parts.path or parts.query or parts.fragment:
-        raise InvalidRequest(f"{what} {address!r} is not a host:port address")
+    if (not host or not port or parts.username is not None or parts.path or parts.query or parts.fragment):
+        raise InvalidRequest(f"{what} {address!r} is not a host:port address (port 1-65535)")
     return host, port
 
 
