@@ -657,8 +657,12 @@ class PipelineHead:
         if emit(stream, token, 1, params):
             self._close(route, session)
             return stream
-        task.append(self._spawn(self._decode(route, session, [*prompt, token], len(prompt), params, stream,
-                                             movable, timing)))
+        decoding = self._spawn(self._decode(route, session, [*prompt, token], len(prompt), params, stream, movable,
+                                            timing))
+        # Cancelled before its first step (the first token completed a stop string, the worker was released), the
+        # task never runs _decode's cleanup: the sessions of every stage would stay open until they expire.
+        decoding.add_done_callback(lambda done: done.cancelled() and self._close(route, session))
+        task.append(decoding)
         return stream
 
     async def _decode(self, route: Sequence[Hop], session: str, history: list[int], prompt_length: int,

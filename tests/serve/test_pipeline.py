@@ -826,26 +826,33 @@ async def test_a_call_waiting_for_its_turn_when_the_stage_queue_closes_is_droppe
     assert ran == ["a"]
 
 
+class HeadRunner:
+    """The head's own layers, all of them: each step answers token 7; with ``decode_error``, a decode step (past
+    the prompt) raises it. Records the sessions closed."""
+
+    def __init__(self, decode_error: Exception | None = None):
+        self.decode_error = decode_error
+        self.closed = []
+
+    def run(self, session, layers, position, *, tokens, params, timeout):
+        if position and self.decode_error is not None:
+            raise self.decode_error
+        return StageOutput(token=7)
+
+    def parts(self, layers):
+        return []
+
+    def waiter(self, parts):
+        return None
+
+    def close(self, session):
+        self.closed.append(session)
+
+
 async def test_a_pipelined_decode_failing_outside_the_engine_fails_the_stream_instead_of_leaving_it_open(caplog):
-    class Runner:  # the head's own layers: the prompt runs, the first decode step hits a torch error
-        def __init__(self):
-            self.closed = []
-
-        def run(self, session, layers, position, *, tokens, params, timeout):
-            if position:
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            return StageOutput(token=7)
-
-        def parts(self, layers):
-            return []
-
-        def waiter(self, parts):
-            return None
-
-        def close(self, session):
-            self.closed.append(session)
-
-    runner, queue = Runner(), StageQueue()
+    # the prompt runs, the first decode step hits a torch error
+    runner = HeadRunner(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    queue = StageQueue()
     head = PipelineHead(runner, None, queue)
     got = []
     try:
@@ -860,6 +867,23 @@ async def test_a_pipelined_decode_failing_outside_the_engine_fails_the_stream_in
     assert got == [7] and len(runner.closed) == 1
     [failure] = [r for r in caplog.records if r.getMessage() == "pipelined request failed after 1 tokens"]
     assert failure.exc_info[0] is RuntimeError  # logged with its traceback: not an error of the engine's own
+
+
+async def test_a_request_cancelled_before_its_decode_starts_closes_its_sessions():
+    """Found in review: cancelled in the loop turn its first token came (the token completed a stop string, the
+    worker was released), the decode task never ran, nor its cleanup: the stages' sessions stayed open until they
+    expired, and counted against the stages' bound."""
+    runner, queue = HeadRunner(), StageQueue()
+    head = PipelineHead(runner, None, queue)
+    try:
+        stream = await head.start((Hop("http://head:1", range(0, 6)),), [1, 2, 3], SamplingParams(max_tokens=8))
+        stream.cancel()  # before the decode task's first step
+        async with asyncio.timeout(5):
+            while not runner.closed:
+                await asyncio.sleep(0.01)
+    finally:
+        queue.close()
+    assert len(runner.closed) == 1
 
 
 # "auto": the tail's held call makes the route slow against the head's own estimate, so it moves
