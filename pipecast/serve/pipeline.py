@@ -764,6 +764,10 @@ class PipelineHead:
                                            params=params if position == 0 and not here else None,
                                            deadline=deadline, package=self.package_id)
         if not here:
+            vocab = self.runner.model.vocab_size
+            if not 0 <= answer < vocab:  # a token no tokenizer decodes (a 500 there), nor any next step takes
+                raise StageFailedError(route[-1].url, f"a malformed answer: token {answer} outside the vocabulary "
+                                                      f"(0-{vocab - 1})")
             return answer
         try:
             sampled = await self.queue.call(self.runner.sample, session, answer, deadline=deadline,

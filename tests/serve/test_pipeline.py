@@ -52,7 +52,13 @@ from pipecast.core.credentials import data_plane_key, serving_headers, serving_k
 from pipecast.engine.errors import EngineError
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.stage import StageOutput
-from pipecast.serve.errors import ServingKeyError, ServingKeyUnknownError, StageQueueFullError, WorkerClosingError
+from pipecast.serve.errors import (
+    ServingKeyError,
+    ServingKeyUnknownError,
+    StageFailedError,
+    StageQueueFullError,
+    WorkerClosingError,
+)
 from pipecast.serve import worker as worker_module
 from pipecast.serve.app import build_app
 from pipecast.serve.worker import ServingWorker, WorkerConfig
@@ -827,17 +833,20 @@ async def test_a_call_waiting_for_its_turn_when_the_stage_queue_closes_is_droppe
 
 
 class HeadRunner:
-    """The head's own layers, all of them: each step answers token 7; with ``decode_error``, a decode step (past
-    the prompt) raises it. Records the sessions closed."""
+    """The head's own layers: each step answers token 7 (with ``hidden``, those hidden states for the next stage);
+    with ``decode_error``, a decode step (past the prompt) raises it. Records the sessions closed. Its model has 256
+    tokens and no tied embeddings."""
 
-    def __init__(self, decode_error: Exception | None = None):
+    def __init__(self, decode_error: Exception | None = None, hidden: "torch.Tensor | None" = None):
         self.decode_error = decode_error
+        self.hidden = hidden
         self.closed = []
+        self.model = SimpleNamespace(vocab_size=256, skeleton=SimpleNamespace(tied_embeddings=False))
 
     def run(self, session, layers, position, *, tokens, params, timeout):
         if position and self.decode_error is not None:
             raise self.decode_error
-        return StageOutput(token=7)
+        return StageOutput(token=None if self.hidden is not None else 7, hidden=self.hidden)
 
     def parts(self, layers):
         return []
@@ -952,6 +961,26 @@ async def test_a_stage_answer_arriving_in_pieces_is_read_whole():
         answer = await client.forward((Hop(url, range(3, 6)),), "s", 0, torch.zeros(1, 1, 2048),
                                       params=None, norm_only=True, deadline=time.monotonic() + 10)
         assert torch.equal(answer, norm)
+
+
+@pytest.mark.parametrize("token", [-1, 2**70, 256])
+async def test_a_token_outside_the_vocabulary_from_the_last_stage_is_its_malformed_answer(token):
+    """Found in review: the head took any int: -1 or 2**70 failed the tokenizer's decode (a 500, a torn stream),
+    and its session stayed open."""
+    async def stage(request):
+        await request.read()
+        return web.Response(body=encode_frame({"token": token}), content_type="application/octet-stream")
+
+    runner = HeadRunner(hidden=torch.zeros(1, 3, 16))
+    queue = StageQueue()
+    async with _stage_server(STAGE_PATH, stage) as (url, client):
+        head = PipelineHead(runner, client, queue)
+        with pytest.raises(StageFailedError, match=rf"^pipeline stage {url} failed: a malformed answer: token "
+                                                   rf"{token} outside the vocabulary \(0-255\)$"):
+            await head.start((Hop("http://head:1", range(0, 3)), Hop(url, range(3, 6))), [1, 2, 3],
+                             SamplingParams(max_tokens=8))
+    queue.close()
+    assert len(runner.closed) == 1
 
 
 @asynccontextmanager
