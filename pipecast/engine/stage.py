@@ -153,9 +153,9 @@ class StageRunner:
             raise InvalidRequestError(f"layers {layers.start}-{layers.stop - 1} are not a range of the model's "
                                       f"{m.num_layers} layers")
         if first == (tokens is None) or first == (hidden is not None):
+            got = "token ids" if tokens is not None else "hidden states" if hidden is not None else "neither"
             raise InvalidRequestError("the first stage takes token ids, the others hidden states"
-                                      f" (layers {layers.start}-{layers.stop - 1} got "
-                                      f"{'token ids' if tokens is not None else 'hidden states'})")
+                                      f" (layers {layers.start}-{layers.stop - 1} got {got})")
         width = m.config.hidden_size
         if not first and (hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != width):
             raise InvalidRequestError(f"hidden states must be [1, positions, {width}], got {list(hidden.shape)}")

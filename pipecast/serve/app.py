@@ -316,7 +316,7 @@ async def stage_close(request: web.Request) -> web.Response:
         response.force_close()  # the rest of the body is never read
         return response
     worker.forget_stage_session(session)
-    await worker.stage_client.close_sessions(hops, session)
+    worker.stage_client.pass_close_on(hops, session)
     return web.json_response({"closed": session})
 
 

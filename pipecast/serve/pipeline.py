@@ -80,7 +80,7 @@ MAX_DEADLINE_S = 3600
 #: Stage calls of a worker that wait for arriving layers at once; more queue for a thread.
 MAX_LAYER_WAITS = 64
 #: Stage calls a worker holds at once (waiting or computing), each with its hidden states: as many as the
-#: pipelined sessions a node keeps (one call in flight each); a caller beyond it gets 503 at once.
+#: pipelined sessions a node keeps (one call in flight each); a caller beyond it gets 429 at once.
 MAX_STAGE_CALLS = MAX_SESSIONS
 #: Largest answer a stage call reads: a token and its header, or a last position's final norm (a float32 row
 #: of a hidden size up to 64 Ki is 256 KiB).
@@ -128,7 +128,8 @@ def parse_next(value: Any, *, first: int | None) -> tuple[Hop, ...]:
 
 def parse_route(value: Any, *, first: int | None = 0) -> tuple[Hop, ...]:
     """The hops of a decoded route (a list of ``{"url", "layers"}``), checked: consecutive non-empty layer
-    ranges starting at ``first`` (None: anywhere), http(s) URLs. Raises :class:`PipelineProtocolError`."""
+    ranges starting at ``first`` (None: anywhere), http(s) URLs, each at most once. Raises
+    :class:`PipelineProtocolError`."""
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_ROUTE_STAGES:
         raise PipelineProtocolError(f"a route is a list of 1 to {MAX_ROUTE_STAGES} stages")
     hops, position = [], first
@@ -145,6 +146,8 @@ def parse_route(value: Any, *, first: int | None = 0) -> tuple[Hop, ...]:
                 or layers[0] != position or not 0 <= layers[0] < layers[1]):
             raise PipelineProtocolError(f"stage {i} of the route must run layers [{position}, stop) with "
                                         f"stop > {position}, got {str(layers)[:80]}")
+        if any(hop.url == base for hop in hops):  # a node runs one stage of a route: its session is one
+            raise PipelineProtocolError(f"stage {i} of the route is at {base}, as an earlier stage is")
         hops.append(Hop(base, range(layers[0], layers[1])))
         position = layers[1]
     return tuple(hops)
@@ -493,6 +496,7 @@ class StageClient:
     def __init__(self) -> None:
         self._session: "aiohttp.ClientSession | None" = None
         self.headers: dict[str, str] = {}
+        self._passing: set[asyncio.Task] = set()  # closes passed on (see pass_close_on)
 
     def _http(self) -> "aiohttp.ClientSession":
         import aiohttp
@@ -563,7 +567,19 @@ class StageClient:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 log.debug("closing session %s at %s: %s", session, hop.url, exc)
 
+    def pass_close_on(self, hops: Sequence[Hop], session: str) -> None:
+        """:meth:`close_sessions` in the background: a stage asked to close answers at once. Awaited, each stage
+        answered only once the stages after it had, its caller timed it out and asked those itself (a close along
+        hanging stages took minutes and thousands of calls)."""
+        if hops:
+            task = asyncio.get_running_loop().create_task(self.close_sessions(hops, session))
+            self._passing.add(task)
+            task.add_done_callback(self._passing.discard)
+
     async def aclose(self) -> None:
+        for task in list(self._passing):
+            task.cancel()
+        await asyncio.gather(*self._passing, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 

@@ -185,6 +185,8 @@ def test_calls_that_do_not_fit_the_session_are_refused_naming_why(case):
         runner.run("t", range(4, 8), 0, hidden=out.hidden[0], timeout=5)
     with pytest.raises(InvalidRequestError, match="the first stage takes token ids, the others hidden states"):
         runner.run("t", range(0, 4), 0, hidden=out.hidden, timeout=5)
+    with pytest.raises(InvalidRequestError, match=r"\(layers 0-3 got neither\)$"):  # it said "hidden states"
+        runner.run("t", range(0, 4), 0, timeout=5)
     with pytest.raises(InvalidRequestError, match="one token after it; got 2 positions at 3"):
         runner.run("s", range(0, 4), 3, tokens=[4, 5], timeout=5)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):

@@ -156,6 +156,9 @@ def test_bad_sampling_params_of_a_stage_call_are_refused_by_name(value, message)
      r"stage 1 of the route must run layers \[2, stop\)"),
     ([{"url": "ftp://a", "layers": [0, 2]}], "stage 0 of the route has no http\\(s\\) URL"),
     ([{"url": "http://a:1"}], "stage 0 of the route must be an object with 'url' and 'layers'"),
+    # Found in review: a node named twice was answered 503 (its own session "open already"), not 400.
+    ([{"url": "http://a:1", "layers": [0, 2]}, {"url": "http://a:1/", "layers": [2, 4]}],
+     r"^stage 1 of the route is at http://a:1, as an earlier stage is$"),
 ])
 def test_bad_routes_are_refused_naming_the_stage(value, message):
     with pytest.raises(PipelineProtocolError, match=message):
@@ -1016,3 +1019,26 @@ async def test_closing_a_session_passes_over_a_dead_stage_to_the_stages_after_it
         await client.close_sessions((tail, dead), "t")  # taken by the first: it passes the close on itself
         assert closes[1:] == [{"session": "t", "next": [dead.to_json()]}]
 
+
+
+async def test_a_stage_asked_to_close_answers_before_the_stages_after_it_do(pkg, monkeypatch):
+    """Found in review: a stage answered a close only once it had passed it on; its caller timed it out and asked the
+    stages after it itself, so a close along hanging stages took minutes and thousands of calls."""
+    from pipecast.serve import pipeline
+
+    monkeypatch.setattr(pipeline, "CLOSE_TIMEOUT_S", 60.0)  # the next stage hangs for longer than this test runs
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def hanging_close(request):
+        entered.set()
+        await release.wait()
+        return web.json_response({"closed": "s"})
+
+    async with _stage_server("/v1/stage/close", hanging_close) as (hanging, _), \
+            serving(WorkerConfig(str(pkg))) as (a, _, _, http):
+        body = {"session": "s", "next": [Hop(hanging, range(3, 6)).to_json()]}
+        async with asyncio.timeout(10):  # the hanging stage has not answered: this one did
+            async with http.post(f"{a}/v1/stage/close", json=body) as response:
+                assert response.status == 200 and await response.json() == {"closed": "s"}
+            await entered.wait()  # passed on all the same
+        release.set()
