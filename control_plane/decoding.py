@@ -56,16 +56,20 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
                 await refuse(request, context)
             yield request
 
+    # Each wrapper is of its shape's kind (an async generator function, or a coroutine function): gRPC runs a plain
+    # function as a synchronous one, in a thread.
     kwargs = {"request_deserializer": deserializer, "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        async def stream_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in handler.stream_stream(requests_checked(requests, context), context):
+                yield response
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, **kwargs)
     if handler.request_streaming:
-        behavior = handler.stream_stream or handler.stream_unary
+        async def stream_unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            return await handler.stream_unary(requests_checked(requests, context), context)
 
-        def streamed(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-            return behavior(requests_checked(requests, context), context)
-
-        make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else \
-            grpc.stream_unary_rpc_method_handler
-        return make(streamed, **kwargs)
+        return grpc.stream_unary_rpc_method_handler(stream_unary, **kwargs)
     if handler.response_streaming:
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if isinstance(request, _Undecodable):
