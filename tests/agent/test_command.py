@@ -83,3 +83,14 @@ def test_an_events_file_in_a_missing_folder_is_refused_before_the_agent_starts(t
     result = CliRunner().invoke(agent_command, ["--events", str(missing), "--listen", "127.0.0.1:0"])
     assert result.exit_code == 2 and started == []
     assert f"Invalid value for '--events': cannot append to {missing}: No such file or directory" in result.output
+
+
+def test_a_cache_dir_setting_that_is_a_file_is_refused_as_the_flag_is(monkeypatch, started, tmp_path):
+    """Found in review: --cache-dir FILE was refused, PIPECAST_AGENT_CACHE_DIR=FILE ran without a word (every cache
+    write then failed)."""
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("PIPECAST_AGENT_CACHE_DIR", str(tmp_path / "afile"))
+    result = CliRunner().invoke(agent_command, ["--listen", "127.0.0.1:0"])
+    assert result.exit_code == 2 and started == []
+    assert f"Invalid value for '--cache-dir' (setting agent_cache_dir): {str(tmp_path / 'afile')!r} is not a folder" \
+        in " ".join(result.output.split())
