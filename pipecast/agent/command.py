@@ -173,7 +173,8 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
     DataPlaneCaps.of(settings)  # refuse a share without the link rate now, not after verifying a seed
     cache = settings.agent_cache_dir
     if cache is not None and cache.exists() and not cache.is_dir():  # --cache-dir's own check, for the setting
-        raise click.BadParameter(f"{str(cache)!r} is not a folder", param_hint="'--cache-dir' (setting agent_cache_dir)")
+        raise click.BadParameter(f"{str(cache)!r} is not a folder",
+                                 param_hint="'--cache-dir' (setting agent_cache_dir)")
     if plan is not None and not settings.agent_node_id:
         raise PlanFileError(f"{plan}: --node-id is needed to know which of the plan's nodes this agent is")
     policy = FetchPolicy(concurrency=settings.agent_fetch_concurrency, retries=settings.agent_fetch_retries,

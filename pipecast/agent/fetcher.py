@@ -172,10 +172,11 @@ class _Tries:
     async def ask(self, peer: PeerInfo, what: str, request: Callable[[], Awaitable[T]],
                   reported: str | None = None) -> T:
         """What ``request`` (one try at ``what`` from ``peer``) returns, tried ``1 + policy.retries`` times with
-        doubling backoff, at most :data:`MAX_RETRY_WAIT_S` a wait (the first retry after a closed connection at once: a live peer answers it, a dead one's
-        host refuses it in a round trip, not after the backoff). Each failure is logged, kept in ``attempts`` and
-        reported (as ``reported``, default ``what``); the last one is raised once the retries are spent, or the
-        failure is not ``retryable``, or ``peer`` was reached and nothing listens there any more.
+        doubling backoff, at most :data:`MAX_RETRY_WAIT_S` a wait (the first retry after a closed connection at
+        once: a live peer answers it, a dead one's host refuses it in a round trip, not after the backoff). Each
+        failure is logged, kept in ``attempts`` and reported (as ``reported``, default ``what``); the last one is
+        raised once the retries are spent, or the failure is not ``retryable``, or ``peer`` was reached and nothing
+        listens there any more.
 
         A connection this node lacks the resources for (:class:`LocalResourceError`: out of file descriptors) is
         tried again the same way, unblamed, and raised once the retries are spent; this node's own failures are

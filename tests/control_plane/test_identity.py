@@ -184,7 +184,8 @@ async def test_publish_refuses_a_bad_id_or_manifest_and_records_nothing(operator
     assert server.state.packages == {}
 
 
-@pytest.mark.parametrize("address", ["", "10.0.0.1", "10.0.0.1:99999", "10.0.0.1:0", "user@10.0.0.1:7070", "10.0.0.1:7070/x"])
+@pytest.mark.parametrize("address", ["", "10.0.0.1", "10.0.0.1:99999", "10.0.0.1:0", "user@10.0.0.1:7070",
+                                     "10.0.0.1:7070/x"])
 async def test_publish_refuses_a_store_address_that_is_not_host_port(operator, server, address):
     with pytest.raises(InvalidRequest, match="is not a host:port address"):
         await operator.publish_package(manifest(), PeerInfo("store", address))

@@ -306,7 +306,19 @@ def test_the_long_run_verdicts_find_w_star_and_the_daemons_thrash():
     cheap = run_of("fixed:1", [0.9] * 10, 1.0, warm=1)
     summaries = [summarize(r.strategy, "", 1 if ":" in r.strategy else 0, [r]) for r in (longer, cheap)]
     [w_star] = [line for line in verdicts(summaries, ratios(summaries)) if line.startswith("W* = ")]
-    assert w_star.endswith("pipecast uses 396% more worker-seconds (401 vs 81; target >= 30%: NOT met)"), w_star
+    assert w_star.endswith("pipecast uses 396% more worker-seconds (medians 401 vs 81; target >= 30%: NOT met)"), w_star
+
+
+def test_the_w_star_saving_is_taken_within_each_repeat_as_the_jsons_ratio_is():
+    """Found in review: the verdict divided one median by another (201 / 310 worker-seconds: 35%, met) while the
+    repeats, and the JSON's ratio, said 20% (NOT met)."""
+    pipecast = [daemon_scaled(run_of("pipecast", [1.0] * n, 5.0, repeat=k)) for k, n in ((1, 50), (2, 100), (3, 150))]
+    fixed = [run_of("fixed:2", [0.5] * n, 1.0, repeat=k, warm=2) for k, n in ((1, 140), (2, 65), (3, 95))]
+    summaries = [summarize("pipecast", "", 0, pipecast), summarize("fixed:2", "", 2, fixed)]
+    pair_ratios = ratios(summaries)
+    assert pair_ratios["pipecast/fixed:2"]["worker_seconds"] == pytest.approx(0.804)
+    [w_star] = [line for line in verdicts(summaries, pair_ratios) if line.startswith("W* = ")]
+    assert w_star.endswith("pipecast uses 20% fewer worker-seconds (medians 201 vs 310; target >= 30%: NOT met)")
 
 
 def test_pipecast_with_a_warm_count_gets_every_verdict_pipecast_gets():
