@@ -417,7 +417,8 @@ def format_report(report: DistributionReport) -> str:
     for n in dict.fromkeys(r.workers for r in report.results):
         group = [r for r in report.results if r.workers == n]
         first = group[0]
-        lines += ["", f"N={n} worker(s): floor S/B = {first.floor_seconds:.2f} s", header]
+        floor = "S/B" if meta["store_mbit"] >= meta["link_mbit"] else "S/min(B, the store's rate)"
+        lines += ["", f"N={n} worker(s): floor {floor} = {first.floor_seconds:.2f} s", header]
         for r in group:
             per_worker = sorted(r.per_worker_seconds.values())
             model = "-" if r.model_ratio is None else f"{r.model_ratio:.2f}"

@@ -191,7 +191,9 @@ def verdicts(results: list[SimulatedRun], block_bytes: list[int], chunk_bytes: i
     """Per N, the default plan's completion over S/B against :data:`TARGET_RATIO`: ``nodes``, ``strategy``
     (:func:`default_for` the blocks and chunks simulated), ``receivers`` judged, ``ratio_to_floor`` and ``met``
     (both None where the default strategy was not among those simulated). With a slow receiver the others are
-    judged (``others_ratio_to_floor``), as the straggler target has it: the slow one cannot beat S/(f B)."""
+    judged (``others_ratio_to_floor``, the slow one cannot beat S/(f B)), on the default plan as made (not as the
+    control plane would demote the slow one) and against the same :data:`TARGET_RATIO`, not the stragglers
+    bench's own 1.25x."""
     out = []
     for n in dict.fromkeys(r.nodes for r in results):
         default = next((r for r in results if r.nodes == n and r.default), None)

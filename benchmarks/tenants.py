@@ -292,8 +292,11 @@ def verdict(report: TenantsReport) -> str:
     by = {(r.phase, r.tenant): r for r in report.results}
     alone, limited, unlimited = (by[(phase, STEADY)] for phase in PHASES)
     ratio, free = report.ratio, p99_ratio(report.results, UNLIMITED)
-    if ratio is None:
-        return "verdict: no p99 for b alone: no ratio"
+    if ratio is None:  # which p99 is missing says why: b refused throughout the burst is a miss, not "no data"
+        if alone.p99_s is not None and report.b_refused:
+            return (f"verdict: b had no request answered while a bursts {report.meta['burst_factor']:g}x under the "
+                    f"limits ({limited.failed} failed, {limited.rejected} refused): NOT met")
+        return f"verdict: no p99 for b {'alone' if alone.p99_s is None else 'while a bursts'}: no ratio"
     met = "met" if report.met else "NOT met: b refused while a bursts, in no percentile" if report.b_refused \
         else "NOT met"
     # On a machine busy with other work, a phase's latencies measure the CPU's share it got, not the limits.

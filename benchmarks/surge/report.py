@@ -231,6 +231,15 @@ def ready_ratios(worker: WorkerTimeline, floor_s: float) -> list[float | None]:
     return out
 
 
+def unfinished_ratios(worker: WorkerTimeline, floor_s: float) -> list[float]:
+    """For each interval a cold worker was released in before it held every block: its length / ``floor_s``, a
+    lower bound of what its load would have taken."""
+    if worker.warm or worker.provisioned_s is None:
+        return []
+    return [(stop - start) / floor_s for start, stop in worker.billed if stop is not None
+            and sum(1 for t in worker.block_times if start <= t <= stop) < worker.blocks_total]
+
+
 def ready_ratio_max(run: RunRecord) -> float | None:
     """The largest :func:`ready_ratios` of the run's workers; None without a floor, without a cold worker
     loaded, or when one never held the model."""
@@ -486,8 +495,12 @@ def _ready_verdict(pipecast: StrategySummary) -> list[str]:
         return []
     loads = [r for run in runs for w in run.workers for r in ready_ratios(w, run.floor_s)]
     label = f"{pipecast.strategy}: every worker scaled up holding the model within {TARGET_READY_TO_FLOOR:g}x S/B"
+    # Released before it held the model, a load is no figure; one released after the target had passed is a miss.
+    late = max((r for run in runs for w in run.workers for r in unfinished_ratios(w, run.floor_s)), default=0.0)
+    if late > TARGET_READY_TO_FLOOR:
+        return [f"{label}: NOT met (a worker was released {late:.2f}x S/B after its scale-up without the model)"]
     if not loads:
-        return [f"{label}: n/a (no worker was scaled up)"]
+        return [f"{label}: n/a (no worker scaled up held the model before its release)"]
     if None in loads:
         return [f"{label}: NOT met (a worker scaled up never held the whole model)"]
     worst = max(loads)

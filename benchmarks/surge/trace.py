@@ -293,7 +293,8 @@ def schedule_facts(schedule: Sequence[ScheduledRequest]) -> ScheduleFacts:
             lo += 1
         peak = max(peak, hi - lo + 1)
     return ScheduleFacts(requests=len(schedule), duration_s=duration,
-                         mean_rate_per_s=len(schedule) / duration if duration > 0 else float(len(schedule)),
+                         # n requests span n - 1 gaps
+                         mean_rate_per_s=(len(schedule) - 1) / duration if duration > 0 else 0.0,
                          peak_rate_per_s=peak / PEAK_WINDOW_S,
                          prompt_tokens=sum(r.prompt_tokens for r in schedule),
                          max_output_tokens=sum(r.max_tokens for r in schedule))

@@ -193,3 +193,16 @@ def test_a_refusal_of_b_while_a_bursts_fails_the_target_and_the_verdict_counts_i
         "(5.00x), 0 of b's requests failed, 0 refused; CPU not saturated")
     assert "under the limits (0 of b's requests failed, 0 refused), " in verdict(_report(limited_p99=0.115))
     assert "(target <= 1.2x: met)" in verdict(_report(limited_p99=0.115))
+
+
+def test_b_refused_throughout_the_burst_is_a_miss_not_a_missing_alone():
+    """Found in review: every b request refused while a bursts read "no p99 for b alone: no ratio" (b alone had
+    one), neither met nor NOT met."""
+    records = {ALONE: [RequestRecord("b", i * 0.5, "ok", 0.1) for i in range(40)],
+               LIMITED: [RequestRecord("b", i * 0.5, "rejected", None, "1", "rate_limited") for i in range(40)],
+               UNLIMITED: [RequestRecord("b", i * 0.5, "ok", 0.5) for i in range(40)]}
+    results = tuple(summarize(phase, "b", 2.0, records[phase], 10.0) for phase in PHASES)
+    report = TenantsReport(meta={"burst_factor": 10}, results=results, cpu={phase: QUIET for phase in PHASES},
+                           process_cpu={})
+    assert verdict(report) == "verdict: b had no request answered while a bursts 10x under the limits (0 failed, " \
+                              "40 refused): NOT met"

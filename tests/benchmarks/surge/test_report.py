@@ -451,6 +451,15 @@ def test_each_load_is_measured_against_the_floor_and_judged_for_the_daemon_scale
     assert run_metrics(stuck.runs[0]).ready_ratio_to_floor_max is None
     assert "pipecast: every worker scaled up holding the model within 1.15x S/B: NOT met (a worker scaled up " \
            "never held the whole model)" in verdicts([stuck], {})
+    # Found in review: released without the model long after the target had passed, it said "n/a (no worker was
+    # scaled up)"; released soon, its load is no figure.
+    late = WorkerTimeline("w4", False, 0.0, 4, block_times=(10.0, 20.0), billed=((0.0, 30.0),))
+    assert "pipecast: every worker scaled up holding the model within 1.15x S/B: NOT met (a worker was released " \
+           "6.00x S/B after its scale-up without the model)" in verdicts([summarize("pipecast", "", 0, [
+               replace(run, workers=(late,))])], {})
+    assert "pipecast: every worker scaled up holding the model within 1.15x S/B: n/a (no worker scaled up held the " \
+           "model before its release)" in verdicts([summarize("pipecast", "", 0, [
+               replace(run, workers=(released_while_loading,))])], {})
 
 
 def test_the_pipelines_2x_target_is_judged_only_with_the_store_at_8_links():

@@ -139,6 +139,7 @@ def test_schedule_facts_count_the_peak_over_a_sliding_window():
     schedule = [ScheduledRequest(i, t, 10, 2, 10, 2) for i, t in enumerate(times)]
     facts = schedule_facts(schedule)
     assert facts.requests == 9 and facts.duration_s == 32.0
+    assert facts.mean_rate_per_s == 8 / 32.0  # nine requests, eight gaps (found in review: 9 / 32)
     assert facts.peak_rate_per_s == 5 / PEAK_WINDOW_S
     assert (facts.prompt_tokens, facts.max_output_tokens) == (90, 18)
 
