@@ -11,7 +11,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -80,7 +80,9 @@ class LocalAgentClient:
         sock = self._connect()
         return sock, sock.makefile("rb")
 
-    def _call(self, request: dict, timeout: float) -> dict:
+    def _call(self, request: dict, timeout: float, fields: Mapping[str, type] | None = None) -> dict:
+        """The agent's answer to ``request``, an ok one holding each of ``fields`` as its type (an agent of another
+        version may answer otherwise: :class:`LocalApiError`, not a KeyError); else the error it answered."""
         _check_timeout(timeout)
         sock, lines = self._checkout()
         line, failure = b"", None
@@ -106,6 +108,11 @@ class LocalAgentClient:
             error = (PackageDroppedError if answer.get("dropped") else
                      LocalApiTimeoutError if answer.get("timeout") else LocalApiError)
             raise error(f"agent at {self.socket_path}: {answer.get('error')}")
+        for name, kind in (fields or {}).items():
+            value = answer.get(name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise LocalApiError(f"agent at {self.socket_path} answered {request['op']} without a {name} of the "
+                                    f"right kind ({kind.__name__}): {str(value)[:40]!r}")
         return answer
 
     def _checkout(self) -> tuple[socket.socket, BinaryIO]:
@@ -149,7 +156,8 @@ class LocalAgentClient:
 
     def manifest(self, package_id: str | None = None, timeout: float = 30.0) -> Manifest:
         """The package's manifest (waits until the agent has it)."""
-        answer = self._call({"op": "manifest", "package": package_id, "timeout": timeout}, timeout)
+        answer = self._call({"op": "manifest", "package": package_id, "timeout": timeout}, timeout,
+                            {"manifest": dict})
         return manifest_from_json(json.dumps(answer["manifest"]), where=f"agent at {self.socket_path}")
 
     def wait_block(self, index: int, timeout: float, package_id: str | None = None) -> memoryview:
@@ -232,7 +240,8 @@ class LocalAgentClient:
             drops = self._drops
         try:
             answer = self._call({"op": "buffer", "block": index, "package": package_id,
-                                 "timeout": min(timeout, DEFAULT_REQUEST_TIMEOUT_S)}, timeout)
+                                 "timeout": min(timeout, DEFAULT_REQUEST_TIMEOUT_S)}, timeout,
+                                {"package": str, "block": int, "path": str, "bytes": int})
         except LocalApiTimeoutError:
             if package_id is not None:  # dropped while the agent waited for it: say so, not "timed out"
                 self._raise_if_dropped(package_id, f"block {index} not verified")
@@ -373,18 +382,24 @@ class LocalAgentClient:
 
     def package_file(self, path: str, package_id: str | None = None, timeout: float = 30.0) -> bytes:
         """A small package file (config.json, tokenizer files), verified by the agent."""
-        answer = self._call({"op": "file", "path": path, "package": package_id, "timeout": timeout}, timeout)
-        return base64.b64decode(answer["data"])
+        answer = self._call({"op": "file", "path": path, "package": package_id, "timeout": timeout}, timeout,
+                            {"data": str})
+        try:
+            return base64.b64decode(answer["data"], validate=True)
+        except ValueError:  # binascii.Error
+            raise LocalApiError(f"agent at {self.socket_path} answered file {path} with data that is not base64") \
+                from None
 
     def progress(self, package_id: str | None = None, timeout: float = 30.0) -> StoreProgress:
         """What the agent holds of the package: per block, chunks present and when it was verified."""
-        data = self._call({"op": "progress", "package": package_id, "timeout": timeout}, timeout)["progress"]
+        data = self._call({"op": "progress", "package": package_id, "timeout": timeout}, timeout,
+                          {"progress": dict})["progress"]
         blocks = tuple(BlockProgress(**b) for b in data.pop("blocks"))
         return StoreProgress(**data, blocks=blocks)
 
     def status(self) -> dict:
         """The agent's state: node, address, bytes moved, and every package it holds with its goodput."""
-        return self._call({"op": "status"}, 0.0)["status"]
+        return self._call({"op": "status"}, 0.0, {"status": dict})["status"]
 
     def serving_key(self, timeout: float = 30.0) -> bytes:
         """The key requests to this cluster's serving workers present (b"": auth off), once the agent knows

@@ -4,8 +4,10 @@ import asyncio
 import json
 import math
 import os
+import re
 import socket
 import stat
+import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -653,3 +655,34 @@ async def test_a_block_mapped_as_its_package_is_dropped_is_not_kept_for_the_pack
     finally:
         await server.close()
         store.close()
+
+
+@pytest.mark.parametrize("call, answer, message", [
+    (lambda c: c.manifest(timeout=1), {"ok": True}, "answered manifest without a manifest of the right kind (dict)"),
+    (lambda c: c.package_file("config.json", timeout=1), {"ok": True, "data": 5},
+     "answered file without a data of the right kind (str)"),
+    (lambda c: c.package_file("config.json", timeout=1), {"ok": True, "data": "not base64!"},
+     "answered file config.json with data that is not base64"),
+    (lambda c: c.wait_block(0, timeout=1), {"ok": True, "package": "p", "block": 0, "path": "/x", "bytes": True},
+     "answered buffer without a bytes of the right kind (int)"),
+    (lambda c: c.status(), {"ok": True, "status": []}, "answered status without a status of the right kind (dict)"),
+])
+def test_an_answer_without_the_fields_its_op_gives_is_a_local_api_error(tmp_path, call, answer, message):
+    """Found in review: an agent answering {"ok": true} (another version's answer, the local API has none) raised a
+    raw KeyError out of pipecast.load, which then neither fell back to the folder nor closed its client."""
+    path = str(tmp_path / "agent.sock")
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        server.listen()
+
+        def answer_once():
+            connection, _ = server.accept()
+            with connection:
+                connection.makefile("rb").readline()
+                connection.sendall(json.dumps(answer).encode() + b"\n")
+
+        thread = threading.Thread(target=answer_once, daemon=True)
+        thread.start()
+        with LocalAgentClient(path) as client, pytest.raises(LocalApiError, match=re.escape(message)):
+            call(client)
+        thread.join(5)
