@@ -144,6 +144,10 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
     from pipecast.core.settings import load_settings
     from pipecast.engine.engine import Engine, check_engine_arguments
 
+    if not isinstance(package, (str, Path)) or not str(package):  # "" would be Path("."): the working directory
+        raise InvalidRequestError(f"package must be a package folder or a package id, got {describe(package)}")
+    if not isinstance(verify, bool):
+        raise InvalidRequestError(f"verify must be True or False, got {describe(verify)}")
     check_engine_arguments(device, dtype, max_batch=max_batch, max_queue=max_queue, stall_timeout_s=stall_timeout_s)
     # The agent client refuses these too, but its error would read as "the agent cannot serve": a silent fallback.
     if not is_timeout(agent_timeout_s):

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -193,6 +194,24 @@ def test_generation_stops_at_the_packages_eos_by_default(tiny_files, tmp_path):
     with pipecast.load(tmp_path / "pkg") as model:
         assert model.stop_token_ids == {tokens[k], 255}
         assert model.generate(PROMPT, max_new_tokens=16, timeout=30) == tokens[: k + 1]
+
+
+def test_close_unmaps_the_block_files_of_a_folder(tiny, monkeypatch):
+    """Found in review: read from the folder (the unicast fallback), every block file stayed mapped after close(),
+    held by the package object until the model object was dropped."""
+    _, pkg = tiny
+    monkeypatch.delenv("PIPECAST_AGENT_LOCAL_SOCKET", raising=False)
+    blocks = str(Path(pkg).resolve() / "blocks")
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum(blocks in line for line in maps)
+
+    model = pipecast.load(pkg)
+    model.wait_loaded(30)
+    assert mapped() > 0
+    model.close()
+    assert mapped() == 0
 
 
 def test_a_generate_that_times_out_cancels_its_request(tiny):
@@ -415,6 +434,18 @@ def test_arguments_are_checked_before_the_agent_is_asked(tiny, kwargs, error, me
     agent), and a bad stall_timeout_s, max_batch or max_queue was taken (see tests/engine/test_arguments.py)."""
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
         pipecast.load(tiny[1], agent=_MuteAgent(), **kwargs)
+
+
+@pytest.mark.parametrize("package, verify, message", [
+    (None, True, "package must be a package folder or a package id, got None"),
+    (5, True, "package must be a package folder or a package id, got 5"),
+    ("", True, "package must be a package folder or a package id, got ''"),  # it loaded the working directory
+    ("pkg", "no", "verify must be True or False, got 'no'"),  # taken as true
+])
+def test_the_package_and_verify_are_checked_as_the_other_arguments_are(package, verify, message):
+    """Found in review: None or 5 raised a raw TypeError, "" loaded the working directory."""
+    with pytest.raises(InvalidRequestError, match=f"^{re.escape(message)}$"):
+        pipecast.load(package, agent=_MuteAgent(), verify=verify)
 
 
 @pytest.mark.parametrize("timeout", [float("nan"), -1.0, 100_000.0, True])

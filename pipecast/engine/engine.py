@@ -29,7 +29,7 @@ from pipecast.engine.errors import (
     EngineOverloadedError,
     InvalidRequestError,
 )
-from pipecast.engine.loader import BlockLoader, check_stall_timeout
+from pipecast.engine.loader import BlockLoader, check_stall_timeout, check_wait
 from pipecast.engine.progressive import ProgressiveModel, check_dtype, engine_device
 from pipecast.engine.providers import BlockProvider
 from pipecast.engine.sampling import SamplingParams
@@ -152,6 +152,7 @@ class Engine:
                  timeout: float | None = None) -> list[int]:
         """Submit and wait: the generated token ids (blocking; for scripts and tests). A request that times out
         (or is interrupted) is cancelled."""
+        check_wait(timeout)
         stream = self.submit(prompt_ids, params)
         try:
             return stream.result(timeout)
@@ -170,6 +171,7 @@ class Engine:
 
         if self._closed:  # its weights are gone (close() drops them)
             raise EngineClosedError()
+        check_wait(timeout)
         if not isinstance(input_ids, torch.Tensor):
             raise InvalidRequestError(f"input_ids must be a torch tensor, got {type(input_ids).__name__}")
         if input_ids.dim() != 2 or not input_ids.numel() or input_ids.dtype not in (torch.int64, torch.int32):
@@ -244,6 +246,7 @@ class Engine:
 
     def wait_loaded(self, timeout: float | None = None) -> None:
         """Block until every block is bound; raise ModelLoadError if loading failed, TimeoutError."""
+        check_wait(timeout)
         with self._cond:
             if not self._cond.wait_for(lambda: self.model.fully_loaded or self.model.failed, timeout):
                 raise TimeoutError(f"model not fully loaded within {timeout:g} s "

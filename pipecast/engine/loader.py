@@ -113,6 +113,20 @@ class BlockLoader:
         self._last_arrival = time.monotonic()
 
 
+#: The longest a call's own wait may be bounded at (s): a day is beyond any load, and threading refuses infinity.
+MAX_WAIT_S = 86_400.0
+
+
+def check_wait(timeout: float | None) -> float | None:
+    """``timeout`` (None: no bound) if it is a number of seconds from 0 to :data:`MAX_WAIT_S`; else
+    :class:`InvalidRequestError` (NaN waited without a bound, infinity overflowed threading's timer)."""
+    if timeout is None or (not isinstance(timeout, bool) and isinstance(timeout, numbers.Real)
+                           and 0 <= timeout <= MAX_WAIT_S):
+        return timeout
+    raise InvalidRequestError(f"timeout must be None or a number of seconds from 0 to {MAX_WAIT_S:g}, got "
+                              f"{describe(timeout)}")
+
+
 def check_stall_timeout(value: float) -> float:
     """``value`` as a float if it is a positive, finite number of seconds; else :class:`InvalidRequestError` (NaN
     would never declare a stall, a negative value at the first poll, a string fail the loader thread)."""

@@ -111,7 +111,10 @@ class PackageFolderProvider:
     def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
         # A local folder has every block or is broken: nothing to wait for, and a bad or missing file is
         # reported at once by the packager (BlockMismatchError naming the file).
-        return self.package.block_tensors(index, verify=self._verify)
+        tensors = self.package.block_tensors(index, verify=self._verify)
+        # The tensors hold the mapping from here: it goes with the weights (close), not with the package object.
+        self.package.forget_block(index)
+        return tensors
 
 
 class AgentBlockProvider:

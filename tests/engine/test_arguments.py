@@ -101,6 +101,20 @@ def test_arguments_of_the_wrong_kind_are_refused_typed(provider):
     engine.close()
 
 
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1, "5", True, 10**400])
+def test_a_calls_own_timeout_must_be_none_or_a_number_of_seconds_up_to_a_day(provider, timeout):
+    """Found in review: NaN waited without a bound, infinity overflowed threading's timer, "5" raised TypeError."""
+    import torch
+
+    engine = Engine(provider)
+    message = f"^{re.escape(f'timeout must be None or a number of seconds from 0 to 86400, got {describe(timeout)}')}$"
+    for call in (lambda: engine.wait_loaded(timeout), lambda: engine.generate([1], timeout=timeout),
+                 lambda: engine.logits(torch.tensor([[1]]), timeout)):
+        with pytest.raises(InvalidRequestError, match=message):
+            call()
+    engine.close()
+
+
 @pytest.mark.parametrize("name, value", [("max_batch", 0), ("max_batch", -1), ("max_batch", "4"), ("max_batch", 2.0),
                                          ("max_batch", True), ("max_queue", 0), ("max_queue", -5), ("max_queue", None)])
 def test_batch_and_queue_bounds_must_be_integers_of_at_least_one(provider, name, value):
