@@ -107,6 +107,8 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
         except (struct.error, IndexError, EOFError, OverflowError) as exc:  # gguf's reader ran past the end, or a
             # length field too large for a count
             raise CheckpointError(f"{gguf}: truncated or not a GGUF file ({exc})") from None
+        except MemoryError:  # the host's shortage, not the file's fault
+            raise
         except Exception as exc:  # e.g. the config's own checks on metadata a damaged file holds (heads, sizes)
             raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
         _check_loaded(gguf, info)

@@ -564,7 +564,8 @@ def _w_star_verdicts(pipecast: StrategySummary, by_name: Mapping[str, StrategySu
             # repeats did not show (100/200/300 against 400/250/310: 35% where the JSON's ratio says 20%).
             share = pair_ratios.get(f"{label}/{w_star.strategy}", {}).get("worker_seconds")
             saving = 0.0 if share is None else 1 - share
-            met = _judged(share is not None and saving >= TARGET_SAVING_VS_W_STAR, pipecast)
+            met = "n/a: no repeat of both with a cost" if share is None else \
+                _judged(saving >= TARGET_SAVING_VS_W_STAR, pipecast)
             lines.append(f"W* = {w_star.warm_workers} ({w_star.strategy}: overall p99 "
                          f"{w_star.median('ttft_p99_seconds'):.2f} s <= {label}'s {p99:.2f} s); {label} uses "
                          f"{abs(saving):.0%} {'fewer' if saving >= 0 else 'more'} worker-seconds (medians {cost:.0f} "

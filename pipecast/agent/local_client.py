@@ -394,8 +394,12 @@ class LocalAgentClient:
         """What the agent holds of the package: per block, chunks present and when it was verified."""
         data = self._call({"op": "progress", "package": package_id, "timeout": timeout}, timeout,
                           {"progress": dict})["progress"]
-        blocks = tuple(BlockProgress(**b) for b in data.pop("blocks"))
-        return StoreProgress(**data, blocks=blocks)
+        try:
+            blocks = tuple(BlockProgress(**b) for b in data.pop("blocks"))
+            return StoreProgress(**data, blocks=blocks)
+        except (KeyError, TypeError):  # a field missing or of another version
+            raise LocalApiError(f"agent at {self.socket_path} answered progress of another shape: "
+                                f"{str(data)[:80]!r}") from None
 
     def status(self) -> dict:
         """The agent's state: node, address, bytes moved, and every package it holds with its goodput."""
@@ -404,7 +408,7 @@ class LocalAgentClient:
     def serving_key(self, timeout: float = 30.0) -> bytes:
         """The key requests to this cluster's serving workers present (b"": auth off), once the agent knows
         its cluster credentials; :class:`LocalApiTimeoutError` if it does not within ``timeout``."""
-        value = self._call({"op": "serving_key", "timeout": timeout}, timeout)["serving_key"]
+        value = self._call({"op": "serving_key", "timeout": timeout}, timeout, {"serving_key": str})["serving_key"]
         try:
             return bytes.fromhex(value)
         except (TypeError, ValueError):

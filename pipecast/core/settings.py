@@ -165,7 +165,7 @@ class Settings(BaseSettings):
     control_straggler_factor: float = Field(0.5, ge=0, lt=1, description="a receiver slower than this share of "
                                             "what its parents deliver (or of its declared link) is a straggler: "
                                             "its children move to faster parents and it becomes a leaf (0: off)")
-    control_straggler_window_s: float = Field(0.4, gt=0, allow_inf_nan=False,
+    control_straggler_window_s: float = Field(0.4, gt=0,
                                               description="how long a receiver's progress is measured before it may "
                                                           "be called a straggler")
     control_store_beside_holders: bool = Field(True, description="a rotated scale-up also sends from an idle store "

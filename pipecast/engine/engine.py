@@ -126,9 +126,12 @@ class Engine:
                     params: SamplingParams | Seq[SamplingParams] | None = None) -> list[TokenStream]:
         """Queue several prompts at once (``params``: one for all or one each): all are queued, or none is
         (those the batch has no room for yet are admitted as rows free, in order). Raises as :meth:`submit`."""
+        if getattr(prompts, "ndim", None) == 2:  # a [batch, seq] tensor or array: its rows
+            prompts = list(prompts)
         if not isinstance(prompts, Seq) or isinstance(prompts, str | bytes | bytearray):
             raise InvalidRequestError(f"prompts must be a sequence of prompts, got {type(prompts).__name__}")
-        each = list(params) if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
+        each = list(params) if isinstance(params, Seq) else \
+            [SamplingParams() if params is None else params] * len(prompts)
         if len(each) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(each)} sampling parameters")
         for sp in each:

@@ -113,17 +113,14 @@ class BlockLoader:
         self._last_arrival = time.monotonic()
 
 
-#: The longest a call's own wait may be bounded at (s): a day is beyond any load, and threading refuses infinity.
-MAX_WAIT_S = 86_400.0
-
-
 def check_wait(timeout: float | None) -> float | None:
-    """``timeout`` (None: no bound) if it is a number of seconds from 0 to :data:`MAX_WAIT_S`; else
+    """``timeout`` (None: no bound) if it is a number of seconds the agent's waits take too (0 to a day); else
     :class:`InvalidRequestError` (NaN waited without a bound, infinity overflowed threading's timer)."""
-    if timeout is None or (not isinstance(timeout, bool) and isinstance(timeout, numbers.Real)
-                           and 0 <= timeout <= MAX_WAIT_S):
+    from pipecast.agent.local_client import MAX_TIMEOUT_S, is_timeout
+
+    if timeout is None or is_timeout(timeout):
         return timeout
-    raise InvalidRequestError(f"timeout must be None or a number of seconds from 0 to {MAX_WAIT_S:g}, got "
+    raise InvalidRequestError(f"timeout must be None or a number of seconds from 0 to {MAX_TIMEOUT_S:g}, got "
                               f"{describe(timeout)}")
 
 

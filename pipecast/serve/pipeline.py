@@ -68,6 +68,9 @@ DISSOLVE_CHOICES = (DISSOLVE_AUTO, DISSOLVE_MOVE, DISSOLVE_FINISH)
 STEPS_KEPT = 8
 #: Closing sessions along the route is best effort within this (s): stages drop idle sessions anyway.
 CLOSE_TIMEOUT_S = 2.0
+#: Closes a worker passes on at once (its own sessions' and those it was asked to pass on): one per session
+#: it may hold, and as many again.
+MAX_CLOSES_PASSING = 2 * MAX_SESSIONS
 #: A stage passes the next one the step's time left less this (at most a tenth of it), so that a stage that
 #: never answers is timed out by the one before it, which names it, before that one's caller gives up on it.
 HOP_MARGIN_S = 0.2
@@ -128,8 +131,7 @@ def parse_next(value: Any, *, first: int | None) -> tuple[Hop, ...]:
 
 def parse_route(value: Any, *, first: int | None = 0) -> tuple[Hop, ...]:
     """The hops of a decoded route (a list of ``{"url", "layers"}``), checked: consecutive non-empty layer
-    ranges starting at ``first`` (None: anywhere), http(s) URLs, each at most once. Raises
-    :class:`PipelineProtocolError`."""
+    ranges starting at ``first`` (None: anywhere), http(s) URLs. Raises :class:`PipelineProtocolError`."""
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_ROUTE_STAGES:
         raise PipelineProtocolError(f"a route is a list of 1 to {MAX_ROUTE_STAGES} stages")
     hops, position = [], first
@@ -146,8 +148,6 @@ def parse_route(value: Any, *, first: int | None = 0) -> tuple[Hop, ...]:
                 or layers[0] != position or not 0 <= layers[0] < layers[1]):
             raise PipelineProtocolError(f"stage {i} of the route must run layers [{position}, stop) with "
                                         f"stop > {position}, got {str(layers)[:80]}")
-        if any(hop.url == base for hop in hops):  # a node runs one stage of a route: its session is one
-            raise PipelineProtocolError(f"stage {i} of the route is at {base}, as an earlier stage is")
         hops.append(Hop(base, range(layers[0], layers[1])))
         position = layers[1]
     return tuple(hops)
@@ -570,11 +570,16 @@ class StageClient:
     def pass_close_on(self, hops: Sequence[Hop], session: str) -> None:
         """:meth:`close_sessions` in the background: a stage asked to close answers at once. Awaited, each stage
         answered only once the stages after it had, its caller timed it out and asked those itself (a close along
-        hanging stages took minutes and thousands of calls)."""
-        if hops:
-            task = asyncio.get_running_loop().create_task(self.close_sessions(hops, session))
-            self._passing.add(task)
-            task.add_done_callback(self._passing.discard)
+        hanging stages took minutes and thousands of calls). At most :data:`MAX_CLOSES_PASSING` at once: past
+        them a close is dropped (best effort: the stages expire idle sessions), not a task and sockets more."""
+        if not hops:
+            return
+        if len(self._passing) >= MAX_CLOSES_PASSING:
+            log.debug("closing session %s: %d closes already passing on; left to expire", session, len(self._passing))
+            return
+        task = asyncio.get_running_loop().create_task(self.close_sessions(hops, session))
+        self._passing.add(task)
+        task.add_done_callback(self._passing.discard)
 
     async def aclose(self) -> None:
         for task in list(self._passing):
@@ -796,7 +801,7 @@ class PipelineHead:
     def _close(self, route: Sequence[Hop], session: str) -> None:
         self.runner.close(session)
         if len(route) > 1:
-            self._spawn(self.client.close_sessions(route[1:], session))
+            self.client.pass_close_on(route[1:], session)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)

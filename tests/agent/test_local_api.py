@@ -666,6 +666,8 @@ async def test_a_block_mapped_as_its_package_is_dropped_is_not_kept_for_the_pack
     (lambda c: c.wait_block(0, timeout=1), {"ok": True, "package": "p", "block": 0, "path": "/x", "bytes": True},
      "answered buffer without a bytes of the right kind (int)"),
     (lambda c: c.status(), {"ok": True, "status": []}, "answered status without a status of the right kind (dict)"),
+    (lambda c: c.serving_key(timeout=1), {"ok": True}, "answered serving_key without a serving_key of the right kind"),
+    (lambda c: c.progress(timeout=1), {"ok": True, "progress": {}}, "answered progress of another shape: '{}'"),
 ])
 def test_an_answer_without_the_fields_its_op_gives_is_a_local_api_error(tmp_path, call, answer, message):
     """Found in review: an agent answering {"ok": true} (another version's answer, the local API has none) raised a

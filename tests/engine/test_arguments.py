@@ -12,6 +12,7 @@ from pipecast.engine.engine import Engine, token_ids
 from pipecast.engine.errors import DeviceError, EngineClosedError, InvalidRequestError
 from pipecast.engine.loader import BlockLoader
 from pipecast.engine.providers import PackageFolderProvider
+from pipecast.engine.sampling import SamplingParams
 from tests.support import packages
 
 
@@ -98,6 +99,19 @@ def test_arguments_of_the_wrong_kind_are_refused_typed(provider):
         engine.submit_many([[1]], [None])
     with pytest.raises(InvalidRequestError, match=r"^prompts must be a sequence of prompts, got generator$"):
         engine.submit_many(p for p in [[1]])
+    with pytest.raises(InvalidRequestError, match=r"^sampling parameters must be SamplingParams, got dict$"):
+        engine.submit([1], {})  # empty: taken for the defaults by an `or`
+    engine.close()
+
+
+def test_a_batch_of_prompts_may_be_a_2d_tensor_or_array(provider):
+    """Its rows are the prompts (the sequence check must not refuse what logits takes as a batch)."""
+    import numpy as np
+    import torch
+
+    engine = Engine(provider)
+    for batch in (torch.tensor([[1, 2], [3, 4]]), np.array([[1, 2], [3, 4]])):
+        assert len(engine.submit_many(batch, SamplingParams(max_tokens=1))) == 2
     engine.close()
 
 
