@@ -461,6 +461,13 @@ class LocalAgentClient:
             for sock in self._busy:  # its request's thread closes it, once its read or write ends
                 _shut_down(sock)
 
+    def interrupt(self) -> None:
+        """End the requests in flight now (each raises :class:`LocalApiError`), the client staying open: what a
+        model closing while a request waits on a silent agent calls, so that its loader thread ends at once."""
+        with self._lock:
+            for sock in self._busy:  # its request's thread closes it, once its read or write ends
+                _shut_down(sock)
+
     def __enter__(self) -> "LocalAgentClient":
         return self
 

@@ -56,6 +56,9 @@ class BlockLoader:
         started)."""
         self._stop.set()
         if self._thread.is_alive():
+            interrupt = getattr(self.provider, "interrupt", None)  # a request to the agent in flight ends now
+            if interrupt is not None:
+                interrupt()
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -63,6 +66,9 @@ class BlockLoader:
         try:
             self._load()
         except Exception as exc:  # every failure of a block origin or a block ends loading: report it
+            if self._stop.is_set():  # stopped (the model closes): a request interrupted, no failure to report
+                logger.debug("loading from %s stopped: %s", self.provider.origin, exc)
+                return
             logger.error("loading from %s failed: %s", self.provider.origin, exc)
             self.model.fail(exc)
 

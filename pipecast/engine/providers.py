@@ -171,6 +171,13 @@ class AgentBlockProvider:
         buf = self._wait(index, None, timeout)
         return tensors_from_buffer(buf, self._where_block(index), self._header(index, buf))
 
+    def interrupt(self) -> None:
+        """End the client's requests in flight (loading stops: one waiting on a silent agent would hold the
+        loader thread for agent_timeout_s + 5 s)."""
+        interrupt = getattr(self.client, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
+
     def wait_header(self, index: int, timeout: float) -> Header:
         """Block ``index``'s layout (tensor names, dtypes, byte ranges) once the chunks holding its header
         are verified, usually long before the block is. Raises :class:`BlockWaitTimeout`."""

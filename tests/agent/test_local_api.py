@@ -688,3 +688,43 @@ def test_an_answer_without_the_fields_its_op_gives_is_a_local_api_error(tmp_path
         with LocalAgentClient(path) as client, pytest.raises(LocalApiError, match=re.escape(message)):
             call(client)
         thread.join(5)
+
+
+def test_interrupt_ends_a_request_in_flight_and_the_client_stays_open(tmp_path):
+    """What a model closing while its loader waits on a silent agent calls (the wait was agent_timeout_s + 5 s)."""
+    path = str(tmp_path / "agent.sock")
+    received = threading.Event()
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        server.listen()
+
+        def serve():
+            silent, _ = server.accept()  # the first request is never answered
+            silent.makefile("rb").readline()
+            received.set()
+            answering, _ = server.accept()
+            with silent, answering:
+                answering.makefile("rb").readline()
+                answering.sendall(b'{"ok": true, "status": {"node": "n"}}\n')
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        with LocalAgentClient(path) as client:
+            failures = []
+            waiting = threading.Thread(target=lambda: failures.append(_raised(lambda: client.status())))
+            waiting.start()
+            assert received.wait(5)
+            client.interrupt()
+            waiting.join(5)
+            assert not waiting.is_alive() and isinstance(failures[0], LocalApiError)
+            assert client.status() == {"node": "n"}  # not closed
+        thread.join(5)
+
+
+def _raised(call) -> Exception | None:
+    """What ``call()`` raised (None: nothing), from a thread of its own."""
+    try:
+        call()
+    except Exception as exc:
+        return exc
+    return None

@@ -96,6 +96,34 @@ def test_stop_ends_the_wait_within_a_poll_slice_without_failing_the_model(pkg):
     assert not model.failed and loader.blocks_bound == 0
 
 
+def test_stop_interrupts_a_request_in_flight_to_a_silent_agent(pkg):
+    """Found in review: a loader waiting on a silent agent's answer (map_ahead, bounded at agent_timeout_s + 5 s)
+    outlived the model's close: close() waited 10 s for it, then kept the weights, and the agent's mappings."""
+    import threading
+
+    from pipecast.agent.errors import LocalApiError
+
+    class SilentAgent(GatedAgent):
+        def __init__(self, pkg):
+            super().__init__(pkg)
+            self.entered, self.interrupted = threading.Event(), threading.Event()
+
+        def map_ahead(self, index, package_id=None, timeout=30.0):
+            self.entered.set()
+            if not self.interrupted.wait(60):
+                raise AssertionError("never interrupted")
+            raise LocalApiError("agent at gated: the request was interrupted")
+
+        def interrupt(self):
+            self.interrupted.set()
+
+    agent = SilentAgent(pkg)
+    loader, model = loading(AgentBlockProvider(agent, package_id=None, where="silent agent", timeout_s=WAIT_S))
+    wait_until(agent.entered.is_set)  # the loader waits on the agent's answer
+    assert loader.stop(timeout=WAIT_S)  # ended, not given up on after the join's timeout
+    assert agent.interrupted.is_set() and not model.failed  # stopped: the interrupted request is no failure
+
+
 def test_a_streamed_block_is_bound_stage_by_stage_as_its_bytes_are_verified(pkg):
     agent = GatedAgent(pkg)
     provider = AgentBlockProvider(agent, package_id=None, where="gated agent", timeout_s=WAIT_S)
