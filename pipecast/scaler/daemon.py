@@ -119,7 +119,9 @@ def _refused(action: str) -> str:
 
 def _mark_gap(tracked: _Tracked, now: float) -> None:
     """Add to ``tracked``'s history a poll no router answered: the signals of a tick that failed are unknown, and
-    the policy releases nothing until a keep-alive of them follows."""
+    the policy releases nothing until a keep-alive of them follows. Nor is the deployment watched until a tick
+    sees it idle again: a waiting request would otherwise start the next failing tick at once, again and again."""
+    tracked.idle_at_zero = False
     tracked.history.append(Signals(at=now, routers_total=len(tracked.routers), routers_answered=0))
     _trim(tracked.history, now)  # the control plane may stay unreachable for hours
 

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
-from control_plane.errors import ChangeNotStored, ControlPlaneError, InsufficientWorkers
+from control_plane.errors import ChangeNotStored, ControlPlaneError, ControlPlaneUnavailable, InsufficientWorkers
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
 from pipecast.core.credentials import SERVING_KEY_HEADER
 from pipecast.core.httpserve import listening
@@ -892,3 +892,31 @@ async def test_the_watch_between_ticks_polls_every_router_behind_a_name():
                         await asyncio.sleep(0.01)
                 stop.set()
                 await task
+
+
+async def test_failed_ticks_keep_their_pace_while_a_request_waits_at_zero():
+    """Found in review: a failed tick left the deployment watched as idle at zero, so a waiting request started
+    the next (failing) tick at once: thousands of ticks a second while the control plane was down."""
+    class Failing(RecordingClient):
+        fail = False
+        lists = 0
+
+        async def list_deployments(self):
+            self.lists += 1
+            if self.fail:
+                raise ControlPlaneUnavailable("control plane down")
+            return await super().list_deployments()
+
+    async with stub_router(stats()) as (url, state):
+        client = Failing([worker("w1")], (url,))
+        async with Scaler(client, ScalerConfig(tick_s=0.5, watch_s=0.01)) as scaler:
+            await scaler.tick()
+            assert scaler.tracked[PKG].idle_at_zero
+            state["answer"] = stats(queue=1, arrived=1)
+            client.fail = True
+            stop = asyncio.Event()
+            task = asyncio.create_task(scaler.run(stop))
+            await asyncio.sleep(1.2)
+            stop.set()
+            await task
+            assert client.lists - 1 <= 4  # ticks 0.5 s apart, not one after another
