@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from control_plane.errors import InvalidRequest, UnknownDeployment, UnknownPackage
 from control_plane.routes import ModelRoute, RouteChange, change_route, describe
@@ -174,12 +175,22 @@ _EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
 _KIND_NAMES = {(int, float): "a finite number", str: "text", int: "an integer"}
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 def check_router_url(url: str, package_id: str) -> str:
-    """A router's base URL (http or https, a host, no query), without a trailing slash."""
+    """A router's base URL (http or https, a host, no query, no credentials), without a trailing slash, its host
+    in lower case and without a default port."""
     base = http_base_url(url)
     if base is None:
         raise InvalidRequest(f"deployment of package {package_id!r}: router {url!r} is not an http(s) base URL")
-    return base
+    parts = urlsplit(base)
+    if "@" in parts.netloc:  # listed to every caller and logged: the routers take the serving key instead
+        raise InvalidRequest(f"deployment of package {package_id!r}: router URL with credentials refused")
+    # One spelling per router: two (a host's case, a default port written out) were polled and summed as two.
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    port = "" if parts.port in (None, DEFAULT_PORTS[parts.scheme]) else f":{parts.port}"
+    return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 @dataclass

@@ -5,7 +5,8 @@ from urllib.parse import urlsplit
 
 def http_base_url(url: str) -> str | None:
     """``url`` as an http(s) base URL without a trailing slash (a host, no query or fragment); None when it
-    is not one (a port that is not a number, or empty, and white space or control characters included)."""
+    is not one (a port that is not a number, or empty, a host name no resolver takes, and white space or control
+    characters included)."""
     url = url.strip()
     if any(c.isspace() or not c.isprintable() for c in url):  # urlsplit keeps them in the host
         return None
@@ -16,5 +17,9 @@ def http_base_url(url: str) -> str | None:
         return None
     if (parsed.scheme not in ("http", "https") or not host or parsed.query or parsed.fragment
             or parsed.netloc.endswith(":")):
+        return None
+    try:
+        host.encode("idna")  # what resolving it does: an empty label or one over 63 characters fails there
+    except UnicodeError:
         return None
     return f"{parsed.scheme}://{parsed.netloc}{parsed.path}".rstrip("/")

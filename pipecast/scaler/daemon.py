@@ -237,7 +237,12 @@ class Scaler:
                 _mark_gap(self.tracked[deployment.package_id], self.monotonic())
                 continue
             decisions.append((deployment.package_id, decision))
-        await self._gate(deployments)
+        try:
+            await self._gate(deployments)
+        except ControlPlaneError:
+            raise
+        except Exception:  # as a step's: a bug in judging the canaries must not stop the daemon's scaling
+            log.exception("scaler: judging the canaries failed: judged again next tick")
         return decisions
 
     async def _gate(self, deployments: Sequence[Deployment]) -> None:
@@ -428,7 +433,7 @@ class Scaler:
         try:
             async with asyncio.timeout(self.config.router_timeout_s):
                 addresses = await self.resolve(parsed.host or "", parsed.port)
-        except (OSError, TimeoutError):
+        except (OSError, TimeoutError, ValueError):  # ValueError: a name no resolver takes, stored before checks
             return [None], self._routers_at.get(url, 1)
         self._routers_at[url] = max(len(addresses), 1)
         return (list(addresses), len(addresses)) if len(addresses) > 1 else ([None], 1)
@@ -465,7 +470,8 @@ class Scaler:
                 if len(body) > MAX_STATS_BYTES:
                     raise StatsFormatError(f"router {router}: /stats answered more than {MAX_STATS_BYTES} bytes")
                 return parse_stats(router, strictjson.loads(body))
-        except (aiohttp.ClientError, TimeoutError, StatsFormatError, strictjson.JSONInputError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, StatsFormatError, strictjson.JSONInputError) as exc:
+            # ValueError: a host name no resolver takes, as aiohttp raises it (UnicodeError)
             if not quiet:
                 log.warning("router %s gave no signals: %s", router, str(exc) or type(exc).__name__)
             return None

@@ -299,3 +299,19 @@ def test_the_groups_options_may_follow_the_subcommand_and_no_subcommand_has_opti
     own = {opt for param in cp_group.params for opt in param.opts}
     for name, command in cp_group.commands.items():
         assert not own & {opt for param in command.params for opt in param.opts}, name
+
+
+@pytest.mark.parametrize("url", ["http://router..svc:8080", "http://" + "a" * 64 + ".svc", "http://u:pw@r:8080"])
+def test_the_book_refuses_router_urls_no_resolver_takes_or_with_credentials(url):
+    """Found in review: a host whose IDNA encoding fails raised UnicodeError in the daemon at every tick (and
+    stopped it where a gated route named the package); credentials were listed to every caller and logged."""
+    with pytest.raises(InvalidRequest, match="router"):
+        DeploymentBook().put(Deployment("p", ScalingPolicy(), (url,)), ["p"], 1.0)
+
+
+def test_the_book_keeps_one_spelling_per_router():
+    """Found in review: two spellings of one router were polled as two and their counts summed."""
+    book = DeploymentBook()
+    urls = ("http://R:8080", "http://r:8080/", "https://Q:443/x", "https://q/x", "http://[::1]:80", "HTTP://r:8080")
+    deployment = book.put(Deployment("p", ScalingPolicy(), urls), ["p"], 1.0)
+    assert deployment.routers == ("http://r:8080", "https://q/x", "http://[::1]")

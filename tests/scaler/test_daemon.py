@@ -920,3 +920,16 @@ async def test_failed_ticks_keep_their_pace_while_a_request_waits_at_zero():
             stop.set()
             await task
             assert client.lists - 1 <= 4  # ticks 0.5 s apart, not one after another
+
+
+async def test_a_router_name_no_resolver_takes_is_a_silent_router_not_a_failed_step():
+    """Found in review: a router URL stored before such names were refused raised UnicodeError in every tick's
+    poll, so its deployment never scaled, and in a gated route's judging it stopped the daemon."""
+    bad = "http://router..svc:8080"
+    async with stub_router(stats(queue=1, arrived=1)) as (url, _):
+        client = RecordingClient([worker("w1"), worker("w2")], (url, bad))
+        client.routes = [ModelRoute("m", PKG, ((PKG, 90), ("c" * 64, 10)), CanaryGate(0.5, 0.05, 10))]
+        async with Scaler(client, ScalerConfig()) as scaler:
+            [(_, decision)] = await scaler.tick()
+            assert decision.action == "scale_up"
+            assert scaler.tracked[PKG].history[-1].routers_answered == 1
