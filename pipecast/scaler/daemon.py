@@ -149,7 +149,7 @@ class Scaler:
         self.resolve = resolve
         self.tracked: dict[str, _Tracked] = {}
         self._session: aiohttp.ClientSession | None = None
-        self._blocks: dict[str, int] = {}
+        self._packages: dict[str, tuple[int, str]] = {}
         self._answers: dict[str, list[dict | None]] = {}  # this tick's /stats, by router URL (one per address)
         self._routers_at: dict[str, int] = {}  # router URL -> the addresses its name had when it last resolved
         self._serving_key = b""  # what the routers' /stats ask of a caller (with credentials), from ListWorkers
@@ -276,8 +276,9 @@ class Scaler:
         now = self.monotonic()
         held_back = self.config.source_keep_s + RELEASE_GRACE_S
         tracked.released = {n: at for n, at in tracked.released.items() if now - at < held_back}
-        pool = pool_of(package_id, await self._num_blocks(package_id), workers, plans, now=now,
-                       released=tracked.released, last_scale_up=tracked.last_scale_up)
+        num_blocks, store = await self._package(package_id)
+        pool = pool_of(package_id, num_blocks, workers, plans, now=now, released=tracked.released,
+                       last_scale_up=tracked.last_scale_up, store=store)
         tracked.history.append(add_up(now, answers, urls, package_id, nodes={r.node_id for r in pool.replicas}))
         _trim(tracked.history, now)
         tracked.cold_starts.observe(pool.replicas, now, tracked.last_scale_up)
@@ -404,11 +405,12 @@ class Scaler:
                     tracked.released.pop(node, None)
         tracked.recovered = True
 
-    async def _num_blocks(self, package_id: str) -> int:
-        if package_id not in self._blocks:
-            manifest, _ = await self.client.get_package(package_id)
-            self._blocks[package_id] = len(manifest.blocks)
-        return self._blocks[package_id]
+    async def _package(self, package_id: str) -> tuple[int, str]:
+        """The package's number of blocks and its store's node id (fixed while it is published)."""
+        if package_id not in self._packages:
+            manifest, store = await self.client.get_package(package_id)
+            self._packages[package_id] = len(manifest.blocks), store.node_id
+        return self._packages[package_id]
 
     async def _stats_of(self, urls: Sequence[str]) -> list[dict | None]:
         """This tick's /stats of the routers at ``urls``: one answer (None: silent) per router, a URL of several

@@ -94,6 +94,7 @@ class Replica:
 
     node_id: str
     loading: bool
+    pinned: bool = False  # the package's store: it serves, and the control plane never releases it
 
 
 @dataclass(frozen=True)
@@ -372,7 +373,7 @@ def _no_signals(pool: Pool, policy: ScalingPolicy) -> Decision:
     have = len(pool.replicas)
     why = f"no signals from any router: holding {have} replicas"
     if have >= policy.min_replicas:
-        return Decision(0, (), why, "no_signals", have, {})
+        return Decision(0, (), why, "no_signals", min(have, policy.max_replicas), {})  # max lowered: not more
     inputs = {"replicas": have, "free": pool.free, "min_replicas": policy.min_replicas}
     if pool.last_scale_up is not None and pool.now - pool.last_scale_up < policy.scale_up_cooldown_s:
         return Decision(0, (), f"{why}, below the minimum {policy.min_replicas}: in the scale-up cooldown", "cooldown",
@@ -428,10 +429,12 @@ def _scale_down(history: Sequence[Signals], pool: Pool, policy: ScalingPolicy, w
     peak = max(max(_demand(signals, arrival_rate(history, i), throughput, policy))
                for i, signals in enumerate(history) if signals.at >= now.at - window_s)
     keep = min(max(math.ceil(peak * DOWN_HEADROOM) + warm, policy.min_replicas, desired), policy.max_replicas)
-    idle = sorted(((now.idle_s.get(r.node_id), r.node_id) for r in pool.replicas if not r.loading),
+    ready = [r for r in pool.replicas if not r.loading]
+    idle = sorted(((now.idle_s.get(r.node_id), r.node_id) for r in ready if not r.pinned),
                   key=lambda pair: (-(pair[0] or 0.0), pair[1]))
     candidates = [node for idle_s, node in idle if idle_s is not None and idle_s >= policy.keep_alive_s]
-    release = tuple(candidates[:max(have - keep, 0)])
+    # Replicas still loading count towards what is kept, but they serve nothing yet: never fewer ready than kept.
+    release = tuple(candidates[:max(min(have, len(ready)) - keep, 0)])
     if not release:
         return Decision(0, (), f"{why}: keeping {keep} (peak of the last {window_s:g} s), "
                                f"{len(candidates)} idle for {policy.keep_alive_s:g} s", "steady", desired, inputs)

@@ -167,12 +167,14 @@ def serve_urls(workers: Iterable[pb.WorkerState]) -> dict[str, str]:
 
 
 def pool_of(package_id: str, num_blocks: int, workers: Iterable[pb.WorkerState], plans: Iterable[pb.PlanSummary],
-            *, now: float, released: Iterable[str] = (), last_scale_up: float | None = None) -> Pool:
+            *, now: float, released: Iterable[str] = (), last_scale_up: float | None = None,
+            store: str = "") -> Pool:
     """The deployment's pool: replicas are alive serving workers that hold blocks of the package or are
     receiving it (loading until they hold every block); free ones hold and receive nothing of it.
     ``released`` nodes (released moments ago, their drop not reported yet) are free, not replicas: a
     scale-up may take them back (placed on holders first), and a surge whose only spare workers they are
-    would else wait for their keep-alive to end."""
+    would else wait for their keep-alive to end. The package's ``store`` node, serving, is a replica never
+    released (:attr:`Replica.pinned`)."""
     pending = {node for plan in plans if plan.package_id == package_id for node in plan.pending}
     released = set(released)
     replicas, free = [], 0
@@ -184,7 +186,7 @@ def pool_of(package_id: str, num_blocks: int, workers: Iterable[pb.WorkerState],
         if node in released:
             free += 1
         elif held or node in pending:
-            replicas.append(Replica(node, loading=held < num_blocks or node in pending))
+            replicas.append(Replica(node, loading=held < num_blocks or node in pending, pinned=node == store))
         else:
             free += 1
     return Pool(now=now, replicas=tuple(sorted(replicas, key=lambda r: r.node_id)), free=free,

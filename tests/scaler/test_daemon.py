@@ -16,6 +16,7 @@ from aiohttp import web
 
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.errors import ChangeNotStored, ControlPlaneError, ControlPlaneUnavailable, InsufficientWorkers
+from control_plane.messages import PeerInfo
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
 from pipecast.core.credentials import SERVING_KEY_HEADER
 from pipecast.core.httpserve import listening
@@ -31,6 +32,7 @@ from tests.core.test_httpserve import answer_in_pieces
 
 pytestmark = pytest.mark.timeout(30)
 PKG = "p" * 64
+STORE = "w9"  # the package's store node
 BLOCKS = 4
 POLICY = ScalingPolicy(max_replicas=4, keep_alive_s=10.0, scale_down_cooldown_s=5.0, replica_concurrency=2)
 
@@ -65,7 +67,7 @@ class RecordingClient:
         return []
 
     async def get_package(self, package_id):
-        return Manifest(package_id=PKG, blocks=[Block(index=i) for i in range(BLOCKS)]), None
+        return Manifest(package_id=PKG, blocks=[Block(index=i) for i in range(BLOCKS)]), PeerInfo(STORE, "10.0.0.9:7070")
 
     async def list_scale_events(self, package_id="", *, after_seq=0, limit=0):
         return list(self.events)
@@ -933,3 +935,15 @@ async def test_a_router_name_no_resolver_takes_is_a_silent_router_not_a_failed_s
             [(_, decision)] = await scaler.tick()
             assert decision.action == "scale_up"
             assert scaler.tracked[PKG].history[-1].routers_answered == 1
+
+
+async def test_the_store_serving_its_package_is_never_released_and_blocks_no_release():
+    """Found in review: the package's store with a serve URL counted as a releasable replica; the control plane
+    refuses to release a store, so every release (the other idle replicas too) was refused, retried for good."""
+    now = [10_000.0]
+    async with stub_router(stats(idle={"w1": 100.0, STORE: 200.0})) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker(STORE, held=BLOCKS)], (url,))
+        async with Scaler(client, ScalerConfig(), **clocks(now)) as scaler:
+            await a_keep_alive_on(scaler, now)
+            [(_, released)] = await scaler.tick()
+            assert released.release == ("w1",)

@@ -609,3 +609,22 @@ def test_a_policy_stored_before_its_bounds_or_a_throughput_near_0_make_no_decisi
                    replace(POLICY, replica_rps=1e-310, cold_start_s=1.0)):
         decision = decide(history, pool, stored)
         assert (decision.add, decision.desired) == (4, POLICY.max_replicas), stored
+
+
+def test_a_release_keeps_ready_replicas_while_others_still_load():
+    """Found in review: replicas still loading counted towards what is kept, so the ready ones were released and
+    nothing served until the loading ones were done."""
+    policy = ScalingPolicy(min_replicas=1, max_replicas=8, keep_alive_s=10, scale_up_cooldown_s=5,
+                           scale_down_cooldown_s=20)
+    history = [Signals(at=t, routers_total=1, routers_answered=1, arrived=100, answered=100, serving=2, ready=2,
+                       idle_s={"w1": 40.0 + t - 1000, "w2": 40.0 + t - 1000}, instances=("r",))
+               for t in range(1000, 1031)]
+    pool = Pool(now=1030, replicas=(Replica("w1", False), Replica("w2", False),
+                                    *(Replica(f"w{i}", True) for i in range(3, 7))), free=2, last_scale_up=970)
+    decision = decide(history, pool, policy)
+    assert decision.release == ("w1",), decision.reason
+    longer = [replace(s, idle_s={"w1": s.idle_s["w1"], "w2": s.idle_s["w2"] + 50}) for s in history]
+    store = (Replica("w1", False), Replica("w2", False, pinned=True))
+    assert decide(longer, Pool(now=1030, replicas=store, free=2, last_scale_up=970), policy).release == ("w1",)
+    assert decide(longer, Pool(now=1030, replicas=(Replica("w1", False), Replica("w2", False)), free=2,
+                               last_scale_up=970), policy).release == ("w2",)  # the longest idle, were it no store
