@@ -57,6 +57,7 @@ class Candidate:
     releasing: bool  # it is in a keep-alive release of this package
     rack: str | None = None  # its ``rack`` label (None: unknown)
     blocks_cached: int = 0  # blocks of this package in its disk cache and not in memory
+    serving: bool = True  # a serving worker beside its agent (a serve URL): a replica once it holds the package
 
     def fits(self, package_bytes: int) -> bool:
         """Whether a package of ``package_bytes`` fits its memory budget beside what it is committed to."""
@@ -92,7 +93,9 @@ def named_targets(package_id: str, package_bytes: int, candidates: Sequence[Cand
 
 def counted_targets(package_id: str, package_bytes: int, candidates: Iterable[Candidate], count: int,
                     source_racks: Collection[str] = (), *, store: str = "") -> Targets:
-    """``count`` workers picked among the alive ``candidates``: those in a keep-alive release of the package
+    """``count`` workers picked among the alive ``candidates``: serving ones first (an agent alone serves no
+    request: the scaling daemon counts only serving workers as free, and a copy on another node made it scale up
+    again), among them those in a keep-alive release of the package
     that hold all of it first (they are ready at once), then those holding most of it in memory or in their
     disk cache (a local load; memory first among equals), then those in one of ``source_racks`` (the racks
     of the plan's sources: no cross-rack traffic), then the least committed; never the package's ``store``
@@ -106,7 +109,7 @@ def counted_targets(package_id: str, package_bytes: int, candidates: Iterable[Ca
             f"scale-up of package {package_id!r} asked for {count} more workers; only {len(eligible)} "
             f"are alive, do not hold it already and have {format_bytes(package_bytes)} of "
             "memory budget free")
-    eligible.sort(key=lambda c: (not c.releasing, -(c.blocks_held + c.blocks_cached), -c.blocks_held,
+    eligible.sort(key=lambda c: (not c.serving, not c.releasing, -(c.blocks_held + c.blocks_cached), -c.blocks_held,
                                  c.rack is None or c.rack not in source_racks, c.committed_bytes, c.node_id))
     chosen = eligible[:count]
     return Targets(tuple(c.node_id for c in chosen if not c.complete), tuple(c.node_id for c in chosen if c.complete))

@@ -979,7 +979,8 @@ class ControlState:
         on_disk = self.cached.get(package_id, {})
         return [Candidate(n, self.workers[n].spec.memory_bytes, committed.get(n, 0), availability.count(n),
                           availability.is_complete(n), n in receiving, n in releasing, self._rack(n),
-                          len(on_disk.get(n, set()) - availability.held(n))) for n in nodes]
+                          len(on_disk.get(n, set()) - availability.held(n)), bool(self.workers[n].spec.serve_url))
+                for n in nodes]
 
     def _chain_tail(self, package_id: str) -> str | None:
         """The last node of the newest active chain plan of ``package_id`` still receiving it (None if none, or if

@@ -14,8 +14,9 @@ PACKAGE_BYTES = 100
 
 
 def candidate(node: str, *, memory: int = 1000, committed: int = 0, held: int = 0, complete: bool = False,
-              receiving: bool = False, releasing: bool = False, rack: str | None = None, cached: int = 0) -> Candidate:
-    return Candidate(node, memory, committed, held, complete, receiving, releasing, rack, cached)
+              receiving: bool = False, releasing: bool = False, rack: str | None = None, cached: int = 0,
+              serving: bool = True) -> Candidate:
+    return Candidate(node, memory, committed, held, complete, receiving, releasing, rack, cached, serving)
 
 
 def test_a_package_fits_beside_what_a_worker_is_committed_to():
@@ -127,3 +128,11 @@ def test_binomial_pairs_are_the_receivers_beyond_a_full_hypercube():
 
 def test_the_relay_piece_planned_with_is_the_agents_default():
     assert RELAY_PIECE_BYTES == Settings.model_fields["agent_relay_bytes"].default
+
+
+def test_a_counted_scale_up_takes_serving_workers_before_agents_alone():
+    """Found in review: an agent with no serving worker (a store pod) was picked as a replica, least committed
+    first; it never served, so the scaling daemon scaled up again and never released the copy."""
+    candidates = [candidate("agent-only", held=3, cached=2, serving=False), candidate("gpu1", committed=500), candidate("gpu2")]
+    assert counted_targets("pkg", PACKAGE_BYTES, candidates, 2).receivers == ("gpu2", "gpu1")
+    assert counted_targets("pkg", PACKAGE_BYTES, candidates, 3).receivers == ("gpu2", "gpu1", "agent-only")
