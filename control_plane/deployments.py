@@ -176,6 +176,7 @@ _KIND_NAMES = {(int, float): "a finite number", str: "text", int: "an integer"}
 
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
+MAX_EVENT_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, the last second datetime takes
 
 
 def check_router_url(url: str, package_id: str) -> str:
@@ -251,9 +252,11 @@ class DeploymentBook:
         action or a time that is not finite, :class:`UnknownDeployment` for a deployment that does not exist."""
         if event.action not in ACTIONS:  # route changes are logged by change_route only
             raise InvalidRequest(f"scale event action {event.action!r} is not one of {', '.join(ACTIONS)}")
-        if not math.isfinite(event.at):  # it would be stored, and refused when the store is loaded again
-            raise InvalidRequest(f"scale event of package {event.package_id!r}: at must be a finite time, "
-                                 f"got {event.at}")
+        # Not finite, it would be stored and refused when the store is loaded again; past year 9999 no listing
+        # could print it.
+        if not 0 <= event.at <= MAX_EVENT_TIME:
+            raise InvalidRequest(f"scale event of package {event.package_id!r}: at must be a time from 0 to "
+                                 f"{MAX_EVENT_TIME:.0f} (year 9999), got {event.at}")
         if event.package_id not in self.deployments:
             raise UnknownDeployment.named(event.package_id)
         return self._record(event)

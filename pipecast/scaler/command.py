@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from control_plane.command import CONFIG, TOKEN, Duration, full_package_id
+from control_plane.command import CONFIG, TOKEN, UINT32_MAX, Duration, full_package_id
 from control_plane.planner.plan import STRATEGIES
 from pipecast.core.settings import Settings, load_settings
 from pipecast.scaler.daemon import ScalerConfig
@@ -106,7 +106,7 @@ def _app(scaler, task: asyncio.Task):
 @TOKEN
 @click.option("--package", "package_id", default="",
               help="Only this deployment's events (its id, or the start of it as the listings print it).")
-@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True, help="The latest this many.")
+@click.option("--limit", type=click.IntRange(1, UINT32_MAX), default=100, show_default=True, help="The latest this many.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 def events_command(config: Path | None, control_plane: str | None, token: str | None, package_id: str, limit: int,
                    as_json: bool) -> None:

@@ -172,3 +172,10 @@ async def test_events_takes_a_package_id_in_either_case_and_refuses_a_start_too_
         assert isinstance(refused, InvalidRequest)
         assert str(refused) == (f"package id {PKG[:6]!r} is neither a whole package id (64 hex digits) nor the start "
                                 "of one (8 hex digits or more)")
+
+
+def test_events_limit_past_the_protocols_range_is_a_usage_error():
+    """Found in review: --limit 5000000000 ended in protobuf's ValueError traceback."""
+    result = CliRunner().invoke(command.scaler_group,
+                                ["events", "--control-plane", "127.0.0.1:1", "--limit", "5000000000"])
+    assert result.exit_code == 2 and "is not in the range 1<=x<=4294967295" in result.output, result.output
