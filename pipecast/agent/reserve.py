@@ -78,6 +78,7 @@ class MemoryReserve:
         the reserve taking new ones for them.
         """
         target = self.size if limit is None else max(0, min(self.size, limit))
+        target -= target % mmap.PAGESIZE  # held stays whole pages: populate() refuses a start inside a page
         with self._lock:
             missing = target - self._held
         while missing > 0:

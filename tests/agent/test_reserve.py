@@ -40,6 +40,14 @@ def test_a_fill_stops_at_its_limit_what_the_budget_has_free(reserve):
     assert reserve.fill(64 * MIB) == 8 * MIB  # at most its size
 
 
+def test_a_fill_to_a_limit_inside_a_page_still_lets_the_reserve_fill_again(reserve):
+    """Found in review: a limit of whole bytes (the budget's free bytes) left the reserve held to inside a page;
+    every later fill then failed (madvise EINVAL) and the reserve stayed drained."""
+    assert reserve.fill(3 * MIB - 1205) == 3 * MIB - mmap.PAGESIZE == allocated(reserve._fd)
+    assert reserve.hand_over(MIB) == MIB
+    assert reserve.fill() == 8 * MIB == allocated(reserve._fd)
+
+
 def test_a_hand_over_frees_whole_pages_of_the_reserve_up_to_what_it_holds(reserve):
     reserve.fill()
     assert reserve.hand_over(3 * MIB + 1) == 3 * MIB + mmap.PAGESIZE  # whole pages
