@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from packager.errors import PackageError
-from packager.manifest import MANIFEST_FILE, manifest_to_json, read_manifest
+from packager.manifest import HEX_DIGEST, MANIFEST_FILE, manifest_to_json, read_manifest
 from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.core.fsutil import atomic_write, is_temporary, sweep_stale_temporaries
 from pipecast.v1.manifest_pb2 import Manifest
@@ -53,7 +53,7 @@ class BlockCache:
         self._lock = threading.Lock()  # writes run on worker threads
         # Bytes of writes let in under max_bytes but not yet on disk: writes running at once all count.
         self._pending_bytes = 0
-        removed = sweep_stale_temporaries(self.root)
+        removed = sum(sweep_stale_temporaries(self.package_dir(p)) for p in self.packages())
         if removed:
             log.info("disk cache %s: removed %d temporary file(s) left by an interrupted write", self.root,
                      removed)
@@ -74,7 +74,7 @@ class BlockCache:
                             manifest.package_id[:12])
                 return None
             if use:
-                os.utime(folder)
+                _touch(folder)
             return LocalPackageFolder(folder, manifest)
         except (PackageError, OSError) as exc:
             log.warning("disk cache: ignoring %s: %s", folder, exc)
@@ -89,9 +89,11 @@ class BlockCache:
         return [i for i in range(len(cached.manifest.blocks)) if cached.has_block(i)]
 
     def packages(self) -> list[str]:
-        """The package ids with a folder in the cache (unreadable cache: none)."""
+        """The package ids with a folder in the cache (unreadable cache: none). Only folders named as package
+        ids: the cache root may be a volume's (``lost+found``) or shared, and what else is there is not ours to
+        remove for room."""
         try:
-            return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+            return sorted(p.name for p in self.root.iterdir() if HEX_DIGEST.fullmatch(p.name) and p.is_dir())
         except OSError:
             return []
 
@@ -145,7 +147,10 @@ class BlockCache:
             sizes = {pid: _folder_bytes(self.package_dir(pid)) for pid in self.packages()}
             over = sum(sizes.values()) + self._pending_bytes + nbytes - _file_bytes(path) - self.max_bytes
             kept = {package_id, *self._in_use()}
-            for pid in sorted((p for p in sizes if p not in kept), key=lambda p: _mtime(self.package_dir(p))):
+            removable = sorted((p for p in sizes if p not in kept), key=lambda p: _mtime(self.package_dir(p)))
+            if over > sum(sizes[p] for p in removable):
+                removable = []  # removing every one would still leave no room: the write is skipped, they stay
+            for pid in removable:
                 if over <= 0:
                     break
                 log.info("disk cache %s: removing package %s (%d bytes, the least recently used) to make room "
@@ -169,6 +174,14 @@ class BlockCache:
         log.warning("disk cache: could not write %s (%s); it stays in memory only (%d failed write(s) so far)",
                     what, exc.strerror or exc, count)
         return False
+
+
+def _touch(folder: Path) -> None:
+    """Mark ``folder`` used now, where the cache can (on a read-only one its packages are used all the same)."""
+    try:
+        os.utime(folder)
+    except OSError as exc:
+        log.debug("disk cache: cannot mark %s used (%s)", folder, exc.strerror or exc)
 
 
 def _file_bytes(path: Path) -> int:

@@ -311,3 +311,46 @@ def test_a_rotten_block_is_written_again_in_a_cache_at_its_bound(package, tmp_pa
         assert rotten.read_bytes() == bytes(store.block_view(0))
     finally:
         store.close()
+
+
+def test_a_write_that_cannot_fit_removes_nothing_and_what_is_no_package_is_never_removed(tmp_path):
+    """Found in review: a write that could not fit even with every unused package gone removed them all first
+    (and was skipped all the same); eviction removed any folder in the cache's root (a volume's lost+found,
+    another program's data)."""
+    small, big = (tiny_package(tmp_path / name, layers=2, layer_bytes=size, seed=seed)
+                  for seed, (name, size) in enumerate((("small", 20_000), ("big", 200_000))))
+    root = tmp_path / "cache"
+    (root / "lost+found").mkdir(parents=True)
+    (root / "other-app").mkdir()
+    (root / "other-app" / "data.db").write_bytes(b"x" * 100_000)
+    cache = BlockCache(root, max_bytes=small.manifest.total_bytes + 60_000)
+    stores = [verified_store((p.path, p.manifest)) for p in (small, big)]
+    try:
+        assert all(write_everything(cache, (small.path, small.manifest), stores[0]))
+        assert cache.packages() == [small.manifest.package_id]
+        assert not cache.write_block(big.manifest, 0, stores[1].block_view(0))  # no manifest there: not written
+        cache.write_manifest(big.manifest)
+        assert not cache.write_block(big.manifest, 0, stores[1].block_view(0))
+        assert small.manifest.package_id in cache.packages()  # removing it would not have made room
+        assert (root / "other-app" / "data.db").exists() and (root / "lost+found").is_dir()
+    finally:
+        for store in stores:
+            store.close()
+
+
+def test_a_cache_that_cannot_mark_a_package_used_still_opens_it(package, tmp_path, monkeypatch):
+    """Found in review: on a read-only cache os.utime failed and every open ignored the package, while
+    registrations still listed its blocks as cached (placement sent local loads that then went over the net)."""
+    root, manifest = package
+    cache = BlockCache(tmp_path / "cache")
+    store = verified_store(package)
+    try:
+        assert all(write_everything(cache, package, store))
+    finally:
+        store.close()
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(cache_module.os, "utime", read_only)
+    assert cache.local_package(manifest.package_id, use=True) is not None
