@@ -58,10 +58,15 @@ class Candidate:
     rack: str | None = None  # its ``rack`` label (None: unknown)
     blocks_cached: int = 0  # blocks of this package in its disk cache and not in memory
     serving: bool = True  # a serving worker beside its agent (a serve URL): a replica once it holds the package
+    #: Of ``committed_bytes``, those of other packages it keeps only in a keep-alive release (a future source):
+    #: given up when a scale-up needs the memory.
+    reclaimable_bytes: int = 0
 
-    def fits(self, package_bytes: int) -> bool:
-        """Whether a package of ``package_bytes`` fits its memory budget beside what it is committed to."""
-        return self.committed_bytes + package_bytes <= self.memory_bytes
+    def fits(self, package_bytes: int, *, reclaiming: bool = False) -> bool:
+        """Whether a package of ``package_bytes`` fits its memory budget beside what it is committed to (with
+        ``reclaiming``: once the packages it keeps only in a keep-alive release are dropped)."""
+        kept = self.committed_bytes - (self.reclaimable_bytes if reclaiming else 0)
+        return kept + package_bytes <= self.memory_bytes
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,7 @@ def named_targets(package_id: str, package_bytes: int, candidates: Sequence[Cand
     for c in candidates:
         if c.complete or c.receiving:
             unchanged.append(c.node_id)
-        elif not c.fits(package_bytes):
+        elif not c.fits(package_bytes, reclaiming=True):
             raise InsufficientWorkers(
                 f"worker {c.node_id!r} has {format_bytes(c.memory_bytes - c.committed_bytes)} of its "
                 f"{format_bytes(c.memory_bytes)} memory budget free; package {package_id!r} needs "
@@ -96,20 +101,22 @@ def counted_targets(package_id: str, package_bytes: int, candidates: Iterable[Ca
     """``count`` workers picked among the alive ``candidates``: serving ones first (an agent alone serves no
     request: the scaling daemon counts only serving workers as free, and a copy on another node made it scale up
     again), among them those in a keep-alive release of the package
-    that hold all of it first (they are ready at once), then those holding most of it in memory or in their
+    that hold all of it first (they are ready at once), then those it fits without dropping another package kept
+    in a keep-alive release, then those holding most of it in memory or in their
     disk cache (a local load; memory first among equals), then those in one of ``source_racks`` (the racks
     of the plan's sources: no cross-rack traffic), then the least committed; never the package's ``store``
     node; raises :class:`InsufficientWorkers` if fewer than ``count`` can take it."""
     # The store is the package's origin, not a replica: picked as a receiver (its blocks not counted yet, e.g.
     # seeded before the publish) it would leave its plan with no source.
     eligible = [c for c in candidates if c.node_id != store and not c.receiving and (
-        (c.releasing and c.complete) or (not c.complete and c.fits(package_bytes)))]
+        (c.releasing and c.complete) or (not c.complete and c.fits(package_bytes, reclaiming=True)))]
     if len(eligible) < count:
         raise InsufficientWorkers(
             f"scale-up of package {package_id!r} asked for {count} more workers; only {len(eligible)} "
             f"are alive, do not hold it already and have {format_bytes(package_bytes)} of "
             "memory budget free")
-    eligible.sort(key=lambda c: (not c.serving, not c.releasing, -(c.blocks_held + c.blocks_cached), -c.blocks_held,
+    eligible.sort(key=lambda c: (not c.serving, not c.releasing, not c.complete and not c.fits(package_bytes),
+                                 -(c.blocks_held + c.blocks_cached), -c.blocks_held,
                                  c.rack is None or c.rack not in source_racks, c.committed_bytes, c.node_id))
     chosen = eligible[:count]
     return Targets(tuple(c.node_id for c in chosen if not c.complete), tuple(c.node_id for c in chosen if c.complete))

@@ -761,6 +761,7 @@ class ControlState:
             if self.releases.pop((package_id, node), None) is not None:
                 self.dirty.releases.add((package_id, node))
                 log.info("release cancelled by scale-up package=%s node=%s", package_id, node)
+        self._reclaim(self.packages[package_id], receivers)
         if plan is None:
             return ScaleUpResult("", "", (), (), draft.unchanged)
         availability = self.availability[package_id]
@@ -799,7 +800,9 @@ class ControlState:
             return False
         if receivers:
             committed = self._committed_bytes(excluding=package_id)
-            if any(committed.get(n, 0) + package.total_bytes > self.workers[n].spec.memory_bytes for n in receivers):
+            reclaimable = self._reclaimable_bytes(excluding=package_id)
+            if any(committed.get(n, 0) - reclaimable.get(n, 0) + package.total_bytes > self.workers[n].spec.memory_bytes
+                   for n in receivers):
                 return False
         # Receiving counts for a source too: the tail of a chain in progress that new receivers hang behind.
         receiving = {n for p in plans for n in p.pending}
@@ -970,17 +973,40 @@ class ControlState:
                 committed[node] = committed.get(node, 0) + package.total_bytes
         return committed
 
+    def _reclaimable_bytes(self, *, excluding: str) -> dict[str, int]:
+        """Per worker, the bytes of the packages (other than ``excluding``) it keeps only in a keep-alive release."""
+        reclaimable: dict[str, int] = {}
+        for package_id, node in self.releases:
+            if package_id != excluding and node in self.availability[package_id].by_worker:
+                reclaimable[node] = reclaimable.get(node, 0) + self.packages[package_id].total_bytes
+        return reclaimable
+
+    def _reclaim(self, package: Package, receivers: Iterable[str]) -> None:
+        """Drop, from each of ``receivers`` short of memory for ``package``, the packages it keeps in a keep-alive
+        release, those due first, until it fits: a warm copy is kept until the memory is needed."""
+        committed = self._committed_bytes(excluding=package.package_id)
+        for node in receivers:
+            over = committed.get(node, 0) + package.total_bytes - self.workers[node].spec.memory_bytes
+            for drop_at, released in sorted((at, p) for (p, n), at in self.releases.items() if n == node):
+                if over <= 0:
+                    break
+                log.info("keep-alive release ended early for memory package=%s node=%s (for package=%s)",
+                         released, node, package.package_id)
+                self._drop(released, node)
+                over -= self.packages[released].total_bytes
+
     def _candidates(self, package_id: str, nodes: Iterable[str]) -> list[Candidate]:
         """``nodes`` (alive workers) as placement sees them for a scale-up of ``package_id``."""
         availability = self.availability[package_id]
         receiving = {n for p in self.plans.values() if p.package_id == package_id for n in p.pending}
         releasing = {n for (p, n) in self.releases if p == package_id}
         committed = self._committed_bytes(excluding=package_id)
+        reclaimable = self._reclaimable_bytes(excluding=package_id)
         on_disk = self.cached.get(package_id, {})
         return [Candidate(n, self.workers[n].spec.memory_bytes, committed.get(n, 0), availability.count(n),
                           availability.is_complete(n), n in receiving, n in releasing, self._rack(n),
-                          len(on_disk.get(n, set()) - availability.held(n)), bool(self.workers[n].spec.serve_url))
-                for n in nodes]
+                          len(on_disk.get(n, set()) - availability.held(n)), bool(self.workers[n].spec.serve_url),
+                          reclaimable.get(n, 0)) for n in nodes]
 
     def _chain_tail(self, package_id: str) -> str | None:
         """The last node of the newest active chain plan of ``package_id`` still receiving it (None if none, or if

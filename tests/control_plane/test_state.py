@@ -1412,3 +1412,29 @@ def test_store_links_come_from_the_settings_and_the_command_line():
         ControlState(lease_s=LEASE, store_links=0)
     refused = CliRunner().invoke(control_plane_command, ["--store-links", "0"])
     assert refused.exit_code == 2 and "--store-links" in refused.output
+
+
+@pytest.mark.parametrize("by", ["count", "name"])
+def test_a_keep_alive_release_gives_its_memory_up_to_a_scale_up_that_needs_it(by):
+    """Found in review: a worker in a keep-alive release of one package still counted it against its memory
+    budget, so a scale-up of another package that needed the memory was refused until the keep-alive ended.
+    The warm copy is kept until the memory is needed: then it is dropped (the releases due first) and the
+    scale-up placed; a worker with room is taken before one whose warm copy would go."""
+    state = ControlState(lease_s=LEASE)
+    for package_id in ("a", "b", "c"):
+        state.publish(manifest(package_id), STORE, now=0)
+    one_package = BLOCKS * 100 + 50
+    state.register(spec("w0", memory=one_package), {"a": range(BLOCKS)}, now=0)
+    state.register(spec("w1", memory=one_package), {"c": range(BLOCKS)}, now=0)
+    state.release("a", ["w0"], keep_alive_s=300, now=1)
+    with pytest.raises(InsufficientWorkers):  # w1's copy of c is no release: it stays
+        state.scale_up("b", node_ids=["w1"], now=2)
+    state.notices.clear()
+    result = state.scale_up("b", **({"count": 1} if by == "count" else {"node_ids": ["w0"]}), now=2)
+    assert result.receivers == ("w0",)
+    assert Notice("w0", UpdateKind.DROP, "a") in state.notices and ("a", "w0") not in state.releases
+    assert "w0" not in state.availability["a"].by_worker and state.availability["c"].is_complete("w1")
+    state.register(spec("w2", memory=2 * one_package), {}, now=3)
+    state.release("b", ["w0"], keep_alive_s=300, now=3)
+    assert state.scale_up("c", count=1, now=4).receivers == ("w2",)  # room without dropping w0's warm b
+    assert ("b", "w0") in state.releases
