@@ -475,6 +475,7 @@ class ControlState:
         for package_id, blocks in lost.items():
             if self.availability[package_id].remove(node, blocks):
                 self.dirty.availability.add((package_id, node))
+                self._lost(package_id, node, blocks)
         for package_id, blocks in gained.items():
             if (package_id, node) in self.dropping:
                 log.info("ignored verified blocks of package=%s from node=%s: reported before it dropped them",
@@ -654,8 +655,10 @@ class ControlState:
             return any(self._repair(active, {peer}) for active in plans)  # e.g. a store that never registered
         if self.availability[package_id].remove(peer, [block]):
             self.dirty.availability.add((package_id, peer))
-        return any([self._reroute(active, node, peer, block) if peer in active.pending else self._repair(active, {peer})
-                    for active in plans])
+        changed = any([self._reroute(active, node, peer, block) if peer in active.pending else
+                       self._repair(active, {peer}) for active in plans])
+        self._lost(package_id, peer, [block], handled={active.plan_id for active in plans})
+        return changed
 
     def check_bad_peer_report(self, node: str, peer: str, package_id: str, block: int) -> None:
         """Raise unless a report by ``node`` of ``peer`` for ``block`` of ``package_id`` names a published
@@ -667,15 +670,34 @@ class ControlState:
             raise InvalidRequest(f"bad-peer report refused: {exc}") from None
         self._check_blocks(node, self.package(package_id), [block])
 
-    def _reroute(self, active: ActivePlan, child: str, peer: str, block: int) -> bool:
+    def _lost(self, package_id: str, node: str, blocks: Iterable[int], handled: Collection[str] = ()) -> None:
+        """``node`` no longer holds ``blocks`` of ``package_id``: no plan of the package it has a part in (but those
+        ``handled``) counts on them any more. Where it receives, it fetches again those it held when the plan
+        was made (else it stayed pending for good); where it only sends (a source, a holder), it leaves the plan
+        (a receiver picked for a new plan while a source of another no draft could place)."""
+        for active in [p for p in self.plans.values() if p.package_id == package_id and node in p.parts
+                       and p.plan_id not in handled]:
+            if node not in active.pending:
+                self._repair(active, {node})
+                continue
+            for block in blocks:
+                if not any(f.block == block for f in active.plan.assignments.get(node, ())):
+                    self._reroute(active, None, node, block)
+
+    def _reroute(self, active: ActivePlan, child: str | None, peer: str, block: int) -> bool:
         """Move ``child``'s fetches of ``block`` off ``peer``, a receiver of ``active`` that keeps receiving."""
         held = self.availability[active.package_id].by_worker
         plan, changed = reroute(active.plan, child=child, peer=peer, block=block, held=held,
                                 labels=self._labels(set(active.parts) | set(held)), fanout=active.fanout,
                                 parts=active.parts, leaves=active.demoted)
         self._replanned(active, plan, changed)
-        log.info("re-planned plan=%s package=%s: node=%s fetches block=%d from others than peer=%s, which "
-                 "keeps receiving; version=%d", active.plan_id, active.package_id, child, block, peer, active.version)
+        if child is None:
+            log.info("re-planned plan=%s package=%s: node=%s lost block=%d and fetches it again; version=%d",
+                     active.plan_id, active.package_id, peer, block, active.version)
+        else:
+            log.info("re-planned plan=%s package=%s: node=%s fetches block=%d from others than peer=%s, which "
+                     "keeps receiving; version=%d", active.plan_id, active.package_id, child, block, peer,
+                     active.version)
         return True
 
     # ----- scaling -----
@@ -747,16 +769,19 @@ class ControlState:
                             package.num_blocks, package.block_bytes, package.chunk_counts, held,
                             in_flight=in_flight if strategy == "rotated" else ())
 
-    def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float) -> ScaleUpResult:
+    def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float,
+                         redrafted: bool = False) -> ScaleUpResult:
         """Start ``plan``, built from ``draft``, and tell its nodes. If the cluster changed since the draft
         (a receiver or source gone, a receiver taken by another plan of the package or holding other blocks of
         it, a source or unchanged worker told to drop it), the scale-up is drafted and planned again here,
         synchronously."""
         package_id, receivers = draft.package_id, draft.receivers
         if not self._draft_holds(draft):
+            if redrafted:  # drafted on this very state: a draft that cannot hold is a bug, not a race
+                raise Conflict(f"scale-up of package {package_id!r}: its plan could not be placed; try again")
             node_ids, count, strategy, fanout = draft.request
             again = self.draft_scale_up(package_id, node_ids=node_ids, count=count, strategy=strategy, fanout=fanout)
-            return self.install_scale_up(again, again.build() if again.receivers else None, now=now)
+            return self.install_scale_up(again, again.build() if again.receivers else None, now=now, redrafted=True)
         for node in [*draft.unchanged, *receivers]:
             if self.releases.pop((package_id, node), None) is not None:
                 self.dirty.releases.add((package_id, node))
@@ -998,7 +1023,11 @@ class ControlState:
     def _candidates(self, package_id: str, nodes: Iterable[str]) -> list[Candidate]:
         """``nodes`` (alive workers) as placement sees them for a scale-up of ``package_id``."""
         availability = self.availability[package_id]
-        receiving = {n for p in self.plans.values() if p.package_id == package_id for n in p.pending}
+        # A part in a plan of the package is no receiver of a new one (_draft_holds), a sender not holding all
+        # of it included.
+        store = self.packages[package_id].store.node_id  # a source whatever it reported
+        receiving = {n for p in self.plans.values() if p.package_id == package_id
+                     for n in p.parts if n in p.pending or (n != store and not availability.is_complete(n))}
         releasing = {n for (p, n) in self.releases if p == package_id}
         committed = self._committed_bytes(excluding=package_id)
         reclaimable = self._reclaimable_bytes(excluding=package_id)

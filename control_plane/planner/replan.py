@@ -268,11 +268,14 @@ def _rehome(plan: Plan, orphans: Sequence[tuple[str, Fetch[str]]], *, dead: set[
     return moved, serving
 
 
-def reroute(plan: Plan, *, child: str, peer: str, block: int, held: Mapping[str, Collection[int]],
+def reroute(plan: Plan, *, child: str | None, peer: str, block: int, held: Mapping[str, Collection[int]],
             labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
             parts: Mapping[str, Part] | None = None, leaves: Collection[str] = ()) -> tuple[Plan, set[str]]:
     """``plan`` after ``child`` reported ``peer``, a receiver of the plan, bad for ``block`` (it served data that
     failed verification, or failed): changed only where it must be; with the nodes whose parts changed.
+    ``child`` None: the peer lost the block otherwise (a child of another plan reported it, or it dropped it);
+    then only what follows for the peer and its children of the block here changes, the peer's new fetch of
+    the block whole where no child's units tell them.
 
     The peer no longer counts as holding the block (``held``, verified blocks per node, is taken without it).
     The child's fetches of the block from the peer go to a holder of the block or a source, as
@@ -285,8 +288,8 @@ def reroute(plan: Plan, *, child: str, peer: str, block: int, held: Mapping[str,
     """
     if peer not in plan.assignments:
         raise PlanError(f"reroute: {peer!r} is no receiver of the plan")
-    mine = [a for a in plan.assignments.get(child, ()) if a.block == block]
-    if not any(a.parent == peer for a in mine):
+    mine = [a for a in plan.assignments.get(child, ()) if a.block == block] if child is not None else []
+    if child is not None and not any(a.parent == peer for a in mine):
         raise PlanError(f"reroute: {child!r} fetches no unit of block {block} from {peer!r}")
     held = {**held, peer: set(held.get(peer, ())) - {block}}
     refetch = not any(a.block == block for a in plan.assignments[peer])
@@ -294,17 +297,18 @@ def reroute(plan: Plan, *, child: str, peer: str, block: int, held: Mapping[str,
         kids: Collection[str] = (dict.fromkeys(c for b, c in parts[peer].serve if b == block)
                                  if parts is not None and peer in parts else plan.assignments.keys())
     else:
-        kids = (child,)
+        kids = (child,) if child is not None else ()
     orphans = [(rx, a) for rx in kids for a in plan.assignments[rx] if a.block == block and a.parent == peer]
+    units = [a.chunks for a in mine] or [None]
     # The peer's new fetches are placed as orphans are; nothing fetches them, so they go last in its list.
-    orphans += [(peer, Fetch(block, peer, a.chunks)) for a in mine] if refetch else []
+    orphans += [(peer, Fetch(block, peer, chunks)) for chunks in units] if refetch else []
     changed = {peer}
     moved, serving = _rehome(plan, orphans, dead=set(), held=held, sources=plan.sources, labels=labels,
                              fanout=fanout, parts=parts, changed=changed, leaves=leaves)
     new, changed = _without(plan, set(), moved, serving, changed, plan.sources)
     assignments, kept = new.assignments, dict(new.held)
     if refetch:
-        assignments[peer] = [*assignments[peer], *(Fetch(block, moved[peer, block, a.chunks], a.chunks) for a in mine)]
+        assignments[peer] = [*assignments[peer], *(Fetch(block, moved[peer, block, c], c) for c in units)]
         rest = tuple(b for b in kept.pop(peer, ()) if b != block)
         if rest:
             kept[peer] = rest

@@ -1438,3 +1438,44 @@ def test_a_keep_alive_release_gives_its_memory_up_to_a_scale_up_that_needs_it(by
     state.release("b", ["w0"], keep_alive_s=300, now=3)
     assert state.scale_up("c", count=1, now=4).receivers == ("w2",)  # room without dropping w0's warm b
     assert ("b", "w0") in state.releases
+
+
+def test_a_source_that_loses_a_block_leaves_its_other_plans_and_a_scale_up_places_it_at_once():
+    """Found in review: a bad-peer report repaired only the reporter's plan; the peer stayed a source of its
+    other plans without the whole package, a counted scale-up picked it as a receiver, and every draft then
+    failed its check: install_scale_up recursed until RecursionError (minutes of the event loop at scale)."""
+    state = cluster(4, store_beside_holders=False)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    a = state.scale_up("pkg", node_ids=["w1"], now=2)
+    b = state.scale_up("pkg", node_ids=["w2"], now=2)
+    assert a.sources == b.sources == ("w0",)
+    assert state.report_bad_peer("w1", "w0", "pkg", 0, "digest mismatch", now=3)
+    assert "w0" not in state.plans[b.plan_id].parts  # out of both plans, not only the reporter's
+    result = state.scale_up("pkg", count=1, now=4)
+    assert result.receivers in (("w0",), ("w3",))
+
+
+def test_a_receiver_that_loses_a_block_it_held_when_its_plan_was_made_fetches_it_again():
+    """Found in review: a receiver reported bad by a child of another plan, for a block it held when its own
+    plan was made, stayed pending in that plan for good (the plan never fetched the block for it)."""
+    state = cluster(3)
+    state.report("w1", {"pkg": [1]}, {}, now=1)
+    x = state.scale_up("pkg", node_ids=["w1"], now=2)
+    assert 1 not in {f.block for f in state.plans[x.plan_id].plan.assignments["w1"]}
+    y = state.scale_up("pkg", node_ids=["w2"], now=2)
+    assert "w1" in state.plans[y.plan_id].plan.sources  # behind x's tail
+    state.report_bad_peer("w2", "w1", "pkg", 1, "digest mismatch", now=3)
+    assert 1 in {f.block for f in state.plans[x.plan_id].plan.assignments["w1"]}
+    state.plans[x.plan_id].plan.validate()
+    state.report("w1", {"pkg": [b for b in range(BLOCKS)]}, {}, now=4)
+    assert x.plan_id not in state.plans  # done, not pending for good
+
+
+def test_a_receiver_reporting_a_block_dropped_mid_plan_fetches_it_again():
+    state = cluster(2)
+    state.report("w1", {"pkg": [1, 2]}, {}, now=1)
+    x = state.scale_up("pkg", node_ids=["w1"], now=2)
+    state.report("w1", {}, {"pkg": [2]}, now=3)
+    assert 2 in {f.block for f in state.plans[x.plan_id].plan.assignments["w1"]}
+    state.report("w1", {"pkg": range(BLOCKS)}, {}, now=4)
+    assert x.plan_id not in state.plans
