@@ -178,7 +178,7 @@ def repair_deaths(plan: Plan, *, dead: Collection[str], held: Mapping[str, Colle
     range of one, goes to a node that already holds the block (``held``: verified blocks per node; a
     receiver among them stops fetching that block and serves it as a holder), one in the receiver's rack
     first, with fewer than ``fanout`` children for that unit, the fewest among the first
-    :data:`REPAIR_CANDIDATES` holders (or more, until one has a free slot); else to the least loaded source
+    :data:`REPAIR_CANDIDATES` holders with a free slot; else to the least loaded source
     (same rack first). A holder never waits, so no cycle can form. A receiver's fetch of a block it already holds is
     dropped, and so is every fetch of a receiver now among the sources (it holds the package). Every other
     fetch keeps its parent: the dead nodes' children get new parents for their
@@ -227,24 +227,37 @@ def _rehome(plan: Plan, orphans: Sequence[tuple[str, Fetch[str]]], *, dead: set[
     rack = rack_of(labels)
     source_load = dict.fromkeys(sources, 0)
     moved: dict[tuple[str, int, Chunks], str | None] = {}  # (receiver, unit) -> new parent; None: drop it
+    # Per unit, its holders not known to be full yet: a full one is looked at once, not by every later orphan
+    # (thousands of orphans past thousands of full holders: seconds of the control plane's event loop).
+    open_holders: dict[tuple[int, Chunks], dict[str, None]] = {}
     for rx, a in orphans:
         changed.add(rx)
         if a.block in held.get(rx, ()):
             moved[rx, a.block, a.chunks] = None
             continue
         mine = rack(rx)
-        parent, best, seen = None, (True, fanout), 0
-        for n in candidates[a.block]:  # the first best (same rack first, then fewest children) of the first
-            if n == rx:                # holders looked at, stopping at one that nothing beats
+        pool = open_holders.get((a.block, a.chunks))
+        if pool is None:
+            pool = open_holders[a.block, a.chunks] = dict.fromkeys(candidates[a.block])
+        parent, best, seen, full = None, (True, fanout), 0, []
+        for n in pool:  # the first best (same rack first, then fewest children) of the first holders with a
+            if n == rx:  # free slot looked at, stopping at one that nothing beats
                 continue
             key = (rack(n) != mine or mine is None, children[n, a.block, a.chunks])
-            if key[1] < fanout and (parent is None or key < best):
+            if key[1] >= fanout:
+                full.append(n)
+                continue
+            if parent is None or key < best:
                 parent, best = n, key
             seen += 1
-            if key == (mine is None, 0) or (parent is not None and seen >= REPAIR_CANDIDATES):
+            if key == (mine is None, 0) or seen >= REPAIR_CANDIDATES:
                 break
+        for n in full:
+            del pool[n]
         if parent is not None:
             children[parent, a.block, a.chunks] = best[1] + 1
+            if best[1] + 1 >= fanout:
+                del pool[parent]
         else:
             near = [s for s in sources if mine is not None and rack(s) == mine] or sources
             parent = min(near, key=source_load.__getitem__)
