@@ -323,10 +323,19 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
     depth: dict[str, int] = {}
 
     def depth_of(rx: str) -> int:
-        if rx not in units or not units[rx]:
-            return 0  # a source or a holder
-        if rx not in depth:
-            depth[rx] = 1 + depth_of(parents[rx][0])  # its first fetch's parent fetches that unit before it
+        """Hops from a source or holder along first fetches' parents (each fetches that unit before it, or
+        holds it: then the walk ends there). Walked, not recursed: a chain of thousands, listed tail first."""
+        path: list[str] = []
+        on_path: set[str] = set()
+        node = rx
+        while node not in depth and node in units and units[node] and node not in on_path:
+            path.append(node)
+            on_path.add(node)
+            node = parents[node][0]
+        base = depth.get(node, 0)  # a source, a holder, or back on the path (a receiver that holds the unit)
+        for at in reversed(path):
+            base += 1
+            depth[at] = base
         return depth[rx]
 
     def replan_around(now: float) -> None:

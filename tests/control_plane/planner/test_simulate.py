@@ -40,3 +40,19 @@ def test_the_lower_bound_of_a_plan_with_a_dead_receiver_is_the_others():
     assert alone == pytest.approx(S_OVER_B + 0.001)
     finished = simulate(plan, BLOCKS, RATE, CHUNK, failures={"w1": 0.0})
     assert finished == {"w0": pytest.approx(lower_bound(plan, BLOCKS, RATE, CHUNK, dead={"w1"}))}  # met exactly
+
+
+def test_a_start_delay_takes_plans_whose_first_parents_hold_the_unit_or_list_the_tail_first():
+    """Found in review: the depth of each receiver (for the start delay) recursed along first fetches' parents:
+    two receivers each holding what the other fetches first recursed for good, and a chain of 1,200 listed tail
+    first went past the recursion limit."""
+    from control_plane.planner.plan import Plan
+    from control_plane.planner.replan import drop_held
+
+    plan = drop_held(make_plan("binomial", ["s"], ["a", "b", "c"], 4), {"a": {0, 2}, "b": {1, 3}})
+    assert set(simulate(plan, 100, 100.0, 10, start_delay_s=0.016)) == {"a", "b", "c"}
+    chain = make_plan("chain", ["s"], [f"w{i}" for i in range(1200)], 2)
+    reversed_chain = Plan(chain.strategy, chain.sources, dict(reversed(list(chain.assignments.items()))), chain.held)
+    finish = simulate(reversed_chain, 100, 100.0, 10, start_delay_s=0.016)
+    assert finish == pytest.approx(simulate(chain, 100, 100.0, 10, start_delay_s=0.016))  # the order is no matter
+    assert finish["w1199"] > finish["w0"] + 1199 * 0.016
