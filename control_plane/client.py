@@ -36,7 +36,7 @@ from control_plane.deployments import Deployment, ScaleEvent
 from control_plane.routes import ModelRoute, RouteChange
 from control_plane.errors import LEADER_TRAILER, ControlPlaneUnavailable, error_from_rpc
 from control_plane.messages import AssignmentUpdate, PeerInfo, WorkerSpec
-from pipecast.core.credentials import warn_if_cleartext
+from pipecast.core.credentials import check_client_token, warn_if_cleartext
 from pipecast.core.settings import Settings
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1 import control_pb2_grpc
@@ -107,7 +107,7 @@ class ControlPlaneClient:
         self.target = target
         self.addresses = control_plane_addresses(target)
         self.timeout_s = timeout_s
-        self._metadata = auth_metadata(token)
+        self._metadata = auth_metadata(check_client_token(token))
         self._credentials = credentials
         warn_if_cleartext(token, credentials is not None, "control plane client")
         self._channels: dict[str, grpc.aio.Channel] = {}

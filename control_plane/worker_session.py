@@ -72,7 +72,7 @@ class WorkerSession:
         self._unknown: set[str] = set()  # package ids the control plane answered as unknown: reported again
         self._report_wake = asyncio.Event()
         self._kick = asyncio.Event()  # set: re-register now
-        self._refused: ControlPlaneError | None = None
+        self._refused: Exception | None = None  # why no registration comes (a refusal, or an error unforeseen)
         self._data_key: bytes | None = None
         self._on_data_key = on_data_key
         self._refused_event = asyncio.Event()
@@ -83,6 +83,17 @@ class WorkerSession:
         to know the control plane has the worker."""
         self._tasks = [asyncio.create_task(self._keep_registered(), name=f"cp-lease-{self.node_id}"),
                        asyncio.create_task(self._report_loop(), name=f"cp-report-{self.node_id}")]
+        self._tasks[0].add_done_callback(self._lease_ended)
+
+    def _lease_ended(self, task: asyncio.Task) -> None:
+        """An error nothing expected ended the registration: the assignment stream raises it, not waits for a
+        registration that no task makes any more."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("registration of node=%s with control plane %s stopped: %r", self.node_id, self.client.target,
+                  task.exception())
+        self._refused = task.exception()
+        self._refused_event.set()
 
     async def close(self) -> None:
         """Stop the background work and deregister (best effort, within the client's deadline)."""

@@ -164,6 +164,18 @@ def _raw(presented: str) -> bytes:
     return presented.encode("utf-8", "surrogatepass")
 
 
+def check_client_token(token: str) -> str:
+    """``token`` unchanged if gRPC metadata can carry it (empty: auth off); :class:`CredentialError` naming where
+    it is not (a token read from a file with its trailing newline: gRPC refused the call with an error of its own
+    core, which no caller took for a refusal, and an agent waited for its registration for good)."""
+    if (first := _outside_ascii_at(token)) is not None:  # where, not what: the message must not show the secret
+        raise CredentialError(
+            f"auth_token: the token has a character other than printable ASCII (white space, a control character "
+            f"or a non-ASCII one) at position {first + 1} of {len(token)}; gRPC metadata, which carries it, takes "
+            "printable ASCII only (a trailing newline from a file?)")
+    return token
+
+
 def check_master_token(master: str) -> str:
     """``master`` unchanged if it is empty (auth off) or long and varied enough to resist offline guessing;
     :class:`CredentialError` naming what is wrong otherwise. The data-plane key's id and the hello's MACs, which

@@ -316,6 +316,18 @@ def warn_unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
     return unknown
 
 
+#: Settings whose entries' keys are secrets (an API key): an error names the setting, not the key.
+SECRET_KEYS = frozenset({"router_api_keys"})
+
+
+def _where(loc: tuple) -> str:
+    """Where a validation error is, as the message shows it: ``setting.key``, or for a key that is a secret
+    (:data:`SECRET_KEYS`) the setting and that one of its entries is wrong."""
+    if loc and loc[0] in SECRET_KEYS and len(loc) > 1:
+        return f"{loc[0]} (an entry; its key, a secret, not shown)"
+    return ".".join(map(str, loc))
+
+
 def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
     """Build settings; ``overrides`` (CLI flags) whose value is None are ignored. ``PIPECAST_*`` variables that
     name no setting are warned of (:func:`warn_unknown_variables`)."""
@@ -323,7 +335,7 @@ def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
     try:
         return Settings(config=config, **{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{_where(e['loc'])}: {e['msg']}" for e in exc.errors())
         raise SettingsError(f"invalid settings: {problems}") from None
     except pydantic_settings.SettingsError as exc:  # a PIPECAST_* variable of a dict setting that is not JSON
         field = next((name for name in JSON_EXAMPLES if f'"{name}"' in str(exc)), "agent_labels")

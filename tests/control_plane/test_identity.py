@@ -293,3 +293,29 @@ async def test_an_agent_back_at_a_new_address_registers_once_its_old_lease_ends(
         assert server.state.workers["w1"].spec.peer.address == "127.0.0.9:27070"
     finally:
         await session.close()
+
+
+def test_a_client_token_gRPC_metadata_cannot_carry_is_refused_where_the_client_is_made():
+    """Found in review: a token with a trailing newline (a Secret made from a file) made every call fail in gRPC's
+    core with an error no caller took for a refusal: an agent waited for its registration for good, `cp` ended
+    in a traceback, a router retried forever. The message says where, never what."""
+    for token in ("pcn1.w1.abc\n", "tok en", "tök"):
+        with pytest.raises(CredentialError, match=r"auth_token: the token has a character other than printable "
+                                                  r"ASCII .* at position \d+ of \d+") as caught:
+            ControlPlaneClient("127.0.0.1:1", token=token)
+        assert token.strip() not in str(caught.value)
+
+
+async def test_a_registration_stopped_by_an_error_unforeseen_fails_the_assignment_stream_not_hangs():
+    class Broken(ControlPlaneClient):
+        async def register(self, *args, **kwargs):
+            raise RuntimeError("a bug")
+
+    async with Broken("127.0.0.1:1", timeout_s=WAIT_S) as client:
+        session = WorkerSession(client, spec("w1"), holdings=dict, retry_s=0.05)
+        await session.start()
+        try:
+            with pytest.raises(RuntimeError, match="a bug"):
+                await asyncio.wait_for(anext(session.assignments()), WAIT_S)
+        finally:
+            await session.close()

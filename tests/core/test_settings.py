@@ -170,3 +170,16 @@ def test_an_infinite_straggler_window_and_a_store_of_countless_links_are_refused
     monkeypatch.setenv(variable, value)
     with pytest.raises(SettingsError, match=re.escape(message)):
         load_settings()
+
+
+def test_an_invalid_api_key_entry_is_named_without_its_key(tmp_path, monkeypatch):
+    """Found in review: the error named the entry by its key, the API key itself, into pod logs or the journal."""
+    config = tmp_path / "k.toml"
+    config.write_text('[pipecast]\nrouter_api_keys = {"sk-live-TOPSECRET" = 5}\n')
+    with pytest.raises(SettingsError, match=r"router_api_keys \(an entry; its key, a secret, not shown\)") as caught:
+        load_settings(config)
+    assert "TOPSECRET" not in str(caught.value)
+    monkeypatch.setenv("PIPECAST_ROUTER_API_KEYS", '{"sk-live-TOPSECRET": 5}')
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert "TOPSECRET" not in str(caught.value)
