@@ -374,18 +374,20 @@ class Router:
     async def refresh_workers(self) -> None:
         """Ask every discovery source for its workers and make the pool hold their union."""
         for index, source in enumerate(self._sources):
-            try:
-                async with asyncio.timeout(self.config.discovery_timeout_s):
-                    self._discovered[index] = await source.list_workers()
-                    if self.config.pipelines:
-                        self._pipelines[index] = await source.list_pipelines()
-                    self._routes[index] = await source.list_routes()
-            # Any failure of a source (its client may raise anything) must not stop discovery or empty
-            # the pool: keep the source's last answer and try again next interval.
-            except Exception as exc:
-                log.warning("worker discovery from %s failed, keeping its last %d workers: %s", source.name,
-                            len(self._discovered.get(index, [])),
-                            describe_exception(exc, self.config.discovery_timeout_s))
+            # Each list with its own deadline, pipelines last: a slow pipeline forming (thousands of receivers
+            # mid-transfer) must not hold back the workers or the routes (a canary's rollback).
+            asks = [("workers", source.list_workers, self._discovered), ("routes", source.list_routes, self._routes)]
+            if self.config.pipelines:
+                asks.append(("pipelines", source.list_pipelines, self._pipelines))
+            for what, ask, answers in asks:
+                try:
+                    async with asyncio.timeout(self.config.discovery_timeout_s):
+                        answers[index] = await ask()
+                # Any failure of a source (its client may raise anything) must not stop discovery or empty
+                # the pool: keep the source's last answer and try again next interval.
+                except Exception as exc:
+                    log.warning("discovery of %s from %s failed, keeping its last %d: %s", what, source.name,
+                                len(answers.get(index, ())), describe_exception(exc, self.config.discovery_timeout_s))
         found_workers = [found for index in sorted(self._discovered) for found in self._discovered[index]]
         members = {found.url: found.node_id for found in found_workers}
         self._serving_keys = {found.url: found.serving_key for found in found_workers}

@@ -1192,3 +1192,28 @@ async def test_a_stream_event_over_the_limit_ends_the_stream_with_an_error_event
     error = json.loads(events[-1])["error"]
     assert error["type"] == "worker_failed" and "sent an event of more than 262144 bytes" in error["message"]
     assert len(events) == 2
+
+
+async def test_a_slow_pipeline_listing_holds_back_neither_workers_nor_routes():
+    """Found in review: workers, pipelines and routes shared one deadline, so a pipeline forming slower than it
+    (thousands of receivers mid-transfer) kept every route change from the routers for the whole multicast."""
+    class SlowPipelines:
+        name = "control plane (stub)"
+        serving_key = b""
+
+        async def list_workers(self):
+            return []
+
+        async def list_pipelines(self):
+            await asyncio.sleep(1.0)
+            return []
+
+        async def list_routes(self):
+            return {"chat": (("a" * 64, 90), ("b" * 64, 10))}
+
+    router = Router(RouterConfig(discovery_timeout_s=0.3), [SlowPipelines()])
+    await router.start()
+    try:
+        assert router.routes == {"chat": (("a" * 64, 90), ("b" * 64, 10))}
+    finally:
+        await router.close()
