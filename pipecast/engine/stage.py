@@ -112,6 +112,12 @@ class _Session:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time
 
 
+def check_final_norm(normed: "torch.Tensor", width: int) -> None:
+    """Raise :class:`InvalidRequestError` unless ``normed`` is a last stage's final norm of one position."""
+    if normed.dim() != 3 or tuple(normed.shape[:2]) != (1, 1) or normed.shape[2] != width:
+        raise InvalidRequestError(f"the final norm must be [1, 1, {width}], got {list(normed.shape)}")
+
+
 class StageRunner:
     """Runs layer ranges of ``model`` for pipelined sessions (module docstring)."""
 
@@ -201,9 +207,7 @@ class StageRunner:
         import torch
 
         m = self.model
-        width = m.config.hidden_size
-        if normed.dim() != 3 or tuple(normed.shape[:2]) != (1, 1) or normed.shape[2] != width:
-            raise InvalidRequestError(f"the final norm must be [1, 1, {width}], got {list(normed.shape)}")
+        check_final_norm(normed, m.config.hidden_size)
         with self._lock:
             state = self._sessions.get(session)
         if state is None:

@@ -39,9 +39,10 @@ from pipecast.core.errors import PipecastError
 from pipecast.core.httpserve import read_capped
 from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.core.urls import http_base_url
-from pipecast.engine.errors import EngineError
+from pipecast.engine.errors import EngineError, InvalidRequestError
 from pipecast.engine.sampling import SamplingParams
-from pipecast.engine.stage import MAX_SESSIONS, SAMPLE_PARTS, StageCapacityError, StageOutput, StageRunner
+from pipecast.engine.stage import (MAX_SESSIONS, SAMPLE_PARTS, StageCapacityError, StageOutput, StageRunner,
+                                   check_final_norm)
 from pipecast.engine.streams import FINISH_CANCELLED, TokenStream, emit
 from pipecast.serve.errors import StageBusyError, StageFailedError, StageQueueFullError, WorkerClosingError
 
@@ -790,6 +791,10 @@ class PipelineHead:
                 raise StageFailedError(route[-1].url, f"a malformed answer: token {answer} outside the vocabulary "
                                                       f"(0-{vocab - 1})")
             return answer
+        try:  # the last stage's answer, checked here: its fault, not this stage's
+            check_final_norm(answer, self.runner.model.config.hidden_size)
+        except InvalidRequestError as exc:
+            raise StageFailedError(route[-1].url, f"a malformed answer: {exc}") from None
         try:
             sampled = await self.queue.call(self.runner.sample, session, answer, deadline=deadline,
                                             wait=self.runner.waiter(SAMPLE_PARTS))

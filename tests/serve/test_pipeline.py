@@ -1060,3 +1060,25 @@ async def test_closes_passed_on_at_once_are_bounded(monkeypatch):
     assert len(client._passing) == pipeline.MAX_CLOSES_PASSING
     await client.aclose()  # cancels those still passing on
     assert not client._passing
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 7), (1, 2, 16)])
+async def test_a_malformed_final_norm_from_the_last_stage_is_its_failure_not_the_heads(shape):
+    """Found in review: with tied embeddings the head checked the last stage's final norm in its own sample step
+    and named itself the failed stage."""
+    async def stage(request):
+        await request.read()
+        return web.Response(body=encode_frame({}, torch.zeros(*shape)), content_type="application/octet-stream")
+
+    runner = HeadRunner(hidden=torch.zeros(1, 3, 16))
+    runner.model = SimpleNamespace(vocab_size=256, skeleton=SimpleNamespace(tied_embeddings=True),
+                                   config=SimpleNamespace(hidden_size=16))
+    queue = StageQueue()
+    async with _stage_server(STAGE_PATH, stage) as (url, client):
+        head = PipelineHead(runner, client, queue)
+        with pytest.raises(StageFailedError, match=rf"^pipeline stage {url} failed: a malformed answer: the final "
+                                                   rf"norm must be \[1, 1, 16\], got \[{', '.join(map(str, shape))}\]$"):
+            await head.start((Hop("http://head:1", range(0, 3)), Hop(url, range(3, 6))), [1, 2, 3],
+                             SamplingParams(max_tokens=8))
+    queue.close()
+    assert len(runner.closed) == 1
