@@ -106,7 +106,8 @@ def _app(scaler, task: asyncio.Task):
 @TOKEN
 @click.option("--package", "package_id", default="",
               help="Only this deployment's events (its id, or the start of it as the listings print it).")
-@click.option("--limit", type=click.IntRange(1, UINT32_MAX), default=100, show_default=True, help="The latest this many.")
+@click.option("--limit", type=click.IntRange(1, UINT32_MAX), default=100, show_default=True,
+              help="The latest this many.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 def events_command(config: Path | None, control_plane: str | None, token: str | None, package_id: str, limit: int,
                    as_json: bool) -> None:

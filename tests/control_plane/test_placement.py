@@ -133,6 +133,7 @@ def test_the_relay_piece_planned_with_is_the_agents_default():
 def test_a_counted_scale_up_takes_serving_workers_before_agents_alone():
     """Found in review: an agent with no serving worker (a store pod) was picked as a replica, least committed
     first; it never served, so the scaling daemon scaled up again and never released the copy."""
-    candidates = [candidate("agent-only", held=3, cached=2, serving=False), candidate("gpu1", committed=500), candidate("gpu2")]
+    candidates = [candidate("agent-only", held=3, cached=2, serving=False), candidate("gpu1", committed=500),
+                  candidate("gpu2")]
     assert counted_targets("pkg", PACKAGE_BYTES, candidates, 2).receivers == ("gpu2", "gpu1")
     assert counted_targets("pkg", PACKAGE_BYTES, candidates, 3).receivers == ("gpu2", "gpu1", "agent-only")

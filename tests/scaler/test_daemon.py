@@ -67,7 +67,8 @@ class RecordingClient:
         return []
 
     async def get_package(self, package_id):
-        return Manifest(package_id=PKG, blocks=[Block(index=i) for i in range(BLOCKS)]), PeerInfo(STORE, "10.0.0.9:7070")
+        blocks = [Block(index=i) for i in range(BLOCKS)]
+        return Manifest(package_id=PKG, blocks=blocks), PeerInfo(STORE, "10.0.0.9:7070")
 
     async def list_scale_events(self, package_id="", *, after_seq=0, limit=0):
         return list(self.events)

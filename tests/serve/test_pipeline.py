@@ -1076,8 +1076,9 @@ async def test_a_malformed_final_norm_from_the_last_stage_is_its_failure_not_the
     queue = StageQueue()
     async with _stage_server(STAGE_PATH, stage) as (url, client):
         head = PipelineHead(runner, client, queue)
+        got = ", ".join(map(str, shape))
         with pytest.raises(StageFailedError, match=rf"^pipeline stage {url} failed: a malformed answer: the final "
-                                                   rf"norm must be \[1, 1, 16\], got \[{', '.join(map(str, shape))}\]$"):
+                                                   rf"norm must be \[1, 1, 16\], got \[{got}\]$"):
             await head.start((Hop("http://head:1", range(0, 3)), Hop(url, range(3, 6))), [1, 2, 3],
                              SamplingParams(max_tokens=8))
     queue.close()
