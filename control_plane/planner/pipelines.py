@@ -27,6 +27,8 @@ from control_plane.planner.plan import PlanError, check_ids
 
 #: Most stages in one pipeline: each adds a hop per token. FaaScale plans pipelines of 8/4/2/1 nodes.
 DEFAULT_MAX_STAGES = 8
+#: Steps of search a forming takes at most (:func:`form_pipelines`): about a second of this project's 2-core VM.
+DEFAULT_BUDGET = 300_000
 #: Partial chains kept per stage end while searching (see :func:`_fewest_stages`).
 _PATHS_PER_END = 32
 #: What a chain ending at a position needs of the nodes left: how many of each kind (:attr:`_Runs.kind`) it used
@@ -135,12 +137,19 @@ class Pipeline:
 
 
 def form_pipelines(layout: ModelLayout, held: Mapping[str, Collection[int]], *,
-                   max_stages: int = DEFAULT_MAX_STAGES) -> list[Pipeline]:
+                   max_stages: int = DEFAULT_MAX_STAGES, budget: int = DEFAULT_BUDGET) -> list[Pipeline]:
     """Disjoint pipelines of at most ``max_stages`` stages among the nodes of ``held`` (node -> blocks it
     holds, or holds and will hold next: the caller decides), fewest stages first, each balanced by
-    compute. Nodes holding every block are left out. Deterministic: ties go to the smaller node id."""
+    compute. Nodes holding every block are left out. Deterministic: ties go to the smaller node id.
+
+    ``budget``: the most steps of search (a node looked at from a stage end) over all pipelines; once spent,
+    the pipelines found so far. Each pipeline is searched for among every node left, so nodes holding many
+    different sets of blocks (receivers mid-transfer in rotated orders: hundreds of kinds) took minutes at a
+    few thousand; the first pipelines, the fewest stages, are found first and serve as well."""
     if not isinstance(max_stages, int) or max_stages < 2:
         raise PlanError(f"form_pipelines: max_stages must be an integer >= 2, got {max_stages!r}")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise PlanError(f"form_pipelines: budget must be an integer >= 1, got {budget!r}")
     check_ids("form_pipelines", list(held), "node")
     for node, blocks in held.items():
         bad = sorted((b for b in blocks if type(b) is not int or not 0 <= b < layout.num_blocks),  # True is no block
@@ -154,21 +163,31 @@ def form_pipelines(layout: ModelLayout, held: Mapping[str, Collection[int]], *,
     runs = {node: r for node, r in runs.items() if r.spans}
     # Made once (a node taken by a pipeline is skipped from then on): layer -> (node, its span holding it), and
     # layer -> every stage end a chain at that layer could reach.
-    covering: dict[int, list[tuple[str, tuple[int, int]]]] = {}
+    # Layer -> the nodes left holding it, by (kind, span): nodes of one kind through one span make the same
+    # chains, so a search tries the first of each group (a search per pipeline over every node left was
+    # quadratic: minutes at a few thousand receivers mid-transfer).
+    covering: dict[int, dict[tuple[int, tuple[int, int]], dict[str, None]]] = {}
     reach: dict[int, set[int]] = {}
     for node, r in runs.items():
         for span in r.spans:
             for layer in range(*span):
-                covering.setdefault(layer, []).append((node, span))
+                covering.setdefault(layer, {}).setdefault((r.kind, span), {})[node] = None
                 reach.setdefault(layer, set()).update(_ends(layout, r, span, layer))
     pipelines = []
+    spent = [0, budget]
     while True:
-        chain = _fewest_stages(layout, runs, covering, reach, max_stages)
+        chain = _fewest_stages(layout, runs, covering, reach, max_stages, spent)
         if chain is None:
             return pipelines
         pipelines.append(_balance(layout, chain))
         for node, _ in chain:
-            del runs[node]
+            r = runs.pop(node)
+            for span in r.spans:
+                for layer in range(*span):
+                    group = covering[layer][r.kind, span]
+                    del group[node]
+                    if not group:
+                        del covering[layer][r.kind, span]
 
 
 class _Runs:
@@ -199,9 +218,11 @@ def _ends(layout: ModelLayout, r: _Runs, span: tuple[int, int], p: int) -> Seque
 
 
 def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
-                   covering: Mapping[int, Sequence[tuple[str, tuple[int, int]]]], reach: Mapping[int, Collection[int]],
-                   max_stages: int) -> list[tuple[str, tuple[int, int]]] | None:
-    """A shortest chain of (node, its span) from layer 0 to the last, breadth first over stage ends.
+                   covering: Mapping[int, Mapping[tuple[int, tuple[int, int]], Collection[str]]],
+                   reach: Mapping[int, Collection[int]],
+                   max_stages: int, spent: list[int]) -> list[tuple[str, tuple[int, int]]] | None:
+    """A shortest chain of (node, its span) from layer 0 to the last, breadth first over stage ends; None if
+    there is none, or the search's ``spent`` steps reach its budget (``[steps, budget]``, counted on).
 
     From a position p a node whose span holds p goes as far as its span does: reaching further never
     hurts, except that the stage reaching the last layer must be able to apply the head, so a node that
@@ -227,10 +248,16 @@ def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
             # layer, from one node alone): nothing to try.
             if all(not path if q == last else _full(found.get(q, ()), runs, used, q) for q in reach.get(p, ())):
                 continue
-            for node, span in covering.get(p, ()):
-                r = runs.get(node)
-                if r is None or node in used or (p == 0 and not r.can_embed):  # None: in a pipeline already
+            for (_, span), nodes in covering.get(p, {}).items():
+                node = next((n for n in nodes if n not in used), None)  # the others of its group: the same chains
+                if node is None:
                     continue
+                r = runs[node]
+                if p == 0 and not r.can_embed:
+                    continue
+                spent[0] += 1
+                if spent[0] > spent[1]:
+                    return None
                 for q in _ends(layout, r, span, p):
                     if q == last and not path:
                         continue  # one node alone would hold everything: not a pipeline

@@ -248,3 +248,20 @@ def test_bad_inputs_are_refused_naming_them():
             ModelLayout((range(0, 1),), head_cost=cost)
     with pytest.raises(PlanError, match=r"node 'a' holds blocks \[True\] outside the package's 0-1"):
         form_pipelines(layout, {"a": {True}})
+
+
+def test_a_forming_past_its_budget_answers_the_pipelines_found_so_far():
+    """Found in review: each pipeline was searched for among every node left, so receivers holding hundreds of
+    different sets of blocks took minutes to form at a few thousand; a search budget bounds it, and what is
+    found first (fewest stages) is what a smaller budget keeps."""
+    rng = random.Random(7)
+    layout = ModelLayout(tuple(range(i, i + 1) for i in range(16)))
+    held = {}
+    for i in range(300):
+        start = rng.randrange(16)
+        held[f"w{i:03d}"] = {(start + k) % 16 for k in range(rng.randint(2, 12))}
+    whole = form_pipelines(layout, held, budget=10**9)
+    cut = form_pipelines(layout, held, budget=2_000)
+    assert 0 < len(cut) < len(whole) and cut == whole[:len(cut)]
+    with pytest.raises(PlanError, match="budget must be an integer >= 1, got 0"):
+        form_pipelines(layout, held, budget=0)
