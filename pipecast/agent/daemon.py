@@ -172,7 +172,7 @@ class AgentDaemon:
         self._cache_writes: dict[asyncio.Task, BlockStore] = {}  # each write under way, and whose block it is
         self._freeing: set[asyncio.Task] = set()  # dropped packages' memory, freed once no engine maps it
         self._local_api: LocalApiServer | None = None
-        self._from_cache = 0
+        self._from_cache: dict[str, int] = {}  # package -> blocks its store opened with from the disk cache
 
     def stop(self) -> None:
         """Ask the daemon to shut down (signal-safe from the loop)."""
@@ -293,7 +293,8 @@ class AgentDaemon:
         progress = store.progress()
         seconds = progress.elapsed_s or 0.0
         log.info("agent %s: package %s complete: %d blocks (%d from the disk cache), %s in %.3f s (%s)",
-                 self.node_id, store.package_id[:12], progress.blocks_verified, self._from_cache,
+                 self.node_id, store.package_id[:12], progress.blocks_verified,
+                 self._from_cache.pop(store.package_id, 0),
                  format_bytes(progress.bytes_total), seconds,
                  format_rate(progress.bytes_total / seconds) if seconds else "-")
         self.events.emit("complete", package=store.package_id, bytes=progress.bytes_total, seconds=seconds)
@@ -335,7 +336,7 @@ class AgentDaemon:
             log.info("disk cache: %d of %d blocks of %s verified and served from %s",
                      len(store.verified_blocks()), len(manifest.blocks), package_id[:12], cached.root)
         self._hold(store, cache=True)
-        self._from_cache = len(store.verified_blocks())
+        self._from_cache[package_id] = len(store.verified_blocks())
         return store
 
     def disk_cached(self, package_ids: Collection[str] | None = None) -> dict[str, list[int]]:
