@@ -266,7 +266,11 @@ class ControlPlaneServer:
     async def _campaign_loop(self) -> None:
         while not self.deposed.is_set():
             await asyncio.sleep(self.config.lease_s / 3)
-            await self._campaign()
+            try:
+                await self._campaign()
+            except Exception as exc:  # a bug or a row nothing checked: stopped, not a standby that never campaigns
+                log.exception("control plane %s: its campaign for the lease failed", self.holder)
+                self._step_down(f"control plane {self.holder}: its campaign for the lease failed: {exc!r}")
 
     async def _campaign(self) -> None:
         """Take or renew the lease: a standby that gets it takes over, a leader that does not steps down."""

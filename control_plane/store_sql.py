@@ -130,7 +130,9 @@ def _compact(data: object) -> str:
 
 
 # What decoding a damaged row can raise: the JSON, the protobuf, and the checks below.
-_DECODE_ERRORS = (JSONInputError, DecodeError, KeyError, TypeError, ValueError, AttributeError, IndexError)
+# OverflowError: a JSON integer past a float's range where a time is read (float() of 400 digits).
+_DECODE_ERRORS = (JSONInputError, DecodeError, KeyError, TypeError, ValueError, AttributeError, IndexError,
+                  OverflowError)
 
 
 def _number(value: Any, what: str) -> float:

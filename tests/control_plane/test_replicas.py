@@ -150,6 +150,24 @@ async def test_a_leader_that_loses_its_lease_steps_down_within_a_renewal(url):
         await leader.stop(grace_s=0)
 
 
+async def test_a_campaign_that_fails_unforeseen_steps_down_not_a_standby_for_good(url, monkeypatch):
+    """Found in review: an exception no one foresaw (a stored time past a float's range, at a standby's takeover)
+    ended the campaign task: the replica stayed up as a standby that never campaigned again, naming a leader
+    gone, and logged nothing."""
+    leader = ControlPlaneServer(config(url, lease_s=LEASE_S))
+    await leader.start()
+    try:
+        async def broken() -> None:
+            raise OverflowError("int too large to convert to float")
+
+        monkeypatch.setattr(leader, "_campaign", broken)
+        await asyncio.wait_for(leader.deposed.wait(), LEASE_S / 3 + 2.0)
+        assert leader.deposed_reason == (f"control plane {leader.holder}: its campaign for the lease failed: "
+                                         "OverflowError('int too large to convert to float')")
+    finally:
+        await leader.stop(grace_s=0)
+
+
 async def test_a_standby_that_knows_no_leader_says_so_without_a_trailer(url):
     holder = open_store(url)
     standby = ControlPlaneServer(config(url, lease_s=LEASE_S))

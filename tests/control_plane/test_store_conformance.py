@@ -206,6 +206,12 @@ def test_the_audit_trail_loads_its_latest_events_in_order(backend, store, monkey
      '{"min_replicas": "x"}, "routers": [], "created_at": 0, "updated_at": 0}', "deployments", "'pkg'"),
     ("UPDATE routes SET route = %s WHERE name = 'chat'", '{"name": "chat", "stable": "pkg", "versions": '
      '[["pkg", 100]], "gate": {"min_requests": "x"}, "updated_at": 0}', "routes", "'chat'"),
+    # Found in review: a time of 400 digits raised OverflowError in float(), which killed a standby's takeover
+    # (it stayed a standby that never campaigned again) and was a traceback at a start-up.
+    ("UPDATE routes SET route = %s WHERE name = 'chat'", '{"name": "chat", "stable": "pkg", "versions": '
+     '[["pkg", 100]], "updated_at": 1' + "0" * 400 + "}", "routes", "'chat'"),
+    ("UPDATE deployments SET deployment = %s WHERE package_id = 'pkg'", '{"package_id": "pkg", "policy": {}, '
+     '"routers": [], "created_at": 1' + "0" * 400 + ', "updated_at": 0}', "deployments", "'pkg'"),
 ])
 def test_a_corrupt_row_is_a_typed_error_naming_table_and_key(backend, store, sql, args, table, key):
     state, book, _ = populated()
