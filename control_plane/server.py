@@ -171,7 +171,11 @@ class ControlPlaneServer:
                                            store=self.store, clock=clock, master=config.token, book=self.book,
                                            on_fenced=self._fenced)
         if not self.store.shared:  # the only control plane on its file: it leads from the start
-            self._load()
+            try:
+                self._load()
+            except BaseException:  # else the file's lock stays held: a retry in this process found it in use
+                self.store.close()
+                raise
 
     @property
     def address(self) -> str:

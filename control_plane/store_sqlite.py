@@ -54,7 +54,8 @@ class SqliteStore(SqlStore):
 
     @staticmethod
     def _lock_file(where: str) -> int:
-        lock = f"{where}.lock"
+        # Beside the file itself: a symbolic link to it named another lock, and two processes served one file.
+        lock = f"{os.path.realpath(where)}.lock"
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:

@@ -118,6 +118,24 @@ def test_a_second_control_plane_on_one_sqlite_file_is_refused_while_the_first_ru
                                              rf"process \(it holds {path}.lock\): one SQLite file serves one "
                                              "process; use another path, or PostgreSQL for replicas$"):
             open_store(path)
+        alias = tmp_path / "alias.sqlite3"
+        alias.symlink_to(path)  # found in review: a link to the file named another lock file
+        with pytest.raises(StoreError, match=rf"^control plane database {alias} is in use by another control "
+                                             rf"plane process \(it holds {path}.lock\)"):
+            open_store(alias)
     finally:
         first.close()
     open_store(path).close()  # free again once the first one is closed
+
+
+def test_a_control_plane_that_fails_to_load_lets_go_of_its_file(saved):
+    """Found in review: a start-up whose load failed kept the store open and its lock held: started again in the
+    same process (an embedding, a test) once the file was mended, it was "in use by another control plane"."""
+    from control_plane.server import ControlPlaneServer
+    from tests.control_plane.test_service import config
+
+    corrupt(saved, "UPDATE packages SET published_at = ? WHERE package_id = 'pkg'", "yesterday")
+    with pytest.raises(CorruptStateError):
+        ControlPlaneServer(config(saved))
+    corrupt(saved, "DELETE FROM packages WHERE package_id = 'pkg'")
+    ControlPlaneServer(config(saved)).store.close()
