@@ -28,7 +28,10 @@ def tune_collector() -> None:
 def collector_off(make: Callable[[], T], *, freeze: bool = False) -> T:
     """``make()`` with the cyclic garbage collector off meanwhile (for a thread that makes hundreds of thousands
     of objects, which would otherwise set off full collections over the whole state, each holding the GIL,
-    so the event loop's thread with it, for tens of milliseconds), and what exists then frozen if ``freeze``."""
+    so the event loop's thread with it, for tens of milliseconds), and what exists then frozen if ``freeze``
+    (after a collection of the young generations: garbage frozen would never be freed)."""
+    if freeze:  # else the garbage cycles made since the last collection (an exception of each failed call: its
+        gc.collect(1)  # traceback) would be frozen too, for good: ~145 KB a scale-up at a usual error rate
     enabled = gc.isenabled()
     gc.disable()
     try:
