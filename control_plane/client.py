@@ -166,6 +166,12 @@ class ControlPlaneClient:
                     address, tried = self.addresses[0], []
                     continue
                 if address is None or loop.time() >= deadline:
+                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and len(self.addresses) > 1:
+                        # A replica frozen (a paused VM, a partition): not retried within this call (a change
+                        # may yet have been made there), but the next call goes to the next replica: every call
+                        # went on to the frozen one, for a minute past another's takeover.
+                        self.current = self.addresses[(self.addresses.index(tried[-1]) + 1) % len(self.addresses)] \
+                            if tried[-1] in self.addresses else self.addresses[0]
                     raise error_from_rpc(exc, target=self.target, method=method) from None
                 log.info("control plane %s: %s unavailable, trying %s", method, tried[-1], address)
                 continue

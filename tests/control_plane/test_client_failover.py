@@ -2,6 +2,7 @@
 address in its trailer, a replica that is down, and the server's own errors (never retried elsewhere)."""
 
 import asyncio
+import socket
 
 import grpc
 import pytest
@@ -91,6 +92,29 @@ def test_a_call_during_a_takeover_waits_within_its_deadline_for_a_replica_to_lea
                 assert client.current == f"127.0.0.1:{leader_port}"
         finally:
             await standby.stop(0)
+            await leader.stop(grace_s=0)
+
+    asyncio.run(main())
+
+
+def test_after_a_call_a_frozen_replica_left_unanswered_the_next_goes_to_the_next_replica(tmp_path):
+    """Found in review: a frozen leader (a paused VM) answered nothing and the client, following only UNAVAILABLE,
+    sent every later call there too: a minute of failed calls after another replica took over."""
+    async def main() -> None:
+        frozen = socket.socket()  # listens, never answers: connections wait in the kernel's backlog
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(8)
+        leader = ControlPlaneServer(config(tmp_path / "cp.sqlite3"))
+        await leader.start()
+        try:
+            both = f"127.0.0.1:{frozen.getsockname()[1]},127.0.0.1:{leader.port}"
+            async with ControlPlaneClient(both, token=TOKEN, timeout_s=1.0) as client:
+                with pytest.raises(ControlPlaneUnavailable, match="DEADLINE_EXCEEDED"):
+                    await client.list_packages()
+                assert await client.list_packages() == []
+                assert client.current == f"127.0.0.1:{leader.port}"
+        finally:
+            frozen.close()
             await leader.stop(grace_s=0)
 
     asyncio.run(main())
