@@ -26,7 +26,7 @@ lets running ones finish for up to ``drain_timeout_s`` and closes the engine.
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -357,6 +357,14 @@ class _ClientStalled(Exception):
 async def _stream(request: web.Request, body: CompletionRequest,
                   generation: Generation) -> tuple[web.StreamResponse, str]:
     g = generation
+    pieces = aiter(g)
+    try:  # the headers wait for the first token: a failure before it is an answer's status (a 503 the router
+        ahead = [await anext(pieces)]  # retries on another worker), not a 200 whose one event is the error
+    except StopAsyncIteration:
+        ahead = []
+    except ServeError as exc:
+        log.warning("request %s failed before its first token: %s", g.request_id, exc)
+        return error_response(exc), _outcome(exc)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     deadline_s = request.app[BODY_TIMEOUT]
@@ -373,7 +381,7 @@ async def _stream(request: web.Request, body: CompletionRequest,
     try:
         try:
             first = True
-            async for piece in g:
+            async for piece in _after(ahead, pieces):
                 ids = list(piece.token_ids) if body.return_token_ids else None
                 chunk = (chat_chunk_body(g.request_id, g.created, g.model, piece.text, piece.finish_reason, ids,
                                          first=first) if body.chat else
@@ -399,6 +407,14 @@ async def _stream(request: web.Request, body: CompletionRequest,
             request.transport.abort()
         return response, "cancelled"
     return response, outcome
+
+
+async def _after(ahead: list, rest: AsyncIterator) -> AsyncIterator:
+    """The items of ``ahead``, then those of ``rest``."""
+    for item in ahead:
+        yield item
+    async for item in rest:
+        yield item
 
 
 async def health(request: web.Request) -> web.Response:

@@ -1270,3 +1270,25 @@ def test_the_openai_client_and_raw_http_against_a_worker_process(pkg, reference,
             proc.wait()
         proc.stdout.close()
         log.close()
+
+
+async def test_a_stream_that_fails_before_its_first_token_answers_the_errors_status(pkg, monkeypatch):
+    """Found in review: a stream's headers went out before its first token, so a failure before it (the agent
+    dead mid-load, the package released) was a 200 whose one event was the error, which the router relayed;
+    the same request unstreamed was a 503, which the router retries on another worker."""
+    from pipecast.serve.worker import Generation
+
+    async def failing(self):
+        raise ModelUnavailableError("loading the model failed: agent: connection lost (the agent died)")
+        yield  # an async generator, as the real one
+
+    async with serving(WorkerConfig(str(pkg))) as (url, _, _, http):
+        await wait_health(http, url, lambda h: h["status"] == "ready")
+        monkeypatch.setattr(Generation, "__aiter__", failing)
+        async with http.post(f"{url}/v1/completions", json=body(stream=True, max_tokens=4)) as response:
+            answer = await response.json()
+        assert response.status == 503 and answer["error"]["code"] == "model_unavailable", answer
+        monkeypatch.undo()
+        async with http.post(f"{url}/v1/completions", json=body(stream=True, max_tokens=4)) as response:
+            events = (await response.read()).split(b"\n\n")
+        assert response.status == 200 and events[-2] == b"data: [DONE]"
