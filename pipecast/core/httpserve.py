@@ -110,6 +110,10 @@ async def listening(app: "web.Application", host: str, port: int, **runner_optio
         await runner.cleanup()
 
 
+#: The shortest drain a server takes (``drain_timeout_s`` 0: requests in flight are cut at once).
+MIN_DRAIN_S = 0.001
+
+
 async def serve_until_signalled(app: "web.Application", host: str, port: int, drain_timeout_s: float,
                                 announce: Callable[[str], None], **runner_options: Any) -> None:
     """Serve ``app`` on host:port (port 0: any free port) until SIGTERM or SIGINT.
@@ -118,7 +122,8 @@ async def serve_until_signalled(app: "web.Application", host: str, port: int, dr
     shutdown hooks and gives requests in flight ``drain_timeout_s`` to finish before cleaning up.
     ``runner_options`` go to aiohttp's ``AppRunner``.
     """
-    async with listening(app, host, port, shutdown_timeout=drain_timeout_s, **runner_options) as url:
+    # aiohttp takes a shutdown timeout of 0 for none: --drain-timeout 0 waited on a request in flight for good.
+    async with listening(app, host, port, shutdown_timeout=max(drain_timeout_s, MIN_DRAIN_S), **runner_options) as url:
         announce(url)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

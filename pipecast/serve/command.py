@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from packager.manifest import MANIFEST_FILE
+from packager.manifest import HEX_DIGEST, MANIFEST_FILE
 from pipecast.agent.local_client import MAX_TIMEOUT_S
 from pipecast.core.clitypes import Number
 from pipecast.core.settings import load_settings
@@ -83,6 +83,9 @@ def serve_command(package: str, agent_socket: Path | None, host: str | None, por
         raise click.BadParameter(f"{package!r} is neither a package folder (a folder with a {MANIFEST_FILE}) nor in "
                                  "the agent's disk cache, and no agent is configured to hold it (--agent-socket; "
                                  "settings: agent_local_socket)", param_hint="'PACKAGE'")
+    if folder is None and not HEX_DIGEST.fullmatch(package):  # an id's prefix, or a model's name, waited for good
+        raise click.BadParameter(f"{package!r} is neither a package folder nor a whole package id (64 hex digits, as "
+                                 "`pipecast cp availability PREFIX` prints it whole)", param_hint="'PACKAGE'")
     config = WorkerConfig(package=package, agent=settings.agent_local_socket, device=settings.device,
                           max_queue=settings.max_queue, max_batch=settings.max_batch, model_name=model_name,
                           wait_full_load=wait_full_load, agent_timeout_s=agent_timeout,

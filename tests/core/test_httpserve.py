@@ -127,3 +127,33 @@ async def test_an_answer_in_many_pieces_is_read_whole_and_one_over_the_cap_is_cu
             assert await read_capped(response.content, len(body)) == body
         async with session.get(url) as response:
             assert await read_capped(response.content, 3000) == body[:3001]  # the caller refuses it
+
+
+async def test_a_drain_of_0_cuts_requests_in_flight_at_once_not_waits_for_them():
+    """Found in review: aiohttp takes a shutdown timeout of 0 for none, so --drain-timeout 0 waited on a request
+    in flight (one waiting for a block that never came) until SIGKILL."""
+    import os
+    import signal
+
+    from pipecast.core.httpserve import serve_until_signalled
+
+    started = asyncio.Event()
+
+    async def forever(request: web.Request) -> web.Response:
+        started.set()
+        await asyncio.sleep(3600)
+        return web.Response()
+
+    app = web.Application()
+    app.add_routes([web.get("/", forever)])
+    urls: list[str] = []
+    server = asyncio.create_task(serve_until_signalled(app, "127.0.0.1", 0, 0.0, urls.append))
+    while not urls:
+        await asyncio.sleep(0.01)
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.create_task(session.get(urls[0]))
+        await asyncio.wait_for(started.wait(), 5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(server, 10)  # before: for good
+        request.cancel()
+        await asyncio.gather(request, return_exceptions=True)

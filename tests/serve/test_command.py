@@ -102,3 +102,15 @@ def test_a_package_id_is_taken_from_the_disk_cache_or_waited_for_at_the_agent(tm
     socket = tmp_path / "agent.sock"  # not there yet: a scale-up may bring the package to it later
     assert CliRunner().invoke(serve_command, [package_id, "--agent-socket", str(socket)]).exit_code == 0
     assert [(config.package, config.agent) for config in started] == [(package_id, None), (package_id, socket)]
+
+
+@pytest.mark.parametrize("package", ["ceadb4a69de8", "smollm2", "AB" * 32])
+def test_with_an_agent_a_package_that_is_no_folder_nor_a_whole_id_is_refused(tmp_path, started, package,
+                                                                             monkeypatch):
+    """Found in review: an id's prefix as the listings print it, or a model's name, was asked of the agent as is
+    and waited for in silence for good."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(serve_command, [package, "--agent-socket", str(tmp_path / "agent.sock")])
+    assert result.exit_code == 2 and started == []
+    assert (f"{package!r} is neither a package folder nor a whole package id (64 hex digits"
+            in " ".join(result.output.split()))
