@@ -176,7 +176,8 @@ class Settings(BaseSettings):
     device: str = Field("cpu", description="where the engine runs: cpu, cuda, cuda:1 ...")
     serve_host: str = Field("127.0.0.1", description="serving worker listen address")
     serve_port: int = Field(8000, ge=0, le=65535, description="serving worker listen port")
-    max_queue: int = Field(64, ge=1, description="requests waiting beyond this get 429")
+    max_queue: int = Field(64, ge=1, description="requests waiting in a serving worker beyond this get 429 (the "
+                                                 "router's own bound is its --max-queue)")
     max_batch: int = Field(16, ge=1, description="sequences sharing one forward pass")
 
     # Router.
