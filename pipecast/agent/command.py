@@ -188,6 +188,6 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
                            seed=seed, plan=plan, events=events, exit_when_complete=exit_when_complete,
                            start_at=start_at, policy=policy, control_plane=control_plane,
                            labels={**settings.agent_labels, **labels}, serve_url=settings.agent_serve_url,
-                           engine=settings.agent_engine)
+                           engine=settings.agent_engine, announce=click.echo)
     keep_freed_memory()  # send buffers churn by megabytes: reuse their memory (pipecast.core.allocator)
     asyncio.run(AgentDaemon(options, settings).run())

@@ -81,6 +81,8 @@ class AgentOptions:
     labels: Mapping[str, str] = field(default_factory=dict)  # topology labels registered with the control plane
     serve_url: str = ""  # HTTP base URL of this node's serving worker, registered for the router
     engine: str = DEFAULT_ENGINE  # what answers at serve_url (control_plane.messages.SERVING_ENGINES)
+    #: Told the line saying where it listens, as the other servers print it (the entry point prints it).
+    announce: Callable[[str], None] | None = None
 
 
 class _AgentPeerServer(PeerServer):
@@ -206,6 +208,9 @@ class AgentDaemon:
             host, port = self._listen_address(plan)
             self.listener = await self.transport.listen(host, port, self.peer_server)
             log.info("agent %s listening on %s (%s)", self.node_id, self.listener.address, self.transport.name)
+            if self.options.announce is not None:
+                self.options.announce(f"pipecast agent: node {self.node_id} listening on {self.listener.address} "
+                                      f"({self.transport.name})")
             self.events.emit("listening", address=self.listener.address, transport=self.transport.name)
             if self.settings.agent_local_socket is not None:
                 self._local_api = LocalApiServer(self.peer_server, self.status, self.transport.auth)

@@ -38,13 +38,17 @@ async def test_a_seeded_daemon_serves_a_block_reports_it_and_frees_everything_on
     package = tiny_package(layers=3, layer_bytes=200_000, chunk_bytes=64 << 10)
     manifest = package.manifest
     events = tmp_path / "seed.jsonl"
-    daemon = AgentDaemon(AgentOptions(node_id="seed", listen="127.0.0.1:0", seed=package.path, events=events),
-                         Settings(**SETTINGS))
+    said: list[str] = []
+    daemon = AgentDaemon(AgentOptions(node_id="seed", listen="127.0.0.1:0", seed=package.path, events=events,
+                                      announce=said.append), Settings(**SETTINGS))
     running = asyncio.create_task(daemon.run())
     while daemon.listener is None:
         assert not running.done(), running.exception()
         await asyncio.sleep(0.01)
     address = daemon.listener.address
+    # Found in review: an agent said nothing at the default log level, not even its node id (which issue-token
+    # needs), where the other servers print where they listen.
+    assert said == [f"pipecast agent: node seed listening on {address} (tcp)"]
     client = TcpTransport("rx", Settings(**SETTINGS))
     received = receiving_store(manifest)
     try:
