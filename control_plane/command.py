@@ -411,6 +411,8 @@ def scale_up_command(ctx: click.Context, package_id: str, workers: tuple[str, ..
     """Bring a package onto workers with a multicast plan."""
     if bool(workers) == bool(count):
         raise click.UsageError("give either --worker (one or more) or --count")
+    if fanout is not None and strategy != "tree":  # else accepted and silently of no use
+        raise click.UsageError("--fanout is for --strategy tree only")
     _, reply = _run_for(ctx, package_id, lambda c, full: c.scale_up(full, node_ids=workers, count=count or 0,
                                                                    strategy=strategy, fanout=fanout or 0))
     lines = [f"plan {reply.plan_id or '(none needed)'}: {reply.strategy or '-'} from {', '.join(reply.sources) or '-'} "

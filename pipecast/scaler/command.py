@@ -10,6 +10,7 @@ import click
 
 from control_plane.command import CONFIG, TOKEN, UINT32_MAX, Duration, full_package_id
 from control_plane.planner.plan import STRATEGIES
+from pipecast.core.credentials import parse_node_token
 from pipecast.core.settings import Settings, load_settings
 from pipecast.scaler.daemon import ScalerConfig
 
@@ -46,6 +47,10 @@ def run_command(config: Path | None, control_plane: str | None, tick_s: float, w
                 port: int | None) -> None:
     """Run the scaling daemon (one per cluster; it keeps no state: restart it any time)."""
     settings = load_settings(config, control_plane=control_plane)
+    node = parse_node_token(settings.auth_token)
+    if node is not None:  # it ran, /health ok, and failed only at its first action, every tick from then on
+        raise click.UsageError(f"auth_token is node {node[0]!r}'s token: the scaling daemon acts as the operator and "
+                               "needs the cluster's master token")
     scaler_config = ScalerConfig(tick_s=tick_s, watch_s=watch_s, router_timeout_s=router_timeout_s,
                                  plan_strategy=plan_strategy, source_keep_s=source_keep_s)
     asyncio.run(_run(settings, scaler_config, host, port))

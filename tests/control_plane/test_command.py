@@ -86,6 +86,13 @@ def test_a_count_beyond_what_the_control_plane_takes_is_refused_by_the_option(ar
     assert result.exit_code == 2 and f"Invalid value for '{option}': 4294967296 is not in the range" in result.output
 
 
+def test_a_fanout_without_the_tree_strategy_is_refused():
+    """Found in review: accepted, and silently of no use (a rotated plan was made)."""
+    result = CliRunner().invoke(cp_group, ["--control-plane", "127.0.0.1:1", "scale-up", PKG, "--count", "1",
+                                           "--fanout", "3"])
+    assert result.exit_code == 2 and "--fanout is for --strategy tree only" in result.output
+
+
 async def test_a_store_node_id_no_token_can_name_is_refused_at_publish(cp):
     """Found in review: a store id with a new line (or 100,000 characters) was published; it could never register."""
     _, client = cp

@@ -16,6 +16,7 @@ from control_plane.client import ControlPlaneClient
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.errors import InvalidRequest, Unauthenticated, UnknownPackage
 from control_plane.server import ControlPlaneServer
+from pipecast.core.credentials import issue_node_token
 from pipecast.core.httpserve import listening
 from pipecast.core.settings import load_settings
 from pipecast.scaler import command
@@ -179,3 +180,11 @@ def test_events_limit_past_the_protocols_range_is_a_usage_error():
     result = CliRunner().invoke(command.scaler_group,
                                 ["events", "--control-plane", "127.0.0.1:1", "--limit", "5000000000"])
     assert result.exit_code == 2 and "is not in the range 1<=x<=4294967295" in result.output, result.output
+
+
+def test_the_daemon_with_a_node_token_is_refused_at_its_start(monkeypatch):
+    """Found in review: it started, /health ok, and failed only at its first action, every tick from then on."""
+    monkeypatch.setenv("PIPECAST_AUTH_TOKEN", issue_node_token("m" * 16 + "0123456789abcdef", "w1"))
+    result = CliRunner().invoke(command.scaler_group, ["run", "--control-plane", "127.0.0.1:1"])
+    assert result.exit_code == 2, result.output
+    assert "auth_token is node 'w1''s token: the scaling daemon acts as the operator" in " ".join(result.output.split())
