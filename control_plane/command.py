@@ -532,6 +532,10 @@ def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...]
                          lambda c, full: c.put_deployment(dataclasses.replace(wanted, package_id=full)))
     _emit(ctx, stored.to_json(), [f"deployed {stored.package_id}: {_describe_policy(stored.policy)}; priority "
                                   f"{stored.priority}; routers {', '.join(stored.routers) or '-'}"])
+    if not stored.routers:  # on stderr: --json output stays one document
+        click.echo("warning: no --router: the scaling daemon reads no signals for this deployment and holds its pool "
+                   "(raised to --min); a deployment is replaced whole, so give every --router again with each "
+                   "change", err=True)
 
 
 def _describe_policy(p: ScalingPolicy) -> str:

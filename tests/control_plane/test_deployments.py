@@ -268,6 +268,11 @@ async def test_deploy_warm_auto_from_the_command_line_is_listed_with_its_factor(
         assert "warm auto (3.0x baseline)" in listed.output and "priority normal" in listed.output, listed.output
         deployed = await asyncio.to_thread(CliRunner().invoke, cp_group, [*cp, "deploy", PKG, "--priority", "low"])
         assert deployed.exit_code == 0 and "priority low" in deployed.output, deployed.output
+        # Found in review: a deployment without a router was taken in silence (the daemon then holds it for good).
+        assert "warning: no --router: the scaling daemon reads no signals" in deployed.output
+        routed = await asyncio.to_thread(CliRunner().invoke, cp_group, [*cp, "deploy", PKG, "--router",
+                                                                        "http://r:8080"])
+        assert routed.exit_code == 0 and "warning" not in routed.output, routed.output
     finally:
         await server.stop(grace_s=0)
 
