@@ -232,9 +232,13 @@ class ServingWorker:
     def _waits_for_package(self) -> bool:
         """Whether the first load waits for the agent to hold the package: it follows the agent, and the agent's
         disk cache holds no copy to fall back to (read once the agent does not answer)."""
+        return self._follows_agent() and not self._local_copy()
+
+    def _local_copy(self) -> bool:
+        """Whether this node holds the package without its agent: its folder, or a copy in the agent's disk cache."""
         from pipecast.core.settings import load_settings
 
-        return self._follows_agent() and local_folder(self.config.package, load_settings().agent_cache_dir) is None
+        return local_folder(self.config.package, load_settings().agent_cache_dir) is not None
 
     def _load(self, again: bool = False) -> None:
         model = None
@@ -336,9 +340,10 @@ class ServingWorker:
             except (OSError, PipecastError) as exc:
                 if keyless:  # said so once; an agent that restarts may refuse for a while
                     log.debug("the agent at %s still does not answer: %s", agent, exc)
-                elif Path(self.config.package).is_dir():
-                    # The unicast fallback serves without its agent, but only while the agent does not answer:
-                    # one refused only while it restarts must not leave the worker open for its whole life.
+                elif self._local_copy():
+                    # The unicast fallback serves without its agent (from the folder, or the disk cache's copy:
+                    # that one said ready and answered 503 to every request), but only while the agent does not
+                    # answer: one refused only while it restarts must not leave the worker open for its whole life.
                     log.warning("cannot ask the agent at %s for the cluster's serving key (%s): serving the "
                                 "package folder without one until it answers", agent, exc)
                     keyless = True

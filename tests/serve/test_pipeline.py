@@ -328,17 +328,25 @@ async def test_a_worker_learns_the_serving_key_from_its_agent_waits_for_it_and_f
         await server.close()
 
 
+@pytest.mark.parametrize("copy", ["folder", "disk cache"])
 async def test_a_worker_serving_its_folder_while_the_agent_refuses_asks_again_until_it_answers(tmp_path,
-                                                                                                monkeypatch):
+                                                                                                monkeypatch, copy):
     """An agent that refuses (it restarts) when a worker with a package folder asks for the key leaves the worker
-    keyless only until it answers: the worker took every request for its whole life and never asked again."""
+    keyless only until it answers: the worker took every request for its whole life and never asked again.
+    Found in review: a package id whose copy is in the agent's disk cache loaded and said ready, but never went
+    keyless: every request waited 30 s for the key, then 503."""
     import socket
 
     monkeypatch.setattr(worker_module, "KEY_RECHECK_S", 0.05)
     path = tmp_path / "agent.sock"
     with socket.socket(socket.AF_UNIX) as stale:  # a restarting agent's socket: connection refused
         stale.bind(str(path))
-    worker = ServingWorker(WorkerConfig(str(tmp_path), agent=path, agent_timeout_s=0.5))
+    package = str(tmp_path)
+    if copy == "disk cache":
+        package = "ab" * 32
+        (tmp_path / package).mkdir()
+        monkeypatch.setenv("PIPECAST_AGENT_CACHE_DIR", str(tmp_path))
+    worker = ServingWorker(WorkerConfig(package, agent=path, agent_timeout_s=0.5))
     worker._loop, worker._key_known = asyncio.get_running_loop(), asyncio.Event()
     learner = threading.Thread(target=worker._learn_serving_key, daemon=True)
     learner.start()
