@@ -220,7 +220,7 @@ class ServingWorker:
             self._set_serving_key(self.config.serving_key)
         else:
             threading.Thread(target=self._learn_serving_key, name="pipecast-serve-key", daemon=True).start()
-        if self._follows_agent():
+        if isinstance(self.config.agent, (str, Path)):
             self._follower = asyncio.create_task(self._follow_agent(), name="pipecast-serve-follow-agent")
         self._expirer = asyncio.create_task(self._expire_stage_sessions(), name="pipecast-serve-expire-sessions")
 
@@ -244,7 +244,10 @@ class ServingWorker:
         model = None
         try:
             if again:
-                self._wait_for_package_again()
+                if self._follows_agent():  # a folder is there already
+                    self._wait_for_package_again()
+                if self._closing:  # shut down while it waited: nobody asks for the model
+                    return
                 self._load_started = time.monotonic()
             else:
                 _warm_imports()
@@ -433,7 +436,8 @@ class ServingWorker:
     async def _follow_agent(self) -> None:
         """Unload the model once the agent no longer holds its package (module docstring), or once the agent
         answers again after failing the model (it died or restarted under it), and wait for the package to load
-        it afresh."""
+        it afresh. A package folder beside the agent needs no wait: a model the agent failed is loaded afresh at
+        once (from the agent if it answers, else from the folder); before, the worker stayed failed for good."""
         from pipecast.agent.local_client import LocalAgentClient
 
         client, refused = None, False  # said so once an outage: an agent gone for hours would fill the log
@@ -441,6 +445,13 @@ class ServingWorker:
             while not self._closing:
                 await asyncio.sleep(FOLLOW_AGENT_S)
                 if self._model is None or self._model.origin != SOURCE_AGENT:  # the disk cache's stays
+                    continue
+                if not self._follows_agent():  # its folder beside the agent
+                    if _failed_by_agent(self._model) and time.monotonic() - self._reloaded_at >= AGENT_RELOAD_MIN_S:
+                        self._reloaded_at = time.monotonic()
+                        log.warning("the agent failed the model: loading the package afresh (from the agent if it "
+                                    "answers, else from its folder)")
+                        await self._unload("failed with its agent: loading it afresh")
                     continue
                 try:
                     client = client or LocalAgentClient(self.config.agent)

@@ -563,6 +563,34 @@ async def test_a_model_its_agent_failed_loads_afresh_once_the_agent_answers_agai
                 worker._check_open()
 
 
+async def test_a_model_its_agent_failed_beside_a_package_folder_loads_afresh_at_once(tmp_path, monkeypatch):
+    """Found in review: with the package given as a folder and an agent socket set, no follower ran: an agent dead
+    mid-load left the worker failed for good, where the folder could serve (unicast fallback)."""
+    from pipecast.agent import local_client
+
+    class Down:
+        def __init__(self, path):
+            raise ConnectionRefusedError(111, "Connection refused")
+
+    def check_failed():
+        raise ModelLoadError("loading the model failed") from LocalApiError("agent: connection lost")
+
+    monkeypatch.setattr(local_client, "LocalAgentClient", Down)
+    monkeypatch.setattr(worker_module, "FOLLOW_AGENT_S", 0.01)
+    worker = ServingWorker(WorkerConfig(str(tmp_path), agent="/no/agent.sock"))
+    loads = []
+    worker._load = lambda again=False: loads.append(again)
+    failed = SimpleNamespace(origin="agent", close=lambda: None, engine=SimpleNamespace(
+        model=SimpleNamespace(check_failed=check_failed),
+        provider=SimpleNamespace(manifest=SimpleNamespace(package_id="p" * 64))))
+    worker.start()  # its first load (patched) does nothing: the failed model stands in for it
+    worker._model, worker._error = failed, "loading the model failed"
+    try:
+        await wait_until_async(lambda: loads == [False, True], timeout=5)
+    finally:
+        await worker.close()
+
+
 async def test_a_served_models_agent_that_stops_answering_is_warned_of_once_an_outage(monkeypatch, caplog):
     """Found in review: a worker serving from its agent warned every FOLLOW_AGENT_S while the agent did not answer
     (a flood over an outage of hours): once an outage now, then at debug level."""
