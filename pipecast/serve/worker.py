@@ -240,11 +240,13 @@ class ServingWorker:
 
         return local_folder(self.config.package, load_settings().agent_cache_dir) is not None
 
-    def _load(self, again: bool = False) -> None:
+    def _load(self, again: bool = False, wait: bool = True) -> None:
+        """Load the model (``again``: after an unload, waiting first for the agent to hold the package, unless not
+        to ``wait``: a folder beside the agent serves without it)."""
         model = None
         try:
             if again:
-                if self._follows_agent():  # a folder is there already
+                if wait:
                     self._wait_for_package_again()
                 if self._closing:  # shut down while it waited: nobody asks for the model
                     return
@@ -451,7 +453,7 @@ class ServingWorker:
                         self._reloaded_at = time.monotonic()
                         log.warning("the agent failed the model: loading the package afresh (from the agent if it "
                                     "answers, else from its folder)")
-                        await self._unload("failed with its agent: loading it afresh")
+                        await self._unload("failed with its agent: loading it afresh", wait=False)
                     continue
                 try:
                     client = client or LocalAgentClient(self.config.agent)
@@ -474,10 +476,10 @@ class ServingWorker:
             if client is not None:
                 client.close()
 
-    async def _unload(self, why: str = "was released from this node") -> None:
+    async def _unload(self, why: str = "was released from this node", wait: bool = True) -> None:
         """Take no more requests for the package (``why``: what the requests meanwhile are told), let those running
         finish (RELEASE_DRAIN_S at most; the agent's memory under the model stays mapped until it is closed), then
-        close the model and wait for the package to load it again."""
+        close the model and wait for the package to load it again (unless not to ``wait``: from a folder)."""
         if self._model is None:  # unloaded already: the follower and a drop seen while loading may both start one
             return
         model, self._model, self._codec, self._head = self._model, None, None, None
@@ -487,7 +489,7 @@ class ServingWorker:
         log.info("package %s %s: model unloaded once its %d running request(s) end, waiting for the package to "
                  "come back", model.engine.provider.manifest.package_id[:12], why, self._submitted)
         self._notify()
-        threading.Thread(target=self._load, args=(True,), name="pipecast-serve-load", daemon=True).start()
+        threading.Thread(target=self._load, args=(True, wait), name="pipecast-serve-load", daemon=True).start()
         deadline = time.monotonic() + RELEASE_DRAIN_S
         try:
             while self._submitted and time.monotonic() < deadline and not self._closing:

@@ -550,7 +550,7 @@ async def test_a_model_its_agent_failed_loads_afresh_once_the_agent_answers_agai
         worker = ServingWorker(WorkerConfig("pkg", agent="/no/agent.sock"))
         worker._loop, worker._change = asyncio.get_running_loop(), asyncio.Event()
         loads = []
-        worker._load = lambda again=False: loads.append(again)
+        worker._load = lambda again=False, wait=True: loads.append(again)
         worker._model, worker._error = FailedModel(cause), "loading the model failed"
         follower = asyncio.create_task(worker._follow_agent())
         await asyncio.sleep(0.3)
@@ -579,14 +579,14 @@ async def test_a_model_its_agent_failed_beside_a_package_folder_loads_afresh_at_
     monkeypatch.setattr(worker_module, "FOLLOW_AGENT_S", 0.01)
     worker = ServingWorker(WorkerConfig(str(tmp_path), agent="/no/agent.sock"))
     loads = []
-    worker._load = lambda again=False: loads.append(again)
+    worker._load = lambda again=False, wait=True: loads.append((again, wait))
     failed = SimpleNamespace(origin="agent", close=lambda: None, engine=SimpleNamespace(
         model=SimpleNamespace(check_failed=check_failed),
         provider=SimpleNamespace(manifest=SimpleNamespace(package_id="p" * 64))))
     worker.start()  # its first load (patched) does nothing: the failed model stands in for it
     worker._model, worker._error = failed, "loading the model failed"
     try:
-        await wait_until_async(lambda: loads == [False, True], timeout=5)
+        await wait_until_async(lambda: loads == [(False, True), (True, False)], timeout=5)  # no wait for the agent
     finally:
         await worker.close()
 
@@ -666,7 +666,7 @@ async def test_a_model_released_while_a_prompt_is_tokenized_answers_503_not_500(
             pass
 
     worker = ServingWorker(WorkerConfig("pkg"))
-    worker._load = lambda again=False: None  # the package does not come back here
+    worker._load = lambda again=False, wait=True: None  # the package does not come back here
     worker._change = asyncio.Event()
     worker._model, worker._codec = Model(), Codec()
     request = asyncio.create_task(worker.generate(parse_chat_request({"model": MODEL, "messages": [
