@@ -288,6 +288,7 @@ class Router:
         self._discovered: dict[int, list[DiscoveredWorker]] = {}
         self._serving_keys: dict[str, bytes] = {}  # worker URL -> the serving key requests to it present
         self._pipelines: dict[int, list[DiscoveredPipeline]] = {}
+        self._failing: set[tuple[int, str]] = set()  # (source, what) whose last discovery failed
         self._routes: dict[int, RouteTable] = {}
         self._session: aiohttp.ClientSession | None = None
         self._monitor: HealthMonitor | None = None
@@ -386,8 +387,18 @@ class Router:
                 # Any failure of a source (its client may raise anything) must not stop discovery or empty
                 # the pool: keep the source's last answer and try again next interval.
                 except Exception as exc:
-                    log.warning("discovery of %s from %s failed, keeping its last %d: %s", what, source.name,
-                                len(answers.get(index, ())), describe_exception(exc, self.config.discovery_timeout_s))
+                    # Warned of once an outage (then at debug level): a control plane down for an hour logged
+                    # lines every interval.
+                    log.log(logging.DEBUG if (index, what) in self._failing else logging.WARNING,
+                            "discovery of %s from %s failed, keeping its last %d: %s", what, source.name,
+                            len(answers.get(index, ())), describe_exception(exc, self.config.discovery_timeout_s))
+                    self._failing.add((index, what))
+                    if what == "workers":  # most likely down: the rest would fail alike, each after its deadline
+                        break
+                else:
+                    if (index, what) in self._failing:
+                        self._failing.discard((index, what))
+                        log.warning("discovery of %s from %s answers again", what, source.name)
         found_workers = [found for index in sorted(self._discovered) for found in self._discovered[index]]
         members = {found.url: found.node_id for found in found_workers}
         self._serving_keys = {found.url: found.serving_key for found in found_workers}

@@ -7,6 +7,7 @@ mid-stream (its connection is aborted, as when the process is killed).
 
 import asyncio
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -1215,5 +1216,43 @@ async def test_a_slow_pipeline_listing_holds_back_neither_workers_nor_routes():
     await router.start()
     try:
         assert router.routes == {"chat": (("a" * 64, 90), ("b" * 64, 10))}
+    finally:
+        await router.close()
+
+
+async def test_a_discovery_source_that_fails_is_warned_of_once_an_outage(caplog):
+    """Found in review: a control plane down logged three warnings every discovery interval for the whole outage
+    (workers, routes and pipelines, each after its own deadline)."""
+    class Down:
+        name = "control plane (stub)"
+        serving_key = b""
+        up = False
+        asked = 0
+
+        async def list_workers(self):
+            self.asked += 1
+            if not self.up:
+                raise ConnectionRefusedError(111, "Connection refused")
+            return []
+
+        async def list_pipelines(self):
+            return []
+
+        async def list_routes(self):
+            return {}
+
+    source = Down()
+    router = Router(RouterConfig(discovery_timeout_s=0.3, discovery_interval_s=3600), [source])
+    await router.start()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="pipecast.router.app"):
+            for _ in range(3):
+                await router.refresh_workers()
+            source.up = True
+            await router.refresh_workers()
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == 2 and source.asked == 5, warned  # at the start, then once it answers again
+        assert warned[0].startswith("discovery of workers from control plane (stub) failed, keeping its last 0")
+        assert warned[1] == "discovery of workers from control plane (stub) answers again"
     finally:
         await router.close()
