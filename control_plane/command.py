@@ -311,14 +311,16 @@ def pipelines_command(ctx: click.Context, package_id: str) -> None:
 @cp_group.command("status")
 @click.pass_context
 def status_command(ctx: click.Context) -> None:
-    """One screen of the cluster: workers, packages (holders, replicas), plans, pipelines, deployments, routes."""
+    """One screen of the cluster: workers, packages (holders), plans, pipelines, deployments (replicas), routes."""
     async def everything(c: Any) -> tuple:
         return await asyncio.gather(c.list_workers(), c.list_packages(), c.list_plans(), c.list_pipelines(),
                                     c.list_deployments(), c.list_routes())
 
     workers, packages, plans, pipelines, deployments, routes = _run(ctx, everything)
     alive = [w for w in workers if w.alive]
-    models = {p.package_id: p.model_name for p in packages}
+    # The model's name and the start of the id: two versions of one model (a canary) read alike by name alone.
+    models = {p.package_id: f"{p.model_name}@{p.package_id[:8]}" for p in packages}
+    stores = {p.package_id: p.store.node_id for p in packages}
     lines = [f"workers: {len(alive)} alive of {len(workers)}"]
     for w in workers:
         held = " ".join(f"{models.get(h.package_id, h.package_id[:12])}:{len(h.blocks)}" for h in w.held) or "-"
@@ -337,8 +339,9 @@ def status_command(ctx: click.Context) -> None:
                      + " -> ".join(f"{s.node_id}[{s.layer_start}-{s.layer_end - 1}]" for s in p.stages))
     lines.append(f"deployments: {len(deployments)}")
     for d in deployments:
-        replicas = sum(1 for w in alive if any(h.package_id == d.package_id and h.blocks for h in w.held))
-        lines.append(f"  {models.get(d.package_id, d.package_id[:12])}: {replicas} workers holding blocks, "
+        replicas = sum(1 for w in alive if w.worker.serve_url and w.worker.peer.node_id != stores.get(d.package_id)
+                       and any(h.package_id == d.package_id and h.blocks for h in w.held))
+        lines.append(f"  {models.get(d.package_id, d.package_id[:12])}: {replicas} serving workers holding blocks, "
                      f"{_describe_policy(d.policy)}; priority {d.priority}")
     lines.append(f"routes: {len(routes)}")
     lines.extend(f"  {describe_route(r, r.name)}" + (" (gated)" if r.gate else "") for r in routes)

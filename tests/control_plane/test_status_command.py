@@ -1,15 +1,19 @@
 """`pipecast status` is `pipecast cp status` at the top level: the same screen, JSON and options."""
 
 import asyncio
+import dataclasses
 import json
 
 from click.testing import CliRunner
 
 from control_plane.client import ControlPlaneClient
 from control_plane.command import cp_group
+from control_plane.deployments import Deployment, ScalingPolicy
+from control_plane.messages import WorkerSpec
 from control_plane.server import ControlPlaneServer
+from packager.manifest import seal_manifest
 from pipecast.cli import cli
-from tests.control_plane.test_service import PKG, STORE, TOKEN, WAIT_S, config, manifest
+from tests.control_plane.test_service import PKG, STORE, TOKEN, WAIT_S, config, manifest, spec
 
 
 async def test_pipecast_status_prints_what_cp_status_prints(tmp_path):
@@ -40,3 +44,34 @@ async def test_pipecast_status_prints_what_cp_status_prints(tmp_path):
 def test_pipecast_status_names_an_unreachable_control_plane():
     result = CliRunner().invoke(cli, ["status", "--control-plane", "127.0.0.1:1", "--json"])
     assert str(result.exception).startswith("control plane at 127.0.0.1:1 did not answer"), result.output
+
+
+async def test_status_tells_versions_of_one_model_apart_and_counts_serving_replicas_only(tmp_path):
+    """Found in review: two versions of one model (a canary) read alike by name alone, and a deployment's line
+    counted its store (and agents without a serving worker) as replicas."""
+    server = ControlPlaneServer(config(tmp_path / "cp.sqlite3"))
+    await server.start()
+    try:
+        async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as c:
+            await c.publish_package(manifest(), STORE)
+            other = await c.publish_package(_renamed("v2"), STORE)
+            blocks = {PKG: range(4)}
+            await c.register(dataclasses.replace(spec("w1"), serve_url="http://127.0.0.1:8001"), blocks)
+            await c.register(spec("w2"), blocks)  # an agent without a serving worker
+            await c.register(dataclasses.replace(WorkerSpec(STORE, 1 << 30), serve_url="http://10.0.0.1:8009"),
+                             blocks)
+            await c.put_deployment(Deployment(PKG, ScalingPolicy()))
+        result = await asyncio.to_thread(CliRunner().invoke, cli, ["status", "--control-plane", server.address,
+                                                                   "--token", TOKEN])
+        assert result.exit_code == 0, result.output
+        assert f"pkg@{PKG[:8]}:4" in result.output and other[:8] in result.output
+        assert f"pkg@{PKG[:8]}: 1 serving workers holding blocks" in result.output, result.output
+    finally:
+        await server.stop(grace_s=0)
+
+
+def _renamed(name: str):
+    """A manifest of another package of the same model name (a second version)."""
+    m = manifest(name)
+    m.model_name = "pkg"
+    return seal_manifest(m)
