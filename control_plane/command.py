@@ -385,7 +385,8 @@ def publish_command(ctx: click.Context, package_dir: Path, store_node: str, stor
     package_id, store_alive = _run(ctx, publish)
     warning = "" if store_alive else (
         f"store node {store_node!r} is not a registered, alive worker: scale-ups of {package_id[:12]} that need it "
-        f"as their source stay pending until an agent serving it registers as {store_node!r} at {store_address}")
+        f"as their source are planned, but their receivers fetch nothing (retrying, with warnings) until an agent serving "
+        f"it registers as {store_node!r} at {store_address}")
     if warning and not ctx.obj[1]:  # with --json it is in the answer
         click.echo(f"warning: {warning}", err=True)
     _emit(ctx, {"package_id": package_id, **({"warning": warning} if warning else {})},

@@ -833,8 +833,9 @@ def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
                                           "--store-address", "10.0.0.1:7070"])
         # Finding 4 (walk B): a store that never registered was accepted silently, its scale-ups pending forever.
         assert result.output == (f"warning: store node 'store' is not a registered, alive worker: scale-ups of "
-                                 f"{pid[:12]} that need it as their source stay pending until an agent serving it "
-                                 f"registers as 'store' at 10.0.0.1:7070\npublished {pid} ({BLOCKS} blocks)\n")
+                                 f"{pid[:12]} that need it as their source are planned, but their receivers fetch "
+                                 f"nothing (retrying, with warnings) until an agent serving it registers as 'store' "
+                                 f"at 10.0.0.1:7070\npublished {pid} ({BLOCKS} blocks)\n")
         publish = ["publish", str(tmp_path / "pkg"), "--store-node", "store", "--store-address", "10.0.0.1:7070"]
         assert "is not a registered, alive worker" in json.loads(
             runner.invoke(cp_group, ["--json", *publish]).output)["warning"]
