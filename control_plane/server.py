@@ -410,11 +410,22 @@ class ControlPlaneServer:
 
     async def _every(self, interval_s: float, step: Callable[[], object]) -> None:
         # A failing step is logged and retried next time: a dead scanner would silently stop expiring leases.
+        # With its traceback when the failure is new, in one line while it repeats (a full disk failed every flush
+        # with a 30-line traceback twice a second, onto that disk).
+        name, last = getattr(step, "__name__", step), ""
         while True:
             await asyncio.sleep(interval_s)
             try:
                 done = step()
                 if inspect.isawaitable(done):
                     await done
-            except Exception:
-                log.exception("periodic %s failed", getattr(step, "__name__", step))
+            except Exception as exc:
+                if repr(exc) != last:
+                    log.exception("periodic %s failed", name)
+                else:
+                    log.debug("periodic %s failed again: %r", name, exc)
+                last = repr(exc)
+            else:
+                if last:
+                    log.warning("periodic %s works again", name)
+                last = ""

@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import logging
 import re
 import socket
 import sqlite3
@@ -1188,3 +1189,27 @@ def test_a_control_plane_stopping_with_open_streams_ends_them_and_logs_no_error(
 
     assert asyncio.run(control_plane()) == [None]  # ended, not cancelled: the client is left open, as agents are
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+async def test_a_periodic_step_failing_alike_is_logged_whole_once_then_in_a_line(caplog):
+    """Found in review: a full disk failed every flush with a 30-line traceback twice a second, onto that disk."""
+    failures = iter([OSError(28, "No space left on device")] * 5 + [None, OSError(5, "Input/output error")])
+    runs = 0
+
+    def flush() -> None:
+        nonlocal runs
+        runs += 1
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+
+    with caplog.at_level(logging.DEBUG, logger="control_plane.server"):
+        task = asyncio.create_task(ControlPlaneServer._every(None, 0.001, flush))
+        while runs < 8:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    whole = [r for r in caplog.records if r.exc_info]
+    assert [r.exc_info[1].errno for r in whole] == [28, 5]  # each new failure with its traceback, once
+    assert sum("failed again" in r.getMessage() for r in caplog.records) == 4
+    assert any(r.getMessage() == "periodic flush works again" for r in caplog.records)
