@@ -240,14 +240,16 @@ class ServingWorker:
 
         return local_folder(self.config.package, load_settings().agent_cache_dir) is not None
 
-    def _load(self, again: bool = False, wait: bool = True) -> None:
+    def _load(self, again: bool = False, wait: bool = True, after: threading.Event | None = None) -> None:
         """Load the model (``again``: after an unload, waiting first for the agent to hold the package, unless not
-        to ``wait``: a folder beside the agent serves without it)."""
+        to ``wait``: a folder beside the agent serves without it; then for ``after``, the model before closed)."""
         model = None
         try:
             if again:
                 if wait:
                     self._wait_for_package_again()
+                if after is not None:
+                    after.wait()
                 if self._closing:  # shut down while it waited: nobody asks for the model
                     return
                 self._load_started = time.monotonic()
@@ -489,7 +491,10 @@ class ServingWorker:
         log.info("package %s %s: model unloaded once its %d running request(s) end, waiting for the package to "
                  "come back", model.engine.provider.manifest.package_id[:12], why, self._submitted)
         self._notify()
-        threading.Thread(target=self._load, args=(True, wait), name="pipecast-serve-load", daemon=True).start()
+        # On a GPU the weights are copies: a model loaded while the one before still drains its requests (up to
+        # RELEASE_DRAIN_S) would hold the memory twice, and a model over half the GPU would fail for good.
+        closed = threading.Event() if self.config.device != "cpu" else None
+        threading.Thread(target=self._load, args=(True, wait, closed), name="pipecast-serve-load", daemon=True).start()
         deadline = time.monotonic() + RELEASE_DRAIN_S
         try:
             while self._submitted and time.monotonic() < deadline and not self._closing:
@@ -497,7 +502,7 @@ class ServingWorker:
         finally:  # also when the worker closes meanwhile (the follower is cancelled): the model must close
             if self._submitted:
                 log.warning("closing the released model with %d request(s) still running", self._submitted)
-            threading.Thread(target=model.close, name="pipecast-serve-unload", daemon=True).start()
+            threading.Thread(target=_close, args=(model, closed), name="pipecast-serve-unload", daemon=True).start()
 
     def _post(self, callback, *args) -> None:
         """Run ``callback(*args)`` on the worker's event loop (from the loader threads)."""
@@ -825,6 +830,15 @@ def _ask_serving_key(agent: Path | str, timeout_s: float) -> bytes:
 def _dropped(exc: BaseException) -> bool:
     """Whether ``exc`` comes of the agent dropping the package (the loader's wait ended so), along its causes."""
     return _caused_by(exc, PackageDroppedError)
+
+
+def _close(model: LoadedModel, closed: threading.Event | None) -> None:
+    """Close ``model``, then set ``closed`` (a load waiting for its memory), whatever the close raised."""
+    try:
+        model.close()
+    finally:
+        if closed is not None:
+            closed.set()
 
 
 def _failed_by_agent(model: LoadedModel) -> bool:

@@ -550,7 +550,7 @@ async def test_a_model_its_agent_failed_loads_afresh_once_the_agent_answers_agai
         worker = ServingWorker(WorkerConfig("pkg", agent="/no/agent.sock"))
         worker._loop, worker._change = asyncio.get_running_loop(), asyncio.Event()
         loads = []
-        worker._load = lambda again=False, wait=True: loads.append(again)
+        worker._load = lambda again=False, wait=True, after=None: loads.append(again)
         worker._model, worker._error = FailedModel(cause), "loading the model failed"
         follower = asyncio.create_task(worker._follow_agent())
         await asyncio.sleep(0.3)
@@ -579,7 +579,7 @@ async def test_a_model_its_agent_failed_beside_a_package_folder_loads_afresh_at_
     monkeypatch.setattr(worker_module, "FOLLOW_AGENT_S", 0.01)
     worker = ServingWorker(WorkerConfig(str(tmp_path), agent="/no/agent.sock"))
     loads = []
-    worker._load = lambda again=False, wait=True: loads.append((again, wait))
+    worker._load = lambda again=False, wait=True, after=None: loads.append((again, wait))
     failed = SimpleNamespace(origin="agent", close=lambda: None, engine=SimpleNamespace(
         model=SimpleNamespace(check_failed=check_failed),
         provider=SimpleNamespace(manifest=SimpleNamespace(package_id="p" * 64))))
@@ -666,7 +666,7 @@ async def test_a_model_released_while_a_prompt_is_tokenized_answers_503_not_500(
             pass
 
     worker = ServingWorker(WorkerConfig("pkg"))
-    worker._load = lambda again=False, wait=True: None  # the package does not come back here
+    worker._load = lambda again=False, wait=True, after=None: None  # the package does not come back here
     worker._change = asyncio.Event()
     worker._model, worker._codec = Model(), Codec()
     request = asyncio.create_task(worker.generate(parse_chat_request({"model": MODEL, "messages": [
@@ -1320,3 +1320,31 @@ async def test_a_stream_that_fails_before_its_first_token_answers_the_errors_sta
         async with http.post(f"{url}/v1/completions", json=body(stream=True, max_tokens=4)) as response:
             events = (await response.read()).split(b"\n\n")
         assert response.status == 200 and events[-2] == b"data: [DONE]"
+
+
+async def test_on_a_gpu_a_released_models_return_loads_once_the_model_before_is_closed(monkeypatch):
+    """Found in review: after a release with requests running, the package's return loaded a second model while
+    the first still drained (up to 30 s): on a GPU the weights twice, and a model over half of it failed for good."""
+    worker = ServingWorker(WorkerConfig("p" * 64, agent="/no/agent.sock", device="cuda"))
+    worker._loop, worker._change = asyncio.get_running_loop(), asyncio.Event()
+    handed: list = []
+    worker._load = lambda again=False, wait=True, after=None: handed.append(after)
+    closing = threading.Event()
+    worker._model = SimpleNamespace(close=closing.wait, engine=SimpleNamespace(
+        provider=SimpleNamespace(manifest=SimpleNamespace(package_id="p" * 64))))
+    await worker._unload("released")
+    [after] = handed
+    assert after is not None and not after.is_set()  # the old model's close waits (here: for the test)
+    closing.set()
+    assert await asyncio.to_thread(after.wait, 5)
+    loaded: list[bool] = []
+    monkeypatch.setattr(worker_module, "load", lambda *args, **kwargs: loaded.append(gate.is_set()) or 1 / 0)
+    gate = threading.Event()
+    worker._post = lambda *args: None
+    loader = threading.Thread(target=ServingWorker._load, args=(worker, True, False, gate))
+    loader.start()
+    await asyncio.sleep(0.2)
+    assert loaded == []  # waits for the model before
+    gate.set()
+    await asyncio.to_thread(loader.join, 5)
+    assert loaded == [True]
