@@ -737,6 +737,13 @@ class ControlState:
         if node_ids:
             for node in node_ids:
                 self.alive_worker(node)
+            availability = self.availability[package_id]
+            for active in (p for p in self.plans.values() if p.package_id == package_id):
+                sending = [n for n in node_ids if n in active.parts and n not in active.pending
+                           and n != package.store.node_id and not availability.is_complete(n)]
+                if sending:  # no draft could place it: a plan's part is no receiver of another
+                    raise Conflict(f"scale-up of package {package_id!r}: worker {sending[0]!r} sends the blocks it "
+                                   f"holds in plan {active.plan_id} in progress; scale it up once that plan ends")
             targets = named_targets(package_id, package.total_bytes, self._candidates(package_id, node_ids))
         else:
             alive = [n for n, w in self.workers.items() if w.alive]
@@ -1010,9 +1017,16 @@ class ControlState:
         """Drop, from each of ``receivers`` short of memory for ``package``, the packages it keeps in a keep-alive
         release, those due first, until it fits: a warm copy is kept until the memory is needed."""
         committed = self._committed_bytes(excluding=package.package_id)
-        for node in receivers:
-            over = committed.get(node, 0) + package.total_bytes - self.workers[node].spec.memory_bytes
-            for drop_at, released in sorted((at, p) for (p, n), at in self.releases.items() if n == node):
+        short = {node: over for node in receivers
+                 if (over := committed.get(node, 0) + package.total_bytes - self.workers[node].spec.memory_bytes) > 0}
+        if not short:
+            return
+        kept: dict[str, list[tuple[float, str]]] = {}  # one pass over the releases, not one per receiver
+        for (released, node), drop_at in self.releases.items():
+            if node in short:
+                kept.setdefault(node, []).append((drop_at, released))
+        for node, over in short.items():
+            for drop_at, released in sorted(kept.get(node, ())):
                 if over <= 0:
                     break
                 log.info("keep-alive release ended early for memory package=%s node=%s (for package=%s)",

@@ -1479,3 +1479,18 @@ def test_a_receiver_reporting_a_block_dropped_mid_plan_fetches_it_again():
     assert 2 in {f.block for f in state.plans[x.plan_id].plan.assignments["w1"]}
     state.report("w1", {"pkg": range(BLOCKS)}, {}, now=4)
     assert x.plan_id not in state.plans
+
+
+def test_a_named_scale_up_of_a_worker_sending_its_blocks_in_a_plan_is_refused_naming_the_plan():
+    """Found in review: a worker holding part of the package, made a holder of a plan in progress by a repair,
+    could not be placed by any draft: RecursionError before, then a Conflict saying only "try again"."""
+    state = cluster(4)
+    state.report("w1", {"pkg": [0, 1, 2, 3]}, {}, now=1)
+    state.report("w2", {"pkg": [4]}, {}, now=1)
+    x = state.scale_up("pkg", node_ids=["w2", "w3"], now=2)
+    fetch = next(f for f in state.plans[x.plan_id].plan.assignments["w3"] if f.block == 0)
+    state.report_bad_peer("w3", fetch.parent, "pkg", 0, "digest mismatch", now=3)
+    assert "w1" in state.plans[x.plan_id].parts and "w1" not in state.plans[x.plan_id].pending
+    with pytest.raises(Conflict, match=rf"worker 'w1' sends the blocks it holds in plan {x.plan_id} in progress; "
+                                       "scale it up once that plan ends"):
+        state.scale_up("pkg", node_ids=["w1"], now=4)
