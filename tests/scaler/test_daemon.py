@@ -15,7 +15,8 @@ import pytest
 from aiohttp import web
 
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
-from control_plane.errors import ChangeNotStored, ControlPlaneError, ControlPlaneUnavailable, InsufficientWorkers
+from control_plane.errors import (ChangeNotStored, ControlPlaneError, ControlPlaneUnavailable, InsufficientWorkers,
+                                  InvalidRequest)
 from control_plane.messages import PeerInfo
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
 from pipecast.core.credentials import SERVING_KEY_HEADER
@@ -948,3 +949,29 @@ async def test_the_store_serving_its_package_is_never_released_and_blocks_no_rel
             await a_keep_alive_on(scaler, now)
             [(_, released)] = await scaler.tick()
             assert released.release == ("w1",)
+
+
+async def test_a_release_refused_after_the_store_moved_asks_the_package_again():
+    """Found in review: the daemon kept the package's store for good; published again with another store node, the
+    new store was counted releasable and every release of the pool refused, until the daemon restarted."""
+    now = [10_000.0]
+    async with stub_router(stats(idle={"w1": 100.0, "w2": 100.0})) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,))
+        moved_to = []
+
+        async def get_package(package_id):
+            store = moved_to[-1] if moved_to else STORE
+            blocks = [Block(index=i) for i in range(BLOCKS)]
+            return Manifest(package_id=PKG, blocks=blocks), PeerInfo(store, "10.0.0.1:7070")
+
+        client.get_package = get_package
+        async with Scaler(client, ScalerConfig(), **clocks(now)) as scaler:
+            await a_keep_alive_on(scaler, now)
+            moved_to.append("w1")  # published again from w1, after the daemon asked
+            client.refuse_release = InvalidRequest("release of package p: w1 is its store node")
+            [(_, refused)] = await scaler.tick()
+            assert refused.kind == "refused"
+            client.refuse_release = None
+            now[0] += 3600  # past the wait before asking again
+            [(_, released)] = await scaler.tick()
+            assert released.release == ("w2",)  # w1, the store now, stays
