@@ -320,7 +320,6 @@ def status_command(ctx: click.Context) -> None:
     alive = [w for w in workers if w.alive]
     # The model's name and the start of the id: two versions of one model (a canary) read alike by name alone.
     models = {p.package_id: f"{p.model_name}@{p.package_id[:8]}" for p in packages}
-    stores = {p.package_id: p.store.node_id for p in packages}
     lines = [f"workers: {len(alive)} alive of {len(workers)}"]
     for w in workers:
         held = " ".join(f"{models.get(h.package_id, h.package_id[:12])}:{len(h.blocks)}" for h in w.held) or "-"
@@ -339,7 +338,8 @@ def status_command(ctx: click.Context) -> None:
                      + " -> ".join(f"{s.node_id}[{s.layer_start}-{s.layer_end - 1}]" for s in p.stages))
     lines.append(f"deployments: {len(deployments)}")
     for d in deployments:
-        replicas = sum(1 for w in alive if w.worker.serve_url and w.worker.peer.node_id != stores.get(d.package_id)
+        # As the scaling daemon counts them: serving workers (a store with a serve URL too), not agents alone.
+        replicas = sum(1 for w in alive if w.worker.serve_url
                        and any(h.package_id == d.package_id and h.blocks for h in w.held))
         lines.append(f"  {models.get(d.package_id, d.package_id[:12])}: {replicas} serving workers holding blocks, "
                      f"{_describe_policy(d.policy)}; priority {d.priority}")

