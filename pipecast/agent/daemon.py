@@ -21,7 +21,7 @@ from control_plane.messages import PeerInfo, WorkerSpec
 from pipecast.agent.budget import MemoryBudget
 from pipecast.agent.buffers import SharedMemoryAllocator
 from pipecast.agent.cache import BlockCache
-from pipecast.agent.errors import MemoryBudgetError, PlanFileError
+from pipecast.agent.errors import MemoryBudgetError, PlanFileError, TransportUnavailableError
 from pipecast.agent.events import EventLog
 from pipecast.agent.fetcher import (
     ChannelPool,
@@ -206,7 +206,15 @@ class AgentDaemon:
                 log.info("seeding package %s (%d blocks, %s) from %s", store.package_id[:12],
                          len(store.manifest.blocks), format_bytes(store.manifest.total_bytes), self.options.seed)
             host, port = self._listen_address(plan)
-            self.listener = await self.transport.listen(host, port, self.peer_server)
+            try:
+                self.listener = await self.transport.listen(host, port, self.peer_server)
+            except TransportUnavailableError as exc:  # found only at its start (e.g. UCX with no usable device)
+                if self.settings.agent_transport != "auto" or self.transport.name == "tcp":
+                    raise
+                log.warning("transport %s unusable (%s); using tcp", self.transport.name, exc)
+                await self.transport.close()
+                self.transport = select_transport("tcp", self.node_id, self.settings, self._peer_auth())
+                self.listener = await self.transport.listen(host, port, self.peer_server)
             log.info("agent %s listening on %s (%s)", self.node_id, self.listener.address, self.transport.name)
             if self.options.announce is not None:
                 self.options.announce(f"pipecast agent: node {self.node_id} listening on {self.listener.address} "

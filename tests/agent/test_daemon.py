@@ -318,3 +318,29 @@ async def test_a_dropped_packages_memory_stays_counted_while_an_engine_still_map
     finally:
         await server.close()
         daemon.events.close()
+
+
+async def test_auto_falls_back_to_tcp_when_ucx_cannot_start_on_this_node(monkeypatch):
+    """Found in review: UCX that imports but cannot start (UCX_TLS=rc on a node without RDMA: no device) failed the
+    agent at listen with a traceback, though its transport was auto."""
+    pytest.importorskip("ucxx")
+    import dataclasses
+
+    from pipecast.agent.transport import registry
+
+    monkeypatch.setitem(registry._REGISTRY, "ucx", dataclasses.replace(registry._REGISTRY["ucx"],
+                                                                      preferred=lambda: True))  # as on a GPU node
+    monkeypatch.setenv("UCX_TLS", "rc")
+    said: list[str] = []
+    daemon = AgentDaemon(AgentOptions(node_id="n1", listen="127.0.0.1:0", announce=said.append),
+                         Settings(**{**SETTINGS, "agent_transport": "auto"}))
+    running = asyncio.create_task(daemon.run())
+    try:
+        async with asyncio.timeout(30):
+            while not said:
+                assert not running.done(), running.exception()
+                await asyncio.sleep(0.05)
+        assert daemon.transport.name == "tcp" and said[0].endswith("(tcp)")
+    finally:
+        daemon.stop()
+        await asyncio.wait_for(running, 10)

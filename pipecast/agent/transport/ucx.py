@@ -177,9 +177,17 @@ class _UcxRuntime:
             options["TLS"] = "tcp,sm,self"
         elif tls is not None and not _tls_allows_tcp(tls):
             log.warning("UCX_TLS=%s leaves out tcp: this agent's listener cannot accept connections", tls)
+        if "UCX_TCP_CM_REUSEADDR" not in os.environ:
+            # Pitfall: the listener binds without SO_REUSEADDR: an agent restarted on its port while a peer held a
+            # connection found it in TIME_WAIT ("address already in use") for a minute.
+            options["TCP_CM_REUSEADDR"] = "y"
         # Pitfall: Python-future mode (a notifier thread waits for completions); the other modes poll and
         # burn a core. It needs the progress thread mode.
-        context = ApplicationContext(options, progress_mode="thread", enable_python_future=True)
+        try:
+            context = ApplicationContext(options, progress_mode="thread", enable_python_future=True)
+        except ucxx.exceptions.UCXError as exc:  # e.g. UCX_TLS=rc on a node without RDMA: no device
+            raise TransportUnavailableError(f"transport 'ucx' cannot be used on this node: UCX does not start "
+                                            f"({type(exc).__name__}: {exc})") from None
         # Pitfall: UCX_NET_DEVICES pins the interface when the operator gives it (UCX reads it from the
         # environment; the emulated cluster sets cluster.interface(host)); unset, UCX picks the devices.
         log.info("ucx %s: transports %s, network devices %s", ucxx.__ucx_version__, context.config.get("TLS"),
