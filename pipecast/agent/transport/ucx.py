@@ -409,6 +409,10 @@ class UcxChannel(Channel):
             elif isinstance(exc, UCXError):
                 error = PeerClosedError(self.peer, f"closed the connection while sending {progress.describe()} "
                                                    f"({type(exc).__name__}: {_ucx_reason(exc)})")
+            elif isinstance(exc, AttributeError) and self._closed:
+                # Closed here mid-chunk (the channel or the transport): ucxx's endpoint, torn down, raises this.
+                error = PeerClosedError(self.peer, f"the connection was closed here while it sent "
+                                                   f"{progress.describe()}")
             if isinstance(exc, asyncio.CancelledError):
                 # Half a block may be on the wire; the endpoint cannot carry another request.
                 self._broken = PeerClosedError(self.peer, "channel closed by a cancelled request")

@@ -403,3 +403,27 @@ async def test_a_payload_shorter_than_its_header_announced_is_a_protocol_error(p
         assert not store.is_chunk_present(0, 0)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("closer", ["channel", "transport"])
+async def test_a_fetch_closed_here_mid_chunk_is_a_peer_closed_error(package, transports, closer):
+    """Found in review: closing the channel or the transport while a chunk's payload was awaited raised ucxx's
+    AttributeError (its endpoint torn down) out of the fetch, where TCP raises PeerClosedError."""
+    _, manifest = package
+
+    async def header_only(endpoint) -> None:
+        await endpoint.send(UCX_HEADER.pack(Header(CHUNK_MESSAGE, 0, 0, CHUNK)), tag=TAG_HEADER)
+
+    client = transports("rx", io_timeout_s=5)
+    store = receiving_store(manifest)
+    try:
+        async with raw_ucx_server(client, header_only) as address:
+            channel = await client.connect(address, "slow")
+            fetch = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, store, 1))
+            await asyncio.sleep(0.3)
+            await (channel.close() if closer == "channel" else client.close())
+            with pytest.raises(PeerClosedError, match="^peer slow: "):
+                await asyncio.wait_for(fetch, 5)
+        assert not store.is_chunk_present(0, 0)
+    finally:
+        store.close()
