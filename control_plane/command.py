@@ -385,8 +385,8 @@ def publish_command(ctx: click.Context, package_dir: Path, store_node: str, stor
     package_id, store_alive = _run(ctx, publish)
     warning = "" if store_alive else (
         f"store node {store_node!r} is not a registered, alive worker: scale-ups of {package_id[:12]} that need it "
-        f"as their source are planned, but their receivers fetch nothing (retrying, with warnings) until an agent serving "
-        f"it registers as {store_node!r} at {store_address}")
+        f"as their source are planned, but their receivers fetch nothing (retrying, with warnings) until an agent "
+        f"serving it registers as {store_node!r} at {store_address}")
     if warning and not ctx.obj[1]:  # with --json it is in the answer
         click.echo(f"warning: {warning}", err=True)
     _emit(ctx, {"package_id": package_id, **({"warning": warning} if warning else {})},
@@ -536,7 +536,7 @@ def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...]
                          lambda c, full: c.put_deployment(dataclasses.replace(wanted, package_id=full)))
     _emit(ctx, stored.to_json(), [f"deployed {stored.package_id}: {_describe_policy(stored.policy)}; priority "
                                   f"{stored.priority}; routers {', '.join(stored.routers) or '-'}"])
-    if not stored.routers:  # on stderr: --json output stays one document
+    if not stored.routers and not ctx.obj[1]:  # with --json, the listing says it (routers: [])
         click.echo("warning: no --router: the scaling daemon reads no signals for this deployment and holds its pool "
                    "(raised to --min); a deployment is replaced whole, so give every --router again with each "
                    "change", err=True)

@@ -666,7 +666,10 @@ class _ServerConnection:
                 raise
             log.debug("requester %s went away while waiting for a chunk", self.peer)
         except Exception:
-            log.exception("serving %s failed", self.peer)
+            if self._closing:  # the listener closed under the transfer: ucxx's send or receive fails any way
+                log.debug("serving %s ended as the listener closed", self.peer, exc_info=True)
+            else:
+                log.exception("serving %s failed", self.peer)
         finally:
             if self._counted is not None:
                 listener.connection_limits.release(self._counted, self)
@@ -780,7 +783,12 @@ class UcxListener(Listener):
                         "serves every interface, not only %s", self._listener.port, host)
         self.address = f"[{host}]:{self._listener.port}" if ":" in host else f"{host}:{self._listener.port}"
     async def _handle(self, endpoint: "Endpoint") -> None:
-        connection = _ServerConnection(self, endpoint)
+        try:
+            connection = _ServerConnection(self, endpoint)
+        except RuntimeError as exc:  # the requester closed at once ("Endpoint is closing"): ucxx logged a traceback
+            log.debug("requester closed before it was served (%s)", exc)
+            endpoint.abort()
+            return
         task = asyncio.current_task()
         self.connections.add(connection)
         self._handlers.add(task)
