@@ -259,6 +259,10 @@ class Transport(ABC):
         self.auth = auth if auth is not None else PeerAuth.from_token(node_id, settings.auth_token)
         self.connect_timeout_s = settings.connect_timeout_s
         self.io_timeout_s = settings.io_timeout_s
+        # How long a connection's serving side waits for this node's data-plane key before it refuses the hello
+        # with NO_KEY_YET: within a requester's own deadline for the hello (its connect deadline, shorter by
+        # default), else the requester, timed out first, never learns that the fault was the peer's.
+        self.key_wait_s = min(settings.io_timeout_s, settings.connect_timeout_s) / 2
         self.io_min_rate_mbit = settings.io_min_rate_mbit
         self.idle_timeout_s = settings.agent_idle_timeout_s
         self.max_connections = settings.agent_max_connections

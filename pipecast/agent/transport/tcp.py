@@ -550,7 +550,7 @@ class _ServerProtocol(asyncio.Protocol):
         listener = self._listener
         try:
             node, first = await accept_hello(listener.auth, TCP_HEADER, self._receive, self._send, self.peer,
-                                             listener.io_timeout_s)
+                                             listener.key_wait_s)
             self._greeted = True
             listener.limits.greeted(self)
             message = first or await self._receive()
@@ -635,6 +635,7 @@ class TcpListener(Listener):
         self.limits_rate = transport.limits
         self.stats = transport.stats
         self.io_timeout_s = transport.io_timeout_s
+        self.key_wait_s = transport.key_wait_s
         self.idle_timeout_s = transport.idle_timeout_s
         self.relay_bytes = transport.relay_bytes
         self.limits = ConnectionLimits(transport.max_connections, transport.max_connections_per_address)

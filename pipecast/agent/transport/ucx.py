@@ -649,7 +649,7 @@ class _ServerConnection:
                 SERVE_LOG.log(logging.WARNING, "refusing a connection from %s: %s", self.peer, refused)
                 return
             node, first = await accept_hello(listener.auth, UCX_HEADER, self._receive_first, self._send_plain,
-                                             self.peer, listener.io_timeout_s)
+                                             self.peer, listener.key_wait_s)
             listener.connection_limits.greeted(self)
             message = first or await self._receive_next()
             while await self._serve_one(message, node):
@@ -757,6 +757,7 @@ class UcxListener(Listener):
         self.limits = transport.limits
         self.stats = transport.stats
         self.io_timeout_s = transport.io_timeout_s
+        self.key_wait_s = transport.key_wait_s
         self.idle_timeout_s = transport.idle_timeout_s
         self.connection_limits = ConnectionLimits(transport.max_connections, transport.max_connections_per_address)
         self._context = context
