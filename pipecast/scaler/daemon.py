@@ -224,6 +224,7 @@ class Scaler:
             return []
         workers, self._serving_key = await self.client.list_workers_keyed()
         plans = await self.client.list_plans()
+        self._packages = {p.package_id: (p.num_blocks, p.store.node_id) for p in await self.client.list_packages()}
         urls = serve_urls(workers)
         decisions = []
         self._answers = {}
@@ -340,9 +341,6 @@ class Scaler:
         except ControlPlaneError as exc:
             # The placement may differ from the pool the policy saw (a worker died, memory is short): hold.
             log.warning("scaler %s: %s refused: %s", package_id[:12], decision.action, exc)
-            # What the daemon keeps of the package may be what changed: published again, its store moved (a release
-            # naming the new store was refused for good).
-            self._packages.pop(package_id, None)
             again = tracked.refused is not None and tracked.refused[0] == decision.action
             wait = min(2 * tracked.refused[2], REFUSED_RETRY_MAX_S) if again else REFUSED_RETRY_S
             tracked.refused = (decision.action, now, wait)
@@ -409,9 +407,10 @@ class Scaler:
         tracked.recovered = True
 
     async def _package(self, package_id: str) -> tuple[int, str]:
-        """The package's number of blocks and its store's node id (asked again after a refusal: a package published
-        again may have moved to another store)."""
-        if package_id not in self._packages:
+        """The package's number of blocks and its store's node id, as this tick's listing of packages has them (a
+        package published again may have moved to another store: kept for good, it was counted a replica never
+        released, and the new store a releasable one, every release refused)."""
+        if package_id not in self._packages:  # published since the listing
             manifest, store = await self.client.get_package(package_id)
             self._packages[package_id] = len(manifest.blocks), store.node_id
         return self._packages[package_id]
