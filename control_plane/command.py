@@ -338,7 +338,8 @@ def status_command(ctx: click.Context) -> None:
                      + " -> ".join(f"{s.node_id}[{s.layer_start}-{s.layer_end - 1}]" for s in p.stages))
     lines.append(f"deployments: {len(deployments)}")
     for d in deployments:
-        # As the scaling daemon counts them: serving workers (a store with a serve URL too), not agents alone.
+        # Serving workers holding blocks (a store with a serve URL too), not agents alone: the daemon's replicas
+        # but those still to receive their first block.
         replicas = sum(1 for w in alive if w.worker.serve_url
                        and any(h.package_id == d.package_id and h.blocks for h in w.held))
         lines.append(f"  {models.get(d.package_id, d.package_id[:12])}: {replicas} serving workers holding blocks, "
@@ -534,12 +535,14 @@ def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...]
         raise InvalidRequest(f"deployment of package {package_id!r} refused: {'; '.join(problems)}")
     _, stored = _run_for(ctx, package_id,
                          lambda c, full: c.put_deployment(dataclasses.replace(wanted, package_id=full)))
-    _emit(ctx, stored.to_json(), [f"deployed {stored.package_id}: {_describe_policy(stored.policy)}; priority "
-                                  f"{stored.priority}; routers {', '.join(stored.routers) or '-'}"])
-    if not stored.routers and not ctx.obj[1]:  # with --json, the listing says it (routers: [])
-        click.echo("warning: no --router: the scaling daemon reads no signals for this deployment and holds its pool "
-                   "(raised to --min); a deployment is replaced whole, so give every --router again with each "
-                   "change", err=True)
+    warning = "" if stored.routers else (
+        "no --router: the scaling daemon reads no signals for this deployment and holds its pool (raised to --min); a "
+        "deployment is replaced whole, so give every --router again with each change")
+    if warning and not ctx.obj[1]:  # with --json it is in the answer, as publish's
+        click.echo(f"warning: {warning}", err=True)
+    _emit(ctx, {**stored.to_json(), **({"warning": warning} if warning else {})},
+          [f"deployed {stored.package_id}: {_describe_policy(stored.policy)}; priority {stored.priority}; routers "
+           f"{', '.join(stored.routers) or '-'}"])
 
 
 def _describe_policy(p: ScalingPolicy) -> str:

@@ -211,7 +211,8 @@ class AgentDaemon:
             except TransportUnavailableError as exc:  # found only at its start (e.g. UCX with no usable device)
                 if self.settings.agent_transport != "auto" or self.transport.name == "tcp":
                     raise
-                log.warning("transport %s unusable (%s); using tcp", self.transport.name, exc)
+                log.warning("transport %s unusable (%s); using tcp: this node exchanges blocks only with agents on "
+                            "tcp", self.transport.name, exc)
                 await self.transport.close()
                 self.transport = select_transport("tcp", self.node_id, self.settings, self._peer_auth())
                 self.listener = await self.transport.listen(host, port, self.peer_server)

@@ -77,7 +77,8 @@ class Settings(BaseSettings):
     agent_node_id: str = Field("", description="node id; default: hostname:port")
     agent_transport: Literal["auto", "tcp", "ucx"] = Field(
         "auto", description="data transport; auto: UCX on GPU/RDMA nodes with ucxx installed, else TCP (TCP when "
-                            "tls_cert, tls_key and tls_ca are all set: UCX does not encrypt)")
+                            "tls_cert, tls_key and tls_ca are all set: UCX does not encrypt; and where UCX does not "
+                            "start); an agent exchanges blocks only with agents on its transport")
     agent_memory_bytes: int = Field(8 << 30, gt=0, description="host memory budget for block buffers")
     agent_reserve_bytes: int = Field(
         0, ge=0, description="host memory the agent populates at start and hands over to the blocks it receives "
