@@ -73,6 +73,10 @@ TABLES = {table.name: table for table in (
 )}
 
 
+class ForeignDatabaseError(StoreError):
+    """The database holds tables that are not pipecast's: another program's, not to be written into."""
+
+
 @dataclass(frozen=True)
 class Dialect:
     """How a backend spells the SQL: its placeholder, its column type per kind, what locks a row it reads
@@ -82,6 +86,7 @@ class Dialect:
     types: Mapping[str, str]
     lock_row: str
     schema_lock: str
+    tables: str  # lists the database's tables (the schema's, on a server)
 
 
 class Statements:
@@ -285,6 +290,9 @@ class SqlStore(abc.ABC):
         except errors as exc:
             self._db.close()
             raise StoreError(f"control plane database {where}: {self._describe(exc)}") from exc
+        except StoreError:
+            self._db.close()
+            raise
         if version != str(SCHEMA_VERSION):
             self._db.close()
             raise StoreError(f"control plane database {where} has schema version {version}, this "
@@ -313,6 +321,12 @@ class SqlStore(abc.ABC):
         with self._transaction():
             if self.dialect.schema_lock:
                 self._db.execute(self.dialect.schema_lock)
+            foreign = sorted(name for (name,) in self._db.execute(self.dialect.tables).fetchall()
+                             if name not in TABLES and not name.startswith("sqlite_"))
+            if foreign:  # another program's database: refused before a table of ours is added to it
+                raise ForeignDatabaseError(f"control plane database {self.where} holds tables that are not pipecast's "
+                                           f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}): "
+                                           f"{self.elsewhere}")
             for statement in self._sql.create:
                 self._db.execute(statement)
             self._db.execute(self._sql.no_leader)

@@ -18,7 +18,7 @@ from control_plane.errors import StoreError
 from control_plane.store_sql import Dialect, SqlStore
 
 SQLITE = Dialect(param="?", types={"text": "TEXT", "bytes": "BLOB", "real": "REAL", "integer": "INTEGER"},
-                 lock_row="", schema_lock="")
+                 lock_row="", schema_lock="", tables="SELECT name FROM sqlite_master WHERE type = 'table'")
 
 
 class SqliteStore(SqlStore):

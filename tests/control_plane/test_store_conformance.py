@@ -17,6 +17,7 @@ from control_plane.errors import StoreError
 from control_plane.routes import RouteChange
 from control_plane.state import ControlState
 from control_plane.store import CorruptStateError, FencedError, Lease, Store, open_store
+from control_plane.store_sql import ForeignDatabaseError
 from control_plane.store_sqlite import SqliteStore
 from tests.control_plane.test_state import LEASE, STORE, cluster, manifest, spec
 
@@ -438,3 +439,14 @@ def test_of_holders_racing_for_a_free_lease_exactly_one_gets_it(backend, store):
         thread.join()
     winners = [lease for lease in results if lease is not None]
     assert len(winners) == 1 and winners[0].fencing == 1
+
+
+def test_another_programs_database_is_refused_before_a_table_of_ours_is_added(backend):
+    """Found in review: a foreign database (a typo in --db, an application's PostgreSQL URL) gained pipecast's 11
+    tables and a schema version row before it was refused, or was used as is."""
+    backend.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, item TEXT)")
+    with pytest.raises(ForeignDatabaseError, match=r"holds tables that are not pipecast's \(orders\): use another"):
+        backend.open()
+    listing = ("SELECT name FROM sqlite_master WHERE type = 'table'" if backend.kind == "sqlite" else
+               "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()")
+    assert [name for (name,) in backend.execute(listing)] == ["orders"]
