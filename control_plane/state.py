@@ -737,13 +737,11 @@ class ControlState:
         if node_ids:
             for node in node_ids:
                 self.alive_worker(node)
-            availability = self.availability[package_id]
-            for active in (p for p in self.plans.values() if p.package_id == package_id):
-                sending = [n for n in node_ids if n in active.parts and n not in active.pending
-                           and n != package.store.node_id and not availability.is_complete(n)]
-                if sending:  # no draft could place it: a plan's part is no receiver of another
-                    raise Conflict(f"scale-up of package {package_id!r}: worker {sending[0]!r} sends the blocks it "
-                                   f"holds in plan {active.plan_id} in progress; scale it up once that plan ends")
+            senders = self._partial_senders(package_id)
+            sending = next((n for n in node_ids if n in senders), None)
+            if sending is not None:  # no draft could place it: a plan's part is no receiver of another
+                raise Conflict(f"scale-up of package {package_id!r}: worker {sending!r} sends the blocks it holds in "
+                               f"plan {senders[sending]} in progress; scale it up once that plan ends")
             targets = named_targets(package_id, package.total_bytes, self._candidates(package_id, node_ids))
         else:
             alive = [n for n, w in self.workers.items() if w.alive]
@@ -1034,14 +1032,21 @@ class ControlState:
                 self._drop(released, node)
                 over -= self.packages[released].total_bytes
 
+    def _partial_senders(self, package_id: str) -> dict[str, str]:
+        """The workers that send blocks of ``package_id`` in a plan in progress (a holder made so by a repair)
+        without holding all of it nor receiving it there, each with that plan's id; never the package's store (a
+        source whatever it reported)."""
+        store, availability = self.packages[package_id].store.node_id, self.availability[package_id]
+        return {n: p.plan_id for p in self.plans.values() if p.package_id == package_id for n in p.parts
+                if n not in p.pending and n != store and not availability.is_complete(n)}
+
     def _candidates(self, package_id: str, nodes: Iterable[str]) -> list[Candidate]:
         """``nodes`` (alive workers) as placement sees them for a scale-up of ``package_id``."""
         availability = self.availability[package_id]
         # A part in a plan of the package is no receiver of a new one (_draft_holds), a sender not holding all
         # of it included.
-        store = self.packages[package_id].store.node_id  # a source whatever it reported
-        receiving = {n for p in self.plans.values() if p.package_id == package_id
-                     for n in p.parts if n in p.pending or (n != store and not availability.is_complete(n))}
+        receiving = {n for p in self.plans.values() if p.package_id == package_id for n in p.pending}
+        receiving.update(self._partial_senders(package_id))
         releasing = {n for (p, n) in self.releases if p == package_id}
         committed = self._committed_bytes(excluding=package_id)
         reclaimable = self._reclaimable_bytes(excluding=package_id)

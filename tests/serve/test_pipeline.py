@@ -975,16 +975,21 @@ async def test_a_stage_answer_arriving_in_pieces_is_read_whole():
 async def test_a_token_outside_the_vocabulary_from_the_last_stage_is_its_malformed_answer(token):
     """Found in review: the head took any int: -1 or 2**70 failed the tokenizer's decode (a 500, a torn stream),
     and its session stayed open."""
+    await _a_malformed_answer_fails_its_stage(HeadRunner(hidden=torch.zeros(1, 3, 16)), encode_frame({"token": token}),
+                                              rf"token {token} outside the vocabulary \(0-255\)")
+
+
+async def _a_malformed_answer_fails_its_stage(runner: "HeadRunner", answer: bytes, problem: str) -> None:
+    """A two-stage request whose last stage answers ``answer`` fails naming that stage and ``problem`` (a regular
+    expression), and the head's session is closed."""
     async def stage(request):
         await request.read()
-        return web.Response(body=encode_frame({"token": token}), content_type="application/octet-stream")
+        return web.Response(body=answer, content_type="application/octet-stream")
 
-    runner = HeadRunner(hidden=torch.zeros(1, 3, 16))
     queue = StageQueue()
     async with _stage_server(STAGE_PATH, stage) as (url, client):
         head = PipelineHead(runner, client, queue)
-        with pytest.raises(StageFailedError, match=rf"^pipeline stage {url} failed: a malformed answer: token "
-                                                   rf"{token} outside the vocabulary \(0-255\)$"):
+        with pytest.raises(StageFailedError, match=rf"^pipeline stage {url} failed: a malformed answer: {problem}$"):
             await head.start((Hop("http://head:1", range(0, 3)), Hop(url, range(3, 6))), [1, 2, 3],
                              SamplingParams(max_tokens=8))
     queue.close()
@@ -1074,20 +1079,9 @@ async def test_closes_passed_on_at_once_are_bounded(monkeypatch):
 async def test_a_malformed_final_norm_from_the_last_stage_is_its_failure_not_the_heads(shape):
     """Found in review: with tied embeddings the head checked the last stage's final norm in its own sample step
     and named itself the failed stage."""
-    async def stage(request):
-        await request.read()
-        return web.Response(body=encode_frame({}, torch.zeros(*shape)), content_type="application/octet-stream")
-
     runner = HeadRunner(hidden=torch.zeros(1, 3, 16))
     runner.model = SimpleNamespace(vocab_size=256, skeleton=SimpleNamespace(tied_embeddings=True),
                                    config=SimpleNamespace(hidden_size=16))
-    queue = StageQueue()
-    async with _stage_server(STAGE_PATH, stage) as (url, client):
-        head = PipelineHead(runner, client, queue)
-        got = ", ".join(map(str, shape))
-        with pytest.raises(StageFailedError, match=rf"^pipeline stage {url} failed: a malformed answer: the final "
-                                                   rf"norm must be \[1, 1, 16\], got \[{got}\]$"):
-            await head.start((Hop("http://head:1", range(0, 3)), Hop(url, range(3, 6))), [1, 2, 3],
-                             SamplingParams(max_tokens=8))
-    queue.close()
-    assert len(runner.closed) == 1
+    got = ", ".join(map(str, shape))
+    await _a_malformed_answer_fails_its_stage(runner, encode_frame({}, torch.zeros(*shape)),
+                                              rf"the final norm must be \[1, 1, 16\], got \[{got}\]")
