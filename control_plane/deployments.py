@@ -198,7 +198,8 @@ def check_router_url(url: str, package_id: str) -> str:
 class DeploymentBook:
     """Every deployment and route and the latest audit events; ``dirty_deployments``, ``dirty_routes`` and
     ``new_events`` are what the store has not written yet. ``written_routes`` are the routes as last written
-    (or restored): what routers are shown, so that none routes by a change a crash could lose."""
+    (or restored): what routers are shown, so that none routes by a change a crash could lose; likewise
+    ``written_seq``, the last event written, bounds what the audit trail shows."""
 
     deployments: dict[str, Deployment] = field(default_factory=dict)
     events: deque[ScaleEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_IN_MEMORY))
@@ -208,6 +209,7 @@ class DeploymentBook:
     routes: dict[str, ModelRoute] = field(default_factory=dict)
     dirty_routes: set[str] = field(default_factory=set)
     written_routes: dict[str, ModelRoute] = field(default_factory=dict)
+    written_seq: int = 0
 
     @property
     def dirty(self) -> bool:
@@ -292,9 +294,13 @@ class DeploymentBook:
         """The served names that route some requests to ``package_id``."""
         return sorted(name for name, route in self.routes.items() if package_id in route.weights())
 
-    def list_events(self, package_id: str = "", after_seq: int = 0, limit: int = 0) -> list[ScaleEvent]:
-        """The latest ``limit`` events (0: :data:`DEFAULT_EVENTS_LIMIT`) after ``after_seq``, oldest first."""
-        chosen = [e for e in self.events if e.seq > after_seq and (not package_id or e.package_id == package_id)]
+    def list_events(self, package_id: str = "", after_seq: int = 0, limit: int = 0,
+                    through_seq: int | None = None) -> list[ScaleEvent]:
+        """The latest ``limit`` events (0: :data:`DEFAULT_EVENTS_LIMIT`) after ``after_seq``, and up to
+        ``through_seq`` if given, oldest first."""
+        last = self.last_seq if through_seq is None else through_seq
+        chosen = [e for e in self.events
+                  if after_seq < e.seq <= last and (not package_id or e.package_id == package_id)]
         return chosen[-(limit or DEFAULT_EVENTS_LIMIT):]
 
     def restore(self, deployments: Sequence[Deployment], events: Sequence[ScaleEvent],
@@ -304,4 +310,4 @@ class DeploymentBook:
         self.routes = {r.name: r for r in routes}
         self.written_routes = dict(self.routes)
         self.events.extend(events)
-        self.last_seq = max((e.seq for e in events), default=0)
+        self.last_seq = self.written_seq = max((e.seq for e in events), default=0)

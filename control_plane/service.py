@@ -252,6 +252,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                 await asyncio.to_thread(collector_off, active.plan.encoded)
         if self.store is None:
             self.book.written_routes = dict(self.book.routes)  # nothing to write: shown as they are
+            self.book.written_seq = self.book.last_seq
             return
         while True:
             async with self._flushing:  # the next flush waits here, not on the store's lock in the loop's thread
@@ -263,7 +264,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                 if not (self.state.dirty or self.book.dirty):
                     return
                 pending = self.store.begin_flush(self.state, self.book, wait=False)
-                routes = dict(self.book.routes)  # as taken: shown once written
+                routes, seq = dict(self.book.routes), self.book.last_seq  # as taken: shown once written
                 if pending is not None:
                     shown = self.book.written_routes
                     commit = self._last_commit = asyncio.ensure_future(asyncio.to_thread(pending.commit))
@@ -272,7 +273,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                     except asyncio.CancelledError:
                         # The caller is gone (its deadline, a stop), the commit's thread is not: restored now,
                         # its keys would be written twice. They are dirty again only if it fails.
-                        commit.add_done_callback(functools.partial(self._committed, pending, routes, shown))
+                        commit.add_done_callback(functools.partial(self._committed, pending, routes, seq, shown))
                         raise
                     except BaseException as exc:
                         self._commit_failed(pending, exc)
@@ -283,14 +284,19 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                                                   f"with the next flush that succeeds, and lost if the control "
                                                   f"plane stops first") from exc
                         raise
-                    self.book.written_routes = routes
+                    self._written(routes, seq)
                     return
             if not durable:
                 return
             await asyncio.sleep(STORE_BUSY_RETRY_S)
 
-    def _committed(self, pending: PendingFlush, routes: dict[str, ModelRoute], shown: dict[str, ModelRoute],
-                   commit: asyncio.Future[None]) -> None:
+    def _written(self, routes: dict[str, ModelRoute], seq: int) -> None:
+        """A flush that took ``routes`` and the events through ``seq`` is written: they are shown."""
+        self.book.written_routes = routes
+        self.book.written_seq = max(self.book.written_seq, seq)
+
+    def _committed(self, pending: PendingFlush, routes: dict[str, ModelRoute], seq: int,
+                   shown: dict[str, ModelRoute], commit: asyncio.Future[None]) -> None:
         """The end of a commit whose caller was cancelled meanwhile: what the caller would have done."""
         if commit.cancelled():  # the loop stops: written or not, writing it again is harmless
             pending.restore()
@@ -298,7 +304,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             log.warning("a flush whose caller was cancelled failed, its changes stay dirty: %s", error)
             self._commit_failed(pending, error)
         elif self.book.written_routes is shown:  # else a later flush, written after this one, showed its routes
-            self.book.written_routes = routes
+            self._written(routes, seq)
 
     def _commit_failed(self, pending: PendingFlush, error: BaseException) -> None:
         """The keys of ``pending`` are dirty again; a deposed leader steps down."""
@@ -668,7 +674,9 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     @_rpc
     async def ListScaleEvents(self, request: pb.ListScaleEventsRequest,
                               context: grpc.aio.ServicerContext) -> pb.ListScaleEventsResponse:
-        events = self.book.list_events(request.package_id, request.after_seq, request.limit)
+        # Only written events: one a failed flush (a deposed leader) would lose is no part of the trail yet.
+        events = self.book.list_events(request.package_id, request.after_seq, request.limit,
+                                       through_seq=self.book.written_seq)
         return pb.ListScaleEventsResponse(events=[scale_event_to_proto(e) for e in events])
 
     @_rpc

@@ -973,9 +973,11 @@ async def test_a_call_answering_once_durable_waits_for_a_busy_store_without_hold
         await asyncio.sleep(0.3)
         assert not append.done()  # not answered before its event is written
         assert [d.package_id for d in await client.list_deployments()] == [PKG]  # the loop serves meanwhile
+        assert await client.list_scale_events() == []  # nor listed: a failed write would lose it
     finally:
         server.store._lock.release()
     assert await asyncio.wait_for(append, WAIT_S) == 1
+    assert [e.seq for e in await client.list_scale_events()] == [1]
     with sqlite3.connect(tmp_path / "cp.sqlite3") as db:
         assert db.execute("SELECT count(*) FROM scale_events").fetchone() == (1,)
 
