@@ -11,6 +11,7 @@ value types of :mod:`control_plane.messages`; operator listings return the proto
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ from control_plane.convert import (
 )
 from control_plane.deployments import Deployment, ScaleEvent
 from control_plane.routes import ModelRoute, RouteChange
-from control_plane.errors import LEADER_TRAILER, ControlPlaneUnavailable, error_from_rpc
+from control_plane.errors import LEADER_TRAILER, REQUEST_ID_KEY, ControlPlaneUnavailable, error_from_rpc
 from control_plane.messages import AssignmentUpdate, PeerInfo, WorkerSpec
 from pipecast.core.credentials import check_client_token, warn_if_cleartext
 from pipecast.core.settings import Settings
@@ -149,10 +150,11 @@ class ControlPlaneClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         address, tried = self.current, []
+        metadata = (*self._metadata, (REQUEST_ID_KEY, uuid.uuid4().hex))  # one id for every try of this call
         while True:
             try:
                 reply = await getattr(self._stub_of(address), method)(
-                    request, timeout=max(deadline - loop.time(), 0.0), metadata=self._metadata)
+                    request, timeout=max(deadline - loop.time(), 0.0), metadata=metadata)
             except grpc.aio.AioRpcError as exc:
                 tried.append(address)
                 address = self._next_replica(exc, tried)

@@ -13,6 +13,10 @@ from pipecast.core.errors import PipecastError
 ERROR_TRAILER = "pipecast-error"
 #: A standby control plane answers every call UNAVAILABLE with the leader's address in this trailer.
 LEADER_TRAILER = "pipecast-leader"
+#: The metadata naming one call of a client, the same on each replica it tries: a change retried after its answer
+#: was lost (a connection cut, a leader gone after its commit) is answered as it was, not made twice.
+REQUEST_ID_KEY = "pipecast-request-id"
+MAX_REQUEST_ID_CHARS = 64
 
 
 class ControlPlaneError(PipecastError):

@@ -15,10 +15,12 @@ manifest and its id, the store's address, a worker's serve URL (on its own data-
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -46,6 +48,8 @@ from control_plane.deployments import DeploymentBook
 from control_plane.routes import ModelRoute, describe as describe_route
 from control_plane.errors import (
     ERROR_TRAILER,
+    MAX_REQUEST_ID_CHARS,
+    REQUEST_ID_KEY,
     ChangeNotStored,
     Conflict,
     ControlPlaneError,
@@ -99,6 +103,10 @@ ANONYMOUS = Principal("anonymous", OPERATOR)
 _PACKAGE_ID = re.compile(r"[0-9a-f]{64}")
 
 
+#: Operator calls whose answers are kept for a retry of the same call (:data:`REQUEST_ID_KEY`): the latest this many.
+ANSWERS_KEPT = 256
+
+
 #: The longest error message sent back (characters): gRPC carries it in a trailer of at most 16 KiB, and one
 #: echoing a client's long field whole would reach the client as RESOURCE_EXHAUSTED instead of its error.
 MAX_ERROR_CHARS = 2000
@@ -114,15 +122,42 @@ async def _abort(context: grpc.aio.ServicerContext, error: ControlPlaneError) ->
 
 
 def _rpc(handler: Handler) -> Handler:
-    """Run a unary handler inside :meth:`ControlPlaneService.handling`."""
+    """Run a unary handler inside :meth:`ControlPlaneService.handling`; an operator call naming its request
+    (:data:`REQUEST_ID_KEY`) is made once, its retries answered as it was."""
     name = handler.__name__
 
     @functools.wraps(handler)
     async def wrapper(self: "ControlPlaneService", request: Req, context: grpc.aio.ServicerContext) -> Resp:
         async with self.handling(name, context):
+            if name in OPERATOR_RPCS and (request_id := request_id_of(context)):
+                return await self.answer_once((name, request_id), lambda: handler(self, request, context))
             return await handler(self, request, context)
 
     return wrapper
+
+
+def request_id_of(context: grpc.aio.ServicerContext) -> str:
+    """The call's :data:`REQUEST_ID_KEY` ("" when it names none); raises :class:`InvalidRequest` if too long."""
+    request_id = dict(context.invocation_metadata() or ()).get(REQUEST_ID_KEY, "")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"metadata {REQUEST_ID_KEY!r} is {len(request_id)} characters long; at most "
+                             f"{MAX_REQUEST_ID_CHARS}")
+    return request_id
+
+
+def plan_id_for(request_id: str) -> str:
+    """The id of the plan a scale-up naming ``request_id`` makes: a retry that reaches another leader (the
+    first answered nothing, its commit made) finds the plan by it in the state loaded from the store."""
+    return hashlib.blake2b(request_id.encode(), digest_size=6).hexdigest()
+
+
+@dataclass
+class _Answer:
+    """An operator call's answer, kept for a retry of the same call; ``done`` once it has one."""
+
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    reply: object = None
+    error: ControlPlaneError | None = None
 
 
 class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
@@ -162,6 +197,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self._listed: dict[str, _Listed] = {}  # per worker: what its ListWorkers message was last made of, and it
         self._listing: asyncio.Future[pb.ListWorkersResponse] | None = None
         self._streams: set[asyncio.Task] = set()  # the tasks of the open streams' handlers
+        self._answers: dict[tuple[str, str], _Answer] = {}  # (rpc, request id): the latest operator calls' answers
         self._ending_streams = False
         self.state_loaded()
 
@@ -192,6 +228,36 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         finally:
             self.dispatch()
             self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - start)
+
+    async def answer_once(self, key: tuple[str, str], make: Callable[[], Awaitable[Resp]]) -> Resp:
+        """The answer of the operator call ``key`` (rpc, request id): ``make()``'s, or the one it had when it
+        ran before (a retry; one still running is waited for). An UNAVAILABLE error (try another replica) or a
+        call ended without an answer (cancelled) is not kept: its retry runs again."""
+        while (answer := self._answers.get(key)) is not None:
+            await answer.done.wait()
+            if self._answers.get(key) is answer:
+                log.info("%s retried (request %s): answered as it was", *key)
+                if answer.error is not None:
+                    raise answer.error
+                return answer.reply  # type: ignore[return-value]
+        answer = self._answers[key] = _Answer()
+        try:
+            answer.reply = await make()
+        except ControlPlaneError as exc:
+            if exc.code == grpc.StatusCode.UNAVAILABLE:
+                del self._answers[key]
+            else:
+                answer.error = exc
+            raise
+        except BaseException:
+            del self._answers[key]
+            raise
+        finally:
+            answer.done.set()
+            for old in list(self._answers)[:max(len(self._answers) - ANSWERS_KEPT, 0)]:  # the oldest beyond those kept
+                if self._answers[old].done.is_set():
+                    del self._answers[old]
+        return answer.reply  # type: ignore[return-value]
 
     # ----- who calls -----
 
@@ -538,11 +604,22 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 
     @_rpc
     async def ScaleUp(self, request: pb.ScaleUpRequest, context: grpc.aio.ServicerContext) -> pb.ScaleUpResponse:
+        request_id = request_id_of(context)
+        plan_id = plan_id_for(request_id) if request_id else ""
+        made = self.state.plans.get(plan_id)
+        if made is not None:  # a retry whose first call's plan a replica before this one made
+            if made.package_id != request.package_id:
+                raise Conflict(f"scale-up of package {request.package_id!r}: its request id {request_id!r} named a "
+                               f"scale-up of package {made.package_id!r} before")
+            log.info("scale-up retried (request %s): answered with its plan %s", request_id, plan_id)
+            await self.flush_encoded(durable=True)
+            return pb.ScaleUpResponse(plan_id=plan_id, strategy=made.plan.strategy, sources=made.plan.sources,
+                                      receivers=list(made.plan.assignments))
         draft = self.state.draft_scale_up(request.package_id, node_ids=list(request.node_ids), count=request.count,
                                           strategy=request.strategy, fanout=request.fanout)
         # Planning thousands of receivers takes long: in a thread, so the event loop keeps serving meanwhile.
         plan = await asyncio.to_thread(_build_plan, draft) if draft.receivers else None
-        result = self.state.install_scale_up(draft, plan, now=self.clock())
+        result = self.state.install_scale_up(draft, plan, now=self.clock(), plan_id=plan_id)
         # An acknowledged plan survives a crash (agents drop parts a restarted control plane lacks); its row
         # is written in a thread: thousands of receivers' plan is ~10 MB.
         await self.flush_encoded(durable=True)

@@ -774,9 +774,10 @@ class ControlState:
                             package.num_blocks, package.block_bytes, package.chunk_counts, held,
                             in_flight=in_flight if strategy == "rotated" else ())
 
-    def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float,
+    def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float, plan_id: str = "",
                          redrafted: bool = False) -> ScaleUpResult:
-        """Start ``plan``, built from ``draft``, and tell its nodes. If the cluster changed since the draft
+        """Start ``plan``, built from ``draft``, under ``plan_id`` (""; a new one), and tell its nodes. If the
+        cluster changed since the draft
         (a receiver or source gone, a receiver taken by another plan of the package or holding other blocks of
         it, a source or unchanged worker told to drop it), the scale-up is drafted and planned again here,
         synchronously."""
@@ -786,7 +787,8 @@ class ControlState:
                 raise Conflict(f"scale-up of package {package_id!r}: its plan could not be placed; try again")
             node_ids, count, strategy, fanout = draft.request
             again = self.draft_scale_up(package_id, node_ids=node_ids, count=count, strategy=strategy, fanout=fanout)
-            return self.install_scale_up(again, again.build() if again.receivers else None, now=now, redrafted=True)
+            return self.install_scale_up(again, again.build() if again.receivers else None, now=now, plan_id=plan_id,
+                                         redrafted=True)
         for node in [*draft.unchanged, *receivers]:
             if self.releases.pop((package_id, node), None) is not None:
                 self.dirty.releases.add((package_id, node))
@@ -795,7 +797,7 @@ class ControlState:
         if plan is None:
             return ScaleUpResult("", "", (), (), draft.unchanged)
         availability = self.availability[package_id]
-        active = ActivePlan(uuid.uuid4().hex[:12], package_id, plan, draft.fanout, now, version=0)
+        active = ActivePlan(plan_id or uuid.uuid4().hex[:12], package_id, plan, draft.fanout, now, version=0)
         active.pending = {n for n in plan.assignments if not availability.is_complete(n)}
         self._install(active, plan)
         active.changed = False  # a new plan: nothing to settle from

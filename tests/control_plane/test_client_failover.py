@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from control_plane.client import ControlPlaneClient, control_plane_addresses
-from control_plane.errors import LEADER_TRAILER, ControlPlaneUnavailable, UnknownPackage
+from control_plane.errors import LEADER_TRAILER, REQUEST_ID_KEY, ControlPlaneUnavailable, UnknownPackage
 from control_plane.server import ControlPlaneServer
 from tests.control_plane.test_service import PKG, config, manifest, STORE, TOKEN
 from tests.support.agent_processes import free_ports
@@ -18,11 +18,12 @@ class Standby(grpc.GenericRpcHandler):
     """Answers every call as a standby replica does: UNAVAILABLE, naming the leader."""
 
     def __init__(self, leader: str) -> None:
-        self.leader, self.calls = leader, 0
+        self.leader, self.calls, self.request_ids = leader, 0, []
 
     def service(self, handler_call_details):
         async def refuse(request, context):
             self.calls += 1
+            self.request_ids.append(dict(context.invocation_metadata())[REQUEST_ID_KEY])
             context.set_trailing_metadata(((LEADER_TRAILER, self.leader),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"not the leader; the leader is {self.leader}")
         return grpc.unary_unary_rpc_method_handler(refuse)
@@ -51,6 +52,8 @@ def test_calls_follow_the_leader_a_standby_names_and_skip_a_replica_that_is_down
             async with ControlPlaneClient(f"127.0.0.1:{standby_port}", token=TOKEN, timeout_s=5.0) as client:
                 await client.publish_package(manifest(), STORE)  # sent on to the leader the standby named
                 assert client.current == f"127.0.0.1:{leader.port}" and handler.calls == 1
+                # The same call, the same id at each replica: the leader answers a retry as it answered it.
+                assert list(leader.service._answers) == [("PublishPackage", handler.request_ids[0])]
                 assert [p.package_id for p in await client.list_packages()] == [PKG]
                 assert handler.calls == 1  # the next calls go straight to the leader
             both = f"127.0.0.1:{dead_port},127.0.0.1:{leader.port}"

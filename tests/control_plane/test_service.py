@@ -27,6 +27,7 @@ from control_plane.command import cp_group
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.routes import RouteChange
 from control_plane.errors import (
+    REQUEST_ID_KEY,
     ChangeNotStored,
     ControlPlaneUnavailable,
     InsufficientWorkers,
@@ -44,7 +45,7 @@ from control_plane.pipeline_forming import PipelineCandidates
 from control_plane.collector import GC_YOUNG_THRESHOLD, tune_collector
 from control_plane.metrics import ControlMetrics
 from control_plane.server import ControlPlaneServer, ServerConfig
-from control_plane.service import ControlPlaneService
+from control_plane.service import ControlPlaneService, plan_id_for
 from control_plane.state import ControlState
 from control_plane.store_sqlite import SqliteStore
 from control_plane.worker_session import WorkerSession
@@ -52,7 +53,7 @@ from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.manifest import MANIFEST_FORMAT_VERSION, manifest_to_json, seal_manifest
 from pipecast.core.credentials import data_plane_key, serving_key, verify_node_token
 from pipecast.core.settings import Settings, SettingsError
-from pipecast.v1.control_pb2 import ReportBlocksRequest
+from pipecast.v1.control_pb2 import ReportBlocksRequest, ScaleUpRequest
 from pipecast.v1.control_pb2_grpc import ControlPlaneStub
 from pipecast.v1.manifest_pb2 import Block, Manifest
 from tests.support.agent_processes import free_ports
@@ -1103,6 +1104,36 @@ async def test_a_scale_up_made_but_not_stored_says_so_and_is_written_by_a_later_
         with sqlite3.connect(tmp_path / "cp.sqlite3") as db:
             return db.execute("SELECT count(*) FROM plans").fetchone() == (1,)
     await eventually(stored, what="the plan written by a later flush")
+
+
+async def test_a_scale_up_retried_with_its_request_id_is_answered_as_it_was_not_made_twice(server, client):
+    """A retry after the answer was lost (a cut connection; the leader gone after its commit) must not add
+    another worker: by the answer kept on the replica that made it, or by the plan the request id named."""
+    await client.publish_package(manifest(), STORE)
+    for node in ("w1", "w2", "w3"):
+        await client.register(spec(node))
+    stub = client._stub
+
+    async def scale_up(request_id: str, count: int = 1):
+        return await stub.ScaleUp(ScaleUpRequest(package_id=PKG, count=count), timeout=WAIT_S,
+                                  metadata=(*client._metadata, (REQUEST_ID_KEY, request_id)))
+
+    first = await scale_up("retried")
+    assert first.plan_id == plan_id_for("retried") and len(first.receivers) == 1
+    assert await scale_up("retried") == first
+    server.service._answers.clear()  # as another replica would, having loaded the plan from the store
+    again = await scale_up("retried")
+    assert (again.plan_id, list(again.receivers)) == (first.plan_id, list(first.receivers))
+    assert [list(p.receivers) for p in await client.list_plans(PKG)] == [list(first.receivers)]
+    with pytest.raises(grpc.aio.AioRpcError, match="asked for 5 more workers; only 2"):
+        await scale_up("refused", count=5)
+    await client.register(spec("w4"))
+    await client.register(spec("w5"))
+    with pytest.raises(grpc.aio.AioRpcError, match="asked for 5 more workers; only 2"):  # its answer, kept
+        await scale_up("refused", count=5)
+    assert len((await scale_up("another")).receivers) == 1  # another call: another worker
+    with pytest.raises(grpc.aio.AioRpcError, match=f"metadata '{REQUEST_ID_KEY}' is 65 characters long; at most 64"):
+        await scale_up("x" * 65)
 
 
 async def test_routers_are_shown_a_route_change_only_once_it_is_written(server, client, tmp_path):
