@@ -9,7 +9,9 @@ are rebuilt from the agents' registrations and reports), and starts serving. A l
 lease, or whose write is refused as fenced, steps down at once: it stops serving and sets :attr:`deposed`
 (``pipecast control-plane`` then exits with the reason, and its supervisor restarts it as a standby). So does
 a leader whose lease is about to lapse while its renewal has not come back (stuck behind a slow commit or
-database): it does not serve past the expiry it last secured, when a standby may take the lease over.
+database): it does not serve past the expiry it last secured, when a standby may take the lease over. That
+expiry is timed by the replica's monotonic clock from when it sent the renewal that secured it (the lease itself
+lapses by the database's clock, later), so no step of its wall clock keeps it leading.
 """
 
 import asyncio
@@ -140,11 +142,15 @@ class ControlPlaneServer:
     """One control plane: ``async with ControlPlaneServer(config) as server:`` serves on ``server.port``
     (with a shared database: once it leads; see the module docstring)."""
 
-    def __init__(self, config: ServerConfig, *, clock: Callable[[], float] = time.time):
+    def __init__(self, config: ServerConfig, *, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic):
+        """``clock``: the wall clock (workers' leases, releases); ``monotonic``: what times this replica's own
+        hold on the control plane lease (the lease itself runs by the database's clock)."""
         check_master_token(config.token)
         config.check()
         self.config = config
         self.clock = clock
+        self.monotonic = monotonic
         self.port = 0
         self.metrics_port: int | None = None
         self.advertise = ""
@@ -281,9 +287,9 @@ class ControlPlaneServer:
         try:
             # In a thread: the store may be busy with a flush's commit, or the database slow to answer, and the
             # event loop serves meanwhile (and steps down if that outlasts the lease: _scan). The clock, not its
-            # reading now: the lease is written for lease_s from when the store gets to it.
+            # reading now: the lease's deadline runs lease_s from when the store sends the renewal.
             lease = await asyncio.to_thread(self.store.acquire_or_renew, self.holder, self.advertise,
-                                            self.config.lease_s, self.clock)
+                                            self.config.lease_s, self.monotonic)
             if lease is None:
                 self.gate.leader = await asyncio.to_thread(self.store.leader)
         except StoreError as exc:
@@ -317,7 +323,7 @@ class ControlPlaneServer:
             taken = lease.fencing
             try:
                 lease = await asyncio.to_thread(self.store.acquire_or_renew, self.holder, self.advertise,
-                                                self.config.lease_s, self.clock)
+                                                self.config.lease_s, self.monotonic)
             except StoreError as exc:
                 self._step_down(f"control plane {self.holder} loaded the state but cannot renew its lease: {exc}")
                 return
@@ -337,7 +343,7 @@ class ControlPlaneServer:
         # stops serving before a standby may take the lease (a renewal in flight may yet come back: too late).
         # At most lease_s / 4: renewed every lease_s / 3, a healthy leader's lease never comes that close.
         margin = min(self.config.scan_s, self.config.lease_s / 4)
-        if lease is not None and self.clock() >= lease.expires_at - margin:
+        if lease is not None and self.monotonic() >= lease.deadline - margin:
             self._step_down(f"control plane {self.holder} could not renew its lease (fencing number {lease.fencing}) "
                             "before it lapses")
             return

@@ -9,12 +9,15 @@
 
 Leadership: the database holds one lease (table ``leader``: holder, its advertised address, a fencing
 number, expiry). :meth:`Store.acquire_or_renew` takes it atomically when it is free, expired or already
-the caller's; a new holder increments the fencing number. It reads the caller's clock only once it runs the
-statement, so a renewal that waited (behind a flush's commit, or a slow database) lasts its full term from
-when it was written, not from when it was asked for. Once a store has taken the lease, every write
-transaction first checks, inside the same transaction and holding the lease row's lock, that the stored
-fencing number is still its own, and raises :class:`FencedError` otherwise: a deposed leader's late write
-is refused whole. A password in a PostgreSQL URL never appears in messages or logs (:func:`redact_url`).
+the caller's; a new holder increments the fencing number. The expiry is written and judged by the database's
+clock, the one clock every replica shares: a replica whose own clock is ahead (or stepped back) can neither
+take a running lease nor keep a lapsed one. The holder stops acting on it by its own monotonic clock instead
+(:attr:`Lease.deadline`), read just before the statement is sent, so a renewal that waited (behind a flush's
+commit) lasts its full term from when it was sent, and never past the database's expiry. Once a store has
+taken the lease, every write transaction first checks, inside the same transaction and holding the lease
+row's lock, that the stored fencing number is still its own, and raises :class:`FencedError` otherwise: a
+deposed leader's late write is refused whole. A password in a PostgreSQL URL never appears in messages or
+logs (:func:`redact_url`).
 """
 
 from collections.abc import Callable
@@ -35,13 +38,13 @@ POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 @dataclass(frozen=True)
 class Lease:
     """The control plane lease as its holder took it: who, where clients reach it, its fencing number
-    (grows with every new holder) and when it lapses (Unix time, by the holder's clock when the store wrote it)
-    unless renewed."""
+    (grows with every new holder) and its ``deadline``: until when, by the holder's monotonic clock, it may act
+    as the leader unless it renews the lease (the database's expiry, by the database's clock, comes no sooner)."""
 
     holder: str
     address: str
     fencing: int
-    expires_at: float
+    deadline: float
 
 
 class CorruptStateError(StoreError):
@@ -106,10 +109,12 @@ class Store(Protocol):
         stay dirty for the next flush). The store is held until the commit: flushes are written in the order
         they were taken."""
 
-    def acquire_or_renew(self, holder: str, address: str, ttl_s: float, clock: Callable[[], float]) -> Lease | None:
-        """Take the lease for ``ttl_s`` from now if it is free, expired or ``holder``'s already (then renewed,
-        same fencing number); None if another holder's lease is still running. ``clock`` (Unix time) is read
-        inside the transaction that writes the lease, not when the call is made."""
+    def acquire_or_renew(self, holder: str, address: str, ttl_s: float,
+                         monotonic: Callable[[], float]) -> Lease | None:
+        """Take the lease for ``ttl_s`` from now by the database's clock if it is free, expired or ``holder``'s
+        already (then renewed, same fencing number); None if another holder's lease is still running. The
+        lease's deadline is ``monotonic()`` (the holder's monotonic clock), read inside the transaction just before
+        the lease is written, plus ``ttl_s``."""
 
     def release(self, holder: str) -> None:
         """End ``holder``'s lease now, if it still holds it, so that a standby takes over at once."""

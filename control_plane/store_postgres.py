@@ -37,7 +37,9 @@ SCHEMA_LOCK_KEY = 0x70697065
 POSTGRES = Dialect(param="%s", types={"text": "TEXT", "bytes": "BYTEA", "real": "DOUBLE PRECISION",
                                       "integer": "BIGINT"},
                    lock_row=" FOR UPDATE", schema_lock=f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK_KEY})",
-                   tables="SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()")
+                   tables="SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()",
+                   # clock_timestamp(), not now() (the transaction's start): read after any wait for the row's lock
+                   now="CAST(extract(epoch FROM clock_timestamp()) AS DOUBLE PRECISION)")
 CONNECT_TIMEOUT_S = 10
 # The statements run on the server's event loop: a lock held elsewhere must not stall it for long.
 LOCK_TIMEOUT_MS = 2000

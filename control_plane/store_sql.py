@@ -87,6 +87,8 @@ class Dialect:
     lock_row: str
     schema_lock: str
     tables: str  # lists the database's tables (the schema's, on a server)
+    # The database's time (Unix seconds, read as the statement runs): the lease's one clock for every replica.
+    now: str
 
 
 class Statements:
@@ -113,10 +115,13 @@ class Statements:
         self.no_leader = ("INSERT INTO leader (id, holder, address, fencing, expires_at) VALUES (1, '', '', 0, 0) "
                           "ON CONFLICT (id) DO NOTHING")
         # One statement, so it is atomic on either backend: the holder's own lease is renewed (same fencing
-        # number), a lapsed one taken over (the next number); SET reads the row as it was before.
+        # number), a lapsed one taken over (the next number); SET reads the row as it was before. Timed by the
+        # database's clock, not the replica's: one whose clock ran ahead of the holder's (or the holder's,
+        # stepped back) found a running lease lapsed, and two replicas led.
+        now = dialect.now
         self.acquire = (f"UPDATE leader SET fencing = CASE WHEN holder = {p} THEN fencing ELSE fencing + 1 END, "
-                        f"holder = {p}, address = {p}, expires_at = {p} "
-                        f"WHERE id = 1 AND (holder = {p} OR expires_at <= {p}) RETURNING fencing")
+                        f"holder = {p}, address = {p}, expires_at = {now} + {p} "
+                        f"WHERE id = 1 AND (holder = {p} OR expires_at <= {now}) RETURNING fencing")
         self.release = f"UPDATE leader SET expires_at = 0 WHERE id = 1 AND holder = {p} AND fencing = {p}"
         self.leader = "SELECT address, fencing FROM leader WHERE id = 1"
         self.fencing = f"SELECT fencing FROM leader WHERE id = 1{dialect.lock_row}"
@@ -528,18 +533,20 @@ class SqlStore(abc.ABC):
 
     # ----- leadership -----
 
-    def acquire_or_renew(self, holder: str, address: str, ttl_s: float, clock: Callable[[], float]) -> Lease | None:
-        """Take the lease for ``ttl_s`` from ``clock()`` if it is free, expired or ``holder``'s already (renewed,
-        same fencing number; a new holder gets the next); None while another holder's lease runs."""
+    def acquire_or_renew(self, holder: str, address: str, ttl_s: float,
+                         monotonic: Callable[[], float]) -> Lease | None:
+        """Take the lease for ``ttl_s`` by the database's clock if it is free, expired or ``holder``'s already
+        (renewed, same fencing number; a new holder gets the next); None while another holder's lease runs. The
+        lease's deadline is ``monotonic()`` read just before the statement is sent, plus ``ttl_s``."""
         with self._failing_as("cannot take the lease"), self._transaction():
-            # Read here, not by the caller: a renewal that waited for the store (a flush's commit holds it) or
-            # for the database would otherwise write an expiry that may have passed already.
-            now = clock()
-            expires_at = now + ttl_s
-            rows = self._db.execute(self._sql.acquire, (holder, holder, address, expires_at, holder, now)).fetchall()
+            # Read here, not by the caller: a renewal that waited for the store (a flush's commit holds it) would
+            # otherwise lose the wait from its term. Before the statement: the database's term starts later, so
+            # the deadline never outlasts it.
+            sent = monotonic()
+            rows = self._db.execute(self._sql.acquire, (holder, holder, address, ttl_s, holder)).fetchall()
         if not rows:
             return None  # the last lease stays: this store's writes are refused from now on
-        self._lease = Lease(holder, address, rows[0][0], expires_at)
+        self._lease = Lease(holder, address, rows[0][0], sent + ttl_s)
         return self._lease
 
     def release(self, holder: str) -> None:

@@ -18,7 +18,8 @@ from control_plane.errors import StoreError
 from control_plane.store_sql import Dialect, SqlStore
 
 SQLITE = Dialect(param="?", types={"text": "TEXT", "bytes": "BLOB", "real": "REAL", "integer": "INTEGER"},
-                 lock_row="", schema_lock="", tables="SELECT name FROM sqlite_master WHERE type = 'table'")
+                 lock_row="", schema_lock="", tables="SELECT name FROM sqlite_master WHERE type = 'table'",
+                 now="((julianday('now') - 2440587.5) * 86400.0)")  # Unix time, to the millisecond
 
 
 class SqliteStore(SqlStore):

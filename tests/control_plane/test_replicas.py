@@ -30,6 +30,7 @@ from control_plane.store_sqlite import SqliteStore
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1 import control_pb2_grpc
 from tests.control_plane.test_service import PKG, SCAN_S, STORE, TOKEN, WAIT_S, config, manifest
+from tests.control_plane.test_store_conformance import Backend, lapse
 from tests.support.agent_processes import free_ports
 from tests.support.postgres import DB_PASSWORD
 
@@ -64,9 +65,11 @@ def assert_standby_answer(error: object, standby: str, leader: str, fencing: int
     assert error.details() == f"control plane {standby} is a standby: the leader is {leader} (fencing number {fencing})"
 
 
-def lapsed() -> float:
-    """Another replica's clock, by which the leader's lease lapsed long ago (a frozen leader looks the same to it)."""
-    return time.time() + 10 * LEASE_S
+def seize(url: str) -> None:
+    """Another replica takes the lease, as one does once the leader's term ran out (a frozen leader looks the same to
+    it): one statement, so that no renewal of the leader's comes in between."""
+    Backend("postgresql", url).execute("UPDATE leader SET holder = 'thief', address = '10.9.9.9:7000', "
+                                       "fencing = fencing + 1, expires_at = expires_at + 3600 WHERE id = 1")
 
 
 def stored_packages(url: str) -> set[str]:
@@ -119,9 +122,8 @@ async def test_a_standby_names_the_leader_and_takes_over_at_once_when_it_stops(u
 async def test_a_deposed_leaders_write_is_refused_and_it_steps_down(url):
     leader = ControlPlaneServer(config(url, lease_s=LEASE_S))
     await leader.start()
-    thief = open_store(url)
     try:
-        assert thief.acquire_or_renew("thief", "10.9.9.9:7000", LEASE_S, clock=lapsed).fencing == 2
+        seize(url)
         async with ControlPlaneClient(leader.address, token=TOKEN, timeout_s=WAIT_S) as c:
             with pytest.raises(ControlPlaneUnavailable, match="was deposed: fencing number 1 is no longer the "
                                                               r"leader's \(now 2\)"):
@@ -132,22 +134,36 @@ async def test_a_deposed_leaders_write_is_refused_and_it_steps_down(url):
         assert stored_packages(url) == set()  # nothing of the refused write
         assert isinstance(await list_packages(leader.address), grpc.aio.AioRpcError)  # it serves no more
     finally:
-        thief.close()
         await leader.stop(grace_s=0)
 
 
 async def test_a_leader_that_loses_its_lease_steps_down_within_a_renewal(url):
     leader = ControlPlaneServer(config(url, lease_s=LEASE_S))
     await leader.start()
-    thief = open_store(url)
     try:
-        thief.acquire_or_renew("thief", "10.9.9.9:7000", LEASE_S, clock=lapsed)
+        seize(url)
         await asyncio.wait_for(leader.deposed.wait(), LEASE_S / 3 + 2.0)
         assert leader.deposed_reason == (f"control plane {leader.holder} lost its lease to 10.9.9.9:7000 "
                                          "(fencing number 2)")
     finally:
-        thief.close()
         await leader.stop(grace_s=0)
+
+
+async def test_replicas_whose_clocks_are_an_hour_apart_do_not_both_lead(url):
+    """Found in review: the lease was timed by each replica's own clock, so a standby whose clock ran an hour ahead
+    found the leader's lease lapsed and took it (as it would from a leader whose clock NTP stepped back), and both
+    served until the leader's next renewal failed."""
+    leader = ControlPlaneServer(config(url, lease_s=LEASE_S), clock=lambda: time.time() - 3600)
+    await leader.start()
+    standby = ControlPlaneServer(config(url, lease_s=LEASE_S), clock=lambda: time.time() + 3600)
+    await standby.start()
+    try:
+        await asyncio.sleep(LEASE_S)  # the leader renews, the standby tries, three times each
+        assert leader.leading and not leader.deposed.is_set() and not standby.leading
+        assert_standby_answer(await list_packages(standby.address), standby.advertise, leader.advertise, 1)
+    finally:
+        await leader.stop(grace_s=0)
+        await standby.stop(grace_s=0)
 
 
 async def test_a_campaign_that_fails_unforeseen_steps_down_not_a_standby_for_good(url, monkeypatch):
@@ -172,7 +188,7 @@ async def test_a_standby_that_knows_no_leader_says_so_without_a_trailer(url):
     holder = open_store(url)
     standby = ControlPlaneServer(config(url, lease_s=LEASE_S))
     try:
-        holder.acquire_or_renew("elsewhere", "", 60, clock=time.time)  # a holder that gave no address
+        holder.acquire_or_renew("elsewhere", "", 60, monotonic=time.monotonic)  # a holder that gave no address
         await standby.start()
         error = await list_packages(standby.address)
         assert error.code() == grpc.StatusCode.UNAVAILABLE and LEADER_TRAILER not in dict(error.trailing_metadata())
@@ -194,12 +210,13 @@ class StuckRenewals(SqliteStore):
         self.stuck, self.waiting, self.go = threading.Event(), threading.Event(), threading.Event()
         self.late: list[Lease | None] = []
 
-    def acquire_or_renew(self, holder: str, address: str, ttl_s: float, clock: Callable[[], float]) -> Lease | None:
+    def acquire_or_renew(self, holder: str, address: str, ttl_s: float,
+                         monotonic: Callable[[], float]) -> Lease | None:
         if not self.stuck.is_set():
-            return super().acquire_or_renew(holder, address, ttl_s, clock)
+            return super().acquire_or_renew(holder, address, ttl_s, monotonic)
         self.waiting.set()
         self.go.wait(WAIT_S)
-        self.late.append(super().acquire_or_renew(holder, address, ttl_s, clock))
+        self.late.append(super().acquire_or_renew(holder, address, ttl_s, monotonic))
         return self.late[-1]
 
 
@@ -212,7 +229,7 @@ def stuck(tmp_path, monkeypatch) -> StuckRenewals:
 
 async def test_a_leader_whose_renewal_is_stuck_steps_down_before_its_lease_lapses(tmp_path, stuck):
     now = [1000.0]  # stopped: every renewal before the stuck one leaves the lease lapsing at 1000 + LEASE_S
-    leader = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), clock=lambda: now[0])
+    leader = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), monotonic=lambda: now[0])
     await leader.start()
     try:
         assert leader.leading
@@ -235,14 +252,32 @@ async def test_a_leader_whose_renewal_is_stuck_steps_down_before_its_lease_lapse
     # Found in review: the late renewal held the lease again, for the next standby to wait out a whole lease_s.
     other = SqliteStore(tmp_path / "cp.sqlite3")
     try:
-        assert other.acquire_or_renew("other", "10.9.9.9:7000", LEASE_S, clock=lambda: now[0]) is not None
+        assert other.acquire_or_renew("other", "10.9.9.9:7000", LEASE_S, monotonic=lambda: now[0]) is not None
     finally:
         other.close()
 
 
+async def test_a_leader_whose_wall_clock_steps_back_still_steps_down_before_its_lease_lapses(tmp_path, stuck):
+    """Found in review: the leader timed its hold on the lease by its wall clock, so one that NTP stepped back an hour
+    while its renewal was stuck served on past the lease's end, beside the replica that took it over."""
+    wall = [time.time()]
+    leader = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), clock=lambda: wall[0])
+    await leader.start()
+    try:
+        stuck.stuck.set()
+        assert await asyncio.to_thread(stuck.waiting.wait, WAIT_S)
+        wall[0] -= 3600
+        await asyncio.wait_for(leader.deposed.wait(), LEASE_S + 1.0)  # its last renewal was sent less than that ago
+        assert leader.deposed_reason == (f"control plane {leader.holder} could not renew its lease (fencing number 1) "
+                                         "before it lapses")
+    finally:
+        stuck.go.set()
+        await leader.stop(grace_s=0)
+
+
 class SlowLoad(SqliteStore):
     """A SQLite file campaigned for as a shared database is, whose state takes most of a lease to load (thousands
-    of plans): ``now`` (the replica's clock) moves on meanwhile."""
+    of plans): ``now`` (the replica's monotonic clock) moves on meanwhile."""
 
     shared = True
 
@@ -256,9 +291,9 @@ class SlowLoad(SqliteStore):
 
 
 def replica_on(store: SlowLoad, monkeypatch) -> ControlPlaneServer:
-    """A replica campaigning on ``store`` (its clock the store's ``now``)."""
+    """A replica campaigning on ``store`` (its monotonic clock the store's ``now``)."""
     monkeypatch.setattr("control_plane.server.open_store", lambda target: store)
-    return ControlPlaneServer(config(store.where, lease_s=LEASE_S), clock=lambda: store.now[0])
+    return ControlPlaneServer(config(store.where, lease_s=LEASE_S), monotonic=lambda: store.now[0])
 
 
 async def test_a_standby_whose_state_loads_slowly_renews_its_lease_before_it_leads(tmp_path, monkeypatch):
@@ -277,12 +312,13 @@ class LedMeanwhile(SlowLoad):
     """A load during which another replica takes the lease (and may write), and its lease lapses again."""
 
     def load(self, state: ControlState, now: float, *, lease_grace_s: float = 0.0) -> None:
-        other = SqliteStore(self.where)
+        other, database = SqliteStore(self.where), Backend("sqlite", self.where)
         try:
-            assert other.acquire_or_renew("other", "10.9.9.9:7000", LEASE_S, clock=lambda: self.now[0] + LEASE_S)
+            lapse(database)
+            assert other.acquire_or_renew("other", "10.9.9.9:7000", LEASE_S, monotonic=lambda: self.now[0])
         finally:
             other.close()
-        self.now[0] += 3 * LEASE_S  # its lease lapses too: the replica that loaded takes it again
+        lapse(database)  # its lease lapses too: the replica that loaded takes it again
         super().load(state, now, lease_grace_s=lease_grace_s)
 
 
@@ -298,7 +334,7 @@ async def test_a_standby_that_another_replica_led_during_its_load_does_not_lead_
 
 async def test_a_stuck_renewal_is_written_for_a_lease_from_when_it_ran(tmp_path, stuck):
     now = [1000.0]
-    leader = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), clock=lambda: now[0])
+    leader = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), monotonic=lambda: now[0])
     await leader.start()
     try:
         stuck.stuck.set()
@@ -413,11 +449,7 @@ def test_a_replica_process_that_loses_the_lease_exits_with_the_reason(url, tmp_p
     replica = Replica(url, free_ports(1)[0], tmp_path / "replica.log")
     try:
         asyncio.run(replica.wait_listening("leader"))
-        thief = open_store(url)
-        try:
-            thief.acquire_or_renew("thief", "10.9.9.9:7000", LEASE_S, clock=lapsed)
-        finally:
-            thief.close()
+        seize(url)
         code = replica.proc.wait(LEASE_S / 3 + 10)
     finally:
         replica.stop()

@@ -1,12 +1,13 @@
 """One suite, both backends of the control plane's store (issue #17): SQLite and a real PostgreSQL
 (tests/support/postgres.py; skipped without its binaries unless PIPECAST_REQUIRE_POSTGRES=1). Every kind of
 state round-trips, flushes are incremental, corrupt rows are typed errors naming table and key, and the
-lease is taken, renewed, expires and is taken over with growing fencing numbers, a deposed holder's write
-being refused whole."""
+lease is taken, renewed, expires (by the database's clock) and is taken over with growing fencing numbers, a
+deposed holder's write being refused whole."""
 
 import re
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -66,9 +67,17 @@ def store(backend) -> Iterator[Store]:
     opened.close()
 
 
+TERM_S = 0.5  # a lease left to lapse in real time
+
+
 def at(now: float) -> Callable[[], float]:
     """A clock stopped at ``now``."""
     return lambda: now
+
+
+def lapse(backend: Backend) -> None:
+    """The lease's term runs out now by the database's clock (which times it), as when its holder stops renewing."""
+    backend.execute("UPDATE leader SET expires_at = expires_at - 3600")
 
 
 def loaded(backend: Backend, now: float = 100) -> tuple[ControlState, DeploymentBook]:
@@ -252,44 +261,63 @@ def test_the_lease_is_taken_renewed_and_taken_over_with_growing_fencing_numbers(
     other = backend.open()
     try:
         assert store.leader() == ("", 0)
-        assert store.acquire_or_renew("a", "a:7000", 10, clock=at(0)) == Lease("a", "a:7000", 1, 10)
-        assert other.acquire_or_renew("b", "b:7000", 10, clock=at(5)) is None  # a's lease runs
+        assert store.acquire_or_renew("a", "a:7000", 10, monotonic=at(0)) == Lease("a", "a:7000", 1, 10)
+        assert other.acquire_or_renew("b", "b:7000", 10, monotonic=at(5)) is None  # a's lease runs
         assert other.leader() == ("a:7000", 1)
-        assert store.acquire_or_renew("a", "a:7000", 10, clock=at(5)) == Lease("a", "a:7000", 1, 15)  # renewed
-        assert other.acquire_or_renew("b", "b:7000", 10, clock=at(14.9)) is None
-        assert other.acquire_or_renew("b", "b:7000", 10, clock=at(15)) == Lease("b", "b:7000", 2, 25)  # lapsed: taken
-        assert store.acquire_or_renew("a", "a:7000", 10, clock=at(16)) is None  # a was deposed
+        assert store.acquire_or_renew("a", "a:7000", 10, monotonic=at(5)) == Lease("a", "a:7000", 1, 15)  # renewed
+        assert other.acquire_or_renew("b", "b:7000", 10, monotonic=at(6)) is None
+        lapse(backend)
+        assert other.acquire_or_renew("b", "b:7000", 10, monotonic=at(15)) == Lease("b", "b:7000", 2, 25)  # taken
+        assert store.acquire_or_renew("a", "a:7000", 10, monotonic=at(16)) is None  # a was deposed
         assert store.leader() == ("b:7000", 2)
-        assert store.acquire_or_renew("a", "a:7000", 10, clock=at(30)) == Lease("a", "a:7000", 3, 40)
+        lapse(backend)
+        assert store.acquire_or_renew("a", "a:7000", 10, monotonic=at(30)) == Lease("a", "a:7000", 3, 40)
+    finally:
+        other.close()
+
+
+def test_the_lease_runs_and_lapses_by_the_databases_clock_whatever_the_holders_clocks_read(backend, store):
+    """Found in review: the lease was written and judged by each replica's own clock, so a replica whose clock ran
+    ahead (or a holder's stepped back, by NTP) took a running lease, and two replicas led at once."""
+    other = backend.open()
+    hour_ahead, hour_behind = (lambda: time.time() + 3600), (lambda: time.time() - 3600)
+    try:
+        assert store.acquire_or_renew("a", "a:7000", TERM_S, hour_behind).fencing == 1
+        assert other.acquire_or_renew("b", "b:7000", TERM_S, hour_ahead) is None  # a's lease runs
+        time.sleep(TERM_S + 0.1)
+        assert other.acquire_or_renew("b", "b:7000", TERM_S, hour_behind).fencing == 2  # lapsed all the same
     finally:
         other.close()
 
 
 def test_a_renewal_that_waits_behind_a_flush_lasts_its_term_from_when_it_is_written(backend, store):
     state, book, _ = populated()
-    assert store.acquire_or_renew("a", "a:7000", 10, clock=at(0)).expires_at == 10
+    assert store.acquire_or_renew("a", "a:7000", 10, monotonic=at(0)).deadline == 10
     now, reads = [5.0], []
 
-    def clock() -> float:
+    def monotonic() -> float:
         reads.append(now[0])
         return now[0]
 
     pending = store.begin_flush(state, book)  # its commit holds the store, as a slow one on the event loop's side
     renewed: list[Lease | None] = []
-    renewal = threading.Thread(target=lambda: renewed.append(store.acquire_or_renew("a", "a:7000", 10, clock)))
+    renewal = threading.Thread(target=lambda: renewed.append(store.acquire_or_renew("a", "a:7000", 10, monotonic)))
     renewal.start()
     try:
         renewal.join(0.2)
         assert renewal.is_alive() and reads == []  # waiting for the store, the time not read yet
         now[0] = 18.0  # the commit took 13 s: past the lease the renewal was asked at (a stale 5 + 10 = 15)
+        waited = time.time()
     finally:
         pending.commit()  # lets the store go, whatever happened
     renewal.join(10)
     assert reads == [18.0] and renewed == [Lease("a", "a:7000", 1, 28)]
-    assert backend.execute("SELECT expires_at FROM leader") == [(28.0,)]
+    [(expires_at,)] = backend.execute("SELECT expires_at FROM leader")
+    # From when it ran, by the database's clock (this host's; SQLite's reads milliseconds).
+    assert waited - 0.01 <= expires_at - 10 <= time.time()
     other = backend.open()
     try:
-        assert other.acquire_or_renew("b", "b:7000", 10, clock=at(20)) is None  # a's renewed lease runs
+        assert other.acquire_or_renew("b", "b:7000", 10, monotonic=at(20)) is None  # a's renewed lease runs
     finally:
         other.close()
 
@@ -344,10 +372,11 @@ def test_a_flush_that_may_not_wait_leaves_the_changes_dirty_while_another_thread
 
 def test_a_failed_pending_flush_is_restored_dirty(backend, store):
     state, book, _ = populated()
-    store.acquire_or_renew("a", "a:7000", 10, clock=at(0))
+    store.acquire_or_renew("a", "a:7000", 10, monotonic=at(0))
     successor = backend.open()
     try:
-        successor.acquire_or_renew("b", "b:7000", 10, clock=at(11))
+        lapse(backend)
+        successor.acquire_or_renew("b", "b:7000", 10, monotonic=at(11))
         dirty = len(state.dirty)
         pending = store.begin_flush(state, book)
         with pytest.raises(FencedError):
@@ -377,12 +406,13 @@ def test_a_flush_restored_though_its_commit_went_through_writes_its_events_once(
 
 def test_a_deposed_holders_write_is_refused_and_nothing_of_it_is_written(backend, store):
     state, book, _ = populated()
-    store.acquire_or_renew("a", "a:7000", 10, clock=at(0))
+    store.acquire_or_renew("a", "a:7000", 10, monotonic=at(0))
     store.flush(state)  # a still leads
     store.flush_book(book)
     successor = backend.open()
     try:
-        assert successor.acquire_or_renew("b", "b:7000", 10, clock=at(11)).fencing == 2
+        lapse(backend)
+        assert successor.acquire_or_renew("b", "b:7000", 10, monotonic=at(11)).fencing == 2
         state.publish(manifest("late", blocks=2), STORE, now=12)
         state.report("w2", {"pkg": [7]}, {}, now=12)
         book.change_route(RouteChange("chat", "promote"), state.packages, 12.0)
@@ -408,13 +438,13 @@ def test_a_deposed_holders_write_is_refused_and_nothing_of_it_is_written(backend
 def test_a_released_lease_is_taken_at_once_by_the_next_holder(backend, store):
     other = backend.open()
     try:
-        store.acquire_or_renew("a", "a:7000", 10, clock=at(0))
+        store.acquire_or_renew("a", "a:7000", 10, monotonic=at(0))
         other.release("b")  # not b's: nothing happens
-        assert other.acquire_or_renew("b", "b:7000", 10, clock=at(1)) is None
+        assert other.acquire_or_renew("b", "b:7000", 10, monotonic=at(1)) is None
         store.release("a")
-        assert other.acquire_or_renew("b", "b:7000", 10, clock=at(1)) == Lease("b", "b:7000", 2, 11)
+        assert other.acquire_or_renew("b", "b:7000", 10, monotonic=at(1)) == Lease("b", "b:7000", 2, 11)
         store.release("a")  # a holds it no more: b's lease stays
-        assert store.acquire_or_renew("a", "a:7000", 10, clock=at(2)) is None
+        assert store.acquire_or_renew("a", "a:7000", 10, monotonic=at(2)) is None
     finally:
         other.close()
 
@@ -428,7 +458,7 @@ def test_of_holders_racing_for_a_free_lease_exactly_one_gets_it(backend, store):
         own = backend.open()  # a connection per thread, as per process
         try:
             start.wait()
-            results[i] = own.acquire_or_renew(f"h{i}", f"h{i}:7000", 10, clock=at(0))
+            results[i] = own.acquire_or_renew(f"h{i}", f"h{i}:7000", 10, monotonic=at(0))
         finally:
             own.close()
 

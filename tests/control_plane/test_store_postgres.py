@@ -131,10 +131,10 @@ def test_a_connection_the_server_dropped_is_opened_again_by_the_next_call_which_
     url = postgres_server.database()
     store = open_store(url)
     try:
-        assert store.acquire_or_renew("a", "a:7000", 10, clock=lambda: 0).fencing == 1
+        assert store.acquire_or_renew("a", "a:7000", 10, monotonic=lambda: 0).fencing == 1
         with psycopg.connect(url, autocommit=True) as admin:  # as a server restart or failover would
             admin.execute("SELECT pg_terminate_backend(%s)", (store._db.info.backend_pid,))
-        assert store.acquire_or_renew("a", "a:7000", 10, clock=lambda: 1).fencing == 1  # renewed, not failed
+        assert store.acquire_or_renew("a", "a:7000", 10, monotonic=lambda: 1).fencing == 1  # renewed, not failed
         assert "the server closed the session" in caplog.text and DB_PASSWORD not in caplog.text
         assert store.leader() == ("a:7000", 1)
         assert store._db.execute("SHOW synchronous_commit").fetchone() == ("on",)  # set up again

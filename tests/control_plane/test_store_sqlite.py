@@ -103,7 +103,7 @@ def test_a_file_from_before_the_lease_opens_and_gains_its_table(saved):
     state = load(saved)
     assert set(state.packages) == {"pkg", "other"}
     store = SqliteStore(saved)
-    assert store.leader() == ("", 0) and store.acquire_or_renew("cp", "cp:7000", 10, clock=lambda: 0).fencing == 1
+    assert store.leader() == ("", 0) and store.acquire_or_renew("cp", "cp:7000", 10, monotonic=lambda: 0).fencing == 1
     store.close()
 
 
