@@ -235,16 +235,17 @@ def _message_json(message: Any) -> dict:
 @cp_group.command("workers")
 @click.pass_context
 def workers_command(ctx: click.Context) -> None:
-    """List workers: liveness, lease left, address, labels, blocks held in memory and cached on disk only, per
-    package (package:blocks)."""
+    """List workers: liveness, lease left, address, data-plane transports (a plan's nodes speak one), labels, blocks
+    held in memory and cached on disk only, per package (package:blocks)."""
     workers = _run(ctx, lambda c: c.list_workers())
-    lines = [f"{'NODE':<24} {'ALIVE':<5} {'LEASE':>7}  {'ADDRESS':<22} LABELS / HELD / CACHED"]
+    lines = [f"{'NODE':<24} {'ALIVE':<5} {'LEASE':>7}  {'ADDRESS':<22} {'TRANSPORT':<9} LABELS / HELD / CACHED"]
     for w in workers:
         labels = ",".join(f"{k}={v}" for k, v in sorted(w.worker.labels.items())) or "-"
         held, cached = (" ".join(f"{h.package_id[:12]}:{len(h.blocks)}" for h in holdings) or "-"
                         for holdings in (w.held, w.cached))
+        transports = ",".join(w.worker.peer.transports) or "-"
         lines.append(f"{w.worker.peer.node_id:<24} {'yes' if w.alive else 'DEAD':<5} {w.lease_remaining_s:>6.1f}s  "
-                     f"{w.worker.peer.address:<22} {labels} / {held} / {cached}")
+                     f"{w.worker.peer.address:<22} {transports:<9} {labels} / {held} / {cached}")
     _emit(ctx, [_message_json(w) for w in workers], lines)
 
 

@@ -95,7 +95,8 @@ class NodeIdInUse(Conflict):
 
 
 class NoSource(Conflict):
-    """A scale-up has no node to send the package from: no worker holds all of it and its store is a receiver."""
+    """A scale-up has no node to send the package from: no worker holds all of it and its store is a receiver, or
+    none of them speaks a receiver's data-plane transport."""
 
 
 class InsufficientWorkers(ControlPlaneError):

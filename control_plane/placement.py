@@ -3,13 +3,17 @@
 Pure: from a snapshot of the workers (:class:`Candidate`, built by :class:`control_plane.state.ControlState`)
 to a decision; no state, no clock. Raises :class:`~control_plane.errors.InsufficientWorkers` when the
 workers cannot take the package.
+
+A plan's nodes all speak one data-plane transport (:func:`plan_transport`): agents of different transports
+cannot exchange blocks (a TCP client cannot fetch from a UCX listener).
 """
 
+import collections
 import heapq
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from control_plane.errors import InsufficientWorkers
+from control_plane.errors import InsufficientWorkers, InvalidRequest, NoSource
 from control_plane.planner.schedules import GROUP_CHAIN_MAX, binomial_pairs
 from pipecast.core.units import format_bytes
 
@@ -61,6 +65,7 @@ class Candidate:
     #: Of ``committed_bytes``, those of other packages it keeps only in a keep-alive release (a future source):
     #: given up when a scale-up needs the memory.
     reclaimable_bytes: int = 0
+    transports: tuple[str, ...] = ("tcp",)  # the data-plane transports its agent speaks
 
     def fits(self, package_bytes: int, *, reclaiming: bool = False) -> bool:
         """Whether a package of ``package_bytes`` fits its memory budget beside what it is committed to (with
@@ -76,12 +81,25 @@ class Targets:
 
     receivers: tuple[str, ...]
     unchanged: tuple[str, ...]
+    transport: str | None = None  # the one the plan's nodes speak (:func:`plan_transport`); None: not chosen
 
 
-def named_targets(package_id: str, package_bytes: int, candidates: Sequence[Candidate]) -> Targets:
+def plan_transport(offered: Sequence[str], receivers: Iterable[Sequence[str]]) -> str | None:
+    """The transport of a new plan, which its receivers and sources all speak: of those ``offered`` (what the
+    nodes that may send the package speak, in order of preference), the one the most ``receivers`` (each one's
+    transports) speak, the first offered among equals; None if none is offered."""
+    speakers = collections.Counter(t for transports in receivers for t in set(transports))
+    return max(offered, key=lambda t: speakers[t], default=None)
+
+
+def named_targets(package_id: str, package_bytes: int, candidates: Sequence[Candidate],
+                  offered: Sequence[str] = ()) -> Targets:
     """The named workers ``candidates`` (in order) sorted into receivers and unchanged ones; raises
-    :class:`InsufficientWorkers` if a receiver lacks the memory budget for the package."""
-    receivers: list[str] = []
+    :class:`InsufficientWorkers` if a receiver lacks the memory budget for the package. With ``offered`` (the
+    transports of the nodes that may send it, in order of preference) the receivers' transport is chosen
+    (:func:`plan_transport`); raises :class:`NoSource` if a receiver speaks none of them, :class:`InvalidRequest`
+    if two receivers share none of them."""
+    receivers: list[Candidate] = []
     unchanged: list[str] = []
     for c in candidates:
         if c.complete or c.receiving:
@@ -92,12 +110,32 @@ def named_targets(package_id: str, package_bytes: int, candidates: Sequence[Cand
                 f"{format_bytes(c.memory_bytes)} memory budget free; package {package_id!r} needs "
                 f"{format_bytes(package_bytes)}")
         else:
-            receivers.append(c.node_id)
-    return Targets(tuple(receivers), tuple(unchanged))
+            receivers.append(c)
+    names = tuple(c.node_id for c in receivers)
+    if not offered or not receivers:
+        return Targets(names, tuple(unchanged))
+    transport = plan_transport(offered, (c.transports for c in receivers))
+    for c in receivers:
+        if transport in c.transports:
+            continue
+        if set(offered).isdisjoint(c.transports):
+            raise NoSource(f"scale-up of package {package_id!r}: worker {c.node_id!r} speaks "
+                           f"{_listed(c.transports)} and no node holding the package to send it from does (they "
+                           f"speak {_listed(offered)})")
+        other = next(o for o in receivers if transport in o.transports)
+        raise InvalidRequest(f"scale-up of package {package_id!r}: worker {c.node_id!r} speaks "
+                             f"{_listed(c.transports)} and worker {other.node_id!r} {_listed(other.transports)}, "
+                             f"with no transport in common that a node holding the package speaks "
+                             f"({_listed(offered)}): one plan's nodes speak one; scale them up apart")
+    return Targets(names, tuple(unchanged), transport)
+
+
+def _listed(transports: Sequence[str]) -> str:
+    return ", ".join(transports) or "no transport"
 
 
 def counted_targets(package_id: str, package_bytes: int, candidates: Iterable[Candidate], count: int,
-                    source_racks: Collection[str] = (), *, store: str = "") -> Targets:
+                    source_racks: Collection[str] = (), *, store: str = "", offered: Sequence[str] = ()) -> Targets:
     """``count`` workers picked among the alive ``candidates``: serving ones first (an agent alone serves no
     request: the scaling daemon counts only serving workers as free, and a copy on another node made it scale up
     again), among them those in a keep-alive release of the package
@@ -105,21 +143,29 @@ def counted_targets(package_id: str, package_bytes: int, candidates: Iterable[Ca
     in a keep-alive release, then those holding most of it in memory or in their
     disk cache (a local load; memory first among equals), then those in one of ``source_racks`` (the racks
     of the plan's sources: no cross-rack traffic), then the least committed; never the package's ``store``
-    node; raises :class:`InsufficientWorkers` if fewer than ``count`` can take it."""
+    node; with ``offered`` (the transports of the nodes that may send it, in order of preference), only receivers
+    speaking the one of those that the most eligible ones speak (:func:`plan_transport`); raises
+    :class:`InsufficientWorkers` if fewer than ``count`` can take it."""
     # The store is the package's origin, not a replica: picked as a receiver (its blocks not counted yet, e.g.
     # seeded before the publish) it would leave its plan with no source.
     eligible = [c for c in candidates if c.node_id != store and not c.receiving and (
         (c.releasing and c.complete) or (not c.complete and c.fits(package_bytes, reclaiming=True)))]
-    if len(eligible) < count:
-        raise InsufficientWorkers(
-            f"scale-up of package {package_id!r} asked for {count} more workers; only {len(eligible)} "
-            f"are alive, do not hold it already and have {format_bytes(package_bytes)} of "
-            "memory budget free")
-    eligible.sort(key=lambda c: (not c.serving, not c.releasing, not c.complete and not c.fits(package_bytes),
+    transport = plan_transport(offered, (c.transports for c in eligible if not c.complete))
+    speaking = [c for c in eligible if c.complete or transport is None or transport in c.transports]
+    if len(speaking) < count:
+        free = f"{format_bytes(package_bytes)} of memory budget free"
+        # Workers of another transport are said to be left out: else the count of alive ones looks wrong.
+        which = f"do not hold it already and have {free}" if len(speaking) == len(eligible) else (
+            f"do not hold it already, have {free} and speak {transport} (of the transports of the nodes that "
+            f"may send it, {_listed(offered)}, the one most of them speak)")
+        raise InsufficientWorkers(f"scale-up of package {package_id!r} asked for {count} more workers; only "
+                                  f"{len(speaking)} are alive, {which}")
+    speaking.sort(key=lambda c: (not c.serving, not c.releasing, not c.complete and not c.fits(package_bytes),
                                  -(c.blocks_held + c.blocks_cached), -c.blocks_held,
                                  c.rack is None or c.rack not in source_racks, c.committed_bytes, c.node_id))
-    chosen = eligible[:count]
-    return Targets(tuple(c.node_id for c in chosen if not c.complete), tuple(c.node_id for c in chosen if c.complete))
+    chosen = speaking[:count]
+    return Targets(tuple(c.node_id for c in chosen if not c.complete), tuple(c.node_id for c in chosen if c.complete),
+                   transport)
 
 
 def pick_sources(complete_holders: Sequence[str], store: str, exclude: Collection[str], *,

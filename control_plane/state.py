@@ -196,6 +196,7 @@ class ScaleUpDraft:
     chunk_counts: tuple[int, ...] = ()
     held: Mapping[str, frozenset[int]] = field(default_factory=dict)  # only when a receiver holds some
     in_flight: tuple[InFlight, ...] = ()  # the receivers of the package in flight under other plans
+    transport: str | None = None  # the data-plane transport its receivers and sources all speak
 
     def build(self) -> Plan:
         """The plan (pure; nothing a receiver already verified is fetched again)."""
@@ -294,6 +295,8 @@ class ControlState:
         self._forget_cached(node)
         for package_id, cached_blocks in on_disk.items():
             self.cached.setdefault(package_id, {})[node] = cached_blocks
+        if old is not None and old.alive and old.spec.peer.transports != spec.peer.transports:
+            self._leave_plans_spoken_otherwise(node)
         if old is not None and old.alive and old.spec.peer != spec.peer:
             self._readdressed(node)
         for package_id, availability in self.availability.items():
@@ -324,6 +327,18 @@ class ControlState:
                         committed, package_id, need)
             for active in [p for p in self.plans.values() if p.package_id == package_id and node in p.pending]:
                 self._repair(active, {node})
+
+    def _leave_plans_spoken_otherwise(self, node: str) -> None:
+        """``node`` registered again with other transports (its agent restarted and fell back from UCX to TCP): it
+        leaves the plans whose other nodes speak none of them, as a dead node would (it can neither fetch from them
+        nor serve them); where it was receiving, it gets a plan for the rest (:meth:`_resume`)."""
+        for active in [p for p in self.plans.values() if node in p.parts and not self._plan_transports(p)]:
+            log.warning("worker %s registered with transports=%s, which plan=%s of package=%s does not speak; it "
+                        "leaves the plan", node, ",".join(self.peer(node).transports), active.plan_id,
+                        active.package_id)
+            if node in active.pending:
+                self.lapsed.setdefault(node, set()).add(active.package_id)
+            self._repair(active, {node})
 
     def _resume(self, node: str, now: float) -> None:
         """Plan the rest of every package ``node`` was receiving when its lease lapsed."""
@@ -542,7 +557,7 @@ class ControlState:
         if not slow:
             return
         package = self.packages[package_id]
-        held = dict(self.availability[package_id].by_worker)
+        held = self._senders(active)
         parents = {node: {f.parent for f in active.parts[node].fetch} for node in slow}
         # Pairs at a plan's first demotion only: past a slow leaf (the tail's one slot taken) a pair would wait
         # behind it, where no verdict can be made, its healthy member at that leaf's rate for good.
@@ -604,7 +619,7 @@ class ControlState:
         """``plan`` with the leaf ``slow`` fetching behind the leaf ``fine`` (:func:`follow`); where a re-plan since
         the pair's (a death, a later straggler) made ``fine`` depend on ``slow``, both joined again past the tail,
         ``slow`` last (:func:`demote`); where neither makes a valid plan, ``plan`` as it is."""
-        held = self.availability[active.package_id].by_worker
+        held = self._senders(active)
         try:
             moved = follow(plan, slow, fine, held.get(fine, ()))
             moved.validate()
@@ -686,7 +701,7 @@ class ControlState:
 
     def _reroute(self, active: ActivePlan, child: str | None, peer: str, block: int) -> bool:
         """Move ``child``'s fetches of ``block`` off ``peer``, a receiver of ``active`` that keeps receiving."""
-        held = self.availability[active.package_id].by_worker
+        held = self._senders(active)
         plan, changed = reroute(active.plan, child=child, peer=peer, block=block, held=held,
                                 labels=self._labels(set(active.parts) | set(held)), fanout=active.fanout,
                                 parts=active.parts, leaves=active.demoted)
@@ -714,7 +729,9 @@ class ControlState:
         new chain hangs behind its last node instead (one copy leaves the store, not two), unless the store
         has a link to spare. Otherwise a few receivers added beside others in flight get a plan rotated to
         start where those lack most (:func:`~control_plane.planner.schedules.complement_starts`), so that
-        together they soon hold every layer and serve as a pipeline.
+        together they soon hold every layer and serve as a pipeline. Its receivers and sources all speak one
+        data-plane transport (:func:`~control_plane.placement.plan_transport`), and so do the parents its repairs
+        give them.
 
         The same as :meth:`draft_scale_up`, :meth:`ScaleUpDraft.build` and :meth:`install_scale_up`, which
         the service calls apart to plan off its event loop."""
@@ -742,7 +759,8 @@ class ControlState:
             if sending is not None:  # no draft could place it: a plan's part is no receiver of another
                 raise Conflict(f"scale-up of package {package_id!r}: worker {sending!r} sends the blocks it holds in "
                                f"plan {senders[sending]} in progress; scale it up once that plan ends")
-            targets = named_targets(package_id, package.total_bytes, self._candidates(package_id, node_ids))
+            targets = named_targets(package_id, package.total_bytes, self._candidates(package_id, node_ids),
+                                    self._offered(package, receivers=node_ids))
         else:
             alive = [n for n, w in self.workers.items() if w.alive]
             # Sources as for ``count`` receivers not picked yet: their racks are those receivers are picked from
@@ -750,13 +768,14 @@ class ControlState:
             sources, _ = self._plan_sources(package, strategy, exclude=(), receivers=count)
             source_racks = {rack for n in sources if (rack := self._rack(n)) is not None}
             targets = counted_targets(package_id, package.total_bytes, self._candidates(package_id, alive), count,
-                                      source_racks, store=package.store.node_id)
+                                      source_racks, store=package.store.node_id, offered=self._offered(package))
         receivers = tuple(targets.receivers)
         request = (tuple(node_ids), count, strategy, fanout)
         if not receivers:
             return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged))
         availability = self.availability[package_id]
-        sources, strategy = self._plan_sources(package, strategy, exclude=set(receivers), receivers=receivers)
+        sources, strategy = self._plan_sources(package, strategy, exclude=set(receivers), receivers=receivers,
+                                               transport=targets.transport)
         if not sources:  # only the store holds it, and it is named a receiver: nothing to send from
             raise NoSource(f"scale-up of package {package_id!r}: no node holds the whole package to send it from "
                            f"(its store {package.store.node_id!r} is among the receivers and no worker holds all "
@@ -772,7 +791,7 @@ class ControlState:
         return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged), tuple(sources), strategy,
                             fanout or DEFAULT_FANOUT, self._labels({*held, *sources, *receivers}), links,
                             package.num_blocks, package.block_bytes, package.chunk_counts, held,
-                            in_flight=in_flight if strategy == "rotated" else ())
+                            in_flight=in_flight if strategy == "rotated" else (), transport=targets.transport)
 
     def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float, plan_id: str = "",
                          redrafted: bool = False) -> ScaleUpResult:
@@ -801,9 +820,9 @@ class ControlState:
         active.pending = {n for n in plan.assignments if not availability.is_complete(n)}
         self._install(active, plan)
         active.changed = False  # a new plan: nothing to settle from
-        log.info("scale-up plan=%s package=%s strategy=%s sources=%d source_slots=%d receivers=%d", active.plan_id,
-                 package_id, draft.strategy, len(draft.sources), sum(draft.links.get(s, 1) for s in draft.sources),
-                 len(receivers))
+        log.info("scale-up plan=%s package=%s strategy=%s transport=%s sources=%d source_slots=%d receivers=%d",
+                 active.plan_id, package_id, draft.strategy, draft.transport, len(draft.sources),
+                 sum(draft.links.get(s, 1) for s in draft.sources), len(receivers))
         if not active.pending:
             self._end_plan(active)
         return ScaleUpResult(active.plan_id, draft.strategy, draft.sources, receivers, draft.unchanged)
@@ -814,7 +833,8 @@ class ControlState:
         or a report of dropped blocks may have taken some: its plan would never fetch them) and has the memory
         for the package (another scale-up, of another package, may have taken it meanwhile), and its worker
         sources and unchanged workers still hold the package (a keep-alive release may have fallen due
-        meanwhile: told to drop it, one is neither)."""
+        meanwhile: told to drop it, one is neither), and its receivers and sources still speak its transport (one
+        may have registered again with another)."""
         package_id = draft.package_id
         if package_id not in self.packages:
             return False
@@ -822,6 +842,9 @@ class ControlState:
         store = package.store.node_id
         if not all(n == store or (n in self.workers and self.workers[n].alive) for n in (*draft.receivers,
                                                                                          *draft.sources)):
+            return False
+        if draft.transport is not None and not all(self._speaks(n, (draft.transport,))
+                                                   for n in (*draft.receivers, *draft.sources)):
             return False
         plans = [p for p in self.plans.values() if p.package_id == package_id]
         receivers = set(draft.receivers)
@@ -1056,7 +1079,7 @@ class ControlState:
         return [Candidate(n, self.workers[n].spec.memory_bytes, committed.get(n, 0), availability.count(n),
                           availability.is_complete(n), n in receiving, n in releasing, self._rack(n),
                           len(on_disk.get(n, set()) - availability.held(n)), bool(self.workers[n].spec.serve_url),
-                          reclaimable.get(n, 0)) for n in nodes]
+                          reclaimable.get(n, 0), self.workers[n].spec.peer.transports) for n in nodes]
 
     def _chain_tail(self, package_id: str) -> str | None:
         """The last node of the newest active chain plan of ``package_id`` still receiving it (None if none, or if
@@ -1083,14 +1106,53 @@ class ControlState:
         return pick_sources(holders, package.store.node_id, exclude, limit=min(count, MAX_PLAN_SOURCES), busy=busy,
                             near={n for n in holders if self._rack(n) in racks} if racks else ())
 
+    def _speaks(self, node: str, transports: Collection[str]) -> bool:
+        """Whether ``node`` (a worker or a store) speaks one of the data-plane ``transports``."""
+        return not set(transports).isdisjoint(self.peer(node).transports)
+
+    def _offered(self, package: Package, receivers: Collection[str] = ()) -> list[str]:
+        """The transports of the nodes that may send ``package`` to ``receivers``, in order of preference: its
+        store's (unless it is among them; :meth:`peer`'s, as published where it registered no agent) in their
+        order, then its complete holders' others by name."""
+        store = package.store.node_id
+        offered = [] if store in receivers else list(self.peer(store).transports)
+        spoken = {t for n in self.availability[package.package_id].complete_holders()
+                  for t in self.workers[n].spec.peer.transports}
+        return [*offered, *sorted(spoken - set(offered))]
+
+    def _unheard(self, package: Package, transports: Collection[str]) -> set[str]:
+        """The nodes that may send ``package`` (its store, its complete holders) that speak none of ``transports``:
+        no source of a plan whose nodes speak those."""
+        return {n for n in (package.store.node_id, *self.availability[package.package_id].complete_holders())
+                if not self._speaks(n, transports)}
+
+    def _plan_transports(self, active: ActivePlan) -> set[str]:
+        """The data-plane transports every node of ``active`` speaks (the one it was planned on, at least)."""
+        spoken: set[str] | None = None
+        for node in active.parts:  # the sources among them
+            peer = self.peer(node)
+            if peer.address:  # else no node any more: a store re-pointed away (publish), which leaves the plan
+                spoken = set(peer.transports) if spoken is None else spoken.intersection(peer.transports)
+        return spoken or set()
+
+    def _senders(self, active: ActivePlan) -> dict[str, frozenset[int]]:
+        """Verified blocks per node of ``active``'s package, of the nodes a re-plan of it may take a parent from:
+        its own, and others speaking a transport that all of its nodes speak (a receiver cannot fetch from a
+        holder of another transport)."""
+        spoken = self._plan_transports(active)
+        return {n: blocks for n, blocks in self.availability[active.package_id].by_worker.items()
+                if n in active.parts or self._speaks(n, spoken)}
+
     def _plan_sources(self, package: Package, strategy: str, exclude: Collection[str],
-                      receivers: int | Collection[str]) -> tuple[list[str], str]:
-        """The sources of a new plan of ``package`` to ``receivers`` (none of ``exclude``; :meth:`_pick_sources`)
-        and its strategy (``strategy``, or "chain" where it hangs behind a chain in progress from a store with no
-        link to spare).
+                      receivers: int | Collection[str], transport: str | None = None) -> tuple[list[str], str]:
+        """The sources of a new plan of ``package`` to ``receivers`` (none of ``exclude``, and with ``transport``
+        only nodes speaking it; :meth:`_pick_sources`) and its strategy (``strategy``, or "chain" where it hangs
+        behind a chain in progress from a store with no link to spare).
 
         Beside complete holders, a rotated plan (or one whose strategy is left to the state) also sends from
         the store while no plan in progress does: its egress is a source like theirs."""
+        if transport is not None:
+            exclude = {*exclude, *self._unheard(package, (transport,))}
         sources = self._pick_sources(package, exclude, receivers)
         store = package.store.node_id
         if self.store_beside_holders and sources and store not in sources and store not in exclude \
@@ -1100,7 +1162,7 @@ class ControlState:
         spare_link = self.store_links > 1 and self._store_links_free(store) > 0
         tail = self._chain_tail(package.package_id) if strategy in ("", "chain") and from_store and not spare_link \
             else None
-        if tail is not None:
+        if tail is not None and (transport is None or self._speaks(tail, (transport,))):
             # A chain is still bringing the package from the store, whose links are all taken: hang the new
             # receivers behind its last node (it forwards each chunk as it lands) instead of splitting the
             # store's egress between two plans, which would slow the first one down.
@@ -1200,13 +1262,13 @@ class ControlState:
         package = self.packages[active.package_id]
         sources = [s for s in active.plan.sources if s not in gone]
         if not sources:
-            sources = self._pick_sources(package, gone, active.pending)
+            sources = self._pick_sources(package, gone | self._unheard(package, self._plan_transports(active)),
+                                         active.pending)
         if not sources:
-            log.warning("plan=%s package=%s cannot drop %s: no other source holds the package",
-                        active.plan_id, active.package_id, sorted(gone))
+            log.warning("plan=%s package=%s cannot drop %s: no other source holds the package and speaks its "
+                        "transport", active.plan_id, active.package_id, sorted(gone))
             return False
-        availability = self.availability[active.package_id]
-        held = {n: blocks for n, blocks in availability.by_worker.items() if n not in gone}
+        held = {n: blocks for n, blocks in self._senders(active).items() if n not in gone}
         nodes = set(active.parts) | set(held) | set(sources)
         labels = self._labels(nodes)
         plan, changed = repair(active.plan, dead=gone, held=held, sources=sources, labels=labels,

@@ -3,10 +3,10 @@ nodes send it, and the default strategy."""
 
 import pytest
 
-from control_plane.errors import InsufficientWorkers
+from control_plane.errors import InsufficientWorkers, InvalidRequest, NoSource
 from control_plane.placement import (
     CHAIN_MAX_RECEIVERS, CHAIN_MIN_RECEIVERS, RELAY_PIECE_BYTES, Candidate, Targets, chain_suits, counted_targets,
-    default_strategy, named_targets, pick_sources, relay_piece)
+    default_strategy, named_targets, pick_sources, plan_transport, relay_piece)
 from control_plane.planner.schedules import GROUP_CHAIN_MAX, binomial_pairs
 from pipecast.core.settings import Settings
 
@@ -15,8 +15,9 @@ PACKAGE_BYTES = 100
 
 def candidate(node: str, *, memory: int = 1000, committed: int = 0, held: int = 0, complete: bool = False,
               receiving: bool = False, releasing: bool = False, rack: str | None = None, cached: int = 0,
-              serving: bool = True) -> Candidate:
-    return Candidate(node, memory, committed, held, complete, receiving, releasing, rack, cached, serving)
+              serving: bool = True, transports: tuple[str, ...] = ("tcp",)) -> Candidate:
+    return Candidate(node, memory, committed, held, complete, receiving, releasing, rack, cached, serving,
+                     transports=transports)
 
 
 def test_a_package_fits_beside_what_a_worker_is_committed_to():
@@ -137,3 +138,36 @@ def test_a_counted_scale_up_takes_serving_workers_before_agents_alone():
                   candidate("gpu2")]
     assert counted_targets("pkg", PACKAGE_BYTES, candidates, 2).receivers == ("gpu2", "gpu1")
     assert counted_targets("pkg", PACKAGE_BYTES, candidates, 3).receivers == ("gpu2", "gpu1", "agent-only")
+
+
+# ----- transports -----
+
+def test_a_plans_transport_is_the_offered_one_most_receivers_speak_the_first_offered_among_equals():
+    assert plan_transport(["tcp", "ucx"], [("ucx",), ("ucx", "tcp"), ("tcp",), ("ucx",)]) == "ucx"
+    assert plan_transport(["tcp", "ucx"], [("ucx",), ("tcp",)]) == "tcp"
+    assert plan_transport(["ucx", "tcp"], [("tcp",)]) == "tcp"
+    assert plan_transport(["tcp"], [("ucx",)]) == "tcp" and plan_transport([], [("tcp",)]) is None
+
+
+def test_counted_workers_speak_the_plans_transport_and_holders_of_any_stay_unchanged():
+    candidates = [candidate("u0", transports=("ucx",)), candidate("u1", transports=("ucx",)), candidate("t0"),
+                  candidate("kept", complete=True, releasing=True, transports=("ucx",))]
+    assert counted_targets("pkg", PACKAGE_BYTES, candidates, 2, offered=("tcp",)) == Targets(("t0",), ("kept",), "tcp")
+    assert counted_targets("pkg", PACKAGE_BYTES, candidates, 3, offered=("tcp", "ucx")) == \
+        Targets(("u0", "u1"), ("kept",), "ucx")
+    assert counted_targets("pkg", PACKAGE_BYTES, candidates, 4).transport is None  # nothing offered: no choice
+
+
+def test_named_workers_all_speak_a_transport_their_senders_speak():
+    ucx = candidate("u0", transports=("ucx",))
+    assert named_targets("pkg", PACKAGE_BYTES, [ucx, candidate("both", transports=("tcp", "ucx"))],
+                         ("tcp", "ucx")) == Targets(("u0", "both"), (), "ucx")
+    # Only receivers count: one that holds the package takes no plan.
+    assert named_targets("pkg", PACKAGE_BYTES, [candidate("t0"), candidate("u9", complete=True, transports=("ucx",))],
+                         ("tcp",)) == Targets(("t0",), ("u9",), "tcp")
+    with pytest.raises(NoSource, match="^scale-up of package 'pkg': worker 'u0' speaks ucx and no node holding the "
+                                       r"package to send it from does \(they speak tcp\)$"):
+        named_targets("pkg", PACKAGE_BYTES, [candidate("t0"), ucx], ("tcp",))
+    with pytest.raises(InvalidRequest, match="^scale-up of package 'pkg': worker 't0' speaks tcp and worker 'u0' ucx"):
+        named_targets("pkg", PACKAGE_BYTES, [candidate("t0"), ucx, candidate("u1", transports=("ucx",))],
+                      ("tcp", "ucx"))

@@ -851,7 +851,7 @@ def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
         plans = json.loads(runner.invoke(cp_group, ["--json", "plans"]).output)
         assert [(p["package_id"], p["receivers"]) for p in plans] == [(pid, ["w1"])]
         [w1] = [line for line in runner.invoke(cp_group, ["workers"]).output.splitlines() if line.startswith("w1 ")]
-        assert w1.endswith(f"rack=r0 / - / {pid[:12]}:2")  # labels / held / cached
+        assert w1.endswith(f" tcp       rack=r0 / - / {pid[:12]}:2")  # transports, labels / held / cached
         status = runner.invoke(cp_group, ["status"]).output
         assert "workers: 1 alive of 1" in status and "plans in progress: 1" in status, status
         assert f"pkg                          {pid[:12]}  {BLOCKS} blocks" in status, status

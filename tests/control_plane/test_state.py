@@ -30,8 +30,8 @@ def manifest(package_id: str = "pkg", blocks: int = BLOCKS, block_bytes: int = 1
                     blocks=[Block(index=i, bytes=block_bytes) for i in range(blocks)])
 
 
-def spec(node: str, rack: str = "", memory: int = 10_000) -> WorkerSpec:
-    return WorkerSpec(PeerInfo(node, f"{node}.local:7070", ("tcp",)), memory, labels={"rack": rack} if rack else {})
+def spec(node: str, rack: str = "", memory: int = 10_000, transports: tuple[str, ...] = ("tcp",)) -> WorkerSpec:
+    return WorkerSpec(PeerInfo(node, f"{node}.local:7070", transports), memory, labels={"rack": rack} if rack else {})
 
 
 def cluster(workers: int, *, racks: int = 0, store_beside_holders: bool = True, block_bytes: int = 100,
@@ -947,6 +947,124 @@ def test_the_progress_of_a_receiver_that_left_its_plan_is_forgotten():
     progress(LEASE + 5)
     state.remove_package("pkg", force=True)
     assert state.progress == {}
+
+
+# ----- transports: a plan's nodes speak one -----
+
+def mixed(ucx: int, *, store: tuple[str, ...] = ("tcp",), **options) -> ControlState:
+    """``cluster(3)`` (w0-w2 speak tcp) with ``ucx`` workers u0.. that speak ucx only, the store speaking ``store``."""
+    state = cluster(3, **options)
+    state.publish(manifest(), dataclasses.replace(STORE, transports=store), now=0)
+    for i in range(ucx):
+        state.register(spec(f"u{i}", transports=("ucx",)), {}, now=0)
+    return state
+
+
+def parents(state: ControlState, plan_id: str) -> set[str]:
+    return {a.parent for part in state.plans[plan_id].parts.values() for a in part.fetch}
+
+
+def test_a_counted_scale_up_takes_only_workers_speaking_the_transport_of_the_packages_senders():
+    """Found in review: a tcp store's package was sent to ucx workers (picked first, by id), whose fetches from
+    it all failed, the store reported as a bad peer."""
+    state = mixed(4)
+    result = state.scale_up("pkg", count=3, now=1)
+    assert set(result.receivers) == {"w0", "w1", "w2"} and result.sources == ("store",)
+    state = mixed(4)
+    with pytest.raises(InsufficientWorkers, match=re.escape(
+            "scale-up of package 'pkg' asked for 4 more workers; only 3 are alive, do not hold it already, have "
+            "800 B of memory budget free and speak tcp (of the transports of the nodes that may send it, tcp, the "
+            "one most of them speak)")):
+        state.scale_up("pkg", count=4, now=1)
+
+
+def test_a_counted_scale_up_takes_the_transport_most_workers_speak_and_only_senders_speaking_it():
+    state = mixed(4)
+    state.register(spec("u9", transports=("ucx",)), {"pkg": range(BLOCKS)}, now=1)  # a ucx holder
+    state.register(spec("w9"), {"pkg": range(BLOCKS)}, now=1)  # a tcp one
+    result = state.scale_up("pkg", count=3, now=1)
+    assert set(result.receivers) <= {"u0", "u1", "u2", "u3"} and result.sources == ("u9",)
+    assert_complete_plan(state, result.plan_id, set(result.receivers))
+    # Among as many of each, the store's order of preference.
+    state = mixed(3, store=("ucx", "tcp"))
+    assert set(state.scale_up("pkg", count=2, now=1).receivers) <= {"u0", "u1", "u2"}
+
+
+def test_a_named_worker_speaking_no_transport_of_the_packages_senders_is_refused_typed():
+    state = mixed(1)
+    with pytest.raises(NoSource, match=re.escape(
+            "scale-up of package 'pkg': worker 'u0' speaks ucx and no node holding the package to send it from "
+            "does (they speak tcp)")):
+        state.scale_up("pkg", node_ids=["w0", "u0"], now=1)
+    state.register(spec("u9", transports=("ucx",)), {"pkg": range(BLOCKS)}, now=1)
+    with pytest.raises(InvalidRequest, match=re.escape(
+            "scale-up of package 'pkg': worker 'u0' speaks ucx and worker 'w0' tcp, with no transport in common "
+            "that a node holding the package speaks (tcp, ucx): one plan's nodes speak one; scale them up apart")):
+        state.scale_up("pkg", node_ids=["w0", "u0"], now=1)
+    assert state.plans == {} and state.notices == []
+    result = state.scale_up("pkg", node_ids=["u0"], now=1)
+    assert result.sources == ("u9",)  # not the store, which speaks only tcp
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_a_repair_after_a_sources_death_never_gives_a_receiver_a_parent_of_another_transport(beside):
+    state = mixed(0, store_beside_holders=beside)
+    state.register(spec("w9"), {"pkg": range(BLOCKS)}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], strategy="tree", now=1)
+    state.register(spec("u9", transports=("ucx",)), {"pkg": range(BLOCKS)}, now=2)  # a holder since
+    for node in ("w0", "w1", "w2", "u9"):
+        state.heartbeat(node, now=LEASE)
+    assert state.tick(now=LEASE + 1.5) == ["w9"]
+    assert state.plans[result.plan_id].plan.sources == ("store",)
+    assert "u9" not in state.plans[result.plan_id].parts and "u9" not in parents(state, result.plan_id)
+    assert_complete_plan(state, result.plan_id, {"w0", "w1", "w2"})
+
+
+def test_a_bad_peer_reports_child_never_gets_a_holder_of_another_transport():
+    state = mixed(0)
+    for node in ("w5", "w6"):
+        state.register(spec(node), {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w5", "w6"], strategy="chain", now=1)
+    state.register(spec("u9", transports=("ucx",)), {"pkg": range(BLOCKS)}, now=2)  # a holder since
+    peer = next(n for n in result.receivers if state.plans[result.plan_id].parts[n].serve)
+    child = state.plans[result.plan_id].parts[peer].serve[0][1]
+    state.report(peer, {"pkg": [0]}, {}, now=2)
+    assert state.report_bad_peer(child, peer, "pkg", 0, "digest mismatch", now=2)  # the peer keeps receiving
+    assert peer in state.plans[result.plan_id].pending
+    assert "u9" not in state.plans[result.plan_id].parts and "u9" not in parents(state, result.plan_id)
+
+
+def test_a_demoted_stragglers_children_never_move_to_a_holder_of_another_transport():
+    state = cluster(6, block_bytes=BIG_BLOCK)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3", "w4", "w5"], strategy="chain", now=1)
+    active = state.plans[result.plan_id]
+    state.register(spec("u9", transports=("ucx",)), {"pkg": range(BLOCKS)}, now=1)  # a holder since
+    _progress(state, {"w0": 50e6, "w1": 50e6, "w2": 10e6, "w3": 10e6, "w4": 10e6, "w5": 10e6}, 1.0, 3.0,
+              until=lambda: bool(active.demoted))
+    assert active.demoted and "u9" not in active.parts and "u9" not in parents(state, result.plan_id)
+    active.plan.validate()
+
+
+def test_a_new_receiver_of_another_transport_is_not_hung_behind_a_chain_in_progress():
+    state = mixed(2, store=("ucx", "tcp"))
+    first = state.scale_up("pkg", node_ids=["u0", "u1"], strategy="chain", now=1)
+    assert first.sources == ("store",)
+    result = state.scale_up("pkg", node_ids=["w0"], now=1)
+    assert result.sources == ("store",) and parents(state, result.plan_id) == {"store"}
+
+
+def test_a_receiver_back_speaking_another_transport_leaves_its_plan_and_gets_one_it_speaks():
+    """An agent that restarts and falls back from UCX to TCP registers again before its lease lapses: its plan's
+    nodes can no longer fetch from it, nor it from them."""
+    state = mixed(3, store=("ucx", "tcp"))
+    first = state.scale_up("pkg", node_ids=["u0", "u1", "u2"], strategy="chain", now=1).plan_id
+    state.register(spec("u1", transports=("tcp",)), {}, now=2)
+    assert "u1" not in state.plans[first].parts and "u1" not in parents(state, first)
+    assert_complete_plan(state, first, {"u0", "u2"})
+    [resumed] = [p for p in state.plans.values() if p.plan_id != first]
+    assert resumed.pending == {"u1"} and resumed.plan.sources == ("store",)
+    state.register(spec("u1", transports=("tcp",)), {}, now=3)  # the same transports again: nothing changes
+    assert len(state.plans) == 2 and "u1" in state.plans[resumed.plan_id].pending
 
 
 # ----- release -----
