@@ -110,6 +110,17 @@ async def listening(app: "web.Application", host: str, port: int, **runner_optio
         await runner.cleanup()
 
 
+#: aiohttp ``AppRunner`` options of pipecast's HTTP servers: a client that disconnects cancels its handler (a
+#: request waiting gives its place up at once, not at its deadline; one at a worker is cancelled there too), and a
+#: request answered before its body was read (401, 413, 429) has the rest read and dropped for at most
+#: ``lingering_time`` before its connection closes: long enough for a client sending a body of a usual size to
+#: finish and read its answer (closed at once, it would get a reset instead), where aiohttp's default (10 s) took
+#: ~20 GiB from one client sending on loopback. A connection idle for ``keepalive_timeout``, or whose request's
+#: headers are not in by then, is closed (aiohttp's default: an hour, so that clients sending no request, or half
+#: of one, held a connection and its file descriptor each).
+RUNNER_OPTIONS: dict[str, Any] = {"handler_cancellation": True, "lingering_time": 1.0, "keepalive_timeout": 75.0}
+
+
 #: The shortest drain a server takes (``drain_timeout_s`` 0: requests in flight are cut at once).
 MIN_DRAIN_S = 0.001
 

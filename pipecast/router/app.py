@@ -49,14 +49,16 @@ any worker, which refuses a model it does not serve (404).
 Before its queue, the router admits each request for its tenant (:mod:`pipecast.router.admission`): with
 API keys configured, a request without a known ``Authorization: Bearer`` key gets 401
 (``authentication_error``); a tenant over its rate limit gets 429 (``rate_limited``) with ``Retry-After``, its
-body unread (the connection closes where the body is not all in).
+body unread (the connection closes where the body is not all in, once the client had a second to finish it:
+:data:`~pipecast.core.httpserve.RUNNER_OPTIONS`).
 Admitted requests wait for a worker in one queue per tenant and are dispatched fairly across tenants
 (:mod:`pipecast.router.fairness`): the next free slot goes to the tenant furthest below its share.
 
 Every wait on a worker has a deadline: ``connect_timeout_s`` to connect, ``upstream_timeout_s`` of
 silence before its response or between two chunks of it, and as long for each piece of the request's body
 that the worker must take (a worker that stops reading a large body holds no request for good). A client
-has ``upstream_timeout_s`` too to send its whole request body: a body not in by then is answered 408
+has 75 s to send a request's headers (:data:`~pipecast.core.httpserve.RUNNER_OPTIONS`; an idle connection is
+closed after as long) and ``upstream_timeout_s`` to send its whole request body: a body not in by then is answered 408
 (``request_timeout``), naming the deadline, and its connection closed.
 """
 
@@ -230,7 +232,7 @@ def error_body(message: str, kind: str, **extra: object) -> dict:
 
 def _unread_body(error: Exception, status: int, code: str) -> web.Response:
     """The answer refusing a request's body (too large, too slow), closing the connection: the rest of the body
-    is never read."""
+    is never read (dropped for a second at most as it comes: :data:`~pipecast.core.httpserve.RUNNER_OPTIONS`)."""
     response = web.json_response(error_body(str(error), "invalid_request_error", code=code), status=status)
     response.force_close()
     return response
@@ -636,8 +638,8 @@ class Router:
                 del pending[:end]
             if len(pending) > self.config.max_event_bytes:  # buffered output stays bounded
                 raise failure(f"sent an event of more than {self.config.max_event_bytes} bytes")
-        if whole_last_event(pending):
-            yield bytes(pending)
+        if whole_last_event(pending):  # ended as an event ends: a client would else drop it (the SSE rule)
+            yield bytes(pending).rstrip(b"\r\n") + b"\n\n"
         elif not started:
             raise failure("ended its stream before its first event")
 
@@ -671,7 +673,8 @@ class Router:
                         tokens += stream_tokens(events)
                     if not await self._send(response, events):
                         return response
-                    events = await anext(stream, None)
+                    # Nothing comes after [DONE]: a worker keeping its connection open must not hold the answer.
+                    events = None if done else await anext(stream, None)
             except WorkerStreamError as exc:
                 failure = exc
         if failure is None and not done and not refused:
@@ -809,15 +812,11 @@ class Router:
 
 
 ROUTER = web.AppKey("router", Router)
-#: aiohttp ``AppRunner`` options the router's app is served with: a client that disconnects cancels its handler,
-#: so a request waiting in the queue gives its place up at once, not at its deadline, and one at a worker is
-#: cancelled there too (the worker's connection closes).
-RUNNER_OPTIONS: dict[str, Any] = {"handler_cancellation": True}
 
 
 def build_app(router: Router) -> web.Application:
-    """The aiohttp application of ``router``, to serve with :data:`RUNNER_OPTIONS`; it starts the router with
-    the app and closes it after.
+    """The aiohttp application of ``router``, to serve with :data:`~pipecast.core.httpserve.RUNNER_OPTIONS`; it
+    starts the router with the app and closes it after.
 
     On shutdown the queue is failed at once (503 ``shutting_down``), and so is a request that must wait again
     (a retry), while requests already at a worker finish within the runner's shutdown timeout.

@@ -8,11 +8,11 @@ import click
 
 from pipecast.core.clitypes import Number
 from pipecast.core.credentials import check_master_token, data_plane_key, parse_node_token, serving_key
-from pipecast.core.httpserve import listening, serve_until_signalled
+from pipecast.core.httpserve import RUNNER_OPTIONS, listening, serve_until_signalled
 from pipecast.core.settings import (MIN_TENANT_RATE, Settings, TenantLimit, configured_control_plane,
                                     load_settings)
 from pipecast.router.admission import AdmissionConfig
-from pipecast.router.app import RUNNER_OPTIONS, Router, RouterConfig, build_app, build_metrics_app
+from pipecast.router.app import Router, RouterConfig, build_app, build_metrics_app
 from pipecast.router.discovery import ControlPlaneDiscovery, Discovery, StaticDiscovery
 from pipecast.router.errors import WorkerUrlError
 

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from pipecast.core.credentials import SERVING_KEY_HEADER
 from pipecast.core.httpserve import (
+    RUNNER_OPTIONS,
     BodyTimeoutError,
     BodyTooLargeError,
     decode_json_body,
@@ -470,5 +471,4 @@ async def run_worker(worker: ServingWorker, host: str, port: int, drain_timeout_
 
     ``announce`` gets the bound base URL as soon as the worker listens (before the model is in).
     """
-    # handler_cancellation: a client that disconnects cancels its handler, which cancels its request.
-    await serve_until_signalled(build_app(worker), host, port, drain_timeout_s, announce, handler_cancellation=True)
+    await serve_until_signalled(build_app(worker), host, port, drain_timeout_s, announce, **RUNNER_OPTIONS)

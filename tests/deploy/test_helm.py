@@ -217,6 +217,17 @@ def test_every_router_is_listed_by_a_headless_service_for_the_scaler(case):
     assert headless["selector"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
 
 
+def test_a_terminating_router_accepts_connections_until_its_service_forgets_it_then_drains(case):
+    """Found in review: the router closed its listener at SIGTERM, while Kubernetes still sent it new connections
+    (its endpoints are updated apart from the signal): refused on every rolling update or scale-down."""
+    _, manifests = case
+    pod = workload(manifests, "Deployment", "pipecast-router")["spec"]["template"]["spec"]
+    (router,) = pod["containers"]
+    assert router["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "5"]}}
+    drain = 30  # the router's --drain-timeout default
+    assert pod["terminationGracePeriodSeconds"] >= 5 + drain + 5
+
+
 def test_the_service_monitor_scrapes_every_metrics_endpoint():
     manifests = render((), merged(INSTALL, CASES["everything"][1]))
     [monitor] = [m for m in manifests if m["kind"] == "ServiceMonitor"]

@@ -29,8 +29,8 @@ from control_plane.routes import RouteChange
 from control_plane.server import ControlPlaneServer, ServerConfig
 from packager.manifest import seal_manifest
 from pipecast.core.credentials import SERVING_KEY_HEADER, data_plane_key, issue_node_token, serving_key
-from pipecast.router.app import (QUEUE_HEADER, RUNNER_OPTIONS, WORKER_HEADER, Router, RouterConfig, build_app,
-                                 build_metrics_app)
+from pipecast.core.httpserve import RUNNER_OPTIONS
+from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER, Router, RouterConfig, build_app, build_metrics_app
 from pipecast.router.command import router_command, static_serving_key
 from pipecast.serve.app import error_response
 from pipecast.serve.errors import ServeError, ServingKeyError
@@ -63,7 +63,9 @@ class FakeWorker:
     #: "no_read" (takes a request's headers and never reads its body), "engine_error" (a stream ended after
     #: its tokens by the serving worker's error event, as when its engine fails), "no_done" (a stream that
     #: ends cleanly after its tokens without ``data: [DONE]``), "torn_end" (one that ends cleanly in the middle
-    #: of an event after its tokens) or "die_after_headers" (a stream's headers, then the connection aborted)
+    #: of an event after its tokens), "die_after_headers" (a stream's headers, then the connection aborted),
+    #: "done_unterminated" (``data: [DONE]`` last, with no blank line after it) or "open_after_done" (the whole
+    #: stream, then the connection held open)
     behaviour: str = "answer"
     tokens: int = 3
     #: When set, a stream pauses after its first event until the test sets it.
@@ -143,9 +145,13 @@ class FakeWorker:
             return response
         if self.behaviour == "torn_end":
             await response.write(b'data: {"choices": [{"te')
+        elif self.behaviour == "done_unterminated":
+            await response.write(b"data: [DONE]")
         elif self.behaviour != "no_done":
             await response.write(b"data: [DONE]\n\n")
         self.finished = True
+        if self.behaviour == "open_after_done":
+            await asyncio.Event().wait()
         return response
 
 
@@ -441,6 +447,67 @@ async def test_a_stream_that_ends_cleanly_mid_event_drops_the_torn_event_before_
     error = {"error": {"message": f"worker {worker.url}: ended its stream without data: [DONE]",
                        "type": "worker_failed", "worker": worker.url}}
     assert raw == b'data: {"choices": [{"text": "t0"}]}\n\ndata: ' + json.dumps(error).encode() + b"\n\n"
+
+
+async def test_a_stream_ends_at_its_done_whether_the_worker_ends_it_cleanly_or_keeps_its_connection_open(client):
+    """Found in review: a worker holding its connection open after ``data: [DONE]`` held the client's answer until
+    the upstream deadline, then failed it (an error event after [DONE]); a [DONE] with no blank line after it
+    was passed on so, which an SSE client drops."""
+    for behaviour in ("open_after_done", "done_unterminated"):
+        async with workers(FakeWorker(behaviour=behaviour, tokens=1)) as (worker,):
+            async with router([worker.url], upstream_timeout_s=3.0) as (url, instance):
+                await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+                async with asyncio.timeout(2.0):
+                    async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
+                        raw = await response.read()
+                async with client.get(f"{url}/stats") as response:
+                    stats = await response.json()
+        assert raw == b'data: {"choices": [{"text": "t0"}]}\n\ndata: [DONE]\n\n', behaviour
+        assert (stats["counters"]["answered"], stats["counters"]["failed"]) == (1, 0), behaviour
+
+
+async def test_a_refused_body_is_read_on_after_its_answer_for_a_second_at_most(client):
+    """Found in review: a request refused before its body was read (401, 413, 429) had the rest of its body read
+    and dropped for 10 s more (aiohttp's lingering close): ~20 GiB from one client sending on loopback."""
+    async with workers(FakeWorker()) as (worker,):
+        async with router([worker.url], max_body_bytes=1 << 20) as (url, _):
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            answer = asyncio.create_task(reader.read(1024))  # read as it comes, as the body goes on
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            chunk = b"%x\r\n%s\r\n" % (1 << 20, b"a" * (1 << 20))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            try:
+                while loop.time() - started < 4.0:  # bounded: the router before read on for 10 s
+                    writer.write(chunk)
+                    await writer.drain()
+            except ConnectionError:
+                pass
+            finally:
+                writer.close()
+            assert loop.time() - started < 3.0
+            assert b" 413 " in await answer
+            status, _, _ = await post(client, url)  # the router goes on
+            assert status == 200
+
+
+async def test_a_connection_whose_request_headers_never_end_is_closed_at_the_keep_alive_deadline(monkeypatch):
+    """Found in review: a client sending half of a request's headers, or nothing, held its connection for an hour
+    (aiohttp's default keep-alive), one file descriptor each. The deadline is the runner's keep-alive, shortened
+    here to run fast."""
+    assert RUNNER_OPTIONS["keepalive_timeout"] <= 120
+    monkeypatch.setitem(RUNNER_OPTIONS, "keepalive_timeout", 0.5)
+    async with workers(FakeWorker()) as (worker,):
+        async with router([worker.url]) as (url, _):
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            for sent in (b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(sent)
+                async with asyncio.timeout(3.0):
+                    assert await reader.read() == b""  # closed by the router
+                writer.close()
 
 
 # A worker process that streams one event and then stays silent; the test kills it with SIGKILL.

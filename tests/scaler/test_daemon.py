@@ -19,8 +19,8 @@ from control_plane.errors import ChangeNotStored, ControlPlaneError, ControlPlan
 from control_plane.messages import PeerInfo
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
 from pipecast.core.credentials import SERVING_KEY_HEADER
-from pipecast.core.httpserve import listening
-from pipecast.router.app import RUNNER_OPTIONS, Router, RouterConfig, build_app
+from pipecast.core.httpserve import RUNNER_OPTIONS, listening
+from pipecast.router.app import Router, RouterConfig, build_app
 from pipecast.router.discovery import StaticDiscovery
 from pipecast.scaler import daemon as daemon_module
 from pipecast.scaler.daemon import Scaler, ScalerConfig, resolve_addresses

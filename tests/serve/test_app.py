@@ -702,7 +702,8 @@ async def test_the_openai_client_streams_a_chat_through_the_router_from_a_cold_w
     import openai
 
     from pipecast.router.app import Router, RouterConfig
-    from pipecast.router.app import RUNNER_OPTIONS, build_app as build_router
+    from pipecast.core.httpserve import RUNNER_OPTIONS
+    from pipecast.router.app import build_app as build_router
     from pipecast.router.discovery import StaticDiscovery
 
     rendered = list(b"<|system|>Be brief.\n<|user|>Hi\n<|assistant|>")

@@ -336,6 +336,22 @@ def test_neither_an_agent_nor_blocks_in_the_folder(fake_vllm, package, tmp_path,
                                  f"{package.path} holds none of its blocks")
 
 
+def test_a_folder_missing_some_blocks_is_refused_before_any_block(fake_vllm, package, no_configured_agent):
+    """Found in review: a folder missing its last block (a copy cut short) loaded every other block into the model,
+    then failed on that one."""
+    from vllm_plugin.pipecast_vllm.errors import PackageUnavailableError
+
+    last = package.manifest.blocks[-1]
+    (package.path / last.file).unlink()
+    model = FakeModel([])
+    with pytest.raises(PackageUnavailableError) as caught:
+        make_loader(fake_vllm).load_weights(model, model_config(package.path))
+    assert str(caught.value) == (f"package {package.manifest.package_id[:12]}: no pipecast agent configured "
+                                 "(agent_socket, PIPECAST_AGENT_LOCAL_SOCKET unset), and the package folder "
+                                 f"{package.path} lacks block(s) {last.index} of {len(package.manifest.blocks)}")
+    assert model.order == []
+
+
 def test_a_config_that_is_not_the_packages_is_refused_before_any_block(fake_vllm, package, no_configured_agent):
     """Found in review: vLLM builds the model from the folder's config.json, which nothing checked: an edited one
     (its rope_theta) loaded every block into the wrong model, wrong logits and no error."""

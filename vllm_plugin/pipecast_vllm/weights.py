@@ -258,9 +258,14 @@ def open_blocks(folder: Path | str, options: LoaderOptions) -> BlockSource:
             return blocks
         except (OSError, PipecastError) as exc:
             reason = f"pipecast agent at {socket} cannot serve package {package_id[:12]} ({exc})"
-    if not any(package.has_block(b.index) for b in package.manifest.blocks):
+    # Checked before any block: a folder missing some (a copy cut short) would fail only after loading the others.
+    missing = [b.index for b in package.manifest.blocks if not package.has_block(b.index)]
+    if len(missing) == len(package.manifest.blocks):
         raise PackageUnavailableError(f"package {package_id[:12]}: {reason}, and the package folder {folder} holds "
                                       "none of its blocks")
+    if missing:
+        raise PackageUnavailableError(f"package {package_id[:12]}: {reason}, and the package folder {folder} lacks "
+                                      f"block(s) {', '.join(map(str, missing))} of {len(package.manifest.blocks)}")
     log.warning("%s: loading %s from the package folder (unicast fallback)", reason, folder)
     return FolderBlocks(package)
 
