@@ -13,7 +13,9 @@ This module is named ``loading`` and not ``load`` on purpose: a submodule ``pipe
 function ``pipecast.load`` on the package as soon as anything imported it.
 """
 
+import atexit
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,7 +111,9 @@ class LoadedModel:
 
     def close(self) -> None:
         """Stop the engine (requests still running, later ones and :meth:`logits` fail with EngineClosedError; its
-        weights are dropped first, so that the agent client can unmap the blocks) and its agent client."""
+        weights are dropped first, so that the agent client can unmap the blocks) and its agent client. Models
+        still open when the interpreter exits are closed then."""
+        _OPEN.discard(self)
         self.engine.close()
         if self._on_close is not None:
             self._on_close()
@@ -171,15 +175,34 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
         raise
     logger.info("loading package %s (%d blocks) from %s", provider.manifest.package_id[:12], provider.num_blocks,
                 provider.origin)
-    return LoadedModel(engine, origin=origin, stop_token_ids=stop_token_ids, on_close=on_close)
+    model = LoadedModel(engine, origin=origin, stop_token_ids=stop_token_ids, on_close=on_close)
+    _OPEN.add(model)
+    return model
+
+
+#: Models loaded and not closed yet: closed at exit, since an engine's threads still running torch code as the
+#: interpreter ends them aborted the process (SIGABRT, exit status 134 in place of the program's own).
+_OPEN: "weakref.WeakSet[LoadedModel]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_models() -> None:
+    for model in list(_OPEN):
+        model.close()
 
 
 def local_folder(package: str | Path, cache_dir: Path | None) -> Path | None:
-    """The package's folder on this node: ``package`` itself, or its package id in the agent's cache."""
+    """The package's folder on this node: ``package`` itself, or its package id in the agent's cache (raises
+    :class:`PackageUnavailableError` if the folder there holds another package)."""
     if Path(package).is_dir():
         return Path(package)
     if cache_dir is not None and (Path(cache_dir) / str(package)).is_dir():
-        return Path(cache_dir) / str(package)
+        folder = Path(cache_dir) / str(package)
+        found = _read_package_id(folder)
+        if found != str(package):
+            raise PackageUnavailableError(f"package {str(package)[:12]}: the agent's cache folder {folder} holds "
+                                          f"package {found[:12]}, not it")
+        return folder
     return None
 
 

@@ -130,6 +130,32 @@ def test_package_id_falls_back_to_the_agents_disk_cache(tiny, tmp_path, monkeypa
         assert model.generate(PROMPT, max_new_tokens=12, timeout=30) == reference_generate(ref, PROMPT, 12)
 
 
+def test_a_cache_folder_named_for_a_package_id_must_hold_that_package(tiny, tmp_path, monkeypatch):
+    """Found in review: the folder was served whatever package it held (and the agent asked for its id instead)."""
+    _, pkg = tiny
+    package_id = json.loads((pkg / "manifest.json").read_text())["package_id"]
+    other = "e" * 64
+    shutil.copytree(pkg, tmp_path / other)
+    monkeypatch.setenv("PIPECAST_AGENT_CACHE_DIR", str(tmp_path))
+    with pytest.raises(PackageUnavailableError) as caught:
+        pipecast.load(other)
+    assert str(caught.value) == (f"package {other[:12]}: the agent's cache folder {tmp_path / other} holds package "
+                                 f"{package_id[:12]}, not it")
+
+
+def test_models_left_open_are_closed_at_exit(tiny):
+    """Found in review: an engine's threads still running torch code as the interpreter ended them aborted the
+    process (SIGABRT, exit status 134 in place of the program's own) in 2 of 10 runs of a script that exits
+    without close(); models left open are closed by an exit hook now."""
+    _, pkg = tiny
+    model = pipecast.load(pkg)
+    assert model in pipecast.loading._OPEN
+    pipecast.loading._close_open_models()
+    assert model not in pipecast.loading._OPEN
+    with pytest.raises(EngineClosedError, match="^the engine is closed$"):
+        model.logits(PROMPT, timeout=30)
+
+
 def test_agent_blocks_serve_layer_by_layer_without_copies(tiny):
     ref, pkg = tiny
     client = GatedAgent(pkg)
