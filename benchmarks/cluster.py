@@ -70,6 +70,17 @@ _instance_numbers = count()
 _live_tags: set[str] = set()
 
 
+#: The caller's settings a benchmark's processes do not inherit: a disk cache left by an earlier run (or a config file
+#: naming one) made cold workers warm (figures under the floor, a baseline mode reading what the mode before cached)
+#: and gave every loopback worker one cache.
+UNINHERITED_ENV = ("PIPECAST_AGENT_CACHE_DIR", "PIPECAST_CONFIG")
+
+
+def child_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment less :data:`UNINHERITED_ENV`, then ``env`` on top: a benchmark's processes'."""
+    return {**{k: v for k, v in os.environ.items() if k not in UNINHERITED_ENV}, **(env or {})}
+
+
 class ClusterError(PipecastError):
     """The emulated cluster could not be built, used or torn down."""
 
@@ -422,13 +433,13 @@ class EmulatedCluster:
               **popen_kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` on ``host`` in a process group of its own; the cluster kills it on exit.
 
-        The child inherits this process's environment plus the link rates it must enforce itself
-        (loopback mode; 0 in netns mode, where the kernel shapes), then ``env`` on top.
+        The child inherits this process's environment (:func:`child_environment`) plus the link rates it must
+        enforce itself (loopback mode; 0 in netns mode, where the kernel shapes), then ``env`` on top.
         """
         plan = self._plan(host)
         if not self._running:
             raise ClusterError("the cluster is not running: spawn processes inside its with block")
-        child_env = dict(os.environ)
+        child_env = child_environment()
         if self.mode == "netns":
             child_env.update({EGRESS_ENV: "0", INGRESS_ENV: "0"})
             command = [_tool("ip"), "netns", "exec", self._host_netns(plan), *argv]

@@ -633,8 +633,9 @@ def bench_chaos(short: bool, only: str | None, json_path: Path | None, workdir: 
 
 @bench_group.command("simulate")
 @click.option("--nodes", default="16,64,256,1024", show_default=True, help="Receiver counts N, comma-separated.")
-@click.option("--strategy", "strategies", default="chain,binomial", show_default=True,
-              help="Planner strategies to simulate, comma-separated (chain, binomial, tree, unicast).")
+@click.option("--strategy", "strategies", default="chain,binomial,unicast", show_default=True,
+              help="Planner strategies to simulate, comma-separated (chain, binomial, tree, unicast; unicast is the "
+                   "baseline).")
 @click.option("--package", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Take the blocks' and chunks' sizes from this package's manifest (overrides --model-bytes, "
                    "--blocks and --chunk-bytes).")

@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 from subprocess import DEVNULL, Popen, TimeoutExpired
 
-from benchmarks.cluster import EmulatedCluster
+from benchmarks.cluster import EmulatedCluster, child_environment
 from pipecast.core.credentials import issue_node_token
 
 POLL_S = 0.05
@@ -155,8 +155,9 @@ class Processes:
     def launch(self, name: str, argv: Sequence[str | Path], env: dict[str, str] | None = None,
                cwd: Path | None = None, stdout: int | None = None) -> Popen:
         """Start ``argv`` on this machine in a process group of its own, with this process's environment
-        plus ``env``; its output to ``name``'s log (standard output to ``stdout`` instead, e.g. PIPE, if given)."""
-        return self._logged(name, partial(Popen, [str(a) for a in argv], env={**os.environ, **(env or {})},
+        (:func:`~benchmarks.cluster.child_environment`) plus ``env``; its output to ``name``'s log (standard output
+        to ``stdout`` instead, e.g. PIPE, if given)."""
+        return self._logged(name, partial(Popen, [str(a) for a in argv], env=child_environment(env),
                                           cwd=cwd, start_new_session=True), stdout)
 
     def _logged(self, name: str, start: Callable[..., Popen], stdout: int | None) -> Popen:

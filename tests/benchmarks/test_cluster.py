@@ -223,6 +223,19 @@ def test_loopback_sets_addresses_and_rate_env() -> None:
     assert outs == ["50 200\n", "200 200\n"]
 
 
+def test_spawned_processes_do_not_inherit_the_callers_disk_cache_or_config_file(monkeypatch, tmp_path) -> None:
+    """Found in review: an agent cache dir in the caller's environment made a benchmark's cold workers warm
+    (bench stragglers printed 0.05x S/B, met) and gave every loopback worker one cache."""
+    monkeypatch.setenv("PIPECAST_AGENT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIPECAST_CONFIG", str(tmp_path / "pipecast.toml"))
+    monkeypatch.setenv("PIPECAST_LOG_LEVEL", "debug")  # other settings pass
+    show = ("import os; print(os.environ.get('PIPECAST_AGENT_CACHE_DIR'), os.environ.get('PIPECAST_CONFIG'), "
+            "os.environ.get('PIPECAST_LOG_LEVEL'))")
+    with EmulatedCluster(["store", "w0"], 200, mode="loopback") as c:
+        out = c.spawn("w0", [sys.executable, "-c", show], stdout=subprocess.PIPE, text=True).communicate()[0]
+    assert out == "None None debug\n"
+
+
 def test_loopback_tells_a_host_with_its_own_rate_that_rate() -> None:
     with EmulatedCluster(["store", "w1"], 200, mode="loopback", host_mbit={"w1": 25}) as c:
         assert "2 hosts at 200 Mbit/s per direction, w1 at 25, store 'store' egress 200 Mbit/s" in c.describe()

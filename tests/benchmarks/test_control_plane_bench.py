@@ -115,3 +115,14 @@ def test_the_plan_target_is_judged_on_the_p99_it_is_printed_beside():
     assert "80.0 ms p50, 180.0 ms p99 (target < 100 ms p99: OVER)" in bench.report(bench.BenchResult(planning=[slow]))
     assert "80.0 ms p50, 90.0 ms p99 (target < 100 ms p99: ok)" in bench.report(bench.BenchResult(planning=[fast]))
     assert bench._percentile([], 0.99) is None and bench._percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+
+
+def test_the_report_target_is_judged_on_reports_per_second_not_blocks():
+    """Found in review: with --batch 8, 35,490 blocks/s passed the 5,000 reports/s target at ~4,400 reports/s."""
+    load = bench.LoadResult(workers=1000, blocks=64, duration_s=1.8, batch=8, register_s=1.0, scale_up_rpc_ms=500.0,
+                            all_assigned_s=0.5, blocks_reported=64_000, reports=8000, blocks_per_s=35_556.0,
+                            reports_per_s=4444.0, report_p50_ms=1.0, report_p99_ms=2.0, heartbeats=0,
+                            heartbeat_failures=0, alive_at_end=1000, plan_cancelled_streams=1000,
+                            server_cpu_percent=90.0, driver_cpu_percent=90.0, machine_busy_percent=80.0)
+    assert ("block reports: 4444 reports/s (35556 blocks/s) sustained over 1.8 s (target >= 5000 reports/s: UNDER)"
+            in bench.report(bench.BenchResult(load=load)))

@@ -15,9 +15,12 @@ import pytest
 from click.testing import CliRunner
 
 from benchmarks.command import bench_group
+from benchmarks.cpu import CpuUsage
 from benchmarks.distribution import (
     DistributionBenchError,
     PackageFacts,
+    RunResult,
+    StrategyResult,
     completion_seconds,
     floor_seconds,
     model_seconds,
@@ -25,6 +28,7 @@ from benchmarks.distribution import (
     parse_workers,
     theory_seconds,
     tree_levels,
+    verdict,
 )
 from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S
 from pipecast.agent.transport import registry
@@ -205,3 +209,16 @@ def test_a_missed_start_is_retried_with_longer_delays_then_reported(package, tmp
     assert sorted(p.name for p in (tmp_path / "work" / "n1").iterdir()) == ["chain-1", "chain-1-start2",
                                                                             "chain-1-start3"]
     assert leftover_agents(tmp_path / "work") == []
+
+
+def test_the_verdict_judges_the_calibrated_model_against_what_was_measured():
+    """Found in review: the README's "model within 10% of netns: met" came from no benchmark's verdict."""
+    def result(strategy: str, seconds: float, model: float | None) -> StrategyResult:
+        run = RunResult(seconds, {"w0": seconds}, CpuUsage(50.0, 60.0, 10, 2), 1.0, seconds)
+        return StrategyResult(strategy, 8, 1 << 20, 100.0, 100.0, 1.0, 1.0, model, (run,))
+
+    close = verdict([result("unicast", 8.4, 8.0), result("chain", 1.1, 1.05)])
+    assert "model within 5% of the measured (unicast the furthest; target <= 10%: met)" in close
+    far = verdict([result("unicast", 8.4, 8.0), result("chain", 1.3, 1.1)])
+    assert "model within 18% of the measured (chain the furthest; target <= 10%: NOT met)" in far
+    assert "model within" not in verdict([result("chain", 1.1, None)])
