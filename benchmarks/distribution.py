@@ -178,6 +178,20 @@ def floor_seconds(total_bytes: int, link_mbit: float, store_mbit: float) -> floa
     return total_bytes / mbit_to_bytes_per_s(min(link_mbit, store_mbit))
 
 
+#: A completion under this share of its floor of at least GUARDED_FLOOR_S cannot have been a transfer over the links:
+#: its workers were not cold (a shorter floor may be beaten by the links' bursts: 256 KiB each).
+UNDER_FLOOR = 0.5
+GUARDED_FLOOR_S = 1.0
+
+
+def check_over_floor(seconds: float, floor: float, what: str) -> None:
+    """Raise :class:`DistributionBenchError` if ``what`` took ``seconds``, well under its ``floor``."""
+    if floor >= GUARDED_FLOOR_S and seconds < UNDER_FLOOR * floor:
+        raise DistributionBenchError(f"{what} took {seconds:.2f} s, {seconds / floor:.2f}x its floor of {floor:.2f} s: "
+                                     "no transfer over the links is that fast (were its workers' blocks there "
+                                     "before the run?)")
+
+
 def tree_levels(n: int, fanout: int) -> int:
     """Levels of receivers in a breadth-first ``fanout``-ary tree of ``n`` receivers under one root."""
     levels, reached, width = 0, 0, 1
@@ -349,9 +363,12 @@ def summarize(strategy: str, n: int, facts: PackageFacts, config: DistributionCo
               runs: Sequence[RunResult]) -> StrategyResult:
     """The result of ``runs`` of ``strategy`` with ``n`` workers, beside its bounds."""
     store = config.store_rate_mbit
+    floor = floor_seconds(facts.total_bytes, config.link_mbit, store)
+    for run in runs:
+        check_over_floor(run.seconds, floor, f"{strategy} to N = {n}")
     return StrategyResult(
         strategy=strategy, workers=n, bytes=facts.total_bytes, link_mbit=config.link_mbit, store_mbit=store,
-        floor_seconds=floor_seconds(facts.total_bytes, config.link_mbit, store),
+        floor_seconds=floor,
         theory_seconds=theory_seconds(strategy, n, facts.total_bytes, facts.chunk_bytes, config.link_mbit, store,
                                       relay_bytes=config.relay_piece),
         model_seconds=(model_seconds(strategy, n, facts, config.link_mbit, config.relay_piece)

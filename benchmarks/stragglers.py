@@ -41,7 +41,7 @@ from pathlib import Path
 from benchmarks.checkout import module_argv
 from benchmarks.cluster import EmulatedCluster, RequestedMode
 from benchmarks.cpu import CpuSampler, CpuUsage
-from benchmarks.distribution import floor_seconds, worker_names
+from benchmarks.distribution import check_over_floor, floor_seconds, worker_names
 from benchmarks.processes import RunProcesses, cli, endpoint, publish_when_up
 from benchmarks.runinfo import RunsReport, versions
 from packager.manifest import read_manifest
@@ -189,6 +189,8 @@ def summarize(config: StragglersConfig, mode: str, repeat: int, package_bytes: i
     others = [w for w in worker_names(config.workers) if w not in (config.slow_node, config.killed_node)]
     floor = floor_seconds(package_bytes, config.link_mbit, config.link_mbit)
     others_max = max(complete[w] for w in others) if all(w in complete for w in others) else None
+    if others_max is not None:
+        check_over_floor(others_max, floor, f"{mode} run {repeat}")
     factor = 1.0 if mode == NONE else config.slow_factor
     slow_mbit = config.link_mbit * (1.0 if mode == NONE else config.receive_factor)  # what it receives at
     return RunResult(mode=mode, repeat=repeat, workers=config.workers, link_mbit=config.link_mbit,

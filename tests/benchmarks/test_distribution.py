@@ -7,6 +7,7 @@ print, DESIGN 5).
 """
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from benchmarks.distribution import (
     model_seconds,
     parse_strategies,
     parse_workers,
+    check_over_floor,
     theory_seconds,
     tree_levels,
     verdict,
@@ -222,3 +224,14 @@ def test_the_verdict_judges_the_calibrated_model_against_what_was_measured():
     far = verdict([result("unicast", 8.4, 8.0), result("chain", 1.3, 1.1)])
     assert "model within 18% of the measured (chain the furthest; target <= 10%: NOT met)" in far
     assert "model within" not in verdict([result("chain", 1.1, None)])
+
+
+def test_a_completion_far_under_its_floor_is_an_error_not_a_figure():
+    """Found in review: a run whose workers read the package from a cache left by an earlier run reported
+    0.05x S/B as a figure."""
+    with pytest.raises(DistributionBenchError, match=re.escape(
+            "chain to N = 8 took 0.30 s, 0.06x its floor of 5.40 s: no transfer over the links is that fast (were "
+            "its workers' blocks there before the run?)")):
+        check_over_floor(0.3, 5.4, "chain to N = 8")
+    check_over_floor(5.2, 5.4, "chain to N = 8")  # a link's burst: within reach
+    check_over_floor(0.01, 0.2, "chain to N = 8")  # a floor the bursts alone may beat: not judged
