@@ -74,17 +74,26 @@ class BlockBuffer(ABC):
 
 
 class _MappedBuffer(BlockBuffer):
-    """A shared mapping of a file descriptor, exposed as a memoryview."""
+    """A shared mapping of a file descriptor it owns, exposed as a memoryview; another process maps the same
+    file through ``/proc/<pid>/fd/<fd>``, whatever later takes the file's name."""
 
-    def __init__(self, fd: int, nbytes: int, path: str, writable: bool) -> None:
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+    def __init__(self, fd: int, nbytes: int, writable: bool) -> None:
+        self._fd = fd
+        try:
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+        except BaseException:
+            os.close(fd)
+            raise
         self.view = memoryview(self._map)
-        self.path = path
+        self.path = f"/proc/{os.getpid()}/fd/{fd}"
 
     def close(self) -> None:
-        self.view.release()
-        self._map.close()
+        try:
+            self.view.release()
+            self._map.close()
+        finally:
+            os.close(self._fd)  # the mapping, if still held, keeps the memory alive by itself
 
 
 class SharedMemoryBuffer(_MappedBuffer):
@@ -97,13 +106,13 @@ class SharedMemoryBuffer(_MappedBuffer):
         self._reserve = reserve
         self.populated = False
         self._populating = threading.Lock()  # the fetcher and the local API may prefault it at once
-        self._fd = os.memfd_create(label, os.MFD_CLOEXEC)
+        fd = os.memfd_create(label, os.MFD_CLOEXEC)
         try:
-            os.ftruncate(self._fd, nbytes)
-            super().__init__(self._fd, nbytes, f"/proc/{os.getpid()}/fd/{self._fd}", writable=True)
+            os.ftruncate(fd, nbytes)
         except BaseException:
-            os.close(self._fd)
+            os.close(fd)
             raise
+        super().__init__(fd, nbytes, writable=True)
 
     def prefault(self) -> None:
         # A first touch of shared memory costs a page fault per 4 KiB page (~0.6 ms per MB measured
@@ -126,22 +135,14 @@ class SharedMemoryBuffer(_MappedBuffer):
             if not populate(address + start, step):
                 return
 
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            os.close(self._fd)  # the mapping, if still held, keeps the memory alive by itself
-
 
 class FileBuffer(_MappedBuffer):
-    """A read-only mapping of a block file (package folder, disk cache); pages come from the page cache."""
+    """A read-only mapping of a block file (package folder, disk cache); pages come from the page cache. The
+    engine maps it by its descriptor, not its name: the very file verified, though a package packed again in
+    place (a new file renamed over it) gave the engine another package's unverified bytes under the old id."""
 
     def __init__(self, path: Path, nbytes: int) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            super().__init__(fd, nbytes, str(path.resolve()), writable=False)
-        finally:
-            os.close(fd)  # the mapping keeps the file alive
+        super().__init__(os.open(path, os.O_RDONLY | os.O_CLOEXEC), nbytes, writable=False)
 
 
 class BufferAllocator(ABC):

@@ -36,8 +36,9 @@ Every request may name ``"package"`` (a package id); without it the agent's only
 Failures answer ``{"ok": false, "error": "...", "timeout": bool}`` (and ``"dropped": true`` where the package was
 dropped while the request was answered): a line that is not a JSON object, an
 unknown op, a field of the wrong type or range (``timeout`` must be a finite number from 0 to
-``MAX_TIMEOUT_S``; ``block`` and ``bytes`` non-negative integers) included. A received block's path is
-``/proc/<agent pid>/fd/<n>`` (its memfd): the engine must run as the agent's user and see its pid
+``MAX_TIMEOUT_S``; ``block`` and ``bytes`` non-negative integers) included. A block's path is
+``/proc/<agent pid>/fd/<n>`` (its memfd; for a seed's or cached block, the descriptor of the very file verified,
+whatever takes its name later): the engine must run as the agent's user and see its pid
 namespace (same container or pod with a shared process namespace). The engine's side is
 :class:`pipecast.agent.local_client.LocalAgentClient`.
 """

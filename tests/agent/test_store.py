@@ -4,6 +4,7 @@ import asyncio
 import mmap
 import os
 import pickle
+import shutil
 
 import pytest
 
@@ -259,6 +260,26 @@ async def test_a_failing_listener_neither_undoes_a_chunk_nor_reaches_its_sender(
         store.close()
 
 
+def test_a_seed_block_is_mapped_by_the_file_verified_whatever_takes_its_name_later(package, tmp_path):
+    """Found in review: a seed's block was handed to the engine by its path; a package packed again in place (a
+    new file renamed over it) then gave the engine unverified bytes of another package under the old id."""
+    root, manifest = package
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    store = BlockStore.open(manifest, allocator=SharedMemoryAllocator(), budget=MemoryBudget(1),
+                            local=LocalPackageFolder(copy), require_complete=True)
+    try:
+        block = copy / manifest.blocks[0].file
+        verified = block.read_bytes()
+        replacement = tmp_path / "other-block"
+        replacement.write_bytes(bytes(b ^ 0xFF for b in verified))
+        os.replace(replacement, block)  # pipecast pack --force of another checkpoint into the folder
+        with open(store.block_path(0), "rb") as mapped:  # as the engine maps it
+            assert mapped.read() == verified
+    finally:
+        store.close()
+
+
 def test_seed_is_mapped_verified_and_costs_no_budget(package):
     root, manifest = package
     budget = MemoryBudget(1)
@@ -266,7 +287,7 @@ def test_seed_is_mapped_verified_and_costs_no_budget(package):
                             local=LocalPackageFolder(root), require_complete=True)
     try:
         assert store.verified_blocks() == [0, 1, 2] and budget.used_bytes == 0
-        assert store.block_path(1) == str((root / manifest.blocks[1].file).resolve())
+        assert os.readlink(store.block_path(1)) == str((root / manifest.blocks[1].file).resolve())
         assert bytes(store.block_view(1)) == block_file_bytes(root, manifest, 1)
         assert store.files["config.json"] == (root / "config.json").read_bytes()
     finally:
@@ -350,7 +371,8 @@ def test_cache_round_trip_reverifies_and_refetches_bad_blocks(package, tmp_path,
         assert restarted.verified_blocks() == [0]
         assert "block 1 does not match the manifest" in caplog.text
         assert budget.used_bytes == manifest.blocks[1].bytes + manifest.blocks[2].bytes
-        assert restarted.block_path(0) == str(cache.package_dir(manifest.package_id) / manifest.blocks[0].file)
+        assert os.readlink(restarted.block_path(0)) == str(cache.package_dir(manifest.package_id) /
+                                                           manifest.blocks[0].file)
         assert bytes(restarted.block_view(0)) == block_file_bytes(root, manifest, 0)
         assert restarted.missing_files() == []
         assert restarted.first_missing_chunk(1) == 0
