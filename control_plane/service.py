@@ -15,7 +15,6 @@ manifest and its id, the store's address, a worker's serve URL (on its own data-
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 import re
 import time
@@ -143,12 +142,6 @@ def request_id_of(context: grpc.aio.ServicerContext) -> str:
         raise InvalidRequest(f"metadata {REQUEST_ID_KEY!r} is {len(request_id)} characters long; at most "
                              f"{MAX_REQUEST_ID_CHARS}")
     return request_id
-
-
-def plan_id_for(request_id: str) -> str:
-    """The id of the plan a scale-up naming ``request_id`` makes: a retry that reaches another leader (the
-    first answered nothing, its commit made) finds the plan by it in the state loaded from the store."""
-    return hashlib.blake2b(request_id.encode(), digest_size=6).hexdigest()
 
 
 @dataclass
@@ -604,22 +597,11 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 
     @_rpc
     async def ScaleUp(self, request: pb.ScaleUpRequest, context: grpc.aio.ServicerContext) -> pb.ScaleUpResponse:
-        request_id = request_id_of(context)
-        plan_id = plan_id_for(request_id) if request_id else ""
-        made = self.state.plans.get(plan_id)
-        if made is not None:  # a retry whose first call's plan a replica before this one made
-            if made.package_id != request.package_id:
-                raise Conflict(f"scale-up of package {request.package_id!r}: its request id {request_id!r} named a "
-                               f"scale-up of package {made.package_id!r} before")
-            log.info("scale-up retried (request %s): answered with its plan %s", request_id, plan_id)
-            await self.flush_encoded(durable=True)
-            return pb.ScaleUpResponse(plan_id=plan_id, strategy=made.plan.strategy, sources=made.plan.sources,
-                                      receivers=list(made.plan.assignments))
         draft = self.state.draft_scale_up(request.package_id, node_ids=list(request.node_ids), count=request.count,
                                           strategy=request.strategy, fanout=request.fanout)
         # Planning thousands of receivers takes long: in a thread, so the event loop keeps serving meanwhile.
         plan = await asyncio.to_thread(_build_plan, draft) if draft.receivers else None
-        result = self.state.install_scale_up(draft, plan, now=self.clock(), plan_id=plan_id)
+        result = self.state.install_scale_up(draft, plan, now=self.clock())
         # An acknowledged plan survives a crash (agents drop parts a restarted control plane lacks); its row
         # is written in a thread: thousands of receivers' plan is ~10 MB.
         await self.flush_encoded(durable=True)

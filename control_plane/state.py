@@ -339,6 +339,10 @@ class ControlState:
             if node in active.pending:
                 self.lapsed.setdefault(node, set()).add(active.package_id)
             self._repair(active, {node})
+        # Resumed, it receives again: not while it still sends a package it lacks in a plan it speaks (a chain
+        # hung behind it), which would refuse the scale-up that resumes it.
+        for active in [p for p in self.plans.values() if node in p.parts and p.package_id in self.lapsed.get(node, ())]:
+            self._repair(active, {node})
 
     def _resume(self, node: str, now: float) -> None:
         """Plan the rest of every package ``node`` was receiving when its lease lapsed."""
@@ -347,7 +351,7 @@ class ControlState:
                 continue
             try:
                 result = self.scale_up(package_id, node_ids=[node], now=now)
-            except (InsufficientWorkers, NoSource) as exc:
+            except (InsufficientWorkers, NoSource, Conflict) as exc:  # its registration goes through all the same
                 log.warning("worker %s is back but cannot resume package=%s: %s", node, package_id, exc)
                 continue
             if result.receivers:
@@ -793,10 +797,9 @@ class ControlState:
                             package.num_blocks, package.block_bytes, package.chunk_counts, held,
                             in_flight=in_flight if strategy == "rotated" else (), transport=targets.transport)
 
-    def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float, plan_id: str = "",
+    def install_scale_up(self, draft: "ScaleUpDraft", plan: Plan | None, *, now: float,
                          redrafted: bool = False) -> ScaleUpResult:
-        """Start ``plan``, built from ``draft``, under ``plan_id`` (""; a new one), and tell its nodes. If the
-        cluster changed since the draft
+        """Start ``plan``, built from ``draft``, and tell its nodes. If the cluster changed since the draft
         (a receiver or source gone, a receiver taken by another plan of the package or holding other blocks of
         it, a source or unchanged worker told to drop it), the scale-up is drafted and planned again here,
         synchronously."""
@@ -806,8 +809,7 @@ class ControlState:
                 raise Conflict(f"scale-up of package {package_id!r}: its plan could not be placed; try again")
             node_ids, count, strategy, fanout = draft.request
             again = self.draft_scale_up(package_id, node_ids=node_ids, count=count, strategy=strategy, fanout=fanout)
-            return self.install_scale_up(again, again.build() if again.receivers else None, now=now, plan_id=plan_id,
-                                         redrafted=True)
+            return self.install_scale_up(again, again.build() if again.receivers else None, now=now, redrafted=True)
         for node in [*draft.unchanged, *receivers]:
             if self.releases.pop((package_id, node), None) is not None:
                 self.dirty.releases.add((package_id, node))
@@ -816,7 +818,7 @@ class ControlState:
         if plan is None:
             return ScaleUpResult("", "", (), (), draft.unchanged)
         availability = self.availability[package_id]
-        active = ActivePlan(plan_id or uuid.uuid4().hex[:12], package_id, plan, draft.fanout, now, version=0)
+        active = ActivePlan(uuid.uuid4().hex[:12], package_id, plan, draft.fanout, now, version=0)
         active.pending = {n for n in plan.assignments if not availability.is_complete(n)}
         self._install(active, plan)
         active.changed = False  # a new plan: nothing to settle from
@@ -1126,22 +1128,23 @@ class ControlState:
         return {n for n in (package.store.node_id, *self.availability[package.package_id].complete_holders())
                 if not self._speaks(n, transports)}
 
-    def _plan_transports(self, active: ActivePlan) -> set[str]:
-        """The data-plane transports every node of ``active`` speaks (the one it was planned on, at least)."""
+    def _plan_transports(self, active: ActivePlan, without: Collection[str] = ()) -> set[str]:
+        """The data-plane transports every node of ``active`` but ``without`` (those leaving it) speaks (the one it
+        was planned on, at least)."""
         spoken: set[str] | None = None
-        for node in active.parts:  # the sources among them
+        for node in active.parts.keys() - set(without):  # the sources among them
             peer = self.peer(node)
             if peer.address:  # else no node any more: a store re-pointed away (publish), which leaves the plan
                 spoken = set(peer.transports) if spoken is None else spoken.intersection(peer.transports)
         return spoken or set()
 
-    def _senders(self, active: ActivePlan) -> dict[str, frozenset[int]]:
+    def _senders(self, active: ActivePlan, without: Collection[str] = ()) -> dict[str, frozenset[int]]:
         """Verified blocks per node of ``active``'s package, of the nodes a re-plan of it may take a parent from:
-        its own, and others speaking a transport that all of its nodes speak (a receiver cannot fetch from a
-        holder of another transport)."""
-        spoken = self._plan_transports(active)
+        those speaking a transport that all of its nodes but ``without`` (those leaving it) speak (a receiver
+        cannot fetch from a holder of another transport)."""
+        spoken = self._plan_transports(active, without)
         return {n: blocks for n, blocks in self.availability[active.package_id].by_worker.items()
-                if n in active.parts or self._speaks(n, spoken)}
+                if n not in without and self._speaks(n, spoken)}
 
     def _plan_sources(self, package: Package, strategy: str, exclude: Collection[str],
                       receivers: int | Collection[str], transport: str | None = None) -> tuple[list[str], str]:
@@ -1262,13 +1265,13 @@ class ControlState:
         package = self.packages[active.package_id]
         sources = [s for s in active.plan.sources if s not in gone]
         if not sources:
-            sources = self._pick_sources(package, gone | self._unheard(package, self._plan_transports(active)),
+            sources = self._pick_sources(package, gone | self._unheard(package, self._plan_transports(active, gone)),
                                          active.pending)
         if not sources:
             log.warning("plan=%s package=%s cannot drop %s: no other source holds the package and speaks its "
                         "transport", active.plan_id, active.package_id, sorted(gone))
             return False
-        held = {n: blocks for n, blocks in self._senders(active).items() if n not in gone}
+        held = self._senders(active, gone)
         nodes = set(active.parts) | set(held) | set(sources)
         labels = self._labels(nodes)
         plan, changed = repair(active.plan, dead=gone, held=held, sources=sources, labels=labels,

@@ -1612,3 +1612,34 @@ def test_a_named_scale_up_of_a_worker_sending_its_blocks_in_a_plan_is_refused_na
     with pytest.raises(Conflict, match=rf"worker 'w1' sends the blocks it holds in plan {x.plan_id} in progress; "
                                        "scale it up once that plan ends"):
         state.scale_up("pkg", node_ids=["w1"], now=4)
+
+
+def test_a_plans_source_registering_with_another_transport_is_replaced_by_a_holder_speaking_the_plans():
+    """Found in review: the plan's transports were taken with the leaving source's new one, so none was left
+    and no other source could be picked: the plan kept a source its receiver could not reach, for good."""
+    state = mixed(2)  # the store speaks tcp; u0, u1 ucx only
+    for holder in ("u8", "u9"):
+        state.register(spec(holder, transports=("ucx",)), {"pkg": range(BLOCKS)}, now=1)
+    result = state.scale_up("pkg", node_ids=["u0"], now=1)
+    [source] = result.sources
+    state.register(spec(source, transports=("tcp",)), {"pkg": range(BLOCKS)}, now=2)  # its UCX did not start
+    active = state.plans[result.plan_id]
+    assert active.plan.sources == (({"u8", "u9"} - {source}).pop(),)
+    assert source not in {f.parent for f in active.parts["u0"].fetch}
+
+
+def test_a_receiver_registering_with_another_transport_resumes_though_a_chain_hangs_behind_it():
+    """Found in review: the tail of a chain, a source of the chain hung behind it, registered again with another
+    transport: its resumed scale-up was refused (it sends in a plan in progress) and the Conflict failed the
+    registration; registered again, it was in no plan bringing it the blocks it lacked."""
+    state = cluster(0)
+    state.publish(manifest(), dataclasses.replace(STORE, transports=("ucx", "tcp")), now=0)
+    state.register(spec("a", transports=("ucx",)), {}, now=0)
+    for node in ("x", "y"):
+        state.register(spec(node, transports=("ucx", "tcp")), {}, now=0)
+    state.scale_up("pkg", node_ids=["a", "x"], strategy="chain", now=1)
+    behind = state.scale_up("pkg", node_ids=["y"], now=1)
+    state.report("x", {"pkg": [0, 1]}, {}, now=1)
+    state.register(spec("x", transports=("tcp",)), {"pkg": [0, 1]}, now=2)  # no Conflict
+    assert any("x" in active.pending for active in state.plans.values())
+    assert "x" not in {f.parent for f in state.plans[behind.plan_id].parts["y"].fetch}
