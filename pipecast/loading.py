@@ -163,6 +163,9 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
         raise InvalidRequestError(f"agent must be the path of the agent's local socket or a connected client, got "
                                   f"{describe(agent)} ({type(agent).__name__})")
     folder = local_folder(package, settings.agent_cache_dir)
+    if folder is not None and folder != Path(package) and (found := _read_package_id(folder)) != str(package):
+        raise PackageUnavailableError(f"package {str(package)[:12]}: the agent's cache folder {folder} holds "
+                                      f"package {found[:12]}, not it")
     provider, origin, on_close = _provider(package, folder, agent, agent_timeout_s, verify)
     try:
         # Before the engine starts: a package whose files are bad must not leave its threads running.
@@ -192,17 +195,11 @@ def _close_open_models() -> None:
 
 
 def local_folder(package: str | Path, cache_dir: Path | None) -> Path | None:
-    """The package's folder on this node: ``package`` itself, or its package id in the agent's cache (raises
-    :class:`PackageUnavailableError` if the folder there holds another package)."""
+    """The package's folder on this node: ``package`` itself, or its package id in the agent's cache."""
     if Path(package).is_dir():
         return Path(package)
     if cache_dir is not None and (Path(cache_dir) / str(package)).is_dir():
-        folder = Path(cache_dir) / str(package)
-        found = _read_package_id(folder)
-        if found != str(package):
-            raise PackageUnavailableError(f"package {str(package)[:12]}: the agent's cache folder {folder} holds "
-                                          f"package {found[:12]}, not it")
-        return folder
+        return Path(cache_dir) / str(package)
     return None
 
 
