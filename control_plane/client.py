@@ -91,7 +91,8 @@ def control_plane_addresses(target: str) -> tuple[str, ...]:
         raise ControlPlaneUnavailable(f"no control plane address in {target!r}")
     for address in addresses:  # gRPC would take port 70000 as 4464 (mod 65536) and reach another service
         host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        # "http://cp:7000" passed as host "http://cp" and failed at each call, on its name
+        if not sep or not host or "/" in host or not port.isdigit() or not 0 < int(port) <= 65535:
             raise ControlPlaneUnavailable(f"control plane address {address!r} is not a host:port address (port "
                                           f"1-65535)")
     return addresses

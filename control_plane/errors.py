@@ -170,5 +170,7 @@ def error_from_rpc(error: grpc.aio.AioRpcError, *, target: str, method: str) -> 
                        "issue-token NODE`, as --token or PIPECAST_AUTH_TOKEN (settings: auth_token)")
         return Unauthenticated(f"control plane at {target} refused {method}: {details}")
     trailer = dict(error.trailing_metadata() or ()).get(ERROR_TRAILER, "")
-    cls = _BY_NAME.get(trailer, ControlPlaneError)
-    return cls(error.details() or f"{method} failed: {code.name}")
+    if not trailer:  # not a typed error of the server's: "Method not found!" alone named neither call nor server
+        hint = " (is a pipecast control plane listening there?)" if code == grpc.StatusCode.UNIMPLEMENTED else ""
+        return ControlPlaneError(f"control plane at {target} failed {method}: {code.name}: {error.details()}{hint}")
+    return _BY_NAME.get(trailer, ControlPlaneError)(error.details() or f"{method} failed: {code.name}")

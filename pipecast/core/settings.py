@@ -10,6 +10,7 @@ import difflib
 import logging
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -147,15 +148,17 @@ class Settings(BaseSettings):
     tls_cert: Path | None = Field(None, description="PEM certificate (TLS on when set with tls_key)")
     tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
     tls_ca: Path | None = Field(None, description="CA for verifying peers; set on the server for mTLS")
-    lease_s: float = Field(10.0, gt=0, description="worker lease; a worker silent this long is dead. Also the "
+    # Floors: a period near 0 passed the cross-checks and spun the control plane (and every agent's heartbeat) at
+    # 100% CPU.
+    lease_s: float = Field(10.0, ge=0.1, description="worker lease; a worker silent this long is dead. Also the "
                                                    "lease of the leading control plane replica. At least twice "
                                                    "heartbeat_s (the control plane refuses to start otherwise)")
-    heartbeat_s: float = Field(2.0, gt=0, description="worker heartbeat interval, as the control plane tells its "
+    heartbeat_s: float = Field(2.0, ge=0.05, description="worker heartbeat interval, as the control plane tells its "
                                                       "workers; at most half of lease_s")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of one control-plane call")
     control_scan_s: float | None = Field(
-        None, gt=0, description="lease scan interval (unset: min(heartbeat, lease/4)); at most lease/4")
-    control_flush_s: float = Field(0.5, gt=0,
+        None, ge=0.01, description="lease scan interval (unset: min(heartbeat, lease/4)); at most lease/4")
+    control_flush_s: float = Field(0.5, ge=0.01,
                                    description="how often the control plane writes its state to its database")
     control_metrics_port: int | None = Field(None, ge=0, le=65535,
                                              description="Prometheus port of the control plane (unset: off)")
@@ -215,10 +218,12 @@ class Settings(BaseSettings):
             return parse_size(value)
         return value
 
-    @field_validator("config", "agent_cache_dir", "agent_local_socket", "tls_cert", "tls_key", "tls_ca", mode="before")
+    @field_validator("config", "agent_cache_dir", "agent_local_socket", "tls_cert", "tls_key", "tls_ca",
+                     "control_scan_s", "control_metrics_port", "router_metrics_port", mode="before")
     @classmethod
-    def _empty_path_is_unset(cls, value: Any) -> Any:
-        # ``PIPECAST_TLS_CA=`` means unset; as a Path, "" would be "." (the working directory).
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # ``PIPECAST_TLS_CA=`` means unset (as a Path, "" would be "." (the working directory)), as an empty
+        # variable of any setting that may be unset does (a template rendering an empty value).
         return None if value == "" else value
 
     @classmethod
@@ -271,14 +276,17 @@ class _TomlFileSource(PydanticBaseSettingsSource):
             data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise SettingsError(f"config file {path}: {exc}") from exc
-        if "pipecast" not in data:
-            return data
-        table, outside = data["pipecast"], sorted(set(data) - {"pipecast"})
-        if not isinstance(table, dict):
-            raise SettingsError(f"config file {path}: pipecast must be a table of settings ([pipecast])")
-        if outside:  # read, they would be settings ignored without a word (a typo, or auth_token)
-            raise SettingsError(f"config file {path}: {', '.join(outside)} outside the [pipecast] table (put every "
-                                "setting in it, or none)")
+        table = data
+        if "pipecast" in data:
+            table, outside = data["pipecast"], sorted(set(data) - {"pipecast"})
+            if not isinstance(table, dict):
+                raise SettingsError(f"config file {path}: pipecast must be a table of settings ([pipecast])")
+            if outside:  # read, they would be settings ignored without a word (a typo, or auth_token)
+                raise SettingsError(f"config file {path}: {', '.join(outside)} outside the [pipecast] table (put "
+                                    "every setting in it, or none)")
+        if "config" in table:  # no file names another: it would be ignored without a word
+            raise SettingsError(f"config file {path}: config names a config file, which only the command line or "
+                                "PIPECAST_CONFIG may")
         return table
 
 
@@ -308,8 +316,9 @@ def warn_unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
     no setting, with the setting's it likely misspells: the environment, unlike the config file, would ignore it
     without a word (``PIPECAST_AUTH_TOKN`` would leave auth off). Returns those warned of now."""
     known = {f"PIPECAST_{name.upper()}" for name in Settings.model_fields} | OTHER_VARIABLES
+    # Case aside: pydantic-settings reads PIPECAST_auth_token as PIPECAST_AUTH_TOKEN.
     unknown = sorted(name for name in (os.environ if environ is None else environ)
-                     if name.startswith("PIPECAST_") and name not in known and name not in _warned)
+                     if name.upper().startswith("PIPECAST_") and name.upper() not in known and name not in _warned)
     for name in unknown:
         _warned.add(name)
         close = difflib.get_close_matches(name, sorted(known), n=1)
@@ -330,10 +339,25 @@ def _where(loc: tuple) -> str:
     return ".".join(map(str, loc))
 
 
+def check_one_variable_a_setting(environ: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`SettingsError` where two ``PIPECAST_*`` variables of ``environ`` (default: this process's) name
+    one setting, their names differing in case only: pydantic-settings reads names in any case, and which one
+    set it was chance (``PIPECAST_auth_token=`` beside the token turned auth off)."""
+    names: dict[str, list[str]] = {}
+    for name in (os.environ if environ is None else environ):
+        if name.upper().startswith("PIPECAST_"):
+            names.setdefault(name.upper(), []).append(name)
+    clashes = sorted(sorted(group) for group in names.values() if len(group) > 1)
+    if clashes:
+        raise SettingsError("environment variables naming one setting, in other cases: " + "; ".join(
+            " and ".join(group) for group in clashes) + " (keep one, in upper case)")
+
+
 def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
     """Build settings; ``overrides`` (CLI flags) whose value is None are ignored. ``PIPECAST_*`` variables that
     name no setting are warned of (:func:`warn_unknown_variables`)."""
     warn_unknown_variables()
+    check_one_variable_a_setting()
     try:
         return Settings(config=config, **{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:

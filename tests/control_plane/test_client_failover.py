@@ -2,13 +2,15 @@
 address in its trailer, a replica that is down, and the server's own errors (never retried elsewhere)."""
 
 import asyncio
+import re
 import socket
 
 import grpc
 import pytest
 
 from control_plane.client import ControlPlaneClient, control_plane_addresses
-from control_plane.errors import LEADER_TRAILER, REQUEST_ID_KEY, ControlPlaneUnavailable, UnknownPackage
+from control_plane.errors import (LEADER_TRAILER, REQUEST_ID_KEY, ControlPlaneError, ControlPlaneUnavailable,
+                                   UnknownPackage)
 from control_plane.server import ControlPlaneServer
 from tests.control_plane.test_service import PKG, config, manifest, STORE, TOKEN
 from tests.support.agent_processes import free_ports
@@ -119,5 +121,28 @@ def test_after_a_call_a_frozen_replica_left_unanswered_the_next_goes_to_the_next
         finally:
             frozen.close()
             await leader.stop(grace_s=0)
+
+    asyncio.run(main())
+
+
+def test_a_url_or_a_server_that_is_no_control_plane_is_named_so(tmp_path):
+    """Found in review: "http://cp:7000" passed the address check and failed each call on its name; a gRPC server
+    with no pipecast service answered "error: Method not found!", naming neither the call nor the server."""
+    with pytest.raises(ControlPlaneUnavailable, match=r"'http://127.0.0.1:7000' is not a host:port address"):
+        control_plane_addresses("http://127.0.0.1:7000")
+
+    async def main() -> None:
+        (port,) = free_ports(1)
+        other = grpc.aio.server()
+        other.add_insecure_port(f"127.0.0.1:{port}")
+        await other.start()
+        try:
+            async with ControlPlaneClient(f"127.0.0.1:{port}", token=TOKEN, timeout_s=5.0) as client:
+                with pytest.raises(ControlPlaneError, match=re.escape(
+                        f"control plane at 127.0.0.1:{port} failed ListPackages: UNIMPLEMENTED: Method not found! (is "
+                        "a pipecast control plane listening there?)")):
+                    await client.list_packages()
+        finally:
+            await other.stop(0)
 
     asyncio.run(main())

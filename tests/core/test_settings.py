@@ -34,6 +34,8 @@ def test_bad_file_and_unknown_key_are_errors(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("text, problem", [
+    (b'config = "other.toml"\n', r"config names a config file, which only the command line or PIPECAST_CONFIG may$"),
+    (b'[pipecast]\nconfig = "other.toml"\n', r"config names a config file"),
     (b"\xff\xfeagent_port = 1\n", "codec can't decode byte 0xff"),
     (b"pipecast = 5\n", r"pipecast must be a table of settings \(\[pipecast\]\)$"),
     (b"pipecast = [1]\n", r"pipecast must be a table of settings \(\[pipecast\]\)$"),
@@ -183,3 +185,39 @@ def test_an_invalid_api_key_entry_is_named_without_its_key(tmp_path, monkeypatch
     with pytest.raises(SettingsError) as caught:
         load_settings()
     assert "TOPSECRET" not in str(caught.value)
+
+
+def test_variables_naming_one_setting_in_two_cases_are_refused_and_one_in_another_case_is_not_ignored(monkeypatch):
+    """Found in review: pydantic-settings reads PIPECAST_auth_token as PIPECAST_AUTH_TOKEN, and which of the two set
+    it was chance (PIPECAST_auth_token= beside the token turned auth off), while a warning called it ignored."""
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    monkeypatch.setenv("PIPECAST_AUTH_TOKEN", "0123456789abcdefXYZ0123456789")
+    monkeypatch.setenv("PIPECAST_auth_token", "")
+    with pytest.raises(SettingsError, match=re.escape(
+            "environment variables naming one setting, in other cases: PIPECAST_AUTH_TOKEN and PIPECAST_auth_token "
+            "(keep one, in upper case)")):
+        load_settings()
+    monkeypatch.delenv("PIPECAST_AUTH_TOKEN")
+    assert warn_unknown_variables({"PIPECAST_auth_token": "", "pipecast_io_timeout_s": "3"}) == []
+    assert warn_unknown_variables({"PIPECAST_auth_tokn": ""}) == ["PIPECAST_auth_tokn"]
+
+
+@pytest.mark.parametrize("variable, value", [("PIPECAST_CONTROL_FLUSH_S", "1e-6"), ("PIPECAST_HEARTBEAT_S", "1e-6"),
+                                             ("PIPECAST_LEASE_S", "1e-5"), ("PIPECAST_CONTROL_SCAN_S", "1e-6")])
+def test_a_period_of_the_control_plane_near_zero_is_refused(monkeypatch, variable, value):
+    """Found in review: each passed the start-up checks and spun the control plane at 100% CPU."""
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError, match=f"{variable.removeprefix('PIPECAST_').lower()}: Input should be greater "
+                                            "than or equal to"):
+        load_settings()
+
+
+def test_an_empty_variable_of_a_setting_that_may_be_unset_unsets_it(monkeypatch):
+    """Found in review: an empty port or scan period (a template rendering an empty value) was an error, where an
+    empty path was unset."""
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    for name in ("PIPECAST_CONTROL_METRICS_PORT", "PIPECAST_ROUTER_METRICS_PORT", "PIPECAST_CONTROL_SCAN_S"):
+        monkeypatch.setenv(name, "")
+    settings = load_settings()
+    assert (settings.control_metrics_port, settings.router_metrics_port, settings.control_scan_s) == (None, None, None)
