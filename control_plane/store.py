@@ -20,6 +20,7 @@ deposed leader's late write is refused whole. A password in a PostgreSQL URL nev
 logs (:func:`redact_url`).
 """
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,8 +167,20 @@ def _redacted(url: str) -> tuple[str, list[str]]:
     return f"{scheme}{sep}{user}{at}{where}{question}{'&'.join(params)}", passwords
 
 
+#: A ``--db`` value that is neither a PostgreSQL URL of the schemes above nor a path: another scheme, one in other
+#: letters or after a space, a libpq keyword string (``host=... password=...``). As a path it became a SQLite file
+#: of that name (a password in a file name, each replica leading a database of its own).
+_NOT_A_PATH = re.compile(r"^\s|://|^[a-z_]+=\S*(\s|$)", re.IGNORECASE)
+
+
 def open_store(target: str | Path) -> Store:
-    """The store ``target`` names: a PostgreSQL URL or a SQLite path (see the module docstring)."""
+    """The store ``target`` names: a PostgreSQL URL or a SQLite path (see the module docstring); raises
+    :class:`StoreError` for a value that is neither."""
+    if not is_postgres_url(target) and isinstance(target, str) and _NOT_A_PATH.search(target):
+        shown = re.sub(r"(password=)[^\s&]*", r"\1***", redact_url(target), flags=re.IGNORECASE)
+        raise StoreError(f"control plane database {shown!r}: neither a URL starting postgresql:// or "
+                         "postgres:// (in lower case) nor a SQLite path; give a PostgreSQL URL, as "
+                         "postgresql://USER:PASSWORD@HOST:PORT/DATABASE")
     if is_postgres_url(target):
         try:
             from control_plane.store_postgres import PostgresStore

@@ -2,6 +2,7 @@
 with a typed error naming its table and key (issue #12, finding 7)."""
 
 import logging
+import re
 import sqlite3
 
 import pytest
@@ -139,3 +140,20 @@ def test_a_control_plane_that_fails_to_load_lets_go_of_its_file(saved):
         ControlPlaneServer(config(saved))
     corrupt(saved, "DELETE FROM packages WHERE package_id = 'pkg'")
     ControlPlaneServer(config(saved)).store.close()
+
+
+@pytest.mark.parametrize("target, shown", [
+    ("host=127.0.0.1 port=1 password=hunter2pass", "host=127.0.0.1 port=1 password=***"),
+    ("POSTGRESQL://cp:hunter2pass@db/cp", "POSTGRESQL://cp:***@db/cp"),
+    (" postgresql://cp@db/cp", " postgresql://cp@db/cp"),
+    ("mysql://db/cp", "mysql://db/cp"),
+])
+def test_a_database_value_that_is_neither_a_postgresql_url_nor_a_path_is_refused(target, shown, tmp_path,
+                                                                                 monkeypatch):
+    """Found in review: each opened a SQLite file of that name in the working directory (a libpq keyword string
+    with its password in the file name; replicas so configured each led a database of their own)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreError, match=re.escape(f"control plane database {shown!r}: neither a URL starting "
+                                                   "postgresql:// or postgres:// (in lower case) nor a SQLite path")):
+        open_store(target)
+    assert list(tmp_path.iterdir()) == []
