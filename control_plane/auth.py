@@ -148,11 +148,19 @@ def _unread(handler: grpc.RpcMethodHandler, refuse: Callable) -> grpc.RpcMethodH
     return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
 
 
+_SETTING = {"certificate": "tls_cert", "key": "tls_key", "CA": "tls_ca"}
+
+
 def _read(path: Path, what: str) -> bytes:
     try:
-        return Path(path).read_bytes()
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise TlsConfigError(f"cannot read TLS {what} {path}: {exc.strerror or exc}") from exc
+    # Checked here: gRPC's own failure came as a bind error on the server (its port blamed), an unanswered call on a
+    # client, each after lines of C-core logging.
+    if b"-----BEGIN " not in data:
+        raise TlsConfigError(f"TLS {what} {path} ({_SETTING[what]}) holds no PEM block (-----BEGIN ...)")
+    return data
 
 
 def server_credentials(cert: Path | None, key: Path | None, ca: Path | None) -> grpc.ServerCredentials | None:

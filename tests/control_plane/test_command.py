@@ -208,3 +208,17 @@ async def test_plans_of_an_unpublished_package_and_a_release_naming_a_worker_twi
     assert isinstance(result.exception, InvalidRequest) and result.exit_code != 0
     assert str(result.exception) == f"release of package {PKG!r}: a worker is listed twice"
     assert server.state.releases == {}
+
+
+def test_a_tls_file_that_is_not_pem_is_named_with_its_setting(tmp_path):
+    """Found in review: the control plane reported a bind error (its port blamed) and a client an unanswered call,
+    after lines of gRPC's C-core logging."""
+    from control_plane.auth import channel_credentials, server_credentials
+    from control_plane.errors import TlsConfigError
+
+    toml = tmp_path / "f.toml"
+    toml.write_text("agent_port = 1\n")
+    with pytest.raises(TlsConfigError, match=re.escape(f"TLS key {toml} (tls_key) holds no PEM block")):
+        server_credentials(toml, toml, None)
+    with pytest.raises(TlsConfigError, match=re.escape(f"TLS CA {toml} (tls_ca) holds no PEM block")):
+        channel_credentials(toml, None, None)
