@@ -4,8 +4,8 @@ Assignments are fetched in the plan's order with a bounded number in flight. Eac
 block, or a range of its chunks (:attr:`Fetch.chunks`), so that a block can come in parts from several
 parents; it is verified once its last chunk is here, whichever unit brought it. A failed fetch resumes
 from the first chunk of its unit still missing. A parent that fails is retried a bounded number of times
-with backoff (the first retry after a closed connection at once), except one that sent a corrupt chunk or
-where nothing listens any more (reached, then refusing a connection; one refusing before it was ever reached
+with backoff (the first retry after a closed connection at once), except one that sent a corrupt chunk, one
+silent (or below its minimum rate) for a whole I/O timeout, or one where nothing listens any more (reached, then refusing a connection; one refusing before it was ever reached
 may be starting up, as a static plan's agents started together): never retried; then the fetch falls back
 to the given fallback peers (the sources of a static plan), or fails with a typed error naming every peer
 tried so that a control plane can re-parent. A peer given up on is not asked for later units either.
@@ -357,9 +357,12 @@ class _Slots:
             self._waiting.pop(index).set_result(None)
 
 
-def _not_corrupt(error: PeerError) -> bool:
-    """Whether a unit's parent that failed with ``error`` is worth another try: any but one that sent bad bytes."""
-    return not isinstance(error, CorruptChunkError)
+def _worth_another_try(error: PeerError) -> bool:
+    """Whether a unit's parent that failed with ``error`` is worth another try: any but one that sent bad bytes or
+    stayed silent (or too slow) for a whole I/O timeout. Each try of a hung parent cost another timeout, and its
+    child reported it only after them all, while the child's own children, waiting on it, gave up on it at
+    twice the timeout (the relay's serving bound) and blamed it: the whole subtree fetched around healthy nodes."""
+    return not isinstance(error, (CorruptChunkError, PeerTimeoutError))
 
 
 class Fetcher:
@@ -428,7 +431,7 @@ class Fetcher:
 
     async def _fetch_unit(self, fetch: Fetch[PeerInfo]) -> None:
         what = describe_fetch(fetch)
-        tries = _Tries(self.policy, _not_corrupt, self.on_peer_failure, self.reached)
+        tries = _Tries(self.policy, _worth_another_try, self.on_peer_failure, self.reached)
         parent = fetch.parent
         peers = [parent, *(p for p in self.policy.fallbacks if p != parent)]
         for n, peer in enumerate(peers):

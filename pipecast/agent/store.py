@@ -6,7 +6,8 @@ chunk is hashed against its manifest digest and only then counts as present, so 
 read an unverified byte. A peer served from this store gets a chunk still arriving as its bytes land
 (:meth:`BlockStore.relay_chunk`, so that each hop of a chain adds a piece's time, not a chunk's) but its
 last byte only once the chunk is verified: a receiver never holds a whole chunk that its parent did not
-verify, and a relay whose receive ends unverified abandons what it relayed of it. A block is verified when all
+verify, and a relay whose receive ends unverified abandons what it relayed of it (its answer starts the
+chunk again, :func:`~pipecast.agent.transport.wire.answer_request`). A block is verified when all
 its chunks are, whichever fetches landed them (the whole block from one peer, or chunk ranges from
 several): the manifest is validated on open, and its package id is the digest of the whole manifest
 (every chunk digest, size and file name in it), so the chunk digests are as trustworthy as the package id
@@ -152,7 +153,7 @@ class LandingChunk:
     received, what has landed of it, all but its last byte, which waits for the chunk's verification. If the
     receive it passed bytes of ends unverified (corrupt, or its sender failed mid-chunk), or another receive of
     the chunk began meanwhile, those bytes are abandoned: :class:`RelayBrokenError`, and the peer's answer must
-    end there (the peer verifies the chunk itself, so it never keeps them).
+    drop them (a ``RESTART``, or the answer's end; the peer verifies the chunk itself, so it never keeps them).
     """
 
     def __init__(self, state: _BlockState, chunk: int) -> None:

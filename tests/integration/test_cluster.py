@@ -129,8 +129,10 @@ class Cluster(Agents):
         return self._start(node, "agent", "--node-id", node, "--control-plane", self.cp_address,
                            "--events", self.processes.events_path(node), "--label", "rack=r0", *args, env=env or {})
 
-    def up(self, store_mbit: str = STORE_MBIT, agents: tuple[str, ...] = tuple(AGENTS)) -> str:
-        """Control plane, the published package, its store agent and the agents, all registered."""
+    def up(self, store_mbit: str = STORE_MBIT, agents: tuple[str, ...] = tuple(AGENTS),
+           agent_env: dict[str, str] | None = None) -> str:
+        """Control plane, the published package, its store agent and the agents (each with ``agent_env``), all
+        registered."""
         self.start_control_plane()
         package_id = self.cp("publish", self.root, "--store-node", "store",
                              "--store-address", self.store_address)["package_id"]
@@ -139,7 +141,7 @@ class Cluster(Agents):
         for node in agents:
             extra = ("--serve-url", SERVE_URL) if node == "a1" else ()
             self.start_agent(node, "--listen", "127.0.0.1:0", "--cache-dir", self.tmp / f"cache-{node}",
-                             "--memory", str(MEMORY), *extra)
+                             "--memory", str(MEMORY), *extra, env=agent_env)
         self.wait_for(lambda: self.alive() >= {"store", *agents}, "every agent to register")
         return package_id
 
@@ -464,6 +466,42 @@ def test_an_agent_with_a_wrong_token_exits_with_a_clear_error_and_changes_nothin
     assert cluster.events("intruder", "failed")[0]["error"] == "Unauthenticated"
     assert cluster.cp("workers") == before == []
     assert cluster.try_cp("workers", token="wrong") is None
+
+
+def test_a_hung_relay_is_blamed_by_its_children_alone_and_its_subtree_waits_on_its_healthy_parents(cluster,
+                                                                                                   package):
+    """Found in review: a relay that hangs with its connections open (here: stopped by SIGSTOP, its lease not yet
+    over) went silent to its children, whose own children then heard nothing either: at the I/O timeout the whole
+    subtree blamed healthy parents and fetched around them (3x the package from the store). A relay waiting on its
+    parent now says so (WAIT), and restarts a chunk it was passing on (RESTART) once its new parent sends it."""
+    root, manifest = package
+    # The children time out the hung relay well before its lease ends (LEASE_S), so the plan's repair is theirs.
+    package_id = cluster.up(agent_env={"PIPECAST_IO_TIMEOUT_S": "1.0"})
+    cluster.cp("scale-up", package_id, "--count", "4")
+    fetches = initial_fetches(cluster)
+    hung = max(AGENTS, key=lambda n: len(downstream(fetches, n)))
+    below = {rx for rx, _ in downstream(fetches, hung)}
+    assert len(below) >= 2, f"{hung} relays to fewer than two agents: nothing to cascade ({fetches})"
+    cluster.wait_event(hung, "block_verified")
+    cluster.procs[hung].send_signal(signal.SIGSTOP)
+    try:
+        hung_at = time.time()
+        for node in below:
+            cluster.wait_event(node, "complete")
+            cluster.assert_identical_copy(node)
+        assert any(not cluster.verified(rx, hung_at) >= set(range(len(manifest.blocks))) for rx in below), \
+            "the relay hung after its subtree had everything: nothing was tested"
+        blamed = {(n, e["peer"]) for n in AGENTS for e in cluster.events(n, "peer_failed")}
+        children = {rx for rx, fs in fetches.items() for _, parent in fs if parent == hung}
+        assert blamed and {peer for _, peer in blamed} == {hung}, blamed
+        assert {node for node, _ in blamed} <= children
+        sent = cluster.stop("store")["bytes_sent"]
+        # What the hung relay got, then one copy for its child: under twice the package (three, before).
+        assert sent < 2 * manifest.total_bytes, sent / manifest.total_bytes
+        print(f"\nhung relay {hung}: blamed by {sorted(node for node, _ in blamed)} only; the store sent "
+              f"{sent / manifest.total_bytes:.2f}x the package")
+    finally:
+        cluster.procs[hung].send_signal(signal.SIGCONT)
 
 
 def test_a_frozen_worker_leaves_the_plans_within_lease_plus_one_scan(cluster, package):

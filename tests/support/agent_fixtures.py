@@ -123,3 +123,30 @@ async def connected(transport: Transport, address: str, peer: str) -> AsyncItera
         yield channel
     finally:
         await channel.close()
+
+
+class ReceiveLog:
+    """The store as a chunk sink, logging each chunk's receive: ("begun", block, chunk) as its buffer is taken,
+    then ("landed", ...) or ("dropped", ...)."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self.events: list[tuple[str, int, int]] = []
+
+    def chunk_count(self, block: int) -> int:
+        return self.store.chunk_count(block)
+
+    def chunk_buffer(self, block: int, chunk: int) -> memoryview:
+        self.events.append(("begun", block, chunk))
+        return self.store.chunk_buffer(block, chunk)
+
+    def chunk_progress(self, block: int, chunk: int, nbytes: int) -> None:
+        self.store.chunk_progress(block, chunk, nbytes)
+
+    def chunk_landed(self, block: int, chunk: int, peer: str) -> None:
+        self.events.append(("landed", block, chunk))
+        self.store.chunk_landed(block, chunk, peer)
+
+    def chunk_dropped(self, block: int, chunk: int) -> None:
+        self.events.append(("dropped", block, chunk))
+        self.store.chunk_dropped(block, chunk)

@@ -142,7 +142,7 @@ class ChunkSink(Protocol):
 class ChunkRelay(Protocol):
     """One chunk's bytes for a peer, given in order as they come to be here (:meth:`ServedPackages.relay_chunk`).
     ``next`` may raise :class:`~pipecast.agent.errors.RelayBrokenError`: bytes already given are abandoned, and
-    the answer carrying them must end unfinished."""
+    the answer carrying them must drop them (the chunk starts again, or the answer ends unfinished)."""
 
     length: int
 

@@ -12,8 +12,8 @@ socket to drain after each, error answers included).
 The receive side is an ``asyncio.BufferedProtocol`` that hands the socket the chunk's own slice of the
 block buffer: bytes go from the kernel into the block store with no extra copy, and a wake-up costs about
 half of ``sock_recv_into`` (DESIGN 5). It tells the sink every ``agent_relay_bytes`` of a chunk that land,
-and the serving side passes a chunk on in such pieces as they arrive (``answer_request``'s ``stream``), its
-last byte once the chunk is verified: a chain's hop then costs a piece's time instead of a chunk's (DESIGN 5:
+and the serving side passes a chunk on in such pieces as they arrive (``answer_request``'s ``stream``: a
+``CHUNK_PIECES`` answer of ``PIECE`` messages, :mod:`.wire`), its last byte once the chunk is verified: a chain's hop then costs a piece's time instead of a chunk's (DESIGN 5:
 relaying every 256 KiB took a chain of 4 MiB chunks from 1.16 to 1.07-1.08x S/B). Socket buffer sizes are left
 to the kernel's autotuning (small fixed buffers slowed chains down, DESIGN 5).
 """
@@ -63,17 +63,23 @@ from pipecast.agent.transport.wire import (
     AUTH_OK,
     AUTH_PROOF,
     CHUNK,
+    CHUNK_PIECES,
     ERROR,
     FILE,
     LIMITED_SEND_SLICE,
     MAX_HELLO_BYTES,
+    PIECE,
     REQ_BLOCK,
     REQ_FILE,
+    RESTART,
     SERVE_LOG,
     SERVE_WAIT_IO_TIMEOUTS,
     TCP_HEADER,
+    WAIT,
+    WAIT_EVERY_IO_TIMEOUTS,
     ClientHello,
     Header,
+    HeardWaits,
     accept_hello,
     answer_request,
     block_request_payload,
@@ -144,7 +150,12 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         self.peer = peer
         self._have_key = have_key
         self._relay_bytes = relay_bytes  # the sink hears of a chunk's progress every this many bytes (0: never)
-        self._in_chunk = False  # the target is a chunk's buffer
+        self._in_chunk = False  # a chunk's receive is under way (begun with its buffer, not yet landed or dropped)
+        self._chunk: memoryview | None = None  # that chunk's buffer
+        self._pieces = False  # it comes as PIECE messages (a CHUNK_PIECES answer)
+        self._landing = False  # the target is a slice of the chunk's buffer, from _chunk_at
+        self._chunk_at = 0
+        self._waits = HeardWaits(io_timeout_s)
         self.closed_idle = False  # the peer closed the connection while no request was outstanding
         self._io_timeout_s = io_timeout_s
         # A request's answer must bring this many bytes in each io_timeout_s window (our own pauses left out):
@@ -180,10 +191,11 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         self._filled += nbytes
         self._window_bytes += nbytes
         self._last_rx = self._loop.time()
-        if (self._in_chunk and self._relay_bytes and self._filled < len(self._target)
-                and self._filled // self._relay_bytes > (self._filled - nbytes) // self._relay_bytes):
-            request = self.request
-            request.sink.chunk_progress(request.block, request.next_chunk, self._filled)
+        if self._landing and self._relay_bytes:
+            at = self._chunk_at + self._filled
+            if at < len(self._chunk) and at // self._relay_bytes > (at - nbytes) // self._relay_bytes:
+                request = self.request
+                request.sink.chunk_progress(request.block, request.next_chunk, at)
         if self._ingress is not None:
             delay = self._ingress.take(nbytes)
             if delay > 0:
@@ -219,6 +231,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
             raise RuntimeError(f"channel to {self.peer} already has a request in flight")
         self.request = request
         self._ingress = ingress
+        self._waits.answered()
         self._last_rx = self._window_start = self._loop.time()
         self._window_bytes = 0
         self._arm_watchdog()
@@ -231,7 +244,8 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         if self._watchdog:
             self._watchdog.cancel()
         if self._in_chunk:  # what landed of it is not the chunk: relays of it give up
-            self._in_chunk = False
+            self._in_chunk = self._pieces = self._landing = False
+            self._chunk = None
             self.request.sink.chunk_dropped(self.request.block, self.request.next_chunk)
         if self.error is None:
             self.error = exc if isinstance(exc, PeerError) else PeerProtocolError(self.peer, str(exc))
@@ -290,43 +304,104 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         request = self.request
         if request is None:
             raise PeerProtocolError(self.peer, f"sent message type {header.kind} with no request outstanding")
+        if self._pieces:
+            self._piece_header(header, request)
+            return
         if isinstance(request, _HelloStep):
             check_answer(header, request.expected, request.describe(), self.peer, MAX_HELLO_BYTES)
         elif isinstance(request, _FileRequest):
             check_answer(header, FILE, request.describe(), self.peer, request.limit)
         else:
-            check_answer(header, CHUNK, request.describe(), self.peer)
-        if header.kind == ERROR:
+            check_answer(header, (CHUNK, CHUNK_PIECES), request.describe(), self.peer)
+        if header.kind == WAIT:
+            if isinstance(request, _BlockRequest) and header.block != request.block:
+                raise PeerProtocolError(self.peer, f"sent a WAIT for block {header.block} while sending "
+                                                   f"{request.describe()}")
+            self._waited(request)
+        elif header.kind == ERROR:
             self._expect(memoryview(bytearray(header.length)), self._error_complete)
         elif header.kind == AUTH_FAIL:
             if self._have_key and not isinstance(request, _HelloStep):  # keyed, the hello is behind us
                 raise PeerProtocolError(self.peer, f"answered {request.describe()} with an authentication failure "
                                                    "after its hello had succeeded")
             self._expect(memoryview(bytearray(header.length)), self._auth_failed)
-        elif header.kind == CHUNK:
+        elif header.kind in (CHUNK, CHUNK_PIECES):
+            self._waits.answered()
             buffer = request.sink.chunk_buffer(request.block, request.next_chunk)
             # The sink counts a receive from here: a refused header must end it too (_fail drops it).
             self._in_chunk = True
+            self._chunk, self._chunk_at = buffer, 0
             check_chunk(header, request.block, request.next_chunk, len(buffer), self.peer)
-            self._expect(buffer, self._chunk_complete)
+            if header.kind == CHUNK:
+                self._land(0, len(buffer))
+            else:
+                self._pieces = True
+                self._expect_header()
         elif isinstance(request, _HelloStep):
             self._expect(memoryview(bytearray(header.length)), self._hello_complete)
         else:
+            self._waits.answered()
             self._expect(memoryview(bytearray(header.length)), self._file_complete)
 
-    def _next_header(self) -> memoryview:
-        payload = self._target
-        self._in_chunk = False
+    def _piece_header(self, header: Header, request: "_BlockRequest") -> None:
+        """A message inside a ``CHUNK_PIECES`` answer: its next bytes, a WAIT, or a RESTART of the chunk."""
+        block, chunk = request.block, request.next_chunk
+        if header.block != block or header.chunk != chunk:
+            raise PeerProtocolError(self.peer, f"sent a message of chunk {header.chunk} of block {header.block} "
+                                               f"inside chunk {chunk} of block {block}")
+        if header.kind == PIECE and 0 < header.length <= len(self._chunk) - self._chunk_at:
+            self._waits.answered()
+            self._land(self._chunk_at, header.length)
+        elif header.kind == WAIT and not header.length:
+            self._waited(request)
+        elif header.kind == RESTART and not header.length:
+            # Its receive failed at the relay, and a new one began: what came of the chunk is dropped, here too.
+            request.sink.chunk_dropped(block, chunk)
+            self._chunk = request.sink.chunk_buffer(block, chunk)
+            self._chunk_at = 0
+            self._expect_header()
+        else:
+            raise PeerProtocolError(self.peer, f"sent message type {header.kind} of {header.length} bytes inside "
+                                               f"chunk {chunk} of block {block} ({self._chunk_at} of its "
+                                               f"{len(self._chunk)} bytes in)")
+
+    def _waited(self, request: _Request) -> None:
+        """A ``WAIT``: the peer waits on its own source. Its silence deadline was met (the header's bytes), and
+        its minimum rate starts again (a wait is not slowness), within :class:`HeardWaits`'s bound."""
+        self._waits.heard(self._loop.time(), self.peer, request.describe())
+        self._window_start, self._window_bytes = self._loop.time(), 0
+        self._expect_header()
+
+    def _land(self, at: int, length: int) -> None:
+        """Receive ``length`` bytes of the chunk into its buffer from ``at``."""
+        self._chunk_at, self._landing = at, True
+        self._expect(self._chunk[at:at + length], self._landed)
+
+    def _landed(self) -> None:
+        self._landing = False
+        self._chunk_at += len(self._target)
+        if self._chunk_at == len(self._chunk):
+            self._chunk_complete()
+        else:
+            self._expect_header()  # the next PIECE, WAIT or RESTART
+
+    def _expect_header(self) -> None:
         self._target = memoryview(self._header)
         self._filled = 0
         self._on_complete = self._header_complete
+
+    def _next_header(self) -> memoryview:
+        payload = self._target
+        self._expect_header()
         return payload
 
     def _chunk_complete(self) -> None:
-        payload = self._next_header()
-        request = self.request
+        request, size = self.request, len(self._chunk)
+        self._in_chunk = self._pieces = False
+        self._chunk = None
+        self._expect_header()
         request.sink.chunk_landed(request.block, request.next_chunk, self.peer)
-        self._stats.bytes_received += len(payload)
+        self._stats.bytes_received += size
         request.next_chunk += 1
         if request.next_chunk == request.end:
             self._finish()
@@ -560,6 +635,7 @@ class _ServerProtocol(asyncio.Protocol):
                 await answer_request(listener.served, request, partial(self._send, package_id=request.package_id),
                                      self.peer, authenticated=node,
                                      wait_s=SERVE_WAIT_IO_TIMEOUTS * listener.io_timeout_s,
+                                     wait_every_s=WAIT_EVERY_IO_TIMEOUTS * listener.io_timeout_s,
                                      stream=partial(self._send_stream, package_id=request.package_id)
                                      if listener.relay_bytes else None)
                 message = await self._receive()
@@ -584,18 +660,26 @@ class _ServerProtocol(asyncio.Protocol):
         await self._write(payload, self._listener.limits_rate.egress_for(package_id) if answer else None, answer)
         await self._drain()
 
-    async def _send_stream(self, header: Header, first: memoryview, more: Callable[[], Awaitable[memoryview]],
-                           package_id: str = "") -> None:
-        """Send a ``CHUNK`` answer whose bytes are still arriving: ``first``, then what ``more`` gives until
-        the header's length is out, each part as :meth:`_send` sends a payload."""
+    async def _send_stream(self, header: Header, first: memoryview,
+                           more: Callable[[], Awaitable[memoryview | None]], package_id: str = "") -> None:
+        """Send a ``CHUNK_PIECES`` answer whose bytes are still arriving: ``first``, then what ``more`` gives
+        until the header's length is out, each part a ``PIECE`` whose payload goes as :meth:`_send` sends one
+        (``more`` giving None: a ``RESTART``, and the chunk's bytes from its first again)."""
         egress = self._listener.limits_rate.egress_for(package_id)
         self._transport.write(TCP_HEADER.pack(header))
-        await self._write(first, egress, True)
-        sent = len(first)
-        while sent < header.length:
+        part: memoryview | None = first
+        sent = 0
+        while True:
+            if part is None:
+                self._transport.write(TCP_HEADER.pack(Header(RESTART, header.block, header.chunk)))
+                sent = 0
+            else:
+                self._transport.write(TCP_HEADER.pack(Header(PIECE, header.block, header.chunk, len(part))))
+                await self._write(part, egress, True)
+                sent += len(part)
+            if sent >= header.length:
+                break
             part = await more()
-            await self._write(part, egress, True)
-            sent += len(part)
         await self._drain()
 
     async def _write(self, payload: memoryview, egress: Pacer | None, answer: bool) -> None:

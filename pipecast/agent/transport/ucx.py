@@ -80,8 +80,11 @@ from pipecast.agent.transport.wire import (
     SERVE_LOG,
     SERVE_WAIT_IO_TIMEOUTS,
     UCX_HEADER,
+    WAIT,
+    WAIT_EVERY_IO_TIMEOUTS,
     ClientHello,
     Header,
+    HeardWaits,
     accept_hello,
     answer_request,
     block_request_payload,
@@ -438,8 +441,16 @@ class UcxChannel(Channel):
         """The next answer header, its length checked against ``limit`` (a ``FILE``'s); an ERROR answer is
         raised as :class:`PeerRefusedError`, an AUTH_FAIL as :class:`PeerAuthError` (by a peer this node, holding
         a key, has greeted: :class:`PeerProtocolError`)."""
-        header = await self._link.recv_header(self._silent)
-        check_answer(header, expected, progress.describe(), self.peer, limit)
+        waits = HeardWaits(self._link.io_timeout_s)
+        while True:
+            header = await self._link.recv_header(self._silent)
+            check_answer(header, expected, progress.describe(), self.peer, limit)
+            if header.kind != WAIT:
+                break
+            if progress.what == "block" and header.block != progress.block:
+                raise PeerProtocolError(self.peer, f"sent a WAIT for block {header.block} while sending "
+                                                   f"{progress.describe()}")
+            waits.heard(asyncio.get_running_loop().time(), self.peer, progress.describe())
         if header.kind in (ERROR, AUTH_FAIL):
             text = bytearray(header.length)
             await self._link.recv_payload(memoryview(text), header.frame, self._silent)
@@ -713,7 +724,8 @@ class _ServerConnection:
         egress = self._link.limits.egress_for(request.package_id)
         send = functools.partial(self._send, self._frame(header.frame, egress), egress)
         await answer_request(self._listener.served, request, send, self.peer, self._from_served, authenticated=node,
-                             wait_s=SERVE_WAIT_IO_TIMEOUTS * self._listener.io_timeout_s)
+                             wait_s=SERVE_WAIT_IO_TIMEOUTS * self._listener.io_timeout_s,
+                             wait_every_s=WAIT_EVERY_IO_TIMEOUTS * self._listener.io_timeout_s)
         return True
 
     @staticmethod

@@ -42,6 +42,18 @@ with an ``ERROR``. An answer's announced length is checked against what was aske
 allocated for it. Over UCX a request's frame field is the largest frame the requester wants
 (:data:`LIMITED_SEND_SLICE` when its ingress is rate-limited, else 0), and a channel ends with
 ``CLOSE``, answered by ``CLOSE_ACK``.
+
+**Waiting on its own source (version 4).** A relay asked for what has not reached it yet says so: while it
+waits, it sends a ``WAIT`` (header only: the block and chunk waited for, length 0) every
+:data:`WAIT_EVERY_IO_TIMEOUTS` of its I/O timeout, so that its requester does not take its parent's silence
+for its own and blame a healthy node (a hung node's whole subtree did). A requester accepts ``WAIT``
+messages alone for at most :data:`WAIT_LIMIT_IO_TIMEOUTS` I/O timeouts (the relay gives up after
+:data:`SERVE_WAIT_IO_TIMEOUTS`), then times the relay out. A chunk a TCP relay passes on as it arrives is a
+``CHUNK_PIECES`` answer (header: the chunk and its whole length) followed by ``PIECE`` messages (its next
+bytes), with ``WAIT`` messages between them while the relay's own receive stalls and a ``RESTART`` (length 0:
+drop what came of the chunk, it starts again from its first byte) when that receive failed and a new one
+from another parent began: its requester keeps the connection instead of blaming the relay for its
+parent.
 """
 
 import asyncio
@@ -54,6 +66,7 @@ import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from packager.manifest import HEX_DIGEST, MANIFEST_FILE, MAX_MANIFEST_BYTES
@@ -64,6 +77,8 @@ from pipecast.agent.errors import (
     PeerError,
     PeerNotAllowedError,
     PeerProtocolError,
+    PeerTimeoutError,
+    RelayBrokenError,
     ServeWaitTimeoutError,
     UnknownPackageError,
 )
@@ -71,10 +86,11 @@ from pipecast.agent.transport.base import PeerAuth, ServedPackages
 
 log = logging.getLogger(__name__)
 
-VERSION = 3  # 2: REQ_FILE asks for a byte range; 3: the authenticated hello
+VERSION = 4  # 2: REQ_FILE asks for a byte range; 3: the authenticated hello; 4: WAIT, pieced relayed chunks
 REQ_BLOCK, REQ_FILE, CHUNK, FILE, ERROR = 1, 2, 3, 4, 5
 CLOSE, CLOSE_ACK = 6, 7  # UCX only
 AUTH_HELLO, AUTH_CHALLENGE, AUTH_PROOF, AUTH_OK, AUTH_FAIL = 8, 9, 10, 11, 12
+WAIT, CHUNK_PIECES, PIECE, RESTART = 13, 14, 15, 16  # CHUNK_PIECES, PIECE and RESTART: TCP only
 REQUESTS = (REQ_BLOCK, REQ_FILE)
 MAX_REQUEST_BYTES = 4096
 MAX_ERROR_BYTES = 64 << 10
@@ -86,6 +102,14 @@ LIMITED_SEND_SLICE = 64 << 10
 # A serving side waits for what it serves (a relay's chunk still on its way) at most this many I/O
 # timeouts: the requester gives up after one of silence anyway.
 SERVE_WAIT_IO_TIMEOUTS = 2.0
+# A serving side waiting on what it serves sends a WAIT this often (in I/O timeouts): well within its
+# requester's silence deadline.
+WAIT_EVERY_IO_TIMEOUTS = 1 / 3
+# A requester hearing only WAITs gives up after this many I/O timeouts: the serving side's own bound, plus one
+# for its WAITs' spacing and the network.
+WAIT_LIMIT_IO_TIMEOUTS = SERVE_WAIT_IO_TIMEOUTS + 1
+# A chunk a relay passes on may start again this many times (each a receive of it that failed at the relay).
+MAX_CHUNK_RESTARTS = 3
 
 NONCE_BYTES = 32
 MAC_BYTES = 32
@@ -307,9 +331,10 @@ def refused_by_peer(peer: str, reason: str, have_key: bool) -> PeerAuthError:
 ReceiveMessage = Callable[[], Awaitable[tuple[Header, bytes]]]
 # How a serving backend sends one message (header and payload) to the requester.
 SendMessage = Callable[[Header, memoryview], Awaitable[None]]
-# How a backend that streams sends a CHUNK answer whose bytes are still arriving: the header, the first bytes,
-# and what gives the next ones (awaited until the header's length is sent; it raises AnswerAbandonedError).
-SendStream = Callable[[Header, memoryview, Callable[[], Awaitable[memoryview]]], Awaitable[None]]
+# How a backend that streams sends a CHUNK_PIECES answer whose bytes are still arriving: the header, the first
+# bytes, and what gives the next ones (awaited until the header's length is sent; None: the chunk starts again
+# from its first byte, a RESTART; it raises AnswerAbandonedError).
+SendStream = Callable[[Header, memoryview, Callable[[], Awaitable[memoryview | None]]], Awaitable[None]]
 
 
 async def accept_hello(auth: PeerAuth, fmt: HeaderFormat, receive: ReceiveMessage, send: SendMessage, peer: str,
@@ -438,38 +463,53 @@ async def _now(awaitable: Awaitable[Any]) -> Any:
 async def answer_request(served: ServedPackages, request: Request, send: SendMessage, peer: str,
                          waiting: Callable[[Awaitable[Any]], Awaitable[Any]] = _now, *,
                          authenticated: str | None = None, wait_s: float | None = None,
-                         stream: SendStream | None = None) -> None:
+                         wait_every_s: float | None = None, stream: SendStream | None = None) -> None:
     """Answer ``request`` from ``served`` through ``send``: the block's ``CHUNK`` messages of the chunk
     range asked for (to the block's end without an end chunk), each as soon as ``served`` has it, or the
-    ``FILE`` message. With ``stream`` each ``CHUNK`` goes as its bytes come (``served.relay_chunk``), from
-    the first: a chain's hop then adds a piece's time instead of a whole chunk's.
+    ``FILE`` message. With ``stream`` each chunk goes as its bytes come (``served.relay_chunk``), from the
+    first, as a ``CHUNK_PIECES`` answer: a chain's hop then adds a piece's time instead of a whole chunk's;
+    a receive of it here that fails after some of it went is a ``RESTART``, and the chunk goes again as a new
+    receive brings it (at most :data:`MAX_CHUNK_RESTARTS` times).
 
     The request is admitted first: its requester must be the node that ``authenticated`` (when the hello
     ran) and ``served`` must admit it; only then is it recorded (``served.peer_requested``). If anything
     refuses (an :class:`AgentError`: not allowed, not held here, nothing within ``wait_s``) the answer is
     one ``ERROR`` with its text, logged, and the connection serves on; a :class:`PeerError` (the requester
     stopped reading or went away) is raised, and so is :class:`AnswerAbandonedError` (a streamed chunk
-    failed here after its header went: the backend closes the connection). ``waiting`` wraps every wait on
-    ``served`` (UCX gives up on a requester that leaves meanwhile); ``peer`` names the requester in the log."""
+    failed here after its header went: the backend closes the connection). While it waits on ``served`` it
+    sends a ``WAIT`` every ``wait_every_s`` (None: never). ``waiting`` wraps every wait on ``served`` (UCX
+    gives up on a requester that leaves meanwhile); ``peer`` names the requester in the log."""
     block = request.block if request.kind == REQ_BLOCK else None
+    loop = asyncio.get_running_loop()
 
-    async def provided(awaitable: Awaitable[Any], what: str) -> Any:
-        if wait_s is None:
+    async def provided(awaitable: Awaitable[Any], what: str, chunk: int = 0) -> Any:
+        """What ``awaitable`` gives, within ``wait_s``, with a WAIT every ``wait_every_s`` meanwhile."""
+        if wait_s is None and wait_every_s is None:
             return await waiting(awaitable)
+        task = asyncio.ensure_future(waiting(awaitable))
+        started = loop.time()
         try:
-            async with asyncio.timeout(wait_s):
-                return await waiting(awaitable)
-        except TimeoutError:
-            raise ServeWaitTimeoutError(f"{what} of package {request.package_id[:12]} is not here after "
-                                        f"{wait_s:g} s") from None
+            while True:
+                steps = [s for s in (wait_every_s, None if wait_s is None else started + wait_s - loop.time())
+                         if s is not None]
+                await asyncio.wait((task,), timeout=max(0.0, min(steps)))
+                if task.done():
+                    return task.result()
+                if wait_s is not None and loop.time() - started >= wait_s:
+                    raise ServeWaitTimeoutError(f"{what} of package {request.package_id[:12]} is not here after "
+                                                f"{wait_s:g} s")
+                await send(Header(WAIT, request.block if block is not None else 0, chunk), memoryview(b""))
+        finally:
+            task.cancel()  # nothing once done; else what it waits on served is given up (it is safe to cancel)
 
     try:
         if authenticated is not None and request.requester != authenticated:
             raise PeerNotAllowedError(f"the request names requester {request.requester!r}, not the node that "
                                       f"authenticated ({authenticated!r})")
-        await provided(served.admit(request.requester, request.package_id), "admission")
+        await provided(served.admit(request.requester, request.package_id), "admission", request.chunk)
         if request.kind == REQ_BLOCK:
-            count = await provided(served.chunk_count(request.package_id, request.block), f"block {block}")
+            count = await provided(served.chunk_count(request.package_id, request.block), f"block {block}",
+                                   request.chunk)
             end = count if request.end_chunk is None else request.end_chunk
             if request.end_chunk is not None and not request.chunk < end <= count:
                 raise UnknownPackageError(f"block {block} has no chunk range {request.chunk}-{end} (it has "
@@ -480,21 +520,10 @@ async def answer_request(served: ServedPackages, request: Request, send: SendMes
             for chunk in range(request.chunk, end):
                 what = f"chunk {chunk} of block {block}"
                 if stream is None:
-                    data = byte_view(await provided(served.wait_chunk(request.package_id, request.block, chunk), what))
+                    data = byte_view(await provided(served.wait_chunk(request.package_id, block, chunk), what, chunk))
                     await send(Header(CHUNK, request.block, chunk, len(data)), data)
                     continue
-                relay = await provided(served.relay_chunk(request.package_id, request.block, chunk), what)
-                # Nothing goes before the chunk's first bytes are here: until then a failure is an ERROR answer.
-                first = byte_view(await provided(relay.next(), what))
-
-                async def more() -> memoryview:
-                    try:
-                        return byte_view(await provided(relay.next(), what))
-                    except AgentError as exc:  # the header is out: no ERROR answer can follow it
-                        raise AnswerAbandonedError(f"the answer of {what} to {peer} is abandoned mid-chunk: "
-                                                   f"{exc}") from exc
-
-                await stream(Header(CHUNK, request.block, chunk, relay.length), first, more)
+                await _relay_chunk(served, request, chunk, stream, partial(provided, what=what, chunk=chunk), peer)
         else:
             data = await provided(served.file_bytes(request.package_id, request.path, request.block, request.chunk),
                                   f"file {request.path}")
@@ -504,6 +533,32 @@ async def answer_request(served: ServedPackages, request: Request, send: SendMes
         raise
     except AgentError as exc:  # not allowed, or we do not hold what was asked for: say so and keep serving
         await _refuse(request, send, peer, str(exc))
+
+
+async def _relay_chunk(served: ServedPackages, request: Request, chunk: int, stream: SendStream,
+                       provided: Callable[[Awaitable[Any]], Awaitable[Any]], peer: str) -> None:
+    """Send ``chunk`` through ``stream`` as its bytes land here (``provided`` waits on ``served``)."""
+    relay = await provided(served.relay_chunk(request.package_id, request.block, chunk))
+    # Nothing goes before the chunk's first bytes are here: until then a failure is an ERROR answer.
+    first = byte_view(await provided(relay.next()))
+    restarts = 0
+
+    async def more() -> memoryview | None:
+        nonlocal relay, restarts
+        try:
+            try:
+                return byte_view(await provided(relay.next()))
+            except RelayBrokenError:
+                restarts += 1
+                if restarts > MAX_CHUNK_RESTARTS:
+                    raise
+                relay = await provided(served.relay_chunk(request.package_id, request.block, chunk))
+                return None  # its requester drops what it has of the chunk; a new receive here brings it again
+        except AgentError as exc:  # the header is out: no ERROR answer can follow it
+            raise AnswerAbandonedError(f"the answer of chunk {chunk} of block {request.block} to {peer} is "
+                                       f"abandoned mid-chunk: {exc}") from exc
+
+    await stream(Header(CHUNK_PIECES, request.block, chunk, relay.length), first, more)
 
 
 async def _refuse(request: Request, send: SendMessage, peer: str, reason: str) -> None:
@@ -523,18 +578,44 @@ def file_answer_limit(path: str, length: int) -> int:
     return MAX_MANIFEST_BYTES if path == MANIFEST_FILE else MAX_FILE_BYTES
 
 
-def check_answer(header: Header, expected: int, what: str, peer: str, limit: int = MAX_FILE_BYTES) -> None:
-    """Raise :class:`PeerProtocolError` unless ``header`` is an ``ERROR``, an ``AUTH_FAIL`` or the
-    ``expected`` answer (``CHUNK``, ``FILE``, a hello message) to the request for ``what`` (e.g. "file
-    config.json"), within the size limits: a ``FILE`` or hello answer at most ``limit`` bytes, checked
-    before anything is allocated for it."""
+def check_answer(header: Header, expected: int | tuple[int, ...], what: str, peer: str,
+                 limit: int = MAX_FILE_BYTES) -> None:
+    """Raise :class:`PeerProtocolError` unless ``header`` is an ``ERROR``, an ``AUTH_FAIL``, an ``expected``
+    answer (``CHUNK`` or ``CHUNK_PIECES``, ``FILE``, a hello message) to the request for ``what`` (e.g. "file
+    config.json"), or an empty ``WAIT`` while a chunk or a file is awaited, within the size limits: a
+    ``FILE`` or hello answer at most ``limit`` bytes, checked before anything is allocated for it."""
+    expected = expected if isinstance(expected, tuple) else (expected,)
     if header.kind in (ERROR, AUTH_FAIL):
         if header.length > MAX_ERROR_BYTES:
             raise PeerProtocolError(peer, f"sent an error message of {header.length} bytes")
-    elif header.kind != expected:
+    elif header.kind == WAIT and {CHUNK, FILE} & set(expected):
+        if header.length:
+            raise PeerProtocolError(peer, f"sent a WAIT message of {header.length} bytes")
+    elif header.kind not in expected:
         raise PeerProtocolError(peer, f"sent message type {header.kind} in answer to {what}")
-    elif header.kind != CHUNK and header.length > limit:
+    elif header.kind not in (CHUNK, CHUNK_PIECES) and header.length > limit:
         raise PeerProtocolError(peer, f"announced {what} of {header.length} bytes (at most {limit} asked for)")
+
+
+class HeardWaits:
+    """A requester's bound on a peer that sends only ``WAIT`` messages: :meth:`heard` raises :class:`PeerTimeoutError`
+    once it has for :data:`WAIT_LIMIT_IO_TIMEOUTS` I/O timeouts since the answer's last bytes."""
+
+    def __init__(self, io_timeout_s: float) -> None:
+        self.limit_s = WAIT_LIMIT_IO_TIMEOUTS * io_timeout_s
+        self._since: float | None = None
+
+    def heard(self, now: float, peer: str, what: str) -> None:
+        """A ``WAIT`` came at ``now`` (a monotonic clock's) while ``what`` was awaited."""
+        if self._since is None:
+            self._since = now
+        elif now - self._since >= self.limit_s:
+            raise PeerTimeoutError(peer, f"sent only WAIT messages for {now - self._since:.1f} s while sending "
+                                         f"{what} (its own source is not sending it)")
+
+    def answered(self) -> None:
+        """The answer's bytes came: its waits so far are over."""
+        self._since = None
 
 
 def check_chunk(header: Header, block: int, chunk: int, size: int, peer: str) -> None:

@@ -5,7 +5,7 @@ never present and names its sender, a relay forwards a file's ranges before it h
 Issue #12: a peer without the key or with another one is served nothing and told whose fault it is; a
 requester not named in a plan is refused; an answer longer than asked for is refused before it is
 received; a wait on what is served has a deadline; connections over the caps are closed; silent
-connections are closed. Issue #16: a chunk range mid-block or to the block's end moves exactly its
+connections are closed; a relay waiting on its own parent keeps its requester (WAIT). Issue #16: a chunk range mid-block or to the block's end moves exactly its
 chunks, a range resumes within itself after a dropped connection, a range the block lacks is refused
 with the server's reason, a request without an end chunk is served to the block's end. Found in review: a
 host not this node's is refused at listen; a chunk whose sender dies mid-way is dropped, not left begun.
@@ -41,6 +41,7 @@ from pipecast.core.credentials import data_plane_key
 from pipecast.core.settings import Settings
 from tests.support.agent_fixtures import (
     FlippingServer,
+    ReceiveLog,
     WholeChunkServer,
     block_file_bytes,
     connected,
@@ -157,33 +158,6 @@ async def test_relay_serves_a_file_range_before_it_has_the_whole_file(package, t
         whole = asyncio.create_task(channel.fetch_file(manifest.package_id, "tokenizer.json"))
         relay.file_range_landed("tokenizer.json", 6000, data[6000:], "upstream")
         assert await asyncio.wait_for(whole, 2) == data  # a whole-file request waits for the verified file
-
-
-class ReceiveLog:
-    """The store as a chunk sink, logging each chunk's receive: ("begun", block, chunk) as its buffer is taken,
-    then ("landed", ...) or ("dropped", ...)."""
-
-    def __init__(self, store: BlockStore) -> None:
-        self.store = store
-        self.events: list[tuple[str, int, int]] = []
-
-    def chunk_count(self, block: int) -> int:
-        return self.store.chunk_count(block)
-
-    def chunk_buffer(self, block: int, chunk: int) -> memoryview:
-        self.events.append(("begun", block, chunk))
-        return self.store.chunk_buffer(block, chunk)
-
-    def chunk_progress(self, block: int, chunk: int, nbytes: int) -> None:
-        self.store.chunk_progress(block, chunk, nbytes)
-
-    def chunk_landed(self, block: int, chunk: int, peer: str) -> None:
-        self.events.append(("landed", block, chunk))
-        self.store.chunk_landed(block, chunk, peer)
-
-    def chunk_dropped(self, block: int, chunk: int) -> None:
-        self.events.append(("dropped", block, chunk))
-        self.store.chunk_dropped(block, chunk)
 
 
 async def test_a_chunk_whose_sender_dies_mid_way_is_dropped(package, transports):
@@ -323,6 +297,25 @@ async def test_a_wait_on_what_is_served_has_a_deadline(package, transports):
         with pytest.raises(PeerRefusedError, match=r"block 0 of package [0-9a-f]{12} is not here after 0.4 s"):
             await channel.fetch_block(manifest.package_id, 0, 0, store)
         assert time.monotonic() - started < 2.0
+
+
+async def test_a_relay_waiting_on_its_own_parent_keeps_its_requester_past_the_io_timeout(package, transports):
+    """Found in review: a relay waiting on its parent sent nothing, so its requester timed it out at its I/O timeout
+    as its parent's children timed the parent out: a hung node's whole subtree blamed healthy parents. The relay
+    now sends WAITs while it waits (within its own deadline, SERVE_WAIT_IO_TIMEOUTS of its I/O timeout)."""
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    relay = receiving_store(manifest)
+    async with (serving_store(transports("relay", io_timeout_s=0.5), relay) as listener,
+                receiving(manifest) as child,
+                connected(transports("child", io_timeout_s=0.3), listener.address, "relay") as channel):
+        fetch = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child))
+        await asyncio.sleep(0.7)  # past the child's I/O timeout, within the relay's wait (1 s)
+        assert not fetch.done()
+        for chunk in range(relay.chunk_count(0)):
+            land_chunk(relay, data, 0, chunk)
+        await asyncio.wait_for(fetch, 2)
+        assert bytes(child.block_view(0)) == data
 
 
 async def test_connections_over_the_per_address_cap_are_closed_at_once(package, transports):

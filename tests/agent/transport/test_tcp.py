@@ -55,13 +55,24 @@ from pipecast.agent.transport.wire import (
     REQ_FILE,
 )
 from pipecast.agent.transport.wire import CHUNK as CHUNK_MESSAGE
-from pipecast.agent.transport.wire import TCP_HEADER, ClientHello, Header, ServerHello, request_payload
+from pipecast.agent.transport.wire import (
+    CHUNK_PIECES,
+    PIECE,
+    TCP_HEADER,
+    WAIT,
+    WAIT_LIMIT_IO_TIMEOUTS,
+    ClientHello,
+    Header,
+    ServerHello,
+    request_payload,
+)
 from pipecast.core.credentials import data_plane_key
 from pipecast.core.settings import Settings
 from pipecast.v1.manifest_pb2 import Manifest
 from tests.agent.conftest import CHUNK
 from tests.support.agent_fixtures import (
     FlippingServer,
+    ReceiveLog,
     WholeChunkServer,
     block_file_bytes,
     connected,
@@ -990,28 +1001,104 @@ async def test_a_relay_passes_a_chunk_on_as_it_lands_and_its_end_once_verified(p
         assert child.is_chunk_present(0, 0)
 
 
-async def test_a_relay_whose_upstream_sent_a_corrupt_chunk_closes_its_answer_and_is_not_blamed(package, caplog):
-    caplog.set_level(logging.INFO, logger="pipecast.agent.transport.wire")
+async def test_a_relay_whose_upstream_sent_a_corrupt_chunk_restarts_it_and_sends_it_again_from_its_next_receive(
+        package):
+    """Before the WAIT and RESTART messages the relay closed its answer (its child reconnected, or took the relay for
+    a failed parent, as a hung node's whole subtree did): now its child drops what it had of the chunk and gets it
+    whole on the same answer."""
     root, manifest = package
     data = block_file_bytes(root, manifest, 0)
     relay, _ = relay_mid_chunk(manifest, bytes(CHUNK))  # what a faulty upstream sends: not the chunk
     async with (tcp_serving(PeerServer(), relay, agent_relay_bytes=RELAY_BYTES) as listener,
                 receiving(manifest) as child):
+        sink = ReceiveLog(child)
         rx = TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES))
-        channel = await rx.connect(listener.address, "relay")
-        fetching = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child, 1))
-        await asyncio.wait_for(child.relay_chunk(0, 0).next(), 5)  # some of the bad bytes reached the child
-        with pytest.raises(CorruptChunkError):
-            relay.chunk_landed(0, 0, "upstream")  # as the relay's own fetch finds it
-        with pytest.raises(PeerClosedError, match=r"^peer relay: closed the connection while sending block 0 "):
+        async with connected(rx, listener.address, "relay") as channel:
+            fetching = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, sink, 1))
+            await asyncio.wait_for(child.relay_chunk(0, 0).next(), 5)  # some of the bad bytes reached the child
+            with pytest.raises(CorruptChunkError):
+                relay.chunk_landed(0, 0, "upstream")  # as the relay's own fetch finds it
+            # Its next parent takes longer than the child's I/O timeout: the relay sends WAITs meanwhile.
+            await asyncio.sleep(1.5 * IO_TIMEOUT_S)
+            land_chunk(relay, data, 0, 0)
             await asyncio.wait_for(fetching, 5)
+        assert bytes(await child.wait_chunk(0, 0)) == data[:CHUNK]
+        assert sink.events == [("begun", 0, 0), ("dropped", 0, 0), ("begun", 0, 0), ("landed", 0, 0)]
+
+
+async def test_a_relay_whose_chunk_does_not_come_again_abandons_its_answer_after_its_wait(package, caplog):
+    caplog.set_level(logging.INFO, logger="pipecast.agent.transport.wire")
+    _, manifest = package
+    relay, _ = relay_mid_chunk(manifest, bytes(CHUNK))
+    async with (tcp_serving(PeerServer(), relay, agent_relay_bytes=RELAY_BYTES) as listener,
+                receiving(manifest) as child):
+        rx = TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES))
+        async with connected(rx, listener.address, "relay") as channel:
+            fetching = asyncio.create_task(channel.fetch_block(manifest.package_id, 0, 0, child, 1))
+            await asyncio.wait_for(child.relay_chunk(0, 0).next(), 5)
+            with pytest.raises(CorruptChunkError):
+                relay.chunk_landed(0, 0, "upstream")
+            started = time.monotonic()
+            with pytest.raises(PeerClosedError, match=r"^peer relay: closed the connection while sending block 0 "):
+                await asyncio.wait_for(fetching, 5)
+        # Its WAITs kept the child past its I/O timeout until the relay's own wait was over.
+        assert time.monotonic() - started >= 2 * IO_TIMEOUT_S - 0.05
         assert not child.is_chunk_present(0, 0)
-        assert "chunk 0 of block 0 was passed on as it arrived, and its receive ended unverified" in caplog.text
-        land_chunk(relay, data, 0, 0)  # the relay gets it right from another parent; the child asks again
-        channel = await rx.connect(listener.address, "relay")
-        await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, child, 1), 5)
-        assert child.is_chunk_present(0, 0)
-        await channel.close()
+        assert (f"abandoned mid-chunk: chunk 0 of block 0 of package {manifest.package_id[:12]} is not here after "
+                f"{2 * IO_TIMEOUT_S:g} s" in caplog.text)
+
+
+async def test_a_peer_that_sends_only_waits_is_timed_out_after_the_wait_limit(package):
+    _, manifest = package
+
+    async def waiting(reader, writer):
+        await reader.read(1 << 16)
+        for _ in range(200):  # bounded: 10 s
+            writer.write(TCP_HEADER.pack(Header(WAIT, 0, 0)))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    server, address = await raw_server(waiting)
+    store = receiving_store(manifest)
+    try:
+        channel = await TcpTransport("rx", settings()).connect(address, "waiter")
+        started = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match=r"^peer waiter: sent only WAIT messages for \d\.\d s while "
+                                                   r"sending block 0 \(chunk 0 of \d+\) \(its own source is not "
+                                                   r"sending it\)$"):
+            await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 5)
+        assert WAIT_LIMIT_IO_TIMEOUTS * IO_TIMEOUT_S <= time.monotonic() - started < 3.0
+    finally:
+        server.close()
+        store.close()
+
+
+@pytest.mark.parametrize("message, why", [
+    (Header(PIECE, 0, 0, CHUNK + 1), "message type 15 of 65537 bytes inside chunk 0 of block 0 (0 of its 65536 "
+                                     "bytes in)"),
+    (Header(WAIT, 0, 0, 4), "message type 13 of 4 bytes inside chunk 0 of block 0"),
+    (Header(PIECE, 0, 1, 10), "a message of chunk 1 of block 0 inside chunk 0 of block 0"),
+    (Header(CHUNK_MESSAGE, 0, 0, CHUNK), "message type 3 of 65536 bytes inside chunk 0 of block 0"),
+])
+async def test_a_pieced_chunks_message_that_does_not_fit_it_is_a_protocol_error(package, message, why):
+    _, manifest = package
+
+    async def pieces(reader, writer):
+        await reader.read(1 << 16)
+        writer.write(TCP_HEADER.pack(Header(CHUNK_PIECES, 0, 0, CHUNK)) + TCP_HEADER.pack(message))
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    server, address = await raw_server(pieces)
+    store = receiving_store(manifest)
+    try:
+        channel = await TcpTransport("rx", settings()).connect(address, "pieces")
+        with pytest.raises(PeerProtocolError, match=f"^peer pieces: sent {re.escape(why)}"):
+            await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 5)
+        assert not store.is_chunk_present(0, 0)
+    finally:
+        server.close()
+        store.close()
 
 
 @pytest.mark.parametrize("relay_bytes", [0, RELAY_BYTES])

@@ -33,7 +33,7 @@ from pipecast.agent.errors import (  # noqa: E402
 )
 from pipecast.agent.peer_server import PeerServer  # noqa: E402
 from pipecast.agent.plan_file import plan_file_data  # noqa: E402
-from pipecast.agent.transport import registry  # noqa: E402
+from pipecast.agent.transport import registry, ucx  # noqa: E402
 from pipecast.agent.transport.registry import resolve_transport_name  # noqa: E402
 from pipecast.agent.transport.ucx import (  # noqa: E402
     TAG_HEADER,
@@ -110,11 +110,14 @@ async def test_parent_going_away_mid_block_is_a_closed_error_naming_it_at_once(p
         assert child.is_chunk_present(0, 0) and child.first_missing_chunk(0) == 1
 
 
-async def test_silent_peer_raises_a_timeout_naming_it_within_the_deadline(package, transports):
+async def test_silent_peer_raises_a_timeout_naming_it_within_the_deadline(package, transports, monkeypatch):
     _, manifest = package
-    mute = PeerServer()
-    mute.expect(manifest.package_id)  # it will "soon" hold the package: requests wait, forever
-    listener = await transports("mute").listen("127.0.0.1", 0, mute)
+
+    async def stuck(*args, **kwargs):  # a serving side that answers nothing, not even a WAIT
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(ucx, "answer_request", stuck)
+    listener = await transports("mute").listen("127.0.0.1", 0, PeerServer())
     async with receiving(manifest) as store, connected(transports("rx"), listener.address, "mute") as channel:
         started = time.monotonic()
         with pytest.raises(PeerTimeoutError) as caught:

@@ -42,7 +42,7 @@ def test_headers_keep_their_sizes_and_round_trip():
     assert TCP_HEADER.parse(TCP_HEADER.pack(header), "p") == header
     framed = Header(CHUNK, 3, 7, 1 << 20, 64 << 10)
     assert UCX_HEADER.parse(UCX_HEADER.pack(framed), "p") == framed
-    with pytest.raises(PeerProtocolError, match=r"^peer p: sent a header with magic b'PU' version 3 \(expected b'PC'"):
+    with pytest.raises(PeerProtocolError, match=r"^peer p: sent a header with magic b'PU' version 4 \(expected b'PC'"):
         TCP_HEADER.parse(UCX_HEADER.pack(header), "p")
     with pytest.raises(PeerProtocolError, match="frame size of 16 bytes"):
         UCX_HEADER.parse(UCX_HEADER.pack(Header(CHUNK, length=100, frame=16)), "p")
