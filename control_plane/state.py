@@ -338,7 +338,14 @@ class ControlState:
                         active.package_id)
             if node in active.pending:
                 self.lapsed.setdefault(node, set()).add(active.package_id)
-            self._repair(active, {node})
+            if not self._repair(active, {node}):
+                # It was the plan's only source, and no other speaks the plan's transport: kept, it would have its
+                # receivers fail on it and report it for good.
+                log.warning("plan=%s of package=%s has no source speaking %s, the transport of its receivers: it "
+                            "ends, and %s with it (a scale-up of them finds them a source, or says there is none)",
+                            active.plan_id, active.package_id, ",".join(sorted(self._plan_transports(active, {node}))),
+                            ", ".join(sorted(active.pending)))
+                self._end_plan(active)
         # Resumed, it receives again: not while it still sends a package it lacks in a plan it speaks (a chain
         # hung behind it), which would refuse the scale-up that resumes it.
         for active in [p for p in self.plans.values() if node in p.parts and p.package_id in self.lapsed.get(node, ())]:

@@ -1628,6 +1628,24 @@ def test_a_plans_source_registering_with_another_transport_is_replaced_by_a_hold
     assert source not in {f.parent for f in active.parts["u0"].fetch}
 
 
+def test_a_plans_only_source_registering_with_another_transport_ends_the_plan_its_receivers_cannot_be_served(caplog):
+    """Found in review (a fuzzer of registrations, 14 of 300 seeds): with no other holder speaking the plan's
+    transport, the repair found no source and the plan kept the one its receiver could not reach: the receiver
+    failed, reported it and waited for a re-plan, for good."""
+    state = mixed(1)  # the store speaks tcp; u0 ucx only
+    state.register(spec("u9", transports=("ucx",)), {"pkg": range(BLOCKS)}, now=1)
+    result = state.scale_up("pkg", node_ids=["u0"], now=1)
+    assert result.sources == ("u9",)
+    state.notices.clear()
+    state.register(spec("u9", transports=("tcp",)), {"pkg": range(BLOCKS)}, now=2)  # its UCX did not start
+    assert result.plan_id not in state.plans
+    assert ("u0", UpdateKind.CANCEL, result.plan_id) in {(n.node_id, n.kind, n.plan_id) for n in state.notices}
+    assert (f"plan={result.plan_id} of package=pkg has no source speaking ucx, the transport of its receivers: it "
+            "ends, and u0 with it (a scale-up of them finds them a source, or says there is none)") in caplog.text
+    with pytest.raises(NoSource):
+        state.scale_up("pkg", node_ids=["u0"], now=3)
+
+
 def test_a_receiver_registering_with_another_transport_resumes_though_a_chain_hangs_behind_it():
     """Found in review: the tail of a chain, a source of the chain hung behind it, registered again with another
     transport: its resumed scale-up was refused (it sends in a plan in progress) and the Conflict failed the
