@@ -1,6 +1,6 @@
 """Command line of the control plane: ``control-plane`` runs the server; the ``cp`` group is the
 operator's view (workers, packages, availability, plans, deployments) and levers (publish, remove, scale-up,
-release, issue-token, deploy, undeploy).
+release, issue-token, revoke-node, deploy, undeploy).
 
 Settings come from pipecast's settings (env ``PIPECAST_*``, ``--config`` TOML); flags override them.
 """
@@ -691,3 +691,17 @@ def issue_token_command(ctx: click.Context, node_id: str) -> None:
     auth_token; it may then register, report and watch only as NODE_ID."""
     token = _run(ctx, lambda c: c.issue_token(node_id))
     _emit(ctx, {"node_id": node_id, "token": token}, [token])
+
+
+@cp_group.command("revoke-node")
+@click.argument("node_id")
+@click.option("--restore", is_flag=True, help="Admit NODE_ID's token again instead.")
+@click.pass_context
+def revoke_node_command(ctx: click.Context, node_id: str, restore: bool) -> None:
+    """Revoke NODE_ID's token (needs the master token): every call with it is refused from then on, and the node
+    leaves every plan. Its agent exits; a machine that replaces it registers under another node id. The
+    data-plane and serving keys the node was given stay valid until the master token is changed."""
+    revoked = _run(ctx, lambda c: c.revoke_node(node_id, restore=restore))
+    _emit(ctx, {"node_id": node_id, "restored": restore, "revoked": revoked},
+          [f"node {node_id}: token {'admitted again' if restore else 'revoked'}; revoked now: "
+           f"{', '.join(revoked) or '-'}"])

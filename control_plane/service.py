@@ -95,8 +95,8 @@ CLOCK_STEP_S = 1.0
 Handler = Callable[["ControlPlaneService", Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 #: RPCs only the operator (the master token) may call.
-OPERATOR_RPCS = frozenset({"PublishPackage", "RemovePackage", "ScaleUp", "Release", "IssueToken", "PutDeployment",
-                           "RemoveDeployment", "AppendScaleEvent", "ChangeRoute"})
+OPERATOR_RPCS = frozenset({"PublishPackage", "RemovePackage", "ScaleUp", "Release", "IssueToken", "RevokeNode",
+                           "PutDeployment", "RemoveDeployment", "AppendScaleEvent", "ChangeRoute"})
 #: Who every call is with auth off (dev mode): anyone may do anything, as before auth existed.
 ANONYMOUS = Principal("anonymous", OPERATOR)
 _PACKAGE_ID = re.compile(r"[0-9a-f]{64}")
@@ -210,6 +210,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         goes to the RPC histogram."""
         start = time.perf_counter()
         try:
+            self.caller()  # a revoked node's token is refused, whatever it calls
             if name in OPERATOR_RPCS:
                 self.require_operator(name)
             yield
@@ -255,9 +256,12 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     # ----- who calls -----
 
     def caller(self) -> Principal:
-        """The principal of the call being handled (:data:`ANONYMOUS` with auth off)."""
+        """The principal of the call being handled (:data:`ANONYMOUS` with auth off); UNAUTHENTICATED for a node
+        whose token is revoked."""
         principal = current_principal()
         if principal is not None:
+            if not principal.is_operator:
+                self.state.check_not_revoked(principal.name)
             return principal
         if self.master:  # unreachable behind the interceptor: refuse rather than run as nobody knows whom
             raise Unauthenticated(DENIED)
@@ -699,6 +703,17 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             raise InvalidRequest(f"cannot issue a token: {exc}") from None
         log.info("issued a node token node=%s", request.node_id)
         return pb.IssueTokenResponse(token=token)
+
+    @_rpc
+    async def RevokeNode(self, request: pb.RevokeNodeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.RevokeNodeResponse:
+        if not self.master:
+            raise Conflict("auth is off (no auth_token set on the control plane): there are no node tokens to revoke")
+        revoked = self.state.revoke(request.node_id, restore=request.restore)
+        if not request.restore:
+            self._close_mailbox(request.node_id)  # its assignment stream ends; registering again is refused
+        await self.flush_encoded(durable=True)  # acknowledged, it holds after a restart or a takeover
+        return pb.RevokeNodeResponse(revoked=revoked)
 
     # ----- deployments and the scaling daemon's audit trail -----
 

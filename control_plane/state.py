@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from control_plane.availability import Availability
 from control_plane.deployments import MAX_DURATION_S
 from control_plane.errors import (
-    Conflict, InsufficientWorkers, InvalidRequest, NodeIdInUse, NoSource, UnknownPackage, UnknownWorker)
+    Conflict, InsufficientWorkers, InvalidRequest, NodeIdInUse, NoSource, Unauthenticated, UnknownPackage,
+    UnknownWorker)
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec, serve_url_of
 from control_plane.pipeline_forming import PipelineQuery
 from control_plane.placement import (
@@ -153,9 +154,10 @@ class Dirty:
     plans: set[str] = field(default_factory=set)
     releases: set[tuple[str, str]] = field(default_factory=set)  # (package id, node id)
     drops: set[tuple[str, str]] = field(default_factory=set)  # (package id, node id): ControlState.dropping
+    revoked: set[str] = field(default_factory=set)  # node ids: ControlState.revoked
 
     def _sets(self) -> tuple[set, ...]:
-        return self.packages, self.workers, self.availability, self.plans, self.releases, self.drops
+        return self.packages, self.workers, self.availability, self.plans, self.releases, self.drops, self.revoked
 
     def __len__(self) -> int:
         return sum(map(len, self._sets()))
@@ -237,6 +239,8 @@ class ControlState:
         # Blocks in a worker's disk cache that it does not hold in memory: package id -> node id -> blocks.
         # Soft state from registrations and reports (placement prefers such a worker: a local load).
         self.cached: dict[str, dict[str, set[int]]] = {}
+        # Nodes whose token the operator revoked (RevokeNode): refused, whatever they call. Stored.
+        self.revoked: set[str] = set()
         # Stragglers are looked for from receivers' progress: (package id, node id) -> (seconds, bytes held),
         # recent ones only, since the node's part last changed (soft state: a restart forgets it).
         self.stragglers = stragglers
@@ -260,6 +264,7 @@ class ControlState:
             validate_node_id(node)
         except CredentialError as exc:
             raise InvalidRequest(f"worker registration refused: {exc}") from None
+        self.check_not_revoked(node)
         if not spec.peer.address:
             raise InvalidRequest(f"worker {node!r} registered without an address")
         described = sum(map(len, (spec.peer.address, spec.accelerator.kind, spec.accelerator.name, spec.serve_url,
@@ -363,6 +368,34 @@ class ControlState:
                 continue
             if result.receivers:
                 log.info("worker %s is back: plan=%s resumes package=%s", node, result.plan_id, package_id)
+
+    def revoke(self, node: str, *, restore: bool = False) -> list[str]:
+        """Revoke ``node``'s token (with ``restore``: admit it again); returns every node revoked now. A revoked
+        node that is registered leaves every plan and availability at once, as if it had deregistered."""
+        try:
+            validate_node_id(node)
+        except CredentialError as exc:
+            raise InvalidRequest(f"revocation refused: {exc}") from None
+        if restore:
+            if node in self.revoked:
+                self.revoked.discard(node)
+                self.dirty.revoked.add(node)
+                log.warning("node %s: its token is admitted again", node)
+        elif node not in self.revoked:
+            self.revoked.add(node)
+            self.dirty.revoked.add(node)
+            log.warning("node %s: its token is revoked%s", node,
+                        "; it leaves every plan" if node in self.workers else "")
+            if node in self.workers:
+                self._remove_nodes({node})
+                self._forget(node)
+        return sorted(self.revoked)
+
+    def check_not_revoked(self, node: str) -> None:
+        """Raise :class:`Unauthenticated` if ``node``'s token is revoked."""
+        if node in self.revoked:
+            raise Unauthenticated(f"the token of node {node!r} is revoked (`pipecast cp revoke-node {node} --restore` "
+                                  "admits it again)")
 
     def heartbeat(self, node: str, now: float) -> None:
         """Renew ``node``'s lease (:class:`UnknownWorker` if it must register again: :meth:`registered_worker`)."""

@@ -62,6 +62,8 @@ TABLES = {table.name: table for table in (
     # Workers told to drop a package and not given it again since (ControlState.dropping): a DROP that never
     # reached its agent before a restart is sent again when the agent registers still holding the package.
     Table("drops", (("package_id", "text"), ("node_id", "text")), ("package_id", "node_id")),
+    # Nodes whose token is revoked (ControlState.revoked).
+    Table("revoked", (("node_id", "text"),), ("node_id",)),
     Table("plans", (("plan_id", "text"), ("package_id", "text"), ("plan", "text"), ("fanout", "integer"),
                     ("created_at", "real"), ("version", "integer"), ("replans", "integer")), ("plan_id",)),
     Table("deployments", (("package_id", "text"), ("deployment", "text")), ("package_id",)),
@@ -130,7 +132,7 @@ class Statements:
 def _upsert(insert: str, table: Table) -> str:
     """``insert`` (of ``table``) replacing the row of the same key."""
     values = [name for name in table.names if name not in table.key]
-    # A table of keys only (drops): the row is all there is.
+    # A table of keys only (drops, revoked): the row is all there is.
     action = f"DO UPDATE SET {', '.join(f'{name} = excluded.{name}' for name in values)}" if values else "DO NOTHING"
     return f"{insert} ON CONFLICT ({', '.join(table.key)}) {action}"
 
@@ -177,7 +179,7 @@ Change = tuple[str, str, list[tuple] | Callable[[], list[tuple]]]
 
 def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
     """The rows to write and delete for ``dirty``'s keys of ``state`` (a key no longer in it: delete)."""
-    packages, releases, plans, drops = ([], []), ([], []), ([], []), ([], [])
+    packages, releases, plans, drops, revoked = ([], []), ([], []), ([], []), ([], []), ([], [])
     # Workers and holdings are copied here (a spec is a value; a holding is copied) and encoded in the commit.
     specs, gone_workers, holdings, gone_holdings = [], [], [], []
     for package_id in dirty.packages:
@@ -209,6 +211,8 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
             releases[0].append((*key, drop_at))
     for key in dirty.drops:
         drops[0 if key in state.dropping else 1].append(key)
+    for node in dirty.revoked:
+        revoked[0 if node in state.revoked else 1].append((node,))
     for plan_id in dirty.plans:
         active = state.plans.get(plan_id)
         if active is None:
@@ -222,7 +226,7 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
         "workers": (lambda: [(node, _compact(spec.to_json()), alive) for node, spec, alive in specs], gone_workers),
         "availability": (lambda: [(package_id, node, _compact(sorted(held))) for package_id, node, held in holdings],
                          gone_holdings),
-        "releases": releases, "drops": drops, "plans": plans}
+        "releases": releases, "drops": drops, "revoked": revoked, "plans": plans}
     return [change for table, (upserts, deletes) in tables.items()
             for change in (("upsert", table, upserts), ("delete", table, deletes))]
 
@@ -372,6 +376,7 @@ class SqlStore(abc.ABC):
         return CorruptStateError(self.where, table, key, _problem(exc), self.remedy)
 
     def _load(self, state: ControlState, now: float, lease_grace_s: float) -> None:
+        state.revoked = {node for (node,) in self._rows("revoked")}
         for package_id, manifest_bytes, store, published_at in self._rows("packages"):
             try:
                 manifest = Manifest.FromString(manifest_bytes)

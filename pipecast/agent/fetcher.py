@@ -1,14 +1,14 @@
 """Fetching a node's assigned blocks (and the package's manifest and small files) from its peers.
 
-Assignments are fetched in the plan's order with a bounded number in flight. Each is a unit: a whole
-block, or a range of its chunks (:attr:`Fetch.chunks`), so that a block can come in parts from several
-parents; it is verified once its last chunk is here, whichever unit brought it. A failed fetch resumes
-from the first chunk of its unit still missing. A parent that fails is retried a bounded number of times
-with backoff (the first retry after a closed connection at once), except one that sent a corrupt chunk, one
-silent (or below its minimum rate) for a whole I/O timeout, or one where nothing listens any more (reached, then refusing a connection; one refusing before it was ever reached
-may be starting up, as a static plan's agents started together): never retried; then the fetch falls back
-to the given fallback peers (the sources of a static plan), or fails with a typed error naming every peer
-tried so that a control plane can re-parent. A peer given up on is not asked for later units either.
+Assignments are fetched in the plan's order with a bounded number in flight. Each is a unit: a whole block, or a
+range of its chunks (:attr:`Fetch.chunks`), so that a block can come in parts from several parents; it is verified
+once its last chunk is here, whichever unit brought it. A failed fetch resumes from the first chunk of its unit
+still missing. A parent that fails is retried a bounded number of times with backoff (the first retry after a
+closed connection at once), except one that sent a corrupt chunk, one silent (or below its minimum rate) for a
+whole I/O timeout, or one where nothing listens any more (reached, then refusing a connection; one refusing before
+it was ever reached may be starting up, as a static plan's agents started together): never retried; then the fetch
+falls back to the given fallback peers (the sources of a static plan), or fails with a typed error naming every
+peer tried so that a control plane can re-parent. A peer given up on is not asked for later units either.
 
 The manifest and small files (tokenizer, config) come from the first peer that gives them; a failed connection
 to a peer is retried as a parent's is (a static plan's seed may not listen yet), a bad answer is not. Small files

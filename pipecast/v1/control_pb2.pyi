@@ -473,6 +473,20 @@ class IssueTokenResponse(_message.Message):
     token: str
     def __init__(self, token: _Optional[str] = ...) -> None: ...
 
+class RevokeNodeRequest(_message.Message):
+    __slots__ = ("node_id", "restore")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    restore: bool
+    def __init__(self, node_id: _Optional[str] = ..., restore: _Optional[bool] = ...) -> None: ...
+
+class RevokeNodeResponse(_message.Message):
+    __slots__ = ("revoked",)
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    revoked: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, revoked: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ScalingPolicy(_message.Message):
     __slots__ = ("min_replicas", "max_replicas", "slo_ttft_p99_s", "warm", "keep_alive_s", "scale_up_cooldown_s", "scale_down_cooldown_s", "replica_rps", "replica_concurrency", "warm_auto_factor", "cold_start_s", "cold_start_measured")
     MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]

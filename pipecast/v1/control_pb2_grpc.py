@@ -124,6 +124,11 @@ class ControlPlaneStub:
                 request_serializer=pipecast_dot_v1_dot_control__pb2.IssueTokenRequest.SerializeToString,
                 response_deserializer=pipecast_dot_v1_dot_control__pb2.IssueTokenResponse.FromString,
                 _registered_method=True)
+        self.RevokeNode = channel.unary_unary(
+                '/pipecast.v1.ControlPlane/RevokeNode',
+                request_serializer=pipecast_dot_v1_dot_control__pb2.RevokeNodeRequest.SerializeToString,
+                response_deserializer=pipecast_dot_v1_dot_control__pb2.RevokeNodeResponse.FromString,
+                _registered_method=True)
         self.PutDeployment = channel.unary_unary(
                 '/pipecast.v1.ControlPlane/PutDeployment',
                 request_serializer=pipecast_dot_v1_dot_control__pb2.PutDeploymentRequest.SerializeToString,
@@ -280,8 +285,16 @@ class ControlPlaneServicer:
         raise NotImplementedError('Method not implemented!')
 
     def IssueToken(self, request, context):
-        """Credentials (operator only): the token that lets node_id act as itself (and only as itself).
+        """Credentials (operator only): the token that lets node_id act as itself (and only as itself); a node's
+        token revoked (or, with restore, admitted again): every call with it is UNAUTHENTICATED from then on, and
+        the node leaves every plan and its blocks leave availability, as if it had deregistered.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -424,6 +437,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.IssueToken,
                     request_deserializer=pipecast_dot_v1_dot_control__pb2.IssueTokenRequest.FromString,
                     response_serializer=pipecast_dot_v1_dot_control__pb2.IssueTokenResponse.SerializeToString,
+            ),
+            'RevokeNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeNode,
+                    request_deserializer=pipecast_dot_v1_dot_control__pb2.RevokeNodeRequest.FromString,
+                    response_serializer=pipecast_dot_v1_dot_control__pb2.RevokeNodeResponse.SerializeToString,
             ),
             'PutDeployment': grpc.unary_unary_rpc_method_handler(
                     servicer.PutDeployment,
@@ -947,6 +965,33 @@ class ControlPlane:
             '/pipecast.v1.ControlPlane/IssueToken',
             pipecast_dot_v1_dot_control__pb2.IssueTokenRequest.SerializeToString,
             pipecast_dot_v1_dot_control__pb2.IssueTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipecast.v1.ControlPlane/RevokeNode',
+            pipecast_dot_v1_dot_control__pb2.RevokeNodeRequest.SerializeToString,
+            pipecast_dot_v1_dot_control__pb2.RevokeNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

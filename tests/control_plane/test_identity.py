@@ -152,6 +152,43 @@ async def test_the_operator_issues_node_tokens_for_valid_node_ids(operator, serv
             await operator.issue_token(bad)
 
 
+async def test_a_revoked_nodes_token_is_refused_whatever_it_calls_and_it_leaves_its_plans(operator, w2, server,
+                                                                                          tmp_path):
+    """A node token was revoked only by changing the master token (re-keying every node). Revoked, a node leaves
+    its plans and its stream, every call with its token is refused, across a restart; restored, it registers."""
+    await operator.publish_package(manifest(), STORE)
+    await operator.register(WorkerSpec(STORE, 1 << 30), {PKG: range(4)})
+    await w2.register(spec("w2"))
+    watcher = Watcher(w2, "w2")
+    await watcher.next()  # its SYNC
+    plan = await operator.scale_up(PKG, node_ids=["w2"])
+    assert (await watcher.next()).kind == UpdateKind.ASSIGN
+    with pytest.raises(PermissionDenied, match="^RevokeNode needs the operator's token; node 'w2' may not call it$"):
+        await w2.revoke_node("w2")
+    assert await operator.revoke_node("w2") == ["w2"]
+    with pytest.raises(UnknownWorker):  # its stream ends, as a dead worker's
+        await asyncio.wait_for(watcher.task, WAIT_S)
+    revoked = (r"refused \w+: the token of node 'w2' is revoked \(`pipecast cp revoke-node w2 --restore` admits it "
+               r"again\)$")
+    for call in (lambda: w2.register(spec("w2")), lambda: w2.heartbeat("w2"), w2.list_packages,
+                 lambda: w2.report_blocks("w2", {PKG: [0]})):
+        with pytest.raises(Unauthenticated, match=revoked):
+            await call()
+    assert [w.worker.peer.node_id for w in await operator.list_workers()] == ["store"]
+    assert plan.plan_id not in {p.plan_id for p in await operator.list_plans()}
+    assert await operator.revoke_node("w3") == ["w2", "w3"]  # a node not registered (yet) may be revoked too
+
+    await server.stop(grace_s=0)
+    async with ControlPlaneServer(config(tmp_path / "cp.sqlite3")) as again:  # kept in its database
+        async with (ControlPlaneClient(again.address, token=TOKEN, timeout_s=WAIT_S) as operator2,
+                    ControlPlaneClient(again.address, token=issue_node_token(TOKEN, "w2"), timeout_s=WAIT_S) as w2b):
+            with pytest.raises(Unauthenticated, match=revoked):
+                await w2b.register(spec("w2"))
+            assert await operator2.revoke_node("w2", restore=True) == ["w3"]
+            await w2b.register(spec("w2"))
+            assert "w2" in [w.worker.peer.node_id for w in await operator2.list_workers()]
+
+
 async def test_without_auth_everything_is_allowed_and_there_is_no_data_key(tmp_path):
     async with ControlPlaneServer(config(tmp_path / "cp.sqlite3", token="")) as srv:
         async with ControlPlaneClient(srv.address, timeout_s=WAIT_S) as anyone:

@@ -868,6 +868,11 @@ def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
         key = serving_key(data_plane_key(TOKEN)).hex()  # what the routers' /stats ask for, to any token
         assert runner.invoke(cp_group, ["--token", token, "serving-key"]).output == f"{key}\n"
         assert json.loads(runner.invoke(cp_group, ["--json", "serving-key"]).output) == {"serving_key": key}
+        assert runner.invoke(cp_group, ["revoke-node", "w9"]).output == "node w9: token revoked; revoked now: w9\n"
+        assert isinstance(runner.invoke(cp_group, ["--token", token, "serving-key"]).exception, Unauthenticated)
+        assert json.loads(runner.invoke(cp_group, ["--json", "revoke-node", "w9", "--restore"]).output) == {
+            "node_id": "w9", "restored": True, "revoked": []}
+        assert runner.invoke(cp_group, ["--token", token, "serving-key"]).output == f"{key}\n"
 
         async def register_store():
             async with ControlPlaneClient(f"127.0.0.1:{port}", token=TOKEN, timeout_s=WAIT_S) as c:

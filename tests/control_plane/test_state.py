@@ -9,7 +9,8 @@ import re
 import pytest
 
 from control_plane.errors import (
-    Conflict, InsufficientWorkers, InvalidRequest, NodeIdInUse, NoSource, UnknownPackage, UnknownWorker)
+    Conflict, InsufficientWorkers, InvalidRequest, NodeIdInUse, NoSource, Unauthenticated, UnknownPackage,
+    UnknownWorker)
 from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec
 from control_plane.placement import CHAIN_MIN_RECEIVERS
 from control_plane.planner.plan import Fetch, Plan
@@ -1644,6 +1645,26 @@ def test_a_plans_only_source_registering_with_another_transport_ends_the_plan_it
             "ends, and u0 with it (a scale-up of them finds them a source, or says there is none)") in caplog.text
     with pytest.raises(NoSource):
         state.scale_up("pkg", node_ids=["u0"], now=3)
+
+
+def test_a_revoked_node_leaves_its_plans_and_may_not_register_until_restored():
+    state = cluster(3)
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2"], strategy="chain", now=1)
+    parts = state.plans[result.plan_id].parts.values()
+    middle = next(n for n in ("w0", "w1", "w2") if any(f.parent == n for part in parts for f in part.fetch))
+    state.report(middle, {"pkg": [0]}, {}, now=2)
+    assert state.revoke(middle) == [middle] and state.dirty.revoked == {middle}
+    active = state.plans[result.plan_id]
+    assert middle not in active.parts and middle not in state.workers
+    assert all(f.parent != middle for part in active.parts.values() for f in part.fetch)
+    assert middle not in state.availability["pkg"].by_worker
+    with pytest.raises(Unauthenticated, match=f"^the token of node '{middle}' is revoked"):
+        state.register(spec(middle), {}, now=3)
+    assert state.revoke(middle) == [middle]  # again: nothing changes
+    assert state.revoke(middle, restore=True) == []
+    state.register(spec(middle), {}, now=4)
+    with pytest.raises(InvalidRequest, match="^revocation refused: "):
+        state.revoke("a b")
 
 
 def test_a_receiver_registering_with_another_transport_resumes_though_a_chain_hangs_behind_it():

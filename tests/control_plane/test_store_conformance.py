@@ -150,6 +150,19 @@ def test_a_drop_not_yet_confirmed_is_stored_until_the_worker_registers_without_t
     assert again.dropping == {("pkg", "w1")}
 
 
+def test_revoked_nodes_are_stored_and_a_restored_one_is_deleted(backend, store):
+    state = cluster(2)
+    state.report("w0", {"pkg": range(8)}, {}, now=1)
+    assert state.revoke("w0") == ["w0"] and state.revoke("w9") == ["w0", "w9"]
+    store.flush(state)
+    again, _ = loaded(backend)
+    assert again.revoked == {"w0", "w9"} and "w0" not in again.workers
+    assert "w0" not in again.availability["pkg"].by_worker
+    state.revoke("w9", restore=True)
+    store.flush(state)
+    assert loaded(backend)[0].revoked == {"w0"}
+
+
 def test_a_dead_worker_is_stored_dead_and_deletions_reach_the_database(backend, store):
     state, book, _ = populated()
     store.flush(state)

@@ -9,13 +9,13 @@ first within ``io_timeout_s`` of connecting), an idle deadline between requests,
 and at most :data:`MAX_BUFFERED_OUTPUT` bytes of unsent output (it writes in slices and waits for the
 socket to drain after each, error answers included).
 
-The receive side is an ``asyncio.BufferedProtocol`` that hands the socket the chunk's own slice of the
-block buffer: bytes go from the kernel into the block store with no extra copy, and a wake-up costs about
-half of ``sock_recv_into`` (DESIGN 5). It tells the sink every ``agent_relay_bytes`` of a chunk that land,
-and the serving side passes a chunk on in such pieces as they arrive (``answer_request``'s ``stream``: a
-``CHUNK_PIECES`` answer of ``PIECE`` messages, :mod:`.wire`), its last byte once the chunk is verified: a chain's hop then costs a piece's time instead of a chunk's (DESIGN 5:
-relaying every 256 KiB took a chain of 4 MiB chunks from 1.16 to 1.07-1.08x S/B). Socket buffer sizes are left
-to the kernel's autotuning (small fixed buffers slowed chains down, DESIGN 5).
+The receive side is an ``asyncio.BufferedProtocol`` that hands the socket the chunk's own slice of the block
+buffer: bytes go from the kernel into the block store with no extra copy, and a wake-up costs about half of
+``sock_recv_into`` (DESIGN 5). It tells the sink every ``agent_relay_bytes`` of a chunk that land, and the serving
+side passes a chunk on in such pieces as they arrive (``answer_request``'s ``stream``: a ``CHUNK_PIECES`` answer of
+``PIECE`` messages, :mod:`.wire`), its last byte once the chunk is verified: a chain's hop then costs a piece's
+time instead of a chunk's (DESIGN 5: relaying every 256 KiB took a chain of 4 MiB chunks from 1.16 to 1.07-1.08x
+S/B). Socket buffer sizes are left to the kernel's autotuning (small fixed buffers slowed chains down, DESIGN 5).
 """
 
 import asyncio

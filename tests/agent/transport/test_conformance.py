@@ -1,14 +1,14 @@
-"""What every transport must do, run against each one (TCP always, UCX where ucxx is installed), on
-loopback in one process, with data-plane authentication on (one cluster key) unless a test says: blocks
-and files arrive byte-identical, a relay forwards chunks before its block is complete, a corrupt chunk is
-never present and names its sender, a relay forwards a file's ranges before it has the whole file.
-Issue #12: a peer without the key or with another one is served nothing and told whose fault it is; a
-requester not named in a plan is refused; an answer longer than asked for is refused before it is
-received; a wait on what is served has a deadline; connections over the caps are closed; silent
-connections are closed; a relay waiting on its own parent keeps its requester (WAIT). Issue #16: a chunk range mid-block or to the block's end moves exactly its
-chunks, a range resumes within itself after a dropped connection, a range the block lacks is refused
-with the server's reason, a request without an end chunk is served to the block's end. Found in review: a
-host not this node's is refused at listen; a chunk whose sender dies mid-way is dropped, not left begun.
+"""What every transport must do, run against each one (TCP always, UCX where ucxx is installed), on loopback in one
+process, with data-plane authentication on (one cluster key) unless a test says: blocks and files arrive
+byte-identical, a relay forwards chunks before its block is complete, a corrupt chunk is never present and names
+its sender, a relay forwards a file's ranges before it has the whole file. Issue #12: a peer without the key or
+with another one is served nothing and told whose fault it is; a requester not named in a plan is refused; an
+answer longer than asked for is refused before it is received; a wait on what is served has a deadline; connections
+over the caps are closed; silent connections are closed; a relay waiting on its own parent keeps its requester
+(WAIT). Issue #16: a chunk range mid-block or to the block's end moves exactly its chunks, a range resumes within
+itself after a dropped connection, a range the block lacks is refused with the server's reason, a request without
+an end chunk is served to the block's end. Found in review: a host not this node's is refused at listen; a chunk
+whose sender dies mid-way is dropped, not left begun.
 Transport-specific behaviour (faults on the wire, rate limits, process exit) is in test_tcp.py and
 test_ucx.py."""
 

@@ -141,6 +141,18 @@ async def raw_server(handler) -> tuple[asyncio.Server, str]:
     return server, "127.0.0.1:%d" % server.sockets[0].getsockname()[1]
 
 
+@contextlib.asynccontextmanager
+async def raw_peer(handler, manifest: Manifest) -> AsyncIterator[tuple[str, BlockStore]]:
+    """A raw server answering with ``handler``, and a store receiving ``manifest``'s package: both closed at the end."""
+    server, address = await raw_server(handler)
+    store = receiving_store(manifest)
+    try:
+        yield address, store
+    finally:
+        server.close()
+        store.close()
+
+
 async def test_silent_peer_raises_a_timeout_naming_it_within_the_deadline(package):
     _, manifest = package
 
@@ -1058,9 +1070,7 @@ async def test_a_peer_that_sends_only_waits_is_timed_out_after_the_wait_limit(pa
             await writer.drain()
             await asyncio.sleep(0.05)
 
-    server, address = await raw_server(waiting)
-    store = receiving_store(manifest)
-    try:
+    async with raw_peer(waiting, manifest) as (address, store):
         channel = await TcpTransport("rx", settings()).connect(address, "waiter")
         started = time.monotonic()
         with pytest.raises(PeerTimeoutError, match=r"^peer waiter: sent only WAIT messages for \d\.\d s while "
@@ -1068,9 +1078,6 @@ async def test_a_peer_that_sends_only_waits_is_timed_out_after_the_wait_limit(pa
                                                    r"sending it\)$"):
             await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 5)
         assert WAIT_LIMIT_IO_TIMEOUTS * IO_TIMEOUT_S <= time.monotonic() - started < 3.0
-    finally:
-        server.close()
-        store.close()
 
 
 @pytest.mark.parametrize("message, why", [
@@ -1089,16 +1096,11 @@ async def test_a_pieced_chunks_message_that_does_not_fit_it_is_a_protocol_error(
         await writer.drain()
         await asyncio.sleep(5)
 
-    server, address = await raw_server(pieces)
-    store = receiving_store(manifest)
-    try:
+    async with raw_peer(pieces, manifest) as (address, store):
         channel = await TcpTransport("rx", settings()).connect(address, "pieces")
         with pytest.raises(PeerProtocolError, match=f"^peer pieces: sent {re.escape(why)}"):
             await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 5)
         assert not store.is_chunk_present(0, 0)
-    finally:
-        server.close()
-        store.close()
 
 
 @pytest.mark.parametrize("relay_bytes", [0, RELAY_BYTES])
