@@ -163,9 +163,6 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
         raise InvalidRequestError(f"agent must be the path of the agent's local socket or a connected client, got "
                                   f"{describe(agent)} ({type(agent).__name__})")
     folder = local_folder(package, settings.agent_cache_dir)
-    if folder is not None and folder != Path(package) and (found := _read_package_id(folder)) != str(package):
-        raise PackageUnavailableError(f"package {str(package)[:12]}: the agent's cache folder {folder} holds "
-                                      f"package {found[:12]}, not it")
     provider, origin, on_close = _provider(package, folder, agent, agent_timeout_s, verify)
     try:
         # Before the engine starts: a package whose files are bad must not leave its threads running.
@@ -211,7 +208,8 @@ def _provider(package: str | Path, folder: Path | None, agent: Any, timeout_s: f
     if agent is None:
         reason = "no pipecast agent configured (PIPECAST_AGENT_LOCAL_SOCKET unset)"
     else:
-        package_id = _read_package_id(folder) if folder else str(package)
+        # A package id as given (a cache folder's manifest is not read: the agent serves it); a folder's, read.
+        package_id = _read_package_id(folder) if folder == Path(package) else str(package)
         client = None
         try:
             client = _connect(agent) if isinstance(agent, (str, Path)) else agent
@@ -225,6 +223,9 @@ def _provider(package: str | Path, folder: Path | None, agent: Any, timeout_s: f
         raise PackageUnavailableError(f"package {package}: {reason}, and it is neither a package folder nor "
                                       "in the agent's disk cache")
     provider = PackageFolderProvider(folder, verify=verify)
+    if folder != Path(package) and provider.manifest.package_id != str(package):
+        raise PackageUnavailableError(f"package {str(package)[:12]}: the agent's cache folder {folder} holds "
+                                      f"package {provider.manifest.package_id[:12]}, not it")
     # A folder lacking blocks (an agent's disk cache it stopped filling) would fail only once loading reached them.
     missing = sorted(set(range(provider.num_blocks)) - provider.present_blocks())
     if missing:

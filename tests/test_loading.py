@@ -143,6 +143,31 @@ def test_a_cache_folder_named_for_a_package_id_must_hold_that_package(tiny, tmp_
                                  f"{package_id[:12]}, not it")
 
 
+def test_a_package_id_in_the_agents_cache_has_its_manifest_read_once_and_not_at_all_where_the_agent_serves_it(
+        tiny, tmp_path, monkeypatch):
+    """Found in review: the cache folder's manifest was read (and its digest checked) twice before loading began, and
+    once more by the unicast fallback: a large model's manifest (~10 MB) takes ~0.6 s a read."""
+    from packager import manifest as manifest_module
+    from packager import package as package_module
+
+    _, pkg = tiny
+    package_id = json.loads((pkg / "manifest.json").read_text())["package_id"]
+    shutil.copytree(pkg, tmp_path / package_id)
+    monkeypatch.setenv("PIPECAST_AGENT_CACHE_DIR", str(tmp_path))
+    reads = []
+
+    def counted(root, *args, **kwargs):
+        reads.append(Path(root))
+        return real(root, *args, **kwargs)
+
+    real = manifest_module.read_manifest
+    monkeypatch.setattr(manifest_module, "read_manifest", counted)
+    monkeypatch.setattr(package_module, "read_manifest", counted)
+    with pipecast.load(package_id, agent=tmp_path / "no-agent.sock", agent_timeout_s=0.5) as model:
+        assert model.origin == "local"  # the fallback, which opens the folder: once
+    assert reads == [tmp_path / package_id]
+
+
 def test_models_left_open_are_closed_at_exit(tiny):
     """Found in review: an engine's threads still running torch code as the interpreter ended them aborted the
     process (SIGABRT, exit status 134 in place of the program's own) in 2 of 10 runs of a script that exits
