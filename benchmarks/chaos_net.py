@@ -28,8 +28,10 @@ from pipecast.agent.transport.wire import (
     AUTH_OK,
     AUTH_PROOF,
     CHUNK,
+    CHUNK_PIECES,
     ERROR,
     FILE,
+    PIECE,
     REQ_BLOCK,
     REQ_FILE,
     TCP_HEADER,
@@ -187,8 +189,9 @@ class _LoopbackServer:
 
 @dataclass
 class FlippingProxy(_LoopbackServer):
-    """Forwards connections on its port to ``upstream``; in every ``CHUNK`` the agent sends back, one
-    byte is flipped (a relay with bad memory, or a man in the middle). ``flipped`` counts them."""
+    """Forwards connections on its port to ``upstream``; in every ``CHUNK`` the agent sends back (every
+    ``PIECE`` of a chunk it passes on as it arrives), one byte is flipped (a relay with bad memory, or a man in
+    the middle). ``flipped`` counts them."""
 
     upstream: str
     flipped: int = 0
@@ -233,8 +236,9 @@ class FlippingProxy(_LoopbackServer):
                 writer.write(raw)
                 await self._pipe(reader, writer)
                 return
-            payload = bytearray(await reader.readexactly(header.length))
-            if header.kind == CHUNK and payload:
+            # A CHUNK_PIECES header announces its chunk's length; its bytes come in the PIECE messages after it.
+            payload = bytearray(await reader.readexactly(0 if header.kind == CHUNK_PIECES else header.length))
+            if header.kind in (CHUNK, PIECE) and payload:
                 payload[len(payload) // 2] ^= 0xFF
                 self.flipped += 1
             writer.write(raw + payload)

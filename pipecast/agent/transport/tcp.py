@@ -67,6 +67,7 @@ from pipecast.agent.transport.wire import (
     ERROR,
     FILE,
     LIMITED_SEND_SLICE,
+    MAX_CHUNK_RESTARTS,
     MAX_HELLO_BYTES,
     PIECE,
     REQ_BLOCK,
@@ -76,7 +77,6 @@ from pipecast.agent.transport.wire import (
     SERVE_WAIT_IO_TIMEOUTS,
     TCP_HEADER,
     WAIT,
-    WAIT_EVERY_IO_TIMEOUTS,
     ClientHello,
     Header,
     HeardWaits,
@@ -91,6 +91,7 @@ from pipecast.agent.transport.wire import (
     range_end,
     refused_by_peer,
     request_payload,
+    wait_every_s,
 )
 
 log = logging.getLogger(__name__)
@@ -155,12 +156,14 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         self._pieces = False  # it comes as PIECE messages (a CHUNK_PIECES answer)
         self._landing = False  # the target is a slice of the chunk's buffer, from _chunk_at
         self._chunk_at = 0
-        self._waits = HeardWaits(io_timeout_s)
+        self._restarts = 0  # RESTARTs of that chunk
         self.closed_idle = False  # the peer closed the connection while no request was outstanding
         self._io_timeout_s = io_timeout_s
         # A request's answer must bring this many bytes in each io_timeout_s window (our own pauses left out):
         # a peer trickling a byte now and then is never silent, yet would hold the fetch for hours.
         self._window_min_bytes = min_rate * io_timeout_s
+        # A peer's WAITs between which fewer bytes than its minimum rate asks for came are not progress.
+        self._waits = HeardWaits(io_timeout_s, self._window_min_bytes)
         self._window_start = 0.0
         self._window_bytes = 0
         self._stats = stats
@@ -231,7 +234,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
             raise RuntimeError(f"channel to {self.peer} already has a request in flight")
         self.request = request
         self._ingress = ingress
-        self._waits.answered()
+        self._waits.reset()
         self._last_rx = self._window_start = self._loop.time()
         self._window_bytes = 0
         self._arm_watchdog()
@@ -326,11 +329,10 @@ class _ClientProtocol(asyncio.BufferedProtocol):
                                                    "after its hello had succeeded")
             self._expect(memoryview(bytearray(header.length)), self._auth_failed)
         elif header.kind in (CHUNK, CHUNK_PIECES):
-            self._waits.answered()
             buffer = request.sink.chunk_buffer(request.block, request.next_chunk)
             # The sink counts a receive from here: a refused header must end it too (_fail drops it).
             self._in_chunk = True
-            self._chunk, self._chunk_at = buffer, 0
+            self._chunk, self._chunk_at, self._restarts = buffer, 0, 0
             check_chunk(header, request.block, request.next_chunk, len(buffer), self.peer)
             if header.kind == CHUNK:
                 self._land(0, len(buffer))
@@ -340,7 +342,6 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         elif isinstance(request, _HelloStep):
             self._expect(memoryview(bytearray(header.length)), self._hello_complete)
         else:
-            self._waits.answered()
             self._expect(memoryview(bytearray(header.length)), self._file_complete)
 
     def _piece_header(self, header: Header, request: "_BlockRequest") -> None:
@@ -350,11 +351,14 @@ class _ClientProtocol(asyncio.BufferedProtocol):
             raise PeerProtocolError(self.peer, f"sent a message of chunk {header.chunk} of block {header.block} "
                                                f"inside chunk {chunk} of block {block}")
         if header.kind == PIECE and 0 < header.length <= len(self._chunk) - self._chunk_at:
-            self._waits.answered()
             self._land(self._chunk_at, header.length)
         elif header.kind == WAIT and not header.length:
             self._waited(request)
         elif header.kind == RESTART and not header.length:
+            self._restarts += 1
+            if self._restarts > MAX_CHUNK_RESTARTS:
+                raise PeerProtocolError(self.peer, f"restarted chunk {chunk} of block {block} more than "
+                                                   f"{MAX_CHUNK_RESTARTS} times")
             # Its receive failed at the relay, and a new one began: what came of the chunk is dropped, here too.
             request.sink.chunk_dropped(block, chunk)
             self._chunk = request.sink.chunk_buffer(block, chunk)
@@ -380,6 +384,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
     def _landed(self) -> None:
         self._landing = False
         self._chunk_at += len(self._target)
+        self._waits.progressed(len(self._target))
         if self._chunk_at == len(self._chunk):
             self._chunk_complete()
         else:
@@ -408,6 +413,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
 
     def _file_complete(self) -> None:
         payload = self._next_header()
+        self._waits.progressed(len(payload))
         self._stats.bytes_received += len(payload)
         self._finish(payload.tobytes())
 
@@ -635,7 +641,7 @@ class _ServerProtocol(asyncio.Protocol):
                 await answer_request(listener.served, request, partial(self._send, package_id=request.package_id),
                                      self.peer, authenticated=node,
                                      wait_s=SERVE_WAIT_IO_TIMEOUTS * listener.io_timeout_s,
-                                     wait_every_s=WAIT_EVERY_IO_TIMEOUTS * listener.io_timeout_s,
+                                     wait_every_s=wait_every_s(listener.io_timeout_s),
                                      stream=partial(self._send_stream, package_id=request.package_id)
                                      if listener.relay_bytes else None)
                 message = await self._receive()

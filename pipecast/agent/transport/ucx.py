@@ -81,7 +81,6 @@ from pipecast.agent.transport.wire import (
     SERVE_WAIT_IO_TIMEOUTS,
     UCX_HEADER,
     WAIT,
-    WAIT_EVERY_IO_TIMEOUTS,
     ClientHello,
     Header,
     HeardWaits,
@@ -98,6 +97,7 @@ from pipecast.agent.transport.wire import (
     range_end,
     refused_by_peer,
     request_payload,
+    wait_every_s,
 )
 from pipecast.core.settings import Settings
 
@@ -725,7 +725,7 @@ class _ServerConnection:
         send = functools.partial(self._send, self._frame(header.frame, egress), egress)
         await answer_request(self._listener.served, request, send, self.peer, self._from_served, authenticated=node,
                              wait_s=SERVE_WAIT_IO_TIMEOUTS * self._listener.io_timeout_s,
-                             wait_every_s=WAIT_EVERY_IO_TIMEOUTS * self._listener.io_timeout_s)
+                             wait_every_s=wait_every_s(self._listener.io_timeout_s))
         return True
 
     @staticmethod

@@ -47,13 +47,16 @@ allocated for it. Over UCX a request's frame field is the largest frame the requ
 waits, it sends a ``WAIT`` (header only: the block and chunk waited for, length 0) every
 :data:`WAIT_EVERY_IO_TIMEOUTS` of its I/O timeout, so that its requester does not take its parent's silence
 for its own and blame a healthy node (a hung node's whole subtree did). A requester accepts ``WAIT``
-messages alone for at most :data:`WAIT_LIMIT_IO_TIMEOUTS` I/O timeouts (the relay gives up after
-:data:`SERVE_WAIT_IO_TIMEOUTS`), then times the relay out. A chunk a TCP relay passes on as it arrives is a
+messages for at most :data:`WAIT_LIMIT_IO_TIMEOUTS` I/O timeouts with less than its minimum rate's worth of
+bytes between them (:class:`HeardWaits`), then times the relay out; the relay gives up before,
+:data:`SERVE_WAIT_IO_TIMEOUTS` after the last bytes it sent, whatever it waited on meanwhile (an ``ERROR``, or
+the connection's end mid-chunk). A chunk a TCP relay passes on as it arrives is a
 ``CHUNK_PIECES`` answer (header: the chunk and its whole length) followed by ``PIECE`` messages (its next
 bytes), with ``WAIT`` messages between them while the relay's own receive stalls and a ``RESTART`` (length 0:
 drop what came of the chunk, it starts again from its first byte) when that receive failed and a new one
 from another parent began: its requester keeps the connection instead of blaming the relay for its
-parent.
+parent. A requester takes at most :data:`MAX_CHUNK_RESTARTS` of a chunk. Both sides' bounds assume one
+``io_timeout_s`` on every node.
 """
 
 import asyncio
@@ -102,14 +105,21 @@ LIMITED_SEND_SLICE = 64 << 10
 # A serving side waits for what it serves (a relay's chunk still on its way) at most this many I/O
 # timeouts: the requester gives up after one of silence anyway.
 SERVE_WAIT_IO_TIMEOUTS = 2.0
-# A serving side waiting on what it serves sends a WAIT this often (in I/O timeouts): well within its
-# requester's silence deadline.
+# A serving side waiting on what it serves sends a WAIT this often (in I/O timeouts, and at most every
+# MAX_WAIT_EVERY_S): well within its requester's silence deadline, and within one of 1 s whatever its own is.
 WAIT_EVERY_IO_TIMEOUTS = 1 / 3
+MAX_WAIT_EVERY_S = 1.0
 # A requester hearing only WAITs gives up after this many I/O timeouts: the serving side's own bound, plus one
 # for its WAITs' spacing and the network.
 WAIT_LIMIT_IO_TIMEOUTS = SERVE_WAIT_IO_TIMEOUTS + 1
-# A chunk a relay passes on may start again this many times (each a receive of it that failed at the relay).
+# A chunk a relay passes on may start again this many times (each a receive of it that failed at the relay); its
+# requester takes no more.
 MAX_CHUNK_RESTARTS = 3
+
+
+def wait_every_s(io_timeout_s: float) -> float:
+    """How often a serving side with ``io_timeout_s`` sends a WAIT while it waits on what it serves."""
+    return min(WAIT_EVERY_IO_TIMEOUTS * io_timeout_s, MAX_WAIT_EVERY_S)
 
 NONCE_BYTES = 32
 MAC_BYTES = 32
@@ -476,26 +486,33 @@ async def answer_request(served: ServedPackages, request: Request, send: SendMes
     refuses (an :class:`AgentError`: not allowed, not held here, nothing within ``wait_s``) the answer is
     one ``ERROR`` with its text, logged, and the connection serves on; a :class:`PeerError` (the requester
     stopped reading or went away) is raised, and so is :class:`AnswerAbandonedError` (a streamed chunk
-    failed here after its header went: the backend closes the connection). While it waits on ``served`` it
-    sends a ``WAIT`` every ``wait_every_s`` (None: never). ``waiting`` wraps every wait on ``served`` (UCX
+    failed here after its header went: the backend closes the connection). ``wait_s`` bounds the time since
+    the answer's last bytes (or the request), over every wait and restart between them: the requester's own
+    bound (:class:`HeardWaits`) is longer. While it waits on ``served`` it sends a ``WAIT`` every
+    ``wait_every_s`` (None: never). ``waiting`` wraps every wait on ``served`` (UCX
     gives up on a requester that leaves meanwhile); ``peer`` names the requester in the log."""
     block = request.block if request.kind == REQ_BLOCK else None
     loop = asyncio.get_running_loop()
+    last_bytes = loop.time()  # when the answer's last bytes were had (the request's arrival, first)
 
-    async def provided(awaitable: Awaitable[Any], what: str, chunk: int = 0) -> Any:
-        """What ``awaitable`` gives, within ``wait_s``, with a WAIT every ``wait_every_s`` meanwhile."""
+    async def provided(awaitable: Awaitable[Any], what: str, chunk: int = 0, *, data: bool = False) -> Any:
+        """What ``awaitable`` gives, within ``wait_s`` of the answer's last bytes, with a WAIT every ``wait_every_s``
+        meanwhile; ``data``: it gives bytes to send."""
+        nonlocal last_bytes
         if wait_s is None and wait_every_s is None:
             return await waiting(awaitable)
         task = asyncio.ensure_future(waiting(awaitable))
-        started = loop.time()
         try:
             while True:
-                steps = [s for s in (wait_every_s, None if wait_s is None else started + wait_s - loop.time())
+                steps = [s for s in (wait_every_s, None if wait_s is None else last_bytes + wait_s - loop.time())
                          if s is not None]
                 await asyncio.wait((task,), timeout=max(0.0, min(steps)))
                 if task.done():
-                    return task.result()
-                if wait_s is not None and loop.time() - started >= wait_s:
+                    result = task.result()  # raised as it is: a failure (a broken relay) is no bytes
+                    if data:
+                        last_bytes = loop.time()
+                    return result
+                if wait_s is not None and loop.time() - last_bytes >= wait_s:
                     raise ServeWaitTimeoutError(f"{what} of package {request.package_id[:12]} is not here after "
                                                 f"{wait_s:g} s")
                 await send(Header(WAIT, request.block if block is not None else 0, chunk), memoryview(b""))
@@ -520,13 +537,14 @@ async def answer_request(served: ServedPackages, request: Request, send: SendMes
             for chunk in range(request.chunk, end):
                 what = f"chunk {chunk} of block {block}"
                 if stream is None:
-                    data = byte_view(await provided(served.wait_chunk(request.package_id, block, chunk), what, chunk))
+                    data = byte_view(await provided(served.wait_chunk(request.package_id, block, chunk), what, chunk,
+                                                    data=True))
                     await send(Header(CHUNK, request.block, chunk, len(data)), data)
                     continue
                 await _relay_chunk(served, request, chunk, stream, partial(provided, what=what, chunk=chunk), peer)
         else:
             data = await provided(served.file_bytes(request.package_id, request.path, request.block, request.chunk),
-                                  f"file {request.path}")
+                                  f"file {request.path}", data=True)
             served.peer_requested(request.requester, request.package_id, None)
             await send(Header(FILE, length=len(data)), memoryview(data))
     except PeerError:
@@ -540,14 +558,14 @@ async def _relay_chunk(served: ServedPackages, request: Request, chunk: int, str
     """Send ``chunk`` through ``stream`` as its bytes land here (``provided`` waits on ``served``)."""
     relay = await provided(served.relay_chunk(request.package_id, request.block, chunk))
     # Nothing goes before the chunk's first bytes are here: until then a failure is an ERROR answer.
-    first = byte_view(await provided(relay.next()))
+    first = byte_view(await provided(relay.next(), data=True))
     restarts = 0
 
     async def more() -> memoryview | None:
         nonlocal relay, restarts
         try:
             try:
-                return byte_view(await provided(relay.next()))
+                return byte_view(await provided(relay.next(), data=True))
             except RelayBrokenError:
                 restarts += 1
                 if restarts > MAX_CHUNK_RESTARTS:
@@ -598,23 +616,34 @@ def check_answer(header: Header, expected: int | tuple[int, ...], what: str, pee
 
 
 class HeardWaits:
-    """A requester's bound on a peer that sends only ``WAIT`` messages: :meth:`heard` raises :class:`PeerTimeoutError`
-    once it has for :data:`WAIT_LIMIT_IO_TIMEOUTS` I/O timeouts since the answer's last bytes."""
+    """A requester's bound on a peer's ``WAIT`` messages: :meth:`heard` raises :class:`PeerTimeoutError` once
+    the first of them came :data:`WAIT_LIMIT_IO_TIMEOUTS` I/O timeouts ago with fewer than ``progress_bytes`` of
+    the answer since (a peer trickling a byte between WAITs is not making progress)."""
 
-    def __init__(self, io_timeout_s: float) -> None:
+    def __init__(self, io_timeout_s: float, progress_bytes: float = 1) -> None:
         self.limit_s = WAIT_LIMIT_IO_TIMEOUTS * io_timeout_s
+        self._progress_bytes = max(1.0, progress_bytes)
         self._since: float | None = None
+        self._bytes = 0
 
     def heard(self, now: float, peer: str, what: str) -> None:
         """A ``WAIT`` came at ``now`` (a monotonic clock's) while ``what`` was awaited."""
         if self._since is None:
-            self._since = now
+            self._since, self._bytes = now, 0
         elif now - self._since >= self.limit_s:
-            raise PeerTimeoutError(peer, f"sent only WAIT messages for {now - self._since:.1f} s while sending "
-                                         f"{what} (its own source is not sending it)")
+            raise PeerTimeoutError(peer, f"sent only WAIT messages ({self._bytes} bytes besides) for "
+                                         f"{now - self._since:.1f} s while sending {what} (its own source is not "
+                                         "sending it)")
 
-    def answered(self) -> None:
-        """The answer's bytes came: its waits so far are over."""
+    def progressed(self, nbytes: int) -> None:
+        """``nbytes`` of the answer came: enough of them since the first WAIT end its waits."""
+        if self._since is not None:
+            self._bytes += nbytes
+            if self._bytes >= self._progress_bytes:
+                self._since = None
+
+    def reset(self) -> None:
+        """A new request: no waits heard."""
         self._since = None
 
 

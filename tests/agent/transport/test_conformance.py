@@ -318,6 +318,42 @@ async def test_a_relay_waiting_on_its_own_parent_keeps_its_requester_past_the_io
         assert bytes(child.block_view(0)) == data
 
 
+async def test_a_relays_waits_are_bounded_from_its_last_bytes_and_it_gives_up_before_its_requester(package,
+                                                                                                    transports):
+    """Found in review: each of a relay's waits (admission, then its chunk) had a bound of its own, so an answer
+    could wait longer in all than its requester's bound on WAITs; the requester timed a healthy relay out, and does
+    not try a silent parent again. Now the relay refuses first (2 I/O timeouts after its last bytes), which is tried
+    again."""
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)
+    relay, served = receiving_store(manifest), PeerServer()
+    served.expect(manifest.package_id)  # assigned; its manifest not here yet
+    io = 0.5
+    listener = await transports("relay", io_timeout_s=io).listen("127.0.0.1", 0, served)
+
+    async def upstream() -> None:  # each wait under the relay's bound (2 io), both together over its requester's
+        await asyncio.sleep(1.8 * io)
+        served.add(relay)
+        await asyncio.sleep(1.9 * io)
+        land_chunk(relay, data, 0, 0)
+
+    arriving = asyncio.create_task(upstream())
+    failures = []
+    async with receiving(manifest) as child:
+        pool = ChannelPool(transports("child", io_timeout_s=io))
+        fetcher = Fetcher(child, pool, FetchPolicy(retries=2, backoff_s=0.01),
+                          on_peer_failure=lambda what, peer, error: failures.append(error))
+        try:
+            await asyncio.wait_for(fetcher.fetch([Fetch(0, PeerInfo("relay", listener.address), chunks=(0, 1))]), 10)
+        finally:
+            await pool.close()
+            await arriving
+            await listener.close()
+        assert child.is_chunk_present(0, 0)
+    assert [type(error) for error in failures] == [PeerRefusedError], failures
+    assert "is not here after 1 s" in str(failures[0])
+
+
 async def test_connections_over_the_per_address_cap_are_closed_at_once(package, transports):
     root, manifest = package
     async with serving_store(transports("seed", agent_max_connections_per_address=2), seed_store(root)) as listener:

@@ -58,6 +58,7 @@ from pipecast.agent.transport.wire import CHUNK as CHUNK_MESSAGE
 from pipecast.agent.transport.wire import (
     CHUNK_PIECES,
     PIECE,
+    RESTART,
     TCP_HEADER,
     WAIT,
     WAIT_LIMIT_IO_TIMEOUTS,
@@ -1073,11 +1074,36 @@ async def test_a_peer_that_sends_only_waits_is_timed_out_after_the_wait_limit(pa
     async with raw_peer(waiting, manifest) as (address, store):
         channel = await TcpTransport("rx", settings()).connect(address, "waiter")
         started = time.monotonic()
-        with pytest.raises(PeerTimeoutError, match=r"^peer waiter: sent only WAIT messages for \d\.\d s while "
-                                                   r"sending block 0 \(chunk 0 of \d+\) \(its own source is not "
-                                                   r"sending it\)$"):
+        with pytest.raises(PeerTimeoutError, match=r"^peer waiter: sent only WAIT messages \(0 bytes besides\) for "
+                                                   r"\d\.\d s while sending block 0 \(chunk 0 of \d+\) \(its own "
+                                                   r"source is not sending it\)$"):
             await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 5)
         assert WAIT_LIMIT_IO_TIMEOUTS * IO_TIMEOUT_S <= time.monotonic() - started < 3.0
+
+
+@pytest.mark.parametrize("restart", [False, True])
+async def test_a_peer_trickling_a_byte_between_waits_is_timed_out_after_the_wait_limit(package, restart):
+    """Found in review: each byte ended the WAITs' bound, and each WAIT the minimum rate's window (a RESTART threw the
+    bytes away besides): a peer could hold a fetch for as long as it liked."""
+    _, manifest = package
+
+    async def trickle(reader, writer):
+        await reader.read(1 << 16)
+        writer.write(TCP_HEADER.pack(Header(CHUNK_PIECES, 0, 0, CHUNK)))
+        for _ in range(200):  # bounded: 10 s
+            writer.write(TCP_HEADER.pack(Header(PIECE, 0, 0, 1)) + b"x")
+            if restart:
+                writer.write(TCP_HEADER.pack(Header(RESTART, 0, 0)))
+            writer.write(TCP_HEADER.pack(Header(WAIT, 0, 0)))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    async with raw_peer(trickle, manifest) as (address, store):
+        channel = await TcpTransport("rx", settings()).connect(address, "trickler")
+        why = (r"restarted chunk 0 of block 0 more than 3 times" if restart else
+               r"sent only WAIT messages \(\d+ bytes besides\) for \d\.\d s while sending block 0")
+        with pytest.raises(PeerTimeoutError if not restart else PeerProtocolError, match=f"^peer trickler: {why}"):
+            await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, store), 5)
 
 
 @pytest.mark.parametrize("message, why", [
