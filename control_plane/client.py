@@ -303,9 +303,11 @@ class ControlPlaneClient:
         """A node token for ``node_id`` (operator only): it lets its holder act as that node, and only as it."""
         return (await self._call("IssueToken", pb.IssueTokenRequest(node_id=node_id))).token
 
-    async def revoke_node(self, node_id: str, *, restore: bool = False) -> list[str]:
-        """Revoke ``node_id``'s token (operator only; ``restore``: admit it again); returns every node revoked now."""
-        return list((await self._call("RevokeNode", pb.RevokeNodeRequest(node_id=node_id, restore=restore))).revoked)
+    async def revoke_node(self, node_id: str = "", *, restore: bool = False) -> tuple[list[str], bool]:
+        """Revoke ``node_id``'s token (operator only; ``restore``: admit it again; empty: change nothing); returns
+        every node revoked now, and whether the call changed that."""
+        reply = await self._call("RevokeNode", pb.RevokeNodeRequest(node_id=node_id, restore=restore))
+        return list(reply.revoked), reply.changed
 
 
     async def put_deployment(self, deployment: Deployment) -> Deployment:

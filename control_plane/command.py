@@ -694,14 +694,18 @@ def issue_token_command(ctx: click.Context, node_id: str) -> None:
 
 
 @cp_group.command("revoke-node")
-@click.argument("node_id")
+@click.argument("node_id", required=False, default="")
 @click.option("--restore", is_flag=True, help="Admit NODE_ID's token again instead.")
 @click.pass_context
 def revoke_node_command(ctx: click.Context, node_id: str, restore: bool) -> None:
     """Revoke NODE_ID's token (needs the master token): every call with it is refused from then on, and the node
-    leaves every plan. Its agent exits; a machine that replaces it registers under another node id. The
-    data-plane and serving keys the node was given stay valid until the master token is changed."""
-    revoked = _run(ctx, lambda c: c.revoke_node(node_id, restore=restore))
-    _emit(ctx, {"node_id": node_id, "restored": restore, "revoked": revoked},
-          [f"node {node_id}: token {'admitted again' if restore else 'revoked'}; revoked now: "
-           f"{', '.join(revoked) or '-'}"])
+    leaves every plan (a package whose store it is has none until published with another). Its agent exits; a
+    machine that replaces it registers under another node id. The data-plane and serving keys the node was given
+    stay valid until the master token is changed. Without NODE_ID: list the nodes revoked."""
+    if restore and not node_id:
+        raise click.UsageError("--restore needs the NODE_ID to admit again")
+    revoked, changed = _run(ctx, lambda c: c.revoke_node(node_id, restore=restore))
+    done = "admitted again" if restore else "revoked"
+    said = f"node {node_id}: token {done if changed else ('was not revoked' if restore else 'was revoked already')}; "
+    _emit(ctx, {"node_id": node_id, "restored": restore, "changed": changed, "revoked": revoked},
+          [f"{said if node_id else ''}revoked now: {', '.join(revoked) or '-'}"])

@@ -701,19 +701,26 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             token = issue_node_token(self.master, request.node_id)
         except CredentialError as exc:
             raise InvalidRequest(f"cannot issue a token: {exc}") from None
+        if request.node_id in self.state.revoked:
+            raise Conflict(f"node {request.node_id!r} is revoked: its token would be refused (`pipecast cp revoke-node "
+                           f"{request.node_id} --restore` admits it again; a machine replacing it takes another id)")
         log.info("issued a node token node=%s", request.node_id)
         return pb.IssueTokenResponse(token=token)
 
     @_rpc
     async def RevokeNode(self, request: pb.RevokeNodeRequest,
                          context: grpc.aio.ServicerContext) -> pb.RevokeNodeResponse:
-        if not self.master:
-            raise Conflict("auth is off (no auth_token set on the control plane): there are no node tokens to revoke")
-        revoked = self.state.revoke(request.node_id, restore=request.restore)
-        if not request.restore:
-            self._close_mailbox(request.node_id)  # its assignment stream ends; registering again is refused
-        await self.flush_encoded(durable=True)  # acknowledged, it holds after a restart or a takeover
-        return pb.RevokeNodeResponse(revoked=revoked)
+        changed = False
+        if request.node_id:
+            # With auth off nothing is refused, but a revocation stored before may still be lifted.
+            if not self.master and not request.restore:
+                raise Conflict("auth is off (no auth_token set on the control plane): there are no node tokens to "
+                               "revoke")
+            changed = self.state.revoke(request.node_id, restore=request.restore)
+            if changed and not request.restore:
+                self._close_mailbox(request.node_id)  # its assignment stream ends; registering again is refused
+            await self.flush_encoded(durable=True)  # acknowledged, it holds after a restart or a takeover
+        return pb.RevokeNodeResponse(revoked=sorted(self.state.revoked), changed=changed)
 
     # ----- deployments and the scaling daemon's audit trail -----
 

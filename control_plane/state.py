@@ -264,7 +264,6 @@ class ControlState:
             validate_node_id(node)
         except CredentialError as exc:
             raise InvalidRequest(f"worker registration refused: {exc}") from None
-        self.check_not_revoked(node)
         if not spec.peer.address:
             raise InvalidRequest(f"worker {node!r} registered without an address")
         described = sum(map(len, (spec.peer.address, spec.accelerator.kind, spec.accelerator.name, spec.serve_url,
@@ -346,15 +345,25 @@ class ControlState:
             if not self._repair(active, {node}):
                 # It was the plan's only source, and no other speaks the plan's transport: kept, it would have its
                 # receivers fail on it and report it for good.
-                log.warning("plan=%s of package=%s has no source speaking %s, the transport of its receivers: it "
-                            "ends, and %s with it (a scale-up of them finds them a source, or says there is none)",
-                            active.plan_id, active.package_id, ",".join(sorted(self._plan_transports(active, {node}))),
-                            ", ".join(sorted(active.pending)))
-                self._end_plan(active)
+                self._abandon(active, f"no source speaking {','.join(sorted(self._plan_transports(active, {node})))}, "
+                                      "the transport of its receivers")
         # Resumed, it receives again: not while it still sends a package it lacks in a plan it speaks (a chain
         # hung behind it), which would refuse the scale-up that resumes it.
         for active in [p for p in self.plans.values() if node in p.parts and p.package_id in self.lapsed.get(node, ())]:
             self._repair(active, {node})
+
+    def _abandon(self, active: ActivePlan, why: str) -> None:
+        """End ``active``, which no source can feed (``why``): its receivers leave it (a scale-up of them finds them
+        a source, or says there is none), and so do the plans that hang behind one of them (a chain's tail, fed by
+        nothing now), repaired from another source or ended in turn."""
+        log.warning("plan=%s of package=%s has %s: it ends, and %s with it (a scale-up of them finds them a source, "
+                    "or says there is none)", active.plan_id, active.package_id, why, ", ".join(sorted(active.pending)))
+        stranded = set(active.pending)
+        self._end_plan(active)
+        for other in [p for p in self.plans.values() if stranded & set(p.plan.sources)]:
+            if other.plan_id in self.plans and not self._repair(other, stranded & set(other.plan.sources)):
+                self._abandon(other, f"sources {', '.join(sorted(stranded & set(other.plan.sources)))} that lack "
+                                     "the package and are fed by nothing")
 
     def _resume(self, node: str, now: float) -> None:
         """Plan the rest of every package ``node`` was receiving when its lease lapsed."""
@@ -369,27 +378,34 @@ class ControlState:
             if result.receivers:
                 log.info("worker %s is back: plan=%s resumes package=%s", node, result.plan_id, package_id)
 
-    def revoke(self, node: str, *, restore: bool = False) -> list[str]:
-        """Revoke ``node``'s token (with ``restore``: admit it again); returns every node revoked now. A revoked
-        node that is registered leaves every plan and availability at once, as if it had deregistered."""
+    def revoke(self, node: str, *, restore: bool = False) -> bool:
+        """Revoke ``node``'s token (with ``restore``: admit it again); returns whether that changed anything. A
+        revoked node leaves every plan and availability at once, as if it had deregistered, and is no source of
+        a plan from then on (a package whose store it is has none until published with another); a plan left
+        with no source ends (:meth:`_abandon`)."""
         try:
             validate_node_id(node)
         except CredentialError as exc:
             raise InvalidRequest(f"revocation refused: {exc}") from None
+        if restore != (node in self.revoked):
+            return False
+        self.dirty.revoked.add(node)
         if restore:
-            if node in self.revoked:
-                self.revoked.discard(node)
-                self.dirty.revoked.add(node)
-                log.warning("node %s: its token is admitted again", node)
-        elif node not in self.revoked:
-            self.revoked.add(node)
-            self.dirty.revoked.add(node)
-            log.warning("node %s: its token is revoked%s", node,
-                        "; it leaves every plan" if node in self.workers else "")
-            if node in self.workers:
-                self._remove_nodes({node})
-                self._forget(node)
-        return sorted(self.revoked)
+            self.revoked.discard(node)
+            log.warning("node %s: its token is admitted again", node)
+            return True
+        self.revoked.add(node)
+        stores = sorted(p.package_id[:12] for p in self.packages.values() if p.store.node_id == node)
+        log.warning("node %s: its token is revoked; it leaves every plan%s", node,
+                    f"; the store of packages {', '.join(stores)}, which have none until published with another"
+                    if stores else "")
+        if node in self.workers:
+            self._remove_nodes({node})
+            self._forget(node)
+        for active in [p for p in self.plans.values() if node in p.parts]:  # a store without an agent; or no other
+            if not self._repair(active, {node}):
+                self._abandon(active, f"no source but {node}, whose token is revoked")
+        return True
 
     def check_not_revoked(self, node: str) -> None:
         """Raise :class:`Unauthenticated` if ``node``'s token is revoked."""
@@ -1142,6 +1158,7 @@ class ControlState:
         most, those serving no plan in progress first, then those in the receivers' racks."""
         # Availability lists alive workers only: a dead one's blocks leave it when it dies.
         holders = self.availability[package.package_id].complete_holders()
+        exclude = {*exclude, *self.revoked}
         count = receivers if isinstance(receivers, int) else len(receivers)
         racks = set() if isinstance(receivers, int) else {r for n in receivers if (r := self._rack(n)) is not None}
         busy = {n for a in self.plans.values() if a.pending for n, part in a.parts.items() if part.serve}
@@ -1194,8 +1211,9 @@ class ControlState:
 
         Beside complete holders, a rotated plan (or one whose strategy is left to the state) also sends from
         the store while no plan in progress does: its egress is a source like theirs."""
+        exclude = {*exclude, *self.revoked}  # a revoked store too: its agent is gone for good
         if transport is not None:
-            exclude = {*exclude, *self._unheard(package, (transport,))}
+            exclude |= self._unheard(package, (transport,))
         sources = self._pick_sources(package, exclude, receivers)
         store = package.store.node_id
         if self.store_beside_holders and sources and store not in sources and store not in exclude \

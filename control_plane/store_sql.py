@@ -37,6 +37,9 @@ from pipecast.v1.manifest_pb2 import Manifest
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+# A node whose token is revoked (ControlState.revoked) is a meta row with this key prefix, not a table of its own:
+# a table an older pipecast does not know makes it refuse the database (a rollback, an older replica).
+REVOKED_KEY = "revoked/"
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,6 @@ TABLES = {table.name: table for table in (
     # Workers told to drop a package and not given it again since (ControlState.dropping): a DROP that never
     # reached its agent before a restart is sent again when the agent registers still holding the package.
     Table("drops", (("package_id", "text"), ("node_id", "text")), ("package_id", "node_id")),
-    # Nodes whose token is revoked (ControlState.revoked).
-    Table("revoked", (("node_id", "text"),), ("node_id",)),
     Table("plans", (("plan_id", "text"), ("package_id", "text"), ("plan", "text"), ("fanout", "integer"),
                     ("created_at", "real"), ("version", "integer"), ("replans", "integer")), ("plan_id",)),
     Table("deployments", (("package_id", "text"), ("deployment", "text")), ("package_id",)),
@@ -132,7 +133,7 @@ class Statements:
 def _upsert(insert: str, table: Table) -> str:
     """``insert`` (of ``table``) replacing the row of the same key."""
     values = [name for name in table.names if name not in table.key]
-    # A table of keys only (drops, revoked): the row is all there is.
+    # A table of keys only (drops): the row is all there is.
     action = f"DO UPDATE SET {', '.join(f'{name} = excluded.{name}' for name in values)}" if values else "DO NOTHING"
     return f"{insert} ON CONFLICT ({', '.join(table.key)}) {action}"
 
@@ -212,7 +213,10 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
     for key in dirty.drops:
         drops[0 if key in state.dropping else 1].append(key)
     for node in dirty.revoked:
-        revoked[0 if node in state.revoked else 1].append((node,))
+        if node in state.revoked:
+            revoked[0].append((REVOKED_KEY + node, ""))
+        else:
+            revoked[1].append((REVOKED_KEY + node,))
     for plan_id in dirty.plans:
         active = state.plans.get(plan_id)
         if active is None:
@@ -226,7 +230,7 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
         "workers": (lambda: [(node, _compact(spec.to_json()), alive) for node, spec, alive in specs], gone_workers),
         "availability": (lambda: [(package_id, node, _compact(sorted(held))) for package_id, node, held in holdings],
                          gone_holdings),
-        "releases": releases, "drops": drops, "revoked": revoked, "plans": plans}
+        "releases": releases, "drops": drops, "meta": revoked, "plans": plans}
     return [change for table, (upserts, deletes) in tables.items()
             for change in (("upsert", table, upserts), ("delete", table, deletes))]
 
@@ -376,7 +380,7 @@ class SqlStore(abc.ABC):
         return CorruptStateError(self.where, table, key, _problem(exc), self.remedy)
 
     def _load(self, state: ControlState, now: float, lease_grace_s: float) -> None:
-        state.revoked = {node for (node,) in self._rows("revoked")}
+        state.revoked = {key.removeprefix(REVOKED_KEY) for key, _ in self._rows("meta") if key.startswith(REVOKED_KEY)}
         for package_id, manifest_bytes, store, published_at in self._rows("packages"):
             try:
                 manifest = Manifest.FromString(manifest_bytes)

@@ -482,10 +482,12 @@ class RevokeNodeRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., restore: _Optional[bool] = ...) -> None: ...
 
 class RevokeNodeResponse(_message.Message):
-    __slots__ = ("revoked",)
+    __slots__ = ("revoked", "changed")
     REVOKED_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
     revoked: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, revoked: _Optional[_Iterable[str]] = ...) -> None: ...
+    changed: bool
+    def __init__(self, revoked: _Optional[_Iterable[str]] = ..., changed: _Optional[bool] = ...) -> None: ...
 
 class ScalingPolicy(_message.Message):
     __slots__ = ("min_replicas", "max_replicas", "slo_ttft_p99_s", "warm", "keep_alive_s", "scale_up_cooldown_s", "scale_down_cooldown_s", "replica_rps", "replica_concurrency", "warm_auto_factor", "cold_start_s", "cold_start_measured")

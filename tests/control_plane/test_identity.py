@@ -165,7 +165,7 @@ async def test_a_revoked_nodes_token_is_refused_whatever_it_calls_and_it_leaves_
     assert (await watcher.next()).kind == UpdateKind.ASSIGN
     with pytest.raises(PermissionDenied, match="^RevokeNode needs the operator's token; node 'w2' may not call it$"):
         await w2.revoke_node("w2")
-    assert await operator.revoke_node("w2") == ["w2"]
+    assert await operator.revoke_node("w2") == (["w2"], True)
     with pytest.raises(UnknownWorker):  # its stream ends, as a dead worker's
         await asyncio.wait_for(watcher.task, WAIT_S)
     revoked = (r"refused \w+: the token of node 'w2' is revoked \(`pipecast cp revoke-node w2 --restore` admits it "
@@ -176,7 +176,11 @@ async def test_a_revoked_nodes_token_is_refused_whatever_it_calls_and_it_leaves_
             await call()
     assert [w.worker.peer.node_id for w in await operator.list_workers()] == ["store"]
     assert plan.plan_id not in {p.plan_id for p in await operator.list_plans()}
-    assert await operator.revoke_node("w3") == ["w2", "w3"]  # a node not registered (yet) may be revoked too
+    assert await operator.revoke_node("w3") == (["w2", "w3"], True)  # a node not registered (yet) may be too
+    assert await operator.revoke_node("w3") == (["w2", "w3"], False)
+    assert await operator.revoke_node() == (["w2", "w3"], False)  # the list
+    with pytest.raises(Conflict, match="^node 'w2' is revoked: its token would be refused"):
+        await operator.issue_token("w2")
 
     await server.stop(grace_s=0)
     async with ControlPlaneServer(config(tmp_path / "cp.sqlite3")) as again:  # kept in its database
@@ -184,9 +188,16 @@ async def test_a_revoked_nodes_token_is_refused_whatever_it_calls_and_it_leaves_
                     ControlPlaneClient(again.address, token=issue_node_token(TOKEN, "w2"), timeout_s=WAIT_S) as w2b):
             with pytest.raises(Unauthenticated, match=revoked):
                 await w2b.register(spec("w2"))
-            assert await operator2.revoke_node("w2", restore=True) == ["w3"]
+            assert await operator2.revoke_node("w2", restore=True) == (["w3"], True)
             await w2b.register(spec("w2"))
             assert "w2" in [w.worker.peer.node_id for w in await operator2.list_workers()]
+    # Found in review: with auth off, a node revoked before could not register, nor be restored.
+    async with ControlPlaneServer(config(tmp_path / "cp.sqlite3", token="")) as open_plane:
+        async with ControlPlaneClient(open_plane.address, timeout_s=WAIT_S) as anyone:
+            await anyone.register(spec("w3"))
+            with pytest.raises(Conflict, match="auth is off .*: there are no node tokens to revoke"):
+                await anyone.revoke_node("w4")
+            assert await anyone.revoke_node("w3", restore=True) == ([], True)
 
 
 async def test_without_auth_everything_is_allowed_and_there_is_no_data_key(tmp_path):

@@ -869,9 +869,14 @@ def test_cli_runs_and_operates_the_control_plane(tmp_path, monkeypatch):
         assert runner.invoke(cp_group, ["--token", token, "serving-key"]).output == f"{key}\n"
         assert json.loads(runner.invoke(cp_group, ["--json", "serving-key"]).output) == {"serving_key": key}
         assert runner.invoke(cp_group, ["revoke-node", "w9"]).output == "node w9: token revoked; revoked now: w9\n"
+        assert runner.invoke(cp_group, ["revoke-node", "w9"]).output == (
+            "node w9: token was revoked already; revoked now: w9\n")
+        assert runner.invoke(cp_group, ["revoke-node"]).output == "revoked now: w9\n"
         assert isinstance(runner.invoke(cp_group, ["--token", token, "serving-key"]).exception, Unauthenticated)
         assert json.loads(runner.invoke(cp_group, ["--json", "revoke-node", "w9", "--restore"]).output) == {
-            "node_id": "w9", "restored": True, "revoked": []}
+            "node_id": "w9", "restored": True, "changed": True, "revoked": []}
+        assert runner.invoke(cp_group, ["revoke-node", "w9", "--restore"]).output == (
+            "node w9: token was not revoked; revoked now: -\n")
         assert runner.invoke(cp_group, ["--token", token, "serving-key"]).output == f"{key}\n"
 
         async def register_store():

@@ -1653,18 +1653,48 @@ def test_a_revoked_node_leaves_its_plans_and_may_not_register_until_restored():
     parts = state.plans[result.plan_id].parts.values()
     middle = next(n for n in ("w0", "w1", "w2") if any(f.parent == n for part in parts for f in part.fetch))
     state.report(middle, {"pkg": [0]}, {}, now=2)
-    assert state.revoke(middle) == [middle] and state.dirty.revoked == {middle}
+    assert state.revoke(middle) and state.dirty.revoked == {middle} and state.revoked == {middle}
     active = state.plans[result.plan_id]
     assert middle not in active.parts and middle not in state.workers
     assert all(f.parent != middle for part in active.parts.values() for f in part.fetch)
     assert middle not in state.availability["pkg"].by_worker
     with pytest.raises(Unauthenticated, match=f"^the token of node '{middle}' is revoked"):
-        state.register(spec(middle), {}, now=3)
-    assert state.revoke(middle) == [middle]  # again: nothing changes
-    assert state.revoke(middle, restore=True) == []
-    state.register(spec(middle), {}, now=4)
+        state.check_not_revoked(middle)  # what the service asks of a node's every call
+    assert not state.revoke(middle)  # again: nothing changes
+    assert state.revoke(middle, restore=True) and not state.revoke(middle, restore=True) and not state.revoked
     with pytest.raises(InvalidRequest, match="^revocation refused: "):
         state.revoke("a b")
+
+
+def test_a_revoked_store_leaves_its_plans_and_sends_no_new_one(caplog):
+    """Found in review: its plans could not be repaired without it and stayed as they were (receivers fetching
+    from an agent gone for good), and new scale-ups still sent from it."""
+    state = cluster(3)
+    plan = state.scale_up("pkg", node_ids=["w0"], now=1)
+    assert plan.sources == ("store",)
+    assert state.revoke("store")
+    assert plan.plan_id not in state.plans and not any("store" in p.parts for p in state.plans.values())
+    assert f"plan={plan.plan_id} of package=pkg has no source but store, whose token is revoked: it ends" in caplog.text
+    assert "the store of packages pkg, which have none until published with another" in caplog.text
+    with pytest.raises(NoSource):
+        state.scale_up("pkg", node_ids=["w1"], now=2)
+    state.report("w2", {"pkg": range(BLOCKS)}, {}, now=3)  # a holder: it sends instead
+    assert state.scale_up("pkg", node_ids=["w1"], now=4).sources == ("w2",)
+
+
+def test_a_plan_hung_behind_an_ended_plans_receiver_is_repaired_or_ends_too():
+    """Found in review: a plan ended (its only source, the store, came back speaking no transport of its receivers),
+    and the plan hung behind its chain's tail kept that tail, fed by nothing now, as its source for good."""
+    state = cluster(3)
+    state.register(WorkerSpec(STORE, 1 << 30), {"pkg": range(BLOCKS)}, now=0)  # the store's agent, tcp
+    first = state.scale_up("pkg", node_ids=["w0", "w1"], strategy="chain", now=1)
+    behind = state.scale_up("pkg", node_ids=["w2"], now=2)
+    [tail] = state.plans[behind.plan_id].plan.sources
+    assert tail in ("w0", "w1")
+    state.report(tail, {"pkg": [0, 1]}, {}, now=3)
+    state.register(WorkerSpec(PeerInfo("store", STORE.address, ("ucx",)), 1 << 30), {"pkg": range(BLOCKS)}, now=4)
+    assert first.plan_id not in state.plans and behind.plan_id not in state.plans
+    assert not any("w2" in p.pending for p in state.plans.values())
 
 
 def test_a_receiver_registering_with_another_transport_resumes_though_a_chain_hangs_behind_it():
