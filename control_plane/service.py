@@ -431,6 +431,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
         spec = spec_from_proto(request.worker)
         self.act_for(spec.node_id)
+        if self.master:  # whoever registers it: the operator's token too (auth off, no token is refused)
+            self.state.check_not_revoked(spec.node_id)
         check_serve_urls(spec)
         unknown = self.state.register(spec, blocks_from_proto(request.held), self.clock(),
                                       cached=blocks_from_proto(request.cached))

@@ -358,10 +358,13 @@ class ControlState:
         nothing now), repaired from another source or ended in turn."""
         log.warning("plan=%s of package=%s has %s: it ends, and %s with it (a scale-up of them finds them a source, "
                     "or says there is none)", active.plan_id, active.package_id, why, ", ".join(sorted(active.pending)))
+        if self.plans.get(active.plan_id) is not active:  # ended already (a loop over plans that changed meanwhile)
+            return
         stranded = set(active.pending)
         self._end_plan(active)
-        for other in [p for p in self.plans.values() if stranded & set(p.plan.sources)]:
-            if other.plan_id in self.plans and not self._repair(other, stranded & set(other.plan.sources)):
+        for other in [p for p in self.plans.values()
+                      if p.package_id == active.package_id and stranded & set(p.plan.sources)]:
+            if not self._repair(other, stranded & set(other.plan.sources)):
                 self._abandon(other, f"sources {', '.join(sorted(stranded & set(other.plan.sources)))} that lack "
                                      "the package and are fed by nothing")
 
@@ -387,14 +390,19 @@ class ControlState:
             validate_node_id(node)
         except CredentialError as exc:
             raise InvalidRequest(f"revocation refused: {exc}") from None
-        if restore != (node in self.revoked):
-            return False
-        self.dirty.revoked.add(node)
         if restore:
+            if node not in self.revoked:
+                return False
             self.revoked.discard(node)
+            self.dirty.revoked.add(node)
             log.warning("node %s: its token is admitted again", node)
             return True
+        # Revoked already, it may have registered since (with auth off, or as the operator): it goes all the same.
+        changed = node not in self.revoked
+        if not changed and node not in self.workers and not any(node in p.parts for p in self.plans.values()):
+            return False
         self.revoked.add(node)
+        self.dirty.revoked.add(node)
         stores = sorted(p.package_id[:12] for p in self.packages.values() if p.store.node_id == node)
         log.warning("node %s: its token is revoked; it leaves every plan%s", node,
                     f"; the store of packages {', '.join(stores)}, which have none until published with another"
@@ -405,7 +413,7 @@ class ControlState:
         for active in [p for p in self.plans.values() if node in p.parts]:  # a store without an agent; or no other
             if not self._repair(active, {node}):
                 self._abandon(active, f"no source but {node}, whose token is revoked")
-        return True
+        return changed
 
     def check_not_revoked(self, node: str) -> None:
         """Raise :class:`Unauthenticated` if ``node``'s token is revoked."""
@@ -1223,7 +1231,7 @@ class ControlState:
         spare_link = self.store_links > 1 and self._store_links_free(store) > 0
         tail = self._chain_tail(package.package_id) if strategy in ("", "chain") and from_store and not spare_link \
             else None
-        if tail is not None and (transport is None or self._speaks(tail, (transport,))):
+        if tail is not None and tail not in self.revoked and (transport is None or self._speaks(tail, (transport,))):
             # A chain is still bringing the package from the store, whose links are all taken: hang the new
             # receivers behind its last node (it forwards each chunk as it lands) instead of splitting the
             # store's egress between two plans, which would slow the first one down.
@@ -1319,7 +1327,10 @@ class ControlState:
 
     def _repair(self, active: ActivePlan, gone: set[str]) -> bool:
         """Re-plan ``active`` without the ``gone`` nodes: their children get new parents for exactly the
-        blocks they still miss. False if no source is left to plan from (the plan stays as it was)."""
+        blocks they still miss. False if no source is left to plan from (the plan stays as it was). A plan that
+        ended meanwhile (a loop over plans that changed under it) stays ended: True, nothing to repair."""
+        if self.plans.get(active.plan_id) is not active:
+            return True
         package = self.packages[active.package_id]
         sources = [s for s in active.plan.sources if s not in gone]
         if not sources:

@@ -177,6 +177,8 @@ async def test_a_revoked_nodes_token_is_refused_whatever_it_calls_and_it_leaves_
     assert [w.worker.peer.node_id for w in await operator.list_workers()] == ["store"]
     assert plan.plan_id not in {p.plan_id for p in await operator.list_plans()}
     assert await operator.revoke_node("w3") == (["w2", "w3"], True)  # a node not registered (yet) may be too
+    with pytest.raises(Unauthenticated, match=revoked.replace("w2", "w3")):  # as the operator too
+        await operator.register(spec("w3"))
     assert await operator.revoke_node("w3") == (["w2", "w3"], False)
     assert await operator.revoke_node() == (["w2", "w3"], False)  # the list
     with pytest.raises(Conflict, match="^node 'w2' is revoked: its token would be refused"):

@@ -1682,6 +1682,20 @@ def test_a_revoked_store_leaves_its_plans_and_sends_no_new_one(caplog):
     assert state.scale_up("pkg", node_ids=["w1"], now=4).sources == ("w2",)
 
 
+def test_a_plan_that_ends_leaves_the_plans_of_other_packages_alone():
+    """Found in review: the plans its receivers were sources of were repaired or ended whatever their package: a
+    receiver of the ended plan holding another package whole was taken for a source fed by nothing there too."""
+    state = cluster(3)
+    state.publish(manifest("pkg2"), PeerInfo("store2", "10.0.0.2:7070", ("tcp",)), now=0)
+    state.report("w0", {"pkg2": range(BLOCKS)}, {}, now=0)  # w0 holds pkg2 whole
+    receiving = state.scale_up("pkg", node_ids=["w0"], now=1)  # and receives pkg from the store
+    assert state.revoke("store2")
+    sending = state.scale_up("pkg2", node_ids=["w1"], strategy="chain", now=1)
+    assert state.plans[sending.plan_id].plan.sources == ("w0",)
+    assert state.revoke("store")
+    assert receiving.plan_id not in state.plans and state.plans[sending.plan_id].plan.sources == ("w0",)
+
+
 def test_a_plan_hung_behind_an_ended_plans_receiver_is_repaired_or_ends_too():
     """Found in review: a plan ended (its only source, the store, came back speaking no transport of its receivers),
     and the plan hung behind its chain's tail kept that tail, fed by nothing now, as its source for good."""

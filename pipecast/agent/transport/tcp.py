@@ -77,6 +77,7 @@ from pipecast.agent.transport.wire import (
     SERVE_WAIT_IO_TIMEOUTS,
     TCP_HEADER,
     WAIT,
+    WAIT_LIMIT_IO_TIMEOUTS,
     ClientHello,
     Header,
     HeardWaits,
@@ -97,6 +98,8 @@ from pipecast.agent.transport.wire import (
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_REQUESTS = 8
+# A chunk arriving slowly is told to the sink (its relays pass it on) at least this often, whatever relay_bytes is.
+PROGRESS_EVERY_S = 0.5
 # Let the transport buffer a few chunks before pausing the sender: fewer wake-ups per chunk.
 WRITE_HIGH_WATER = 4 << 20
 WRITE_LOW_WATER = 1 << 20
@@ -162,8 +165,9 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         # A request's answer must bring this many bytes in each io_timeout_s window (our own pauses left out):
         # a peer trickling a byte now and then is never silent, yet would hold the fetch for hours.
         self._window_min_bytes = min_rate * io_timeout_s
-        # A peer's WAITs between which fewer bytes than its minimum rate asks for came are not progress.
-        self._waits = HeardWaits(io_timeout_s, self._window_min_bytes)
+        # WAITs over their bound with fewer bytes between them than the minimum rate asks for are no progress.
+        self._waits = HeardWaits(io_timeout_s, WAIT_LIMIT_IO_TIMEOUTS * self._window_min_bytes)
+        self._progress_at = 0.0  # when the sink last heard of a chunk's progress
         self._window_start = 0.0
         self._window_bytes = 0
         self._stats = stats
@@ -196,7 +200,11 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         self._last_rx = self._loop.time()
         if self._landing and self._relay_bytes:
             at = self._chunk_at + self._filled
-            if at < len(self._chunk) and at // self._relay_bytes > (at - nbytes) // self._relay_bytes:
+            # Every relay_bytes, and from a slow parent at least every PROGRESS_EVERY_S: a relay then passes on
+            # what came, not only whole pieces, which a parent at its minimum rate sends in over its wait bound.
+            if at < len(self._chunk) and (at // self._relay_bytes > (at - nbytes) // self._relay_bytes
+                                          or self._last_rx - self._progress_at >= PROGRESS_EVERY_S):
+                self._progress_at = self._last_rx
                 request = self.request
                 request.sink.chunk_progress(request.block, request.next_chunk, at)
         if self._ingress is not None:
@@ -360,6 +368,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
                 raise PeerProtocolError(self.peer, f"restarted chunk {chunk} of block {block} more than "
                                                    f"{MAX_CHUNK_RESTARTS} times")
             # Its receive failed at the relay, and a new one began: what came of the chunk is dropped, here too.
+            self._waits.dropped(self._chunk_at)
             request.sink.chunk_dropped(block, chunk)
             self._chunk = request.sink.chunk_buffer(block, chunk)
             self._chunk_at = 0

@@ -493,26 +493,26 @@ async def answer_request(served: ServedPackages, request: Request, send: SendMes
     gives up on a requester that leaves meanwhile); ``peer`` names the requester in the log."""
     block = request.block if request.kind == REQ_BLOCK else None
     loop = asyncio.get_running_loop()
-    last_bytes = loop.time()  # when the answer's last bytes were had (the request's arrival, first)
+    last_sent = loop.time()  # when the answer's last bytes went (the request's arrival, first)
 
-    async def provided(awaitable: Awaitable[Any], what: str, chunk: int = 0, *, data: bool = False) -> Any:
-        """What ``awaitable`` gives, within ``wait_s`` of the answer's last bytes, with a WAIT every ``wait_every_s``
-        meanwhile; ``data``: it gives bytes to send."""
-        nonlocal last_bytes
+    def sent() -> None:
+        nonlocal last_sent
+        last_sent = loop.time()
+
+    async def provided(awaitable: Awaitable[Any], what: str, chunk: int = 0) -> Any:
+        """What ``awaitable`` gives, within ``wait_s`` of the answer's last bytes sent, with a WAIT every
+        ``wait_every_s`` meanwhile."""
         if wait_s is None and wait_every_s is None:
             return await waiting(awaitable)
         task = asyncio.ensure_future(waiting(awaitable))
         try:
             while True:
-                steps = [s for s in (wait_every_s, None if wait_s is None else last_bytes + wait_s - loop.time())
+                steps = [s for s in (wait_every_s, None if wait_s is None else last_sent + wait_s - loop.time())
                          if s is not None]
                 await asyncio.wait((task,), timeout=max(0.0, min(steps)))
                 if task.done():
-                    result = task.result()  # raised as it is: a failure (a broken relay) is no bytes
-                    if data:
-                        last_bytes = loop.time()
-                    return result
-                if wait_s is not None and loop.time() - last_bytes >= wait_s:
+                    return task.result()
+                if wait_s is not None and loop.time() - last_sent >= wait_s:
                     raise ServeWaitTimeoutError(f"{what} of package {request.package_id[:12]} is not here after "
                                                 f"{wait_s:g} s")
                 await send(Header(WAIT, request.block if block is not None else 0, chunk), memoryview(b""))
@@ -537,14 +537,15 @@ async def answer_request(served: ServedPackages, request: Request, send: SendMes
             for chunk in range(request.chunk, end):
                 what = f"chunk {chunk} of block {block}"
                 if stream is None:
-                    data = byte_view(await provided(served.wait_chunk(request.package_id, block, chunk), what, chunk,
-                                                    data=True))
+                    data = byte_view(await provided(served.wait_chunk(request.package_id, block, chunk), what, chunk))
                     await send(Header(CHUNK, request.block, chunk, len(data)), data)
+                    sent()
                     continue
-                await _relay_chunk(served, request, chunk, stream, partial(provided, what=what, chunk=chunk), peer)
+                await _relay_chunk(served, request, chunk, stream, partial(provided, what=what, chunk=chunk), sent,
+                                   peer)
         else:
             data = await provided(served.file_bytes(request.package_id, request.path, request.block, request.chunk),
-                                  f"file {request.path}", data=True)
+                                  f"file {request.path}")
             served.peer_requested(request.requester, request.package_id, None)
             await send(Header(FILE, length=len(data)), memoryview(data))
     except PeerError:
@@ -554,29 +555,36 @@ async def answer_request(served: ServedPackages, request: Request, send: SendMes
 
 
 async def _relay_chunk(served: ServedPackages, request: Request, chunk: int, stream: SendStream,
-                       provided: Callable[[Awaitable[Any]], Awaitable[Any]], peer: str) -> None:
-    """Send ``chunk`` through ``stream`` as its bytes land here (``provided`` waits on ``served``)."""
+                       provided: Callable[[Awaitable[Any]], Awaitable[Any]], sent: Callable[[], None],
+                       peer: str) -> None:
+    """Send ``chunk`` through ``stream`` as its bytes land here (``provided`` waits on ``served``; ``sent`` is told
+    each time bytes went)."""
     relay = await provided(served.relay_chunk(request.package_id, request.block, chunk))
     # Nothing goes before the chunk's first bytes are here: until then a failure is an ERROR answer.
-    first = byte_view(await provided(relay.next(), data=True))
-    restarts = 0
+    first = byte_view(await provided(relay.next()))
+    restarts, restarting = 0, False
 
     async def more() -> memoryview | None:
-        nonlocal relay, restarts
+        nonlocal relay, restarts, restarting
+        if not restarting:  # the stream asks for more once what it had went (a RESTART is no bytes)
+            sent()
+        restarting = False
         try:
             try:
-                return byte_view(await provided(relay.next(), data=True))
+                return byte_view(await provided(relay.next()))
             except RelayBrokenError:
                 restarts += 1
                 if restarts > MAX_CHUNK_RESTARTS:
                     raise
                 relay = await provided(served.relay_chunk(request.package_id, request.block, chunk))
+                restarting = True
                 return None  # its requester drops what it has of the chunk; a new receive here brings it again
         except AgentError as exc:  # the header is out: no ERROR answer can follow it
             raise AnswerAbandonedError(f"the answer of chunk {chunk} of block {request.block} to {peer} is "
                                        f"abandoned mid-chunk: {exc}") from exc
 
     await stream(Header(CHUNK_PIECES, request.block, chunk, relay.length), first, more)
+    sent()
 
 
 async def _refuse(request: Request, send: SendMessage, peer: str, reason: str) -> None:
@@ -618,7 +626,8 @@ def check_answer(header: Header, expected: int | tuple[int, ...], what: str, pee
 class HeardWaits:
     """A requester's bound on a peer's ``WAIT`` messages: :meth:`heard` raises :class:`PeerTimeoutError` once
     the first of them came :data:`WAIT_LIMIT_IO_TIMEOUTS` I/O timeouts ago with fewer than ``progress_bytes`` of
-    the answer since (a peer trickling a byte between WAITs is not making progress)."""
+    the answer since (a peer trickling a byte between WAITs is not making progress; bytes a RESTART dropped do not
+    count)."""
 
     def __init__(self, io_timeout_s: float, progress_bytes: float = 1) -> None:
         self.limit_s = WAIT_LIMIT_IO_TIMEOUTS * io_timeout_s
@@ -641,6 +650,10 @@ class HeardWaits:
             self._bytes += nbytes
             if self._bytes >= self._progress_bytes:
                 self._since = None
+
+    def dropped(self, nbytes: int) -> None:
+        """``nbytes`` that came were dropped (a RESTART): they were no progress."""
+        self._bytes = max(0, self._bytes - nbytes)
 
     def reset(self) -> None:
         """A new request: no waits heard."""

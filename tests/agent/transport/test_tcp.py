@@ -1152,6 +1152,43 @@ async def test_a_chain_of_relays_moves_the_package_exactly_with_or_without_piece
             store.close()
 
 
+async def test_a_relay_whose_parent_is_slow_but_above_its_minimum_rate_passes_on_what_came(package):
+    """Found in review: a relay passed a chunk on only in whole pieces (agent_relay_bytes), so from a parent a little
+    above the minimum rate a piece took longer than the relay's wait bound: it gave its child up, again and again.
+    Now what came is passed on at least every PROGRESS_EVERY_S."""
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)[:CHUNK]
+    rate = 1.3 * 0.1e6 / 8  # 1.3x the minimum rate: the 64 KiB chunk (one piece) takes 4 s, twice the relay's bound
+
+    async def slow_parent(reader, writer):
+        await reader.read(1 << 16)
+        writer.write(TCP_HEADER.pack(Header(CHUNK_MESSAGE, 0, 0, CHUNK)))
+        for start in range(0, CHUNK, 1024):
+            writer.write(data[start:start + 1024])
+            await writer.drain()
+            await asyncio.sleep(1024 / rate)
+
+    slow = dict(io_timeout_s=1.0, io_min_rate_mbit=0.1, agent_relay_bytes=CHUNK)
+    middle, last = receiving_store(manifest), receiving_store(manifest)
+    parent, parent_address = await raw_server(slow_parent)
+    _, middle_listener = await serve(PeerServer(), middle, **slow)
+    pools = [ChannelPool(TcpTransport(name, settings(**slow))) for name in ("middle", "last")]
+    try:
+        await asyncio.wait_for(asyncio.gather(
+            Fetcher(middle, pools[0], FetchPolicy(retries=0)).fetch([Fetch(0, PeerInfo("parent", parent_address),
+                                                                           chunks=(0, 1))]),
+            Fetcher(last, pools[1], FetchPolicy(retries=0)).fetch([Fetch(0, PeerInfo("middle", middle_listener.address),
+                                                                         chunks=(0, 1))])), 20)
+        assert bytes(await last.wait_chunk(0, 0)) == data
+    finally:
+        for pool in pools:
+            await pool.close()
+        parent.close()
+        await middle_listener.close()
+        for store in (middle, last):
+            store.close()
+
+
 # -- a package dropped while a requester waits -----------------------------------------------------------------
 
 
