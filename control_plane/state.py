@@ -397,9 +397,8 @@ class ControlState:
             self.dirty.revoked.add(node)
             log.warning("node %s: its token is admitted again", node)
             return True
-        # Revoked already, it may have registered since (with auth off, or as the operator): it goes all the same.
-        changed = node not in self.revoked
-        if not changed and node not in self.workers and not any(node in p.parts for p in self.plans.values()):
+        # Revoked already, it may have registered since (with auth off): it goes all the same, which is a change.
+        if node in self.revoked and node not in self.workers and not any(node in p.parts for p in self.plans.values()):
             return False
         self.revoked.add(node)
         self.dirty.revoked.add(node)
@@ -413,7 +412,7 @@ class ControlState:
         for active in [p for p in self.plans.values() if node in p.parts]:  # a store without an agent; or no other
             if not self._repair(active, {node}):
                 self._abandon(active, f"no source but {node}, whose token is revoked")
-        return changed
+        return True
 
     def check_not_revoked(self, node: str) -> None:
         """Raise :class:`Unauthenticated` if ``node``'s token is revoked."""
@@ -1209,7 +1208,7 @@ class ControlState:
         cannot fetch from a holder of another transport)."""
         spoken = self._plan_transports(active, without)
         return {n: blocks for n, blocks in self.availability[active.package_id].by_worker.items()
-                if n not in without and self._speaks(n, spoken)}
+                if n not in without and n not in self.revoked and self._speaks(n, spoken)}
 
     def _plan_sources(self, package: Package, strategy: str, exclude: Collection[str],
                       receivers: int | Collection[str], transport: str | None = None) -> tuple[list[str], str]:

@@ -1661,6 +1661,8 @@ def test_a_revoked_node_leaves_its_plans_and_may_not_register_until_restored():
     with pytest.raises(Unauthenticated, match=f"^the token of node '{middle}' is revoked"):
         state.check_not_revoked(middle)  # what the service asks of a node's every call
     assert not state.revoke(middle)  # again: nothing changes
+    state.register(spec(middle), {}, now=3)  # as with auth off, where nothing is refused
+    assert state.revoke(middle) and middle not in state.workers  # again: it goes all the same
     assert state.revoke(middle, restore=True) and not state.revoke(middle, restore=True) and not state.revoked
     with pytest.raises(InvalidRequest, match="^revocation refused: "):
         state.revoke("a b")
@@ -1680,6 +1682,22 @@ def test_a_revoked_store_leaves_its_plans_and_sends_no_new_one(caplog):
         state.scale_up("pkg", node_ids=["w1"], now=2)
     state.report("w2", {"pkg": range(BLOCKS)}, {}, now=3)  # a holder: it sends instead
     assert state.scale_up("pkg", node_ids=["w1"], now=4).sources == ("w2",)
+
+
+def test_a_revoked_node_registered_again_holding_the_package_is_no_parent_of_a_repair():
+    """Found in review: with auth off a revoked id may register again; no source is picked from it, but a repair took
+    it for a parent all the same."""
+    state = cluster(4)
+    for holder in ("w0", "w1"):
+        state.report(holder, {"pkg": range(BLOCKS)}, {}, now=0)
+    assert state.revoke("w1")
+    state.register(spec("w1"), {"pkg": range(BLOCKS)}, now=1)
+    plan = state.scale_up("pkg", node_ids=["w2", "w3"], now=2)
+    active = state.plans[plan.plan_id]
+    child = next(n for n, part in active.parts.items() if any(f.parent == "w0" for f in part.fetch))
+    block = next(f.block for f in active.parts[child].fetch if f.parent == "w0")
+    state.report_bad_peer(child, "w0", "pkg", block, "digest mismatch", now=3)
+    assert all(f.parent != "w1" for p in state.plans.values() for part in p.parts.values() for f in part.fetch)
 
 
 def test_a_plan_that_ends_leaves_the_plans_of_other_packages_alone():

@@ -165,8 +165,10 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         # A request's answer must bring this many bytes in each io_timeout_s window (our own pauses left out):
         # a peer trickling a byte now and then is never silent, yet would hold the fetch for hours.
         self._window_min_bytes = min_rate * io_timeout_s
-        # WAITs over their bound with fewer bytes between them than the minimum rate asks for are no progress.
-        self._waits = HeardWaits(io_timeout_s, WAIT_LIMIT_IO_TIMEOUTS * self._window_min_bytes)
+        # WAITs over their bound with fewer bytes between them than the minimum rate asks for are no progress: of the
+        # bound's span, the relay's own windows on its parent cover all but one I/O timeout (a parent sending in
+        # bursts, at its minimum rate per window, passes them).
+        self._waits = HeardWaits(io_timeout_s, (WAIT_LIMIT_IO_TIMEOUTS - 1) * self._window_min_bytes)
         self._progress_at = 0.0  # when the sink last heard of a chunk's progress
         self._window_start = 0.0
         self._window_bytes = 0

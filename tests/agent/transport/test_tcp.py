@@ -1152,21 +1152,33 @@ async def test_a_chain_of_relays_moves_the_package_exactly_with_or_without_piece
             store.close()
 
 
-async def test_a_relay_whose_parent_is_slow_but_above_its_minimum_rate_passes_on_what_came(package):
+MIN_RATE_BYTES = 0.1e6 / 8  # io_min_rate_mbit 0.1
+
+
+@pytest.mark.parametrize("schedule", [
+    # 1.3x the minimum rate, smoothly: the 64 KiB chunk (one piece) takes 4 s, twice the relay's wait bound.
+    [(i * 1024 / (1.3 * MIN_RATE_BYTES), 1024) for i in range(CHUNK // 1024)],
+    # The minimum rate in bursts late in each of the relay's 1 s windows (found in review: the child asked 3x the
+    # minimum rate of the WAITs' span, of which the relay's own windows on this parent hold only 2 whole).
+    [(0.0, 12800), (0.95, 1024), (1.85, 12800), (2.8, 12800), (3.75, 12800), (4.7, 12800), (5.2, 512)],
+], ids=["smooth", "bursts"])
+async def test_a_relay_whose_parent_is_slow_but_above_its_minimum_rate_passes_on_what_came(package, schedule):
     """Found in review: a relay passed a chunk on only in whole pieces (agent_relay_bytes), so from a parent a little
     above the minimum rate a piece took longer than the relay's wait bound: it gave its child up, again and again.
     Now what came is passed on at least every PROGRESS_EVERY_S."""
     root, manifest = package
     data = block_file_bytes(root, manifest, 0)[:CHUNK]
-    rate = 1.3 * 0.1e6 / 8  # 1.3x the minimum rate: the 64 KiB chunk (one piece) takes 4 s, twice the relay's bound
 
     async def slow_parent(reader, writer):
         await reader.read(1 << 16)
+        started = time.monotonic()
         writer.write(TCP_HEADER.pack(Header(CHUNK_MESSAGE, 0, 0, CHUNK)))
-        for start in range(0, CHUNK, 1024):
-            writer.write(data[start:start + 1024])
+        at = 0
+        for when, nbytes in schedule:
+            await asyncio.sleep(max(0.0, started + when - time.monotonic()))
+            writer.write(data[at:at + nbytes])
+            at += nbytes
             await writer.drain()
-            await asyncio.sleep(1024 / rate)
 
     slow = dict(io_timeout_s=1.0, io_min_rate_mbit=0.1, agent_relay_bytes=CHUNK)
     middle, last = receiving_store(manifest), receiving_store(manifest)
