@@ -47,8 +47,8 @@ allocated for it. Over UCX a request's frame field is the largest frame the requ
 waits, it sends a ``WAIT`` (header only: the block and chunk waited for, length 0) every
 :data:`WAIT_EVERY_IO_TIMEOUTS` of its I/O timeout, so that its requester does not take its parent's silence
 for its own and blame a healthy node (a hung node's whole subtree did). A requester accepts ``WAIT``
-messages for at most :data:`WAIT_LIMIT_IO_TIMEOUTS` I/O timeouts with less than its minimum rate's worth of
-bytes between them (:class:`HeardWaits`), then times the relay out; the relay gives up before,
+messages for at most :data:`WAIT_LIMIT_IO_TIMEOUTS` I/O timeouts with less than two I/O timeouts' worth of its
+minimum rate between them (:class:`HeardWaits`), then times the relay out; the relay gives up before,
 :data:`SERVE_WAIT_IO_TIMEOUTS` after the last bytes it sent, whatever it waited on meanwhile (an ``ERROR``, or
 the connection's end mid-chunk). A chunk a TCP relay passes on as it arrives is a
 ``CHUNK_PIECES`` answer (header: the chunk and its whole length) followed by ``PIECE`` messages (its next
