@@ -181,6 +181,11 @@ class WorkerSession:
         if self._refused is not None:
             raise self._refused
 
+    def holdings_changed(self) -> None:
+        """Register again, with every block held and cached: what the control plane knows of this node's disk cache
+        changes only so (reports add to it), e.g. once the cache removed a package to make room."""
+        self._need_registration()
+
     def _need_registration(self) -> None:
         self.registered.clear()
         self._kick.set()

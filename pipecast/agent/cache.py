@@ -13,10 +13,11 @@ The cache is an optimisation, never a reason to stop: a write that fails (disk f
 read-only mount) is logged and counted in :attr:`BlockCache.write_errors`, the block stays served from
 memory, and the agent goes on. Temporary files left by a crash mid-write are removed when the cache opens.
 
-Bounded by ``max_bytes`` (``agent_cache_max_bytes``; 0: no bound): to make room for a write, the packages
-used least recently (a package folder's time is its last write or open) that the agent does not hold in
-memory now are removed whole; a write that still does not fit is skipped (counted in
-:attr:`BlockCache.skipped_writes`). A block is written only into a folder that holds its package's manifest.
+Bounded by ``max_bytes`` (``agent_cache_max_bytes``; 0: no bound): to make room for a write, the packages used
+least recently (a package folder's time is its last write or open) that the agent does not hold in memory now
+are removed whole (and the agent told, which tells its control plane); a write that still does not fit is
+skipped (counted in :attr:`BlockCache.skipped_writes`). A block is written only into a folder that holds its
+package's manifest.
 """
 
 import logging
@@ -40,12 +41,15 @@ class BlockCache:
     whatever the disk does: reads that fail find nothing, writes that fail return False."""
 
     def __init__(self, root: Path, max_bytes: int = 0,
-                 in_use: Callable[[], Collection[str]] = frozenset) -> None:
+                 in_use: Callable[[], Collection[str]] = frozenset,
+                 on_removed: Callable[[str], None] = lambda package_id: None) -> None:
         """``max_bytes``: the most the cache holds (0: no bound); ``in_use``: the package ids the agent holds in
-        memory now, never removed to make room."""
+        memory now, never removed to make room; ``on_removed``: told each package id removed to make room (on the
+        thread that writes)."""
         self.root = Path(root)
         self.max_bytes = max_bytes
         self._in_use = in_use
+        self._on_removed = on_removed
         #: Writes that failed since the cache opened (each is logged; the data stayed in memory).
         self.write_errors = 0
         #: Writes skipped for want of room under ``max_bytes`` (the data stayed in memory).
@@ -143,29 +147,40 @@ class BlockCache:
         removed as needed (module docstring). If they fit they count as pending until the caller's write ends."""
         if not self.max_bytes:
             return True
+        removed: list[str] = []
         with self._lock:
-            sizes = {pid: _folder_bytes(self.package_dir(pid)) for pid in self.packages()}
-            over = sum(sizes.values()) + self._pending_bytes + nbytes - _file_bytes(path) - self.max_bytes
-            kept = {package_id, *self._in_use()}
-            removable = sorted((p for p in sizes if p not in kept), key=lambda p: _mtime(self.package_dir(p)))
-            if over > sum(sizes[p] for p in removable):
-                removable = []  # removing every one would still leave no room: the write is skipped, they stay
-            for pid in removable:
-                if over <= 0:
-                    break
-                log.info("disk cache %s: removing package %s (%d bytes, the least recently used) to make room "
-                         "for %s", self.root, pid[:12], sizes[pid], what)
-                shutil.rmtree(self.package_dir(pid), ignore_errors=True)
-                over -= sizes[pid]
-            if over <= 0:
+            fits = self._remove_for(package_id, path, nbytes, what, removed)
+            if fits:
                 self._pending_bytes += nbytes
-                return True
-            self.skipped_writes += 1
+            else:
+                self.skipped_writes += 1
             count = self.skipped_writes
-        log.warning("disk cache %s: no room for %s under its %d bytes (agent_cache_max_bytes) beside the packages "
-                    "held in memory; it stays in memory only (%d write(s) skipped so far)", self.root, what,
-                    self.max_bytes, count)
-        return False
+        for pid in removed:  # outside the lock: the callback may take its time
+            self._on_removed(pid)
+        if not fits:
+            log.warning("disk cache %s: no room for %s under its %d bytes (agent_cache_max_bytes) beside the "
+                        "packages held in memory; it stays in memory only (%d write(s) skipped so far)", self.root,
+                        what, self.max_bytes, count)
+        return fits
+
+    def _remove_for(self, package_id: str, path: Path, nbytes: int, what: str, removed: list[str]) -> bool:
+        """Remove packages (into ``removed``) until ``nbytes`` fit, if removing them can make them fit (under the
+        lock)."""
+        sizes = {pid: _folder_bytes(self.package_dir(pid)) for pid in self.packages()}
+        over = sum(sizes.values()) + self._pending_bytes + nbytes - _file_bytes(path) - self.max_bytes
+        kept = {package_id, *self._in_use()}
+        removable = sorted((p for p in sizes if p not in kept), key=lambda p: _mtime(self.package_dir(p)))
+        if over > sum(sizes[p] for p in removable):
+            return over <= 0  # removing every one would still leave no room: the write is skipped, they stay
+        for pid in removable:
+            if over <= 0:
+                break
+            log.info("disk cache %s: removing package %s (%d bytes, the least recently used) to make room for %s",
+                     self.root, pid[:12], sizes[pid], what)
+            shutil.rmtree(self.package_dir(pid), ignore_errors=True)
+            removed.append(pid)
+            over -= sizes[pid]
+        return over <= 0
 
     def _failed(self, what: str, exc: OSError) -> bool:
         with self._lock:

@@ -167,7 +167,10 @@ class AgentDaemon:
         self.allocator = SharedMemoryAllocator(self.reserve)
         self._filling: asyncio.Task | None = None
         self.cache = (BlockCache(settings.agent_cache_dir, settings.agent_cache_max_bytes,
-                                 in_use=lambda: list(self.peer_server.stores)) if settings.agent_cache_dir else None)
+                                 in_use=lambda: list(self.peer_server.stores), on_removed=self._removed_from_cache)
+                      if settings.agent_cache_dir else None)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._control: "ControlLink | None" = None
         self.listener: Listener | None = None
         self.transport: Transport | None = None
         self._stop = asyncio.Event()
@@ -182,7 +185,7 @@ class AgentDaemon:
 
     async def run(self) -> None:
         """Serve until stopped; raises the typed error that made the agent give up (e.g. FetchFailedError)."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         plan = read_plan_file(self.options.plan) if self.options.plan else None
@@ -225,7 +228,7 @@ class AgentDaemon:
                 self._local_api = LocalApiServer(self.peer_server, self.status, self.transport.auth)
                 await self._local_api.start(self.settings.agent_local_socket)
                 log.info("local API on %s", self.settings.agent_local_socket)
-            control = await self._control_link() if self.options.control_plane is not None else None
+            control = self._control = await self._control_link() if self.options.control_plane is not None else None
             work = loop.create_task(control.run() if control is not None else self._work(plan))
             stop = loop.create_task(self._stop.wait())
             await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -408,6 +411,19 @@ class AgentDaemon:
         log.info("agent %s: memory reserve holds %s of %s (%s populated in %.2f s)", self.node_id,
                  format_bytes(held), format_bytes(reserve.size), format_bytes(held - before), seconds)
         self.events.emit("reserve_filled", bytes=held, size=reserve.size, seconds=round(seconds, 3))
+
+    def _removed_from_cache(self, package_id: str) -> None:
+        """The disk cache removed ``package_id`` to make room (on a writing thread): the control plane, which
+        places scale-ups on nodes caching the package first, is told (a registration replaces what it knew)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._cache_removed, package_id)
+
+    def _cache_removed(self, package_id: str) -> None:
+        self.events.emit("cache_removed", package=package_id)
+        if self._control is not None:
+            log.info("disk cache: package %s removed to make room; registering again so that the control plane "
+                     "forgets it", package_id[:12])
+            self._control.session.holdings_changed()
 
     async def _control_link(self) -> "ControlLink":
         """The link to the control plane named in the options, for this agent as it listens now."""

@@ -179,7 +179,8 @@ def test_a_bounded_cache_removes_the_packages_used_least_recently_and_not_held_t
                 for seed, name in enumerate(("a", "b", "c"))]
     size = max(p.manifest.total_bytes for p in packages) + 20_000  # one package and its files, not two
     held: set[str] = set()
-    cache = BlockCache(tmp_path / "cache", max_bytes=size * 2, in_use=lambda: held)
+    removed: list[str] = []  # the agent is told each (it tells its control plane)
+    cache = BlockCache(tmp_path / "cache", max_bytes=size * 2, in_use=lambda: held, on_removed=removed.append)
     stores = [verified_store((p.path, p.manifest)) for p in packages]
     try:
         assert all(write_everything(cache, (packages[0].path, packages[0].manifest), stores[0]))
@@ -189,13 +190,14 @@ def test_a_bounded_cache_removes_the_packages_used_least_recently_and_not_held_t
         time.sleep(0.01)
         assert all(write_everything(cache, (packages[2].path, packages[2].manifest), stores[2]))
         assert cache.packages() == sorted([packages[1].manifest.package_id, packages[2].manifest.package_id])
+        assert removed == [packages[0].manifest.package_id]
         # Too large beside what is held: skipped, counted, not written.
         held.add(packages[2].manifest.package_id)
         other = tiny_package(tmp_path / "d", layers=2, layer_bytes=50_000, seed=9)
         assert cache.write_manifest(other.manifest)
         stores.append(verified_store((other.path, other.manifest)))
         assert not cache.write_block(other.manifest, 0, stores[-1].block_view(0))
-        assert cache.skipped_writes == 1 and cache.write_errors == 0
+        assert cache.skipped_writes == 1 and cache.write_errors == 0 and removed == [packages[0].manifest.package_id]
     finally:
         for store in stores:
             store.close()

@@ -504,6 +504,37 @@ def test_a_hung_relay_is_blamed_by_its_children_alone_and_its_subtree_waits_on_i
         cluster.procs[hung].send_signal(signal.SIGCONT)
 
 
+def test_a_package_the_disk_cache_removes_to_make_room_is_forgotten_by_the_control_plane(cluster, package,
+                                                                                         tmp_path):
+    """Found in review: the control plane kept counting a package the agent's disk cache had removed to make room,
+    and placed scale-ups there first as a local load. The agent now registers again (a registration replaces what
+    the control plane knew of its cache; reports only add to it)."""
+    root, manifest = package
+    other = tiny_package(tmp_path / "other", layers=8, layer_bytes=250_000, chunk_bytes=64 << 10, seed=7).manifest
+    # Room for one package in a1's cache, not two.
+    package_id = cluster.up(agents=("a1",), agent_env={
+        "PIPECAST_AGENT_CACHE_MAX_BYTES": str(int(1.5 * max(manifest.total_bytes, other.total_bytes)))})
+    store2 = f"127.0.0.1:{free_ports(1)[0]}"
+    other_id = cluster.cp("publish", tmp_path / "other", "--store-node", "store2", "--store-address", store2)[
+        "package_id"]
+    cluster.start_agent("store2", "--listen", store2, "--seed", tmp_path / "other")
+    cluster.wait_for(lambda: "store2" in cluster.alive(), "store2 to register")
+
+    def cached() -> dict[str, int]:
+        [a1] = [w for w in cluster.cp("workers") if w["worker"]["peer"]["node_id"] == "a1"]
+        return {c["package_id"]: len(c["blocks"]) for c in a1.get("cached", [])}
+
+    cluster.cp("scale-up", package_id, "--worker", "a1")
+    cluster.wait_event("a1", "complete", lambda e: e["package"] == package_id)
+    cluster.cp("release", package_id, "a1")  # dropped from memory, kept in the disk cache
+    cluster.wait_for(lambda: cached() == {package_id: len(manifest.blocks)}, "the control plane to know a1 caches it")
+    cluster.cp("scale-up", other_id, "--worker", "a1")
+    cluster.wait_event("a1", "complete", lambda e: e["package"] == other_id)
+    cluster.wait_event("a1", "cache_removed", lambda e: e["package"] == package_id)
+    cluster.wait_for(lambda: package_id not in cached(), "the control plane to forget what a1's cache removed",
+                     details=lambda: str(cached()))
+
+
 def test_a_frozen_worker_leaves_the_plans_within_lease_plus_one_scan(cluster, package):
     root, manifest = package
     package_id = cluster.up()
