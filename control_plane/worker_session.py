@@ -72,6 +72,7 @@ class WorkerSession:
         self._unknown: set[str] = set()  # package ids the control plane answered as unknown: reported again
         self._report_wake = asyncio.Event()
         self._kick = asyncio.Event()  # set: re-register now
+        self._wanted = 0  # registrations asked for (one asked for while another runs makes it run again)
         self._refused: Exception | None = None  # why no registration comes (a refusal, or an error unforeseen)
         self._data_key: bytes | None = None
         self._on_data_key = on_data_key
@@ -101,7 +102,8 @@ class WorkerSession:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        if self.registered.is_set():
+        # Registered once (it may be registering again, e.g. after its disk cache changed): it leaves all the same.
+        if self._data_key is not None:
             try:
                 await self.client.deregister(self.node_id)
             except ControlPlaneError as exc:
@@ -181,12 +183,16 @@ class WorkerSession:
         if self._refused is not None:
             raise self._refused
 
-    def holdings_changed(self) -> None:
+    def holdings_changed(self, removed: Collection[str] = ()) -> None:
         """Register again, with every block held and cached: what the control plane knows of this node's disk cache
-        changes only so (reports add to it), e.g. once the cache removed a package to make room."""
+        changes only so (reports add to it), e.g. once the cache removed the packages ``removed`` to make room
+        (their cached blocks still queued are not reported)."""
+        for package_id in removed:
+            self._cached.pop(package_id, None)
         self._need_registration()
 
     def _need_registration(self) -> None:
+        self._wanted += 1
         self.registered.clear()
         self._kick.set()
 
@@ -207,11 +213,14 @@ class WorkerSession:
                     await self.client.heartbeat(self.node_id)
                     self._report_unknown_again()
                 else:
+                    wanted = self._wanted
                     held, cached = await self._registration_holdings()
                     registration = await self.client.register(self.spec, held, cached)
                     self.heartbeat_s = registration.heartbeat_s
                     self._set_data_key(registration.data_key)
                     self._unknown = set(registration.unknown_packages)
+                    if self._wanted != wanted:  # wanted again meanwhile (the disk cache changed): its holdings are old
+                        continue
                     self.registered.set()
                     log.info("registered node=%s with control plane %s packages=%d unknown=%s (reported again until "
                              "published)", self.node_id, self.client.target, len(held),

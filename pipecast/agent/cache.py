@@ -65,6 +65,10 @@ class BlockCache:
     def package_dir(self, package_id: str) -> Path:
         return self.root / package_id
 
+    def holds(self, package_id: str) -> bool:
+        """Whether ``package_id``'s folder is here with its manifest (a look: nothing is read or checked)."""
+        return (self.package_dir(package_id) / MANIFEST_FILE).exists()
+
     def local_package(self, package_id: str, *, use: bool = False) -> LocalPackageFolder | None:
         """The cached folder of ``package_id`` if its manifest is there and valid, else None; ``use``: a store
         opens from it, which makes it the last to be removed for room (a look, as at a registration, does not)."""

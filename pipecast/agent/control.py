@@ -88,6 +88,10 @@ class AgentHost(Protocol):
         """Blocks in the disk cache, per package (of ``package_ids``, or every cached one); none without."""
         ...
 
+    def in_disk_cache(self, package_id: str) -> bool:
+        """Whether the disk cache holds ``package_id``'s folder now (a look, no read)."""
+        ...
+
 
 def sender_at_fault(what: str, error: Exception) -> bool:
     """Whether ``error``, from fetching ``what`` (a block or a file path), proves the peer itself sent corrupt
@@ -462,5 +466,7 @@ class ControlLink:
             await self.host.drop_package(package_id)
             self.host.transport.limits.forget(package_id)
             cached = (await asyncio.to_thread(self.host.disk_cached, [package_id])).get(package_id)
-            if cached:  # a later scale-up of it here is a local load
+            # A later scale-up of it here is a local load. Looked at again: the cache may have removed it meanwhile,
+            # and the registration that tells the control plane so may be done already.
+            if cached and self.host.in_disk_cache(package_id):
                 self.session.report_cached(package_id, cached)

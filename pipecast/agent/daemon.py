@@ -356,6 +356,10 @@ class AgentDaemon:
         self._from_cache[package_id] = len(store.verified_blocks())
         return store
 
+    def in_disk_cache(self, package_id: str) -> bool:
+        """Whether the disk cache holds ``package_id``'s folder now (a look, no read)."""
+        return self.cache is not None and self.cache.holds(package_id)
+
     def disk_cached(self, package_ids: Collection[str] | None = None) -> dict[str, list[int]]:
         """Blocks in the disk cache, per package (of ``package_ids``, or every cached one); none without."""
         if self.cache is None:
@@ -423,7 +427,7 @@ class AgentDaemon:
         if self._control is not None:
             log.info("disk cache: package %s removed to make room; registering again so that the control plane "
                      "forgets it", package_id[:12])
-            self._control.session.holdings_changed()
+            self._control.session.holdings_changed(removed=[package_id])
 
     async def _control_link(self) -> "ControlLink":
         """The link to the control plane named in the options, for this agent as it listens now."""
