@@ -356,17 +356,16 @@ class ControlState:
         """End ``active``, which no source can feed (``why``): its receivers leave it (a scale-up of them finds them
         a source, or says there is none), and so do the plans that hang behind one of them (a chain's tail, fed by
         nothing now), repaired from another source or ended in turn."""
-        log.warning("plan=%s of package=%s has %s: it ends, and %s with it (a scale-up of them finds them a source, "
-                    "or says there is none)", active.plan_id, active.package_id, why, ", ".join(sorted(active.pending)))
         if self.plans.get(active.plan_id) is not active:  # ended already (a loop over plans that changed meanwhile)
             return
+        log.warning("plan=%s of package=%s has %s: it ends, and %s with it (a scale-up of them finds them a source, "
+                    "or says there is none)", active.plan_id, active.package_id, why, ", ".join(sorted(active.pending)))
         stranded = set(active.pending)
         self._end_plan(active)
-        for other in [p for p in self.plans.values()
-                      if p.package_id == active.package_id and stranded & set(p.plan.sources)]:
-            if not self._repair(other, stranded & set(other.plan.sources)):
-                self._abandon(other, f"sources {', '.join(sorted(stranded & set(other.plan.sources)))} that lack "
-                                     "the package and are fed by nothing")
+        for other in [p for p in self.plans.values() if p.package_id == active.package_id]:
+            unfed = stranded & set(other.plan.sources)
+            if unfed and not self._repair(other, unfed):
+                self._abandon(other, f"sources {', '.join(sorted(unfed))} that lack the package and are fed by nothing")
 
     def _resume(self, node: str, now: float) -> None:
         """Plan the rest of every package ``node`` was receiving when its lease lapsed."""

@@ -325,11 +325,8 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         elif isinstance(request, _FileRequest):
             check_answer(header, FILE, request.describe(), self.peer, request.limit)
         else:
-            check_answer(header, (CHUNK, CHUNK_PIECES), request.describe(), self.peer)
+            check_answer(header, (CHUNK, CHUNK_PIECES), request.describe(), self.peer, block=request.block)
         if header.kind == WAIT:
-            if isinstance(request, _BlockRequest) and header.block != request.block:
-                raise PeerProtocolError(self.peer, f"sent a WAIT for block {header.block} while sending "
-                                                   f"{request.describe()}")
             self._waited(request)
         elif header.kind == ERROR:
             self._expect(memoryview(bytearray(header.length)), self._error_complete)

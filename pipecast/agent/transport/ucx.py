@@ -444,12 +444,10 @@ class UcxChannel(Channel):
         waits = HeardWaits(self._link.io_timeout_s)
         while True:
             header = await self._link.recv_header(self._silent)
-            check_answer(header, expected, progress.describe(), self.peer, limit)
+            check_answer(header, expected, progress.describe(), self.peer, limit,
+                         block=progress.block if progress.what == "block" else None)
             if header.kind != WAIT:
                 break
-            if progress.what == "block" and header.block != progress.block:
-                raise PeerProtocolError(self.peer, f"sent a WAIT for block {header.block} while sending "
-                                                   f"{progress.describe()}")
             waits.heard(asyncio.get_running_loop().time(), self.peer, progress.describe())
         if header.kind in (ERROR, AUTH_FAIL):
             text = bytearray(header.length)

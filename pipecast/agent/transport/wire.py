@@ -45,18 +45,18 @@ allocated for it. Over UCX a request's frame field is the largest frame the requ
 
 **Waiting on its own source (version 4).** A relay asked for what has not reached it yet says so: while it
 waits, it sends a ``WAIT`` (header only: the block and chunk waited for, length 0) every
-:data:`WAIT_EVERY_IO_TIMEOUTS` of its I/O timeout, so that its requester does not take its parent's silence
-for its own and blame a healthy node (a hung node's whole subtree did). A requester accepts ``WAIT``
-messages for at most :data:`WAIT_LIMIT_IO_TIMEOUTS` I/O timeouts with less than two I/O timeouts' worth of its
-minimum rate between them (:class:`HeardWaits`), then times the relay out; the relay gives up before,
-:data:`SERVE_WAIT_IO_TIMEOUTS` after the last bytes it sent, whatever it waited on meanwhile (an ``ERROR``, or
-the connection's end mid-chunk). A chunk a TCP relay passes on as it arrives is a
+:data:`WAIT_EVERY_IO_TIMEOUTS` of its I/O timeout and at least every :data:`MAX_WAIT_EVERY_S`, so that its
+requester does not take its parent's silence for its own and blame a healthy node (a hung node's whole subtree
+did). A requester accepts ``WAIT`` messages for at most :data:`WAIT_LIMIT_IO_TIMEOUTS` I/O timeouts with less
+than two I/O timeouts' worth of its minimum rate between them (:class:`HeardWaits`), then times the relay out;
+the relay gives up before, :data:`SERVE_WAIT_IO_TIMEOUTS` after the last bytes it sent, whatever it waited on
+meanwhile (an ``ERROR``, or the connection's end mid-chunk). A chunk a TCP relay passes on as it arrives is a
 ``CHUNK_PIECES`` answer (header: the chunk and its whole length) followed by ``PIECE`` messages (its next
 bytes), with ``WAIT`` messages between them while the relay's own receive stalls and a ``RESTART`` (length 0:
-drop what came of the chunk, it starts again from its first byte) when that receive failed and a new one
-from another parent began: its requester keeps the connection instead of blaming the relay for its
-parent. A requester takes at most :data:`MAX_CHUNK_RESTARTS` of a chunk. Both sides' bounds assume one
-``io_timeout_s`` on every node.
+drop what came of the chunk, it starts again from its first byte) when that receive failed and a new one from
+another parent began: its requester keeps the connection instead of blaming the relay for its parent. A
+requester takes at most :data:`MAX_CHUNK_RESTARTS` of a chunk. Both sides' bounds assume one ``io_timeout_s`` on
+every node.
 """
 
 import asyncio
@@ -605,11 +605,11 @@ def file_answer_limit(path: str, length: int) -> int:
 
 
 def check_answer(header: Header, expected: int | tuple[int, ...], what: str, peer: str,
-                 limit: int = MAX_FILE_BYTES) -> None:
+                 limit: int = MAX_FILE_BYTES, block: int | None = None) -> None:
     """Raise :class:`PeerProtocolError` unless ``header`` is an ``ERROR``, an ``AUTH_FAIL``, an ``expected``
     answer (``CHUNK`` or ``CHUNK_PIECES``, ``FILE``, a hello message) to the request for ``what`` (e.g. "file
-    config.json"), or an empty ``WAIT`` while a chunk or a file is awaited, within the size limits: a
-    ``FILE`` or hello answer at most ``limit`` bytes, checked before anything is allocated for it."""
+    config.json"), or an empty ``WAIT`` while a chunk (of ``block``, when given) or a file is awaited, within the
+    size limits: a ``FILE`` or hello answer at most ``limit`` bytes, checked before anything is allocated for it."""
     expected = expected if isinstance(expected, tuple) else (expected,)
     if header.kind in (ERROR, AUTH_FAIL):
         if header.length > MAX_ERROR_BYTES:
@@ -617,6 +617,8 @@ def check_answer(header: Header, expected: int | tuple[int, ...], what: str, pee
     elif header.kind == WAIT and {CHUNK, FILE} & set(expected):
         if header.length:
             raise PeerProtocolError(peer, f"sent a WAIT message of {header.length} bytes")
+        if block is not None and header.block != block:
+            raise PeerProtocolError(peer, f"sent a WAIT for block {header.block} while sending {what}")
     elif header.kind not in expected:
         raise PeerProtocolError(peer, f"sent message type {header.kind} in answer to {what}")
     elif header.kind not in (CHUNK, CHUNK_PIECES) and header.length > limit:
