@@ -6,6 +6,7 @@ to a dense model, which is saved once as a Hugging Face safetensors checkpoint t
 
 import functools
 import logging
+import re
 import struct
 import tempfile
 from collections.abc import Iterator
@@ -61,6 +62,39 @@ def _check_loaded(gguf: Path, info: dict) -> None:
         raise CheckpointError(f"{gguf}: tensor shapes do not match its metadata: {shapes}")
 
 
+#: A model whose metadata makes it more than this many times the elements its tensors hold is refused before it is
+#: built (it could not be whole: what it lacks is named once it is, unless building it is what fails).
+MAX_ELEMENTS_OVER_FILE = 2
+
+
+def _check_sizes(gguf: Path, folder: str, name: str) -> None:
+    """Refuse, before any weight is allocated, a GGUF whose metadata makes a model its tensors cannot fill: a block
+    count other than the blocks its tensors are of (a damaged count of 200,000 in a 50 KB file took 5 GiB and two
+    minutes, then a MemoryError; a count short of its tensors drops layers), or sizes (hidden, feed-forward) that
+    make a model of more than :data:`MAX_ELEMENTS_OVER_FILE` times the elements its tensors hold."""
+    import torch
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        reader = GGUFReader(str(gguf))
+    except (ValueError, struct.error, IndexError, EOFError, OverflowError) as exc:  # its reader ran past the end
+        raise CheckpointError(f"{gguf}: truncated or not a GGUF file ({exc})") from None
+    arch = reader.fields["general.architecture"].contents()
+    blocks = {int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
+    count = reader.fields.get(f"{arch}.block_count")
+    if count is not None and count.contents() != len(blocks):
+        raise CheckpointError(f"{gguf}: its metadata gives {count.contents()} blocks ({arch}.block_count), its "
+                              f"tensors are of {len(blocks)}")
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    with torch.device("meta"):  # shapes only: nothing allocated
+        skeleton = AutoModelForCausalLM.from_config(config)
+    need = sum(p.numel() for p in skeleton.parameters())  # a tied weight once
+    have = sum(int(t.n_elements) for t in reader.tensors)
+    if need > MAX_ELEMENTS_OVER_FILE * have:
+        raise CheckpointError(f"{gguf}: its metadata makes a model of {need:,} weights, its tensors hold {have:,}")
+
+
 def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: bool = False,
                  progress: Progress = NO_PROGRESS) -> Path:
     """Dequantize ``gguf`` into the checkpoint folder ``out`` (written atomically); return ``out``.
@@ -87,6 +121,8 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
         logger.info("dequantizing %s to %s", gguf, dtype)
         progress.start(3, f"convert {name}", unit="step")
         try:
+            progress.status("metadata")
+            _check_sizes(gguf, folder, name)
             progress.status("tokenizer")
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             progress.advance()
@@ -97,6 +133,8 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
                 folder, gguf_file=name, dtype=getattr(torch, dtype),
                 quantization_config=GgufConfig(gguf_file=name, dequantize=True), ignore_mismatched_sizes=True,
                 output_loading_info=True)
+        except PackageError:  # refused by name already (_check_sizes)
+            raise
         except ImportError as exc:  # transformers reads GGUF with the gguf package
             raise PackageError(f"convert-gguf needs the extra 'convert' (pip install 'pipecast[convert]'): "
                                f"{exc}") from None

@@ -14,16 +14,18 @@ from packager.gguf_convert import convert_gguf
 from pipecast.cli import main
 
 
-def tiny_gguf(path: Path, *, without: str = "", metadata_ffn: int = 32, q8_1: str = "") -> Path:
-    """A one-layer Llama GGUF file (hidden 16, byte tokens) of random float32 weights; ``without`` that tensor,
-    ``metadata_ffn`` the feed-forward size its metadata gives (its tensors' is 32), ``q8_1`` that tensor in Q8_1
-    (which gguf cannot dequantize)."""
+def tiny_gguf(path: Path, *, without: str = "", metadata_ffn: int = 32, q8_1: str = "", blocks: int = 1,
+              block_count: int | None = None, metadata_hidden: int = 16) -> Path:
+    """A Llama GGUF file of ``blocks`` layers (hidden 16, byte tokens) of random float32 weights; ``without`` that
+    tensor, ``metadata_ffn`` the feed-forward size its metadata gives (its tensors' is 32), ``q8_1`` that tensor in
+    Q8_1 (which gguf cannot dequantize), ``block_count`` and ``metadata_hidden`` the block count (default
+    ``blocks``) and hidden size its metadata gives."""
     gguf = pytest.importorskip("gguf")
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
+    writer.add_block_count(blocks if block_count is None else block_count)
     writer.add_context_length(32)
-    writer.add_embedding_length(16)
+    writer.add_embedding_length(metadata_hidden)
     writer.add_feed_forward_length(metadata_ffn)
     writer.add_head_count(2)
     writer.add_head_count_kv(2)
@@ -36,9 +38,10 @@ def tiny_gguf(path: Path, *, without: str = "", metadata_ffn: int = 32, q8_1: st
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     shapes = {"token_embd.weight": (259, 16), "output_norm.weight": (16,), "output.weight": (259, 16),
-              "blk.0.attn_norm.weight": (16,), "blk.0.ffn_norm.weight": (16,),
-              **{f"blk.0.{name}.weight": (16, 16) for name in ("attn_q", "attn_k", "attn_v", "attn_output")},
-              "blk.0.ffn_gate.weight": (32, 16), "blk.0.ffn_up.weight": (32, 16), "blk.0.ffn_down.weight": (16, 32)}
+              **{f"blk.{i}.{name}": shape for i in range(blocks) for name, shape in {
+                  "attn_norm.weight": (16,), "ffn_norm.weight": (16,),
+                  **{f"{name}.weight": (16, 16) for name in ("attn_q", "attn_k", "attn_v", "attn_output")},
+                  "ffn_gate.weight": (32, 16), "ffn_up.weight": (32, 16), "ffn_down.weight": (16, 32)}.items()}}
     shapes.pop(without, None)
     for name, shape in shapes.items():
         if name == q8_1:  # each row as Q8_1 blocks of zeros: gguf reads them, but cannot dequantize them
@@ -210,6 +213,21 @@ def test_a_gguf_the_model_cannot_be_whole_from_is_a_checkpoint_error(tmp_path, c
     assert str(refused.value) == f"{gguf}: {message}"
     assert main(["convert-gguf", str(gguf), str(tmp_path / "out")]) == 2
     assert f"error: {gguf}: {message}\n" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+@pytest.mark.parametrize("written, message", [
+    ({"block_count": 200_000}, "its metadata gives 200000 blocks (llama.block_count), its tensors are of 1"),
+    ({"blocks": 2, "block_count": 1}, "its metadata gives 1 blocks (llama.block_count), its tensors are of 2"),
+    ({"metadata_hidden": 100_000}, "its metadata makes a model of 40,061,700,000 weights, its tensors hold 10,896"),
+])
+def test_a_gguf_whose_metadata_outsizes_its_tensors_is_refused_before_the_model_is_built(tmp_path, capsys, written,
+                                                                                           message):
+    """Noticed in a session: a block count of 200,000 in a 50 KB file built the model first: 5 GiB and two minutes,
+    then a MemoryError; a count short of the file's blocks converted a model without the layers past it."""
+    gguf = tiny_gguf(tmp_path / "model.gguf", **written)
+    assert main(["convert-gguf", str(gguf), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: {gguf}: {message}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
 
 
