@@ -14,7 +14,7 @@ Single-threaded: the engine thread owns the scheduler.
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipecast.engine.errors import EngineError
@@ -62,10 +62,23 @@ class Sequence:
     row: int = -1
     length: int = 0
     last_token: int = -1
+    # tokens generated elsewhere, fed as the steps' tokens (not sampled, not emitted) before sampling goes on
+    forced: list[int] = field(default_factory=list)
 
     @classmethod
-    def new(cls, prompt: list[int], params: SamplingParams, stream: TokenStream) -> "Sequence":
-        return cls(prompt=prompt, params=params, stream=stream, generator=new_generator(params))
+    def new(cls, prompt: list[int], params: SamplingParams, stream: TokenStream,
+            forced: list[int] | None = None) -> "Sequence":
+        return cls(prompt=prompt, params=params, stream=stream, generator=new_generator(params),
+                   forced=list(forced or ()))
+
+    def next_token(self, sampled: int | None) -> bool:
+        """Take the step's token: the next forced one, else ``sampled`` (handed to the stream); True if the
+        sequence is finished with it."""
+        if self.forced:
+            self.last_token = self.forced.pop(0)
+            return False
+        assert sampled is not None
+        return self.emit(sampled)
 
     def emit(self, token: int) -> bool:
         """Hand ``token`` to the stream; True if the sequence is finished with it."""
@@ -186,10 +199,12 @@ class StepScheduler:
                 seq.next_layer, seq.next_stage = seq.next_layer + 1, 0
         if seq.next_layer < m.num_layers or not m.is_ready(HEAD):
             return
-        logits = m.head(seq.hidden, last_only=True)[:, -1].float().cpu()
-        token = sample_tokens(logits, [seq.params], [seq.generator])[0]
+        token = None
+        if not seq.forced:
+            logits = m.head(seq.hidden, last_only=True)[:, -1].float().cpu()
+            token = sample_tokens(logits, [seq.params], [seq.generator])[0]
         self.prefilling.remove(seq)
-        if seq.emit(token):
+        if seq.next_token(token):
             return
         seq.row, seq.length = len(self.decoding), len(seq.prompt)
         self.kv.write_prompt(seq.row, p.cache, seq.length)
@@ -232,7 +247,7 @@ class StepScheduler:
         finished = []
         for seq, token in zip(self.decoding, tokens):
             seq.length += 1
-            if seq.emit(token):
+            if seq.next_token(token):
                 finished.append(seq.row)
         self._remove_rows(finished)
 

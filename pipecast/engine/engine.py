@@ -114,18 +114,25 @@ class Engine:
 
     # --- requests ------------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: Seq[int], params: SamplingParams | None = None) -> TokenStream:
+    def submit(self, prompt_ids: Seq[int], params: SamplingParams | None = None, *,
+               generated: Seq[int] = ()) -> TokenStream:
         """Queue a prompt (token ids); return the stream of its generated token ids.
+
+        ``generated``: tokens the request generated elsewhere (one moved off a pipeline), fed one decode step
+        each after the prompt's prefill, as one node made them, before sampling goes on (the stream has the
+        tokens after them): one prefill of them all rounds otherwise in bf16, and the tokens after would differ.
 
         Raises InvalidRequestError (bad prompt or parameters), EngineOverloadedError (queue full), ModelLoadError
         (loading failed), EngineFailedError (the engine thread died) or EngineClosedError.
         """
-        return self.submit_many([prompt_ids], params)[0]
+        return self.submit_many([prompt_ids], params, generated=[generated])[0]
 
     def submit_many(self, prompts: Seq[Seq[int]],
-                    params: SamplingParams | Seq[SamplingParams] | None = None) -> list[TokenStream]:
-        """Queue several prompts at once (``params``: one for all or one each): all are queued, or none is
-        (those the batch has no room for yet are admitted as rows free, in order). Raises as :meth:`submit`."""
+                    params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                    generated: Seq[Seq[int]] | None = None) -> list[TokenStream]:
+        """Queue several prompts at once (``params``: one for all or one each; ``generated``: none, or one
+        sequence each, as :meth:`submit` takes): all are queued, or none is (those the batch has no room for yet
+        are admitted as rows free, in order). Raises as :meth:`submit`."""
         if getattr(prompts, "ndim", None) == 2:  # a [batch, seq] tensor or array: its rows
             prompts = list(prompts)
         if not isinstance(prompts, Seq) or isinstance(prompts, str | bytes | bytearray):
@@ -137,7 +144,12 @@ class Engine:
         for sp in each:
             if not isinstance(sp, SamplingParams):
                 raise InvalidRequestError(f"sampling parameters must be SamplingParams, got {type(sp).__name__}")
-        checked = [(self.check_prompt(p, sp), sp) for p, sp in zip(prompts, each)]
+        made = [()] * len(prompts) if generated is None else list(generated)
+        if len(made) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(made)} sequences of generated tokens")
+        # Checked whole: what was generated takes positions as the prompt does.
+        checked = [(self.check_prompt([*token_ids(p), *token_ids(g)], sp), len(token_ids(g)), sp)
+                   for p, g, sp in zip(prompts, made, each)]
         with self._cond:
             if self._closed:
                 raise EngineClosedError()
@@ -146,7 +158,8 @@ class Engine:
             self.model.check_failed()
             if len(self._incoming) + len(checked) > self.max_queue:
                 raise EngineOverloadedError(len(self._incoming))
-            seqs = [Sequence.new(p, sp, TokenStream(next(self._ids), self._cancel)) for p, sp in checked]
+            seqs = [Sequence.new(p[:len(p) - k], sp, TokenStream(next(self._ids), self._cancel), forced=p[len(p) - k:])
+                    for p, k, sp in checked]
             self._incoming.extend(seqs)
             self._cond.notify_all()
         return [seq.stream for seq in seqs]

@@ -335,7 +335,7 @@ class DissolveEstimate:
     remaining: int      # tokens the request may still generate (its max_tokens left)
     route_s: float      # a token through the route, measured (the latest steps' mean)
     local_s: float      # a token on the head's engine: its own layers' time scaled to every layer
-    reprefill_s: float  # the prompt and the tokens so far, prefilled again on the head's engine
+    reprefill_s: float  # the prompt prefilled again on the head's engine, and the tokens so far fed a step each
 
     @property
     def stay_s(self) -> float:
@@ -356,8 +356,9 @@ def dissolve_estimate(timing: RequestTiming, total_layers: int, history: int, re
     token was decoded through the route (nothing to compare yet).
 
     The head ran ``own_layers`` of ``total_layers``: its per-layer time, scaled to the whole model, is the
-    local engine's on the same device; the re-prefill scales its own prefill by layers and by ``history``
-    over the prompt (linear in tokens: an upper bound for short prompts). Under a CPU quota of ``cpus``
+    local engine's on the same device; the re-prefill scales its own prefill by layers, and adds a local decode
+    step for each token generated so far (``history`` past the prompt: fed as one node made them, so that the
+    tokens after are one node's). Under a CPU quota of ``cpus``
     (a container's limit) work that is sustained runs at most at the quota while one stage's short burst
     ran at full speed: the local engine then takes at least its CPU time over ``cpus``. Where the last
     stage samples (untied LM head), the head's cost is left out of the local estimate.
@@ -372,9 +373,8 @@ def dissolve_estimate(timing: RequestTiming, total_layers: int, history: int, re
 
     decode = _mean(timing.own_decode)
     local = sustained(decode[0] * scale + sample[0], decode[1] * scale + sample[1])
-    tokens = history / max(timing.prompt_tokens, 1)
-    reprefill = sustained(timing.own_prefill[0] * scale * tokens + sample[0],
-                          timing.own_prefill[1] * scale * tokens + sample[1])
+    reprefill = sustained(timing.own_prefill[0] * scale + sample[0], timing.own_prefill[1] * scale + sample[1]) + \
+        max(history - timing.prompt_tokens, 0) * local
     return DissolveEstimate(remaining, sum(timing.route_s) / len(timing.route_s), local, reprefill)
 
 
@@ -740,7 +740,10 @@ class PipelineHead:
         """Submit the rest of a request to the local engine; None (it stays on its route) if refused."""
         generated = len(history) - prompt_length
         try:
-            local = self.local(list(history), replace(params, max_tokens=params.max_tokens - generated))
+            # Its tokens so far go through the engine's decode steps, as one node made them (a prefill of them
+            # rounds otherwise in bf16, and the tokens after would differ).
+            local = self.local(history[:prompt_length], replace(params, max_tokens=params.max_tokens - generated),
+                               generated=history[prompt_length:])
         except PipecastError as exc:
             log.info("pipelined request stays on its route (the local engine refused it: %s)", exc)
             return None

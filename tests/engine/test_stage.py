@@ -112,31 +112,22 @@ def test_seeded_sampling_through_a_pipeline_equals_one_node(case):
     assert pipeline_generate(runners, SPLITS[2], prompt, params) == engine.generate(prompt, params, timeout=30)
 
 
-def test_a_request_moved_off_a_dissolving_pipeline_goes_on_with_the_same_tokens_and_close_logits(case):
-    """The head's move at dissolution (pipecast.serve.pipeline.PipelineHead): the tokens so far are
-    re-prefilled on the whole model and the request goes on from there."""
+def test_a_request_moved_off_a_dissolving_pipeline_goes_on_with_the_single_node_tokens(case):
+    """The head's move at dissolution (pipecast.serve.pipeline.PipelineHead): the prompt is prefilled on the whole
+    model and the tokens so far fed one decode step each, as one node made them. Found in review: prefilled with the
+    prompt, they gave other tokens after them in bf16 (16 of 66 moves of a tiny Llama; a prefill of many positions
+    adds up in another order than one decode step)."""
     ref, engine = case
-    prompt, moved_after = random_prompt(8, 17), 5
-    expected = reference_generate(ref, prompt, 16)
-    params = SamplingParams(max_tokens=16, stop_token_ids=[ref.generation_config.eos_token_id])
-    so_far = pipeline_generate([StageRunner(engine.model) for _ in range(3)], SPLITS[3], prompt,
-                               SamplingParams(max_tokens=moved_after))
-    rest = engine.generate(prompt + so_far, SamplingParams(max_tokens=16 - moved_after,
-                                                           stop_token_ids=params.stop_token_ids), timeout=30)
-    assert so_far + rest == expected
-    # The logits the re-prefill gives the next token: close to transformers' decode step, not bitwise (a
-    # prefill of many positions adds up in another order than one decode step).
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=moved_after + 1,
-                           min_new_tokens=moved_after + 1, do_sample=False, pad_token_id=0, output_logits=True,
-                           return_dict_in_generate=True)
-    whole = StageRunner(engine.model)
-    got = whole.run("moved", range(0, LAYERS), 0, tokens=prompt + so_far, want_logits=True, timeout=30).logits
-    want = out.logits[moved_after][0].float()
-    tolerance = 1e-4 if engine.model.dtype == torch.float32 else 5e-2
-    assert got.argmax() == want.argmax() and torch.allclose(got, want, atol=tolerance, rtol=0)
-    whole.close("moved")
+    for seed in (17, 3):
+        prompt = random_prompt(8, seed)
+        expected = reference_generate(ref, prompt, 16)
+        stop = [ref.generation_config.eos_token_id]
+        for moved_after in (m for m in (1, 2, 5, 9, 13) if m < len(expected)):  # not past a stop token
+            so_far = pipeline_generate([StageRunner(engine.model) for _ in range(3)], SPLITS[3], prompt,
+                                       SamplingParams(max_tokens=moved_after))
+            rest = engine.submit(prompt, SamplingParams(max_tokens=16 - moved_after, stop_token_ids=stop),
+                                 generated=so_far).result(30)
+            assert so_far + rest == expected, (seed, moved_after)
 
 
 def test_a_stage_runs_while_its_blocks_arrive_and_its_waits_have_deadlines(tmp_path):

@@ -696,10 +696,10 @@ def timing(prefill, decode, sample, route_s, own_layers=10, prompt=16) -> Reques
 
 def test_the_dissolve_estimate_scales_the_heads_own_times_to_the_whole_model():
     # the head ran 10 of 30 layers: 20 ms a token (+5 ms sampling) -> 65 ms locally; the prefill of 16
-    # tokens took 100 ms there -> 300 ms for every layer, 600 ms for the 32 tokens so far (+5 ms sampling)
+    # tokens took 100 ms there -> 300 ms for every layer (+5 ms sampling), and the 16 tokens so far a step each
     e = dissolve_estimate(timing(0.1, [0.02, 0.02], [0.005], [0.09, 0.11]), 30, history=32, remaining=100)
-    assert e == DissolveEstimate(100, pytest.approx(0.1), pytest.approx(0.065), pytest.approx(0.605))
-    assert move_pays(e)  # 0.605 + 6.5 s here against 10 s through the route
+    assert e == DissolveEstimate(100, pytest.approx(0.1), pytest.approx(0.065), pytest.approx(0.305 + 16 * 0.065))
+    assert move_pays(e)  # 1.345 + 6.5 s here against 10 s through the route
     assert not move_pays(DissolveEstimate(5, 0.1, 0.065, 0.605))  # 5 tokens left: the re-prefill does not pay
     assert not move_pays(DissolveEstimate(100, 0.06, 0.065, 0.0))  # the route is faster a token
     # nothing decoded through the route yet: no estimate (the head takes one more step first)
@@ -714,7 +714,7 @@ def test_under_a_cpu_quota_the_local_engine_is_estimated_at_the_quota_not_at_a_b
     free = dissolve_estimate(measured, 30, history=32, remaining=100)
     quota = dissolve_estimate(measured, 30, history=32, remaining=100, cpus=0.25)
     assert free.local_s == pytest.approx(0.065) and move_pays(free)
-    assert quota.local_s == pytest.approx(0.26) and quota.reprefill_s == pytest.approx(2.42)
+    assert quota.local_s == pytest.approx(0.26) and quota.reprefill_s == pytest.approx(1.22 + 16 * 0.26)
     assert not move_pays(quota)
     # a step that waited on a device (wall time, little CPU) is not scaled by the quota
     device = timing((0.1, 0.001), [(0.02, 0.001)], [(0.005, 0.0005)], [0.236])
