@@ -235,6 +235,10 @@ async def stage_call(request: web.Request) -> web.Response:
     except EngineError as exc:  # the model failed to load or was unloaded under the call: not the caller's fault
         worker.forget_stage_session(session)
         return _stage_error(str(exc), 503)
+    except Exception as exc:  # torch's own errors (out of memory), or a bug: a JSON answer its caller names
+        log.exception("stage call failed")
+        worker.forget_stage_session(session)
+        return _stage_error(f"the engine failed: {exc}", 500)
 
 
 async def _read_stage_frame(request: web.Request, worker: ServingWorker, received: float) -> bytes:

@@ -149,6 +149,9 @@ def parse_route(value: Any, *, first: int | None = 0) -> tuple[Hop, ...]:
                 or layers[0] != position or not 0 <= layers[0] < layers[1]):
             raise PipelineProtocolError(f"stage {i} of the route must run layers [{position}, stop) with "
                                         f"stop > {position}, got {str(layers)[:80]}")
+        if any(hop.url == base for hop in hops):  # one session per request at each worker: it would open twice
+            raise PipelineProtocolError(f"stage {i} of the route names {base[:80]} again: a worker runs one stage "
+                                        "of a route")
         hops.append(Hop(base, range(layers[0], layers[1])))
         position = layers[1]
     return tuple(hops)
@@ -598,7 +601,7 @@ def _answered_error(url: str, status: int, body: bytes) -> "StageFailedError | S
         node, problem = error.get("node") or url, error.get("problem")
         message = str(error.get("message") or f"answered {status}")
     except (JSONInputError, AttributeError):
-        node, problem, message = url, None, f"answered {status}: {body[:120]!r}"
+        node, problem, message = url, None, repr(body[:120])
     if status == 429:
         return StageBusyError(node, problem or message)
     if node != url:  # already "pipeline stage X failed: ..." from downstream: keep its words
@@ -771,14 +774,8 @@ class PipelineHead:
         # A tied LM head is the embedding matrix, which this stage holds: the last stage sends back its
         # final norm and the token is sampled here, so the last stage never needs the embeddings' block.
         here = len(route) > 1 and self.runner.model.skeleton.tied_embeddings
-        try:
-            out = await self.queue.call(self.runner.run, session, own.layers, position, tokens=tokens,
-                                        params=params, deadline=deadline,
-                                        wait=self.runner.waiter(self.runner.parts(own.layers)))
-        except (StageQueueFullError, StageCapacityError) as exc:  # load here: the router sends it elsewhere
-            raise StageBusyError(own.url, str(exc)) from None
-        except (TimeoutError, PipecastError) as exc:
-            raise StageFailedError(own.url, str(exc)) from None
+        out = await self._own(own, self.runner.run, session, own.layers, position, tokens=tokens, params=params,
+                              deadline=deadline, wait=self.runner.waiter(self.runner.parts(own.layers)))
         if position == 0:
             timing.own_prefill = (out.seconds, out.cpu_seconds)
         else:
@@ -798,13 +795,25 @@ class PipelineHead:
             check_final_norm(answer, self.runner.model.config.hidden_size)
         except InvalidRequestError as exc:
             raise StageFailedError(route[-1].url, f"a malformed answer: {exc}") from None
-        try:
-            sampled = await self.queue.call(self.runner.sample, session, answer, deadline=deadline,
-                                            wait=self.runner.waiter(SAMPLE_PARTS))
-        except (TimeoutError, PipecastError) as exc:
-            raise StageFailedError(own.url, str(exc)) from None
+        sampled = await self._own(own, self.runner.sample, session, answer, deadline=deadline,
+                                  wait=self.runner.waiter(SAMPLE_PARTS))
         timing.sample.append((sampled.seconds, sampled.cpu_seconds))
         return sampled.token
+
+    async def _own(self, own: Hop, compute: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One of this stage's own calls, through its queue; what fails it is this stage's: busy when its queue
+        or sessions are full (load: a 429, the router sends the request elsewhere), failed otherwise (a 503 the
+        router retries elsewhere; found in review: torch's own errors, out of memory, were a plain 500 the router
+        neither retried nor held against the pipeline)."""
+        try:
+            return await self.queue.call(compute, *args, **kwargs)
+        except (StageQueueFullError, StageCapacityError) as exc:
+            raise StageBusyError(own.url, str(exc)) from None
+        except (TimeoutError, PipecastError) as exc:
+            raise StageFailedError(own.url, str(exc)) from None
+        except Exception as exc:  # torch's own errors, or a bug
+            log.exception("pipeline stage %s failed", own.url)
+            raise StageFailedError(own.url, f"the engine failed: {exc}") from None
 
     def _close(self, route: Sequence[Hop], session: str) -> None:
         self.runner.close(session)

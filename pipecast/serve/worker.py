@@ -199,6 +199,7 @@ class ServingWorker:
         self._closing = False
         self._held = 0        # admitted, waiting for the model (or the full model) before the engine
         self._submitted = 0   # in the engine, not finished
+        self._pipelined = 0   # through a pipeline this worker heads, not finished (not in its engine's batch)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._change: asyncio.Event | None = None
         self._released = False
@@ -503,7 +504,7 @@ class ServingWorker:
         self._released, self._unloaded_why, self._error, self._stage = True, why, None, STAGE_WAITING
         self.metrics.load_seconds.set(0)
         log.info("package %s %s: model unloaded once its %d running request(s) end, waiting for the package to "
-                 "come back", model.engine.provider.manifest.package_id[:12], why, self._submitted)
+                 "come back", model.engine.provider.manifest.package_id[:12], why, self._running_on_model)
         self._notify()
         # On a GPU the weights are copies: a model loaded while the one before still drains its requests (up to
         # RELEASE_DRAIN_S) would hold the memory twice, and a model over half the GPU would fail for good.
@@ -511,11 +512,11 @@ class ServingWorker:
         threading.Thread(target=self._load, args=(True, wait, closed), name="pipecast-serve-load", daemon=True).start()
         deadline = time.monotonic() + RELEASE_DRAIN_S
         try:
-            while self._submitted and time.monotonic() < deadline and not self._closing:
+            while self._running_on_model and time.monotonic() < deadline and not self._closing:
                 await asyncio.sleep(RELEASE_DRAIN_POLL_S)
         finally:  # also when the worker closes meanwhile (the follower is cancelled): the model must close
-            if self._submitted:
-                log.warning("closing the released model with %d request(s) still running", self._submitted)
+            if self._running_on_model:
+                log.warning("closing the released model with %d request(s) still running", self._running_on_model)
             threading.Thread(target=_close, args=(model, closed), name="pipecast-serve-unload", daemon=True).start()
 
     def _post(self, callback, *args) -> None:
@@ -627,8 +628,14 @@ class ServingWorker:
 
     @property
     def running(self) -> int:
-        """Requests in the engine's batch."""
+        """Requests in the engine's batch (not those this worker heads through a pipeline: found in review, they
+        counted, so an idle engine showed a full batch and a queue, and refused requests as queue_full)."""
         return min(self._submitted, self.config.max_batch)
+
+    @property
+    def _running_on_model(self) -> int:
+        """Requests that need the model: in its engine, or through a pipeline whose head stage it runs."""
+        return self._submitted + self._pipelined
 
     @property
     def queue_depth(self) -> int:
@@ -725,9 +732,12 @@ class ServingWorker:
             self._held -= 1
         if route is None:
             stream = self._submit(prompt, request, stop_ids)
-        self._submitted += 1
+            self._submitted += 1
+        else:
+            self._pipelined += 1
         self.metrics.prompt_tokens.inc(len(prompt))
-        return Generation(self, stream, prompt, CompletionText(codec, prompt, request.stop, stop_ids), arrived)
+        return Generation(self, stream, prompt, CompletionText(codec, prompt, request.stop, stop_ids), arrived,
+                          pipelined=route is not None)
 
     def _stop_token_ids(self, codec: TextCodec) -> frozenset[int]:
         """The tokens that end a generation: the model's EOS ids and its tokenizer's eos_token, which a
@@ -829,8 +839,11 @@ class ServingWorker:
         check(len(ids), f"{len(ids)} tokens")
         return ids
 
-    def _finished(self) -> None:
-        self._submitted -= 1
+    def _finished(self, pipelined: bool) -> None:
+        if pipelined:
+            self._pipelined -= 1
+        else:
+            self._submitted -= 1
 
 
 def _ask_serving_key(agent: Path | str, timeout_s: float) -> bytes:
@@ -886,7 +899,7 @@ class Generation:
     """One running completion: iterate for its :class:`Piece` s; closing it cancels what is left."""
 
     def __init__(self, worker: ServingWorker, stream: TokenStream, prompt: list[int], text: CompletionText,
-                 arrived: float) -> None:
+                 arrived: float, *, pipelined: bool = False) -> None:
         self.request_id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = worker.model_name
@@ -896,6 +909,7 @@ class Generation:
         self._stream = stream
         self._text = text
         self._arrived = arrived
+        self._pipelined = pipelined
         self._open = True
 
     async def __aenter__(self) -> "Generation":
@@ -910,7 +924,7 @@ class Generation:
             self._open = False
             if not self._stream.done:
                 self._stream.cancel()
-            self._worker._finished()
+            self._worker._finished(self._pipelined)
 
     async def __aiter__(self) -> AsyncIterator[Piece]:
         metrics = self._worker.metrics

@@ -49,12 +49,12 @@ from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.transport.base import PeerAuth
 from pipecast.core.credentials import data_plane_key, serving_headers, serving_key
-from pipecast.engine.errors import EngineError
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.stage import StageOutput
 from pipecast.serve.errors import (
     ServingKeyError,
     ServingKeyUnknownError,
+    StageBusyError,
     StageFailedError,
     StageQueueFullError,
     WorkerClosingError,
@@ -156,6 +156,9 @@ def test_bad_sampling_params_of_a_stage_call_are_refused_by_name(value, message)
      r"stage 1 of the route must run layers \[2, stop\)"),
     ([{"url": "ftp://a", "layers": [0, 2]}], "stage 0 of the route has no http\\(s\\) URL"),
     ([{"url": "http://a:1"}], "stage 0 of the route must be an object with 'url' and 'layers'"),
+    # found in review: a 503 blaming a stage ("session ... is open already"), not a 400 for the route
+    ([{"url": "http://a:1", "layers": [0, 2]}, {"url": "http://b:1", "layers": [2, 3]},
+      {"url": "http://a:1/", "layers": [3, 4]}], "stage 2 of the route names http://a:1 again"),
 ])
 def test_bad_routes_are_refused_naming_the_stage(value, message):
     with pytest.raises(PipelineProtocolError, match=message):
@@ -436,6 +439,100 @@ async def test_a_stage_without_room_answers_busy_and_the_head_429_naming_it(pkg)
         assert answer["error"]["code"] == "pipeline_busy"
         assert answer["error"]["message"] == (f"pipeline stage {b} is busy: this worker already holds 3 stage calls; "
                                               "retry elsewhere or later")
+
+
+@pytest.mark.parametrize("where", ["head", "stage"])
+async def test_torchs_own_error_in_a_stage_is_a_stage_failure_the_router_retries(pkg, where):
+    """Found in review: an error of torch's own (out of memory) in the head's prefill answered a plain-text 500, which
+    the router neither retried nor held against the pipeline; in a later stage, a 500 quoted twice ("answered 500:
+    answered 500: b'500 Internal Server Error...'"). Now 503 pipeline_stage_failed naming the stage, in JSON."""
+    async with serving(WorkerConfig(str(pkg))) as (a, wa, _, http), serving(WorkerConfig(str(pkg))) as (b, wb, _, _):
+        runner = await (wa if where == "head" else wb).wait_stage_runner(30)
+
+        def out_of_memory(*args, **kwargs):
+            raise RuntimeError("simulated out of memory")
+
+        runner.run = out_of_memory
+        status, answer = await post(http, a, completion(4), {PIPELINE_HEADER: route([(a, 0, 3), (b, 3, 6)])})
+        failed = a if where == "head" else b
+        assert status == 503 and answer["error"]["code"] == "pipeline_stage_failed", answer
+        assert answer["error"]["message"] == f"pipeline stage {failed} failed: " + (
+            "the engine failed: simulated out of memory" if where == "head" else
+            "answered 500: the engine failed: simulated out of memory")
+        await eventually(lambda: not wa.stage_runner().sessions and not wb.stage_runner().sessions)
+
+
+async def test_requests_a_worker_heads_through_a_pipeline_are_not_its_engines_batch_nor_queue(pkg):
+    """Found in review: a head counted its pipelined requests as its engine's: with 4 in flight (batch 2, queue 2) its
+    /health showed a full batch and a queue while its engine was idle, and it refused a request of its own as
+    queue_full (the router then took it for full, and the scaling daemon saw a queue)."""
+    async with serving(WorkerConfig(str(pkg), max_batch=2, max_queue=2)) as (a, wa, _, http), \
+            serving(WorkerConfig(str(pkg))) as (b, wb, _, _):
+        tail = await wb.wait_stage_runner(30)
+        run = tail.run
+
+        def slow(*args, **kwargs):  # the pipelined requests stay in flight
+            time.sleep(0.05)
+            return run(*args, **kwargs)
+
+        tail.run = slow
+        streams = [await http.post(f"{a}/v1/completions", json=completion(100, stream=True),
+                                   headers={PIPELINE_HEADER: route([(a, 0, 3), (b, 3, 6)])}) for _ in range(4)]
+        try:
+            assert [r.status for r in streams] == [200] * 4
+            state = await health(http, a)
+            assert (state["running"], state["queue_depth"]) == (0, 0), state
+            assert (await post(http, a, completion(2)))[0] == 200
+        finally:
+            for response in streams:
+                response.close()
+
+
+async def test_a_full_queue_at_the_heads_own_sampling_step_is_load_not_a_failure():
+    """Found in review: with tied embeddings the head samples the token itself; its stage queue full at that step
+    failed the request (503, the router took the pipeline out for 30 s) where the same at its layers is busy (429)."""
+    class TiedHead:
+        model = SimpleNamespace(vocab_size=256, skeleton=SimpleNamespace(tied_embeddings=True),
+                                config=SimpleNamespace(hidden_size=8), fully_loaded=True)
+
+        def run(self, session, layers, position, *, tokens, params, timeout):
+            return StageOutput(hidden=torch.zeros(1, len(tokens), 8))
+
+        def sample(self, session, normed, *, timeout):
+            return StageOutput(token=3)
+
+        def parts(self, layers):
+            return []
+
+        def waiter(self, parts):
+            return None
+
+        def close(self, session):
+            pass
+
+    queue, release, other = StageQueue(max_calls=1), threading.Event(), []
+
+    class Client:
+        async def forward(self, hops, session, position, hidden, **kwargs):
+            # another stage call comes meanwhile and takes this worker's one slot
+            other.append(asyncio.ensure_future(queue.call(lambda timeout: release.wait(5) and StageOutput(),
+                                                          deadline=time.monotonic() + 60)))
+            await asyncio.sleep(0.05)
+            return torch.zeros(1, 1, 8)
+
+        def pass_close_on(self, hops, session):
+            pass
+
+    head = PipelineHead(TiedHead(), Client(), queue, local=None)
+    try:
+        with pytest.raises(StageBusyError, match="^pipeline stage http://head:1 is busy: this worker already holds 1 "
+                                                 "stage calls"):
+            await head.start((Hop("http://head:1", range(0, 3)), Hop("http://tail:1", range(3, 6))), [1, 2],
+                             SamplingParams(max_tokens=4))
+    finally:
+        release.set()
+        await asyncio.gather(*other, return_exceptions=True)
+        queue.close()
 
 
 async def test_a_head_that_waits_for_the_whole_model_serves_its_pipelines_at_once(pkg, reference):
@@ -905,15 +1002,15 @@ async def test_a_pipelined_decode_failing_outside_the_engine_fails_the_stream_in
     got = []
     try:
         stream = await head.start((Hop("http://head:1", range(0, 6)),), [1, 2, 3], SamplingParams(max_tokens=8))
-        with pytest.raises(EngineError, match=r"^the engine failed while running this request: CUDA error: an "
-                                              r"illegal memory access was encountered$"):
+        with pytest.raises(StageFailedError, match=r"^pipeline stage http://head:1 failed: the engine failed: CUDA "
+                                                   r"error: an illegal memory access was encountered$"):
             async with asyncio.timeout(5):  # before, it stayed open and silent for good
                 async for token in stream:
                     got.append(token)
     finally:
         queue.close()
     assert got == [7] and len(runner.closed) == 1
-    [failure] = [r for r in caplog.records if r.getMessage() == "pipelined request failed after 1 tokens"]
+    [failure] = [r for r in caplog.records if r.getMessage() == "pipeline stage http://head:1 failed"]
     assert failure.exc_info[0] is RuntimeError  # logged with its traceback: not an error of the engine's own
 
 
