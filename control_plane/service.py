@@ -484,6 +484,9 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.state.deregister(request.node_id)
         self._close_mailbox(request.node_id)
         log.info("deregistered node=%s", request.node_id)
+        # Acknowledged, it holds after a crash (found in review: lost, the worker was placed in scale-ups as alive
+        # for its lease and more after a restart).
+        await self.flush_encoded(durable=True)
         return pb.DeregisterResponse()
 
     @_rpc

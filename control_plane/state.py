@@ -155,9 +155,11 @@ class Dirty:
     releases: set[tuple[str, str]] = field(default_factory=set)  # (package id, node id)
     drops: set[tuple[str, str]] = field(default_factory=set)  # (package id, node id): ControlState.dropping
     revoked: set[str] = field(default_factory=set)  # node ids: ControlState.revoked
+    lapsed: set[str] = field(default_factory=set)  # node ids: ControlState.lapsed
 
     def _sets(self) -> tuple[set, ...]:
-        return self.packages, self.workers, self.availability, self.plans, self.releases, self.drops, self.revoked
+        return (self.packages, self.workers, self.availability, self.plans, self.releases, self.drops, self.revoked,
+                self.lapsed)
 
     def __len__(self) -> int:
         return sum(map(len, self._sets()))
@@ -230,7 +232,8 @@ class ControlState:
         self.plans: dict[str, ActivePlan] = {}
         self.releases: dict[tuple[str, str], float] = {}  # (package id, node id) -> drop at
         # Receivers whose lease lapsed while a plan still fed them: node id -> package ids. When one registers
-        # again it gets a plan for the blocks it still lacks (kept in memory only: a restart forgets it).
+        # again it gets a plan for the blocks it still lacks. Stored (found in review: a restart forgot them, and
+        # such a receiver kept a partial copy with no plan, which the scaling daemon counted as loading for good).
         self.lapsed: dict[str, set[str]] = {}
         # (package id, node id) told to DROP and not assigned the package since: verified reports the node sent
         # before it dropped may still arrive (batched, on another stream than the DROP) and must not count, and a
@@ -341,7 +344,7 @@ class ControlState:
                         "leaves the plan", node, ",".join(self.peer(node).transports), active.plan_id,
                         active.package_id)
             if node in active.pending:
-                self.lapsed.setdefault(node, set()).add(active.package_id)
+                self._add_lapsed(node, {active.package_id})
             if not self._repair(active, {node}):
                 # It was the plan's only source, and no other speaks the plan's transport: kept, it would have its
                 # receivers fail on it and report it for good.
@@ -369,6 +372,7 @@ class ControlState:
 
     def _resume(self, node: str, now: float) -> None:
         """Plan the rest of every package ``node`` was receiving when its lease lapsed."""
+        self.dirty.lapsed.add(node)
         for package_id in sorted(self.lapsed.pop(node, ())):
             if package_id not in self.packages:
                 continue
@@ -465,14 +469,25 @@ class ControlState:
         for node in nodes:
             receiving = {p.package_id for p in self.plans.values() if node in p.pending}
             if receiving:
-                self.lapsed.setdefault(node, set()).update(receiving)
+                self._add_lapsed(node, receiving)
         if nodes:
             self._remove_nodes(set(nodes), keep_releases=keep_releases)
+
+    def _add_lapsed(self, node: str, package_ids: Collection[str]) -> None:
+        self.lapsed.setdefault(node, set()).update(package_ids)
+        self.dirty.lapsed.add(node)
+
+    def restore_lapsed(self, node: str, package_ids: Collection[str]) -> None:
+        """Loading: ``node`` was receiving ``package_ids`` when its lease lapsed (those still published count)."""
+        known = {p for p in package_ids if p in self.packages}
+        if known and node in self.workers:
+            self.lapsed[node] = known
 
     def _forget(self, node: str) -> None:
         """Remove every trace of ``node`` (it left every plan and availability already)."""
         del self.workers[node]
         self.lapsed.pop(node, None)
+        self.dirty.lapsed.add(node)
         self._clear_dropping(node)
         self._forget_cached(node)
         self.dirty.workers.add(node)

@@ -40,6 +40,10 @@ SCHEMA_VERSION = 1
 # A node whose token is revoked (ControlState.revoked) is a meta row with this key prefix, not a table of its own:
 # a table an older pipecast does not know makes it refuse the database (a rollback, an older replica).
 REVOKED_KEY = "revoked/"
+# So is a receiver whose lease lapsed while a plan fed it (ControlState.lapsed): its value the package ids, JSON.
+LAPSED_KEY = "lapsed/"
+# The tables of a ControlState (the rest are the deployment book's and the lease's).
+STATE_TABLES = ("meta", "packages", "workers", "availability", "releases", "drops", "plans")
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,7 @@ Change = tuple[str, str, list[tuple] | Callable[[], list[tuple]]]
 
 def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
     """The rows to write and delete for ``dirty``'s keys of ``state`` (a key no longer in it: delete)."""
-    packages, releases, plans, drops, revoked = ([], []), ([], []), ([], []), ([], []), ([], [])
+    packages, releases, plans, drops, meta = ([], []), ([], []), ([], []), ([], []), ([], [])
     # Workers and holdings are copied here (a spec is a value; a holding is copied) and encoded in the commit.
     specs, gone_workers, holdings, gone_holdings = [], [], [], []
     for package_id in dirty.packages:
@@ -214,9 +218,14 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
         drops[0 if key in state.dropping else 1].append(key)
     for node in dirty.revoked:
         if node in state.revoked:
-            revoked[0].append((REVOKED_KEY + node, ""))
+            meta[0].append((REVOKED_KEY + node, ""))
         else:
-            revoked[1].append((REVOKED_KEY + node,))
+            meta[1].append((REVOKED_KEY + node,))
+    for node in dirty.lapsed:
+        if state.lapsed.get(node):
+            meta[0].append((LAPSED_KEY + node, _compact(sorted(state.lapsed[node]))))
+        else:
+            meta[1].append((LAPSED_KEY + node,))
     for plan_id in dirty.plans:
         active = state.plans.get(plan_id)
         if active is None:
@@ -230,7 +239,7 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
         "workers": (lambda: [(node, _compact(spec.to_json()), alive) for node, spec, alive in specs], gone_workers),
         "availability": (lambda: [(package_id, node, _compact(sorted(held))) for package_id, node, held in holdings],
                          gone_holdings),
-        "releases": releases, "drops": drops, "meta": revoked, "plans": plans}
+        "releases": releases, "drops": drops, "meta": meta, "plans": plans}
     return [change for table, (upserts, deletes) in tables.items()
             for change in (("upsert", table, upserts), ("delete", table, deletes))]
 
@@ -371,17 +380,21 @@ class SqlStore(abc.ABC):
         reconnect in."""
         # One transaction: one consistent view (a replica loads right after taking the lease, when a deposed
         # leader's writes are already refused).
+        # The rows are read in the transaction and decoded after it: found in review, decoding large plans (1.5-2.3 s
+        # each of 5,000 receivers) inside it outlasted PostgreSQL's idle_in_transaction_session_timeout, which ended
+        # the session, and no replica could load the state, nor lead.
         with self._failing_as("cannot read"), self._transaction():
-            self._load(state, now, lease_grace_s)
+            rows = {table: self._rows(table) for table in STATE_TABLES}
+        self._load(state, rows, now, lease_grace_s)
         log.info("loaded state db=%s packages=%d workers=%d plans=%d", self.where, len(state.packages),
                  len(state.workers), len(state.plans))
 
     def _corrupt(self, table: str, key: object, exc: BaseException) -> CorruptStateError:
         return CorruptStateError(self.where, table, key, _problem(exc), self.remedy)
 
-    def _load(self, state: ControlState, now: float, lease_grace_s: float) -> None:
-        state.revoked = {key.removeprefix(REVOKED_KEY) for key, _ in self._rows("meta") if key.startswith(REVOKED_KEY)}
-        for package_id, manifest_bytes, store, published_at in self._rows("packages"):
+    def _load(self, state: ControlState, rows: dict[str, list[tuple]], now: float, lease_grace_s: float) -> None:
+        state.revoked = {key.removeprefix(REVOKED_KEY) for key, _ in rows["meta"] if key.startswith(REVOKED_KEY)}
+        for package_id, manifest_bytes, store, published_at in rows["packages"]:
             try:
                 manifest = Manifest.FromString(manifest_bytes)
                 if manifest.package_id != package_id:
@@ -393,7 +406,7 @@ class SqlStore(abc.ABC):
             except _DECODE_ERRORS as exc:
                 raise self._corrupt("packages", package_id, exc) from None
             state.restore_package(manifest, origin, published_at)
-        for node, spec, alive in self._rows("workers"):
+        for node, spec, alive in rows["workers"]:
             try:
                 worker = WorkerSpec.from_json(loads(spec))
                 if worker.node_id != node:
@@ -402,7 +415,7 @@ class SqlStore(abc.ABC):
             except _DECODE_ERRORS as exc:
                 raise self._corrupt("workers", node, exc) from None
             state.restore_worker(worker, bool(alive), now, lease_grace_s)
-        for package_id, node, blocks in self._rows("availability"):
+        for package_id, node, blocks in rows["availability"]:
             worker = state.workers.get(node)
             if package_id in state.packages and worker is not None and worker.alive:
                 num_blocks = len(state.packages[package_id].manifest.blocks)
@@ -414,17 +427,26 @@ class SqlStore(abc.ABC):
                 except _DECODE_ERRORS as exc:
                     raise self._corrupt("availability", (package_id, node), exc) from None
                 state.restore_availability(package_id, node, held)
-        for package_id, node, drop_at in self._rows("releases"):
+        for package_id, node, drop_at in rows["releases"]:
             if package_id in state.packages and node in state.workers:
                 try:
                     drop_at = _number(drop_at, "drop_at")
                 except ValueError as exc:
                     raise self._corrupt("releases", (package_id, node), exc) from None
                 state.restore_release(package_id, node, drop_at)
-        for package_id, node in self._rows("drops"):
+        for package_id, node in rows["drops"]:
             if package_id in state.packages and node in state.workers:
                 state.restore_dropping(package_id, node)
-        for plan_id, package_id, plan, fanout, created_at, version, replans in self._rows("plans"):
+        for key, value in rows["meta"]:
+            if key.startswith(LAPSED_KEY):
+                try:
+                    package_ids = loads(value)
+                    if not isinstance(package_ids, list) or not all(isinstance(p, str) for p in package_ids):
+                        raise ValueError(f"{describe(package_ids)} is not a list of package ids")
+                except _DECODE_ERRORS as exc:
+                    raise self._corrupt("meta", key, exc) from None
+                state.restore_lapsed(key.removeprefix(LAPSED_KEY), package_ids)
+        for plan_id, package_id, plan, fanout, created_at, version, replans in rows["plans"]:
             if package_id not in state.packages:
                 continue
             try:
@@ -432,7 +454,10 @@ class SqlStore(abc.ABC):
                 numbers = (_integer(fanout, "fanout"), _number(created_at, "created_at"),
                            _integer(version, "version"), _integer(replans, "replans"))
             except (PlanError, *_DECODE_ERRORS) as exc:
-                log.warning("skipped stored plan=%s package=%s: %s", plan_id, package_id, _problem(exc))
+                # Deleted by the next flush (found in review: kept, it was skipped again at every start).
+                log.warning("skipped stored plan=%s package=%s, which is deleted: %s", plan_id, package_id,
+                            _problem(exc))
+                state.dirty.plans.add(plan_id)
                 continue
             fanout, created_at, version, replans = numbers
             state.restore_plan(plan_id, package_id, parsed, fanout=fanout, created_at=created_at,

@@ -1253,3 +1253,18 @@ async def test_a_periodic_step_failing_alike_is_logged_whole_once_then_in_a_line
     assert [r.exc_info[1].errno for r in whole] == [28, 5]  # each new failure with its traceback, once
     assert sum("failed again" in r.getMessage() for r in caplog.records) == 4
     assert any(r.getMessage() == "periodic flush works again" for r in caplog.records)
+
+
+async def test_a_deregistration_is_written_before_it_is_answered(tmp_path):
+    """Found in review: acknowledged but not written, a deregistration was lost to a crash, and the worker was placed
+    in scale-ups as alive for its lease and more after the restart."""
+    db = tmp_path / "cp.sqlite3"
+    async with ControlPlaneServer(config(db, flush_interval_s=3600)) as srv:
+        async with ControlPlaneClient(srv.address, token=TOKEN, timeout_s=WAIT_S) as client:
+            await client.register(spec("w1"))
+            await srv.service.flush_encoded(durable=True)
+            with sqlite3.connect(db) as read:
+                assert read.execute("SELECT node_id FROM workers").fetchall() == [("w1",)]
+            await client.deregister("w1")
+            with sqlite3.connect(db) as read:
+                assert read.execute("SELECT node_id FROM workers").fetchall() == []

@@ -169,6 +169,48 @@ def test_revoked_nodes_are_stored_in_the_meta_table_and_a_restored_one_is_delete
     assert loaded(backend)[0].revoked == {"w0"}
 
 
+def test_plans_slow_to_decode_load_all_the_same(backend, store, monkeypatch):
+    """Found in review: the rows were decoded inside the load's transaction, and plans of 5,000 receivers (1.5-2.3 s
+    each to decode) outlasted PostgreSQL's idle_in_transaction_session_timeout, which ended the session: no replica
+    could load the state, nor lead. Now they are read in the transaction and decoded after it."""
+    import control_plane.store_postgres as store_postgres
+    import control_plane.store_sql as store_sql
+
+    state, _, plan_id = populated()
+    store.flush(state)
+    monkeypatch.setattr(store_postgres, "IDLE_IN_TRANSACTION_MS", 300)
+    decode = store_sql.Plan.from_json
+
+    def slow(value):
+        time.sleep(0.5)
+        return decode(value)
+
+    monkeypatch.setattr(store_sql.Plan, "from_json", staticmethod(slow))
+    again, _ = loaded(backend)
+    assert set(again.plans) == {plan_id}
+
+
+def test_a_receiver_whose_lease_lapsed_is_resumed_after_a_restart(backend, store):
+    """Found in review: the receivers to resume were kept in memory only, so after a restart or a takeover one that
+    registered again got no plan, and kept a partial copy the scaling daemon counted as loading for good. In rows of
+    the meta table, as revoked nodes are: an older pipecast reads the database."""
+    state = cluster(3)
+    first = state.scale_up("pkg", node_ids=["w0", "w1"], strategy="chain", now=1).plan_id
+    state.report("w1", {"pkg": [0, 1, 2]}, {}, now=2)
+    state.heartbeat("w0", now=LEASE)
+    state.heartbeat("w2", now=LEASE)
+    assert state.tick(now=LEASE + 2.5) == ["w1"]
+    store.flush(state)
+    assert backend.execute("SELECT key, value FROM meta WHERE key LIKE %s", "lapsed/%") == [("lapsed/w1", '["pkg"]')]
+    again, _ = loaded(backend, now=LEASE + 3)
+    assert again.lapsed == {"w1": {"pkg"}}
+    again.register(spec("w1"), {"pkg": [0, 1, 2]}, now=LEASE + 3)
+    [resumed] = [p for p in again.plans.values() if p.plan_id != first]
+    assert resumed.pending == {"w1"} and sorted(a.block for a in resumed.parts["w1"].fetch) == [3, 4, 5, 6, 7]
+    store.flush(again)  # resumed: its row goes
+    assert backend.execute("SELECT key FROM meta WHERE key LIKE %s", "lapsed/%") == []
+
+
 def test_a_dead_worker_is_stored_dead_and_deletions_reach_the_database(backend, store):
     state, book, _ = populated()
     store.flush(state)
@@ -257,12 +299,15 @@ def test_a_corrupt_row_is_a_typed_error_naming_table_and_key(backend, store, sql
                                else "restore the database from a backup or start on another database")
 
 
-def test_an_undecodable_plan_is_skipped_with_a_warning(backend, store, caplog):
+def test_an_undecodable_plan_is_skipped_with_a_warning_and_deleted(backend, store, caplog):
+    """Found in review: skipped, the row stayed, and was skipped again at every start."""
     state, _, _ = populated()
     store.flush(state)
     backend.execute("UPDATE plans SET plan = %s", '{"strategy": "x", "strategy": "y"}')
     again, _ = loaded(backend)
     assert again.plans == {} and "skipped stored plan" in caplog.text and "duplicate key" in caplog.text
+    store.flush(again)
+    assert backend.execute("SELECT count(*) FROM plans") == [(0,)]
 
 
 def test_another_schema_version_is_refused(backend, store):
