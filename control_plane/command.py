@@ -6,6 +6,7 @@ Settings come from pipecast's settings (env ``PIPECAST_*``, ``--config`` TOML); 
 """
 
 import asyncio
+import time
 import dataclasses
 import json
 import re
@@ -360,6 +361,8 @@ def cluster_status_command(ctx: click.Context, **options: Any) -> None:
     ctx.invoke(status_command.callback)
 
 
+#: How long `cp publish` waits for an alive store to report the package's blocks before it warns that it holds none.
+STORE_REPORT_WAIT_S = 5.0
 #: The data-plane transports a store may serve over: the agents' ``agent_transport`` less ``auto`` (which an agent
 #: resolves to one of them).
 TRANSPORTS = tuple(name for name in get_args(Settings.model_fields["agent_transport"].annotation) if name != "auto")
@@ -380,15 +383,36 @@ def publish_command(ctx: click.Context, package_dir: Path, store_node: str, stor
     manifest = read_manifest(package_dir)
     store = PeerInfo(store_node, store_address, transports)
 
-    async def publish(client: Any) -> tuple[str, bool]:
+    async def publish(client: Any) -> tuple[str, bool, str | None, bool]:
+        try:
+            before = (await client.get_package(manifest.package_id))[1].node_id
+        except UnknownPackage:
+            before = None
         package_id = await client.publish_package(manifest, store)
-        return package_id, any(w.alive and w.worker.peer.node_id == store_node for w in await client.list_workers())
+        alive = any(w.alive and w.worker.peer.node_id == store_node for w in await client.list_workers())
+        # A store that registered before the publish reports the package within a heartbeat of it.
+        holds, deadline = False, time.monotonic() + STORE_REPORT_WAIT_S
+        while alive and not holds and time.monotonic() < deadline:
+            holds = bool((await client.availability(package_id)).by_worker.get(store_node))
+            if not holds:
+                await asyncio.sleep(0.2)
+        return package_id, alive, before, holds
 
-    package_id, store_alive = _run(ctx, publish)
-    warning = "" if store_alive else (
-        f"store node {store_node!r} is not a registered, alive worker: scale-ups of {package_id[:12]} that need it "
-        f"as their source are planned, but their receivers fetch nothing (retrying, with warnings) until an agent "
-        f"serving it registers as {store_node!r} at {store_address}")
+    package_id, store_alive, before, holds = _run(ctx, publish)
+    warnings = []
+    if not store_alive:
+        warnings.append(f"store node {store_node!r} is not a registered, alive worker: scale-ups of {package_id[:12]} "
+                        f"that need it as their source are planned, but their receivers fetch nothing (retrying, with "
+                        f"warnings) until an agent serving it registers as {store_node!r} at {store_address}")
+    elif not holds:  # found in review: a store whose agent dropped its seed gave no sign of it
+        warnings.append(f"store node {store_node!r} holds none of the blocks of {package_id[:12]} "
+                        f"{STORE_REPORT_WAIT_S:g} s after the publish (its agent dropped them: `cp remove --force`, "
+                        "or a release from it; or it seeds another package): scale-ups from it fetch nothing until an "
+                        "agent seeding the package folder (`pipecast agent --seed`) serves it there")
+    if before is not None and before != store_node:
+        warnings.append(f"the package's store was {before!r}: it is {store_node!r} now ({before!r} may be released "
+                        "from it, as any worker)")
+    warning = "; ".join(warnings)
     if warning and not ctx.obj[1]:  # with --json it is in the answer
         click.echo(f"warning: {warning}", err=True)
     _emit(ctx, {"package_id": package_id, **({"warning": warning} if warning else {})},

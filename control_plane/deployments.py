@@ -179,6 +179,11 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 MAX_EVENT_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, the last second datetime takes
 
 
+#: Endpoints of a router, which a deployment's router URL must not end with: the daemon appends them to it.
+ROUTER_ENDPOINTS = ("/stats", "/metrics", "/health", "/v1/workers", "/v1/completions", "/v1/chat/completions",
+                    "/v1/models")
+
+
 def check_router_url(url: str, package_id: str) -> str:
     """A router's base URL (http or https, a host, no query, no credentials), without a trailing slash, its host
     in lower case and without a default port."""
@@ -188,6 +193,10 @@ def check_router_url(url: str, package_id: str) -> str:
     parts = urlsplit(base)
     if "@" in parts.netloc:  # listed to every caller and logged: the routers take the serving key instead
         raise InvalidRequest(f"deployment of package {package_id!r}: router URL with credentials refused")
+    endpoint = next((e for e in ROUTER_ENDPOINTS if parts.path == e or parts.path.endswith(e)), None)
+    if endpoint is not None:  # found in review: the daemon polled .../stats/stats, and held with no signals
+        raise InvalidRequest(f"deployment of package {package_id!r}: router {url!r} names the router's {endpoint} "
+                             f"endpoint; give its base URL ({base[:len(base) - len(endpoint)] or base})")
     # One spelling per router: two (a host's case, a default port written out) were polled and summed as two.
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     port = "" if parts.port in (None, DEFAULT_PORTS[parts.scheme]) else f":{parts.port}"

@@ -67,13 +67,24 @@ class LazyGroup(click.Group):
             formatter.write_dl([(name, COMMANDS[name][1]) for name in sorted(COMMANDS)])
 
 
+#: The long-running commands: they log at INFO without -v (what they wait for, load, transfer, decide), so that an
+#: operator's journal says more than "listening" (found in review); the HTTP access log only with -vv.
+DAEMONS = ("agent", "control-plane", "router", "scaler", "serve")
+
+
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug; the long-running commands, "
+                                                  f"{', '.join(DAEMONS)}, log at info without it).")
 @click.version_option(package_name="pipecast")
-def cli(verbose: int) -> None:
+@click.pass_context
+def cli(ctx: click.Context, verbose: int) -> None:
     """pipecast: get new LLM serving workers to their first token fast."""
+    if ctx.invoked_subcommand in DAEMONS:
+        verbose = max(verbose, 1)
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if verbose < 2:  # a line per request, health polls included
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
 class _Terminated(SystemExit):

@@ -207,7 +207,8 @@ async def test_bad_or_missing_token_is_unauthenticated_and_changes_nothing(serve
         # Found in review: a CLI user was told to send gRPC metadata; the client says what to set.
         assert str(caught.value) == (f"control plane at {server.address} refused Register: missing or wrong token: "
                                      "give the control plane's master token, or a node token from `pipecast cp "
-                                     "issue-token NODE`, as --token or PIPECAST_AUTH_TOKEN (settings: auth_token)")
+                                     "issue-token NODE`, as PIPECAST_AUTH_TOKEN (settings: auth_token; `pipecast "
+                                     "cp --token`)")
         with pytest.raises(Unauthenticated):
             await intruder.publish_package(manifest(), STORE)
         with pytest.raises(Unauthenticated):
@@ -1268,3 +1269,30 @@ async def test_a_deregistration_is_written_before_it_is_answered(tmp_path):
             await client.deregister("w1")
             with sqlite3.connect(db) as read:
                 assert read.execute("SELECT node_id FROM workers").fetchall() == []
+
+
+async def test_publish_warns_of_a_store_that_holds_none_of_the_package_and_of_a_store_replaced(server, tmp_path,
+                                                                                              monkeypatch):
+    """Found in review: a store whose agent had dropped its seed (`cp remove --force`, a release) was published again
+    with no word, and its scale-ups fetched nothing for good; a publish naming another store replaced it silently."""
+    from control_plane import command
+
+    monkeypatch.setattr(command, "STORE_REPORT_WAIT_S", 0.3)
+    pid = _valid_package(tmp_path / "pkg")
+    async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as client:
+        await client.register(WorkerSpec(STORE, 1 << 30), {})  # alive, holding nothing
+        await client.register(spec("w1"), {})
+
+    async def publish(store: str) -> str:
+        result = await asyncio.to_thread(CliRunner().invoke, cp_group, [
+            "--control-plane", server.address, "--token", TOKEN, "publish", str(tmp_path / "pkg"), "--store-node",
+            store, "--store-address", "10.0.0.1:7070"])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert await publish("store") == (
+        f"warning: store node 'store' holds none of the blocks of {pid[:12]} 0.3 s after the publish (its agent "
+        "dropped them: `cp remove --force`, or a release from it; or it seeds another package): scale-ups from it "
+        "fetch nothing until an agent seeding the package folder (`pipecast agent --seed`) serves it there\n"
+        f"published {pid} ({BLOCKS} blocks)\n")
+    assert "the package's store was 'store': it is 'w1' now" in await publish("w1")
