@@ -24,6 +24,12 @@ from pipecast.core.urls import http_base_url
 
 #: Scale events kept in memory (the database keeps them all).
 EVENTS_IN_MEMORY = 10_000
+#: And the latest of each package, so that a quiet deployment's trail is not pushed out by busy ones (found in review:
+#: `pipecast scaler events --package` showed nothing of it once the others had logged 10,000 events).
+EVENTS_PER_PACKAGE_IN_MEMORY = 2_000
+#: The audit trail's table keeps the latest this many events; older ones are deleted as new ones are written (found
+#: in review: it grew without bound, ~10,800 a day from a deployment whose scale-ups kept being refused).
+EVENTS_KEPT = 200_000
 DEFAULT_EVENTS_LIMIT = 1000
 #: The scaling daemon's actions; a route's changes are logged under control_plane.routes.ROUTE_ACTIONS.
 #: ``take_back``: the released workers a scale-up took back (known once it is placed; a restarted daemon
@@ -212,6 +218,7 @@ class DeploymentBook:
 
     deployments: dict[str, Deployment] = field(default_factory=dict)
     events: deque[ScaleEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_IN_MEMORY))
+    by_package: dict[str, deque[ScaleEvent]] = field(default_factory=dict)
     last_seq: int = 0
     dirty_deployments: set[str] = field(default_factory=set)
     new_events: list[ScaleEvent] = field(default_factory=list)
@@ -275,9 +282,13 @@ class DeploymentBook:
     def _record(self, event: ScaleEvent) -> ScaleEvent:
         self.last_seq += 1
         stored = replace(event, seq=self.last_seq)
-        self.events.append(stored)
+        self._keep(stored)
         self.new_events.append(stored)
         return stored
+
+    def _keep(self, event: ScaleEvent) -> None:
+        self.events.append(event)
+        self.by_package.setdefault(event.package_id, deque(maxlen=EVENTS_PER_PACKAGE_IN_MEMORY)).append(event)
 
     def change_route(self, change: RouteChange, published: Iterable[str], now: float) -> ModelRoute | None:
         """Apply ``change`` to its route (:func:`control_plane.routes.change_route`, which raises what is
@@ -306,10 +317,11 @@ class DeploymentBook:
     def list_events(self, package_id: str = "", after_seq: int = 0, limit: int = 0,
                     through_seq: int | None = None) -> list[ScaleEvent]:
         """The latest ``limit`` events (0: :data:`DEFAULT_EVENTS_LIMIT`) after ``after_seq``, and up to
-        ``through_seq`` if given, oldest first."""
+        ``through_seq`` if given, oldest first: of those in memory (:data:`EVENTS_IN_MEMORY` in all, and
+        :data:`EVENTS_PER_PACKAGE_IN_MEMORY` of each package)."""
         last = self.last_seq if through_seq is None else through_seq
-        chosen = [e for e in self.events
-                  if after_seq < e.seq <= last and (not package_id or e.package_id == package_id)]
+        kept = self.by_package.get(package_id, ()) if package_id else self.events
+        chosen = [e for e in kept if after_seq < e.seq <= last]
         return chosen[-(limit or DEFAULT_EVENTS_LIMIT):]
 
     def restore(self, deployments: Sequence[Deployment], events: Sequence[ScaleEvent],
@@ -318,5 +330,6 @@ class DeploymentBook:
         self.deployments = {d.package_id: d for d in deployments}
         self.routes = {r.name: r for r in routes}
         self.written_routes = dict(self.routes)
-        self.events.extend(events)
+        for event in events:
+            self._keep(event)
         self.last_seq = self.written_seq = max((e.seq for e in events), default=0)

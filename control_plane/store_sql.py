@@ -24,7 +24,8 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from control_plane.deployments import EVENTS_IN_MEMORY, Deployment, DeploymentBook, ScaleEvent
+from control_plane.deployments import (
+    EVENTS_IN_MEMORY, EVENTS_KEPT, EVENTS_PER_PACKAGE_IN_MEMORY, Deployment, DeploymentBook, ScaleEvent)
 from control_plane.errors import StoreError
 from control_plane.messages import PeerInfo, WorkerSpec
 from control_plane.planner.plan import Plan, PlanError
@@ -119,6 +120,10 @@ class Statements:
                        for t in TABLES.values()}
         self.schema_version = "SELECT value FROM meta WHERE key = 'schema_version'"
         self.latest_events = f"SELECT seq, event FROM scale_events ORDER BY seq DESC LIMIT {p}"
+        self.event_packages = "SELECT DISTINCT package_id FROM scale_events"
+        self.latest_package_events = (f"SELECT seq, event FROM scale_events WHERE package_id = {p} "
+                                      f"ORDER BY seq DESC LIMIT {p}")
+        self.prune = {"scale_events": f"DELETE FROM scale_events WHERE seq <= {p}"}
         self.no_leader = ("INSERT INTO leader (id, holder, address, fencing, expires_at) VALUES (1, '', '', 0, 0) "
                           "ON CONFLICT (id) DO NOTHING")
         # One statement, so it is atomic on either backend: the holder's own lease is renewed (same fencing
@@ -247,12 +252,15 @@ def state_changes(state: ControlState, dirty: Dirty) -> list[Change]:
 def book_changes(book: DeploymentBook, deployments: set[str], events: list[ScaleEvent],
                  routes: set[str]) -> list[Change]:
     """The rows to write and delete for the book's changed ``deployments`` and ``routes`` and its new
-    ``events`` (the audit trail only grows)."""
+    ``events`` (the audit trail keeps the latest :data:`EVENTS_KEPT`)."""
     changes: list[Change] = []
     for table, keys, current in (("deployments", deployments, book.deployments), ("routes", routes, book.routes)):
         present = [(key, _compact(current[key].to_json())) for key in keys if key in current]
         changes += [("upsert", table, present), ("delete", table, [(key,) for key in keys if key not in current])]
     changes.append(("insert_once", "scale_events", [(e.seq, e.package_id, _compact(e.to_json())) for e in events]))
+    newest = max((e.seq for e in events), default=0)
+    if newest > EVENTS_KEPT:
+        changes.append(("prune", "scale_events", [(newest - EVENTS_KEPT,)]))
     return changes
 
 
@@ -472,10 +480,14 @@ class SqlStore(abc.ABC):
                     deployments.append(Deployment.from_json(loads(text)))
                 except _DECODE_ERRORS as exc:
                     raise self._corrupt("deployments", package_id, exc) from None
+            rows = dict(self._db.execute(self._sql.latest_events, (EVENTS_IN_MEMORY,)).fetchall())
+            for (package_id,) in self._db.execute(self._sql.event_packages).fetchall():
+                rows.update(self._db.execute(self._sql.latest_package_events,
+                                             (package_id, EVENTS_PER_PACKAGE_IN_MEMORY)).fetchall())
             events = []
-            for seq, text in reversed(self._db.execute(self._sql.latest_events, (EVENTS_IN_MEMORY,)).fetchall()):
+            for seq in sorted(rows):
                 try:
-                    events.append(ScaleEvent.from_json(loads(text)))
+                    events.append(ScaleEvent.from_json(loads(rows[seq])))
                 except _DECODE_ERRORS as exc:
                     raise self._corrupt("scale_events", seq, exc) from None
             routes = []

@@ -244,10 +244,41 @@ def test_a_flush_writes_only_the_keys_changed_since_the_last(backend, store):
 
 def test_the_audit_trail_loads_its_latest_events_in_order(backend, store, monkeypatch):
     monkeypatch.setattr("control_plane.store_sql.EVENTS_IN_MEMORY", 2)
+    monkeypatch.setattr("control_plane.store_sql.EVENTS_PER_PACKAGE_IN_MEMORY", 1)
     _, book, _ = populated()
     store.flush_book(book)
     _, again = loaded(backend)
     assert [e.seq for e in again.list_events()] == [2, 3] and again.last_seq == 3
+
+
+def test_a_quiet_deployments_trail_outlasts_busy_ones_and_the_table_keeps_the_latest_events(backend, store,
+                                                                                           monkeypatch):
+    """Found in review: only the latest 10,000 events of all were kept in memory and loaded, so a quiet deployment's
+    trail was gone once others had logged as many (though in the database); and the table grew without bound."""
+    for module in ("control_plane.store_sql", "control_plane.deployments"):
+        monkeypatch.setattr(f"{module}.EVENTS_IN_MEMORY", 3)
+    monkeypatch.setattr("control_plane.store_sql.EVENTS_KEPT", 4)
+    state = cluster(1)
+    state.publish(manifest(OTHER, blocks=2), STORE, now=0)
+    book = DeploymentBook()
+    for package_id in ("pkg", OTHER):
+        book.put(Deployment(package_id, ScalingPolicy()), state.packages, 1.0)
+    book.append(ScaleEvent(at=2.0, package_id=OTHER, action="hold", reason="quiet"))
+    for i in range(5):
+        book.append(ScaleEvent(at=3.0 + i, package_id="pkg", action="hold", reason=f"busy {i}"))
+    assert [e.reason for e in book.list_events(OTHER)] == ["quiet"]
+    store.flush_book(book)
+    assert backend.execute("SELECT seq FROM scale_events ORDER BY seq") == [(3,), (4,), (5,), (6,)]
+    _, again = loaded(backend)
+    assert [e.seq for e in again.list_events("pkg")] == [3, 4, 5, 6] and again.list_events(OTHER) == []
+    book.append(ScaleEvent(at=9.0, package_id=OTHER, action="hold", reason="quiet again"))
+    for i in range(3):
+        book.append(ScaleEvent(at=10.0 + i, package_id="pkg", action="hold", reason=f"busier {i}"))
+    monkeypatch.setattr("control_plane.store_sql.EVENTS_KEPT", 100)
+    store.flush_book(book)
+    _, again = loaded(backend)
+    assert [e.reason for e in again.list_events(OTHER)] == ["quiet again"]
+    assert [e.seq for e in again.list_events()] == [8, 9, 10]
 
 
 @pytest.mark.parametrize("sql, args, table, key", [
