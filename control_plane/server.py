@@ -40,7 +40,7 @@ from control_plane.metrics import ControlMetrics
 from control_plane.service import ControlPlaneService, host_port
 from control_plane.planner.stragglers import StragglerPolicy
 from control_plane.state import ControlState
-from control_plane.store import FencedError, Lease, open_store
+from control_plane.store import FencedError, Lease, is_postgres_url, open_store
 from pipecast.core.credentials import check_master_token, warn_if_auth_off, warn_if_cleartext
 from pipecast.core.settings import Settings, SettingsError
 from pipecast.v1 import control_pb2, control_pb2_grpc
@@ -169,6 +169,10 @@ class ControlPlaneServer:
         self.state = ControlState(lease_s=config.lease_s, store_links=config.store_links,
                                   store_beside_holders=config.store_beside_holders,
                                   stragglers=StragglerPolicy(config.straggler_factor, config.straggler_window_s))
+        # A SQLite file this start creates is deleted if the start fails (found in review: a busy port left a new,
+        # empty database and its lock file behind).
+        self._new_file = None if is_postgres_url(config.db_path) or Path(config.db_path).exists() else \
+            Path(config.db_path).resolve()
         self.store = open_store(config.db_path)
         self.book = DeploymentBook()
         self.metrics = ControlMetrics(self.state)
@@ -182,6 +186,14 @@ class ControlPlaneServer:
             except BaseException:  # else the file's lock stays held: a retry in this process found it in use
                 self.store.close()
                 raise
+
+    def _abandon_start(self) -> None:
+        """Close the store of a start that failed, and delete the SQLite file it created (and its lock)."""
+        self.store.close()
+        if self._new_file is not None:
+            for path in (self._new_file, *(self._new_file.with_name(self._new_file.name + end)
+                                           for end in ("-wal", "-shm", "-journal", ".lock"))):
+                path.unlink(missing_ok=True)
 
     @property
     def address(self) -> str:
@@ -222,14 +234,14 @@ class ControlPlaneServer:
         else:
             reason = "address in use or not local"
         if port == 0:
-            self.store.close()
+            self._abandon_start()
             raise ServerStartError(f"control plane cannot listen on {listen}: {reason}")
         self.port = port
         self.advertise = config.advertise or self.address
         try:
             host_port(self.advertise, "advertised address")
         except InvalidRequest as exc:
-            self.store.close()
+            self._abandon_start()
             raise ServerStartError(f"control plane cannot advertise itself: {exc}") from None
         # Unique per process: a restarted replica is a new holder, with a new fencing number.
         self.holder = f"{self.advertise}#{secrets.token_hex(4)}"
@@ -239,7 +251,7 @@ class ControlPlaneServer:
             try:
                 self._metrics_httpd, _ = start_http_server(config.metrics_port, config.host, self.metrics.registry)
             except OSError as exc:
-                self.store.close()
+                self._abandon_start()
                 raise ServerStartError(f"control plane cannot serve metrics on {config.host}:{config.metrics_port}: "
                                        f"{exc.strerror or exc}") from exc
             self.metrics_port = self._metrics_httpd.server_port
