@@ -332,6 +332,35 @@ async def test_a_standby_that_another_replica_led_during_its_load_does_not_lead_
         await replica.stop(grace_s=0)
 
 
+class LongLoad(SqliteStore):
+    """A shared database whose state takes one and a half leases to decode (plans of thousands of receivers), after
+    which another replica tries to take the lease."""
+
+    shared = True
+
+    def load(self, state: ControlState, now: float, *, lease_grace_s: float = 0.0) -> None:
+        time.sleep(1.5 * LEASE_S)
+        other = SqliteStore(self.where)
+        try:
+            self.taken_by_other = other.acquire_or_renew("other", "10.9.9.9:7000", LEASE_S, time.monotonic)
+        finally:
+            other.close()
+        super().load(state, now, lease_grace_s=lease_grace_s)
+
+
+async def test_a_standby_keeps_its_lease_through_a_load_longer_than_a_lease(tmp_path, monkeypatch):
+    """Found in review: the lease was not renewed while the state loaded, and a load longer than it (11.5 s for five
+    plans of 5,000 receivers, past the default 10 s lease) let another replica take it: every load could lose it."""
+    store = LongLoad(tmp_path / "cp.sqlite3")
+    monkeypatch.setattr("control_plane.server.open_store", lambda target: store)
+    replica = ControlPlaneServer(config(store.where, lease_s=LEASE_S))
+    try:
+        await replica.start()
+        assert store.taken_by_other is None and replica.leading, replica.deposed_reason
+    finally:
+        await replica.stop(grace_s=0)
+
+
 async def test_a_stuck_renewal_is_written_for_a_lease_from_when_it_ran(tmp_path, stuck):
     now = [1000.0]
     leader = ControlPlaneServer(config(tmp_path / "cp.sqlite3", lease_s=LEASE_S), monotonic=lambda: now[0])
