@@ -75,15 +75,6 @@ class Registration:
 
 
 @dataclass(frozen=True)
-class Lease:
-    """The server's answer to a heartbeat: the lease's length, and the cluster's data-plane key now (b"" with auth
-    off, or from a control plane that predates re-keying)."""
-
-    lease_s: float
-    data_key: bytes
-
-
-@dataclass(frozen=True)
 class Availability:
     """Both maps of one package, as the control plane knows them."""
 
@@ -211,10 +202,9 @@ class ControlPlaneClient:
                                                                 cached=blocks_to_proto(cached or {})))
         return Registration(reply.lease_s, reply.heartbeat_s, tuple(reply.unknown_packages), reply.data_key)
 
-    async def heartbeat(self, node_id: str) -> Lease:
-        """Renew the lease. :class:`UnknownWorker` means: register again."""
-        reply = await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id))
-        return Lease(reply.lease_s, reply.data_key)
+    async def heartbeat(self, node_id: str) -> float:
+        """Renew the lease; returns its length. :class:`UnknownWorker` means: register again."""
+        return (await self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id))).lease_s
 
     async def deregister(self, node_id: str) -> None:
         await self._call("Deregister", pb.DeregisterRequest(node_id=node_id))

@@ -69,7 +69,6 @@ from control_plane.store import FencedError, PendingFlush, Store
 from packager.errors import ManifestError
 from packager.manifest import validate_manifest
 from pipecast.core.credentials import (
-    KEY_SWITCH_HEARTBEATS,
     OPERATOR,
     CredentialError,
     Principal,
@@ -172,10 +171,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.probe = probe  # whether something listens at host, port (:func:`~control_plane.probe.listens`)
         self.book = book if book is not None else DeploymentBook()
         self.master = master  # empty: auth off
-        # Keys of the cluster without its revoked nodes (_rekey); the serving key before the last change, and until
-        # when (the monotonic clock) routers are still given it.
-        self.data_key = self.serving_key = b""
-        self._serving_before: tuple[bytes, float] | None = None
+        self.data_key = data_plane_key(master)
+        self.serving_key = serving_key(self.data_key)
         self.metrics = metrics
         self.heartbeat_s = heartbeat_s
         self.store = store
@@ -205,32 +202,6 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         for node, worker in self.state.workers.items():
             if worker.alive:
                 self.mailboxes.setdefault(node, Mailbox(node))
-        # Those of its revoked nodes: any switch to them was made where they were revoked (another replica; this
-        # process before a restart), and the workers hold them already.
-        self._rekey(switch=False)
-
-    def _rekey(self, *, switch: bool = True) -> None:
-        """The keys of the cluster without the nodes revoked now (:func:`~pipecast.core.credentials.data_plane_key`):
-        the workers learn the data-plane key at their next heartbeat, and each presents the key before for
-        ``KEY_SWITCH_HEARTBEATS`` heartbeats meanwhile; with ``switch``, so are routers given the serving key before
-        (:meth:`presented_serving_key`)."""
-        key = data_plane_key(self.master, self.state.revoked)
-        if key == self.data_key:
-            return
-        before = self.presented_serving_key()  # a switch still going on: routers hold the key before it
-        self.data_key, self.serving_key = key, serving_key(key)
-        self._serving_before = None
-        if before and switch:
-            switch_s = KEY_SWITCH_HEARTBEATS * self.heartbeat_s
-            self._serving_before = (before, self.monotonic() + switch_s)
-            log.warning("the cluster's data-plane and serving keys changed (revoked nodes: %d): workers learn them at "
-                        "their next heartbeat, routers in %g s", len(self.state.revoked), switch_s)
-
-    def presented_serving_key(self) -> bytes:
-        """The serving key routers present: the one before a change for its switch time, then the current one."""
-        if self._serving_before is not None and self.monotonic() < self._serving_before[1]:
-            return self._serving_before[0]
-        return self.serving_key
 
     @contextlib.asynccontextmanager
     async def handling(self, name: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
@@ -475,7 +446,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
         self.act_for(request.node_id)
         self.state.heartbeat(request.node_id, self.clock())
-        return pb.HeartbeatResponse(lease_s=self.state.lease_s, data_key=self.data_key)
+        return pb.HeartbeatResponse(lease_s=self.state.lease_s)
 
     @_rpc
     async def Deregister(self, request: pb.DeregisterRequest,
@@ -515,7 +486,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         rows = [(node, (w.spec, w.alive, held.get(node, {}), cached.get(node, {})), self._listed.get(node),
                  w.lease_expires - now) for node, w in sorted(self.state.workers.items())]
         response, made = await asyncio.to_thread(
-            collector_off, functools.partial(_workers_response, rows, self.presented_serving_key()))
+            collector_off, functools.partial(_workers_response, rows, self.serving_key))
         self._listed.update(made)
         return response
 
@@ -753,7 +724,6 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             changed = self.state.revoke(request.node_id, restore=request.restore)
             if changed and not request.restore:
                 self._close_mailbox(request.node_id)  # its assignment stream ends; registering again is refused
-            self._rekey()  # the keys it held go out of use
             await self.flush_encoded(durable=True)  # acknowledged, it holds after a restart or a takeover
         return pb.RevokeNodeResponse(revoked=sorted(self.state.revoked), changed=changed)
 

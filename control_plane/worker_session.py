@@ -13,10 +13,9 @@ acknowledged but not yet written to its database are restored. A refused token i
 of another node; so is a refused registration: :class:`InvalidRequest` (the agent's configuration) or
 :class:`NodeIdInUse` (another live agent has its node id). Retrying can fix none of them.
 
-Each registration brings the data-plane key (:attr:`WorkerSession.data_key`; b"" with auth off), and each heartbeat
-the key now: the agent keys its data-plane hello with it, and ``on_data_key(key, switch_s)`` is called whenever it
-changes (the first registration, a control plane restarted with another master token; with ``switch_s``, the
-time the key before is still presented, the cluster re-keyed against a revoked node).
+Each registration brings the data-plane key (:attr:`WorkerSession.data_key`; b"" with auth off): the
+agent keys its data-plane hello with it, and ``on_data_key`` is called whenever it changes (the first
+registration, a control plane restarted with another master token).
 
     session = WorkerSession(client, spec, holdings=store.holdings, on_data_key=transport.set_key)
     await session.start()
@@ -33,7 +32,6 @@ from control_plane.client import ControlPlaneClient, ReportStream
 from control_plane.errors import (
     ControlPlaneError, InvalidRequest, NodeIdInUse, PermissionDenied, Unauthenticated, UnknownWorker)
 from control_plane.messages import AssignmentUpdate, WorkerSpec
-from pipecast.core.credentials import KEY_SWITCH_HEARTBEATS
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +50,7 @@ class WorkerSession:
 
     def __init__(self, client: ControlPlaneClient, spec: WorkerSpec, holdings: Holdings, *,
                  report_delay_s: float = 0.05, retry_s: float = 1.0, heartbeat_s: float = 2.0,
-                 on_data_key: Callable[[bytes, float], None] | None = None, cached: Holdings | None = None,
+                 on_data_key: Callable[[bytes], None] | None = None, cached: Holdings | None = None,
                  node_id_wait_s: float = NODE_ID_WAIT_S):
         """``holdings`` gives the blocks held in memory, ``cached`` those in the disk cache, per package: each
         registration carries both (a package held in memory counts as held only). ``holdings`` runs on the
@@ -212,9 +210,7 @@ class WorkerSession:
             fatal = REFUSED if self.registered.is_set() else REGISTRATION_REFUSED
             try:
                 if self.registered.is_set():
-                    lease = await self.client.heartbeat(self.node_id)
-                    if lease.data_key:  # re-keyed against a revoked node ("" from an older control plane: kept)
-                        self._set_data_key(lease.data_key, KEY_SWITCH_HEARTBEATS * self.heartbeat_s)
+                    await self.client.heartbeat(self.node_id)
                     self._report_unknown_again()
                 else:
                     wanted = self._wanted
@@ -288,12 +284,12 @@ class WorkerSession:
         for package_id in sorted(self._unknown):
             self.report_verified(package_id, held[package_id])
 
-    def _set_data_key(self, key: bytes, switch_s: float = 0.0) -> None:
+    def _set_data_key(self, key: bytes) -> None:
         if key == self._data_key:
             return
         self._data_key = key
         if self._on_data_key is not None:
-            self._on_data_key(key, switch_s)
+            self._on_data_key(key)
 
     async def _report_loop(self) -> None:
         stream: ReportStream | None = None

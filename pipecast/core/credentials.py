@@ -5,9 +5,7 @@
   ``b"pipecast node token v1\\0" + node_id``)), names its node and proves the master's holder issued it:
   the control plane checks it without storing anything, and it lets its holder act for that node only.
 - The **data-plane key** HMAC-SHA256(master, ``b"pipecast data plane v1"``) keys the agents' mutual hello
-  before block transfers; the control plane hands it to registered workers. Once nodes are revoked, it is the
-  key of the cluster without them: the same HMAC over the label and each revoked node id (sorted), which no
-  revoked node was ever sent (:func:`data_plane_key`).
+  before block transfers; the control plane hands it to registered workers.
 - The **serving key** HMAC-SHA256(data-plane key, ``b"pipecast serving v1"``) is what the router and the
   serving workers present to a serving worker (header :data:`SERVING_KEY_HEADER`): a worker learns it from
   its node agent, the router from the control plane (or from the master token). Holding it lets one send
@@ -21,7 +19,6 @@ import base64
 import hashlib
 import hmac
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pipecast.core.errors import PipecastError
@@ -39,10 +36,6 @@ _SERVING_LABEL = b"pipecast serving v1"
 # is found offline. These bounds refuse the guessable ones (a random 16-character token holds ~95 bits).
 MIN_MASTER_CHARS = 16
 MIN_MASTER_DISTINCT = 8
-#: For how many heartbeats a key that another replaced is still presented (by the agents in their hellos, by the
-#: control plane to routers): the nodes learn the new key one after the other, each at its next heartbeat. It is
-#: accepted for twice as long.
-KEY_SWITCH_HEARTBEATS = 3
 #: The HTTP header that carries the serving key (hex) to a serving worker.
 SERVING_KEY_HEADER = "X-Pipecast-Serving-Key"
 _warned_auth_off: set[str] = set()
@@ -141,15 +134,10 @@ def principal_for(master: str, token: str) -> Principal | None:
     return Principal(node_id, NODE) if node_id is not None else None
 
 
-def data_plane_key(master: str, revoked: Iterable[str] = ()) -> bytes:
-    """The 32-byte key of the data-plane hello (agent-to-agent block transfers) while the nodes ``revoked`` are
-    (their tokens refused); b"" when ``master`` is empty (auth off). A function of the set alone, so that every
-    control plane replica derives the one its state gives; a node revoked was never sent the key of a set holding
-    it (while that set was the cluster's, the node was revoked), so a revocation re-keys the cluster against it,
-    and a restore gives back the key it knew."""
-    if not master:
-        return b""
-    return _hmac(master, _DATA_LABEL + b"".join(b"\0" + node.encode() for node in sorted(set(revoked))))
+def data_plane_key(master: str) -> bytes:
+    """The 32-byte key of the data-plane hello (agent-to-agent block transfers); b"" when ``master`` is
+    empty (auth off)."""
+    return _hmac(master, _DATA_LABEL) if master else b""
 
 
 def serving_key(data_key: bytes) -> bytes:

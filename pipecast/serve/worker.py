@@ -18,8 +18,7 @@ Credentials: a worker fed by its node agent asks it for the cluster's serving ke
 (:func:`pipecast.core.credentials.serving_key`; the agent answers once it has registered with its control
 plane) and from then on takes completion requests and pipeline stage calls only with that key
 (:meth:`ServingWorker.check_serving_key`, which the HTTP layer calls; a key it does not hold sends it to
-the agent again, rate-limited, as the cluster's credentials may have changed, and so does a request
-``KEY_REFRESH_S`` after it last asked: a revocation re-keys the cluster), and presents it to the
+the agent again, rate-limited, as the cluster's credentials may have changed), and presents it to the
 stages it calls. A worker without an agent, or serving its package folder while no agent answers, takes
 them without one, and says so in its log: as an agent with auth off. Serving its folder so, it asks the agent
 again every ``KEY_RECHECK_S`` and takes them only with the key once the agent answers.
@@ -118,12 +117,6 @@ RELEASE_DRAIN_POLL_S = 0.05
 #: waiting at most KEY_RECHECK_TIMEOUT_S for the answer.
 KEY_RECHECK_S = 5.0
 KEY_RECHECK_TIMEOUT_S = 2.0
-#: A key that another replaced is still taken for this long after the worker learned the new one (s): the routers
-#: and the workers calling its stages switch one after the other (each once it meets the new key).
-KEY_OVERLAP_S = 30.0
-#: A request this long after the worker last asked its agent for the key has it ask again first (s): a revocation
-#: re-keys the cluster, and a worker no request with the new key reaches would take the revoked node's for good.
-KEY_REFRESH_S = 10.0
 #: How often the loading thread checks whether the tokenizer is needed yet (s; a request wakes it at once).
 CODEC_POLL_S = 0.1
 #: A worker reads its tokenizer once it lacks at most this many blocks (it will serve whole requests soon),
@@ -215,7 +208,6 @@ class ServingWorker:
         self._key_known: asyncio.Event | None = None
         self._key_source: Path | str | None = None  # the agent that gave it
         self._key_asked_at = -math.inf
-        self._key_before: tuple[bytes, float] | None = None  # the key the last one replaced, taken until (monotonic)
 
     # --- life cycle ----------------------------------------------------------------------------------
 
@@ -371,7 +363,7 @@ class ServingWorker:
                 time.sleep(KEY_RECHECK_S if keyless else FOLLOW_AGENT_S)
 
     def _set_serving_key(self, key: bytes) -> None:
-        self._serving_key, self._key_asked_at = key, time.monotonic()
+        self._serving_key = key
         self.stage_client.headers = serving_headers(key)
         if not key:
             log.warning("serving worker: no cluster credentials: anyone who can reach this worker's port may "
@@ -388,17 +380,13 @@ class ServingWorker:
                 await asyncio.wait_for(self._key_known.wait(), timeout_s)
             except TimeoutError:
                 raise ServingKeyUnknownError(timeout_s) from None
-        if time.monotonic() - self._key_asked_at >= KEY_REFRESH_S:
-            await self._relearn_serving_key()
         if self._key_matches(presented) or (presented is not None and await self._relearn_serving_key()
                                             and self._key_matches(presented)):
             return
         raise ServingKeyError(presented is not None)
 
     def _key_matches(self, presented: str | None) -> bool:
-        key, before = self._serving_key, self._key_before
-        if before is not None and time.monotonic() < before[1] and presents_key(presented, before[0]):
-            return True
+        key = self._serving_key
         return not key or presents_key(presented, key)
 
     async def _relearn_serving_key(self) -> bool:
@@ -415,9 +403,7 @@ class ServingWorker:
         if key == self._serving_key:
             return False
         log.warning("the cluster's serving key changed (the agent holds other cluster credentials now): "
-                    "requests must present the new one (the one before is taken for %g s more)", KEY_OVERLAP_S)
-        if self._serving_key:
-            self._key_before = (self._serving_key, now + KEY_OVERLAP_S)
+                    "requests must present the new one")
         self._set_serving_key(key)
         return True
 

@@ -92,12 +92,10 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_s", "data_key")
+    __slots__ = ("lease_s",)
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
-    DATA_KEY_FIELD_NUMBER: _ClassVar[int]
     lease_s: float
-    data_key: bytes
-    def __init__(self, lease_s: _Optional[float] = ..., data_key: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, lease_s: _Optional[float] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("node_id",)

@@ -26,9 +26,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,24 +46,14 @@ class PeerAuth:
     The key is b"" when auth is off, and None while it is not known yet (an agent under a control plane
     learns it from its registration). The transports read it for every new connection, so a key set
     later (:meth:`set_key`) applies from then on.
-
-    A key that replaces another (the cluster re-keyed against a revoked node) comes with a switch time: the nodes
-    learn it one after the other (each at its next heartbeat), so for that long this node still presents the key
-    before (:attr:`presented`), and it accepts a hello keyed with it for twice as long (:meth:`key_for`): a node
-    that learned the new key later than this one still presents the old one meanwhile.
     """
 
-    def __init__(self, node_id: str, key: bytes | None = b"", *, require_key: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, node_id: str, key: bytes | None = b"", *, require_key: bool = False) -> None:
         self.node_id = node_id
         self._key = key
         self._known: asyncio.Event | None = None
         # A node given credentials of its own never turns auth off: an empty key sent to it is refused
         self._require_key = require_key
-        self._clock = clock
-        self._before: bytes = b""  # the key this one replaced, and until when it is presented
-        self._switch_at = 0.0
-        self._switch_s = 0.0
 
     @classmethod
     def from_token(cls, node_id: str, token: str) -> "PeerAuth":
@@ -82,40 +70,15 @@ class PeerAuth:
     @property
     def key_id(self) -> bytes:
         """8 bytes naming the key (not revealing it), so two nodes can tell that their keys differ."""
-        return key_id_of(self._key or b"")
+        return hmac.new(self._key or b"", _KEY_ID_CONTEXT, hashlib.sha256).digest()[:8]
 
-    @property
-    def presented(self) -> bytes:
-        """The key this node's hellos present: the one before the current for the switch time after a change."""
-        if self._before and self._clock() < self._switch_at + self._switch_s:
-            return self._before
-        return self._key or b""
-
-    def key_for(self, presented_id: bytes) -> bytes | None:
-        """The key a requester's hello names by ``presented_id``: the current one, or the one before it for twice
-        the switch time after a change; None for any other."""
-        if hmac.compare_digest(presented_id, self.key_id):
-            return self._key or b""
-        if self._before and self._clock() < self._switch_at + 2 * self._switch_s and \
-                hmac.compare_digest(presented_id, key_id_of(self._before)):
-            return self._before
-        return None
-
-    def set_key(self, key: bytes, switch_s: float = 0.0) -> None:
+    def set_key(self, key: bytes) -> None:
         """The data-plane key from now on (b"": auth off, unless the node was made with ``require_key``: then an
-        empty key is refused, logged, and the key stays what it was, so that connections keep failing closed).
-        A key that replaces another one goes into use over ``switch_s`` (the class docstring)."""
+        empty key is refused, logged, and the key stays what it was, so that connections keep failing closed)."""
         if not key and self._require_key:
             log.error("node %s holds credentials of its own but was sent an empty data-plane key (a control plane "
                       "without auth_token?): data-plane authentication stays on", self.node_id)
             return
-        if self._key and key and key != self._key and switch_s > 0:
-            log.warning("node %s: the cluster's data-plane key changed (a node's token was revoked); the key before "
-                        "is presented for %g s more and accepted for %g s", self.node_id, switch_s, 2 * switch_s)
-            # a switch still going on: the others may not have learned the key it switches to
-            self._before, self._switch_at, self._switch_s = self.presented, self._clock(), switch_s
-        elif key != self._key:
-            self._before = b""
         self._key = bytes(key)
         if self._known is not None:
             self._known.set()
@@ -132,11 +95,6 @@ class PeerAuth:
             except TimeoutError:
                 pass
         return self._key
-
-
-def key_id_of(key: bytes) -> bytes:
-    """8 bytes naming ``key`` (not revealing it), so two nodes can tell that their keys differ."""
-    return hmac.new(key, _KEY_ID_CONTEXT, hashlib.sha256).digest()[:8]
 
 
 def warn_open_data_plane(node_id: str) -> None:
@@ -319,10 +277,9 @@ class Transport(ABC):
         self.limits = HostRateLimits.of(caps)
         self.stats = TransportStats()
 
-    def set_key(self, key: bytes, switch_s: float = 0.0) -> None:
-        """The data-plane key from now on (b"": auth off); e.g. the one a control plane handed out, going into use
-        over ``switch_s`` where it replaces another (:class:`PeerAuth`)."""
-        self.auth.set_key(key, switch_s)
+    def set_key(self, key: bytes) -> None:
+        """The data-plane key from now on (b"": auth off); e.g. the one a control plane handed out."""
+        self.auth.set_key(key)
 
     def _listening(self) -> None:
         """Called by a backend's :meth:`listen`: warn if the data plane is open."""

@@ -23,10 +23,7 @@ never travels. ``K`` is the key, ``id(K)`` its 8-byte key id, ``Nc``/``Ns`` 32 r
 Each side checks the other's MAC over both fresh nonces, both node ids and the header format's magic (a
 recorded hello replays to nothing, a TCP hello proves nothing over UCX). Any
 failure is an ``AUTH_FAIL`` (UTF-8 reason) and the connection is closed: a missing hello, a wrong key
-(key ids differ), a bad or replayed MAC. Where the cluster's key changed (a node revoked), a node presents the key
-before for its switch time and takes a hello naming it for twice as long
-(:class:`~pipecast.agent.transport.base.PeerAuth`), so that nodes learning the new key at other moments still
-meet. A server without a key answers a hello with ``AUTH_FAIL``; a
+(key ids differ), a bad or replayed MAC. A server without a key answers a hello with ``AUTH_FAIL``; a
 server with one answers a request sent without a hello with ``AUTH_FAIL``. Without a key on either
 side no hello is sent (auth off, as in version 2). The requester's id in later requests must be the
 one it authenticated as.
@@ -88,7 +85,7 @@ from pipecast.agent.errors import (
     ServeWaitTimeoutError,
     UnknownPackageError,
 )
-from pipecast.agent.transport.base import PeerAuth, ServedPackages, key_id_of
+from pipecast.agent.transport.base import PeerAuth, ServedPackages
 
 log = logging.getLogger(__name__)
 
@@ -268,8 +265,7 @@ class ClientHello:
     def __init__(self, auth: PeerAuth, fmt: HeaderFormat, peer: str) -> None:
         if not auth.key:
             raise ValueError("a hello needs a data-plane key")
-        self.key = auth.presented  # the key before a change, for its switch time (PeerAuth)
-        self.key_id, self.magic, self.peer = key_id_of(self.key), fmt.magic, peer
+        self.key, self.key_id, self.magic, self.peer = auth.key, auth.key_id, fmt.magic, peer
         self.node = _node_id_bytes(auth.node_id)
         self.nonce = os.urandom(NONCE_BYTES)
 
@@ -297,7 +293,7 @@ class ServerHello:
     """The serving side of one hello (see the module docstring)."""
 
     def __init__(self, auth: PeerAuth, fmt: HeaderFormat) -> None:
-        self.auth, self.key, self.magic = auth, b"", fmt.magic
+        self.key, self.key_id, self.magic = auth.key or b"", auth.key_id, fmt.magic
         self.node = _node_id_bytes(auth.node_id)
         self.nonce = os.urandom(NONCE_BYTES)
         self.client_nonce = b""
@@ -310,12 +306,10 @@ class ServerHello:
         key_id = hello[:KEY_ID_BYTES]
         self.client_nonce = hello[KEY_ID_BYTES:KEY_ID_BYTES + NONCE_BYTES]
         self.client = hello[KEY_ID_BYTES + NONCE_BYTES:]
-        key = self.auth.key_for(key_id)  # the current key, or the one before it while a change goes round
-        if not key:
-            raise HelloRefused(_differing_keys(key_id, self.auth.key_id))
-        self.key = key
+        if key_id != self.key_id:
+            raise HelloRefused(_differing_keys(key_id, self.key_id))
         mac = _mac(self.key, b"server", self.magic, self.client_nonce, self.nonce, self.client, self.node)
-        return key_id + self.nonce + mac + self.node
+        return self.key_id + self.nonce + mac + self.node
 
     def check(self, proof: bytes) -> str:
         """The requester's node id, once its ``AUTH_PROOF`` checks out; :class:`HelloRefused` otherwise."""
