@@ -361,8 +361,9 @@ def cluster_status_command(ctx: click.Context, **options: Any) -> None:
     ctx.invoke(status_command.callback)
 
 
-#: How long `cp publish` waits for an alive store to report the package's blocks before it warns that it holds none.
-STORE_REPORT_WAIT_S = 5.0
+#: How many heartbeats (heartbeat_s) `cp publish` waits for an alive store to report the package's blocks before it
+#: warns that it holds none: a store registered before the publish reports the package at its next heartbeat.
+STORE_REPORT_WAIT_HEARTBEATS = 2.5
 #: The data-plane transports a store may serve over: the agents' ``agent_transport`` less ``auto`` (which an agent
 #: resolves to one of them).
 TRANSPORTS = tuple(name for name in get_args(Settings.model_fields["agent_transport"].annotation) if name != "auto")
@@ -391,13 +392,14 @@ def publish_command(ctx: click.Context, package_dir: Path, store_node: str, stor
         package_id = await client.publish_package(manifest, store)
         alive = any(w.alive and w.worker.peer.node_id == store_node for w in await client.list_workers())
         # A store that registered before the publish reports the package within a heartbeat of it.
-        holds, deadline = False, time.monotonic() + STORE_REPORT_WAIT_S
+        holds, deadline = False, time.monotonic() + wait_s
         while alive and not holds and time.monotonic() < deadline:
             holds = bool((await client.availability(package_id)).by_worker.get(store_node))
             if not holds:
                 await asyncio.sleep(0.2)
         return package_id, alive, before, holds
 
+    wait_s = STORE_REPORT_WAIT_HEARTBEATS * ctx.obj[0].heartbeat_s
     package_id, store_alive, before, holds = _run(ctx, publish)
     warnings = []
     if not store_alive:
@@ -406,9 +408,9 @@ def publish_command(ctx: click.Context, package_dir: Path, store_node: str, stor
                         f"warnings) until an agent serving it registers as {store_node!r} at {store_address}")
     elif not holds:  # found in review: a store whose agent dropped its seed gave no sign of it
         warnings.append(f"store node {store_node!r} holds none of the blocks of {package_id[:12]} "
-                        f"{STORE_REPORT_WAIT_S:g} s after the publish (its agent dropped them: `cp remove --force`, "
-                        "or a release from it; or it seeds another package): scale-ups from it fetch nothing until an "
-                        "agent seeding the package folder (`pipecast agent --seed`) serves it there")
+                        f"{wait_s:g} s after the publish: if its agent dropped them (`cp remove --force`, a release "
+                        "from it) or seeds another package, scale-ups from it fetch nothing until an agent seeding the "
+                        "package folder (`pipecast agent --seed`) serves it there")
     if before is not None and before != store_node:
         warnings.append(f"the package's store was {before!r}: it is {store_node!r} now ({before!r} may be released "
                         "from it, as any worker)")

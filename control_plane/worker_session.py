@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mappi
 
 from control_plane.client import ControlPlaneClient, ReportStream
 from control_plane.errors import (
-    ControlPlaneError, InvalidRequest, NodeIdInUse, PermissionDenied, Unauthenticated, UnknownWorker)
+    ChangeNotStored, ControlPlaneError, InvalidRequest, NodeIdInUse, PermissionDenied, Unauthenticated, UnknownWorker)
 from control_plane.messages import AssignmentUpdate, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,8 @@ class WorkerSession:
         if self._data_key is not None:
             try:
                 await self.client.deregister(self.node_id)
+            except ChangeNotStored as exc:  # made (the control plane's store writes it later): not a failure
+                log.info("deregistered node=%s, not stored yet: %s", self.node_id, exc)
             except ControlPlaneError as exc:
                 log.warning("deregister failed node=%s: %s", self.node_id, exc)
             self.registered.clear()

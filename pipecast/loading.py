@@ -15,7 +15,6 @@ function ``pipecast.load`` on the package as soon as anything imported it.
 
 import atexit
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -52,10 +51,11 @@ class LoadedModel:
                  on_close: Callable[[], None] | None = None):
         self.engine = engine
         self._on_close = on_close
-        # Closed once no one holds it (found in review: after `del model` its engine thread, block mappings and file
-        # descriptors stayed for the process's life); at exit by _close_open_models, in the exiting thread.
-        self._unreferenced = weakref.finalize(self, _close_in_background, engine, on_close)
-        self._unreferenced.atexit = False
+        # Dropped unclosed, it says so (found in review: after `del model` its engine thread, block mappings and file
+        # descriptors stayed for the process's life, unsaid). Not closed then: a stream or the engine taken from it
+        # may still be in use. At exit _close_open_models closes it.
+        self._unclosed = weakref.finalize(self, _warn_unclosed, engine.provider.manifest.package_id)
+        self._unclosed.atexit = False
         self.origin = origin
         """Where blocks come from: ``agent`` (multicast delivery) or ``local`` (the package folder)."""
         self.fully_loaded = engine.fully_loaded
@@ -120,8 +120,10 @@ class LoadedModel:
         weights are dropped first, so that the agent client can unmap the blocks) and its agent client. Models
         still open when the interpreter exits are closed then."""
         _OPEN.discard(self)
-        self._unreferenced.detach()
-        _close(self.engine, self._on_close)
+        self._unclosed.detach()
+        self.engine.close()
+        if self._on_close is not None:
+            self._on_close()
 
     def __enter__(self) -> "LoadedModel":
         return self
@@ -193,16 +195,10 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
 _OPEN: "weakref.WeakSet[LoadedModel]" = weakref.WeakSet()
 
 
-def _close(engine: "Engine", on_close: Callable[[], None] | None) -> None:
-    engine.close()
-    if on_close is not None:
-        on_close()
-
-
-def _close_in_background(engine: "Engine", on_close: Callable[[], None] | None) -> None:
-    """Close a model no one holds any more, in a thread of its own: the collector may run in any thread, the
-    engine's own included, which closing would join."""
-    threading.Thread(target=_close, args=(engine, on_close), name="pipecast-close-unreferenced", daemon=True).start()
+def _warn_unclosed(package_id: str) -> None:
+    logger.warning("a model of package %s was dropped without close(): its engine thread, memory mappings and agent "
+                   "connection stay until the process exits; call close(), or load it in a `with` block",
+                   package_id[:12])
 
 
 @atexit.register

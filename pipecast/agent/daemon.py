@@ -502,6 +502,7 @@ class AgentDaemon:
 
     async def _report_progress(self) -> None:
         last_in = last_out = 0
+        present: dict[str, int] = {}  # per package, the bytes held at the last line
         while True:
             await asyncio.sleep(PROGRESS_LOG_S)
             if self.transport is None:
@@ -509,12 +510,22 @@ class AgentDaemon:
             stats = self.transport.stats
             if (stats.bytes_received, stats.bytes_sent) == (last_in, last_out):
                 continue  # nothing moved: say nothing
+            rates = (format_rate((stats.bytes_received - last_in) / PROGRESS_LOG_S),
+                     format_rate((stats.bytes_sent - last_out) / PROGRESS_LOG_S))
+            # A line per package still arriving, not per package held (found in review: a store seeding ten
+            # packages logged ten lines every 5 s while it served one).
+            said = False
             for store in self.peer_server.stores.values():
                 p = store.progress()
-                log.info("agent %s: %s %d/%d blocks, %s of %s; in %s, out %s", self.node_id,
-                         store.package_id[:12], p.blocks_verified, p.blocks_total, format_bytes(p.bytes_present),
-                         format_bytes(p.bytes_total), format_rate((stats.bytes_received - last_in) / PROGRESS_LOG_S),
-                         format_rate((stats.bytes_sent - last_out) / PROGRESS_LOG_S))
+                if present.get(store.package_id) == p.bytes_present:
+                    continue
+                present[store.package_id], said = p.bytes_present, True
+                log.info("agent %s: %s %d/%d blocks, %s of %s; in %s, out %s", self.node_id, store.package_id[:12],
+                         p.blocks_verified, p.blocks_total, format_bytes(p.bytes_present), format_bytes(p.bytes_total),
+                         *rates)
+            if not said:
+                log.info("agent %s: serving; in %s, out %s", self.node_id, *rates)
+            present = {k: v for k, v in present.items() if k in self.peer_server.stores}
             last_in, last_out = stats.bytes_received, stats.bytes_sent
 
     def status(self) -> dict:

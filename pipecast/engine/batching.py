@@ -14,6 +14,7 @@ Single-threaded: the engine thread owns the scheduler.
 """
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -63,21 +64,20 @@ class Sequence:
     length: int = 0
     last_token: int = -1
     # tokens generated elsewhere, fed as the steps' tokens (not sampled, not emitted) before sampling goes on
-    forced: list[int] = field(default_factory=list)
+    forced: deque[int] = field(default_factory=deque)
 
     @classmethod
     def new(cls, prompt: list[int], params: SamplingParams, stream: TokenStream,
             forced: list[int] | None = None) -> "Sequence":
         return cls(prompt=prompt, params=params, stream=stream, generator=new_generator(params),
-                   forced=list(forced or ()))
+                   forced=deque(forced or ()))
 
-    def next_token(self, sampled: int | None) -> bool:
+    def next_token(self, sampled: int) -> bool:
         """Take the step's token: the next forced one, else ``sampled`` (handed to the stream); True if the
         sequence is finished with it."""
         if self.forced:
-            self.last_token = self.forced.pop(0)
+            self.last_token = self.forced.popleft()
             return False
-        assert sampled is not None
         return self.emit(sampled)
 
     def emit(self, token: int) -> bool:
@@ -199,10 +199,9 @@ class StepScheduler:
                 seq.next_layer, seq.next_stage = seq.next_layer + 1, 0
         if seq.next_layer < m.num_layers or not m.is_ready(HEAD):
             return
-        token = None
-        if not seq.forced:
-            logits = m.head(seq.hidden, last_only=True)[:, -1].float().cpu()
-            token = sample_tokens(logits, [seq.params], [seq.generator])[0]
+        # Sampled also where the token is forced: a seeded generator draws as it did where the tokens were made.
+        logits = m.head(seq.hidden, last_only=True)[:, -1].float().cpu()
+        token = sample_tokens(logits, [seq.params], [seq.generator])[0]
         self.prefilling.remove(seq)
         if seq.next_token(token):
             return

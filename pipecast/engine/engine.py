@@ -147,8 +147,8 @@ class Engine:
         made = [()] * len(prompts) if generated is None else list(generated)
         if len(made) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(made)} sequences of generated tokens")
-        # Checked whole: what was generated takes positions as the prompt does.
-        checked = [(self.check_prompt([*token_ids(p), *token_ids(g)], sp), len(token_ids(g)), sp)
+        # Checked whole: what was generated takes positions as the prompt does; the prompt alone must not be empty.
+        checked = [(self.check_prompt([*self._check_tokens(token_ids(p)), *token_ids(g)], sp), len(token_ids(g)), sp)
                    for p, g, sp in zip(prompts, made, each)]
         with self._cond:
             if self._closed:

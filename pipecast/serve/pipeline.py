@@ -649,8 +649,9 @@ class PipelineHead:
         self.local = local if dissolve != DISSOLVE_FINISH else None
         self.dissolve = dissolve
         self.cpus = cpus
-        #: Requests moved off their pipeline to this worker's engine.
+        #: Requests moved off their pipeline to this worker's engine; and of them those still running there.
         self.moved = 0
+        self.on_engine = 0
         #: Requests whose pipeline dissolved under them and that finished through it by choice (auto).
         self.kept = 0
         self._ids = iter(range(1 << 62))
@@ -702,7 +703,11 @@ class PipelineHead:
                     if local is not None:
                         self._close(route, session)  # the stages' sessions are no longer needed
                         closed = True
-                        await self._relay(local, len(history) - prompt_length, params, stream)
+                        self.on_engine += 1  # the engine's batch and queue count it from here (found in review)
+                        try:
+                            await self._relay(local, len(history) - prompt_length, params, stream)
+                        finally:
+                            self.on_engine -= 1
                         return
                     movable = move is None  # undecided: nothing measured yet, one more step first
                 started = time.monotonic()

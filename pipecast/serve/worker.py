@@ -615,8 +615,13 @@ class ServingWorker:
     @property
     def running(self) -> int:
         """Requests in the engine's batch (not those this worker heads through a pipeline: found in review, they
-        counted, so an idle engine showed a full batch and a queue, and refused requests as queue_full)."""
-        return min(self._submitted, self.config.max_batch)
+        counted, so an idle engine showed a full batch and a queue, and refused requests as queue_full; those moved
+        to it off a dissolving pipeline, yes)."""
+        return min(self._on_engine, self.config.max_batch)
+
+    @property
+    def _on_engine(self) -> int:
+        return self._submitted + (self._head.on_engine if self._head is not None else 0)
 
     @property
     def _running_on_model(self) -> int:
@@ -626,7 +631,7 @@ class ServingWorker:
     @property
     def queue_depth(self) -> int:
         """Requests admitted and waiting: for the model, or for a batch slot."""
-        return self._held + max(self._submitted - self.config.max_batch, 0)
+        return self._held + max(self._on_engine - self.config.max_batch, 0)
 
     def health(self) -> WorkerHealth:
         """The state now (see the module docstring for the statuses)."""

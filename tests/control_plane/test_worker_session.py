@@ -4,9 +4,11 @@ plane what its disk cache removed: a registration asked for while one was in fli
 removed package's cached blocks was sent all the same; a session registering again did not deregister on close."""
 
 import asyncio
+import logging
 
 import pytest
 
+from control_plane.errors import ChangeNotStored
 from control_plane.messages import PeerInfo, WorkerSpec
 from control_plane.worker_session import WorkerSession
 
@@ -100,3 +102,17 @@ async def test_a_session_registering_again_deregisters_when_it_closes():
     await until(lambda: len(plane.registrations) == 2, "the registration after A was removed")
     await session.close()
     assert plane.deregistered == ["a1"]
+
+
+async def test_a_deregistration_made_but_not_stored_yet_is_no_failure(caplog):
+    """Found in review: the control plane writes a deregistration before it answers now, and one whose write failed
+    (made all the same: the next flush writes it) was logged as a failed deregistration."""
+    session, plane = await session_over({})
+
+    async def not_stored(node_id):
+        raise ChangeNotStored("the change was made but not stored yet: database gone")
+
+    plane.deregister = not_stored
+    with caplog.at_level(logging.INFO, logger="control_plane.worker_session"):
+        await session.close()
+    assert "deregistered node=a1, not stored yet" in caplog.text and "deregister failed" not in caplog.text

@@ -3,6 +3,7 @@ their blocks arrive."""
 
 import threading
 import uuid
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -128,6 +129,14 @@ def test_a_request_moved_off_a_dissolving_pipeline_goes_on_with_the_single_node_
             rest = engine.submit(prompt, SamplingParams(max_tokens=16 - moved_after, stop_token_ids=stop),
                                  generated=so_far).result(30)
             assert so_far + rest == expected, (seed, moved_after)
+    # Seeded sampling draws as one node did (found in review: the forced prefill step drew nothing, one draw short).
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=1.0, seed=5)
+    whole = engine.generate(prompt, sampled, timeout=30)
+    for k in (1, 3, 6):
+        assert whole[:k] + engine.submit(prompt, replace(sampled, max_tokens=12 - k), generated=whole[:k]).result(30) \
+            == whole, k
+    with pytest.raises(InvalidRequestError, match="^the prompt is empty$"):  # found in review: an engine error
+        engine.submit([], SamplingParams(max_tokens=2), generated=[1, 2])
 
 
 def test_a_stage_runs_while_its_blocks_arrive_and_its_waits_have_deadlines(tmp_path):

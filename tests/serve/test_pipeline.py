@@ -1014,6 +1014,13 @@ async def test_a_request_whose_pipeline_dissolves_moves_to_the_head_or_finishes_
         await wait_health(http, a, lambda h: h["blocks_present"] == 2)
         # the tail runs the prefill and 3 decode steps, then holds the 5th call
         opened, calls = gate_after(await tail.wait_stage_runner(10), 4)
+        relay, on_engine = head._head._relay, []
+
+        async def counted(*args):  # found in review: a moved request counted neither in running nor in the queue
+            on_engine.append((head.running, head._pipelined))
+            await relay(*args)
+
+        head._head._relay = counted
         header = {PIPELINE_HEADER: route([(a, 0, 2), (b, 2, 6)])}
         request = asyncio.create_task(post(http, a, completion(24), header))
         await eventually(lambda: len(calls) == 5, 30)
@@ -1023,6 +1030,7 @@ async def test_a_request_whose_pipeline_dissolves_moves_to_the_head_or_finishes_
         opened.set()
         status, answer = await request
         assert status == 200 and answer["choices"][0]["token_ids"] == expected
+        assert on_engine == ([] if mode == "finish" else [(1, 1)]) and head.running == 0
         moved = (await wait_health(http, a, lambda h: h["pipeline_sessions"] == 0))["pipeline_moved"]
         assert moved == (0 if mode == "finish" else 1)
         # moved after the 5th token (the call held when the head became whole), or every token there
