@@ -354,7 +354,11 @@ class Router:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         self._monitor = HealthMonitor(self.pool, self._session, self.config.health_interval_s,
                                       self.config.health_timeout_s, self.clock)
-        await self.refresh_workers()
+        try:
+            await self.refresh_workers()
+        except BaseException:  # stopped while it waits on its control plane (found in review: its session unclosed)
+            await self.close()
+            raise
         self._discovery_task = asyncio.create_task(self._rediscover(), name="router discovery")
 
     def stop_accepting(self) -> None:

@@ -1323,3 +1323,24 @@ async def test_a_discovery_source_that_fails_is_warned_of_once_an_outage(caplog)
         assert warned[1] == "discovery of workers from control plane (stub) answers again"
     finally:
         await router.close()
+
+
+async def test_a_router_stopped_while_it_waits_on_its_control_plane_closes_its_session():
+    """Found in review: Ctrl-C while the router waited for its control plane's first answer left its upstream session
+    open ("Unclosed client session" at exit)."""
+    class Silent:
+        name = "control plane (stub)"
+        serving_key = b""
+
+        async def list_workers(self):
+            await asyncio.sleep(3600)
+
+        list_pipelines = list_routes = list_workers
+
+    router = Router(RouterConfig(discovery_timeout_s=3600), [Silent()])
+    starting = asyncio.ensure_future(router.start())
+    await asyncio.sleep(0.1)
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert router._session.closed
