@@ -75,6 +75,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from control_plane.errors import PermissionDenied, Unauthenticated
 from pipecast.core.credentials import SERVING_KEY_HEADER, presents_key, serving_headers
 from pipecast.core.httpserve import BodyTimeoutError, BodyTooLargeError, decode_json_body, read_body
 from pipecast.core.settings import Settings
@@ -291,6 +292,7 @@ class Router:
         self._serving_keys: dict[str, bytes] = {}  # worker URL -> the serving key requests to it present
         self._pipelines: dict[int, list[DiscoveredPipeline]] = {}
         self._failing: set[tuple[int, str]] = set()  # (source, what) whose last discovery failed
+        self._refused: Exception | None = None  # the last discovery's refusal of the router's token, if any
         self._routes: dict[int, RouteTable] = {}
         self._session: aiohttp.ClientSession | None = None
         self._monitor: HealthMonitor | None = None
@@ -356,6 +358,8 @@ class Router:
                                       self.config.health_timeout_s, self.clock)
         try:
             await self.refresh_workers()
+            if self._refused is not None:  # its configuration, which no retry mends (found in an operator's walk)
+                raise self._refused
         except BaseException:  # stopped while it waits on its control plane (found in review: its session unclosed)
             await self.close()
             raise
@@ -399,9 +403,11 @@ class Router:
                             "discovery of %s from %s failed, keeping its last %d: %s", what, source.name,
                             len(answers.get(index, ())), describe_exception(exc, self.config.discovery_timeout_s))
                     self._failing.add((index, what))
+                    self._refused = exc if isinstance(exc, (Unauthenticated, PermissionDenied)) else None
                     if what == "workers":  # most likely down: the rest would fail alike, each after its deadline
                         break
                 else:
+                    self._refused = None
                     if (index, what) in self._failing:
                         self._failing.discard((index, what))
                         log.warning("discovery of %s from %s answers again", what, source.name)

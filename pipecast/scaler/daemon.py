@@ -46,7 +46,8 @@ import aiohttp
 from yarl import URL
 
 from control_plane.deployments import Deployment, ScaleEvent
-from control_plane.errors import ChangeNotStored, ControlPlaneError, InsufficientWorkers
+from control_plane.errors import (
+    ChangeNotStored, ControlPlaneError, InsufficientWorkers, PermissionDenied, Unauthenticated)
 from control_plane.routes import RouteChange
 from pipecast.core import strictjson
 from pipecast.core.credentials import serving_headers
@@ -155,6 +156,7 @@ class Scaler:
         self._serving_key = b""  # what the routers' /stats ask of a caller (with credentials), from ListWorkers
         self.gate = Gate()
         self.failed_ticks = 0  # failed in a row, up to now
+        self.ticked = False  # whether a tick ever went through
 
     async def __aenter__(self) -> "Scaler":
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -164,19 +166,24 @@ class Scaler:
         await self._session.close()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Tick every ``tick_s`` until ``stop`` is set; a failed tick is logged and the next one tries again."""
+        """Tick every ``tick_s`` until ``stop`` is set; a failed tick is logged and the next one tries again, but
+        for a token refused before any tick went through (:class:`Unauthenticated`, :class:`PermissionDenied`:
+        raised, the daemon's configuration, which no retry mends; found in an operator's walk: it retried for
+        good, a warning a tick)."""
         while not stop.is_set():
             started = time.monotonic()
             try:
                 await self.tick()
             except ControlPlaneError as exc:
+                if isinstance(exc, (Unauthenticated, PermissionDenied)) and not self.ticked:
+                    raise
                 log.warning("scaler tick failed, holding every pool: %s", exc)
                 self.metrics.tick_failures.inc()
                 self.failed_ticks += 1
                 self._gap()
             else:
                 self.metrics.last_tick.set(self.clock())
-                self.failed_ticks = 0
+                self.failed_ticks, self.ticked = 0, True
             try:
                 left = max(self.config.tick_s - (time.monotonic() - started), 0.0)
                 await asyncio.wait_for(self._watch(stop), left)

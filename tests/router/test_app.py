@@ -1344,3 +1344,23 @@ async def test_a_router_stopped_while_it_waits_on_its_control_plane_closes_its_s
     with pytest.raises(asyncio.CancelledError):
         await starting
     assert router._session.closed
+
+
+async def test_a_router_whose_token_its_control_plane_refuses_does_not_start():
+    """Found in an operator's walk: it started, and logged a warning a discovery interval for good; no retry mends
+    a wrong token."""
+    from control_plane.errors import Unauthenticated
+
+    class Refusing:
+        name = "control plane (stub)"
+        serving_key = b""
+
+        async def list_workers(self):
+            raise Unauthenticated("control plane at cp:1 refused ListWorkers: missing or wrong token")
+
+        list_pipelines = list_routes = list_workers
+
+    router = Router(RouterConfig(), [Refusing()])
+    with pytest.raises(Unauthenticated, match="missing or wrong token"):
+        await router.start()
+    assert router._session.closed

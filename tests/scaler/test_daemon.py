@@ -15,7 +15,8 @@ import pytest
 from aiohttp import web
 
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
-from control_plane.errors import ChangeNotStored, ControlPlaneError, ControlPlaneUnavailable, InsufficientWorkers
+from control_plane.errors import (
+    ChangeNotStored, ControlPlaneError, ControlPlaneUnavailable, InsufficientWorkers, Unauthenticated)
 from control_plane.messages import PeerInfo
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
 from pipecast.core.credentials import SERVING_KEY_HEADER
@@ -729,6 +730,37 @@ async def test_failed_ticks_are_counted_and_shown_until_a_tick_reaches_the_contr
             await scaler.run(stop)  # one tick that reaches it
             assert scaler.failed_ticks == 0 and metric("pipecast_scaler_tick_failures_total") == 1
             assert metric("pipecast_scaler_last_tick_timestamp_seconds") == now[0] and scaler.tracked[PKG].history
+
+
+async def test_a_token_refused_before_any_tick_went_through_stops_the_daemon():
+    """Found in an operator's walk: with a wrong token the daemon retried for good, a warning a tick; no retry mends
+    it. Refused once it has ticked (the control plane restarted with another token), it holds and retries."""
+    now = [1000.0]
+    async with stub_router(stats()) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
+        async with Scaler(client, ScalerConfig(watch_s=0.0), **clocks(now)) as scaler:
+            stop = asyncio.Event()
+            listed = client.list_deployments
+
+            async def refused():
+                stop.set()
+                raise Unauthenticated("control plane at cp:1 refused ListDeployments: missing or wrong token")
+
+            client.list_deployments = refused
+            with pytest.raises(Unauthenticated, match="missing or wrong token"):
+                await scaler.run(stop)
+
+            async def reachable():
+                stop.set()
+                return await listed()
+
+            client.list_deployments = reachable
+            stop.clear()
+            await scaler.run(stop)
+            client.list_deployments = refused
+            stop.clear()
+            await scaler.run(stop)  # no tick in this run went through, but one did before: held
+            assert scaler.failed_ticks == 1
 
 
 async def test_a_canary_added_again_after_a_rollback_is_judged_on_its_requests_since():
