@@ -384,6 +384,7 @@ class Router:
 
     async def refresh_workers(self) -> None:
         """Ask every discovery source for its workers and make the pool hold their union."""
+        self._refused = None
         for index, source in enumerate(self._sources):
             # Each list with its own deadline, pipelines last: a slow pipeline forming (thousands of receivers
             # mid-transfer) must not hold back the workers or the routes (a canary's rollback).
@@ -403,11 +404,11 @@ class Router:
                             "discovery of %s from %s failed, keeping its last %d: %s", what, source.name,
                             len(answers.get(index, ())), describe_exception(exc, self.config.discovery_timeout_s))
                     self._failing.add((index, what))
-                    self._refused = exc if isinstance(exc, (Unauthenticated, PermissionDenied)) else None
+                    if isinstance(exc, (Unauthenticated, PermissionDenied)):
+                        self._refused = exc
                     if what == "workers":  # most likely down: the rest would fail alike, each after its deadline
                         break
                 else:
-                    self._refused = None
                     if (index, what) in self._failing:
                         self._failing.discard((index, what))
                         log.warning("discovery of %s from %s answers again", what, source.name)
