@@ -361,9 +361,11 @@ def cluster_status_command(ctx: click.Context, **options: Any) -> None:
     ctx.invoke(status_command.callback)
 
 
-#: How many heartbeats (heartbeat_s) `cp publish` waits for an alive store to report the package's blocks before it
-#: warns that it holds none: a store registered before the publish reports the package at its next heartbeat.
+#: How many heartbeats (heartbeat_s, this command's setting), and at least how long, `cp publish` waits for an alive
+#: store to report the package's blocks before it warns that it holds none: a store registered before the publish
+#: reports the package at its next heartbeat (the control plane's, which may be set otherwise than here).
 STORE_REPORT_WAIT_HEARTBEATS = 2.5
+STORE_REPORT_WAIT_MIN_S = 5.0
 #: The data-plane transports a store may serve over: the agents' ``agent_transport`` less ``auto`` (which an agent
 #: resolves to one of them).
 TRANSPORTS = tuple(name for name in get_args(Settings.model_fields["agent_transport"].annotation) if name != "auto")
@@ -399,7 +401,7 @@ def publish_command(ctx: click.Context, package_dir: Path, store_node: str, stor
                 await asyncio.sleep(0.2)
         return package_id, alive, before, holds
 
-    wait_s = STORE_REPORT_WAIT_HEARTBEATS * ctx.obj[0].heartbeat_s
+    wait_s = max(STORE_REPORT_WAIT_HEARTBEATS * ctx.obj[0].heartbeat_s, STORE_REPORT_WAIT_MIN_S)
     package_id, store_alive, before, holds = _run(ctx, publish)
     warnings = []
     if not store_alive:

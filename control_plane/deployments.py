@@ -255,6 +255,7 @@ class DeploymentBook:
         """Forget a deployment (its events stay); raises :class:`UnknownDeployment` if there is none."""
         if self.deployments.pop(package_id, None) is None:
             raise UnknownDeployment.named(package_id)
+        self.by_package.pop(package_id, None)  # its events stay in the database (found in review: kept for good)
         self.dirty_deployments.add(package_id)
 
     def priority_of(self, package_id: str) -> str:
@@ -288,7 +289,8 @@ class DeploymentBook:
 
     def _keep(self, event: ScaleEvent) -> None:
         self.events.append(event)
-        self.by_package.setdefault(event.package_id, deque(maxlen=EVENTS_PER_PACKAGE_IN_MEMORY)).append(event)
+        if event.package_id in self.deployments:  # a package's own only while it is deployed: memory stays bounded
+            self.by_package.setdefault(event.package_id, deque(maxlen=EVENTS_PER_PACKAGE_IN_MEMORY)).append(event)
 
     def change_route(self, change: RouteChange, published: Iterable[str], now: float) -> ModelRoute | None:
         """Apply ``change`` to its route (:func:`control_plane.routes.change_route`, which raises what is
@@ -318,10 +320,14 @@ class DeploymentBook:
                     through_seq: int | None = None) -> list[ScaleEvent]:
         """The latest ``limit`` events (0: :data:`DEFAULT_EVENTS_LIMIT`) after ``after_seq``, and up to
         ``through_seq`` if given, oldest first: of those in memory (:data:`EVENTS_IN_MEMORY` in all, and
-        :data:`EVENTS_PER_PACKAGE_IN_MEMORY` of each package)."""
+        :data:`EVENTS_PER_PACKAGE_IN_MEMORY` of each deployed package)."""
         last = self.last_seq if through_seq is None else through_seq
-        kept = self.by_package.get(package_id, ()) if package_id else self.events
-        chosen = [e for e in kept if after_seq < e.seq <= last]
+        if package_id:  # its own, and its among all (found in review: more of them there when it logged most)
+            kept = {e.seq: e for e in self.events if e.package_id == package_id}
+            kept.update((e.seq, e) for e in self.by_package.get(package_id, ()))
+            chosen = [kept[seq] for seq in sorted(kept) if after_seq < seq <= last]
+        else:
+            chosen = [e for e in self.events if after_seq < e.seq <= last]
         return chosen[-(limit or DEFAULT_EVENTS_LIMIT):]
 
     def restore(self, deployments: Sequence[Deployment], events: Sequence[ScaleEvent],

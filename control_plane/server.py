@@ -188,12 +188,14 @@ class ControlPlaneServer:
                 raise
 
     def _abandon_start(self) -> None:
-        """Close the store of a start that failed, and delete the SQLite file it created (and its lock)."""
-        self.store.close()
+        """Close the store of a start that failed, and delete the SQLite file it created (and its lock): deleted
+        first, while its lock is held (found in review: closed first, another process could open the path in between,
+        and lose its new database)."""
         if self._new_file is not None:
             for path in (self._new_file, *(self._new_file.with_name(self._new_file.name + end)
                                            for end in ("-wal", "-shm", "-journal", ".lock"))):
                 path.unlink(missing_ok=True)
+        self.store.close()
 
     @property
     def address(self) -> str:
@@ -224,8 +226,9 @@ class ControlPlaneServer:
             except StoreError as exc:  # the renewal after the load says so, or takes it again
                 log.warning("control plane %s cannot renew its lease while loading the state: %s", self.holder, exc)
                 continue
-            if lease is None or lease.fencing != fencing:  # the load goes on; the renewal after it steps down
+            if lease is None or lease.fencing != fencing:  # lost: not taken again meanwhile; the step-down follows
                 log.warning("control plane %s lost its lease while loading the state", self.holder)
+                break
         await loading
 
     def _read_store(self) -> None:
@@ -361,6 +364,9 @@ class ControlPlaneServer:
                 return
             if lease is None or lease.fencing != taken:  # another replica led (and wrote) meanwhile: stale state
                 self._step_down(f"control plane {self.holder} lost its lease while loading the state")
+                # Taken again under another number (lapsed meanwhile): given up, so another standby takes it now,
+                # not a lease later (found in review).
+                await asyncio.to_thread(self._release_lease)
                 return
             self._lease = lease
             await self._lead()

@@ -332,3 +332,17 @@ def test_the_book_keeps_one_spelling_per_router():
     urls = ("http://R:8080", "http://r:8080/", "https://Q:443/x", "https://q/x", "http://[::1]:80", "HTTP://r:8080")
     deployment = book.put(Deployment("p", ScalingPolicy(), urls), ["p"], 1.0)
     assert deployment.routers == ("http://r:8080", "https://q/x", "http://[::1]")
+
+
+def test_a_packages_listing_has_its_events_among_all_too_and_an_undeployed_ones_are_let_go(monkeypatch):
+    """Found in review: with its own kept to 2,000, a package that logged most of the 10,000 kept in all listed fewer
+    by name than in all; and a removed deployment's own stayed in memory for good."""
+    monkeypatch.setattr("control_plane.deployments.EVENTS_PER_PACKAGE_IN_MEMORY", 2)
+    book = DeploymentBook()
+    book.put(Deployment("p", ScalingPolicy()), ["p"], 1.0)
+    for i in range(5):
+        book.append(ScaleEvent(at=2.0 + i, package_id="p", action="hold", reason=f"{i}"))
+    assert [e.seq for e in book.list_events("p")] == [e.seq for e in book.list_events()] == [1, 2, 3, 4, 5]
+    assert [e.seq for e in book.list_events("p", after_seq=1, through_seq=3)] == [2, 3]
+    book.remove("p")
+    assert "p" not in book.by_package and len(book.list_events("p")) == 5  # among all still

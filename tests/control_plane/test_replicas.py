@@ -328,6 +328,13 @@ async def test_a_standby_that_another_replica_led_during_its_load_does_not_lead_
         await replica.start()
         assert not replica.leading
         assert replica.deposed_reason == f"control plane {replica.holder} lost its lease while loading the state"
+        # It took the lapsed lease again under another number, and gives it up (found in review: it kept it, and no
+        # standby could take over for another lease)
+        other = SqliteStore(tmp_path / "cp.sqlite3")
+        try:
+            assert other.acquire_or_renew("third", "10.9.9.8:7000", LEASE_S, time.monotonic) is not None
+        finally:
+            other.close()
     finally:
         await replica.stop(grace_s=0)
 

@@ -1275,6 +1275,7 @@ async def test_publish_warns_of_a_store_that_holds_none_of_the_package_and_of_a_
                                                                                               monkeypatch):
     """Found in review: a store whose agent had dropped its seed (`cp remove --force`, a release) was published again
     with no word, and its scale-ups fetched nothing for good; a publish naming another store replaced it silently."""
+    monkeypatch.setattr("control_plane.command.STORE_REPORT_WAIT_MIN_S", 0.0)
     monkeypatch.setenv("PIPECAST_HEARTBEAT_S", "0.12")  # 2.5 heartbeats: 0.3 s
     pid = _valid_package(tmp_path / "pkg")
     async with ControlPlaneClient(server.address, token=TOKEN, timeout_s=WAIT_S) as client:
