@@ -121,7 +121,6 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
         logger.info("dequantizing %s to %s", gguf, dtype)
         progress.start(3, f"convert {name}", unit="step")
         try:
-            progress.status("metadata")
             _check_sizes(gguf, folder, name)
             progress.status("tokenizer")
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
