@@ -124,7 +124,8 @@ class Statements:
         # packages, past a lease).
         self.latest_package_events = (
             "SELECT seq, event FROM (SELECT seq, event, row_number() OVER (PARTITION BY package_id ORDER BY seq DESC) "
-            f"AS latest FROM scale_events) AS ranked WHERE latest <= {p}")
+            "AS latest FROM scale_events WHERE package_id IN (SELECT package_id FROM deployments)) AS ranked "
+            f"WHERE latest <= {p}")  # of deployed packages only: the book keeps no others' own
         self.prune = {"scale_events": f"DELETE FROM scale_events WHERE seq <= {p}"}
         self.no_leader = ("INSERT INTO leader (id, holder, address, fencing, expires_at) VALUES (1, '', '', 0, 0) "
                           "ON CONFLICT (id) DO NOTHING")

@@ -291,7 +291,7 @@ class Router:
         self._discovered: dict[int, list[DiscoveredWorker]] = {}
         self._serving_keys: dict[str, bytes] = {}  # worker URL -> the serving key requests to it present
         self._pipelines: dict[int, list[DiscoveredPipeline]] = {}
-        self._failing: set[tuple[int, str]] = set()  # (source, what) whose last discovery failed
+        self._failing: dict[tuple[int, str], str] = {}  # (source, what) whose last discovery failed: how
         self._refused: Exception | None = None  # the last discovery's refusal of the router's token, if any
         self._routes: dict[int, RouteTable] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -399,18 +399,19 @@ class Router:
                 # the pool: keep the source's last answer and try again next interval.
                 except Exception as exc:
                     # Warned of once an outage (then at debug level): a control plane down for an hour logged
-                    # lines every interval.
-                    log.log(logging.DEBUG if (index, what) in self._failing else logging.WARNING,
+                    # lines every interval; again when it fails otherwise (found in review: down at the router's
+                    # start, then refusing its token, it said nothing of the refusal).
+                    how = type(exc).__name__
+                    log.log(logging.DEBUG if self._failing.get((index, what)) == how else logging.WARNING,
                             "discovery of %s from %s failed, keeping its last %d: %s", what, source.name,
                             len(answers.get(index, ())), describe_exception(exc, self.config.discovery_timeout_s))
-                    self._failing.add((index, what))
+                    self._failing[(index, what)] = how
                     if isinstance(exc, (Unauthenticated, PermissionDenied)):
                         self._refused = exc
                     if what == "workers":  # most likely down: the rest would fail alike, each after its deadline
                         break
                 else:
-                    if (index, what) in self._failing:
-                        self._failing.discard((index, what))
+                    if self._failing.pop((index, what), None) is not None:
                         log.warning("discovery of %s from %s answers again", what, source.name)
         found_workers = [found for index in sorted(self._discovered) for found in self._discovered[index]]
         members = {found.url: found.node_id for found in found_workers}

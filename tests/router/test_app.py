@@ -1364,3 +1364,35 @@ async def test_a_router_whose_token_its_control_plane_refuses_does_not_start():
     with pytest.raises(Unauthenticated, match="missing or wrong token"):
         await router.start()
     assert router._session.closed
+
+
+async def test_a_source_that_fails_otherwise_is_warned_of_again(caplog):
+    """Found in review: a control plane down at the router's start, then up and refusing its token, was warned of
+    once (down) and its refusal only at debug level: the router served nothing, and said nothing why."""
+    from control_plane.errors import Unauthenticated
+
+    class DownThenRefusing:
+        name = "control plane (stub)"
+        serving_key = b""
+        up = False
+
+        async def list_workers(self):
+            if not self.up:
+                raise ConnectionRefusedError(111, "Connection refused")
+            raise Unauthenticated("control plane at cp:1 refused ListWorkers: missing or wrong token")
+
+        list_pipelines = list_routes = list_workers
+
+    source = DownThenRefusing()
+    router = Router(RouterConfig(discovery_timeout_s=0.3, discovery_interval_s=3600), [source])
+    await router.start()
+    try:
+        source.up = True
+        with caplog.at_level(logging.WARNING, logger="pipecast.router.app"):
+            for _ in range(2):
+                await router.refresh_workers()
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert "Connection refused" in warned[0] and len(warned) == 2, warned  # at the start, then the refusal once
+        assert "missing or wrong token" in warned[1]
+    finally:
+        await router.close()
