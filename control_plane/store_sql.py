@@ -18,9 +18,9 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
@@ -36,6 +36,7 @@ from pipecast.core.strictjson import JSONInputError, describe, loads
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SCHEMA_VERSION = 1
 # A node whose token is revoked (ControlState.revoked) is a meta row with this key prefix, not a table of its own:
@@ -480,25 +481,19 @@ class SqlStore(abc.ABC):
             deployment_rows, route_rows = self._rows("deployments"), self._rows("routes")
             rows = dict(self._db.execute(self._sql.latest_events, (EVENTS_IN_MEMORY,)).fetchall())
             rows.update(self._db.execute(self._sql.latest_package_events, (EVENTS_PER_PACKAGE_IN_MEMORY,)).fetchall())
-        deployments = []
-        for package_id, text in deployment_rows:
+        book.restore(self._decoded("deployments", deployment_rows, Deployment.from_json),
+                     self._decoded("scale_events", sorted(rows.items()), ScaleEvent.from_json),
+                     self._decoded("routes", route_rows, ModelRoute.from_json))
+
+    def _decoded(self, table: str, rows: Iterable[tuple[Any, str]], parse: Callable[[Any], T]) -> list[T]:
+        """Each (key, JSON text) row of ``table`` parsed; :class:`CorruptStateError` naming the first that is not."""
+        parsed = []
+        for key, text in rows:
             try:
-                deployments.append(Deployment.from_json(loads(text)))
+                parsed.append(parse(loads(text)))
             except _DECODE_ERRORS as exc:
-                raise self._corrupt("deployments", package_id, exc) from None
-        events = []
-        for seq in sorted(rows):
-            try:
-                events.append(ScaleEvent.from_json(loads(rows[seq])))
-            except _DECODE_ERRORS as exc:
-                raise self._corrupt("scale_events", seq, exc) from None
-        routes = []
-        for name, text in route_rows:
-            try:
-                routes.append(ModelRoute.from_json(loads(text)))
-            except _DECODE_ERRORS as exc:
-                raise self._corrupt("routes", name, exc) from None
-        book.restore(deployments, events, routes)
+                raise self._corrupt(table, key, exc) from None
+        return parsed
 
     # ----- writing -----
 
