@@ -6,11 +6,11 @@ Settings come from pipecast's settings (env ``PIPECAST_*``, ``--config`` TOML); 
 """
 
 import asyncio
-import time
 import dataclasses
 import json
 import re
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path

@@ -199,7 +199,7 @@ def check_router_url(url: str, package_id: str) -> str:
     parts = urlsplit(base)
     if "@" in parts.netloc:  # listed to every caller and logged: the routers take the serving key instead
         raise InvalidRequest(f"deployment of package {package_id!r}: router URL with credentials refused")
-    endpoint = next((e for e in ROUTER_ENDPOINTS if parts.path == e or parts.path.endswith(e)), None)
+    endpoint = next((e for e in ROUTER_ENDPOINTS if parts.path.endswith(e)), None)
     if endpoint is not None:  # found in review: the daemon polled .../stats/stats, and held with no signals
         raise InvalidRequest(f"deployment of package {package_id!r}: router {url!r} names the router's {endpoint} "
                              f"endpoint; give its base URL ({base[:len(base) - len(endpoint)] or base})")

@@ -372,7 +372,7 @@ class ControlState:
 
     def _resume(self, node: str, now: float) -> None:
         """Plan the rest of every package ``node`` was receiving when its lease lapsed."""
-        self.dirty.lapsed.add(node)
+        self._drop_lapsed(node)
         for package_id in sorted(self.lapsed.pop(node, ())):
             if package_id not in self.packages:
                 continue
@@ -477,6 +477,11 @@ class ControlState:
         self.lapsed.setdefault(node, set()).update(package_ids)
         self.dirty.lapsed.add(node)
 
+    def _drop_lapsed(self, node: str) -> None:
+        """``node``'s stored row goes with its entry, if it has one (every registration comes here: no write else)."""
+        if node in self.lapsed:
+            self.dirty.lapsed.add(node)
+
     def restore_lapsed(self, node: str, package_ids: Collection[str]) -> None:
         """Loading: ``node`` was receiving ``package_ids`` when its lease lapsed (those still published count)."""
         known = {p for p in package_ids if p in self.packages}
@@ -486,8 +491,8 @@ class ControlState:
     def _forget(self, node: str) -> None:
         """Remove every trace of ``node`` (it left every plan and availability already)."""
         del self.workers[node]
+        self._drop_lapsed(node)
         self.lapsed.pop(node, None)
-        self.dirty.lapsed.add(node)
         self._clear_dropping(node)
         self._forget_cached(node)
         self.dirty.workers.add(node)

@@ -147,9 +147,11 @@ class Engine:
         made = [()] * len(prompts) if generated is None else list(generated)
         if len(made) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(made)} sequences of generated tokens")
-        # Checked whole: what was generated takes positions as the prompt does; the prompt alone must not be empty.
-        checked = [(self.check_prompt([*self._check_tokens(token_ids(p)), *token_ids(g)], sp), len(token_ids(g)), sp)
-                   for p, g, sp in zip(prompts, made, each)]
+        checked = []
+        for p, g, sp in zip(prompts, made, each):
+            prompt, forced = self._check_tokens(token_ids(p)), token_ids(g)  # the prompt alone must not be empty
+            self.check_prompt([*prompt, *forced], sp)  # what was generated takes positions as the prompt does
+            checked.append((prompt, forced, sp))
         with self._cond:
             if self._closed:
                 raise EngineClosedError()
@@ -158,8 +160,7 @@ class Engine:
             self.model.check_failed()
             if len(self._incoming) + len(checked) > self.max_queue:
                 raise EngineOverloadedError(len(self._incoming))
-            seqs = [Sequence.new(p[:len(p) - k], sp, TokenStream(next(self._ids), self._cancel), forced=p[len(p) - k:])
-                    for p, k, sp in checked]
+            seqs = [Sequence.new(p, sp, TokenStream(next(self._ids), self._cancel), forced=g) for p, g, sp in checked]
             self._incoming.extend(seqs)
             self._cond.notify_all()
         return [seq.stream for seq in seqs]

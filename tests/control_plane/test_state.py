@@ -1744,3 +1744,12 @@ def test_a_receiver_registering_with_another_transport_resumes_though_a_chain_ha
     state.register(spec("x", transports=("tcp",)), {"pkg": [0, 1]}, now=2)  # no Conflict
     assert any("x" in active.pending for active in state.plans.values())
     assert "x" not in {f.parent for f in state.plans[behind.plan_id].parts["y"].fetch}
+
+
+def test_a_registration_of_a_node_with_nothing_to_resume_writes_no_lapsed_row():
+    """Every registration looks for packages to resume: one with none marked a stored row to delete (a write a
+    registration, thousands when a fleet registers again)."""
+    state = cluster(2)
+    state.dirty = type(state.dirty)()
+    state.register(spec("w9"), {}, now=1)
+    assert state.dirty.lapsed == set()

@@ -700,6 +700,18 @@ async def test_failed_ticks_keep_no_more_history_than_the_policy_looks_back_on()
             assert len(scaler.tracked[PKG].history) == HISTORY_S / 2.0 + 1
 
 
+async def one_tick(scaler: Scaler, client, list_deployments) -> None:
+    """Run ``scaler`` for one tick, its client's ListDeployments answering as ``list_deployments`` does."""
+    stop = asyncio.Event()
+
+    async def answer():
+        stop.set()
+        return await list_deployments()
+
+    client.list_deployments = answer
+    await scaler.run(stop)
+
+
 async def test_failed_ticks_are_counted_and_shown_until_a_tick_reaches_the_control_plane():
     """Found in review: a daemon whose every tick failed (the control plane out of reach, its token refused)
     showed nothing of it but a log line: /health said ok and no metric told."""
@@ -708,26 +720,16 @@ async def test_failed_ticks_are_counted_and_shown_until_a_tick_reaches_the_contr
         client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
         async with Scaler(client, ScalerConfig(watch_s=0.0), **clocks(now)) as scaler:
             metric = scaler.metrics.registry.get_sample_value
-            stop = asyncio.Event()
             listed = client.list_deployments
 
             async def unreachable():
-                stop.set()
                 raise ControlPlaneError("control plane unreachable")
 
-            client.list_deployments = unreachable
-            await scaler.run(stop)  # one failed tick
+            await one_tick(scaler, client, unreachable)  # one failed tick
             assert scaler.failed_ticks == 1 and metric("pipecast_scaler_tick_failures_total") == 1
             assert metric("pipecast_scaler_last_tick_timestamp_seconds") == 0  # never set
-
-            async def reachable():
-                stop.set()
-                return await listed()
-
-            client.list_deployments = reachable
-            stop.clear()
             now[0] += 1.0
-            await scaler.run(stop)  # one tick that reaches it
+            await one_tick(scaler, client, listed)  # one tick that reaches it
             assert scaler.failed_ticks == 0 and metric("pipecast_scaler_tick_failures_total") == 1
             assert metric("pipecast_scaler_last_tick_timestamp_seconds") == now[0] and scaler.tracked[PKG].history
 
@@ -739,27 +741,15 @@ async def test_a_token_refused_before_any_tick_went_through_stops_the_daemon():
     async with stub_router(stats()) as (url, _):
         client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
         async with Scaler(client, ScalerConfig(watch_s=0.0), **clocks(now)) as scaler:
-            stop = asyncio.Event()
             listed = client.list_deployments
 
             async def refused():
-                stop.set()
                 raise Unauthenticated("control plane at cp:1 refused ListDeployments: missing or wrong token")
 
-            client.list_deployments = refused
             with pytest.raises(Unauthenticated, match="missing or wrong token"):
-                await scaler.run(stop)
-
-            async def reachable():
-                stop.set()
-                return await listed()
-
-            client.list_deployments = reachable
-            stop.clear()
-            await scaler.run(stop)
-            client.list_deployments = refused
-            stop.clear()
-            await scaler.run(stop)  # no tick in this run went through, but one did before: held
+                await one_tick(scaler, client, refused)
+            await one_tick(scaler, client, listed)
+            await one_tick(scaler, client, refused)  # no tick in this run went through, but one did before: held
             assert scaler.failed_ticks == 1
 
 
