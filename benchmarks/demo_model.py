@@ -10,6 +10,7 @@ from pathlib import Path
 
 from packager.errors import PackageError
 from packager.gguf_convert import convert_gguf
+from packager.layout import default_layers_per_block
 from packager.manifest import MANIFEST_FILE, read_manifest
 from packager.pack import pack
 from pipecast.core.units import DEFAULT_CHUNK_BYTES
@@ -52,14 +53,24 @@ def demo_checkpoint(cache: Path) -> Path:
     return out
 
 
-def demo_package(cache: Path, *, chunk_bytes: int | None = None) -> Path:
-    """The block package of the demo model, packed on first use."""
+def demo_package(cache: Path) -> Path:
+    """The block package of the demo model as ``pipecast pack`` cuts it by default, packed on first use and again
+    when the cached one was cut otherwise (by an older default)."""
     out = Path(cache) / "packages" / MODEL_NAME
     try:
-        read_manifest(out)
-        return out
+        manifest = read_manifest(out)
     except PackageError:
         check_demo_output(out, MANIFEST_FILE)
-    pack(demo_checkpoint(cache), out, model_name=MODEL_NAME, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
-         overwrite=True)
+    else:
+        if _packed_by_default(manifest):
+            return out
+        logger.warning("packing %s again: the cached package in %s is not cut as pack now cuts it by default",
+                       MODEL_NAME, out)
+    pack(demo_checkpoint(cache), out, model_name=MODEL_NAME, overwrite=True)
     return out
+
+
+def _packed_by_default(manifest) -> bool:
+    per = default_layers_per_block(manifest.num_layers)
+    return all(b.layer_start == i * per and b.layer_end == min((i + 1) * per, manifest.num_layers)
+               and b.chunk_bytes == DEFAULT_CHUNK_BYTES for i, b in enumerate(manifest.blocks))

@@ -51,7 +51,8 @@ def pack_command(src, out, layers_per_block, block_bytes, chunk_bytes, model_nam
     SRC may be in MLflow instead (extra: mlflow): models:/NAME/VERSION or models:/NAME@ALIAS (a registered
     model version, named NAME in the manifest unless --name says) or runs:/RUN_ID/PATH (a run's artifacts).
 
-    By default each block holds ceil(layers / 8) layers: at most 8 blocks, the last may hold fewer.
+    By default each block holds ceil(layers / 32) layers: at most 32 blocks (one layer a block up to 32 layers),
+    the last may hold fewer; pipelines across nodes need blocks that small.
     """
     if layers_per_block and block_bytes:
         raise click.UsageError("give --layers-per-block or --block-bytes, not both")

@@ -100,16 +100,26 @@ class BlockLayout:
     tensor_names: tuple[str, ...]
 
 
+#: Most blocks a package is cut into by default. Pipelines across nodes need blocks small enough for K sources
+#: (up to 8) to bring each of K groups of receivers about S/K bytes: with lambda-scale's 8 blocks the demo model's
+#: first (the embeddings with layers 0-3, 81 MiB) alone took 0.32 x S/B over one link, and no pipeline answers
+#: before its head stage holds it. One-layer blocks cost the whole-model path nothing measurable (docs/benchmarks.md).
+DEFAULT_MAX_BLOCKS = 32
+
+
+def default_layers_per_block(num_layers: int) -> int:
+    """The layers a block holds by default: ceil(``num_layers`` / :data:`DEFAULT_MAX_BLOCKS`)."""
+    return -(-num_layers // DEFAULT_MAX_BLOCKS)
+
+
 def plan_blocks(sizes: dict[str, int], *, num_layers: int | None = None, layers_per_block: int | None = None,
-                block_bytes: int | None = None, default_blocks: int = 8,
-                where: str = "checkpoint") -> list[BlockLayout]:
+                block_bytes: int | None = None, where: str = "checkpoint") -> list[BlockLayout]:
     """Split tensors (name -> bytes) into contiguous layer-range blocks.
 
     With ``layers_per_block`` each block holds that many layers; with ``block_bytes`` consecutive layers
     are grouped while the block stays within the target (at least one layer each); with neither, the
-    model is cut into blocks of ceil(layers / ``default_blocks``) layers, at most ``default_blocks`` of them (the
-    last may hold fewer; lambda-scale uses 8). ``where``
-    names the checkpoint in errors.
+    model is cut into blocks of :func:`default_layers_per_block` layers (the last may hold fewer). ``where`` names
+    the checkpoint in errors.
     """
     if layers_per_block is not None and block_bytes is not None:
         raise ValueError("give layers_per_block or block_bytes, not both")
@@ -144,7 +154,7 @@ def plan_blocks(sizes: dict[str, int], *, num_layers: int | None = None, layers_
         ranges = _ranges_by_bytes(layer_bytes, block_bytes, sum(sizes[n] for n in first),
                                   sum(sizes[n] for n in last))
     else:
-        per = layers_per_block or -(-count // default_blocks)
+        per = layers_per_block or default_layers_per_block(count)
         ranges = [(s, min(s + per, count)) for s in range(0, count, per)]
     blocks = []
     for i, (start, end) in enumerate(ranges):

@@ -47,14 +47,21 @@ def test_unplaceable_tensors_are_listed():
                                "mystery, vision_tower.patch.weight")
 
 
-def test_default_is_eight_blocks_of_equal_layers():
-    sizes = {f"model.layers.{i}.w": 10 for i in range(30)} | {"model.embed_tokens.weight": 5,
-                                                             "model.norm.weight": 1}
-    blocks = plan_blocks(sizes)
-    assert [(b.layer_start, b.layer_end) for b in blocks] == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20),
-                                                             (20, 24), (24, 28), (28, 30)]
+def _layers(count: int) -> dict[str, int]:
+    return {f"model.layers.{i}.w": 10 for i in range(count)} | {"model.embed_tokens.weight": 5,
+                                                               "model.norm.weight": 1}
+
+
+def test_default_is_one_layer_a_block_up_to_32_layers():
+    blocks = plan_blocks(_layers(30))
+    assert [(b.layer_start, b.layer_end) for b in blocks] == [(i, i + 1) for i in range(30)]
     assert "model.embed_tokens.weight" in blocks[0].tensor_names
     assert "model.norm.weight" in blocks[-1].tensor_names
+
+
+def test_default_is_at_most_32_blocks_of_equal_layers():
+    blocks = plan_blocks(_layers(80))
+    assert [(b.layer_start, b.layer_end) for b in blocks] == [(i, i + 3) for i in range(0, 78, 3)] + [(78, 80)]
 
 
 def test_blocks_stream_in_layer_order_so_each_layer_can_run_before_its_block_is_complete():
