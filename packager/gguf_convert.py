@@ -6,6 +6,7 @@ to a dense model, which is saved once as a Hugging Face safetensors checkpoint t
 
 import functools
 import logging
+import os
 import re
 import struct
 import tempfile
@@ -95,13 +96,25 @@ def _check_sizes(gguf: Path, folder: str, name: str) -> None:
         raise CheckpointError(f"{gguf}: its metadata makes a model of {need:,} weights, its tensors hold {have:,}")
 
 
+def _why_not_a_checkpoint(folder: Path) -> str | None:
+    """What makes ``folder`` other than a checkpoint folder this command may have written (config.json, the
+    weights, no subfolder), or None."""
+    if not (folder / "config.json").is_file():
+        return "without config.json"
+    if not any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        return "without model.safetensors"
+    sub = next((entry.name for entry in os.scandir(folder) if entry.is_dir(follow_symlinks=False)), None)
+    return None if sub is None else f"holding a folder ({sub})"
+
+
 def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: bool = False,
                  progress: Progress = NO_PROGRESS) -> Path:
     """Dequantize ``gguf`` into the checkpoint folder ``out`` (written atomically); return ``out``.
 
     An existing ``out`` is replaced only with ``overwrite`` (``--force``), and only if it is a checkpoint folder
-    (it holds config.json), an empty folder, a file or a symlink: otherwise :class:`PackageError`, as for an
-    ``out`` whose replacement would delete ``gguf`` (its folder, or the file itself), or one under a file.
+    (config.json and model.safetensors, no subfolder), an empty folder, a file or a symlink: otherwise
+    :class:`PackageError`, as for an ``out`` whose replacement would delete ``gguf`` (its folder, or the file
+    itself), one under a file, or a mount point.
     A GGUF the model cannot be whole from (a tensor missing, a shape its metadata contradicts, a quantization type
     gguf cannot dequantize) is a :class:`CheckpointError`, and leaves no ``out``.
     ``progress`` gets a bar over the three steps: tokenizer, dequantize, save.
@@ -109,49 +122,53 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
     gguf, out = Path(gguf), Path(out)
     if not gguf.is_file():
         raise CheckpointError(f"{gguf}: no such GGUF file")
-    check_replaceable(out, overwrite=overwrite, marker="config.json", what="a checkpoint folder")
+    check_replaceable(out, overwrite=overwrite, why_not=_why_not_a_checkpoint, what="a checkpoint folder")
     check_output_parent(out)
     # --force moves OUT aside and deletes it: OUT the GGUF's own folder would take the GGUF with it
     check_output_spares_source(out, gguf, [gguf], "the GGUF file being converted")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    with _without_transformers_bars(), _gguf_alone(gguf) as folder, atomic_directory(out, overwrite=overwrite) as tmp:
-        name = gguf.name
-        logger.info("dequantizing %s to %s", gguf, dtype)
-        progress.start(3, f"convert {name}", unit="step")
-        try:
-            _check_sizes(gguf, folder, name)
-            progress.status("tokenizer")
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    try:
+        with (_without_transformers_bars(), _gguf_alone(gguf) as folder,
+              atomic_directory(out, overwrite=overwrite) as tmp):
+            name = gguf.name
+            logger.info("dequantizing %s to %s", gguf, dtype)
+            progress.start(3, f"convert {name}", unit="step")
+            try:
+                _check_sizes(gguf, folder, name)
+                progress.status("tokenizer")
+                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+                progress.advance()
+                progress.status(f"dequantize to {dtype}")
+                # ignore_mismatched_sizes: a shape mismatch comes back in the loading info (checked below), where
+                # it is named, instead of a RuntimeError pointing at transformers' log
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    folder, gguf_file=name, dtype=getattr(torch, dtype),
+                    quantization_config=GgufConfig(gguf_file=name, dequantize=True), ignore_mismatched_sizes=True,
+                    output_loading_info=True)
+            except PackageError:  # refused by name already (_check_sizes)
+                raise
+            except ImportError as exc:  # transformers reads GGUF with the gguf package
+                raise PackageError(f"convert-gguf needs the extra 'convert' (pip install 'pipecast[convert]'): "
+                                   f"{exc}") from None
+            except NotImplementedError as exc:  # gguf has no dequantizer for some types (Q8_1, Q8_K, ...)
+                raise CheckpointError(f"{gguf}: uses a quantization type gguf cannot dequantize ({exc})") from None
+            except (ValueError, KeyError, OSError) as exc:  # not GGUF, or an architecture transformers cannot read
+                raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
+            except (struct.error, IndexError, EOFError, OverflowError) as exc:  # gguf's reader ran past the end, or a
+                # length field too large for a count
+                raise CheckpointError(f"{gguf}: truncated or not a GGUF file ({exc})") from None
+            except MemoryError:  # the host's shortage, not the file's fault
+                raise
+            except Exception as exc:  # e.g. the config's own checks on metadata a damaged file holds (heads, sizes)
+                raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
+            _check_loaded(gguf, info)
             progress.advance()
-            progress.status(f"dequantize to {dtype}")
-            # ignore_mismatched_sizes: a shape mismatch comes back in the loading info (checked below), where
-            # it is named, instead of a RuntimeError pointing at transformers' log
-            model, info = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=name, dtype=getattr(torch, dtype),
-                quantization_config=GgufConfig(gguf_file=name, dequantize=True), ignore_mismatched_sizes=True,
-                output_loading_info=True)
-        except PackageError:  # refused by name already (_check_sizes)
-            raise
-        except ImportError as exc:  # transformers reads GGUF with the gguf package
-            raise PackageError(f"convert-gguf needs the extra 'convert' (pip install 'pipecast[convert]'): "
-                               f"{exc}") from None
-        except NotImplementedError as exc:  # gguf has no dequantizer for some types (Q8_1, Q8_K, ...)
-            raise CheckpointError(f"{gguf}: uses a quantization type gguf cannot dequantize ({exc})") from None
-        except (ValueError, KeyError, OSError) as exc:  # not GGUF, or an architecture transformers cannot read
-            raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
-        except (struct.error, IndexError, EOFError, OverflowError) as exc:  # gguf's reader ran past the end, or a
-            # length field too large for a count
-            raise CheckpointError(f"{gguf}: truncated or not a GGUF file ({exc})") from None
-        except MemoryError:  # the host's shortage, not the file's fault
-            raise
-        except Exception as exc:  # e.g. the config's own checks on metadata a damaged file holds (heads, sizes)
-            raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
-        _check_loaded(gguf, info)
-        progress.advance()
-        progress.status("save")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        progress.advance()
+            progress.status("save")
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            progress.advance()
+    except OSError as exc:  # the GGUF's own are typed inside: this is the output's (full, read-only, a name too long)
+        raise PackageError(f"{out}: cannot write the checkpoint ({exc})") from None
     return out

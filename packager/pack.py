@@ -20,6 +20,7 @@ from packager.manifest import (
     MANIFEST_FORMAT_VERSION,
     MAX_MANIFEST_BYTES,
     manifest_to_json,
+    read_manifest,
     seal_manifest,
     validate_manifest,
 )
@@ -77,8 +78,16 @@ def check_pack_arguments(out: Path, *, chunk_bytes: int, overwrite: bool) -> Non
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise PackageError(f"chunk size must be between 1 and {MAX_CHUNK_BYTES} bytes (a uint64 in the "
                            f"manifest), got {chunk_bytes}")
-    check_replaceable(out, overwrite=overwrite, marker=MANIFEST_FILE, what="a package")
+    check_replaceable(out, overwrite=overwrite, why_not=_why_not_a_package, what="a package")
     check_output_parent(out)
+
+
+def _why_not_a_package(folder: Path) -> str | None:
+    try:
+        read_manifest(folder)
+    except PackageError:
+        return f"without a valid {MANIFEST_FILE}"
+    return None
 
 
 def check_output_parent(out: Path) -> None:
@@ -91,15 +100,18 @@ def check_output_parent(out: Path) -> None:
             break
 
 
-def check_replaceable(out: Path, *, overwrite: bool, marker: str, what: str) -> None:
-    """Refuse an ``out`` that is the current folder or one holding it (``.``, ``..``, their paths) or whose path
-    ends in ``..``: it cannot be renamed into place (EBUSY, once all the work is done). Refuse an existing ``out``
-    without ``overwrite`` (``--force``), and with it a non-empty folder that does not hold ``marker``, the file
-    that makes it ``what`` the command writes: ``--force`` deletes the ``out`` it replaces, which must not be a
-    folder of something else (other models, say)."""
+def check_replaceable(out: Path, *, overwrite: bool, why_not: Callable[[Path], str | None], what: str) -> None:
+    """Refuse an ``out`` that is the current folder or one holding it (``.``, ``..``, their paths), whose path
+    ends in ``..`` or that is a mount point: it cannot be renamed into place (EBUSY, once all the work is done).
+    Refuse an existing ``out`` without ``overwrite`` (``--force``), and with it a non-empty folder that is not
+    ``what`` the command writes (``why_not`` says why, or None when it is one): ``--force`` deletes the ``out``
+    it replaces, which must not be a folder of something else (other models, a project holding a config.json)."""
     if out.name == ".." or _holds_current_folder(out):
         raise PackageError(f"{out}: refused as the output: the current folder, a folder holding it and a path "
                            "ending in '..' cannot be replaced; name the output by a path of its own (such as ../NAME)")
+    if os.path.ismount(out):
+        raise PackageError(f"{out}: refused as the output: a mount point cannot be replaced; name a folder inside "
+                           f"it (such as {out / 'NAME'})")
     # lexists: a dangling symlink is there too, and atomic_directory would find it only at the end
     if not os.path.lexists(out):
         return
@@ -112,8 +124,9 @@ def check_replaceable(out: Path, *, overwrite: bool, marker: str, what: str) -> 
             empty = next(entries, None) is None
     except OSError as exc:
         raise PackageError(f"{out}: cannot read it ({exc.strerror})") from None
-    if not empty and not (out / marker).is_file():
-        raise PackageError(f"{out}: refused as the output: a non-empty folder without {marker} is not {what}, "
+    reason = None if empty else why_not(out)
+    if reason is not None:
+        raise PackageError(f"{out}: refused as the output: a non-empty folder {reason} is not {what}, "
                            "and --force would delete it with all it holds")
 
 

@@ -100,12 +100,22 @@ def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     On any failure (Ctrl-C included) the partial folder is removed; folders left by killed processes
     (their pid is in the name) are removed on the next use. With ``overwrite`` an existing ``out`` is
     moved aside first and removed only once the new one is in place: an interruption never leaves a
-    half-removed folder under ``out``.
+    half-removed folder under ``out``, and the next use puts one moved aside by a killed process back when
+    ``out`` is missing.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".{out.name}{PARTIAL_MARK}*"):
+    old_prefix = f".{out.name}{PARTIAL_MARK}old-"
+    # the old ones first: a process killed between its two renames left ``out`` missing and the folder it
+    # replaced moved aside, which goes back in place rather than with the rest
+    stales = sorted(out.parent.glob(f".{out.name}{PARTIAL_MARK}*"), key=lambda p: not p.name.startswith(old_prefix))
+    for stale in stales:
         pid = stale.name.rsplit("-", 1)[-1]
-        if _PID.fullmatch(pid) and not pid_alive(int(pid)):
+        if not _PID.fullmatch(pid) or pid_alive(int(pid)):
+            continue
+        if stale.name.startswith(old_prefix) and not os.path.lexists(out):
+            logger.warning("%s: put back as %s (a process that was replacing it was killed)", stale, out)
+            os.rename(stale, out)
+        else:
             _remove(stale)
     tmp = out.parent / f".{out.name}{PARTIAL_MARK}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -104,3 +104,25 @@ def test_a_folder_that_cannot_be_removed_is_named_in_a_warning(tmp_path, monkeyp
         "it by hand",
         f"{old}: cannot remove it ([Errno 13] Permission denied: '{old / 'stuck'}'); it is left there, remove it "
         "by hand"]
+
+
+def test_a_folder_moved_aside_by_a_process_killed_before_its_replacement_is_put_back(tmp_path, caplog):
+    """Found in review: killed between its two renames, ``pack --force`` left OUT missing, the package it replaced
+    and the finished new one beside it; the next pack to OUT deleted both (and then failed: disk full)."""
+    out = tmp_path / "pkg"
+    dead = _dead_pid()
+    old = tmp_path / f".pkg{fsutil.PARTIAL_MARK}old-{dead}"
+    (old / "manifest.json").parent.mkdir()
+    (old / "manifest.json").write_text("old")
+    (tmp_path / f".pkg{fsutil.PARTIAL_MARK}{dead}").mkdir()
+    with pytest.raises(RuntimeError):
+        with caplog.at_level("WARNING", logger="pipecast.core.fsutil"), atomic_directory(out, overwrite=True) as tmp:
+            raise RuntimeError("failed again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"]
+    assert (out / "manifest.json").read_text() == "old"
+    assert caplog.messages == [f"{old}: put back as {out} (a process that was replacing it was killed)"]
+    # with ``out`` in place (killed after its replacement), one moved aside is removed
+    old.mkdir()
+    with atomic_directory(out, overwrite=True) as tmp:
+        (tmp / "manifest.json").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"] and (out / "manifest.json").read_text() == "new"

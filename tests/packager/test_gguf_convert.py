@@ -67,14 +67,15 @@ def test_force_refuses_an_output_that_is_holds_or_leads_to_the_gguf(fake_transfo
     (tmp_path / "link").symlink_to(folder)
     for parent in (folder, tmp_path):  # as checkpoint folders look: else refused as none (test below)
         (parent / "config.json").write_text("{}")
+        (parent / "model.safetensors").write_text("")
     out = tmp_path / "link" if out == "link" else folder / out
     with pytest.raises(PackageError, match=re.escape(f"{out}: refused as the output: replacing it would delete "
                                                      f"the GGUF file being converted ({gguf}")):
         convert_gguf(gguf, out, overwrite=True)
     assert main(["convert-gguf", str(gguf), str(out), "--force"]) == 2
     assert "would delete the GGUF file being converted" in capsys.readouterr().err
-    assert gguf.read_bytes() == b"GGUF" and sorted(p.name for p in folder.iterdir()) == ["config.json",
-                                                                                         "model.gguf"]
+    assert gguf.read_bytes() == b"GGUF" and sorted(p.name for p in folder.iterdir()) == [
+        "config.json", "model.gguf", "model.safetensors"]
 
 
 @pytest.mark.parametrize("out", [".", "..", "here"])
@@ -99,7 +100,7 @@ def test_an_output_that_is_or_holds_the_current_folder_is_refused(fake_transform
     assert sorted(p.name for p in here.iterdir()) == ["config.json"]
 
 
-@pytest.mark.parametrize("old", [["config.json", "old.txt"], []])
+@pytest.mark.parametrize("old", [["config.json", "model.safetensors", "old.txt"], []])
 def test_force_replaces_another_checkpoint_folder_or_an_empty_one(fake_transformers, tmp_path, old):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
@@ -128,6 +129,24 @@ def test_force_refuses_a_folder_that_is_not_a_checkpoint_folder(fake_transformer
     assert f"error: {message}\n" in capsys.readouterr().err
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["other-model",
                                                                             "other-model/config.json"]
+
+
+@pytest.mark.parametrize("files, why", [
+    (["config.json", "notes.txt", "src/main.py"], "without model.safetensors"),
+    (["config.json", "model.safetensors", "src/main.py"], "holding a folder (src)")])
+def test_force_refuses_a_project_folder_holding_a_config_json(fake_transformers, tmp_path, files, why):
+    """Found in review: ``--force`` deleted any folder holding a file named config.json (a project's)."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    out = tmp_path / "proj"
+    for name in files:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("x")
+    with pytest.raises(PackageError) as caught:
+        convert_gguf(gguf, out, overwrite=True)
+    assert str(caught.value) == (f"{out}: refused as the output: a non-empty folder {why} is not a checkpoint "
+                                 "folder, and --force would delete it with all it holds")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == sorted(files)
 
 
 def test_transformers_draws_no_bar_of_its_own_in_a_pipe(fake_transformers, tmp_path, monkeypatch, capfd):
@@ -294,3 +313,22 @@ def test_the_demo_names_a_folder_it_did_not_make_as_the_one_to_delete(tmp_path, 
     assert str(refused.value) == (f"{out}: holds files but no {marker}, so the demo did not make it and will not "
                                   "replace it: delete that folder, or use another cache folder")
     assert sorted(p.name for p in out.iterdir()) == ["notes"]
+
+
+def test_an_output_that_cannot_be_written_is_a_typed_error_and_leaves_nothing(fake_transformers, tmp_path,
+                                                                             monkeypatch, capsys):
+    """Found in review: a full disk, a read-only mount or a name too long for the output was a raw OSError
+    traceback (exit 1), where pack says which output it cannot write (exit 2)."""
+    import transformers
+
+    def full(self, folder):
+        raise OSError(28, "No space left on device")
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    model = transformers.AutoModelForCausalLM.from_pretrained("x")[0]
+    monkeypatch.setattr(type(model), "save_pretrained", full)
+    out = tmp_path / "out"
+    assert main(["convert-gguf", str(gguf), str(out)]) == 2
+    assert f"error: {out}: cannot write the checkpoint ([Errno 28] No space left on device)\n" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]

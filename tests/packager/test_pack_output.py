@@ -24,7 +24,7 @@ def _contents(folder):
 
 
 SPARE = "replacing it would delete the checkpoint being packed"
-NOT_A_PACKAGE = "a non-empty folder without manifest.json is not a package"  # (test_force_..._not_a_package)
+NOT_A_PACKAGE = "a non-empty folder without a valid manifest.json is not a package"  # (test_force_..._not_a_package)
 CURRENT = ("refused as the output: the current folder, a folder holding it and a path ending in '..' cannot be "
            "replaced; name the output by a path of its own (such as ../NAME)")
 
@@ -34,8 +34,9 @@ CURRENT = ("refused as the output: the current folder, a folder holding it and a
 def test_force_refuses_an_output_that_is_holds_or_leads_to_the_checkpoint(ckpt, tmp_path, capsys, out, why):
     """Finding 1: ``pack SRC OUT --force`` with OUT the checkpoint (or a folder holding it) deleted it."""
     (tmp_path / "link").symlink_to(ckpt)
-    if out == "package":  # a folder holding the checkpoint, and a manifest.json: it looks like a package
-        (tmp_path / "manifest.json").write_text("{}")
+    if out == "package":  # a folder holding the checkpoint, and a package's manifest.json: it looks like a package
+        pack(ckpt, tmp_path / "p")
+        (tmp_path / "p" / "manifest.json").rename(tmp_path / "manifest.json")
     out = tmp_path / "link" if out == "link" else tmp_path if out == "package" else ckpt / out
     before = _contents(ckpt)
     detail = f" ({ckpt.resolve()}" if why == SPARE else ""
@@ -67,6 +68,28 @@ def test_force_refuses_a_folder_that_is_not_a_package(ckpt, tmp_path, monkeypatc
     monkeypatch.undo()
     (out / "other-model").rename(tmp_path / "elsewhere")  # an empty folder, a package: replaced
     assert pack(ckpt, out, overwrite=True).package_id == pack(ckpt, out, overwrite=True).package_id
+
+
+def test_force_refuses_a_folder_whose_manifest_is_not_a_packages_and_a_mount_point(ckpt, tmp_path, monkeypatch):
+    """Found in review: ``--force`` deleted any folder holding a file named manifest.json (a web app's, a docker
+    save's); and a mount point passed every check, then failed with EBUSY once the whole pack was done."""
+    out = tmp_path / "webapp"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"name": "app"}')
+    (out / "index.html").write_text("<html>")
+    with pytest.raises(PackageError) as caught:
+        pack(ckpt, out, overwrite=True)
+    assert str(caught.value) == (f"{out}: refused as the output: {NOT_A_PACKAGE}, and --force would delete it "
+                                 "with all it holds")
+    assert sorted(p.name for p in out.iterdir()) == ["index.html", "manifest.json"]
+    mounted = tmp_path / "volume"
+    mounted.mkdir()
+    monkeypatch.setattr("packager.pack.os.path.ismount", lambda path: path == mounted)
+    monkeypatch.setattr("packager.pack.open_checkpoint", lambda src: pytest.fail("the checkpoint was opened"))
+    with pytest.raises(PackageError) as caught:
+        pack(ckpt, mounted, overwrite=True)
+    assert str(caught.value) == (f"{mounted}: refused as the output: a mount point cannot be replaced; name a folder "
+                                 f"inside it (such as {mounted / 'NAME'})")
 
 
 def test_force_refuses_the_blob_store_of_a_hugging_face_snapshot(tmp_path):
