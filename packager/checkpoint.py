@@ -31,6 +31,16 @@ SMALL_FILES = (
 )
 
 
+#: What a shard changed while it is packed is refused with: the offsets its header gave no longer hold.
+CHANGED = ("changed since its header was read (replaced or rewritten while being packed); pack again once it stays "
+           "as it is")
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells a file from its replacement or its rewrite: device, inode, size and modification time."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 @dataclass(frozen=True)
 class SourceTensor:
     """A tensor of the input checkpoint and the file holding it."""
@@ -38,6 +48,7 @@ class SourceTensor:
     info: TensorInfo
     path: Path
     data_start: int   # file offset of the shard's data section
+    identity: tuple[int, ...] = ()  # the shard's file_identity when its header was read
 
     @property
     def file_offset(self) -> int:
@@ -67,11 +78,15 @@ class Checkpoint:
 
 def open_checkpoint(src: Path) -> Checkpoint:
     """Validate a checkpoint folder and index its tensors (headers only; no tensor data is read)."""
-    if src.is_file():
+    try:
+        is_file, is_dir = src.is_file(), src.is_dir()
+    except OSError as exc:  # a name too long, say
+        raise CheckpointError(f"{src}: cannot read it ({exc.strerror})") from None
+    if is_file:
         if src.suffix in PICKLE_SUFFIXES:
             raise PickleCheckpointError(src)
         raise CheckpointError(f"{src}: expected a checkpoint folder (config.json + safetensors), got a file")
-    if not src.is_dir():
+    if not is_dir:
         raise CheckpointError(f"{src}: no such checkpoint folder")
     config_path = src / "config.json"
     if checkpoint_file(src, "config.json") is None:
@@ -84,16 +99,26 @@ def open_checkpoint(src: Path) -> Checkpoint:
     shards = _shard_files(src)
     tensors: dict[str, SourceTensor] = {}
     for shard in shards:
+        identity = _identity(shard)
         header = read_header(shard)
+        if _identity(shard) != identity:
+            raise CheckpointFileError(shard, CHANGED)
         for name, info in header.tensors.items():
             if name in tensors:
                 raise CheckpointError(f"{shard}: tensor {name!r} also appears in {tensors[name].path}")
-            tensors[name] = SourceTensor(info=info, path=shard, data_start=header.data_start)
+            tensors[name] = SourceTensor(info=info, path=shard, data_start=header.data_start, identity=identity)
     _check_index_names(src, shards, tensors)
     if not tensors:
         raise CheckpointError(f"{src}: the checkpoint holds no tensors")
     small = tuple(name for name in SMALL_FILES if checkpoint_file(src, name) is not None)
     return Checkpoint(root=src, config=config, tensors=tensors, small_files=small)
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    try:
+        return file_identity(os.stat(path))
+    except OSError as exc:
+        raise CheckpointFileError(path, f"cannot read it ({exc.strerror})") from None
 
 
 def _check_architectures(config_path: Path, archs: object) -> None:

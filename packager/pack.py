@@ -10,7 +10,8 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from packager.checkpoint import Checkpoint, SourceTensor, hub_repo_id, open_checkpoint, read_checkpoint_file
+from packager.checkpoint import (CHANGED, Checkpoint, SourceTensor, file_identity, hub_repo_id, open_checkpoint,
+                                 read_checkpoint_file)
 from packager.chunks import ChunkHasher
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.errors import CheckpointError, CheckpointFileError, PackageError
@@ -213,6 +214,7 @@ def _build_package(src: Path, out: Path, ckpt: Checkpoint, layouts: list[BlockLa
                 blocks.append(_write_block(tmp, layout, ckpt, reader, chunk_bytes, progress))
                 progress.status(f"block {layout.index + 1}/{len(layouts)}: layers {layout.layer_start}-"
                                 f"{layout.layer_end - 1}, {blocks[-1].bytes} bytes")
+            reader.check_unchanged()  # a shard rewritten in place meanwhile: what was copied may be half of each
         for name, data in small.items():
             (tmp / name).write_bytes(data)
         manifest = manifest_of(blocks)
@@ -233,6 +235,7 @@ class _ShardReader:
 
     def __init__(self):
         self._files: dict[Path, object] = {}
+        self._identities: dict[Path, tuple[int, ...]] = {}
         self._buf = bytearray(COPY_BUFFER_BYTES)
 
     def __enter__(self) -> "_ShardReader":
@@ -242,12 +245,23 @@ class _ShardReader:
         for f in self._files.values():
             f.close()
 
+    def check_unchanged(self) -> None:
+        """Raise :class:`CheckpointFileError` if a shard read from was rewritten since its header was read."""
+        for path, f in self._files.items():
+            self._check(path, f)
+
+    def _check(self, path: Path, f) -> None:
+        if self._identities[path] and file_identity(os.fstat(f.fileno())) != self._identities[path]:
+            raise CheckpointFileError(path, CHANGED)
+
     def pieces(self, tensor: SourceTensor):
         """Yield memoryviews covering the tensor's bytes, in order (valid until the next piece)."""
         f = self._files.get(tensor.path)
         try:
             if f is None:
                 f = self._files[tensor.path] = tensor.path.open("rb")
+                self._identities[tensor.path] = tensor.identity
+                self._check(tensor.path, f)  # replaced since its header was read: its offsets are another file's
             f.seek(tensor.file_offset)
         except OSError as exc:  # typed here so that pack() can take any other OSError for the output's
             raise CheckpointFileError(tensor.path, f"cannot read it ({exc.strerror})") from None

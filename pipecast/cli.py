@@ -88,8 +88,8 @@ def cli(ctx: click.Context, verbose: int) -> None:
 
 
 class _Terminated(SystemExit):
-    """SIGTERM arrived (``timeout``, systemd, Kubernetes): unwinds like Ctrl-C's KeyboardInterrupt. A SystemExit
-    because asyncio re-raises only that and KeyboardInterrupt out of a callback: it logs any other
+    """SIGTERM (``timeout``, systemd, Kubernetes) or SIGHUP arrived: unwinds like Ctrl-C's KeyboardInterrupt. A
+    SystemExit because asyncio re-raises only that and KeyboardInterrupt out of a callback: it logs any other
     BaseException and runs on."""
 
 
@@ -110,21 +110,30 @@ def _throw(exc: BaseException) -> None:
     raise exc
 
 
+#: What kills a command at once by default, and so is made to unwind instead: the service manager's stop and a
+#: closed terminal (an ssh session dropped mid-pack).
+_UNWOUND = (signal.SIGTERM, signal.SIGHUP)
+
+
 @contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM raises :class:`_Terminated` meanwhile (from the next callback of an event loop that runs) instead
-    of killing the process at once, so that with and finally blocks run: an interrupted pack leaves no partial
-    folder and no MLflow download, as on Ctrl-C.
-    Installed only over the default disposition; the servers' own handlers (agent, serve, router, control
-    plane, scaler: a graceful drain) replace it while their event loop runs."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+    """SIGTERM and SIGHUP raise :class:`_Terminated` meanwhile (from the next callback of an event loop that runs)
+    instead of killing the process at once, so that with and finally blocks run: an interrupted pack leaves no
+    partial folder and no MLflow download, as on Ctrl-C.
+    Installed only over the default disposition (``nohup`` ignores SIGHUP: it stays ignored); the servers' own
+    handlers (agent, serve, router, control plane, scaler: a graceful drain) replace it while their event loop
+    runs."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    installed = [s for s in _UNWOUND if signal.getsignal(s) == signal.SIG_DFL]
+    for signum in installed:
+        signal.signal(signum, _raise_terminated)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for signum in installed:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,6 +93,15 @@ def sweep_stale_temporaries(root: Path) -> int:
     return removed
 
 
+def sweep_dead_folders(parent: Path, prefix: str) -> None:
+    """Remove the folders ``parent/<prefix><pid>-*`` whose process is gone: the temporary folders of killed runs
+    (a SIGKILL runs no clean-up), which would otherwise hold their disk space for good."""
+    for folder in parent.glob(f"{prefix}*"):
+        pid = folder.name[len(prefix):].split("-", 1)[0]
+        if _PID.fullmatch(pid) and not pid_alive(int(pid)):
+            _remove(folder)
+
+
 @contextmanager
 def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Build a folder in a hidden sibling and rename it to ``out`` only if the body succeeds.

@@ -330,5 +330,6 @@ def test_an_output_that_cannot_be_written_is_a_typed_error_and_leaves_nothing(fa
     monkeypatch.setattr(type(model), "save_pretrained", full)
     out = tmp_path / "out"
     assert main(["convert-gguf", str(gguf), str(out)]) == 2
-    assert f"error: {out}: cannot write the checkpoint ([Errno 28] No space left on device)\n" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"error: {out}: cannot write the checkpoint ([Errno 28] No space left on device)\n" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]

@@ -133,3 +133,27 @@ def test_the_cli_exits_2_with_the_message_and_writes_no_package(registry, tmp_pa
     assert main(["pack", f"models:/{MODEL}/9", str(tmp_path / "pkg")]) == 2
     assert capsys.readouterr().err == f"error: models:/{MODEL}/9: registered model '{MODEL}' has no version 9\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_download_left_by_a_killed_pack_is_removed_by_the_next(registry, tmp_path):
+    """Found in review: the download folder of a pack killed (SIGKILL) mid-download stayed beside OUT for good, a
+    model's size of disk, also after later packs to the same OUT."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f".pipecast-mlflow-{dead.pid}-abcd1234"
+    (left / "model").mkdir(parents=True)
+    (tmp_path / ".pipecast-mlflow-notapid").mkdir()  # not named by a pid: not ours to remove
+    assert main(["pack", f"models:/{MODEL}/1", str(tmp_path / "pkg"), "--mlflow-uri", registry.uri]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".pipecast-mlflow-notapid", "pkg"]
+
+
+@pytest.mark.parametrize("uri", ["bogus://x", "127.0.0.1:9"])
+def test_a_tracking_uri_the_client_refuses_is_a_typed_error(tmp_path, capsys, uri):
+    """Found in review: an unknown scheme, or a URI without one, was MLflow's traceback (the client was built
+    outside the calls whose errors are turned into messages)."""
+    assert main(["pack", f"models:/{MODEL}/1", str(tmp_path / "pkg"), "--mlflow-uri", uri]) == 2
+    assert capsys.readouterr().err.startswith(f"error: MLflow tracking server {uri}: ")
+    assert list(tmp_path.iterdir()) == []

@@ -536,3 +536,42 @@ def test_a_small_file_that_cannot_be_read_fails_before_any_block_is_written(chec
         pack(src, tmp_path / "pkg")
     assert str(caught.value) == f"{src / 'generation_config.json'}: refused: not a regular file"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("how", ["replaced", "rewritten", "rewritten after it was read from"])
+def test_a_shard_changed_while_it_is_packed_is_refused_and_leaves_nothing(checkpoints, tmp_path, monkeypatch, how):
+    """Found in review: a shard replaced (renamed over) while the first block was written was read at the offsets
+    of the header read before, and its header bytes were sealed into the package as weights; verify said OK."""
+    import packager.pack as pack_module
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["sharded"], src)
+    shards = sorted(src.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    real = pack_module._write_block
+    calls = []
+
+    def change_the_last_shard(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == (2 if how.endswith("read from") else 1):
+            last = shards[0] if how.endswith("read from") else shards[-1]
+            if how == "replaced":
+                data = last.read_bytes()
+                (n,) = struct.unpack("<Q", data[:8])
+                longer = data[:8 + n] + b" " * 8  # the same tensors, 8 bytes further on
+                (tmp_path / "new").write_bytes(struct.pack("<Q", n + 8) + longer[8:] + data[8 + n:])
+                os.replace(tmp_path / "new", last)
+            else:
+                with last.open("r+b") as f:
+                    f.seek(-4, os.SEEK_END)
+                    f.write(b"\xff\xff\xff\xff")
+                os.utime(last, ns=(0, 1))  # a rewrite within the same clock tick would keep its time
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pack_module, "_write_block", change_the_last_shard)
+    with pytest.raises(CheckpointFileError) as refused:
+        pack(src, tmp_path / "pkg", layers_per_block=1)
+    assert refused.value.path == (shards[0] if how.endswith("read from") else shards[-1])
+    assert refused.value.problem.startswith("changed since its header was read")
+    assert not (tmp_path / "pkg").exists() and not list(tmp_path.glob(".pkg*"))
+

@@ -1,4 +1,5 @@
-"""A pack stopped by SIGTERM (what ``timeout``, systemd and Kubernetes send) leaves nothing, as on Ctrl-C."""
+"""A pack stopped by SIGTERM (what ``timeout``, systemd and Kubernetes send) or SIGHUP (a closed terminal) leaves
+nothing, as on Ctrl-C."""
 
 import fcntl
 import signal
@@ -6,13 +7,17 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from benchmarks.tiny_checkpoints import write_random_checkpoint
 
 BLOCKS = 300  # their progress lines (~40 bytes each) overfill a one-page pipe: the pack cannot end unread
 
 
-def test_sigterm_mid_pack_removes_the_partial_folder(tmp_path):
-    """Finding 3: SIGTERM killed `pipecast pack` at once, leaving its hidden .OUT.partial-PID folder beside OUT."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_mid_pack_removes_the_partial_folder(tmp_path, signum):
+    """Finding 3: SIGTERM killed `pipecast pack` at once, leaving its hidden .OUT.partial-PID folder beside OUT (and
+    SIGHUP, a later review: an ssh session dropped mid-pack)."""
     write_random_checkpoint(tmp_path / "ck", BLOCKS, 1024)
     out = tmp_path / "out"
     pack = subprocess.Popen([sys.executable, "-m", "pipecast.cli", "pack", tmp_path / "ck", out,
@@ -23,11 +28,11 @@ def test_sigterm_mid_pack_removes_the_partial_folder(tmp_path):
         while not list(tmp_path.glob(".out.partial-*")):
             assert pack.poll() is None and time.monotonic() < deadline, "the pack never started its folder"
             time.sleep(0.02)
-        pack.send_signal(signal.SIGTERM)
+        pack.send_signal(signum)
         _, err = pack.communicate(timeout=60)
     finally:
         pack.kill()
         pack.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no package, no partial folder
-    assert pack.returncode == 128 + signal.SIGTERM  # as a shell reports a SIGTERM death
+    assert pack.returncode == 128 + signum  # as a shell reports a death by that signal
     assert err.decode().endswith("terminated\n")
