@@ -95,6 +95,8 @@ class Engine:
         self._cancelled: set[TokenStream] = set()
         self._closed = False
         self._thread_error: Exception | None = None  # what stopped the engine thread, if not close()
+        #: Scheduler steps run (the engine thread's count; read by others): work going on, for the worker's health.
+        self.steps = 0
         self._ids = itertools.count()
         self._max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.model.add_listener(self._on_model_change)
@@ -318,12 +320,19 @@ class Engine:
             with torch.inference_mode():
                 while self._next_step():
                     self.scheduler.step()
+                    self.steps += 1
         except Exception as exc:  # a bug outside step()'s guards: fail the requests rather than leave them waiting
             logger.exception("the engine thread failed")
             with self._cond:
                 self._thread_error = exc  # refuse later requests: nothing would run them
             error = EngineFailedError(exc)
         self._fail_unfinished(error)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine thread stopped running requests (a bug outside a step's guards), None while it runs."""
+        error = self._thread_error
+        return None if error is None else str(EngineFailedError(error))
 
     def _next_step(self) -> bool:
         """Wait until a step can make progress and admit new sequences; False once closed."""

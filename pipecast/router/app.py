@@ -55,7 +55,10 @@ Admitted requests wait for a worker in one queue per tenant and are dispatched f
 (:mod:`pipecast.router.fairness`): the next free slot goes to the tenant furthest below its share.
 
 Every wait on a worker has a deadline: ``connect_timeout_s`` to connect, ``upstream_timeout_s`` of
-silence before its response or between two chunks of it, and as long for each piece of the request's body
+silence before its response or between two chunks of it (for a worker whose ``/health`` reports its engine's
+steps, a pipecast worker's: of silence while its health answers too show no work, no engine step and no block
+arrived, so that a long non-streaming generation or a request queued behind full batches is waited for, a hung
+worker not), and as long for each piece of the request's body
 that the worker must take (a worker that stops reading a large body holds no request for good). A client
 has 75 s to send a request's headers (:data:`~pipecast.core.httpserve.RUNNER_OPTIONS`; an idle connection is
 closed after as long) and ``upstream_timeout_s`` to send its whole request body: a body not in by then is answered 408
@@ -123,6 +126,8 @@ RETRY_AFTER_S = 1
 #: How a worker's stream ends when complete, and how the error event that ends a failed one begins.
 DONE_EVENT = b"data: [DONE]"
 ERROR_EVENT = b'data: {"error"'
+#: How much of a worker's error message a retry's reason quotes (it goes into logs and the 502's attempts).
+ERROR_SHOWN_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -299,6 +304,8 @@ class Router:
         self._discovery_task: asyncio.Task | None = None
         self._upstream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
                                                        sock_read=config.upstream_timeout_s)
+        # for a worker that reports its work: its silence is judged by _Patience instead
+        self._watched_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
 
     def _new_dispatcher(self, package: str | None) -> Dispatcher:
         config = self.config
@@ -551,17 +558,21 @@ class Router:
                        arrival: float, queued_s: float, version: str | None = None) -> web.StreamResponse:
         """Send the request to ``worker`` once and relay its answer.
 
-        Raises :class:`WorkerFailedError` when nothing reached the client yet (retryable) and
+        Raises :class:`WorkerFailedError` when nothing reached the client yet (retryable): the worker's 5xx
+        answers included (a 500: its engine failed the request; another worker may not), and
         :class:`WorkerBusyError` on the worker's 429.
         """
+        watched = isinstance(worker, Worker) and worker.reports_work
+        patience = _Patience(worker if watched else None, self.config.upstream_timeout_s, self.clock,
+                             min(max(self.config.health_interval_s, 1.0), self.config.upstream_timeout_s / 4))
         try:
             # aiohttp's read deadline starts once the body is written: the writing gets one of its own.
             async with asyncio.timeout(None) as writing:
-                upstream = await self._session.post(
+                upstream = await patience.wait(self._session.post(
                     f"{worker.endpoint}{request.path}", data=self._body_pieces(body, writing),
                     headers={**headers, **worker.headers, "Content-Length": str(len(body)),
                              **serving_headers(self._serving_keys.get(worker.endpoint, b""))},
-                    timeout=self._upstream_timeout)
+                    timeout=self._watched_timeout if watched else self._upstream_timeout))
         except (aiohttp.ClientError, TimeoutError) as exc:
             problem = f"no answer to POST {request.path}: {self._describe(exc)}"
             raise WorkerFailedError(worker.url, problem) from exc
@@ -574,21 +585,21 @@ class Router:
             if self.shows_workers(request):
                 timing[WORKER_HEADER] = worker.url
             if upstream.status == 200 and upstream.content_type == "text/event-stream":
-                return await self._relay_stream(request, upstream, worker, arrival, queued_s, timing, version)
+                return await self._relay_stream(request, upstream, worker, arrival, queued_s, timing, version,
+                                                patience)
             try:
-                answer = await self._read_answer(upstream, worker)
+                answer = await self._read_answer(upstream, worker, patience)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 problem = f"lost before its answer was complete: {self._describe(exc)}"
                 raise WorkerFailedError(worker.url, problem) from exc
             if upstream.status == 401 and (refused := _serving_key_refusal(answer)):
                 raise WorkerFailedError(worker.url, f"refused the router's credentials: {refused}")
+            if upstream.status >= 500:
+                raise WorkerFailedError(worker.url, f"answered {upstream.status}: {_error_message(answer)}")
             self.metrics.queued.observe(queued_s)  # once per request: this answer is the one the client gets
             if upstream.status == 200:
                 self._answer_started(arrival, version, worker)
                 self.signals.answered(version, answer_tokens(answer) if version else 0)
-            elif upstream.status >= 500:
-                self.metrics.failed.labels(worker.url, "error_status").inc()
-                self.signals.failed(version)
             content_type = upstream.headers.get("Content-Type", "application/json")
             return web.Response(status=upstream.status, body=answer,
                                 headers={"Content-Type": content_type, **timing})
@@ -606,7 +617,7 @@ class Router:
             yield body[start:start + BODY_PIECE_BYTES]
         writing.reschedule(None)
 
-    async def _read_answer(self, upstream: aiohttp.ClientResponse, worker: Worker) -> bytes:
+    async def _read_answer(self, upstream: aiohttp.ClientResponse, worker: Worker, patience: "_Patience") -> bytes:
         """A worker's whole (non-streaming) answer, at most ``max_answer_bytes`` of it held:
         :class:`WorkerFailedError` for a larger one."""
         limit = self.config.max_answer_bytes
@@ -614,13 +625,14 @@ class Router:
         if declared is not None and declared > limit:
             raise WorkerFailedError(worker.url, f"answered {declared} bytes, over the router's limit of {limit}")
         answer = bytearray()
-        async for chunk in upstream.content.iter_any():
+        while chunk := await patience.wait(upstream.content.readany()):
             answer += chunk
             if len(answer) > limit:
                 raise WorkerFailedError(worker.url, f"answered more than the router's limit of {limit} bytes")
         return bytes(answer)
 
-    async def _stream_events(self, upstream: aiohttp.ClientResponse, worker: Worker) -> AsyncIterator[bytes]:
+    async def _stream_events(self, upstream: aiohttp.ClientResponse, worker: Worker,
+                             patience: "_Patience") -> AsyncIterator[bytes]:
         """A worker's event stream as it arrives, in whole events (one or more at a time); at its clean end, what
         follows its last blank line too if that is a whole event all the same (:func:`whole_last_event`), else
         it is dropped: the torn start of an event, which must not swallow the error event sent after it.
@@ -636,7 +648,7 @@ class Router:
 
         while True:
             try:
-                chunk = await upstream.content.readany()
+                chunk = await patience.wait(upstream.content.readany())
             except (aiohttp.ClientError, TimeoutError) as exc:
                 where = "mid-stream" if started else "before its first event"
                 raise failure(f"failed {where}: {self._describe(exc)}") from exc
@@ -657,7 +669,7 @@ class Router:
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, worker: Worker,
                             arrival: float, queued_s: float, timing: dict[str, str],
-                            version: str | None = None) -> web.StreamResponse:
+                            version: str | None, patience: "_Patience") -> web.StreamResponse:
         """Relay a worker's event stream event by event; end it with an error event if the worker fails.
 
         The client's response begins with the worker's first whole event: a worker that fails before it (killed
@@ -670,7 +682,7 @@ class Router:
         tokens = 0
         refused = done = False  # an error event of the worker's seen; the last event [DONE]
         failure = None
-        async with contextlib.aclosing(self._stream_events(upstream, worker)) as stream:
+        async with contextlib.aclosing(self._stream_events(upstream, worker, patience)) as stream:
             events: bytes | None = await anext(stream)
             response = web.StreamResponse(headers={"Content-Type": upstream.headers["Content-Type"],
                                                    "Cache-Control": "no-cache", **timing})
@@ -717,6 +729,9 @@ class Router:
         """Why an exchange with a worker failed, naming the deadline that expired if one did."""
         if isinstance(exc, aiohttp.ConnectionTimeoutError):
             return f"no connection within {self.config.connect_timeout_s:g} s"
+        if isinstance(exc, WorkerIdleError):
+            return (f"silent for more than {self.config.upstream_timeout_s:g} s, its health answers showing no work "
+                    "(no engine step, no block arrived) for as long")
         if isinstance(exc, TimeoutError):
             return f"silent for more than {self.config.upstream_timeout_s:g} s"
         return describe_exception(exc, self.config.upstream_timeout_s)
@@ -886,3 +901,44 @@ def metrics_response(page: tuple[bytes, str]) -> web.Response:
     """The answer carrying a Prometheus ``page`` (its text and content type)."""
     data, content_type = page
     return web.Response(body=data, headers={"Content-Type": content_type})
+
+
+class WorkerIdleError(TimeoutError):
+    """A worker sent nothing of an answer, and its health answers showed no work, for the whole upstream timeout."""
+
+
+class _Patience:
+    """How long one exchange waits on a worker's silence. For a worker whose health answers report its work
+    (``worker``; a pipecast worker's engine steps and blocks arrived), ``limit`` seconds past the later of the
+    exchange's start and the last work they showed: a long non-streaming generation, or a request queued behind
+    full batches, is silent for long, and is no failure while the engine steps (a hung engine, or a worker whose
+    polls fail, stops showing work). Otherwise (``worker`` None) aiohttp's read deadline alone judges."""
+
+    def __init__(self, worker: Worker | None, limit: float, clock: Callable[[], float], poll_s: float):
+        self.worker, self.limit, self.clock, self.poll_s = worker, limit, clock, poll_s
+        self.started = clock()
+
+    async def wait(self, awaitable: Awaitable[Any]) -> Any:
+        """What ``awaitable`` gives; :class:`WorkerIdleError` once the worker was idle too long (it is cancelled)."""
+        if self.worker is None:
+            return await awaitable
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while (left := max(self.started, self.worker.worked_at) + self.limit - self.clock()) > 0:
+                done, _ = await asyncio.wait({task}, timeout=min(left, self.poll_s))
+                if done:
+                    return task.result()
+            raise WorkerIdleError()
+        finally:
+            if not task.done():
+                task.cancel()
+
+
+def _error_message(answer: bytes) -> str:
+    """The message of a worker's error answer (``{"error": {"message": ...}}``), else its start as text."""
+    try:
+        message = json.loads(answer)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = None
+    text = message if isinstance(message, str) else answer.decode("utf-8", "replace")
+    return text if len(text) <= ERROR_SHOWN_CHARS else text[:ERROR_SHOWN_CHARS] + "..."

@@ -126,6 +126,9 @@ class Worker:
     #: so a loader that hangs is not taken for a new one each time its health answers again.
     progress: tuple[str | None, int] | None = None
     progressed_at: float | None = None
+    #: The engine steps of its last health answer that reported them, and the clock time they last changed.
+    steps: int | None = None
+    stepped_at: float = -math.inf
     #: The last health answer and the clock time it came, kept when a later poll fails (see
     #: UNANSWERED_GRACE_S).
     answered: WorkerHealth | None = None
@@ -135,6 +138,17 @@ class Worker:
     def endpoint(self) -> str:
         """The base URL requests are sent to."""
         return self.url
+
+    @property
+    def reports_work(self) -> bool:
+        """Whether its health answers say when it works (engine steps, blocks): a pipecast worker's do, a vLLM
+        worker's do not."""
+        return self.answered is not None and self.answered.steps is not None
+
+    @property
+    def worked_at(self) -> float:
+        """The clock time its health answers last showed work: an engine step, or a block of its model arrived."""
+        return max(self.stepped_at, self.progressed_at if self.progressed_at is not None else -math.inf)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -368,6 +382,8 @@ class WorkerPool:
         # whose count then grows from there (kept as the most ever, its reload looked stalled for good).
         if worker.progress is None or worker.progress != (health.package_id, health.blocks_present):
             worker.progress, worker.progressed_at = (health.package_id, health.blocks_present), self.clock()
+        if health.steps is not None and health.steps != worker.steps:
+            worker.steps, worker.stepped_at = health.steps, self.clock()
         renamed = worker.health is None or (worker.health.model, worker.health.package_id) != (health.model,
                                                                                                 health.package_id)
         worker.health = worker.answered = health

@@ -43,6 +43,10 @@ class WorkerHealth:
     pipeline_sessions: int = 0  # requests of cross-node pipelines whose stage state this worker holds
     pipeline_moved: int = 0     # requests moved here off a pipeline that dissolved under them (as its head)
     pipeline_kept: int = 0      # such requests left on their pipeline by the auto choice
+    #: Engine steps run since the worker started, modulo MAX_COUNT (None: not reported, as a vLLM worker's): the
+    #: router tells a worker busy with long generations from a hung one by it (a request's answer may be silent
+    #: for long, a non-streaming one until it is whole).
+    steps: int | None = None
     stage: str | None = None    # the worker's loading stage (see pipecast.serve.worker)
     model: str | None = None
     package_id: str | None = None
@@ -64,8 +68,8 @@ class WorkerHealth:
         return self.blocks_present / self.blocks_total if self.blocks_total else 1.0
 
     def to_json(self) -> dict:
-        """The JSON answer; ``error`` only when there is one."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k != "error"}
+        """The JSON answer; ``error`` and ``steps`` only when there is one."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k not in ("error", "steps")}
 
     @classmethod
     def from_json(cls, answer: object) -> "WorkerHealth":
@@ -79,14 +83,18 @@ class WorkerHealth:
         status = answer.get("status")
         if not isinstance(status, str) or status not in STATES:
             raise HealthFormatError(f"/health status {describe(status)} is not one of {', '.join(STATES)}")
-        counts = {}
-        for name in _COUNTS + _OPTIONAL_COUNTS:
-            value = answer.get(name, 0 if name in _OPTIONAL_COUNTS else None)
-            # bool is an int in Python; a JSON true is still not a count.
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise HealthFormatError(f"/health field {name!r} is {describe(value)}, not a count")
-            if value > MAX_COUNT:
-                raise HealthFormatError(f"/health field {name!r} is {describe(value)}, more than {MAX_COUNT}")
-            counts[name] = value
+        counts = {name: _count(name, answer.get(name, 0 if name in _OPTIONAL_COUNTS else None))
+                  for name in _COUNTS + _OPTIONAL_COUNTS}
+        if answer.get("steps") is not None:
+            counts["steps"] = _count("steps", answer["steps"])
         texts = {name: answer[name] for name in _TEXTS if isinstance(answer.get(name), str)}
         return cls(status=status, **counts, **texts)
+
+
+def _count(name: str, value: object) -> int:
+    # bool is an int in Python; a JSON true is still not a count.
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise HealthFormatError(f"/health field {name!r} is {describe(value)}, not a count")
+    if value > MAX_COUNT:
+        raise HealthFormatError(f"/health field {name!r} is {describe(value)}, more than {MAX_COUNT}")
+    return value

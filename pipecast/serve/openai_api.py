@@ -76,6 +76,7 @@ class CompletionRequest:
     include_usage: bool = False  # streaming: a last chunk carrying usage
     return_token_ids: bool = False
     chat: bool = False
+    max_tokens_field: str = "max_tokens"  # the field max_tokens came from (a chat's max_completion_tokens too)
 
 
 def json_error(exc: JSONInputError) -> RequestFieldError:
@@ -101,8 +102,9 @@ def parse_chat_request(body: Any) -> CompletionRequest:
     for name, value in limits.items():
         if value < 1:
             raise RequestFieldError(name, f"must be at least 1, got {_short(value)}")
-    max_tokens = limits.get("max_completion_tokens", limits.get("max_tokens"))
-    return CompletionRequest(prompt=_messages(body.get("messages")), max_tokens=max_tokens, chat=True, **common)
+    field = "max_completion_tokens" if "max_completion_tokens" in limits else "max_tokens"
+    return CompletionRequest(prompt=_messages(body.get("messages")), max_tokens=limits.get(field), chat=True,
+                             max_tokens_field=field, **common)
 
 
 def _common_fields(body: Any, known: set[str], off_only: dict[str, tuple[Any, ...]]) -> dict[str, Any]:

@@ -71,7 +71,7 @@ from pipecast.serve.errors import (
     WorkerBusyError,
     WorkerClosingError,
 )
-from pipecast.serve.health import WorkerHealth
+from pipecast.serve.health import MAX_COUNT, WorkerHealth
 from pipecast.serve.metrics import ServeMetrics
 from pipecast.serve.openai_api import CompletionRequest
 from pipecast.serve.pipeline import (
@@ -636,9 +636,10 @@ class ServingWorker:
     def health(self) -> WorkerHealth:
         """The state now (see the module docstring for the statuses)."""
         present = total = 0
+        error = self._failure()
         if self._closing:
             status = "draining"
-        elif self._error is not None:
+        elif error is not None:
             status = "failed"
         elif self._model is None:
             status = "loading"
@@ -658,7 +659,15 @@ class ServingWorker:
                             pipeline_moved=self._head.moved if self._head is not None else 0,
                             pipeline_kept=self._head.kept if self._head is not None else 0,
                             stage=self._stage, model=self.model_name,
-                            package_id=self.package_id, error=self._error)
+                            package_id=self.package_id, error=error,
+                            steps=self._model.engine.steps % MAX_COUNT if self._model is not None else 0)
+
+    def _failure(self) -> str | None:
+        """Why the worker cannot serve: its model failed, or its engine thread died (it would answer every request
+        with an error, and look ready to the router)."""
+        if self._error is None and self._model is not None:
+            return self._model.engine.failure
+        return self._error
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -668,8 +677,8 @@ class ServingWorker:
         if self._released:
             raise ModelUnavailableError(f"package {self.config.package} {self._unloaded_why}; the worker waits for "
                                         "it to come back")
-        if self._error is not None:
-            raise ModelUnavailableError(self._error)
+        if (error := self._failure()) is not None:
+            raise ModelUnavailableError(error)
 
     async def _wait_servable(self, whole: bool) -> None:
         """Until the model (with ``whole`` and ``wait_full_load``, the whole model) and its tokenizer are in."""
@@ -807,9 +816,11 @@ class ServingWorker:
 
         def check(tokens: int, size: str) -> None:
             if positions and tokens + wanted > positions:
-                # The engine's own words for the same refusal (it checks again, in time linear in the prompt).
-                raise RequestFieldError(field, f"prompt of {size} plus max_tokens {wanted} "
-                                               f"exceeds the model's {positions} positions")
+                # The engine's own words for the same refusal (it checks again, in time linear in the prompt); the
+                # field to change is the prompt only where it leaves no room for one token.
+                blamed = field if tokens >= positions else request.max_tokens_field
+                raise RequestFieldError(blamed, f"prompt of {size} plus max_tokens {wanted} "
+                                                f"exceeds the model's {positions} positions")
 
         prompt = request.prompt
         if request.chat:

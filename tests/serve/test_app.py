@@ -274,6 +274,7 @@ async def test_health_goes_loading_partial_ready_as_blocks_arrive_and_the_prompt
         assert await health(http, url) == {"status": "ready", "blocks_present": 4, "blocks_total": 4,
                                            "queue_depth": 0, "running": 0, "max_queue": 64, "max_batch": 16,
                                            "pipeline_sessions": 0, "pipeline_moved": 0, "pipeline_kept": 0,
+                                           "steps": worker._model.engine.steps,
                                            "stage": "loaded", "model": MODEL, "package_id": worker.package_id}
 
 
@@ -655,6 +656,8 @@ async def test_a_model_released_while_a_prompt_is_tokenized_answers_503_not_500(
 
     class Model:  # what generate and _unload read of a LoadedModel
         class engine:
+            failure = None
+
             class provider:
                 class manifest:
                     package_id, model_name = "p" * 64, MODEL
@@ -837,8 +840,11 @@ BAD_REQUESTS = [
     ({"model": MODEL, "prompt": [1], "n": 2}, "n", "n: 2 is not supported (accepted: null or 1)"),
     ({"model": MODEL, "prompt": [1], "frobnicate": 1}, "frobnicate", "frobnicate: unknown field"),
     ({"model": MODEL, "prompt": [1, 999]}, "prompt", "prompt: prompt token ids [999] are outside the vocabulary"),
-    ({"model": MODEL, "prompt": [1], "max_tokens": 500}, "prompt",
-     "prompt: prompt of 1 tokens plus max_tokens 500 exceeds the model's 128 positions"),
+    # the field to change is max_tokens where the prompt leaves room (a review: it was always the prompt)
+    ({"model": MODEL, "prompt": [1], "max_tokens": 500}, "max_tokens",
+     "max_tokens: prompt of 1 tokens plus max_tokens 500 exceeds the model's 128 positions"),
+    ({"model": MODEL, "prompt": [1] * 128, "max_tokens": 1}, "prompt",
+     "prompt: prompt of 128 tokens plus max_tokens 1 exceeds the model's 128 positions"),
 ]
 
 
@@ -882,6 +888,40 @@ HOSTILE_REQUESTS = [
     ({"model": MODEL, "prompt": "x" * 2000}, "prompt",
      "prompt: prompt of 2000 characters (at least 500 tokens) plus max_tokens 16 exceeds the model's 128"),
 ]
+
+
+async def test_a_worker_whose_engine_thread_died_says_failed_and_refuses_with_503(pkg):
+    """Found in review: the engine thread dead (a bug outside a step's guards), the worker failed every request
+    with 500 while its /health said ready, so the router kept sending it requests. Its health also reports the
+    engine's steps, by which the router tells a busy worker from a hung one."""
+    async with serving(WorkerConfig(str(pkg))) as (url, worker, _, http):
+        await wait_health(http, url, lambda h: h["status"] == "ready")
+        assert (await health(http, url))["steps"] == 0
+        status, _, _ = await post(http, url, body(max_tokens=3))
+        assert status == 200 and (await health(http, url))["steps"] > 0
+
+        def lost(*args):
+            raise RuntimeError("device lost")
+
+        worker._model.engine.scheduler.step = lost
+        status, _, answer = await post(http, url, body(max_tokens=3))
+        assert status == 500, answer
+        why = "the engine stopped on an unexpected error: RuntimeError: device lost"
+        async with http.get(f"{url}/health") as response:
+            assert response.status == 503
+            state = await response.json()
+        assert (state["status"], state["error"]) == ("failed", why)
+        status, _, answer = await post(http, url, body(max_tokens=3))
+        assert status == 503 and answer["error"]["message"].endswith(why), answer
+
+
+async def test_a_chats_token_limit_past_the_positions_names_the_field_it_came_in(pkg):
+    async with serving(WorkerConfig(str(pkg))) as (url, _, _, http):
+        for field in ("max_tokens", "max_completion_tokens"):
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: 10 ** 8}
+            status, _, answer = await post(http, url, chat, "/v1/chat/completions")
+            assert status == 400 and answer["error"]["param"] == field, answer
+            assert answer["error"]["message"].startswith(f"{field}: prompt of "), answer
 
 
 async def test_hostile_requests_get_400_never_500(pkg):
