@@ -31,7 +31,7 @@ from pipecast.agent.fetcher import (
     fetch_files,
     fetch_manifest,
 )
-from pipecast.agent.host import advertised_address, detect_accelerator
+from pipecast.agent.host import advertised_address, detect_accelerator, host_memory
 from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.agent.peer_server import PeerServer
@@ -163,6 +163,7 @@ class AgentDaemon:
                 f"PIPECAST_AGENT_RESERVE_BYTES) is larger than the memory budget "
                 f"({format_bytes(settings.agent_memory_bytes)}, --memory): it holds memory for the blocks the "
                 "budget admits, so it can be at most the budget")
+        self._check_host_memory(settings)
         self.reserve = MemoryReserve(settings.agent_reserve_bytes) if settings.agent_reserve_bytes else None
         self.allocator = SharedMemoryAllocator(self.reserve)
         self._filling: asyncio.Task | None = None
@@ -178,6 +179,22 @@ class AgentDaemon:
         self._freeing: set[asyncio.Task] = set()  # dropped packages' memory, freed once no engine maps it
         self._local_api: LocalApiServer | None = None
         self._from_cache: dict[str, int] = {}  # package -> blocks its store opened with from the disk cache
+
+    @staticmethod
+    def _check_host_memory(settings: Settings) -> None:
+        """Refuse a reserve larger than the memory this host (and its memory cgroup) has available: populating it
+        would get the agent killed for want of memory, without a word; warn of a budget above the host's memory."""
+        memory = host_memory()
+        reserve = settings.agent_reserve_bytes
+        if reserve and memory.available is not None and reserve > memory.available:
+            raise MemoryBudgetError(
+                f"the memory reserve ({format_bytes(reserve)}, --reserve / PIPECAST_AGENT_RESERVE_BYTES) is larger "
+                f"than the memory this host has available ({format_bytes(memory.available)}, "
+                f"{memory.available_from}): populating it would get the agent killed for want of memory")
+        if memory.limit is not None and settings.agent_memory_bytes > memory.limit:
+            log.warning("the memory budget (%s, --memory / PIPECAST_AGENT_MEMORY_BYTES) is larger than this host's "
+                        "memory (%s, %s): packages it admits can get the agent killed for want of memory",
+                        format_bytes(settings.agent_memory_bytes), format_bytes(memory.limit), memory.limit_from)
 
     def stop(self) -> None:
         """Ask the daemon to shut down (signal-safe from the loop)."""

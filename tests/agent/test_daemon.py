@@ -167,6 +167,32 @@ def test_a_memory_reserve_larger_than_the_budget_is_refused_naming_both():
         AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
 
 
+def test_a_memory_reserve_larger_than_the_memory_available_is_refused_and_a_budget_above_it_warned_of(
+        monkeypatch, caplog):
+    """Found in review: in a memory cgroup of 600 MiB, --memory 4GiB --reserve 2GiB said "listening" and was then
+    OOM-killed without a word; --reserve 200TiB failed with a raw OSError traceback from mmap."""
+    import pipecast.agent.daemon as daemon_module
+    from pipecast.agent.host import HostMemory
+
+    cgroup = "/sys/fs/cgroup/pods/memory.max"
+    monkeypatch.setattr(daemon_module, "host_memory",
+                        lambda: HostMemory(550 << 20, f"{cgroup} less memory.current", 600 << 20, cgroup))
+    settings = Settings(**SETTINGS, agent_memory_bytes=4 << 30, agent_reserve_bytes=2 << 30)
+    with pytest.raises(MemoryBudgetError, match=r"^the memory reserve \(2\.0 GiB, --reserve / "
+                                                r"PIPECAST_AGENT_RESERVE_BYTES\) is larger than the memory this host "
+                                                r"has available \(550\.0 MiB, /sys/fs/cgroup/pods/memory\.max less "
+                                                r"memory\.current\): populating it would get the agent killed for "
+                                                r"want of memory$"):
+        AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
+    daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"),
+                         Settings(**SETTINGS, agent_memory_bytes=4 << 30, agent_reserve_bytes=500 << 20))
+    daemon.reserve.close()
+    daemon.events.close()
+    assert ("the memory budget (4.0 GiB, --memory / PIPECAST_AGENT_MEMORY_BYTES) is larger than this host's memory "
+            "(600.0 MiB, /sys/fs/cgroup/pods/memory.max): packages it admits can get the agent killed for want of "
+            "memory") in caplog.text
+
+
 async def test_a_store_whose_opening_is_cancelled_gives_its_memory_back(tiny_package, tmp_path, monkeypatch):
     """A DROP while a cached package is re-hashed cancels the open, but the worker thread opens the store all the
     same: it must be closed, or its budget would refuse every later assignment."""
