@@ -121,6 +121,11 @@ class LocalPackageError(AgentError):
     """A package folder (seed or cache) that cannot be served: missing, unreadable or corrupt."""
 
 
+class OpenCancelledError(AgentError):
+    """Opening a store was called off while its local blocks were verified (the agent stopping, the package
+    dropped): the verifying thread stops at its next chunk instead of re-hashing the rest."""
+
+
 class UnknownPackageError(AgentError):
     """A request names a package or block this agent does not hold."""
 

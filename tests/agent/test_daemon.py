@@ -131,6 +131,39 @@ async def test_a_bad_tls_file_is_refused_before_the_seed_is_verified(tiny_packag
     assert daemon.listener is None
 
 
+async def test_a_stop_while_the_seed_is_verified_ends_the_agent_and_the_verifying_at_once(tiny_package, monkeypatch):
+    """Found in review: SIGTERM while a --seed was verified at start (2.8 s/GB) was heeded only once the agent had
+    verified the whole seed, listened and said so. A slow verifier stands for a large seed."""
+    import time
+
+    import pipecast.agent.store as store_module
+
+    package = tiny_package(layers=3, layer_bytes=200_000, chunk_bytes=64 << 10)
+    chunks = sum(len(block.chunk_digests) for block in package.manifest.blocks)
+    hashed: list[float] = []
+    digest = store_module.digest_bytes
+
+    def slow_digest(data) -> bytes:
+        hashed.append(time.monotonic())
+        time.sleep(0.2)
+        return digest(data)
+
+    monkeypatch.setattr(store_module, "digest_bytes", slow_digest)
+    said: list[str] = []
+    daemon = AgentDaemon(AgentOptions(node_id="seed", listen="127.0.0.1:0", seed=package.path, announce=said.append),
+                         Settings(**SETTINGS))
+    running = asyncio.create_task(daemon.run())
+    async with asyncio.timeout(5):
+        while not hashed:
+            await asyncio.sleep(0.01)
+    daemon.stop()  # what SIGTERM's handler does
+    await asyncio.wait_for(running, 1.0)  # not after the whole seed (chunks x 0.2 s)
+    assert daemon.listener is None and said == []
+    stopped = time.monotonic()
+    await asyncio.sleep(0.5)
+    assert len([t for t in hashed if t > stopped]) == 0 and len(hashed) < chunks  # the thread stopped too
+
+
 @pytest.mark.parametrize("transport, why", [("tcp", ""), ("ucx", r" \(UCX\)")], ids=["tcp", "ucx"])
 async def test_a_daemon_whose_port_is_in_use_says_so(transport, why):
     if transport == "ucx":
