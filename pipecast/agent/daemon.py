@@ -607,6 +607,8 @@ class AgentDaemon:
             await asyncio.gather(*self._cache_writes, return_exceptions=True)
         for store in self.peer_server.stores.values():
             store.close()
+        if self.cache is not None:
+            self.cache.close()  # after its writes: another agent may take the folder now
         if self.reserve is not None:
             self.reserve.close()  # waits for a fill's step under way; the fill then ends
             if self._filling is not None:

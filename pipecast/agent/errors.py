@@ -126,6 +126,11 @@ class OpenCancelledError(AgentError):
     dropped): the verifying thread stops at its next chunk instead of re-hashing the rest."""
 
 
+class CacheInUseError(AgentError):
+    """Another agent holds the disk cache folder (its ``.lock``): two agents on one folder would remove each
+    other's packages to make room; the message names the folder."""
+
+
 class UnknownPackageError(AgentError):
     """A request names a package or block this agent does not hold."""
 

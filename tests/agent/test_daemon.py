@@ -235,6 +235,7 @@ async def test_a_store_whose_opening_is_cancelled_gives_its_memory_back(tiny_pac
     cache.write_manifest(manifest)  # and its files: neither needs a peer, no block is cached
     for entry in manifest.files:
         cache.write_file(manifest.package_id, entry.path, (package.path / entry.path).read_bytes())
+    cache.close()  # the folder's lock, for the daemon's cache
     settings = Settings(**{**SETTINGS, "agent_cache_dir": cache.root}, agent_memory_bytes=manifest.total_bytes)
     daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
     opening, go_on, opened = threading.Event(), threading.Event(), threading.Event()
@@ -282,6 +283,7 @@ async def test_a_cancelled_wait_for_cache_writes_leaves_another_packages_wait_an
         cache.write_manifest(package.manifest)
         for entry in package.manifest.files:
             cache.write_file(package.manifest.package_id, entry.path, (package.path / entry.path).read_bytes())
+    cache.close()  # the folder's lock, for the daemon's cache
     settings = Settings(**{**SETTINGS, "agent_cache_dir": cache.root})
     events = tmp_path / "rx.jsonl"
     daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0", events=events), settings)
