@@ -17,28 +17,38 @@ Bounded by ``max_bytes`` (``agent_cache_max_bytes``; 0: no bound): to make room 
 least recently (a package folder's time is its last write or open) that the agent does not hold in memory now
 are removed whole (and the agent told, which tells its control plane); a write that still does not fit is
 skipped (counted in :attr:`BlockCache.skipped_writes`). A block is written only into a folder that holds its
-package's manifest.
+package's manifest (one that is not there is skipped and counted too, and logged once per package).
+
+One agent per cache folder: the cache holds an exclusive ``flock`` on ``<root>/.lock`` while open, and a second
+one on the folder is refused (:class:`CacheInUseError`): each would remove the other's packages for room, and the
+other's writes would then be skipped.
 """
 
+import fcntl
 import logging
 import os
 import shutil
 import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import IO
 
 from packager.errors import PackageError
 from packager.manifest import HEX_DIGEST, MANIFEST_FILE, manifest_to_json, read_manifest
+from pipecast.agent.errors import CacheInUseError
 from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.core.fsutil import atomic_write, is_temporary, sweep_stale_temporaries
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
 
+LOCK_FILE = ".lock"
+
 
 class BlockCache:
     """A folder of cached packages, one package folder per package id. Every method is safe to call
-    whatever the disk does: reads that fail find nothing, writes that fail return False."""
+    whatever the disk does: reads that fail find nothing, writes that fail return False. Opening it takes the
+    folder's lock (:class:`CacheInUseError` if another cache holds it), :meth:`close` gives it back."""
 
     def __init__(self, root: Path, max_bytes: int = 0,
                  in_use: Callable[[], Collection[str]] = frozenset,
@@ -52,15 +62,52 @@ class BlockCache:
         self._on_removed = on_removed
         #: Writes that failed since the cache opened (each is logged; the data stayed in memory).
         self.write_errors = 0
-        #: Writes skipped for want of room under ``max_bytes`` (the data stayed in memory).
+        #: Writes skipped for want of room under ``max_bytes``, or of their package's manifest (the data stayed in
+        #: memory).
         self.skipped_writes = 0
         self._lock = threading.Lock()  # writes run on worker threads
+        self._without_manifest: set[str] = set()  # packages whose skipped block writes were logged
+        self._lock_file = self._take_lock()
         # Bytes of writes let in under max_bytes but not yet on disk: writes running at once all count.
         self._pending_bytes = 0
         removed = sum(sweep_stale_temporaries(self.package_dir(p)) for p in self.packages())
         if removed:
             log.info("disk cache %s: removed %d temporary file(s) left by an interrupted write", self.root,
                      removed)
+
+    def _take_lock(self) -> IO | None:
+        """The open ``.lock`` of the folder, locked; None where it cannot be locked (a cache that cannot be written
+        still serves what it holds: the cache is never a reason to stop)."""
+        path = self.root / LOCK_FILE
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            held = open(path, "a")  # empty: it counts toward no bound
+        except OSError as exc:
+            try:
+                held = open(path)  # a read-only folder: its lock is taken all the same where the file is there
+            except OSError:
+                log.warning("disk cache %s: cannot lock it (%s): a second agent on it would not be refused",
+                            self.root, exc.strerror or exc)
+                return None
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.close()
+            raise CacheInUseError(
+                f"the disk cache {self.root} is held by another agent (its lock {path} is taken): two agents on one "
+                "cache folder remove each other's packages; give each agent a --cache-dir of its own") from None
+        except OSError as exc:  # a file system without locks
+            held.close()
+            log.warning("disk cache %s: cannot lock it (%s): a second agent on it would not be refused", self.root,
+                        exc.strerror or exc)
+            return None
+        return held
+
+    def close(self) -> None:
+        """Give the folder's lock back (idempotent): another agent may open the cache then."""
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing the last descriptor of the open file releases its flock
+            self._lock_file = None
 
     def package_dir(self, package_id: str) -> Path:
         return self.root / package_id
@@ -110,7 +157,9 @@ class BlockCache:
         its digest is the package id); False if it could not be written."""
         # Not merely "manifest.json exists": a torn, invalid or foreign one would keep the folder useless for good.
         if self.local_package(manifest.package_id) is not None:
+            self._without_manifest.discard(manifest.package_id)
             return True
+        self._without_manifest.discard(manifest.package_id)  # gone again later: said again
         return self._write(self.package_dir(manifest.package_id) / MANIFEST_FILE, manifest_to_json(manifest).encode(),
                            f"the manifest of {manifest.package_id[:12]}", durable=True)
 
@@ -123,10 +172,23 @@ class BlockCache:
         be written, or its package's manifest is not in the cache (the block would be of no use there)."""
         what = f"block {block} of {manifest.package_id[:12]}"
         if not (self.package_dir(manifest.package_id) / MANIFEST_FILE).is_file():
-            return False
+            return self._skip_without_manifest(manifest.package_id, what)
         if self._write(self.package_dir(manifest.package_id) / manifest.blocks[block].file, data, what):
             log.debug("cached %s", what)
             return True
+        return False
+
+    def _skip_without_manifest(self, package_id: str, what: str) -> bool:
+        """Count a block write skipped for want of its package's manifest, and say so once per package."""
+        with self._lock:
+            self.skipped_writes += 1
+            count = self.skipped_writes
+            first = package_id not in self._without_manifest
+            self._without_manifest.add(package_id)
+        if first:
+            log.warning("disk cache %s: no manifest of package %s here (its write failed, or its folder was removed): "
+                        "%s and its later blocks stay in memory only (%d write(s) skipped so far)", self.root,
+                        package_id[:12], what, count)
         return False
 
     def _write(self, path: Path, data: bytes | memoryview, what: str, durable: bool = False) -> bool:

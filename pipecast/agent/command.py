@@ -30,6 +30,16 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
         raise click.BadParameter(str(exc)) from None
 
 
+def _reserve_size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    # 0 is "no reserve", as the setting's default says (and overrides a reserve set in the environment).
+    if value is None:
+        return None
+    try:
+        return parse_size(value, allow_zero=True)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def _address(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is None:
         return None
@@ -107,9 +117,9 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
               help="Disk cache of verified blocks, served again after a restart.")
 @click.option("--memory", callback=_size, metavar="SIZE",
               help="Host memory budget for received blocks, e.g. 16GiB (a package that does not fit is refused).")
-@click.option("--reserve", callback=_size, metavar="SIZE",
-              help="Host memory to populate at start and hand over to received blocks, e.g. 1GiB: on a VM that "
-                   "backs its memory lazily a surge's blocks then take pages already backed (settings: "
+@click.option("--reserve", callback=_reserve_size, metavar="SIZE",
+              help="Host memory to populate at start and hand over to received blocks, e.g. 1GiB (0: none): on a VM "
+                   "that backs its memory lazily a surge's blocks then take pages already backed (settings: "
                    "agent_reserve_bytes).")
 @click.option("--transport", type=click.Choice(transport_names()), help="Data transport (default: auto).")
 @click.option("--local-socket", type=click.Path(dir_okay=False, path_type=Path),
@@ -175,6 +185,11 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
     if cache is not None and cache.exists() and not cache.is_dir():  # --cache-dir's own check, for the setting
         raise click.BadParameter(f"{str(cache)!r} is not a folder",
                                  param_hint="'--cache-dir' (setting agent_cache_dir)")
+    local_socket = settings.agent_local_socket
+    if local_socket is not None and not local_socket.parent.is_dir():  # refused now, not after a seed's verifying
+        why = "is not a folder" if local_socket.parent.exists() else "does not exist"
+        raise click.BadParameter(f"the folder of {str(local_socket)!r}, {str(local_socket.parent)!r}, {why}",
+                                 param_hint="'--local-socket' (setting agent_local_socket)")
     if plan is not None and not settings.agent_node_id:
         raise PlanFileError(f"{plan}: --node-id is needed to know which of the plan's nodes this agent is")
     policy = FetchPolicy(concurrency=settings.agent_fetch_concurrency, retries=settings.agent_fetch_retries,

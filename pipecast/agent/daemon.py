@@ -11,11 +11,12 @@ stops it cleanly.
 import asyncio
 import logging
 import signal
+import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from control_plane.messages import PeerInfo, WorkerSpec
 from pipecast.agent.budget import MemoryBudget
@@ -31,7 +32,7 @@ from pipecast.agent.fetcher import (
     fetch_files,
     fetch_manifest,
 )
-from pipecast.agent.host import advertised_address, detect_accelerator
+from pipecast.agent.host import advertised_address, detect_accelerator, host_memory
 from pipecast.agent.local_api import LocalApiServer
 from pipecast.agent.local_package import LocalPackageFolder
 from pipecast.agent.peer_server import PeerServer
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from pipecast.agent.control import ControlLink
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PROGRESS_LOG_S = 5.0
 # --exit-when-complete waits this long with no peer connected, so a child between two requests is not
@@ -129,13 +131,17 @@ class _AgentPeerServer(PeerServer):
 
 
 async def _open_in_thread(manifest: Manifest, **options: Any) -> BlockStore:
-    """:meth:`BlockStore.open` in a worker thread (re-hashing local blocks takes a while: not on the loop)."""
-    opening = asyncio.ensure_future(asyncio.to_thread(BlockStore.open, manifest, **options))
+    """:meth:`BlockStore.open` in a worker thread (re-hashing local blocks takes a while: not on the loop); cancelled,
+    the thread stops verifying at its next chunk."""
+    cancel = threading.Event()
+    opening = asyncio.ensure_future(asyncio.to_thread(BlockStore.open, manifest, cancel=cancel, **options))
     try:
         return await asyncio.shield(opening)
     except asyncio.CancelledError:
-        # Cancelled (the package dropped meanwhile), the thread still opens the store, which holds its memory
-        # budget and buffers: whoever would have held it is gone, so it is closed as it comes.
+        # Cancelled (the agent stopping, the package dropped meanwhile): the thread stops verifying, or, past its
+        # verifying, still opens the store, which holds its memory budget and buffers: whoever would have held it
+        # is gone, so it is closed as it comes. Without the flag the agent's exit waited for the whole re-hash.
+        cancel.set()
         opening.add_done_callback(_close_opened)
         raise
 
@@ -163,6 +169,7 @@ class AgentDaemon:
                 f"PIPECAST_AGENT_RESERVE_BYTES) is larger than the memory budget "
                 f"({format_bytes(settings.agent_memory_bytes)}, --memory): it holds memory for the blocks the "
                 "budget admits, so it can be at most the budget")
+        self._check_host_memory(settings)
         self.reserve = MemoryReserve(settings.agent_reserve_bytes) if settings.agent_reserve_bytes else None
         self.allocator = SharedMemoryAllocator(self.reserve)
         self._filling: asyncio.Task | None = None
@@ -178,6 +185,22 @@ class AgentDaemon:
         self._freeing: set[asyncio.Task] = set()  # dropped packages' memory, freed once no engine maps it
         self._local_api: LocalApiServer | None = None
         self._from_cache: dict[str, int] = {}  # package -> blocks its store opened with from the disk cache
+
+    @staticmethod
+    def _check_host_memory(settings: Settings) -> None:
+        """Refuse a reserve larger than the memory this host (and its memory cgroup) has available: populating it
+        would get the agent killed for want of memory, without a word; warn of a budget above the host's memory."""
+        memory = host_memory()
+        reserve = settings.agent_reserve_bytes
+        if reserve and memory.available is not None and reserve > memory.available:
+            raise MemoryBudgetError(
+                f"the memory reserve ({format_bytes(reserve)}, --reserve / PIPECAST_AGENT_RESERVE_BYTES) is larger "
+                f"than the memory this host has available ({format_bytes(memory.available)}, "
+                f"{memory.available_from}): populating it would get the agent killed for want of memory")
+        if memory.limit is not None and settings.agent_memory_bytes > memory.limit:
+            log.warning("the memory budget (%s, --memory / PIPECAST_AGENT_MEMORY_BYTES) is larger than this host's "
+                        "memory (%s, %s): packages it admits can get the agent killed for want of memory",
+                        format_bytes(settings.agent_memory_bytes), format_bytes(memory.limit), memory.limit_from)
 
     def stop(self) -> None:
         """Ask the daemon to shut down (signal-safe from the loop)."""
@@ -200,8 +223,12 @@ class AgentDaemon:
                                               self._peer_auth())
             if self.options.seed is not None:
                 seed = LocalPackageFolder(self.options.seed)
-                store = await _open_in_thread(seed.manifest, allocator=self.allocator, budget=self.budget,
-                                              local=seed, require_complete=True)
+                # Raced against SIGTERM: verifying a large seed takes minutes, which a stop must not wait out.
+                store = await self._unless_stopped(_open_in_thread(seed.manifest, allocator=self.allocator,
+                                                                   budget=self.budget, local=seed,
+                                                                   require_complete=True))
+                if store is None:
+                    return
                 self._hold(store, cache=False)
                 if plan is not None and store.package_id != plan.package_id:
                     raise PlanFileError(f"{self.options.plan}: the plan is for package {plan.package_id[:12]} "
@@ -247,6 +274,23 @@ class AgentDaemon:
                     task.cancel()
             await asyncio.gather(*(t for t in (work, reporter) if t is not None), return_exceptions=True)
             await self._shutdown()
+
+    async def _unless_stopped(self, work: Awaitable[T]) -> T | None:
+        """What ``work`` gives, or None once the agent is asked to stop first (``work`` is cancelled then)."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
 
     def _peer_auth(self) -> PeerAuth:
         """This node's data-plane credentials: under a control plane the key comes with the registration
@@ -563,6 +607,8 @@ class AgentDaemon:
             await asyncio.gather(*self._cache_writes, return_exceptions=True)
         for store in self.peer_server.stores.values():
             store.close()
+        if self.cache is not None:
+            self.cache.close()  # after its writes: another agent may take the folder now
         if self.reserve is not None:
             self.reserve.close()  # waits for a fill's step under way; the fill then ends
             if self._filling is not None:

@@ -121,6 +121,16 @@ class LocalPackageError(AgentError):
     """A package folder (seed or cache) that cannot be served: missing, unreadable or corrupt."""
 
 
+class OpenCancelledError(AgentError):
+    """Opening a store was called off while its local blocks were verified (the agent stopping, the package
+    dropped): the verifying thread stops at its next chunk instead of re-hashing the rest."""
+
+
+class CacheInUseError(AgentError):
+    """Another agent holds the disk cache folder (its ``.lock``): two agents on one folder would remove each
+    other's packages to make room; the message names the folder."""
+
+
 class UnknownPackageError(AgentError):
     """A request names a package or block this agent does not hold."""
 

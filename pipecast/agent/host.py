@@ -1,9 +1,12 @@
-"""What this node is, as it registers: its accelerator (probed without torch) and its reachable address."""
+"""What this node is, as it registers: its accelerator (probed without torch) and its reachable address; and the
+memory this process may take (the host's and its memory cgroup's), which the agent checks its settings against."""
 
 import logging
 import shutil
 import socket
 import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from control_plane.messages import AcceleratorInfo
 from pipecast.agent.transport.base import split_address
@@ -12,6 +15,9 @@ log = logging.getLogger(__name__)
 
 NVIDIA_SMI_TIMEOUT_S = 5.0
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+CGROUP_ROOT = "/sys/fs/cgroup"
+#: A cgroup limit this large is none: cgroup v1 says "no limit" as LONG_MAX rounded down to a page.
+_NO_LIMIT = 1 << 60
 
 
 def detect_accelerator(device: str) -> AcceleratorInfo:
@@ -45,3 +51,72 @@ def advertised_address(listen_address: str) -> str:
     if host in WILDCARD_HOSTS:
         host = socket.gethostname()
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """The memory this process may take: ``available`` now and its ``limit`` (bytes; None: unknown), each the
+    smallest of the host's and its memory cgroups', with the file it was read from (``available_from``,
+    ``limit_from``)."""
+
+    available: int | None = None
+    available_from: str = ""
+    limit: int | None = None
+    limit_from: str = ""
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text.strip()) if text is not None else None
+    except ValueError:  # cgroup v2's "max": no limit
+        return None
+
+
+def _cgroup_files(cgroups: str) -> list[tuple[str, str, str]]:
+    """(folder, limit file, usage file) of this process's memory cgroup and each of its ancestors (each limits
+    it), from ``/proc/self/cgroup``: cgroup v2 (``0::PATH``) and v1 (``N:...memory...:PATH``). The mount's own
+    folder comes last: in a container without a cgroup namespace PATH is the host's, not under the mount."""
+    found = []
+    for line in cgroups.splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "" and path.startswith("/"):
+            base, files = CGROUP_ROOT, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = f"{CGROUP_ROOT}/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        found += [("/".join([base, *parts[:n]]), *files) for n in range(len(parts), -1, -1)]
+    return found
+
+
+def host_memory(read: Callable[[str], str | None] = _read_text) -> HostMemory:
+    """What memory this process may take: MemAvailable and MemTotal of ``/proc/meminfo``, and every memory cgroup
+    limit over it (cgroup v2 ``memory.max`` less ``memory.current``, v1 ``memory.limit_in_bytes`` less
+    ``memory.usage_in_bytes``) where readable. ``read`` gives a file's text, None where it cannot be read (tests
+    give it files of their own)."""
+    available: list[tuple[int, str]] = []
+    limits: list[tuple[int, str]] = []
+    for line in (read("/proc/meminfo") or "").splitlines():
+        key, _, value = line.partition(":")
+        kib = _int(value.strip().removesuffix("kB"))
+        if kib is not None and key in ("MemAvailable", "MemTotal"):
+            (available if key == "MemAvailable" else limits).append((kib << 10, f"{key} in /proc/meminfo"))
+    for folder, limit_file, usage_file in _cgroup_files(read("/proc/self/cgroup") or ""):
+        limit = _int(read(f"{folder}/{limit_file}"))
+        if limit is None or limit >= _NO_LIMIT:
+            continue
+        limits.append((limit, f"{folder}/{limit_file}"))
+        used = _int(read(f"{folder}/{usage_file}"))
+        if used is not None:
+            available.append((max(limit - used, 0), f"{folder}/{limit_file} less {usage_file}"))
+    least_available, least_limit = min(available, default=(None, "")), min(limits, default=(None, ""))
+    return HostMemory(*least_available, *least_limit)

@@ -22,6 +22,8 @@ import os
 import threading
 
 from pipecast.agent.buffers import POPULATE_STEP_BYTES, address_of, populate
+from pipecast.agent.errors import MemoryBudgetError
+from pipecast.core.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +52,23 @@ class MemoryReserve:
         if nbytes <= 0:
             raise ValueError(f"a memory reserve needs a size > 0, got {nbytes!r}")
         self.size = _whole_pages(nbytes)
-        self._fd = os.memfd_create(label, os.MFD_CLOEXEC)
+        self._fd = -1
         try:
+            self._fd = os.memfd_create(label, os.MFD_CLOEXEC)
             os.ftruncate(self._fd, self.size)
             self._map = mmap.mmap(self._fd, self.size, flags=mmap.MAP_SHARED,
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(self._fd)
+        except BaseException as exc:
+            if self._fd >= 0:
+                os.close(self._fd)
+            if isinstance(exc, OSError):  # ENOMEM: larger than the address space or the overcommit limit allow
+                raise MemoryBudgetError(f"cannot map a memory reserve of {format_bytes(self.size)} ({self.size} "
+                                        f"bytes, --reserve): {exc.strerror or exc}") from None
             raise
         self._address = address_of(self._map)
         self._held = 0  # bytes [0, held) are populated
         self._closed = False
+        self._said_short = False
         self._lock = threading.Lock()
         self.handed_over_bytes = 0
 
@@ -88,7 +96,11 @@ class MemoryReserve:
                     break
                 step = min(POPULATE_STEP_BYTES, self.size - start, missing)
                 if not populate(self._address + start, step):
-                    break  # populate() logged why; the reserve holds what it has
+                    if not self._said_short:  # populate() logged why (debug); said once, not at every refill
+                        self._said_short = True
+                        log.warning("the memory reserve (%s) holds %s only: the kernel populates no more of it",
+                                    format_bytes(self.size), format_bytes(start))
+                    break
                 self._held += step
                 missing -= step
         return self._held

@@ -19,6 +19,7 @@ The store is used from one asyncio event loop: marking is synchronous, waiting i
 import asyncio
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from pipecast.agent.errors import (
     CorruptFileError,
     DroppedHereError,
     LocalPackageError,
+    OpenCancelledError,
     RelayBrokenError,
     UnknownPackageError,
 )
@@ -234,7 +236,7 @@ class BlockStore:
     @classmethod
     def open(cls, manifest: Manifest, *, allocator: BufferAllocator, budget: MemoryBudget,
              local: LocalPackage | None = None, require_complete: bool = False,
-             manifest_origin: str = "") -> "BlockStore":
+             manifest_origin: str = "", cancel: threading.Event | None = None) -> "BlockStore":
         """A store for ``manifest``: blocks found in ``local`` are mapped and verified, the rest allocated.
 
         Local blocks are re-hashed on open (no trusted marker: a torn or rotten file is caught here and
@@ -242,13 +244,14 @@ class BlockStore:
         are reserved against ``budget`` up front, or :class:`MemoryBudgetError` is raised. With
         ``require_complete`` (a seed) a missing or corrupt local block raises :class:`LocalPackageError`.
         An inconsistent manifest (e.g. one whose digest is not its package id) raises
-        :class:`packager.errors.ManifestError` naming ``manifest_origin``.
+        :class:`packager.errors.ManifestError` naming ``manifest_origin``. Once ``cancel`` is set (from another
+        thread) the verifying stops at the next chunk with :class:`OpenCancelledError`, what was opened closed.
         """
         validate_manifest(manifest, manifest_origin or "manifest")
         store = cls(manifest, manifest_origin or (local.description if local else ""))
         try:
             if local is not None:
-                store._load_local(local, require_complete)
+                store._load_local(local, require_complete, cancel)
             held = {s.meta.index for s in store._blocks}
             missing = [b for b in manifest.blocks if b.index not in held]
             need = sum(b.bytes for b in missing)
@@ -265,7 +268,7 @@ class BlockStore:
             raise
         return store
 
-    def _load_local(self, local: LocalPackage, require_complete: bool) -> None:
+    def _load_local(self, local: LocalPackage, require_complete: bool, cancel: threading.Event | None = None) -> None:
         """Map and verify every block and file ``local`` has; keep the good ones. One that is there but cannot be
         read (no permission, an I/O error, a folder under its name) counts as missing: fetched again, or, with
         ``require_complete``, a :class:`LocalPackageError`."""
@@ -286,7 +289,13 @@ class BlockStore:
             state = _BlockState(meta, buffer)
             try:
                 for chunk in range(state.count):
+                    if cancel is not None and cancel.is_set():  # a chunk at a time: a large seed takes minutes
+                        raise OpenCancelledError(f"{local.description}: opening package "
+                                                 f"{self.manifest.package_id[:12]} called off")
                     self._land(state, chunk, local.description)
+            except OpenCancelledError:
+                state.free()  # not in the store yet: its close would not free it
+                raise
             except CorruptChunkError as exc:
                 state.free()  # no waiters yet: it was never in the store
                 if require_complete:

@@ -18,9 +18,9 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, *, allow_zero: bool = False) -> int:
     """Parse "64MB", "4MiB", "1.5GB" or "1048576" into bytes (a fraction of a unit above a byte rounds down); raise
-    ValueError naming the text."""
+    ValueError naming the text. Zero is refused unless ``allow_zero`` (a size whose 0 means "none")."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
@@ -32,7 +32,7 @@ def parse_size(text: str) -> int:
     if _UNITS[unit] == 1 and number.denominator != 1:  # "1.5" bytes: no size; a fraction of a KiB rounds down
         raise ValueError(f"not a whole number of bytes: {text!r}")
     value = int(number)
-    if value <= 0:
+    if value <= 0 and not (allow_zero and value == 0):
         raise ValueError(f"size must be positive: {text!r}")
     return value
 

@@ -4,6 +4,7 @@ cache opens."""
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -14,7 +15,8 @@ import pytest
 
 import pipecast.agent.cache as cache_module
 from packager.manifest import MANIFEST_FILE, manifest_to_json
-from pipecast.agent.cache import BlockCache
+from pipecast.agent.cache import LOCK_FILE, BlockCache
+from pipecast.agent.errors import CacheInUseError
 from pipecast.core.fsutil import TEMPORARY_MARK
 from tests.support.agent_fixtures import receiving_store
 from tests.support.packages import tiny_package
@@ -81,7 +83,7 @@ def test_a_full_disk_mid_write_leaves_no_temporary_file(package, tmp_path, monke
         monkeypatch.undo()
         store.close()
     assert not any(results) and cache.write_errors == 1 + len(package[1].files)  # blocks: no manifest, not tried
-    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []
+    assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == [LOCK_FILE]  # the cache's lock only
 
 
 def test_a_working_cache_writes_and_reads_back(package, tmp_path):
@@ -356,3 +358,36 @@ def test_a_cache_that_cannot_mark_a_package_used_still_opens_it(package, tmp_pat
 
     monkeypatch.setattr(cache_module.os, "utime", read_only)
     assert cache.local_package(manifest.package_id, use=True) is not None
+
+
+def test_a_second_agent_on_one_cache_folder_is_refused_naming_it(tmp_path):
+    """Found in review: two agents on one --cache-dir removed each other's packages for room, and the victim's later
+    writes were skipped without a word."""
+    root = tmp_path / "cache"
+    first = BlockCache(root)
+    with pytest.raises(CacheInUseError, match=rf"^the disk cache {root} is held by another agent \(its lock "
+                                              rf"{root}/\.lock is taken\): two agents on one cache folder remove each "
+                                              r"other's packages; give each agent a --cache-dir of its own$"):
+        BlockCache(root)
+    first.close()
+    first.close()  # idempotent
+    BlockCache(root).close()  # given back: the next agent opens it
+
+
+def test_a_block_whose_manifest_is_gone_is_skipped_counted_and_said_once(package, tmp_path, caplog):
+    """Found in review: a block written after another agent removed its package's folder was skipped silently."""
+    _, manifest = package
+    cache = BlockCache(tmp_path / "cache")
+    store = verified_store(package)
+    try:
+        assert cache.write_manifest(manifest) and cache.write_block(manifest, 0, store.block_view(0))
+        shutil.rmtree(cache.package_dir(manifest.package_id))  # as the other agent's eviction did
+        assert not cache.write_block(manifest, 1, store.block_view(1))
+        assert not cache.write_block(manifest, 2, store.block_view(2))
+    finally:
+        store.close()
+    assert cache.skipped_writes == 2
+    said = [r.getMessage() for r in caplog.records if "no manifest of package" in r.getMessage()]
+    assert said == [f"disk cache {cache.root}: no manifest of package {manifest.package_id[:12]} here (its write "
+                    f"failed, or its folder was removed): block 1 of {manifest.package_id[:12]} and its later blocks "
+                    "stay in memory only (1 write(s) skipped so far)"]

@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipecast.agent.command import agent_command
+from pipecast.core.settings import load_settings
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", f"{time.time() * 1000:.0f}"])  # the last: milliseconds
@@ -94,3 +95,40 @@ def test_a_cache_dir_setting_that_is_a_file_is_refused_as_the_flag_is(monkeypatc
     assert result.exit_code == 2 and started == []
     assert f"Invalid value for '--cache-dir' (setting agent_cache_dir): {str(tmp_path / 'afile')!r} is not a folder" \
         in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("missing", [True, False], ids=["missing", "a-file"])
+def test_a_local_socket_whose_folder_is_not_there_is_refused_before_the_agent_starts(tmp_path, started, missing,
+                                                                                     monkeypatch):
+    """Found in review: a --local-socket in a missing folder was reported only after the seed was verified and the
+    data port said listening."""
+    folder = tmp_path / "run"
+    if not missing:
+        folder.write_text("")
+    path = folder / "agent.sock"
+    why = "does not exist" if missing else "is not a folder"
+    result = CliRunner().invoke(agent_command, ["--local-socket", str(path), "--listen", "127.0.0.1:0"])
+    assert result.exit_code == 2 and started == []
+    assert (f"Invalid value for '--local-socket' (setting agent_local_socket): the folder of {str(path)!r}, "
+            f"{str(folder)!r}, {why}") in " ".join(result.output.split())
+    monkeypatch.setenv("PIPECAST_AGENT_LOCAL_SOCKET", str(path))  # the setting is checked as the flag is
+    assert CliRunner().invoke(agent_command, ["--listen", "127.0.0.1:0"]).exit_code == 2 and started == []
+    assert CliRunner().invoke(agent_command, ["--local-socket", str(tmp_path / "agent.sock"), "--listen",
+                                              "127.0.0.1:0"]).exit_code == 0
+
+
+def test_a_reserve_of_zero_is_none_and_other_sizes_stay_positive(monkeypatch, started):
+    """Found in review: --reserve 0 was refused ("size must be positive") though the README and the setting say 0
+    means none."""
+    import pipecast.agent.command as command
+
+    reserves = []
+    monkeypatch.setattr(command, "load_settings", lambda **kw: (reserves.append(kw["agent_reserve_bytes"]),
+                                                               load_settings(**kw))[1])
+    monkeypatch.setenv("PIPECAST_AGENT_RESERVE_BYTES", "1GiB")
+    for value in ("0", "0GiB"):
+        result = CliRunner().invoke(agent_command, ["--reserve", value, "--listen", "127.0.0.1:0"])
+        assert result.exit_code == 0, result.output
+    assert reserves == [0, 0]  # none, over the environment's
+    result = CliRunner().invoke(agent_command, ["--memory", "0", "--listen", "127.0.0.1:0"])
+    assert result.exit_code == 2 and "Invalid value for '--memory': size must be positive: '0'" in result.output

@@ -131,6 +131,39 @@ async def test_a_bad_tls_file_is_refused_before_the_seed_is_verified(tiny_packag
     assert daemon.listener is None
 
 
+async def test_a_stop_while_the_seed_is_verified_ends_the_agent_and_the_verifying_at_once(tiny_package, monkeypatch):
+    """Found in review: SIGTERM while a --seed was verified at start (2.8 s/GB) was heeded only once the agent had
+    verified the whole seed, listened and said so. A slow verifier stands for a large seed."""
+    import time
+
+    import pipecast.agent.store as store_module
+
+    package = tiny_package(layers=3, layer_bytes=200_000, chunk_bytes=64 << 10)
+    chunks = sum(len(block.chunk_digests) for block in package.manifest.blocks)
+    hashed: list[float] = []
+    digest = store_module.digest_bytes
+
+    def slow_digest(data) -> bytes:
+        hashed.append(time.monotonic())
+        time.sleep(0.2)
+        return digest(data)
+
+    monkeypatch.setattr(store_module, "digest_bytes", slow_digest)
+    said: list[str] = []
+    daemon = AgentDaemon(AgentOptions(node_id="seed", listen="127.0.0.1:0", seed=package.path, announce=said.append),
+                         Settings(**SETTINGS))
+    running = asyncio.create_task(daemon.run())
+    async with asyncio.timeout(5):
+        while not hashed:
+            await asyncio.sleep(0.01)
+    daemon.stop()  # what SIGTERM's handler does
+    await asyncio.wait_for(running, 1.0)  # not after the whole seed (chunks x 0.2 s)
+    assert daemon.listener is None and said == []
+    stopped = time.monotonic()
+    await asyncio.sleep(0.5)
+    assert len([t for t in hashed if t > stopped]) == 0 and len(hashed) < chunks  # the thread stopped too
+
+
 @pytest.mark.parametrize("transport, why", [("tcp", ""), ("ucx", r" \(UCX\)")], ids=["tcp", "ucx"])
 async def test_a_daemon_whose_port_is_in_use_says_so(transport, why):
     if transport == "ucx":
@@ -167,6 +200,32 @@ def test_a_memory_reserve_larger_than_the_budget_is_refused_naming_both():
         AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
 
 
+def test_a_memory_reserve_larger_than_the_memory_available_is_refused_and_a_budget_above_it_warned_of(
+        monkeypatch, caplog):
+    """Found in review: in a memory cgroup of 600 MiB, --memory 4GiB --reserve 2GiB said "listening" and was then
+    OOM-killed without a word; --reserve 200TiB failed with a raw OSError traceback from mmap."""
+    import pipecast.agent.daemon as daemon_module
+    from pipecast.agent.host import HostMemory
+
+    cgroup = "/sys/fs/cgroup/pods/memory.max"
+    monkeypatch.setattr(daemon_module, "host_memory",
+                        lambda: HostMemory(550 << 20, f"{cgroup} less memory.current", 600 << 20, cgroup))
+    settings = Settings(**SETTINGS, agent_memory_bytes=4 << 30, agent_reserve_bytes=2 << 30)
+    with pytest.raises(MemoryBudgetError, match=r"^the memory reserve \(2\.0 GiB, --reserve / "
+                                                r"PIPECAST_AGENT_RESERVE_BYTES\) is larger than the memory this host "
+                                                r"has available \(550\.0 MiB, /sys/fs/cgroup/pods/memory\.max less "
+                                                r"memory\.current\): populating it would get the agent killed for "
+                                                r"want of memory$"):
+        AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
+    daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"),
+                         Settings(**SETTINGS, agent_memory_bytes=4 << 30, agent_reserve_bytes=500 << 20))
+    daemon.reserve.close()
+    daemon.events.close()
+    assert ("the memory budget (4.0 GiB, --memory / PIPECAST_AGENT_MEMORY_BYTES) is larger than this host's memory "
+            "(600.0 MiB, /sys/fs/cgroup/pods/memory.max): packages it admits can get the agent killed for want of "
+            "memory") in caplog.text
+
+
 async def test_a_store_whose_opening_is_cancelled_gives_its_memory_back(tiny_package, tmp_path, monkeypatch):
     """A DROP while a cached package is re-hashed cancels the open, but the worker thread opens the store all the
     same: it must be closed, or its budget would refuse every later assignment."""
@@ -176,6 +235,7 @@ async def test_a_store_whose_opening_is_cancelled_gives_its_memory_back(tiny_pac
     cache.write_manifest(manifest)  # and its files: neither needs a peer, no block is cached
     for entry in manifest.files:
         cache.write_file(manifest.package_id, entry.path, (package.path / entry.path).read_bytes())
+    cache.close()  # the folder's lock, for the daemon's cache
     settings = Settings(**{**SETTINGS, "agent_cache_dir": cache.root}, agent_memory_bytes=manifest.total_bytes)
     daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
     opening, go_on, opened = threading.Event(), threading.Event(), threading.Event()
@@ -223,6 +283,7 @@ async def test_a_cancelled_wait_for_cache_writes_leaves_another_packages_wait_an
         cache.write_manifest(package.manifest)
         for entry in package.manifest.files:
             cache.write_file(package.manifest.package_id, entry.path, (package.path / entry.path).read_bytes())
+    cache.close()  # the folder's lock, for the daemon's cache
     settings = Settings(**{**SETTINGS, "agent_cache_dir": cache.root})
     events = tmp_path / "rx.jsonl"
     daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0", events=events), settings)

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from pipecast.agent.buffers import POPULATE_STEP_BYTES, SharedMemoryAllocator, SharedMemoryBuffer
+from pipecast.agent.errors import MemoryBudgetError
 from pipecast.agent.reserve import MemoryReserve
 
 MIB = 1 << 20
@@ -97,3 +98,10 @@ def test_a_closed_reserve_frees_its_memory_and_ignores_fills_and_hand_overs(rese
 def test_a_reserve_needs_a_size(size):
     with pytest.raises(ValueError, match=f"a memory reserve needs a size > 0, got {size}"):
         MemoryReserve(size)
+
+
+def test_a_reserve_larger_than_the_address_space_is_a_typed_error_naming_its_size():
+    """Found in review: --memory 200TiB --reserve 200TiB failed with a raw OSError traceback (ENOMEM) from mmap."""
+    with pytest.raises(MemoryBudgetError, match=r"^cannot map a memory reserve of 200\.0 TiB \(219902325555200 "
+                                                r"bytes, --reserve\): Cannot allocate memory$"):
+        MemoryReserve(200 << 40)
