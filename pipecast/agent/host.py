@@ -98,11 +98,20 @@ def _cgroup_files(cgroups: str) -> list[tuple[str, str, str]]:
     return found
 
 
+def _stat(text: str | None, key: str) -> int:
+    """The value of ``key`` in a cgroup's ``memory.stat`` text, 0 where it is not there."""
+    for line in (text or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return _int(value) or 0
+    return 0
+
+
 def host_memory(read: Callable[[str], str | None] = _read_text) -> HostMemory:
     """What memory this process may take: MemAvailable and MemTotal of ``/proc/meminfo``, and every memory cgroup
     limit over it (cgroup v2 ``memory.max`` less ``memory.current``, v1 ``memory.limit_in_bytes`` less
-    ``memory.usage_in_bytes``) where readable. ``read`` gives a file's text, None where it cannot be read (tests
-    give it files of their own)."""
+    ``memory.usage_in_bytes``, each usage less its reclaimable page cache, ``inactive_file``) where readable.
+    ``read`` gives a file's text, None where it cannot be read (tests give it files of their own)."""
     available: list[tuple[int, str]] = []
     limits: list[tuple[int, str]] = []
     for line in (read("/proc/meminfo") or "").splitlines():
@@ -117,6 +126,11 @@ def host_memory(read: Callable[[str], str | None] = _read_text) -> HostMemory:
         limits.append((limit, f"{folder}/{limit_file}"))
         used = _int(read(f"{folder}/{usage_file}"))
         if used is not None:
-            available.append((max(limit - used, 0), f"{folder}/{limit_file} less {usage_file}"))
+            # less the page cache the kernel reclaims before it kills anything (as kubelet's working set counts):
+            # a cgroup whose processes read files is no fuller for it
+            inactive = "inactive_file" if limit_file == "memory.max" else "total_inactive_file"
+            used -= min(_stat(read(f"{folder}/memory.stat"), inactive), used)
+            available.append((max(limit - used, 0),
+                              f"{folder}/{limit_file} less {usage_file} (less {inactive})"))
     least_available, least_limit = min(available, default=(None, "")), min(limits, default=(None, ""))
     return HostMemory(*least_available, *least_limit)

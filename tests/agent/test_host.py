@@ -34,7 +34,12 @@ def test_memory_is_the_least_of_meminfo_and_every_memory_cgroup_over_this_proces
              "/sys/fs/cgroup/pods/agent/memory.max": "max\n", "/sys/fs/cgroup/pods/agent/memory.current": "5\n",
              "/sys/fs/cgroup/pods/memory.max": f"{600 * MIB}\n", "/sys/fs/cgroup/pods/memory.current": f"{50 * MIB}\n"}
     assert host_memory(files.get) == HostMemory(
-        550 * MIB, "/sys/fs/cgroup/pods/memory.max less memory.current", 600 * MIB, "/sys/fs/cgroup/pods/memory.max")
+        550 * MIB, "/sys/fs/cgroup/pods/memory.max less memory.current (less inactive_file)", 600 * MIB,
+        "/sys/fs/cgroup/pods/memory.max")
+    # page cache the kernel would reclaim first is no use (a worker in the pod read its model's files)
+    cached = {**files, "/sys/fs/cgroup/pods/memory.current": f"{590 * MIB}\n",
+              "/sys/fs/cgroup/pods/memory.stat": f"anon {40 * MIB}\nfile {550 * MIB}\ninactive_file {540 * MIB}\n"}
+    assert host_memory(cached.get).available == 550 * MIB
 
 
 def test_a_cgroup_v1_limit_counts_and_no_limit_is_none():
@@ -42,7 +47,7 @@ def test_a_cgroup_v1_limit_counts_and_no_limit_is_none():
           "/sys/fs/cgroup/memory/job/c55/memory.limit_in_bytes": f"{4096 * MIB}\n",
           "/sys/fs/cgroup/memory/job/c55/memory.usage_in_bytes": f"{1024 * MIB}\n"}
     assert host_memory(v1.get) == HostMemory(3072 * MIB, "/sys/fs/cgroup/memory/job/c55/memory.limit_in_bytes less "
-                                             "memory.usage_in_bytes", 4096 * MIB,
+                                             "memory.usage_in_bytes (less total_inactive_file)", 4096 * MIB,
                                              "/sys/fs/cgroup/memory/job/c55/memory.limit_in_bytes")
     # v1's "no limit" (LONG_MAX in pages), and a container whose cgroup path is the host's: the mount's own folder
     unlimited = {**v1, "/sys/fs/cgroup/memory/job/c55/memory.limit_in_bytes": "9223372036854771712\n"}
@@ -50,6 +55,7 @@ def test_a_cgroup_v1_limit_counts_and_no_limit_is_none():
                                                     24000000 << 10, "MemTotal in /proc/meminfo")
     mounted = {"/proc/self/cgroup": "0::/kubepods/pod1\n", "/sys/fs/cgroup/memory.max": f"{MIB}",
                "/sys/fs/cgroup/memory.current": f"{2 * MIB}"}
-    assert host_memory(mounted.get) == HostMemory(0, "/sys/fs/cgroup/memory.max less memory.current", MIB,
+    assert host_memory(mounted.get) == HostMemory(0, "/sys/fs/cgroup/memory.max less memory.current (less "
+                                                  "inactive_file)", MIB,
                                                   "/sys/fs/cgroup/memory.max")
     assert host_memory({}.get) == HostMemory()  # nothing readable: unknown
