@@ -55,10 +55,9 @@ Admitted requests wait for a worker in one queue per tenant and are dispatched f
 (:mod:`pipecast.router.fairness`): the next free slot goes to the tenant furthest below its share.
 
 Every wait on a worker has a deadline: ``connect_timeout_s`` to connect, ``upstream_timeout_s`` of
-silence before its response or between two chunks of it (for a worker whose ``/health`` reports its engine's
-steps, a pipecast worker's: of silence while its health answers too show no work, no engine step and no block
-arrived, so that a long non-streaming generation or a request queued behind full batches is waited for, a hung
-worker not), and as long for each piece of the request's body
+silence before its response or between two chunks of it (a worker silent before anything reached the client
+while its health showed it working, its engine stepping, gets the request a 504, not a retry that would do the
+work again), and as long for each piece of the request's body
 that the worker must take (a worker that stops reading a large body holds no request for good). A client
 has 75 s to send a request's headers (:data:`~pipecast.core.httpserve.RUNNER_OPTIONS`; an idle connection is
 closed after as long) and ``upstream_timeout_s`` to send its whole request body: a body not in by then is answered 408
@@ -100,6 +99,7 @@ from pipecast.router.errors import (
     WorkerError,
     WorkerFailedError,
     WorkerStreamError,
+    WorkerTimeoutError,
     describe_exception,
 )
 from pipecast.router.fairness import QueueBound
@@ -126,8 +126,6 @@ RETRY_AFTER_S = 1
 #: How a worker's stream ends when complete, and how the error event that ends a failed one begins.
 DONE_EVENT = b"data: [DONE]"
 ERROR_EVENT = b'data: {"error"'
-#: How much of a worker's error message a retry's reason quotes (it goes into logs and the 502's attempts).
-ERROR_SHOWN_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -304,8 +302,6 @@ class Router:
         self._discovery_task: asyncio.Task | None = None
         self._upstream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
                                                        sock_read=config.upstream_timeout_s)
-        # for a worker that reports its work: its silence is judged by _Patience instead
-        self._watched_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s)
 
     def _new_dispatcher(self, package: str | None) -> Dispatcher:
         config = self.config
@@ -500,6 +496,8 @@ class Router:
                     return web.Response(status=499)  # nginx's "client closed request"; nobody reads it
                 self.metrics.routed.labels(worker.url).inc()
                 return await self._attempt(request, body, headers, worker, arrival, queued_s, version)
+            except WorkerTimeoutError as exc:
+                return self._timed_out(request, exc, version)
             except WorkerBusyError as exc:
                 # At least one poll interval, so a worker saying "Retry-After: 0" is not hammered.
                 self.pool.record_busy(worker.url, str(exc), self.clock(),
@@ -544,6 +542,20 @@ class Router:
                                             attempts=[failure.worker for failure in error.failures]),
                                  status=502, headers={WORKER_HEADER: last})
 
+    def _timed_out(self, request: web.Request, error: WorkerTimeoutError, version: str | None) -> web.Response:
+        """The 504 of a request its worker was still working on at the upstream deadline, naming the worker to a
+        caller that may see it (:meth:`shows_workers`)."""
+        log.warning("%s", error)
+        self.metrics.failed.labels(error.worker, "before_response").inc()
+        self.metrics.rejected.labels("worker_timeout").inc()
+        self.signals.failed(version)
+        if not self.shows_workers(request):
+            message = str(error).removeprefix(f"worker {error.worker}: ")
+            return web.json_response(error_body(f"the worker serving this request sent {message}", "worker_timeout"),
+                                     status=504)
+        return web.json_response(error_body(str(error), "worker_timeout", worker=error.worker), status=504,
+                                 headers={WORKER_HEADER: error.worker})
+
     def _reject(self, error: RouterError, status: int, reason: str,
                 headers: dict[str, str] | None = None, version: str | None = None) -> web.Response:
         self.metrics.rejected.labels(reason).inc()
@@ -558,22 +570,20 @@ class Router:
                        arrival: float, queued_s: float, version: str | None = None) -> web.StreamResponse:
         """Send the request to ``worker`` once and relay its answer.
 
-        Raises :class:`WorkerFailedError` when nothing reached the client yet (retryable): the worker's 5xx
-        answers included (a 500: its engine failed the request; another worker may not), and
+        Raises :class:`WorkerFailedError` when nothing reached the client yet (retryable) and
         :class:`WorkerBusyError` on the worker's 429.
         """
-        watched = isinstance(worker, Worker) and worker.reports_work
-        patience = _Patience(worker if watched else None, self.config.upstream_timeout_s, self.clock,
-                             min(max(self.config.health_interval_s, 1.0), self.config.upstream_timeout_s / 4))
         try:
             # aiohttp's read deadline starts once the body is written: the writing gets one of its own.
             async with asyncio.timeout(None) as writing:
-                upstream = await patience.wait(self._session.post(
+                upstream = await self._session.post(
                     f"{worker.endpoint}{request.path}", data=self._body_pieces(body, writing),
                     headers={**headers, **worker.headers, "Content-Length": str(len(body)),
                              **serving_headers(self._serving_keys.get(worker.endpoint, b""))},
-                    timeout=self._watched_timeout if watched else self._upstream_timeout))
+                    timeout=self._upstream_timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:
+            if not writing.expired():  # a worker that does not take the body has not begun its work
+                self._if_working(worker, exc, request.path)
             problem = f"no answer to POST {request.path}: {self._describe(exc)}"
             raise WorkerFailedError(worker.url, problem) from exc
         async with upstream:
@@ -585,21 +595,22 @@ class Router:
             if self.shows_workers(request):
                 timing[WORKER_HEADER] = worker.url
             if upstream.status == 200 and upstream.content_type == "text/event-stream":
-                return await self._relay_stream(request, upstream, worker, arrival, queued_s, timing, version,
-                                                patience)
+                return await self._relay_stream(request, upstream, worker, arrival, queued_s, timing, version)
             try:
-                answer = await self._read_answer(upstream, worker, patience)
+                answer = await self._read_answer(upstream, worker)
             except (aiohttp.ClientError, TimeoutError) as exc:
+                self._if_working(worker, exc, request.path)
                 problem = f"lost before its answer was complete: {self._describe(exc)}"
                 raise WorkerFailedError(worker.url, problem) from exc
             if upstream.status == 401 and (refused := _serving_key_refusal(answer)):
                 raise WorkerFailedError(worker.url, f"refused the router's credentials: {refused}")
-            if upstream.status >= 500:
-                raise WorkerFailedError(worker.url, f"answered {upstream.status}: {_error_message(answer)}")
             self.metrics.queued.observe(queued_s)  # once per request: this answer is the one the client gets
             if upstream.status == 200:
                 self._answer_started(arrival, version, worker)
                 self.signals.answered(version, answer_tokens(answer) if version else 0)
+            elif upstream.status >= 500:
+                self.metrics.failed.labels(worker.url, "error_status").inc()
+                self.signals.failed(version)
             content_type = upstream.headers.get("Content-Type", "application/json")
             return web.Response(status=upstream.status, body=answer,
                                 headers={"Content-Type": content_type, **timing})
@@ -617,7 +628,7 @@ class Router:
             yield body[start:start + BODY_PIECE_BYTES]
         writing.reschedule(None)
 
-    async def _read_answer(self, upstream: aiohttp.ClientResponse, worker: Worker, patience: "_Patience") -> bytes:
+    async def _read_answer(self, upstream: aiohttp.ClientResponse, worker: Worker) -> bytes:
         """A worker's whole (non-streaming) answer, at most ``max_answer_bytes`` of it held:
         :class:`WorkerFailedError` for a larger one."""
         limit = self.config.max_answer_bytes
@@ -625,14 +636,13 @@ class Router:
         if declared is not None and declared > limit:
             raise WorkerFailedError(worker.url, f"answered {declared} bytes, over the router's limit of {limit}")
         answer = bytearray()
-        while chunk := await patience.wait(upstream.content.readany()):
+        async for chunk in upstream.content.iter_any():
             answer += chunk
             if len(answer) > limit:
                 raise WorkerFailedError(worker.url, f"answered more than the router's limit of {limit} bytes")
         return bytes(answer)
 
-    async def _stream_events(self, upstream: aiohttp.ClientResponse, worker: Worker,
-                             patience: "_Patience") -> AsyncIterator[bytes]:
+    async def _stream_events(self, upstream: aiohttp.ClientResponse, worker: Worker) -> AsyncIterator[bytes]:
         """A worker's event stream as it arrives, in whole events (one or more at a time); at its clean end, what
         follows its last blank line too if that is a whole event all the same (:func:`whole_last_event`), else
         it is dropped: the torn start of an event, which must not swallow the error event sent after it.
@@ -648,8 +658,10 @@ class Router:
 
         while True:
             try:
-                chunk = await patience.wait(upstream.content.readany())
+                chunk = await upstream.content.readany()
             except (aiohttp.ClientError, TimeoutError) as exc:
+                if not started:  # queued behind full batches, say: nothing reached the client
+                    self._if_working(worker, exc, upstream.url.path)
                 where = "mid-stream" if started else "before its first event"
                 raise failure(f"failed {where}: {self._describe(exc)}") from exc
             if not chunk:
@@ -669,7 +681,7 @@ class Router:
 
     async def _relay_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, worker: Worker,
                             arrival: float, queued_s: float, timing: dict[str, str],
-                            version: str | None, patience: "_Patience") -> web.StreamResponse:
+                            version: str | None = None) -> web.StreamResponse:
         """Relay a worker's event stream event by event; end it with an error event if the worker fails.
 
         The client's response begins with the worker's first whole event: a worker that fails before it (killed
@@ -682,7 +694,7 @@ class Router:
         tokens = 0
         refused = done = False  # an error event of the worker's seen; the last event [DONE]
         failure = None
-        async with contextlib.aclosing(self._stream_events(upstream, worker, patience)) as stream:
+        async with contextlib.aclosing(self._stream_events(upstream, worker)) as stream:
             events: bytes | None = await anext(stream)
             response = web.StreamResponse(headers={"Content-Type": upstream.headers["Content-Type"],
                                                    "Cache-Control": "no-cache", **timing})
@@ -725,13 +737,19 @@ class Router:
                      describe_exception(exc, self.config.upstream_timeout_s))
         return response
 
+    def _if_working(self, worker: Worker | PipelineUnit, exc: BaseException, path: str) -> None:
+        """Raise :class:`WorkerTimeoutError` if ``exc`` is the upstream read deadline of a worker whose health
+        showed it working within that deadline (a pipecast worker's engine steps, or its blocks arriving): the
+        request is long, the worker is not hung, and generating it again elsewhere would only double the work."""
+        if (isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError)
+                and isinstance(worker, Worker) and worker.reports_work
+                and self.clock() - worker.worked_at < self.config.upstream_timeout_s):
+            raise WorkerTimeoutError(worker.url, path, self.config.upstream_timeout_s) from exc
+
     def _describe(self, exc: BaseException) -> str:
         """Why an exchange with a worker failed, naming the deadline that expired if one did."""
         if isinstance(exc, aiohttp.ConnectionTimeoutError):
             return f"no connection within {self.config.connect_timeout_s:g} s"
-        if isinstance(exc, WorkerIdleError):
-            return (f"silent for more than {self.config.upstream_timeout_s:g} s, its health answers showing no work "
-                    "(no engine step, no block arrived) for as long")
         if isinstance(exc, TimeoutError):
             return f"silent for more than {self.config.upstream_timeout_s:g} s"
         return describe_exception(exc, self.config.upstream_timeout_s)
@@ -901,44 +919,3 @@ def metrics_response(page: tuple[bytes, str]) -> web.Response:
     """The answer carrying a Prometheus ``page`` (its text and content type)."""
     data, content_type = page
     return web.Response(body=data, headers={"Content-Type": content_type})
-
-
-class WorkerIdleError(TimeoutError):
-    """A worker sent nothing of an answer, and its health answers showed no work, for the whole upstream timeout."""
-
-
-class _Patience:
-    """How long one exchange waits on a worker's silence. For a worker whose health answers report its work
-    (``worker``; a pipecast worker's engine steps and blocks arrived), ``limit`` seconds past the later of the
-    exchange's start and the last work they showed: a long non-streaming generation, or a request queued behind
-    full batches, is silent for long, and is no failure while the engine steps (a hung engine, or a worker whose
-    polls fail, stops showing work). Otherwise (``worker`` None) aiohttp's read deadline alone judges."""
-
-    def __init__(self, worker: Worker | None, limit: float, clock: Callable[[], float], poll_s: float):
-        self.worker, self.limit, self.clock, self.poll_s = worker, limit, clock, poll_s
-        self.started = clock()
-
-    async def wait(self, awaitable: Awaitable[Any]) -> Any:
-        """What ``awaitable`` gives; :class:`WorkerIdleError` once the worker was idle too long (it is cancelled)."""
-        if self.worker is None:
-            return await awaitable
-        task = asyncio.ensure_future(awaitable)
-        try:
-            while (left := max(self.started, self.worker.worked_at) + self.limit - self.clock()) > 0:
-                done, _ = await asyncio.wait({task}, timeout=min(left, self.poll_s))
-                if done:
-                    return task.result()
-            raise WorkerIdleError()
-        finally:
-            if not task.done():
-                task.cancel()
-
-
-def _error_message(answer: bytes) -> str:
-    """The message of a worker's error answer (``{"error": {"message": ...}}``), else its start as text."""
-    try:
-        message = json.loads(answer)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = None
-    text = message if isinstance(message, str) else answer.decode("utf-8", "replace")
-    return text if len(text) <= ERROR_SHOWN_CHARS else text[:ERROR_SHOWN_CHARS] + "..."

@@ -84,10 +84,9 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
               help="Seconds a health poll may take; a slower worker counts as down.")
 @click.option("--upstream-timeout", type=Number(min=0, min_open=True),
               default=DEFAULTS.upstream_timeout_s, show_default=True,
-              help="Longest silence from a worker before its answer or between two chunks of it (a pipecast "
-                   "worker's: while its health also shows no engine step), longest it may take to read each "
-                   "256 KiB of a request's body, and longest a client may take to send its whole request body "
-                   "(else 408).")
+              help="Longest silence from a worker before its answer or between two chunks of it, longest it may "
+                   "take to read each 256 KiB of a request's body, and longest a client may take to send its "
+                   "whole request body (else 408).")
 @click.option("--max-retries", type=click.IntRange(min=0), default=DEFAULTS.max_retries, show_default=True,
               help="Other workers tried when one fails before answering.")
 @click.option("--drain-timeout", type=Number(min=0), default=30.0, show_default=True,

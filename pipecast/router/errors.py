@@ -97,6 +97,16 @@ class WorkerFailedError(WorkerError):
     """The worker failed before anything reached the client (refused, reset, silent, 503): retryable."""
 
 
+class WorkerTimeoutError(WorkerError):
+    """The worker sent nothing of its answer for the upstream timeout while its health showed it working (its engine
+    stepping): a generation that long, or a wait behind full batches, not a failure. Not retried (the work would
+    be done again elsewhere, and time out again): the client gets 504."""
+
+    def __init__(self, worker: str, path: str, timeout_s: float) -> None:
+        super().__init__(worker, f"no answer to POST {path} within {timeout_s:g} s while its engine was working: "
+                                 "not retried; stream the request, or give the router a longer --upstream-timeout")
+
+
 class WorkerBusyError(WorkerError):
     """The worker's own queue is full (it answered 429): the request waits for room, anywhere."""
 
