@@ -12,16 +12,14 @@ the URI, the version it resolved to and the run (``pipecast.v1.ModelSource``).
 """
 
 import logging
-import os
 import re
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from packager.errors import MlflowSourceError
-from pipecast.core.fsutil import sweep_dead_folders
+from pipecast.core.fsutil import locked_folder, sweep_unlocked_folders
 from pipecast.core.mlflow_tracking import check_reachable, import_mlflow, server_calls, tracking_uri
 from pipecast.v1.manifest_pb2 import ModelSource
 
@@ -34,7 +32,7 @@ _RUN_URI = re.compile(r"runs:/(?P<run_id>[^/]+)(?:/(?P<path>.*))?")
 # An mlflow.transformers model: MLmodel, the weights in model/, the tokenizer in components/tokenizer/.
 _FLAVOR_WEIGHTS, _FLAVOR_TOKENIZER = "model", "components/tokenizer"
 _NOT_FOUND = "RESOURCE_DOES_NOT_EXIST"
-#: A download's temporary folder in the scratch folder, named with the process's pid (swept once it is gone).
+#: A download's temporary folder in the scratch folder (a killed pack's is swept by the next: fsutil.locked_folder).
 DOWNLOAD_PREFIX = ".pipecast-mlflow-"
 _LISTED = 10  # artifact files named in a "no checkpoint" error
 
@@ -88,11 +86,11 @@ def source_checkpoint(src: str, *, scratch: Path, mlflow_uri: str | None = None)
         target = (_resolve_model(client, src, model["name"], model["version"], model["alias"]) if model
                   else _resolve_run(client, src, run["run_id"], (run["path"] or "").strip("/")))
     scratch.mkdir(parents=True, exist_ok=True)
-    sweep_dead_folders(scratch, DOWNLOAD_PREFIX)
-    with tempfile.TemporaryDirectory(prefix=f"{DOWNLOAD_PREFIX}{os.getpid()}-", dir=scratch) as tmp:
+    sweep_unlocked_folders(scratch, DOWNLOAD_PREFIX)
+    with locked_folder(scratch, DOWNLOAD_PREFIX) as tmp:
         logger.info("downloading %s (%s) into %s", src, target.artifact_uri, tmp)
         with server_calls(uri):
-            root = Path(mlflow.artifacts.download_artifacts(artifact_uri=target.artifact_uri, dst_path=tmp,
+            root = Path(mlflow.artifacts.download_artifacts(artifact_uri=target.artifact_uri, dst_path=str(tmp),
                                                             tracking_uri=uri))
         folder = find_checkpoint(root, src)
         path = folder.relative_to(root).as_posix()

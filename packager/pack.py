@@ -26,7 +26,7 @@ from packager.manifest import (
     validate_manifest,
 )
 from packager.safetensors_format import build_header, torch_view_problem
-from pipecast.core.fsutil import atomic_directory
+from pipecast.core.fsutil import atomic_directory, restore_moved_aside
 from pipecast.core.progress import NO_PROGRESS, Progress
 from pipecast.core.units import DEFAULT_CHUNK_BYTES
 from pipecast.v1.manifest_pb2 import Block, Manifest, ModelSource, PackageFile
@@ -113,6 +113,7 @@ def check_replaceable(out: Path, *, overwrite: bool, why_not: Callable[[Path], s
     if os.path.ismount(out):
         raise PackageError(f"{out}: refused as the output: a mount point cannot be replaced; name a folder inside "
                            f"it (such as {out / 'NAME'})")
+    restore_moved_aside(out)  # a run killed while replacing it: ``out`` is that folder again, refused below
     # lexists: a dangling symlink is there too, and atomic_directory would find it only at the end
     if not os.path.lexists(out):
         return

@@ -121,8 +121,9 @@ def _sigterm_unwinds() -> Iterator[None]:
     instead of killing the process at once, so that with and finally blocks run: an interrupted pack leaves no
     partial folder and no MLflow download, as on Ctrl-C.
     Installed only over the default disposition (``nohup`` ignores SIGHUP: it stays ignored); the servers' own
-    handlers (agent, serve, router, control plane, scaler: a graceful drain) replace it while their event loop
-    runs."""
+    SIGTERM handlers (agent, serve, router, control plane, scaler: a graceful drain) replace it while their event
+    loop runs, and a SIGHUP stops a server at once as before, without a drain (run them under a service manager,
+    or ``nohup``)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

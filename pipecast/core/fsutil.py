@@ -1,15 +1,20 @@
 """Small filesystem and process helpers shared by the packager, the agent and the benchmarks."""
 
+import fcntl
 import itertools
 import logging
 import os
 import re
 import shutil
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 PARTIAL_MARK = ".partial-"
+#: The lock file of a :func:`locked_folder`.
+FOLDER_LOCK = ".lock"
 TEMPORARY_MARK = ".tmp-"
 # What atomic_write names its temporary files: ".<name>.tmp-<pid>.<n>", n counting this process's writes
 # (two threads writing the same path at once must not share one temporary file).
@@ -93,13 +98,47 @@ def sweep_stale_temporaries(root: Path) -> int:
     return removed
 
 
-def sweep_dead_folders(parent: Path, prefix: str) -> None:
-    """Remove the folders ``parent/<prefix><pid>-*`` whose process is gone: the temporary folders of killed runs
-    (a SIGKILL runs no clean-up), which would otherwise hold their disk space for good."""
+@contextmanager
+def locked_folder(parent: Path, prefix: str) -> Iterator[Path]:
+    """A new folder ``parent/<prefix>...`` for the duration of the block, removed after it, holding a lock file
+    (:data:`FOLDER_LOCK`) locked meanwhile: :func:`sweep_unlocked_folders`, run by any process on any host that
+    shares the file system, leaves it alone (a pid would not tell: other hosts' and containers' are not ours)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        with open(folder / FOLDER_LOCK, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield folder
+    finally:
+        _remove(folder)
+
+
+def sweep_unlocked_folders(parent: Path, prefix: str, min_age_s: float = 60.0) -> None:
+    """Remove the folders of :func:`locked_folder` under ``parent`` whose lock nobody holds: those of killed runs
+    (a SIGKILL runs no clean-up), which would otherwise hold their disk space for good. A folder whose lock file is
+    younger than ``min_age_s`` (being made), or that has none, is left."""
     for folder in parent.glob(f"{prefix}*"):
-        pid = folder.name[len(prefix):].split("-", 1)[0]
+        try:
+            with open(folder / FOLDER_LOCK) as lock:
+                if time.time() - os.fstat(lock.fileno()).st_mtime < min_age_s:
+                    continue
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held (in use), or no lock file to tell
+            continue
+        _remove(folder)
+
+
+def restore_moved_aside(out: Path) -> None:
+    """Put back the ``out`` that a process killed while replacing it (:func:`atomic_directory`'s ``overwrite``)
+    moved aside, when ``out`` is missing: the replacement never came, and the next run must not take the folder
+    for a leftover to delete (nor ``out`` for one it may create without ``--force``)."""
+    if os.path.lexists(out):
+        return
+    for stale in sorted(out.parent.glob(f".{out.name}{PARTIAL_MARK}old-*")):
+        pid = stale.name.rsplit("-", 1)[-1]
         if _PID.fullmatch(pid) and not pid_alive(int(pid)):
-            _remove(folder)
+            logger.warning("%s: put back as %s (a process that was replacing it was killed)", stale, out)
+            os.rename(stale, out)
+            return
 
 
 @contextmanager
@@ -113,18 +152,10 @@ def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     ``out`` is missing.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
-    old_prefix = f".{out.name}{PARTIAL_MARK}old-"
-    # the old ones first: a process killed between its two renames left ``out`` missing and the folder it
-    # replaced moved aside, which goes back in place rather than with the rest
-    stales = sorted(out.parent.glob(f".{out.name}{PARTIAL_MARK}*"), key=lambda p: not p.name.startswith(old_prefix))
-    for stale in stales:
+    restore_moved_aside(out)  # before the sweep below would take it for a leftover
+    for stale in out.parent.glob(f".{out.name}{PARTIAL_MARK}*"):
         pid = stale.name.rsplit("-", 1)[-1]
-        if not _PID.fullmatch(pid) or pid_alive(int(pid)):
-            continue
-        if stale.name.startswith(old_prefix) and not os.path.lexists(out):
-            logger.warning("%s: put back as %s (a process that was replacing it was killed)", stale, out)
-            os.rename(stale, out)
-        else:
+        if _PID.fullmatch(pid) and not pid_alive(int(pid)):
             _remove(stale)
     tmp = out.parent / f".{out.name}{PARTIAL_MARK}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

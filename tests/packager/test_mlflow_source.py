@@ -135,19 +135,30 @@ def test_the_cli_exits_2_with_the_message_and_writes_no_package(registry, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_download_left_by_a_killed_pack_is_removed_by_the_next(registry, tmp_path):
+def test_a_download_left_by_a_killed_pack_is_removed_by_the_next_and_one_in_use_is_not(registry, tmp_path):
     """Found in review: the download folder of a pack killed (SIGKILL) mid-download stayed beside OUT for good, a
-    model's size of disk, also after later packs to the same OUT."""
-    import subprocess
-    import sys
+    model's size of disk, also after later packs to the same OUT. (A later review: swept by pid, a pack in another
+    container or on another host of a shared folder lost its download in use: a lock says, a pid does not.)"""
+    import fcntl
+    import os
+    import time
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    left = tmp_path / f".pipecast-mlflow-{dead.pid}-abcd1234"
-    (left / "model").mkdir(parents=True)
-    (tmp_path / ".pipecast-mlflow-notapid").mkdir()  # not named by a pid: not ours to remove
-    assert main(["pack", f"models:/{MODEL}/1", str(tmp_path / "pkg"), "--mlflow-uri", registry.uri]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".pipecast-mlflow-notapid", "pkg"]
+    def download(name: str, *, age_s: float, lock: bool = True) -> Path:
+        folder = tmp_path / f".pipecast-mlflow-{name}"
+        (folder / "model").mkdir(parents=True)
+        if lock:
+            (folder / ".lock").touch()
+            os.utime(folder / ".lock", (time.time() - age_s,) * 2)
+        return folder
+
+    download("killed", age_s=120)
+    download("starting", age_s=0)  # its lock file just made, not yet locked
+    download("older", age_s=120, lock=False)  # no lock file: not one of ours to judge
+    with open(download("in-use", age_s=120) / ".lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another pack's, elsewhere
+        assert main(["pack", f"models:/{MODEL}/1", str(tmp_path / "pkg"), "--mlflow-uri", registry.uri]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".pipecast-mlflow-in-use", ".pipecast-mlflow-older",
+                                                          ".pipecast-mlflow-starting", "pkg"]
 
 
 @pytest.mark.parametrize("uri", ["bogus://x", "127.0.0.1:9"])

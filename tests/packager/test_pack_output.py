@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from packager.errors import PackageError
+from packager.manifest import read_manifest
 from packager.pack import MAX_CHUNK_BYTES, pack
 from pipecast.cli import main
 from tests.packager.test_checkpoint import hf_snapshot, write_checkpoint
@@ -204,3 +205,23 @@ def test_an_output_that_is_or_holds_the_current_folder_is_refused_before_any_wor
     assert main(["pack", str(ckpt), str(out), "--force"]) == 2
     assert f"error: {out}: {CURRENT}\n" in capsys.readouterr().err
     assert (here / "manifest.json").is_file()
+
+
+def test_a_package_moved_aside_by_a_killed_pack_is_put_back_before_out_is_judged(ckpt, tmp_path, monkeypatch):
+    """Found in review: put back only once the new pack was under way, a package moved aside by a pack killed
+    between its two renames made a later pack without --force run in full, then fail ("appeared while it was
+    being built")."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = pack(ckpt, tmp_path / "first")
+    (tmp_path / "first").rename(tmp_path / f".pkg.partial-old-{dead.pid}")
+    out = tmp_path / "pkg"
+    monkeypatch.setattr("packager.pack.open_checkpoint", lambda src: pytest.fail("the checkpoint was opened"))
+    with pytest.raises(PackageError) as caught:
+        pack(ckpt, out)
+    assert str(caught.value) == f"{out}: already exists (pass --force to replace it)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "pkg"]
+    assert read_manifest(out).package_id == old.package_id
