@@ -1,6 +1,7 @@
 """Small filesystem and process helpers shared by the packager, the agent and the benchmarks."""
 
 import fcntl
+import glob
 import itertools
 import logging
 import os
@@ -116,13 +117,17 @@ def sweep_unlocked_folders(parent: Path, prefix: str, min_age_s: float = 60.0) -
     """Remove the folders of :func:`locked_folder` under ``parent`` whose lock nobody holds: those of killed runs
     (a SIGKILL runs no clean-up), which would otherwise hold their disk space for good. A folder whose lock file is
     younger than ``min_age_s`` (being made), or that has none, is left."""
-    for folder in parent.glob(f"{prefix}*"):
+    for folder in parent.glob(f"{glob.escape(prefix)}*"):
         try:
-            with open(folder / FOLDER_LOCK) as lock:
+            # opened for writing: NFS emulates flock with POSIX locks, whose exclusive kind needs it
+            with open(folder / FOLDER_LOCK, "r+") as lock:
                 if time.time() - os.fstat(lock.fileno()).st_mtime < min_age_s:
                     continue
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held (in use), or no lock file to tell
+        except BlockingIOError:  # held: in use
+            continue
+        except OSError as exc:  # no lock file to tell (or one that cannot be locked): not judged
+            logger.debug("%s: left as it is (%s)", folder, exc)
             continue
         _remove(folder)
 
@@ -133,11 +138,14 @@ def restore_moved_aside(out: Path) -> None:
     for a leftover to delete (nor ``out`` for one it may create without ``--force``)."""
     if os.path.lexists(out):
         return
-    for stale in sorted(out.parent.glob(f".{out.name}{PARTIAL_MARK}old-*")):
+    for stale in sorted(out.parent.glob(f"{glob.escape(f'.{out.name}{PARTIAL_MARK}')}old-*")):
         pid = stale.name.rsplit("-", 1)[-1]
         if _PID.fullmatch(pid) and not pid_alive(int(pid)):
+            try:
+                os.rename(stale, out)
+            except FileNotFoundError:  # another run put it back first
+                return
             logger.warning("%s: put back as %s (a process that was replacing it was killed)", stale, out)
-            os.rename(stale, out)
             return
 
 
@@ -153,7 +161,7 @@ def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     restore_moved_aside(out)  # before the sweep below would take it for a leftover
-    for stale in out.parent.glob(f".{out.name}{PARTIAL_MARK}*"):
+    for stale in out.parent.glob(f"{glob.escape(f'.{out.name}{PARTIAL_MARK}')}*"):
         pid = stale.name.rsplit("-", 1)[-1]
         if _PID.fullmatch(pid) and not pid_alive(int(pid)):
             _remove(stale)

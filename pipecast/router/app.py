@@ -126,6 +126,10 @@ RETRY_AFTER_S = 1
 #: How a worker's stream ends when complete, and how the error event that ends a failed one begins.
 DONE_EVENT = b"data: [DONE]"
 ERROR_EVENT = b'data: {"error"'
+#: A worker silent at the upstream deadline is still working if its engine's steps changed within this many health
+#: polls (at least WORKING_MIN_S): stepping now, not merely once since the request came.
+WORKING_POLLS = 4
+WORKING_MIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -546,8 +550,7 @@ class Router:
         """The 504 of a request its worker was still working on at the upstream deadline, naming the worker to a
         caller that may see it (:meth:`shows_workers`)."""
         log.warning("%s", error)
-        self.metrics.failed.labels(error.worker, "before_response").inc()
-        self.metrics.rejected.labels("worker_timeout").inc()
+        self.metrics.failed.labels(error.worker, "before_response").inc()  # as a 502 is: a request the workers failed
         self.signals.failed(version)
         if not self.shows_workers(request):
             message = str(error).removeprefix(f"worker {error.worker}: ")
@@ -739,11 +742,13 @@ class Router:
 
     def _if_working(self, worker: Worker | PipelineUnit, exc: BaseException, path: str) -> None:
         """Raise :class:`WorkerTimeoutError` if ``exc`` is the upstream read deadline of a worker whose health
-        showed it working within that deadline (a pipecast worker's engine steps, or its blocks arriving): the
-        request is long, the worker is not hung, and generating it again elsewhere would only double the work."""
+        answers now and shows its engine stepping now (its steps changed within the last few polls): the request is
+        long, the worker is not hung, and generating it again elsewhere would only double the work. A worker down,
+        or whose engine stopped, has failed: the request is retried."""
+        recent = max(WORKING_POLLS * self.config.health_interval_s, WORKING_MIN_S)
         if (isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError)
-                and isinstance(worker, Worker) and worker.reports_work
-                and self.clock() - worker.worked_at < self.config.upstream_timeout_s):
+                and isinstance(worker, Worker) and worker.health is not None and worker.reports_work
+                and self.clock() - worker.stepped_at <= recent):
             raise WorkerTimeoutError(worker.url, path, self.config.upstream_timeout_s) from exc
 
     def _describe(self, exc: BaseException) -> str:

@@ -104,7 +104,9 @@ class WorkerTimeoutError(WorkerError):
 
     def __init__(self, worker: str, path: str, timeout_s: float) -> None:
         super().__init__(worker, f"no answer to POST {path} within {timeout_s:g} s while its engine was working: "
-                                 "not retried; stream the request, or give the router a longer --upstream-timeout")
+                                 "not retried (the work would be done again); give the router a longer "
+                                 "--upstream-timeout (streaming helps a long generation, not a long wait in the "
+                                 "worker's queue)")
 
 
 class WorkerBusyError(WorkerError):

@@ -141,14 +141,9 @@ class Worker:
 
     @property
     def reports_work(self) -> bool:
-        """Whether its health answers say when it works (engine steps, blocks): a pipecast worker's do, a vLLM
+        """Whether its health answers say when its engine works (its steps): a pipecast worker's do, a vLLM
         worker's do not."""
         return self.answered is not None and self.answered.steps is not None
-
-    @property
-    def worked_at(self) -> float:
-        """The clock time its health answers last showed work: an engine step, or a block of its model arrived."""
-        return max(self.stepped_at, self.progressed_at if self.progressed_at is not None else -math.inf)
 
     @property
     def headers(self) -> dict[str, str]:

@@ -126,3 +126,30 @@ def test_a_folder_moved_aside_by_a_process_killed_before_its_replacement_is_put_
     with atomic_directory(out, overwrite=True) as tmp:
         (tmp / "manifest.json").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"] and (out / "manifest.json").read_text() == "new"
+
+
+def test_a_name_with_glob_characters_takes_no_other_folders_leftovers(tmp_path):
+    """Found in review: the leftovers were found by a glob of the name unescaped: restoring OUT ``a?`` put package
+    ``ab``'s folder moved aside in its place (and a --force to ``a?`` would then have deleted it)."""
+    other = tmp_path / f".ab{fsutil.PARTIAL_MARK}old-{_dead_pid()}"
+    other.mkdir()
+    fsutil.restore_moved_aside(tmp_path / "a?")
+    with atomic_directory(tmp_path / "a[b]") as building:
+        (building / "x").write_bytes(b"1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name, "a[b]"]
+
+
+def test_a_download_folder_is_swept_only_once_its_lock_is_free_and_old(tmp_path):
+    with fsutil.locked_folder(tmp_path, ".dl-") as in_use:
+        os.utime(in_use / fsutil.FOLDER_LOCK, (0, 0))  # old, but held
+        fsutil.sweep_unlocked_folders(tmp_path, ".dl-")
+        assert in_use.is_dir()
+    assert not in_use.exists()  # removed on leaving the block
+    left = tmp_path / ".dl-killed"
+    left.mkdir()
+    (left / fsutil.FOLDER_LOCK).touch()
+    fsutil.sweep_unlocked_folders(tmp_path, ".dl-")
+    assert left.is_dir()  # its lock file just made: a folder being set up
+    os.utime(left / fsutil.FOLDER_LOCK, (0, 0))
+    fsutil.sweep_unlocked_folders(tmp_path, ".dl-")
+    assert list(tmp_path.iterdir()) == []

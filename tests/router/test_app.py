@@ -827,28 +827,40 @@ def test_a_router_config_without_a_finite_positive_deadline_is_refused_naming_it
 async def test_a_silent_worker_whose_engine_steps_is_answered_504_not_retried_and_a_hung_one_retried(client):
     """Found in review: a worker silent for the upstream timeout failed, though busy: a long non-streaming
     generation, or a request queued behind full batches, was generated again on other workers, then 502. Silent
-    while its health shows its engine stepping, it now gets the request a 504, done once; silent and idle, it has
-    failed, as before, and the request goes to another."""
+    while its health answers and shows its engine stepping, it now gets the request a 504, done once; down, or its
+    engine stopped (a later review: one step in the window was taken for work), it has failed, as before, and the
+    request goes to another."""
     async with workers(FakeWorker(behaviour="slow", gate=asyncio.Event(), steps=0), FakeWorker(queue_depth=3)) as (
             slow, other):
         async with router([slow.url, other.url], upstream_timeout_s=0.6) as (url, instance):
-            await eventually(lambda: instance.pool.serving(instance.clock()) == 2)
-            pending = asyncio.create_task(post(client, url))
-            while not pending.done():  # its engine works on
-                await asyncio.sleep(0.05)
-                slow.steps += 1
-            status, headers, answer = await pending
+
+            async def sent(until=lambda: False):
+                await eventually(lambda: instance.pool.serving(instance.clock()) == 2)
+                pending = asyncio.create_task(post(client, url))
+                while not pending.done():  # its engine works on
+                    await asyncio.sleep(0.05)
+                    slow.steps += 1
+                    if until():
+                        slow.health_code = 503  # down from now on, its engine still stepping
+                return await pending
+
+            status, headers, answer = await sent()
             assert (status, headers[WORKER_HEADER]) == (504, slow.url) and not other.bodies
             assert answer["error"] == {"type": "worker_timeout", "worker": slow.url, "message": (
                 f"worker {slow.url}: no answer to POST /v1/completions within 0.6 s while its engine was working: "
-                "not retried; stream the request, or give the router a longer --upstream-timeout")}
+                "not retried (the work would be done again); give the router a longer --upstream-timeout "
+                "(streaming helps a long generation, not a long wait in the worker's queue)")}
             assert instance.pool.get(slow.url).failed_at is None
-            await asyncio.sleep(0.7)  # its engine stops: a hung one
+            status, headers, _ = await sent(until=lambda: len(slow.bodies) == 2)
+            assert (status, headers[WORKER_HEADER]) == (200, other.url) and len(other.bodies) == 1
+            slow.health_code = 200
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 2)
+            await asyncio.sleep(2.0)  # its engine stopped: a hung one
             status, headers, _ = await post(client, url)
             async with client.get(f"{url}/metrics") as response:
                 metrics = await response.text()
-    assert status == 200 and headers[WORKER_HEADER] == other.url and len(slow.bodies) == 2
-    assert f'pipecast_router_retries_total{{worker="{slow.url}"}} 1.0' in metrics
+    assert status == 200 and headers[WORKER_HEADER] == other.url and len(slow.bodies) == 3
+    assert f'pipecast_router_retries_total{{worker="{slow.url}"}} 2.0' in metrics
 
 
 async def test_retries_are_bounded_and_end_in_502_naming_the_workers(client):
