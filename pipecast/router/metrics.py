@@ -30,10 +30,10 @@ class RouterMetrics:
                                        ["tenant"], registry=self.registry)
         self.failed = Counter("pipecast_router_requests_failed",
                               "Requests that ended in an error because of a worker, by the stage it failed at "
-                              "(before_response: retries exhausted, the retry found no worker in time, or a 504 of a worker "
-                              "still working at the upstream deadline; mid_stream: "
-                              "lost, silent or without [DONE]; error_status: a 5xx answer; error_event: a stream the "
-                              "worker ended with an error).",
+                              "(before_response: retries exhausted, the retry found no worker in time, or a 504 of "
+                              "a worker still working at the upstream deadline; mid_stream: lost, silent or without "
+                              "[DONE]; error_status: a 5xx answer; error_event: a stream the worker ended with an "
+                              "error).",
                               ["worker", "stage"], registry=self.registry)
         self.retried = Counter("pipecast_router_retries",
                                "Attempts that failed before reaching the client and went to another worker.",
