@@ -91,6 +91,10 @@ LOADING_STALL_S = 30.0
 #: worker answered no poll within 1 s for 1-2 s at a time). Dropping it at once gave the first ready worker the
 #: whole backlog, prefilled one request after another while the others came to serve a second later.
 UNANSWERED_GRACE_S = 3.0
+#: A worker whose answers were its own errors this many times in a row is sent nothing for ERROR_BACKOFF_S (s), and
+#: again after each further one until it answers well (WorkerPool.record_errors).
+ERRORS_IN_ROW = 3
+ERROR_BACKOFF_S = 10.0
 
 
 @dataclass
@@ -126,6 +130,10 @@ class Worker:
     #: so a loader that hangs is not taken for a new one each time its health answers again.
     progress: tuple[str | None, int] | None = None
     progressed_at: float | None = None
+    #: Answers in a row that were its own errors (a 5xx, a stream ended by its error event), and until when it is
+    #: sent nothing for them (see ERRORS_IN_ROW).
+    errors_in_row: int = 0
+    erring_until: float = 0.0
     #: The engine steps of its last health answer that reported them, and the clock time they last changed.
     steps: int | None = None
     stepped_at: float = -math.inf
@@ -176,7 +184,7 @@ class Worker:
             return False
         if share is not None and self.in_flight >= share:
             return False
-        return self.busy_at is None or now >= self.busy_until
+        return (self.busy_at is None or now >= self.busy_until) and now >= self.erring_until
 
     def idle_s(self, now: float) -> float | None:
         """Seconds without requests of this router at clock time ``now``; None while it has some."""
@@ -398,7 +406,7 @@ class WorkerPool:
             worker.failed_at = None
         if worker.busy_at is not None and polled_at >= worker.busy_at and health.can_serve:
             worker.busy_at = None
-        if worker.failed_at is None and worker.busy_at is None:
+        if worker.failed_at is None and worker.busy_at is None and self.clock() >= worker.erring_until:
             worker.problem = ""
         self._changed()
 
@@ -420,6 +428,25 @@ class WorkerPool:
             worker.failed_at = at
             worker.problem = problem
             self._changed()  # a failed loader no longer holds the ready workers to a share
+
+    def record_errors(self, url: str, error: str | None, at: float) -> None:
+        """A worker's answer at clock time ``at`` was its own ``error`` (a 5xx, a stream ended by its error event), or
+        was not (None). :data:`ERRORS_IN_ROW` in a row with no good answer between send it nothing for
+        :data:`ERROR_BACKOFF_S`, and each further one for as long again: a worker failing every request (a sticky
+        device fault, its health still ready) is always idle, and so would take most requests. One request's own
+        failure (an out-of-memory prompt) is passed on, not held against it."""
+        worker = self._workers.get(url)
+        if worker is None:
+            return
+        if error is None:
+            worker.errors_in_row = 0
+            return
+        worker.errors_in_row += 1
+        if worker.errors_in_row >= ERRORS_IN_ROW:
+            worker.erring_until = at + ERROR_BACKOFF_S
+            worker.problem = (f"worker {url}: {worker.errors_in_row} errors in a row (last: {error}); sent nothing "
+                              f"for {ERROR_BACKOFF_S:g} s")
+            self._changed()
 
     def record_busy(self, url: str, problem: str, at: float, retry_after_s: float) -> None:
         """The worker at ``url``, or the head of the pipeline keyed ``url``, answered 429 at ``at``: send it

@@ -65,7 +65,8 @@ class FakeWorker:
     #: ends cleanly after its tokens without ``data: [DONE]``), "torn_end" (one that ends cleanly in the middle
     #: of an event after its tokens), "die_after_headers" (a stream's headers, then the connection aborted),
     #: "done_unterminated" (``data: [DONE]`` last, with no blank line after it), "open_after_done" (the whole
-    #: stream, then the connection held open) or "slow" (nothing until the gate is set, then the whole answer)
+    #: stream, then the connection held open), "slow" (nothing until the gate is set, then the whole answer) or
+    #: "engine_failed" (a 500, as a serving worker's whose engine fails the request)
     behaviour: str = "answer"
     #: Engine steps its /health reports (a serving worker's; None: none reported, as a vLLM worker's).
     steps: int | None = None
@@ -108,6 +109,8 @@ class FakeWorker:
             return web.json_response({"error": {"message": "full"}}, status=429, headers={"Retry-After": "5"})
         if self.behaviour == "invalid":
             return web.json_response({"error": {"message": "max_tokens too large"}}, status=400)
+        if self.behaviour == "engine_failed":  # every request fails in its engine: a sticky device fault
+            return error_response(ServeError(ENGINE_FAILURE))
         if self.behaviour == "slow":
             await self.gate.wait()
         if self.behaviour == "die_before":
@@ -861,6 +864,27 @@ async def test_a_silent_worker_whose_engine_steps_is_answered_504_not_retried_an
                 metrics = await response.text()
     assert status == 200 and headers[WORKER_HEADER] == other.url and len(slow.bodies) == 3
     assert f'pipecast_router_retries_total{{worker="{slow.url}"}} 2.0' in metrics
+
+
+async def test_a_worker_failing_every_request_is_passed_over_after_three_in_a_row(client):
+    """Found in review: a worker whose engine fails every request (a sticky device fault, its health still ready)
+    answers at once, so it was always the idle one and took nearly every request. Its 500s still go to their
+    clients (one request's own failure is not retried), but three in a row send it nothing for a while."""
+    async with workers(FakeWorker(behaviour="engine_failed"), FakeWorker(queue_depth=3)) as (failing, other):
+        async with router([failing.url, other.url]) as (url, instance):
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 2)
+            answers = [await post(client, url) for _ in range(6)]
+            problem = instance.pool.get(failing.url).problem
+            failing.behaviour = "answer"  # it serves well again: a good answer ends the row
+            instance.pool.get(failing.url).erring_until = 0.0  # (the back-off past)
+            status, headers, _ = await post(client, url)
+            assert (status, headers[WORKER_HEADER]) == (200, failing.url)
+            assert instance.pool.get(failing.url).errors_in_row == 0
+    assert [(status, headers[WORKER_HEADER]) for status, headers, _ in answers] == (
+        [(500, failing.url)] * 3 + [(200, other.url)] * 3)
+    assert answers[0][2] == {"error": {"message": ENGINE_FAILURE, "type": "server_error", "param": None,
+                                       "code": None}}
+    assert problem == f"worker {failing.url}: 3 errors in a row (last: answered 500); sent nothing for 10 s"
 
 
 async def test_retries_are_bounded_and_end_in_502_naming_the_workers(client):
