@@ -611,11 +611,11 @@ class Router:
             if upstream.status == 200:
                 self._answer_started(arrival, version, worker)
                 self.signals.answered(version, answer_tokens(answer) if version else 0)
-                self.pool.record_errors(worker.url, None, self.clock())
+                self.pool.record_errors(worker, None, self.clock())
             elif upstream.status >= 500:
                 self.metrics.failed.labels(worker.url, "error_status").inc()
                 self.signals.failed(version)
-                self.pool.record_errors(worker.url, f"answered {upstream.status}", self.clock())
+                self.pool.record_errors(worker, f"answered {upstream.status}", self.clock())
             content_type = upstream.headers.get("Content-Type", "application/json")
             return web.Response(status=upstream.status, body=answer,
                                 headers={"Content-Type": content_type, **timing})
@@ -732,10 +732,10 @@ class Router:
             log.warning("worker %s ended a stream with an error event", worker.url)
             self.metrics.failed.labels(worker.url, "error_event").inc()
             self.signals.failed(version)
-            self.pool.record_errors(worker.url, "ended a stream with its error event", self.clock())
+            self.pool.record_errors(worker, "ended a stream with its error event", self.clock())
         else:
             self.signals.answered(version, tokens)
-            self.pool.record_errors(worker.url, None, self.clock())
+            self.pool.record_errors(worker, None, self.clock())
         try:
             async with asyncio.timeout(self.config.upstream_timeout_s):  # a client that stopped reading
                 await response.write_eof()

@@ -91,8 +91,8 @@ LOADING_STALL_S = 30.0
 #: worker answered no poll within 1 s for 1-2 s at a time). Dropping it at once gave the first ready worker the
 #: whole backlog, prefilled one request after another while the others came to serve a second later.
 UNANSWERED_GRACE_S = 3.0
-#: A worker whose answers were its own errors this many times in a row is sent nothing for ERROR_BACKOFF_S (s), and
-#: again after each further one until it answers well (WorkerPool.record_errors).
+#: A worker whose answers were its own errors this many times in a row comes after every other worker for
+#: ERROR_BACKOFF_S (s), and again after each further one until it answers well (WorkerPool.record_errors).
 ERRORS_IN_ROW = 3
 ERROR_BACKOFF_S = 10.0
 
@@ -130,8 +130,8 @@ class Worker:
     #: so a loader that hangs is not taken for a new one each time its health answers again.
     progress: tuple[str | None, int] | None = None
     progressed_at: float | None = None
-    #: Answers in a row that were its own errors (a 5xx, a stream ended by its error event), and until when it is
-    #: sent nothing for them (see ERRORS_IN_ROW).
+    #: Answers in a row that were its own errors (a 5xx, a stream ended by its error event), and until when it comes
+    #: after every other worker for them (see ERRORS_IN_ROW).
     errors_in_row: int = 0
     erring_until: float = 0.0
     #: The engine steps of its last health answer that reported them, and the clock time they last changed.
@@ -184,7 +184,7 @@ class Worker:
             return False
         if share is not None and self.in_flight >= share:
             return False
-        return (self.busy_at is None or now >= self.busy_until) and now >= self.erring_until
+        return self.busy_at is None or now >= self.busy_until
 
     def idle_s(self, now: float) -> float | None:
         """Seconds without requests of this router at clock time ``now``; None while it has some."""
@@ -429,14 +429,16 @@ class WorkerPool:
             worker.problem = problem
             self._changed()  # a failed loader no longer holds the ready workers to a share
 
-    def record_errors(self, url: str, error: str | None, at: float) -> None:
-        """A worker's answer at clock time ``at`` was its own ``error`` (a 5xx, a stream ended by its error event), or
-        was not (None). :data:`ERRORS_IN_ROW` in a row with no good answer between send it nothing for
-        :data:`ERROR_BACKOFF_S`, and each further one for as long again: a worker failing every request (a sticky
-        device fault, its health still ready) is always idle, and so would take most requests. One request's own
-        failure (an out-of-memory prompt) is passed on, not held against it."""
-        worker = self._workers.get(url)
-        if worker is None:
+    def record_errors(self, unit: "Worker | PipelineUnit", error: str | None, at: float) -> None:
+        """The answer of ``unit`` at clock time ``at`` was its own ``error`` (a 5xx, a stream ended by its error
+        event), or was not (None). :data:`ERRORS_IN_ROW` in a row with no good answer between put the worker after
+        every other able to take a request for :data:`ERROR_BACKOFF_S`, and each further one for as long again: a
+        worker failing every request (a sticky device fault, its health still ready) is always idle, and so would
+        take most requests. It is not refused: the errors may be the requests' own (a prompt out of memory, sent
+        again by its client), and a pool of one would then serve nobody. The very unit, as for :meth:`finish`: one
+        listed again since is a new worker."""
+        worker = unit
+        if not isinstance(worker, Worker) or self._workers.get(worker.url) is not worker:
             return
         if error is None:
             worker.errors_in_row = 0
@@ -444,8 +446,8 @@ class WorkerPool:
         worker.errors_in_row += 1
         if worker.errors_in_row >= ERRORS_IN_ROW:
             worker.erring_until = at + ERROR_BACKOFF_S
-            worker.problem = (f"worker {url}: {worker.errors_in_row} errors in a row (last: {error}); sent nothing "
-                              f"for {ERROR_BACKOFF_S:g} s")
+            worker.problem = (f"worker {worker.url}: {worker.errors_in_row} errors in a row (last: {error}); sent "
+                              f"requests only when no other worker can take them, for {ERROR_BACKOFF_S:g} s")
             self._changed()
 
     def record_busy(self, url: str, problem: str, at: float, retry_after_s: float) -> None:
@@ -512,7 +514,9 @@ class WorkerPool:
             own = unit.tenants.get(tenant, 0)
             return (unit.in_flight - own, -own)
 
-        return min(candidates, key=lambda unit: (unit.url in avoid, *apart(unit), unit.load) + (
+        # A worker erring lately (record_errors) comes last, not never: its errors may have been the requests' own.
+        return min(candidates, key=lambda unit: (unit.url in avoid, now < getattr(unit, "erring_until", 0.0),
+                                                 *apart(unit), unit.load) + (
             (2, unit.waiting_blocks, unit.routed) if isinstance(unit, PipelineUnit) else
             (unit.health.status != "ready", -unit.health.fraction_present, _idle_order(unit))) + (unit.url,))
 
