@@ -107,6 +107,46 @@ def _why_not_a_checkpoint(folder: Path) -> str | None:
     return None if sub is None else f"holding a folder ({sub})"
 
 
+def _load(gguf: Path, folder: str, dtype: str, progress: Progress):
+    """The model and tokenizer of ``gguf`` (its alone in ``folder``), dequantized to ``dtype``; whatever the file
+    makes fail is a typed error naming it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    name = gguf.name
+    try:
+        _check_sizes(gguf, folder, name)
+        progress.status("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        progress.advance()
+        progress.status(f"dequantize to {dtype}")
+        # ignore_mismatched_sizes: a shape mismatch comes back in the loading info (checked below), where it is
+        # named, instead of a RuntimeError pointing at transformers' log
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=getattr(torch, dtype),
+            quantization_config=GgufConfig(gguf_file=name, dequantize=True), ignore_mismatched_sizes=True,
+            output_loading_info=True)
+    except PackageError:  # refused by name already (_check_sizes)
+        raise
+    except ImportError as exc:  # transformers reads GGUF with the gguf package
+        raise PackageError(f"convert-gguf needs the extra 'convert' (pip install 'pipecast[convert]'): "
+                           f"{exc}") from None
+    except NotImplementedError as exc:  # gguf has no dequantizer for some types (Q8_1, Q8_K, ...)
+        raise CheckpointError(f"{gguf}: uses a quantization type gguf cannot dequantize ({exc})") from None
+    except (ValueError, KeyError, OSError) as exc:  # not GGUF, or an architecture transformers cannot read
+        raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
+    except (struct.error, IndexError, EOFError, OverflowError) as exc:  # gguf's reader ran past the end, or a
+        # length field too large for a count
+        raise CheckpointError(f"{gguf}: truncated or not a GGUF file ({exc})") from None
+    except MemoryError:  # the host's shortage, not the file's fault
+        raise
+    except Exception as exc:  # e.g. the config's own checks on metadata a damaged file holds (heads, sizes)
+        raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
+    _check_loaded(gguf, info)
+    progress.advance()
+    return model, tokenizer
+
+
 def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: bool = False,
                  progress: Progress = NO_PROGRESS) -> Path:
     """Dequantize ``gguf`` into the checkpoint folder ``out`` (written atomically); return ``out``.
@@ -126,49 +166,16 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
     check_output_parent(out)
     # --force moves OUT aside and deletes it: OUT the GGUF's own folder would take the GGUF with it
     check_output_spares_source(out, gguf, [gguf], "the GGUF file being converted")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
     try:
         with (_without_transformers_bars(), _gguf_alone(gguf) as folder,
               atomic_directory(out, overwrite=overwrite) as tmp):
-            name = gguf.name
             logger.info("dequantizing %s to %s", gguf, dtype)
-            progress.start(3, f"convert {name}", unit="step")
-            try:
-                _check_sizes(gguf, folder, name)
-                progress.status("tokenizer")
-                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-                progress.advance()
-                progress.status(f"dequantize to {dtype}")
-                # ignore_mismatched_sizes: a shape mismatch comes back in the loading info (checked below), where
-                # it is named, instead of a RuntimeError pointing at transformers' log
-                model, info = AutoModelForCausalLM.from_pretrained(
-                    folder, gguf_file=name, dtype=getattr(torch, dtype),
-                    quantization_config=GgufConfig(gguf_file=name, dequantize=True), ignore_mismatched_sizes=True,
-                    output_loading_info=True)
-            except PackageError:  # refused by name already (_check_sizes)
-                raise
-            except ImportError as exc:  # transformers reads GGUF with the gguf package
-                raise PackageError(f"convert-gguf needs the extra 'convert' (pip install 'pipecast[convert]'): "
-                                   f"{exc}") from None
-            except NotImplementedError as exc:  # gguf has no dequantizer for some types (Q8_1, Q8_K, ...)
-                raise CheckpointError(f"{gguf}: uses a quantization type gguf cannot dequantize ({exc})") from None
-            except (ValueError, KeyError, OSError) as exc:  # not GGUF, or an architecture transformers cannot read
-                raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
-            except (struct.error, IndexError, EOFError, OverflowError) as exc:  # gguf's reader ran past the end, or a
-                # length field too large for a count
-                raise CheckpointError(f"{gguf}: truncated or not a GGUF file ({exc})") from None
-            except MemoryError:  # the host's shortage, not the file's fault
-                raise
-            except Exception as exc:  # e.g. the config's own checks on metadata a damaged file holds (heads, sizes)
-                raise CheckpointError(f"{gguf}: cannot convert it ({type(exc).__name__}: {exc})") from None
-            _check_loaded(gguf, info)
-            progress.advance()
+            progress.start(3, f"convert {gguf.name}", unit="step")
+            model, tokenizer = _load(gguf, folder, dtype, progress)
             progress.status("save")
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             progress.advance()
-    except OSError as exc:  # the GGUF's own are typed inside: this is the output's (full, read-only, a name too long)
+    except OSError as exc:  # the GGUF's own are typed in _load: this is the output's (full, read-only, a name too long)
         raise PackageError(f"{out}: cannot write the checkpoint ({exc})") from None
     return out

@@ -155,11 +155,10 @@ class BlockCache:
     def write_manifest(self, manifest: Manifest) -> bool:
         """Persist the manifest, durably, unless the cache holds it already (a valid manifest of this package:
         its digest is the package id); False if it could not be written."""
+        self._without_manifest.discard(manifest.package_id)  # gone again later: said again
         # Not merely "manifest.json exists": a torn, invalid or foreign one would keep the folder useless for good.
         if self.local_package(manifest.package_id) is not None:
-            self._without_manifest.discard(manifest.package_id)
             return True
-        self._without_manifest.discard(manifest.package_id)  # gone again later: said again
         return self._write(self.package_dir(manifest.package_id) / MANIFEST_FILE, manifest_to_json(manifest).encode(),
                            f"the manifest of {manifest.package_id[:12]}", durable=True)
 

@@ -1,6 +1,7 @@
 """``pipecast agent``: run the node agent (data plane) in the foreground until SIGTERM/SIGINT."""
 
 import asyncio
+import functools
 import math
 import socket
 import time
@@ -21,21 +22,11 @@ from pipecast.core.settings import configured_control_plane, load_settings
 from pipecast.core.units import parse_size
 
 
-def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+def _size(ctx: click.Context, param: click.Parameter, value: str | None, allow_zero: bool = False) -> int | None:
     if value is None:
         return None
     try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
-def _reserve_size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    # 0 is "no reserve", as the setting's default says (and overrides a reserve set in the environment).
-    if value is None:
-        return None
-    try:
-        return parse_size(value, allow_zero=True)
+        return parse_size(value, allow_zero=allow_zero)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -117,7 +108,8 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
               help="Disk cache of verified blocks, served again after a restart.")
 @click.option("--memory", callback=_size, metavar="SIZE",
               help="Host memory budget for received blocks, e.g. 16GiB (a package that does not fit is refused).")
-@click.option("--reserve", callback=_reserve_size, metavar="SIZE",
+# 0 is "no reserve", as the setting's default says (and overrides a reserve set in the environment)
+@click.option("--reserve", callback=functools.partial(_size, allow_zero=True), metavar="SIZE",
               help="Host memory to populate at start and hand over to received blocks, e.g. 1GiB (0: none): on a VM "
                    "that backs its memory lazily a surge's blocks then take pages already backed (settings: "
                    "agent_reserve_bytes).")

@@ -132,6 +132,12 @@ def sweep_unlocked_folders(parent: Path, prefix: str, min_age_s: float = 60.0) -
         _remove(folder)
 
 
+def _owner_gone(partial: Path) -> bool:
+    """Whether the process named at the end of ``partial`` (``.NAME.partial-[old-]PID``) is gone."""
+    pid = partial.name.rsplit("-", 1)[-1]
+    return _PID.fullmatch(pid) is not None and not pid_alive(int(pid))
+
+
 def restore_moved_aside(out: Path) -> None:
     """Put back the ``out`` that a process killed while replacing it (:func:`atomic_directory`'s ``overwrite``)
     moved aside, when ``out`` is missing: the replacement never came, and the next run must not take the folder
@@ -139,8 +145,7 @@ def restore_moved_aside(out: Path) -> None:
     if os.path.lexists(out):
         return
     for stale in sorted(out.parent.glob(f"{glob.escape(f'.{out.name}{PARTIAL_MARK}')}old-*")):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if _PID.fullmatch(pid) and not pid_alive(int(pid)):
+        if _owner_gone(stale):
             try:
                 os.rename(stale, out)
             except FileNotFoundError:  # another run put it back first
@@ -162,8 +167,7 @@ def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     restore_moved_aside(out)  # before the sweep below would take it for a leftover
     for stale in out.parent.glob(f"{glob.escape(f'.{out.name}{PARTIAL_MARK}')}*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if _PID.fullmatch(pid) and not pid_alive(int(pid)):
+        if _owner_gone(stale):
             _remove(stale)
     tmp = out.parent / f".{out.name}{PARTIAL_MARK}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
