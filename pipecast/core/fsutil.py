@@ -68,16 +68,32 @@ def is_temporary(name: str) -> bool:
     return _TEMPORARY.match(name) is not None
 
 
+def process_started() -> float | None:
+    """When this process started, in seconds since the epoch, to a clock tick and never after it did; None where
+    /proc cannot tell. From its start in clock ticks since boot (psutil's counts from the boot time in whole
+    seconds: up to a second early, which took a predecessor's leftovers of the second before for this one's)."""
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime; the name may hold spaces
+        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):  # no /proc, no CLOCK_BOOTTIME: not Linux
+        return None
+
+
+def _predecessors(pid: int, changed: float, started: float | None) -> bool:
+    """Whether what a process named ``pid`` left, last changed at ``changed`` (epoch s), is a gone process's: its
+    pid is not alive, or it is this process's own pid but the thing predates it (a restarted container's process
+    gets the same pid, pid 1 often). Own-pid things are kept where ``started`` is unknown (None)."""
+    if pid == os.getpid():
+        return started is not None and changed < started
+    return not pid_alive(pid)
+
+
 def sweep_stale_temporaries(root: Path) -> int:
     """Remove the temporary files that :func:`atomic_write` calls left under ``root`` (at any depth) by
     processes that are gone; return how many were removed. A file named with this process's own pid is
     stale too when it is older than the process (a restarted container's agent gets the same pid)."""
-    try:
-        import psutil
-
-        started = psutil.Process().create_time()
-    except Exception:  # psutil missing or /proc unreadable: keep own-pid files
-        started = None
+    started = process_started()
     removed = 0
     for folder, _, names in os.walk(root):
         for name in names:
@@ -87,10 +103,7 @@ def sweep_stale_temporaries(root: Path) -> int:
             path = Path(folder) / name
             pid = int(match.group(1))
             try:
-                if pid == os.getpid():
-                    if started is None or path.stat().st_mtime >= started:
-                        continue
-                elif pid_alive(pid):
+                if not _predecessors(pid, path.stat().st_mtime, started):
                     continue
                 path.unlink()
                 removed += 1
@@ -133,9 +146,17 @@ def sweep_unlocked_folders(parent: Path, prefix: str, min_age_s: float = 60.0) -
 
 
 def _owner_gone(partial: Path) -> bool:
-    """Whether the process named at the end of ``partial`` (``.NAME.partial-[old-]PID``) is gone."""
+    """Whether the process named at the end of ``partial`` (``.NAME.partial-[old-]PID``) is gone: also a process
+    with this one's pid before it (the folder's inode changed last, by the rename that named it, before this
+    process started)."""
     pid = partial.name.rsplit("-", 1)[-1]
-    return _PID.fullmatch(pid) is not None and not pid_alive(int(pid))
+    if _PID.fullmatch(pid) is None:
+        return False
+    try:
+        changed = partial.lstat().st_ctime
+    except OSError:  # gone meanwhile
+        return False
+    return _predecessors(int(pid), changed, process_started())
 
 
 def restore_moved_aside(out: Path) -> None:

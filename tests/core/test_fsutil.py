@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -126,6 +127,21 @@ def test_a_folder_moved_aside_by_a_process_killed_before_its_replacement_is_put_
     with atomic_directory(out, overwrite=True) as tmp:
         (tmp / "manifest.json").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"] and (out / "manifest.json").read_text() == "new"
+
+
+def test_a_folder_moved_aside_under_this_processs_pid_before_it_started_is_put_back(tmp_path, monkeypatch):
+    """A container's process is pid 1 at every start: one killed between its two renames left ``.OUT.partial-old-1``,
+    which the next run, pid 1 again, judged its own (alive) and never put back; OUT stayed missing for good. Moved
+    aside before this process started, it is a predecessor's; moved aside since, it is this process's own."""
+    out = tmp_path / "pkg"
+    old = tmp_path / f".pkg{fsutil.PARTIAL_MARK}old-{os.getpid()}"
+    old.mkdir()
+    (old / "manifest.json").write_text("old")
+    fsutil.restore_moved_aside(out)  # moved aside since this process started: its own, in use
+    assert not out.exists() and old.is_dir()
+    monkeypatch.setattr(fsutil, "process_started", lambda: time.time() + 60)  # this process started after it
+    fsutil.restore_moved_aside(out)
+    assert (out / "manifest.json").read_text() == "old" and not old.exists()
 
 
 def test_a_name_with_glob_characters_takes_no_other_folders_leftovers(tmp_path):
