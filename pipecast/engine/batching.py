@@ -101,6 +101,8 @@ class StepScheduler:
                               max_positions=getattr(model.config, "max_position_embeddings", None))
         self.steps = 0
         """Decode steps run (each a forward pass shared by every decoding sequence)."""
+        self.failed_in_a_row = 0
+        """Requests failed by errors in steps since a step last made a token (:meth:`probe` says whose fault)."""
 
     @property
     def free_slots(self) -> int:
@@ -139,6 +141,20 @@ class StepScheduler:
             except Exception as exc:
                 self._abort(list(self.decoding), exc)
 
+    def probe(self) -> None:
+        """Run a one-token prompt through the parts loaded, its answer dropped, and raise what the device raises:
+        whether the engine can still compute at all after requests failed one after another (each its own
+        fault, or the device's). Nothing else is touched: the probe takes no KV cache row."""
+        seq = Sequence(prompt=[0], params=SamplingParams(max_tokens=1), stream=TokenStream(-1, lambda _: None))
+        self.prefilling.append(seq)
+        try:
+            self._advance_prefill(seq)
+            if seq.hidden is not None:  # a device's errors surface at a synchronisation: one read of the result
+                seq.hidden.sum().item()
+        finally:
+            if seq in self.prefilling:
+                self.prefilling.remove(seq)
+
     def fail_all(self, error: BaseException) -> None:
         """End every sequence held with ``error`` (the engine is closing)."""
         for seq in self.prefilling + self.decoding:
@@ -148,6 +164,7 @@ class StepScheduler:
 
     def _abort(self, seqs: list[Sequence], exc: Exception) -> None:
         logger.exception("engine step failed for requests %s", [s.stream.request_id for s in seqs])
+        self.failed_in_a_row += len(seqs)
         error = EngineError(f"the engine failed while running this request: {exc}")
         for seq in seqs:
             seq.stream.fail(error)
@@ -202,6 +219,7 @@ class StepScheduler:
         # Sampled also where the token is forced: a seeded generator draws as it did where the tokens were made.
         logits = m.head(seq.hidden, last_only=True)[:, -1].float().cpu()
         token = sample_tokens(logits, [seq.params], [seq.generator])[0]
+        self.failed_in_a_row = 0
         self.prefilling.remove(seq)
         if seq.next_token(token):
             return
@@ -243,6 +261,7 @@ class StepScheduler:
         logits = m.head(hidden, last_only=True)[:, -1].float().cpu()
         tokens = sample_tokens(logits, [s.params for s in self.decoding], [s.generator for s in self.decoding])
         self.steps += 1
+        self.failed_in_a_row = 0
         finished = []
         for seq, token in zip(self.decoding, tokens):
             seq.length += 1

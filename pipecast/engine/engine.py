@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pipecast.core.strictjson import describe
 from pipecast.engine.batching import Sequence, StepScheduler
 from pipecast.engine.errors import (
+    DeviceFaultError,
     EngineClosedError,
     EngineError,
     EngineFailedError,
@@ -42,6 +43,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Requests failed in a row by errors in their steps, no token made between them, after which the engine checks
+#: its device with a one-token probe: a sticky device fault fails every step while the engine thread lives on, and
+#: the worker would look ready while it fails every request. A few requests of their own making (poison prompts,
+#: one out of memory) only cost the probe.
+PROBE_AFTER_FAILURES = 3
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,8 @@ class Engine:
         tokens after them): one prefill of them all rounds otherwise in bf16, and the tokens after would differ.
 
         Raises InvalidRequestError (bad prompt or parameters), EngineOverloadedError (queue full), ModelLoadError
-        (loading failed), EngineFailedError (the engine thread died) or EngineClosedError.
+        (loading failed), EngineFailedError (the engine thread died), DeviceFaultError (the engine stopped: its
+        device fails every step) or EngineClosedError.
         """
         return self.submit_many([prompt_ids], params, generated=[generated])[0]
 
@@ -158,7 +166,7 @@ class Engine:
             if self._closed:
                 raise EngineClosedError()
             if self._thread_error is not None:
-                raise EngineFailedError(self._thread_error)
+                raise self._stopped_by(self._thread_error)
             self.model.check_failed()
             if len(self._incoming) + len(checked) > self.max_queue:
                 raise EngineOverloadedError(len(self._incoming))
@@ -321,6 +329,12 @@ class Engine:
                 while self._next_step():
                     self.scheduler.step()
                     self.steps += 1
+                    if self.scheduler.failed_in_a_row >= PROBE_AFTER_FAILURES:
+                        self._probe()
+        except DeviceFaultError as exc:
+            logger.error("%s", exc)
+            with self._cond:
+                self._thread_error = error = exc
         except Exception as exc:  # a bug outside step()'s guards: fail the requests rather than leave them waiting
             logger.exception("the engine thread failed")
             with self._cond:
@@ -328,11 +342,35 @@ class Engine:
             error = EngineFailedError(exc)
         self._fail_unfinished(error)
 
+    def _probe(self) -> None:
+        """After :data:`PROBE_AFTER_FAILURES` requests failed in a row: raise :class:`DeviceFaultError` if a
+        one-token probe fails too, else count afresh (the failures were the requests' own)."""
+        failed = self.scheduler.failed_in_a_row
+        try:
+            self.scheduler.probe()
+        except Exception as exc:
+            if not _out_of_memory(exc):
+                raise DeviceFaultError(failed, exc) from exc
+            self.scheduler.failed_in_a_row = 0
+            logger.warning("engine: %d requests failed in a row, and a one-token probe ran out of memory: %s",
+                           failed, exc)
+        else:
+            self.scheduler.failed_in_a_row = 0
+            logger.info("engine: %d requests failed in a row, but a one-token probe ran: their own errors", failed)
+
     @property
     def failure(self) -> str | None:
-        """Why the engine thread stopped running requests (a bug outside a step's guards), None while it runs."""
+        """Why the engine thread stopped running requests (its device fails every step, or a bug outside a step's
+        guards), None while it runs."""
         error = self._thread_error
-        return None if error is None else str(EngineFailedError(error))
+        return None if error is None else str(self._stopped_by(error))
+
+    @staticmethod
+    def _stopped_by(error: Exception) -> EngineError:
+        """The error a request gets from an engine whose thread ``error`` stopped (a new one each time)."""
+        if isinstance(error, DeviceFaultError):
+            return DeviceFaultError(error.failed, error.error)
+        return EngineFailedError(error)
 
     def _next_step(self) -> bool:
         """Wait until a step can make progress and admit new sequences; False once closed."""
@@ -349,6 +387,16 @@ class Engine:
             while self._incoming and self.scheduler.free_slots > 0:
                 self.scheduler.add(self._incoming.popleft())
             return True
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed (memory taken by the requests running comes back): torch's
+    OutOfMemoryError, or a plain RuntimeError saying so (the CPU allocator's, a CUDA library's)."""
+    import torch
+
+    text = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or any(
+        words in text for words in ("out of memory", "can't allocate memory", "alloc_failed"))
 
 
 def check_engine_arguments(device: "str | torch.device", dtype: "torch.dtype | None", *, max_batch: int,

@@ -79,6 +79,16 @@ class EngineFailedError(EngineError):
         super().__init__(f"the engine stopped on an unexpected error: {type(error).__name__}: {error}")
 
 
+class DeviceFaultError(EngineError):
+    """Requests failed one after another in their steps, and a one-token probe then failed too: the device (a
+    sticky accelerator fault) fails every step, not the requests. The engine takes no more."""
+
+    def __init__(self, failed: int, error: BaseException):
+        super().__init__(f"the engine's device fails every step: {failed} requests failed in a row, then a "
+                         f"one-token probe failed too: {type(error).__name__}: {error}")
+        self.failed, self.error = failed, error
+
+
 class EngineOverloadedError(EngineError):
     """Too many requests are waiting (the caller should retry later; a server answers 429)."""
 

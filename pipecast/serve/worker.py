@@ -50,6 +50,7 @@ from pipecast.core.credentials import presents_key, serving_headers
 from pipecast.core.errors import PipecastError
 from pipecast.engine.architectures import modeling_modules
 from pipecast.engine.errors import (
+    DeviceFaultError,
     EngineClosedError,
     EngineError,
     EngineOverloadedError,
@@ -663,8 +664,8 @@ class ServingWorker:
                             steps=self._model.engine.steps % MAX_COUNT if self._model is not None else 0)
 
     def _failure(self) -> str | None:
-        """Why the worker cannot serve: its model failed, or its engine thread died (it would answer every request
-        with an error, and look ready to the router)."""
+        """Why the worker cannot serve: its model failed, or its engine stopped (its thread died, or its device
+        fails every step): it would answer every request with an error, and look ready to the router."""
         if self._error is None and self._model is not None:
             return self._model.engine.failure
         return self._error
@@ -892,7 +893,7 @@ def _served_error(exc: EngineError) -> ServeError:
     """The HTTP-level error of an engine failure: 503 when the model or the worker is gone, else 500."""
     if isinstance(exc, EngineClosedError):
         return WorkerClosingError()
-    if isinstance(exc, ModelLoadError):
+    if isinstance(exc, ModelLoadError | DeviceFaultError):  # the worker cannot serve: another one may
         return ModelUnavailableError(str(exc))
     return ServeError(str(exc))
 

@@ -1,6 +1,7 @@
 """Execute-while-load, continuous batching, sampling and request lifecycle of the engine."""
 
 import gc
+import re
 import threading
 import weakref
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 import pipecast.engine.batching as batching
-from pipecast.engine.engine import Engine, LoadProgress
+from pipecast.engine.engine import PROBE_AFTER_FAILURES, Engine, LoadProgress
 from pipecast.engine.errors import (
+    DeviceFaultError,
     EngineClosedError,
     EngineError,
     EngineFailedError,
@@ -275,6 +277,81 @@ def test_an_error_escaping_a_step_fails_every_request_and_refuses_new_ones(pkg, 
             stream.result(timeout=10)
         with pytest.raises(EngineFailedError, match=message):
             engine.submit(PROMPT)
+
+
+def test_a_device_failing_every_step_fails_the_engine_after_a_probe_fails_too(pkg, monkeypatch):
+    """A sticky device fault (a CUDA illegal address) failed every request inside its step while the engine thread
+    lived on: the worker said ready and answered each request with a 500. After a few failures in a row a one-token
+    probe that fails too stops the engine, and its failure says why (the worker's health then says failed)."""
+    fault = "CUDA error: an illegal memory access was encountered"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(fault)
+
+    with Engine(PackageFolderProvider(pkg)).start() as engine:
+        engine.wait_loaded(timeout=30)
+        monkeypatch.setattr(engine.model, "head", broken)
+        for _ in range(PROBE_AFTER_FAILURES):
+            assert engine.failure is None
+            with pytest.raises(EngineError, match=f"^the engine failed while running this request: {fault}$"):
+                engine.generate(PROMPT, SamplingParams(max_tokens=4), timeout=30)
+        wait_until(lambda: engine.failure is not None)
+        message = (f"^the engine's device fails every step: {PROBE_AFTER_FAILURES} requests failed in a row, then a "
+                   f"one-token probe failed too: RuntimeError: {fault}$")
+        assert re.match(message, engine.failure)
+        with pytest.raises(DeviceFaultError, match=message):
+            engine.submit(PROMPT)
+
+
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory")],
+    ids=["torch", "cpu-allocator"])
+def test_a_probe_out_of_memory_is_no_device_fault(pkg, monkeypatch, caplog, error):
+    """Memory taken by the requests running comes back: a probe that runs out of it does not stop the engine."""
+    def short_of_memory(*args, **kwargs):
+        raise error
+
+    caplog.set_level("WARNING", logger="pipecast.engine.engine")
+    with Engine(PackageFolderProvider(pkg)).start() as engine:
+        engine.wait_loaded(timeout=30)
+        head = engine.model.head
+        monkeypatch.setattr(engine.model, "head", short_of_memory)
+        for _ in range(PROBE_AFTER_FAILURES):
+            with pytest.raises(EngineError, match="memory"):
+                engine.generate(PROMPT, SamplingParams(max_tokens=4), timeout=30)
+        wait_until(lambda: "a one-token probe ran out of memory" in caplog.text)  # the count restarted before
+        monkeypatch.setattr(engine.model, "head", head)
+        assert engine.failure is None and engine.scheduler.failed_in_a_row == 0
+        assert len(engine.generate(PROMPT, SamplingParams(max_tokens=4), timeout=30)) == 4
+
+
+def test_requests_failing_of_their_own_cost_a_probe_and_the_engine_serves_on(engine, monkeypatch, caplog):
+    """Poison requests (here: every one asking for 5 tokens) fail one after another; the probe runs, and the engine
+    serves the next request exactly. A token made between failures starts the count again: no probe."""
+    expected = solo(engine, PROMPT, max_tokens=6)
+    sample_tokens = batching.sample_tokens
+
+    def poisoned(logits, params, generators):
+        if any(p.max_tokens == 5 for p in params):
+            raise RuntimeError("poison")
+        return sample_tokens(logits, params, generators)
+
+    monkeypatch.setattr(batching, "sample_tokens", poisoned)
+    caplog.set_level("INFO", logger="pipecast.engine.engine")
+    for _ in range(PROBE_AFTER_FAILURES - 1):
+        with pytest.raises(EngineError, match="poison"):
+            engine.generate(PROMPT, SamplingParams(max_tokens=5), timeout=30)
+    assert solo(engine, PROMPT, max_tokens=6) == expected
+    with pytest.raises(EngineError, match="poison"):
+        engine.generate(PROMPT, SamplingParams(max_tokens=5), timeout=30)
+    assert "probe" not in caplog.text and engine.scheduler.failed_in_a_row == 1
+    for _ in range(PROBE_AFTER_FAILURES - 1):
+        with pytest.raises(EngineError, match="poison"):
+            engine.generate(PROMPT, SamplingParams(max_tokens=5), timeout=30)
+    wait_until(lambda: "a one-token probe ran: their own errors" in caplog.text)
+    assert engine.failure is None and engine.scheduler.failed_in_a_row == 0 and engine.scheduler.active == 0
+    assert solo(engine, PROMPT, max_tokens=6) == expected
 
 
 def test_full_queue_refuses_and_close_fails_pending(pkg):
