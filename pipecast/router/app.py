@@ -534,30 +534,31 @@ class Router:
         """The 502 of a request that failed on workers and is not retried, naming them (the last one in the
         ``x-pipecast-worker`` header) to a caller that may see them (:meth:`shows_workers`), else saying only
         how many attempts failed: the failures name the workers' URLs, and their errors may too."""
-        last = error.failures[-1].worker
         log.warning("request failed for good: %s", error)
-        self.metrics.failed.labels(last, "before_response").inc()
-        self.signals.failed(version)
-        if not self.shows_workers(request):
-            then = f"; then {error.then}" if error.then else ""
-            return web.json_response(error_body(f"request failed on {len(error.failures)} attempt(s) at the router's "
-                                                f"workers{then}", "worker_failed"), status=502)
-        return web.json_response(error_body(str(error), "worker_failed", worker=last,
-                                            attempts=[failure.worker for failure in error.failures]),
-                                 status=502, headers={WORKER_HEADER: last})
+        then = f"; then {error.then}" if error.then else ""
+        return self._workers_failed(request, version, error.failures[-1].worker, 502, "worker_failed", str(error),
+                                    f"request failed on {len(error.failures)} attempt(s) at the router's workers{then}",
+                                    attempts=[failure.worker for failure in error.failures])
 
     def _timed_out(self, request: web.Request, error: WorkerTimeoutError, version: str | None) -> web.Response:
         """The 504 of a request its worker was still working on at the upstream deadline, naming the worker to a
         caller that may see it (:meth:`shows_workers`)."""
         log.warning("%s", error)
-        self.metrics.failed.labels(error.worker, "before_response").inc()  # as a 502 is: a request the workers failed
+        message = str(error).removeprefix(f"worker {error.worker}: ")
+        return self._workers_failed(request, version, error.worker, 504, "worker_timeout", str(error),
+                                    f"the worker serving this request sent {message}")
+
+    def _workers_failed(self, request: web.Request, version: str | None, worker: str, status: int, code: str,
+                        named: str, unnamed: str, **fields: Any) -> web.Response:
+        """A request the workers failed, counted as such (the last ``worker`` to fail it): its answer names them
+        (``named``, ``fields`` and the ``x-pipecast-worker`` header) to a caller that may see them, else says
+        ``unnamed``."""
+        self.metrics.failed.labels(worker, "before_response").inc()
         self.signals.failed(version)
         if not self.shows_workers(request):
-            message = str(error).removeprefix(f"worker {error.worker}: ")
-            return web.json_response(error_body(f"the worker serving this request sent {message}", "worker_timeout"),
-                                     status=504)
-        return web.json_response(error_body(str(error), "worker_timeout", worker=error.worker), status=504,
-                                 headers={WORKER_HEADER: error.worker})
+            return web.json_response(error_body(unnamed, code), status=status)
+        return web.json_response(error_body(named, code, worker=worker, **fields), status=status,
+                                 headers={WORKER_HEADER: worker})
 
     def _reject(self, error: RouterError, status: int, reason: str,
                 headers: dict[str, str] | None = None, version: str | None = None) -> web.Response:

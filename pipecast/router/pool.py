@@ -226,6 +226,7 @@ class PipelineUnit:
     waiting_blocks: int = 0
     max_in_flight: int = PIPELINE_MAX_IN_FLIGHT
     package_id: str = ""
+    erring_until: float = 0.0  # a worker's back-off (WorkerPool.record_errors), never set for a pipeline
     in_flight: int = 0
     #: The member workers each request in flight was counted at (``Worker.pipelined``), oldest first: the
     #: very ones, which stay busy with it even after the pipeline is relaid or dissolved.
@@ -515,7 +516,7 @@ class WorkerPool:
             return (unit.in_flight - own, -own)
 
         # A worker erring lately (record_errors) comes last, not never: its errors may have been the requests' own.
-        return min(candidates, key=lambda unit: (unit.url in avoid, now < getattr(unit, "erring_until", 0.0),
+        return min(candidates, key=lambda unit: (unit.url in avoid, now < unit.erring_until,
                                                  *apart(unit), unit.load) + (
             (2, unit.waiting_blocks, unit.routed) if isinstance(unit, PipelineUnit) else
             (unit.health.status != "ready", -unit.health.fraction_present, _idle_order(unit))) + (unit.url,))
