@@ -92,17 +92,28 @@ def ttft_while_loading(package: Path | str, *, bytes_per_s: float, prompt_tokens
 
 
 def memory_report(package: Path | str, *, device: str = "cpu") -> MemoryReport:
-    """RSS growth while loading ``package`` and generating a few tokens, against the package's size.
+    """RSS growth (and on a GPU, device memory) while loading ``package`` and generating a few tokens, against the
+    package's size.
 
     The engine is built (imports, empty model) before the first reading so only the load is counted.
     """
     engine = Engine(PackageFolderProvider(package), device=device)
-    before = process_memory()
+    on_device = engine.model.device.type == "cuda"
+    before, device_before = process_memory(), _device_allocated(engine) if on_device else 0
     with engine.start():
         engine.wait_loaded(timeout=600)
         engine.generate(_prompts(1, 16, engine.model.vocab_size, 0)[0], SamplingParams(max_tokens=8))
-        after = process_memory()
-    return MemoryReport(engine.provider.manifest.total_bytes, engine.scheduler.kv.nbytes, before, after)
+        after, kv_bytes = process_memory(), engine.scheduler.kv.nbytes  # closing frees the KV cache
+        device_bytes = _device_allocated(engine) - device_before if on_device else None
+    return MemoryReport(engine.provider.manifest.total_bytes, kv_bytes, before, after, device_bytes)
+
+
+def _device_allocated(engine: Engine) -> int:
+    """Bytes torch holds allocated on the engine's CUDA device, once its work so far is done."""
+    import torch
+
+    torch.cuda.synchronize(engine.model.device)
+    return torch.cuda.memory_allocated(engine.model.device)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

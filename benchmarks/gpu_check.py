@@ -74,7 +74,7 @@ def _sync(device: str) -> None:
     import torch
 
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)  # the device named (cuda:1 too), not the current one
 
 
 def _free(device: str) -> None:

@@ -2,6 +2,7 @@
 memory this process may take (the host's and its memory cgroup's), which the agent checks its settings against."""
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -39,9 +40,23 @@ def detect_accelerator(device: str) -> AcceleratorInfo:
     gpus = [line.rsplit(",", 1) for line in out.splitlines() if "," in line]
     if not gpus:
         return AcceleratorInfo(kind=kind)
-    name, mib = gpus[0]
+    name, mib = gpus[_physical_index(device, len(gpus))]
     return AcceleratorInfo(kind=kind, name=name.strip(), count=len(gpus),
                            memory_bytes=int(mib.strip()) << 20 if mib.strip().isdigit() else 0)
+
+
+def _physical_index(device: str, count: int) -> int:
+    """Which of ``nvidia-smi``'s ``count`` GPUs (all the host's, in its order) the engine's ``device`` is: its index
+    (``cuda`` is 0, the agent's current device), mapped through ``CUDA_VISIBLE_DEVICES`` where that lists indices;
+    the first where it cannot tell (UUIDs, an index past the list)."""
+    _, _, index = device.partition(":")
+    position = int(index) if index.isdigit() else 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible:
+        if position >= len(visible) or not visible[position].isdigit():
+            return 0
+        position = int(visible[position])
+    return position if position < count else 0
 
 
 def advertised_address(listen_address: str) -> str:

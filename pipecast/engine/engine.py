@@ -282,7 +282,7 @@ class Engine:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop serving: pending and running requests, and :meth:`logits` (any :meth:`while_open`), fail with
-        EngineClosedError; threads are joined, then the weights are dropped."""
+        EngineClosedError; threads are joined, then the weights and the KV cache are dropped."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -293,6 +293,7 @@ class Engine:
             self._thread.join(timeout)
         if not self._thread.is_alive():  # else the engine thread fails them as it exits
             self._fail_unfinished()
+            self.scheduler.kv.free()
             if loader_stopped:  # else a thread still running could bind or use a weight after they are dropped
                 self._drop_weights()
         self.model.clear_listeners()  # the weights go with the last reference, not at the next cyclic collection

@@ -167,7 +167,12 @@ class SlotKVCache:
         request's room is not kept after it; the next use allocates what it needs."""
         # The tensors, not ``capacity``: a growth that failed part way left some layers larger than it.
         if any(t.shape[2] > CAPACITY_STEP for t in self.keys + self.values):
-            self.keys, self.values, self.capacity, self.rows = [], [], 0, 0
+            self.free()
+
+    def free(self) -> None:
+        """Free the keys and values whatever their size (the engine closed: on a GPU they are device memory, held
+        for as long as anything still refers to the engine, a finished stream's reader say)."""
+        self.keys, self.values, self.capacity, self.rows = [], [], 0, 0
 
     def write_prompt(self, row: int, prompt: PrefillCache, length: int) -> None:
         """Store a prefilled prompt's ``length`` positions in ``row`` (zeros after them)."""

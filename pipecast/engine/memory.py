@@ -40,9 +40,12 @@ class MemoryReport:
     """Memory growth across a model load (and a short generation), against the package's size."""
 
     package_bytes: int
-    kv_cache_bytes: int  # allocated by the engine for keys and values: part of the anonymous growth
+    kv_cache_bytes: int  # allocated by the engine for keys and values: part of the anonymous growth (on the CPU)
     before: ProcessMemory
     after: ProcessMemory
+    #: On a GPU, the device memory torch allocated across the load (the weights and the KV cache are there, the
+    #: RSS figures are the host's); None on the CPU.
+    device_bytes: int | None = None
 
     @property
     def anon_growth(self) -> int:
@@ -55,8 +58,11 @@ class MemoryReport:
 
     def __str__(self) -> str:
         p = self.package_bytes
-        return (f"package {format_bytes(p)}: peak RSS +{format_bytes(self.peak_growth)} "
+        kv = f"KV cache {format_bytes(self.kv_cache_bytes)}"
+        device = "" if self.device_bytes is None else (
+            f"device memory +{format_bytes(self.device_bytes)} ({self.device_bytes / p:.2f}x package; {kv}), host ")
+        return (f"package {format_bytes(p)}: {device}peak RSS +{format_bytes(self.peak_growth)} "
                 f"({self.peak_growth / p:.2f}x package), anonymous +{format_bytes(self.anon_growth)} "
-                f"({self.anon_growth / p:.2f}x; KV cache {format_bytes(self.kv_cache_bytes)}), "
+                f"({self.anon_growth / p:.2f}x{'' if device else '; ' + kv}), "
                 f"file-backed +{format_bytes(self.after.file - self.before.file)}, "
                 f"shared +{format_bytes(self.after.shmem - self.before.shmem)}")

@@ -26,8 +26,8 @@ ENGINE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def engine_device(device: "torch.device | str") -> "torch.device":
-    """``device`` as a ``torch.device`` the engine can run on here (the CPU, or a CUDA device this host has);
-    :class:`DeviceError` otherwise."""
+    """``device`` as a ``torch.device`` the engine can run on here (the CPU, or a CUDA device this host has, with
+    its index: ``cuda`` is the calling thread's current device); :class:`DeviceError` otherwise."""
     import torch
 
     try:
@@ -42,6 +42,8 @@ def engine_device(device: "torch.device | str") -> "torch.device":
         count = torch.cuda.device_count()
         if parsed.index is not None and parsed.index >= count:
             raise DeviceError("device", device, f"this host has {count} CUDA device(s)")
+        if parsed.index is None:  # the caller's current device, fixed here: each thread's current device is its
+            parsed = torch.device("cuda", torch.cuda.current_device())  # own, and new threads start on device 0
     return parsed
 
 

@@ -11,15 +11,16 @@ from packager.manifest import HEX_DIGEST, MANIFEST_FILE
 from pipecast.agent.local_client import MAX_TIMEOUT_S
 from pipecast.core.clitypes import Number
 from pipecast.core.settings import load_settings
+from pipecast.engine.errors import DeviceError
+from pipecast.engine.progressive import engine_device
 from pipecast.loading import local_folder
 from pipecast.serve.app import run_worker
 from pipecast.serve.pipeline import DISSOLVE_AUTO, DISSOLVE_CHOICES, MAX_DEADLINE_S, STEP_TIMEOUT_S
 from pipecast.serve.worker import ServingWorker, WorkerConfig
 
 SWITCH_INTERVAL_S = 0.0005
-#: The device strings the engine runs on (``pipecast.engine.progressive.engine_device``, which also checks that
-#: this host has that CUDA device, once torch is imported): checked before the worker listens, as a typo would
-#: leave it answering 503 until killed.
+#: The device strings the engine runs on, checked before the worker listens (a typo, or a CUDA device this host
+#: lacks, would leave it answering 503 until killed): this first, then ``engine_device`` for a CUDA one.
 DEVICE = re.compile(r"(cpu|cuda)(:(0|[1-9][0-9]*))?")
 
 
@@ -73,9 +74,15 @@ def serve_command(package: str, agent_socket: Path | None, host: str | None, por
     """
     settings = load_settings(serve_host=host, serve_port=port, max_queue=max_queue, max_batch=max_batch,
                              device=device, agent_local_socket=agent_socket)
+    device_hint = "'--device'" if device is not None else "setting 'device'"
     if not DEVICE.fullmatch(settings.device):
         raise click.BadParameter(f"{settings.device!r} is not a device the engine runs on (cpu, cuda or cuda:N)",
-                                 param_hint="'--device'" if device is not None else "setting 'device'")
+                                 param_hint=device_hint)
+    if settings.device != "cpu":  # a CUDA device this host lacks (a CPU image on a GPU node, cuda:1 on one GPU)
+        try:
+            engine_device(settings.device)
+        except DeviceError as exc:
+            raise click.BadParameter(str(exc), param_hint=device_hint) from None
     # Without an agent the worker can only read a folder: one that is not there would fail it for good, after it
     # listens. With an agent, a package id is waited for (the scale-up that brings it may come later).
     folder = local_folder(package, settings.agent_cache_dir)

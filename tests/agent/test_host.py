@@ -27,6 +27,23 @@ def test_a_cuda_node_registers_its_gpus_from_nvidia_smi(tmp_path, monkeypatch):
     assert detect_accelerator("cuda") == AcceleratorInfo("cuda")
 
 
+def test_a_cuda_node_registers_the_gpu_its_device_names(tmp_path, monkeypatch):
+    """Found in review: ``cuda:1`` registered the host's first GPU, whatever the second was."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA A100-SXM4-40GB, 40960'\necho 'NVIDIA H100 80GB HBM3, 81559'\n"
+                    "echo 'NVIDIA L4, 23034'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert detect_accelerator("cuda:1") == AcceleratorInfo("cuda", "NVIDIA H100 80GB HBM3", 3, 81559 << 20)
+    assert detect_accelerator("cuda").name == "NVIDIA A100-SXM4-40GB"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,1")  # torch's cuda:0 is the host's third GPU
+    assert detect_accelerator("cuda:0").name == "NVIDIA L4"
+    assert detect_accelerator("cuda:1").name == "NVIDIA H100 80GB HBM3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5a1c")  # a UUID: not told, the first
+    assert detect_accelerator("cuda:0").name == "NVIDIA A100-SXM4-40GB"
+
+
 def test_memory_is_the_least_of_meminfo_and_every_memory_cgroup_over_this_process():
     """Found in review: a --reserve was checked against --memory only, and in a 600 MiB cgroup the agent said
     "listening" and was then OOM-killed without a word. A cgroup v2 limit of an ancestor limits too."""

@@ -11,6 +11,7 @@ from pipecast.core.strictjson import describe
 from pipecast.engine.engine import Engine, token_ids
 from pipecast.engine.errors import DeviceError, EngineClosedError, InvalidRequestError
 from pipecast.engine.loader import BlockLoader
+from pipecast.engine.progressive import engine_device
 from pipecast.engine.providers import PackageFolderProvider
 from pipecast.engine.sampling import SamplingParams
 from tests.support import packages
@@ -39,6 +40,17 @@ def test_a_device_the_engine_cannot_run_on_is_a_device_error(provider, device, p
     and "meta" failed only when a block was bound."""
     with pytest.raises(DeviceError, match=f"^{re.escape(f'device={device!r}: {problem}')}$"):
         Engine(provider, device=device)
+
+
+def test_cuda_without_an_index_is_the_callers_current_device(monkeypatch):
+    """Found in review: ``cuda`` stayed without an index, and each thread's current CUDA device is its own (a new
+    thread starts on device 0): weights went to a caller's ``set_device(1)`` while the engine thread put ids and the
+    KV cache on cuda:0, and every request failed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert engine_device("cuda") == torch.device("cuda", 1)
+    assert engine_device("cuda:0") == torch.device("cuda", 0)
 
 
 @pytest.mark.parametrize("dtype", ["float16", torch.int8, torch.bool])

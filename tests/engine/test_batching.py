@@ -382,6 +382,16 @@ def test_a_closed_engines_weights_are_freed_with_its_last_reference_not_at_a_lat
         gc.enable()
 
 
+def test_a_closed_engine_frees_its_kv_cache_while_a_stream_still_refers_to_it(pkg):
+    """Found in review: close() dropped the weights but kept the KV cache (on a GPU device memory), reachable for as
+    long as a finished stream was (its cancel callback holds the engine)."""
+    engine = Engine(PackageFolderProvider(pkg)).start()
+    stream = engine.submit(PROMPT, SamplingParams(max_tokens=20))
+    assert len(stream.result(timeout=30)) == 20 and engine.scheduler.kv.nbytes > 0
+    engine.close()
+    assert engine.scheduler.kv.nbytes == 0 and engine.scheduler.kv.capacity == 0
+
+
 def test_stalled_block_source_fails_waiting_requests(pkg):
     provider = DelayedProvider(PackageFolderProvider(pkg))
     provider.release(0)

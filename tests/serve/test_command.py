@@ -68,8 +68,30 @@ def test_a_device_setting_the_engine_does_not_run_on_is_refused_naming_the_setti
     assert "Invalid value for setting 'device': 'gpu' is not a device the engine runs on" in result.output
 
 
+def _cuda_devices(monkeypatch, count: int) -> None:
+    """Make torch see ``count`` CUDA devices (0: none, CUDA unavailable)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+@pytest.mark.parametrize("device, devices, problem", [
+    ("cuda", 0, "CUDA is not available on this host"), ("cuda:1", 1, "this host has 1 CUDA device(s)")])
+def test_a_cuda_device_this_host_lacks_is_refused_before_the_worker_listens(tmp_path, started, monkeypatch, device,
+                                                                           devices, problem):
+    """Found in review: a CPU image on a GPU node, or cuda:1 on a node of one GPU, printed "listening" and answered
+    503 until killed."""
+    _cuda_devices(monkeypatch, devices)
+    result = CliRunner().invoke(serve_command, [str(tmp_path), "--device", device])
+    assert result.exit_code == 2 and started == []
+    assert f"Invalid value for '--device': device={device!r}: {problem}" in result.output
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:0", "cuda:12", "cpu:0"])
-def test_the_devices_the_engine_runs_on_are_taken(tmp_path, started, device):
+def test_the_devices_the_engine_runs_on_are_taken(tmp_path, started, monkeypatch, device):
+    _cuda_devices(monkeypatch, 13)
     result = CliRunner().invoke(serve_command, [str(tmp_path), "--device", device])
     assert result.exit_code == 0, result.output
     assert [config.device for config in started] == [device]
