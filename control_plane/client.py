@@ -268,10 +268,12 @@ class ControlPlaneClient:
     # ----- scaling -----
 
     async def scale_up(self, package_id: str, *, node_ids: Sequence[str] = (), count: int = 0, strategy: str = "",
-                       fanout: int = 0) -> pb.ScaleUpResponse:
-        """Bring a package onto ``node_ids`` or onto ``count`` more workers (see ControlState.scale_up)."""
+                       fanout: int = 0, serving_only: bool = False) -> pb.ScaleUpResponse:
+        """Bring a package onto ``node_ids`` or onto ``count`` more workers (serving ones only with
+        ``serving_only``; see ControlState.scale_up)."""
         return await self._call("ScaleUp", pb.ScaleUpRequest(package_id=package_id, node_ids=node_ids, count=count,
-                                                             strategy=strategy, fanout=fanout))
+                                                             strategy=strategy, fanout=fanout,
+                                                             serving_only=serving_only))
 
     async def release(self, package_id: str, node_ids: Sequence[str], *, keep_alive_s: float = 0.0) -> float:
         """Release a package from workers after ``keep_alive_s``; returns the drop time (unix seconds)."""

@@ -23,6 +23,7 @@ from google.protobuf import json_format
 from control_plane.deployments import (
     DEFAULT_WARM_AUTO_FACTOR,
     MAX_COUNT,
+    MAX_DURATION_S,
     WARM_AUTO_FACTORS,
     Deployment,
     ScalingPolicy,
@@ -44,12 +45,12 @@ TOKEN = click.option("--token", help="The control plane's master token, or a nod
 
 
 class Duration(click.ParamType):
-    """Seconds, written as 2s, 500ms, 5m or a plain number; ``positive``: more than 0."""
+    """Seconds, written as 2s, 500ms, 5m or a plain number; ``positive``: more than 0; at most ``maximum``."""
 
     name = "duration"
 
-    def __init__(self, *, positive: bool = False) -> None:
-        self.positive = positive
+    def __init__(self, *, positive: bool = False, maximum: float | None = None) -> None:
+        self.positive, self.maximum = positive, maximum
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         try:
@@ -58,6 +59,8 @@ class Duration(click.ParamType):
             self.fail(str(exc), param, ctx)
         if self.positive and seconds <= 0:
             self.fail(f"must be longer than 0, got {value!r}", param, ctx)
+        if self.maximum is not None and seconds > self.maximum:
+            self.fail(f"must be at most {self.maximum:g} s, got {value!r}", param, ctx)
         return seconds
 
 
@@ -459,7 +462,8 @@ def scale_up_command(ctx: click.Context, package_id: str, workers: tuple[str, ..
 @cp_group.command("release")
 @click.argument("package_id")
 @click.argument("workers", nargs=-1, required=True)
-@click.option("--keep-alive", "keep_alive_s", type=Duration(), default=0.0, show_default=True,
+@click.option("--keep-alive", "keep_alive_s", type=Duration(maximum=MAX_DURATION_S), default=0.0,
+              show_default=True,
               help="How long the workers stay sources before they drop the package, e.g. 5m (0: they drop it at "
                    "once).")
 @click.pass_context

@@ -37,6 +37,7 @@ DEFAULT_EVENTS_LIMIT = 1000
 ACTIONS = ("scale_up", "release", "take_back", "hold")
 #: ``warm_auto_factor``'s usable range: from just the baseline to ten times it.
 WARM_AUTO_FACTORS = (1.0, 10.0)
+_WARM_AUTO_RANGE = f"0 (warm fixed) or within {WARM_AUTO_FACTORS[0]:g}..{WARM_AUTO_FACTORS[1]:g}"
 #: The factor ``pipecast cp deploy --warm auto`` asks for (the operator's rule: absorb 2-3x the baseline).
 DEFAULT_WARM_AUTO_FACTOR = 2.0
 #: The longest duration of a policy (s): a longer SLO, keep-alive, cooldown or cold start is a mistake, and one of
@@ -96,7 +97,8 @@ class ScalingPolicy:
             # One wording per field whatever the value (0, -1, nan, 1e308): its bounds.
             if not number or value < low or (op == ">" and value == low) or (high is not None and value > high):
                 most = "" if high is None else f" and <= {high:g}"
-                found.append(((name,), f"{name} must be a finite number {op} {low:g}{most}, got {value!r}"))
+                bounds = _WARM_AUTO_RANGE if name == "warm_auto_factor" else f"a finite number {op} {low:g}{most}"
+                found.append(((name,), f"{name} must be {bounds}, got {value!r}"))
         if found:  # the comparisons below hold only between values within their bounds
             return found
         if self.min_replicas > self.max_replicas:
@@ -106,8 +108,8 @@ class ScalingPolicy:
             found.append((("warm", "max_replicas"),
                           f"warm ({self.warm}) must be <= max_replicas ({self.max_replicas})"))
         if self.warm_auto_factor and not WARM_AUTO_FACTORS[0] <= self.warm_auto_factor <= WARM_AUTO_FACTORS[1]:
-            found.append((("warm_auto_factor",), f"warm_auto_factor must be 0 (warm fixed) or within "
-                          f"{WARM_AUTO_FACTORS[0]:g}..{WARM_AUTO_FACTORS[1]:g}, got {self.warm_auto_factor}"))
+            found.append((("warm_auto_factor",), f"warm_auto_factor must be {_WARM_AUTO_RANGE}, got "
+                                                 f"{self.warm_auto_factor}"))
         if self.warm_auto_factor and self.warm:
             found.append((("warm", "warm_auto_factor"), f"warm ({self.warm}) must be 0 when warm_auto_factor "
                                                         f"({self.warm_auto_factor}) sizes the warm pool"))
@@ -203,6 +205,8 @@ def check_router_url(url: str, package_id: str) -> str:
     if endpoint is not None:  # found in review: the daemon polled .../stats/stats, and held with no signals
         raise InvalidRequest(f"deployment of package {package_id!r}: router {url!r} names the router's {endpoint} "
                              f"endpoint; give its base URL ({base[:len(base) - len(endpoint)] or base})")
+    if parts.port == 0:  # no router listens there: its deployment would read it as silent for good
+        raise InvalidRequest(f"deployment of package {package_id!r}: router {url!r} names port 0")
     # One spelling per router: two (a host's case, a default port written out) were polled and summed as two.
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     port = "" if parts.port in (None, DEFAULT_PORTS[parts.scheme]) else f":{parts.port}"

@@ -135,7 +135,8 @@ def _listed(transports: Sequence[str]) -> str:
 
 
 def counted_targets(package_id: str, package_bytes: int, candidates: Iterable[Candidate], count: int,
-                    source_racks: Collection[str] = (), *, store: str = "", offered: Sequence[str] = ()) -> Targets:
+                    source_racks: Collection[str] = (), *, store: str = "", offered: Sequence[str] = (),
+                    serving_only: bool = False) -> Targets:
     """``count`` workers picked among the alive ``candidates``: serving ones first (an agent alone serves no
     request: the scaling daemon counts only serving workers as free, and a copy on another node made it scale up
     again), among them those in a keep-alive release of the package
@@ -144,18 +145,19 @@ def counted_targets(package_id: str, package_bytes: int, candidates: Iterable[Ca
     disk cache (a local load; memory first among equals), then those in one of ``source_racks`` (the racks
     of the plan's sources: no cross-rack traffic), then the least committed; never the package's ``store``
     node; with ``offered`` (the transports of the nodes that may send it, in order of preference), only receivers
-    speaking the one of those that the most eligible ones speak (:func:`plan_transport`); raises
-    :class:`InsufficientWorkers` if fewer than ``count`` can take it."""
+    speaking the one of those that the most eligible ones speak (:func:`plan_transport`); with ``serving_only``,
+    serving workers alone; raises :class:`InsufficientWorkers` if fewer than ``count`` can take it."""
     # The store is the package's origin, not a replica: picked as a receiver (its blocks not counted yet, e.g.
     # seeded before the publish) it would leave its plan with no source.
-    eligible = [c for c in candidates if c.node_id != store and not c.receiving and (
-        (c.releasing and c.complete) or (not c.complete and c.fits(package_bytes, reclaiming=True)))]
+    eligible = [c for c in candidates if c.node_id != store and not c.receiving and (c.serving or not serving_only)
+                and ((c.releasing and c.complete) or (not c.complete and c.fits(package_bytes, reclaiming=True)))]
     transport = plan_transport(offered, (c.transports for c in eligible if not c.complete))
     speaking = [c for c in eligible if c.complete or transport is None or transport in c.transports]
     if len(speaking) < count:
         free = f"{format_bytes(package_bytes)} of memory budget free"
         # Workers of another transport are said to be left out: else the count of alive ones looks wrong.
-        which = f"do not hold it already and have {free}" if len(speaking) == len(eligible) else (
+        which = "serve requests (a serve URL), " if serving_only else ""
+        which += f"do not hold it already and have {free}" if len(speaking) == len(eligible) else (
             f"do not hold it already, have {free} and speak {transport} (of the transports of the nodes that "
             f"may send it, {_listed(offered)}, the one most of them speak)")
         raise InsufficientWorkers(f"scale-up of package {package_id!r} asked for {count} more workers; only "

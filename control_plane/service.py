@@ -607,7 +607,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     @_rpc
     async def ScaleUp(self, request: pb.ScaleUpRequest, context: grpc.aio.ServicerContext) -> pb.ScaleUpResponse:
         draft = self.state.draft_scale_up(request.package_id, node_ids=list(request.node_ids), count=request.count,
-                                          strategy=request.strategy, fanout=request.fanout)
+                                          strategy=request.strategy, fanout=request.fanout,
+                                          serving_only=request.serving_only)
         # Planning thousands of receivers takes long: in a thread, so the event loop keeps serving meanwhile.
         plan = await asyncio.to_thread(_build_plan, draft) if draft.receivers else None
         result = self.state.install_scale_up(draft, plan, now=self.clock())

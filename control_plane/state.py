@@ -804,7 +804,7 @@ class ControlState:
     # ----- scaling -----
 
     def scale_up(self, package_id: str, *, node_ids: Sequence[str] = (), count: int = 0, strategy: str = "",
-                 fanout: int = 0, now: float) -> ScaleUpResult:
+                 fanout: int = 0, serving_only: bool = False, now: float) -> ScaleUpResult:
         """Bring a package onto ``node_ids``, or onto ``count`` more workers picked here (workers in a
         keep-alive release of it first, then those holding most of it, then those in a source's rack, then
         the least loaded). Sources are alive workers holding all of it, one per receiver at most
@@ -821,14 +821,16 @@ class ControlState:
 
         The same as :meth:`draft_scale_up`, :meth:`ScaleUpDraft.build` and :meth:`install_scale_up`, which
         the service calls apart to plan off its event loop."""
-        draft = self.draft_scale_up(package_id, node_ids=node_ids, count=count, strategy=strategy, fanout=fanout)
+        draft = self.draft_scale_up(package_id, node_ids=node_ids, count=count, strategy=strategy, fanout=fanout,
+                                    serving_only=serving_only)
         return self.install_scale_up(draft, draft.build() if draft.receivers else None, now=now)
 
     def draft_scale_up(self, package_id: str, *, node_ids: Sequence[str] = (), count: int = 0, strategy: str = "",
-                       fanout: int = 0) -> "ScaleUpDraft":
+                       fanout: int = 0, serving_only: bool = False) -> "ScaleUpDraft":
         """Who receives the package from whom (:meth:`scale_up`), with copies of everything the plan is made
         from, so that :meth:`ScaleUpDraft.build` may run in another thread; changes nothing. Raises what
-        :meth:`scale_up` raises for bad requests."""
+        :meth:`scale_up` raises for bad requests. ``serving_only``: ``count`` workers with a serve URL only (the
+        scaling daemon's: an agent alone holds the package but serves nothing, and the daemon never releases it)."""
         package = self.package(package_id)
         if bool(node_ids) == bool(count):
             raise InvalidRequest(f"scale-up of package {package_id!r}: give either target workers or a count")
@@ -854,9 +856,10 @@ class ControlState:
             sources, _ = self._plan_sources(package, strategy, exclude=(), receivers=count)
             source_racks = {rack for n in sources if (rack := self._rack(n)) is not None}
             targets = counted_targets(package_id, package.total_bytes, self._candidates(package_id, alive), count,
-                                      source_racks, store=package.store.node_id, offered=self._offered(package))
+                                      source_racks, store=package.store.node_id, offered=self._offered(package),
+                                      serving_only=serving_only)
         receivers = tuple(targets.receivers)
-        request = (tuple(node_ids), count, strategy, fanout)
+        request = (tuple(node_ids), count, strategy, fanout, serving_only)
         if not receivers:
             return ScaleUpDraft(package_id, request, receivers, tuple(targets.unchanged))
         availability = self.availability[package_id]
@@ -889,8 +892,9 @@ class ControlState:
         if not self._draft_holds(draft):
             if redrafted:  # drafted on this very state: a draft that cannot hold is a bug, not a race
                 raise Conflict(f"scale-up of package {package_id!r}: its plan could not be placed; try again")
-            node_ids, count, strategy, fanout = draft.request
-            again = self.draft_scale_up(package_id, node_ids=node_ids, count=count, strategy=strategy, fanout=fanout)
+            node_ids, count, strategy, fanout, serving_only = draft.request
+            again = self.draft_scale_up(package_id, node_ids=node_ids, count=count, strategy=strategy, fanout=fanout,
+                                        serving_only=serving_only)
             return self.install_scale_up(again, again.build() if again.receivers else None, now=now, redrafted=True)
         for node in [*draft.unchanged, *receivers]:
             if self.releases.pop((package_id, node), None) is not None:

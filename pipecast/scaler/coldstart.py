@@ -1,9 +1,10 @@
 """How long a deployment's new replicas take to serve, as the scaling daemon sees them (pure: times are given).
 
 A replica the daemon's scale-up added is timed from that scale-up to the first tick that sees it hold the
-whole package; the measure is the median of the last :data:`KEPT` such times. A replica that first shows
-loading without a scale-up of the daemon's since the previous tick (placed by hand, or seen by a restarted
-daemon) is timed from when it was seen. One released or gone while it loads gives no time.
+whole package (one whole by the next tick too); the measure is the median of the last :data:`KEPT` such
+times. A replica that first shows loading without a scale-up of the daemon's since the previous tick (placed
+by hand, or seen by a restarted daemon) is timed from when it was seen. One released or gone while it loads
+gives no time.
 """
 
 import statistics
@@ -24,6 +25,12 @@ class ColdStarts:
         self._since: dict[str, float] = {}  # node -> when its loading began
         self._seconds: deque[float] = deque(maxlen=KEPT)
         self._seen_at: float | None = None
+
+    def started(self, nodes: Iterable[str], at: float) -> None:
+        """The daemon's scale-up at ``at`` placed the package on ``nodes``: timed from then, also those that hold
+        it whole by the next tick (a local load), which no tick sees loading."""
+        for node in nodes:
+            self._since.setdefault(node, at)
 
     def observe(self, replicas: Iterable[Replica], now: float, last_scale_up: float | None) -> None:
         """Take one tick's replicas at ``now`` (the daemon's monotonic clock); ``last_scale_up``: its last one."""

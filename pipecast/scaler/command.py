@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from control_plane.command import CONFIG, TOKEN, UINT32_MAX, Duration, full_package_id
+from control_plane.deployments import MAX_DURATION_S
 from control_plane.planner.plan import STRATEGIES
 from pipecast.core.credentials import parse_node_token
 from pipecast.core.settings import Settings, load_settings
@@ -37,7 +38,8 @@ def scaler_group() -> None:
 @click.option("--plan-strategy", type=click.Choice(("", *STRATEGIES)), default=DEFAULTS.plan_strategy,
               metavar="STRATEGY", help=f"Plan strategy of the scale-ups, one of {', '.join(STRATEGIES)} (unicast: each "
                                        "from the store); unset or '': the control plane picks.")
-@click.option("--source-keep", "source_keep_s", type=Duration(), default=DEFAULTS.source_keep_s, show_default=True,
+@click.option("--source-keep", "source_keep_s", type=Duration(maximum=MAX_DURATION_S), default=DEFAULTS.source_keep_s,
+              show_default=True,
               help="A released replica stays a multicast source this long before it drops the package.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address of /metrics and /health.")
 @click.option("--port", type=click.IntRange(0, 65535), default=None,

@@ -47,7 +47,7 @@ from yarl import URL
 
 from control_plane.deployments import Deployment, ScaleEvent
 from control_plane.errors import (
-    ChangeNotStored, ControlPlaneError, InsufficientWorkers, PermissionDenied, Unauthenticated)
+    ChangeNotStored, ControlPlaneError, InsufficientWorkers, PermissionDenied, Unauthenticated, UnknownDeployment)
 from control_plane.routes import RouteChange
 from pipecast.core import strictjson
 from pipecast.core.credentials import serving_headers
@@ -55,7 +55,7 @@ from pipecast.core.httpserve import read_capped
 from pipecast.scaler.coldstart import ColdStarts
 from pipecast.scaler.gate import Gate, add_up_versions
 from pipecast.scaler.metrics import ScalerMetrics
-from pipecast.scaler.policy import HISTORY_S, Decision, Signals, decide
+from pipecast.scaler.policy import HISTORY_S, Decision, Replica, Signals, decide
 from pipecast.scaler.signals import StatsFormatError, add_up, parse_stats, pool_of, serve_urls
 from pipecast.v1 import control_pb2 as pb
 
@@ -73,6 +73,10 @@ REFUSED_RETRY_MAX_S = 16.0
 #: was released with (``source_keep_s``: the control plane lists its blocks until then) and this long more, while
 #: its agent reports the drop (s).
 RELEASE_GRACE_S = 30.0
+#: A replica holding the whole package that none of its deployment's routers lists this long (s) is warned of: it
+#: serves none of their requests, and with no idle time from them it is never released (routers discover workers
+#: within a few seconds of their holding it).
+UNLISTED_WARN_S = 30.0
 
 
 async def resolve_addresses(host: str, port: int | None) -> list[str]:
@@ -110,6 +114,30 @@ class _Tracked:
     #: At the last tick: no replica and nothing waiting or in flight (watched between ticks), and its routers.
     idle_at_zero: bool = False
     routers: tuple[str, ...] = ()
+    #: Replicas holding the whole package that no router listed at any tick since when (see UNLISTED_WARN_S), and
+    #: of those the ones warned of.
+    unlisted: dict[str, float] = field(default_factory=dict)
+    warned: set[str] = field(default_factory=set)
+
+
+def _warn_unlisted(package_id: str, tracked: _Tracked, replicas: Sequence[Replica], signals: Signals,
+                   now: float) -> None:
+    """Warn once of each replica holding the whole package that every router answered without listing for
+    :data:`UNLISTED_WARN_S`: a router in front of it that is not among the deployment's, or its serve URL there
+    naming another host than it registered (a name for its address)."""
+    if not signals.routers_answered or signals.routers_answered < signals.routers_total:
+        return  # a silent router may list it
+    whole = {r.node_id for r in replicas if not r.loading and not r.pinned} - set(signals.idle_s)
+    tracked.unlisted = {node: tracked.unlisted.get(node, now) for node in whole}
+    tracked.warned &= whole
+    for node in sorted(whole - tracked.warned):
+        if now - tracked.unlisted[node] >= UNLISTED_WARN_S:
+            log.warning("scaler %s: replica %s holds the whole package, but none of the deployment's routers has "
+                        "listed it for %g s: it serves none of their requests and is never released (is a router in "
+                        "front of it missing from the deployment, or its serve URL spelled there with another host "
+                        "name?)",
+                        package_id[:12], node, UNLISTED_WARN_S)
+            tracked.warned.add(node)
 
 
 def _refused(action: str) -> str:
@@ -238,6 +266,11 @@ class Scaler:
         for deployment in deployments:
             try:
                 decision = await self._step(deployment, workers, plans, urls)
+            except UnknownDeployment:  # undeployed since this tick listed it: no outage, the others go on
+                log.info("scaler %s: undeployed during its step", deployment.package_id[:12])
+                self.tracked.pop(deployment.package_id, None)
+                self.metrics.forget(deployment.package_id)
+                continue
             except ControlPlaneError:
                 raise
             except Exception:
@@ -291,6 +324,7 @@ class Scaler:
         _trim(tracked.history, now)
         tracked.cold_starts.observe(pool.replicas, now, tracked.last_scale_up)
         signals = tracked.history[-1]
+        _warn_unlisted(package_id, tracked, pool.replicas, signals, now)
         tracked.idle_at_zero = not pool.replicas and not signals.queue_depth and not signals.in_flight
         tracked.routers = deployment.routers
         pool = replace(pool, cold_start_s=tracked.cold_starts.seconds)
@@ -329,6 +363,7 @@ class Scaler:
                 log.info("scaler %s: plan %s to %s (already holding: %s)", package_id[:12], reply.plan_id or "-",
                          ",".join(reply.receivers) or "-", ",".join(reply.unchanged) or "-")
                 tracked.last_scale_up = now
+                tracked.cold_starts.started(reply.receivers, now)
                 # A released one taken back serves again; the trail says so (below), for a daemon restarted later.
                 taken = tuple(node for node in (*reply.receivers, *reply.unchanged)
                               if tracked.released.pop(node, None) is not None)
@@ -378,7 +413,9 @@ class Scaler:
         asked, short = count, ""
         while True:
             try:
-                reply = await self.client.scale_up(package_id, count=count, strategy=self.config.plan_strategy)
+                reply = await self.client.scale_up(package_id, count=count, strategy=self.config.plan_strategy,
+                                                   serving_only=True)  # a replica must serve: an agent alone never
+                                                                       # is one, counted nor released
                 break
             except InsufficientWorkers as exc:
                 if count == 1:

@@ -13,6 +13,7 @@ process's id; routers before it send none, and stand for themselves by their URL
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from pipecast.core.errors import PipecastError
 from pipecast.core.strictjson import describe
@@ -114,14 +115,16 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
     (the nodes holding or receiving ``package_id``); where given, only their workers count as serving, ready,
     queued at or idle: a router in front of several packages (a canary beside its stable version) lists every
     one's."""
-    got = [_own(a, package_id) for a in answers if a is not None]
+    # One router listed twice (under two names of its host) is counted once: its instance id says it is one.
+    got = list({a["instance"]: _own(a, package_id) for a in answers if a is not None}.values())
+    silent = sum(a is None for a in answers)
     idle: dict[str, float | None] = {}
     serving: set[str] = set()  # every router lists every worker: each counts once
     ready: set[str] = set()
     queued: dict[str, int] = {}  # serving node -> requests waiting in its own queue (every router sees the same)
     for answer in got:
         for worker in answer["workers"]:
-            node = node_of_url.get(worker["url"].rstrip("/"), worker["node_id"] or worker["url"])
+            node = node_of_url.get(url_key(worker["url"]), worker["node_id"] or worker["url"])
             if nodes is not None and node not in nodes:
                 continue
             if worker["status"] in SERVING_STATUSES:
@@ -135,7 +138,7 @@ def add_up(at: float, answers: Sequence[dict[str, Any] | None], node_of_url: Map
             else:
                 idle[node] = seen if node not in idle else min(idle[node], seen)
     p99s = [a["ttft_p99_s"] for a in got if a["ttft_p99_s"] is not None]
-    return Signals(at=at, routers_total=len(answers), routers_answered=len(got),
+    return Signals(at=at, routers_total=len(got) + silent, routers_answered=len(got),
                    queue_depth=sum(a["queue_depth"] for a in got), in_flight=sum(a["in_flight"] for a in got),
                    queued_at_workers=sum(queued.values()), arrived=sum(a["arrived"] for a in got),
                    answered=sum(a["answered"] for a in got),
@@ -162,8 +165,22 @@ def _unattributed(answer: Mapping[str, Any]) -> int:
 
 
 def serve_urls(workers: Iterable[pb.WorkerState]) -> dict[str, str]:
-    """Serve URL (no trailing slash) -> node id, of every registered worker with one."""
-    return {w.worker.serve_url.rstrip("/"): w.worker.peer.node_id for w in workers if w.worker.serve_url}
+    """Serve URL (:func:`url_key`) -> node id, of every registered worker with one."""
+    return {url_key(w.worker.serve_url): w.worker.peer.node_id for w in workers if w.worker.serve_url}
+
+
+def url_key(url: str) -> str:
+    """``url`` as a worker's serve URL and a router's listing of it compare: scheme and host in lower case, the
+    scheme's default port written out, no trailing slash (``HTTP://W1:80/`` is ``http://w1:80``). A router's
+    listing spelled otherwise than the worker registered matched no node, and the replica was never released."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    except ValueError:  # a port that is no number: compared as it is
+        return url.rstrip("/")
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme.lower()}://{host}:{port}{parts.path.rstrip('/')}"
 
 
 def pool_of(package_id: str, num_blocks: int, workers: Iterable[pb.WorkerState], plans: Iterable[pb.PlanSummary],

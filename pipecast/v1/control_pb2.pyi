@@ -288,18 +288,20 @@ class GetAvailabilityResponse(_message.Message):
     def __init__(self, package_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., by_worker: _Optional[_Iterable[_Union[WorkerBlocks, _Mapping]]] = ..., by_block: _Optional[_Iterable[_Union[BlockHolders, _Mapping]]] = ...) -> None: ...
 
 class ScaleUpRequest(_message.Message):
-    __slots__ = ("package_id", "node_ids", "count", "strategy", "fanout")
+    __slots__ = ("package_id", "node_ids", "count", "strategy", "fanout", "serving_only")
     PACKAGE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     FANOUT_FIELD_NUMBER: _ClassVar[int]
+    SERVING_ONLY_FIELD_NUMBER: _ClassVar[int]
     package_id: str
     node_ids: _containers.RepeatedScalarFieldContainer[str]
     count: int
     strategy: str
     fanout: int
-    def __init__(self, package_id: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., count: _Optional[int] = ..., strategy: _Optional[str] = ..., fanout: _Optional[int] = ...) -> None: ...
+    serving_only: bool
+    def __init__(self, package_id: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., count: _Optional[int] = ..., strategy: _Optional[str] = ..., fanout: _Optional[int] = ..., serving_only: _Optional[bool] = ...) -> None: ...
 
 class ScaleUpResponse(_message.Message):
     __slots__ = ("plan_id", "strategy", "sources", "receivers", "unchanged")

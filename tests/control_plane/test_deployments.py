@@ -1,6 +1,7 @@
 """Deployments and the scale-event log: validation (pure), and over real gRPC with a restart on the same file."""
 
 import asyncio
+import math
 import re
 from dataclasses import asdict
 
@@ -93,8 +94,10 @@ def test_an_auto_warm_factor_is_within_1_to_10_and_excludes_a_fixed_warm():
     assert ScalingPolicy(warm_auto_factor=12.0, warm=1).problems() == [
         "warm_auto_factor must be 0 (warm fixed) or within 1..10, got 12.0",
         "warm (1) must be 0 when warm_auto_factor (12.0) sizes the warm pool"]
-    assert ScalingPolicy(warm_auto_factor=-1.0).problems() == [
-        "warm_auto_factor must be a finite number >= 0, got -1.0"]
+    # Found in review: inf (and -1) were told "a finite number >= 0", and then 0.5 another range.
+    for factor in (-1.0, math.inf):
+        assert ScalingPolicy(warm_auto_factor=factor).problems() == [
+            f"warm_auto_factor must be 0 (warm fixed) or within 1..10, got {factor!r}"]
     with pytest.raises(InvalidRequest, match=re.escape(
             "deployment of package 'p' refused: warm_auto_factor must be 0 (warm fixed) or within 1..10, got 11.0")):
         DeploymentBook().put(Deployment("p", ScalingPolicy(warm_auto_factor=11.0)), ["p"], 1.0)
@@ -307,10 +310,12 @@ def test_the_groups_options_may_follow_the_subcommand_and_no_subcommand_has_opti
         assert not own & {opt for param in command.params for opt in param.opts}, name
 
 
-@pytest.mark.parametrize("url", ["http://router..svc:8080", "http://" + "a" * 64 + ".svc", "http://u:pw@r:8080"])
+@pytest.mark.parametrize("url", ["http://router..svc:8080", "http://" + "a" * 64 + ".svc", "http://u:pw@r:8080",
+                                 "http://r:0"])
 def test_the_book_refuses_router_urls_no_resolver_takes_or_with_credentials(url):
     """Found in review: a host whose IDNA encoding fails raised UnicodeError in the daemon at every tick (and
-    stopped it where a gated route named the package); credentials were listed to every caller and logged."""
+    stopped it where a gated route named the package); credentials were listed to every caller and logged; port 0,
+    where no router listens, was read as a silent router for good."""
     with pytest.raises(InvalidRequest, match="router"):
         DeploymentBook().put(Deployment("p", ScalingPolicy(), (url,)), ["p"], 1.0)
 

@@ -140,6 +140,16 @@ def test_a_counted_scale_up_takes_serving_workers_before_agents_alone():
     assert counted_targets("pkg", PACKAGE_BYTES, candidates, 3).receivers == ("gpu2", "gpu1", "agent-only")
 
 
+def test_a_serving_only_scale_up_never_takes_an_agent_alone():
+    """Found in review: the scaling daemon counts serving workers only; a scale-up of its placed on an agent alone
+    (serving workers short of memory) made a copy it never counted nor released, and it asked again and again."""
+    candidates = [candidate("agent-only", serving=False), candidate("gpu1"), candidate("gpu2")]
+    assert counted_targets("pkg", PACKAGE_BYTES, candidates, 2, serving_only=True).receivers == ("gpu1", "gpu2")
+    with pytest.raises(InsufficientWorkers, match=r"asked for 3 more workers; only 2 are alive, serve requests \(a "
+                                                  r"serve URL\), do not hold it already and have "):
+        counted_targets("pkg", PACKAGE_BYTES, candidates, 3, serving_only=True)
+
+
 # ----- transports -----
 
 def test_a_plans_transport_is_the_offered_one_most_receivers_speak_the_first_offered_among_equals():

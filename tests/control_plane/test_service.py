@@ -906,6 +906,16 @@ async def test_list_pipelines_names_each_stage_with_its_serve_url_and_layers(cli
         await client.list_pipelines("f" * 64)
 
 
+async def test_a_serving_only_scale_up_leaves_agents_alone_out_over_the_wire(client):
+    await client.publish_package(manifest(), STORE)
+    for node, url in (("w1", ""), ("w2", "http://127.0.0.1:8002")):
+        worker = spec(node)
+        await client.register(WorkerSpec(worker.peer, worker.memory_bytes, serve_url=url))
+    with pytest.raises(InsufficientWorkers, match=r"only 1 are alive, serve requests \(a serve URL\)"):
+        await client.scale_up(PKG, count=2, serving_only=True)
+    assert list((await client.scale_up(PKG, count=1, serving_only=True)).receivers) == ["w2"]
+
+
 async def test_pipelines_are_formed_in_a_thread_once_for_calls_at_once_and_again_only_after_a_change(
         tmp_path, monkeypatch):
     formed, run = [], PipelineCandidates.run

@@ -50,3 +50,13 @@ def test_a_replica_gone_while_loading_gives_no_time_and_only_the_last_few_count(
         starts.observe(loading(f"n{i}"), now=at + 1, last_scale_up=at)
         starts.observe(loaded(f"n{i}"), now=at + seconds, last_scale_up=at)
     assert starts.seconds == 5.0
+
+
+def test_a_replica_whole_by_the_tick_after_its_scale_up_is_timed_too():
+    """Found in review: one no tick saw loading (a local load within a tick) gave no time, so the measure was of
+    the slow starts only, and scale-ups were sized for them."""
+    starts = ColdStarts()
+    starts.observe([], now=10.0, last_scale_up=None)
+    starts.started(["w1"], at=10.0)  # the scale-up, made at the tick of 10.0
+    starts.observe(loaded("w1"), now=10.5, last_scale_up=10.0)
+    assert starts.seconds == 0.5

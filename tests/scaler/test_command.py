@@ -79,6 +79,15 @@ async def one_event(tmp_path) -> AsyncIterator[Callable[..., Any]]:
         await server.stop(grace_s=0)
 
 
+def test_run_refuses_a_source_keep_the_control_plane_would_refuse_at_every_release(started):
+    """Found in review: --source-keep 25h was taken, and every release was refused from then on (keep-alive past
+    a day) while /health said ok: idle replicas were never released."""
+    result = CliRunner().invoke(command.scaler_group, ["run", "--source-keep", "25h"])
+    assert result.exit_code == 2 and not started
+    assert "Invalid value for '--source-keep': must be at most 86400 s, got '25h'" in result.output
+    assert CliRunner().invoke(command.scaler_group, ["run", "--source-keep", "24h"]).exit_code == 0
+
+
 async def test_events_takes_the_token_as_cp_does(tmp_path):
     """Found in review: `scaler events --token X` said no such option, while `cp` and `status` take --token."""
     async with one_event(tmp_path) as events:

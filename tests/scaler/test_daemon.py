@@ -16,7 +16,8 @@ from aiohttp import web
 
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.errors import (
-    ChangeNotStored, ControlPlaneError, ControlPlaneUnavailable, InsufficientWorkers, Unauthenticated)
+    ChangeNotStored, ControlPlaneError, ControlPlaneUnavailable, InsufficientWorkers, Unauthenticated,
+    UnknownDeployment)
 from control_plane.messages import PeerInfo
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
 from pipecast.core.credentials import SERVING_KEY_HEADER
@@ -83,7 +84,8 @@ class RecordingClient:
         self.calls.append(("event", event.action))
         return len(self.events)
 
-    async def scale_up(self, package_id, *, count=0, strategy="", **_):
+    async def scale_up(self, package_id, *, count=0, strategy="", serving_only=False, **_):
+        assert serving_only  # a replica must serve: an agent alone is never one
         self.calls.append(("scale_up", count, strategy))
         if self.refuse:
             raise self.refuse
@@ -622,6 +624,36 @@ async def test_an_undeployed_package_leaves_no_series_in_the_metrics():
             client.list_deployments = lambda: asyncio.sleep(0, [])  # `pipecast cp undeploy`
             await scaler.tick()
             assert PKG.encode() not in scaler.metrics.render()[0]
+
+
+async def test_a_deployment_removed_during_its_step_is_no_failed_tick():
+    """Found in review: an undeploy landing between ListDeployments and the step's audit event failed the whole
+    tick, as a control-plane outage would: the later deployments were skipped and /health said degraded."""
+    async with stub_router(stats(queue=1, arrived=1)) as (url, _):
+        client = RecordingClient([worker("w1")], (url,))
+
+        async def undeployed(event):
+            raise UnknownDeployment(f"package {PKG!r} has no deployment")
+
+        client.append_scale_event = undeployed
+        async with Scaler(client, ScalerConfig(watch_s=0.0)) as scaler:
+            await one_tick(scaler, client, client.list_deployments)
+            assert scaler.failed_ticks == 0 and PKG not in scaler.tracked
+            assert scaler.metrics.registry.get_sample_value("pipecast_scaler_tick_failures_total") == 0
+
+
+async def test_a_replica_no_router_lists_is_warned_of_once(caplog):
+    """Found in review: a replica its routers list under another host name than it registered had no idle time,
+    and was never released, without a word."""
+    now = [1000.0]
+    async with stub_router(stats(idle={"w1": 100.0})) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,))
+        async with Scaler(client, **clocks(now)) as scaler:
+            for _ in range(3):
+                await scaler.tick()
+                now[0] += daemon_module.UNLISTED_WARN_S / 2
+    warned = [r.getMessage() for r in caplog.records if "none of the deployment's routers has listed" in r.getMessage()]
+    assert len(warned) == 1 and "replica w2 holds the whole package" in warned[0]
 
 
 async def test_a_deployment_without_routers_is_still_raised_to_its_minimum():

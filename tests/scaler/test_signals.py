@@ -6,7 +6,7 @@ import pytest
 
 from control_plane.deployments import ScalingPolicy
 from pipecast.scaler.policy import Pool, Replica, decide
-from pipecast.scaler.signals import StatsFormatError, add_up, parse_stats, pool_of
+from pipecast.scaler.signals import StatsFormatError, add_up, parse_stats, pool_of, serve_urls
 from pipecast.v1 import control_pb2 as pb
 
 
@@ -137,6 +137,24 @@ def test_each_router_process_is_told_apart_by_its_instance_an_older_router_by_it
     with pytest.raises(StatsFormatError) as err:
         parse_stats("r1", {**answer, "versions": {"p" * 1_000_000: None}})
     assert len(str(err.value)) < 200
+
+
+def test_one_router_listed_under_two_names_counts_once():
+    """Found in review: a deployment naming its router as 127.0.0.1 and localhost added its queue up twice, and
+    sized twice the replicas; the router's instance id says the two answers are one router's."""
+    answer = parse_stats("http://127.0.0.1:9", {**stats(16, 10, 7, 0.5, []), "instance": "a" * 32})
+    signals = add_up(100.0, [answer, parse_stats("http://localhost:9", {**stats(16, 10, 7, 0.5, []),
+                                                                         "instance": "a" * 32}), None], {})
+    assert (signals.queue_depth, signals.arrived, signals.routers_answered, signals.routers_total) == (16, 10, 1, 2)
+
+
+def test_a_workers_url_matches_its_serve_url_spelled_otherwise():
+    """Found in review: a router listing a worker as ``http://LOCALHOST:8000/`` (or without its default port) matched
+    no node: the replica had no idle time and was never released."""
+    registered = [pb.WorkerState(worker=pb.WorkerSpec(peer=pb.Peer(node_id=f"w{i}"), serve_url=url), alive=True)
+                  for i, url in enumerate(("http://localhost:8000", "http://w1/"))]
+    answer = stats(0, 0, 0, None, [("http://LOCALHOST:8000/", "ready", 3.0), ("HTTP://w1:80", "ready", 4.0)])
+    assert add_up(100.0, [parse_stats("r1", answer)], serve_urls(registered)).idle_s == {"w0": 3.0, "w1": 4.0}
 
 
 def test_a_worker_whose_node_id_is_null_goes_by_its_url():
