@@ -21,6 +21,7 @@ import pipecast
 from packager.errors import PackageFileError
 from packager.pack import pack
 from pipecast.engine.engine import LoadProgress
+from pipecast.agent.errors import LocalApiError
 from pipecast.agent.local_client import CLIENT_SLACK_S
 from pipecast.engine.errors import (
     DeviceError,
@@ -186,11 +187,26 @@ def test_models_left_open_are_closed_at_exit(tiny):
     without close(); models left open are closed by an exit hook now."""
     _, pkg = tiny
     model = pipecast.load(pkg)
-    assert model in pipecast.loading._OPEN
+    assert model._key in pipecast.loading._OPEN
     pipecast.loading._close_open_models()
-    assert model not in pipecast.loading._OPEN
+    assert model._key not in pipecast.loading._OPEN
     with pytest.raises(EngineClosedError, match="^the engine is closed$"):
         model.logits(PROMPT, timeout=30)
+
+
+def test_a_model_dropped_mid_load_is_closed_at_exit_too(tiny):
+    """Found in review: the models left open were kept in a weak set, so one dropped mid-load left it, and its
+    loader and engine threads ran into the interpreter's end (exit status 134 in 6 runs of 15)."""
+    _, pkg = tiny
+    model = pipecast.load(pkg)
+    engine = model.engine
+    del model
+    gc.collect()
+    assert any(e is engine for e, _ in pipecast.loading._OPEN.values())
+    pipecast.loading._close_open_models()
+    assert not pipecast.loading._OPEN
+    with pytest.raises(EngineClosedError):
+        engine.submit(PROMPT)
 
 
 def test_a_model_dropped_without_close_says_so_and_its_stream_goes_on(tiny, caplog):
@@ -589,3 +605,20 @@ def test_generate_refuses_sampling_arguments_of_the_wrong_type(tiny, kwargs, mes
     RuntimeError (see tests/engine/test_sampling.py)."""
     with pipecast.load(tiny[1]) as model, pytest.raises(InvalidRequestError, match=f"^{message}$"):
         model.generate(PROMPT, timeout=30, **kwargs)
+
+
+def test_an_agent_client_given_is_named_by_its_socket_in_errors():
+    """Found in review: a LocalAgentClient given as ``agent=`` was named by its object's repr ("<... object at
+    0x7f...>") in every error and in the provider's origin."""
+    class Refusing:
+        socket_path = "/run/pipecast/agent.sock"
+
+        def manifest(self, *args, **kwargs):
+            raise LocalApiError("agent at /run/pipecast/agent.sock: no such package here")
+
+        def close(self):
+            pass
+
+    with pytest.raises(PackageUnavailableError, match=re.escape(
+            f"package {'f' * 64}: pipecast agent at /run/pipecast/agent.sock cannot serve package {'f' * 64} ")):
+        pipecast.load("f" * 64, agent=Refusing())

@@ -64,6 +64,7 @@ class LocalAgentClient:
         self._complete: dict[str, set[int]] = {}  # package -> its verified blocks
         self._dropped: set[str] = set()  # packages the agent dropped, none of their blocks verified since
         self._stream: socket.socket | None = None
+        self._interrupts = 0  # interrupt() calls so far
         self._stream_error: str | None = None
 
     def _connect(self) -> socket.socket:
@@ -84,16 +85,23 @@ class LocalAgentClient:
         """The agent's answer to ``request``, an ok one holding each of ``fields`` as its type (an agent of another
         version may answer otherwise: :class:`LocalApiError`, not a KeyError); else the error it answered."""
         _check_timeout(timeout)
-        sock, lines = self._checkout()
-        line, failure = b"", None
-        try:
-            sock.settimeout(timeout + CLIENT_SLACK_S)
-            sock.sendall(json.dumps(request).encode() + b"\n")
-            line = lines.readline()
-        except OSError as exc:
-            failure = exc
-        finally:
-            closed = self._checkin(sock, lines, answered=bool(line))
+        for fresh in (False, True):
+            with self._lock:
+                interrupts = self._interrupts
+            sock, lines, reused = self._checkout(fresh)
+            line, failure = b"", None
+            try:
+                sock.settimeout(timeout + CLIENT_SLACK_S)
+                sock.sendall(json.dumps(request).encode() + b"\n")
+                line = lines.readline()
+            except OSError as exc:
+                failure = exc
+            finally:
+                closed = self._checkin(sock, lines, answered=bool(line))
+            # A connection kept from an earlier request that fails unanswered is one to an agent since gone (restarted
+            # on the same socket, say): asked again once on a new one. The requests are reads, safe to ask twice.
+            if line or closed or not reused or isinstance(failure, TimeoutError) or self._interrupts != interrupts:
+                break
         if not line:
             if closed:  # close() shut the connection down under the request
                 raise self._closed_error()
@@ -115,17 +123,18 @@ class LocalAgentClient:
                                     f"right kind ({kind.__name__}): {str(value)[:40]!r}")
         return answer
 
-    def _checkout(self) -> tuple[socket.socket, BinaryIO]:
-        """A connection for one request, in use until :meth:`_checkin`: :meth:`close` meanwhile shuts it down."""
+    def _checkout(self, fresh: bool = False) -> tuple[socket.socket, BinaryIO, bool]:
+        """A connection for one request (a new one with ``fresh``), in use until :meth:`_checkin`: :meth:`close`
+        meanwhile shuts it down; and whether it was kept from an earlier request."""
         with self._lock:
             if self._closed:
                 raise self._closed_error()
-            connection = self._idle.pop() if self._idle else None
+            connection = self._idle.pop() if self._idle and not fresh else None
         sock, lines = connection or self._open()
         with self._lock:
             if not self._closed:  # else closed while it connected: close() has not seen it
                 self._busy.add(sock)
-                return sock, lines
+                return sock, lines, connection is not None
         lines.close()
         sock.close()
         raise self._closed_error()
@@ -287,18 +296,43 @@ class LocalAgentClient:
         with self._known:
             if self._closed:  # close() sets it before it ends the stream: none starts after it
                 raise self._closed_error()
-            if self._stream is not None:
+            if self._stream is not None and self._stream_error is None:
                 return
+            if self._stream is not None:
+                self._follow_afresh()
             sock, lines = self._subscribe(self._connect_timeout_s)
+            with self._lock:  # in flight as a request is: close() and interrupt() end a silent agent's wait
+                if self._closed:
+                    sock.close()
+                    raise self._closed_error()
+                self._busy.add(sock)
             try:
                 self._decode(lines.readline())  # {"ok": true}: subscribed, past events follow
             except (OSError, LocalApiError) as exc:
                 sock.close()
+                if self._closed:
+                    raise self._closed_error() from None
                 raise LocalApiError(f"agent at {self.socket_path}: cannot follow its events "
                                     f"({getattr(exc, 'strerror', None) or exc})") from None
+            finally:
+                with self._lock:
+                    self._busy.discard(sock)
             sock.settimeout(None)  # an idle agent sends nothing; close() ends the wait
             self._stream = sock
         threading.Thread(target=self._follow, args=(lines,), name="pipecast-agent-events", daemon=True).start()
+
+    def _follow_afresh(self) -> None:
+        """The event stream ended (the agent restarted on its socket, say; the waits then under way failed with
+        it): forget what it said, of memory that agent may have let go of, for a new stream to say again. Without
+        this a client given to ``pipecast.load`` served no load again once its agent had restarted."""
+        self._stream.close()
+        self._stream, self._stream_error = None, None
+        self._verified.clear()
+        self._complete.clear()
+        self._dropped.clear()
+        with self._lock:
+            self._drops += 1  # an answer given before names memory of the agent before
+            self._maps.clear()  # mappings still viewed stay alive with their views
 
     def _subscribe(self, timeout: float | None) -> tuple[socket.socket, BinaryIO]:
         """A connection of its own on which the agent's events will come (its answer not read yet)."""
@@ -443,6 +477,8 @@ class LocalAgentClient:
         wait in flight ends with :class:`LocalApiError` (the client is closed)."""
         with self._lock:
             self._closed = True  # first: no request, wait or event stream starts from now on
+            for sock in self._busy:  # its request's thread closes it, once its read or write ends; before the
+                _shut_down(sock)     # lock below, which a subscription waiting on a silent agent holds
         with self._known:
             if self._stream is not None:
                 _shut_down(self._stream)  # ends the event thread's read
@@ -458,13 +494,12 @@ class LocalAgentClient:
                 lines.close()
                 sock.close()
             self._idle.clear()
-            for sock in self._busy:  # its request's thread closes it, once its read or write ends
-                _shut_down(sock)
 
     def interrupt(self) -> None:
         """End the requests in flight now (each raises :class:`LocalApiError`), the client staying open: what a
         model closing while a request waits on a silent agent calls, so that its loader thread ends at once."""
         with self._lock:
+            self._interrupts += 1  # a request it ends is not asked again
             for sock in self._busy:  # its request's thread closes it, once its read or write ends
                 _shut_down(sock)
 

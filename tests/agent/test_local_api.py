@@ -142,6 +142,30 @@ async def test_a_wait_ends_with_a_clear_error_as_soon_as_the_agent_goes_away(tmp
             await asyncio.wait_for(waiting, 10)
 
 
+async def test_a_client_serves_again_once_its_agent_restarted_on_the_same_socket(tmp_path):
+    """Found in review: a client handed to pipecast.load was dead for good after its agent restarted: its kept
+    connection failed unanswered (broken pipe) and its ended event stream was never followed again."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, store, server, client):
+        data = block_file_bytes(tmp_path / "pkg", manifest, 0)
+        land(store, data, 0, range(store.chunk_count(0)))
+        view = await asyncio.to_thread(client.wait_block, 0, 5.0)
+        assert bytes(view) == data
+        view.release()
+        await server.close()  # the agent stops; a new one serves on the same socket
+        await asyncio.sleep(0.1)
+        fresh = receiving_store(manifest)
+        try:
+            async with local_api_serving(fresh, tmp_path / "agent.sock"):
+                land(fresh, data, 0, range(fresh.chunk_count(0)))
+                view = await asyncio.to_thread(client.wait_block, 0, 5.0)
+                assert bytes(view) == data
+                view.release()
+                assert (await asyncio.to_thread(client.manifest)).package_id == manifest.package_id
+        finally:
+            client.close()
+            fresh.close()
+
+
 async def test_a_wait_gives_up_at_its_timeout_however_long_its_buffer_request_took(tmp_path):
     """Found in review: a block's first wait spent up to its timeout on the buffer request (the agent did not hold
     the package yet), then a fresh full timeout on the events: ~2x what it was given, saying "within T s"."""
@@ -718,6 +742,38 @@ def test_interrupt_ends_a_request_in_flight_and_the_client_stays_open(tmp_path):
             waiting.join(5)
             assert not waiting.is_alive() and isinstance(failures[0], LocalApiError)
             assert client.status() == {"node": "n"}  # not closed
+        thread.join(5)
+
+
+def test_close_ends_a_subscription_an_agent_leaves_unanswered_at_once(tmp_path):
+    """Found in review: close() waited out the 5 s connect timeout of an event subscription a silent agent never
+    answered (it held the lock close() takes, on a socket close() did not know of)."""
+    path = str(tmp_path / "agent.sock")
+    received = threading.Event()
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        server.listen()
+
+        def serve():
+            idle, _ = server.accept()  # the client's first connection, kept for its requests
+            silent, _ = server.accept()
+            with idle, silent:
+                silent.makefile("rb").readline()  # the subscription, never answered
+                received.set()
+                silent.recv(1)  # until the client shuts it down
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        client = LocalAgentClient(path)
+        failures = []
+        watching = threading.Thread(target=lambda: failures.append(_raised(client._watch)))
+        watching.start()
+        assert received.wait(5)
+        started = time.monotonic()
+        client.close()
+        watching.join(5)
+        assert time.monotonic() - started < 1.0 and not watching.is_alive()
+        assert re.search("the client is closed", str(failures[0]))
         thread.join(5)
 
 

@@ -480,3 +480,7 @@ def test_the_folder_command_refuses_an_existing_folder_and_a_missing_agent(tmp_p
     assert capsys.readouterr().err == (f"pipecast-vllm-folder: no agent at {tmp_path / 'a.sock'} (No such file or "
                                        "directory)\n")
     assert not (tmp_path / "new").exists()
+    # Found in review: a short id was asked of the agent, which waited the whole --timeout for no such package.
+    assert main(["bace3f98f186", str(tmp_path / "new"), "--agent", str(tmp_path / "a.sock")]) == 2
+    assert capsys.readouterr().err == ("pipecast-vllm-folder: 'bace3f98f186' is not a whole package id (64 hex "
+                                       "digits, as `pipecast cp availability PREFIX` prints it whole)\n")

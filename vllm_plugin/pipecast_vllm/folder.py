@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from packager.manifest import MANIFEST_FILE, manifest_to_json
+from packager.manifest import HEX_DIGEST, MANIFEST_FILE, manifest_to_json
 from pipecast.core.errors import PipecastError
 from pipecast.core.fsutil import atomic_directory
 from pipecast.v1.manifest_pb2 import Manifest
@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipecast.core.settings import load_settings
 
     try:
+        if not HEX_DIGEST.fullmatch(args.package_id):  # asked of the agent, it waited --timeout for no package
+            raise PipecastError(f"{args.package_id!r} is not a whole package id (64 hex digits, as `pipecast cp "
+                                "availability PREFIX` prints it whole)")
         socket = args.agent or load_settings().agent_local_socket
         if socket is None:
             raise PipecastError("no agent socket: pass --agent or set PIPECAST_AGENT_LOCAL_SOCKET")
