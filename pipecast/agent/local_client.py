@@ -36,6 +36,7 @@ class _Mapped:
     package: str
     memory: mmap.mmap
     size: int  # len(memory), known without it: close() may unmap it under a wait
+    generation: int  # the client's event stream when it was mapped: another one is of another agent's memory
 
 
 class LocalAgentClient:
@@ -65,6 +66,9 @@ class LocalAgentClient:
         self._dropped: set[str] = set()  # packages the agent dropped, none of their blocks verified since
         self._stream: socket.socket | None = None
         self._interrupts = 0  # interrupt() calls so far
+        #: Event streams followed afresh (_follow_afresh; under _known and _lock): memory mapped before another
+        #: was the agent's before, whose verified blocks the new stream does not speak of.
+        self._generation = 0
         self._stream_error: str | None = None
 
     def _connect(self) -> socket.socket:
@@ -200,11 +204,19 @@ class LocalAgentClient:
         return self._view(mapped)[:verified]
 
     def _view(self, mapped: "_Mapped") -> memoryview:
-        """A view of ``mapped``'s memory (under the lock :meth:`close` unmaps under: taken before, or never)."""
+        """A view of ``mapped``'s memory (under the lock :meth:`close` unmaps under: taken before, or never); a
+        :class:`LocalApiError` where it was mapped from the agent before a restart (its bytes are not the ones the
+        event stream now says are verified: one half written would read as zeros)."""
         with self._lock:
             if self._closed:
                 raise self._closed_error()
+            if mapped.generation != self._generation:
+                raise self._restarted_error()
             return memoryview(mapped.memory)
+
+    def _restarted_error(self) -> LocalApiError:
+        return LocalApiError(f"agent at {self.socket_path}: the agent restarted meanwhile (its event stream ended): "
+                             "memory mapped before is not the memory it now verifies")
 
     def verified_bytes(self, index: int, package_id: str | None = None) -> int:
         """Bytes of block ``index`` verified from its start by now, as the agent's events told (no wait)."""
@@ -239,12 +251,18 @@ class LocalAgentClient:
         :class:`PackageDroppedError` at once for a package the agent dropped: the agent would wait for it
         until the request's timeout.
         """
+        with self._known:
+            ended = self._stream is not None and self._stream_error is not None
+        if ended:  # followed afresh first: a mapping made now is of the agent that the new stream speaks of
+            self._watch()
+        with self._lock:
+            generation = self._generation
         if package_id is not None:
             self._raise_if_dropped(package_id, f"block {index} not verified")
             with self._lock:  # as close() unmaps: a mapping it closed is not found here
                 mapped = self._maps.get((package_id, index))
                 if mapped is not None:
-                    return _Mapped(package_id, mapped, len(mapped))
+                    return _Mapped(package_id, mapped, len(mapped), generation)
         with self._lock:
             drops = self._drops
         try:
@@ -258,7 +276,7 @@ class LocalAgentClient:
         with self._known:
             if not self._dropped_since(drops, answer["package"]):
                 self._dropped.discard(answer["package"])  # the agent holds it (again)
-        return _Mapped(answer["package"], self._map(answer, drops), answer["bytes"])
+        return _Mapped(answer["package"], self._map(answer, drops, generation), answer["bytes"], generation)
 
     def _dropped_since(self, drops: int, package: str) -> bool:
         """Whether ``package`` was dropped after the client had seen ``drops`` drops (an answer about it given
@@ -331,7 +349,7 @@ class LocalAgentClient:
         self._complete.clear()
         self._dropped.clear()
         with self._lock:
-            self._drops += 1  # an answer given before names memory of the agent before
+            self._generation += 1  # an answer given before, a mapping made before, are of the agent before
             self._maps.clear()  # mappings still viewed stay alive with their views
 
     def _subscribe(self, timeout: float | None) -> tuple[socket.socket, BinaryIO]:
@@ -379,10 +397,11 @@ class LocalAgentClient:
             for key in [key for key in self._maps if key[0] == package]:
                 del self._maps[key]
 
-    def _map(self, answer: dict, drops: int) -> mmap.mmap:
+    def _map(self, answer: dict, drops: int, generation: int) -> mmap.mmap:
         """The block ``answer`` names, mapped (once per block); :class:`PackageDroppedError` where its package was
         dropped after the client had seen ``drops`` drops (before the answer): the memory is the dropped one's,
-        a block of which may have been still arriving (its unwritten pages read as zeros)."""
+        a block of which may have been still arriving (its unwritten pages read as zeros); :class:`LocalApiError`
+        where the event stream was followed afresh since ``generation`` (the answer may be the agent's before)."""
         key = (answer["package"], answer["block"])
         with self._lock:
             mapped = self._maps.get(key)
@@ -404,10 +423,13 @@ class LocalAgentClient:
             finally:
                 os.close(fd)
             with self._known, self._lock:  # as _forget takes them: a drop is seen whole, before or after
+                restarted = generation != self._generation
                 stale = self._drops != drops and key[0] in self._dropped
-                kept = None if stale else self._maps.setdefault(key, mapped)
+                kept = None if stale or restarted else self._maps.setdefault(key, mapped)
             if kept is not mapped:
                 mapped.close()  # the dropped memory, or another thread mapped the block meanwhile: use that one
+            if restarted:
+                raise self._restarted_error()
             if stale:
                 raise PackageDroppedError(f"agent at {self.socket_path}: package {key[0][:12]} was dropped there "
                                           f"(block {key[1]} not verified)")

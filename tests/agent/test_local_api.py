@@ -166,6 +166,33 @@ async def test_a_client_serves_again_once_its_agent_restarted_on_the_same_socket
             fresh.close()
 
 
+async def test_memory_mapped_from_an_agent_before_its_restart_is_never_handed_out_as_verified(tmp_path):
+    """Found in a review of the restart's fix: a block mapped from the agent before it restarted, then verified by
+    the new one, was handed out as the old memory, half written (zeros), as if verified. wait_block's own steps,
+    the restart forced between its buffer answer and its wait."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, store, server, client):
+        package = manifest.package_id
+        data = block_file_bytes(tmp_path / "pkg", manifest, 0)
+        await asyncio.to_thread(client.verified_blocks, package)  # the event stream runs
+        land(store, data, 0, range(1))  # the agent before had the first chunk of block 0 only
+        mapped = await asyncio.to_thread(client._buffer, 0, package, 5.0)
+        await server.close()
+        await asyncio.sleep(0.1)
+        fresh = receiving_store(manifest)
+        try:
+            async with local_api_serving(fresh, tmp_path / "agent.sock"):
+                land(fresh, data, 0, range(fresh.chunk_count(0)))
+                await asyncio.to_thread(client._await, package, 0, mapped.size, 5.0, time.monotonic(), "verified")
+                with pytest.raises(LocalApiError, match="the agent restarted meanwhile"):
+                    await asyncio.to_thread(client._view, mapped)
+                view = await asyncio.to_thread(client.wait_block, 0, 5.0, package)  # asked again: the new memory
+                assert bytes(view) == data
+                view.release()
+        finally:
+            client.close()
+            fresh.close()
+
+
 async def test_a_wait_gives_up_at_its_timeout_however_long_its_buffer_request_took(tmp_path):
     """Found in review: a block's first wait spent up to its timeout on the buffer request (the agent did not hold
     the package yet), then a fresh full timeout on the events: ~2x what it was given, saying "within T s"."""
