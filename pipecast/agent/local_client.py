@@ -89,10 +89,10 @@ class LocalAgentClient:
         """The agent's answer to ``request``, an ok one holding each of ``fields`` as its type (an agent of another
         version may answer otherwise: :class:`LocalApiError`, not a KeyError); else the error it answered."""
         _check_timeout(timeout)
+        with self._lock:
+            interrupts = self._interrupts  # an interrupt() from now on ends this request, its retry included
         for fresh in (False, True):
-            with self._lock:
-                interrupts = self._interrupts
-            sock, lines, reused = self._checkout(fresh)
+            sock, lines, reused = self._checkout(fresh, interrupts)
             line, failure = b"", None
             try:
                 sock.settimeout(timeout + CLIENT_SLACK_S)
@@ -127,18 +127,25 @@ class LocalAgentClient:
                                     f"right kind ({kind.__name__}): {str(value)[:40]!r}")
         return answer
 
-    def _checkout(self, fresh: bool = False) -> tuple[socket.socket, BinaryIO, bool]:
+    def _checkout(self, fresh: bool, interrupts: int) -> tuple[socket.socket, BinaryIO, bool]:
         """A connection for one request (a new one with ``fresh``), in use until :meth:`_checkin`: :meth:`close`
-        meanwhile shuts it down; and whether it was kept from an earlier request."""
+        and :meth:`interrupt` meanwhile shut it down (an interrupt since the request's start, counted
+        ``interrupts`` then, ends it here); and whether it was kept from an earlier request."""
         with self._lock:
             if self._closed:
                 raise self._closed_error()
+            if self._interrupts != interrupts:
+                raise self._interrupted_error()
             connection = self._idle.pop() if self._idle and not fresh else None
         sock, lines = connection or self._open()
         with self._lock:
-            if not self._closed:  # else closed while it connected: close() has not seen it
+            interrupted = self._interrupts != interrupts
+            if not self._closed and not interrupted:  # else closed or interrupted while it connected: unseen
                 self._busy.add(sock)
                 return sock, lines, connection is not None
+        if interrupted and not self._closed:
+            self._checkin(sock, lines, answered=connection is not None)  # a kept one is still in step
+            raise self._interrupted_error()
         lines.close()
         sock.close()
         raise self._closed_error()
@@ -159,6 +166,9 @@ class LocalAgentClient:
 
     def _closed_error(self) -> LocalApiError:
         return LocalApiError(f"agent at {self.socket_path}: the client is closed")
+
+    def _interrupted_error(self) -> LocalApiError:
+        return LocalApiError(f"agent at {self.socket_path}: the request was interrupted")
 
     def _decode(self, line: bytes) -> dict:
         try:
@@ -182,7 +192,8 @@ class LocalAgentClient:
         _check_timeout(timeout)
         started = time.monotonic()
         mapped = self._buffer(index, package_id, timeout)
-        self._await(mapped.package, index, mapped.size, timeout, started, f"block {index} not verified")
+        self._await(mapped.package, index, mapped.size, timeout, started, f"block {index} not verified",
+                    mapped.generation)
         return self._view(mapped)
 
     def wait_prefix(self, index: int, nbytes: int, timeout: float, package_id: str | None = None) -> memoryview:
@@ -200,7 +211,7 @@ class LocalAgentClient:
             raise LocalApiError(f"agent at {self.socket_path}: block {index} has {mapped.size} bytes: no prefix of "
                                 f"{nbytes!r}")
         verified = self._await(mapped.package, index, nbytes, timeout, started,
-                               f"the first {nbytes} bytes of block {index} not verified")
+                               f"the first {nbytes} bytes of block {index} not verified", mapped.generation)
         return self._view(mapped)[:verified]
 
     def _view(self, mapped: "_Mapped") -> memoryview:
@@ -251,10 +262,9 @@ class LocalAgentClient:
         :class:`PackageDroppedError` at once for a package the agent dropped: the agent would wait for it
         until the request's timeout.
         """
-        with self._known:
-            ended = self._stream is not None and self._stream_error is not None
-        if ended:  # followed afresh first: a mapping made now is of the agent that the new stream speaks of
-            self._watch()
+        # Mapped only while an event stream runs (followed afresh first, where one ended): a restart then ends it
+        # and makes the mapping an older generation's, which no wait hands out.
+        self._watch()
         with self._lock:
             generation = self._generation
         if package_id is not None:
@@ -284,13 +294,16 @@ class LocalAgentClient:
         with self._known, self._lock:
             return self._drops != drops and package in self._dropped
 
-    def _await(self, package: str, index: int, nbytes: int, timeout: float, started: float, what: str) -> int:
+    def _await(self, package: str, index: int, nbytes: int, timeout: float, started: float, what: str,
+               generation: int) -> int:
         """Wait until the first ``nbytes`` of block ``index`` are verified, at most ``timeout`` from ``started``
-        (the wait's start: its buffer request took part of it); the bytes verified by then."""
+        (the wait's start: its buffer request took part of it), in memory mapped in event stream ``generation``
+        (another one's is another agent's: :class:`LocalApiError` at once); the bytes verified by then."""
         self._watch()
         deadline = started + timeout
         with self._known:
-            while (verified := self._verified.get((package, index), 0)) < nbytes:
+            # Checked before the bytes too: the new stream's events speak of the new agent's memory, not this one.
+            while self._generation == generation and (verified := self._verified.get((package, index), 0)) < nbytes:
                 if self._closed:  # close() ended the event stream
                     raise self._closed_error()
                 if self._stream_error is not None:
@@ -300,6 +313,8 @@ class LocalAgentClient:
                 if left <= 0:
                     raise LocalApiTimeoutError(f"agent at {self.socket_path}: {what} within {timeout:g} s")
                 self._known.wait(left)
+            if self._generation != generation:
+                raise self._restarted_error()
         return verified
 
     def _raise_if_dropped(self, package: str, what: str) -> None:
@@ -321,12 +336,17 @@ class LocalAgentClient:
             sock, lines = self._subscribe(self._connect_timeout_s)
             with self._lock:  # in flight as a request is: close() and interrupt() end a silent agent's wait
                 if self._closed:
+                    lines.close()
                     sock.close()
                     raise self._closed_error()
                 self._busy.add(sock)
             try:
-                self._decode(lines.readline())  # {"ok": true}: subscribed, past events follow
+                answer = lines.readline()
+                if not answer:
+                    raise LocalApiError("it closed the connection")
+                self._decode(answer)  # {"ok": true}: subscribed, past events follow
             except (OSError, LocalApiError) as exc:
+                lines.close()  # the file holds the socket's descriptor too, for as long as the error is kept
                 sock.close()
                 if self._closed:
                     raise self._closed_error() from None
@@ -351,6 +371,7 @@ class LocalAgentClient:
         with self._lock:
             self._generation += 1  # an answer given before, a mapping made before, are of the agent before
             self._maps.clear()  # mappings still viewed stay alive with their views
+        self._known.notify_all()  # the waits on the stream that ended fail (another generation's memory)
 
     def _subscribe(self, timeout: float | None) -> tuple[socket.socket, BinaryIO]:
         """A connection of its own on which the agent's events will come (its answer not read yet)."""

@@ -182,10 +182,34 @@ async def test_memory_mapped_from_an_agent_before_its_restart_is_never_handed_ou
         try:
             async with local_api_serving(fresh, tmp_path / "agent.sock"):
                 land(fresh, data, 0, range(fresh.chunk_count(0)))
-                await asyncio.to_thread(client._await, package, 0, mapped.size, 5.0, time.monotonic(), "verified")
+                with pytest.raises(LocalApiError, match="the agent restarted meanwhile"):
+                    await asyncio.to_thread(client._await, package, 0, mapped.size, 5.0, time.monotonic(),
+                                            "verified", mapped.generation)
                 with pytest.raises(LocalApiError, match="the agent restarted meanwhile"):
                     await asyncio.to_thread(client._view, mapped)
                 view = await asyncio.to_thread(client.wait_block, 0, 5.0, package)  # asked again: the new memory
+                assert bytes(view) == data
+                view.release()
+        finally:
+            client.close()
+            fresh.close()
+
+
+async def test_a_block_mapped_ahead_before_any_wait_is_not_the_old_agents_after_a_restart(tmp_path):
+    """Found in a second review of the restart's fix: a block mapped ahead before the event stream started, the
+    agent then restarted, was handed out as the old agent's half-written memory once the new one verified it."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, store, server, client):
+        package = manifest.package_id
+        data = block_file_bytes(tmp_path / "pkg", manifest, 0)
+        land(store, data, 0, range(1))
+        await asyncio.to_thread(client.map_ahead, 0, package)
+        await server.close()
+        await asyncio.sleep(0.1)
+        fresh = receiving_store(manifest)
+        try:
+            async with local_api_serving(fresh, tmp_path / "agent.sock"):
+                land(fresh, data, 0, range(fresh.chunk_count(0)))
+                view = await asyncio.to_thread(client.wait_block, 0, 5.0, package)
                 assert bytes(view) == data
                 view.release()
         finally:
@@ -708,7 +732,7 @@ async def test_a_block_mapped_as_its_package_is_dropped_is_not_kept_for_the_pack
         store.close()
 
 
-@pytest.mark.parametrize("call, answer, message", [
+@pytest.mark.parametrize("call, reply, message", [
     (lambda c: c.manifest(timeout=1), {"ok": True}, "answered manifest without a manifest of the right kind (dict)"),
     (lambda c: c.package_file("config.json", timeout=1), {"ok": True, "data": 5},
      "answered file without a data of the right kind (str)"),
@@ -720,7 +744,7 @@ async def test_a_block_mapped_as_its_package_is_dropped_is_not_kept_for_the_pack
     (lambda c: c.serving_key(timeout=1), {"ok": True}, "answered serving_key without a serving_key of the right kind"),
     (lambda c: c.progress(timeout=1), {"ok": True, "progress": {}}, "answered progress of another shape: '{}'"),
 ])
-def test_an_answer_without_the_fields_its_op_gives_is_a_local_api_error(tmp_path, call, answer, message):
+def test_an_answer_without_the_fields_its_op_gives_is_a_local_api_error(tmp_path, call, reply, message):
     """Found in review: an agent answering {"ok": true} (another version's answer, the local API has none) raised a
     raw KeyError out of pipecast.load, which then neither fell back to the folder nor closed its client."""
     path = str(tmp_path / "agent.sock")
@@ -728,17 +752,31 @@ def test_an_answer_without_the_fields_its_op_gives_is_a_local_api_error(tmp_path
         server.bind(path)
         server.listen()
 
-        def answer_once():
-            connection, _ = server.accept()
+        subscribed = []  # a wait follows the agent's events first: its subscription is answered, then kept
+
+        def answer(connection):
+            line = connection.makefile("rb").readline()
+            if line and json.loads(line)["op"] == "subscribe":
+                connection.sendall(b'{"ok": true}\n')
+                subscribed.append(connection)
+                return
             with connection:
-                connection.makefile("rb").readline()
-                connection.sendall(json.dumps(answer).encode() + b"\n")
+                connection.sendall(json.dumps(reply).encode() + b"\n")
+
+        def answer_once():  # each connection on a thread of its own: the client keeps one open idle at its start
+            while True:
+                try:
+                    connection, _ = server.accept()
+                except OSError:  # the test ended: its listening socket closed
+                    return
+                threading.Thread(target=answer, args=(connection,), daemon=True).start()
 
         thread = threading.Thread(target=answer_once, daemon=True)
         thread.start()
         with LocalAgentClient(path) as client, pytest.raises(LocalApiError, match=re.escape(message)):
             call(client)
-        thread.join(5)
+        for connection in subscribed:
+            connection.close()
 
 
 def test_interrupt_ends_a_request_in_flight_and_the_client_stays_open(tmp_path):
