@@ -9,7 +9,8 @@ import socket
 import stat
 import threading
 import time
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -747,88 +748,87 @@ async def test_a_block_mapped_as_its_package_is_dropped_is_not_kept_for_the_pack
 def test_an_answer_without_the_fields_its_op_gives_is_a_local_api_error(tmp_path, call, reply, message):
     """Found in review: an agent answering {"ok": true} (another version's answer, the local API has none) raised a
     raw KeyError out of pipecast.load, which then neither fell back to the folder nor closed its client."""
-    path = str(tmp_path / "agent.sock")
-    with socket.socket(socket.AF_UNIX) as server:
-        server.bind(path)
-        server.listen()
+    subscribed = []  # a wait follows the agent's events first: its subscription is answered, then kept
 
-        subscribed = []  # a wait follows the agent's events first: its subscription is answered, then kept
+    def answer(connection):
+        line = connection.makefile("rb").readline()
+        if line and json.loads(line)["op"] == "subscribe":
+            connection.sendall(b'{"ok": true}\n')
+            subscribed.append(connection)
+            return
+        with connection:
+            connection.sendall(json.dumps(reply).encode() + b"\n")
 
-        def answer(connection):
-            line = connection.makefile("rb").readline()
-            if line and json.loads(line)["op"] == "subscribe":
-                connection.sendall(b'{"ok": true}\n')
-                subscribed.append(connection)
+    def serve(server):  # each connection on a thread of its own: the client keeps one open idle from its start
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:  # the test ended: its listening socket closed
                 return
-            with connection:
-                connection.sendall(json.dumps(reply).encode() + b"\n")
+            threading.Thread(target=answer, args=(connection,), daemon=True).start()
 
-        def answer_once():  # each connection on a thread of its own: the client keeps one open idle at its start
-            while True:
-                try:
-                    connection, _ = server.accept()
-                except OSError:  # the test ended: its listening socket closed
-                    return
-                threading.Thread(target=answer, args=(connection,), daemon=True).start()
-
-        thread = threading.Thread(target=answer_once, daemon=True)
-        thread.start()
+    with fake_agent(tmp_path, serve) as path:
         with LocalAgentClient(path) as client, pytest.raises(LocalApiError, match=re.escape(message)):
             call(client)
         for connection in subscribed:
             connection.close()
 
 
-def test_interrupt_ends_a_request_in_flight_and_the_client_stays_open(tmp_path):
-    """What a model closing while its loader waits on a silent agent calls (the wait was agent_timeout_s + 5 s)."""
+@contextmanager
+def fake_agent(tmp_path, serve: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A local socket at ``tmp_path`` whose listening socket ``serve`` takes on a thread of its own: its path. At
+    the end the socket stops listening (a waiting accept() fails) and the thread is joined."""
     path = str(tmp_path / "agent.sock")
-    received = threading.Event()
     with socket.socket(socket.AF_UNIX) as server:
         server.bind(path)
         server.listen()
-
-        def serve():
-            silent, _ = server.accept()  # the first request is never answered
-            silent.makefile("rb").readline()
-            received.set()
-            answering, _ = server.accept()
-            with silent, answering:
-                answering.makefile("rb").readline()
-                answering.sendall(b'{"ok": true, "status": {"node": "n"}}\n')
-
-        thread = threading.Thread(target=serve, daemon=True)
+        thread = threading.Thread(target=serve, args=(server,), daemon=True)
         thread.start()
-        with LocalAgentClient(path) as client:
-            failures = []
-            waiting = threading.Thread(target=lambda: failures.append(_raised(lambda: client.status())))
-            waiting.start()
-            assert received.wait(5)
-            client.interrupt()
-            waiting.join(5)
-            assert not waiting.is_alive() and isinstance(failures[0], LocalApiError)
-            assert client.status() == {"node": "n"}  # not closed
-        thread.join(5)
+        try:
+            yield path
+        finally:
+            server.shutdown(socket.SHUT_RDWR)
+            thread.join(5)
+
+
+def test_interrupt_ends_a_request_in_flight_and_the_client_stays_open(tmp_path):
+    """What a model closing while its loader waits on a silent agent calls (the wait was agent_timeout_s + 5 s)."""
+    received = threading.Event()
+
+    def serve(server):
+        silent, _ = server.accept()  # the first request is never answered
+        silent.makefile("rb").readline()
+        received.set()
+        answering, _ = server.accept()
+        with silent, answering:
+            answering.makefile("rb").readline()
+            answering.sendall(b'{"ok": true, "status": {"node": "n"}}\n')
+
+    with fake_agent(tmp_path, serve) as path, LocalAgentClient(path) as client:
+        failures = []
+        waiting = threading.Thread(target=lambda: failures.append(_raised(lambda: client.status())))
+        waiting.start()
+        assert received.wait(5)
+        client.interrupt()
+        waiting.join(5)
+        assert not waiting.is_alive() and isinstance(failures[0], LocalApiError)
+        assert client.status() == {"node": "n"}  # not closed
 
 
 def test_close_ends_a_subscription_an_agent_leaves_unanswered_at_once(tmp_path):
     """Found in review: close() waited out the 5 s connect timeout of an event subscription a silent agent never
     answered (it held the lock close() takes, on a socket close() did not know of)."""
-    path = str(tmp_path / "agent.sock")
     received = threading.Event()
-    with socket.socket(socket.AF_UNIX) as server:
-        server.bind(path)
-        server.listen()
 
-        def serve():
-            idle, _ = server.accept()  # the client's first connection, kept for its requests
-            silent, _ = server.accept()
-            with idle, silent:
-                silent.makefile("rb").readline()  # the subscription, never answered
-                received.set()
-                silent.recv(1)  # until the client shuts it down
+    def serve(server):
+        idle, _ = server.accept()  # the client's first connection, kept for its requests
+        silent, _ = server.accept()
+        with idle, silent:
+            silent.makefile("rb").readline()  # the subscription, never answered
+            received.set()
+            silent.recv(1)  # until the client shuts it down
 
-        thread = threading.Thread(target=serve, daemon=True)
-        thread.start()
+    with fake_agent(tmp_path, serve) as path:
         client = LocalAgentClient(path)
         failures = []
         watching = threading.Thread(target=lambda: failures.append(_raised(client._watch)))
@@ -839,7 +839,6 @@ def test_close_ends_a_subscription_an_agent_leaves_unanswered_at_once(tmp_path):
         watching.join(5)
         assert time.monotonic() - started < 1.0 and not watching.is_alive()
         assert re.search("the client is closed", str(failures[0]))
-        thread.join(5)
 
 
 def _raised(call) -> Exception | None:
