@@ -9,7 +9,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
@@ -152,19 +152,27 @@ async def test_a_client_serves_again_once_its_agent_restarted_on_the_same_socket
         view = await asyncio.to_thread(client.wait_block, 0, 5.0)
         assert bytes(view) == data
         view.release()
-        await server.close()  # the agent stops; a new one serves on the same socket
-        await asyncio.sleep(0.1)
-        fresh = receiving_store(manifest)
-        try:
-            async with local_api_serving(fresh, tmp_path / "agent.sock"):
-                land(fresh, data, 0, range(fresh.chunk_count(0)))
-                view = await asyncio.to_thread(client.wait_block, 0, 5.0)
-                assert bytes(view) == data
-                view.release()
-                assert (await asyncio.to_thread(client.manifest)).package_id == manifest.package_id
-        finally:
-            client.close()
-            fresh.close()
+        async with restarted(tmp_path, manifest, server, client, data):
+            view = await asyncio.to_thread(client.wait_block, 0, 5.0)
+            assert bytes(view) == data
+            view.release()
+            assert (await asyncio.to_thread(client.manifest)).package_id == manifest.package_id
+
+
+@asynccontextmanager
+async def restarted(tmp_path, manifest, server, client, data: bytes) -> AsyncIterator[None]:
+    """The agent behind ``server`` stopped and another started on its socket, holding block 0 (``data``) whole;
+    the client and the new agent's store closed at the end."""
+    await server.close()
+    await asyncio.sleep(0.1)
+    fresh = receiving_store(manifest)
+    try:
+        async with local_api_serving(fresh, tmp_path / "agent.sock"):
+            land(fresh, data, 0, range(fresh.chunk_count(0)))
+            yield
+    finally:
+        client.close()
+        fresh.close()
 
 
 async def test_memory_mapped_from_an_agent_before_its_restart_is_never_handed_out_as_verified(tmp_path):
@@ -177,23 +185,15 @@ async def test_memory_mapped_from_an_agent_before_its_restart_is_never_handed_ou
         await asyncio.to_thread(client.verified_blocks, package)  # the event stream runs
         land(store, data, 0, range(1))  # the agent before had the first chunk of block 0 only
         mapped = await asyncio.to_thread(client._buffer, 0, package, 5.0)
-        await server.close()
-        await asyncio.sleep(0.1)
-        fresh = receiving_store(manifest)
-        try:
-            async with local_api_serving(fresh, tmp_path / "agent.sock"):
-                land(fresh, data, 0, range(fresh.chunk_count(0)))
-                with pytest.raises(LocalApiError, match="the agent restarted meanwhile"):
-                    await asyncio.to_thread(client._await, package, 0, mapped.size, 5.0, time.monotonic(),
-                                            "verified", mapped.generation)
-                with pytest.raises(LocalApiError, match="the agent restarted meanwhile"):
-                    await asyncio.to_thread(client._view, mapped)
-                view = await asyncio.to_thread(client.wait_block, 0, 5.0, package)  # asked again: the new memory
-                assert bytes(view) == data
-                view.release()
-        finally:
-            client.close()
-            fresh.close()
+        async with restarted(tmp_path, manifest, server, client, data):
+            with pytest.raises(LocalApiError, match="the agent restarted meanwhile"):
+                await asyncio.to_thread(client._await, package, 0, mapped.size, 5.0, time.monotonic(), "verified",
+                                        mapped.generation)
+            with pytest.raises(LocalApiError, match="the agent restarted meanwhile"):
+                await asyncio.to_thread(client._view, mapped)
+            view = await asyncio.to_thread(client.wait_block, 0, 5.0, package)  # asked again: the new memory
+            assert bytes(view) == data
+            view.release()
 
 
 async def test_a_block_mapped_ahead_before_any_wait_is_not_the_old_agents_after_a_restart(tmp_path):
@@ -204,18 +204,10 @@ async def test_a_block_mapped_ahead_before_any_wait_is_not_the_old_agents_after_
         data = block_file_bytes(tmp_path / "pkg", manifest, 0)
         land(store, data, 0, range(1))
         await asyncio.to_thread(client.map_ahead, 0, package)
-        await server.close()
-        await asyncio.sleep(0.1)
-        fresh = receiving_store(manifest)
-        try:
-            async with local_api_serving(fresh, tmp_path / "agent.sock"):
-                land(fresh, data, 0, range(fresh.chunk_count(0)))
-                view = await asyncio.to_thread(client.wait_block, 0, 5.0, package)
-                assert bytes(view) == data
-                view.release()
-        finally:
-            client.close()
-            fresh.close()
+        async with restarted(tmp_path, manifest, server, client, data):
+            view = await asyncio.to_thread(client.wait_block, 0, 5.0, package)
+            assert bytes(view) == data
+            view.release()
 
 
 async def test_a_wait_gives_up_at_its_timeout_however_long_its_buffer_request_took(tmp_path):
