@@ -8,7 +8,9 @@ import base64
 import json
 import mmap
 import os
+import re
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -66,6 +68,9 @@ class LocalAgentClient:
         self._dropped: set[str] = set()  # packages the agent dropped, none of their blocks verified since
         self._stream: socket.socket | None = None
         self._interrupts = 0  # interrupt() calls so far
+        #: The agent process whose events the stream brings (:func:`_process`; None: not told): memory another one
+        #: answers is not what those events say is verified.
+        self._stream_agent: tuple[int, int] | None = None
         #: Event streams followed afresh (_follow_afresh; under _known and _lock): memory mapped before another
         #: was the agent's before, whose verified blocks the new stream does not speak of.
         self._generation = 0
@@ -326,19 +331,23 @@ class LocalAgentClient:
 
     def _watch(self) -> None:
         """Start following the agent's event stream (once; the first events are what it holds already)."""
+        with self._lock:
+            interrupts = self._interrupts  # an interrupt() from now on ends a subscription this starts
         with self._known:
             if self._closed:  # close() sets it before it ends the stream: none starts after it
                 raise self._closed_error()
             if self._stream is not None and self._stream_error is None:
                 return
+            if self._interrupts != interrupts:  # while it waited for another thread's subscription
+                raise self._interrupted_error()
             if self._stream is not None:
                 self._follow_afresh()
             sock, lines = self._subscribe(self._connect_timeout_s)
             with self._lock:  # in flight as a request is: close() and interrupt() end a silent agent's wait
-                if self._closed:
+                if self._closed or self._interrupts != interrupts:
                     lines.close()
                     sock.close()
-                    raise self._closed_error()
+                    raise self._closed_error() if self._closed else self._interrupted_error()
                 self._busy.add(sock)
             try:
                 answer = lines.readline()
@@ -356,7 +365,7 @@ class LocalAgentClient:
                 with self._lock:
                     self._busy.discard(sock)
             sock.settimeout(None)  # an idle agent sends nothing; close() ends the wait
-            self._stream = sock
+            self._stream, self._stream_agent = sock, _peer(sock)
         threading.Thread(target=self._follow, args=(lines,), name="pipecast-agent-events", daemon=True).start()
 
     def _follow_afresh(self) -> None:
@@ -364,7 +373,7 @@ class LocalAgentClient:
         it): forget what it said, of memory that agent may have let go of, for a new stream to say again. Without
         this a client given to ``pipecast.load`` served no load again once its agent had restarted."""
         self._stream.close()
-        self._stream, self._stream_error = None, None
+        self._stream, self._stream_error, self._stream_agent = None, None, None
         self._verified.clear()
         self._complete.clear()
         self._dropped.clear()
@@ -443,8 +452,13 @@ class LocalAgentClient:
                                     f"{answer['path']} ({exc})") from None
             finally:
                 os.close(fd)
+            match = _MEMORY_PATH.fullmatch(answer["path"])
+            owner = _process(int(match.group(1))) if match else None
             with self._known, self._lock:  # as _forget takes them: a drop is seen whole, before or after
-                restarted = generation != self._generation
+                # Another agent's memory than the stream speaks of: the agent restarted and the stream has not
+                # ended yet (its end not read), or ended since the answer.
+                restarted = generation != self._generation or (
+                    owner is not None and self._stream_agent is not None and owner != self._stream_agent)
                 stale = self._drops != drops and key[0] in self._dropped
                 kept = None if stale or restarted else self._maps.setdefault(key, mapped)
             if kept is not mapped:
@@ -564,6 +578,31 @@ def _check_timeout(timeout: object) -> None:
     """:class:`LocalApiError` unless :func:`is_timeout`."""
     if not is_timeout(timeout):
         raise LocalApiError(f"timeout must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, got {timeout!r}")
+
+
+#: Where the agent answers a block's memory is: its own descriptor, ``/proc/<its pid>/fd/<n>``.
+_MEMORY_PATH = re.compile(r"/proc/([0-9]+)/fd/[0-9]+")
+
+
+def _process(pid: int | None) -> tuple[int, int] | None:
+    """Process ``pid`` told apart from any other ever given its pid: (pid, start in clock ticks since boot); None
+    where it is gone or cannot be read (another pid namespace's peer is pid 0)."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return pid, int(stat.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _peer(sock: socket.socket) -> tuple[int, int] | None:
+    """The process at the other end of the local socket ``sock`` (:func:`_process`), None where not told."""
+    try:
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except (OSError, AttributeError):  # not Linux
+        return None
+    return _process(pid)
 
 
 def _shut_down(sock: socket.socket) -> None:

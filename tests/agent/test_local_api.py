@@ -210,6 +210,23 @@ async def test_a_block_mapped_ahead_before_any_wait_is_not_the_old_agents_after_
             view.release()
 
 
+async def test_memory_of_another_agent_process_than_the_streams_is_never_handed_out(tmp_path):
+    """Found in a third review of the restart's fix: a buffer request retried on a new connection reached the agent
+    restarted on the socket while the event thread had not read the old stream's end yet; the new agent's block,
+    half written, was handed out on the old stream's word that it was verified. The memory's owner (the pid in its
+    path, and that process's start) must be the stream's agent."""
+    async with local_api_server(tmp_path, layers=2) as (manifest, store, _, client):
+        package = manifest.package_id
+        data = block_file_bytes(tmp_path / "pkg", manifest, 0)
+        land(store, data, 0, range(store.chunk_count(0)))
+        await asyncio.to_thread(client.verified_blocks, package)  # the event stream runs, from this process
+        assert client._stream_agent is not None
+        client._stream_agent = (client._stream_agent[0], client._stream_agent[1] - 1)  # as if an earlier process's
+        with pytest.raises(LocalApiError, match="the agent restarted meanwhile"):
+            await asyncio.to_thread(client.wait_block, 0, 5.0, package)
+        assert not client._maps
+
+
 async def test_a_wait_gives_up_at_its_timeout_however_long_its_buffer_request_took(tmp_path):
     """Found in review: a block's first wait spent up to its timeout on the buffer request (the agent did not hold
     the package yet), then a fresh full timeout on the events: ~2x what it was given, saying "within T s"."""
