@@ -230,9 +230,9 @@ class LocalAgentClient:
                 raise self._restarted_error()
             return memoryview(mapped.memory)
 
-    def _restarted_error(self) -> LocalApiError:
-        return LocalApiError(f"agent at {self.socket_path}: the agent restarted meanwhile (its event stream ended): "
-                             "memory mapped before is not the memory it now verifies")
+    def _restarted_error(self, why: str = "its event stream ended") -> LocalApiError:
+        return LocalApiError(f"agent at {self.socket_path}: the agent restarted meanwhile ({why}): memory mapped "
+                             "before is not the memory it now verifies")
 
     def verified_bytes(self, index: int, package_id: str | None = None) -> int:
         """Bytes of block ``index`` verified from its start by now, as the agent's events told (no wait)."""
@@ -359,6 +359,8 @@ class LocalAgentClient:
                 sock.close()
                 if self._closed:
                     raise self._closed_error() from None
+                if self._interrupts != interrupts:
+                    raise self._interrupted_error() from None
                 raise LocalApiError(f"agent at {self.socket_path}: cannot follow its events "
                                     f"({getattr(exc, 'strerror', None) or exc})") from None
             finally:
@@ -366,7 +368,7 @@ class LocalAgentClient:
                     self._busy.discard(sock)
             sock.settimeout(None)  # an idle agent sends nothing; close() ends the wait
             self._stream, self._stream_agent = sock, _peer(sock)
-        threading.Thread(target=self._follow, args=(lines,), name="pipecast-agent-events", daemon=True).start()
+        threading.Thread(target=self._follow, args=(sock, lines), name="pipecast-agent-events", daemon=True).start()
 
     def _follow_afresh(self) -> None:
         """The event stream ended (the agent restarted on its socket, say; the waits then under way failed with
@@ -393,13 +395,17 @@ class LocalAgentClient:
             raise LocalApiError(f"agent at {self.socket_path}: {exc.strerror or exc}") from None
         return sock, sock.makefile("rb")
 
-    def _follow(self, lines) -> None:
+    def _follow(self, sock: socket.socket, lines) -> None:
+        """Take the events of the stream on ``sock`` until it ends, or until it is no longer the client's (followed
+        afresh: an event still buffered then is the agent's before, and would say verified of another's memory)."""
         error = "closed its event stream"
         try:
             while line := lines.readline():
                 event = self._decode(line)
                 key = (event.get("package"), event.get("block"))
                 with self._known:
+                    if self._stream is not sock:
+                        return
                     if event.get("event") in ("block_verified", "prefix_verified"):
                         self._verified[key] = max(self._verified.get(key, 0), event["bytes"])
                         self._dropped.discard(key[0])
@@ -412,8 +418,9 @@ class LocalAgentClient:
             error = f"its event stream failed ({type(exc).__name__}: {exc})"
         finally:
             with self._known:
-                self._stream_error = error
-                self._known.notify_all()
+                if self._stream is sock:
+                    self._stream_error = error
+                    self._known.notify_all()
 
     def _forget(self, package: str) -> None:
         """The agent dropped ``package``: its waits fail, and should it hold the package again, that is new memory
@@ -457,14 +464,19 @@ class LocalAgentClient:
             with self._known, self._lock:  # as _forget takes them: a drop is seen whole, before or after
                 # Another agent's memory than the stream speaks of: the agent restarted and the stream has not
                 # ended yet (its end not read), or ended since the answer.
-                restarted = generation != self._generation or (
-                    owner is not None and self._stream_agent is not None and owner != self._stream_agent)
+                other = owner is not None and self._stream_agent is not None and owner != self._stream_agent
+                restarted = generation != self._generation or other
+                if other and self._stream_error is None:  # the stream is the agent's before: followed afresh next
+                    self._stream_error = "another agent process answers on its socket"
+                    _shut_down(self._stream)
+                    self._known.notify_all()
                 stale = self._drops != drops and key[0] in self._dropped
                 kept = None if stale or restarted else self._maps.setdefault(key, mapped)
             if kept is not mapped:
                 mapped.close()  # the dropped memory, or another thread mapped the block meanwhile: use that one
             if restarted:
-                raise self._restarted_error()
+                raise self._restarted_error("another agent process answers on its socket" if other else
+                                            "its event stream ended")
             if stale:
                 raise PackageDroppedError(f"agent at {self.socket_path}: package {key[0][:12]} was dropped there "
                                           f"(block {key[1]} not verified)")
