@@ -21,6 +21,7 @@ from typing import BinaryIO
 from packager.manifest import manifest_from_json
 from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError, PackageDroppedError
 from pipecast.agent.store import BlockProgress, StoreProgress
+from pipecast.core.fsutil import start_ticks
 from pipecast.core.strictjson import JSONInputError, loads_object
 from pipecast.v1.manifest_pb2 import Manifest
 
@@ -599,13 +600,8 @@ _MEMORY_PATH = re.compile(r"/proc/([0-9]+)/fd/[0-9]+")
 def _process(pid: int | None) -> tuple[int, int] | None:
     """Process ``pid`` told apart from any other ever given its pid: (pid, start in clock ticks since boot); None
     where it is gone or cannot be read (another pid namespace's peer is pid 0)."""
-    if not pid:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return pid, int(stat.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+    ticks = start_ticks(pid) if pid else None
+    return None if ticks is None else (pid, ticks)
 
 
 def _peer(sock: socket.socket) -> tuple[int, int] | None:

@@ -68,15 +68,25 @@ def is_temporary(name: str) -> bool:
     return _TEMPORARY.match(name) is not None
 
 
+def start_ticks(pid: int | str = "self") -> int | None:
+    """Process ``pid``'s start in clock ticks since boot (``/proc/<pid>/stat``'s starttime), which tells it apart
+    from any other given the same pid; None where /proc cannot tell (not Linux, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rsplit(b")", 1)[1].split()[19])  # field 22; the name before it may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def process_started() -> float | None:
     """When this process started, in seconds since the epoch, to a clock tick and never after it did; None where
-    /proc cannot tell. From its start in clock ticks since boot (psutil's counts from the boot time in whole
-    seconds: up to a second early, which took a predecessor's leftovers of the second before for this one's)."""
+    /proc cannot tell. From its :func:`start_ticks` (psutil's counts from the boot time in whole seconds: up to a
+    second early, which took a predecessor's leftovers of the second before for this one's)."""
+    ticks = start_ticks()
     try:
-        with open("/proc/self/stat", "rb") as stat:
-            ticks = int(stat.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime; the name may hold spaces
-        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):  # no /proc, no CLOCK_BOOTTIME: not Linux
+        return None if ticks is None else (
+            time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, AttributeError):  # no CLOCK_BOOTTIME: not Linux
         return None
 
 
