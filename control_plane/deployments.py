@@ -20,7 +20,7 @@ from control_plane.errors import InvalidRequest, UnknownDeployment, UnknownPacka
 from control_plane.routes import ModelRoute, RouteChange, change_route, describe
 from control_plane.rows import known_fields
 from pipecast.core.priorities import DEFAULT_PRIORITY, PRIORITIES
-from pipecast.core.urls import http_base_url
+from pipecast.core.urls import http_base_url, one_spelling
 
 #: Scale events kept in memory (the database keeps them all).
 EVENTS_IN_MEMORY = 10_000
@@ -183,7 +183,6 @@ _EVENT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
 _KIND_NAMES = {(int, float): "a finite number", str: "text", int: "an integer"}
 
 
-DEFAULT_PORTS = {"http": 80, "https": 443}
 MAX_EVENT_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, the last second datetime takes
 
 
@@ -207,10 +206,7 @@ def check_router_url(url: str, package_id: str) -> str:
                              f"endpoint; give its base URL ({base[:len(base) - len(endpoint)] or base})")
     if parts.port == 0:  # no router listens there: its deployment would read it as silent for good
         raise InvalidRequest(f"deployment of package {package_id!r}: router {url!r} names port 0")
-    # One spelling per router: two (a host's case, a default port written out) were polled and summed as two.
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    port = "" if parts.port in (None, DEFAULT_PORTS[parts.scheme]) else f":{parts.port}"
-    return f"{parts.scheme}://{host}{port}{parts.path}"
+    return one_spelling(base)  # two spellings of one router were polled and summed as two
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from urllib.parse import urlsplit
 
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
 
 def http_base_url(url: str) -> str | None:
     """``url`` as an http(s) base URL without a trailing slash (a host, no query or fragment); None when it
@@ -23,3 +25,12 @@ def http_base_url(url: str) -> str | None:
     except UnicodeError:
         return None
     return f"{parsed.scheme}://{parsed.netloc}{parsed.path}".rstrip("/")
+
+
+def one_spelling(base: str) -> str:
+    """An http(s) base URL (as :func:`http_base_url` gives it) in one spelling: its host in lower case, no default
+    port. Two spellings of one router or worker (a host's case, a default port written out) then compare equal."""
+    parts = urlsplit(base)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    port = "" if parts.port in (None, DEFAULT_PORTS[parts.scheme]) else f":{parts.port}"
+    return f"{parts.scheme}://{host}{port}{parts.path}"

@@ -13,10 +13,10 @@ process's id; routers before it send none, and stand for themselves by their URL
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 from pipecast.core.errors import PipecastError
 from pipecast.core.strictjson import describe
+from pipecast.core.urls import http_base_url, one_spelling
 from pipecast.scaler.policy import Pool, Replica, Signals
 from pipecast.v1 import control_pb2 as pb
 
@@ -170,17 +170,11 @@ def serve_urls(workers: Iterable[pb.WorkerState]) -> dict[str, str]:
 
 
 def url_key(url: str) -> str:
-    """``url`` as a worker's serve URL and a router's listing of it compare: scheme and host in lower case, the
-    scheme's default port written out, no trailing slash (``HTTP://W1:80/`` is ``http://w1:80``). A router's
-    listing spelled otherwise than the worker registered matched no node, and the replica was never released."""
-    try:
-        parts = urlsplit(url.strip())
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
-    except ValueError:  # a port that is no number: compared as it is
-        return url.rstrip("/")
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    return f"{parts.scheme.lower()}://{host}:{port}{parts.path.rstrip('/')}"
+    """``url`` as a worker's serve URL and a router's listing of it compare: in one spelling (:func:`one_spelling`,
+    no trailing slash; ``HTTP://W1:80/`` is ``http://w1``), else as it is less a trailing slash. A router's listing
+    spelled otherwise than the worker registered matched no node, and the replica was never released."""
+    base = http_base_url(url)
+    return one_spelling(base) if base is not None else url.rstrip("/")
 
 
 def pool_of(package_id: str, num_blocks: int, workers: Iterable[pb.WorkerState], plans: Iterable[pb.PlanSummary],
