@@ -11,7 +11,8 @@ falls back to the given fallback peers (the sources of a static plan), or fails 
 peer tried so that a control plane can re-parent. A peer given up on is not asked for later units either.
 
 The manifest and small files (tokenizer, config) come from the first peer that gives them; a failed connection
-to a peer is retried as a parent's is (a static plan's seed may not listen yet), a bad answer is not. Small files
+to a peer is retried as a parent's is (a static plan's seed may not listen yet), a bad answer or a silent peer is
+not. Small files
 are fetched in ranges that each hop serves as soon as it has them, so a chain forwards them like blocks instead of
 each hop waiting for its parent's whole copy.
 
@@ -210,8 +211,10 @@ class _Tries:
 
 def _failed_connection(error: PeerError) -> bool:
     """Whether ``error`` is worth asking the same peer for a manifest or file again: a connection that failed
-    (the peer may be starting up, or was cut off), not a bad or refused answer, which would come again."""
-    return isinstance(error, (PeerConnectError, PeerClosedError, PeerTimeoutError))
+    (the peer may be starting up, or was cut off), not a bad or refused answer, which would come again, nor a
+    peer silent for a whole I/O timeout (hung: each try cost another timeout while this node's own children,
+    asking it for the file, gave up on it and blamed it, as :func:`_worth_another_try` says of a parent)."""
+    return isinstance(error, (PeerConnectError, PeerClosedError))
 
 
 async def _over_channel(pool: ChannelPool, peer: PeerInfo, reached: set[PeerInfo],

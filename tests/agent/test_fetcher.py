@@ -18,6 +18,7 @@ from pipecast.agent.errors import (
     PeerNotListeningError,
     PeerProtocolError,
     PeerRefusedError,
+    PeerTimeoutError,
     UnknownPackageError,
 )
 from pipecast.agent.fetcher import ChannelPool, Fetcher, FetchPolicy, fetch_files, fetch_manifest
@@ -272,6 +273,35 @@ async def test_any_exception_from_a_peer_is_that_peers_failure_and_the_next_peer
                         ("block 0", "odd", PeerProtocolError), ("block 0", "odd", PeerProtocolError)]
 
 
+async def test_a_silent_peer_is_asked_once_for_the_manifest_and_each_file_then_the_next_peer(package, honest):
+    """Found by a flaky cluster test: a relay asking its hung parent for config.json asked it again after each
+    I/O timeout, so its own child, waiting on the relay for the file, gave up on the relay and blamed it."""
+    root, manifest = package
+    hung = PeerInfo("hung", "127.0.0.1:9")
+    transport = StubTransport({"hung": PeerTimeoutError("hung@127.0.0.1:9", "silent for 1 s")})
+    pool = ChannelPool(transport)
+    failures = []
+
+    def record(what, peer, error):
+        failures.append((what, peer.node_id, type(error)))
+
+    store = None
+    try:
+        policy = FetchPolicy(retries=2, backoff_s=0.01)
+        got, _ = await fetch_manifest(pool, manifest.package_id, [hung, honest], record, policy)
+        assert got == manifest
+        store = receiving_store(manifest)
+        await fetch_files(pool, store, [hung, honest], record, policy)
+        assert store.missing_files() == []
+    finally:
+        if store is not None:
+            store.close()
+        await pool.close()
+        await transport.tcp.close()
+    assert failures == [(MANIFEST_FILE, "hung", PeerTimeoutError),
+                        *((f.path, "hung", PeerTimeoutError) for f in manifest.files)]
+
+
 async def test_this_nodes_own_failure_ends_a_fetch_without_blaming_the_peer(package, honest, pool):
     _, manifest = package
     store = receiving_store(manifest)
@@ -495,8 +525,6 @@ async def test_units_waiting_on_this_nodes_earlier_unit_never_keep_it_from_runni
 async def test_the_retry_backoff_stops_doubling_at_its_cap(monkeypatch):
     """Found in review: with 40 retries the last waits were 10^11 s (a parent given up on after millennia)."""
     from pipecast.agent import fetcher
-    from pipecast.agent.errors import PeerTimeoutError
-
     waits = []
 
     async def no_sleep(seconds):
