@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import json
 import re
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
@@ -36,6 +35,7 @@ from packager.manifest import read_manifest
 from pipecast.core.clitypes import Number
 from pipecast.core.priorities import DEFAULT_PRIORITY, PRIORITIES
 from pipecast.core.settings import Settings, load_settings
+from pipecast.core.signals import on_stop_signals
 from pipecast.core.units import format_bytes, parse_duration
 
 CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, dir_okay=False),
@@ -110,8 +110,7 @@ def control_plane_command(config: Path | None, host: str | None, port: int | Non
         await server.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        on_stop_signals(loop, stop.set)
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port is not None else ""
         role = "" if not server.store.shared else ", leader" if server.leading else ", standby"
         click.echo(f"control plane listening on {server.address} (db {server.store.where}{metrics}{role})", err=True)

@@ -121,9 +121,8 @@ def _sigterm_unwinds() -> Iterator[None]:
     instead of killing the process at once, so that with and finally blocks run: an interrupted pack leaves no
     partial folder and no MLflow download, as on Ctrl-C.
     Installed only over the default disposition (``nohup`` ignores SIGHUP: it stays ignored); the servers' own
-    SIGTERM handlers (agent, serve, router, control plane, scaler: a graceful drain) replace it while their event
-    loop runs, and a SIGHUP stops a server at once as before, without a drain (run them under a service manager,
-    or ``nohup``)."""
+    handlers (agent, serve, router, control plane, scaler: a graceful drain on SIGTERM, SIGINT or SIGHUP,
+    :mod:`pipecast.core.signals`) replace it while their event loop runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -1,4 +1,4 @@
-"""``pipecast agent``: run the node agent (data plane) in the foreground until SIGTERM/SIGINT."""
+"""``pipecast agent``: run the node agent (data plane) in the foreground until SIGTERM, SIGINT or SIGHUP."""
 
 import asyncio
 import functools

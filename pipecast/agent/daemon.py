@@ -4,13 +4,12 @@ local engine.
 One asyncio loop per agent process. On start it opens the seed package (if any), listens for peers,
 opens the local API, and with a plan fetches this node's assignments (resuming from the disk cache),
 forwarding every verified chunk to its own children as it lands. With a control plane it registers and
-fetches what the assignment stream says instead (:mod:`pipecast.agent.control`). SIGTERM or SIGINT
+fetches what the assignment stream says instead (:mod:`pipecast.agent.control`). SIGTERM, SIGINT or SIGHUP
 stops it cleanly.
 """
 
 import asyncio
 import logging
-import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
@@ -46,6 +45,7 @@ from pipecast.core.credentials import check_master_token, parse_node_token
 from pipecast.core.engines import DEFAULT_ENGINE
 from pipecast.core.errors import PipecastError
 from pipecast.core.settings import Settings
+from pipecast.core.signals import on_stop_signals
 from pipecast.core.units import format_bytes
 from pipecast.v1.manifest_pb2 import Manifest
 
@@ -209,8 +209,7 @@ class AgentDaemon:
     async def run(self) -> None:
         """Serve until stopped; raises the typed error that made the agent give up (e.g. FetchFailedError)."""
         loop = self._loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop)
+        on_stop_signals(loop, self.stop)
         plan = read_plan_file(self.options.plan) if self.options.plan else None
         if plan is not None and self.node_id not in plan.nodes:
             raise PlanFileError(f"{self.options.plan}: node {self.node_id!r} is not in the plan's 'nodes'")

@@ -4,12 +4,12 @@ whole within a size limit (:func:`read_capped`)."""
 
 import asyncio
 import logging
-import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from pipecast.core.errors import PipecastError
+from pipecast.core.signals import on_stop_signals
 from pipecast.core.strictjson import loads
 
 if TYPE_CHECKING:
@@ -127,7 +127,8 @@ MIN_DRAIN_S = 0.001
 
 async def serve_until_signalled(app: "web.Application", host: str, port: int, drain_timeout_s: float,
                                 announce: Callable[[str], None], **runner_options: Any) -> None:
-    """Serve ``app`` on host:port (port 0: any free port) until SIGTERM or SIGINT.
+    """Serve ``app`` on host:port (port 0: any free port) until SIGTERM, SIGINT or SIGHUP (not one ignored at start:
+    :func:`~pipecast.core.signals.on_stop_signals`).
 
     ``announce`` gets the bound base URL once it listens. On a signal it stops listening, runs the app's
     shutdown hooks and gives requests in flight ``drain_timeout_s`` to finish before cleaning up.
@@ -138,7 +139,6 @@ async def serve_until_signalled(app: "web.Application", host: str, port: int, dr
         announce(url)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
+        on_stop_signals(loop, stop.set)
         await stop.wait()
         log.info("stopping: draining requests in flight for up to %g s", drain_timeout_s)

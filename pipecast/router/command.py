@@ -1,4 +1,4 @@
-"""The ``pipecast router`` command: run the request router until SIGTERM or SIGINT."""
+"""The ``pipecast router`` command: run the request router until SIGTERM, SIGINT or SIGHUP."""
 
 import asyncio
 from collections.abc import Callable
@@ -47,7 +47,7 @@ def admission_config(settings: Settings, tenant_limits: dict[str, TenantLimit]) 
 
 async def run_router(router: Router, host: str, port: int, drain_timeout_s: float,
                      announce: Callable[[str], None]) -> None:
-    """Serve ``router`` on host:port (port 0: any free port) until SIGTERM or SIGINT.
+    """Serve ``router`` on host:port (port 0: any free port) until SIGTERM, SIGINT or SIGHUP.
 
     ``announce`` gets the bound base URL once the router listens. On a signal the router stops
     listening, fails its queued requests (503) and gives requests already at a worker ``drain_timeout_s``
@@ -90,7 +90,7 @@ async def run_router(router: Router, host: str, port: int, drain_timeout_s: floa
 @click.option("--max-retries", type=click.IntRange(min=0), default=DEFAULTS.max_retries, show_default=True,
               help="Other workers tried when one fails before answering.")
 @click.option("--drain-timeout", type=Number(min=0), default=30.0, show_default=True,
-              help="On SIGTERM/SIGINT, seconds given to requests at workers to finish.")
+              help="On SIGTERM, SIGINT or SIGHUP, seconds given to requests at workers to finish.")
 @click.option("--forward-auth/--no-forward-auth", default=None,
               help="Pass clients' Authorization header on to the workers (settings: router_forward_auth; off "
                    "by default).")

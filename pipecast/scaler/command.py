@@ -1,4 +1,5 @@
-"""``pipecast scaler``: ``run`` the scaling daemon until SIGTERM or SIGINT; ``events`` prints its audit trail."""
+"""``pipecast scaler``: ``run`` the scaling daemon until SIGTERM, SIGINT or SIGHUP; ``events`` prints its
+audit trail."""
 
 import asyncio
 import json
@@ -59,19 +60,17 @@ def run_command(config: Path | None, control_plane: str | None, tick_s: float, w
 
 
 async def _run(settings: Settings, config: ScalerConfig, host: str, port: int | None) -> None:
-    """Run the daemon until SIGTERM or SIGINT, serving /metrics and /health on ``port`` (None: none). An error
+    """Run the daemon until SIGTERM, SIGINT or SIGHUP, serving /metrics and /health on ``port`` (None: none). An error
     that ends its loop ends it too, raised: the process exits non-zero (its supervisor restarts it), not on with
     /health ok and no pool scaled."""
-    import signal
-
     from control_plane.client import ControlPlaneClient
     from pipecast.core.httpserve import listening
+    from pipecast.core.signals import on_stop_signals
     from pipecast.scaler.daemon import Scaler
 
     async with ControlPlaneClient.from_settings(settings) as client, Scaler(client, config) as scaler:
         stop = asyncio.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+        on_stop_signals(asyncio.get_running_loop(), stop.set)
         log.info("scaler: control plane %s, tick %g s, plan strategy %s", settings.control_plane, config.tick_s,
                  config.plan_strategy or "(control plane's choice)")
         task = asyncio.create_task(scaler.run(stop), name="scaler")

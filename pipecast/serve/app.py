@@ -19,7 +19,7 @@ Endpoints:
   "queue_depth", "running", "max_queue", ...}`` with 200, or ``failed``/``draining`` with 503.
 - ``GET /v1/models`` and ``GET /metrics`` (Prometheus).
 
-:func:`run_worker` serves until SIGTERM/SIGINT, then drains: it stops listening, refuses new requests,
+:func:`run_worker` serves until SIGTERM, SIGINT or SIGHUP, then drains: it stops listening, refuses new requests,
 lets running ones finish for up to ``drain_timeout_s`` and closes the engine.
 """
 
@@ -471,7 +471,7 @@ def build_app(worker: ServingWorker, max_body_bytes: int = MAX_BODY_BYTES,
 
 async def run_worker(worker: ServingWorker, host: str, port: int, drain_timeout_s: float,
                      announce: Callable[[str], None]) -> None:
-    """Serve ``worker`` on host:port (port 0: any free port) until SIGTERM or SIGINT, then drain.
+    """Serve ``worker`` on host:port (port 0: any free port) until SIGTERM, SIGINT or SIGHUP, then drain.
 
     ``announce`` gets the bound base URL as soon as the worker listens (before the model is in).
     """

@@ -1,4 +1,4 @@
-"""``pipecast serve``: run the serving worker in the foreground until SIGTERM/SIGINT."""
+"""``pipecast serve``: run the serving worker in the foreground until SIGTERM, SIGINT or SIGHUP."""
 
 import asyncio
 import re
@@ -51,7 +51,7 @@ DEVICE = re.compile(r"(cpu|cuda)(:(0|[1-9][0-9]*))?")
 @click.option("--stall-timeout", type=Number(min=0, min_open=True), default=600.0,
               show_default=True, help="Loading fails after this many seconds without a new block.")
 @click.option("--drain-timeout", type=Number(min=0), default=30.0, show_default=True,
-              help="On SIGTERM: seconds running requests may take to finish before they are cut.")
+              help="On SIGTERM, SIGINT or SIGHUP: seconds running requests may take to finish before they are cut.")
 @click.option("--pipeline-step-timeout", type=Number(min=0, max=MAX_DEADLINE_S, min_open=True),
               default=STEP_TIMEOUT_S,
               show_default=True, help="As the head stage of a cross-node pipeline: seconds one token may take "
