@@ -20,6 +20,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pipecast.core.errors import PipecastError
 from pipecast.core.strictjson import describe
 from pipecast.engine.batching import Sequence, StepScheduler
 from pipecast.engine.errors import (
@@ -102,6 +103,9 @@ class Engine:
         self._cancelled: set[TokenStream] = set()
         self._closed = False
         self._thread_error: Exception | None = None  # what stopped the engine thread, if not close()
+        # Forward passes outside the engine thread (stage calls, logits) failed in a row by an error not theirs:
+        # counted with the scheduler's own toward the device probe.
+        self._outside_failed = 0
         #: Scheduler steps run (the engine thread's count; read by others): work going on, for the worker's health.
         self.steps = 0
         self._ids = itertools.count()
@@ -219,17 +223,31 @@ class Engine:
     def while_open(self, compute: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``compute(*args, **kwargs)`` on this model's weights (a forward pass run outside the engine thread, as
         :meth:`logits` and pipeline stage calls are); :class:`EngineClosedError` instead once the engine is closed,
-        also when it closed during the call."""
+        also when it closed during the call, and :class:`DeviceFaultError` once the engine stopped for one.
+
+        Its failures count toward the device probe as the engine's own requests' do: after
+        :data:`PROBE_AFTER_FAILURES` in a row (engine steps and these together) that are neither this project's
+        typed errors (a bad input, a session unknown), a wait for layers that timed out, nor out of memory, the
+        engine thread runs its one-token probe; a success here counts afresh."""
         if self._closed:  # its weights are gone (close() drops them)
             raise EngineClosedError()
+        if isinstance(self._thread_error, DeviceFaultError):
+            raise self._stopped_by(self._thread_error)
         try:
             result = compute(*args, **kwargs)
-        except Exception:
+        except Exception as exc:
             if self._closed:  # close() dropped the weights this pass was using: whatever failed, that is why
                 raise EngineClosedError() from None
+            if not isinstance(exc, PipecastError | TimeoutError) and not _out_of_memory(exc):
+                with self._cond:
+                    self._outside_failed += 1
+                    self._cond.notify_all()
             raise
         if self._closed:  # computed in part from the meta tensors close() left: not a result
             raise EngineClosedError()
+        if self._outside_failed:
+            with self._cond:
+                self._outside_failed = 0
         return result
 
     def check_prompt(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
@@ -328,9 +346,10 @@ class Engine:
         try:
             with torch.inference_mode():
                 while self._next_step():
-                    self.scheduler.step()
-                    self.steps += 1
-                    if self.scheduler.failed_in_a_row >= PROBE_AFTER_FAILURES:
+                    if self.scheduler.active:  # else woken for the probe alone
+                        self.scheduler.step()
+                        self.steps += 1
+                    if self._failed_in_a_row() >= PROBE_AFTER_FAILURES:
                         self._probe()
         except DeviceFaultError as exc:
             logger.error("%s", exc)
@@ -343,21 +362,26 @@ class Engine:
             error = EngineFailedError(exc)
         self._fail_unfinished(error)
 
+    def _failed_in_a_row(self) -> int:
+        """Requests failed in a row: in the engine's steps, and forward passes outside them (:meth:`while_open`)."""
+        return self.scheduler.failed_in_a_row + self._outside_failed
+
     def _probe(self) -> None:
         """After :data:`PROBE_AFTER_FAILURES` requests failed in a row: raise :class:`DeviceFaultError` if a
         one-token probe fails too, else count afresh (the failures were the requests' own)."""
-        failed = self.scheduler.failed_in_a_row
+        failed = self._failed_in_a_row()
         try:
             self.scheduler.probe()
         except Exception as exc:
             if not _out_of_memory(exc):
                 raise DeviceFaultError(failed, exc) from exc
-            self.scheduler.failed_in_a_row = 0
             logger.warning("engine: %d requests failed in a row, and a one-token probe ran out of memory: %s",
                            failed, exc)
         else:
-            self.scheduler.failed_in_a_row = 0
             logger.info("engine: %d requests failed in a row, but a one-token probe ran: their own errors", failed)
+        self.scheduler.failed_in_a_row = 0
+        with self._cond:
+            self._outside_failed = 0
 
     @property
     def failure(self) -> str | None:
@@ -378,7 +402,8 @@ class Engine:
         with self._cond:
             self._cond.wait_for(lambda: self._closed or self._cancelled
                                 or (self._incoming and self.scheduler.free_slots > 0)
-                                or self.scheduler.can_progress())
+                                or self.scheduler.can_progress()
+                                or self._failed_in_a_row() >= PROBE_AFTER_FAILURES)
             if self._closed:
                 return False
             for seq in self.scheduler.prefilling + self.scheduler.decoding:  # queued ones left in _cancel

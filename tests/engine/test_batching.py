@@ -303,6 +303,44 @@ def test_a_device_failing_every_step_fails_the_engine_after_a_probe_fails_too(pk
             engine.submit(PROMPT)
 
 
+def test_forward_passes_outside_the_engine_thread_count_toward_the_device_probe(pkg, monkeypatch, caplog):
+    """Found in review: a pipeline stage's calls and logits() run outside the engine thread, so a stage-only worker
+    whose device failed every pass said ready. Their failures now count: a pass that succeeds or fails of its own
+    (a bad input) starts no probe; three failing in a row do, and the engine stops on the probe's failure."""
+    fault = "CUDA error: an illegal memory access was encountered"
+    ids = torch.tensor([PROMPT])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(fault)
+
+    caplog.set_level("INFO", logger="pipecast.engine.engine")
+    with Engine(PackageFolderProvider(pkg)).start() as engine:
+        engine.wait_loaded(timeout=30)
+        forward_logits = engine.model.forward_logits
+        monkeypatch.setattr(engine.model, "forward_logits", broken)
+        for _ in range(PROBE_AFTER_FAILURES - 1):
+            with pytest.raises(RuntimeError, match=fault):
+                engine.logits(ids, timeout=30)
+        monkeypatch.setattr(engine.model, "forward_logits", forward_logits)
+        engine.logits(ids, timeout=30)  # a success between: the count starts again
+        for _ in range(PROBE_AFTER_FAILURES):
+            with pytest.raises(InvalidRequestError):  # the caller's fault: not counted
+                engine.logits(torch.tensor([[256]]), timeout=30)
+        assert "probe" not in caplog.text and engine.failure is None
+        monkeypatch.setattr(engine.model, "forward_logits", broken)
+        monkeypatch.setattr(engine.model, "head", broken)  # the device, not one call: the probe fails too
+        for _ in range(PROBE_AFTER_FAILURES):
+            with pytest.raises(RuntimeError, match=fault):
+                engine.logits(ids, timeout=30)
+        wait_until(lambda: engine.failure is not None)
+        message = (f"^the engine's device fails every step: {PROBE_AFTER_FAILURES} requests failed in a row, then a "
+                   f"one-token probe failed too: RuntimeError: {fault}$")
+        assert re.match(message, engine.failure)
+        with pytest.raises(DeviceFaultError, match=message):  # no pass runs on the device any more
+            engine.logits(ids, timeout=30)
+        assert engine.steps == 0  # the probe is no step of the engine's
+
+
 @pytest.mark.parametrize("error", [
     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"),
     RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory")],
