@@ -728,8 +728,10 @@ class ControlState:
         """A child says ``peer`` served it bad data (or failed) for ``block``: the peer loses that block's
         availability, and in every plan of the package where it is the child's parent for the block (for any
         unit of it) the child fetches the block from elsewhere. A peer still receiving the plan stays in it and
-        fetches what it lacks now (:func:`~control_plane.planner.replan.reroute`); one that is not (a source, a
-        holder, a receiver done) leaves it, as a dead node would. A peer ``gone`` (its host refused the
+        fetches what it lacks now (:func:`~control_plane.planner.replan.reroute`), and the child fetches every
+        other block it lacks from elsewhere too (a relay failing the child would fail it again for each, one I/O
+        timeout at a time, while its lease holds); one that is not (a source, a holder, a receiver done) leaves
+        it, as a dead node would. A peer ``gone`` (its host refused the
         connection: nothing listens there; the service checks that first, :mod:`control_plane.probe`) is taken
         for dead at once, as if its lease had lapsed: it leaves
         every plan, its children taking its slots, and all availability; an agent that is in fact alive (it
@@ -756,8 +758,14 @@ class ControlState:
             return any(self._repair(active, {peer}) for active in plans)  # e.g. a store that never registered
         if self.availability[package_id].remove(peer, [block]):
             self.dirty.availability.add((package_id, peer))
-        changed = any([self._reroute(active, node, peer, block) if peer in active.pending else
-                       self._repair(active, {peer}) for active in plans])
+        held = self.availability[package_id].held(node)  # what the child lacks moves, not what it has
+        changed = False
+        for active in plans:
+            if peer not in active.pending:
+                changed |= self._repair(active, {peer})
+                continue
+            others = {f.block for f in active.parts[node].fetch if f.parent == peer} - held - {block}
+            changed |= self._reroute(active, node, peer, block, others)
         self._lost(package_id, peer, [block], handled={active.plan_id for active in plans})
         return changed
 
@@ -785,20 +793,22 @@ class ControlState:
                 if not any(f.block == block for f in active.plan.assignments.get(node, ())):
                     self._reroute(active, None, node, block)
 
-    def _reroute(self, active: ActivePlan, child: str | None, peer: str, block: int) -> bool:
-        """Move ``child``'s fetches of ``block`` off ``peer``, a receiver of ``active`` that keeps receiving."""
+    def _reroute(self, active: ActivePlan, child: str | None, peer: str, block: int,
+                 others: Collection[int] = ()) -> bool:
+        """Move ``child``'s fetches of ``block`` (and of ``others``, which ``peer`` keeps) off ``peer``, a receiver
+        of ``active`` that keeps receiving."""
         held = self._senders(active)
         plan, changed = reroute(active.plan, child=child, peer=peer, block=block, held=held,
                                 labels=self._labels(set(active.parts) | set(held)), fanout=active.fanout,
-                                parts=active.parts, leaves=active.demoted)
+                                parts=active.parts, leaves=active.demoted, others=others)
         self._replanned(active, plan, changed)
         if child is None:
             log.info("re-planned plan=%s package=%s: node=%s lost block=%d and fetches it again; version=%d",
                      active.plan_id, active.package_id, peer, block, active.version)
         else:
-            log.info("re-planned plan=%s package=%s: node=%s fetches block=%d from others than peer=%s, which "
-                     "keeps receiving; version=%d", active.plan_id, active.package_id, child, block, peer,
-                     active.version)
+            log.info("re-planned plan=%s package=%s: node=%s fetches block=%d (and %d more) from others than "
+                     "peer=%s, which keeps receiving; version=%d", active.plan_id, active.package_id, child, block,
+                     len(others), peer, active.version)
         return True
 
     # ----- scaling -----

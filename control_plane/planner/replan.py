@@ -283,9 +283,12 @@ def _rehome(plan: Plan, orphans: Sequence[tuple[str, Fetch[str]]], *, dead: set[
 
 def reroute(plan: Plan, *, child: str | None, peer: str, block: int, held: Mapping[str, Collection[int]],
             labels: Mapping[str, Mapping[str, str]] | None = None, fanout: int = 2,
-            parts: Mapping[str, Part] | None = None, leaves: Collection[str] = ()) -> tuple[Plan, set[str]]:
+            parts: Mapping[str, Part] | None = None, leaves: Collection[str] = (),
+            others: Collection[int] = ()) -> tuple[Plan, set[str]]:
     """``plan`` after ``child`` reported ``peer``, a receiver of the plan, bad for ``block`` (it served data that
     failed verification, or failed): changed only where it must be; with the nodes whose parts changed.
+    ``others``: more blocks whose fetches by ``child`` from ``peer`` move likewise, the peer keeping them (a peer
+    that failed the child would fail it for those too); never back to the peer.
     ``child`` None: the peer lost the block otherwise (a child of another plan reported it, or it dropped it);
     then only what follows for the peer and its children of the block here changes, the peer's new fetch of
     the block whole where no child's units tell them.
@@ -304,7 +307,7 @@ def reroute(plan: Plan, *, child: str | None, peer: str, block: int, held: Mappi
     mine = [a for a in plan.assignments.get(child, ()) if a.block == block] if child is not None else []
     if child is not None and not any(a.parent == peer for a in mine):
         raise PlanError(f"reroute: {child!r} fetches no unit of block {block} from {peer!r}")
-    held = {**held, peer: set(held.get(peer, ())) - {block}}
+    held = {**held, peer: set(held.get(peer, ())) - {block} - set(others)}  # no candidate for them either
     refetch = not any(a.block == block for a in plan.assignments[peer])
     if refetch:
         kids: Collection[str] = (dict.fromkeys(c for b, c in parts[peer].serve if b == block)
@@ -312,6 +315,9 @@ def reroute(plan: Plan, *, child: str | None, peer: str, block: int, held: Mappi
     else:
         kids = (child,) if child is not None else ()
     orphans = [(rx, a) for rx in kids for a in plan.assignments[rx] if a.block == block and a.parent == peer]
+    if child is not None and others:
+        more = set(others) - {block}
+        orphans += [(child, a) for a in plan.assignments[child] if a.block in more and a.parent == peer]
     units = [a.chunks for a in mine] or [None]
     # The peer's new fetches are placed as orphans are; nothing fetches them, so they go last in its list.
     orphans += [(peer, Fetch(block, peer, chunks)) for chunks in units] if refetch else []

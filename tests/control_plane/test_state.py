@@ -647,17 +647,21 @@ def test_a_bad_peer_report_of_a_chunk_range_moves_the_childs_fetches_of_the_bloc
 
 
 def test_a_bad_peer_still_receiving_stays_in_its_plan_and_fetches_what_it_lacks():
+    """Found in review: only the block reported moved, so a child whose relay failed it (its data plane wedged, its
+    lease alive) asked it for the next block, and the next, one I/O timeout each. Every block the child lacks
+    moves off the peer at once (never back to it), what it has stays."""
     state = cluster(4)
     result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
     active = state.plans[result.plan_id]
     assert {a.parent for a in active.parts["w2"].fetch} == {"w1"}
-    state.report("w1", {"pkg": [0]}, {}, now=1.5)  # mid-load: it holds block 0 only
+    state.report("w1", {"pkg": [0, 1]}, {}, now=1.5)  # mid-load: it holds blocks 0 and 1 only
+    state.report("w2", {"pkg": [1]}, {}, now=1.5)
     state.notices.clear()
     assert state.report_bad_peer("w2", "w1", "pkg", 0, "connection reset", now=2)
     assert "w1" in active.pending and Notice("w1", UpdateKind.CANCEL, "pkg", result.plan_id) not in state.notices
     assert [a.block for a in active.parts["w1"].fetch] == list(range(BLOCKS))  # block 0 again
-    assert active.parts["w2"].fetch[0].parent != "w1" and active.parts["w2"].fetch[1:] == (
-        tuple(Fetch(b, "w1") for b in range(1, BLOCKS)))  # only the block reported moved
+    assert [(a.block, a.parent != "w1") for a in active.parts["w2"].fetch] == [
+        (b, b != 1) for b in range(BLOCKS)]  # block 1 it has: unchanged
     assert_complete_plan(state, result.plan_id, set(result.receivers))
     for node in ("w0", "w2", "w3"):
         state.report(node, {"pkg": range(BLOCKS)}, {}, now=3)
