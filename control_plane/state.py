@@ -784,8 +784,8 @@ class ControlState:
         ``handled``) counts on them any more. Where it receives, it fetches again those it held when the plan
         was made (else it stayed pending for good); where it only sends (a source, a holder), it leaves the plan
         (a receiver picked for a new plan while a source of another no draft could place)."""
-        for active in [p for p in self.plans.values() if p.package_id == package_id and node in p.parts
-                       and p.plan_id not in handled]:
+        for active in [p for p in self.plans.values() if p.package_id == package_id and p.plan_id not in handled
+                       and (node in p.parts or node in p.plan.held)]:
             if node not in active.pending:
                 self._repair(active, {node})
                 continue
@@ -1331,6 +1331,9 @@ class ControlState:
         """Make ``plan`` the plan of ``active`` and tell every node whose part changed; ``changed``: the only
         nodes whose parts may differ from the old plan's (a repair), None: any node's."""
         old = active.parts
+        if changed is not None and active.plan.sources != plan.sources:
+            # Every part's ASSIGN names the plan's sources (a receiver's fallbacks and manifest peers): all are told.
+            changed = None
         if changed is None:
             parts = plan.parts()
             changed = old.keys() | parts.keys()
@@ -1346,7 +1349,7 @@ class ControlState:
             if node in old and node not in parts:
                 self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))
             elif node in parts:
-                if old.get(node) != parts[node]:
+                if old.get(node) != parts[node] or active.plan.sources != plan.sources:
                     self.notices.append(Notice(node, UpdateKind.ASSIGN, active.package_id, active.plan_id))
                 if (active.package_id, node) in self.dropping:
                     self.dropping.discard((active.package_id, node))
@@ -1430,7 +1433,7 @@ class ControlState:
         # Of every package, also where _repair keeps them (no other source): node ids churn, samples would pile up.
         self.progress = {k: samples for k, samples in self.progress.items() if k[1] not in nodes}
         for active in list(self.plans.values()):
-            gone = nodes & active.parts.keys()
+            gone = nodes & (active.parts.keys() | active.plan.held.keys())  # a holder serving no child has no part
             if gone:
                 self._repair(active, gone)
 
@@ -1447,7 +1450,8 @@ class ControlState:
             self.dirty.releases.add((package_id, node))
         if self.availability[package_id].remove_worker(node):
             self.dirty.availability.add((package_id, node))
-        for active in [p for p in self.plans.values() if p.package_id == package_id and node in p.parts]:
+        for active in [p for p in self.plans.values() if p.package_id == package_id
+                       and (node in p.parts or node in p.plan.held)]:
             self._repair(active, {node})
         self.dropping.add((package_id, node))
         self.dirty.drops.add((package_id, node))

@@ -670,6 +670,44 @@ def test_a_bad_peer_still_receiving_stays_in_its_plan_and_fetches_what_it_lacks(
     assert result.plan_id not in state.plans
 
 
+def test_every_receiver_is_told_when_a_repair_changes_the_plans_sources():
+    """Found in review: a repair told only the nodes whose fetches changed, so after the plan's only worker source
+    died most receivers kept it as their fallback and manifest peer (an ASSIGN names the plan's sources), and one
+    whose relay then failed while the control plane was away tried only the dead source."""
+    state = cluster(5, store_beside_holders=False)
+    state.report("w4", {"pkg": range(BLOCKS)}, {}, now=0.5)  # the source, a worker holding the package
+    result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
+    assert result.sources == ("w4",)
+    state.notices.clear()
+    for node in ("w0", "w1", "w2", "w3"):
+        state.heartbeat(node, now=LEASE)
+    assert state.tick(now=LEASE + 1) == ["w4"]
+    active = state.plans[result.plan_id]
+    assert active.plan.sources == ("store",)
+    assert notices_of(state, UpdateKind.ASSIGN) >= {"w0", "w1", "w2", "w3"}
+
+
+@pytest.mark.parametrize("how", ["dies", "drops the block"])
+def test_a_holder_serving_no_child_leaves_the_plans_held_when_it_dies_or_drops_the_block(how):
+    """Found in review (a fuzzer of repairs): a plan lists holders with the blocks they hold, but a holder serving no
+    child has no part, and a death or a drop was looked for among the parts alone: the plan kept the dead node as a
+    holder through every later repair (stored so, and valid for a fetch from it)."""
+    state = cluster(4)
+    state.report("w3", {"pkg": [1]}, {}, now=0.5)
+    result = state.scale_up("pkg", node_ids=["w0", "w1"], strategy="chain", now=1)
+    active = state.plans[result.plan_id]
+    active.plan = dataclasses.replace(active.plan, held={**active.plan.held, "w3": (1,)})  # what repairs left
+    assert "w3" not in active.parts
+    if how == "dies":
+        for node in ("w0", "w1", "w2"):
+            state.heartbeat(node, now=LEASE)
+        assert state.tick(now=LEASE + 1) == ["w3"]
+    else:
+        state.report("w3", {}, {"pkg": [1]}, now=2)
+    assert "w3" not in state.plans[result.plan_id].plan.held
+    assert_complete_plan(state, result.plan_id, {"w0", "w1"})
+
+
 def test_a_bad_peer_gone_leaves_its_plan_at_once_and_its_child_takes_its_slot():
     """Nothing listens where it was (its agent died mid-load): it leaves the plan as a dead node does, now,
     not at its lease's end with its children moved one block at a time, and it is no holder of anything."""
