@@ -106,6 +106,7 @@ from pipecast.router.fairness import QueueBound
 from pipecast.router.health import HealthMonitor
 from pipecast.router.metrics import RouterMetrics
 from pipecast.router.pool import PIPELINE_MAX_IN_FLIGHT, Dispatcher, PipelineUnit, Worker, WorkerPool
+from pipecast.serve.errors import StageFailedError
 from pipecast.router.signals import Signals, answer_tokens, request_prompt_tokens, stream_tokens
 from pipecast.router.versions import VersionChooser, route_versions
 from pipecast.serve.errors import ServingKeyError
@@ -126,6 +127,8 @@ RETRY_AFTER_S = 1
 #: How a worker's stream ends when complete, and how the error event that ends a failed one begins.
 DONE_EVENT = b"data: [DONE]"
 ERROR_EVENT = b'data: {"error"'
+#: A pipeline's error event as callers not shown the workers read it (the head's names the stage that failed).
+PIPELINE_ERROR_MESSAGE = "a stage of the pipeline serving this request failed"
 #: A worker silent at the upstream deadline is still working if its engine's steps changed within this many health
 #: polls (at least WORKING_MIN_S): stepping now, not merely once since the request came.
 WORKING_POLLS = 4
@@ -206,6 +209,33 @@ def has_error_event(events: bytes | bytearray) -> bool:
     """Whether whole Server-Sent Events ``events`` hold an error event (``data: {"error": ...}``, as a serving
     worker ends a stream it failed). Token events cannot fake one: their text is JSON-escaped."""
     return events.startswith(ERROR_EVENT) or b"\n" + ERROR_EVENT in events
+
+
+def error_events(events: bytes | bytearray) -> list[dict]:
+    """The error objects of the error events among whole Server-Sent Events ``events`` (those that parse)."""
+    found = []
+    for line in bytes(events).split(b"\n"):
+        if line.startswith(ERROR_EVENT):
+            try:
+                error = json.loads(line[len(b"data: "):])["error"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if isinstance(error, dict):
+                found.append(error)
+    return found
+
+
+def without_nodes(events: bytes | bytearray) -> bytes:
+    """``events`` with each error event's message replaced by :data:`PIPELINE_ERROR_MESSAGE` (its type and code
+    kept): what a caller not shown the workers reads of a pipeline's error, whose message names a stage's URL."""
+    lines = []
+    for line in bytes(events).split(b"\n"):
+        if line.startswith(ERROR_EVENT):
+            kept = next(iter(error_events(line)), {})
+            line = sse_event({"error": {"message": PIPELINE_ERROR_MESSAGE,
+                                        **{k: kept[k] for k in ("type", "code") if k in kept}}}).rstrip(b"\n")
+        lines.append(line)
+    return b"\n".join(lines)
 
 
 def ends_done(events: bytes | bytearray) -> bool:
@@ -699,6 +729,7 @@ class Router:
         """
         tokens = 0
         refused = done = False  # an error event of the worker's seen; the last event [DONE]
+        stage_failed = False  # a pipeline's error event saying a stage failed
         failure = None
         async with contextlib.aclosing(self._stream_events(upstream, worker)) as stream:
             events: bytes | None = await anext(stream)
@@ -710,9 +741,15 @@ class Router:
                 self._answer_started(arrival, version, worker)
             try:
                 while events is not None:
-                    refused, done = refused or has_error_event(events), ends_done(events)
+                    erred = has_error_event(events)
+                    refused, done = refused or erred, ends_done(events)
                     if version is not None:  # per-version tokens/s: only routed requests pay for decoding events
                         tokens += stream_tokens(events)
+                    if erred and isinstance(worker, PipelineUnit):
+                        stage_failed = stage_failed or any(
+                            e.get("code") == StageFailedError.code for e in error_events(events))
+                        if not self.shows_workers(request):
+                            events = without_nodes(events)
                     if not await self._send(response, events):
                         return response
                     # Nothing comes after [DONE]: a worker keeping its connection open must not hold the answer.
@@ -733,6 +770,8 @@ class Router:
             log.warning("worker %s ended a stream with an error event", worker.url)
             self.metrics.failed.labels(worker.url, "error_event").inc()
             self.signals.failed(version)
+            if stage_failed:  # as a failure before the answer: nothing more goes to the pipeline for a while
+                self.pool.record_failure(worker.url, "a stage failed mid-stream", self.clock())
             self.pool.record_errors(worker, "ended a stream with its error event", self.clock())
         else:
             self.signals.answered(version, tokens)

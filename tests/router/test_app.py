@@ -33,15 +33,17 @@ from pipecast.core.httpserve import RUNNER_OPTIONS
 from pipecast.router.app import QUEUE_HEADER, WORKER_HEADER, Router, RouterConfig, build_app, build_metrics_app
 from pipecast.router.command import router_command, static_serving_key
 from pipecast.serve.app import error_response
-from pipecast.serve.errors import ServeError, ServingKeyError
+from pipecast.serve.errors import ServeError, ServingKeyError, StageFailedError
 from pipecast.serve.openai_api import error_body as worker_error_body, sse
-from pipecast.router.discovery import SERVE_URL_LABEL, ControlPlaneDiscovery, StaticDiscovery
+from pipecast.router.discovery import (SERVE_URL_LABEL, ControlPlaneDiscovery, DiscoveredPipeline, DiscoveredWorker,
+                                      StaticDiscovery, pipeline_key)
 from pipecast.v1 import control_pb2 as pb
 from tests.control_plane.test_service import STORE, manifest
 from tests.core.test_httpserve import stalled_body_answer
 
 pytestmark = pytest.mark.timeout(30)
 
+FAILED_STAGE = "http://10.0.0.9:8000"  # the stage a fake pipeline head says failed
 FAST = dict(health_interval_s=0.02, health_timeout_s=0.5, connect_timeout_s=1.0, upstream_timeout_s=5.0,
             discovery_interval_s=0.05)
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=10)
@@ -66,7 +68,8 @@ class FakeWorker:
     #: of an event after its tokens), "die_after_headers" (a stream's headers, then the connection aborted),
     #: "done_unterminated" (``data: [DONE]`` last, with no blank line after it), "open_after_done" (the whole
     #: stream, then the connection held open), "slow" (nothing until the gate is set, then the whole answer) or
-    #: "engine_failed" (a 500, as a serving worker's whose engine fails the request)
+    #: "engine_failed" (a 500, as a serving worker's whose engine fails the request) or "stage_failed" (a stream
+    #: ended after its tokens by a pipeline head's error event naming :data:`FAILED_STAGE`)
     behaviour: str = "answer"
     #: Engine steps its /health reports (a serving worker's; None: none reported, as a vLLM worker's).
     steps: int | None = None
@@ -151,6 +154,10 @@ class FakeWorker:
                 await self.gate.wait()
         if self.behaviour == "engine_error":
             await response.write(sse(worker_error_body(ServeError(ENGINE_FAILURE))))
+            return response
+        if self.behaviour == "stage_failed":
+            failed = StageFailedError(FAILED_STAGE, f"answered 500: {ENGINE_FAILURE}")
+            await response.write(sse(worker_error_body(failed)))
             return response
         if self.behaviour == "torn_end":
             await response.write(b'data: {"choices": [{"te')
@@ -793,6 +800,52 @@ async def test_answers_name_their_workers_only_to_the_callers_the_views_answer(c
                                                         "this request failed mid-stream"})
         async with router([good.url], serving_key=key) as (url, _):  # no credentials: shown to anyone, as before
             assert (await post(client, url))[1][WORKER_HEADER] == good.url
+
+
+async def test_a_pipeline_a_stage_failed_mid_stream_gets_nothing_for_a_while_and_names_the_stage_to_keyed_callers(
+        client):
+    """Found in review: a pipeline whose stage failed mid-stream was not held back (only a failure before the answer
+    was), so every request went on to it and failed; and its head's error event, naming the stage's URL, reached
+    callers that may not see the workers."""
+    key = serving_key(data_plane_key("master"))
+    package = "p" * 64
+    async with workers(FakeWorker(status="loading", behaviour="stage_failed", model="tiny", package_id=package),
+                       FakeWorker(status="loading", model="tiny", package_id=package)) as (head, member):
+        class Source:
+            name = "control plane (stub)"
+            serving_key = key
+
+            async def list_workers(self):
+                return [DiscoveredWorker("na", head.url, serving_key=key),
+                        DiscoveredWorker("nb", member.url, serving_key=key)]
+
+            async def list_pipelines(self):
+                return [DiscoveredPipeline(pipeline_key(package, ["na", "nb"]), head.url, (head.url, member.url),
+                                           "[route]", 0, package)]
+
+            async def list_routes(self):
+                return {}
+
+        instance = Router(RouterConfig(**(FAST | {"views_need_key": True, "max_retries": 0})), [Source()])
+
+        def takes() -> bool:
+            return any(p.can_take([instance.pool.get(u) for u in p.member_urls], instance.clock())
+                       for p in instance.pool.pipelines())
+
+        async with serving_router(instance) as url:
+            for headers in ({}, {SERVING_KEY_HEADER: key.hex()}):
+                await eventually(lambda: instance.pool.pipelines())
+                [pipeline] = instance.pool.pipelines()
+                pipeline.failed_at = None  # the first round's failure held it back: sent nothing (below)
+                await eventually(takes)
+                async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True},
+                                       headers=headers) as response:
+                    text = (await response.read()).decode()
+                error = json.loads(text.split("data: ")[-1])["error"]
+                assert error["code"] == "pipeline_stage_failed" and (FAILED_STAGE in text) is bool(headers), text
+                if not headers:
+                    assert error["message"] == "a stage of the pipeline serving this request failed"
+                assert pipeline.failed_at is not None and not takes()
 
 
 def test_a_router_given_a_guessable_master_token_refuses_to_start_as_the_agents_do(monkeypatch, capsys):
