@@ -708,6 +708,7 @@ class ServingWorker:
         if self.queue_depth >= self.config.max_queue:
             raise WorkerBusyError(self.queue_depth, self.config.retry_after_s)
         self._held += 1
+        held = True
         try:
             # A request through a pipeline needs of this worker only the stage it heads, which waits for its own
             # layers: waiting for the whole model here (wait_full_load) would give the pipeline nothing to do.
@@ -723,19 +724,27 @@ class ServingWorker:
                 request = replace(request, max_tokens=self._room(len(prompt)))
             stop_ids = self._stop_token_ids(codec)
             if route is not None:
-                stream = await self._start_pipeline(route, prompt, request, stop_ids)
-                try:  # released while the prompt ran through the stages: the model its stream runs on closes
-                    self._check_open()
-                except ServeError:
-                    stream.cancel()
+                # Its prompt runs through the stages now (up to their step deadline while layers arrive): no longer
+                # in this worker's queue, where it refused the idle engine's requests as queue_full, but on the model
+                # (a release's drain waits for it).
+                self._held, held = self._held - 1, False
+                self._pipelined += 1
+                try:
+                    stream = await self._start_pipeline(route, prompt, request, stop_ids)
+                    try:  # released while the prompt ran through the stages: the model its stream runs on closes
+                        self._check_open()
+                    except ServeError:
+                        stream.cancel()
+                        raise
+                except BaseException:
+                    self._pipelined -= 1
                     raise
         finally:
-            self._held -= 1
+            if held:
+                self._held -= 1
         if route is None:
             stream = self._submit(prompt, request, stop_ids)
             self._submitted += 1
-        else:
-            self._pipelined += 1
         self.metrics.prompt_tokens.inc(len(prompt))
         return Generation(self, stream, prompt, CompletionText(codec, prompt, request.stop, stop_ids), arrived,
                           pipelined=route is not None)

@@ -457,6 +457,33 @@ async def test_requests_a_worker_heads_through_a_pipeline_are_not_its_engines_ba
                 response.close()
 
 
+async def test_a_pipelined_prompt_running_through_the_stages_is_not_in_the_heads_queue(pkg):
+    """Found in review: a head kept a pipelined request in its queue while its prompt ran through the stages (up to
+    the step deadline while their layers arrive), so two of them refused a request of its idle engine as
+    queue_full (max_queue 2)."""
+    async with serving(WorkerConfig(str(pkg), max_batch=2, max_queue=2)) as (a, wa, _, http), \
+            serving(WorkerConfig(str(pkg))) as (b, wb, _, _):
+        tail = await wb.wait_stage_runner(30)
+        run, gate, calls = tail.run, threading.Event(), []
+
+        def held(*args, **kwargs):  # the tail's prefill waits (its layers still arriving)
+            calls.append(args)
+            gate.wait(20)
+            return run(*args, **kwargs)
+
+        tail.run = held
+        header = {PIPELINE_HEADER: route([(a, 0, 3), (b, 3, 6)])}
+        pipelined = [asyncio.create_task(post(http, a, completion(4), header)) for _ in range(2)]
+        try:
+            await eventually(lambda: calls and wa.stage_runner().sessions == 2, 10)  # both past the head's layers
+            state = await health(http, a)
+            assert (state["queue_depth"], state["pipeline_sessions"]) == (0, 2), state
+            assert (await post(http, a, completion(2)))[0] == 200
+        finally:
+            gate.set()
+        assert [status for status, _ in await asyncio.gather(*pipelined)] == [200, 200]
+
+
 async def test_a_full_queue_at_the_heads_own_sampling_step_is_load_not_a_failure():
     """Found in review: with tied embeddings the head samples the token itself; its stage queue full at that step
     failed the request (503, the router took the pipeline out for 30 s) where the same at its layers is busy (429)."""
