@@ -4,7 +4,7 @@ whole within a size limit (:func:`read_capped`)."""
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -123,22 +123,35 @@ RUNNER_OPTIONS: dict[str, Any] = {"handler_cancellation": True, "lingering_time"
 
 #: The shortest drain a server takes (``drain_timeout_s`` 0: requests in flight are cut at once).
 MIN_DRAIN_S = 0.001
+#: How long past its time an app's own drain is waited for before it is cancelled (it should end by its time).
+DRAIN_OVERRUN_S = 1.0
 
 
 async def serve_until_signalled(app: "web.Application", host: str, port: int, drain_timeout_s: float,
-                                announce: Callable[[str], None], **runner_options: Any) -> None:
+                                announce: Callable[[str], None],
+                                drain: Callable[[float], Awaitable[None]] | None = None,
+                                **runner_options: Any) -> None:
     """Serve ``app`` on host:port (port 0: any free port) until SIGTERM, SIGINT or SIGHUP (not one ignored at start:
     :func:`~pipecast.core.signals.on_stop_signals`).
 
     ``announce`` gets the bound base URL once it listens. On a signal it stops listening, runs the app's
-    shutdown hooks and gives requests in flight ``drain_timeout_s`` to finish before cleaning up.
-    ``runner_options`` go to aiohttp's ``AppRunner``.
+    shutdown hooks and gives requests in flight ``drain_timeout_s`` to finish before cleaning up. With ``drain``,
+    the app drains itself first, still listening (a pipeline stage's calls come as new requests): ``drain`` is
+    awaited with the drain's time and should return once nothing runs, by that time at most (it is cut then);
+    what is left is cut at once after it. ``runner_options`` go to aiohttp's ``AppRunner``.
     """
     # aiohttp takes a shutdown timeout of 0 for none: --drain-timeout 0 waited on a request in flight for good.
-    async with listening(app, host, port, shutdown_timeout=max(drain_timeout_s, MIN_DRAIN_S), **runner_options) as url:
+    shutdown_s = MIN_DRAIN_S if drain is not None else max(drain_timeout_s, MIN_DRAIN_S)
+    async with listening(app, host, port, shutdown_timeout=shutdown_s, **runner_options) as url:
         announce(url)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         on_stop_signals(loop, stop.set)
         await stop.wait()
         log.info("stopping: draining requests in flight for up to %g s", drain_timeout_s)
+        if drain is not None:
+            try:
+                async with asyncio.timeout(drain_timeout_s + DRAIN_OVERRUN_S):
+                    await drain(drain_timeout_s)
+            except TimeoutError:
+                log.warning("the drain ran past its %g s: what still runs is cut", drain_timeout_s)

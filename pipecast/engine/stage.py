@@ -136,6 +136,11 @@ class StageRunner:
         with self._lock:
             return len(self._sessions)
 
+    def holds(self, session: str) -> bool:
+        """Whether ``session`` is held here (opened and neither closed nor expired)."""
+        with self._lock:
+            return session in self._sessions
+
     def run(self, session: str, layers: range, position: int, *, tokens: Sequence[int] | None = None,
             hidden: "torch.Tensor | None" = None, params: SamplingParams | None = None,
             want_logits: bool = False, norm_only: bool = False, timeout: float) -> StageOutput:

@@ -19,8 +19,9 @@ Endpoints:
   "queue_depth", "running", "max_queue", ...}`` with 200, or ``failed``/``draining`` with 503.
 - ``GET /v1/models`` and ``GET /metrics`` (Prometheus).
 
-:func:`run_worker` serves until SIGTERM, SIGINT or SIGHUP, then drains: it stops listening, refuses new requests,
-lets running ones finish for up to ``drain_timeout_s`` and closes the engine.
+:func:`run_worker` serves until SIGTERM, SIGINT or SIGHUP, then drains: still listening, it refuses new requests
+(503) and lets running ones, and the pipelined sessions it holds for other heads, finish for up to
+``drain_timeout_s``; then it stops listening and closes the engine.
 """
 
 import asyncio
@@ -195,7 +196,7 @@ async def stage_call(request: web.Request) -> web.Response:
         header, hidden = decode_frame(await _read_stage_frame(request, worker, received))
         call = StageCall.from_header(header)
         session, deadline = call.session, received + call.deadline_s
-        runner = await worker.wait_stage_runner(deadline - time.monotonic())
+        runner = await worker.wait_stage_runner(deadline - time.monotonic(), session)
         if call.package and call.package != worker.package_id:
             return _stage_error(f"this worker serves package {str(worker.package_id)[:12]}, the call is for "
                                 f"{call.package[:12]} (a route listed before a rollout)", 409)
@@ -471,8 +472,11 @@ def build_app(worker: ServingWorker, max_body_bytes: int = MAX_BODY_BYTES,
 
 async def run_worker(worker: ServingWorker, host: str, port: int, drain_timeout_s: float,
                      announce: Callable[[str], None]) -> None:
-    """Serve ``worker`` on host:port (port 0: any free port) until SIGTERM, SIGINT or SIGHUP, then drain.
+    """Serve ``worker`` on host:port (port 0: any free port) until SIGTERM, SIGINT or SIGHUP, then drain: still
+    listening, it refuses new requests (503) and gives those running, and the pipelined sessions it holds for
+    other heads, up to ``drain_timeout_s`` (:meth:`ServingWorker.drain_within`).
 
     ``announce`` gets the bound base URL as soon as the worker listens (before the model is in).
     """
-    await serve_until_signalled(build_app(worker), host, port, drain_timeout_s, announce, **RUNNER_OPTIONS)
+    await serve_until_signalled(build_app(worker), host, port, drain_timeout_s, announce, drain=worker.drain_within,
+                                **RUNNER_OPTIONS)

@@ -114,6 +114,8 @@ REWAIT_S = 30.0
 #: router may have sent one just before the release (the daemon reads a replica idle, then releases it).
 RELEASE_DRAIN_S = 30.0
 RELEASE_DRAIN_POLL_S = 0.05
+#: How often a worker draining before it stops looks whether its requests and pipelined sessions have ended.
+DRAIN_POLL_S = 0.05
 #: A request presenting a key the worker does not hold sends it to its agent again at most this often (s),
 #: waiting at most KEY_RECHECK_TIMEOUT_S for the answer.
 KEY_RECHECK_S = 5.0
@@ -584,6 +586,22 @@ class ServingWorker:
         if self._change is not None:
             self._notify()
 
+    async def drain_within(self, timeout: float) -> None:
+        """:meth:`drain`, then wait until nothing runs here, at most ``timeout`` seconds: no request on the model
+        (its own, or one it heads through a pipeline) and no pipelined session held for another head (a stage's
+        requests are its heads' streams: cut, they fail mid-stream where the router cannot retry them). The server
+        keeps listening meanwhile (the stages' calls come as new requests); it cuts what is left after."""
+        self.drain()
+        deadline = time.monotonic() + timeout
+        while self._running_on_model or self._held or (self._head is not None and self._head.runner.sessions):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("drain: %d request(s) and %d pipelined session(s) still running after %g s; cut",
+                            self._running_on_model + self._held,
+                            self._head.runner.sessions if self._head is not None else 0, timeout)
+                return
+            await asyncio.sleep(min(DRAIN_POLL_S, left))
+
     async def close(self) -> None:
         """Stop the engine (requests still running fail) and release the agent's blocks."""
         self.drain()
@@ -787,16 +805,20 @@ class ServingWorker:
             raise RequestFieldError("prompt", str(exc)) from None
         return await self._head.start(route, prompt, params)
 
-    def stage_runner(self) -> "StageRunner":
-        """The runner of this worker's pipeline stages; :class:`ModelUnavailableError` while no model is in."""
-        self._check_open()
+    def stage_runner(self, session: str | None = None) -> "StageRunner":
+        """The runner of this worker's pipeline stages; :class:`ModelUnavailableError` while no model is in. While
+        the worker drains, only for a call that continues ``session``, one it holds (a pipelined request under way
+        through it, which :meth:`drain_within` waits for); a new one is refused as any new request is."""
+        if not (self._closing and session is not None and self._head is not None
+                and self._head.runner.holds(session)):
+            self._check_open()
         if self._head is None:
             raise ModelUnavailableError("this worker has no model yet (its package's manifest has not arrived)")
         return self._head.runner
 
-    async def wait_stage_runner(self, timeout: float) -> "StageRunner":
-        """:meth:`stage_runner`, waiting up to ``timeout`` seconds for the model (a stage may be called while
-        its worker starts); TimeoutError beyond."""
+    async def wait_stage_runner(self, timeout: float, session: str | None = None) -> "StageRunner":
+        """:meth:`stage_runner` (for a call of ``session``), waiting up to ``timeout`` seconds for the model (a stage
+        may be called while its worker starts); TimeoutError beyond."""
         try:
             async with asyncio.timeout(timeout):
                 while self._head is None:
@@ -804,7 +826,7 @@ class ServingWorker:
                     await self._change.wait()
         except TimeoutError:
             raise TimeoutError(f"this worker's model did not start loading within {timeout:.3g} s") from None
-        return self.stage_runner()
+        return self.stage_runner(session)
 
     def forget_stage_session(self, session: str | None) -> None:
         """Drop a pipelined session's state here (its request ended or failed further down)."""

@@ -60,7 +60,7 @@ from pipecast.serve.errors import (
     WorkerClosingError,
 )
 from pipecast.serve import worker as worker_module
-from pipecast.serve.app import build_app
+from pipecast.serve.app import build_app, run_worker
 from pipecast.serve.worker import ServingWorker, WorkerConfig
 from tests.router.test_app import eventually
 from tests.serve.test_app import CLIENT_TIMEOUT, health, serving, wait_health
@@ -482,6 +482,43 @@ async def test_a_pipelined_prompt_running_through_the_stages_is_not_in_the_heads
         finally:
             gate.set()
         assert [status for status, _ in await asyncio.gather(*pipelined)] == [200, 200]
+
+
+async def test_a_stage_told_to_stop_serves_the_requests_under_way_through_it_then_stops(pkg):
+    """Found in review: a stage told to stop (SIGTERM: a rollout, a scale-down) stopped listening and refused every
+    call at once, --drain-timeout or not, so each pipelined request through it failed mid-stream, where the router
+    cannot retry it. It drains as it does its own requests: still listening, it serves the sessions it holds (and
+    refuses new ones) until they end."""
+    urls: list[str] = []
+    middle = ServingWorker(WorkerConfig(str(pkg)))
+    stopped = asyncio.create_task(run_worker(middle, "127.0.0.1", 0, 30.0, urls.append))
+    try:
+        async with serving(WorkerConfig(str(pkg))) as (a, _, _, http), \
+                serving(WorkerConfig(str(pkg))) as (c, wc, _, _):
+            await eventually(lambda: urls, 30)
+            await middle.wait_stage_runner(30)
+            tail = await wc.wait_stage_runner(30)
+            run = tail.run
+
+            def slow(*args, **kwargs):  # the request is still under way when the middle stage is told to stop
+                time.sleep(0.02)
+                return run(*args, **kwargs)
+
+            tail.run = slow
+            header = {PIPELINE_HEADER: route([(a, 0, 2), (urls[0], 2, 4), (c, 4, 6)])}
+            async with http.post(f"{a}/v1/completions", json=completion(40, stream=True), headers=header) as response:
+                await response.content.readline()
+                os.kill(os.getpid(), signal.SIGTERM)
+                await eventually(lambda: middle.health().status == "draining")
+                status, answer = await post(http, a, completion(4), header)  # a new one: before any answer left
+                assert (status, answer["error"]["code"]) == (503, "pipeline_stage_failed"), answer
+                assert answer["error"]["message"].endswith("answered 503: the worker is shutting down")
+                text = (await response.read()).decode()
+            assert '"error"' not in text and text.rstrip().endswith("data: [DONE]"), text[-300:]
+            await asyncio.wait_for(stopped, 10)  # once the session ended, not after the drain's 30 s
+    finally:
+        stopped.cancel()
+        await asyncio.gather(stopped, return_exceptions=True)
 
 
 async def test_a_full_queue_at_the_heads_own_sampling_step_is_load_not_a_failure():
