@@ -367,26 +367,27 @@ class AgentDaemon:
         an earlier call may have failed on them). A peer that fails is reported to ``on_failure`` (default
         :meth:`peer_failed`)."""
         report = on_failure or self.peer_failed
+        silent: set[PeerInfo] = set()  # peers silent for the manifest: asked last for the files
         store = self.peer_server.stores.get(package_id)
         if store is None:
-            store = await self._open_receiving_store(package_id, peers, pool, report)
+            store = await self._open_receiving_store(package_id, peers, pool, report, silent)
         missing = store.missing_files()
         if missing:
-            await fetch_files(pool, store, peers, report, self.options.policy)
+            await fetch_files(pool, store, peers, report, self.options.policy, silent)
             if self.cache is not None:
                 for path in missing:
                     await asyncio.to_thread(self.cache.write_file, store.package_id, path, store.files[path])
         return store
 
     async def _open_receiving_store(self, package_id: str, peers: Sequence[PeerInfo], pool: ChannelPool,
-                                    report: PeerFailureCallback) -> BlockStore:
+                                    report: PeerFailureCallback, silent: set[PeerInfo]) -> BlockStore:
         # Reading a cached manifest (10 MB for a large model) takes ~0.6 s: not on the loop, which forwards chunks.
         cached = (await asyncio.to_thread(self.cache.local_package, package_id, use=True) if self.cache is not None
                   else None)
         if cached is not None:
             manifest, origin = cached.manifest, cached.description
         else:
-            manifest, peer = await fetch_manifest(pool, package_id, peers, report, self.options.policy)
+            manifest, peer = await fetch_manifest(pool, package_id, peers, report, self.options.policy, silent)
             origin = f"peer {peer}"
             if self.cache is not None:
                 await asyncio.to_thread(self.cache.write_manifest, manifest)

@@ -12,9 +12,8 @@ peer tried so that a control plane can re-parent. A peer given up on is not aske
 
 The manifest and small files (tokenizer, config) come from the first peer that gives them; a failed connection
 to a peer is retried as a parent's is (a static plan's seed may not listen yet), a bad answer or a silent peer is
-not. Small files
-are fetched in ranges that each hop serves as soon as it has them, so a chain forwards them like blocks instead of
-each hop waiting for its parent's whole copy.
+not (a silent one is asked last for the files after). Small files are fetched in ranges that each hop serves as
+soon as it has them, so a chain forwards them like blocks instead of each hop waiting for its parent's whole copy.
 
 Whatever goes wrong with a peer's answer is that peer's failure, logged, reported and followed by the next
 peer: a fetch never dies of a peer's bytes. A failure that is not a :class:`PeerError` already (a parser or
@@ -237,9 +236,17 @@ async def _manifest_from(pool: ChannelPool, package_id: str, peer: PeerInfo, rea
     return await asyncio.to_thread(verified_manifest, data, package_id, peer)
 
 
+def _silent_last(peers: Sequence[PeerInfo], silent: set[PeerInfo]) -> list[PeerInfo]:
+    """``peers`` once each, those ``silent`` for a whole I/O timeout already last (a hung relay costs a timeout
+    each time it is asked)."""
+    distinct = list(dict.fromkeys(peers))
+    return [p for p in distinct if p not in silent] + [p for p in distinct if p in silent]
+
+
 async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[PeerInfo],
                          on_failure: PeerFailureCallback | None = None,
-                         policy: FetchPolicy = FetchPolicy()) -> tuple[Manifest, PeerInfo]:
+                         policy: FetchPolicy = FetchPolicy(),
+                         silent: set[PeerInfo] | None = None) -> tuple[Manifest, PeerInfo]:
     """The manifest of ``package_id`` from the first of ``peers`` that gives a valid one.
 
     Valid means it parses, is consistent, and is the manifest whose digest is ``package_id`` (the id covers
@@ -247,17 +254,20 @@ async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[Pee
     else is kept of a peer's answer: an invalid one (:func:`verified_manifest`), or any other failure, is
     logged and reported (``on_failure``) and the next peer is asked; :class:`FetchFailedError` names every
     peer tried once none is left. A failed connection, or one this node lacks the resources for, is tried
-    again as ``policy`` says (:meth:`_Tries.ask`).
+    again as ``policy`` says (:meth:`_Tries.ask`). A peer silent for a whole I/O timeout is added to ``silent``
+    (shared with :func:`fetch_files`: asked last there), and one in it already is asked last here.
     """
     tries = _Tries(policy, _failed_connection, on_failure)
-    for peer in dict.fromkeys(peers):
+    silent = set() if silent is None else silent
+    for peer in _silent_last(peers, silent):
         try:
             manifest = await tries.ask(peer, f"manifest of {package_id[:12]}",
                                        partial(_manifest_from, pool, package_id, peer, tries.reached),
                                        reported=MANIFEST_FILE)
             return manifest, peer
-        except PeerError:  # logged, reported and kept in tries.attempts: the next peer
-            continue
+        except PeerError as exc:  # logged, reported and kept in tries.attempts: the next peer
+            if isinstance(exc, PeerTimeoutError):
+                silent.add(peer)
     raise FetchFailedError(f"the manifest of package {package_id[:12]}", tries.attempts)
 
 
@@ -285,22 +295,26 @@ async def _fetch_file_ranges(channel: Channel, store: BlockStore, path: str, siz
 
 
 async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[PeerInfo],
-                      on_failure: PeerFailureCallback | None = None, policy: FetchPolicy = FetchPolicy()) -> None:
+                      on_failure: PeerFailureCallback | None = None, policy: FetchPolicy = FetchPolicy(),
+                      silent: set[PeerInfo] | None = None) -> None:
     """Fetch the package's small files the store lacks, range by range, each file verified against the
     manifest once whole. A peer that fails mid-file leaves nothing behind: the next try starts over. A failed
     connection, or one this node lacks the resources for, is tried again as ``policy`` says
-    (:meth:`_Tries.ask`); any other failure moves on to the next peer."""
+    (:meth:`_Tries.ask`); any other failure moves on to the next peer. A peer silent for a whole I/O timeout (on a
+    file here, or in ``silent`` already: the manifest's fetch) is asked last for the files after."""
     sizes = {f.path: f.bytes for f in store.manifest.files}
     reached: set[PeerInfo] = set()
+    silent = set() if silent is None else silent
     for path in store.missing_files():
         tries = _Tries(policy, _failed_connection, on_failure, reached)
-        for peer in dict.fromkeys(peers):
+        for peer in _silent_last(peers, silent):
             try:
                 request = partial(_file_from, pool, store, path, sizes[path], peer, reached)
                 await tries.ask(peer, f"file {path}", request, reported=path)
                 break
-            except PeerError:  # logged, reported and kept in tries.attempts: the next peer
-                continue
+            except PeerError as exc:  # logged, reported and kept in tries.attempts: the next peer
+                if isinstance(exc, PeerTimeoutError):
+                    silent.add(peer)
         else:
             raise FetchFailedError(f"file {path}", tries.attempts)
 

@@ -87,6 +87,13 @@ class Sequence:
         return emit(self.stream, token, self.generated, self.params)
 
 
+def device_check(device: "torch.device") -> None:
+    """Run one small kernel on ``device`` and read its result: a sticky accelerator fault fails any kernel."""
+    import torch
+
+    torch.ones(1, device=device).add_(1).sum().item()
+
+
 class StepScheduler:
     """Prefills and decodes the sequences it holds; at most ``max_batch`` at a time."""
 
@@ -144,13 +151,17 @@ class StepScheduler:
     def probe(self) -> None:
         """Run a one-token prompt through the parts loaded, its answer dropped, and raise what the device raises:
         whether the engine can still compute at all after requests failed one after another (each its own
-        fault, or the device's). Nothing else is touched: the probe takes no KV cache row."""
+        fault, or the device's). Without the embeddings yet (a stage holding later layers) it runs one small
+        kernel on the device instead (:func:`device_check`). Nothing else is touched: the probe takes no KV cache
+        row."""
         seq = Sequence(prompt=[0], params=SamplingParams(max_tokens=1), stream=TokenStream(-1, lambda _: None))
         self.prefilling.append(seq)
         try:
             self._advance_prefill(seq)
             if seq.hidden is not None:  # a device's errors surface at a synchronisation: one read of the result
                 seq.hidden.sum().item()
+            else:  # nothing ran (found in review: the probe passed a stage-only worker's broken device)
+                device_check(self.model.device)
         finally:
             if seq in self.prefilling:
                 self.prefilling.remove(seq)

@@ -188,7 +188,12 @@ def _route(request: web.Request) -> tuple[Hop, ...] | None:
 async def stage_call(request: web.Request) -> web.Response:
     """``POST /v1/stage``: run this worker's layers of a pipelined request and call the next stage
     (:mod:`pipecast.serve.pipeline`); the answer is the last stage's token, or an error naming the stage
-    that failed (``node``: null for this one)."""
+    that failed (``node``: null for this one). Counted while it runs (a drain waits for it)."""
+    with request.app[WORKER].stage_call():
+        return await _serve_stage_call(request)
+
+
+async def _serve_stage_call(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
     received = time.monotonic()
     session = None

@@ -39,7 +39,8 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -196,6 +197,7 @@ class ServingWorker:
         self._held = 0        # admitted, waiting for the model (or the full model) before the engine
         self._submitted = 0   # in the engine, not finished
         self._pipelined = 0   # through a pipeline this worker heads, not finished (not in its engine's batch)
+        self._stage_calls = 0  # stage calls of other heads' pipelines being served here
         self._loop: asyncio.AbstractEventLoop | None = None
         self._change: asyncio.Event | None = None
         self._released = False
@@ -593,12 +595,13 @@ class ServingWorker:
         keeps listening meanwhile (the stages' calls come as new requests); it cuts what is left after."""
         self.drain()
         deadline = time.monotonic() + timeout
-        while self._running_on_model or self._held or (self._head is not None and self._head.runner.sessions):
+        while (self._running_on_model or self._held or self._stage_calls
+               or (self._head is not None and self._head.runner.sessions)):
             left = deadline - time.monotonic()
             if left <= 0:
-                log.warning("drain: %d request(s) and %d pipelined session(s) still running after %g s; cut",
-                            self._running_on_model + self._held,
-                            self._head.runner.sessions if self._head is not None else 0, timeout)
+                log.warning("drain: %d request(s), %d pipelined session(s) and %d stage call(s) still running after "
+                            "%g s; cut", self._running_on_model + self._held,
+                            self._head.runner.sessions if self._head is not None else 0, self._stage_calls, timeout)
                 return
             await asyncio.sleep(min(DRAIN_POLL_S, left))
 
@@ -693,6 +696,10 @@ class ServingWorker:
     def _check_open(self) -> None:
         if self._closing:
             raise WorkerClosingError()
+        self._check_model()
+
+    def _check_model(self) -> None:
+        """Raise unless the model is in and can serve (released, or failed: 503)."""
         if self._released:
             raise ModelUnavailableError(f"package {self.config.package} {self._unloaded_why}; the worker waits for "
                                         "it to come back")
@@ -749,8 +756,10 @@ class ServingWorker:
                 self._pipelined += 1
                 try:
                     stream = await self._start_pipeline(route, prompt, request, stop_ids)
-                    try:  # released while the prompt ran through the stages: the model its stream runs on closes
-                        self._check_open()
+                    # Released while the prompt ran through the stages: the model its stream runs on closes. Not
+                    # when the worker drains: its drain waits for this request, which has its first token.
+                    try:
+                        self._check_model()
                     except ServeError:
                         stream.cancel()
                         raise
@@ -827,6 +836,16 @@ class ServingWorker:
         except TimeoutError:
             raise TimeoutError(f"this worker's model did not start loading within {timeout:.3g} s") from None
         return self.stage_runner(session)
+
+    @contextmanager
+    def stage_call(self) -> Iterator[None]:
+        """Around a stage call this worker serves: counted, so that a drain waits for one in flight before its
+        session opens (a prefill waiting for its layers or its turn)."""
+        self._stage_calls += 1
+        try:
+            yield
+        finally:
+            self._stage_calls -= 1
 
     def forget_stage_session(self, session: str | None) -> None:
         """Drop a pipelined session's state here (its request ended or failed further down)."""

@@ -273,9 +273,12 @@ async def test_any_exception_from_a_peer_is_that_peers_failure_and_the_next_peer
                         ("block 0", "odd", PeerProtocolError), ("block 0", "odd", PeerProtocolError)]
 
 
-async def test_a_silent_peer_is_asked_once_for_the_manifest_and_each_file_then_the_next_peer(package, honest):
+@pytest.mark.parametrize("shared", [False, True], ids=["apart", "shared"])
+async def test_a_silent_peer_is_asked_once_then_last_for_the_files_after(package, honest, shared):
     """Found by a flaky cluster test: a relay asking its hung parent for config.json asked it again after each
-    I/O timeout, so its own child, waiting on the relay for the file, gave up on the relay and blamed it."""
+    I/O timeout, so its own child, waiting on the relay for the file, gave up on the relay and blamed it. Found
+    in review of that fix: the hung peer then cost a timeout for each file still; it is asked last after its
+    first (the manifest's, where the caller shares what it learnt)."""
     root, manifest = package
     hung = PeerInfo("hung", "127.0.0.1:9")
     transport = StubTransport({"hung": PeerTimeoutError("hung@127.0.0.1:9", "silent for 1 s")})
@@ -288,18 +291,19 @@ async def test_a_silent_peer_is_asked_once_for_the_manifest_and_each_file_then_t
     store = None
     try:
         policy = FetchPolicy(retries=2, backoff_s=0.01)
-        got, _ = await fetch_manifest(pool, manifest.package_id, [hung, honest], record, policy)
-        assert got == manifest
+        silent = set()
+        got, _ = await fetch_manifest(pool, manifest.package_id, [hung, honest], record, policy, silent)
+        assert got == manifest and silent == {hung}
         store = receiving_store(manifest)
-        await fetch_files(pool, store, [hung, honest], record, policy)
+        await fetch_files(pool, store, [hung, honest], record, policy, silent if shared else None)
         assert store.missing_files() == []
     finally:
         if store is not None:
             store.close()
         await pool.close()
         await transport.tcp.close()
-    assert failures == [(MANIFEST_FILE, "hung", PeerTimeoutError),
-                        *((f.path, "hung", PeerTimeoutError) for f in manifest.files)]
+    first_file = [] if shared else [(manifest.files[0].path, "hung", PeerTimeoutError)]
+    assert len(manifest.files) >= 2 and failures == [(MANIFEST_FILE, "hung", PeerTimeoutError), *first_file]
 
 
 async def test_this_nodes_own_failure_ends_a_fetch_without_blaming_the_peer(package, honest, pool):

@@ -20,10 +20,11 @@ from pipecast.engine.errors import (
     ModelLoadError,
 )
 from pipecast.engine.kv_cache import CAPACITY_STEP
-from pipecast.engine.providers import DelayedProvider, PackageFolderProvider
+from pipecast.engine.providers import AgentBlockProvider, DelayedProvider, PackageFolderProvider
 from pipecast.engine.sampling import SamplingParams
+from pipecast.engine.stage import StageRunner
 from pipecast.engine.streams import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP
-from tests.support.engine_fixtures import random_prompt, wait_until
+from tests.support.engine_fixtures import GatedAgent, random_prompt, wait_until
 from tests.support.packages import tiny_package
 
 PROMPT = random_prompt(9, 7)
@@ -339,6 +340,29 @@ def test_forward_passes_outside_the_engine_thread_count_toward_the_device_probe(
         with pytest.raises(DeviceFaultError, match=message):  # no pass runs on the device any more
             engine.logits(ids, timeout=30)
         assert engine.steps == 0  # the probe is no step of the engine's
+
+
+def test_the_probe_of_a_stage_without_the_embeddings_yet_runs_a_kernel_on_the_device(pkg, monkeypatch):
+    """Found in review: a worker holding later layers before the embeddings (a rotated plan's stage) probed
+    nothing, its probe passed, and a device failing every stage call never stopped the engine. The probe runs one
+    small kernel on the device then; here it fails as a sticky fault's would (a CPU's kernels cannot)."""
+    fault = "CUDA error: an illegal memory access was encountered"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(fault)
+
+    agent = GatedAgent(pkg)
+    with Engine(AgentBlockProvider(agent, package_id=None, where="gated agent", timeout_s=30)).start() as engine:
+        agent.release(2, 3)  # a tail stage's blocks came first; block 0 (the embeddings) has not
+        tail = StageRunner(engine.model)
+        tail.waiter(tail.parts(range(2, 4)))(10)
+        monkeypatch.setattr(engine.model, "run_layer", broken)
+        monkeypatch.setattr(batching, "device_check", broken)
+        for i in range(PROBE_AFTER_FAILURES):
+            with pytest.raises(RuntimeError, match=fault):
+                engine.while_open(tail.run, f"s{i}", range(2, 4), 0, hidden=torch.zeros(1, 3, 64), timeout=5)
+        wait_until(lambda: engine.failure is not None)
+        assert engine.failure.endswith(f"one-token probe failed too: RuntimeError: {fault}")
 
 
 @pytest.mark.parametrize("error", [

@@ -521,6 +521,40 @@ async def test_a_stage_told_to_stop_serves_the_requests_under_way_through_it_the
         await asyncio.gather(stopped, return_exceptions=True)
 
 
+@pytest.mark.parametrize("stopping", ["head", "middle"])
+async def test_a_prefill_under_way_when_its_stage_is_told_to_stop_is_answered(pkg, stopping):
+    """Found in review of the stage's drain: a head told to stop waited for its pipelined prefill, then failed it
+    (503) for the drain; a middle stage whose call had not opened its session yet (its layers arriving) was not
+    waited for, and the call was cut."""
+    urls: list[str] = []
+    stopped_worker = ServingWorker(WorkerConfig(str(pkg)))
+    stopped = asyncio.create_task(run_worker(stopped_worker, "127.0.0.1", 0, 30.0, urls.append))
+    try:
+        async with serving(WorkerConfig(str(pkg))) as (a, _, _, http), \
+                serving(WorkerConfig(str(pkg))) as (c, wc, _, _):
+            await eventually(lambda: urls, 30)
+            slowed = await (stopped_worker if stopping == "middle" else wc).wait_stage_runner(30)
+            run, calls = slowed.run, []
+
+            def slow(*args, **kwargs):  # a prefill waiting for its layers, before its session opens
+                calls.append(args)
+                time.sleep(1.0)
+                return run(*args, **kwargs)
+
+            slowed.run = slow
+            head, cuts = (a, [(a, 0, 2), (urls[0], 2, 4), (c, 4, 6)]) if stopping == "middle" else (
+                urls[0], [(urls[0], 0, 3), (c, 3, 6)])
+            request = asyncio.create_task(post(http, head, completion(4), {PIPELINE_HEADER: route(cuts)}))
+            await eventually(lambda: calls, 10)
+            os.kill(os.getpid(), signal.SIGTERM)
+            status, answer = await request
+            assert status == 200 and len(answer["choices"][0]["token_ids"]) == 4, answer
+            await asyncio.wait_for(stopped, 10)
+    finally:
+        stopped.cancel()
+        await asyncio.gather(stopped, return_exceptions=True)
+
+
 async def test_a_full_queue_at_the_heads_own_sampling_step_is_load_not_a_failure():
     """Found in review: with tied embeddings the head samples the token itself; its stage queue full at that step
     failed the request (503, the router took the pipeline out for 30 s) where the same at its layers is busy (429)."""
