@@ -136,6 +136,13 @@ class StageRunner:
         with self._lock:
             return len(self._sessions)
 
+    def live_sessions(self) -> int:
+        """Sessions that may still get a call: one running, or whose last step's deadline has not passed (one whose
+        head went away without closing it is held until it expires, but is not live)."""
+        now = self._clock()
+        with self._lock:
+            return sum(1 for state in self._sessions.values() if state.lock.locked() or now < state.busy_until)
+
     def holds(self, session: str) -> bool:
         """Whether ``session`` is held here (opened and neither closed nor expired)."""
         with self._lock:

@@ -189,11 +189,11 @@ async def stage_call(request: web.Request) -> web.Response:
     """``POST /v1/stage``: run this worker's layers of a pipelined request and call the next stage
     (:mod:`pipecast.serve.pipeline`); the answer is the last stage's token, or an error naming the stage
     that failed (``node``: null for this one). Counted while it runs (a drain waits for it)."""
-    with request.app[WORKER].stage_call():
-        return await _serve_stage_call(request)
+    with request.app[WORKER].stage_call() as admitted:
+        return await _serve_stage_call(request, admitted)
 
 
-async def _serve_stage_call(request: web.Request) -> web.Response:
+async def _serve_stage_call(request: web.Request, admitted: bool) -> web.Response:
     worker = request.app[WORKER]
     received = time.monotonic()
     session = None
@@ -201,7 +201,7 @@ async def _serve_stage_call(request: web.Request) -> web.Response:
         header, hidden = decode_frame(await _read_stage_frame(request, worker, received))
         call = StageCall.from_header(header)
         session, deadline = call.session, received + call.deadline_s
-        runner = await worker.wait_stage_runner(deadline - time.monotonic(), session)
+        runner = await worker.wait_stage_runner(deadline - time.monotonic(), session, admitted)
         if call.package and call.package != worker.package_id:
             return _stage_error(f"this worker serves package {str(worker.package_id)[:12]}, the call is for "
                                 f"{call.package[:12]} (a route listed before a rollout)", 409)

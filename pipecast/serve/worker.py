@@ -590,18 +590,20 @@ class ServingWorker:
 
     async def drain_within(self, timeout: float) -> None:
         """:meth:`drain`, then wait until nothing runs here, at most ``timeout`` seconds: no request on the model
-        (its own, or one it heads through a pipeline) and no pipelined session held for another head (a stage's
-        requests are its heads' streams: cut, they fail mid-stream where the router cannot retry them). The server
-        keeps listening meanwhile (the stages' calls come as new requests); it cuts what is left after."""
+        (its own, or one it heads through a pipeline), no stage call that came before the drain, and no live
+        pipelined session held for another head (a stage's requests are its heads' streams: cut, they fail
+        mid-stream where the router cannot retry them; one whose head left without closing it is not waited for).
+        The server keeps listening meanwhile (the stages' calls come as new requests); it cuts what is left after."""
         self.drain()
         deadline = time.monotonic() + timeout
         while (self._running_on_model or self._held or self._stage_calls
-               or (self._head is not None and self._head.runner.sessions)):
+               or (self._head is not None and self._head.runner.live_sessions())):
             left = deadline - time.monotonic()
             if left <= 0:
                 log.warning("drain: %d request(s), %d pipelined session(s) and %d stage call(s) still running after "
                             "%g s; cut", self._running_on_model + self._held,
-                            self._head.runner.sessions if self._head is not None else 0, self._stage_calls, timeout)
+                            self._head.runner.live_sessions() if self._head is not None else 0, self._stage_calls,
+                            timeout)
                 return
             await asyncio.sleep(min(DRAIN_POLL_S, left))
 
@@ -814,20 +816,22 @@ class ServingWorker:
             raise RequestFieldError("prompt", str(exc)) from None
         return await self._head.start(route, prompt, params)
 
-    def stage_runner(self, session: str | None = None) -> "StageRunner":
+    def stage_runner(self, session: str | None = None, admitted: bool = False) -> "StageRunner":
         """The runner of this worker's pipeline stages; :class:`ModelUnavailableError` while no model is in. While
-        the worker drains, only for a call that continues ``session``, one it holds (a pipelined request under way
-        through it, which :meth:`drain_within` waits for); a new one is refused as any new request is."""
-        if not (self._closing and session is not None and self._head is not None
-                and self._head.runner.holds(session)):
+        the worker drains, only for a call ``admitted`` before the drain began, or one that continues ``session``, a
+        session it holds (a pipelined request under way through it: :meth:`drain_within` waits for both); a new
+        one is refused as any new request is."""
+        if not (self._closing and (admitted or (session is not None and self._head is not None
+                                                and self._head.runner.holds(session)))):
             self._check_open()
         if self._head is None:
             raise ModelUnavailableError("this worker has no model yet (its package's manifest has not arrived)")
         return self._head.runner
 
-    async def wait_stage_runner(self, timeout: float, session: str | None = None) -> "StageRunner":
-        """:meth:`stage_runner` (for a call of ``session``), waiting up to ``timeout`` seconds for the model (a stage
-        may be called while its worker starts); TimeoutError beyond."""
+    async def wait_stage_runner(self, timeout: float, session: str | None = None,
+                                admitted: bool = False) -> "StageRunner":
+        """:meth:`stage_runner` (for a call of ``session``, ``admitted`` or not), waiting up to ``timeout`` seconds
+        for the model (a stage may be called while its worker starts); TimeoutError beyond."""
         try:
             async with asyncio.timeout(timeout):
                 while self._head is None:
@@ -835,15 +839,19 @@ class ServingWorker:
                     await self._change.wait()
         except TimeoutError:
             raise TimeoutError(f"this worker's model did not start loading within {timeout:.3g} s") from None
-        return self.stage_runner(session)
+        return self.stage_runner(session, admitted)
 
     @contextmanager
-    def stage_call(self) -> Iterator[None]:
-        """Around a stage call this worker serves: counted, so that a drain waits for one in flight before its
-        session opens (a prefill waiting for its layers or its turn)."""
+    def stage_call(self) -> Iterator[bool]:
+        """Around a stage call this worker serves: whether it came before a drain began. Such a call is counted,
+        so that the drain waits for one in flight before its session opens (a prefill waiting for its layers or
+        its turn), and admitted (:meth:`stage_runner`); one that came after is neither."""
+        if self._closing:
+            yield False
+            return
         self._stage_calls += 1
         try:
-            yield
+            yield True
         finally:
             self._stage_calls -= 1
 

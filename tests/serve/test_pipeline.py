@@ -25,6 +25,7 @@ from aiohttp import web
 import pipecast
 from pipecast.serve.pipeline import (
     PIPELINE_HEADER,
+    STAGE_CLOSE_PATH,
     STAGE_HEADER_BYTES,
     STAGE_PATH,
     STAGE_POSITIONS_UNKNOWN,
@@ -550,6 +551,46 @@ async def test_a_prefill_under_way_when_its_stage_is_told_to_stop_is_answered(pk
             status, answer = await request
             assert status == 200 and len(answer["choices"][0]["token_ids"]) == 4, answer
             await asyncio.wait_for(stopped, 10)
+    finally:
+        stopped.cancel()
+        await asyncio.gather(stopped, return_exceptions=True)
+
+
+async def test_a_stage_draining_serves_a_call_that_came_before_and_waits_for_no_session_its_head_left(pkg):
+    """Found in review of the stage's drain: a prefill call whose body was still arriving when the drain began was
+    waited for, then refused (503); and a session whose head went away without closing it held the drain for its
+    whole --drain-timeout (sessions expire after minutes)."""
+    urls: list[str] = []
+    worker = ServingWorker(WorkerConfig(str(pkg)))
+    stopped = asyncio.create_task(run_worker(worker, "127.0.0.1", 0, 30.0, urls.append))
+    try:
+        await eventually(lambda: urls, 30)
+        runner = await worker.wait_stage_runner(30)
+        width, layers = runner.model.config.hidden_size, runner.model.num_layers
+        async with aiohttp.ClientSession() as http:  # a head's prefill, answered; then the head is gone
+            left = StageCall("left", range(3, layers), 0, 0.5, (), SamplingParams(max_tokens=4, temperature=0))
+            async with http.post(urls[0] + STAGE_PATH, data=encode_frame(left.header(), torch.zeros(1, 3, width))) \
+                    as response:
+                assert response.status == 200
+        await asyncio.sleep(0.6)  # past its step's deadline: no call of it is under way anywhere
+        call = StageCall("new", range(3, layers), 0, 20.0, (), SamplingParams(max_tokens=4, temperature=0))
+        frame = encode_frame(call.header(), torch.zeros(1, 3, width))
+        host, port = urls[0].removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST {STAGE_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(frame)}\r\n\r\n".encode()
+                     + frame[:len(frame) // 2])
+        await writer.drain()
+        await eventually(lambda: worker._stage_calls == 1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await eventually(lambda: worker.health().status == "draining")
+        writer.write(frame[len(frame) // 2:])
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 200"), "refused"
+        writer.close()
+        async with aiohttp.ClientSession() as http:  # its request ends: its head closes it
+            async with http.post(urls[0] + STAGE_CLOSE_PATH, json={"session": "new", "next": []}) as response:
+                assert response.status == 200
+        await asyncio.wait_for(stopped, 5)  # the session its head left held it back for the drain's 30 s
     finally:
         stopped.cancel()
         await asyncio.gather(stopped, return_exceptions=True)
