@@ -123,6 +123,22 @@ def error_response(error: ServeError) -> web.Response:
     return web.json_response(error_body(error), status=error.status, headers=headers)
 
 
+#: Set on each POST: whether it came before the worker began to drain (:meth:`ServingWorker.request`).
+ADMITTED = web.RequestKey("admitted", bool)
+
+
+@web.middleware
+async def count_requests(request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Every POST is counted while its handler runs, if it came before the worker began to drain: the drain waits
+    for those to end, their last bytes written, and serves a stage call among them whose session opens after."""
+    if request.method != "POST":
+        return await handler(request)
+    with request.app[WORKER].request() as admitted:
+        request[ADMITTED] = admitted
+        return await handler(request)
+
+
 @web.middleware
 async def check_serving_key(request: web.Request,
                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -188,12 +204,7 @@ def _route(request: web.Request) -> tuple[Hop, ...] | None:
 async def stage_call(request: web.Request) -> web.Response:
     """``POST /v1/stage``: run this worker's layers of a pipelined request and call the next stage
     (:mod:`pipecast.serve.pipeline`); the answer is the last stage's token, or an error naming the stage
-    that failed (``node``: null for this one). Counted while it runs (a drain waits for it)."""
-    with request.app[WORKER].stage_call() as admitted:
-        return await _serve_stage_call(request, admitted)
-
-
-async def _serve_stage_call(request: web.Request, admitted: bool) -> web.Response:
+    that failed (``node``: null for this one)."""
     worker = request.app[WORKER]
     received = time.monotonic()
     session = None
@@ -201,7 +212,7 @@ async def _serve_stage_call(request: web.Request, admitted: bool) -> web.Respons
         header, hidden = decode_frame(await _read_stage_frame(request, worker, received))
         call = StageCall.from_header(header)
         session, deadline = call.session, received + call.deadline_s
-        runner = await worker.wait_stage_runner(deadline - time.monotonic(), session, admitted)
+        runner = await worker.wait_stage_runner(deadline - time.monotonic(), session, request[ADMITTED])
         if call.package and call.package != worker.package_id:
             return _stage_error(f"this worker serves package {str(worker.package_id)[:12]}, the call is for "
                                 f"{call.package[:12]} (a route listed before a rollout)", 409)
@@ -448,7 +459,7 @@ def build_app(worker: ServingWorker, max_body_bytes: int = MAX_BODY_BYTES,
               body_timeout_s: float = BODY_TIMEOUT_S) -> web.Application:
     """The aiohttp application of ``worker``; the worker starts loading when the application starts.
     ``body_timeout_s``: the longest a completion request's body may take to arrive (:data:`BODY_TIMEOUT_S`)."""
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[check_serving_key])
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[count_requests, check_serving_key])
     app[WORKER] = worker
     app[MAX_BODY] = max_body_bytes
     app[BODY_TIMEOUT] = body_timeout_s

@@ -197,7 +197,7 @@ class ServingWorker:
         self._held = 0        # admitted, waiting for the model (or the full model) before the engine
         self._submitted = 0   # in the engine, not finished
         self._pipelined = 0   # through a pipeline this worker heads, not finished (not in its engine's batch)
-        self._stage_calls = 0  # stage calls of other heads' pipelines being served here
+        self._requests = 0  # requests whose handlers run, of those that came before a drain began
         self._loop: asyncio.AbstractEventLoop | None = None
         self._change: asyncio.Event | None = None
         self._released = False
@@ -589,21 +589,20 @@ class ServingWorker:
             self._notify()
 
     async def drain_within(self, timeout: float) -> None:
-        """:meth:`drain`, then wait until nothing runs here, at most ``timeout`` seconds: no request on the model
-        (its own, or one it heads through a pipeline), no stage call that came before the drain, and no live
-        pipelined session held for another head (a stage's requests are its heads' streams: cut, they fail
+        """:meth:`drain`, then wait until nothing runs here, at most ``timeout`` seconds: no request that came before
+        the drain (:meth:`request`: answered to its last byte), none on the model, and no live pipelined session held
+        for another head (a stage's requests are its heads' streams: cut, they fail
         mid-stream where the router cannot retry them; one whose head left without closing it is not waited for).
         The server keeps listening meanwhile (the stages' calls come as new requests); it cuts what is left after."""
         self.drain()
         deadline = time.monotonic() + timeout
-        while (self._running_on_model or self._held or self._stage_calls
+        while (self._requests or self._running_on_model
                or (self._head is not None and self._head.runner.live_sessions())):
             left = deadline - time.monotonic()
             if left <= 0:
-                log.warning("drain: %d request(s), %d pipelined session(s) and %d stage call(s) still running after "
-                            "%g s; cut", self._running_on_model + self._held,
-                            self._head.runner.live_sessions() if self._head is not None else 0, self._stage_calls,
-                            timeout)
+                log.warning("drain: %d request(s) and %d pipelined session(s) still running after %g s; cut",
+                            max(self._requests, self._running_on_model),
+                            self._head.runner.live_sessions() if self._head is not None else 0, timeout)
                 return
             await asyncio.sleep(min(DRAIN_POLL_S, left))
 
@@ -842,18 +841,20 @@ class ServingWorker:
         return self.stage_runner(session, admitted)
 
     @contextmanager
-    def stage_call(self) -> Iterator[bool]:
-        """Around a stage call this worker serves: whether it came before a drain began. Such a call is counted,
-        so that the drain waits for one in flight before its session opens (a prefill waiting for its layers or
-        its turn), and admitted (:meth:`stage_runner`); one that came after is neither."""
+    def request(self) -> Iterator[bool]:
+        """Around a request this worker serves (a completion, a stage call): whether it came before a drain began.
+        Such a request is counted while its handler runs, so that the drain waits for it to end, its answer's last
+        bytes written, and a stage call among them is admitted (:meth:`stage_runner`) though its session opens after
+        (a prefill waiting for its layers or its turn); one that came after is neither (a stalled body would hold
+        the drain)."""
         if self._closing:
             yield False
             return
-        self._stage_calls += 1
+        self._requests += 1
         try:
             yield True
         finally:
-            self._stage_calls -= 1
+            self._requests -= 1
 
     def forget_stage_session(self, session: str | None) -> None:
         """Drop a pipelined session's state here (its request ended or failed further down)."""

@@ -580,7 +580,7 @@ async def test_a_stage_draining_serves_a_call_that_came_before_and_waits_for_no_
         writer.write(f"POST {STAGE_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(frame)}\r\n\r\n".encode()
                      + frame[:len(frame) // 2])
         await writer.drain()
-        await eventually(lambda: worker._stage_calls == 1)
+        await eventually(lambda: worker._requests == 1)
         os.kill(os.getpid(), signal.SIGTERM)
         await eventually(lambda: worker.health().status == "draining")
         writer.write(frame[len(frame) // 2:])
