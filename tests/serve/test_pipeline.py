@@ -485,41 +485,48 @@ async def test_a_pipelined_prompt_running_through_the_stages_is_not_in_the_heads
         assert [status for status, _ in await asyncio.gather(*pipelined)] == [200, 200]
 
 
+@asynccontextmanager
+async def signalled_worker(pkg):
+    """A worker served as `pipecast serve` serves it (:func:`run_worker`: drained on SIGTERM, for 30 s at most): its
+    URL, the worker, and the task that ends once it stopped."""
+    urls: list[str] = []
+    worker = ServingWorker(WorkerConfig(str(pkg)))
+    stopped = asyncio.create_task(run_worker(worker, "127.0.0.1", 0, 30.0, urls.append))
+    try:
+        await eventually(lambda: urls, 30)
+        await worker.wait_stage_runner(30)
+        yield urls[0], worker, stopped
+    finally:
+        stopped.cancel()
+        await asyncio.gather(stopped, return_exceptions=True)
+
+
 async def test_a_stage_told_to_stop_serves_the_requests_under_way_through_it_then_stops(pkg):
     """Found in review: a stage told to stop (SIGTERM: a rollout, a scale-down) stopped listening and refused every
     call at once, --drain-timeout or not, so each pipelined request through it failed mid-stream, where the router
     cannot retry it. It drains as it does its own requests: still listening, it serves the sessions it holds (and
     refuses new ones) until they end."""
-    urls: list[str] = []
-    middle = ServingWorker(WorkerConfig(str(pkg)))
-    stopped = asyncio.create_task(run_worker(middle, "127.0.0.1", 0, 30.0, urls.append))
-    try:
-        async with serving(WorkerConfig(str(pkg))) as (a, _, _, http), \
-                serving(WorkerConfig(str(pkg))) as (c, wc, _, _):
-            await eventually(lambda: urls, 30)
-            await middle.wait_stage_runner(30)
-            tail = await wc.wait_stage_runner(30)
-            run = tail.run
+    async with signalled_worker(pkg) as (b, middle, stopped), serving(WorkerConfig(str(pkg))) as (a, _, _, http), \
+            serving(WorkerConfig(str(pkg))) as (c, wc, _, _):
+        tail = await wc.wait_stage_runner(30)
+        run = tail.run
 
-            def slow(*args, **kwargs):  # the request is still under way when the middle stage is told to stop
-                time.sleep(0.02)
-                return run(*args, **kwargs)
+        def slow(*args, **kwargs):  # the request is still under way when the middle stage is told to stop
+            time.sleep(0.02)
+            return run(*args, **kwargs)
 
-            tail.run = slow
-            header = {PIPELINE_HEADER: route([(a, 0, 2), (urls[0], 2, 4), (c, 4, 6)])}
-            async with http.post(f"{a}/v1/completions", json=completion(40, stream=True), headers=header) as response:
-                await response.content.readline()
-                os.kill(os.getpid(), signal.SIGTERM)
-                await eventually(lambda: middle.health().status == "draining")
-                status, answer = await post(http, a, completion(4), header)  # a new one: before any answer left
-                assert (status, answer["error"]["code"]) == (503, "pipeline_stage_failed"), answer
-                assert answer["error"]["message"].endswith("answered 503: the worker is shutting down")
-                text = (await response.read()).decode()
-            assert '"error"' not in text and text.rstrip().endswith("data: [DONE]"), text[-300:]
-            await asyncio.wait_for(stopped, 10)  # once the session ended, not after the drain's 30 s
-    finally:
-        stopped.cancel()
-        await asyncio.gather(stopped, return_exceptions=True)
+        tail.run = slow
+        header = {PIPELINE_HEADER: route([(a, 0, 2), (b, 2, 4), (c, 4, 6)])}
+        async with http.post(f"{a}/v1/completions", json=completion(40, stream=True), headers=header) as response:
+            await response.content.readline()
+            os.kill(os.getpid(), signal.SIGTERM)
+            await eventually(lambda: middle.health().status == "draining")
+            status, answer = await post(http, a, completion(4), header)  # a new one: before any answer left
+            assert (status, answer["error"]["code"]) == (503, "pipeline_stage_failed"), answer
+            assert answer["error"]["message"].endswith("answered 503: the worker is shutting down")
+            text = (await response.read()).decode()
+        assert '"error"' not in text and text.rstrip().endswith("data: [DONE]"), text[-300:]
+        await asyncio.wait_for(stopped, 10)  # once the session ended, not after the drain's 30 s
 
 
 @pytest.mark.parametrize("stopping", ["head", "middle"])
@@ -527,55 +534,41 @@ async def test_a_prefill_under_way_when_its_stage_is_told_to_stop_is_answered(pk
     """Found in review of the stage's drain: a head told to stop waited for its pipelined prefill, then failed it
     (503) for the drain; a middle stage whose call had not opened its session yet (its layers arriving) was not
     waited for, and the call was cut."""
-    urls: list[str] = []
-    stopped_worker = ServingWorker(WorkerConfig(str(pkg)))
-    stopped = asyncio.create_task(run_worker(stopped_worker, "127.0.0.1", 0, 30.0, urls.append))
-    try:
-        async with serving(WorkerConfig(str(pkg))) as (a, _, _, http), \
-                serving(WorkerConfig(str(pkg))) as (c, wc, _, _):
-            await eventually(lambda: urls, 30)
-            slowed = await (stopped_worker if stopping == "middle" else wc).wait_stage_runner(30)
-            run, calls = slowed.run, []
+    async with signalled_worker(pkg) as (b, stopped_worker, stopped), \
+            serving(WorkerConfig(str(pkg))) as (a, _, _, http), serving(WorkerConfig(str(pkg))) as (c, wc, _, _):
+        slowed = await (stopped_worker if stopping == "middle" else wc).wait_stage_runner(30)
+        run, calls = slowed.run, []
 
-            def slow(*args, **kwargs):  # a prefill waiting for its layers, before its session opens
-                calls.append(args)
-                time.sleep(1.0)
-                return run(*args, **kwargs)
+        def slow(*args, **kwargs):  # a prefill waiting for its layers, before its session opens
+            calls.append(args)
+            time.sleep(1.0)
+            return run(*args, **kwargs)
 
-            slowed.run = slow
-            head, cuts = (a, [(a, 0, 2), (urls[0], 2, 4), (c, 4, 6)]) if stopping == "middle" else (
-                urls[0], [(urls[0], 0, 3), (c, 3, 6)])
-            request = asyncio.create_task(post(http, head, completion(4), {PIPELINE_HEADER: route(cuts)}))
-            await eventually(lambda: calls, 10)
-            os.kill(os.getpid(), signal.SIGTERM)
-            status, answer = await request
-            assert status == 200 and len(answer["choices"][0]["token_ids"]) == 4, answer
-            await asyncio.wait_for(stopped, 10)
-    finally:
-        stopped.cancel()
-        await asyncio.gather(stopped, return_exceptions=True)
+        slowed.run = slow
+        head, cuts = (a, [(a, 0, 2), (b, 2, 4), (c, 4, 6)]) if stopping == "middle" else (b, [(b, 0, 3), (c, 3, 6)])
+        request = asyncio.create_task(post(http, head, completion(4), {PIPELINE_HEADER: route(cuts)}))
+        await eventually(lambda: calls, 10)
+        os.kill(os.getpid(), signal.SIGTERM)
+        status, answer = await request
+        assert status == 200 and len(answer["choices"][0]["token_ids"]) == 4, answer
+        await asyncio.wait_for(stopped, 10)
 
 
 async def test_a_stage_draining_serves_a_call_that_came_before_and_waits_for_no_session_its_head_left(pkg):
     """Found in review of the stage's drain: a prefill call whose body was still arriving when the drain began was
     waited for, then refused (503); and a session whose head went away without closing it held the drain for its
     whole --drain-timeout (sessions expire after minutes)."""
-    urls: list[str] = []
-    worker = ServingWorker(WorkerConfig(str(pkg)))
-    stopped = asyncio.create_task(run_worker(worker, "127.0.0.1", 0, 30.0, urls.append))
-    try:
-        await eventually(lambda: urls, 30)
-        runner = await worker.wait_stage_runner(30)
+    async with signalled_worker(pkg) as (url, worker, stopped), aiohttp.ClientSession() as http:
+        runner = worker.stage_runner()
         width, layers = runner.model.config.hidden_size, runner.model.num_layers
-        async with aiohttp.ClientSession() as http:  # a head's prefill, answered; then the head is gone
-            left = StageCall("left", range(3, layers), 0, 0.5, (), SamplingParams(max_tokens=4, temperature=0))
-            async with http.post(urls[0] + STAGE_PATH, data=encode_frame(left.header(), torch.zeros(1, 3, width))) \
-                    as response:
-                assert response.status == 200
+        # A head's prefill, answered; then the head is gone.
+        left = StageCall("left", range(3, layers), 0, 0.5, (), SamplingParams(max_tokens=4, temperature=0))
+        async with http.post(url + STAGE_PATH, data=encode_frame(left.header(), torch.zeros(1, 3, width))) as response:
+            assert response.status == 200
         await asyncio.sleep(0.6)  # past its step's deadline: no call of it is under way anywhere
         call = StageCall("new", range(3, layers), 0, 20.0, (), SamplingParams(max_tokens=4, temperature=0))
         frame = encode_frame(call.header(), torch.zeros(1, 3, width))
-        host, port = urls[0].removeprefix("http://").split(":")
+        host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(f"POST {STAGE_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(frame)}\r\n\r\n".encode()
                      + frame[:len(frame) // 2])
@@ -587,13 +580,10 @@ async def test_a_stage_draining_serves_a_call_that_came_before_and_waits_for_no_
         await writer.drain()
         assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 200"), "refused"
         writer.close()
-        async with aiohttp.ClientSession() as http:  # its request ends: its head closes it
-            async with http.post(urls[0] + STAGE_CLOSE_PATH, json={"session": "new", "next": []}) as response:
-                assert response.status == 200
+        # Its request ends: its head closes it.
+        async with http.post(url + STAGE_CLOSE_PATH, json={"session": "new", "next": []}) as response:
+            assert response.status == 200
         await asyncio.wait_for(stopped, 5)  # the session its head left held it back for the drain's 30 s
-    finally:
-        stopped.cancel()
-        await asyncio.gather(stopped, return_exceptions=True)
 
 
 async def test_a_full_queue_at_the_heads_own_sampling_step_is_load_not_a_failure():
