@@ -591,9 +591,9 @@ class ServingWorker:
     async def drain_within(self, timeout: float) -> None:
         """:meth:`drain`, then wait until nothing runs here, at most ``timeout`` seconds: no request that came before
         the drain (:meth:`request`: answered to its last byte), none on the model, and no live pipelined session held
-        for another head (a stage's requests are its heads' streams: cut, they fail
-        mid-stream where the router cannot retry them; one whose head left without closing it is not waited for).
-        The server keeps listening meanwhile (the stages' calls come as new requests); it cuts what is left after."""
+        for another head (a stage's requests are its heads' streams: cut, they fail mid-stream where the router
+        cannot retry them; one whose head left without closing it is not waited for). The server keeps listening
+        meanwhile (the stages' calls come as new requests); it cuts what is left after."""
         self.drain()
         deadline = time.monotonic() + timeout
         while (self._requests or self._running_on_model
