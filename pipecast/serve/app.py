@@ -20,8 +20,8 @@ Endpoints:
 - ``GET /v1/models`` and ``GET /metrics`` (Prometheus).
 
 :func:`run_worker` serves until SIGTERM, SIGINT or SIGHUP, then drains: still listening, it refuses new requests
-(503) and lets running ones, and the pipelined sessions it holds for other heads, finish for up to
-``drain_timeout_s``; then it stops listening and closes the engine.
+(503) and serves those that came before (running, or their body still arriving) and the pipelined sessions it holds
+for other heads, for up to ``drain_timeout_s``; then it stops listening and closes the engine.
 """
 
 import asyncio
@@ -130,13 +130,18 @@ ADMITTED = web.RequestKey("admitted", bool)
 @web.middleware
 async def count_requests(request: web.Request,
                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Every POST is counted while its handler runs, if it came before the worker began to drain: the drain waits
-    for those to end, their last bytes written, and serves a stage call among them whose session opens after."""
+    """Every POST is counted while its handler runs and its answer is written, if it came before the worker began to
+    drain: the drain waits for those to end, and serves them (a stage call among them whose session opens after, a
+    completion whose body was still arriving)."""
     if request.method != "POST":
         return await handler(request)
     with request.app[WORKER].request() as admitted:
         request[ADMITTED] = admitted
-        return await handler(request)
+        response = await handler(request)
+        # A whole answer is written here, counted (aiohttp would write it after): the cut after a drain follows it.
+        await response.prepare(request)
+        await response.write_eof()
+        return response
 
 
 @web.middleware
@@ -175,7 +180,7 @@ async def _generate(request: web.Request, parse: Callable[[object], CompletionRe
         try:
             route = _route(request)
             body = parse(await _decode(request))
-            generation = await worker.generate(body, route)
+            generation = await worker.generate(body, route, admitted=request[ADMITTED])
         except ServeError as exc:
             outcome = _outcome(exc)
             response = error_response(exc)
@@ -293,7 +298,8 @@ async def _read_stage_frame(request: web.Request, worker: ServingWorker, receive
     call = StageCall.from_header(header)
     # The frame's own size, from its tensor's dtype and shape: no more is read, whatever the model allows.
     size = len(prefix) + (tensor_bytes(header["tensor"]) if "tensor" in header else 0)
-    runner = await worker.wait_stage_runner(received + call.deadline_s - time.monotonic())
+    runner = await worker.wait_stage_runner(received + call.deadline_s - time.monotonic(), call.session,
+                                            request[ADMITTED])
     limit = stage_body_limit(runner.model.config, floor)
     if size > limit or (declared is not None and declared > limit):
         raise BodyTooLargeError(limit, max(size, declared or 0))

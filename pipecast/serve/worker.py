@@ -694,8 +694,10 @@ class ServingWorker:
 
     # --- requests ------------------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closing:
+    def _check_open(self, admitted: bool = False) -> None:
+        """Raise unless the worker takes requests: it drains (but for one ``admitted`` before the drain began), or
+        its model is not in (:meth:`_check_model`)."""
+        if self._closing and not admitted:
             raise WorkerClosingError()
         self._check_model()
 
@@ -707,21 +709,25 @@ class ServingWorker:
         if (error := self._failure()) is not None:
             raise ModelUnavailableError(error)
 
-    async def _wait_servable(self, whole: bool) -> None:
-        """Until the model (with ``whole`` and ``wait_full_load``, the whole model) and its tokenizer are in."""
+    async def _wait_servable(self, whole: bool, admitted: bool = False) -> None:
+        """Until the model (with ``whole`` and ``wait_full_load``, the whole model) and its tokenizer are in. A drain
+        fails a request still waiting for them, even one ``admitted`` before it began."""
         while True:
-            self._check_open()
+            ready = self._codec is not None and (not (whole and self.config.wait_full_load)
+                                                 or self._model.fully_loaded.is_set())
+            self._check_open(admitted and ready)
+            if ready:
+                return
             if self._codec is None:
                 self._codec_wanted.set()
-            if self._codec is not None and (not (whole and self.config.wait_full_load)
-                                            or self._model.fully_loaded.is_set()):
-                return
             await self._change.wait()
 
-    async def generate(self, request: CompletionRequest, route: "tuple[Hop, ...] | None" = None) -> "Generation":
+    async def generate(self, request: CompletionRequest, route: "tuple[Hop, ...] | None" = None, *,
+                       admitted: bool = False) -> "Generation":
         """Admit ``request``, wait for the model, and start generating: here, or as the head stage of the
         cross-node pipeline ``route`` (:mod:`pipecast.serve.pipeline`; its first token is in when this
-        returns, so a failing stage fails the call, before any answer).
+        returns, so a failing stage fails the call, before any answer). A request ``admitted`` before a drain
+        began (:meth:`request`) is served while the worker drains, if its model is in.
 
         Raises :class:`WorkerBusyError` (queue full), :class:`ModelNotServedError`,
         :class:`RequestFieldError` (a prompt the model cannot take, a route it cannot head),
@@ -730,7 +736,7 @@ class ServingWorker:
         returned generation must be closed (``async with``).
         """
         arrived = time.monotonic()
-        self._check_open()
+        self._check_open(admitted)
         if self.queue_depth >= self.config.max_queue:
             raise WorkerBusyError(self.queue_depth, self.config.retry_after_s)
         self._held += 1
@@ -738,14 +744,14 @@ class ServingWorker:
         try:
             # A request through a pipeline needs of this worker only the stage it heads, which waits for its own
             # layers: waiting for the whole model here (wait_full_load) would give the pipeline nothing to do.
-            await self._wait_servable(whole=route is None)
+            await self._wait_servable(whole=route is None, admitted=admitted)
             if request.model not in (self.model_name, self.package_id):
                 raise ModelNotServedError(request.model, self.model_name)
             codec = self._codec  # kept: released and back while the prompt is tokenized, the worker has none a while
             prompt = await self._prompt_ids(request)
             # Released while the prompt was tokenized (the scaler took this replica as idle): 503, which the
             # router retries elsewhere, not an AttributeError on the model gone meanwhile.
-            self._check_open()
+            self._check_open(admitted)
             if request.max_tokens is None:  # a chat request without a limit: what the positions leave
                 request = replace(request, max_tokens=self._room(len(prompt)))
             stop_ids = self._stop_token_ids(codec)

@@ -554,10 +554,12 @@ async def test_a_prefill_under_way_when_its_stage_is_told_to_stop_is_answered(pk
         await asyncio.wait_for(stopped, 10)
 
 
-async def test_a_stage_draining_serves_a_call_that_came_before_and_waits_for_no_session_its_head_left(pkg):
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+async def test_a_stage_draining_serves_a_call_that_came_before_and_waits_for_no_session_its_head_left(pkg, framing):
     """Found in review of the stage's drain: a prefill call whose body was still arriving when the drain began was
-    waited for, then refused (503); and a session whose head went away without closing it held the drain for its
-    whole --drain-timeout (sessions expire after minutes)."""
+    waited for, then refused (503), whether its frame came with a length or chunked (a large frame's path); and a
+    session whose head went away without closing it held the drain for its whole --drain-timeout (sessions expire
+    after minutes)."""
     async with signalled_worker(pkg) as (url, worker, stopped), aiohttp.ClientSession() as http:
         runner = worker.stage_runner()
         width, layers = runner.model.config.hidden_size, runner.model.num_layers
@@ -570,13 +572,16 @@ async def test_a_stage_draining_serves_a_call_that_came_before_and_waits_for_no_
         frame = encode_frame(call.header(), torch.zeros(1, 3, width))
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(f"POST {STAGE_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(frame)}\r\n\r\n".encode()
-                     + frame[:len(frame) // 2])
+        if framing == "length":
+            head, rest = f"Content-Length: {len(frame)}", (frame[:len(frame) // 2], frame[len(frame) // 2:])
+        else:
+            head, rest = "Transfer-Encoding: chunked", (b"", f"{len(frame):x}\r\n".encode() + frame + b"\r\n0\r\n\r\n")
+        writer.write(f"POST {STAGE_PATH} HTTP/1.1\r\nHost: x\r\n{head}\r\n\r\n".encode() + rest[0])
         await writer.drain()
         await eventually(lambda: worker._requests == 1)
         os.kill(os.getpid(), signal.SIGTERM)
         await eventually(lambda: worker.health().status == "draining")
-        writer.write(frame[len(frame) // 2:])
+        writer.write(rest[1])
         await writer.drain()
         assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 200"), "refused"
         writer.close()
@@ -584,6 +589,28 @@ async def test_a_stage_draining_serves_a_call_that_came_before_and_waits_for_no_
         async with http.post(url + STAGE_CLOSE_PATH, json={"session": "new", "next": []}) as response:
             assert response.status == 200
         await asyncio.wait_for(stopped, 5)  # the session its head left held it back for the drain's 30 s
+
+
+async def test_a_completion_that_came_before_the_drain_is_answered_though_its_body_comes_after(pkg):
+    """Found in review of the drain: a completion whose body was still arriving when it began was waited for, then
+    refused 503 (a stalled one held the stop for the whole --drain-timeout for nothing)."""
+    async with signalled_worker(pkg) as (url, worker, stopped), aiohttp.ClientSession() as http:
+        assert (await post(http, url, completion(2)))[0] == 200  # its tokenizer is in
+        body = json.dumps(completion(4)).encode()
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:5])
+        await writer.drain()
+        await eventually(lambda: worker._requests == 1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await eventually(lambda: worker.health().status == "draining")
+        assert (await post(http, url, completion(2)))[0] == 503  # one that comes now is refused
+        writer.write(body[5:])
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 200"), "refused"
+        writer.close()
+        await asyncio.wait_for(stopped, 5)
 
 
 async def test_a_full_queue_at_the_heads_own_sampling_step_is_load_not_a_failure():
