@@ -1331,8 +1331,9 @@ class ControlState:
         """Make ``plan`` the plan of ``active`` and tell every node whose part changed; ``changed``: the only
         nodes whose parts may differ from the old plan's (a repair), None: any node's."""
         old = active.parts
-        if changed is not None and active.plan.sources != plan.sources:
-            # Every part's ASSIGN names the plan's sources (a receiver's fallbacks and manifest peers): all are told.
+        # Every part's ASSIGN names the plan's sources (a receiver's fallbacks and manifest peers): all are told.
+        new_sources = active.plan.sources != plan.sources
+        if new_sources:
             changed = None
         if changed is None:
             parts = plan.parts()
@@ -1349,7 +1350,7 @@ class ControlState:
             if node in old and node not in parts:
                 self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))
             elif node in parts:
-                if old.get(node) != parts[node] or active.plan.sources != plan.sources:
+                if old.get(node) != parts[node] or new_sources:
                     self.notices.append(Notice(node, UpdateKind.ASSIGN, active.package_id, active.plan_id))
                 if (active.package_id, node) in self.dropping:
                     self.dropping.discard((active.package_id, node))

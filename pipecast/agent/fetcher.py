@@ -236,11 +236,21 @@ async def _manifest_from(pool: ChannelPool, package_id: str, peer: PeerInfo, rea
     return await asyncio.to_thread(verified_manifest, data, package_id, peer)
 
 
-def _silent_last(peers: Sequence[PeerInfo], silent: set[PeerInfo]) -> list[PeerInfo]:
-    """``peers`` once each, those ``silent`` for a whole I/O timeout already last (a hung relay costs a timeout
-    each time it is asked)."""
+async def _first_answer(tries: _Tries, peers: Sequence[PeerInfo], silent: set[PeerInfo], what: str,
+                        request: Callable[[PeerInfo], Callable[[], Awaitable[T]]], reported: str,
+                        failed: str) -> tuple[T, PeerInfo]:
+    """What the first of ``peers`` (once each, those ``silent`` for a whole I/O timeout already last: a hung relay
+    costs a timeout each time it is asked) gives for ``request(peer)`` (``what``, in the log), and that peer; one
+    silent now joins ``silent``. Each failure is logged, reported (as ``reported``) and kept in ``tries.attempts``;
+    :class:`FetchFailedError` names ``failed`` and them all once no peer is left."""
     distinct = list(dict.fromkeys(peers))
-    return [p for p in distinct if p not in silent] + [p for p in distinct if p in silent]
+    for peer in [p for p in distinct if p not in silent] + [p for p in distinct if p in silent]:
+        try:
+            return await tries.ask(peer, what, request(peer), reported=reported), peer
+        except PeerError as exc:  # the next peer
+            if isinstance(exc, PeerTimeoutError):
+                silent.add(peer)
+    raise FetchFailedError(failed, tries.attempts)
 
 
 async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[PeerInfo],
@@ -258,17 +268,9 @@ async def fetch_manifest(pool: ChannelPool, package_id: str, peers: Sequence[Pee
     (shared with :func:`fetch_files`: asked last there), and one in it already is asked last here.
     """
     tries = _Tries(policy, _failed_connection, on_failure)
-    silent = set() if silent is None else silent
-    for peer in _silent_last(peers, silent):
-        try:
-            manifest = await tries.ask(peer, f"manifest of {package_id[:12]}",
-                                       partial(_manifest_from, pool, package_id, peer, tries.reached),
-                                       reported=MANIFEST_FILE)
-            return manifest, peer
-        except PeerError as exc:  # logged, reported and kept in tries.attempts: the next peer
-            if isinstance(exc, PeerTimeoutError):
-                silent.add(peer)
-    raise FetchFailedError(f"the manifest of package {package_id[:12]}", tries.attempts)
+    return await _first_answer(tries, peers, set() if silent is None else silent, f"manifest of {package_id[:12]}",
+                               lambda peer: partial(_manifest_from, pool, package_id, peer, tries.reached),
+                               MANIFEST_FILE, f"the manifest of package {package_id[:12]}")
 
 
 async def _file_from(pool: ChannelPool, store: BlockStore, path: str, size: int, peer: PeerInfo,
@@ -307,16 +309,9 @@ async def fetch_files(pool: ChannelPool, store: BlockStore, peers: Sequence[Peer
     silent = set() if silent is None else silent
     for path in store.missing_files():
         tries = _Tries(policy, _failed_connection, on_failure, reached)
-        for peer in _silent_last(peers, silent):
-            try:
-                request = partial(_file_from, pool, store, path, sizes[path], peer, reached)
-                await tries.ask(peer, f"file {path}", request, reported=path)
-                break
-            except PeerError as exc:  # logged, reported and kept in tries.attempts: the next peer
-                if isinstance(exc, PeerTimeoutError):
-                    silent.add(peer)
-        else:
-            raise FetchFailedError(f"file {path}", tries.attempts)
+        await _first_answer(tries, peers, silent, f"file {path}",
+                            lambda peer: partial(_file_from, pool, store, path, sizes[path], peer, reached), path,
+                            f"file {path}")
 
 
 def describe_fetch(fetch: Fetch) -> str:
