@@ -418,6 +418,7 @@ async def test_torchs_own_error_in_a_stage_is_a_stage_failure_the_router_retries
     answered 500: b'500 Internal Server Error...'"). Now 503 pipeline_stage_failed naming the stage, in JSON."""
     async with serving(WorkerConfig(str(pkg))) as (a, wa, _, http), serving(WorkerConfig(str(pkg))) as (b, wb, _, _):
         runner = await (wa if where == "head" else wb).wait_stage_runner(30)
+        await (wb if where == "head" else wa).wait_stage_runner(30)  # both loading: the sessions are looked at below
 
         def out_of_memory(*args, **kwargs):
             raise RuntimeError("simulated out of memory")
