@@ -218,8 +218,8 @@ async def stage_call(request: web.Request) -> web.Response:
         call = StageCall.from_header(header)
         session, deadline = call.session, received + call.deadline_s
         runner = await worker.wait_stage_runner(deadline - time.monotonic(), session, request[ADMITTED])
-        if call.package and call.package != worker.package_id:
-            return _stage_error(f"this worker serves package {str(worker.package_id)[:12]}, the call is for "
+        if call.package and call.package != runner.package_id:
+            return _stage_error(f"this worker serves package {runner.package_id[:12]}, the call is for "
                                 f"{call.package[:12]} (a route listed before a rollout)", 409)
         last = not call.following
         if last != (call.layers.stop == runner.model.num_layers):  # a route's stages must end at the model's end

@@ -618,6 +618,11 @@ class EngineStageRunner(StageRunner):
         super().__init__(engine.model, **options)
         self.engine = engine
 
+    @property
+    def package_id(self) -> str:
+        """The package whose model this runs (a released model's, while its sessions end, is not the worker's)."""
+        return self.engine.provider.manifest.package_id
+
     def run(self, *args: Any, **kwargs: Any) -> StageOutput:
         return self.engine.while_open(super().run, *args, **kwargs)
 

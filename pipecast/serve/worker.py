@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipecast.agent.errors import LocalApiError, PackageDroppedError
 from pipecast.core.cpulimit import cpu_limit
@@ -87,9 +87,6 @@ from pipecast.serve.pipeline import (
     StageQueue,
 )
 from pipecast.serve.text import CompletionText, TextCodec
-
-if TYPE_CHECKING:
-    from pipecast.engine.stage import StageRunner
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +206,9 @@ class ServingWorker:
         self.stage_client = StageClient()
         self.stage_queue = StageQueue()
         self._head: PipelineHead | None = None
+        # The stage runners of released models still closing: their live sessions (pipelined requests of other
+        # heads, under way) are served until they end, as the model's own requests are (:meth:`_unload`).
+        self._released_runners: list[EngineStageRunner] = []
         self._serving_key: bytes | None = None  # None until learned
         self._key_known: asyncio.Event | None = None
         self._key_source: Path | str | None = None  # the agent that gave it
@@ -487,9 +487,14 @@ class ServingWorker:
     async def _unload(self, why: str = "was released from this node", wait: bool = True) -> None:
         """Take no more requests for the package (``why``: what the requests meanwhile are told), let those running
         finish (RELEASE_DRAIN_S at most; the agent's memory under the model stays mapped until it is closed), then
-        close the model and wait for the package to load it again (unless not to ``wait``: from a folder)."""
+        close the model and wait for the package to load it again (unless not to ``wait``: from a folder). Running
+        means the model's own requests and the live pipelined sessions it holds for other heads: cut, those fail
+        mid-stream, where the router cannot retry them; their calls are still served, new sessions are refused."""
         if self._model is None:  # unloaded already: the follower and a drop seen while loading may both start one
             return
+        runner = self._head.runner if self._head is not None else None
+        if runner is not None:
+            self._released_runners.append(runner)
         model, self._model, self._codec, self._head = self._model, None, None, None
         # The model's failure (its agent's) is not the worker's now: it waits for the package, as health says.
         self._released, self._unloaded_why, self._error, self._stage = True, why, None, STAGE_WAITING
@@ -502,12 +507,17 @@ class ServingWorker:
         closed = threading.Event() if self.config.device != "cpu" else None
         threading.Thread(target=self._load, args=(True, wait, closed), name="pipecast-serve-load", daemon=True).start()
         deadline = time.monotonic() + RELEASE_DRAIN_S
+        sessions = runner.live_sessions if runner is not None else (lambda: 0)
         try:
-            while self._running_on_model and time.monotonic() < deadline and not self._closing:
+            while ((self._running_on_model or sessions()) and time.monotonic() < deadline
+                   and not self._closing):
                 await asyncio.sleep(RELEASE_DRAIN_POLL_S)
         finally:  # also when the worker closes meanwhile (the follower is cancelled): the model must close
-            if self._running_on_model:
-                log.warning("closing the released model with %d request(s) still running", self._running_on_model)
+            if self._running_on_model or sessions():
+                log.warning("closing the released model with %d request(s) and %d pipelined session(s) still "
+                            "running", self._running_on_model, sessions())
+            if runner is not None:
+                self._released_runners.remove(runner)
             threading.Thread(target=_close, args=(model, closed), name="pipecast-serve-unload", daemon=True).start()
 
     def _post(self, callback, *args) -> None:
@@ -596,13 +606,11 @@ class ServingWorker:
         meanwhile (the stages' calls come as new requests); it cuts what is left after."""
         self.drain()
         deadline = time.monotonic() + timeout
-        while (self._requests or self._running_on_model
-               or (self._head is not None and self._head.runner.live_sessions())):
+        while self._requests or self._running_on_model or self._live_sessions():
             left = deadline - time.monotonic()
             if left <= 0:
                 log.warning("drain: %d request(s) and %d pipelined session(s) still running after %g s; cut",
-                            max(self._requests, self._running_on_model),
-                            self._head.runner.live_sessions() if self._head is not None else 0, timeout)
+                            max(self._requests, self._running_on_model), self._live_sessions(), timeout)
                 return
             await asyncio.sleep(min(DRAIN_POLL_S, left))
 
@@ -821,25 +829,39 @@ class ServingWorker:
             raise RequestFieldError("prompt", str(exc)) from None
         return await self._head.start(route, prompt, params)
 
-    def stage_runner(self, session: str | None = None, admitted: bool = False) -> "StageRunner":
+    def _runners(self) -> list[EngineStageRunner]:
+        """The stage runners with sessions: the model's, then those of released models still closing."""
+        return [*([self._head.runner] if self._head is not None else []), *self._released_runners]
+
+    def _live_sessions(self) -> int:
+        return sum(runner.live_sessions() for runner in self._runners())
+
+    def _holding(self, session: str | None) -> EngineStageRunner | None:
+        """The runner that holds ``session``, if one does."""
+        return next((r for r in self._runners() if session is not None and r.holds(session)), None)
+
+    def stage_runner(self, session: str | None = None, admitted: bool = False) -> EngineStageRunner:
         """The runner of this worker's pipeline stages; :class:`ModelUnavailableError` while no model is in. While
         the worker drains, only for a call ``admitted`` before the drain began, or one that continues ``session``, a
         session it holds (a pipelined request under way through it: :meth:`drain_within` waits for both); a new
-        one is refused as any new request is."""
-        if not (self._closing and (admitted or (session is not None and self._head is not None
-                                                and self._head.runner.holds(session)))):
+        one is refused as any new request is. A call continuing a session that a released model's runner holds
+        gets that runner (:meth:`_unload` waits for its sessions before the model closes)."""
+        holder = self._holding(session)
+        if holder is not None and holder is not (self._head.runner if self._head is not None else None):
+            return holder
+        if not (self._closing and (admitted or holder is not None)):
             self._check_open()
         if self._head is None:
             raise ModelUnavailableError("this worker has no model yet (its package's manifest has not arrived)")
         return self._head.runner
 
     async def wait_stage_runner(self, timeout: float, session: str | None = None,
-                                admitted: bool = False) -> "StageRunner":
+                                admitted: bool = False) -> EngineStageRunner:
         """:meth:`stage_runner` (for a call of ``session``, ``admitted`` or not), waiting up to ``timeout`` seconds
         for the model (a stage may be called while its worker starts); TimeoutError beyond."""
         try:
             async with asyncio.timeout(timeout):
-                while self._head is None:
+                while self._head is None and self._holding(session) is None:
                     self._check_open()
                     await self._change.wait()
         except TimeoutError:
@@ -864,8 +886,8 @@ class ServingWorker:
 
     def forget_stage_session(self, session: str | None) -> None:
         """Drop a pipelined session's state here (its request ended or failed further down)."""
-        if session is not None and self._head is not None:
-            self._head.runner.close(session)
+        if (runner := self._holding(session)) is not None:
+            runner.close(session)
 
     def _room(self, prompt_tokens: int) -> int:
         """Tokens a request may generate after ``prompt_tokens``: what the model's positions leave, at most

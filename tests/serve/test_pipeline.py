@@ -852,9 +852,10 @@ async def test_a_stage_call_whose_model_fails_to_load_under_it_is_answered_503_n
         assert answer["error"]["message"].startswith("loading the model failed: ") and answer["error"]["node"] is None
 
 
-async def test_a_stage_call_running_when_its_model_is_released_is_answered_503_the_engine_is_closed(pkg):
-    """Stage calls do not hold a released model open (only completions do): one running when the model closed ran
-    on the meta tensors Engine.close leaves, and was answered aiohttp's text/plain 500 with torch's error."""
+async def test_a_stage_call_running_when_its_model_closes_is_answered_503_the_engine_is_closed(pkg, monkeypatch):
+    """A stage call running when the released model closed (its session outlived the release's wait) ran on the meta
+    tensors Engine.close leaves, and was answered aiohttp's text/plain 500 with torch's error."""
+    monkeypatch.setattr(worker_module, "RELEASE_DRAIN_S", 0.0)  # the release waits for nothing
     agent = GatedAgent(pkg)
     agent.release()
     async with serving(WorkerConfig(str(pkg), agent=agent)) as (a, worker, _, http):
@@ -873,6 +874,35 @@ async def test_a_stage_call_running_when_its_model_is_released_is_answered_503_t
             answer = await response.json()
         assert response.status == 503
         assert answer["error"] == {"message": "the engine is closed", "node": None}
+
+
+async def test_a_stage_released_mid_request_serves_its_pipelined_sessions_to_their_end_and_no_new_one(pkg):
+    """Found in review: a worker released by its agent (a scale-down) dropped its stage runner at once, so every
+    pipelined request of another head through it failed mid-stream, where the router cannot retry. The released
+    model now stays open for its live sessions (as for its own requests) and refuses new ones."""
+    agent = GatedAgent(pkg)
+    agent.release()
+    async with serving(WorkerConfig(str(pkg))) as (a, _, _, http), \
+            serving(WorkerConfig(str(pkg), agent=agent)) as (b, stage, _, _):
+        stage._wait_for_package_again = threading.Event().wait  # the package does not come back here
+        await wait_health(http, b, lambda h: h["status"] == "ready")
+        status, answer = await post(http, a, completion(6))
+        assert status == 200
+        expected = answer["choices"][0]["token_ids"]
+        model = stage._model
+        opened, made = gate_after(stage.stage_runner(), 2)  # the prefill and one decode step run, the next waits
+        request = asyncio.create_task(post(http, a, completion(6), {PIPELINE_HEADER: route([(a, 0, 3), (b, 3, 6)])}))
+        await eventually(lambda: len(made) == 3)
+        unloading = asyncio.create_task(stage._unload())  # what the agent dropping the package starts
+        await eventually(lambda: stage._model is None)
+        new = StageCall("new", range(3, 6), 0, 20.0, (), SamplingParams(max_tokens=4, temperature=0))
+        async with http.post(b + STAGE_PATH, data=encode_frame(new.header(), torch.zeros(1, 3, 64))) as response:
+            assert response.status == 503 and "was released" in (await response.json())["error"]["message"]
+        opened.set()
+        status, answer = await request
+        assert status == 200 and answer["choices"][0]["token_ids"] == expected, answer
+        await asyncio.wait_for(unloading, 10)  # its head closed the session: the model closes, not after 30 s
+        assert model.engine.closed and not stage._released_runners
 
 
 async def test_a_tied_model_samples_at_the_head_stage_and_answers_the_single_node_tokens(tmp_path):
