@@ -509,8 +509,8 @@ class ServingWorker:
         deadline = time.monotonic() + RELEASE_DRAIN_S
         sessions = runner.live_sessions if runner is not None else (lambda: 0)
         try:
-            while ((self._running_on_model or sessions()) and time.monotonic() < deadline
-                   and not self._closing):
+            # A drain meanwhile (SIGTERM) waits for them too (drain_within); the worker's close cancels this wait.
+            while (self._running_on_model or sessions()) and time.monotonic() < deadline:
                 await asyncio.sleep(RELEASE_DRAIN_POLL_S)
         finally:  # also when the worker closes meanwhile (the follower is cancelled): the model must close
             if self._running_on_model or sessions():

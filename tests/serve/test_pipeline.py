@@ -879,7 +879,8 @@ async def test_a_stage_call_running_when_its_model_closes_is_answered_503_the_en
 async def test_a_stage_released_mid_request_serves_its_pipelined_sessions_to_their_end_and_no_new_one(pkg):
     """Found in review: a worker released by its agent (a scale-down) dropped its stage runner at once, so every
     pipelined request of another head through it failed mid-stream, where the router cannot retry. The released
-    model now stays open for its live sessions (as for its own requests) and refuses new ones."""
+    model now stays open for its live sessions (as for its own requests), a drain meanwhile too, and refuses new
+    ones."""
     agent = GatedAgent(pkg)
     agent.release()
     async with serving(WorkerConfig(str(pkg))) as (a, _, _, http), \
@@ -898,6 +899,9 @@ async def test_a_stage_released_mid_request_serves_its_pipelined_sessions_to_the
         new = StageCall("new", range(3, 6), 0, 20.0, (), SamplingParams(max_tokens=4, temperature=0))
         async with http.post(b + STAGE_PATH, data=encode_frame(new.header(), torch.zeros(1, 3, 64))) as response:
             assert response.status == 503 and "was released" in (await response.json())["error"]["message"]
+        stage.drain()  # told to stop meanwhile: it waits for them too (the release's wait gave up on a drain)
+        await asyncio.sleep(0.3)
+        assert not model.engine.closed
         opened.set()
         status, answer = await request
         assert status == 200 and answer["choices"][0]["token_ids"] == expected, answer
