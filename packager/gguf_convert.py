@@ -168,7 +168,7 @@ def convert_gguf(gguf: Path, out: Path, *, dtype: str = "bfloat16", overwrite: b
     check_output_spares_source(out, gguf, [gguf], "the GGUF file being converted")
     try:
         with (_without_transformers_bars(), _gguf_alone(gguf) as folder,
-              atomic_directory(out, overwrite=overwrite) as tmp):
+              atomic_directory(out, overwrite=overwrite, durable=True) as tmp):
             logger.info("dequantizing %s to %s", gguf, dtype)
             progress.start(3, f"convert {gguf.name}", unit="step")
             model, tokenizer = _load(gguf, folder, dtype, progress)

@@ -206,7 +206,7 @@ def _check_manifest_size(src: Path, ckpt: Checkpoint, layouts: list[BlockLayout]
 def _build_package(src: Path, out: Path, ckpt: Checkpoint, layouts: list[BlockLayout], small: dict[str, bytes],
                    chunk_bytes: int, manifest_of: Callable[[list[Block]], Manifest], overwrite: bool,
                    progress: Progress) -> Manifest:
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with atomic_directory(out, overwrite=overwrite, durable=True) as tmp:
         (tmp / BLOCKS_DIR).mkdir()
         blocks = []
         progress.start(sum(t.info.nbytes for t in ckpt.tensors.values()), f"pack {src.name}", byte_units=True)

@@ -56,11 +56,24 @@ def atomic_write(path: Path, data: bytes | memoryview, *, durable: bool = False)
         tmp.unlink(missing_ok=True)
         raise
     if durable:
-        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(folder)  # the rename itself
-        finally:
-            os.close(folder)
+        _fsync(path.parent)  # the rename itself
+
+
+def _fsync(path: Path | str) -> None:
+    """fsync a file or a folder (a folder: the names in it, such as a rename's)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (``root`` too), the folders after what they hold."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync(os.path.join(folder, name))
+        _fsync(folder)
 
 
 def is_temporary(name: str) -> bool:
@@ -186,14 +199,16 @@ def restore_moved_aside(out: Path) -> None:
 
 
 @contextmanager
-def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(out: Path, *, overwrite: bool = False, durable: bool = False) -> Iterator[Path]:
     """Build a folder in a hidden sibling and rename it to ``out`` only if the body succeeds.
 
     On any failure (Ctrl-C included) the partial folder is removed; folders left by killed processes
     (their pid is in the name) are removed on the next use. With ``overwrite`` an existing ``out`` is
     moved aside first and removed only once the new one is in place: an interruption never leaves a
     half-removed folder under ``out``, and the next use puts one moved aside by a killed process back when
-    ``out`` is missing.
+    ``out`` is missing (one whose removal began is renamed first, so that it is never put back half removed).
+    ``durable``: everything built is fsynced before the rename and the parent folder after it, before the old
+    ``out`` is removed, so that after a crash of the host too ``out`` is the old folder or the whole new one.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     restore_moved_aside(out)  # before the sweep below would take it for a leftover
@@ -213,6 +228,8 @@ def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
             old = out.parent / f".{out.name}{PARTIAL_MARK}old-{os.getpid()}"
             _remove(old)
             os.rename(out, old)
+        if durable:
+            _fsync_tree(tmp)
         try:
             os.rename(tmp, out)
         except BaseException:
@@ -222,8 +239,15 @@ def atomic_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if durable:
+        _fsync(out.parent)
     if old is not None:
-        _remove(old)
+        # Renamed before its removal starts: a run killed during it leaves a folder restore_moved_aside never
+        # puts back (half removed), which the next use sweeps as any leftover of a process gone.
+        dead = out.parent / f".{out.name}{PARTIAL_MARK}dead-{os.getpid()}"
+        _remove(dead)
+        os.rename(old, dead)
+        _remove(dead)
 
 
 def _remove(path: Path) -> None:

@@ -93,7 +93,7 @@ def test_a_folder_that_cannot_be_removed_is_named_in_a_warning(tmp_path, monkeyp
     with atomic_directory(out) as tmp:
         (tmp / "stuck").write_text("old")
     monkeypatch.setattr(fsutil.shutil, "rmtree", rmtree_failing_in)
-    old = tmp_path / f".pkg{fsutil.PARTIAL_MARK}old-{os.getpid()}"
+    old = tmp_path / f".pkg{fsutil.PARTIAL_MARK}dead-{os.getpid()}"  # renamed before its removal
     stale = tmp_path / f".pkg{fsutil.PARTIAL_MARK}{_dead_pid()}"
     (stale / "stuck").mkdir(parents=True)
     with caplog.at_level("WARNING", logger="pipecast.core.fsutil"):
@@ -105,6 +105,58 @@ def test_a_folder_that_cannot_be_removed_is_named_in_a_warning(tmp_path, monkeyp
         "it by hand",
         f"{old}: cannot remove it ([Errno 13] Permission denied: '{old / 'stuck'}'); it is left there, remove it "
         "by hand"]
+
+
+KILLED_WHILE_REMOVING = """
+import os, shutil, signal, sys
+from pathlib import Path
+from pipecast.core.fsutil import atomic_directory
+
+def killed_midway(path, *args, **kwargs):  # SIGKILL once part of the old folder is gone
+    os.remove(os.path.join(path, "blocks", "block-0"))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+with atomic_directory(Path(sys.argv[1]), overwrite=True) as tmp:
+    (tmp / "manifest.json").write_text("new")
+    shutil.rmtree = killed_midway
+"""
+
+
+def test_a_folder_half_removed_by_a_process_killed_after_its_replacement_is_never_put_back(tmp_path):
+    """Found in review: killed while removing the folder it replaced, ``pack --force`` left it half removed under
+    the name of one moved aside before its replacement came; once OUT was gone (removed by hand), the next pack put
+    it back as OUT: a manifest without its blocks, a folder that looks like a package (and the pack was refused)."""
+    out = tmp_path / "pkg"
+    with atomic_directory(out) as tmp:
+        (tmp / "manifest.json").write_text("old")
+        (tmp / "blocks").mkdir()
+        (tmp / "blocks" / "block-0").write_text("weights")
+    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_REMOVING, str(out)], timeout=60)
+    assert killed.returncode == -9 and (out / "manifest.json").read_text() == "new"
+    fsutil._remove(out)  # the operator removes it
+    with atomic_directory(out) as tmp:
+        (tmp / "manifest.json").write_text("newer")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pkg"] and (out / "manifest.json").read_text() == "newer"
+
+
+def test_a_durable_folder_is_fsynced_before_it_replaces_the_old_one(tmp_path, monkeypatch):
+    """Found in review: ``pack`` fsynced nothing, then removed the package it replaced: after a crash of the host
+    OUT could hold a manifest whose blocks never reached the disk, the good package gone."""
+    out = tmp_path / "pkg"
+    with atomic_directory(out) as tmp:
+        (tmp / "a").write_text("old")
+    events, real_fsync, real_rename = [], os.fsync, os.rename
+    monkeypatch.setattr(fsutil.os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                        real_fsync(fd)))
+    monkeypatch.setattr(fsutil.os, "rename", lambda a, b: (events.append(("rename", os.path.basename(b))),
+                                                           real_rename(a, b)))
+    with atomic_directory(out, overwrite=True, durable=True) as tmp:
+        (tmp / "b").mkdir()
+        (tmp / "b" / "c").write_text("new")
+    into_place = events.index(("rename", "pkg"))
+    synced = {os.path.relpath(path, tmp) for kind, path in events[:into_place] if kind == "fsync"}
+    assert synced == {"b/c", "b", "."}
+    assert events[into_place + 1] == ("fsync", str(tmp_path)) and not (tmp_path / "pkg" / "a").exists()
 
 
 def test_a_folder_moved_aside_by_a_process_killed_before_its_replacement_is_put_back(tmp_path, caplog):
