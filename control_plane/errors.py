@@ -14,7 +14,8 @@ ERROR_TRAILER = "pipecast-error"
 #: A standby control plane answers every call UNAVAILABLE with the leader's address in this trailer.
 LEADER_TRAILER = "pipecast-leader"
 #: The metadata naming one call of a client, the same on each replica it tries: a change retried after its answer
-#: was lost (a connection cut, a leader gone after its commit) is answered as it was, not made twice.
+#: was lost (a connection cut) is answered as it was by the replica that made it (its memory keeps the answers); a
+#: retry reaching a new leader, the first gone after its commit, is made again there (README, control plane).
 REQUEST_ID_KEY = "pipecast-request-id"
 MAX_REQUEST_ID_CHARS = 64
 

@@ -403,6 +403,7 @@ class ControlPlaneServer:
             return
         log.error("%s: stepping down", reason)
         self.gate.leading = False
+        self.service.deposed = True
         self.deposed_reason = reason
         self.deposed.set()
         self._stepping_down = asyncio.get_running_loop().create_task(self._stop_serving(), name="step-down")

@@ -180,6 +180,9 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         self.monotonic = monotonic  # beside the clock: tells its steps from time passing (tick)
         self._ticked: tuple[float, float] | None = None  # the last tick's clock and monotonic readings
         self.on_fenced = on_fenced
+        # Set once this replica stepped down (another leads, or may): its state since its last durable write is
+        # not the cluster's, and nothing of it may reach a worker (dispatch).
+        self.deposed = False
         self.mailboxes: dict[str, Mailbox] = {}
         self._flushing = asyncio.Lock()
         self._last_commit: asyncio.Future[None] | None = None  # its thread may outlive the call that started it
@@ -372,8 +375,10 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
     def _commit_failed(self, pending: PendingFlush, error: BaseException) -> None:
         """The keys of ``pending`` are dirty again; a deposed leader steps down."""
         pending.restore()
-        if isinstance(error, FencedError) and self.on_fenced is not None:
-            self.on_fenced(error)
+        if isinstance(error, FencedError):
+            self.deposed = True
+            if self.on_fenced is not None:
+                self.on_fenced(error)
 
     def flush(self) -> None:
         """Write the state's changes to the store (if any)."""
@@ -389,8 +394,11 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 
     def dispatch(self) -> None:
         """Hand the state's notices to the workers' mailboxes (notices for nodes without one are moot:
-        stores, dead workers)."""
+        stores, dead workers); a deposed replica's are dropped (a change whose durable write was refused: its
+        streams still open would send it to workers, which would act on a plan the cluster never stored)."""
         notices, self.state.notices = self.state.notices, []
+        if self.deposed:
+            return
         for notice in notices:
             mailbox = self.mailboxes.get(notice.node_id)
             if mailbox is not None:

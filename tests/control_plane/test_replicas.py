@@ -29,7 +29,7 @@ from control_plane.store import Lease, open_store
 from control_plane.store_sqlite import SqliteStore
 from pipecast.v1 import control_pb2 as pb
 from pipecast.v1 import control_pb2_grpc
-from tests.control_plane.test_service import PKG, SCAN_S, STORE, TOKEN, WAIT_S, config, manifest
+from tests.control_plane.test_service import PKG, SCAN_S, STORE, TOKEN, WAIT_S, config, manifest, spec
 from tests.control_plane.test_store_conformance import Backend, lapse
 from tests.support.agent_processes import free_ports
 from tests.support.postgres import DB_PASSWORD
@@ -133,6 +133,26 @@ async def test_a_deposed_leaders_write_is_refused_and_it_steps_down(url):
                                          "the leader's (now 2)")
         assert stored_packages(url) == set()  # nothing of the refused write
         assert isinstance(await list_packages(leader.address), grpc.aio.AioRpcError)  # it serves no more
+    finally:
+        await leader.stop(grace_s=0)
+
+
+async def test_a_deposed_leaders_refused_scale_up_reaches_no_worker(url):
+    """Found in review: the notices of a change whose durable write was refused (another replica leads) still went
+    to the workers' mailboxes, and streams still open sent them: workers began a plan the cluster never stored
+    (and its retry at the new leader made it again)."""
+    leader = ControlPlaneServer(config(url, lease_s=LEASE_S))
+    await leader.start()
+    try:
+        async with ControlPlaneClient(leader.address, token=TOKEN, timeout_s=WAIT_S) as c:
+            await c.publish_package(manifest(), STORE)
+            await c.register(spec("w1"))
+            mailbox = leader.service.mailboxes["w1"]
+            sent = len(mailbox._items)
+            seize(url)
+            with pytest.raises(ControlPlaneUnavailable, match="was deposed"):
+                await c.scale_up(PKG, node_ids=["w1"])
+        assert leader.deposed.is_set() and len(mailbox._items) == sent and not leader.service.state.notices
     finally:
         await leader.stop(grace_s=0)
 
