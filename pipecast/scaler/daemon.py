@@ -47,7 +47,8 @@ from yarl import URL
 
 from control_plane.deployments import Deployment, ScaleEvent
 from control_plane.errors import (
-    ChangeNotStored, ControlPlaneError, InsufficientWorkers, PermissionDenied, Unauthenticated, UnknownDeployment)
+    ChangeNotStored, ControlPlaneError, ControlPlaneUnavailable, InsufficientWorkers, PermissionDenied, Unauthenticated,
+    UnknownDeployment)
 from control_plane.routes import RouteChange
 from pipecast.core import strictjson
 from pipecast.core.credentials import serving_headers
@@ -73,6 +74,11 @@ REFUSED_RETRY_MAX_S = 16.0
 #: was released with (``source_keep_s``: the control plane lists its blocks until then) and this long more, while
 #: its agent reports the drop (s).
 RELEASE_GRACE_S = 30.0
+#: A restarted daemon reads this many of a deployment's latest events first (:meth:`Scaler._recover`), four times as
+#: many each time while the oldest read is still within its cooldowns and keep-alive, up to RECOVER_EVENTS_MAX (more
+#: than the control plane keeps in memory: ``control_plane.deployments.EVENTS_IN_MEMORY``).
+RECOVER_EVENTS = 1000
+RECOVER_EVENTS_MAX = 16_000
 #: A replica holding the whole package that none of its deployment's routers lists this long (s) is warned of: it
 #: serves none of their requests, and with no idle time from them it is never released (routers discover workers
 #: within a few seconds of their holding it).
@@ -148,7 +154,8 @@ def _refused(action: str) -> str:
 
 def _mark_gap(tracked: _Tracked, now: float) -> None:
     """Add to ``tracked``'s history a poll no router answered: the signals of a tick that failed are unknown, and
-    the policy releases nothing until a keep-alive of them follows. Nor is the deployment watched until a tick
+    after a gap of more than ``policy.STALE_S`` (a missed poll or two is none) the policy releases nothing until a
+    keep-alive of them follows. Nor is the deployment watched until a tick
     sees it idle again: a waiting request would otherwise start the next failing tick at once, again and again."""
     tracked.idle_at_zero = False
     tracked.history.append(Signals(at=now, routers_total=len(tracked.routers), routers_answered=0))
@@ -263,6 +270,9 @@ class Scaler:
         urls = serve_urls(workers)
         decisions = []
         self._answers = {}
+        # Every router at once: one deployment after another, a tick took a router timeout per deployment whose
+        # routers were slow to answer, every other deployment's scaling waiting meanwhile.
+        await asyncio.gather(*(self._stats(url) for url in {url for d in deployments for url in d.routers}))
         for deployment in deployments:
             try:
                 decision = await self._step(deployment, workers, plans, urls)
@@ -296,8 +306,11 @@ class Scaler:
             if route.gate is None or not route.canaries or not urls:
                 self.gate.saw(route)  # a canary added (again) later is then told apart
                 continue
-            answers = await self._stats_of(urls)
-            for verdict in self.gate.judge(route, add_up_versions(a["versions"] if a else None for a in answers)):
+            # Per router process (one listed twice, under two names of its host, counts once); a silent one is left
+            # out, its counts judged again once it answers (Gate).
+            answers = {a["instance"]: a["versions"] for a in await self._stats_of(urls) if a is not None}
+            per_router = {instance: add_up_versions([versions]) for instance, versions in answers.items()}
+            for verdict in self.gate.judge(route, add_up_versions(answers.values()), per_router):
                 log.warning("scaler: rolling back canary %s of %s: %s", verdict.package_id[:12], route.name,
                             verdict.reason)
                 try:
@@ -312,7 +325,7 @@ class Scaler:
         package_id = deployment.package_id
         tracked = self.tracked.setdefault(package_id, _Tracked())
         if not tracked.recovered:
-            await self._recover(package_id, tracked)
+            await self._recover(deployment, tracked)
         answers = await self._stats_of(deployment.routers)
         now = self.monotonic()
         held_back = self.config.source_keep_s + RELEASE_GRACE_S
@@ -370,8 +383,12 @@ class Scaler:
             else:
                 await self.client.release(package_id, list(decision.release), keep_alive_s=self.config.source_keep_s)
                 tracked.released.update({node: now for node in decision.release})
-        except ChangeNotStored as exc:  # made all the same (agents told): never made again, nor logged as a hold
-            log.warning("scaler %s: %s made but not stored: %s", package_id[:12], decision.action, exc)
+        except (ChangeNotStored, ControlPlaneUnavailable) as exc:
+            # Made all the same (agents told), or perhaps made: a call unanswered within its deadline may have been
+            # (its handler runs on after the caller's deadline). Taken as made, never made again nor logged as
+            # refused (a restarted daemon reads a refusal as none made): the next listing shows what was.
+            log.warning("scaler %s: %s %s: %s", package_id[:12], decision.action,
+                        "made but not stored" if isinstance(exc, ChangeNotStored) else "unanswered: taken as made", exc)
             if decision.add:
                 tracked.last_scale_up = now
                 # Its reply is lost: the released workers it took back (placement takes them first) would count
@@ -425,13 +442,25 @@ class Scaler:
             log.info("scaler %s: placed %d of the %d workers asked: %s", package_id[:12], count, asked, short)
         return reply, count, short
 
-    async def _recover(self, package_id: str, tracked: _Tracked) -> None:
-        """Cooldowns and recent releases from the audit trail's latest events (a restarted daemon goes on where
-        it was), each at its age on the wall clock (module docstring)."""
+    async def _recover(self, deployment: Deployment, tracked: _Tracked) -> None:
+        """Cooldowns and recent releases from the audit trail's latest events, back to the longest of the cooldowns
+        and the released workers' hold (a restarted daemon goes on where it was), each at its age on the wall clock
+        (module docstring)."""
         wall, now = self.clock(), self.monotonic()
+        policy = deployment.policy
+        horizon = max(policy.scale_up_cooldown_s, policy.scale_down_cooldown_s,
+                      self.config.source_keep_s + RELEASE_GRACE_S)
+        limit = RECOVER_EVENTS
+        # A fixed count read too few where holds filled the trail (a router silent every other poll writes two a
+        # tick): the last scale-up or release fell out of it, and its cooldown with it.
+        while True:
+            events = await self.client.list_scale_events(deployment.package_id, limit=limit)
+            if len(events) < limit or wall - events[0].at > horizon or limit >= RECOVER_EVENTS_MAX:
+                break
+            limit *= 4
         last_release: tuple[str, ...] = ()
         before_scale_up = None
-        for event in await self.client.list_scale_events(package_id, limit=200):
+        for event in events:
             at = now - max(wall - event.at, 0.0)
             if event.action == "scale_up":
                 before_scale_up, tracked.last_scale_up = tracked.last_scale_up, at

@@ -6,9 +6,9 @@ window per package id; several routers add up: counts are summed, the p95 is the
 is rolled back when
 
 - with both it and the stable version measured on at least ``min_requests`` requests since the canary was
-  added (:class:`Gate` remembers the counts then, so a canary added again after a rollback is not judged on
-  its last run's), its error rate (failed over answered plus failed) exceeds the stable version's by more
-  than ``error_rate_margin``, or
+  added (:class:`Gate` remembers each router's counts then, so a canary added again after a rollback is not
+  judged on its last run's), its error rate (failed over answered plus failed) exceeds the stable version's by
+  more than ``error_rate_margin``, or
 - with both versions' TTFT windows holding at least ``min_requests`` answers, and the canary ready (a worker
   holding it whole: ``ready_s``) for a whole window, its p95 TTFT exceeds the stable version's times
   ``1 + ttft_p95_margin``. Before that its window holds requests that waited for its cold start (its first
@@ -43,12 +43,6 @@ class VersionFigures:
     def error_rate(self) -> float:
         return self.failed / self.requests if self.requests else 0.0
 
-    def since(self, base: "VersionFigures | None") -> "VersionFigures":
-        """The counts since ``base`` (the TTFT window as it is: it spans the last minute only)."""
-        if base is None:
-            return self
-        return replace(self, requests=self.requests - base.requests, failed=self.failed - base.failed)
-
     def describe(self) -> str:
         p95 = "-" if self.ttft_p95_s is None else f"{self.ttft_p95_s:.3f} s"
         return f"{self.requests} requests, {self.failed} failed, p95 TTFT {p95}"
@@ -82,17 +76,18 @@ class Verdict:
 
 
 def judge(route: ModelRoute, figures: Mapping[str, VersionFigures],
-          added: Mapping[str, Mapping[str, VersionFigures]] | None = None) -> list[Verdict]:
+          counted: Mapping[str, Mapping[str, VersionFigures]] | None = None) -> list[Verdict]:
     """The canaries of ``route`` its gate rolls back now (none without a gate or without enough requests);
-    ``added``: canary -> the route's versions' figures when it was added (counts are judged since then)."""
+    ``counted``: canary -> the route's versions' figures with their counts since it was added (else the whole
+    counts of ``figures``)."""
     gate = route.gate
     if gate is None:
         return []
     verdicts = []
     for canary in route.canaries:
-        base = (added or {}).get(canary, {})
-        stable = figures.get(route.stable, VersionFigures()).since(base.get(route.stable))
-        mine = figures.get(canary, VersionFigures()).since(base.get(canary))
+        since = (counted or {}).get(canary, {})
+        stable = since.get(route.stable, figures.get(route.stable, VersionFigures()))
+        mine = since.get(canary, figures.get(canary, VersionFigures()))
         seen = f" (canary: {mine.describe()}; stable: {stable.describe()})"
         if (min(mine.requests, stable.requests) >= gate.min_requests
                 and mine.error_rate > stable.error_rate + gate.error_rate_margin):
@@ -109,44 +104,48 @@ def judge(route: ModelRoute, figures: Mapping[str, VersionFigures],
 
 @dataclass
 class Gate:
-    """The gate over the daemon's ticks: :func:`judge` with the figures of each canary's routes when it was
-    added. A canary that appears in a route seen before without it (added, or added again after a rollback)
-    is judged on the counts since; one in a route seen first (the daemon just started) on the routers' whole
-    counts, as nothing tells when it was added. Counts that fall below those remembered (a router restarted,
-    counting from 0, or fell silent) are remembered as they are then."""
+    """The gate over the daemon's ticks: :func:`judge` on the counts since each canary was added, taken per
+    router (by its ``/stats`` instance id) from the counts the gate saw there first with the canary in the route:
+    when it was added, or, for a canary there before (the daemon just started) or a router not heard then (silent,
+    or started since), when the gate first heard it. A router's counts from before are not the canary's run's: a
+    restarted daemon judged on them a canary added again after a rollback, and a router silent for one tick had
+    its whole history counted as since the canary came (the routers' sums fell, then rose). Counts that fall below
+    those remembered (the router forgot the version) are remembered as they are then."""
 
-    #: Route name -> the versions it had when last seen.
-    versions: dict[str, frozenset[str]] = field(default_factory=dict)
-    #: (route name, canary) -> the route's versions' figures when the canary was added.
-    added: dict[tuple[str, str], dict[str, VersionFigures]] = field(default_factory=dict)
+    #: (route name, canary) -> per router instance, the route's versions' figures there when first seen.
+    added: dict[tuple[str, str], dict[str, dict[str, VersionFigures]]] = field(default_factory=dict)
 
-    def saw(self, route: ModelRoute, figures: Mapping[str, VersionFigures] | None = None) -> None:
-        """Note ``route`` as it is now (every tick, judged or not, so a canary added again is told apart);
-        ``figures``: the versions' figures now (None: not polled, the route has no canary to judge)."""
-        before = self.versions.get(route.name)
-        names = frozenset(package for package, _ in route.versions)
-        self.versions[route.name] = names
+    def saw(self, route: ModelRoute) -> None:
+        """Note ``route`` as it is now, every tick, judged or not: a canary no longer in it is forgotten, so that
+        one added again is counted from then."""
         for key in [key for key in self.added if key[0] == route.name and key[1] not in route.canaries]:
             del self.added[key]
-        if figures is None:
-            return
-        for canary in route.canaries:
-            if before is not None and canary not in before:
-                self.added[(route.name, canary)] = {p: figures.get(p, VersionFigures()) for p in names}
-            elif (base := self.added.get((route.name, canary))) is not None:
-                self.added[(route.name, canary)] = {p: _lowest(b, figures.get(p, VersionFigures()))
-                                                    for p, b in base.items()}
 
-    def judge(self, route: ModelRoute, figures: Mapping[str, VersionFigures]) -> list[Verdict]:
-        """:meth:`saw` ``route`` with ``figures``, then :func:`judge` it on the counts since each canary was added."""
-        self.saw(route, figures)
-        return judge(route, figures, {canary: self.added[(route.name, canary)] for canary in route.canaries
-                                      if (route.name, canary) in self.added})
+    def judge(self, route: ModelRoute, figures: Mapping[str, VersionFigures],
+              per_router: Mapping[str, Mapping[str, VersionFigures]]) -> list[Verdict]:
+        """:meth:`saw` ``route``, then :func:`judge` it: ``figures``, the answering routers' added up;
+        ``per_router``, each one's (instance id -> figures), whose counts since each canary was added are judged."""
+        self.saw(route)
+        names = {package for package, _ in route.versions}
+        counted = {}
+        for canary in route.canaries:
+            bases = self.added.setdefault((route.name, canary), {})
+            requests, failed = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+            for instance, theirs in per_router.items():
+                now = {p: theirs.get(p, VersionFigures()) for p in names}
+                base = bases.get(instance)
+                base = bases[instance] = now if base is None else {p: _lowest(base.get(p, VersionFigures()), f)
+                                                                   for p, f in now.items()}
+                for p, f in now.items():
+                    requests[p] += f.requests - base[p].requests
+                    failed[p] += f.failed - base[p].failed
+            counted[canary] = {p: replace(figures.get(p, VersionFigures()), requests=requests[p], failed=failed[p])
+                               for p in names}
+        return judge(route, figures, counted)
 
     def forget(self, names: Iterable[str]) -> None:
         """Keep only the routes named ``names`` (the others were deleted)."""
         keep = set(names)
-        self.versions = {name: v for name, v in self.versions.items() if name in keep}
         self.added = {key: base for key, base in self.added.items() if key[0] in keep}
 
 

@@ -32,8 +32,9 @@ How it decides, in this order:
    above ``DOWN_HEADROOM`` times the *peak* demand of the last ``keep_alive_s`` (at least
    ``SHORT_WINDOW_S``), and never within ``scale_down_cooldown_s`` of a scale-up, so a replica is not
    acquired and released again within the cooldown. The peak needs signals for that whole window: while
-   the history holds less since its start or since polls some router did not answer (the daemon restarted, a
-   router or the control plane was out of reach), nothing is released.
+   the history holds less since its start or since polls some router did not answer for more than
+   :data:`STALE_S` (the daemon restarted, a router or the control plane was out of reach; a missed poll or two
+   is no gap), nothing is released.
 """
 
 import math

@@ -59,6 +59,7 @@ class RecordingClient:
         self.routes: list[ModelRoute] = []
         self.unchanged: list[str] = []  # workers a scale-up takes that hold the package already
         self.store = STORE  # the package's store node
+        self.listed: list[int] = []  # the limit of each listing of the trail
 
     async def list_deployments(self):
         return [self.deployment]
@@ -77,7 +78,8 @@ class RecordingClient:
         return [pb.PackageSummary(package_id=PKG, num_blocks=BLOCKS, store=pb.Peer(node_id=self.store))]
 
     async def list_scale_events(self, package_id="", *, after_seq=0, limit=0):
-        return list(self.events)
+        self.listed.append(limit)
+        return self.events[-(limit or 1000):]
 
     async def append_scale_event(self, event: ScaleEvent) -> int:
         self.events.append(event)
@@ -323,14 +325,19 @@ async def test_a_release_the_control_plane_refused_is_no_release_to_a_restarted_
     assert refusal.action == "hold"
 
 
-async def test_a_scale_up_made_but_not_stored_is_no_refusal_and_starts_the_cooldown():
+@pytest.mark.parametrize("error", [
+    ChangeNotStored("the change was made but not stored yet (disk I/O error)"),
+    ControlPlaneUnavailable("control plane at cp:7000 did not answer ScaleUp: DEADLINE_EXCEEDED: Deadline Exceeded")])
+async def test_a_scale_up_made_but_not_stored_or_unanswered_is_no_refusal_and_starts_the_cooldown(error):
     """The database refused to store it, the control plane made it all the same (agents told): recorded as
-    refused, it was asked again the next tick."""
+    refused, it was asked again the next tick. Found in review: one unanswered within its deadline (made, its
+    handler running on after the caller's deadline) was recorded as refused too: the released workers it took back
+    counted as free and the next tick added as many again (4 replicas for a demand of 2)."""
     async with stub_router(stats(queue=9, arrived=9)) as (url, _):
         released = ScaleEvent(at=time.time() - 1.0, package_id=PKG, action="release", count=1, node_ids=("w3",),
                               seq=1)
         client = RecordingClient([worker("w1"), worker("w2"), worker("w3", held=BLOCKS)], (url,), [released])
-        client.refuse = ChangeNotStored("the change was made but not stored yet (disk I/O error)")
+        client.refuse = error
         async with Scaler(client, ScalerConfig(source_keep_s=300.0)) as scaler:
             [(_, decision)] = await scaler.tick()
             assert decision.add >= 1
@@ -401,6 +408,45 @@ async def test_a_released_worker_a_scale_up_takes_back_is_in_the_trail_and_a_res
         async with Scaler(client, config, **clocks(now)) as restarted:
             await restarted.tick()
             assert "w1" in restarted.tracked[PKG].released
+
+
+async def test_a_restarted_daemon_reads_the_trail_back_past_the_holds_to_its_last_scale_up_and_release():
+    """Found in review: a restart read the latest 200 events, and holds (a router silent every other poll writes two
+    a tick) pushed the last scale-up and release out of them: their cooldown and the released worker were lost."""
+    now = [100_000.0]
+    events = [ScaleEvent(at=now[0] - 120.0, package_id=PKG, action="scale_up", count=1, seq=1),
+              ScaleEvent(at=now[0] - 100.0, package_id=PKG, action="release", count=1, node_ids=("w1",), seq=2)]
+    events += [ScaleEvent(at=now[0] - 99.0 + i * 0.01, package_id=PKG, action="hold", reason="no signals", seq=3 + i)
+               for i in range(3000)]
+    async with stub_router(stats(idle={"w1": 60.0, "w2": 60.0})) as (url, _):
+        client = RecordingClient([worker("w1", held=BLOCKS), worker("w2", held=BLOCKS)], (url,), events)
+        client.deployment = replace(client.deployment, policy=replace(POLICY, scale_down_cooldown_s=300.0))
+        async with Scaler(client, ScalerConfig(source_keep_s=300.0), **clocks(now)) as scaler:
+            await scaler.tick()
+            tracked = scaler.tracked[PKG]
+            assert (tracked.last_scale_up, set(tracked.released)) == (now[0] - 120.0, {"w1"})
+    assert client.listed == [1000, 4000]
+
+
+async def test_every_deployments_routers_are_polled_at_once():
+    """Found in review: one deployment after another, a tick took a router timeout per deployment behind slow
+    routers, every other deployment's scaling waiting meanwhile."""
+    async with stub_router(stats(), delay_s=0.5) as (a, first), stub_router(stats(), delay_s=0.5) as (b, second):
+        class Two(RecordingClient):
+            async def list_deployments(self):
+                return [Deployment(PKG, POLICY, (a,)), Deployment("q" * 64, POLICY, (b,))]
+
+            async def list_packages(self):
+                return [*await super().list_packages(),
+                        pb.PackageSummary(package_id="q" * 64, num_blocks=BLOCKS, store=pb.Peer(node_id=STORE))]
+
+        client = Two([worker("w1")], (a,))
+        async with Scaler(client) as scaler:
+            started = asyncio.get_running_loop().time()
+            ticking = asyncio.create_task(scaler.tick())
+            await asyncio.sleep(0.25)  # both polls are under way at once, the first one unanswered yet
+            assert (len(first["hosts"]), len(second["hosts"])) == (1, 1)
+            assert len(await ticking) == 2 and asyncio.get_running_loop().time() - started >= 0.5
 
 
 async def test_a_restarted_daemon_recovers_its_cooldowns_from_the_audit_trail():
@@ -479,12 +525,14 @@ def version(answered: int, failed: int, p95: float | None, queue: int = 0) -> di
 
 async def test_the_gate_rolls_back_a_failing_canary_once_with_its_figures_and_leaves_an_ungated_one():
     canary = "c" * 64
-    answer = {**stats(), "versions": {PKG: version(90, 0, 0.5), canary: version(6, 4, 0.5)}}
+    answer = {**stats(), "versions": {PKG: version(0, 0, 0.5), canary: version(0, 0, 0.5)}}
     async with stub_router(answer) as (url, state):
         client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
         gated = ModelRoute("chat", PKG, ((PKG, 90), (canary, 10)), CanaryGate(min_requests=10))
         client.routes = [gated, ModelRoute("plain", PKG, ((PKG, 90), (canary, 10)))]
         async with Scaler(client) as scaler:
+            await scaler.tick()  # the counts it is judged from
+            state["answer"] = {**stats(), "versions": {PKG: version(90, 0, 0.5), canary: version(6, 4, 0.5)}}
             await scaler.tick()
             rollbacks = [c for c in client.calls if c[0] == "change_route"]
             assert rollbacks == [("change_route", "chat", "rollback", canary,
@@ -790,11 +838,13 @@ async def test_a_canary_added_again_after_a_rollback_is_judged_on_its_requests_s
     failures of its rolled-back run, and rolled back again before any request of the new one."""
     canary = "c" * 64
     gated = ModelRoute("chat", PKG, ((PKG, 90), (canary, 10)), CanaryGate(min_requests=10))
-    answer = {**stats(), "versions": {PKG: version(90, 0, 0.5), canary: version(6, 4, 0.5)}}
+    answer = {**stats(), "versions": {PKG: version(0, 0, 0.5), canary: version(0, 0, 0.5)}}
     async with stub_router(answer) as (url, state):
         client = RecordingClient([worker("w1", held=BLOCKS)], (url,))
         client.routes = [gated]
         async with Scaler(client) as scaler:
+            await scaler.tick()
+            state["answer"] = {**stats(), "versions": {PKG: version(90, 0, 0.5), canary: version(6, 4, 0.5)}}
             await scaler.tick()
             assert [c[2] for c in client.calls if c[0] == "change_route"] == ["rollback"]
             client.routes = [ModelRoute("chat", PKG, ((PKG, 100),), gated.gate)]  # rolled back

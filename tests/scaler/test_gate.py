@@ -36,20 +36,58 @@ def test_the_ttft_is_judged_on_as_many_answers_in_its_window_as_the_gate_asks_fo
     assert len(judge(ROUTE, {STABLE: stable, CANARY: figures(300, 0, 1.0, count=20)})) == 1
 
 
+def judged(gate: Gate, route: ModelRoute, **routers: dict) -> list:
+    """The gate's verdicts on the figures of the routers named (instance id -> their versions' figures)."""
+    totals = {p: VersionFigures(sum(r[p].requests for r in routers.values() if p in r),
+                                sum(r[p].failed for r in routers.values() if p in r), 0.03,
+                                sum(r[p].ttft_count for r in routers.values() if p in r), math.inf, TTFT_WINDOW_S)
+              for p in (STABLE, CANARY)}
+    return gate.judge(route, totals, routers)
+
+
 def test_a_canary_added_again_is_judged_on_the_counts_since_and_falling_counts_count_from_there():
     gate = Gate()
+    without = ModelRoute("chat", STABLE, ((STABLE, 100),), ROUTE.gate)
+    gate.saw(without)
     failing = {STABLE: figures(100, 0, 0.03), CANARY: figures(20, 10, 0.03)}
-    assert len(gate.judge(ROUTE, failing)) == 1  # a route seen first: the routers' whole counts
-    gate.saw(ModelRoute("chat", STABLE, ((STABLE, 100),), ROUTE.gate))  # rolled back
-    assert gate.judge(ROUTE, failing) == []  # added again: nothing since
-    later = {STABLE: figures(130, 0, 0.03), CANARY: figures(45, 10, 0.03)}
-    assert gate.judge(ROUTE, later) == []  # 25 since, none failed
-    # The routers restarted (counting from 0): the requests from then on count.
-    assert gate.judge(ROUTE, {STABLE: figures(10, 0, 0.03), CANARY: figures(5, 0, 0.03)}) == []
-    [verdict] = gate.judge(ROUTE, {STABLE: figures(40, 0, 0.03), CANARY: figures(30, 8, 0.03)})
+    assert judged(gate, ROUTE, a=failing) == []  # added: nothing since
+    failing_more = {STABLE: figures(130, 0, 0.03), CANARY: figures(50, 20, 0.03)}
+    assert len(judged(gate, ROUTE, a=failing_more)) == 1  # 30 since, 10 failed
+    gate.saw(without)  # rolled back
+    assert judged(gate, ROUTE, a=failing_more) == []  # added again: nothing since
+    later = {STABLE: figures(160, 0, 0.03), CANARY: figures(75, 20, 0.03)}
+    assert judged(gate, ROUTE, a=later) == []  # 25 since, none failed
+    # The router forgot the versions (counting from 0): the requests from then on count.
+    assert judged(gate, ROUTE, a={STABLE: figures(10, 0, 0.03), CANARY: figures(5, 0, 0.03)}) == []
+    [verdict] = judged(gate, ROUTE, a={STABLE: figures(40, 0, 0.03), CANARY: figures(30, 8, 0.03)})
     assert "(canary: 25 requests, 8 failed" in verdict.reason and "stable: 30 requests, 0 failed" in verdict.reason
     gate.forget([])
-    assert gate.versions == {} and gate.added == {}
+    assert gate.added == {}
+
+
+def test_a_restarted_daemon_judges_a_canary_on_the_counts_from_its_start_not_the_routers_whole_history():
+    """Found in review: a route seen first was judged on the routers' whole counts, so after a restart a canary
+    added again after a rollback was rolled back again on its last run's failures."""
+    gate = Gate()  # the daemon restarted: the canary is in the route already
+    history = {STABLE: figures(100, 0, 0.03), CANARY: figures(40, 15, 0.03)}
+    assert judged(gate, ROUTE, a=history) == []
+    assert judged(gate, ROUTE, a={STABLE: figures(130, 0, 0.03), CANARY: figures(65, 15, 0.03)}) == []
+
+
+def test_a_router_silent_for_a_tick_does_not_count_its_history_as_since_the_canary_came():
+    """Found in review: the bases were the routers' sums, lowered when a silent router's counts left the sum; when
+    it answered again its whole history counted as since the canary was added, diluting the stable version's error
+    rate: a canary failing as often as the stable version was rolled back."""
+    gate = Gate()
+    gate.saw(ModelRoute("chat", STABLE, ((STABLE, 100),), ROUTE.gate))
+    before = {STABLE: figures(1000, 0, 0.03), CANARY: figures(0, 0, 0.03)}
+    assert judged(gate, ROUTE, a=before, b=before) == []  # the canary added
+    assert judged(gate, ROUTE, a=before) == []  # b is silent
+    after = {STABLE: figures(1050, 5, 0.03), CANARY: figures(50, 5, 0.03)}
+    assert judged(gate, ROUTE, a=after, b=after) == []  # both 10% since: no verdict
+    worse = {STABLE: figures(1100, 5, 0.03), CANARY: figures(100, 15, 0.03)}
+    [verdict] = judged(gate, ROUTE, a=worse, b=worse)  # the canary 15%, the stable version 5%
+    assert "(canary: 200 requests, 30 failed" in verdict.reason and "stable: 200 requests, 10 failed" in verdict.reason
 
 
 def test_the_routers_figures_add_up_the_shortest_readiness_counting_a_router_without_one_as_ready_long():
