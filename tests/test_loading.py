@@ -22,7 +22,8 @@ from packager.errors import PackageFileError
 from packager.pack import pack
 from pipecast.engine.engine import LoadProgress
 from pipecast.agent.errors import LocalApiError
-from pipecast.agent.local_client import CLIENT_SLACK_S
+from pipecast.agent.local_client import CLIENT_SLACK_S, LocalAgentClient
+from pipecast.agent.store import BlockStore
 from pipecast.engine.errors import (
     DeviceError,
     EngineClosedError,
@@ -506,6 +507,51 @@ async def test_close_lets_the_agent_client_unmap_a_block_bound_part_by_part(tiny
             assert model.origin == "agent"  # still referenced
     finally:
         store.close()
+
+
+def _held(package: packages.TinyPackage) -> BlockStore:
+    """A receiving agent's store of ``package``, its small files in, none of its blocks."""
+    store = receiving_store(package.manifest)
+    for file in package.manifest.files:
+        store.add_file(file.path, (package.path / file.path).read_bytes(), "test")
+    return store
+
+
+async def test_closing_a_model_leaves_the_loads_sharing_its_agent_client_going(tiny_package, tmp_path, monkeypatch):
+    """Found in review: closing a model interrupted every request in flight on its agent client, so that another
+    model loading through the same client (one given as ``agent=`` serves later loads) failed, blaming the agent."""
+    pkgs = [tiny_package(name=name, seed=seed) for name, seed in (("a", 1), ("b", 2))]
+    stores = [_held(package) for package in pkgs]
+    mapping, answer = threading.Event(), threading.Event()
+    prefault = stores[1].prefault
+
+    def held_prefault(block: int) -> None:  # the agent answers B's first buffer request once told to
+        mapping.set()
+        answer.wait(30)
+        prefault(block)
+
+    monkeypatch.setattr(stores[1], "prefault", held_prefault)
+    try:
+        async with local_api_serving(stores[0], tmp_path / "agent.sock", others=stores[1:]):
+            with LocalAgentClient(tmp_path / "agent.sock") as client:
+                a, b = [await asyncio.to_thread(pipecast.load, package.manifest.package_id, agent=client)
+                        for package in pkgs]
+                try:
+                    assert await asyncio.to_thread(mapping.wait, 30)  # B's loader waits on the agent's answer
+                    await asyncio.to_thread(a.close)  # A closes mid-load
+                    answer.set()
+                    for block in pkgs[1].manifest.blocks:
+                        data = block_file_bytes(pkgs[1].path, pkgs[1].manifest, block.index)
+                        for chunk in range(stores[1].chunk_count(block.index)):
+                            land_chunk(stores[1], data, block.index, chunk)
+                    await asyncio.to_thread(b.wait_loaded, 30)
+                    assert b.progress().blocks_present == len(pkgs[1].manifest.blocks)
+                finally:
+                    answer.set()
+                    b.close()
+    finally:
+        for store in stores:
+            store.close()
 
 
 class _MuteAgent:

@@ -14,6 +14,8 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -34,6 +36,28 @@ MAX_TIMEOUT_S = 86_400.0
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 
 
+class RequestScope:
+    """The requests of one user of a client others use too (a model's loader: a client given to ``pipecast.load``
+    serves every model loaded with it): those a thread starts inside ``with scope.active():`` are the scope's, and
+    :meth:`LocalAgentClient.interrupt` given the scope ends those only."""
+
+    def __init__(self) -> None:
+        self.interrupts = 0  # LocalAgentClient.interrupt(self) calls so far (under that client's lock)
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """The requests this thread starts meanwhile are the scope's."""
+        token = _SCOPE.set(self)
+        try:
+            yield
+        finally:
+            _SCOPE.reset(token)
+
+
+#: The scope of the requests this thread starts: by default one that no interrupt() is given.
+_SCOPE: ContextVar[RequestScope] = ContextVar("pipecast_agent_request_scope", default=RequestScope())
+
+
 @dataclass(frozen=True)
 class _Mapped:
     package: str
@@ -51,7 +75,8 @@ class LocalAgentClient:
     started by the first wait: :meth:`wait_block`, :meth:`wait_prefix` and :meth:`verified_blocks` then
     wait on that knowledge, not on a request, so a busy agent answering late delays no block by more than
     the event's own delivery. A block's memory stays mapped until :meth:`close` and, after it, for as long
-    as a view of it (a tensor) is alive.
+    as a view of it (a tensor) is alive. Users that share a client (the models loaded through it) each start
+    their requests in a :class:`RequestScope` of their own, for :meth:`interrupt` to end one user's only.
     """
 
     def __init__(self, socket_path: Path | str, connect_timeout_s: float = 5.0) -> None:
@@ -59,7 +84,8 @@ class LocalAgentClient:
         self._connect_timeout_s = connect_timeout_s
         self._lock = threading.Lock()  # guards the idle connections, those in use, the mappings and closed
         self._idle: list[tuple[socket.socket, BinaryIO]] = [self._open()]  # fails at once without an agent
-        self._busy: set[socket.socket] = set()  # connections a request is using: close() shuts them down
+        #: Connections a request is using, with its scope: close() shuts them all down, interrupt() the scope's.
+        self._busy: dict[socket.socket, RequestScope] = {}
         self._closed = False
         self._maps: dict[tuple[str, int], mmap.mmap] = {}
         self._drops = 0  # drops seen so far (under _lock): an answer given before a drop maps the memory dropped
@@ -68,7 +94,6 @@ class LocalAgentClient:
         self._complete: dict[str, set[int]] = {}  # package -> its verified blocks
         self._dropped: set[str] = set()  # packages the agent dropped, none of their blocks verified since
         self._stream: socket.socket | None = None
-        self._interrupts = 0  # interrupt() calls so far
         #: The agent process whose events the stream brings (:func:`_process`; None: not told): memory another one
         #: answers is not what those events say is verified.
         self._stream_agent: tuple[int, int] | None = None
@@ -95,10 +120,9 @@ class LocalAgentClient:
         """The agent's answer to ``request``, an ok one holding each of ``fields`` as its type (an agent of another
         version may answer otherwise: :class:`LocalApiError`, not a KeyError); else the error it answered."""
         _check_timeout(timeout)
-        with self._lock:
-            interrupts = self._interrupts  # an interrupt() from now on ends this request, its retry included
+        start = self._start()  # an interrupt of its scope from now on ends this request, its retry included
         for fresh in (False, True):
-            sock, lines, reused = self._checkout(fresh, interrupts)
+            sock, lines, reused = self._checkout(fresh, start)
             line, failure = b"", None
             try:
                 sock.settimeout(timeout + CLIENT_SLACK_S)
@@ -110,7 +134,7 @@ class LocalAgentClient:
                 closed = self._checkin(sock, lines, answered=bool(line))
             # A connection kept from an earlier request that fails unanswered is one to an agent since gone (restarted
             # on the same socket, say): asked again once on a new one. The requests are reads, safe to ask twice.
-            if line or closed or not reused or isinstance(failure, TimeoutError) or self._interrupts != interrupts:
+            if line or closed or not reused or isinstance(failure, TimeoutError) or _interrupted(start):
                 break
         if not line:
             if closed:  # close() shut the connection down under the request
@@ -133,21 +157,27 @@ class LocalAgentClient:
                                     f"right kind ({kind.__name__}): {str(value)[:40]!r}")
         return answer
 
-    def _checkout(self, fresh: bool, interrupts: int) -> tuple[socket.socket, BinaryIO, bool]:
+    def _start(self) -> tuple[RequestScope, int]:
+        """The scope of a request this thread starts now, and its interrupts so far (:func:`_interrupted`)."""
+        scope = _SCOPE.get()
+        with self._lock:
+            return scope, scope.interrupts
+
+    def _checkout(self, fresh: bool, start: tuple[RequestScope, int]) -> tuple[socket.socket, BinaryIO, bool]:
         """A connection for one request (a new one with ``fresh``), in use until :meth:`_checkin`: :meth:`close`
-        and :meth:`interrupt` meanwhile shut it down (an interrupt since the request's start, counted
-        ``interrupts`` then, ends it here); and whether it was kept from an earlier request."""
+        and :meth:`interrupt` of its scope meanwhile shut it down (an interrupt since the request's ``start``
+        ends it here); and whether it was kept from an earlier request."""
         with self._lock:
             if self._closed:
                 raise self._closed_error()
-            if self._interrupts != interrupts:
+            if _interrupted(start):
                 raise self._interrupted_error()
             connection = self._idle.pop() if self._idle and not fresh else None
         sock, lines = connection or self._open()
         with self._lock:
-            interrupted = self._interrupts != interrupts
+            interrupted = _interrupted(start)
             if not self._closed and not interrupted:  # else closed or interrupted while it connected: unseen
-                self._busy.add(sock)
+                self._busy[sock] = start[0]
                 return sock, lines, connection is not None
         if interrupted and not self._closed:
             self._checkin(sock, lines, answered=connection is not None)  # a kept one is still in step
@@ -160,7 +190,7 @@ class LocalAgentClient:
         """Done with a connection: kept for the next request if it ``answered`` (else it is out of step or gone)
         and the client is open; whether the client is closed."""
         with self._lock:
-            self._busy.discard(sock)
+            self._busy.pop(sock, None)
             closed = self._closed
             keep = answered and not closed
             if keep:
@@ -332,24 +362,23 @@ class LocalAgentClient:
 
     def _watch(self) -> None:
         """Start following the agent's event stream (once; the first events are what it holds already)."""
-        with self._lock:
-            interrupts = self._interrupts  # an interrupt() from now on ends a subscription this starts
+        start = self._start()  # an interrupt of its scope from now on ends a subscription this starts
         with self._known:
             if self._closed:  # close() sets it before it ends the stream: none starts after it
                 raise self._closed_error()
             if self._stream is not None and self._stream_error is None:
                 return
-            if self._interrupts != interrupts:  # while it waited for another thread's subscription
+            if _interrupted(start):  # while it waited for another thread's subscription
                 raise self._interrupted_error()
             if self._stream is not None:
                 self._follow_afresh()
             sock, lines = self._subscribe(self._connect_timeout_s)
             with self._lock:  # in flight as a request is: close() and interrupt() end a silent agent's wait
-                if self._closed or self._interrupts != interrupts:
+                if self._closed or _interrupted(start):
                     lines.close()
                     sock.close()
                     raise self._closed_error() if self._closed else self._interrupted_error()
-                self._busy.add(sock)
+                self._busy[sock] = start[0]
             try:
                 answer = lines.readline()
                 if not answer:
@@ -360,13 +389,13 @@ class LocalAgentClient:
                 sock.close()
                 if self._closed:
                     raise self._closed_error() from None
-                if self._interrupts != interrupts:
+                if _interrupted(start):
                     raise self._interrupted_error() from None
                 raise LocalApiError(f"agent at {self.socket_path}: cannot follow its events "
                                     f"({getattr(exc, 'strerror', None) or exc})") from None
             finally:
                 with self._lock:
-                    self._busy.discard(sock)
+                    self._busy.pop(sock, None)
             sock.settimeout(None)  # an idle agent sends nothing; close() ends the wait
             self._stream, self._stream_agent = sock, _peer(sock)
         threading.Thread(target=self._follow, args=(sock, lines), name="pipecast-agent-events", daemon=True).start()
@@ -565,13 +594,15 @@ class LocalAgentClient:
                 sock.close()
             self._idle.clear()
 
-    def interrupt(self) -> None:
-        """End the requests in flight now (each raises :class:`LocalApiError`), the client staying open: what a
-        model closing while a request waits on a silent agent calls, so that its loader thread ends at once."""
+    def interrupt(self, scope: RequestScope) -> None:
+        """End ``scope``'s requests in flight now (each raises :class:`LocalApiError`), the client staying open and
+        other scopes' requests going on: what a model closing while its loader waits on a silent agent calls, so
+        that its loader thread ends at once, and the other models loading through the same client go on."""
         with self._lock:
-            self._interrupts += 1  # a request it ends is not asked again
-            for sock in self._busy:  # its request's thread closes it, once its read or write ends
-                _shut_down(sock)
+            scope.interrupts += 1  # a request it ends is not asked again
+            for sock, owner in self._busy.items():
+                if owner is scope:
+                    _shut_down(sock)  # its request's thread closes it, once its read or write ends
 
     def __enter__(self) -> "LocalAgentClient":
         return self
@@ -585,6 +616,12 @@ def is_timeout(value: object) -> bool:
     wait on the events for ever, an infinite or huge one overflowed the timers). Compared, not passed to
     math.isfinite, which overflows on an integer of hundreds of digits; NaN fails the comparison."""
     return not isinstance(value, bool) and isinstance(value, int | float) and 0 <= value <= MAX_TIMEOUT_S
+
+
+def _interrupted(start: tuple[RequestScope, int]) -> bool:
+    """Whether the scope of a request started at ``start`` (:meth:`LocalAgentClient._start`) was interrupted since."""
+    scope, interrupts = start
+    return scope.interrupts != interrupts
 
 
 def _check_timeout(timeout: object) -> None:

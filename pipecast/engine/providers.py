@@ -19,6 +19,7 @@ from packager.blockfile import tensors_from_buffer
 from packager.errors import PackageError
 from packager.package import CONFIG_FILE, Package, parse_config
 from packager.safetensors_format import Header, parse_header
+from pipecast.agent.local_client import RequestScope
 from pipecast.engine.errors import BlockBindError, BlockWaitTimeout
 from pipecast.v1.manifest_pb2 import Manifest
 
@@ -124,13 +125,17 @@ class AgentBlockProvider:
     ``map_ahead``, ``wait_block`` / ``wait_prefix`` (a read-only view of a verified block or prefix; ``TimeoutError`` if
     not verified in time), ``verified_blocks``, ``verified_bytes`` and ``package_file``. The agent hands out verified
     bytes only. Besides whole blocks, this provider hands out a block's layers one by one as their bytes are verified
-    (:meth:`wait_header`, :meth:`wait_tensors`): a :class:`StreamingBlockProvider`.
+    (:meth:`wait_header`, :meth:`wait_tensors`): a :class:`StreamingBlockProvider`. Its requests are a
+    :class:`~pipecast.agent.local_client.RequestScope` of their own: :meth:`interrupt` ends them, not those of other
+    models the client serves.
     """
 
     def __init__(self, client: Any, *, package_id: str | None, where: str, timeout_s: float = 10.0):
         self.client = client
         self._where = where
-        self._manifest = client.manifest(package_id, timeout=timeout_s)
+        self._scope = RequestScope()
+        with self._scope.active():
+            self._manifest = client.manifest(package_id, timeout=timeout_s)
         self._package_id = self._manifest.package_id
         self._timeout_s = timeout_s
         config = self.small_file(CONFIG_FILE)
@@ -159,24 +164,27 @@ class AgentBlockProvider:
     def small_file(self, path: str) -> bytes | None:
         if path not in {f.path for f in self._manifest.files}:
             return None
-        return self.client.package_file(path, self._package_id, timeout=self._timeout_s)
+        with self._scope.active():
+            return self.client.package_file(path, self._package_id, timeout=self._timeout_s)
 
     def present_blocks(self) -> set[int]:
-        return self.client.verified_blocks(self._package_id)
+        with self._scope.active():  # its first call may subscribe to the agent's events
+            return self.client.verified_blocks(self._package_id)
 
     def verified_bytes(self, index: int) -> int:
-        return self.client.verified_bytes(index, self._package_id)
+        with self._scope.active():
+            return self.client.verified_bytes(index, self._package_id)
 
     def wait_block(self, index: int, timeout: float) -> Mapping[str, "torch.Tensor"]:
         buf = self._wait(index, None, timeout)
         return tensors_from_buffer(buf, self._where_block(index), self._header(index, buf))
 
     def interrupt(self) -> None:
-        """End the client's requests in flight (loading stops: one waiting on a silent agent would hold the
-        loader thread for agent_timeout_s + 5 s)."""
+        """End this provider's requests to the client in flight (loading stops: one waiting on a silent agent would
+        hold the loader thread for agent_timeout_s + 5 s), not those of other models the client serves."""
         interrupt = getattr(self.client, "interrupt", None)
         if interrupt is not None:
-            interrupt()
+            interrupt(self._scope)
 
     def wait_header(self, index: int, timeout: float) -> Header:
         """Block ``index``'s layout (tensor names, dtypes, byte ranges) once the chunks holding its header
@@ -197,14 +205,16 @@ class AgentBlockProvider:
     def _wait(self, index: int, nbytes: int | None, timeout: float) -> memoryview:
         """The block's verified bytes: all of it, or its first ``nbytes``."""
         try:
-            if index not in self._mapped:  # the first wait for a block finds it in flight: map it then
-                self.client.map_ahead(index, self._package_id, timeout=self._timeout_s)
-                self._mapped.add(index)
-            if nbytes is None:
-                return self.client.wait_block(index, timeout, self._package_id)
-            # Asked each time (the client answers from its own mapping, in microseconds), not kept: a view held
-            # here would keep the client from unmapping the block when the model closes (a BufferError it swallows).
-            return self.client.wait_prefix(index, nbytes, timeout, self._package_id)[:nbytes]
+            with self._scope.active():
+                if index not in self._mapped:  # the first wait for a block finds it in flight: map it then
+                    self.client.map_ahead(index, self._package_id, timeout=self._timeout_s)
+                    self._mapped.add(index)
+                if nbytes is None:
+                    return self.client.wait_block(index, timeout, self._package_id)
+                # Asked each time (the client answers from its own mapping, in microseconds), not kept: a view
+                # held here would keep the client from unmapping the block when the model closes (a BufferError
+                # it swallows).
+                return self.client.wait_prefix(index, nbytes, timeout, self._package_id)[:nbytes]
         except TimeoutError:
             raise BlockWaitTimeout(index, self.origin, timeout) from None
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from pipecast.agent.errors import LocalApiError, LocalApiTimeoutError, PackageDroppedError
 from pipecast.agent import local_api
 from pipecast.agent.local_api import MAX_TIMEOUT_S, OPS, LocalApiServer, parse_request
-from pipecast.agent.local_client import LocalAgentClient
+from pipecast.agent.local_client import LocalAgentClient, RequestScope
 from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.transport.base import PeerAuth
 from pipecast.core.credentials import data_plane_key, serving_key
@@ -805,28 +805,48 @@ def fake_agent(tmp_path, serve: Callable[[socket.socket], None]) -> Iterator[str
             thread.join(5)
 
 
-def test_interrupt_ends_a_request_in_flight_and_the_client_stays_open(tmp_path):
-    """What a model closing while its loader waits on a silent agent calls (the wait was agent_timeout_s + 5 s)."""
-    received = threading.Event()
+def test_interrupt_ends_its_scopes_request_in_flight_only_and_the_client_stays_open(tmp_path):
+    """What a model closing while its loader waits on a silent agent calls (the wait was agent_timeout_s + 5 s).
+    Found in review: it ended every request in flight on the client, so closing one model killed the requests of
+    the others loading through the same client (given as ``agent=``): they failed, blaming the agent."""
+    received = [threading.Event(), threading.Event()]
+    answer = threading.Event()
 
     def serve(server):
-        silent, _ = server.accept()  # the first request is never answered
-        silent.makefile("rb").readline()
-        received.set()
-        answering, _ = server.accept()
-        with silent, answering:
-            answering.makefile("rb").readline()
-            answering.sendall(b'{"ok": true, "status": {"node": "n"}}\n')
+        first, _ = server.accept()  # the client's first connection, which the first request takes
+        first.makefile("rb").readline()  # never answered
+        received[0].set()
+        second, _ = server.accept()
+        with first, second:
+            lines = second.makefile("rb")
+            lines.readline()
+            received[1].set()
+            answer.wait(5)
+            second.sendall(b'{"ok": true, "status": {"node": "n"}}\n')
+            lines.readline()  # the next request, on the connection kept
+            second.sendall(b'{"ok": true, "status": {"node": "n"}}\n')
 
     with fake_agent(tmp_path, serve) as path, LocalAgentClient(path) as client:
-        failures = []
-        waiting = threading.Thread(target=lambda: failures.append(_raised(lambda: client.status())))
-        waiting.start()
-        assert received.wait(5)
-        client.interrupt()
-        waiting.join(5)
-        assert not waiting.is_alive() and isinstance(failures[0], LocalApiError)
-        assert client.status() == {"node": "n"}  # not closed
+        scopes = [RequestScope(), RequestScope()]
+        results = [[], []]
+
+        def ask(i):
+            with scopes[i].active():
+                results[i].append(_raised(client.status) or "answered")
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for thread, event in zip(threads, received):
+            thread.start()
+            assert event.wait(5)
+        client.interrupt(scopes[0])
+        threads[0].join(5)
+        assert not threads[0].is_alive() and isinstance(results[0][0], LocalApiError)
+        assert threads[1].is_alive()  # another scope's request goes on
+        answer.set()
+        threads[1].join(5)
+        assert results[1] == ["answered"]
+        with scopes[0].active():
+            assert client.status() == {"node": "n"}  # not closed, and a later request of the scope is asked
 
 
 def test_close_ends_a_subscription_an_agent_leaves_unanswered_at_once(tmp_path):

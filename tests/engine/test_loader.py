@@ -114,11 +114,13 @@ def test_stop_interrupts_a_request_in_flight_to_a_silent_agent(pkg):
                 raise AssertionError("never interrupted")
             raise LocalApiError("agent at gated: the request was interrupted")
 
-        def interrupt(self):
+        def interrupt(self, scope):
+            assert scope is provider._scope  # its own requests only: the client may serve other models
             self.interrupted.set()
 
     agent = SilentAgent(pkg)
-    loader, model = loading(AgentBlockProvider(agent, package_id=None, where="silent agent", timeout_s=WAIT_S))
+    provider = AgentBlockProvider(agent, package_id=None, where="silent agent", timeout_s=WAIT_S)
+    loader, model = loading(provider)
     wait_until(agent.entered.is_set)  # the loader waits on the agent's answer
     assert loader.stop(timeout=WAIT_S)  # ended, not given up on after the join's timeout
     assert agent.interrupted.is_set() and not model.failed  # stopped: the interrupted request is no failure

@@ -2,7 +2,7 @@
 (their packages: ``tiny_package(..., layer_bytes=...)`` in tests.support.packages)."""
 
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -24,14 +24,17 @@ def receiving_store(manifest: Manifest, budget_bytes: int = 1 << 30, **kwargs) -
 
 @asynccontextmanager
 async def local_api_serving(store: BlockStore, socket: Path, status: Callable[[], dict] = dict,
-                            auth: PeerAuth | None = None) -> AsyncIterator[LocalApiServer]:
-    """``store`` served by a local API server at ``socket``, its events published as the agent wires them
-    (``auth``: the agent's cluster credentials; default none, auth off); the server closed at the end (the
-    store is the caller's)."""
+                            auth: PeerAuth | None = None,
+                            others: Sequence[BlockStore] = ()) -> AsyncIterator[LocalApiServer]:
+    """``store`` (and the ``others``: more packages the agent holds) served by a local API server at ``socket``,
+    their events published as the agent wires them (``auth``: the agent's cluster credentials; default none, auth
+    off); the server closed at the end (the stores are the caller's)."""
     peer_server = PeerServer()
-    peer_server.add(store)
+    for held in (store, *others):
+        peer_server.add(held)
     server = LocalApiServer(peer_server, status=status, auth=auth or PeerAuth("test"))
-    store.subscribe(lambda event: server.publish(event, store))
+    for held in (store, *others):
+        held.subscribe(lambda event, held=held: server.publish(event, held))
     await server.start(socket)
     try:
         yield server
