@@ -14,6 +14,7 @@ function ``pipecast.load`` on the package as soon as anything imported it.
 """
 
 import atexit
+import functools
 import itertools
 import logging
 import weakref
@@ -122,8 +123,9 @@ class LoadedModel:
 
     def close(self) -> None:
         """Stop the engine (requests still running, later ones and :meth:`logits` fail with EngineClosedError; its
-        weights are dropped first, so that the agent client can unmap the blocks) and its agent client. Models
-        still open when the interpreter exits are closed then."""
+        weights are dropped first, so that the agent client can unmap the blocks) and unmap the blocks: the agent
+        client ``load`` opened is closed, one given as ``agent=`` (it may serve other models) unmaps this package's
+        blocks and stays open. Models still open when the interpreter exits are closed then."""
         _OPEN.pop(self._key, None)
         self._unclosed.detach()
         self.engine.close()
@@ -185,7 +187,7 @@ def load(package: str | Path, *, agent: str | Path | Any | None = None, device: 
         engine = Engine(provider, device=device, dtype=dtype, max_batch=max_batch, max_queue=max_queue,
                         stall_timeout_s=stall_timeout_s).start()
     except BaseException:
-        if on_close is not None:  # the agent client opened here: nothing else would close it
+        if on_close is not None:  # the agent client opened here (nothing else would close it), or a given one's maps
             on_close()
         raise
     logger.info("loading package %s (%d blocks) from %s", provider.manifest.package_id[:12], provider.num_blocks,
@@ -227,7 +229,9 @@ def local_folder(package: str | Path, cache_dir: Path | None) -> Path | None:
 
 def _provider(package: str | Path, folder: Path | None, agent: Any, timeout_s: float,
               verify: bool) -> tuple["BlockProvider", str, Callable[[], None] | None]:
-    """The block provider, where it gets blocks, and what to close with the model (a client we opened)."""
+    """The block provider, where it gets blocks, and what to call as the model closes: close the agent client
+    opened here, or unmap the package's blocks from one given (found in review: they stayed mapped, so a long-lived
+    client held every package it ever served)."""
     from pipecast.engine.providers import AgentBlockProvider, PackageFolderProvider
 
     if agent is None:
@@ -240,7 +244,12 @@ def _provider(package: str | Path, folder: Path | None, agent: Any, timeout_s: f
         try:
             client = _connect(agent) if isinstance(agent, (str, Path)) else agent
             provider = AgentBlockProvider(client, package_id=package_id, where=str(where), timeout_s=timeout_s)
-            return provider, SOURCE_AGENT, client.close if client is not agent else None
+            if client is not agent:
+                return provider, SOURCE_AGENT, client.close
+            unmap = getattr(client, "unmap", None)  # a client given may serve other models: this package's blocks go
+            if unmap is None:
+                return provider, SOURCE_AGENT, None
+            return provider, SOURCE_AGENT, functools.partial(unmap, provider.manifest.package_id)
         except (OSError, PipecastError) as exc:
             reason = f"pipecast agent at {where} cannot serve package {package} ({exc})"
             if client is not None and client is not agent:

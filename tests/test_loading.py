@@ -554,6 +554,28 @@ async def test_closing_a_model_leaves_the_loads_sharing_its_agent_client_going(t
             store.close()
 
 
+async def test_close_unmaps_the_blocks_from_an_agent_client_given_which_stays_open(tiny_package, tmp_path):
+    """Found in review: with a client given as ``agent=``, close() left the package's blocks mapped (contrary to the
+    README), so a long-lived client held every package it ever served."""
+    package = tiny_package(seed=4)
+    store = _held(package)
+    for block in package.manifest.blocks:
+        data = block_file_bytes(package.path, package.manifest, block.index)
+        for chunk in range(store.chunk_count(block.index)):
+            land_chunk(store, data, block.index, chunk)
+    try:
+        async with local_api_serving(store, tmp_path / "agent.sock"):
+            with LocalAgentClient(tmp_path / "agent.sock") as client:
+                before = _memfd_maps(package.manifest.package_id)
+                for _ in range(2):  # the client serves the next load as well
+                    with await asyncio.to_thread(pipecast.load, package.manifest.package_id, agent=client) as model:
+                        await asyncio.to_thread(model.wait_loaded, 30)
+                        assert _memfd_maps(package.manifest.package_id) > before
+                    assert _memfd_maps(package.manifest.package_id) == before and client._maps == {}
+    finally:
+        store.close()
+
+
 class _MuteAgent:
     """An agent client that must not be asked anything: the arguments are wrong."""
 

@@ -74,9 +74,10 @@ class LocalAgentClient:
     verified the client learns from the agent's event stream, on a thread and a connection of their own
     started by the first wait: :meth:`wait_block`, :meth:`wait_prefix` and :meth:`verified_blocks` then
     wait on that knowledge, not on a request, so a busy agent answering late delays no block by more than
-    the event's own delivery. A block's memory stays mapped until :meth:`close` and, after it, for as long
-    as a view of it (a tensor) is alive. Users that share a client (the models loaded through it) each start
-    their requests in a :class:`RequestScope` of their own, for :meth:`interrupt` to end one user's only.
+    the event's own delivery. A block's memory stays mapped until :meth:`close` (or :meth:`unmap` of its
+    package) and, after it, for as long as a view of it (a tensor) is alive. Users that share a client (the
+    models loaded through it) each start their requests in a :class:`RequestScope` of their own, for
+    :meth:`interrupt` to end one user's only.
     """
 
     def __init__(self, socket_path: Path | str, connect_timeout_s: float = 5.0) -> None:
@@ -230,7 +231,7 @@ class LocalAgentClient:
         mapped = self._buffer(index, package_id, timeout)
         self._await(mapped.package, index, mapped.size, timeout, started, f"block {index} not verified",
                     mapped.generation)
-        return self._view(mapped)
+        return self._view(mapped, index, timeout)
 
     def wait_prefix(self, index: int, nbytes: int, timeout: float, package_id: str | None = None) -> memoryview:
         """The first ``nbytes`` bytes of block ``index`` once verified (chunk by chunk), while the rest of
@@ -248,18 +249,21 @@ class LocalAgentClient:
                                 f"{nbytes!r}")
         verified = self._await(mapped.package, index, nbytes, timeout, started,
                                f"the first {nbytes} bytes of block {index} not verified", mapped.generation)
-        return self._view(mapped)[:verified]
+        return self._view(mapped, index, timeout)[:verified]
 
-    def _view(self, mapped: "_Mapped") -> memoryview:
-        """A view of ``mapped``'s memory (under the lock :meth:`close` unmaps under: taken before, or never); a
-        :class:`LocalApiError` where it was mapped from the agent before a restart (its bytes are not the ones the
-        event stream now says are verified: one half written would read as zeros)."""
+    def _view(self, mapped: "_Mapped", index: int, timeout: float) -> memoryview:
+        """A view of ``mapped``'s memory, block ``index``'s (under the lock :meth:`close` and :meth:`unmap` unmap
+        under: taken before, or never); a :class:`LocalApiError` where it was mapped from the agent before a restart
+        (its bytes are not the ones the event stream now says are verified: one half written would read as zeros)."""
         with self._lock:
             if self._closed:
                 raise self._closed_error()
             if mapped.generation != self._generation:
                 raise self._restarted_error()
-            return memoryview(mapped.memory)
+            if not mapped.memory.closed:
+                return memoryview(mapped.memory)
+        # unmap() let it go meanwhile (another model of its package closed): mapped again, for this wait
+        return self._view(self._buffer(index, mapped.package, timeout), index, timeout)
 
     def _restarted_error(self, why: str = "its event stream ended") -> LocalApiError:
         return LocalApiError(f"agent at {self.socket_path}: the agent restarted meanwhile ({why}): memory mapped "
@@ -593,6 +597,17 @@ class LocalAgentClient:
                 lines.close()
                 sock.close()
             self._idle.clear()
+
+    def unmap(self, package_id: str) -> None:
+        """Unmap the package's blocks (views still held keep their mapping alive), the client staying open: what a
+        model loaded through a client others share calls as it closes, once its weights are dropped (else a
+        long-lived client kept every package it ever served mapped). A wait for a block later maps it again."""
+        with self._lock:
+            for key in [key for key in self._maps if key[0] == package_id]:
+                try:
+                    self._maps.pop(key).close()
+                except BufferError:
+                    pass  # a caller still holds a view (a tensor): the mapping goes when that view does
 
     def interrupt(self, scope: RequestScope) -> None:
         """End ``scope``'s requests in flight now (each raises :class:`LocalApiError`), the client staying open and

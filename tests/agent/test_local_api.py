@@ -25,6 +25,7 @@ from pipecast.agent.peer_server import PeerServer
 from pipecast.agent.transport.base import PeerAuth
 from pipecast.core.credentials import data_plane_key, serving_key
 from tests.support.agent_fixtures import block_file_bytes, land_chunk, local_api_serving, receiving_store
+from tests.support.engine_fixtures import wait_until
 from tests.support.packages import tiny_package
 
 
@@ -76,6 +77,24 @@ async def test_a_block_is_mapped_ahead_read_by_verified_prefix_and_whole_once_ve
         view = await asyncio.to_thread(client.wait_block, 1, 5.0)
         assert bytes(view) == data  # the mapping made ahead shows what arrived after it
         assert len(client._maps) == 1  # and wait_block used it rather than mapping again
+        view.release()
+
+
+async def test_unmap_lets_a_packages_blocks_go_and_a_wait_under_way_maps_its_block_again(tmp_path):
+    """What a model closing calls on a client it shares (found in review: a long-lived client kept every package it
+    served mapped); another model of the package waiting for a block meanwhile gets it, mapped again."""
+    async with local_api_server(tmp_path) as (manifest, store, _, client):
+        data = [block_file_bytes(tmp_path / "pkg", manifest, block) for block in (0, 1)]
+        land(store, data[0], 0, range(store.chunk_count(0)))
+        held = await asyncio.to_thread(client.wait_block, 0, 5.0)  # a tensor still viewing its block
+        waiting = asyncio.create_task(asyncio.to_thread(client.wait_block, 1, 5.0))
+        await asyncio.to_thread(wait_until, lambda: len(client._maps) == 2)  # block 1 mapped, not verified
+        client.unmap(manifest.package_id)
+        assert client._maps == {} and bytes(held) == data[0]  # a mapping still viewed goes with its view
+        land(store, data[1], 1, range(store.chunk_count(1)))
+        view = await waiting
+        assert bytes(view) == data[1] and len(client._maps) == 1
+        held.release()
         view.release()
 
 
@@ -190,7 +209,7 @@ async def test_memory_mapped_from_an_agent_before_its_restart_is_never_handed_ou
                 await asyncio.to_thread(client._await, package, 0, mapped.size, 5.0, time.monotonic(), "verified",
                                         mapped.generation)
             with pytest.raises(LocalApiError, match="the agent restarted meanwhile"):
-                await asyncio.to_thread(client._view, mapped)
+                await asyncio.to_thread(client._view, mapped, 0, 5.0)
             view = await asyncio.to_thread(client.wait_block, 0, 5.0, package)  # asked again: the new memory
             assert bytes(view) == data
             view.release()
