@@ -407,6 +407,17 @@ def test_verify_checks_config_json_against_the_manifest(tiny, tmp_path):
         pipecast.load(pkg, verify=False)
 
 
+def test_a_small_file_missing_is_a_typed_error_naming_it_without_verify_too(tiny, tmp_path):
+    """Found in review: without verify, a generation_config.json the manifest lists but the folder lacks was an
+    untyped FileNotFoundError (config.json's was a PackageFileError already)."""
+    pkg = shutil.copytree(tiny[1], tmp_path / "pkg")
+    (pkg / "generation_config.json").unlink()
+    for verify in (True, False):
+        with pytest.raises(PackageFileError, match=rf"^{re.escape(str(pkg / 'generation_config.json'))}: cannot "
+                                                   r"read it \(No such file or directory\)$"):
+            pipecast.load(pkg, verify=verify)
+
+
 def test_a_failed_load_shows_in_progress_and_wait_loaded_raises_at_once(tiny, tmp_path):
     """Finding 4: the documented ``fully_loaded.wait()`` hung forever when loading failed, and progress() had
     no failed state: wait_loaded raises at once, and progress says failed."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from packager.blockfile import tensors_from_buffer
-from packager.errors import PackageError
+from packager.errors import PackageError, PackageFileError
 from packager.package import CONFIG_FILE, Package, parse_config
 from packager.safetensors_format import Header, parse_header
 from pipecast.agent.local_client import RequestScope
@@ -79,7 +79,8 @@ class PackageFolderProvider:
     """Blocks of a package folder on this node, mapped copy-on-write and checked against the manifest.
 
     With ``verify`` (the default) config.json and the small files are checked against the manifest too, as
-    blocks are: :class:`~packager.errors.PackageFileError` naming the file otherwise.
+    blocks are: :class:`~packager.errors.PackageFileError` naming the file otherwise; a small file that cannot be
+    read is one either way.
     """
 
     def __init__(self, root: Path | str, *, verify: bool = True):
@@ -104,7 +105,10 @@ class PackageFolderProvider:
         return f"package folder {self.package.root}"
 
     def small_file(self, path: str) -> bytes | None:
-        return self.package.small_file(path, verify=self._verify)
+        try:
+            return self.package.small_file(path, verify=self._verify)
+        except OSError as exc:  # without verify the packager lets it through: typed here as read_config does
+            raise PackageFileError(self.package.root / path, f"cannot read it ({exc.strerror})") from None
 
     def present_blocks(self) -> set[int]:
         return {i for i in range(self.num_blocks) if self.package.has_block(i)}
