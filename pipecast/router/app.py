@@ -378,6 +378,7 @@ class Router:
             log.info("routes: %s", "; ".join(f"{name} " + ", ".join(f"{p[:12]} {w}%" for p, w in versions)
                                              for name, versions in sorted(routes.items())) or "none")
         self.routes = routes
+        self.pool.route(routes)
         self.versions.forget(routes)
         routed = {package for versions in routes.values() for package, _ in versions}
         # Only idle queues go: one with requests in flight or tenants active recently holds the records that
@@ -458,7 +459,8 @@ class Router:
             log.info("worker %s (%s) added", url, members[url])
         for url in removed:
             log.info("worker %s removed", url)
-        self._monitor.sync(members, {found.url: found.engine for found in found_workers})
+        self._monitor.sync(members, {found.url: found.engine for found in found_workers},
+                           {found.url: found.package_id for found in found_workers})
         added, removed = self.pool.sync_pipelines(
             [p for index in sorted(self._pipelines) for p in self._pipelines[index]],
             self.config.pipeline_max_in_flight)

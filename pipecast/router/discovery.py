@@ -52,12 +52,15 @@ def pipeline_key(package_id: str, node_ids: Iterable[str]) -> str:
 @dataclass(frozen=True)
 class DiscoveredWorker:
     """A serving worker: its node id, the base URL of its HTTP API (no trailing slash), what answers
-    there (:data:`pipecast.core.engines.SERVING_ENGINES`) and the serving key requests to it present."""
+    there (:data:`pipecast.core.engines.SERVING_ENGINES`), the serving key requests to it present and, for a
+    vLLM worker, the package it serves as its source knows it ("": unknown). A pipecast worker names its
+    package in its own health answers; a vLLM worker's name none, so the router takes this one."""
 
     node_id: str
     url: str
     engine: str = DEFAULT_ENGINE
     serving_key: bytes = b""
+    package_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,9 @@ class WorkerLister(Protocol):
 
 class ControlPlaneDiscovery:
     """The workers the control plane lists as alive with a serve URL (WorkerSpec.serve_url, else the label
-    :data:`SERVE_URL_LABEL`)."""
+    :data:`SERVE_URL_LABEL`); a vLLM worker with the package its agent holds blocks of, where it holds one
+    package only (``vllm serve`` runs one package, whose blocks its agent holds; with several held the
+    control plane does not say which is served, so none is given)."""
 
     def __init__(self, client: WorkerLister, address: str) -> None:
         self._client = client
@@ -181,9 +186,11 @@ class ControlPlaneDiscovery:
             if not state.alive or not serve_url:
                 continue
             engine = worker.engine or DEFAULT_ENGINE
+            held = {h.package_id for h in state.held if h.blocks} if engine != DEFAULT_ENGINE else set()
             try:
                 found.append(DiscoveredWorker(node_id, normalize_url(serve_url, f"{self.name}, worker {node_id}"),
-                                              engine, serving_key if engine == DEFAULT_ENGINE else b""))
+                                              engine, serving_key if engine == DEFAULT_ENGINE else b"",
+                                              held.pop() if len(held) == 1 else ""))
             except WorkerUrlError as exc:
                 log.warning("skipping a worker: %s", exc)
         return found

@@ -5,7 +5,8 @@ the type the worker writes. A vLLM worker (``vllm serve PACKAGE --load-format pi
 ``--engine vllm``) answers ``GET /health`` with an empty 200 once its engine serves (it does not listen
 before), and its queue is read from ``GET /metrics`` (:func:`vllm_health`): it is ``ready`` with
 ``vllm:num_requests_waiting`` as its queue depth and ``vllm:num_requests_running`` as what it runs; its model
-name comes from ``GET /v1/models``.
+name comes from ``GET /v1/models``, and its package from discovery (the package its agent holds, as the control
+plane lists it; none for a ``--vllm-worker`` URL).
 """
 
 import asyncio
@@ -64,11 +65,13 @@ def _gauge(worker: str, metrics: str, name: str) -> int:
     return max(0, int(total))
 
 
-def vllm_health(worker: str, metrics: str, model: str | None) -> WorkerHealth:
-    """The health of a vLLM worker that answered ``/health`` with 200, from its ``/metrics`` page."""
+def vllm_health(worker: str, metrics: str, model: str | None, package_id: str | None = None) -> WorkerHealth:
+    """The health of a vLLM worker that answered ``/health`` with 200, from its ``/metrics`` page; ``package_id``:
+    the package it serves, as discovery knows it (None: unknown)."""
     return WorkerHealth(status="ready", blocks_present=0, blocks_total=0,
                         queue_depth=_gauge(worker, metrics, VLLM_WAITING),
-                        running=_gauge(worker, metrics, VLLM_RUNNING), max_queue=0, model=model)
+                        running=_gauge(worker, metrics, VLLM_RUNNING), max_queue=0, model=model,
+                        package_id=package_id or None)
 
 
 class HealthMonitor:
@@ -87,13 +90,17 @@ class HealthMonitor:
         self._clock = clock
         self._tasks: dict[str, asyncio.Task] = {}
         self._engines: dict[str, str] = {}
+        self._packages: dict[str, str] = {}
         self._vllm_models: dict[str, str] = {}
 
-    def sync(self, urls: Iterable[str], engines: Mapping[str, str] | None = None) -> None:
+    def sync(self, urls: Iterable[str], engines: Mapping[str, str] | None = None,
+             packages: Mapping[str, str] | None = None) -> None:
         """Poll exactly the workers at ``urls``: start polling new ones, stop polling removed ones;
-        ``engines``: URL -> what answers there (default: pipecast's serving worker)."""
+        ``engines``: URL -> what answers there (default: pipecast's serving worker); ``packages``: URL -> the
+        package a vLLM worker there serves, as discovery knows it (its health answers name none)."""
         urls = set(urls)
         self._engines = {url: (engines or {}).get(url, DEFAULT_ENGINE) for url in urls}
+        self._packages = {url: package for url, package in (packages or {}).items() if url in urls and package}
         for url in set(self._tasks) - urls:
             self._tasks.pop(url).cancel()
             self._vllm_models.pop(url, None)
@@ -123,7 +130,7 @@ class HealthMonitor:
                 raise HealthAnswerError(url, "/v1/models names no model")
             self._vllm_models[url] = model
         metrics = await self._get(url, "/metrics", MAX_METRICS_BYTES)
-        return vllm_health(url, metrics.decode("utf-8", "replace"), self._vllm_models[url])
+        return vllm_health(url, metrics.decode("utf-8", "replace"), self._vllm_models[url], self._packages.get(url))
 
     async def poll(self, url: str) -> None:
         """Ask the worker at ``url`` for its health once and record the answer or the failure."""

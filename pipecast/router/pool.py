@@ -60,7 +60,8 @@ it can serve: an answer to a poll sent before the failure proves nothing about t
 
 A request for one version of a served model (:mod:`pipecast.router.versions`) has candidates only among
 the workers whose health names that package, and the pipelines of it; each version waits in a
-:class:`Dispatcher` of its own.
+:class:`Dispatcher` of its own. A worker whose health names no package but a served name routed to the
+version (a ``--vllm-worker`` URL: nobody told the router its package) is a candidate too.
 """
 
 import asyncio
@@ -70,7 +71,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pipecast.router.admission import DEFAULT_TENANT
-from pipecast.router.discovery import DiscoveredPipeline
+from pipecast.router.discovery import DiscoveredPipeline, RouteTable
 from pipecast.router.errors import QueueFullError, QueueTimeoutError, RouterClosedError
 from pipecast.router.fairness import FairQueue, QueueBound
 from pipecast.serve.health import SERVING, WorkerHealth
@@ -291,6 +292,26 @@ class WorkerPool:
         #: Model name or package id -> the packages that named it the last time any did; the most recently
         #: named MAX_REMEMBERED_NAMES only (a worker whose health names a new model every poll must not grow it).
         self._last_named: dict[str, set[str]] = {}
+        #: Package id -> the served names routed to it (:meth:`route`).
+        self._routed: dict[str, set[str]] = {}
+
+    def route(self, routes: RouteTable) -> None:
+        """Take the served names' ``routes`` now: a worker naming no package serves a version whose served name
+        it names (:meth:`serves`)."""
+        routed: dict[str, set[str]] = {}
+        for name, versions in routes.items():
+            for package, _ in versions:
+                routed.setdefault(package, set()).add(name)
+        if routed != self._routed:
+            self._routed = routed
+            self._changed()  # a version's waiting requests may have a worker now
+
+    def serves(self, worker: Worker, package: str) -> bool:
+        """Whether ``worker``'s last health answer says it serves version ``package``: it names the package, or it
+        names no package (a vLLM worker nobody told the router the package of) and a served name routed to it."""
+        health = worker.health
+        return health is not None and (health.package_id == package or health.package_id is None
+                                       and health.model is not None and health.model in self._routed.get(package, ()))
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after each change that may free capacity."""
@@ -499,7 +520,7 @@ class WorkerPool:
         workers and pipelines of this version."""
         avoid = frozenset(avoid)
         able = [worker for worker in self._workers.values() if worker.can_take(now)
-                and (package is None or worker.health.package_id == package)]
+                and (package is None or self.serves(worker, package))]
         candidates = [worker for worker in able if worker.can_take(now, one_batch, share)]
         # Room in a ready worker's batch is judged before its share: a worker held at its share while others
         # load still serves each token without the hops, so the request waits for it (or them) instead.

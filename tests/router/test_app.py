@@ -1095,6 +1095,90 @@ async def test_workers_registered_at_the_real_control_plane_are_routed_to(client
         await control.stop(grace_s=0)
 
 
+@dataclass
+class FakeVllm:
+    """A vLLM worker's HTTP surface (``vllm serve ... --served-model-name``): an empty 200 at /health, its served
+    name at /v1/models, its queue at /metrics, and JSON answers to completions."""
+
+    model: str = "smol"
+    bodies: list[bytes] = field(default_factory=list)
+    url: str = ""
+
+    async def answer(self, request: web.Request) -> web.Response:
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        if request.path == "/metrics":
+            return web.Response(text=f'vllm:num_requests_waiting{{model_name="{self.model}"}} 0.0\n'
+                                     f'vllm:num_requests_running{{model_name="{self.model}"}} 0.0\n')
+        if request.method == "POST":
+            self.bodies.append(await request.read())
+            return web.json_response({"choices": [{"text": "ok"}], "usage": {"completion_tokens": 1}})
+        return web.Response()
+
+
+@asynccontextmanager
+async def vllm_serving(fake: FakeVllm) -> AsyncIterator[FakeVllm]:
+    """Serve ``fake`` on a free loopback port (its ``url`` set)."""
+    app = web.Application()
+    app.add_routes([web.get(path, fake.answer) for path in ("/health", "/v1/models", "/metrics")]
+                   + [web.post("/v1/completions", fake.answer)])
+    async with serving(app) as fake.url:
+        yield fake
+
+
+async def test_a_vllm_worker_of_the_control_plane_serves_its_deployed_packages_model_name(client, tmp_path):
+    """Found in review: a vLLM worker's health named no package, so a request for a deployed package's model name
+    (routed to that package) never went to it: 503 at its deadline, though /stats counted it for the package. Its
+    package is now the one its agent holds, as the control plane lists it."""
+    control = ControlPlaneServer(ServerConfig(host="127.0.0.1", port=0, db_path=tmp_path / "cp.sqlite3"))
+    await control.start()
+    smol = manifest("smol")
+    try:
+        async with vllm_serving(FakeVllm()) as vllm, ControlPlaneClient(control.address) as cp:
+            await cp.publish_package(smol, STORE)
+            await cp.put_deployment(Deployment(smol.package_id, ScalingPolicy()))
+            await cp.register(RegisteredSpec(PeerInfo("n1", "127.0.0.1:7071"), 1 << 30, serve_url=vllm.url,
+                                             engine="vllm"), held={smol.package_id: range(len(smol.blocks))})
+            instance = Router(RouterConfig(**FAST, queue_timeout_s=3.0), [ControlPlaneDiscovery(cp, control.address)])
+            async with serving_router(instance) as url:
+                await eventually(lambda: instance.routes == {"smol": ((smol.package_id, 100),)})
+                status, headers, answer = await post(client, url, model="smol")
+                assert (status, headers[WORKER_HEADER], answer["choices"]) == (200, vllm.url, [{"text": "ok"}])
+                async with client.get(f"{url}/stats") as response:
+                    stats = await response.json()
+        version = stats["versions"][smol.package_id]
+        assert (version["counters"]["answered"], version["queue_depth"]) == (1, 0)
+        assert version["ready_s"] is not None and stats["workers"][0]["status"] == "ready"
+    finally:
+        await control.stop(grace_s=0)
+
+
+async def test_a_vllm_worker_given_by_url_serves_the_routed_name_it_serves_and_no_other(client):
+    """A ``--vllm-worker`` URL comes with no package: a request of a routed name goes to it where it serves that
+    name, and one of another routed name waits for that name's package."""
+    class Routes:
+        name, serving_key = "routes", b""
+
+        async def list_workers(self):
+            return []
+
+        async def list_pipelines(self):
+            return []
+
+        async def list_routes(self):
+            return {"smol": (("a" * 64, 100),), "other": (("b" * 64, 100),)}
+
+    async with vllm_serving(FakeVllm()) as vllm:
+        instance = Router(RouterConfig(**FAST, queue_timeout_s=1.0), [Routes(), StaticDiscovery([vllm.url], "vllm")])
+        async with serving_router(instance) as url:
+            await eventually(lambda: instance.pool.serving(instance.clock()) == 1)
+            status, headers, _ = await post(client, url, model="smol")
+            assert (status, headers[WORKER_HEADER]) == (200, vllm.url)
+            status, _, answer = await post(client, url, model="other")
+            assert (status, answer["error"]["type"]) == (503, "queue_timeout")
+    assert [json.loads(body)["model"] for body in vllm.bodies] == ["smol"]
+
+
 async def test_a_routed_name_is_split_by_the_control_planes_weights_and_follows_promote_and_rollback(client, tmp_path):
     control = ControlPlaneServer(ServerConfig(host="127.0.0.1", port=0, db_path=tmp_path / "cp.sqlite3"))
     await control.start()

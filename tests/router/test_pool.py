@@ -30,7 +30,7 @@ from pipecast.router.pool import (
     WorkerPool,
 )
 from pipecast.serve.health import WorkerHealth
-from pipecast.v1.control_pb2 import Peer, WorkerSpec, WorkerState
+from pipecast.v1.control_pb2 import PackageBlocks, Peer, WorkerSpec, WorkerState
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
@@ -522,6 +522,24 @@ async def test_control_plane_discovery_lists_alive_workers_with_a_serve_url():
     assert [(w.engine, w.serving_key) for w in await StaticDiscovery(["http://a:1"], "vllm", b"k").list_workers()] \
         == [("vllm", b"")]
     assert [w.serving_key for w in await StaticDiscovery(["http://a:1"], serving_key=b"k").list_workers()] == [b"k"]
+
+
+async def test_control_plane_discovery_gives_a_vllm_worker_the_one_package_its_agent_holds():
+    """Found in review: a vLLM worker's health names no package, so no version's request was ever sent to it."""
+    state = worker_state("n1", "http://10.0.0.1:8000")
+    state.worker.engine = "vllm"
+    state.held.extend([PackageBlocks(package_id="a" * 64, blocks=[0, 1]), PackageBlocks(package_id="b" * 64)])
+
+    class Client:
+        async def list_workers_keyed(self):
+            return [state], b"k" * 32
+
+    discovery = ControlPlaneDiscovery(Client(), "cp:7000")
+    assert await discovery.list_workers() == [DiscoveredWorker("n1", "http://10.0.0.1:8000", "vllm", b"", "a" * 64)]
+    state.held.append(PackageBlocks(package_id="c" * 64, blocks=[3]))  # which of two it serves, nobody says
+    assert [w.package_id for w in await discovery.list_workers()] == [""]
+    state.worker.engine = ""  # a pipecast worker names its package in its own health answers
+    assert [w.package_id for w in await discovery.list_workers()] == [""]
 
 
 # --- cross-node pipelines ----------------------------------------------------------------------------
