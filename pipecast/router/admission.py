@@ -9,9 +9,14 @@ default limit.
 Each limited tenant has a token bucket of ``burst`` tokens refilled at ``rate`` per second; a request
 takes one, and a request that finds none is refused with the time until one is back. Admission comes
 before the router's queue, so a tenant over its limit never holds a queue slot another tenant could use.
+
+Buckets are bounded (:data:`MAX_BUCKETS`): tenant names in a header are whatever clients send. A tenant named
+in the configured limits keeps its bucket for good (their number is the configuration's). A tenant held to the
+default limit loses its bucket only once it is full again (a fresh one would be the same), so no tenant ever
+gets tokens back by others' names crowding it out. Past the bound, with no bucket full again, new tenants share
+one overflow bucket of the default limit until a bucket can go: a flood of new names gets one tenant's rate.
 """
 
-import itertools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -24,11 +29,13 @@ from pipecast.router.fairness import TOKEN_TOLERANCE
 DEFAULT_TENANT = "default"
 TENANT_HEADER: str = Settings.model_fields["router_tenant_header"].default
 AUTHORIZATION = "Authorization"
-#: Buckets kept before the full ones are dropped (a full bucket is a fresh one): tenant names in a header
-#: are whatever clients send, so they must not grow the router's memory without bound. Where too few are full
-#: again, the least recently used go too, down to three quarters, so that a scan comes only every
-#: MAX_BUCKETS / 4 new names (each name costs O(1) on average, however many clients send).
+#: Default-limit buckets kept before the full ones are dropped (a full bucket is a fresh one): tenant names in a
+#: header are whatever clients send, so they must not grow the router's memory without bound. Past it, with none
+#: full again, new tenants share the overflow bucket (module docstring).
 MAX_BUCKETS = 4096
+#: The least time (s) between two scans of a full set of buckets for ones full again: a scan costs O(MAX_BUCKETS),
+#: and new names arriving in between go to the overflow bucket at O(1) each.
+SCAN_INTERVAL_S = 1.0
 #: A tenant header's value: printable text of at most this many characters (it names metrics' labels).
 MAX_TENANT_CHARS = 128
 #: The longest ``Retry-After`` told to a refused client: a slow tenant rate would tell it to come back in a day,
@@ -118,7 +125,11 @@ class AdmissionControl:
     def __init__(self, config: AdmissionConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
-        self._buckets: dict[str, TokenBucket] = {}
+        self._named: dict[str, TokenBucket] = {}  # tenants of config.limits: never dropped
+        self._buckets: dict[str, TokenBucket] = {}  # tenants held to the default limit, at most MAX_BUCKETS
+        #: The bucket new default-limit tenants share while there is no room (module docstring).
+        self._overflow: TokenBucket | None = None
+        self._scan_at = -math.inf  # no scan for buckets full again before this clock time
 
     def admit(self, tenant: str) -> Admission:
         """Admit a request of ``tenant`` now (taking a token of its bucket), or refuse it."""
@@ -126,20 +137,37 @@ class AdmissionControl:
         if limit is None:
             return Admission(tenant, admitted=True)
         now = self.clock()
-        bucket = self._buckets.pop(tenant, None)  # put back last: the dict runs from least recently used
-        if bucket is None:
-            self._make_room(now)
-            bucket = TokenBucket(limit, float(limit.burst), now)
-        self._buckets[tenant] = bucket
-        wait_s = bucket.take(now)
+        wait_s = self._bucket(tenant, limit, now).take(now)
         return Admission(tenant, admitted=wait_s == 0.0, limit=limit, retry_after_s=wait_s)
 
-    def _make_room(self, now: float) -> None:
+    def _bucket(self, tenant: str, limit: TenantLimit, now: float) -> TokenBucket:
+        if tenant in self.config.limits:
+            bucket = self._named.get(tenant)
+            if bucket is None:
+                bucket = self._named[tenant] = TokenBucket(limit, float(limit.burst), now)
+            return bucket
+        bucket = self._buckets.get(tenant)
+        if bucket is None and self._has_room(limit, now):
+            bucket = self._buckets[tenant] = TokenBucket(limit, float(limit.burst), now)
+        elif bucket is None:
+            if self._overflow is None:
+                self._overflow = TokenBucket(limit, float(limit.burst), now)
+            bucket = self._overflow
+        return bucket
+
+    def _has_room(self, limit: TenantLimit, now: float) -> bool:
+        """Whether a new bucket of the default ``limit`` fits, after dropping those full again if it would not (a
+        scan at most every SCAN_INTERVAL_S, and none before the first one could be full again)."""
         if len(self._buckets) < MAX_BUCKETS:
-            return
+            return True
+        if now < self._scan_at:
+            return False
+        soonest = 1.0 / limit.rate  # a bucket made from now on has given a token: full again no sooner
         for tenant, bucket in list(self._buckets.items()):
             bucket.refill(now)
             if bucket.tokens >= bucket.limit.burst:
                 del self._buckets[tenant]
-        for tenant in list(itertools.islice(self._buckets, max(0, len(self._buckets) - MAX_BUCKETS * 3 // 4))):
-            del self._buckets[tenant]
+            else:
+                soonest = min(soonest, (bucket.limit.burst - bucket.tokens) / bucket.limit.rate)
+        self._scan_at = now + max(soonest, SCAN_INTERVAL_S)
+        return len(self._buckets) < MAX_BUCKETS

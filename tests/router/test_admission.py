@@ -101,16 +101,34 @@ def test_full_buckets_are_forgotten_once_there_are_many():
     assert not admission.admit("t0").admitted  # t0's state was kept
 
 
-def test_new_tenant_names_past_the_cap_drop_the_least_recently_used_and_keep_the_rest():
-    admission, clock = control({}, default=TenantLimit(rate=0.001, burst=1))  # no bucket is full again soon
-    admission.admit("kept")
-    for index in range(2 * MAX_BUCKETS):
+def test_other_tenants_names_never_give_a_tenant_over_its_limit_a_fresh_bucket():
+    """Found in review: past MAX_BUCKETS the least recently used buckets went, empty or not, so any 4096 tenant
+    names gave a tenant over its limit its whole burst back. A configured tenant's bucket never goes, and a
+    default-limit one only once it is full again."""
+    admission, clock = control({"acme": TenantLimit(rate=1 / 3600, burst=1)}, default=TenantLimit(rate=1.0, burst=10))
+    assert admission.admit("acme").admitted and admission.admit("drained").admitted
+    for _ in range(9):
+        admission.admit("drained")
+    assert not admission.admit("acme").admitted and not admission.admit("drained").admitted
+    for index in range(2 * MAX_BUCKETS):  # none full again: the same instant
         admission.admit(f"t{index}")
-        if index % 1000 == 0:
-            admission.admit("kept")  # used now and then: never the least recently used
-    assert MAX_BUCKETS * 3 // 4 <= len(admission._buckets) <= MAX_BUCKETS
-    assert not admission.admit("kept").admitted  # its (empty) bucket was kept
-    assert f"t{2 * MAX_BUCKETS - 1}" in admission._buckets and "t0" not in admission._buckets
+    assert not admission.admit("acme").admitted and not admission.admit("drained").admitted
+    assert len(admission._buckets) == MAX_BUCKETS
+
+
+def test_new_tenants_past_the_cap_share_one_overflow_bucket_until_buckets_are_full_again():
+    admission, clock = control({}, default=TenantLimit(rate=1.0, burst=2))
+    for index in range(MAX_BUCKETS):
+        assert admission.admit(f"t{index}").admitted
+    # No room and none full again: new names share one bucket of the default limit, not one each.
+    assert [admission.admit(f"new{index}").admitted for index in range(3)] == [True, True, False]
+    refused = admission.admit("new3")
+    assert (refused.admitted, refused.retry_after_s, refused.limit) == (False, 1.0, TenantLimit(rate=1.0, burst=2))
+    clock.now += 0.5  # a scan found nothing full: none before a bucket can be full again, however many names come
+    assert not admission.admit("new4").admitted
+    clock.now += 0.5  # every old bucket is full again: dropped, and a new name gets a bucket of its own
+    assert [admission.admit("new5").admitted for _ in range(3)] == [True, True, False]
+    assert "new5" in admission._buckets and len(admission._buckets) == 1
 
 
 @pytest.mark.parametrize("value", ["\udcff", "a\nb", "x" * 129])
