@@ -285,6 +285,14 @@ def retry_after_seconds(value: str | None) -> float:
     return seconds if seconds >= 0 else RETRY_AFTER_S
 
 
+def _package_of(unit: Worker | PipelineUnit) -> str | None:
+    """The package ``unit`` serves as last heard: a pipeline's, or its worker's last health answer's (kept when a
+    later poll fails)."""
+    if isinstance(unit, PipelineUnit):
+        return unit.package_id or None
+    return unit.answered.package_id if unit.answered is not None else None
+
+
 def _was_ready(unit: object, arrival: float) -> bool:
     """Whether ``unit`` (a worker; a pipeline never is) was ready when a request arrived at ``arrival``."""
     since = getattr(unit, "ready_since", None)
@@ -331,6 +339,9 @@ class Router:
         self._failing: dict[tuple[int, str], str] = {}  # (source, what) whose last discovery failed: how
         self._refused: Exception | None = None  # the last discovery's refusal of the router's token, if any
         self._routes: dict[int, RouteTable] = {}
+        #: Package id -> requests at its workers now, counted as each is dispatched and released (a worker's
+        #: health says its package only while its polls answer: one missed poll hid its requests from /stats).
+        self._in_flight_of: dict[str, int] = {}
         self._session: aiohttp.ClientSession | None = None
         self._monitor: HealthMonitor | None = None
         self._discovery_task: asyncio.Task | None = None
@@ -526,6 +537,8 @@ class Router:
             except RouterClosedError as exc:
                 return self._reject(exc, 503, "shutting_down", version=version)
             queued_s += self.clock() - waiting_since
+            counted = version or _package_of(worker)
+            self._count_in_flight(counted, 1)
             try:
                 if request.transport is None or request.transport.is_closing():
                     log.info("client left while its request was queued (%.3f s)", queued_s)
@@ -547,6 +560,16 @@ class Router:
                 self.metrics.retried.labels(worker.url).inc()
             finally:
                 dispatcher.release(worker, tenant)
+                self._count_in_flight(counted, -1)
+
+    def _count_in_flight(self, package: str | None, change: int) -> None:
+        """Count ``change`` requests of ``package`` (None: none) more at its workers; a package at 0 is left out."""
+        if package:
+            left = self._in_flight_of.get(package, 0) + change
+            if left:
+                self._in_flight_of[package] = left
+            else:
+                del self._in_flight_of[package]
 
     def _over_limit(self, request: web.Request, admission: Admission) -> web.Response:
         """The 429 of a request its tenant's limit refused, counted as arrived (for no version: its body, which
@@ -829,16 +852,13 @@ class Router:
         for dispatcher in self._dispatchers():
             for tenant, count in dispatcher.waiting_by_tenant().items():
                 queued[tenant] = queued.get(tenant, 0) + count
-        at_workers: dict[str, int] = {}
         ready_since: dict[str, float] = {}  # package -> since when its longest-ready worker is ready
-        for unit in [*self.pool.workers(), *self.pool.pipelines()]:
-            package = unit.package_id if isinstance(unit, PipelineUnit) else unit.health and unit.health.package_id
-            if package:
-                at_workers[package] = at_workers.get(package, 0) + unit.in_flight
-            if package and isinstance(unit, Worker) and unit.ready_since is not None:
+        for unit in self.pool.workers():
+            package = unit.health and unit.health.package_id
+            if package and unit.ready_since is not None:
                 ready_since[package] = min(ready_since.get(package, unit.ready_since), unit.ready_since)
         now = {package: (self.version_dispatchers[package].waiting if package in self.version_dispatchers else 0,
-                         at_workers.get(package, 0)) for package in self.signals.versions}
+                         self._in_flight_of.get(package, 0)) for package in self.signals.versions}
         return self.signals.snapshot(self.waiting, self.pool.in_flight, self.pool.workers(), queued, now,
                                      ready_since)
 

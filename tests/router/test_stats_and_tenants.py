@@ -166,6 +166,27 @@ async def test_a_versions_ready_s_runs_from_when_a_worker_of_it_turned_ready(ses
     assert down["versions"][package]["ready_s"] is None
 
 
+async def test_a_versions_in_flight_counts_its_requests_while_their_workers_health_polls_fail(session):
+    """Found in review: a version's in_flight was read of its workers' last health answer, None after one failed
+    poll (a worker short of CPU mid-request), so its requests vanished from /stats, and a scaler could release the
+    replica serving them. It is counted as requests are dispatched and released."""
+    package, gate = "p" * 64, asyncio.Event()
+    async with workers(FakeWorker(model="m", package_id=package, gate=gate)) as (worker,):
+        async with router([worker.url]) as (url, instance):
+            await eventually(lambda: package in instance.pool.serving_packages())
+            async with session.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
+                await response.content.readuntil(b"\n\n")  # the first event; the worker waits at the gate
+                worker.health_code = 503  # its polls fail while it serves the request
+                await eventually(lambda: instance.pool.get(worker.url).health is None)
+                during = await stats_of(session, url)
+                worker.health_code = 200
+                gate.set()
+                await response.read()
+            after = await stats_of(session, url)
+    assert (during["in_flight"], during["versions"][package]["in_flight"]) == (1, 1)
+    assert (after["in_flight"], after["versions"][package]["in_flight"]) == (0, 0)
+
+
 async def test_a_tenant_over_its_limit_gets_429_while_another_passes(session):
     admission = AdmissionConfig(limits={"a": TenantLimit(rate=0.5, burst=2)})
     async with workers(FakeWorker()) as (worker,):
