@@ -5,7 +5,8 @@ the type the worker writes. A vLLM worker (``vllm serve PACKAGE --load-format pi
 ``--engine vllm``) answers ``GET /health`` with an empty 200 once its engine serves (it does not listen
 before), and its queue is read from ``GET /metrics`` (:func:`vllm_health`): it is ``ready`` with
 ``vllm:num_requests_waiting`` as its queue depth and ``vllm:num_requests_running`` as what it runs; its model
-name comes from ``GET /v1/models``, and its package from discovery (the package its agent holds, as the control
+name comes from ``GET /v1/models`` (asked once, and again after a failed poll: a process restarted at the same
+URL may serve another model), and its package from discovery (the package its agent holds, as the control
 plane lists it; none for a ``--vllm-worker`` URL).
 """
 
@@ -118,8 +119,16 @@ class HealthMonitor:
         return body
 
     async def _vllm(self, url: str) -> WorkerHealth:
+        try:
+            return await self._vllm_answer(url)
+        except Exception:
+            # A failed poll may be a restart: the process answering next at this URL may serve another model.
+            self._vllm_models.pop(url, None)
+            raise
+
+    async def _vllm_answer(self, url: str) -> WorkerHealth:
         await self._get(url, "/health", MAX_HEALTH_BYTES)
-        if url not in self._vllm_models:  # its served name does not change while it runs
+        if url not in self._vllm_models:  # its served name does not change while it runs (asked again after a failure)
             models = strictjson.loads(await self._get(url, "/v1/models", MAX_HEALTH_BYTES))
             try:
                 model = models["data"][0]["id"]

@@ -97,6 +97,35 @@ async def test_a_vllm_worker_is_polled_at_health_models_and_metrics():
     assert seen[:3] == ["/health", "/v1/models", "/metrics"] and seen.count("/v1/models") == 1  # asked once
 
 
+async def test_a_vllm_workers_model_name_is_read_again_after_a_failed_poll():
+    """Found in review: the served name was read once per URL for good, so a vLLM worker restarted at the same URL
+    with another model kept the old name in the router (requests for the new one found no worker)."""
+    served = {"id": "model-a", "up": True}
+
+    async def answer(request: web.Request) -> web.Response:
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": served["id"], "object": "model"}]})
+        if request.path == "/health" and not served["up"]:
+            return web.Response(status=503)
+        return web.Response(text=VLLM_METRICS if request.path == "/metrics" else "")
+
+    async with worker_app(dict.fromkeys(("/health", "/v1/models", "/metrics"), answer)) as (url, pool):
+        async with aiohttp.ClientSession() as session:
+            monitor = HealthMonitor(pool, session, interval_s=10.0, timeout_s=2.0)
+            monitor.sync([url], {url: "vllm"})
+            try:
+                await monitor.poll(url)
+                assert pool.get(url).health.model == "model-a"
+                served["up"] = False  # restarting
+                await monitor.poll(url)
+                assert pool.get(url).status == "down"
+                served.update(id="model-b", up=True)
+                await monitor.poll(url)
+                assert pool.get(url).health.model == "model-b"
+            finally:
+                await monitor.close()
+
+
 async def test_a_vllm_metrics_page_of_many_tcp_segments_is_read_whole():
     """Review E, finding 2: one ``read(n)`` returned the first segment that arrived, so across hosts a vLLM
     page (tens of kB, its gauges after the process collectors) lacked num_requests_waiting: worker down."""
