@@ -105,7 +105,14 @@ from pipecast.router.errors import (
 from pipecast.router.fairness import QueueBound
 from pipecast.router.health import HealthMonitor
 from pipecast.router.metrics import RouterMetrics
-from pipecast.router.pool import PIPELINE_MAX_IN_FLIGHT, Dispatcher, PipelineUnit, Worker, WorkerPool
+from pipecast.router.pool import (
+    PIPELINE_MAX_IN_FLIGHT,
+    PIPELINE_RETRY_S,
+    Dispatcher,
+    PipelineUnit,
+    Worker,
+    WorkerPool,
+)
 from pipecast.serve.errors import StageFailedError
 from pipecast.router.signals import Signals, answer_tokens, request_prompt_tokens, stream_tokens
 from pipecast.router.versions import VersionChooser, route_versions
@@ -124,6 +131,9 @@ FORWARDED_HEADERS = ("Content-Type", "Accept", "X-Request-Id")
 AUTH_HEADER = "Authorization"
 #: Retry-After of the router's own 429, and the back-off after a worker's 429 without a usable one.
 RETRY_AFTER_S = 1
+#: The longest back-off a worker's Retry-After sets (longer ones are cut to it): no health poll clears a pipeline
+#: head's, so one of hours, or inf, would shut the pipeline out for good.
+MAX_WORKER_RETRY_AFTER_S = PIPELINE_RETRY_S
 #: How a worker's stream ends when complete, and how the error event that ends a failed one begins.
 DONE_EVENT = b"data: [DONE]"
 ERROR_EVENT = b'data: {"error"'
@@ -277,12 +287,13 @@ def _unread_body(error: Exception, status: int, code: str) -> web.Response:
 
 
 def retry_after_seconds(value: str | None) -> float:
-    """A worker's ``Retry-After`` in seconds (a missing or HTTP-date value gives the default)."""
+    """A worker's ``Retry-After`` in seconds, at most :data:`MAX_WORKER_RETRY_AFTER_S` (a missing, HTTP-date,
+    negative, infinite or NaN value gives the default, :data:`RETRY_AFTER_S`)."""
     try:
         seconds = float(value) if value is not None else RETRY_AFTER_S
     except ValueError:
         return RETRY_AFTER_S
-    return seconds if seconds >= 0 else RETRY_AFTER_S
+    return min(seconds, MAX_WORKER_RETRY_AFTER_S) if 0 <= seconds < math.inf else RETRY_AFTER_S
 
 
 def _package_of(unit: Worker | PipelineUnit) -> str | None:

@@ -478,9 +478,22 @@ def test_a_streams_outcome_is_read_from_its_events(events, error, done):
 
 
 @pytest.mark.parametrize("value, seconds", [("3", 3.0), ("0.5", 0.5), (None, 1.0), ("-1", 1.0),
-                                            ("Wed, 21 Oct 2015 07:28:00 GMT", 1.0)])
+                                            ("Wed, 21 Oct 2015 07:28:00 GMT", 1.0), ("inf", 1.0), ("1e400", 1.0),
+                                            ("nan", 1.0), ("-inf", 1.0), ("86400000", 30.0), ("30", 30.0)])
 def test_retry_after_of_a_worker(value, seconds):
+    """Found in review: inf, and values of days, were taken as they came (a pipeline's is cleared by no poll)."""
     assert retry_after_seconds(value) == seconds
+
+
+def test_a_pipeline_whose_head_said_retry_after_inf_or_days_serves_again_after_the_default_or_capped_wait():
+    pool = pool_of(a=health("partial", present=4), b=health("loading", present=4))
+    pool.sync_pipelines([pipeline("a", "b")])
+    pool.record_busy("pipeline:a+b", "queue full (429)", 0.0, retry_after_seconds("inf"))
+    assert pool.choose(0.5) is None
+    assert pool.choose(1.0).url == "pipeline:a+b"
+    pool.record_busy("pipeline:a+b", "queue full (429)", 1.0, retry_after_seconds("86400000"))
+    assert pool.choose(PIPELINE_RETRY_S) is None
+    assert pool.choose(1.0 + PIPELINE_RETRY_S).url == "pipeline:a+b"
 
 
 # --- discovery --------------------------------------------------------------------------------------
