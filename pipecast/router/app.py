@@ -22,14 +22,17 @@ Endpoints:
   workers;
   ``GET /metrics``: Prometheus (also on the ``--metrics-port``: :func:`build_metrics_app`).
 - ``GET /stats``: the scaling signals (:mod:`pipecast.router.signals`) as JSON, for autoscalers polling every second
-  or so: ``format`` (1), ``now_unix``, ``started_unix``, ``queue_depth`` (waiting here for a worker), ``in_flight``
+  or so: ``format`` (1), ``instance`` (a random id of this router process: no rate is taken between two answers of
+  different ones), ``now_unix``, ``started_unix``, ``queue_depth`` (waiting here for a worker), ``in_flight``
   (at workers), ``workers`` (each ``url``, ``node_id``, ``status``, ``in_flight``, ``queue_depth``: requests waiting
   in its own queue as its last health poll said, and ``idle_s``: seconds since its in-flight count last dropped to 0
-  or it joined, null while busy), cumulative ``counters`` (``arrived``, ``prompt_tokens``, ``answered``, ``rejected``,
-  ``failed``: take rates by differencing two answers), ``ttft`` (``window_s``, ``count``, ``p50``, ``p95``, ``p99``
-  over the last 60 s), ``tenants`` (each ``arrived``, ``admitted``, ``rejected`` and ``queued``: waiting here now) and
-  ``versions`` (by package id, for requests of routed names: ``queue_depth`` and ``in_flight`` now, ``counters`` with
-  ``arrived``, ``answered``, ``failed``, ``completion_tokens``, and ``ttft`` as above).
+  or it joined, null while busy), cumulative ``counters`` (``arrived``, ``prompt_tokens``, ``admitted``: those their
+  tenant's limit let through, ``answered``, ``rejected``, ``failed``: take rates by differencing two answers),
+  ``ttft`` (``window_s``, ``count``, ``p50``, ``p95``, ``p99`` over the last 60 s), ``tenants`` (each ``arrived``,
+  ``admitted``, ``rejected`` and ``queued``: waiting here now) and ``versions`` (by package id, for requests of
+  routed names: ``queue_depth`` and ``in_flight`` now, ``ready_s``: seconds since its longest-ready worker turned
+  ready, null while none is, ``counters`` with ``arrived``, ``admitted``, ``answered``, ``failed``,
+  ``completion_tokens``, and ``ttft`` as above).
 
 ``/stats``, ``/v1/workers`` and ``/metrics`` show the pool's insides (tenants, worker URLs and loads): with
 credentials (``RouterConfig.views_need_key``, a router given an ``auth_token``) they answer only a request

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 
 from pipecast.router.discovery import DiscoveredPipeline
-from pipecast.router.app import _was_ready
+from pipecast.router import app as app_module
+from pipecast.router.app import Router, RouterConfig, _was_ready
 from pipecast.router.pool import Dispatcher, Worker, WorkerPool
 from pipecast.router import signals as signals_module
 from pipecast.router.signals import (MAX_TENANTS, OTHER_TENANTS, SUMMARY_SORT_MAX, VERSION_IDLE_S, Signals,
@@ -219,6 +220,16 @@ async def test_the_snapshot_pins_the_stats_contract():
     assert stats["tenants"] == {"default": {"arrived": 2, "admitted": 1, "rejected": 0, "queued": 0}}
     assert (stats["queue_depth"], stats["in_flight"]) == (0, 1)
     dispatcher.release(worker)
+
+
+def test_the_routers_docstring_names_every_stats_field():
+    """Found in review: the field list in the app's docstring lacked ``instance``, ``admitted`` and ``ready_s``."""
+    router = Router(RouterConfig(), [])
+    router.signals.arrived("default", 3, version="pkg-b")
+    stats = router.stats()
+    version = stats["versions"]["pkg-b"]
+    fields = {*stats, *stats["counters"], *stats["ttft"], *version, *version["counters"]}
+    assert {field for field in fields if f"``{field}``" not in app_module.__doc__} == set()
 
 
 def test_a_request_that_waited_for_a_cold_start_counts_in_the_routers_ttft_not_its_versions():
