@@ -37,7 +37,8 @@ from packager.errors import PackageError
 from packager.manifest import HEX_DIGEST, MANIFEST_FILE, manifest_to_json, read_manifest
 from pipecast.agent.errors import CacheInUseError
 from pipecast.agent.local_package import LocalPackageFolder
-from pipecast.core.fsutil import atomic_write, is_temporary, sweep_stale_temporaries
+from pipecast.core.fsutil import (commit_temporary, fsync_path, is_temporary, sweep_stale_temporaries,
+                                  write_temporary)
 from pipecast.v1.manifest_pb2 import Manifest
 
 log = logging.getLogger(__name__)
@@ -195,15 +196,24 @@ class BlockCache:
         package_id = path.relative_to(self.root).parts[0]
         if not self._make_room(package_id, path, len(data), what):
             return False
+        pending = len(data) if self.max_bytes else 0
         try:
-            atomic_write(path, data, durable=durable)
+            tmp = write_temporary(path, data, durable=durable)  # outside the lock: writes run at once
+            with self._lock:
+                # The rename and the end of the pending count in one step: between them a _make_room counted the
+                # bytes twice (on disk and pending) and removed a package, or skipped a write, for room it had.
+                self._pending_bytes -= pending
+                pending = 0
+                commit_temporary(tmp, path)
+            if durable:
+                fsync_path(path.parent)  # the rename itself, outside the lock
             os.utime(self.package_dir(package_id))  # used now: the last to be removed for room
         except OSError as exc:
             return self._failed(what, exc)
         finally:
-            if self.max_bytes:
+            if pending:  # the temporary file was never written
                 with self._lock:
-                    self._pending_bytes -= len(data)
+                    self._pending_bytes -= pending
         return True
 
     def _make_room(self, package_id: str, path: Path, nbytes: int, what: str) -> bool:

@@ -43,6 +43,13 @@ def atomic_write(path: Path, data: bytes | memoryview, *, durable: bool = False)
     leaves a half file under ``path``. ``durable``: the temporary file is fsynced before the rename and the
     folder after it, so that after a crash of the host too ``path`` holds its old bytes or all of ``data``
     (without it durability is not promised)."""
+    commit_temporary(write_temporary(path, data, durable=durable), path, durable=durable)
+
+
+def write_temporary(path: Path, data: bytes | memoryview, *, durable: bool = False) -> Path:
+    """The first step of :func:`atomic_write`, for a caller that must rename in a step of its own (under its
+    lock): write ``data`` to a new temporary file beside ``path`` (removed again if that fails) and return it,
+    for :func:`commit_temporary`. ``durable``: fsynced."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}.{next(_WRITES)}")
     try:
@@ -51,15 +58,25 @@ def atomic_write(path: Path, data: bytes | memoryview, *, durable: bool = False)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def commit_temporary(tmp: Path, path: Path, *, durable: bool = False) -> None:
+    """The second step of :func:`atomic_write`: rename ``tmp`` (of :func:`write_temporary`) to ``path``, or
+    remove it if the rename fails. ``durable``: the folder is fsynced after the rename."""
+    try:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if durable:
-        _fsync(path.parent)  # the rename itself
+        fsync_path(path.parent)  # the rename itself
 
 
-def _fsync(path: Path | str) -> None:
+def fsync_path(path: Path | str) -> None:
     """fsync a file or a folder (a folder: the names in it, such as a rename's)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -72,8 +89,8 @@ def _fsync_tree(root: Path) -> None:
     """fsync every file and folder under ``root`` (``root`` too), the folders after what they hold."""
     for folder, _, files in os.walk(root, topdown=False):
         for name in files:
-            _fsync(os.path.join(folder, name))
-        _fsync(folder)
+            fsync_path(os.path.join(folder, name))
+        fsync_path(folder)
 
 
 def is_temporary(name: str) -> bool:
@@ -240,7 +257,7 @@ def atomic_directory(out: Path, *, overwrite: bool = False, durable: bool = Fals
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if durable:
-        _fsync(out.parent)
+        fsync_path(out.parent)
     if old is not None:
         # Renamed before its removal starts: a run killed during it leaves a folder restore_moved_aside never
         # puts back (half removed), which the next use sweeps as any leftover of a process gone.

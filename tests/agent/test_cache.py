@@ -241,27 +241,25 @@ def _write_beside_one_under_way(cache: BlockCache, manifest, store, monkeypatch,
     """Write block 1 while block 0's write is under way (with its temporary file on disk, whole, if
     ``temporary_on_disk``); whether block 1 was written (block 0's write must be)."""
     writing, finish = threading.Event(), threading.Event()
-    real_write = cache_module.atomic_write
+    real_write = cache_module.write_temporary
 
     def slow_write(path, data, **kwargs):
-        if not writing.is_set():  # the first write is under way while the second asks for room
-            temporary = path.with_name(f".{path.name}{TEMPORARY_MARK}{os.getpid()}.99")
-            if temporary_on_disk:
-                temporary.parent.mkdir(parents=True, exist_ok=True)
-                temporary.write_bytes(data)
-            writing.set()
-            finish.wait(5)
-            temporary.unlink(missing_ok=True)
-        real_write(path, data, **kwargs)
+        if writing.is_set():
+            return real_write(path, data, **kwargs)
+        # the first write is under way while the second asks for room
+        temporary = real_write(path, data, **kwargs) if temporary_on_disk else None
+        writing.set()
+        finish.wait(5)
+        return temporary or real_write(path, data, **kwargs)
 
-    monkeypatch.setattr(cache_module, "atomic_write", slow_write)
+    monkeypatch.setattr(cache_module, "write_temporary", slow_write)
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(cache.write_block, manifest, 0, store.block_view(0))
         assert writing.wait(5)
         second = cache.write_block(manifest, 1, store.block_view(1))
         finish.set()
         assert first.result(5)
-    monkeypatch.setattr(cache_module, "atomic_write", real_write)
+    monkeypatch.setattr(cache_module, "write_temporary", real_write)
     return second
 
 
@@ -296,6 +294,45 @@ def test_a_write_under_way_is_counted_once_not_also_as_its_temporary_file(packag
         assert cache.skipped_writes == 0 and cached_bytes(tmp_path / "cache") == bound
     finally:
         store.close()
+
+
+def test_a_finished_write_is_counted_once_not_also_as_pending(tmp_path, monkeypatch):
+    """Found in review: a write's file was renamed into place before its bytes stopped counting as pending, so a
+    write asking for room between the two counted them twice and removed a package it had room for."""
+    a, b = (tiny_package(tmp_path / name, layers=2, layer_bytes=50_000, seed=seed)
+            for seed, name in ((1, "a"), (2, "b")))
+    stores = [verified_store((p.path, p.manifest)) for p in (a, b)]
+    held: set[str] = set()
+    removed: list[str] = []
+    cache = BlockCache(tmp_path / "cache", max_bytes=10**9, in_use=lambda: held, on_removed=removed.append)
+    try:
+        assert all(write_everything(cache, (a.path, a.manifest), stores[0]))
+        manifest_bytes = len(manifest_to_json(b.manifest).encode())
+        # a and all of b fit, exactly
+        cache.max_bytes = (cached_bytes(cache.package_dir(a.manifest.package_id)) + manifest_bytes
+                           + b.manifest.blocks[0].bytes + b.manifest.blocks[1].bytes)
+        held.add(b.manifest.package_id)
+        assert cache.write_manifest(b.manifest)
+        real_utime, renamed, finish = os.utime, threading.Event(), threading.Event()
+
+        def slow_utime(path, *args, **kwargs):  # block 0 is in place; its write has not ended
+            real_utime(path, *args, **kwargs)
+            if not renamed.is_set() and os.path.basename(path) == b.manifest.package_id:
+                renamed.set()
+                finish.wait(5)
+
+        monkeypatch.setattr(os, "utime", slow_utime)
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(cache.write_block, b.manifest, 0, stores[1].block_view(0))
+            assert renamed.wait(5)
+            assert cache.write_block(b.manifest, 1, stores[1].block_view(1))
+            finish.set()
+            assert first.result(5)
+        assert removed == [] and cache.holds(a.manifest.package_id)
+        assert cached_bytes(tmp_path / "cache") == cache.max_bytes
+    finally:
+        for store in stores:
+            store.close()
 
 
 def test_a_rotten_block_is_written_again_in_a_cache_at_its_bound(package, tmp_path):
