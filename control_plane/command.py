@@ -32,13 +32,13 @@ from control_plane.messages import PeerInfo
 from control_plane.routes import CanaryGate, RouteChange
 from control_plane.routes import describe as describe_route
 from packager.manifest import read_manifest
-from pipecast.core.clitypes import Number
+from pipecast.core.clitypes import Number, SettingPath
 from pipecast.core.priorities import DEFAULT_PRIORITY, PRIORITIES
 from pipecast.core.settings import Settings, load_settings
 from pipecast.core.signals import on_stop_signals
 from pipecast.core.units import format_bytes, parse_duration
 
-CONFIG = click.option("--config", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+CONFIG = click.option("--config", type=SettingPath(path_type=Path, exists=True, dir_okay=False),
                       help="TOML config file (also PIPECAST_CONFIG).")
 TOKEN = click.option("--token", help="The control plane's master token, or a node token for reads (settings: "
                                      "auth_token; env PIPECAST_AUTH_TOKEN).")

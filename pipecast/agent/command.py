@@ -16,7 +16,7 @@ from pipecast.agent.ratelimit import DataPlaneCaps
 from pipecast.agent.transport.base import split_address
 from pipecast.agent.transport.registry import transport_names
 from pipecast.core.allocator import keep_freed_memory
-from pipecast.core.clitypes import Number
+from pipecast.core.clitypes import Number, SettingPath
 from pipecast.core.engines import SERVING_ENGINES
 from pipecast.core.settings import configured_control_plane, load_settings
 from pipecast.core.units import parse_size
@@ -104,7 +104,7 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
               help="Serve this package folder (verified on start).")
 @click.option("--plan", "plan", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Static plan file: fetch this node's assignments, falling back to the plan's sources.")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+@click.option("--cache-dir", type=SettingPath(file_okay=False, path_type=Path),
               help="Disk cache of verified blocks, served again after a restart.")
 @click.option("--memory", callback=_size, metavar="SIZE",
               help="Host memory budget for received blocks, e.g. 16GiB (a package that does not fit is refused).")
@@ -114,7 +114,7 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
                    "that backs its memory lazily a surge's blocks then take pages already backed (settings: "
                    "agent_reserve_bytes).")
 @click.option("--transport", type=click.Choice(transport_names()), help="Data transport (default: auto).")
-@click.option("--local-socket", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--local-socket", type=SettingPath(dir_okay=False, path_type=Path),
               help="Unix socket of the local API for engines on this node.")
 @click.option("--events", type=click.Path(dir_okay=False, path_type=Path), callback=_events_file,
               help="Append a JSON line per event (block started/verified, peer requests and failures, "

@@ -16,3 +16,15 @@ class Number(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return number
+
+
+class SettingPath(click.Path):
+    """A :class:`click.Path` of an option that backs a setting: an empty value is None, the setting left unset, as
+    an empty ``PIPECAST_*`` variable leaves it. A plain click.Path made it ``Path("")``, the working directory,
+    before the settings' own empty-is-unset check could see it (``--cache-dir ""`` cached in the working folder,
+    and made room there by removing its package-id-named folders)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == "":
+            return None
+        return super().convert(value, param, ctx)

@@ -9,7 +9,7 @@ import click
 
 from packager.manifest import HEX_DIGEST, MANIFEST_FILE
 from pipecast.agent.local_client import MAX_TIMEOUT_S
-from pipecast.core.clitypes import Number
+from pipecast.core.clitypes import Number, SettingPath
 from pipecast.core.settings import load_settings
 from pipecast.engine.errors import DeviceError
 from pipecast.engine.progressive import engine_device
@@ -26,7 +26,7 @@ DEVICE = re.compile(r"(cpu|cuda)(:(0|[1-9][0-9]*))?")
 
 @click.command("serve")
 @click.argument("package")
-@click.option("--agent-socket", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--agent-socket", type=SettingPath(dir_okay=False, path_type=Path),
               help="The node agent's local socket: blocks arrive through it, zero-copy, as they are verified "
                    "(settings: agent_local_socket). Without a reachable agent holding the package, PACKAGE must "
                    "be a folder (or in the agent's disk cache): the unicast fallback.")

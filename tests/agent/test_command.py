@@ -97,6 +97,31 @@ def test_a_cache_dir_setting_that_is_a_file_is_refused_as_the_flag_is(monkeypatc
         in " ".join(result.output.split())
 
 
+def test_an_empty_cache_dir_or_local_socket_leaves_its_setting_unset(monkeypatch, tmp_path):
+    """Found in review: click made ``--cache-dir ""`` the working directory, which the agent then cached in (and made
+    room in by removing its folders named as package ids); an empty value is unset, as an empty variable is."""
+    import pipecast.agent.command as command
+
+    given = []
+
+    class Daemon:
+        def __init__(self, agent_options, settings):
+            given.append(settings)
+
+        async def run(self):
+            return None
+
+    monkeypatch.setattr(command, "AgentDaemon", Daemon)
+    for variable in ("PIPECAST_CONFIG", "PIPECAST_CONTROL_PLANE", "PIPECAST_AGENT_CACHE_DIR",
+                     "PIPECAST_AGENT_LOCAL_SOCKET"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(agent_command, ["--cache-dir", "", "--local-socket", "", "--listen", "127.0.0.1:0"])
+    assert result.exit_code == 0, result.output
+    [settings] = given
+    assert settings.agent_cache_dir is None and settings.agent_local_socket is None
+
+
 @pytest.mark.parametrize("missing", [True, False], ids=["missing", "a-file"])
 def test_a_local_socket_whose_folder_is_not_there_is_refused_before_the_agent_starts(tmp_path, started, missing,
                                                                                      monkeypatch):
