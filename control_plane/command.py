@@ -628,8 +628,13 @@ def _gate_options(command: Callable) -> Callable:
     return command
 
 
-def _gate(gate: bool | None, ttft_margin: float, error_margin: float, min_requests: int) -> dict[str, Any]:
+def _gate(ctx: click.Context, gate: bool | None, ttft_margin: float, error_margin: float,
+          min_requests: int) -> dict[str, Any]:
     """The gate fields of a :class:`RouteChange`: keep the route's (None), set one, or remove it."""
+    if not gate:  # else accepted and silently of no use
+        for name in ("gate_ttft_margin", "gate_error_margin", "gate_min_requests"):
+            if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:
+                raise click.BadParameter("is used only with --gate", param_hint=f"'--{name.replace('_', '-')}'")
     if gate is None:
         return {}
     return {"gate": CanaryGate(ttft_margin, error_margin, min_requests)} if gate else {"no_gate": True}
@@ -652,7 +657,7 @@ def route_command(ctx: click.Context, name: str, package_id: str, gate: bool | N
     or switch its stable version (refused while canaries run). Its workers must serve the name
     (`pipecast serve --served-model-name NAME`)."""
     _change_route(ctx, RouteChange(name, "route", package_id,
-                                   **_gate(gate, gate_ttft_margin, gate_error_margin, gate_min_requests)))
+                                   **_gate(ctx, gate, gate_ttft_margin, gate_error_margin, gate_min_requests)))
 
 
 @cp_group.command("canary")
@@ -666,7 +671,7 @@ def canary_command(ctx: click.Context, name: str, package_id: str, weight: int, 
     """Send WEIGHT percent of NAME's requests to PACKAGE_ID, a canary beside the stable version (again: a new
     weight). With --gate, `pipecast scaler` rolls it back when it does worse than the stable version."""
     _change_route(ctx, RouteChange(name, "canary", package_id, weight,
-                                   **_gate(gate, gate_ttft_margin, gate_error_margin, gate_min_requests)))
+                                   **_gate(ctx, gate, gate_ttft_margin, gate_error_margin, gate_min_requests)))
 
 
 @cp_group.command("promote")

@@ -93,6 +93,16 @@ def test_a_fanout_without_the_tree_strategy_is_refused():
     assert result.exit_code == 2 and "--fanout is for --strategy tree only" in result.output
 
 
+@pytest.mark.parametrize("command", [["route", "chat", PKG], ["canary", "chat", PKG, "--weight", "10"]])
+@pytest.mark.parametrize("gate", [[], ["--no-gate"]], ids=["no-gate-flag", "no-gate"])
+@pytest.mark.parametrize("option, value", [("--gate-ttft-margin", "0.2"), ("--gate-error-margin", "0.01"),
+                                           ("--gate-min-requests", "50")])
+def test_a_gate_setting_without_the_gate_is_refused(command, gate, option, value):
+    """Found in review: accepted, and silently of no use (no gate was set, or the route's was removed)."""
+    result = CliRunner().invoke(cp_group, ["--control-plane", "127.0.0.1:1", *command, *gate, option, value])
+    assert result.exit_code == 2 and f"Invalid value for '{option}': is used only with --gate" in result.output
+
+
 async def test_a_store_node_id_no_token_can_name_is_refused_at_publish(cp):
     """Found in review: a store id with a new line (or 100,000 characters) was published; it could never register."""
     _, client = cp
