@@ -7,6 +7,7 @@ Settings come from pipecast's settings (env ``PIPECAST_*``, ``--config`` TOML); 
 
 import asyncio
 import dataclasses
+import functools
 import json
 import re
 import time
@@ -151,6 +152,23 @@ class GroupOptionsAnywhere(click.Group):
         return super().parse_args(ctx, front + rest)
 
 
+@dataclasses.dataclass
+class CpOptions:
+    """``pipecast cp``'s own options, its subcommands' ``ctx.obj``. The settings are loaded when a subcommand first
+    needs them, not by the group: a subcommand's ``--help`` was refused for a bad ``PIPECAST_*`` variable or a
+    missing ``PIPECAST_CONFIG`` file, the group running before click reads the subcommand's options."""
+
+    config: Path | None
+    target: str | None
+    token: str | None
+    as_json: bool
+
+    @functools.cached_property
+    def settings(self) -> Settings:
+        """The settings, with the group's ``--config``, ``--control-plane`` and ``--token``."""
+        return load_settings(self.config, control_plane=self.target, auth_token=self.token)
+
+
 @click.group("cp", cls=GroupOptionsAnywhere)
 @CONFIG
 @click.option("--control-plane", "target", help="host:port of the control plane (settings: control_plane).")
@@ -160,14 +178,14 @@ class GroupOptionsAnywhere(click.Group):
 def cp_group(ctx: click.Context, config: Path | None, target: str | None, token: str | None, as_json: bool) -> None:
     """Operate a running control plane. A PACKAGE_ID (or --package) may be the start of a published package's id,
     8 hex digits or more, as the listings print it (in either case)."""
-    ctx.obj = (load_settings(config, control_plane=target, auth_token=token), as_json)
+    ctx.obj = CpOptions(config, target, token, as_json)
 
 
 def _run(ctx: click.Context, call: Callable[[Any], Awaitable[Any]]) -> Any:
     """Run ``call(client)`` against the control plane named in the settings."""
     from control_plane.client import ControlPlaneClient  # grpc: not loaded by `--help`
 
-    settings: Settings = ctx.obj[0]
+    settings = ctx.obj.settings
 
     async def go() -> Any:
         async with ControlPlaneClient.from_settings(settings) as client:
@@ -213,7 +231,7 @@ def _run_for(ctx: click.Context, package_id: str, call: Callable[[Any, str], Awa
 
 
 def _emit(ctx: click.Context, data: Any, lines: list[str]) -> None:
-    if ctx.obj[1]:
+    if ctx.obj.as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
     else:
         for line in lines:
@@ -403,7 +421,7 @@ def publish_command(ctx: click.Context, package_dir: Path, store_node: str, stor
                 await asyncio.sleep(0.2)
         return package_id, alive, before, holds
 
-    wait_s = max(STORE_REPORT_WAIT_HEARTBEATS * ctx.obj[0].heartbeat_s, STORE_REPORT_WAIT_MIN_S)
+    wait_s = max(STORE_REPORT_WAIT_HEARTBEATS * ctx.obj.settings.heartbeat_s, STORE_REPORT_WAIT_MIN_S)
     package_id, store_alive, before, holds = _run(ctx, publish)
     warnings = []
     if not store_alive:
@@ -419,7 +437,7 @@ def publish_command(ctx: click.Context, package_dir: Path, store_node: str, stor
         warnings.append(f"the package's store was {before!r}: it is {store_node!r} now ({before!r} may be released "
                         "from it, as any worker)")
     warning = "; ".join(warnings)
-    if warning and not ctx.obj[1]:  # with --json it is in the answer
+    if warning and not ctx.obj.as_json:  # with --json it is in the answer
         click.echo(f"warning: {warning}", err=True)
     _emit(ctx, {"package_id": package_id, **({"warning": warning} if warning else {})},
           [f"published {package_id} ({len(manifest.blocks)} blocks)"])
@@ -570,7 +588,7 @@ def deploy_command(ctx: click.Context, package_id: str, routers: tuple[str, ...]
     warning = "" if stored.routers else (
         "no --router: the scaling daemon reads no signals for this deployment and holds its pool (raised to --min); a "
         "deployment is replaced whole, so give every --router again with each change")
-    if warning and not ctx.obj[1]:  # with --json it is in the answer, as publish's
+    if warning and not ctx.obj.as_json:  # with --json it is in the answer, as publish's
         click.echo(f"warning: {warning}", err=True)
     _emit(ctx, {**stored.to_json(), **({"warning": warning} if warning else {})},
           [f"deployed {stored.package_id}: {_describe_policy(stored.policy)}; priority {stored.priority}; routers "

@@ -103,6 +103,19 @@ def test_a_gate_setting_without_the_gate_is_refused(command, gate, option, value
     assert result.exit_code == 2 and f"Invalid value for '{option}': is used only with --gate" in result.output
 
 
+@pytest.mark.parametrize("variable, value", [("PIPECAST_CONFIG", "/nonexistent/pipecast.toml"),
+                                             ("PIPECAST_AGENT_PORT", "many")])
+def test_a_subcommands_help_needs_no_valid_settings(monkeypatch, variable, value):
+    """Found in review: the cp group loaded the settings before click read the subcommand's --help, so a bad
+    PIPECAST_* variable or a missing PIPECAST_CONFIG file refused `pipecast cp deploy --help`; a subcommand that
+    runs still reports them."""
+    monkeypatch.setenv(variable, value)
+    result = CliRunner().invoke(cp_group, ["deploy", "--help"])
+    assert result.exit_code == 0 and "Create or replace the deployment" in result.output, result.output
+    result = CliRunner().invoke(cp_group, ["--control-plane", "127.0.0.1:1", "workers"])
+    assert result.exit_code != 0 and variable[len("PIPECAST_"):].lower() in str(result.exception)
+
+
 async def test_a_store_node_id_no_token_can_name_is_refused_at_publish(cp):
     """Found in review: a store id with a new line (or 100,000 characters) was published; it could never register."""
     _, client = cp
