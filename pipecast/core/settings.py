@@ -213,9 +213,10 @@ class Settings(BaseSettings):
                      mode="before")
     @classmethod
     def _size_text(cls, value: Any) -> Any:
-        # "16GiB" as the agent's --memory and the Helm chart's values take it; a plain count as it is (0 included).
+        # "16GiB" as the agent's --memory and the Helm chart's values take it; a plain count as it is. Zero with a
+        # unit too ("0GiB", as --reserve takes it): each field's own gt/ge says whether 0 (none) is allowed.
         if isinstance(value, str) and not value.strip().isdigit():
-            return parse_size(value)
+            return parse_size(value, allow_zero=True)
         return value
 
     @field_validator("config", "agent_cache_dir", "agent_local_socket", "tls_cert", "tls_key", "tls_ca",

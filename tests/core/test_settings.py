@@ -113,6 +113,19 @@ def test_sizes_take_units_and_tenant_limits_rate_burst_as_the_command_line_does(
         load_settings()
 
 
+def test_a_size_of_zero_with_a_unit_is_taken_where_zero_is(monkeypatch):
+    """Found in review: PIPECAST_AGENT_CACHE_MAX_BYTES=0GiB was refused ("size must be positive") where 0 means no
+    bound, while "0" and --reserve 0GiB were taken; a setting whose 0 means nothing still refuses it."""
+    for variable, value in (("PIPECAST_AGENT_CACHE_MAX_BYTES", "0GiB"), ("PIPECAST_AGENT_RESERVE_BYTES", "0B"),
+                            ("PIPECAST_AGENT_RELAY_BYTES", "0KiB")):
+        monkeypatch.setenv(variable, value)
+    settings = load_settings()
+    assert (settings.agent_cache_max_bytes, settings.agent_reserve_bytes, settings.agent_relay_bytes) == (0, 0, 0)
+    monkeypatch.setenv("PIPECAST_AGENT_MEMORY_BYTES", "0GiB")
+    with pytest.raises(SettingsError, match=r"^invalid settings: agent_memory_bytes: Input should be greater than 0"):
+        load_settings()
+
+
 @pytest.mark.parametrize("number", ["5", "2.5"])
 def test_a_tenant_limit_given_as_a_bare_number_is_refused_as_text_without_a_burst_is(monkeypatch, number):
     """Walkthrough finding 6b: PIPECAST_ROUTER_DEFAULT_TENANT_LIMIT=5 (read as the JSON number 5) got pydantic's
