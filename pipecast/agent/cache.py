@@ -15,9 +15,10 @@ memory, and the agent goes on. Temporary files left by a crash mid-write are rem
 
 Bounded by ``max_bytes`` (``agent_cache_max_bytes``; 0: no bound): to make room for a write, the packages used
 least recently (a package folder's time is its last write or open) that the agent does not hold in memory now
-are removed whole (and the agent told, which tells its control plane); a write that still does not fit is
-skipped (counted in :attr:`BlockCache.skipped_writes`). A block is written only into a folder that holds its
-package's manifest (one that is not there is skipped and counted too, and logged once per package).
+(nor is opening a store of) are removed whole (and the agent told, which tells its control plane); a write that
+still does not fit is skipped (counted in :attr:`BlockCache.skipped_writes`). A block is written only into a
+folder that holds its package's manifest (one that is not there is skipped and counted too, and logged once per
+package).
 
 One agent per cache folder: the cache holds an exclusive ``flock`` on ``<root>/.lock`` while open, and a second
 one on the folder is refused (:class:`CacheInUseError`): each would remove the other's packages for room, and the
@@ -55,8 +56,8 @@ class BlockCache:
                  in_use: Callable[[], Collection[str]] = frozenset,
                  on_removed: Callable[[str], None] = lambda package_id: None) -> None:
         """``max_bytes``: the most the cache holds (0: no bound); ``in_use``: the package ids the agent holds in
-        memory now, never removed to make room; ``on_removed``: told each package id removed to make room (on the
-        thread that writes)."""
+        memory now or is opening stores of, never removed to make room; ``on_removed``: told each package id
+        removed to make room (on the thread that writes)."""
         self.root = Path(root)
         self.max_bytes = max_bytes
         self._in_use = in_use

@@ -173,8 +173,12 @@ class AgentDaemon:
         self.reserve = MemoryReserve(settings.agent_reserve_bytes) if settings.agent_reserve_bytes else None
         self.allocator = SharedMemoryAllocator(self.reserve)
         self._filling: asyncio.Task | None = None
+        # Packages whose stores are opening (once per open under way): one opened from the disk cache is read, and
+        # its blocks re-hashed, for a while before it is held; removed for room meanwhile, it lost those blocks.
+        self._opening: list[str] = []
         self.cache = (BlockCache(settings.agent_cache_dir, settings.agent_cache_max_bytes,
-                                 in_use=lambda: list(self.peer_server.stores), on_removed=self._removed_from_cache)
+                                 in_use=lambda: [*self.peer_server.stores, *self._opening],
+                                 on_removed=self._removed_from_cache)
                       if settings.agent_cache_dir else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._control: "ControlLink | None" = None
@@ -370,7 +374,11 @@ class AgentDaemon:
         silent: set[PeerInfo] = set()  # peers silent for the manifest: asked last for the files
         store = self.peer_server.stores.get(package_id)
         if store is None:
-            store = await self._open_receiving_store(package_id, peers, pool, report, silent)
+            self._opening.append(package_id)  # not removed from the disk cache for room until held
+            try:
+                store = await self._open_receiving_store(package_id, peers, pool, report, silent)
+            finally:
+                self._opening.remove(package_id)
         missing = store.missing_files()
         if missing:
             await fetch_files(pool, store, peers, report, self.options.policy, silent)

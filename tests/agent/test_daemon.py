@@ -272,6 +272,49 @@ async def test_a_store_whose_opening_is_cancelled_gives_its_memory_back(tiny_pac
         await transport.close()
 
 
+async def test_a_package_opening_from_the_disk_cache_is_not_removed_for_room(tiny_package, tmp_path, monkeypatch):
+    """Found in review: while a store opened a package from the disk cache (re-hashing every block), a write for
+    another package could remove it for room: only packages already held were kept."""
+    cached, other = (tiny_package(name=f"pkg{n}", seed=n, layers=2, layer_bytes=100_000, chunk_bytes=64 << 10)
+                     for n in range(2))
+    manifest = cached.manifest
+    cache = BlockCache(tmp_path / "cache")
+    cache.write_manifest(manifest)
+    for entry in manifest.files:
+        cache.write_file(manifest.package_id, entry.path, (cached.path / entry.path).read_bytes())
+    for block in range(len(manifest.blocks)):
+        cache.write_block(manifest, block, memoryview(block_file_bytes(cached.path, manifest, block)))
+    cache.close()  # the folder's lock, for the daemon's cache
+    held_bytes = sum(f.stat().st_size for f in cache.package_dir(manifest.package_id).rglob("*") if f.is_file())
+    # the other package's manifest fits only once the cached package is removed
+    settings = Settings(**{**SETTINGS, "agent_cache_dir": cache.root}, agent_cache_max_bytes=held_bytes + 100)
+    daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
+    opening, go_on = threading.Event(), threading.Event()
+    open_store = BlockStore.open
+
+    def slow_open(*args, **kwargs) -> BlockStore:
+        opening.set()
+        go_on.wait(10)
+        return open_store(*args, **kwargs)
+
+    monkeypatch.setattr(BlockStore, "open", slow_open)
+    transport = TcpTransport("rx", settings)
+    pool = ChannelPool(transport)
+    try:
+        assigned = asyncio.create_task(daemon.open_store(manifest.package_id, [], pool))
+        assert await asyncio.to_thread(opening.wait, 5)
+        assert not await asyncio.to_thread(daemon.cache.write_manifest, other.manifest)  # skipped: no room
+        assert daemon.cache.skipped_writes == 1 and daemon.cache.holds(manifest.package_id)
+        go_on.set()
+        store = await asyncio.wait_for(assigned, 5)
+        assert store.verified_blocks() == list(range(len(manifest.blocks)))  # every block from the cache
+        store.close()
+    finally:
+        go_on.set()
+        await pool.close()
+        await transport.close()
+
+
 async def test_a_cancelled_wait_for_cache_writes_leaves_another_packages_wait_and_every_write_alone(
         tiny_package, tmp_path, monkeypatch):
     """A DROP cancels its follower's wait for the package's disk-cache writes: the other package's wait must still
