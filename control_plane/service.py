@@ -394,8 +394,13 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 
     def dispatch(self) -> None:
         """Hand the state's notices to the workers' mailboxes (notices for nodes without one are moot:
-        stores, dead workers); a deposed replica's are dropped (a change whose durable write was refused: its
-        streams still open would send it to workers, which would act on a plan the cluster never stored)."""
+        stores, dead workers), none while a commit is under way; a deposed replica's are dropped (a change whose
+        durable write was refused: its streams still open would send it to workers, which would act on a plan the
+        cluster never stored)."""
+        if self._last_commit is not None and not self._last_commit.done():
+            # A commit under way may be refused (this replica deposed): what it carries reaches no worker before it
+            # ends (the call that flushed dispatches then, else the next call or tick does).
+            return
         notices, self.state.notices = self.state.notices, []
         if self.deposed:
             return

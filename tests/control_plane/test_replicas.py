@@ -157,6 +157,48 @@ async def test_a_deposed_leaders_refused_scale_up_reaches_no_worker(url):
         await leader.stop(grace_s=0)
 
 
+async def test_a_change_whose_commit_is_under_way_reaches_no_worker_through_another_call(url):
+    """Found in review of the fix above: another call ending while the commit ran (a worker's heartbeat) handed the
+    change's notices to the mailboxes before the commit was refused."""
+    leader = ControlPlaneServer(config(url, lease_s=LEASE_S))
+    await leader.start()
+    service = leader.service
+    try:
+        async with ControlPlaneClient(leader.address, token=TOKEN, timeout_s=WAIT_S) as c, \
+                ControlPlaneClient(leader.address, token=TOKEN, timeout_s=WAIT_S) as other:
+            await c.publish_package(manifest(), STORE)
+            await c.register(spec("w1"))
+            mailbox = service.mailboxes["w1"]
+            sent = len(mailbox._items)
+            entered, go = threading.Event(), threading.Event()
+            begin = service.store.begin_flush
+
+            def held(*args, **kwargs):  # the scale-up's commit: held until another replica took the lease
+                pending = begin(*args, **kwargs)
+                if pending is not None and any(n.kind.name == "ASSIGN" for n in service.state.notices):
+                    commit = pending.commit
+
+                    def held_commit():
+                        entered.set()
+                        go.wait(WAIT_S)
+                        commit()
+                    pending.commit = held_commit
+                return pending
+
+            service.store.begin_flush = held
+            scale_up = asyncio.create_task(c.scale_up(PKG, node_ids=["w1"]))
+            assert await asyncio.to_thread(entered.wait, WAIT_S)
+            await other.heartbeat("w1")
+            assert len(mailbox._items) == sent
+            seize(url)
+            go.set()
+            with pytest.raises(ControlPlaneUnavailable, match="was deposed"):
+                await scale_up
+        assert service.deposed and len(mailbox._items) == sent
+    finally:
+        await leader.stop(grace_s=0)
+
+
 async def test_a_leader_that_loses_its_lease_steps_down_within_a_renewal(url):
     leader = ControlPlaneServer(config(url, lease_s=LEASE_S))
     await leader.start()
