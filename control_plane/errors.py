@@ -125,6 +125,13 @@ class ControlPlaneUnavailable(ControlPlaneError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ControlPlaneDeadlineExceeded(ControlPlaneUnavailable):
+    """The control plane did not answer within the call's deadline: unlike a refused connection or a standby's
+    answer, a change the call carried may have been made (its handler runs on after its caller's deadline)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class TlsConfigError(ControlPlaneError):
     """A TLS certificate, key or CA file that cannot be used: the operator's configuration."""
 
@@ -162,8 +169,9 @@ def error_from_rpc(error: grpc.aio.AioRpcError, *, target: str, method: str) -> 
     """The typed error for a failed call: the server's class and message, or which call went unanswered."""
     code = error.code()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return ControlPlaneUnavailable(f"control plane at {target} did not answer {method}: "
-                                       f"{code.name}: {error.details()}")
+        unanswered = ControlPlaneDeadlineExceeded if code == grpc.StatusCode.DEADLINE_EXCEEDED else \
+            ControlPlaneUnavailable
+        return unanswered(f"control plane at {target} did not answer {method}: {code.name}: {error.details()}")
     if code == grpc.StatusCode.UNAUTHENTICATED:
         details = error.details() or ""
         if details.startswith(NO_TOKEN):  # the server's words are for any gRPC client: say what a pipecast user sets

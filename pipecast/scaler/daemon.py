@@ -47,8 +47,8 @@ from yarl import URL
 
 from control_plane.deployments import Deployment, ScaleEvent
 from control_plane.errors import (
-    ChangeNotStored, ControlPlaneError, ControlPlaneUnavailable, InsufficientWorkers, PermissionDenied, Unauthenticated,
-    UnknownDeployment)
+    ChangeNotStored, ControlPlaneDeadlineExceeded, ControlPlaneError, InsufficientWorkers, PermissionDenied,
+    Unauthenticated, UnknownDeployment)
 from control_plane.routes import RouteChange
 from pipecast.core import strictjson
 from pipecast.core.credentials import serving_headers
@@ -272,7 +272,10 @@ class Scaler:
         self._answers = {}
         # Every router at once: one deployment after another, a tick took a router timeout per deployment whose
         # routers were slow to answer, every other deployment's scaling waiting meanwhile.
-        await asyncio.gather(*(self._stats(url) for url in {url for d in deployments for url in d.routers}))
+        # A poll that raised (nothing of it kept) is asked again in its deployment's step, whose failure is that
+        # deployment's gap only.
+        await asyncio.gather(*(self._stats(url) for url in {url for d in deployments for url in d.routers}),
+                             return_exceptions=True)
         for deployment in deployments:
             try:
                 decision = await self._step(deployment, workers, plans, urls)
@@ -383,10 +386,11 @@ class Scaler:
             else:
                 await self.client.release(package_id, list(decision.release), keep_alive_s=self.config.source_keep_s)
                 tracked.released.update({node: now for node in decision.release})
-        except (ChangeNotStored, ControlPlaneUnavailable) as exc:
+        except (ChangeNotStored, ControlPlaneDeadlineExceeded) as exc:
             # Made all the same (agents told), or perhaps made: a call unanswered within its deadline may have been
-            # (its handler runs on after the caller's deadline). Taken as made, never made again nor logged as
-            # refused (a restarted daemon reads a refusal as none made): the next listing shows what was.
+            # (its handler runs on after the caller's deadline; UNAVAILABLE, a refused connection or a deposed
+            # replica, made nothing: a refusal, below). Taken as made, never made again nor logged as refused (a
+            # restarted daemon reads a refusal as none made): the next listing shows what was.
             log.warning("scaler %s: %s %s: %s", package_id[:12], decision.action,
                         "made but not stored" if isinstance(exc, ChangeNotStored) else "unanswered: taken as made", exc)
             if decision.add:

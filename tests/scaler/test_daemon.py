@@ -16,8 +16,8 @@ from aiohttp import web
 
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
 from control_plane.errors import (
-    ChangeNotStored, ControlPlaneError, ControlPlaneUnavailable, InsufficientWorkers, Unauthenticated,
-    UnknownDeployment)
+    ChangeNotStored, ControlPlaneDeadlineExceeded, ControlPlaneError, ControlPlaneUnavailable, InsufficientWorkers,
+    Unauthenticated, UnknownDeployment)
 from control_plane.messages import PeerInfo
 from control_plane.routes import CanaryGate, ModelRoute, RouteChange
 from pipecast.core.credentials import SERVING_KEY_HEADER
@@ -327,7 +327,8 @@ async def test_a_release_the_control_plane_refused_is_no_release_to_a_restarted_
 
 @pytest.mark.parametrize("error", [
     ChangeNotStored("the change was made but not stored yet (disk I/O error)"),
-    ControlPlaneUnavailable("control plane at cp:7000 did not answer ScaleUp: DEADLINE_EXCEEDED: Deadline Exceeded")])
+    ControlPlaneDeadlineExceeded("control plane at cp:7000 did not answer ScaleUp: DEADLINE_EXCEEDED: Deadline "
+                                 "Exceeded")])
 async def test_a_scale_up_made_but_not_stored_or_unanswered_is_no_refusal_and_starts_the_cooldown(error):
     """The database refused to store it, the control plane made it all the same (agents told): recorded as
     refused, it was asked again the next tick. Found in review: one unanswered within its deadline (made, its
@@ -347,6 +348,19 @@ async def test_a_scale_up_made_but_not_stored_or_unanswered_is_no_refusal_and_st
             await scaler.tick()
     assert [c for c in client.calls if c[0] == "scale_up"] == [("scale_up", decision.add, "")]  # once, in cooldown
     assert all(e.action != "hold" or "refused" not in e.reason for e in client.events)
+
+
+async def test_a_scale_up_the_control_plane_was_unavailable_for_is_a_refusal_not_taken_as_made():
+    """Found in review of the fix above: UNAVAILABLE (a refused connection, every replica a standby, a deposed leader)
+    was taken as made with DEADLINE_EXCEEDED: a scale-up never made started the cooldown and went in the trail."""
+    async with stub_router(stats(queue=9, arrived=9)) as (url, _):
+        client = RecordingClient([worker("w1"), worker("w2"), worker("w3")], (url,))
+        client.refuse = ControlPlaneUnavailable("control plane at cp:7000 did not answer ScaleUp: UNAVAILABLE: "
+                                                "control plane me was deposed")
+        async with Scaler(client) as scaler:
+            [(_, decision)] = await scaler.tick()
+            assert decision.kind == "refused" and scaler.tracked[PKG].last_scale_up is None
+    assert client.events[-1].action == "hold" and client.events[-1].reason.startswith("scale_up refused: ")
 
 
 async def test_a_scale_up_that_cannot_be_placed_whole_asks_for_fewer_and_records_the_count_placed():
