@@ -237,6 +237,8 @@ def atomic_directory(out: Path, *, overwrite: bool = False, durable: bool = Fals
     tmp.mkdir()
     try:
         yield tmp
+        if durable:  # before the old one moves aside: OUT stays there while the new one reaches the disk
+            _fsync_tree(tmp)
         old = None
         if os.path.lexists(out):
             if not overwrite:
@@ -245,8 +247,6 @@ def atomic_directory(out: Path, *, overwrite: bool = False, durable: bool = Fals
             old = out.parent / f".{out.name}{PARTIAL_MARK}old-{os.getpid()}"
             _remove(old)
             os.rename(out, old)
-        if durable:
-            _fsync_tree(tmp)
         try:
             os.rename(tmp, out)
         except BaseException:

@@ -153,9 +153,11 @@ def test_a_durable_folder_is_fsynced_before_it_replaces_the_old_one(tmp_path, mo
     with atomic_directory(out, overwrite=True, durable=True) as tmp:
         (tmp / "b").mkdir()
         (tmp / "b" / "c").write_text("new")
-    into_place = events.index(("rename", "pkg"))
-    synced = {os.path.relpath(path, tmp) for kind, path in events[:into_place] if kind == "fsync"}
-    assert synced == {"b/c", "b", "."}
+    into_place, aside = events.index(("rename", "pkg")), events.index(("rename", f".pkg{fsutil.PARTIAL_MARK}old-"
+                                                                                 f"{os.getpid()}"))
+    synced = {os.path.relpath(path, tmp) for kind, path in events[:aside] if kind == "fsync"}
+    assert synced == {"b/c", "b", "."}  # before the old one moved aside: OUT is never missing for a long fsync
+    assert aside == into_place - 1
     assert events[into_place + 1] == ("fsync", str(tmp_path)) and not (tmp_path / "pkg" / "a").exists()
 
 
