@@ -300,15 +300,18 @@ class WorkerPool:
         it names (:meth:`serves`)."""
         routed: dict[str, set[str]] = {}
         for name, versions in routes.items():
-            for package, _ in versions:
-                routed.setdefault(package, set()).add(name)
+            # Only a name with one version: a worker whose package is unknown cannot tell a canary's requests from
+            # the stable version's, and its answers would count as the wrong version's (the canary gate's too).
+            if len(versions) == 1:
+                routed.setdefault(versions[0][0], set()).add(name)
         if routed != self._routed:
             self._routed = routed
             self._changed()  # a version's waiting requests may have a worker now
 
     def serves(self, worker: Worker, package: str) -> bool:
         """Whether ``worker``'s last health answer says it serves version ``package``: it names the package, or it
-        names no package (a vLLM worker nobody told the router the package of) and a served name routed to it."""
+        names no package (a vLLM worker nobody told the router the package of) and a served name routed to it alone
+        (a name with a canary has no such worker in either version)."""
         health = worker.health
         return health is not None and (health.package_id == package or health.package_id is None
                                        and health.model is not None and health.model in self._routed.get(package, ()))

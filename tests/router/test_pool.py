@@ -743,3 +743,17 @@ def test_the_names_a_pool_remembers_are_the_most_recently_named_and_bounded():
     last = MAX_REMEMBERED_NAMES + 4
     assert pool.packages_named(f"m{last}") == {f"{last:064x}"}
     assert len(pool._last_named) == MAX_REMEMBERED_NAMES
+
+
+def test_a_worker_of_no_package_serves_a_routed_name_of_one_version_only():
+    """Found in review: a vLLM worker nobody told the router the package of took both versions of a name with a
+    canary, answering the canary's requests with whatever model it runs (counted as the canary's, gate included)."""
+    from dataclasses import replace
+
+    pool = pool_of(a=replace(health(), model="llama"))
+    worker = pool._workers["http://a:1"]
+    stable, canary = "s" * 64, "c" * 64
+    pool.route({"llama": ((stable, 100),)})
+    assert pool.serves(worker, stable)
+    pool.route({"llama": ((stable, 90), (canary, 10))})
+    assert not pool.serves(worker, stable) and not pool.serves(worker, canary)
