@@ -201,7 +201,7 @@ class ServingWorker:
         self._unloaded_why = ""  # why the package's model was unloaded (the 503 of the requests meanwhile)
         self._reloaded_at = -math.inf  # when a model the agent failed was last loaded afresh (monotonic)
         self._follower: asyncio.Task | None = None
-        self._unloading: asyncio.Future | None = None  # an unload begun by a drop seen while loading
+        self._unloading: set[asyncio.Future] = set()  # unloads begun by a drop seen while loading, under way
         self._expirer: asyncio.Task | None = None
         self.stage_client = StageClient()
         self.stage_queue = StageQueue()
@@ -579,7 +579,9 @@ class ServingWorker:
                 engine.model.check_failed()
             except EngineError as exc:
                 if _dropped(exc):  # released while loading: as the follower unloads a released model
-                    self._unloading = asyncio.ensure_future(self._unload())
+                    unloading = asyncio.ensure_future(self._unload())
+                    self._unloading.add(unloading)  # each cancelled by close(): one may outlive the next model
+                    unloading.add_done_callback(self._unloading.discard)
                     return
                 self._set_error(str(exc))
         if engine.model.fully_loaded and self._stage == STAGE_LOADING:
@@ -617,7 +619,7 @@ class ServingWorker:
     async def close(self) -> None:
         """Stop the engine (requests still running fail) and release the agent's blocks."""
         self.drain()
-        for task in (self._follower, self._unloading, self._expirer):
+        for task in (self._follower, *self._unloading, self._expirer):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -686,7 +688,7 @@ class ServingWorker:
         return WorkerHealth(status=status, blocks_present=present, blocks_total=total,
                             queue_depth=self.queue_depth, running=self.running, max_queue=self.config.max_queue,
                             max_batch=self.config.max_batch,
-                            pipeline_sessions=self._head.runner.sessions if self._head is not None else 0,
+                            pipeline_sessions=sum(runner.sessions for runner in self._runners()),
                             pipeline_moved=self._head.moved if self._head is not None else 0,
                             pipeline_kept=self._head.kept if self._head is not None else 0,
                             stage=self._stage, model=self.model_name,

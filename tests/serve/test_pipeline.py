@@ -896,6 +896,7 @@ async def test_a_stage_released_mid_request_serves_its_pipelined_sessions_to_the
         await eventually(lambda: len(made) == 3)
         unloading = asyncio.create_task(stage._unload())  # what the agent dropping the package starts
         await eventually(lambda: stage._model is None)
+        assert stage.health().pipeline_sessions == 1  # its health still counts the session it serves
         new = StageCall("new", range(3, 6), 0, 20.0, (), SamplingParams(max_tokens=4, temperature=0))
         async with http.post(b + STAGE_PATH, data=encode_frame(new.header(), torch.zeros(1, 3, 64))) as response:
             assert response.status == 503 and "was released" in (await response.json())["error"]["message"]
