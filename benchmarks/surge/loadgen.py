@@ -259,8 +259,10 @@ class Driver:
         last = max((r.finished_s for r in self.results), default=0.0)
         deadline = t0 + last + self.spec.tail_s
         cold = {w.name for w in self.spec.workers if not w.warm}
-        # The pool's minimum counts the warm workers first (benchmarks.surge.run.deployment_policy).
-        spare = max(self.spec.deployment["policy"]["min_replicas"] - (len(self.spec.workers) - len(cold)), 0)
+        # The pool's minimum counts the registered warm workers first, the only ones the daemon sees
+        # (benchmarks.surge.run.deployment_policy).
+        seen_warm = sum(1 for w in self.spec.workers if w.warm and w.name in self.spec.registered)
+        spare = max(self.spec.deployment["policy"]["min_replicas"] - seen_warm, 0)
         while time.time() < deadline:
             try:
                 if holding(await cp.list_workers(), cold, self.spec.package_id) <= spare:

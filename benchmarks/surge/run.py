@@ -35,7 +35,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -347,19 +347,29 @@ def _start_services(run: _RunProcesses, layout: _Layout, spec: DriverSpec, strat
 
 
 def _deployment(strategy: Strategy, config: SurgeConfig, package: PackageFacts, layout: "_Layout",
-                warm: int) -> dict | None:
+                registered_warm: int) -> dict | None:
     """The deployment the driver declares for the daemon (None for the other strategies)."""
     if strategy.scaled_by != "daemon":
         return None
-    policy = deployment_policy(config.policy, config.workers, warm)
+    policy = deployment_policy(config.policy, config.workers, registered_warm)
     return Deployment(package.package_id, policy, (f"http://{layout.router}",)).to_json()
 
 
-def deployment_policy(policy: ScalingPolicy, workers: int, warm: int) -> ScalingPolicy:
-    """``policy`` for a pool of ``workers`` with ``warm`` of them loaded before the surge: the daemon counts
-    the warm ones as replicas and keeps them (its minimum; released while the pool idles before the surge,
-    they would not be warm when it comes), up to the whole pool."""
-    return replace(policy, min_replicas=max(policy.min_replicas, warm),
+def registered_workers(strategy: Strategy, workers: Sequence[str], warm: Collection[str]) -> tuple[str, ...]:
+    """The ``workers`` whose agents register with the control plane: the cold ones, and the ``warm`` ones where
+    the strategy makes them sources. A registered holder is a source of every plan, unicast's too
+    (``pick_sources``), so a unicast baseline's warm workers stay unregistered: its cold ones load from the
+    store alone, and its daemon sees only the cold ones (:func:`deployment_policy`)."""
+    return tuple(w for w in workers if w not in warm or strategy.warm_are_sources)
+
+
+def deployment_policy(policy: ScalingPolicy, workers: int, registered_warm: int) -> ScalingPolicy:
+    """``policy`` for a pool of ``workers`` of which ``registered_warm`` were loaded before the surge and
+    registered with the control plane: the daemon counts those as replicas and keeps them (its minimum;
+    released while the pool idles before the surge, they would not be warm when it comes), up to the whole
+    pool. Warm workers it cannot see (unregistered, :func:`registered_workers`) raise no minimum: it would
+    count 0 replicas against it and add as many cold ones before the surge."""
+    return replace(policy, min_replicas=max(policy.min_replicas, registered_warm),
                    max_replicas=min(policy.max_replicas, workers))
 
 
@@ -370,15 +380,17 @@ def run_once(cluster: EmulatedCluster, folder: Path, package: PackageFacts, stra
     warm = set(workers[:strategy.warm_count(config.min_workers)])
     layout = _Layout.of(cluster, workers)
     run = _RunProcesses(cluster, folder)
+    registered = registered_workers(strategy, workers, warm)
     spec = DriverSpec(
         router_url=f"http://{layout.router}", control_plane=layout.control, package=str(package.path),
         store_node=STORE, store_address=layout.store,
         workers=tuple(WorkerEndpoint(w, f"http://{layout.serving[w]}", w in warm) for w in workers),
-        registered=tuple(w for w in workers if w not in warm or strategy.warm_are_sources),
+        registered=registered,
         plan_strategy=strategy.plan_strategy, schedule=config.schedule, vocab_size=package.vocab_size,
         package_id=package.package_id, events=str(run.events_path(LOAD)), results=str(folder / "results.json"),
         startup_timeout_s=START_TIMEOUT_S, request_timeout_s=config.request_timeout_s,
-        scaled_by=strategy.scaled_by, deployment=_deployment(strategy, config, package, layout, len(warm)),
+        scaled_by=strategy.scaled_by,
+        deployment=_deployment(strategy, config, package, layout, len(warm.intersection(registered))),
         tail_s=cost_tail_seconds(config.policy) if strategy.scaled_by == "daemon" else 0.0)
     (folder / "spec.json").write_text(json.dumps(spec.to_json()))
     label = f"[{strategy.name} {repeat}/{config.repeat}]"

@@ -48,7 +48,7 @@ class Strategy:
     #: Workers holding the model in memory before the surge; None: the benchmark's minimum pool.
     warm: int | None = None
     #: Warm workers register with the control plane, so its plans use them as sources; otherwise cold
-    #: workers get the model from the store alone.
+    #: workers get the model from the store alone, and a scaling daemon neither sees nor counts the warm ones.
     warm_are_sources: bool = False
     #: One of SCALERS.
     scaled_by: str = "oracle"

@@ -9,7 +9,15 @@ import pytest
 
 from benchmarks.surge.plots import held_steps, save_timeline, save_ttft_cdf
 from benchmarks.surge.loadgen import holding, oracle_scale_event
-from benchmarks.surge.run import DEFAULT_POLICY, _timelines, billed_intervals, cost_tail_seconds, deployment_policy
+from benchmarks.distribution import worker_names
+from benchmarks.surge.run import (
+    DEFAULT_POLICY,
+    _timelines,
+    billed_intervals,
+    cost_tail_seconds,
+    deployment_policy,
+    registered_workers,
+)
 from benchmarks.surge.report import (
     CSV_COLUMNS,
     RequestResult,
@@ -36,6 +44,8 @@ from benchmarks.surge.strategies import (
     register,
     resolve,
 )
+from pipecast.scaler.policy import decide
+from pipecast.scaler.signals import pool_of
 from pipecast.v1 import control_pb2 as pb
 
 # The issue-14 conditions under which pipelines' 2x target against unicast applies.
@@ -173,9 +183,29 @@ def test_pipelines_have_their_own_targets_against_unicast_and_the_warm_pool_of_o
 
 
 def test_the_daemon_keeps_the_warm_workers_and_may_use_the_whole_pool():
-    policy = deployment_policy(DEFAULT_POLICY, workers=8, warm=1)
+    policy = deployment_policy(DEFAULT_POLICY, workers=8, registered_warm=1)
     assert (policy.min_replicas, policy.max_replicas) == (1, 8)
-    assert deployment_policy(DEFAULT_POLICY, workers=4, warm=0).max_replicas == 4
+    assert deployment_policy(DEFAULT_POLICY, workers=4, registered_warm=0).max_replicas == 4
+
+
+@pytest.mark.parametrize("name", ["unicast:1", "unicast:2", "pipecast:1", "pipecast:2", "unicast", "pipecast"])
+def test_the_daemon_adds_no_cold_worker_before_the_surge_with_warm_ones(name):
+    # Finding: unicast:W's warm workers are not registered (they would be sources of its unicast plans), yet
+    # its minimum was W: the daemon saw 0 replicas and added W cold workers before the surge.
+    strategy = resolve(name)
+    workers = worker_names(4)
+    warm = set(workers[:strategy.warm_count(0)])
+    registered = registered_workers(strategy, workers, warm)
+    policy = deployment_policy(DEFAULT_POLICY, len(workers), len(warm.intersection(registered)))
+    held = [pb.PackageBlocks(package_id="pkg", blocks=range(8))]
+    states = [pb.WorkerState(worker=pb.WorkerSpec(peer=pb.Peer(node_id=w), serve_url=f"http://{w}:8000"), alive=True,
+                             held=held if w in warm else []) for w in registered]
+    pool = pool_of("pkg", 8, states, [], now=100.0)
+    decision = decide([], pool, policy)
+    assert (decision.add, decision.release) == (0, ())
+    assert len(pool.replicas) == policy.min_replicas
+    # A unicast baseline's cold workers load from the store alone: no warm holder is registered to send from.
+    assert warm.isdisjoint(registered) if strategy.plan_strategy == "unicast" else warm <= set(registered)
 
 
 def test_strategies_resolve_with_a_warm_count_and_refuse_bad_names():
