@@ -15,7 +15,7 @@ file at the end. ``python -m benchmarks.surge.loadgen SPEC.json``; one run:
    with "oracle" the driver asks the control plane, at t0, to bring the package onto every cold worker
    (the whole pool at the first request: a baseline no deployment has); with "none" nobody does;
 4. once every request has its answer (and, for the oracle, every worker is ready or ``ready_grace_s``
-   later; for the daemon, it has released every cold worker above the pool's minimum or ``tail_s`` passed
+   later; for the daemon, it has released every worker above the pool's minimum or ``tail_s`` passed
    since the last answer: the keep-alive it pays after a surge is part of its cost), write the results: each
    request, each worker's health transitions, the scale events (the daemon's decisions from the control
    plane's audit trail, or the oracle's scale-up as one event).
@@ -200,6 +200,13 @@ def holding(states: Sequence, nodes: set[str], package_id: str) -> int:
                and any(h.package_id == package_id and h.blocks for h in state.held))
 
 
+def back_at_minimum(states: Sequence, spec: DriverSpec) -> bool:
+    """Whether the daemon's pool is back at its deployment's minimum: of the workers it sees (those registered
+    with the control plane, warm ones included: it releases those as it does cold ones and may keep a cold one
+    instead), no more than ``min_replicas`` hold the package (``states``: the control plane's ``list_workers``)."""
+    return holding(states, set(spec.registered), spec.package_id) <= spec.deployment["policy"]["min_replicas"]
+
+
 class Driver:
     """One run's driver; :meth:`run` does steps 1-4 of the module docstring."""
 
@@ -254,18 +261,13 @@ class Driver:
                 "scale_events": scale_events, "observed_until_s": observed}
 
     async def _watch_releases(self, cp, t0: float) -> None:
-        """Wait until the daemon holds no cold worker above the pool's minimum, or ``tail_s`` after the last
-        answer: the workers it keeps meanwhile are billed (their agents' drops end their cost)."""
+        """Wait until the daemon's pool is back at its minimum (:func:`back_at_minimum`), or ``tail_s`` after the
+        last answer: the workers it keeps meanwhile are billed (their agents' drops end their cost)."""
         last = max((r.finished_s for r in self.results), default=0.0)
         deadline = t0 + last + self.spec.tail_s
-        cold = {w.name for w in self.spec.workers if not w.warm}
-        # The pool's minimum counts the registered warm workers first, the only ones the daemon sees
-        # (benchmarks.surge.run.deployment_policy).
-        seen_warm = sum(1 for w in self.spec.workers if w.warm and w.name in self.spec.registered)
-        spare = max(self.spec.deployment["policy"]["min_replicas"] - seen_warm, 0)
         while time.time() < deadline:
             try:
-                if holding(await cp.list_workers(), cold, self.spec.package_id) <= spare:
+                if back_at_minimum(await cp.list_workers(), self.spec):
                     return
             except ControlPlaneUnavailable:
                 pass  # a moment's outage: ask again

@@ -222,14 +222,15 @@ class _RunProcesses(RunProcesses):
 # -- one run -------------------------------------------------------------------------------------------
 
 
-def billed_intervals(events: Sequence[dict], package_id: str, t0: float,
-                     decisions: Sequence[float] = ()) -> tuple[tuple[float, float | None], ...]:
+def billed_intervals(events: Sequence[dict], package_id: str, t0: float, decisions: Sequence[float] = (),
+                     held_from: float | None = None) -> tuple[tuple[float, float | None], ...]:
     """When a worker held a replica: from each first ``assignment`` of the package (after the start or a
     drop) to the ``dropped`` that ended it (None: still held at the end), in seconds from ``t0``. Each starts
     at the scale-up decision that brought it instead, where ``decisions`` (scale-up times from ``t0``) has one
-    after the previous drop and at or before the assignment: the latest such."""
+    after the previous drop and at or before the assignment: the latest such. A worker that held it from the
+    start (a warm one: ``held_from``, its provisioning) holds a first replica from then to its first drop."""
     intervals: list[tuple[float, float | None]] = []
-    start = None
+    start = held_from
     for event in events:
         if event.get("package") != package_id:
             continue
@@ -249,7 +250,8 @@ def _timelines(spec: DriverSpec, results: dict, events: dict[str, list[dict]], p
     """Each worker's provisioning, block arrivals (from its agent's events) and health changes (from the
     driver's polls), in seconds from the surge's start. A warm worker was provisioned and ready
     ``pre_surge_s`` before the surge and received nothing; a cold one scaled by the daemon is billed for
-    each interval it held a replica, from the scale-up decision (:func:`billed_intervals`)."""
+    each interval it held a replica, from the scale-up decision (:func:`billed_intervals`), and so is a warm
+    one, from its provisioning: the daemon releases warm replicas as it does cold ones."""
     t0 = results["t0"]
     decisions = [e["t"] for e in results.get("scale_events", []) if e["action"] == "scale_up"]
     out = []
@@ -257,8 +259,11 @@ def _timelines(spec: DriverSpec, results: dict, events: dict[str, list[dict]], p
         history = results["health"].get(worker.name, [])
         partial = next((t for t, status, _ in history if status == "partial"), None)
         if worker.warm:
+            # Elsewhere nobody releases it: billed to the horizon.
+            billed = billed_intervals(events[worker.name], package.package_id, t0, decisions, held_from=-pre_surge_s) \
+                if spec.scaled_by == "daemon" else None
             out.append(WorkerTimeline(worker.name, True, -pre_surge_s, package.blocks, partial_s=partial,
-                                      ready_s=-pre_surge_s))
+                                      ready_s=-pre_surge_s, billed=billed))
             continue
         verified = sorted(e["t"] - t0 for e in events[worker.name]
                           if e["event"] == "block_verified" and e.get("package") == package.package_id)

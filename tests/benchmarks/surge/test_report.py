@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.surge.plots import held_steps, save_timeline, save_ttft_cdf
-from benchmarks.surge.loadgen import holding, oracle_scale_event
+from benchmarks.surge.loadgen import back_at_minimum, holding, oracle_scale_event
 from benchmarks.distribution import worker_names
 from benchmarks.surge.run import (
     DEFAULT_POLICY,
@@ -409,6 +409,31 @@ def test_the_driver_counts_the_cold_workers_still_holding_the_package():
 
     states = [state("w1", ("p", [0, 1])), state("w2", ("p", [])), state("w3", ("q", [0])), state("h1", ("p", [0]))]
     assert holding(states, {"w1", "w2", "w3"}, "p") == 1
+
+
+def test_a_warm_worker_the_daemon_releases_is_billed_to_its_drop_and_the_watch_counts_it():
+    # Finding: the daemon released the warm w1 and kept the cold w2 (both idle as long), yet w1 was billed to the
+    # horizon and the driver's watch, counting cold workers only, waited for w2's release until the horizon.
+    events = {"w1": [{"event": "dropped", "package": "p", "t": 145.0},
+                     {"event": "assignment", "package": "p", "t": 200.5}],
+              "w2": [{"event": "assignment", "package": "p", "t": 101.0}]}
+    decisions = [{"t": 0.5, "action": "scale_up"}, {"t": 45.0, "action": "release"}, {"t": 100.0, "action": "scale_up"}]
+    results = {"t0": 100.0, "health": {"w1": [], "w2": []}, "scale_events": decisions}
+    workers = (SimpleNamespace(name="w1", warm=True), SimpleNamespace(name="w2", warm=False))
+    package = SimpleNamespace(blocks=4, package_id="p")
+    warm, cold = _timelines(SimpleNamespace(workers=workers, scaled_by="daemon"), results, events, package, 60.0)
+    assert warm.billed == ((-60.0, 45.0), (100.0, None)) and warm.billed_seconds(150.0) == 105.0 + 50.0
+    assert cold.billed == ((0.5, None),)
+    oracle = _timelines(SimpleNamespace(workers=workers, scaled_by="oracle"), results, events, package, 60.0)
+    assert oracle[0].billed is None and oracle[0].billed_seconds(150.0) == 210.0  # nobody releases it there
+
+    def state(node: str, blocks: list[int]) -> pb.WorkerState:
+        return pb.WorkerState(worker=pb.WorkerSpec(peer=pb.Peer(node_id=node)), alive=True,
+                              held=[pb.PackageBlocks(package_id="p", blocks=blocks)])
+
+    driver = SimpleNamespace(registered=("w1", "w2"), package_id="p", deployment={"policy": {"min_replicas": 1}})
+    assert back_at_minimum([state("w1", []), state("w2", [0, 1])], driver)
+    assert not back_at_minimum([state("w1", [0, 1]), state("w2", [0, 1])], driver)
 
 
 def test_an_oracle_variant_is_judged_against_the_oracle_unicast_only():
