@@ -3,11 +3,13 @@
 The model, kept simple on purpose:
 
 - every node has a full-duplex link of the same rate (or a share of it: ``rates``, e.g. a straggler), or
-  several (``links``: a store whose egress is L links' worth), each way one chunk at a time; a receiver
-  fetches its units (blocks or chunk ranges of them) in plan order, one at a time by default, or up to
-  ``concurrency`` at once from different parents as agents do (one at a time per parent, the first
-  unfinished one always), its downlink still taking one chunk at a time from any of them; a rack's uplink
-  may carry fewer chunks at once than its nodes send (``racks``);
+  several (``links``: a store whose egress is L links' worth), each way one chunk at a time (a chunk moves at
+  the slower end's rate, but takes its sender's uplink only for the time the uplink's own rate needs: toward a
+  slower receiver the uplink serves other children while that one's downlink drains the chunk, as a fluid
+  share would); a receiver fetches its units (blocks or chunk ranges of them) in plan order, one at a time by
+  default, or up to ``concurrency`` at once from different parents as agents do (one at a time per parent, the
+  first unfinished one always), its downlink still taking one chunk at a time from any of them; a rack's
+  uplink may carry fewer chunks at once than its nodes send (``racks``);
 - each of a node's uplinks sends one chunk at a time to one of the children fetching from it whose next
   chunk it already holds and that no other uplink is sending to: by default taking turns (round robin),
   so concurrent children share the uplinks equally, as TCP flows would; with ``serve="earliest"`` the
@@ -55,8 +57,9 @@ CALIBRATED_START_DELAY_S = 0.016
 CALIBRATED_GOODPUT = 0.975
 # Event kinds: a chunk left its sender's uplink; it reached its receiver; a receiver is ready to fetch its
 # first unit; a receiver dies; the control plane re-plans around the dead; a chunk's first piece reached its
-# receiver, which may begin to relay it.
-SENT, ARRIVED, STARTED, DIED, REPLANNED, RELAYABLE = 0, 1, 2, 3, 4, 5
+# receiver, which may begin to relay it; a sender's uplink has sent its part of a chunk toward a slower
+# receiver; that receiver has drained the chunk (a SENT whose uplink was freed already).
+SENT, ARRIVED, STARTED, DIED, REPLANNED, RELAYABLE, UPLINK_FREE, DRAINED = 0, 1, 2, 3, 4, 5, 6, 7
 HOLDS = -1  # where a fetch's parent gets the unit: it holds it from the start (a source, a holder)
 
 
@@ -68,27 +71,27 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
              detect_s: float = 0.0, concurrency: int = 1, relay_bytes: int = 0) -> dict[str, float]:
     """Seconds from the start until each receiver of ``plan`` holds all its units.
 
-    ``block_bytes`` is one size for every block or a size per block index; chunk c of block b is its bytes
-    c * ``chunk_bytes`` up to (c + 1) * ``chunk_bytes`` or the block's end. ``serve`` is how an uplink
-    picks among waiting children (see the module docstring); ``links`` gives a node's uplinks at
-    ``link_bytes_per_s`` each (default 1); ``hop_latency_s`` delays each chunk's arrival; a receiver asks for
-    its first unit ``start_delay_s`` x its depth after the start (depth: hops from a source or holder along
-    each first fetch's parent, what each hop of the agents adds before its first block); ``rates`` gives
-    a node's link, both ways, as a share of ``link_bytes_per_s`` (default 1: mixed links, e.g. a straggler at
-    0.25), and a chunk moves at the slower end's rate; with ``racks`` (a node's rack; nodes not named are
-    outside every rack) and ``rack_uplinks`` > 0, a rack's uplink carries that many chunks at once each way
-    (its rate over B: a rack of 16 nodes at 4:1 oversubscription has 4), and a chunk between two racks waits
-    until both have one free; ``failures`` kills receivers (node -> when: what it has in flight is lost, it
-    sends nothing more) and ``detect_s`` after each death the plan is repaired as the control plane repairs it
-    (:func:`~control_plane.planner.replan.repair`, from the blocks each receiver holds then); the dead are
-    left out of the result. ``concurrency``: fetches a receiver runs at once from different parents, as an
-    agent does (``agent_fetch_concurrency``; one at a time per parent, in plan order, the first unfinished one
-    always), its downlink still carrying one chunk at a time. ``relay_bytes`` > 0: a receiver passes a chunk
-    on from its first piece of that many bytes (``agent_relay_bytes``; 0: once whole); a chunk a dying parent
-    was passing on still reaches the children it was passed to (the agents' children drop it and fetch it
-    again, which this model does not charge). Raises
-    :class:`PlanError` if some receivers never finish (the plan deadlocks or names a parent that never gets
-    the unit), ValueError for bad numbers or a chunk range past its block's end.
+    ``block_bytes`` is one size for every block or a size per block index; chunk c of block b is its bytes c *
+    ``chunk_bytes`` up to (c + 1) * ``chunk_bytes`` or the block's end. ``serve`` is how an uplink picks among
+    waiting children (see the module docstring); ``links`` gives a node's uplinks at ``link_bytes_per_s`` each
+    (default 1); ``hop_latency_s`` delays each chunk's arrival; a receiver asks for its first unit ``start_delay_s``
+    x its depth after the start (depth: hops from a source or holder along each first fetch's parent, what each hop
+    of the agents adds before its first block); ``rates`` gives a node's link, both ways, as a share of
+    ``link_bytes_per_s`` (default 1: mixed links, e.g. a straggler at 0.25), and a chunk moves at the slower end's
+    rate, its sender's uplink free again once its own rate has sent it (toward a slower receiver, whose downlink
+    then carries the rest); with ``racks`` (a node's rack; nodes not named are outside every rack) and
+    ``rack_uplinks`` > 0, a rack's uplink carries that many chunks at once each way (its rate over B: a rack of 16
+    nodes at 4:1 oversubscription has 4), and a chunk between two racks waits until both have one free; ``failures``
+    kills receivers (node -> when: what it has in flight is lost, it sends nothing more) and ``detect_s`` after each
+    death the plan is repaired as the control plane repairs it (:func:`~control_plane.planner.replan.repair`, from
+    the blocks each receiver holds then); the dead are left out of the result. ``concurrency``: fetches a receiver
+    runs at once from different parents, as an agent does (``agent_fetch_concurrency``; one at a time per parent, in
+    plan order, the first unfinished one always), its downlink still carrying one chunk at a time. ``relay_bytes``
+    > 0: a receiver passes a chunk on from its first piece of that many bytes (``agent_relay_bytes``; 0: once whole);
+    a chunk a dying parent was passing on still reaches the children it was passed to (the agents' children drop it
+    and fetch it again, which this model does not charge). Raises :class:`PlanError` if some receivers never finish
+    (the plan deadlocks or names a parent that never gets the unit), ValueError for bad numbers or a chunk range
+    past its block's end.
     """
     if hop_latency_s < 0 or start_delay_s < 0:
         raise ValueError(f"simulate: hop latency and start delay must be >= 0, got {hop_latency_s!r} and "
@@ -257,6 +260,9 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             nbytes = min(chunk_bytes, size[block] - (first + requested[fetch]) * chunk_bytes)
             rate = link_bytes_per_s * min(share.get(parent, 1.0), share.get(child, 1.0))
             ends = now + nbytes / rate
+            # Toward a slower child the uplink is charged its fluid share, the chunk at its own rate, and may
+            # send to other children while the child drains it (one chunk at a time there: ``receiving``).
+            drains = share.get(child, 1.0) < share.get(parent, 1.0)
             if relay_bytes:  # a chunk the parent still receives: its last piece goes once it is whole
                 piece = min(relay_bytes, nbytes) / rate
                 ends = max(ends, upstream_landing(fetch) + piece)
@@ -268,8 +274,12 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             receiving.add(child)
             requested[fetch] += 1
             take_crossing(parent, child, 1)
+            if drains:
+                seq += 1
+                heapq.heappush(events, (now + nbytes / (link_bytes_per_s * share.get(parent, 1.0)), seq,
+                                        UPLINK_FREE, parent, child, fetch))
             seq += 1
-            heapq.heappush(events, (ends, seq, SENT, parent, child, fetch))
+            heapq.heappush(events, (ends, seq, DRAINED if drains else SENT, parent, child, fetch))
 
     def begin(rx: str, k: int, now: float, progress: int = 0) -> None:
         """Fetch ``k`` of ``rx`` takes a slot, ``progress`` chunks of it already here."""
@@ -412,6 +422,10 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
         if kind == REPLANNED:
             replan_around(now)
             continue
+        if kind == UPLINK_FREE:
+            sending[parent] -= 1
+            send(parent, now)
+            continue
         stale = child in dead or whose.get(fetch, (None,))[0] != child
         if kind == RELAYABLE:
             if not stale:
@@ -422,7 +436,8 @@ def simulate(plan: Plan, block_bytes: int | Sequence[int], link_bytes_per_s: flo
             if not stale:
                 arrive(parent, fetch, now)
             continue
-        sending[parent] -= 1
+        if kind == SENT:  # a DRAINED chunk's uplink was freed at its UPLINK_FREE
+            sending[parent] -= 1
         if not stale:
             receiving.discard(child)
         if parent in dead and not stale:  # its uplink died with it: the chunk never arrives

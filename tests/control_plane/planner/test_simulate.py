@@ -56,3 +56,29 @@ def test_a_start_delay_takes_plans_whose_first_parents_hold_the_unit_or_list_the
     finish = simulate(reversed_chain, 100, 100.0, 10, start_delay_s=0.016)
     assert finish == pytest.approx(simulate(chain, 100, 100.0, 10, start_delay_s=0.016))  # the order is no matter
     assert finish["w1199"] > finish["w0"] + 1199 * 0.016
+
+
+def _finished_over_floor(strategy: str, n: int, **kwargs) -> dict[str, float]:
+    plan = make_plan(strategy, ["store"], [f"w{i}" for i in range(n)], len(BLOCKS), chunk_counts=[20] * len(BLOCKS))
+    return {rx: t / S_OVER_B for rx, t in simulate(plan, BLOCKS, RATE, CHUNK, **kwargs).items()}
+
+
+def test_a_slow_receiver_takes_its_share_of_its_parents_uplink_not_the_whole_of_it():
+    # Finding: a chunk toward w1 at a quarter of the link held the store's uplink for 4 chunk times, so w0 got
+    # 1/5 of it and finished at 4.87 x S/B; in fluid terms w1 takes a quarter and w0 the other 3/4 (1.33x).
+    unicast = _finished_over_floor("unicast", 2, rates={"w1": 0.25})
+    assert unicast["w0"] == pytest.approx(4 / 3, rel=0.03)
+    assert unicast["w1"] == pytest.approx(4.0, rel=0.03)  # its own link's rate: S / (B/4)
+    # A tree: the store feeds w0 and w1 (slow), w0 feeds w2 and w3; w0 gets 3/4 of the store and its two
+    # children half of its uplink each, from 2 S/B on, no longer paced by the store's slow child.
+    tree = _finished_over_floor("tree", 4, rates={"w1": 0.25})
+    assert tree["w0"] == pytest.approx(4 / 3, rel=0.03)
+    assert tree["w2"] == pytest.approx(2.0, rel=0.03) and tree["w3"] == pytest.approx(2.0, rel=0.03)
+    assert tree["w1"] == pytest.approx(4.0, rel=0.03)
+
+
+def test_a_slow_link_leaves_plans_without_a_slower_child_as_they_were():
+    # Only an uplink feeding a child slower than itself is freed early: a chain's slow relay paces what it
+    # passes on (its own uplink is slow), and its parent feeds no one else.
+    assert _finished_over_floor("chain", 3, rates={"w1": 0.25})["w2"] == pytest.approx(4.0, rel=0.03)
+    assert _finished_over_floor("unicast", 2) == pytest.approx({"w0": 2.0, "w1": 2.0}, rel=0.03)
