@@ -363,31 +363,34 @@ async def serve(host: str, port: int, events: EventLog) -> None:
 
 async def load(url: str, rate_per_s: float, deadline_s: float, events: EventLog, requests: TextIO) -> None:
     """POST to ``url`` at ``rate_per_s``, open loop (each on schedule, whatever the others do), until killed;
-    each request's send time and latency (None: failed or past ``deadline_s``) go to ``requests``, a line each:
-    not to ``events``, whose rate limit per kind would drop them above 200/s, the slow ones first (they end
-    together after a stall)."""
+    each request's scheduled time and latency from it (None: failed or past ``deadline_s``) go to ``requests``,
+    a line each: not to ``events``, whose rate limit per kind would drop them above 200/s, the slow ones first
+    (they end together after a stall). A request that starts late (the client starved of CPU) counts its wait,
+    as the surge and tenants benchmarks count from each request's scheduled arrival."""
     import aiohttp
 
     def record(sent: float, **fields) -> None:
         requests.write(json.dumps({"t": time.time(), "event": "request", "sent": sent, **fields}) + "\n")
 
-    async def one(session: aiohttp.ClientSession) -> None:
-        sent, started = time.time(), time.monotonic()
+    async def one(session: aiohttp.ClientSession, due: float, due_wall: float) -> None:
+        """The request due at ``due`` (time.monotonic(); ``due_wall`` the same in time.time())."""
+        left = max(due + deadline_s - time.monotonic(), 0.001)  # its deadline counts from the schedule too
         try:
-            async with session.post(url, data=REQUEST_BODY, timeout=aiohttp.ClientTimeout(total=deadline_s)) as resp:
+            async with session.post(url, data=REQUEST_BODY, timeout=aiohttp.ClientTimeout(total=left)) as resp:
                 await resp.read()
                 resp.raise_for_status()
-            record(sent, seconds=time.monotonic() - started)
+            record(due_wall, seconds=time.monotonic() - due)
         except (TimeoutError, aiohttp.ClientError) as exc:
-            record(sent, seconds=None, error=type(exc).__name__)
+            record(due_wall, seconds=None, error=type(exc).__name__)
 
     async with aiohttp.ClientSession() as session:
         events.emit("started", url=url, rate_per_s=rate_per_s)
         tasks: set[asyncio.Task] = set()  # the loop holds tasks weakly: keep each until it is done
-        origin, sent = time.monotonic(), 0
+        origin, origin_wall, sent = time.monotonic(), time.time(), 0
         while True:
-            await asyncio.sleep(max(origin + sent / rate_per_s - time.monotonic(), 0.0))
-            task = asyncio.create_task(one(session))
+            due = origin + sent / rate_per_s
+            await asyncio.sleep(max(due - time.monotonic(), 0.0))
+            task = asyncio.create_task(one(session, due, origin_wall + sent / rate_per_s))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             sent += 1
