@@ -78,9 +78,10 @@ class SlotKVCache:
     most rows (sequences decoding at once).
     Memory is allocated on first use, for the rows in use (a power of two of them, at most ``rows``), and grows in
     steps of CAPACITY_STEP tokens (at least doubling), never past ``max_positions`` (the model's, when it has a
-    limit); :meth:`fit` gives back what the rows in use no longer need, :meth:`shrink` what grew once none is.
-    Every row has the longest row's capacity (a batched step attends over one view of them): held, a long
-    request's room is paid for by each row held beside it, not by every row the batch could have.
+    limit); :meth:`fit` gives back what the rows in use no longer need, :meth:`shrink` what grew once none is,
+    and a growth allocates for the rows in use, not for those a burst left. Every row has the longest row's
+    capacity (a batched step attends over one view of them): held, a long request's room is paid for by each
+    row held beside it, not by every row the batch could have.
     Unused positions hold zeros, never garbage: masked positions still enter SDPA's products.
     """
 
@@ -100,7 +101,8 @@ class SlotKVCache:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def reserve(self, tokens: int, rows: int = 1) -> None:
-        """Make room for ``tokens`` positions in each of ``rows`` rows (keeping what is stored).
+        """Make room for ``tokens`` positions in each of ``rows`` rows, the rows in use (keeping what they store;
+        rows past them are not in use, and a growth does not keep them).
 
         Layers grow one at a time, each old tensor freed as its grown one replaces it: the peak is what is held
         plus one grown tensor, not a second copy of every layer. ``capacity`` and ``rows`` are set once all have
@@ -114,8 +116,9 @@ class SlotKVCache:
             capacity = max(2 * capacity, -(-tokens // CAPACITY_STEP) * CAPACITY_STEP)
             if self.max_positions:  # requests are refused past the model's positions: room beyond them is waste
                 capacity = min(capacity, self.max_positions)
-        held = max(self.rows, self._rows_for(rows))
-        self._resize(capacity, held, grow=True)
+        # Not ``max(self.rows, ...)``: every row held gets the new capacity, and rows a burst left would each be
+        # paid for at a long request's room.
+        self._resize(capacity, self._rows_for(rows), grow=True)
 
     def fit(self, tokens: int, rows: int) -> None:
         """Give back what ``rows`` rows in use of at most ``tokens`` positions do not need: the capacity once it is
@@ -152,8 +155,9 @@ class SlotKVCache:
         if grow and old is not None:
             if old.shape[0] >= rows and old.shape[2] >= capacity:
                 return
-            # Grown further by a failed call already (capacity): what it holds is kept.
-            rows, capacity = max(rows, old.shape[0]), max(capacity, old.shape[2])
+            # Grown further by a failed call already (capacity): what it holds is kept. Rows past ``rows`` are
+            # not in use: they are not copied into the new tensor.
+            capacity = max(capacity, old.shape[2])
         new = torch.zeros((rows, self.num_kv_heads, capacity, self.head_dim), dtype=self.dtype, device=self.device)
         if old is None:
             store.append(new)
@@ -163,10 +167,11 @@ class SlotKVCache:
         store[layer] = new
 
     def shrink(self) -> None:
-        """Free the keys and values once any grew past CAPACITY_STEP (call it when no row is in use): a long
-        request's room is not kept after it; the next use allocates what it needs."""
-        # The tensors, not ``capacity``: a growth that failed part way left some layers larger than it.
-        if any(t.shape[2] > CAPACITY_STEP for t in self.keys + self.values):
+        """Free the keys and values once any grew past CAPACITY_STEP or holds more than one row (call it when no
+        row is in use): neither a long request's room nor a burst's rows are kept after them; the next use
+        allocates what it needs."""
+        # The tensors, not ``capacity`` and ``rows``: a growth that failed part way left some layers larger.
+        if any(t.shape[0] > 1 or t.shape[2] > CAPACITY_STEP for t in self.keys + self.values):
             self.free()
 
     def free(self) -> None:

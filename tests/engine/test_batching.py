@@ -483,6 +483,21 @@ def test_the_cache_grows_no_further_than_the_models_positions_and_is_freed_when_
         assert engine.generate(PROMPT, SamplingParams(max_tokens=3), timeout=30)
 
 
+def test_an_idle_engine_keeps_no_row_of_a_burst_and_a_lone_request_after_it_holds_one(engine, monkeypatch):
+    """An emptied batch freed the cache only once it had grown past one step: a burst's rows stayed for good, and a
+    long request alone after it grew every one of them to its room."""
+    long_prompt = random_prompt(100, 3)  # the model has 128 positions
+    alone = solo(engine, long_prompt, max_tokens=4)
+    for stream in engine.submit_many([random_prompt(5, i) for i in range(8)], SamplingParams(max_tokens=3)):
+        stream.result(timeout=30)
+    kv = engine.scheduler.kv
+    wait_until(lambda: engine.scheduler.active == 0 and kv.rows == 0, timeout=2)
+    rows, reserve = [], kv.reserve
+    monkeypatch.setattr(kv, "reserve", lambda tokens, n=1: (reserve(tokens, n), rows.append(kv.rows)))
+    assert solo(engine, long_prompt, max_tokens=4) == alone
+    assert rows and max(rows) == 1 and kv.rows == 1
+
+
 def test_a_decode_step_out_of_memory_for_a_long_request_fails_it_alone(tiny_package, monkeypatch):
     """The cache grows for the furthest row; when that fails, the rows within the room held go on (every request of
     the batch failed with it)."""

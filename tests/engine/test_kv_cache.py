@@ -55,9 +55,9 @@ def test_capacity_grows_in_steps_at_least_doubling_and_keeps_what_is_stored():
     slots.write_prompt(1, prompt := prompt_cache(5, seed=1), 5)
     assert slots.capacity == CAPACITY_STEP and slots.rows == 2  # rows 0 and 1, not the 3 the cache may have
     assert slots.nbytes == 2 * LAYERS * 2 * HEADS * CAPACITY_STEP * DIM * 4
-    slots.reserve(CAPACITY_STEP + 1)
+    slots.reserve(CAPACITY_STEP + 1, rows=2)
     assert slots.capacity == 2 * CAPACITY_STEP
-    slots.reserve(5 * CAPACITY_STEP - 10)
+    slots.reserve(5 * CAPACITY_STEP - 10, rows=2)
     assert slots.capacity == 5 * CAPACITY_STEP
     for layer in range(LAYERS):
         assert torch.equal(slots.keys[layer][1, :, :5], prompt.keys[layer][0])
@@ -124,6 +124,29 @@ def test_rows_are_allocated_for_the_rows_in_use_a_power_of_two_of_them_at_most_t
     assert slots.rows == 6
 
 
+def test_a_growth_allocates_for_the_rows_in_use_not_the_rows_an_earlier_burst_held():
+    """Rows held were ``max(rows held, rows in use)``: after a burst of 16 short requests, one long request alone
+    grew every one of the 16 rows to its room (16 GiB instead of 1 for one 8k request of Llama-8B bf16)."""
+    slots = cache(rows=8)
+    slots.reserve(5, rows=8)  # the burst
+    slots.write_prompt(0, prompt := prompt_cache(5, seed=1), 5)  # ... then one request alone, growing
+    slots.reserve(3 * CAPACITY_STEP, rows=1)
+    assert (slots.capacity, slots.rows) == (3 * CAPACITY_STEP, 1)
+    assert [tuple(t.shape) for t in slots.keys + slots.values] == [(1, HEADS, 3 * CAPACITY_STEP, DIM)] * 2 * LAYERS
+    assert torch.equal(slots.keys[1][0, :, :5], prompt.keys[1][0]) and not slots.keys[1][0, :, 5:].any()
+
+
+def test_shrinking_frees_the_rows_a_burst_left_though_none_grew_past_one_step():
+    """Looking at the capacity alone, an idle cache kept every row of the last burst for good."""
+    slots = cache(rows=8)
+    slots.reserve(5, rows=8)
+    slots.shrink()
+    assert (slots.capacity, slots.rows, slots.nbytes) == (0, 0, 0)
+    slots.reserve(5)
+    slots.shrink()
+    assert (slots.capacity, slots.rows) == (CAPACITY_STEP, 1)  # one short row is kept: no allocation per request
+
+
 def test_fitting_gives_back_the_room_the_rows_in_use_no_longer_need_and_keeps_what_they_hold():
     slots = cache(rows=8)
     slots.reserve(3 * CAPACITY_STEP, rows=8)
@@ -183,13 +206,13 @@ def test_running_out_of_memory_while_growing_leaves_every_layer_usable_and_a_ret
     keys, _ = slots.step([5, 3]).update(torch.zeros(2, HEADS, 1, DIM), torch.zeros(2, HEADS, 1, DIM), 0)
     assert keys.shape[2] == 6 and torch.equal(keys[0, :, :5], prompt.keys[0][0])
     assert torch.equal(keys[1, :, :3], other.keys[0][0])
-    # A longer prompt then grows only the layers the failed growth left
+    # A longer prompt (in row 1: rows 0-1 in use) then grows only the layers the failed growth left
     made = patch_zeros(monkeypatch)
-    slots.write_prompt(0, longer := prompt_cache(CAPACITY_STEP + 9, seed=3), CAPACITY_STEP + 9)
+    slots.write_prompt(1, longer := prompt_cache(CAPACITY_STEP + 9, seed=3), CAPACITY_STEP + 9)
     assert len(made) == 2 and slots.capacity == 2 * CAPACITY_STEP
     assert [t.shape[2] for t in slots.keys + slots.values] == [2 * CAPACITY_STEP] * 2 * LAYERS
-    assert torch.equal(slots.values[1][0, :, :CAPACITY_STEP + 9], longer.values[1][0])
-    assert torch.equal(slots.values[1][1, :, :3], other.values[1][0])
+    assert torch.equal(slots.values[1][1, :, :CAPACITY_STEP + 9], longer.values[1][0])
+    assert torch.equal(slots.values[1][0, :, :5], prompt.values[1][0])
 
 
 def test_shrinking_frees_the_layers_a_failed_growth_left_larger_than_the_capacity(monkeypatch):
