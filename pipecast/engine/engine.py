@@ -103,6 +103,10 @@ class Engine:
         self._cancelled: set[TokenStream] = set()
         self._closed = False
         self._thread_error: Exception | None = None  # what stopped the engine thread, if not close()
+        # Set under _cond: the engine thread has ended its last step / close() gave up waiting for it (the thread
+        # then frees the KV cache and drops the weights as it exits, with close()'s timeout for the loader).
+        self._thread_done = False
+        self._release_owed: float | None = None
         # Forward passes outside the engine thread (stage calls, logits) failed in a row by an error not theirs:
         # counted with the scheduler's own toward the device probe.
         self._outside_failed = 0
@@ -300,7 +304,11 @@ class Engine:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop serving: pending and running requests, and :meth:`logits` (any :meth:`while_open`), fail with
-        EngineClosedError; threads are joined, then the weights and the KV cache are dropped."""
+        EngineClosedError; threads are joined, then the weights and the KV cache are dropped.
+
+        A thread still running after ``timeout`` seconds (the engine thread in a long step, the loader in a block
+        origin's call) is left to end: the engine thread then fails its requests, frees the KV cache and drops the
+        weights as it exits (once the loader has ended, waiting up to ``timeout`` for it)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -309,12 +317,22 @@ class Engine:
             self.model.fail(EngineClosedError())
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if not self._thread.is_alive():  # else the engine thread fails them as it exits
+        with self._cond:  # the engine thread reads the flag under the same lock: one of the two releases
+            thread_done = self._thread_done or not self._thread.is_alive()
+            if not thread_done:
+                self._release_owed = timeout
+        if thread_done:
             self._fail_unfinished()
-            self.scheduler.kv.free()
-            if loader_stopped:  # else a thread still running could bind or use a weight after they are dropped
-                self._drop_weights()
+            self._release(loader_stopped)
         self.model.clear_listeners()  # the weights go with the last reference, not at the next cyclic collection
+
+    def _release(self, loader_stopped: bool) -> None:
+        """Free the KV cache, and drop the weights if the loader has ended (the engine thread has)."""
+        self.scheduler.kv.free()
+        if loader_stopped:  # else a thread still running could bind or use a weight after they are dropped
+            self._drop_weights()
+        else:
+            logger.warning("engine: the block loader did not stop; the weights are left to it")
 
     def _drop_weights(self) -> None:
         """Put every parameter back on the meta device. On CPU they are views of the provider's buffers (the
@@ -361,6 +379,11 @@ class Engine:
                 self._thread_error = exc  # refuse later requests: nothing would run them
             error = EngineFailedError(exc)
         self._fail_unfinished(error)
+        with self._cond:
+            self._thread_done = True
+            owed = self._release_owed
+        if owed is not None:  # close() gave up waiting for this thread's last step: what it would have done
+            self._release(self.loader.stop(owed))
 
     def _failed_in_a_row(self) -> int:
         """Requests failed in a row: in the engine's steps, and forward passes outside them (:meth:`while_open`)."""

@@ -3,6 +3,7 @@
 import gc
 import re
 import threading
+import time
 import weakref
 
 import pytest
@@ -452,6 +453,31 @@ def test_a_closed_engine_frees_its_kv_cache_while_a_stream_still_refers_to_it(pk
     assert len(stream.result(timeout=30)) == 20 and engine.scheduler.kv.nbytes > 0
     engine.close()
     assert engine.scheduler.kv.nbytes == 0 and engine.scheduler.kv.capacity == 0
+
+
+def test_a_close_that_gives_up_waiting_for_a_long_step_leaves_the_engine_thread_to_release_the_model(pkg,
+                                                                                                 monkeypatch):
+    """close()'s join timed out during a long step: the KV cache was never freed nor the weights dropped (on CPU
+    views of the agent's shared memory, on a GPU copies held while the worker loaded the next model)."""
+    engine = Engine(PackageFolderProvider(pkg)).start()
+    engine.wait_loaded(timeout=30)
+    step, in_step = engine.scheduler.step, threading.Event()
+
+    def long_step():  # stands for a long prompt's prefill
+        step()
+        in_step.set()
+        time.sleep(0.5)
+
+    monkeypatch.setattr(engine.scheduler, "step", long_step)
+    stream = engine.submit(PROMPT, SamplingParams(max_tokens=50))
+    assert in_step.wait(10)
+    engine.close(timeout=0.05)
+    assert engine._thread.is_alive()  # close() gave up waiting
+    with pytest.raises(EngineClosedError):
+        stream.result(timeout=10)
+    engine._thread.join(10)
+    assert engine.scheduler.kv.nbytes == 0
+    assert {p.device.type for p in engine.model.skeleton.model.parameters()} == {"meta"}
 
 
 def test_stalled_block_source_fails_waiting_requests(pkg):
