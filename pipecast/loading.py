@@ -75,7 +75,8 @@ class LoadedModel:
         return self.engine.progress()
 
     def wait_loaded(self, timeout: float | None = None) -> None:
-        """Block until fully loaded; raise ModelLoadError if loading failed, TimeoutError on timeout."""
+        """Block until fully loaded; raise ModelLoadError if loading failed, EngineClosedError if the model was closed
+        before, TimeoutError on timeout."""
         self.engine.wait_loaded(timeout)
 
     def generate(self, input_ids: "Sequence[int] | torch.Tensor", *, max_new_tokens: int = 32,

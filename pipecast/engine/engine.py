@@ -294,7 +294,8 @@ class Engine:
         return LoadProgress(bound, self.provider.num_blocks, loaded, failed=self.model.failed)
 
     def wait_loaded(self, timeout: float | None = None) -> None:
-        """Block until every block is bound; raise ModelLoadError if loading failed, TimeoutError."""
+        """Block until every block is bound; raise ModelLoadError if loading failed, EngineClosedError if the engine
+        closed before, TimeoutError."""
         check_wait(timeout)
         with self._cond:
             if not self._cond.wait_for(lambda: self.model.fully_loaded or self.model.failed, timeout):

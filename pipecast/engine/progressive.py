@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pipecast.engine.architectures import build_skeleton
-from pipecast.engine.errors import BlockBindError, DeviceError, ModelLoadError, PackageMismatchError
+from pipecast.engine.errors import BlockBindError, DeviceError, EngineClosedError, ModelLoadError, PackageMismatchError
 from pipecast.engine.weights import ATTENTION, EMBED, FINAL_NORM, HEAD, LM_HEAD, MLP_IN, Part, WeightBinder
 
 if TYPE_CHECKING:
@@ -145,7 +145,10 @@ class ProgressiveModel:
         return self._error is not None
 
     def check_failed(self) -> None:
-        """Raise :class:`ModelLoadError` (caused by the original error) if loading failed."""
+        """Raise :class:`ModelLoadError` (caused by the original error) if loading failed; if the engine closed
+        before it completed, :class:`EngineClosedError` (a new one each call)."""
+        if isinstance(self._error, EngineClosedError):  # not a failure of the model: callers tell the two apart
+            raise EngineClosedError()
         if self._error is not None:
             raise ModelLoadError(f"loading the model failed: {self._error}") from self._error
 
@@ -159,7 +162,8 @@ class ProgressiveModel:
         return self.is_ready(EMBED) and self.is_ready(HEAD) and all(map(self.is_ready, range(self.num_layers)))
 
     def wait_ready(self, part: Part, timeout: float | None, *, deadline_s: float | None = None) -> None:
-        """Block until ``part`` is bound; raise ModelLoadError if loading failed, TimeoutError on timeout.
+        """Block until ``part`` is bound; raise ModelLoadError if loading failed, EngineClosedError if the engine
+        closed before it was, TimeoutError on timeout.
 
         ``deadline_s`` is the whole deadline the error names when ``timeout`` is what is left of it.
         """

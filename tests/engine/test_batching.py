@@ -480,6 +480,33 @@ def test_a_close_that_gives_up_waiting_for_a_long_step_leaves_the_engine_thread_
     assert {p.device.type for p in engine.model.skeleton.model.parameters()} == {"meta"}
 
 
+def test_requests_of_an_engine_closed_during_a_step_while_it_loads_fail_with_engine_closed_error(pkg, monkeypatch):
+    """close() marks an unfinished load failed with EngineClosedError; a prompt that then found its next layer
+    missing in the step running got it wrapped as ModelLoadError("loading the model failed: the engine is closed"),
+    which a serving worker answers as the model being unavailable, not as the worker closing."""
+    provider = DelayedProvider(PackageFolderProvider(pkg))
+    engine = Engine(provider).start()
+    provider.release(0, 1)  # layers 2-3 never come
+    streams = engine.submit_many([PROMPT, random_prompt(8, 1)], SamplingParams(max_tokens=4))
+    wait_until(lambda: engine.scheduler.prefilling and all(s.next_layer == 2 for s in engine.scheduler.prefilling))
+    advance, in_step = engine.scheduler._advance_prefill, threading.Event()
+
+    def slow(seq):  # the step running when close() comes: the load is marked failed before the prompts look
+        in_step.set()
+        time.sleep(0.3)
+        advance(seq)
+
+    monkeypatch.setattr(engine.scheduler, "_advance_prefill", slow)
+    provider.release(2)  # wakes the engine thread: a layer came
+    assert in_step.wait(10)
+    engine.close()
+    for stream in streams:
+        with pytest.raises(EngineClosedError, match="^the engine is closed$"):
+            stream.result(timeout=10)
+    with pytest.raises(EngineClosedError, match="^the engine is closed$"):
+        engine.wait_loaded(timeout=1)
+
+
 def test_stalled_block_source_fails_waiting_requests(pkg):
     provider = DelayedProvider(PackageFolderProvider(pkg))
     provider.release(0)
