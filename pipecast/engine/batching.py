@@ -15,6 +15,7 @@ Single-threaded: the engine thread owns the scheduler.
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -166,19 +167,19 @@ class StepScheduler:
             if seq in self.prefilling:
                 self.prefilling.remove(seq)
 
-    def fail_all(self, error: BaseException) -> None:
-        """End every sequence held with ``error`` (the engine is closing)."""
+    def fail_all(self, make_error: Callable[[], BaseException]) -> None:
+        """End every sequence held with an error ``make_error()`` gives (the engine is closing), a new one each: an
+        error shared by streams would gather every consumer's traceback and keep their frames alive."""
         for seq in self.prefilling + self.decoding:
-            seq.stream.fail(error)
+            seq.stream.fail(make_error())
         self.prefilling.clear()
         self.decoding.clear()
 
     def _abort(self, seqs: list[Sequence], exc: Exception) -> None:
         logger.exception("engine step failed for requests %s", [s.stream.request_id for s in seqs])
         self.failed_in_a_row += len(seqs)
-        error = EngineError(f"the engine failed while running this request: {exc}")
-        for seq in seqs:
-            seq.stream.fail(error)
+        for seq in seqs:  # an error each (see fail_all)
+            seq.stream.fail(EngineError(f"the engine failed while running this request: {exc}"))
             if seq in self.prefilling:
                 self.prefilling.remove(seq)
         if any(seq in self.decoding for seq in seqs):

@@ -341,13 +341,16 @@ class Engine:
         (a BufferError it swallows) while the agent counts the package freed; on a GPU they are copies."""
         self.model.skeleton.model.to_empty(device="meta")
 
-    def _fail_unfinished(self, error: EngineError | None = None) -> None:
-        """End every request held with ``error`` (by default :class:`EngineClosedError`)."""
-        error = error or EngineClosedError()
-        self.scheduler.fail_all(error)
+    def _fail_unfinished(self, stopped_by: Exception | None = None) -> None:
+        """End every request held with :class:`EngineClosedError`, or with what a request gets from an engine whose
+        thread ``stopped_by`` stopped (:meth:`_stopped_by`); a new error for each request."""
+        def make_error() -> EngineError:
+            return EngineClosedError() if stopped_by is None else self._stopped_by(stopped_by)
+
+        self.scheduler.fail_all(make_error)
         with self._cond:
             for seq in self._incoming:
-                seq.stream.fail(error)
+                seq.stream.fail(make_error())
             self._incoming.clear()
 
     def _on_model_change(self) -> None:
@@ -377,8 +380,7 @@ class Engine:
         except Exception as exc:  # a bug outside step()'s guards: fail the requests rather than leave them waiting
             logger.exception("the engine thread failed")
             with self._cond:
-                self._thread_error = exc  # refuse later requests: nothing would run them
-            error = EngineFailedError(exc)
+                self._thread_error = error = exc  # refuse later requests: nothing would run them
         self._fail_unfinished(error)
         with self._cond:
             self._thread_done = True

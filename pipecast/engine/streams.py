@@ -47,7 +47,8 @@ class TokenStream:
         self._wake()
 
     def fail(self, error: BaseException) -> None:
-        """End the stream with ``error``, raised to the consumer after the tokens already out."""
+        """End the stream with ``error``, raised to the consumer after the tokens already out. ``error`` must be
+        this stream's own, shared with no other: each raise gives it the consumer's traceback."""
         with self._cond:
             if self._finish_reason is None and self._error is None:
                 self._error = error
@@ -94,8 +95,13 @@ class TokenStream:
                                        timeout):
                 raise TimeoutError(f"request {self.request_id} not finished within {timeout:g} s")
             if self._error is not None:
-                raise self._error
+                raise self._raised()
             return list(self._tokens)
+
+    def _raised(self) -> BaseException:
+        """The stream's error, with no traceback: a raise adds its frames to the one it has, so each raise (a
+        second ``result()``, a retried iteration) would grow it and keep the frames of the ones before alive."""
+        return self._error.with_traceback(None)
 
     def _take(self) -> tuple[bool, int | None]:
         """(True, token) if one is unread; (True, None) at the end; (False, None) if none yet."""
@@ -103,7 +109,7 @@ class TokenStream:
             self._read += 1
             return True, self._tokens[self._read - 1]
         if self._error is not None:
-            raise self._error
+            raise self._raised()
         return (True, None) if self._finish_reason is not None else (False, None)
 
     def __iter__(self) -> "TokenStream":

@@ -4,6 +4,7 @@ import gc
 import re
 import threading
 import time
+import traceback
 import weakref
 
 import pytest
@@ -152,6 +153,33 @@ def test_a_failing_step_fails_its_request_and_the_engine_keeps_serving(engine, m
         engine.generate(PROMPT, SamplingParams(max_tokens=6), timeout=30)
     assert engine.scheduler.active == 0
     assert solo(engine, PROMPT, max_tokens=6) == expected
+
+
+def test_every_failed_request_gets_an_error_of_its_own_and_each_raise_a_traceback_of_its_own(pkg, engine,
+                                                                                              monkeypatch):
+    """One error object was shared by every stream a step or close() failed: each raise (of any of them, on any
+    thread) added its frames to the one traceback, which kept them all alive."""
+    decode = engine.scheduler._decode
+
+    def broken_once():
+        monkeypatch.setattr(engine.scheduler, "_decode", decode)
+        raise RuntimeError("decode exploded")
+
+    monkeypatch.setattr(engine.scheduler, "_decode", broken_once)
+    failed = engine.submit_many([PROMPT, random_prompt(6, 2)], SamplingParams(max_tokens=4))  # one decode batch
+    closing = Engine(PackageFolderProvider(pkg))  # not started: its requests stay queued until it closes
+    queued = closing.submit_many([PROMPT, PROMPT])
+    closing.close()
+    for streams, kind, message in ((failed, EngineError, "the engine failed while running this request: "
+                                    "decode exploded"), (queued, EngineClosedError, "the engine is closed")):
+        errors, depths = [], []
+        for stream in streams + streams:
+            with pytest.raises(kind, match=f"^{message}$") as raised:
+                stream.result(timeout=30)
+            errors.append(raised.value)
+            depths.append(len(traceback.extract_tb(raised.value.__traceback__)))
+        assert errors[0] is not errors[1] and depths[:2] == depths[2:]
+    assert solo(engine, PROMPT, max_tokens=2)  # counts afresh toward the device probe
 
 
 def test_sequences_leaving_the_batch_early_keep_the_others_exact(engine):
