@@ -282,15 +282,35 @@ def test_the_single_node_agent_runs_on_a_node_without_gpu_labels():
     assert selector(("values-single-node.yaml",)) is None
 
 
+def transports(files: tuple[str, ...], values: dict | None = None) -> dict[str, list[str]]:
+    """The --transport arguments of every agent container (the agents' and the store's), by workload."""
+    return {m["metadata"]["name"]: [a for a in c["args"] if a.startswith("--transport")]
+            for m, c in containers(render(files, merged(INSTALL, values or {})), init=False) if c["args"][0] == "agent"}
+
+
 def test_under_tls_every_agent_runs_the_encrypted_tcp_data_plane():
     """Found in review: with values-mtls.yaml agents took `auto`, UCX on GPU/RDMA nodes, which does not encrypt."""
-    def transports(files: tuple[str, ...]) -> dict[str, list[str]]:
-        return {m["metadata"]["name"]: [a for a in c["args"] if a.startswith("--transport")]
-                for m, c in containers(render(files, INSTALL), init=False) if c["args"][0] == "agent"}
-
     assert transports(("values-single-node.yaml", "values-mtls.yaml")) == {
         "pipecast-agent": ["--transport=tcp"], "pipecast-store": ["--transport=tcp"]}
-    assert transports(("values-single-node.yaml",)) == {"pipecast-agent": [], "pipecast-store": []}
+    with pytest.raises(HelmError, match=re.escape('agent.transport is "ucx" with tls.enabled: TLS needs tcp')):
+        render(("values-mtls.yaml",), merged(INSTALL, {"agent": {"transport": "ucx"}}))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_agent_and_the_store_run_one_named_transport(name):
+    """Found in review: without TLS agents and the store took `auto`, which picks UCX where /sys/class/infiniband
+    is not empty (GPU nodes, on the host network) and TCP in the store's pod: an agent registers one transport and
+    the control plane offers a receiver only the store's, so no GPU node could receive (InsufficientWorkers on
+    every scale-up). Every agent and the store get agent.transport, tcp by default; `auto` is refused."""
+    files, values = CASES[name]
+    found = transports(files, values)
+    assert "pipecast-agent" in found and set(map(tuple, found.values())) == {("--transport=tcp",)}, found
+    if "mtls" not in name:
+        values = merged(values, {"agent": {"transport": "ucx"}})
+        assert set(map(tuple, transports(files, values).values())) == {("--transport=ucx",)}
+    with pytest.raises(HelmError, match=re.escape('agent.transport is "auto": set tcp or ucx, the one transport of '
+                                                  'every agent and the store')):
+        transports(files, merged(values, {"agent": {"transport": "auto"}}))
 
 
 def test_agents_reading_their_token_from_the_host_need_no_node_token_secret():

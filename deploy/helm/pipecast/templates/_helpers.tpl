@@ -167,6 +167,21 @@ capabilities: {drop: [ALL]}
 {{- end -}}
 {{- end -}}
 
+{{/* The data transport of every agent and the store (--transport): one for all, since each agent registers only
+its own and the control plane offers a receiver only the store's; never `auto`, which takes UCX on a node with
+an RDMA device or a GPU and TCP elsewhere (the store's pod), so no receiver would share the store's. Under TLS
+TCP, the only one that encrypts. */}}
+{{- define "pipecast.transport" -}}
+{{- $transport := toString .Values.agent.transport -}}
+{{- if not (has $transport (list "tcp" "ucx")) -}}
+{{- fail (printf "agent.transport is %q: set tcp or ucx, the one transport of every agent and the store (auto takes UCX on nodes with an RDMA device or a GPU and TCP elsewhere, and agents on different transports exchange no blocks)" $transport) -}}
+{{- end -}}
+{{- if and .Values.tls.enabled (ne $transport "tcp") -}}
+{{- fail (printf "agent.transport is %q with tls.enabled: TLS needs tcp, the transport that runs the data plane's mutual TLS (UCX does not encrypt)" $transport) -}}
+{{- end -}}
+{{ $transport }}
+{{- end -}}
+
 {{/* The node tokens as files "<node id>.toml" (PIPECAST_CONFIG names a process's own). Agents read them from
 the Secret, where every agent pod could read every node's token, or from a folder of the host that holds its
 node's token only (auth.nodeTokensHostPath); the store reads its own key of the Secret. Call with
