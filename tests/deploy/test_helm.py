@@ -205,6 +205,22 @@ def test_the_serving_worker_shares_the_agents_socket_memory_and_cache(case):
     assert arg(agent, "serve-url") == f"http://$(NODE_IP):{serve['ports'][0]['containerPort']}"
 
 
+def test_the_serving_worker_is_told_where_the_agents_disk_cache_is():
+    """Found in review: the agent's disk cache was mounted into the serve container, "read by the worker itself when
+    the agent does not answer", but the worker looks for a cached copy in its setting agent_cache_dir, which nothing
+    set: the mount did nothing. PIPECAST_AGENT_CACHE_DIR names the mount (the agent's --cache-dir); without a cache
+    there is neither."""
+    pod = containers_named(render((), INSTALL), "pipecast-agent")
+    serve = pod["serve"]
+    cache = {e["name"]: e.get("value") for e in serve["env"]}["PIPECAST_AGENT_CACHE_DIR"]
+    assert cache == "/var/cache/pipecast" and f"--cache-dir={cache}" in pod["agent"]["args"]
+    assert [m for m in serve["volumeMounts"] if m["mountPath"] == cache and m["name"] == "cache"]
+    pod = containers_named(render((), merged(INSTALL, {"agent": {"cacheHostPath": ""}})), "pipecast-agent")
+    serve = pod["serve"]
+    assert "PIPECAST_AGENT_CACHE_DIR" not in {e["name"] for e in serve["env"]}
+    assert not [m for m in serve["volumeMounts"] if m["name"] == "cache"]
+
+
 def test_every_router_is_listed_by_a_headless_service_for_the_scaler(case):
     """Review E, finding 4: with two routers, a poll of the router Service reaches one of them (each keeps its
     own queue and counts); the scaler polls every address of the headless Service's name."""
