@@ -329,6 +329,32 @@ def test_every_agent_and_the_store_run_one_named_transport(name):
         transports(files, merged(values, {"agent": {"transport": "auto"}}))
 
 
+def test_values_with_yaml_syntax_reach_the_command_lines_as_written():
+    """Found in review: the agent's --label and the worker's --served-model-name were written unquoted into the
+    args, so a label `rack=r1: a` rendered as a map (the API server refuses the pod) and a served name
+    `llama 3 #chat` lost `#chat` as a comment. Every value of an argument (and a host path) is quoted."""
+    odd = {"agent": {"labels": {"rack": "r1: a", "zone": "eu #1", "tier": 2},
+                     "cacheHostPath": "/var/cache/pipecast #a, b: c"},
+           "serve": {"servedModelName": "llama 3 #chat", "device": "cuda:1"},
+           "store": {"seed": "models: v1 #2"}, "auth": {"nodeTokensHostPath": "/etc/tok #1"}}
+    manifests = render(("values-single-node.yaml",), merged(INSTALL, odd))
+    pod = containers_named(manifests, "pipecast-agent")
+    assert {"--label=rack=r1: a", "--label=zone=eu #1", "--label=tier=2"} <= set(pod["agent"]["args"])
+    assert {"--served-model-name=llama 3 #chat", "--device=cuda:1"} <= set(pod["serve"]["args"])
+    volumes = {v["name"]: v for v in pod_spec(workload(manifests, "DaemonSet", "pipecast-agent"))["volumes"]}
+    assert volumes["cache"]["hostPath"]["path"] == "/var/cache/pipecast #a, b: c"
+    assert volumes["node-tokens"]["hostPath"]["path"] == "/etc/tok #1"
+    store = workload(manifests, "Deployment", "pipecast-store")
+    [container] = pod_spec(store)["containers"]
+    assert {"--seed=/packages/models: v1 #2", "--node-id=store"} <= set(container["args"])
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PIPECAST_CONFIG"] == "/etc/pipecast/node-tokens/store.toml"
+    volumes = {v["name"]: v for v in pod_spec(store)["volumes"]}
+    assert volumes["node-tokens"]["secret"]["items"] == [{"key": "store.toml", "path": "store.toml"}]
+    for manifest in manifests:
+        kubernetes_validate.validate(manifest, supported_versions()[-1], strict=True)
+
+
 def test_agents_reading_their_token_from_the_host_need_no_node_token_secret():
     """Found in review: with auth.nodeTokensHostPath the chart still demanded auth.nodeTokens or
     auth.nodeTokensSecret, though without the store nothing mounts that Secret."""

@@ -190,12 +190,13 @@ node's token only (auth.nodeTokensHostPath); the store reads its own key of the 
 {{- $ := index . 0 -}}
 - name: node-tokens
 {{- if and (eq (index . 1) "agent") $.Values.auth.nodeTokensHostPath }}
-  hostPath: {path: {{ $.Values.auth.nodeTokensHostPath }}, type: Directory}
+  hostPath: {path: {{ $.Values.auth.nodeTokensHostPath | quote }}, type: Directory}
 {{- else }}
   secret:
     secretName: {{ include "pipecast.nodeTokensSecret" $ }}
     {{- if eq (index . 1) "store" }}
-    items: [{key: {{ $.Values.store.nodeId }}.toml, path: {{ $.Values.store.nodeId }}.toml}]
+    {{- $file := printf "%s.toml" (toString $.Values.store.nodeId) }}
+    items: [{key: {{ $file | quote }}, path: {{ $file | quote }}}]
     {{- end }}
 {{- end }}
 {{- end -}}
