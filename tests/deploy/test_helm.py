@@ -36,6 +36,8 @@ SECRET_ENV = ("PIPECAST_AUTH_TOKEN", "PIPECAST_CONTROL_DB", "PIPECAST_ROUTER_API
 # What the API server parses a quantity with (k8s.io/apimachinery/pkg/api/resource): "1GiB" is none.
 QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 RBAC = {"ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}
+# What `helm template` needs to be told of a cluster with the prometheus-operator's CRDs (a ServiceMonitor's API).
+MONITORING = ("--api-versions", "monitoring.coreos.com/v1")
 
 
 def merged(*layers: dict) -> dict:
@@ -245,7 +247,7 @@ def test_a_terminating_router_accepts_connections_until_its_service_forgets_it_t
 
 
 def test_the_service_monitor_scrapes_every_metrics_endpoint():
-    manifests = render((), merged(INSTALL, CASES["everything"][1]))
+    manifests = render((), merged(INSTALL, CASES["everything"][1]), *MONITORING)
     [monitor] = [m for m in manifests if m["kind"] == "ServiceMonitor"]
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     wanted = monitor["spec"]["selector"]["matchLabels"]
@@ -264,6 +266,27 @@ def test_the_service_monitor_scrapes_every_metrics_endpoint():
     assert "--metrics-port=9103" in container["args"]
     assert {"name": "metrics", "containerPort": 9103} in container["ports"]
     assert "ServiceMonitor" not in {m["kind"] for m in render((), INSTALL)}
+
+
+def test_a_cluster_without_the_prometheus_operator_gets_no_service_monitor_and_is_told_so():
+    """Found in review: values-ha.yaml turns serviceMonitor.enabled on, and on a cluster without the
+    prometheus-operator's CRD the API server refused the ServiceMonitor: the whole install failed. The chart makes
+    it only where the cluster serves monitoring.coreos.com/v1, and the install's notes say when it was left out."""
+    def kinds(*extra: str) -> list[str]:
+        return [m["kind"] for m in render(("values-ha.yaml",), INSTALL, *extra)]
+
+    assert "ServiceMonitor" not in kinds() and "Service" in kinds()
+    assert kinds(*MONITORING).count("ServiceMonitor") == 1
+    with tempfile.TemporaryDirectory() as folder:
+        out = helm("install", "pipecast", CHART, "--dry-run=client", "--namespace", NAMESPACE, "--output", "json",
+                   *value_args(("values-ha.yaml",), INSTALL, Path(folder)))
+    installed = json.loads(out)
+    assert "ServiceMonitor" not in {d["kind"] for d in yaml.safe_load_all(installed["manifest"]) if d}
+    assert ("serviceMonitor.enabled, but this cluster has no monitoring.coreos.com/v1 API"
+            in installed["info"]["notes"])
+    assert "ServiceMonitor" not in json.loads(helm("install", "pipecast", CHART, "--dry-run=client", "--output",
+                                                   "json", "--set", "auth.masterToken=m,auth.routerToken=r",
+                                                   "--set", "auth.nodeTokens.a=t,serve.package=p"))["info"]["notes"]
 
 
 @pytest.mark.parametrize("files, values, message", [

@@ -167,6 +167,12 @@ capabilities: {drop: [ALL]}
 {{- end -}}
 {{- end -}}
 
+{{/* "true" where the cluster serves the prometheus-operator's ServiceMonitor API (`helm template`: with
+--api-versions monitoring.coreos.com/v1), else "". */}}
+{{- define "pipecast.serviceMonitorApi" -}}
+{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end -}}
+{{- end -}}
+
 {{/* The data transport of every agent and the store (--transport): one for all, since each agent registers only
 its own and the control plane offers a receiver only the store's; never `auto`, which takes UCX on a node with
 an RDMA device or a GPU and TCP elsewhere (the store's pod), so no receiver would share the store's. Under TLS
