@@ -491,6 +491,23 @@ def test_the_values_say_the_chart_is_for_ipv4():
     assert "IPv4 only" in text and "IPv4 must be its primary family" in text
 
 
+def test_the_docs_say_who_reads_a_host_token_file_and_when_a_new_node_needs_its_token():
+    """Found in review: with auth.nodeTokensHostPath the token file must be readable by the containers' user (a
+    hostPath gets no fsGroup), and a node added after the install (the cluster autoscaler's) needs its token issued
+    and its file in the Secret or on the node before its agent starts; the README described install time only. The
+    values and the README say both, and the uid they name is the one the pods run as."""
+    uid = pod_spec(workload(render((), INSTALL), "DaemonSet", "pipecast-agent"))["securityContext"]["runAsUser"]
+    text = (CHART.parents[2] / "README.md").read_text()
+    [row] = [line for line in text.splitlines() if line.startswith("| `auth.nodeTokensHostPath` |")]
+    assert f"readable by the containers' user, uid {uid}" in row
+    readme = " ".join(text.split())
+    assert ("A node added later (by the cluster autoscaler, say) starts its agent pod as soon as it joins" in readme
+            and "issue its token and add its file to the Secret before the agent starts" in readme)
+    values = " ".join(line.strip("# ") for line in (CHART / "values.yaml").read_text().splitlines())
+    assert f"readable by the containers' user, uid {uid}" in values
+    assert "A node added later (the cluster autoscaler's) needs its token issued" in values
+
+
 def test_a_worker_on_the_cpu_asks_for_no_gpu():
     """Found in review: with serve.device=cpu the agent's pod still asked for nvidia.com/gpu: 1 and for a node
     labelled with a GPU, so it waited for a GPU it never used (or took one). Only the chart's GPU defaults go:
