@@ -343,6 +343,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                         raise
                     except BaseException as exc:
                         self._commit_failed(pending, exc)
+                        self.dispatch()  # what waited for the commit: dropped if deposed, else handed out
                         # The change stays made: not a refusal; unless this replica was deposed (nothing of it
                         # will be written here: the caller retries with the new leader).
                         if durable and isinstance(exc, StoreError) and not isinstance(exc, FencedError):
@@ -351,6 +352,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
                                                   f"plane stops first") from exc
                         raise
                     self._written(routes, seq)
+                    self.dispatch()  # the notices held while it was under way (dispatch)
                     return
             if not durable:
                 return
@@ -371,6 +373,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             self._commit_failed(pending, error)
         elif self.book.written_routes is shown:  # else a later flush, written after this one, showed its routes
             self._written(routes, seq)
+        self.dispatch()  # the notices held while it was under way
 
     def _commit_failed(self, pending: PendingFlush, error: BaseException) -> None:
         """The keys of ``pending`` are dirty again; a deposed leader steps down."""
@@ -388,6 +391,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             self.store.flush(self.state)
             self.store.flush_book(self.book)
         except FencedError as exc:
+            self.deposed = True
             if self.on_fenced is not None:
                 self.on_fenced(exc)
             raise
@@ -397,10 +401,14 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
         stores, dead workers), none while a commit is under way; a deposed replica's are dropped (a change whose
         durable write was refused: its streams still open would send it to workers, which would act on a plan the
         cluster never stored)."""
-        if self._last_commit is not None and not self._last_commit.done():
+        commit = self._last_commit
+        if commit is not None and not commit.done():
             # A commit under way may be refused (this replica deposed): what it carries reaches no worker before it
-            # ends (the call that flushed dispatches then, else the next call or tick does).
+            # ends (the flush dispatches then).
             return
+        if commit is not None and not commit.cancelled() and isinstance(commit.exception(), FencedError):
+            # Refused, its caller not resumed yet (a loop turn or two, in which other calls end): deposed now.
+            self.deposed = True
         notices, self.state.notices = self.state.notices, []
         if self.deposed:
             return

@@ -24,7 +24,7 @@ from control_plane.deployments import Deployment, ScalingPolicy
 from control_plane.errors import LEADER_TRAILER, ControlPlaneUnavailable
 from control_plane.routes import RouteChange
 from control_plane.server import ControlPlaneServer, ServerStartError
-from control_plane.state import ControlState
+from control_plane.state import ControlState, Notice, UpdateKind
 from control_plane.store import Lease, open_store
 from control_plane.store_sqlite import SqliteStore
 from pipecast.v1 import control_pb2 as pb
@@ -159,10 +159,18 @@ async def test_a_deposed_leaders_refused_scale_up_reaches_no_worker(url):
 
 async def test_a_change_whose_commit_is_under_way_reaches_no_worker_through_another_call(url):
     """Found in review of the fix above: another call ending while the commit ran (a worker's heartbeat) handed the
-    change's notices to the mailboxes before the commit was refused."""
+    change's notices to the mailboxes before the commit was refused; and on a busy control plane, one ending in the
+    loop turns between the refused commit's end and its caller's resumption."""
     leader = ControlPlaneServer(config(url, lease_s=LEASE_S))
     await leader.start()
     service = leader.service
+    ending = True
+
+    async def other_calls_ending():  # as handling()'s finally does, on every turn of the loop
+        while ending:
+            service.dispatch()
+            await asyncio.sleep(0)
+
     try:
         async with ControlPlaneClient(leader.address, token=TOKEN, timeout_s=WAIT_S) as c, \
                 ControlPlaneClient(leader.address, token=TOKEN, timeout_s=WAIT_S) as other:
@@ -190,11 +198,55 @@ async def test_a_change_whose_commit_is_under_way_reaches_no_worker_through_anot
             assert await asyncio.to_thread(entered.wait, WAIT_S)
             await other.heartbeat("w1")
             assert len(mailbox._items) == sent
+            busy = asyncio.create_task(other_calls_ending())
             seize(url)
             go.set()
             with pytest.raises(ControlPlaneUnavailable, match="was deposed"):
                 await scale_up
+            ending = False
+            await busy
         assert service.deposed and len(mailbox._items) == sent
+    finally:
+        await leader.stop(grace_s=0)
+
+
+async def test_notices_held_while_a_flush_commits_are_handed_out_as_it_ends(tmp_path):
+    """Found in review: notices held while a periodic flush committed waited for the next call or lease scan (2 s
+    by default): a repair or a straggler's demotion in a cold start, late."""
+    leader = ControlPlaneServer(config(tmp_path / "cp.db", flush_interval_s=3600.0))
+    await leader.start()
+    service = leader.service
+    try:
+        async with ControlPlaneClient(leader.address, token=TOKEN, timeout_s=WAIT_S) as c:
+            await c.publish_package(manifest(), STORE)
+            await c.register(spec("w1"))
+        mailbox = service.mailboxes["w1"]
+        sent = len(mailbox._items)
+        entered, go = threading.Event(), threading.Event()
+        begin = service.store.begin_flush
+
+        def held(*args, **kwargs):
+            pending = begin(*args, **kwargs)
+            if pending is not None:
+                commit = pending.commit
+
+                def held_commit():
+                    entered.set()
+                    go.wait(WAIT_S)
+                    commit()
+                pending.commit = held_commit
+            return pending
+
+        service.store.begin_flush = held
+        service.state.dirty.plans.add("x")  # something to write
+        flushing = asyncio.create_task(service.flush_encoded())
+        assert await asyncio.to_thread(entered.wait, WAIT_S)
+        service.state.notices.append(Notice("w1", UpdateKind.DROP, PKG))  # a call's, ending meanwhile
+        service.dispatch()
+        assert len(mailbox._items) == sent  # held while the commit runs
+        go.set()
+        await flushing
+        assert len(mailbox._items) == sent + 1  # handed out as the flush ended, no other call needed
     finally:
         await leader.stop(grace_s=0)
 
