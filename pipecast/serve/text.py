@@ -126,12 +126,23 @@ class IncrementalDetokenizer:
         if self._read == len(self._ids):
             return ""
         before = self._codec.decode(self._ids[self._prefix:self._read])
+        if before.endswith(_INCOMPLETE):
+            # The window's emitted tokens end in an incomplete character (the prompt's tail, or tokens a forced
+            # emission let out): their text is no prefix of what they decode to with the next tokens (a
+            # ByteFallback decoder gives one U+FFFD per byte until the character completes, then one character),
+            # so slicing at len(before) would drop real text. Decode from the first token not yet emitted.
+            self._prefix, before = self._read, ""
         text = self._codec.decode(self._ids[self._prefix:])
         settling = len(self._ids) - self._read <= MAX_HELD_TOKENS
         if not final and settling and (len(text) <= len(before) or text.endswith(_INCOMPLETE)):
             self._held = text[len(before):].rstrip(_INCOMPLETE)
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
+        # Let out what the held tokens decode to; the last one, when the text ends incomplete, stays: it may begin
+        # a character the next tokens complete.
+        end = len(self._ids) - int(not final and text.endswith(_INCOMPLETE))
+        if end < len(self._ids):
+            text = self._codec.decode(self._ids[self._prefix:end])
+        self._prefix, self._read = self._read, end
         return text[len(before):]
 
 

@@ -1200,6 +1200,59 @@ def test_tokens_that_never_settle_into_text_are_held_back_only_a_few_at_a_time()
     assert "".join(deltas) + detokenizer.flush() == "\ufffd" * 1000
 
 
+class ByteFallbackCodec:
+    """A SentencePiece-style tokenizer as Llama-2, Mistral and Gemma have: a few words, and byte tokens <0xNN> for
+    the rest, decoded by a ByteFallback decoder (one U+FFFD per byte of a run that is not whole UTF-8)."""
+
+    def __init__(self) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+        vocab |= {word: len(vocab) + i for i, word in enumerate(["▁", "▁Hello", "▁world", "Hello"])}
+        self.tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+        self.tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        self.tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+
+    def ids(self, *pieces: str | bytes) -> list[int]:
+        """Token ids: a string is one token of the vocabulary, bytes one byte token a byte."""
+        names = [name for piece in pieces
+                 for name in ([f"<0x{b:02X}>" for b in piece] if isinstance(piece, bytes) else [piece])]
+        return [self.tokenizer.token_to_id(name) for name in names]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def test_text_after_incomplete_bytes_is_not_lost_with_a_byte_fallback_decoder():
+    """Found in review: after more than MAX_HELD_TOKENS held tokens the detokenizer let them out mid-character
+    (or the prompt's last tokens ended mid-character); the emitted window then decoded to one U+FFFD per byte,
+    longer than the text it became once the character completed, and the text after it was sliced away."""
+    codec = ByteFallbackCodec()
+
+    def streamed(prompt: list[int], generated: list[int]) -> str:
+        completion = CompletionText(codec, prompt, ())
+        return "".join([completion.add(t) for t in generated] + [completion.finish()])
+
+    clean = codec.ids("<s>", "▁Hello", "▁world")
+    cjk = "中文字".encode() * 6
+    stray = codec.ids(b"\x80" + cjk, "▁Hello", "▁world")  # a stray byte: all held, let out at 17 tokens
+    assert len(stray) > MAX_HELD_TOKENS + 2 and streamed(clean, stray).endswith(" Hello world")
+    # The prompt ends in an invalid run of bytes the generation's bytes join: the generation's own text is its own.
+    invalid_tail = codec.ids("<s>", b"\x94*\x08\x9d\xd8\xc2\xb7")
+    generated = codec.ids("中😀é中😀é".encode(), "Hello", "▁world")
+    assert streamed(invalid_tail, generated) == codec.decode(generated) == "中😀é中😀éHello world"
+    # The prompt ends in the first bytes of a character: the generation's byte that completes it is its own.
+    split_tail = codec.ids("<s>", "▁Hello", "中".encode()[:2])
+    assert streamed(split_tail, codec.ids("中".encode()[2:], "▁world")) == "\ufffd world"
+    # A character begun by the token that lets the held ones out is not let out with them, incomplete.
+    lossy, garbled = SplitCharacterCodec(), [0x80] * MAX_HELD_TOKENS + list("中b".encode())
+    detokenizer = IncrementalDetokenizer(lossy, [])
+    assert "".join([detokenizer.add(t) for t in garbled] + [detokenizer.flush()]) == lossy.decode(garbled)
+    # Valid text spelled in byte tokens still streams as it decodes.
+    assert streamed(clean, codec.ids(cjk, "▁world")) == codec.decode(codec.ids(cjk, "▁world"))
+
+
 def test_a_stop_string_ends_the_text_at_the_token_completing_it_though_that_token_splits_a_character():
     """Before, the stop was seen only once the character was whole, tokens later: generation went on."""
     codec = SplitCharacterCodec()
