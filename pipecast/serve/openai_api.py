@@ -5,7 +5,8 @@ response bodies (pure).
 ``max_tokens`` (default 16), ``temperature`` (default 1), ``top_p``, ``stop`` (a string or a list),
 ``seed``, ``stream`` and ``stream_options.include_usage``; ``return_token_ids`` (as vLLM) adds the
 generated token ids to each choice. ``POST /v1/chat/completions`` takes ``messages`` (each a ``role`` and
-its ``content``: a string, or a list of text parts) instead of ``prompt``, and ``max_completion_tokens``
+its ``content``: a string, or a list of text parts; an answer's fields such as ``tool_calls`` and ``refusal``
+only when null) instead of ``prompt``, and ``max_completion_tokens``
 as well as ``max_tokens`` (default: as many as the model's positions leave, at most 4,096); the worker
 renders the messages with the package's chat template. Parameters the engine cannot honour (``n`` > 1, ``logprobs``,
 ``echo``, penalties, ``logit_bias``, ``suffix``, tools) are refused with a 400 naming the field rather
@@ -45,6 +46,11 @@ _CHAT_OFF_ONLY: dict[str, tuple[Any, ...]] = {
 }
 _CHAT_KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
                "stream", "stream_options", "return_token_ids", "user", *_CHAT_OFF_ONLY}
+# Fields of a message as OpenAI's client gives an answer back (``message.model_dump()``), accepted at the values that
+# say nothing, so an answer can be sent back as a turn of the conversation: field -> accepted values.
+_MESSAGE_OFF_ONLY: dict[str, tuple[Any, ...]] = {
+    "annotations": (None, []), "audio": (None,), "function_call": (None,), "refusal": (None,), "tool_calls": (None, []),
+}
 #: Roles a chat message may have (what chat templates know).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 #: Most messages per chat request.
@@ -114,12 +120,7 @@ def _common_fields(body: Any, known: set[str], off_only: dict[str, tuple[Any, ..
     unknown = sorted(set(body) - known)
     if unknown:
         raise RequestFieldError(unknown[0], f"unknown field (this worker accepts {', '.join(sorted(known))})")
-    for name, accepted in off_only.items():
-        value = body.get(name)
-        # Compared with their types: 1 == True in Python, but "n": true is not "n": 1.
-        if not any(type(value) is type(a) and value == a for a in accepted):
-            raise RequestFieldError(name, f"{_shown(value)} is not supported (accepted: "
-                                          f"{' or '.join(json.dumps(a) for a in accepted)})")
+    _check_off_only(body, off_only)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestFieldError("model", "required: the name of the served model (see GET /v1/models)")
@@ -149,6 +150,16 @@ def _common_fields(body: Any, known: set[str], off_only: dict[str, tuple[Any, ..
             "return_token_ids": _boolean(body, "return_token_ids")}
 
 
+def _check_off_only(body: dict, off_only: dict[str, tuple[Any, ...]], where: str = "") -> None:
+    """Refuse a field of ``off_only`` at a value other than those it accepts (``where`` prefixes its name)."""
+    for name, accepted in off_only.items():
+        value = body.get(name)
+        # Compared with their types: 1 == True in Python, but "n": true is not "n": 1.
+        if not any(type(value) is type(a) and value == a for a in accepted):
+            raise RequestFieldError(f"{where}{name}", f"{_shown(value)} is not supported (accepted: "
+                                                      f"{' or '.join(json.dumps(a) for a in accepted)})")
+
+
 def _messages(value: Any) -> tuple[ChatMessage, ...]:
     if not isinstance(value, list) or not value:
         raise RequestFieldError("messages", "required: a non-empty list of {role, content} objects")
@@ -159,9 +170,10 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
         where = f"messages[{i}]"
         if not isinstance(item, dict) or item.get("role") not in CHAT_ROLES:
             raise RequestFieldError(where, f"must be an object whose role is one of {', '.join(CHAT_ROLES)}")
-        unknown = sorted(set(item) - {"role", "content", "name"})
+        unknown = sorted(set(item) - {"role", "content", "name", *_MESSAGE_OFF_ONLY})
         if unknown:
             raise RequestFieldError(f"{where}.{unknown[0]}", "is not supported (a message has role, content, name)")
+        _check_off_only(item, _MESSAGE_OFF_ONLY, f"{where}.")
         if item.get("name") is not None and not isinstance(item["name"], str):  # as OpenAI's API has it (null:
             # none); the chat template drops it
             raise RequestFieldError(f"{where}.name", f"must be a string, got {describe(item['name'])}")

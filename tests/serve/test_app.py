@@ -1122,8 +1122,8 @@ def test_chat_requests_are_checked_field_by_field():
             ({"messages": [{"role": "user"}]}, "messages[0].content: must be a string or a list of"),
             ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
              "messages[0].content: must be a string or a list of"),
-            ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
-             "messages[0].tool_calls: is not supported"),
+            ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
+             "messages[0].tool_call_id: is not supported (a message has role, content, name)"),
             ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name: must be a string, got 5"),
             ({"messages": [{"role": "user", "content": "x", "name": False}]},
              "messages[0].name: must be a string, got False"),
@@ -1132,6 +1132,25 @@ def test_chat_requests_are_checked_field_by_field():
             ({"max_completion_tokens": 0}, "max_completion_tokens: must be at least 1, got 0")):
         with pytest.raises(RequestFieldError, match=re.escape(message)):
             parse_chat_request({"model": "m", "messages": CHAT, **fields})
+
+
+def test_a_message_as_the_openai_client_dumps_an_answer_is_accepted_with_its_empty_fields():
+    """Found in review: the fields an answer's ``message.model_dump()`` holds, all null, were refused ("messages[1].
+    annotations: is not supported"), so a conversation could not be sent back as the client gives it (vLLM takes
+    it); a value in them is still refused, naming the field."""
+    user = {"role": "user", "content": "hi"}
+    dumped = {"role": "assistant", "content": "hello", "annotations": None, "audio": None, "function_call": None,
+              "refusal": None, "tool_calls": None}
+    plain = parse_chat_request({"model": "m", "messages": [user, {"role": "assistant", "content": "hello"}]})
+    for fields in ({}, {"tool_calls": []}, {"annotations": []}):
+        assert parse_chat_request({"model": "m", "messages": [user, dumped | fields]}) == plain
+    for name, value, message in (
+            ("tool_calls", [{"id": "c"}],
+             "messages[1].tool_calls: [{'id': 'c'}] is not supported (accepted: null or [])"),
+            ("refusal", "no", 'messages[1].refusal: "no" is not supported (accepted: null)'),
+            ("function_call", [], "messages[1].function_call: [] is not supported (accepted: null)")):
+        with pytest.raises(RequestFieldError, match=f"^{re.escape(message)}$"):
+            parse_chat_request({"model": "m", "messages": [user, dumped | {name: value}]})
 
 
 def test_a_null_message_name_is_none_as_other_optional_fields():
