@@ -19,6 +19,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.router.pool import Worker
@@ -156,17 +157,33 @@ def answer_tokens(answer: bytes) -> int:
 
 
 def stream_tokens(events: bytes) -> int:
-    """Tokens in whole server-sent events of a streamed answer: one per chunk with choices (a chunk carries
-    one decoded piece: a token, or the few a character spans)."""
+    """Tokens in whole server-sent events of a streamed answer: a chunk's ``token_ids`` where it has them, else
+    one per chunk with choices (a chunk carries one decoded piece: a token, or the few a character spans) but the
+    last one, which says the finish reason with no text (a pipecast worker's carries no token)."""
     count = 0
     for event in events.split(b"\n\n"):
         if not event.startswith(b"data: {"):
             continue  # [DONE], comments, the empty tail
         try:
-            count += bool(loads(event[6:]).get("choices"))
+            count += _chunk_tokens(loads(event[6:]).get("choices"))
         except (JSONInputError, AttributeError):
             continue
     return count
+
+
+def _chunk_tokens(choices: Any) -> int:
+    """Tokens of one streamed chunk's ``choices`` (see :func:`stream_tokens`)."""
+    if not choices:
+        return 0
+    choice = choices[0] if isinstance(choices, list) else None
+    if not isinstance(choice, dict):
+        return 1
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    delta = choice.get("delta")
+    text = choice.get("text") or (delta.get("content") if isinstance(delta, dict) else None)
+    return 0 if choice.get("finish_reason") is not None and not text else 1
 
 
 @dataclass

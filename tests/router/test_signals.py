@@ -90,6 +90,30 @@ def test_a_worker_answer_nested_too_deeply_counts_no_tokens_instead_of_raising()
     assert answer_tokens(b'{"usage": {"completion_tokens": 7}}') == 7
 
 
+def test_a_streams_tokens_are_counted_without_its_last_chunk_which_says_only_the_finish_reason():
+    """Found in review: every chunk with choices counted a token, the worker's last one (its finish reason, no
+    token) too: a version's completion_tokens in /stats was one too many per stream ending by length or EOS."""
+    from pipecast.serve.openai_api import chat_chunk_body, chunk_body, sse, usage_chunk_body
+
+    def stream(ids: bool, chat: bool, last: tuple[str, str | None]) -> bytes:
+        def chunk(text: str, reason: str | None, token_ids: list[int], first: bool = False) -> dict:
+            shown = token_ids if ids else None
+            return (chat_chunk_body("r", 0, "m", text, reason, shown, first=first) if chat else
+                    chunk_body("r", 0, "m", text, reason, shown))
+
+        chunks = [chunk("a", None, [1], first=True), chunk("", None, [2]), chunk("中", None, [3])]
+        chunks.append(chunk(last[0], last[1], [4]) if last[1] == "stop" else chunk(last[0], None, [4]))
+        if last[1] != "stop":
+            chunks.append(chunk("", "length" if last[1] == "length" else "stop", []))
+        return b"".join(map(sse, [*chunks, usage_chunk_body("r", 0, "m", 2, 4, chat=chat)])) + b"data: [DONE]\n\n"
+
+    for ids in (False, True):
+        for chat in (False, True):
+            # ended by length, by EOS (its token adds no text), by a stop string (the chunk of its token says so)
+            for last in (("b", "length"), ("", "eos"), ("b", "stop")):
+                assert stream_tokens(stream(ids, chat, last)) == 4, (ids, chat, last)
+
+
 def test_counters_and_tenants_accumulate():
     clock = FakeClock()
     signals = Signals(clock, wall_clock=lambda: 1.7e9)
