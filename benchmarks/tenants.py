@@ -169,7 +169,7 @@ SLOWEST = 5
 @dataclass(frozen=True)
 class RequestRecord:
     """One request: its tenant, when it was due (seconds from the phase's start), how it ended, its latency
-    from that time (None unless answered), and for a 429 its ``Retry-After`` (None: absent) and error type."""
+    from that time (None unless answered), and for a 429 its ``Retry-After`` (None: absent) and error code."""
 
     tenant: str
     due_s: float
@@ -199,7 +199,7 @@ class TenantResult:
     p99_s: float | None
     #: 429s without a whole-seconds Retry-After (the router promises one on each).
     retry_after_missing: int
-    #: 429s by the router's error type (rate_limited: the tenant's bucket; queue_full: the shared queue).
+    #: 429s by the router's error code (rate_limited: the tenant's bucket; queue_full: the shared queue).
     rejected_by: Mapping[str, int]
 
 
@@ -395,7 +395,7 @@ async def _send(http, url: str, tenant: str | None, body: dict, due: float, orig
                 payload = await answer.read()
                 if answer.status == 429:
                     return RequestRecord(**record, status="rejected", retry_after=answer.headers.get("Retry-After"),
-                                         error=_error_type(payload))
+                                         error=_error_code(payload))
                 if answer.status != 200:
                     return RequestRecord(**record, status="failed", error=f"HTTP {answer.status}")
     except TimeoutError:
@@ -405,9 +405,9 @@ async def _send(http, url: str, tenant: str | None, body: dict, due: float, orig
     return RequestRecord(**record, status="ok", latency_s=time.monotonic() - due)
 
 
-def _error_type(payload: bytes) -> str:
+def _error_code(payload: bytes) -> str:
     try:
-        return str(json.loads(payload)["error"]["type"])
+        return str(json.loads(payload)["error"]["code"])
     except (ValueError, KeyError, TypeError):
         return "unknown"
 

@@ -116,7 +116,7 @@ from pipecast.router.pool import (
     Worker,
     WorkerPool,
 )
-from pipecast.serve.errors import StageFailedError
+from pipecast.serve.errors import StageFailedError, openai_error_type
 from pipecast.router.signals import Signals, answer_tokens, request_prompt_tokens, stream_tokens
 from pipecast.router.versions import VersionChooser, route_versions
 from pipecast.serve.errors import ServingKeyError
@@ -246,7 +246,7 @@ def without_nodes(events: bytes | bytearray) -> bytes:
         if line.startswith(ERROR_EVENT):
             kept = next(iter(error_events(line)), {})
             line = sse_event({"error": {"message": PIPELINE_ERROR_MESSAGE,
-                                        **{k: kept[k] for k in ("type", "code") if k in kept}}}).rstrip(b"\n")
+                                        **{k: kept[k] for k in ("type", "param", "code") if k in kept}}}).rstrip(b"\n")
         lines.append(line)
     return b"\n".join(lines)
 
@@ -276,15 +276,15 @@ def sse_event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-def error_body(message: str, kind: str, **extra: object) -> dict:
-    """An OpenAI-style error object."""
-    return {"error": {"message": message, "type": kind, **extra}}
+def error_body(message: str, status: int, code: str | None, **extra: object) -> dict:
+    """An OpenAI error object, as a serving worker's: the ``type`` of the HTTP ``status``, ``code`` the reason."""
+    return {"error": {"message": message, "type": openai_error_type(status), "param": None, "code": code, **extra}}
 
 
 def _unread_body(error: Exception, status: int, code: str) -> web.Response:
     """The answer refusing a request's body (too large, too slow), closing the connection: the rest of the body
     is never read (dropped for a second at most as it comes: :data:`~pipecast.core.httpserve.RUNNER_OPTIONS`)."""
-    response = web.json_response(error_body(str(error), "invalid_request_error", code=code), status=status)
+    response = web.json_response(error_body(str(error), status, code), status=status)
     response.force_close()
     return response
 
@@ -508,9 +508,9 @@ class Router:
         try:  # before the body is read: an unknown client costs nothing more
             tenant = self.config.admission.tenant_of(request.headers)
         except TenantAuthError as exc:
-            return self._reject(exc, 401, "authentication_error", {"WWW-Authenticate": "Bearer"})
+            return self._reject(exc, 401, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         except TenantNameError as exc:
-            return self._reject(exc, 400, "invalid_request_error")
+            return self._reject(exc, 400, "invalid_tenant")
         admission = self.admission.admit(tenant)
         if not admission.admitted:  # before the body too: a tenant over its limit costs the router its headers only
             return self._over_limit(request, admission)
@@ -524,10 +524,10 @@ class Router:
         try:
             payload = await decode_json_body(body)
         except JSONInputError as exc:
-            return web.json_response(error_body(f"request body is not JSON: {exc}", "invalid_request_error"),
+            return web.json_response(error_body(f"request body is not JSON: {exc}", 400, "invalid_json"),
                                      status=400)
         if not isinstance(payload, dict):
-            return web.json_response(error_body("request body must be a JSON object", "invalid_request_error"),
+            return web.json_response(error_body("request body must be a JSON object", 400, "invalid_json"),
                                      status=400)
         version = self.choose_version(payload.get("model"))
         counted_as = self.signals.arrived(tenant, request_prompt_tokens(payload), version)
@@ -625,8 +625,8 @@ class Router:
         self.metrics.failed.labels(worker, "before_response").inc()
         self.signals.failed(version)
         if not self.shows_workers(request):
-            return web.json_response(error_body(unnamed, code), status=status)
-        return web.json_response(error_body(named, code, worker=worker, **fields), status=status,
+            return web.json_response(error_body(unnamed, status, code), status=status)
+        return web.json_response(error_body(named, status, code, worker=worker, **fields), status=status,
                                  headers={WORKER_HEADER: worker})
 
     def _reject(self, error: RouterError, status: int, reason: str,
@@ -636,7 +636,7 @@ class Router:
             self.signals.rejected()
         elif status >= 500:
             self.signals.failed(version)
-        return web.json_response(error_body(str(error), reason), status=status, headers=headers)
+        return web.json_response(error_body(str(error), status, reason), status=status, headers=headers)
 
     async def _attempt(self, request: web.Request, body: bytes, headers: dict[str, str],
                        worker: Worker | PipelineUnit,
@@ -804,7 +804,7 @@ class Router:
             self.signals.failed(version)
             named = {"worker": worker.url} if self.shows_workers(request) else {}
             message = str(failure) if named else "the worker serving this request failed mid-stream"
-            await self._send(response, sse_event(error_body(message, "worker_failed", **named)))
+            await self._send(response, sse_event(error_body(message, 502, "worker_failed", **named)))
         elif refused:  # the client has the worker's own error event: nothing to add
             log.warning("worker %s ended a stream with an error event", worker.url)
             self.metrics.failed.labels(worker.url, "error_event").inc()
@@ -926,10 +926,10 @@ class Router:
         """The answer refusing ``request`` a view of the pool (:meth:`view_refusal`), or None when it may read it."""
         refusal = self.view_refusal(request)
         if isinstance(refusal, ViewKeyPendingError):
-            return web.json_response(error_body(str(refusal), "server_error", code="credentials_pending"),
+            return web.json_response(error_body(str(refusal), 503, "credentials_pending"),
                                      status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         if refusal is not None:
-            return web.json_response(error_body(str(refusal), "authentication_error", code="invalid_serving_key"),
+            return web.json_response(error_body(str(refusal), 401, "invalid_serving_key"),
                                      status=401)
         return None
 

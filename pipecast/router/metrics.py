@@ -22,8 +22,8 @@ class RouterMetrics:
                               ["worker"], registry=self.registry)
         self.rejected = Counter("pipecast_router_requests_rejected",
                                 "Requests the router refused (queue_full, queue_timeout, shutting_down, "
-                                "rate_limited, authentication_error, invalid_request_error: a tenant header that is no "
-                                "printable text).",
+                                "rate_limited, invalid_api_key, invalid_tenant: a tenant header that is no printable "
+                                "text).",
                                 ["reason"], registry=self.registry)
         self.tenant_rejected = Counter("pipecast_router_tenant_rejected",
                                        "Requests refused with 429 because their tenant was over its rate limit.",

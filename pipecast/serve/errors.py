@@ -5,6 +5,15 @@ from pipecast.core.credentials import SERVING_KEY_HEADER
 from pipecast.core.errors import PipecastError
 
 
+def openai_error_type(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP ``status``, as the worker's errors have it (the router's answer so too)."""
+    if status == 401:
+        return "authentication_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
 class ServeError(PipecastError):
     """Base of every serving-worker failure. ``status`` is the HTTP status, ``kind`` the OpenAI error type."""
 

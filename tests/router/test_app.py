@@ -316,7 +316,7 @@ async def test_a_full_router_queue_answers_429_with_retry_after(client):
             status, headers, answer = await post(client, url)
             assert status == 429 and headers["Retry-After"] == "1"
             assert answer == {"error": {"message": "router queue is full (1 requests waiting); retry later",
-                                        "type": "queue_full"}}
+                                        "type": "rate_limit_error", "param": None, "code": "queue_full"}}
             worker.status = "ready"
             assert (await queued)[0] == 200
             async with client.get(f"{url}/metrics") as response:
@@ -329,7 +329,7 @@ async def test_a_request_nobody_can_take_gets_503_at_its_deadline(client):
         async with router([worker.url], queue_timeout_s=0.2) as (url, instance):
             status, _, answer = await post(client, url)
     assert status == 503
-    assert answer == {"error": {"type": "queue_timeout", "message": (
+    assert answer == {"error": {"type": "server_error", "param": None, "code": "queue_timeout", "message": (
         "no worker could take the request within 0.2 s (1 workers known, 0 able to serve)")}}
 
 
@@ -372,7 +372,7 @@ async def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(cli
             # The torn third event is not relayed; the error event names the worker and ends the stream.
             assert len(events) == 3
             error = json.loads(events[2])["error"]
-            assert error["type"] == "worker_failed" and error["worker"] == dying.url
+            assert error["code"] == "worker_failed" and error["worker"] == dying.url
             assert error["message"].startswith(f"worker {dying.url}: failed mid-stream: ClientPayloadError")
             async with client.get(f"{url}/metrics") as response:
                 metrics = await response.text()
@@ -445,7 +445,8 @@ async def test_a_stream_that_ends_without_done_is_a_failure_of_the_worker(client
     assert events[:3] == ['{"choices": [{"text": "t0"}]}', '{"choices": [{"text": "t1"}]}',
                           '{"choices": [{"text": "t2"}]}']
     assert json.loads(events[3])["error"] == {"message": f"worker {worker.url}: ended its stream without data: [DONE]",
-                                              "type": "worker_failed", "worker": worker.url}
+                                              "type": "server_error", "param": None, "code": "worker_failed",
+                                              "worker": worker.url}
     assert len(events) == 4
     assert (stats["counters"]["answered"], stats["counters"]["failed"]) == (0, 1)
     assert stats["versions"][worker.package_id]["counters"]["failed"] == 1
@@ -461,7 +462,7 @@ async def test_a_stream_that_ends_cleanly_mid_event_drops_the_torn_event_before_
             async with client.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as response:
                 raw = await response.read()
     error = {"error": {"message": f"worker {worker.url}: ended its stream without data: [DONE]",
-                       "type": "worker_failed", "worker": worker.url}}
+                       "type": "server_error", "param": None, "code": "worker_failed", "worker": worker.url}}
     assert raw == b'data: {"choices": [{"text": "t0"}]}\n\ndata: ' + json.dumps(error).encode() + b"\n\n"
 
 
@@ -730,7 +731,7 @@ async def test_the_pools_views_answer_only_the_serving_key_where_the_router_has_
                             "message": f"{path} answers only the cluster's own components (the scaling daemon, "
                                        f"operators holding the serving key): the X-Pipecast-Serving-Key header "
                                        f"{words}{scrape}", "type": "authentication_error",
-                            "code": "invalid_serving_key"}
+                            "param": None, "code": "invalid_serving_key"}
                 async with client.get(f"{url}{path}", headers={SERVING_KEY_HEADER: key.hex()}) as response:
                     assert response.status == 200 and worker.url in await response.text()
             for path in ("/health", "/v1/models"):
@@ -791,13 +792,13 @@ async def test_answers_name_their_workers_only_to_the_callers_the_views_answer(c
                         error = json.loads(text)["error"]
                         assert response.status == 502 and ("attempts" in error and "worker" in error) is shown
                         if not shown:
-                            assert error == {"type": "worker_failed",
+                            assert error == {"type": "server_error", "param": None, "code": "worker_failed",
                                              "message": "request failed on 1 attempt(s) at the router's workers"}
                     if check == "stream":
                         error = json.loads(text.split("data: ")[-1])["error"]
-                        assert error == ({"type": "worker_failed", "worker": torn.url, "message": error["message"]}
-                                         if shown else {"type": "worker_failed", "message": "the worker serving "
-                                                        "this request failed mid-stream"})
+                        failed = {"type": "server_error", "param": None, "code": "worker_failed"}
+                        assert error == (failed | {"worker": torn.url, "message": error["message"]} if shown else
+                                         failed | {"message": "the worker serving this request failed mid-stream"})
         async with router([good.url], serving_key=key) as (url, _):  # no credentials: shown to anyone, as before
             assert (await post(client, url))[1][WORKER_HEADER] == good.url
 
@@ -902,7 +903,8 @@ async def test_a_silent_worker_whose_engine_steps_is_answered_504_not_retried_an
 
             status, headers, answer = await sent()
             assert (status, headers[WORKER_HEADER]) == (504, slow.url) and not other.bodies
-            assert answer["error"] == {"type": "worker_timeout", "worker": slow.url, "message": (
+            assert answer["error"] == {"type": "server_error", "param": None, "code": "worker_timeout",
+                                       "worker": slow.url, "message": (
                 f"worker {slow.url}: no answer to POST /v1/completions within 0.6 s while its engine was working: "
                 "not retried (the work would be done again); give the router a longer --upstream-timeout "
                 "(streaming helps a long generation, not a long wait in the worker's queue)")}
@@ -953,7 +955,7 @@ async def test_retries_are_bounded_and_end_in_502_naming_the_workers(client):
             status, headers, answer = await post(client, url)
     assert status == 502
     error = answer["error"]
-    assert error["type"] == "worker_failed"
+    assert error["code"] == "worker_failed"
     assert sorted(error["attempts"]) == urls and error["worker"] == error["attempts"][-1]
     assert headers[WORKER_HEADER] == error["worker"]
     assert error["message"].startswith(f"request failed on 2 attempt(s): worker {error['attempts'][0]}: "
@@ -975,7 +977,8 @@ async def test_a_retry_past_the_queue_deadline_is_a_502_naming_the_failed_worker
             async with client.get(f"{url}/metrics") as response:
                 metrics = await response.text()
     assert status == 502 and headers[WORKER_HEADER] == silent.url
-    assert answer == {"error": {"type": "worker_failed", "worker": silent.url, "attempts": [silent.url], "message": (
+    assert answer == {"error": {"type": "server_error", "param": None, "code": "worker_failed", "worker": silent.url,
+                                "attempts": [silent.url], "message": (
         f"request failed on 1 attempt(s): worker {silent.url}: no answer to POST /v1/completions: silent for more "
         "than 0.5 s; then no worker could take the request within 0.2 s (1 workers known, 0 able to serve)")}}
     assert f'pipecast_router_requests_failed_total{{stage="before_response",worker="{silent.url}"}} 1.0' in metrics
@@ -1016,7 +1019,7 @@ async def test_max_queue_bounds_the_requests_waiting_in_the_router_whatever_they
             await eventually(lambda: instance.waiting == 1)
             for model in ("model-1", "other"):
                 status, _, answer = await post(client, url, model=model)
-                assert status == 429 and answer["error"]["type"] == "queue_full"
+                assert status == 429 and answer["error"]["code"] == "queue_full"
             assert (await queued)[0] == 503  # its deadline: nobody serves model-0
 
 
@@ -1027,7 +1030,8 @@ async def test_shutdown_fails_queued_requests_at_once(client):
             pending = asyncio.create_task(post(client, url))
             await eventually(lambda: instance.dispatcher.waiting == 1)
         status, _, answer = await pending
-    assert (status, answer) == (503, {"error": {"message": "router is shutting down", "type": "shutting_down"}})
+    assert (status, answer) == (503, {"error": {"message": "router is shutting down", "type": "server_error",
+                                                "param": None, "code": "shutting_down"}})
 
 
 async def test_once_shutting_down_a_request_waiting_for_a_new_versions_queue_gets_503(client):
@@ -1039,7 +1043,8 @@ async def test_once_shutting_down_a_request_waiting_for_a_new_versions_queue_get
             assert instance.version_dispatchers == {}
             instance.stop_accepting()
             status, _, answer = await post(client, url)
-    assert (status, answer) == (503, {"error": {"message": "router is shutting down", "type": "shutting_down"}})
+    assert (status, answer) == (503, {"error": {"message": "router is shutting down", "type": "server_error",
+                                                "param": None, "code": "shutting_down"}})
     assert worker.bodies == []
 
 
@@ -1175,7 +1180,7 @@ async def test_a_vllm_worker_given_by_url_serves_the_routed_name_it_serves_and_n
             status, headers, _ = await post(client, url, model="smol")
             assert (status, headers[WORKER_HEADER]) == (200, vllm.url)
             status, _, answer = await post(client, url, model="other")
-            assert (status, answer["error"]["type"]) == (503, "queue_timeout")
+            assert (status, answer["error"]["code"]) == (503, "queue_timeout")
     assert [json.loads(body)["model"] for body in vllm.bodies] == ["smol"]
 
 
@@ -1469,7 +1474,7 @@ async def test_a_stream_event_over_the_limit_ends_the_stream_with_an_error_event
                 events = await read_events(response)
     assert json.loads(events[0]) == {"choices": [{"text": "t0"}]}
     error = json.loads(events[-1])["error"]
-    assert error["type"] == "worker_failed" and "sent an event of more than 262144 bytes" in error["message"]
+    assert error["code"] == "worker_failed" and "sent an event of more than 262144 bytes" in error["message"]
     assert len(events) == 2
 
 

@@ -204,7 +204,7 @@ async def test_a_tenant_over_its_limit_gets_429_while_another_passes(session):
     _, retry_after, refusal = answers[2]
     assert retry_after == "2"  # one token back at 0.5/s: just under 2 s, rounded up
     assert refusal == {"error": {"message": "tenant 'a' is over its rate of 0.5 requests/s (burst 2); retry after 2 s",
-                                 "type": "rate_limited"}}
+                                 "type": "rate_limit_error", "param": None, "code": "rate_limited"}}
     assert len(worker.bodies) == 5
     assert stats["tenants"] == {"a": {"arrived": 3, "admitted": 2, "rejected": 1, "queued": 0},
                                 "b": {"arrived": 3, "admitted": 3, "rejected": 0, "queued": 0}}
@@ -228,7 +228,8 @@ async def test_a_tenant_at_the_slowest_rate_is_told_to_retry_within_an_hour_not_
             stats = await stats_of(session, url)
     assert [status for status, _, _ in answers] == [200, 429]
     assert answers[1][1:] == ("3600", {"error": {"message": "tenant 'a' is over its rate of 1.15741e-05 requests/s "
-                                                            "(burst 1); retry after 3600 s", "type": "rate_limited"}})
+                                                            "(burst 1); retry after 3600 s", "type": "rate_limit_error",
+                                                 "param": None, "code": "rate_limited"}})
     assert stats["tenants"] == {"a": {"arrived": 2, "admitted": 1, "rejected": 1, "queued": 0}}
 
 
@@ -247,8 +248,10 @@ async def test_with_api_keys_a_request_needs_a_known_key_which_names_its_tenant(
             stats = await stats_of(session, url)
     hint = "send `Authorization: Bearer <key>` with a key the router knows"
     assert refusals == [
-        (401, "Bearer", {"error": {"message": f"missing API key: {hint}", "type": "authentication_error"}}),
-        (401, "Bearer", {"error": {"message": f"unknown API key: {hint}", "type": "authentication_error"}}),
+        (401, "Bearer", {"error": {"message": f"missing API key: {hint}", "type": "authentication_error",
+                                   "param": None, "code": "invalid_api_key"}}),
+        (401, "Bearer", {"error": {"message": f"unknown API key: {hint}", "type": "authentication_error",
+                                   "param": None, "code": "invalid_api_key"}}),
     ]
     assert (accepted, limited) == (200, 429) and answer["error"]["message"].startswith("tenant 'a' is over")
     assert len(worker.bodies) == 1
