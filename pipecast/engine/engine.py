@@ -324,7 +324,8 @@ class Engine:
                 self._release_owed = timeout
         if thread_done:
             self._fail_unfinished()
-            self._release(loader_stopped)
+            # The loader may have ended during the engine thread's join: asked again, not taken as still running.
+            self._release(loader_stopped or self.loader.stop(0))
         self.model.clear_listeners()  # the weights go with the last reference, not at the next cyclic collection
 
     def _release(self, loader_stopped: bool) -> None:

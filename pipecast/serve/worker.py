@@ -619,10 +619,16 @@ class ServingWorker:
     async def close(self) -> None:
         """Stop the engine (requests still running fail) and release the agent's blocks."""
         self.drain()
-        for task in (self._follower, *self._unloading, self._expirer):
+        for task in (self._follower, self._expirer):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        while self._unloading:  # one may begin while the others are awaited (a drop seen while loading)
+            tasks = list(self._unloading)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._unloading.difference_update(tasks)
         if self._model is not None:
             await asyncio.to_thread(self._model.close)
         self.stage_queue.close()
