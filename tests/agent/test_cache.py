@@ -17,7 +17,6 @@ import pipecast.agent.cache as cache_module
 from packager.manifest import MANIFEST_FILE, manifest_to_json
 from pipecast.agent.cache import LOCK_FILE, BlockCache
 from pipecast.agent.errors import CacheInUseError
-from pipecast.core.fsutil import TEMPORARY_MARK
 from tests.support.agent_fixtures import receiving_store
 from tests.support.packages import tiny_package
 
