@@ -2,6 +2,7 @@
 
 import socket
 import time
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -20,24 +21,32 @@ def test_a_start_time_that_is_no_time_soon_is_refused_before_the_agent_starts(va
 
 
 @pytest.fixture
-def started(monkeypatch) -> list:
-    """The options of each agent the command starts (a stand-in that returns at once); no settings file, control
-    plane or node id set in the environment."""
+def agents(monkeypatch) -> SimpleNamespace:
+    """The options and the settings of each agent the command starts (a stand-in that returns at once); no settings
+    file, control plane, node id, cache folder or local socket set in the environment."""
     import pipecast.agent.command as command
 
-    options = []
+    started = SimpleNamespace(options=[], settings=[])
 
     class Daemon:
         def __init__(self, agent_options, settings):
-            options.append(agent_options)
+            started.options.append(agent_options)
+            started.settings.append(settings)
 
         async def run(self):
             return None
 
     monkeypatch.setattr(command, "AgentDaemon", Daemon)
-    for variable in ("PIPECAST_CONFIG", "PIPECAST_CONTROL_PLANE", "PIPECAST_AGENT_NODE_ID"):
+    for variable in ("PIPECAST_CONFIG", "PIPECAST_CONTROL_PLANE", "PIPECAST_AGENT_NODE_ID", "PIPECAST_AGENT_CACHE_DIR",
+                     "PIPECAST_AGENT_LOCAL_SOCKET"):
         monkeypatch.delenv(variable, raising=False)
-    return options
+    return started
+
+
+@pytest.fixture
+def started(agents) -> list:
+    """The options of each agent the command starts (:func:`agents`)."""
+    return agents.options
 
 
 def test_the_control_plane_setting_is_registered_with_where_no_flag_names_one(monkeypatch, started):
@@ -97,28 +106,13 @@ def test_a_cache_dir_setting_that_is_a_file_is_refused_as_the_flag_is(monkeypatc
         in " ".join(result.output.split())
 
 
-def test_an_empty_cache_dir_or_local_socket_leaves_its_setting_unset(monkeypatch, tmp_path):
+def test_an_empty_cache_dir_or_local_socket_leaves_its_setting_unset(monkeypatch, tmp_path, agents):
     """Found in review: click made ``--cache-dir ""`` the working directory, which the agent then cached in (and made
     room in by removing its folders named as package ids); an empty value is unset, as an empty variable is."""
-    import pipecast.agent.command as command
-
-    given = []
-
-    class Daemon:
-        def __init__(self, agent_options, settings):
-            given.append(settings)
-
-        async def run(self):
-            return None
-
-    monkeypatch.setattr(command, "AgentDaemon", Daemon)
-    for variable in ("PIPECAST_CONFIG", "PIPECAST_CONTROL_PLANE", "PIPECAST_AGENT_CACHE_DIR",
-                     "PIPECAST_AGENT_LOCAL_SOCKET"):
-        monkeypatch.delenv(variable, raising=False)
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(agent_command, ["--cache-dir", "", "--local-socket", "", "--listen", "127.0.0.1:0"])
     assert result.exit_code == 0, result.output
-    [settings] = given
+    [settings] = agents.settings
     assert settings.agent_cache_dir is None and settings.agent_local_socket is None
 
 

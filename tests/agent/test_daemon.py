@@ -226,18 +226,9 @@ def test_a_memory_reserve_larger_than_the_memory_available_is_refused_and_a_budg
             "memory") in caplog.text
 
 
-async def test_a_store_whose_opening_is_cancelled_gives_its_memory_back(tiny_package, tmp_path, monkeypatch):
-    """A DROP while a cached package is re-hashed cancels the open, but the worker thread opens the store all the
-    same: it must be closed, or its budget would refuse every later assignment."""
-    package = tiny_package(layers=2, layer_bytes=100_000, chunk_bytes=64 << 10)
-    manifest = package.manifest
-    cache = BlockCache(tmp_path / "cache")
-    cache.write_manifest(manifest)  # and its files: neither needs a peer, no block is cached
-    for entry in manifest.files:
-        cache.write_file(manifest.package_id, entry.path, (package.path / entry.path).read_bytes())
-    cache.close()  # the folder's lock, for the daemon's cache
-    settings = Settings(**{**SETTINGS, "agent_cache_dir": cache.root}, agent_memory_bytes=manifest.total_bytes)
-    daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
+def held_opens(monkeypatch) -> tuple[threading.Event, threading.Event, threading.Event]:
+    """Hold every BlockStore.open (a cached package's blocks re-hashed, at length): set once one begins; lets them go
+    on; set once one has ended."""
     opening, go_on, opened = threading.Event(), threading.Event(), threading.Event()
     open_store = BlockStore.open
 
@@ -250,6 +241,22 @@ async def test_a_store_whose_opening_is_cancelled_gives_its_memory_back(tiny_pac
             opened.set()
 
     monkeypatch.setattr(BlockStore, "open", slow_open)
+    return opening, go_on, opened
+
+
+async def test_a_store_whose_opening_is_cancelled_gives_its_memory_back(tiny_package, tmp_path, monkeypatch):
+    """A DROP while a cached package is re-hashed cancels the open, but the worker thread opens the store all the
+    same: it must be closed, or its budget would refuse every later assignment."""
+    package = tiny_package(layers=2, layer_bytes=100_000, chunk_bytes=64 << 10)
+    manifest = package.manifest
+    cache = BlockCache(tmp_path / "cache")
+    cache.write_manifest(manifest)  # and its files: neither needs a peer, no block is cached
+    for entry in manifest.files:
+        cache.write_file(manifest.package_id, entry.path, (package.path / entry.path).read_bytes())
+    cache.close()  # the folder's lock, for the daemon's cache
+    settings = Settings(**{**SETTINGS, "agent_cache_dir": cache.root}, agent_memory_bytes=manifest.total_bytes)
+    daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
+    opening, go_on, opened = held_opens(monkeypatch)
     transport = TcpTransport("rx", settings)
     pool = ChannelPool(transport)
     try:
@@ -289,15 +296,7 @@ async def test_a_package_opening_from_the_disk_cache_is_not_removed_for_room(tin
     # the other package's manifest fits only once the cached package is removed
     settings = Settings(**{**SETTINGS, "agent_cache_dir": cache.root}, agent_cache_max_bytes=held_bytes + 100)
     daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), settings)
-    opening, go_on = threading.Event(), threading.Event()
-    open_store = BlockStore.open
-
-    def slow_open(*args, **kwargs) -> BlockStore:
-        opening.set()
-        go_on.wait(10)
-        return open_store(*args, **kwargs)
-
-    monkeypatch.setattr(BlockStore, "open", slow_open)
+    opening, go_on, _ = held_opens(monkeypatch)
     transport = TcpTransport("rx", settings)
     pool = ChannelPool(transport)
     try:

@@ -72,6 +72,28 @@ def seize(url: str) -> None:
                                        "fencing = fencing + 1, expires_at = expires_at + 3600 WHERE id = 1")
 
 
+def hold_commits(service, when: Callable[[], bool]) -> tuple[threading.Event, threading.Event]:
+    """Hold the commits of ``service``'s flushes taken while ``when()``: the first event is set once one is held,
+    the second lets it go on (to the real commit)."""
+    entered, go = threading.Event(), threading.Event()
+    begin = service.store.begin_flush
+
+    def held(*args, **kwargs):
+        pending = begin(*args, **kwargs)
+        if pending is not None and when():
+            commit = pending.commit
+
+            def held_commit():
+                entered.set()
+                go.wait(WAIT_S)
+                commit()
+            pending.commit = held_commit
+        return pending
+
+    service.store.begin_flush = held
+    return entered, go
+
+
 def stored_packages(url: str) -> set[str]:
     state, store = ControlState(lease_s=LEASE_S), open_store(url)
     try:
@@ -178,22 +200,8 @@ async def test_a_change_whose_commit_is_under_way_reaches_no_worker_through_anot
             await c.register(spec("w1"))
             mailbox = service.mailboxes["w1"]
             sent = len(mailbox._items)
-            entered, go = threading.Event(), threading.Event()
-            begin = service.store.begin_flush
-
-            def held(*args, **kwargs):  # the scale-up's commit: held until another replica took the lease
-                pending = begin(*args, **kwargs)
-                if pending is not None and any(n.kind.name == "ASSIGN" for n in service.state.notices):
-                    commit = pending.commit
-
-                    def held_commit():
-                        entered.set()
-                        go.wait(WAIT_S)
-                        commit()
-                    pending.commit = held_commit
-                return pending
-
-            service.store.begin_flush = held
+            # the scale-up's commit: held until another replica took the lease
+            entered, go = hold_commits(service, lambda: any(n.kind.name == "ASSIGN" for n in service.state.notices))
             scale_up = asyncio.create_task(c.scale_up(PKG, node_ids=["w1"]))
             assert await asyncio.to_thread(entered.wait, WAIT_S)
             await other.heartbeat("w1")
@@ -222,22 +230,7 @@ async def test_notices_held_while_a_flush_commits_are_handed_out_as_it_ends(tmp_
             await c.register(spec("w1"))
         mailbox = service.mailboxes["w1"]
         sent = len(mailbox._items)
-        entered, go = threading.Event(), threading.Event()
-        begin = service.store.begin_flush
-
-        def held(*args, **kwargs):
-            pending = begin(*args, **kwargs)
-            if pending is not None:
-                commit = pending.commit
-
-                def held_commit():
-                    entered.set()
-                    go.wait(WAIT_S)
-                    commit()
-                pending.commit = held_commit
-            return pending
-
-        service.store.begin_flush = held
+        entered, go = hold_commits(service, lambda: True)
         service.state.dirty.plans.add("x")  # something to write
         flushing = asyncio.create_task(service.flush_encoded())
         assert await asyncio.to_thread(entered.wait, WAIT_S)
