@@ -116,10 +116,9 @@ from pipecast.router.pool import (
     Worker,
     WorkerPool,
 )
-from pipecast.serve.errors import StageFailedError, openai_error_type
 from pipecast.router.signals import Signals, answer_tokens, request_prompt_tokens, stream_tokens
 from pipecast.router.versions import VersionChooser, route_versions
-from pipecast.serve.errors import ServingKeyError
+from pipecast.serve.errors import ServingKeyError, StageFailedError, openai_error_type
 
 log = logging.getLogger(__name__)
 
