@@ -5,8 +5,9 @@ control plane hands a plan to the agents, the benchmarks and the large-scale sim
 (:mod:`control_plane.planner.simulate`), and :func:`control_plane.planner.replan.replan` repairs one after
 failures and joins.
 
-Plans fetch whole blocks, or with ``chunk_counts`` the binomial pipelines fetch units: contiguous chunk
-ranges of a block, so that a round moves a small unit and the pipeline stays near S/B at any N.
+Plans fetch whole blocks, or with ``chunk_counts`` the binomial pipelines fetch units: runs of consecutive
+chunks (ranges of one block, or of a block's end and the next block's start), so that a round moves a small
+unit, all units alike, and the pipeline stays near S/B at any N.
 
 Every strategy gives each (receiver, unit) fetch a round such that a parent's round for a unit comes
 before its child's, and orders each receiver's fetches by round. So a receiver that fetches its list
@@ -30,18 +31,21 @@ from control_plane.planner.racks import ParentPool, Rack, rack_of, rack_order
 #: binomial pipelines, whose latency grows with log N instead of N.
 GROUP_CHAIN_MAX = 8
 
-#: The default size of a binomial pipeline's units (chunk ranges of a block). Each node gets one unit per
+#: The default size of a binomial pipeline's units (runs of consecutive chunks). Each node gets one unit per
 #: round and a round lasts as long as the largest unit in flight, so k units of at most s chunks to a group
 #: 2^d - 1 receivers deep take about (k + d) * s chunk times, against the model's T chunks (the simulator
 #: agrees within ~3% where there are no pairs). The default s is the largest (the fewest units: the
 #: shortest fetch lists) for which (k + d) * s stays within ROUND_OVERHEAD of T; where none does, the one
-#: with the least (k + d) * s. A big model gets few, large units (140,000 chunks in 80 blocks at N = 1,024:
-#: 2 per block), a small one many (the demo's 264 chunks: 67 units of 4 chunks at N = 16 by this rule,
-#: 132 of 2 at N = 1,024). Units of more than 2 chunks keep the rounds' rhythm only where a parent serves
+#: with the least (k + d) * s. A big model gets few, large units (140,000 chunks at N = 1,024: 160 units of
+#: 875 chunks), a small one many (the demo's 264 chunks: 66 units of 4 chunks at N = 16 by this rule, 132 of
+#: 2 at N = 1,024). Units of more than 2 chunks keep the rounds' rhythm only where a parent serves
 #: the child furthest behind first (the simulator's ``serve="earliest"``); shared fairly, its uplink lets
 #: children that run ahead slow the current round (the demo at N = 16 in units of 4: 1.57x S/B, 1.10 served
 #: earliest first; in units of 3: 1.41 fair; of 2: 1.07; whole blocks 2.24 and 1.75): hence
-#: MAX_FAIR_UNIT_CHUNKS.
+#: MAX_FAIR_UNIT_CHUNKS. A unit runs on into the next block where a block's chunks end inside it: units cut
+#: at every block's end were as long as the chunks left there (the demo's 30 blocks of 7 chunks: 30 units of
+#: one), each a short round that the pairs' late sends and the fair sharing turned into lost rhythm (0.2 ms a
+#: hop: 1.20x S/B at N = 16 and 127, 1.62x at 100, against 1.07 / 1.09 / 1.10x with runs across blocks).
 ROUND_OVERHEAD = 0.1
 #: The default unit's least chunks, where blocks have that many. Where N is not 2^d - 1, receivers share
 #: a slot in pairs, one forwarding each unit to the other, whose sends are then a chunk late; with
@@ -55,7 +59,8 @@ MIN_UNIT_CHUNKS = 2
 MAX_FAIR_UNIT_CHUNKS = 2
 MAX_FAIR_UNITS = 256
 
-Unit = tuple[int, Chunks]  # (block, chunk range or None for the whole block)
+Piece = tuple[int, Chunks]  # (block, chunk range or None for the whole block)
+Unit = tuple[Piece, ...]  # what a binomial pipeline sends in one round: consecutive chunks, in fetch order
 
 
 @dataclass(frozen=True)
@@ -97,9 +102,11 @@ def make_plan(strategy: str, sources: Sequence[str], receivers: Sequence[str], n
 
     ``chunk_counts`` are the blocks' chunk counts (the manifest's ceil(block bytes / chunk bytes)). With
     them a binomial pipeline (``binomial``, and the binomial groups of ``rotated``) runs over units instead
-    of whole blocks: each block cut into contiguous chunk ranges of s chunks (its last one shorter), in
-    block order; a block that fits in one unit is fetched whole. s is the smallest for which there are at
-    most ``units`` units in all, or by default the largest that keeps the pipeline's rounds within
+    of whole blocks: the chunks of its blocks, in its block order, cut into runs of s chunks (the last one
+    shorter), a run going on into the next block where one ends inside it; a unit is a fetch per block it
+    covers, from the same parent, and a block wholly in one unit is fetched whole. s is the smallest for
+    which there are at most ``units`` units in all, or by default the largest that keeps the pipeline's
+    rounds within
     :data:`ROUND_OVERHEAD` of S/B (see there), so the units are about as many as the rounds need, not one
     per chunk. ``unicast``, ``chain`` and ``tree`` ignore them: a receiver there forwards every chunk as
     it arrives already, whatever the unit.
@@ -314,8 +321,8 @@ def binomial_pairs(n: int) -> int:
 
 def _binomial_group(source: str, receivers: list[str], order: Sequence[Unit], rack: Rack,
                     out: dict[str, list[Fetch[str]]]) -> None:
-    """Binomial pipeline of ``source`` to ``receivers``, units (block, chunks) entering in ``order``; writes
-    into ``out``.
+    """Binomial pipeline of ``source`` to ``receivers``, units (each its pieces (block, chunks), fetched one
+    after another from the unit's parent) entering in ``order``; writes into ``out``.
 
     With n = 2^d - 1 receivers they and the source (slot 0) are the slots of a d-cube. The unit
     entering at position i starts on dimension j = i mod d: the source sends it to slot 2^j in round i;
@@ -339,7 +346,7 @@ def _binomial_group(source: str, receivers: list[str], order: Sequence[Unit], ra
     # A receiver gets at most one unit per round from the cube, or one from its pair partner, so its
     # fetch in round r goes to place r of its timeline: ordering by round without a sort.
     places = len(order) + dim + 1
-    timeline: dict[str, list[Fetch[str] | None]] = {rx: [None] * places for rx in receivers}
+    timeline: dict[str, list[tuple[Fetch[str], ...] | None]] = {rx: [None] * places for rx in receivers}
     # Per dimension: the senders of its units (one Fetch each per unit, shared by their takers), and for each
     # taker its timeline, its sender's index and its round offset; the pairs' partners apart.
     rows = []
@@ -352,51 +359,52 @@ def _binomial_group(source: str, receivers: list[str], order: Sequence[Unit], ra
             if partner is not None:
                 pairs.append((timeline[partner], taker, step))
         rows.append((list(parents), takes, pairs))
-    for i, (block, chunks) in enumerate(order):
+    for i, unit in enumerate(order):
         parents, takes, pairs = rows[i % dim]
-        made = [Fetch(block, parent, chunks) for parent in parents]
+        made = [tuple(Fetch(block, parent, chunks) for block, chunks in unit) for parent in parents]
         for places_of, k, step in takes:
             places_of[i + step] = made[k]
         for places_of, taker, step in pairs:
-            places_of[i + step] = Fetch(block, taker, chunks)
+            places_of[i + step] = tuple(Fetch(block, taker, chunks) for block, chunks in unit)
     for rx, places_of in timeline.items():
-        out[rx] = [fetch for fetch in places_of if fetch is not None]
+        out[rx] = [fetch for fetches in places_of if fetches is not None for fetch in fetches]
 
 
 class _Splitter:
     """The units a binomial pipeline fetches, in a given block order, for a group of a given size: whole
-    blocks without chunk counts, else each block's chunk ranges (see :func:`make_plan`)."""
+    blocks without chunk counts, else runs of consecutive chunks (see :func:`make_plan`)."""
 
     def __init__(self, chunk_counts: Sequence[int] | None, units: int | None):
         self._counts, self._units = chunk_counts, units
-        self._splits: dict[int, list[list[Chunks]]] = {}  # by the group's depth d: groups of one depth share
+        self._sizes: dict[int, int] = {}  # the unit size by the group's depth d: groups of one depth share
 
     def __call__(self, blocks: Sequence[int], receivers: int) -> list[Unit]:
         if self._counts is None:
-            return [(b, None) for b in blocks]
+            return [((b, None),) for b in blocks]
         rounds = (receivers + 1).bit_length() - 1  # d
-        split = self._splits.get(rounds)
-        if split is None:
+        size = self._sizes.get(rounds)
+        if size is None:
             if self._units is None:
                 size = unit_chunks(self._counts, rounds)
-            else:  # the smallest size with at most that many units; whole blocks are one unit each at least
-                largest = max(self._counts, default=1)
-                size = next((s for s in range(1, largest) if _unit_count(self._counts, s) <= self._units), largest)
-            split = self._splits[rounds] = split_blocks(self._counts, size)
-        return [(b, chunks) for b in blocks for chunks in split[b]]
+            else:  # the smallest size with at most that many units
+                total = max(1, sum(self._counts))
+                size = next(s for s in range(1, total + 1) if _unit_count(self._counts, s) <= self._units)
+            self._sizes[rounds] = size
+        return cut_units([(b, self._counts[b]) for b in blocks], size)
 
 
 def unit_chunks(chunk_counts: Sequence[int], rounds: int) -> int:
     """The default unit size, in chunks, of a binomial pipeline ``rounds`` (d) deep over blocks of
-    ``chunk_counts`` chunks: the largest s of at least :data:`MIN_UNIT_CHUNKS` (where a block has that many)
-    for which k units of s chunks take (k + d) * s <= (1 + :data:`ROUND_OVERHEAD`) x T chunk times, T the
-    chunks in all; where none does, the s with the least (k + d) * s (the largest among equals). Then at most
-    :data:`MAX_FAIR_UNIT_CHUNKS`, where that makes no more than :data:`MAX_FAIR_UNITS` units."""
+    ``chunk_counts`` chunks: the largest s of at least :data:`MIN_UNIT_CHUNKS` (where there are that many
+    chunks) for which k units of s chunks take (k + d) * s <= (1 + :data:`ROUND_OVERHEAD`) x T chunk times, T
+    the chunks in all; where none does, the s with the least (k + d) * s (the largest among equals). Then at
+    most :data:`MAX_FAIR_UNIT_CHUNKS`, where that makes no more than :data:`MAX_FAIR_UNITS` units."""
     total = sum(chunk_counts)
-    largest = max(chunk_counts, default=0)
-    least = max(1, min(MIN_UNIT_CHUNKS, largest))
+    least = max(1, min(MIN_UNIT_CHUNKS, total))
+    # (k + d) * s >= T + d * s, so no s above ROUND_OVERHEAD * T / d meets the budget: start there.
+    top = max(least, min(total, math.floor(ROUND_OVERHEAD * total / max(1, rounds))))
     best, best_time = least, math.inf
-    for size in range(max(largest, least), least - 1, -1):
+    for size in range(top, least - 1, -1):
         time = (_unit_count(chunk_counts, size) + rounds) * size
         if time <= (1 + ROUND_OVERHEAD) * total:
             best = size
@@ -407,16 +415,33 @@ def unit_chunks(chunk_counts: Sequence[int], rounds: int) -> int:
     return fair if _unit_count(chunk_counts, fair) <= MAX_FAIR_UNITS else best
 
 
-def split_blocks(chunk_counts: Sequence[int], unit_chunks: int) -> list[list[Chunks]]:
-    """Each block's chunk ranges [first, end): ``unit_chunks`` chunks each, the block's last one shorter;
-    ``[None]`` (the whole block) for a block of at most ``unit_chunks`` chunks."""
-    return [[None] if count <= unit_chunks else
-            [(first, min(first + unit_chunks, count)) for first in range(0, count, unit_chunks)]
-            for count in chunk_counts]
+def cut_units(blocks: Sequence[tuple[int, int]], unit_chunks: int) -> list[Unit]:
+    """The chunks of ``blocks`` ((block, chunk count), in fetch order) in runs of ``unit_chunks`` chunks, the
+    last run shorter: each run its pieces (block, [first, end) or None where the run holds the whole block),
+    going on into the next block where a block ends inside it; a block of no chunks is whole in the run under
+    way."""
+    units: list[Unit] = []
+    unit: list[Piece] = []
+    room = unit_chunks
+    for block, count in blocks:
+        if count == 0:
+            unit.append((block, None))
+        first = 0
+        while first < count:
+            end = min(count, first + room)
+            unit.append((block, None if (first, end) == (0, count) else (first, end)))
+            room -= end - first
+            first = end
+            if room == 0:
+                units.append(tuple(unit))
+                unit, room = [], unit_chunks
+    if unit:
+        units.append(tuple(unit))
+    return units
 
 
 def _unit_count(chunk_counts: Sequence[int], unit_chunks: int) -> int:
-    return sum(max(1, -(-count // unit_chunks)) for count in chunk_counts)
+    return max(1, -(-sum(chunk_counts) // unit_chunks))
 
 
 def _hypercube_parents(dim: int, j: int) -> list[tuple[int, int]]:
@@ -434,7 +459,22 @@ def _hypercube_parents(dim: int, j: int) -> list[tuple[int, int]]:
 
 
 def _pair_slots(receivers: list[str], pairs: int, rack: Rack) -> list[tuple[str, str | None]]:
-    """``len(receivers) - pairs`` slots: ``pairs`` of them shared by two receivers, neighbours in a rack first."""
+    """``len(receivers) - pairs`` slots (slot x of the cube is item x - 1): ``pairs`` of them shared by two
+    receivers, neighbours in a rack first, the others in receiver order. The shared slots are those whose
+    numbers have the fewest bits set (then the lowest): a shared slot's sends are a chunk late, and in slots
+    of many bits they held up the units' later rounds (0.2 ms a hop, the demo model: 1.64-1.78x S/B from 8
+    to 53 pairs among 127 slots, placed first; 1.10-1.11x placed so)."""
+    groups = _pair_groups(receivers, pairs, rack)
+    shared = iter([group for group in groups if group[1] is not None])
+    alone = iter([group for group in groups if group[1] is None])
+    count = len(groups)
+    first = set(sorted(range(count), key=lambda x: ((x + 1).bit_count(), x))[:pairs])
+    return [next(shared) if x in first else next(alone) for x in range(count)]
+
+
+def _pair_groups(receivers: list[str], pairs: int, rack: Rack) -> list[tuple[str, str | None]]:
+    """``receivers`` in order, in ``len(receivers) - pairs`` groups: ``pairs`` of them two receivers,
+    neighbours in a rack first."""
     slots: list[tuple[str, str | None]] = []
     made, i = 0, 0
     while i < len(receivers):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from control_plane.planner.plan import STRATEGIES, Fetch, Plan, PlanError
 from control_plane.planner.schedules import (
-    GROUP_CHAIN_MAX, InFlight, complement_starts, make_plan, split_blocks, unit_chunks)
+    GROUP_CHAIN_MAX, InFlight, complement_starts, cut_units, make_plan, unit_chunks)
 from control_plane.planner.simulate import SERVE_POLICIES, lower_bound, simulate
 from pipecast.core.errors import PipecastError
 
@@ -614,26 +614,36 @@ def test_ranged_plans_get_every_chunk_once_from_a_holder_of_it_without_deadlock(
             if a.parent not in sources:
                 parent_level = _containing_fetch_level(plan, levels, a.parent, a)
                 assert parent_level is not None and parent_level < level, (rx, a)
-    # Compact: one fetch per unit, the same units for every receiver of a group, never more than asked.
+    # Compact: a fetch per block a unit covers, the same units for every receiver of a group, never more units
+    # than asked (each unit that runs on into the next block adds a fetch there).
     if strategy == "binomial":
         assert len(sizes) == 1
         if units is not None:
-            assert sizes.pop() <= max(units, len(counts))
+            assert sizes.pop() <= units + len(counts) - 1
     block_bytes = [3 * max(count, 1) for count in counts]  # chunks of 3 bytes, every block's last one too
     done = simulate(plan, block_bytes, 1, 3, hop_latency_s=0.5)
     assert set(done) == set(receivers)
     assert max(done.values()) >= lower_bound(plan, block_bytes, 1, 3, hop_latency_s=0.5)
 
 
-def test_units_are_ranges_of_one_size_each_block_ending_in_a_shorter_one():
-    assert split_blocks([7, 2, 0, 1, 6], 3) == [[(0, 3), (3, 6), (6, 7)], [None], [None], [None], [(0, 3), (3, 6)]]
-    plan = make_plan("binomial", ["s"], [f"w{i}" for i in range(7)], 3, chunk_counts=[7, 2, 5], units=6)
-    # The smallest size with at most 6 units is 3 (7 units of 2 would be too many): 3 + 1 + 2 units.
-    assert [(a.block, a.chunks) for a in sorted(plan.assignments["w0"], key=lambda a: (a.block, a.chunks or ()))] \
-        == [(0, (0, 3)), (0, (3, 6)), (0, (6, 7)), (1, None), (2, (0, 3)), (2, (3, 5))]
-    # Units of at most one block each: fewer units than blocks is whole blocks.
+def test_units_are_runs_of_one_size_going_on_into_the_next_block():
+    # A block wholly in a run is whole there; a block of no chunks is whole in the run under way.
+    assert cut_units([(0, 7), (1, 2), (2, 0), (3, 1), (4, 6)], 3) == [
+        ((0, (0, 3)),), ((0, (3, 6)),), ((0, (6, 7)), (1, None)), ((2, None), (3, None), (4, (0, 2))),
+        ((4, (2, 5)),), ((4, (5, 6)),)]
+    plan = make_plan("binomial", ["s"], [f"w{i}" for i in range(7)], 3, chunk_counts=[7, 3, 5], units=5)
+    # The smallest size with at most 5 units is 3 (8 units of 2 would be too many): 15 chunks in 5 runs.
+    fetches = plan.assignments["w0"]
+    assert sorted((a.block, a.chunks) for a in fetches) == [
+        (0, (0, 3)), (0, (3, 6)), (0, (6, 7)), (1, (0, 2)), (1, (2, 3)), (2, (0, 2)), (2, (2, 5))]
+    # A unit's pieces come from one parent, one after the other.
+    at = {(a.block, a.chunks): i for i, a in enumerate(fetches)}
+    for first, second in (((0, (6, 7)), (1, (0, 2))), ((1, (2, 3)), (2, (0, 2)))):
+        assert at[second] == at[first] + 1 and fetches[at[first]].parent == fetches[at[second]].parent
+    # One unit: every block whole, from one parent.
     whole = make_plan("binomial", ["s"], ["a", "b", "c"], 3, chunk_counts=[7, 2, 5], units=1)
-    assert whole == make_plan("binomial", ["s"], ["a", "b", "c"], 3)
+    assert all([(a.block, a.chunks) for a in fetches] == [(0, None), (1, None), (2, None)] and
+               len({a.parent for a in fetches}) == 1 for fetches in whole.assignments.values())
 
 
 def test_the_default_unit_keeps_the_rounds_near_s_over_b_with_few_units():
@@ -643,11 +653,11 @@ def test_the_default_unit_keeps_the_rounds_near_s_over_b_with_few_units():
     assert [(d, unit_chunks(DEMO_CHUNKS, d)) for d in (4, 6, 8, 10, 12)] == [(4, 2), (6, 2), (8, 2), (10, 2), (12, 2)]
     big = [1750] * 80
     size = unit_chunks(big, 10)
-    units = sum(len(ranges) for ranges in split_blocks(big, size))
-    assert units == 160 and (units + 10) * size <= 1.1 * sum(big) < (80 + 10) * 1750
-    # Where no size meets the budget, the quickest: (4 + 10) * 2 chunk times beat (2 + 10) * 3, but not
-    # one-chunk units where blocks have more chunks, though (6 + 10) * 1 would be quicker still.
-    assert unit_chunks([3, 3], 10) == 2 and unit_chunks([1, 1], 3) == 1
+    units = len(cut_units(list(enumerate(big)), size))
+    assert (size, units) == (1400, 100) and (units + 10) * size <= 1.1 * sum(big) < (80 + 10) * 1750
+    # Where no size meets the budget, the quickest of at least MIN_UNIT_CHUNKS: (3 + 10) * 2 chunk times beat
+    # (2 + 10) * 3, and one-chunk units are never the default, though (6 + 10) * 1 would be quicker still.
+    assert unit_chunks([3, 3], 10) == 2 and unit_chunks([1, 1], 3) == 2 and unit_chunks([1], 3) == 1
     plan = make_plan("binomial", ["s"], [f"w{i}" for i in range(1024)], 8, chunk_counts=DEMO_CHUNKS)
     assert {len(fetches) for fetches in plan.assignments.values()} == {132}  # ~13 units a round of d = 10
 
