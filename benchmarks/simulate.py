@@ -40,7 +40,7 @@ class SimulatedRun:
     nodes: int
     strategy: str  # a planner strategy, or WHOLE_BLOCKS
     default: bool
-    units: int  # fetches in a receiver's list (the most of any receiver): the plan's units
+    fetches: int  # fetches in a receiver's list (the most of any receiver): a fetch per block a unit covers
     seconds: float
     floor_seconds: float
     ratio_to_floor: float
@@ -122,9 +122,9 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
                                     start_delay_s=start_delay_s, relay_bytes=relay, dead=failures or ())
                 if seconds < bound * (1 - BOUND_TOLERANCE):
                     raise RuntimeError(f"N={n} {label}: simulated {seconds:.4f} s, below the lower bound {bound:.4f} s")
-                units = max(map(len, plan.assignments.values()), default=0)
+                fetches = max(map(len, plan.assignments.values()), default=0)
                 default = label == default_for(n, block_bytes, chunk_bytes)
-                figure = SimulatedRun(n, label, default, units, seconds, floor, seconds / floor, bound, others,
+                figure = SimulatedRun(n, label, default, fetches, seconds, floor, seconds / floor, bound, others,
                                       None if others is None else others / floor)
                 progress(f"N={n} {label}: {seconds:.2f} s = {figure.ratio_to_floor:.2f} x S/B")
                 out.append(figure)
@@ -163,13 +163,13 @@ def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: fl
              f"{format_bytes(chunk_bytes)} chunks, {link_mbit:g} Mbit/s links{payload}, {hop_latency_s * 1e3:g} ms "
              f"a hop, "
              f"uplinks shared {'fairly' if serve == 'fair' else 'child furthest behind first'}, from one store",
-             f"{'N':>6}  {'strategy':<23} {'units':>5} {'seconds':>9} {'x S/B':>7}"
+             f"{'N':>6}  {'strategy':<23} {'fetches':>7} {'seconds':>9} {'x S/B':>7}"
              + (f" {'others x':>8}" if slow else "") + "  lower bound"]
     for r in results:
         mark = " (default)" if r.default else ""
         ratio = "-" if r.others_ratio_to_floor is None else f"{r.others_ratio_to_floor:.2f}"
         others = f" {ratio:>8}" if slow else ""
-        lines.append(f"{r.nodes:>6}  {r.strategy:<23} {r.units:>5} {r.seconds:>9.2f} {r.ratio_to_floor:>7.2f}"
+        lines.append(f"{r.nodes:>6}  {r.strategy:<23} {r.fetches:>7} {r.seconds:>9.2f} {r.ratio_to_floor:>7.2f}"
                      f"{others}  {r.lower_bound_seconds:.2f} s{mark}")
     for v in verdicts(results, block_bytes, chunk_bytes):
         if v["met"] is None:

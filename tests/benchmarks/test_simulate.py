@@ -19,14 +19,14 @@ def test_simulated_figures_follow_the_contract_and_never_beat_the_lower_bound(tm
     assert [(r["nodes"], r["strategy"]) for r in data["results"]] == [
         (n, s) for n in (4, 40) for s in ("chain", "binomial", "binomial-blocks", "unicast")]
     for r in data["results"]:
-        assert set(r) == {"nodes", "strategy", "default", "units", "seconds", "floor_seconds", "ratio_to_floor",
+        assert set(r) == {"nodes", "strategy", "default", "fetches", "seconds", "floor_seconds", "ratio_to_floor",
                           "lower_bound_seconds", "others_seconds", "others_ratio_to_floor"}
         assert r["others_seconds"] is r["others_ratio_to_floor"] is None  # no slow receiver
         assert r["floor_seconds"] < r["lower_bound_seconds"] <= r["seconds"]
         assert r["default"] == ((r["strategy"] == "chain") if r["nodes"] <= CHAIN_MIN_RECEIVERS
                                 else (r["strategy"] == "binomial"))
-        # 8 blocks of 4 chunks: a plan of whole blocks has 8 units, the binomial ranges of 2 chunks or more.
-        assert r["units"] == (16 if r["strategy"] == "binomial" else 8)
+        # 8 blocks of 4 chunks: a plan of whole blocks has 8 fetches, the binomial ranges of 2 chunks or more.
+        assert r["fetches"] == (16 if r["strategy"] == "binomial" else 8)
     unicast = {r["nodes"]: r["ratio_to_floor"] for r in data["results"] if r["strategy"] == "unicast"}
     assert unicast[40] > 39  # every copy over the store's one link
     ratios = {(r["nodes"], r["strategy"]): r["ratio_to_floor"] for r in data["results"]}
