@@ -3,9 +3,10 @@
 Messages are :mod:`.wire`'s: each a 20-byte header (:data:`~.wire.TCP_HEADER`) followed by its payload on
 the stream; with a data-plane key a connection starts with the hello (:func:`~.wire.accept_hello`).
 
-The serving side bounds what a peer can make it hold: connections (total and per address), a header
-deadline (a connection must send each whole message within ``io_timeout_s`` of its first byte, and its
-first within ``io_timeout_s`` of connecting), an idle deadline between requests, a few queued requests,
+The serving side bounds what a peer can make it hold: connections (total and per address, counted from the
+connect: with TLS before the handshake), a header deadline (a connection must send each whole message within
+``io_timeout_s`` of its first byte, and its first within ``io_timeout_s`` of connecting, or with TLS the handshake
+within that and then its first message), an idle deadline between requests, a few queued requests,
 and at most :data:`MAX_BUFFERED_OUTPUT` bytes of unsent output (it writes in slices and waits for the
 socket to drain after each, error answers included).
 
@@ -524,7 +525,6 @@ class _ServerProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
-        self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
         host, port = transport.get_extra_info("peername")[:2]
         self._host, self.peer = host, f"{host}:{port}"
         refused = self._listener.limits.admit(host, self)
@@ -532,6 +532,10 @@ class _ServerProtocol(asyncio.Protocol):
             SERVE_LOG.log(logging.WARNING, "refusing a connection from %s: %s", self.peer, refused)
             self._transport.abort()
             return
+        if self._listener.tls.server is None:
+            self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
+        else:  # the bytes are the TLS handshake's: _start_tls hands them to asyncio's TLS layer
+            self._transport.pause_reading()
         self._counted = True
         self._listener.connections.add(self)
         self._waiting_since = self._loop.time()
@@ -539,15 +543,19 @@ class _ServerProtocol(asyncio.Protocol):
         self._worker = self._loop.create_task(self._serve())
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._forget()
+        self._can_write.set()
+        if self._worker:
+            self._worker.cancel()
+
+    def _forget(self) -> None:
+        """The connection has ended: it no longer counts toward the limits, nor has a deadline."""
         if self._counted:
             self._counted = False
             self._listener.limits.release(self._host, self)
         self._listener.connections.discard(self)
-        self._can_write.set()
         if self._timer is not None:
             self._timer.cancel()
-        if self._worker:
-            self._worker.cancel()
 
     def evicted(self) -> None:
         """Every slot is taken and this connection has waited longest in its hello: it makes room (see
@@ -635,9 +643,32 @@ class _ServerProtocol(asyncio.Protocol):
     def abort(self) -> None:
         self._transport.abort()
 
+    async def _start_tls(self) -> bool:
+        """The TLS handshake, on a connection already counted toward the limits (a server made with ``ssl=`` shows
+        its protocol the connection only once the handshake is done: silent connections then held a file
+        descriptor each, uncounted, until the agent ran out of them). Within the deadline of a first message
+        (``io_timeout_s`` from the connect); False where it failed or the connection was closed."""
+        try:
+            transport = await self._loop.start_tls(self._transport, self, self._listener.tls.server,
+                                                   server_side=True)
+        except OSError as exc:  # a certificate the cluster's CA did not sign, a reset, ...
+            SERVE_LOG.log(logging.INFO, "TLS handshake with %s failed (%s); closing", self.peer,
+                          _ssl_reason(exc) or type(exc).__name__)
+            transport = None
+        if transport is None:  # or closed by its deadline or an eviction: asyncio calls no connection_lost then
+            self._forget()
+            return False
+        self._transport = transport
+        self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
+        self._waiting_since = self._loop.time()  # its first message has io_timeout_s, as without TLS
+        self._arm()
+        return True
+
     async def _serve(self) -> None:
         listener = self._listener
         try:
+            if listener.tls.server is not None and not await self._start_tls():
+                return
             node, first = await accept_hello(listener.auth, TCP_HEADER, self._receive, self._send, self.peer,
                                              listener.key_wait_s)
             self._greeted = True
@@ -744,11 +775,8 @@ class TcpListener(Listener):
     async def start(self, host: str, port: int) -> None:
         """Listen on host:port (port 0: any free one); :class:`ListenError` where it cannot."""
         try:
-            # The handshake within io_timeout_s, as any message: the connection's protocol (its deadlines, the
-            # connection limits) sees it only once the handshake is done, and asyncio's own default is 60 s.
-            handshake_s = self.io_timeout_s if self.tls.server else None
-            self._server = await asyncio.get_running_loop().create_server(
-                lambda: _ServerProtocol(self), host, port, ssl=self.tls.server, ssl_handshake_timeout=handshake_s)
+            # Without ssl=: a connection counts toward the limits before its TLS handshake (_ServerProtocol._start_tls).
+            self._server = await asyncio.get_running_loop().create_server(lambda: _ServerProtocol(self), host, port)
         except OSError as exc:
             # asyncio words a busy port "error while attempting to bind on address (...): address already in use".
             raise ListenError(host, port, (exc.strerror or str(exc)).rpartition(": ")[2]) from None

@@ -930,8 +930,8 @@ async def test_with_certificates_the_data_plane_is_mutual_tls(package, tmp_path)
 
 @pytest.mark.skipif(not have_openssl(), reason="needs the openssl command to make test certificates")
 async def test_a_connection_that_never_starts_its_tls_handshake_is_closed_within_the_io_deadline(package, tmp_path):
-    """Found in review: with TLS on, a connection counts (limits, deadlines) only once its handshake is done, and
-    asyncio waits 60 s for that: silent connections from anyone held a file descriptor each that long."""
+    """Found in review: with TLS on, a connection's deadlines began only once its handshake was done, and asyncio
+    waited 60 s for that: silent connections from anyone held a file descriptor each that long."""
     root, _ = package
     certs = make_certs(tmp_path)
     async with tcp_serving(PeerServer(), seed_store(root), tls_cert=certs["server.pem"], tls_key=certs["server.key"],
@@ -942,6 +942,51 @@ async def test_a_connection_that_never_starts_its_tls_handshake_is_closed_within
             assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the listener
         finally:
             writer.close()
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed this non-blocking socket (it sends nothing else here)."""
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.skipif(not have_openssl(), reason="needs the openssl command to make test certificates")
+async def test_with_tls_a_connection_counts_toward_the_limits_before_its_handshake(package, tmp_path):
+    """Found in review: with TLS on, a connection counted toward the limits only once its handshake was done: 2,000
+    silent connections from one host (no ClientHello) held 2,000 file descriptors of the agent for io_timeout_s, and
+    members could not connect. Now the limits count it from its connect: past 32 from one address the rest are closed
+    at once, and a member still fetches (closing the one longest in its hello where every slot is taken)."""
+    root, manifest = package
+    certs = make_certs(tmp_path)
+    tls = {"tls_cert": certs["server.pem"], "tls_key": certs["server.key"], "tls_ca": certs["ca.pem"],
+           "auth_token": "master"}
+    loop = asyncio.get_running_loop()
+    silent: list[socket.socket] = []
+    async with tcp_serving(PeerServer(), seed_store(root), **tls, io_timeout_s=5.0, agent_max_connections=32) \
+            as listener:
+        try:
+            for _ in range(40):  # from another loopback address than the member's: its own per-address limit
+                sock = socket.socket()
+                silent.append(sock)
+                sock.bind(("127.0.0.2", 0))
+                sock.setblocking(False)
+                await loop.sock_connect(sock, split_address(listener.address))
+            async with asyncio.timeout(3):  # well within io_timeout_s: refused, not closed by a deadline
+                while sum(map(closed_by_server, silent)) < 8:
+                    await asyncio.sleep(0.01)
+            assert listener.open_connections == 32
+            async with (receiving(manifest) as store,
+                        connected(TcpTransport("rx", settings(**tls)), listener.address, "seed") as channel):
+                await channel.fetch_block(manifest.package_id, 0, 0, store)
+                assert bytes(store.block_view(0)) == block_file_bytes(root, manifest, 0)
+                assert listener.open_connections == 32 and sum(map(closed_by_server, silent)) == 9
+        finally:
+            for sock in silent:
+                sock.close()
 
 
 async def test_a_port_in_use_or_an_address_not_this_hosts_is_refused_naming_the_address_and_why():
