@@ -162,6 +162,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         self._chunk_at = 0
         self._restarts = 0  # RESTARTs of that chunk
         self.closed_idle = False  # the peer closed the connection while no request was outstanding
+        self.heard = False  # a byte of the current request's answer has come
         self._io_timeout_s = io_timeout_s
         # A request's answer must bring this many bytes in each io_timeout_s window (our own pauses left out):
         # a peer trickling a byte now and then is never silent, yet would hold the fetch for hours.
@@ -198,6 +199,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         return self._target[self._filled:end]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.heard = True
         self._filled += nbytes
         self._window_bytes += nbytes
         self._last_rx = self._loop.time()
@@ -244,6 +246,7 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         if self.request is not None:
             raise RuntimeError(f"channel to {self.peer} already has a request in flight")
         self.request = request
+        self.heard = False
         self._ingress = ingress
         self._waits.reset()
         self._last_rx = self._window_start = self._loop.time()
@@ -440,7 +443,8 @@ class _ClientProtocol(asyncio.BufferedProtocol):
 
 class TcpChannel(Channel):
     """A TCP connection to one peer agent. If the peer closed it while it was idle (the peer's idle
-    deadline), the next request opens a new one first."""
+    deadline), the next request opens a new one first; if that close crossed the request (a connection that
+    answered before, closed with nothing of the answer come), the request goes once more on a new one."""
 
     def __init__(self, peer: str, protocol: _ClientProtocol, requester: str, address: str,
                  transport: "TcpTransport") -> None:
@@ -450,11 +454,30 @@ class TcpChannel(Channel):
         self._address = address
         self._transport = transport
         self._closed = False
+        self._answered = False  # the connection answered a request: its peer may close it for idleness
 
     async def _run(self, request: _Request, message: bytes, package_id: str) -> None:
         if self._protocol.closed_idle and not self._closed:
             log.debug("peer %s closed an idle channel; connecting again", self.peer)
-            self._protocol = await self._transport.open_protocol(self._address, self.peer)
+            await self._reconnect()
+        try:
+            await self._request(request, message, package_id)
+        except PeerClosedError:
+            # The peer's idle deadline may have closed the connection as the request went out: no failure of the
+            # peer's. A new connection (nothing to be idle about) or an answer begun is closed by the peer's fault.
+            if not self._answered or self._protocol.heard or self._closed:
+                raise
+            log.debug("peer %s closed an idle channel as a request went out; connecting again", self.peer)
+            await self._reconnect()
+            request.done = asyncio.get_running_loop().create_future()
+            await self._request(request, message, package_id)
+        self._answered = True
+
+    async def _reconnect(self) -> None:
+        self._protocol = await self._transport.open_protocol(self._address, self.peer)
+        self._answered = False
+
+    async def _request(self, request: _Request, message: bytes, package_id: str) -> None:
         self._protocol.start(request, message, self._transport.limits.ingress_for(package_id))
         try:
             await request.done

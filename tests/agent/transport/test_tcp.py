@@ -576,6 +576,48 @@ async def test_a_failed_channel_takes_its_peers_idle_channels_with_it(package):
             await pool.close()
 
 
+class CrossingCloseServer(PeerServer):
+    """Closes its connections when asked for a file the ``close_at``-th time, as its idle deadline would the moment
+    that request went out: the request finds its connection closed with nothing of its answer come."""
+
+    def __init__(self, close_at: int) -> None:
+        super().__init__()
+        self.close_at = close_at
+        self.asked = 0
+        self.listener: TcpListener | None = None
+
+    async def file_bytes(self, package_id: str, path: str, offset: int = 0, length: int = 0) -> bytes:
+        self.asked += 1
+        if self.asked == self.close_at:
+            for connection in list(self.listener.connections):
+                connection.abort()
+            await asyncio.sleep(5)  # cancelled as its connection ends
+        return await super().file_bytes(package_id, path, offset, length)
+
+
+async def test_a_request_crossing_the_peers_idle_close_goes_again_on_a_new_connection_unblamed(package):
+    """Found in review: the peer's idle deadline closing a connection just as the next request went out failed that
+    request (PeerClosedError), and the fetch reported the healthy peer failed before it tried again. Now the request
+    goes once more on a new connection, unreported; a new connection closed so is still the peer's failure."""
+    root, manifest = package
+    server = CrossingCloseServer(close_at=2)
+    async with tcp_serving(server, seed_store(root)) as listener, receiving(manifest) as store:
+        server.listener = listener
+        failures = []
+        pool = ChannelPool(TcpTransport("rx", settings()))
+        try:
+            await fetch_files(pool, store, [PeerInfo("seed", listener.address)],
+                              lambda what, peer, exc: failures.append(exc))
+            assert store.missing_files() == [] and failures == [] and server.asked > 2
+        finally:
+            await pool.close()
+        server.asked, server.close_at = 0, 1
+        async with connected(TcpTransport("rx", settings()), listener.address, "seed") as channel:
+            with pytest.raises(PeerClosedError, match=r"^peer seed: closed the connection while sending file "
+                                                      r"config\.json \(end of stream\)$"):
+                await channel.fetch_file(manifest.package_id, "config.json")
+
+
 class FileFlippingServer(PeerServer):
     """Serves small files in ranges, with the last byte of every file flipped."""
 
