@@ -9,6 +9,8 @@ is named by ``PIPECAST_CONFIG`` (or ``--config`` of the commands that take it: `
 import difflib
 import logging
 import os
+import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -274,7 +276,9 @@ class _TomlFileSource(PydanticBaseSettingsSource):
         if not path:
             return {}
         try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+            with open(path, "rb") as file:
+                info = os.fstat(file.fileno())  # of the file read: a name could be swapped between stat and read
+                data = tomllib.load(file)
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise SettingsError(f"config file {path}: {exc}") from exc
         table = data
@@ -288,7 +292,44 @@ class _TomlFileSource(PydanticBaseSettingsSource):
         if "config" in table:  # no file names another: it would be ignored without a word
             raise SettingsError(f"config file {path}: config names a config file, which only the command line or "
                                 "PIPECAST_CONFIG may")
+        secrets = sorted(name for name, value in table.items()
+                         if name in SECRET_SETTINGS or name == "control_db" and _URL_PASSWORD.search(str(value)))
+        if secrets:
+            check_private_file(f"config file {path}", info, ", ".join(secrets))
         return table
+
+
+#: Settings that are secrets: the master or a node token, the router's API keys; and control_db where its URL holds
+#: a password (:data:`_URL_PASSWORD`).
+SECRET_SETTINGS = frozenset({"auth_token", "router_api_keys"})
+#: A password in a PostgreSQL URL as libpq reads one: in the user part (before an '@' ahead of the first '/'), or a
+#: password parameter.
+_URL_PASSWORD = re.compile(r"://[^/]*:[^/]*@|[?&]password=", re.IGNORECASE)
+_warned_readable: set[str] = set()  # files holding secrets that others may read, warned of in this process
+
+
+def _whom(mode: int, bits: int) -> str:
+    """Who besides a file's owner has ``bits`` (0o044: read, 0o022: write) of its ``mode``: group, others or both."""
+    return " and ".join(who for who, theirs in (("group", 0o070), ("others", 0o007)) if mode & bits & theirs)
+
+
+def check_private_file(name: str, info: os.stat_result, secrets: str) -> None:
+    """Refuse the file ``name`` (as messages name it: ``config file PATH``) of status ``info``, which holds
+    ``secrets``, with :class:`SettingsError` if a user other than this process's could change it: it is writable by
+    its group or others, or owned by another user than this process's or root (who may change any file). A changed
+    file could send the token to a control plane of theirs (control_plane and tls_ca beside auth_token). Warn once
+    if its group or others may read it."""
+    mode, me = stat.S_IMODE(info.st_mode), os.getuid()
+    if mode & 0o022:
+        raise SettingsError(f"{name} holds {secrets} and is writable by {_whom(mode, 0o022)} (mode {mode:04o}): "
+                            "refused, as another user could change it (chmod go-w)")
+    if info.st_uid not in (me, 0):
+        raise SettingsError(f"{name} holds {secrets} and is owned by uid {info.st_uid} (mode {mode:04o}), neither "
+                            f"this user (uid {me}) nor root: refused, as its owner could change it")
+    if mode & 0o044 and name not in _warned_readable:
+        _warned_readable.add(name)
+        log.warning("%s holds %s and is readable by %s (mode %04o): chmod go-r, or anyone who can read it holds "
+                    "the secret", name, secrets, _whom(mode, 0o044), mode)
 
 
 def configured_control_plane(settings: Settings) -> str | None:

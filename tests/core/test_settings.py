@@ -1,5 +1,6 @@
 """Settings precedence: CLI overrides > PIPECAST_* environment > TOML file > defaults."""
 
+import os
 import re
 
 import pytest
@@ -234,3 +235,67 @@ def test_an_empty_variable_of_a_setting_that_may_be_unset_unsets_it(monkeypatch)
         monkeypatch.setenv(name, "")
     settings = load_settings()
     assert (settings.control_metrics_port, settings.router_metrics_port, settings.control_scan_s) == (None, None, None)
+
+
+SECRET_LINE = 'auth_token = "0123456789abcdef0123"\n'
+
+
+@pytest.mark.parametrize("mode, whom", [(0o620, "group"), (0o602, "others"), (0o666, "group and others")])
+def test_a_config_file_holding_a_secret_that_another_user_may_change_is_refused(tmp_path, monkeypatch, mode, whom):
+    """Found in review: auth_token was read from a config file of any mode: another user who could write it could
+    point control_plane and tls_ca at a control plane of theirs, and collect the token."""
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    config = tmp_path / "pipecast.toml"
+    config.write_text(SECRET_LINE)
+    config.chmod(mode)
+    with pytest.raises(SettingsError) as refused:
+        load_settings(config)
+    assert str(refused.value) == (f"config file {config} holds auth_token and is writable by {whom} (mode "
+                                  f"{mode:04o}): refused, as another user could change it (chmod go-w)")
+
+
+def test_a_config_file_holding_a_secret_owned_by_another_user_is_refused(tmp_path, monkeypatch):
+    """Found in review: a config file of another user (not root) was read, and its owner could change it."""
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    config = tmp_path / "pipecast.toml"
+    config.write_text(SECRET_LINE)
+    config.chmod(0o600)
+    if os.getuid() == 0:  # root gives the file away; another user is taken for someone else
+        os.chown(config, 4242, -1)
+    else:
+        someone_else = os.getuid() + 1
+        monkeypatch.setattr(os, "getuid", lambda: someone_else)
+    with pytest.raises(SettingsError) as refused:
+        load_settings(config)
+    assert str(refused.value) == (f"config file {config} holds auth_token and is owned by uid {config.stat().st_uid} "
+                                  f"(mode 0600), neither this user (uid {os.getuid()}) nor root: refused, as its "
+                                  "owner could change it")
+
+
+@pytest.mark.parametrize("text, secrets", [
+    (SECRET_LINE, "auth_token"),
+    ('[pipecast]\nrouter_api_keys = {KEY = "team-a"}\n' + SECRET_LINE, "auth_token, router_api_keys"),
+    ('control_db = "postgresql://cp:hunter2@db:5432/cp"\n', "control_db"),
+    ('control_db = "postgresql://cp@db/cp?sslmode=require&password=hunter2"\n', "control_db"),
+])
+def test_a_config_file_holding_a_secret_others_may_read_is_warned_of_once_and_a_private_one_loads_quietly(
+        tmp_path, monkeypatch, caplog, text, secrets):
+    """Found in review: a config file holding the token (or API keys, a database password) was read whatever its
+    mode, without a word where others could read it."""
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    shared, private, plain = tmp_path / "shared.toml", tmp_path / "private.toml", tmp_path / "plain.toml"
+    for path, mode in ((shared, 0o644), (private, 0o600)):
+        path.write_text(text)
+        path.chmod(mode)
+    plain.write_text('agent_port = 7071\ncontrol_db = "postgresql://cp@db:5432/cp"\n')  # no secret: any mode
+    plain.chmod(0o666)
+    with caplog.at_level("WARNING", logger="pipecast.core.settings"):
+        load_settings(shared)
+        load_settings(shared)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"config file {shared} holds {secrets} and is readable by group and others (mode 0644): chmod go-r, or "
+            "anyone who can read it holds the secret"]
+        caplog.clear()
+        load_settings(private)
+        assert load_settings(plain).agent_port == 7071
+        assert caplog.records == []
