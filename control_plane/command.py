@@ -35,14 +35,25 @@ from control_plane.routes import describe as describe_route
 from packager.manifest import read_manifest
 from pipecast.core.clitypes import Number, SettingPath
 from pipecast.core.priorities import DEFAULT_PRIORITY, PRIORITIES
-from pipecast.core.settings import Settings, load_settings
+from pipecast.core.settings import Settings, load_settings, read_token_file
 from pipecast.core.signals import on_stop_signals
 from pipecast.core.units import format_bytes, parse_duration
 
 CONFIG = click.option("--config", type=SettingPath(path_type=Path, exists=True, dir_okay=False),
                       help="TOML config file (also PIPECAST_CONFIG).")
 TOKEN = click.option("--token", help="The control plane's master token, or a node token for reads (settings: "
-                                     "auth_token; env PIPECAST_AUTH_TOKEN).")
+                                     "auth_token; env PIPECAST_AUTH_TOKEN). Any local user sees it in `ps` while "
+                                     "the command runs: prefer --token-file or PIPECAST_AUTH_TOKEN.")
+TOKEN_FILE = click.option("--token-file", type=SettingPath(path_type=Path, exists=True, dir_okay=False),
+                          help="A file holding the token, read as --token is, out of sight of `ps` (white space "
+                               "around it left out; refused if another user could change the file).")
+
+
+def given_token(token: str | None, token_file: Path | None) -> str | None:
+    """The token of ``--token`` or ``--token-file`` (None: neither, the settings' then)."""
+    if token is not None and token_file is not None:
+        raise click.UsageError("--token and --token-file both give the token: give one")
+    return read_token_file(token_file) if token_file is not None else token
 
 
 class Duration(click.ParamType):
@@ -161,24 +172,28 @@ class CpOptions:
     config: Path | None
     target: str | None
     token: str | None
+    token_file: Path | None
     as_json: bool
 
     @functools.cached_property
     def settings(self) -> Settings:
-        """The settings, with the group's ``--config``, ``--control-plane`` and ``--token``."""
-        return load_settings(self.config, control_plane=self.target, auth_token=self.token)
+        """The settings, with the group's ``--config``, ``--control-plane`` and ``--token`` (or ``--token-file``)."""
+        return load_settings(self.config, control_plane=self.target,
+                             auth_token=given_token(self.token, self.token_file))
 
 
 @click.group("cp", cls=GroupOptionsAnywhere)
 @CONFIG
 @click.option("--control-plane", "target", help="host:port of the control plane (settings: control_plane).")
 @TOKEN
+@TOKEN_FILE
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.pass_context
-def cp_group(ctx: click.Context, config: Path | None, target: str | None, token: str | None, as_json: bool) -> None:
+def cp_group(ctx: click.Context, config: Path | None, target: str | None, token: str | None, token_file: Path | None,
+             as_json: bool) -> None:
     """Operate a running control plane. A PACKAGE_ID (or --package) may be the start of a published package's id,
     8 hex digits or more, as the listings print it (in either case)."""
-    ctx.obj = CpOptions(config, target, token, as_json)
+    ctx.obj = CpOptions(config, target, token, token_file, as_json)
 
 
 def _run(ctx: click.Context, call: Callable[[Any], Awaitable[Any]]) -> Any:

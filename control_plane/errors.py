@@ -176,7 +176,7 @@ def error_from_rpc(error: grpc.aio.AioRpcError, *, target: str, method: str) -> 
         details = error.details() or ""
         if details.startswith(NO_TOKEN):  # the server's words are for any gRPC client: say what a pipecast user sets
             details = (f"{NO_TOKEN}: give the control plane's master token, or a node token from `pipecast cp "
-                       "issue-token NODE`, as PIPECAST_AUTH_TOKEN (settings: auth_token; `pipecast cp --token`)")
+                       "issue-token NODE`, as PIPECAST_AUTH_TOKEN (settings: auth_token; `pipecast cp --token-file`)")
         return Unauthenticated(f"control plane at {target} refused {method}: {details}")
     trailer = dict(error.trailing_metadata() or ()).get(ERROR_TRAILER, "")
     if not trailer:  # not a typed error of the server's: "Method not found!" alone named neither call nor server

@@ -332,6 +332,21 @@ def check_private_file(name: str, info: os.stat_result, secrets: str) -> None:
                     "the secret", name, secrets, _whom(mode, 0o044), mode)
 
 
+def read_token_file(path: Path) -> str:
+    """The token the file ``path`` holds (``--token-file``), white space around it left out; refused and warned of
+    as a config file setting auth_token is (:func:`check_private_file`), and refused when empty."""
+    name = f"token file {path}"
+    try:
+        with open(path, "rb") as file:
+            check_private_file(name, os.fstat(file.fileno()), "a token")
+            token = file.read().decode().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{name}: {exc}") from exc
+    if not token:
+        raise SettingsError(f"{name} is empty")
+    return token
+
+
 def configured_control_plane(settings: Settings) -> str | None:
     """The control plane ``settings`` name by choice (``PIPECAST_CONTROL_PLANE``, the config file, an override),
     not by default: what the agent and the router, which also run without one, register with or learn from."""

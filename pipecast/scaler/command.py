@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from control_plane.command import CONFIG, TOKEN, UINT32_MAX, Duration, full_package_id
+from control_plane.command import CONFIG, TOKEN, TOKEN_FILE, UINT32_MAX, Duration, full_package_id, given_token
 from control_plane.deployments import MAX_DURATION_S
 from control_plane.planner.plan import STRATEGIES
 from pipecast.core.credentials import parse_node_token
@@ -110,17 +110,18 @@ def _app(scaler, task: asyncio.Task):
 @CONFIG
 @click.option("--control-plane", help="host:port of the control plane (settings: control_plane).")
 @TOKEN
+@TOKEN_FILE
 @click.option("--package", "package_id", default="",
               help="Only this deployment's events (its id, or the start of it as the listings print it).")
 @click.option("--limit", type=click.IntRange(1, UINT32_MAX), default=100, show_default=True,
               help="The latest this many.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
-def events_command(config: Path | None, control_plane: str | None, token: str | None, package_id: str, limit: int,
-                   as_json: bool) -> None:
+def events_command(config: Path | None, control_plane: str | None, token: str | None, token_file: Path | None,
+                   package_id: str, limit: int, as_json: bool) -> None:
     """Print the scaling daemon's decisions (kept by the control plane), oldest first."""
     from control_plane.client import ControlPlaneClient
 
-    settings = load_settings(config, control_plane=control_plane, auth_token=token)
+    settings = load_settings(config, control_plane=control_plane, auth_token=given_token(token, token_file))
 
     async def fetch():
         async with ControlPlaneClient.from_settings(settings) as client:

@@ -17,6 +17,7 @@ from control_plane.messages import WorkerSpec
 from control_plane.server import ControlPlaneServer
 from packager.manifest import manifest_to_json
 from pipecast.agent.transport.registry import transport_names
+from pipecast.core.settings import SettingsError
 from pipecast.v1 import control_pb2 as pb
 from tests.control_plane.test_service import BLOCKS, PKG, STORE, TOKEN, WAIT_S, config, manifest, spec
 
@@ -61,6 +62,34 @@ async def test_packages_counts_block_copies_under_a_column_saying_so(cp):
     header, row = result.output.splitlines()
     assert header == "PACKAGE              MODEL                        BLOCKS       SIZE COMPLETE BLOCK COPIES  STORE"
     assert row.split()[-3:] == ["1", str(BLOCKS), f"{STORE.node_id}@{STORE.address}"]
+
+
+async def test_the_token_may_come_from_a_file_out_of_sight_of_ps(cp, tmp_path):
+    """Found in review: --token puts the master token in the command line, which any local user reads (`ps`,
+    /proc/*/cmdline), and its help did not say so. --token-file reads it from a file, refused as a config file
+    holding it is where another user could change it; --token's help points to it."""
+    server, _ = cp
+    token = tmp_path / "token"
+    token.write_text(f"{TOKEN}\n")
+    token.chmod(0o600)
+
+    async def cp_with(*args: str) -> Result:
+        return await asyncio.to_thread(CliRunner().invoke, cp_group, ["--control-plane", server.address, *args])
+
+    result = await cp_with("--token-file", str(token), "workers")
+    assert result.exit_code == 0 and "\nw1 " in result.output, result.output
+    both = await cp_with("--token", TOKEN, "--token-file", str(token), "workers")
+    assert both.exit_code == 2 and "Error: --token and --token-file both give the token: give one" in both.output
+    token.chmod(0o602)
+    refused = (await cp_with("workers", "--token-file", str(token))).exception  # after the subcommand too
+    assert isinstance(refused, SettingsError) and str(refused) == (
+        f"token file {token} holds a token and is writable by others (mode 0602): refused, as another user could "
+        "change it (chmod go-w)")
+    token.write_text("\n")
+    token.chmod(0o600)
+    assert str((await cp_with("--token-file", str(token), "workers")).exception) == f"token file {token} is empty"
+    assert ("Any local user sees it in `ps` while the command runs: prefer --token-file or PIPECAST_AUTH_TOKEN."
+            in " ".join(CliRunner().invoke(cp_group, ["--help"]).output.split()))
 
 
 def test_publish_takes_only_the_known_transports(tmp_path):

@@ -209,7 +209,7 @@ async def test_bad_or_missing_token_is_unauthenticated_and_changes_nothing(serve
         assert str(caught.value) == (f"control plane at {server.address} refused Register: missing or wrong token: "
                                      "give the control plane's master token, or a node token from `pipecast cp "
                                      "issue-token NODE`, as PIPECAST_AUTH_TOKEN (settings: auth_token; `pipecast "
-                                     "cp --token`)")
+                                     "cp --token-file`)")
         with pytest.raises(Unauthenticated):
             await intruder.publish_package(manifest(), STORE)
         with pytest.raises(Unauthenticated):

@@ -89,12 +89,18 @@ def test_run_refuses_a_source_keep_the_control_plane_would_refuse_at_every_relea
 
 
 async def test_events_takes_the_token_as_cp_does(tmp_path):
-    """Found in review: `scaler events --token X` said no such option, while `cp` and `status` take --token."""
+    """Found in review: `scaler events --token X` said no such option, while `cp` and `status` take --token (and
+    --token-file)."""
     async with one_event(tmp_path) as events:
         result = await events("--token", TOKEN, "--json")
         assert result.exit_code == 0, result.output
         assert '"reason": "quiet"' in result.output
         assert isinstance((await events("--token", "wrong", "--json")).exception, Unauthenticated)
+        token = tmp_path / "token"  # out of sight of `ps`, as `cp --token-file` reads it
+        token.write_text(TOKEN)
+        token.chmod(0o600)
+        result = await events("--token-file", str(token), "--json")
+        assert result.exit_code == 0 and '"reason": "quiet"' in result.output, result.output
 
 
 async def test_events_takes_the_start_of_a_package_id_as_the_listings_print_it(tmp_path):
