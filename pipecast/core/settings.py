@@ -318,7 +318,7 @@ def check_private_file(name: str, info: os.stat_result, secrets: str) -> None:
     ``secrets``, with :class:`SettingsError` if a user other than this process's could change it: it is writable by
     its group or others, or owned by another user than this process's or root (who may change any file). A changed
     file could send the token to a control plane of theirs (control_plane and tls_ca beside auth_token). Warn once
-    if its group or others may read it."""
+    if others may read it (not its group: a Kubernetes Secret is shared with the pod's group, ``fsGroup``, so)."""
     mode, me = stat.S_IMODE(info.st_mode), os.getuid()
     if mode & 0o022:
         raise SettingsError(f"{name} holds {secrets} and is writable by {_whom(mode, 0o022)} (mode {mode:04o}): "
@@ -326,10 +326,10 @@ def check_private_file(name: str, info: os.stat_result, secrets: str) -> None:
     if info.st_uid not in (me, 0):
         raise SettingsError(f"{name} holds {secrets} and is owned by uid {info.st_uid} (mode {mode:04o}), neither "
                             f"this user (uid {me}) nor root: refused, as its owner could change it")
-    if mode & 0o044 and name not in _warned_readable:
+    if mode & 0o004 and name not in _warned_readable:
         _warned_readable.add(name)
-        log.warning("%s holds %s and is readable by %s (mode %04o): chmod go-r, or anyone who can read it holds "
-                    "the secret", name, secrets, _whom(mode, 0o044), mode)
+        log.warning("%s holds %s and is readable by others (mode %04o): chmod o-r, or anyone who can read it holds "
+                    "the secret", name, secrets, mode)
 
 
 def read_token_file(path: Path) -> str:

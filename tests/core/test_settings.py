@@ -284,7 +284,8 @@ def test_a_config_file_holding_a_secret_others_may_read_is_warned_of_once_and_a_
     mode, without a word where others could read it."""
     monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
     shared, private, plain = tmp_path / "shared.toml", tmp_path / "private.toml", tmp_path / "plain.toml"
-    for path, mode in ((shared, 0o644), (private, 0o600)):
+    group = tmp_path / "group.toml"  # read by the group only: how a Kubernetes Secret is shared with the pod's group
+    for path, mode in ((shared, 0o644), (private, 0o600), (group, 0o640)):
         path.write_text(text)
         path.chmod(mode)
     plain.write_text('agent_port = 7071\ncontrol_db = "postgresql://cp@db:5432/cp"\n')  # no secret: any mode
@@ -293,9 +294,10 @@ def test_a_config_file_holding_a_secret_others_may_read_is_warned_of_once_and_a_
         load_settings(shared)
         load_settings(shared)
         assert [r.getMessage() for r in caplog.records] == [
-            f"config file {shared} holds {secrets} and is readable by group and others (mode 0644): chmod go-r, or "
-            "anyone who can read it holds the secret"]
+            f"config file {shared} holds {secrets} and is readable by others (mode 0644): chmod o-r, or anyone who "
+            "can read it holds the secret"]
         caplog.clear()
         load_settings(private)
+        load_settings(group)
         assert load_settings(plain).agent_port == 7071
         assert caplog.records == []

@@ -200,6 +200,8 @@ node's token only (auth.nodeTokensHostPath); the store reads its own key of the 
 {{- else }}
   secret:
     secretName: {{ include "pipecast.nodeTokensSecret" $ }}
+    # Root's and the pod's group's (fsGroup) to read, no one else's: a token file others may read is warned of.
+    defaultMode: 0440
     {{- if eq (index . 1) "store" }}
     {{- $file := printf "%s.toml" (toString $.Values.store.nodeId) }}
     items: [{key: {{ $file | quote }}, path: {{ $file | quote }}}]
