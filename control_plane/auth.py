@@ -5,8 +5,9 @@ it to a :class:`~pipecast.core.credentials.Principal` (the master token: the ope
 node; see :mod:`pipecast.core.credentials`) and runs the handler with it in :func:`current_principal`;
 an unknown or forged token is UNAUTHENTICATED and the handler never runs, so a refused call changes
 nothing. The standard health service is exempt, so that probes (kubelet, load balancers) that cannot
-send a token still work; it tells nothing but SERVING / NOT_SERVING. What each principal may do is
-decided by the handlers (:mod:`control_plane.service`).
+send a token still work; it tells nothing but SERVING / NOT_SERVING, and bounds what a caller without a token
+can make it read or keep (:mod:`control_plane.health`). What each principal may do is decided by the handlers
+(:mod:`control_plane.service`).
 """
 
 import asyncio

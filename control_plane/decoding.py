@@ -30,7 +30,7 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        # The health service's Watch writes through its context (a coroutine, not a generator): left as it is.
+        # The health service parses its requests itself, none refused (control_plane/health.py): left as it is.
         if (handler is None or handler.request_deserializer is None
                 or handler_call_details.method.startswith(HEALTH_PREFIX)):
             return handler

@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
 from control_plane.auth import TokenAuthInterceptor, server_credentials
@@ -35,6 +33,7 @@ from control_plane.client import MAX_RECONNECT_BACKOFF_S
 from control_plane.convert import MAX_MESSAGE_BYTES
 from control_plane.deployments import DeploymentBook
 from control_plane.errors import ControlPlaneError, InvalidRequest, StoreError
+from control_plane.health import HealthService
 from control_plane.leadership import StandbyGate
 from control_plane.metrics import ControlMetrics
 from control_plane.service import ControlPlaneService, host_port
@@ -158,7 +157,7 @@ class ControlPlaneServer:
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
         self._stepping_down: asyncio.Task | None = None
-        self._health = health_aio.HealthServicer()
+        self._health = HealthService(("", SERVICE_NAME))
         self._metrics_httpd: Any = None
         self._credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
         self.gate = StandbyGate()
@@ -248,7 +247,7 @@ class ControlPlaneServer:
         interceptors = ([] if auth_off else [TokenAuthInterceptor(config.token)]) + [self.gate, DecodeGuard()]
         server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         control_pb2_grpc.add_ControlPlaneServicer_to_server(self.service, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        server.add_generic_rpc_handlers((self._health.handler(),))
         listen = f"{config.host}:{config.port}"
         try:
             port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
@@ -279,7 +278,7 @@ class ControlPlaneServer:
                                        f"{exc.strerror or exc}") from exc
             self.metrics_port = self._metrics_httpd.server_port
         if self.store.shared:
-            await self._set_health(False)
+            await self._health.set(False)
         else:
             await self._lead()
         await server.start()
@@ -293,15 +292,10 @@ class ControlPlaneServer:
                  config.tls_ca is not None, bool(config.token), self.store.where, config.lease_s, config.scan_s,
                  self.metrics_port, config.store_links)
 
-    async def _set_health(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, status)
-
     async def _lead(self) -> None:
         """Serve: the gate opens, health says SERVING, the lease scan and the flusher start."""
         self.gate.leading = True
-        await self._set_health(True)
+        await self._health.set(True)
         self._tasks += [
             asyncio.create_task(self._every(self.config.scan_s, self._scan), name="lease-scan"),
             asyncio.create_task(self._every(self.config.flush_interval_s, self.service.flush_encoded), name="flush")]
@@ -409,7 +403,7 @@ class ControlPlaneServer:
         self._stepping_down = asyncio.get_running_loop().create_task(self._stop_serving(), name="step-down")
 
     async def _stop_serving(self) -> None:
-        await self._set_health(False)
+        await self._health.set(False)
         for task in self._tasks:
             task.cancel()
         if self._server is not None:
@@ -418,7 +412,7 @@ class ControlPlaneServer:
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stop serving (open streams end after ``grace_s``), then write the state out and close."""
-        await self._health.enter_graceful_shutdown()
+        await self._health.stop()
         if self._stepping_down is not None:
             await self._stepping_down
         for task in self._tasks:

@@ -22,7 +22,7 @@ import pytest
 from click.testing import CliRunner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from control_plane import auth
+from control_plane import auth, health
 from control_plane.client import ControlPlaneClient
 from control_plane.command import cp_group
 from control_plane.deployments import Deployment, ScaleEvent, ScalingPolicy
@@ -307,6 +307,51 @@ async def test_health_answers_without_a_token(server):
         reply = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="pipecast.v1.ControlPlane"), timeout=WAIT_S)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_health_keeps_nothing_of_the_names_it_is_asked_for(server):
+    """Health answers without a token, so an open Watch must not keep the name it asks for (up to the 64 MiB
+    message limit): grpcio's stock servicer kept each, and ten streams of 30 MiB names took 1.5 GB."""
+    known = ["", "pipecast.v1.ControlPlane"]
+    unknown = [f"{k}" + "x" * (1 << 20) for k in range(4)] + ["pipecast.v1.Other"]
+    request, answer = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+    options = [("grpc.max_send_message_length", 4 << 20)]
+    async with grpc.aio.insecure_channel(server.address, options=options) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watches = [stub.Watch(request(service=name)) for name in known + unknown]
+        try:
+            first = [(await call.read()).status for call in watches]
+            assert first == [answer.SERVING] * 2 + [answer.SERVICE_UNKNOWN] * 5
+            kept = [key for value in vars(server._health).values() if isinstance(value, dict) for key in value]
+            assert sorted(kept) == known
+            for name in unknown:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Check(request(service=name), timeout=WAIT_S)
+                assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            await server._health.set(False)  # as a replica stepping down: the known names' watchers are told
+            assert [(await call.read()).status for call in watches[:2]] == [answer.NOT_SERVING] * 2
+            assert [(await stub.Check(request(service=name), timeout=WAIT_S)).status for name in known] == [
+                answer.NOT_SERVING] * 2
+        finally:
+            for call in watches:
+                call.cancel()
+
+
+async def test_a_health_call_that_sends_no_request_is_ended(server, monkeypatch):
+    monkeypatch.setattr(health, "READ_S", 0.2)
+
+    async def silent() -> AsyncIterator[health_pb2.HealthCheckRequest]:
+        await asyncio.sleep(WAIT_S)
+        yield health_pb2.HealthCheckRequest()
+
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        check = channel.stream_unary("/grpc.health.v1.Health/Check",
+                                     request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                     response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await check(silent(), timeout=WAIT_S)
+    assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert ended.value.details() == "no health check request came within 0.2 s"
 
 
 async def test_a_burst_of_streams_is_taken_up_whole(server):
