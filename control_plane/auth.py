@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client import Counter
 
 from control_plane.errors import NO_TOKEN, TlsConfigError
 from pipecast.core.credentials import Principal, principal_for
+from pipecast.core.loglimit import LogLimit
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +51,15 @@ def current_principal() -> Principal | None:
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Admits a call (except health checks) only with the master token or a node token issued from it,
-    and runs its handler as that principal; else UNAUTHENTICATED."""
+    and runs its handler as that principal; else UNAUTHENTICATED, counted in ``refused`` and logged at a bounded
+    rate (a caller without a token could otherwise write thousands of lines a second)."""
 
-    def __init__(self, master: str):
+    def __init__(self, master: str, refused: Counter):
         if not master:
             raise ValueError("TokenAuthInterceptor needs a non-empty master token")
         self._master = master
+        self._refused = refused
+        self._log = LogLimit(log)
         self._held = 0  # refused streams being held for their first message
 
     def _principal(self, metadata: object) -> Principal | None:
@@ -74,7 +79,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         principal = self._principal(handler_call_details.invocation_metadata)
         if principal is None:
-            log.warning("refused unauthenticated call method=%s", method)
+            self._refused.inc()
+            self._log.log(logging.WARNING, "refused unauthenticated call method=%s", method)
             if not handler.request_streaming:
                 # Refused unread: a unary handler has gRPC receive and parse the whole request (up to the
                 # server's message limit, 64 MiB) before it runs, which a caller without a token could repeat

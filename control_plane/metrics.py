@@ -106,6 +106,8 @@ class ControlMetrics:
                                      ["method"], registry=self.registry, buckets=RPC_BUCKETS)
         self.block_reports = Counter("pipecast_control_block_reports", "Verified blocks reported by agents.",
                                      registry=self.registry)
+        self.refused_calls = Counter("pipecast_control_refused_calls", "Calls refused for want of a valid token.",
+                                     registry=self.registry)
         self.leader = Gauge("pipecast_control_leader", "1 while this replica leads (serves), 0 while a standby: a "
                             "standby's other gauges show an empty state.", registry=self.registry)
         self._collector = _StateCollector(state)

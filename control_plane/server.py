@@ -244,7 +244,9 @@ class ControlPlaneServer:
         warn_if_cleartext(config.token, credentials is not None, "control plane")
         # Auth first: a standby names the leader only to callers with a valid token; a request is parsed (and
         # refused if it does not) only for a caller let through.
-        interceptors = ([] if auth_off else [TokenAuthInterceptor(config.token)]) + [self.gate, DecodeGuard()]
+        interceptors: list[grpc.aio.ServerInterceptor] = [] if auth_off else [
+            TokenAuthInterceptor(config.token, self.metrics.refused_calls)]
+        interceptors += [self.gate, DecodeGuard()]
         server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         control_pb2_grpc.add_ControlPlaneServicer_to_server(self.service, server)
         server.add_generic_rpc_handlers((self._health.handler(),))

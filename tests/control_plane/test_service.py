@@ -53,8 +53,9 @@ from control_plane.worker_session import WorkerSession
 from packager.digest import DIGEST_ALGORITHM, digest_bytes
 from packager.manifest import MANIFEST_FORMAT_VERSION, manifest_to_json, seal_manifest
 from pipecast.core.credentials import data_plane_key, serving_key, verify_node_token
+from pipecast.core.loglimit import LogLimit
 from pipecast.core.settings import Settings, SettingsError
-from pipecast.v1.control_pb2 import ReportBlocksRequest, ScaleUpRequest
+from pipecast.v1.control_pb2 import ListPackagesRequest, ReportBlocksRequest, ScaleUpRequest
 from pipecast.v1.control_pb2_grpc import ControlPlaneStub
 from pipecast.v1.manifest_pb2 import Block, Manifest
 from tests.support.agent_processes import free_ports
@@ -234,6 +235,23 @@ async def test_a_refused_unary_call_is_refused_unread(server):
                 await (answer.read() if method == "WatchAssignments" else answer)
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, caught.value
             assert caught.value.details() == auth.DENIED
+
+
+async def test_refused_calls_are_counted_and_logged_at_a_bounded_rate(server, caplog):
+    """Found in review: each refused call wrote a warning, 7,761 lines in 5 s from one client."""
+    calls = 300
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="control_plane.auth"):
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = ControlPlaneStub(channel)
+            for _ in range(calls):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await stub.ListPackages(ListPackagesRequest(), timeout=WAIT_S)
+    elapsed = time.monotonic() - started
+    lines = [r.getMessage() for r in caplog.records if r.name == "control_plane.auth"]
+    limit = LogLimit(logging.getLogger())
+    assert 0 < len(lines) <= limit.burst + limit.per_s * elapsed + 1 < calls
+    assert server.metrics.registry.get_sample_value("pipecast_control_refused_calls_total") == calls
 
 
 @pytest.mark.parametrize("token", [TOKEN, ""])

@@ -66,7 +66,6 @@ import logging
 import os
 import re
 import struct
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -86,6 +85,7 @@ from pipecast.agent.errors import (
     UnknownPackageError,
 )
 from pipecast.agent.transport.base import PeerAuth, ServedPackages
+from pipecast.core.loglimit import LogLimit
 
 log = logging.getLogger(__name__)
 
@@ -194,30 +194,8 @@ def byte_view(buffer: memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-class LogLimit:
-    """At most ``burst`` lines, refilled at ``per_s`` a second; the lines left out are counted and said in
-    the next line that is logged (a flood of refused peers must not flood the log)."""
-
-    def __init__(self, per_s: float = 5.0, burst: float = 20.0) -> None:
-        self.per_s, self.burst = per_s, burst
-        self._tokens, self._stamp, self.dropped = burst, time.monotonic(), 0
-
-    def log(self, level: int, message: str, *args: Any) -> None:
-        now = time.monotonic()
-        self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.per_s)
-        self._stamp = now
-        if self._tokens < 1:
-            self.dropped += 1
-            return
-        self._tokens -= 1
-        if self.dropped:
-            message += f" ({self.dropped} similar lines left out)"
-            self.dropped = 0
-        log.log(level, message, *args)
-
-
 #: Refusals and closed connections of the serving side, logged at a bounded rate.
-SERVE_LOG = LogLimit()
+SERVE_LOG = LogLimit(log)
 
 
 # -- the hello -----------------------------------------------------------------------------------------
