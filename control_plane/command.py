@@ -445,7 +445,7 @@ def publish_command(ctx: click.Context, package_dir: Path, store_node: str, stor
                         f"warnings) until an agent serving it registers as {store_node!r} at {store_address}")
     elif not holds:  # found in review: a store whose agent dropped its seed gave no sign of it
         warnings.append(f"store node {store_node!r} holds none of the blocks of {package_id[:12]} "
-                        f"{wait_s:g} s after the publish: if its agent dropped them (`cp remove --force`, a release "
+                        f"{wait_s:g} s after the publish: if its agent dropped them (`cp remove`, a release "
                         "from it) or seeds another package, scale-ups from it fetch nothing until an agent seeding the "
                         "package folder (`pipecast agent --seed`) serves it there")
     if before is not None and before != store_node:
@@ -460,10 +460,11 @@ def publish_command(ctx: click.Context, package_dir: Path, store_node: str, stor
 
 @cp_group.command("remove")
 @click.argument("package_id")
-@click.option("--force", is_flag=True, help="Also when held: cancel its plans, tell holders to drop it.")
+@click.option("--force", is_flag=True,
+              help="Also when workers besides its store hold it or plans use it: cancel its plans.")
 @click.pass_context
 def remove_command(ctx: click.Context, package_id: str, force: bool) -> None:
-    """Remove a published package."""
+    """Remove a published package: its holders, its store too, are told to drop it."""
     package_id, _ = _run_for(ctx, package_id, lambda c, full: c.remove_package(full, force=force))
     _emit(ctx, {"removed": package_id}, [f"removed {package_id}"])
 

@@ -531,13 +531,15 @@ class ControlState:
         return package_id
 
     def remove_package(self, package_id: str, *, force: bool = False) -> None:
-        """Forget a package. Refused while workers hold it or plans use it, unless ``force``: then its
-        plans are cancelled and every holder and receiver is told to drop it."""
-        self.package(package_id)
+        """Forget a package. Refused while workers other than its store hold it or plans use it, unless ``force``:
+        then its plans are cancelled. Every holder (its store too) and receiver is told to drop it."""
+        store = self.package(package_id).store.node_id
         availability = self.availability[package_id]
         plans = [p for p in self.plans.values() if p.package_id == package_id]
-        if (availability.by_worker or plans) and not force:
-            raise Conflict(f"package {package_id!r} is held by {len(availability.by_worker)} workers and used "
+        # The store is left out: it cannot be released, so counting it would refuse every removal but a forced one.
+        holders = availability.by_worker.keys() - {store}
+        if (holders or plans) and not force:
+            raise Conflict(f"package {package_id!r} is held by {len(holders)} workers besides its store and used "
                            f"by {len(plans)} active plans: release it first, or remove it with force")
         told = set(availability.by_worker)
         for active in plans:
@@ -980,8 +982,8 @@ class ControlState:
         for node in node_ids:
             if node == store:
                 raise InvalidRequest(f"release of package {package_id!r} from {node!r} refused: {node!r} is its "
-                                     "store node, which keeps it to send to scale-ups (removing the package with "
-                                     "force drops it there)")
+                                     "store node, which keeps it to send to scale-ups (removing the package "
+                                     "drops it there)")
             self.alive_worker(node)
             in_plan = any(p.package_id == package_id and node in p.parts for p in self.plans.values())
             if node not in availability.by_worker and not in_plan:

@@ -243,8 +243,7 @@ async def test_release_from_the_packages_store_node_is_refused_by_the_control_pl
     result = await invoke(server, "release", PKG, "store")
     assert isinstance(result.exception, InvalidRequest)
     assert str(result.exception) == (f"release of package {PKG!r} from 'store' refused: 'store' is its store node, "
-                                     "which keeps it to send to scale-ups (removing the package with force drops it "
-                                     "there)")
+                                     "which keeps it to send to scale-ups (removing the package drops it there)")
     assert server.state.releases == {} and server.state.availability[PKG].is_complete("store")
 
 

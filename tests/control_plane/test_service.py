@@ -1366,7 +1366,7 @@ async def test_publish_warns_of_a_store_that_holds_none_of_the_package_and_of_a_
 
     assert await publish("store") == (
         f"warning: store node 'store' holds none of the blocks of {pid[:12]} 0.3 s after the publish: if its agent "
-        "dropped them (`cp remove --force`, a release from it) or seeds another package, scale-ups from it fetch "
+        "dropped them (`cp remove`, a release from it) or seeds another package, scale-ups from it fetch "
         "nothing until an agent seeding the package folder (`pipecast agent --seed`) serves it there\n"
         f"published {pid} ({BLOCKS} blocks)\n")
     assert "the package's store was 'store': it is 'w1' now" in await publish("w1")

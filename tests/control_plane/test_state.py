@@ -1213,7 +1213,7 @@ def test_releasing_a_package_from_its_store_node_is_refused_and_changes_nothing(
     state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
     with pytest.raises(InvalidRequest, match=re.escape(
             "release of package 'pkg' from 'store' refused: 'store' is its store node, which keeps it to send to "
-            "scale-ups (removing the package with force drops it there)")):
+            "scale-ups (removing the package drops it there)")):
         state.release("pkg", ["w0", "store"], keep_alive_s=keep_alive_s, now=2)
     assert state.releases == {} and state.dropping == set() and not state.notices
     assert state.availability["pkg"].complete_holders() == ["store", "w0"]
@@ -1288,13 +1288,30 @@ def test_remove_package_is_refused_while_held_unless_forced():
     state = cluster(2)
     state.report("w0", {"pkg": [0]}, {}, now=1)
     result = state.scale_up("pkg", node_ids=["w1"], now=1)
-    with pytest.raises(Conflict, match="package 'pkg' is held by 1 workers and used by 1 active plans"):
+    with pytest.raises(Conflict, match="'pkg' is held by 1 workers besides its store and used by 1 active plans"):
         state.remove_package("pkg")
     state.notices.clear()
     state.remove_package("pkg", force=True)
     assert "pkg" not in state.packages and state.plans == {}
     assert {Notice("w0", UpdateKind.DROP, "pkg"), Notice("w1", UpdateKind.DROP, "pkg"),
             Notice("w1", UpdateKind.CANCEL, "pkg", result.plan_id)} <= set(state.notices)
+
+
+def test_remove_package_is_not_refused_for_its_store():
+    """Found in use: the store counted as a holder, and it cannot be released, so a removal without force was
+    refused ("release it first") for good. Once the workers released it, it is removed and the store drops it."""
+    state = cluster(1)
+    state.register(WorkerSpec(STORE, 10_000), {"pkg": range(BLOCKS)}, now=1)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    with pytest.raises(Conflict) as refused:
+        state.remove_package("pkg")
+    assert str(refused.value) == ("package 'pkg' is held by 1 workers besides its store and used by 0 active plans: "
+                                  "release it first, or remove it with force")
+    state.release("pkg", ["w0"], keep_alive_s=0, now=2)
+    state.report("w0", {}, {"pkg": range(BLOCKS)}, now=3)
+    state.notices.clear()
+    state.remove_package("pkg")
+    assert "pkg" not in state.packages and state.notices == [Notice("store", UpdateKind.DROP, "pkg")]
 
 
 @pytest.mark.parametrize("holder, sources", [(False, ("store2",)), (True, ("w2",))])
