@@ -12,7 +12,7 @@ import os
 import re
 import stat
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -292,6 +292,12 @@ class _TomlFileSource(PydanticBaseSettingsSource):
         if "config" in table:  # no file names another: it would be ignored without a word
             raise SettingsError(f"config file {path}: config names a config file, which only the command line or "
                                 "PIPECAST_CONFIG may")
+        # Refused here, not by the model: its error named neither the file nor the setting the key likely misspells.
+        known = self.settings_cls.model_fields.keys()
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise SettingsError(f"config file {path}: " + "; ".join(
+                f"unknown setting {key}{_did_you_mean(key, known)}" for key in unknown))
         secrets = sorted(name for name, value in table.items()
                          if name in SECRET_SETTINGS or name == "control_db" and _URL_PASSWORD.search(str(value)))
         if secrets:
@@ -368,6 +374,12 @@ OTHER_VARIABLES = frozenset({"PIPECAST_CONFIG", "PIPECAST_VLLM_VENV", "PIPECAST_
 _warned: set[str] = set()  # unknown variables warned of in this process
 
 
+def _did_you_mean(name: str, known: Collection[str]) -> str:
+    """`` (did you mean X?)``, X the name of ``known`` that ``name`` likely misspells; empty where none is close."""
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def warn_unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
     """Warn once per process of each ``PIPECAST_*`` variable of ``environ`` (default: this process's) that names
     no setting, with the setting's it likely misspells: the environment, unlike the config file, would ignore it
@@ -378,9 +390,7 @@ def warn_unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
                      if name.upper().startswith("PIPECAST_") and name.upper() not in known and name not in _warned)
     for name in unknown:
         _warned.add(name)
-        close = difflib.get_close_matches(name, sorted(known), n=1)
-        log.warning("environment variable %s is no pipecast setting: ignored%s", name,
-                    f" (did you mean {close[0]}?)" if close else "")
+        log.warning("environment variable %s is no pipecast setting: ignored%s", name, _did_you_mean(name, known))
     return unknown
 
 

@@ -28,10 +28,13 @@ def test_bad_file_and_unknown_key_are_errors(tmp_path, monkeypatch):
     bad.write_text("agent_port = [")
     with pytest.raises(SettingsError, match="bad.toml"):
         load_settings(bad)
+    # Found in use: the model's "agent_prot: Extra inputs are not permitted" named no file and no likely setting.
     unknown = tmp_path / "unknown.toml"
-    unknown.write_text("agent_prot = 1\n")
-    with pytest.raises(SettingsError, match="invalid settings: agent_prot: Extra inputs are not permitted"):
+    unknown.write_text("[pipecast]\nagent_prot = 1\nzzz_qqq = 2\n")
+    with pytest.raises(SettingsError) as refused:
         load_settings(unknown)
+    assert str(refused.value) == (f"config file {unknown}: unknown setting agent_prot (did you mean agent_port?); "
+                                  "unknown setting zzz_qqq")
 
 
 @pytest.mark.parametrize("text, problem", [
