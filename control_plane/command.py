@@ -568,7 +568,8 @@ DEPLOY_FLAGS = {"min_replicas": "--min", "max_replicas": "--max", "slo_ttft_p99_
               help="Size for the cold starts the scaler measures on this deployment's scale-ups once it has one "
                    "(--cold-start until then).")
 @click.option("--router", "routers", multiple=True, metavar="URL",
-              help="Base URL of a router whose /stats feed the scaler (repeat for several).")
+              help="Base URL of a router whose /stats feed the scaler, e.g. http://host:8080, not its /v1 "
+                   "(repeat for several).")
 @click.option("--priority", type=click.Choice(PRIORITIES), default=DEFAULT_PRIORITY, show_default=True,
               help="The package's priority: its multicast takes the share of each link the agents' "
                    "priority_shares give it (else their multicast_share).")

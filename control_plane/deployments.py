@@ -186,9 +186,11 @@ _KIND_NAMES = {(int, float): "a finite number", str: "text", int: "an integer"}
 MAX_EVENT_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, the last second datetime takes
 
 
-#: Endpoints of a router, which a deployment's router URL must not end with: the daemon appends them to it.
+#: Endpoints of a router, which a deployment's router URL must not end with: the daemon appends them to it. /v1 is
+#: the OpenAI base URL its clients are given (the daemon polled /v1/stats, a 404 every tick); a path before them is
+#: a gateway's prefix, which is kept.
 ROUTER_ENDPOINTS = ("/stats", "/metrics", "/health", "/v1/workers", "/v1/completions", "/v1/chat/completions",
-                    "/v1/models")
+                    "/v1/models", "/v1")
 
 
 def check_router_url(url: str, package_id: str) -> str:

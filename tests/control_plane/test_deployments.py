@@ -322,10 +322,12 @@ def test_the_book_refuses_router_urls_no_resolver_takes_or_with_credentials(url)
 
 @pytest.mark.parametrize("url, endpoint, base", [("http://r:8080/stats", "/stats", "http://r:8080"),
                                                 ("http://gw/pipecast/v1/completions", "/v1/completions",
-                                                 "http://gw/pipecast")])
+                                                 "http://gw/pipecast"),
+                                                ("http://r:8080/v1/", "/v1", "http://r:8080")])
 def test_the_book_refuses_a_router_url_that_names_one_of_its_endpoints(url, endpoint, base):
     """Found in review: `cp deploy --router http://r:8080/stats` was taken, and the daemon polled /stats/stats and held
-    the deployment with no signals while saying it was healthy."""
+    the deployment with no signals while saying it was healthy. Found in use: so was the OpenAI base URL its clients
+    are given (http://r:8080/v1), and the daemon logged "/stats answered HTTP 404" every tick."""
     with pytest.raises(InvalidRequest, match=f"^deployment of package 'p': router '{url}' names the router's "
                                              f"{endpoint} endpoint; give its base URL \\({base}\\)$"):
         DeploymentBook().put(Deployment("p", ScalingPolicy(), (url,)), ["p"], 1.0)
