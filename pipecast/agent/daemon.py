@@ -348,20 +348,22 @@ class AgentDaemon:
         await self.package_complete(store)
 
     async def package_complete(self, store: BlockStore) -> None:
-        """Log and record that every block of ``store`` is verified, once the disk cache has them too."""
+        """Log and record that the blocks this node fetches of ``store`` (a static plan's part of them, else every
+        block) are verified, once the disk cache has them too."""
         # This store's writes only, shielded: a cancelled wait (its package dropped) must cancel no write, least
         # of all another package's, whose own wait would then end in a CancelledError of nobody's asking.
         writes = [task for task, owner in self._cache_writes.items() if owner is store]
         if writes:
             await asyncio.shield(asyncio.gather(*writes))
-        progress = store.progress()
-        seconds = progress.elapsed_s or 0.0
+        # The blocks verified here, not the package: a static plan may give this node a part of it only (the
+        # package's size was logged then, and no time: the package's is unset until it is whole here).
+        verified = [b for b in store.progress().blocks if b.verified_at is not None]
+        size = sum(store.manifest.blocks[b.index].bytes for b in verified)
+        seconds = max(b.verified_at for b in verified) - min(b.started_at for b in verified) if verified else 0.0
         log.info("agent %s: package %s complete: %d blocks (%d from the disk cache), %s in %.3f s (%s)",
-                 self.node_id, store.package_id[:12], progress.blocks_verified,
-                 self._from_cache.pop(store.package_id, 0),
-                 format_bytes(progress.bytes_total), seconds,
-                 format_rate(progress.bytes_total / seconds) if seconds else "-")
-        self.events.emit("complete", package=store.package_id, bytes=progress.bytes_total, seconds=seconds)
+                 self.node_id, store.package_id[:12], len(verified), self._from_cache.pop(store.package_id, 0),
+                 format_bytes(size), seconds, format_rate(size / seconds) if seconds else "-")
+        self.events.emit("complete", package=store.package_id, bytes=size, seconds=seconds)
 
     async def open_store(self, package_id: str, peers: Sequence[PeerInfo], pool: ChannelPool,
                          on_failure: PeerFailureCallback | None = None) -> BlockStore:

@@ -5,6 +5,7 @@ data-plane key derives from the master token."""
 import asyncio
 import socket
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,10 +22,12 @@ from pipecast.agent.errors import (
 )
 from pipecast.agent.events import read_events
 from pipecast.agent.fetcher import ChannelPool
+from pipecast.agent.ratelimit import format_rate
 from pipecast.agent.store import BlockStore
 from pipecast.agent.transport.tcp import TcpTransport
 from pipecast.core.credentials import CredentialError, issue_node_token
 from pipecast.core.settings import Settings
+from pipecast.core.units import format_bytes
 from tests.support.agent_fixtures import block_file_bytes, land_chunk, receiving_store
 
 pytestmark = pytest.mark.timeout(30)
@@ -447,3 +450,29 @@ async def test_auto_falls_back_to_tcp_when_ucx_cannot_start_on_this_node(monkeyp
     finally:
         daemon.stop()
         await asyncio.wait_for(running, 10)
+
+
+async def test_a_completion_logs_the_blocks_verified_here_and_their_time(tiny_package, monkeypatch, caplog):
+    """Found in use: a static plan's agent given 2 of 4 blocks logged "2 blocks (0 from the disk cache), 710.4 KiB
+    in 0.000 s (-)": the whole package's size, and no time (the package, not complete there, had none)."""
+    package = tiny_package(layers=3, layer_bytes=100_000, chunk_bytes=64 << 10)
+    manifest = package.manifest
+    assert len(manifest.blocks) == 3
+    clock = [10.0]
+    monkeypatch.setattr("pipecast.agent.store.time", SimpleNamespace(time=lambda: clock[0]))
+    store = receiving_store(manifest)
+    daemon = AgentDaemon(AgentOptions(node_id="rx", listen="127.0.0.1:0"), Settings(**SETTINGS))
+    try:
+        for block, at in ((0, 10.0), (1, 12.0)):  # block 2 is another node's part
+            clock[0] = at
+            data = block_file_bytes(package.path, manifest, block)
+            for chunk in range(store.chunk_count(block)):
+                land_chunk(store, data, block, chunk)
+        with caplog.at_level("INFO", logger="pipecast.agent.daemon"):
+            await daemon.package_complete(store)
+    finally:
+        store.close()
+        daemon.events.close()
+    size = manifest.blocks[0].bytes + manifest.blocks[1].bytes
+    assert f"agent rx: package {manifest.package_id[:12]} complete: 2 blocks (0 from the disk cache), " \
+           f"{format_bytes(size)} in 2.000 s ({format_rate(size / 2)})" in caplog.messages
