@@ -36,8 +36,8 @@ GROUP_CHAIN_MAX = 8
 #: 2^d - 1 receivers deep take about (k + d) * s chunk times, against the model's T chunks (the simulator
 #: agrees within ~3% where there are no pairs). The default s is the largest (the fewest units: the
 #: shortest fetch lists) for which (k + d) * s stays within ROUND_OVERHEAD of T; where none does, the one
-#: with the least (k + d) * s. A big model gets few, large units (140,000 chunks at N = 1,024: 160 units of
-#: 875 chunks), a small one many (the demo's 264 chunks: 66 units of 4 chunks at N = 16 by this rule, 132 of
+#: with the least (k + d) * s. A big model gets few, large units (140,000 chunks at N = 1,024: 100 units of
+#: 1,400 chunks), a small one many (the demo's 264 chunks: 44 units of 6 chunks at N = 16 by this rule, 132 of
 #: 2 at N = 1,024). Units of more than 2 chunks keep the rounds' rhythm only where a parent serves
 #: the child furthest behind first (the simulator's ``serve="earliest"``); shared fairly, its uplink lets
 #: children that run ahead slow the current round (the demo at N = 16 in units of 4: 1.57x S/B, 1.10 served
