@@ -258,9 +258,11 @@ class ControlState:
                  cached: Mapping[str, Iterable[int]] | None = None) -> list[str]:
         """Add or replace a worker; ``held`` replaces all it was known to hold, ``cached`` all it was known to
         have in its disk cache; refused (:class:`NodeIdInUse`) from another address while the worker's lease
-        runs: a second agent given its id. A worker whose lease lapsed while a plan fed it gets a plan for the
-        rest; one still holding a package it was told to drop is told again (and does not hold it here).
-        Returns unknown package ids (of either)."""
+        runs: a second agent given its id. Blocks it no longer holds leave the plans that count on them, as
+        :meth:`report`'s dropped blocks do (its agent restarted within its lease, or its session registered again
+        mid-plan). A worker whose lease lapsed while a plan fed it gets a plan for the rest; one still holding a
+        package it was told to drop is told again (and does not hold it here). Returns unknown package ids (of
+        either)."""
         node = spec.node_id
         # An id no node token can name (IssueToken refuses it) would also garble every listing it is shown in.
         try:
@@ -309,9 +311,12 @@ class ControlState:
         for package_id, availability in self.availability.items():
             mine = blocks.get(package_id, set())
             if availability.held(node) != mine:
+                lost = availability.held(node) - mine
                 availability.remove_worker(node)
                 availability.add(node, mine)
                 self.dirty.availability.add((package_id, node))
+                if lost:  # as a report of them dropped: no plan counts on them (an agent restarted, within its lease)
+                    self._lost(package_id, node, lost)
             if availability.is_complete(node):
                 self._receiver_done(package_id, node)
         self._leave_plans_too_large(node)

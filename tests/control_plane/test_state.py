@@ -157,6 +157,34 @@ def test_register_replaces_what_the_worker_was_known_to_hold():
     assert state.availability["pkg"].by_block[0] == set()
 
 
+def test_a_receiver_registering_again_without_blocks_its_plan_took_it_to_hold_fetches_them_again():
+    """Found in review: its agent restarted at the same address within its lease (or its session registered again
+    mid-plan) holding less; the plan still counted on what it had held, neither it nor its child fetched those
+    blocks, and the plan never ended."""
+    state = cluster(3)
+    state.report("w0", {"pkg": [0, 1, 2]}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w0", "w1"], strategy="chain", now=1)
+    state.notices.clear()
+    state.register(spec("w0"), {}, now=2)
+    active = state.plans[result.plan_id]
+    assert "w0" not in active.plan.held and "w0" in notices_of(state, UpdateKind.ASSIGN)
+    assert_complete_plan(state, result.plan_id, {"w0", "w1"})
+    for node in ("w0", "w1"):
+        state.report(node, {"pkg": {f.block for f in active.parts[node].fetch}}, {}, now=3)
+    assert result.plan_id not in state.plans
+
+
+def test_a_source_registering_again_without_the_package_leaves_its_plan():
+    state = cluster(3, store_beside_holders=False)
+    state.report("w0", {"pkg": range(BLOCKS)}, {}, now=1)
+    result = state.scale_up("pkg", node_ids=["w1", "w2"], strategy="chain", now=1)
+    assert result.sources == ("w0",)
+    state.register(spec("w0"), {}, now=2)
+    active = state.plans[result.plan_id]
+    assert active.plan.sources == ("store",) and "w0" not in active.parts
+    assert_complete_plan(state, result.plan_id, {"w1", "w2"})
+
+
 def test_a_worker_back_at_another_address_is_announced_to_the_nodes_whose_parts_name_it():
     state = cluster(5)
     result = state.scale_up("pkg", node_ids=["w0", "w1", "w2", "w3"], strategy="chain", now=1)
