@@ -28,7 +28,7 @@ from control_plane.planner.plan import PlanError, check_ids
 #: Most stages in one pipeline: each adds a hop per token. FaaScale plans pipelines of 8/4/2/1 nodes.
 DEFAULT_MAX_STAGES = 8
 #: Steps of search a forming takes at most (:func:`form_pipelines`): about a second of this project's 2-core VM.
-DEFAULT_BUDGET = 300_000
+DEFAULT_BUDGET = 600_000
 #: Partial chains kept per stage end while searching (see :func:`_fewest_stages`).
 _PATHS_PER_END = 32
 #: What a chain ending at a position needs of the nodes left: how many of each kind (:attr:`_Runs.kind`) it used
@@ -143,10 +143,12 @@ def form_pipelines(layout: ModelLayout, held: Mapping[str, Collection[int]], *,
     compute. Nodes holding every block are left out. Deterministic: the same ``held`` forms the same pipelines
     (among nodes alike, the smallest id left is taken).
 
-    ``budget``: the most steps of search (a node looked at from a stage end) over all pipelines; once spent,
-    the pipelines found so far. Each pipeline is searched for among every node left, so nodes holding many
-    different sets of blocks (receivers mid-transfer in rotated orders: hundreds of kinds) took minutes at a
-    few thousand; the first pipelines, the fewest stages, are found first and serve as well."""
+    ``budget``: the most steps of search (a node looked at from a stage end, or a chain kept at a stage end
+    compared with) over all pipelines; once spent, the pipelines found so far. Each pipeline is searched for
+    among every node left, so nodes holding many different sets of blocks (receivers mid-transfer in rotated
+    orders: hundreds of kinds) took minutes at a few thousand; the first pipelines, the fewest stages, are found
+    first and serve as well. The comparisons count too: up to 32 per node looked at, uncounted they made 199
+    nodes holding three runs of blocks each take 8-11 s."""
     if not isinstance(max_stages, int) or max_stages < 2:
         raise PlanError(f"form_pipelines: max_stages must be an integer >= 2, got {max_stages!r}")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
@@ -247,7 +249,11 @@ def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
             needed: dict[int, dict] = {}  # stage end -> what the chain's nodes so far need there
             # Every end this chain could reach is full of chains that need no more of its nodes (or is the last
             # layer, from one node alone): nothing to try.
-            if all(not path if q == last else _full(found.get(q, ()), runs, used, q) for q in reach.get(p, ())):
+            full = all(not path if q == last else _full(found.get(q, ()), runs, used, q, spent)
+                       for q in reach.get(p, ()))
+            if spent[0] > spent[1]:
+                return None
+            if full:
                 continue
             for (_, span), nodes in covering.get(p, {}).items():
                 node = next((n for n in nodes if n not in used), None)  # the others of its group: the same chains
@@ -269,7 +275,7 @@ def _fewest_stages(layout: ModelLayout, runs: Mapping[str, _Runs],
                     needs = needed[q]
                     if r.spans[-1][1] > q:
                         needs = {**needs, r.kind: needs.get(r.kind, 0) + 1}
-                    if _admit(found.setdefault(q, []), frozenset(needs.items())):
+                    if _admit(found.setdefault(q, []), frozenset(needs.items()), spent):
                         following.append((q, path + [(node, span)]))
         frontier = following
     return None
@@ -291,12 +297,14 @@ def _within(a: _Needs, b: _Needs) -> bool:
     return len(a) <= len(b) and all(n <= counts.get(kind, 0) for kind, n in a)
 
 
-def _admit(kept: list[_Needs], needs: _Needs) -> bool:
+def _admit(kept: list[_Needs], needs: _Needs, spent: list[int]) -> bool:
     """Whether a chain that ``needs`` so much is kept among those ending at its position (``kept``, updated): not
     where one of them needs no more (it can do all this one can), else in place of those needing more than it
-    does, or in a free place."""
+    does, or in a free place. Each chain kept there compared with is a step of ``spent``'s."""
+    spent[0] += len(kept)
     if any(_within(other, needs) for other in kept):
         return False
+    spent[0] += len(kept)
     fewer = [other for other in kept if not _within(needs, other)]
     if len(fewer) == len(kept) and len(kept) >= _PATHS_PER_END:
         return False
@@ -304,11 +312,14 @@ def _admit(kept: list[_Needs], needs: _Needs) -> bool:
     return True
 
 
-def _full(kept: Sequence[_Needs], runs: Mapping[str, _Runs], used: Collection[str], q: int) -> bool:
+def _full(kept: Sequence[_Needs], runs: Mapping[str, _Runs], used: Collection[str], q: int,
+          spent: list[int]) -> bool:
     """Whether no chain extending one that used ``used`` would be kept at stage end ``q``: the places are taken
-    and one of them needs no more than such a chain would (at least its ``used`` nodes holding a layer past q)."""
+    and one of them needs no more than such a chain would (at least its ``used`` nodes holding a layer past q).
+    Each chain kept there compared with is a step of ``spent``'s."""
     if len(kept) < _PATHS_PER_END:
         return False
+    spent[0] += len(kept)
     least = frozenset(_count(runs, used, q).items())
     return any(_within(other, least) for other in kept)
 
