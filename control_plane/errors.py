@@ -100,6 +100,12 @@ class NoSource(Conflict):
     none of them speaks a receiver's data-plane transport."""
 
 
+class DraftStale(Conflict):
+    """A scale-up's plan was made from a draft that the cluster changed under meanwhile (a receiver or source gone,
+    a receiver taken by another scale-up): nothing was installed. The service drafts and plans it again a few
+    times before answering this; retrying may succeed."""
+
+
 class InsufficientWorkers(ControlPlaneError):
     """A scale-up asked for more workers than are alive, eligible and have memory for the package."""
 
@@ -160,7 +166,7 @@ NO_TOKEN = "missing or wrong token"
 
 _BY_NAME: dict[str, type[ControlPlaneError]] = {
     cls.__name__: cls for cls in (UnknownWorker, UnknownPackage, UnknownDeployment, UnknownRoute, InvalidRequest,
-                                  Conflict, NodeIdInUse, NoSource, InsufficientWorkers, Unauthenticated,
+                                  Conflict, NodeIdInUse, NoSource, DraftStale, InsufficientWorkers, Unauthenticated,
                                   PermissionDenied, ControlPlaneUnavailable, ChangeNotStored)
 }
 

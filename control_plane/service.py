@@ -52,6 +52,7 @@ from control_plane.errors import (
     ChangeNotStored,
     Conflict,
     ControlPlaneError,
+    DraftStale,
     InvalidRequest,
     PermissionDenied,
     StoreError,
@@ -92,6 +93,10 @@ STORE_BUSY_RETRY_S = 0.005
 #: Time between two lease scans that the clock shows and this process did not watch pass, from which on leases
 #: and releases are moved by it (see ControlPlaneService.tick): below, the clocks' drift and the scan's jitter.
 CLOCK_STEP_S = 1.0
+#: Plans a scale-up makes at most, each from a draft of the state then: the cluster may change under one while it is
+#: made in a thread (two scale-ups at once, drafted alike, each take the same receivers), and the next is drafted
+#: anew (:class:`~control_plane.errors.DraftStale` after the last).
+SCALE_UP_TRIES = 3
 Handler = Callable[["ControlPlaneService", Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 #: RPCs only the operator (the master token) may call.
@@ -627,12 +632,20 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
 
     @_rpc
     async def ScaleUp(self, request: pb.ScaleUpRequest, context: grpc.aio.ServicerContext) -> pb.ScaleUpResponse:
-        draft = self.state.draft_scale_up(request.package_id, node_ids=list(request.node_ids), count=request.count,
-                                          strategy=request.strategy, fanout=request.fanout,
-                                          serving_only=request.serving_only)
-        # Planning thousands of receivers takes long: in a thread, so the event loop keeps serving meanwhile.
-        plan = await asyncio.to_thread(_build_plan, draft) if draft.receivers else None
-        result = self.state.install_scale_up(draft, plan, now=self.clock())
+        for tries in range(1, SCALE_UP_TRIES + 1):
+            draft = self.state.draft_scale_up(request.package_id, node_ids=list(request.node_ids),
+                                              count=request.count, strategy=request.strategy, fanout=request.fanout,
+                                              serving_only=request.serving_only)
+            # Planning thousands of receivers takes long: in a thread, so the event loop keeps serving meanwhile.
+            plan = await asyncio.to_thread(_build_plan, draft) if draft.receivers else None
+            try:
+                result = self.state.install_scale_up(draft, plan, now=self.clock())
+                break
+            except DraftStale:
+                if tries == SCALE_UP_TRIES:
+                    raise
+                log.info("scale-up of package=%s: the cluster changed while its plan was made; planning it again "
+                         "(try %d of %d)", request.package_id, tries + 1, SCALE_UP_TRIES)
         # An acknowledged plan survives a crash (agents drop parts a restarted control plane lacks); its row
         # is written in a thread: thousands of receivers' plan is ~10 MB.
         await self.flush_encoded(durable=True)

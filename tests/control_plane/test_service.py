@@ -22,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import control_plane.service
 from control_plane import auth, health
 from control_plane.client import ControlPlaneClient
 from control_plane.command import cp_group
@@ -1190,6 +1191,27 @@ async def test_a_scale_up_made_but_not_stored_says_so_and_is_written_by_a_later_
         with sqlite3.connect(tmp_path / "cp.sqlite3") as db:
             return db.execute("SELECT count(*) FROM plans").fetchone() == (1,)
     await eventually(stored, what="the plan written by a later flush")
+
+
+async def test_a_scale_up_whose_workers_another_took_while_it_was_planned_is_planned_again_in_a_thread(client,
+                                                                                                      monkeypatch):
+    """Found in review: two scale-ups at once, both drafted before either was installed, picked the same workers, and
+    the second was drafted and planned again inside install_scale_up, on the event loop (0.49 s at 2,000 workers)."""
+    await client.publish_package(manifest(), STORE)
+    for node in ("w1", "w2", "w3", "w4"):
+        await client.register(spec(node))
+    both, built, build = threading.Barrier(2, timeout=WAIT_S), [], control_plane.service._build_plan
+
+    def held_build(draft):
+        built.append((draft.receivers, threading.current_thread()))
+        if len(built) <= 2:
+            both.wait()  # each drafted before either is installed
+        return build(draft)
+    monkeypatch.setattr(control_plane.service, "_build_plan", held_build)
+    first, second = await asyncio.gather(client.scale_up(PKG, count=2), client.scale_up(PKG, count=2))
+    assert len(first.receivers) == len(second.receivers) == 2 and set(first.receivers).isdisjoint(second.receivers)
+    assert len(built) == 3 and built[0][0] == built[1][0]  # drafted alike, then one drafted and planned again
+    assert threading.main_thread() not in {thread for _, thread in built}
 
 
 async def test_a_scale_up_retried_with_its_request_id_is_answered_as_it_was_not_made_twice(server, client):
