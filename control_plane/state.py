@@ -1329,24 +1329,26 @@ class ControlState:
 
     def _install(self, active: ActivePlan, plan: Plan, changed: set[str] | None = None) -> None:
         """Make ``plan`` the plan of ``active`` and tell every node whose part changed; ``changed``: the only
-        nodes whose parts may differ from the old plan's (a repair), None: any node's."""
+        nodes whose parts may differ from the old plan's (a repair), None: any node's. Only those parts are made
+        again, also where the sources changed (a source's death: every part of thousands was made again on the
+        event loop, 0.39 s at 5,000 receivers), though then every node is told."""
         old = active.parts
-        # Every part's ASSIGN names the plan's sources (a receiver's fallbacks and manifest peers): all are told.
-        new_sources = active.plan.sources != plan.sources
-        if new_sources:
-            changed = None
         if changed is None:
             parts = plan.parts()
             changed = old.keys() | parts.keys()
         else:
             parts = {node: part for node, part in old.items() if node not in changed}
             parts.update(parts_of(plan, changed, old))
+        # Every part's ASSIGN names the plan's sources (a receiver's fallbacks and manifest peers): with new ones, all
+        # are told.
+        new_sources = active.plan.sources != plan.sources
+        told = old.keys() | parts.keys() if new_sources else changed
         # Every receiver's rate so far was under the old plan (its parents', or its parents' parents', now
         # differ): measured afresh once the change settled.
         for node in active.pending:
             self.progress.pop((active.package_id, node), None)
         active.changed = True
-        for node in changed:
+        for node in told:
             if node in old and node not in parts:
                 self.notices.append(Notice(node, UpdateKind.CANCEL, active.package_id, active.plan_id))
             elif node in parts:

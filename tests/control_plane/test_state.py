@@ -830,6 +830,28 @@ def test_a_large_plan_whose_sources_died_is_sent_from_a_receiver_done_which_stop
     assert not active.parts[done].fetch
 
 
+@pytest.mark.parametrize("strategy", ["rotated", "binomial"])
+def test_a_source_dying_in_a_large_plan_makes_only_the_parts_that_changed_again_and_tells_every_node(strategy,
+                                                                                                     monkeypatch):
+    """Found in review: a plan whose sources changed had every part made again on the event loop (0.39 s at 5,000
+    receivers), though its repair names the nodes whose parts change (the others' ASSIGN names the sources only)."""
+    state = ControlState(lease_s=LEASE)
+    _chunked(state, 70)
+    for holder in ("H0", "H1"):
+        state.register(spec(holder, memory=10**6), {"pkg": range(BLOCKS)}, now=0)
+    result = state.scale_up("pkg", count=70, strategy=strategy, now=1)
+    assert {"H0", "H1"} <= set(result.sources)
+    active = state.plans[result.plan_id]
+    made, make = [], Plan._make_parts
+    monkeypatch.setattr(Plan, "_make_parts", lambda plan: made.append(plan) or make(plan))
+    state.notices.clear()
+    state.deregister("H0")
+    assert "H0" not in active.plan.sources and not made
+    active.plan.validate()
+    assert active.parts == dataclasses.replace(active.plan).parts()  # as if made whole
+    assert notices_of(state, UpdateKind.ASSIGN) == set(active.parts) and notices_of(state, UpdateKind.CANCEL) == {"H0"}
+
+
 def _progress(state: ControlState, rates: dict[str, float], start: float, end: float, step: float = 0.125,
               held: dict[str, float] | None = None, until=lambda: False) -> tuple[dict[str, float], float]:
     """Every node reports the bytes it holds (``held`` at ``start``) growing at ``rates`` (bytes/s), every
