@@ -360,7 +360,9 @@ def status_command(ctx: click.Context) -> None:
     lines = [f"workers: {len(alive)} alive of {len(workers)}"]
     for w in workers:
         held = " ".join(f"{models.get(h.package_id, h.package_id[:12])}:{len(h.blocks)}" for h in w.held) or "-"
-        lines.append(f"  {w.worker.peer.node_id:<24} {'alive' if w.alive else 'DEAD':<5} {held}")
+        bound = w.worker.serve_package
+        serves = f" (its worker serves {models.get(bound, bound[:12])})" if bound else ""
+        lines.append(f"  {w.worker.peer.node_id:<24} {'alive' if w.alive else 'DEAD':<5} {held}{serves}")
     lines.append(f"packages: {len(packages)}")
     for p in packages:
         lines.append(f"  {p.model_name[:28]:<28} {p.package_id[:12]}  {p.num_blocks} blocks, "
@@ -375,9 +377,9 @@ def status_command(ctx: click.Context) -> None:
                      + " -> ".join(f"{s.node_id}[{s.layer_start}-{s.layer_end - 1}]" for s in p.stages))
     lines.append(f"deployments: {len(deployments)}")
     for d in deployments:
-        # Serving workers holding blocks (a store with a serve URL too), not agents alone: the daemon's replicas
-        # but those still to receive their first block.
-        replicas = sum(1 for w in alive if w.worker.serve_url
+        # Serving workers holding blocks (a store with a serve URL too), not agents alone nor workers bound to
+        # another package: the daemon's replicas but those still to receive their first block.
+        replicas = sum(1 for w in alive if w.worker.serve_url and w.worker.serve_package in ("", d.package_id)
                        and any(h.package_id == d.package_id and h.blocks for h in w.held))
         lines.append(f"  {models.get(d.package_id, d.package_id[:12])}: {replicas} serving workers holding blocks, "
                      f"{_describe_policy(d.policy)}; priority {d.priority}")

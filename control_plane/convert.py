@@ -37,7 +37,7 @@ def spec_to_proto(spec: WorkerSpec) -> pb.WorkerSpec:
                          accelerator=pb.Accelerator(kind=acc.kind, name=acc.name, count=acc.count,
                                                     memory_bytes=acc.memory_bytes),
                          labels=dict(spec.labels), serve_url=spec.serve_url, engine=spec.engine,
-                         link_mbit=spec.link_mbit)
+                         link_mbit=spec.link_mbit, serve_package=spec.serve_package)
 
 
 def spec_from_proto(msg: pb.WorkerSpec) -> WorkerSpec:
@@ -45,7 +45,7 @@ def spec_from_proto(msg: pb.WorkerSpec) -> WorkerSpec:
     return WorkerSpec(peer=peer_from_proto(msg.peer), memory_bytes=msg.memory_bytes,
                       accelerator=AcceleratorInfo(acc.kind, acc.name, acc.count, acc.memory_bytes),
                       labels=dict(msg.labels), serve_url=msg.serve_url, engine=msg.engine or DEFAULT_ENGINE,
-                      link_mbit=msg.link_mbit)
+                      link_mbit=msg.link_mbit, serve_package=msg.serve_package)
 
 
 def blocks_to_proto(held: Mapping[str, Iterable[int]]) -> list[pb.PackageBlocks]:

@@ -50,6 +50,7 @@ class WorkerSpec:
     serve_url: str = ""  # HTTP base URL of the worker's serving API; the router lists workers by it
     engine: str = DEFAULT_ENGINE  # what answers at serve_url (SERVING_ENGINES)
     link_mbit: float = 0.0  # the rate the data plane may take of its link (0: unknown): stragglers are below it
+    serve_package: str = ""  # the package id its serving worker serves ("": not said, any package)
 
     @property
     def node_id(self) -> str:
@@ -62,7 +63,7 @@ class WorkerSpec:
                                 "count": self.accelerator.count,
                                 "memory_bytes": self.accelerator.memory_bytes},
                 "labels": dict(self.labels), "serve_url": self.serve_url, "engine": self.engine,
-                "link_mbit": self.link_mbit}
+                "link_mbit": self.link_mbit, "serve_package": self.serve_package}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "WorkerSpec":
@@ -71,7 +72,8 @@ class WorkerSpec:
                    accelerator=AcceleratorInfo(**known_fields(AcceleratorInfo, data["accelerator"])),
                    labels=dict(data["labels"]), serve_url=data.get("serve_url", ""),  # absent before field 5
                    engine=data.get("engine", DEFAULT_ENGINE),  # absent before field 6
-                   link_mbit=float(data.get("link_mbit", 0.0)))  # absent before field 7
+                   link_mbit=float(data.get("link_mbit", 0.0)),  # absent before field 7
+                   serve_package=data.get("serve_package", ""))  # absent before field 8
 
 
 #: The WorkerSpec label that held a serving worker's HTTP base URL before WorkerSpec.serve_url; the router

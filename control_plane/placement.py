@@ -61,11 +61,19 @@ class Candidate:
     releasing: bool  # it is in a keep-alive release of this package
     rack: str | None = None  # its ``rack`` label (None: unknown)
     blocks_cached: int = 0  # blocks of this package in its disk cache and not in memory
-    serving: bool = True  # a serving worker beside its agent (a serve URL): a replica once it holds the package
+    serving: bool = True  # a serving worker beside its agent (a serve URL), of this package or another (:meth:`serves`)
     #: Of ``committed_bytes``, those of other packages it keeps only in a keep-alive release (a future source):
     #: given up when a scale-up needs the memory.
     reclaimable_bytes: int = 0
     transports: tuple[str, ...] = ("tcp",)  # the data-plane transports its agent speaks
+    #: The package its serving worker serves (``pipecast serve PACKAGE``; "": not said, any package): a worker
+    #: bound to another one never serves this package, whatever blocks of it its agent holds.
+    serve_package: str = ""
+
+    def serves(self, package_id: str) -> bool:
+        """Whether its serving worker would serve ``package_id`` once it holds it: it has one, bound to that
+        package or to none."""
+        return self.serving and self.serve_package in ("", package_id)
 
     def fits(self, package_bytes: int, *, reclaiming: bool = False) -> bool:
         """Whether a package of ``package_bytes`` fits its memory budget beside what it is committed to (with
@@ -137,34 +145,38 @@ def _listed(transports: Sequence[str]) -> str:
 def counted_targets(package_id: str, package_bytes: int, candidates: Iterable[Candidate], count: int,
                     source_racks: Collection[str] = (), *, store: str = "", offered: Sequence[str] = (),
                     serving_only: bool = False) -> Targets:
-    """``count`` workers picked among the alive ``candidates``: serving ones first (an agent alone serves no
-    request: the scaling daemon counts only serving workers as free, and a copy on another node made it scale up
-    again), among them those in a keep-alive release of the package
+    """``count`` workers picked among the alive ``candidates``: those whose serving worker would serve the package
+    first (:meth:`Candidate.serves`; an agent alone, or one whose worker serves another package, serves no request
+    of it: the scaling daemon counts neither as free, and a copy on another node made it scale up again), among
+    them those in a keep-alive release of the package
     that hold all of it first (they are ready at once), then those it fits without dropping another package kept
     in a keep-alive release, then those holding most of it in memory or in their
     disk cache (a local load; memory first among equals), then those in one of ``source_racks`` (the racks
     of the plan's sources: no cross-rack traffic), then the least committed; never the package's ``store``
     node; with ``offered`` (the transports of the nodes that may send it, in order of preference), only receivers
     speaking the one of those that the most eligible ones speak (:func:`plan_transport`); with ``serving_only``,
-    serving workers alone; raises :class:`InsufficientWorkers` if fewer than ``count`` can take it."""
+    those whose serving worker would serve it alone; raises :class:`InsufficientWorkers` if fewer than ``count``
+    can take it."""
     # The store is the package's origin, not a replica: picked as a receiver (its blocks not counted yet, e.g.
     # seeded before the publish) it would leave its plan with no source.
-    eligible = [c for c in candidates if c.node_id != store and not c.receiving and (c.serving or not serving_only)
+    eligible = [c for c in candidates
+                if c.node_id != store and not c.receiving and (not serving_only or c.serves(package_id))
                 and ((c.releasing and c.complete) or (not c.complete and c.fits(package_bytes, reclaiming=True)))]
     transport = plan_transport(offered, (c.transports for c in eligible if not c.complete))
     speaking = [c for c in eligible if c.complete or transport is None or transport in c.transports]
     if len(speaking) < count:
         free = f"{format_bytes(package_bytes)} of memory budget free"
         # Workers of another transport are said to be left out: else the count of alive ones looks wrong.
-        which = "serve requests (a serve URL), " if serving_only else ""
+        which = "serve it (a serve URL, the worker there bound to no other package), " if serving_only else ""
         which += f"do not hold it already and have {free}" if len(speaking) == len(eligible) else (
             f"do not hold it already, have {free} and speak {transport} (of the transports of the nodes that "
             f"may send it, {_listed(offered)}, the one most of them speak)")
         raise InsufficientWorkers(f"scale-up of package {package_id!r} asked for {count} more workers; only "
                                   f"{len(speaking)} are alive, {which}")
-    speaking.sort(key=lambda c: (not c.serving, not c.releasing, not c.complete and not c.fits(package_bytes),
-                                 -(c.blocks_held + c.blocks_cached), -c.blocks_held,
-                                 c.rack is None or c.rack not in source_racks, c.committed_bytes, c.node_id))
+    speaking.sort(key=lambda c: (not c.serves(package_id), not c.releasing,
+                                 not c.complete and not c.fits(package_bytes), -(c.blocks_held + c.blocks_cached),
+                                 -c.blocks_held, c.rack is None or c.rack not in source_racks, c.committed_bytes,
+                                 c.node_id))
     chosen = speaking[:count]
     return Targets(tuple(c.node_id for c in chosen if not c.complete), tuple(c.node_id for c in chosen if c.complete),
                    transport)

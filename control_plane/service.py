@@ -61,14 +61,14 @@ from control_plane.errors import (
 )
 from control_plane.mailbox import Mailbox
 from control_plane.metrics import ControlMetrics
-from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, WorkerSpec
+from control_plane.messages import SERVE_URL_LABEL, PeerInfo, UpdateKind, WorkerSpec, serve_url_of
 from control_plane.planner.plan import Plan
 from control_plane.probe import listens
 from control_plane.pipeline_forming import Formed, PipelineFormer, PipelineQuery
 from control_plane.state import ActivePlan, ControlState, Notice, ScaleUpDraft
 from control_plane.store import FencedError, PendingFlush, Store
 from packager.errors import ManifestError
-from packager.manifest import validate_manifest
+from packager.manifest import HEX_DIGEST, validate_manifest
 from pipecast.core.credentials import (
     OPERATOR,
     CredentialError,
@@ -874,10 +874,17 @@ def _build_plan(draft: ScaleUpDraft) -> Plan:
 
 def check_serve_urls(spec: WorkerSpec) -> None:
     """A worker's serve URL (and the legacy label the router also reads) must be on the worker's own
-    data-plane host: else a worker could send the router's requests anywhere. Its engine must be known."""
+    data-plane host: else a worker could send the router's requests anywhere. Its engine must be known, and
+    the package it serves a whole package id, said only with a serve URL."""
     if spec.engine not in SERVING_ENGINES:
         raise InvalidRequest(f"worker {spec.node_id!r}: engine {spec.engine!r} is not one of "
                              f"{', '.join(SERVING_ENGINES)}")
+    if spec.serve_package and not HEX_DIGEST.fullmatch(spec.serve_package):
+        raise InvalidRequest(f"worker {spec.node_id!r}: serve package {spec.serve_package[:80]!r} is not a whole "
+                             "package id (64 lowercase hex digits)")
+    if spec.serve_package and not serve_url_of(spec):
+        raise InvalidRequest(f"worker {spec.node_id!r}: serve package {spec.serve_package[:12]} without a serve URL: "
+                             "it names what the serving worker at its serve URL serves")
     host, _ = host_port(spec.peer.address, f"worker {spec.node_id!r} address")
     for url in (spec.serve_url, spec.labels.get(SERVE_URL_LABEL, "")):
         try:

@@ -1041,15 +1041,17 @@ class ControlState:
 
     def pipeline_query(self, package_id: str) -> "PipelineQuery | None":
         """What :class:`PipelineQuery` needs of the state now, copied (None: the package has no layout).
-        Its alive serving workers (those with a serve URL) that hold part of the package are its candidates,
-        and those still receiving it count with the block each receives next too."""
+        Its alive serving workers (those with a serve URL, bound to this package or to none) that hold part of
+        the package are its candidates, and those still receiving it count with the block each receives next too."""
         package = self.package(package_id)
         if package.layout is None:
             return None
         availability = self.availability[package_id]
-        # Only pipecast's serving workers run stages (a vLLM worker serves the whole model alone).
+        # Only pipecast's serving workers run stages (a vLLM worker serves the whole model alone), each of its own
+        # package only (a stage call for another one is refused).
         urls = {n: url for n, w in self.workers.items()
-                if w.alive and w.spec.engine == DEFAULT_ENGINE and (url := serve_url_of(w.spec))}
+                if w.alive and w.spec.engine == DEFAULT_ENGINE and w.spec.serve_package in ("", package_id)
+                and (url := serve_url_of(w.spec))}
         verified = {n: b for n, b in availability.by_worker.items() if n in urls and b}
         receiving: dict[str, tuple[frozenset[int], tuple[tuple[Fetch[str], ...], ...]]] = {}
         for active in self.plans.values():
@@ -1177,7 +1179,8 @@ class ControlState:
         return [Candidate(n, self.workers[n].spec.memory_bytes, committed.get(n, 0), availability.count(n),
                           availability.is_complete(n), n in receiving, n in releasing, self._rack(n),
                           len(on_disk.get(n, set()) - availability.held(n)), bool(self.workers[n].spec.serve_url),
-                          reclaimable.get(n, 0), self.workers[n].spec.peer.transports) for n in nodes]
+                          reclaimable.get(n, 0), self.workers[n].spec.peer.transports,
+                          self.workers[n].spec.serve_package) for n in nodes]
 
     def _chain_tail(self, package_id: str) -> str | None:
         """The last node of the newest active chain plan of ``package_id`` still receiving it (None if none, or if

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from packager.manifest import HEX_DIGEST
 from pipecast.agent.daemon import AgentDaemon, AgentOptions
 from pipecast.agent.errors import PlanFileError
 from pipecast.agent.fetcher import FetchPolicy
@@ -134,6 +135,10 @@ def _priority_shares(ctx: click.Context, param: click.Parameter, values: tuple[s
 @click.option("--engine", type=click.Choice(SERVING_ENGINES),
               help="What answers at --serve-url: pipecast's serving worker, or vLLM with pipecast's loader "
                    "(settings: agent_engine).")
+@click.option("--serve-package", metavar="PACKAGE_ID",
+              help="The package id the worker at --serve-url serves (its `pipecast serve PACKAGE_ID`, or the package "
+                   "folder `vllm serve` loads): a deployment's scale-ups place its package only on nodes whose worker "
+                   "serves it or that name none (settings: agent_serve_package).")
 @click.option("--link-mbit", type=Number(min=0), metavar="MBIT",
               help="This node's link rate, Mbit/s, that --multicast-share is a share of and the control plane judges "
                    "stragglers by (settings: agent_link_mbit).")
@@ -153,7 +158,8 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
                   cache_dir: Path | None, memory: int | None, reserve: int | None, transport: str | None,
                   local_socket: Path | None, events: Path | None, exit_when_complete: bool, control_plane: str | None,
                   labels: dict[str, str],
-                  serve_url: str | None, engine: str | None, link_mbit: float | None, multicast_share: float | None,
+                  serve_url: str | None, engine: str | None, serve_package: str | None, link_mbit: float | None,
+                  multicast_share: float | None,
                   priority_shares: dict[str, float], start_at: float | None) -> None:
     """Run the node agent: serve blocks to peers, fetch this node's share, feed local engines.
 
@@ -167,7 +173,7 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
     settings = load_settings(agent_cache_dir=cache_dir, agent_memory_bytes=memory, agent_reserve_bytes=reserve,
                              agent_transport=transport,
                              agent_local_socket=local_socket, agent_node_id=node_id, agent_serve_url=serve_url,
-                             agent_engine=engine,
+                             agent_engine=engine, agent_serve_package=serve_package,
                              agent_link_mbit=link_mbit, multicast_share=multicast_share,
                              priority_shares=priority_shares or None)
     if control_plane is None and plan is None and not exit_when_complete:
@@ -182,6 +188,13 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
         why = "is not a folder" if local_socket.parent.exists() else "does not exist"
         raise click.BadParameter(f"the folder of {str(local_socket)!r}, {str(local_socket.parent)!r}, {why}",
                                  param_hint="'--local-socket' (setting agent_local_socket)")
+    if settings.agent_serve_package and not HEX_DIGEST.fullmatch(settings.agent_serve_package):
+        raise click.BadParameter(f"{settings.agent_serve_package!r} is not a whole package id (64 lowercase hex "
+                                 "digits, as `pipecast cp publish` prints it)",
+                                 param_hint="'--serve-package' (setting agent_serve_package)")
+    if settings.agent_serve_package and not settings.agent_serve_url:
+        raise click.UsageError("--serve-package names what the serving worker at --serve-url serves: it needs "
+                               "--serve-url (setting agent_serve_url)")
     if plan is not None and not settings.agent_node_id:
         raise PlanFileError(f"{plan}: --node-id is needed to know which of the plan's nodes this agent is")
     policy = FetchPolicy(concurrency=settings.agent_fetch_concurrency, retries=settings.agent_fetch_retries,
@@ -195,6 +208,7 @@ def agent_command(listen: str | None, node_id: str | None, seed: Path | None, pl
                            seed=seed, plan=plan, events=events, exit_when_complete=exit_when_complete,
                            start_at=start_at, policy=policy, control_plane=control_plane,
                            labels={**settings.agent_labels, **labels}, serve_url=settings.agent_serve_url,
-                           engine=settings.agent_engine, announce=click.echo)
+                           engine=settings.agent_engine, serve_package=settings.agent_serve_package,
+                           announce=click.echo)
     keep_freed_memory()  # send buffers churn by megabytes: reuse their memory (pipecast.core.allocator)
     asyncio.run(AgentDaemon(options, settings).run())

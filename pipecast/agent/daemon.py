@@ -83,6 +83,7 @@ class AgentOptions:
     labels: Mapping[str, str] = field(default_factory=dict)  # topology labels registered with the control plane
     serve_url: str = ""  # HTTP base URL of this node's serving worker, registered for the router
     engine: str = DEFAULT_ENGINE  # what answers at serve_url (control_plane.messages.SERVING_ENGINES)
+    serve_package: str = ""  # the package id the worker at serve_url serves ("": not said, any)
     #: Told the line saying where it listens, as the other servers print it (the entry point prints it).
     announce: Callable[[str], None] | None = None
 
@@ -495,7 +496,7 @@ class AgentDaemon:
         # The rate the data plane may take of the link: a receiver far below it is a straggler.
         link_mbit = settings.agent_link_mbit * settings.multicast_share
         spec = WorkerSpec(peer, settings.agent_memory_bytes, accelerator, dict(self.options.labels),
-                          self.options.serve_url, self.options.engine, link_mbit)
+                          self.options.serve_url, self.options.engine, link_mbit, self.options.serve_package)
         log.info("agent %s: control plane %s, registering as %s (%s) labels=%s", self.node_id,
                  settings.control_plane, peer.address, accelerator.kind, dict(spec.labels))
         return ControlLink(self, ControlPlaneClient.from_settings(settings), spec, self.options.policy,

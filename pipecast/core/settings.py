@@ -132,6 +132,8 @@ class Settings(BaseSettings):
     agent_serve_url: str = Field("", description="HTTP base URL of the serving worker on this node (router)")
     agent_engine: Literal[SERVING_ENGINES] = Field(
         "pipecast", description="what answers at agent_serve_url: pipecast's serving worker or vLLM")
+    agent_serve_package: str = Field("", description="the package id the serving worker at agent_serve_url serves "
+                                                     "(scale-ups for a deployment place only there; empty: any)")
 
     # Control plane.
     control_plane: str = Field("127.0.0.1:7000", description="host:port of the control plane, or of its replicas "

@@ -426,11 +426,11 @@ class Scaler:
 
     async def _scale_up(self, package_id: str, count: int) -> tuple[pb.ScaleUpResponse, int, str]:
         """Scale up by ``count`` workers, or fewer where the control plane cannot place them: the pool counts
-        every worker not serving the package as free, but placement also needs its memory budget, and refuses a
-        scale-up it cannot place whole (which, retried at the same count each tick, added none). Half as many are
-        asked each time, down to one: one fewer at a time took up to ``count`` calls (100 with 100 workers short of
-        memory, each within its deadline). Returns the control plane's reply, the count placed and why no more
-        were ("" when all were)."""
+        every serving worker that may serve the package and holds none of it as free, but placement also needs its
+        memory budget, and refuses a scale-up it cannot place whole (which, retried at the same count each tick,
+        added none). Half as many are asked each time, down to one: one fewer at a time took up to ``count`` calls
+        (100 with 100 workers short of memory, each within its deadline). Returns the control plane's reply, the
+        count placed and why no more were ("" when all were)."""
         asked, short = count, ""
         while True:
             try:

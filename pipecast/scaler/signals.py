@@ -181,7 +181,9 @@ def pool_of(package_id: str, num_blocks: int, workers: Iterable[pb.WorkerState],
             *, now: float, released: Iterable[str] = (), last_scale_up: float | None = None,
             store: str = "") -> Pool:
     """The deployment's pool: replicas are alive serving workers that hold blocks of the package or are
-    receiving it (loading until they hold every block); free ones hold and receive nothing of it.
+    receiving it (loading until they hold every block); free ones hold and receive nothing of it. A serving
+    worker bound to another package (its agent's ``serve_package``) is neither, whatever it holds: it never
+    serves this one, and a scale-up places the package only where it would be (``serving_only``).
     ``released`` nodes (released moments ago, their drop not reported yet) are free, not replicas: a
     scale-up may take them back (placed on holders first), and a surge whose only spare workers they are
     would else wait for their keep-alive to end. The package's ``store`` node, serving, is a replica never
@@ -191,7 +193,7 @@ def pool_of(package_id: str, num_blocks: int, workers: Iterable[pb.WorkerState],
     replicas, free = [], 0
     for state in workers:
         node = state.worker.peer.node_id
-        if not state.alive or not state.worker.serve_url:
+        if not state.alive or not state.worker.serve_url or state.worker.serve_package not in ("", package_id):
             continue
         held = sum(len(h.blocks) for h in state.held if h.package_id == package_id)
         if node in released:

@@ -31,7 +31,7 @@ class Accelerator(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., count: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerSpec(_message.Message):
-    __slots__ = ("peer", "memory_bytes", "accelerator", "labels", "serve_url", "engine", "link_mbit")
+    __slots__ = ("peer", "memory_bytes", "accelerator", "labels", "serve_url", "engine", "link_mbit", "serve_package")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class WorkerSpec(_message.Message):
     SERVE_URL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     LINK_MBIT_FIELD_NUMBER: _ClassVar[int]
+    SERVE_PACKAGE_FIELD_NUMBER: _ClassVar[int]
     peer: Peer
     memory_bytes: int
     accelerator: Accelerator
@@ -53,7 +54,8 @@ class WorkerSpec(_message.Message):
     serve_url: str
     engine: str
     link_mbit: float
-    def __init__(self, peer: _Optional[_Union[Peer, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[Accelerator, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., serve_url: _Optional[str] = ..., engine: _Optional[str] = ..., link_mbit: _Optional[float] = ...) -> None: ...
+    serve_package: str
+    def __init__(self, peer: _Optional[_Union[Peer, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., accelerator: _Optional[_Union[Accelerator, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., serve_url: _Optional[str] = ..., engine: _Optional[str] = ..., link_mbit: _Optional[float] = ..., serve_package: _Optional[str] = ...) -> None: ...
 
 class PackageBlocks(_message.Message):
     __slots__ = ("package_id", "blocks")

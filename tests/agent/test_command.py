@@ -151,3 +151,26 @@ def test_a_reserve_of_zero_is_none_and_other_sizes_stay_positive(monkeypatch, st
     assert reserves == [0, 0]  # none, over the environment's
     result = CliRunner().invoke(agent_command, ["--memory", "0", "--listen", "127.0.0.1:0"])
     assert result.exit_code == 2 and "Invalid value for '--memory': size must be positive: '0'" in result.output
+
+
+def test_the_package_the_serving_worker_serves_is_a_whole_id_beside_a_serve_url(monkeypatch, started):
+    """Found in review: nothing told the control plane which package a node's worker serves, so the scaling daemon
+    placed another deployment's package there. --serve-package (or its setting) says it: a whole package id, of
+    the worker at --serve-url."""
+    for variable in ("PIPECAST_AGENT_SERVE_URL", "PIPECAST_AGENT_SERVE_PACKAGE"):
+        monkeypatch.delenv(variable, raising=False)
+    listen, serve = ["--listen", "127.0.0.1:0"], ["--serve-url", "http://127.0.0.1:8000"]
+    result = CliRunner().invoke(agent_command, [*listen, *serve, "--serve-package", "a" * 64])
+    assert result.exit_code == 0, result.output
+    monkeypatch.setenv("PIPECAST_AGENT_SERVE_PACKAGE", "b" * 64)
+    assert CliRunner().invoke(agent_command, [*listen, *serve]).exit_code == 0
+    assert CliRunner().invoke(agent_command, listen + ["--serve-url", ""]).exit_code == 2
+    monkeypatch.delenv("PIPECAST_AGENT_SERVE_PACKAGE")
+    assert CliRunner().invoke(agent_command, listen).exit_code == 0
+    assert [o.serve_package for o in started] == ["a" * 64, "b" * 64, ""]
+    result = CliRunner().invoke(agent_command, [*listen, *serve, "--serve-package", "A" * 64])
+    assert result.exit_code == 2 and f"Invalid value for '--serve-package' (setting agent_serve_package): " \
+        f"'{'A' * 64}' is not a whole package id (64 lowercase hex digits" in result.output, result.output
+    result = CliRunner().invoke(agent_command, [*listen, "--serve-package", "a" * 64])
+    assert result.exit_code == 2 and "--serve-package names what the serving worker at --serve-url serves: it " \
+        "needs --serve-url" in result.output, result.output

@@ -264,6 +264,18 @@ async def test_a_workers_engine_is_kept_and_an_unknown_one_refused(w2, server):
     assert WorkerSpec.from_json(server.state.workers["w2"].spec.to_json()).engine == "vllm"
 
 
+async def test_a_workers_serve_package_is_kept_and_one_not_a_package_id_or_without_a_serve_url_refused(w2, server):
+    url = "http://127.0.0.1:8000"
+    with pytest.raises(InvalidRequest, match="worker 'w2': serve package 'abc' is not a whole package id"):
+        await w2.register(WorkerSpec(spec("w2").peer, 1 << 30, serve_url=url, serve_package="abc"))
+    with pytest.raises(InvalidRequest, match="worker 'w2': serve package aaaaaaaaaaaa without a serve URL"):
+        await w2.register(WorkerSpec(spec("w2").peer, 1 << 30, serve_package="a" * 64))
+    assert server.state.workers == {}
+    await w2.register(WorkerSpec(spec("w2").peer, 1 << 30, serve_url=url, serve_package="a" * 64))
+    assert server.state.workers["w2"].spec.serve_package == "a" * 64
+    assert WorkerSpec.from_json(server.state.workers["w2"].spec.to_json()).serve_package == "a" * 64
+
+
 async def test_worker_session_hands_over_the_data_key_and_stops_on_another_nodes_token(server):
     keys: list[bytes] = []
     async with ControlPlaneClient(server.address, token=issue_node_token(TOKEN, "w2"), timeout_s=WAIT_S) as own:

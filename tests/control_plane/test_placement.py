@@ -15,9 +15,9 @@ PACKAGE_BYTES = 100
 
 def candidate(node: str, *, memory: int = 1000, committed: int = 0, held: int = 0, complete: bool = False,
               receiving: bool = False, releasing: bool = False, rack: str | None = None, cached: int = 0,
-              serving: bool = True, transports: tuple[str, ...] = ("tcp",)) -> Candidate:
+              serving: bool = True, transports: tuple[str, ...] = ("tcp",), serve_package: str = "") -> Candidate:
     return Candidate(node, memory, committed, held, complete, receiving, releasing, rack, cached, serving,
-                     transports=transports)
+                     transports=transports, serve_package=serve_package)
 
 
 def test_a_package_fits_beside_what_a_worker_is_committed_to():
@@ -145,9 +145,26 @@ def test_a_serving_only_scale_up_never_takes_an_agent_alone():
     (serving workers short of memory) made a copy it never counted nor released, and it asked again and again."""
     candidates = [candidate("agent-only", serving=False), candidate("gpu1"), candidate("gpu2")]
     assert counted_targets("pkg", PACKAGE_BYTES, candidates, 2, serving_only=True).receivers == ("gpu1", "gpu2")
-    with pytest.raises(InsufficientWorkers, match=r"asked for 3 more workers; only 2 are alive, serve requests \(a "
-                                                  r"serve URL\), do not hold it already and have "):
+    with pytest.raises(InsufficientWorkers, match=r"asked for 3 more workers; only 2 are alive, serve it \(a serve "
+                                                  r"URL, the worker there bound to no other package\), do not hold it "
+                                                  r"already and have "):
         counted_targets("pkg", PACKAGE_BYTES, candidates, 3, serving_only=True)
+
+
+def test_a_serving_only_scale_up_never_takes_a_worker_serving_another_package():
+    """Found in review: with a canary deployed beside its stable version, the scaling daemon's scale-up of the
+    canary went to a worker serving the stable version (`pipecast serve STABLE`): it held the canary and served
+    none of it, and the canary never had a replica. Workers bound to the package, or to none (agents before
+    --serve-package), take it; others never (a scale-up of the operator's takes them last, as agents alone)."""
+    candidates = [candidate("a-stable", serve_package="stable"), candidate("b-any"),
+                  candidate("c-canary", committed=500, serve_package="canary"), candidate("d-agent", serving=False)]
+    placed = counted_targets("canary", PACKAGE_BYTES, candidates, 2, serving_only=True)
+    assert placed.receivers == ("b-any", "c-canary")
+    with pytest.raises(InsufficientWorkers, match=r"asked for 3 more workers; only 2 are alive, serve it"):
+        counted_targets("canary", PACKAGE_BYTES, candidates, 3, serving_only=True)
+    assert counted_targets("canary", PACKAGE_BYTES, candidates, 4).receivers == ("b-any", "c-canary", "a-stable",
+                                                                                  "d-agent")
+    assert [c.serves("canary") for c in candidates] == [False, True, True, False]
 
 
 # ----- transports -----

@@ -977,9 +977,30 @@ async def test_a_serving_only_scale_up_leaves_agents_alone_out_over_the_wire(cli
     for node, url in (("w1", ""), ("w2", "http://127.0.0.1:8002")):
         worker = spec(node)
         await client.register(WorkerSpec(worker.peer, worker.memory_bytes, serve_url=url))
-    with pytest.raises(InsufficientWorkers, match=r"only 1 are alive, serve requests \(a serve URL\)"):
+    with pytest.raises(InsufficientWorkers, match=r"only 1 are alive, serve it \(a serve URL, the worker there "
+                                                  r"bound to no other package\)"):
         await client.scale_up(PKG, count=2, serving_only=True)
     assert list((await client.scale_up(PKG, count=1, serving_only=True)).receivers) == ["w2"]
+
+
+async def test_a_serving_only_scale_up_leaves_workers_serving_another_package_out_over_the_wire(client):
+    """Found in review: a canary's scale-up went to a worker serving the stable version: held there, served
+    nowhere. Its pipelines leave such a worker out too (a stage call for another package is refused)."""
+    other = manifest("stable")
+    for package in (manifest(), other):
+        await client.publish_package(package, STORE)
+    for node, bound in (("w1", other.package_id), ("w2", PKG), ("w3", "")):
+        worker = spec(node)
+        await client.register(WorkerSpec(worker.peer, worker.memory_bytes, serve_url=f"http://127.0.0.1:800{node[1]}",
+                                         serve_package=bound))
+    listed = {w.worker.peer.node_id: w.worker.serve_package for w in await client.list_workers()}
+    assert listed == {"w1": other.package_id, "w2": PKG, "w3": ""}
+    with pytest.raises(InsufficientWorkers, match=r"asked for 3 more workers; only 2 are alive, serve it"):
+        await client.scale_up(PKG, count=3, serving_only=True)
+    assert sorted((await client.scale_up(PKG, count=2, serving_only=True)).receivers) == ["w2", "w3"]
+    await client.report_blocks("w1", {PKG: [0, 1]})
+    await client.report_blocks("w2", {PKG: [2, 3]})
+    assert await client.list_pipelines(PKG) == []  # w1's half would make one, were it a stage of PKG
 
 
 async def test_pipelines_are_formed_in_a_thread_once_for_calls_at_once_and_again_only_after_a_change(

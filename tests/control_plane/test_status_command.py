@@ -48,7 +48,7 @@ def test_pipecast_status_names_an_unreachable_control_plane():
 
 async def test_status_tells_versions_of_one_model_apart_and_counts_serving_replicas_only(tmp_path):
     """Found in review: two versions of one model (a canary) read alike by name alone, and a deployment's line
-    counted agents without a serving worker (a store pod) as replicas."""
+    counted agents without a serving worker (a store pod), and workers serving another package, as replicas."""
     server = ControlPlaneServer(config(tmp_path / "cp.sqlite3"))
     await server.start()
     try:
@@ -58,6 +58,8 @@ async def test_status_tells_versions_of_one_model_apart_and_counts_serving_repli
             blocks = {PKG: range(4)}
             await c.register(dataclasses.replace(spec("w1"), serve_url="http://127.0.0.1:8001"), blocks)
             await c.register(spec("w2"), blocks)  # an agent without a serving worker
+            await c.register(dataclasses.replace(spec("w3"), serve_url="http://127.0.0.1:8003", serve_package=other),
+                             blocks)  # a worker serving the other version
             await c.register(dataclasses.replace(WorkerSpec(STORE, 1 << 30), serve_url="http://10.0.0.1:8009"),
                              blocks)
             await c.put_deployment(Deployment(PKG, ScalingPolicy()))
@@ -66,6 +68,7 @@ async def test_status_tells_versions_of_one_model_apart_and_counts_serving_repli
         assert result.exit_code == 0, result.output
         assert f"pkg@{PKG[:8]}:4" in result.output and other[:8] in result.output
         assert f"pkg@{PKG[:8]}: 2 serving workers holding blocks" in result.output, result.output  # w1, the store
+        assert f"pkg@{PKG[:8]}:4 (its worker serves pkg@{other[:8]})" in result.output, result.output  # w3
     finally:
         await server.stop(grace_s=0)
 

@@ -205,6 +205,9 @@ def test_the_serving_worker_shares_the_agents_socket_memory_and_cache(case):
     assert volumes[volume_at(agent, "/dev/shm")]["emptyDir"]["medium"] == "Memory"
     assert volume_at(serve, "/dev/shm") == volume_at(agent, "/dev/shm")
     assert arg(agent, "serve-url") == f"http://$(NODE_IP):{serve['ports'][0]['containerPort']}"
+    # Found in review: nothing told the control plane which package the worker serves, and the scaling daemon
+    # placed another deployment's package here (held, never served).
+    assert arg(agent, "serve-package") == INSTALL["serve"]["package"] and INSTALL["serve"]["package"] in serve["args"]
 
 
 def test_the_serving_worker_is_told_where_the_agents_disk_cache_is():

@@ -2,10 +2,10 @@
 a router and ``pipecast scaler``, all on loopback.
 
 One life of a deployment from zero: a deployment with bad values is refused; a burst at the router scales
-the pool up with no manual call (the scaler restarted right after its first decision goes on from the
-control plane's state); every request is answered; with the router gone the scaler holds the pool (no
-release on missing data); back, idle replicas are released after the keep-alive and their workers unload;
-a second burst cold-starts them again.
+the pool up with no manual call, never onto a third agent whose worker serves another package (the scaler
+restarted right after its first decision goes on from the control plane's state); every request is answered;
+with the router gone the scaler holds the pool (no release on missing data); back, idle replicas are released
+after the keep-alive and their workers unload; a second burst cold-starts them again.
 """
 
 import asyncio
@@ -26,6 +26,9 @@ from tests.support.packages import tiny_package
 
 pytestmark = pytest.mark.timeout(300)
 WORKERS = ("w1", "w2")
+#: An agent whose serving worker serves another package (`--serve-package`): first by name, it was where the
+#: scale-ups went before placement knew a worker's package; no worker answers at its serve URL.
+ELSEWHERE = "w0"
 KEEP_ALIVE_S = 4.0
 BURST = 12
 WAIT_S = 90.0
@@ -42,15 +45,19 @@ class ScaledCluster(Cluster):
 
     def __init__(self, tmp: Path, root: Path, manifest) -> None:
         super().__init__(tmp, root, manifest)
-        ports = free_ports(len(WORKERS) * 2 + 1)
+        ports = free_ports(len(WORKERS) * 2 + 2)
         self.agent_ports = dict(zip(WORKERS, ports))
         self.serve_urls = {w: f"http://127.0.0.1:{p}" for w, p in zip(WORKERS, ports[len(WORKERS):])}
-        self.router_url = f"http://127.0.0.1:{ports[-1]}"
+        self.router_url = f"http://127.0.0.1:{ports[-2]}"
+        self.elsewhere_url = f"http://127.0.0.1:{ports[-1]}"
 
     def start_workers(self) -> None:
+        self.start_agent(ELSEWHERE, "--listen", "127.0.0.1:0", "--serve-url", self.elsewhere_url, "--serve-package",
+                         "0" * 64)
         for w in WORKERS:
             self.start_agent(w, "--listen", f"127.0.0.1:{self.agent_ports[w]}", "--local-socket",
-                             self.tmp / f"{w}.sock", "--serve-url", self.serve_urls[w])
+                             self.tmp / f"{w}.sock", "--serve-url", self.serve_urls[w], "--serve-package",
+                             self.manifest.package_id)
             port = self.serve_urls[w].rsplit(":", 1)[1]
             self._start(f"{w}-serve", "serve", self.manifest.package_id, "--agent-socket", self.tmp / f"{w}.sock",
                         "--port", port, "--agent-timeout", "600", env={"OMP_NUM_THREADS": "1"})
@@ -134,7 +141,7 @@ def test_a_deployment_scales_from_zero_on_a_burst_holds_without_signals_and_rele
     cluster.start_router()
     cluster.wait_until(lambda: all(s.get("stage") == "waiting_for_package" for s in statuses(cluster).values()),
                        "both workers to wait for the package")
-    cluster.wait_until(lambda: cluster.alive() >= {"store", *WORKERS}, "the agents to register")
+    cluster.wait_until(lambda: cluster.alive() >= {"store", ELSEWHERE, *WORKERS}, "the agents to register")
     scaler = cluster.start_scaler()
 
     # A burst at the router: nothing serves, the queue grows, the scaler sees it and scales up.
@@ -163,6 +170,7 @@ def test_a_deployment_scales_from_zero_on_a_burst_holds_without_signals_and_rele
     # A second burst cold-starts the pool again.
     assert asyncio.run(burst(cluster.router_url, 4)) == [200] * 4
     assert len([e for e in cluster.events() if e["action"] == "scale_up"]) >= len(ups) + 1
+    assert not cluster.events(ELSEWHERE, "assignment")
 
 
 def ups_nodes(cluster: ScaledCluster) -> set[str]:

@@ -214,8 +214,8 @@ def test_the_totals_are_the_routers_not_its_last_versions():
     assert (signals.arrived, signals.answered) == (100, 90)
 
 
-def state(node: str, held: int, package: str = "p" * 64) -> pb.WorkerState:
-    spec = pb.WorkerSpec(peer=pb.Peer(node_id=node), serve_url=f"http://{node}:8000")
+def state(node: str, held: int, package: str = "p" * 64, serves: str = "") -> pb.WorkerState:
+    spec = pb.WorkerSpec(peer=pb.Peer(node_id=node), serve_url=f"http://{node}:8000", serve_package=serves)
     return pb.WorkerState(worker=spec, alive=True, held=[pb.PackageBlocks(package_id=package,
                                                                           blocks=list(range(held)))])
 
@@ -228,3 +228,14 @@ def test_a_worker_released_moments_ago_is_free_not_a_replica():
     pool = pool_of("p" * 64, 4, workers, [], now=0.0, released={"w1", "w2"})
     assert (pool.replicas, pool.free) == ((), 3)
     assert pool_of("p" * 64, 4, workers, [], now=0.0).replicas == (Replica("w1", False), Replica("w2", False))
+
+
+def test_a_worker_serving_another_package_is_neither_a_replica_nor_free():
+    """Found in review: a canary placed on a worker serving its stable version (`pipecast serve STABLE`) counted as
+    the canary's replica, though it never served it, and the stable version's workers counted as free for the
+    canary. Only workers bound to the package, or to none (agents before --serve-package), are in its pool."""
+    canary, stable = "c" * 64, "s" * 64
+    workers = [state("w1", 4, canary, serves=stable), state("w2", 0, stable, serves=stable),
+               state("w3", 4, canary, serves=canary), state("w4", 0, canary, serves=canary), state("w5", 2, canary)]
+    pool = pool_of(canary, 4, workers, [], now=0.0)
+    assert (pool.replicas, pool.free) == ((Replica("w3", False), Replica("w5", True)), 1)
