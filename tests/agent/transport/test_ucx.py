@@ -352,8 +352,20 @@ async def test_a_closed_transport_leaves_no_ucx_thread_behind(transports):
         transport = transports(node)
         await transport.listen("127.0.0.1", 0, PeerServer())
         await transport.close()
-        threads.append(psutil.Process().num_threads())
+        threads.append(await settled_thread_count())
     assert threads[1] == threads[2]
+
+
+async def settled_thread_count(within_s: float = 2.0) -> int:
+    """This process's threads once the count holds for 0.1 s (a closed transport's threads end on their own time:
+    on a busy machine one still ran when counted, and the next count was one lower), or after ``within_s``."""
+    count, deadline = psutil.Process().num_threads(), time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        count, before = psutil.Process().num_threads(), count
+        if count == before:
+            break
+    return count
 
 
 @asynccontextmanager
