@@ -30,6 +30,7 @@ class TokenStream:
         self._finish_reason: str | None = None
         self._error: BaseException | None = None
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._on_end: list[Callable[[], None]] = []
 
     # --- engine side ---------------------------------------------------------------------------------
 
@@ -58,11 +59,23 @@ class TokenStream:
         with self._cond:
             self._cond.notify_all()
             waiters, self._async_waiters = self._async_waiters, []
+            ended, self._on_end = (self._on_end, []) if self.done else ([], self._on_end)
         for loop, event in waiters:
             try:
                 loop.call_soon_threadsafe(event.set)
             except RuntimeError:  # the consumer's loop is closed: nobody is waiting any more
                 pass
+        for callback in ended:
+            callback()
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once the stream has ended, however far its consumer has read (at once if it has
+        ended): from the thread that ends it, the engine's, so it must be thread-safe and must not raise."""
+        with self._cond:
+            if not self.done:
+                self._on_end.append(callback)
+                return
+        callback()
 
     # --- consumer side -------------------------------------------------------------------------------
 

@@ -398,8 +398,8 @@ async def _stream(request: web.Request, body: CompletionRequest,
     deadline_s = request.app[BODY_TIMEOUT]
 
     async def send(data: bytes) -> None:
-        # A client that stays connected but stops reading would else hold the request (and its place in the
-        # worker's queue counts) for good once the socket's buffers fill.
+        # A client that stays connected but stops reading would else hold the request's handler (and a drain
+        # waiting for it) for good once the socket's buffers fill.
         try:
             async with asyncio.timeout(deadline_s):
                 await response.write(data)

@@ -25,7 +25,8 @@ again every ``KEY_RECHECK_S`` and takes them only with the key once the agent an
 
 Admission: requests admitted but not in the engine's batch (waiting for the model, or for one of
 ``max_batch`` slots, or being tokenized) form the queue; beyond ``max_queue`` of them a request is refused
-(:class:`WorkerBusyError`, answered 429 with Retry-After).
+(:class:`WorkerBusyError`, answered 429 with Retry-After). A request counts (running or queued) until its tokens are
+all made, not until its answer is written: a client slow to read its stream holds no slot of the engine's.
 
 A prompt is tokenized on a thread (a long one takes seconds: /health and other requests must not wait
 for it), and a prompt that cannot fit the model's positions is refused before any work that grows with
@@ -1009,6 +1010,10 @@ class Generation:
         self._arrived = arrived
         self._pipelined = pipelined
         self._open = True
+        self._counted = True  # by the worker, as running or queued (see _release)
+        # Its tokens all made, the request holds no slot of the engine's: the stream buffers them, however slowly the
+        # client reads them. Counted until its answer was written, an idle worker refused requests as queue_full.
+        stream.add_done_callback(lambda: worker._post(self._release))
 
     async def __aenter__(self) -> "Generation":
         return self
@@ -1022,6 +1027,12 @@ class Generation:
             self._open = False
             if not self._stream.done:
                 self._stream.cancel()
+            self._release()
+
+    def _release(self) -> None:
+        """Give the request's place back to the worker, once: as its stream ends, or as it is closed before."""
+        if self._counted:
+            self._counted = False
             self._worker._finished(self._pipelined)
 
     async def __aiter__(self) -> AsyncIterator[Piece]:

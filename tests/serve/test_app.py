@@ -970,26 +970,65 @@ async def test_a_client_that_stalls_mid_body_is_answered_408_at_the_body_deadlin
         assert all(answer["node"] is None for answer in answers[1:])  # a stage's error names the stage that failed
 
 
+def unread_stream(url: str, request: dict) -> socket.socket:
+    """A client that sends ``request`` (streamed) and reads nothing of its answer, through a small receive buffer."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((urlsplit(url).hostname, urlsplit(url).port))
+    data = json.dumps(request).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
 async def test_a_streaming_client_that_stops_reading_is_cancelled_at_the_deadline(pkg, monkeypatch):
     """Found in review: a stream's writes had no deadline, so a client that stayed connected but read nothing held
-    its request (counted running, and toward the 429 bound) for good once the socket's buffers filled."""
+    its request's handler and the answer's bytes so far (and a drain waited for it) for good once the socket's
+    buffers filled."""
     monkeypatch.setattr(app_module, "sse", lambda chunk: b"data: " + b"x" * (256 << 10) + b"\n\n")  # fills fast
-    async with serving(WorkerConfig(str(pkg)), body_timeout_s=0.3) as (url, _, _, http):
+    async with serving(WorkerConfig(str(pkg)), body_timeout_s=0.3) as (url, worker, _, http):
         await wait_health(http, url, lambda h: h["status"] == "ready")
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect((urlsplit(url).hostname, urlsplit(url).port))
-        request = json.dumps(body(stream=True, max_tokens=40)).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(request), request))  # and reads nothing
+        sock = unread_stream(url, body(stream=True, max_tokens=40))
         try:
-            await wait_health(http, url, lambda h: h["running"] == 1)
-            await wait_health(http, url, lambda h: h["running"] == 0, timeout=10)
+            await wait_until_async(lambda: worker._requests == 1)
+            await wait_until_async(lambda: worker._requests == 0, timeout=10)
             async with http.get(f"{url}/metrics") as response:
                 page = await response.text()
             assert metric(page, 'pipecast_serve_requests_total{outcome="cancelled"}') == 1
         finally:
             sock.close()
+
+
+async def test_a_stream_whose_tokens_are_all_made_holds_no_place_while_its_client_reads_it(pkg, monkeypatch):
+    """Found in review: a stream counted running (or queued) until its answer's last byte was written, though its
+    tokens were all made and the engine had freed their row: two clients slow to read their streams made an idle
+    worker (max_batch 1, max_queue 1) report a full batch and a queue, and refuse a request as queue_full. Its place
+    goes back as its stream ends; its handler still counts, so a drain waits for its answer."""
+    monkeypatch.setattr(app_module, "sse", lambda chunk: b"data: " + b"x" * (256 << 10) + b"\n\n")  # fills fast
+    async with serving(WorkerConfig(str(pkg), max_batch=1, max_queue=1)) as (url, worker, _, http):
+        await wait_health(http, url, lambda h: h["status"] == "ready")
+        generations = []
+        generate = worker.generate
+
+        async def recorded(*args, **kwargs):
+            generations.append(await generate(*args, **kwargs))
+            return generations[-1]
+
+        monkeypatch.setattr(worker, "generate", recorded)
+        socks = []
+        try:
+            for count in (1, 2):  # one after the other: the first, still queued, would take the queue's one place
+                socks.append(unread_stream(url, body(stream=True, max_tokens=40)))
+                await wait_until_async(lambda: len(generations) == count)
+            await wait_until_async(lambda: all(g._stream.done for g in generations))
+            state = await wait_health(http, url, lambda h: h["running"] == 0, timeout=5)
+            assert state["queue_depth"] == 0 and not worker._model.engine.scheduler.active
+            assert worker._requests == 2  # their answers are still being written: a drain waits for them
+            status, _, answer = await post(http, url, body(max_tokens=4))
+            assert status == 200 and len(answer["choices"][0]["token_ids"]) == 4, answer
+        finally:
+            for sock in socks:
+                sock.close()
 
 
 async def test_health_answers_within_a_second_while_huge_prompts_are_refused_or_tokenized(pkg, monkeypatch):
@@ -1292,6 +1331,7 @@ async def test_a_generation_stops_at_the_token_completing_a_stop_string_and_says
     async def run(tokens: list[int], stop: str) -> tuple[str, str, int]:
         worker = ServingWorker(WorkerConfig("pkg"))
         worker._submitted = 1
+        worker._loop = asyncio.get_running_loop()  # the stream's end gives its place back there
         stream = TokenStream(0, lambda _: None)
         for token in tokens:
             stream.push(token)
