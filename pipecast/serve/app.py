@@ -217,6 +217,8 @@ async def stage_call(request: web.Request) -> web.Response:
         header, hidden = decode_frame(await _read_stage_frame(request, worker, received))
         call = StageCall.from_header(header)
         session, deadline = call.session, received + call.deadline_s
+        if worker.called_back(session, url := str(request.url.origin())):  # its own session: would open twice
+            return _stage_error(f"the route names this worker twice (as {url})", 400)
         runner = await worker.wait_stage_runner(deadline - time.monotonic(), session, request[ADMITTED])
         if call.package and call.package != runner.package_id:
             return _stage_error(f"this worker serves package {runner.package_id[:12]}, the call is for "

@@ -44,7 +44,8 @@ from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.stage import (MAX_SESSIONS, SAMPLE_PARTS, StageCapacityError, StageOutput, StageRunner,
                                    check_final_norm)
 from pipecast.engine.streams import FINISH_CANCELLED, TokenStream, emit
-from pipecast.serve.errors import StageBusyError, StageFailedError, StageQueueFullError, WorkerClosingError
+from pipecast.serve.errors import (RequestFieldError, StageBusyError, StageFailedError, StageQueueFullError,
+                                   WorkerClosingError)
 
 if TYPE_CHECKING:
     import aiohttp
@@ -661,6 +662,17 @@ class PipelineHead:
         self.kept = 0
         self._ids = iter(range(1 << 62))
         self._tasks: set[asyncio.Task] = set()
+        #: The sessions this head heads, each with the URL a stage call of it came back to this worker by, if one did.
+        self._headed: dict[str, str | None] = {}
+
+    def called_back(self, session: str, url: str) -> bool:
+        """Whether ``session`` is one this head heads, a stage call of which came back to this worker at ``url``: its
+        route names this worker twice (after its first stage, under this name or another), and :meth:`start` fails its
+        request as the route's fault."""
+        if session not in self._headed:
+            return False
+        self._headed[session] = url
+        return True
 
     async def start(self, route: Sequence[Hop], prompt: list[int], params: SamplingParams) -> TokenStream:
         """Run the prompt through the route and return the request's stream, its first token in.
@@ -670,20 +682,26 @@ class PipelineHead:
         the prompt and its tokens so far (greedy and unseeded requests: a seeded one's generator lives in
         the sampling stage, so it finishes through the route).
 
-        Raises :class:`StageFailedError` (the prefill failed: nothing was answered yet, retry elsewhere).
+        Raises :class:`StageFailedError` (the prefill failed: nothing was answered yet, retry elsewhere), or
+        :class:`RequestFieldError` for a route that names this worker again after its first stage (a call of its
+        stages came back here: none failed, the route is wrong).
         """
         movable = self.local is not None and not self.runner.model.fully_loaded and \
             (params.greedy or params.seed is None)
         session = uuid.uuid4().hex
+        self._headed[session] = None
         task: list[asyncio.Task] = []
         stream = TokenStream(next(self._ids), lambda _: task and task[0].cancel())
         timing = RequestTiming(len(route[0].layers), len(prompt))
         try:
             token = await self._step(route, session, 0, prompt, params, timing)
         except BaseException as exc:
-            if isinstance(exc, StageFailedError):
-                log.warning("pipelined request failed before its first token: %s", exc)
+            url = self._headed.get(session)  # by which a call of its stages came back here, if one did
             self._close(route, session)
+            if isinstance(exc, StageFailedError):
+                if url is not None:  # the stage that failed refused this worker's own call: the route is wrong
+                    raise RequestFieldError(PIPELINE_HEADER, f"the route names this worker twice (as {url})") from None
+                log.warning("pipelined request failed before its first token: %s", exc)
             raise
         if emit(stream, token, 1, params):
             self._close(route, session)
@@ -826,6 +844,7 @@ class PipelineHead:
             raise StageFailedError(own.url, f"the engine failed: {exc}") from None
 
     def _close(self, route: Sequence[Hop], session: str) -> None:
+        self._headed.pop(session, None)
         self.runner.close(session)
         if len(route) > 1:
             self.client.pass_close_on(route[1:], session)

@@ -849,6 +849,12 @@ class ServingWorker:
         """The runner that holds ``session``, if one does."""
         return next((r for r in self._runners() if session is not None and r.holds(session)), None)
 
+    def called_back(self, session: str, url: str) -> bool:
+        """Whether a stage call of ``session`` came to this worker, at ``url``, from a pipelined request it heads (its
+        route names this worker twice): refused, the request fails as the route's fault, not a stage's
+        (:meth:`PipelineHead.called_back`)."""
+        return self._head is not None and self._head.called_back(session, url)
+
     def stage_runner(self, session: str | None = None, admitted: bool = False) -> EngineStageRunner:
         """The runner of this worker's pipeline stages; :class:`ModelUnavailableError` while no model is in. While
         the worker drains, only for a call ``admitted`` before the drain began, or one that continues ``session``, a

@@ -228,6 +228,21 @@ async def test_a_dead_stage_fails_the_request_with_503_naming_it_and_a_bad_route
         assert worker.stage_runner().sessions == 0
 
 
+async def test_a_route_naming_its_head_again_under_any_name_is_a_400_for_the_route_not_a_failed_stage(pkg):
+    """Found in review: the head (first stage here, or not named first) called itself on, and its runner, which held
+    the session, answered "open already": a 503 pipeline_stage_failed blaming this worker, which the router retried
+    and held against it. Named again under another host name, parse_route's check of URLs does not see it."""
+    async with serving(WorkerConfig(str(pkg))) as (a, wa, _, http), serving(WorkerConfig(str(pkg))) as (b, wb, _, _):
+        alias = a.replace("127.0.0.1", "localhost")
+        for stages, named in (([(b, 0, 3), (a, 3, 6)], a), ([(a, 0, 3), (alias, 3, 6)], alias),
+                              ([(a, 0, 2), (b, 2, 4), (alias, 4, 6)], alias)):
+            status, answer = await post(http, a, completion(4), {PIPELINE_HEADER: route(stages)})
+            assert (status, answer["error"]["param"]) == (400, PIPELINE_HEADER), answer
+            assert answer["error"]["message"] == f"{PIPELINE_HEADER}: the route names this worker twice (as {named})"
+        await eventually(lambda: [w.stage_runner().sessions for w in (wa, wb)] == [0, 0])
+        assert not wa._head._headed
+
+
 async def test_a_stage_process_killed_mid_request_fails_it_naming_the_stage(pkg, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPECAST_")}
     with (tmp_path / "tail.log").open("w") as log:
