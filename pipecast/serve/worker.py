@@ -10,7 +10,8 @@ then; everything else is the same.
 Released and back: a worker serving a package from its node agent asks the agent every
 ``FOLLOW_AGENT_S`` whether it still holds it. Once the agent dropped it (the scaling daemon released this
 replica), the worker takes no more requests, answers 503 (the router sends the request elsewhere), closes
-the model once the requests running on it end (``RELEASE_DRAIN_S`` at most) and waits, ``loading`` in stage
+the model once the requests running on it end (``RELEASE_DRAIN_S`` at most: those still running then fail, 503
+``model_unavailable`` as the requests meanwhile, not ``shutting_down``) and waits, ``loading`` in stage
 ``waiting_for_package``, for the package to come back with the next scale-up. A worker started before the
 scale-up that brings its package to the agent (a sidecar, or the README's recipe) waits so from the start.
 
@@ -721,10 +722,25 @@ class ServingWorker:
     def _check_model(self) -> None:
         """Raise unless the model is in and can serve (released, or failed: 503)."""
         if self._released:
-            raise ModelUnavailableError(f"package {self.config.package} {self._unloaded_why}; the worker waits for "
-                                        "it to come back")
+            raise self._unloaded_error()
         if (error := self._failure()) is not None:
             raise ModelUnavailableError(error)
+
+    def _unloaded_error(self) -> ModelUnavailableError:
+        """What a request is told while the package's model is unloaded (released), or was cut as it closed."""
+        return ModelUnavailableError(f"package {self.config.package} {self._unloaded_why}; the worker waits for it to "
+                                     "come back")
+
+    def _served_error(self, exc: EngineError) -> ServeError:
+        """The HTTP-level error of an engine failure: 503 when the model or the worker is gone, else 500."""
+        if isinstance(exc, EngineClosedError):
+            # An engine closes as the worker shuts down, or as an unload (a release) closes its model, RELEASE_DRAIN_S
+            # after it at most: found in review, the requests then cut were told the worker shuts down, though it waits
+            # for its package (which may be back already: a model loaded on the CPU does not wait for the one before).
+            return WorkerClosingError() if self._closing else self._unloaded_error()
+        if isinstance(exc, ModelLoadError | DeviceFaultError):  # the worker cannot serve: another one may
+            return ModelUnavailableError(str(exc))
+        return ServeError(str(exc))
 
     async def _wait_servable(self, whole: bool, admitted: bool = False) -> None:
         """Until the model (with ``whole`` and ``wait_full_load``, the whole model) and its tokenizer are in. A drain
@@ -816,7 +832,7 @@ class ServingWorker:
         except EngineOverloadedError as exc:
             raise WorkerBusyError(exc.waiting, self.config.retry_after_s) from None
         except EngineError as exc:
-            raise _served_error(exc) from None
+            raise self._served_error(exc) from None
 
     async def _start_pipeline(self, route: "tuple[Hop, ...]", prompt: list[int], request: CompletionRequest,
                               stop_ids: frozenset[int]) -> TokenStream:
@@ -991,15 +1007,6 @@ def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
     return False
 
 
-def _served_error(exc: EngineError) -> ServeError:
-    """The HTTP-level error of an engine failure: 503 when the model or the worker is gone, else 500."""
-    if isinstance(exc, EngineClosedError):
-        return WorkerClosingError()
-    if isinstance(exc, ModelLoadError | DeviceFaultError):  # the worker cannot serve: another one may
-        return ModelUnavailableError(str(exc))
-    return ServeError(str(exc))
-
-
 class Generation:
     """One running completion: iterate for its :class:`Piece` s; closing it cancels what is left."""
 
@@ -1056,7 +1063,7 @@ class Generation:
                     return
                 yield Piece(text, (token,))
         except EngineError as exc:
-            raise _served_error(exc) from None
+            raise self._worker._served_error(exc) from None
         rest = self._text.finish()  # first: its last characters may hold a stop string
         reason = FINISH_STOP if self._stream.finish_reason == FINISH_STOP or self._text.stopped else FINISH_LENGTH
         yield Piece(rest, (), reason)

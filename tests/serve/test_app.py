@@ -303,6 +303,31 @@ async def test_a_released_package_finishes_the_requests_running_on_it_before_the
         await wait_until_async(lambda: model.engine._closed)
 
 
+@pytest.mark.parametrize("back", [False, True])
+async def test_requests_cut_as_a_released_model_closes_are_told_the_worker_waits_for_its_package(pkg, monkeypatch,
+                                                                                                 back):
+    """Found in review: requests still running when a released model closed (RELEASE_DRAIN_S after the release)
+    were told "the worker is shutting down" (shutting_down), though it waits for its package to come back; so too
+    where it came back meanwhile (on the CPU a model loads again before the one released closes)."""
+    monkeypatch.setattr(worker_module, "RELEASE_DRAIN_S", 2.0)
+    agent = GatedAgent(pkg)
+    async with serving(WorkerConfig(str(pkg), agent=agent)) as (url, worker, _, http):
+        # The package comes back at once, or not here.
+        worker._wait_for_package_again = (lambda: None) if back else threading.Event().wait
+        agent.release(0, 1, 2)
+        requests = [asyncio.create_task(post(http, url, body(stream=stream))) for stream in (False, True)]
+        await wait_health(http, url, lambda h: h["running"] == 2)  # held at the last block's layers
+        unloading = asyncio.create_task(worker._unload())
+        if back:
+            await wait_until_async(lambda: worker._model is not None)
+            assert not unloading.done()  # the model released still drains its requests
+        await unloading
+        for status, _, answer in await asyncio.gather(*requests):
+            assert status == 503 and answer["error"]["code"] == "model_unavailable", answer
+            assert answer["error"]["message"] == (f"package {pkg} was released from this node; the worker waits for "
+                                                  "it to come back")
+
+
 class DroppingAgent(GatedAgent):
     """Waits end with PackageDroppedError while the package is dropped, as the agent's local client's do."""
 
