@@ -2,8 +2,10 @@
 assignment streams, restarts with the same SQLite file, metrics, mTLS and the agent-side session."""
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
+import ipaddress
 import json
 import logging
 import re
@@ -356,21 +358,142 @@ async def test_health_keeps_nothing_of_the_names_it_is_asked_for(server):
                 call.cancel()
 
 
+def raw_check(channel: grpc.aio.Channel) -> grpc.aio.StreamUnaryMultiCallable:
+    """Check as the server takes it: a stream of requests, so that a test can leave the request unsent."""
+    return channel.stream_unary("/grpc.health.v1.Health/Check",
+                                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                response_deserializer=health_pb2.HealthCheckResponse.FromString)
+
+
+async def never() -> AsyncIterator[health_pb2.HealthCheckRequest]:
+    """A request stream that sends nothing (until the call is cancelled)."""
+    await asyncio.Event().wait()
+    yield health_pb2.HealthCheckRequest()
+
+
+@contextlib.asynccontextmanager
+async def calling_from(source: str, target: str) -> AsyncIterator[str]:
+    """An address whose connections reach ``target`` from ``source`` (another loopback address): the caller the
+    server sees is ``source``."""
+    host, port = target.rsplit(":", 1)
+    writers: list[asyncio.StreamWriter] = []
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+        writers.extend((writer, upstream))
+        await asyncio.gather(pipe(reader, upstream), pipe(upstream_reader, writer))
+
+    proxy = await asyncio.start_server(forward, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{proxy.sockets[0].getsockname()[1]}"
+    finally:
+        proxy.close()
+        for writer in writers:
+            writer.close()
+        await proxy.wait_closed()
+
+
 async def test_a_health_call_that_sends_no_request_is_ended(server, monkeypatch):
     monkeypatch.setattr(health, "READ_S", 0.2)
-
-    async def silent() -> AsyncIterator[health_pb2.HealthCheckRequest]:
-        await asyncio.sleep(WAIT_S)
-        yield health_pb2.HealthCheckRequest()
-
     async with grpc.aio.insecure_channel(server.address) as channel:
-        check = channel.stream_unary("/grpc.health.v1.Health/Check",
-                                     request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                                     response_deserializer=health_pb2.HealthCheckResponse.FromString)
         with pytest.raises(grpc.aio.AioRpcError) as ended:
-            await check(silent(), timeout=WAIT_S)
+            await raw_check(channel)(never(), timeout=WAIT_S)
     assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert ended.value.details() == "no health check request came within 0.2 s"
+
+
+async def test_silent_health_calls_from_one_address_take_one_turn(server, monkeypatch):
+    """A caller without a token opening health calls that never send their request held every one of the 4 turns,
+    and probes from elsewhere waited behind its calls: kubelet restarted the control plane (12 such calls failed
+    every probe). Now each address reads one request at a time."""
+    monkeypatch.setattr(health, "READ_S", 60.0)  # the silent calls hold their turns for the whole test
+    monkeypatch.setattr(health, "on_this_host", lambda address: False)  # every caller counts as on another host
+    async with (calling_from("127.0.0.2", server.address) as attacker_address,
+                grpc.aio.insecure_channel(attacker_address) as attacker,
+                grpc.aio.insecure_channel(server.address) as probe):
+        calls = [raw_check(attacker)(never()) for _ in range(12)]
+        try:
+            await eventually(lambda: _true(server._health._turns.get("127.0.0.2", (None, 0))[1] == 12),
+                             what="the 12 silent calls to wait for their turn")
+            stub = health_pb2_grpc.HealthStub(probe)
+            for _ in range(3):
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert not any(call.done() for call in calls)
+        finally:
+            for call in calls:
+                call.cancel()
+
+
+async def test_a_probe_on_this_host_answers_while_the_others_hold_every_turn(server, monkeypatch):
+    """The Helm chart probes from inside the container: calls from other hosts, 4 of them silent, must not make it
+    wait. One from another host waits READ_S for its turn at most."""
+    monkeypatch.setattr(health, "READ_S", 60.0)
+    monkeypatch.setattr(health, "on_this_host", lambda address: address == ipaddress.ip_address("127.0.0.1"))
+    async with contextlib.AsyncExitStack() as stack:
+        calls = []
+        for k in range(2, 2 + health.READING_MAX):
+            address = await stack.enter_async_context(calling_from(f"127.0.0.{k}", server.address))
+            calls.append(raw_check(await stack.enter_async_context(grpc.aio.insecure_channel(address)))(never()))
+        probe = await stack.enter_async_context(grpc.aio.insecure_channel(server.address))
+        try:
+            await eventually(lambda: _true(server._health._reading.locked()),
+                             what="the silent calls to hold every turn")
+            reply = await health_pb2_grpc.HealthStub(probe).Check(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            monkeypatch.setattr(health, "READ_S", 0.2)
+            monkeypatch.setattr(health, "on_this_host", lambda address: False)  # now the probe comes from elsewhere
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await health_pb2_grpc.HealthStub(probe).Check(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert refused.value.details() == ("too many health checks at once (from this address, or from other"
+                                               " hosts): this one waited 0.2 s for its turn")
+            assert not any(call.done() for call in calls)
+        finally:
+            for call in calls:
+                call.cancel()
+
+
+@pytest.mark.parametrize(("peer", "caller"), [
+    ("ipv4:127.0.0.1:5000", ""), ("ipv4:127.0.0.9:5000", ""), ("ipv6:%5B::1%5D:5000", ""),
+    ("ipv6:%5B::ffff:127.0.0.1%5D:5000", ""), ("unix:/run/cp.sock", ""),
+    ("ipv4:203.0.113.7:5000", "203.0.113.7"), ("ipv6:%5B::ffff:203.0.113.7%5D:5000", "203.0.113.7"),
+    ("ipv6:%5B2001:db8::7%5D:5000", "2001:db8::/64"), ("ipv6:%5B2001:db8::8%5D:5000", "2001:db8::/64"),
+    ("vsock:3:5000", "vsock:3:5000")])
+def test_health_callers_on_this_host_are_told_apart(peer, caller):
+    """gRPC's peer strings (IPv6 percent-encoded): loopback however written and Unix sockets are this host's; an
+    IPv6 caller takes the turns of its /64, a peer that does not parse those of its string."""
+    assert health.caller(peer) == caller
+
+
+def test_a_health_caller_at_one_of_this_hosts_addresses_is_on_this_host():
+    """The chart's probe calls the pod's own address, not loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:
+        try:
+            route.connect(("203.0.113.7", 9))  # sends nothing: asks for the address this host would send from
+        except OSError:
+            pytest.skip("no route off this host: it has no address but loopback")
+        own = route.getsockname()[0]
+    assert health.caller(f"ipv4:{own}:5000") == health.THIS_HOST
+
+
+async def test_health_set_waiting_as_the_server_stops_does_not_undo_it():
+    """set(True) that found the service not stopping, then waited for its lock while stop() held it, made the
+    stopping server SERVING again."""
+    service = health.HealthService([""])
+    async with service._changed:
+        stopping = asyncio.create_task(service.stop())
+        serving = asyncio.create_task(service.set(True))
+        await asyncio.sleep(0)
+    await asyncio.gather(stopping, serving)
+    assert service.status("") == health.NOT_SERVING
 
 
 async def test_a_burst_of_streams_is_taken_up_whole(server):
