@@ -242,24 +242,27 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # init (CLI overrides) > env > config file > defaults
         config = init_settings.init_kwargs.get("config") or os.environ.get("PIPECAST_CONFIG")
-        return (_FirstThatSets(settings_cls, (init_settings, env_settings, _TomlFileSource(settings_cls, config))),)
+        return (_FirstThatSets(settings_cls, (init_settings, env_settings), _TomlFileSource(settings_cls, config)),)
 
 
 class _FirstThatSets(PydanticBaseSettingsSource):
-    """Each setting whole from the first of ``sources`` that sets it. pydantic-settings would merge a setting of
-    several entries across them: a key revoked by ``PIPECAST_ROUTER_API_KEYS`` would stay valid from the file."""
+    """Each setting whole from the first of ``sources``, then ``file``, that sets it. pydantic-settings would merge a
+    setting of several entries across them: a key revoked by ``PIPECAST_ROUTER_API_KEYS`` would stay valid from the
+    file. The file is then checked against the settings in force (:meth:`_TomlFileSource.check`)."""
 
-    def __init__(self, settings_cls: type[BaseSettings], sources: tuple[PydanticBaseSettingsSource, ...]):
+    def __init__(self, settings_cls: type[BaseSettings], sources: tuple[PydanticBaseSettingsSource, ...],
+                 file: "_TomlFileSource"):
         super().__init__(settings_cls)
-        self.sources = sources
+        self.sources, self.file = sources, file
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        values: dict[str, Any] = {}
+        values = dict(self.file())
         for source in reversed(self.sources):  # the last wins: the first source's
             values.update(source())
+        self.file.check(values)
         return values
 
 
@@ -269,6 +272,7 @@ class _TomlFileSource(PydanticBaseSettingsSource):
     def __init__(self, settings_cls: type[BaseSettings], path: str | Path | None):
         super().__init__(settings_cls)
         self.path = path
+        self.read: tuple[os.stat_result, list[str]] | None = None  # the file's status and secrets, once read
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
         return None, field_name, False
@@ -300,11 +304,22 @@ class _TomlFileSource(PydanticBaseSettingsSource):
         if unknown:
             raise SettingsError(f"config file {path}: " + "; ".join(
                 f"unknown setting {key}{_did_you_mean(key, known)}" for key in unknown))
-        secrets = sorted(name for name, value in table.items()
-                         if name in SECRET_SETTINGS or name == "control_db" and _URL_PASSWORD.search(str(value)))
-        if secrets:
-            check_private_file(f"config file {path}", info, ", ".join(secrets))
+        self.read = info, secrets_of(table)
         return table
+
+    def check(self, values: dict[str, Any]) -> None:
+        """Refuse the file read if another user could change it and it holds a secret, or the settings in force
+        (``values``, from every source) hold one: they could point control_plane and tls_ca at a server of theirs
+        and collect a token given by a variable or on the command line just as well. Warn once if others may read
+        a file holding a secret (:func:`check_private_file`)."""
+        if self.read is None:
+            return
+        info, held = self.read
+        name = f"config file {self.path}"
+        if held:
+            check_private_file(name, info, ", ".join(held))
+        elif in_force := secrets_of(values):
+            check_unchangeable(name, info, f"is read with {', '.join(in_force)} from a variable or the command line")
 
 
 #: Settings that are secrets: the master or a node token, the router's API keys; and control_db where its URL holds
@@ -316,24 +331,38 @@ _URL_PASSWORD = re.compile(r"://[^/]*:[^/]*@|[?&]password=", re.IGNORECASE)
 _warned_readable: set[str] = set()  # files holding secrets that others may read, warned of in this process
 
 
+def secrets_of(values: dict[str, Any]) -> list[str]:
+    """The settings of ``values`` that hold a secret (an empty token or key table holds none), sorted."""
+    return sorted(name for name, value in values.items()
+                  if name in SECRET_SETTINGS and value or name == "control_db" and _URL_PASSWORD.search(str(value)))
+
+
 def _whom(mode: int, bits: int) -> str:
     """Who besides a file's owner has ``bits`` (0o044: read, 0o022: write) of its ``mode``: group, others or both."""
     return " and ".join(who for who, theirs in (("group", 0o070), ("others", 0o007)) if mode & bits & theirs)
 
 
-def check_private_file(name: str, info: os.stat_result, secrets: str) -> None:
-    """Refuse the file ``name`` (as messages name it: ``config file PATH``) of status ``info``, which holds
-    ``secrets``, with :class:`SettingsError` if a user other than this process's could change it: it is writable by
-    its group or others, or owned by another user than this process's or root (who may change any file). A changed
-    file could send the token to a control plane of theirs (control_plane and tls_ca beside auth_token). Warn once
-    if others may read it (not its group: a Kubernetes Secret is shared with the pod's group, ``fsGroup``, so)."""
+def check_unchangeable(name: str, info: os.stat_result, why: str) -> None:
+    """Refuse the file ``name`` (as messages name it: ``config file PATH``) of status ``info`` with
+    :class:`SettingsError` if a user other than this process's could change it: it is writable by its group or
+    others, or owned by another user than this process's or root (who may change any file). ``why`` it matters
+    follows the name in the message (``holds auth_token``). A changed file could send the token to a control plane
+    of theirs (control_plane and tls_ca)."""
     mode, me = stat.S_IMODE(info.st_mode), os.getuid()
     if mode & 0o022:
-        raise SettingsError(f"{name} holds {secrets} and is writable by {_whom(mode, 0o022)} (mode {mode:04o}): "
+        raise SettingsError(f"{name} {why} and is writable by {_whom(mode, 0o022)} (mode {mode:04o}): "
                             "refused, as another user could change it (chmod go-w)")
     if info.st_uid not in (me, 0):
-        raise SettingsError(f"{name} holds {secrets} and is owned by uid {info.st_uid} (mode {mode:04o}), neither "
+        raise SettingsError(f"{name} {why} and is owned by uid {info.st_uid} (mode {mode:04o}), neither "
                             f"this user (uid {me}) nor root: refused, as its owner could change it")
+
+
+def check_private_file(name: str, info: os.stat_result, secrets: str) -> None:
+    """Refuse the file ``name`` of status ``info``, which holds ``secrets``, if another user could change it
+    (:func:`check_unchangeable`); warn once if others may read it (not its group: a Kubernetes Secret is shared with
+    the pod's group, ``fsGroup``, so)."""
+    check_unchangeable(name, info, f"holds {secrets}")
+    mode = stat.S_IMODE(info.st_mode)
     if mode & 0o004 and name not in _warned_readable:
         _warned_readable.add(name)
         log.warning("%s holds %s and is readable by others (mode %04o): chmod o-r, or anyone who can read it holds "

@@ -257,17 +257,22 @@ def test_a_config_file_holding_a_secret_that_another_user_may_change_is_refused(
                                   f"{mode:04o}): refused, as another user could change it (chmod go-w)")
 
 
+def owned_by_someone_else(path, monkeypatch) -> None:
+    """Make ``path`` another user's than this process's (not root's)."""
+    if os.getuid() == 0:  # root gives the file away; another user is taken for someone else
+        os.chown(path, 4242, -1)
+    else:
+        someone_else = os.getuid() + 1
+        monkeypatch.setattr(os, "getuid", lambda: someone_else)
+
+
 def test_a_config_file_holding_a_secret_owned_by_another_user_is_refused(tmp_path, monkeypatch):
     """Found in review: a config file of another user (not root) was read, and its owner could change it."""
     monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
     config = tmp_path / "pipecast.toml"
     config.write_text(SECRET_LINE)
     config.chmod(0o600)
-    if os.getuid() == 0:  # root gives the file away; another user is taken for someone else
-        os.chown(config, 4242, -1)
-    else:
-        someone_else = os.getuid() + 1
-        monkeypatch.setattr(os, "getuid", lambda: someone_else)
+    owned_by_someone_else(config, monkeypatch)
     with pytest.raises(SettingsError) as refused:
         load_settings(config)
     assert str(refused.value) == (f"config file {config} holds auth_token and is owned by uid {config.stat().st_uid} "
@@ -304,3 +309,54 @@ def test_a_config_file_holding_a_secret_others_may_read_is_warned_of_once_and_a_
         load_settings(group)
         assert load_settings(plain).agent_port == 7071
         assert caplog.records == []
+
+
+@pytest.mark.parametrize("token_from", ["variable", "command line"])
+def test_a_config_file_another_user_may_change_is_refused_beside_a_token_given_elsewhere(tmp_path, monkeypatch,
+                                                                                         token_from):
+    """Found in review: a config file was refused only where it held the secret itself, but one that another user
+    may change points control_plane and tls_ca at their server as well when the token comes from
+    PIPECAST_AUTH_TOKEN, --token-file or --token."""
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    shared = tmp_path / "shared.toml"
+    shared.write_text('control_plane = "127.0.0.1:9"\n')
+    shared.chmod(0o666)
+    overrides = {"auth_token": "tok"} if token_from == "command line" else {}
+    if token_from == "variable":
+        monkeypatch.setenv("PIPECAST_AUTH_TOKEN", "tok")
+    with pytest.raises(SettingsError) as refused:
+        load_settings(shared, **overrides)
+    assert str(refused.value) == (f"config file {shared} is read with auth_token from a variable or the command line "
+                                  "and is writable by group and others (mode 0666): refused, as another user could "
+                                  "change it (chmod go-w)")
+
+
+def test_a_config_file_of_another_user_is_refused_beside_api_keys_given_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    monkeypatch.setenv("PIPECAST_ROUTER_API_KEYS", '{"KEY": "team-a"}')
+    config = tmp_path / "pipecast.toml"
+    config.write_text('control_plane = "127.0.0.1:9"\n')
+    config.chmod(0o644)
+    owned_by_someone_else(config, monkeypatch)
+    with pytest.raises(SettingsError) as refused:
+        load_settings(config)
+    assert str(refused.value) == (f"config file {config} is read with router_api_keys from a variable or the command "
+                                  f"line and is owned by uid {config.stat().st_uid} (mode 0644), neither this user "
+                                  f"(uid {os.getuid()}) nor root: refused, as its owner could change it")
+
+
+def test_a_config_file_others_may_change_loads_where_the_settings_hold_no_secret(tmp_path, monkeypatch, caplog):
+    """A file without secrets that other users may change (a shared host's, or made under umask 002) still serves a
+    process that holds none (auth off), and a private one beside a token given elsewhere, without a warning."""
+    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    shared, private = tmp_path / "shared.toml", tmp_path / "private.toml"
+    for path, mode in ((shared, 0o666), (private, 0o644)):
+        path.write_text('control_plane = "127.0.0.1:9"\n')
+        path.chmod(mode)
+    with caplog.at_level("WARNING", logger="pipecast.core.settings"):
+        assert load_settings(shared).control_plane == "127.0.0.1:9"
+        monkeypatch.setenv("PIPECAST_AUTH_TOKEN", "")  # auth off
+        assert load_settings(shared).control_plane == "127.0.0.1:9"
+        monkeypatch.setenv("PIPECAST_AUTH_TOKEN", "tok")
+        assert load_settings(private).auth_token == "tok"
+    assert caplog.records == []
