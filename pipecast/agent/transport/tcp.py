@@ -678,6 +678,9 @@ class _ServerProtocol(asyncio.Protocol):
             SERVE_LOG.log(logging.INFO, "TLS handshake with %s failed (%s); closing", self.peer,
                           _ssl_reason(exc) or type(exc).__name__)
             transport = None
+        except BaseException:  # asyncio's TLS layer holds the socket and calls no connection_lost: leave the limits
+            self._forget()
+            raise
         if transport is None:  # or closed by its deadline or an eviction: asyncio calls no connection_lost then
             self._forget()
             return False

@@ -1031,6 +1031,40 @@ async def test_with_tls_a_connection_counts_toward_the_limits_before_its_handsha
                 sock.close()
 
 
+@pytest.mark.skipif(not have_openssl(), reason="needs the openssl command to make test certificates")
+async def test_a_tls_handshake_failing_otherwise_than_the_connection_leaves_the_limits(package, tmp_path, monkeypatch,
+                                                                                      caplog):
+    """Found in review: only an OSError of the handshake let the connection's place in the limits go; another
+    exception, once asyncio's TLS layer held the socket (which then calls no connection_lost), kept it for good."""
+    root, _ = package
+    certs = make_certs(tmp_path)
+    loop = asyncio.get_running_loop()
+    start_tls = loop.start_tls
+
+    async def failing(transport: asyncio.BaseTransport, protocol: asyncio.BaseProtocol, *args, **kwargs):
+        handshake = asyncio.ensure_future(start_tls(transport, protocol, *args, **kwargs))
+        await asyncio.sleep(0)  # its first step hands the socket to the TLS layer
+        assert transport.get_protocol() is not protocol
+        handshake.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await handshake
+        raise RuntimeError("not the connection's failure")
+
+    monkeypatch.setattr(loop, "start_tls", failing)
+    async with tcp_serving(PeerServer(), seed_store(root), tls_cert=certs["server.pem"], tls_key=certs["server.key"],
+                           tls_ca=certs["ca.pem"], io_timeout_s=5.0) as listener:
+        host, port = split_address(listener.address)
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            assert await asyncio.wait_for(reader.read(), 3) == b""  # closed by the listener
+            async with asyncio.timeout(3):
+                while listener.limits.count or listener.open_connections:
+                    await asyncio.sleep(0.01)
+        finally:
+            writer.close()
+    assert "not the connection's failure" in caplog.text
+
+
 async def test_a_port_in_use_or_an_address_not_this_hosts_is_refused_naming_the_address_and_why():
     """A listener that cannot bind says where and why (the CLI prints it as "error: ..."), not an OSError."""
     transport = TcpTransport("server", settings())
