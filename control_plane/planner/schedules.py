@@ -34,10 +34,11 @@ GROUP_CHAIN_MAX = 8
 #: The default size of a binomial pipeline's units (runs of consecutive chunks). Each node gets one unit per
 #: round and a round lasts as long as the largest unit in flight, so k units of at most s chunks to a group
 #: 2^d - 1 receivers deep take about (k + d) * s chunk times, against the model's T chunks (the simulator
-#: agrees within ~3% where there are no pairs). The default s is the largest (the fewest units: the
-#: shortest fetch lists) for which (k + d) * s stays within ROUND_OVERHEAD of T; where none does, the one
-#: with the least (k + d) * s. A big model gets few, large units (140,000 chunks at N = 1,024: 100 units of
-#: 1,400 chunks), a small one many (the demo's 264 chunks: 44 units of 6 chunks at N = 16 by this rule, 132 of
+#: agrees within ~3% where there are no pairs). The default s is, among those for which (k + d) * s stays
+#: within ROUND_OVERHEAD of T, the one of the fewest fetches (the shortest fetch lists: whole blocks, or even
+#: shares of them, where those meet it); where none does, the one with the least (k + d) * s. A big model gets
+#: few, large units (140,000 chunks in 80 blocks at N = 1,024: 160 units of 875 chunks, two a block; whole blocks
+#: up to N = 510), a small one many (the demo's 264 chunks: 44 units of 6 chunks at N = 16 by this rule, 132 of
 #: 2 at N = 1,024). Units of more than 2 chunks keep the rounds' rhythm only where a parent serves
 #: the child furthest behind first (the simulator's ``serve="earliest"``); shared fairly, its uplink lets
 #: children that run ahead slow the current round (the demo at N = 16 in units of 4: 1.57x S/B, 1.10 served
@@ -344,9 +345,11 @@ def _binomial_group(source: str, receivers: list[str], order: Sequence[Unit], ra
     takers = [source] + [first for first, _ in slots]  # the member that fetches from the cube
     senders = [source] + [second or first for first, second in slots]  # the member that sends to the cube
     # A receiver gets at most one unit per round from the cube, or one from its pair partner, so its
-    # fetch in round r goes to place r of its timeline: ordering by round without a sort.
-    places = len(order) + dim + 1
-    timeline: dict[str, list[tuple[Fetch[str], ...] | None]] = {rx: [None] * places for rx in receivers}
+    # fetch in round r goes to place r of its timeline: ordering by round without a sort; a place holds as many
+    # fetches as a unit has pieces at most (``width``), the unit's j-th piece at r * width + j.
+    width = max(map(len, order), default=1)
+    places = (len(order) + dim + 1) * width
+    timeline: dict[str, list[Fetch[str] | None]] = {rx: [None] * places for rx in receivers}
     # Per dimension: the senders of its units (one Fetch each per unit, shared by their takers), and for each
     # taker its timeline, its sender's index and its round offset; the pairs' partners apart.
     rows = []
@@ -355,19 +358,20 @@ def _binomial_group(source: str, receivers: list[str], order: Sequence[Unit], ra
         takes, pairs = [], []
         for x, (parent, step) in enumerate(_hypercube_parents(dim, j), start=1):
             taker, partner = takers[x], slots[x - 1][1]
-            takes.append((timeline[taker], parents.setdefault(senders[parent], len(parents)), step))
+            takes.append((timeline[taker], parents.setdefault(senders[parent], len(parents)), step * width))
             if partner is not None:
-                pairs.append((timeline[partner], taker, step))
+                pairs.append((timeline[partner], taker, step * width))
         rows.append((list(parents), takes, pairs))
     for i, unit in enumerate(order):
         parents, takes, pairs = rows[i % dim]
-        made = [tuple(Fetch(block, parent, chunks) for block, chunks in unit) for parent in parents]
-        for places_of, k, step in takes:
-            places_of[i + step] = made[k]
-        for places_of, taker, step in pairs:
-            places_of[i + step] = tuple(Fetch(block, taker, chunks) for block, chunks in unit)
+        for place, (block, chunks) in enumerate(unit, start=i * width):
+            made = [Fetch(block, parent, chunks) for parent in parents]
+            for places_of, k, step in takes:
+                places_of[place + step] = made[k]
+            for places_of, taker, step in pairs:
+                places_of[place + step] = Fetch(block, taker, chunks)
     for rx, places_of in timeline.items():
-        out[rx] = [fetch for fetches in places_of if fetches is not None for fetch in fetches]
+        out[rx] = [fetch for fetch in places_of if fetch is not None]
 
 
 class _Splitter:
@@ -395,24 +399,34 @@ class _Splitter:
 
 def unit_chunks(chunk_counts: Sequence[int], rounds: int) -> int:
     """The default unit size, in chunks, of a binomial pipeline ``rounds`` (d) deep over blocks of
-    ``chunk_counts`` chunks: the largest s of at least :data:`MIN_UNIT_CHUNKS` (where there are that many
-    chunks) for which k units of s chunks take (k + d) * s <= (1 + :data:`ROUND_OVERHEAD`) x T chunk times, T
-    the chunks in all; where none does, the s with the least (k + d) * s (the largest among equals). Then at
+    ``chunk_counts`` chunks, its units running across block ends (:func:`cut_units`): among the s of at least
+    :data:`MIN_UNIT_CHUNKS` (where there are that many chunks) for which k units of s chunks take (k + d) * s <=
+    (1 + :data:`ROUND_OVERHEAD`) x T chunk times, T the chunks in all, the one of the fewest fetches (a fetch per
+    block a unit covers: whole blocks, or even shares of them, where those meet it), then the least (k + d) * s,
+    then the largest; where none meets it, the s with the least (k + d) * s (the largest among equals). Then at
     most :data:`MAX_FAIR_UNIT_CHUNKS`, where that makes no more than :data:`MAX_FAIR_UNITS` units."""
     total = sum(chunk_counts)
     least = max(1, min(MIN_UNIT_CHUNKS, total))
     # (k + d) * s >= T + d * s, so no s above ROUND_OVERHEAD * T / d meets the budget: start there.
     top = max(least, min(total, math.floor(ROUND_OVERHEAD * total / max(1, rounds))))
-    best, best_time = least, math.inf
+    # A unit covering a block boundary fetches on both sides of it: one fetch more per boundary not at a unit's end.
+    boundaries = list(itertools.accumulate(count for count in chunk_counts if count))[:-1]
+    empty = sum(1 for count in chunk_counts if not count)  # each a fetch of its own (whole, of no bytes)
+    best: tuple | None = None  # (fetches, time, -s) of the best s within the budget
+    quickest: tuple | None = None  # (time, -s) of the quickest s, for when none is within it
     for size in range(top, least - 1, -1):
-        time = (_unit_count(chunk_counts, size) + rounds) * size
+        units = max(1, -(-total // size))
+        time = (units + rounds) * size
         if time <= (1 + ROUND_OVERHEAD) * total:
-            best = size
-            break
-        if time < best_time:
-            best, best_time = size, time
-    fair = max(least, min(best, MAX_FAIR_UNIT_CHUNKS))
-    return fair if _unit_count(chunk_counts, fair) <= MAX_FAIR_UNITS else best
+            if best is not None and units > best[0]:
+                break  # smaller units are more units, so more fetches, than the best has in all
+            fetches = units + empty + sum(1 for boundary in boundaries if boundary % size)
+            best = min(best or (fetches, time, -size), (fetches, time, -size))
+        elif best is None:
+            quickest = min(quickest or (time, -size), (time, -size))
+    size = -best[2] if best is not None else -quickest[1] if quickest is not None else least
+    fair = max(least, min(size, MAX_FAIR_UNIT_CHUNKS))
+    return fair if _unit_count(chunk_counts, fair) <= MAX_FAIR_UNITS else size
 
 
 def cut_units(blocks: Sequence[tuple[int, int]], unit_chunks: int) -> list[Unit]:
@@ -460,11 +474,15 @@ def _hypercube_parents(dim: int, j: int) -> list[tuple[int, int]]:
 
 def _pair_slots(receivers: list[str], pairs: int, rack: Rack) -> list[tuple[str, str | None]]:
     """``len(receivers) - pairs`` slots (slot x of the cube is item x - 1): ``pairs`` of them shared by two
-    receivers, neighbours in a rack first, the others in receiver order. The shared slots are those whose
-    numbers have the fewest bits set (then the lowest): a shared slot's sends are a chunk late, and in slots
-    of many bits they held up the units' later rounds (0.2 ms a hop, the demo model: 1.64-1.78x S/B from 8
-    to 53 pairs among 127 slots, placed first; 1.10-1.11x placed so)."""
+    receivers, neighbours in a rack first, the others in receiver order. Without racks the shared slots are
+    those whose numbers have the fewest bits set (then the lowest): a shared slot's sends are a chunk late, and in
+    slots of many bits they held up the units' later rounds (0.2 ms a hop, the demo model: 1.64-1.78x S/B from 8
+    to 53 pairs among 127 slots, placed first; 1.10-1.11x placed so). With racks the slots keep receiver
+    (rack) order, so that the cube's low dimensions stay within a rack: scattered so, more chunks crossed
+    racks (4 racks at 4:1: 2.39x S/B at N = 150 against 2.20x)."""
     groups = _pair_groups(receivers, pairs, rack)
+    if any(rack(rx) is not None for rx in receivers):
+        return groups
     shared = iter([group for group in groups if group[1] is not None])
     alone = iter([group for group in groups if group[1] is None])
     count = len(groups)

@@ -654,7 +654,11 @@ def test_the_default_unit_keeps_the_rounds_near_s_over_b_with_few_units():
     big = [1750] * 80
     size = unit_chunks(big, 10)
     units = len(cut_units(list(enumerate(big)), size))
-    assert (size, units) == (1400, 100) and (units + 10) * size <= 1.1 * sum(big) < (80 + 10) * 1750
+    # Within the budget, the fewest fetches: two even units a block (1,400-chunk units made as many fetches, 100
+    # units and 60 boundaries inside them, and took longer).
+    assert (size, units) == (875, 160) and (units + 10) * size <= 1.1 * sum(big) < (80 + 10) * 1750
+    # Fewer rounds deep, whole blocks meet the budget: one fetch a block, none of them cut.
+    assert unit_chunks(big, 6) == 1750 and unit_chunks([875] * 160, 4) == 875
     # Where no size meets the budget, the quickest of at least MIN_UNIT_CHUNKS: (3 + 10) * 2 chunk times beat
     # (2 + 10) * 3, and one-chunk units are never the default, though (6 + 10) * 1 would be quicker still.
     assert unit_chunks([3, 3], 10) == 2 and unit_chunks([1, 1], 3) == 2 and unit_chunks([1], 3) == 1
