@@ -406,9 +406,11 @@ _warned: set[str] = set()  # unknown variables warned of in this process
 
 
 def _did_you_mean(name: str, known: Collection[str]) -> str:
-    """`` (did you mean X?)``, X the name of ``known`` that ``name`` likely misspells; empty where none is close."""
-    close = difflib.get_close_matches(name, sorted(known), n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
+    """`` (did you mean X?)``, X the name of ``known`` that ``name`` likely misspells, case aside (difflib's
+    ratio is not: AGENT_PORT was close to no setting); empty where none is close."""
+    by_lower = {k.lower(): k for k in sorted(known)}
+    close = difflib.get_close_matches(name.lower(), by_lower, n=1)
+    return f" (did you mean {by_lower[close[0]]}?)" if close else ""
 
 
 def warn_unknown_variables(environ: dict[str, str] | None = None) -> list[str]:

@@ -30,11 +30,12 @@ def test_bad_file_and_unknown_key_are_errors(tmp_path, monkeypatch):
         load_settings(bad)
     # Found in use: the model's "agent_prot: Extra inputs are not permitted" named no file and no likely setting.
     unknown = tmp_path / "unknown.toml"
-    unknown.write_text("[pipecast]\nagent_prot = 1\nzzz_qqq = 2\n")
+    unknown.write_text("[pipecast]\nagent_prot = 1\nzzz_qqq = 2\nAGENT_PORT = 3\n")
     with pytest.raises(SettingsError) as refused:
         load_settings(unknown)
-    assert str(refused.value) == (f"config file {unknown}: unknown setting agent_prot (did you mean agent_port?); "
-                                  "unknown setting zzz_qqq")
+    # Found in review: difflib is case-sensitive, and AGENT_PORT got no suggestion.
+    assert str(refused.value) == (f"config file {unknown}: unknown setting AGENT_PORT (did you mean agent_port?); "
+                                  "unknown setting agent_prot (did you mean agent_port?); unknown setting zzz_qqq")
 
 
 @pytest.mark.parametrize("text, problem", [
@@ -171,6 +172,11 @@ def test_a_variable_that_names_no_setting_is_warned_of_once_with_the_setting_it_
         "environment variable PIPECAST_AUTH_TOKN is no pipecast setting: ignored (did you mean PIPECAST_AUTH_TOKEN?)"]
     assert warn_unknown_variables({"PIPECAST_ZZZ_QQQ": "1", "PIPECAST_CONTROL_PORT": "1", "HOME": "/"}) == [
         "PIPECAST_ZZZ_QQQ"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipecast.core.settings"):
+        warn_unknown_variables({"pipecast_agent_prot": "1"})
+    assert [r.getMessage() for r in caplog.records] == [
+        "environment variable pipecast_agent_prot is no pipecast setting: ignored (did you mean PIPECAST_AGENT_PORT?)"]
 
 
 @pytest.mark.parametrize("variable, value, message", [
