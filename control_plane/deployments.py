@@ -9,6 +9,7 @@ served model's route (:mod:`control_plane.routes`: canaries, promotions, rollbac
 """
 
 import json
+import logging
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -21,6 +22,8 @@ from control_plane.routes import ModelRoute, RouteChange, change_route, describe
 from control_plane.rows import known_fields
 from pipecast.core.priorities import DEFAULT_PRIORITY, PRIORITIES
 from pipecast.core.urls import http_base_url, one_spelling
+
+log = logging.getLogger(__name__)
 
 #: Scale events kept in memory (the database keeps them all).
 EVENTS_IN_MEMORY = 10_000
@@ -193,6 +196,11 @@ ROUTER_ENDPOINTS = ("/stats", "/metrics", "/health", "/v1/workers", "/v1/complet
                     "/v1/models", "/v1")
 
 
+def _endpoint_of(path: str) -> str | None:
+    """The router endpoint (:data:`ROUTER_ENDPOINTS`) that ``path`` ends with, if any."""
+    return next((e for e in ROUTER_ENDPOINTS if path.endswith(e)), None)
+
+
 def check_router_url(url: str, package_id: str) -> str:
     """A router's base URL (http or https, a host, no query, no credentials), without a trailing slash, its host
     in lower case and without a default port."""
@@ -202,10 +210,14 @@ def check_router_url(url: str, package_id: str) -> str:
     parts = urlsplit(base)
     if "@" in parts.netloc:  # listed to every caller and logged: the routers take the serving key instead
         raise InvalidRequest(f"deployment of package {package_id!r}: router URL with credentials refused")
-    endpoint = next((e for e in ROUTER_ENDPOINTS if parts.path.endswith(e)), None)
+    endpoint = _endpoint_of(parts.path)
     if endpoint is not None:  # found in review: the daemon polled .../stats/stats, and held with no signals
+        # Stripped while one ends it: .../v1/stats suggested .../v1, itself refused.
+        stripped = base
+        while (last := _endpoint_of(urlsplit(stripped).path)) is not None:
+            stripped = stripped[:len(stripped) - len(last)]
         raise InvalidRequest(f"deployment of package {package_id!r}: router {url!r} names the router's {endpoint} "
-                             f"endpoint; give its base URL ({base[:len(base) - len(endpoint)] or base})")
+                             f"endpoint; give its base URL ({stripped or base})")
     if parts.port == 0:  # no router listens there: its deployment would read it as silent for good
         raise InvalidRequest(f"deployment of package {package_id!r}: router {url!r} names port 0")
     return one_spelling(base)  # two spellings of one router were polled and summed as two
@@ -334,8 +346,17 @@ class DeploymentBook:
 
     def restore(self, deployments: Sequence[Deployment], events: Sequence[ScaleEvent],
                 routes: Sequence[ModelRoute] = ()) -> None:
-        """Fill an empty book from the store (events oldest first)."""
+        """Fill an empty book from the store (events oldest first). A router URL stored before
+        :func:`check_router_url` refused it (the OpenAI base URL .../v1) is warned of, with the fix: the scaling daemon
+        polls its /stats in vain every tick."""
         self.deployments = {d.package_id: d for d in deployments}
+        for deployment in deployments:
+            for url in deployment.routers:
+                try:
+                    check_router_url(url, deployment.package_id)
+                except InvalidRequest as exc:
+                    log.warning("stored %s: the scaling daemon gets no signals from it until the package is "
+                                "deployed again with that URL (pipecast cp deploy)", exc)
         self.routes = {r.name: r for r in routes}
         self.written_routes = dict(self.routes)
         for event in events:

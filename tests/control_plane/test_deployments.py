@@ -323,7 +323,9 @@ def test_the_book_refuses_router_urls_no_resolver_takes_or_with_credentials(url)
 @pytest.mark.parametrize("url, endpoint, base", [("http://r:8080/stats", "/stats", "http://r:8080"),
                                                 ("http://gw/pipecast/v1/completions", "/v1/completions",
                                                  "http://gw/pipecast"),
-                                                ("http://r:8080/v1/", "/v1", "http://r:8080")])
+                                                ("http://r:8080/v1/", "/v1", "http://r:8080"),
+                                                ("http://r:8080/v1/stats", "/stats", "http://r:8080"),
+                                                ("http://gw/p/v1/v1/models", "/v1/models", "http://gw/p")])
 def test_the_book_refuses_a_router_url_that_names_one_of_its_endpoints(url, endpoint, base):
     """Found in review: `cp deploy --router http://r:8080/stats` was taken, and the daemon polled /stats/stats and held
     the deployment with no signals while saying it was healthy. Found in use: so was the OpenAI base URL its clients
@@ -331,6 +333,20 @@ def test_the_book_refuses_a_router_url_that_names_one_of_its_endpoints(url, endp
     with pytest.raises(InvalidRequest, match=f"^deployment of package 'p': router '{url}' names the router's "
                                              f"{endpoint} endpoint; give its base URL \\({base}\\)$"):
         DeploymentBook().put(Deployment("p", ScalingPolicy(), (url,)), ["p"], 1.0)
+
+
+def test_a_router_url_stored_before_it_was_refused_is_warned_of_at_load_with_the_fix(caplog):
+    """Found in review: a deployment stored with the /v1 base URL before it was refused kept polling /v1/stats
+    (HTTP 404) every tick, and nothing said how to mend it."""
+    stored = Deployment("p", ScalingPolicy(), ("http://r:8080/v1", "http://q:8080"))
+    book = DeploymentBook()
+    with caplog.at_level("WARNING", logger="control_plane.deployments"):
+        book.restore([stored], [])
+    assert book.deployments == {"p": stored}
+    assert [r.getMessage() for r in caplog.records] == [
+        "stored deployment of package 'p': router 'http://r:8080/v1' names the router's /v1 endpoint; give its base "
+        "URL (http://r:8080): the scaling daemon gets no signals from it until the package is deployed again with "
+        "that URL (pipecast cp deploy)"]
 
 
 def test_the_book_keeps_one_spelling_per_router():
