@@ -361,7 +361,11 @@ def status_command(ctx: click.Context) -> None:
     for w in workers:
         held = " ".join(f"{models.get(h.package_id, h.package_id[:12])}:{len(h.blocks)}" for h in w.held) or "-"
         bound = w.worker.serve_package
-        serves = f" (its worker serves {models.get(bound, bound[:12])})" if bound else ""
+        serves = f"its worker serves {models.get(bound, bound[:12])}" if bound else ""
+        # A copy it never serves: placed before its agent said what it serves (the scaling daemon releases it).
+        strays = [models.get(h.package_id, h.package_id[:12]) for h in w.held
+                  if bound and h.package_id != bound and h.blocks]
+        serves = f" (holds {', '.join(strays)}, {serves})" if strays else f" ({serves})" if serves else ""
         lines.append(f"  {w.worker.peer.node_id:<24} {'alive' if w.alive else 'DEAD':<5} {held}{serves}")
     lines.append(f"packages: {len(packages)}")
     for p in packages:

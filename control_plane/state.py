@@ -1128,32 +1128,51 @@ class ControlState:
                 committed[node] = committed.get(node, 0) + package.total_bytes
         return committed
 
-    def _reclaimable_bytes(self, *, excluding: str) -> dict[str, int]:
-        """Per worker, the bytes of the packages (other than ``excluding``) it keeps only in a keep-alive release."""
-        reclaimable: dict[str, int] = {}
-        for package_id, node in self.releases:
+    def _reclaimable(self, *, excluding: str) -> dict[str, list[tuple[float, str]]]:
+        """Per worker, the packages (other than ``excluding``) it gives up when a scale-up needs its memory, each
+        with its rank (the first given up first): a stray copy, of a package its serving worker is bound against
+        (``serve_package``: never served there; placed before its agent said what it serves, or by a scale-up not
+        serving-only), held or being received, ranks first; then one kept only in a keep-alive release, due
+        first. Counting a stray as committed kept the worker's own package off it, which its pool counts it free
+        for: the scaling daemon asked in vain, for good."""
+        reclaimable: dict[str, list[tuple[float, str]]] = {}
+        for (package_id, node), drop_at in self.releases.items():
             if package_id != excluding and node in self.availability[package_id].by_worker:
-                reclaimable[node] = reclaimable.get(node, 0) + self.packages[package_id].total_bytes
+                reclaimable.setdefault(node, []).append((drop_at, package_id))
+        for package_id, package in self.packages.items():
+            if package_id == excluding:
+                continue
+            nodes = set(self.availability[package_id].by_worker)
+            nodes.update(n for p in self.plans.values() if p.package_id == package_id for n in p.pending)
+            for node in nodes - {package.store.node_id}:
+                worker = self.workers.get(node)
+                if worker is not None and worker.spec.serve_package not in ("", package_id) \
+                        and (package_id, node) not in self.releases:
+                    reclaimable.setdefault(node, []).append((-math.inf, package_id))
         return reclaimable
 
+    def _reclaimable_bytes(self, *, excluding: str) -> dict[str, int]:
+        """Per worker, the bytes of the packages (other than ``excluding``) it gives up when a scale-up needs its
+        memory (:meth:`_reclaimable`)."""
+        return {node: sum(self.packages[p].total_bytes for _, p in kept)
+                for node, kept in self._reclaimable(excluding=excluding).items()}
+
     def _reclaim(self, package: Package, receivers: Iterable[str]) -> None:
-        """Drop, from each of ``receivers`` short of memory for ``package``, the packages it keeps in a keep-alive
-        release, those due first, until it fits: a warm copy is kept until the memory is needed."""
+        """Drop, from each of ``receivers`` short of memory for ``package``, the packages it gives up for it
+        (:meth:`_reclaimable`), the first first, until it fits: a warm copy is kept until the memory is needed."""
         committed = self._committed_bytes(excluding=package.package_id)
         short = {node: over for node in receivers
                  if (over := committed.get(node, 0) + package.total_bytes - self.workers[node].spec.memory_bytes) > 0}
         if not short:
             return
-        kept: dict[str, list[tuple[float, str]]] = {}  # one pass over the releases, not one per receiver
-        for (released, node), drop_at in self.releases.items():
-            if node in short:
-                kept.setdefault(node, []).append((drop_at, released))
+        reclaimable = self._reclaimable(excluding=package.package_id)
         for node, over in short.items():
-            for drop_at, released in sorted(kept.get(node, ())):
+            for drop_at, released in sorted(reclaimable.get(node, ())):
                 if over <= 0:
                     break
-                log.info("keep-alive release ended early for memory package=%s node=%s (for package=%s)",
-                         released, node, package.package_id)
+                log.info("%s for memory package=%s node=%s (for package=%s)",
+                         "keep-alive release ended early" if drop_at > -math.inf else "stray copy dropped", released,
+                         node, package.package_id)
                 self._drop(released, node)
                 over -= self.packages[released].total_bytes
 

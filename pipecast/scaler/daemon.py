@@ -56,7 +56,7 @@ from pipecast.core.httpserve import read_capped
 from pipecast.scaler.coldstart import ColdStarts
 from pipecast.scaler.gate import Gate, add_up_versions
 from pipecast.scaler.metrics import ScalerMetrics
-from pipecast.scaler.policy import HISTORY_S, Decision, Replica, Signals, decide
+from pipecast.scaler.policy import HISTORY_S, Decision, Pool, Replica, Signals, decide
 from pipecast.scaler.signals import StatsFormatError, add_up, parse_stats, pool_of, serve_urls
 from pipecast.v1 import control_pb2 as pb
 
@@ -338,6 +338,8 @@ class Scaler:
                        last_scale_up=tracked.last_scale_up, store=store)
         tracked.history.append(add_up(now, answers, urls, package_id, nodes={r.node_id for r in pool.replicas}))
         _trim(tracked.history, now)
+        if pool.strays:
+            await self._release_strays(package_id, pool, tracked, now)
         tracked.cold_starts.observe(pool.replicas, now, tracked.last_scale_up)
         signals = tracked.history[-1]
         _warn_unlisted(package_id, tracked, pool.replicas, signals, now)
@@ -423,6 +425,24 @@ class Scaler:
                 at=self.clock(), package_id=package_id, action="take_back", count=len(taken), node_ids=taken,
                 reason=f"the scale-up took back {len(taken)} released", desired=decision.desired, actual=actual))
         return decision
+
+    async def _release_strays(self, package_id: str, pool: Pool, tracked: _Tracked, now: float) -> None:
+        """Release the package's copies on workers bound to another package (:attr:`Pool.strays`), recorded in the
+        audit trail first, as a release of the pool's is: they never serve it, and no release of the pool's would
+        ever reach them. A refusal is logged and tried again next tick."""
+        strays = pool.strays
+        reason = f"released {len(strays)} copies on workers serving another package"
+        await self.client.append_scale_event(ScaleEvent(
+            at=self.clock(), package_id=package_id, action="release", count=len(strays), node_ids=strays,
+            reason=reason, actual=len(pool.replicas)))
+        log.warning("scaler %s: %s: %s", package_id[:12], reason, ",".join(strays))
+        try:
+            await self.client.release(package_id, list(strays), keep_alive_s=self.config.source_keep_s)
+        except ControlPlaneError as exc:
+            log.warning("scaler %s: release of copies on workers serving another package refused: %s",
+                        package_id[:12], exc)
+            return
+        tracked.released.update({node: now for node in strays})
 
     async def _scale_up(self, package_id: str, count: int) -> tuple[pb.ScaleUpResponse, int, str]:
         """Scale up by ``count`` workers, or fewer where the control plane cannot place them: the pool counts

@@ -108,6 +108,9 @@ class Pool:
     last_scale_up: float | None = None
     #: Seconds the deployment's last new replicas took to hold the package (the daemon's measure), None: none yet.
     cold_start_s: float | None = None
+    #: Alive serving workers bound to another package that hold or receive this one: never replicas, the daemon
+    #: releases their copies (``pool_of``); the policy ignores them.
+    strays: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

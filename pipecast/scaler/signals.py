@@ -183,24 +183,30 @@ def pool_of(package_id: str, num_blocks: int, workers: Iterable[pb.WorkerState],
     """The deployment's pool: replicas are alive serving workers that hold blocks of the package or are
     receiving it (loading until they hold every block); free ones hold and receive nothing of it. A serving
     worker bound to another package (its agent's ``serve_package``) is neither, whatever it holds: it never
-    serves this one, and a scale-up places the package only where it would be (``serving_only``).
+    serves this one, and a scale-up places the package only where it would be (``serving_only``); one that holds or
+    receives it all the same (placed before its agent said what it serves, or by a scale-up not serving-only) is a
+    stray (:attr:`Pool.strays`, unless ``released`` or the ``store``), whose copy the daemon releases: no release of
+    the pool's would ever reach it.
     ``released`` nodes (released moments ago, their drop not reported yet) are free, not replicas: a
     scale-up may take them back (placed on holders first), and a surge whose only spare workers they are
     would else wait for their keep-alive to end. The package's ``store`` node, serving, is a replica never
     released (:attr:`Replica.pinned`)."""
     pending = {node for plan in plans if plan.package_id == package_id for node in plan.pending}
     released = set(released)
-    replicas, free = [], 0
+    replicas, free, strays = [], 0, []
     for state in workers:
         node = state.worker.peer.node_id
-        if not state.alive or not state.worker.serve_url or state.worker.serve_package not in ("", package_id):
+        if not state.alive or not state.worker.serve_url:
             continue
         held = sum(len(h.blocks) for h in state.held if h.package_id == package_id)
-        if node in released:
+        if state.worker.serve_package not in ("", package_id):
+            if (held or node in pending) and node not in released and node != store:
+                strays.append(node)
+        elif node in released:
             free += 1
         elif held or node in pending:
             replicas.append(Replica(node, loading=held < num_blocks or node in pending, pinned=node == store))
         else:
             free += 1
     return Pool(now=now, replicas=tuple(sorted(replicas, key=lambda r: r.node_id)), free=free,
-                last_scale_up=last_scale_up)
+                last_scale_up=last_scale_up, strays=tuple(sorted(strays)))

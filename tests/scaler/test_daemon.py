@@ -397,6 +397,35 @@ async def test_a_replica_released_with_a_keep_alive_is_not_counted_until_it_ends
     assert [c for c in client.calls if c[0] == "release"] == [("release", ("w1",), 120.0)]
 
 
+async def test_copies_on_workers_serving_another_package_are_released_once_recorded_and_a_restart_knows_it():
+    """Found in review: a copy on a worker bound to another package (placed before its agent said what it serves)
+    was in no pool: never released, its memory kept the worker's own package off it. The daemon releases such
+    strays (with a source's keep-alive), recorded in the trail first, and not again while their drop is due."""
+    now = [1000.0]
+    stray = worker("w1", held=BLOCKS)
+    stray.worker.serve_package = "s" * 64
+    async with stub_router(stats(idle={"w2": 0.0})) as (url, _):
+        client = RecordingClient([stray, worker("w2", held=BLOCKS)], (url,))
+        async with Scaler(client, ScalerConfig(source_keep_s=120.0), **clocks(now)) as scaler:
+            [(_, decision)] = await scaler.tick()
+            assert decision.inputs["replicas"] == 1 and decision.action == "hold"
+            now[0] += 60.0
+            await scaler.tick()
+        assert [c for c in client.calls if c[0] == "release"] == [("release", ("w1",), 120.0)]
+        [event] = [e for e in client.events if e.action == "release"]
+        assert (event.count, event.node_ids, event.reason, event.actual) == (
+            1, ("w1",), "released 1 copies on workers serving another package", 1)
+        async with Scaler(client, ScalerConfig(source_keep_s=120.0), **clocks(now)) as restarted:
+            await restarted.tick()
+        assert len([c for c in client.calls if c[0] == "release"]) == 1
+        client.refuse_release = ControlPlaneUnavailable("down")
+        now[0] += 1000.0  # its drop was due long ago, yet it is listed: released again, refused, tried next tick
+        async with Scaler(client, ScalerConfig(source_keep_s=120.0), **clocks(now)) as scaler:
+            await scaler.tick()
+            await scaler.tick()
+        assert len([c for c in client.calls if c[0] == "release"]) == 3
+
+
 async def test_a_released_worker_a_scale_up_takes_back_is_in_the_trail_and_a_restart_counts_it_as_a_replica():
     # Found in review: the trail had the release but not the taking back (the scale-up's event is written before
     # the control plane places it), so a daemon restarted within the keep-alive held a serving replica back.

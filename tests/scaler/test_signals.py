@@ -239,3 +239,18 @@ def test_a_worker_serving_another_package_is_neither_a_replica_nor_free():
                state("w3", 4, canary, serves=canary), state("w4", 0, canary, serves=canary), state("w5", 2, canary)]
     pool = pool_of(canary, 4, workers, [], now=0.0)
     assert (pool.replicas, pool.free) == ((Replica("w3", False), Replica("w5", True)), 1)
+
+
+def test_a_worker_serving_another_package_that_holds_or_receives_this_one_is_a_stray_to_release():
+    """Found in review: a copy on a worker bound to another package (placed before its agent said what it serves,
+    or by `cp scale-up --count`) was stranded: in no pool, no release reached it, and its memory kept the worker's
+    own package off it. It is a stray of the package's pool (released ones aside), which the daemon releases."""
+    canary, stable = "c" * 64, "s" * 64
+    workers = [state("w1", 4, canary, serves=stable), state("w2", 0, canary, serves=stable),
+               state("w3", 0, canary, serves=stable), state("w4", 2, canary, serves=stable),
+               state("w5", 4, canary, serves=canary)]
+    plans = [pb.PlanSummary(package_id=canary, pending=["w2"]), pb.PlanSummary(package_id=stable, pending=["w3"])]
+    pool = pool_of(canary, 4, workers, plans, now=0.0, released={"w4"})
+    assert (pool.replicas, pool.free, pool.strays) == ((Replica("w5", False),), 0, ("w1", "w2"))
+    assert pool_of(stable, 4, workers, plans, now=0.0).strays == ()
+    assert pool_of(canary, 4, workers, plans, now=0.0, store="w1").strays == ("w2", "w4")  # never released
