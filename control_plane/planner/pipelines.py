@@ -28,7 +28,7 @@ from control_plane.planner.plan import PlanError, check_ids
 #: Most stages in one pipeline: each adds a hop per token. FaaScale plans pipelines of 8/4/2/1 nodes.
 DEFAULT_MAX_STAGES = 8
 #: Steps of search a forming takes at most (:func:`form_pipelines`): about a second of this project's 2-core VM.
-DEFAULT_BUDGET = 600_000
+DEFAULT_BUDGET = 1_000_000
 #: Partial chains kept per stage end while searching (see :func:`_fewest_stages`).
 _PATHS_PER_END = 32
 #: What a chain ending at a position needs of the nodes left: how many of each kind (:attr:`_Runs.kind`) it used
@@ -291,21 +291,23 @@ def _count(runs: Mapping[str, _Runs], used: Collection[str], q: int) -> dict:
     return counts
 
 
-def _within(a: _Needs, b: _Needs) -> bool:
-    """Whether ``a`` needs no more of any kind than ``b``."""
-    counts = dict(b)
-    return len(a) <= len(b) and all(n <= counts.get(kind, 0) for kind, n in a)
+def _within(a: _Needs, counts: Mapping[int, int]) -> bool:
+    """Whether ``a`` needs no more of any kind than ``counts`` (kind -> how many) has: most comparisons end at the
+    cheap length test."""
+    return len(a) <= len(counts) and all(n <= counts.get(kind, 0) for kind, n in a)
 
 
 def _admit(kept: list[_Needs], needs: _Needs, spent: list[int]) -> bool:
     """Whether a chain that ``needs`` so much is kept among those ending at its position (``kept``, updated): not
     where one of them needs no more (it can do all this one can), else in place of those needing more than it
-    does, or in a free place. Each chain kept there compared with is a step of ``spent``'s."""
+    does, or in a free place. Each comparison made with a chain kept there is a step of ``spent``'s."""
+    counts = dict(needs)  # once, not per chain compared with
+    for other in kept:
+        spent[0] += 1
+        if _within(other, counts):
+            return False
     spent[0] += len(kept)
-    if any(_within(other, needs) for other in kept):
-        return False
-    spent[0] += len(kept)
-    fewer = [other for other in kept if not _within(needs, other)]
+    fewer = [other for other in kept if len(needs) > len(other) or not _within(needs, dict(other))]
     if len(fewer) == len(kept) and len(kept) >= _PATHS_PER_END:
         return False
     kept[:] = fewer + [needs]
@@ -316,12 +318,15 @@ def _full(kept: Sequence[_Needs], runs: Mapping[str, _Runs], used: Collection[st
           spent: list[int]) -> bool:
     """Whether no chain extending one that used ``used`` would be kept at stage end ``q``: the places are taken
     and one of them needs no more than such a chain would (at least its ``used`` nodes holding a layer past q).
-    Each chain kept there compared with is a step of ``spent``'s."""
+    Each comparison made with a chain kept there is a step of ``spent``'s."""
     if len(kept) < _PATHS_PER_END:
         return False
-    spent[0] += len(kept)
-    least = frozenset(_count(runs, used, q).items())
-    return any(_within(other, least) for other in kept)
+    least = _count(runs, used, q)
+    for other in kept:
+        spent[0] += 1
+        if _within(other, least):
+            return True
+    return False
 
 
 def _balance(layout: ModelLayout, chain: Sequence[tuple[str, tuple[int, int]]]) -> Pipeline:

@@ -283,13 +283,25 @@ def test_a_forming_counts_its_comparisons_of_chains_against_its_budget(monkeypat
     compared = 0
     within = pipelines._within
 
-    def counted(a, b):
+    def counted(a, counts):
         nonlocal compared
         compared += 1
-        return within(a, b)
+        return within(a, counts)
 
     monkeypatch.setattr(pipelines, "_within", counted)
     budget = 50_000
     form_pipelines(layout, held, budget=budget)
     # Past the budget, a step finishes (a node tried at each stage end it reaches: at most 65 x 64 comparisons).
     assert budget / 2 < compared <= budget + 65 * 64
+
+
+def test_a_forming_charges_only_the_comparisons_it_makes():
+    """Found in review: a chain compared with those kept at its stage end was charged one step per chain kept there,
+    though the comparisons stop at the first that needs no more: the budget was spent up to 32 times as fast."""
+    kept = [frozenset({(0, 1)}), *(frozenset({(kind, 1)}) for kind in range(1, 32))]
+    spent = [0, 10**9]
+    assert not pipelines._admit(kept, frozenset({(0, 1), (1, 2)}), spent)  # the first kept needs no more
+    assert spent[0] == 1
+    kept[0] = frozenset()  # needs nothing
+    assert pipelines._full(kept, {}, (), 0, spent)
+    assert spent[0] == 2
