@@ -1136,20 +1136,24 @@ class ControlState:
         first. Counting a stray as committed kept the worker's own package off it, which its pool counts it free
         for: the scaling daemon asked in vain, for good."""
         reclaimable: dict[str, list[tuple[float, str]]] = {}
-        for (package_id, node), drop_at in self.releases.items():
-            if package_id != excluding and node in self.availability[package_id].by_worker:
-                reclaimable.setdefault(node, []).append((drop_at, package_id))
         for package_id, package in self.packages.items():
             if package_id == excluding:
                 continue
             nodes = set(self.availability[package_id].by_worker)
             nodes.update(n for p in self.plans.values() if p.package_id == package_id for n in p.pending)
             for node in nodes - {package.store.node_id}:
-                worker = self.workers.get(node)
-                if worker is not None and worker.spec.serve_package not in ("", package_id) \
-                        and (package_id, node) not in self.releases:
+                if self._bound_elsewhere(node, package_id):
                     reclaimable.setdefault(node, []).append((-math.inf, package_id))
+        for (package_id, node), drop_at in self.releases.items():
+            if package_id != excluding and node in self.availability[package_id].by_worker \
+                    and not self._bound_elsewhere(node, package_id):  # a stray released: counted above
+                reclaimable.setdefault(node, []).append((drop_at, package_id))
         return reclaimable
+
+    def _bound_elsewhere(self, node: str, package_id: str) -> bool:
+        """Whether ``node``'s serving worker is bound to a package other than ``package_id`` (``serve_package``)."""
+        worker = self.workers.get(node)
+        return worker is not None and worker.spec.serve_package not in ("", package_id)
 
     def _reclaimable_bytes(self, *, excluding: str) -> dict[str, int]:
         """Per worker, the bytes of the packages (other than ``excluding``) it gives up when a scale-up needs its

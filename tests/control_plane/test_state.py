@@ -550,30 +550,32 @@ def test_scale_up_respects_the_memory_budget():
 def test_a_copy_on_a_worker_bound_to_another_package_gives_way_to_that_package(caplog):
     """Found in review: a canary placed on a worker before its agent said it serves the stable version (or by an
     operator's scale-up) kept its memory committed there, so the stable version, whose pool counts that worker free,
-    was refused it for good. A stray copy, held or being received, is given up as a keep-alive release is, first."""
-    state = ControlState(lease_s=LEASE)
-    for package_id in ("canary", "stable"):
-        state.publish(manifest(package_id), STORE, now=0)
+    was refused it for good. A stray copy, held or being received, released or not, is given up first."""
     serving = dataclasses.replace(spec("w1", memory=1_000), serve_url="http://w1:8000")
-    state.register(serving, {}, now=0)
-    receiving = state.scale_up("canary", count=1, serving_only=True, now=1)
-    assert receiving.receivers == ("w1",)
-    state.register(dataclasses.replace(serving, serve_package="stable"), {}, now=2)  # mid-plan
-    with caplog.at_level("INFO", logger="control_plane.state"):
-        assert state.scale_up("stable", count=1, serving_only=True, now=3).receivers == ("w1",)
-    assert "stray copy dropped for memory package=canary node=w1 (for package=stable)" in caplog.text
-    assert receiving.plan_id not in state.plans and ("canary", "w1") in state.dropping
-    # Held, and in a keep-alive release too: given up once.
-    state = ControlState(lease_s=LEASE)
-    for package_id in ("canary", "stable"):
-        state.publish(manifest(package_id), STORE, now=0)
-    state.register(dataclasses.replace(spec("w1", memory=1_000), serve_url="http://w1:8000", serve_package="stable"),
-                   {"canary": range(BLOCKS)}, now=0)
-    assert state._reclaimable_bytes(excluding="stable") == {"w1": 800}
-    state.release("canary", ["w1"], keep_alive_s=30, now=1)
-    assert state._reclaimable_bytes(excluding="stable") == {"w1": 800}
-    assert state.scale_up("stable", count=1, serving_only=True, now=2).receivers == ("w1",)
-    assert not state.availability["canary"].held("w1")
+
+    def stray(held: bool, released: bool) -> ControlState:
+        state = ControlState(lease_s=LEASE)
+        for package_id in ("canary", "stable"):
+            state.publish(manifest(package_id), STORE, now=0)
+        holds = {"canary": range(BLOCKS)} if held else {}
+        state.register(serving, holds, now=0)
+        if not held:
+            assert state.scale_up("canary", count=1, serving_only=True, now=1).receivers == ("w1",)
+        state.register(dataclasses.replace(serving, serve_package="stable"), holds, now=2)  # mid-plan, if not held
+        if released:
+            state.release("canary", ["w1"], keep_alive_s=30, now=2)
+        return state
+
+    for held in (False, True):
+        for released in (False, True):
+            state = stray(held, released)
+            assert state._reclaimable_bytes(excluding="stable") == {"w1": 800}
+            caplog.clear()
+            with caplog.at_level("INFO", logger="control_plane.state"):
+                assert state.scale_up("stable", count=1, serving_only=True, now=3).receivers == ("w1",)
+            assert "stray copy dropped for memory package=canary node=w1 (for package=stable)" in caplog.text
+            assert not state.availability["canary"].held("w1") and ("canary", "w1") in state.dropping
+            assert [p.package_id for p in state.plans.values()] == ["stable"]
 
 
 def test_scale_ups_of_two_packages_planned_at_once_never_give_a_worker_more_than_its_memory():
