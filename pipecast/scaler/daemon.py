@@ -8,8 +8,10 @@ workers and plans, and asks :func:`pipecast.scaler.policy.decide`. A decision th
 start of a hold that leaves the pool behind the load: routers silent, no free worker) is appended to the control
 plane's audit trail *before* the daemon acts on it: a scale-up (``ScaleUp`` with a count: the control plane
 places it, holders first, and a hold follows it where it placed fewer) or a release (``Release``;
-``source_keep_s`` keeps the blocks as a multicast source that long before the drop). A deployment whose step
-fails with an error that is not the control plane's holds for that tick; the others go on.
+``source_keep_s`` keeps the blocks as a multicast source that long before the drop). Copies of the package on
+workers bound to another package (``pool_of``'s strays: no release of the pool's reaches them) are released too,
+recorded first. A deployment whose step fails with an error that is not the control plane's holds for that tick;
+the others go on.
 
 Each tick also judges every served model route with a gate and canaries (:mod:`pipecast.scaler.gate`)
 from the per-version figures of its deployments' routers, and rolls back (``ChangeRoute``, recorded in the
