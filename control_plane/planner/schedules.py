@@ -390,9 +390,9 @@ class _Splitter:
         if size is None:
             if self._units is None:
                 size = unit_chunks(self._counts, rounds)
-            else:  # the smallest size with at most that many units
+            else:  # the smallest size with at most that many units (blocks of no chunks are one each at least)
                 total = max(1, sum(self._counts))
-                size = next(s for s in range(1, total + 1) if _unit_count(self._counts, s) <= self._units)
+                size = next((s for s in range(1, total) if _unit_count(self._counts, s) <= self._units), total)
             self._sizes[rounds] = size
         return cut_units([(b, self._counts[b]) for b in blocks], size)
 
@@ -400,13 +400,13 @@ class _Splitter:
 def unit_chunks(chunk_counts: Sequence[int], rounds: int) -> int:
     """The default unit size, in chunks, of a binomial pipeline ``rounds`` (d) deep over blocks of
     ``chunk_counts`` chunks, its units running across block ends (:func:`cut_units`): among the s of at least
-    :data:`MIN_UNIT_CHUNKS` (where there are that many chunks) for which k units of s chunks take (k + d) * s <=
+    :data:`MIN_UNIT_CHUNKS` (where a block has that many: blocks of one chunk stay units of their own) for which k units of s chunks take (k + d) * s <=
     (1 + :data:`ROUND_OVERHEAD`) x T chunk times, T the chunks in all, the one of the fewest fetches (a fetch per
     block a unit covers: whole blocks, or even shares of them, where those meet it), then the least (k + d) * s,
     then the largest; where none meets it, the s with the least (k + d) * s (the largest among equals). Then at
     most :data:`MAX_FAIR_UNIT_CHUNKS`, where that makes no more than :data:`MAX_FAIR_UNITS` units."""
     total = sum(chunk_counts)
-    least = max(1, min(MIN_UNIT_CHUNKS, total))
+    least = max(1, min(MIN_UNIT_CHUNKS, max(chunk_counts, default=0)))
     # (k + d) * s >= T + d * s, so no s above ROUND_OVERHEAD * T / d meets the budget: start there.
     top = max(least, min(total, math.floor(ROUND_OVERHEAD * total / max(1, rounds))))
     # A unit covering a block boundary fetches on both sides of it: one fetch more per boundary not at a unit's end.
@@ -415,10 +415,10 @@ def unit_chunks(chunk_counts: Sequence[int], rounds: int) -> int:
     best: tuple | None = None  # (fetches, time, -s) of the best s within the budget
     quickest: tuple | None = None  # (time, -s) of the quickest s, for when none is within it
     for size in range(top, least - 1, -1):
-        units = max(1, -(-total // size))
+        units = -(-total // size)  # of chunks; those of no chunks (``empty``) take no round time
         time = (units + rounds) * size
         if time <= (1 + ROUND_OVERHEAD) * total:
-            if best is not None and units > best[0]:
+            if best is not None and units + empty > best[0]:
                 break  # smaller units are more units, so more fetches, than the best has in all
             fetches = units + empty + sum(1 for boundary in boundaries if boundary % size)
             best = min(best or (fetches, time, -size), (fetches, time, -size))
@@ -432,14 +432,14 @@ def unit_chunks(chunk_counts: Sequence[int], rounds: int) -> int:
 def cut_units(blocks: Sequence[tuple[int, int]], unit_chunks: int) -> list[Unit]:
     """The chunks of ``blocks`` ((block, chunk count), in fetch order) in runs of ``unit_chunks`` chunks, the
     last run shorter: each run its pieces (block, [first, end) or None where the run holds the whole block),
-    going on into the next block where a block ends inside it; a block of no chunks is whole in the run under
-    way."""
+    going on into the next block where a block ends inside it; a block of no chunks (a manifest that gives its
+    blocks no chunks) is a unit of its own, whole, where it comes: the run under way goes on past it."""
     units: list[Unit] = []
     unit: list[Piece] = []
     room = unit_chunks
     for block, count in blocks:
         if count == 0:
-            unit.append((block, None))
+            units.append(((block, None),))
         first = 0
         while first < count:
             end = min(count, first + room)
@@ -455,7 +455,7 @@ def cut_units(blocks: Sequence[tuple[int, int]], unit_chunks: int) -> list[Unit]
 
 
 def _unit_count(chunk_counts: Sequence[int], unit_chunks: int) -> int:
-    return max(1, -(-sum(chunk_counts) // unit_chunks))
+    return max(1, -(-sum(chunk_counts) // unit_chunks) + sum(1 for count in chunk_counts if not count))
 
 
 def _hypercube_parents(dim: int, j: int) -> list[tuple[int, int]]:

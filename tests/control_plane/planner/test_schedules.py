@@ -627,9 +627,9 @@ def test_ranged_plans_get_every_chunk_once_from_a_holder_of_it_without_deadlock(
 
 
 def test_units_are_runs_of_one_size_going_on_into_the_next_block():
-    # A block wholly in a run is whole there; a block of no chunks is whole in the run under way.
+    # A block wholly in a run is whole there; a block of no chunks is a unit of its own, the run going on past it.
     assert cut_units([(0, 7), (1, 2), (2, 0), (3, 1), (4, 6)], 3) == [
-        ((0, (0, 3)),), ((0, (3, 6)),), ((0, (6, 7)), (1, None)), ((2, None), (3, None), (4, (0, 2))),
+        ((0, (0, 3)),), ((0, (3, 6)),), ((0, (6, 7)), (1, None)), ((2, None),), ((3, None), (4, (0, 2))),
         ((4, (2, 5)),), ((4, (5, 6)),)]
     plan = make_plan("binomial", ["s"], [f"w{i}" for i in range(7)], 3, chunk_counts=[7, 3, 5], units=5)
     # The smallest size with at most 5 units is 3 (8 units of 2 would be too many): 15 chunks in 5 runs.
@@ -660,8 +660,9 @@ def test_the_default_unit_keeps_the_rounds_near_s_over_b_with_few_units():
     # Fewer rounds deep, whole blocks meet the budget: one fetch a block, none of them cut.
     assert unit_chunks(big, 6) == 1750 and unit_chunks([875] * 160, 4) == 875
     # Where no size meets the budget, the quickest of at least MIN_UNIT_CHUNKS: (3 + 10) * 2 chunk times beat
-    # (2 + 10) * 3, and one-chunk units are never the default, though (6 + 10) * 1 would be quicker still.
-    assert unit_chunks([3, 3], 10) == 2 and unit_chunks([1, 1], 3) == 2 and unit_chunks([1], 3) == 1
+    # (2 + 10) * 3, and one-chunk units are no default where blocks have more chunks, though (6 + 10) * 1 would
+    # be quicker still; blocks of one chunk stay units of their own (the blocks a pipeline across nodes forms from).
+    assert unit_chunks([3, 3], 10) == 2 and unit_chunks([1, 1], 3) == 1
     plan = make_plan("binomial", ["s"], [f"w{i}" for i in range(1024)], 8, chunk_counts=DEMO_CHUNKS)
     assert {len(fetches) for fetches in plan.assignments.values()} == {132}  # ~13 units a round of d = 10
 
