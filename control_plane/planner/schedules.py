@@ -400,11 +400,12 @@ class _Splitter:
 def unit_chunks(chunk_counts: Sequence[int], rounds: int) -> int:
     """The default unit size, in chunks, of a binomial pipeline ``rounds`` (d) deep over blocks of
     ``chunk_counts`` chunks, its units running across block ends (:func:`cut_units`): among the s of at least
-    :data:`MIN_UNIT_CHUNKS` (where a block has that many: blocks of one chunk stay units of their own) for which k units of s chunks take (k + d) * s <=
-    (1 + :data:`ROUND_OVERHEAD`) x T chunk times, T the chunks in all, the one of the fewest fetches (a fetch per
-    block a unit covers: whole blocks, or even shares of them, where those meet it), then the least (k + d) * s,
-    then the largest; where none meets it, the s with the least (k + d) * s (the largest among equals). Then at
-    most :data:`MAX_FAIR_UNIT_CHUNKS`, where that makes no more than :data:`MAX_FAIR_UNITS` units."""
+    :data:`MIN_UNIT_CHUNKS` (where a block has that many: blocks of one chunk stay units of their own) for which
+    k units of s chunks take (k + d) * s <= (1 + :data:`ROUND_OVERHEAD`) x T chunk times, T the chunks in all,
+    the one of the fewest fetches (a fetch per block a unit covers: whole blocks, or even shares of them, where
+    those meet it), then the least (k + d) * s, then the largest; where none meets it, the s with the least
+    (k + d) * s (the largest among equals). Then at most :data:`MAX_FAIR_UNIT_CHUNKS`, where that makes no more
+    than :data:`MAX_FAIR_UNITS` units."""
     total = sum(chunk_counts)
     least = max(1, min(MIN_UNIT_CHUNKS, max(chunk_counts, default=0)))
     # (k + d) * s >= T + d * s, so no s above ROUND_OVERHEAD * T / d meets the budget: start there.
