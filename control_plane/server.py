@@ -75,9 +75,6 @@ GRPC_OPTIONS = [
 
 # Twice the clients' longest reconnect backoff: room for its jitter and one heartbeat.
 RESTART_LEASE_GRACE_S = 2 * MAX_RECONNECT_BACKOFF_S
-#: A replica stepping down refuses new calls at once, and gives the calls under way this long to send their
-#: answers (a refused commit's "was deposed"): stopped at once, grpc cancelled them first ("Cancelling all calls").
-STEP_DOWN_GRACE_S = 0.5
 
 
 class ServerStartError(ControlPlaneError):
@@ -396,8 +393,7 @@ class ControlPlaneServer:
         self._step_down(str(error))
 
     def _step_down(self, reason: str) -> None:
-        """Stop serving at once (another replica leads, or may): new calls are refused, those under way and open
-        streams end within :data:`STEP_DOWN_GRACE_S`, and
+        """Stop serving at once (another replica leads, or may): calls and open streams end, and
         :attr:`deposed` is set; nothing more is written."""
         if self.deposed.is_set():
             return
@@ -413,7 +409,7 @@ class ControlPlaneServer:
         for task in self._tasks:
             task.cancel()
         if self._server is not None:
-            await self._server.stop(STEP_DOWN_GRACE_S)
+            await self._server.stop(0)
             self._server = None
 
     async def stop(self, grace_s: float = 1.0) -> None:
