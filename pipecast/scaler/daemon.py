@@ -117,6 +117,7 @@ class _Tracked:
     last_scale_up: float | None = None
     last_kind: str = ""
     refused: tuple[str, float, float] | None = None  # the last action refused, when, and the wait before the next
+    strays_refused: tuple[float, float] | None = None  # the last release of strays refused: when, and the wait
     recovered: bool = False
     cold_starts: ColdStarts = field(default_factory=ColdStarts)
     #: At the last tick: no replica and nothing waiting or in flight (watched between ticks), and its routers.
@@ -431,7 +432,10 @@ class Scaler:
     async def _release_strays(self, package_id: str, pool: Pool, tracked: _Tracked, now: float) -> None:
         """Release the package's copies on workers bound to another package (:attr:`Pool.strays`), recorded in the
         audit trail first, as a release of the pool's is: they never serve it, and no release of the pool's would
-        ever reach them. A refusal is logged and tried again next tick."""
+        ever reach them. A refusal is recorded as a pool release's is (a restarted daemon takes them as not
+        released) and asked again after the same growing wait."""
+        if tracked.strays_refused is not None and now - tracked.strays_refused[0] < tracked.strays_refused[1]:
+            return  # refused a moment ago: not asked again yet
         strays = pool.strays
         reason = f"released {len(strays)} copies on workers serving another package"
         await self.client.append_scale_event(ScaleEvent(
@@ -443,7 +447,13 @@ class Scaler:
         except ControlPlaneError as exc:
             log.warning("scaler %s: release of copies on workers serving another package refused: %s",
                         package_id[:12], exc)
+            last = tracked.strays_refused
+            tracked.strays_refused = (now, min(2 * last[1], REFUSED_RETRY_MAX_S) if last else REFUSED_RETRY_S)
+            await self.client.append_scale_event(ScaleEvent(
+                at=self.clock(), package_id=package_id, action="hold", reason=f"{_refused('release')}{exc}",
+                actual=len(pool.replicas)))
             return
+        tracked.strays_refused = None
         tracked.released.update({node: now for node in strays})
 
     async def _scale_up(self, package_id: str, count: int) -> tuple[pb.ScaleUpResponse, int, str]:

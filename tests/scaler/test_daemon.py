@@ -25,7 +25,7 @@ from pipecast.core.httpserve import RUNNER_OPTIONS, listening
 from pipecast.router.app import Router, RouterConfig, build_app
 from pipecast.router.discovery import StaticDiscovery
 from pipecast.scaler import daemon as daemon_module
-from pipecast.scaler.daemon import Scaler, ScalerConfig, resolve_addresses
+from pipecast.scaler.daemon import REFUSED_RETRY_S, Scaler, ScalerConfig, resolve_addresses
 from pipecast.scaler.policy import HISTORY_S
 from pipecast.scaler.signals import add_up
 from pipecast.v1 import control_pb2 as pb
@@ -419,9 +419,14 @@ async def test_copies_on_workers_serving_another_package_are_released_once_recor
             await restarted.tick()
         assert len([c for c in client.calls if c[0] == "release"]) == 1
         client.refuse_release = ControlPlaneUnavailable("down")
-        now[0] += 1000.0  # its drop was due long ago, yet it is listed: released again, refused, tried next tick
+        now[0] += 1000.0  # its drop was due long ago, yet it is listed: released again, refused, asked again later
         async with Scaler(client, ScalerConfig(source_keep_s=120.0), **clocks(now)) as scaler:
             await scaler.tick()
+            await scaler.tick()  # refused a moment ago: not asked again yet (found in review: asked every tick,
+            assert len([c for c in client.calls if c[0] == "release"]) == 2  # a refusal unrecorded each time)
+            assert (client.events[-1].action, client.events[-1].reason) == ("hold", "release refused: down")
+            assert "w1" not in scaler.tracked[PKG].released
+            now[0] += REFUSED_RETRY_S
             await scaler.tick()
         assert len([c for c in client.calls if c[0] == "release"]) == 3
 
