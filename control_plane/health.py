@@ -51,16 +51,18 @@ def _parse(data: bytes) -> HealthCheckRequest | None:
 
 
 def on_this_host(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Whether ``address`` is this host's: loopback, or one it can bind (the kernel's own test; Linux drops
-    packets from elsewhere that claim one of its addresses as their source)."""
+    """Whether ``address`` is this host's: loopback, or the one the kernel would send from to reach it (a UDP
+    socket connected to it, nothing sent; Linux drops packets from elsewhere that claim one of its addresses as
+    their source). Not whether it can be bound: with ``ip_nonlocal_bind`` on (hosts running keepalived or HAProxy)
+    any address can, and every caller passed as this host's."""
     if address.is_loopback:
         return True
     with socket.socket(socket.AF_INET6 if address.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
-            probe.bind((str(address), 0))
-        except OSError:
+            probe.connect((str(address), 9))
+            return ipaddress.ip_address(probe.getsockname()[0].partition("%")[0]) == address
+        except (OSError, ValueError):
             return False
-    return True
 
 
 def caller(peer: str) -> str:

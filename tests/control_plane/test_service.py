@@ -8,11 +8,13 @@ import gc
 import ipaddress
 import json
 import logging
+import os
 import re
 import socket
 import signal
 import sqlite3
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -482,6 +484,23 @@ def test_a_health_caller_at_one_of_this_hosts_addresses_is_on_this_host():
             pytest.skip("no route off this host: it has no address but loopback")
         own = route.getsockname()[0]
     assert health.caller(f"ipv4:{own}:5000") == health.THIS_HOST
+
+
+def test_with_nonlocal_bind_on_a_caller_elsewhere_is_not_on_this_host():
+    """Found in review: an address counted as this host's where a socket could bind to it, and with
+    ip_nonlocal_bind on (keepalived, HAProxy hosts) any can: every caller shared the probe's turn."""
+    namespace = f"pc-health-{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", namespace], capture_output=True).returncode:
+        pytest.skip("no network namespaces here (needs root)")
+    try:
+        check = ("import ipaddress, socket; from control_plane import health; "
+                 "print(health.on_this_host(ipaddress.ip_address('203.0.113.7')))")
+        out = subprocess.run(["ip", "netns", "exec", namespace, "sh", "-c",
+                              f"sysctl -qw net.ipv4.ip_nonlocal_bind=1 && ip link set lo up && "
+                              f"{sys.executable} -c \"{check}\""], capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip() == "False", out.stderr
+    finally:
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
 
 
 async def test_health_set_waiting_as_the_server_stops_does_not_undo_it():
