@@ -39,7 +39,7 @@ from pipecast.core.errors import PipecastError
 from pipecast.core.httpserve import read_capped
 from pipecast.core.strictjson import JSONInputError, loads
 from pipecast.core.urls import http_base_url
-from pipecast.engine.errors import EngineError, InvalidRequestError
+from pipecast.engine.errors import EngineClosedError, EngineError, InvalidRequestError
 from pipecast.engine.sampling import SamplingParams
 from pipecast.engine.stage import (MAX_SESSIONS, SAMPLE_PARTS, StageCapacityError, StageOutput, StageRunner,
                                    check_final_norm)
@@ -682,9 +682,10 @@ class PipelineHead:
         the prompt and its tokens so far (greedy and unseeded requests: a seeded one's generator lives in
         the sampling stage, so it finishes through the route).
 
-        Raises :class:`StageFailedError` (the prefill failed: nothing was answered yet, retry elsewhere), or
+        Raises :class:`StageFailedError` (the prefill failed: nothing was answered yet, retry elsewhere),
         :class:`RequestFieldError` for a route that names this worker again after its first stage (a call of its
-        stages came back here: none failed, the route is wrong).
+        stages came back here: none failed, the route is wrong), or :class:`EngineClosedError` (this worker closed
+        its model: the request's stream fails with it too, once under way).
         """
         movable = self.local is not None and not self.runner.model.fully_loaded and \
             (params.greedy or params.seed is None)
@@ -832,9 +833,13 @@ class PipelineHead:
         """One of this stage's own calls, through its queue; what fails it is this stage's: busy when its queue
         or sessions are full (load: a 429, the router sends the request elsewhere), failed otherwise (a 503 the
         router retries elsewhere; found in review: torch's own errors, out of memory, were a plain 500 the router
-        neither retried nor held against the pipeline)."""
+        neither retried nor held against the pipeline). Found in review: one cut as the worker closed its model was
+        a failed stage too, which the router held against the worker; it is the worker's to answer
+        (:class:`EngineClosedError`)."""
         try:
             return await self.queue.call(compute, *args, **kwargs)
+        except EngineClosedError:  # its model closed (released, or the worker stops): the worker says which
+            raise
         except (StageQueueFullError, StageCapacityError) as exc:
             raise StageBusyError(own.url, str(exc)) from None
         except (TimeoutError, PipecastError) as exc:

@@ -852,7 +852,10 @@ class ServingWorker:
             self._model.engine.check_prompt(prompt, params)
         except InvalidRequestError as exc:
             raise RequestFieldError("prompt", str(exc)) from None
-        return await self._head.start(route, prompt, params)
+        try:
+            return await self._head.start(route, prompt, params)
+        except EngineClosedError as exc:  # its own stage's model closed under it: no failed stage
+            raise self._served_error(exc) from None
 
     def _runners(self) -> list[EngineStageRunner]:
         """The stage runners with sessions: the model's, then those of released models still closing."""

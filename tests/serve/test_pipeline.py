@@ -894,6 +894,34 @@ async def test_a_stage_call_running_when_its_model_closes_is_answered_503_the_en
         assert answer["error"] == {"message": "the engine is closed", "node": None}
 
 
+# Cut at its prompt (before any token: the head's start fails) or at its second decode step (its stream fails).
+@pytest.mark.parametrize("steps", [0, 2])
+@pytest.mark.parametrize("closing", [False, True])
+async def test_a_pipelined_request_cut_as_its_released_model_closes_is_told_what_the_worker_does(pkg, monkeypatch,
+                                                                                                 steps, closing):
+    """Found in review: a pipelined request cut as its released model closed (RELEASE_DRAIN_S after the release) was
+    told this worker's own stage failed (pipeline_stage_failed, naming it), which the router holds against the worker;
+    a request on the engine was told the worker waits for its package. Both are now, or that it shuts down."""
+    monkeypatch.setattr(worker_module, "RELEASE_DRAIN_S", 0.2)  # the release waits that long for the request
+    async with serving(WorkerConfig(str(pkg))) as (a, worker, _, http):
+        worker._wait_for_package_again = threading.Event().wait  # the package does not come back here
+        await wait_health(http, a, lambda h: h["status"] == "ready")
+        model = worker._model
+        opened, made = gate_after(worker._head.runner, steps)
+        request = asyncio.create_task(post(http, a, completion(6), {PIPELINE_HEADER: route([(a, 0, 6)])}))
+        await eventually(lambda: len(made) > steps)
+        unloading = asyncio.create_task(worker._unload())  # what the agent dropping the package starts
+        if closing:
+            worker.drain()  # told to stop meanwhile
+        await unloading
+        await eventually(lambda: model.engine.closed)
+        opened.set()
+        status, answer = await request
+    waits = f"package {pkg} was released from this node; the worker waits for it to come back"
+    assert status == 503 and answer["error"]["code"] == ("shutting_down" if closing else "model_unavailable"), answer
+    assert answer["error"]["message"] == ("the worker is shutting down" if closing else waits)
+
+
 async def test_a_stage_released_mid_request_serves_its_pipelined_sessions_to_their_end_and_no_new_one(pkg):
     """Found in review: a worker released by its agent (a scale-down) dropped its stage runner at once, so every
     pipelined request of another head through it failed mid-stream, where the router cannot retry. The released
