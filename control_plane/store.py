@@ -115,7 +115,9 @@ class Store(Protocol):
         """Take the lease for ``ttl_s`` from now by the database's clock if it is free, expired or ``holder``'s
         already (then renewed, same fencing number); None if another holder's lease is still running. The
         lease's deadline is ``monotonic()`` (the holder's monotonic clock), read inside the transaction just before
-        the lease is written, plus ``ttl_s``."""
+        the lease is written, plus ``ttl_s``. A lease this store held taken again under a new number (another
+        holder had it meanwhile) is returned, but the store's writes stay fenced by the old one (its state is
+        stale: the holder steps down) until :meth:`release` ends it."""
 
     def release(self, holder: str) -> None:
         """End ``holder``'s lease now, if it still holds it, so that a standby takes over at once."""

@@ -318,6 +318,7 @@ class SqlStore(abc.ABC):
         self._errors = errors
         self._sql = Statements(self.dialect)
         self._lease: Lease | None = None  # the last lease taken: writes are fenced from then on
+        self._retaken: Lease | None = None  # the lease taken again under a new number: released, never written under
         self._lock = threading.Lock()  # one user of the connection at a time
         try:
             version = self._prepare()
@@ -589,15 +590,23 @@ class SqlStore(abc.ABC):
             rows = self._db.execute(self._sql.acquire, (holder, holder, address, ttl_s, holder)).fetchall()
         if not rows:
             return None  # the last lease stays: this store's writes are refused from now on
-        self._lease = Lease(holder, address, rows[0][0], sent + ttl_s)
-        return self._lease
+        taken = Lease(holder, address, rows[0][0], sent + ttl_s)
+        if self._lease is not None and self._lease.holder == holder and taken.fencing != self._lease.fencing:
+            # Taken again after another replica held it (and may have written): what this replica holds is stale.
+            # Its writes stay fenced by the number it had (found in review: adopted here, a commit started before
+            # the replica stepped down passed the check and wrote the stale state); only a release takes the new.
+            self._retaken = taken
+            return taken
+        self._lease = taken
+        return taken
 
     def release(self, holder: str) -> None:
         """End ``holder``'s lease now if it still holds it (a clean stop: a standby takes over at once)."""
-        if self._lease is None or self._lease.holder != holder:
+        lease = self._retaken or self._lease
+        if lease is None or lease.holder != holder:
             return
         with self._failing_as("cannot release the lease"), self._transaction():
-            self._db.execute(self._sql.release, (holder, self._lease.fencing))
+            self._db.execute(self._sql.release, (holder, lease.fencing))
 
     def leader(self) -> tuple[str, int]:
         """The lease holder's advertised address and fencing number (``("", 0)``: never taken)."""

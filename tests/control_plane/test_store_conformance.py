@@ -371,6 +371,26 @@ def test_the_lease_is_taken_renewed_and_taken_over_with_growing_fencing_numbers(
         other.close()
 
 
+def test_a_lease_taken_again_under_a_new_number_writes_nothing_and_is_released(backend, store):
+    """Found in review: a store that took its lease again after another holder had it (the replica's state
+    stale, about to step down) adopted the new number, so a commit started before the step-down passed the fencing
+    check and wrote the stale state over the other's."""
+    state, _, _ = populated()
+    other = backend.open()
+    try:
+        store.acquire_or_renew("a", "a:7000", 10, monotonic=at(0))
+        lapse(backend)
+        assert other.acquire_or_renew("b", "b:7000", 10, monotonic=at(11)).fencing == 2
+        other.release("b")
+        assert store.acquire_or_renew("a", "a:7000", 10, monotonic=at(12)) == Lease("a", "a:7000", 3, 22)
+        with pytest.raises(FencedError):
+            store.flush(state)
+        store.release("a")  # at once: a standby takes over without waiting out the lease
+        assert other.acquire_or_renew("b", "b:7000", 10, monotonic=at(13)).fencing == 4
+    finally:
+        other.close()
+
+
 def test_the_lease_runs_and_lapses_by_the_databases_clock_whatever_the_holders_clocks_read(backend, store):
     """Found in review: the lease was written and judged by each replica's own clock, so a replica whose clock ran
     ahead (or a holder's stepped back, by NTP) took a running lease, and two replicas led at once."""
