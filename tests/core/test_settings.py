@@ -272,18 +272,26 @@ def owned_by_someone_else(path, monkeypatch) -> None:
         monkeypatch.setattr(os, "getuid", lambda: someone_else)
 
 
-def test_a_config_file_holding_a_secret_owned_by_another_user_is_refused(tmp_path, monkeypatch):
-    """Found in review: a config file of another user (not root) was read, and its owner could change it."""
+@pytest.mark.parametrize("text, variables, holds, mode", [
+    (SECRET_LINE, {}, "holds auth_token", 0o600),
+    ('control_plane = "127.0.0.1:9"\n', {"PIPECAST_ROUTER_API_KEYS": '{"KEY": "team-a"}'},
+     "is read with router_api_keys from a variable or the command line", 0o644)])
+def test_a_config_file_owned_by_another_user_is_refused_beside_a_secret(tmp_path, monkeypatch, text, variables, holds,
+                                                                        mode):
+    """Found in review: a config file of another user (not root) was read, and its owner could change it: one
+    holding a secret, or (a second review) one beside a secret given elsewhere."""
     monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
     config = tmp_path / "pipecast.toml"
-    config.write_text(SECRET_LINE)
-    config.chmod(0o600)
+    config.write_text(text)
+    config.chmod(mode)
     owned_by_someone_else(config, monkeypatch)
     with pytest.raises(SettingsError) as refused:
         load_settings(config)
-    assert str(refused.value) == (f"config file {config} holds auth_token and is owned by uid {config.stat().st_uid} "
-                                  f"(mode 0600), neither this user (uid {os.getuid()}) nor root: refused, as its "
-                                  "owner could change it")
+    assert str(refused.value) == (f"config file {config} {holds} and is owned by uid {config.stat().st_uid} "
+                                  f"(mode {mode:04o}), neither this user (uid {os.getuid()}) nor root: refused, as "
+                                  "its owner could change it")
 
 
 @pytest.mark.parametrize("text, secrets", [
@@ -335,20 +343,6 @@ def test_a_config_file_another_user_may_change_is_refused_beside_a_token_given_e
     assert str(refused.value) == (f"config file {shared} is read with auth_token from a variable or the command line "
                                   "and is writable by group and others (mode 0666): refused, as another user could "
                                   "change it (chmod go-w)")
-
-
-def test_a_config_file_of_another_user_is_refused_beside_api_keys_given_elsewhere(tmp_path, monkeypatch):
-    monkeypatch.delenv("PIPECAST_CONFIG", raising=False)
-    monkeypatch.setenv("PIPECAST_ROUTER_API_KEYS", '{"KEY": "team-a"}')
-    config = tmp_path / "pipecast.toml"
-    config.write_text('control_plane = "127.0.0.1:9"\n')
-    config.chmod(0o644)
-    owned_by_someone_else(config, monkeypatch)
-    with pytest.raises(SettingsError) as refused:
-        load_settings(config)
-    assert str(refused.value) == (f"config file {config} is read with router_api_keys from a variable or the command "
-                                  f"line and is owned by uid {config.stat().st_uid} (mode 0644), neither this user "
-                                  f"(uid {os.getuid()}) nor root: refused, as its owner could change it")
 
 
 def test_a_config_file_others_may_change_loads_where_the_settings_hold_no_secret(tmp_path, monkeypatch, caplog):
