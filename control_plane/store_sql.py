@@ -582,31 +582,36 @@ class SqlStore(abc.ABC):
         """Take the lease for ``ttl_s`` by the database's clock if it is free, expired or ``holder``'s already
         (renewed, same fencing number; a new holder gets the next); None while another holder's lease runs. The
         lease's deadline is ``monotonic()`` read just before the statement is sent, plus ``ttl_s``."""
-        with self._failing_as("cannot take the lease"), self._transaction():
-            # Read here, not by the caller: a renewal that waited for the store (a flush's commit holds it) would
-            # otherwise lose the wait from its term. Before the statement: the database's term starts later, so
-            # the deadline never outlasts it.
-            sent = monotonic()
-            rows = self._db.execute(self._sql.acquire, (holder, holder, address, ttl_s, holder)).fetchall()
-        if not rows:
-            return None  # the last lease stays: this store's writes are refused from now on
-        taken = Lease(holder, address, rows[0][0], sent + ttl_s)
-        if self._lease is not None and self._lease.holder == holder and taken.fencing != self._lease.fencing:
-            # Taken again after another replica held it (and may have written): what this replica holds is stale.
-            # Its writes stay fenced by the number it had (found in review: adopted here, a commit started before
-            # the replica stepped down passed the check and wrote the stale state); only a release takes the new.
-            self._retaken = taken
+        with self._failing_as("cannot take the lease"):
+            with self._transaction():
+                # Read here, not by the caller: a renewal that waited for the store (a flush's commit holds it)
+                # would otherwise lose the wait from its term. Before the statement: the database's term starts
+                # later, so the deadline never outlasts it.
+                sent = monotonic()
+                rows = self._db.execute(self._sql.acquire, (holder, holder, address, ttl_s, holder)).fetchall()
+            if not rows:
+                return None  # the last lease stays: this store's writes are refused from now on
+            # Kept while the store is still held, once committed: a release waiting for it then frees this lease.
+            taken = Lease(holder, address, rows[0][0], sent + ttl_s)
+            if self._lease is not None and self._lease.holder == holder and taken.fencing != self._lease.fencing:
+                # Taken again after another replica held it (and may have written): what this replica holds is
+                # stale. Its writes stay fenced by the number it had (found in review: adopted here, a commit
+                # started before the replica stepped down passed the check and wrote the stale state); only a
+                # release takes the new one.
+                self._retaken = taken
+            else:
+                self._lease = taken
             return taken
-        self._lease = taken
-        return taken
 
     def release(self, holder: str) -> None:
         """End ``holder``'s lease now if it still holds it (a clean stop: a standby takes over at once)."""
-        lease = self._retaken or self._lease
-        if lease is None or lease.holder != holder:
-            return
-        with self._failing_as("cannot release the lease"), self._transaction():
-            self._db.execute(self._sql.release, (holder, lease.fencing))
+        with self._failing_as("cannot release the lease"):
+            # Read while the store is held: a renewal under way may take the lease again under a new number first.
+            lease = self._retaken or self._lease
+            if lease is None or lease.holder != holder:
+                return
+            with self._transaction():
+                self._db.execute(self._sql.release, (holder, lease.fencing))
 
     def leader(self) -> tuple[str, int]:
         """The lease holder's advertised address and fencing number (``("", 0)``: never taken)."""

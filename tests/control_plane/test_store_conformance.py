@@ -391,6 +391,37 @@ def test_a_lease_taken_again_under_a_new_number_writes_nothing_and_is_released(b
         other.close()
 
 
+def test_a_release_waiting_for_a_renewal_frees_the_lease_that_renewal_took_again(backend, store):
+    """Found in review of the fix above: a release (a deposed replica stopping) read the lease's number before
+    waiting for the store, while a renewal under way took the lease again under a new one: nothing was released,
+    and the standby waited the lease out."""
+    other = backend.open()
+    try:
+        store.acquire_or_renew("a", "a:7000", 10, monotonic=at(0))
+        lapse(backend)
+        other.acquire_or_renew("b", "b:7000", 10, monotonic=at(11))
+        other.release("b")
+        inside, go = threading.Event(), threading.Event()
+
+        def held_clock() -> float:  # read inside the renewal's transaction, the store held
+            inside.set()
+            go.wait(10)
+            return 12.0
+
+        renewal = threading.Thread(target=store.acquire_or_renew, args=("a", "a:7000", 10, held_clock))
+        renewal.start()
+        assert inside.wait(10)
+        release = threading.Thread(target=store.release, args=("a",))
+        release.start()
+        time.sleep(0.2)  # the release waits for the store
+        go.set()
+        renewal.join(10)
+        release.join(10)
+        assert other.acquire_or_renew("b", "b:7000", 10, monotonic=at(13)) is not None  # freed at once
+    finally:
+        other.close()
+
+
 def test_the_lease_runs_and_lapses_by_the_databases_clock_whatever_the_holders_clocks_read(backend, store):
     """Found in review: the lease was written and judged by each replica's own clock, so a replica whose clock ran
     ahead (or a holder's stepped back, by NTP) took a running lease, and two replicas led at once."""
