@@ -444,6 +444,9 @@ class Scaler:
         log.warning("scaler %s: %s: %s", package_id[:12], reason, ",".join(strays))
         try:
             await self.client.release(package_id, list(strays), keep_alive_s=self.config.source_keep_s)
+        except (ChangeNotStored, ControlPlaneDeadlineExceeded) as exc:  # made (perhaps): as _act takes them
+            log.warning("scaler %s: release of copies on workers serving another package taken as made: %s",
+                        package_id[:12], exc)
         except ControlPlaneError as exc:
             log.warning("scaler %s: release of copies on workers serving another package refused: %s",
                         package_id[:12], exc)

@@ -429,6 +429,11 @@ async def test_copies_on_workers_serving_another_package_are_released_once_recor
             now[0] += REFUSED_RETRY_S
             await scaler.tick()
         assert len([c for c in client.calls if c[0] == "release"]) == 3
+        client.refuse_release = ChangeNotStored("the change was made but not stored yet (disk I/O error)")
+        now[0] += 1000.0  # made all the same (found in review: recorded as refused, as _act never takes it)
+        async with Scaler(client, ScalerConfig(source_keep_s=120.0), **clocks(now)) as scaler:
+            await scaler.tick()
+            assert "w1" in scaler.tracked[PKG].released and client.events[-1].action == "release"
 
 
 async def test_a_released_worker_a_scale_up_takes_back_is_in_the_trail_and_a_restart_counts_it_as_a_replica():
