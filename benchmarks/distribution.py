@@ -40,6 +40,7 @@ from benchmarks.plots import Series, save_line_chart
 from benchmarks.processes import RunProcesses, cli, credentials_env, free_port
 from benchmarks.runinfo import parse_counts, versions
 from benchmarks.simulate import relay_modelled
+from control_plane.placement import plan_relay_piece
 from control_plane.planner.plan import STRATEGIES
 from control_plane.planner.schedules import GROUP_CHAIN_MAX, make_plan
 from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S, simulate
@@ -206,7 +207,8 @@ def theory_seconds(strategy: str, n: int, total_bytes: int, chunk_bytes: int, li
                    store_mbit: float, fanout: int = FANOUT, relay_bytes: int = 0) -> float:
     """The strategy's closed-form time for ``n`` receivers (DESIGN 4), with links of B and a store of B_store.
 
-    c is what a relay passes on at a time: the chunk, or its pieces of ``relay_bytes`` where smaller.
+    c is what a relay passes on at a time: the chunk, or its pieces of ``relay_bytes`` where smaller (a long
+    chain's smaller ones, :func:`~control_plane.placement.plan_relay_piece`).
     unicast: every byte N times from the store, N*S/B_store; chain with cut-through: S/B + (N-1)*c/B; the
     planner's tree forwards chunk by chunk, so its busiest uplink carries ``fanout`` copies: fanout*S/B
     plus one chunk per level; binomial pipeline: S/B + (log2(N+1) - 1)*c/B, the figure of a pipeline whose
@@ -220,8 +222,8 @@ def theory_seconds(strategy: str, n: int, total_bytes: int, chunk_bytes: int, li
         return max(n * size / store, size / link)
     if strategy == "rotated":  # from the one source of this benchmark: a single group
         strategy = "chain" if n <= GROUP_CHAIN_MAX else "binomial"
-    if strategy == "chain":
-        return size / first + (n - 1) * hop
+    if strategy == "chain":  # in the smaller pieces a long chain's plan asks for
+        return size / first + (n - 1) * min(hop, (plan_relay_piece(n, total_bytes, relay_bytes) or chunk_bytes) / link)
     if strategy == "tree":
         inner = min(fanout, n - fanout) * size / link if n > fanout else 0.0
         return max(min(n, fanout) * size / store, inner, size / link) + (tree_levels(n, fanout) - 1) * hop
@@ -237,7 +239,7 @@ def model_seconds(strategy: str, n: int, facts: PackageFacts, link_mbit: float, 
     plan = make_plan(strategy, [STORE], worker_names(n), len(facts.block_bytes), chunk_counts=facts.chunk_counts)
     finished = simulate(plan, list(facts.block_bytes), mbit_to_bytes_per_s(link_mbit) * CALIBRATED_GOODPUT,
                         facts.chunk_bytes, start_delay_s=CALIBRATED_START_DELAY_S,
-                        relay_bytes=relay_modelled(plan, relay_bytes))
+                        relay_bytes=relay_modelled(plan, relay_bytes, facts.total_bytes))
     return max(finished.values())
 
 

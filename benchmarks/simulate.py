@@ -15,7 +15,7 @@ from one store (``default_strategy``).
 import math
 from dataclasses import asdict, dataclass
 
-from control_plane.placement import default_strategy, relay_piece
+from control_plane.placement import default_strategy, plan_relay_piece, relay_piece
 from control_plane.planner.plan import Plan
 from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import lower_bound, simulate
@@ -50,9 +50,11 @@ class SimulatedRun:
     others_ratio_to_floor: float | None = None
 
 
-def relay_modelled(plan: Plan, relay_bytes: int) -> int:
-    """The relay piece to simulate ``plan`` with: the agents' ``relay_bytes`` where each receiver fetches from one
-    parent (chain, tree, unicast), where the model with the relay matches the netns runs (chain at N = 16, 100
+def relay_modelled(plan: Plan, relay_bytes: int, package_bytes: int) -> int:
+    """The relay piece to simulate ``plan`` of a package of ``package_bytes`` with: the agents' ``relay_bytes``, or
+    the smaller piece the plan asks for (:func:`~control_plane.placement.plan_relay_piece`), where each receiver
+    fetches from one parent (chain, tree, unicast), where the model with the relay matches the netns runs (chain
+    at N = 16, 100
     Mbit/s: 1.04x simulated, 1.05-1.07x measured; chain and tree within 3% at N = 4, 8, 16); 0 (whole chunks) for
     plans of many parents (the unit binomial pipeline), whose rounds lose their rhythm in the model with the relay
     (a fetch begins on its parent's first piece and takes half that uplink from the round under way: 1.42x at N =
@@ -60,7 +62,7 @@ def relay_modelled(plan: Plan, relay_bytes: int) -> int:
     the agents' relayed runs (1.08 / 1.09 / 1.09 / 1.09x against 1.07 / 1.14 / 1.17 / 1.13x measured at N = 4, 8
     (400 Mbit/s), 16 (200, 100))."""
     one_parent = all(len({f.parent for f in fetches}) <= 1 for fetches in plan.assignments.values())
-    return relay_bytes if one_parent else 0
+    return (plan_relay_piece(plan.hops(), package_bytes, relay_bytes) or relay_bytes) if one_parent else 0
 
 
 def equal_blocks(model_bytes: int, blocks: int) -> list[int]:
@@ -110,7 +112,7 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
                 plans += [(f"{label}-demoted", demote(plan, {slow}, held={}, sources=["store"], num_blocks=blocks))
                           for label, plan in plans]
             for label, plan in plans:
-                relay = relay_modelled(plan, relay_bytes)
+                relay = relay_modelled(plan, relay_bytes, sum(block_bytes))
                 finished = simulate(plan, block_bytes, rate, chunk_bytes, serve=serve, hop_latency_s=hop_latency_s,
                                     start_delay_s=start_delay_s, rates={slow: slow_factor} if slow else None,
                                     racks=rack_of, rack_uplinks=uplinks, failures=failures, detect_s=detect_s,
@@ -157,8 +159,8 @@ def report(results: list[SimulatedRun], *, block_bytes: list[int], link_mbit: fl
     payload += (f", receiver {fail_position} dies at {fail_at_s:g} s, repaired {detect_s:g} s later"
                 if fail_position else "")
     payload += f", {concurrency} units fetched at once from different parents" if concurrency > 1 else ""
-    payload += (f", chunks relayed in {format_bytes(relay_bytes)} pieces (binomial: whole)" if relay_bytes
-                else ", chunks relayed whole")
+    payload += (f", chunks relayed in {format_bytes(relay_bytes)} pieces (a long chain's smaller; binomial: whole)"
+                if relay_bytes else ", chunks relayed whole")
     lines = [f"simulated multicast of {source or format_bytes(sum(block_bytes))} in {len(block_bytes)} blocks, "
              f"{format_bytes(chunk_bytes)} chunks, {link_mbit:g} Mbit/s links{payload}, {hop_latency_s * 1e3:g} ms "
              f"a hop, "

@@ -99,7 +99,7 @@ def update_from_proto(msg: pb.AssignmentUpdate) -> AssignmentUpdate:
         strategy=msg.strategy, fetch=fetch, serve=serve,
         plan_ids=tuple(msg.plan_ids), sources=tuple(peer_from_proto(p) for p in msg.sources),
         receivers=tuple(msg.receivers), priority=msg.priority or DEFAULT_PRIORITY,
-        report_progress=msg.report_progress)
+        report_progress=msg.report_progress, relay_bytes=msg.relay_bytes)
 
 
 def _transfers(msg: pb.AssignmentUpdate, field: str,

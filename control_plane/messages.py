@@ -111,3 +111,4 @@ class AssignmentUpdate:
     receivers: tuple[str, ...] = ()  # ASSIGN to a source: every receiver of the plan, whom it may serve
     priority: str = DEFAULT_PRIORITY  # ASSIGN: the package's priority (its deployment's), for the link shares
     report_progress: bool = False  # ASSIGN: report the bytes held while receiving (the plan is watched for stragglers)
+    relay_bytes: int = 0  # ASSIGN: pass the package's chunks on in pieces of at most this (0: the agent's own)

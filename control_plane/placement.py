@@ -39,6 +39,13 @@ CHAIN_MAX_RECEIVERS = 256
 CHAIN_EXCESS = 0.20
 #: The agents' relay piece (the default ``agent_relay_bytes``): a chain's hop passes a chunk on from its first.
 RELAY_PIECE_BYTES = 256 << 10
+# A chain's last receiver ends (hops - 1) relay pieces after its first: 256 KiB pieces over 205 hops of the demo
+# model (257 MiB) are 20% of its time (1.21x S/B simulated, 0.2 ms a hop). A plan whose hops would add more than
+# RELAY_FILL of the package asks its receivers for smaller pieces, halved down to MIN_RELAY_PIECE_BYTES: 1.06x there
+# in 64 KiB pieces. Not below: 64 KiB pieces cost the agents more CPU than 256 KiB at N = 16, for no gain there
+# (docs/benchmarks.md, "Relaying a chunk as it lands").
+RELAY_FILL = 0.05
+MIN_RELAY_PIECE_BYTES = 64 << 10
 #: The most worker sources a plan names. A plan uses one per receiver at most (a rotated group each), and
 #: every source hears of the plan with every receiver listed while every receiver hears of every source (its
 #: fallbacks): naming each of 1,000 warm holders in a scale-up of 8 made 1,009 notices of 32 MB, 1.4 s of the
@@ -199,6 +206,17 @@ def relay_piece(chunk_bytes: int, relay_bytes: int = RELAY_PIECE_BYTES) -> int:
     """What a chain's hop waits for before it passes a chunk of ``chunk_bytes`` on: a piece of ``relay_bytes``
     (0: the whole chunk)."""
     return min(relay_bytes, chunk_bytes) if relay_bytes else chunk_bytes
+
+
+def plan_relay_piece(hops: int, package_bytes: int, piece_bytes: int = RELAY_PIECE_BYTES) -> int:
+    """The relay piece a plan of ``hops`` relays in a row (:meth:`~control_plane.planner.plan.Plan.hops`) asks of
+    its receivers, for a package of ``package_bytes`` that agents relay in pieces of ``piece_bytes``: 0 (their own
+    pieces) while (hops - 1) pieces stay within :data:`RELAY_FILL` of the package, else the largest halving of
+    ``piece_bytes`` within it, :data:`MIN_RELAY_PIECE_BYTES` at least."""
+    piece = piece_bytes
+    while piece > MIN_RELAY_PIECE_BYTES and (hops - 1) * piece > RELAY_FILL * package_bytes:
+        piece //= 2
+    return max(piece, MIN_RELAY_PIECE_BYTES) if piece < piece_bytes else 0
 
 
 def chain_suits(receivers: int, package_bytes: int, piece_bytes: int) -> bool:

@@ -837,7 +837,8 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             sources=[peer(source) for source in active.plan.sources],
             # A source is every receiver's fallback: it may serve each of them, and only them.
             receivers=sorted(active.plan.assignments) if notice.node_id in active.plan.sources else [],
-            priority=self.book.priority_of(active.package_id), report_progress=self.state.watches(active))
+            priority=self.book.priority_of(active.package_id), report_progress=self.state.watches(active),
+            relay_bytes=self.state.relay_piece_of(active))
 
 
 def _plan_summary(active: ActivePlan) -> pb.PlanSummary:
@@ -868,6 +869,7 @@ def _build_plan(draft: ScaleUpDraft) -> Plan:
         plan = draft.build()
         plan.encoded()
         plan.parts()
+        plan.hops()
         return plan
     return collector_off(build, freeze=True)
 

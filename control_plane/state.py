@@ -27,7 +27,7 @@ from control_plane.messages import PeerInfo, UpdateKind, WorkerSpec, serve_url_o
 from control_plane.pipeline_forming import PipelineQuery
 from control_plane.placement import (
     DEFAULT_FANOUT, MAX_PLAN_SOURCES, Candidate, counted_targets, default_strategy, named_targets, pick_sources,
-    relay_piece)
+    plan_relay_piece, relay_piece)
 from control_plane.planner.pipelines import ModelLayout, Pipeline
 from control_plane.planner.plan import STRATEGIES, Fetch, Part, Plan, PlanError
 from control_plane.planner.racks import RACK_LABEL
@@ -597,6 +597,12 @@ class ControlState:
             if package_id in self.packages:  # a node cannot claim more than the package
                 self._progressed(package_id, node, min(held, self.packages[package_id].total_bytes), now)
         return sorted(set(unknown) | set(unknown_dropped) | set(unknown_cached))
+
+    def relay_piece_of(self, active: ActivePlan) -> int:
+        """The relay piece ``active`` asks of its receivers (:func:`~control_plane.placement.plan_relay_piece`: a
+        long chain's smaller; 0: the agents' own)."""
+        package = self.packages.get(active.package_id)
+        return 0 if package is None else plan_relay_piece(active.plan.hops(), package.total_bytes, package.relay_piece)
 
     def watches(self, active: ActivePlan) -> bool:
         """Whether ``active`` is watched for stragglers, so that its receivers report their progress: only a plan

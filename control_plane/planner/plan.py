@@ -67,6 +67,7 @@ class Plan:
     _children: dict[tuple[str, int], list[str]] | None = field(default=None, init=False, repr=False, compare=False)
     _encoded: str | None = field(default=None, init=False, repr=False, compare=False)
     _parts: dict[str, Part] | None = field(default=None, init=False, repr=False, compare=False)
+    _hops: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def children(self, node: str, block: int) -> list[str]:
         """The receivers that fetch ``block``, or chunk ranges of it, from ``node``, each once, in the order
@@ -102,6 +103,27 @@ class Plan:
         for source in self.sources:
             parts.setdefault(source, Part((), ()))
         return parts
+
+    def hops(self) -> int:
+        """The most receivers in a row that each take their first fetch from the one before (a chain's length; 1
+        where each fetches first from a source or a holder, 0 without receivers): the relays a chunk's first piece
+        passes through. Made once, in linear time."""
+        if self._hops is None:
+            first = {rx: fetches[0].parent for rx, fetches in self.assignments.items() if fetches}
+            depth: dict[str, int] = {}
+            for receiver in first:
+                path: list[str] = []
+                on_path: set[str] = set()
+                node = receiver
+                while node in first and node not in depth and node not in on_path:
+                    path.append(node)
+                    on_path.add(node)
+                    node = first[node]
+                below = depth.get(node, 0)  # a source's or holder's 0; a cycle (an invalid plan) starts at 0 too
+                for node in reversed(path):
+                    below = depth[node] = below + 1
+            self._hops = max(depth.values(), default=0)
+        return self._hops
 
     def to_json(self) -> dict:
         """The plan as JSON-able data: ``{"strategy", "sources", "assignments": {rx: [fetch, ..]}}``, a fetch

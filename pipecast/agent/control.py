@@ -434,11 +434,13 @@ class ControlLink:
         elif update.kind is UpdateKind.ASSIGN:
             events.emit("assignment", plan=update.plan_id, package=package_id, version=update.version,
                         fetch=[[f.block, f.parent.node_id] for f in update.fetch],
-                        serve=[[block, child] for block, child in update.serve], priority=update.priority)
+                        serve=[[block, child] for block, child in update.serve], priority=update.priority,
+                        relay_bytes=update.relay_bytes)
             log.info("plan %s v%d: fetch %d blocks, serve %d transfers of package %s (priority %s)",
                      update.plan_id, update.version, len(update.fetch), len(update.serve), package_id[:12],
                      update.priority)
             self.host.transport.limits.set_priority(package_id, update.priority)  # its share of the link
+            self.host.transport.cap_relay(package_id, update.relay_bytes)
             if update.fetch and package_id not in self.host.peer_server.stores:
                 self.host.peer_server.expect(package_id)  # children may ask before this node has the manifest
             # Whom this node serves the package: the part's children, and every receiver if it is a source (the
@@ -465,6 +467,7 @@ class ControlLink:
                 self.session.report_dropped(package_id, store.verified_blocks())
             await self.host.drop_package(package_id)
             self.host.transport.limits.forget(package_id)
+            self.host.transport.cap_relay(package_id, 0)
             cached = (await asyncio.to_thread(self.host.disk_cached, [package_id])).get(package_id)
             # A later scale-up of it here is a local load. Looked at again: the cache may have removed it meanwhile,
             # and the registration that tells the control plane so may be done already.

@@ -109,8 +109,9 @@ class Settings(BaseSettings):
                                                             "one is (0: silence only)")
     agent_fetch_concurrency: int = Field(4, ge=1, description="parents a node fetches from at once")
     agent_relay_bytes: int = Field(256 << 10, ge=0, description="over TCP a relay passes a chunk on in pieces this "
-                                                                "big as they arrive, its last byte once verified "
-                                                                "(0: whole verified chunks only)")
+                                                                "big as they arrive (a long chain's plan may ask for "
+                                                                "smaller), its last byte once verified (0: whole "
+                                                                "verified chunks only)")
     agent_fetch_retries: int = Field(2, ge=0, le=100, description="retries of a failed parent before giving up on it")
     agent_fetch_backoff_s: float = Field(0.2, ge=0, le=30, description="first retry backoff (doubling per retry, "
                                                                        "30 s a wait at most)")

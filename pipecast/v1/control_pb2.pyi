@@ -424,7 +424,7 @@ class Transfers(_message.Message):
     def __init__(self, block: _Optional[_Iterable[int]] = ..., peer: _Optional[_Iterable[int]] = ..., first_chunk: _Optional[_Iterable[int]] = ..., end_chunk: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AssignmentUpdate(_message.Message):
-    __slots__ = ("kind", "plan_id", "package_id", "version", "strategy", "plan_ids", "sources", "receivers", "priority", "report_progress", "fetch", "serve", "peers")
+    __slots__ = ("kind", "plan_id", "package_id", "version", "strategy", "plan_ids", "sources", "receivers", "priority", "report_progress", "fetch", "serve", "peers", "relay_bytes")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[AssignmentUpdate.Kind]
@@ -450,6 +450,7 @@ class AssignmentUpdate(_message.Message):
     FETCH_FIELD_NUMBER: _ClassVar[int]
     SERVE_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_BYTES_FIELD_NUMBER: _ClassVar[int]
     kind: AssignmentUpdate.Kind
     plan_id: str
     package_id: str
@@ -463,7 +464,8 @@ class AssignmentUpdate(_message.Message):
     fetch: Transfers
     serve: Transfers
     peers: _containers.RepeatedCompositeFieldContainer[Peer]
-    def __init__(self, kind: _Optional[_Union[AssignmentUpdate.Kind, str]] = ..., plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., version: _Optional[int] = ..., strategy: _Optional[str] = ..., plan_ids: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., receivers: _Optional[_Iterable[str]] = ..., priority: _Optional[str] = ..., report_progress: _Optional[bool] = ..., fetch: _Optional[_Union[Transfers, _Mapping]] = ..., serve: _Optional[_Union[Transfers, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
+    relay_bytes: int
+    def __init__(self, kind: _Optional[_Union[AssignmentUpdate.Kind, str]] = ..., plan_id: _Optional[str] = ..., package_id: _Optional[str] = ..., version: _Optional[int] = ..., strategy: _Optional[str] = ..., plan_ids: _Optional[_Iterable[str]] = ..., sources: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., receivers: _Optional[_Iterable[str]] = ..., priority: _Optional[str] = ..., report_progress: _Optional[bool] = ..., fetch: _Optional[_Union[Transfers, _Mapping]] = ..., serve: _Optional[_Union[Transfers, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., relay_bytes: _Optional[int] = ...) -> None: ...
 
 class IssueTokenRequest(_message.Message):
     __slots__ = ("node_id",)

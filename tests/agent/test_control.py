@@ -8,11 +8,11 @@ import time
 import pytest
 
 from control_plane.errors import ControlPlaneUnavailable
-from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind
+from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
 from control_plane.planner.plan import Fetch
 from packager.manifest import MANIFEST_FILE
 from pipecast.agent.budget import MemoryBudget
-from pipecast.agent.control import PackageFollower, merged_fetches, sender_at_fault
+from pipecast.agent.control import ControlLink, PackageFollower, merged_fetches, sender_at_fault
 from pipecast.agent.daemon import AgentDaemon, AgentOptions
 from pipecast.agent.errors import (
     CorruptChunkError,
@@ -462,3 +462,20 @@ async def test_failed_parents_the_control_plane_cannot_be_told_of_are_tried_agai
         assert len([r for r in caplog.records if "cannot report failed parents" in r.getMessage()]) == 1
     finally:
         await follower.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_plan_s_relay_piece_holds_for_its_package_until_the_package_is_dropped(tmp_path):
+    """Issue #16: a long chain's ASSIGN asks for smaller relay pieces (``relay_bytes``); the agent relays that
+    package's chunks in them, other packages in its own, and forgets the ask when the package is dropped."""
+    daemon = _daemon(tmp_path)
+    daemon.transport = TcpTransport("rx", Settings(**SETTINGS, agent_relay_bytes=256 << 10))
+    link = ControlLink(daemon, client=None, spec=WorkerSpec(PeerInfo("rx", "127.0.0.1:1"), 1 << 30),
+                       policy=FetchPolicy(retries=0), replan_wait_s=0.2)
+    try:
+        await link._apply(AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p1", package_id="long", relay_bytes=64 << 10))
+        assert [daemon.transport.relay_bytes_for(p) for p in ("long", "other")] == [64 << 10, 256 << 10]
+        await link._apply(AssignmentUpdate(UpdateKind.DROP, package_id="long"))
+        assert daemon.transport.relay_bytes_for("long") == 256 << 10
+    finally:
+        await daemon.transport.close()

@@ -5,8 +5,9 @@ import pytest
 
 from control_plane.errors import InsufficientWorkers, InvalidRequest, NoSource
 from control_plane.placement import (
-    CHAIN_MAX_RECEIVERS, CHAIN_MIN_RECEIVERS, RELAY_PIECE_BYTES, Candidate, Targets, chain_suits, counted_targets,
-    default_strategy, named_targets, pick_sources, plan_transport, relay_piece)
+    CHAIN_MAX_RECEIVERS, CHAIN_MIN_RECEIVERS, MIN_RELAY_PIECE_BYTES, RELAY_PIECE_BYTES, Candidate, Targets,
+    chain_suits, counted_targets, default_strategy, named_targets, pick_sources, plan_relay_piece, plan_transport,
+    relay_piece)
 from control_plane.planner.schedules import GROUP_CHAIN_MAX, binomial_pairs
 from pipecast.core.settings import Settings
 
@@ -125,6 +126,16 @@ def test_a_chain_goes_as_far_as_its_relay_pieces_stay_within_a_fifth_of_the_pack
 
 def test_binomial_pairs_are_the_receivers_beyond_a_full_hypercube():
     assert [binomial_pairs(n) for n in (1, 2, 3, 7, 8, 9, 14, 127, 128, 254)] == [0, 1, 0, 0, 1, 2, 7, 0, 1, 127]
+
+
+def test_a_long_chain_s_relay_piece_keeps_its_hops_within_the_fill_down_to_the_smallest_piece():
+    demo = 269_000_000  # the demo model: 5% of it is 13.45 MB, 51 pieces of 256 KiB or 102 of 128 KiB
+    assert [plan_relay_piece(hops, demo) for hops in (0, 1, 16, 52, 53, 103, 104, 206, 5000)] == \
+        [0, 0, 0, 0, 128 << 10, 128 << 10, 64 << 10, 64 << 10, 64 << 10]
+    assert MIN_RELAY_PIECE_BYTES == 64 << 10
+    assert plan_relay_piece(1000, 16 << 30) == 0  # a big model's hops stay within it in whole pieces
+    assert plan_relay_piece(1000, demo, piece_bytes=0) == 0  # relaying off: a plan never turns it on
+    assert plan_relay_piece(1000, demo, piece_bytes=32 << 10) == 0  # pieces smaller already: left as they are
 
 
 def test_the_relay_piece_planned_with_is_the_agents_default():

@@ -47,6 +47,7 @@ from control_plane.errors import (
 )
 from benchmarks.certs import have_openssl, make_certs
 from control_plane.messages import AssignmentUpdate, PeerInfo, UpdateKind, WorkerSpec
+from control_plane.placement import MIN_RELAY_PIECE_BYTES
 from control_plane.pipeline_forming import PipelineCandidates
 from control_plane.collector import GC_YOUNG_THRESHOLD, tune_collector
 from control_plane.metrics import ControlMetrics
@@ -72,14 +73,16 @@ STORE = PeerInfo("store", "10.0.0.1:7070", ("tcp",))
 WAIT_S = 5.0
 
 
-def manifest(name: str = "pkg") -> Manifest:
-    """A valid manifest of BLOCKS one-chunk blocks (no files behind it); ``name`` makes it, and its id, differ."""
-    blocks = [Block(index=i, file=f"blocks/block-{i:04d}.safetensors", bytes=1000, layer_start=i, layer_end=i + 1,
-                    tensor_names=[f"model.layers.{i}.w"], digest=digest_bytes(f"{name} {i}".encode()),
-                    chunk_bytes=1000, chunk_digests=[digest_bytes(f"{name} {i} 0".encode())]) for i in range(BLOCKS)]
+def manifest(name: str = "pkg", block_bytes: int = 1000) -> Manifest:
+    """A valid manifest of BLOCKS one-chunk blocks of ``block_bytes`` (no files behind it); ``name`` makes it, and its
+    id, differ."""
+    blocks = [Block(index=i, file=f"blocks/block-{i:04d}.safetensors", bytes=block_bytes, layer_start=i,
+                    layer_end=i + 1, tensor_names=[f"model.layers.{i}.w"], digest=digest_bytes(f"{name} {i}".encode()),
+                    chunk_bytes=block_bytes, chunk_digests=[digest_bytes(f"{name} {i} 0".encode())])
+              for i in range(BLOCKS)]
     return seal_manifest(Manifest(format_version=MANIFEST_FORMAT_VERSION, model_name=name,
-                                  digest_algorithm=DIGEST_ALGORITHM, num_layers=BLOCKS, total_bytes=BLOCKS * 1000,
-                                  blocks=blocks))
+                                  digest_algorithm=DIGEST_ALGORITHM, num_layers=BLOCKS,
+                                  total_bytes=BLOCKS * block_bytes, blocks=blocks))
 
 
 PKG = manifest().package_id
@@ -664,6 +667,27 @@ async def test_a_reconnecting_stream_gets_its_current_part(client):
     assert assign.kind is UpdateKind.ASSIGN and [f.parent for f in assign.fetch] == [STORE] * BLOCKS
     assert assign.sources == (STORE,)
     assert assign.report_progress  # a plan small enough to re-plan is watched for stragglers
+    assert assign.relay_bytes == 0  # one hop: the agents' own relay pieces
+
+
+async def test_a_long_chain_asks_its_receivers_for_smaller_relay_pieces(client):
+    """Issue #16: a chain's last receiver ends (hops - 1) relay pieces after its first; where those would be more
+    than RELAY_FILL of the package, the plan asks every receiver for pieces as small as MIN_RELAY_PIECE_BYTES."""
+    big = manifest("big", block_bytes=1 << 20)  # 4 MiB: 2 hops of 256 KiB are 12.5% of it, of 64 KiB 3.1%
+    await client.publish_package(big, STORE)
+    receivers = ["w1", "w2", "w3"]
+    for node in receivers:
+        await client.register(spec(node))
+    watchers = {node: Watcher(client, node) for node in receivers}
+    try:
+        for watcher in watchers.values():
+            assert (await watcher.next()).kind is UpdateKind.SYNC
+        await client.scale_up(big.package_id, node_ids=receivers, strategy="chain")
+        updates = [await watcher.next() for watcher in watchers.values()]
+        assert [(u.kind, u.relay_bytes) for u in updates] == [(UpdateKind.ASSIGN, MIN_RELAY_PIECE_BYTES)] * 3
+    finally:
+        for watcher in watchers.values():
+            await watcher.close()
 
 
 async def test_a_store_re_pointed_during_a_plan_is_what_its_receivers_are_told_to_fetch_from(client):

@@ -276,6 +276,22 @@ class Transport(ABC):
             log.info("node %s: packages of priority %s capped at %.4g Mbit/s each way", node_id, priority, mbit)
         self.limits = HostRateLimits.of(caps)
         self.stats = TransportStats()
+        self.relay_bytes = settings.agent_relay_bytes
+        self._relay_caps: dict[str, int] = {}  # package -> the smaller relay piece its plan asked for
+
+    def cap_relay(self, package_id: str, piece_bytes: int) -> None:
+        """Pass ``package_id``'s chunks on in pieces of at most ``piece_bytes`` from now on, as its plan asks (a long
+        chain's hops each wait for a piece); 0: in this node's own (``agent_relay_bytes``)."""
+        if piece_bytes > 0:
+            self._relay_caps[package_id] = piece_bytes
+        else:
+            self._relay_caps.pop(package_id, None)
+
+    def relay_bytes_for(self, package_id: str) -> int:
+        """The piece a relay of ``package_id`` passes chunks on in: this node's own, or its plan's where smaller (0:
+        whole chunks, as configured: a plan never turns the relay on)."""
+        cap = self._relay_caps.get(package_id, 0)
+        return min(self.relay_bytes, cap) if self.relay_bytes and cap else self.relay_bytes
 
     def set_key(self, key: bytes) -> None:
         """The data-plane key from now on (b"": auth off); e.g. the one a control plane handed out."""

@@ -239,8 +239,10 @@ class _ClientProtocol(asyncio.BufferedProtocol):
 
     # requests
 
-    def start(self, request: _Request, message: bytes, ingress: Pacer | None = None) -> None:
-        """Send ``request``'s ``message``; its answer's bytes are paced through ``ingress``."""
+    def start(self, request: _Request, message: bytes, ingress: Pacer | None = None,
+              relay_bytes: int | None = None) -> None:
+        """Send ``request``'s ``message``; its answer's bytes are paced through ``ingress``, and told to the sink every
+        ``relay_bytes`` of a chunk (None: as this channel was opened with)."""
         if self.error is not None:
             raise self.error
         if self.request is not None:
@@ -248,6 +250,8 @@ class _ClientProtocol(asyncio.BufferedProtocol):
         self.request = request
         self.heard = False
         self._ingress = ingress
+        if relay_bytes is not None:
+            self._relay_bytes = relay_bytes
         self._waits.reset()
         self._last_rx = self._window_start = self._loop.time()
         self._window_bytes = 0
@@ -478,7 +482,8 @@ class TcpChannel(Channel):
         self._answered = False
 
     async def _request(self, request: _Request, message: bytes, package_id: str) -> None:
-        self._protocol.start(request, message, self._transport.limits.ingress_for(package_id))
+        self._protocol.start(request, message, self._transport.limits.ingress_for(package_id),
+                             self._transport.relay_bytes_for(package_id))
         try:
             await request.done
         except asyncio.CancelledError:
@@ -879,7 +884,6 @@ class TcpTransport(Transport):
     def __init__(self, node_id: str, settings: Settings, auth: PeerAuth | None = None) -> None:
         super().__init__(node_id, settings, auth)
         self.tls = DataPlaneTls.from_files(settings.tls_cert, settings.tls_key, settings.tls_ca)
-        self.relay_bytes = settings.agent_relay_bytes
 
     async def listen(self, host: str, port: int, served: ServedPackages) -> TcpListener:
         self._listening()

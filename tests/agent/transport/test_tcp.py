@@ -1273,6 +1273,50 @@ async def test_a_chain_of_relays_moves_the_package_exactly_with_or_without_piece
             store.close()
 
 
+class ProgressSink(ReceivesSink):
+    """A :class:`ReceivesSink` that also keeps the progress it was told of a chunk (bytes landed)."""
+
+    def __init__(self, store: BlockStore) -> None:
+        super().__init__(store)
+        self.progress: list[int] = []
+
+    def chunk_progress(self, block: int, chunk: int, nbytes: int) -> None:
+        self.progress.append(nbytes)
+        super().chunk_progress(block, chunk, nbytes)
+
+
+@pytest.mark.parametrize(("cap", "every"), [(0, RELAY_BYTES), (RELAY_BYTES // 2, RELAY_BYTES // 2),
+                                            (4 * RELAY_BYTES, RELAY_BYTES)])
+async def test_a_plan_s_smaller_relay_piece_is_what_a_receive_tells_its_sink_of(package, cap, every):
+    """A long chain's plan asks its receivers for smaller relay pieces (AssignmentUpdate.relay_bytes, issue #16): a
+    receive of that package tells its sink (whose relays pass it on) every such piece; a cap above the node's own
+    piece, or none, leaves its own."""
+    root, manifest = package
+    data = block_file_bytes(root, manifest, 0)[:CHUNK]
+
+    async def trickle(reader, writer):  # the chunk in 2 KiB writes: each read lands a few KiB at most
+        await reader.read(1 << 16)
+        writer.write(TCP_HEADER.pack(Header(CHUNK_MESSAGE, 0, 0, CHUNK)))
+        for at in range(0, CHUNK, 2048):
+            writer.write(data[at:at + 2048])
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(5)
+
+    async with raw_peer(trickle, manifest) as (address, store):
+        transport = TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES))
+        transport.cap_relay(manifest.package_id, cap)
+        sink = ProgressSink(store)
+        channel = await transport.connect(address, "trickle")
+        await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, sink, 1), 5)
+        assert store.is_chunk_present(0, 0)
+        # Its first read is told at once (a relay's first bytes pass on), then every piece's end.
+        assert [nbytes // every for nbytes in sink.progress] == list(range(CHUNK // every))
+        transport.cap_relay(manifest.package_id, 0)  # the package dropped: its own pieces again
+        assert transport.relay_bytes_for(manifest.package_id) == RELAY_BYTES
+        await channel.close()
+
+
 MIN_RATE_BYTES = 0.1e6 / 8  # io_min_rate_mbit 0.1
 
 

@@ -992,3 +992,14 @@ def test_one_parent_plans_fetch_one_unit_at_a_time_whatever_the_concurrency(stra
 def test_simulate_rejects_a_bad_concurrency():
     with pytest.raises(ValueError, match="concurrency must be a positive integer, got 0"):
         simulate(make_plan("chain", ["s"], ["a"], 1), 1, 1, 1, concurrency=0)
+
+
+def test_a_plan_s_hops_are_its_longest_run_of_receivers_each_fetching_first_from_the_one_before():
+    receivers = [f"w{i}" for i in range(7)]
+    assert make_plan("chain", ["s"], receivers, 3).hops() == 7
+    assert make_plan("tree", ["s"], receivers, 3, fanout=2).hops() == 3
+    assert make_plan("unicast", ["s"], receivers, 3).hops() == 1
+    assert Plan("chain", ("s",), {}).hops() == 0
+    # Each fetching first from the other (a plan that would deadlock, not validated): counted, not followed forever.
+    cycle = Plan("chain", ("s",), {"a": [Fetch(0, "b")], "b": [Fetch(0, "a")]})
+    assert cycle.hops() == 2
