@@ -39,14 +39,15 @@ from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage
 from benchmarks.plots import Series, save_line_chart
 from benchmarks.processes import RunProcesses, cli, credentials_env, free_port
 from benchmarks.runinfo import parse_counts, versions
-from benchmarks.simulate import relay_modelled
-from control_plane.placement import plan_relay_piece
+from benchmarks.simulate import planned_relay, relay_modelled
+from control_plane.placement import plan_relay_piece, relay_piece
 from control_plane.planner.plan import STRATEGIES
 from control_plane.planner.schedules import GROUP_CHAIN_MAX, make_plan
 from control_plane.planner.simulate import CALIBRATED_GOODPUT, CALIBRATED_START_DELAY_S, simulate
 from packager.manifest import read_manifest
 from pipecast.agent.plan_file import plan_file_data
 from pipecast.agent.ratelimit import mbit_to_bytes_per_s
+from pipecast.agent.transport.base import relay_piece_taken
 from pipecast.agent.transport.registry import resolve_transport_name
 from pipecast.core.errors import PipecastError
 from pipecast.core.progress import NO_PROGRESS, Progress
@@ -223,7 +224,8 @@ def theory_seconds(strategy: str, n: int, total_bytes: int, chunk_bytes: int, li
     if strategy == "rotated":  # from the one source of this benchmark: a single group
         strategy = "chain" if n <= GROUP_CHAIN_MAX else "binomial"
     if strategy == "chain":  # in the smaller pieces a long chain's plan asks for
-        return size / first + (n - 1) * min(hop, (plan_relay_piece(n, total_bytes, relay_bytes) or chunk_bytes) / link)
+        piece = relay_piece_taken(relay_bytes, plan_relay_piece(n, total_bytes, relay_piece(chunk_bytes)))
+        return size / first + (n - 1) * min(chunk_bytes, piece or chunk_bytes) / link
     if strategy == "tree":
         inner = min(fanout, n - fanout) * size / link if n > fanout else 0.0
         return max(min(n, fanout) * size / store, inner, size / link) + (tree_levels(n, fanout) - 1) * hop
@@ -239,7 +241,7 @@ def model_seconds(strategy: str, n: int, facts: PackageFacts, link_mbit: float, 
     plan = make_plan(strategy, [STORE], worker_names(n), len(facts.block_bytes), chunk_counts=facts.chunk_counts)
     finished = simulate(plan, list(facts.block_bytes), mbit_to_bytes_per_s(link_mbit) * CALIBRATED_GOODPUT,
                         facts.chunk_bytes, start_delay_s=CALIBRATED_START_DELAY_S,
-                        relay_bytes=relay_modelled(plan, relay_bytes, facts.total_bytes))
+                        relay_bytes=relay_modelled(plan, relay_bytes, facts.total_bytes, facts.chunk_bytes))
     return max(finished.values())
 
 
@@ -547,7 +549,9 @@ def run_once(cluster: EmulatedCluster, folder: Path, facts: PackageFacts, strate
     plan = make_plan(strategy, [STORE], workers, len(facts.block_bytes), chunk_counts=facts.chunk_counts)
     run = _Run(cluster, folder, config.transport, secrets.token_hex(16) if config.auth else "", config.tls)
     plan_path = folder / "plan.json"
-    plan_path.write_text(json.dumps(plan_file_data(plan, facts.package_id, nodes)))
+    # As a control plane would ask (a long chain's smaller relay pieces): the agents follow a static plan here.
+    relay = planned_relay(plan, facts.total_bytes, facts.chunk_bytes)
+    plan_path.write_text(json.dumps(plan_file_data(plan, facts.package_id, nodes, relay)))
 
     run.spawn_agent(STORE, nodes[STORE], plan_path, "--seed", str(facts.path))
     run.wait_event([STORE], "listening", time.time() + SEED_START_TIMEOUT_S, "seed agent")

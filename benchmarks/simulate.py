@@ -20,6 +20,7 @@ from control_plane.planner.plan import Plan
 from control_plane.planner.schedules import make_plan
 from control_plane.planner.simulate import lower_bound, simulate
 from control_plane.planner.stragglers import demote
+from pipecast.agent.transport.base import relay_piece_taken
 from pipecast.core.units import format_bytes
 
 STRATEGIES = ("chain", "binomial", "tree", "unicast")
@@ -50,9 +51,16 @@ class SimulatedRun:
     others_ratio_to_floor: float | None = None
 
 
-def relay_modelled(plan: Plan, relay_bytes: int, package_bytes: int) -> int:
-    """The relay piece to simulate ``plan`` of a package of ``package_bytes`` with: the agents' ``relay_bytes``, or
-    the smaller piece the plan asks for (:func:`~control_plane.placement.plan_relay_piece`), where each receiver
+def planned_relay(plan: Plan, package_bytes: int, chunk_bytes: int) -> int:
+    """The relay piece the control plane asks of ``plan``'s receivers for a package of ``package_bytes`` in chunks
+    of ``chunk_bytes`` (:func:`~control_plane.placement.plan_relay_piece`, from the agents' default piece as it
+    plans; 0: the agents' own)."""
+    return plan_relay_piece(plan.hops(), package_bytes, relay_piece(chunk_bytes))
+
+
+def relay_modelled(plan: Plan, relay_bytes: int, package_bytes: int, chunk_bytes: int) -> int:
+    """The relay piece to simulate ``plan`` of a package of ``package_bytes`` in chunks of ``chunk_bytes`` with: the
+    agents' ``relay_bytes``, or the smaller piece the plan asks for (:func:`planned_relay`), where each receiver
     fetches from one parent (chain, tree, unicast), where the model with the relay matches the netns runs (chain
     at N = 16, 100
     Mbit/s: 1.04x simulated, 1.05-1.07x measured; chain and tree within 3% at N = 4, 8, 16); 0 (whole chunks) for
@@ -62,7 +70,7 @@ def relay_modelled(plan: Plan, relay_bytes: int, package_bytes: int) -> int:
     the agents' relayed runs (1.08 / 1.09 / 1.09 / 1.09x against 1.07 / 1.14 / 1.17 / 1.13x measured at N = 4, 8
     (400 Mbit/s), 16 (200, 100))."""
     one_parent = all(len({f.parent for f in fetches}) <= 1 for fetches in plan.assignments.values())
-    return (plan_relay_piece(plan.hops(), package_bytes, relay_bytes) or relay_bytes) if one_parent else 0
+    return relay_piece_taken(relay_bytes, planned_relay(plan, package_bytes, chunk_bytes)) if one_parent else 0
 
 
 def equal_blocks(model_bytes: int, blocks: int) -> list[int]:
@@ -112,7 +120,7 @@ def run(nodes: list[int], strategies: list[str], *, block_bytes: list[int], link
                 plans += [(f"{label}-demoted", demote(plan, {slow}, held={}, sources=["store"], num_blocks=blocks))
                           for label, plan in plans]
             for label, plan in plans:
-                relay = relay_modelled(plan, relay_bytes, sum(block_bytes))
+                relay = relay_modelled(plan, relay_bytes, sum(block_bytes), chunk_bytes)
                 finished = simulate(plan, block_bytes, rate, chunk_bytes, serve=serve, hop_latency_s=hop_latency_s,
                                     start_delay_s=start_delay_s, rates={slow: slow_factor} if slow else None,
                                     racks=rack_of, rack_uplinks=uplinks, failures=failures, detect_s=detect_s,

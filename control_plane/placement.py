@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from control_plane.errors import InsufficientWorkers, InvalidRequest, NoSource
 from control_plane.planner.schedules import GROUP_CHAIN_MAX, binomial_pairs
+from pipecast.core.settings import MIN_RELAY_PIECE_BYTES
 from pipecast.core.units import format_bytes
 
 DEFAULT_FANOUT = 2
@@ -42,10 +43,8 @@ RELAY_PIECE_BYTES = 256 << 10
 # A chain's last receiver ends (hops - 1) relay pieces after its first: 256 KiB pieces over 205 hops of the demo
 # model (257 MiB) are 20% of its time (1.21x S/B simulated, 0.2 ms a hop). A plan whose hops would add more than
 # RELAY_FILL of the package asks its receivers for smaller pieces, halved down to MIN_RELAY_PIECE_BYTES: 1.06x there
-# in 64 KiB pieces. Not below: 64 KiB pieces cost the agents more CPU than 256 KiB at N = 16, for no gain there
-# (docs/benchmarks.md, "Relaying a chunk as it lands").
+# in 64 KiB pieces (MIN_RELAY_PIECE_BYTES, no smaller: see there).
 RELAY_FILL = 0.05
-MIN_RELAY_PIECE_BYTES = 64 << 10
 #: The most worker sources a plan names. A plan uses one per receiver at most (a rotated group each), and
 #: every source hears of the plan with every receiver listed while every receiver hears of every source (its
 #: fallbacks): naming each of 1,000 warm holders in a scale-up of 8 made 1,009 notices of 32 MB, 1.4 s of the

@@ -838,7 +838,7 @@ class ControlPlaneService(control_pb2_grpc.ControlPlaneServicer):
             # A source is every receiver's fallback: it may serve each of them, and only them.
             receivers=sorted(active.plan.assignments) if notice.node_id in active.plan.sources else [],
             priority=self.book.priority_of(active.package_id), report_progress=self.state.watches(active),
-            relay_bytes=self.state.relay_piece_of(active))
+            relay_bytes=active.relay_bytes)
 
 
 def _plan_summary(active: ActivePlan) -> pb.PlanSummary:

@@ -132,6 +132,10 @@ class ActivePlan:
     # after a change is a transition (relays re-connect and resume), not a rate.
     changed: bool = False
     settle_until: float | None = None
+    # The relay piece its receivers are asked for (ControlState._relay_cap; 0: the agents' own). Set as it starts and
+    # as it is re-planned; nodes whose part a repair left are not told again: a repair only shortens a chain, so theirs
+    # is at most a smaller piece than it needs now (a little more CPU), never a larger one.
+    relay_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -598,11 +602,17 @@ class ControlState:
                 self._progressed(package_id, node, min(held, self.packages[package_id].total_bytes), now)
         return sorted(set(unknown) | set(unknown_dropped) | set(unknown_cached))
 
-    def relay_piece_of(self, active: ActivePlan) -> int:
-        """The relay piece ``active`` asks of its receivers (:func:`~control_plane.placement.plan_relay_piece`: a
-        long chain's smaller; 0: the agents' own)."""
+    def _relay_cap(self, active: ActivePlan) -> int:
+        """The relay piece ``active`` asks of its receivers (:func:`~control_plane.placement.plan_relay_piece`, 0: the
+        agents' own): its plan's, or a smaller one of another plan of the package in progress (a chain hung behind
+        another's tail is as deep as both; that tail, a source of one, a receiver of the other, is told the same)."""
         package = self.packages.get(active.package_id)
-        return 0 if package is None else plan_relay_piece(active.plan.hops(), package.total_bytes, package.relay_piece)
+        if package is None:
+            return 0
+        caps = [plan_relay_piece(active.plan.hops(), package.total_bytes, package.relay_piece),
+                *(other.relay_bytes for other in self.plans.values()
+                  if other.package_id == active.package_id and other.plan_id != active.plan_id)]
+        return min((cap for cap in caps if cap), default=0)
 
     def watches(self, active: ActivePlan) -> bool:
         """Whether ``active`` is watched for stragglers, so that its receivers report their progress: only a plan
@@ -921,6 +931,7 @@ class ControlState:
             return ScaleUpResult("", "", (), (), draft.unchanged)
         availability = self.availability[package_id]
         active = ActivePlan(uuid.uuid4().hex[:12], package_id, plan, draft.fanout, now, version=0)
+        active.relay_bytes = self._relay_cap(active)
         active.pending = {n for n in plan.assignments if not availability.is_complete(n)}
         self._install(active, plan)
         active.changed = False  # a new plan: nothing to settle from
@@ -1094,6 +1105,7 @@ class ControlState:
         active = ActivePlan(plan_id, package_id, plan, fanout, created_at, version, replans,
                             pending={n for n in plan.assignments if not availability.is_complete(n)},
                             parts=plan.parts())
+        active.relay_bytes = self._relay_cap(active)
         self.plans[plan_id] = active
 
     # ----- internals -----
@@ -1390,6 +1402,7 @@ class ControlState:
                     self.dropping.discard((active.package_id, node))
                     self.dirty.drops.add((active.package_id, node))
         active.plan, active.parts = plan, parts
+        active.relay_bytes = self._relay_cap(active)
         active.version += 1
         active.pending.intersection_update(plan.assignments)
         self.plans[active.plan_id] = active

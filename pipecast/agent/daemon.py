@@ -330,6 +330,7 @@ class AgentDaemon:
             self.stop()
 
     async def _follow_plan(self, plan: StaticPlan) -> None:
+        self.transport.cap_relay(plan.package_id, plan.relay_bytes)
         fetches = plan.fetches_of(self.node_id)
         if plan.package_id in self.peer_server.stores or not fetches:
             if self.node_id in plan.plan.sources and plan.package_id not in self.peer_server.stores:

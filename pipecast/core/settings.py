@@ -35,6 +35,9 @@ class SettingsError(PipecastError):
 #: The slowest tenant rate accepted (requests/s): one request a day. A rate near 0 is no limit anyone means,
 #: and the wait it gives a refused request runs to years, or overflows (1e-320).
 MIN_TENANT_RATE = 1 / 86400
+#: The smallest relay piece a plan asks the agents for (``agent_relay_bytes`` is theirs): smaller ones cost them more
+#: CPU than 256 KiB for no gain measured (docs/benchmarks.md, "Relaying a chunk as it lands").
+MIN_RELAY_PIECE_BYTES = 64 << 10
 
 
 class TenantLimit(BaseModel):

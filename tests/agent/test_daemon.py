@@ -3,6 +3,7 @@ status and event log, and on stop closes its port and frees its blocks; without 
 data-plane key derives from the master token."""
 
 import asyncio
+import json
 import socket
 import threading
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipecast.agent.cache import BlockCache
+from control_plane.planner.schedules import make_plan
 from pipecast.agent.daemon import AgentDaemon, AgentOptions
 from pipecast.agent.errors import (
     DataPlaneTlsError,
@@ -22,6 +24,7 @@ from pipecast.agent.errors import (
 )
 from pipecast.agent.events import read_events
 from pipecast.agent.fetcher import ChannelPool
+from pipecast.agent.plan_file import plan_file_data
 from pipecast.agent.ratelimit import format_rate
 from pipecast.agent.store import BlockStore
 from pipecast.agent.transport.tcp import TcpTransport
@@ -29,6 +32,7 @@ from pipecast.core.credentials import CredentialError, issue_node_token
 from pipecast.core.settings import Settings
 from pipecast.core.units import format_bytes
 from tests.support.agent_fixtures import block_file_bytes, land_chunk, receiving_store
+from tests.support.agent_processes import free_ports
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -103,6 +107,29 @@ async def test_a_static_daemon_keys_its_hello_with_the_master_token_and_refuses_
         await asyncio.wait_for(running, 10)
         await member.close()
         await stranger.close()
+
+
+async def test_a_static_daemon_relays_in_the_pieces_its_plan_file_asks_for(tiny_package, tmp_path):
+    """Issue #16: a static plan carries a long chain's relay piece as a control plane's ASSIGN does."""
+    package = tiny_package(layers=2, layer_bytes=100_000, chunk_bytes=64 << 10)
+    port, other = free_ports(2)
+    plan = make_plan("chain", ["seed"], ["r1"], len(package.manifest.blocks))
+    nodes = {"seed": f"127.0.0.1:{port}", "r1": f"127.0.0.1:{other}"}
+    (tmp_path / "plan.json").write_text(json.dumps(plan_file_data(plan, package.manifest.package_id, nodes, 65536)))
+    daemon = AgentDaemon(AgentOptions(node_id="seed", seed=package.path, plan=tmp_path / "plan.json"),
+                         Settings(**SETTINGS, auth_token=MASTER, agent_relay_bytes=256 << 10))
+    running = asyncio.create_task(daemon.run())
+    try:
+        for _ in range(500):
+            if daemon.listener is not None and daemon.transport.relay_bytes_for(package.manifest.package_id) == 65536:
+                break
+            assert not running.done(), running.exception()
+            await asyncio.sleep(0.01)
+        assert daemon.transport.relay_bytes_for(package.manifest.package_id) == 65536
+        assert daemon.transport.relay_bytes_for("another") == 256 << 10
+    finally:
+        daemon.stop()
+        await asyncio.wait_for(running, 10)
 
 
 async def test_a_static_daemon_refuses_a_guessable_master_token_before_it_listens(tiny_package):

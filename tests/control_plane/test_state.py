@@ -1195,6 +1195,21 @@ def test_a_new_receiver_of_another_transport_is_not_hung_behind_a_chain_in_progr
     assert result.sources == ("store",) and parents(state, result.plan_id) == {"store"}
 
 
+def test_a_chain_hung_behind_a_long_chain_asks_for_that_chain_s_relay_piece():
+    """Found in review (#16): a scale-up hung behind a chain in progress (its tail the source) counted its own hops
+    only, so its receivers, and that tail (told of the second plan last), went back to 256 KiB pieces at the end of a
+    chain of 70, where the first plan asked for 128 KiB."""
+    state = ControlState(lease_s=LEASE)
+    blocks = [Block(index=i, bytes=9_000_000, chunk_bytes=1 << 20) for i in range(30)]  # 270 MB
+    state.publish(Manifest(package_id="pkg", model_name="tiny", blocks=blocks), STORE, now=0)
+    for i in range(74):
+        state.register(spec(f"w{i}", memory=10**9), {}, now=0)
+    first = state.scale_up("pkg", node_ids=[f"w{i}" for i in range(70)], strategy="chain", now=1)
+    second = state.scale_up("pkg", node_ids=[f"w{i}" for i in range(70, 74)], now=2)
+    assert second.sources == ("w69",) and state.plans[second.plan_id].plan.hops() == 4
+    assert state.plans[first.plan_id].relay_bytes == state.plans[second.plan_id].relay_bytes == 128 << 10
+
+
 def test_a_receiver_back_speaking_another_transport_leaves_its_plan_and_gets_one_it_speaks():
     """An agent that restarts and falls back from UCX to TCP registers again before its lease lapses: its plan's
     nodes can no longer fetch from it, nor it from them."""

@@ -32,7 +32,7 @@ from typing import Protocol
 
 from pipecast.agent.ratelimit import DataPlaneCaps, HostRateLimits
 from pipecast.core.credentials import data_plane_key, parse_node_token
-from pipecast.core.settings import Settings
+from pipecast.core.settings import MIN_RELAY_PIECE_BYTES, Settings
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,12 @@ def warn_open_data_plane(node_id: str) -> None:
         _warned_open = True
         log.warning("node %s: data-plane authentication is off (no cluster credentials): any host that reaches "
                     "this node's data-plane port can fetch every package it holds", node_id)
+
+
+def relay_piece_taken(own: int, cap: int) -> int:
+    """The piece a relay passes chunks on in: its own (``agent_relay_bytes``), or its plan's ``cap`` where smaller (0:
+    none; an own 0, whole chunks, stays: a plan never turns the relay on)."""
+    return min(own, cap) if own and cap else own
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -277,21 +283,20 @@ class Transport(ABC):
         self.limits = HostRateLimits.of(caps)
         self.stats = TransportStats()
         self.relay_bytes = settings.agent_relay_bytes
-        self._relay_caps: dict[str, int] = {}  # package -> the smaller relay piece its plan asked for
+        self._relay_caps: dict[str, int] = {}  # package -> the smaller relay piece its plans asked for
 
     def cap_relay(self, package_id: str, piece_bytes: int) -> None:
-        """Pass ``package_id``'s chunks on in pieces of at most ``piece_bytes`` from now on, as its plan asks (a long
-        chain's hops each wait for a piece); 0: in this node's own (``agent_relay_bytes``)."""
+        """Pass ``package_id``'s chunks on in pieces of at most ``piece_bytes`` from now on, as its plans ask (a long
+        chain's hops each wait for a piece; :data:`MIN_RELAY_PIECE_BYTES` at least); 0: in this node's own
+        (``agent_relay_bytes``)."""
         if piece_bytes > 0:
-            self._relay_caps[package_id] = piece_bytes
+            self._relay_caps[package_id] = max(piece_bytes, MIN_RELAY_PIECE_BYTES)
         else:
             self._relay_caps.pop(package_id, None)
 
     def relay_bytes_for(self, package_id: str) -> int:
-        """The piece a relay of ``package_id`` passes chunks on in: this node's own, or its plan's where smaller (0:
-        whole chunks, as configured: a plan never turns the relay on)."""
-        cap = self._relay_caps.get(package_id, 0)
-        return min(self.relay_bytes, cap) if self.relay_bytes and cap else self.relay_bytes
+        """The piece a relay of ``package_id`` passes chunks on in (:func:`relay_piece_taken`)."""
+        return relay_piece_taken(self.relay_bytes, self._relay_caps.get(package_id, 0))
 
     def set_key(self, key: bytes) -> None:
         """The data-plane key from now on (b"": auth off); e.g. the one a control plane handed out."""

@@ -68,7 +68,7 @@ from pipecast.agent.transport.wire import (
     request_payload,
 )
 from pipecast.core.credentials import data_plane_key
-from pipecast.core.settings import Settings
+from pipecast.core.settings import MIN_RELAY_PIECE_BYTES, Settings
 from pipecast.v1.manifest_pb2 import Manifest
 from tests.agent.conftest import CHUNK
 from tests.support.agent_fixtures import (
@@ -82,6 +82,7 @@ from tests.support.agent_fixtures import (
     receiving_store,
     seed_store,
 )
+from tests.support.packages import tiny_package
 
 TOKENIZER_BYTES = 600_000  # the package fixture (conftest) gives it a tokenizer file this big
 IO_TIMEOUT_S = 0.3
@@ -1285,35 +1286,37 @@ class ProgressSink(ReceivesSink):
         super().chunk_progress(block, chunk, nbytes)
 
 
-@pytest.mark.parametrize(("cap", "every"), [(0, RELAY_BYTES), (RELAY_BYTES // 2, RELAY_BYTES // 2),
-                                            (4 * RELAY_BYTES, RELAY_BYTES)])
-async def test_a_plan_s_smaller_relay_piece_is_what_a_receive_tells_its_sink_of(package, cap, every):
+async def test_a_plan_s_smaller_relay_piece_is_what_a_receive_tells_its_sink_of(tmp_path):
     """A long chain's plan asks its receivers for smaller relay pieces (AssignmentUpdate.relay_bytes, issue #16): a
-    receive of that package tells its sink (whose relays pass it on) every such piece; a cap above the node's own
-    piece, or none, leaves its own."""
-    root, manifest = package
-    data = block_file_bytes(root, manifest, 0)[:CHUNK]
+    receive of that package tells its sink (whose relays pass it on) at every such piece; a cap above the node's own
+    piece, or none, leaves its own; one below MIN_RELAY_PIECE_BYTES is taken as that."""
+    chunk = 256 << 10
+    root = tmp_path / "pkg"
+    manifest = tiny_package(root, layers=1, layer_bytes=300_000, chunk_bytes=chunk).manifest
+    data = block_file_bytes(root, manifest, 0)[:chunk]
 
     async def trickle(reader, writer):  # the chunk in 2 KiB writes: each read lands a few KiB at most
         await reader.read(1 << 16)
-        writer.write(TCP_HEADER.pack(Header(CHUNK_MESSAGE, 0, 0, CHUNK)))
-        for at in range(0, CHUNK, 2048):
+        writer.write(TCP_HEADER.pack(Header(CHUNK_MESSAGE, 0, 0, chunk)))
+        for at in range(0, chunk, 2048):
             writer.write(data[at:at + 2048])
             await writer.drain()
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0.001)
         await asyncio.sleep(5)
 
-    async with raw_peer(trickle, manifest) as (address, store):
-        transport = TcpTransport("rx", settings(agent_relay_bytes=RELAY_BYTES))
+    transport = TcpTransport("rx", settings(agent_relay_bytes=chunk))
+    for cap, taken in [(0, chunk), (4 * chunk, chunk), (1, MIN_RELAY_PIECE_BYTES)]:
         transport.cap_relay(manifest.package_id, cap)
+        assert transport.relay_bytes_for(manifest.package_id) == taken
+    assert transport.relay_bytes_for("another package") == chunk
+    async with raw_peer(trickle, manifest) as (address, store):
         sink = ProgressSink(store)
         channel = await transport.connect(address, "trickle")
         await asyncio.wait_for(channel.fetch_block(manifest.package_id, 0, 0, sink, 1), 5)
         assert store.is_chunk_present(0, 0)
-        # Its first read is told at once (a relay's first bytes pass on), then every piece's end.
-        assert [nbytes // every for nbytes in sink.progress] == list(range(CHUNK // every))
-        transport.cap_relay(manifest.package_id, 0)  # the package dropped: its own pieces again
-        assert transport.relay_bytes_for(manifest.package_id) == RELAY_BYTES
+        # Told at each 64 KiB piece's end (its first read too, and a slow one every PROGRESS_EVERY_S); in its own
+        # pieces, the whole chunk, it would be told of none of them.
+        assert {nbytes // MIN_RELAY_PIECE_BYTES for nbytes in sink.progress} >= {1, 2, 3}
         await channel.close()
 
 
