@@ -35,6 +35,7 @@ from typing import Any, Literal
 from pipecast.core.errors import PipecastError
 from pipecast.core.fsutil import pid_alive
 from pipecast.core.settings import Settings
+from pipecast.core.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,9 @@ HOST_IFACE = "eth0"
 BRIDGE = "br0"
 
 # Bursts far below one chunk at rate B: larger ones let an idle hop send faster than B and fake a
-# better-than-floor result (DESIGN 5).
+# better-than-floor result (DESIGN 5). A burst as large as a relay's piece (256 KiB, the agents' default) lets it
+# pass each piece on faster than B too, which hides a piece's time per hop of a chain: N = 32 at 50 Mbit/s, 256 KiB
+# pieces, 1.10-1.12x S/B at this burst, 1.23-1.24x at 32 KiB (docs/benchmarks.md, "Simulated"); --link-burst sets it.
 HTB_BURST_BYTES = 256 * 1024
 # Unclassified traffic (ARP) gets a tiny guaranteed rate so the per-peer guarantees still sum to ~B.
 HTB_DEFAULT_RATE_BPS = 8_000
@@ -182,16 +185,16 @@ def plan_hosts(
 
 
 def htb_commands(dev: str, rate_mbit: float, peers: Sequence[HostPlan], match: Literal["dst", "src"],
-                 mtu: int, queue: LinkQueue = "per-peer") -> list[str]:
+                 mtu: int, queue: LinkQueue = "per-peer", burst_bytes: int = HTB_BURST_BYTES) -> list[str]:
     """tc batch lines shaping ``dev``'s egress at ``rate_mbit`` with one HTB class per peer.
 
     Each peer's class is guaranteed rate/len(peers) and may borrow up to the full rate; packets are
     classified by the peer's address as destination (a host's egress) or source (a host's ingress).
     Equal quanta make borrowing classes share spare rate equally. ``queue="fifo"``: one class (and its
-    one FIFO) for every packet instead.
+    one FIFO) for every packet instead. Every class may send ``burst_bytes`` at once after an idle spell.
     """
     rate = int(rate_mbit * 1e6)
-    shape = f"burst {HTB_BURST_BYTES} cburst {HTB_BURST_BYTES}"
+    shape = f"burst {burst_bytes} cburst {burst_bytes}"
     if queue == "fifo":
         return [f"qdisc replace dev {dev} root handle 1: htb default 1",
                 f"class add dev {dev} parent 1: classid 1:1 htb rate {rate}bit ceil {rate}bit {shape}"]
@@ -324,8 +327,9 @@ class EmulatedCluster:
     ``link_mbit`` is every host's rate in each direction but those named in ``host_mbit``, which get their
     own (and those in ``host_egress_mbit``, their own out); the store host (``store_host``, if among the
     hosts) sends at ``store_mbit`` (default: its link rate). ``mode="auto"`` uses namespaces where they work
-    and loopback otherwise (logged, and in :attr:`mode_reason`). ``mtu`` and ``link_queue`` (one class per
-    peer, or one FIFO per link direction: see the module docstring) apply to netns mode.
+    and loopback otherwise (logged, and in :attr:`mode_reason`). ``mtu``, ``link_queue`` (one class per
+    peer, or one FIFO per link direction: see the module docstring) and ``burst_bytes`` (what a link sends at once
+    after an idle spell, :data:`HTB_BURST_BYTES`) apply to netns mode.
     """
 
     def __init__(
@@ -340,6 +344,7 @@ class EmulatedCluster:
         link_queue: LinkQueue = "per-peer",
         host_mbit: Mapping[str, float] | None = None,
         host_egress_mbit: Mapping[str, float] | None = None,
+        burst_bytes: int = HTB_BURST_BYTES,
     ) -> None:
         if mode not in ("auto", "netns", "loopback"):
             raise ClusterError(f"mode must be 'auto', 'netns' or 'loopback', got {mode!r}")
@@ -349,6 +354,8 @@ class EmulatedCluster:
             raise ClusterError(f"name_prefix must be 1-6 lowercase letters, got {name_prefix!r}")
         if not 1280 <= mtu <= 65535:
             raise ClusterError(f"mtu must be within 1280..65535, got {mtu}")
+        if burst_bytes < mtu + 14:  # HTB must let a whole frame through
+            raise ClusterError(f"a link's burst must hold one frame ({mtu + 14} bytes at mtu {mtu}), got {burst_bytes}")
         self._requested_mode: RequestedMode = mode
         self._hosts = tuple(hosts)
         self._link_mbit = float(link_mbit)
@@ -357,6 +364,7 @@ class EmulatedCluster:
         self._mtu = mtu
         self._name_prefix = name_prefix
         self._link_queue: LinkQueue = link_queue
+        self._burst_bytes = burst_bytes
         self._host_mbit = dict(host_mbit or {})
         self._host_egress_mbit = dict(host_egress_mbit or {})
         # Validate now, so a bad layout fails before anything is built.
@@ -418,7 +426,8 @@ class EmulatedCluster:
     def describe(self) -> str:
         """One line for benchmark output: mode, size and link rates."""
         queue = "one class per peer" if self._link_queue == "per-peer" else "one FIFO shared by every flow"
-        shaping = (f"tc htb per host and direction, {queue}" if self.mode == "netns"
+        shaping = (f"tc htb per host and direction, {queue}, bursts of {format_bytes(self._burst_bytes)}"
+                   if self.mode == "netns"
                    else f"application-level token buckets ({EGRESS_ENV}/{INGRESS_ENV}), no kernel shaping")
         store = (f", store {self._store_host!r} egress {self.store_mbit:g} Mbit/s"
                  if self._store_host in self._hosts else "")
@@ -569,10 +578,11 @@ class EmulatedCluster:
                 f"link set {HOST_IFACE} up",
             ]
             _run([ip, "-n", self._host_netns(p), "-batch", "-"], stdin="\n".join(host_lines) + "\n")
-            egress = htb_commands(HOST_IFACE, p.egress_mbit, peers, "dst", self._mtu, self._link_queue)
+            egress = htb_commands(HOST_IFACE, p.egress_mbit, peers, "dst", self._mtu, self._link_queue,
+                                  self._burst_bytes)
             _run([tc, "-n", self._host_netns(p), "-batch", "-"], stdin="\n".join(egress) + "\n")
             ingress_lines += htb_commands(self._bridge_port(p), p.ingress_mbit, peers, "src", self._mtu,
-                                          self._link_queue)
+                                          self._link_queue, self._burst_bytes)
         _run([tc, "-n", bridge_ns, "-batch", "-"], stdin="\n".join(ingress_lines) + "\n")
 
     # -- signals --------------------------------------------------------------------------------------

@@ -173,8 +173,11 @@ def bench_pack(size, workdir, repeat, json_path):
                    "agent given the same master token.")
 @click.option("--tls", is_flag=True, help="Mutual TLS between the agents (TCP transport; needs openssl for the "
                                           "run's certificates).")
+@click.option("--link-burst", type=SIZE, default="256KiB", show_default=True,
+              help="netns: what a link sends at once after an idle spell (tc htb burst); one as large as a relay's "
+                   "piece hides that piece's time per hop.")
 def bench_distribution(workers, link_mbit, store_mbit, package, strategies, transport, repeat, mode, json_path,
-                       plot_path, cache, workdir, no_auth, tls):
+                       plot_path, cache, workdir, no_auth, tls, link_burst):
     """N workers receive a block package in about the time one does: every strategy vs the floor S/B."""
     from benchmarks import distribution
 
@@ -187,7 +190,8 @@ def bench_distribution(workers, link_mbit, store_mbit, package, strategies, tran
     config = distribution.DistributionConfig(package=package, workers=counts, link_mbit=link_mbit,
                                              store_mbit=store_mbit, strategies=names, transport=transport,
                                              repeat=repeat, mode=mode, auth=not no_auth, tls=tls,
-                                             relay_bytes=Settings().agent_relay_bytes)  # as the agents read it
+                                             relay_bytes=Settings().agent_relay_bytes,  # as the agents read it
+                                             link_burst=link_burst)
     report = _run_and_report(distribution.run, config, workdir, distribution.format_report, json_path)
     if plot_path:
         distribution.save_plot(report, plot_path)

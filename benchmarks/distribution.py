@@ -34,7 +34,7 @@ from subprocess import TimeoutExpired
 import psutil
 
 from benchmarks.certs import make_certs
-from benchmarks.cluster import EmulatedCluster, RequestedMode, store_egress_mbit
+from benchmarks.cluster import HTB_BURST_BYTES, EmulatedCluster, RequestedMode, store_egress_mbit
 from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage
 from benchmarks.plots import Series, save_line_chart
 from benchmarks.processes import RunProcesses, cli, credentials_env, free_port
@@ -123,6 +123,7 @@ class DistributionConfig:
     # The agents' agent_relay_bytes (they inherit this process's settings): a TCP relay passes a chunk on from
     # its first piece this big, which sets a hop's cost in the theory and the model.
     relay_bytes: int = Settings.model_fields["agent_relay_bytes"].default
+    link_burst: int = HTB_BURST_BYTES  # netns: what a link sends at once after an idle spell
 
     @property
     def relay_piece(self) -> int:
@@ -603,7 +604,7 @@ def _meta(config: DistributionConfig, facts: PackageFacts, cluster: EmulatedClus
         "load_average_at_start": os.getloadavg()[0],  # others' work on this shared machine adds to "CPU"
         "mode": cluster.mode, "mode_reason": cluster.mode_reason, "clusters": [],
         "transport": config.transport, "auth": config.auth, "tls": config.tls, "link_mbit": config.link_mbit,
-        "store_mbit": config.store_rate_mbit,
+        "store_mbit": config.store_rate_mbit, "link_burst_bytes": config.link_burst,
         "package_id": facts.package_id, "package_path": str(facts.path), "model_name": facts.model_name,
         "package_bytes": facts.total_bytes, "files_bytes": facts.files_bytes, "blocks": len(facts.block_bytes),
         "chunk_bytes": facts.chunk_bytes, "repeat": config.repeat, "strategies": list(config.strategies),
@@ -625,7 +626,7 @@ def run(config: DistributionConfig, workdir: Path, progress: Progress = NO_PROGR
     for n in config.workers:
         runs: dict[str, list[RunResult]] = {s: [] for s in config.strategies}
         with EmulatedCluster([STORE, *worker_names(n)], config.link_mbit, store_mbit=config.store_mbit,
-                             mode=config.mode) as cluster:
+                             mode=config.mode, burst_bytes=config.link_burst) as cluster:
             meta = meta or _meta(config, facts, cluster)
             meta["clusters"].append(cluster.describe())
             progress(cluster.describe())

@@ -12,12 +12,14 @@ import sys
 import time
 from collections import namedtuple
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 
 from benchmarks.cluster import (
     EGRESS_ENV,
+    HTB_BURST_BYTES,
     INGRESS_ENV,
     ClusterError,
     EmulatedCluster,
@@ -25,6 +27,7 @@ from benchmarks.cluster import (
     plan_hosts,
 )
 from benchmarks.cpu import CPU_BOUND_NOTE, CpuSampler, CpuUsage, busy_fraction, summarize
+from benchmarks.distribution import DistributionConfig
 from tests.support import REPO
 from tests.support.netns import require_netns
 
@@ -191,6 +194,22 @@ def test_a_fifo_link_is_one_class_for_every_packet() -> None:
         "class add dev eth0 parent 1: classid 1:1 htb rate 90000000bit ceil 90000000bit burst 262144 cburst 262144"]
     with pytest.raises(ClusterError, match="^link_queue must be 'per-peer' or 'fifo', got 'red'$"):
         EmulatedCluster(["a"], 10, link_queue="red")
+
+
+def test_a_link_s_burst_is_what_it_is_given_a_whole_frame_at_least() -> None:
+    plans = plan_hosts(["a", "b"], 90, None, "store", "10.77.0.")
+    assert htb_commands("eth0", 90, plans[1:], "dst", 9000, "fifo", 32768)[1].endswith(" burst 32768 cburst 32768")
+    with pytest.raises(ClusterError,
+                       match=r"^a link's burst must hold one frame \(9014 bytes at mtu 9000\), got 9000$"):
+        EmulatedCluster(["a"], 10, burst_bytes=9000)
+
+
+def test_the_distribution_bench_s_default_burst_is_the_cluster_s() -> None:
+    from benchmarks.command import bench_distribution
+    from pipecast.core.units import parse_size
+
+    [option] = [p for p in bench_distribution.params if p.name == "link_burst"]
+    assert parse_size(option.default) == HTB_BURST_BYTES == DistributionConfig(package=Path(".")).link_burst
 
 
 def test_htb_has_one_class_and_filter_per_peer() -> None:
