@@ -60,6 +60,8 @@ BRIDGE = "br0"
 # pass each piece on faster than B too, which hides a piece's time per hop of a chain: N = 32 at 50 Mbit/s, 256 KiB
 # pieces, 1.10-1.12x S/B at this burst, 1.23-1.24x at 32 KiB (docs/benchmarks.md, "Simulated"); --link-burst sets it.
 HTB_BURST_BYTES = 256 * 1024
+DEFAULT_MTU = 9000
+FRAME_HEADER_BYTES = 14  # an Ethernet frame's bytes beyond its MTU
 # Unclassified traffic (ARP) gets a tiny guaranteed rate so the per-peer guarantees still sum to ~B.
 HTB_DEFAULT_RATE_BPS = 8_000
 HTB_FIRST_PEER_MINOR = 0x10
@@ -198,7 +200,7 @@ def htb_commands(dev: str, rate_mbit: float, peers: Sequence[HostPlan], match: L
     if queue == "fifo":
         return [f"qdisc replace dev {dev} root handle 1: htb default 1",
                 f"class add dev {dev} parent 1: classid 1:1 htb rate {rate}bit ceil {rate}bit {shape}"]
-    quantum = 2 * (mtu + 14)
+    quantum = 2 * (mtu + FRAME_HEADER_BYTES)
     lines = [
         f"qdisc replace dev {dev} root handle 1: htb default 2",
         f"class add dev {dev} parent 1: classid 1:1 htb rate {rate}bit ceil {rate}bit {shape}",
@@ -339,7 +341,7 @@ class EmulatedCluster:
         store_mbit: float | None = None,
         store_host: str = "store",
         mode: RequestedMode = "auto",
-        mtu: int = 9000,
+        mtu: int = DEFAULT_MTU,
         name_prefix: str = "pc",
         link_queue: LinkQueue = "per-peer",
         host_mbit: Mapping[str, float] | None = None,
@@ -354,8 +356,9 @@ class EmulatedCluster:
             raise ClusterError(f"name_prefix must be 1-6 lowercase letters, got {name_prefix!r}")
         if not 1280 <= mtu <= 65535:
             raise ClusterError(f"mtu must be within 1280..65535, got {mtu}")
-        if burst_bytes < mtu + 14:  # HTB must let a whole frame through
-            raise ClusterError(f"a link's burst must hold one frame ({mtu + 14} bytes at mtu {mtu}), got {burst_bytes}")
+        if burst_bytes < mtu + FRAME_HEADER_BYTES:  # HTB must let a whole frame through
+            raise ClusterError(f"a link's burst must hold one frame ({mtu + FRAME_HEADER_BYTES} bytes at mtu {mtu}), "
+                               f"got {burst_bytes}")
         self._requested_mode: RequestedMode = mode
         self._hosts = tuple(hosts)
         self._link_mbit = float(link_mbit)

@@ -185,6 +185,11 @@ def bench_distribution(workers, link_mbit, store_mbit, package, strategies, tran
         counts, names = distribution.parse_workers(workers), distribution.parse_strategies(strategies)
     except distribution.DistributionBenchError as exc:
         raise click.BadParameter(str(exc)) from None
+    from benchmarks.cluster import DEFAULT_MTU, FRAME_HEADER_BYTES
+
+    if link_burst < DEFAULT_MTU + FRAME_HEADER_BYTES:
+        raise click.BadParameter(f"{link_burst} bytes is less than one frame of the emulated links "
+                                 f"({DEFAULT_MTU + FRAME_HEADER_BYTES} bytes)", param_hint="'--link-burst'")
     if package is None:
         package = _demo(cache)
     config = distribution.DistributionConfig(package=package, workers=counts, link_mbit=link_mbit,

@@ -182,7 +182,7 @@ def floor_seconds(total_bytes: int, link_mbit: float, store_mbit: float) -> floa
 
 
 #: A completion under this share of its floor of at least GUARDED_FLOOR_S cannot have been a transfer over the links:
-#: its workers were not cold (a shorter floor may be beaten by the links' bursts: 256 KiB each).
+#: its workers were not cold (a shorter floor may be beaten by the links' bursts: 256 KiB each by default).
 UNDER_FLOOR = 0.5
 GUARDED_FLOOR_S = 1.0
 
@@ -604,7 +604,8 @@ def _meta(config: DistributionConfig, facts: PackageFacts, cluster: EmulatedClus
         "load_average_at_start": os.getloadavg()[0],  # others' work on this shared machine adds to "CPU"
         "mode": cluster.mode, "mode_reason": cluster.mode_reason, "clusters": [],
         "transport": config.transport, "auth": config.auth, "tls": config.tls, "link_mbit": config.link_mbit,
-        "store_mbit": config.store_rate_mbit, "link_burst_bytes": config.link_burst,
+        "store_mbit": config.store_rate_mbit,
+        "link_burst_bytes": config.link_burst if cluster.mode == "netns" else None,  # loopback: no tc
         "package_id": facts.package_id, "package_path": str(facts.path), "model_name": facts.model_name,
         "package_bytes": facts.total_bytes, "files_bytes": facts.files_bytes, "blocks": len(facts.block_bytes),
         "chunk_bytes": facts.chunk_bytes, "repeat": config.repeat, "strategies": list(config.strategies),

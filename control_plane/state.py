@@ -602,17 +602,30 @@ class ControlState:
                 self._progressed(package_id, node, min(held, self.packages[package_id].total_bytes), now)
         return sorted(set(unknown) | set(unknown_dropped) | set(unknown_cached))
 
-    def _relay_cap(self, active: ActivePlan) -> int:
-        """The relay piece ``active`` asks of its receivers (:func:`~control_plane.placement.plan_relay_piece`, 0: the
-        agents' own): its plan's, or a smaller one of another plan of the package in progress (a chain hung behind
-        another's tail is as deep as both; that tail, a source of one, a receiver of the other, is told the same)."""
+    def _upstream(self, active: ActivePlan) -> list[ActivePlan]:
+        """The other plans of ``active``'s package in progress that one of its sources receives in (a chain hung
+        behind another's tail takes every chunk through that chain)."""
+        return [other for other in self.plans.values()
+                if other.package_id == active.package_id and other.plan_id != active.plan_id
+                and any(other.plan.depth(source) for source in active.plan.sources)]
+
+    def _set_relay_cap(self, active: ActivePlan, *, tell: bool) -> None:
+        """Set the relay piece ``active`` asks of its receivers (:func:`~control_plane.placement.plan_relay_piece`, 0:
+        the agents' own), counting the hops above its sources in the plans they receive in; where smaller than the
+        one such a plan asks, that plan asks for it too (the same chunks go through both), its nodes ``tell``-ed."""
         package = self.packages.get(active.package_id)
         if package is None:
-            return 0
-        caps = [plan_relay_piece(active.plan.hops(), package.total_bytes, package.relay_piece),
-                *(other.relay_bytes for other in self.plans.values()
-                  if other.package_id == active.package_id and other.plan_id != active.plan_id)]
-        return min((cap for cap in caps if cap), default=0)
+            return
+        upstream = self._upstream(active)
+        above = max((other.plan.depth(source) for other in upstream for source in active.plan.sources), default=0)
+        active.relay_bytes = cap = plan_relay_piece(above + active.plan.hops(), package.total_bytes,
+                                                    package.relay_piece)
+        for other in upstream:
+            if cap and (other.relay_bytes == 0 or cap < other.relay_bytes):
+                other.relay_bytes = cap
+                if tell:
+                    self.notices.extend(Notice(node, UpdateKind.ASSIGN, other.package_id, other.plan_id)
+                                        for node in other.parts)
 
     def watches(self, active: ActivePlan) -> bool:
         """Whether ``active`` is watched for stragglers, so that its receivers report their progress: only a plan
@@ -931,7 +944,7 @@ class ControlState:
             return ScaleUpResult("", "", (), (), draft.unchanged)
         availability = self.availability[package_id]
         active = ActivePlan(uuid.uuid4().hex[:12], package_id, plan, draft.fanout, now, version=0)
-        active.relay_bytes = self._relay_cap(active)
+        self._set_relay_cap(active, tell=True)
         active.pending = {n for n in plan.assignments if not availability.is_complete(n)}
         self._install(active, plan)
         active.changed = False  # a new plan: nothing to settle from
@@ -1105,7 +1118,7 @@ class ControlState:
         active = ActivePlan(plan_id, package_id, plan, fanout, created_at, version, replans,
                             pending={n for n in plan.assignments if not availability.is_complete(n)},
                             parts=plan.parts())
-        active.relay_bytes = self._relay_cap(active)
+        self._set_relay_cap(active, tell=False)  # each node hears of its plans again as its stream reconnects
         self.plans[plan_id] = active
 
     # ----- internals -----
@@ -1402,7 +1415,7 @@ class ControlState:
                     self.dropping.discard((active.package_id, node))
                     self.dirty.drops.add((active.package_id, node))
         active.plan, active.parts = plan, parts
-        active.relay_bytes = self._relay_cap(active)
+        self._set_relay_cap(active, tell=True)
         active.version += 1
         active.pending.intersection_update(plan.assignments)
         self.plans[active.plan_id] = active

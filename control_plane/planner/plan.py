@@ -67,7 +67,7 @@ class Plan:
     _children: dict[tuple[str, int], list[str]] | None = field(default=None, init=False, repr=False, compare=False)
     _encoded: str | None = field(default=None, init=False, repr=False, compare=False)
     _parts: dict[str, Part] | None = field(default=None, init=False, repr=False, compare=False)
-    _hops: int | None = field(default=None, init=False, repr=False, compare=False)
+    _depths: dict[str, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def children(self, node: str, block: int) -> list[str]:
         """The receivers that fetch ``block``, or chunk ranges of it, from ``node``, each once, in the order
@@ -108,7 +108,15 @@ class Plan:
         """The most receivers in a row that each take their first fetch from the one before (a chain's length; 1
         where each fetches first from a source or a holder, 0 without receivers): the relays a chunk's first piece
         passes through. Made once, in linear time."""
-        if self._hops is None:
+        return max(self._depth_index().values(), default=0)
+
+    def depth(self, node: str) -> int:
+        """Where ``node`` is in such a row: 1 for a receiver fetching first from a source or a holder, 0 for a
+        node that receives nothing in this plan."""
+        return self._depth_index().get(node, 0)
+
+    def _depth_index(self) -> dict[str, int]:
+        if self._depths is None:
             first = {rx: fetches[0].parent for rx, fetches in self.assignments.items() if fetches}
             depth: dict[str, int] = {}
             for receiver in first:
@@ -122,8 +130,8 @@ class Plan:
                 below = depth.get(node, 0)  # a source's or holder's 0; a cycle (an invalid plan) starts at 0 too
                 for node in reversed(path):
                     below = depth[node] = below + 1
-            self._hops = max(depth.values(), default=0)
-        return self._hops
+            self._depths = depth
+        return self._depths
 
     def to_json(self) -> dict:
         """The plan as JSON-able data: ``{"strategy", "sources", "assignments": {rx: [fetch, ..]}}``, a fetch

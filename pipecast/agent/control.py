@@ -406,6 +406,19 @@ class ControlLink:
         self._replan_wait_s = replan_wait_s
         self._progress_interval_s = progress_interval_s
         self._followers: dict[str, PackageFollower] = {}
+        # package -> plan -> the relay piece the plan asks (a node in two plans of a package, a chain's tail with the
+        # chain hung behind it, relays in the smaller)
+        self._relay_caps: dict[str, dict[str, int]] = {}
+
+    def _cap_relay(self, package_id: str, caps: dict[str, int]) -> None:
+        """Keep ``caps`` (plan -> relay piece asked, 0: none) as ``package_id``'s; its chunks are relayed in the
+        smallest piece asked."""
+        asked = {plan: cap for plan, cap in caps.items() if cap}
+        if asked:
+            self._relay_caps[package_id] = asked
+        else:
+            self._relay_caps.pop(package_id, None)
+        self.host.transport.cap_relay(package_id, min(asked.values(), default=0))
 
     def _held(self) -> Mapping[str, Collection[int]]:
         return {pid: store.verified_blocks() for pid, store in self.host.peer_server.stores.items()}
@@ -429,6 +442,8 @@ class ControlLink:
         if update.kind is UpdateKind.SYNC:
             events.emit("sync", plans=list(update.plan_ids))
             self.host.peer_server.retain_parts(update.plan_ids)
+            for package, caps in list(self._relay_caps.items()):
+                self._cap_relay(package, {plan: cap for plan, cap in caps.items() if plan in update.plan_ids})
             for follower in self._followers.values():
                 follower.retain(update.plan_ids)
         elif update.kind is UpdateKind.ASSIGN:
@@ -440,7 +455,7 @@ class ControlLink:
                      update.plan_id, update.version, len(update.fetch), len(update.serve), package_id[:12],
                      update.priority)
             self.host.transport.limits.set_priority(package_id, update.priority)  # its share of the link
-            self.host.transport.cap_relay(package_id, update.relay_bytes)
+            self._cap_relay(package_id, {**self._relay_caps.get(package_id, {}), update.plan_id: update.relay_bytes})
             if update.fetch and package_id not in self.host.peer_server.stores:
                 self.host.peer_server.expect(package_id)  # children may ask before this node has the manifest
             # Whom this node serves the package: the part's children, and every receiver if it is a source (the
@@ -455,6 +470,8 @@ class ControlLink:
         elif update.kind is UpdateKind.CANCEL:
             events.emit("plan_cancelled", plan=update.plan_id, package=package_id)
             self.host.peer_server.end_part(update.plan_id)
+            self._cap_relay(package_id, {plan: cap for plan, cap in self._relay_caps.get(package_id, {}).items()
+                                         if plan != update.plan_id})
             if package_id in self._followers:
                 self._followers[package_id].cancel(update.plan_id)
         elif update.kind is UpdateKind.DROP:
@@ -467,7 +484,7 @@ class ControlLink:
                 self.session.report_dropped(package_id, store.verified_blocks())
             await self.host.drop_package(package_id)
             self.host.transport.limits.forget(package_id)
-            self.host.transport.cap_relay(package_id, 0)
+            self._cap_relay(package_id, {})
             cached = (await asyncio.to_thread(self.host.disk_cached, [package_id])).get(package_id)
             # A later scale-up of it here is a local load. Looked at again: the cache may have removed it meanwhile,
             # and the registration that tells the control plane so may be done already.

@@ -467,15 +467,32 @@ async def test_failed_parents_the_control_plane_cannot_be_told_of_are_tried_agai
 @pytest.mark.timeout(30)
 async def test_a_plan_s_relay_piece_holds_for_its_package_until_the_package_is_dropped(tmp_path):
     """Issue #16: a long chain's ASSIGN asks for smaller relay pieces (``relay_bytes``); the agent relays that
-    package's chunks in them, other packages in its own, and forgets the ask when the package is dropped."""
+    package's chunks in them, other packages in its own, and forgets the ask when the plan or the package goes."""
     daemon = _daemon(tmp_path)
     daemon.transport = TcpTransport("rx", Settings(**SETTINGS, agent_relay_bytes=256 << 10))
     link = ControlLink(daemon, client=None, spec=WorkerSpec(PeerInfo("rx", "127.0.0.1:1"), 1 << 30),
                        policy=FetchPolicy(retries=0), replan_wait_s=0.2)
+    def assign(plan: str, relay_bytes: int) -> AssignmentUpdate:
+        return AssignmentUpdate(UpdateKind.ASSIGN, plan_id=plan, package_id="long", relay_bytes=relay_bytes)
+
+    def piece() -> int:
+        return daemon.transport.relay_bytes_for("long")
+
     try:
-        await link._apply(AssignmentUpdate(UpdateKind.ASSIGN, plan_id="p1", package_id="long", relay_bytes=64 << 10))
-        assert [daemon.transport.relay_bytes_for(p) for p in ("long", "other")] == [64 << 10, 256 << 10]
+        await link._apply(assign("p1", 64 << 10))
+        assert [piece(), daemon.transport.relay_bytes_for("other")] == [64 << 10, 256 << 10]
+        # A node in two plans of the package (a chain's tail, a source of the chain hung behind it) takes the
+        # smaller piece asked, whichever plan told it last, until that plan leaves it.
+        await link._apply(assign("p2", 0))
+        assert piece() == 64 << 10
+        await link._apply(assign("p2", 128 << 10))
+        assert piece() == 64 << 10
+        await link._apply(AssignmentUpdate(UpdateKind.CANCEL, plan_id="p1", package_id="long"))
+        assert piece() == 128 << 10
+        await link._apply(assign("p1", 64 << 10))
+        await link._apply(AssignmentUpdate(UpdateKind.SYNC, plan_ids=("p2",)))  # p1 ended while the stream was down
+        assert piece() == 128 << 10
         await link._apply(AssignmentUpdate(UpdateKind.DROP, package_id="long"))
-        assert daemon.transport.relay_bytes_for("long") == 256 << 10
+        assert piece() == 256 << 10
     finally:
         await daemon.transport.close()

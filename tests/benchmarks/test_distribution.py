@@ -179,6 +179,16 @@ def test_an_unusable_transport_is_refused_before_anything_starts(package, tmp_pa
     assert not (tmp_path / "work").exists()
 
 
+def test_a_link_burst_under_one_frame_is_refused_naming_the_option(package, tmp_path):
+    result = CliRunner().invoke(bench_group, [
+        "distribution", "--package", str(package), "--workers", "1", "--link-burst", "8KiB",
+        "--workdir", str(tmp_path / "work")])
+    assert result.exit_code == 2
+    assert "Invalid value for '--link-burst': 8192 bytes is less than one frame of the emulated links (9014 bytes)" \
+        in result.output
+    assert not (tmp_path / "work").exists()
+
+
 @pytest.mark.slow
 def test_every_strategy_delivers_to_six_workers(tmp_path):
     """Six workers make the binomial plan pair receivers in slots; each strategy must still deliver (in the

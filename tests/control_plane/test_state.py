@@ -1195,19 +1195,27 @@ def test_a_new_receiver_of_another_transport_is_not_hung_behind_a_chain_in_progr
     assert result.sources == ("store",) and parents(state, result.plan_id) == {"store"}
 
 
-def test_a_chain_hung_behind_a_long_chain_asks_for_that_chain_s_relay_piece():
+@pytest.mark.parametrize(("first_count", "second_count", "piece"), [(70, 4, 128 << 10), (45, 45, 128 << 10),
+                                                                    (5, 75, 128 << 10), (10, 10, 0)])
+def test_a_chain_hung_behind_another_s_tail_counts_both_chains_hops(first_count, second_count, piece):
     """Found in review (#16): a scale-up hung behind a chain in progress (its tail the source) counted its own hops
-    only, so its receivers, and that tail (told of the second plan last), went back to 256 KiB pieces at the end of a
-    chain of 70, where the first plan asked for 128 KiB."""
+    only: at the end of a chain of 70 its receivers went back to 256 KiB pieces, and two chains of 45 asked for none
+    where one of 90 asks for 128 KiB. Every chunk goes through both: the first chain asks for the same, its nodes
+    told again."""
     state = ControlState(lease_s=LEASE)
-    blocks = [Block(index=i, bytes=9_000_000, chunk_bytes=1 << 20) for i in range(30)]  # 270 MB
+    blocks = [Block(index=i, bytes=9_000_000, chunk_bytes=1 << 20) for i in range(30)]  # 270 MB: 128 KiB from 53 hops
     state.publish(Manifest(package_id="pkg", model_name="tiny", blocks=blocks), STORE, now=0)
-    for i in range(74):
+    for i in range(first_count + second_count):
         state.register(spec(f"w{i}", memory=10**9), {}, now=0)
-    first = state.scale_up("pkg", node_ids=[f"w{i}" for i in range(70)], strategy="chain", now=1)
-    second = state.scale_up("pkg", node_ids=[f"w{i}" for i in range(70, 74)], now=2)
-    assert second.sources == ("w69",) and state.plans[second.plan_id].plan.hops() == 4
-    assert state.plans[first.plan_id].relay_bytes == state.plans[second.plan_id].relay_bytes == 128 << 10
+    first = state.scale_up("pkg", node_ids=[f"w{i}" for i in range(first_count)], strategy="chain", now=1)
+    state.notices.clear()
+    second = state.scale_up("pkg", node_ids=[f"w{i}" for i in range(first_count, first_count + second_count)],
+                            strategy="chain", now=2)
+    assert second.sources == (f"w{first_count - 1}",)
+    assert state.plans[first.plan_id].relay_bytes == state.plans[second.plan_id].relay_bytes == piece
+    told_again = {n.node_id for n in state.notices if n.plan_id == first.plan_id and n.kind is UpdateKind.ASSIGN}
+    first_alone = 128 << 10 if first_count >= 53 else 0
+    assert told_again == (set(state.plans[first.plan_id].parts) if piece != first_alone else set())
 
 
 def test_a_receiver_back_speaking_another_transport_leaves_its_plan_and_gets_one_it_speaks():
