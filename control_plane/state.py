@@ -132,9 +132,8 @@ class ActivePlan:
     # after a change is a transition (relays re-connect and resume), not a rate.
     changed: bool = False
     settle_until: float | None = None
-    # The relay piece its receivers are asked for (ControlState._relay_cap; 0: the agents' own). Set as it starts and
-    # as it is re-planned; nodes whose part a repair left are not told again: a repair only shortens a chain, so theirs
-    # is at most a smaller piece than it needs now (a little more CPU), never a larger one.
+    # The relay piece its receivers are asked for (ControlState._set_relay_caps; 0: the agents' own), set whenever a
+    # plan of its package starts or is re-planned.
     relay_bytes: int = 0
 
 
@@ -602,30 +601,46 @@ class ControlState:
                 self._progressed(package_id, node, min(held, self.packages[package_id].total_bytes), now)
         return sorted(set(unknown) | set(unknown_dropped) | set(unknown_cached))
 
-    def _upstream(self, active: ActivePlan) -> list[ActivePlan]:
-        """The other plans of ``active``'s package in progress that one of its sources receives in (a chain hung
-        behind another's tail takes every chunk through that chain)."""
-        return [other for other in self.plans.values()
-                if other.package_id == active.package_id and other.plan_id != active.plan_id
-                and any(other.plan.depth(source) for source in active.plan.sources)]
-
-    def _set_relay_cap(self, active: ActivePlan, *, tell: bool) -> None:
-        """Set the relay piece ``active`` asks of its receivers (:func:`~control_plane.placement.plan_relay_piece`, 0:
-        the agents' own), counting the hops above its sources in the plans they receive in; where smaller than the
-        one such a plan asks, that plan asks for it too (the same chunks go through both), its nodes ``tell``-ed."""
-        package = self.packages.get(active.package_id)
-        if package is None:
+    def _set_relay_caps(self, package_id: str, *, tell: bool) -> None:
+        """Set the relay piece each plan of ``package_id`` in progress asks of its receivers
+        (:func:`~control_plane.placement.plan_relay_piece`; 0: the agents' own). A plan one of whose sources still
+        receives in another (a chain hung behind another's tail) takes every chunk through that one: plans so linked
+        are one row of relays, the hops above a plan's sources counted with its own, and all ask for the piece of
+        the longest row through them. Every node of a plan whose piece changed is ``tell``-ed."""
+        package = self.packages.get(package_id)
+        plans = [active for active in self.plans.values() if active.package_id == package_id]
+        if package is None or not plans:
             return
-        upstream = self._upstream(active)
-        above = max((other.plan.depth(source) for other in upstream for source in active.plan.sources), default=0)
-        active.relay_bytes = cap = plan_relay_piece(above + active.plan.hops(), package.total_bytes,
-                                                    package.relay_piece)
-        for other in upstream:
-            if cap and (other.relay_bytes == 0 or cap < other.relay_bytes):
-                other.relay_bytes = cap
+        # plan -> [(a plan one of its sources receives in, the deepest such source's place in that plan's row)]
+        above = {p.plan_id: [(u, max(u.plan.depth(s) for s in p.plan.sources if s in u.pending))
+                             for u in plans if u is not p and any(s in u.pending for s in p.plan.sources)]
+                 for p in plans}
+
+        def hops_above(plan: ActivePlan, seen: frozenset[str]) -> int:
+            seen = seen | {plan.plan_id}
+            return max((place + hops_above(up, seen) for up, place in above[plan.plan_id] if up.plan_id not in seen),
+                       default=0)
+
+        group = {p.plan_id: p.plan_id for p in plans}  # linked plans share a root (union-find)
+
+        def root(plan_id: str) -> str:
+            while group[plan_id] != plan_id:
+                plan_id = group[plan_id] = group[group[plan_id]]
+            return plan_id
+
+        for p in plans:
+            for up, _ in above[p.plan_id]:
+                group[root(p.plan_id)] = root(up.plan_id)
+        longest: dict[str, int] = {}
+        for p in plans:
+            row = hops_above(p, frozenset()) + p.plan.hops()
+            longest[root(p.plan_id)] = max(longest.get(root(p.plan_id), 0), row)
+        for p in plans:
+            cap = plan_relay_piece(longest[root(p.plan_id)], package.total_bytes, package.relay_piece)
+            if cap != p.relay_bytes:
+                p.relay_bytes = cap
                 if tell:
-                    self.notices.extend(Notice(node, UpdateKind.ASSIGN, other.package_id, other.plan_id)
-                                        for node in other.parts)
+                    self.notices.extend(Notice(node, UpdateKind.ASSIGN, package_id, p.plan_id) for node in p.parts)
 
     def watches(self, active: ActivePlan) -> bool:
         """Whether ``active`` is watched for stragglers, so that its receivers report their progress: only a plan
@@ -944,7 +959,6 @@ class ControlState:
             return ScaleUpResult("", "", (), (), draft.unchanged)
         availability = self.availability[package_id]
         active = ActivePlan(uuid.uuid4().hex[:12], package_id, plan, draft.fanout, now, version=0)
-        self._set_relay_cap(active, tell=True)
         active.pending = {n for n in plan.assignments if not availability.is_complete(n)}
         self._install(active, plan)
         active.changed = False  # a new plan: nothing to settle from
@@ -1118,8 +1132,8 @@ class ControlState:
         active = ActivePlan(plan_id, package_id, plan, fanout, created_at, version, replans,
                             pending={n for n in plan.assignments if not availability.is_complete(n)},
                             parts=plan.parts())
-        self._set_relay_cap(active, tell=False)  # each node hears of its plans again as its stream reconnects
         self.plans[plan_id] = active
+        self._set_relay_caps(package_id, tell=False)  # each node hears of its plans again as its stream reconnects
 
     # ----- internals -----
 
@@ -1415,10 +1429,10 @@ class ControlState:
                     self.dropping.discard((active.package_id, node))
                     self.dirty.drops.add((active.package_id, node))
         active.plan, active.parts = plan, parts
-        self._set_relay_cap(active, tell=True)
         active.version += 1
         active.pending.intersection_update(plan.assignments)
         self.plans[active.plan_id] = active
+        self._set_relay_caps(active.package_id, tell=True)
         self.dirty.plans.add(active.plan_id)
 
     def _repair(self, active: ActivePlan, gone: set[str]) -> bool:

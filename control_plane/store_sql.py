@@ -459,7 +459,6 @@ class SqlStore(abc.ABC):
                 except _DECODE_ERRORS as exc:
                     raise self._corrupt("meta", key, exc) from None
                 state.restore_lapsed(key.removeprefix(LAPSED_KEY), package_ids)
-        plans = []
         for plan_id, package_id, plan, fanout, created_at, version, replans in rows["plans"]:
             if package_id not in state.packages:
                 continue
@@ -473,9 +472,7 @@ class SqlStore(abc.ABC):
                             _problem(exc))
                 state.dirty.plans.add(plan_id)
                 continue
-            plans.append((numbers[1], plan_id, package_id, parsed, *numbers))
-        # Oldest first: a plan hung behind another's tail counts that one's hops as it is restored.
-        for _, plan_id, package_id, parsed, fanout, created_at, version, replans in sorted(plans, key=lambda p: p[:2]):
+            fanout, created_at, version, replans = numbers
             state.restore_plan(plan_id, package_id, parsed, fanout=fanout, created_at=created_at,
                                version=version, replans=replans)
 

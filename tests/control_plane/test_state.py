@@ -1195,27 +1195,51 @@ def test_a_new_receiver_of_another_transport_is_not_hung_behind_a_chain_in_progr
     assert result.sources == ("store",) and parents(state, result.plan_id) == {"store"}
 
 
-@pytest.mark.parametrize(("first_count", "second_count", "piece"), [(70, 4, 128 << 10), (45, 45, 128 << 10),
-                                                                    (5, 75, 128 << 10), (10, 10, 0)])
-def test_a_chain_hung_behind_another_s_tail_counts_both_chains_hops(first_count, second_count, piece):
+def hung_chains(counts: list[int]) -> tuple[ControlState, list[str]]:
+    """A 270 MB package (its chains ask for 128 KiB pieces from 53 hops), and a chain scaled up to each of
+    ``counts`` receivers in turn, each hung behind the tail of the one before; the plans' ids."""
+    state = ControlState(lease_s=LEASE)
+    blocks = [Block(index=i, bytes=9_000_000, chunk_bytes=1 << 20) for i in range(30)]
+    state.publish(Manifest(package_id="pkg", model_name="tiny", blocks=blocks), STORE, now=0)
+    for i in range(sum(counts)):
+        state.register(spec(f"w{i}", memory=10**9), {}, now=0)
+    plan_ids, first = [], 0
+    for count in counts:
+        result = state.scale_up("pkg", node_ids=[f"w{i}" for i in range(first, first + count)], strategy="chain",
+                                now=1 + len(plan_ids))
+        assert result.sources == ((f"w{first - 1}",) if first else ("store",))
+        plan_ids.append(result.plan_id)
+        first += count
+    return state, plan_ids
+
+
+@pytest.mark.parametrize(("counts", "piece"), [([70, 4], 128 << 10), ([45, 45], 128 << 10), ([5, 75], 128 << 10),
+                                               ([30, 20, 20], 128 << 10), ([10, 10], 0)])
+def test_chains_hung_behind_each_other_s_tails_ask_for_the_piece_of_the_whole_row(counts, piece):
     """Found in review (#16): a scale-up hung behind a chain in progress (its tail the source) counted its own hops
     only: at the end of a chain of 70 its receivers went back to 256 KiB pieces, and two chains of 45 asked for none
-    where one of 90 asks for 128 KiB. Every chunk goes through both: the first chain asks for the same, its nodes
-    told again."""
-    state = ControlState(lease_s=LEASE)
-    blocks = [Block(index=i, bytes=9_000_000, chunk_bytes=1 << 20) for i in range(30)]  # 270 MB: 128 KiB from 53 hops
-    state.publish(Manifest(package_id="pkg", model_name="tiny", blocks=blocks), STORE, now=0)
-    for i in range(first_count + second_count):
-        state.register(spec(f"w{i}", memory=10**9), {}, now=0)
-    first = state.scale_up("pkg", node_ids=[f"w{i}" for i in range(first_count)], strategy="chain", now=1)
+    where one of 90 asks for 128 KiB. Every chunk goes through the row: each plan in it asks for the same."""
+    state, plan_ids = hung_chains(counts)
+    assert [state.plans[plan_id].relay_bytes for plan_id in plan_ids] == [piece] * len(counts)
+
+
+def test_a_chain_whose_piece_a_chain_behind_it_lowered_keeps_it_through_a_repair_and_a_restart():
+    """Found in review (#16): a repair of the chain above set its piece back to what it needs alone, and told its
+    nodes; the next repair of the one behind lowered it again and told all of them again."""
+    state, (above, behind) = hung_chains([45, 45])
     state.notices.clear()
-    second = state.scale_up("pkg", node_ids=[f"w{i}" for i in range(first_count, first_count + second_count)],
-                            strategy="chain", now=2)
-    assert second.sources == (f"w{first_count - 1}",)
-    assert state.plans[first.plan_id].relay_bytes == state.plans[second.plan_id].relay_bytes == piece
-    told_again = {n.node_id for n in state.notices if n.plan_id == first.plan_id and n.kind is UpdateKind.ASSIGN}
-    first_alone = 128 << 10 if first_count >= 53 else 0
-    assert told_again == (set(state.plans[first.plan_id].parts) if piece != first_alone else set())
+    state.deregister("w10")  # in the chain above
+    assert [state.plans[p].relay_bytes for p in (above, behind)] == [128 << 10, 128 << 10]
+    state.deregister("w60")  # in the chain behind
+    told = [n for n in state.notices if n.plan_id == above and n.kind is UpdateKind.ASSIGN]
+    assert len(told) <= 2  # the repaired nodes only, not every node of the chain above
+    restored = ControlState(lease_s=LEASE)
+    restored.publish(state.packages["pkg"].manifest, STORE, now=0)
+    for plan_id in (behind, above):  # the store's rows in any order
+        active = state.plans[plan_id]
+        restored.restore_plan(plan_id, "pkg", active.plan, fanout=active.fanout, created_at=active.created_at,
+                              version=active.version, replans=active.replans)
+    assert [restored.plans[p].relay_bytes for p in (above, behind)] == [128 << 10, 128 << 10]
 
 
 def test_a_receiver_back_speaking_another_transport_leaves_its_plan_and_gets_one_it_speaks():
