@@ -92,6 +92,23 @@ def spec(node: str) -> WorkerSpec:
     return WorkerSpec(PeerInfo(node, f"127.0.0.1:{9000 + int(node[1:])}", ("tcp",)), 1 << 30, labels={"rack": "r0"})
 
 
+async def first_parts(client: ControlPlaneClient, package_id: str, nodes: list[str],
+                      strategy: str) -> list[AssignmentUpdate]:
+    """Register ``nodes`` and scale ``package_id`` up to them with ``strategy``: what each node's stream gets after
+    its SYNC."""
+    for node in nodes:
+        await client.register(spec(node))
+    watchers = {node: Watcher(client, node) for node in nodes}
+    try:
+        for watcher in watchers.values():
+            assert (await watcher.next()).kind is UpdateKind.SYNC
+        await client.scale_up(package_id, node_ids=nodes, strategy=strategy)
+        return [await watcher.next() for watcher in watchers.values()]
+    finally:
+        for watcher in watchers.values():
+            await watcher.close()
+
+
 def config(db: Path, **overrides) -> ServerConfig:
     values = dict(host="127.0.0.1", port=0, db_path=db, token=TOKEN, lease_s=LEASE_S, heartbeat_s=HEARTBEAT_S,
                   scan_interval_s=SCAN_S, flush_interval_s=0.05)
@@ -610,22 +627,10 @@ async def test_a_binomial_scale_up_streams_chunk_ranges_that_cover_every_block_o
         block.chunk_digests[:] = [digest_bytes(f"{block.index} {c}".encode()) for c in range(chunks)]
     ranged = seal_manifest(base)
     await client.publish_package(ranged, STORE)
-    nodes = [f"w{i}" for i in range(1, 10)]
-    for node in nodes:
-        await client.register(spec(node))
-    watchers = {node: Watcher(client, node) for node in nodes}
-    try:
-        for watcher in watchers.values():
-            assert (await watcher.next()).kind is UpdateKind.SYNC
-        await client.scale_up(ranged.package_id, node_ids=nodes, strategy="binomial")
-        for watcher in watchers.values():
-            update = await watcher.next()
-            assert update.kind is UpdateKind.ASSIGN and all(f.chunks is not None for f in update.fetch)
-            got = sorted((f.block, c) for f in update.fetch for c in range(*f.chunks))
-            assert got == [(b, c) for b in range(BLOCKS) for c in range(chunks)]
-    finally:
-        for watcher in watchers.values():
-            await watcher.close()
+    for update in await first_parts(client, ranged.package_id, [f"w{i}" for i in range(1, 10)], "binomial"):
+        assert update.kind is UpdateKind.ASSIGN and all(f.chunks is not None for f in update.fetch)
+        got = sorted((f.block, c) for f in update.fetch for c in range(*f.chunks))
+        assert got == [(b, c) for b in range(BLOCKS) for c in range(chunks)]
 
 
 async def test_a_source_is_told_every_receiver_of_its_plan_even_without_children(client):
@@ -675,19 +680,8 @@ async def test_a_long_chain_asks_its_receivers_for_smaller_relay_pieces(client):
     than RELAY_FILL of the package, the plan asks every receiver for pieces as small as MIN_RELAY_PIECE_BYTES."""
     big = manifest("big", block_bytes=1 << 20)  # 4 MiB: 2 hops of 256 KiB are 12.5% of it, of 64 KiB 3.1%
     await client.publish_package(big, STORE)
-    receivers = ["w1", "w2", "w3"]
-    for node in receivers:
-        await client.register(spec(node))
-    watchers = {node: Watcher(client, node) for node in receivers}
-    try:
-        for watcher in watchers.values():
-            assert (await watcher.next()).kind is UpdateKind.SYNC
-        await client.scale_up(big.package_id, node_ids=receivers, strategy="chain")
-        updates = [await watcher.next() for watcher in watchers.values()]
-        assert [(u.kind, u.relay_bytes) for u in updates] == [(UpdateKind.ASSIGN, MIN_RELAY_PIECE_BYTES)] * 3
-    finally:
-        for watcher in watchers.values():
-            await watcher.close()
+    updates = await first_parts(client, big.package_id, ["w1", "w2", "w3"], "chain")
+    assert [(u.kind, u.relay_bytes) for u in updates] == [(UpdateKind.ASSIGN, MIN_RELAY_PIECE_BYTES)] * 3
 
 
 async def test_a_store_re_pointed_during_a_plan_is_what_its_receivers_are_told_to_fetch_from(client):
