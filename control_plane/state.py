@@ -601,46 +601,55 @@ class ControlState:
                 self._progressed(package_id, node, min(held, self.packages[package_id].total_bytes), now)
         return sorted(set(unknown) | set(unknown_dropped) | set(unknown_cached))
 
-    def _set_relay_caps(self, package_id: str, *, tell: bool) -> None:
+    def _set_relay_caps(self, package_id: str, *, tell: bool, told: str = "") -> None:
         """Set the relay piece each plan of ``package_id`` in progress asks of its receivers
         (:func:`~control_plane.placement.plan_relay_piece`; 0: the agents' own). A plan one of whose sources still
         receives in another (a chain hung behind another's tail) takes every chunk through that one: plans so linked
         are one row of relays, the hops above a plan's sources counted with its own, and all ask for the piece of
-        the longest row through them. Every node of a plan whose piece changed is ``tell``-ed."""
+        the longest row through them. A plan's piece only gets smaller while it runs (a repair that shortens its row
+        leaves it: a little more CPU, no notices); the nodes of a plan whose piece changed are ``tell``-ed, but for
+        those of plan ``told``, whose caller tells them all. Linear in the plans and their sources."""
         package = self.packages.get(package_id)
-        plans = [active for active in self.plans.values() if active.package_id == package_id]
+        plans = {active.plan_id: active for active in self.plans.values() if active.package_id == package_id}
         if package is None or not plans:
             return
-        # plan -> [(a plan one of its sources receives in, the deepest such source's place in that plan's row)]
-        above = {p.plan_id: [(u, max(u.plan.depth(s) for s in p.plan.sources if s in u.pending))
-                             for u in plans if u is not p and any(s in u.pending for s in p.plan.sources)]
-                 for p in plans}
+        receiving = {node: (plan_id, active.plan.depth(node))
+                     for plan_id, active in plans.items() for node in active.pending}
+        # plan -> (a plan one of its sources receives in, that source's place in its row): the deepest such
+        up: dict[str, tuple[str, int]] = {}
+        for plan_id, active in plans.items():
+            links = [receiving[s] for s in active.plan.sources if s in receiving and receiving[s][0] != plan_id]
+            if links:
+                up[plan_id] = max(links, key=lambda link: link[1])
+        above: dict[str, int] = {}  # hops above a plan's sources, up its row (a cycle of plans counted once)
+        for plan_id in plans:
+            path: list[str] = []
+            node = plan_id
+            while node in up and node not in above and node not in path:
+                path.append(node)
+                node = up[node][0]
+            base = above.get(node, 0)
+            for link in reversed(path):
+                base = above[link] = base + up[link][1]
+        root = {plan_id: plan_id for plan_id in plans}  # linked plans share a root (union-find)
 
-        def hops_above(plan: ActivePlan, seen: frozenset[str]) -> int:
-            seen = seen | {plan.plan_id}
-            return max((place + hops_above(up, seen) for up, place in above[plan.plan_id] if up.plan_id not in seen),
-                       default=0)
-
-        group = {p.plan_id: p.plan_id for p in plans}  # linked plans share a root (union-find)
-
-        def root(plan_id: str) -> str:
-            while group[plan_id] != plan_id:
-                plan_id = group[plan_id] = group[group[plan_id]]
+        def find(plan_id: str) -> str:
+            while root[plan_id] != plan_id:
+                plan_id = root[plan_id] = root[root[plan_id]]
             return plan_id
 
-        for p in plans:
-            for up, _ in above[p.plan_id]:
-                group[root(p.plan_id)] = root(up.plan_id)
+        for plan_id, (upper, _) in up.items():
+            root[find(plan_id)] = find(upper)
         longest: dict[str, int] = {}
-        for p in plans:
-            row = hops_above(p, frozenset()) + p.plan.hops()
-            longest[root(p.plan_id)] = max(longest.get(root(p.plan_id), 0), row)
-        for p in plans:
-            cap = plan_relay_piece(longest[root(p.plan_id)], package.total_bytes, package.relay_piece)
-            if cap != p.relay_bytes:
-                p.relay_bytes = cap
-                if tell:
-                    self.notices.extend(Notice(node, UpdateKind.ASSIGN, package_id, p.plan_id) for node in p.parts)
+        for plan_id, active in plans.items():
+            group = find(plan_id)
+            longest[group] = max(longest.get(group, 0), above.get(plan_id, 0) + active.plan.hops())
+        for plan_id, active in plans.items():
+            cap = plan_relay_piece(longest[find(plan_id)], package.total_bytes, package.relay_piece)
+            if cap and (not active.relay_bytes or cap < active.relay_bytes):
+                active.relay_bytes = cap
+                if tell and plan_id != told:
+                    self.notices.extend(Notice(node, UpdateKind.ASSIGN, package_id, plan_id) for node in active.parts)
 
     def watches(self, active: ActivePlan) -> bool:
         """Whether ``active`` is watched for stragglers, so that its receivers report their progress: only a plan
@@ -1432,7 +1441,8 @@ class ControlState:
         active.version += 1
         active.pending.intersection_update(plan.assignments)
         self.plans[active.plan_id] = active
-        self._set_relay_caps(active.package_id, tell=True)
+        # Where every node of it was told (a new plan, new sources), not twice.
+        self._set_relay_caps(active.package_id, tell=True, told=active.plan_id if new_sources or not old else "")
         self.dirty.plans.add(active.plan_id)
 
     def _repair(self, active: ActivePlan, gone: set[str]) -> bool:
