@@ -28,6 +28,11 @@ class PeerNotListeningError(PeerConnectError):
     in several ways (not connected, canceled, truncated), no one of them sure to mean that."""
 
 
+class PeerConnectTimeoutError(PeerConnectError):
+    """No connection (its hello included) within the connect timeout: the peer's host took the connection but its
+    agent never answered (stopped, hung), or nothing answered at all. Each try costs the whole timeout."""
+
+
 class PeerTimeoutError(PeerError):
     """The peer stayed silent longer than the I/O timeout in the middle of a transfer."""
 

@@ -43,6 +43,7 @@ from pipecast.agent.errors import (
     LocalResourceError,
     PeerClosedError,
     PeerConnectError,
+    PeerConnectTimeoutError,
     PeerError,
     PeerNotListeningError,
     PeerProtocolError,
@@ -248,7 +249,7 @@ async def _first_answer(tries: _Tries, peers: Sequence[PeerInfo], silent: set[Pe
         try:
             return await tries.ask(peer, what, request(peer), reported=reported), peer
         except PeerError as exc:  # the next peer
-            if isinstance(exc, PeerTimeoutError):
+            if isinstance(exc, (PeerTimeoutError, PeerConnectTimeoutError)):  # hung: each ask costs a timeout
                 silent.add(peer)
     raise FetchFailedError(failed, tries.attempts)
 

@@ -38,6 +38,7 @@ from pipecast.agent.errors import (
     PeerAuthError,
     PeerClosedError,
     PeerConnectError,
+    PeerConnectTimeoutError,
     PeerError,
     PeerNotListeningError,
     PeerProtocolError,
@@ -906,8 +907,8 @@ class TcpTransport(Transport):
                     await _client_hello(protocol, self.auth, peer)
         except TimeoutError:
             protocol.abort(PeerConnectError(peer, "gave up connecting"))
-            raise PeerConnectError(peer, f"no connection to {address} within {self.connect_timeout_s:g} s") \
-                from None
+            raise PeerConnectTimeoutError(peer, f"no connection to {address} within {self.connect_timeout_s:g} "
+                                                "s") from None
         # TLS and resolver errors before other OSErrors: their errnos are OpenSSL's and getaddrinfo's, not the OS's.
         except ssl.SSLCertVerificationError as exc:
             raise PeerConnectError(peer, f"TLS handshake with {address} failed: its certificate is not trusted "

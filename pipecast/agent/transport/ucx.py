@@ -43,6 +43,7 @@ from pipecast.agent.errors import (
     PeerAuthError,
     PeerClosedError,
     PeerConnectError,
+    PeerConnectTimeoutError,
     PeerError,
     PeerProtocolError,
     PeerRefusedError,
@@ -933,8 +934,8 @@ class UcxTransport(Transport):
         except TimeoutError:
             if link is not None:
                 link.abort()
-            raise PeerConnectError(peer, f"no connection to {address} within {self.connect_timeout_s:g} s") \
-                from None
+            raise PeerConnectTimeoutError(peer, f"no connection to {address} within {self.connect_timeout_s:g} "
+                                                "s") from None
         except UCXError as exc:
             if link is not None:
                 link.abort()
