@@ -607,39 +607,46 @@ class ControlState:
         receives in another (a chain hung behind another's tail) takes every chunk through that one: plans so linked
         are one row of relays, the hops above a plan's sources counted with its own, and all ask for the piece of
         the longest row through them. A plan's piece only gets smaller while it runs (a repair that shortens its row
-        leaves it: a little more CPU, no notices); the nodes of a plan whose piece changed are ``tell``-ed, but for
-        those of plan ``told``, whose caller tells them all. Linear in the plans and their sources."""
+        leaves it: a little more CPU, no notices; a restart, which recomputes it, may give a larger one); the nodes
+        of a plan whose piece changed are ``tell``-ed, but for those of plan ``told``, whose caller tells them all.
+        Linear in the plans and their sources."""
         package = self.packages.get(package_id)
         plans = {active.plan_id: active for active in self.plans.values() if active.package_id == package_id}
         if package is None or not plans:
             return
         receiving = {node: (plan_id, active.plan.depth(node))
                      for plan_id, active in plans.items() for node in active.pending}
-        # plan -> (a plan one of its sources receives in, that source's place in its row): the deepest such
-        up: dict[str, tuple[str, int]] = {}
-        for plan_id, active in plans.items():
-            links = [receiving[s] for s in active.plan.sources if s in receiving and receiving[s][0] != plan_id]
-            if links:
-                up[plan_id] = max(links, key=lambda link: link[1])
-        above: dict[str, int] = {}  # hops above a plan's sources, up its row (a cycle of plans counted once)
-        for plan_id in plans:
-            path: list[str] = []
-            node = plan_id
-            while node in up and node not in above and node not in path:
-                path.append(node)
-                node = up[node][0]
-            base = above.get(node, 0)
-            for link in reversed(path):
-                base = above[link] = base + up[link][1]
+        # plan -> [(a plan one of its sources receives in, that source's place in its row)]
+        up = {plan_id: [receiving[s] for s in active.plan.sources if s in receiving and receiving[s][0] != plan_id]
+              for plan_id, active in plans.items()}
+        above: dict[str, int] = {}  # hops above a plan's sources, up the longest of its rows
+        on_path: set[str] = set()  # a link back to one of these closes a cycle of plans: it counts 0
+        for start in plans:
+            stack = [start]
+            while stack:  # depth first, a plan's links done before it (no recursion: rows of hundreds of plans)
+                plan_id = stack[-1]
+                if plan_id in above:
+                    stack.pop()
+                    continue
+                todo = [upper for upper, _ in up[plan_id] if upper not in above and upper not in on_path]
+                if todo and plan_id not in on_path:
+                    on_path.add(plan_id)
+                    stack.extend(todo)
+                    continue
+                stack.pop()
+                on_path.discard(plan_id)
+                above[plan_id] = max((place + above.get(upper, 0) for upper, place in up[plan_id]), default=0)
         root = {plan_id: plan_id for plan_id in plans}  # linked plans share a root (union-find)
 
         def find(plan_id: str) -> str:
             while root[plan_id] != plan_id:
-                plan_id = root[plan_id] = root[root[plan_id]]
+                root[plan_id] = root[root[plan_id]]  # path halving
+                plan_id = root[plan_id]
             return plan_id
 
-        for plan_id, (upper, _) in up.items():
-            root[find(plan_id)] = find(upper)
+        for plan_id, links in up.items():
+            for upper, _ in links:
+                root[find(plan_id)] = find(upper)
         longest: dict[str, int] = {}
         for plan_id, active in plans.items():
             group = find(plan_id)

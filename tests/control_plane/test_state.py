@@ -2,6 +2,7 @@
 re-planning on death and bad peers, releases with keep-alive, and the SQLite round trip."""
 
 import dataclasses
+import itertools
 import json
 import logging
 import re
@@ -1248,6 +1249,27 @@ def test_a_chain_whose_piece_a_chain_behind_it_lowers_is_told_and_keeps_it_throu
         restored.restore_plan(plan_id, "pkg", active.plan, fanout=active.fanout, created_at=active.created_at,
                               version=active.version, replans=active.replans)
     assert [restored.plans[p].relay_bytes for p in (above, behind)] == [128 << 10, 128 << 10]
+
+
+def chain_plan(source: str, receivers: list[str]) -> Plan:
+    return Plan("chain", (source,), {rx: [Fetch(0, parent)] for parent, rx in zip([source, *receivers], receivers)})
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(4))))
+def test_a_plan_with_sources_in_two_rows_takes_the_longer_whatever_order_they_are_restored_in(order):
+    """Found in review (#16): a plan kept one link up, to the source of the deepest place: D, its sources the tail
+    of a row of 42 (T then B) and the tail of a chain of 10 (A), counted 10 hops above it, and A was left out of the
+    row; restored in some orders, D and A asked for no smaller piece."""
+    plans = {"T": chain_plan("store", [f"t{i}" for i in range(40)]), "B": chain_plan("t39", ["b0", "b1"]),
+             "A": chain_plan("store", [f"a{i}" for i in range(10)])}
+    plans["D"] = Plan("chain", ("b1", "a9"), chain_plan("b1", [f"d{i}" for i in range(5)]).assignments)
+    state = ControlState(lease_s=LEASE)
+    blocks = [Block(index=i, bytes=10 << 20, chunk_bytes=1 << 20) for i in range(10)]  # 100 MiB: 64 KiB past 21
+    state.publish(Manifest(package_id="pkg", model_name="tiny", blocks=blocks), STORE, now=0)
+    names = list(plans)
+    for i in order:
+        state.restore_plan(names[i], "pkg", plans[names[i]], fanout=2, created_at=1.0, version=1, replans=0)
+    assert {name: state.plans[name].relay_bytes for name in names} == dict.fromkeys(names, 64 << 10)
 
 
 def test_a_receiver_back_speaking_another_transport_leaves_its_plan_and_gets_one_it_speaks():
