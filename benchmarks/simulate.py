@@ -62,12 +62,11 @@ def relay_modelled(plan: Plan, relay_bytes: int, package_bytes: int, chunk_bytes
     """The relay piece to simulate ``plan`` of a package of ``package_bytes`` in chunks of ``chunk_bytes`` with: the
     agents' ``relay_bytes``, or the smaller piece the plan asks for (:func:`planned_relay`), where each receiver
     fetches from one parent (chain, tree, unicast), where the model with the relay matches the netns runs (chain
-    at N = 16, 100
-    Mbit/s: 1.04x simulated, 1.05-1.07x measured; chain and tree within 3% at N = 4, 8, 16); 0 (whole chunks) for
-    plans of many parents (the unit binomial pipeline), whose rounds lose their rhythm in the model with the relay
-    (a fetch begins on its parent's first piece and takes half that uplink from the round under way: 1.42x at N =
-    8 where the agents, fetching four units at once, took 1.14x), while the model without it stays within 10% of
-    the agents' relayed runs (1.08 / 1.09 / 1.09 / 1.09x against 1.07 / 1.14 / 1.17 / 1.13x measured at N = 4, 8
+    at N = 16, 100 Mbit/s: 1.04x simulated, 1.05-1.07x measured; chain and tree within 3% at N = 4, 8, 16); 0 (whole
+    chunks) for plans of many parents (the unit binomial pipeline), whose rounds lose their rhythm in the model with
+    the relay (a fetch begins on its parent's first piece and takes half that uplink from the round under way: 1.42x
+    at N = 8 where the agents, fetching four units at once, took 1.14x), while the model without it stays within 10%
+    of the agents' relayed runs (1.08 / 1.09 / 1.09 / 1.09x against 1.07 / 1.14 / 1.17 / 1.13x measured at N = 4, 8
     (400 Mbit/s), 16 (200, 100))."""
     one_parent = all(len({f.parent for f in fetches}) <= 1 for fetches in plan.assignments.values())
     return relay_piece_taken(relay_bytes, planned_relay(plan, package_bytes, chunk_bytes)) if one_parent else 0
