@@ -535,6 +535,24 @@ def test_a_package_the_disk_cache_removes_to_make_room_is_forgotten_by_the_contr
                      details=lambda: str(cached()))
 
 
+def test_a_chain_relays_in_the_smaller_pieces_its_plan_asks_for_and_every_copy_is_exact(tmp_path_factory, tmp_path):
+    """Issue #16, end to end: a chain whose hops' relay pieces would add more than 5% of its package (here 3 hops of
+    256 KiB, a third of it) asks its receivers for pieces of 64 KiB; they pass chunks on in them, verified whole."""
+    root = tmp_path_factory.mktemp("pieces") / "pkg"
+    manifest = tiny_package(root, layers=4, layer_bytes=600_000, chunk_bytes=256 << 10).manifest
+    cluster = Cluster(tmp_path, root, manifest)
+    try:
+        package_id = cluster.up()
+        cluster.cp("scale-up", package_id, "--count", str(len(AGENTS)), "--strategy", "chain")
+        assert [cluster.wait_event(node, "assignment")["relay_bytes"] for node in AGENTS] == [64 << 10] * len(AGENTS)
+        for node in AGENTS:
+            cluster.wait_event(node, "complete")
+            cluster.assert_identical_copy(node)
+            assert cluster.events(node, "peer_failed") == []
+    finally:
+        cluster.stop_all()
+
+
 def test_a_frozen_worker_leaves_the_plans_within_lease_plus_one_scan(cluster, package):
     root, manifest = package
     package_id = cluster.up()
