@@ -614,8 +614,10 @@ class ControlState:
         plans = {active.plan_id: active for active in self.plans.values() if active.package_id == package_id}
         if package is None or not plans:
             return
+        # Only sources can link plans: looked up among the few sources, not every receiver (each repair calls this).
+        sources = {source for active in plans.values() for source in active.plan.sources}
         receiving = {node: (plan_id, active.plan.depth(node))
-                     for plan_id, active in plans.items() for node in active.pending}
+                     for plan_id, active in plans.items() for node in sources.intersection(active.pending)}
         # plan -> [(a plan one of its sources receives in, that source's place in its row)]
         up = {plan_id: [receiving[s] for s in active.plan.sources if s in receiving and receiving[s][0] != plan_id]
               for plan_id, active in plans.items()}
